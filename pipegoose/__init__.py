@@ -1,0 +1,8 @@
+"""pipegoose: fused CUDA training kernels for Hugging Face transformers models.
+
+Layers (a lower layer never imports a higher one):
+``kernels.yaml`` -> ``tools/port.py`` (``pipegoose.porting``) -> ``vendor/`` -> ``pipegoose.kernels``
+(manifest, builder, cache, bindings, our CUDA) -> ``pipegoose.nn.fusion`` (functional, modules, dispatch, fuse).
+"""
+
+__version__ = "0.1.0.dev0"
