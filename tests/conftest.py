@@ -1,0 +1,26 @@
+"""Shared pytest configuration: GPU tests (marker ``cuda``) are skipped, with the reason, where no GPU is visible."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _cuda_skip_reason() -> str | None:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return (f"needs an NVIDIA GPU (torch {torch.__version__} sees none); "
+                "run on a GPU machine with: python -m pytest -m cuda")
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _cuda_skip_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
