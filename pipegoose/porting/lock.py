@@ -1,0 +1,113 @@
+"""``kernels.lock``: the resolved pin of every vendored source and the sha256 of every file taken from it.
+
+Format (YAML, keys sorted, written only by ``tools/port.py``)::
+
+    version: 1
+    sources:
+      colossalai:
+        kind: pypi
+        pin: {name: colossalai, sha256: <archive sha256>, version: 0.5.0}
+        license: Apache-2.0
+        license_files: {LICENSE: <sha256>}
+    kernels:
+      megatron/scaled_masked_softmax:
+        source: colossalai
+        files: {extensions/csrc/...: <sha256>, ...}
+
+Local sources (``pipegoose``) are recorded the same way; their files are hashed in place.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import PortError
+
+__all__ = ["Lock", "LockedSource", "LockedKernel", "LOCK_HEADER"]
+
+LOCK_VERSION = 1
+LOCK_HEADER = (
+    "# kernels.lock: written by tools/port.py from kernels.yaml; do not edit by hand.\n"
+    "# The resolved pin of every vendored source and the sha256 of every vendored file and license file.\n"
+    "# Check with: python tools/port.py verify    Restore vendor/ with: python tools/port.py sync\n"
+)
+
+
+@dataclass
+class LockedSource:
+    kind: str
+    pin: dict[str, str]
+    license: str
+    license_files: dict[str, str]
+
+
+@dataclass
+class LockedKernel:
+    source: str
+    files: dict[str, str]
+
+
+@dataclass
+class Lock:
+    path: Path
+    sources: dict[str, LockedSource] = field(default_factory=dict)
+    kernels: dict[str, LockedKernel] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path) -> "Lock":
+        """Read a lock file; a missing file is an empty lock. Raises PortError on a malformed one."""
+        path = Path(path)
+        if not path.exists():
+            return cls(path)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise PortError(f"{path.name}: not valid YAML: {e}") from None
+        if not isinstance(data, dict) or data.get("version") != LOCK_VERSION:
+            raise PortError(f"{path.name}: version: expected {LOCK_VERSION}, got {data.get('version') if isinstance(data, dict) else data!r}")
+        lock = cls(path)
+        try:
+            for sid, s in (data.get("sources") or {}).items():
+                lock.sources[sid] = LockedSource(s["kind"], {k: str(v) for k, v in s["pin"].items()}, s["license"],
+                                                 dict(s.get("license_files") or {}))
+            for kid, k in (data.get("kernels") or {}).items():
+                lock.kernels[kid] = LockedKernel(k["source"], dict(k["files"]))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise PortError(f"{path.name}: malformed entry ({e!r}); restore it from git or re-run `port.py add`") from None
+        for kid, k in lock.kernels.items():
+            if k.source not in lock.sources:
+                raise PortError(f"{path.name}: kernels.{kid}.source: {k.source!r} has no entry under sources")
+        return lock
+
+    def copy(self) -> "Lock":
+        return copy.deepcopy(self)
+
+    def to_data(self) -> dict[str, Any]:
+        return {
+            "version": LOCK_VERSION,
+            "sources": {sid: {"kind": s.kind, "pin": dict(sorted(s.pin.items())), "license": s.license,
+                              "license_files": dict(sorted(s.license_files.items()))}
+                        for sid, s in sorted(self.sources.items())},
+            "kernels": {kid: {"source": k.source, "files": dict(sorted(k.files.items()))}
+                        for kid, k in sorted(self.kernels.items())},
+        }
+
+    def dumps(self) -> str:
+        """Deterministic text: same content, same bytes."""
+        return LOCK_HEADER + yaml.safe_dump(self.to_data(), sort_keys=True, default_flow_style=False, width=200)
+
+    def kernels_of(self, source_id: str) -> list[str]:
+        return sorted(k for k, v in self.kernels.items() if v.source == source_id)
+
+    def files_of_source(self, source_id: str, exclude: str | None = None) -> dict[str, str]:
+        """path -> sha256 of every file that locked kernels of ``source_id`` use (optionally minus one kernel)."""
+        out: dict[str, str] = {}
+        for kid in self.kernels_of(source_id):
+            if kid != exclude:
+                out.update(self.kernels[kid].files)
+        return out

@@ -1,0 +1,453 @@
+"""Vendor kernels from their pinned sources: ``add``, ``sync``, ``verify``, ``remove`` and the per-kernel state.
+
+Layout produced (``docs/architecture.md``)::
+
+    vendor/<source id>/<path inside the source>     the kernel files (fetched sources only)
+    LICENSES/<source id>/<license file>             the source's license files
+    kernels.lock                                    resolved pins + sha256 of every file above
+
+Local sources (``fetch: {local: ...}``, i.e. pipegoose's own kernels) are never copied: their files and
+license are hashed in place so that ``verify`` and the states work for them too.
+
+Every change runs under a repository lock and as one :class:`~pipegoose.porting.txn.Transaction`: a failed or
+interrupted ``add``/``sync``/``remove``/``update`` leaves vendor/, LICENSES/ and kernels.lock as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from ..kernels.manifest import ALLOWED_LICENSES, Kernel, Manifest, Source, load_manifest
+from .errors import IntegrityError, LicenseError, ManifestFactError, PortError, SourceFileMissing
+from .fetch import Fetcher, SourceTree
+from .includes import missing_headers
+from .licenses import detect_licenses
+from .lock import Lock, LockedKernel, LockedSource
+from .txn import TXN_DIRNAME, Transaction, recover, repo_lock
+from .util import sha256_bytes, sha256_file
+
+__all__ = ["Porter", "Problem", "KernelState", "STATES"]
+
+STATES = ("declared", "vendored", "verified", "modified", "missing", "stale")
+_IGNORED_TOP = {"README.md", ".port.lock", TXN_DIRNAME, ".gitkeep"}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding of ``verify``: kind is differs | missing | extra | stale."""
+
+    kind: str
+    path: str
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind:8} {self.path}" + (f"  ({self.detail})" if self.detail else "")
+
+
+@dataclass(frozen=True)
+class KernelState:
+    id: str
+    source: str
+    project: str
+    license: str
+    pin: str
+    state: str
+    detail: str = ""
+
+
+def _short_pin(pin) -> str:
+    if "version" in pin:
+        return f"{pin['name']}=={pin['version']}"
+    if "commit" in pin:
+        return f"{pin['url']}@{pin['commit'][:12]}"
+    return f"local:{pin.get('path', '?')}"
+
+
+def _write_staged(path: Path, data: bytes) -> None:
+    """Write one staged file (a separate function so tests can interrupt a port mid-copy)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+class Porter:
+    """The porting operations over one repository root (the folder of ``kernels.yaml``).
+
+    Args:
+        manifest: path of kernels.yaml (default: the repository's). vendor/, LICENSES/ and kernels.lock are
+            next to it, so tests point this at a temporary copy.
+        cache_dir: download cache (default ``$PIPEGOOSE_PORT_CACHE`` or ``~/.cache/pipegoose/port``).
+        offline: use only the download cache.
+        log: callable receiving progress lines (default: discard).
+    """
+
+    def __init__(self, manifest: str | Path | Manifest | None = None, cache_dir: str | Path | None = None,
+                 offline: bool = False, fetcher: Fetcher | None = None, log: Callable[[str], None] | None = None,
+                 lock_timeout: float = 60.0):
+        self.manifest = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
+        self.root = self.manifest.root
+        self.lock_path = self.root / "kernels.lock"
+        self.fetcher = fetcher or Fetcher(self.root, Path(cache_dir) if cache_dir else None, offline)
+        self.log = log or (lambda _msg: None)
+        self.lock_timeout = lock_timeout
+
+    # ------------------------------------------------------------------------------------------------------
+    # helpers
+    # ------------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[Lock]:
+        """Hold the repository lock, finish/roll back any interrupted transaction, yield the current lock."""
+        with repo_lock(self.root, self.lock_timeout):
+            for note in recover(self.root):
+                self.log(note)
+            yield Lock.load(self.lock_path)
+
+    def reload_manifest(self) -> None:
+        self.manifest = load_manifest(self.manifest.path)
+
+    def vendor_dir(self, sid: str) -> Path:
+        return self.manifest.vendor_dir(sid) if sid in self.manifest.sources else self.root / "vendor" / sid
+
+    def license_dir(self, sid: str) -> Path:
+        s = self.manifest.sources.get(sid)
+        if s is not None and s.is_local:
+            return self.manifest.vendor_dir(sid)
+        return self.root / "LICENSES" / sid
+
+    def _resolve_ids(self, names: Iterable[str], lock: Lock | None = None) -> list[str]:
+        out: list[str] = []
+        for n in names:
+            if lock is not None and n in lock.kernels and n not in self.manifest.kernels:
+                kid = n  # a lock entry whose kernel left kernels.yaml: still removable
+            else:
+                try:
+                    kid = self.manifest.resolve(n).id
+                except KeyError as e:
+                    raise PortError(e.args[0]) from None
+            if kid not in out:
+                out.append(kid)
+        return out
+
+    @staticmethod
+    def check_license(src: Source, tree: SourceTree) -> dict[str, str]:
+        """Check the source's license files at its pin; return {license file: sha256}.
+
+        Raises:
+            LicenseError: a license file is missing, a disallowed (copyleft / non-commercial) license text is
+                found, or the declared license's text is not recognised in the files.
+        """
+        if src.license not in ALLOWED_LICENSES:  # the manifest loader refuses these already
+            raise LicenseError(f"{src.id}: license {src.license!r} is not allowed; allowed: {', '.join(ALLOWED_LICENSES)}")
+        missing = [lf for lf in src.license_files if not tree.has(lf)]
+        if missing:
+            raise LicenseError(f"{src.id}: license file(s) {', '.join(missing)} not found in {tree.label}; "
+                               "a source is only vendored with its license (fix sources."
+                               f"{src.id}.license_files in kernels.yaml)")
+        out, text = {}, []
+        for lf in src.license_files:
+            data = tree.read(lf)
+            out[lf] = sha256_bytes(data)
+            text.append(data.decode("utf-8", "replace"))
+        found, bad = detect_licenses("\n".join(text))
+        if bad:
+            raise LicenseError(f"{src.id}: {', '.join(src.license_files)} in {tree.label} carries "
+                               f"{', '.join(sorted(bad))} text, which is not allowed (allowed: {', '.join(ALLOWED_LICENSES)})")
+        if src.license not in found:
+            raise LicenseError(f"{src.id}: kernels.yaml declares {src.license} but {', '.join(src.license_files)} in "
+                               f"{tree.label} does not carry its text (recognised: {', '.join(sorted(found)) or 'none'})")
+        return out
+
+    def lock_kernel(self, k: Kernel, tree: SourceTree) -> LockedKernel:
+        """Hash a kernel's files at the tree's pin, after checking they exist and that every header they
+        include from the source is listed. Raises SourceFileMissing or ManifestFactError."""
+        missing = [f for f in k.files if not tree.has(f)]
+        if missing:
+            raise SourceFileMissing(f"{k.id}: {len(missing)} file(s) of kernels.{k.id}.files not found in {tree.label}: "
+                                    + ", ".join(missing))
+        headers = missing_headers(tree, k.files, k.include_dirs)
+        if headers:
+            listing = ", ".join(f"{h} (included by {by})" for h, by in headers.items())
+            raise ManifestFactError(f"{self.manifest.path.name}: kernels.{k.id}.files: expected every header the "
+                                    f"kernel includes from its source; missing: {listing}")
+        return LockedKernel(k.source, {f: sha256_bytes(tree.read(f)) for f in k.files})
+
+    def _source_verifies(self, lock: Lock, sid: str) -> bool:
+        base, lic = self.vendor_dir(sid), self.license_dir(sid)
+        s = lock.sources[sid]
+        for f, h in lock.files_of_source(sid).items():
+            p = base / f
+            if not p.is_file() or sha256_file(p) != h:
+                return False
+        for f, h in s.license_files.items():
+            p = lic / f
+            if not p.is_file() or sha256_file(p) != h:
+                return False
+        return True
+
+    def _stage_source(self, tx: Transaction, lock: Lock, sid: str, tree: SourceTree | None) -> None:
+        """Stage vendor/<sid> and LICENSES/<sid> as exactly the files ``lock`` records for the source, read from
+        ``tree`` and checked against the lock's hashes. No kernels left: stage their deletion."""
+        src = self.manifest.sources.get(sid)
+        if src is not None and src.is_local:
+            return
+        vdir, ldir = self.root / "vendor" / sid, self.root / "LICENSES" / sid
+        if not lock.kernels_of(sid):
+            for d in (vdir, ldir):
+                if d.exists():
+                    tx.stage_delete(d)
+            return
+        assert tree is not None
+        files = lock.files_of_source(sid)
+        stage = tx.stage_dir(vdir)
+        for f, h in sorted(files.items()):
+            data = tree.read(f)
+            if sha256_bytes(data) != h:
+                raise IntegrityError(f"{sid}: {f} from {tree.label} has sha256 {sha256_bytes(data)}, kernels.lock "
+                                     f"records {h} (the download cache may be corrupt: delete it and retry)")
+            _write_staged(stage / f, data)
+        lstage = tx.stage_dir(ldir)
+        for f, h in sorted(lock.sources[sid].license_files.items()):
+            data = tree.read(f)
+            if sha256_bytes(data) != h:
+                raise IntegrityError(f"{sid}: license file {f} from {tree.label} has sha256 {sha256_bytes(data)}, "
+                                     f"kernels.lock records {h}")
+            _write_staged(lstage / f, data)
+
+    def _check_pin(self, lock: Lock, sid: str) -> None:
+        s = lock.sources.get(sid)
+        m = self.manifest.sources.get(sid)
+        if s is not None and m is not None and dict(s.pin) != dict(m.pin):
+            raise PortError(f"kernels.lock records {sid} at {s.pin} but kernels.yaml pins {dict(m.pin)}; "
+                            f"use `python tools/port.py update {sid} --to ...` (or revert kernels.yaml)")
+
+    def _commit(self, old: Lock, new: Lock, trees: dict[str, SourceTree | None], extra=None) -> None:
+        with Transaction(self.root) as tx:
+            for sid, tree in sorted(trees.items(), key=lambda kv: kv[0]):
+                self._stage_source(tx, new, sid, tree)
+            if extra is not None:
+                extra(tx)
+            if new.to_data() != old.to_data() or not self.lock_path.exists():
+                tx.stage_file(self.lock_path, new.dumps().encode())
+            tx.commit()
+
+    # ------------------------------------------------------------------------------------------------------
+    # operations
+    # ------------------------------------------------------------------------------------------------------
+    def add(self, names: Iterable[str]) -> list[str]:
+        """Vendor kernels (ids or aliases) at their manifest pin and record them in kernels.lock.
+
+        Returns the kernel ids added. Raises PortError (or a subclass) and changes nothing on any failure:
+        unknown id (message lists close matches), fetch/network failure, archive sha256 mismatch, a file or
+        license file missing in the source, a license not allowed, a header missing from ``files``.
+        """
+        with self.locked() as lock:
+            ids = self._resolve_ids(names)
+            new, trees = self._plan_add(lock, ids)
+            self._commit(lock, new, trees)
+        for kid in ids:
+            self.log(f"added {kid} ({self.manifest.sources[self.manifest.kernels[kid].source].describe_pin()})")
+        return ids
+
+    def _plan_add(self, lock: Lock, ids: list[str]) -> tuple[Lock, dict[str, SourceTree | None]]:
+        new = lock.copy()
+        trees: dict[str, SourceTree | None] = {}
+        for kid in ids:
+            k = self.manifest.kernels[kid]
+            src = self.manifest.sources[k.source]
+            self._check_pin(lock, src.id)
+            if src.id not in trees:
+                self.log(f"fetching {src.describe_pin()}")
+                trees[src.id] = self.fetcher.tree(src)
+            tree = trees[src.id]
+            lic = self.check_license(src, tree)
+            new.sources[src.id] = LockedSource(src.kind, dict(tree.pin), src.license, lic)
+            new.kernels[kid] = self.lock_kernel(k, tree)
+        return new, trees
+
+    def sync(self, all_kernels: bool = False) -> dict[str, list[str]]:
+        """Make vendor/ and LICENSES/ exactly what kernels.lock records (fetching only sources that do not
+        verify already); with ``all_kernels``, first add every kernel of the manifest missing from the lock.
+
+        Returns {"added": [...], "restored": [source ids re-vendored], "ok": [source ids already in place]}.
+        Raises PortError when the lock is empty (and not ``all_kernels``), when a lock entry no longer matches
+        kernels.yaml (pin or file list changed: use ``add``/``update``), or on any fetch/integrity failure.
+        """
+        with self.locked() as lock:
+            if not lock.kernels and not all_kernels:
+                raise PortError(f"{self.lock_path.name} has no kernels yet: run `python tools/port.py sync --all` "
+                                "or `python tools/port.py add <id>`")
+            for kid, lk in lock.kernels.items():
+                k = self.manifest.kernels.get(kid)
+                if k is None:
+                    raise PortError(f"kernels.lock: {kid} is not in kernels.yaml any more: "
+                                    f"`python tools/port.py remove {kid}`")
+                if set(k.files) != set(lk.files):
+                    raise PortError(f"kernels.lock: {kid}: kernels.yaml's file list changed since it was vendored: "
+                                    f"run `python tools/port.py add {kid}`")
+            for sid in lock.sources:
+                self._check_pin(lock, sid)
+            new_ids = [k for k in self.manifest.kernels if k not in lock.kernels] if all_kernels else []
+            new, trees = self._plan_add(lock, new_ids)
+            result = {"added": new_ids, "restored": [], "ok": []}
+            for sid in sorted(new.sources):
+                src = self.manifest.sources[sid]
+                if sid in trees:
+                    continue
+                if self._source_verifies(new, sid):
+                    result["ok"].append(sid)
+                    continue
+                if src.is_local:
+                    raise IntegrityError(f"{sid}: local files differ from kernels.lock (see `python tools/port.py "
+                                         f"verify`); re-record them with `python tools/port.py add <id>`")
+                self.log(f"fetching {src.describe_pin()}")
+                trees[sid] = self.fetcher.tree(src, new.sources[sid].pin)
+                result["restored"].append(sid)
+            self._commit(lock, new, trees)
+        return result
+
+    def remove(self, names: Iterable[str]) -> list[str]:
+        """Drop kernels from vendor/ and kernels.lock. Files another still-locked kernel of the same source uses
+        stay; the source's vendor/ and LICENSES/ folders go with its last kernel. Raises PortError (unknown or
+        not vendored id)."""
+        with self.locked() as lock:
+            ids = self._resolve_ids(names, lock)
+            not_locked = [k for k in ids if k not in lock.kernels]
+            if not_locked:
+                raise PortError(f"not vendored (no kernels.lock entry): {', '.join(not_locked)}")
+            new = lock.copy()
+            sids = sorted({lock.kernels[k].source for k in ids})
+            for kid in ids:
+                del new.kernels[kid]
+            for sid in sids:
+                if not new.kernels_of(sid):
+                    del new.sources[sid]
+
+            def stage(tx: Transaction) -> None:
+                for sid in sids:
+                    src = self.manifest.sources.get(sid)
+                    if src is not None and src.is_local:
+                        continue
+                    vdir, ldir = self.root / "vendor" / sid, self.root / "LICENSES" / sid
+                    if sid not in new.sources:
+                        for d in (vdir, ldir):
+                            if d.exists():
+                                tx.stage_delete(d)
+                        continue
+                    keep = new.files_of_source(sid)
+                    drop = {f for k in ids if lock.kernels[k].source == sid for f in lock.kernels[k].files} - set(keep)
+                    if not vdir.exists():
+                        continue
+                    stage_dir = tx.stage_dir(vdir)
+                    for p in sorted(vdir.rglob("*")):
+                        rel = p.relative_to(vdir).as_posix()
+                        if p.is_file() and rel not in drop:
+                            _write_staged(stage_dir / rel, p.read_bytes())
+
+            self._commit(lock, new, {}, extra=stage)
+        for kid in ids:
+            self.log(f"removed {kid}")
+        return ids
+
+    def verify(self) -> list[Problem]:
+        """Recompute every hash recorded in kernels.lock. Returns the problems (empty = all good): files that
+        differ, are missing or are extra (in vendor/<source>/ or LICENSES/<source>/ but not in the lock), and
+        stale lock entries (kernel gone from kernels.yaml, pin or file list changed)."""
+        with self.locked() as lock:
+            return self._verify(lock)
+
+    def _verify(self, lock: Lock) -> list[Problem]:
+        probs: list[Problem] = []
+        for kid, lk in sorted(lock.kernels.items()):
+            k = self.manifest.kernels.get(kid)
+            if k is None:
+                probs.append(Problem("stale", kid, "in kernels.lock but not in kernels.yaml"))
+            elif set(k.files) != set(lk.files):
+                plus = sorted(set(k.files) - set(lk.files))
+                minus = sorted(set(lk.files) - set(k.files))
+                probs.append(Problem("stale", kid, "kernels.yaml files changed: "
+                                     + ", ".join([f"+{f}" for f in plus] + [f"-{f}" for f in minus])))
+        for sid, s in sorted(lock.sources.items()):
+            m = self.manifest.sources.get(sid)
+            if m is None:
+                probs.append(Problem("stale", f"sources.{sid}", "in kernels.lock but not in kernels.yaml"))
+            elif dict(m.pin) != dict(s.pin):
+                probs.append(Problem("stale", f"sources.{sid}", f"kernels.lock pin {s.pin} != kernels.yaml pin {dict(m.pin)}"))
+            base, lic = self.vendor_dir(sid), self.license_dir(sid)
+            checks = [(base, f, h) for f, h in lock.files_of_source(sid).items()]
+            checks += [(lic, f, h) for f, h in s.license_files.items()]
+            for folder, f, h in sorted(checks, key=lambda t: (str(t[0]), t[1])):
+                p = folder / f
+                shown = self._show(p)
+                if not p.is_file():
+                    probs.append(Problem("missing", shown, "run `python tools/port.py sync`"))
+                elif sha256_file(p) != h:
+                    probs.append(Problem("differs", shown, f"sha256 {sha256_file(p)[:12]}…, kernels.lock {h[:12]}…"))
+        # extra files: anything under vendor/ and LICENSES/ that no lock entry explains
+        for top, expected in (("vendor", lambda sid: lock.files_of_source(sid)),
+                              ("LICENSES", lambda sid: lock.sources[sid].license_files)):
+            d = self.root / top
+            if not d.is_dir():
+                continue
+            for entry in sorted(d.iterdir()):
+                if entry.name in _IGNORED_TOP or entry.name.startswith("."):
+                    continue
+                sid = entry.name
+                known = set(expected(sid)) if sid in lock.sources and not self._is_local(sid) else set()
+                if entry.is_file():
+                    probs.append(Problem("extra", self._show(entry), "not recorded in kernels.lock"))
+                    continue
+                for p in sorted(entry.rglob("*")):
+                    if (p.is_file() or p.is_symlink()) and p.relative_to(entry).as_posix() not in known:
+                        probs.append(Problem("extra", self._show(p), "not recorded in kernels.lock"))
+        return probs
+
+    def _is_local(self, sid: str) -> bool:
+        s = self.manifest.sources.get(sid)
+        return bool(s and s.is_local)
+
+    def _show(self, p: Path) -> str:
+        try:
+            return p.resolve().relative_to(self.root.resolve()).as_posix()
+        except ValueError:
+            return str(p)
+
+    def states(self, check_hashes: bool = True) -> list[KernelState]:
+        """The state of every kernel of the manifest (and of lock entries that left it):
+
+        declared (not in kernels.lock), vendored (locked and present; hashes not checked), verified (hashes
+        match), modified (a file or license file differs), missing (locked but files absent: run sync), stale
+        (kernels.yaml changed since it was locked: pin or file list).
+        """
+        lock = Lock.load(self.lock_path)
+        out = []
+        for kid in list(self.manifest.kernels) + [k for k in sorted(lock.kernels) if k not in self.manifest.kernels]:
+            k = self.manifest.kernels.get(kid)
+            sid = k.source if k else lock.kernels[kid].source
+            src = self.manifest.sources.get(sid)
+            lk = lock.kernels.get(kid)
+            project = src.project if src else sid
+            lic = src.license if src else lock.sources[sid].license
+            pin = _short_pin(src.pin if src else lock.sources[sid].pin)
+            if lk is None:
+                out.append(KernelState(kid, sid, project, lic, pin, "declared"))
+                continue
+            ls = lock.sources[sid]
+            if k is None or src is None or set(k.files) != set(lk.files) or dict(src.pin) != dict(ls.pin):
+                out.append(KernelState(kid, sid, project, lic, pin, "stale", "kernels.yaml changed since it was locked"))
+                continue
+            base, licd = self.vendor_dir(sid), self.license_dir(sid)
+            paths = [(base / f, h) for f, h in lk.files.items()] + [(licd / f, h) for f, h in ls.license_files.items()]
+            absent = [p for p, _ in paths if not p.is_file()]
+            if absent:
+                out.append(KernelState(kid, sid, project, lic, pin, "missing", f"{len(absent)} file(s) absent: run sync"))
+                continue
+            if not check_hashes:
+                out.append(KernelState(kid, sid, project, lic, pin, "vendored"))
+                continue
+            bad = [self._show(p) for p, h in paths if sha256_file(p) != h]
+            out.append(KernelState(kid, sid, project, lic, pin, "modified" if bad else "verified",
+                                   ", ".join(bad)))
+        return out

@@ -1,0 +1,167 @@
+"""All-or-nothing changes to vendor/, LICENSES/, kernels.lock and kernels.yaml.
+
+A :class:`Transaction` stages every new folder and file under ``vendor/.port-txn/<id>/`` (same file system
+as the targets), then swaps them into place with renames. A journal written before the first rename lets an
+interrupted swap (Ctrl-C, a crash, ``kill -9``) be rolled back: in-process at once, and otherwise by the next
+run of the tool (:func:`recover`), which runs under the same repository lock. The commit point is the
+journal's ``committed`` flag; after it, leftover backups are only garbage.
+
+The repository lock is a :class:`filelock.FileLock` on ``vendor/.port.lock``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+from .errors import PortError
+
+__all__ = ["Transaction", "repo_lock", "recover", "TXN_DIRNAME"]
+
+TXN_DIRNAME = ".port-txn"
+LOCK_NAME = ".port.lock"
+
+
+def repo_lock(root: Path, timeout: float = 60.0) -> FileLock:
+    """The lock taken while vendor/, LICENSES/ or kernels.lock change. Raises PortError after ``timeout``."""
+    vendor = Path(root) / "vendor"
+    vendor.mkdir(parents=True, exist_ok=True)
+
+    class _Lock(FileLock):
+        def acquire(self, *a, **kw):  # noqa: D401 - clearer error than filelock's
+            try:
+                return super().acquire(*a, **kw)
+            except Timeout:
+                raise PortError(f"another tools/port.py holds {vendor / LOCK_NAME} (waited {timeout:.0f}s)") from None
+
+    return _Lock(str(vendor / LOCK_NAME), timeout=timeout)
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def recover(root: Path) -> list[str]:
+    """Roll back (or finish) transactions left by an interrupted run. Call under :func:`repo_lock`.
+
+    Returns a line per transaction found, for the user.
+    """
+    base = Path(root) / "vendor" / TXN_DIRNAME
+    notes = []
+    if not base.is_dir():
+        return notes
+    for d in sorted(base.iterdir()):
+        journal = d / "journal.json"
+        if journal.is_file():
+            j = json.loads(journal.read_text())
+            if j.get("committed"):
+                notes.append(f"finished clean-up of committed transaction {d.name}")
+            else:
+                _rollback(Path(root), j["entries"])
+                notes.append(f"rolled back interrupted transaction {d.name}: vendor/, LICENSES/ and kernels.lock restored")
+        _remove(d)
+    if base.is_dir() and not any(base.iterdir()):
+        base.rmdir()
+    return notes
+
+
+def _rollback(root: Path, entries: list[dict]) -> None:
+    for e in reversed(entries):
+        target = root / e["target"]
+        backup = Path(e["backup"]) if e.get("backup") else None
+        staged = Path(e["staged"]) if e.get("staged") else None
+        placed_new = staged is not None and not staged.exists()  # the staged copy was renamed onto target
+        if backup is not None and backup.exists():  # the original was moved aside: put it back
+            _remove(target)
+            os.replace(backup, target)
+        elif not e.get("had_original") and placed_new:  # nothing was there before
+            _remove(target)
+
+
+class Transaction:
+    """Stage changes, then :meth:`commit` them all or none. Use as a context manager: leaving the block
+    without commit (exception, Ctrl-C) discards the staged data and touches nothing."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.dir = self.root / "vendor" / TXN_DIRNAME / uuid.uuid4().hex[:12]
+        self.dir.mkdir(parents=True)
+        self._ops: list[tuple[Path, Path | None]] = []  # (target, staged path or None = delete)
+        self._n = 0
+
+    def _stage_path(self, name: str) -> Path:
+        self._n += 1
+        return self.dir / f"stage-{self._n}-{name}"
+
+    def stage_dir(self, target: Path) -> Path:
+        """An empty folder to fill; on commit it replaces ``target`` (repository-relative or absolute)."""
+        p = self._stage_path(Path(target).name)
+        p.mkdir()
+        self._ops.append((self._abs(target), p))
+        return p
+
+    def stage_file(self, target: Path, data: bytes) -> None:
+        p = self._stage_path(Path(target).name)
+        _fsync_write(p, data)
+        self._ops.append((self._abs(target), p))
+
+    def stage_delete(self, target: Path) -> None:
+        self._ops.append((self._abs(target), None))
+
+    def _abs(self, target: Path) -> Path:
+        t = Path(target)
+        t = t if t.is_absolute() else self.root / t
+        t.resolve().relative_to(self.root.resolve())  # ValueError if outside the repository
+        return t
+
+    def commit(self) -> None:
+        root = self.root.resolve()
+        entries = []
+        for i, (target, staged) in enumerate(self._ops):
+            had = target.exists() or target.is_symlink()
+            entries.append({"target": str(target.resolve().relative_to(root)), "staged": str(staged) if staged else None,
+                            "backup": str(self.dir / f"backup-{i}") if had else None, "had_original": had})
+        journal = self.dir / "journal.json"
+        _fsync_write(journal, json.dumps({"committed": False, "entries": entries}).encode())
+        try:
+            for e, (target, staged) in zip(entries, self._ops):
+                if e["backup"]:
+                    os.replace(target, e["backup"])
+                if staged is not None:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(staged, target)
+            _fsync_write(journal, json.dumps({"committed": True, "entries": entries}).encode())
+        except BaseException:
+            _rollback(self.root, entries)
+            raise
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+        parent = self.dir.parent
+        try:
+            parent.rmdir()
+        except OSError:
+            pass
+
+    def __enter__(self) -> "Transaction":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.dir.exists():
+            self._cleanup()

@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Vendor, verify and audit the upstream kernels declared in kernels.yaml (a thin CLI over pipegoose.porting).
+
+    python tools/port.py list                      every kernel: source, license, state
+    python tools/port.py add megatron/scaled_masked_softmax
+    python tools/port.py sync [--all]              vendor everything in kernels.lock (--all: every kernel)
+    python tools/port.py verify                    recompute hashes; exit 1 on any difference
+    python tools/port.py remove <id>
+    python tools/port.py audit [IDS] [--to X | --latest] [--diff] [--json]   exit 0 in sync, 1 drift, 2 error
+    python tools/port.py update <id|source> (--to X | --latest) [--force]
+
+Options common to all: --root DIR (repository root: kernels.yaml, kernels.lock, vendor/, LICENSES/) or
+--manifest FILE; --cache DIR (download cache; env PIPEGOOSE_PORT_CACHE); --offline.
+Exit codes: 0 success, 1 verification failure / drift, 2 error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from pipegoose.kernels.manifest import ManifestError  # noqa: E402
+from pipegoose.porting import PortError, Porter, audit, update  # noqa: E402
+
+_WIDTH = None if sys.stdout.isatty() else 160  # rich assumes 80 columns when piped
+out = Console(highlight=False, soft_wrap=True, width=_WIDTH)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+_STATE_STYLE = {"verified": "green", "vendored": "cyan", "declared": "dim", "modified": "red", "missing": "yellow",
+                "stale": "yellow"}
+
+
+def _porter(a: argparse.Namespace) -> Porter:
+    manifest = a.manifest or (Path(a.root) / "kernels.yaml" if a.root else os.environ.get("PIPEGOOSE_MANIFEST"))
+    return Porter(manifest, cache_dir=a.cache, offline=a.offline, log=lambda m: err.print(m, style="dim", markup=False))
+
+
+def cmd_list(a) -> int:
+    p = _porter(a)
+    t = Table(title=f"kernels ({p.manifest.path})", show_lines=False)
+    for col in ("kernel", "source", "license", "state", "detail"):
+        t.add_column(col, overflow="fold")
+    for s in p.states(check_hashes=not a.quick):
+        t.add_row(s.id, f"{s.project}: {s.pin}", s.license, f"[{_STATE_STYLE.get(s.state, '')}]{s.state}[/]", s.detail)
+    out.print(t)
+    return 0
+
+
+def cmd_add(a) -> int:
+    ids = _porter(a).add(a.ids)
+    out.print(f"added {len(ids)} kernel(s): {', '.join(ids)}")
+    return 0
+
+
+def cmd_sync(a) -> int:
+    r = _porter(a).sync(all_kernels=a.all)
+    out.print(f"sync: added {len(r['added'])} kernel(s); re-vendored {', '.join(r['restored']) or 'none'}; "
+              f"already in place {', '.join(r['ok']) or 'none'}")
+    return 0
+
+
+def cmd_verify(a) -> int:
+    problems = _porter(a).verify()
+    for pr in problems:
+        out.print(str(pr), markup=False)
+    if problems:
+        out.print(f"[red]verify: {len(problems)} problem(s)[/red]")
+        return 1
+    out.print("verify: every vendored file and license matches kernels.lock")
+    return 0
+
+
+def cmd_remove(a) -> int:
+    ids = _porter(a).remove(a.ids)
+    out.print(f"removed {len(ids)} kernel(s): {', '.join(ids)}")
+    return 0
+
+
+def _pin(p: dict) -> str:
+    if "version" in p:
+        return f"{p.get('name', '')} {p['version']}"
+    if "commit" in p:
+        return p["commit"][:12]
+    return str(p)
+
+
+def _print_audit(report, with_diff: bool) -> None:
+    for s in report.sources:
+        head = f"{s.source}: {_pin(s.from_pin)} -> {_pin(s.to_pin) if s.to_pin else '?'}"
+        if s.error:
+            out.print(f"{head}: error: {s.error}", style="red", markup=False)
+            continue
+        t = Table(title=head, title_justify="left")
+        for col in ("kernel", "file", "status", "+/-", "note"):
+            t.add_column(col, overflow="fold")
+        for f in s.licenses:
+            t.add_row("(license)", f.path, f.status, f"+{f.added}/-{f.deleted}" if f.status != "unchanged" else "", "")
+        for k in s.kernels:
+            for f in k.files:
+                style = "green" if f.status == "unchanged" else "red"
+                note = f"-> {', '.join(f.moved_to)}" if f.moved_to else ""
+                t.add_row(k.kernel, f.path, f"[{style}]{f.status}[/]",
+                          f"+{f.added}/-{f.deleted}" if f.status != "unchanged" else "", note)
+            for sy in k.symbols:
+                if not sy.after:
+                    t.add_row(k.kernel, f"symbol {sy.symbol}", "[red]missing[/]", "",
+                              "was present" if sy.before else "not found at the current pin either")
+            for nf in k.new_files:
+                t.add_row(k.kernel, nf, "new upstream", "", "beside the vendored files")
+        out.print(t)
+        verdict = "[red]drift[/red]" if s.drift else "[green]in sync[/green]"
+        nsym = sum(1 for k in s.kernels for sy in k.symbols if sy.after)
+        tot = sum(len(k.symbols) for k in s.kernels)
+        out.print(f"{s.source}: {verdict}; entry symbols present {nsym}/{tot}; "
+                  f"license {'changed' if s.license_changed else 'unchanged'}")
+        if with_diff:
+            for f in [*s.licenses, *(f for k in s.kernels for f in k.files)]:
+                if f.diff:
+                    out.print(f.diff, markup=False)
+
+
+def cmd_audit(a) -> int:
+    report = audit(_porter(a), a.ids or None, to=a.to, latest=a.latest, with_diff=a.diff)
+    if a.json:
+        print(report.to_json(with_diff=a.diff))
+    else:
+        _print_audit(report, a.diff)
+    return report.exit_code
+
+
+def cmd_update(a) -> int:
+    report = update(_porter(a), a.id, to=a.to, latest=a.latest, force=a.force)
+    _print_audit(report, False)
+    s = report.sources[0]
+    out.print(f"updated {s.source}: {_pin(s.from_pin)} -> {_pin(s.to_pin)} (kernels.yaml and kernels.lock)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tools/port.py", description=__doc__.split("\n\n")[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--root", help="repository root (holds kernels.yaml); default: this repository")
+    common.add_argument("--manifest", help="path of kernels.yaml (overrides --root)")
+    common.add_argument("--cache", help="download cache (default $PIPEGOOSE_PORT_CACHE or ~/.cache/pipegoose/port)")
+    common.add_argument("--offline", action="store_true", help="use only the download cache")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("list", parents=[common], help="every kernel: source, license, state")
+    s.add_argument("--quick", action="store_true", help="do not hash files (state 'vendored' instead of verified)")
+    s.set_defaults(fn=cmd_list)
+    s = sub.add_parser("add", parents=[common], help="vendor kernels at their pin")
+    s.add_argument("ids", nargs="+")
+    s.set_defaults(fn=cmd_add)
+    s = sub.add_parser("sync", parents=[common], help="vendor everything in kernels.lock")
+    s.add_argument("--all", action="store_true", help="also add every kernel of kernels.yaml not in the lock")
+    s.set_defaults(fn=cmd_sync)
+    s = sub.add_parser("verify", parents=[common], help="recompute hashes against kernels.lock")
+    s.set_defaults(fn=cmd_verify)
+    s = sub.add_parser("remove", parents=[common], help="drop vendored kernels")
+    s.add_argument("ids", nargs="+")
+    s.set_defaults(fn=cmd_remove)
+    s = sub.add_parser("audit", parents=[common], help="compare vendored kernels with a newer upstream")
+    s.add_argument("ids", nargs="*")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--to", help="version (pypi) or commit/ref (git) to compare with")
+    g.add_argument("--latest", action="store_true", help="newest release / branch head (the default)")
+    s.add_argument("--diff", action="store_true", help="show the changes")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(fn=cmd_audit)
+    s = sub.add_parser("update", parents=[common], help="re-vendor a source at a new pin")
+    s.add_argument("id", help="kernel id/alias or source id")
+    g = s.add_mutually_exclusive_group(required=True)
+    g.add_argument("--to")
+    g.add_argument("--latest", action="store_true")
+    s.add_argument("--force", action="store_true", help="update even if a symbol vanished or a license changed")
+    s.set_defaults(fn=cmd_update)
+    a = ap.parse_args(argv)
+    try:
+        return a.fn(a)
+    except (PortError, ManifestError) as e:
+        err.print(f"error: {e}", style="red", markup=False)
+        return 2
+    except KeyboardInterrupt:
+        err.print("interrupted: vendor/, LICENSES/ and kernels.lock are unchanged")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
