@@ -1,0 +1,32 @@
+"""pipegoose.nn.fusion: fused ops (functional, modules, optimizer) over pipegoose.kernels, with one dispatcher.
+
+Import-light: importing this package imports torch and registers the implementations of every op; no kernel is
+built or loaded until the first CUDA call that wants it, and transformers is imported only by
+``pipegoose.nn.fusion.transformers``.
+"""
+
+from . import dispatch
+from .dispatch import FusionFallbackError
+from .functional import (layer_norm, mixed_fused_layer_norm, rms_norm, scaled_masked_softmax, scaled_softmax,
+                         scaled_upper_triang_masked_softmax, softmax)
+from .modules import AttnMaskType, FusedLayerNorm, FusedRMSNorm, FusedScaleMaskSoftmax, MixedFusedLayerNorm
+from .optim import FusedAdam, clip_grad_norm_
+
+__all__ = [
+    "dispatch",
+    "FusionFallbackError",
+    "softmax",
+    "scaled_softmax",
+    "scaled_masked_softmax",
+    "scaled_upper_triang_masked_softmax",
+    "layer_norm",
+    "mixed_fused_layer_norm",
+    "rms_norm",
+    "AttnMaskType",
+    "FusedScaleMaskSoftmax",
+    "FusedLayerNorm",
+    "MixedFusedLayerNorm",
+    "FusedRMSNorm",
+    "FusedAdam",
+    "clip_grad_norm_",
+]

@@ -1,0 +1,560 @@
+"""One dispatcher for every fused op: implementations, ``supports()`` checks, choice, counters and strict mode.
+
+Each op (``softmax``, ``softmax.masked``, ``softmax.causal``, ``layer_norm``, ``rms_norm``, ``adam``,
+``clip_grad_norm``) has several :class:`Implementation` s: ours (``pipegoose``), ported registry copies
+(``megatron``, ``apex``, ``deepspeed``) and the PyTorch reference (``torch``). Each declares
+``supports(problem) -> (ok, reason)`` over a :class:`Problem` (shapes, dtypes, device, layout: metadata only, no
+kernel runs), and names the manifest kernel it needs; the kernel is loaded on first use
+(``pipegoose.kernels.load``) and a failed load becomes a reason (``"pipegoose/softmax unavailable: ..."``).
+
+Choice, first that supports the input wins:
+
+1. the explicit ``impl=`` argument of the call;
+2. the environment: ``PIPEGOOSE_IMPL_<OP>`` (``.`` -> ``_``, e.g. ``PIPEGOOSE_IMPL_SOFTMAX_CAUSAL``), then the
+   family's ``PIPEGOOSE_IMPL_<FAMILY>`` (``PIPEGOOSE_IMPL_SOFTMAX`` covers the three softmax ops); ``auto`` = none;
+3. the tuning table of the input's GPU (``pipegoose/nn/fusion/tuning/<slug>.json``, docs/architecture.md
+   "Tuning tables"): the first rule whose op and dtype match, whose ``max_cols`` is not exceeded and whose
+   implementation supports the input (rules whose ``pass`` matches the call, ``fwd`` or ``fwd+bwd``, first);
+4. the built-in order: ours, then the ported copies, then ``torch``.
+
+Ending on ``torch`` after a fused implementation was wanted is a *fallback*: the reason is recorded
+(:func:`explain`, :func:`last_choice`), logged at debug level on ``pipegoose.nn.fusion.dispatch``, and in strict
+mode (``PIPEGOOSE_STRICT=1`` or ``with dispatch.strict():``) raises :class:`FusionFallbackError`. Asking for
+``torch`` (argument, environment or tuning rule) is not a fallback.
+
+Counters: :func:`stats` -> ``{op: {impl: calls}}``, :func:`reset_stats`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import json
+import logging
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+
+__all__ = [
+    "FusionFallbackError",
+    "TuningTableError",
+    "Problem",
+    "Implementation",
+    "Choice",
+    "TuningRule",
+    "TuningTable",
+    "register",
+    "register_problem",
+    "implementations",
+    "choose",
+    "select",
+    "explain",
+    "last_choice",
+    "stats",
+    "reset_stats",
+    "strict",
+    "is_strict",
+    "kernel",
+    "clear_kernel_cache",
+    "tuning_table",
+    "device_slug",
+    "TUNING_DIR",
+    "IMPL_NAMES",
+]
+
+logger = logging.getLogger(__name__)
+
+TUNING_DIR = Path(__file__).resolve().parent / "tuning"
+IMPL_NAMES = ("pipegoose", "megatron", "apex", "deepspeed", "torch", "sdpa", "eager")
+_KIND_ORDER = {"ours": 0, "ported": 1, "reference": 2}
+_PASSES = ("fwd", "fwd+bwd")
+
+
+class FusionFallbackError(RuntimeError):
+    """Strict mode: an op would have fallen back to its PyTorch reference path. The message names op and reason."""
+
+
+class TuningTableError(ValueError):
+    """A tuning table is malformed: the message names the file, the rule and the field."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What an implementation needs to know to say whether it supports a call (metadata only).
+
+    Attributes:
+        op: the op name (``softmax.masked``, ``layer_norm``, ...).
+        dtype: the compute input dtype (after any autocast cast), used for tuning rules.
+        device: the device of the inputs.
+        cols: size of the last (normalized / key) dimension, for tuning rules' ``max_cols``; None if meaningless.
+        needs_grad: whether a backward will run (tuning rules' ``pass``).
+        extra: op-specific facts (shapes, mask shape and dtype, scale, contiguity, parameter dtypes, ...).
+    """
+
+    op: str
+    dtype: torch.dtype
+    device: torch.device
+    cols: int | None = None
+    needs_grad: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.extra[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.extra.get(key, default)
+
+
+SupportsFn = Callable[[Problem], "tuple[bool, str]"]
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One implementation of an op.
+
+    Attributes:
+        op: the op it implements.
+        name: ``pipegoose``, ``megatron``, ``apex``, ``deepspeed`` or ``torch`` (``sdpa``/``eager`` for attention).
+        kind: ``ours``, ``ported`` or ``reference`` (orders the built-in choice).
+        supports: ``supports(problem) -> (ok, reason)``; the reason says what is not supported.
+        kernels: manifest kernels (ids or aliases) loaded, in order, before the first use; empty for ``torch``.
+        source: where the kernel comes from (project, file, version, license) for docs and reports.
+    """
+
+    op: str
+    name: str
+    kind: str
+    supports: SupportsFn
+    kernels: tuple[str, ...] = ()
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KIND_ORDER:
+            raise ValueError(f"Implementation.kind: expected one of {sorted(_KIND_ORDER)}, got {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The result of a choice: the implementation to run and why.
+
+    Attributes:
+        op, impl: the op and the chosen implementation's name.
+        source: ``argument``, ``env``, ``tuning``, ``builtin`` or ``fallback``.
+        fallback: True when the reference path runs because the wanted fused paths cannot.
+        reasons: implementation name -> why it was not taken (empty string when it was not looked at).
+        reason: one line summarising why the chosen implementation runs.
+    """
+
+    op: str
+    impl: str
+    source: str
+    fallback: bool
+    reasons: Mapping[str, str]
+    reason: str
+
+    def __str__(self) -> str:
+        lines = [f"{self.op}: {self.impl} ({self.source}){' FALLBACK' if self.fallback else ''}: {self.reason}"]
+        lines += [f"  {name}: {why}" for name, why in self.reasons.items() if why]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Registry
+
+_lock = threading.RLock()
+_impls: dict[str, dict[str, Implementation]] = {}
+_problem_builders: dict[str, Callable[..., Problem]] = {}
+_stats: dict[str, dict[str, int]] = {}
+_last: dict[str, Choice] = {}
+
+
+def register(impl: Implementation) -> Implementation:
+    """Register (or replace) an implementation of ``impl.op``; returns it."""
+    with _lock:
+        _impls.setdefault(impl.op, {})[impl.name] = impl
+    return impl
+
+
+def register_problem(op: str, builder: Callable[..., Problem]) -> None:
+    """Register how :func:`explain` turns the op's call arguments into a :class:`Problem`."""
+    with _lock:
+        _problem_builders[op] = builder
+
+
+def unregister(op: str) -> None:
+    """Forget an op (tests use it for fake ops)."""
+    with _lock:
+        _impls.pop(op, None)
+        _problem_builders.pop(op, None)
+        _stats.pop(op, None)
+        _last.pop(op, None)
+
+
+def _ensure_builtin_ops() -> None:
+    importlib.import_module("pipegoose.nn.fusion.ops")
+
+
+def implementations(op: str) -> dict[str, Implementation]:
+    """The implementations of ``op`` by name, in built-in order (ours, ported, torch).
+
+    Raises:
+        KeyError: unknown op (the message lists the known ones).
+    """
+    if op not in _impls:
+        _ensure_builtin_ops()
+    with _lock:
+        if op not in _impls:
+            raise KeyError(f"unknown fused op {op!r}; known ops: {', '.join(sorted(_impls))}")
+        items = sorted(_impls[op].values(), key=lambda i: _KIND_ORDER[i.kind])
+    return {i.name: i for i in items}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Strict mode
+
+_strict_var: contextvars.ContextVar[bool | None] = contextvars.ContextVar("pipegoose_strict", default=None)
+
+
+def is_strict() -> bool:
+    """Whether a fallback raises: the innermost :func:`strict` context, else ``PIPEGOOSE_STRICT`` (1/true/yes/on)."""
+    v = _strict_var.get()
+    if v is not None:
+        return v
+    return os.environ.get("PIPEGOOSE_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@contextlib.contextmanager
+def strict(enabled: bool = True) -> Iterator[None]:
+    """Context in which a fallback to the reference path raises :class:`FusionFallbackError` (or, with
+    ``enabled=False``, does not, whatever ``PIPEGOOSE_STRICT`` says)."""
+    token = _strict_var.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _strict_var.reset(token)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel loading (lazy, cached, failures become reasons)
+
+_kernel_cache: dict[str, Any] = {}  # name -> KernelOps, or str (the failure reason)
+
+
+def _load_kernel(name: str) -> Any:
+    """Load one manifest kernel; separated so that tests can replace it."""
+    import pipegoose.kernels as kernels
+
+    return kernels.load(name)
+
+
+def _kernel_error_types() -> tuple[type[BaseException], ...]:
+    try:
+        import pipegoose.kernels as kernels
+
+        return (kernels.KernelError,)
+    except (ImportError, AttributeError):  # the kernel layer is not there (yet): loading cannot succeed either
+        return (ImportError,)
+
+
+def kernel(name: str) -> tuple[Any | None, str]:
+    """Load kernel ``name`` (manifest id or alias) once: ``(ops, "")``, or ``(None, reason)`` when it cannot load.
+
+    A ``KernelError`` (build failure, preflight failure) is cached as the reason ``"<name> unavailable: <msg>"``
+    and not retried in this process (:func:`clear_kernel_cache` retries).
+    """
+    with _lock:
+        hit = _kernel_cache.get(name)
+        if hit is None:
+            try:
+                hit = _load_kernel(name)
+            except _kernel_error_types() + (ImportError,) as e:
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                hit = f"{name} unavailable: {type(e).__name__}: {msg}"
+                logger.debug("kernel %s could not load: %s", name, e)
+            _kernel_cache[name] = hit
+    if isinstance(hit, str):
+        return None, hit
+    return hit, ""
+
+
+def clear_kernel_cache() -> None:
+    with _lock:
+        _kernel_cache.clear()
+
+
+def kernel_ops(impl: Implementation) -> Any:
+    """The loaded ops of ``impl``'s first kernel (the dispatcher loaded it while choosing)."""
+    ops, why = kernel(impl.kernels[0])
+    if ops is None:
+        raise RuntimeError(why)
+    return ops
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tuning tables
+
+_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float64": torch.float64}
+
+
+def device_slug(name: str) -> str:
+    """``NVIDIA H200`` -> ``nvidia_h200``: lower case, every run of other characters than letters/digits -> ``_``."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower())
+
+
+@dataclass(frozen=True)
+class TuningRule:
+    op: str
+    dtype: torch.dtype
+    impl: str
+    max_cols: int | None = None
+    pass_: str | None = None  # "fwd", "fwd+bwd" or None (any)
+
+    def matches(self, problem: Problem) -> bool:
+        if self.op != problem.op or self.dtype != problem.dtype:
+            return False
+        if self.max_cols is not None and problem.cols is not None and problem.cols > self.max_cols:
+            return False
+        return True
+
+
+@dataclass(frozen=True)
+class TuningTable:
+    device: str
+    rules: tuple[TuningRule, ...]
+    path: str = "<memory>"
+
+    @classmethod
+    def parse(cls, data: Any, path: str = "<memory>") -> "TuningTable":
+        """Validate a tuning table (the JSON object of docs/architecture.md "Tuning tables").
+
+        Raises:
+            TuningTableError: naming the file, the rule index and the field.
+        """
+
+        def err(where: str, msg: str) -> TuningTableError:
+            return TuningTableError(f"{path}: {where}: {msg}")
+
+        if not isinstance(data, Mapping):
+            raise err("<top>", f"expected an object with 'device' and 'rules', got {type(data).__name__}")
+        device = data.get("device")
+        if not isinstance(device, str) or not device:
+            raise err("device", f"expected the GPU name as a string, got {device!r}")
+        rules_raw = data.get("rules")
+        if not isinstance(rules_raw, list):
+            raise err("rules", f"expected a list, got {type(rules_raw).__name__}")
+        rules = []
+        for i, r in enumerate(rules_raw):
+            w = f"rules[{i}]"
+            if not isinstance(r, Mapping):
+                raise err(w, f"expected an object, got {r!r}")
+            op, dt, impl = r.get("op"), r.get("dtype"), r.get("impl")
+            if not isinstance(op, str) or not op:
+                raise err(f"{w}.op", f"expected an op name, got {op!r}")
+            if dt not in _DTYPE_NAMES:
+                raise err(f"{w}.dtype", f"expected one of {', '.join(_DTYPE_NAMES)}, got {dt!r}")
+            if impl not in IMPL_NAMES:
+                raise err(f"{w}.impl", f"expected one of {', '.join(IMPL_NAMES)}, got {impl!r}")
+            mc = r.get("max_cols")
+            if mc is not None and (isinstance(mc, bool) or not isinstance(mc, int) or mc < 1):
+                raise err(f"{w}.max_cols", f"expected a positive integer or null, got {mc!r}")
+            ps = r.get("pass")
+            if ps is not None and ps not in _PASSES:
+                raise err(f"{w}.pass", f"expected one of {', '.join(_PASSES)} or null, got {ps!r}")
+            rules.append(TuningRule(op, _DTYPE_NAMES[dt], impl, mc, ps))
+        return cls(device, tuple(rules), path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TuningTable":
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise TuningTableError(f"{p}: not valid JSON: {e}") from None
+        return cls.parse(data, str(p))
+
+    def candidates(self, problem: Problem) -> list[TuningRule]:
+        """Rules matching ``problem``, those whose ``pass`` fits the call (or is unset) first."""
+        want = "fwd+bwd" if problem.needs_grad else "fwd"
+        matching = [r for r in self.rules if r.matches(problem)]
+        return ([r for r in matching if r.pass_ in (None, want)]
+                + [r for r in matching if r.pass_ not in (None, want)])
+
+
+_tables: dict[str, TuningTable | None] = {}
+
+
+def _device_name(device: torch.device) -> str | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(device)
+
+
+def tuning_table(device: torch.device) -> TuningTable | None:
+    """The tuning table of ``device``'s GPU model, or None (no GPU, no table, or a malformed one: logged once)."""
+    name = _device_name(device)
+    if name is None:
+        return None
+    with _lock:
+        if name in _tables:
+            return _tables[name]
+        path = Path(TUNING_DIR) / f"{device_slug(name)}.json"
+        table = None
+        if path.is_file():
+            try:
+                table = TuningTable.load(path)
+            except (OSError, TuningTableError) as e:
+                logger.warning("ignoring tuning table %s (built-in order instead): %s", path, e)
+        _tables[name] = table
+        return table
+
+
+def clear_tuning_cache() -> None:
+    with _lock:
+        _tables.clear()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Choice
+
+def _check(impl: Implementation, problem: Problem) -> tuple[bool, str]:
+    ok, why = impl.supports(problem)
+    if not ok:
+        return False, why or "not supported"
+    for k in impl.kernels:
+        ops, why = kernel(k)
+        if ops is None:
+            return False, why
+    return True, ""
+
+
+def _env_request(op: str) -> tuple[str | None, str]:
+    names = [f"PIPEGOOSE_IMPL_{op.upper().replace('.', '_')}"]
+    family = op.split(".", 1)[0]
+    if family != op:
+        names.append(f"PIPEGOOSE_IMPL_{family.upper()}")
+    for var in names:
+        v = os.environ.get(var, "").strip().lower()
+        if v and v != "auto":
+            return v, var
+    return None, ""
+
+
+def choose(op: str, problem: Problem, impl: str | None = None) -> Choice:
+    """Choose the implementation of ``op`` for ``problem`` (no counters, no strict check; see :func:`select`).
+
+    Args:
+        impl: the explicit request (an implementation name, ``auto`` or None).
+
+    Raises:
+        KeyError: unknown op.
+        ValueError: ``impl`` (or the ``PIPEGOOSE_IMPL_*`` variable) names no implementation of the op.
+    """
+    impls = implementations(op)
+    reasons: dict[str, str] = {name: "" for name in impls}
+    checked: dict[str, bool] = {}
+
+    def ok(name: str) -> bool:
+        if name not in checked:
+            good, why = _check(impls[name], problem)
+            checked[name] = good
+            reasons[name] = "" if good else why
+        return checked[name]
+
+    requests: list[tuple[str, str]] = []
+    if impl is not None and impl != "auto":
+        if impl not in impls:
+            raise ValueError(f"impl: {op} has no implementation {impl!r}; expected one of "
+                             f"{', '.join(impls)} or 'auto'")
+        requests.append((impl, "argument"))
+    env_impl, env_var = _env_request(op)
+    if env_impl is not None:
+        if env_impl not in impls:
+            raise ValueError(f"{env_var}={env_impl!r}: {op} has no implementation {env_impl!r}; expected one of "
+                             f"{', '.join(impls)} or 'auto'")
+        requests.append((env_impl, "env"))
+
+    for name, source in requests:
+        if ok(name):
+            why = "requested by the impl= argument" if source == "argument" else f"requested by {env_var}"
+            return Choice(op, name, source, False, reasons, why)
+        logger.debug("%s: requested implementation %s (%s) cannot run: %s", op, name, source, reasons[name])
+
+    table = tuning_table(problem.device)
+    if table is not None:
+        for rule in table.candidates(problem):
+            if rule.impl in impls and ok(rule.impl):
+                return Choice(op, rule.impl, "tuning", False, reasons,
+                              f"tuning table {Path(table.path).name}: {rule.op} {str(rule.dtype)[6:]} "
+                              f"max_cols={rule.max_cols} -> {rule.impl}")
+
+    for name, im in impls.items():
+        if im.kind == "reference":
+            continue
+        if ok(name):
+            return Choice(op, name, "builtin", False, reasons, "first supported implementation in built-in order")
+
+    ref = [n for n, im in impls.items() if im.kind == "reference"]
+    if not ref:
+        raise RuntimeError(f"{op}: no implementation supports this input and there is no reference path: "
+                           + "; ".join(f"{n}: {w}" for n, w in reasons.items()))
+    name = ref[0]
+    fused = [n for n, im in impls.items() if im.kind != "reference"]
+    why = "; ".join(f"{n}: {reasons[n]}" for n in fused if reasons[n]) or "no fused implementation"
+    return Choice(op, name, "fallback", bool(fused), reasons, why)
+
+
+def select(op: str, problem: Problem, impl: str | None = None) -> Choice:
+    """:func:`choose`, then count the call, remember it for :func:`last_choice`, log a fallback and, in strict
+    mode, raise on it.
+
+    Raises:
+        FusionFallbackError: strict mode and the choice is a fallback to the reference path.
+    """
+    choice = choose(op, problem, impl)
+    with _lock:
+        _last[op] = choice
+        if choice.fallback and is_strict():
+            raise FusionFallbackError(f"{op}: strict mode: would fall back to {choice.impl}: {choice.reason}")
+        per_op = _stats.setdefault(op, {})
+        per_op[choice.impl] = per_op.get(choice.impl, 0) + 1
+    if choice.fallback:
+        logger.debug("%s: falling back to %s: %s", op, choice.impl, choice.reason)
+    return choice
+
+
+def explain(op: str, *inputs: Any, impl: str | None = None, **kwargs: Any) -> Choice:
+    """What the op would run for these inputs and why (per implementation); counts nothing, runs nothing.
+
+    ``inputs``/``kwargs`` are the op's functional arguments, e.g.
+    ``explain("softmax.masked", x, mask, scale=0.125)``, ``explain("layer_norm", x, (1024,), w, b)``.
+    """
+    implementations(op)
+    builder = _problem_builders.get(op)
+    if builder is None:
+        raise KeyError(f"{op}: no problem builder registered; explain() cannot describe its inputs")
+    return choose(op, builder(*inputs, **kwargs), impl)
+
+
+def last_choice(op: str) -> Choice | None:
+    """The last choice :func:`select` made for ``op`` in this process (None if none)."""
+    with _lock:
+        return _last.get(op)
+
+
+def stats() -> dict[str, dict[str, int]]:
+    """Calls per op and implementation since the last :func:`reset_stats`: ``{op: {impl: count}}``."""
+    with _lock:
+        return {op: dict(c) for op, c in _stats.items()}
+
+
+def reset_stats() -> None:
+    with _lock:
+        _stats.clear()
+        _last.clear()

@@ -1,0 +1,186 @@
+"""Functional API of the fused ops: each function has autograd, fused paths and a PyTorch reference path, chosen
+per call by :mod:`pipegoose.nn.fusion.dispatch` (``impl=`` > ``PIPEGOOSE_IMPL_<OP>`` > tuning table > built-in
+order > reference, with the fallback reason recorded; strict mode turns a fallback into an error).
+
+Every function accepts ``impl`` (keyword): ``None``/``"auto"``, or an implementation name of the op
+(``pipegoose``, ``megatron``, ``apex``, ``torch``); an implementation that cannot take the input is skipped with
+its reason recorded. Autocast: the output dtype is the one PyTorch's own op gives under the same autocast state
+(softmax and layer_norm run in fp32 under CUDA autocast; CPU autocast leaves them in the input dtype).
+
+Kernel sources: see :mod:`pipegoose.nn.fusion.ops.softmax`, :mod:`~pipegoose.nn.fusion.ops.layer_norm`,
+:mod:`~pipegoose.nn.fusion.ops.rms_norm`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .ops import layer_norm as _ln
+from .ops import rms_norm as _rms
+from .ops import softmax as _sm
+
+__all__ = ["softmax", "scaled_softmax", "scaled_masked_softmax", "scaled_upper_triang_masked_softmax",
+           "layer_norm", "mixed_fused_layer_norm", "rms_norm"]
+
+
+def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None, *,
+            impl: str | None = None) -> torch.Tensor:
+    """Drop-in for ``torch.nn.functional.softmax(x, dim, dtype=dtype)``: the same result for every input.
+
+    Args:
+        x: any floating tensor, any shape, any device.
+        dim: the dim to normalize over.
+        dtype: if given, ``x`` is cast to it first (as F.softmax does).
+
+    Returns:
+        Tensor of ``x``'s shape, dtype ``dtype`` or ``x.dtype`` (fp32 under CUDA autocast, like F.softmax).
+
+    The fused path (pipegoose/softmax, pipegoose/kernels/csrc/softmax.cu, MIT) runs only where its result is
+    within ``torch.allclose``'s default tolerance of F.softmax: CUDA, fp32, last dim. fp16/bf16 use F.softmax
+    (a fused half result may differ by one ulp; :func:`scaled_softmax` is the fused half-precision path).
+
+    Raises:
+        IndexError: ``dim`` out of range. TypeError: non-floating ``x``.
+    """
+    _sm.check_input(x)
+    return _sm.run_plain(x, dim, dtype, impl)
+
+
+def scaled_softmax(x: torch.Tensor, scale: float = 1.0, *, impl: str | None = None) -> torch.Tensor:
+    """``softmax(scale * x)`` over the last dim, fp32 math (op ``softmax``).
+
+    Args:
+        x: [..., sk] fp32/fp16/bf16 (fused: CUDA; the Megatron copy also needs [b, np, sq, sk] fp16/bf16).
+        scale: Python float.
+
+    Returns:
+        Tensor like ``x`` (dtype fp32 under CUDA autocast).
+
+    Kernels: pipegoose/softmax (pipegoose/kernels/csrc/softmax.cu, MIT); Megatron-LM scaled_masked_softmax via
+    ColossalAI 0.5.0 extensions/csrc/kernel/cuda/scaled_masked_softmax_kernel.cu (Apache-2.0), with an all-False
+    mask. A row of all ``-inf`` gives NaN on the reference path.
+
+    Raises:
+        TypeError: non-floating ``x`` or non-number ``scale``. ValueError: non-finite ``scale``.
+    """
+    _sm.check_input(x)
+    scale = _sm.check_scale(scale)
+    return _sm.run(_sm.OP_PLAIN, x, None, scale, False, impl)
+
+
+def scaled_masked_softmax(x: torch.Tensor, mask: torch.Tensor | None, scale: float = 1.0, *,
+                          impl: str | None = None) -> torch.Tensor:
+    """Megatron's scaled masked softmax: ``softmax(scale * x)`` over the last dim with ``mask`` True = masked.
+
+    Args:
+        x: [b, np, sq, sk] fp32/fp16/bf16.
+        mask: bool (or uint8, nonzero = masked) [b or 1, 1, sq, sk] (any dim may be 1 to broadcast, except sk),
+            or None (= :func:`scaled_softmax`).
+        scale: Python float.
+
+    Returns:
+        [b, np, sq, sk] in ``x``'s dtype (fp32 under CUDA autocast). A row whose keys are all masked gives zeros
+        in the output and in the gradient, on every path.
+
+    Kernels (op ``softmax.masked``): pipegoose/softmax (MIT); Megatron-LM scaled_masked_softmax (commit 040eac94)
+    via ColossalAI 0.5.0 extensions/csrc/kernel/cuda/scaled_masked_softmax_kernel.cu, Apache-2.0 (fp16/bf16,
+    sq > 1, sk <= 2048, sk % 4 == 0 beyond 64, sq a multiple of batches_per_block, scale exact in the dtype).
+
+    Raises:
+        TypeError: ``x`` not floating, ``mask`` not bool/uint8, ``scale`` not a number.
+        ValueError: ``x`` not 4-D, ``mask`` shape or device wrong, ``scale`` not finite.
+    """
+    _sm.check_input(x)
+    scale = _sm.check_scale(scale)
+    if x.dim() != 4:
+        raise ValueError(f"x: expected [b, np, sq, sk], got shape {list(x.shape)}")
+    if mask is None:
+        return _sm.run(_sm.OP_PLAIN, x, None, scale, False, impl)
+    mask = _sm.check_mask(mask, x)
+    return _sm.run(_sm.OP_MASKED, x, mask, scale, False, impl)
+
+
+def scaled_upper_triang_masked_softmax(x: torch.Tensor, scale: float = 1.0, *,
+                                       impl: str | None = None) -> torch.Tensor:
+    """Megatron's causal softmax: ``softmax(scale * x)`` over the last dim, key ``j`` masked for query ``i`` when
+    ``j > i`` (``j > i + sk - sq`` when sq != sk: bottom-right aligned, as with a KV cache).
+
+    Args:
+        x: [attn_batches, sq, sk] fp32/fp16/bf16 (Megatron: sq == sk).
+        scale: Python float.
+
+    Returns:
+        [attn_batches, sq, sk] in ``x``'s dtype (fp32 under CUDA autocast); rows with no visible key (sq > sk)
+        are zeros.
+
+    Kernels (op ``softmax.causal``): pipegoose/softmax (MIT, any length); Megatron-LM
+    scaled_upper_triang_masked_softmax (commit 040eac94) via ColossalAI 0.5.0
+    extensions/csrc/kernel/cuda/scaled_upper_triang_masked_softmax_kernel.cu, Apache-2.0 (fp16/bf16, sq == sk
+    <= 2048, attn_batches a multiple of batches_per_block; longer inputs go to another implementation).
+
+    Raises:
+        TypeError: non-floating ``x``. ValueError: ``x`` not 3-D, non-finite ``scale``.
+    """
+    _sm.check_input(x)
+    scale = _sm.check_scale(scale)
+    if x.dim() != 3:
+        raise ValueError(f"x: expected [attn_batches, sq, sk], got shape {list(x.shape)}")
+    return _sm.run(_sm.OP_CAUSAL, x, None, scale, True, impl)
+
+
+def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None, eps: float = 1e-5, *, impl: str | None = None) -> torch.Tensor:
+    """LayerNorm over the trailing ``normalized_shape`` dims, statistics in fp32 (op ``layer_norm``).
+
+    Args:
+        x: [*, *normalized_shape], any float dtype.
+        weight, bias: [*normalized_shape] or None, any float dtype independent of ``x``'s (e.g. bf16 x with fp32
+            weight).
+        eps: added to the variance.
+
+    Returns:
+        Tensor of ``x``'s shape; dtype = what ``torch.nn.LayerNorm`` gives: ``x.dtype`` (also with fp32
+        parameters), fp32 under CUDA autocast. (fp32 ``x`` with half parameters, which PyTorch rejects, gives
+        fp32.)
+
+    Kernels: pipegoose/layer_norm (pipegoose/kernels/csrc/layer_norm.cu, MIT); Apex mixed fused LayerNorm via
+    ColossalAI 0.5.0 extensions/csrc/kernel/cuda/layer_norm_kernel.cu, Apache-2.0 (used only when gamma/beta
+    have the output dtype: apex#1379).
+
+    Raises:
+        TypeError: non-floating ``x``/parameters. ValueError: shapes, devices or ``eps`` wrong.
+    """
+    return _ln.run(x, normalized_shape, weight, bias, eps, impl)
+
+
+def mixed_fused_layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int],
+                           weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                           eps: float = 1e-5, *, impl: str | None = None) -> torch.Tensor:
+    """Megatron's name for :func:`layer_norm` (MixedFusedLayerNorm: parameters and input in different dtypes).
+    Same arguments, result and errors."""
+    return _ln.run(x, normalized_shape, weight, bias, eps, impl)
+
+
+def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: torch.Tensor | None = None,
+             eps: float | None = None, *, cast_before_weight: bool = False, impl: str | None = None) -> torch.Tensor:
+    """RMSNorm over the trailing ``normalized_shape`` dims, ``rsqrt(mean(x^2) + eps)`` in fp32 (op ``rms_norm``).
+
+    Args:
+        x: [*, *normalized_shape], any float dtype.
+        weight: [*normalized_shape] or None, any float dtype.
+        eps: None -> ``torch.finfo(x.dtype).eps`` (F.rms_norm's default; LlamaRMSNorm uses 1e-6: pass it).
+        cast_before_weight: False: F.rms_norm numerics (``x * rstd * weight`` in fp32, one rounding, output
+            dtype ``x.dtype``). True: transformers' LlamaRMSNorm numerics (``weight * (x * rstd).to(x.dtype)``,
+            output dtype ``torch.result_type`` of that product, e.g. fp32 for bf16 x with fp32 weight).
+
+    Returns:
+        Tensor of ``x``'s shape, dtype as above.
+
+    Kernel: pipegoose/rms_norm (pipegoose/kernels/csrc/rms_norm.cu, MIT).
+
+    Raises:
+        TypeError: non-floating ``x``/``weight``. ValueError: shapes, devices or ``eps`` wrong.
+    """
+    return _rms.run(x, normalized_shape, weight, eps, bool(cast_before_weight), impl)

@@ -1,0 +1,260 @@
+"""Modules over the fused ops: Megatron's ``FusedScaleMaskSoftmax``, Apex/Megatron's ``MixedFusedLayerNorm`` /
+``FusedLayerNorm`` (drop-ins for ``torch.nn.LayerNorm``) and ``FusedRMSNorm`` (drop-in for ``torch.nn.RMSNorm``
+and transformers' Llama-style RMSNorm). Kernel sources: see :mod:`pipegoose.nn.fusion.functional`."""
+
+from __future__ import annotations
+
+import enum
+import numbers
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from . import dispatch
+from . import functional as PF
+from .ops import softmax as _sm
+from .ops._common import megatron_batches_per_block
+from .ops.layer_norm import normalize_shape
+
+__all__ = ["AttnMaskType", "FusedScaleMaskSoftmax", "MixedFusedLayerNorm", "FusedLayerNorm", "FusedRMSNorm"]
+
+
+class AttnMaskType(enum.Enum):
+    """Megatron's attention mask types: ``padding`` (a boolean mask) and ``causal`` (upper triangle masked)."""
+
+    padding = 1
+    causal = 2
+
+
+class FusedScaleMaskSoftmax(nn.Module):
+    """Megatron-LM's fused ``scale -> mask -> softmax`` over attention scores, with its constructor and methods.
+
+    Args:
+        input_in_fp16, input_in_bf16: the scores' dtype (at most one True).
+        attn_mask_type: :class:`AttnMaskType` ``padding`` or ``causal``.
+        scaled_masked_softmax_fusion: allow the fused kernels.
+        mask_func: ``mask_func(scores, mask) -> scores`` for the PyTorch path (Megatron fills -10000); None =
+            fill with ``-inf``. Either way a row whose keys are all masked gives zeros.
+        softmax_in_fp32: PyTorch path computes in fp32 (it always does here; the flag is kept for Megatron's
+            constraint below).
+        scale: multiplier of the scores, or None (1.0); needs ``softmax_in_fp32`` (as in Megatron).
+
+    ``forward(input [b, np, sq, sk], mask bool [b or 1, 1, sq, sk] or None)`` returns probabilities in the
+    input's dtype. ``causal`` masks key ``j > i + sk - sq`` (plus ``mask`` if given). Fused kernels (through
+    :mod:`~pipegoose.nn.fusion.dispatch`): pipegoose/softmax (MIT), Megatron-LM's scaled_masked_softmax /
+    scaled_upper_triang_masked_softmax via ColossalAI 0.5.0 extensions/csrc/kernel/cuda/ (Apache-2.0).
+
+    Raises:
+        ValueError: both fp16 and bf16 flags, or ``scale`` without ``softmax_in_fp32``, or a non-4-D input.
+    """
+
+    def __init__(self, input_in_fp16: bool, input_in_bf16: bool, attn_mask_type: AttnMaskType,
+                 scaled_masked_softmax_fusion: bool, mask_func: Callable | None, softmax_in_fp32: bool,
+                 scale: float | None) -> None:
+        super().__init__()
+        if input_in_fp16 and input_in_bf16:
+            raise ValueError("input_in_fp16, input_in_bf16: both fp16 and bf16 flags cannot be active at the same time")
+        if not isinstance(attn_mask_type, AttnMaskType):
+            raise TypeError(f"attn_mask_type: expected AttnMaskType, got {attn_mask_type!r}")
+        if scale is not None and not softmax_in_fp32:
+            raise ValueError("scale: softmax should be in fp32 when scaled (softmax_in_fp32=True)")
+        self.input_in_fp16 = input_in_fp16
+        self.input_in_bf16 = input_in_bf16
+        self.input_in_float16 = input_in_fp16 or input_in_bf16
+        self.attn_mask_type = attn_mask_type
+        self.scaled_masked_softmax_fusion = scaled_masked_softmax_fusion
+        self.mask_func = mask_func
+        self.softmax_in_fp32 = softmax_in_fp32
+        self.scale = None if scale is None else _sm.check_scale(scale)
+
+    def forward(self, input: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        _sm.check_input(input, "input")
+        if input.dim() != 4:
+            raise ValueError(f"input: expected [b, np, sq, sk], got shape {list(input.shape)}")
+        if self.is_kernel_available(mask, *input.size(), _input=input):
+            return self.forward_fused_softmax(input, mask)
+        return self.forward_torch_softmax(input, mask)
+
+    def _fused_op(self, mask: torch.Tensor | None) -> str:
+        if self.attn_mask_type == AttnMaskType.causal:
+            return _sm.OP_CAUSAL
+        return _sm.OP_MASKED if mask is not None else _sm.OP_PLAIN
+
+    def is_kernel_available(self, mask: torch.Tensor | None, b: int, np: int, sq: int, sk: int,
+                            _input: torch.Tensor | None = None) -> bool:
+        """Whether a fused implementation will take these sizes: fusion enabled, fp16/bf16 input, and the
+        dispatcher finds a fused (non-torch) implementation that supports them on the current CUDA device."""
+        if not (self.scaled_masked_softmax_fusion and self.input_in_float16):
+            return False
+        if _input is not None:
+            x = _input
+        else:
+            if not torch.cuda.is_available():
+                return False
+            x = torch.empty((b, np, sq, sk), dtype=torch.float16 if self.input_in_fp16 else torch.bfloat16,
+                            device="cuda")
+        if x.dtype not in (torch.float16, torch.bfloat16):
+            return False
+        causal = self.attn_mask_type == AttnMaskType.causal
+        if causal and mask is not None:
+            return False  # causal + padding mask: no single fused kernel call, PyTorch path
+        scale = self.scale if self.scale is not None else 1.0
+        if causal:
+            problem = _sm.softmax_problem(_sm.OP_CAUSAL, x.reshape(-1, sq, sk) if x.is_contiguous() else x,
+                                          None, scale)
+        else:
+            problem = _sm.softmax_problem(self._fused_op(mask), x, mask, scale)
+        choice = dispatch.choose(problem.op, problem)
+        return choice.impl != "torch"
+
+    def forward_fused_softmax(self, input: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        b, np, sq, sk = input.size()
+        scale = self.scale if self.scale is not None else 1.0
+        if self.attn_mask_type == AttnMaskType.causal:
+            probs = PF.scaled_upper_triang_masked_softmax(input.reshape(-1, sq, sk), scale)
+            return probs.view(b, np, sq, sk).to(input.dtype)
+        return PF.scaled_masked_softmax(input, mask, scale).to(input.dtype)
+
+    def forward_torch_softmax(self, input: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        x = input.float() if (self.input_in_float16 and self.softmax_in_fp32) else input
+        if self.scale is not None:
+            x = x * self.scale
+        masked = None
+        if mask is not None:
+            masked = _sm.check_mask(mask, input)
+        if self.attn_mask_type == AttnMaskType.causal:
+            cm = _sm.causal_mask(input.shape[-2], input.shape[-1], input.device)
+            masked = cm if masked is None else (masked | cm)
+        if masked is not None:
+            if self.mask_func is not None:
+                x = self.mask_func(x, masked)
+            else:
+                x = x.masked_fill(masked, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        if masked is not None:
+            probs = probs.masked_fill(masked.all(dim=-1, keepdim=True), 0.0)
+        return probs.to(input.dtype)
+
+    @staticmethod
+    def get_batch_per_block(sq: int, sk: int, b: int, np: int) -> int:
+        """Rows per CUDA block of the Megatron kernels (their ``get_batch_per_block``; depends on ``sk`` only)."""
+        return megatron_batches_per_block(sk)
+
+
+def _ln_shape(normalized_shape) -> tuple[int, ...]:
+    if isinstance(normalized_shape, numbers.Integral):
+        return (int(normalized_shape),)
+    return normalize_shape(normalized_shape)
+
+
+class FusedLayerNorm(nn.LayerNorm):
+    """Drop-in for ``torch.nn.LayerNorm`` (same constructor, parameters ``weight``/``bias``, state_dict keys)
+    running :func:`pipegoose.nn.fusion.functional.layer_norm`: statistics in fp32, parameters may have another
+    dtype than the input (e.g. fp32 weights with bf16 activations), output dtype as ``nn.LayerNorm``'s.
+
+    Args: as ``torch.nn.LayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None,
+    dtype=None)``; ``impl``: force an implementation (``pipegoose``, ``apex``, ``torch``), default auto.
+
+    Kernels: pipegoose/layer_norm (MIT); Apex fused LayerNorm via ColossalAI 0.5.0
+    extensions/csrc/kernel/cuda/layer_norm_kernel.cu (Apache-2.0).
+    """
+
+    def __init__(self, normalized_shape: int | Sequence[int], eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True, device=None, dtype=None, *, impl: str | None = None) -> None:
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias,
+                         device=device, dtype=dtype)
+        self.impl = impl
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return PF.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, impl=self.impl)
+
+    @classmethod
+    def from_layer_norm(cls, module: nn.LayerNorm, *, impl: str | None = None) -> "FusedLayerNorm":
+        """A fused module sharing ``module``'s parameter objects (``new.weight is module.weight``): optimizers and
+        tied references keep working. Raises TypeError if ``module`` is not a ``torch.nn.LayerNorm``."""
+        if not isinstance(module, nn.LayerNorm):
+            raise TypeError(f"module: expected a torch.nn.LayerNorm, got {type(module).__name__}")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.normalized_shape = tuple(module.normalized_shape)
+        new.eps = module.eps
+        new.elementwise_affine = module.elementwise_affine
+        new.register_parameter("weight", module.weight)  # the same Parameter objects (or None)
+        new.register_parameter("bias", module.bias)
+        new.impl = impl
+        new.train(module.training)
+        return new
+
+
+class MixedFusedLayerNorm(FusedLayerNorm):
+    """Megatron's name for :class:`FusedLayerNorm` (fp32 parameters with fp16/bf16 activations); identical."""
+
+
+class FusedRMSNorm(nn.Module):
+    """RMSNorm module over :func:`pipegoose.nn.fusion.functional.rms_norm`.
+
+    Args:
+        normalized_shape (or ``hidden_size``): int or shape of the trailing dims.
+        eps: None -> ``torch.finfo(input.dtype).eps`` (as torch.nn.RMSNorm).
+        elementwise_affine: learnable ``weight`` (ones) if True.
+        cast_before_weight: False: ``torch.nn.RMSNorm`` numerics; True: transformers' LlamaRMSNorm numerics
+            (see the functional).
+        device, dtype: of the weight.
+
+    Parameters/state_dict: ``weight`` (as torch.nn.RMSNorm and LlamaRMSNorm). Kernel: pipegoose/rms_norm (MIT).
+    """
+
+    def __init__(self, normalized_shape: int | Sequence[int] | None = None, eps: float | None = None,
+                 elementwise_affine: bool = True, *, hidden_size: int | None = None, cast_before_weight: bool = False,
+                 device=None, dtype=None, impl: str | None = None) -> None:
+        super().__init__()
+        if (normalized_shape is None) == (hidden_size is None):
+            raise TypeError("normalized_shape / hidden_size: give exactly one")
+        self.normalized_shape = _ln_shape(normalized_shape if normalized_shape is not None else hidden_size)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.cast_before_weight = cast_before_weight
+        self.impl = impl
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return PF.rms_norm(input, self.normalized_shape, self.weight, self.eps,
+                           cast_before_weight=self.cast_before_weight, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
+                f"cast_before_weight={self.cast_before_weight}")
+
+    @classmethod
+    def from_module(cls, module: nn.Module, eps: float | None = None, *, impl: str | None = None) -> "FusedRMSNorm":
+        """A fused module sharing ``module.weight`` (same Parameter object).
+
+        ``module``: ``torch.nn.RMSNorm`` (-> F.rms_norm numerics, its ``eps``) or a transformers Llama-style
+        RMSNorm (``weight`` + ``variance_epsilon`` or ``eps``; -> ``cast_before_weight=True``). ``eps`` overrides.
+
+        Raises:
+            TypeError: ``module`` has no ``weight`` parameter of one or more dims.
+        """
+        w = getattr(module, "weight", None)
+        if isinstance(module, nn.RMSNorm):
+            shape, cast, mod_eps = tuple(module.normalized_shape), False, module.eps
+        else:
+            if not isinstance(w, nn.Parameter) or w.dim() < 1:
+                raise TypeError(f"module: expected torch.nn.RMSNorm or an RMSNorm with a 'weight' Parameter, got "
+                                f"{type(module).__name__}")
+            shape, cast = tuple(w.shape), True
+            mod_eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        new = cls(shape, eps=eps if eps is not None else mod_eps, elementwise_affine=False,
+                  cast_before_weight=cast, impl=impl)
+        new.elementwise_affine = w is not None
+        new.weight = w
+        new.train(module.training)
+        return new

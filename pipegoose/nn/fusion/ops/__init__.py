@@ -1,0 +1,7 @@
+"""Op families: one module per family holding its autograd Functions, its PyTorch reference and the
+registration of its implementations with :mod:`pipegoose.nn.fusion.dispatch`. Importing this package
+registers them all; nothing here loads a kernel (that happens on first CUDA use)."""
+
+from . import layer_norm, multi_tensor, rms_norm, softmax  # noqa: F401  (registration side effects)
+
+__all__ = ["layer_norm", "multi_tensor", "rms_norm", "softmax"]

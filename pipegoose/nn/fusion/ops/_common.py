@@ -1,0 +1,101 @@
+"""Helpers shared by the op families: autocast policy, manifest limits, small checks."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+INT32_MAX = 2**31 - 1
+GRID_YZ_MAX = 65535
+
+_policy_lock = threading.Lock()
+_policy_cache: dict[tuple, torch.dtype] = {}
+
+
+def autocast_state(device: torch.device) -> tuple:
+    kind = device.type
+    try:
+        enabled = torch.is_autocast_enabled(kind)
+    except (TypeError, RuntimeError):  # device types without autocast
+        return (kind, False, None)
+    return (kind, enabled, torch.get_autocast_dtype(kind) if enabled else None)
+
+
+def torch_result_dtype(key: str, device: torch.device, dtypes: tuple, probe: Callable[..., torch.Tensor],
+                       default: torch.dtype) -> torch.dtype:
+    """The dtype PyTorch's own op returns for inputs of ``dtypes`` under the current autocast state.
+
+    Autocast's policy (which ops run in fp32, per device type) is not a public API, so it is measured: ``probe``
+    runs the torch op on tiny tensors of ``dtypes`` on ``device`` once per (op, device type, autocast state,
+    dtypes), and the answer is cached. A probe that raises (PyTorch rejects that dtype mix) gives ``default``.
+    """
+    state = autocast_state(device)
+    k = (key, state, dtypes)
+    hit = _policy_cache.get(k)
+    if hit is not None:
+        return hit
+    try:
+        with torch.no_grad():
+            out = probe(*dtypes).dtype
+    except (RuntimeError, TypeError, ValueError):
+        out = default
+    with _policy_lock:
+        _policy_cache[k] = out
+    return out
+
+
+@contextlib.contextmanager
+def no_autocast(device: torch.device) -> Iterator[None]:
+    """Run the body without autocast on ``device`` (the caller already chose the compute dtype)."""
+    if autocast_state(device)[1]:
+        with torch.autocast(device_type=device.type, enabled=False):
+            yield
+    else:
+        yield
+
+
+def needs_grad(*tensors: Any) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def next_pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def megatron_batches_per_block(sk: int) -> int:
+    """Rows per 128-thread block in the Megatron softmax copies (ColossalAI 0.5.0
+    extensions/csrc/kernel/cuda/scaled_masked_softmax_kernel.cu, get_batch_per_block): warp = min(next_pow2, 32),
+    2 rows per warp when next_pow2 <= 128 else 1, 128 / warp warps per block."""
+    p = next_pow2(sk)
+    warp = min(p, 32)
+    return (128 // warp) * (2 if p <= 128 else 1)
+
+
+def dtype_name(dtype: torch.dtype | None) -> str:
+    return "None" if dtype is None else str(dtype).replace("torch.", "")
+
+
+@functools.lru_cache(maxsize=None)
+def manifest_limit(kernel: str, key: str, default: Any) -> Any:
+    """A limit of a kernel from kernels.yaml (``limits:``), or ``default`` when the manifest lacks it."""
+    try:
+        from pipegoose.kernels.manifest import load_manifest
+
+        return load_manifest().resolve(kernel).limits.get(key, default)
+    except Exception:  # noqa: BLE001 - a missing/odd manifest must not break the reference path
+        return default
+
+
+def representable(value: float, dtype: torch.dtype) -> bool:
+    """Whether ``value`` survives a round trip through ``dtype`` unchanged (fp32 first: kernels take float)."""
+    v32 = float(torch.tensor(value, dtype=torch.float32))
+    return v32 == value and float(torch.tensor(value, dtype=dtype)) == value

@@ -1,0 +1,252 @@
+"""LayerNorm over the trailing ``normalized_shape``: autograd Functions, the PyTorch reference, dispatch.
+
+Semantics (every implementation): statistics (mean, 1/std) in fp32, biased variance, ``y = (x - mean) * rstd *
+weight + bias``; input and parameter dtypes are independent; the output dtype is what ``torch.nn.LayerNorm``
+returns under the same dtypes and autocast state: the input's dtype (also for fp16/bf16 input with fp32
+parameters), fp32 under CUDA autocast (layer_norm is on autocast's fp32 list there; CPU autocast leaves it alone).
+PyTorch rejects fp32 input with fp16/bf16 parameters; here that gives fp32 output (parameters upcast exactly).
+
+Implementations (op ``layer_norm``):
+
+* ``pipegoose`` - pipegoose/kernels/csrc/layer_norm.cu (this project, MIT): any mix of fp32/fp16/bf16 input and
+  parameters, output dtype chosen by the caller.
+* ``apex`` - Apex's mixed fused LayerNorm (``fused_layer_norm_cuda`` / Megatron's
+  ``fused_mix_prec_layer_norm_cuda``), copy in ColossalAI 0.5.0 ``extensions/csrc/kernel/cuda/layer_norm_kernel.cu``,
+  Apache-2.0 (Apex BSD-3 notice). It writes its output in gamma's dtype and accepts fp16 input only with fp16
+  gamma (bf16 with bf16): fp16 input with fp32 weight (apex#1379) is routed to another implementation instead
+  of rounding the weight. Missing weight/bias are passed as exact ones/zeros.
+* ``torch`` - ``F.layer_norm`` (parameters upcast exactly where PyTorch needs matching dtypes).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .. import dispatch
+from ..dispatch import Implementation, Problem
+from ._common import (FLOAT_DTYPES, HALF_DTYPES, INT32_MAX, dtype_name, manifest_limit, needs_grad,
+                      no_autocast, torch_result_dtype)
+
+OP = "layer_norm"
+SRC_PIPEGOOSE = "pipegoose/layer_norm: pipegoose/kernels/csrc/layer_norm.cu (pipegoose, MIT)"
+SRC_APEX = ("apex/fused_layer_norm: Apex csrc/layer_norm_cuda_kernel.cu via ColossalAI 0.5.0 "
+            "extensions/csrc/kernel/cuda/layer_norm_kernel.cu, Apache-2.0")
+
+
+def normalize_shape(normalized_shape: Any) -> tuple[int, ...]:
+    if isinstance(normalized_shape, int):
+        return (normalized_shape,)
+    try:
+        shape = tuple(int(s) for s in normalized_shape)
+    except TypeError:
+        raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {normalized_shape!r}") from None
+    if not shape:
+        raise ValueError("normalized_shape: expected at least one dimension, got ()")
+    return shape
+
+
+def check_args(x: Any, shape: tuple[int, ...], weight: Any, bias: Any, eps: Any) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x: expected a floating point torch.Tensor, got "
+                        f"{dtype_name(x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape:
+        raise ValueError(f"x: expected shape [*, {', '.join(map(str, shape))}] (normalized_shape={list(shape)}), "
+                         f"got {list(x.shape)}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+            raise TypeError(f"{name}: expected a floating point torch.Tensor or None, got {type(p).__name__}")
+        if tuple(p.shape) != shape:
+            raise ValueError(f"{name}: expected shape {list(shape)} (normalized_shape), got {list(p.shape)}")
+        if p.device != x.device:
+            raise ValueError(f"{name}: on {p.device}, expected the input's device {x.device}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or not math.isfinite(eps):
+        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
+
+
+def out_dtype(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.dtype:
+    """What F.layer_norm returns for these dtypes under the current autocast state (input dtype when PyTorch
+    rejects the mix)."""
+    dev = x.device
+    wd = None if weight is None else weight.dtype
+    bd = None if bias is None else bias.dtype
+
+    def probe(xd, wd_, bd_):
+        w = None if wd_ is None else torch.ones(2, dtype=wd_, device=dev)
+        b = None if bd_ is None else torch.zeros(2, dtype=bd_, device=dev)
+        return F.layer_norm(torch.zeros(1, 2, dtype=xd, device=dev), (2,), w, b)
+
+    return torch_result_dtype("layer_norm", dev, (x.dtype, wd, bd), probe, x.dtype)
+
+
+def layer_norm_problem(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | None,
+                       bias: torch.Tensor | None, out: torch.dtype) -> Problem:
+    h = math.prod(shape)
+    return Problem(OP, x.dtype, x.device, cols=h, needs_grad=needs_grad(x, weight, bias),
+                   extra=dict(shape=tuple(x.shape), normalized_shape=shape, hidden=h,
+                              rows=x.numel() // h if h else 0,
+                              weight_dtype=None if weight is None else weight.dtype,
+                              bias_dtype=None if bias is None else bias.dtype, out_dtype=out))
+
+
+def _explain(x, normalized_shape, weight=None, bias=None, eps=1e-5, **_):
+    shape = normalize_shape(normalized_shape)
+    check_args(x, shape, weight, bias, eps)
+    return layer_norm_problem(x, shape, weight, bias, out_dtype(x, weight, bias))
+
+
+def _common(p: Problem, kernel: str) -> tuple[bool, str]:
+    if p.device.type != "cuda":
+        return False, f"needs a CUDA tensor, got device {p.device}"
+    if p.dtype not in FLOAT_DTYPES:
+        return False, f"input dtype {dtype_name(p.dtype)} not supported (float32, float16, bfloat16)"
+    h = p["hidden"]
+    hmin = manifest_limit(kernel, "hidden_min", 1)
+    hmax = manifest_limit(kernel, "hidden_max", 65536)
+    if not hmin <= h <= hmax:
+        return False, f"hidden size {h} outside [{hmin}, {hmax}]"
+    if p["rows"] == 0:
+        return False, "no rows"
+    return True, ""
+
+
+def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
+    ok, why = _common(p, "pipegoose/layer_norm")
+    if not ok:
+        return ok, why
+    for name in ("weight_dtype", "bias_dtype", "out_dtype"):
+        d = p[name]
+        if d is not None and d not in FLOAT_DTYPES:
+            return False, f"{name.replace('_dtype', '')} dtype {dtype_name(d)} not supported"
+    return True, ""
+
+
+def _apex_supports(p: Problem) -> tuple[bool, str]:
+    ok, why = _common(p, "apex/fused_layer_norm")
+    if not ok:
+        return ok, why
+    out = p["out_dtype"]
+    if out not in FLOAT_DTYPES:
+        return False, f"output dtype {dtype_name(out)} not supported"
+    if p.dtype != out and not (p.dtype == torch.float32 and out in HALF_DTYPES):
+        return False, (f"input {dtype_name(p.dtype)} with output {dtype_name(out)}: the copy writes its output in "
+                       f"the input's dtype for fp16/bf16 input")
+    for name in ("weight_dtype", "bias_dtype"):
+        d = p[name]
+        if d is not None and d != out:
+            return False, (f"{name.replace('_dtype', '')} dtype {dtype_name(d)} != output dtype {dtype_name(out)}: "
+                           f"the copy needs gamma/beta in the output dtype (apex#1379)")
+    if p["rows"] * p["hidden"] > INT32_MAX:
+        return False, f"{p['rows'] * p['hidden']} elements: the copy indexes with 32-bit int"
+    return True, ""
+
+
+def _torch_supports(p: Problem) -> tuple[bool, str]:
+    return True, ""
+
+
+dispatch.register(Implementation(OP, "pipegoose", "ours", _pipegoose_supports, ("pipegoose/layer_norm",),
+                                 SRC_PIPEGOOSE))
+dispatch.register(Implementation(OP, "apex", "ported", _apex_supports, ("apex/fused_layer_norm",), SRC_APEX))
+dispatch.register(Implementation(OP, "torch", "reference", _torch_supports, (), "PyTorch F.layer_norm"))
+dispatch.register_problem(OP, _explain)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reference
+
+def _param_for(p: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """Upcast a parameter (exactly) so that F.layer_norm accepts the pair; never rounds it down."""
+    if p is None or p.dtype == x.dtype:
+        return p
+    if x.dtype in HALF_DTYPES:
+        return p.float() if p.dtype != torch.float64 else p.to(x.dtype)
+    return p.to(x.dtype)
+
+
+def layer_norm_reference(x: torch.Tensor, shape: Sequence[int], weight: torch.Tensor | None,
+                         bias: torch.Tensor | None, eps: float, out: torch.dtype) -> torch.Tensor:
+    """F.layer_norm with the output dtype ``out`` (input cast first, as autocast does) and mixed parameters."""
+    if out != x.dtype:
+        x = x.to(out)
+    w, b = _param_for(weight, x), _param_for(bias, x)
+    if w is not None and b is not None and w.dtype != b.dtype:
+        w, b = w.float(), b.float()
+    return F.layer_norm(x, tuple(shape), w, b, eps)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fused Functions
+
+def _ops(name: str) -> Any:
+    ops, why = dispatch.kernel(name)
+    if ops is None:
+        raise RuntimeError(why)
+    return ops
+
+
+class PipegooseLayerNormFunction(torch.autograd.Function):
+    """pipegoose/layer_norm: layer_norm_forward(input [rows, H], weight [H]?, bias [H]?, eps, out_dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, shape, eps, out):
+        h = math.prod(shape)
+        x2 = x.reshape(-1, h).contiguous()
+        w = None if weight is None else weight.reshape(h).contiguous()
+        b = None if bias is None else bias.reshape(h).contiguous()
+        y, mean, rstd = _ops("pipegoose/layer_norm").layer_norm_forward(x2, w, b, float(eps), out)
+        ctx.save_for_backward(x2, w, b, mean, rstd)
+        ctx.meta = (tuple(x.shape), tuple(shape), weight is not None, bias is not None)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w, b, mean, rstd = ctx.saved_tensors
+        xshape, shape, has_w, has_b = ctx.meta
+        dy2 = dy.reshape(x2.shape).contiguous()
+        gi, gw, gb = _ops("pipegoose/layer_norm").layer_norm_backward(dy2, x2, w, b, mean, rstd)
+        return (gi.view(xshape), gw.view(shape) if has_w else None, gb.view(shape) if has_b else None,
+                None, None, None)
+
+
+class ApexLayerNormFunction(torch.autograd.Function):
+    """apex/fused_layer_norm: fused_layer_norm_affine_forward/backward (gamma, beta in the output dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, shape, eps, out):
+        shape = list(shape)
+        x2 = x.contiguous()
+        g = torch.ones(shape, dtype=out, device=x.device) if weight is None else weight.contiguous()
+        b = torch.zeros(shape, dtype=out, device=x.device) if bias is None else bias.contiguous()
+        y, mean, invvar = _ops("apex/fused_layer_norm").fused_layer_norm_affine_forward(x2, shape, g, b, float(eps))
+        ctx.save_for_backward(x2, g, b, mean, invvar)
+        ctx.meta = (shape, float(eps), weight is not None, bias is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, g, b, mean, invvar = ctx.saved_tensors
+        shape, eps, has_w, has_b = ctx.meta
+        gi, gg, gb = _ops("apex/fused_layer_norm").fused_layer_norm_affine_backward(
+            dy.to(g.dtype).contiguous(), mean, invvar, x2, shape, g, b, eps)
+        return gi, gg if has_w else None, gb if has_b else None, None, None, None
+
+
+def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, bias: torch.Tensor | None,
+        eps: float, impl: str | None) -> torch.Tensor:
+    shape = normalize_shape(normalized_shape)
+    check_args(x, shape, weight, bias, eps)
+    out = out_dtype(x, weight, bias)
+    xin = x if out == x.dtype else x.to(out)  # what autocast does (fp32 policy); the kernels then see out == in
+    choice = dispatch.select(OP, layer_norm_problem(xin, shape, weight, bias, out), impl)
+    with no_autocast(x.device):
+        if choice.impl == "pipegoose":
+            return PipegooseLayerNormFunction.apply(xin, weight, bias, shape, eps, out)
+        if choice.impl == "apex":
+            return ApexLayerNormFunction.apply(xin, weight, bias, shape, eps, out)
+        return layer_norm_reference(xin, shape, weight, bias, eps, out)

@@ -1,0 +1,208 @@
+"""Multi-tensor optimizer ops: Adam/AdamW step and the L2 norm + scale of gradient clipping.
+
+Ops (dispatch names) and implementations:
+
+* ``adam`` (one call per bucket of tensors sharing device, dtypes and step):
+  ``apex`` - Apex ``amp_C.multi_tensor_adam`` copy in ColossalAI 0.5.0
+  ``extensions/csrc/kernel/cuda/multi_tensor_adam_kernel.cu`` (+ ``multi_tensor_apply.cuh``), Apache-2.0 (Apex
+  BSD-3 notice): fp32 math; grads one dtype, params/exp_avg/exp_avg_sq one dtype (fp32/fp16/bf16, the fp16-bf16
+  cross pairs excepted); contiguous; 32-bit sizes.
+  ``deepspeed`` - DeepSpeed 0.19.8 ``csrc/adam/multi_tensor_adam.cu`` (adapted from Apex), Apache-2.0: fp32 math;
+  grads, params and both moments in one dtype; 64-bit indexing.
+  ``torch`` - ``torch.optim.adam.adam`` (the functional math of torch.optim.Adam/AdamW; own ``torch._foreach``
+  math when ``bias_correction=False``, which torch does not offer).
+* ``clip_grad_norm`` (one call per device and dtype): ``apex`` - ``multi_tensor_l2norm`` + ``multi_tensor_scale``
+  copies in ColossalAI 0.5.0 ``extensions/csrc/kernel/cuda/multi_tensor_{l2norm,scale}_kernel.cu``, Apache-2.0:
+  fp32 and fp16 only (the copies dispatch no bf16), norm_type 2, contiguous, 32-bit sizes. ``torch`` -
+  ``torch._foreach_norm`` / ``torch._foreach_mul_``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .. import dispatch
+from ..dispatch import Implementation, Problem
+from ._common import FLOAT_DTYPES, INT32_MAX, dtype_name
+
+OP_ADAM, OP_CLIP = "adam", "clip_grad_norm"
+CHUNK_SIZE = 2048 * 32  # elements per block-chunk, as Apex's optimizers use
+SRC_APEX_ADAM = ("apex/multi_tensor_adam: Apex csrc/multi_tensor_adam.cu via ColossalAI 0.5.0 "
+                 "extensions/csrc/kernel/cuda/multi_tensor_adam_kernel.cu, Apache-2.0")
+SRC_DS_ADAM = "deepspeed/multi_tensor_adam: DeepSpeed 0.19.8 csrc/adam/multi_tensor_adam.cu, Apache-2.0"
+SRC_APEX_CLIP = ("apex/multi_tensor_l2norm + apex/multi_tensor_scale: Apex csrc/multi_tensor_{l2norm,scale}_kernel.cu "
+                 "via ColossalAI 0.5.0 extensions/csrc/kernel/cuda/, Apache-2.0")
+
+# (grad dtype, param dtype) pairs of the copy's DISPATCH_FLOAT_AND_HALF_FOR_G_P
+_APEX_GP = {(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.float16, torch.float32),
+            (torch.float16, torch.float16), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+            (torch.bfloat16, torch.bfloat16)}
+
+
+def _tensors_facts(lists: Sequence[Sequence[torch.Tensor]]) -> dict:
+    flat = [t for lst in lists for t in lst]
+    return dict(n=len(lists[0]) if lists else 0,
+                contiguous=all(t.is_contiguous() for t in flat),
+                same_device=len({t.device for t in flat}) <= 1,
+                max_numel=max((t.numel() for t in flat), default=0),
+                dtypes=tuple(lst[0].dtype if lst else None for lst in lists),
+                uniform=all(len({t.dtype for t in lst}) <= 1 for lst in lists))
+
+
+def adam_problem(grads, params, exp_avgs, exp_avg_sqs) -> Problem:
+    facts = _tensors_facts([grads, params, exp_avgs, exp_avg_sqs])
+    return Problem(OP_ADAM, params[0].dtype, params[0].device, None, False, facts)
+
+
+def clip_problem(grads: Sequence[torch.Tensor], norm_type: float) -> Problem:
+    facts = _tensors_facts([grads])
+    facts["norm_type"] = float(norm_type)
+    return Problem(OP_CLIP, grads[0].dtype, grads[0].device, None, False, facts)
+
+
+def _lists_ok(p: Problem) -> tuple[bool, str]:
+    if p.device.type != "cuda":
+        return False, f"needs CUDA tensors, got device {p.device}"
+    if p["n"] == 0:
+        return False, "no tensors"
+    if not p["same_device"]:
+        return False, "tensors on several devices"
+    if not p["uniform"]:
+        return False, "a tensor list mixes dtypes (the kernels take one dtype per list)"
+    if not p["contiguous"]:
+        return False, "a tensor is not contiguous"
+    return True, ""
+
+
+def _apex_adam_supports(p: Problem) -> tuple[bool, str]:
+    ok, why = _lists_ok(p)
+    if not ok:
+        return ok, why
+    g, par, m, v = p["dtypes"]
+    if (g, par) not in _APEX_GP:
+        return False, f"grad {dtype_name(g)} with param {dtype_name(par)} not dispatched by the copy"
+    if m != par or v != par:
+        return False, f"exp_avg/exp_avg_sq dtype {dtype_name(m)}/{dtype_name(v)} != param dtype {dtype_name(par)}"
+    if p["max_numel"] > INT32_MAX:
+        return False, f"a tensor of {p['max_numel']} elements: the copy keeps 32-bit sizes"
+    return True, ""
+
+
+def _ds_adam_supports(p: Problem) -> tuple[bool, str]:
+    ok, why = _lists_ok(p)
+    if not ok:
+        return ok, why
+    dts = set(p["dtypes"])
+    if len(dts) != 1:
+        return False, "grads, params and moments must share one dtype (the copy dispatches on one type)"
+    (d,) = dts
+    if d not in FLOAT_DTYPES + (torch.float64,):
+        return False, f"dtype {dtype_name(d)} not supported"
+    return True, ""
+
+
+def _apex_clip_supports(p: Problem) -> tuple[bool, str]:
+    ok, why = _lists_ok(p)
+    if not ok:
+        return ok, why
+    if p["norm_type"] != 2.0:
+        return False, f"norm_type {p['norm_type']}: the kernel computes the L2 norm only"
+    if p.dtype not in (torch.float32, torch.float16):
+        return False, f"dtype {dtype_name(p.dtype)}: the copies dispatch float32 and float16 only"
+    if p["max_numel"] > INT32_MAX:
+        return False, f"a tensor of {p['max_numel']} elements: the copies keep 32-bit sizes"
+    return True, ""
+
+
+dispatch.register(Implementation(OP_ADAM, "apex", "ported", _apex_adam_supports, ("apex/multi_tensor_adam",),
+                                 SRC_APEX_ADAM))
+dispatch.register(Implementation(OP_ADAM, "deepspeed", "ported", _ds_adam_supports,
+                                 ("deepspeed/multi_tensor_adam",), SRC_DS_ADAM))
+dispatch.register(Implementation(OP_ADAM, "torch", "reference", lambda p: (True, ""), (), "torch.optim.adam.adam"))
+dispatch.register(Implementation(OP_CLIP, "apex", "ported", _apex_clip_supports,
+                                 ("apex/multi_tensor_l2norm", "apex/multi_tensor_scale"), SRC_APEX_CLIP))
+dispatch.register(Implementation(OP_CLIP, "torch", "reference", lambda p: (True, ""), (), "torch._foreach_norm"))
+dispatch.register_problem(OP_ADAM, adam_problem)
+dispatch.register_problem(OP_CLIP, clip_problem)
+
+
+_noop_flags: dict[torch.device, torch.Tensor] = {}
+
+
+def noop_flag(device: torch.device) -> torch.Tensor:
+    """A zeroed int32 [1] flag on ``device`` (the kernels set it on inf/nan; we do not skip on it)."""
+    f = _noop_flags.get(device)
+    if f is None:
+        f = _noop_flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    else:
+        f.zero_()
+    return f
+
+
+def _ops(name: str) -> Any:
+    ops, why = dispatch.kernel(name)
+    if ops is None:
+        raise RuntimeError(why)
+    return ops
+
+
+def adam_step_fused(impl: str, grads, params, exp_avgs, exp_avg_sqs, *, lr: float, beta1: float, beta2: float,
+                    eps: float, step: int, adam_w_mode: bool, bias_correction: bool, weight_decay: float) -> None:
+    """One Adam/AdamW step over a bucket with the ``apex`` or ``deepspeed`` kernel (``step`` already counted)."""
+    dev = params[0].device
+    mode = 1 if adam_w_mode else 0
+    if impl == "apex":
+        _ops("apex/multi_tensor_adam").multi_tensor_adam(
+            CHUNK_SIZE, noop_flag(dev), list(grads), list(params), list(exp_avgs), list(exp_avg_sqs), float(lr),
+            float(beta1), float(beta2), float(eps), int(step), mode, int(bias_correction), float(weight_decay), -1.0)
+    elif impl == "deepspeed":
+        _ops("deepspeed/multi_tensor_adam").deepspeed_multi_tensor_adam(
+            CHUNK_SIZE, noop_flag(dev), list(grads), list(params), list(exp_avgs), list(exp_avg_sqs), float(lr),
+            float(beta1), float(beta2), float(eps), int(step), mode, int(bias_correction), float(weight_decay))
+    else:
+        raise ValueError(f"impl: expected 'apex' or 'deepspeed', got {impl!r}")
+
+
+@torch.no_grad()
+def adam_step_reference(grads, params, exp_avgs, exp_avg_sqs, steps: list[torch.Tensor], *, lr: float,
+                        beta1: float, beta2: float, eps: float, adam_w_mode: bool, bias_correction: bool,
+                        weight_decay: float) -> None:
+    """torch.optim.Adam(W)'s functional math; increments the ``steps`` tensors itself, as torch does."""
+    grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, params)]
+    if bias_correction:
+        from torch.optim.adam import adam
+
+        adam(list(params), grads, list(exp_avgs), list(exp_avg_sqs), [], list(steps), foreach=None,
+             capturable=False, differentiable=False, fused=None, grad_scale=None, found_inf=None,
+             has_complex=False, decoupled_weight_decay=adam_w_mode, amsgrad=False, beta1=beta1, beta2=beta2,
+             lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
+        return
+    for s in steps:
+        s += 1
+    params, exp_avgs, exp_avg_sqs = list(params), list(exp_avgs), list(exp_avg_sqs)
+    if weight_decay != 0:
+        if adam_w_mode:
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, -lr)
+
+
+def l2norm_fused(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm (fp32 scalar tensor on the grads' device) with apex/multi_tensor_l2norm."""
+    total, _ = _ops("apex/multi_tensor_l2norm").multi_tensor_l2norm(CHUNK_SIZE, noop_flag(grads[0].device),
+                                                                     list(grads), False)
+    return total.reshape(())
+
+
+def scale_fused(grads: Sequence[torch.Tensor], scale: float) -> None:
+    """grads *= scale in place with apex/multi_tensor_scale (src and dst the same lists, as Apex does)."""
+    _ops("apex/multi_tensor_scale").multi_tensor_scale(CHUNK_SIZE, noop_flag(grads[0].device), list(grads),
+                                                       list(grads), float(scale))

@@ -1,0 +1,174 @@
+"""RMSNorm over the trailing ``normalized_shape``: autograd Function, the PyTorch references, dispatch.
+
+Two conventions, both with ``rstd = rsqrt(mean(x^2) + eps)`` computed in fp32 (fp64 for fp64 input):
+
+* ``cast_before_weight=False`` (default; ``torch.nn.functional.rms_norm``): ``y = x * rstd * weight`` in fp32,
+  rounded once to the output dtype = the input's dtype (fp32 under CUDA autocast if PyTorch's autocast lists
+  rms_norm there: measured, not assumed). Matches F.rms_norm, including mixed input/weight dtypes.
+* ``cast_before_weight=True`` (transformers' ``LlamaRMSNorm`` and its copies): ``y = weight *
+  (x * rstd).to(input_dtype)``; output dtype = ``torch.result_type`` of that product (bf16 input with fp32
+  weight gives fp32). The fused path normalizes in the kernel (no weight, rounded to the input dtype, as Llama
+  does) and multiplies by the weight with PyTorch: bit-for-bit Llama's rounding. Autocast does not change it
+  (Llama's module has no autocast-listed op).
+
+Implementations (op ``rms_norm``): ``pipegoose`` (pipegoose/kernels/csrc/rms_norm.cu, this project, MIT) and
+``torch``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import dispatch
+from ..dispatch import Implementation, Problem
+from ._common import FLOAT_DTYPES, dtype_name, manifest_limit, needs_grad, no_autocast, torch_result_dtype
+from .layer_norm import normalize_shape
+
+OP = "rms_norm"
+SRC_PIPEGOOSE = "pipegoose/rms_norm: pipegoose/kernels/csrc/rms_norm.cu (pipegoose, MIT)"
+
+
+def check_args(x: Any, shape: tuple[int, ...], weight: Any, eps: Any) -> float | None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x: expected a floating point torch.Tensor, got "
+                        f"{dtype_name(x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape:
+        raise ValueError(f"x: expected shape [*, {', '.join(map(str, shape))}] (normalized_shape={list(shape)}), "
+                         f"got {list(x.shape)}")
+    if weight is not None:
+        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+            raise TypeError(f"weight: expected a floating point torch.Tensor or None, got {type(weight).__name__}")
+        if tuple(weight.shape) != shape:
+            raise ValueError(f"weight: expected shape {list(shape)} (normalized_shape), got {list(weight.shape)}")
+        if weight.device != x.device:
+            raise ValueError(f"weight: on {weight.device}, expected the input's device {x.device}")
+    if eps is None:
+        return None
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or not math.isfinite(eps):
+        raise ValueError(f"eps: expected a finite number >= 0 or None, got {eps!r}")
+    return float(eps)
+
+
+def out_dtype(x: torch.Tensor, weight: torch.Tensor | None, cast_before_weight: bool) -> torch.dtype:
+    if cast_before_weight:
+        return x.dtype if weight is None else torch.promote_types(weight.dtype, x.dtype)
+    dev = x.device
+    wd = None if weight is None else weight.dtype
+
+    def probe(xd, wd_):
+        w = None if wd_ is None else torch.ones(2, dtype=wd_, device=dev)
+        return F.rms_norm(torch.zeros(1, 2, dtype=xd, device=dev), (2,), w, 1e-6)
+
+    import warnings
+
+    with warnings.catch_warnings():  # "Mismatch dtype between input and weight" from the probe itself
+        warnings.simplefilter("ignore")
+        return torch_result_dtype("rms_norm", dev, (x.dtype, wd), probe, x.dtype)
+
+
+def rms_norm_problem(x, shape, weight, out, cast_before_weight) -> Problem:
+    h = math.prod(shape)
+    return Problem(OP, x.dtype, x.device, cols=h, needs_grad=needs_grad(x, weight),
+                   extra=dict(shape=tuple(x.shape), normalized_shape=shape, hidden=h,
+                              rows=x.numel() // h if h else 0,
+                              weight_dtype=None if weight is None else weight.dtype, out_dtype=out,
+                              cast_before_weight=cast_before_weight))
+
+
+def _explain(x, normalized_shape, weight=None, eps=None, cast_before_weight=False, **_):
+    shape = normalize_shape(normalized_shape)
+    check_args(x, shape, weight, eps)
+    return rms_norm_problem(x, shape, weight, out_dtype(x, weight, cast_before_weight), cast_before_weight)
+
+
+def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
+    if p.device.type != "cuda":
+        return False, f"needs a CUDA tensor, got device {p.device}"
+    if p.dtype not in FLOAT_DTYPES:
+        return False, f"input dtype {dtype_name(p.dtype)} not supported (float32, float16, bfloat16)"
+    for name in ("weight_dtype", "out_dtype"):
+        d = p[name]
+        if d is not None and d not in FLOAT_DTYPES:
+            return False, f"{name.replace('_dtype', '')} dtype {dtype_name(d)} not supported"
+    h = p["hidden"]
+    hmin = manifest_limit("pipegoose/rms_norm", "hidden_min", 1)
+    hmax = manifest_limit("pipegoose/rms_norm", "hidden_max", 65536)
+    if not hmin <= h <= hmax:
+        return False, f"hidden size {h} outside [{hmin}, {hmax}]"
+    if p["rows"] == 0:
+        return False, "no rows"
+    return True, ""
+
+
+dispatch.register(Implementation(OP, "pipegoose", "ours", _pipegoose_supports, ("pipegoose/rms_norm",),
+                                 SRC_PIPEGOOSE))
+dispatch.register(Implementation(OP, "torch", "reference", lambda p: (True, ""), (), "PyTorch reference"))
+dispatch.register_problem(OP, _explain)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rms_norm_reference(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | None, eps: float,
+                       out: torch.dtype, cast_before_weight: bool) -> torch.Tensor:
+    dims = tuple(range(x.dim() - len(shape), x.dim()))
+    ct = _compute_dtype(x.dtype)
+    xf = x.to(ct)
+    xn = xf * torch.rsqrt(xf.pow(2).mean(dim=dims, keepdim=True) + eps)
+    if cast_before_weight:
+        xn = xn.to(x.dtype)
+        return xn if weight is None else weight * xn
+    if weight is not None:
+        xn = xn * weight.to(ct)
+    return xn.to(out)
+
+
+def _ops() -> Any:
+    ops, why = dispatch.kernel("pipegoose/rms_norm")
+    if ops is None:
+        raise RuntimeError(why)
+    return ops
+
+
+class PipegooseRMSNormFunction(torch.autograd.Function):
+    """pipegoose/rms_norm: rms_norm_forward(input [rows, H], weight [H]?, eps, out_dtype) -> (y, rstd)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, shape, eps, out):
+        h = math.prod(shape)
+        x2 = x.reshape(-1, h).contiguous()
+        w = None if weight is None else weight.reshape(h).contiguous()
+        y, rstd = _ops().rms_norm_forward(x2, w, float(eps), out)
+        ctx.save_for_backward(x2, w, rstd)
+        ctx.meta = (tuple(x.shape), tuple(shape), weight is not None)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w, rstd = ctx.saved_tensors
+        xshape, shape, has_w = ctx.meta
+        gi, gw = _ops().rms_norm_backward(dy.reshape(x2.shape).contiguous(), x2, w, rstd)
+        return gi.view(xshape), gw.view(shape) if has_w else None, None, None, None
+
+
+def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, eps: float | None,
+        cast_before_weight: bool, impl: str | None) -> torch.Tensor:
+    shape = normalize_shape(normalized_shape)
+    eps = check_args(x, shape, weight, eps)
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    out = out_dtype(x, weight, cast_before_weight)
+    xin = x if cast_before_weight or out == x.dtype else x.to(out)
+    choice = dispatch.select(OP, rms_norm_problem(xin, shape, weight, out, cast_before_weight), impl)
+    with no_autocast(x.device):
+        if choice.impl == "pipegoose":
+            if cast_before_weight:
+                xn = PipegooseRMSNormFunction.apply(xin, None, shape, eps, xin.dtype)
+                return xn if weight is None else weight * xn
+            return PipegooseRMSNormFunction.apply(xin, weight, shape, eps, out)
+        return rms_norm_reference(xin, shape, weight, eps, out, cast_before_weight)

@@ -1,0 +1,375 @@
+"""Scaled (masked, causal) softmax over the last dim: autograd Functions, the PyTorch reference, dispatch.
+
+Ops (dispatch / tuning names): ``softmax`` (no mask), ``softmax.masked`` (boolean mask, True = masked),
+``softmax.causal`` (key ``j`` masked for query ``i`` when ``j > i + (sk - sq)``).
+
+Implementations:
+
+* ``pipegoose`` - pipegoose/kernels/csrc/softmax.cu (this project, MIT): fp32/fp16/bf16, any key length,
+  broadcast masks, fully masked rows give zeros.
+* ``megatron`` - Megatron-LM ``scaled_masked_softmax`` / ``scaled_upper_triang_masked_softmax`` (Megatron-LM
+  commit 040eac9414ccbd1301ae16369c3044c5632b7e14), copies in ColossalAI 0.5.0
+  ``extensions/csrc/kernel/cuda/scaled_masked_softmax_kernel.cu`` and
+  ``extensions/csrc/kernel/cuda/scaled_upper_triang_masked_softmax_kernel.cu``, Apache-2.0 (Megatron-LM
+  BSD-3 notice). Every assumption of those kernels is checked before a call (see ``_megatron_common``); where
+  one does not hold, another implementation runs. The copies give a fully masked row uniform ``1/sk``; the
+  Function zeroes those rows in the output (and hence in the gradient).
+  Known semantic difference kept: masked scores are set to ``-10000`` (not ``-inf``), so a row whose *unmasked*
+  scaled scores are all below about ``-9900`` gives weight to masked keys (never the case for attention scores).
+* ``torch`` - reference: fp32 math (fp64 for fp64 input), ``-inf`` masking, fully masked rows -> zeros.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import dispatch
+from ..dispatch import Implementation, Problem
+from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, HALF_DTYPES, INT32_MAX, dtype_name, manifest_limit,
+                      megatron_batches_per_block, needs_grad, next_pow2, no_autocast, representable,
+                      torch_result_dtype)
+
+OP_PLAIN, OP_MASKED, OP_CAUSAL = "softmax", "softmax.masked", "softmax.causal"
+
+SRC_PIPEGOOSE = "pipegoose/softmax: pipegoose/kernels/csrc/softmax.cu (pipegoose, MIT)"
+SRC_MEGATRON_MASKED = ("megatron/scaled_masked_softmax: Megatron-LM 040eac94 via ColossalAI 0.5.0 "
+                       "extensions/csrc/kernel/cuda/scaled_masked_softmax_kernel.cu, Apache-2.0")
+SRC_MEGATRON_CAUSAL = ("megatron/scaled_upper_triang_masked_softmax: Megatron-LM 040eac94 via ColossalAI 0.5.0 "
+                       "extensions/csrc/kernel/cuda/scaled_upper_triang_masked_softmax_kernel.cu, Apache-2.0")
+MEGATRON_KEY_LEN_MAX = 2048  # TORCH_INTERNAL_ASSERT(key_seq_len <= 2048) in both copies
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Problems
+
+def softmax_problem(op: str, x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0,
+                    exact: bool = False, last_dim: bool = True) -> Problem:
+    aligned = (not x.is_contiguous()) or x.data_ptr() % 16 == 0
+    return Problem(op, x.dtype, x.device, cols=int(x.shape[-1]) if x.dim() else None,
+                   needs_grad=needs_grad(x),
+                   extra=dict(shape=tuple(x.shape), mask_shape=None if mask is None else tuple(mask.shape),
+                              mask_dtype=None if mask is None else mask.dtype, scale=float(scale), exact=exact,
+                              last_dim=last_dim, aligned=aligned, numel=x.numel()))
+
+
+def _explain_builder(op: str):
+    def build(x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0, **_: Any) -> Problem:
+        return softmax_problem(op, x, mask, scale)
+    return build
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# supports()
+
+def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
+    if p.device.type != "cuda":
+        return False, f"needs a CUDA tensor, got device {p.device}"
+    if p.dtype not in FLOAT_DTYPES:
+        return False, f"dtype {dtype_name(p.dtype)} not supported (float32, float16, bfloat16)"
+    if p["exact"] and p.dtype != torch.float32:
+        return False, ("softmax() promises allclose with F.softmax; a fused fp16/bf16 result may differ by one "
+                       "ulp there (use scaled_softmax for the fused half-precision path)")
+    if not p["last_dim"]:
+        return False, "softmax over a dim other than the last"
+    shape = p["shape"]
+    if len(shape) < 1 or p.cols == 0:
+        return False, f"empty rows (shape {list(shape)})"
+    kmax = manifest_limit("pipegoose/softmax", "key_len_max", 2**30)
+    if p.cols > kmax:
+        return False, f"key length {p.cols} > {kmax}"
+    if p.op == OP_CAUSAL and len(shape) < 2:
+        return False, "causal softmax needs [..., sq, sk]"
+    ms = p["mask_shape"]
+    if ms is not None:
+        if len(shape) != 4 or len(ms) != 4:
+            return False, f"masked softmax needs a 4-D input and mask, got {list(shape)} and {list(ms)}"
+        for i, (m, s) in enumerate(zip(ms, shape)):
+            if m not in (1, s) or (i == 3 and m != s):
+                return False, f"mask shape {list(ms)} does not broadcast as [b or 1, np or 1, sq or 1, sk] " \
+                              f"against {list(shape)}"
+    return True, ""
+
+
+def _megatron_common(p: Problem, rows_per_launch: int, sq: int, sk: int) -> tuple[bool, str]:
+    if p.device.type != "cuda":
+        return False, f"needs a CUDA tensor, got device {p.device}"
+    if p.dtype not in HALF_DTYPES:
+        return False, f"dtype {dtype_name(p.dtype)} not supported (the copies dispatch float16 and bfloat16 only)"
+    if p["exact"]:
+        return False, "softmax() promises allclose with F.softmax; a fused fp16/bf16 result may differ by one ulp"
+    kmax = min(MEGATRON_KEY_LEN_MAX, manifest_limit("megatron/scaled_masked_softmax", "key_len_max",
+                                                     MEGATRON_KEY_LEN_MAX))
+    if not 1 <= sk <= kmax:
+        return False, f"key length {sk} outside [1, {kmax}] (the copies assert sk <= 2048)"
+    if next_pow2(sk) >= 128 and sk % 4 != 0:
+        return False, (f"key length {sk} not a multiple of 4: the copies move 4 elements per access for "
+                       f"sk > 64 and would read/write past the row end")
+    if p["numel"] > INT32_MAX:
+        return False, f"{p['numel']} elements: the copies index with 32-bit int"
+    if not p["aligned"]:
+        return False, "input data pointer not 16-byte aligned (the copies use vector loads)"
+    if not representable(p["scale"], p.dtype):
+        return False, (f"scale {p['scale']!r} is not exactly representable in {dtype_name(p.dtype)}: the copies "
+                       f"round the forward scale to the input dtype")
+    bpb = megatron_batches_per_block(sk)
+    if rows_per_launch % bpb != 0:
+        return False, f"{'sq' if p.op != OP_CAUSAL else 'attn_batches'}={rows_per_launch} not a multiple of " \
+                      f"batches_per_block={bpb}"
+    return True, ""
+
+
+def _megatron_masked_supports(p: Problem) -> tuple[bool, str]:
+    shape = p["shape"]
+    if len(shape) != 4:
+        return False, f"needs a 4-D input [b, np, sq, sk], got {list(shape)}"
+    b, np_, sq, sk = shape
+    if sq < 2:
+        return False, f"sq={sq}: the copy asserts query length > 1"
+    if b > GRID_YZ_MAX or np_ > GRID_YZ_MAX:
+        return False, f"b={b} or np={np_} > {GRID_YZ_MAX} (grid y/z limit)"
+    ms = p["mask_shape"]
+    if ms is not None:
+        if len(ms) != 4 or ms[0] not in (1, b) or ms[1] != 1 or ms[2] not in (1, sq) or ms[3] != sk:
+            return False, f"mask shape {list(ms)} is not [b or 1, 1, sq or 1, sk]"
+    ok, why = _megatron_common(p, sq, sq, sk)
+    return ok, why
+
+
+def _megatron_causal_supports(p: Problem) -> tuple[bool, str]:
+    shape = p["shape"]
+    if len(shape) != 3:
+        return False, f"needs [attn_batches, sq, sk], got {list(shape)}"
+    ab, sq, sk = shape
+    if sq != sk:
+        return False, f"sq={sq} != sk={sk} (the copy is square-causal only)"
+    if ab // max(1, megatron_batches_per_block(sk)) > GRID_YZ_MAX:
+        return False, f"attn_batches={ab} too large for the grid (y <= {GRID_YZ_MAX} blocks)"
+    return _megatron_common(p, ab, sq, sk)
+
+
+def _torch_supports(p: Problem) -> tuple[bool, str]:
+    return True, ""
+
+
+for _op in (OP_PLAIN, OP_MASKED, OP_CAUSAL):
+    dispatch.register(Implementation(_op, "pipegoose", "ours", _pipegoose_supports, ("pipegoose/softmax",),
+                                     SRC_PIPEGOOSE))
+    dispatch.register(Implementation(_op, "torch", "reference", _torch_supports, (), "PyTorch reference"))
+    dispatch.register_problem(_op, _explain_builder(_op))
+dispatch.register(Implementation(OP_PLAIN, "megatron", "ported", _megatron_masked_supports,
+                                 ("megatron/scaled_masked_softmax",), SRC_MEGATRON_MASKED))
+dispatch.register(Implementation(OP_MASKED, "megatron", "ported", _megatron_masked_supports,
+                                 ("megatron/scaled_masked_softmax",), SRC_MEGATRON_MASKED))
+dispatch.register(Implementation(OP_CAUSAL, "megatron", "ported", _megatron_causal_supports,
+                                 ("megatron/scaled_upper_triang_masked_softmax",), SRC_MEGATRON_CAUSAL))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reference
+
+def causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
+    """Bool [sq, sk], True where key ``j > i + (sk - sq)`` (masked)."""
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu_(sk - sq + 1)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def softmax_reference_forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                              causal: bool) -> torch.Tensor:
+    """y = softmax(scale * x, masked) over the last dim in fp32 (fp64 for fp64 x); fully masked rows -> 0."""
+    ct = _compute_dtype(x.dtype)
+    s = x.to(ct) * scale
+    masked = None
+    if mask is not None:
+        masked = mask
+    if causal:
+        cm = causal_mask(x.shape[-2], x.shape[-1], x.device)
+        masked = cm if masked is None else (masked | cm)
+    if masked is None:
+        return torch.softmax(s, dim=-1).to(x.dtype)
+    s = s.masked_fill(masked, float("-inf"))
+    y = torch.softmax(s, dim=-1)
+    y = y.masked_fill(masked.all(dim=-1, keepdim=True), 0.0)
+    return y.to(x.dtype)
+
+
+def softmax_reference_backward(dy: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+    """dx = scale * y * (dy - sum(dy * y)) in fp32 (fp64); rows of zeros in y give zeros."""
+    ct = _compute_dtype(y.dtype)
+    yf, dyf = y.to(ct), dy.to(ct)
+    dx = yf * (dyf - (dyf * yf).sum(dim=-1, keepdim=True))
+    return (dx * scale).to(y.dtype)
+
+
+class ReferenceSoftmaxFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mask, scale, causal):
+        y = softmax_reference_forward(x, mask, scale, causal)
+        ctx.save_for_backward(y)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return softmax_reference_backward(dy, y, ctx.scale), None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fused Functions
+
+def _ops(name: str) -> Any:
+    ops, why = dispatch.kernel(name)
+    if ops is None:
+        raise RuntimeError(why)
+    return ops
+
+
+class PipegooseSoftmaxFunction(torch.autograd.Function):
+    """pipegoose/softmax: ``softmax_forward(input, mask, scale, causal)`` / ``softmax_backward``."""
+
+    @staticmethod
+    def forward(ctx, x, mask, scale, causal):
+        ops = _ops("pipegoose/softmax")
+        y = ops.softmax_forward(x.contiguous(), mask, float(scale), bool(causal))
+        ctx.save_for_backward(y)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        dx = _ops("pipegoose/softmax").softmax_backward(dy.contiguous(), y, float(ctx.scale))
+        return dx, None, None, None
+
+
+class MegatronScaledMaskedSoftmaxFunction(torch.autograd.Function):
+    """megatron/scaled_masked_softmax; mask bool [b or 1, 1, sq or 1, sk] or None (no masking)."""
+
+    @staticmethod
+    def forward(ctx, x, mask, scale):
+        b, _, sq, sk = x.shape
+        ops = _ops("megatron/scaled_masked_softmax")
+        if mask is None:
+            m = torch.zeros(1, 1, sq, sk, dtype=torch.bool, device=x.device)
+        else:
+            m = mask.expand(mask.shape[0], 1, sq, sk).contiguous()
+        y = ops.scaled_masked_softmax_forward(x.contiguous(), m, float(scale))
+        if mask is not None:
+            # the copy gives a fully masked row 1/sk; we give zeros (and so zero gradient, as dx = s*y*(...))
+            y.masked_fill_(m.all(dim=-1, keepdim=True), 0.0)
+        ctx.save_for_backward(y)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        ops = _ops("megatron/scaled_masked_softmax")
+        dx = ops.scaled_masked_softmax_backward(dy.contiguous(), y, float(ctx.scale))
+        return dx, None, None
+
+
+class MegatronScaledUpperTriangMaskedSoftmaxFunction(torch.autograd.Function):
+    """megatron/scaled_upper_triang_masked_softmax: x [attn_batches, sq, sq], causal including the diagonal."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ops = _ops("megatron/scaled_upper_triang_masked_softmax")
+        y = ops.scaled_upper_triang_masked_softmax_forward(x.contiguous(), float(scale))
+        ctx.save_for_backward(y)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        ops = _ops("megatron/scaled_upper_triang_masked_softmax")
+        return ops.scaled_upper_triang_masked_softmax_backward(dy.contiguous(), y, float(ctx.scale)), None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Entry points used by functional.py
+
+def softmax_out_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype F.softmax returns for ``x`` under the current autocast state (fp32 under CUDA autocast)."""
+    dev = x.device
+    return torch_result_dtype("softmax", dev, (x.dtype,),
+                              lambda d: F.softmax(torch.zeros(1, 2, dtype=d, device=dev), dim=-1), x.dtype)
+
+
+def check_scale(scale: Any) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale: expected a Python float, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number, got {scale}")
+    return scale
+
+
+def check_input(x: Any, name: str = "x") -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name}: expected a floating point tensor, got {dtype_name(x.dtype)}")
+
+
+def check_mask(mask: Any, x: torch.Tensor) -> torch.Tensor:
+    """Validate a mask for a 4-D ``x`` [b, np, sq, sk]: bool (or uint8, nonzero = masked), broadcastable as
+    [b or 1, np or 1, sq or 1, sk], same device. Returns it as bool."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask: expected a bool torch.Tensor (True = masked) or None, got {type(mask).__name__}")
+    if mask.dtype == torch.uint8:
+        mask = mask != 0
+    elif mask.dtype != torch.bool:
+        raise TypeError(f"mask: expected dtype bool (True = masked), got {dtype_name(mask.dtype)}; convert "
+                        f"additive float masks at the model boundary")
+    if mask.device != x.device:
+        raise ValueError(f"mask: on {mask.device}, expected the input's device {x.device}")
+    if mask.dim() != 4 or any(m not in (1, s) for m, s in zip(mask.shape, x.shape)) or mask.shape[3] != x.shape[3]:
+        raise ValueError(f"mask: expected shape [b or 1, np or 1, sq or 1, sk] = broadcastable to "
+                         f"{list(x.shape)} with sk={x.shape[3]}, got {list(mask.shape)}")
+    return mask
+
+
+def run(op: str, x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool,
+        impl: str | None, exact: bool = False) -> torch.Tensor:
+    """Choose and run an implementation of a scaled (masked/causal) softmax over the last dim of ``x``."""
+    out = softmax_out_dtype(x)
+    if out != x.dtype:
+        x = x.to(out)
+    choice = dispatch.select(op, softmax_problem(op, x, mask, scale, exact=exact), impl)
+    with no_autocast(x.device):
+        if choice.impl == "pipegoose":
+            return PipegooseSoftmaxFunction.apply(x, mask, scale, causal)
+        if choice.impl == "megatron":
+            if causal:
+                return MegatronScaledUpperTriangMaskedSoftmaxFunction.apply(x, scale)
+            return MegatronScaledMaskedSoftmaxFunction.apply(x, mask, scale)
+        return ReferenceSoftmaxFunction.apply(x, mask, scale, causal)
+
+
+def run_plain(x: torch.Tensor, dim: int, dtype: torch.dtype | None, impl: str | None) -> torch.Tensor:
+    """``F.softmax(x, dim, dtype=dtype)``, fused where the fused result is allclose to it (fp32, last dim)."""
+    if dtype is not None:
+        x = x.to(dtype)
+    out = softmax_out_dtype(x)
+    if out != x.dtype:
+        x = x.to(out)
+    nd = max(x.dim(), 1)
+    if not -nd <= dim < nd:
+        raise IndexError(f"dim: expected in [{-nd}, {nd - 1}], got {dim}")
+    last = x.dim() == 0 or dim % nd == nd - 1
+    choice = dispatch.select(OP_PLAIN, softmax_problem(OP_PLAIN, x, None, 1.0, exact=True, last_dim=last), impl)
+    with no_autocast(x.device):
+        if choice.impl == "pipegoose":
+            y = PipegooseSoftmaxFunction.apply(x, None, 1.0, False)
+            # F.softmax gives NaN for a row of all -inf; keep that (a fused kernel may give zeros there)
+            return y.masked_fill(y.detach().sum(dim=-1, keepdim=True) == 0, float("nan"))
+        return F.softmax(x, dim=dim)

@@ -1,0 +1,193 @@
+"""``FusedAdam`` (multi-tensor Adam/AdamW) and ``clip_grad_norm_`` (multi-tensor L2 norm + scale).
+
+Kernels: Apex ``multi_tensor_adam`` / ``multi_tensor_l2norm`` / ``multi_tensor_scale`` (copies in ColossalAI
+0.5.0 ``extensions/csrc/kernel/cuda/multi_tensor_{adam,l2norm,scale}_kernel.cu``, Apache-2.0, Apex BSD-3 notice)
+and DeepSpeed 0.19.8 ``csrc/adam/multi_tensor_adam.cu`` (Apache-2.0); see :mod:`pipegoose.nn.fusion.ops.multi_tensor`
+for each kernel's assumptions. The reference path is PyTorch's own math.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import defaultdict
+from typing import Any, Callable, Iterable
+
+import torch
+
+from . import dispatch
+from .ops import multi_tensor as _mt
+
+__all__ = ["FusedAdam", "clip_grad_norm_"]
+
+
+class FusedAdam(torch.optim.Optimizer):
+    """Adam / AdamW over the multi-tensor kernels (op ``adam``), with torch.optim.AdamW's state layout.
+
+    Args:
+        params: iterable of parameters or of param groups (dicts).
+        lr: learning rate (> 0 or 0). betas: (beta1, beta2) in [0, 1). eps: > 0 or 0, added to sqrt(v_hat).
+        weight_decay: >= 0; decoupled (``p *= 1 - lr * wd``, AdamW) with ``adam_w_mode=True`` (default), L2
+            (``g += wd * p``, torch.optim.Adam) otherwise.
+        bias_correction: divide the moments by ``1 - beta**step`` (True, as torch).
+        amsgrad: must be False (the kernels have no AMSGrad): ValueError otherwise.
+        capturable: must be False: ValueError otherwise.
+        impl: ``apex`` (default order), ``deepspeed``, ``torch``, or None/``auto`` (``PIPEGOOSE_IMPL_ADAM`` applies).
+
+    Parameters may be fp32, fp16 or bf16 (each kernel call takes one bucket of tensors that share device,
+    dtypes and step); the moments have the parameter's dtype and the math is fp32 in the kernels (so fp16/bf16
+    parameters are updated with one rounding, where torch.optim.AdamW rounds after each op).
+
+    State per parameter: ``step`` (float32 scalar tensor on the CPU), ``exp_avg``, ``exp_avg_sq``, as
+    torch.optim.AdamW keeps them, so state_dicts load both ways (param groups carry AdamW's keys too).
+
+    Raises:
+        ValueError: bad hyper-parameters, amsgrad=True, capturable=True. RuntimeError (in step): sparse
+        gradients. TypeError: complex parameters.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, adam_w_mode: bool = True, bias_correction: bool = True,
+                 amsgrad: bool = False, capturable: bool = False, *, impl: str | None = None) -> None:
+        if amsgrad:
+            raise ValueError("amsgrad: FusedAdam does not support AMSGrad (the multi-tensor kernels have no max "
+                             "state); use torch.optim.AdamW(amsgrad=True)")
+        if capturable:
+            raise ValueError("capturable: FusedAdam keeps the step on the host; capturable=True is not supported")
+        if not lr >= 0.0:
+            raise ValueError(f"lr: expected >= 0, got {lr}")
+        if not eps >= 0.0:
+            raise ValueError(f"eps: expected >= 0, got {eps}")
+        if not (len(betas) == 2 and 0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"betas: expected two values in [0, 1), got {betas}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"weight_decay: expected >= 0, got {weight_decay}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode,
+                        bias_correction=bias_correction, amsgrad=False, capturable=False, maximize=False,
+                        foreach=None, differentiable=False, fused=None, decoupled_weight_decay=adam_w_mode,
+                        impl=impl)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if torch.is_complex(p):
+                    raise TypeError("params: FusedAdam does not support complex parameters")
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:  # groups saved by torch.optim.Adam/AdamW lack our keys
+            if group.get("amsgrad", False):
+                raise ValueError("amsgrad: a param group with amsgrad=True cannot be loaded into FusedAdam")
+            group.setdefault("adam_w_mode", group.get("decoupled_weight_decay", True))
+            group.setdefault("bias_correction", True)
+            group.setdefault("impl", None)
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and not torch.is_tensor(st.get("step")):
+                    st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self.__setstate__({"state": self.state, "param_groups": self.param_groups})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step over every parameter with a gradient; returns ``closure()``'s loss (or None)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            hp = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                      adam_w_mode=bool(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
+                      weight_decay=float(group["weight_decay"]))
+            buckets: dict[tuple, list] = defaultdict(list)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("FusedAdam does not support sparse gradients")
+                st = self.state[p]
+                if len(st) == 0:
+                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                key = (p.device, p.dtype, p.grad.dtype, st["exp_avg"].dtype, st["exp_avg_sq"].dtype,
+                       int(st["step"].item()))
+                buckets[key].append(p)
+            for key, ps in buckets.items():
+                grads = [p.grad for p in ps]
+                m = [self.state[p]["exp_avg"] for p in ps]
+                v = [self.state[p]["exp_avg_sq"] for p in ps]
+                steps = [self.state[p]["step"] for p in ps]
+                choice = dispatch.select(_mt.OP_ADAM, _mt.adam_problem(grads, ps, m, v), group.get("impl"))
+                if choice.impl == "torch":
+                    _mt.adam_step_reference(grads, ps, m, v, steps, **hp)
+                else:
+                    for s in steps:
+                        s += 1
+                    _mt.adam_step_fused(choice.impl, grads, ps, m, v, step=key[-1] + 1, **hp)
+        return loss
+
+
+def _result_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    return functools.reduce(torch.promote_types, dtypes)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, *, impl: str | None = None) -> torch.Tensor:
+    """Drop-in for ``torch.nn.utils.clip_grad_norm_``: scale the gradients in place so that their total norm is
+    at most ``max_norm``; return the total norm (before clipping) as a scalar tensor, on the first gradient's
+    device, in the gradients' (promoted) dtype, as torch does.
+
+    Per (device, dtype) group (op ``clip_grad_norm``): ``apex`` computes the L2 norm with
+    ``multi_tensor_l2norm`` (fp32 accumulation) and scales with ``multi_tensor_scale`` (fp32/fp16 gradients,
+    ``norm_type=2``; one host sync reads the clip coefficient); otherwise ``torch._foreach_norm`` /
+    ``torch._foreach_mul_``. With no gradient: ``tensor(0.)``.
+
+    Raises:
+        RuntimeError: ``error_if_nonfinite`` and the total norm is nan/inf (gradients untouched).
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    max_norm, norm_type = float(max_norm), float(norm_type)
+    if not grads:
+        return torch.tensor(0.0)
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        groups[(g.device, g.dtype)].append(g)
+    first = grads[0].device
+    norms: list[torch.Tensor] = []
+    fused: list[list[torch.Tensor]] = []
+    plain: list[list[torch.Tensor]] = []
+    for (dev, _), gs in groups.items():
+        choice = dispatch.select(_mt.OP_CLIP, _mt.clip_problem(gs, norm_type), impl)
+        if choice.impl == "apex":
+            norms.append(_mt.l2norm_fused(gs))
+            fused.append(gs)
+        else:
+            if dev.type in ("cuda", "cpu"):
+                norms.extend(torch._foreach_norm(gs, norm_type))
+            else:
+                norms.extend(torch.linalg.vector_norm(g, norm_type) for g in gs)
+            plain.append(gs)
+    out_dtype = _result_dtype(g.dtype for g in grads)
+    if fused:  # accumulate in fp32 when a fused norm (fp32) takes part
+        total = torch.linalg.vector_norm(torch.stack([n.float().to(first) for n in norms]), norm_type).to(out_dtype)
+    else:
+        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so "
+                           f"it cannot be clipped. To disable this error and scale the gradients by the non-finite "
+                           f"norm anyway, set `error_if_nonfinite=False`")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for gs in plain:
+        torch._foreach_mul_(gs, coef.to(gs[0].device))
+    if fused:
+        c = float(coef)  # host sync: the scale kernel takes a float
+        if not c >= 1.0:  # 1.0 leaves the gradients unchanged; nan must still propagate as in torch
+            for gs in fused:
+                _mt.scale_fused(gs, c)
+    return total
