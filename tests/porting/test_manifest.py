@@ -1,0 +1,48 @@
+"""Manifest validation: every error names the file, the entry and the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipegoose.kernels.manifest import ManifestError, load_manifest
+from porting_helpers import MANIFEST_HEAD, kernel_yaml, source_yaml
+
+GOOD_SRC = source_yaml("up", "pypi: {name: up, version: 1.0, sha256: " + "a" * 64 + "}")
+GOOD_K = kernel_yaml("up/alpha", "up", ["csrc/kernels/alpha.cu"], "alpha_fwd", "alpha_forward")
+
+
+def write(tmp_path, text):
+    p = tmp_path / "kernels.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_good_manifest_loads(tmp_path):
+    m = load_manifest(write(tmp_path, MANIFEST_HEAD + GOOD_SRC + "kernels:\n" + GOOD_K))
+    assert m.resolve("alpha").id == "up/alpha"
+    assert m.sources["up"].pin == {"name": "up", "version": "1.0", "sha256": "a" * 64}
+
+
+@pytest.mark.parametrize("src,kern,expected", [
+    (GOOD_SRC.replace("a" * 64, "abc"), GOOD_K, "kernels.yaml: sources.up.fetch.pypi.sha256: expected 64 lower-case hex"),
+    (GOOD_SRC.replace("Apache-2.0", "GPL-3.0"), GOOD_K, "kernels.yaml: sources.up.license: license 'GPL-3.0' is not allowed"),
+    (source_yaml("up", "git: {url: /x, commit: deadbeef}"), GOOD_K, "kernels.yaml: sources.up.fetch.git.commit: expected a full 40-hex"),
+    (GOOD_SRC, GOOD_K.replace("source: up", "source: nope"), "kernels.yaml: kernels.up/alpha.source: unknown source 'nope'"),
+    (GOOD_SRC, GOOD_K.replace("files: [csrc/kernels/alpha.cu]", "files: [csrc/a.h]"),
+     "kernels.yaml: kernels.up/alpha.files: expected at least one compiled file"),
+    (GOOD_SRC, GOOD_K.replace("files: [csrc/kernels/alpha.cu]", "files: [../x.cu]"),
+     "kernels.yaml: kernels.up/alpha.files: expected a relative path inside the source"),
+    (GOOD_SRC, GOOD_K.replace("role: forward", "role: sideways"), "kernels.yaml: kernels.up/alpha.entries[0].role: expected one of"),
+    (GOOD_SRC, GOOD_K.replace("dtypes: [float16]", "dtypes: [float8]"), "kernels.yaml: kernels.up/alpha.dtypes: unknown dtype"),
+    (GOOD_SRC, GOOD_K.replace("  backward: false\n", ""), "kernels.yaml: kernels.up/alpha.backward: required field is missing"),
+])
+def test_manifest_errors_name_file_entry_field(tmp_path, src, kern, expected):
+    with pytest.raises(ManifestError) as ei:
+        load_manifest(write(tmp_path, MANIFEST_HEAD + src + "kernels:\n" + kern))
+    assert expected in str(ei.value)
+
+
+def test_real_manifest_loads():
+    m = load_manifest()
+    assert "megatron/scaled_masked_softmax" in m.kernels
+    assert m.sources["colossalai"].kind == "pypi"

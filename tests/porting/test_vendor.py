@@ -1,0 +1,424 @@
+"""add / sync / verify / remove / list against a local sdist (file:// simple index) and a local git repository."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipegoose.porting import (FetchError, IntegrityError, LicenseError, ManifestFactError, PortError,
+                               SourceFileMissing)
+from pipegoose.porting import porter as porter_mod
+from pipegoose.porting import txn as txn_mod
+from pipegoose.porting.fetch import Fetcher
+from pipegoose.porting.lock import Lock
+from porting_helpers import (APACHE, GPL, MIT, V1_FILES, commit_files, init_git_upstream, kernel_yaml, make_sdist,
+                             publish, sha256, source_yaml)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+K_ALPHA = kernel_yaml("up/alpha", "up", ["csrc/kernels/alpha.cu", "csrc/common/util.h"], "alpha_fwd", "alpha_forward")
+K_BETA = kernel_yaml("up/beta", "up", ["csrc/kernels/beta.cu", "csrc/common/extra.h", "csrc/common/util.h"],
+                     "beta_fwd", "beta_forward")
+
+
+def sdist_source(repo, files=V1_FILES, license_text=APACHE, version="1.0", declared="Apache-2.0", with_hash=True):
+    sd = make_sdist(repo.root.parent / "build", "up", version, files, license_text)
+    publish(Path(repo.index_url[len("file://"):]), sd, with_hash)
+    return source_yaml("up", f"pypi: {{name: up, version: '{version}', sha256: {sha256(sd.read_bytes())}}}", declared), sd
+
+
+@pytest.fixture
+def sdist_repo(repo):
+    src, _ = sdist_source(repo)
+    repo.write_manifest(src, K_ALPHA + K_BETA)
+    return repo
+
+
+@pytest.fixture
+def git_repo(repo, tmp_path):
+    up, sha = init_git_upstream(tmp_path / "upstream", V1_FILES)
+    repo.write_manifest(source_yaml("up", f"git: {{url: '{up.working_tree_dir}', commit: {sha}}}"), K_ALPHA + K_BETA)
+    repo.upstream = up
+    return repo
+
+
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["sdist", "git"])
+def test_add_vendors_files_licenses_and_lock(kind, request):
+    repo = request.getfixturevalue(f"{kind}_repo")
+    p = repo.porter()
+    assert p.add(["alpha"]) == ["up/alpha"]
+    v = repo.root / "vendor" / "up"
+    assert (v / "csrc/kernels/alpha.cu").read_text() == V1_FILES["csrc/kernels/alpha.cu"]
+    assert (v / "csrc/common/util.h").read_text() == V1_FILES["csrc/common/util.h"]
+    assert not (v / "csrc/kernels/beta.cu").exists()
+    assert (repo.root / "LICENSES/up/LICENSE").read_text() == APACHE
+    lock = yaml.safe_load((repo.root / "kernels.lock").read_text())
+    assert lock["kernels"]["up/alpha"]["files"] == {
+        "csrc/kernels/alpha.cu": sha256(V1_FILES["csrc/kernels/alpha.cu"].encode()),
+        "csrc/common/util.h": sha256(V1_FILES["csrc/common/util.h"].encode())}
+    assert lock["sources"]["up"]["license_files"] == {"LICENSE": sha256(APACHE.encode())}
+    pin = lock["sources"]["up"]["pin"]
+    assert pin == dict(p.manifest.sources["up"].pin)
+    assert p.verify() == []
+    assert {s.id: s.state for s in p.states()} == {"up/alpha": "verified", "up/beta": "declared"}
+    # deterministic: re-serialising gives the same bytes
+    assert Lock.load(repo.root / "kernels.lock").dumps() == (repo.root / "kernels.lock").read_text()
+    assert not (repo.root / "vendor" / ".port-txn").exists()
+
+
+def test_sync_restores_from_cache_without_network(sdist_repo):
+    repo = sdist_repo
+    with pytest.raises(PortError, match="sync --all"):
+        repo.porter().sync()
+    r = repo.porter().sync(all_kernels=True)
+    assert r["added"] == ["up/alpha", "up/beta"]
+    before = repo.snapshot()
+    import shutil
+
+    shutil.rmtree(repo.root / "vendor" / "up")
+    shutil.rmtree(repo.root / "LICENSES")
+    # the index disappears: only the download cache can serve
+    shutil.rmtree(Path(repo.index_url[len("file://"):]))
+    r = repo.porter(offline=True).sync()
+    assert r["restored"] == ["up"]
+    assert repo.snapshot() == before
+    assert repo.porter().verify() == []
+    # nothing to do the second time: no fetch at all
+    r = repo.porter(offline=True).sync()
+    assert r == {"added": [], "restored": [], "ok": ["up"]}
+
+
+def test_offline_without_cache_fails_clearly(sdist_repo):
+    with pytest.raises(FetchError, match="not in the download cache"):
+        sdist_repo.porter(offline=True).add(["alpha"])
+
+
+def test_verify_names_differing_missing_and_extra_files(git_repo):
+    repo = git_repo
+    p = repo.porter()
+    p.add(["alpha", "beta"])
+    v = repo.root / "vendor" / "up"
+    (v / "csrc/common/util.h").write_text("tampered\n")
+    (v / "csrc/kernels/beta.cu").unlink()
+    (v / "csrc/kernels/sneaky.cu").write_text("int x;\n")
+    (repo.root / "LICENSES/up/NOTICE").write_text("extra\n")
+    problems = {(pr.kind, pr.path) for pr in p.verify()}
+    assert problems == {("differs", "vendor/up/csrc/common/util.h"), ("missing", "vendor/up/csrc/kernels/beta.cu"),
+                        ("extra", "vendor/up/csrc/kernels/sneaky.cu"), ("extra", "LICENSES/up/NOTICE")}
+    states = {s.id: s.state for s in p.states()}
+    assert states == {"up/alpha": "modified", "up/beta": "missing"}
+    # the CLI exits non-zero and names the files
+    r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "verify", "--root", str(repo.root)],
+                       capture_output=True, text=True)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "vendor/up/csrc/common/util.h" in r.stdout and "sneaky.cu" in r.stdout
+    # sync puts back exactly the locked files
+    p.sync()
+    assert p.verify() == []
+
+
+def test_wrong_sha256_changes_nothing(repo):
+    src, sd = sdist_source(repo)
+    repo.write_manifest(src.replace(sha256(sd.read_bytes()), "f" * 64), K_ALPHA)
+    before = repo.snapshot()
+    with pytest.raises(IntegrityError, match="sha256"):
+        repo.porter().add(["alpha"])
+    assert repo.snapshot() == before
+    assert not (repo.root / "kernels.lock").exists()
+
+
+def test_index_hash_mismatch_is_refused(repo):
+    src, sd = sdist_source(repo)
+    repo.write_manifest(src, K_ALPHA)
+    # the index now serves different bytes under the same name (a swapped upload)
+    make_sdist(repo.root.parent / "evil", "up", "1.0", {**V1_FILES, "csrc/common/util.h": "evil\n"})
+    (Path(repo.index_url[len("file://"):]) / "files" / sd.name).write_bytes(
+        (repo.root.parent / "evil" / sd.name).read_bytes())
+    with pytest.raises((FetchError, IntegrityError)):
+        repo.porter().add(["alpha"])
+    assert not (repo.root / "vendor" / "up").exists()
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("disk full"), KeyboardInterrupt()])
+def test_interrupted_copy_leaves_everything_as_it_was(sdist_repo, monkeypatch, exc):
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+    before = repo.snapshot()
+    calls = {"n": 0}
+    real = porter_mod._write_staged
+
+    def flaky(path, data):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise exc
+        real(path, data)
+
+    monkeypatch.setattr(porter_mod, "_write_staged", flaky)
+    with pytest.raises(type(exc)):
+        repo.porter().add(["beta"])
+    assert calls["n"] == 3
+    assert repo.snapshot() == before
+    assert not (repo.root / "vendor" / ".port-txn").exists()
+
+
+def test_failure_during_swap_rolls_back(sdist_repo, monkeypatch):
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+    before = repo.snapshot()
+    real = os.replace
+    calls = {"n": 0}
+
+    def failing(a, b):
+        calls["n"] += 1
+        if calls["n"] == 4:  # after vendor/up was swapped, before the lock
+            raise OSError("simulated crash mid-swap")
+        real(a, b)
+
+    monkeypatch.setattr(txn_mod.os, "replace", failing)
+    with pytest.raises(OSError, match="mid-swap"):
+        repo.porter().add(["beta"])
+    monkeypatch.setattr(txn_mod.os, "replace", real)
+    assert repo.snapshot() == before
+
+
+def test_killed_swap_is_rolled_back_by_next_run(sdist_repo, monkeypatch):
+    """A crash with no chance to roll back in-process (kill -9): the journal lets the next run restore."""
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+    before = repo.snapshot()
+    real = os.replace
+    calls = {"n": 0}
+
+    def dying(a, b):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise SystemExit("killed")
+        real(a, b)
+
+    monkeypatch.setattr(txn_mod.os, "replace", dying)
+    monkeypatch.setattr(txn_mod, "_rollback", lambda root, entries: None)  # the process dies: no rollback
+    monkeypatch.setattr(txn_mod.Transaction, "__exit__", lambda self, *exc: None)  # nor clean-up
+    with pytest.raises(SystemExit):
+        repo.porter().add(["beta"])
+    monkeypatch.undo()
+    assert repo.snapshot() != before  # half-swapped on disk
+    assert list((repo.root / "vendor" / ".port-txn").iterdir())
+    p = repo.porter()
+    assert p.verify() == []  # the next run recovers under the lock first
+    assert repo.snapshot() == before
+
+
+def test_missing_license_file_stops_the_port(repo):
+    src, _ = sdist_source(repo, license_text=None)
+    repo.write_manifest(src, K_ALPHA)
+    with pytest.raises(LicenseError, match="license file.*LICENSE.*not found"):
+        repo.porter().add(["alpha"])
+    assert not (repo.root / "vendor" / "up").exists()
+
+
+def test_disallowed_license_text_stops_the_port(repo):
+    src, _ = sdist_source(repo, license_text=GPL)
+    repo.write_manifest(src, K_ALPHA)
+    with pytest.raises(LicenseError, match="GPL.*not allowed"):
+        repo.porter().add(["alpha"])
+    assert not (repo.root / "vendor").exists() or not (repo.root / "vendor" / "up").exists()
+
+
+def test_declared_license_must_match_the_text(repo):
+    src, _ = sdist_source(repo, license_text=MIT, declared="Apache-2.0")
+    repo.write_manifest(src, K_ALPHA)
+    with pytest.raises(LicenseError, match="declares Apache-2.0.*recognised: MIT"):
+        repo.porter().add(["alpha"])
+
+
+def test_unknown_id_lists_close_matches(sdist_repo):
+    with pytest.raises(PortError, match="unknown kernel 'up/alpah'.*did you mean: up/alpha"):
+        sdist_repo.porter().add(["up/alpah"])
+    r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "add", "--root", str(sdist_repo.root), "alpah"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "did you mean" in r.stderr
+
+
+def test_file_missing_in_source(repo):
+    src, _ = sdist_source(repo)
+    repo.write_manifest(src, K_ALPHA.replace("csrc/common/util.h", "csrc/common/util.h, csrc/common/gone.h"))
+    with pytest.raises(SourceFileMissing, match="gone.h"):
+        repo.porter().add(["alpha"])
+
+
+def test_header_missing_from_files_is_a_manifest_fact_error(repo):
+    src, _ = sdist_source(repo)
+    repo.write_manifest(src, K_BETA.replace(", csrc/common/util.h", ""))
+    with pytest.raises(ManifestFactError, match=r"kernels.up/beta.files: .*csrc/common/util.h \(included by csrc/common/extra.h\)"):
+        repo.porter().add(["beta"])
+
+
+def test_remove_keeps_shared_files_then_drops_source(git_repo):
+    repo = git_repo
+    p = repo.porter()
+    p.add(["alpha", "beta"])
+    p.remove(["beta"])
+    v = repo.root / "vendor" / "up"
+    assert (v / "csrc/common/util.h").exists()  # still used by alpha
+    assert not (v / "csrc/kernels/beta.cu").exists() and not (v / "csrc/common/extra.h").exists()
+    assert p.verify() == []
+    with pytest.raises(PortError, match="not vendored"):
+        p.remove(["beta"])
+    p.remove(["up/alpha"])
+    assert not v.exists() and not (repo.root / "LICENSES" / "up").exists()
+    lock = Lock.load(repo.root / "kernels.lock")
+    assert lock.kernels == {} and lock.sources == {}
+    assert p.verify() == []
+
+
+def test_local_source_is_hashed_in_place(repo):
+    (repo.root / "pipegoose/kernels/csrc").mkdir(parents=True)
+    cu = repo.root / "pipegoose/kernels/csrc/ours.cu"
+    cu.write_text("int ours_fwd(int x) { return x; }\n")
+    repo.write_manifest(source_yaml("pipegoose", "local: {path: .}", license="MIT"),
+                        kernel_yaml("pipegoose/ours", "pipegoose", ["pipegoose/kernels/csrc/ours.cu"], "ours_fwd",
+                                    "ours_forward", include_dirs="[]"))
+    p = repo.porter()
+    p.add(["ours"])
+    assert not (repo.root / "vendor" / "pipegoose").exists()
+    assert not (repo.root / "LICENSES" / "pipegoose").exists()
+    lock = Lock.load(repo.root / "kernels.lock")
+    assert lock.kernels["pipegoose/ours"].files == {"pipegoose/kernels/csrc/ours.cu": sha256(cu.read_bytes())}
+    assert lock.sources["pipegoose"].license_files == {"LICENSE": sha256(MIT.encode())}
+    assert [s.state for s in p.states()] == ["verified"]
+    cu.write_text("int ours_fwd(int x) { return x + 1; }\n")
+    assert [s.state for s in p.states()] == ["modified"]
+    assert [(pr.kind, pr.path) for pr in p.verify()] == [("differs", "pipegoose/kernels/csrc/ours.cu")]
+    with pytest.raises(IntegrityError, match="local files differ"):
+        p.sync()
+    p.add(["ours"])  # re-record after an intended change
+    assert p.verify() == []
+
+
+def _tar_with(member: tarfile.TarInfo, data: bytes | None = None) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        for path, text in [("up-1.0/LICENSE", APACHE), *((f"up-1.0/{k}", v) for k, v in V1_FILES.items())]:
+            info = tarfile.TarInfo(path)
+            info.size = len(text.encode())
+            tf.addfile(info, io.BytesIO(text.encode()))
+        tf.addfile(member, io.BytesIO(data) if data is not None else None)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("make_member,match", [
+    (lambda: (tarfile.TarInfo("up-1.0/../../evil.h"), b"x"), "unsafe member name"),
+    (lambda: (tarfile.TarInfo("/etc/evil.h"), b"x"), "unsafe member name"),
+    (lambda: (_link("up-1.0/csrc/link.h", "../../../etc/passwd", tarfile.SYMTYPE), None), "points outside"),
+    (lambda: (_link("up-1.0/csrc/hard.h", "../../etc/passwd", tarfile.LNKTYPE), None), "points outside"),
+])
+def test_unsafe_archives_are_refused(repo, make_member, match):
+    member, data = make_member()
+    if data is not None:
+        member.size = len(data)
+    blob = _tar_with(member, data)
+    d = repo.root.parent / "bad"
+    d.mkdir(exist_ok=True)
+    sd = d / "up-1.0.tar.gz"
+    sd.write_bytes(blob)
+    publish(Path(repo.index_url[len("file://"):]), sd)
+    repo.write_manifest(source_yaml("up", f"pypi: {{name: up, version: '1.0', sha256: {sha256(blob)}}}"), K_ALPHA)
+    with pytest.raises(FetchError, match=match):
+        repo.porter().add(["alpha"])
+    assert not (repo.root / "vendor" / "up").exists()
+    assert not (repo.root.parent / "evil.h").exists()
+
+
+def _link(name, target, kind):
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = target
+    return info
+
+
+def test_links_inside_the_archive_are_followed(repo):
+    info = _link("up-1.0/csrc/common/alias.h", "util.h", tarfile.SYMTYPE)
+    blob = _tar_with(info)
+    sd = repo.root.parent / "up-1.0.tar.gz"
+    sd.write_bytes(blob)
+    publish(Path(repo.index_url[len("file://"):]), sd)
+    repo.write_manifest(source_yaml("up", f"pypi: {{name: up, version: '1.0', sha256: {sha256(blob)}}}"),
+                        K_ALPHA.replace("csrc/common/util.h]", "csrc/common/util.h, csrc/common/alias.h]"))
+    repo.porter().add(["alpha"])
+    v = repo.root / "vendor/up/csrc/common"
+    assert (v / "alias.h").read_bytes() == (v / "util.h").read_bytes()
+    assert not (v / "alias.h").is_symlink()
+
+
+def test_pip_download_path_and_fallback_when_metadata_cannot_be_built(tmp_path, monkeypatch):
+    """The real `pip download` against a file:// index: a buildable sdist goes through pip; one whose
+    setup.py fails (V1_FILES) falls back to the simple index of the same configuration."""
+    from porting_helpers import Repo
+
+    index = tmp_path / "index"
+    good = make_sdist(tmp_path / "b", "good-pkg", "2.0",
+                      {**V1_FILES, "setup.py": "from setuptools import setup\nsetup(name='good-pkg', version='2.0')\n"})
+    bad = make_sdist(tmp_path / "b", "up", "1.0", V1_FILES)
+    publish(index, good)
+    publish(index, bad)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_INDEX_URL", index.as_uri())
+    for var in ("PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS"):
+        monkeypatch.delenv(var, raising=False)
+    root = tmp_path / "repo"
+    root.mkdir()
+    seen = []
+    real_pip = Fetcher._pip_download
+
+    def spy(self, name, version, dest, errors):
+        got = real_pip(self, name, version, dest, errors)
+        seen.append((name, got is not None, list(errors)))
+        return got
+
+    monkeypatch.setattr(Fetcher, "_pip_download", spy)
+    f = Fetcher(root, tmp_path / "cache")
+    from pipegoose.kernels.manifest import Source
+
+    g = Source("good", "G", "h", "Apache-2.0", ("LICENSE",), "pypi",
+               {"name": "good-pkg", "version": "2.0", "sha256": sha256(good.read_bytes())})
+    t = f.tree(g)
+    assert t.read("csrc/kernels/alpha.cu") == V1_FILES["csrc/kernels/alpha.cu"].encode()
+    assert seen[-1][:2] == ("good-pkg", True)
+    b = Source("up", "U", "h", "Apache-2.0", ("LICENSE",), "pypi", {"name": "up", "version": "1.0", "sha256": sha256(bad.read_bytes())})
+    t = f.tree(b)
+    assert t.has("csrc/kernels/beta.cu")
+    assert seen[-1][:2] == ("up", False) and "pip download" in seen[-1][2][0]
+    assert sorted(p.name for p in (tmp_path / "cache/pypi/up").iterdir() if not p.name.startswith(".")) == ["up-1.0.tar.gz"]
+
+
+def test_cli_list_shows_states(git_repo):
+    repo = git_repo
+    repo.porter().add(["alpha"])
+    r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "list", "--root", str(repo.root)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lines = {ln.split("│")[1].strip(): ln for ln in r.stdout.splitlines() if ln.startswith("│")}
+    assert "verified" in lines["up/alpha"] and "declared" in lines["up/beta"]
+    assert "Apache-2.0" in lines["up/alpha"]
+
+
+def test_git_commit_not_found(repo, tmp_path):
+    up, sha = init_git_upstream(tmp_path / "upstream", V1_FILES)
+    repo.write_manifest(source_yaml("up", f"git: {{url: '{up.working_tree_dir}', commit: {'a' * 40}}}"), K_ALPHA)
+    with pytest.raises(FetchError, match="not found"):
+        repo.porter().add(["alpha"])
+
+
+def test_git_unreachable_remote(repo, tmp_path):
+    repo.write_manifest(source_yaml("up", f"git: {{url: '{tmp_path / 'nowhere'}', commit: {'a' * 40}}}"), K_ALPHA)
+    with pytest.raises(FetchError, match="git failed"):
+        repo.porter().add(["alpha"])
+    assert not (repo.root / "kernels.lock").exists()
