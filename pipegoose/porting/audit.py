@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Iterable
 
+import yaml
+
 from ..kernels.manifest import ManifestError, Source
 from .errors import PortError
 from .fetch import SourceTree
@@ -270,8 +272,16 @@ def edit_source_pin(text: str, sid: str, old_pin: dict[str, str], new_pin: dict[
     for key in sorted(new_pin):
         if old_pin.get(key) == new_pin[key]:
             continue
-        pat = re.compile(r"(\b" + re.escape(key) + r":\s*[\"']?)" + re.escape(str(old_pin[key])) + r"(?![\w.])")
-        block, n = pat.subn(lambda m: m.group(1) + new_pin[key], block, count=1)
+        pat = re.compile(r"(\b" + re.escape(key) + r":\s*)([\"']?)" + re.escape(str(old_pin[key])) + r"(?![\w.])")
+        value = new_pin[key]
+
+        def repl(m: re.Match, value: str = value) -> str:
+            quote = m.group(2)
+            if not quote and not isinstance(yaml.safe_load(value), str):  # 1.10 would read as a float
+                return f"{m.group(1)}'{value}'"
+            return m.group(1) + quote + value
+
+        block, n = pat.subn(repl, block, count=1)
         if n != 1:
             raise PortError(f"{filename}: sources.{sid}.fetch: cannot find {key}: {old_pin[key]} to replace; edit by hand")
     return "".join(lines[:start]) + block + "".join(lines[end:])
@@ -324,8 +334,6 @@ def update(porter: Porter, name: str, to: str | None = None, latest: bool = Fals
         text = m.path.read_text()
         new_text = edit_source_pin(text, sid, dict(src.pin), new_pin, m.path.name)
         new_src = dataclasses.replace(src, pin=new_pin)
-        import yaml  # noqa: PLC0415
-
         parsed = yaml.safe_load(new_text)["sources"][sid]["fetch"][src.kind]
         if {k: str(v) for k, v in parsed.items()} != new_pin:
             raise PortError(f"{m.path.name}: rewriting sources.{sid}.fetch gave {parsed}, expected {new_pin}; edit by hand")

@@ -1,0 +1,230 @@
+"""audit / update against two versions of a local sdist and two commits of a local git repository."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipegoose.porting import PortError, audit, update
+from pipegoose.porting.audit import edit_source_pin, symbol_defined
+from pipegoose.porting.lock import Lock
+from porting_helpers import (APACHE, APACHE_V2, V1_FILES, commit_files, init_git_upstream, kernel_yaml, make_sdist,
+                             publish, sha256, source_yaml)
+
+ROOT = Path(__file__).resolve().parents[2]
+K_ALPHA = kernel_yaml("up/alpha", "up", ["csrc/kernels/alpha.cu", "csrc/common/util.h"], "alpha_fwd", "alpha_forward")
+K_BETA = kernel_yaml("up/beta", "up", ["csrc/kernels/beta.cu", "csrc/common/extra.h", "csrc/common/util.h"],
+                     "beta_fwd", "beta_forward")
+
+# v2: alpha.cu changed (+2/-1), util.h unchanged, extra.h moved to csrc/include/, a new file beside alpha.cu
+V2_CHANGED = {**V1_FILES,
+              "csrc/kernels/alpha.cu": V1_FILES["csrc/kernels/alpha.cu"].replace("  return twice(x);\n",
+                                                                                 "  int y = twice(x);\n  return y;\n"),
+              "csrc/kernels/gamma.cu": "int gamma_fwd(int x) { return x; }\n"}
+V2_CHANGED["csrc/include/extra.h"] = V2_CHANGED.pop("csrc/common/extra.h")
+# v2 where alpha_fwd disappears (renamed), but every file stays
+V2_RENAMED = {**V1_FILES, "csrc/kernels/alpha.cu": V1_FILES["csrc/kernels/alpha.cu"].replace("alpha_fwd", "alpha_forward_v2")}
+
+
+def publish_version(repo, version, files, license_text=APACHE):
+    sd = make_sdist(repo.root.parent / "build", "up", version, files, license_text)
+    publish(Path(repo.index_url[len("file://"):]), sd)
+    return sd
+
+
+def setup_sdist(repo, kernels=K_ALPHA + K_BETA, add=("alpha", "beta")):
+    sd = publish_version(repo, "1.0", V1_FILES)
+    repo.write_manifest(
+        "  # the upstream\n" + source_yaml("up", f"pypi: {{name: up, version: '1.0', sha256: {sha256(sd.read_bytes())}}}"),
+        kernels)
+    p = repo.porter()
+    p.add(list(add))
+    return p
+
+
+def by_path(report, kernel):
+    s = report.sources[0]
+    k = next(k for k in s.kernels if k.kernel == kernel)
+    return {f.path: f for f in k.files}, k
+
+
+def test_audit_unchanged_is_in_sync(repo):
+    p = setup_sdist(repo)
+    publish_version(repo, "1.1", V1_FILES)
+    r = audit(p, to="1.1")
+    assert r.exit_code == 0
+    assert r.sources[0].to_pin["version"] == "1.1"
+    files, k = by_path(r, "up/alpha")
+    assert {f.status for f in files.values()} == {"unchanged"}
+    assert [(s.symbol, s.before, s.after) for s in k.symbols] == [("alpha_fwd", True, True)]
+    # --latest (the default) finds 1.1 as the newest final release, ignoring a pre-release
+    publish_version(repo, "2.0rc1", V2_CHANGED)
+    r = audit(p, latest=True)
+    assert r.sources[0].to_pin["version"] == "1.1" and r.exit_code == 0
+
+
+def test_audit_changed_moved_new_and_license(repo):
+    p = setup_sdist(repo)
+    publish_version(repo, "2.0", V2_CHANGED, APACHE_V2)
+    r = audit(p, to="2.0", with_diff=True)
+    assert r.exit_code == 1
+    s = r.sources[0]
+    assert [(f.path, f.status) for f in s.licenses] == [("LICENSE", "changed")] and s.license_changed
+    files, k = by_path(r, "up/alpha")
+    assert files["csrc/kernels/alpha.cu"].status == "changed"
+    assert (files["csrc/kernels/alpha.cu"].added, files["csrc/kernels/alpha.cu"].deleted) == (2, 1)
+    assert "+  int y = twice(x);" in files["csrc/kernels/alpha.cu"].diff
+    assert files["csrc/common/util.h"].status == "unchanged"
+    assert k.new_files == ["csrc/kernels/gamma.cu"]
+    assert k.symbols[0].after
+    files_b, kb = by_path(r, "up/beta")
+    assert files_b["csrc/common/extra.h"].status == "moved"
+    assert files_b["csrc/common/extra.h"].moved_to == ["csrc/include/extra.h"]
+    # JSON is stable and complete
+    data = json.loads(r.to_json())
+    assert data["exit_code"] == 1 and data["sources"][0]["license_changed"] is True
+    assert r.to_json() == audit(p, to="2.0").to_json()
+    # update refuses: a vendored file moved
+    before = repo.snapshot()
+    with pytest.raises(PortError, match="extra.h moved to csrc/include/extra.h"):
+        update(p, "up", to="2.0", force=True)
+    assert repo.snapshot() == before
+
+
+def test_audit_removed_file(repo):
+    p = setup_sdist(repo)
+    v2 = {k: v for k, v in V1_FILES.items() if k != "csrc/common/extra.h"}
+    v2["csrc/kernels/beta.cu"] = "int beta_fwd(int x) { return x; }\n"
+    publish_version(repo, "2.0", v2)
+    r = audit(p, ["beta"], to="2.0")
+    files, _ = by_path(r, "up/beta")
+    assert files["csrc/common/extra.h"].status == "removed"
+    assert r.exit_code == 1
+
+
+def test_vanished_symbol_blocks_update_unless_forced(repo):
+    p = setup_sdist(repo)
+    publish_version(repo, "2.0", V2_RENAMED)
+    r = audit(p, to="2.0")
+    _, k = by_path(r, "up/alpha")
+    assert [(s.symbol, s.before, s.after) for s in k.symbols] == [("alpha_fwd", True, False)]
+    assert r.exit_code == 1
+    before = repo.snapshot()
+    with pytest.raises(PortError, match="entry symbol alpha_fwd .* not found"):
+        update(p, "alpha", to="2.0")
+    assert repo.snapshot() == before
+    update(p, "alpha", to="2.0", force=True)
+    text = (repo.root / "kernels.yaml").read_text()
+    assert "# the upstream" in text and "version: '2.0'" in text
+    sd2 = repo.root.parent / "build" / "up-2.0.tar.gz"
+    assert sha256(sd2.read_bytes()) in text
+    assert p.manifest.sources["up"].pin["version"] == "2.0"
+    lock = Lock.load(repo.root / "kernels.lock")
+    assert lock.sources["up"].pin["version"] == "2.0"
+    assert set(lock.kernels) == {"up/alpha", "up/beta"}  # every locked kernel of the source moved together
+    assert "alpha_forward_v2" in (repo.root / "vendor/up/csrc/kernels/alpha.cu").read_text()
+    assert p.verify() == []
+
+
+def test_license_change_blocks_update_unless_forced(repo):
+    p = setup_sdist(repo)
+    publish_version(repo, "1.1", V1_FILES, APACHE_V2)
+    with pytest.raises(PortError, match="license file LICENSE changed"):
+        update(p, "up", to="1.1")
+    update(p, "up", to="1.1", force=True)
+    assert (repo.root / "LICENSES/up/LICENSE").read_text() == APACHE_V2
+    assert p.verify() == []
+
+
+def test_update_clean(repo):
+    p = setup_sdist(repo, add=("alpha",))
+    publish_version(repo, "1.1", {**V1_FILES, "csrc/common/util.h": V1_FILES["csrc/common/util.h"] + "// v1.1\n"})
+    r = update(p, "up/alpha", to="1.1")
+    assert r.exit_code == 1  # the audit saw the change it then applied
+    assert (repo.root / "vendor/up/csrc/common/util.h").read_text().endswith("// v1.1\n")
+    assert audit(p, to="1.1").exit_code == 0
+    assert p.verify() == []
+
+
+def test_audit_git_two_commits_and_latest(repo, tmp_path):
+    up, c1 = init_git_upstream(tmp_path / "upstream", V1_FILES)
+    repo.write_manifest(source_yaml("up", f"git: {{url: '{up.working_tree_dir}', commit: {c1}}}"), K_ALPHA)
+    p = repo.porter()
+    p.add(["alpha"])
+    c2 = commit_files(up, V2_CHANGED, APACHE, "v2")
+    r = audit(p, to=c2)
+    assert r.sources[0].to_pin["commit"] == c2
+    files, k = by_path(r, "up/alpha")
+    assert files["csrc/kernels/alpha.cu"].status == "changed" and files["csrc/common/util.h"].status == "unchanged"
+    assert k.new_files == ["csrc/kernels/gamma.cu"]
+    r2 = audit(p, latest=True)  # the branch head is c2
+    assert r2.sources[0].to_pin["commit"] == c2
+    assert audit(p, to=c1).exit_code == 0
+    update(p, "up", to=c2)
+    assert c2 in (repo.root / "kernels.yaml").read_text()
+    assert Lock.load(repo.root / "kernels.lock").sources["up"].pin["commit"] == c2
+    assert p.verify() == []
+
+
+def test_network_failure_is_exit_2(repo, tmp_path):
+    p = setup_sdist(repo)
+    import shutil
+
+    shutil.rmtree(Path(repo.index_url[len("file://"):]))  # the index is gone; 9.9 is in no cache
+    r = audit(p, to="9.9")
+    assert r.exit_code == 2 and "download failed" in r.sources[0].error
+    # through the CLI, with an index that refuses connections
+    env = {**__import__("os").environ, "PIP_CONFIG_FILE": __import__("os").devnull,
+           "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_EXTRA_INDEX_URL": "", "PIP_FIND_LINKS": "",
+           "PIPEGOOSE_PORT_CACHE": str(repo.cache), "PIP_DEFAULT_TIMEOUT": "3", "PIP_RETRIES": "0"}
+    out = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "audit", "--root", str(repo.root), "--latest",
+                          "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert json.loads(out.stdout)["sources"][0]["error"]
+
+
+def test_cli_audit_exit_codes_and_json(repo):
+    setup_sdist(repo)
+    publish_version(repo, "2.0", V2_RENAMED)
+    env_cmd = [sys.executable, str(ROOT / "tools/port.py"), "audit", "--root", str(repo.root), "--cache", str(repo.cache)]
+    # the index of the test is reached through pip's configuration: point pip at it
+    import os
+
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": repo.index_url, "PIP_EXTRA_INDEX_URL": "",
+           "PIP_FIND_LINKS": ""}
+    r = subprocess.run(env_cmd + ["--to", "2.0", "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1, r.stderr
+    data = json.loads(r.stdout)
+    assert data["sources"][0]["kernels"][0]["symbols"][0] == {"symbol": "alpha_fwd", "op": "alpha_forward",
+                                                                 "before": True, "after": False}
+    r = subprocess.run(env_cmd + ["--to", "1.0"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and "in sync" in r.stdout
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("torch::Tensor fwd_cuda(torch::Tensor const& input, float s) {", True),
+    ("std::tuple<at::Tensor, at::Tensor> fwd_cuda(\n int a);", True),
+    ("template <typename T>\nvoid fwd_cuda(T x);", True),
+    ("int y = fwd_cuda(x);", False),
+    ("  return fwd_cuda(x);", False),
+    ("// torch::Tensor fwd_cuda(int);", False),
+    ("AT_DISPATCH(x, \"fwd_cuda\", ...);", False),
+    ("torch::Tensor fwd_cuda_v2(int);", False),
+])
+def test_symbol_regex(text, expected):
+    assert symbol_defined("fwd_cuda", text) is expected
+
+
+def test_edit_source_pin_keeps_layout():
+    text = ("schema: 1\nsources:\n  a:\n    fetch:\n      pypi: {name: a, version: 1.0, sha256: " + "a" * 64 + "}  # pinned\n"
+            "  b:\n    fetch:\n      pypi: {name: b, version: 1.0, sha256: " + "b" * 64 + "}\nkernels: {}\n")
+    new = edit_source_pin(text, "b", {"name": "b", "version": "1.0", "sha256": "b" * 64},
+                          {"name": "b", "version": "1.1", "sha256": "c" * 64})
+    d = yaml.safe_load(new)
+    assert d["sources"]["a"]["fetch"]["pypi"]["version"] == 1.0 and "# pinned" in new
+    assert d["sources"]["b"]["fetch"]["pypi"] == {"name": "b", "version": "1.1", "sha256": "c" * 64}
