@@ -10,13 +10,16 @@ from typing import Any
 
 from .manifest import Kernel, Manifest, ManifestError, Source, load_manifest
 
-__all__ = ["Kernel", "Manifest", "ManifestError", "Source", "load_manifest"]
+# Names served lazily from ``builder`` (importing it imports torch).
+_BUILDER_NAMES = ("KernelBuilder", "KernelOps", "BuildResult", "load", "KernelError", "KernelBuildError",
+                  "KernelUnavailableError")
+
+__all__ = ["Kernel", "Manifest", "ManifestError", "Source", "load_manifest", *_BUILDER_NAMES]
 
 
 def __getattr__(name: str) -> Any:  # lazy: builder pulls in torch
+    if name not in _BUILDER_NAMES:  # submodules and everything else take the normal path (no recursion)
+        raise AttributeError(f"module 'pipegoose.kernels' has no attribute {name!r}")
     from . import builder
 
-    try:
-        return getattr(builder, name)
-    except AttributeError:
-        raise AttributeError(f"module 'pipegoose.kernels' has no attribute {name!r}") from None
+    return getattr(builder, name)

@@ -1,0 +1,158 @@
+"""``python -m pipegoose.kernels``: doctor | build.
+
+    python -m pipegoose.kernels doctor [--load]           toolchain checks + each kernel's state, as tables
+    python -m pipegoose.kernels build --all [-j N]         build every kernel of the manifest, N at a time
+    python -m pipegoose.kernels build NAME [NAME ...]      build some (ids or aliases)
+
+Common options: ``--manifest PATH`` (default: the repository's kernels.yaml), ``--cache-dir DIR``.
+``build`` exit status: 0 all built (or cached); 1 a build failed; 2 none failed but some kernels could not be
+built here (missing files or toolchain), each listed with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+
+def _builders(args, names):
+    from .builder import KernelBuilder
+    from .manifest import load_manifest
+
+    manifest = load_manifest(args.manifest)
+    ids = list(manifest.kernels) if names is None else [manifest.resolve(n).id for n in names]
+    return manifest, [KernelBuilder(i, manifest=manifest, cache_dir=args.cache_dir) for i in dict.fromkeys(ids)]
+
+
+def _doctor(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from . import cache, toolchain
+
+    console = Console()
+    cache_dir = cache.default_cache_dir() if args.cache_dir is None else args.cache_dir
+    import torch
+
+    env = Table(title="environment", show_header=False)
+    env.add_row("python", sys.version.split()[0])
+    env.add_row("torch", f"{torch.__version__} (CUDA {torch.version.cuda})")
+    gpus = [f"{torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
+            for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    env.add_row("GPUs", ", ".join(gpus) or "none visible")
+    env.add_row("cache", str(cache_dir))
+    for var in ("CUDA_HOME", "TORCH_CUDA_ARCH_LIST", "MAX_JOBS", "PIPEGOOSE_CACHE_DIR"):
+        env.add_row(var, os.environ.get(var, "(unset)"))
+    console.print(env)
+
+    checks = Table(title="preflight")
+    for col in ("check", "status", "detail", "fix"):
+        checks.add_column(col, overflow="fold")
+    bad = 0
+    for c in toolchain.preflight(cache_dir):
+        status = "[red]FAIL[/]" if not c.ok else ("[yellow]warn[/]" if c.warn else "[green]ok[/]")
+        bad += not c.ok
+        checks.add_row(c.name, status, c.detail, c.fix)
+    console.print(checks)
+
+    manifest, builders = _builders(args, None)
+    kt = Table(title=f"kernels ({manifest.path})")
+    for col in ("kernel", "aliases", "state", "detail"):
+        kt.add_column(col, overflow="fold")
+    colors = {"cached": "green", "loaded": "green", "not built": "yellow", "unavailable": "red", "error": "red"}
+    for b in builders:
+        st = b.status()
+        if args.load and st["state"] == "cached":
+            try:
+                ops = b.load()
+                st = {**st, "state": "loaded", "detail": f"{len(ops.ops)} ops from {ops.library_path}"}
+            except Exception as e:  # report, do not stop the table
+                st = {**st, "state": "error", "detail": str(e)}
+        kt.add_row(b.kernel.id, ", ".join(b.kernel.aliases), f"[{colors[st['state']]}]{st['state']}[/]", st["detail"])
+    console.print(kt)
+    return 1 if bad else 0
+
+
+def _build(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from .builder import KernelBuildError, KernelUnavailableError
+
+    if not args.all and not args.names:
+        print("build: name kernels or pass --all", file=sys.stderr)
+        return 2
+    os.environ.setdefault("PIPEGOOSE_QUIET", "1")
+    console = Console()
+    _, builders = _builders(args, None if args.all else args.names)
+    results: dict[str, tuple[str, str, float]] = {}
+    jobs = max(1, args.jobs)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=console, transient=False) as progress:
+        overall = progress.add_task(f"building {len(builders)} kernel(s), {jobs} at a time", total=len(builders))
+
+        def one(b):
+            t0 = time.monotonic()
+            try:
+                res = b.build(force=args.force)
+                return b, "built" if res.built else "cached", str(res.library_path), time.monotonic() - t0
+            except KernelUnavailableError as e:
+                return b, "missing", str(e), time.monotonic() - t0
+            except KernelBuildError as e:
+                return b, "FAILED", str(e), time.monotonic() - t0
+            except Exception as e:  # a bug must not hide the other kernels' results
+                return b, "FAILED", f"{type(e).__name__}: {e}", time.monotonic() - t0
+
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            futs = [pool.submit(one, b) for b in builders]
+            for f in as_completed(futs):
+                b, state, detail, secs = f.result()
+                results[b.kernel.id] = (state, detail, secs)
+                color = {"built": "green", "cached": "green", "missing": "yellow"}.get(state, "red")
+                progress.console.print(f"[{color}]{state:>7}[/] {b.kernel.id} ({secs:.1f} s)")
+                progress.advance(overall)
+    from rich.table import Table
+
+    t = Table(title="build results")
+    for col in ("kernel", "result", "seconds", "detail"):
+        t.add_column(col, overflow="fold")
+    for b in builders:
+        state, detail, secs = results[b.kernel.id]
+        color = {"built": "green", "cached": "green", "missing": "yellow"}.get(state, "red")
+        t.add_row(b.kernel.id, f"[{color}]{state}[/]", f"{secs:.1f}", detail)
+    console.print(t)
+    states = [r[0] for r in results.values()]
+    if "FAILED" in states:
+        return 1
+    return 2 if "missing" in states else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_worker"]:
+        from .builder import _worker_main
+
+        return _worker_main(argv[1])
+    p = argparse.ArgumentParser(prog="python -m pipegoose.kernels", description=__doc__.split("\n\n")[0])
+    p.add_argument("--manifest", default=None, help="kernels.yaml to use (default: the repository's)")
+    p.add_argument("--cache-dir", default=None, help="build cache (default: $PIPEGOOSE_CACHE_DIR or ~/.cache/...)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("doctor", help="toolchain checks and each kernel's state")
+    d.add_argument("--load", action="store_true", help="also load every cached kernel")
+    b = sub.add_parser("build", help="build kernels (in parallel child processes)")
+    b.add_argument("names", nargs="*", help="kernel ids or aliases")
+    b.add_argument("--all", action="store_true", help="every kernel of the manifest")
+    b.add_argument("-j", "--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                   help="kernels built at once (default: half the CPU cores)")
+    b.add_argument("--force", action="store_true", help="rebuild even when cached")
+    args = p.parse_args(argv)
+    if args.cmd == "doctor":
+        return _doctor(args)
+    return _build(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,541 @@
+"""KernelBuilder: build (or take from the cache) and load a kernel declared in ``kernels.yaml``.
+
+One generic builder serves every kernel; there is no per-kernel Python build code. For a kernel it reads the
+manifest's ``files``, ``include_dirs``, ``flags``, ``binding``, ``fake`` and ``entries``; compiles the compiled
+files plus the binding with ninja through ``torch.utils.cpp_extension`` into a plain shared library (no Python
+module: bindings register ``torch.ops.pipegoose.*`` with ``TORCH_LIBRARY_FRAGMENT``/``TORCH_LIBRARY_IMPL``);
+loads it with ``torch.ops.load_library``; imports the ``fake`` module (fake impls for ``torch.compile``); and checks
+that every entry's op exists. See docs/architecture.md, "Kernel loading contract".
+
+Builds run in a child process (``python -m pipegoose.kernels _worker``) whose whole output goes to a log, in a
+temp folder of the cache that is renamed into place only after the child has loaded the library and found every
+op (see :mod:`pipegoose.kernels.cache`). ``TORCH_CUDA_ARCH_LIST`` and ``CUDA_HOME`` are set for that child only.
+
+Example::
+
+    ops = KernelBuilder.from_name("fused_layernorm").load()     # alias -> apex/fused_layer_norm
+    y, mean, invvar = ops.fused_layer_norm_affine_forward(x, [h], w, b, 1e-5)
+
+    class FusedLayerNormBuilder(KernelBuilder):
+        def absolute_name(self):
+            return "apex/fused_layer_norm"
+    FusedLayerNormBuilder().load()
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from . import cache as _cache
+from . import toolchain
+from .manifest import Kernel, Manifest, load_manifest
+
+__all__ = [
+    "KernelError",
+    "KernelBuildError",
+    "KernelUnavailableError",
+    "KernelOps",
+    "KernelBuilder",
+    "BuildResult",
+    "load",
+]
+
+_PKG_PARENT = Path(__file__).resolve().parents[2]  # the folder that holds the ``pipegoose`` package
+
+
+class KernelError(RuntimeError):
+    """Base of the errors raised by the kernel builder."""
+
+
+class KernelBuildError(KernelError):
+    """Compiling or linking failed, or the built library did not load; ``log_path`` holds the full log."""
+
+    def __init__(self, message: str, log_path: Path | None = None):
+        super().__init__(message)
+        self.log_path = log_path
+
+
+class KernelUnavailableError(KernelError):
+    """The kernel cannot be built or used here (toolchain, GPU architecture, missing files); the message says
+    what to do."""
+
+
+@dataclass
+class BuildResult:
+    kernel: Kernel
+    key: str
+    entry: Path  # the published cache folder
+    info: dict
+    built: bool  # True when this call compiled it (False: it came from the cache)
+    seconds: float = 0.0
+
+    @property
+    def library_path(self) -> Path:
+        return self.entry / self.info["library"]
+
+
+class KernelOps:
+    """The loaded ops of one kernel: attribute ``<op>`` is ``torch.ops.pipegoose.<op>`` for each manifest entry.
+
+    Also ``.kernel`` (the manifest :class:`~pipegoose.kernels.manifest.Kernel`), ``.library_path``,
+    ``.build_key`` and ``.built`` (True when this process compiled it rather than taking it from the cache).
+    """
+
+    def __init__(self, kernel: Kernel, library_path: Path, build_key: str, ops: dict[str, Any], built: bool):
+        self.kernel = kernel
+        self.library_path = library_path
+        self.build_key = build_key
+        self.built = built
+        self._ops = dict(ops)
+
+    def __getattr__(self, name: str) -> Any:
+        ops = self.__dict__.get("_ops", {})
+        if name in ops:
+            return ops[name]
+        raise AttributeError(f"kernel {self.__dict__.get('kernel').id if 'kernel' in self.__dict__ else '?'} has "
+                             f"no op {name!r}; its ops: {', '.join(ops)}")
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(self._ops))
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        return tuple(self._ops)
+
+    def __repr__(self) -> str:
+        return f"KernelOps({self.kernel.id}, ops=[{', '.join(self._ops)}], library={self.library_path})"
+
+
+_LOADED: dict[tuple[str, str], KernelOps] = {}
+_LOAD_LOCK = threading.RLock()
+
+
+def _log(msg: str) -> None:
+    if os.environ.get("PIPEGOOSE_QUIET") != "1":
+        print(f"[pipegoose.kernels] {msg}", file=sys.stderr, flush=True)
+
+
+class KernelBuilder:
+    """Builds, caches and loads one kernel of the manifest.
+
+    Args:
+        name: a kernel id (``apex/fused_layer_norm``) or alias (``fused_layernorm``); subclasses may instead
+            override :meth:`absolute_name`.
+        manifest: a :class:`Manifest`, or the path of a ``kernels.yaml`` (default: the repository's). Sources and
+            bindings are found relative to the manifest's folder.
+        cache_dir: the build cache (default :func:`pipegoose.kernels.cache.default_cache_dir`).
+        verbose: echo the compiler output while building (it always goes to the build log).
+
+    Raises (from :meth:`build` / :meth:`load`):
+        KeyError: unknown name (the message lists close matches).
+        KernelUnavailableError: toolchain preflight failed, vendored files or the binding are missing, the
+            running GPU's architecture is not covered; the message says what to run.
+        KernelBuildError: compiling, linking or loading failed; the message shows the first errors and the log path.
+    """
+
+    def __init__(self, name: str | None = None, *, manifest: Manifest | str | os.PathLike | None = None,
+                 cache_dir: str | os.PathLike | None = None, verbose: bool = False):
+        self._name = name
+        if isinstance(manifest, Manifest):
+            self.manifest = manifest
+        else:
+            self.manifest = load_manifest(manifest)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else _cache.default_cache_dir()
+        self.verbose = verbose
+
+    @classmethod
+    def from_name(cls, name: str, **kwargs: Any) -> "KernelBuilder":
+        return cls(name, **kwargs)
+
+    def absolute_name(self) -> str:
+        """The manifest id of the kernel (subclasses override this instead of passing a name)."""
+        if self._name is None:
+            raise TypeError("KernelBuilder needs a kernel name: KernelBuilder.from_name('<id or alias>'), or a "
+                            "subclass overriding absolute_name()")
+        return self._name
+
+    # ----------------------------------------------------------------------------------------- inputs
+
+    @property
+    def kernel(self) -> Kernel:
+        return self.manifest.resolve(self.absolute_name())
+
+    @property
+    def needs_cuda(self) -> bool:
+        k = self.kernel
+        return any(f.endswith((".cu", ".cuh")) for f in k.compiled_files) or k.binding.endswith(".cu")
+
+    @property
+    def extension_name(self) -> str:
+        return "pipegoose_" + re.sub(r"[^0-9a-zA-Z_]", "_", self.kernel.id)
+
+    def source_paths(self) -> list[Path]:
+        """Absolute paths of the compiled files, then the binding."""
+        k = self.kernel
+        base = self.manifest.vendor_dir(k.source)
+        return [base / f for f in k.compiled_files] + [self.manifest.binding_path(k)]
+
+    def include_paths(self) -> list[Path]:
+        k = self.kernel
+        base = self.manifest.vendor_dir(k.source)
+        return [base / d for d in k.include_dirs] + [self.manifest.binding_path(k).parent]
+
+    def missing_files(self) -> list[Path]:
+        """Kernel files and binding that do not exist (vendored files come from ``tools/port.py sync``)."""
+        k = self.kernel
+        paths = self.manifest.kernel_paths(k) + [self.manifest.binding_path(k)]
+        return [p for p in paths if not p.is_file()]
+
+    def _check_files(self) -> None:
+        missing = self.missing_files()
+        if not missing:
+            return
+        k = self.kernel
+        src = self.manifest.sources[k.source]
+        rel = [str(p.relative_to(self.manifest.root)) if p.is_relative_to(self.manifest.root) else str(p)
+               for p in missing]
+        if src.is_local or all(p == self.manifest.binding_path(k) for p in missing):
+            hint = "these files are part of this project: check out the complete repository"
+        else:
+            hint = f"vendor them first: python tools/port.py sync (or: python tools/port.py add {k.id})"
+        raise KernelUnavailableError(f"kernel {k.id}: missing {len(missing)} file(s): {', '.join(rel[:6])}"
+                                     f"{' ...' if len(rel) > 6 else ''}; {hint}")
+
+    def _check_object_names(self) -> None:
+        # cpp_extension names objects after the source's basename: two sources with one stem would collide.
+        seen: dict[str, Path] = {}
+        for p in self.source_paths():
+            obj = p.stem + (".cuda.o" if p.suffix in (".cu", ".cuh") else ".o")
+            if obj in seen:
+                raise KernelBuildError(f"kernel {self.kernel.id}: {seen[obj]} and {p} would both compile to {obj}; "
+                                       "rename the binding")
+            seen[obj] = p
+
+    def preflight(self) -> list[toolchain.Check]:
+        return toolchain.preflight(self.cache_dir, need_cuda=self.needs_cuda)
+
+    def _toolchain(self) -> dict[str, Any]:
+        """Run the preflight checks and gather what the build key and the child build need."""
+        failed = [c for c in self.preflight() if not c.ok]
+        if failed:
+            lines = "; ".join(f"{c.name}: {c.detail}" + (f" -> {c.fix}" if c.fix else "") for c in failed)
+            raise KernelUnavailableError(f"cannot build {self.kernel.id}: {lines}")
+        import torch
+
+        tc: dict[str, Any] = {
+            "torch": [torch.__version__, getattr(torch.version, "git_version", "")],
+            "compiler": list(toolchain.host_compiler()),
+            "python": [sys.implementation.cache_tag, sysconfig.get_config_var("SOABI") or "",
+                       bool(torch._C._GLIBCXX_USE_CXX11_ABI)],
+        }
+        if self.needs_cuda:
+            home = toolchain.find_cuda_home()
+            archs, origin = toolchain.arch_list()
+            tc.update({
+                "cuda_home": str(home),
+                "nvcc": list(toolchain.nvcc_version(home) or ()),
+                "torch_cuda": torch.version.cuda,
+                "archs": toolchain.format_arch_list(archs),
+                "arch_origin": origin,
+                "cuda_includes": toolchain.cuda_extra_include_dirs(home),
+            })
+        return tc
+
+    def key_inputs(self, tc: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Every input of the build: file contents, binding (and headers beside it), flags, toolchain, archs."""
+        tc = tc if tc is not None else self._toolchain()
+        k = self.kernel
+        base = self.manifest.vendor_dir(k.source)
+        binding = self.manifest.binding_path(k)
+        inputs = {
+            "kernel": k.id,
+            "files": {f: _cache.file_digest(base / f) for f in k.files},
+            "binding": _cache.file_digest(binding),
+            "binding_headers": {p.name: _cache.file_digest(p) for p in _local_includes(binding)},
+            "include_dirs": list(k.include_dirs),
+            "flags": {"cxx": list(k.flags.get("cxx", ())), "nvcc": list(k.flags.get("nvcc", ()))},
+            "ops": list(k.ops),
+            "fake": k.fake,
+            **{n: v for n, v in tc.items() if n != "arch_origin"},
+        }
+        return inputs
+
+    def build_key(self) -> str:
+        return _cache.build_key(self.kernel.short_name, self.key_inputs())
+
+    def cached(self) -> BuildResult | None:
+        """The cached build for the current inputs, or None (raises like :meth:`build` when unavailable)."""
+        self._check_files()
+        tc = self._toolchain()
+        key = _cache.build_key(self.kernel.short_name, self.key_inputs(tc))
+        entry = _cache.entry_dir(self.cache_dir, key)
+        info = _cache.is_complete(entry)
+        return BuildResult(self.kernel, key, entry, info, built=False) if info else None
+
+    # ----------------------------------------------------------------------------------------- build
+
+    def build(self, force: bool = False, on_wait: Callable[[dict], None] | None = None) -> BuildResult:
+        """Make sure the cache holds a build for the current inputs, compiling it when absent (or ``force``).
+
+        Concurrent callers with one key (threads, processes, ranks on a node) produce one build: the others wait
+        on the key's lock and then take the published entry. Returns a :class:`BuildResult`.
+        """
+        t0 = time.monotonic()
+        k = self.kernel
+        self._check_files()
+        self._check_object_names()
+        tc = self._toolchain()
+        key = _cache.build_key(k.short_name, self.key_inputs(tc))
+        entry = _cache.entry_dir(self.cache_dir, key)
+        if not force and (info := _cache.is_complete(entry)):
+            return BuildResult(k, key, entry, info, built=False, seconds=time.monotonic() - t0)
+
+        def waiting(owner: dict) -> None:
+            if on_wait is not None:
+                on_wait(owner)
+            _log(f"{k.id}: waiting for the build by pid {owner.get('pid', '?')} on {owner.get('hostname', '?')}")
+
+        lock = _cache.BuildLock(self.cache_dir, key, on_wait=waiting)
+        try:
+            lock.acquire()
+        except _cache.LockTimeout as e:
+            raise KernelBuildError(f"{k.id}: {e}") from None
+        try:
+            if lock.previous_owner:
+                po = lock.previous_owner
+                _log(f"{k.id}: the build by pid {po.get('pid')} on {po.get('hostname')} did not finish "
+                     "(process gone); taking over")
+            if not force and (info := _cache.is_complete(entry)):
+                return BuildResult(k, key, entry, info, built=False, seconds=time.monotonic() - t0)
+            _cache.clean_stale_tmp(self.cache_dir, key)
+            if force and entry.exists():
+                shutil.rmtree(entry)
+            tmp = _cache.new_tmp_dir(self.cache_dir, key)
+            try:
+                lib = self._compile(tmp, tc)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            info = {
+                "kernel": k.id, "key": key, "library": lib.name, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "seconds": round(time.monotonic() - t0, 2), "archs": tc.get("archs"), "inputs": self.key_inputs(tc),
+            }
+            entry = _cache.publish(tmp, self.cache_dir, key, info)
+            return BuildResult(k, key, entry, _cache.is_complete(entry) or info, built=True,
+                               seconds=time.monotonic() - t0)
+        finally:
+            lock.release()
+
+    def _compile(self, tmp: Path, tc: dict[str, Any]) -> Path:
+        k = self.kernel
+        log_path = tmp / "build.log"
+        spec = {
+            "name": self.extension_name,
+            "sources": [str(p) for p in self.source_paths()],
+            "include_paths": [str(p) for p in self.include_paths()] + list(tc.get("cuda_includes", [])),
+            "cflags": list(k.flags.get("cxx", ())),
+            "cuda_cflags": list(k.flags.get("nvcc", ())),
+            "build_directory": str(tmp),
+            "with_cuda": self.needs_cuda,
+            "cuda_home": tc.get("cuda_home"),
+            "fake": k.fake,
+            "ops": list(k.ops),
+            "pythonpath": [str(self.manifest.root)],
+            "result": str(tmp / "result.json"),
+        }
+        spec_path = tmp / "spec.json"
+        spec_path.write_text(json.dumps(spec, indent=1))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(_PKG_PARENT), str(self.manifest.root)]
+                                            + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        if self.needs_cuda:
+            env["TORCH_CUDA_ARCH_LIST"] = tc["archs"]
+            env["CUDA_HOME"] = tc["cuda_home"]
+            env["PATH"] = os.pathsep.join([str(Path(tc["cuda_home"]) / "bin"), env.get("PATH", "")])
+        _log(f"{k.id}: building ({'archs ' + tc['archs'] if self.needs_cuda else 'C++'}), log: {log_path}")
+        cmd = [sys.executable, "-m", "pipegoose.kernels", "_worker", str(spec_path)]
+        with open(log_path, "wb") as log:
+            log.write(f"$ {' '.join(cmd)}\n# TORCH_CUDA_ARCH_LIST={env.get('TORCH_CUDA_ARCH_LIST', '')} "
+                      f"CUDA_HOME={env.get('CUDA_HOME', '')} MAX_JOBS={env.get('MAX_JOBS', '')}\n".encode())
+            log.flush()
+            if self.verbose:
+                proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    log.write(line)
+                    sys.stderr.buffer.write(line)
+                rc = proc.wait()
+            else:
+                rc = subprocess.run(cmd, env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT).returncode
+        result = None
+        if rc == 0:
+            try:
+                result = json.loads((tmp / "result.json").read_text())
+            except (OSError, ValueError):
+                result = None
+        if rc != 0 or not result:
+            failed = self.cache_dir / "failed" / tmp.name.split(".tmp-")[0]
+            failed.mkdir(parents=True, exist_ok=True)
+            kept = failed / "build.log"
+            shutil.copyfile(log_path, kept)
+            raise KernelBuildError(_failure_message(k.id, log_path.read_text(errors="replace"), kept, rc), kept)
+        lib = Path(result["library"])
+        # Keep the library and the log; the objects and ninja files are not needed to load it.
+        for p in tmp.iterdir():
+            if p.is_file() and (p.suffix == ".o" or p.name in (".ninja_deps", ".ninja_log", "lock")):
+                p.unlink()
+        return tmp / lib.relative_to(tmp) if lib.is_relative_to(tmp) else lib
+
+    # ----------------------------------------------------------------------------------------- load
+
+    def load(self) -> KernelOps:
+        """Build (or take from the cache) and load the kernel; the same :class:`KernelOps` on every call."""
+        k = self.kernel
+        reg = (str(self.manifest.path.resolve()), k.id)
+        with _LOAD_LOCK:
+            if reg in _LOADED:
+                return _LOADED[reg]
+            for (mpath, kid), ops in _LOADED.items():
+                if kid == k.id or set(ops.ops) & set(k.ops):
+                    raise KernelError(f"ops of {k.id} are already loaded in this process from {ops.library_path} "
+                                      f"(manifest {mpath}); restart the process to load another build")
+            res = self.build()
+            self._check_gpu_covered(res)
+            ops = self._load_library(res)
+            _LOADED[reg] = ops
+            return ops
+
+    def _check_gpu_covered(self, res: BuildResult) -> None:
+        if not self.needs_cuda:
+            return
+        caps = toolchain.visible_capabilities()
+        if not caps or not res.info.get("archs"):
+            return
+        archs = toolchain.parse_arch_list(res.info["archs"])
+        missing = [c for c in caps if not toolchain.arch_covers(archs, c)]
+        if missing:
+            sm = ", ".join(f"sm_{a}{b}" for a, b in missing)
+            raise KernelUnavailableError(
+                f"{self.kernel.id} was built for {res.info['archs']}, which does not cover this GPU ({sm}): "
+                f"add {';'.join(f'{a}.{b}' for a, b in missing)} to TORCH_CUDA_ARCH_LIST (or unset it) and load again")
+
+    def _load_library(self, res: BuildResult) -> KernelOps:
+        import torch
+
+        k = self.kernel
+        lib = res.library_path
+        try:
+            torch.ops.load_library(str(lib))
+        except Exception as e:  # undefined symbols, duplicate registrations
+            raise KernelBuildError(f"{k.id}: loading {lib} failed: {e}", None) from e
+        if k.fake:
+            root = str(self.manifest.root)
+            if root not in sys.path and str(_PKG_PARENT) != root:
+                sys.path.append(root)
+            try:
+                importlib.import_module(k.fake)
+            except Exception as e:
+                raise KernelError(f"{k.id}: importing its fake impls {k.fake!r} failed: {e}") from e
+        ops: dict[str, Any] = {}
+        missing = []
+        for op in k.ops:
+            try:
+                ops[op] = getattr(torch.ops.pipegoose, op)
+            except (AttributeError, RuntimeError):
+                missing.append(op)
+        if missing:
+            raise KernelBuildError(f"{k.id}: {lib} loaded but does not define torch.ops.pipegoose."
+                                   f"{', '.join(missing)}; check the binding {k.binding}")
+        return KernelOps(k, lib, res.key, ops, res.built)
+
+    # ----------------------------------------------------------------------------------------- status
+
+    def status(self) -> dict[str, Any]:
+        """The kernel's state without building: ``state`` in {cached, loaded, not built, unavailable}."""
+        k = self.kernel
+        out: dict[str, Any] = {"kernel": k.id, "state": "not built", "detail": "", "key": None}
+        reg = (str(self.manifest.path.resolve()), k.id)
+        if reg in _LOADED:
+            return {**out, "state": "loaded", "detail": str(_LOADED[reg].library_path), "key": _LOADED[reg].build_key}
+        try:
+            res = self.cached()
+        except (KernelUnavailableError, KernelBuildError) as e:
+            return {**out, "state": "unavailable", "detail": str(e)}
+        if res is None:
+            key = _cache.build_key(k.short_name, self.key_inputs())
+            failed = self.cache_dir / "failed" / key / "build.log"
+            detail = f"last build failed, log: {failed}" if failed.is_file() else ""
+            return {**out, "state": "not built", "key": key, "detail": detail}
+        return {**out, "state": "cached", "key": res.key, "detail": str(res.library_path)}
+
+
+def _local_includes(source: Path) -> list[Path]:
+    """Headers that ``source`` includes with quotes from its own folder, recursively (part of the build key)."""
+    seen: dict[Path, None] = {}
+    todo = [source]
+    while todo:
+        f = todo.pop()
+        try:
+            text = f.read_text(errors="replace")
+        except OSError:
+            continue
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, re.M):
+            h = (f.parent / name).resolve()
+            if h.is_file() and h.parent == source.parent.resolve() and h not in seen:
+                seen[h] = None
+                todo.append(h)
+    return sorted(seen)
+
+
+def _failure_message(kernel_id: str, log: str, kept: Path, rc: int) -> str:
+    pat = re.compile(r"(\berror\b|undefined (reference|symbol)|FAILED:|fatal|Traceback|Error:)", re.I)
+    lines = [ln.rstrip() for ln in log.splitlines() if pat.search(ln) and "-Werror" not in ln]
+    first = lines[:12] or log.strip().splitlines()[-12:]
+    return (f"building {kernel_id} failed (exit status {rc}); first errors:\n  " + "\n  ".join(first)
+            + f"\nfull log: {kept}")
+
+
+def load(name: str, **kwargs: Any) -> KernelOps:
+    """Shortcut for ``KernelBuilder.from_name(name, **kwargs).load()``."""
+    return KernelBuilder.from_name(name, **kwargs).load()
+
+
+def _worker_main(spec_path: str) -> int:
+    """The child build: compile with cpp_extension, load the library, import the fakes, check the ops."""
+    spec = json.loads(Path(spec_path).read_text())
+    for p in spec.get("pythonpath", []):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    import torch
+    import torch.utils.cpp_extension as cpp_extension
+
+    if spec.get("cuda_home"):
+        cpp_extension.CUDA_HOME = spec["cuda_home"]
+    print(f"# torch {torch.__version__} (CUDA {torch.version.cuda}), CUDA_HOME={cpp_extension.CUDA_HOME}", flush=True)
+    lib = cpp_extension.load(
+        name=spec["name"], sources=spec["sources"], extra_cflags=spec["cflags"],
+        extra_cuda_cflags=spec["cuda_cflags"] if spec["with_cuda"] else None,
+        extra_include_paths=spec["include_paths"], build_directory=spec["build_directory"], verbose=True,
+        with_cuda=spec["with_cuda"], is_python_module=False)
+    print(f"# built {lib}", flush=True)
+    if spec.get("fake"):
+        importlib.import_module(spec["fake"])
+    missing = [op for op in spec["ops"] if not hasattr(torch.ops.pipegoose, op)]
+    if missing:
+        print(f"error: the library does not define torch.ops.pipegoose.{', '.join(missing)}", flush=True)
+        return 3
+    Path(spec["result"]).write_text(json.dumps({"library": str(lib)}))
+    print("# ok: loaded, every op defined", flush=True)
+    return 0

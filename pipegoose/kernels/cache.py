@@ -1,0 +1,270 @@
+"""The kernel build cache: where builds live, their key, and the lock that makes one build per key.
+
+Layout of ``<cache>`` (:func:`default_cache_dir`)::
+
+    <key>/                   a published build: <name>.so, build.json, build.log (complete, or absent)
+    <key>.tmp-<pid>-<rand>/  a build in progress; renamed to <key>/ in one step when it succeeded
+    locks/<key>.lock         the lock (filelock, an OS-level flock: released when its process dies)
+    locks/<key>.owner.json   who holds / last held the lock: pid, hostname, boot id, process start time
+    failed/<key>/build.log   the log of the last failed build of that key
+
+A key is ``<kernel short name>-<24 hex>``, the sha256 of every input of a build (:func:`build_key`).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import filelock
+
+__all__ = [
+    "KEY_SCHEMA",
+    "default_cache_dir",
+    "build_key",
+    "file_digest",
+    "process_identity",
+    "owner_alive",
+    "BuildLock",
+    "LockTimeout",
+    "entry_dir",
+    "is_complete",
+    "new_tmp_dir",
+    "publish",
+    "clean_stale_tmp",
+]
+
+KEY_SCHEMA = 1  # bump when the meaning of a build changes without any input changing
+BUILD_INFO = "build.json"
+
+
+def default_cache_dir() -> Path:
+    """``$PIPEGOOSE_CACHE_DIR``, else ``$XDG_CACHE_HOME/pipegoose/kernels``, else ``~/.cache/pipegoose/kernels``."""
+    env = os.environ.get("PIPEGOOSE_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "pipegoose" / "kernels"
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def build_key(name: str, inputs: Mapping[str, Any]) -> str:
+    """``<name>-<24 hex>``: sha256 of the canonical JSON of ``inputs`` (file digests, flags, versions, archs...).
+
+    Any change of any value changes the key; ``name`` only makes cache folders readable.
+    """
+    blob = json.dumps({"schema": KEY_SCHEMA, **inputs}, sort_keys=True, separators=(",", ":"), default=str)
+    safe = "".join(c if c.isalnum() or c in "_-" else "_" for c in name)
+    return f"{safe}-{hashlib.sha256(blob.encode()).hexdigest()[:24]}"
+
+
+# --------------------------------------------------------------------------------------------------- identity
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot (field 22 of /proc/<pid>/stat), '' if unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def process_identity(pid: int | None = None) -> dict[str, Any]:
+    """What identifies a process across pid reuse: pid, hostname, boot id and start time."""
+    pid = os.getpid() if pid is None else pid
+    return {"pid": pid, "hostname": socket.gethostname(), "boot_id": _boot_id(), "start_time": _start_time(pid),
+            "argv": " ".join(sys.argv)[:200], "since": time.time()}
+
+
+def owner_alive(owner: Mapping[str, Any]) -> bool | None:
+    """True/False when the owner's liveness can be told from here (same host and boot), None otherwise."""
+    if owner.get("hostname") != socket.gethostname() or owner.get("boot_id") != _boot_id():
+        return None
+    pid = int(owner.get("pid", -1))
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    start = _start_time(pid)
+    return not (start and owner.get("start_time") and start != owner["start_time"])
+
+
+# --------------------------------------------------------------------------------------------------- lock
+
+
+class LockTimeout(TimeoutError):
+    """The build lock stayed held by a live process for longer than the timeout."""
+
+
+class BuildLock:
+    """Mutual exclusion of the builders of one key, across threads, processes and ranks on one node.
+
+    ``filelock.FileLock`` (an OS ``flock``) does the exclusion; the kernel releases it when its holder dies, so a
+    build killed with ``kill -9`` never blocks the next one: the next builder takes the lock over, notes that the
+    previous owner (recorded in ``<key>.owner.json``) did not finish, and removes its half-written temp folder.
+    Where the file system has no ``flock`` (some network file systems), a ``filelock.SoftFileLock`` is used and a
+    lock whose owner process is gone (same host and boot, pid gone or reused) is broken.
+
+    Waiting is bounded: ``timeout`` seconds (default ``$PIPEGOOSE_BUILD_LOCK_TIMEOUT`` or 3600), after which
+    :class:`LockTimeout` names the owner. ``on_wait(owner)`` is called once when the lock is found busy.
+    """
+
+    def __init__(self, cache_dir: Path, key: str, *, timeout: float | None = None,
+                 on_wait: Callable[[dict], None] | None = None, soft: bool = False):
+        self.dir = Path(cache_dir) / "locks"
+        self.key = key
+        self.path = self.dir / f"{key}.lock"
+        self.owner_path = self.dir / f"{key}.owner.json"
+        env_timeout = os.environ.get("PIPEGOOSE_BUILD_LOCK_TIMEOUT")
+        self.timeout = float(timeout if timeout is not None else env_timeout or 3600)
+        self.on_wait = on_wait
+        self.soft = soft
+        self.previous_owner: dict | None = None  # set when a dead owner's unfinished build was taken over
+        self._lock: filelock.BaseFileLock | None = None
+
+    def read_owner(self) -> dict | None:
+        try:
+            return json.loads(self.owner_path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _make(self) -> filelock.BaseFileLock:
+        if self.soft:
+            return filelock.SoftFileLock(str(self.path) + ".soft")
+        return filelock.FileLock(str(self.path))
+
+    def acquire(self) -> "BuildLock":
+        self.dir.mkdir(parents=True, exist_ok=True)
+        lock = self._make()
+        deadline = time.monotonic() + self.timeout
+        told = False
+        while True:
+            try:
+                lock.acquire(timeout=min(1.0, max(0.0, deadline - time.monotonic())), poll_interval=0.05)
+                break
+            except filelock.Timeout:
+                owner = self.read_owner() or {}
+                if self.soft and owner and owner_alive(owner) is False:
+                    # A soft lock outlives its process: break it when the owner is provably gone.
+                    Path(lock.lock_file).unlink(missing_ok=True)
+                    continue
+                if not told and self.on_wait is not None:
+                    self.on_wait(owner)
+                    told = True
+                if time.monotonic() >= deadline:
+                    who = (f"pid {owner.get('pid')} on {owner.get('hostname')} ({owner.get('argv', '')})"
+                           if owner else "an unknown process")
+                    raise LockTimeout(
+                        f"the build lock {self.path} is still held by {who} after {self.timeout:.0f} s; if that "
+                        f"process is hung, stop it (or delete {self.path} when no build runs), or raise "
+                        "PIPEGOOSE_BUILD_LOCK_TIMEOUT") from None
+            except OSError as e:
+                if not self.soft and e.errno in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+                    self.soft = True  # the file system cannot flock
+                    lock = self._make()
+                    continue
+                raise
+        self._lock = lock
+        prev = self.read_owner()
+        if prev and not prev.get("released") and prev.get("pid") != os.getpid():
+            self.previous_owner = prev  # its holder died while holding it: a build was interrupted
+        tmp = self.owner_path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(process_identity()))
+        os.replace(tmp, self.owner_path)
+        return self
+
+    def release(self) -> None:
+        if self._lock is None:
+            return
+        try:
+            owner = self.read_owner() or {}
+            owner["released"] = True
+            tmp = self.owner_path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(owner))
+            os.replace(tmp, self.owner_path)
+        finally:
+            self._lock.release()
+            self._lock = None
+
+    def __enter__(self) -> "BuildLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# --------------------------------------------------------------------------------------------------- entries
+
+
+def entry_dir(cache_dir: Path, key: str) -> Path:
+    return Path(cache_dir) / key
+
+
+def is_complete(entry: Path) -> dict | None:
+    """The build info of a published entry, or None when it is absent or incomplete."""
+    try:
+        info = json.loads((entry / BUILD_INFO).read_text())
+    except (OSError, ValueError):
+        return None
+    lib = entry / info.get("library", "")
+    return info if info.get("library") and lib.is_file() else None
+
+
+def new_tmp_dir(cache_dir: Path, key: str) -> Path:
+    d = Path(cache_dir) / f"{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    d.mkdir(parents=True)
+    return d
+
+
+def publish(tmp: Path, cache_dir: Path, key: str, info: Mapping[str, Any]) -> Path:
+    """Write ``build.json`` into ``tmp`` and rename ``tmp`` to ``<cache>/<key>`` in one step.
+
+    The caller holds the key's :class:`BuildLock`; an existing complete entry wins (``tmp`` is removed).
+    """
+    (tmp / BUILD_INFO).write_text(json.dumps(dict(info), indent=1, sort_keys=True, default=str))
+    final = entry_dir(cache_dir, key)
+    if is_complete(final):
+        shutil.rmtree(tmp, ignore_errors=True)
+        return final
+    if final.exists():  # an incomplete leftover (not produced by this code, which renames whole folders)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    return final
+
+
+def clean_stale_tmp(cache_dir: Path, key: str) -> list[Path]:
+    """Remove the temp folders of ``key`` (call with the key's lock held: no live build can own one)."""
+    removed = []
+    for d in Path(cache_dir).glob(f"{key}.tmp-*"):
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed

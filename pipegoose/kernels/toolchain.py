@@ -1,0 +1,401 @@
+"""Find the CUDA toolkit, host compiler and target architectures for building kernels, and check them.
+
+Everything here is probed once per process (``functools.lru_cache``); tests monkeypatch the probes.
+
+* :func:`find_cuda_home` -- ``$CUDA_HOME``/``$CUDA_PATH``, else ``/usr/local/cuda``, else the toolkit of the
+  ``nvcc`` on ``PATH`` (a wrapper script such as ``/usr/local/bin/nvcc`` that execs the real compiler is resolved
+  by asking nvcc itself, ``nvcc --dryrun``). A folder counts as a toolkit only with ``bin/nvcc`` AND
+  ``include/cuda_runtime.h`` (torch's own guess, ``/usr/local``, often lacks the headers).
+* :func:`cuda_extra_include_dirs` -- the pip CUDA wheels' include folders (``site-packages/nvidia/cu13/include``,
+  ``nvidia/*/include``) when the toolkit lacks ``cusparse.h``/``cublas_v2.h``, which torch's headers include.
+* :func:`arch_list` -- the ``TORCH_CUDA_ARCH_LIST`` to build for: the visible GPUs (PTX for the newest), else
+  ``$TORCH_CUDA_ARCH_LIST``, else a default table matching nvcc's major version. ``compute_70`` is never assumed.
+* :func:`preflight` -- the checks, each a :class:`Check` with an actionable ``fix``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "Check",
+    "Arch",
+    "find_cuda_home",
+    "is_cuda_toolkit",
+    "nvcc_version",
+    "torch_cuda_version",
+    "host_compiler",
+    "cuda_extra_include_dirs",
+    "visible_capabilities",
+    "parse_arch_list",
+    "format_arch_list",
+    "default_arch_list",
+    "arch_list",
+    "arch_covers",
+    "ninja_path",
+    "preflight",
+]
+
+# Oldest architecture each nvcc major version still compiles for (CUDA 13 dropped sm_50..sm_72).
+_MIN_ARCH = {10: (3, 0), 11: (3, 5), 12: (5, 0), 13: (7, 5)}
+# Host compilers: the oldest gcc torch's headers build with, and the newest each nvcc major accepts.
+_GCC_MIN = 9
+_GCC_MAX = {11: 11, 12: 14, 13: 15}
+_CLANG_MAX = {11: 13, 12: 19, 13: 20}
+# Where a toolkit is looked for after $CUDA_HOME/$CUDA_PATH and before nvcc on PATH.
+DEFAULT_TOOLKITS = ("/usr/local/cuda",)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One preflight check: ``ok`` False means building is impossible (``fix`` says what to do)."""
+
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    warn: bool = False  # ok but suspicious (e.g. a newer host compiler than nvcc supports officially)
+
+
+@dataclass(frozen=True, order=True)
+class Arch:
+    """A CUDA compute capability, e.g. ``Arch(9, 0)`` = sm_90; ``ptx`` also embeds PTX for JIT on newer GPUs."""
+
+    major: int
+    minor: int
+    ptx: bool = False
+    suffix: str = ""  # "a" / "f" arch-specific variants (sm_90a): no forward compatibility
+
+    def __str__(self) -> str:
+        return f"{self.major}.{self.minor}{self.suffix}" + ("+PTX" if self.ptx else "")
+
+    @property
+    def sm(self) -> str:
+        return f"sm_{self.major}{self.minor}{self.suffix}"
+
+
+# --------------------------------------------------------------------------------------------------- CUDA
+
+
+def is_cuda_toolkit(path: str | os.PathLike | None) -> bool:
+    """True when ``path`` holds ``bin/nvcc`` and ``include/cuda_runtime.h``."""
+    if not path:
+        return False
+    p = Path(path)
+    return (p / "bin" / "nvcc").is_file() and (p / "include" / "cuda_runtime.h").is_file()
+
+
+def _toolkit_of_nvcc(nvcc: str) -> Path | None:
+    real = Path(nvcc).resolve()
+    if is_cuda_toolkit(real.parent.parent):
+        return real.parent.parent
+    # A wrapper script: nvcc reports its own folder in a dry run ("#$ _HERE_=/usr/local/cuda-13.0/bin").
+    with tempfile.TemporaryDirectory(prefix="pipegoose-nvcc-") as d:
+        src = Path(d) / "probe.cu"
+        src.write_text("")
+        try:
+            out = subprocess.run([nvcc, "--dryrun", "-c", str(src), "-o", str(Path(d) / "probe.o")],
+                                 capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return None
+    m = re.search(r"^#\$ _HERE_=(.+)$", out.stdout + out.stderr, re.M)
+    if m:
+        top = Path(m.group(1).strip()).resolve().parent
+        if is_cuda_toolkit(top):
+            return top
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def find_cuda_home() -> Path | None:
+    """The CUDA toolkit folder, or None. Order: $CUDA_HOME, $CUDA_PATH, /usr/local/cuda, nvcc on PATH."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        v = os.environ.get(var)
+        if v and is_cuda_toolkit(v):
+            return Path(v).resolve()
+    for cand in DEFAULT_TOOLKITS:
+        if is_cuda_toolkit(cand):
+            return Path(cand).resolve()
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return _toolkit_of_nvcc(nvcc)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def nvcc_version(cuda_home: Path | None = None) -> tuple[int, int] | None:
+    """``(major, minor)`` of ``<cuda_home>/bin/nvcc`` (default: :func:`find_cuda_home`), or None."""
+    home = cuda_home or find_cuda_home()
+    if home is None:
+        return None
+    try:
+        out = subprocess.run([str(Path(home) / "bin" / "nvcc"), "--version"], capture_output=True, text=True,
+                             timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def torch_cuda_version() -> tuple[int, int] | None:
+    """``(major, minor)`` of the CUDA torch was built with, or None for a CPU-only torch."""
+    import torch
+
+    v = torch.version.cuda
+    if not v:
+        return None
+    major, minor = v.split(".")[:2]
+    return int(major), int(minor)
+
+
+def cuda_extra_include_dirs(cuda_home: Path | None = None) -> list[str]:
+    """Include folders of the pip CUDA wheels, needed when the toolkit lacks headers torch's headers include.
+
+    Returns ``[]`` when ``<cuda_home>/include`` has both ``cusparse.h`` and ``cublas_v2.h``.
+    """
+    home = cuda_home or find_cuda_home()
+    needed = ("cusparse.h", "cublas_v2.h")
+    if home is not None and all((Path(home) / "include" / h).is_file() for h in needed):
+        return []
+    found: list[str] = []
+    for base in sys.path:
+        nv = Path(base or ".") / "nvidia"
+        if not nv.is_dir():
+            continue
+        for inc in sorted(nv.glob("*/include")):
+            if any((inc / h).is_file() for h in needed) and str(inc) not in found:
+                found.append(str(inc))
+    return found
+
+
+# --------------------------------------------------------------------------------------------------- host
+
+
+@functools.lru_cache(maxsize=None)
+def host_compiler() -> tuple[str, str]:
+    """``(path, first line of --version)`` of the C++ compiler torch.utils.cpp_extension uses ($CXX or c++)."""
+    name = os.environ.get("CXX", "c++")
+    path = shutil.which(name)
+    if path is None:
+        return name, ""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return str(Path(path).resolve()), (out.splitlines() or [""])[0].strip()
+
+
+def _compiler_check(cuda_major: int | None) -> Check:
+    path, version = host_compiler()
+    if not version:
+        return Check("host compiler", False, f"{path}: not found or not runnable",
+                     "install g++ (e.g. apt-get install g++) or set CXX to a C++17 compiler")
+    m = re.search(r"(\d+)\.(\d+)(?:\.\d+)?", version)
+    major = int(m.group(1)) if m else 0
+    is_clang = "clang" in version.lower()
+    detail = f"{path} ({version})"
+    if not is_clang and major < _GCC_MIN:
+        return Check("host compiler", False, detail, f"gcc >= {_GCC_MIN} is needed by torch's headers; set CXX")
+    limits = _CLANG_MAX if is_clang else _GCC_MAX
+    if cuda_major in limits and major > limits[cuda_major]:
+        return Check("host compiler", True, detail + f"; newer than nvcc {cuda_major} supports "
+                     f"(max {limits[cuda_major]})", "set NVCC_CCBIN/CXX to an older compiler if nvcc rejects it",
+                     warn=True)
+    return Check("host compiler", True, detail)
+
+
+def ninja_path() -> str | None:
+    p = shutil.which("ninja")
+    if p:
+        return p
+    try:  # the pip wheel puts its binary next to the module
+        import ninja  # type: ignore
+
+        cand = Path(ninja.BIN_DIR) / "ninja"
+        return str(cand) if cand.is_file() else None
+    except Exception:
+        return None
+
+
+# --------------------------------------------------------------------------------------------------- archs
+
+
+def visible_capabilities() -> list[tuple[int, int]]:
+    """Compute capabilities of the visible GPUs (empty without a GPU or without a CUDA torch)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return []
+        return sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+    except Exception:
+        return []
+
+
+_ARCH_RE = re.compile(r"^(?:sm_|compute_)?(\d+)\.?(\d)([af]?)(\+PTX)?$", re.I)
+
+
+def parse_arch_list(text: str) -> list[Arch]:
+    """Parse a ``TORCH_CUDA_ARCH_LIST`` value (``"8.0;9.0+PTX"``, spaces or semicolons).
+
+    Raises:
+        ValueError: an entry is not ``<major>.<minor>[a|f][+PTX]`` (named ones like ``Hopper`` are not taken).
+    """
+    out: list[Arch] = []
+    for tok in re.split(r"[;\s,]+", text.strip()):
+        if not tok:
+            continue
+        m = _ARCH_RE.match(tok)
+        if not m:
+            raise ValueError(f"TORCH_CUDA_ARCH_LIST entry {tok!r}: expected <major>.<minor>[+PTX], e.g. 9.0+PTX")
+        major, minor = int(m.group(1)), int(m.group(2))
+        out.append(Arch(major, minor, bool(m.group(4)), m.group(3).lower()))
+    if not out:
+        raise ValueError("TORCH_CUDA_ARCH_LIST is empty")
+    return out
+
+
+def format_arch_list(archs: list[Arch]) -> str:
+    return ";".join(str(a) for a in archs)
+
+
+def default_arch_list(cuda: tuple[int, int]) -> list[Arch]:
+    """Architectures to build for when no GPU is visible and ``TORCH_CUDA_ARCH_LIST`` is unset.
+
+    CUDA 13: sm_75 .. sm_120 (PTX for sm_120); CUDA 12: sm_50 .. sm_90 (sm_100/sm_120 from 12.8);
+    CUDA 11: sm_35 .. sm_86 (sm_90 from 11.8).
+    """
+    major, minor = cuda
+    if major >= 13:
+        caps = [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)]
+    elif major == 12:
+        caps = [(5, 0), (6, 0), (7, 0), (7, 5), (8, 0), (8, 6), (8, 9), (9, 0)]
+        if minor >= 8:
+            caps += [(10, 0), (12, 0)]
+    else:
+        caps = [(3, 5), (5, 0), (6, 0), (7, 0), (7, 5), (8, 0), (8, 6)]
+        if minor >= 8:
+            caps += [(8, 9), (9, 0)]
+    return [Arch(a, b, ptx=(i == len(caps) - 1)) for i, (a, b) in enumerate(caps)]
+
+
+def arch_covers(archs: list[Arch], cap: tuple[int, int]) -> bool:
+    """Whether a build for ``archs`` runs on a GPU of capability ``cap``.
+
+    SASS runs on the same major with an equal or higher minor (arch-specific ``a``/``f`` builds only on the exact
+    capability); PTX of an equal or older capability is JIT-compiled by the driver.
+    """
+    for a in archs:
+        if a.suffix:
+            if (a.major, a.minor) == cap:
+                return True
+            continue
+        if a.major == cap[0] and a.minor <= cap[1]:
+            return True
+        if a.ptx and (a.major, a.minor) <= cap:
+            return True
+    return False
+
+
+def arch_list(cuda: tuple[int, int] | None = None) -> tuple[list[Arch], str]:
+    """The architectures to build for and where they came from (``"gpu"``, ``"env"``, ``"default"``).
+
+    Visible GPUs win (PTX added for the newest); an explicit ``TORCH_CUDA_ARCH_LIST`` is used when it covers every
+    visible GPU, and is extended with the missing GPUs otherwise. Architectures older than nvcc supports are
+    rejected rather than passed on (``compute_70`` fails with CUDA 13).
+
+    Raises:
+        ValueError: ``TORCH_CUDA_ARCH_LIST`` is malformed or names an architecture nvcc cannot build.
+    """
+    cuda = cuda or nvcc_version() or torch_cuda_version() or (13, 0)
+    caps = visible_capabilities()
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    env_archs = parse_arch_list(env) if env else None
+    if env_archs is not None:
+        low = _MIN_ARCH.get(cuda[0])
+        bad = [a for a in env_archs if low and (a.major, a.minor) < low]
+        if bad:
+            raise ValueError(
+                f"TORCH_CUDA_ARCH_LIST={env!r} names {', '.join(a.sm for a in bad)}, which nvcc "
+                f"{cuda[0]}.{cuda[1]} cannot build (oldest: sm_{low[0]}{low[1]}); remove it from the list")
+    if caps:
+        gpu = [Arch(a, b, ptx=(i == len(caps) - 1)) for i, (a, b) in enumerate(caps)]
+        if env_archs is None:
+            return gpu, "gpu"
+        missing = [Arch(a, b) for (a, b) in caps if not arch_covers(env_archs, (a, b))]
+        if not missing:
+            return env_archs, "env"
+        return sorted(set(env_archs) | set(missing)), "env+gpu"
+    if env_archs is not None:
+        return env_archs, "env"
+    return default_arch_list(cuda), "default"
+
+
+# --------------------------------------------------------------------------------------------------- preflight
+
+
+def preflight(cache_dir: Path | None = None, *, need_cuda: bool = True) -> list[Check]:
+    """All toolchain checks (CUDA toolkit, nvcc vs torch CUDA major, ninja, host compiler, cache dir)."""
+    checks: list[Check] = []
+    tv = torch_cuda_version()
+    if need_cuda:
+        home = find_cuda_home()
+        if home is None:
+            checks.append(Check(
+                "CUDA toolkit", False, "no toolkit found (looked at $CUDA_HOME, $CUDA_PATH, /usr/local/cuda, nvcc "
+                "on PATH; a toolkit has bin/nvcc and include/cuda_runtime.h)",
+                f"install the CUDA {tv[0] if tv else ''} toolkit (nvcc) and set CUDA_HOME to it"))
+        else:
+            checks.append(Check("CUDA toolkit", True, str(home)))
+            nv = nvcc_version(home)
+            if nv is None:
+                checks.append(Check("nvcc", False, f"{home}/bin/nvcc --version gave no release number",
+                                    "reinstall the CUDA toolkit"))
+            elif tv is None:
+                checks.append(Check("nvcc", False, f"nvcc {nv[0]}.{nv[1]}, but torch is a CPU-only build",
+                                    "install a CUDA build of torch (pip install torch --index-url "
+                                    "https://download.pytorch.org/whl/cu<version>)"))
+            elif nv[0] != tv[0]:
+                checks.append(Check(
+                    "nvcc", False, f"nvcc {nv[0]}.{nv[1]} but torch was built with CUDA {tv[0]}.{tv[1]}: "
+                    "CUDA major versions must match",
+                    f"install CUDA {tv[0]}.x and point CUDA_HOME at it, or a torch built for CUDA {nv[0]}"))
+            else:
+                checks.append(Check("nvcc", True, f"{nv[0]}.{nv[1]} (torch CUDA {tv[0]}.{tv[1]})"))
+            extra = cuda_extra_include_dirs(home)
+            if extra:
+                checks.append(Check("CUDA headers", True, f"cusparse.h/cublas_v2.h from {', '.join(extra)}"))
+            elif not all((home / "include" / h).is_file() for h in ("cusparse.h", "cublas_v2.h")):
+                checks.append(Check("CUDA headers", False, f"{home}/include lacks cusparse.h or cublas_v2.h",
+                                    "pip install nvidia-cusparse and nvidia-cublas wheels matching torch, or "
+                                    "install the full CUDA toolkit"))
+        try:
+            archs, origin = arch_list()
+            checks.append(Check("arch list", True, f"{format_arch_list(archs)} (from {origin})"))
+        except ValueError as e:
+            checks.append(Check("arch list", False, str(e), "fix or unset TORCH_CUDA_ARCH_LIST"))
+    nj = ninja_path()
+    checks.append(Check("ninja", nj is not None, nj or "not found", "" if nj else "pip install ninja"))
+    checks.append(_compiler_check(tv[0] if tv else None))
+    if cache_dir is not None:
+        checks.append(_writable_check(Path(cache_dir)))
+    return checks
+
+
+def _writable_check(path: Path) -> Check:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+        return Check("cache dir", True, str(path))
+    except OSError as e:
+        return Check("cache dir", False, f"{path}: not writable ({e.strerror or e})",
+                     "set PIPEGOOSE_CACHE_DIR to a writable folder")
