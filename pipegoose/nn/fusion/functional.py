@@ -170,7 +170,8 @@ def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: tor
     Args:
         x: [*, *normalized_shape], any float dtype.
         weight: [*normalized_shape] or None, any float dtype.
-        eps: None -> ``torch.finfo(x.dtype).eps`` (F.rms_norm's default; LlamaRMSNorm uses 1e-6: pass it).
+        eps: None -> F.rms_norm's default, ``torch.finfo`` eps of the compute dtype (fp32 for fp16/bf16/fp32
+            input); LlamaRMSNorm uses 1e-6: pass it.
         cast_before_weight: False: F.rms_norm numerics (``x * rstd * weight`` in fp32, one rounding, output
             dtype ``x.dtype``). True: transformers' LlamaRMSNorm numerics (``weight * (x * rstd).to(x.dtype)``,
             output dtype ``torch.result_type`` of that product, e.g. fp32 for bf16 x with fp32 weight).

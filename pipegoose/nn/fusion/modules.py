@@ -196,7 +196,7 @@ class FusedRMSNorm(nn.Module):
 
     Args:
         normalized_shape (or ``hidden_size``): int or shape of the trailing dims.
-        eps: None -> ``torch.finfo(input.dtype).eps`` (as torch.nn.RMSNorm).
+        eps: None -> F.rms_norm's default (fp32 machine epsilon for fp16/bf16/fp32 input), as torch.nn.RMSNorm.
         elementwise_affine: learnable ``weight`` (ones) if True.
         cast_before_weight: False: ``torch.nn.RMSNorm`` numerics; True: transformers' LlamaRMSNorm numerics
             (see the functional).

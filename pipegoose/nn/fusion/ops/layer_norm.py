@@ -38,8 +38,10 @@ SRC_APEX = ("apex/fused_layer_norm: Apex csrc/layer_norm_cuda_kernel.cu via Colo
 
 
 def normalize_shape(normalized_shape: Any) -> tuple[int, ...]:
-    if isinstance(normalized_shape, int):
+    if isinstance(normalized_shape, int) and not isinstance(normalized_shape, bool):
         return (normalized_shape,)
+    if isinstance(normalized_shape, (str, bytes)) or not hasattr(normalized_shape, "__iter__"):
+        raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {normalized_shape!r}")
     try:
         shape = tuple(int(s) for s in normalized_shape)
     except TypeError:

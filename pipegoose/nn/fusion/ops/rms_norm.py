@@ -160,8 +160,8 @@ def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, eps
         cast_before_weight: bool, impl: str | None) -> torch.Tensor:
     shape = normalize_shape(normalized_shape)
     eps = check_args(x, shape, weight, eps)
-    if eps is None:
-        eps = torch.finfo(x.dtype).eps
+    if eps is None:  # F.rms_norm's default: the machine epsilon of the compute dtype (fp32 for half inputs)
+        eps = torch.finfo(_compute_dtype(x.dtype)).eps
     out = out_dtype(x, weight, cast_before_weight)
     xin = x if cast_before_weight or out == x.dtype else x.to(out)
     choice = dispatch.select(OP, rms_norm_problem(xin, shape, weight, out, cast_before_weight), impl)

@@ -1,0 +1,264 @@
+"""CPU: the dispatcher's choice logic with fake implementations (no kernel, no GPU)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from pipegoose.nn.fusion import dispatch
+from pipegoose.nn.fusion.dispatch import (Choice, FusionFallbackError, Implementation, Problem, TuningTable,
+                                          TuningTableError)
+
+OP = "fake.op"
+
+
+def problem(dtype=torch.float16, cols=64, needs_grad=True, **extra):
+    base = dict(ours=True, ported=True)
+    base.update(extra)
+    return Problem(OP, dtype, torch.device("cpu"), cols, needs_grad, base)
+
+
+@pytest.fixture(autouse=True)
+def fake_op(monkeypatch, tmp_path):
+    for var in ("PIPEGOOSE_STRICT", "PIPEGOOSE_IMPL_FAKE_OP", "PIPEGOOSE_IMPL_FAKE"):
+        monkeypatch.delenv(var, raising=False)
+    dispatch.register(Implementation(OP, "torch", "reference", lambda p: (True, "")))
+    dispatch.register(Implementation(OP, "megatron", "ported",
+                                     lambda p: (p["ported"], "" if p["ported"] else "ported says no")))
+    dispatch.register(Implementation(OP, "pipegoose", "ours",
+                                     lambda p: (p["ours"], "" if p["ours"] else "ours says no")))
+    dispatch.register_problem(OP, lambda x, ours=True, ported=True: Problem(
+        OP, x.dtype, x.device, x.shape[-1], x.requires_grad, dict(ours=ours, ported=ported)))
+    monkeypatch.setattr(dispatch, "TUNING_DIR", tmp_path)
+    dispatch.clear_tuning_cache()
+    dispatch.reset_stats()
+    yield
+    dispatch.unregister(OP)
+    dispatch.clear_tuning_cache()
+    dispatch.clear_kernel_cache()
+
+
+def test_builtin_order_ours_then_ported_then_torch():
+    assert list(dispatch.implementations(OP)) == ["pipegoose", "megatron", "torch"]
+    assert dispatch.select(OP, problem()).impl == "pipegoose"
+    c = dispatch.select(OP, problem(ours=False))
+    assert (c.impl, c.source, c.fallback) == ("megatron", "builtin", False)
+    assert c.reasons["pipegoose"] == "ours says no"
+    c = dispatch.select(OP, problem(ours=False, ported=False))
+    assert (c.impl, c.source, c.fallback) == ("torch", "fallback", True)
+    assert "ours says no" in c.reason and "ported says no" in c.reason
+    assert dispatch.stats()[OP] == {"pipegoose": 1, "megatron": 1, "torch": 1}
+    assert dispatch.last_choice(OP) == c
+    dispatch.reset_stats()
+    assert dispatch.stats() == {} and dispatch.last_choice(OP) is None
+
+
+def test_explicit_argument_beats_env(monkeypatch):
+    monkeypatch.setenv("PIPEGOOSE_IMPL_FAKE_OP", "megatron")
+    assert dispatch.select(OP, problem()).impl == "megatron"
+    assert dispatch.select(OP, problem()).source == "env"
+    c = dispatch.select(OP, problem(), impl="torch")
+    assert (c.impl, c.source, c.fallback) == ("torch", "argument", False)
+
+
+def test_family_env_and_auto(monkeypatch):
+    monkeypatch.setenv("PIPEGOOSE_IMPL_FAKE", "torch")
+    c = dispatch.select(OP, problem())
+    assert (c.impl, c.source, c.fallback) == ("torch", "env", False)
+    monkeypatch.setenv("PIPEGOOSE_IMPL_FAKE_OP", "auto")  # op-level auto: the family's value still applies
+    assert dispatch.select(OP, problem()).impl == "torch"
+    monkeypatch.setenv("PIPEGOOSE_IMPL_FAKE_OP", "pipegoose")  # op-level beats family
+    assert dispatch.select(OP, problem()).impl == "pipegoose"
+
+
+def test_unsupported_request_falls_through_with_reason(caplog):
+    with caplog.at_level(logging.DEBUG, logger="pipegoose.nn.fusion.dispatch"):
+        c = dispatch.select(OP, problem(ported=False), impl="megatron")
+    assert (c.impl, c.source) == ("pipegoose", "builtin")
+    assert c.reasons["megatron"] == "ported says no"
+    assert "megatron" in caplog.text and "ported says no" in caplog.text
+
+
+def test_fallback_is_logged(caplog):
+    with caplog.at_level(logging.DEBUG, logger="pipegoose.nn.fusion.dispatch"):
+        dispatch.select(OP, problem(ours=False, ported=False))
+    assert "falling back to torch" in caplog.text
+
+
+def test_unknown_names_are_errors(monkeypatch):
+    with pytest.raises(ValueError, match="impl.*'nope'.*pipegoose, megatron, torch"):
+        dispatch.select(OP, problem(), impl="nope")
+    monkeypatch.setenv("PIPEGOOSE_IMPL_FAKE_OP", "apex")
+    with pytest.raises(ValueError, match="PIPEGOOSE_IMPL_FAKE_OP"):
+        dispatch.select(OP, problem())
+    with pytest.raises(KeyError, match="no.such"):
+        dispatch.implementations("no.such")
+
+
+def test_strict_mode(monkeypatch):
+    with dispatch.strict():
+        assert dispatch.select(OP, problem(ours=False)).impl == "megatron"  # not a fallback
+        assert dispatch.select(OP, problem(ours=False, ported=False), impl="torch").impl == "torch"  # asked for
+        with pytest.raises(FusionFallbackError, match=r"fake\.op.*ours says no"):
+            dispatch.select(OP, problem(ours=False, ported=False))
+    dispatch.select(OP, problem(ours=False, ported=False))  # no longer strict
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "1")
+    assert dispatch.is_strict()
+    with pytest.raises(FusionFallbackError):
+        dispatch.select(OP, problem(ours=False, ported=False))
+    with dispatch.strict(False):
+        assert dispatch.select(OP, problem(ours=False, ported=False)).impl == "torch"
+    # a raising call is not counted
+    assert dispatch.stats()[OP] == {"megatron": 1, "torch": 3}
+
+
+def test_explain_counts_nothing():
+    x = torch.zeros(2, 8, requires_grad=True)
+    c = dispatch.explain(OP, x, ours=False)
+    assert isinstance(c, Choice) and c.impl == "megatron" and c.reasons["pipegoose"] == "ours says no"
+    assert "megatron" in str(c)
+    assert dispatch.stats() == {}
+
+
+def test_kernel_load_failure_becomes_a_reason(monkeypatch):
+    import pipegoose.kernels as kernels
+
+    class FakeKernelError(Exception):
+        pass
+
+    calls = []
+
+    def failing_load(name):
+        calls.append(name)
+        raise FakeKernelError("nvcc not found; run python -m pipegoose.kernels doctor")
+
+    monkeypatch.setattr(dispatch, "_kernel_error_types", lambda: (FakeKernelError,))
+    monkeypatch.setattr(dispatch, "_load_kernel", failing_load)
+    dispatch.clear_kernel_cache()
+    dispatch.register(Implementation(OP, "pipegoose", "ours", lambda p: (True, ""), ("pipegoose/fake",)))
+    c = dispatch.select(OP, problem())
+    assert c.impl == "megatron"
+    assert c.reasons["pipegoose"].startswith("pipegoose/fake unavailable: FakeKernelError: nvcc not found")
+    dispatch.select(OP, problem())
+    assert calls == ["pipegoose/fake"]  # cached, not retried per call
+    assert kernels is not None
+
+
+def test_kernel_load_success_is_cached(monkeypatch):
+    sentinel = object()
+    calls = []
+    monkeypatch.setattr(dispatch, "_load_kernel", lambda name: calls.append(name) or sentinel)
+    dispatch.clear_kernel_cache()
+    dispatch.register(Implementation(OP, "pipegoose", "ours", lambda p: (True, ""), ("pipegoose/fake",)))
+    assert dispatch.select(OP, problem()).impl == "pipegoose"
+    assert dispatch.select(OP, problem()).impl == "pipegoose"
+    assert dispatch.kernel("pipegoose/fake") == (sentinel, "")
+    assert calls == ["pipegoose/fake"]
+
+
+def test_kernel_not_loaded_when_static_check_fails(monkeypatch):
+    monkeypatch.setattr(dispatch, "_load_kernel", lambda name: pytest.fail("must not load"))
+    dispatch.clear_kernel_cache()
+    dispatch.register(Implementation(OP, "pipegoose", "ours", lambda p: (False, "cpu"), ("pipegoose/fake",)))
+    assert dispatch.select(OP, problem()).impl == "megatron"
+
+
+# --- tuning tables -------------------------------------------------------------------------------------------
+
+def table(*rules):
+    return {"device": "Fake GPU X-1", "measured": "2026-11-29", "benchmark": "b.json", "rules": list(rules)}
+
+
+def write_table(tmp_path, data, monkeypatch):
+    (tmp_path / "fake_gpu_x_1.json").write_text(json.dumps(data))
+    monkeypatch.setattr(dispatch, "_device_name", lambda device: "Fake GPU X-1")
+    dispatch.clear_tuning_cache()
+
+
+def test_device_slug():
+    assert dispatch.device_slug("NVIDIA H200") == "nvidia_h200"
+    assert dispatch.device_slug("NVIDIA A100-SXM4-80GB") == "nvidia_a100_sxm4_80gb"
+    assert dispatch.device_slug("Fake GPU X-1") == "fake_gpu_x_1"
+
+
+def test_tuning_rules_pick_by_op_dtype_and_max_cols(tmp_path, monkeypatch):
+    write_table(tmp_path, table(
+        {"op": "other.op", "dtype": "float16", "impl": "torch"},
+        {"op": OP, "dtype": "bfloat16", "impl": "torch"},
+        {"op": OP, "dtype": "float16", "max_cols": 128, "pass": "fwd+bwd", "impl": "megatron"},
+        {"op": OP, "dtype": "float16", "max_cols": None, "pass": "fwd+bwd", "impl": "torch"},
+    ), monkeypatch)
+    c = dispatch.select(OP, problem(cols=128))
+    assert (c.impl, c.source, c.fallback) == ("megatron", "tuning", False)
+    assert "fake_gpu_x_1.json" in c.reason
+    c = dispatch.select(OP, problem(cols=129))
+    assert (c.impl, c.source, c.fallback) == ("torch", "tuning", False)  # a tuned torch is not a fallback
+    assert dispatch.select(OP, problem(dtype=torch.bfloat16)).impl == "torch"
+    assert dispatch.select(OP, problem(dtype=torch.float32)).source == "builtin"  # no rule for fp32
+    # the rule's impl cannot take the input -> next matching rule
+    c = dispatch.select(OP, problem(cols=100, ported=False))
+    assert (c.impl, c.source) == ("torch", "tuning")
+    assert c.reasons["megatron"] == "ported says no"
+    # argument and env still beat the table
+    assert dispatch.select(OP, problem(cols=100), impl="pipegoose").impl == "pipegoose"
+    monkeypatch.setenv("PIPEGOOSE_IMPL_FAKE_OP", "pipegoose")
+    assert dispatch.select(OP, problem(cols=100)).impl == "pipegoose"
+
+
+def test_tuning_pass_prefers_matching_rules(tmp_path, monkeypatch):
+    write_table(tmp_path, table(
+        {"op": OP, "dtype": "float16", "pass": "fwd+bwd", "impl": "megatron"},
+        {"op": OP, "dtype": "float16", "pass": "fwd", "impl": "torch"},
+    ), monkeypatch)
+    assert dispatch.select(OP, problem(needs_grad=True)).impl == "megatron"
+    assert dispatch.select(OP, problem(needs_grad=False)).impl == "torch"
+
+
+def test_no_table_for_device_means_builtin(tmp_path, monkeypatch):
+    monkeypatch.setattr(dispatch, "_device_name", lambda device: "Other GPU")
+    dispatch.clear_tuning_cache()
+    assert dispatch.tuning_table(torch.device("cpu")) is None
+    assert dispatch.select(OP, problem()).source == "builtin"
+
+
+@pytest.mark.parametrize("bad,field", [
+    ({"rules": []}, "device"),
+    ({"device": "X", "rules": {}}, "rules"),
+    ({"device": "X", "rules": [{"op": OP, "dtype": "fp16", "impl": "torch"}]}, r"rules\[0\]\.dtype"),
+    ({"device": "X", "rules": [{"op": OP, "dtype": "float16", "impl": "cudnn"}]}, r"rules\[0\]\.impl"),
+    ({"device": "X", "rules": [{"op": OP, "dtype": "float16", "impl": "torch", "max_cols": 0}]}, "max_cols"),
+    ({"device": "X", "rules": [{"op": OP, "dtype": "float16", "impl": "torch", "pass": "bwd"}]}, r"\.pass"),
+    ({"device": "X", "rules": [{"dtype": "float16", "impl": "torch"}]}, r"rules\[0\]\.op"),
+])
+def test_tuning_table_errors_name_the_field(bad, field):
+    with pytest.raises(TuningTableError, match=field):
+        TuningTable.parse(bad, "t.json")
+
+
+def test_malformed_table_file_is_ignored_with_a_warning(tmp_path, monkeypatch, caplog):
+    (tmp_path / "fake_gpu_x_1.json").write_text("{not json")
+    monkeypatch.setattr(dispatch, "_device_name", lambda device: "Fake GPU X-1")
+    dispatch.clear_tuning_cache()
+    with caplog.at_level(logging.WARNING, logger="pipegoose.nn.fusion.dispatch"):
+        c = dispatch.select(OP, problem())
+    assert c.source == "builtin" and "ignoring tuning table" in caplog.text
+
+
+def test_real_ops_are_registered():
+    for op, names in {"softmax": ["pipegoose", "megatron", "torch"],
+                      "softmax.masked": ["pipegoose", "megatron", "torch"],
+                      "softmax.causal": ["pipegoose", "megatron", "torch"],
+                      "layer_norm": ["pipegoose", "apex", "torch"], "rms_norm": ["pipegoose", "torch"],
+                      "adam": ["apex", "deepspeed", "torch"], "clip_grad_norm": ["apex", "torch"]}.items():
+        assert list(dispatch.implementations(op)) == names
+
+
+def test_explain_real_ops_on_cpu():
+    x = torch.randn(2, 4, 8, 16)
+    c = dispatch.explain("softmax.masked", x, torch.zeros(1, 1, 8, 16, dtype=torch.bool), scale=0.5)
+    assert c.impl == "torch" and c.fallback and "CUDA" in c.reasons["pipegoose"]
+    c = dispatch.explain("layer_norm", x, (16,), torch.ones(16), torch.zeros(16))
+    assert c.impl == "torch" and "CUDA" in c.reasons["apex"]

@@ -1,0 +1,222 @@
+"""CPU: layer_norm / rms_norm reference paths against float64, output dtypes against PyTorch, and the modules
+as drop-ins (state_dict keys, parameter identity)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tolerances import TOLERANCES
+
+from pipegoose.nn.fusion import dispatch
+from pipegoose.nn.fusion import functional as PF
+from pipegoose.nn.fusion.modules import FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def ln64(x, shape, w, b, eps):
+    dims = tuple(range(x.dim() - len(shape), x.dim()))
+    x = x.double()
+    mu = x.mean(dims, keepdim=True)
+    var = ((x - mu) ** 2).mean(dims, keepdim=True)
+    y = (x - mu) / torch.sqrt(var + eps)
+    if w is not None:
+        y = y * w.double()
+    if b is not None:
+        y = y + b.double()
+    return y
+
+
+def rms64(x, shape, w, eps):
+    dims = tuple(range(x.dim() - len(shape), x.dim()))
+    x = x.double()
+    y = x / torch.sqrt((x * x).mean(dims, keepdim=True) + eps)
+    return y if w is None else y * w.double()
+
+
+def grads(fn, tensors, dy):
+    ts = [None if t is None else t.detach().clone().requires_grad_(True) for t in tensors]
+    y = fn(*ts)
+    y.backward(dy.to(y.dtype))
+    return y.detach(), [None if t is None else t.grad for t in ts]
+
+
+def close(a, b, dtype, scale=1.0):
+    t = TOLERANCES[dtype]
+    torch.testing.assert_close(a.double(), b.double(), atol=t["atol"] * scale, rtol=t["rtol"] * scale)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_stats():
+    dispatch.reset_stats()
+    yield
+
+
+@pytest.mark.parametrize("xdt", DTYPES)
+@pytest.mark.parametrize("pdt", ["same", torch.float32])
+@pytest.mark.parametrize("shape,nshape", [((3, 7, 33), (33,)), ((2, 5, 4, 6), (4, 6)), ((1, 1), (1,)),
+                                          ((4, 1031), (1031,))])
+def test_layer_norm_reference(xdt, pdt, shape, nshape):
+    pdt = xdt if pdt == "same" else pdt
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g) * 2 + 0.5
+    w = torch.randn(nshape, generator=g)
+    b = torch.randn(nshape, generator=g)
+    dy = torch.randn(shape, generator=g)
+    y, (dx, dw, db) = grads(lambda a, c, d: PF.layer_norm(a, nshape, c, d, 1e-5), [x.to(xdt), w.to(pdt), b.to(pdt)], dy)
+    y64, (dx64, dw64, db64) = grads(lambda a, c, d: ln64(a, nshape, c, d, 1e-5), [x.double(), w.double(), b.double()],
+                                    dy.double())
+    # output dtype: what torch.nn.LayerNorm gives for these dtypes
+    assert y.dtype == F.layer_norm(x.to(xdt), nshape, w.to(pdt), b.to(pdt)).dtype == xdt
+    assert dx.dtype == xdt and dw.dtype == pdt and db.dtype == pdt
+    low = xdt if xdt != torch.float32 else pdt
+    close(y, y64, low, 2)
+    close(dx, dx64, low, 4)
+    # parameter grads sum over rows: error grows with the row count
+    close(dw, dw64, low, 8)
+    close(db, db64, low, 8)
+    assert dispatch.stats()["layer_norm"] == {"torch": 1}
+
+
+@pytest.mark.parametrize("affine,bias", [(False, False), (True, False)])
+def test_layer_norm_without_params(affine, bias):
+    x = torch.randn(5, 16, dtype=torch.bfloat16)
+    m = torch.nn.LayerNorm(16, elementwise_affine=affine, bias=bias)
+    f = FusedLayerNorm.from_layer_norm(m)
+    torch.testing.assert_close(f(x), m(x))
+    y64 = ln64(x, (16,), m.weight, m.bias, m.eps)
+    close(f(x), y64, torch.bfloat16)
+
+
+def test_layer_norm_fp32_input_half_params_gives_fp32():
+    x = torch.randn(4, 8)
+    w = torch.randn(8).bfloat16()
+    y = PF.layer_norm(x, 8, w, None)
+    assert y.dtype == torch.float32
+    close(y, ln64(x, (8,), w, None, 1e-5), torch.float32)
+
+
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
+def test_layer_norm_autocast_cpu_matches_nn_layernorm(xdt):
+    m = torch.nn.LayerNorm(32)
+    f = FusedLayerNorm.from_layer_norm(m)
+    x = torch.randn(3, 32, dtype=xdt)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = m(x)
+        got = f(x)
+    assert got.dtype == want.dtype
+    close(got, want, want.dtype)
+
+
+def test_layer_norm_errors():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="x: expected shape"):
+        PF.layer_norm(x, (7,))
+    with pytest.raises(ValueError, match="weight"):
+        PF.layer_norm(x, (8,), torch.ones(7))
+    with pytest.raises(ValueError, match="eps"):
+        PF.layer_norm(x, (8,), eps=-1.0)
+    with pytest.raises(TypeError, match="normalized_shape"):
+        PF.layer_norm(x, "8")
+
+
+@pytest.mark.parametrize("xdt", DTYPES)
+@pytest.mark.parametrize("wdt", ["same", torch.float32])
+@pytest.mark.parametrize("cast_before_weight", [False, True])
+@pytest.mark.parametrize("shape,nshape", [((3, 7, 33), (33,)), ((2, 4, 6), (4, 6)), ((5, 1), (1,))])
+def test_rms_norm_reference(xdt, wdt, cast_before_weight, shape, nshape):
+    wdt = xdt if wdt == "same" else wdt
+    g = torch.Generator().manual_seed(sum(shape) + 7)
+    x = torch.randn(shape, generator=g)
+    w = torch.randn(nshape, generator=g)
+    dy = torch.randn(shape, generator=g)
+    fn = lambda a, c: PF.rms_norm(a, nshape, c, 1e-6, cast_before_weight=cast_before_weight)  # noqa: E731
+    y, (dx, dw) = grads(fn, [x.to(xdt), w.to(wdt)], dy)
+    y64, (dx64, dw64) = grads(lambda a, c: rms64(a, nshape, c, 1e-6), [x.double(), w.double()], dy.double())
+    if cast_before_weight:
+        assert y.dtype == torch.promote_types(xdt, wdt)
+    else:
+        assert y.dtype == xdt
+    low = xdt if xdt != torch.float32 else wdt
+    close(y, y64, low, 2)
+    close(dx, dx64, low, 4)
+    close(dw, dw64, low, 8)
+
+
+@pytest.mark.parametrize("xdt", DTYPES)
+@pytest.mark.parametrize("wdt", DTYPES)
+def test_rms_norm_matches_F_rms_norm_exactly(xdt, wdt):
+    x = torch.randn(6, 64, dtype=xdt)
+    w = torch.randn(64, dtype=wdt)
+    with warnings.catch_warnings():  # F.rms_norm warns on mixed dtypes
+        warnings.simplefilter("ignore")
+        want = F.rms_norm(x, (64,), w, 1e-5)
+    got = PF.rms_norm(x, 64, w, 1e-5)
+    assert got.dtype == want.dtype == xdt
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # default eps is F.rms_norm's
+    torch.testing.assert_close(PF.rms_norm(x, 64, None), F.rms_norm(x, (64,), None))
+
+
+@pytest.mark.parametrize("xdt", DTYPES)
+@pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_transformers_llama_bitwise(xdt, wdt):
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    m = llama.LlamaRMSNorm(48, eps=1e-6).to(wdt)
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(48))
+    f = FusedRMSNorm.from_module(m)
+    assert f.weight is m.weight and f.cast_before_weight and f.eps == 1e-6
+    x = torch.randn(3, 5, 48, dtype=xdt)
+    want, got = m(x), f(x)
+    assert got.dtype == want.dtype
+    assert torch.equal(got, want)
+
+
+def test_fused_rms_norm_from_torch_rmsnorm():
+    m = torch.nn.RMSNorm(24, eps=1e-5)
+    with torch.no_grad():
+        m.weight.uniform_(0.5, 1.5)
+    f = FusedRMSNorm.from_module(m)
+    assert f.weight is m.weight and not f.cast_before_weight
+    x = torch.randn(4, 24, dtype=torch.bfloat16)
+    torch.testing.assert_close(f(x), m(x), rtol=0, atol=0)
+    assert list(f.state_dict()) == list(m.state_dict()) == ["weight"]
+    g = FusedRMSNorm(hidden_size=24)
+    g.load_state_dict(m.state_dict())
+    torch.testing.assert_close(g.weight, m.weight)
+
+
+@pytest.mark.parametrize("cls", [FusedLayerNorm, MixedFusedLayerNorm])
+@pytest.mark.parametrize("kw", [{}, {"bias": False}, {"elementwise_affine": False}, {"dtype": torch.bfloat16}])
+def test_fused_layer_norm_is_a_drop_in(cls, kw):
+    ref = torch.nn.LayerNorm((4, 6), eps=1e-6, **kw)
+    new = cls((4, 6), eps=1e-6, **kw)
+    assert list(new.state_dict()) == list(ref.state_dict())
+    assert [n for n, _ in new.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_()
+    new.load_state_dict(ref.state_dict())
+    ref.load_state_dict(new.state_dict())
+    x = torch.randn(3, 4, 6, dtype=kw.get("dtype", torch.float32))
+    close(new(x), ref(x), x.dtype)
+    # from_layer_norm shares the very same Parameter objects
+    f = cls.from_layer_norm(ref)
+    assert f.weight is ref.weight and f.bias is ref.bias
+    assert list(f.state_dict()) == list(ref.state_dict())
+    assert isinstance(f, torch.nn.LayerNorm) and f.normalized_shape == ref.normalized_shape
+    close(f(x), ref(x), x.dtype)
+    if ref.weight is not None:
+        f(x).sum().backward()
+        assert ref.weight.grad is not None
+
+
+def test_from_layer_norm_rejects_other_modules():
+    with pytest.raises(TypeError, match="module"):
+        FusedLayerNorm.from_layer_norm(torch.nn.Linear(3, 3))
+    with pytest.raises(TypeError, match="module"):
+        FusedRMSNorm.from_module(torch.nn.ReLU())

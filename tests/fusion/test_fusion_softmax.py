@@ -1,0 +1,181 @@
+"""CPU: the softmax functions' reference paths against float64 references, forward and backward."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tolerances import TOLERANCES
+
+import pipegoose.nn.fusion as fusion
+from pipegoose.nn.fusion import dispatch
+from pipegoose.nn.fusion import functional as PF
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def ref64(x, mask, scale, causal=False):
+    """float64 reference: -inf masking, fully masked rows -> 0."""
+    s = x.double() * scale
+    masked = mask
+    if causal:
+        sq, sk = x.shape[-2], x.shape[-1]
+        cm = torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1)
+        masked = cm if masked is None else masked | cm
+    if masked is None:
+        return torch.softmax(s, -1)
+    y = torch.softmax(s.masked_fill(masked, float("-inf")), -1)
+    return torch.where(masked.all(-1, keepdim=True), torch.zeros_like(y), y)
+
+
+def fwd_bwd(fn, x, dy):
+    x = x.detach().clone().requires_grad_(True)
+    y = fn(x)
+    y.backward(dy.to(y.dtype))
+    return y.detach(), x.grad.detach()
+
+
+def check(fn, ref, x, dy, dtype):
+    y, dx = fwd_bwd(fn, x.to(dtype), dy)
+    y64, dx64 = fwd_bwd(ref, x.double(), dy.double())
+    assert y.dtype == dtype and dx.dtype == dtype
+    assert not y.isnan().any() and not dx.isnan().any()
+    torch.testing.assert_close(y.double(), y64, **TOLERANCES[dtype])
+    # dx is O(scale * |dy|); its error is relative to that, not to each (possibly tiny) element
+    torch.testing.assert_close(dx.double(), dx64, atol=TOLERANCES[dtype]["atol"] * 4, rtol=TOLERANCES[dtype]["rtol"])
+
+
+@pytest.fixture(autouse=True)
+def _fresh_stats():
+    dispatch.reset_stats()
+    yield
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 5, 7, 13), (1, 1, 1, 1), (2, 3, 17, 129), (2, 1, 4, 2048 + 3)])
+@pytest.mark.parametrize("mask_kind", ["full", "bcast_b", "bcast_q", "none"])
+def test_scaled_masked_softmax_reference(dtype, shape, mask_kind):
+    g = torch.Generator().manual_seed(zlib.crc32(repr((shape, mask_kind)).encode()))
+    b, np_, sq, sk = shape
+    x = torch.randn(shape, generator=g) * 3
+    dy = torch.randn(shape, generator=g)
+    if mask_kind == "none":
+        mask = None
+    else:
+        ms = {"full": (b, 1, sq, sk), "bcast_b": (1, 1, sq, sk), "bcast_q": (b, 1, 1, sk)}[mask_kind]
+        mask = torch.rand(ms, generator=g) < 0.3
+    scale = 0.37
+    check(lambda t: PF.scaled_masked_softmax(t, mask, scale), lambda t: ref64(t, mask, scale), x, dy, dtype)
+    op = "softmax.masked" if mask is not None else "softmax"
+    assert dispatch.stats()[op] == {"torch": 1}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fully_masked_rows_give_zeros_output_and_grad(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 6, 40, generator=g)
+    mask = torch.rand(2, 1, 6, 40, generator=g) < 0.5
+    mask[0, 0, 2] = True  # fully masked rows
+    mask[1, 0, 5] = True
+    xr = x.to(dtype).requires_grad_(True)
+    y = PF.scaled_masked_softmax(xr, mask, 1.0)
+    y.backward(torch.randn_like(y))
+    assert torch.count_nonzero(y[0, :, 2]) == 0 and torch.count_nonzero(y[1, :, 5]) == 0
+    assert torch.count_nonzero(xr.grad[0, :, 2]) == 0 and torch.count_nonzero(xr.grad[1, :, 5]) == 0
+    # the other rows are proper distributions
+    rows = y.float().sum(-1)
+    keep = ~mask.all(-1).expand(2, 3, 6)
+    torch.testing.assert_close(rows[keep], torch.ones_like(rows[keep]), **TOLERANCES[dtype])
+    # masked keys get exactly zero probability
+    assert torch.count_nonzero(y.masked_select(mask.expand_as(y))) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(48, 24, 24), (3, 1, 1), (5, 7, 7), (2, 130, 130), (2, 5, 9), (2, 9, 5)])
+def test_causal_reference(dtype, shape):
+    g = torch.Generator().manual_seed(shape[1] * 1000 + shape[2])
+    x = torch.randn(shape, generator=g) * 2
+    dy = torch.randn(shape, generator=g)
+    check(lambda t: PF.scaled_upper_triang_masked_softmax(t, 0.125),
+          lambda t: ref64(t, None, 0.125, causal=True), x, dy, dtype)
+    assert dispatch.stats()["softmax.causal"] == {"torch": 1}
+
+
+def test_causal_sq_gt_sk_rows_without_keys_are_zero():
+    x = torch.randn(2, 9, 5)
+    y = PF.scaled_upper_triang_masked_softmax(x, 1.0)
+    assert torch.count_nonzero(y[:, :4]) == 0  # query i sees keys j <= i - 4
+    torch.testing.assert_close(y[:, 4:].sum(-1), torch.ones(2, 5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7,), (4, 33), (2, 3, 5, 1000), (3, 1)])
+def test_scaled_softmax_reference(dtype, shape):
+    g = torch.Generator().manual_seed(len(shape))
+    x = torch.randn(shape, generator=g)
+    dy = torch.randn(shape, generator=g)
+    check(lambda t: PF.scaled_softmax(t, 1.7), lambda t: ref64(t, None, 1.7), x, dy, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+@pytest.mark.parametrize("shape,dim", [((4, 33), -1), ((4, 33), 0), ((2, 3, 5), 1), ((7,), 0), ((), 0),
+                                       ((2, 0, 3), -1)])
+def test_softmax_is_F_softmax(dtype, shape, dim):
+    x = torch.randn(shape, dtype=dtype) * 4
+    torch.testing.assert_close(PF.softmax(x, dim=dim), F.softmax(x, dim=dim), rtol=0, atol=0)
+    assert torch.allclose(PF.softmax(x, dim=dim, dtype=torch.float64), F.softmax(x, dim=dim, dtype=torch.float64))
+
+
+def test_softmax_inf_rows_like_torch():
+    x = torch.tensor([[float("-inf")] * 4, [0.0, float("-inf"), 1.0, 2.0]])
+    torch.testing.assert_close(PF.softmax(x, -1), F.softmax(x, -1), equal_nan=True)
+
+
+def test_autocast_cpu_bf16_follows_torch():
+    x = torch.randn(2, 3, 8, 16)
+    mask = torch.rand(2, 1, 8, 16) < 0.2
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = F.softmax(x, -1).dtype
+        assert PF.softmax(x).dtype == want
+        assert PF.scaled_masked_softmax(x, mask, 0.5).dtype == want
+        assert PF.scaled_masked_softmax(x.bfloat16(), mask, 0.5).dtype == F.softmax(x.bfloat16(), -1).dtype
+
+
+def test_errors_name_the_argument():
+    x = torch.randn(2, 3, 4, 5)
+    with pytest.raises(TypeError, match="mask"):
+        PF.scaled_masked_softmax(x, torch.zeros(2, 1, 4, 5), 1.0)
+    with pytest.raises(ValueError, match="mask"):
+        PF.scaled_masked_softmax(x, torch.zeros(2, 1, 4, 6, dtype=torch.bool), 1.0)
+    with pytest.raises(ValueError, match="x"):
+        PF.scaled_masked_softmax(x[0], None, 1.0)
+    with pytest.raises(TypeError, match="scale"):
+        PF.scaled_masked_softmax(x, None, torch.tensor(1.0))
+    with pytest.raises(ValueError, match="scale"):
+        PF.scaled_softmax(x, float("nan"))
+    with pytest.raises(ValueError, match="x"):
+        PF.scaled_upper_triang_masked_softmax(x, 1.0)
+    with pytest.raises(TypeError, match="x"):
+        PF.softmax(torch.arange(4))
+    with pytest.raises(ValueError, match="impl"):
+        PF.scaled_softmax(x, 1.0, impl="nonexistent")
+
+
+def test_uint8_mask_is_nonzero_masked():
+    x = torch.randn(1, 2, 3, 4)
+    m8 = torch.tensor([0, 1, 2, 0], dtype=torch.uint8).expand(1, 1, 3, 4)
+    torch.testing.assert_close(PF.scaled_masked_softmax(x, m8), PF.scaled_masked_softmax(x, m8 != 0))
+
+
+def test_strict_mode_raises_on_cpu_fallback(monkeypatch):
+    x = torch.randn(2, 2, 4, 8)
+    with dispatch.strict():
+        with pytest.raises(fusion.FusionFallbackError, match="softmax.masked"):
+            PF.scaled_masked_softmax(x, torch.zeros(1, 1, 4, 8, dtype=torch.bool))
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "1")
+    with pytest.raises(fusion.FusionFallbackError, match="needs a CUDA tensor"):
+        PF.scaled_upper_triang_masked_softmax(x[0], 1.0)
+    # asking for the reference explicitly is not a fallback
+    PF.scaled_upper_triang_masked_softmax(x[0], 1.0, impl="torch")
