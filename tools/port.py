@@ -92,29 +92,38 @@ def _pin(p: dict) -> str:
 
 
 def _print_audit(report, with_diff: bool) -> None:
+    """One row per kernel (file counts by status, entry symbols, new upstream files), then one row per file
+    that is not unchanged."""
     for s in report.sources:
         head = f"{s.source}: {_pin(s.from_pin)} -> {_pin(s.to_pin) if s.to_pin else '?'}"
         if s.error:
             out.print(f"{head}: error: {s.error}", style="red", markup=False)
             continue
         t = Table(title=head, title_justify="left")
-        for col in ("kernel", "file", "status", "+/-", "note"):
+        for col in ("kernel", "files", "entry symbols", "new upstream files beside"):
             t.add_column(col, overflow="fold")
-        for f in s.licenses:
-            t.add_row("(license)", f.path, f.status, f"+{f.added}/-{f.deleted}" if f.status != "unchanged" else "", "")
+        lic = ", ".join(f"{f.path} {f.status}" for f in s.licenses)
+        t.add_row("(license)", lic, "", "")
+        details = []
         for k in s.kernels:
+            counts: dict[str, int] = {}
             for f in k.files:
-                style = "green" if f.status == "unchanged" else "red"
-                note = f"-> {', '.join(f.moved_to)}" if f.moved_to else ""
-                t.add_row(k.kernel, f.path, f"[{style}]{f.status}[/]",
-                          f"+{f.added}/-{f.deleted}" if f.status != "unchanged" else "", note)
-            for sy in k.symbols:
-                if not sy.after:
-                    t.add_row(k.kernel, f"symbol {sy.symbol}", "[red]missing[/]", "",
-                              "was present" if sy.before else "not found at the current pin either")
-            for nf in k.new_files:
-                t.add_row(k.kernel, nf, "new upstream", "", "beside the vendored files")
+                counts[f.status] = counts.get(f.status, 0) + 1
+            files = ", ".join(f"{n} {st}" for st, n in sorted(counts.items()))
+            present = sum(1 for sy in k.symbols if sy.after)
+            gone = [sy.symbol for sy in k.symbols if not sy.after]
+            syms = f"{present}/{len(k.symbols)}" + (f" (missing: {', '.join(gone)})" if gone else "")
+            style = "red" if k.drift else "green"
+            t.add_row(k.kernel, f"[{style}]{files}[/]", syms, ", ".join(k.new_files) or "-")
+            details += [(k.kernel, f) for f in k.files if f.status != "unchanged"]
         out.print(t)
+        if details:
+            d = Table(show_header=True)
+            for col in ("kernel", "file", "status", "+/-", "moved to"):
+                d.add_column(col, overflow="fold")
+            for kid, f in details:
+                d.add_row(kid, f.path, f.status, f"+{f.added}/-{f.deleted}", ", ".join(f.moved_to))
+            out.print(d)
         verdict = "[red]drift[/red]" if s.drift else "[green]in sync[/green]"
         nsym = sum(1 for k in s.kernels for sy in k.symbols if sy.after)
         tot = sum(len(k.symbols) for k in s.kernels)
