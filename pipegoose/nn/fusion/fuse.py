@@ -1,0 +1,494 @@
+"""``fuse(model)``: swap a constructed model's LayerNorms, RMSNorms and attention softmax for the fused ones, per
+instance, with an exact undo (``unfuse``) and a report of what was done (``FusionReport``).
+
+What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``):
+
+* every ``torch.nn.LayerNorm`` -> ``MixedFusedLayerNorm`` (same ``weight``/``bias`` Parameter objects);
+* every module that computes RMSNorm, found by a numerical probe (``transformers.matching.probe_rms_norm``) ->
+  ``FusedRMSNorm`` (same ``weight``);
+* the attention softmax of BERT, GPT-2, GPT-NeoX, Llama and OPT models: the model's modules are pointed at a copy of
+  its config whose ``_attn_implementation`` is ``"pipegoose"`` (our function in transformers' ``AttentionInterface``)
+  or ``"pipegoose_sdpa"`` (ours where the GPU's tuning table says so, SDPA otherwise). Bloom is reported as skipped:
+  its attention does not go through the interface.
+
+Nothing is patched globally: no class, function or module global of transformers or torch changes; two models in
+one process can be fused differently. Parameters stay the same objects, so ``state_dict()`` keys and tensors, and
+optimizers built before fusing, are unaffected. A replacement module shares the hook dictionaries of the module it
+replaces (forward, pre-forward, backward and state-dict hooks keep firing, and their handles still remove them) and
+its training flag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import weakref
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from .transformers import matching
+
+OPS = ("layer_norm", "rms_norm", "attention")
+ATTENTION_CHOICES = ("auto", "pipegoose", "keep")
+
+# Hook dictionaries a replacement shares with the module it replaces (those present in this torch version).
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+_HOOK_FLAGS = ("_is_full_backward_hook",)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class FusionRow:
+    """One module considered by :func:`fuse`.
+
+    Attributes:
+        path: dotted module path in the model (``""`` for the model itself).
+        kind: ``layer_norm``, ``rms_norm`` or ``attention``.
+        original: class name of the module found.
+        replacement: class name (or attention function) put in its place; None when skipped.
+        fused: whether it was (or, in a dry run, would be) replaced.
+        forward, backward: the implementation the dispatcher picks for it on its current device and the dtype of
+            its parameters (``pipegoose``, ``megatron``, ``apex``, ``torch`` ...; ``(fallback)`` when the fused
+            paths cannot take it; attention: for a sequence length of 128, ``@128``), ``-`` when not fused, ``?``
+            when the dispatcher cannot say. The counts of what actually ran are in ``dispatch.stats()``.
+        reason: why it was fused or skipped.
+        eligible: whether it counts towards the coverage share (modules of a kind we fuse).
+    """
+
+    path: str
+    kind: str
+    original: str
+    replacement: str | None
+    fused: bool
+    forward: str = "-"
+    backward: str = "-"
+    reason: str = ""
+    eligible: bool = True
+
+
+@dataclass
+class FusionReport:
+    """What :func:`fuse` did. ``print(report)`` shows a table; ``report.to_dict()`` / ``report.rows`` give data.
+
+    Attributes:
+        rows: one :class:`FusionRow` per module considered.
+        attention: ``{"previous": ..., "chosen": ..., "reason": ...}`` (the model's attention implementation
+            before and after, and why).
+        dry_run: True when nothing was changed.
+        model: class name of the model.
+    """
+
+    rows: list[FusionRow] = field(default_factory=list)
+    attention: dict = field(default_factory=dict)
+    dry_run: bool = False
+    model: str = ""
+
+    @property
+    def eligible(self) -> int:
+        return sum(r.eligible for r in self.rows)
+
+    @property
+    def covered(self) -> int:
+        return sum(r.eligible and r.fused for r in self.rows)
+
+    @property
+    def coverage(self) -> float:
+        """Share of eligible modules that are fused, 0..1 (1.0 when none is eligible)."""
+        return self.covered / self.eligible if self.eligible else 1.0
+
+    def fused_rows(self, kind: str | None = None) -> list[FusionRow]:
+        return [r for r in self.rows if r.fused and (kind is None or r.kind == kind)]
+
+    def skipped_rows(self, kind: str | None = None) -> list[FusionRow]:
+        return [r for r in self.rows if not r.fused and (kind is None or r.kind == kind)]
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "dry_run": self.dry_run, "attention": dict(self.attention),
+                "eligible": self.eligible, "covered": self.covered, "coverage": self.coverage,
+                "rows": [asdict(r) for r in self.rows]}
+
+    def __rich__(self):
+        from rich.table import Table
+
+        title = (f"pipegoose fusion of {self.model}{' (dry run)' if self.dry_run else ''}: "
+                 f"{self.covered}/{self.eligible} eligible modules fused ({self.coverage:.0%})")
+        table = Table(title=title, show_lines=False)
+        for col in ("module", "kind", "original", "replacement", "fused fwd", "fused bwd", "reason"):
+            table.add_column(col, overflow="fold")
+        for r in self.rows:
+            style = None if r.fused else "dim"
+            table.add_row(r.path or "<model>", r.kind, r.original, r.replacement or "skipped",
+                          _yes_no(r.fused, r.forward), _yes_no(r.fused, r.backward), r.reason, style=style)
+        if self.attention:
+            a = self.attention
+            table.caption = f"attention: {a.get('previous')} -> {a.get('chosen')}: {a.get('reason')}"
+        return table
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        console = Console(width=200, record=True, file=_NullIO(), color_system=None)
+        console.print(self)
+        return console.export_text()
+
+
+def _yes_no(fused: bool, impl: str) -> str:
+    if not fused:
+        return "no"
+    if impl.startswith("torch") or impl == "?":
+        return f"no: {impl}"
+    return f"yes: {impl}"
+
+
+class _NullIO:
+    def write(self, _s):
+        return 0
+
+    def flush(self):
+        pass
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# State of a fused model (kept outside the model, so state_dict and pickling see nothing of it)
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class _Fusion:
+    swaps: list = field(default_factory=list)            # (parent, name, old, new)
+    config_swaps: list = field(default_factory=list)     # (module, old_config)
+    new_config: object = None
+    report: FusionReport | None = None
+
+
+_STATE: "weakref.WeakKeyDictionary[nn.Module, _Fusion]" = weakref.WeakKeyDictionary()
+
+
+def is_fused(model: nn.Module) -> bool:
+    """Whether ``model`` was fused by :func:`fuse` and not yet unfused."""
+    return model in _STATE
+
+
+def fusion_report(model: nn.Module) -> FusionReport | None:
+    """The report of the fusion currently applied to ``model`` (None if not fused)."""
+    state = _STATE.get(model)
+    return None if state is None else state.report
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------------------------
+def _first_param(module: nn.Module) -> torch.Tensor | None:
+    return next(iter(module.parameters()), None)
+
+
+def _impls(op: str, module: nn.Module, build_inputs) -> tuple[str, str]:
+    """(forward, backward) implementation names the dispatcher would pick for this module's device and dtype."""
+    try:
+        from . import dispatch
+
+        p = _first_param(module)
+        device = p.device if p is not None else torch.device("cpu")
+        dtype = p.dtype if p is not None and p.is_floating_point() else torch.float32
+        if device.type == "meta":
+            return "?", "?"
+        args = build_inputs(device, dtype)
+        choice = dispatch.explain(op, *args)
+        impl = choice.impl + (" (fallback)" if choice.fallback else "")
+        if op.startswith("softmax"):
+            impl += f" @{_PROBE_SEQ}"
+        return impl, impl
+    except Exception:  # noqa: BLE001 - the report must not fail because a dispatcher cannot describe an input
+        return "?", "?"
+
+
+def _adopt(new: nn.Module, old: nn.Module) -> None:
+    """Make ``new`` share ``old``'s hooks (the same dictionaries) and training flag."""
+    for name in _HOOK_DICTS + _HOOK_FLAGS:
+        if name in old.__dict__:
+            object.__setattr__(new, name, old.__dict__[name])
+    new.train(old.training)
+
+
+def _check_same_params(new: nn.Module, old: nn.Module) -> None:
+    old_p = dict(old.named_parameters(recurse=False))
+    new_p = dict(new.named_parameters(recurse=False))
+    if old_p.keys() != new_p.keys() or any(old_p[k] is not new_p[k] for k in old_p):
+        raise RuntimeError(f"{type(new).__name__} built from {type(old).__name__} does not reuse its parameters "
+                           f"({sorted(old_p)} -> {sorted(new_p)}); refusing to fuse (state_dict would change)")
+
+
+def _parse_ops(ops: Iterable[str] | str | None) -> tuple[str, ...]:
+    if ops is None:
+        return OPS
+    if isinstance(ops, str):
+        ops = [ops]
+    ops = tuple(ops)
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        raise ValueError(f"ops: unknown op(s) {bad}; expected a subset of {list(OPS)} or None (all)")
+    return ops
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fuse / unfuse
+# ----------------------------------------------------------------------------------------------------------------
+def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool = False,
+         attention: str = "auto") -> FusionReport:
+    """Replace ``model``'s LayerNorms, RMSNorms and attention softmax by fused ones, on this instance only.
+
+    Args:
+        model: a constructed ``torch.nn.Module`` (typically a transformers ``PreTrainedModel``, e.g. from
+            ``from_pretrained``), on any device and dtype. Modules whose parameters are on CPU run the reference
+            paths (the dispatcher picks fused kernels on CUDA).
+        ops: subset of ``("layer_norm", "rms_norm", "attention")``; None = all.
+        dry_run: only report what would be done; the model is not touched.
+        attention: ``"auto"`` (ours on models running eager attention; a model on SDPA keeps it unless the GPU's
+            tuning table, op ``"attention"``, names ``pipegoose`` for its dtype, and then ours is used per call
+            where the table says so; flash/flex attention is kept), ``"pipegoose"`` (ours whatever the model ran)
+            or ``"keep"`` (do not touch attention).
+    Returns:
+        A :class:`FusionReport`.
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: unknown ``ops`` or ``attention`` value.
+        RuntimeError: ``model`` is already fused (call :func:`unfuse` first), or a replacement would not reuse
+            the parameters of the module it replaces.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    ops = _parse_ops(ops)
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(f"attention: expected one of {list(ATTENTION_CHOICES)}, got {attention!r}")
+    if model in _STATE:
+        raise RuntimeError(f"model: this {type(model).__name__} is already fused; call unfuse(model) first")
+
+    from .modules import FusedRMSNorm, MixedFusedLayerNorm
+
+    config = getattr(model, "config", None)
+    hidden = matching.hidden_size_of(config) if config is not None else None
+    report = FusionReport(dry_run=dry_run, model=type(model).__name__)
+    state = _Fusion(report=report)
+    replaced: dict[int, nn.Module] = {}       # id(old) -> new (a shared module is replaced once, everywhere)
+    seen: set[int] = set()
+    fused_types = (MixedFusedLayerNorm, FusedRMSNorm)
+
+    try:
+        for parent_path, parent in list(model.named_modules()):
+            for name, child in list(parent._modules.items()):
+                if child is None:
+                    continue
+                path = f"{parent_path}.{name}" if parent_path else name
+                if id(child) in replaced:                       # second occurrence of a shared module
+                    if not dry_run:
+                        parent._modules[name] = replaced[id(child)]
+                        state.swaps.append((parent, name, child, replaced[id(child)]))
+                    continue
+                if id(child) in seen or isinstance(child, fused_types):
+                    continue
+                seen.add(id(child))
+                row, new = _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNorm)
+                if row is None:
+                    continue
+                report.rows.append(row)
+                if new is not None:
+                    _check_same_params(new, child)
+                    _adopt(new, child)
+                    replaced[id(child)] = new
+                    parent._modules[name] = new
+                    state.swaps.append((parent, name, child, new))
+
+        if "attention" in ops:
+            _fuse_attention(model, config, attention, dry_run, report, state)
+    except BaseException:
+        _undo(state)
+        raise
+
+    order = {p: i for i, (p, _) in enumerate(model.named_modules(remove_duplicate=False))}
+    report.rows.sort(key=lambda r: order.get(r.path, len(order)))
+    if not dry_run:
+        _STATE[model] = state
+    return report
+
+
+def _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNorm):
+    """(row, replacement or None) for one module; (None, None) when it is not a candidate."""
+    if isinstance(child, nn.LayerNorm):
+        if "layer_norm" not in ops:
+            return None, None
+        if type(child).forward is not nn.LayerNorm.forward:
+            return FusionRow(path, "layer_norm", type(child).__name__, None, False,
+                             reason="LayerNorm subclass with its own forward"), None
+        new = None if dry_run else MixedFusedLayerNorm.from_layer_norm(child)
+        shape = tuple(child.normalized_shape)
+        fwd, bwd = _impls("layer_norm", child, lambda d, t: (
+            torch.empty(2, *shape, device=d, dtype=t), shape, child.weight, child.bias))
+        return FusionRow(path, "layer_norm", type(child).__name__, "MixedFusedLayerNorm", True, fwd, bwd,
+                         "torch.nn.LayerNorm, same parameters"), new
+    if "rms_norm" not in ops or any(True for _ in child.children()):
+        return None, None
+    probe = matching.probe_rms_norm(child, hidden)
+    if not probe.ok:
+        if not probe.candidate:
+            return None, None
+        return FusionRow(path, "rms_norm", type(child).__name__, None, False, reason=probe.reason,
+                         eligible=False), None
+    new = None if dry_run else FusedRMSNorm.from_module(child, probe.eps)
+    weight = next(iter(child.parameters()))
+    fwd, bwd = _impls("rms_norm", child, lambda d, t: (
+        torch.empty(2, weight.numel(), device=d, dtype=t), (weight.numel(),), weight, probe.eps,
+        new.cast_before_weight if new is not None else True))
+    return FusionRow(path, "rms_norm", type(child).__name__, "FusedRMSNorm", True, fwd, bwd,
+                     f"RMSNorm ({probe.reason}), eps={probe.eps}"), new
+
+
+def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
+    from .transformers import attention as attn
+
+    modules = [(p, m) for p, m in model.named_modules() if p and matching.is_attention_module(m)]
+    if config is None or not matching.is_config(config):
+        if modules:
+            for p, m in modules:
+                report.rows.append(FusionRow(p, "attention", type(m).__name__, None, False,
+                                             reason="model has no transformers config", eligible=False))
+        return
+    previous = matching.get_attn_implementation(config)
+    supported, why = matching.attention_support(config)
+    p0 = _first_param(model)
+    device = p0.device if p0 is not None else torch.device("cpu")
+    dtype = p0.dtype if p0 is not None else None
+
+    chosen, reason = previous, why
+    if not supported:
+        pass
+    elif attention == "keep":
+        reason = "attention='keep'"
+    elif previous in attn.OUR_NAMES:
+        reason = "the config already selects pipegoose attention"
+    elif attention == "pipegoose":
+        chosen, reason = attn.ATTENTION_NAME, f"attention='pipegoose' requested (was {previous})"
+    elif previous in (None, "eager"):
+        chosen = attn.ATTENTION_NAME
+        reason = ("the model ran eager attention (scores materialised, unfused mask + softmax); the fused "
+                  "scaled masked softmax replaces that softmax")
+    elif previous == "sdpa":
+        if attn.table_prefers_pipegoose(device, dtype):
+            chosen = attn.ATTENTION_SDPA_NAME
+            reason = ("the tuning table for this GPU names pipegoose for op 'attention'; ours runs where its rules "
+                      "say so, SDPA elsewhere")
+        else:
+            where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"device {device.type}"
+            reason = (f"kept sdpa: it fuses the softmax itself and no tuning table for {where} says pipegoose "
+                      f"attention is faster (pass attention='pipegoose' to force ours)")
+    else:
+        reason = f"kept {previous}: it fuses the whole attention (pass attention='pipegoose' to force ours)"
+    report.attention = {"previous": previous, "chosen": chosen, "reason": reason}
+
+    selected = chosen in attn.OUR_NAMES and chosen != previous
+    for p, m in modules:
+        if selected:
+            fwd, bwd = _impls(*_attention_probe(m))
+            report.rows.append(FusionRow(p, "attention", type(m).__name__, f"'{chosen}' attention function", True,
+                                         fwd, bwd, f"AttentionInterface, was '{previous}'"))
+        else:
+            ours = chosen in attn.OUR_NAMES
+            report.rows.append(FusionRow(p, "attention", type(m).__name__,
+                                         f"'{chosen}' attention function" if ours else None, ours,
+                                         reason=reason, eligible=supported))
+    if not selected or dry_run:
+        return
+
+    attn.register()
+    new_config = copy.copy(config)
+    matching.set_attn_implementation(new_config, chosen)
+    state.new_config = new_config
+    for module in model.modules():
+        if module.__dict__.get("config") is config:
+            state.config_swaps.append((module, config))
+            module.__dict__["config"] = new_config
+
+
+_PROBE_SEQ = 128
+
+
+def _attention_probe(module: nn.Module):
+    """(op, module, build_inputs) describing a representative softmax call of an attention module (sequence
+    length 128, padding mask; causal modules without padding use the causal op) for the report."""
+    heads = int(getattr(module, "num_heads", getattr(module, "num_attention_heads", 0)) or
+                getattr(getattr(module, "config", None), "num_attention_heads", 1))
+    n = _PROBE_SEQ
+    if getattr(module, "is_causal", False):
+        return "softmax.causal", module, lambda d, t: (torch.empty(heads, n, n, device=d, dtype=t), None, 1.0)
+    return "softmax.masked", module, lambda d, t: (
+        torch.empty(1, heads, n, n, device=d, dtype=t), torch.zeros(1, 1, n, n, dtype=torch.bool, device=d), 1.0)
+
+
+def _undo(state: _Fusion) -> list[str]:
+    """Put back every swapped module and config; returns the paths that could not be restored (changed since)."""
+    problems = []
+    for module, old_config in reversed(state.config_swaps):
+        new_config = module.__dict__.get("config")
+        if new_config is state.new_config:
+            _sync_config_back(new_config, old_config)
+            module.__dict__["config"] = old_config
+        else:
+            problems.append(f"{type(module).__name__}.config was replaced after fuse()")
+    for parent, name, old, new in reversed(state.swaps):
+        if parent._modules.get(name) is new:
+            old.train(new.training)
+            parent._modules[name] = old
+        else:
+            problems.append(f"{type(parent).__name__}.{name} was replaced after fuse()")
+    state.swaps.clear()
+    state.config_swaps.clear()
+    return problems
+
+
+def _sync_config_back(new_config, old_config) -> None:
+    """Carry over to the original config what the user changed on the copy while fused (not the attention
+    setting), so that unfusing loses no configuration change."""
+    for key, value in new_config.__dict__.items():
+        if key in ("_attn_implementation_internal", "_attn_implementation"):
+            continue
+        if old_config.__dict__.get(key, _MISSING) is not value:
+            old_config.__dict__[key] = value
+
+
+_MISSING = object()
+
+
+def unfuse(model: nn.Module) -> bool:
+    """Undo :func:`fuse`: the original module objects and the original config object (hence attention setting)
+    are put back exactly. Hooks added while fused are kept (the dictionaries were shared).
+
+    Returns:
+        True if the model was fused, False if there was nothing to undo.
+    Raises:
+        RuntimeError: some module or config swapped by ``fuse`` was replaced since by someone else; everything
+            else is restored and the message lists what could not be.
+    """
+    state = _STATE.pop(model, None)
+    if state is None:
+        return False
+    problems = _undo(state)
+    if problems:
+        raise RuntimeError("unfuse: restored everything except: " + "; ".join(problems))
+    return True
+
+
+@contextlib.contextmanager
+def fused(model: nn.Module, ops: Iterable[str] | str | None = None, attention: str = "auto") -> Iterator[FusionReport]:
+    """``with fused(model) as report: ...``: :func:`fuse` on entry, :func:`unfuse` on exit (also on error)."""
+    report = fuse(model, ops=ops, attention=attention)
+    try:
+        yield report
+    finally:
+        unfuse(model)
+
+
+__all__ = ["FusionReport", "FusionRow", "fuse", "unfuse", "fused", "is_fused", "fusion_report", "OPS"]

@@ -1,0 +1,10 @@
+"""transformers integration of the fusion layer: the ``pipegoose`` attention function (``attention``) and the
+model knowledge used by ``fuse(model)`` (``matching``). The only place in ``pipegoose.nn.fusion`` that imports
+transformers."""
+
+from .attention import (ATTENTION_NAME, ATTENTION_SDPA_NAME, MaskPlan, additive_to_boolean_mask,
+                        pipegoose_attention_forward, plan_mask, register)
+from .matching import ATTENTION_MODEL_TYPES, ATTENTION_SKIP_REASONS, probe_rms_norm
+
+__all__ = ["ATTENTION_NAME", "ATTENTION_SDPA_NAME", "ATTENTION_MODEL_TYPES", "ATTENTION_SKIP_REASONS", "MaskPlan",
+           "additive_to_boolean_mask", "pipegoose_attention_forward", "plan_mask", "probe_rms_norm", "register"]

@@ -1,0 +1,337 @@
+"""The ``pipegoose`` attention function for transformers' ``AttentionInterface``.
+
+transformers (>= 4.48) routes the attention of most models through a table of functions keyed by
+``config._attn_implementation``. We register two entries of our own (new names only; nothing of transformers is
+patched):
+
+``"pipegoose"``
+    ``softmax(scale * Q K^T, mask) V`` with the softmax taken by ``pipegoose.nn.fusion.functional``
+    (``scaled_upper_triang_masked_softmax`` when the mask is absent or exactly causal, ``scaled_masked_softmax``
+    otherwise), which dispatches to the fused kernels (Megatron-LM's ``scaled_masked_softmax`` /
+    ``scaled_upper_triang_masked_softmax`` via ColossalAI 0.5.0, or pipegoose's ``softmax``) or to the reference path.
+``"pipegoose_sdpa"``
+    The same, except that for each call the GPU's tuning table (``pipegoose/nn/fusion/tuning/<slug>.json``, op
+    ``"attention"``) decides between ours and transformers' ``sdpa`` function. Selected by ``fuse(attention="auto")``
+    on a model that runs SDPA when the table says ours is faster for some shapes.
+
+Selecting an entry is per instance: ``fuse`` points the model's modules at a copy of their config whose
+``_attn_implementation`` names our entry (see ``pipegoose.nn.fusion.fuse``).
+
+Masks. For both entries a mask function is registered in ``AttentionMaskInterface`` (transformers >= 4.53) that
+builds SDPA's boolean masks (True = attend, ``None`` when no masking is needed). Older transformers versions, and
+callers passing a ready 4-D mask, hand us transformers' additive float masks (0 or the dtype's minimum). Both are
+converted here to the Megatron convention: boolean, True = masked. A float mask holding other values (a real bias)
+is added to the scaled scores before an unmasked softmax. Fully masked rows give zeros (transformers' eager path
+gives uniform weights there, SDPA gives zeros).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import weakref
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "pipegoose"
+ATTENTION_SDPA_NAME = "pipegoose_sdpa"
+OUR_NAMES = (ATTENTION_NAME, ATTENTION_SDPA_NAME)
+
+TUNING_DIR = Path(__file__).resolve().parent.parent / "tuning"
+
+# kwargs that change the math of attention in ways our function does not implement; when one is set we refuse
+# instead of silently ignoring it.
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Masks
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MaskPlan:
+    """How to apply one attention mask.
+
+    kind: ``"none"`` (no key masked), ``"causal"`` (key j masked for query i when j > i, top-left aligned as SDPA's
+    ``is_causal``), ``"masked"`` (``mask`` is bool, True = masked, broadcastable to ``[b, h, sq, sk]``) or ``"bias"``
+    (``bias`` is a float tensor added to the scaled scores).
+    """
+
+    kind: str
+    mask: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+
+def additive_to_boolean_mask(mask: torch.Tensor) -> torch.Tensor | None:
+    """Convert transformers' additive float mask to a boolean mask, True = masked.
+
+    Args:
+        mask: float tensor, any shape (typically ``[b, 1, sq, sk]`` or ``[b, 1, 1, sk]``) holding 0 for keys that
+            take part and a large negative value (the dtype's minimum, or ``-inf``) for masked keys.
+    Returns:
+        A bool tensor of the same shape, or ``None`` when the mask holds other values too (a real bias such as
+        ALiBi), which cannot be expressed as a boolean mask.
+    Raises:
+        TypeError: ``mask`` is not a floating-point tensor.
+    """
+    if not mask.is_floating_point():
+        raise TypeError(f"attention_mask: expected a floating-point additive mask, got dtype {mask.dtype}")
+    # Anything at or below half the dtype's minimum is "masked": eager masks use finfo.min, and two masks added
+    # together may overflow to -inf. exp() of such a value is exactly 0 in every dtype.
+    masked = mask <= torch.finfo(mask.dtype).min / 2
+    if not bool(((mask == 0) | masked).all()):
+        return None
+    return masked
+
+
+def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
+    """bool [1, 1, sq, sk], True = masked, top-left aligned (key j masked for query i when j > i), like SDPA."""
+    q = torch.arange(sq, device=device).view(sq, 1)
+    k = torch.arange(sk, device=device).view(1, sk)
+    return (k > q).view(1, 1, sq, sk)
+
+
+# One-entry cache: the same mask tensor is passed to every layer of one forward pass, and classifying it costs a
+# device synchronisation. The entry is keyed by the tensor's identity and version counter.
+_plan_cache: dict = {}
+
+
+def plan_mask(attention_mask: torch.Tensor | None, *, query_len: int, key_len: int, causal: bool) -> MaskPlan:
+    """Classify the mask transformers passes to an attention function.
+
+    Args:
+        attention_mask: ``None``; a bool mask (SDPA convention, True = attend); or an additive float mask (0 or the
+            dtype's minimum, or a general bias). Shape broadcastable to ``[b, h, sq, sk']`` with ``sk' >= sk``
+            (extra trailing keys, as older transformers pass for static caches, are cut off).
+        query_len, key_len: sq and sk of this call.
+        causal: whether the module is causal (only used when ``attention_mask`` is None, as in SDPA: a missing mask
+            with ``sq > 1`` means causal).
+    Returns:
+        A :class:`MaskPlan`. An explicit mask that masks nothing gives ``"none"``; one equal to the causal mask gives
+        ``"causal"`` (so that the causal kernel is used).
+    Raises:
+        ValueError: the mask's rank or last dimensions do not fit ``[.., sq, sk]``.
+        TypeError: the mask is neither bool nor floating point.
+    """
+    if attention_mask is None:
+        return MaskPlan("causal" if (causal and query_len > 1) else "none")
+
+    m = attention_mask
+    if m.dim() != 4:
+        raise ValueError(f"attention_mask: expected a 4-D mask [b, 1, sq, sk], got shape {tuple(m.shape)}")
+    if m.shape[-1] < key_len or m.shape[-2] not in (1, query_len):
+        raise ValueError(
+            f"attention_mask: expected shape [b or 1, h or 1, {query_len} or 1, >= {key_len}], got {tuple(m.shape)}")
+    if m.shape[-1] > key_len:
+        m = m[..., :key_len]
+
+    key = (id(attention_mask), attention_mask._version, query_len, key_len, causal)
+    cached = _plan_cache.get("entry")
+    if cached is not None and cached[0] == key and cached[1]() is attention_mask:
+        return cached[2]
+
+    if m.dtype == torch.bool:
+        plan = MaskPlan("masked", mask=~m)
+    elif m.is_floating_point():
+        masked = additive_to_boolean_mask(m)
+        plan = MaskPlan("bias", bias=m) if masked is None else MaskPlan("masked", mask=masked)
+    else:
+        raise TypeError(f"attention_mask: expected a bool or floating-point mask, got dtype {m.dtype}")
+
+    if plan.kind == "masked":
+        masked = plan.mask
+        if not bool(masked.any()):
+            plan = MaskPlan("none")
+        elif query_len > 1 and masked.shape[-2] == query_len:
+            causal_ref = _causal_mask(query_len, key_len, masked.device)
+            if bool((masked == causal_ref).all()):
+                plan = MaskPlan("causal")
+    _plan_cache["entry"] = (key, weakref.ref(attention_mask), plan)
+    return plan
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tuning table (op "attention")
+# --------------------------------------------------------------------------------------------------------------------
+def device_slug(name: str) -> str:
+    """``"NVIDIA H200"`` -> ``"nvidia_h200"`` (docs/architecture.md, tuning tables)."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+@lru_cache(maxsize=None)
+def _load_table(device_name: str) -> tuple:
+    path = TUNING_DIR / f"{device_slug(device_name)}.json"
+    if not path.is_file():
+        return ()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return ()
+    rules = data.get("rules", []) if isinstance(data, dict) else []
+    return tuple(r for r in rules if isinstance(r, dict) and r.get("op") == "attention")
+
+
+def attention_rules(device: torch.device) -> tuple:
+    """The ``"attention"`` rules of the tuning table of the GPU ``device`` is on (empty off CUDA or without table)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return ()
+    return _load_table(torch.cuda.get_device_name(device))
+
+
+def tuned_attention_impl(device: torch.device, dtype: torch.dtype, key_len: int) -> str | None:
+    """The first matching rule's ``impl`` for this device, dtype and key length, or None without a matching rule."""
+    dname = str(dtype).removeprefix("torch.")
+    for rule in attention_rules(device):
+        if rule.get("dtype") not in (None, dname):
+            continue
+        max_cols = rule.get("max_cols")
+        if max_cols is not None and key_len > int(max_cols):
+            continue
+        return rule.get("impl")
+    return None
+
+
+def table_prefers_pipegoose(device: torch.device, dtype: torch.dtype | None) -> bool:
+    """True when some ``"attention"`` rule for this GPU (and dtype, when given) names ``pipegoose``."""
+    dname = None if dtype is None else str(dtype).removeprefix("torch.")
+    return any(r.get("impl") == "pipegoose" and (dname is None or r.get("dtype") in (None, dname))
+               for r in attention_rules(device))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The attention function
+# --------------------------------------------------------------------------------------------------------------------
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[b, hkv, s, d] -> [b, hkv * n_rep, s, d], each kv head repeated n_rep times in place (GQA / MQA)."""
+    if n_rep == 1:
+        return x
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+def _softmax(scores: torch.Tensor, plan: MaskPlan, scale: float) -> torch.Tensor:
+    from pipegoose.nn.fusion import functional as PF
+
+    b, h, sq, sk = scores.shape
+    if plan.kind == "causal":
+        if sq == sk:
+            probs = PF.scaled_upper_triang_masked_softmax(scores.reshape(b * h, sq, sk), scale)
+            return probs.view(b, h, sq, sk)
+        return PF.scaled_masked_softmax(scores, _causal_mask(sq, sk, scores.device), scale)
+    if plan.kind == "masked":
+        return PF.scaled_masked_softmax(scores, plan.mask, scale)
+    if plan.kind == "bias":
+        biased = scores * scale + plan.bias.to(scores.dtype)
+        masked = plan.bias <= torch.finfo(plan.bias.dtype).min / 2
+        return PF.scaled_masked_softmax(biased, masked, 1.0)
+    return PF.scaled_masked_softmax(scores, None, scale)
+
+
+def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                attention_mask: torch.Tensor | None, scaling: float | None = None,
+                                dropout: float = 0.0, **kwargs):
+    """Attention with the fused softmax, in transformers' attention-function signature.
+
+    Args:
+        module: the calling attention module (``is_causal`` and ``training`` are read from it).
+        query: ``[b, hq, sq, d]``; key, value: ``[b, hkv, sk, d]`` with ``hq % hkv == 0`` (GQA keys and values are
+            repeated). fp32, fp16 or bf16 (the softmax's dtype rules apply; off GPU the reference path runs).
+        attention_mask: see :func:`plan_mask`.
+        scaling: softmax scale applied to ``Q K^T`` (default ``d ** -0.5``); OPT passes 1.0 (it scales Q itself).
+        dropout: attention-probability dropout, applied as ``torch.nn.functional.dropout`` when ``module.training``.
+        kwargs: ``is_causal`` (overrides ``module.is_causal``), ``head_mask`` ([h] or broadcastable to the
+            probabilities, multiplied in as in transformers' eager path); others are ignored, except ``softcap``,
+            ``s_aux``, ``sinks`` which raise.
+    Returns:
+        ``(attn_output [b, sq, hq, d] contiguous, attn_weights [b, hq, sq, sk])``, in the dtype of ``value``.
+    Raises:
+        NotImplementedError: an unsupported kwarg is set (``softcap``, ``s_aux``, ``sinks``).
+        ValueError: head counts that do not divide, or a mask of the wrong shape.
+    """
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"pipegoose attention: '{name}' is not supported; keep attention='sdpa' "
+                                      f"or 'eager' for {type(module).__name__}")
+    hq, hkv = query.shape[1], key.shape[1]
+    if hq % hkv != 0:
+        raise ValueError(f"key: {hkv} key/value heads do not divide {hq} query heads")
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+
+    key = _repeat_kv(key, hq // hkv)
+    value = _repeat_kv(value, hq // hkv)
+    sq, sk = query.shape[2], key.shape[2]
+    plan = plan_mask(attention_mask, query_len=sq, key_len=sk, causal=bool(is_causal))
+
+    scores = torch.matmul(query, key.transpose(-1, -2))
+    probs = _softmax(scores, plan, float(scaling)).to(value.dtype)
+    if dropout:
+        probs = F.dropout(probs, p=dropout, training=module.training)
+    head_mask = kwargs.get("head_mask")
+    if head_mask is not None:
+        probs = probs * head_mask
+    out = torch.matmul(probs, value).transpose(1, 2).contiguous()
+    return out, probs
+
+
+def pipegoose_sdpa_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                                     **kwargs):
+    """:func:`pipegoose_attention_forward` where the tuning table says ours is faster, transformers' ``sdpa``
+    function otherwise (per call: device, dtype and key length). Same arguments and results."""
+    if tuned_attention_impl(query.device, query.dtype, key.shape[2]) == "pipegoose":
+        return pipegoose_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                           dropout=dropout, **kwargs)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                  **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Registration
+# --------------------------------------------------------------------------------------------------------------------
+def _pipegoose_mask(*args, **kwargs):
+    """Mask function for our entries: SDPA's boolean masks (True = attend; None when nothing needs masking)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register ``"pipegoose"`` and ``"pipegoose_sdpa"`` with transformers (idempotent). Adds names only: nothing
+    of transformers is replaced, and no model uses them until its config selects them."""
+    global _registered
+    if _registered:
+        return
+    try:
+        from transformers import AttentionInterface
+    except ImportError:  # transformers < 4.50: the table is a plain dict
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] = pipegoose_attention_forward
+        ALL_ATTENTION_FUNCTIONS[ATTENTION_SDPA_NAME] = pipegoose_sdpa_attention_forward
+    else:
+        AttentionInterface.register(ATTENTION_NAME, pipegoose_attention_forward)
+        AttentionInterface.register(ATTENTION_SDPA_NAME, pipegoose_sdpa_attention_forward)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:  # transformers < 4.53: models build eager-style float masks for unknown names
+        pass
+    else:
+        AttentionMaskInterface.register(ATTENTION_NAME, _pipegoose_mask)
+        AttentionMaskInterface.register(ATTENTION_SDPA_NAME, _pipegoose_mask)
+    _registered = True
+
+
+__all__ = ["ATTENTION_NAME", "ATTENTION_SDPA_NAME", "MaskPlan", "additive_to_boolean_mask", "plan_mask",
+           "pipegoose_attention_forward", "pipegoose_sdpa_attention_forward", "register", "tuned_attention_impl",
+           "table_prefers_pipegoose", "device_slug"]

@@ -1,0 +1,179 @@
+"""Model knowledge for ``fuse(model)``: which modules of a transformers model can be fused, and how.
+
+* LayerNorm: every ``torch.nn.LayerNorm`` instance.
+* RMSNorm: found by what a module computes, not by its class name. A candidate has no children, exactly one
+  parameter (1-D, of the model's hidden size), no buffers and an ``eps``-like attribute (``variance_epsilon``,
+  ``eps`` or ``epsilon``); it is accepted when, run on CPU in fp32 on a small random input with a random weight,
+  its forward equals ``x * rsqrt(mean(x^2, -1) + eps) * weight`` (float64 reference). This finds the Llama, Mistral,
+  Qwen2 and T5 styles and rejects Gemma's ``(1 + weight)`` style and mean-subtracting norms.
+* Attention: the model types whose attention goes through transformers' ``AttentionInterface`` and whose math
+  our attention function reproduces (:data:`ATTENTION_MODEL_TYPES`); others are reported with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# model_type -> note. These call ALL_ATTENTION_FUNCTIONS with (module, q, k, v, mask, scaling=..., dropout=...)
+# and compute softmax(scaling * q k^T + mask) v (with repeat_kv for GQA in Llama).
+ATTENTION_MODEL_TYPES = {
+    "bert": "BertSelfAttention / BertCrossAttention",
+    "gpt2": "GPT2Attention (scaling includes scale_attn_by_inverse_layer_idx)",
+    "gpt_neox": "GPTNeoXAttention",
+    "llama": "LlamaAttention (GQA)",
+    "opt": "OPTAttention (scales Q itself, scaling=1.0)",
+}
+
+# model_type -> why its attention is not fused.
+ATTENTION_SKIP_REASONS = {
+    "bloom": ("BloomAttention adds ALiBi with baddbmm and takes its softmax inline; it does not call "
+              "transformers' AttentionInterface, so fusing it would need patching transformers' class"),
+}
+
+EPS_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon")
+
+
+def hidden_size_of(config) -> int | None:
+    """The hidden size of a transformers config (``hidden_size``, ``n_embd`` or ``d_model``), or None."""
+    for name in ("hidden_size", "n_embd", "d_model"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def model_type_of(config) -> str | None:
+    return getattr(config, "model_type", None) if config is not None else None
+
+
+def is_attention_module(module: nn.Module) -> bool:
+    """A leaf attention block: class name containing ``Attention`` and no child whose class name contains
+    ``Attention`` (so ``BertAttention``, a wrapper around ``BertSelfAttention``, is not one)."""
+    name = type(module).__name__
+    if "Attention" not in name or name.endswith("Model"):
+        return False
+    return not any("Attention" in type(c).__name__ for c in module.children())
+
+
+def attention_support(config, module: nn.Module | None = None) -> tuple[bool, str]:
+    """Whether the attention of a model with ``config`` (and the given attention module) can use ours, and why."""
+    mtype = model_type_of(config)
+    if mtype in ATTENTION_SKIP_REASONS:
+        return False, ATTENTION_SKIP_REASONS[mtype]
+    if mtype not in ATTENTION_MODEL_TYPES:
+        return False, f"model type {mtype!r} is not among those verified with the pipegoose attention function"
+    if not hasattr(config, "_attn_implementation_internal") and not hasattr(config, "_attn_implementation"):
+        return False, "this transformers version has no per-config attention selection"
+    if mtype == "gpt2" and getattr(config, "reorder_and_upcast_attn", False):
+        return False, "GPT-2 with reorder_and_upcast_attn computes its scores in fp32 outside the AttentionInterface"
+    return True, ATTENTION_MODEL_TYPES[mtype]
+
+
+def get_attn_implementation(config) -> str | None:
+    value = getattr(config, "_attn_implementation_internal", None)
+    if value is None:
+        value = getattr(config, "_attn_implementation", None)
+    return value
+
+
+def set_attn_implementation(config, name: str) -> None:
+    """Set the attention implementation on this config object only (not on sub-configs, not on other configs)."""
+    if hasattr(config, "_attn_implementation_internal"):
+        config._attn_implementation_internal = name
+    else:  # pragma: no cover - very old transformers
+        config._attn_implementation = name
+
+
+def is_config(obj) -> bool:
+    try:
+        from transformers import PretrainedConfig
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(obj, PretrainedConfig)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# RMSNorm probe
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RMSNormProbe:
+    """Result of :func:`probe_rms_norm`: ``ok`` with the module's ``eps``, or not ``ok`` with the ``reason``.
+    ``candidate`` says whether the module looked like a norm at all (worth a row in the report)."""
+
+    ok: bool
+    eps: float | None
+    reason: str
+    candidate: bool
+
+
+def _eps_of(module: nn.Module) -> float | None:
+    for name in EPS_ATTRIBUTES:
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+            return float(value)
+    return None
+
+
+def probe_rms_norm(module: nn.Module, hidden_size: int | None) -> RMSNormProbe:
+    """Check numerically whether ``module`` computes RMSNorm (see the module docstring).
+
+    The module itself is not run: a shallow stand-in sharing its class and attributes, holding a random fp32 CPU
+    weight, is, through ``forward`` directly (so the module's hooks do not fire and its parameters are untouched).
+    Never raises: a forward that fails means "not an RMSNorm".
+    """
+    params = list(module.named_parameters(recurse=False))
+    looks_like_norm = "norm" in type(module).__name__.lower()
+    if isinstance(module, nn.RMSNorm):
+        return RMSNormProbe(True, module.eps, "torch.nn.RMSNorm", True)
+    if isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or any(True for _ in module.children()):
+        return RMSNormProbe(False, None, "not a leaf norm", False)
+    if len(params) != 1:
+        return RMSNormProbe(False, None, f"{len(params)} parameters (an RMSNorm has one weight)", looks_like_norm)
+    pname, weight = params[0]
+    if pname != "weight":
+        return RMSNormProbe(False, None, f"parameter is named '{pname}' (FusedRMSNorm's is 'weight': state_dict "
+                            "keys would change)", looks_like_norm)
+    if weight.dim() != 1:
+        return RMSNormProbe(False, None, f"parameter '{pname}' is {weight.dim()}-D", looks_like_norm)
+    looks_like_norm = looks_like_norm or _eps_of(module) is not None
+    if hidden_size is not None and weight.numel() != hidden_size:
+        return RMSNormProbe(False, None, f"weight has {weight.numel()} elements, hidden size is {hidden_size}",
+                            looks_like_norm)
+    if list(module.buffers(recurse=False)):
+        return RMSNormProbe(False, None, "has buffers", looks_like_norm)
+    eps = _eps_of(module)
+    if eps is None:
+        return RMSNormProbe(False, None, f"no eps attribute ({', '.join(EPS_ATTRIBUTES)})", looks_like_norm)
+
+    n = weight.numel()
+    gen = torch.Generator().manual_seed(1234)
+    w = torch.rand(n, generator=gen, dtype=torch.float32) + 0.5
+    x = torch.randn(2, 3, n, generator=gen, dtype=torch.float32) + 0.5   # nonzero mean: rejects mean-subtracting norms
+    stand_in = object.__new__(type(module))
+    stand_in.__dict__.update(module.__dict__)
+    object.__setattr__(stand_in, "_parameters", {pname: nn.Parameter(w, requires_grad=False)})
+    object.__setattr__(stand_in, "_buffers", {})
+    object.__setattr__(stand_in, "_modules", {})
+    try:
+        with torch.no_grad():
+            y = stand_in.forward(x)
+    except Exception as exc:  # noqa: BLE001 - any failure means we cannot vouch for the module
+        return RMSNormProbe(False, None, f"probe forward failed: {type(exc).__name__}: {exc}", looks_like_norm)
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return RMSNormProbe(False, None, "probe output has another shape", looks_like_norm)
+    xd = x.double()
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    if not torch.allclose(y.double(), ref, atol=1e-5, rtol=1e-4):
+        err = (y.double() - ref).abs().max().item()
+        return RMSNormProbe(False, None, f"output differs from the RMSNorm formula (max abs diff {err:.3g})",
+                            looks_like_norm)
+    return RMSNormProbe(True, eps, "probe output equals the formula", True)
+
+
+__all__ = ["ATTENTION_MODEL_TYPES", "ATTENTION_SKIP_REASONS", "RMSNormProbe", "attention_support",
+           "get_attn_implementation", "hidden_size_of", "is_attention_module", "is_config", "model_type_of",
+           "probe_rms_norm", "set_attn_implementation"]

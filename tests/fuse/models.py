@@ -1,0 +1,64 @@
+"""Tiny transformers models (hidden 32, 2 layers) of the six architectures fuse() knows, and their inputs."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 97
+ARCHS = ("bert", "gpt2", "gpt_neox", "llama", "opt", "bloom")
+# Architectures whose attention goes through transformers' AttentionInterface (Bloom's does not).
+INTERFACE_ARCHS = ("bert", "gpt2", "gpt_neox", "llama", "opt")
+
+
+def config(arch: str, attn: str = "eager", hidden: int = 32, layers: int = 2, heads: int = 4, dropout: float = 0.0,
+           **extra):
+    import transformers as tr
+
+    common = dict(vocab_size=VOCAB, attn_implementation=attn)
+    if arch == "bert":
+        cfg = tr.BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                            intermediate_size=2 * hidden, max_position_embeddings=512, hidden_dropout_prob=dropout,
+                            attention_probs_dropout_prob=dropout, **common)
+    elif arch == "gpt2":
+        cfg = tr.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=512, resid_pdrop=dropout,
+                            embd_pdrop=dropout, attn_pdrop=dropout, **common)
+    elif arch == "gpt_neox":
+        cfg = tr.GPTNeoXConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                               intermediate_size=2 * hidden, max_position_embeddings=512, attention_dropout=dropout,
+                               hidden_dropout=dropout, **common)
+    elif arch == "llama":
+        cfg = tr.LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                             num_key_value_heads=max(1, heads // 2), intermediate_size=2 * hidden,
+                             max_position_embeddings=512, attention_dropout=dropout, **common)
+    elif arch == "opt":
+        cfg = tr.OPTConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                           ffn_dim=2 * hidden, word_embed_proj_dim=hidden, max_position_embeddings=512,
+                           dropout=dropout, attention_dropout=dropout, **common)
+    elif arch == "bloom":
+        cfg = tr.BloomConfig(hidden_size=hidden, n_layer=layers, n_head=heads, attention_dropout=dropout,
+                             hidden_dropout=dropout, **common)
+    else:
+        raise ValueError(arch)
+    for k, v in extra.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def build(arch: str, attn: str = "eager", seed: int = 0, cfg=None, **kw):
+    """A base model (AutoModel) of ``arch``, in eval mode, from a fixed seed."""
+    from transformers import AutoModel
+
+    torch.manual_seed(seed)
+    cfg = cfg if cfg is not None else config(arch, attn, **kw)
+    return AutoModel.from_config(cfg, attn_implementation=attn).eval()
+
+
+def inputs(batch: int = 3, seq: int = 11, seed: int = 1, left_pad=(0, 4, 2)):
+    """Random token ids and a 2-D mask with left padding (row i has ``left_pad[i]`` padded positions), which gives
+    fully masked rows in causal attention."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    for i, p in enumerate(left_pad[:batch]):
+        mask[i, :p] = 0
+    return ids, mask

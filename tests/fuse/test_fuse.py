@@ -1,0 +1,336 @@
+"""fuse(model) / unfuse(model) on tiny models of the six architectures (CPU: the reference paths run).
+
+Parity is checked against the unfused model and against a float64 copy of it, on fresh random inputs with left
+padding (fully masked rows in causal attention), forward and backward. Positions that are padding are excluded:
+there transformers' eager path gives uniform attention and ours zeros (the semantics we adopt), and those positions
+never feed the others.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from pipegoose.nn.fusion import fuse as fuse_mod
+from pipegoose.nn.fusion.fuse import FusionReport, fuse, fused, is_fused, unfuse
+from pipegoose.nn.fusion.transformers import attention as attn_mod
+from tolerances import TOLERANCES, tol
+
+from . import models
+
+# (architecture, attn_implementation the model is built with, fuse(attention=...)): auto on every model; forcing
+# ours on every SDPA model, and on one eager model.
+CASES = ([(a, "eager", "auto") for a in models.ARCHS] + [(a, "sdpa", "auto") for a in models.INTERFACE_ARCHS]
+         + [(a, "sdpa", "pipegoose") for a in models.INTERFACE_ARCHS] + [("llama", "eager", "pipegoose")])
+
+
+@pytest.fixture
+def softmax_calls(monkeypatch):
+    """Counts calls of the fused softmax made by the pipegoose attention function."""
+    calls = []
+    real = attn_mod._softmax
+
+    def spy(scores, plan, scale):
+        calls.append(plan.kind)
+        return real(scores, plan, scale)
+
+    monkeypatch.setattr(attn_mod, "_softmax", spy)
+    return calls
+
+
+def _run(model, ids, mask, weights):
+    """Forward + backward of sum(hidden * weights) over non-padding positions; (hidden, loss, grads)."""
+    model.zero_grad(set_to_none=True)
+    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    keep = mask.bool()
+    loss = (hidden * weights.to(hidden.dtype))[keep].sum()
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return hidden.detach()[keep], loss.detach(), grads
+
+
+def _modules_by_path(model):
+    return {p: m for p, m in model.named_modules()}
+
+
+@pytest.mark.parametrize("arch,attn,attention", CASES, ids=["-".join(c) for c in CASES])
+def test_fuse_parity_and_unfuse(arch, attn, attention, softmax_calls):
+    model = models.build(arch, attn)
+    ids, mask = models.inputs()
+    g = torch.Generator().manual_seed(7)
+    weights = torch.randn(*ids.shape, model.config.hidden_size, generator=g)
+
+    before_modules = _modules_by_path(model)
+    before_params = dict(model.named_parameters())
+    before_sd = {k: v.clone() for k, v in model.state_dict().items()}
+    config = model.config
+    # float64 reference: eager attention casts scores to fp32 for its softmax, where fp64's -max mask overflows
+    # to -inf and fully masked rows give NaN; SDPA does not (Bloom has no SDPA and its attention is not fused: it
+    # is compared with the fp32 unfused model only).
+    model64 = copy.deepcopy(model).double()
+    ref64 = None
+    if arch != "bloom":
+        model64.set_attn_implementation("sdpa")
+        ref64 = _run(model64, ids, mask, weights.double())
+    ref = _run(model, ids, mask, weights)
+
+    report = fuse(model, attention=attention)
+    assert is_fused(model)
+
+    # --- report content
+    ln = [m for m in before_modules.values() if isinstance(m, nn.LayerNorm)]
+    assert len(report.fused_rows("layer_norm")) == len(ln)
+    if arch == "llama":
+        assert len(report.fused_rows("rms_norm")) == 2 * 2 + 1 and not ln
+    else:
+        assert not report.fused_rows("rms_norm")
+    att_rows = [r for r in report.rows if r.kind == "attention"]
+    assert len(att_rows) == 2, report
+    expect_ours = arch != "bloom" and (attn == "eager" or attention == "pipegoose")
+    assert all(r.fused == expect_ours for r in att_rows), report
+    if arch == "bloom":
+        assert "AttentionInterface" in att_rows[0].reason and report.attention["chosen"] == "eager"
+    elif not expect_ours:
+        assert report.attention["chosen"] == "sdpa" and "kept sdpa" in report.attention["reason"]
+        assert report.coverage < 1.0
+    else:
+        assert report.attention["chosen"] == "pipegoose" and report.coverage == 1.0
+    assert "eligible modules fused" in str(report)
+    d = report.to_dict()
+    assert d["rows"] and d["covered"] == report.covered
+
+    # --- nothing about the parameters changed
+    assert all(p is before_params[n] for n, p in model.named_parameters())
+    sd = model.state_dict()
+    assert sd.keys() == before_sd.keys()
+    assert all(torch.equal(sd[k], before_sd[k]) for k in sd)
+    for r in report.fused_rows("layer_norm") + report.fused_rows("rms_norm"):
+        assert _modules_by_path(model)[r.path] is not before_modules[r.path]
+
+    # --- parity, forward and backward
+    softmax_calls.clear()
+    out = _run(model, ids, mask, weights)
+    assert bool(softmax_calls) == expect_ours
+    if expect_ours and arch != "bert":
+        assert "masked" in softmax_calls       # left padding: padding mask, not the plain causal kernel
+    t = tol(torch.float32, 10)
+    torch.testing.assert_close(out[0], ref[0], **t)
+    torch.testing.assert_close(out[1], ref[1], **tol(torch.float32, 100))
+    assert out[2].keys() == ref[2].keys()
+    for n in ref[2]:
+        torch.testing.assert_close(out[2][n], ref[2][n], **t, msg=lambda m: f"grad of {n}: {m}")
+        if arch != "bloom":
+            torch.testing.assert_close(out[2][n].double(), ref64[2][n], **tol(torch.float32, 100))
+    if arch != "bloom":
+        torch.testing.assert_close(out[0].double(), ref64[0], **tol(torch.float32, 100))
+
+    # --- unfuse restores the very same objects and behaviour
+    assert unfuse(model) is True and not is_fused(model)
+    assert unfuse(model) is False
+    after = _modules_by_path(model)
+    assert after.keys() == before_modules.keys()
+    assert all(after[p] is before_modules[p] for p in after)
+    assert model.config is config and model.config._attn_implementation == attn
+    assert all(m.__dict__.get("config", config) is config for m in model.modules())
+    again = _run(model, ids, mask, weights)
+    assert torch.equal(again[0], ref[0]) and all(torch.equal(again[2][n], ref[2][n]) for n in ref[2])
+
+
+def test_causal_without_padding_uses_causal_kernel(softmax_calls):
+    model = models.build("gpt_neox", "eager")
+    ids, _ = models.inputs(left_pad=(0, 0, 0))
+    fuse(model)
+    model(input_ids=ids)
+    assert softmax_calls and set(softmax_calls) == {"causal"}
+    softmax_calls.clear()
+    model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    assert set(softmax_calls) == {"causal"}
+
+
+def test_bert_without_padding_uses_unmasked_softmax(softmax_calls):
+    model = models.build("bert", "eager")
+    ids, _ = models.inputs(left_pad=(0, 0, 0))
+    fuse(model)
+    model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    assert softmax_calls and set(softmax_calls) == {"none"}
+
+
+def test_training_with_dropout_matches(softmax_calls):
+    """Dropout in training: the same RNG stream gives the same masks on both paths."""
+    model = models.build("llama", "eager", dropout=0.25).train()
+    ids, mask = models.inputs()
+    w = torch.randn(*ids.shape, 32, generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(11)
+    ref = _run(model, ids, mask, w)
+    fuse(model)
+    torch.manual_seed(11)
+    out = _run(model, ids, mask, w)
+    assert softmax_calls
+    torch.testing.assert_close(out[0], ref[0], **tol(torch.float32, 10))
+    for n in ref[2]:
+        torch.testing.assert_close(out[2][n], ref[2][n], **tol(torch.float32, 10))
+    # and dropout is really active: another seed gives other outputs
+    torch.manual_seed(12)
+    assert not torch.allclose(_run(model, ids, mask, w)[0], out[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_output_dtype_unchanged(dtype):
+    model = models.build("llama", "eager").to(dtype)
+    ids, mask = models.inputs()
+    ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    with fused(model) as report:
+        assert report.covered == report.eligible
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert out.dtype == ref.dtype == dtype
+    keep = mask.bool()
+    torch.testing.assert_close(out[keep], ref[keep], **tol(dtype, 4))
+
+
+def test_two_instances_sharing_a_config_fused_differently(softmax_calls):
+    cfg = models.config("llama", "eager")
+    a = models.build("llama", cfg=cfg, attn="eager", seed=0)
+    b = models.build("llama", cfg=cfg, attn="eager", seed=1)
+    assert a.config is b.config is cfg
+    ra = fuse(a)
+    rb = fuse(b, ops=["rms_norm"])
+    assert ra.attention["chosen"] == "pipegoose" and not rb.attention
+    assert a.config._attn_implementation == "pipegoose"
+    assert b.config._attn_implementation == "eager" and cfg._attn_implementation == "eager"
+    ids, mask = models.inputs()
+    b(input_ids=ids, attention_mask=mask)
+    assert not softmax_calls                       # b keeps eager attention
+    a(input_ids=ids, attention_mask=mask)
+    assert softmax_calls
+    assert type(a.norm).__name__ == type(b.norm).__name__ == "FusedRMSNorm"
+    unfuse(a)
+    assert a.config is cfg and type(a.norm).__name__ == "LlamaRMSNorm"
+    assert type(b.norm).__name__ == "FusedRMSNorm"
+    unfuse(b)
+
+
+def test_hooks_keep_firing_and_can_be_removed():
+    model = models.build("bert", "eager")
+    ids, mask = models.inputs()
+    ln = model.encoder.layer[0].output.LayerNorm
+    seen, pre, parent_seen = [], [], []
+    handle = ln.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    ln.register_forward_pre_hook(lambda m, i: pre.append(1))
+    model.encoder.layer[0].output.register_forward_hook(lambda m, i, o: parent_seen.append(1))
+    fuse(model)
+    new_ln = model.encoder.layer[0].output.LayerNorm
+    assert new_ln is not ln
+    model(input_ids=ids, attention_mask=mask)
+    assert seen == [torch.Size([3, 11, 32])] and pre == [1] and parent_seen == [1]
+    # a hook added while fused is kept after unfuse
+    late = []
+    new_ln.register_forward_hook(lambda m, i, o: late.append(1))
+    handle.remove()                                # a handle of the original module removes it from the replacement
+    model(input_ids=ids, attention_mask=mask)
+    assert len(seen) == 1 and late == [1]
+    unfuse(model)
+    assert model.encoder.layer[0].output.LayerNorm is ln
+    model(input_ids=ids, attention_mask=mask)
+    assert late == [1, 1] and len(seen) == 1 and pre == [1, 1, 1]
+
+
+def test_dry_run_changes_nothing(softmax_calls):
+    model = models.build("gpt2", "eager")
+    before = _modules_by_path(model)
+    cfg = model.config
+    report = fuse(model, dry_run=True)
+    assert report.dry_run and report.covered == report.eligible > 0
+    assert not is_fused(model)
+    assert _modules_by_path(model).keys() == before.keys()
+    assert all(_modules_by_path(model)[p] is m for p, m in before.items())
+    assert model.config is cfg and cfg._attn_implementation == "eager"
+    ids, mask = models.inputs()
+    model(input_ids=ids, attention_mask=mask)
+    assert not softmax_calls
+    assert unfuse(model) is False
+
+
+def test_ops_subset_and_keep():
+    model = models.build("gpt2", "eager")
+    report = fuse(model, ops="layer_norm")
+    assert {r.kind for r in report.rows} == {"layer_norm"}
+    assert model.config._attn_implementation == "eager"
+    unfuse(model)
+    report = fuse(model, attention="keep")
+    assert report.attention["chosen"] == "eager" and not report.fused_rows("attention")
+    unfuse(model)
+
+
+def test_bad_arguments():
+    model = models.build("gpt2", "eager")
+    with pytest.raises(TypeError, match="model"):
+        fuse(object())
+    with pytest.raises(ValueError, match="ops"):
+        fuse(model, ops=["softmax"])
+    with pytest.raises(ValueError, match="attention"):
+        fuse(model, attention="flash")
+    fuse(model)
+    with pytest.raises(RuntimeError, match="already fused"):
+        fuse(model)
+    unfuse(model)
+
+
+def test_context_manager_unfuses_on_error():
+    model = models.build("opt", "eager")
+    before = _modules_by_path(model)
+    with pytest.raises(KeyError):
+        with fused(model) as report:
+            assert isinstance(report, FusionReport) and is_fused(model)
+            raise KeyError("boom")
+    assert not is_fused(model)
+    assert all(_modules_by_path(model)[p] is m for p, m in before.items())
+
+
+def test_config_changes_while_fused_survive_unfuse():
+    model = models.build("llama", "eager")
+    cfg = model.config
+    fuse(model)
+    model.config.use_cache = not cfg.use_cache
+    new_value = model.config.use_cache
+    unfuse(model)
+    assert model.config is cfg and cfg.use_cache == new_value and cfg._attn_implementation == "eager"
+
+
+def test_shared_module_replaced_everywhere():
+    ln = nn.LayerNorm(8)
+    model = nn.Sequential(nn.Linear(8, 8), ln, nn.Linear(8, 8), ln)
+    report = fuse(model)
+    assert len(report.rows) == 1 and model[1] is model[3] and model[1] is not ln
+    unfuse(model)
+    assert model[1] is ln and model[3] is ln
+
+
+def test_plain_module_without_config():
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    x = torch.randn(4, 8)
+    ref = model(x)
+    report = fuse(model)
+    assert report.covered == 1 and report.attention == {}
+    torch.testing.assert_close(model(x), ref, **TOLERANCES[torch.float32])
+    unfuse(model)
+
+
+def test_fuse_failure_leaves_model_untouched(monkeypatch):
+    model = models.build("bert", "eager")
+    before = _modules_by_path(model)
+    calls = []
+    real = fuse_mod._fuse_attention
+
+    def boom(*a, **k):
+        calls.append(1)
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(fuse_mod, "_fuse_attention", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        fuse(model)
+    assert calls and not is_fused(model)
+    assert all(_modules_by_path(model)[p] is m for p, m in before.items())
+    monkeypatch.setattr(fuse_mod, "_fuse_attention", real)
