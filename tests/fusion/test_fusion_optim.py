@@ -1,0 +1,181 @@
+"""CPU: FusedAdam's reference path against torch.optim.AdamW/Adam, state_dicts both ways, clip_grad_norm_."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tolerances import TOLERANCES
+
+from pipegoose.nn.fusion import dispatch
+from pipegoose.nn.fusion.optim import FusedAdam, clip_grad_norm_
+
+
+def small_model(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 33), torch.nn.GELU(), torch.nn.LayerNorm(33),
+                               torch.nn.Linear(33, 5)).to(dtype)
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 12, generator=g), torch.randn(16, 5, generator=g)) for _ in range(n)]
+
+
+def train(model, opt, data, dtype):
+    losses = []
+    for x, t in data:
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x.to(dtype)).float(), t)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(autouse=True)
+def _fresh_stats():
+    dispatch.reset_stats()
+    yield
+
+
+@pytest.mark.parametrize("dtype,adam_w_mode", [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)])
+def test_fused_adam_reference_matches_torch_over_100_steps(dtype, adam_w_mode):
+    m1, m2 = small_model(dtype), small_model(dtype)
+    hp = dict(lr=3e-3, betas=(0.9, 0.98), eps=1e-7, weight_decay=0.05)
+    o1 = FusedAdam(m1.parameters(), adam_w_mode=adam_w_mode, **hp)
+    o2 = (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(m2.parameters(), **hp)
+    data = batches(100)
+    l1, l2 = train(m1, o1, data, dtype), train(m2, o2, data, dtype)
+    assert l1[-1] < l1[0]  # it trains
+    # same functional math on the reference path: equal up to summation order
+    torch.testing.assert_close(torch.tensor(l1), torch.tensor(l2), **TOLERANCES[dtype])
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(p1, p2, **TOLERANCES[dtype])
+        s1, s2 = o1.state[p1], o2.state[p2]
+        assert set(s1) == set(s2) == {"step", "exp_avg", "exp_avg_sq"}
+        assert s1["step"].item() == s2["step"].item() == 100
+        assert s1["exp_avg"].dtype == dtype
+    assert dispatch.stats()["adam"] == {"torch": 100 * 1}  # one bucket per step on the CPU
+
+
+def test_fused_adam_without_bias_correction_matches_float64_math():
+    torch.manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(40))
+    p64 = p.detach().double().clone()
+    m = torch.zeros(40, dtype=torch.float64)
+    v = torch.zeros(40, dtype=torch.float64)
+    opt = FusedAdam([p], lr=1e-2, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, bias_correction=False)
+    for _ in range(20):
+        g = torch.randn(40)
+        p.grad = g.clone()
+        opt.step()
+        p64.mul_(1 - 1e-2 * 0.1)
+        m = 0.8 * m + 0.2 * g.double()
+        v = 0.9 * v + 0.1 * g.double() ** 2
+        p64 -= 1e-2 * m / (v.sqrt() + 1e-6)
+    torch.testing.assert_close(p.detach().double(), p64, **TOLERANCES[torch.float32])
+
+
+def test_state_dict_loads_both_ways():
+    data = batches(10)
+    # FusedAdam -> AdamW
+    m1 = small_model()
+    o1 = FusedAdam(m1.parameters(), lr=1e-2, weight_decay=0.01)
+    train(m1, o1, data[:5], torch.float32)
+    m2 = copy.deepcopy(m1)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, weight_decay=0.01)
+    o2.load_state_dict(copy.deepcopy(o1.state_dict()))  # as through torch.save/load
+    assert o2.param_groups[0]["decoupled_weight_decay"] and not o2.param_groups[0]["amsgrad"]
+    train(m1, o1, data[5:], torch.float32)
+    train(m2, o2, data[5:], torch.float32)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, **TOLERANCES[torch.float32])
+    # AdamW -> FusedAdam
+    m3 = small_model(seed=5)
+    o3 = torch.optim.AdamW(m3.parameters(), lr=1e-2, weight_decay=0.01)
+    train(m3, o3, data[:5], torch.float32)
+    m4 = copy.deepcopy(m3)
+    o4 = FusedAdam(m4.parameters(), lr=1e-2, weight_decay=0.01)
+    o4.load_state_dict(copy.deepcopy(o3.state_dict()))
+    assert o4.param_groups[0]["adam_w_mode"] and o4.param_groups[0]["bias_correction"]
+    train(m3, o3, data[5:], torch.float32)
+    train(m4, o4, data[5:], torch.float32)
+    for a, b in zip(m3.parameters(), m4.parameters()):
+        torch.testing.assert_close(a, b, **TOLERANCES[torch.float32])
+        assert o4.state[b]["step"].item() == 10
+
+
+def test_fused_adam_errors():
+    p = [torch.nn.Parameter(torch.randn(3))]
+    with pytest.raises(ValueError, match="amsgrad"):
+        FusedAdam(p, amsgrad=True)
+    with pytest.raises(ValueError, match="capturable"):
+        FusedAdam(p, capturable=True)
+    with pytest.raises(ValueError, match="betas"):
+        FusedAdam(p, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="lr"):
+        FusedAdam(p, lr=-1.0)
+    o = torch.optim.AdamW(p, amsgrad=True)
+    with pytest.raises(ValueError, match="amsgrad"):
+        FusedAdam(p).load_state_dict(o.state_dict())
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse"):
+        FusedAdam(emb.parameters()).step()
+
+
+def test_fused_adam_closure_and_params_without_grad():
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt = FusedAdam([a, b], lr=0.1)
+
+    def closure():
+        opt.zero_grad()
+        loss = (a * 2).sum()
+        loss.backward()
+        return loss
+
+    assert opt.step(closure).item() == 6.0
+    assert torch.all(a < 1) and torch.equal(b, torch.ones(3)) and b not in opt.state
+
+
+def _grads(dtypes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ps = []
+    for i, dt in enumerate(dtypes):
+        p = torch.nn.Parameter(torch.zeros(7 + 13 * i, dtype=dt))
+        p.grad = (torch.randn(p.shape, generator=g) * (i + 1)).to(dt)
+        ps.append(p)
+    return ps
+
+
+@pytest.mark.parametrize("dtypes", [[torch.float32] * 3, [torch.float16, torch.float32, torch.bfloat16],
+                                    [torch.bfloat16] * 2])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_clip_grad_norm_matches_torch(dtypes, norm_type, max_norm):
+    p1, p2 = _grads(dtypes), _grads(dtypes)
+    n1 = clip_grad_norm_(p1, max_norm, norm_type)
+    n2 = torch.nn.utils.clip_grad_norm_(p2, max_norm, norm_type)
+    assert n1.dtype == n2.dtype and n1.shape == n2.shape == ()
+    torch.testing.assert_close(n1, n2, rtol=0, atol=0)
+    for a, b in zip(p1, p2):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    if max_norm < 1:  # clipping happened
+        clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.double(), norm_type)
+                                                        for p in p1]), norm_type)
+        assert clipped.item() == pytest.approx(max_norm, rel=2e-2)
+    assert set(dispatch.stats()["clip_grad_norm"]) == {"torch"}
+
+
+def test_clip_grad_norm_edges():
+    assert clip_grad_norm_([torch.nn.Parameter(torch.ones(2))], 1.0).item() == 0.0  # no grads
+    p = _grads([torch.float32])
+    p[0].grad[0] = float("nan")
+    before = p[0].grad.clone()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        clip_grad_norm_(p, 1.0, error_if_nonfinite=True)
+    torch.testing.assert_close(p[0].grad, before, equal_nan=True)
+    n = clip_grad_norm_(p[0], 1.0)  # a single tensor is accepted, nan propagates as in torch
+    assert n.isnan() and p[0].grad.isnan().all()
