@@ -179,3 +179,43 @@ def test_strict_mode_raises_on_cpu_fallback(monkeypatch):
         PF.scaled_upper_triang_masked_softmax(x[0], 1.0)
     # asking for the reference explicitly is not a fallback
     PF.scaled_upper_triang_masked_softmax(x[0], 1.0, impl="torch")
+
+
+# --- FusedScaleMaskSoftmax (CPU: the PyTorch path) ------------------------------------------------------------
+
+from pipegoose.nn.fusion.modules import AttnMaskType, FusedScaleMaskSoftmax  # noqa: E402
+
+
+def _module(kind, dtype=torch.bfloat16, scale=None, mask_func=None):
+    return FusedScaleMaskSoftmax(dtype == torch.float16, dtype == torch.bfloat16, kind, True, mask_func, True, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_scale_mask_softmax_padding_and_causal(dtype):
+    x = torch.randn(2, 3, 8, 8) * 3
+    mask = torch.rand(2, 1, 8, 8) < 0.3
+    mask[1, 0, 4] = True
+    y = _module(AttnMaskType.padding, dtype, scale=0.5)(x.to(dtype), mask)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.double(), ref64(x.to(dtype), mask, 0.5), **TOLERANCES[dtype])
+    assert torch.count_nonzero(y[1, :, 4]) == 0
+    y = _module(AttnMaskType.causal, dtype)(x.to(dtype), None)
+    torch.testing.assert_close(y.double(), ref64(x.to(dtype), None, 1.0, causal=True), **TOLERANCES[dtype])
+    # Megatron's mask_func (fill -10000) still gives zeros on fully masked rows
+    fill = lambda s, m: s.masked_fill(m, -10000.0)  # noqa: E731
+    y = _module(AttnMaskType.padding, dtype, mask_func=fill)(x.to(dtype), mask)
+    assert torch.count_nonzero(y[1, :, 4]) == 0
+
+
+def test_fused_scale_mask_softmax_megatron_api():
+    m = _module(AttnMaskType.padding)
+    assert not m.is_kernel_available(None, 2, 3, 8, 8, _input=torch.randn(2, 3, 8, 8, dtype=torch.bfloat16))
+    # rows per 128-thread block of the Megatron copies
+    assert [FusedScaleMaskSoftmax.get_batch_per_block(64, sk, 2, 4) for sk in (1, 16, 32, 64, 128, 256, 2048)] \
+        == [256, 16, 8, 8, 8, 4, 4]
+    with pytest.raises(ValueError, match="fp16 and bf16"):
+        FusedScaleMaskSoftmax(True, True, AttnMaskType.padding, True, None, True, None)
+    with pytest.raises(ValueError, match="softmax_in_fp32"):
+        FusedScaleMaskSoftmax(True, False, AttnMaskType.padding, True, None, False, 0.5)
+    with pytest.raises(ValueError, match="input"):
+        m(torch.randn(3, 8, 8, dtype=torch.bfloat16), None)
