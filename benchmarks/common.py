@@ -1,0 +1,170 @@
+"""Helpers shared by the benchmark modules: device slug, environment record, tolerance table, result records."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib
+import importlib.util
+import os
+import platform
+import re
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+__all__ = ["REPO_ROOT", "slug", "environment", "tolerances", "Measurement", "dtype_name", "today"]
+
+
+def slug(device_name: str) -> str:
+    """Tuning-table slug of a device name (docs/architecture.md "Tuning tables"): lower case, every run of
+    characters other than ASCII letters and digits replaced by ``_`` (``"NVIDIA H200"`` -> ``"nvidia_h200"``).
+
+    Raises ValueError when ``device_name`` is empty or has no letter or digit."""
+    if not isinstance(device_name, str) or not re.search(r"[A-Za-z0-9]", device_name or ""):
+        raise ValueError(f"device_name: expected a device name with letters or digits, got {device_name!r}")
+    return re.sub(r"[^a-z0-9]+", "_", device_name.lower())
+
+
+def today() -> str:
+    return _dt.date.today().isoformat()
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (also accepts the name itself)."""
+    return str(dtype).replace("torch.", "")
+
+
+def _version(module: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:
+        pass
+    try:
+        return getattr(importlib.import_module(module), "__version__", "unknown")
+    except Exception:
+        return None
+
+
+def _nvidia_smi() -> dict[str, str]:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit",
+             "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"error": f"nvidia-smi failed: {e}"}
+    if out.returncode != 0:
+        return {"error": f"nvidia-smi exited {out.returncode}: {out.stderr.strip()[:200]}"}
+    first = out.stdout.strip().splitlines()[0] if out.stdout.strip() else ""
+    keys = ["name", "driver", "memory_total", "max_sm_clock", "max_mem_clock", "power_limit"]
+    return dict(zip(keys, [x.strip() for x in first.split(",")]))
+
+
+def environment(device: str = "cuda") -> dict[str, Any]:
+    """What a reader needs to reproduce the numbers: GPU, driver (nvidia-smi), library versions, date, host."""
+    import torch
+
+    env: dict[str, Any] = {
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "liger_kernel": _version("liger_kernel") if importlib.util.find_spec("liger_kernel") else None,
+        "matplotlib": _version("matplotlib"),
+        "pipegoose_git": _git_head(),
+        "device": device,
+    }
+    if device == "cuda" and torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env.update(gpu=p.name, capability=f"sm_{p.major}{p.minor}", sm_count=p.multi_processor_count,
+                   gpu_memory_gib=round(p.total_memory / 2**30, 1),
+                   l2_cache_mib=round(getattr(p, "L2_cache_size", 0) / 2**20, 1))
+        smi = _nvidia_smi()
+        env["driver"] = smi.get("driver")
+        env["nvidia_smi"] = smi
+    else:
+        env.update(gpu=f"cpu ({platform.processor() or platform.machine()})", driver=None)
+    return env
+
+
+def _git_head() -> str | None:
+    try:
+        import git  # gitpython
+
+        repo = git.Repo(REPO_ROOT)
+        return repo.head.commit.hexsha[:12] + ("+dirty" if repo.is_dirty(untracked_files=False) else "")
+    except Exception:
+        return None
+
+
+def tolerances() -> dict:
+    """The project's single tolerance table, ``tests/tolerances.py: TOLERANCES`` (dtype -> dict(atol, rtol)).
+
+    Loaded by path because ``tests`` is not an installed package. Raises FileNotFoundError when it is missing."""
+    path = REPO_ROOT / "tests" / "tolerances.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the tolerance table is missing (TOLERANCES per dtype)")
+    spec = importlib.util.spec_from_file_location("_pipegoose_tolerances", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod.TOLERANCES
+
+
+STATUSES = ("ok", "FAILED", "unsupported", "unavailable", "error", "skipped")
+
+
+@dataclass
+class Measurement:
+    """One row of results.json.
+
+    ``status``: ``ok`` (checked against the float64 reference, then timed), ``FAILED`` (wrong result: not timed),
+    ``unsupported`` (the impl refuses this input, e.g. key length > 2048 for the Megatron kernels), ``unavailable``
+    (impl not installed / failed to build), ``error`` (it raised), ``skipped`` (time budget or filter).
+    Times in milliseconds, bandwidth in GB/s (1e9 bytes/s), ``pct_of_copy`` in percent of the device-to-device
+    copy bandwidth measured in the same run.
+    """
+
+    op: str
+    impl: str
+    dtype: str
+    pas: str
+    shape: dict
+    cols: int
+    status: str
+    bytes: int = 0
+    median_ms: float | None = None
+    p20_ms: float | None = None
+    p80_ms: float | None = None
+    reps: int = 0
+    gbps: float | None = None
+    pct_of_copy: float | None = None
+    max_abs_err: float | None = None
+    detail: str = ""
+    tunable: str | None = None   # dispatcher impl name (pipegoose, megatron, apex, torch) or None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status: expected one of {', '.join(STATUSES)}, got {self.status!r}")
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["pass"] = d.pop("pas")
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Measurement":
+        d = dict(d)
+        d["pas"] = d.pop("pass")
+        return cls(**d)
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")

@@ -1,0 +1,194 @@
+"""End-to-end: one training step (forward, backward, AdamW) of Llama-like and GPT-NeoX-like models, bf16, seq 2048.
+
+Models (random init from a config, no weights downloaded):
+
+* ``llama``: TinyLlama-1.1B's shape (hidden 2048, 22 layers, 32 heads, 4 KV heads, MLP 5632, vocab 32000),
+  ~1.1B params, batch 4.
+* ``neox``: pythia-410m's shape (hidden 1024, 24 layers, 16 heads, MLP 4096, rotary_pct 0.25, vocab 50304),
+  ~405M params, batch 8.
+
+Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
+(``pipegoose.nn.fusion.fuse(model)`` on that model), ``compile_sdpa`` (``torch.compile(model)``, compile time in
+the warm-up, reported separately), ``liger`` (``apply_liger_kernel_to_llama(model=...)`` with its defaults: rope,
+rms_norm, swiglu, fused linear cross-entropy) and ``liger_rmsnorm`` (only its RMSNorm: the like-for-like comparison
+with ours). Liger patches transformers globally, so every variant runs in its own subprocess (fresh memory, and
+nothing leaks into the next), under a time limit.
+
+Measured: tokens/s = batch * seq * steps / wall time of ``steps`` steps after ``warmup`` steps (CUDA synchronised),
+peak memory = ``torch.cuda.max_memory_allocated`` over the timed steps. Correctness gate: the loss of every step is
+recorded; a non-finite loss is ``FAILED``, and the first and last losses are compared with the ``sdpa`` variant of
+the same model (same seed, same data): a relative difference above 2% is ``FAILED`` too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Callable
+
+__all__ = ["MODELS", "VARIANTS", "run_e2e"]
+
+MODELS = {
+    "llama": dict(arch="llama", batch=4, config=dict(hidden_size=2048, intermediate_size=5632,
+                                                      num_hidden_layers=22, num_attention_heads=32,
+                                                      num_key_value_heads=4, vocab_size=32000,
+                                                      max_position_embeddings=2048, rms_norm_eps=1e-5)),
+    "neox": dict(arch="gpt_neox", batch=8, config=dict(hidden_size=1024, intermediate_size=4096,
+                                                        num_hidden_layers=24, num_attention_heads=16,
+                                                        vocab_size=50304, rotary_pct=0.25,
+                                                        max_position_embeddings=2048, use_parallel_residual=True)),
+}
+VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "compile_sdpa", "liger_rmsnorm", "liger")
+LIGER_ONLY = {"liger": ("llama",), "liger_rmsnorm": ("llama",)}
+MARK = "E2E_RESULT "
+LOSS_RTOL = 0.02
+
+
+def _worker(model_name: str, variant: str, batch: int, seq: int, warmup: int, steps: int) -> dict:
+    import torch
+    import transformers
+
+    spec = MODELS[model_name]
+    res: dict = {"model": model_name, "variant": variant, "batch": batch, "seq": seq}
+    if variant.startswith("liger") and importlib.util.find_spec("liger_kernel") is None:
+        return {**res, "status": "unavailable", "detail": "liger_kernel is not importable"}
+    cfg_cls = transformers.LlamaConfig if spec["arch"] == "llama" else transformers.GPTNeoXConfig
+    cfg = cfg_cls(**spec["config"])
+    attn = "eager" if variant in ("eager", "fuse_eager") else "sdpa"
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+    model.to(torch.bfloat16).train()
+    res["params"] = sum(p.numel() for p in model.parameters())
+    if variant.startswith("fuse"):
+        from pipegoose.nn.fusion import fuse
+
+        report = fuse(model)
+        res["fuse_report"] = str(report)[:600]
+    elif variant == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(model=model)
+    elif variant == "liger_rmsnorm":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(rope=False, cross_entropy=False, fused_linear_cross_entropy=False,
+                                    rms_norm=True, swiglu=False, model=model)
+    step_model = torch.compile(model) if variant == "compile_sdpa" else model
+    res["setup_s"] = round(time.perf_counter() - t0, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda", generator=gen)
+    losses: list[float] = []
+
+    def step() -> None:
+        loss = step_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    res["warmup_s"] = round(time.perf_counter() - t0, 2)
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    res.update(status="ok", steps=steps, step_ms=1e3 * dt / steps, tokens_per_s=batch * seq * steps / dt,
+               peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30, losses=[round(x, 5) for x in losses])
+    if not all(map(lambda x: x == x and abs(x) != float("inf"), losses)):
+        res.update(status="FAILED", detail=f"non-finite loss: {losses}")
+    return res
+
+
+def _check_losses(results: list[dict]) -> None:
+    base = {r["model"]: r for r in results if r["variant"] == "sdpa" and r["status"] == "ok"}
+    for r in results:
+        b = base.get(r["model"])
+        if r["status"] != "ok" or b is None or r is b or not r.get("losses") or not b.get("losses"):
+            continue
+        for which, i in (("first", 0), ("last", -1)):
+            ref, got = b["losses"][i], r["losses"][i]
+            if abs(got - ref) > LOSS_RTOL * abs(ref):
+                r["status"] = "FAILED"
+                r["detail"] = (r.get("detail", "") + f" {which} loss {got:.4f} vs sdpa {ref:.4f}").strip()
+
+
+def run_e2e(models: list[str], variants: list[str], deadline: float, quick: bool = False,
+            batch: dict[str, int] | None = None, seq: int = 2048, timeout_s: float = 150.0,
+            compile_timeout_s: float = 240.0, log: Callable[[str], None] = print) -> list[dict]:
+    """Run each (model, variant) in its own subprocess under a time limit; returns one dict per config
+    (status ok / FAILED / oom / timeout / unavailable / error / skipped)."""
+    warmup, steps = (2, 4) if quick else (3, 8)
+    order = [v for v in VARIANTS if v in variants]   # liger last: it patches transformers globally
+    results = []
+    for model in models:
+        for v in order:
+            if model not in LIGER_ONLY.get(v, (model,)):
+                continue
+            b = (batch or {}).get(model, MODELS[model]["batch"])
+            row = {"model": model, "variant": v, "batch": b, "seq": seq}
+            left = deadline - time.perf_counter()
+            limit = min(compile_timeout_s if v.startswith("compile") else timeout_s, left)
+            if limit < 20:
+                results.append({**row, "status": "skipped", "detail": "time budget"})
+                continue
+            cmd = [sys.executable, "-m", "benchmarks.e2e", "--worker", "--model", model, "--variant", v,
+                   "--batch", str(b), "--seq", str(seq), "--warmup", str(warmup), "--steps", str(steps)]
+            t0 = time.perf_counter()
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit,
+                                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                out = [ln for ln in p.stdout.splitlines() if ln.startswith(MARK)]
+                if out:
+                    r = json.loads(out[-1][len(MARK):])
+                else:
+                    err = p.stderr.strip().splitlines()
+                    tail = " | ".join(err[-3:])[:400]
+                    status = "oom" if "OutOfMemoryError" in p.stderr or "out of memory" in p.stderr else "error"
+                    r = {**row, "status": status, "detail": f"exit {p.returncode}: {tail}"}
+            except subprocess.TimeoutExpired:
+                r = {**row, "status": "timeout", "detail": f"over {limit:.0f} s"}
+            r["wall_s"] = round(time.perf_counter() - t0, 1)
+            results.append(r)
+            tps = f"{r['tokens_per_s']:.0f} tok/s, peak {r['peak_mem_gib']:.1f} GiB" if r.get("tokens_per_s") else ""
+            log(f"  e2e {model:6s} {v:13s} {r['status']:8s} {tps} {str(r.get('detail', ''))[:160]}")
+    _check_losses(results)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="one e2e config (used by benchmarks.run --e2e)")
+    ap.add_argument("--worker", action="store_true", required=True)
+    ap.add_argument("--model", choices=list(MODELS), required=True)
+    ap.add_argument("--variant", choices=list(VARIANTS), required=True)
+    ap.add_argument("--batch", type=int, required=True)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    a = ap.parse_args(argv)
+    try:
+        res = _worker(a.model, a.variant, a.batch, a.seq, a.warmup, a.steps)
+    except Exception as e:  # noqa: BLE001 - reported to the parent as a result line
+        import torch
+
+        oom = isinstance(e, torch.cuda.OutOfMemoryError)
+        res = {"model": a.model, "variant": a.variant, "batch": a.batch, "seq": a.seq,
+               "status": "oom" if oom else "error", "detail": f"{type(e).__name__}: {str(e)[:400]}"}
+    print(MARK + json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

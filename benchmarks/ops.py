@@ -1,0 +1,515 @@
+"""Op benchmarks: softmax (plain, padding-masked, causal), LayerNorm, RMSNorm; every impl checked, then timed.
+
+Ops and their definitions (what the float64 reference computes; ``x`` is the benchmark input in its dtype):
+
+* ``softmax``: ``y = softmax(x)`` over the last dim of ``x [b, np, sq, sk]`` (scale 1, no mask).
+* ``softmax.masked``: ``y = softmax(0.125 * x masked)`` with a boolean padding mask ``[b, 1, sq, sk]`` (True =
+  masked; each batch row keeps a random key length in ``[sk/2, sk]``, so no row is fully masked).
+* ``softmax.causal``: ``y = softmax(0.125 * x)`` with key ``j > i`` masked, ``sq == sk``.
+* ``layer_norm``: ``y = (x - mean) * rstd * w + b`` over the last dim of ``x [rows, hidden]``, eps 1e-5.
+* ``rms_norm``: ``y = x * rsqrt(mean(x^2) + eps) * w``, eps 1e-6.
+
+The scale 0.125 (head dim 64) is a power of two, so no implementation loses precision by scaling in low precision.
+
+Implementations (``impl`` in results.json):
+
+* ``eager``: the Python code transformers runs: softmax = ``(x * scale + additive_mask).softmax(-1,
+  dtype=float32).to(dtype)`` (additive mask in the input dtype, 0 or the dtype's minimum); RMSNorm = LlamaRMSNorm's
+  forward (fp32 variance, ``weight * x.to(input_dtype)``). LayerNorm has no separate eager path: transformers
+  calls ``nn.LayerNorm`` = ``native``.
+* ``native``: the best single PyTorch op: ``F.softmax`` (for masked/causal: ``masked_fill(-inf)`` then
+  ``F.softmax`` in the input dtype), ``F.layer_norm``, ``F.rms_norm``.
+* ``compile``: ``torch.compile(dynamic=False)`` of the eager code (of ``F.layer_norm`` for LayerNorm); its compile
+  time is recorded in ``extra.compile_s`` and is not part of the timings.
+* ``liger``: Liger-Kernel's functional op where it has one (``liger_softmax``, ``liger_layer_norm``,
+  ``liger_rms_norm(in_place=False)``), only when ``liger_kernel`` is importable.
+* ``pipegoose``, ``megatron``, ``apex``, ``torch``: ``pipegoose.nn.fusion.functional`` with ``impl=`` that name
+  (our kernel, the Megatron-LM/Apex copies from ColossalAI 0.5.0, the dispatcher's reference path):
+  ``scaled_softmax(x, 1.0)`` (op ``softmax``: ``functional.softmax`` keeps fp16/bf16 on F.softmax),
+  ``scaled_masked_softmax``, ``scaled_upper_triang_masked_softmax`` (on the ``[b*np, sq, sk]`` view),
+  ``layer_norm``, ``rms_norm``. Run with ``PIPEGOOSE_STRICT=1``, and after the checked call the dispatcher's
+  ``last_choice`` must name the requested impl: an input the impl refuses is reported ``unsupported``, never
+  timed under the wrong name. These are the names the tuning table may choose.
+
+Correctness gate: on the benchmark inputs each impl's forward output and every input gradient are compared with a
+float64 reference (kept in fp32) elementwise: ``|out - ref| <= atol * max|ref| + rtol * |ref|`` with ``atol``,
+``rtol`` from ``tests/tolerances.py`` for the input dtype (atol is scaled by the tensor's largest magnitude so
+that the same table serves softmax probabilities ~1/sk and weight gradients summed over 16K+ rows). Before the
+checked call the caching allocator is filled with NaN blocks of the output's size (``poison``), so an output
+element the kernel never writes shows up as NaN and fails the check. A failing impl is reported ``FAILED`` and
+not timed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from .byte_counts import op_bytes
+from .common import Measurement, dtype_name
+from .timing import Timer
+
+__all__ = ["OPS", "SIZES", "make_case", "impls_for", "run_ops", "reference", "check_close", "Case"]
+
+OPS = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm")
+TUNABLE = ("pipegoose", "megatron", "apex", "torch")
+IMPL_ORDER = ("eager", "native", "compile", "liger", "torch", "megatron", "apex", "pipegoose")
+SCALE = 0.125
+LN_EPS, RMS_EPS = 1e-5, 1e-6
+
+# last-dim sizes: full run, --quick, and the CPU dry run
+SIZES = {
+    "softmax": {"full": [128, 256, 512, 1024, 2048, 4096, 8192, 16384], "quick": [512, 2048, 8192], "dry": [16, 64]},
+    "norm": {"full": [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536], "quick": [1024, 4096, 16384],
+             "dry": [32, 128]},
+}
+TARGET_ELEMS = {"cuda": 1 << 26, "cpu": 1 << 12}   # elements per input: 64M = 128 MB bf16, > 50 MB of L2
+MIN_ROWS = {"cuda": 16384, "cpu": 16}
+
+
+def sizes_for(op: str, mode: str) -> list[int]:
+    return SIZES["softmax" if op.startswith("softmax") else "norm"][mode]
+
+
+def shape_for(op: str, cols: int, device: str) -> dict[str, int]:
+    """Benchmark shape for an op at last-dim size ``cols``: the softmaxes get ``[b, np, sq=sk, sk]`` with
+    ``b*np*sq*sk`` >= the target element count where possible; the norms ``[rows >= 16384, hidden]``."""
+    target = TARGET_ELEMS[device]
+    if op.startswith("softmax"):
+        per_head = cols * cols
+        heads = 16 if device == "cuda" else 2
+        if per_head * heads <= target:
+            return {"b": max(1, target // (per_head * heads)), "np": heads, "sq": cols, "sk": cols}
+        return {"b": 1, "np": max(1, target // per_head), "sq": cols, "sk": cols}
+    return {"rows": max(MIN_ROWS[device], target // cols), "hidden": cols}
+
+
+@dataclass
+class Case:
+    op: str
+    dtype: torch.dtype
+    shape: dict[str, int]
+    cols: int
+    inputs: dict[str, torch.Tensor]           # tensors given to impls (x, w, b require grad)
+    wrt: list[str]                             # names of the inputs whose gradients are checked and timed
+    dy: torch.Tensor
+    ref: dict[str, torch.Tensor] = field(default_factory=dict)   # "y" and "d<name>", fp32
+
+    def free(self) -> None:
+        self.inputs.clear()
+        self.ref.clear()
+        self.dy = None  # type: ignore[assignment]
+
+
+def _padding_mask(b: int, sq: int, sk: int, device: str, gen: torch.Generator) -> torch.Tensor:
+    lens = torch.randint(max(1, sk // 2), sk + 1, (b,), generator=gen, device="cpu").to(device)
+    keys = torch.arange(sk, device=device)
+    return (keys[None, :] >= lens[:, None])[:, None, None, :].expand(b, 1, sq, sk).contiguous()
+
+
+def make_case(op: str, dtype: torch.dtype, cols: int, device: str, seed: int = 0) -> Case:
+    """Fresh random inputs (randn, never zeros) for ``op`` at last-dim ``cols`` in ``dtype`` on ``device``."""
+    if op not in OPS:
+        raise ValueError(f"op: expected one of {', '.join(OPS)}, got {op!r}")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shape = shape_for(op, cols, device)
+
+    def randn(*s: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        return torch.randn(*s, generator=gen, device=device, dtype=torch.float32).to(dt)
+
+    if op.startswith("softmax"):
+        b, h, sq, sk = shape["b"], shape["np"], shape["sq"], shape["sk"]
+        x = (randn(b, h, sq, sk) * 2).requires_grad_()
+        inputs = {"x": x}
+        if op == "softmax.masked":
+            inputs["mask"] = _padding_mask(b, sq, sk, device, torch.Generator().manual_seed(seed))
+            inputs["additive_mask"] = torch.zeros(b, 1, sq, sk, dtype=dtype, device=device).masked_fill_(
+                inputs["mask"], torch.finfo(dtype).min)
+        elif op == "softmax.causal":
+            inputs["mask"] = torch.ones(sq, sk, dtype=torch.bool, device=device).triu_(1)[None, None]
+            inputs["additive_mask"] = torch.zeros(1, 1, sq, sk, dtype=dtype, device=device).masked_fill_(
+                inputs["mask"], torch.finfo(dtype).min)
+        return Case(op, dtype, shape, cols, inputs, ["x"], randn(b, h, sq, sk))
+    rows, hid = shape["rows"], shape["hidden"]
+    x = randn(rows, hid).requires_grad_()
+    w = (1 + 0.1 * randn(hid, dt=torch.float32)).to(dtype).requires_grad_()
+    inputs = {"x": x, "w": w}
+    wrt = ["x", "w"]
+    if op == "layer_norm":
+        inputs["b"] = (0.1 * randn(hid, dt=torch.float32)).to(dtype).requires_grad_()
+        wrt.append("b")
+    return Case(op, dtype, shape, cols, inputs, wrt, randn(rows, hid))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# float64 reference (stored fp32), computed in chunks of rows to bound memory
+
+
+def _chunks(n: int, per: int) -> Iterable[slice]:
+    step = max(1, per)
+    for i in range(0, n, step):
+        yield slice(i, min(n, i + step))
+
+
+def reference(case: Case, chunk_elems: int = 1 << 25) -> dict[str, torch.Tensor]:
+    """Forward output ``y`` and the gradients ``d<input>`` for upstream gradient ``case.dy``, computed in float64
+    from the case's inputs, returned in float32."""
+    op, inp = case.op, case.inputs
+    out: dict[str, torch.Tensor] = {}
+    if op.startswith("softmax"):
+        x = inp["x"].detach()
+        scale = 1.0 if op == "softmax" else SCALE
+        y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        dx = torch.empty_like(y)
+        b, h, sq, sk = x.shape
+        for bi in range(b):
+            for hs in _chunks(h, chunk_elems // (sq * sk)):
+                xs = x[bi, hs].double() * scale
+                if "mask" in inp:
+                    m = inp["mask"][bi if inp["mask"].shape[0] > 1 else 0, 0]
+                    xs = xs.masked_fill(m, float("-inf"))
+                ys = torch.softmax(xs, dim=-1)
+                dys = case.dy[bi, hs].double()
+                dxs = scale * ys * (dys - (dys * ys).sum(-1, keepdim=True))
+                y[bi, hs] = ys.float()
+                dx[bi, hs] = dxs.float()
+        return {"y": y, "dx": dx}
+    x, w = inp["x"].detach(), inp["w"].detach().double()
+    rows, hid = x.shape
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    dx = torch.empty_like(y)
+    dw = torch.zeros(hid, dtype=torch.float64, device=x.device)
+    db = torch.zeros(hid, dtype=torch.float64, device=x.device)
+    for rs in _chunks(rows, chunk_elems // hid):
+        xs, dys = x[rs].double(), case.dy[rs].double()
+        if op == "layer_norm":
+            mean = xs.mean(-1, keepdim=True)
+            xc = xs - mean
+            rstd = torch.rsqrt((xc * xc).mean(-1, keepdim=True) + LN_EPS)
+            xhat = xc * rstd
+            y[rs] = (xhat * w + inp["b"].detach().double()).float()
+            g = dys * w
+            dx[rs] = (rstd * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))).float()
+            db += dys.sum(0)
+        else:
+            rstd = torch.rsqrt((xs * xs).mean(-1, keepdim=True) + RMS_EPS)
+            xhat = xs * rstd
+            y[rs] = (xhat * w).float()
+            g = dys * w
+            dx[rs] = (rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))).float()
+        dw += (dys * xhat).sum(0)
+    out = {"y": y, "dx": dx, "dw": dw.float()}
+    if op == "layer_norm":
+        out["db"] = db.float()
+    return out
+
+
+def check_close(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float,
+                chunk_elems: int = 1 << 25) -> tuple[bool, float, int]:
+    """Elementwise ``|out - ref| <= atol * max|ref| + rtol * |ref|`` (NaN/inf in ``out`` fail).
+
+    Returns (ok, max abs error, number of bad elements). Raises ValueError when the shapes differ."""
+    if tuple(out.shape) != tuple(ref.shape):
+        raise ValueError(f"out: expected shape {tuple(ref.shape)}, got {tuple(out.shape)}")
+    o, r = out.detach().reshape(-1), ref.reshape(-1)
+    scale = float(r.abs().max()) if r.numel() else 0.0
+    bad, max_err = 0, 0.0
+    for s in _chunks(o.numel(), chunk_elems):
+        d = (o[s].float() - r[s]).abs()
+        lim = atol * scale + rtol * r[s].abs()
+        nbad = int((~(d <= lim)).sum())   # NaN compares False -> counted bad
+        bad += nbad
+        finite = torch.isfinite(d)
+        if finite.any():
+            max_err = max(max_err, float(d[finite].max()))
+        if not bool(finite.all()):
+            max_err = float("nan")
+    return bad == 0, max_err, bad
+
+
+def poison(nbytes: int, device: str, count: int = 2) -> None:
+    """Leave ``count`` NaN-filled free blocks of ``nbytes`` in the caching allocator, so that an output the kernel
+    allocates next most likely starts as NaN: an element it forgets to write then fails the check."""
+    if device != "cuda":
+        return
+    blocks = [torch.full((max(1, nbytes // 4),), float("nan"), dtype=torch.float32, device=device)
+              for _ in range(count)]
+    del blocks
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# implementations: builder(case) -> callable(inputs) -> y
+
+
+class Unsupported(Exception):
+    """The impl does not handle this input (reported ``unsupported``)."""
+
+
+class Unavailable(Exception):
+    """The impl is not installed or failed to build (reported ``unavailable``)."""
+
+
+def _eager(case: Case) -> Callable:
+    op = case.op
+    if op == "softmax":
+        return lambda i: i["x"].softmax(-1, dtype=torch.float32).to(i["x"].dtype)
+    if op in ("softmax.masked", "softmax.causal"):
+        return lambda i: (i["x"] * SCALE + i["additive_mask"]).softmax(-1, dtype=torch.float32).to(i["x"].dtype)
+    if op == "rms_norm":
+        def llama_rms_norm(i: dict) -> torch.Tensor:  # transformers' LlamaRMSNorm.forward
+            h = i["x"]
+            dt = h.dtype
+            h = h.to(torch.float32)
+            var = h.pow(2).mean(-1, keepdim=True)
+            h = h * torch.rsqrt(var + RMS_EPS)
+            return i["w"] * h.to(dt)
+        return llama_rms_norm
+    raise Unsupported("transformers calls nn.LayerNorm (= native) for LayerNorm")
+
+
+def _native(case: Case) -> Callable:
+    op = case.op
+    if op == "softmax":
+        return lambda i: F.softmax(i["x"], dim=-1)
+    if op in ("softmax.masked", "softmax.causal"):
+        return lambda i: F.softmax((i["x"] * SCALE).masked_fill(i["mask"], float("-inf")), dim=-1)
+    hid = case.shape["hidden"]
+    if op == "layer_norm":
+        return lambda i: F.layer_norm(i["x"], (hid,), i["w"], i["b"], LN_EPS)
+    if not hasattr(F, "rms_norm"):
+        raise Unavailable(f"torch {torch.__version__} has no F.rms_norm")
+    return lambda i: F.rms_norm(i["x"], (hid,), i["w"], RMS_EPS)
+
+
+_COMPILED: dict[tuple, Callable] = {}
+
+
+def _compile(case: Case) -> Callable:
+    base = _native(case) if case.op == "layer_norm" else _eager(case)
+    key = (case.op, case.dtype, tuple(case.shape.items()))
+    fn = _COMPILED.get(key)
+    if fn is None:
+        import torch._dynamo as dynamo
+
+        for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                     "accumulated_recompile_limit"):
+            if hasattr(dynamo.config, knob):
+                setattr(dynamo.config, knob, max(getattr(dynamo.config, knob), 1024))
+        fn = _COMPILED[key] = torch.compile(base, dynamic=False)
+    return fn
+
+
+def _liger(case: Case) -> Callable:
+    try:
+        from liger_kernel.transformers import functional as LF
+    except Exception as e:  # not installed on this host
+        raise Unavailable(f"liger_kernel not importable: {e}") from None
+    op = case.op
+    if op == "softmax":
+        return lambda i: LF.liger_softmax(i["x"])
+    if op == "layer_norm":
+        return lambda i: LF.liger_layer_norm(i["x"], i["w"], i["b"], LN_EPS)
+    if op == "rms_norm":
+        # in_place=False: the default writes dx into dy, which would corrupt the repeated backward timing
+        return lambda i: LF.liger_rms_norm(i["x"], i["w"], RMS_EPS, in_place=False)
+    raise Unsupported("Liger-Kernel has no masked or causal softmax")
+
+
+def _fusion_functional():
+    os.environ.setdefault("PIPEGOOSE_STRICT", "1")
+    try:
+        from pipegoose.nn.fusion import functional as PF
+    except Exception as e:
+        raise Unavailable(f"pipegoose.nn.fusion.functional not importable: {type(e).__name__}: {e}") from None
+    return PF
+
+
+def _ours(impl: str) -> Callable[[Case], Callable]:
+    def build(case: Case) -> Callable:
+        PF = _fusion_functional()
+        op = case.op
+        if op == "softmax":
+            fn = lambda i: PF.scaled_softmax(i["x"], 1.0, impl=impl)  # noqa: E731 - op "softmax", fused halves
+        elif op == "softmax.masked":
+            fn = lambda i: PF.scaled_masked_softmax(i["x"], i["mask"], SCALE, impl=impl)  # noqa: E731
+        elif op == "softmax.causal":
+            def fn(i: dict) -> torch.Tensor:
+                x = i["x"]
+                # the causal op takes [attn_batches, sq, sk]; the view keeps the leaf's gradient
+                return PF.scaled_upper_triang_masked_softmax(x.view(-1, x.shape[-2], x.shape[-1]), SCALE,
+                                                             impl=impl).view(x.shape)
+        elif op == "layer_norm":
+            hid = case.shape["hidden"]
+            fn = lambda i: PF.layer_norm(i["x"], (hid,), i["w"], i["b"], LN_EPS, impl=impl)  # noqa: E731
+        else:
+            hid = case.shape["hidden"]
+            fn = lambda i: PF.rms_norm(i["x"], (hid,), i["w"], RMS_EPS, impl=impl)  # noqa: E731
+        fn.expect = (op, impl)  # check_impl verifies that the dispatcher really ran this impl
+        return fn
+    return build
+
+
+def _verify_choice(fn: Callable) -> None:
+    """Raise Unsupported when the dispatcher ran another impl than the one asked for (it takes the next
+    supporting impl when the requested one cannot take the input; only a fallback to torch raises in strict
+    mode)."""
+    expect = getattr(fn, "expect", None)
+    if expect is None:
+        return
+    from pipegoose.nn.fusion import dispatch
+
+    op, impl = expect
+    ch = dispatch.last_choice(op)
+    if ch is None:
+        raise Unsupported(f"dispatcher recorded no choice for {op}")
+    if ch.impl != impl:
+        raise Unsupported(f"{impl} not taken (dispatcher ran {ch.impl}): {ch.reasons.get(impl) or ch.reason}")
+
+
+IMPLS: dict[str, Callable[[Case], Callable]] = {
+    "eager": _eager, "native": _native, "compile": _compile, "liger": _liger,
+    "torch": _ours("torch"), "megatron": _ours("megatron"), "apex": _ours("apex"), "pipegoose": _ours("pipegoose"),
+}
+
+
+def impls_for(op: str) -> list[str]:
+    """The impl names that apply to an op (others are not listed in its results)."""
+    names = list(IMPL_ORDER)
+    if op == "layer_norm":
+        names.remove("eager")
+    if op in ("softmax.masked", "softmax.causal"):
+        names.remove("liger")
+    if op.startswith("softmax") or op == "rms_norm":
+        names.remove("apex")      # Apex: only LayerNorm is ported
+    if op in ("layer_norm", "rms_norm"):
+        names.remove("megatron")  # Megatron-LM: only the softmax kernels
+    return names
+
+
+def classify(exc: BaseException) -> str:
+    """Map an exception from an impl to a status: unsupported / unavailable / error."""
+    if isinstance(exc, Unsupported):
+        return "unsupported"
+    if isinstance(exc, Unavailable):
+        return "unavailable"
+    name = type(exc).__name__
+    msg = str(exc).lower()
+    if "unavailable" in name.lower() or "builderror" in name.lower() or isinstance(exc, ImportError):
+        return "unavailable"
+    if name == "FusionFallbackError" or isinstance(exc, NotImplementedError):
+        return "unavailable" if "unavailable" in msg else "unsupported"
+    return "error"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# running
+
+
+def _grads(y: torch.Tensor, case: Case) -> tuple:
+    # allow_unused: an impl that ignores an input (no gradient for it) is FAILED by check_impl, not an error
+    return torch.autograd.grad(y, [case.inputs[n] for n in case.wrt], case.dy, allow_unused=True)
+
+
+def check_impl(fn: Callable, case: Case, tol: dict) -> tuple[str, float, str]:
+    """Run ``fn`` once (forward + backward) on poisoned memory and compare with ``case.ref``.
+
+    Returns (status "ok"/"FAILED", worst max-abs error, detail)."""
+    dev = case.dy.device.type
+    poison(case.dy.numel() * case.dy.element_size(), dev)
+    y = fn(case.inputs)
+    _verify_choice(fn)
+    if not isinstance(y, torch.Tensor):
+        return "FAILED", float("nan"), f"forward returned {type(y).__name__}, expected a Tensor"
+    if y.dtype != case.dtype:
+        return "FAILED", float("nan"), f"forward returned dtype {y.dtype}, expected {case.dtype}"
+    poison(case.dy.numel() * case.dy.element_size(), dev)
+    grads = _grads(y, case)
+    worst, problems = 0.0, []
+    for name, got in [("y", y)] + [(f"d{n}", g) for n, g in zip(case.wrt, grads)]:
+        if got is None:
+            problems.append(f"{name}: no gradient")
+            continue
+        ok, err, nbad = check_close(got, case.ref[name], tol["atol"], tol["rtol"])
+        worst = err if (math.isnan(err) or math.isnan(worst)) else max(worst, err)
+        if not ok:
+            problems.append(f"{name}: {nbad} of {got.numel()} elements off (max abs err {err:.3g})")
+    return ("FAILED" if problems else "ok"), worst, "; ".join(problems)
+
+
+def time_impl(fn: Callable, case: Case, timer: Timer) -> dict[str, dict]:
+    """Median times of fwd (training forward: inputs require grad), bwd (autograd.grad on a fresh forward's graph,
+    the forward untimed) and fwd+bwd."""
+    inp = case.inputs
+    res = {"fwd": timer.time(lambda _: fn(inp))}
+    res["bwd"] = timer.time(lambda y: _grads(y, case), setup=lambda: fn(inp))
+    res["fwd+bwd"] = timer.time(lambda _: _grads(fn(inp), case))
+    return res
+
+
+def run_ops(ops: list[str], dtypes: list[torch.dtype], mode: str, device: str, timer: Timer, tol_table: dict,
+            impl_filter: list[str] | None, deadline: float, log: Callable[[str], None] = print,
+            no_compile: bool = False) -> list[Measurement]:
+    """Benchmark every (op, dtype, size, impl); each op gets an equal share of the time left until ``deadline``
+    (``time.perf_counter`` seconds); what does not fit is recorded as ``skipped``."""
+    results: list[Measurement] = []
+    for k, op in enumerate(ops):
+        op_deadline = time.perf_counter() + max(0.0, deadline - time.perf_counter()) / (len(ops) - k)
+        names = [n for n in impls_for(op) if not impl_filter or n in impl_filter]
+        if no_compile and "compile" in names:
+            names.remove("compile")
+        for dtype in dtypes:
+            tol = tol_table[dtype]
+            for cols in sizes_for(op, mode):
+                shape = shape_for(op, cols, device)
+                base = dict(op=op, dtype=dtype_name(dtype), shape=shape, cols=cols)
+                if time.perf_counter() > op_deadline:
+                    results += [Measurement(**base, impl=n, pas=p, status="skipped", detail="time budget")
+                                for n in names for p in ("fwd", "bwd", "fwd+bwd")]
+                    continue
+                case = make_case(op, dtype, cols, device, seed=cols)
+                case.ref = reference(case)
+                for name in names:
+                    tunable = name if name in TUNABLE else None
+                    extra: dict[str, Any] = {}
+                    try:
+                        t0 = time.perf_counter()
+                        fn = IMPLS[name](case)
+                        status, err, detail = check_impl(fn, case, tol)
+                        if name == "compile":
+                            extra["compile_s"] = round(time.perf_counter() - t0, 2)
+                    except Exception as e:  # noqa: BLE001 - every failure is reported, none aborts the run
+                        status, err, detail = classify(e), None, f"{type(e).__name__}: {str(e)[:300]}"
+                    if status != "ok" or time.perf_counter() > op_deadline:
+                        if status == "ok":
+                            status, detail = "skipped", "time budget (checked ok, not timed)"
+                        results += [Measurement(**base, impl=name, pas=p, status=status, max_abs_err=err,
+                                                detail=detail, tunable=tunable, extra=extra,
+                                                bytes=op_bytes(op, p, shape, dtype_name(dtype)))
+                                    for p in ("fwd", "bwd", "fwd+bwd")]
+                        log(f"  {op:15s} {dtype_name(dtype):8s} {cols:6d} {name:10s} {status}: {detail[:120]}")
+                        continue
+                    try:
+                        times = time_impl(fn, case, timer)
+                    except Exception as e:  # noqa: BLE001
+                        results += [Measurement(**base, impl=name, pas=p, status="error", max_abs_err=err,
+                                                detail=f"timing: {type(e).__name__}: {str(e)[:300]}",
+                                                tunable=tunable, extra=extra) for p in ("fwd", "bwd", "fwd+bwd")]
+                        continue
+                    for p, t in times.items():
+                        nbytes = op_bytes(op, p, shape, dtype_name(dtype))
+                        results.append(Measurement(**base, impl=name, pas=p, status="ok", bytes=nbytes,
+                                                   max_abs_err=err, tunable=tunable, extra=extra,
+                                                   gbps=nbytes / (t["median_ms"] * 1e-3) / 1e9, **t))
+                    log(f"  {op:15s} {dtype_name(dtype):8s} {cols:6d} {name:10s} ok  fwd "
+                        f"{times['fwd']['median_ms']:.3f} ms  bwd {times['bwd']['median_ms']:.3f} ms")
+                case.free()
+                del case
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+    return results

@@ -1,0 +1,284 @@
+"""Optimizer benchmarks: one AdamW step and one clip_grad_norm_ over 100M-1B parameters.
+
+Parameters are laid out like Llama layers (hidden 2048: four 2048x2048 attention matrices, three 2048x5632 MLP
+matrices, two 2048 norm vectors per layer) until the requested count is reached; grads, params and optimizer states
+share one dtype (fp32, or bf16 for a pure-bf16 setup). Hyper-parameters: lr 1e-3 (timing) or 0.05 (correctness
+check, large enough that a wrong update exceeds the bf16 rounding), betas (0.9, 0.999), eps 1e-8, weight decay 0.01,
+AdamW (decoupled) mode.
+
+Implementations:
+
+* adamw: ``torch_fused`` = ``torch.optim.AdamW(fused=True)``; ``torch_foreach`` = ``AdamW(foreach=True)``;
+  ``pipegoose`` = ``pipegoose.nn.fusion.optim.FusedAdam`` (its default kernel); ``apex`` / ``deepspeed`` = the raw
+  ``torch.ops.pipegoose.multi_tensor_adam`` / ``deepspeed_multi_tensor_adam`` ops (Apex via ColossalAI 0.5.0,
+  DeepSpeed 0.19.8) called with chunk size 2048*32, mode 1 (AdamW).
+* clip_grad_norm: ``torch_foreach`` = ``torch.nn.utils.clip_grad_norm_(foreach=True)``; ``torch_loop`` =
+  ``foreach=False``; ``pipegoose`` = ``pipegoose.nn.fusion.optim.clip_grad_norm_``; ``apex`` = raw
+  ``multi_tensor_l2norm`` then ``multi_tensor_scale``. max_norm 1.0 (the random grads' norm is far larger, so the
+  first call scales; later calls scale by ~1).
+
+Correctness gate: three steps with fresh random gradients from random (non-zero) parameters, compared with a float64
+reference that rounds parameters and states to the storage dtype after every step (the same rounding as the
+impls), using ``tests/tolerances.py``. clip_grad_norm_: the returned total norm and the clipped gradients.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable
+
+import torch
+
+from .byte_counts import op_bytes
+from .common import Measurement, dtype_name
+from .ops import Unavailable, check_close, classify
+from .timing import Timer
+
+__all__ = ["OPT_SIZES", "make_params", "run_optimizers", "adamw_reference"]
+
+OPT_SIZES = {"full": [100_000_000, 300_000_000, 1_000_000_000], "quick": [100_000_000, 1_000_000_000],
+             "dry": [60_000, 200_000]}
+LR_CHECK, LR_TIME, BETAS, EPS, WD = 0.05, 1e-3, (0.9, 0.999), 1e-8, 0.01
+CHUNK = 2048 * 32
+
+
+def layer_shapes(total: int, hidden: int) -> list[tuple[int, ...]]:
+    """Tensor shapes of Llama-like layers (hidden ``hidden``) adding up to about ``total`` parameters (>= 1 layer)."""
+    inter = hidden * 11 // 4
+    layer = [(hidden, hidden)] * 4 + [(inter, hidden)] * 2 + [(hidden, inter)] + [(hidden,)] * 2
+    per = sum(math.prod(s) for s in layer)
+    return layer * max(1, round(total / per))
+
+
+def make_params(total: int, dtype: torch.dtype, device: str, seed: int = 0) -> list[torch.Tensor]:
+    hidden = 2048 if device == "cuda" else 32
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(s, generator=gen, device=device, dtype=torch.float32).to(dtype)
+            for s in layer_shapes(total, hidden)]
+
+
+def _randn_like(ts: list[torch.Tensor], seed: int, scale: float = 1.0) -> list[torch.Tensor]:
+    gen = torch.Generator(device=ts[0].device).manual_seed(seed)
+    return [(torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.float32) * scale).to(t.dtype)
+            for t in ts]
+
+
+def adamw_reference(p: torch.Tensor, grads: list[torch.Tensor], lr: float, dtype: torch.dtype) -> torch.Tensor:
+    """float64 AdamW over the successive ``grads`` starting from zero states, rounding p, m, v to ``dtype`` after
+    each step as the impls store them. Returns the final parameter (float64)."""
+    p = p.double()
+    m = torch.zeros_like(p)
+    v = torch.zeros_like(p)
+    b1, b2 = BETAS
+    for k, g in enumerate(grads, start=1):
+        g = g.double()
+        m = (b1 * m + (1 - b1) * g).to(dtype).double()
+        v = (b2 * v + (1 - b2) * g * g).to(dtype).double()
+        mhat, vhat = m / (1 - b1 ** k), v / (1 - b2 ** k)
+        p = (p * (1 - lr * WD) - lr * mhat / (vhat.sqrt() + EPS)).to(dtype).double()
+    return p
+
+
+# --- AdamW impls: builder(params, lr) -> step(grads) ----------------------------------------------------------
+
+
+def _torch_adamw(kind: str) -> Callable:
+    def build(params: list[torch.Tensor], lr: float) -> Callable:
+        ps = [torch.nn.Parameter(p, requires_grad=True) for p in params]
+        opt = torch.optim.AdamW(ps, lr=lr, betas=BETAS, eps=EPS, weight_decay=WD, **{kind: True})
+
+        def step(grads: list[torch.Tensor]) -> None:
+            for p, g in zip(ps, grads):
+                p.grad = g
+            opt.step()
+        return step, ps
+    return build
+
+
+def _pipegoose_adamw(params: list[torch.Tensor], lr: float) -> Callable:
+    try:
+        from pipegoose.nn.fusion.optim import FusedAdam
+    except Exception as e:
+        raise Unavailable(f"pipegoose.nn.fusion.optim not importable: {type(e).__name__}: {e}") from None
+    ps = [torch.nn.Parameter(p, requires_grad=True) for p in params]
+    opt = FusedAdam(ps, lr=lr, betas=BETAS, eps=EPS, weight_decay=WD, adam_w_mode=True)
+
+    def step(grads: list[torch.Tensor]) -> None:
+        for p, g in zip(ps, grads):
+            p.grad = g
+        opt.step()
+    return step, ps
+
+
+def _raw_adamw(kernel: str, op: str) -> Callable:
+    def build(params: list[torch.Tensor], lr: float) -> Callable:
+        if params[0].device.type != "cuda":
+            raise Unavailable(f"{op} needs CUDA tensors (not built on a CPU run)")
+        try:
+            from pipegoose import kernels
+            ops = kernels.load(kernel)
+        except Exception as e:
+            raise Unavailable(f"kernel {kernel}: {type(e).__name__}: {str(e)[:300]}") from None
+        fn = getattr(ops, op)
+        ps = list(params)
+        m = [torch.zeros_like(p) for p in ps]
+        v = [torch.zeros_like(p) for p in ps]
+        noop = torch.zeros(1, dtype=torch.int32, device=ps[0].device)
+        state = {"step": 0}
+
+        def step(grads: list[torch.Tensor]) -> None:
+            state["step"] += 1
+            args = [CHUNK, noop, list(grads), ps, m, v, lr, BETAS[0], BETAS[1], EPS, state["step"], 1, 1, WD]
+            if op == "multi_tensor_adam":
+                args.append(1.0)   # ColossalAI's div_scale
+            fn(*args)
+        return step, ps
+    return build
+
+
+ADAMW = {"torch_fused": _torch_adamw("fused"), "torch_foreach": _torch_adamw("foreach"),
+         "pipegoose": _pipegoose_adamw, "apex": _raw_adamw("apex/multi_tensor_adam", "multi_tensor_adam"),
+         "deepspeed": _raw_adamw("deepspeed/multi_tensor_adam", "deepspeed_multi_tensor_adam")}
+
+
+# --- clip_grad_norm_ impls: builder() -> clip(grads) -> total norm ---------------------------------------------
+
+
+def _torch_clip(foreach: bool) -> Callable:
+    def build(grads: list[torch.Tensor]) -> Callable:
+        ps = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]   # clipping reads only .grad
+        for p, g in zip(ps, grads):
+            p.grad = g
+        return lambda: torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=foreach)
+    return build
+
+
+def _pipegoose_clip(grads: list[torch.Tensor]) -> Callable:
+    try:
+        from pipegoose.nn.fusion.optim import clip_grad_norm_
+    except Exception as e:
+        raise Unavailable(f"pipegoose.nn.fusion.optim not importable: {type(e).__name__}: {e}") from None
+    ps = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]   # clipping reads only .grad
+    for p, g in zip(ps, grads):
+        p.grad = g
+    return lambda: clip_grad_norm_(ps, 1.0)
+
+
+def _apex_clip(grads: list[torch.Tensor]) -> Callable:
+    if grads[0].device.type != "cuda":
+        raise Unavailable("multi_tensor_l2norm needs CUDA tensors (not built on a CPU run)")
+    try:
+        from pipegoose import kernels
+        l2 = kernels.load("apex/multi_tensor_l2norm").multi_tensor_l2norm
+        sc = kernels.load("apex/multi_tensor_scale").multi_tensor_scale
+    except Exception as e:
+        raise Unavailable(f"apex multi-tensor kernels: {type(e).__name__}: {str(e)[:300]}") from None
+    noop = torch.zeros(1, dtype=torch.int32, device=grads[0].device)
+
+    def clip() -> torch.Tensor:
+        norm, _ = l2(CHUNK, noop, grads, False)
+        coef = (1.0 / (norm + 1e-6)).clamp(max=1.0)
+        sc(CHUNK, noop, grads, grads, float(coef))   # the scale op takes a float: one host sync, as in Apex
+        return norm
+    return clip
+
+
+CLIP = {"torch_foreach": _torch_clip(True), "torch_loop": _torch_clip(False), "pipegoose": _pipegoose_clip,
+        "apex": _apex_clip}
+
+
+def _check_adamw(build: Callable, params0: list[torch.Tensor], dtype: torch.dtype, tol: dict) -> tuple[str, float, str]:
+    params = [p.clone() for p in params0]
+    step, ps = build(params, LR_CHECK)
+    grad_sets = [_randn_like(params0, seed=100 + k) for k in range(3)]
+    for gs in grad_sets:
+        step(gs)
+    worst, bad = 0.0, []
+    for i, (p0, p) in enumerate(zip(params0, ps)):
+        ref = adamw_reference(p0, [gs[i] for gs in grad_sets], LR_CHECK, dtype).float()
+        ok, err, nbad = check_close(p.detach(), ref, tol["atol"], tol["rtol"])
+        worst = max(worst, err) if not math.isnan(err) else err
+        if not ok:
+            bad.append(f"param {i} {tuple(p.shape)}: {nbad} elements off (max abs err {err:.3g})")
+            if len(bad) >= 3:
+                break
+    return ("FAILED" if bad else "ok"), worst, "; ".join(bad)
+
+
+def _check_clip(build: Callable, grads0: list[torch.Tensor], tol: dict) -> tuple[str, float, str]:
+    grads = [g.clone() for g in grads0]
+    total = build(grads)()
+    ref_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads0))
+    coef = min(1.0, 1.0 / (ref_norm + 1e-6))
+    problems = []
+    got = float(total)
+    if not abs(got - ref_norm) <= tol["rtol"] * ref_norm + tol["atol"]:
+        problems.append(f"total norm {got:.6g}, expected {ref_norm:.6g}")
+    worst = abs(got - ref_norm)
+    for i, (g0, g) in enumerate(zip(grads0, grads)):
+        ref = (g0.double() * coef).to(g0.dtype).float()
+        ok, err, nbad = check_close(g, ref, tol["atol"], tol["rtol"])
+        worst = max(worst, err)
+        if not ok:
+            problems.append(f"grad {i}: {nbad} elements off (max abs err {err:.3g})")
+            break
+    return ("FAILED" if problems else "ok"), worst, "; ".join(problems)
+
+
+def run_optimizers(dtypes: list[torch.dtype], mode: str, device: str, timer: Timer, tol_table: dict,
+                   impl_filter: list[str] | None, deadline: float, ops: tuple[str, ...] = ("adamw", "clip_grad_norm"),
+                   log: Callable[[str], None] = print) -> list[Measurement]:
+    results: list[Measurement] = []
+    for total in OPT_SIZES[mode]:
+        for dtype in dtypes:
+            params0 = make_params(total, dtype, device, seed=1)
+            n = sum(p.numel() for p in params0)
+            shape = {"params": n, "tensors": len(params0)}
+            for op, table in (("adamw", ADAMW), ("clip_grad_norm", CLIP)):
+                if op not in ops:
+                    continue
+                nbytes = op_bytes(op, "step", shape, dtype_name(dtype))
+                for name, build in table.items():
+                    if impl_filter and name not in impl_filter:
+                        continue
+                    base = dict(op=op, impl=name, dtype=dtype_name(dtype), pas="step", shape=shape, cols=n,
+                                bytes=nbytes, tunable=None)
+                    if time.perf_counter() > deadline:
+                        results.append(Measurement(**base, status="skipped", detail="time budget"))
+                        continue
+                    try:
+                        if op == "adamw":
+                            status, err, detail = _check_adamw(build, params0, dtype, tol_table[dtype])
+                        else:
+                            grads0 = _randn_like(params0, seed=7)
+                            status, err, detail = _check_clip(build, grads0, tol_table[dtype])
+                    except Exception as e:  # noqa: BLE001
+                        status, err, detail = classify(e), None, f"{type(e).__name__}: {str(e)[:300]}"
+                    if status != "ok":
+                        results.append(Measurement(**base, status=status, max_abs_err=err, detail=detail))
+                        log(f"  {op:15s} {dtype_name(dtype):8s} {n/1e6:7.1f}M {name:13s} {status}: {detail[:120]}")
+                        continue
+                    try:
+                        if op == "adamw":
+                            step, _ = build([p.clone() for p in params0], LR_TIME)
+                            grads = _randn_like(params0, seed=3)
+                            t = timer.time(lambda _: step(grads))
+                        else:
+                            grads = _randn_like(params0, seed=3)
+                            clip = build(grads)
+                            t = timer.time(lambda _: clip())
+                    except Exception as e:  # noqa: BLE001
+                        results.append(Measurement(**base, status="error", max_abs_err=err,
+                                                   detail=f"timing: {type(e).__name__}: {str(e)[:300]}"))
+                        continue
+                    results.append(Measurement(**base, status="ok", max_abs_err=err,
+                                               gbps=nbytes / (t["median_ms"] * 1e-3) / 1e9, **t))
+                    log(f"  {op:15s} {dtype_name(dtype):8s} {n/1e6:7.1f}M {name:13s} ok  {t['median_ms']:.3f} ms")
+                    del t
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+            del params0
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return results

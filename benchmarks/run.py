@@ -1,0 +1,285 @@
+"""``python -m benchmarks.run``: build, check, time and report pipegoose's fused ops against the alternatives.
+
+    python -m benchmarks.run --quick --out benchmarks/results           op + optimizer benchmarks, ~3-4 min on H200
+    python -m benchmarks.run --out benchmarks/results                   the full size sweep (< ~8 min)
+    python -m benchmarks.run --only softmax.causal,layer_norm --dtypes bf16
+    python -m benchmarks.run --no-ops --e2e                             end-to-end training steps (< ~6 min)
+    python -m benchmarks.run --no-ops --build-cost --specialise         cold build / warm load / specialised builds
+    python -m benchmarks.run --device cpu --dry-run --out /tmp/bench    the whole pipeline on tiny CPU inputs
+    python -m benchmarks.run --report-only DIR [DIR ...] --out OUT      merge results.json files, redo md/plots/table
+
+Writes ``<out>/<gpu slug>_<YYYY-MM-DD>/``: results.json (every measurement + environment), results.md, PNG plots,
+and the tuning table ``pipegoose/nn/fusion/tuning/<slug>.json`` (``--tuning-dir`` to write it elsewhere; CPU dry
+runs write it inside the run folder). Files are rewritten after each stage, so a run cut short keeps what it did.
+Method and byte counts: benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("PIPEGOOSE_STRICT", "1")   # a fallback must raise, never be timed under a fused impl's name
+
+from .common import REPO_ROOT, Measurement, environment, slug, today, tolerances  # noqa: E402
+
+OP_NAMES = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "adamw", "clip_grad_norm")
+GROUPS = {"softmaxes": ["softmax", "softmax.masked", "softmax.causal"], "norms": ["layer_norm", "rms_norm"],
+          "optim": ["adamw", "clip_grad_norm"]}
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16",
+          "fp32": "float32", "float32": "float32"}
+
+
+def _csv(s: str | None) -> list[str]:
+    return [x.strip() for x in (s or "").split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results"), help="results root folder")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    ap.add_argument("--only", default="", help=f"ops, comma separated: {', '.join(OP_NAMES)} or groups "
+                                                f"{', '.join(GROUPS)}")
+    ap.add_argument("--impls", default="", help="impl names to run (default all)")
+    ap.add_argument("--dtypes", default="bf16,fp16,fp32")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--dry-run", action="store_true", help="tiny sizes, few reps: check the pipeline, not speed")
+    ap.add_argument("--no-ops", action="store_true", help="skip the op and optimizer benchmarks")
+    ap.add_argument("--no-build", action="store_true", help="do not run `python -m pipegoose.kernels build` first")
+    ap.add_argument("--jobs", type=int, default=16, help="kernels built in parallel")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile impl")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="time budget of the op + optimizer benchmarks (default 200 quick, 420 full)")
+    ap.add_argument("--e2e", action="store_true", help="end-to-end training steps (subprocess per config)")
+    ap.add_argument("--e2e-models", default="llama,neox")
+    ap.add_argument("--e2e-variants", default="", help="default: all (sdpa, eager, fuse_sdpa, fuse_eager, "
+                                                       "compile_sdpa, liger_rmsnorm, liger)")
+    ap.add_argument("--e2e-batch", default="", help="e.g. llama=4,neox=8")
+    ap.add_argument("--e2e-budget-s", type=float, default=330.0)
+    ap.add_argument("--build-cost", action="store_true", help="cold build of all kernels (-j --jobs), warm load")
+    ap.add_argument("--specialise", action="store_true", help="specialised vs generic builds (if a switch exists)")
+    ap.add_argument("--specialise-define", action="append", default=[], metavar="KERNEL:FLAG",
+                    help="a -D flag for a kernel's specialised build (default: its #ifdef PIPEGOOSE_* switches)")
+    ap.add_argument("--tuning-dir", default=None, help="where the tuning table goes "
+                                                       "(default pipegoose/nn/fusion/tuning)")
+    ap.add_argument("--no-tuning", action="store_true", help="do not write the tuning table")
+    ap.add_argument("--report-only", nargs="+", default=None, metavar="DIR",
+                    help="merge these run folders' results.json (later wins) and rewrite the reports")
+    a = ap.parse_args(argv)
+    ops: list[str] = []
+    for o in _csv(a.only) or list(OP_NAMES):
+        if o in GROUPS:
+            ops += GROUPS[o]
+        elif o in OP_NAMES:
+            ops.append(o)
+        else:
+            ap.error(f"--only: unknown op {o!r}; expected {', '.join(OP_NAMES)} or {', '.join(GROUPS)}")
+    a.ops = list(dict.fromkeys(ops))
+    bad = [d for d in _csv(a.dtypes) if d not in DTYPES]
+    if bad:
+        ap.error(f"--dtypes: unknown {bad}; expected some of bf16, fp16, fp32")
+    a.dtype_names = list(dict.fromkeys(DTYPES[d] for d in _csv(a.dtypes)))
+    if a.device == "cpu" and not a.dry_run and not a.report_only:
+        ap.error("--device cpu: only with --dry-run (CPU timings say nothing about the GPU kernels)")
+    a.mode = "dry" if a.dry_run else ("quick" if a.quick else "full")
+    a.batch = {}
+    for kv in _csv(a.e2e_batch):
+        k, _, v = kv.partition("=")
+        if not v.isdigit():
+            ap.error(f"--e2e-batch: expected MODEL=N, got {kv!r}")
+        a.batch[k] = int(v)
+    a.defines = {}
+    for kd in a.specialise_define:
+        k, _, flag = kd.partition(":")
+        if not flag.startswith("-D"):
+            ap.error(f"--specialise-define: expected KERNEL:-DNAME[=VALUE], got {kd!r}")
+        a.defines.setdefault(k, []).append(flag)
+    return a
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def build_kernels(jobs: int) -> dict:
+    """``python -m pipegoose.kernels build --all -j jobs`` in a child process (each kernel builds in its own
+    process; a failed kernel only makes its impls ``unavailable``)."""
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "build", "--all", "-j", str(jobs)],
+                       capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, "COLUMNS": "200"})
+    tail = [ln for ln in p.stdout.splitlines() if any(s in ln for s in ("built", "cached", "FAILED", "missing"))]
+    return {"exit_code": p.returncode, "wall_s": round(time.perf_counter() - t0, 1), "lines": tail[-20:],
+            "stderr_tail": p.stderr.strip().splitlines()[-5:] if p.returncode else []}
+
+
+def copy_bandwidth(device: str, timer) -> dict:
+    """Device-to-device copy of a 1 GiB tensor (16 MiB on CPU): bytes read + written / median time."""
+    import torch
+
+    n = (1 << 30) // 4 if device == "cuda" else 1 << 22
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    t = timer.time(lambda _: dst.copy_(src))
+    nbytes = 2 * n * 4
+    return {"bytes": nbytes, "gbps": nbytes / (t["median_ms"] * 1e-3) / 1e9, **t}
+
+
+class Run:
+    """One invocation's results, rewritten to disk after each stage."""
+
+    def __init__(self, args: argparse.Namespace, env: dict):
+        self.args, self.env = args, env
+        self.measurements: list[Measurement] = []
+        self.sections: dict = {"copy": None, "e2e": None, "build_cost": None, "specialise": None, "build": None}
+        name = slug(env["gpu"]) if args.device == "cuda" else "cpu_dry_run"
+        self.dir = Path(args.out) / f"{name}_{today()}"
+        self.config = {"command": "python -m benchmarks.run " + " ".join(sys.argv[1:]), "mode": args.mode,
+                       "ops": args.ops, "dtypes": args.dtype_names, "device": args.device}
+
+    def write(self) -> None:
+        from .report import fill_pct, write_json, write_markdown
+
+        copy = self.sections.get("copy")
+        fill_pct(self.measurements, copy["gbps"] if copy else None)
+        write_json(self.dir / "results.json", self.env, self.config, copy, self.measurements,
+                   {k: v for k, v in self.sections.items() if k != "copy"})
+        write_markdown(self.dir / "results.md", self.env, self.config, copy, self.measurements,
+                       self.sections.get("e2e"), self.sections.get("build_cost"), self.sections.get("specialise"))
+
+    def finish(self) -> None:
+        from .plots import plot_all
+        from .report import summary_lines
+        from .tuning import write_tuning_table
+
+        self.write()
+        copy = self.sections.get("copy")
+        try:
+            plots = plot_all(self.measurements, self.dir, copy["gbps"] if copy else None, self.env.get("gpu", ""))
+            _log(f"plots: {len(plots)} PNG in {self.dir}")
+        except ImportError as e:
+            _log(f"plots: skipped ({e}); pip install matplotlib")
+        a = self.args
+        if not a.no_tuning and any(m.tunable and m.status == "ok" for m in self.measurements):
+            tdir = a.tuning_dir or (self.dir / "tuning" if a.device == "cpu" else None)
+            gpu = self.env["gpu"]
+            path = write_tuning_table(gpu, self.env.get("date", today())[:10],
+                                      f"benchmarks/results/{self.dir.name}/results.json", self.measurements, tdir)
+            _log(f"tuning table: {path}")
+        _log(f"results: {self.dir / 'results.json'}, {self.dir / 'results.md'}")
+        _log("=" * 100)
+        for line in summary_lines(self.measurements, copy, self.sections.get("e2e")):
+            _log(line)
+
+
+def report_only(args: argparse.Namespace) -> int:
+    from .report import load_json
+
+    merged: dict = {}
+    ms: dict[tuple, Measurement] = {}
+    for d in args.report_only:
+        p = Path(d) / "results.json" if Path(d).is_dir() else Path(d)
+        data, measurements = load_json(p)
+        for k, v in data.items():
+            if k != "measurements" and v is not None:
+                merged[k] = v
+        for m in measurements:
+            ms[(m.op, m.impl, m.dtype, m.pas, m.cols)] = m
+    env = merged.get("environment", {})
+    args.device = "cuda" if env.get("device") == "cuda" else "cpu"
+    run = Run(args, env)
+    run.config = merged.get("config", run.config)
+    run.measurements = list(ms.values())
+    for k in run.sections:
+        run.sections[k] = merged.get(k)
+    if env.get("date"):
+        run.dir = Path(args.out) / f"{slug(env['gpu']) if args.device == 'cuda' else 'cpu_dry_run'}_{env['date'][:10]}"
+    run.finish()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.report_only:
+        return report_only(args)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device visible: run on a GPU, or use --device cpu --dry-run", file=sys.stderr)
+        return 2
+    env = environment(args.device)
+    run = Run(args, env)
+    _log(f"pipegoose benchmarks: {env['gpu']} | torch {env['torch']} | CUDA {env.get('cuda_runtime')} | "
+         f"triton {env.get('triton')} | transformers {env.get('transformers')} | liger {env.get('liger_kernel')}"
+         f" | mode {args.mode} -> {run.dir}")
+    t_start = time.perf_counter()
+    if not args.no_ops:
+        from .ops import OPS, run_ops
+        from .optimizers import run_optimizers
+        from .timing import Timer
+
+        if args.device == "cuda" and not args.no_build:
+            _log(f"building kernels (-j {args.jobs}) ...")
+            run.sections["build"] = build_kernels(args.jobs)
+            _log(f"  build: exit {run.sections['build']['exit_code']} in {run.sections['build']['wall_s']} s")
+        warm, reps = {"dry": (1, 3), "quick": (3, 15), "full": (5, 40)}[args.mode]
+        timer = Timer(args.device, warmup=warm, reps=reps, max_s=0.5 if args.mode != "full" else 1.5)
+        run.sections["copy"] = copy_bandwidth(args.device, timer)
+        _log(f"D2D copy: {run.sections['copy']['gbps']:.0f} GB/s")
+        budget = args.budget_s or {"dry": 120.0, "quick": 200.0, "full": 420.0}[args.mode]
+        deadline = time.perf_counter() + budget
+        tol = tolerances()
+        dtypes = [getattr(torch, d) for d in args.dtype_names]
+        op_list = [o for o in args.ops if o in OPS]
+        opt_list = tuple(o for o in args.ops if o in ("adamw", "clip_grad_norm"))
+        impl_filter = _csv(args.impls) or None
+        no_compile = args.no_compile or args.device == "cpu"
+        # the optimizers get a fixed 20% of the budget: they are cheap but must not be starved
+        op_deadline = deadline - (0.2 * budget if opt_list else 0.0)
+        if op_list:
+            run.measurements += run_ops(op_list, dtypes, args.mode, args.device, timer, tol, impl_filter,
+                                        op_deadline, log=_log, no_compile=no_compile)
+            run.write()
+        if opt_list:
+            opt_dtypes = [d for d in dtypes if d in (torch.float32, torch.bfloat16)]
+            run.measurements += run_optimizers(opt_dtypes, args.mode, args.device, timer, tol, impl_filter,
+                                               deadline, ops=opt_list, log=_log)
+            run.write()
+        _log(f"op benchmarks: {time.perf_counter() - t_start:.0f} s")
+    if args.e2e:
+        from .e2e import MODELS, VARIANTS, run_e2e
+
+        if args.device != "cuda":
+            run.sections["e2e"] = [{"model": m, "variant": "-", "status": "skipped", "detail": "needs CUDA"}
+                                   for m in _csv(args.e2e_models)]
+        else:
+            models = [m for m in _csv(args.e2e_models) if m in MODELS]
+            variants = _csv(args.e2e_variants) or list(VARIANTS)
+            run.sections["e2e"] = run_e2e(models, variants, time.perf_counter() + args.e2e_budget_s,
+                                          quick=args.quick, batch=args.batch, log=_log)
+        run.write()
+    if args.build_cost:
+        from .build_cost import build_cost
+
+        _log("build cost: cold build of every kernel ...")
+        run.sections["build_cost"] = build_cost(args.jobs)
+        _log(f"  cold build {run.sections['build_cost'].get('cold_build_s')} s, warm load "
+             f"{run.sections['build_cost'].get('warm_load_total_s')} s")
+        run.write()
+    if args.specialise:
+        from .build_cost import specialise
+
+        run.sections["specialise"] = specialise(args.defines or None)
+        for k, v in run.sections["specialise"].items():
+            _log(f"  specialise {k}: " + (v.get("reason", "") if not v.get("available") else
+                                         f"generic {v.get('generic')} | specialised {v.get('specialised')}"))
+        run.write()
+    run.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Tuning-table writer: the fastest correct dispatchable impl per op, dtype, pass and last-dim bucket.
+
+Format and consumer: docs/architecture.md "Tuning tables" (``pipegoose/nn/fusion/tuning/<slug>.json``). Only
+measurements with ``status == "ok"`` and a dispatcher impl name (``tunable``: pipegoose, megatron, apex, torch) take
+part; eager/native/compile/Liger are comparisons, not choices the dispatcher can make.
+
+Buckets: for each (op, dtype, pass) the measured sizes are sorted; each size's winner is the impl with the lowest
+median time; consecutive sizes with the same winner form one rule whose ``max_cols`` is the largest size in it; the
+last rule has ``max_cols: null`` (any larger size). A size where no dispatchable impl passed gives no rule. Rules
+are written for the passes the dispatcher tells apart, ``fwd`` (no grad needed) and ``fwd+bwd`` (training); the
+``bwd``-only timings stay in results.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable
+
+from .common import REPO_ROOT, Measurement, slug
+
+__all__ = ["tuning_rules", "write_tuning_table", "DEFAULT_TUNING_DIR", "TUNING_OPS"]
+
+DEFAULT_TUNING_DIR = REPO_ROOT / "pipegoose" / "nn" / "fusion" / "tuning"
+TUNING_OPS = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "attention")
+PASS_ORDER = {"fwd": 0, "fwd+bwd": 1}
+RULE_PASSES = ("fwd", "fwd+bwd")   # what the dispatcher distinguishes: inference forward, training step
+
+
+def tuning_rules(measurements: Iterable[Measurement]) -> list[dict]:
+    """Rules (dicts with op, dtype, pass, max_cols, impl; the documented schema, nothing more) from measurements."""
+    best: dict[tuple, dict[int, tuple[float, str]]] = defaultdict(dict)
+    for m in measurements:
+        if (m.status != "ok" or not m.tunable or m.op not in TUNING_OPS or m.median_ms is None
+                or m.pas not in RULE_PASSES):
+            continue
+        key = (m.op, m.dtype, m.pas)
+        cur = best[key].get(m.cols)
+        if cur is None or m.median_ms < cur[0]:
+            best[key][m.cols] = (m.median_ms, m.tunable)
+    rules: list[dict] = []
+    for (op, dtype, pas) in sorted(best, key=lambda k: (TUNING_OPS.index(k[0]), k[1], PASS_ORDER.get(k[2], 9))):
+        sizes = sorted(best[(op, dtype, pas)])
+        buckets: list[list[int]] = []
+        for c in sizes:
+            if buckets and best[(op, dtype, pas)][buckets[-1][-1]][1] == best[(op, dtype, pas)][c][1]:
+                buckets[-1].append(c)
+            else:
+                buckets.append([c])
+        for i, bucket in enumerate(buckets):
+            impl = best[(op, dtype, pas)][bucket[0]][1]
+            rules.append({"op": op, "dtype": dtype, "pass": pas,
+                          "max_cols": None if i == len(buckets) - 1 else bucket[-1], "impl": impl})
+    return rules
+
+
+def write_tuning_table(device_name: str, measured: str, benchmark: str, measurements: Iterable[Measurement],
+                       out_dir: str | Path | None = None) -> Path:
+    """Write ``<out_dir>/<slug(device_name)>.json`` (default dir: ``pipegoose/nn/fusion/tuning``) atomically.
+
+    Rules of the ops measured now replace that device's earlier rules for those ops; rules of other ops (e.g. an
+    earlier ``attention`` run) are kept. ``measured``: date ``YYYY-MM-DD``; ``benchmark``: the repository-relative
+    path of the results.json the rules come from. Returns the path written. Raises ValueError on an empty device
+    name (see :func:`benchmarks.common.slug`)."""
+    measurements = list(measurements)
+    rules = tuning_rules(measurements)
+    out = Path(out_dir) if out_dir is not None else DEFAULT_TUNING_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{slug(device_name)}.json"
+    new_ops = {m.op for m in measurements if m.op in TUNING_OPS}
+    kept: list[dict] = []
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+            kept = [r for r in old.get("rules", []) if r.get("op") not in new_ops]
+        except (OSError, ValueError):
+            kept = []   # an unreadable table is replaced, not merged
+    table = {"device": device_name, "measured": measured, "benchmark": benchmark, "rules": kept + rules}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=out)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(table, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

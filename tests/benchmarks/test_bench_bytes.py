@@ -1,0 +1,58 @@
+"""Byte counts of the benchmark suite (benchmarks/byte_counts.py) against hand-computed values."""
+
+import _bench_path  # noqa: F401
+import pytest
+
+from benchmarks.byte_counts import op_bytes
+
+
+def test_softmax_plain_counts_read_and_write():
+    shape = {"b": 2, "np": 3, "sq": 5, "sk": 7}
+    n = 2 * 3 * 5 * 7
+    assert op_bytes("softmax", "fwd", shape, "bfloat16") == 2 * n * 2
+    assert op_bytes("softmax", "bwd", shape, "float32") == 3 * n * 4
+    assert op_bytes("softmax", "fwd+bwd", shape, "float16") == 5 * n * 2
+
+
+def test_masked_softmax_adds_the_bool_mask_once_per_batch_row():
+    shape = {"b": 2, "np": 3, "sq": 5, "sk": 7}
+    n, mask = 2 * 3 * 5 * 7, 2 * 5 * 7
+    assert op_bytes("softmax.masked", "fwd", shape, "bfloat16") == 2 * n * 2 + mask
+    assert op_bytes("softmax.masked", "bwd", shape, "bfloat16") == 3 * n * 2
+
+
+def test_causal_softmax_reads_the_lower_triangle_writes_all():
+    shape = {"b": 1, "np": 2, "sq": 4, "sk": 4}
+    tri, full = 2 * 10, 2 * 16          # 4*5/2 = 10 per matrix
+    assert op_bytes("softmax.causal", "fwd", shape, "float16") == (tri + full) * 2
+    assert op_bytes("softmax.causal", "bwd", shape, "float16") == (2 * tri + full) * 2
+    with pytest.raises(ValueError, match="sq == sk"):
+        op_bytes("softmax.causal", "fwd", {"b": 1, "np": 1, "sq": 3, "sk": 4}, "float16")
+
+
+def test_norm_counts_include_params_and_fp32_stats():
+    r, h = 16384, 1000
+    n = r * h
+    assert op_bytes("layer_norm", "fwd", {"rows": r, "hidden": h}, "bfloat16") == 2 * n * 2 + 2 * h * 2 + 2 * r * 4
+    assert op_bytes("layer_norm", "bwd", {"rows": r, "hidden": h}, "bfloat16") == 3 * n * 2 + 3 * h * 2 + 2 * r * 4
+    assert op_bytes("rms_norm", "fwd", {"rows": r, "hidden": h}, "float32") == 2 * n * 4 + h * 4 + r * 4
+    assert op_bytes("rms_norm", "bwd", {"rows": r, "hidden": h}, "float32") == 3 * n * 4 + 2 * h * 4 + r * 4
+
+
+def test_optimizer_and_copy_counts():
+    assert op_bytes("adamw", "step", {"params": 10}, "float32") == 7 * 10 * 4
+    assert op_bytes("clip_grad_norm", "step", {"params": 10}, "bfloat16") == 3 * 10 * 2
+    assert op_bytes("copy", "step", {"numel": 8}, "float32") == 64
+
+
+@pytest.mark.parametrize("args, match", [
+    (("softmax", "sideways", {"b": 1, "np": 1, "sq": 1, "sk": 1}, "float32"), "pas"),
+    (("softmax", "fwd", {"b": 1, "np": 1, "sq": 1, "sk": 1}, "int8"), "dtype"),
+    (("softmax", "fwd", {"b": 1, "np": 1, "sq": 1}, "float32"), "missing"),
+    (("softmax", "fwd", {"b": 0, "np": 1, "sq": 1, "sk": 1}, "float32"), ">= 1"),
+    (("gelu", "fwd", {"rows": 1}, "float32"), "unknown op"),
+    (("adamw", "fwd", {"params": 1}, "float32"), "single pass"),
+])
+def test_bad_arguments_name_the_argument(args, match):
+    with pytest.raises(ValueError, match=match):
+        op_bytes(*args)

@@ -1,0 +1,120 @@
+"""Results writer, tuning-table writer and plots of the benchmark suite, on fake measurements (CPU only)."""
+
+import json
+
+import _bench_path  # noqa: F401
+import pytest
+
+from benchmarks.common import Measurement, slug
+from benchmarks.report import fill_pct, load_json, summary_lines, write_json, write_markdown
+from benchmarks.tuning import tuning_rules, write_tuning_table
+
+
+def m(op="softmax.causal", impl="pipegoose", dtype="bfloat16", pas="fwd+bwd", cols=1024, ms=1.0,
+      status="ok", tunable="same"):
+    t = impl if tunable == "same" else tunable
+    return Measurement(op=op, impl=impl, dtype=dtype, pas=pas, shape={"b": 1, "np": 1, "sq": cols, "sk": cols},
+                       cols=cols, status=status, bytes=10**9, median_ms=ms if status == "ok" else None,
+                       gbps=(1.0 / ms if status == "ok" else None), tunable=t)
+
+
+def test_slug_follows_the_architecture_doc():
+    assert slug("NVIDIA H200") == "nvidia_h200"
+    assert slug("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
+    assert slug("Tesla V100-SXM2-16GB") == "tesla_v100_sxm2_16gb"
+    with pytest.raises(ValueError, match="device_name"):
+        slug("--")
+
+
+def test_rules_pick_the_fastest_correct_impl_and_merge_buckets():
+    ms = [
+        m(impl="megatron", cols=512, ms=1.0), m(impl="pipegoose", cols=512, ms=1.2), m(impl="torch", cols=512, ms=3),
+        m(impl="megatron", cols=1024, ms=1.0), m(impl="pipegoose", cols=1024, ms=1.1),
+        # megatron is fastest at 2048 but FAILED: it must not be chosen
+        m(impl="megatron", cols=2048, status="FAILED"), m(impl="pipegoose", cols=2048, ms=2.0),
+        m(impl="torch", cols=2048, ms=5.0),
+        m(impl="megatron", cols=4096, status="unsupported"), m(impl="pipegoose", cols=4096, ms=4.0),
+        # comparisons that the dispatcher cannot choose never enter the table, however fast
+        m(impl="liger", cols=4096, ms=0.1, tunable=None), m(impl="compile", cols=512, ms=0.1, tunable=None),
+    ]
+    rules = tuning_rules(ms)
+    assert rules == [
+        {"op": "softmax.causal", "dtype": "bfloat16", "pass": "fwd+bwd", "max_cols": 1024, "impl": "megatron"},
+        {"op": "softmax.causal", "dtype": "bfloat16", "pass": "fwd+bwd", "max_cols": None, "impl": "pipegoose"},
+    ]
+
+
+def test_rules_are_per_op_dtype_and_pass_and_skip_bwd_only():
+    ms = [m(op="layer_norm", impl="apex", pas="fwd", cols=1024, ms=1), m(op="layer_norm", impl="pipegoose", pas="fwd",
+                                                                           cols=1024, ms=2),
+          m(op="layer_norm", impl="apex", pas="fwd+bwd", cols=1024, ms=3),
+          m(op="layer_norm", impl="pipegoose", pas="fwd+bwd", cols=1024, ms=2),
+          m(op="layer_norm", impl="pipegoose", pas="bwd", cols=1024, ms=1),
+          m(op="layer_norm", impl="torch", dtype="float32", pas="fwd", cols=1024, ms=1)]
+    got = {(r["dtype"], r["pass"]): r["impl"] for r in tuning_rules(ms)}
+    assert got == {("bfloat16", "fwd"): "apex", ("bfloat16", "fwd+bwd"): "pipegoose", ("float32", "fwd"): "torch"}
+
+
+def test_tuning_table_file_is_valid_for_the_dispatcher(tmp_path):
+    ms = [m(impl="megatron", cols=1024, ms=1.0), m(impl="pipegoose", cols=4096, ms=1.0)]
+    old = {"device": "NVIDIA H200", "measured": "2026-01-01", "benchmark": "x",
+           "rules": [{"op": "attention", "dtype": "bfloat16", "pass": "fwd+bwd", "max_cols": None, "impl": "sdpa"},
+                     {"op": "softmax.causal", "dtype": "bfloat16", "pass": "fwd", "max_cols": None, "impl": "torch"}]}
+    (tmp_path / "nvidia_h200.json").write_text(json.dumps(old))
+    path = write_tuning_table("NVIDIA H200", "2026-11-29", "benchmarks/results/nvidia_h200_2026-11-29/results.json",
+                              ms, tmp_path)
+    assert path.name == "nvidia_h200.json"
+    data = json.loads(path.read_text())
+    assert data["device"] == "NVIDIA H200" and data["measured"] == "2026-11-29"
+    # the earlier attention rule is kept, the earlier causal-softmax rule replaced by the new measurements
+    assert [r["op"] for r in data["rules"]] == ["attention", "softmax.causal", "softmax.causal"]
+    assert [r["impl"] for r in data["rules"][1:]] == ["megatron", "pipegoose"]
+    assert not list(tmp_path.glob(".*"))   # no temp file left behind
+    from pipegoose.nn.fusion.dispatch import TuningTable
+
+    table = TuningTable.load(path)   # the consumer accepts what we wrote
+    assert [r.impl for r in table.rules] == ["sdpa", "megatron", "pipegoose"]
+
+
+def test_results_json_roundtrip_markdown_and_summary(tmp_path):
+    ms = [m(impl="pipegoose", cols=1024, ms=0.5), m(impl="eager", cols=1024, ms=2.0, tunable=None),
+          m(impl="megatron", cols=1024, status="FAILED"),
+          Measurement(op="adamw", impl="torch_fused", dtype="float32", pas="step", shape={"params": 10**8},
+                      cols=10**8, status="ok", bytes=28 * 10**8, median_ms=1.0, gbps=2800.0)]
+    ms[2].detail = "y: 3 of 10 elements off"
+    copy = {"bytes": 2 * 2**30, "gbps": 4000.0, "median_ms": 0.5}
+    fill_pct(ms, copy["gbps"])
+    assert ms[0].pct_of_copy == pytest.approx(100 * 2.0 / 4000.0)
+    assert ms[2].pct_of_copy is None
+    env = {"gpu": "NVIDIA H200", "date": "2026-11-29T10:00:00+00:00", "torch": "2.x", "driver": "570"}
+    p = write_json(tmp_path / "results.json", env, {"command": "x"}, copy, ms, {"e2e": None})
+    data, back = load_json(p)
+    assert data["environment"]["gpu"] == "NVIDIA H200" and data["copy"]["gbps"] == 4000.0
+    assert [b.to_json() for b in back] == [x.to_json() for x in ms]
+    md = write_markdown(tmp_path / "results.md", env, {"command": "x"}, copy, ms,
+                        e2e=[{"model": "llama", "variant": "sdpa", "status": "ok", "tokens_per_s": 1000.0,
+                              "step_ms": 10.0, "peak_mem_gib": 20.0, "params": 1.1e9, "batch": 4}]).read_text()
+    assert "## softmax.causal — bfloat16" in md and "FAILED" in md and "y: 3 of 10 elements off" in md
+    assert "| 1024 | fwd+bwd |" in md and "2 (0%)" in md      # 2 GB/s = 0% of 4000 GB/s
+    assert "| llama | sdpa |" in md and "NVIDIA H200" in md and "570" in md
+    lines = summary_lines(ms, copy)
+    assert any("FAILED: megatron/softmax.causal/bfloat16" in ln for ln in lines)
+    assert any(ln.strip().startswith("adamw") and "torch_fused=70" in ln for ln in lines)
+
+
+def test_measurement_rejects_unknown_status():
+    with pytest.raises(ValueError, match="status"):
+        m(status="fast")
+
+
+def test_plots_on_fake_data(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks.plots import plot_all
+
+    ms = [m(impl=i, cols=c, ms=ms_, dtype=d) for i, f in (("pipegoose", 1.0), ("eager", 3.0))
+          for c, ms_ in ((512, 0.5 * f), (2048, 1.0 * f)) for d in ("bfloat16", "float32")]
+    ms.append(m(impl="megatron", cols=512, status="FAILED"))
+    files = plot_all(ms, tmp_path, copy_gbps=4.0, gpu="fake GPU")
+    assert [f.name for f in files] == ["softmax_causal_fwd_bwd.png"]
+    head = files[0].read_bytes()[:8]
+    assert head == b"\x89PNG\r\n\x1a\n" and files[0].stat().st_size > 5000
