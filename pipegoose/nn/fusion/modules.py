@@ -101,8 +101,7 @@ class FusedScaleMaskSoftmax(nn.Module):
             return False  # causal + padding mask: no single fused kernel call, PyTorch path
         scale = self.scale if self.scale is not None else 1.0
         if causal:
-            problem = _sm.softmax_problem(_sm.OP_CAUSAL, x.reshape(-1, sq, sk) if x.is_contiguous() else x,
-                                          None, scale)
+            problem = _sm.softmax_problem(_sm.OP_CAUSAL, x.reshape(-1, sq, sk), None, scale)
         else:
             problem = _sm.softmax_problem(self._fused_op(mask), x, mask, scale)
         choice = dispatch.choose(problem.op, problem)

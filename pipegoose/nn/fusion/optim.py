@@ -9,7 +9,6 @@ for each kernel's assumptions. The reference path is PyTorch's own math.
 from __future__ import annotations
 
 import functools
-import math
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
