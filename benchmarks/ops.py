@@ -454,9 +454,10 @@ def time_impl(fn: Callable, case: Case, timer: Timer) -> dict[str, dict]:
 
 def run_ops(ops: list[str], dtypes: list[torch.dtype], mode: str, device: str, timer: Timer, tol_table: dict,
             impl_filter: list[str] | None, deadline: float, log: Callable[[str], None] = print,
-            no_compile: bool = False) -> list[Measurement]:
+            no_compile: bool = False, compile_dtypes: list[torch.dtype] | None = None) -> list[Measurement]:
     """Benchmark every (op, dtype, size, impl); each op gets an equal share of the time left until ``deadline``
-    (``time.perf_counter`` seconds); what does not fit is recorded as ``skipped``."""
+    (``time.perf_counter`` seconds); what does not fit is recorded as ``skipped``. ``compile_dtypes``: the dtypes
+    for which the ``compile`` impl runs (None = all; --quick compiles bf16 only: each shape costs a compile)."""
     results: list[Measurement] = []
     for k, op in enumerate(ops):
         op_deadline = time.perf_counter() + max(0.0, deadline - time.perf_counter()) / (len(ops) - k)
@@ -477,6 +478,12 @@ def run_ops(ops: list[str], dtypes: list[torch.dtype], mode: str, device: str, t
                 for name in names:
                     tunable = name if name in TUNABLE else None
                     extra: dict[str, Any] = {}
+                    if name == "compile" and compile_dtypes is not None and dtype not in compile_dtypes:
+                        results += [Measurement(**base, impl=name, pas=p, status="skipped",
+                                                detail="compile runs for " + ", ".join(map(dtype_name, compile_dtypes))
+                                                + " only in this mode", bytes=op_bytes(op, p, shape, dtype_name(dtype)))
+                                    for p in ("fwd", "bwd", "fwd+bwd")]
+                        continue
                     try:
                         t0 = time.perf_counter()
                         fn = IMPLS[name](case)

@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         op_deadline = deadline - (0.2 * budget if opt_list else 0.0)
         if op_list:
             run.measurements += run_ops(op_list, dtypes, args.mode, args.device, timer, tol, impl_filter,
-                                        op_deadline, log=_log, no_compile=no_compile)
+                                        op_deadline, log=_log, no_compile=no_compile,
+                                        compile_dtypes=[torch.bfloat16] if args.mode == "quick" else None)
             run.write()
         if opt_list:
             opt_dtypes = [d for d in dtypes if d in (torch.float32, torch.bfloat16)]
