@@ -1,0 +1,13 @@
+"""Fake (meta) impl of ``pipegoose::multi_tensor_adam``: it only updates its mutable list arguments in place and returns nothing,
+so the fake does nothing (shapes are unchanged); this makes ``torch.compile`` trace the op and
+``torch.library.opcheck`` pass. Kernel source: see kernels.yaml (origin). Imported by the builder after loading."""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.library.register_fake("pipegoose::multi_tensor_adam")
+def _fake(chunk_size, noop_flag, grads, params, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step, mode,
+          bias_correction, weight_decay, div_scale) -> None:
+    return None
