@@ -1,0 +1,368 @@
+"""CPU: the fused paths' Python glue (argument order, reshapes, dtype handling, the guards around the ported
+copies' quirks) against CPU emulations of the kernels' documented semantics (docs/architecture.md "Op schemas").
+
+The emulations are written here from the schemas, including the registry copies' quirks (Megatron gives a fully
+masked row 1/sk, Apex writes its output in gamma's dtype and rejects other gamma dtypes), so that the guards in
+pipegoose.nn.fusion are exercised without a GPU. The real kernels are tested in test_fusion_cuda.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tolerances import TOLERANCES
+
+from pipegoose.nn.fusion import FusedAdam, clip_grad_norm_, dispatch
+from pipegoose.nn.fusion import functional as PF
+
+CUDA = torch.device("cuda")
+
+
+def _softmax_rows(s, masked):
+    s = s.masked_fill(masked, float("-inf")) if masked is not None else s
+    y = torch.softmax(s, -1)
+    return torch.nan_to_num(y, nan=0.0) if masked is not None else y
+
+
+class FakeOps:
+    """Emulations of torch.ops.pipegoose.* on CPU tensors."""
+
+    calls: list
+
+    def __init__(self):
+        self.calls = []
+
+    # pipegoose/softmax
+    def softmax_forward(self, x, mask, scale, causal):
+        self.calls.append("softmax_forward")
+        assert x.is_contiguous() and isinstance(scale, float) and isinstance(causal, bool)
+        masked = None if mask is None else mask
+        if causal:
+            sq, sk = x.shape[-2:]
+            cm = torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1)
+            masked = cm if masked is None else masked | cm
+        return _softmax_rows(x.float() * scale, masked).to(x.dtype)
+
+    def softmax_backward(self, dy, y, scale, causal=False):
+        self.calls.append("softmax_backward")
+        assert dy.dtype == y.dtype and dy.shape == y.shape
+        yf, dyf = y.float(), dy.float()
+        return (scale * yf * (dyf - (dyf * yf).sum(-1, keepdim=True))).to(y.dtype)
+
+    # megatron copies (quirks included: -10000 fill, fully masked row -> 1/sk, scale rounded to the dtype)
+    def scaled_masked_softmax_forward(self, x, mask, scale):
+        self.calls.append("scaled_masked_softmax_forward")
+        b, np_, sq, sk = x.shape
+        assert x.dtype in (torch.float16, torch.bfloat16) and x.is_contiguous() and sk <= 2048 and sq > 1
+        assert mask.dtype == torch.bool and mask.shape[1] == 1 and mask.shape[2] == sq and mask.shape[0] in (1, b)
+        sc = float(torch.tensor(scale, dtype=x.dtype))
+        s = (x.float() * sc).masked_fill(mask, -10000.0)
+        return torch.softmax(s, -1).to(x.dtype)
+
+    def scaled_masked_softmax_backward(self, dy, y, scale):
+        self.calls.append("scaled_masked_softmax_backward")
+        return self.softmax_backward(dy, y, scale)
+
+    def scaled_masked_softmax_get_batch_per_block(self, sq, sk, b, np_):
+        raise AssertionError("not expected")
+
+    def scaled_upper_triang_masked_softmax_forward(self, x, scale):
+        self.calls.append("scaled_upper_triang_masked_softmax_forward")
+        assert x.dim() == 3 and x.shape[1] == x.shape[2] and x.dtype in (torch.float16, torch.bfloat16)
+        sc = float(torch.tensor(scale, dtype=x.dtype))
+        cm = torch.ones(x.shape[1], x.shape[2], dtype=torch.bool).triu(1)
+        return _softmax_rows(x.float() * sc, cm).to(x.dtype)
+
+    def scaled_upper_triang_masked_softmax_backward(self, dy, y, scale):
+        self.calls.append("scaled_upper_triang_masked_softmax_backward")
+        return self.softmax_backward(dy, y, scale)
+
+    # pipegoose/layer_norm, pipegoose/rms_norm
+    def layer_norm_forward(self, x, w, b, eps, out_dtype):
+        self.calls.append("layer_norm_forward")
+        assert x.dim() == 2 and x.is_contiguous() and (w is None or w.dim() == 1)
+        xf = x.float()
+        mean = xf.mean(-1)
+        rstd = torch.rsqrt(xf.var(-1, unbiased=False) + eps)
+        y = (xf - mean[:, None]) * rstd[:, None]
+        if w is not None:
+            y = y * w.float()
+        if b is not None:
+            y = y + b.float()
+        return y.to(out_dtype or x.dtype), mean, rstd
+
+    def layer_norm_backward(self, dy, x, w, b, mean, rstd):
+        self.calls.append("layer_norm_backward")
+        assert dy.shape == x.shape
+        with torch.enable_grad():
+            xf = x.float().requires_grad_(True)
+            wf = None if w is None else w.float().requires_grad_(True)
+            bf = None if b is None else b.float().requires_grad_(True)
+            y = F.layer_norm(xf, (x.shape[-1],), wf, bf, 1e-5)
+            ins = [t for t in (xf, wf, bf) if t is not None]
+            gs = list(torch.autograd.grad(y, ins, dy.float()))
+        gx = gs.pop(0).to(x.dtype)
+        gw = gs.pop(0).to(w.dtype) if w is not None else torch.empty(0)
+        gb = gs.pop(0).to(b.dtype) if b is not None else torch.empty(0)
+        return gx, gw, gb
+
+    def rms_norm_forward(self, x, w, eps, out_dtype):
+        self.calls.append("rms_norm_forward")
+        assert x.dim() == 2 and x.is_contiguous()
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+        y = xf * rstd[:, None]
+        if w is not None:
+            y = y * w.float()
+        return y.to(out_dtype or x.dtype), rstd
+
+    def rms_norm_backward(self, dy, x, w, rstd):
+        self.calls.append("rms_norm_backward")
+        with torch.enable_grad():
+            xf = x.float().requires_grad_(True)
+            wf = None if w is None else w.float().requires_grad_(True)
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+            if wf is not None:
+                y = y * wf
+            ins = [t for t in (xf, wf) if t is not None]
+            gs = torch.autograd.grad(y, ins, dy.float())
+        return gs[0].to(x.dtype), (gs[1].to(w.dtype) if w is not None else torch.empty(0))
+
+    # apex/fused_layer_norm: output in gamma's dtype; fp16/bf16 input only with gamma of that dtype
+    def fused_layer_norm_affine_forward(self, x, shape, g, b, eps):
+        self.calls.append("fused_layer_norm_affine_forward")
+        assert g.dtype == b.dtype and list(g.shape) == list(shape)
+        if x.dtype != torch.float32 and g.dtype != x.dtype:
+            raise RuntimeError(f"expected scalar type {x.dtype} but found {g.dtype}")
+        h = g.numel()
+        y, mean, rstd = self.layer_norm_forward(x.reshape(-1, h), g.reshape(h), b.reshape(h), eps, g.dtype)
+        return y.view(x.shape), mean, rstd
+
+    def fused_layer_norm_affine_backward(self, dy, mean, invvar, x, shape, g, b, eps):
+        self.calls.append("fused_layer_norm_affine_backward")
+        assert dy.dtype == g.dtype
+        h = g.numel()
+        gx, gg, gb = self.layer_norm_backward(dy.reshape(-1, h), x.reshape(-1, h), g.reshape(h), b.reshape(h),
+                                              mean, invvar)
+        return gx.view(x.shape), gg.view(g.shape), gb.view(b.shape)
+
+    # multi-tensor
+    def _adam(self, grads, params, ms, vs, lr, b1, b2, eps, step, mode, bc, wd):
+        for lst in (grads, params, ms, vs):
+            assert len({t.dtype for t in lst}) == 1 and all(t.is_contiguous() for t in lst)
+        c1, c2 = (1 - b1 ** step, 1 - b2 ** step) if bc else (1.0, 1.0)
+        for g, p, m, v in zip(grads, params, ms, vs):
+            gf, pf, mf, vf = g.float(), p.float(), m.float(), v.float()
+            if mode == 0:
+                gf = gf + wd * pf
+            mf = b1 * mf + (1 - b1) * gf
+            vf = b2 * vf + (1 - b2) * gf * gf
+            upd = (mf / c1) / ((vf / c2).sqrt() + eps)
+            if mode == 1:
+                upd = upd + wd * pf
+            p.copy_(pf - lr * upd)
+            m.copy_(mf)
+            v.copy_(vf)
+
+    def multi_tensor_adam(self, chunk, noop, grads, params, ms, vs, lr, b1, b2, eps, step, mode, bc, wd, div):
+        self.calls.append("multi_tensor_adam")
+        assert div == -1.0
+        self._adam(grads, params, ms, vs, lr, b1, b2, eps, step, mode, bc, wd)
+
+    def deepspeed_multi_tensor_adam(self, chunk, noop, grads, params, ms, vs, lr, b1, b2, eps, step, mode, bc, wd):
+        self.calls.append("deepspeed_multi_tensor_adam")
+        assert len({grads[0].dtype, params[0].dtype, ms[0].dtype, vs[0].dtype}) == 1
+        self._adam(grads, params, ms, vs, lr, b1, b2, eps, step, mode, bc, wd)
+
+    def multi_tensor_l2norm(self, chunk, noop, tensors, per_tensor):
+        self.calls.append("multi_tensor_l2norm")
+        assert tensors[0].dtype in (torch.float32, torch.float16)
+        return torch.sqrt(sum((t.float() ** 2).sum() for t in tensors)).reshape(1), torch.empty(0)
+
+    def multi_tensor_scale(self, chunk, noop, src, dst, scale):
+        self.calls.append("multi_tensor_scale")
+        for s, d in zip(src, dst):
+            d.copy_(s.float() * scale)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """Real supports() checks, run as if the CPU tensors were on a GPU; kernels replaced by FakeOps."""
+    ops = FakeOps()
+    saved = {}
+    for op in ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "adam", "clip_grad_norm"):
+        for name, im in dispatch.implementations(op).items():
+            saved[(op, name)] = im
+            if im.kind == "reference":
+                continue
+
+            def on_gpu(p, _real=im.supports):
+                return _real(dataclasses.replace(p, device=CUDA, extra=dict(p.extra, aligned=True)))
+
+            dispatch.register(dataclasses.replace(im, supports=on_gpu))
+    monkeypatch.setattr(dispatch, "_load_kernel", lambda name: ops)
+    monkeypatch.setattr(dispatch, "_device_name", lambda device: None)
+    dispatch.clear_kernel_cache()
+    dispatch.reset_stats()
+    yield ops
+    for im in saved.values():
+        dispatch.register(im)
+    dispatch.clear_kernel_cache()
+    dispatch.reset_stats()
+
+
+def ref64(x, mask, scale, causal=False):
+    s = x.double() * scale
+    masked = mask
+    if causal:
+        sq, sk = x.shape[-2:]
+        cm = torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1)
+        masked = cm if masked is None else masked | cm
+    return _softmax_rows(s, masked)
+
+
+@pytest.mark.parametrize("impl", ["pipegoose", "megatron"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_masked_softmax_glue_zeroes_fully_masked_rows(fake, impl, dtype):
+    x = torch.randn(2, 3, 16, 64).to(dtype)
+    mask = torch.rand(2, 1, 1, 64) < 0.3  # [b, 1, 1, sk]: the Megatron path must expand it
+    mask[1] = True  # batch 1: every key masked
+    xr = x.clone().requires_grad_(True)
+    y = PF.scaled_masked_softmax(xr, mask, 0.125, impl=impl)
+    y.backward(torch.randn_like(y))
+    assert dispatch.stats()["softmax.masked"] == {impl: 1}
+    assert torch.count_nonzero(y[1]) == 0 and torch.count_nonzero(xr.grad[1]) == 0  # Megatron's 1/sk undone
+    torch.testing.assert_close(y.double(), ref64(x, mask, 0.125), **TOLERANCES[dtype])
+    assert any(c.endswith("_backward") for c in fake.calls)
+
+
+def test_megatron_rejections_route_to_pipegoose(fake):
+    x = torch.randn(2, 3, 16, 64, dtype=torch.bfloat16)
+    m = torch.zeros(2, 1, 16, 64, dtype=torch.bool)
+    assert PF.scaled_masked_softmax(x, m, 0.1, impl="megatron") is not None  # 0.1 not exact in bf16
+    assert dispatch.stats()["softmax.masked"] == {"pipegoose": 1}
+    assert "representable" in dispatch.last_choice("softmax.masked").reasons["megatron"]
+    x = torch.randn(2, 3, 7, 64, dtype=torch.bfloat16)  # sq=7: not a multiple of batches_per_block (8)
+    PF.scaled_masked_softmax(x, m[:, :, :7], 0.125, impl="megatron")
+    assert "batches_per_block" in dispatch.last_choice("softmax.masked").reasons["megatron"]
+
+
+@pytest.mark.parametrize("impl", ["pipegoose", "megatron"])
+def test_causal_glue(fake, impl):
+    x = torch.randn(16, 32, 32, dtype=torch.float16)
+    xr = x.clone().requires_grad_(True)
+    y = PF.scaled_upper_triang_masked_softmax(xr, 0.5, impl=impl)
+    y.sum().backward()
+    assert dispatch.stats()["softmax.causal"] == {impl: 1}
+    torch.testing.assert_close(y.double(), ref64(x, None, 0.5, causal=True), **TOLERANCES[torch.float16])
+    c = dispatch.explain("softmax.causal", torch.empty(4, 3000, 3000, dtype=torch.bfloat16), scale=1.0,
+                         impl="megatron")
+    assert c.impl == "pipegoose" and c.reasons["megatron"].startswith("key length 3000 outside")
+
+
+def test_plain_softmax_glue(fake):
+    x = torch.randn(5, 100)
+    x[2] = float("-inf")
+    y = PF.softmax(x, -1)
+    assert dispatch.stats()["softmax"] == {"pipegoose": 1}
+    ref = F.softmax(x, -1)
+    assert torch.allclose(y, ref, equal_nan=True)
+    assert PF.softmax(x, 0) is not None and dispatch.stats()["softmax"] == {"pipegoose": 1, "torch": 1}
+
+
+@pytest.mark.parametrize("impl", ["pipegoose", "apex"])
+@pytest.mark.parametrize("xdt,pdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                     (torch.float16, torch.float32)])
+@pytest.mark.parametrize("affine", ["wb", "none"])
+def test_layer_norm_glue(fake, impl, xdt, pdt, affine):
+    x = torch.randn(3, 5, 4, 8).to(xdt)
+    w = torch.randn(4, 8).to(pdt) if affine == "wb" else None
+    b = torch.randn(4, 8).to(pdt) if affine == "wb" else None
+    ts = [t.clone().requires_grad_(True) if t is not None else None for t in (x, w, b)]
+    y = PF.layer_norm(ts[0], (4, 8), ts[1], ts[2], impl=impl)
+    y.float().sum().backward()
+    expect = impl if not (impl == "apex" and xdt != pdt and affine == "wb") else "pipegoose"  # apex#1379 guard
+    assert dispatch.stats()["layer_norm"] == {expect: 1}
+    assert y.dtype == xdt
+    want = F.layer_norm(x.float(), (4, 8), None if w is None else w.float(), None if b is None else b.float())
+    torch.testing.assert_close(y.float(), want, **TOLERANCES[xdt])
+    if affine == "wb":
+        assert ts[1].grad.dtype == pdt and ts[1].grad.shape == (4, 8)
+
+
+@pytest.mark.parametrize("cast_before_weight", [False, True])
+def test_rms_norm_glue(fake, cast_before_weight):
+    x = torch.randn(3, 7, 16, dtype=torch.bfloat16)
+    w = torch.randn(16)
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    y = PF.rms_norm(xr, 16, wr, 1e-6, cast_before_weight=cast_before_weight)
+    y.float().sum().backward()
+    assert dispatch.stats()["rms_norm"] == {"pipegoose": 1}
+    with dispatch.strict(False):
+        want = PF.rms_norm(x, 16, w, 1e-6, cast_before_weight=cast_before_weight, impl="torch")
+    assert y.dtype == want.dtype
+    torch.testing.assert_close(y.float(), want.float(), **TOLERANCES[torch.bfloat16])
+    assert xr.grad is not None and wr.grad is not None and wr.grad.dtype == torch.float32
+    if cast_before_weight:
+        assert fake.calls.count("rms_norm_forward") == 1  # weight applied outside the kernel, as Llama does
+
+
+@pytest.mark.parametrize("impl", ["apex", "deepspeed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_adam_glue_matches_adamw(fake, impl, dtype):
+    torch.manual_seed(0)
+    m1 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(dtype)
+    m2 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(dtype)
+    m2.load_state_dict(m1.state_dict())
+    o1 = FusedAdam(m1.parameters(), lr=1e-2, weight_decay=0.1, impl=impl)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(10):
+        x = torch.randn(4, 8, dtype=dtype)
+        for m, o in ((m1, o1), (m2, o2)):
+            o.zero_grad()
+            m(x).float().pow(2).mean().backward()
+            o.step()
+    assert dispatch.stats()["adam"] == {impl: 10}
+    t = TOLERANCES[dtype]
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, atol=t["atol"] * 10, rtol=t["rtol"] * 10)
+        assert o1.state[a]["step"].item() == 10
+
+
+def test_fused_adam_mixed_buckets(fake):
+    a = torch.nn.Parameter(torch.randn(5))
+    b = torch.nn.Parameter(torch.randn(5, dtype=torch.bfloat16))
+    c = torch.nn.Parameter(torch.randn(5).t())  # fine: 1-D is contiguous
+    opt = FusedAdam([a, b, c], lr=0.1, impl="deepspeed")
+    a.grad, b.grad, c.grad = torch.randn(5), torch.randn(5, dtype=torch.bfloat16), torch.randn(5)
+    opt.step()
+    assert dispatch.stats()["adam"] == {"deepspeed": 2}  # one bucket per dtype
+    b.grad_dtype = None  # allow an fp32 gradient on a bf16 parameter (master-grad setups)
+    b.grad = torch.randn(5)  # fp32 grad for a bf16 param: deepspeed cannot, apex can
+    opt.step()
+    assert dispatch.stats()["adam"] == {"deepspeed": 3, "apex": 1}
+    assert "one dtype" in dispatch.last_choice("adam").reasons["deepspeed"]
+
+
+@pytest.mark.parametrize("dtype,impl", [(torch.float32, "apex"), (torch.float16, "apex"), (torch.bfloat16, "torch")])
+@pytest.mark.parametrize("max_norm", [0.5, 1e4])
+def test_clip_glue(fake, dtype, impl, max_norm):
+    def params():
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in (3, 100, 17)]
+        for i, p in enumerate(ps):
+            p.grad = (torch.randn(p.shape) * (i + 1)).to(dtype)
+        return ps
+
+    p1, p2 = params(), params()
+    n1 = clip_grad_norm_(p1, max_norm)
+    n2 = torch.nn.utils.clip_grad_norm_(p2, max_norm)
+    assert dispatch.stats()["clip_grad_norm"] == {impl: 1}
+    assert n1.dtype == n2.dtype
+    torch.testing.assert_close(n1, n2, **TOLERANCES[dtype])
+    for a, b in zip(p1, p2):
+        torch.testing.assert_close(a.grad, b.grad, **TOLERANCES[dtype])
+    assert ("multi_tensor_scale" in fake.calls) == (impl == "apex" and max_norm < 1)
