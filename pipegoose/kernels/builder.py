@@ -263,7 +263,9 @@ class KernelBuilder:
             "kernel": k.id,
             "files": {f: _cache.file_digest(base / f) for f in k.files},
             "binding": _cache.file_digest(binding),
-            "binding_headers": {p.name: _cache.file_digest(p) for p in _local_includes(binding)},
+            "includes": {str(p.relative_to(self.manifest.root.resolve())): _cache.file_digest(p)
+                         for p in _quoted_includes([p.resolve() for p in self.source_paths()],
+                                                   self.include_paths(), self.manifest.root)},
             "include_dirs": list(k.include_dirs),
             "flags": {"cxx": list(k.flags.get("cxx", ())), "nvcc": list(k.flags.get("nvcc", ()))},
             "ops": list(k.ops),
@@ -481,10 +483,13 @@ class KernelBuilder:
         return {**out, "state": "cached", "key": res.key, "detail": str(res.library_path)}
 
 
-def _local_includes(source: Path) -> list[Path]:
-    """Headers that ``source`` includes with quotes from its own folder, recursively (part of the build key)."""
+def _quoted_includes(sources: list[Path], search: list[Path], root: Path) -> list[Path]:
+    """Files reached from ``sources`` through ``#include "..."`` (resolved against the including file's folder,
+    then ``search``), recursively, limited to files under ``root``: part of the build key, so that editing a
+    header a kernel or binding includes rebuilds it even when the manifest does not list that header."""
+    root = root.resolve()
     seen: dict[Path, None] = {}
-    todo = [source]
+    todo = list(sources)
     while todo:
         f = todo.pop()
         try:
@@ -492,10 +497,13 @@ def _local_includes(source: Path) -> list[Path]:
         except OSError:
             continue
         for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, re.M):
-            h = (f.parent / name).resolve()
-            if h.is_file() and h.parent == source.parent.resolve() and h not in seen:
-                seen[h] = None
-                todo.append(h)
+            for base in [f.parent, *search]:
+                h = (base / name).resolve()
+                if h.is_file():
+                    if h.is_relative_to(root) and h not in seen and h not in sources:
+                        seen[h] = None
+                        todo.append(h)
+                    break
     return sorted(seen)
 
 

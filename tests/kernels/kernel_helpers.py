@@ -1,0 +1,71 @@
+"""Helpers of the builder tests: a throw-away manifest with tiny kernels."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+
+def write_manifest(root: Path, op: str, *, cpp_body: str | None = None, extra_kernels: str = "",
+                   flags: str = "{cxx: [-O1]}") -> Path:
+    """A manifest at ``root`` with kernel ``test/tiny`` (CPU-only C++) whose op is ``torch.ops.pipegoose.<op>``."""
+    (root / "csrc").mkdir(parents=True, exist_ok=True)
+    (root / "bindings").mkdir(parents=True, exist_ok=True)
+    (root / "LICENSE").write_text("MIT\n")
+    (root / "csrc" / "tiny.cpp").write_text(cpp_body or textwrap.dedent("""\
+        #include <ATen/ATen.h>
+        at::Tensor tiny_add_one(const at::Tensor& x) { return x + 1; }
+        """))
+    (root / "bindings" / "tiny_helper.h").write_text("// helper\n#pragma once\n")
+    (root / "bindings" / "tiny_binding.cpp").write_text(textwrap.dedent(f"""\
+        #include <ATen/ATen.h>
+        #include <torch/library.h>
+        #include "tiny_helper.h"
+        at::Tensor tiny_add_one(const at::Tensor& x);
+        TORCH_LIBRARY_FRAGMENT(pipegoose, m) {{ m.def("{op}(Tensor x) -> Tensor"); }}
+        TORCH_LIBRARY_IMPL(pipegoose, CPU, m) {{ m.impl("{op}", &tiny_add_one); }}
+        """))
+    path = root / "kernels.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        schema: 1
+        sources:
+          local:
+            project: test
+            homepage: https://example.invalid/test
+            license: MIT
+            license_files: [LICENSE]
+            fetch: {{local: {{path: .}}}}
+          upstream:
+            project: upstream
+            homepage: https://example.invalid/upstream
+            license: Apache-2.0
+            license_files: [LICENSE]
+            fetch: {{pypi: {{name: upstream, version: "1.0", sha256: "{"a" * 64}"}}}}
+        kernels:
+          test/tiny:
+            source: local
+            aliases: [tiny]
+            files: [csrc/tiny.cpp]
+            binding: bindings/tiny_binding.cpp
+            entries: [{{symbol: tiny_add_one, op: {op}, role: utility}}]
+            dtypes: [float32]
+            backward: false
+            flags: {flags}
+          test/cuda_one:
+            source: local
+            files: [csrc/one.cu]
+            binding: bindings/tiny_binding.cpp
+            entries: [{{symbol: one, op: {op}_cuda, role: utility}}]
+            dtypes: [float32]
+            backward: false
+            flags: {{nvcc: [-O3]}}
+          test/vendored:
+            source: upstream
+            files: [src/kernel.cu, src/kernel.h]
+            binding: bindings/tiny_binding.cpp
+            entries: [{{symbol: k, op: {op}_vendored, role: utility}}]
+            dtypes: [float16]
+            backward: false
+        """) + extra_kernels)
+    (root / "csrc" / "one.cu").write_text("__global__ void one_kernel() {}\n")
+    return path

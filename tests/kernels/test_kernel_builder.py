@@ -1,0 +1,375 @@
+"""CPU tests of the kernel builder: cache key, locks, concurrent builds, compile errors, preflight messages."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernel_helpers import write_manifest
+
+from pipegoose.kernels import cache, toolchain
+from pipegoose.kernels.builder import KernelBuildError, KernelBuilder, KernelUnavailableError, KernelError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env(cache_dir: Path) -> dict:
+    env = dict(os.environ, PIPEGOOSE_CACHE_DIR=str(cache_dir), PIPEGOOSE_QUIET="1", MAX_JOBS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+# ------------------------------------------------------------------------------------------------- cache key
+
+
+def test_key_changes_with_every_input(tiny, fake_toolkit, monkeypatch):
+    manifest, op, cache_dir = tiny
+    root = manifest.parent
+
+    def key(kernel="test/tiny"):
+        toolchain.host_compiler.cache_clear()
+        toolchain.nvcc_version.cache_clear()
+        toolchain.find_cuda_home.cache_clear()
+        return KernelBuilder(kernel, manifest=manifest, cache_dir=cache_dir).build_key()
+
+    base = key()
+    assert base == key(), "the key must be deterministic"
+    assert base.startswith("tiny-")
+    seen = {base}
+
+    def changed(what):
+        k = key()
+        assert k not in seen, f"key did not change with {what}"
+        seen.add(k)
+
+    src = root / "csrc" / "tiny.cpp"
+    src.write_text(src.read_text() + "// edit\n")
+    changed("the source file")
+    b = root / "bindings" / "tiny_binding.cpp"
+    b.write_text(b.read_text() + "// edit\n")
+    changed("the binding")
+    h = root / "bindings" / "tiny_helper.h"
+    h.write_text(h.read_text() + "// edit\n")
+    changed("a header the binding includes")
+    manifest.write_text(manifest.read_text().replace("flags: {cxx: [-O1]}", "flags: {cxx: [-O2]}"))
+    changed("the flags")
+    monkeypatch.setattr(torch, "__version__", "0.0.0-test")
+    changed("the torch version")
+    monkeypatch.setattr(toolchain, "host_compiler", lambda: ("/usr/bin/g++-99", "g++ (test) 99.1"))
+    monkeypatch.setattr(toolchain.host_compiler, "cache_clear", lambda: None, raising=False)
+    changed("the host compiler")
+    import pipegoose.kernels.builder as builder_mod
+
+    monkeypatch.setattr(builder_mod.sysconfig, "get_config_var", lambda name: "cpython-399-test")
+    changed("the Python ABI")
+
+    # CUDA kernels: the nvcc version and the arch list are inputs too.
+    cuda_keys = {key("test/cuda_one")}
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    cuda_keys.add(key("test/cuda_one"))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
+    cuda_keys.add(key("test/cuda_one"))
+    (fake_toolkit / "bin" / "nvcc").write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.1, V13.1.0'\n")
+    cuda_keys.add(key("test/cuda_one"))
+    assert len(cuda_keys) == 4, "the key must change with the arch list and the nvcc version"
+
+
+def test_key_ignores_unrelated_files(tiny):
+    manifest, op, cache_dir = tiny
+    b = KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir)
+    k1 = b.build_key()
+    (manifest.parent / "bindings" / "unrelated.h").write_text("// not included by the binding\n")
+    (manifest.parent / "README").write_text("x")
+    assert KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir).build_key() == k1
+
+
+# ------------------------------------------------------------------------------------------------- preflight
+
+
+def test_missing_nvcc_message(tiny, monkeypatch):
+    manifest, op, cache_dir = tiny
+    monkeypatch.setattr(toolchain, "find_cuda_home", lambda: None)
+    with pytest.raises(KernelUnavailableError) as e:
+        KernelBuilder("test/cuda_one", manifest=manifest, cache_dir=cache_dir).build()
+    msg = str(e.value)
+    assert "CUDA toolkit" in msg and "no toolkit found" in msg and "CUDA_HOME" in msg
+
+
+def test_cuda_major_mismatch_message(tiny, fake_toolkit, monkeypatch):
+    manifest, op, cache_dir = tiny
+    monkeypatch.setattr(toolchain, "nvcc_version", lambda home=None: (12, 4))
+    with pytest.raises(KernelUnavailableError) as e:
+        KernelBuilder("test/cuda_one", manifest=manifest, cache_dir=cache_dir).build()
+    msg = str(e.value)
+    assert "nvcc 12.4 but torch was built with CUDA 13.0" in msg and "major versions must match" in msg
+
+
+def test_missing_vendored_files_says_run_port_sync(tiny, fake_toolkit):
+    manifest, op, cache_dir = tiny
+    with pytest.raises(KernelUnavailableError) as e:
+        KernelBuilder("test/vendored", manifest=manifest, cache_dir=cache_dir).build()
+    assert "python tools/port.py sync" in str(e.value) and "src/kernel.cu" in str(e.value)
+
+
+def test_unwritable_cache_dir(tiny, tmp_path):
+    manifest, op, _ = tiny
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(KernelUnavailableError) as e:
+        KernelBuilder("tiny", manifest=manifest, cache_dir=blocker / "cache").build()
+    assert "cache dir" in str(e.value) and "PIPEGOOSE_CACHE_DIR" in str(e.value)
+
+
+def test_find_cuda_home_resolves_wrapper_and_skips_header_less_dirs(tmp_path, monkeypatch):
+    real = tmp_path / "cuda-13.0"
+    (real / "bin").mkdir(parents=True)
+    (real / "include").mkdir()
+    (real / "include" / "cuda_runtime.h").write_text("")
+    nvcc = real / "bin" / "nvcc"
+    # Like real nvcc: a dry run names the folder it lives in.
+    nvcc.write_text(f"#!/bin/sh\necho '#$ _HERE_={real}/bin' >&2\n")
+    nvcc.chmod(0o755)
+    # torch's guess: a prefix with bin/nvcc (a wrapper script) but no headers.
+    prefix = tmp_path / "usr-local"
+    (prefix / "bin").mkdir(parents=True)
+    wrapper = prefix / "bin" / "nvcc"
+    wrapper.write_text(f"#!/bin/sh\nexec {nvcc} \"$@\"\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CUDA_HOME", str(prefix))
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(toolchain, "DEFAULT_TOOLKITS", (str(tmp_path / "nowhere"),))
+    monkeypatch.setenv("PATH", f"{prefix / 'bin'}:/usr/bin:/bin")
+    assert not toolchain.is_cuda_toolkit(prefix)
+    assert toolchain.find_cuda_home() == real.resolve()
+
+
+def test_cuda_extra_include_dirs_found_when_toolkit_lacks_headers(tmp_path, monkeypatch):
+    home = tmp_path / "cuda"
+    (home / "include").mkdir(parents=True)
+    site = tmp_path / "site"
+    inc = site / "nvidia" / "cu13" / "include"
+    inc.mkdir(parents=True)
+    (inc / "cusparse.h").write_text("")
+    monkeypatch.setattr(sys, "path", [str(site)])
+    assert toolchain.cuda_extra_include_dirs(home) == [str(inc)]
+    for h in ("cusparse.h", "cublas_v2.h"):
+        (home / "include" / h).write_text("")
+    assert toolchain.cuda_extra_include_dirs(home) == []
+
+
+# ------------------------------------------------------------------------------------------------- archs
+
+
+def test_arch_lists(monkeypatch):
+    A = toolchain.Arch
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(toolchain, "visible_capabilities", lambda: [])
+    d13 = toolchain.default_arch_list((13, 0))
+    assert all((a.major, a.minor) >= (7, 5) for a in d13) and d13[-1].ptx
+    assert {"7.5", "9.0", "12.0+PTX"} <= {str(a) for a in d13}
+    assert A(7, 0) in toolchain.default_arch_list((12, 4))
+    assert toolchain.arch_list((13, 0)) == (d13, "default")
+    # Visible GPUs win, PTX for the newest.
+    monkeypatch.setattr(toolchain, "visible_capabilities", lambda: [(8, 0), (9, 0)])
+    archs, origin = toolchain.arch_list((13, 0))
+    assert origin == "gpu" and [str(a) for a in archs] == ["8.0", "9.0+PTX"]
+    # An explicit list covering the GPUs is honoured; one that misses a GPU is extended with it.
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    assert toolchain.arch_list((13, 0)) == ([A(8, 0), A(9, 0)], "env")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
+    archs, origin = toolchain.arch_list((13, 0))
+    assert origin == "env+gpu" and A(9, 0) in archs
+    # compute_70 with CUDA 13 is refused with the reason.
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.0;8.0")
+    with pytest.raises(ValueError, match="sm_70.*cannot build"):
+        toolchain.arch_list((13, 0))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "Hopper")
+    with pytest.raises(ValueError, match="expected <major>.<minor>"):
+        toolchain.arch_list((13, 0))
+
+
+def test_arch_covers():
+    parse = toolchain.parse_arch_list
+    assert toolchain.arch_covers(parse("8.0"), (8, 6))  # SASS runs on a newer minor of one major
+    assert not toolchain.arch_covers(parse("8.6"), (8, 0))
+    assert not toolchain.arch_covers(parse("8.0"), (9, 0))
+    assert toolchain.arch_covers(parse("8.0+PTX"), (9, 0))  # PTX is JIT-compiled forward
+    assert toolchain.arch_covers(parse("sm_90a"), (9, 0)) and not toolchain.arch_covers(parse("9.0a"), (10, 0))
+
+
+def test_gpu_not_covered_raises(tiny, monkeypatch):
+    manifest, op, cache_dir = tiny
+    b = KernelBuilder("test/cuda_one", manifest=manifest, cache_dir=cache_dir)
+    monkeypatch.setattr(toolchain, "visible_capabilities", lambda: [(9, 0)])
+    res = type("R", (), {"info": {"archs": "8.0;8.6"}})()
+    with pytest.raises(KernelUnavailableError, match=r"does not cover this GPU \(sm_90\).*TORCH_CUDA_ARCH_LIST"):
+        b._check_gpu_covered(res)
+
+
+# ------------------------------------------------------------------------------------------------- locks
+
+_HOLD = textwrap.dedent("""\
+    import sys, time
+    from pathlib import Path
+    from pipegoose.kernels.cache import BuildLock
+    lock = BuildLock(Path(sys.argv[1]), sys.argv[2], soft=sys.argv[3] == "soft").acquire()
+    print("locked", flush=True)
+    time.sleep(600)
+    """)
+
+
+def _hold_lock(cache_dir: Path, key: str, soft: bool) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", _HOLD, str(cache_dir), key, "soft" if soft else "flock"],
+                         stdout=subprocess.PIPE, text=True, env=_env(cache_dir))
+    assert p.stdout.readline().strip() == "locked"
+    return p
+
+
+@pytest.mark.parametrize("soft", [False, True], ids=["flock", "softlock"])
+def test_killed_builders_lock_is_taken_over(tmp_path, soft):
+    key = "tiny-0123456789abcdef01234567"
+    holder = _hold_lock(tmp_path, key, soft)
+    try:
+        # While the holder lives, waiting is bounded and the message names it.
+        waited = []
+        with pytest.raises(cache.LockTimeout, match=rf"held by pid {holder.pid} "):
+            cache.BuildLock(tmp_path, key, timeout=1.5, soft=soft, on_wait=waited.append).acquire()
+        assert waited and waited[0]["pid"] == holder.pid
+        (tmp_path / f"{key}.tmp-{holder.pid}-deadbeef").mkdir()  # its half-written build
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    t0 = time.monotonic()
+    lock = cache.BuildLock(tmp_path, key, timeout=30, soft=soft).acquire()
+    try:
+        assert time.monotonic() - t0 < 10
+        assert lock.previous_owner is not None and lock.previous_owner["pid"] == holder.pid
+        assert cache.clean_stale_tmp(tmp_path, key) and not list(tmp_path.glob(f"{key}.tmp-*"))
+    finally:
+        lock.release()
+    # A released lock is not reported as taken over.
+    again = cache.BuildLock(tmp_path, key, timeout=5, soft=soft).acquire()
+    assert again.previous_owner is None
+    again.release()
+
+
+def test_owner_alive_detects_dead_and_reused_pids():
+    me = cache.process_identity()
+    assert cache.owner_alive(me) is True
+    assert cache.owner_alive({**me, "start_time": "1"}) is False  # pid reused by another process
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    assert cache.owner_alive(cache.process_identity(p.pid) | {"pid": p.pid}) is False
+    assert cache.owner_alive({**me, "hostname": "elsewhere"}) is None
+
+
+# ------------------------------------------------------------------------------------------------- builds
+
+_LOAD = textwrap.dedent("""\
+    import json, sys, time
+    import torch  # a user's process has torch imported already: time the load itself
+    from pipegoose.kernels import KernelBuilder
+    t0 = time.monotonic()
+    ops = KernelBuilder.from_name(sys.argv[2], manifest=sys.argv[1]).load()
+    dt = time.monotonic() - t0
+    out = getattr(ops, sys.argv[3])(torch.arange(3.0)).tolist()
+    print(json.dumps({"built": ops.built, "key": ops.build_key, "seconds": dt, "out": out}))
+    """)
+
+
+def _load_in_subprocess(manifest: Path, cache_dir: Path, op: str, name: str = "tiny") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _LOAD, str(manifest), name, op], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(cache_dir))
+
+
+def test_eight_concurrent_processes_make_one_build(tiny):
+    manifest, op, cache_dir = tiny
+    procs = [_load_in_subprocess(manifest, cache_dir, op) for _ in range(8)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sum(r["built"] for r in results) == 1, results
+    assert len({r["key"] for r in results}) == 1
+    assert all(r["out"] == [1.0, 2.0, 3.0] for r in results)
+    key = results[0]["key"]
+    assert cache.is_complete(cache_dir / key)
+    assert not list(cache_dir.glob("*.tmp-*")), "no temp folder may be left behind"
+    assert [p.name for p in cache_dir.iterdir() if p.is_dir() and p.name not in ("locks",)] == [key]
+
+    # A later process loads it from the cache, quickly.
+    p = _load_in_subprocess(manifest, cache_dir, op)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["built"] is False and r["key"] == key and r["seconds"] < 1.0, r
+
+    # In this process: loading twice (by alias, id or subclass) returns the same object.
+    ops = KernelBuilder.from_name("tiny", manifest=manifest, cache_dir=cache_dir).load()
+
+    class Tiny(KernelBuilder):
+        def absolute_name(self):
+            return "test/tiny"
+
+    assert Tiny(manifest=manifest, cache_dir=cache_dir).load() is ops
+    assert KernelBuilder("test/tiny", manifest=manifest, cache_dir=cache_dir).load() is ops
+    assert ops.kernel.id == "test/tiny" and ops.library_path.is_file() and ops.build_key == key
+    assert getattr(ops, op) is getattr(torch.ops.pipegoose, op)
+    assert torch.equal(getattr(ops, op)(torch.zeros(2)), torch.ones(2))
+    with pytest.raises(AttributeError, match="has no op"):
+        ops.not_an_op
+
+
+def test_compile_error_is_readable_and_leaves_no_entry(tmp_path, monkeypatch):
+    manifest = write_manifest(tmp_path / "proj", "tiny_broken",
+                              cpp_body="#include <ATen/ATen.h>\nint broken( { return 0 }\n")
+    cache_dir = tmp_path / "cache"
+    monkeypatch.setenv("PIPEGOOSE_QUIET", "1")
+    b = KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir)
+    with pytest.raises(KernelBuildError) as e:
+        b.build()
+    msg = str(e.value)
+    assert "building test/tiny failed" in msg and "error" in msg and "tiny.cpp" in msg
+    log = e.value.log_path
+    assert log is not None and log.is_file() and str(log) in msg
+    assert log == cache_dir / "failed" / b.build_key() / "build.log"
+    assert "error" in log.read_text()
+    assert not list(cache_dir.glob("*.tmp-*"))
+    assert not (cache_dir / b.build_key()).exists()
+    assert isinstance(e.value, KernelError)
+
+
+def test_wrong_op_name_in_binding_is_caught(tmp_path, monkeypatch):
+    """A binding that does not define the manifest's op must not be published."""
+    manifest = write_manifest(tmp_path / "proj", "tiny_x")
+    manifest.write_text(manifest.read_text().replace("op: tiny_x, role", "op: tiny_not_defined, role"))
+    monkeypatch.setenv("PIPEGOOSE_QUIET", "1")
+    b = KernelBuilder("tiny", manifest=manifest, cache_dir=tmp_path / "cache")
+    with pytest.raises(KernelBuildError, match="tiny_not_defined"):
+        b.build()
+    assert not (tmp_path / "cache" / b.build_key()).exists()
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_build_reports_missing_and_doctor_runs(tiny):
+    manifest, op, cache_dir = tiny
+    env = _env(cache_dir)
+    p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "build",
+                        "test/vendored", "-j", "2"], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "missing" in p.stdout and "tools/port.py sync" in p.stdout.replace("\n", "").replace("│", "")
+    p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "doctor"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert "preflight" in p.stdout and "test/tiny" in p.stdout and "unavailable" in p.stdout, p.stdout + p.stderr
