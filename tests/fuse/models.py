@@ -21,6 +21,7 @@ def config(arch: str, attn: str = "eager", hidden: int = 32, layers: int = 2, he
                             attention_probs_dropout_prob=dropout, **common)
     elif arch == "gpt2":
         cfg = tr.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=512, resid_pdrop=dropout,
+                            bos_token_id=0, eos_token_id=0,
                             embd_pdrop=dropout, attn_pdrop=dropout, **common)
     elif arch == "gpt_neox":
         cfg = tr.GPTNeoXConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,

@@ -9,17 +9,20 @@ never feed the others.
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
 from torch import nn
 
-from pipegoose.nn.fusion import fuse as fuse_mod
 from pipegoose.nn.fusion.fuse import FusionReport, fuse, fused, is_fused, unfuse
 from pipegoose.nn.fusion.transformers import attention as attn_mod
 from tolerances import TOLERANCES, tol
 
 from . import models
+
+# the submodule (the package attribute ``pipegoose.nn.fusion.fuse`` is the function)
+fuse_mod = sys.modules["pipegoose.nn.fusion.fuse"]
 
 # (architecture, attn_implementation the model is built with, fuse(attention=...)): auto on every model; forcing
 # ours on every SDPA model, and on one eager model.
@@ -334,3 +337,25 @@ def test_fuse_failure_leaves_model_untouched(monkeypatch):
     assert calls and not is_fused(model)
     assert all(_modules_by_path(model)[p] is m for p, m in before.items())
     monkeypatch.setattr(fuse_mod, "_fuse_attention", real)
+
+
+def test_sdpa_model_with_tuning_table_uses_ours_where_the_table_says(monkeypatch, softmax_calls):
+    """A tuning table naming pipegoose for op 'attention' (up to 8 keys here) makes auto select 'pipegoose_sdpa':
+    ours for short keys, SDPA beyond (the table is read per call; the GPU lookup is replaced by a fixed table)."""
+    rules = ({"op": "attention", "dtype": "float32", "max_cols": 8, "impl": "pipegoose"},
+             {"op": "attention", "dtype": "float32", "max_cols": None, "impl": "sdpa"})
+    monkeypatch.setattr(attn_mod, "attention_rules", lambda device: rules)
+    model = models.build("llama", "sdpa")
+    report = fuse(model)
+    assert report.attention["chosen"] == "pipegoose_sdpa" and "tuning table" in report.attention["reason"]
+    ids, mask = models.inputs()
+    short = model(input_ids=ids[:, :6]).last_hidden_state
+    assert softmax_calls                              # 6 keys: ours
+    softmax_calls.clear()
+    long = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert not softmax_calls                          # 11 keys: SDPA
+    unfuse(model)
+    torch.testing.assert_close(short, model(input_ids=ids[:, :6]).last_hidden_state, **tol(torch.float32, 10))
+    keep = mask.bool()
+    torch.testing.assert_close(long[keep], model(input_ids=ids, attention_mask=mask).last_hidden_state[keep],
+                               **tol(torch.float32, 10))
