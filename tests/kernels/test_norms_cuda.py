@@ -1,0 +1,376 @@
+"""GPU tests of pipegoose's own LayerNorm / RMSNorm kernels (``pipegoose/kernels/csrc/{layer_norm,rms_norm}.cu``,
+``norm_kernels.cuh``) through ``torch.ops.pipegoose.{layer_norm,rms_norm}_{forward,backward}``.
+
+Every result is compared with a float64 reference computed from the same (already rounded) inputs, with the
+per-dtype tolerances of ``tests/tolerances.py``; outputs are poisoned (NaN blocks left in the caching allocator)
+before each kernel call, so an element the kernels fail to write shows up as NaN.
+
+Run on a GPU machine: ``python -m pytest -m cuda tests/kernels/test_norms_cuda.py -q`` (builds both kernels on
+first use; ``python -m pipegoose.kernels build pipegoose/layer_norm pipegoose/rms_norm`` first saves time).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tolerances import TOLERANCES
+
+pytestmark = [pytest.mark.cuda, pytest.mark.slow]
+
+DEV = "cuda"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+EPS = 1e-5
+# The spec's hidden sizes plus two odd ones that take the scalar (non-vector) paths: 1531 stays in registers,
+# 5003 takes the generic kernels. Together they reach every kernel variant (warp/sub-warp/multi-warp rows,
+# register and shared-memory accumulators, generic) for fp32 and bf16.
+HIDDEN = [1, 7, 64, 100, 768, 1000, 1024, 1531, 4096, 5003, 5120, 8192, 12288, 16384, 65536]
+ROWS = [1, 3, 129, 16384]
+MAX_CASE_ELEMENTS = 2**28  # the float64 reference of larger cases costs more than it tells
+
+
+@pytest.fixture(scope="module")
+def ln():
+    from pipegoose.kernels import load
+
+    return load("pipegoose/layer_norm")
+
+
+@pytest.fixture(scope="module")
+def rms():
+    from pipegoose.kernels import load
+
+    return load("pipegoose/rms_norm")
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+def poison(*like: tuple[tuple[int, ...], torch.dtype]) -> None:
+    """Leave NaN-filled (0xFF bytes: NaN in fp32/fp16/bf16) blocks of the outputs' sizes in the caching
+    allocator, so that an output element the kernel does not write reads back as NaN."""
+    blocks = [torch.full((max(1, math.prod(s)) * torch.empty((), dtype=d).element_size(),), 0xFF,
+                         dtype=torch.uint8, device=DEV) for s, d in like]
+    torch.cuda.synchronize()
+    del blocks
+
+
+def check(name: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, reduction: bool = False):
+    """assert_close against the float64 reference with TOLERANCES[dtype]. ``reduction``: a sum over rows, whose
+    fp32 rounding error scales with the magnitude of the partial sums: atol is taken relative to max |expected|."""
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    nan = int(torch.isnan(actual).sum())
+    assert nan == 0, f"{name}: {nan} element(s) NaN (not written, or a NaN the reference does not have)"
+    t = dict(TOLERANCES[dtype])
+    if reduction:
+        t["atol"] *= max(1.0, float(expected.abs().max()))
+    torch.testing.assert_close(actual.double(), expected.double(), **t, msg=lambda m: f"{name}: {m}")
+
+
+def make(rows: int, h: int, dtype: torch.dtype, pdtype: torch.dtype | None, seed: int = 0, lead=()):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    shape = (*lead, rows, h) if lead else (rows, h)
+    x = (torch.randn(shape, generator=g, device=DEV) * 2 + 0.5).to(dtype)  # offset: exercises the two-pass mean
+    dy = torch.randn(shape, generator=g, device=DEV).to(dtype)
+    w = b = None
+    if pdtype is not None:
+        w = (1 + 0.5 * torch.randn(h, generator=g, device=DEV)).to(pdtype)
+        b = (0.5 * torch.randn(h, generator=g, device=DEV)).to(pdtype)
+    return x, w, b, dy
+
+
+def ref_layer_norm(x, w, b, dy, eps=EPS):
+    """float64: y, mean, rstd, dx, dw, db (dw/db None when the parameter is None)."""
+    h = x.shape[-1]
+    x64 = x.detach().double().requires_grad_()
+    w64 = None if w is None else w.detach().double().requires_grad_()
+    b64 = None if b is None else b.detach().double().requires_grad_()
+    y = F.layer_norm(x64, (h,), w64, b64, eps)
+    y.backward(dy.double())
+    with torch.no_grad():
+        mean = x64.mean(-1).reshape(-1)
+        rstd = (x64.var(-1, unbiased=False) + eps).rsqrt().reshape(-1)
+    return (y.detach(), mean, rstd, x64.grad, None if w64 is None else w64.grad, None if b64 is None else b64.grad)
+
+
+def ref_rms_norm(x, w, dy, eps=EPS):
+    """float64: y, rstd, dx, dw (dw None without weight)."""
+    x64 = x.detach().double().requires_grad_()
+    w64 = None if w is None else w.detach().double().requires_grad_()
+    rstd = (x64.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+    y = x64 * rstd
+    if w64 is not None:
+        y = y * w64
+    y.backward(dy.double())
+    return y.detach(), rstd.detach().reshape(-1), x64.grad, None if w64 is None else w64.grad
+
+
+def lower(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    order = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+    return a if order[a] >= order[b] else b
+
+
+def run_layer_norm(ln, x, w, b, dy, out_dtype=None, eps=EPS):
+    """Forward + backward through the ops, outputs poisoned first; returns the six results."""
+    rows = x.numel() // x.shape[-1]
+    ydt = out_dtype or x.dtype
+    poison((x.shape, ydt), ((rows,), torch.float32), ((rows,), torch.float32))
+    y, mean, rstd = ln.layer_norm_forward(x, w, b, eps, out_dtype)
+    g = dy.to(ydt)
+    poison((x.shape, x.dtype), *[(p.shape, p.dtype) for p in (w, b) if p is not None])
+    dx, dw, db = ln.layer_norm_backward(g, x, w, b, mean, rstd)
+    return y, mean, rstd, dx, dw, db
+
+
+def run_rms_norm(rms, x, w, dy, out_dtype=None, eps=EPS):
+    rows = x.numel() // x.shape[-1]
+    ydt = out_dtype or x.dtype
+    poison((x.shape, ydt), ((rows,), torch.float32))
+    y, rstd = rms.rms_norm_forward(x, w, eps, out_dtype)
+    g = dy.to(ydt)
+    poison((x.shape, x.dtype), *[(p.shape, p.dtype) for p in (w,) if p is not None])
+    dx, dw = rms.rms_norm_backward(g, x, w, rstd)
+    return y, rstd, dx, dw
+
+
+def check_layer_norm(ln, x, w, b, dy, out_dtype=None, eps=EPS):
+    y, mean, rstd, dx, dw, db = run_layer_norm(ln, x, w, b, dy, out_dtype, eps)
+    ydt = out_dtype or x.dtype
+    ry, rmean, rrstd, rdx, rdw, rdb = ref_layer_norm(x, w, b, dy.to(ydt), eps)
+    assert y.dtype == ydt and dx.dtype == x.dtype
+    assert mean.dtype == rstd.dtype == torch.float32
+    check("output", y, ry, lower(x.dtype, ydt) if ydt != torch.float32 else torch.float32)
+    check("mean", mean, rmean, torch.float32)
+    check("rstd", rstd, rrstd, torch.float32)
+    check("grad_input", dx, rdx, lower(x.dtype, ydt))
+    for name, p, got, want in (("grad_weight", w, dw, rdw), ("grad_bias", b, db, rdb)):
+        if p is None:
+            assert got.numel() == 0, f"{name}: expected an empty tensor without the parameter, got {got.shape}"
+        else:
+            assert got.dtype == p.dtype and got.shape == p.shape
+            check(name, got, want, lower(x.dtype, p.dtype), reduction=True)
+
+
+def check_rms_norm(rms, x, w, dy, out_dtype=None, eps=EPS):
+    y, rstd, dx, dw = run_rms_norm(rms, x, w, dy, out_dtype, eps)
+    ydt = out_dtype or x.dtype
+    ry, rrstd, rdx, rdw = ref_rms_norm(x, w, dy.to(ydt), eps)
+    assert y.dtype == ydt and dx.dtype == x.dtype and rstd.dtype == torch.float32
+    check("output", y, ry, lower(x.dtype, ydt) if ydt != torch.float32 else torch.float32)
+    check("rstd", rstd, rrstd, torch.float32)
+    check("grad_input", dx, rdx, lower(x.dtype, ydt))
+    if w is None:
+        assert dw.numel() == 0
+    else:
+        assert dw.dtype == w.dtype and dw.shape == w.shape
+        check("grad_weight", dw, rdw, lower(x.dtype, w.dtype), reduction=True)
+
+
+# ----------------------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("pdtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("h", [1000, 1531])  # vector and scalar paths
+def test_dtype_combinations(ln, rms, dtype, pdtype, h):
+    x, w, b, dy = make(129, h, dtype, pdtype, seed=1)
+    check_layer_norm(ln, x, w, b, dy)
+    check_rms_norm(rms, x, w, dy)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("h", HIDDEN)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_shapes(ln, rms, dtype, h, rows):
+    if rows * h > MAX_CASE_ELEMENTS:
+        pytest.skip(f"{rows}x{h}: float64 reference too large; H={h} is covered with fewer rows")
+    x, w, b, dy = make(rows, h, dtype, dtype, seed=h + rows)
+    check_layer_norm(ln, x, w, b, dy)
+    check_rms_norm(rms, x, w, dy)
+
+
+@pytest.mark.parametrize("h", [64, 1000, 4096, 12288])
+def test_fp32_params_with_half_input(ln, rms, h):
+    """The Megatron "mixed" case: bf16 / fp16 activations, fp32 weights, at many rows."""
+    for dtype in (torch.bfloat16, torch.float16):
+        x, w, b, dy = make(4099, h, dtype, torch.float32, seed=h)
+        check_layer_norm(ln, x, w, b, dy)
+        check_rms_norm(rms, x, w, dy)
+
+
+@pytest.mark.parametrize("h", [7, 768, 4096, 16384])
+def test_without_parameters(ln, rms, h):
+    x, _, _, dy = make(129, h, torch.bfloat16, None, seed=3)
+    check_layer_norm(ln, x, None, None, dy)
+    check_rms_norm(rms, x, None, dy)
+
+
+def test_weight_only_bias_only_and_mixed_parameter_dtypes(ln):
+    x, w, b, dy = make(257, 1024, torch.bfloat16, torch.float32, seed=4)
+    check_layer_norm(ln, x, w, None, dy)
+    check_layer_norm(ln, x, None, b, dy)
+    check_layer_norm(ln, x, w, b.to(torch.bfloat16), dy)  # grad_bias must come back in bf16
+    check_layer_norm(ln, x, w.to(torch.float16), b, dy)  # a parameter dtype that is neither input's nor fp32
+
+
+@pytest.mark.parametrize("h", [100, 4096, 16384])
+def test_out_dtype_float32_for_bf16_input(ln, rms, h):
+    """Autocast: bf16 activations, fp32 output (and so an fp32 grad_output in the backward)."""
+    x, w, b, dy = make(129, h, torch.bfloat16, torch.float32, seed=5)
+    check_layer_norm(ln, x, w, b, dy, out_dtype=torch.float32)
+    check_rms_norm(rms, x, w, dy, out_dtype=torch.float32)
+
+
+def test_other_out_dtype(ln, rms):
+    """An out_dtype that is neither the input's nor fp32 is rounded from fp32 (documented fallback)."""
+    x, w, b, dy = make(33, 768, torch.bfloat16, torch.bfloat16, seed=6)
+    check_layer_norm(ln, x, w, b, dy, out_dtype=torch.float16)
+    x32, w32, _, dy32 = make(33, 768, torch.float32, torch.float32, seed=6)
+    check_rms_norm(rms, x32, w32, dy32, out_dtype=torch.bfloat16)
+
+
+def test_leading_dimensions(ln, rms):
+    x, w, b, dy = make(37, 640, torch.float16, torch.float16, seed=7, lead=(3, 2))
+    check_layer_norm(ln, x, w, b, dy)
+    check_rms_norm(rms, x, w, dy)
+    y, mean, _ = ln.layer_norm_forward(x, w, b, EPS, None)
+    assert y.shape == x.shape and mean.shape == (3 * 2 * 37,)
+
+
+@pytest.mark.parametrize("h", [1, 768, 4096, 16384])
+def test_constant_rows(ln, rms, h):
+    """var = 0: rstd = rsqrt(eps), xhat = 0, no NaN; RMSNorm also gets all-zero rows."""
+    g = torch.Generator(device=DEV).manual_seed(8)
+    c = torch.randn(65, 1, generator=g, device=DEV)
+    x = c.expand(65, h).contiguous().to(torch.bfloat16)
+    _, w, b, dy = make(65, h, torch.bfloat16, torch.bfloat16, seed=8)
+    out = run_layer_norm(ln, x, w, b, dy)
+    for name, t in zip(("output", "mean", "rstd", "grad_input", "grad_weight", "grad_bias"), out):
+        assert torch.isfinite(t).all(), f"{name}: non-finite values for constant rows"
+    check_layer_norm(ln, x, w, b, dy)
+    x0 = torch.zeros(65, h, device=DEV, dtype=torch.bfloat16)
+    x0[::2] = x[::2]
+    check_rms_norm(rms, x0, w, dy)
+
+
+def test_non_contiguous_input(ln, rms):
+    """Inputs with a strided last dim are made contiguous by the binding; a transposed view as well."""
+    x, w, b, dy = make(96, 2048, torch.bfloat16, torch.bfloat16, seed=9)
+    xs = x[:, ::2]
+    dys = dy[:, ::2]
+    check_layer_norm(ln, xs, w[:1024], b[:1024], dys)
+    check_rms_norm(rms, xs, w[:1024], dys)
+    xt = x[:, :96].t()  # [96, 96], last dim strided
+    check_layer_norm(ln, xt, w[:96], b[:96], dy[:96, :96])
+
+
+def test_misaligned_parameters_take_the_scalar_path(ln, rms):
+    x, _, _, dy = make(129, 4096, torch.bfloat16, None, seed=10)
+    base = torch.randn(4097, device=DEV, dtype=torch.bfloat16)
+    w = base[1:]  # 2-byte offset: no 16-byte vector loads
+    check_layer_norm(ln, x, w, None, dy)
+    check_rms_norm(rms, x, w, dy)
+
+
+def test_zero_rows(ln, rms):
+    x = torch.empty(0, 256, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(256, device=DEV, dtype=torch.bfloat16)
+    y, mean, rstd = ln.layer_norm_forward(x, w, w, EPS, None)
+    assert y.shape == (0, 256) and mean.shape == (0,) and rstd.shape == (0,)
+    dx, dw, db = ln.layer_norm_backward(x, x, w, w, mean, rstd)
+    assert dx.shape == (0, 256) and (dw == 0).all() and (db == 0).all()
+    y, rstd = rms.rms_norm_forward(x, w, EPS, None)
+    dx, dw = rms.rms_norm_backward(x, x, w, rstd)
+    assert dx.shape == (0, 256) and (dw == 0).all()
+
+
+def test_backward_is_deterministic(ln, rms):
+    x, w, b, dy = make(16384, 4096, torch.bfloat16, torch.bfloat16, seed=11)
+    _, mean, rstd = ln.layer_norm_forward(x, w, b, EPS, None)
+    first = ln.layer_norm_backward(dy, x, w, b, mean, rstd)
+    second = ln.layer_norm_backward(dy, x, w, b, mean, rstd)
+    for a, c in zip(first, second):
+        assert torch.equal(a, c)
+    _, rstd = rms.rms_norm_forward(x, w, EPS, None)
+    assert all(torch.equal(a, c) for a, c in zip(rms.rms_norm_backward(dy, x, w, rstd),
+                                                   rms.rms_norm_backward(dy, x, w, rstd)))
+
+
+def test_int64_indexing(ln, rms):
+    """More than 2^31 elements (bf16 [2^31/8192 + 3, 8192]): rows past the 2^31-th element, all statistics and the
+    parameter gradients (a float64 reference computed in chunks)."""
+    h = 8192
+    rows = 2**31 // h + 3
+    assert rows * h > 2**31
+    g = torch.Generator(device=DEV).manual_seed(12)
+    x = torch.randn(rows, h, generator=g, device=DEV, dtype=torch.bfloat16)
+    dy = torch.randn(rows, h, generator=g, device=DEV, dtype=torch.bfloat16)
+    w = (1 + 0.5 * torch.randn(h, generator=g, device=DEV)).to(torch.bfloat16)
+    b = (0.5 * torch.randn(h, generator=g, device=DEV)).to(torch.bfloat16)
+    picks = torch.tensor([0, 1, rows // 2, rows - 3, rows - 2, rows - 1], device=DEV)
+
+    y, mean, rstd, dx, dw, db = run_layer_norm(ln, x, w, b, dy)
+    ry, rmean, rrstd, rdx, _, _ = ref_layer_norm(x[picks], w, b, dy[picks])
+    check("output[picked rows]", y[picks], ry, torch.bfloat16)
+    check("grad_input[picked rows]", dx[picks], rdx, torch.bfloat16)
+    assert not torch.isnan(y).any() and not torch.isnan(dx).any()
+    del y, dx
+    ref_dw = torch.zeros(h, dtype=torch.float64, device=DEV)
+    ref_db = torch.zeros(h, dtype=torch.float64, device=DEV)
+    for s in range(0, rows, 8192):
+        xc, dyc = x[s:s + 8192].double(), dy[s:s + 8192].double()
+        m = xc.mean(-1, keepdim=True)
+        r = (xc.var(-1, unbiased=False, keepdim=True) + EPS).rsqrt()
+        check(f"mean[{s}:]", mean[s:s + 8192], m.reshape(-1), torch.float32)
+        check(f"rstd[{s}:]", rstd[s:s + 8192], r.reshape(-1), torch.float32)
+        ref_dw += (dyc * (xc - m) * r).sum(0)
+        ref_db += dyc.sum(0)
+    check("grad_weight", dw, ref_dw, torch.bfloat16, reduction=True)
+    check("grad_bias", db, ref_db, torch.bfloat16, reduction=True)
+    del mean, rstd
+
+    y, rstd, dx, dw = run_rms_norm(rms, x, w, dy)
+    ry, rrstd, rdx, _ = ref_rms_norm(x[picks], w, dy[picks])
+    check("rms output[picked rows]", y[picks], ry, torch.bfloat16)
+    check("rms rstd[picked rows]", rstd[picks], rrstd, torch.float32)
+    check("rms grad_input[picked rows]", dx[picks], rdx, torch.bfloat16)
+    assert not torch.isnan(y).any() and not torch.isnan(dx).any()
+    del y, dx
+    ref_dw.zero_()
+    for s in range(0, rows, 8192):
+        xc, dyc = x[s:s + 8192].double(), dy[s:s + 8192].double()
+        ref_dw += (dyc * xc * (xc.pow(2).mean(-1, keepdim=True) + EPS).rsqrt()).sum(0)
+    check("rms grad_weight", dw, ref_dw, torch.bfloat16, reduction=True)
+
+
+def test_opcheck(ln, rms):
+    x, w, b, dy = make(6, 64, torch.bfloat16, torch.float32, seed=13, lead=(2,))
+    _, mean, rstd = ln.layer_norm_forward(x, w, b, EPS, None)
+    torch.library.opcheck(torch.ops.pipegoose.layer_norm_forward.default, (x, w, b, EPS, None))
+    torch.library.opcheck(torch.ops.pipegoose.layer_norm_forward.default, (x, None, None, EPS, torch.float32))
+    torch.library.opcheck(torch.ops.pipegoose.layer_norm_backward.default, (dy, x, w, b, mean, rstd))
+    torch.library.opcheck(torch.ops.pipegoose.layer_norm_backward.default, (dy, x, None, None, mean, rstd))
+    _, rstd = rms.rms_norm_forward(x, w, EPS, None)
+    torch.library.opcheck(torch.ops.pipegoose.rms_norm_forward.default, (x, w, EPS, None))
+    torch.library.opcheck(torch.ops.pipegoose.rms_norm_backward.default, (dy, x, w, rstd))
+    torch.library.opcheck(torch.ops.pipegoose.rms_norm_backward.default, (dy, x, None, rstd))
+
+
+def test_bad_arguments_name_the_argument(ln, rms):
+    x, w, b, dy = make(8, 64, torch.float16, torch.float16, seed=14)
+    _, mean, rstd = ln.layer_norm_forward(x, w, b, EPS, None)
+    cases = [
+        (lambda: ln.layer_norm_forward(x, w[:63], b, EPS, None), "weight: expected H = 64"),
+        (lambda: ln.layer_norm_forward(x, w, b[:2], EPS, None), "bias: expected H = 64"),
+        (lambda: ln.layer_norm_forward(x, w, b, -1.0, None), "eps: expected"),
+        (lambda: ln.layer_norm_forward(x, w, b, EPS, torch.int32), "out_dtype: expected"),
+        (lambda: ln.layer_norm_forward(x.int(), w, b, EPS, None), "input: expected dtype"),
+        (lambda: ln.layer_norm_forward(x, w.cpu(), b, EPS, None), "weight: expected a CUDA tensor"),
+        (lambda: ln.layer_norm_backward(dy[:4], x, w, b, mean, rstd), "grad_output: expected the input's shape"),
+        (lambda: ln.layer_norm_backward(dy, x, w, b, mean[:4], rstd), "mean: expected 8 elements"),
+        (lambda: ln.layer_norm_backward(dy, x, w, b, mean, rstd.half()), "rstd: expected dtype float32"),
+        (lambda: rms.rms_norm_forward(x, w[:3], EPS, None), "weight: expected H = 64"),
+        (lambda: rms.rms_norm_backward(dy, x, w, rstd[:1]), "rstd: expected 8 elements"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()
