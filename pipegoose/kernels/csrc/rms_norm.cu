@@ -1,6 +1,17 @@
 // RMSNorm forward/backward for pipegoose: entry points of the ops rms_norm_forward and rms_norm_backward
-// (schemas in docs/architecture.md, registered by pipegoose/kernels/bindings/rms_norm.cpp). The kernels are in
-// norm_kernels.cuh (shared with layer_norm.cu).
+// (schemas in docs/architecture.md, registered by pipegoose/kernels/bindings/rms_norm.cpp). Source: written in
+// this project (pipegoose/kernels/csrc/rms_norm.cu + norm_kernels.cuh, shared with layer_norm.cu).
+//
+// rms_norm_forward(input [..., H], weight [H]?, eps, out_dtype?) -> (output [..., H], rstd [rows]);
+//     y = x * rsqrt(mean(x^2) + eps) * weight in fp32, rounded once to the output dtype (out_dtype or the
+//     input's; one that is neither the input's nor fp32 is rounded from an fp32 result). input fp32/fp16/bf16;
+//     weight fp32/fp16/bf16 independent of the input (read in the input's dtype or fp32, else converted to fp32).
+// rms_norm_backward(grad_output [..., H], input, weight?, rstd) -> (grad_input (input's dtype), grad_weight
+//     (weight's shape and dtype, or an empty [0] tensor when weight is None)); grad_output in the input's dtype
+//     or fp32 (another dtype is converted to fp32); grad_weight summed in fp32 in a fixed order (deterministic).
+// Non-contiguous input / grad_output are copied to contiguous first. Errors: RuntimeError naming the argument
+// (device, dtype, H >= 1, weight numel == H, rstd fp32 with one element per row, grad_output shape == input
+// shape, eps finite and >= 0, out_dtype floating).
 #include "norm_kernels.cuh"
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& input,
