@@ -1,0 +1,640 @@
+// Private header of pipegoose's fused softmax (pipegoose/kernels/csrc/softmax.cu): kernels, launch plans and
+// the per-dtype launch functions. See softmax.cu for the layout of the work.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <type_traits>
+
+namespace pipegoose {
+namespace softmax_detail {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// ------------------------------------------------------------------------------------------------------------
+// Element traits: 16-byte vector <-> fp32 values.
+
+template <typename T>
+struct Elem;
+
+template <>
+struct Elem<float> {
+  static constexpr int kVec = 4;
+  __device__ __forceinline__ static void unpack(const uint4& r, float (&f)[4]) {
+    f[0] = __uint_as_float(r.x);
+    f[1] = __uint_as_float(r.y);
+    f[2] = __uint_as_float(r.z);
+    f[3] = __uint_as_float(r.w);
+  }
+  __device__ __forceinline__ static uint4 pack(const float (&f)[4]) {
+    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
+  }
+  __device__ __forceinline__ static float load1(const float* p) { return *p; }
+  __device__ __forceinline__ static void store1(float* p, float v) { *p = v; }
+};
+
+template <>
+struct Elem<__half> {
+  static constexpr int kVec = 8;
+  __device__ __forceinline__ static float2 to2(uint32_t w) {
+    __half2 h;
+    *reinterpret_cast<uint32_t*>(&h) = w;
+    return __half22float2(h);
+  }
+  __device__ __forceinline__ static uint32_t from2(float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+  __device__ __forceinline__ static void unpack(const uint4& r, float (&f)[8]) {
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 p = to2(w[i]);
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    }
+  }
+  __device__ __forceinline__ static uint4 pack(const float (&f)[8]) {
+    return make_uint4(from2(f[0], f[1]), from2(f[2], f[3]), from2(f[4], f[5]), from2(f[6], f[7]));
+  }
+  __device__ __forceinline__ static float load1(const __half* p) { return __half2float(*p); }
+  __device__ __forceinline__ static void store1(__half* p, float v) { *p = __float2half_rn(v); }
+};
+
+template <>
+struct Elem<__nv_bfloat16> {
+  static constexpr int kVec = 8;
+  __device__ __forceinline__ static float2 to2(uint32_t w) {
+    // bf16 -> fp32 is a shift: the low half is element 0.
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  }
+  __device__ __forceinline__ static uint32_t from2(float a, float b) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+  __device__ __forceinline__ static void unpack(const uint4& r, float (&f)[8]) {
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 p = to2(w[i]);
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    }
+  }
+  __device__ __forceinline__ static uint4 pack(const float (&f)[8]) {
+    return make_uint4(from2(f[0], f[1]), from2(f[2], f[3]), from2(f[4], f[5]), from2(f[6], f[7]));
+  }
+  __device__ __forceinline__ static float load1(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+  __device__ __forceinline__ static void store1(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+};
+
+// ------------------------------------------------------------------------------------------------------------
+// Kernel arguments. Rows of a 4-D view [d0, d1, d2, sk]; a tensor's row r = (i0, i1, i2) starts at
+// i0 * s0 + i1 * s1 + i2 * s2, or at r * flat when its rows are evenly spaced (flat >= 0).
+
+struct RowStrides {
+  int64_t s0, s1, s2, flat;
+};
+
+template <typename T>
+struct FwdArgs {
+  const T* x;
+  const uint8_t* mask;  // bool bytes, nullptr when there is no mask
+  T* y;                 // contiguous [rows, sk]
+  int64_t rows, sk, d1, d2;
+  RowStrides xs, ms;
+  int64_t causal_shift;  // sk - sq: key j is visible to query i when j <= i + causal_shift
+  float scale;           // user scale * log2(e): the kernels use exp2
+  bool causal, x_vec, m_vec, y_vec, rows32;
+};
+
+template <typename T>
+struct BwdArgs {
+  const T* dy;
+  const T* y;
+  T* dx;  // contiguous [rows, sk]
+  int64_t rows, sk, d1, d2;
+  RowStrides gs, ys;
+  int64_t causal_shift;
+  float scale;
+  bool causal, g_vec, y_vec, dx_vec, rows32;
+};
+
+struct RowPos {
+  int64_t i0, i1, i2;
+};
+
+__device__ __forceinline__ RowPos split_row(int64_t r, int64_t d1, int64_t d2, bool rows32) {
+  RowPos p;
+  if (rows32) {  // 32-bit division is much cheaper than the 64-bit routine
+    const uint32_t rr = static_cast<uint32_t>(r), e1 = static_cast<uint32_t>(d1), e2 = static_cast<uint32_t>(d2);
+    const uint32_t t = rr / e2;
+    p.i2 = rr - t * e2;
+    p.i0 = t / e1;
+    p.i1 = t - static_cast<uint32_t>(p.i0) * e1;
+  } else {
+    const int64_t t = r / d2;
+    p.i2 = r - t * d2;
+    p.i0 = t / d1;
+    p.i1 = t - p.i0 * d1;
+  }
+  return p;
+}
+
+__device__ __forceinline__ int64_t row_offset(const RowStrides& s, int64_t r, const RowPos& p) {
+  return s.flat >= 0 ? r * s.flat : p.i0 * s.s0 + p.i1 * s.s1 + p.i2 * s.s2;
+}
+
+__device__ __forceinline__ int64_t causal_limit(bool causal, int64_t q, int64_t shift, int64_t sk) {
+  if (!causal) return sk;
+  const int64_t lim = q + shift + 1;
+  return lim < 0 ? 0 : (lim > sk ? sk : lim);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Vector helpers. c0 is the first column of the vector; columns >= limit are masked (not read), columns >= sk
+// do not exist.
+
+template <int V>
+__device__ __forceinline__ uint32_t load_mask_bits(const uint8_t* __restrict__ m, int64_t c0, int64_t sk,
+                                                   int64_t limit, bool vec_ok) {
+  uint32_t bits = 0;
+  if (vec_ok && c0 + V <= sk) {
+    if constexpr (V == 4) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(m + c0);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) bits |= (((w >> (8 * k)) & 0xffu) != 0u) << k;
+    } else {
+      const uint2 w = *reinterpret_cast<const uint2*>(m + c0);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) bits |= (((w.x >> (8 * k)) & 0xffu) != 0u) << k;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) bits |= (((w.y >> (8 * k)) & 0xffu) != 0u) << (k + 4);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+      if (c0 + k < limit) bits |= (m[c0 + k] != 0) << k;
+  }
+  return bits;
+}
+
+// Scaled scores (in log2 units) of one vector; masked or invisible columns give -inf.
+template <typename T>
+__device__ __forceinline__ void load_scores(const T* __restrict__ x, const uint8_t* __restrict__ m, int64_t c0,
+                                            int64_t sk, int64_t limit, bool x_vec, bool m_vec, float scale,
+                                            float (&v)[Elem<T>::kVec]) {
+  constexpr int V = Elem<T>::kVec;
+  if (c0 < limit) {
+    if (x_vec && c0 + V <= sk) {
+      Elem<T>::unpack(*reinterpret_cast<const uint4*>(x + c0), v);
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) v[k] = (c0 + k < limit) ? Elem<T>::load1(x + c0 + k) : 0.f;
+    }
+    const uint32_t mb = m != nullptr ? load_mask_bits<V>(m, c0, sk, limit, m_vec) : 0u;
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] = (c0 + k < limit && !((mb >> k) & 1u)) ? v[k] * scale : neg_inf();
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] = neg_inf();
+  }
+}
+
+// Raw vector of one tensor with the columns >= limit zeroed (and not read when the vector is partial), so that
+// the backward's arithmetic needs no per-element bounds: a zero y gives a zero dx and adds nothing to the dot.
+template <typename T>
+__device__ __forceinline__ uint4 load_raw(const T* __restrict__ p, int64_t c0, int64_t sk, int64_t limit,
+                                          bool vec_ok) {
+  constexpr int V = Elem<T>::kVec;
+  uint4 r = make_uint4(0u, 0u, 0u, 0u);
+  if (c0 < limit) {
+    const int64_t rem = limit - c0;
+    T* e = reinterpret_cast<T*>(&r);
+    if (vec_ok && c0 + V <= sk) {
+      r = *reinterpret_cast<const uint4*>(p + c0);
+      if (rem < V) {  // the causal boundary vector
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+          if (k >= rem) e[k] = T{};
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k)
+        if (k < rem) e[k] = p[c0 + k];
+    }
+  }
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_vals(T* __restrict__ y, int64_t c0, int64_t sk, bool vec_ok,
+                                           const float (&v)[Elem<T>::kVec]) {
+  constexpr int V = Elem<T>::kVec;
+  if (c0 >= sk) return;
+  if (vec_ok && c0 + V <= sk) {
+    *reinterpret_cast<uint4*>(y + c0) = Elem<T>::pack(v);
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+      if (c0 + k < sk) Elem<T>::store1(y + c0 + k, v[k]);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Reductions over the TPR threads of a row group. For TPR > 32, `smem` holds (BLOCK / 32) floats; the caller
+// uses a different buffer for consecutive reductions (see the kernels for why that is race free).
+
+template <int TPR, bool MAX>
+__device__ __forceinline__ float group_reduce(float v, float* smem) {
+  constexpr int W = TPR < 32 ? TPR : 32;
+#pragma unroll
+  for (int o = W / 2; o > 0; o >>= 1) {
+    const float u = __shfl_xor_sync(0xffffffffu, v, o);
+    v = MAX ? fmaxf(v, u) : v + u;
+  }
+  if constexpr (TPR > 32) {
+    constexpr int NW = TPR / 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int first = (threadIdx.x / TPR) * NW;  // first warp of this row group
+    if (lane == 0) smem[warp] = v;
+    __syncthreads();
+    v = smem[first + lane % NW];  // every group of NW lanes holds all partials: all lanes end with the total
+#pragma unroll
+    for (int o = NW / 2; o > 0; o >>= 1) {
+      const float u = __shfl_xor_sync(0xffffffffu, v, o);
+      v = MAX ? fmaxf(v, u) : v + u;
+    }
+  }
+  return v;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// At least 1024 resident threads per SM (64 registers per thread): enough loads in flight to cover HBM latency.
+constexpr int min_blocks(int block) { return block >= 1024 ? 1 : 1024 / block; }
+
+// Register-resident forward: TPR threads per row, NV vectors per thread, BLOCK threads per block.
+
+template <typename T, int TPR, int NV, int BLOCK>
+__global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_fwd_reg_kernel(const FwdArgs<T> a) {
+  constexpr int V = Elem<T>::kVec;
+  constexpr int RPB = BLOCK / TPR;
+  static_assert(BLOCK % TPR == 0 && (TPR & (TPR - 1)) == 0, "TPR must be a power of two dividing BLOCK");
+  __shared__ float red_max[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
+  __shared__ float red_sum[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
+  const int lane = threadIdx.x % TPR;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * RPB;
+  // The loop bound is uniform over the block: every thread reaches the shuffles and barriers.
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < a.rows; base += step) {
+    const int64_t row = base + threadIdx.x / TPR;
+    int64_t limit = 0;
+    const T* x = a.x;
+    const uint8_t* m = nullptr;
+    if (row < a.rows) {
+      RowPos p{0, 0, 0};
+      if (a.xs.flat < 0 || a.mask != nullptr || a.causal) p = split_row(row, a.d1, a.d2, a.rows32);
+      limit = causal_limit(a.causal, p.i2, a.causal_shift, a.sk);
+      x += row_offset(a.xs, row, p);
+      if (a.mask != nullptr) m = a.mask + row_offset(a.ms, row, p);
+    }
+    float v[NV][V];
+#pragma unroll
+    for (int i = 0; i < NV; ++i)
+      load_scores<T>(x, m, static_cast<int64_t>(i * TPR + lane) * V, a.sk, limit, a.x_vec, a.m_vec, a.scale, v[i]);
+    float mx = neg_inf();
+#pragma unroll
+    for (int i = 0; i < NV; ++i)
+#pragma unroll
+      for (int k = 0; k < V; ++k) mx = fmaxf(mx, v[i][k]);
+    mx = group_reduce<TPR, true>(mx, red_max);
+    const float ref = mx == neg_inf() ? 0.f : mx;  // all masked: exp2(-inf) = 0 everywhere, the sum stays 0
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; ++i)
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        v[i][k] = exp2f(v[i][k] - ref);
+        sum += v[i][k];
+      }
+    sum = group_reduce<TPR, false>(sum, red_sum);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    if (row < a.rows) {
+      T* y = a.y + row * a.sk;
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[i][k] *= inv;
+        store_vals<T>(y, static_cast<int64_t>(i * TPR + lane) * V, a.sk, a.y_vec, v[i]);
+      }
+    }
+  }
+}
+
+// Register-resident backward: dx = scale * y * (dy - sum_j dy_j y_j). y stays in registers as raw vectors; dy too,
+// or (STAGE) in dynamic shared memory, NV * BLOCK vectors, each thread reading back only its own slots (no barrier),
+// which halves the registers of the largest plans: they then fit 64 registers without spilling.
+template <typename T, int TPR, int NV, int BLOCK, bool STAGE>
+__global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_bwd_reg_kernel(const BwdArgs<T> a) {
+  constexpr int V = Elem<T>::kVec;
+  constexpr int RPB = BLOCK / TPR;
+  static_assert(BLOCK % TPR == 0 && (TPR & (TPR - 1)) == 0, "TPR must be a power of two dividing BLOCK");
+  __shared__ float red_sum[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
+  extern __shared__ uint4 stage[];  // NV * BLOCK when STAGE
+  const int lane = threadIdx.x % TPR;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * RPB;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < a.rows; base += step) {
+    const int64_t row = base + threadIdx.x / TPR;
+    int64_t limit = 0;
+    const T* g = a.dy;
+    const T* y = a.y;
+    if (row < a.rows) {
+      RowPos p{0, 0, 0};
+      if (a.gs.flat < 0 || a.ys.flat < 0 || a.causal) p = split_row(row, a.d1, a.d2, a.rows32);
+      limit = causal_limit(a.causal, p.i2, a.causal_shift, a.sk);
+      g += row_offset(a.gs, row, p);
+      y += row_offset(a.ys, row, p);
+    }
+    uint4 rg[STAGE ? 1 : NV], ry[NV];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int64_t c0 = static_cast<int64_t>(i * TPR + lane) * V;
+      ry[i] = load_raw<T>(y, c0, a.sk, limit, a.y_vec);
+      if constexpr (STAGE) {
+        stage[i * BLOCK + threadIdx.x] = load_raw<T>(g, c0, a.sk, limit, a.g_vec);
+      } else {
+        rg[i] = load_raw<T>(g, c0, a.sk, limit, a.g_vec);
+      }
+    }
+    auto dy_of = [&](int i) -> uint4 {
+      if constexpr (STAGE) {
+        return stage[i * BLOCK + threadIdx.x];
+      } else {
+        return rg[i];
+      }
+    };
+    float dot = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      float fg[V], fy[V];
+      Elem<T>::unpack(dy_of(i), fg);
+      Elem<T>::unpack(ry[i], fy);
+#pragma unroll
+      for (int k = 0; k < V; ++k) dot += fg[k] * fy[k];
+    }
+    dot = group_reduce<TPR, false>(dot, red_sum);
+    // Make the raw words opaque so that the compiler unpacks them again below instead of keeping the unpacked
+    // fp32 copies (twice the registers) alive across the reduction.
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      asm volatile("" : "+r"(ry[i].x), "+r"(ry[i].y), "+r"(ry[i].z), "+r"(ry[i].w));
+      if constexpr (!STAGE) asm volatile("" : "+r"(rg[i].x), "+r"(rg[i].y), "+r"(rg[i].z), "+r"(rg[i].w));
+    }
+    if (row < a.rows) {
+      T* dx = a.dx + row * a.sk;
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        float fg[V], fy[V];
+        Elem<T>::unpack(dy_of(i), fg);
+        Elem<T>::unpack(ry[i], fy);
+#pragma unroll
+        for (int k = 0; k < V; ++k) fy[k] = a.scale * fy[k] * (fg[k] - dot);
+        store_vals<T>(dx, static_cast<int64_t>(i * TPR + lane) * V, a.sk, a.dx_vec, fy);
+      }
+    }
+    if constexpr (TPR > 32) __syncthreads();  // red_sum is read after the barrier; guard its reuse
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Two-pass paths for rows beyond the register budget (any length): one block per row.
+
+constexpr int kTwoPassBlock = 512;
+
+__device__ __forceinline__ void combine_max_sum(float& m, float& s, float m2, float s2) {
+  const float mm = fmaxf(m, m2);
+  if (mm == neg_inf()) {
+    m = mm;
+    s = 0.f;
+    return;
+  }
+  s = s * exp2f(m - mm) + s2 * exp2f(m2 - mm);
+  m = mm;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kTwoPassBlock) softmax_fwd_two_pass_kernel(const FwdArgs<T> a) {
+  constexpr int V = Elem<T>::kVec;
+  constexpr int NW = kTwoPassBlock / 32;
+  __shared__ float sm_m[NW], sm_s[NW];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    RowPos p{0, 0, 0};
+    if (a.xs.flat < 0 || a.mask != nullptr || a.causal) p = split_row(row, a.d1, a.d2, a.rows32);
+    const int64_t limit = causal_limit(a.causal, p.i2, a.causal_shift, a.sk);
+    const T* x = a.x + row_offset(a.xs, row, p);
+    const uint8_t* m = a.mask != nullptr ? a.mask + row_offset(a.ms, row, p) : nullptr;
+    // Pass 1: running max and sum of exp2 relative to it.
+    float mx = neg_inf(), sum = 0.f;
+#pragma unroll 2
+    for (int64_t c0 = static_cast<int64_t>(threadIdx.x) * V; c0 < limit; c0 += static_cast<int64_t>(kTwoPassBlock) * V) {
+      float v[V];
+      load_scores<T>(x, m, c0, a.sk, limit, a.x_vec, a.m_vec, a.scale, v);
+      float vm = v[0];
+#pragma unroll
+      for (int k = 1; k < V; ++k) vm = fmaxf(vm, v[k]);
+      if (vm == neg_inf()) continue;
+      if (vm > mx) {
+        sum *= exp2f(mx - vm);
+        mx = vm;
+      }
+#pragma unroll
+      for (int k = 0; k < V; ++k) sum += exp2f(v[k] - mx);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, mx, o), s2 = __shfl_xor_sync(0xffffffffu, sum, o);
+      combine_max_sum(mx, sum, m2, s2);
+    }
+    if (lane == 0) {
+      sm_m[warp] = mx;
+      sm_s[warp] = sum;
+    }
+    __syncthreads();
+    mx = sm_m[lane % NW];  // every group of NW lanes holds all partials: all lanes end with the total
+    sum = sm_s[lane % NW];
+#pragma unroll
+    for (int o = NW / 2; o > 0; o >>= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, mx, o), s2 = __shfl_xor_sync(0xffffffffu, sum, o);
+      combine_max_sum(mx, sum, m2, s2);
+    }
+    const float ref = mx == neg_inf() ? 0.f : mx;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    // Pass 2: normalise; the invisible causal tail is written as zeros without being read.
+    T* y = a.y + row * a.sk;
+#pragma unroll 2
+    for (int64_t c0 = static_cast<int64_t>(threadIdx.x) * V; c0 < a.sk; c0 += static_cast<int64_t>(kTwoPassBlock) * V) {
+      float v[V];
+      load_scores<T>(x, m, c0, a.sk, limit, a.x_vec, a.m_vec, a.scale, v);
+#pragma unroll
+      for (int k = 0; k < V; ++k) v[k] = exp2f(v[k] - ref) * inv;
+      store_vals<T>(y, c0, a.sk, a.y_vec, v);
+    }
+    __syncthreads();  // sm_m / sm_s are reused by the next row
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kTwoPassBlock) softmax_bwd_two_pass_kernel(const BwdArgs<T> a) {
+  constexpr int V = Elem<T>::kVec;
+  __shared__ float red_sum[kTwoPassBlock / 32];
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    RowPos p{0, 0, 0};
+    if (a.gs.flat < 0 || a.ys.flat < 0 || a.causal) p = split_row(row, a.d1, a.d2, a.rows32);
+    const int64_t limit = causal_limit(a.causal, p.i2, a.causal_shift, a.sk);
+    const T* g = a.dy + row_offset(a.gs, row, p);
+    const T* y = a.y + row_offset(a.ys, row, p);
+    float dot = 0.f;
+#pragma unroll 2
+    for (int64_t c0 = static_cast<int64_t>(threadIdx.x) * V; c0 < limit; c0 += static_cast<int64_t>(kTwoPassBlock) * V) {
+      float fg[V], fy[V];
+      Elem<T>::unpack(load_raw<T>(g, c0, a.sk, limit, a.g_vec), fg);
+      Elem<T>::unpack(load_raw<T>(y, c0, a.sk, limit, a.y_vec), fy);
+#pragma unroll
+      for (int k = 0; k < V; ++k) dot += (c0 + k < limit) ? fg[k] * fy[k] : 0.f;
+    }
+    dot = group_reduce<kTwoPassBlock, false>(dot, red_sum);
+    T* dx = a.dx + row * a.sk;
+#pragma unroll 2
+    for (int64_t c0 = static_cast<int64_t>(threadIdx.x) * V; c0 < a.sk; c0 += static_cast<int64_t>(kTwoPassBlock) * V) {
+      float fg[V], fy[V];
+      Elem<T>::unpack(load_raw<T>(g, c0, a.sk, limit, a.g_vec), fg);
+      Elem<T>::unpack(load_raw<T>(y, c0, a.sk, limit, a.y_vec), fy);
+#pragma unroll
+      for (int k = 0; k < V; ++k) fy[k] = (c0 + k < limit) ? a.scale * fy[k] * (fg[k] - dot) : 0.f;
+      store_vals<T>(dx, c0, a.sk, a.dx_vec, fy);
+    }
+    __syncthreads();  // red_sum is reused by the next row
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Host side: plans and launches.
+
+constexpr int kSmallBlock = 128;  // block size when a row takes at most one warp
+
+template <int TPR>
+constexpr int block_for() {
+  return TPR >= kSmallBlock ? TPR : kSmallBlock;
+}
+
+inline unsigned grid_for(int64_t rows, int rows_per_block) {
+  const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
+  return static_cast<unsigned>(std::min<int64_t>(blocks, std::numeric_limits<int32_t>::max()));
+}
+
+template <typename T, int TPR, int NV>
+void launch_fwd(const FwdArgs<T>& a, cudaStream_t st) {
+  constexpr int B = block_for<TPR>();
+  softmax_fwd_reg_kernel<T, TPR, NV, B><<<grid_for(a.rows, B / TPR), B, 0, st>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, int TPR, int NV>
+void launch_bwd(const BwdArgs<T>& a, cudaStream_t st) {
+  constexpr int B = block_for<TPR>();
+  constexpr bool STAGE = NV >= 4;  // dy in shared memory: see softmax_bwd_reg_kernel
+  constexpr int smem = STAGE ? NV * B * static_cast<int>(sizeof(uint4)) : 0;
+  auto kernel = softmax_bwd_reg_kernel<T, TPR, NV, B, STAGE>;
+  if constexpr (smem > 48 * 1024) {  // above the default dynamic shared memory limit: opt in (per device)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  }
+  kernel<<<grid_for(a.rows, B / TPR), B, smem, st>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Per-thread budget: 32 fp32 values in the forward; 16 raw 32-bit words of y (+ dy in shared memory) in the
+// backward.
+template <typename T>
+constexpr int fwd_max_nv() {
+  return sizeof(T) == 4 ? 8 : 4;
+}
+template <typename T>
+constexpr int bwd_max_nv() {
+  return 4;
+}
+
+// Largest key length served by the register-resident kernels (beyond: two-pass).
+template <typename T>
+constexpr int64_t fwd_register_max_cols() {
+  return int64_t{1024} * fwd_max_nv<T>() * Elem<T>::kVec;
+}
+template <typename T>
+constexpr int64_t bwd_register_max_cols() {
+  return int64_t{1024} * bwd_max_nv<T>() * Elem<T>::kVec;
+}
+
+// Plans in order of capacity: rows of up to 32 vectors use 1..32 threads with one vector each, then a warp with
+// 2, 4 (, 8) vectors, then 64..1024 threads with the full per-thread budget, then the two-pass kernels.
+template <typename T, bool BWD, typename Args>
+void run(const Args& a, cudaStream_t st) {
+  constexpr int V = Elem<T>::kVec;
+  constexpr int MAXNV = BWD ? bwd_max_nv<T>() : fwd_max_nv<T>();
+  const int64_t nvec = (a.sk + V - 1) / V;
+  auto go = [&](auto tpr, auto nv) {
+    constexpr int TPR = decltype(tpr)::value, NV = decltype(nv)::value;
+    if constexpr (BWD) {
+      launch_bwd<T, TPR, NV>(a, st);
+    } else {
+      launch_fwd<T, TPR, NV>(a, st);
+    }
+  };
+  using I1 = std::integral_constant<int, 1>;
+  using I2 = std::integral_constant<int, 2>;
+  using I4 = std::integral_constant<int, 4>;
+  using IMAX = std::integral_constant<int, MAXNV>;
+  if (nvec <= 1) return go(std::integral_constant<int, 1>{}, I1{});
+  if (nvec <= 2) return go(std::integral_constant<int, 2>{}, I1{});
+  if (nvec <= 4) return go(std::integral_constant<int, 4>{}, I1{});
+  if (nvec <= 8) return go(std::integral_constant<int, 8>{}, I1{});
+  if (nvec <= 16) return go(std::integral_constant<int, 16>{}, I1{});
+  if (nvec <= 32) return go(std::integral_constant<int, 32>{}, I1{});
+  if (nvec <= 64) return go(std::integral_constant<int, 32>{}, I2{});
+  if (nvec <= 128) return go(std::integral_constant<int, 32>{}, I4{});
+  if constexpr (MAXNV == 8) {
+    if (nvec <= 256) return go(std::integral_constant<int, 32>{}, IMAX{});
+  }
+  if (nvec <= 64 * MAXNV) return go(std::integral_constant<int, 64>{}, IMAX{});
+  if (nvec <= 128 * MAXNV) return go(std::integral_constant<int, 128>{}, IMAX{});
+  if (nvec <= 256 * MAXNV) return go(std::integral_constant<int, 256>{}, IMAX{});
+  if (nvec <= 512 * MAXNV) return go(std::integral_constant<int, 512>{}, IMAX{});
+  if (nvec <= 1024 * MAXNV) return go(std::integral_constant<int, 1024>{}, IMAX{});
+  if constexpr (BWD) {
+    softmax_bwd_two_pass_kernel<T><<<grid_for(a.rows, 1), kTwoPassBlock, 0, st>>>(a);
+  } else {
+    softmax_fwd_two_pass_kernel<T><<<grid_for(a.rows, 1), kTwoPassBlock, 0, st>>>(a);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// One translation unit per dtype (softmax_fp32.cu, softmax_fp16.cu, softmax_bf16.cu) instantiates these, so that
+// a parallel build compiles the three at once.
+void launch_forward(const FwdArgs<float>& a, cudaStream_t st);
+void launch_forward(const FwdArgs<__half>& a, cudaStream_t st);
+void launch_forward(const FwdArgs<__nv_bfloat16>& a, cudaStream_t st);
+void launch_backward(const BwdArgs<float>& a, cudaStream_t st);
+void launch_backward(const BwdArgs<__half>& a, cudaStream_t st);
+void launch_backward(const BwdArgs<__nv_bfloat16>& a, cudaStream_t st);
+
+}  // namespace softmax_detail
+}  // namespace pipegoose
