@@ -305,14 +305,15 @@ def test_layer_norm_every_impl(impl, xdt, shape, nshape, affine):
     assert y.dtype == xdt
     y64, g64s = run_with_grads(lambda a, c, d: ln_ref64(a, nshape, c, d, 1e-5),
                                [x.double(), None if w is None else w.double(), None if b is None else b.double()],
-                               dy.double())
+                               dy.to(y.dtype).double())  # the gradient the op received
     check_norm(y, gs, y64, g64s, xdt)
 
 
 @pytest.mark.parametrize("xdt", HALF)
 def test_must_hold_layer_norm_half_input_fp32_params_no_autocast(xdt):
     """apex#1379: fp16 input with fp32 weight/bias. The Apex copy would reject or round the weight; the
-    dispatcher must route it and the result must be right, in the input's dtype (as torch.nn.LayerNorm)."""
+    dispatcher must route it and the result must be right, in the input's dtype (what torch.nn.LayerNorm returns on
+    the CPU; torch's CUDA layer_norm rejects these mixed dtypes outright)."""
     x = torch.randn(64, 1024, device=DEV).to(xdt)
     w = torch.randn(1024, device=DEV)
     b = torch.randn(1024, device=DEV)
@@ -322,10 +323,10 @@ def test_must_hold_layer_norm_half_input_fp32_params_no_autocast(xdt):
     with dispatch.strict():
         y, gs = run_with_grads(lambda a, c, d: PF.layer_norm(a, 1024, c, d, impl="apex"), [x, w, b], dy)
     ran("layer_norm", "pipegoose")
-    assert y.dtype == torch.nn.functional.layer_norm(x, (1024,), w, b).dtype == xdt
+    assert y.dtype == torch.nn.functional.layer_norm(x.cpu(), (1024,), w.cpu(), b.cpu()).dtype == xdt
     assert gs[1].dtype == gs[2].dtype == torch.float32
     y64, g64s = run_with_grads(lambda a, c, d: ln_ref64(a, (1024,), c, d, 1e-5),
-                               [x.double(), w.double(), b.double()], dy.double())
+                               [x.double(), w.double(), b.double()], dy.to(y.dtype).double())
     check_norm(y, gs, y64, g64s, xdt)
 
 
@@ -364,7 +365,7 @@ def test_rms_norm_every_impl(impl, xdt, wdt, cast_before_weight, shape):
         a = a.double()
         return a / torch.sqrt((a * a).mean(-1, keepdim=True) + 1e-6) * c.double()
 
-    y64, g64s = run_with_grads(ref, [x.double(), w.double()], dy.double())
+    y64, g64s = run_with_grads(ref, [x.double(), w.double()], dy.to(y.dtype).double())
     check_norm(y, gs, y64, g64s, xdt if xdt != torch.float32 else wdt)
 
 

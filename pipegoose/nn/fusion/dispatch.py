@@ -446,11 +446,13 @@ def _env_request(op: str) -> tuple[str | None, str]:
     return None, ""
 
 
-def choose(op: str, problem: Problem, impl: str | None = None) -> Choice:
+def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool = False) -> Choice:
     """Choose the implementation of ``op`` for ``problem`` (no counters, no strict check; see :func:`select`).
 
     Args:
         impl: the explicit request (an implementation name, ``auto`` or None).
+        check_all: also ask the implementations that the choice did not need to look at, so that ``reasons``
+            says why each one would or would not run (what :func:`explain` shows).
 
     Raises:
         KeyError: unknown op.
@@ -466,6 +468,10 @@ def choose(op: str, problem: Problem, impl: str | None = None) -> Choice:
             checked[name] = good
             reasons[name] = "" if good else why
         return checked[name]
+
+    if check_all:
+        for name in impls:
+            ok(name)
 
     requests: list[tuple[str, str]] = []
     if impl is not None and impl != "auto":
@@ -539,7 +545,7 @@ def explain(op: str, *inputs: Any, impl: str | None = None, **kwargs: Any) -> Ch
     builder = _problem_builders.get(op)
     if builder is None:
         raise KeyError(f"{op}: no problem builder registered; explain() cannot describe its inputs")
-    return choose(op, builder(*inputs, **kwargs), impl)
+    return choose(op, builder(*inputs, **kwargs), impl, check_all=True)
 
 
 def last_choice(op: str) -> Choice | None:
