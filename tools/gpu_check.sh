@@ -6,13 +6,13 @@ set -uo pipefail
 out=${1:-gpu-check}; mark=${2:-"cuda and not slow"}; shift $(( $# > 2 ? 2 : $# ))
 paths=("$@"); [ ${#paths[@]} -gt 0 ] || paths=(tests)
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, transformers, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   nvcc --version | tail -2; } 2>&1 | tee "$out/env.txt"
 python3 -m pipegoose.kernels doctor > "$out/doctor.txt" 2>&1
 ( time python3 -m pipegoose.kernels build --all -j 16 ) > "$out/build.txt" 2>&1; echo "build rc=$?"
 tail -15 "$out/build.txt"
-timeout "${PYTEST_TIMEOUT:-360}" python3 -m pytest -m "$mark" -q -rfE -p no:cacheprovider "${paths[@]}" > "$out/pytest.txt" 2>&1
+timeout "${PYTEST_TIMEOUT:-360}" python3 -m pytest -m "$mark" -q -rfEs -p no:cacheprovider "${paths[@]}" > "$out/pytest.txt" 2>&1
 echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)" "$out/pytest.txt" | head -40; tail -3 "$out/pytest.txt"
 for q in benchmarks/quick_*.py; do [ -f "$q" ] && timeout 120 python3 "$q" > "$out/$(basename "$q" .py).txt" 2>&1; echo "== $q rc=$?"; tail -25 "$out/$(basename "$q" .py).txt"; done
