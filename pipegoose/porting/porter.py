@@ -300,8 +300,12 @@ class Porter:
                     result["ok"].append(sid)
                     continue
                 if src.is_local:
-                    raise IntegrityError(f"{sid}: local files differ from kernels.lock (see `python tools/port.py "
-                                         f"verify`); re-record them with `python tools/port.py add <id>`")
+                    # Our own files live in git, which is their record; sync has nothing to fetch for them. A
+                    # difference is reported (and fails `verify`) but does not stop vendoring the upstream sources.
+                    self.log(f"note: {sid}: local files differ from kernels.lock (see `python tools/port.py verify`); "
+                             f"re-record them with `python tools/port.py add <id>`")
+                    result["ok"].append(sid)
+                    continue
                 self.log(f"fetching {src.describe_pin()}")
                 trees[sid] = self.fetcher.tree(src, new.sources[sid].pin)
                 result["restored"].append(sid)

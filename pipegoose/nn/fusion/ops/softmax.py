@@ -240,12 +240,14 @@ class PipegooseSoftmaxFunction(torch.autograd.Function):
         y = ops.softmax_forward(x.contiguous(), mask, float(scale), bool(causal))
         ctx.save_for_backward(y)
         ctx.scale = scale
+        ctx.causal = bool(causal)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
-        dx = _ops("pipegoose/softmax").softmax_backward(dy.contiguous(), y, float(ctx.scale))
+        # causal: the kernel skips the masked tail, where y (and so dx) is zero
+        dx = _ops("pipegoose/softmax").softmax_backward(dy.contiguous(), y, float(ctx.scale), ctx.causal)
         return dx, None, None, None
 
 
