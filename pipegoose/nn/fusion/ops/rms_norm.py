@@ -7,9 +7,11 @@ Two conventions, both with ``rstd = rsqrt(mean(x^2) + eps)`` computed in fp32 (f
   rms_norm there: measured, not assumed). Matches F.rms_norm, including mixed input/weight dtypes.
 * ``cast_before_weight=True`` (transformers' ``LlamaRMSNorm`` and its copies): ``y = weight *
   (x * rstd).to(input_dtype)``; output dtype = ``torch.result_type`` of that product (bf16 input with fp32
-  weight gives fp32). The fused path normalizes in the kernel (no weight, rounded to the input dtype, as Llama
-  does) and multiplies by the weight with PyTorch: bit-for-bit Llama's rounding. Autocast does not change it
-  (Llama's module has no autocast-listed op).
+  weight gives fp32). The reference path is bit-for-bit Llama's. The fused path applies the weight inside the
+  kernel (one pass over the data instead of a kernel plus an elementwise product and its backward): it computes
+  ``x * rstd * weight`` in fp32 and rounds once to that output dtype, where Llama rounds ``x * rstd`` to the input
+  dtype first; the two differ by at most about one unit in the last place of the input dtype, the fused result
+  being the closer to exact. Autocast does not change it (Llama's module has no autocast-listed op).
 
 Implementations (op ``rms_norm``): ``pipegoose`` (pipegoose/kernels/csrc/rms_norm.cu, this project, MIT) and
 ``torch``.
@@ -167,8 +169,6 @@ def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, eps
     choice = dispatch.select(OP, rms_norm_problem(xin, shape, weight, out, cast_before_weight), impl)
     with no_autocast(x.device):
         if choice.impl == "pipegoose":
-            if cast_before_weight:
-                xn = PipegooseRMSNormFunction.apply(xin, None, shape, eps, xin.dtype)
-                return xn if weight is None else weight * xn
+            # cast_before_weight too: the weight is applied in the kernel, in fp32, rounded once to ``out``
             return PipegooseRMSNormFunction.apply(xin, weight, shape, eps, out)
         return rms_norm_reference(xin, shape, weight, eps, out, cast_before_weight)
