@@ -89,6 +89,8 @@ void forward_impl(const at::Tensor& input, const at::Tensor* mask, float scale, 
   a.m_vec = mask != nullptr && vector_ok(*mask, V);
   a.y_vec = vector_ok(out, V) && a.sk % V == 0;
   a.rows32 = a.rows <= std::numeric_limits<int32_t>::max();
+  a.fast = a.x_vec && a.sk % V == 0 && (mask == nullptr || a.m_vec);
+  a.reverse = causal;
   launch_forward(a, st);
 }
 
@@ -113,6 +115,8 @@ void backward_impl(const at::Tensor& grad_output, const at::Tensor& output, floa
   a.y_vec = vector_ok(output, V);
   a.dx_vec = vector_ok(out, V) && a.sk % V == 0;
   a.rows32 = a.rows <= std::numeric_limits<int32_t>::max();
+  a.fast = a.g_vec && a.y_vec && a.sk % V == 0;
+  a.reverse = causal;
   launch_backward(a, st);
 }
 

@@ -117,6 +117,8 @@ struct FwdArgs {
   int64_t causal_shift;  // sk - sq: key j is visible to query i when j <= i + causal_shift
   float scale;           // user scale * log2(e): the kernels use exp2
   bool causal, x_vec, m_vec, y_vec, rows32;
+  bool fast;     // x_vec && sk % V == 0 && (no mask || m_vec): every vector whole and aligned
+  bool reverse;  // run the rows in reverse order (causal: longest rows first)
 };
 
 template <typename T>
@@ -129,6 +131,8 @@ struct BwdArgs {
   int64_t causal_shift;
   float scale;
   bool causal, g_vec, y_vec, dx_vec, rows32;
+  bool fast;     // g_vec && y_vec && sk % V == 0
+  bool reverse;  // as FwdArgs::reverse
 };
 
 struct RowPos {
@@ -281,55 +285,191 @@ __device__ __forceinline__ float group_reduce(float v, float* smem) {
 }
 
 // ------------------------------------------------------------------------------------------------------------
+// Load phase of the register-resident kernels. Every load of a row is issued before any loaded value is used
+// (conversion, masking and the causal boundary are applied only after the last load), so each thread has all of
+// its vectors in flight at once: one DRAM round trip per row instead of one per vector. (The previous layout
+// converted each vector inside its load branch, which made the warp wait for vector i before issuing vector i+1.)
+// FAST: 16-byte vectors allowed and sk % V == 0 (every vector is whole), so a load is one predicated instruction;
+// otherwise the vector-or-scalar choice is made per vector.
+
+// Raw vector at column c0; zeros (not read) when c0 >= limit. On the FAST path the causal boundary vector is read
+// whole (its columns >= limit exist and are masked afterwards); on the general path only columns < limit are read.
+template <typename T, bool FAST>
+__device__ __forceinline__ uint4 load_vec(const T* __restrict__ p, int64_t c0, int64_t sk, int64_t limit,
+                                          bool vec_ok) {
+  constexpr int V = Elem<T>::kVec;
+  uint4 r = make_uint4(0u, 0u, 0u, 0u);
+  if (c0 < limit) {
+    if (FAST || (vec_ok && c0 + V <= sk)) {
+      r = *reinterpret_cast<const uint4*>(p + c0);
+    } else {
+      const int64_t rem = limit - c0;
+      T* e = reinterpret_cast<T*>(&r);
+#pragma unroll
+      for (int k = 0; k < V; ++k)
+        if (k < rem) e[k] = p[c0 + k];
+    }
+  }
+  return r;
+}
+
+// Raw mask bytes of the vector at c0 (byte k of .x / .y = column c0 + k / c0 + 4 + k); zeros when c0 >= limit.
+template <int V, bool FAST>
+__device__ __forceinline__ uint2 load_mask_vec(const uint8_t* __restrict__ m, int64_t c0, int64_t sk,
+                                               int64_t limit, bool vec_ok) {
+  uint2 w = make_uint2(0u, 0u);
+  if (c0 < limit) {
+    if (FAST || (vec_ok && c0 + V <= sk)) {
+      if constexpr (V == 8) {
+        w = *reinterpret_cast<const uint2*>(m + c0);
+      } else {
+        w.x = *reinterpret_cast<const uint32_t*>(m + c0);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k)
+        if (c0 + k < limit) {
+          const uint32_t b = m[c0 + k] != 0 ? 1u : 0u;
+          if (k < 4) {
+            w.x |= b << (8 * k);
+          } else {
+            w.y |= b << (8 * (k - 4));
+          }
+        }
+    }
+  }
+  return w;
+}
+
+// Number of visible columns of the vector at c0, clamped to [0, V].
+template <int V>
+__device__ __forceinline__ int visible_in(int64_t c0, int64_t limit) {
+  const int64_t r = limit - c0;
+  return r <= 0 ? 0 : (r >= V ? V : static_cast<int>(r));
+}
+
+// Scaled scores (log2 units) of a raw vector; masked or invisible columns give -inf.
+template <typename T>
+__device__ __forceinline__ void scores_of(const uint4& r, const uint2& mw, int vis, float scale,
+                                          float (&v)[Elem<T>::kVec]) {
+  constexpr int V = Elem<T>::kVec;
+  Elem<T>::unpack(r, v);
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const uint32_t byte = (k < 4 ? mw.x >> (8 * k) : mw.y >> (8 * (k - 4))) & 0xffu;
+    v[k] = (k < vis && byte == 0u) ? v[k] * scale : neg_inf();
+  }
+}
+
+// Zero the elements k >= vis of a raw vector (the causal boundary: a zero y gives a zero dx and adds nothing).
+template <typename T>
+__device__ __forceinline__ void zero_from(uint4& r, int vis) {
+  constexpr int PER = Elem<T>::kVec / 4;  // elements per 32-bit word (element 0 in the low bits)
+  auto keep = [&](int word) -> uint32_t {
+    const int first = word * PER;
+    if constexpr (PER == 1) {
+      return first < vis ? 0xffffffffu : 0u;
+    } else {
+      return first + 1 < vis ? 0xffffffffu : (first < vis ? 0x0000ffffu : 0u);
+    }
+  };
+  r.x &= keep(0);
+  r.y &= keep(1);
+  r.z &= keep(2);
+  r.w &= keep(3);
+}
+
+// Pairwise (tree) max / sum of a thread's values: log2(n) dependent steps instead of n.
+template <int N>
+__device__ __forceinline__ float tree_max(const float (&v)[N]) {
+  if constexpr (N == 1) {
+    return v[0];
+  } else {
+    float h[N / 2];
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) h[i] = fmaxf(v[2 * i], v[2 * i + 1]);
+    return tree_max<N / 2>(h);
+  }
+}
+template <int N>
+__device__ __forceinline__ float tree_sum(const float (&v)[N]) {
+  if constexpr (N == 1) {
+    return v[0];
+  } else {
+    float h[N / 2];
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) h[i] = v[2 * i] + v[2 * i + 1];
+    return tree_sum<N / 2>(h);
+  }
+}
+
+// 16-byte global -> shared copy that needs no register (cp.async, sm_80+); bytes < 16 are zero filled.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Row handled by slot idx of the grid order: causal launches run the rows in reverse (within each head the
+// longest rows, the last queries, start first), so the last wave holds the shortest rows instead of the longest.
+__device__ __forceinline__ int64_t row_of(int64_t idx, int64_t rows, bool reverse) {
+  return reverse ? rows - 1 - idx : idx;
+}
+
+// ------------------------------------------------------------------------------------------------------------
 // At least 1024 resident threads per SM (64 registers per thread): enough loads in flight to cover HBM latency.
 constexpr int min_blocks(int block) { return block >= 1024 ? 1 : 1024 / block; }
 
 // Register-resident forward: TPR threads per row, NV vectors per thread, BLOCK threads per block.
-
-template <typename T, int TPR, int NV, int BLOCK>
-__global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_fwd_reg_kernel(const FwdArgs<T> a) {
+template <typename T, int TPR, int NV, int BLOCK, bool FAST>
+__device__ __forceinline__ void fwd_reg_rows(const FwdArgs<T>& a, float* red_max, float* red_sum) {
   constexpr int V = Elem<T>::kVec;
   constexpr int RPB = BLOCK / TPR;
-  static_assert(BLOCK % TPR == 0 && (TPR & (TPR - 1)) == 0, "TPR must be a power of two dividing BLOCK");
-  __shared__ float red_max[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
-  __shared__ float red_sum[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
   const int lane = threadIdx.x % TPR;
   const int64_t step = static_cast<int64_t>(gridDim.x) * RPB;
   // The loop bound is uniform over the block: every thread reaches the shuffles and barriers.
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < a.rows; base += step) {
-    const int64_t row = base + threadIdx.x / TPR;
-    int64_t limit = 0;
+    const int64_t idx = base + threadIdx.x / TPR;
+    const bool valid = idx < a.rows;
+    const int64_t row = row_of(idx, a.rows, a.reverse);
+    int64_t limit = 0;  // invalid rows read nothing
     const T* x = a.x;
-    const uint8_t* m = nullptr;
-    if (row < a.rows) {
+    const uint8_t* m = a.mask;
+    if (valid) {
       RowPos p{0, 0, 0};
       if (a.xs.flat < 0 || a.mask != nullptr || a.causal) p = split_row(row, a.d1, a.d2, a.rows32);
       limit = causal_limit(a.causal, p.i2, a.causal_shift, a.sk);
       x += row_offset(a.xs, row, p);
-      if (a.mask != nullptr) m = a.mask + row_offset(a.ms, row, p);
+      if (a.mask != nullptr) m += row_offset(a.ms, row, p);
     }
+    // Load phase: every x (and mask) vector of the row is requested before any is used.
+    uint4 raw[NV];
+    uint2 mw[NV];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) raw[i] = load_vec<T, FAST>(x, static_cast<int64_t>(i * TPR + lane) * V, a.sk, limit, a.x_vec);
+#pragma unroll
+    for (int i = 0; i < NV; ++i)
+      mw[i] = a.mask != nullptr
+                  ? load_mask_vec<V, FAST>(m, static_cast<int64_t>(i * TPR + lane) * V, a.sk, limit, a.m_vec)
+                  : make_uint2(0u, 0u);
     float v[NV][V];
+    float part[NV];
 #pragma unroll
-    for (int i = 0; i < NV; ++i)
-      load_scores<T>(x, m, static_cast<int64_t>(i * TPR + lane) * V, a.sk, limit, a.x_vec, a.m_vec, a.scale, v[i]);
-    float mx = neg_inf();
-#pragma unroll
-    for (int i = 0; i < NV; ++i)
-#pragma unroll
-      for (int k = 0; k < V; ++k) mx = fmaxf(mx, v[i][k]);
-    mx = group_reduce<TPR, true>(mx, red_max);
+    for (int i = 0; i < NV; ++i) {
+      scores_of<T>(raw[i], mw[i], visible_in<V>(static_cast<int64_t>(i * TPR + lane) * V, limit), a.scale, v[i]);
+      part[i] = tree_max<V>(v[i]);
+    }
+    float mx = group_reduce<TPR, true>(tree_max<NV>(part), red_max);
     const float ref = mx == neg_inf() ? 0.f : mx;  // all masked: exp2(-inf) = 0 everywhere, the sum stays 0
-    float sum = 0.f;
 #pragma unroll
-    for (int i = 0; i < NV; ++i)
+    for (int i = 0; i < NV; ++i) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        v[i][k] = exp2f(v[i][k] - ref);
-        sum += v[i][k];
-      }
-    sum = group_reduce<TPR, false>(sum, red_sum);
+      for (int k = 0; k < V; ++k) v[i][k] = exp2f(v[i][k] - ref);
+      part[i] = tree_sum<V>(v[i]);
+    }
+    const float sum = group_reduce<TPR, false>(tree_sum<NV>(part), red_sum);
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    if (row < a.rows) {
+    if (valid) {
       T* y = a.y + row * a.sk;
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
@@ -341,41 +481,71 @@ __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_fwd_reg_kern
   }
 }
 
+template <typename T, int TPR, int NV, int BLOCK>
+__global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_fwd_reg_kernel(const FwdArgs<T> a) {
+  static_assert(BLOCK % TPR == 0 && (TPR & (TPR - 1)) == 0, "TPR must be a power of two dividing BLOCK");
+  __shared__ float red_max[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
+  __shared__ float red_sum[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
+  if (a.fast) {  // uniform over the grid
+    fwd_reg_rows<T, TPR, NV, BLOCK, true>(a, red_max, red_sum);
+  } else {
+    fwd_reg_rows<T, TPR, NV, BLOCK, false>(a, red_max, red_sum);
+  }
+}
+
 // Register-resident backward: dx = scale * y * (dy - sum_j dy_j y_j). y stays in registers as raw vectors; dy too,
 // or (STAGE) in dynamic shared memory, NV * BLOCK vectors, each thread reading back only its own slots (no barrier),
-// which halves the registers of the largest plans: they then fit 64 registers without spilling.
-template <typename T, int TPR, int NV, int BLOCK, bool STAGE>
-__global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_bwd_reg_kernel(const BwdArgs<T> a) {
+// which halves the registers of the largest plans: they then fit 64 registers without spilling. On the FAST path
+// dy goes to shared memory by cp.async (no register, no wait), so that all loads of the row are in flight at once.
+template <typename T, int TPR, int NV, int BLOCK, bool STAGE, bool FAST>
+__device__ __forceinline__ void bwd_reg_rows(const BwdArgs<T>& a, float* red_sum, uint4* stage) {
   constexpr int V = Elem<T>::kVec;
   constexpr int RPB = BLOCK / TPR;
-  static_assert(BLOCK % TPR == 0 && (TPR & (TPR - 1)) == 0, "TPR must be a power of two dividing BLOCK");
-  __shared__ float red_sum[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
-  extern __shared__ uint4 stage[];  // NV * BLOCK when STAGE
   const int lane = threadIdx.x % TPR;
   const int64_t step = static_cast<int64_t>(gridDim.x) * RPB;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < a.rows; base += step) {
-    const int64_t row = base + threadIdx.x / TPR;
+    const int64_t idx = base + threadIdx.x / TPR;
+    const bool valid = idx < a.rows;
+    const int64_t row = row_of(idx, a.rows, a.reverse);
     int64_t limit = 0;
     const T* g = a.dy;
     const T* y = a.y;
-    if (row < a.rows) {
+    if (valid) {
       RowPos p{0, 0, 0};
       if (a.gs.flat < 0 || a.ys.flat < 0 || a.causal) p = split_row(row, a.d1, a.d2, a.rows32);
       limit = causal_limit(a.causal, p.i2, a.causal_shift, a.sk);
       g += row_offset(a.gs, row, p);
       y += row_offset(a.ys, row, p);
     }
+    // Load phase: every dy and y vector of the row is requested before any is used.
     uint4 rg[STAGE ? 1 : NV], ry[NV];
+    if constexpr (STAGE && FAST) {
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const int64_t c0 = static_cast<int64_t>(i * TPR + lane) * V;
+        const int bytes = visible_in<V>(c0, limit) * static_cast<int>(sizeof(T));  // zero filled beyond
+        cp_async16(&stage[i * BLOCK + threadIdx.x], bytes > 0 ? g + c0 : g, bytes);
+      }
+    }
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int64_t c0 = static_cast<int64_t>(i * TPR + lane) * V;
-      ry[i] = load_raw<T>(y, c0, a.sk, limit, a.y_vec);
-      if constexpr (STAGE) {
+      ry[i] = load_vec<T, FAST>(y, c0, a.sk, limit, a.y_vec);
+      if constexpr (!STAGE) {
+        rg[i] = load_vec<T, FAST>(g, c0, a.sk, limit, a.g_vec);
+      } else if constexpr (!FAST) {  // general path: through registers (waits on each load; rare layouts)
         stage[i * BLOCK + threadIdx.x] = load_raw<T>(g, c0, a.sk, limit, a.g_vec);
-      } else {
-        rg[i] = load_raw<T>(g, c0, a.sk, limit, a.g_vec);
       }
     }
+    if (a.causal) {  // the boundary vector was read whole on the FAST path: zero its invisible columns
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const int vis = visible_in<V>(static_cast<int64_t>(i * TPR + lane) * V, limit);
+        zero_from<T>(ry[i], vis);
+        if constexpr (!STAGE) zero_from<T>(rg[i], vis);
+      }
+    }
+    if constexpr (STAGE && FAST) cp_async_wait_all();  // this thread's own slots are now readable by it
     auto dy_of = [&](int i) -> uint4 {
       if constexpr (STAGE) {
         return stage[i * BLOCK + threadIdx.x];
@@ -383,24 +553,27 @@ __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_bwd_reg_kern
         return rg[i];
       }
     };
-    float dot = 0.f;
+    float part[NV];
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       float fg[V], fy[V];
       Elem<T>::unpack(dy_of(i), fg);
       Elem<T>::unpack(ry[i], fy);
 #pragma unroll
-      for (int k = 0; k < V; ++k) dot += fg[k] * fy[k];
+      for (int k = 0; k < V; ++k) fy[k] = fg[k] * fy[k];
+      part[i] = tree_sum<V>(fy);
     }
-    dot = group_reduce<TPR, false>(dot, red_sum);
+    const float dot = group_reduce<TPR, false>(tree_sum<NV>(part), red_sum);
     // Make the raw words opaque so that the compiler unpacks them again below instead of keeping the unpacked
-    // fp32 copies (twice the registers) alive across the reduction.
+    // fp32 copies (twice the registers) alive across the reduction; the memory clobber keeps the shared memory
+    // reads of dy below the reduction (hoisted above it, they need registers the largest plans do not have).
+    if constexpr (STAGE) asm volatile("" ::: "memory");
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       asm volatile("" : "+r"(ry[i].x), "+r"(ry[i].y), "+r"(ry[i].z), "+r"(ry[i].w));
       if constexpr (!STAGE) asm volatile("" : "+r"(rg[i].x), "+r"(rg[i].y), "+r"(rg[i].z), "+r"(rg[i].w));
     }
-    if (row < a.rows) {
+    if (valid) {
       T* dx = a.dx + row * a.sk;
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
@@ -416,6 +589,17 @@ __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_bwd_reg_kern
   }
 }
 
+template <typename T, int TPR, int NV, int BLOCK, bool STAGE>
+__global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_bwd_reg_kernel(const BwdArgs<T> a) {
+  static_assert(BLOCK % TPR == 0 && (TPR & (TPR - 1)) == 0, "TPR must be a power of two dividing BLOCK");
+  __shared__ float red_sum[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
+  extern __shared__ uint4 stage[];  // NV * BLOCK when STAGE
+  if (a.fast) {  // uniform over the grid
+    bwd_reg_rows<T, TPR, NV, BLOCK, STAGE, true>(a, red_sum, stage);
+  } else {
+    bwd_reg_rows<T, TPR, NV, BLOCK, STAGE, false>(a, red_sum, stage);
+  }
+}
 // ------------------------------------------------------------------------------------------------------------
 // Two-pass paths for rows beyond the register budget (any length): one block per row.
 
@@ -438,7 +622,8 @@ __global__ void __launch_bounds__(kTwoPassBlock) softmax_fwd_two_pass_kernel(con
   constexpr int NW = kTwoPassBlock / 32;
   __shared__ float sm_m[NW], sm_s[NW];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+  for (int64_t idx = blockIdx.x; idx < a.rows; idx += gridDim.x) {
+    const int64_t row = row_of(idx, a.rows, a.reverse);
     RowPos p{0, 0, 0};
     if (a.xs.flat < 0 || a.mask != nullptr || a.causal) p = split_row(row, a.d1, a.d2, a.rows32);
     const int64_t limit = causal_limit(a.causal, p.i2, a.causal_shift, a.sk);
@@ -498,7 +683,8 @@ template <typename T>
 __global__ void __launch_bounds__(kTwoPassBlock) softmax_bwd_two_pass_kernel(const BwdArgs<T> a) {
   constexpr int V = Elem<T>::kVec;
   __shared__ float red_sum[kTwoPassBlock / 32];
-  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+  for (int64_t idx = blockIdx.x; idx < a.rows; idx += gridDim.x) {
+    const int64_t row = row_of(idx, a.rows, a.reverse);
     RowPos p{0, 0, 0};
     if (a.gs.flat < 0 || a.ys.flat < 0 || a.causal) p = split_row(row, a.d1, a.d2, a.rows32);
     const int64_t limit = causal_limit(a.causal, p.i2, a.causal_shift, a.sk);
@@ -585,7 +771,7 @@ constexpr int64_t bwd_register_max_cols() {
 }
 
 // Plans in order of capacity: rows of up to 32 vectors use 1..32 threads with one vector each, then a warp with
-// 2, 4 (, 8) vectors, then 64..1024 threads with the full per-thread budget, then the two-pass kernels.
+// 2, 4 (, 8) vectors (16-bit backward: 2 warps with 2 vectors instead of one warp with 4), then 64..1024 threads with the full per-thread budget, then the two-pass kernels.
 template <typename T, bool BWD, typename Args>
 void run(const Args& a, cudaStream_t st) {
   constexpr int V = Elem<T>::kVec;
@@ -610,7 +796,13 @@ void run(const Args& a, cudaStream_t st) {
   if (nvec <= 16) return go(std::integral_constant<int, 16>{}, I1{});
   if (nvec <= 32) return go(std::integral_constant<int, 32>{}, I1{});
   if (nvec <= 64) return go(std::integral_constant<int, 32>{}, I2{});
-  if (nvec <= 128) return go(std::integral_constant<int, 32>{}, I4{});
+  if constexpr (BWD && sizeof(T) == 2) {
+    // 16-bit backward, 65..128 vectors: two warps per row with dy and y in registers. (One warp with 4 vectors
+    // needs dy staged in shared memory and still spills at 64 registers.)
+    if (nvec <= 128) return go(std::integral_constant<int, 64>{}, I2{});
+  } else {
+    if (nvec <= 128) return go(std::integral_constant<int, 32>{}, I4{});
+  }
   if constexpr (MAXNV == 8) {
     if (nvec <= 256) return go(std::integral_constant<int, 32>{}, IMAX{});
   }
