@@ -3,17 +3,20 @@
 //
 // Layout. A row of H elements is cut into "chunks" of VEC elements (VEC * sizeof(input) = 16 bytes when the
 // row length and every pointer allow it, VEC = 1 otherwise). TPR threads work on one row; thread t owns the
-// chunks t, t + TPR, ..., t + (NV - 1) * TPR, so each thread holds NV * VEC values in registers and every
-// register array is indexed with compile-time constants. TPR <= 32 is a power of two (sub-warp groups);
-// TPR > 32 is a multiple of 32 (several warps per row, reduced through shared memory). A block holds
-// RPB = blockDim.x / TPR row groups.
+// chunks t, t + TPR, ..., t + (NV - 1) * TPR, so each thread holds NV * VEC values in registers (packed in the
+// tensor's own dtype, converted to fp32 on use) and every register array is indexed with compile-time constants.
+// TPR <= 32 is a power of two (sub-warp groups); TPR > 32 is a multiple of 32 (several warps per row, reduced
+// through shared memory). A block holds RPB = blockDim.x / TPR row groups.
 //
+// Both directions run a persistent grid (as many blocks as fit the GPU at once); each row group walks over rows
+// with a stride and, in the prefetching (PF) variants, loads the next row's chunks before reducing the current
+// one, so that 16-byte loads stay in flight through the reductions (Hopper needs ~32-64 KB in flight per SM).
 // Forward: one read of x, one write of y, two-pass mean/variance from registers.
-// Backward: a persistent grid; each block walks over many rows, keeps per-column partial sums of dy * xhat
-// (and dy) in fp32 (registers, or shared memory for the widest rows), writes one partial row per block into an
-// fp32 workspace [nacc, blocks, H], and norm_col_reduce_kernel sums the partial rows column-wise in a fixed
-// order (deterministic, no atomics).
+// Backward: keeps per-column partial sums of dy * xhat (and dy) in fp32 (registers, or shared memory for wide
+// rows), writes one partial row per block into an fp32 workspace [nacc, blocks, H], and norm_col_reduce_kernel
+// sums the partial rows column-wise in a fixed order (deterministic, no atomics).
 // Rows wider than the register capacity take the *_generic kernels (block per row, re-reading the row).
+// Launch plans per hidden size: fwd_plan / bwd_plan below.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -50,25 +53,120 @@ template <> __device__ __forceinline__ float from_f<float>(float v) { return v; 
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
+// Raw chunk of N elements of T held in 32-bit registers (a plain word array: always register-resident with
+// compile-time indices), converted to fp32 element by element on use. Little-endian: element 0 of a 16-bit
+// pair is the low half of its word.
 template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
+struct Raw {
+  static constexpr int kBytes = static_cast<int>(sizeof(T)) * N;
+  static constexpr int kWords = kBytes < 4 ? 1 : kBytes / 4;
+  uint32_t u[kWords];
 };
 
-// Reads N consecutive elements at p (aligned to N * sizeof(T)) as floats.
-template <int N, typename T>
-__device__ __forceinline__ void load_f(const T* __restrict__ p, float (&out)[N]) {
-  const Pack<T, N> r = *reinterpret_cast<const Pack<T, N>*>(p);
-#pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_f(r.v[i]);
+// The 16-bit conversions are volatile asm on purpose: each use re-extracts the element from its packed word
+// (one ALU op) instead of letting the compiler keep all NV * VEC converted floats live across the passes over
+// the row, which doubles the registers of the prefetching kernels and makes them spill.
+template <typename T, int N>
+__device__ __forceinline__ float raw_get(const Raw<T, N>& r, int i) {
+  if constexpr (std::is_same<T, float>::value) {
+    return __uint_as_float(r.u[i]);
+  } else if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    const uint32_t w = r.u[i >> 1];
+    float f;
+    if (i & 1) {
+      asm volatile("and.b32 %0, %1, 0xffff0000;" : "=f"(f) : "r"(w));
+    } else {
+      asm volatile("shl.b32 %0, %1, 16;" : "=f"(f) : "r"(w));
+    }
+    return f;
+  } else {
+    const uint32_t w = r.u[i >> 1];
+    float f;
+    if (i & 1) {
+      asm volatile("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, hi; }" : "=f"(f) : "r"(w));
+    } else {
+      asm volatile("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, lo; }" : "=f"(f) : "r"(w));
+    }
+    return f;
+  }
 }
 
+template <typename T, int N>
+__device__ __forceinline__ void raw_zero(Raw<T, N>& r) {
+#pragma unroll
+  for (int k = 0; k < Raw<T, N>::kWords; ++k) r.u[k] = 0u;  // +0.0 in every dtype
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t bits16(float v) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  } else {
+    return __half_as_ushort(__float2half_rn(v));
+  }
+}
+
+// Rounds N floats to T and packs them into 32-bit words (element 0 in the low half of a 16-bit pair).
+template <typename T, int N>
+__device__ __forceinline__ void raw_pack(const float (&in)[N], Raw<T, N>& r) {
+  if constexpr (std::is_same<T, float>::value) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) r.u[i] = __float_as_uint(in[i]);
+  } else if constexpr (N == 1) {
+    r.u[0] = bits16<T>(in[0]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N / 2; ++k) r.u[k] = bits16<T>(in[2 * k]) | (bits16<T>(in[2 * k + 1]) << 16);
+  }
+}
+
+// Reads N consecutive elements at p (aligned to N * sizeof(T)) as floats (cached loads: parameters).
+template <int N, typename T>
+__device__ __forceinline__ void load_f(const T* __restrict__ p, float (&out)[N]) {
+  constexpr int B = Raw<T, N>::kBytes;
+  Raw<T, N> r;
+  if constexpr (B % 16 == 0) {
+#pragma unroll
+    for (int k = 0; k < B / 16; ++k) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + k);
+      r.u[4 * k] = v.x;
+      r.u[4 * k + 1] = v.y;
+      r.u[4 * k + 2] = v.z;
+      r.u[4 * k + 3] = v.w;
+    }
+  } else if constexpr (B == 8) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    r.u[0] = v.x;
+    r.u[1] = v.y;
+  } else if constexpr (B == 4) {
+    r.u[0] = __ldg(reinterpret_cast<const unsigned int*>(p));
+  } else {
+    static_assert(B == 2, "chunk size");
+    r.u[0] = __ldg(reinterpret_cast<const unsigned short*>(p));
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = raw_get(r, i);
+}
+
+// Writes N floats rounded to T at p (aligned to N * sizeof(T)).
 template <int N, typename T>
 __device__ __forceinline__ void store_f(T* __restrict__ p, const float (&in)[N]) {
-  Pack<T, N> r;
+  constexpr int B = Raw<T, N>::kBytes;
+  Raw<T, N> r;
+  raw_pack<T, N>(in, r);
+  if constexpr (B % 16 == 0) {
 #pragma unroll
-  for (int i = 0; i < N; ++i) r.v[i] = from_f<T>(in[i]);
-  *reinterpret_cast<Pack<T, N>*>(p) = r;
+    for (int k = 0; k < B / 16; ++k) {
+      reinterpret_cast<uint4*>(p)[k] = make_uint4(r.u[4 * k], r.u[4 * k + 1], r.u[4 * k + 2], r.u[4 * k + 3]);
+    }
+  } else if constexpr (B == 8) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(r.u[0], r.u[1]);
+  } else if constexpr (B == 4) {
+    *reinterpret_cast<unsigned int*>(p) = r.u[0];
+  } else {
+    static_assert(B == 2, "chunk size");
+    *reinterpret_cast<unsigned short*>(p) = static_cast<unsigned short>(r.u[0]);
+  }
 }
 
 // Parameters (weight, bias) are float32 or the input's dtype, chosen at run time (p_f32): the branch is uniform
@@ -126,41 +224,88 @@ __device__ __forceinline__ void row_sum(float (&v)[K], int tpr, float* buf) {
 // ---------------------------------------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------------------------------------
+// Loads one chunk (aligned to its size) with the evict-first hint (ld.global.cs): x and dy are read exactly once
+// per kernel, so they leave L1/L2 to the parameters and the workspace.
+template <typename T, int N>
+__device__ __forceinline__ void raw_load(const T* __restrict__ p, Raw<T, N>& r) {
+  constexpr int B = Raw<T, N>::kBytes;
+  if constexpr (B % 16 == 0) {
+#pragma unroll
+    for (int k = 0; k < B / 16; ++k) {
+      const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p) + k);
+      r.u[4 * k] = v.x;
+      r.u[4 * k + 1] = v.y;
+      r.u[4 * k + 2] = v.z;
+      r.u[4 * k + 3] = v.w;
+    }
+  } else if constexpr (B == 8) {
+    const uint2 v = __ldcs(reinterpret_cast<const uint2*>(p));
+    r.u[0] = v.x;
+    r.u[1] = v.y;
+  } else if constexpr (B == 4) {
+    r.u[0] = __ldcs(reinterpret_cast<const unsigned int*>(p));
+  } else {
+    static_assert(B == 2, "chunk size");
+    r.u[0] = __ldcs(reinterpret_cast<const unsigned short*>(p));
+  }
+}
+
+// Loads the chunks of one row owned by thread t (zeros outside the row, or for an invalid row).
+template <typename T, int VEC, int NV>
+__device__ __forceinline__ void load_row(const T* __restrict__ base, bool valid, int t, int tpr, int nchunks,
+                                         Raw<T, VEC> (&out)[NV]) {
+#pragma unroll
+  for (int n = 0; n < NV; ++n) {
+    const int c = t + n * tpr;
+    if (valid && c < nchunks) {
+      raw_load<T, VEC>(base + static_cast<int64_t>(c) * VEC, out[n]);
+    } else {
+      raw_zero(out[n]);
+    }
+  }
+}
+
+// Launch bounds: prefetching variants (two packed rows live) and NV * VEC <= 32 keep <= 64 registers at 1024
+// threads per block; NV = 8 (wide rows, no prefetch) keeps 32 packed words.
 template <int NV, int VEC>
 struct FwdBounds {
-  static constexpr int value = NV * VEC <= 32 ? 1024 : 512;
+  static constexpr int value = 1024;
 };
 
+// Persistent row-group kernel. A row group of tpr threads owns rows rg0, rg0 + stride, ... (stride = gridDim.x *
+// rows per block); x stays packed in its own dtype in registers (converted to fp32 on each use), and with PF the
+// next row's chunks, mean and rstd are loaded before the current row is reduced, so that every thread keeps
+// NV 16-byte loads in flight through the reductions (the latency of one row is hidden behind the previous one).
+//
 // x [rows, H] (Tin), w/b [H] (float32 when p_f32, else Tin; either may be null), y [rows, H] (Tout), mean/rstd
 // [rows] fp32 (mean unused when RMS). Requires H % VEC == 0 and every pointer aligned to VEC elements when
-// VEC > 1, and ceil(H / VEC) <= NV * tpr.
-template <typename Tin, typename Tout, int VEC, int NV, bool RMS>
+// VEC > 1, and ceil(H / VEC) <= NV * tpr; blockDim.x a multiple of tpr.
+template <typename Tin, typename Tout, int VEC, int NV, bool RMS, bool PF>
 __global__ void __launch_bounds__(FwdBounds<NV, VEC>::value)
 norm_fwd_kernel(const Tin* __restrict__ x, const void* __restrict__ w, const void* __restrict__ b, bool p_f32,
                 Tout* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
                 int64_t rows, int H, int tpr, float eps) {
+  constexpr int PG = VEC < 4 ? VEC : 4;
   __shared__ float red[2][32];
   const int rpb = blockDim.x / tpr;
   const int rg = threadIdx.x / tpr;
   const int t = threadIdx.x - rg * tpr;
   const int nchunks = H / VEC;  // exact: VEC == 1 or H % VEC == 0
   const float inv_h = 1.f / static_cast<float>(H);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
   int parity = 0;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * rpb; base < rows;
-       base += static_cast<int64_t>(gridDim.x) * rpb) {
+  int64_t base = static_cast<int64_t>(blockIdx.x) * rpb;
+  Raw<Tin, VEC> cur[NV];
+  if constexpr (PF) load_row<Tin, VEC, NV>(x + (base + rg) * H, base + rg < rows, t, tpr, nchunks, cur);
+  for (; base < rows; base += stride) {
     const int64_t row = base + rg;
     const bool valid = row < rows;
-    const Tin* xr = x + row * H;
-    float v[NV][VEC];
-#pragma unroll
-    for (int n = 0; n < NV; ++n) {
-      const int c = t + n * tpr;
-      if (valid && c < nchunks) {
-        load_f<VEC>(xr + static_cast<int64_t>(c) * VEC, v[n]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) v[n][i] = 0.f;
-      }
+    Raw<Tin, VEC> nxt[PF ? NV : 1];
+    if constexpr (PF) {
+      const int64_t nrow = row + stride;
+      load_row<Tin, VEC, NV>(x + nrow * H, nrow < rows, t, tpr, nchunks, nxt);
+    } else {
+      load_row<Tin, VEC, NV>(x + row * H, valid, t, tpr, nchunks, cur);
     }
     float mean = 0.f;
     if constexpr (!RMS) {
@@ -168,7 +313,7 @@ norm_fwd_kernel(const Tin* __restrict__ x, const void* __restrict__ w, const voi
 #pragma unroll
       for (int n = 0; n < NV; ++n)
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) s[0] += v[n][i];
+        for (int i = 0; i < VEC; ++i) s[0] += raw_get(cur[n], i);  // zeros outside the row
       row_sum<1>(s, tpr, red[parity]);
       parity ^= 1;
       mean = s[0] * inv_h;
@@ -179,7 +324,7 @@ norm_fwd_kernel(const Tin* __restrict__ x, const void* __restrict__ w, const voi
       const bool in = (t + n * tpr) < nchunks;
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        const float d = in ? v[n][i] - mean : 0.f;
+        const float d = in ? raw_get(cur[n], i) - mean : 0.f;
         q[0] += d * d;
       }
     }
@@ -197,25 +342,33 @@ norm_fwd_kernel(const Tin* __restrict__ x, const void* __restrict__ w, const voi
         const int c = t + n * tpr;
         if (c < nchunks) {
           float o[VEC];
+          // Parameters in groups of PG elements (16 bytes of fp32): fewer live registers than a whole chunk.
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) o[i] = (v[n][i] - mean) * rstd;
-          if (w != nullptr) {
-            float wv[VEC];
-            load_param<VEC, Tin>(w, p_f32, c * VEC, wv);
+          for (int g0 = 0; g0 < VEC; g0 += PG) {
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) o[i] *= wv[i];
-          }
-          if constexpr (!RMS) {
-            if (b != nullptr) {
-              float bv[VEC];
-              load_param<VEC, Tin>(b, p_f32, c * VEC, bv);
+            for (int i = 0; i < PG; ++i) o[g0 + i] = (raw_get(cur[n], g0 + i) - mean) * rstd;
+            if (w != nullptr) {
+              float wv[PG];
+              load_param<PG, Tin>(w, p_f32, c * VEC + g0, wv);
 #pragma unroll
-              for (int i = 0; i < VEC; ++i) o[i] += bv[i];
+              for (int i = 0; i < PG; ++i) o[g0 + i] *= wv[i];
+            }
+            if constexpr (!RMS) {
+              if (b != nullptr) {
+                float bv[PG];
+                load_param<PG, Tin>(b, p_f32, c * VEC + g0, bv);
+#pragma unroll
+                for (int i = 0; i < PG; ++i) o[g0 + i] += bv[i];
+              }
             }
           }
           store_f<VEC>(yr + static_cast<int64_t>(c) * VEC, o);
         }
       }
+    }
+    if constexpr (PF) {
+#pragma unroll
+      for (int n = 0; n < NV; ++n) cur[n] = nxt[n];
     }
   }
 }
@@ -274,15 +427,30 @@ norm_fwd_generic_kernel(const Tin* __restrict__ x, const void* __restrict__ w, c
 //
 // dy [rows, H] (Tdy), x [rows, H] (Tin), w [H] (float32 when p_f32, else Tin; or null), mean/rstd [rows] fp32,
 // dx [rows, H] (Tin). ws: fp32 [NACC, gridDim.x, H] (NACC = 2 for LN: dw, db; 1 for RMS), or null when no
-// parameter gradient is wanted. ACC_SMEM (the widest rows, 32 values per thread): the per-column sums live in
-// dynamic shared memory [NACC][tpr][NV * VEC + 1] instead of registers; it requires one row group per block. Otherwise, with several row groups per block, dynamic
-// shared memory [RPB][H] floats combines the row groups at the end.
-template <typename Tin, typename Tdy, int VEC, int NV, bool RMS, bool ACC_SMEM>
-__global__ void __launch_bounds__(512)
+// parameter gradient is wanted.
+//
+// Persistent grid: each row group of tpr threads walks over rows rg0, rg0 + stride, ...; x and dy stay packed in
+// their own dtypes in registers. PF: the next row's x, dy, mean and rstd are loaded before the current row is
+// reduced (two packed rows live), so loads stay in flight through the row reduction and the dx stores.
+// The per-column sums (dw, db) of the rows a thread sees live in registers (ACC_SMEM false), or for wide rows in
+// dynamic shared memory [NACC][tpr][NV * VEC + 1] owned slot by slot by one thread (ACC_SMEM true; requires one
+// row group per block). At the end, with several row groups per block, dynamic shared memory [RPB][H] floats
+// combines them in a fixed order; each block writes one partial row per accumulator into ws.
+template <bool ACC_SMEM>
+struct BwdBounds {
+  // Register accumulators: blocks of 256 threads, two per SM (<= 128 registers; at three per SM, 80 registers,
+  // the 16-bit LayerNorm variants spill); shared-memory accumulators: up to 512 threads per row, <= 128 registers.
+  static constexpr int threads = ACC_SMEM ? 512 : 256;
+  static constexpr int min_blocks = ACC_SMEM ? 1 : 2;
+};
+
+template <typename Tin, typename Tdy, int VEC, int NV, bool RMS, bool ACC_SMEM, bool PF>
+__global__ void __launch_bounds__(BwdBounds<ACC_SMEM>::threads, BwdBounds<ACC_SMEM>::min_blocks)
 norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const void* __restrict__ w, bool p_f32,
                 const float* __restrict__ mean, const float* __restrict__ rstd, Tin* __restrict__ dx,
                 float* __restrict__ ws, int64_t rows, int H, int tpr) {
   constexpr int NACC = RMS ? 1 : 2;
+  constexpr int PG = VEC < 4 ? VEC : 4;
   extern __shared__ float dyn_smem[];
   __shared__ float red[2][64];
   const int rpb = blockDim.x / tpr;
@@ -290,14 +458,15 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
   const int t = threadIdx.x - rg * tpr;
   const int nchunks = H / VEC;
   const float inv_h = 1.f / static_cast<float>(H);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
   // ACC_SMEM: thread t's NV * VEC slots are contiguous (compile-time offsets from one base: no address
   // registers) with a stride of NV * VEC + 1 words between threads (odd: no bank conflicts).
   const int acc_stride = (NV * VEC + 1) * tpr;  // floats per accumulator
   float* acc_t = dyn_smem + t * (NV * VEC + 1);
+  const bool want_acc = ws != nullptr;
 
   float acc_w[ACC_SMEM ? 1 : NV][ACC_SMEM ? 1 : VEC];
   float acc_b[ACC_SMEM ? 1 : NV][ACC_SMEM ? 1 : VEC];  // unused (and dropped by the compiler) when RMS
-  float wreg[ACC_SMEM ? 1 : NV][ACC_SMEM ? 1 : VEC];
   if constexpr (ACC_SMEM) {
     // Only the owning thread ever touches its slots: no barrier needed.
 #pragma unroll
@@ -306,72 +475,85 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
       for (int k = 0; k < NV * VEC; ++k) acc_t[a * acc_stride + k] = 0.f;
   } else {
 #pragma unroll
-    for (int n = 0; n < NV; ++n) {
-      const int c = t + n * tpr;
+    for (int n = 0; n < NV; ++n)
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
         acc_w[n][i] = 0.f;
         acc_b[n][i] = 0.f;
-        wreg[n][i] = 1.f;
       }
-      if (w != nullptr && c < nchunks) load_param<VEC, Tin>(w, p_f32, c * VEC, wreg[n]);
-    }
   }
 
   int parity = 0;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * rpb; base < rows;
-       base += static_cast<int64_t>(gridDim.x) * rpb) {
+  int64_t base = static_cast<int64_t>(blockIdx.x) * rpb;
+  Raw<Tin, VEC> xc[NV];
+  Raw<Tdy, VEC> dc[NV];
+  float m = 0.f, r = 0.f;
+  if constexpr (PF) {
     const int64_t row = base + rg;
     const bool valid = row < rows;
-    // x stays in its own (packed) type: xhat is recomputed from it in the second pass, which saves registers.
-    Pack<Tin, VEC> xv[NV];
-    float gv[NV][VEC];
-#pragma unroll
-    for (int n = 0; n < NV; ++n) {
-      const int c = t + n * tpr;
-      if (valid && c < nchunks) {
-        xv[n] = *reinterpret_cast<const Pack<Tin, VEC>*>(x + row * H + static_cast<int64_t>(c) * VEC);
-        load_f<VEC>(dy + row * H + static_cast<int64_t>(c) * VEC, gv[n]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          xv[n].v[i] = from_f<Tin>(0.f);
-          gv[n][i] = 0.f;
-        }
+    load_row<Tin, VEC, NV>(x + row * H, valid, t, tpr, nchunks, xc);
+    load_row<Tdy, VEC, NV>(dy + row * H, valid, t, tpr, nchunks, dc);
+    if (valid) {
+      if constexpr (!RMS) m = mean[row];
+      r = rstd[row];
+    }
+  }
+  for (; base < rows; base += stride) {
+    const int64_t row = base + rg;
+    const bool valid = row < rows;
+    Raw<Tin, VEC> xn[PF ? NV : 1];
+    Raw<Tdy, VEC> dn[PF ? NV : 1];
+    float mn = 0.f, rn = 0.f;
+    if constexpr (PF) {
+      const int64_t nrow = row + stride;
+      const bool nvalid = nrow < rows;
+      load_row<Tin, VEC, NV>(x + nrow * H, nvalid, t, tpr, nchunks, xn);
+      load_row<Tdy, VEC, NV>(dy + nrow * H, nvalid, t, tpr, nchunks, dn);
+      if (nvalid) {
+        if constexpr (!RMS) mn = mean[nrow];
+        rn = rstd[nrow];
+      }
+    } else {
+      load_row<Tin, VEC, NV>(x + row * H, valid, t, tpr, nchunks, xc);
+      load_row<Tdy, VEC, NV>(dy + row * H, valid, t, tpr, nchunks, dc);
+      m = 0.f;
+      r = 0.f;
+      if (valid) {
+        if constexpr (!RMS) m = mean[row];
+        r = rstd[row];
       }
     }
-    const float m = (!RMS && valid) ? mean[row] : 0.f;
-    const float r = valid ? rstd[row] : 0.f;
+    // First pass: g = w * dy, the two row sums, the column sums. (g is recomputed in the second pass from the
+    // packed dy and the weight, an L1 hit, rather than held in NV * VEC more registers; parameters are read in
+    // groups of PG elements, 16 bytes of fp32, for the same reason.)
     float s[2] = {0.f, 0.f};
 #pragma unroll
     for (int n = 0; n < NV; ++n) {
       const int c = t + n * tpr;
-      float wv[VEC];
-      if constexpr (ACC_SMEM) {
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) wv[i] = 1.f;
-        if (w != nullptr && c < nchunks) load_param<VEC, Tin>(w, p_f32, c * VEC, wv);
-      } else {
+      for (int g0 = 0; g0 < VEC; g0 += PG) {
+        float wv[PG];
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) wv[i] = wreg[n][i];
-      }
+        for (int k = 0; k < PG; ++k) wv[k] = 1.f;
+        if (w != nullptr && c < nchunks) load_param<PG, Tin>(w, p_f32, c * VEC + g0, wv);
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        const float xh = (to_f(xv[n].v[i]) - m) * r;  // out-of-row slots: dy == 0, so they add nothing below
-        const float d = gv[n][i];
-        if constexpr (ACC_SMEM) {
-          if (c < nchunks) {
-            acc_t[n * VEC + i] += d * xh;
-            if constexpr (!RMS) acc_t[acc_stride + n * VEC + i] += d;
+        for (int k = 0; k < PG; ++k) {
+          const int i = g0 + k;
+          const float xh = (raw_get(xc[n], i) - m) * r;  // out-of-row slots: dy == 0, so they add nothing below
+          const float d = raw_get(dc[n], i);
+          if constexpr (ACC_SMEM) {
+            if (want_acc && c < nchunks) {
+              acc_t[n * VEC + i] += d * xh;
+              if constexpr (!RMS) acc_t[acc_stride + n * VEC + i] += d;
+            }
+          } else {
+            acc_w[n][i] += d * xh;
+            if constexpr (!RMS) acc_b[n][i] += d;
           }
-        } else {
-          acc_w[n][i] += d * xh;
-          if constexpr (!RMS) acc_b[n][i] += d;
+          const float g = d * wv[k];
+          if constexpr (!RMS) s[0] += g;
+          s[1] += g * xh;
         }
-        const float g = d * wv[i];
-        gv[n][i] = g;
-        if constexpr (!RMS) s[0] += g;
-        s[1] += g * xh;
       }
     }
     row_sum<2>(s, tpr, red[parity]);
@@ -385,14 +567,34 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
         if (c < nchunks) {
           float o[VEC];
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) o[i] = r * (gv[n][i] - c1 - (to_f(xv[n].v[i]) - m) * r * c2);
+          for (int g0 = 0; g0 < VEC; g0 += PG) {
+            float wv[PG];
+#pragma unroll
+            for (int k = 0; k < PG; ++k) wv[k] = 1.f;
+            if (w != nullptr) load_param<PG, Tin>(w, p_f32, c * VEC + g0, wv);
+#pragma unroll
+            for (int k = 0; k < PG; ++k) {
+              const int i = g0 + k;
+              const float g = raw_get(dc[n], i) * wv[k];
+              o[i] = r * (g - c1 - (raw_get(xc[n], i) - m) * r * c2);
+            }
+          }
           store_f<VEC>(dx + row * H + static_cast<int64_t>(c) * VEC, o);
         }
       }
     }
+    if constexpr (PF) {
+#pragma unroll
+      for (int n = 0; n < NV; ++n) {
+        xc[n] = xn[n];
+        dc[n] = dn[n];
+      }
+      m = mn;
+      r = rn;
+    }
   }
 
-  if (ws == nullptr) return;
+  if (!want_acc) return;
   const int64_t P = gridDim.x;
   if constexpr (ACC_SMEM) {
 #pragma unroll
@@ -497,7 +699,8 @@ norm_bwd_generic_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
 }
 
 // ws fp32 [NACC, P, H] -> out_a[H] = sum_p ws[0, p, :] (TA), out_b[H] = sum_p ws[1, p, :] (TB, may be null).
-// Block (32, 16): 32 columns per block, the 16 thread rows stride over P; fixed summation order.
+// Block (32, 16): 32 columns per block, the 16 thread rows stride over P with four independent partial sums
+// each (four loads in flight per array and thread); fixed summation order (deterministic).
 template <typename TA, typename TB>
 __global__ void __launch_bounds__(512)
 norm_col_reduce_kernel(const float* __restrict__ ws, int64_t P, int H, TA* __restrict__ out_a,
@@ -505,15 +708,28 @@ norm_col_reduce_kernel(const float* __restrict__ ws, int64_t P, int H, TA* __res
   __shared__ float sa[16][33];
   __shared__ float sb[16][33];
   const int col = blockIdx.x * 32 + threadIdx.x;
-  float a = 0.f, bsum = 0.f;
+  float a[4] = {0.f, 0.f, 0.f, 0.f}, bs[4] = {0.f, 0.f, 0.f, 0.f};
   if (col < H) {
-    for (int64_t p = threadIdx.y; p < P; p += 16) {
-      if (out_a != nullptr) a += ws[p * H + col];
-      if (out_b != nullptr) bsum += ws[(P + p) * H + col];
+    const float* wa = ws + col;
+    const float* wb = ws + P * H + col;
+    int64_t p = threadIdx.y;
+    for (; p + 48 < P; p += 64) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (out_a != nullptr) a[k] += wa[(p + 16 * k) * H];
+        if (out_b != nullptr) bs[k] += wb[(p + 16 * k) * H];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (p + 16 * k < P) {
+        if (out_a != nullptr) a[k] += wa[(p + 16 * k) * H];
+        if (out_b != nullptr) bs[k] += wb[(p + 16 * k) * H];
+      }
     }
   }
-  sa[threadIdx.y][threadIdx.x] = a;
-  sb[threadIdx.y][threadIdx.x] = bsum;
+  sa[threadIdx.y][threadIdx.x] = (a[0] + a[1]) + (a[2] + a[3]);
+  sb[threadIdx.y][threadIdx.x] = (bs[0] + bs[1]) + (bs[2] + bs[3]);
   __syncthreads();
   if (threadIdx.y == 0 && col < H) {
     float ta = 0.f, tb = 0.f;
@@ -528,7 +744,7 @@ norm_col_reduce_kernel(const float* __restrict__ ws, int64_t P, int H, TA* __res
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Host side: configuration choice and launches
+// Host side: launch plans and launches
 // ---------------------------------------------------------------------------------------------------------
 template <int V> struct IC { static constexpr int value = V; };
 
@@ -536,10 +752,13 @@ template <typename T> struct CudaT { using type = T; };
 template <> struct CudaT<at::Half> { using type = __half; };
 template <> struct CudaT<at::BFloat16> { using type = __nv_bfloat16; };
 
+// A launch plan: nv chunks of VEC elements per thread (0 = the generic kernel), tpr threads per row, the
+// backward's column sums in shared memory (acc_smem), the next row prefetched (pf).
 struct Cfg {
-  int nv = 0;    // chunks per thread; 0 = generic kernel
-  int tpr = 0;   // threads per row
+  int nv = 0;
+  int tpr = 0;
   bool acc_smem = false;
+  bool pf = false;
 };
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -552,28 +771,49 @@ inline int round_tpr(int64_t n) {
   return static_cast<int>(ceil_div(n, 32) * 32);
 }
 
-// nvs: ascending chunks-per-thread choices instantiated (register path). Prefer a warp (or less) per row for
-// short rows, then about 256 threads per row, then up to max_tpr with the most values per thread; acc_nv > 0: the backward's shared-memory
-// accumulator variant with acc_nv chunks per thread and up to 512 threads per row; else the generic kernel.
-inline Cfg choose(int64_t chunks, std::initializer_list<int> nvs, int max_tpr, int acc_nv) {
-  for (int nv : nvs) {
-    if (nv <= 4 && ceil_div(chunks, nv) <= 32) return {nv, round_tpr(ceil_div(chunks, nv)), false};
+// Forward plans (chunks = H / VEC). Four chunks per thread (four 16-byte loads in flight per thread, four more
+// for the next row) with up to 512 threads per row; wider rows: eight chunks per thread without prefetch, up to
+// 1024 threads per row; then the generic kernel. Scalar rows (VEC = 1): four values per thread with prefetch, up
+// to 1024 threads per row.
+inline Cfg fwd_plan(int64_t chunks, bool vec) {
+  if (!vec) {
+    const int tpr = round_tpr(ceil_div(chunks, 4));
+    return tpr <= 1024 ? Cfg{4, tpr, false, true} : Cfg{};
   }
-  for (int nv : nvs) {
-    const int tpr = round_tpr(ceil_div(chunks, nv));
-    if (tpr <= 256) return {nv, tpr, false};
+  const int tpr4 = round_tpr(ceil_div(chunks, 4));
+  if (tpr4 <= 512) return {4, tpr4, false, true};
+  const int tpr8 = round_tpr(ceil_div(chunks, 8));
+  if (tpr8 <= 1024) return {8, tpr8, false, false};
+  return Cfg{};
+}
+
+// Backward plans. Vector rows: two chunks per thread with register column sums and prefetch (<= 256 threads per
+// row: bf16/fp16 H <= 4096, fp32 H <= 2048); four chunks per thread with shared-memory column sums and prefetch
+// (<= 512 threads: H <= 16384 / 8192); for fp32, eight chunks (32 values) per thread with shared-memory column
+// sums without prefetch (H <= 16384); then the generic kernel. Scalar rows: four values per thread with
+// prefetch, register column sums up to 256 threads per row, shared-memory ones up to 512.
+template <int V>
+inline Cfg bwd_plan(int64_t chunks, bool vec) {
+  if (!vec) {
+    const int tpr = round_tpr(ceil_div(chunks, 4));
+    if (tpr <= 256) return {4, tpr, false, true};
+    if (tpr <= 512) return {4, tpr, true, true};
+    return Cfg{};
   }
-  Cfg best;  // wide rows: the most values per thread (fewest warps to reduce over) that fits
-  for (int nv : nvs) {
-    const int tpr = round_tpr(ceil_div(chunks, nv));
-    if (tpr <= max_tpr) best = {nv, tpr, false};
+  const int tpr4 = round_tpr(ceil_div(chunks, 4));
+#if defined(PIPEGOOSE_NORM_BWD_SMEM_ACC)
+  // Build-time experiment (benchmarks/build_cost.py --specialise): rows of at least one warp take the
+  // shared-memory accumulator plan (four chunks per thread, twice the bytes in flight) instead of the register one.
+  if (tpr4 >= 32 && tpr4 <= 512) return {4, tpr4, true, true};
+#endif
+  const int tpr2 = round_tpr(ceil_div(chunks, 2));
+  if (tpr2 <= 256) return {2, tpr2, false, true};
+  if (tpr4 <= 512) return {4, tpr4, true, true};
+  if constexpr (32 / V > 4) {
+    const int tprw = round_tpr(ceil_div(chunks, 32 / V));
+    if (tprw <= 512) return {32 / V, tprw, true, false};
   }
-  if (best.nv != 0) return best;
-  if (acc_nv > 0) {
-    const int tpr = round_tpr(ceil_div(chunks, acc_nv));
-    if (tpr <= 512) return {acc_nv, tpr, true};
-  }
-  return Cfg{};  // generic
+  return Cfg{};
 }
 
 inline int rows_per_block(int tpr) { return tpr >= 256 ? 1 : 256 / tpr; }
@@ -609,8 +849,6 @@ inline void allow_smem(const void* kernel, size_t smem) {
   }
 }
 
-constexpr int64_t kMaxGrid = 2147483647LL;
-
 template <typename Tin, typename Tout, bool RMS>
 void launch_fwd(const Tin* x, const void* w, const void* b, bool p_f32, Tout* y, float* mean, float* rstd,
                 int64_t rows, int H, float eps, cudaStream_t stream) {
@@ -619,11 +857,11 @@ void launch_fwd(const Tin* x, const void* w, const void* b, bool p_f32, Tout* y,
   bool vec = H % V == 0 && aligned(x, 16) && aligned(y, V * sizeof(Tout));
   if (w != nullptr) vec = vec && aligned(w, pbytes);
   if (b != nullptr) vec = vec && aligned(b, pbytes);
-  // Register path: up to 32 values per thread, 1024 threads per row.
-  const Cfg cfg = vec ? choose(H / V, {1, 2, 4}, 1024, 0) : choose(H, {4}, 1024, 0);
+  const Cfg cfg = fwd_plan(vec ? H / V : H, vec);
+  const int sms = sm_count();
   if (cfg.nv == 0) {
     const int threads = 1024;
-    const int64_t grid = std::min<int64_t>(rows, static_cast<int64_t>(sm_count()) * 2);
+    const int64_t grid = std::min<int64_t>(rows, static_cast<int64_t>(sms) * 2);
     norm_fwd_generic_kernel<Tin, Tout, RMS><<<static_cast<unsigned>(grid), threads, 0, stream>>>(
         x, w, b, p_f32, y, mean, rstd, rows, H, eps);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -631,27 +869,28 @@ void launch_fwd(const Tin* x, const void* w, const void* b, bool p_f32, Tout* y,
   }
   const int rpb = rows_per_block(cfg.tpr);
   const int threads = rpb * cfg.tpr;
-  const int64_t grid = std::min<int64_t>(ceil_div(rows, rpb), kMaxGrid);
-  auto go = [&](auto nv_c, auto vec_c) {
+  auto go = [&](auto nv_c, auto vec_c, auto pf_c) {
     constexpr int NV = decltype(nv_c)::value;
     constexpr int VEC = decltype(vec_c)::value;
-    norm_fwd_kernel<Tin, Tout, VEC, NV, RMS><<<static_cast<unsigned>(grid), threads, 0, stream>>>(
-        x, w, b, p_f32, y, mean, rstd, rows, H, cfg.tpr, eps);
+    constexpr bool PF = decltype(pf_c)::value != 0;
+    auto kernel = &norm_fwd_kernel<Tin, Tout, VEC, NV, RMS, PF>;
+    // Persistent grid: as many blocks as fit on the GPU at once (each walks over rows with a stride).
+    const int occ = occupancy(reinterpret_cast<const void*>(kernel), threads, 0);
+    const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(ceil_div(rows, rpb), static_cast<int64_t>(sms) * occ));
+    kernel<<<static_cast<unsigned>(grid), threads, 0, stream>>>(x, w, b, p_f32, y, mean, rstd, rows, H, cfg.tpr, eps);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  if (vec) {
-    switch (cfg.nv) {
-      case 1: go(IC<1>{}, IC<V>{}); break;
-      case 2: go(IC<2>{}, IC<V>{}); break;
-      default: go(IC<4>{}, IC<V>{}); break;
-    }
+  if (!vec) {
+    go(IC<4>{}, IC<1>{}, IC<1>{});
+  } else if (cfg.nv == 4) {
+    go(IC<4>{}, IC<V>{}, IC<1>{});
   } else {
-    go(IC<4>{}, IC<1>{});
+    go(IC<8>{}, IC<V>{}, IC<0>{});
   }
 }
 
-// Backward (dx, plus the workspace partial rows when ws_out is requested). Returns the workspace [NACC, P, H]
-// (undefined when want_ws is false). The caller reduces it with launch_col_reduce.
+// Backward (dx, plus the workspace partial rows when want_ws). Returns the workspace [NACC, P, H] (undefined when
+// want_ws is false). The caller reduces it with launch_col_reduce.
 template <typename Tin, typename Tdy, bool RMS>
 at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, const float* mean, const float* rstd,
                       Tin* dx, int64_t rows, int H, bool want_ws, const at::TensorOptions& fopts,
@@ -661,10 +900,7 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   const int pbytes = V * (p_f32 ? 4 : static_cast<int>(sizeof(Tin)));
   bool vec = H % V == 0 && aligned(x, 16) && aligned(dx, 16) && aligned(dy, V * sizeof(Tdy));
   if (w != nullptr) vec = vec && aligned(w, pbytes);
-  // Register path: x, g, w and the NACC column sums, 16 values each per thread, up to 512 threads per row;
-  // then the shared-memory accumulator variant (32 values of x and g per thread).
-  const Cfg cfg = vec ? (V == 4 ? choose(H / V, {1, 2, 4}, 512, 8) : choose(H / V, {1, 2}, 512, 4))
-                      : choose(H, {4}, 512, 0);
+  const Cfg cfg = bwd_plan<V>(vec ? H / V : H, vec);
   at::Tensor ws;
   const int sms = sm_count();
   if (cfg.nv == 0) {
@@ -679,11 +915,12 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   }
   const int rpb = cfg.acc_smem ? 1 : rows_per_block(cfg.tpr);
   const int threads = rpb * cfg.tpr;
-  auto go = [&](auto nv_c, auto vec_c, auto smem_c) {
+  auto go = [&](auto nv_c, auto vec_c, auto smem_c, auto pf_c) {
     constexpr int NV = decltype(nv_c)::value;
     constexpr int VEC = decltype(vec_c)::value;
     constexpr bool ACC = decltype(smem_c)::value != 0;
-    auto kernel = &norm_bwd_kernel<Tin, Tdy, VEC, NV, RMS, ACC>;
+    constexpr bool PF = decltype(pf_c)::value != 0;
+    auto kernel = &norm_bwd_kernel<Tin, Tdy, VEC, NV, RMS, ACC, PF>;
     size_t smem = 0;
     if (ACC) smem = sizeof(float) * NACC * (NV * VEC + 1) * static_cast<size_t>(cfg.tpr);
     else if (rpb > 1) smem = sizeof(float) * static_cast<size_t>(rpb) * H;
@@ -696,15 +933,15 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (!vec) {
-    go(IC<4>{}, IC<1>{}, IC<0>{});
-  } else if (cfg.acc_smem) {
-    go(IC<32 / V>{}, IC<V>{}, IC<1>{});
+    if (cfg.acc_smem) go(IC<4>{}, IC<1>{}, IC<1>{}, IC<1>{});
+    else go(IC<4>{}, IC<1>{}, IC<0>{}, IC<1>{});
+  } else if (!cfg.acc_smem) {
+    go(IC<2>{}, IC<V>{}, IC<0>{}, IC<1>{});
+  } else if (cfg.pf) {
+    // fp32 dy with a 16-bit input: two rows of fp32 dy do not fit the 128 registers, so no prefetch there.
+    go(IC<4>{}, IC<V>{}, IC<1>{}, IC<sizeof(Tdy) == sizeof(Tin) ? 1 : 0>{});
   } else {
-    switch (cfg.nv) {
-      case 1: go(IC<1>{}, IC<V>{}, IC<0>{}); break;
-      case 2: go(IC<2>{}, IC<V>{}, IC<0>{}); break;
-      default: go(IC<16 / V>{}, IC<V>{}, IC<0>{}); break;  // 4 (fp32 only)
-    }
+    if constexpr (32 / V > 4) go(IC<32 / V>{}, IC<V>{}, IC<1>{}, IC<0>{});
   }
   return ws;
 }
