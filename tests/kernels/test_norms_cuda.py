@@ -220,6 +220,15 @@ def test_out_dtype_float32_for_bf16_input(ln, rms, h):
     check_rms_norm(rms, x, w, dy, out_dtype=torch.float32)
 
 
+@pytest.mark.parametrize("h", [1000, 4096, 8192, 16384])
+def test_out_dtype_float32_many_rows(ln, rms, h):
+    """Autocast with more rows than the persistent grid holds row groups: each row group walks over several rows,
+    so the prefetched next row (x in bf16, grad_output in fp32) is carried over; rows not a multiple of the grid."""
+    x, w, b, dy = make(4099, h, torch.bfloat16, torch.float32, seed=15)
+    check_layer_norm(ln, x, w, b, dy, out_dtype=torch.float32)
+    check_rms_norm(rms, x, w, dy, out_dtype=torch.float32)
+
+
 def test_other_out_dtype(ln, rms):
     """An out_dtype that is neither the input's nor fp32 is rounded from fp32 (documented fallback)."""
     x, w, b, dy = make(33, 768, torch.bfloat16, torch.bfloat16, seed=6)
