@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "multi_tensor_checks.h"
+#include "../csrc/pipegoose_check.h"
 
 // Host entry point of the vendored kernel file (global namespace there).
 void multi_tensor_adam_cuda(int chunk_size, at::Tensor noop_flag, std::vector<std::vector<at::Tensor>> tensor_lists,
@@ -27,16 +28,16 @@ void adam(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
   check_noop_flag(kOp, noop_flag);
   check_lists(kOp, noop_flag, {{"grads", grads}, {"params", params}, {"exp_avgs", exp_avgs},
                                {"exp_avg_sqs", exp_avg_sqs}}, /*int32_sizes=*/false);
-  TORCH_CHECK(mode == 0 || mode == 1, kOp, ": mode must be 0 (Adam, L2) or 1 (AdamW), got ", mode);
-  TORCH_CHECK(bias_correction == 0 || bias_correction == 1, kOp, ": bias_correction must be 0 or 1, got ",
+  PG_CHECK(mode == 0 || mode == 1, kOp, ": mode must be 0 (Adam, L2) or 1 (AdamW), got ", mode);
+  PG_CHECK(bias_correction == 0 || bias_correction == 1, kOp, ": bias_correction must be 0 or 1, got ",
               bias_correction);
-  TORCH_CHECK(step >= (bias_correction ? 1 : 0) && step <= INT_MAX, kOp, ": step must be in [",
+  PG_CHECK(step >= (bias_correction ? 1 : 0) && step <= INT_MAX, kOp, ": step must be in [",
               bias_correction ? 1 : 0, ", ", INT_MAX, "] (1-based with bias correction), got ", step);
   for (auto [name, v] : {std::pair<const char*, double>{"lr", lr}, {"beta1", beta1}, {"beta2", beta2}, {"eps", eps},
                          {"weight_decay", weight_decay}}) {
-    TORCH_CHECK(std::isfinite(v), kOp, ": ", name, " must be finite, got ", v);
+    PG_CHECK(std::isfinite(v), kOp, ": ", name, " must be finite, got ", v);
   }
-  TORCH_CHECK(!bias_correction || (beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1), kOp,
+  PG_CHECK(!bias_correction || (beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1), kOp,
               ": with bias correction beta1 and beta2 must be in [0, 1), got ", beta1, ", ", beta2);
   if (grads.empty()) return;
   // The kernel reads all four lists with the dtype of grads[0].

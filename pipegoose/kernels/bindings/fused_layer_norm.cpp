@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include "ported_checks.h"
+#include "../csrc/pipegoose_check.h"
 
 // Host entry points of the vendored kernel file (global namespace there).
 void cuda_layer_norm(at::Tensor* output, at::Tensor* mean, at::Tensor* invvar, at::Tensor* input, int n1, int n2,
@@ -42,29 +43,29 @@ std::pair<int64_t, int64_t> check_common(const char* op, const at::Tensor& input
   check_contiguous(op, "gamma", gamma);
   check_contiguous(op, "beta", beta);
   const int64_t nd = static_cast<int64_t>(normalized_shape.size());
-  TORCH_CHECK(nd >= 1, op, ": normalized_shape must have at least one dim, got ", normalized_shape);
-  TORCH_CHECK(input.dim() >= nd && input.sizes().slice(input.dim() - nd).equals(normalized_shape), op,
+  PG_CHECK(nd >= 1, op, ": normalized_shape must have at least one dim, got ", normalized_shape);
+  PG_CHECK(input.dim() >= nd && input.sizes().slice(input.dim() - nd).equals(normalized_shape), op,
               ": input's trailing dims must equal normalized_shape ", normalized_shape, ", got input shape ",
               input.sizes());
-  TORCH_CHECK(gamma.sizes().equals(normalized_shape), op, ": gamma must have shape normalized_shape ",
+  PG_CHECK(gamma.sizes().equals(normalized_shape), op, ": gamma must have shape normalized_shape ",
               normalized_shape, ", got ", gamma.sizes());
-  TORCH_CHECK(beta.sizes().equals(normalized_shape), op, ": beta must have shape normalized_shape ",
+  PG_CHECK(beta.sizes().equals(normalized_shape), op, ": beta must have shape normalized_shape ",
               normalized_shape, ", got ", beta.sizes());
   const auto in_t = input.scalar_type(), out_t = gamma.scalar_type();
-  TORCH_CHECK(in_t == at::kFloat || in_t == at::kHalf || in_t == at::kBFloat16, op,
+  PG_CHECK(in_t == at::kFloat || in_t == at::kHalf || in_t == at::kBFloat16, op,
               ": input must be float32, float16 or bfloat16, got ", dtype_name(in_t));
-  TORCH_CHECK(beta.scalar_type() == out_t, op, ": beta must have gamma's dtype (", dtype_name(out_t), "), got ",
+  PG_CHECK(beta.scalar_type() == out_t, op, ": beta must have gamma's dtype (", dtype_name(out_t), "), got ",
               dtype_name(beta.scalar_type()));
   const bool ok = in_t == at::kFloat ? (out_t == at::kFloat || out_t == at::kHalf || out_t == at::kBFloat16)
                                      : out_t == in_t;
-  TORCH_CHECK(ok, op, ": gamma/beta dtype is the output dtype and must be ",
+  PG_CHECK(ok, op, ": gamma/beta dtype is the output dtype and must be ",
               in_t == at::kFloat ? "float32, float16 or bfloat16" : dtype_name(in_t), " for a ", dtype_name(in_t),
               " input, got ", dtype_name(out_t),
               " (the kernel has no such instantiation; e.g. fp16 input with fp32 weights needs another kernel)");
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
+  PG_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
   int64_t n2 = 1;
   for (auto s : normalized_shape) n2 *= s;
-  TORCH_CHECK(n2 >= 1 && n2 <= kHiddenMax, op, ": normalized size (product of normalized_shape) must be in [1, ",
+  PG_CHECK(n2 >= 1 && n2 <= kHiddenMax, op, ": normalized size (product of normalized_shape) must be in [1, ",
               kHiddenMax, "], got ", n2);
   const int64_t n1 = input.numel() / n2;
   check_int32_index(op, "input", input.numel());
@@ -97,14 +98,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& dout, 
   check_same_device(kBwd, "dout", dout, input, "input");
   check_same_device(kBwd, "mean", mean, input, "input");
   check_same_device(kBwd, "invvar", invvar, input, "input");
-  TORCH_CHECK(dout.sizes().equals(input.sizes()), kBwd, ": dout must have the input's shape ", input.sizes(),
+  PG_CHECK(dout.sizes().equals(input.sizes()), kBwd, ": dout must have the input's shape ", input.sizes(),
               ", got ", dout.sizes());
-  TORCH_CHECK(dout.scalar_type() == gamma.scalar_type(), kBwd, ": dout must have the output dtype (gamma's, ",
+  PG_CHECK(dout.scalar_type() == gamma.scalar_type(), kBwd, ": dout must have the output dtype (gamma's, ",
               dtype_name(gamma.scalar_type()), "), got ", dtype_name(dout.scalar_type()));
   for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"mean", &mean}, {"invvar", &invvar}}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat, kBwd, ": ", name, " must be float32 (from the forward), got ",
+    PG_CHECK(t->scalar_type() == at::kFloat, kBwd, ": ", name, " must be float32 (from the forward), got ",
                 dtype_name(t->scalar_type()));
-    TORCH_CHECK(t->numel() == n1, kBwd, ": ", name, " must have one value per row (", n1, "), got shape ",
+    PG_CHECK(t->numel() == n1, kBwd, ": ", name, " must have one value per row (", n1, "), got shape ",
                 t->sizes());
     check_contiguous(kBwd, name, *t);
   }

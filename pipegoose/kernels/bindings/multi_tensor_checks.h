@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "ported_checks.h"
+#include "../csrc/pipegoose_check.h"
 
 namespace pipegoose_ported {
 
@@ -25,8 +26,8 @@ using NamedList = std::pair<const char*, at::TensorList>;
 
 inline void check_noop_flag(const char* op, const at::Tensor& noop) {
   check_cuda(op, "noop_flag", noop);
-  TORCH_CHECK(noop.scalar_type() == at::kInt, op, ": noop_flag must be int32, got ", dtype_name(noop.scalar_type()));
-  TORCH_CHECK(noop.numel() >= 1, op, ": noop_flag must have at least one element");
+  PG_CHECK(noop.scalar_type() == at::kInt, op, ": noop_flag must be int32, got ", dtype_name(noop.scalar_type()));
+  PG_CHECK(noop.numel() >= 1, op, ": noop_flag must have at least one element");
   check_contiguous(op, "noop_flag", noop);
 }
 
@@ -36,19 +37,19 @@ inline void check_lists(const char* op, const at::Tensor& noop, std::initializer
   const NamedList& first = *lists.begin();
   const size_t n = first.second.size();
   for (const auto& [name, list] : lists) {
-    TORCH_CHECK(list.size() == n, op, ": ", name, " has ", list.size(), " tensors but ", first.first, " has ", n,
+    PG_CHECK(list.size() == n, op, ": ", name, " has ", list.size(), " tensors but ", first.first, " has ", n,
                 "; the lists must have equal lengths");
     for (size_t i = 0; i < list.size(); ++i) {
       const at::Tensor& t = list[i];
-      TORCH_CHECK(t.defined(), op, ": ", name, "[", i, "] is undefined");
-      TORCH_CHECK(t.is_cuda(), op, ": ", name, "[", i, "] must be a CUDA tensor, got device ", t.device());
-      TORCH_CHECK(t.device() == noop.device(), op, ": ", name, "[", i, "] is on ", t.device(), " but noop_flag is on ",
+      PG_CHECK(t.defined(), op, ": ", name, "[", i, "] is undefined");
+      PG_CHECK(t.is_cuda(), op, ": ", name, "[", i, "] must be a CUDA tensor, got device ", t.device());
+      PG_CHECK(t.device() == noop.device(), op, ": ", name, "[", i, "] is on ", t.device(), " but noop_flag is on ",
                   noop.device(), "; expected one device");
-      TORCH_CHECK(t.is_contiguous(), op, ": ", name, "[", i, "] must be contiguous, got strides ", t.strides(),
+      PG_CHECK(t.is_contiguous(), op, ": ", name, "[", i, "] must be contiguous, got strides ", t.strides(),
                   " for sizes ", t.sizes());
-      TORCH_CHECK(t.numel() == first.second[i].numel(), op, ": ", name, "[", i, "] has ", t.numel(),
+      PG_CHECK(t.numel() == first.second[i].numel(), op, ": ", name, "[", i, "] has ", t.numel(),
                   " elements but ", first.first, "[", i, "] has ", first.second[i].numel());
-      TORCH_CHECK(!int32_sizes || t.numel() <= INT_MAX, op, ": ", name, "[", i, "] has ", t.numel(),
+      PG_CHECK(!int32_sizes || t.numel() <= INT_MAX, op, ": ", name, "[", i, "] has ", t.numel(),
                   " elements; the kernel stores sizes as 32-bit ints (at most ", INT_MAX, ")");
     }
   }
@@ -59,7 +60,7 @@ inline at::ScalarType list_dtype(const char* op, const char* name, at::TensorLis
                                  std::initializer_list<at::ScalarType> allowed) {
   const at::ScalarType t0 = list[0].scalar_type();
   for (size_t i = 1; i < list.size(); ++i) {
-    TORCH_CHECK(list[i].scalar_type() == t0, op, ": every tensor of ", name, " must have one dtype (the kernel casts "
+    PG_CHECK(list[i].scalar_type() == t0, op, ": every tensor of ", name, " must have one dtype (the kernel casts "
                 "raw pointers); ", name, "[0] is ", dtype_name(t0), " but ", name, "[", i, "] is ",
                 dtype_name(list[i].scalar_type()));
   }
@@ -69,7 +70,7 @@ inline at::ScalarType list_dtype(const char* op, const char* name, at::TensorLis
     ok = ok || a == t0;
     names += std::string(names.empty() ? "" : ", ") + dtype_name(a);
   }
-  TORCH_CHECK(ok, op, ": ", name, " must be one of ", names, ", got ", dtype_name(t0));
+  PG_CHECK(ok, op, ": ", name, " must be one of ", names, ", got ", dtype_name(t0));
   return t0;
 }
 
@@ -86,7 +87,7 @@ inline std::vector<std::vector<at::Tensor>> non_empty(std::initializer_list<at::
 }
 
 inline int checked_chunk_size(const char* op, int64_t chunk_size) {
-  TORCH_CHECK(chunk_size > 0 && chunk_size <= INT_MAX, op, ": chunk_size must be in [1, ", INT_MAX, "], got ",
+  PG_CHECK(chunk_size > 0 && chunk_size <= INT_MAX, op, ": chunk_size must be in [1, ", INT_MAX, "], got ",
               chunk_size);
   return static_cast<int>(chunk_size);
 }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "multi_tensor_checks.h"
+#include "../csrc/pipegoose_check.h"
 
 // Host entry point of the vendored kernel file (global namespace there).
 void multi_tensor_scale_cuda(int chunk_size, at::Tensor noop_flag, std::vector<std::vector<at::Tensor>> tensor_lists,
@@ -24,7 +25,7 @@ void scale(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList src, 
   const int chunk = checked_chunk_size(kOp, chunk_size);
   check_noop_flag(kOp, noop_flag);
   check_lists(kOp, noop_flag, {{"src", src}, {"dst", dst}}, /*int32_sizes=*/true);
-  TORCH_CHECK(!std::isnan(s), kOp, ": scale must not be NaN");
+  PG_CHECK(!std::isnan(s), kOp, ": scale must not be NaN");
   if (src.empty()) return;
   list_dtype(kOp, "src", src, {at::kFloat, at::kHalf});
   list_dtype(kOp, "dst", dst, {at::kFloat, at::kHalf});

@@ -8,46 +8,47 @@
 #include <climits>
 #include <cstdint>
 #include <string>
+#include "../csrc/pipegoose_check.h"
 
 namespace pipegoose_ported {
 
 inline const char* dtype_name(at::ScalarType t) { return c10::toString(t); }
 
 inline void check_cuda(const char* op, const char* arg, const at::Tensor& t) {
-  TORCH_CHECK(t.defined(), op, ": ", arg, " must be a tensor, got None/undefined");
-  TORCH_CHECK(t.is_cuda(), op, ": ", arg, " must be a CUDA tensor, got device ", t.device());
+  PG_CHECK(t.defined(), op, ": ", arg, " must be a tensor, got None/undefined");
+  PG_CHECK(t.is_cuda(), op, ": ", arg, " must be a CUDA tensor, got device ", t.device());
 }
 
 inline void check_same_device(const char* op, const char* arg, const at::Tensor& t, const at::Tensor& ref,
                               const char* ref_arg) {
-  TORCH_CHECK(t.device() == ref.device(), op, ": ", arg, " is on ", t.device(), " but ", ref_arg, " is on ",
+  PG_CHECK(t.device() == ref.device(), op, ": ", arg, " is on ", t.device(), " but ", ref_arg, " is on ",
               ref.device(), "; expected one device");
 }
 
 inline void check_contiguous(const char* op, const char* arg, const at::Tensor& t) {
-  TORCH_CHECK(t.is_contiguous(), op, ": ", arg, " must be contiguous (row-major), got strides ", t.strides(),
+  PG_CHECK(t.is_contiguous(), op, ": ", arg, " must be contiguous (row-major), got strides ", t.strides(),
               " for sizes ", t.sizes(), "; call .contiguous() first");
 }
 
 inline void check_dim(const char* op, const char* arg, const at::Tensor& t, int64_t dim, const char* layout) {
-  TORCH_CHECK(t.dim() == dim, op, ": ", arg, " must be ", dim, "-D ", layout, ", got shape ", t.sizes());
+  PG_CHECK(t.dim() == dim, op, ": ", arg, " must be ", dim, "-D ", layout, ", got shape ", t.sizes());
 }
 
 inline void check_half_or_bf16(const char* op, const char* arg, const at::Tensor& t) {
-  TORCH_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16, op, ": ", arg,
+  PG_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16, op, ": ", arg,
               " must be float16 or bfloat16 (the kernel has no other instantiation), got ",
               dtype_name(t.scalar_type()));
 }
 
 inline void check_int32_index(const char* op, const char* arg, int64_t n) {
-  TORCH_CHECK(n <= INT_MAX, op, ": ", arg, " has ", n, " elements; the kernel indexes with 32-bit ints (at most ",
+  PG_CHECK(n <= INT_MAX, op, ": ", arg, " has ", n, " elements; the kernel indexes with 32-bit ints (at most ",
               INT_MAX, ")");
 }
 
 // The pointer alignment a vectorised load/store of `elems` elements needs.
 inline void check_aligned(const char* op, const char* arg, const at::Tensor& t, int64_t elems) {
   const int64_t bytes = elems * static_cast<int64_t>(t.element_size());
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0, op, ": ", arg, " data pointer must be ",
+  PG_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0, op, ": ", arg, " data pointer must be ",
               bytes, "-byte aligned for the kernel's vector loads (a view with a storage offset is not); "
               "pass a fresh tensor or .clone() it");
 }
@@ -76,8 +77,8 @@ inline int64_t softmax_vector_width(int64_t sk) {
 // Key length checks of Megatron's warp softmax: 1 <= sk <= 2048 (template instantiations up to 2^11), and a
 // multiple of 4 once loads are 4 wide (sk > 64), else a vector load crosses into the next row.
 inline void check_softmax_key_len(const char* op, const char* arg, int64_t sk) {
-  TORCH_CHECK(sk >= 1 && sk <= 2048, op, ": ", arg, " key length (last dim) must be in [1, 2048], got ", sk);
-  TORCH_CHECK(softmax_vector_width(sk) == 1 || sk % 4 == 0, op, ": ", arg,
+  PG_CHECK(sk >= 1 && sk <= 2048, op, ": ", arg, " key length (last dim) must be in [1, 2048], got ", sk);
+  PG_CHECK(softmax_vector_width(sk) == 1 || sk % 4 == 0, op, ": ", arg,
               " key length (last dim) must be a multiple of 4 when it exceeds 64 (4-wide vector loads), got ", sk);
 }
 

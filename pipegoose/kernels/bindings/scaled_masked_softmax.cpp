@@ -13,6 +13,7 @@
 #include <cmath>
 
 #include "ported_checks.h"
+#include "../csrc/pipegoose_check.h"
 
 // Host entry points of the vendored kernel file (global namespace there).
 at::Tensor fwd_cuda(const at::Tensor& input, const at::Tensor& mask, float scale_factor);
@@ -27,19 +28,19 @@ constexpr const char* kBwd = "pipegoose::scaled_masked_softmax_backward";
 constexpr int64_t kMaxGridYZ = 65535;
 
 void check_rows(const char* op, const char* arg, int64_t b, int64_t np, int64_t sq, int64_t sk, bool need_sq_div) {
-  TORCH_CHECK(sq >= 2, op, ": ", arg, " query length (dim 2) must be at least 2 (the kernel asserts sq > 1), got ",
+  PG_CHECK(sq >= 2, op, ": ", arg, " query length (dim 2) must be at least 2 (the kernel asserts sq > 1), got ",
               sq);
   check_softmax_key_len(op, arg, sk);
   const int64_t bpb = softmax_batches_per_block(sk);
   if (need_sq_div) {
-    TORCH_CHECK(sq % bpb == 0, op, ": ", arg, " query length (dim 2) must be a multiple of ", bpb,
+    PG_CHECK(sq % bpb == 0, op, ": ", arg, " query length (dim 2) must be a multiple of ", bpb,
                 " (rows per thread block for key length ", sk, "), got ", sq);
   } else {
-    TORCH_CHECK((b * np * sq) % bpb == 0, op, ": ", arg, " b*np*sq must be a multiple of ", bpb,
+    PG_CHECK((b * np * sq) % bpb == 0, op, ": ", arg, " b*np*sq must be a multiple of ", bpb,
                 " (rows per thread block for key length ", sk, "), got ", b * np * sq);
   }
-  TORCH_CHECK(np <= kMaxGridYZ, op, ": ", arg, " heads (dim 1) must be at most ", kMaxGridYZ, " (grid y), got ", np);
-  TORCH_CHECK(b <= kMaxGridYZ, op, ": ", arg, " batch (dim 0) must be at most ", kMaxGridYZ, " (grid z), got ", b);
+  PG_CHECK(np <= kMaxGridYZ, op, ": ", arg, " heads (dim 1) must be at most ", kMaxGridYZ, " (grid y), got ", np);
+  PG_CHECK(b <= kMaxGridYZ, op, ": ", arg, " batch (dim 0) must be at most ", kMaxGridYZ, " (grid z), got ", b);
   check_int32_index(op, arg, b * np * sq * sk);
 }
 
@@ -52,9 +53,9 @@ at::Tensor forward(const at::Tensor& input, const at::Tensor& mask, double scale
   check_half_or_bf16(kFwd, "input", input);
   check_contiguous(kFwd, "input", input);
   const int64_t b = input.size(0), np = input.size(1), sq = input.size(2), sk = input.size(3);
-  TORCH_CHECK(mask.scalar_type() == at::kBool || mask.scalar_type() == at::kByte, kFwd,
+  PG_CHECK(mask.scalar_type() == at::kBool || mask.scalar_type() == at::kByte, kFwd,
               ": mask must be bool or uint8 (True/nonzero = masked), got ", dtype_name(mask.scalar_type()));
-  TORCH_CHECK((mask.size(0) == 1 || mask.size(0) == b) && mask.size(1) == 1 && mask.size(2) == sq &&
+  PG_CHECK((mask.size(0) == 1 || mask.size(0) == b) && mask.size(1) == 1 && mask.size(2) == sq &&
                   mask.size(3) == sk,
               kFwd, ": mask must have shape [", b, " or 1, 1, ", sq, ", ", sk, "] for input ", input.sizes(),
               ", got ", mask.sizes());
@@ -62,7 +63,7 @@ at::Tensor forward(const at::Tensor& input, const at::Tensor& mask, double scale
   // The upstream launcher converts the scale to the input dtype before use.
   const float scale_in_dtype = input.scalar_type() == at::kHalf ? static_cast<float>(static_cast<at::Half>(scale_f))
                                                                : static_cast<float>(static_cast<at::BFloat16>(scale_f));
-  TORCH_CHECK(std::isfinite(scale_in_dtype), kFwd, ": scale must be finite in ", dtype_name(input.scalar_type()),
+  PG_CHECK(std::isfinite(scale_in_dtype), kFwd, ": scale must be finite in ", dtype_name(input.scalar_type()),
               ", got ", scale);
   if (input.numel() == 0) {
     return at::empty_like(input, at::MemoryFormat::Contiguous);
@@ -84,13 +85,13 @@ at::Tensor backward(const at::Tensor& output_grads, const at::Tensor& softmax_re
   check_same_device(kBwd, "softmax_results", softmax_results, output_grads, "output_grads");
   check_dim(kBwd, "output_grads", output_grads, 4, "[b, np, sq, sk]");
   check_half_or_bf16(kBwd, "output_grads", output_grads);
-  TORCH_CHECK(softmax_results.scalar_type() == output_grads.scalar_type(), kBwd,
+  PG_CHECK(softmax_results.scalar_type() == output_grads.scalar_type(), kBwd,
               ": softmax_results must have the dtype of output_grads (", dtype_name(output_grads.scalar_type()),
               "), got ", dtype_name(softmax_results.scalar_type()));
-  TORCH_CHECK(softmax_results.sizes() == output_grads.sizes(), kBwd,
+  PG_CHECK(softmax_results.sizes() == output_grads.sizes(), kBwd,
               ": softmax_results must have the shape of output_grads ", output_grads.sizes(), ", got ",
               softmax_results.sizes());
-  TORCH_CHECK(std::isfinite(scale), kBwd, ": scale must be finite, got ", scale);
+  PG_CHECK(std::isfinite(scale), kBwd, ": scale must be finite, got ", scale);
   if (output_grads.numel() == 0) {
     return at::empty_like(output_grads, at::MemoryFormat::Contiguous);
   }
@@ -108,8 +109,8 @@ at::Tensor backward(const at::Tensor& output_grads, const at::Tensor& softmax_re
 
 int64_t batch_per_block(int64_t sq, int64_t sk, int64_t b, int64_t np) {
   const char* op = "pipegoose::scaled_masked_softmax_get_batch_per_block";
-  TORCH_CHECK(sk >= 1 && sk <= 2048, op, ": sk must be in [1, 2048], got ", sk);
-  TORCH_CHECK(sq >= 0 && sq <= INT_MAX && b >= 0 && b <= INT_MAX && np >= 0 && np <= INT_MAX, op,
+  PG_CHECK(sk >= 1 && sk <= 2048, op, ": sk must be in [1, 2048], got ", sk);
+  PG_CHECK(sq >= 0 && sq <= INT_MAX && b >= 0 && b <= INT_MAX && np >= 0 && np <= INT_MAX, op,
               ": sq, b and np must be non-negative 32-bit ints, got ", sq, ", ", b, ", ", np);
   return get_batch_per_block(static_cast<int>(sq), static_cast<int>(sk), static_cast<int>(b), static_cast<int>(np));
 }

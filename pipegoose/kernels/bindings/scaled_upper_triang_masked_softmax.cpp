@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "ported_checks.h"
+#include "../csrc/pipegoose_check.h"
 
 // Host entry points of the vendored kernel file (global namespace there).
 at::Tensor fwd_cuda(const at::Tensor& input, float scale_factor);
@@ -27,13 +28,13 @@ void check_shape(const char* op, const char* arg, const at::Tensor& t) {
   check_dim(op, arg, t, 3, "[attn_batches, sq, sk]");
   check_half_or_bf16(op, arg, t);
   const int64_t ab = t.size(0), sq = t.size(1), sk = t.size(2);
-  TORCH_CHECK(sq == sk, op, ": ", arg, " must be square in its last two dims (causal: sq == sk), got ", t.sizes());
+  PG_CHECK(sq == sk, op, ": ", arg, " must be square in its last two dims (causal: sq == sk), got ", t.sizes());
   if (t.numel() == 0) return;
   check_softmax_key_len(op, arg, sk);
   const int64_t bpb = softmax_batches_per_block(sk);
-  TORCH_CHECK(ab % bpb == 0, op, ": ", arg, " attn_batches (dim 0) must be a multiple of ", bpb,
+  PG_CHECK(ab % bpb == 0, op, ": ", arg, " attn_batches (dim 0) must be a multiple of ", bpb,
               " (rows per thread block for length ", sk, "), got ", ab);
-  TORCH_CHECK(ab / bpb <= 65535, op, ": ", arg, " attn_batches (dim 0) must be at most ", 65535 * bpb,
+  PG_CHECK(ab / bpb <= 65535, op, ": ", arg, " attn_batches (dim 0) must be at most ", 65535 * bpb,
               " (grid y), got ", ab);
   check_int32_index(op, arg, t.numel());
 }
@@ -46,7 +47,7 @@ at::Tensor forward(const at::Tensor& input, double scale) {
   // The upstream launcher converts the scale to the input dtype before use.
   const float scale_in_dtype = input.scalar_type() == at::kHalf ? static_cast<float>(static_cast<at::Half>(scale_f))
                                                                : static_cast<float>(static_cast<at::BFloat16>(scale_f));
-  TORCH_CHECK(std::isfinite(scale_in_dtype), kFwd, ": scale must be finite in ", dtype_name(input.scalar_type()),
+  PG_CHECK(std::isfinite(scale_in_dtype), kFwd, ": scale must be finite in ", dtype_name(input.scalar_type()),
               ", got ", scale);
   if (input.numel() == 0) return at::empty_like(input, at::MemoryFormat::Contiguous);
   if (softmax_vector_width(input.size(2)) > 1) check_aligned(kFwd, "input", input, 4);
@@ -59,13 +60,13 @@ at::Tensor backward(const at::Tensor& output_grads, const at::Tensor& softmax_re
   check_cuda(kBwd, "softmax_results", softmax_results);
   check_same_device(kBwd, "softmax_results", softmax_results, output_grads, "output_grads");
   check_shape(kBwd, "output_grads", output_grads);
-  TORCH_CHECK(softmax_results.scalar_type() == output_grads.scalar_type(), kBwd,
+  PG_CHECK(softmax_results.scalar_type() == output_grads.scalar_type(), kBwd,
               ": softmax_results must have the dtype of output_grads (", dtype_name(output_grads.scalar_type()),
               "), got ", dtype_name(softmax_results.scalar_type()));
-  TORCH_CHECK(softmax_results.sizes() == output_grads.sizes(), kBwd,
+  PG_CHECK(softmax_results.sizes() == output_grads.sizes(), kBwd,
               ": softmax_results must have the shape of output_grads ", output_grads.sizes(), ", got ",
               softmax_results.sizes());
-  TORCH_CHECK(std::isfinite(scale), kBwd, ": scale must be finite, got ", scale);
+  PG_CHECK(std::isfinite(scale), kBwd, ": scale must be finite, got ", scale);
   if (output_grads.numel() == 0) return at::empty_like(output_grads, at::MemoryFormat::Contiguous);
   c10::cuda::CUDAGuard guard(output_grads.device());
   // Upstream computes in place into its first argument: give it a private contiguous copy.

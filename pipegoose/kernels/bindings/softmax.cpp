@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <optional>
+#include "../csrc/pipegoose_check.h"
 
 namespace pipegoose {
 at::Tensor softmax_forward_cuda(const at::Tensor& input, const std::optional<at::Tensor>& mask, double scale,
@@ -38,32 +39,32 @@ at::Tensor as_rows4(const at::Tensor& t) {
 }
 
 void check_scale(double scale, const char* op) {
-  TORCH_CHECK(std::isfinite(scale), op, ": scale must be a finite number, got ", scale);
+  PG_CHECK(std::isfinite(scale), op, ": scale must be a finite number, got ", scale);
 }
 
 at::Tensor softmax_forward(const at::Tensor& input, const std::optional<at::Tensor>& mask, double scale,
                            bool causal) {
   constexpr const char* op = "pipegoose::softmax_forward";
-  TORCH_CHECK(input.is_cuda(), op, ": input must be a CUDA tensor, got device ", input.device());
-  TORCH_CHECK(float_dtype(input.scalar_type()), op, ": input must be float32, float16 or bfloat16, got ",
+  PG_CHECK(input.is_cuda(), op, ": input must be a CUDA tensor, got device ", input.device());
+  PG_CHECK(float_dtype(input.scalar_type()), op, ": input must be float32, float16 or bfloat16, got ",
               input.scalar_type());
-  TORCH_CHECK(input.dim() >= 1, op, ": input must have at least 1 dimension (the keys), got a 0-d tensor");
-  TORCH_CHECK(!causal || input.dim() >= 2, op, ": causal=True needs input [..., sq, sk], got shape ",
+  PG_CHECK(input.dim() >= 1, op, ": input must have at least 1 dimension (the keys), got a 0-d tensor");
+  PG_CHECK(!causal || input.dim() >= 2, op, ": causal=True needs input [..., sq, sk], got shape ",
               input.sizes());
   check_scale(scale, op);
   at::Tensor x = as_rows4(input);
   std::optional<at::Tensor> m4;
   if (mask.has_value() && mask->defined()) {
     const at::Tensor& m = *mask;
-    TORCH_CHECK(input.dim() == 4, op, ": a mask needs a 4-D input [b, np, sq, sk], got input shape ", input.sizes());
-    TORCH_CHECK(m.device() == input.device(), op, ": mask must be on the input's device ", input.device(),
+    PG_CHECK(input.dim() == 4, op, ": a mask needs a 4-D input [b, np, sq, sk], got input shape ", input.sizes());
+    PG_CHECK(m.device() == input.device(), op, ": mask must be on the input's device ", input.device(),
                 ", got ", m.device());
-    TORCH_CHECK(m.scalar_type() == at::kBool, op, ": mask must be bool (True = masked), got ", m.scalar_type());
-    TORCH_CHECK(m.dim() == 4, op, ": mask must be 4-D [b or 1, np or 1, sq or 1, sk], got shape ", m.sizes());
-    TORCH_CHECK(m.size(3) == input.size(3), op, ": mask's last dim must equal the key length ", input.size(3),
+    PG_CHECK(m.scalar_type() == at::kBool, op, ": mask must be bool (True = masked), got ", m.scalar_type());
+    PG_CHECK(m.dim() == 4, op, ": mask must be 4-D [b or 1, np or 1, sq or 1, sk], got shape ", m.sizes());
+    PG_CHECK(m.size(3) == input.size(3), op, ": mask's last dim must equal the key length ", input.size(3),
                 ", got mask shape ", m.sizes());
     for (int d = 0; d < 3; ++d) {
-      TORCH_CHECK(m.size(d) == 1 || m.size(d) == input.size(d), op, ": mask shape ", m.sizes(),
+      PG_CHECK(m.size(d) == 1 || m.size(d) == input.size(d), op, ": mask shape ", m.sizes(),
                   " does not broadcast to input shape ", input.sizes(), " (dim ", d, ")");
     }
     at::Tensor mc = (m.size(3) <= 1 || m.stride(3) == 1) ? m : m.contiguous();
@@ -75,17 +76,17 @@ at::Tensor softmax_forward(const at::Tensor& input, const std::optional<at::Tens
 
 at::Tensor softmax_backward(const at::Tensor& grad_output, const at::Tensor& output, double scale, bool causal) {
   constexpr const char* op = "pipegoose::softmax_backward";
-  TORCH_CHECK(output.is_cuda(), op, ": output must be a CUDA tensor, got device ", output.device());
-  TORCH_CHECK(grad_output.device() == output.device(), op, ": grad_output must be on output's device ",
+  PG_CHECK(output.is_cuda(), op, ": output must be a CUDA tensor, got device ", output.device());
+  PG_CHECK(grad_output.device() == output.device(), op, ": grad_output must be on output's device ",
               output.device(), ", got ", grad_output.device());
-  TORCH_CHECK(float_dtype(output.scalar_type()), op, ": output must be float32, float16 or bfloat16, got ",
+  PG_CHECK(float_dtype(output.scalar_type()), op, ": output must be float32, float16 or bfloat16, got ",
               output.scalar_type());
-  TORCH_CHECK(grad_output.scalar_type() == output.scalar_type(), op,
+  PG_CHECK(grad_output.scalar_type() == output.scalar_type(), op,
               ": grad_output must have output's dtype ", output.scalar_type(), ", got ", grad_output.scalar_type());
-  TORCH_CHECK(grad_output.sizes() == output.sizes(), op, ": grad_output must have output's shape ",
+  PG_CHECK(grad_output.sizes() == output.sizes(), op, ": grad_output must have output's shape ",
               output.sizes(), ", got ", grad_output.sizes());
-  TORCH_CHECK(output.dim() >= 1, op, ": output must have at least 1 dimension (the keys), got a 0-d tensor");
-  TORCH_CHECK(!causal || output.dim() >= 2, op, ": causal=True needs output [..., sq, sk], got shape ",
+  PG_CHECK(output.dim() >= 1, op, ": output must have at least 1 dimension (the keys), got a 0-d tensor");
+  PG_CHECK(!causal || output.dim() >= 2, op, ": causal=True needs output [..., sq, sk], got shape ",
               output.sizes());
   check_scale(scale, op);
   at::Tensor out = pipegoose::softmax_backward_cuda(as_rows4(grad_output), as_rows4(output), scale, causal);

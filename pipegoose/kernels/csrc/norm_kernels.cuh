@@ -37,6 +37,7 @@
 #include <mutex>
 #include <tuple>
 #include <type_traits>
+#include "pipegoose_check.h"
 
 namespace pipegoose {
 namespace norm {
@@ -971,7 +972,7 @@ void dispatch_float(at::ScalarType t, F&& f) {
     case at::kFloat: f(Tag<float>{}); break;
     case at::kHalf: f(Tag<__half>{}); break;
     case at::kBFloat16: f(Tag<__nv_bfloat16>{}); break;
-    default: TORCH_CHECK(false, "pipegoose norm: unsupported dtype ", t);
+    default: PG_CHECK(false, "pipegoose norm: unsupported dtype ", t);
   }
 }
 
@@ -984,32 +985,32 @@ template <typename T> inline T* mptr(const at::Tensor& t) {
 }
 
 inline void check_input(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.defined(), op, ": ", name, ": expected a tensor, got None");
-  TORCH_CHECK(t.is_cuda(), op, ": ", name, ": expected a CUDA tensor, got device ", t.device());
-  TORCH_CHECK(is_float_type(t.scalar_type()), op, ": ", name,
+  PG_CHECK(t.defined(), op, ": ", name, ": expected a tensor, got None");
+  PG_CHECK(t.is_cuda(), op, ": ", name, ": expected a CUDA tensor, got device ", t.device());
+  PG_CHECK(is_float_type(t.scalar_type()), op, ": ", name,
               ": expected dtype float32, float16 or bfloat16, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() >= 1, op, ": ", name, ": expected at least one dimension [..., H], got a 0-d tensor");
-  TORCH_CHECK(t.size(-1) >= 1, op, ": ", name, ": expected a last dimension H >= 1, got shape ", t.sizes());
-  TORCH_CHECK(t.size(-1) <= std::numeric_limits<int>::max(), op, ": ", name,
+  PG_CHECK(t.dim() >= 1, op, ": ", name, ": expected at least one dimension [..., H], got a 0-d tensor");
+  PG_CHECK(t.size(-1) >= 1, op, ": ", name, ": expected a last dimension H >= 1, got shape ", t.sizes());
+  PG_CHECK(t.size(-1) <= std::numeric_limits<int>::max(), op, ": ", name,
               ": expected a last dimension H < 2^31, got ", t.size(-1));
 }
 
 inline void check_param(const char* op, const char* name, const at::Tensor& p, const at::Tensor& input) {
-  TORCH_CHECK(p.is_cuda() && p.device() == input.device(), op, ": ", name,
+  PG_CHECK(p.is_cuda() && p.device() == input.device(), op, ": ", name,
               ": expected a CUDA tensor on the input's device ", input.device(), ", got ", p.device());
-  TORCH_CHECK(is_float_type(p.scalar_type()), op, ": ", name,
+  PG_CHECK(is_float_type(p.scalar_type()), op, ": ", name,
               ": expected dtype float32, float16 or bfloat16, got ", p.scalar_type());
-  TORCH_CHECK(p.numel() == input.size(-1), op, ": ", name, ": expected H = ", input.size(-1),
+  PG_CHECK(p.numel() == input.size(-1), op, ": ", name, ": expected H = ", input.size(-1),
               " elements (the input's last dimension), got shape ", p.sizes());
 }
 
 inline void check_stat(const char* op, const char* name, const at::Tensor& s, const at::Tensor& input,
                        int64_t rows) {
-  TORCH_CHECK(s.defined(), op, ": ", name, ": expected a tensor, got None");
-  TORCH_CHECK(s.is_cuda() && s.device() == input.device(), op, ": ", name,
+  PG_CHECK(s.defined(), op, ": ", name, ": expected a tensor, got None");
+  PG_CHECK(s.is_cuda() && s.device() == input.device(), op, ": ", name,
               ": expected a CUDA tensor on the input's device ", input.device(), ", got ", s.device());
-  TORCH_CHECK(s.scalar_type() == at::kFloat, op, ": ", name, ": expected dtype float32, got ", s.scalar_type());
-  TORCH_CHECK(s.numel() == rows, op, ": ", name, ": expected ", rows,
+  PG_CHECK(s.scalar_type() == at::kFloat, op, ": ", name, ": expected dtype float32, got ", s.scalar_type());
+  PG_CHECK(s.numel() == rows, op, ": ", name, ": expected ", rows,
               " elements (one per row of the input), got shape ", s.sizes());
 }
 
@@ -1035,9 +1036,9 @@ FwdResult norm_forward(const char* op, const at::Tensor& input_, const at::Tenso
   check_input(op, "input", input_);
   if (weight_.defined()) check_param(op, "weight", weight_, input_);
   if (bias_.defined()) check_param(op, "bias", bias_, input_);
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps: expected a finite value >= 0, got ", eps);
+  PG_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps: expected a finite value >= 0, got ", eps);
   const at::ScalarType out_t = out_dtype.has_value() ? *out_dtype : input_.scalar_type();
-  TORCH_CHECK(is_float_type(out_t), op, ": out_dtype: expected float32, float16 or bfloat16, got ", out_t);
+  PG_CHECK(is_float_type(out_t), op, ": out_dtype: expected float32, float16 or bfloat16, got ", out_t);
 
   c10::cuda::CUDAGuard guard(input_.device());
   const at::Tensor input = input_.contiguous();
@@ -1082,9 +1083,9 @@ BwdResult norm_backward(const char* op, const at::Tensor& grad_, const at::Tenso
                         const at::Tensor& bias_, const at::Tensor& mean_, const at::Tensor& rstd_) {
   check_input(op, "input", input_);
   check_input(op, "grad_output", grad_);
-  TORCH_CHECK(grad_.device() == input_.device(), op, ": grad_output: expected the input's device ", input_.device(),
+  PG_CHECK(grad_.device() == input_.device(), op, ": grad_output: expected the input's device ", input_.device(),
               ", got ", grad_.device());
-  TORCH_CHECK(grad_.sizes() == input_.sizes(), op, ": grad_output: expected the input's shape ", input_.sizes(),
+  PG_CHECK(grad_.sizes() == input_.sizes(), op, ": grad_output: expected the input's shape ", input_.sizes(),
               ", got ", grad_.sizes());
   if (weight_.defined()) check_param(op, "weight", weight_, input_);
   if (bias_.defined()) check_param(op, "bias", bias_, input_);

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include "pipegoose_check.h"
 
 namespace pipegoose {
 namespace {
@@ -146,7 +147,7 @@ at::Tensor softmax_forward_cuda(const at::Tensor& input, const std::optional<at:
     case at::kFloat: forward_impl<float>(input, m, s, causal, out, st); break;
     case at::kHalf: forward_impl<__half>(input, m, s, causal, out, st); break;
     case at::kBFloat16: forward_impl<__nv_bfloat16>(input, m, s, causal, out, st); break;
-    default: TORCH_CHECK(false, "softmax_forward: input must be float32, float16 or bfloat16, got ", input.scalar_type());
+    default: PG_CHECK(false, "softmax_forward: input must be float32, float16 or bfloat16, got ", input.scalar_type());
   }
   return out;
 }
@@ -166,7 +167,7 @@ at::Tensor softmax_backward_cuda(const at::Tensor& grad_output, const at::Tensor
     case at::kFloat: backward_impl<float>(grad_output, output, s, causal, out, st); break;
     case at::kHalf: backward_impl<__half>(grad_output, output, s, causal, out, st); break;
     case at::kBFloat16: backward_impl<__nv_bfloat16>(grad_output, output, s, causal, out, st); break;
-    default: TORCH_CHECK(false, "softmax_backward: output must be float32, float16 or bfloat16, got ", output.scalar_type());
+    default: PG_CHECK(false, "softmax_backward: output must be float32, float16 or bfloat16, got ", output.scalar_type());
   }
   return out;
 }
