@@ -63,7 +63,7 @@ void adam(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
 TORCH_LIBRARY_FRAGMENT(pipegoose, m) {
   m.def("multi_tensor_adam(int chunk_size, Tensor(a!) noop_flag, Tensor[] grads, Tensor(b!)[] params, "
         "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, float lr, float beta1, float beta2, float eps, int step, "
-        "int mode, int bias_correction, float weight_decay, float div_scale) -> ()");
+        "int adam_w_mode, int bias_correction, float weight_decay, float div_scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pipegoose, CUDA, m) { m.impl("multi_tensor_adam", &adam); }

@@ -8,6 +8,6 @@ import torch
 
 
 @torch.library.register_fake("pipegoose::multi_tensor_adam")
-def _fake(chunk_size, noop_flag, grads, params, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step, mode,
+def _fake(chunk_size, noop_flag, grads, params, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step, adam_w_mode,
           bias_correction, weight_decay, div_scale) -> None:
     return None
