@@ -24,3 +24,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def no_tuning_table(tmp_path, monkeypatch):
+    """Set the GPU's committed tuning table aside, for tests that check that our kernels run and are right (the
+    table may route a shape to PyTorch where PyTorch is faster; its own behaviour is tested on the CPU)."""
+    from pipegoose.nn.fusion import dispatch
+
+    monkeypatch.setattr(dispatch, "TUNING_DIR", tmp_path)
+    dispatch._tables.clear()
+    yield
+    dispatch._tables.clear()

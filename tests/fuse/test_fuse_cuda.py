@@ -21,19 +21,7 @@ from tolerances import TOLERANCES
 
 from . import models
 
-pytestmark = pytest.mark.cuda
-
-
-@pytest.fixture(autouse=True)
-def _no_tuning_table(tmp_path, monkeypatch):
-    """These tests check that the kernels run and are right; the committed tuning table of the GPU may route a
-    shape to PyTorch where PyTorch is faster, so it is set aside here (its own behaviour is tested on the CPU)."""
-    from pipegoose.nn.fusion import dispatch as _dispatch
-
-    monkeypatch.setattr(_dispatch, "TUNING_DIR", tmp_path)
-    _dispatch._tables.clear()
-    yield
-    _dispatch._tables.clear()
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("no_tuning_table")]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
