@@ -1,6 +1,6 @@
 """Quick LayerNorm / RMSNorm bandwidth check: pipegoose's kernels vs F.layer_norm / F.rms_norm (bf16, 16384 rows).
 
-    python benchmarks/quick_norms.py [--rows 16384] [--hidden 1024 4096 8192 16384] [--reps 50]
+    python -m benchmarks.quick_norms [--rows 16384] [--hidden 1024 4096 8192 16384] [--reps 50]
 
 Prints achieved bandwidth in TB/s = minimum bytes moved / median time (CUDA events, median of ``reps`` after a
 warm-up, the L2 cache flushed before each repetition, random inputs). Minimum bytes: forward reads x and the
@@ -11,31 +11,15 @@ the parameter gradients. The full suite lives in ``benchmarks/run.py``; this scr
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 
-FLUSH = None
-
+from benchmarks.timing import Timer
 
 def bench(fn, reps: int, warmup: int = 10) -> float:
-    """Median milliseconds of ``fn()``."""
-    global FLUSH
-    if FLUSH is None:
-        FLUSH = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        FLUSH.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median milliseconds of ``fn()`` (benchmarks.timing: CUDA events, L2 flushed before each repetition)."""
+    return Timer("cuda", warmup=warmup, reps=reps, max_s=float("inf")).time(lambda _: fn())["median_ms"]
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Quick bandwidth check of pipegoose's fused softmax (``pipegoose/softmax``) against torch's native softmax.
 
-    python benchmarks/quick_softmax.py [--reps 50] [--dtype bf16]
+    python -m benchmarks.quick_softmax [--reps 50] [--dtype bf16]
 
 Prints GB/s = minimum bytes / median time (CUDA events, median of ``reps`` after warm-up, randn inputs, every
 tensor larger than the L2 cache). Minimum bytes (s = bytes per element, N = elements, T = elements of the causal
@@ -14,24 +14,15 @@ figure upstream benchmarks quote. The full suite is ``python -m benchmarks.run``
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from benchmarks.timing import Timer
+
 
 def bench(fn, reps: int, warmup: int = 5) -> float:
-    """Median milliseconds of ``fn()``."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median milliseconds of ``fn()`` (benchmarks.timing: CUDA events, L2 flushed before each repetition)."""
+    return Timer("cuda", warmup=warmup, reps=reps, max_s=float("inf")).time(lambda _: fn())["median_ms"]
 
 
 def main() -> None:
