@@ -33,6 +33,6 @@ def no_tuning_table(tmp_path, monkeypatch):
     from pipegoose.nn.fusion import dispatch
 
     monkeypatch.setattr(dispatch, "TUNING_DIR", tmp_path)
-    dispatch._tables.clear()
+    dispatch.clear_tuning_cache()
     yield
-    dispatch._tables.clear()
+    dispatch.clear_tuning_cache()

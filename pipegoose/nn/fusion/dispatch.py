@@ -23,6 +23,14 @@ mode (``PIPEGOOSE_STRICT=1`` or ``with dispatch.strict():``) raises :class:`Fusi
 ``torch`` (argument, environment or tuning rule) is not a fallback.
 
 Counters: :func:`stats` -> ``{op: {impl: calls}}``, :func:`reset_stats`.
+
+Choice cache. A choice depends only on metadata (dtypes, shapes, devices, grad and autocast state), so the op
+entry points remember it per call signature (:func:`cached_choice` / :func:`remember_choice`, keyed by the op, the
+``impl`` argument, the op's signature tuple and the values of its ``PIPEGOOSE_IMPL_*`` variables): a repeated call
+skips argument validation and :func:`choose` (tens of microseconds of Python per call, which a small model pays on
+every layer). Every cached call is still counted, remembered for :func:`last_choice` and checked against strict
+mode. The cache is emptied by :func:`register`, :func:`unregister`, :func:`clear_kernel_cache`,
+:func:`clear_tuning_cache`, :func:`reset_stats` and :func:`clear_choice_cache`, and when it holds 4096 entries.
 """
 
 from __future__ import annotations
@@ -54,6 +62,11 @@ __all__ = [
     "implementations",
     "choose",
     "select",
+    "record",
+    "choice_key",
+    "cached_choice",
+    "remember_choice",
+    "clear_choice_cache",
     "explain",
     "last_choice",
     "stats",
@@ -172,12 +185,15 @@ _impls: dict[str, dict[str, Implementation]] = {}
 _problem_builders: dict[str, Callable[..., Problem]] = {}
 _stats: dict[str, dict[str, int]] = {}
 _last: dict[str, Choice] = {}
+_memo: dict[tuple, Any] = {}  # the choice cache
+_MEMO_MAX = 4096
 
 
 def register(impl: Implementation) -> Implementation:
     """Register (or replace) an implementation of ``impl.op``; returns it."""
     with _lock:
         _impls.setdefault(impl.op, {})[impl.name] = impl
+        _memo.clear()
     return impl
 
 
@@ -194,6 +210,7 @@ def unregister(op: str) -> None:
         _problem_builders.pop(op, None)
         _stats.pop(op, None)
         _last.pop(op, None)
+        _memo.clear()
 
 
 def _ensure_builtin_ops() -> None:
@@ -286,6 +303,7 @@ def kernel(name: str) -> tuple[Any | None, str]:
 def clear_kernel_cache() -> None:
     with _lock:
         _kernel_cache.clear()
+        _memo.clear()
 
 
 def kernel_ops(impl: Implementation) -> Any:
@@ -418,6 +436,7 @@ def tuning_table(device: torch.device) -> TuningTable | None:
 def clear_tuning_cache() -> None:
     with _lock:
         _tables.clear()
+        _memo.clear()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -434,12 +453,22 @@ def _check(impl: Implementation, problem: Problem) -> tuple[bool, str]:
     return True, ""
 
 
+_env_names_cache: dict[str, tuple[str, ...]] = {}
+
+
+def _env_names(op: str) -> tuple[str, ...]:
+    names = _env_names_cache.get(op)
+    if names is None:
+        names = (f"PIPEGOOSE_IMPL_{op.upper().replace('.', '_')}",)
+        family = op.split(".", 1)[0]
+        if family != op:
+            names += (f"PIPEGOOSE_IMPL_{family.upper()}",)
+        _env_names_cache[op] = names
+    return names
+
+
 def _env_request(op: str) -> tuple[str | None, str]:
-    names = [f"PIPEGOOSE_IMPL_{op.upper().replace('.', '_')}"]
-    family = op.split(".", 1)[0]
-    if family != op:
-        names.append(f"PIPEGOOSE_IMPL_{family.upper()}")
-    for var in names:
+    for var in _env_names(op):
         v = os.environ.get(var, "").strip().lower()
         if v and v != "auto":
             return v, var
@@ -517,22 +546,65 @@ def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool =
 
 
 def select(op: str, problem: Problem, impl: str | None = None) -> Choice:
-    """:func:`choose`, then count the call, remember it for :func:`last_choice`, log a fallback and, in strict
-    mode, raise on it.
+    """:func:`choose`, then :func:`record` it (count, remember, log, strict check).
 
     Raises:
         FusionFallbackError: strict mode and the choice is a fallback to the reference path.
     """
-    choice = choose(op, problem, impl)
+    return record(choose(op, problem, impl))
+
+
+def record(choice: Choice) -> Choice:
+    """Count a call that runs ``choice``, remember it for :func:`last_choice`, log a fallback and, in strict mode,
+    raise on it. Returns ``choice``.
+
+    Raises:
+        FusionFallbackError: strict mode and the choice is a fallback to the reference path.
+    """
+    op = choice.op
     with _lock:
         _last[op] = choice
         if choice.fallback and is_strict():
             raise FusionFallbackError(f"{op}: strict mode: would fall back to {choice.impl}: {choice.reason}")
-        per_op = _stats.setdefault(op, {})
+        per_op = _stats.get(op)
+        if per_op is None:
+            per_op = _stats[op] = {}
         per_op[choice.impl] = per_op.get(choice.impl, 0) + 1
     if choice.fallback:
         logger.debug("%s: falling back to %s: %s", op, choice.impl, choice.reason)
     return choice
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Choice cache (see the module docstring)
+
+_environ_get = os.environ.get
+
+
+def choice_key(op: str, impl: str | None, signature: tuple) -> tuple:
+    """The cache key of a call: op, ``impl`` argument, the op's metadata ``signature`` (hashable; it must hold
+    everything validation and choice depend on, and no tensors) and the op's ``PIPEGOOSE_IMPL_*`` values."""
+    return (op, impl, signature, tuple(_environ_get(n) for n in _env_names(op)))
+
+
+def cached_choice(key: tuple) -> Any:
+    """What :func:`remember_choice` stored under ``key`` (None if nothing)."""
+    return _memo.get(key)
+
+
+def remember_choice(key: tuple, value: Any) -> None:
+    """Store ``value`` (a :class:`Choice`, or a tuple starting with one plus what the op derived while validating)
+    under ``key``; the cache is emptied first when full."""
+    with _lock:
+        if len(_memo) >= _MEMO_MAX:
+            _memo.clear()
+        _memo[key] = value
+
+
+def clear_choice_cache() -> None:
+    """Forget every cached choice (the next call of each signature validates and chooses again)."""
+    with _lock:
+        _memo.clear()
 
 
 def explain(op: str, *inputs: Any, impl: str | None = None, **kwargs: Any) -> Choice:
@@ -561,6 +633,8 @@ def stats() -> dict[str, dict[str, int]]:
 
 
 def reset_stats() -> None:
+    """Zero the counters and forget the last choices (and the choice cache, so that every next call chooses)."""
     with _lock:
         _stats.clear()
         _last.clear()
+        _memo.clear()

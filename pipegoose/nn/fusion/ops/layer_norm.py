@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from .. import dispatch
 from ..dispatch import Implementation, Problem
-from ._common import (FLOAT_DTYPES, HALF_DTYPES, INT32_MAX, dtype_name, manifest_limit, needs_grad,
-                      no_autocast, torch_result_dtype)
+from ._common import (FLOAT_DTYPES, HALF_DTYPES, INT32_MAX, autocast_state, call_without_autocast, dtype_name,
+                      manifest_limit, needs_grad, param_signature, torch_result_dtype)
 
 OP = "layer_norm"
 SRC_PIPEGOOSE = "pipegoose/layer_norm: pipegoose/kernels/csrc/layer_norm.cu (pipegoose, MIT)"
@@ -239,16 +239,51 @@ class ApexLayerNormFunction(torch.autograd.Function):
         return gi, gg if has_w else None, gb if has_b else None, None, None, None
 
 
+def _signature(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any) -> tuple | None:
+    """The call's metadata for the choice cache (dispatch.choice_key), or None when it cannot be cached (not
+    tensors, unhashable arguments, torch.compile tracing)."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        ns = tuple(normalized_shape) if isinstance(normalized_shape, list) else normalized_shape
+        sig = (type(x), x.dtype, x.device, x.shape, x.requires_grad, type(ns), ns, param_signature(weight),
+               param_signature(bias), type(eps), eps, torch.is_grad_enabled(), autocast_state(x.device))
+        hash(sig)
+    except (AttributeError, TypeError):
+        return None
+    return sig
+
+
 def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, bias: torch.Tensor | None,
         eps: float, impl: str | None) -> torch.Tensor:
-    shape = normalize_shape(normalized_shape)
-    check_args(x, shape, weight, bias, eps)
-    out = out_dtype(x, weight, bias)
-    xin = x if out == x.dtype else x.to(out)  # what autocast does (fp32 policy); the kernels then see out == in
-    choice = dispatch.select(OP, layer_norm_problem(xin, shape, weight, bias, out), impl)
-    with no_autocast(x.device):
-        if choice.impl == "pipegoose":
-            return PipegooseLayerNormFunction.apply(xin, weight, bias, shape, eps, out)
-        if choice.impl == "apex":
-            return ApexLayerNormFunction.apply(xin, weight, bias, shape, eps, out)
-        return layer_norm_reference(xin, shape, weight, bias, eps, out)
+    sig = _signature(x, normalized_shape, weight, bias, eps)
+    key = None if sig is None else dispatch.choice_key(OP, impl, sig)
+    hit = None if key is None else dispatch.cached_choice(key)
+    if hit is None:
+        shape = normalize_shape(normalized_shape)
+        check_args(x, shape, weight, bias, eps)
+        out = out_dtype(x, weight, bias)
+        xin = x if out == x.dtype else x.to(out)  # what autocast does (fp32 policy); the kernels then see out == in
+        hit = (dispatch.choose(OP, layer_norm_problem(xin, shape, weight, bias, out), impl), shape, out)
+        if key is not None:
+            dispatch.remember_choice(key, hit)
+    else:
+        xin = x if hit[2] == x.dtype else x.to(hit[2])
+    choice, shape, out = hit
+    dispatch.record(choice)
+    return call_without_autocast(x.device, _RUNNERS[choice.impl], xin, weight, bias, shape, eps, out)
+
+
+def _run_pipegoose(x, weight, bias, shape, eps, out):
+    return PipegooseLayerNormFunction.apply(x, weight, bias, shape, eps, out)
+
+
+def _run_apex(x, weight, bias, shape, eps, out):
+    return ApexLayerNormFunction.apply(x, weight, bias, shape, eps, out)
+
+
+def _run_torch(x, weight, bias, shape, eps, out):
+    return layer_norm_reference(x, shape, weight, bias, eps, out)
+
+
+_RUNNERS = {"pipegoose": _run_pipegoose, "apex": _run_apex, "torch": _run_torch}

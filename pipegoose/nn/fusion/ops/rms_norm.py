@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from .. import dispatch
 from ..dispatch import Implementation, Problem
-from ._common import FLOAT_DTYPES, dtype_name, manifest_limit, needs_grad, no_autocast, torch_result_dtype
+from ._common import (FLOAT_DTYPES, autocast_state, call_without_autocast, dtype_name, manifest_limit, needs_grad,
+                      param_signature, torch_result_dtype)
 from .layer_norm import normalize_shape
 
 OP = "rms_norm"
@@ -161,17 +162,42 @@ class PipegooseRMSNormFunction(torch.autograd.Function):
         return gi.view(xshape), gw.view(shape) if has_w else None, None, None, None
 
 
+def _signature(x: Any, normalized_shape: Any, weight: Any, eps: Any, cast_before_weight: bool) -> tuple | None:
+    """The call's metadata for the choice cache (dispatch.choice_key), or None when it cannot be cached."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        ns = tuple(normalized_shape) if isinstance(normalized_shape, list) else normalized_shape
+        sig = (type(x), x.dtype, x.device, x.shape, x.requires_grad, type(ns), ns, param_signature(weight),
+               type(eps), eps, cast_before_weight, torch.is_grad_enabled(), autocast_state(x.device))
+        hash(sig)
+    except (AttributeError, TypeError):
+        return None
+    return sig
+
+
 def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, eps: float | None,
         cast_before_weight: bool, impl: str | None) -> torch.Tensor:
-    shape = normalize_shape(normalized_shape)
-    eps = check_args(x, shape, weight, eps)
-    if eps is None:  # F.rms_norm's default: the machine epsilon of the compute dtype (fp32 for half inputs)
-        eps = torch.finfo(_compute_dtype(x.dtype)).eps
-    out = out_dtype(x, weight, cast_before_weight)
-    xin = x if cast_before_weight or out == x.dtype else x.to(out)
-    choice = dispatch.select(OP, rms_norm_problem(xin, shape, weight, out, cast_before_weight), impl)
-    with no_autocast(x.device):
-        if choice.impl == "pipegoose":
-            # cast_before_weight too: the weight is applied in the kernel, in fp32, rounded once to ``out``
-            return PipegooseRMSNormFunction.apply(xin, weight, shape, eps, out)
-        return rms_norm_reference(xin, shape, weight, eps, out, cast_before_weight)
+    sig = _signature(x, normalized_shape, weight, eps, cast_before_weight)
+    key = None if sig is None else dispatch.choice_key(OP, impl, sig)
+    hit = None if key is None else dispatch.cached_choice(key)
+    if hit is None:
+        shape = normalize_shape(normalized_shape)
+        eps = check_args(x, shape, weight, eps)
+        if eps is None:  # F.rms_norm's default: the machine epsilon of the compute dtype (fp32 for half inputs)
+            eps = torch.finfo(_compute_dtype(x.dtype)).eps
+        out = out_dtype(x, weight, cast_before_weight)
+        xin = x if cast_before_weight or out == x.dtype else x.to(out)
+        choice = dispatch.choose(OP, rms_norm_problem(xin, shape, weight, out, cast_before_weight), impl)
+        hit = (choice, shape, float(eps), out)
+        if key is not None:
+            dispatch.remember_choice(key, hit)
+    else:
+        out = hit[3]
+        xin = x if cast_before_weight or out == x.dtype else x.to(out)
+    choice, shape, eps, out = hit
+    dispatch.record(choice)
+    if choice.impl == "pipegoose":
+        # cast_before_weight too: the weight is applied in the kernel, in fp32, rounded once to ``out``
+        return call_without_autocast(x.device, PipegooseRMSNormFunction.apply, xin, weight, shape, eps, out)
+    return call_without_autocast(x.device, rms_norm_reference, xin, shape, weight, eps, out, cast_before_weight)

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 from .. import dispatch
 from ..dispatch import Implementation, Problem
-from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, HALF_DTYPES, INT32_MAX, dtype_name, manifest_limit,
-                      megatron_batches_per_block, needs_grad, next_pow2, no_autocast, representable,
-                      torch_result_dtype)
+from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, HALF_DTYPES, INT32_MAX, autocast_state, call_without_autocast,
+                      dtype_name, manifest_limit, megatron_batches_per_block, needs_grad, next_pow2, param_signature,
+                      representable, torch_result_dtype)
 
 OP_PLAIN, OP_MASKED, OP_CAUSAL = "softmax", "softmax.masked", "softmax.causal"
 
@@ -340,38 +340,68 @@ def check_mask(mask: Any, x: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def _signature(x: torch.Tensor, mask: torch.Tensor | None, *rest: Any) -> tuple | None:
+    """The call's metadata for the choice cache (dispatch.choice_key), or None when it cannot be cached."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        sig = (type(x), x.dtype, x.device, x.shape, x.stride(), x.data_ptr() % 16 == 0, x.requires_grad,
+               param_signature(mask), torch.is_grad_enabled(), autocast_state(x.device)) + rest
+        hash(sig)
+    except (AttributeError, TypeError, RuntimeError):  # RuntimeError: data_ptr of a tensor without storage
+        return None
+    return sig
+
+
+def _choose(op: str, x: torch.Tensor, mask: torch.Tensor | None, scale: float, impl: str | None, exact: bool,
+            last_dim: bool, sig_rest: tuple) -> tuple[dispatch.Choice, torch.dtype]:
+    sig = _signature(x, mask, op, scale, exact, last_dim)
+    key = None if sig is None else dispatch.choice_key(op, impl, sig + sig_rest)
+    hit = None if key is None else dispatch.cached_choice(key)
+    if hit is None:
+        out = softmax_out_dtype(x)
+        xin = x if out == x.dtype else x.to(out)
+        hit = (dispatch.choose(op, softmax_problem(op, xin, mask, scale, exact=exact, last_dim=last_dim), impl), out)
+        if key is not None:
+            dispatch.remember_choice(key, hit)
+    dispatch.record(hit[0])
+    return hit
+
+
 def run(op: str, x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool,
         impl: str | None, exact: bool = False) -> torch.Tensor:
     """Choose and run an implementation of a scaled (masked/causal) softmax over the last dim of ``x``."""
-    out = softmax_out_dtype(x)
+    choice, out = _choose(op, x, mask, scale, impl, exact, True, (causal,))
     if out != x.dtype:
         x = x.to(out)
-    choice = dispatch.select(op, softmax_problem(op, x, mask, scale, exact=exact), impl)
-    with no_autocast(x.device):
-        if choice.impl == "pipegoose":
-            return PipegooseSoftmaxFunction.apply(x, mask, scale, causal)
-        if choice.impl == "megatron":
-            if causal:
-                return MegatronScaledUpperTriangMaskedSoftmaxFunction.apply(x, scale)
-            return MegatronScaledMaskedSoftmaxFunction.apply(x, mask, scale)
-        return ReferenceSoftmaxFunction.apply(x, mask, scale, causal)
+    return call_without_autocast(x.device, _run_choice, choice.impl, x, mask, scale, causal)
+
+
+def _run_choice(impl: str, x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool) -> torch.Tensor:
+    if impl == "pipegoose":
+        return PipegooseSoftmaxFunction.apply(x, mask, scale, causal)
+    if impl == "megatron":
+        if causal:
+            return MegatronScaledUpperTriangMaskedSoftmaxFunction.apply(x, scale)
+        return MegatronScaledMaskedSoftmaxFunction.apply(x, mask, scale)
+    return ReferenceSoftmaxFunction.apply(x, mask, scale, causal)
 
 
 def run_plain(x: torch.Tensor, dim: int, dtype: torch.dtype | None, impl: str | None) -> torch.Tensor:
     """``F.softmax(x, dim, dtype=dtype)``, fused where the fused result is allclose to it (fp32, last dim)."""
     if dtype is not None:
         x = x.to(dtype)
-    out = softmax_out_dtype(x)
-    if out != x.dtype:
-        x = x.to(out)
     nd = max(x.dim(), 1)
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim: expected an int, got {type(dim).__name__}")
     if not -nd <= dim < nd:
         raise IndexError(f"dim: expected in [{-nd}, {nd - 1}], got {dim}")
     last = x.dim() == 0 or dim % nd == nd - 1
-    choice = dispatch.select(OP_PLAIN, softmax_problem(OP_PLAIN, x, None, 1.0, exact=True, last_dim=last), impl)
-    with no_autocast(x.device):
-        if choice.impl == "pipegoose":
-            y = PipegooseSoftmaxFunction.apply(x, None, 1.0, False)
-            # F.softmax gives NaN for a row of all -inf; keep that (a fused kernel may give zeros there)
-            return y.masked_fill(y.detach().sum(dim=-1, keepdim=True) == 0, float("nan"))
-        return F.softmax(x, dim=dim)
+    choice, out = _choose(OP_PLAIN, x, None, 1.0, impl, True, last, ())
+    if out != x.dtype:
+        x = x.to(out)
+    if choice.impl == "pipegoose":
+        y = call_without_autocast(x.device, PipegooseSoftmaxFunction.apply, x, None, 1.0, False)
+        # F.softmax gives NaN for a row of all -inf; keep that (a fused kernel may give zeros there)
+        return y.masked_fill(y.detach().sum(dim=-1, keepdim=True) == 0, float("nan"))
+    return call_without_autocast(x.device, F.softmax, x, dim)
