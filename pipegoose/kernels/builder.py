@@ -292,7 +292,9 @@ class KernelBuilder:
         """Make sure the cache holds a build for the current inputs, compiling it when absent (or ``force``).
 
         Concurrent callers with one key (threads, processes, ranks on a node) produce one build: the others wait
-        on the key's lock and then take the published entry. Returns a :class:`BuildResult`.
+        on the key's lock and then take the published entry. Before compiling, with the lock held, it removes the
+        key's temp folders whose builder process is gone (killed before publishing; see
+        :func:`pipegoose.kernels.cache.clean_stale_tmp`). Returns a :class:`BuildResult`.
         """
         t0 = time.monotonic()
         k = self.kernel

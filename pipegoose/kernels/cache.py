@@ -3,7 +3,8 @@
 Layout of ``<cache>`` (:func:`default_cache_dir`)::
 
     <key>/                   a published build: <name>.so, build.json, build.log (complete, or absent)
-    <key>.tmp-<pid>-<rand>/  a build in progress; renamed to <key>/ in one step when it succeeded
+    <key>.tmp-<pid>-<rand>/  a build in progress; renamed to <key>/ in one step when it succeeded (a build killed
+                             with SIGKILL or a crash leaves it behind: see :func:`clean_stale_tmp`)
     locks/<key>.lock         the lock (filelock, an OS-level flock: released when its process dies)
     locks/<key>.owner.json   who holds / last held the lock: pid, hostname, boot id, process start time
     failed/<key>/build.log   the log of the last failed build of that key
@@ -17,6 +18,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -40,7 +42,11 @@ __all__ = [
     "is_complete",
     "new_tmp_dir",
     "publish",
+    "pid_alive",
+    "tmp_owner",
     "clean_stale_tmp",
+    "abandoned_tmp",
+    "clean_abandoned",
 ]
 
 KEY_SCHEMA = 1  # bump when the meaning of a build changes without any input changing
@@ -101,11 +107,8 @@ def process_identity(pid: int | None = None) -> dict[str, Any]:
             "argv": " ".join(sys.argv)[:200], "since": time.time()}
 
 
-def owner_alive(owner: Mapping[str, Any]) -> bool | None:
-    """True/False when the owner's liveness can be told from here (same host and boot), None otherwise."""
-    if owner.get("hostname") != socket.gethostname() or owner.get("boot_id") != _boot_id():
-        return None
-    pid = int(owner.get("pid", -1))
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (one of another user counts; so does a zombie)."""
     if pid <= 0:
         return False
     try:
@@ -114,6 +117,16 @@ def owner_alive(owner: Mapping[str, Any]) -> bool | None:
         return False
     except PermissionError:
         pass
+    return True
+
+
+def owner_alive(owner: Mapping[str, Any]) -> bool | None:
+    """True/False when the owner's liveness can be told from here (same host and boot), None otherwise."""
+    if owner.get("hostname") != socket.gethostname() or owner.get("boot_id") != _boot_id():
+        return None
+    pid = int(owner.get("pid", -1))
+    if not pid_alive(pid):
+        return False
     start = _start_time(pid)
     return not (start and owner.get("start_time") and start != owner["start_time"])
 
@@ -130,7 +143,8 @@ class BuildLock:
 
     ``filelock.FileLock`` (an OS ``flock``) does the exclusion; the kernel releases it when its holder dies, so a
     build killed with ``kill -9`` never blocks the next one: the next builder takes the lock over, notes that the
-    previous owner (recorded in ``<key>.owner.json``) did not finish, and removes its half-written temp folder.
+    previous owner (recorded in ``<key>.owner.json``) did not finish, and removes its half-written temp folder
+    (:func:`clean_stale_tmp`).
     Where the file system has no ``flock`` (some network file systems), a ``filelock.SoftFileLock`` is used and a
     lock whose owner process is gone (same host and boot, pid gone or reused) is broken.
 
@@ -261,10 +275,69 @@ def publish(tmp: Path, cache_dir: Path, key: str, info: Mapping[str, Any]) -> Pa
     return final
 
 
-def clean_stale_tmp(cache_dir: Path, key: str) -> list[Path]:
-    """Remove the temp folders of ``key`` (call with the key's lock held: no live build can own one)."""
-    removed = []
-    for d in Path(cache_dir).glob(f"{key}.tmp-*"):
+# The exact name new_tmp_dir gives: <key>.tmp-<pid>-<8 hex>, <key> as build_key makes it.
+_TMP_NAME = re.compile(r"(?P<key>[\w-]+-[0-9a-f]{24})\.tmp-(?P<pid>[0-9]+)-[0-9a-f]{8}")
+
+
+def tmp_owner(path: str | os.PathLike) -> tuple[str, int] | None:
+    """``(key, pid)`` of a temp folder named by :func:`new_tmp_dir`; None for any other name (a published
+    ``<key>/``, ``locks/``, ``failed/``, anything else)."""
+    m = _TMP_NAME.fullmatch(Path(path).name)
+    return (m["key"], int(m["pid"])) if m else None
+
+
+def _dead_tmp(cache_dir: Path, key: str | None = None) -> list[Path]:
+    found = []
+    for d in sorted(Path(cache_dir).glob(f"{key}.tmp-*" if key else "*.tmp-*")):
+        owner = tmp_owner(d)
+        if (owner and (key is None or owner[0] == key) and d.is_dir() and not d.is_symlink()
+                and owner[1] != os.getpid() and not pid_alive(owner[1])):
+            found.append(d)
+    return found
+
+
+def _rmtree(dirs: list[Path]) -> list[Path]:
+    for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
-        removed.append(d)
-    return removed
+    return [d for d in dirs if not d.exists()]
+
+
+def clean_stale_tmp(cache_dir: Path, key: str) -> list[Path]:
+    """Remove the temp folders of ``key`` left by builds that were killed (SIGKILL, crash) before publishing.
+
+    Removed: folders of ``<cache>`` named exactly ``<key>.tmp-<pid>-<8 hex>`` (as :func:`new_tmp_dir` names them)
+    whose ``<pid>`` is not a live process on this host. Kept: those of a live pid (this process's own included;
+    a reused pid keeps its folder until that process ends), the published ``<key>/``, every other name.
+    Call it with the key's :class:`BuildLock` held, so that no live build of the key on another host (shared
+    cache) can own one: :meth:`~pipegoose.kernels.builder.KernelBuilder.build` does, before each compile.
+    Returns the folders removed.
+    """
+    return _rmtree(_dead_tmp(cache_dir, key))
+
+
+def abandoned_tmp(cache_dir: Path) -> list[Path]:
+    """The temp folders of every key that :func:`clean_stale_tmp` would remove now (owner pid gone); removes
+    nothing. A folder whose key is never built again stays until :func:`clean_abandoned` removes it."""
+    return _dead_tmp(cache_dir)
+
+
+def clean_abandoned(cache_dir: Path) -> tuple[list[Path], list[str]]:
+    """:func:`clean_stale_tmp` for every key that has :func:`abandoned_tmp` folders, each under the key's
+    :class:`BuildLock` taken without waiting; a key whose lock is held (a build of it runs, maybe on another host)
+    is left alone. Returns (the folders removed, the keys skipped because their lock was busy).
+    ``python -m pipegoose.kernels clean`` runs it.
+    """
+    removed: list[Path] = []
+    busy: list[str] = []
+    for key in dict.fromkeys(tmp_owner(d)[0] for d in abandoned_tmp(cache_dir)):
+        lock = BuildLock(cache_dir, key, timeout=0)
+        try:
+            lock.acquire()
+        except LockTimeout:
+            busy.append(key)
+            continue
+        try:
+            removed += clean_stale_tmp(cache_dir, key)
+        finally:
+            lock.release()
+    return removed, busy

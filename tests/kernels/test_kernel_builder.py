@@ -272,6 +272,69 @@ def test_owner_alive_detects_dead_and_reused_pids():
     assert cache.owner_alive({**me, "hostname": "elsewhere"}) is None
 
 
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _plant_tmp(cache_dir: Path, key: str, pid: int, rand: str = "deadbeef") -> Path:
+    d = cache_dir / f"{key}.tmp-{pid}-{rand}"
+    d.mkdir(parents=True)
+    (d / "half.o").write_bytes(b"x" * 100)
+    return d
+
+
+def test_clean_stale_tmp_removes_only_dead_owners_temp_folders(tmp_path):
+    key, other = "tiny-0123456789abcdef01234567", "tiny-76543210fedcba9876543210"
+    dead = _dead_pid()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        gone = _plant_tmp(tmp_path, key, dead)
+        kept = [_plant_tmp(tmp_path, key, os.getpid(), "0badf00d"),  # this process's own build
+                _plant_tmp(tmp_path, key, sleeper.pid, "cafef00d"),  # a live build
+                _plant_tmp(tmp_path, other, dead),  # another key's
+                _plant_tmp(tmp_path, key, dead, "not-hex!")]  # not a name new_tmp_dir gives
+        (tmp_path / key).mkdir()  # the published build
+        (tmp_path / f"{key}.tmp-{dead}-feedface").write_text("a file, not a folder")
+        assert cache.tmp_owner(gone) == (key, dead) and cache.tmp_owner(tmp_path / key) is None
+        assert cache.abandoned_tmp(tmp_path) == sorted([gone, kept[2]])
+        with cache.BuildLock(tmp_path, key, timeout=5):
+            assert cache.clean_stale_tmp(tmp_path, key) == [gone]
+        assert not gone.exists() and all(d.is_dir() for d in kept) and (tmp_path / key).is_dir()
+        assert (tmp_path / f"{key}.tmp-{dead}-feedface").is_file()
+        assert cache.tmp_owner(cache.new_tmp_dir(tmp_path, key)) == (key, os.getpid())  # the pattern matches it
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_clean_abandoned_skips_keys_being_built(tmp_path):
+    busy_key, free_key = "tiny-0123456789abcdef01234567", "tiny-76543210fedcba9876543210"
+    dead = _dead_pid()
+    busy_tmp, free_tmp = _plant_tmp(tmp_path, busy_key, dead), _plant_tmp(tmp_path, free_key, dead)
+    holder = _hold_lock(tmp_path, busy_key, soft=False)
+    try:
+        assert cache.clean_abandoned(tmp_path) == ([free_tmp], [busy_key])
+        assert busy_tmp.is_dir() and not free_tmp.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert cache.clean_abandoned(tmp_path) == ([busy_tmp], [])
+    assert cache.abandoned_tmp(tmp_path) == []
+
+
+def test_build_removes_killed_builds_temp_folder(tiny):
+    manifest, op, cache_dir = tiny
+    b = KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir)
+    key = b.build_key()
+    dead = _plant_tmp(cache_dir, key, _dead_pid())
+    live = _plant_tmp(cache_dir, key, os.getpid(), "0badf00d")
+    res = b.build()
+    assert res.built and cache.is_complete(res.entry)
+    assert not dead.exists() and live.is_dir()
+
+
 # ------------------------------------------------------------------------------------------------- builds
 
 _LOAD = textwrap.dedent("""\
