@@ -1,12 +1,16 @@
-"""``python -m pipegoose.kernels``: doctor | build.
+"""``python -m pipegoose.kernels``: doctor | build | clean.
 
     python -m pipegoose.kernels doctor [--load]           toolchain checks + each kernel's state, as tables
     python -m pipegoose.kernels build --all [-j N]         build every kernel of the manifest, N at a time
     python -m pipegoose.kernels build NAME [NAME ...]      build some (ids or aliases)
+    python -m pipegoose.kernels clean [--dry-run]          remove the temp folders of killed builds (every key)
 
 Common options: ``--manifest PATH`` (default: the repository's kernels.yaml), ``--cache-dir DIR``.
 ``build`` exit status: 0 all built (or cached); 1 a build failed; 2 none failed but some kernels could not be
 built here (missing files or toolchain), each listed with the reason.
+``doctor`` also counts those temp folders. ``clean`` removes only ``<key>.tmp-<pid>-<8 hex>`` folders whose pid is
+not a live process on this host, each under its key's build lock (a key being built is skipped); published builds,
+locks and failure logs stay (:func:`pipegoose.kernels.cache.clean_abandoned`).
 """
 
 from __future__ import annotations
@@ -73,7 +77,40 @@ def _doctor(args) -> int:
                 st = {**st, "state": "error", "detail": str(e)}
         kt.add_row(b.kernel.id, ", ".join(b.kernel.aliases), f"[{colors[st['state']]}]{st['state']}[/]", st["detail"])
     console.print(kt)
+    litter = cache.abandoned_tmp(cache_dir)
+    if litter:
+        console.print(f"[yellow]{len(litter)} temp folder(s) of killed builds[/] in {cache_dir} "
+                      f"({_size(litter) / 2**20:.1f} MiB): remove them with python -m pipegoose.kernels clean")
     return 1 if bad else 0
+
+
+def _size(dirs) -> int:
+    total = 0
+    for f in (f for d in dirs for f in d.rglob("*")):
+        try:
+            total += f.lstat().st_size
+        except OSError:  # removed meanwhile
+            pass
+    return total
+
+
+def _clean(args) -> int:
+    from . import cache
+
+    cache_dir = cache.default_cache_dir() if args.cache_dir is None else args.cache_dir
+    if args.dry_run:
+        litter = cache.abandoned_tmp(cache_dir)
+        for d in litter:
+            print(f"would remove {d}")
+        print(f"{len(litter)} temp folder(s) of killed builds ({_size(litter) / 2**20:.1f} MiB)")
+        return 0
+    removed, busy = cache.clean_abandoned(cache_dir)
+    for d in removed:
+        print(f"removed {d}")
+    for key in busy:
+        print(f"skipped {key}: a build of it holds its lock")
+    print(f"removed {len(removed)} temp folder(s) of killed builds")
+    return 0
 
 
 def _build(args) -> int:
@@ -148,9 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("-j", "--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="kernels built at once (default: half the CPU cores)")
     b.add_argument("--force", action="store_true", help="rebuild even when cached")
+    c = sub.add_parser("clean", help="remove the temp folders left by killed builds (owner process gone)")
+    c.add_argument("--dry-run", action="store_true", help="only list them")
     args = p.parse_args(argv)
     if args.cmd == "doctor":
         return _doctor(args)
+    if args.cmd == "clean":
+        return _clean(args)
     return _build(args)
 
 

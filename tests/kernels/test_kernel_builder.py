@@ -436,3 +436,19 @@ def test_cli_build_reports_missing_and_doctor_runs(tiny):
     p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "doctor"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert "preflight" in p.stdout and "test/tiny" in p.stdout and "unavailable" in p.stdout, p.stdout + p.stderr
+
+
+def test_cli_doctor_reports_and_clean_removes_killed_builds_temp_folders(tiny):
+    manifest, op, cache_dir = tiny
+    env = _env(cache_dir)
+    dead = _plant_tmp(cache_dir, "tiny-0123456789abcdef01234567", _dead_pid())
+    live = _plant_tmp(cache_dir, "tiny-0123456789abcdef01234567", os.getpid(), "0badf00d")
+    cli = [sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest)]
+    p = subprocess.run(cli + ["doctor"], capture_output=True, text=True, env=env, timeout=300)
+    assert "1 temp folder(s) of killed builds" in p.stdout and "pipegoose.kernels clean" in p.stdout, p.stdout
+    p = subprocess.run(cli + ["clean", "--dry-run"], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0 and f"would remove {dead}" in p.stdout and str(live) not in p.stdout, p.stdout + p.stderr
+    assert dead.is_dir()
+    p = subprocess.run(cli + ["clean"], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0 and f"removed {dead}" in p.stdout, p.stdout + p.stderr
+    assert not dead.exists() and live.is_dir()
