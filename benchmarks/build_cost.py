@@ -5,11 +5,13 @@ dir> build --all -j 16`` (wall time, per-kernel seconds from its output), then t
 process loading every kernel from that cache (``pipegoose.kernels.load``), timed per kernel and in total.
 
 Specialised builds: a kernel may expose a compile-time switch, a ``PIPEGOOSE_*`` macro tested with
-``#ifdef``/``#if defined`` in its own sources. For the causal softmax (``pipegoose/softmax``) and LayerNorm
-(``pipegoose/layer_norm``) the harness defines each such switch (or the ``-D`` flags given with
-``--specialise-define KERNEL:FLAG``), builds the kernel with and without it, each in its own process and cold cache
-(two builds of one op cannot share a process: they register the same ``torch.ops.pipegoose`` names), and times the
-raw forward + backward op on a fixed input. With no switch, the result says "not available" and why.
+``#ifdef``/``#if defined`` in its own sources. For the causal softmax (``pipegoose/softmax``: ``PIPEGOOSE_SOFTMAX_KEYS``,
+the key length as a constant) and LayerNorm (``pipegoose/layer_norm``: ``PIPEGOOSE_NORM_HIDDEN``, the hidden size as
+a constant) the harness defines the switch at the benchmarked shape (:data:`SPECIALISE_DEFINES`; or the ``-D``
+flags given with ``--specialise-define KERNEL:FLAG``), builds the kernel with and without it, each in its own
+process and cold cache (two builds of one op cannot share a process: they register the same ``torch.ops.pipegoose``
+names), checks each build's forward and backward against a float64 reference on the benchmark input, and times the
+raw forward and backward ops. With no switch in the sources, the result says "not available" and why.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ __all__ = ["find_switches", "build_cost", "specialise"]
 
 MARK = "BUILD_RESULT "
 SPECIALISE_KERNELS = ("pipegoose/softmax", "pipegoose/layer_norm")
+# The benchmarked shape's size as a compile-time constant (the shapes are those of _worker).
+SPECIALISE_DEFINES = {"pipegoose/softmax": ["-DPIPEGOOSE_SOFTMAX_KEYS=2048"],
+                      "pipegoose/layer_norm": ["-DPIPEGOOSE_NORM_HIDDEN=4096"]}
 _SWITCH = re.compile(r"#\s*(?:ifdef|ifndef|if\s+defined\s*\(?|elif\s+defined\s*\(?)\s*(PIPEGOOSE_[A-Z0-9_]+)")
 
 
@@ -117,8 +122,16 @@ def _worker(kernel_id: str, defines: list[str], cache: str) -> dict:
         x = torch.randn(16, 16, 2048, 2048, device="cuda", generator=g).to(torch.bfloat16)
         y = ops.softmax_forward(x, None, 0.125, True)
         dy = torch.randn_like(y)
+        dx = ops.softmax_backward(dy, y, 0.125, True)
+        # float64 reference on a slice of the rows (the whole input would need 64 GB in float64)
+        xs, dys = x[:1, :2].double(), dy[:1, :2].double()
+        causal = torch.ones(2048, 2048, dtype=torch.bool, device="cuda").triu_(1)
+        yr = torch.softmax((xs * 0.125).masked_fill(causal, float("-inf")), dim=-1)
+        dxr = 0.125 * yr * (dys - (dys * yr).sum(-1, keepdim=True))
+        res["max_err_fwd"] = float((y[:1, :2].double() - yr).abs().max())
+        res["max_err_bwd"] = float((dx[:1, :2].double() - dxr).abs().max())
         res["fwd_ms"] = timer.time(lambda _: ops.softmax_forward(x, None, 0.125, True))["median_ms"]
-        res["bwd_ms"] = timer.time(lambda _: ops.softmax_backward(dy, y, 0.125))["median_ms"]
+        res["bwd_ms"] = timer.time(lambda _: ops.softmax_backward(dy, y, 0.125, True))["median_ms"]
         res["case"] = "causal softmax bf16 [16, 16, 2048, 2048]"
     else:
         x = torch.randn(16384, 4096, device="cuda", generator=g).to(torch.bfloat16)
@@ -126,6 +139,15 @@ def _worker(kernel_id: str, defines: list[str], cache: str) -> dict:
         bb = torch.randn(4096, device="cuda", generator=g).to(torch.bfloat16)
         y, mean, rstd = ops.layer_norm_forward(x, w, bb, 1e-5, None)
         dy = torch.randn_like(y)
+        dx, dw, db = ops.layer_norm_backward(dy, x, w, bb, mean, rstd)
+        xr = x.double().requires_grad_()
+        wr, br = w.double().requires_grad_(), bb.double().requires_grad_()
+        yr = torch.nn.functional.layer_norm(xr, (4096,), wr, br, 1e-5)
+        dxr, dwr, dbr = torch.autograd.grad(yr, (xr, wr, br), dy.double())
+        res["max_err_fwd"] = float((y.double() - yr.detach()).abs().max())
+        res["max_err_bwd"] = max(float((dx.double() - dxr).abs().max()),
+                                 float((dw.double() - dwr).abs().max() / dwr.abs().max()),
+                                 float((db.double() - dbr).abs().max() / dbr.abs().max()))
         res["fwd_ms"] = timer.time(lambda _: ops.layer_norm_forward(x, w, bb, 1e-5, None))["median_ms"]
         res["bwd_ms"] = timer.time(lambda _: ops.layer_norm_backward(dy, x, w, bb, mean, rstd))["median_ms"]
         res["case"] = "layer_norm bf16 [16384, 4096]"
@@ -144,10 +166,12 @@ def specialise(extra: dict[str, list[str]] | None = None, timeout: float = 300.0
         except Exception as e:  # noqa: BLE001
             out[kid] = {"available": False, "reason": f"{type(e).__name__}: {e}"}
             continue
-        defines = (extra or {}).get(kid) or [f"-D{s}" for s in switches]
-        if not defines:
+        defines = (extra or {}).get(kid) or SPECIALISE_DEFINES.get(kid, [])
+        wanted = [d[2:].split("=", 1)[0] for d in defines]
+        if not defines or not set(wanted) <= set(switches):
             out[kid] = {"available": False,
-                        "reason": "no PIPEGOOSE_* compile-time switch (#ifdef) in the kernel's sources or binding"}
+                        "reason": f"the kernel's sources test no switch {', '.join(wanted) or '(none given)'} "
+                                  f"(found: {', '.join(switches) or 'none'})"}
             continue
         runs = {}
         for label, defs in (("generic", []), ("specialised", defines)):
