@@ -24,3 +24,27 @@ def test_demo_config_name_cpu(capsys):
 
 def test_demo_bad_model():
     assert demo.main(["--model", "no_such_arch", "--device", "cpu"]) == 2
+
+
+def test_timing_alternates_unfused_and_fused(monkeypatch):
+    """time_fused_and_unfused: rounds alternate fused / unfused on the same instance and end fused (the CUDA
+    timing itself is replaced: this runs on the CPU)."""
+    from pipegoose.nn.fusion.fuse import unfuse
+
+    model, batch, _ = demo.load("llama", "eager", demo.torch.device("cpu"), demo.torch.float32)
+    seen = []
+
+    def fake_time_step(m, b, steps, warmup=3):
+        fused = any(type(mod).__name__ == "FusedRMSNorm" for mod in m.modules())
+        seen.append(fused)
+        return [2.0 if fused else 3.0] * steps
+
+    monkeypatch.setattr(demo, "time_step", fake_time_step)
+    from pipegoose.nn.fusion.fuse import fuse
+
+    fuse(model, attention="auto")
+    u, f = demo.time_fused_and_unfused(model, batch, steps=6, attention="auto", rounds=3)
+    assert (u, f) == (3.0, 2.0)
+    assert seen == [True, False] * 3
+    assert any(type(mod).__name__ == "FusedRMSNorm" for mod in model.modules())
+    assert unfuse(model)

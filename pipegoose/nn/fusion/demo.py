@@ -160,6 +160,8 @@ def time_fused_and_unfused(model, batch, steps: int, attention: str, rounds: int
     """Median step time (ms) of the unfused and the fused model, in ``rounds`` alternating rounds of about
     ``steps / rounds`` timed steps each (the same instance, unfused and fused again between rounds), so that drift
     of clocks and host load hits both alike. ``model`` is fused on entry and on return."""
+    from pipegoose.nn.fusion.fuse import fuse, unfuse
+
     per = max(1, -(-steps // rounds))
     fused_t, unfused_t = [], []
     for _ in range(rounds):
