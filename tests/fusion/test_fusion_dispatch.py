@@ -208,6 +208,35 @@ def test_tuning_rules_pick_by_op_dtype_and_max_cols(tmp_path, monkeypatch):
     assert dispatch.select(OP, problem(cols=100)).impl == "pipegoose"
 
 
+def test_tuning_rule_skipped_where_the_timed_configuration_does_not_apply(tmp_path, monkeypatch):
+    """A rule naming an implementation whose tuned_for() says the timings do not describe this problem is skipped:
+    the next rule (or the built-in order) decides."""
+    dispatch.register(Implementation(OP, "torch", "reference", lambda p: (True, ""),
+                                     tuned_for=lambda p: not p.get("slow_torch", False)))
+    write_table(tmp_path, table({"op": OP, "dtype": "float16", "impl": "torch"}), monkeypatch)
+    c = dispatch.select(OP, problem())
+    assert (c.impl, c.source) == ("torch", "tuning")
+    c = dispatch.select(OP, problem(slow_torch=True))
+    assert (c.impl, c.source) == ("pipegoose", "builtin")
+
+
+def test_rms_norm_torch_rules_only_for_the_native_kernel(tmp_path, monkeypatch):
+    """rms_norm's ``torch`` timings are F.rms_norm's; Llama's rounding (cast_before_weight) and mixed dtypes run the
+    eager formula, so a table rule naming torch must not route them there."""
+    from pipegoose.nn.fusion.ops import rms_norm as R
+
+    torch_impl = dispatch.implementations("rms_norm")["torch"]
+
+    def prob(cbw, wdt=torch.bfloat16):
+        x = torch.empty(4, 64, dtype=torch.bfloat16)
+        w = torch.empty(64, dtype=wdt)
+        return R.rms_norm_problem(x, (64,), w, R.out_dtype(x, w, cbw), cbw)
+
+    assert torch_impl.tuned_for(prob(False))
+    assert not torch_impl.tuned_for(prob(True))
+    assert not torch_impl.tuned_for(prob(False, torch.float32))
+
+
 def test_tuning_pass_prefers_matching_rules(tmp_path, monkeypatch):
     write_table(tmp_path, table(
         {"op": OP, "dtype": "float16", "pass": "fwd+bwd", "impl": "megatron"},

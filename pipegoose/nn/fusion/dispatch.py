@@ -138,6 +138,11 @@ class Implementation:
         supports: ``supports(problem) -> (ok, reason)``; the reason says what is not supported.
         kernels: manifest kernels (ids or aliases) loaded, in order, before the first use; empty for ``torch``.
         source: where the kernel comes from (project, file, version, license) for docs and reports.
+        tuned_for: ``tuned_for(problem) -> bool``, whether the benchmark timings behind the tuning table describe
+            what this implementation runs for ``problem`` (None: always). The benchmarks time each implementation
+            in one configuration (rms_norm's ``torch`` as the single ``F.rms_norm`` kernel, say); where the
+            implementation runs other code for a problem (Llama's rounding needs the multi-kernel eager formula),
+            a tuning rule naming it does not apply, and the choice goes on to the next rule.
     """
 
     op: str
@@ -146,6 +151,7 @@ class Implementation:
     supports: SupportsFn
     kernels: tuple[str, ...] = ()
     source: str = ""
+    tuned_for: Callable[[Problem], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in _KIND_ORDER:
@@ -524,7 +530,12 @@ def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool =
     table = tuning_table(problem.device)
     if table is not None:
         for rule in table.candidates(problem):
-            if rule.impl in impls and ok(rule.impl):
+            if rule.impl not in impls:
+                continue
+            tuned_for = impls[rule.impl].tuned_for
+            if tuned_for is not None and not tuned_for(problem):
+                continue
+            if ok(rule.impl):
                 return Choice(op, rule.impl, "tuning", False, reasons,
                               f"tuning table {Path(table.path).name}: {rule.op} {str(rule.dtype)[6:]} "
                               f"max_cols={rule.max_cols} -> {rule.impl}")
