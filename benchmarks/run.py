@@ -180,9 +180,14 @@ def report_only(args: argparse.Namespace) -> int:
 
     merged: dict = {}
     ms: dict[tuple, Measurement] = {}
+    commands: list[str] = []
     for d in args.report_only:
         p = Path(d) / "results.json" if Path(d).is_dir() else Path(d)
         data, measurements = load_json(p)
+        cmd = (data.get("config") or {}).get("command")
+        for c in ([cmd] if isinstance(cmd, str) else cmd or []):
+            if c not in commands:
+                commands.append(c)
         for k, v in data.items():
             if k != "measurements" and v is not None:
                 merged[k] = v
@@ -191,7 +196,9 @@ def report_only(args: argparse.Namespace) -> int:
     env = merged.get("environment", {})
     args.device = "cuda" if env.get("device") == "cuda" else "cpu"
     run = Run(args, env)
-    run.config = merged.get("config", run.config)
+    run.config = dict(merged.get("config", run.config))
+    # every run merged here (each measurement keeps the last run that measured it), then this merge
+    run.config["command"] = " ; ".join(commands + ["python -m benchmarks.run " + " ".join(sys.argv[1:])])
     run.measurements = list(ms.values())
     for k in run.sections:
         run.sections[k] = merged.get(k)
