@@ -509,7 +509,7 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
   const int H = FIXED ? HC : h_arg;
   const int tpr = FIXED ? G::tpr : tpr_arg;
   const int rpb = FIXED ? G::rpb : blockDim.x / tpr;
-  const int nthreads = FIXED ? G::rpb * G::tpr : blockDim.x;
+  const unsigned nthreads = FIXED ? G::rpb * G::tpr : blockDim.x;  // unsigned as blockDim.x (HC == 0: as before)
   const int rg = threadIdx.x / tpr;
   const int t = threadIdx.x - rg * tpr;
   const int nchunks = FIXED ? G::chunks : H / VEC;
