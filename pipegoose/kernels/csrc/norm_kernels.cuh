@@ -870,8 +870,7 @@ constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
 // per block and 1 / H as compile-time constants. Calls with H == H0 on the vector path run them; every other
 // call (another H, the scalar path of unaligned pointers or H % VEC != 0, the generic kernels) runs the HC = 0
 // kernels, unchanged. Without the macro no HC > 0 kernel is instantiated. The value is required: a bare
-// -DPIPEGOOSE_NORM_HIDDEN (= 1) fails the static_assert below (give the harness
-// --specialise-define pipegoose/layer_norm:-DPIPEGOOSE_NORM_HIDDEN=4096).
+// -DPIPEGOOSE_NORM_HIDDEN (= 1) fails the static_assert below.
 #if defined(PIPEGOOSE_NORM_HIDDEN)
 static_assert(PIPEGOOSE_NORM_HIDDEN > 0, "PIPEGOOSE_NORM_HIDDEN: expected a hidden size > 0");
 static_assert(PIPEGOOSE_NORM_HIDDEN % 8 == 0, "PIPEGOOSE_NORM_HIDDEN: expected a multiple of 8");
