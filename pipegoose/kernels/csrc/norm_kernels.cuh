@@ -16,7 +16,8 @@
 // rows), writes one partial row per block into an fp32 workspace [nacc, blocks, H], and norm_col_reduce_kernel
 // sums the partial rows column-wise in a fixed order (deterministic, no atomics).
 // Rows wider than the register capacity take the *_generic kernels (block per row, re-reading the row).
-// Launch plans per hidden size: fwd_plan / bwd_plan below.
+// Launch plans per hidden size: fwd_plan / bwd_plan below. A build with -DPIPEGOOSE_NORM_HIDDEN=H0 (a benchmark
+// experiment, off in the shipped build; see the host side) adds instantiations specialised to H == H0.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -223,6 +224,45 @@ __device__ __forceinline__ void row_sum(float (&v)[K], int tpr, float* buf) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// Row geometry (used by the launch plans on the host side, and at compile time by the specialised kernels)
+// ---------------------------------------------------------------------------------------------------------
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+constexpr int round_tpr(int64_t n) {
+  if (n <= 32) {
+    int p = 1;
+    while (p < n) p <<= 1;
+    return p;
+  }
+  return static_cast<int>(ceil_div(n, 32) * 32);
+}
+
+constexpr int rows_per_block(int tpr) { return tpr >= 256 ? 1 : 256 / tpr; }
+
+// Compile-time geometry of a kernel specialised to H == HC (HC > 0: PIPEGOOSE_NORM_HIDDEN builds only, see the
+// host side): chunks per row, threads per row (every plan of fwd_plan / bwd_plan with NV chunks per thread takes
+// round_tpr(ceil_div(chunks, NV)); the launches static_assert it against the plan), rows per block (one with the
+// backward's shared-memory accumulators: ONE_ROW) and 1 / H. HC == 0 (the generic kernels): unused.
+template <int HC, int VEC, int NV, bool ONE_ROW>
+struct FixedRow {
+  static_assert(HC >= 0 && HC % VEC == 0, "FixedRow: HC must be a multiple of VEC");
+  static constexpr int chunks = HC / VEC;
+  static constexpr int tpr = HC > 0 ? round_tpr(ceil_div(chunks, NV)) : 1;
+  static constexpr int rpb = ONE_ROW ? 1 : rows_per_block(tpr);
+  static constexpr float inv_h = HC > 0 ? 1.f / static_cast<float>(HC) : 0.f;
+};
+
+// Whether chunk c = t + n * tpr of thread t (0 <= t < tpr) lies in a row of nchunks chunks. FIXED (tpr and
+// nchunks compile-time constants, n unrolled): true at compile time for every n whose chunks all lie in the row,
+// so that the test remains only on a partial last stride.
+template <bool FIXED>
+__device__ __forceinline__ bool chunk_in(int c, int n, int tpr, int nchunks) {
+  if constexpr (FIXED) {
+    if ((n + 1) * tpr <= nchunks) return true;
+  }
+  return c < nchunks;
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------------------------------------
 // Loads one chunk (aligned to its size) with the evict-first hint (ld.global.cs): x and dy are read exactly once
@@ -251,14 +291,15 @@ __device__ __forceinline__ void raw_load(const T* __restrict__ p, Raw<T, N>& r) 
   }
 }
 
-// Loads the chunks of one row owned by thread t (zeros outside the row, or for an invalid row).
-template <typename T, int VEC, int NV>
+// Loads the chunks of one row owned by thread t (zeros outside the row, or for an invalid row). FIXED: see
+// chunk_in.
+template <typename T, int VEC, int NV, bool FIXED>
 __device__ __forceinline__ void load_row(const T* __restrict__ base, bool valid, int t, int tpr, int nchunks,
                                          Raw<T, VEC> (&out)[NV]) {
 #pragma unroll
   for (int n = 0; n < NV; ++n) {
     const int c = t + n * tpr;
-    if (valid && c < nchunks) {
+    if (valid && chunk_in<FIXED>(c, n, tpr, nchunks)) {
       raw_load<T, VEC>(base + static_cast<int64_t>(c) * VEC, out[n]);
     } else {
       raw_zero(out[n]);
@@ -281,32 +322,39 @@ struct FwdBounds {
 // x [rows, H] (Tin), w/b [H] (float32 when p_f32, else Tin; either may be null), y [rows, H] (Tout), mean/rstd
 // [rows] fp32 (mean unused when RMS). Requires H % VEC == 0 and every pointer aligned to VEC elements when
 // VEC > 1, and ceil(H / VEC) <= NV * tpr; blockDim.x a multiple of tpr.
-template <typename Tin, typename Tout, int VEC, int NV, bool RMS, bool PF>
+// HC > 0 (PIPEGOOSE_NORM_HIDDEN builds only): specialised to H == HC; H, tpr, the rows per block and 1 / H are the
+// constants of FixedRow<HC, VEC, NV, false> (the arguments h_arg and tpr_arg are then ignored; blockDim.x must be
+// rpb * tpr of that geometry). HC == 0: the run-time arguments.
+template <typename Tin, typename Tout, int VEC, int NV, bool RMS, bool PF, int HC>
 __global__ void __launch_bounds__(FwdBounds<NV, VEC>::value)
 norm_fwd_kernel(const Tin* __restrict__ x, const void* __restrict__ w, const void* __restrict__ b, bool p_f32,
                 Tout* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
-                int64_t rows, int H, int tpr, float eps) {
+                int64_t rows, int h_arg, int tpr_arg, float eps) {
+  using G = FixedRow<HC, VEC, NV, false>;
+  constexpr bool FIXED = HC > 0;
   constexpr int PG = VEC < 4 ? VEC : 4;
   __shared__ float red[2][32];
-  const int rpb = blockDim.x / tpr;
+  const int H = FIXED ? HC : h_arg;
+  const int tpr = FIXED ? G::tpr : tpr_arg;
+  const int rpb = FIXED ? G::rpb : blockDim.x / tpr;
   const int rg = threadIdx.x / tpr;
   const int t = threadIdx.x - rg * tpr;
-  const int nchunks = H / VEC;  // exact: VEC == 1 or H % VEC == 0
-  const float inv_h = 1.f / static_cast<float>(H);
+  const int nchunks = FIXED ? G::chunks : H / VEC;  // exact: VEC == 1 or H % VEC == 0
+  const float inv_h = FIXED ? G::inv_h : 1.f / static_cast<float>(H);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
   int parity = 0;
   int64_t base = static_cast<int64_t>(blockIdx.x) * rpb;
   Raw<Tin, VEC> cur[NV];
-  if constexpr (PF) load_row<Tin, VEC, NV>(x + (base + rg) * H, base + rg < rows, t, tpr, nchunks, cur);
+  if constexpr (PF) load_row<Tin, VEC, NV, FIXED>(x + (base + rg) * H, base + rg < rows, t, tpr, nchunks, cur);
   for (; base < rows; base += stride) {
     const int64_t row = base + rg;
     const bool valid = row < rows;
     Raw<Tin, VEC> nxt[PF ? NV : 1];
     if constexpr (PF) {
       const int64_t nrow = row + stride;
-      load_row<Tin, VEC, NV>(x + nrow * H, nrow < rows, t, tpr, nchunks, nxt);
+      load_row<Tin, VEC, NV, FIXED>(x + nrow * H, nrow < rows, t, tpr, nchunks, nxt);
     } else {
-      load_row<Tin, VEC, NV>(x + row * H, valid, t, tpr, nchunks, cur);
+      load_row<Tin, VEC, NV, FIXED>(x + row * H, valid, t, tpr, nchunks, cur);
     }
     float mean = 0.f;
     if constexpr (!RMS) {
@@ -322,7 +370,7 @@ norm_fwd_kernel(const Tin* __restrict__ x, const void* __restrict__ w, const voi
     float q[1] = {0.f};
 #pragma unroll
     for (int n = 0; n < NV; ++n) {
-      const bool in = (t + n * tpr) < nchunks;
+      const bool in = chunk_in<FIXED>(t + n * tpr, n, tpr, nchunks);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
         const float d = in ? raw_get(cur[n], i) - mean : 0.f;
@@ -341,7 +389,7 @@ norm_fwd_kernel(const Tin* __restrict__ x, const void* __restrict__ w, const voi
 #pragma unroll
       for (int n = 0; n < NV; ++n) {
         const int c = t + n * tpr;
-        if (c < nchunks) {
+        if (chunk_in<FIXED>(c, n, tpr, nchunks)) {
           float o[VEC];
           // Parameters in groups of PG elements (16 bytes of fp32): fewer live registers than a whole chunk.
 #pragma unroll
@@ -437,6 +485,8 @@ norm_fwd_generic_kernel(const Tin* __restrict__ x, const void* __restrict__ w, c
 // dynamic shared memory [NACC][tpr][NV * VEC + 1] owned slot by slot by one thread (ACC_SMEM true; requires one
 // row group per block). At the end, with several row groups per block, dynamic shared memory [RPB][H] floats
 // combines them in a fixed order; each block writes one partial row per accumulator into ws.
+// HC > 0 (PIPEGOOSE_NORM_HIDDEN builds only): specialised to H == HC as norm_fwd_kernel, with the geometry
+// FixedRow<HC, VEC, NV, ACC_SMEM>.
 template <bool ACC_SMEM>
 struct BwdBounds {
   // Register accumulators: blocks of 256 threads, two per SM (<= 128 registers; at three per SM, 80 registers,
@@ -445,20 +495,25 @@ struct BwdBounds {
   static constexpr int min_blocks = ACC_SMEM ? 1 : 2;
 };
 
-template <typename Tin, typename Tdy, int VEC, int NV, bool RMS, bool ACC_SMEM, bool PF>
+template <typename Tin, typename Tdy, int VEC, int NV, bool RMS, bool ACC_SMEM, bool PF, int HC>
 __global__ void __launch_bounds__(BwdBounds<ACC_SMEM>::threads, BwdBounds<ACC_SMEM>::min_blocks)
 norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const void* __restrict__ w, bool p_f32,
                 const float* __restrict__ mean, const float* __restrict__ rstd, Tin* __restrict__ dx,
-                float* __restrict__ ws, int64_t rows, int H, int tpr) {
+                float* __restrict__ ws, int64_t rows, int h_arg, int tpr_arg) {
+  using G = FixedRow<HC, VEC, NV, ACC_SMEM>;
+  constexpr bool FIXED = HC > 0;
   constexpr int NACC = RMS ? 1 : 2;
   constexpr int PG = VEC < 4 ? VEC : 4;
   extern __shared__ float dyn_smem[];
   __shared__ float red[2][64];
-  const int rpb = blockDim.x / tpr;
+  const int H = FIXED ? HC : h_arg;
+  const int tpr = FIXED ? G::tpr : tpr_arg;
+  const int rpb = FIXED ? G::rpb : blockDim.x / tpr;
+  const unsigned nthreads = FIXED ? G::rpb * G::tpr : blockDim.x;  // unsigned as blockDim.x (HC == 0: as before)
   const int rg = threadIdx.x / tpr;
   const int t = threadIdx.x - rg * tpr;
-  const int nchunks = H / VEC;
-  const float inv_h = 1.f / static_cast<float>(H);
+  const int nchunks = FIXED ? G::chunks : H / VEC;
+  const float inv_h = FIXED ? G::inv_h : 1.f / static_cast<float>(H);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
   // ACC_SMEM: thread t's NV * VEC slots are contiguous (compile-time offsets from one base: no address
   // registers) with a stride of NV * VEC + 1 words between threads (odd: no bank conflicts).
@@ -492,8 +547,8 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
   if constexpr (PF) {
     const int64_t row = base + rg;
     const bool valid = row < rows;
-    load_row<Tin, VEC, NV>(x + row * H, valid, t, tpr, nchunks, xc);
-    load_row<Tdy, VEC, NV>(dy + row * H, valid, t, tpr, nchunks, dc);
+    load_row<Tin, VEC, NV, FIXED>(x + row * H, valid, t, tpr, nchunks, xc);
+    load_row<Tdy, VEC, NV, FIXED>(dy + row * H, valid, t, tpr, nchunks, dc);
     if (valid) {
       if constexpr (!RMS) m = mean[row];
       r = rstd[row];
@@ -508,15 +563,15 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
     if constexpr (PF) {
       const int64_t nrow = row + stride;
       const bool nvalid = nrow < rows;
-      load_row<Tin, VEC, NV>(x + nrow * H, nvalid, t, tpr, nchunks, xn);
-      load_row<Tdy, VEC, NV>(dy + nrow * H, nvalid, t, tpr, nchunks, dn);
+      load_row<Tin, VEC, NV, FIXED>(x + nrow * H, nvalid, t, tpr, nchunks, xn);
+      load_row<Tdy, VEC, NV, FIXED>(dy + nrow * H, nvalid, t, tpr, nchunks, dn);
       if (nvalid) {
         if constexpr (!RMS) mn = mean[nrow];
         rn = rstd[nrow];
       }
     } else {
-      load_row<Tin, VEC, NV>(x + row * H, valid, t, tpr, nchunks, xc);
-      load_row<Tdy, VEC, NV>(dy + row * H, valid, t, tpr, nchunks, dc);
+      load_row<Tin, VEC, NV, FIXED>(x + row * H, valid, t, tpr, nchunks, xc);
+      load_row<Tdy, VEC, NV, FIXED>(dy + row * H, valid, t, tpr, nchunks, dc);
       m = 0.f;
       r = 0.f;
       if (valid) {
@@ -536,14 +591,14 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
         float wv[PG];
 #pragma unroll
         for (int k = 0; k < PG; ++k) wv[k] = 1.f;
-        if (w != nullptr && c < nchunks) load_param<PG, Tin>(w, p_f32, c * VEC + g0, wv);
+        if (w != nullptr && chunk_in<FIXED>(c, n, tpr, nchunks)) load_param<PG, Tin>(w, p_f32, c * VEC + g0, wv);
 #pragma unroll
         for (int k = 0; k < PG; ++k) {
           const int i = g0 + k;
           const float xh = (raw_get(xc[n], i) - m) * r;  // out-of-row slots: dy == 0, so they add nothing below
           const float d = raw_get(dc[n], i);
           if constexpr (ACC_SMEM) {
-            if (want_acc && c < nchunks) {
+            if (want_acc && chunk_in<FIXED>(c, n, tpr, nchunks)) {
               acc_t[n * VEC + i] += d * xh;
               if constexpr (!RMS) acc_t[acc_stride + n * VEC + i] += d;
             }
@@ -565,7 +620,7 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
 #pragma unroll
       for (int n = 0; n < NV; ++n) {
         const int c = t + n * tpr;
-        if (c < nchunks) {
+        if (chunk_in<FIXED>(c, n, tpr, nchunks)) {
           float o[VEC];
 #pragma unroll
           for (int g0 = 0; g0 < VEC; g0 += PG) {
@@ -604,7 +659,7 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
 #pragma unroll
       for (int n = 0; n < NV; ++n) {
         const int c = t + n * tpr;
-        if (c < nchunks) {
+        if (chunk_in<FIXED>(c, n, tpr, nchunks)) {
 #pragma unroll
           for (int i = 0; i < VEC; ++i) out[c * VEC + i] = acc_t[a * acc_stride + n * VEC + i];
         }
@@ -617,7 +672,7 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
 #pragma unroll
       for (int n = 0; n < NV; ++n) {
         const int c = t + n * tpr;
-        if (c < nchunks) {
+        if (chunk_in<FIXED>(c, n, tpr, nchunks)) {
           store_f<VEC>(out + c * VEC, a == 0 ? acc_w[n] : acc_b[n]);
         }
       }
@@ -630,7 +685,7 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
 #pragma unroll
       for (int n = 0; n < NV; ++n) {
         const int c = t + n * tpr;
-        if (c < nchunks) {
+        if (chunk_in<FIXED>(c, n, tpr, nchunks)) {
 #pragma unroll
           for (int i = 0; i < VEC; ++i) {
             dyn_smem[rg * H + c * VEC + i] = a == 0 ? acc_w[n][i] : acc_b[n][i];
@@ -639,7 +694,7 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
       }
       __syncthreads();
       float* out = ws + (a * P + blockIdx.x) * static_cast<int64_t>(H);
-      for (int j = threadIdx.x; j < H; j += blockDim.x) {
+      for (int j = threadIdx.x; j < H; j += nthreads) {
         float sum = 0.f;
         for (int g = 0; g < rpb; ++g) sum += dyn_smem[g * H + j];
         out[j] = sum;
@@ -762,21 +817,11 @@ struct Cfg {
   bool pf = false;
 };
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-inline int round_tpr(int64_t n) {
-  if (n <= 32) {
-    int p = 1;
-    while (p < n) p <<= 1;
-    return p;
-  }
-  return static_cast<int>(ceil_div(n, 32) * 32);
-}
-
 // Forward plans (chunks = H / VEC). Four chunks per thread (four 16-byte loads in flight per thread, four more
 // for the next row) with up to 512 threads per row; wider rows: eight chunks per thread without prefetch, up to
 // 1024 threads per row; then the generic kernel. Scalar rows (VEC = 1): four values per thread with prefetch, up
 // to 1024 threads per row.
-inline Cfg fwd_plan(int64_t chunks, bool vec) {
+constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
   if (!vec) {
     const int tpr = round_tpr(ceil_div(chunks, 4));
     return tpr <= 1024 ? Cfg{4, tpr, false, true} : Cfg{};
@@ -794,7 +839,7 @@ inline Cfg fwd_plan(int64_t chunks, bool vec) {
 // sums without prefetch (H <= 16384); then the generic kernel. Scalar rows: four values per thread with
 // prefetch, register column sums up to 256 threads per row, shared-memory ones up to 512.
 template <int V>
-inline Cfg bwd_plan(int64_t chunks, bool vec) {
+constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
   if (!vec) {
     const int tpr = round_tpr(ceil_div(chunks, 4));
     if (tpr <= 256) return {4, tpr, false, true};
@@ -817,7 +862,21 @@ inline Cfg bwd_plan(int64_t chunks, bool vec) {
   return Cfg{};
 }
 
-inline int rows_per_block(int tpr) { return tpr >= 256 ? 1 : 256 / tpr; }
+// Shape-specialised build: a benchmark experiment (issue #6: one build per shape against the generic build), used
+// by benchmarks/build_cost.py --specialise; the generic build (macro undefined) is the one that ships.
+// Compiling with -DPIPEGOOSE_NORM_HIDDEN=H0 (H0 > 0, a multiple of 8 so that every dtype's vector chunk divides
+// it) adds instantiations of norm_fwd_kernel / norm_bwd_kernel with HC = H0: the plan fwd_plan / bwd_plan would
+// choose for H0 (evaluated at compile time, so the same plan), with H, the chunks and threads per row, the rows
+// per block and 1 / H as compile-time constants. Calls with H == H0 on the vector path run them; every other
+// call (another H, the scalar path of unaligned pointers or H % VEC != 0, the generic kernels) runs the HC = 0
+// kernels, unchanged. Without the macro no HC > 0 kernel is instantiated. The value is required: a bare
+// -DPIPEGOOSE_NORM_HIDDEN (= 1) fails the static_assert below.
+#if defined(PIPEGOOSE_NORM_HIDDEN)
+static_assert(PIPEGOOSE_NORM_HIDDEN > 0, "PIPEGOOSE_NORM_HIDDEN: expected a hidden size > 0");
+static_assert(PIPEGOOSE_NORM_HIDDEN % 8 == 0, "PIPEGOOSE_NORM_HIDDEN: expected a multiple of 8");
+static_assert(PIPEGOOSE_NORM_HIDDEN <= std::numeric_limits<int>::max(), "PIPEGOOSE_NORM_HIDDEN: expected < 2^31");
+constexpr int kSpecHidden = static_cast<int>(PIPEGOOSE_NORM_HIDDEN);
+#endif
 
 inline bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
@@ -870,23 +929,36 @@ void launch_fwd(const Tin* x, const void* w, const void* b, bool p_f32, Tout* y,
   }
   const int rpb = rows_per_block(cfg.tpr);
   const int threads = rpb * cfg.tpr;
-  auto go = [&](auto nv_c, auto vec_c, auto pf_c) {
+  auto go = [&](auto nv_c, auto vec_c, auto pf_c, auto h_c) {
     constexpr int NV = decltype(nv_c)::value;
     constexpr int VEC = decltype(vec_c)::value;
     constexpr bool PF = decltype(pf_c)::value != 0;
-    auto kernel = &norm_fwd_kernel<Tin, Tout, VEC, NV, RMS, PF>;
+    constexpr int HC = decltype(h_c)::value;
+    auto kernel = &norm_fwd_kernel<Tin, Tout, VEC, NV, RMS, PF, HC>;
     // Persistent grid: as many blocks as fit on the GPU at once (each walks over rows with a stride).
     const int occ = occupancy(reinterpret_cast<const void*>(kernel), threads, 0);
     const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(ceil_div(rows, rpb), static_cast<int64_t>(sms) * occ));
     kernel<<<static_cast<unsigned>(grid), threads, 0, stream>>>(x, w, b, p_f32, y, mean, rstd, rows, H, cfg.tpr, eps);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
+#if defined(PIPEGOOSE_NORM_HIDDEN)
+  // H == kSpecHidden on the vector path: cfg is this compile-time plan; the vector branches below with HC = H.
+  constexpr Cfg spec = fwd_plan(kSpecHidden / V, true);
+  if constexpr (spec.nv != 0) {
+    if (vec && H == kSpecHidden) {
+      static_assert(spec.pf == (spec.nv == 4) && (spec.nv == 4 || spec.nv == 8), "fwd_plan: vector plans");
+      static_assert(spec.tpr == FixedRow<kSpecHidden, V, spec.nv, false>::tpr, "FixedRow: the plan's tpr");
+      go(IC<spec.nv>{}, IC<V>{}, IC<spec.pf ? 1 : 0>{}, IC<kSpecHidden>{});
+      return;
+    }
+  }
+#endif
   if (!vec) {
-    go(IC<4>{}, IC<1>{}, IC<1>{});
+    go(IC<4>{}, IC<1>{}, IC<1>{}, IC<0>{});
   } else if (cfg.nv == 4) {
-    go(IC<4>{}, IC<V>{}, IC<1>{});
+    go(IC<4>{}, IC<V>{}, IC<1>{}, IC<0>{});
   } else {
-    go(IC<8>{}, IC<V>{}, IC<0>{});
+    go(IC<8>{}, IC<V>{}, IC<0>{}, IC<0>{});
   }
 }
 
@@ -916,12 +988,13 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   }
   const int rpb = cfg.acc_smem ? 1 : rows_per_block(cfg.tpr);
   const int threads = rpb * cfg.tpr;
-  auto go = [&](auto nv_c, auto vec_c, auto smem_c, auto pf_c) {
+  auto go = [&](auto nv_c, auto vec_c, auto smem_c, auto pf_c, auto h_c) {
     constexpr int NV = decltype(nv_c)::value;
     constexpr int VEC = decltype(vec_c)::value;
     constexpr bool ACC = decltype(smem_c)::value != 0;
     constexpr bool PF = decltype(pf_c)::value != 0;
-    auto kernel = &norm_bwd_kernel<Tin, Tdy, VEC, NV, RMS, ACC, PF>;
+    constexpr int HC = decltype(h_c)::value;
+    auto kernel = &norm_bwd_kernel<Tin, Tdy, VEC, NV, RMS, ACC, PF, HC>;
     size_t smem = 0;
     if (ACC) smem = sizeof(float) * NACC * (NV * VEC + 1) * static_cast<size_t>(cfg.tpr);
     else if (rpb > 1) smem = sizeof(float) * static_cast<size_t>(rpb) * H;
@@ -933,16 +1006,36 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
         dy, x, w, p_f32, mean, rstd, dx, want_ws ? ws.data_ptr<float>() : nullptr, rows, H, cfg.tpr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
+#if defined(PIPEGOOSE_NORM_HIDDEN)
+  // H == kSpecHidden on the vector path: cfg is this compile-time plan; the vector branches below with HC = H.
+  constexpr Cfg spec = bwd_plan<V>(kSpecHidden / V, true);
+  if constexpr (spec.nv != 0) {
+    if (vec && H == kSpecHidden) {
+      static_assert(spec.tpr == FixedRow<kSpecHidden, V, spec.nv, spec.acc_smem>::tpr, "FixedRow: the plan's tpr");
+      if constexpr (!spec.acc_smem) {
+        static_assert(spec.nv == 2 && spec.pf, "bwd_plan: register plan");
+        go(IC<2>{}, IC<V>{}, IC<0>{}, IC<1>{}, IC<kSpecHidden>{});
+      } else if constexpr (spec.pf) {
+        static_assert(spec.nv == 4, "bwd_plan: shared-memory plan with prefetch");
+        go(IC<4>{}, IC<V>{}, IC<1>{}, IC<sizeof(Tdy) == sizeof(Tin) ? 1 : 0>{}, IC<kSpecHidden>{});
+      } else {
+        static_assert(spec.nv == 32 / V && 32 / V > 4, "bwd_plan: wide shared-memory plan");
+        go(IC<32 / V>{}, IC<V>{}, IC<1>{}, IC<0>{}, IC<kSpecHidden>{});
+      }
+      return ws;
+    }
+  }
+#endif
   if (!vec) {
-    if (cfg.acc_smem) go(IC<4>{}, IC<1>{}, IC<1>{}, IC<1>{});
-    else go(IC<4>{}, IC<1>{}, IC<0>{}, IC<1>{});
+    if (cfg.acc_smem) go(IC<4>{}, IC<1>{}, IC<1>{}, IC<1>{}, IC<0>{});
+    else go(IC<4>{}, IC<1>{}, IC<0>{}, IC<1>{}, IC<0>{});
   } else if (!cfg.acc_smem) {
-    go(IC<2>{}, IC<V>{}, IC<0>{}, IC<1>{});
+    go(IC<2>{}, IC<V>{}, IC<0>{}, IC<1>{}, IC<0>{});
   } else if (cfg.pf) {
     // fp32 dy with a 16-bit input: two rows of fp32 dy do not fit the 128 registers, so no prefetch there.
-    go(IC<4>{}, IC<V>{}, IC<1>{}, IC<sizeof(Tdy) == sizeof(Tin) ? 1 : 0>{});
+    go(IC<4>{}, IC<V>{}, IC<1>{}, IC<sizeof(Tdy) == sizeof(Tin) ? 1 : 0>{}, IC<0>{});
   } else {
-    if constexpr (32 / V > 4) go(IC<32 / V>{}, IC<V>{}, IC<1>{}, IC<0>{});
+    if constexpr (32 / V > 4) go(IC<32 / V>{}, IC<V>{}, IC<1>{}, IC<0>{}, IC<0>{});
   }
   return ws;
 }
