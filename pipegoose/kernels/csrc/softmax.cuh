@@ -179,6 +179,13 @@ __device__ __forceinline__ int64_t row_offset(const RowStrides& s, int64_t r, co
   return s.flat >= 0 ? r * s.flat : p.i0 * s.s0 + p.i1 * s.s1 + p.i2 * s.s2;
 }
 
+// Key length (row length) of the register-resident kernels' arguments: a.sk, or KC when it is a compile-time
+// constant (KC > 0, see PIPEGOOSE_SOFTMAX_KEYS). Read where it is used, as a.sk was before KC existed.
+template <int KC, typename Args>
+__device__ __forceinline__ int64_t keys_of(const Args& a) {
+  return KC > 0 ? int64_t{KC} : a.sk;
+}
+
 __device__ __forceinline__ int64_t causal_limit(bool causal, int64_t q, int64_t shift, int64_t sk) {
   if (!causal) return sk;
   const int64_t lim = q + shift + 1;
@@ -488,7 +495,6 @@ __device__ __forceinline__ void fwd_reg_rows(const FwdArgs<T>& a, float* red_max
   constexpr int V = Elem<T>::kVec;
   constexpr int RPB = BLOCK / TPR;
   static_assert(KC == 0 || (FAST && KC % V == 0 && KC <= TPR * NV * V), "KC: a vector-path row that fits the plan");
-  const int64_t sk = KC > 0 ? int64_t{KC} : a.sk;
   const int lane = threadIdx.x % TPR;
   const int64_t step = static_cast<int64_t>(gridDim.x) * RPB;
   // The loop bound is uniform over the block: every thread reaches the shuffles and barriers.
@@ -502,7 +508,7 @@ __device__ __forceinline__ void fwd_reg_rows(const FwdArgs<T>& a, float* red_max
     if (valid) {
       RowPos p{0, 0, 0};
       if (a.xs.flat < 0 || a.mask != nullptr || a.causal) p = split_row(row, a.d1, a.d2, a.rows32);
-      limit = causal_limit(a.causal, p.i2, a.causal_shift, sk);
+      limit = causal_limit(a.causal, p.i2, a.causal_shift, keys_of<KC>(a));
       x += row_offset(a.xs, row, p);
       if (a.mask != nullptr) m += row_offset(a.ms, row, p);
     }
@@ -511,11 +517,11 @@ __device__ __forceinline__ void fwd_reg_rows(const FwdArgs<T>& a, float* red_max
     uint2 mw[NV];
 #pragma unroll
     for (int i = 0; i < NV; ++i)
-      raw[i] = load_vec<T, FAST>(x, static_cast<int64_t>(i * TPR + lane) * V, sk,
+      raw[i] = load_vec<T, FAST>(x, static_cast<int64_t>(i * TPR + lane) * V, keys_of<KC>(a),
                                  slot_limit<V, TPR, KC>(i, lane, limit), a.x_vec);
 #pragma unroll
     for (int i = 0; i < NV; ++i)
-      mw[i] = a.mask != nullptr ? load_mask_vec<V, FAST>(m, static_cast<int64_t>(i * TPR + lane) * V, sk,
+      mw[i] = a.mask != nullptr ? load_mask_vec<V, FAST>(m, static_cast<int64_t>(i * TPR + lane) * V, keys_of<KC>(a),
                                                          slot_limit<V, TPR, KC>(i, lane, limit), a.m_vec)
                                 : make_uint2(0u, 0u);
     float v[NV][V];
@@ -538,12 +544,12 @@ __device__ __forceinline__ void fwd_reg_rows(const FwdArgs<T>& a, float* red_max
     const float sum = group_reduce<TPR, false>(tree_sum<NV>(part), red_sum);
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     if (valid) {
-      T* y = a.y + row * sk;
+      T* y = a.y + row * keys_of<KC>(a);
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
 #pragma unroll
         for (int k = 0; k < V; ++k) v[i][k] *= inv;
-        store_slot<T, TPR, KC>(y, i, lane, static_cast<int64_t>(i * TPR + lane) * V, sk, a.y_vec, v[i]);
+        store_slot<T, TPR, KC>(y, i, lane, static_cast<int64_t>(i * TPR + lane) * V, keys_of<KC>(a), a.y_vec, v[i]);
       }
     }
   }
@@ -573,7 +579,6 @@ __device__ __forceinline__ void bwd_reg_rows(const BwdArgs<T>& a, float* red_sum
   constexpr int V = Elem<T>::kVec;
   constexpr int RPB = BLOCK / TPR;
   static_assert(KC == 0 || (FAST && KC % V == 0 && KC <= TPR * NV * V), "KC: a vector-path row that fits the plan");
-  const int64_t sk = KC > 0 ? int64_t{KC} : a.sk;
   const int lane = threadIdx.x % TPR;
   const int64_t step = static_cast<int64_t>(gridDim.x) * RPB;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < a.rows; base += step) {
@@ -586,7 +591,7 @@ __device__ __forceinline__ void bwd_reg_rows(const BwdArgs<T>& a, float* red_sum
     if (valid) {
       RowPos p{0, 0, 0};
       if (a.gs.flat < 0 || a.ys.flat < 0 || a.causal) p = split_row(row, a.d1, a.d2, a.rows32);
-      limit = causal_limit(a.causal, p.i2, a.causal_shift, sk);
+      limit = causal_limit(a.causal, p.i2, a.causal_shift, keys_of<KC>(a));
       g += row_offset(a.gs, row, p);
       y += row_offset(a.ys, row, p);
     }
@@ -605,11 +610,11 @@ __device__ __forceinline__ void bwd_reg_rows(const BwdArgs<T>& a, float* red_sum
     for (int i = 0; i < NV; ++i) {
       const int64_t c0 = static_cast<int64_t>(i * TPR + lane) * V;
       const int64_t lim = slot_limit<V, TPR, KC>(i, lane, limit);
-      ry[i] = load_vec<T, FAST>(y, c0, sk, lim, a.y_vec);
+      ry[i] = load_vec<T, FAST>(y, c0, keys_of<KC>(a), lim, a.y_vec);
       if constexpr (!STAGE) {
-        rg[i] = load_vec<T, FAST>(g, c0, sk, lim, a.g_vec);
+        rg[i] = load_vec<T, FAST>(g, c0, keys_of<KC>(a), lim, a.g_vec);
       } else if constexpr (!FAST) {  // general path: through registers (waits on each load; rare layouts)
-        stage[i * BLOCK + threadIdx.x] = load_raw<T>(g, c0, sk, lim, a.g_vec);
+        stage[i * BLOCK + threadIdx.x] = load_raw<T>(g, c0, keys_of<KC>(a), lim, a.g_vec);
       }
     }
     if (a.causal) {  // the boundary vector was read whole on the FAST path: zero its invisible columns
@@ -649,7 +654,7 @@ __device__ __forceinline__ void bwd_reg_rows(const BwdArgs<T>& a, float* red_sum
       if constexpr (!STAGE) asm volatile("" : "+r"(rg[i].x), "+r"(rg[i].y), "+r"(rg[i].z), "+r"(rg[i].w));
     }
     if (valid) {
-      T* dx = a.dx + row * sk;
+      T* dx = a.dx + row * keys_of<KC>(a);
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
         float fg[V], fy[V];
@@ -657,7 +662,7 @@ __device__ __forceinline__ void bwd_reg_rows(const BwdArgs<T>& a, float* red_sum
         Elem<T>::unpack(ry[i], fy);
 #pragma unroll
         for (int k = 0; k < V; ++k) fy[k] = a.scale * fy[k] * (fg[k] - dot);
-        store_slot<T, TPR, KC>(dx, i, lane, static_cast<int64_t>(i * TPR + lane) * V, sk, a.dx_vec, fy);
+        store_slot<T, TPR, KC>(dx, i, lane, static_cast<int64_t>(i * TPR + lane) * V, keys_of<KC>(a), a.dx_vec, fy);
       }
     }
     if constexpr (TPR > 32) __syncthreads();  // red_sum is read after the barrier; guard its reuse
