@@ -32,8 +32,8 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 // causal bound and the output row offsets. run() takes them for the calls with sk == K0 whose rows are on the vector
 // path (FwdArgs / BwdArgs::fast), with the TPR / NV / BLOCK that the generic plan takes for K0 (reg_plan()); every
 // other call (other sk, unaligned rows, the two-pass kernels) runs the generic kernels, unchanged. One build per
-// shape: the macro needs its value (a bare -DPIPEGOOSE_SOFTMAX_KEYS means 1 and is rejected), e.g.
-// --specialise-define pipegoose/softmax:-DPIPEGOOSE_SOFTMAX_KEYS=2048. Without the macro no extra kernel exists.
+// shape; the value is required: a bare -DPIPEGOOSE_SOFTMAX_KEYS (= 1) fails the static_assert below. Without the
+// macro no KC > 0 kernel is instantiated.
 #if defined(PIPEGOOSE_SOFTMAX_KEYS)
 constexpr long long kSpecKeysValue = (PIPEGOOSE_SOFTMAX_KEYS);
 static_assert(kSpecKeysValue > 0 && kSpecKeysValue % 8 == 0 && kSpecKeysValue <= std::numeric_limits<int32_t>::max(),
