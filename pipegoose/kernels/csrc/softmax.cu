@@ -17,6 +17,8 @@
 //   Causal rows are read only up to their last visible key; the masked tail is written as zeros without being
 //   read (forward), and in the backward (causal flag) neither dy nor y is read there.
 //   All row and element offsets are 64-bit.
+//   Benchmark experiment (issue #6): -DPIPEGOOSE_SOFTMAX_KEYS=K0 builds in one key length as a compile-time constant
+//   (softmax.cuh says what changes); the generic build, without it, is what ships.
 
 #include "softmax.cuh"
 

@@ -23,6 +23,25 @@ constexpr float kLog2e = 1.4426950408889634f;
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 // ------------------------------------------------------------------------------------------------------------
+// Shape specialisation switch: a benchmark experiment (issue #6), used by benchmarks/build_cost.py --specialise;
+// the generic build, without the macro, is what ships.
+// -DPIPEGOOSE_SOFTMAX_KEYS=K0 (K0 > 0, a multiple of 8) adds, per dtype, one forward and one backward
+// register-resident kernel in which the key length (row length) is the compile-time constant K0: template argument
+// KC = K0 of the register-resident kernels (KC = 0: the length is read at run time, as in the generic build). Folded
+// there: which of a thread's vectors exist (and that they are whole), the bounds of the stores, the clamp of the
+// causal bound and the output row offsets. run() takes them for the calls with sk == K0 whose rows are on the vector
+// path (FwdArgs / BwdArgs::fast), with the TPR / NV / BLOCK that the generic plan takes for K0 (reg_plan()); every
+// other call (other sk, unaligned rows, the two-pass kernels) runs the generic kernels, unchanged. One build per
+// shape; the value is required: a bare -DPIPEGOOSE_SOFTMAX_KEYS (= 1) fails the static_assert below. Without the
+// macro no KC > 0 kernel is instantiated.
+#if defined(PIPEGOOSE_SOFTMAX_KEYS)
+constexpr long long kSpecKeysValue = (PIPEGOOSE_SOFTMAX_KEYS);
+static_assert(kSpecKeysValue > 0 && kSpecKeysValue % 8 == 0 && kSpecKeysValue <= std::numeric_limits<int32_t>::max(),
+              "PIPEGOOSE_SOFTMAX_KEYS must be the key length to specialise for: a positive multiple of 8 (e.g. 2048)");
+constexpr int kSpecKeys = static_cast<int>(kSpecKeysValue);
+#endif
+
+// ------------------------------------------------------------------------------------------------------------
 // Element traits: 16-byte vector <-> fp32 values.
 
 template <typename T>
@@ -158,6 +177,13 @@ __device__ __forceinline__ RowPos split_row(int64_t r, int64_t d1, int64_t d2, b
 
 __device__ __forceinline__ int64_t row_offset(const RowStrides& s, int64_t r, const RowPos& p) {
   return s.flat >= 0 ? r * s.flat : p.i0 * s.s0 + p.i1 * s.s1 + p.i2 * s.s2;
+}
+
+// Key length (row length) of the register-resident kernels' arguments: a.sk, or KC when it is a compile-time
+// constant (KC > 0, see PIPEGOOSE_SOFTMAX_KEYS). Read where it is used, as a.sk was before KC existed.
+template <int KC, typename Args>
+__device__ __forceinline__ int64_t keys_of(const Args& a) {
+  return KC > 0 ? int64_t{KC} : a.sk;
 }
 
 __device__ __forceinline__ int64_t causal_limit(bool causal, int64_t q, int64_t shift, int64_t sk) {
@@ -348,6 +374,48 @@ __device__ __forceinline__ int visible_in(int64_t c0, int64_t limit) {
   return r <= 0 ? 0 : (r >= V ? V : static_cast<int>(r));
 }
 
+// Rows of KC keys, KC > 0 a multiple of V (see PIPEGOOSE_SOFTMAX_KEYS): whether the vector of slot i of a lane
+// (vector index i * TPR + lane) exists; an existing vector is whole. A compile-time constant once i is unrolled,
+// except for a slot that straddles the end of the row.
+template <int V, int TPR, int KC>
+__device__ __forceinline__ bool vec_in_row(int i, int lane) {
+  static_assert(KC > 0 && KC % V == 0, "vec_in_row: KC must be a positive multiple of the vector width");
+  constexpr int kVecs = KC / V;  // vectors per row
+  if ((i + 1) * TPR <= kVecs) return true;
+  if (i * TPR >= kVecs) return false;
+  return i * TPR + lane < kVecs;
+}
+
+// Bound of the loads of slot i: limit (the causal bound, 0 for an invalid row); with KC > 0, also 0 for a slot
+// beyond the row, known at compile time (limit <= KC excludes it already; this lets the compiler drop its loads).
+template <int V, int TPR, int KC>
+__device__ __forceinline__ int64_t slot_limit(int i, int lane, int64_t limit) {
+  if constexpr (KC > 0) {
+    return vec_in_row<V, TPR, KC>(i, lane) ? limit : 0;
+  } else {
+    return limit;
+  }
+}
+
+// Store of slot i (first column c0) of a row of sk columns: store_vals, or with KC > 0 (sk == KC) a store whose
+// column bounds are known at compile time.
+template <typename T, int TPR, int KC>
+__device__ __forceinline__ void store_slot(T* __restrict__ y, int i, int lane, int64_t c0, int64_t sk, bool vec_ok,
+                                           const float (&v)[Elem<T>::kVec]) {
+  constexpr int V = Elem<T>::kVec;
+  if constexpr (KC > 0) {
+    if (!vec_in_row<V, TPR, KC>(i, lane)) return;
+    if (vec_ok) {  // the vector is whole
+      *reinterpret_cast<uint4*>(y + c0) = Elem<T>::pack(v);
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) Elem<T>::store1(y + c0 + k, v[k]);
+    }
+  } else {
+    store_vals<T>(y, c0, sk, vec_ok, v);
+  }
+}
+
 // Scaled scores (log2 units) of a raw vector; masked or invisible columns give -inf.
 template <typename T>
 __device__ __forceinline__ void scores_of(const uint4& r, const uint2& mw, int vis, float scale,
@@ -420,11 +488,13 @@ __device__ __forceinline__ int64_t row_of(int64_t idx, int64_t rows, bool revers
 // At least 1024 resident threads per SM (64 registers per thread): enough loads in flight to cover HBM latency.
 constexpr int min_blocks(int block) { return block >= 1024 ? 1 : 1024 / block; }
 
-// Register-resident forward: TPR threads per row, NV vectors per thread, BLOCK threads per block.
-template <typename T, int TPR, int NV, int BLOCK, bool FAST>
+// Register-resident forward: TPR threads per row, NV vectors per thread, BLOCK threads per block; KC > 0: rows of
+// KC keys on the vector path (see PIPEGOOSE_SOFTMAX_KEYS), KC = 0: the row length a.sk is read at run time.
+template <typename T, int TPR, int NV, int BLOCK, bool FAST, int KC>
 __device__ __forceinline__ void fwd_reg_rows(const FwdArgs<T>& a, float* red_max, float* red_sum) {
   constexpr int V = Elem<T>::kVec;
   constexpr int RPB = BLOCK / TPR;
+  static_assert(KC == 0 || (FAST && KC % V == 0 && KC <= TPR * NV * V), "KC: a vector-path row that fits the plan");
   const int lane = threadIdx.x % TPR;
   const int64_t step = static_cast<int64_t>(gridDim.x) * RPB;
   // The loop bound is uniform over the block: every thread reaches the shuffles and barriers.
@@ -438,7 +508,7 @@ __device__ __forceinline__ void fwd_reg_rows(const FwdArgs<T>& a, float* red_max
     if (valid) {
       RowPos p{0, 0, 0};
       if (a.xs.flat < 0 || a.mask != nullptr || a.causal) p = split_row(row, a.d1, a.d2, a.rows32);
-      limit = causal_limit(a.causal, p.i2, a.causal_shift, a.sk);
+      limit = causal_limit(a.causal, p.i2, a.causal_shift, keys_of<KC>(a));
       x += row_offset(a.xs, row, p);
       if (a.mask != nullptr) m += row_offset(a.ms, row, p);
     }
@@ -446,17 +516,21 @@ __device__ __forceinline__ void fwd_reg_rows(const FwdArgs<T>& a, float* red_max
     uint4 raw[NV];
     uint2 mw[NV];
 #pragma unroll
-    for (int i = 0; i < NV; ++i) raw[i] = load_vec<T, FAST>(x, static_cast<int64_t>(i * TPR + lane) * V, a.sk, limit, a.x_vec);
+    for (int i = 0; i < NV; ++i)
+      raw[i] = load_vec<T, FAST>(x, static_cast<int64_t>(i * TPR + lane) * V, keys_of<KC>(a),
+                                 slot_limit<V, TPR, KC>(i, lane, limit), a.x_vec);
 #pragma unroll
     for (int i = 0; i < NV; ++i)
-      mw[i] = a.mask != nullptr
-                  ? load_mask_vec<V, FAST>(m, static_cast<int64_t>(i * TPR + lane) * V, a.sk, limit, a.m_vec)
-                  : make_uint2(0u, 0u);
+      mw[i] = a.mask != nullptr ? load_mask_vec<V, FAST>(m, static_cast<int64_t>(i * TPR + lane) * V, keys_of<KC>(a),
+                                                         slot_limit<V, TPR, KC>(i, lane, limit), a.m_vec)
+                                : make_uint2(0u, 0u);
     float v[NV][V];
     float part[NV];
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-      scores_of<T>(raw[i], mw[i], visible_in<V>(static_cast<int64_t>(i * TPR + lane) * V, limit), a.scale, v[i]);
+      scores_of<T>(raw[i], mw[i],
+                   visible_in<V>(static_cast<int64_t>(i * TPR + lane) * V, slot_limit<V, TPR, KC>(i, lane, limit)),
+                   a.scale, v[i]);
       part[i] = tree_max<V>(v[i]);
     }
     float mx = group_reduce<TPR, true>(tree_max<NV>(part), red_max);
@@ -470,26 +544,28 @@ __device__ __forceinline__ void fwd_reg_rows(const FwdArgs<T>& a, float* red_max
     const float sum = group_reduce<TPR, false>(tree_sum<NV>(part), red_sum);
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     if (valid) {
-      T* y = a.y + row * a.sk;
+      T* y = a.y + row * keys_of<KC>(a);
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
 #pragma unroll
         for (int k = 0; k < V; ++k) v[i][k] *= inv;
-        store_vals<T>(y, static_cast<int64_t>(i * TPR + lane) * V, a.sk, a.y_vec, v[i]);
+        store_slot<T, TPR, KC>(y, i, lane, static_cast<int64_t>(i * TPR + lane) * V, keys_of<KC>(a), a.y_vec, v[i]);
       }
     }
   }
 }
 
-template <typename T, int TPR, int NV, int BLOCK>
+template <typename T, int TPR, int NV, int BLOCK, int KC>
 __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_fwd_reg_kernel(const FwdArgs<T> a) {
   static_assert(BLOCK % TPR == 0 && (TPR & (TPR - 1)) == 0, "TPR must be a power of two dividing BLOCK");
   __shared__ float red_max[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
   __shared__ float red_sum[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
-  if (a.fast) {  // uniform over the grid
-    fwd_reg_rows<T, TPR, NV, BLOCK, true>(a, red_max, red_sum);
+  if constexpr (KC > 0) {  // launched for a.fast rows of KC keys only (run())
+    fwd_reg_rows<T, TPR, NV, BLOCK, true, KC>(a, red_max, red_sum);
+  } else if (a.fast) {  // uniform over the grid
+    fwd_reg_rows<T, TPR, NV, BLOCK, true, 0>(a, red_max, red_sum);
   } else {
-    fwd_reg_rows<T, TPR, NV, BLOCK, false>(a, red_max, red_sum);
+    fwd_reg_rows<T, TPR, NV, BLOCK, false, 0>(a, red_max, red_sum);
   }
 }
 
@@ -497,10 +573,12 @@ __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_fwd_reg_kern
 // or (STAGE) in dynamic shared memory, NV * BLOCK vectors, each thread reading back only its own slots (no barrier),
 // which halves the registers of the largest plans: they then fit 64 registers without spilling. On the FAST path
 // dy goes to shared memory by cp.async (no register, no wait), so that all loads of the row are in flight at once.
-template <typename T, int TPR, int NV, int BLOCK, bool STAGE, bool FAST>
+// KC: as in fwd_reg_rows.
+template <typename T, int TPR, int NV, int BLOCK, bool STAGE, bool FAST, int KC>
 __device__ __forceinline__ void bwd_reg_rows(const BwdArgs<T>& a, float* red_sum, uint4* stage) {
   constexpr int V = Elem<T>::kVec;
   constexpr int RPB = BLOCK / TPR;
+  static_assert(KC == 0 || (FAST && KC % V == 0 && KC <= TPR * NV * V), "KC: a vector-path row that fits the plan");
   const int lane = threadIdx.x % TPR;
   const int64_t step = static_cast<int64_t>(gridDim.x) * RPB;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < a.rows; base += step) {
@@ -513,7 +591,7 @@ __device__ __forceinline__ void bwd_reg_rows(const BwdArgs<T>& a, float* red_sum
     if (valid) {
       RowPos p{0, 0, 0};
       if (a.gs.flat < 0 || a.ys.flat < 0 || a.causal) p = split_row(row, a.d1, a.d2, a.rows32);
-      limit = causal_limit(a.causal, p.i2, a.causal_shift, a.sk);
+      limit = causal_limit(a.causal, p.i2, a.causal_shift, keys_of<KC>(a));
       g += row_offset(a.gs, row, p);
       y += row_offset(a.ys, row, p);
     }
@@ -523,24 +601,26 @@ __device__ __forceinline__ void bwd_reg_rows(const BwdArgs<T>& a, float* red_sum
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
         const int64_t c0 = static_cast<int64_t>(i * TPR + lane) * V;
-        const int bytes = visible_in<V>(c0, limit) * static_cast<int>(sizeof(T));  // zero filled beyond
+        const int bytes = visible_in<V>(c0, slot_limit<V, TPR, KC>(i, lane, limit)) *
+                          static_cast<int>(sizeof(T));  // zero filled beyond
         cp_async16(&stage[i * BLOCK + threadIdx.x], bytes > 0 ? g + c0 : g, bytes);
       }
     }
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int64_t c0 = static_cast<int64_t>(i * TPR + lane) * V;
-      ry[i] = load_vec<T, FAST>(y, c0, a.sk, limit, a.y_vec);
+      const int64_t lim = slot_limit<V, TPR, KC>(i, lane, limit);
+      ry[i] = load_vec<T, FAST>(y, c0, keys_of<KC>(a), lim, a.y_vec);
       if constexpr (!STAGE) {
-        rg[i] = load_vec<T, FAST>(g, c0, a.sk, limit, a.g_vec);
+        rg[i] = load_vec<T, FAST>(g, c0, keys_of<KC>(a), lim, a.g_vec);
       } else if constexpr (!FAST) {  // general path: through registers (waits on each load; rare layouts)
-        stage[i * BLOCK + threadIdx.x] = load_raw<T>(g, c0, a.sk, limit, a.g_vec);
+        stage[i * BLOCK + threadIdx.x] = load_raw<T>(g, c0, keys_of<KC>(a), lim, a.g_vec);
       }
     }
     if (a.causal) {  // the boundary vector was read whole on the FAST path: zero its invisible columns
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
-        const int vis = visible_in<V>(static_cast<int64_t>(i * TPR + lane) * V, limit);
+        const int vis = visible_in<V>(static_cast<int64_t>(i * TPR + lane) * V, slot_limit<V, TPR, KC>(i, lane, limit));
         zero_from<T>(ry[i], vis);
         if constexpr (!STAGE) zero_from<T>(rg[i], vis);
       }
@@ -574,7 +654,7 @@ __device__ __forceinline__ void bwd_reg_rows(const BwdArgs<T>& a, float* red_sum
       if constexpr (!STAGE) asm volatile("" : "+r"(rg[i].x), "+r"(rg[i].y), "+r"(rg[i].z), "+r"(rg[i].w));
     }
     if (valid) {
-      T* dx = a.dx + row * a.sk;
+      T* dx = a.dx + row * keys_of<KC>(a);
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
         float fg[V], fy[V];
@@ -582,22 +662,24 @@ __device__ __forceinline__ void bwd_reg_rows(const BwdArgs<T>& a, float* red_sum
         Elem<T>::unpack(ry[i], fy);
 #pragma unroll
         for (int k = 0; k < V; ++k) fy[k] = a.scale * fy[k] * (fg[k] - dot);
-        store_vals<T>(dx, static_cast<int64_t>(i * TPR + lane) * V, a.sk, a.dx_vec, fy);
+        store_slot<T, TPR, KC>(dx, i, lane, static_cast<int64_t>(i * TPR + lane) * V, keys_of<KC>(a), a.dx_vec, fy);
       }
     }
     if constexpr (TPR > 32) __syncthreads();  // red_sum is read after the barrier; guard its reuse
   }
 }
 
-template <typename T, int TPR, int NV, int BLOCK, bool STAGE>
+template <typename T, int TPR, int NV, int BLOCK, bool STAGE, int KC>
 __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_bwd_reg_kernel(const BwdArgs<T> a) {
   static_assert(BLOCK % TPR == 0 && (TPR & (TPR - 1)) == 0, "TPR must be a power of two dividing BLOCK");
   __shared__ float red_sum[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
   extern __shared__ uint4 stage[];  // NV * BLOCK when STAGE
-  if (a.fast) {  // uniform over the grid
-    bwd_reg_rows<T, TPR, NV, BLOCK, STAGE, true>(a, red_sum, stage);
+  if constexpr (KC > 0) {  // launched for a.fast rows of KC keys only (run())
+    bwd_reg_rows<T, TPR, NV, BLOCK, STAGE, true, KC>(a, red_sum, stage);
+  } else if (a.fast) {  // uniform over the grid
+    bwd_reg_rows<T, TPR, NV, BLOCK, STAGE, true, 0>(a, red_sum, stage);
   } else {
-    bwd_reg_rows<T, TPR, NV, BLOCK, STAGE, false>(a, red_sum, stage);
+    bwd_reg_rows<T, TPR, NV, BLOCK, STAGE, false, 0>(a, red_sum, stage);
   }
 }
 // ------------------------------------------------------------------------------------------------------------
@@ -729,19 +811,19 @@ inline unsigned grid_for(int64_t rows, int rows_per_block) {
   return static_cast<unsigned>(std::min<int64_t>(blocks, std::numeric_limits<int32_t>::max()));
 }
 
-template <typename T, int TPR, int NV>
+template <typename T, int TPR, int NV, int KC = 0>
 void launch_fwd(const FwdArgs<T>& a, cudaStream_t st) {
   constexpr int B = block_for<TPR>();
-  softmax_fwd_reg_kernel<T, TPR, NV, B><<<grid_for(a.rows, B / TPR), B, 0, st>>>(a);
+  softmax_fwd_reg_kernel<T, TPR, NV, B, KC><<<grid_for(a.rows, B / TPR), B, 0, st>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename T, int TPR, int NV>
+template <typename T, int TPR, int NV, int KC = 0>
 void launch_bwd(const BwdArgs<T>& a, cudaStream_t st) {
   constexpr int B = block_for<TPR>();
   constexpr bool STAGE = NV >= 4;  // dy in shared memory: see softmax_bwd_reg_kernel
   constexpr int smem = STAGE ? NV * B * static_cast<int>(sizeof(uint4)) : 0;
-  auto kernel = softmax_bwd_reg_kernel<T, TPR, NV, B, STAGE>;
+  auto kernel = softmax_bwd_reg_kernel<T, TPR, NV, B, STAGE, KC>;
   if constexpr (smem > 48 * 1024) {  // above the default dynamic shared memory limit: opt in (per device)
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   }
@@ -770,6 +852,26 @@ constexpr int64_t bwd_register_max_cols() {
   return int64_t{1024} * bwd_max_nv<T>() * Elem<T>::kVec;
 }
 
+#if defined(PIPEGOOSE_SOFTMAX_KEYS)
+// TPR and NV of the register-resident plan that run() takes for rows of nvec vectors ({0, 0}: the two-pass
+// kernels), as a constant expression, for the specialised key length; run() asserts that the two agree.
+struct RegPlan {
+  int tpr, nv;
+};
+template <typename T, bool BWD>
+constexpr RegPlan reg_plan(int64_t nvec) {
+  constexpr int MAXNV = BWD ? bwd_max_nv<T>() : fwd_max_nv<T>();
+  for (int tpr = 1; tpr <= 32; tpr *= 2)
+    if (nvec <= tpr) return {tpr, 1};
+  if (nvec <= 64) return {32, 2};
+  if (nvec <= 128) return BWD && sizeof(T) == 2 ? RegPlan{64, 2} : RegPlan{32, 4};
+  if (MAXNV == 8 && nvec <= 256) return {32, MAXNV};
+  for (int tpr = 64; tpr <= 1024; tpr *= 2)
+    if (nvec <= int64_t{tpr} * MAXNV) return {tpr, MAXNV};
+  return {0, 0};
+}
+#endif
+
 // Plans in order of capacity: rows of up to 32 vectors use 1..32 threads with one vector each, then a warp with
 // 2, 4 (, 8) vectors (16-bit backward: 2 warps with 2 vectors instead of one warp with 4), then 64..1024 threads with the full per-thread budget, then the two-pass kernels.
 template <typename T, bool BWD, typename Args>
@@ -779,6 +881,22 @@ void run(const Args& a, cudaStream_t st) {
   const int64_t nvec = (a.sk + V - 1) / V;
   auto go = [&](auto tpr, auto nv) {
     constexpr int TPR = decltype(tpr)::value, NV = decltype(nv)::value;
+#if defined(PIPEGOOSE_SOFTMAX_KEYS)
+    // Rows of kSpecKeys keys on the vector path: this plan's kernel with the key length as a constant.
+    if (a.sk == kSpecKeys && a.fast) {
+      constexpr RegPlan kp = reg_plan<T, BWD>(kSpecKeys / Elem<T>::kVec);
+      TORCH_INTERNAL_ASSERT(kp.tpr == TPR && kp.nv == NV, "softmax: reg_plan() disagrees with run() for ",
+                            kSpecKeys, " keys");
+      if constexpr (kp.tpr == TPR && kp.nv == NV) {
+        if constexpr (BWD) {
+          launch_bwd<T, TPR, NV, kSpecKeys>(a, st);
+        } else {
+          launch_fwd<T, TPR, NV, kSpecKeys>(a, st);
+        }
+        return;
+      }
+    }
+#endif
     if constexpr (BWD) {
       launch_bwd<T, TPR, NV>(a, st);
     } else {
