@@ -28,10 +28,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def no_tuning_table(tmp_path, monkeypatch):
-    """Set the GPU's committed tuning table aside, for tests that check that our kernels run and are right (the
-    table may route a shape to PyTorch where PyTorch is faster; its own behaviour is tested on the CPU)."""
+    """Set the GPU's measured choices aside (the committed tuning table and the small-problem rule), for tests that
+    check that our kernels run and are right (both may route a shape to PyTorch where PyTorch is faster; their own
+    behaviour is tested on the CPU)."""
     from pipegoose.nn.fusion import dispatch
 
+    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "0")
     monkeypatch.setattr(dispatch, "TUNING_DIR", tmp_path)
     dispatch.clear_tuning_cache()
     yield

@@ -11,7 +11,7 @@ from pipegoose.nn.fusion import dispatch
 from pipegoose.nn.fusion import functional as PF
 from pipegoose.nn.fusion.dispatch import FusionFallbackError
 
-ENV = ("PIPEGOOSE_STRICT", "PIPEGOOSE_IMPL_LAYER_NORM", "PIPEGOOSE_IMPL_RMS_NORM", "PIPEGOOSE_IMPL_SOFTMAX",
+ENV = ("PIPEGOOSE_STRICT", "PIPEGOOSE_SMALL_NUMEL", "PIPEGOOSE_IMPL_LAYER_NORM", "PIPEGOOSE_IMPL_RMS_NORM", "PIPEGOOSE_IMPL_SOFTMAX",
        "PIPEGOOSE_IMPL_SOFTMAX_MASKED")
 
 
@@ -87,6 +87,14 @@ def test_env_request_is_part_of_the_key(monkeypatch, chooses):
     with pytest.raises(ValueError, match="PIPEGOOSE_IMPL_LAYER_NORM"):
         PF.layer_norm(x, (40,), w, b)
     assert len(chooses) == 3
+
+
+def test_small_numel_variable_is_part_of_the_key(monkeypatch, chooses):
+    x, w, b = ln_args()
+    PF.layer_norm(x, (40,), w, b)
+    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "0")
+    PF.layer_norm(x, (40,), w, b)
+    assert len(chooses) == 2
 
 
 def test_impl_argument_is_part_of_the_key(chooses):

@@ -220,6 +220,37 @@ def test_tuning_rule_skipped_where_the_timed_configuration_does_not_apply(tmp_pa
     assert (c.impl, c.source) == ("pipegoose", "builtin")
 
 
+def test_small_problems_run_the_native_reference(tmp_path, monkeypatch):
+    """Below PIPEGOOSE_SMALL_NUMEL elements a fused choice (table or built-in) gives way to a small_first reference;
+    requests, fallbacks and references without small_first are untouched."""
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL", raising=False)
+    dispatch.register(Implementation(OP, "torch", "reference", lambda p: (True, ""), small_first=True,
+                                     tuned_for=lambda p: not p.get("eager_torch", False)))
+    write_table(tmp_path, table({"op": OP, "dtype": "float16", "impl": "megatron"}), monkeypatch)
+    small, big = dispatch.SMALL_NUMEL_DEFAULT - 1, dispatch.SMALL_NUMEL_DEFAULT
+    c = dispatch.select(OP, problem(numel=small))
+    assert (c.impl, c.source, c.fallback) == ("torch", "small", False)
+    assert "PIPEGOOSE_SMALL_NUMEL" in c.reason and "megatron would run otherwise" in c.reason
+    assert dispatch.select(OP, problem(numel=big)).impl == "megatron"
+    assert dispatch.select(OP, problem(dtype=torch.float32, numel=small)).source == "small"  # built-in -> small
+    assert dispatch.select(OP, problem(numel=small, eager_torch=True)).impl == "megatron"  # torch is not native
+    assert dispatch.select(OP, problem()).impl == "megatron"  # no numel: the rule does not apply
+    assert dispatch.select(OP, problem(numel=small), impl="pipegoose").impl == "pipegoose"
+    c = dispatch.select(OP, problem(numel=small, ours=False, ported=False))
+    assert (c.source, c.fallback) == ("fallback", True)  # a real fallback stays one (strict mode raises)
+    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "0")
+    assert dispatch.select(OP, problem(numel=small)).impl == "megatron"
+    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "100")
+    assert dispatch.select(OP, problem(numel=99)).impl == "torch"
+    assert dispatch.select(OP, problem(numel=100)).impl == "megatron"
+    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "lots")
+    with pytest.raises(ValueError, match="PIPEGOOSE_SMALL_NUMEL"):
+        dispatch.select(OP, problem(numel=small))
+    dispatch.register(Implementation(OP, "torch", "reference", lambda p: (True, "")))  # no small_first
+    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "100")
+    assert dispatch.select(OP, problem(numel=5)).impl == "megatron"
+
+
 def test_rms_norm_torch_rules_only_for_the_native_kernel(tmp_path, monkeypatch):
     """rms_norm's ``torch`` timings are F.rms_norm's; Llama's rounding (cast_before_weight) and mixed dtypes run the
     eager formula, so a table rule naming torch must not route them there."""

@@ -205,6 +205,7 @@ def fake(monkeypatch):
             dispatch.register(dataclasses.replace(im, supports=on_gpu))
     monkeypatch.setattr(dispatch, "_load_kernel", lambda name: ops)
     monkeypatch.setattr(dispatch, "_device_name", lambda device: None)
+    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "0")  # small inputs here stand for GPU-sized ones
     dispatch.clear_kernel_cache()
     dispatch.reset_stats()
     yield ops
@@ -365,3 +366,19 @@ def test_clip_glue(fake, dtype, impl, max_norm):
     for a, b in zip(p1, p2):
         torch.testing.assert_close(a.grad, b.grad, **TOLERANCES[dtype])
     assert ("multi_tensor_scale" in fake.calls) == (impl == "apex" and max_norm < 1)
+
+
+def test_small_problem_rule_through_the_ops(fake, monkeypatch):
+    """With the default small-problem size, a small LayerNorm / F.rms_norm-style RMSNorm runs the native op
+    (source "small"); Llama-style RMSNorm, whose torch path is the eager formula, keeps the fused kernel."""
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    PF.layer_norm(x, (8,), w, None)
+    assert dispatch.last_choice("layer_norm").source == "small"
+    PF.rms_norm(x, (8,), w, 1e-6)
+    assert dispatch.last_choice("rms_norm").source == "small"
+    PF.rms_norm(x, (8,), w, 1e-6, cast_before_weight=True)
+    assert dispatch.last_choice("rms_norm").impl == "pipegoose"
+    assert dispatch.stats() == {"layer_norm": {"torch": 1}, "rms_norm": {"torch": 1, "pipegoose": 1}}
+    assert "layer_norm_forward" not in fake.calls

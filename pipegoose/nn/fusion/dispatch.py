@@ -15,7 +15,12 @@ Choice, first that supports the input wins:
 3. the tuning table of the input's GPU (``pipegoose/nn/fusion/tuning/<slug>.json``, docs/architecture.md
    "Tuning tables"): the first rule whose op and dtype match, whose ``max_cols`` is not exceeded and whose
    implementation supports the input (rules whose ``pass`` matches the call, ``fwd`` or ``fwd+bwd``, first);
-4. the built-in order: ours, then the ported copies, then ``torch``.
+4. the built-in order: ours, then the ported copies, then ``torch``;
+5. small problems: when 3 or 4 chose a fused implementation but the input has fewer than ``PIPEGOOSE_SMALL_NUMEL``
+   elements (default 2**20; 0 turns this off) and the op's reference path is one native PyTorch op for it
+   (``F.layer_norm``, ``F.rms_norm``: ``Implementation.small_first``), the reference runs (source ``small``, not a
+   fallback). At such sizes a step is bound by the host, and a fused op's Python autograd path costs more host
+   time than its kernel can save on the GPU (a fused MiniLM step was slower than the unfused one on the H200).
 
 Ending on ``torch`` after a fused implementation was wanted is a *fallback*: the reason is recorded
 (:func:`explain`, :func:`last_choice`), logged at debug level on ``pipegoose.nn.fusion.dispatch``, and in strict
@@ -76,6 +81,8 @@ __all__ = [
     "kernel",
     "clear_kernel_cache",
     "tuning_table",
+    "small_numel",
+    "SMALL_NUMEL_DEFAULT",
     "device_slug",
     "TUNING_DIR",
     "IMPL_NAMES",
@@ -87,6 +94,10 @@ TUNING_DIR = Path(__file__).resolve().parent / "tuning"
 IMPL_NAMES = ("pipegoose", "megatron", "apex", "deepspeed", "torch", "sdpa", "eager")
 _KIND_ORDER = {"ours": 0, "ported": 1, "reference": 2}
 _PASSES = ("fwd", "fwd+bwd")
+# Small problems (see the module docstring). Measured on the H200 host (benchmarks/overhead.py, 2026-11-29): a fused
+# LayerNorm/RMSNorm call costs about 230 us more host time per forward + backward than F.layer_norm / F.rms_norm,
+# while the whole forward + backward of 2**20 bf16 elements moves ~6 MB, about 1.5 us at 4.2 TB/s.
+SMALL_NUMEL_DEFAULT = 1 << 20
 
 
 class FusionFallbackError(RuntimeError):
@@ -143,6 +154,8 @@ class Implementation:
             in one configuration (rms_norm's ``torch`` as the single ``F.rms_norm`` kernel, say); where the
             implementation runs other code for a problem (Llama's rounding needs the multi-kernel eager formula),
             a tuning rule naming it does not apply, and the choice goes on to the next rule.
+        small_first: (reference implementations) the op's reference path is one native PyTorch op, cheaper on the
+            host than any fused path: problems below :func:`small_numel` elements run it (see "Small problems").
     """
 
     op: str
@@ -152,6 +165,7 @@ class Implementation:
     kernels: tuple[str, ...] = ()
     source: str = ""
     tuned_for: Callable[[Problem], bool] | None = None
+    small_first: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in _KIND_ORDER:
@@ -164,7 +178,7 @@ class Choice:
 
     Attributes:
         op, impl: the op and the chosen implementation's name.
-        source: ``argument``, ``env``, ``tuning``, ``builtin`` or ``fallback``.
+        source: ``argument``, ``env``, ``tuning``, ``builtin``, ``small`` or ``fallback``.
         fallback: True when the reference path runs because the wanted fused paths cannot.
         reasons: implementation name -> why it was not taken (empty string when it was not looked at).
         reason: one line summarising why the chosen implementation runs.
@@ -527,6 +541,19 @@ def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool =
             return Choice(op, name, source, False, reasons, why)
         logger.debug("%s: requested implementation %s (%s) cannot run: %s", op, name, source, reasons[name])
 
+    choice = _automatic(op, problem, impls, reasons, ok)
+    if choice.fallback or impls[choice.impl].kind == "reference":
+        return choice
+    small = _small_problem(problem, impls)
+    if small is not None:
+        name, why = small
+        return Choice(op, name, "small", False, reasons, f"{why}; {choice.impl} would run otherwise ({choice.reason})")
+    return choice
+
+
+def _automatic(op: str, problem: Problem, impls: Mapping[str, Implementation], reasons: dict[str, str],
+               ok: Callable[[str], bool]) -> Choice:
+    """The choice without a request: the tuning table, else the built-in order, else the reference (fallback)."""
     table = tuning_table(problem.device)
     if table is not None:
         for rule in table.candidates(problem):
@@ -554,6 +581,39 @@ def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool =
     fused = [n for n, im in impls.items() if im.kind != "reference"]
     why = "; ".join(f"{n}: {reasons[n]}" for n in fused if reasons[n]) or "no fused implementation"
     return Choice(op, name, "fallback", bool(fused), reasons, why)
+
+
+def small_numel() -> int:
+    """The small-problem size: ``PIPEGOOSE_SMALL_NUMEL`` (elements; 0 turns the rule off), default
+    :data:`SMALL_NUMEL_DEFAULT`.
+
+    Raises:
+        ValueError: the variable is not a non-negative integer.
+    """
+    raw = _environ_get("PIPEGOOSE_SMALL_NUMEL", "").strip()
+    if not raw:
+        return SMALL_NUMEL_DEFAULT
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"PIPEGOOSE_SMALL_NUMEL={raw!r}: expected a non-negative integer (elements; 0 = off)")
+    return n
+
+
+def _small_problem(problem: Problem, impls: Mapping[str, Implementation]) -> tuple[str, str] | None:
+    """(reference name, reason) when the problem is below the small-problem size and the op's reference path is a
+    single native op for it (``small_first`` and ``tuned_for``); else None."""
+    n = problem.get("numel")
+    limit = small_numel()
+    if not limit or n is None or n >= limit:
+        return None
+    for name, im in impls.items():
+        if im.kind == "reference" and im.small_first and (im.tuned_for is None or im.tuned_for(problem)):
+            return name, (f"{n} elements < {limit} (PIPEGOOSE_SMALL_NUMEL): a host-bound size, where the native "
+                          f"op's lower host overhead outweighs any kernel time a fused op could save")
+    return None
 
 
 def select(op: str, problem: Problem, impl: str | None = None) -> Choice:
@@ -595,7 +655,8 @@ _environ_get = os.environ.get
 def choice_key(op: str, impl: str | None, signature: tuple) -> tuple:
     """The cache key of a call: op, ``impl`` argument, the op's metadata ``signature`` (hashable; it must hold
     everything validation and choice depend on, and no tensors) and the op's ``PIPEGOOSE_IMPL_*`` values."""
-    return (op, impl, signature, tuple(_environ_get(n) for n in _env_names(op)))
+    return (op, impl, signature, tuple(_environ_get(n) for n in _env_names(op)),
+            _environ_get("PIPEGOOSE_SMALL_NUMEL"))
 
 
 def cached_choice(key: tuple) -> Any:

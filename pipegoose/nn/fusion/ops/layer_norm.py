@@ -91,7 +91,7 @@ def layer_norm_problem(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Te
     h = math.prod(shape)
     return Problem(OP, x.dtype, x.device, cols=h, needs_grad=needs_grad(x, weight, bias),
                    extra=dict(shape=tuple(x.shape), normalized_shape=shape, hidden=h,
-                              rows=x.numel() // h if h else 0,
+                              rows=x.numel() // h if h else 0, numel=x.numel(),
                               weight_dtype=None if weight is None else weight.dtype,
                               bias_dtype=None if bias is None else bias.dtype, out_dtype=out))
 
@@ -155,7 +155,8 @@ def _torch_supports(p: Problem) -> tuple[bool, str]:
 dispatch.register(Implementation(OP, "pipegoose", "ours", _pipegoose_supports, ("pipegoose/layer_norm",),
                                  SRC_PIPEGOOSE))
 dispatch.register(Implementation(OP, "apex", "ported", _apex_supports, ("apex/fused_layer_norm",), SRC_APEX))
-dispatch.register(Implementation(OP, "torch", "reference", _torch_supports, (), "PyTorch F.layer_norm"))
+dispatch.register(Implementation(OP, "torch", "reference", _torch_supports, (), "PyTorch F.layer_norm",
+                                 small_first=True))
 dispatch.register_problem(OP, _explain)
 
 

@@ -77,7 +77,7 @@ def rms_norm_problem(x, shape, weight, out, cast_before_weight) -> Problem:
     h = math.prod(shape)
     return Problem(OP, x.dtype, x.device, cols=h, needs_grad=needs_grad(x, weight),
                    extra=dict(shape=tuple(x.shape), normalized_shape=shape, hidden=h,
-                              rows=x.numel() // h if h else 0,
+                              rows=x.numel() // h if h else 0, numel=x.numel(),
                               weight_dtype=None if weight is None else weight.dtype, out_dtype=out,
                               cast_before_weight=cast_before_weight))
 
@@ -118,7 +118,7 @@ def _torch_is_native(p: Problem) -> bool:
 
 dispatch.register(Implementation(OP, "torch", "reference", lambda p: (True, ""), (),
                                  "PyTorch: F.rms_norm, or the eager formula for Llama's rounding and mixed dtypes",
-                                 tuned_for=_torch_is_native))
+                                 tuned_for=_torch_is_native, small_first=True))
 dispatch.register_problem(OP, _explain)
 
 
