@@ -16,11 +16,12 @@ Choice, first that supports the input wins:
    "Tuning tables"): the first rule whose op and dtype match, whose ``max_cols`` is not exceeded and whose
    implementation supports the input (rules whose ``pass`` matches the call, ``fwd`` or ``fwd+bwd``, first);
 4. the built-in order: ours, then the ported copies, then ``torch``;
-5. small problems: when 3 or 4 chose a fused implementation but the input has fewer than ``PIPEGOOSE_SMALL_NUMEL``
-   elements (default 2**20; 0 turns this off) and the op's reference path is one native PyTorch op for it
-   (``F.layer_norm``, ``F.rms_norm``: ``Implementation.small_first``), the reference runs (source ``small``, not a
-   fallback). At such sizes a step is bound by the host, and a fused op's Python autograd path costs more host
-   time than its kernel can save on the GPU (a fused MiniLM step was slower than the unfused one on the H200).
+5. before 3 and 4, small problems: when the input has fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements (default
+   2**20; 0 turns this off), a fused implementation supports it, and the op's reference path is one native PyTorch
+   op for it (``F.layer_norm``, ``F.rms_norm``: ``Implementation.small_first``), the reference runs (source
+   ``small``, not a fallback; no kernel is loaded). At such sizes a step is bound by the host, and a fused op's
+   Python autograd path costs more host time than its kernel can save on the GPU (a fused MiniLM step was slower
+   than the unfused one on the H200).
 
 Ending on ``torch`` after a fused implementation was wanted is a *fallback*: the reason is recorded
 (:func:`explain`, :func:`last_choice`), logged at debug level on ``pipegoose.nn.fusion.dispatch``, and in strict
@@ -541,14 +542,15 @@ def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool =
             return Choice(op, name, source, False, reasons, why)
         logger.debug("%s: requested implementation %s (%s) cannot run: %s", op, name, source, reasons[name])
 
-    choice = _automatic(op, problem, impls, reasons, ok)
-    if choice.fallback or impls[choice.impl].kind == "reference":
-        return choice
     small = _small_problem(problem, impls)
     if small is not None:
-        name, why = small
-        return Choice(op, name, "small", False, reasons, f"{why}; {choice.impl} would run otherwise ({choice.reason})")
-    return choice
+        # only where a fused implementation takes the input (else it is a real fallback); checked on metadata
+        # alone, so that a small input never loads (or builds) a kernel
+        fused = [n for n, im in impls.items() if im.kind != "reference" and im.supports(problem)[0]]
+        if fused:
+            name, why = small
+            return Choice(op, name, "small", False, reasons, f"{why} (fused paths that take it: {', '.join(fused)})")
+    return _automatic(op, problem, impls, reasons, ok)
 
 
 def _automatic(op: str, problem: Problem, impls: Mapping[str, Implementation], reasons: dict[str, str],
