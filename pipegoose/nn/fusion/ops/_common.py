@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -48,16 +47,6 @@ def torch_result_dtype(key: str, device: torch.device, dtypes: tuple, probe: Cal
     with _policy_lock:
         _policy_cache[k] = out
     return out
-
-
-@contextlib.contextmanager
-def no_autocast(device: torch.device) -> Iterator[None]:
-    """Run the body without autocast on ``device`` (the caller already chose the compute dtype)."""
-    if autocast_state(device)[1]:
-        with torch.autocast(device_type=device.type, enabled=False):
-            yield
-    else:
-        yield
 
 
 def call_without_autocast(device: torch.device, fn: Callable[..., Any], *args: Any) -> Any:

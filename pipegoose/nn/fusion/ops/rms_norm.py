@@ -109,6 +109,8 @@ def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
 
 dispatch.register(Implementation(OP, "pipegoose", "ours", _pipegoose_supports, ("pipegoose/rms_norm",),
                                  SRC_PIPEGOOSE))
+
+
 def _torch_is_native(p: Problem) -> bool:
     """Whether the ``torch`` path runs the single ``F.rms_norm`` kernel that the benchmarks time (see
     :func:`rms_norm_reference`), not the multi-kernel eager formula."""

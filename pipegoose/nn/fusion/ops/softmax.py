@@ -354,7 +354,8 @@ def _signature(x: torch.Tensor, mask: torch.Tensor | None, *rest: Any) -> tuple 
 
 
 def _choose(op: str, x: torch.Tensor, mask: torch.Tensor | None, scale: float, impl: str | None, exact: bool,
-            last_dim: bool, sig_rest: tuple) -> tuple[dispatch.Choice, torch.dtype]:
+            last_dim: bool, sig_rest: tuple) -> tuple[dispatch.Choice, torch.Tensor]:
+    """(choice, x in the compute dtype: cast as autocast would, fp32 for softmax under CUDA autocast)."""
     sig = _signature(x, mask, op, scale, exact, last_dim)
     key = None if sig is None else dispatch.choice_key(op, impl, sig + sig_rest)
     hit = None if key is None else dispatch.cached_choice(key)
@@ -364,16 +365,16 @@ def _choose(op: str, x: torch.Tensor, mask: torch.Tensor | None, scale: float, i
         hit = (dispatch.choose(op, softmax_problem(op, xin, mask, scale, exact=exact, last_dim=last_dim), impl), out)
         if key is not None:
             dispatch.remember_choice(key, hit)
+    else:
+        xin = x if hit[1] == x.dtype else x.to(hit[1])
     dispatch.record(hit[0])
-    return hit
+    return hit[0], xin
 
 
 def run(op: str, x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool,
         impl: str | None, exact: bool = False) -> torch.Tensor:
     """Choose and run an implementation of a scaled (masked/causal) softmax over the last dim of ``x``."""
-    choice, out = _choose(op, x, mask, scale, impl, exact, True, (causal,))
-    if out != x.dtype:
-        x = x.to(out)
+    choice, x = _choose(op, x, mask, scale, impl, exact, True, (causal,))
     return call_without_autocast(x.device, _run_choice, choice.impl, x, mask, scale, causal)
 
 
@@ -397,9 +398,7 @@ def run_plain(x: torch.Tensor, dim: int, dtype: torch.dtype | None, impl: str | 
     if not -nd <= dim < nd:
         raise IndexError(f"dim: expected in [{-nd}, {nd - 1}], got {dim}")
     last = x.dim() == 0 or dim % nd == nd - 1
-    choice, out = _choose(OP_PLAIN, x, None, 1.0, impl, True, last, ())
-    if out != x.dtype:
-        x = x.to(out)
+    choice, x = _choose(OP_PLAIN, x, None, 1.0, impl, True, last, ())
     if choice.impl == "pipegoose":
         y = call_without_autocast(x.device, PipegooseSoftmaxFunction.apply, x, None, 1.0, False)
         # F.softmax gives NaN for a row of all -inf; keep that (a fused kernel may give zeros there)
