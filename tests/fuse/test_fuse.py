@@ -302,6 +302,33 @@ def test_config_changes_while_fused_survive_unfuse():
     assert model.config is cfg and cfg.use_cache == new_value and cfg._attn_implementation == "eager"
 
 
+@pytest.mark.parametrize("how", ["load_state_dict_assign", "attribute", "to_empty"])
+def test_parameters_replaced_while_fused_survive_unfuse(how):
+    """unfuse gives the original modules the parameters the fused ones hold now (load_state_dict(assign=True),
+    assignment, to_empty after building on the meta device), not the ones they held at fuse time."""
+    if how == "to_empty":
+        with torch.device("meta"):
+            model = models.build("gpt2", "eager")
+    else:
+        model = models.build("gpt2", "eager")
+    fuse(model)
+    sd = {k: torch.randn_like(v, device="cpu") for k, v in model.state_dict().items()}
+    if how == "load_state_dict_assign":
+        model.load_state_dict(sd, assign=True)
+    elif how == "attribute":
+        model.h[0].ln_1.weight = nn.Parameter(sd["h.0.ln_1.weight"])
+    else:
+        model.to_empty(device="cpu")
+        model.load_state_dict(sd)
+    after = {k: v for k, v in model.state_dict().items()}
+    assert unfuse(model)
+    assert type(model.h[0].ln_1) is nn.LayerNorm
+    for k, v in model.state_dict().items():
+        assert v.device.type == "cpu", k
+        assert v is after[k] or torch.equal(v, after[k]), k
+    model(torch.randint(1, 100, (2, 5)))  # runs: no parameter left on the meta device
+
+
 def test_shared_module_replaced_everywhere():
     ln = nn.LayerNorm(8)
     model = nn.Sequential(nn.Linear(8, 8), ln, nn.Linear(8, 8), ln)

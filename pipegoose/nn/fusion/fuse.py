@@ -441,12 +441,24 @@ def _undo(state: _Fusion) -> list[str]:
     for parent, name, old, new in reversed(state.swaps):
         if parent._modules.get(name) is new:
             old.train(new.training)
+            _carry_tensors_back(new, old)
             parent._modules[name] = old
         else:
             problems.append(f"{type(parent).__name__}.{name} was replaced after fuse()")
     state.swaps.clear()
     state.config_swaps.clear()
     return problems
+
+
+def _carry_tensors_back(new: nn.Module, old: nn.Module) -> None:
+    """Give the original module the replacement's current parameters and buffers (the same objects at fuse time;
+    replaced since by ``load_state_dict(assign=True)``, ``to_empty``, a conversion that overwrites parameters, or an
+    assignment), so that unfusing loses nothing the user did while fused."""
+    for slot in ("_parameters", "_buffers"):
+        old_d, new_d = getattr(old, slot), getattr(new, slot)
+        for key in old_d:
+            if key in new_d and new_d[key] is not old_d[key]:
+                old_d[key] = new_d[key]
 
 
 def _sync_config_back(new_config, old_config) -> None:
