@@ -219,3 +219,28 @@ def test_fused_scale_mask_softmax_megatron_api():
         FusedScaleMaskSoftmax(True, False, AttnMaskType.padding, True, None, False, 0.5)
     with pytest.raises(ValueError, match="input"):
         m(torch.randn(3, 8, 8, dtype=torch.bfloat16), None)
+
+
+def test_torch_func_transforms_through_the_softmaxes():
+    """vmap / grad through the softmaxes (the inputs there have no storage: the fused paths decline them, the
+    reference Function has a vmap rule)."""
+    from pipegoose.nn.fusion.ops import softmax as S
+
+    x = torch.randn(3, 2, 4, 5, 5, dtype=torch.float64)
+    m = torch.rand(2, 1, 5, 5) < 0.3
+    torch.testing.assert_close(torch.func.vmap(lambda t: PF.softmax(t, -1))(x), F.softmax(x, -1))
+    got = torch.func.vmap(lambda t: PF.scaled_masked_softmax(t, m, 0.5))(x)
+    want = torch.stack([PF.scaled_masked_softmax(t, m, 0.5) for t in x])
+    torch.testing.assert_close(got, want)
+    w = torch.arange(5.0, dtype=torch.float64)
+    g = torch.func.grad(lambda t: (PF.scaled_masked_softmax(t, m, 0.5) * w).sum())(x[0])
+    t = x[0].clone().requires_grad_()
+    (PF.scaled_masked_softmax(t, m, 0.5) * w).sum().backward()
+    torch.testing.assert_close(g, t.grad)
+    xc = torch.randn(3, 4, 6, 6, dtype=torch.float64)
+    got = torch.func.vmap(lambda t: PF.scaled_upper_triang_masked_softmax(t, 0.5))(xc)
+    torch.testing.assert_close(got, torch.stack([PF.scaled_upper_triang_masked_softmax(t, 0.5) for t in xc]))
+    seen = []
+    torch.func.vmap(lambda t: seen.append(S.softmax_problem(S.OP_MASKED, t, m, 0.5)) or t)(x)
+    assert seen[0]["storage"] is False and seen[0]["aligned"] is False
+    assert S.softmax_problem(S.OP_MASKED, x[0], m, 0.5)["storage"] is True

@@ -58,6 +58,19 @@ def call_without_autocast(device: torch.device, fn: Callable[..., Any], *args: A
     return fn(*args)
 
 
+def has_storage(t: torch.Tensor) -> bool:
+    """False for a tensor without storage: inside a ``torch.func`` transform (vmap, grad, jvp) or a fake tensor.
+    The kernels need real memory; such inputs take the reference path."""
+    try:
+        t.data_ptr()
+    except RuntimeError:
+        return False
+    return True
+
+
+NO_STORAGE = "a tensor without storage (inside a torch.func transform such as vmap): the kernels need real memory"
+
+
 def param_signature(p: Any) -> tuple | None:
     """Hashable metadata of an optional tensor argument, for the dispatch choice cache (AttributeError if ``p``
     is neither None nor a tensor)."""

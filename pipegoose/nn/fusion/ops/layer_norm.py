@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from .. import dispatch
 from ..dispatch import Implementation, Problem
-from ._common import (FLOAT_DTYPES, HALF_DTYPES, INT32_MAX, autocast_state, call_without_autocast, dtype_name,
-                      manifest_limit, needs_grad, param_signature, torch_result_dtype)
+from ._common import (FLOAT_DTYPES, HALF_DTYPES, INT32_MAX, NO_STORAGE, autocast_state, call_without_autocast,
+                      dtype_name, has_storage, manifest_limit, needs_grad, param_signature, torch_result_dtype)
 
 OP = "layer_norm"
 SRC_PIPEGOOSE = "pipegoose/layer_norm: pipegoose/kernels/csrc/layer_norm.cu (pipegoose, MIT)"
@@ -91,7 +91,7 @@ def layer_norm_problem(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Te
     h = math.prod(shape)
     return Problem(OP, x.dtype, x.device, cols=h, needs_grad=needs_grad(x, weight, bias),
                    extra=dict(shape=tuple(x.shape), normalized_shape=shape, hidden=h,
-                              rows=x.numel() // h if h else 0, numel=x.numel(),
+                              rows=x.numel() // h if h else 0, numel=x.numel(), storage=has_storage(x),
                               weight_dtype=None if weight is None else weight.dtype,
                               bias_dtype=None if bias is None else bias.dtype, out_dtype=out))
 
@@ -105,6 +105,8 @@ def _explain(x, normalized_shape, weight=None, bias=None, eps=1e-5, **_):
 def _common(p: Problem, kernel: str) -> tuple[bool, str]:
     if p.device.type != "cuda":
         return False, f"needs a CUDA tensor, got device {p.device}"
+    if not p.get("storage", True):
+        return False, NO_STORAGE
     if p.dtype not in FLOAT_DTYPES:
         return False, f"input dtype {dtype_name(p.dtype)} not supported (float32, float16, bfloat16)"
     h = p["hidden"]

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from .. import dispatch
 from ..dispatch import Implementation, Problem
-from ._common import (FLOAT_DTYPES, autocast_state, call_without_autocast, dtype_name, manifest_limit, needs_grad,
-                      param_signature, torch_result_dtype)
+from ._common import (FLOAT_DTYPES, NO_STORAGE, autocast_state, call_without_autocast, dtype_name, has_storage,
+                      manifest_limit, needs_grad, param_signature, torch_result_dtype)
 from .layer_norm import normalize_shape
 
 OP = "rms_norm"
@@ -77,7 +77,7 @@ def rms_norm_problem(x, shape, weight, out, cast_before_weight) -> Problem:
     h = math.prod(shape)
     return Problem(OP, x.dtype, x.device, cols=h, needs_grad=needs_grad(x, weight),
                    extra=dict(shape=tuple(x.shape), normalized_shape=shape, hidden=h,
-                              rows=x.numel() // h if h else 0, numel=x.numel(),
+                              rows=x.numel() // h if h else 0, numel=x.numel(), storage=has_storage(x),
                               weight_dtype=None if weight is None else weight.dtype, out_dtype=out,
                               cast_before_weight=cast_before_weight))
 
@@ -91,6 +91,8 @@ def _explain(x, normalized_shape, weight=None, eps=None, cast_before_weight=Fals
 def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
     if p.device.type != "cuda":
         return False, f"needs a CUDA tensor, got device {p.device}"
+    if not p.get("storage", True):
+        return False, NO_STORAGE
     if p.dtype not in FLOAT_DTYPES:
         return False, f"input dtype {dtype_name(p.dtype)} not supported (float32, float16, bfloat16)"
     for name in ("weight_dtype", "out_dtype"):

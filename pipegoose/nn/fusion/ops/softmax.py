@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 from .. import dispatch
 from ..dispatch import Implementation, Problem
-from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, HALF_DTYPES, INT32_MAX, autocast_state, call_without_autocast,
-                      dtype_name, manifest_limit, megatron_batches_per_block, needs_grad, next_pow2, param_signature,
-                      representable, torch_result_dtype)
+from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, HALF_DTYPES, INT32_MAX, NO_STORAGE, autocast_state,
+                      call_without_autocast, dtype_name, has_storage, manifest_limit, megatron_batches_per_block,
+                      needs_grad, next_pow2, param_signature, representable, torch_result_dtype)
 
 OP_PLAIN, OP_MASKED, OP_CAUSAL = "softmax", "softmax.masked", "softmax.causal"
 
@@ -48,12 +48,13 @@ MEGATRON_KEY_LEN_MAX = 2048  # TORCH_INTERNAL_ASSERT(key_seq_len <= 2048) in bot
 
 def softmax_problem(op: str, x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0,
                     exact: bool = False, last_dim: bool = True) -> Problem:
-    aligned = (not x.is_contiguous()) or x.data_ptr() % 16 == 0
+    storage = has_storage(x) and (mask is None or has_storage(mask))
+    aligned = storage and ((not x.is_contiguous()) or x.data_ptr() % 16 == 0)
     return Problem(op, x.dtype, x.device, cols=int(x.shape[-1]) if x.dim() else None,
                    needs_grad=needs_grad(x),
                    extra=dict(shape=tuple(x.shape), mask_shape=None if mask is None else tuple(mask.shape),
                               mask_dtype=None if mask is None else mask.dtype, scale=float(scale), exact=exact,
-                              last_dim=last_dim, aligned=aligned, numel=x.numel()))
+                              last_dim=last_dim, aligned=aligned, numel=x.numel(), storage=storage))
 
 
 def _explain_builder(op: str):
@@ -68,6 +69,8 @@ def _explain_builder(op: str):
 def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
     if p.device.type != "cuda":
         return False, f"needs a CUDA tensor, got device {p.device}"
+    if not p.get("storage", True):
+        return False, NO_STORAGE
     if p.dtype not in FLOAT_DTYPES:
         return False, f"dtype {dtype_name(p.dtype)} not supported (float32, float16, bfloat16)"
     if p["exact"] and p.dtype != torch.float32:
@@ -97,6 +100,8 @@ def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
 def _megatron_common(p: Problem, rows_per_launch: int, sq: int, sk: int) -> tuple[bool, str]:
     if p.device.type != "cuda":
         return False, f"needs a CUDA tensor, got device {p.device}"
+    if not p.get("storage", True):
+        return False, NO_STORAGE
     if p.dtype not in HALF_DTYPES:
         return False, f"dtype {dtype_name(p.dtype)} not supported (the copies dispatch float16 and bfloat16 only)"
     if p["exact"]:
@@ -208,12 +213,19 @@ def softmax_reference_backward(dy: torch.Tensor, y: torch.Tensor, scale: float) 
 
 
 class ReferenceSoftmaxFunction(torch.autograd.Function):
+    """The reference path with its own backward (zero gradient for fully masked rows, fp32 math); written with
+    ``setup_context`` and ``generate_vmap_rule`` so that ``torch.func.vmap`` / ``grad`` work through it."""
+
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, x, mask, scale, causal):
-        y = softmax_reference_forward(x, mask, scale, causal)
-        ctx.save_for_backward(y)
-        ctx.scale = scale
-        return y
+    def forward(x, mask, scale, causal):
+        return softmax_reference_forward(x, mask, scale, causal)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+        ctx.scale = inputs[2]
 
     @staticmethod
     def backward(ctx, dy):
