@@ -120,6 +120,14 @@ def test_fused_adam_errors():
     o = torch.optim.AdamW(p, amsgrad=True)
     with pytest.raises(ValueError, match="amsgrad"):
         FusedAdam(p).load_state_dict(o.state_dict())
+    fo = FusedAdam(p, lr=0.5)
+    with pytest.raises(ValueError, match="maximize"):
+        fo.load_state_dict(torch.optim.AdamW(p, lr=0.1, maximize=True).state_dict())
+    assert fo.param_groups[0]["lr"] == 0.5  # refused before anything was loaded
+    fo.param_groups[0]["maximize"] = True
+    p[0].grad = torch.ones(3)
+    with pytest.raises(ValueError, match="maximize"):
+        fo.step()
     emb = torch.nn.Embedding(10, 3, sparse=True)
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(RuntimeError, match="sparse"):

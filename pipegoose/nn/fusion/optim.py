@@ -71,11 +71,20 @@ class FusedAdam(torch.optim.Optimizer):
                 if torch.is_complex(p):
                     raise TypeError("params: FusedAdam does not support complex parameters")
 
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        for group in self.param_groups:  # groups saved by torch.optim.Adam/AdamW lack our keys
+    @staticmethod
+    def _check_loadable(groups: list) -> None:
+        """Refuse param groups (e.g. saved by torch.optim.AdamW) asking for what the kernels do not do."""
+        for group in groups:
             if group.get("amsgrad", False):
                 raise ValueError("amsgrad: a param group with amsgrad=True cannot be loaded into FusedAdam")
+            if group.get("maximize", False):
+                raise ValueError("maximize: a param group with maximize=True cannot be loaded into FusedAdam "
+                                 "(the kernels only minimize)")
+
+    def __setstate__(self, state: dict) -> None:
+        self._check_loadable(state.get("param_groups", []))
+        super().__setstate__(state)
+        for group in self.param_groups:  # groups saved by torch.optim.Adam/AdamW lack our keys
             group.setdefault("adam_w_mode", group.get("decoupled_weight_decay", True))
             group.setdefault("bias_correction", True)
             group.setdefault("impl", None)
@@ -85,6 +94,12 @@ class FusedAdam(torch.optim.Optimizer):
                     st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """``torch.optim.Optimizer.load_state_dict``, also from ``torch.optim.Adam``/``AdamW`` state dicts.
+
+        Raises:
+            ValueError: a group asks for amsgrad or maximize (checked before anything is loaded).
+        """
+        self._check_loadable(state_dict.get("param_groups", []))
         super().load_state_dict(state_dict)
         self.__setstate__({"state": self.state, "param_groups": self.param_groups})
 
@@ -95,6 +110,7 @@ class FusedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_loadable(self.param_groups)  # a group edited by hand after construction
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             hp = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
