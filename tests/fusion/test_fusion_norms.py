@@ -220,3 +220,14 @@ def test_from_layer_norm_rejects_other_modules():
         FusedLayerNorm.from_layer_norm(torch.nn.Linear(3, 3))
     with pytest.raises(TypeError, match="module"):
         FusedRMSNorm.from_module(torch.nn.ReLU())
+
+
+def test_normalized_shape_must_be_integers():
+    import numpy as np
+
+    x = torch.randn(2, 8)
+    with pytest.raises(TypeError, match="normalized_shape"):
+        PF.layer_norm(x, (8.5,))
+    with pytest.raises(TypeError, match="normalized_shape"):
+        PF.rms_norm(x, [8.0])
+    torch.testing.assert_close(PF.layer_norm(x, (np.int64(8),)), F.layer_norm(x, (8,)))

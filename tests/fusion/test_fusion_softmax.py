@@ -244,3 +244,16 @@ def test_torch_func_transforms_through_the_softmaxes():
     torch.func.vmap(lambda t: seen.append(S.softmax_problem(S.OP_MASKED, t, m, 0.5)) or t)(x)
     assert seen[0]["storage"] is False and seen[0]["aligned"] is False
     assert S.softmax_problem(S.OP_MASKED, x[0], m, 0.5)["storage"] is True
+
+
+def test_softmax_accepts_what_F_softmax_accepts():
+    import numpy as np
+
+    ints = torch.arange(5)
+    torch.testing.assert_close(PF.softmax(ints, -1, dtype=torch.float32), F.softmax(ints, -1, dtype=torch.float32))
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(PF.softmax(x, np.int64(1)), F.softmax(x, 1))
+    with pytest.raises(TypeError, match="dim"):
+        PF.softmax(x, 1.0)
+    with pytest.raises(TypeError, match="floating"):
+        PF.softmax(ints, -1)

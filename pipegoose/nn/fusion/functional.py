@@ -44,6 +44,8 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None, *,
     Raises:
         IndexError: ``dim`` out of range. TypeError: non-floating ``x``.
     """
+    if dtype is not None and isinstance(x, torch.Tensor):
+        x, dtype = x.to(dtype), None  # as F.softmax: cast first (integer input with a float dtype is fine)
     _sm.check_input(x)
     return _sm.run_plain(x, dim, dtype, impl)
 

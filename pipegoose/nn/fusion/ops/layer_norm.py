@@ -21,6 +21,7 @@ Implementations (op ``layer_norm``):
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -43,7 +44,7 @@ def normalize_shape(normalized_shape: Any) -> tuple[int, ...]:
     if isinstance(normalized_shape, (str, bytes)) or not hasattr(normalized_shape, "__iter__"):
         raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {normalized_shape!r}")
     try:
-        shape = tuple(int(s) for s in normalized_shape)
+        shape = tuple(operator.index(s) for s in normalized_shape)  # integers only: 8.5 is an error, not 8
     except TypeError:
         raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {normalized_shape!r}") from None
     if not shape:

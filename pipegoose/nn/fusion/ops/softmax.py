@@ -22,6 +22,7 @@ Implementations:
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import torch
@@ -405,8 +406,12 @@ def run_plain(x: torch.Tensor, dim: int, dtype: torch.dtype | None, impl: str | 
     if dtype is not None:
         x = x.to(dtype)
     nd = max(x.dim(), 1)
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"dim: expected an int, got {type(dim).__name__}")
+    if isinstance(dim, bool):
+        raise TypeError("dim: expected an int, got bool")
+    try:
+        dim = operator.index(dim)  # int, numpy integers, 0-d integer tensors
+    except TypeError:
+        raise TypeError(f"dim: expected an int, got {type(dim).__name__}") from None
     if not -nd <= dim < nd:
         raise IndexError(f"dim: expected in [{-nd}, {nd - 1}], got {dim}")
     last = x.dim() == 0 or dim % nd == nd - 1
