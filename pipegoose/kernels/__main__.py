@@ -176,23 +176,32 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipegoose.kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--manifest", default=None, help="kernels.yaml to use (default: the repository's)")
     p.add_argument("--cache-dir", default=None, help="build cache (default: $PIPEGOOSE_CACHE_DIR or ~/.cache/...)")
+    # the same common options after the subcommand too (SUPPRESS: absent there keeps the value given before it)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--manifest", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("--cache-dir", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("doctor", help="toolchain checks and each kernel's state")
+    d = sub.add_parser("doctor", help="toolchain checks and each kernel's state", parents=[common])
     d.add_argument("--load", action="store_true", help="also load every cached kernel")
-    b = sub.add_parser("build", help="build kernels (in parallel child processes)")
+    b = sub.add_parser("build", help="build kernels (in parallel child processes)", parents=[common])
     b.add_argument("names", nargs="*", help="kernel ids or aliases")
     b.add_argument("--all", action="store_true", help="every kernel of the manifest")
     b.add_argument("-j", "--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="kernels built at once (default: half the CPU cores)")
     b.add_argument("--force", action="store_true", help="rebuild even when cached")
-    c = sub.add_parser("clean", help="remove the temp folders left by killed builds (owner process gone)")
+    c = sub.add_parser("clean", help="remove the temp folders left by killed builds (owner process gone)",
+                       parents=[common])
     c.add_argument("--dry-run", action="store_true", help="only list them")
     args = p.parse_args(argv)
-    if args.cmd == "doctor":
-        return _doctor(args)
-    if args.cmd == "clean":
-        return _clean(args)
-    return _build(args)
+    try:
+        if args.cmd == "doctor":
+            return _doctor(args)
+        if args.cmd == "clean":
+            return _clean(args)
+        return _build(args)
+    except KeyError as e:  # an unknown kernel name: the message lists close matches
+        print(f"python -m pipegoose.kernels {args.cmd}: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

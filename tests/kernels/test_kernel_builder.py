@@ -452,3 +452,18 @@ def test_cli_doctor_reports_and_clean_removes_killed_builds_temp_folders(tiny):
     p = subprocess.run(cli + ["clean"], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0 and f"removed {dead}" in p.stdout, p.stdout + p.stderr
     assert not dead.exists() and live.is_dir()
+
+
+def test_cli_unknown_kernel_and_options_after_the_subcommand(tiny, tmp_path):
+    """An unknown name is a clean error (exit 2, close matches), not a traceback; --manifest / --cache-dir work
+    after the subcommand as well as before it."""
+    manifest, op, cache_dir = tiny
+    env = _env(cache_dir)
+    p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "build", "tiny_typo"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "unknown kernel 'tiny_typo'" in p.stderr, p.stderr
+    other = tmp_path / "other-cache"
+    p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "doctor", "--manifest", str(manifest),
+                        "--cache-dir", str(other)], capture_output=True, text=True, env=env, timeout=300)
+    out = p.stdout.replace("\n", "").replace("│", "").replace(" ", "")
+    assert p.returncode == 0 and "test/tiny" in p.stdout and str(other).replace(" ", "") in out, p.stdout + p.stderr
