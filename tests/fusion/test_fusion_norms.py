@@ -220,6 +220,17 @@ def test_from_layer_norm_rejects_other_modules():
         FusedLayerNorm.from_layer_norm(torch.nn.Linear(3, 3))
     with pytest.raises(TypeError, match="module"):
         FusedRMSNorm.from_module(torch.nn.ReLU())
+    with pytest.raises(TypeError, match="only parameter"):
+        FusedRMSNorm.from_module(torch.nn.Linear(16, 16))
+
+    class NoEps(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(8))
+
+    with pytest.raises(ValueError, match="eps"):
+        FusedRMSNorm.from_module(NoEps())
+    assert FusedRMSNorm.from_module(NoEps(), eps=1e-6).eps == 1e-6
 
 
 def test_normalized_shape_must_be_integers():

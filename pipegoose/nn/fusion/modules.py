@@ -240,17 +240,22 @@ class FusedRMSNorm(nn.Module):
         RMSNorm (``weight`` + ``variance_epsilon`` or ``eps``; -> ``cast_before_weight=True``). ``eps`` overrides.
 
         Raises:
-            TypeError: ``module`` has no ``weight`` parameter of one or more dims.
+            TypeError: ``module`` is not ``torch.nn.RMSNorm`` and does not have exactly one parameter of its own, a
+                ``weight`` of one or more dims (an ``nn.Linear``, with its bias, is refused).
+            ValueError: the module's epsilon is unknown (no ``variance_epsilon``/``eps``) and ``eps`` is not given.
         """
         w = getattr(module, "weight", None)
         if isinstance(module, nn.RMSNorm):
             shape, cast, mod_eps = tuple(module.normalized_shape), False, module.eps
         else:
-            if not isinstance(w, nn.Parameter) or w.dim() < 1:
-                raise TypeError(f"module: expected torch.nn.RMSNorm or an RMSNorm with a 'weight' Parameter, got "
-                                f"{type(module).__name__}")
+            own = [n for n, _ in module.named_parameters(recurse=False)]
+            if not isinstance(w, nn.Parameter) or w.dim() < 1 or own != ["weight"]:
+                raise TypeError(f"module: expected torch.nn.RMSNorm or an RMSNorm-style module whose only parameter "
+                                f"is 'weight', got {type(module).__name__} with parameters {own}")
             shape, cast = tuple(w.shape), True
             mod_eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+            if eps is None and mod_eps is None:
+                raise ValueError(f"eps: {type(module).__name__} has no 'variance_epsilon' or 'eps'; pass eps=")
         new = cls(shape, eps=eps if eps is not None else mod_eps, elementwise_affine=False,
                   cast_before_weight=cast, impl=impl)
         new.elementwise_affine = w is not None
