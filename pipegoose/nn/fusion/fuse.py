@@ -15,7 +15,12 @@ Nothing is patched globally: no class, function or module global of transformers
 one process can be fused differently. Parameters stay the same objects, so ``state_dict()`` keys and tensors, and
 optimizers built before fusing, are unaffected. A replacement module shares the hook dictionaries of the module it
 replaces (forward, pre-forward, backward and state-dict hooks keep firing, and their handles still remove them) and
-its training flag.
+its training flag. Parameters and buffers replaced while fused (``load_state_dict(assign=True)``, ``to_empty``)
+are handed back to the original modules by ``unfuse``.
+
+Limit: the undo record is kept outside the model (so ``state_dict`` and pickling see nothing of it), hence a
+``copy.deepcopy`` or a pickled-and-loaded fused model stays fused and ``unfuse`` returns False on it: unfuse before
+copying, or copy the unfused model and fuse the copy.
 """
 
 from __future__ import annotations
