@@ -317,6 +317,20 @@ def test_real_ops_are_registered():
         assert list(dispatch.implementations(op)) == names
 
 
+def test_explain_refuses_what_the_softmax_ops_refuse():
+    x = torch.randn(2, 4, 8, 16)
+    with pytest.raises(ValueError, match="mask"):
+        dispatch.explain("softmax.masked", x, torch.zeros(1, 1, 8, 15, dtype=torch.bool))
+    with pytest.raises(TypeError, match="mask"):
+        dispatch.explain("softmax.masked", x, torch.zeros(1, 1, 8, 16))
+    with pytest.raises(TypeError, match="floating"):
+        dispatch.explain("softmax", torch.ones(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="scale"):
+        dispatch.explain("softmax.causal", x[0], scale=float("nan"))
+    with pytest.raises(ValueError, match="attn_batches"):
+        dispatch.explain("softmax.causal", x, scale=0.5)
+
+
 def test_explain_real_ops_on_cpu():
     x = torch.randn(2, 4, 8, 16)
     c = dispatch.explain("softmax.masked", x, torch.zeros(1, 1, 8, 16, dtype=torch.bool), scale=0.5)

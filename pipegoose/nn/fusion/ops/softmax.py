@@ -60,6 +60,15 @@ def softmax_problem(op: str, x: torch.Tensor, mask: torch.Tensor | None = None, 
 
 def _explain_builder(op: str):
     def build(x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0, **_: Any) -> Problem:
+        # the checks of the functional entry points, so that explain() refuses what the op would refuse
+        check_input(x)
+        scale = check_scale(scale)
+        if mask is not None:
+            if x.dim() != 4:
+                raise ValueError(f"x: expected [b, np, sq, sk] with a mask, got shape {list(x.shape)}")
+            mask = check_mask(mask, x)
+        elif op == OP_CAUSAL and x.dim() != 3:
+            raise ValueError(f"x: expected [attn_batches, sq, sk], got shape {list(x.shape)}")
         return softmax_problem(op, x, mask, scale)
     return build
 
