@@ -32,7 +32,8 @@ Counters: :func:`stats` -> ``{op: {impl: calls}}``, :func:`reset_stats`.
 
 Choice cache. A choice depends only on metadata (dtypes, shapes, devices, grad and autocast state), so the op
 entry points remember it per call signature (:func:`cached_choice` / :func:`remember_choice`, keyed by the op, the
-``impl`` argument, the op's signature tuple and the values of its ``PIPEGOOSE_IMPL_*`` variables): a repeated call
+``impl`` argument, the op's signature tuple and the values of its ``PIPEGOOSE_IMPL_*`` variables and of
+``PIPEGOOSE_SMALL_NUMEL``): a repeated call
 skips argument validation and :func:`choose` (tens of microseconds of Python per call, which a small model pays on
 every layer). Every cached call is still counted, remembered for :func:`last_choice` and checked against strict
 mode. The cache is emptied by :func:`register`, :func:`unregister`, :func:`clear_kernel_cache`,
@@ -656,7 +657,8 @@ _environ_get = os.environ.get
 
 def choice_key(op: str, impl: str | None, signature: tuple) -> tuple:
     """The cache key of a call: op, ``impl`` argument, the op's metadata ``signature`` (hashable; it must hold
-    everything validation and choice depend on, and no tensors) and the op's ``PIPEGOOSE_IMPL_*`` values."""
+    everything validation and choice depend on, and no tensors), the op's ``PIPEGOOSE_IMPL_*`` values and
+    ``PIPEGOOSE_SMALL_NUMEL``."""
     return (op, impl, signature, tuple(_environ_get(n) for n in _env_names(op)),
             _environ_get("PIPEGOOSE_SMALL_NUMEL"))
 
