@@ -122,30 +122,47 @@ __device__ __forceinline__ void raw_pack(const float (&in)[N], Raw<T, N>& r) {
   }
 }
 
-// Reads N consecutive elements at p (aligned to N * sizeof(T)) as floats (cached loads: parameters).
-template <int N, typename T>
-__device__ __forceinline__ void load_f(const T* __restrict__ p, float (&out)[N]) {
+// Loads one chunk of N elements (aligned to its size) into r: with the evict-first hint (ld.global.cs) when
+// STREAM (x and dy are read exactly once per kernel, so they leave L1/L2 to the parameters and the workspace), else
+// through the read-only cache (__ldg: parameters, read by every row).
+template <bool STREAM, typename V>
+__device__ __forceinline__ V ld_hint(const V* p) {
+  if constexpr (STREAM) {
+    return __ldcs(p);
+  } else {
+    return __ldg(p);
+  }
+}
+
+template <typename T, int N, bool STREAM = true>
+__device__ __forceinline__ void raw_load(const T* __restrict__ p, Raw<T, N>& r) {
   constexpr int B = Raw<T, N>::kBytes;
-  Raw<T, N> r;
   if constexpr (B % 16 == 0) {
 #pragma unroll
     for (int k = 0; k < B / 16; ++k) {
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + k);
+      const uint4 v = ld_hint<STREAM>(reinterpret_cast<const uint4*>(p) + k);
       r.u[4 * k] = v.x;
       r.u[4 * k + 1] = v.y;
       r.u[4 * k + 2] = v.z;
       r.u[4 * k + 3] = v.w;
     }
   } else if constexpr (B == 8) {
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    const uint2 v = ld_hint<STREAM>(reinterpret_cast<const uint2*>(p));
     r.u[0] = v.x;
     r.u[1] = v.y;
   } else if constexpr (B == 4) {
-    r.u[0] = __ldg(reinterpret_cast<const unsigned int*>(p));
+    r.u[0] = ld_hint<STREAM>(reinterpret_cast<const unsigned int*>(p));
   } else {
     static_assert(B == 2, "chunk size");
-    r.u[0] = __ldg(reinterpret_cast<const unsigned short*>(p));
+    r.u[0] = ld_hint<STREAM>(reinterpret_cast<const unsigned short*>(p));
   }
+}
+
+// Reads N consecutive elements at p (aligned to N * sizeof(T)) as floats (cached loads: parameters).
+template <int N, typename T>
+__device__ __forceinline__ void load_f(const T* __restrict__ p, float (&out)[N]) {
+  Raw<T, N> r;
+  raw_load<T, N, false>(p, r);
 #pragma unroll
   for (int i = 0; i < N; ++i) out[i] = raw_get(r, i);
 }
@@ -265,31 +282,6 @@ __device__ __forceinline__ bool chunk_in(int c, int n, int tpr, int nchunks) {
 // ---------------------------------------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------------------------------------
-// Loads one chunk (aligned to its size) with the evict-first hint (ld.global.cs): x and dy are read exactly once
-// per kernel, so they leave L1/L2 to the parameters and the workspace.
-template <typename T, int N>
-__device__ __forceinline__ void raw_load(const T* __restrict__ p, Raw<T, N>& r) {
-  constexpr int B = Raw<T, N>::kBytes;
-  if constexpr (B % 16 == 0) {
-#pragma unroll
-    for (int k = 0; k < B / 16; ++k) {
-      const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p) + k);
-      r.u[4 * k] = v.x;
-      r.u[4 * k + 1] = v.y;
-      r.u[4 * k + 2] = v.z;
-      r.u[4 * k + 3] = v.w;
-    }
-  } else if constexpr (B == 8) {
-    const uint2 v = __ldcs(reinterpret_cast<const uint2*>(p));
-    r.u[0] = v.x;
-    r.u[1] = v.y;
-  } else if constexpr (B == 4) {
-    r.u[0] = __ldcs(reinterpret_cast<const unsigned int*>(p));
-  } else {
-    static_assert(B == 2, "chunk size");
-    r.u[0] = __ldcs(reinterpret_cast<const unsigned short*>(p));
-  }
-}
 
 // Loads the chunks of one row owned by thread t (zeros outside the row, or for an invalid row). FIXED: see
 // chunk_in.
