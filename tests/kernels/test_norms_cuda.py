@@ -27,7 +27,7 @@ EPS = 1e-5
 # The spec's hidden sizes plus two odd ones that take the scalar (non-vector) paths: 1531 stays in registers,
 # 5003 takes the generic kernels. Together they reach every kernel variant (warp/sub-warp/multi-warp rows,
 # register and shared-memory accumulators, generic) for fp32 and bf16.
-HIDDEN = [1, 7, 64, 100, 768, 1000, 1024, 1531, 4096, 5003, 5120, 8192, 12288, 16384, 65536]
+HIDDEN = [1, 7, 64, 100, 768, 1000, 1024, 1531, 2048, 4096, 5003, 5120, 8192, 12288, 16384, 65536]
 ROWS = [1, 3, 129, 16384]
 MAX_CASE_ELEMENTS = 2**28  # the float64 reference of larger cases costs more than it tells
 
@@ -240,6 +240,20 @@ def test_out_dtype_float32_many_rows(ln, rms, h):
     x, w, b, dy = make(4099, h, torch.bfloat16, torch.float32, seed=15)
     check_layer_norm(ln, x, w, b, dy, out_dtype=torch.float32)
     check_rms_norm(rms, x, w, dy, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("h", [768, 1024, 2048, 4096, 8192])
+def test_backward_specialised_sizes(ln, rms, h):
+    """The backward kernels specialised to these sizes (kBwdSpecHidden in norm_kernels.cuh), in every (input,
+    grad_output, parameter) dtype combination they are instantiated for, over more rows than the grid holds."""
+    for dtype, pdtype, out_dtype in ((torch.float16, torch.float16, None), (torch.bfloat16, torch.float32, None),
+                                     (torch.bfloat16, torch.bfloat16, torch.float32),
+                                     (torch.float16, torch.float32, torch.float32), (torch.float32, torch.float32, None)):
+        x, w, b, dy = make(4099, h, dtype, pdtype, seed=h + 1)
+        if out_dtype is not None:
+            dy = dy.float()
+        check_layer_norm(ln, x, w, b, dy, out_dtype=out_dtype)
+        check_rms_norm(rms, x, w, dy, out_dtype=out_dtype)
 
 
 def test_other_out_dtype(ln, rms):

@@ -328,7 +328,10 @@ def test_fused_layer_norm_matches_float64(fln, shape, nshape, in_dtype, w_dtype)
     for t, what in ((dx, "grad_input"), (dg, "grad_gamma"), (db, "grad_beta")):
         assert_all_written(t, what)
     rdx, rdg, rdb = torch.autograd.grad(ry, leaves, dy.double())
-    torch.testing.assert_close(dx.double(), rdx, **tol(low, 4))
+    # dx = invvar * (rounded terms of the size of g * dy): its rounding error grows with invvar, which reaches
+    # 1/sqrt(eps) ~ 316 where a row has no variance (hidden size 1: the exact dx is 0, the kernel's ~7e-5).
+    t = tol(low, 4)
+    torch.testing.assert_close(dx.double(), rdx, rtol=t["rtol"], atol=t["atol"] * max(1.0, rinv.max().item()))
     # grad_gamma/beta sum over rows: compare relative to the gradient's scale.
     for got, ref, what in ((dg, rdg, "grad_gamma"), (db, rdb, "grad_beta")):
         err = (got.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0)

@@ -255,8 +255,8 @@ constexpr int round_tpr(int64_t n) {
 
 constexpr int rows_per_block(int tpr) { return tpr >= 256 ? 1 : 256 / tpr; }
 
-// Compile-time geometry of a kernel specialised to H == HC (HC > 0: PIPEGOOSE_NORM_HIDDEN builds only, see the
-// host side): chunks per row, threads per row (every plan of fwd_plan / bwd_plan with NV chunks per thread takes
+// Compile-time geometry of a kernel specialised to H == HC (HC > 0: the backward's shipped sizes kBwdSpecHidden and
+// PIPEGOOSE_NORM_HIDDEN builds, see the host side): chunks per row, threads per row (every plan of fwd_plan / bwd_plan with NV chunks per thread takes
 // round_tpr(ceil_div(chunks, NV)); the launches static_assert it against the plan), rows per block (one with the
 // backward's shared-memory accumulators: ONE_ROW) and 1 / H. HC == 0 (the generic kernels): unused.
 template <int HC, int VEC, int NV, bool ONE_ROW>
@@ -477,7 +477,7 @@ norm_fwd_generic_kernel(const Tin* __restrict__ x, const void* __restrict__ w, c
 // dynamic shared memory [NACC][tpr][NV * VEC + 1] owned slot by slot by one thread (ACC_SMEM true; requires one
 // row group per block). At the end, with several row groups per block, dynamic shared memory [RPB][H] floats
 // combines them in a fixed order; each block writes one partial row per accumulator into ws.
-// HC > 0 (PIPEGOOSE_NORM_HIDDEN builds only): specialised to H == HC as norm_fwd_kernel, with the geometry
+// HC > 0 (kBwdSpecHidden, or PIPEGOOSE_NORM_HIDDEN builds): specialised to H == HC as norm_fwd_kernel, with the geometry
 // FixedRow<HC, VEC, NV, ACC_SMEM>.
 template <bool ACC_SMEM>
 struct BwdBounds {
@@ -855,7 +855,8 @@ constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
 }
 
 // Shape-specialised build: a benchmark experiment (issue #6: one build per shape against the generic build), used
-// by benchmarks/build_cost.py --specialise; the generic build (macro undefined) is the one that ships.
+// by benchmarks/build_cost.py --specialise. What ships: the generic forward, and the backward specialised to the
+// sizes kBwdSpecHidden (below), the only place where the experiment found a gain.
 // Compiling with -DPIPEGOOSE_NORM_HIDDEN=H0 (H0 > 0, a multiple of 8 so that every dtype's vector chunk divides
 // it) adds instantiations of norm_fwd_kernel / norm_bwd_kernel with HC = H0: the plan fwd_plan / bwd_plan would
 // choose for H0 (evaluated at compile time, so the same plan), with H, the chunks and threads per row, the rows
@@ -863,6 +864,14 @@ constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
 // call (another H, the scalar path of unaligned pointers or H % VEC != 0, the generic kernels) runs the HC = 0
 // kernels, unchanged. Without the macro no HC > 0 kernel is instantiated. The value is required: a bare
 // -DPIPEGOOSE_NORM_HIDDEN (= 1) fails the static_assert below.
+// Shipped backward specialisations: the common hidden sizes of the models we fuse (BERT-base / GPT-2 768, 1024,
+// 2048, 4096, 8192). The generic backward pays for run-time row bounds; at [16384, 4096] bf16 a build specialised
+// to the size took 0.149 ms against 0.182 ms (H200, benchmarks/results/nvidia_h200_2026-11-29/SUMMARY.md). Each
+// size adds one kernel per (input, grad dtype) pair; -DPIPEGOOSE_NORM_NO_SPEC leaves them out (benchmarks/norm_spec.py
+// builds both ways to compare).
+constexpr int kBwdSpecHidden[] = {768, 1024, 2048, 4096, 8192};
+static_assert(sizeof(kBwdSpecHidden) / sizeof(int) == 5, "launch_bwd tries exactly five sizes");
+
 #if defined(PIPEGOOSE_NORM_HIDDEN)
 static_assert(PIPEGOOSE_NORM_HIDDEN > 0, "PIPEGOOSE_NORM_HIDDEN: expected a hidden size > 0");
 static_assert(PIPEGOOSE_NORM_HIDDEN % 8 == 0, "PIPEGOOSE_NORM_HIDDEN: expected a multiple of 8");
@@ -998,24 +1007,36 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
         dy, x, w, p_f32, mean, rstd, dx, want_ws ? ws.data_ptr<float>() : nullptr, rows, H, cfg.tpr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-#if defined(PIPEGOOSE_NORM_HIDDEN)
-  // H == kSpecHidden on the vector path: cfg is this compile-time plan; the vector branches below with HC = H.
-  constexpr Cfg spec = bwd_plan<V>(kSpecHidden / V, true);
-  if constexpr (spec.nv != 0) {
-    if (vec && H == kSpecHidden) {
-      static_assert(spec.tpr == FixedRow<kSpecHidden, V, spec.nv, spec.acc_smem>::tpr, "FixedRow: the plan's tpr");
-      if constexpr (!spec.acc_smem) {
-        static_assert(spec.nv == 2 && spec.pf, "bwd_plan: register plan");
-        go(IC<2>{}, IC<V>{}, IC<0>{}, IC<1>{}, IC<kSpecHidden>{});
-      } else if constexpr (spec.pf) {
-        static_assert(spec.nv == 4, "bwd_plan: shared-memory plan with prefetch");
-        go(IC<4>{}, IC<V>{}, IC<1>{}, IC<sizeof(Tdy) == sizeof(Tin) ? 1 : 0>{}, IC<kSpecHidden>{});
-      } else {
-        static_assert(spec.nv == 32 / V && 32 / V > 4, "bwd_plan: wide shared-memory plan");
-        go(IC<32 / V>{}, IC<V>{}, IC<1>{}, IC<0>{}, IC<kSpecHidden>{});
+  // Specialised kernels (H == HC on the vector path; the plan is cfg's, evaluated at compile time): the shipped
+  // backward sizes kBwdSpecHidden, and the PIPEGOOSE_NORM_HIDDEN experiment's size.
+  auto try_spec = [&](auto h_c) -> bool {
+    constexpr int HC = decltype(h_c)::value;
+    constexpr Cfg spec = bwd_plan<V>(HC / V, true);
+    if constexpr (HC % V == 0 && spec.nv != 0) {
+      if (vec && H == HC) {
+        static_assert(spec.tpr == FixedRow<HC, V, spec.nv, spec.acc_smem>::tpr, "FixedRow: the plan's tpr");
+        if constexpr (!spec.acc_smem) {
+          static_assert(spec.nv == 2 && spec.pf, "bwd_plan: register plan");
+          go(IC<2>{}, IC<V>{}, IC<0>{}, IC<1>{}, IC<HC>{});
+        } else if constexpr (spec.pf) {
+          static_assert(spec.nv == 4, "bwd_plan: shared-memory plan with prefetch");
+          go(IC<4>{}, IC<V>{}, IC<1>{}, IC<sizeof(Tdy) == sizeof(Tin) ? 1 : 0>{}, IC<HC>{});
+        } else {
+          static_assert(spec.nv == 32 / V && 32 / V > 4, "bwd_plan: wide shared-memory plan");
+          go(IC<32 / V>{}, IC<V>{}, IC<1>{}, IC<0>{}, IC<HC>{});
+        }
+        return true;
       }
-      return ws;
     }
+    return false;
+  };
+#if defined(PIPEGOOSE_NORM_HIDDEN)
+  if (try_spec(IC<kSpecHidden>{})) return ws;
+#endif
+#if !defined(PIPEGOOSE_NORM_NO_SPEC)
+  if (try_spec(IC<kBwdSpecHidden[0]>{}) || try_spec(IC<kBwdSpecHidden[1]>{}) || try_spec(IC<kBwdSpecHidden[2]>{}) ||
+      try_spec(IC<kBwdSpecHidden[3]>{}) || try_spec(IC<kBwdSpecHidden[4]>{})) {
+    return ws;
   }
 #endif
   if (!vec) {

@@ -11,7 +11,8 @@ Steps: load, run the unfused model on a handful of sentences (mean-pooled embedd
 over paraphrase pairs, gradients), run a float64 copy of it as the reference, fuse the same instance, run again,
 print the report and the errors of both against the float64 reference (embeddings: max abs; loss: abs; gradients:
 max abs, relative to the gradient's magnitude), then, on a GPU, time one training step (forward + backward) of
-each with CUDA events (warm-up, median of ``--steps``, taken in alternating rounds of unfused and fused steps).
+each with CUDA events (warm-up, median of ``--steps``, taken in alternating rounds of unfused and fused steps; the
+spread of the per-round speed-ups is printed too).
 Without a GPU it says so; the fused model then runs the reference paths, and the parity shown is theirs.
 
 Parity: each quantity of the fused model must be within the tolerance of the dtype (:data:`PARITY_TOLERANCE`,
@@ -168,20 +169,27 @@ def time_step(model, batch, steps: int, warmup: int = 3) -> list[float]:
     return times
 
 
-def time_fused_and_unfused(model, batch, steps: int, attention: str, rounds: int = 6) -> tuple[float, float]:
-    """Median step time (ms) of the unfused and the fused model, in ``rounds`` alternating rounds of about
+def time_fused_and_unfused(model, batch, steps: int, attention: str, rounds: int = 10) -> dict:
+    """Step times (ms) of the unfused and the fused model, in ``rounds`` alternating rounds of about
     ``steps / rounds`` timed steps each (the same instance, unfused and fused again between rounds), so that drift
-    of clocks and host load hits both alike. ``model`` is fused on entry and on return."""
+    of clocks and host load hits both alike. ``model`` is fused on entry and on return.
+
+    Returns ``{"unfused": median ms, "fused": median ms, "ratios": [unfused / fused median of each round]}``: a
+    small model's step is bound by the host, whose speed drifts by more than 10% between rounds, so the spread of
+    the per-round speed-ups says how far the medians can be trusted."""
     from pipegoose.nn.fusion.fuse import fuse, unfuse
 
     per = max(1, -(-steps // rounds))
-    fused_t, unfused_t = [], []
+    fused_t, unfused_t, ratios = [], [], []
     for _ in range(rounds):
-        fused_t += time_step(model, batch, per)
+        f = time_step(model, batch, per)
         unfuse(model)
-        unfused_t += time_step(model, batch, per)
+        u = time_step(model, batch, per)
         fuse(model, attention=attention)
-    return statistics.median(unfused_t), statistics.median(fused_t)
+        fused_t += f
+        unfused_t += u
+        ratios.append(statistics.median(u) / statistics.median(f))
+    return {"unfused": statistics.median(unfused_t), "fused": statistics.median(fused_t), "ratios": ratios}
 
 
 def float64_reference(model, batch) -> tuple[tuple | None, str]:
@@ -322,9 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, f, u, ok in shown:
         console.print(f"  {name}: {f:.3g}" + (f" | {u:.3g}" if u is not None else "") + ("" if ok else "  [red]X[/red]"))
     if timing is not None:
-        u, f = timing
-        console.print(f"training step (fwd+bwd; median of {args.steps} each, in alternating rounds): unfused {u:.3f} ms, "
-                      f"fused {f:.3f} ms, speed-up x{u / f:.3f}")
+        u, f, r = timing["unfused"], timing["fused"], sorted(timing["ratios"])
+        console.print(f"training step (fwd+bwd; median of {args.steps} each, in {len(r)} alternating rounds): "
+                      f"unfused {u:.3f} ms, fused {f:.3f} ms, speed-up x{u / f:.3f} (per round: median "
+                      f"x{statistics.median(r):.3f}, range x{r[0]:.3f}-x{r[-1]:.3f})")
     ok = fused_err["finite"] and not fused_err["missing"] and all(r[3] for r in rows)
     if fused_err["missing"]:
         console.print(f"gradients on one side only: {', '.join(fused_err['missing'])}")
