@@ -70,6 +70,56 @@ def test_attention_matches_float64(dtype, sq, sk, hq, hkv, kind):
         torch.testing.assert_close(a.double(), r, **tol(dtype, 8), msg=lambda m: f"grad {name}: {m}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("sq,sk,hq,hkv", [(7, 7, 4, 2), (1, 9, 2, 2), (5, 12, 4, 4)])
+@pytest.mark.parametrize("kind", ["none", "causal", "padding", "bool"])
+def test_small_problems_run_sdpa(monkeypatch, dtype, sq, sk, hq, hkv, kind):
+    """Below PIPEGOOSE_SMALL_NUMEL score elements the function runs F.scaled_dot_product_attention (counted as
+    attention/sdpa, no weights returned); outputs and gradients still match the float64 reference, fully masked
+    rows included (zeros). PIPEGOOSE_SMALL_NUMEL=0 turns it off."""
+    from pipegoose.nn.fusion import dispatch
+
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
+    g = torch.Generator().manual_seed(sq * 10 + sk)
+    b, d = 3, 8
+    q = torch.randn(b, hq, sq, d, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(b, hkv, sk, d, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(b, hkv, sk, d, generator=g).to(dtype).requires_grad_()
+    causal, masked, mask_arg = kind == "causal", None, None
+    if kind in ("padding", "bool"):
+        masked = torch.zeros(b, 1, sq, sk + 2, dtype=torch.bool)   # two extra keys: cut off, as for static caches
+        masked[1, :, :, :3] = True
+        masked[2] = True
+        mask_arg = ~masked if kind == "bool" else _float_mask(masked, dtype)
+        masked = masked[..., :sk]
+    elif causal and sq > 1:
+        masked = torch.ones(sq, sk, dtype=torch.bool).triu(1).view(1, 1, sq, sk)
+    dispatch.reset_stats()
+    out, probs = pipegoose_attention_forward(_Mod(causal), q, k, v, mask_arg, scaling=0.37)
+    assert probs is None and dispatch.stats() == {"attention": {"sdpa": 1}}
+    ref_out = _reference(q, k, v, masked, 0.37)[0]
+    assert out.dtype == dtype and out.shape == (b, sq, hq, d) and out.is_contiguous()
+    if kind == "padding":   # an additive mask: a fully masked row is uniform (SDPA adds, as eager does)
+        ref_out[2] = v.double().repeat_interleave(hq // hkv, 1)[2].mean(1).expand(sq, hq, d)
+    torch.testing.assert_close(out.double(), ref_out, **tol(dtype, 4))
+    go = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dtype)
+    grads = torch.autograd.grad(out, (q, k, v), go)
+    assert all(torch.isfinite(t).all() for t in grads)
+    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "0")
+    dispatch.reset_stats()
+    _, probs = pipegoose_attention_forward(_Mod(causal), q, k, v, mask_arg, scaling=0.37)
+    assert probs is not None and "attention" not in dispatch.stats()
+
+
+def test_small_problem_path_refuses_bad_masks(monkeypatch):
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
+    q = k = v = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="attention_mask"):
+        pipegoose_attention_forward(_Mod(False), q, k, v, torch.ones(1, 1, 4, 3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="attention_mask"):
+        pipegoose_attention_forward(_Mod(False), q, k, v, torch.ones(1, 1, 4, 4, dtype=torch.int64))
+
+
 def test_head_mask_and_bias():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 5, 4, generator=g) for _ in range(3))

@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .. import dispatch
+
 ATTENTION_NAME = "pipegoose"
 ATTENTION_SDPA_NAME = "pipegoose_sdpa"
 OUR_NAMES = (ATTENTION_NAME, ATTENTION_SDPA_NAME)
@@ -94,6 +96,20 @@ def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
     return (k > q).view(1, 1, sq, sk)
 
 
+def _fit_mask(m: torch.Tensor, query_len: int, key_len: int) -> torch.Tensor:
+    """``m`` checked against ``[b or 1, h or 1, query_len or 1, >= key_len]`` and cut to ``key_len`` keys.
+
+    Raises:
+        ValueError: the mask's rank or last dimensions do not fit.
+    """
+    if m.dim() != 4:
+        raise ValueError(f"attention_mask: expected a 4-D mask [b, 1, sq, sk], got shape {tuple(m.shape)}")
+    if m.shape[-1] < key_len or m.shape[-2] not in (1, query_len):
+        raise ValueError(
+            f"attention_mask: expected shape [b or 1, h or 1, {query_len} or 1, >= {key_len}], got {tuple(m.shape)}")
+    return m[..., :key_len] if m.shape[-1] > key_len else m
+
+
 # One-entry cache: the same mask tensor is passed to every layer of one forward pass, and classifying it costs a
 # device synchronisation. The entry is keyed by the tensor's identity and version counter.
 _plan_cache: dict = {}
@@ -119,14 +135,7 @@ def plan_mask(attention_mask: torch.Tensor | None, *, query_len: int, key_len: i
     if attention_mask is None:
         return MaskPlan("causal" if (causal and query_len > 1) else "none")
 
-    m = attention_mask
-    if m.dim() != 4:
-        raise ValueError(f"attention_mask: expected a 4-D mask [b, 1, sq, sk], got shape {tuple(m.shape)}")
-    if m.shape[-1] < key_len or m.shape[-2] not in (1, query_len):
-        raise ValueError(
-            f"attention_mask: expected shape [b or 1, h or 1, {query_len} or 1, >= {key_len}], got {tuple(m.shape)}")
-    if m.shape[-1] > key_len:
-        m = m[..., :key_len]
+    m = _fit_mask(attention_mask, query_len, key_len)
 
     key = (id(attention_mask), attention_mask._version, query_len, key_len, causal)
     cached = _plan_cache.get("entry")
@@ -230,6 +239,46 @@ def _softmax(scores: torch.Tensor, plan: MaskPlan, scale: float) -> torch.Tensor
     return PF.scaled_masked_softmax(scores, None, scale)
 
 
+def _small(query: torch.Tensor, sq: int, sk: int) -> bool:
+    """Whether the scores ``[b, hq, sq, sk]`` have fewer than :func:`dispatch.small_numel` elements."""
+    limit = dispatch.small_numel()
+    return bool(limit) and query.shape[0] * query.shape[1] * sq * sk < limit
+
+
+_SMALL_CHOICE = dispatch.Choice(
+    "attention", "sdpa", "small", False, {},
+    "scores below PIPEGOOSE_SMALL_NUMEL elements: a host-bound size, where SDPA (one native op, native backward) "
+    "costs the host less than a separate softmax")
+
+
+def _small_sdpa(module, query, key, value, attention_mask, scaling, dropout, is_causal):
+    """The small-problem path of :func:`pipegoose_attention_forward`: ``F.scaled_dot_product_attention`` on the
+    same inputs (a bool mask: True = attend; a float mask: added; None: causal when ``is_causal`` and ``sq > 1``,
+    top-left aligned). A bool mask's fully masked rows give zeros, as on the fused path; an additive mask's give
+    uniform weights (as transformers' eager and SDPA paths)."""
+    hq, hkv = query.shape[1], key.shape[1]
+    sq, sk = query.shape[2], key.shape[2]
+    mask = attention_mask
+    if mask is not None:
+        mask = _fit_mask(mask, sq, sk)
+        if mask.dtype != torch.bool:
+            if not mask.is_floating_point():
+                raise TypeError(f"attention_mask: expected a bool or floating-point mask, got dtype {mask.dtype}")
+            mask = mask.to(query.dtype)
+    out = F.scaled_dot_product_attention(
+        query, _repeat_kv(key, hq // hkv), _repeat_kv(value, hq // hkv), attn_mask=mask,
+        dropout_p=dropout if module.training else 0.0, scale=scaling,
+        is_causal=mask is None and bool(is_causal) and sq > 1)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _transformers_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                  **kwargs)
+
+
 def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                 attention_mask: torch.Tensor | None, scaling: float | None = None,
                                 dropout: float = 0.0, **kwargs):
@@ -247,6 +296,13 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
             ``s_aux``, ``sinks`` which raise.
     Returns:
         ``(attn_output [b, sq, hq, d] contiguous, attn_weights [b, hq, sq, sk])``, in the dtype of ``value``.
+
+    Small problems: scores of fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements (default 2**20; 0 turns this off) and no
+    ``head_mask`` run ``torch.nn.functional.scaled_dot_product_attention`` instead (same masks and causality; a
+    bool mask's fully masked rows give zeros as here, an additive float mask is added as transformers' eager and SDPA
+    paths add it, so its fully masked rows give uniform weights; ``attn_weights`` is then None, as with SDPA; counted
+    as op ``"attention"``, impl ``"sdpa"`` in ``dispatch.stats()``): at such sizes a training step is
+    bound by the host, and the separate softmax with its Python autograd costs more host time than it saves.
     Raises:
         NotImplementedError: an unsupported kwarg is set (``softcap``, ``s_aux``, ``sinks``).
         ValueError: head counts that do not divide, or a mask of the wrong shape.
@@ -264,9 +320,12 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
 
+    sq, sk = query.shape[2], key.shape[2]
+    if _small(query, sq, sk) and kwargs.get("head_mask") is None:
+        dispatch.record(_SMALL_CHOICE)
+        return _small_sdpa(module, query, key, value, attention_mask, scaling, dropout, is_causal)
     key = _repeat_kv(key, hq // hkv)
     value = _repeat_kv(value, hq // hkv)
-    sq, sk = query.shape[2], key.shape[2]
     plan = plan_mask(attention_mask, query_len=sq, key_len=sk, causal=bool(is_causal))
 
     scores = torch.matmul(query, key.transpose(-1, -2))
@@ -287,10 +346,7 @@ def pipegoose_sdpa_attention_forward(module, query, key, value, attention_mask, 
     if tuned_attention_impl(query.device, query.dtype, key.shape[2]) == "pipegoose":
         return pipegoose_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                            dropout=dropout, **kwargs)
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                  **kwargs)
+    return _transformers_sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------------------------
