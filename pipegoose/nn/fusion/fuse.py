@@ -380,7 +380,7 @@ def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
     elif previous in (None, "eager"):
         chosen = attn.ATTENTION_NAME
         reason = ("the model ran eager attention (scores materialised, unfused mask + softmax); the fused "
-                  "scaled masked softmax replaces that softmax")
+                  "scaled masked softmax replaces that softmax (scores under PIPEGOOSE_SMALL_NUMEL elements: SDPA)")
     elif previous == "sdpa":
         if attn.table_prefers_pipegoose(device, dtype):
             chosen = attn.ATTENTION_SDPA_NAME
