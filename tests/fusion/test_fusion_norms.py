@@ -242,3 +242,37 @@ def test_normalized_shape_must_be_integers():
     with pytest.raises(TypeError, match="normalized_shape"):
         PF.rms_norm(x, [8.0])
     torch.testing.assert_close(PF.layer_norm(x, (np.int64(8),)), F.layer_norm(x, (8,)))
+
+
+def test_module_fast_path_for_small_inputs(monkeypatch):
+    """MixedFusedLayerNorm / FusedRMSNorm call the native op directly below PIPEGOOSE_SMALL_NUMEL elements (what the
+    dispatcher's small-problem rule chooses, without its per-call cost); an impl argument, a PIPEGOOSE_IMPL_*
+    variable, mixed dtypes or Llama rounding go through the dispatcher; PIPEGOOSE_SMALL_NUMEL=0 turns it off."""
+    from pipegoose.nn.fusion import dispatch
+    from pipegoose.nn.fusion.modules import FusedRMSNorm, MixedFusedLayerNorm
+
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL", raising=False)
+    monkeypatch.delenv("PIPEGOOSE_IMPL_LAYER_NORM", raising=False)
+    monkeypatch.delenv("PIPEGOOSE_IMPL_RMS_NORM", raising=False)
+    x = torch.randn(3, 5, 64)
+    ln = MixedFusedLayerNorm(64)
+    torch.nn.init.normal_(ln.weight)
+    rms = FusedRMSNorm(64, eps=1e-6)
+    for mod, ref, op in ((ln, lambda: torch.nn.functional.layer_norm(x, (64,), ln.weight, ln.bias, 1e-5), "layer_norm"),
+                         (rms, lambda: torch.nn.functional.rms_norm(x, (64,), rms.weight, 1e-6), "rms_norm")):
+        assert torch.equal(mod(x), ref())
+        assert dispatch.last_choice(op).source == "small"
+        monkeypatch.setenv(f"PIPEGOOSE_IMPL_{op.upper()}", "torch")
+        mod(x)
+        assert dispatch.last_choice(op).source == "env"
+        monkeypatch.delenv(f"PIPEGOOSE_IMPL_{op.upper()}")
+        monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "0")
+        mod(x)
+        assert dispatch.last_choice(op).source != "small"
+        monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
+    ln.impl = "torch"
+    ln(x)
+    assert dispatch.last_choice("layer_norm").source == "argument"
+    dispatch.reset_stats()
+    FusedRMSNorm(64, eps=1e-6, cast_before_weight=True)(x)   # Llama rounding: the dispatcher's eager formula
+    assert "module fast path" not in dispatch.last_choice("rms_norm").reason

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import enum
 import numbers
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import dispatch
@@ -141,6 +142,18 @@ class FusedScaleMaskSoftmax(nn.Module):
         return megatron_batches_per_block(sk)
 
 
+_SMALL_CHOICE = {op: dispatch.Choice(op, "torch", "small", False, {}, f"input below PIPEGOOSE_SMALL_NUMEL elements: "
+                                     f"the native op (module fast path)") for op in ("layer_norm", "rms_norm")}
+
+
+def _small_native(op: str, impl: str | None, input: Any) -> bool:
+    """Whether the dispatcher's small-problem rule applies to this module call and nothing overrides it (no
+    ``impl``, no ``PIPEGOOSE_IMPL_*`` variable): a floating tensor of fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements.
+    The module then calls the native op, as the unfused module does."""
+    return (impl is None and isinstance(input, torch.Tensor) and input.is_floating_point()
+            and input.numel() < dispatch.small_numel() and dispatch._env_request(op)[0] is None)
+
+
 def _ln_shape(normalized_shape) -> tuple[int, ...]:
     if isinstance(normalized_shape, numbers.Integral):
         return (int(normalized_shape),)
@@ -166,6 +179,12 @@ class FusedLayerNorm(nn.LayerNorm):
         self.impl = impl
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if (_small_native("layer_norm", self.impl, input) and (self.weight is None or self.weight.dtype == input.dtype)
+                and (self.bias is None or self.bias.dtype == input.dtype)):
+            # What the dispatcher would choose (the small-problem rule), without its per-call cost: at these sizes
+            # the step is bound by the host, and ~25 us of Python per call cost MiniLM 4% on the H200.
+            dispatch.record(_SMALL_CHOICE["layer_norm"])
+            return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
         return PF.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, impl=self.impl)
 
     @classmethod
@@ -225,6 +244,10 @@ class FusedRMSNorm(nn.Module):
             nn.init.ones_(self.weight)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if (not self.cast_before_weight and _small_native("rms_norm", self.impl, input)
+                and (self.weight is None or self.weight.dtype == input.dtype)):
+            dispatch.record(_SMALL_CHOICE["rms_norm"])  # see MixedFusedLayerNorm.forward
+            return F.rms_norm(input, self.normalized_shape, self.weight, self.eps)
         return PF.rms_norm(input, self.normalized_shape, self.weight, self.eps,
                            cast_before_weight=self.cast_before_weight, impl=self.impl)
 
