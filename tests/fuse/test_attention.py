@@ -78,7 +78,9 @@ def test_small_problems_run_sdpa(monkeypatch, dtype, sq, sk, hq, hkv, kind):
     attention/sdpa, no weights returned); outputs and gradients still match the float64 reference, fully masked
     rows included (zeros). PIPEGOOSE_SMALL_NUMEL=0 turns it off."""
     from pipegoose.nn.fusion import dispatch
+    from pipegoose.nn.fusion.transformers import attention
 
+    monkeypatch.setattr(attention, "_on_kernel_device", lambda t: True)   # CUDA only: pretend, to test it here
     monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
     g = torch.Generator().manual_seed(sq * 10 + sk)
     b, d = 3, 8
@@ -112,12 +114,36 @@ def test_small_problems_run_sdpa(monkeypatch, dtype, sq, sk, hq, hkv, kind):
 
 
 def test_small_problem_path_refuses_bad_masks(monkeypatch):
+    from pipegoose.nn.fusion.transformers import attention
+
+    monkeypatch.setattr(attention, "_on_kernel_device", lambda t: True)
     monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
     q = k = v = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="attention_mask"):
         pipegoose_attention_forward(_Mod(False), q, k, v, torch.ones(1, 1, 4, 3, dtype=torch.bool))
     with pytest.raises(TypeError, match="attention_mask"):
         pipegoose_attention_forward(_Mod(False), q, k, v, torch.ones(1, 1, 4, 4, dtype=torch.int64))
+
+
+def test_small_problem_rule_is_cuda_only_so_strict_sees_cpu_fallbacks(monkeypatch):
+    """On the CPU our softmax cannot run: small scores take the reference softmax (a fallback) rather than SDPA, so
+    strict mode raises, and the weights are returned."""
+    from pipegoose.nn.fusion import dispatch
+
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
+    q = k = v = torch.randn(1, 2, 4, 8)
+    _, probs = pipegoose_attention_forward(_Mod(False), q, k, v, None)
+    assert probs is not None
+    with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError):
+        pipegoose_attention_forward(_Mod(False), q, k, v, None)
+
+
+def test_attention_table_slug_is_the_dispatchers():
+    from pipegoose.nn.fusion import dispatch
+    from pipegoose.nn.fusion.transformers import attention
+
+    for name in ("NVIDIA H200", "cpu (x86_64)", "-GPU-"):
+        assert attention.device_slug(name) == dispatch.device_slug(name)
 
 
 def test_head_mask_and_bias():

@@ -248,9 +248,10 @@ def test_module_fast_path_for_small_inputs(monkeypatch):
     """MixedFusedLayerNorm / FusedRMSNorm call the native op directly below PIPEGOOSE_SMALL_NUMEL elements (what the
     dispatcher's small-problem rule chooses, without its per-call cost); an impl argument, a PIPEGOOSE_IMPL_*
     variable, mixed dtypes or Llama rounding go through the dispatcher; PIPEGOOSE_SMALL_NUMEL=0 turns it off."""
-    from pipegoose.nn.fusion import dispatch
+    from pipegoose.nn.fusion import dispatch, modules
     from pipegoose.nn.fusion.modules import FusedRMSNorm, MixedFusedLayerNorm
 
+    monkeypatch.setattr(modules, "_on_kernel_device", lambda t: True)   # the rule applies where our kernels run
     monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL", raising=False)
     monkeypatch.delenv("PIPEGOOSE_IMPL_LAYER_NORM", raising=False)
     monkeypatch.delenv("PIPEGOOSE_IMPL_RMS_NORM", raising=False)
@@ -276,3 +277,23 @@ def test_module_fast_path_for_small_inputs(monkeypatch):
     dispatch.reset_stats()
     FusedRMSNorm(64, eps=1e-6, cast_before_weight=True)(x)   # Llama rounding: the dispatcher's eager formula
     assert "module fast path" not in dispatch.last_choice("rms_norm").reason
+    # arguments the dispatcher would refuse go to it, whatever the size: its errors name them
+    with pytest.raises(ValueError, match="eps"):
+        MixedFusedLayerNorm(64, eps=-1.0)(x)
+    with pytest.raises(ValueError):
+        MixedFusedLayerNorm(32)(x)
+    # float64 (no kernel takes it): the dispatcher's choice, a fallback that strict mode sees
+    with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError):
+        MixedFusedLayerNorm(64).double()(x.double())
+
+
+def test_module_fast_path_leaves_cpu_to_the_dispatcher():
+    """Off CUDA our kernels cannot run, so the native op there is a fallback: strict mode raises (it did not when
+    the module took the fast path on any device)."""
+    from pipegoose.nn.fusion import dispatch
+    from pipegoose.nn.fusion.modules import FusedRMSNorm, MixedFusedLayerNorm
+
+    x = torch.randn(3, 5, 64)
+    for mod in (MixedFusedLayerNorm(64), FusedRMSNorm(64, eps=1e-6)):
+        with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError):
+            mod(x)

@@ -146,12 +146,24 @@ _SMALL_CHOICE = {op: dispatch.Choice(op, "torch", "small", False, {}, f"input be
                                      f"the native op (module fast path)") for op in ("layer_norm", "rms_norm")}
 
 
-def _small_native(op: str, impl: str | None, input: Any) -> bool:
-    """Whether the dispatcher's small-problem rule applies to this module call and nothing overrides it (no
-    ``impl``, no ``PIPEGOOSE_IMPL_*`` variable): a floating tensor of fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements.
-    The module then calls the native op, as the unfused module does."""
-    return (impl is None and isinstance(input, torch.Tensor) and input.is_floating_point()
-            and input.numel() < dispatch.small_numel() and dispatch._env_request(op)[0] is None)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _on_kernel_device(t: torch.Tensor) -> bool:
+    """Whether our kernels can run on ``t``'s device (CUDA); a function so that CPU tests can pretend."""
+    return t.is_cuda
+
+
+def _small_native(op: str, impl: str | None, input: Any, shape: tuple[int, ...], eps: Any) -> bool:
+    """Whether the dispatcher's small-problem rule would choose the native op for this module call and nothing
+    overrides it: a CUDA tensor in a dtype our kernels take (so that the choice is the rule's, not a fallback that
+    strict mode must see), fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements, trailing dims ``shape``, a float ``eps``
+    >= 0 or None (anything else goes to the dispatcher, whose checks name the argument), no ``impl`` and no
+    ``PIPEGOOSE_IMPL_*`` variable. The module then calls the native op, as the unfused module does."""
+    return (impl is None and isinstance(input, torch.Tensor) and _on_kernel_device(input) and input.dtype in _KERNEL_DTYPES
+            and input.numel() < dispatch.small_numel() and tuple(input.shape[input.dim() - len(shape):]) == shape
+            and input.dim() >= len(shape) and (eps is None or (type(eps) is float and eps >= 0.0))
+            and dispatch._env_request(op)[0] is None)
 
 
 def _ln_shape(normalized_shape) -> tuple[int, ...]:
@@ -179,7 +191,8 @@ class FusedLayerNorm(nn.LayerNorm):
         self.impl = impl
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if (_small_native("layer_norm", self.impl, input) and (self.weight is None or self.weight.dtype == input.dtype)
+        if (_small_native("layer_norm", self.impl, input, self.normalized_shape, self.eps)
+                and (self.weight is None or self.weight.dtype == input.dtype)
                 and (self.bias is None or self.bias.dtype == input.dtype)):
             # What the dispatcher would choose (the small-problem rule), without its per-call cost: at these sizes
             # the step is bound by the host, and ~25 us of Python per call cost MiniLM 4% on the H200.
@@ -244,7 +257,8 @@ class FusedRMSNorm(nn.Module):
             nn.init.ones_(self.weight)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if (not self.cast_before_weight and _small_native("rms_norm", self.impl, input)
+        if (not self.cast_before_weight
+                and _small_native("rms_norm", self.impl, input, self.normalized_shape, self.eps)
                 and (self.weight is None or self.weight.dtype == input.dtype)):
             dispatch.record(_SMALL_CHOICE["rms_norm"])  # see MixedFusedLayerNorm.forward
             return F.rms_norm(input, self.normalized_shape, self.weight, self.eps)

@@ -165,9 +165,7 @@ def plan_mask(attention_mask: torch.Tensor | None, *, query_len: int, key_len: i
 # --------------------------------------------------------------------------------------------------------------------
 # Tuning table (op "attention")
 # --------------------------------------------------------------------------------------------------------------------
-def device_slug(name: str) -> str:
-    """``"NVIDIA H200"`` -> ``"nvidia_h200"`` (docs/architecture.md, tuning tables)."""
-    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+device_slug = dispatch.device_slug
 
 
 @lru_cache(maxsize=None)
@@ -239,10 +237,18 @@ def _softmax(scores: torch.Tensor, plan: MaskPlan, scale: float) -> torch.Tensor
     return PF.scaled_masked_softmax(scores, None, scale)
 
 
+def _on_kernel_device(t: torch.Tensor) -> bool:
+    """Whether our softmax kernels can run on ``t``'s device (CUDA); a function so that CPU tests can pretend."""
+    return t.is_cuda
+
+
 def _small(query: torch.Tensor, sq: int, sk: int) -> bool:
-    """Whether the scores ``[b, hq, sq, sk]`` have fewer than :func:`dispatch.small_numel` elements."""
+    """Whether the scores ``[b, hq, sq, sk]`` have fewer than :func:`dispatch.small_numel` elements, on a device and
+    in a dtype where our fused softmax could run (elsewhere the softmax's reference path is a fallback, which strict
+    mode must see)."""
     limit = dispatch.small_numel()
-    return bool(limit) and query.shape[0] * query.shape[1] * sq * sk < limit
+    return (bool(limit) and _on_kernel_device(query) and query.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and query.shape[0] * query.shape[1] * sq * sk < limit)
 
 
 _SMALL_CHOICE = dispatch.Choice(
@@ -297,8 +303,8 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     Returns:
         ``(attn_output [b, sq, hq, d] contiguous, attn_weights [b, hq, sq, sk])``, in the dtype of ``value``.
 
-    Small problems: scores of fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements (default 2**20; 0 turns this off) and no
-    ``head_mask`` run ``torch.nn.functional.scaled_dot_product_attention`` instead (same masks and causality; a
+    Small problems: CUDA scores (fp16/bf16/fp32) of fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements (default 2**20; 0
+    turns this off) without ``head_mask`` run ``torch.nn.functional.scaled_dot_product_attention`` instead (same masks and causality; a
     bool mask's fully masked rows give zeros as here, an additive float mask is added as transformers' eager and SDPA
     paths add it, so its fully masked rows give uniform weights; ``attn_weights`` is then None, as with SDPA; counted
     as op ``"attention"``, impl ``"sdpa"`` in ``dispatch.stats()``): at such sizes a training step is
