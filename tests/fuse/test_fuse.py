@@ -386,3 +386,35 @@ def test_sdpa_model_with_tuning_table_uses_ours_where_the_table_says(monkeypatch
     keep = mask.bool()
     torch.testing.assert_close(long[keep], model(input_ids=ids, attention_mask=mask).last_hidden_state[keep],
                                **tol(torch.float32, 10))
+
+
+def test_rms_norm_without_weight_is_fused():
+    """torch.nn.RMSNorm(elementwise_affine=False) has no parameter: fuse() replaced nothing and raised a bare
+    StopIteration."""
+    m = nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8, elementwise_affine=False))
+    x = torch.randn(3, 8)
+    ref = m(x)
+    report = fuse(m)
+    row = next(r for r in report.rows if r.path == "1")
+    assert row.replacement == "FusedRMSNorm" and row.fused, row
+    torch.testing.assert_close(m(x), ref)
+    assert unfuse(m) and type(m[1]) is nn.RMSNorm
+
+
+def test_report_probes_training_sizes(monkeypatch):
+    """The report's implementation columns describe inputs at or above PIPEGOOSE_SMALL_NUMEL (a probe of 2 rows
+    was always a small problem and showed the native op where a fused kernel would run); the note names the rule."""
+    import dataclasses
+
+    from pipegoose.nn.fusion import dispatch
+
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
+    im = dispatch.implementations("layer_norm")["pipegoose"]
+    dispatch.register(dataclasses.replace(im, supports=lambda p: (True, ""), kernels=()))   # as on a GPU
+    try:
+        report = fuse(nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32)), dry_run=True)
+        row = next(r for r in report.rows if r.kind == "layer_norm")
+        assert row.forward.startswith("pipegoose"), row.forward
+        assert "PIPEGOOSE_SMALL_NUMEL" in row.reason
+    finally:
+        dispatch.register(im)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Iterator
@@ -61,8 +62,9 @@ class FusionRow:
         fused: whether it was (or, in a dry run, would be) replaced.
         forward, backward: the implementation the dispatcher picks for it on its current device and the dtype of
             its parameters (``pipegoose``, ``megatron``, ``apex``, ``torch`` ...; ``(fallback)`` when the fused
-            paths cannot take it; attention: for a sequence length of 128, ``@128``), ``-`` when not fused, ``?``
-            when the dispatcher cannot say. The counts of what actually ran are in ``dispatch.stats()``.
+            paths cannot take it; attention: for a sequence length of 128, ``@128``), for inputs of at least
+            ``PIPEGOOSE_SMALL_NUMEL`` elements (smaller ones run the native op / SDPA on CUDA; the reason says so),
+            ``-`` when not fused, ``?`` when the dispatcher cannot say. The counts of what actually ran are in ``dispatch.stats()``.
         reason: why it was fused or skipped.
         eligible: whether it counts towards the coverage share (modules of a kind we fuse).
     """
@@ -332,9 +334,9 @@ def _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNo
         new = None if dry_run else MixedFusedLayerNorm.from_layer_norm(child)
         shape = tuple(child.normalized_shape)
         fwd, bwd = _impls("layer_norm", child, lambda d, t: (
-            torch.empty(2, *shape, device=d, dtype=t), shape, child.weight, child.bias))
+            torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, child.weight, child.bias))
         return FusionRow(path, "layer_norm", type(child).__name__, "MixedFusedLayerNorm", True, fwd, bwd,
-                         "torch.nn.LayerNorm, same parameters"), new
+                         "torch.nn.LayerNorm, same parameters" + _small_note()), new
     if "rms_norm" not in ops or any(True for _ in child.children()):
         return None, None
     probe = matching.probe_rms_norm(child, hidden)
@@ -344,12 +346,13 @@ def _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNo
         return FusionRow(path, "rms_norm", type(child).__name__, None, False, reason=probe.reason,
                          eligible=False), None
     new = None if dry_run else FusedRMSNorm.from_module(child, probe.eps)
-    weight = next(iter(child.parameters()))
+    weight = getattr(child, "weight", None)   # None: torch.nn.RMSNorm(elementwise_affine=False)
+    shape = tuple(child.normalized_shape) if isinstance(child, nn.RMSNorm) else (weight.numel(),)
+    cast = not isinstance(child, nn.RMSNorm)
     fwd, bwd = _impls("rms_norm", child, lambda d, t: (
-        torch.empty(2, weight.numel(), device=d, dtype=t), (weight.numel(),), weight, probe.eps,
-        new.cast_before_weight if new is not None else True))
+        torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, weight, probe.eps, cast))
     return FusionRow(path, "rms_norm", type(child).__name__, "FusedRMSNorm", True, fwd, bwd,
-                     f"RMSNorm ({probe.reason}), eps={probe.eps}"), new
+                     f"RMSNorm ({probe.reason}), eps={probe.eps}{_small_note()}"), new
 
 
 def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
@@ -380,7 +383,8 @@ def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
     elif previous in (None, "eager"):
         chosen = attn.ATTENTION_NAME
         reason = ("the model ran eager attention (scores materialised, unfused mask + softmax); the fused "
-                  "scaled masked softmax replaces that softmax (scores under PIPEGOOSE_SMALL_NUMEL elements: SDPA)")
+                  "scaled masked softmax replaces that softmax (on CUDA, scores under PIPEGOOSE_SMALL_NUMEL "
+                  "elements: SDPA)")
     elif previous == "sdpa":
         if attn.table_prefers_pipegoose(device, dtype):
             chosen = attn.ATTENTION_SDPA_NAME
@@ -419,18 +423,37 @@ def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
 
 
 _PROBE_SEQ = 128
+_PROBE_MAX_NUMEL = 1 << 24   # the report's probe inputs stay this small (64 MiB in fp32) whatever the settings
+
+
+def _probe_rows(shape: tuple[int, ...]) -> int:
+    """Rows of the report's norm probe: enough that it is not a small problem (``PIPEGOOSE_SMALL_NUMEL``), so the
+    report shows the choice for training-size inputs (smaller ones run the native op, see :func:`_small_note`)."""
+    from . import dispatch
+
+    h = max(1, math.prod(shape))
+    return max(2, min(-(-dispatch.small_numel() // h), _PROBE_MAX_NUMEL // h))
+
+
+def _small_note() -> str:
+    from . import dispatch
+
+    n = dispatch.small_numel()
+    return f"; inputs < {n} elements: the native op (PIPEGOOSE_SMALL_NUMEL)" if n else ""
 
 
 def _attention_probe(module: nn.Module):
     """(op, module, build_inputs) describing a representative softmax call of an attention module (sequence
-    length 128, padding mask; causal modules without padding use the causal op) for the report."""
+    length 128, padding mask, a batch that is not a small problem; causal modules without padding use the causal
+    op) for the report."""
     heads = int(getattr(module, "num_heads", getattr(module, "num_attention_heads", 0)) or
                 getattr(getattr(module, "config", None), "num_attention_heads", 1))
     n = _PROBE_SEQ
+    b = _probe_rows((heads, n, n))   # batch: not a small problem (smaller scores run SDPA on CUDA)
     if getattr(module, "is_causal", False):
-        return "softmax.causal", module, lambda d, t: (torch.empty(heads, n, n, device=d, dtype=t), None, 1.0)
+        return "softmax.causal", module, lambda d, t: (torch.empty(b * heads, n, n, device=d, dtype=t), None, 1.0)
     return "softmax.masked", module, lambda d, t: (
-        torch.empty(1, heads, n, n, device=d, dtype=t), torch.zeros(1, 1, n, n, dtype=torch.bool, device=d), 1.0)
+        torch.empty(b, heads, n, n, device=d, dtype=t), torch.zeros(b, 1, n, n, dtype=torch.bool, device=d), 1.0)
 
 
 def _undo(state: _Fusion) -> list[str]:
