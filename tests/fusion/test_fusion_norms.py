@@ -297,3 +297,17 @@ def test_module_fast_path_leaves_cpu_to_the_dispatcher():
     for mod in (MixedFusedLayerNorm(64), FusedRMSNorm(64, eps=1e-6)):
         with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError):
             mod(x)
+
+
+def test_cached_choice_does_not_skip_argument_checks():
+    """(8.0,) equals (8,) and hashes alike: a valid call cached first must not let the invalid one through."""
+    from pipegoose.nn.fusion.functional import layer_norm, rms_norm
+
+    x = torch.randn(4, 8)
+    for fn in (layer_norm, rms_norm):
+        fn(x, (8,))
+        with pytest.raises(TypeError, match="normalized_shape"):
+            fn(x, (8.0,))
+    rms_norm(x, (8,), cast_before_weight=True)
+    with pytest.raises(TypeError, match="cast_before_weight"):
+        rms_norm(x, (8,), cast_before_weight="no")

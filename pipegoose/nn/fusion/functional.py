@@ -184,6 +184,7 @@ def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: tor
     Kernel: pipegoose/rms_norm (pipegoose/kernels/csrc/rms_norm.cu, MIT).
 
     Raises:
-        TypeError: non-floating ``x``/``weight``. ValueError: shapes, devices or ``eps`` wrong.
+        TypeError: non-floating ``x``/``weight``, ``cast_before_weight`` not a bool. ValueError: shapes, devices
+        or ``eps`` wrong.
     """
-    return _rms.run(x, normalized_shape, weight, eps, bool(cast_before_weight), impl)
+    return _rms.run(x, normalized_shape, weight, eps, cast_before_weight, impl)

@@ -71,6 +71,16 @@ def has_storage(t: torch.Tensor) -> bool:
 NO_STORAGE = "a tensor without storage (inside a torch.func transform such as vmap): the kernels need real memory"
 
 
+def shape_signature(shape: Any) -> tuple:
+    """Hashable metadata of a ``normalized_shape`` argument for the choice cache: its type, each element's type and
+    the values (``(8.0,) == (8,)`` and hash alike, but only the second is valid; a list and its tuple share
+    one entry). TypeError if it is not hashable."""
+    if isinstance(shape, (list, tuple)):
+        return (tuple, tuple(type(d) for d in shape), tuple(shape))
+    hash(shape)
+    return (type(shape), None, shape)
+
+
 def param_signature(p: Any) -> tuple | None:
     """Hashable metadata of an optional tensor argument, for the dispatch choice cache (AttributeError if ``p``
     is neither None nor a tensor)."""

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, HALF_DTYPES, INT32_MAX, NO_STORAGE, autocast_state, call_without_autocast,
-                      dtype_name, has_storage, manifest_limit, needs_grad, param_signature, torch_result_dtype)
+                      dtype_name, has_storage, manifest_limit, needs_grad, param_signature, shape_signature,
+                      torch_result_dtype)
 
 OP = "layer_norm"
 SRC_PIPEGOOSE = "pipegoose/layer_norm: pipegoose/kernels/csrc/layer_norm.cu (pipegoose, MIT)"
@@ -249,8 +250,8 @@ def _signature(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any) 
     if torch.compiler.is_compiling():
         return None
     try:
-        ns = tuple(normalized_shape) if isinstance(normalized_shape, list) else normalized_shape
-        sig = (type(x), x.dtype, x.device, x.shape, x.requires_grad, type(ns), ns, param_signature(weight),
+        ns = normalized_shape
+        sig = (type(x), x.dtype, x.device, x.shape, x.requires_grad, shape_signature(ns), param_signature(weight),
                param_signature(bias), type(eps), eps, torch.is_grad_enabled(), autocast_state(x.device))
         hash(sig)
     except (AttributeError, TypeError):

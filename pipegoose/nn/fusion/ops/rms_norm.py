@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, NO_STORAGE, autocast_state, call_without_autocast, dtype_name, has_storage,
-                      manifest_limit, needs_grad, param_signature, torch_result_dtype)
+                      manifest_limit, needs_grad, param_signature, shape_signature, torch_result_dtype)
 from .layer_norm import normalize_shape
 
 OP = "rms_norm"
@@ -181,8 +181,8 @@ def _signature(x: Any, normalized_shape: Any, weight: Any, eps: Any, cast_before
     if torch.compiler.is_compiling():
         return None
     try:
-        ns = tuple(normalized_shape) if isinstance(normalized_shape, list) else normalized_shape
-        sig = (type(x), x.dtype, x.device, x.shape, x.requires_grad, type(ns), ns, param_signature(weight),
+        ns = normalized_shape
+        sig = (type(x), x.dtype, x.device, x.shape, x.requires_grad, shape_signature(ns), param_signature(weight),
                type(eps), eps, cast_before_weight, torch.is_grad_enabled(), autocast_state(x.device))
         hash(sig)
     except (AttributeError, TypeError):
@@ -196,6 +196,8 @@ def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, eps
     key = None if sig is None else dispatch.choice_key(OP, impl, sig)
     hit = None if key is None else dispatch.cached_choice(key)
     if hit is None:
+        if not isinstance(cast_before_weight, bool):
+            raise TypeError(f"cast_before_weight: expected a bool, got {type(cast_before_weight).__name__}")
         shape = normalize_shape(normalized_shape)
         eps = check_args(x, shape, weight, eps)
         if eps is None:  # F.rms_norm's default: the machine epsilon of the compute dtype (fp32 for half inputs)
