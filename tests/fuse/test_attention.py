@@ -237,3 +237,24 @@ def test_unknown_kwargs_raise():
         pipegoose_attention_forward(_Mod(True), q, q, q, None, softcap=30.0)
     with pytest.raises(ValueError, match="heads"):
         pipegoose_attention_forward(_Mod(True), q, torch.randn(1, 3, 3, 4), torch.randn(1, 3, 3, 4), None)
+
+
+def test_small_problem_path_keeps_weights_when_transformers_collects_them(monkeypatch):
+    """output_attentions=True on a fused model: the small-problem SDPA path would return no weights (an empty
+    tuple), so it steps aside while transformers collects them."""
+    from pipegoose.nn.fusion import dispatch, fuse
+    from pipegoose.nn.fusion.transformers import attention
+
+    from . import models as M
+
+    monkeypatch.setattr(attention, "_on_kernel_device", lambda t: True)
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
+    m = M.build("gpt2")
+    ids, mask = M.inputs()
+    ref = m(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    fuse(m)
+    dispatch.reset_stats()
+    out = m(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert len(out) == len(ref) > 0 and "attention" not in dispatch.stats()
+    m(input_ids=ids, attention_mask=mask)
+    assert dispatch.stats()["attention"]["sdpa"] > 0

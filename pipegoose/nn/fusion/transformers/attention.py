@@ -251,6 +251,18 @@ def _small(query: torch.Tensor, sq: int, sk: int) -> bool:
             and query.shape[0] * query.shape[1] * sq * sk < limit)
 
 
+def _weights_requested() -> bool:
+    """Whether transformers is collecting attention weights in this forward (``output_attentions=True``; its output
+    recorder, transformers >= 5); SDPA returns none, so such calls keep the softmax path. False where that API
+    is absent."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return False
+    collected = _active_collector.get()
+    return bool(collected) and any("attentions" in k for k in collected)
+
+
 _SMALL_CHOICE = dispatch.Choice(
     "attention", "sdpa", "small", False, {},
     "scores below PIPEGOOSE_SMALL_NUMEL elements: a host-bound size, where SDPA (one native op, native backward) "
@@ -304,7 +316,8 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         ``(attn_output [b, sq, hq, d] contiguous, attn_weights [b, hq, sq, sk])``, in the dtype of ``value``.
 
     Small problems: CUDA scores (fp16/bf16/fp32) of fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements (default 2**20; 0
-    turns this off) without ``head_mask`` run ``torch.nn.functional.scaled_dot_product_attention`` instead (same masks and causality; a
+    turns this off) without ``head_mask``, when transformers is not collecting attention weights
+    (``output_attentions=True``), run ``torch.nn.functional.scaled_dot_product_attention`` instead (same masks and causality; a
     bool mask's fully masked rows give zeros as here, an additive float mask is added as transformers' eager and SDPA
     paths add it, so its fully masked rows give uniform weights; ``attn_weights`` is then None, as with SDPA; counted
     as op ``"attention"``, impl ``"sdpa"`` in ``dispatch.stats()``): at such sizes a training step is
@@ -327,7 +340,7 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         scaling = query.shape[-1] ** -0.5
 
     sq, sk = query.shape[2], key.shape[2]
-    if _small(query, sq, sk) and kwargs.get("head_mask") is None:
+    if _small(query, sq, sk) and kwargs.get("head_mask") is None and not _weights_requested():
         dispatch.record(_SMALL_CHOICE)
         return _small_sdpa(module, query, key, value, attention_mask, scaling, dropout, is_causal)
     key = _repeat_kv(key, hq // hkv)
