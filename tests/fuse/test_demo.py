@@ -71,3 +71,10 @@ def test_parity_rule():
     rows = {r[0]: r[3] for r in demo.parity(_errs(0.05, 0.01, {"w": 0.5, "b": 0.01}), None, tol=0.08)}
     assert rows == {"embeddings": True, "loss": True, "grad w": False, "grad b": True}
     assert not demo.parity(_errs(0.05, 0.01, {"w": 0.61}), unfused, tol=0.08)[-1][3]
+
+
+@pytest.mark.parametrize("device", ["mps", "foo"])
+def test_demo_bad_device(device):
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--model", "llama", "--device", device])
+    assert e.value.code == 2

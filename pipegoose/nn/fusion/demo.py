@@ -103,11 +103,17 @@ def load(model_arg: str | None, attn: str, device: torch.device, dtype: torch.dt
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         path = minilm_path() if model_arg is None else Path(model_arg)
         model = AutoModel.from_pretrained(path, attn_implementation=attn, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(path)
+        try:
+            tok = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise FileNotFoundError(f"--model {path}: no tokenizer there (the demo tokenizes real sentences; save "
+                                    f"the tokenizer with the model): {str(e).splitlines()[0]}") from None
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
         texts = [a for a, _ in SENTENCES] + [b for _, b in SENTENCES]
         enc = tok(texts, padding=True, return_tensors="pt")
+        if enc["input_ids"].shape[-1] == 0:
+            raise ValueError(f"--model {path}: the tokenizer there gives no tokens for the demo's sentences")
         batch = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
         what = f"pretrained {type(model).__name__} from {path}"
     else:
@@ -275,7 +281,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.steps < 1:
         parser.error("--steps: expected a positive integer")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as e:
+        parser.error(f"--device: expected cpu or cuda[:i], got {args.device!r} ({e})")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device: expected cpu or cuda[:i], got {args.device!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         console.print(f"--device {device}: no CUDA device is visible")
         return 2
@@ -315,6 +326,13 @@ def main(argv: list[str] | None = None) -> int:
 
     tol = PARITY_TOLERANCE[dtype]
     console.print(f"implementations that ran (dispatch.stats): {ran or 'none (nothing went through the dispatcher)'}")
+    small = dispatch.last_choice("layer_norm") or dispatch.last_choice("rms_norm")
+    if gpu is not None and ran and all(impl in ("torch", "sdpa") for per in ran.values() for impl in per):
+        console.print(f"[yellow]No fused kernel ran: every input here is below PIPEGOOSE_SMALL_NUMEL="
+                      f"{dispatch.small_numel()} elements, a size bound by the host, where the native ops and SDPA "
+                      f"are faster (set PIPEGOOSE_SMALL_NUMEL=0 to run the fused kernels anyway).[/yellow]"
+                      if small is None or small.source == "small" else
+                      "[yellow]No fused kernel ran (see the report for why).[/yellow]")
     console.print(f"loss: unfused {unfused_out[1].item():.6f}, fused {out[1].item():.6f}"
                   + (f", float64 {ref64[1].item():.6f}" if ref64 is not None else ""))
     fused_err = errors(ref64 if ref64 is not None else unfused_out, out)
