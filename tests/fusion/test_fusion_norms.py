@@ -311,3 +311,24 @@ def test_cached_choice_does_not_skip_argument_checks():
     rms_norm(x, (8,), cast_before_weight=True)
     with pytest.raises(TypeError, match="cast_before_weight"):
         rms_norm(x, (8,), cast_before_weight="no")
+
+
+def test_error_messages_name_the_argument():
+    """Found by a new user: each of these blamed another argument or did not say what was expected."""
+    from pipegoose.nn.fusion import fuse, unfuse
+    from pipegoose.nn.fusion.functional import layer_norm, softmax
+
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError, match="weight: .* got int64"):
+        layer_norm(x, 8, torch.ones(8, dtype=torch.long))
+    for bad in (-8, 0, (8, -1)):
+        with pytest.raises(ValueError, match="normalized_shape"):
+            layer_norm(x, bad)
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
+        unfuse("abc")
+    with pytest.raises(TypeError, match="ops: "):
+        fuse(torch.nn.Linear(2, 2), ops=5)
+    with pytest.raises(TypeError, match="dtype: "):
+        softmax(x, dtype=torch.int32)
+    with pytest.raises(TypeError, match="impl: "):
+        softmax(x, impl=3)

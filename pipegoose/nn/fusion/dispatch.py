@@ -507,6 +507,7 @@ def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool =
 
     Raises:
         KeyError: unknown op.
+        TypeError: ``impl`` is neither a str nor None.
         ValueError: ``impl`` (or the ``PIPEGOOSE_IMPL_*`` variable) names no implementation of the op.
     """
     impls = implementations(op)
@@ -525,6 +526,8 @@ def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool =
             ok(name)
 
     requests: list[tuple[str, str]] = []
+    if impl is not None and not isinstance(impl, str):
+        raise TypeError(f"impl: expected an implementation name (str), 'auto' or None, got {type(impl).__name__}")
     if impl is not None and impl != "auto":
         if impl not in impls:
             raise ValueError(f"impl: {op} has no implementation {impl!r}; expected one of "

@@ -42,9 +42,12 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None, *,
     (a fused half result may differ by one ulp; :func:`scaled_softmax` is the fused half-precision path).
 
     Raises:
-        IndexError: ``dim`` out of range. TypeError: non-floating ``x``.
+        IndexError: ``dim`` out of range. TypeError: non-floating ``x``, ``dtype`` not a floating torch.dtype,
+        ``impl`` not a str. ValueError: ``impl`` names no implementation.
     """
     if dtype is not None and isinstance(x, torch.Tensor):
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype: expected a floating torch.dtype or None, got {dtype}")
         x, dtype = x.to(dtype), None  # as F.softmax: cast first (integer input with a float dtype is fine)
     _sm.check_input(x)
     return _sm.run_plain(x, dim, dtype, impl)

@@ -235,7 +235,11 @@ def _parse_ops(ops: Iterable[str] | str | None) -> tuple[str, ...]:
         return OPS
     if isinstance(ops, str):
         ops = [ops]
-    ops = tuple(ops)
+    try:
+        ops = tuple(ops)
+    except TypeError:
+        raise TypeError(f"ops: expected an op name or an iterable of them ({list(OPS)}) or None, got "
+                        f"{type(ops).__name__}") from None
     bad = [o for o in ops if o not in OPS]
     if bad:
         raise ValueError(f"ops: unknown op(s) {bad}; expected a subset of {list(OPS)} or None (all)")
@@ -509,9 +513,12 @@ def unfuse(model: nn.Module) -> bool:
     Returns:
         True if the model was fused, False if there was nothing to undo.
     Raises:
+        TypeError: ``model`` is not a torch.nn.Module.
         RuntimeError: some module or config swapped by ``fuse`` was replaced since by someone else; everything
             else is restored and the message lists what could not be.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     state = _STATE.pop(model, None)
     if state is None:
         return False

@@ -41,6 +41,8 @@ SRC_APEX = ("apex/fused_layer_norm: Apex csrc/layer_norm_cuda_kernel.cu via Colo
 
 def normalize_shape(normalized_shape: Any) -> tuple[int, ...]:
     if isinstance(normalized_shape, int) and not isinstance(normalized_shape, bool):
+        if normalized_shape < 1:
+            raise ValueError(f"normalized_shape: expected a size >= 1, got {normalized_shape}")
         return (normalized_shape,)
     if isinstance(normalized_shape, (str, bytes)) or not hasattr(normalized_shape, "__iter__"):
         raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {normalized_shape!r}")
@@ -50,6 +52,8 @@ def normalize_shape(normalized_shape: Any) -> tuple[int, ...]:
         raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {normalized_shape!r}") from None
     if not shape:
         raise ValueError("normalized_shape: expected at least one dimension, got ()")
+    if any(d < 1 for d in shape):
+        raise ValueError(f"normalized_shape: expected sizes >= 1, got {list(shape)}")
     return shape
 
 
@@ -64,7 +68,8 @@ def check_args(x: Any, shape: tuple[int, ...], weight: Any, bias: Any, eps: Any)
         if p is None:
             continue
         if not isinstance(p, torch.Tensor) or not p.is_floating_point():
-            raise TypeError(f"{name}: expected a floating point torch.Tensor or None, got {type(p).__name__}")
+            raise TypeError(f"{name}: expected a floating point torch.Tensor or None, got "
+                            f"{dtype_name(p.dtype) if isinstance(p, torch.Tensor) else type(p).__name__}")
         if tuple(p.shape) != shape:
             raise ValueError(f"{name}: expected shape {list(shape)} (normalized_shape), got {list(p.shape)}")
         if p.device != x.device:
