@@ -7,7 +7,7 @@ built or loaded until the first CUDA call that wants it, and transformers is imp
 
 from . import dispatch
 from .dispatch import FusionFallbackError
-from .fuse import FusionReport, fuse, fused, unfuse
+from .fuse import FusionReport, fuse, fused, fusion_report, is_fused, unfuse
 from .functional import (layer_norm, mixed_fused_layer_norm, rms_norm, scaled_masked_softmax, scaled_softmax,
                          scaled_upper_triang_masked_softmax, softmax)
 from .modules import AttnMaskType, FusedLayerNorm, FusedRMSNorm, FusedScaleMaskSoftmax, MixedFusedLayerNorm
@@ -31,6 +31,8 @@ __all__ = [
     "FusedAdam",
     "clip_grad_norm_",
     "fuse",
+    "fusion_report",
+    "is_fused",
     "unfuse",
     "fused",
     "FusionReport",
