@@ -332,3 +332,12 @@ def test_error_messages_name_the_argument():
         softmax(x, dtype=torch.int32)
     with pytest.raises(TypeError, match="impl: "):
         softmax(x, impl=3)
+
+
+def test_explain_errors_say_what_to_pass():
+    from pipegoose.nn.fusion import dispatch
+
+    with pytest.raises(KeyError, match="softmax.masked"):
+        dispatch.explain("attention", torch.randn(2, 2))
+    with pytest.raises(TypeError, match="functional arguments"):
+        dispatch.explain("layer_norm")

@@ -692,11 +692,23 @@ def explain(op: str, *inputs: Any, impl: str | None = None, **kwargs: Any) -> Ch
     ``inputs``/``kwargs`` are the op's functional arguments, e.g.
     ``explain("softmax.masked", x, mask, scale=0.125)``, ``explain("layer_norm", x, (1024,), w, b)``.
     """
+    if op == "attention":
+        raise KeyError("attention: not a dispatcher op; the attention function chooses per call (the GPU's tuning "
+                       "table, the small-problem rule) and counts it as 'attention' in stats(); explain the softmax "
+                       "it runs instead, e.g. explain('softmax.masked', scores, mask, scale=...)")
     implementations(op)
     builder = _problem_builders.get(op)
     if builder is None:
         raise KeyError(f"{op}: no problem builder registered; explain() cannot describe its inputs")
-    return choose(op, builder(*inputs, **kwargs), impl, check_all=True)
+    try:
+        problem = builder(*inputs, **kwargs)
+    except TypeError as e:
+        if "positional argument" not in str(e) and "keyword argument" not in str(e):
+            raise
+        raise TypeError(f"explain({op!r}, ...): expected the op's functional arguments, e.g. "
+                        f"explain('layer_norm', x, (1024,), w, b) or explain('softmax.masked', x, mask, "
+                        f"scale=0.125); {e}") from None
+    return choose(op, problem, impl, check_all=True)
 
 
 def last_choice(op: str) -> Choice | None:
