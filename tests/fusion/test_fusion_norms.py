@@ -341,3 +341,12 @@ def test_explain_errors_say_what_to_pass():
         dispatch.explain("attention", torch.randn(2, 2))
     with pytest.raises(TypeError, match="functional arguments"):
         dispatch.explain("layer_norm")
+
+
+def test_fused_adam_refuses_bad_types():
+    from pipegoose.nn.fusion import FusedAdam
+
+    with pytest.raises(TypeError, match="lr: expected a number"):
+        FusedAdam([torch.nn.Parameter(torch.ones(3))], lr="a")
+    with pytest.raises(TypeError, match="floating point parameters"):
+        FusedAdam([torch.ones(3, dtype=torch.long)])

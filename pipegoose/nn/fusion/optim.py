@@ -42,7 +42,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     Raises:
         ValueError: bad hyper-parameters, amsgrad=True, capturable=True. RuntimeError (in step): sparse
-        gradients. TypeError: complex parameters.
+        gradients. TypeError: complex or non-floating parameters, a hyper-parameter that is not a number.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -53,6 +53,9 @@ class FusedAdam(torch.optim.Optimizer):
                              "state); use torch.optim.AdamW(amsgrad=True)")
         if capturable:
             raise ValueError("capturable: FusedAdam keeps the step on the host; capturable=True is not supported")
+        for name, v in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            if isinstance(v, bool) or not isinstance(v, (int, float, torch.Tensor)):
+                raise TypeError(f"{name}: expected a number, got {type(v).__name__}")
         if not lr >= 0.0:
             raise ValueError(f"lr: expected >= 0, got {lr}")
         if not eps >= 0.0:
@@ -70,6 +73,8 @@ class FusedAdam(torch.optim.Optimizer):
             for p in group["params"]:
                 if torch.is_complex(p):
                     raise TypeError("params: FusedAdam does not support complex parameters")
+                if not p.is_floating_point():
+                    raise TypeError(f"params: expected floating point parameters, got {p.dtype}")
 
     @staticmethod
     def _check_loadable(groups: list) -> None:
