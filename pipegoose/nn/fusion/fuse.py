@@ -64,7 +64,8 @@ class FusionRow:
             its parameters (``pipegoose``, ``megatron``, ``apex``, ``torch`` ...; ``(fallback)`` when the fused
             paths cannot take it; attention: for a sequence length of 128, ``@128``), for inputs of at least
             ``PIPEGOOSE_SMALL_NUMEL`` elements (smaller ones run the native op / SDPA on CUDA; the reason says so),
-            ``-`` when not fused, ``?`` when the dispatcher cannot say. The counts of what actually ran are in ``dispatch.stats()``.
+            ``-`` when not fused, ``?`` when the dispatcher cannot say. The counts of what actually ran are in
+            ``dispatch.stats()``.
         reason: why it was fused or skipped.
         eligible: whether it counts towards the coverage share (modules of a kind we fuse).
     """
