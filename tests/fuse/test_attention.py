@@ -215,9 +215,10 @@ class _NoBiasLayerNorm(_LlamaStyle):
 def test_rms_norm_probe():
     from transformers.models.t5.modeling_t5 import T5LayerNorm
 
-    assert probe_rms_norm(_LlamaStyle(16), 16).ok
+    p = probe_rms_norm(_LlamaStyle(16), 16)
+    assert p.ok and not p.output_in_weight_dtype
     p = probe_rms_norm(T5LayerNorm(16, eps=1e-5), 16)
-    assert p.ok and p.eps == 1e-5
+    assert p.ok and p.eps == 1e-5 and p.output_in_weight_dtype
     assert probe_rms_norm(nn.RMSNorm(16), 16).ok
     for bad, why in ((_GemmaStyle(16), "differs"), (_NoBiasLayerNorm(16), "differs"), (_LlamaStyle(8), "hidden"),
                      (nn.Linear(16, 16, bias=False), "2-D")):
@@ -258,3 +259,26 @@ def test_small_problem_path_keeps_weights_when_transformers_collects_them(monkey
     assert len(out) == len(ref) > 0 and "attention" not in dispatch.stats()
     m(input_ids=ids, attention_mask=mask)
     assert dispatch.stats()["attention"]["sdpa"] > 0
+
+
+@pytest.mark.parametrize("style", ["t5", "llama"])
+@pytest.mark.parametrize("xdt,wdt", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                     (torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16)])
+def test_fused_rms_norm_keeps_the_module_output_dtype(style, xdt, wdt):
+    """A T5LayerNorm with a half weight returns the weight's dtype whatever the input's (fused, it returned fp32
+    for fp32 input: Llama's rule); Llama-style norms return promote(weight, input). Values within the dtype."""
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+    from pipegoose.nn.fusion import fuse
+
+    norm = T5LayerNorm(32, eps=1e-6) if style == "t5" else _LlamaStyle(32)
+    m = nn.Sequential(nn.Linear(32, 32), norm).to(xdt)
+    m[1].to(wdt)
+    x = torch.randn(4, 32, dtype=xdt)
+    ref = m(x)
+    report = fuse(m)
+    assert any(r.kind == "rms_norm" and r.fused for r in report.rows)
+    out = m(x)
+    assert out.dtype == ref.dtype, (style, xdt, wdt, out.dtype, ref.dtype)
+    lowest = wdt if torch.finfo(wdt).bits < torch.finfo(xdt).bits or wdt == torch.bfloat16 else xdt
+    torch.testing.assert_close(out.float(), ref.float(), **tol(lowest, 4))

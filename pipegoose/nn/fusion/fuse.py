@@ -350,7 +350,8 @@ def _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNo
             return None, None
         return FusionRow(path, "rms_norm", type(child).__name__, None, False, reason=probe.reason,
                          eligible=False), None
-    new = None if dry_run else FusedRMSNorm.from_module(child, probe.eps)
+    new = None if dry_run else FusedRMSNorm.from_module(child, probe.eps,
+                                                        output_in_weight_dtype=probe.output_in_weight_dtype)
     weight = getattr(child, "weight", None)   # None: torch.nn.RMSNorm(elementwise_affine=False)
     shape = tuple(child.normalized_shape) if isinstance(child, nn.RMSNorm) else (weight.numel(),)
     cast = not isinstance(child, nn.RMSNorm)

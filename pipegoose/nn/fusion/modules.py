@@ -147,6 +147,7 @@ _SMALL_CHOICE = {op: dispatch.Choice(op, "torch", "small", False, {}, f"input be
 
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _on_kernel_device(t: torch.Tensor) -> bool:
@@ -231,6 +232,8 @@ class FusedRMSNorm(nn.Module):
         elementwise_affine: learnable ``weight`` (ones) if True.
         cast_before_weight: False: ``torch.nn.RMSNorm`` numerics; True: transformers' LlamaRMSNorm numerics
             (see the functional).
+        output_in_weight_dtype: T5LayerNorm's dtype rule: with an fp16/bf16 weight the output has the weight's
+            dtype (whatever the input's); otherwise the rule of ``cast_before_weight``.
         device, dtype: of the weight.
 
     Parameters/state_dict: ``weight`` (as torch.nn.RMSNorm and LlamaRMSNorm). Kernel: pipegoose/rms_norm (MIT).
@@ -238,8 +241,9 @@ class FusedRMSNorm(nn.Module):
 
     def __init__(self, normalized_shape: int | Sequence[int] | None = None, eps: float | None = None,
                  elementwise_affine: bool = True, *, hidden_size: int | None = None, cast_before_weight: bool = False,
-                 device=None, dtype=None, impl: str | None = None) -> None:
+                 output_in_weight_dtype: bool = False, device=None, dtype=None, impl: str | None = None) -> None:
         super().__init__()
+        self.output_in_weight_dtype = output_in_weight_dtype
         if (normalized_shape is None) == (hidden_size is None):
             raise TypeError("normalized_shape / hidden_size: give exactly one")
         self.normalized_shape = _ln_shape(normalized_shape if normalized_shape is not None else hidden_size)
@@ -257,6 +261,10 @@ class FusedRMSNorm(nn.Module):
             nn.init.ones_(self.weight)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.output_in_weight_dtype and self.weight is not None and self.weight.dtype in _HALF:
+            y = PF.rms_norm(input, self.normalized_shape, self.weight, self.eps,
+                            cast_before_weight=self.cast_before_weight, impl=self.impl)
+            return y.to(self.weight.dtype)
         if (not self.cast_before_weight
                 and _small_native("rms_norm", self.impl, input, self.normalized_shape, self.eps)
                 and (self.weight is None or self.weight.dtype == input.dtype)):
@@ -267,14 +275,17 @@ class FusedRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
-                f"cast_before_weight={self.cast_before_weight}")
+                f"cast_before_weight={self.cast_before_weight}"
+                + (", output_in_weight_dtype=True" if self.output_in_weight_dtype else ""))
 
     @classmethod
-    def from_module(cls, module: nn.Module, eps: float | None = None, *, impl: str | None = None) -> "FusedRMSNorm":
+    def from_module(cls, module: nn.Module, eps: float | None = None, *, impl: str | None = None,
+                    output_in_weight_dtype: bool = False) -> "FusedRMSNorm":
         """A fused module sharing ``module.weight`` (same Parameter object).
 
         ``module``: ``torch.nn.RMSNorm`` (-> F.rms_norm numerics, its ``eps``) or a transformers Llama-style
         RMSNorm (``weight`` + ``variance_epsilon`` or ``eps``; -> ``cast_before_weight=True``). ``eps`` overrides.
+        ``output_in_weight_dtype``: the module is T5-style (see the class; ``fuse`` finds it out by a probe).
 
         Raises:
             TypeError: ``module`` is not ``torch.nn.RMSNorm`` and does not have exactly one parameter of its own, a
@@ -294,6 +305,7 @@ class FusedRMSNorm(nn.Module):
             if eps is None and mod_eps is None:
                 raise ValueError(f"eps: {type(module).__name__} has no 'variance_epsilon' or 'eps'; pass eps=")
         new = cls(shape, eps=eps if eps is not None else mod_eps, elementwise_affine=False,
+                  output_in_weight_dtype=output_in_weight_dtype,
                   cast_before_weight=cast, impl=impl)
         new.elementwise_affine = w is not None
         new.weight = w

@@ -108,6 +108,7 @@ class RMSNormProbe:
     eps: float | None
     reason: str
     candidate: bool
+    output_in_weight_dtype: bool = False   # T5 style: a half weight makes the output that dtype (see the probe)
 
 
 def _eps_of(module: nn.Module) -> float | None:
@@ -171,7 +172,21 @@ def probe_rms_norm(module: nn.Module, hidden_size: int | None) -> RMSNormProbe:
         err = (y.double() - ref).abs().max().item()
         return RMSNormProbe(False, None, f"output differs from the RMSNorm formula (max abs diff {err:.3g})",
                             looks_like_norm)
-    return RMSNormProbe(True, eps, "probe output equals the formula", True)
+    # Mixed dtypes (fp32 input, bf16 weight): Llama-style norms return promote(weight, input) = fp32; T5-style ones
+    # cast the normalised input to a half weight's dtype first and return bf16. FusedRMSNorm follows the module.
+    object.__setattr__(stand_in, "_parameters", {pname: nn.Parameter(w.to(torch.bfloat16), requires_grad=False)})
+    try:
+        with torch.no_grad():
+            mixed = stand_in.forward(x).dtype
+    except Exception as exc:  # noqa: BLE001
+        return RMSNormProbe(False, None, f"probe forward with a bf16 weight failed: {type(exc).__name__}: {exc}",
+                            looks_like_norm)
+    if mixed not in (torch.float32, torch.bfloat16):
+        return RMSNormProbe(False, None, f"with fp32 input and a bf16 weight it returns {mixed} (expected float32, "
+                            f"Llama style, or bfloat16, T5 style)", looks_like_norm)
+    t5 = mixed == torch.bfloat16
+    return RMSNormProbe(True, eps, "probe output equals the formula" + ("; output in a half weight's dtype (T5 style)"
+                                                                        if t5 else ""), True, t5)
 
 
 __all__ = ["ATTENTION_MODEL_TYPES", "ATTENTION_SKIP_REASONS", "RMSNormProbe", "attention_support",
