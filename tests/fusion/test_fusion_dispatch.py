@@ -337,3 +337,14 @@ def test_explain_real_ops_on_cpu():
     assert c.impl == "torch" and c.fallback and "CUDA" in c.reasons["pipegoose"]
     c = dispatch.explain("layer_norm", x, (16,), torch.ones(16), torch.zeros(16))
     assert c.impl == "torch" and "CUDA" in c.reasons["apex"]
+
+
+def test_misspelt_impl_variable_warns(monkeypatch):
+    """PIPEGOOSE_IMPL_LAYERNORM (no underscore) was ignored without a word."""
+    monkeypatch.setenv("PIPEGOOSE_IMPL_LAYERNORM", "apex")
+    monkeypatch.setattr(dispatch, "_env_checked", False)
+    with pytest.warns(UserWarning, match="PIPEGOOSE_IMPL_LAYERNORM: no fused op"):
+        assert dispatch.warn_unknown_env() == ["PIPEGOOSE_IMPL_LAYERNORM"]
+    monkeypatch.delenv("PIPEGOOSE_IMPL_LAYERNORM")
+    monkeypatch.setenv("PIPEGOOSE_IMPL_LAYER_NORM", "torch")
+    assert dispatch.warn_unknown_env() == []

@@ -50,6 +50,7 @@ import logging
 import os
 import re
 import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
@@ -497,6 +498,24 @@ def _env_request(op: str) -> tuple[str | None, str]:
     return None, ""
 
 
+_env_checked = False
+
+
+def warn_unknown_env() -> list[str]:
+    """Warn (``UserWarning``, once per process from :func:`choose`) about ``PIPEGOOSE_IMPL_*`` variables that name
+    no op or op family (a misspelling such as ``PIPEGOOSE_IMPL_LAYERNORM`` would otherwise be ignored silently).
+    Returns the unknown names."""
+    global _env_checked
+    _env_checked = True
+    _ensure_builtin_ops()
+    known = {name for op in _impls for name in _env_names(op)}
+    unknown = sorted(k for k in os.environ if k.startswith("PIPEGOOSE_IMPL_") and k not in known)
+    for k in unknown:
+        warnings.warn(f"{k}: no fused op of that name, so it is ignored; known: {', '.join(sorted(known))}",
+                      stacklevel=3)
+    return unknown
+
+
 def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool = False) -> Choice:
     """Choose the implementation of ``op`` for ``problem`` (no counters, no strict check; see :func:`select`).
 
@@ -511,6 +530,8 @@ def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool =
         ValueError: ``impl`` (or the ``PIPEGOOSE_IMPL_*`` variable) names no implementation of the op.
     """
     impls = implementations(op)
+    if not _env_checked:
+        warn_unknown_env()
     reasons: dict[str, str] = {name: "" for name in impls}
     checked: dict[str, bool] = {}
 
