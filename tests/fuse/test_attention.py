@@ -78,9 +78,9 @@ def test_small_problems_run_sdpa(monkeypatch, dtype, sq, sk, hq, hkv, kind):
     attention/sdpa, no weights returned); outputs and gradients still match the float64 reference, fully masked
     rows included (zeros). PIPEGOOSE_SMALL_NUMEL=0 turns it off."""
     from pipegoose.nn.fusion import dispatch
-    from pipegoose.nn.fusion.transformers import attention
+    from pipegoose.nn.fusion.ops import _common
 
-    monkeypatch.setattr(attention, "_on_kernel_device", lambda t: True)   # CUDA only: pretend, to test it here
+    monkeypatch.setattr(_common, "on_kernel_device", lambda t: t.dtype != torch.float64)   # CUDA only: pretend, to test it here
     monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
     g = torch.Generator().manual_seed(sq * 10 + sk)
     b, d = 3, 8
@@ -114,9 +114,9 @@ def test_small_problems_run_sdpa(monkeypatch, dtype, sq, sk, hq, hkv, kind):
 
 
 def test_small_problem_path_refuses_bad_masks(monkeypatch):
-    from pipegoose.nn.fusion.transformers import attention
+    from pipegoose.nn.fusion.ops import _common
 
-    monkeypatch.setattr(attention, "_on_kernel_device", lambda t: True)
+    monkeypatch.setattr(_common, "on_kernel_device", lambda t: t.dtype != torch.float64)
     monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
     q = k = v = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="attention_mask"):
@@ -244,11 +244,11 @@ def test_small_problem_path_keeps_weights_when_transformers_collects_them(monkey
     """output_attentions=True on a fused model: the small-problem SDPA path would return no weights (an empty
     tuple), so it steps aside while transformers collects them."""
     from pipegoose.nn.fusion import dispatch, fuse
-    from pipegoose.nn.fusion.transformers import attention
+    from pipegoose.nn.fusion.ops import _common
 
     from . import models as M
 
-    monkeypatch.setattr(attention, "_on_kernel_device", lambda t: True)
+    monkeypatch.setattr(_common, "on_kernel_device", lambda t: t.dtype != torch.float64)
     monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
     m = M.build("gpt2")
     ids, mask = M.inputs()

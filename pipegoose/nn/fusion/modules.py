@@ -15,6 +15,7 @@ from torch import nn
 from . import dispatch
 from . import functional as PF
 from .ops import softmax as _sm
+from .ops import _common
 from .ops._common import megatron_batches_per_block
 from .ops.layer_norm import normalize_shape
 
@@ -146,13 +147,7 @@ _SMALL_CHOICE = {op: dispatch.Choice(op, "torch", "small", False, {}, f"input be
                                      f"the native op (module fast path)") for op in ("layer_norm", "rms_norm")}
 
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _HALF = (torch.float16, torch.bfloat16)
-
-
-def _on_kernel_device(t: torch.Tensor) -> bool:
-    """Whether our kernels can run on ``t``'s device (CUDA); a function so that CPU tests can pretend."""
-    return t.is_cuda
 
 
 def _small_native(op: str, impl: str | None, input: Any, shape: tuple[int, ...], eps: Any) -> bool:
@@ -161,7 +156,7 @@ def _small_native(op: str, impl: str | None, input: Any, shape: tuple[int, ...],
     strict mode must see), fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements, trailing dims ``shape``, a float ``eps``
     >= 0 or None (anything else goes to the dispatcher, whose checks name the argument), no ``impl`` and no
     ``PIPEGOOSE_IMPL_*`` variable. The module then calls the native op, as the unfused module does."""
-    return (impl is None and isinstance(input, torch.Tensor) and _on_kernel_device(input) and input.dtype in _KERNEL_DTYPES
+    return (impl is None and isinstance(input, torch.Tensor) and _common.on_kernel_device(input)
             and input.numel() < dispatch.small_numel() and tuple(input.shape[input.dim() - len(shape):]) == shape
             and input.dim() >= len(shape) and (eps is None or (type(eps) is float and eps >= 0.0))
             and dispatch._env_request(op)[0] is None)

@@ -71,6 +71,13 @@ def has_storage(t: torch.Tensor) -> bool:
 NO_STORAGE = "a tensor without storage (inside a torch.func transform such as vmap): the kernels need real memory"
 
 
+def on_kernel_device(t: torch.Tensor) -> bool:
+    """Whether our fused kernels could run on ``t``: a CUDA tensor in fp16, bf16 or fp32. The small-problem
+    shortcuts (fused norm modules, the attention function) apply only there: elsewhere the native op is a fallback,
+    which strict mode must see. Tests replace this function (``_common.on_kernel_device``) to exercise them on CPU."""
+    return t.is_cuda and t.dtype in (torch.float16, torch.bfloat16, torch.float32)
+
+
 def shape_signature(shape: Any) -> tuple:
     """Hashable metadata of a ``normalized_shape`` argument for the choice cache: its type, each element's type and
     the values (``(8.0,) == (8,)`` and hash alike, but only the second is valid; a list and its tuple share

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import dispatch
+from ..ops import _common
 
 ATTENTION_NAME = "pipegoose"
 ATTENTION_SDPA_NAME = "pipegoose_sdpa"
@@ -237,18 +238,12 @@ def _softmax(scores: torch.Tensor, plan: MaskPlan, scale: float) -> torch.Tensor
     return PF.scaled_masked_softmax(scores, None, scale)
 
 
-def _on_kernel_device(t: torch.Tensor) -> bool:
-    """Whether our softmax kernels can run on ``t``'s device (CUDA); a function so that CPU tests can pretend."""
-    return t.is_cuda
-
-
 def _small(query: torch.Tensor, sq: int, sk: int) -> bool:
     """Whether the scores ``[b, hq, sq, sk]`` have fewer than :func:`dispatch.small_numel` elements, on a device and
     in a dtype where our fused softmax could run (elsewhere the softmax's reference path is a fallback, which strict
     mode must see)."""
     limit = dispatch.small_numel()
-    return (bool(limit) and _on_kernel_device(query) and query.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and query.shape[0] * query.shape[1] * sq * sk < limit)
+    return bool(limit) and _common.on_kernel_device(query) and query.shape[0] * query.shape[1] * sq * sk < limit
 
 
 def _weights_requested() -> bool:
