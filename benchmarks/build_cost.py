@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .common import REPO_ROOT
 
-__all__ = ["find_switches", "build_cost", "specialise"]
+__all__ = ["builder_with_defines", "find_switches", "build_cost", "specialise"]
 
 MARK = "BUILD_RESULT "
 SPECIALISE_KERNELS = ("pipegoose/softmax", "pipegoose/layer_norm")
@@ -94,10 +94,9 @@ def build_cost(jobs: int = 16, timeout: float = 580.0) -> dict:
 # --- specialisation ------------------------------------------------------------------------------------------
 
 
-def _worker(kernel_id: str, defines: list[str], cache: str) -> dict:
-    """In a fresh process: build ``kernel_id`` with extra nvcc ``defines`` into ``cache`` and time its raw ops."""
-    import torch
-
+def builder_with_defines(kernel_id: str, defines: list[str], cache: str | None):
+    """A ``KernelBuilder`` for ``kernel_id`` whose nvcc and C++ flags gain ``defines`` (``-DNAME[=VALUE]``; they
+    change the build key), building into ``cache`` (None: the default cache)."""
     from pipegoose.kernels.builder import KernelBuilder
     from pipegoose.kernels.manifest import load_manifest
 
@@ -108,7 +107,17 @@ def _worker(kernel_id: str, defines: list[str], cache: str) -> dict:
         flags["nvcc"] = tuple(flags.get("nvcc", ())) + tuple(defines)
         flags["cxx"] = tuple(flags.get("cxx", ())) + tuple(defines)
         m.kernels[k.id] = dataclasses.replace(k, flags=flags)
-    b = KernelBuilder(k.id, manifest=m, cache_dir=cache)
+    return KernelBuilder(k.id, manifest=m, cache_dir=cache)
+
+
+def _worker(kernel_id: str, defines: list[str], cache: str) -> dict:
+    """In a fresh process: build ``kernel_id`` with extra nvcc ``defines`` into ``cache`` and time its raw ops."""
+    import torch
+
+    from pipegoose.kernels.manifest import load_manifest
+
+    k = load_manifest().resolve(kernel_id)
+    b = builder_with_defines(kernel_id, defines, cache)
     t0 = time.perf_counter()
     b.build()
     build_s = time.perf_counter() - t0

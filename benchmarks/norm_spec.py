@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 
+from .build_cost import builder_with_defines
 from .common import REPO_ROOT
 
 MARK = "NORM_SPEC "
@@ -32,24 +33,9 @@ KERNELS = ("pipegoose/layer_norm", "pipegoose/rms_norm")
 GENERIC = ["-DPIPEGOOSE_NORM_NO_SPEC"]
 
 
-def _builder(kernel_id: str, defines: list[str], cache: str):
-    import dataclasses
-
-    from pipegoose.kernels.builder import KernelBuilder
-    from pipegoose.kernels.manifest import load_manifest
-
-    m = load_manifest()
-    k = m.resolve(kernel_id)
-    if defines:
-        flags = dict(k.flags)
-        flags["nvcc"] = tuple(flags.get("nvcc", ())) + tuple(defines)
-        m.kernels[k.id] = dataclasses.replace(k, flags=flags)
-    return KernelBuilder(k.id, manifest=m, cache_dir=cache)
-
-
 def _build_worker(kernel_id: str, defines: list[str], cache: str) -> dict:
     t0 = time.perf_counter()
-    _builder(kernel_id, defines, cache).build()
+    builder_with_defines(kernel_id, defines, cache).build()
     return {"kernel": kernel_id, "defines": defines, "build_s": round(time.perf_counter() - t0, 1)}
 
 
@@ -59,7 +45,7 @@ def _time_worker(kernel_id: str, defines: list[str], cache: str, hidden: list[in
 
     from .timing import Timer
 
-    ops = _builder(kernel_id, defines, cache).load()
+    ops = builder_with_defines(kernel_id, defines, cache).load()
     rms = kernel_id.endswith("rms_norm")
     timer = Timer("cuda", warmup=5, reps=40)
     g = torch.Generator(device="cuda").manual_seed(0)
