@@ -256,6 +256,24 @@ def test_backward_specialised_sizes(ln, rms, h):
         check_rms_norm(rms, x, w, dy, out_dtype=out_dtype)
 
 
+@pytest.mark.parametrize("h", [20000, 32768])
+def test_wide_rows_two_kernel_backward(ln, rms, h):
+    """Rows wider than the register plans (vector rows > 16384 columns): the backward's row-statistics kernel and
+    column-slab kernel (norm_bwd_rowstats_kernel, norm_bwd_cols_kernel), in the dtype combinations they are
+    instantiated for, with a chunk count that is not a multiple of the slab (20000 / 8 = 2500), rows that are not
+    a multiple of the rows loaded at a time, and without parameters."""
+    for dtype, pdtype, out_dtype in ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
+                                     (torch.bfloat16, torch.float32, torch.float32), (torch.float32, torch.float32, None)):
+        x, w, b, dy = make(1029, h, dtype, pdtype, seed=h + 7)
+        if out_dtype is not None:
+            dy = dy.float()
+        check_layer_norm(ln, x, w, b, dy, out_dtype=out_dtype)
+        check_rms_norm(rms, x, w, dy, out_dtype=out_dtype)
+    x, _, _, dy = make(5, h, torch.bfloat16, None, seed=h + 8)
+    check_layer_norm(ln, x, None, None, dy)
+    check_rms_norm(rms, x, None, dy)
+
+
 def test_other_out_dtype(ln, rms):
     """An out_dtype that is neither the input's nor fp32 is rounded from fp32 (documented fallback)."""
     x, w, b, dy = make(33, 768, torch.bfloat16, torch.bfloat16, seed=6)

@@ -8,14 +8,17 @@
 // TPR <= 32 is a power of two (sub-warp groups); TPR > 32 is a multiple of 32 (several warps per row, reduced
 // through shared memory). A block holds RPB = blockDim.x / TPR row groups.
 //
-// Both directions run a persistent grid (as many blocks as fit the GPU at once); each row group walks over rows
+// Both directions run a persistent grid (as many blocks as fit the GPU at once; the forward's wide plans without
+// prefetch a full grid instead); each row group walks over rows
 // with a stride and, in the prefetching (PF) variants, loads the next row's chunks before reducing the current
 // one, so that 16-byte loads stay in flight through the reductions (Hopper needs ~32-64 KB in flight per SM).
 // Forward: one read of x, one write of y, two-pass mean/variance from registers.
 // Backward: keeps per-column partial sums of dy * xhat (and dy) in fp32 (registers, or shared memory for wide
 // rows), writes one partial row per block into an fp32 workspace [nacc, blocks, H], and norm_col_reduce_kernel
 // sums the partial rows column-wise in a fixed order (deterministic, no atomics).
-// Rows wider than the register capacity take the *_generic kernels (block per row, re-reading the row).
+// Rows wider than the register capacity: the forward takes norm_fwd_generic_kernel (block per row, re-reading the
+// row); the backward of vector rows the two-kernel path (norm_bwd_rowstats_kernel + norm_bwd_cols_kernel), of scalar
+// rows norm_bwd_generic_kernel.
 // Launch plans per hidden size: fwd_plan / bwd_plan below. A build with -DPIPEGOOSE_NORM_HIDDEN=H0 (a benchmark
 // experiment, off in the shipped build; see the host side) adds instantiations specialised to H == H0.
 #pragma once
@@ -37,6 +40,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <utility>
 #include <type_traits>
 #include "pipegoose_check.h"
 
@@ -204,12 +208,61 @@ __device__ __forceinline__ float param_at(const void* __restrict__ p, bool p_f32
   return p_f32 ? static_cast<const float*>(p)[j] : to_f(static_cast<const Tin*>(p)[j]);
 }
 
+// Parameter cache: the launches stage the parameters once per block as fp32 in shared memory (sw[H], then sb[H]
+// for LayerNorm; a null weight stages ones, a null bias zeros) when they fit (kParamCacheBytes), so that the row
+// loop reads them with 16-byte shared loads instead of re-reading global memory per row behind the null and dtype
+// branches (which cost ~14 instructions per 4 parameters in the profile of the first version).
+constexpr size_t kParamCacheBytes = 64 * 1024;
+
+template <typename Tin, bool RMS>
+__device__ __forceinline__ void stage_params(const void* __restrict__ w, const void* __restrict__ b, bool p_f32,
+                                             int H, float* sw, float* sb) {
+  // Eight independent loads per thread in flight (a plain loop would wait for each load before the next).
+  constexpr int U = 8;
+  for (int j0 = threadIdx.x; j0 < H; j0 += U * blockDim.x) {
+    float vw[U], vb[U];
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int j = j0 + k * static_cast<int>(blockDim.x);
+      vw[k] = j < H && w != nullptr ? param_at<Tin>(w, p_f32, j) : 1.f;
+      if constexpr (!RMS) vb[k] = j < H && b != nullptr ? param_at<Tin>(b, p_f32, j) : 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int j = j0 + k * static_cast<int>(blockDim.x);
+      if (j < H) {
+        sw[j] = vw[k];
+        if constexpr (!RMS) sb[j] = vb[k];
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// Reads N consecutive floats of shared memory at p (16-byte aligned when N % 4 == 0).
+template <int N>
+__device__ __forceinline__ void lds_f(const float* p, float (&out)[N]) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int k = 0; k < N / 4; ++k) {
+      const float4 v = reinterpret_cast<const float4*>(p)[k];
+      out[4 * k] = v.x;
+      out[4 * k + 1] = v.y;
+      out[4 * k + 2] = v.z;
+      out[4 * k + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = p[i];
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Row reduction
 // ---------------------------------------------------------------------------------------------------------
 // Sums K values over the TPR threads of each row group; every thread of the group gets the same (bitwise)
 // result: the xor butterfly adds the same two operands on both partners, and the cross-warp step reads the
-// partials in one fixed order. buf: shared float[K * 32] (one slot per warp of the block). Callers alternate
+// partials in one fixed order. buf: shared float[K * 32], 16-byte aligned (one slot per warp of the block). Callers alternate
 // two buffers between consecutive calls, which makes one __syncthreads per call enough. Every thread of the
 // block must call it (it may synchronise the block).
 template <int K>
@@ -234,7 +287,19 @@ __device__ __forceinline__ void row_sum(float (&v)[K], int tpr, float* buf) {
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       float s = 0.f;
-      for (int i = 0; i < nw; ++i) s += buf[k * 32 + first + i];
+      if ((nw & 3) == 0) {
+        // 16-byte reads (first is a multiple of nw, so of 4; buf is 16-byte aligned), same summation order.
+        const float4* b4 = reinterpret_cast<const float4*>(buf + k * 32 + first);
+        for (int i = 0; i < (nw >> 2); ++i) {
+          const float4 q = b4[i];
+          s += q.x;
+          s += q.y;
+          s += q.z;
+          s += q.w;
+        }
+      } else {
+        for (int i = 0; i < nw; ++i) s += buf[k * 32 + first + i];
+      }
       v[k] = s;
     }
   }
@@ -321,11 +386,12 @@ template <typename Tin, typename Tout, int VEC, int NV, bool RMS, bool PF, int H
 __global__ void __launch_bounds__(FwdBounds<NV, VEC>::value)
 norm_fwd_kernel(const Tin* __restrict__ x, const void* __restrict__ w, const void* __restrict__ b, bool p_f32,
                 Tout* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
-                int64_t rows, int h_arg, int tpr_arg, float eps) {
+                int64_t rows, int h_arg, int tpr_arg, float eps, bool pcache) {
   using G = FixedRow<HC, VEC, NV, false>;
   constexpr bool FIXED = HC > 0;
   constexpr int PG = VEC < 4 ? VEC : 4;
-  __shared__ float red[2][32];
+  __shared__ __align__(16) float red[2][32];
+  extern __shared__ __align__(16) float fwd_smem[];  // pcache: the parameter cache sw[H], sb[H]
   const int H = FIXED ? HC : h_arg;
   const int tpr = FIXED ? G::tpr : tpr_arg;
   const int rpb = FIXED ? G::rpb : blockDim.x / tpr;
@@ -334,10 +400,16 @@ norm_fwd_kernel(const Tin* __restrict__ x, const void* __restrict__ w, const voi
   const int nchunks = FIXED ? G::chunks : H / VEC;  // exact: VEC == 1 or H % VEC == 0
   const float inv_h = FIXED ? G::inv_h : 1.f / static_cast<float>(H);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
+  float* sw = fwd_smem;
+  float* sb = fwd_smem + H;
   int parity = 0;
   int64_t base = static_cast<int64_t>(blockIdx.x) * rpb;
   Raw<Tin, VEC> cur[NV];
   if constexpr (PF) load_row<Tin, VEC, NV, FIXED>(x + (base + rg) * H, base + rg < rows, t, tpr, nchunks, cur);
+  // The parameter cache in the prefetching kernels only (the wide no-prefetch rows exceed kParamCacheBytes, and
+  // the cached path's registers would make them spill).
+  pcache = PF && pcache;
+  if (pcache) stage_params<Tin, RMS>(w, b, p_f32, H, sw, sb);  // after the first loads: they overlap
   for (; base < rows; base += stride) {
     const int64_t row = base + rg;
     const bool valid = row < rows;
@@ -388,6 +460,14 @@ norm_fwd_kernel(const Tin* __restrict__ x, const void* __restrict__ w, const voi
           for (int g0 = 0; g0 < VEC; g0 += PG) {
 #pragma unroll
             for (int i = 0; i < PG; ++i) o[g0 + i] = (raw_get(cur[n], g0 + i) - mean) * rstd;
+            if (PF && pcache) {
+              float wv[PG], bv[PG];
+              lds_f<PG>(sw + c * VEC + g0, wv);
+              if constexpr (!RMS) lds_f<PG>(sb + c * VEC + g0, bv);
+#pragma unroll
+              for (int i = 0; i < PG; ++i) o[g0 + i] = RMS ? o[g0 + i] * wv[i] : fmaf(o[g0 + i], wv[i], bv[i]);
+              continue;
+            }
             if (w != nullptr) {
               float wv[PG];
               load_param<PG, Tin>(w, p_f32, c * VEC + g0, wv);
@@ -491,13 +571,13 @@ template <typename Tin, typename Tdy, int VEC, int NV, bool RMS, bool ACC_SMEM, 
 __global__ void __launch_bounds__(BwdBounds<ACC_SMEM>::threads, BwdBounds<ACC_SMEM>::min_blocks)
 norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const void* __restrict__ w, bool p_f32,
                 const float* __restrict__ mean, const float* __restrict__ rstd, Tin* __restrict__ dx,
-                float* __restrict__ ws, int64_t rows, int h_arg, int tpr_arg) {
+                float* __restrict__ ws, int64_t rows, int h_arg, int tpr_arg, bool pcache) {
   using G = FixedRow<HC, VEC, NV, ACC_SMEM>;
   constexpr bool FIXED = HC > 0;
   constexpr int NACC = RMS ? 1 : 2;
   constexpr int PG = VEC < 4 ? VEC : 4;
-  extern __shared__ float dyn_smem[];
-  __shared__ float red[2][64];
+  extern __shared__ __align__(16) float bwd_smem[];  // [the weight cache sw[H4] when pcache][dyn_smem]
+  __shared__ __align__(16) float red[2][64];
   const int H = FIXED ? HC : h_arg;
   const int tpr = FIXED ? G::tpr : tpr_arg;
   const int rpb = FIXED ? G::rpb : blockDim.x / tpr;
@@ -507,6 +587,10 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
   const int nchunks = FIXED ? G::chunks : H / VEC;
   const float inv_h = FIXED ? G::inv_h : 1.f / static_cast<float>(H);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
+  // pcache: the weight as fp32 in sw (stage_params), H rounded up to 4 floats; the rest of the dynamic shared
+  // memory (dyn_smem) follows it.
+  float* sw = bwd_smem;
+  float* dyn_smem = bwd_smem + (pcache ? ((H + 3) & ~3) : 0);
   // ACC_SMEM: thread t's NV * VEC slots are contiguous (compile-time offsets from one base: no address
   // registers) with a stride of NV * VEC + 1 words between threads (odd: no bank conflicts).
   const int acc_stride = (NV * VEC + 1) * tpr;  // floats per accumulator
@@ -546,6 +630,7 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
       r = rstd[row];
     }
   }
+  if (pcache) stage_params<Tin, true>(w, nullptr, p_f32, H, sw, nullptr);  // after the first loads: they overlap
   for (; base < rows; base += stride) {
     const int64_t row = base + rg;
     const bool valid = row < rows;
@@ -583,7 +668,10 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
         float wv[PG];
 #pragma unroll
         for (int k = 0; k < PG; ++k) wv[k] = 1.f;
-        if (w != nullptr && chunk_in<FIXED>(c, n, tpr, nchunks)) load_param<PG, Tin>(w, p_f32, c * VEC + g0, wv);
+        if (chunk_in<FIXED>(c, n, tpr, nchunks)) {
+          if (pcache) lds_f<PG>(sw + c * VEC + g0, wv);
+          else if (w != nullptr) load_param<PG, Tin>(w, p_f32, c * VEC + g0, wv);
+        }
 #pragma unroll
         for (int k = 0; k < PG; ++k) {
           const int i = g0 + k;
@@ -619,7 +707,8 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
             float wv[PG];
 #pragma unroll
             for (int k = 0; k < PG; ++k) wv[k] = 1.f;
-            if (w != nullptr) load_param<PG, Tin>(w, p_f32, c * VEC + g0, wv);
+            if (pcache) lds_f<PG>(sw + c * VEC + g0, wv);
+            else if (w != nullptr) load_param<PG, Tin>(w, p_f32, c * VEC + g0, wv);
 #pragma unroll
             for (int k = 0; k < PG; ++k) {
               const int i = g0 + k;
@@ -744,6 +833,136 @@ norm_bwd_generic_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
       dxr[j] = from_f<Tin>(r * (g - c1 - xh * c2));
     }
   }
+}
+
+// Wide rows (vector rows beyond the register plans: bf16/fp16 H > 16384, fp32 H > 16384), in two kernels.
+// The register plans hold a row of x and dy in the registers of one block; a wider row does not fit, and the
+// generic kernel, which keeps the column sums in its workspace rows, pays a read-modify-write of fp32 sums per
+// element (14-24% of copy bandwidth on the H200). Here:
+// 1. norm_bwd_rowstats_kernel: per row, c1 = mean_j(g) (LayerNorm) and c2 = mean_j(g * xhat) into stats [rows, 2]
+//    (one block per row, grid-stride; reads x and dy).
+// 2. norm_bwd_cols_kernel: blocks own column slabs of kColThreads chunks and a range of rows; each thread keeps
+//    its chunk's weight and column sums in registers while it walks down the rows (kColRows rows loaded at a time),
+//    writes dx and, at the end, one partial row per block into ws [NACC, gridDim.y, H] (reads x and dy again,
+//    writes dx).
+// Five passes over an activation instead of the minimum three, but each at full width; deterministic (fixed
+// summation orders, no atomics).
+constexpr int kStatThreads = 512;
+constexpr int kColThreads = 256;
+constexpr int kColRows = 4;
+
+template <typename Tin, typename Tdy, int VEC, bool RMS>
+__global__ void __launch_bounds__(kStatThreads)
+norm_bwd_rowstats_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const void* __restrict__ w,
+                         bool p_f32, const float* __restrict__ mean, const float* __restrict__ rstd,
+                         float2* __restrict__ stats, int64_t rows, int H) {
+  constexpr int U = 4;  // chunks loaded at a time per thread
+  __shared__ __align__(16) float red[2][64];
+  const int nchunks = H / VEC;
+  const float inv_h = 1.f / static_cast<float>(H);
+  int parity = 0;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const Tin* xr = x + row * H;
+    const Tdy* dyr = dy + row * H;
+    const float m = RMS ? 0.f : mean[row];
+    const float r = rstd[row];
+    float s[2] = {0.f, 0.f};
+    for (int c0 = threadIdx.x; c0 < nchunks; c0 += U * kStatThreads) {
+      Raw<Tin, VEC> xc[U];
+      Raw<Tdy, VEC> dc[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + u * kStatThreads;
+        if (c < nchunks) {
+          raw_load<Tin, VEC>(xr + static_cast<int64_t>(c) * VEC, xc[u]);
+          raw_load<Tdy, VEC>(dyr + static_cast<int64_t>(c) * VEC, dc[u]);
+        } else {
+          raw_zero(xc[u]);
+          raw_zero(dc[u]);  // dy == 0: adds nothing below
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + u * kStatThreads;
+        constexpr int PG = VEC < 4 ? VEC : 4;
+#pragma unroll
+        for (int g0 = 0; g0 < VEC; g0 += PG) {
+          float wv[PG];
+#pragma unroll
+          for (int k = 0; k < PG; ++k) wv[k] = 1.f;
+          if (w != nullptr && c < nchunks) load_param<PG, Tin>(w, p_f32, c * VEC + g0, wv);
+#pragma unroll
+          for (int k = 0; k < PG; ++k) {
+            const float g = raw_get(dc[u], g0 + k) * wv[k];
+            if constexpr (!RMS) s[0] += g;
+            s[1] += g * ((raw_get(xc[u], g0 + k) - m) * r);
+          }
+        }
+      }
+    }
+    row_sum<2>(s, kStatThreads, red[parity]);
+    parity ^= 1;
+    if (threadIdx.x == 0) stats[row] = make_float2(RMS ? 0.f : s[0] * inv_h, s[1] * inv_h);
+  }
+}
+
+// grid (ceil(chunks / kColThreads), P): block (bx, p) owns chunks bx * kColThreads + t and rows [p * rpp, (p + 1) *
+// rpp) (rows_per_part = rpp). ws: fp32 [NACC, P, H] or null (no parameter gradients).
+template <typename Tin, typename Tdy, int VEC, bool RMS>
+__global__ void __launch_bounds__(kColThreads)
+norm_bwd_cols_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const void* __restrict__ w,
+                     bool p_f32, const float* __restrict__ mean, const float* __restrict__ rstd,
+                     const float2* __restrict__ stats, Tin* __restrict__ dx, float* __restrict__ ws, int64_t rows,
+                     int H, int64_t rows_per_part) {
+  const int nchunks = H / VEC;
+  const int c = blockIdx.x * kColThreads + threadIdx.x;
+  if (c >= nchunks) return;  // no barrier below
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows_per_part;
+  const int64_t r1 = r0 + rows_per_part < rows ? r0 + rows_per_part : rows;
+  float wv[VEC], acc_w[VEC], acc_b[VEC];
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    wv[i] = 1.f;
+    acc_w[i] = 0.f;
+    acc_b[i] = 0.f;
+  }
+  if (w != nullptr) load_param<VEC, Tin>(w, p_f32, c * VEC, wv);
+  const int64_t off = static_cast<int64_t>(c) * VEC;
+  for (int64_t row0 = r0; row0 < r1; row0 += kColRows) {
+    Raw<Tin, VEC> xc[kColRows];
+    Raw<Tdy, VEC> dc[kColRows];
+#pragma unroll
+    for (int u = 0; u < kColRows; ++u) {
+      const int64_t row = row0 + u;
+      if (row < r1) {
+        raw_load<Tin, VEC>(x + row * H + off, xc[u]);
+        raw_load<Tdy, VEC>(dy + row * H + off, dc[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kColRows; ++u) {
+      const int64_t row = row0 + u;
+      if (row < r1) {
+        const float m = RMS ? 0.f : mean[row];
+        const float r = rstd[row];
+        const float2 st = stats[row];
+        float o[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const float xh = (raw_get(xc[u], i) - m) * r;
+          const float d = raw_get(dc[u], i);
+          acc_w[i] += d * xh;
+          if constexpr (!RMS) acc_b[i] += d;
+          o[i] = r * (d * wv[i] - st.x - xh * st.y);
+        }
+        store_f<VEC>(dx + row * H + off, o);
+      }
+    }
+  }
+  if (ws == nullptr) return;
+  const int64_t P = gridDim.y;
+  store_f<VEC>(ws + static_cast<int64_t>(blockIdx.y) * H + off, acc_w);
+  if constexpr (!RMS) store_f<VEC>(ws + (P + blockIdx.y) * static_cast<int64_t>(H) + off, acc_b);
 }
 
 // ws fp32 [NACC, P, H] -> out_a[H] = sum_p ws[0, p, :] (TA), out_b[H] = sum_p ws[1, p, :] (TB, may be null).
@@ -903,11 +1122,20 @@ inline int occupancy(const void* kernel, int threads, size_t smem) {
   return n;
 }
 
+// Raises a kernel's dynamic shared memory limit to smem when needed (the default, 48 KB, counts the kernel's static
+// shared memory too, so any request above 32 KB sets it). Cached per device and kernel: the attribute is set once
+// per size increase, not per launch.
 inline void allow_smem(const void* kernel, size_t smem) {
-  if (smem > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem)));
-  }
+  if (smem <= 32 * 1024) return;
+  static std::mutex mu;
+  static std::map<std::pair<int, const void*>, size_t> done;
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  size_t& cur = done[std::make_pair(dev, kernel)];
+  if (smem <= cur) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  cur = smem;
 }
 
 template <typename Tin, typename Tout, bool RMS>
@@ -930,16 +1158,28 @@ void launch_fwd(const Tin* x, const void* w, const void* b, bool p_f32, Tout* y,
   }
   const int rpb = rows_per_block(cfg.tpr);
   const int threads = rpb * cfg.tpr;
+  // The parameter cache (stage_params) for rows of up to 2048 columns with parameters: there the LayerNorm forward
+  // ran 3-6% faster with it on the H200 (bf16, 512-1024 columns); at 4096-16384 columns staging the parameters in
+  // every block of the persistent grid cost the RMSNorm forward 3-6% (session 4 A/B), so those read them per row.
+  const size_t psmem = sizeof(float) * (RMS ? 1 : 2) * static_cast<size_t>(H);
+  const bool pcache = (w != nullptr || b != nullptr) && H <= 2048 && psmem <= kParamCacheBytes && cfg.pf;
   auto go = [&](auto nv_c, auto vec_c, auto pf_c, auto h_c) {
     constexpr int NV = decltype(nv_c)::value;
     constexpr int VEC = decltype(vec_c)::value;
     constexpr bool PF = decltype(pf_c)::value != 0;
     constexpr int HC = decltype(h_c)::value;
     auto kernel = &norm_fwd_kernel<Tin, Tout, VEC, NV, RMS, PF, HC>;
-    // Persistent grid: as many blocks as fit on the GPU at once (each walks over rows with a stride).
-    const int occ = occupancy(reinterpret_cast<const void*>(kernel), threads, 0);
-    const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(ceil_div(rows, rpb), static_cast<int64_t>(sms) * occ));
-    kernel<<<static_cast<unsigned>(grid), threads, 0, stream>>>(x, w, b, p_f32, y, mean, rstd, rows, H, cfg.tpr, eps);
+    const size_t smem = pcache ? psmem : 0;
+    allow_smem(reinterpret_cast<const void*>(kernel), smem);
+    const int occ = occupancy(reinterpret_cast<const void*>(kernel), threads, smem);
+    // Prefetching plans: a persistent grid (as many blocks as fit on the GPU at once, each walking over rows with a
+    // stride). The wide plans without prefetch: one block per row group and row (a full grid); on the H200 that
+    // ran 2-17% faster than the persistent grid for those rows (bf16 32768-65536, fp32 16384-32768 columns), while
+    // it lost up to 70% on the prefetching plans (there every block staged the parameter cache; session 4 A/B).
+    const int64_t full = std::min<int64_t>(ceil_div(rows, rpb), (1LL << 31) - 1);
+    const int64_t grid = std::max<int64_t>(1, PF ? std::min<int64_t>(full, static_cast<int64_t>(sms) * occ) : full);
+    kernel<<<static_cast<unsigned>(grid), threads, smem, stream>>>(x, w, b, p_f32, y, mean, rstd, rows, H, cfg.tpr,
+                                                                  eps, pcache);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
 #if defined(PIPEGOOSE_NORM_HIDDEN)
@@ -977,6 +1217,30 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   const Cfg cfg = bwd_plan<V>(vec ? H / V : H, vec);
   at::Tensor ws;
   const int sms = sm_count();
+  if (cfg.nv == 0 && vec) {
+    // Wide vector rows: the two-kernel path (norm_bwd_rowstats_kernel, norm_bwd_cols_kernel).
+    auto stats = at::empty({std::max<int64_t>(rows, 1), 2}, fopts);
+    auto k1 = &norm_bwd_rowstats_kernel<Tin, Tdy, V, RMS>;
+    const int occ1 = occupancy(reinterpret_cast<const void*>(k1), kStatThreads, 0);
+    const int64_t g1 = std::max<int64_t>(1, std::min<int64_t>(rows, static_cast<int64_t>(sms) * occ1));
+    k1<<<static_cast<unsigned>(g1), kStatThreads, 0, stream>>>(dy, x, w, p_f32, mean, rstd,
+                                                               reinterpret_cast<float2*>(stats.data_ptr<float>()),
+                                                               rows, H);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    auto k2 = &norm_bwd_cols_kernel<Tin, Tdy, V, RMS>;
+    const int occ2 = occupancy(reinterpret_cast<const void*>(k2), kColThreads, 0);
+    const int64_t gx = ceil_div(H / V, kColThreads);
+    // Row parts: about two waves of blocks in all, at least kColRows rows each (gridDim.y <= 65535).
+    const int64_t want = std::max<int64_t>(1, ceil_div(2LL * sms * occ2, gx));
+    const int64_t rpp = std::max<int64_t>(kColRows, ceil_div(rows, std::min<int64_t>(want, 65535)));
+    const int64_t P = std::max<int64_t>(1, ceil_div(rows, rpp));
+    if (want_ws) ws = at::empty({NACC, P, H}, fopts);
+    k2<<<dim3(static_cast<unsigned>(gx), static_cast<unsigned>(P)), kColThreads, 0, stream>>>(
+        dy, x, w, p_f32, mean, rstd, reinterpret_cast<const float2*>(stats.data_ptr<float>()), dx,
+        want_ws ? ws.data_ptr<float>() : nullptr, rows, H, rpp);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return ws;
+  }
   if (cfg.nv == 0) {
     const int threads = 1024;
     const int occ = occupancy(reinterpret_cast<const void*>(&norm_bwd_generic_kernel<Tin, Tdy, RMS>), threads, 0);
@@ -999,12 +1263,18 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     size_t smem = 0;
     if (ACC) smem = sizeof(float) * NACC * (NV * VEC + 1) * static_cast<size_t>(cfg.tpr);
     else if (rpb > 1) smem = sizeof(float) * static_cast<size_t>(rpb) * H;
+    // The weight cache (stage_params) in front of it, when there is a weight and it fits, except for the
+    // LayerNorm's shared-memory accumulator plans of 16-bit inputs: there it cost 2-7% (bf16 8192 and 16384
+    // columns, H200, session 4 A/B), where RMSNorm gained 5-17%.
+    const size_t psmem = sizeof(float) * static_cast<size_t>((H + 3) & ~3);
+    const bool pcache = w != nullptr && psmem <= kParamCacheBytes && !(!RMS && ACC && sizeof(Tin) == 2);
+    if (pcache) smem += psmem;
     allow_smem(reinterpret_cast<const void*>(kernel), smem);
     const int occ = occupancy(reinterpret_cast<const void*>(kernel), threads, smem);
     const int64_t P = std::max<int64_t>(1, std::min<int64_t>(ceil_div(rows, rpb), static_cast<int64_t>(sms) * occ));
     if (want_ws) ws = at::empty({NACC, P, H}, fopts);
     kernel<<<static_cast<unsigned>(P), threads, smem, stream>>>(
-        dy, x, w, p_f32, mean, rstd, dx, want_ws ? ws.data_ptr<float>() : nullptr, rows, H, cfg.tpr);
+        dy, x, w, p_f32, mean, rstd, dx, want_ws ? ws.data_ptr<float>() : nullptr, rows, H, cfg.tpr, pcache);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   // Specialised kernels (H == HC on the vector path; the plan is cfg's, evaluated at compile time): the shipped
