@@ -16,3 +16,10 @@ tail -15 "$out/build.txt"
 timeout "${PYTEST_TIMEOUT:-360}" python3 -m pytest -m "$mark" -q -rfEs -p no:cacheprovider "${paths[@]}" > "$out/pytest.txt" 2>&1
 echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)" "$out/pytest.txt" | head -40; tail -3 "$out/pytest.txt"
 for q in benchmarks/quick_*.py; do [ -f "$q" ] && timeout 120 python3 "$q" > "$out/$(basename "$q" .py).txt" 2>&1; echo "== $q rc=$?"; tail -25 "$out/$(basename "$q" .py).txt"; done
+# Sanitizers over every launch path of our own kernels (tools/sanitize_kernels.py), when compute-sanitizer exists.
+if command -v compute-sanitizer > /dev/null; then
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 99 python3 tools/sanitize_kernels.py > "$out/memcheck.txt" 2>&1
+  echo "memcheck rc=$? $(grep -E 'kernel calls|ERROR SUMMARY' "$out/memcheck.txt" | tr '\n' ' ')"
+  timeout 300 compute-sanitizer --tool racecheck --error-exitcode 99 python3 tools/sanitize_kernels.py norms > "$out/racecheck.txt" 2>&1
+  echo "racecheck rc=$? $(grep -E 'kernel calls|RACECHECK SUMMARY' "$out/racecheck.txt" | tr '\n' ' ')"
+fi

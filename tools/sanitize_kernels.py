@@ -1,0 +1,68 @@
+"""Every launch path of pipegoose's own kernels at small sizes, to run under compute-sanitizer.
+
+    compute-sanitizer --tool memcheck  --error-exitcode 99 python tools/sanitize_kernels.py
+    compute-sanitizer --tool racecheck --error-exitcode 99 python tools/sanitize_kernels.py norms
+
+Calls the forward and backward of ``pipegoose/layer_norm`` and ``pipegoose/rms_norm`` (every launch plan of
+``norm_kernels.cuh``: scalar rows, register and shared-memory accumulator plans, the prefetching and wide forward,
+the specialised backward sizes, the two-kernel wide backward, with and without parameters, fp32 parameters with a
+16-bit input) and of ``pipegoose/softmax`` (plain, padding-masked, causal; 1 to 40000 keys; one and three query rows)
+in fp32, fp16 and bf16, at row counts small enough for the sanitizers (seconds, not hours). The optional argument
+``norms`` or ``softmax`` limits it to one family. The GPU tests check values; this checks memory accesses, shared
+memory races and initialisation: the test suite itself is too large to run under the sanitizers (out of memory).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from pipegoose.kernels import load
+
+NORM_HIDDEN = (1, 7, 100, 768, 1000, 2048, 4096, 8192, 12288, 16384, 20000, 65536)
+SOFTMAX_KEYS = (1, 5, 127, 1000, 2048, 4097, 16384, 40000)
+
+
+def main() -> int:
+    which = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if which not in ("all", "norms", "softmax"):
+        raise SystemExit(f"sanitize_kernels: expected 'norms', 'softmax' or nothing, got {which!r}")
+    if not torch.cuda.is_available():
+        raise SystemExit("sanitize_kernels: needs a CUDA GPU")
+    calls = 0
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    if which in ("all", "norms"):
+        ln, rms = load("pipegoose/layer_norm"), load("pipegoose/rms_norm")
+        for dt in dtypes:
+            for h in NORM_HIDDEN:
+                for rows in ((3, 37) if h in (768, 4096, 20000) else (3,)):
+                    for pdt in ({dt, torch.float32} if h in (1000, 4096, 12288) else {dt}):
+                        x = torch.randn(rows, h, device="cuda", dtype=dt)
+                        dy = torch.randn_like(x)
+                        w = torch.randn(h, device="cuda", dtype=pdt)
+                        b = torch.randn(h, device="cuda", dtype=pdt)
+                        for ww, bb in ((w, b), (None, None)) if rows == 3 else ((w, b),):
+                            _, mean, rstd = ln.layer_norm_forward(x, ww, bb, 1e-5, None)
+                            ln.layer_norm_backward(dy, x, ww, bb, mean, rstd)
+                            _, r = rms.rms_norm_forward(x, ww, 1e-5, None)
+                            rms.rms_norm_backward(dy, x, ww, r)
+                            calls += 4
+    if which in ("all", "softmax"):
+        sm = load("pipegoose/softmax")
+        for dt in dtypes:
+            for sk in SOFTMAX_KEYS:
+                for sq in (1, 3):
+                    x = torch.randn(2, 2, sq, sk, device="cuda", dtype=dt)
+                    mask = torch.rand(2, 1, sq, sk, device="cuda") < 0.3
+                    for m, causal in ((None, False), (mask, False), (None, sq <= sk), (mask, sq <= sk)):
+                        y = sm.softmax_forward(x, m, 0.5, causal)
+                        sm.softmax_backward(torch.randn_like(y), y, 0.5, causal)
+                        calls += 2
+    torch.cuda.synchronize()
+    print(f"sanitize_kernels: {calls} kernel calls done")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
