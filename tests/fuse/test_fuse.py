@@ -418,3 +418,17 @@ def test_report_probes_training_sizes(monkeypatch):
         assert "PIPEGOOSE_SMALL_NUMEL" in row.reason
     finally:
         dispatch.register(im)
+
+
+def test_unfuse_of_a_copy_of_a_fused_model_says_why():
+    """The record of the swaps belongs to the fused instance: a deepcopy holds fused modules but no record, and
+    unfuse must say so (it used to return False, leaving the copy fused without a word)."""
+    model = models.build("gpt2", "eager")
+    fuse(model, ops=["layer_norm"])
+    twin = copy.deepcopy(model)
+    assert not is_fused(twin)
+    with pytest.raises(RuntimeError, match="copy of a fused model"):
+        unfuse(twin)
+    assert type(twin.ln_f).__name__ == "MixedFusedLayerNorm"  # nothing changed
+    assert unfuse(model) and type(model.ln_f) is torch.nn.LayerNorm
+    assert unfuse(copy.deepcopy(model)) is False  # a copy of the unfused model: nothing to undo

@@ -512,17 +512,31 @@ def unfuse(model: nn.Module) -> bool:
     """Undo :func:`fuse`: the original module objects and the original config object (hence attention setting)
     are put back exactly. Hooks added while fused are kept (the dictionaries were shared).
 
+    The record of what was swapped lives outside the model (so that ``state_dict`` and pickling see nothing of it),
+    so it belongs to the fused instance: a copy of a fused model (``copy.deepcopy``, pickling) holds fused modules
+    but no record, and cannot be unfused; unfuse the original before copying it.
+
     Returns:
         True if the model was fused, False if there was nothing to undo.
     Raises:
         TypeError: ``model`` is not a torch.nn.Module.
         RuntimeError: some module or config swapped by ``fuse`` was replaced since by someone else; everything
-            else is restored and the message lists what could not be.
+            else is restored and the message lists what could not be. Also when ``model`` holds fused modules
+            but was not fused by :func:`fuse` (a copy of a fused model): nothing is changed then.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     state = _STATE.pop(model, None)
     if state is None:
+        from .modules import FusedRMSNorm, MixedFusedLayerNorm
+
+        found = [p for p, m in model.named_modules() if isinstance(m, (MixedFusedLayerNorm, FusedRMSNorm))]
+        if found:
+            raise RuntimeError(
+                f"unfuse: this {type(model).__name__} holds fused modules ({found[0]}"
+                f"{f' and {len(found) - 1} more' if len(found) > 1 else ''}) but fuse() has no record of it: it is "
+                "probably a copy of a fused model (copy.deepcopy, pickle), and the record of the swaps stays with "
+                "the original. Unfuse the original before copying it; nothing was changed")
         return False
     problems = _undo(state)
     if problems:
