@@ -406,8 +406,8 @@ norm_fwd_kernel(const Tin* __restrict__ x, const void* __restrict__ w, const voi
   int64_t base = static_cast<int64_t>(blockIdx.x) * rpb;
   Raw<Tin, VEC> cur[NV];
   if constexpr (PF) load_row<Tin, VEC, NV, FIXED>(x + (base + rg) * H, base + rg < rows, t, tpr, nchunks, cur);
-  // The parameter cache in the prefetching kernels only (the wide no-prefetch rows exceed kParamCacheBytes, and
-  // the cached path's registers would make them spill).
+  // The parameter cache in the prefetching kernels only (the host enables it up to 2048 columns, which always
+  // take a prefetching plan; compiled into the wide no-prefetch kernels, its registers made them spill).
   pcache = PF && pcache;
   if (pcache) stage_params<Tin, RMS>(w, b, p_f32, H, sw, sb);  // after the first loads: they overlap
   for (; base < rows; base += stride) {
@@ -501,7 +501,7 @@ __global__ void __launch_bounds__(1024)
 norm_fwd_generic_kernel(const Tin* __restrict__ x, const void* __restrict__ w, const void* __restrict__ b, bool p_f32,
                         Tout* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
                         int64_t rows, int H, float eps) {
-  __shared__ float red[2][32];
+  __shared__ __align__(16) float red[2][32];  // row_sum reads it 16 bytes at a time
   const int tpr = blockDim.x;
   const float inv_h = 1.f / static_cast<float>(H);
   int parity = 0;
@@ -791,7 +791,7 @@ __global__ void __launch_bounds__(1024)
 norm_bwd_generic_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const void* __restrict__ w, bool p_f32,
                         const float* __restrict__ mean, const float* __restrict__ rstd, Tin* __restrict__ dx,
                         float* __restrict__ ws, int64_t rows, int H) {
-  __shared__ float red[2][64];
+  __shared__ __align__(16) float red[2][64];  // row_sum reads it 16 bytes at a time
   const int tpr = blockDim.x;
   const float inv_h = 1.f / static_cast<float>(H);
   const int64_t P = gridDim.x;
