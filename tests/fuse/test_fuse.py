@@ -432,3 +432,66 @@ def test_unfuse_of_a_copy_of_a_fused_model_says_why():
     assert type(twin.ln_f).__name__ == "MixedFusedLayerNorm"  # nothing changed
     assert unfuse(model) and type(model.ln_f) is torch.nn.LayerNorm
     assert unfuse(copy.deepcopy(model)) is False  # a copy of the unfused model: nothing to undo
+
+
+@pytest.mark.parametrize("arch,attn", [("gpt2", "eager"), ("llama", "sdpa"), ("llama", "eager"), ("bert", "eager")])
+def test_torch_compile_of_a_fused_model_is_one_graph(arch, attn):
+    """torch.compile of a fused model: while it traces, the fused modules and the attention function emit the
+    PyTorch reference ops (dispatch.compile_passthrough), so the model is one graph (the dispatcher's locks and
+    caches broke it at every layer: 6-14 graphs on these models), and the compiled fused model computes what the
+    unfused one does, forward and backward."""
+    import torch._dynamo as dynamo
+
+    model = models.build(arch, attn)
+    ids, mask = models.inputs()
+    weights = torch.randn(*ids.shape, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    ref = _run(model, ids, mask, weights)
+    fuse(model)
+    dynamo.reset()
+    explained = dynamo.explain(lambda i, m: model(input_ids=i, attention_mask=m).last_hidden_state)(ids, mask)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    got = _run(compiled, ids, mask, weights)
+    got = (got[0], got[1], {k.removeprefix("_orig_mod."): v for k, v in got[2].items()})
+    for name, a, b in (("hidden", got[0], ref[0]), ("loss", got[1], ref[1])):
+        torch.testing.assert_close(a, b, **tol(torch.float32), msg=name)
+    assert ref[2].keys() <= got[2].keys()
+    for name in got[2].keys() - ref[2].keys():  # unused outputs (BERT's pooler): zero gradients, not None
+        assert not got[2][name].any(), name
+    for name in ref[2]:
+        torch.testing.assert_close(got[2][name], ref[2][name], **tol(torch.float32), msg=name)
+    unfuse(model)
+
+
+def test_compile_passthrough_only_without_a_request(monkeypatch):
+    """Outside torch.compile the dispatcher always runs; inside, an impl argument, a PIPEGOOSE_IMPL_* variable or
+    strict mode keeps it (the request is honoured, at the cost of graph breaks)."""
+    import torch._dynamo as dynamo
+
+    from pipegoose.nn.fusion import dispatch
+
+    assert dispatch.compile_passthrough("layer_norm") is False
+    seen = []
+
+    def probe(x, impl=None):
+        seen.append(dispatch.compile_passthrough("layer_norm", impl))
+        return x + 1
+
+    x = torch.ones(2)
+    for env, impl, want in ((None, None, True), (None, "torch", False), ("pipegoose", None, False),
+                            ("auto", None, True)):
+        if env is None:
+            monkeypatch.delenv("PIPEGOOSE_IMPL_LAYER_NORM", raising=False)
+        else:
+            monkeypatch.setenv("PIPEGOOSE_IMPL_LAYER_NORM", env)
+        dynamo.reset()
+        seen.clear()
+        torch.compile(lambda t: probe(t, impl), backend="eager")(x)
+        assert seen == [want], (env, impl)
+    monkeypatch.delenv("PIPEGOOSE_IMPL_LAYER_NORM")
+    dynamo.reset()
+    seen.clear()
+    with dispatch.strict():
+        torch.compile(lambda t: probe(t), backend="eager")(x)
+    assert seen == [False]

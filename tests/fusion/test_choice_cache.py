@@ -183,6 +183,10 @@ def test_cache_is_bounded(monkeypatch):
 def test_compile_tracing_is_not_cached(monkeypatch, chooses):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     x, w, b = ln_args()
-    PF.layer_norm(x, (40,), w, b)
-    PF.layer_norm(x, (40,), w, b)
+    # an implementation asked for: the dispatcher runs while tracing, without the choice cache
+    PF.layer_norm(x, (40,), w, b, impl="torch")
+    PF.layer_norm(x, (40,), w, b, impl="torch")
+    assert len(chooses) == 2
+    # nothing asked for: the PyTorch op is emitted for the compiler (dispatch.compile_passthrough), no choice
+    torch.testing.assert_close(PF.layer_norm(x, (40,), w, b), torch.nn.functional.layer_norm(x, (40,), w, b))
     assert len(chooses) == 2

@@ -28,6 +28,12 @@ Ending on ``torch`` after a fused implementation was wanted is a *fallback*: the
 mode (``PIPEGOOSE_STRICT=1`` or ``with dispatch.strict():``) raises :class:`FusionFallbackError`. Asking for
 ``torch`` (argument, environment or tuning rule) is not a fallback.
 
+Under ``torch.compile``: while the compiler traces a call and nothing asks for an implementation (no ``impl=``
+argument, no ``PIPEGOOSE_IMPL_*`` variable for the op, not strict mode), the op entry points emit the PyTorch
+reference op (:func:`compile_passthrough`), which the compiler fuses into its own kernels; the dispatcher's Python
+(choice cache, locks, counters) would otherwise break the graph at every fused module. Such calls are not counted.
+Asking for an implementation keeps the dispatcher (and its graph breaks).
+
 Counters: :func:`stats` -> ``{op: {impl: calls}}``, :func:`reset_stats`.
 
 Choice cache. A choice depends only on metadata (dtypes, shapes, devices, grad and autocast state), so the op
@@ -86,6 +92,7 @@ __all__ = [
     "tuning_table",
     "small_numel",
     "SMALL_NUMEL_DEFAULT",
+    "compile_passthrough",
     "device_slug",
     "TUNING_DIR",
     "IMPL_NAMES",
@@ -608,6 +615,21 @@ def _automatic(op: str, problem: Problem, impls: Mapping[str, Implementation], r
     fused = [n for n, im in impls.items() if im.kind != "reference"]
     why = "; ".join(f"{n}: {reasons[n]}" for n in fused if reasons[n]) or "no fused implementation"
     return Choice(op, name, "fallback", bool(fused), reasons, why)
+
+
+@torch.compiler.assume_constant_result
+def _requested(op: str) -> bool:
+    # read when torch.compile traces the call (a constant of the graph, like the module's configuration)
+    return is_strict() or _env_request(op)[0] is not None
+
+
+def compile_passthrough(op: str, impl: str | None = None) -> bool:
+    """Whether the op entry points should emit the PyTorch reference op for this call: ``torch.compile`` is
+    tracing it and neither ``impl`` nor a ``PIPEGOOSE_IMPL_*`` variable for ``op`` nor strict mode asks for an
+    implementation (see the module docstring). Outside a compiled region: False."""
+    if not torch.compiler.is_compiling():
+        return False
+    return impl is None and not _requested(op)
 
 
 def small_numel() -> int:

@@ -264,6 +264,9 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
             tuning table, op ``"attention"``, names ``pipegoose`` for its dtype, and then ours is used per call
             where the table says so; flash/flex attention is kept), ``"pipegoose"`` (ours whatever the model ran)
             or ``"keep"`` (do not touch attention).
+    Under ``torch.compile`` the replacements emit the PyTorch ops while the compiler traces them (one graph; the
+    compiler fuses those ops itself; ``dispatch.compile_passthrough``); the fused kernels run in eager mode.
+
     Returns:
         A :class:`FusionReport`.
     Raises:

@@ -193,6 +193,14 @@ def _signature(x: Any, normalized_shape: Any, weight: Any, eps: Any, cast_before
 
 def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, eps: float | None,
         cast_before_weight: bool, impl: str | None) -> torch.Tensor:
+    if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the op itself
+        shape = normalize_shape(normalized_shape)
+        if not cast_before_weight:
+            return F.rms_norm(x, shape, weight, eps)
+        if eps is None:
+            eps = torch.finfo(_compute_dtype(x.dtype)).eps
+        out = x.dtype if weight is None else torch.promote_types(weight.dtype, x.dtype)
+        return call_without_autocast(x.device, rms_norm_reference, x, shape, weight, eps, out, True)
     sig = _signature(x, normalized_shape, weight, eps, cast_before_weight)
     key = None if sig is None else dispatch.choice_key(OP, impl, sig)
     hit = None if key is None else dispatch.cached_choice(key)

@@ -396,6 +396,8 @@ def _choose(op: str, x: torch.Tensor, mask: torch.Tensor | None, scale: float, i
 def run(op: str, x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool,
         impl: str | None, exact: bool = False) -> torch.Tensor:
     """Choose and run an implementation of a scaled (masked/causal) softmax over the last dim of ``x``."""
+    if dispatch.compile_passthrough(op, impl) and not autocast_state(x.device)[1]:
+        return ReferenceSoftmaxFunction.apply(x, mask, scale, causal)  # torch.compile fuses it itself
     choice, x = _choose(op, x, mask, scale, impl, exact, True, (causal,))
     return call_without_autocast(x.device, _run_choice, choice.impl, x, mask, scale, causal)
 
@@ -423,6 +425,8 @@ def run_plain(x: torch.Tensor, dim: int, dtype: torch.dtype | None, impl: str | 
         raise TypeError(f"dim: expected an int, got {type(dim).__name__}") from None
     if not -nd <= dim < nd:
         raise IndexError(f"dim: expected in [{-nd}, {nd - 1}], got {dim}")
+    if dispatch.compile_passthrough(OP_PLAIN, impl):
+        return F.softmax(x, dim)  # torch.compile fuses it itself
     last = x.dim() == 0 or dim % nd == nd - 1
     choice, x = _choose(OP_PLAIN, x, None, 1.0, impl, True, last, ())
     if choice.impl == "pipegoose":

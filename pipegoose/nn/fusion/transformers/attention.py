@@ -317,6 +317,8 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     paths add it, so its fully masked rows give uniform weights; ``attn_weights`` is then None, as with SDPA; counted
     as op ``"attention"``, impl ``"sdpa"`` in ``dispatch.stats()``): at such sizes a training step is
     bound by the host, and the separate softmax with its Python autograd costs more host time than it saves.
+    Under ``torch.compile`` (``dispatch.compile_passthrough("attention")``: no ``PIPEGOOSE_IMPL_ATTENTION``, not
+    strict) the same SDPA call runs at every size, so the compiled model has no graph break here.
     Raises:
         NotImplementedError: an unsupported kwarg is set (``softcap``, ``s_aux``, ``sinks``).
         ValueError: head counts that do not divide, or a mask of the wrong shape.
@@ -335,6 +337,8 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         scaling = query.shape[-1] ** -0.5
 
     sq, sk = query.shape[2], key.shape[2]
+    if dispatch.compile_passthrough("attention") and kwargs.get("head_mask") is None and not _weights_requested():
+        return _small_sdpa(module, query, key, value, attention_mask, scaling, dropout, is_causal)  # torch.compile
     if _small(query, sq, sk) and kwargs.get("head_mask") is None and not _weights_requested():
         dispatch.record(_SMALL_CHOICE)
         return _small_sdpa(module, query, key, value, attention_mask, scaling, dropout, is_causal)
