@@ -495,3 +495,28 @@ def test_compile_passthrough_only_without_a_request(monkeypatch):
     with dispatch.strict():
         torch.compile(lambda t: probe(t), backend="eager")(x)
     assert seen == [False]
+
+
+def test_fuse_of_a_copy_reports_the_modules_it_already_holds():
+    """fuse() on a copy of a fused model: the fused modules it holds are reported (not replaced, and unfuse will not
+    revert them) instead of being left out of the report (it claimed full coverage of the rest)."""
+    model = models.build("gpt2", "eager")
+    fuse(model, ops=["layer_norm"])
+    twin = copy.deepcopy(model)
+    report = fuse(twin, ops=["layer_norm"])
+    held = [r for r in report.rows if r.kind == "layer_norm"]
+    assert held and all(r.fused and "already fused before this call" in r.reason for r in held)
+    assert unfuse(twin) is True                      # fuse(twin) swapped nothing; the held modules stay
+    assert type(twin.ln_f).__name__ == "MixedFusedLayerNorm"
+    with pytest.raises(RuntimeError, match="part of a fused model"):
+        unfuse(model.h[0])                           # a submodule of the fused model: the record is the model's
+    assert unfuse(model)
+
+
+def test_argument_types_of_the_state_functions():
+    model = models.build("gpt2", "eager")
+    with pytest.raises(TypeError, match="dry_run: expected a bool"):
+        fuse(model, dry_run="no")
+    for fn in (is_fused, fuse_mod.fusion_report, unfuse):
+        with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
+            fn(None)

@@ -32,7 +32,9 @@ Under ``torch.compile``: while the compiler traces a call and nothing asks for a
 argument, no ``PIPEGOOSE_IMPL_*`` variable for the op, not strict mode), the op entry points emit the PyTorch
 reference op (:func:`compile_passthrough`), which the compiler fuses into its own kernels; the dispatcher's Python
 (choice cache, locks, counters) would otherwise break the graph at every fused module. Such calls are not counted.
-Asking for an implementation keeps the dispatcher (and its graph breaks).
+Asking for an implementation keeps the dispatcher (and its graph breaks). The request is read when the compiler
+traces: a compiled graph keeps what it saw (no recompilation when the variable or strict mode changes later; set them
+before the first compiled call, or call ``torch._dynamo.reset()``).
 
 Counters: :func:`stats` -> ``{op: {impl: calls}}``, :func:`reset_stats`.
 

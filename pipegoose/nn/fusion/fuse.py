@@ -178,12 +178,18 @@ _STATE: "weakref.WeakKeyDictionary[nn.Module, _Fusion]" = weakref.WeakKeyDiction
 
 
 def is_fused(model: nn.Module) -> bool:
-    """Whether ``model`` was fused by :func:`fuse` and not yet unfused."""
+    """Whether ``model`` was fused by :func:`fuse` and not yet unfused (False for a copy of a fused model, which
+    holds fused modules but no record). Raises TypeError when ``model`` is not a torch.nn.Module."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     return model in _STATE
 
 
 def fusion_report(model: nn.Module) -> FusionReport | None:
-    """The report of the fusion currently applied to ``model`` (None if not fused)."""
+    """The report of the fusion currently applied to ``model`` (None if not fused). Raises TypeError when
+    ``model`` is not a torch.nn.Module."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     state = _STATE.get(model)
     return None if state is None else state.report
 
@@ -277,6 +283,8 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(dry_run, bool):
+        raise TypeError(f"dry_run: expected a bool, got {type(dry_run).__name__}")
     ops = _parse_ops(ops)
     if attention not in ATTENTION_CHOICES:
         raise ValueError(f"attention: expected one of {list(ATTENTION_CHOICES)}, got {attention!r}")
@@ -304,9 +312,16 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                         parent._modules[name] = replaced[id(child)]
                         state.swaps.append((parent, name, child, replaced[id(child)]))
                     continue
-                if id(child) in seen or isinstance(child, fused_types):
+                if id(child) in seen:
                     continue
                 seen.add(id(child))
+                if isinstance(child, fused_types):  # put there before this call: a copy of a fused model, or built in
+                    kind = "rms_norm" if isinstance(child, FusedRMSNorm) else "layer_norm"
+                    report.rows.append(FusionRow(
+                        path, kind, type(child).__name__, type(child).__name__, True,
+                        reason="already fused before this call (a copy of a fused model, or built with it): not "
+                               "replaced here, and unfuse() will not revert it"))
+                    continue
                 row, new = _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNorm)
                 if row is None:
                     continue
@@ -517,7 +532,9 @@ def unfuse(model: nn.Module) -> bool:
 
     The record of what was swapped lives outside the model (so that ``state_dict`` and pickling see nothing of it),
     so it belongs to the fused instance: a copy of a fused model (``copy.deepcopy``, pickling) holds fused modules
-    but no record, and cannot be unfused; unfuse the original before copying it.
+    but no record, and cannot be unfused; unfuse the original before copying it. (A copy of a model whose attention
+    alone was fused cannot be told from a model configured with pipegoose attention by its user: ``unfuse``
+    returns False for it and its config keeps the pipegoose attention name.)
 
     Returns:
         True if the model was fused, False if there was nothing to undo.
@@ -538,8 +555,9 @@ def unfuse(model: nn.Module) -> bool:
             raise RuntimeError(
                 f"unfuse: this {type(model).__name__} holds fused modules ({found[0]}"
                 f"{f' and {len(found) - 1} more' if len(found) > 1 else ''}) but fuse() has no record of it: it is "
-                "probably a copy of a fused model (copy.deepcopy, pickle), and the record of the swaps stays with "
-                "the original. Unfuse the original before copying it; nothing was changed")
+                "a copy of a fused model (copy.deepcopy, pickle; the record stays with the original: unfuse the "
+                "original before copying it), a part of a fused model or the model inside a torch.compile wrapper "
+                "(unfuse the module that was passed to fuse()), or built with fused modules; nothing was changed")
         return False
     problems = _undo(state)
     if problems:
