@@ -408,9 +408,15 @@ def test_report_probes_training_sizes(monkeypatch):
 
     from pipegoose.nn.fusion import dispatch
 
+    from pipegoose.nn.fusion.ops import _common
+
     monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
+    # off the kernels' devices (CPU here) the rule does not apply, and the note does not name it
+    report = fuse(nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32)), dry_run=True)
+    assert "PIPEGOOSE_SMALL_NUMEL" not in next(r for r in report.rows if r.kind == "layer_norm").reason
     im = dispatch.implementations("layer_norm")["pipegoose"]
     dispatch.register(dataclasses.replace(im, supports=lambda p: (True, ""), kernels=()))   # as on a GPU
+    monkeypatch.setattr(_common, "on_kernel_device", lambda t: True)
     try:
         report = fuse(nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32)), dry_run=True)
         row = next(r for r in report.rows if r.kind == "layer_norm")

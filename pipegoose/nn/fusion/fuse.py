@@ -126,7 +126,8 @@ class FusionReport:
         from rich.table import Table
 
         title = (f"pipegoose fusion of {self.model}{' (dry run)' if self.dry_run else ''}: "
-                 f"{self.covered}/{self.eligible} eligible modules fused ({self.coverage:.0%})")
+                 f"{self.covered}/{self.eligible} eligible modules {'would be ' if self.dry_run else ''}fused "
+                 f"({self.coverage:.0%})")
         table = Table(title=title, show_lines=False)
         for col in ("module", "kind", "original", "replacement", "fused fwd", "fused bwd", "reason"):
             table.add_column(col, overflow="fold")
@@ -359,7 +360,7 @@ def _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNo
         fwd, bwd = _impls("layer_norm", child, lambda d, t: (
             torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, child.weight, child.bias))
         return FusionRow(path, "layer_norm", type(child).__name__, "MixedFusedLayerNorm", True, fwd, bwd,
-                         "torch.nn.LayerNorm, same parameters" + _small_note()), new
+                         "torch.nn.LayerNorm, same parameters" + _small_note(child)), new
     if "rms_norm" not in ops or any(True for _ in child.children()):
         return None, None
     probe = matching.probe_rms_norm(child, hidden)
@@ -376,7 +377,7 @@ def _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNo
     fwd, bwd = _impls("rms_norm", child, lambda d, t: (
         torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, weight, probe.eps, cast))
     return FusionRow(path, "rms_norm", type(child).__name__, "FusedRMSNorm", True, fwd, bwd,
-                     f"RMSNorm ({probe.reason}), eps={probe.eps}{_small_note()}"), new
+                     f"RMSNorm ({probe.reason}), eps={probe.eps}{_small_note(child)}"), new
 
 
 def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
@@ -459,9 +460,15 @@ def _probe_rows(shape: tuple[int, ...]) -> int:
     return max(2, min(-(-dispatch.small_numel() // h), _PROBE_MAX_NUMEL // h))
 
 
-def _small_note() -> str:
+def _small_note(module: nn.Module) -> str:
+    """The small-problem rule, for the reason column: only where it applies (fused kernels run on CUDA)."""
     from . import dispatch
 
+    from .ops import _common
+
+    p = _first_param(module)
+    if p is None or not _common.on_kernel_device(p):
+        return ""
     n = dispatch.small_numel()
     return f"; inputs < {n} elements: the native op (PIPEGOOSE_SMALL_NUMEL)" if n else ""
 
