@@ -337,6 +337,8 @@ def test_explain_real_ops_on_cpu():
     assert c.impl == "torch" and c.fallback and "CUDA" in c.reasons["pipegoose"]
     c = dispatch.explain("layer_norm", x, (16,), torch.ones(16), torch.zeros(16))
     assert c.impl == "torch" and "CUDA" in c.reasons["apex"]
+    text = str(c)  # each implementation's reason once (the summary line used to repeat them all)
+    assert text.count("apex: ") == 1 and text.count("pipegoose: ") == 1, text
 
 
 def test_misspelt_impl_variable_warns(monkeypatch):

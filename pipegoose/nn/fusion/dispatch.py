@@ -204,8 +204,12 @@ class Choice:
     reason: str
 
     def __str__(self) -> str:
-        lines = [f"{self.op}: {self.impl} ({self.source}){' FALLBACK' if self.fallback else ''}: {self.reason}"]
-        lines += [f"  {name}: {why}" for name, why in self.reasons.items() if why]
+        details = [(name, why) for name, why in self.reasons.items() if why]
+        reason = self.reason
+        if details and reason == "; ".join(f"{name}: {why}" for name, why in details):
+            reason = "no fused implementation takes it (why, below)"  # the summary is the list below: once
+        lines = [f"{self.op}: {self.impl} ({self.source}){' FALLBACK' if self.fallback else ''}: {reason}"]
+        lines += [f"  {name}: {why}" for name, why in details]
         return "\n".join(lines)
 
 
