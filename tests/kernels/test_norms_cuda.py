@@ -180,6 +180,17 @@ def check_rms_norm(rms, x, w, dy, out_dtype=None, eps=EPS):
         check("grad_weight", dw, rdw, lower(x.dtype, w.dtype), reduction=True)
 
 
+def check_dtype_cases(ln, rms, rows, h, cases, seed):
+    """Both norms on rows x h for each (input dtype, parameter dtype, out_dtype) case; an out_dtype (autocast's
+    fp32 output) makes grad_output fp32 too."""
+    for dtype, pdtype, out_dtype in cases:
+        x, w, b, dy = make(rows, h, dtype, pdtype, seed=seed)
+        if out_dtype is not None:
+            dy = dy.float()
+        check_layer_norm(ln, x, w, b, dy, out_dtype=out_dtype)
+        check_rms_norm(rms, x, w, dy, out_dtype=out_dtype)
+
+
 # ----------------------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("pdtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -246,14 +257,10 @@ def test_out_dtype_float32_many_rows(ln, rms, h):
 def test_backward_specialised_sizes(ln, rms, h):
     """The backward kernels specialised to these sizes (kBwdSpecHidden in norm_kernels.cuh), in every (input,
     grad_output, parameter) dtype combination they are instantiated for, over more rows than the grid holds."""
-    for dtype, pdtype, out_dtype in ((torch.float16, torch.float16, None), (torch.bfloat16, torch.float32, None),
-                                     (torch.bfloat16, torch.bfloat16, torch.float32),
-                                     (torch.float16, torch.float32, torch.float32), (torch.float32, torch.float32, None)):
-        x, w, b, dy = make(4099, h, dtype, pdtype, seed=h + 1)
-        if out_dtype is not None:
-            dy = dy.float()
-        check_layer_norm(ln, x, w, b, dy, out_dtype=out_dtype)
-        check_rms_norm(rms, x, w, dy, out_dtype=out_dtype)
+    check_dtype_cases(ln, rms, 4099, h, ((torch.float16, torch.float16, None), (torch.bfloat16, torch.float32, None),
+                                         (torch.bfloat16, torch.bfloat16, torch.float32),
+                                         (torch.float16, torch.float32, torch.float32),
+                                         (torch.float32, torch.float32, None)), seed=h + 1)
 
 
 @pytest.mark.parametrize("h", [20000, 32768])
@@ -262,13 +269,9 @@ def test_wide_rows_two_kernel_backward(ln, rms, h):
     column-slab kernel (norm_bwd_rowstats_kernel, norm_bwd_cols_kernel), in the dtype combinations they are
     instantiated for, with a chunk count that is not a multiple of the slab (20000 / 8 = 2500), rows that are not
     a multiple of the rows loaded at a time, and without parameters."""
-    for dtype, pdtype, out_dtype in ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
-                                     (torch.bfloat16, torch.float32, torch.float32), (torch.float32, torch.float32, None)):
-        x, w, b, dy = make(1029, h, dtype, pdtype, seed=h + 7)
-        if out_dtype is not None:
-            dy = dy.float()
-        check_layer_norm(ln, x, w, b, dy, out_dtype=out_dtype)
-        check_rms_norm(rms, x, w, dy, out_dtype=out_dtype)
+    check_dtype_cases(ln, rms, 1029, h, ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
+                                         (torch.bfloat16, torch.float32, torch.float32),
+                                         (torch.float32, torch.float32, None)), seed=h + 7)
     x, _, _, dy = make(5, h, torch.bfloat16, None, seed=h + 8)
     check_layer_norm(ln, x, None, None, dy)
     check_rms_norm(rms, x, None, dy)
