@@ -11,6 +11,13 @@ defines (``benchmarks.build_cost.builder_with_defines``, own build key). To comp
 run it in each checkout (one process each: two builds of one op cannot share a process) on the same GPU and join
 the lines on their keys; ``benchmarks/results/nvidia_h200_2026-11-29/norm_ab_session4.log`` was made that way.
 Correctness is the GPU tests' job (``tests/kernels/test_norms_cuda.py``), not this script's.
+
+``--fwd-plans "CFG;CFG;..."`` compares forward launch plans within one build: it builds with
+``-DPIPEGOOSE_NORM_FWD_EXPERIMENT`` and times each forward once per CFG, set through ``PIPEGOOSE_NORM_FWD_EXP``
+(``grid,nv,pf,pcache``: grid 0 persistent / 1 full, 2, 4 or 8 chunks per thread, prefetch, parameter cache; ``-``
+is the shipped plan; see ``fwd_exp`` in ``norm_kernels.cuh``). Each line then carries ``plan`` and ``maxdiff``, the
+largest absolute difference of its outputs (y, mean, rstd) from the first plan's: a plan that computes something
+else shows there. ``benchmarks/results/nvidia_h200_2026-11-29/norm_fwd_plans_session5.log`` was made that way.
 """
 
 from __future__ import annotations
@@ -22,19 +29,58 @@ SHAPES = [(131072, 512), (65536, 1024), (32768, 2048), (16384, 4096), (16384, 81
           (16384, 32768), (8192, 65536)]
 
 
+def table(path: str) -> str:
+    """The --fwd-plans lines of ``path`` as a table: % of the copy bandwidth per plan (``!`` marks a maxdiff above
+    0.1, far beyond the rounding of any dtype at the benchmark's values)."""
+    rows: dict[tuple, dict[str, tuple[float, float]]] = {}
+    plans: list[str] = []
+    copy = None
+    with open(path) as f:
+        for line in f:
+            d = json.loads(line)
+            if "copy_gbps" in d:
+                copy = d["copy_gbps"]
+                continue
+            plans += [d["plan"]] if d["plan"] not in plans else []
+            key = (d["op"], d["dtype"], d["pdtype"], d["rows"], d["H"])
+            rows.setdefault(key, {})[d["plan"]] = (d["gbps"], d["maxdiff"])
+    if copy is None:
+        raise SystemExit(f"norm_raw: {path}: no copy_gbps line")
+    out = [f"forward, % of the device copy ({copy:.0f} GB/s) per plan (grid,nv,pf,pcache; - = shipped)",
+           "op dtype param_dtype rows H | " + " | ".join(plans)]
+    for key, v in rows.items():
+        cells = [f"{v[p][0] / copy * 100:5.1f}{'!' if v[p][1] > 0.1 else ''}" if p in v else "-" for p in plans]
+        out.append(" ".join(map(str, key)) + " | " + " | ".join(cells))
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--label", default="current", help="a name for this build in the output lines")
     ap.add_argument("--defines", default="", help="comma-separated -D flags for a variant build")
     ap.add_argument("--fwd-only", action="store_true")
+    ap.add_argument("--fwd-plans", default="", help='forward plans to compare, e.g. "-;1,4,0,0;1,8,0,0"')
+    ap.add_argument("--dtypes", default="bf16,fp32,bf16/fp32",
+                    help="input dtypes, or INPUT/PARAMETER pairs (bf16, fp16, fp32), comma separated")
+    ap.add_argument("--table", metavar="JSONL", help="print the --fwd-plans lines of JSONL as a table, then exit")
     args = ap.parse_args()
+    if args.table:
+        print(table(args.table))
+        return
+    import os
     import torch
 
     from .timing import Timer
 
     if not torch.cuda.is_available():
         raise SystemExit("norm_raw: needs a CUDA GPU")
-    defs = [d for d in args.defines.split(",") if d]
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    try:
+        pairs = [tuple(names[n] for n in (d.split("/") * 2)[:2]) for d in args.dtypes.split(",")]
+    except KeyError as e:
+        raise SystemExit(f"norm_raw: --dtypes: unknown dtype {e} (expected bf16, fp16 or fp32)") from None
+    plans = [p for p in args.fwd_plans.split(";") if p]
+    defs = [d for d in args.defines.split(",") if d] + (["-DPIPEGOOSE_NORM_FWD_EXPERIMENT"] if plans else [])
     if defs:
         from .build_cost import builder_with_defines
 
@@ -49,7 +95,13 @@ def main() -> None:
     ms = timer.time(lambda _: dst.copy_(src))["median_ms"]
     print(json.dumps({"label": args.label, "copy_gbps": round(2 * src.numel() / ms / 1e6, 1)}), flush=True)
     del src, dst
-    for dt, pdt in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.float32)):
+    def set_plan(plan: str) -> None:
+        if plan == "-":
+            os.environ.pop("PIPEGOOSE_NORM_FWD_EXP", None)
+        else:
+            os.environ["PIPEGOOSE_NORM_FWD_EXP"] = plan
+
+    for dt, pdt in pairs:
         for n, h in SHAPES:
             if pdt != dt and h not in (4096, 16384):
                 continue
@@ -67,6 +119,20 @@ def main() -> None:
                     fwd = lambda: rms.rms_norm_forward(x, w, 1e-5, None)  # noqa: E731
                     _, rstd = fwd()
                     bwd = lambda: rms.rms_norm_backward(dy, x, w, rstd)  # noqa: E731
+                if plans:
+                    ref = None
+                    for plan in plans:
+                        set_plan(plan)
+                        out = [t.float() for t in fwd() if t is not None and t.numel()]
+                        ref = out if ref is None else ref
+                        diff = max((a - r).abs().max().item() for a, r in zip(out, ref))
+                        t = timer.time(lambda _: fwd())["median_ms"]
+                        print(json.dumps({"label": args.label, "plan": plan, "op": op, "dtype": str(dt)[6:],
+                                          "pdtype": str(pdt)[6:], "rows": n, "H": h, "pass": "fwd",
+                                          "ms": round(t, 5), "gbps": round(2 * act / t / 1e6, 1),
+                                          "maxdiff": diff}), flush=True)
+                    set_plan("-")
+                    continue
                 passes = (("fwd", fwd, 2 * act), ("bwd", bwd, 3 * act))
                 for name, fn, nbytes in passes[:1] if args.fwd_only else passes:
                     t = timer.time(lambda _: fn())["median_ms"]

@@ -8,10 +8,10 @@
 // TPR <= 32 is a power of two (sub-warp groups); TPR > 32 is a multiple of 32 (several warps per row, reduced
 // through shared memory). A block holds RPB = blockDim.x / TPR row groups.
 //
-// Both directions run a persistent grid (as many blocks as fit the GPU at once; the forward's wide plans without
-// prefetch a full grid instead); each row group walks over rows
-// with a stride and, in the prefetching (PF) variants, loads the next row's chunks before reducing the current
-// one, so that 16-byte loads stay in flight through the reductions (Hopper needs ~32-64 KB in flight per SM).
+// The backward and the forward's prefetching plans (short rows) run a persistent grid (as many blocks as fit the GPU
+// at once); each row group walks over rows with a stride and, in the prefetching (PF) variants, loads the next row's
+// chunks before reducing the current one, so that 16-byte loads stay in flight through the reductions (Hopper needs
+// ~32-64 KB in flight per SM). The forward's other plans run a full grid (one block per row group and row).
 // Forward: one read of x, one write of y, two-pass mean/variance from registers.
 // Backward: keeps per-column partial sums of dy * xhat (and dy) in fp32 (registers, or shared memory for wide
 // rows), writes one partial row per block into an fp32 workspace [nacc, blocks, H], and norm_col_reduce_kernel
@@ -33,6 +33,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -1028,17 +1030,29 @@ struct Cfg {
   bool pf = false;
 };
 
-// Forward plans (chunks = H / VEC). Four chunks per thread (four 16-byte loads in flight per thread, four more
-// for the next row) with up to 512 threads per row; wider rows: eight chunks per thread without prefetch, up to
-// 1024 threads per row; then the generic kernel. Scalar rows (VEC = 1): four values per thread with prefetch, up
-// to 1024 threads per row.
+// Forward plans (chunks = H / VEC; RMS and the element size V = VEC select among the plans measured on the H200,
+// session 5 forward A/B in benchmarks/results/nvidia_h200_2026-11-29/norm_fwd_plans_session5.log):
+// - rows below 512 columns, and 16-bit LayerNorm rows up to 1024: four chunks per thread (up to 512 threads per
+//   row) on a persistent grid that prefetches the next row (pf), with the parameter cache;
+// - wider rows: one block per row group and row (a full grid, no prefetch: the GPU keeps as many blocks in flight as
+//   fit; 1-17% faster than the persistent grid there), four chunks per thread for RMSNorm up to 8192 columns and
+//   fp32 LayerNorm up to 4096, else eight (16-bit LayerNorm at any width: half the warps per row, so that its two
+//   reductions wait less: 80-91% of copy against 71-75% at 2048-16384 columns), up to 1024 threads per row;
+// - then the generic kernel. Scalar rows (VEC = 1): four values per thread with prefetch, up to 1024 threads per row.
+template <int V, bool RMS>
 constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
   if (!vec) {
     const int tpr = round_tpr(ceil_div(chunks, 4));
     return tpr <= 1024 ? Cfg{4, tpr, false, true} : Cfg{};
   }
-  const int tpr4 = round_tpr(ceil_div(chunks, 4));
-  if (tpr4 <= 512) return {4, tpr4, false, true};
+  const int64_t h = chunks * V;
+  if (h < 512 || (V == 8 && !RMS && h <= 1024)) {
+    const int tpr4 = round_tpr(ceil_div(chunks, 4));
+    if (tpr4 <= 512) return {4, tpr4, false, true};
+  }
+  const int nv = (RMS ? h <= 8192 : (V == 4 && h <= 4096)) ? 4 : 8;
+  const int tpr = round_tpr(ceil_div(chunks, nv));
+  if (tpr <= 1024) return {nv, tpr, false, false};
   const int tpr8 = round_tpr(ceil_div(chunks, 8));
   if (tpr8 <= 1024) return {8, tpr8, false, false};
   return Cfg{};
@@ -1138,6 +1152,25 @@ inline void allow_smem(const void* kernel, size_t smem) {
   cur = smem;
 }
 
+#if defined(PIPEGOOSE_NORM_FWD_EXPERIMENT)
+// Benchmark experiment (off in the shipped build; benchmarks/norm_fwd_plans.py): the forward plan of vector rows with
+// Tout == Tin is read from PIPEGOOSE_NORM_FWD_EXP = "grid,nv,pf,pcache" (grid 0 persistent / 1 full, nv 2, 4 or 8
+// chunks per thread, pf 1 to prefetch the next row (not with nv 8), pcache 1 for the parameter cache (prefetching
+// plans only)); unset or malformed: the shipped plan.
+struct FwdExp {
+  bool on = false;
+  int grid = 0, nv = 0, pf = 0, pc = 0;
+};
+inline FwdExp fwd_exp() {
+  FwdExp e;
+  const char* v = std::getenv("PIPEGOOSE_NORM_FWD_EXP");
+  if (v == nullptr) return e;
+  e.on = std::sscanf(v, "%d,%d,%d,%d", &e.grid, &e.nv, &e.pf, &e.pc) == 4 && (e.nv == 2 || e.nv == 4 || e.nv == 8) &&
+         !(e.nv == 8 && e.pf);
+  return e;
+}
+#endif
+
 template <typename Tin, typename Tout, bool RMS>
 void launch_fwd(const Tin* x, const void* w, const void* b, bool p_f32, Tout* y, float* mean, float* rstd,
                 int64_t rows, int H, float eps, cudaStream_t stream) {
@@ -1146,7 +1179,17 @@ void launch_fwd(const Tin* x, const void* w, const void* b, bool p_f32, Tout* y,
   bool vec = H % V == 0 && aligned(x, 16) && aligned(y, V * sizeof(Tout));
   if (w != nullptr) vec = vec && aligned(w, pbytes);
   if (b != nullptr) vec = vec && aligned(b, pbytes);
-  const Cfg cfg = fwd_plan(vec ? H / V : H, vec);
+  Cfg cfg = fwd_plan<V, RMS>(vec ? H / V : H, vec);
+  bool full_grid = !cfg.pf;
+#if defined(PIPEGOOSE_NORM_FWD_EXPERIMENT)
+  const FwdExp ex = fwd_exp();
+  const bool exp_on = ex.on && vec && cfg.nv != 0 && std::is_same<Tin, Tout>::value &&
+                      round_tpr(ceil_div(H / V, ex.nv)) <= 1024;
+  if (exp_on) {
+    cfg = Cfg{ex.nv, round_tpr(ceil_div(H / V, ex.nv)), false, ex.pf != 0};
+    full_grid = ex.grid != 0;
+  }
+#endif
   const int sms = sm_count();
   if (cfg.nv == 0) {
     const int threads = 1024;
@@ -1162,7 +1205,10 @@ void launch_fwd(const Tin* x, const void* w, const void* b, bool p_f32, Tout* y,
   // ran 3-6% faster with it on the H200 (bf16, 512-1024 columns); at 4096-16384 columns staging the parameters in
   // every block of the persistent grid cost the RMSNorm forward 3-6% (session 4 A/B), so those read them per row.
   const size_t psmem = sizeof(float) * (RMS ? 1 : 2) * static_cast<size_t>(H);
-  const bool pcache = (w != nullptr || b != nullptr) && H <= 2048 && psmem <= kParamCacheBytes && cfg.pf;
+  bool pcache = (w != nullptr || b != nullptr) && H <= 2048 && psmem <= kParamCacheBytes && cfg.pf;
+#if defined(PIPEGOOSE_NORM_FWD_EXPERIMENT)
+  if (exp_on) pcache = (w != nullptr || b != nullptr) && ex.pc != 0 && psmem <= kParamCacheBytes && cfg.pf;
+#endif
   auto go = [&](auto nv_c, auto vec_c, auto pf_c, auto h_c) {
     constexpr int NV = decltype(nv_c)::value;
     constexpr int VEC = decltype(vec_c)::value;
@@ -1177,27 +1223,43 @@ void launch_fwd(const Tin* x, const void* w, const void* b, bool p_f32, Tout* y,
     // ran 2-17% faster than the persistent grid for those rows (bf16 32768-65536, fp32 16384-32768 columns), while
     // it lost up to 70% on the prefetching plans (there every block staged the parameter cache; session 4 A/B).
     const int64_t full = std::min<int64_t>(ceil_div(rows, rpb), (1LL << 31) - 1);
-    const int64_t grid = std::max<int64_t>(1, PF ? std::min<int64_t>(full, static_cast<int64_t>(sms) * occ) : full);
+    const int64_t grid = std::max<int64_t>(1, full_grid ? full : std::min<int64_t>(full, static_cast<int64_t>(sms) * occ));
     kernel<<<static_cast<unsigned>(grid), threads, smem, stream>>>(x, w, b, p_f32, y, mean, rstd, rows, H, cfg.tpr,
                                                                   eps, pcache);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
 #if defined(PIPEGOOSE_NORM_HIDDEN)
   // H == kSpecHidden on the vector path: cfg is this compile-time plan; the vector branches below with HC = H.
-  constexpr Cfg spec = fwd_plan(kSpecHidden / V, true);
+  constexpr Cfg spec = fwd_plan<V, RMS>(kSpecHidden / V, true);
   if constexpr (spec.nv != 0) {
     if (vec && H == kSpecHidden) {
-      static_assert(spec.pf == (spec.nv == 4) && (spec.nv == 4 || spec.nv == 8), "fwd_plan: vector plans");
+      static_assert((spec.nv == 4 || spec.nv == 8) && !(spec.nv == 8 && spec.pf), "fwd_plan: vector plans");
       static_assert(spec.tpr == FixedRow<kSpecHidden, V, spec.nv, false>::tpr, "FixedRow: the plan's tpr");
       go(IC<spec.nv>{}, IC<V>{}, IC<spec.pf ? 1 : 0>{}, IC<kSpecHidden>{});
       return;
     }
   }
 #endif
+#if defined(PIPEGOOSE_NORM_FWD_EXPERIMENT)
+  if constexpr (std::is_same<Tin, Tout>::value) {
+    if (exp_on) {
+      if (cfg.nv == 2) {
+        if (cfg.pf) go(IC<2>{}, IC<V>{}, IC<1>{}, IC<0>{}); else go(IC<2>{}, IC<V>{}, IC<0>{}, IC<0>{});
+      } else if (cfg.nv == 4) {
+        if (cfg.pf) go(IC<4>{}, IC<V>{}, IC<1>{}, IC<0>{}); else go(IC<4>{}, IC<V>{}, IC<0>{}, IC<0>{});
+      } else {
+        go(IC<8>{}, IC<V>{}, IC<0>{}, IC<0>{});
+      }
+      return;
+    }
+  }
+#endif
   if (!vec) {
     go(IC<4>{}, IC<1>{}, IC<1>{}, IC<0>{});
-  } else if (cfg.nv == 4) {
+  } else if (cfg.nv == 4 && cfg.pf) {
     go(IC<4>{}, IC<V>{}, IC<1>{}, IC<0>{});
+  } else if (cfg.nv == 4) {
+    go(IC<4>{}, IC<V>{}, IC<0>{}, IC<0>{});
   } else {
     go(IC<8>{}, IC<V>{}, IC<0>{}, IC<0>{});
   }
