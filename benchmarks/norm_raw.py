@@ -18,6 +18,10 @@ Correctness is the GPU tests' job (``tests/kernels/test_norms_cuda.py``), not th
 is the shipped plan; see ``fwd_exp`` in ``norm_kernels.cuh``). Each line then carries ``plan`` and ``maxdiff``, the
 largest absolute difference of its outputs (y, mean, rstd) from the first plan's: a plan that computes something
 else shows there. ``benchmarks/results/nvidia_h200_2026-11-29/norm_fwd_plans_session5.log`` was made that way.
+
+``--bwd-wide`` builds with ``-DPIPEGOOSE_NORM_BWD_EXPERIMENT`` and times each backward twice: on its shipped plan and
+(``"plan": "wide"``, with ``maxrel``, the largest difference from the shipped plan's gradients relative to their
+largest magnitude) on the two-kernel path of the widest rows.
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ def main() -> None:
     ap.add_argument("--defines", default="", help="comma-separated -D flags for a variant build")
     ap.add_argument("--fwd-only", action="store_true")
     ap.add_argument("--fwd-plans", default="", help='forward plans to compare, e.g. "-;1,4,0,0;1,8,0,0"')
+    ap.add_argument("--bwd-wide", action="store_true",
+                    help="build with -DPIPEGOOSE_NORM_BWD_EXPERIMENT and time each backward also on the two-kernel "
+                         "wide-row path (plan 'wide')")
     ap.add_argument("--dtypes", default="bf16,fp32,bf16/fp32",
                     help="input dtypes, or INPUT/PARAMETER pairs (bf16, fp16, fp32), comma separated")
     ap.add_argument("--table", metavar="JSONL", help="print the --fwd-plans lines of JSONL as a table, then exit")
@@ -81,6 +88,7 @@ def main() -> None:
         raise SystemExit(f"norm_raw: --dtypes: unknown dtype {e} (expected bf16, fp16 or fp32)") from None
     plans = [p for p in args.fwd_plans.split(";") if p]
     defs = [d for d in args.defines.split(",") if d] + (["-DPIPEGOOSE_NORM_FWD_EXPERIMENT"] if plans else [])
+    defs += ["-DPIPEGOOSE_NORM_BWD_EXPERIMENT"] if args.bwd_wide else []
     if defs:
         from .build_cost import builder_with_defines
 
@@ -133,12 +141,23 @@ def main() -> None:
                                           "maxdiff": diff}), flush=True)
                     set_plan("-")
                     continue
-                passes = (("fwd", fwd, 2 * act), ("bwd", bwd, 3 * act))
-                for name, fn, nbytes in passes[:1] if args.fwd_only else passes:
+                passes = [("fwd", fwd, 2 * act, "-"), ("bwd", bwd, 3 * act, "-")][:1 if args.fwd_only else 2]
+                if args.bwd_wide and not args.fwd_only:
+                    passes.append(("bwd", bwd, 3 * act, "wide"))
+                for name, fn, nbytes, plan in passes:
+                    os.environ.pop("PIPEGOOSE_NORM_BWD_EXP", None)
+                    if plan == "wide":
+                        os.environ["PIPEGOOSE_NORM_BWD_EXP"] = "wide"
+                        ref = [t.float() for t in bwd() if t.numel()]
                     t = timer.time(lambda _: fn())["median_ms"]
-                    print(json.dumps({"label": args.label, "op": op, "dtype": str(dt)[6:], "pdtype": str(pdt)[6:],
-                                      "rows": n, "H": h, "pass": name, "ms": round(t, 5),
-                                      "gbps": round(nbytes / t / 1e6, 1)}), flush=True)
+                    line = {"label": args.label, "op": op, "dtype": str(dt)[6:], "pdtype": str(pdt)[6:], "rows": n,
+                            "H": h, "pass": name, "ms": round(t, 5), "gbps": round(nbytes / t / 1e6, 1)}
+                    if plan == "wide":
+                        os.environ.pop("PIPEGOOSE_NORM_BWD_EXP", None)
+                        base = [t.float() for t in bwd() if t.numel()]
+                        line.update(plan="wide", maxrel=max(((a - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
+                                                            for a, r in zip(ref, base)))
+                    print(json.dumps(line), flush=True)
             del x, dy
 
 

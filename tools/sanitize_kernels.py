@@ -4,7 +4,7 @@
     compute-sanitizer --tool racecheck --error-exitcode 99 python tools/sanitize_kernels.py norms
 
 Calls the forward and backward of ``pipegoose/layer_norm`` and ``pipegoose/rms_norm`` (every launch plan of
-``norm_kernels.cuh``: scalar rows, register and shared-memory accumulator plans, the prefetching and wide forward,
+``norm_kernels.cuh``: scalar rows, register and shared-memory accumulator plans, the prefetching and full-grid forward plans,
 the specialised backward sizes, the two-kernel wide backward, with and without parameters, fp32 parameters with a
 16-bit input) and of ``pipegoose/softmax`` (plain, padding-masked, causal; 1 to 40000 keys; one and three query rows)
 in fp32, fp16 and bf16, at row counts small enough for the sanitizers (seconds, not hours). The optional argument

@@ -263,12 +263,12 @@ def test_backward_specialised_sizes(ln, rms, h):
                                          (torch.float32, torch.float32, None)), seed=h + 1)
 
 
-@pytest.mark.parametrize("h", [20000, 32768])
+@pytest.mark.parametrize("h", [16384, 20000, 32768])
 def test_wide_rows_two_kernel_backward(ln, rms, h):
-    """Rows wider than the register plans (vector rows > 16384 columns): the backward's row-statistics kernel and
-    column-slab kernel (norm_bwd_rowstats_kernel, norm_bwd_cols_kernel), in the dtype combinations they are
-    instantiated for, with a chunk count that is not a multiple of the slab (20000 / 8 = 2500), rows that are not
-    a multiple of the rows loaded at a time, and without parameters."""
+    """Rows wider than the register plans (vector rows > 16384 columns; 16-bit LayerNorm from 16384): the backward's
+    row-statistics kernel and column-slab kernel (norm_bwd_rowstats_kernel, norm_bwd_cols_kernel), in the dtype
+    combinations they are instantiated for, with a chunk count that is not a multiple of the slab (20000 / 8 =
+    2500), rows that are not a multiple of the rows loaded at a time, and without parameters."""
     check_dtype_cases(ln, rms, 1029, h, ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
                                          (torch.bfloat16, torch.float32, torch.float32),
                                          (torch.float32, torch.float32, None)), seed=h + 7)

@@ -17,8 +17,8 @@
 // rows), writes one partial row per block into an fp32 workspace [nacc, blocks, H], and norm_col_reduce_kernel
 // sums the partial rows column-wise in a fixed order (deterministic, no atomics).
 // Rows wider than the register capacity: the forward takes norm_fwd_generic_kernel (block per row, re-reading the
-// row); the backward of vector rows the two-kernel path (norm_bwd_rowstats_kernel + norm_bwd_cols_kernel), of scalar
-// rows norm_bwd_generic_kernel.
+// row); the backward of vector rows (and of 16-bit LayerNorm rows from 16384 columns) the two-kernel path
+// (norm_bwd_rowstats_kernel + norm_bwd_cols_kernel), of scalar rows norm_bwd_generic_kernel.
 // Launch plans per hidden size: fwd_plan / bwd_plan below. A build with -DPIPEGOOSE_NORM_HIDDEN=H0 (a benchmark
 // experiment, off in the shipped build; see the host side) adds instantiations specialised to H == H0.
 #pragma once
@@ -41,6 +41,7 @@
 #include <initializer_list>
 #include <map>
 #include <mutex>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <type_traits>
@@ -561,16 +562,23 @@ norm_fwd_generic_kernel(const Tin* __restrict__ x, const void* __restrict__ w, c
 // combines them in a fixed order; each block writes one partial row per accumulator into ws.
 // HC > 0 (kBwdSpecHidden, or PIPEGOOSE_NORM_HIDDEN builds): specialised to H == HC as norm_fwd_kernel, with the geometry
 // FixedRow<HC, VEC, NV, ACC_SMEM>.
-template <bool ACC_SMEM>
+template <bool ACC_SMEM, bool F32>
 struct BwdBounds {
-  // Register accumulators: blocks of 256 threads, two per SM (<= 128 registers; at three per SM, 80 registers,
-  // the 16-bit LayerNorm variants spill); shared-memory accumulators: up to 512 threads per row, <= 128 registers.
+  // Register accumulators: blocks of 256 threads, three per SM for fp32 input and grad_output (<= 80 registers,
+  // no spills), two otherwise (<= 128 registers; at three per SM the 16-bit variants spill); shared-memory
+  // accumulators: up to 512 threads per row, <= 128 registers.
   static constexpr int threads = ACC_SMEM ? 512 : 256;
-  static constexpr int min_blocks = ACC_SMEM ? 1 : 2;
+#if defined(PIPEGOOSE_NORM_BWD_MINB)
+  // Benchmark experiment (off in the shipped build): this many resident blocks for every register plan.
+  static constexpr int min_blocks = ACC_SMEM ? 1 : PIPEGOOSE_NORM_BWD_MINB;
+#else
+  static constexpr int min_blocks = ACC_SMEM ? 1 : (F32 ? 3 : 2);
+#endif
 };
 
 template <typename Tin, typename Tdy, int VEC, int NV, bool RMS, bool ACC_SMEM, bool PF, int HC>
-__global__ void __launch_bounds__(BwdBounds<ACC_SMEM>::threads, BwdBounds<ACC_SMEM>::min_blocks)
+__global__ void __launch_bounds__(BwdBounds<ACC_SMEM, sizeof(Tin) == 4 && sizeof(Tdy) == 4>::threads,
+                                   BwdBounds<ACC_SMEM, sizeof(Tin) == 4 && sizeof(Tdy) == 4>::min_blocks)
 norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const void* __restrict__ w, bool p_f32,
                 const float* __restrict__ mean, const float* __restrict__ rstd, Tin* __restrict__ dx,
                 float* __restrict__ ws, int64_t rows, int h_arg, int tpr_arg, bool pcache) {
@@ -1061,9 +1069,10 @@ constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
 // Backward plans. Vector rows: two chunks per thread with register column sums and prefetch (<= 256 threads per
 // row: bf16/fp16 H <= 4096, fp32 H <= 2048); four chunks per thread with shared-memory column sums and prefetch
 // (<= 512 threads: H <= 16384 / 8192); for fp32, eight chunks (32 values) per thread with shared-memory column
-// sums without prefetch (H <= 16384); then the generic kernel. Scalar rows: four values per thread with
-// prefetch, register column sums up to 256 threads per row, shared-memory ones up to 512.
-template <int V>
+// sums without prefetch (H <= 16384); then (and for 16-bit LayerNorm rows from 16384 columns) the two-kernel path
+// (nv 0 with vector rows). Scalar rows: four values per thread with prefetch, register column sums up to 256
+// threads per row, shared-memory ones up to 512.
+template <int V, bool RMS>
 constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
   if (!vec) {
     const int tpr = round_tpr(ceil_div(chunks, 4));
@@ -1071,6 +1080,10 @@ constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
     if (tpr <= 512) return {4, tpr, true, true};
     return Cfg{};
   }
+  // 16-bit LayerNorm rows of 16384 columns and more: the two-kernel path (nv 0), 16-21% faster than the
+  // shared-memory accumulator plan at 16384 columns (bf16, bf16 or fp32 parameters; H200, session 5 A/B), where
+  // RMSNorm and fp32 inputs ran 11-35% slower on it.
+  if (!RMS && V == 8 && chunks * V >= 16384) return Cfg{};
   const int tpr4 = round_tpr(ceil_div(chunks, 4));
 #if defined(PIPEGOOSE_NORM_BWD_SMEM_ACC)
   // Build-time experiment (benchmarks/build_cost.py --specialise): rows of at least one warp take the
@@ -1276,7 +1289,13 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   const int pbytes = V * (p_f32 ? 4 : static_cast<int>(sizeof(Tin)));
   bool vec = H % V == 0 && aligned(x, 16) && aligned(dx, 16) && aligned(dy, V * sizeof(Tdy));
   if (w != nullptr) vec = vec && aligned(w, pbytes);
-  const Cfg cfg = bwd_plan<V>(vec ? H / V : H, vec);
+  Cfg cfg = bwd_plan<V, RMS>(vec ? H / V : H, vec);
+#if defined(PIPEGOOSE_NORM_BWD_EXPERIMENT)
+  // Benchmark experiment (off in the shipped build; norm_raw --bwd-plans): PIPEGOOSE_NORM_BWD_EXP=wide sends every
+  // vector row to the two-kernel path.
+  const char* bx = std::getenv("PIPEGOOSE_NORM_BWD_EXP");
+  if (bx != nullptr && std::string(bx) == "wide" && vec) cfg = Cfg{};
+#endif
   at::Tensor ws;
   const int sms = sm_count();
   if (cfg.nv == 0 && vec) {
@@ -1343,7 +1362,7 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   // backward sizes kBwdSpecHidden, and the PIPEGOOSE_NORM_HIDDEN experiment's size.
   auto try_spec = [&](auto h_c) -> bool {
     constexpr int HC = decltype(h_c)::value;
-    constexpr Cfg spec = bwd_plan<V>(HC / V, true);
+    constexpr Cfg spec = bwd_plan<V, RMS>(HC / V, true);
     if constexpr (HC % V == 0 && spec.nv != 0) {
       if (vec && H == HC) {
         static_assert(spec.tpr == FixedRow<HC, V, spec.nv, spec.acc_smem>::tpr, "FixedRow: the plan's tpr");
