@@ -181,6 +181,7 @@ def report_only(args: argparse.Namespace) -> int:
     merged: dict = {}
     ms: dict[tuple, Measurement] = {}
     commands: list[str] = []
+    e2e: dict[tuple, dict] = {}
     for d in args.report_only:
         p = Path(d) / "results.json" if Path(d).is_dir() else Path(d)
         data, measurements = load_json(p)
@@ -188,11 +189,20 @@ def report_only(args: argparse.Namespace) -> int:
         for c in ([cmd] if isinstance(cmd, str) else cmd or []):
             if c not in commands:
                 commands.append(c)
+        # Each merged row keeps the date of the run that measured it ("run"; rows merged before keep theirs).
+        run_date = str((data.get("environment") or {}).get("date") or "")[:10] or p.parent.name
         for k, v in data.items():
-            if k != "measurements" and v is not None:
+            if k == "e2e" and isinstance(v, list):
+                # end-to-end rows merge per (model, variant) like the measurements, the later run winning
+                for row in v:
+                    e2e[(row.get("model"), row.get("variant"))] = {**row, "run": row.get("run") or run_date}
+            elif k != "measurements" and v is not None:
                 merged[k] = v
         for m in measurements:
+            m.extra = {**(m.extra or {}), "run": (m.extra or {}).get("run") or run_date}
             ms[(m.op, m.impl, m.dtype, m.pas, m.cols)] = m
+    if e2e:
+        merged["e2e"] = list(e2e.values())
     env = merged.get("environment", {})
     args.device = "cuda" if env.get("device") == "cuda" else "cpu"
     run = Run(args, env)

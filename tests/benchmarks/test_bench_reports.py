@@ -118,3 +118,31 @@ def test_plots_on_fake_data(tmp_path):
     assert [f.name for f in files] == ["softmax_causal_fwd_bwd.png"]
     head = files[0].read_bytes()[:8]
     assert head == b"\x89PNG\r\n\x1a\n" and files[0].stat().st_size > 5000
+
+
+def test_report_only_merges_e2e_rows_and_dates_each_row(tmp_path):
+    """--report-only: measurements and end-to-end rows merge per key, the later run winning, and every merged row
+    names the run (date) that measured it."""
+    from benchmarks.run import main
+
+    copy = {"bytes": 2 * 2**30, "gbps": 4000.0, "median_ms": 0.5}
+    runs = []
+    for i, (date, rows, e2e) in enumerate((
+            ("2026-11-29T10:00:00+00:00", [m(cols=512, ms=1.0), m(cols=1024, ms=1.0)],
+             [{"model": "llama", "variant": "sdpa", "status": "ok", "tokens_per_s": 1.0},
+              {"model": "llama", "variant": "liger", "status": "ok", "tokens_per_s": 2.0}]),
+            ("2026-11-30T01:00:00+00:00", [m(cols=1024, ms=0.5)],
+             [{"model": "llama", "variant": "sdpa", "status": "ok", "tokens_per_s": 3.0}]))):
+        fill_pct(rows, copy["gbps"])
+        env = {"gpu": "NVIDIA H200", "date": date, "device": "cuda"}
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        write_json(d / "results.json", env, {"command": f"run {i}"}, copy, rows, {"e2e": e2e})
+        runs.append(str(d))
+    assert main(["--report-only", *runs, "--out", str(tmp_path / "out"), "--no-tuning"]) == 0
+    data, back = load_json(tmp_path / "out" / "nvidia_h200_2026-11-30" / "results.json")
+    got = {x.cols: (x.median_ms, x.extra["run"]) for x in back}
+    assert got == {512: (1.0, "2026-11-29"), 1024: (0.5, "2026-11-30")}
+    e2e = {(r["model"], r["variant"]): (r["tokens_per_s"], r["run"]) for r in data["e2e"]}
+    assert e2e == {("llama", "sdpa"): (3.0, "2026-11-30"), ("llama", "liger"): (2.0, "2026-11-29")}
+    assert "run 0" in data["config"]["command"] and "run 1" in data["config"]["command"]
