@@ -128,6 +128,19 @@ def test_softmax_is_F_softmax(dtype, shape, dim):
     assert torch.allclose(PF.softmax(x, dim=dim, dtype=torch.float64), F.softmax(x, dim=dim, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("shape", [(), (7,), (4, 33), (2, 3, 5), (2, 3, 4, 5)])
+def test_softmax_without_dim_follows_F_softmax_legacy_rule(shape):
+    """softmax(x) without dim: F.softmax's implicit (deprecated) dim and its warning, not the last dim."""
+    x = torch.randn(shape) * 4
+    with pytest.warns(UserWarning, match="Implicit dimension choice for softmax"):
+        got = PF.softmax(x)
+    with pytest.warns(UserWarning, match="Implicit dimension choice for softmax"):
+        want = F.softmax(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="dim"):
+        PF.softmax(x, 0.5)
+
+
 def test_softmax_inf_rows_like_torch():
     x = torch.tensor([[float("-inf")] * 4, [0.0, float("-inf"), 1.0, 2.0]])
     torch.testing.assert_close(PF.softmax(x, -1), F.softmax(x, -1), equal_nan=True)

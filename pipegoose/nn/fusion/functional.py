@@ -13,6 +13,7 @@ Kernel sources: see :mod:`pipegoose.nn.fusion.ops.softmax`, :mod:`~pipegoose.nn.
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import torch
@@ -25,13 +26,14 @@ __all__ = ["softmax", "scaled_softmax", "scaled_masked_softmax", "scaled_upper_t
            "layer_norm", "mixed_fused_layer_norm", "rms_norm"]
 
 
-def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None, *,
+def softmax(x: torch.Tensor, dim: int | None = None, dtype: torch.dtype | None = None, *,
             impl: str | None = None) -> torch.Tensor:
     """Drop-in for ``torch.nn.functional.softmax(x, dim, dtype=dtype)``: the same result for every input.
 
     Args:
         x: any floating tensor, any shape, any device.
-        dim: the dim to normalize over.
+        dim: the dim to normalize over. None (deprecated, as in F.softmax): PyTorch's implicit choice, dim 0 for 0-,
+            1- and 3-dimensional ``x``, else dim 1, with F.softmax's deprecation warning.
         dtype: if given, ``x`` is cast to it first (as F.softmax does).
 
     Returns:
@@ -42,9 +44,14 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None, *,
     (a fused half result may differ by one ulp; :func:`scaled_softmax` is the fused half-precision path).
 
     Raises:
-        IndexError: ``dim`` out of range. TypeError: non-floating ``x``, ``dtype`` not a floating torch.dtype,
-        ``impl`` not a str. ValueError: ``impl`` names no implementation.
+        IndexError: ``dim`` out of range. TypeError: non-floating ``x``, ``dim`` not an integer or None, ``dtype``
+        not a floating torch.dtype, ``impl`` not a str. ValueError: ``impl`` names no implementation.
     """
+    if dim is None and isinstance(x, torch.Tensor):
+        # F.softmax's legacy rule (torch.nn.functional._get_softmax_dim), with its warning
+        warnings.warn("Implicit dimension choice for softmax has been deprecated. Change the call to include dim=X "
+                      "as an argument.", stacklevel=2)
+        dim = 0 if x.dim() in (0, 1, 3) else 1
     if dtype is not None and isinstance(x, torch.Tensor):
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype: expected a floating torch.dtype or None, got {dtype}")
