@@ -157,6 +157,35 @@ def test_scaled_softmax_every_impl(impl, dtype):
     check_softmax(y, dx, x, dy, None, 2.0, False, dtype)
 
 
+@pytest.mark.parametrize("impl", ["pipegoose", "megatron", "torch"])
+@pytest.mark.parametrize("dtype", ALL)
+def test_forward_mode_ad_every_softmax_impl(impl, dtype):
+    """torch.autograd.forward_ad through the fused Functions (their jvp runs the backward kernel on the tangent: the
+    softmax Jacobian is symmetric), padding-masked with a fully masked row and causal, against float64."""
+    import torch.autograd.forward_ad as fwAD
+
+    if impl == "megatron" and dtype == torch.float32:
+        pytest.skip("the Megatron copy takes fp16/bf16 only")
+    g = torch.Generator(device=DEV).manual_seed(11)
+    x = (torch.randn(2, 4, 16, 128, generator=g, device=DEV) * 3).to(dtype)
+    t = torch.randn(2, 4, 16, 128, generator=g, device=DEV).to(dtype)
+    mask = torch.rand(2, 1, 16, 128, generator=g, device=DEV) < 0.3
+    mask[:, :, 1] = True
+    xc, tc = x[..., :16].flatten(0, 1).contiguous(), t[..., :16].flatten(0, 1).contiguous()
+    for fn, xx, tt, m, causal, op in (
+            (lambda v: PF.scaled_masked_softmax(v, mask, 0.125, impl=impl), x, t, mask, False, "softmax.masked"),
+            (lambda v: PF.scaled_upper_triang_masked_softmax(v, 0.125, impl=impl), xc, tc, None, True,
+             "softmax.causal")):
+        with fwAD.dual_level():
+            tan = fwAD.unpack_dual(fn(fwAD.make_dual(xx, tt))).tangent
+        ran(op, impl)
+        dispatch.reset_stats()
+        y64 = softmax_ref64(xx, m, 0.125, causal)
+        tl = TOLERANCES[dtype]
+        torch.testing.assert_close(tan.double(), softmax_bwd_ref64(y64, tt, 0.125), atol=tl["atol"] * 4,
+                                   rtol=tl["rtol"])
+
+
 def test_must_hold_short_keys_fp16_padding_mask_auto():
     x = torch.randn(4, 12, 24, 24, device=DEV, dtype=torch.float16)
     dy = torch.randn_like(x)

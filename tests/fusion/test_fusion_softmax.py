@@ -259,6 +259,45 @@ def test_torch_func_transforms_through_the_softmaxes():
     assert S.softmax_problem(S.OP_MASKED, x[0], m, 0.5)["storage"] is True
 
 
+def jvp64(fn, x, t):
+    """Forward-mode derivative of fn at x along t, by torch.func.jvp of fn in float64 (NaN of -inf rows -> 0)."""
+    return torch.nan_to_num(torch.func.jvp(fn, (x.double(),), (t.double(),))[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_mode_ad_through_the_softmaxes(dtype):
+    """torch.func.jvp and torch.autograd.forward_ad through every softmax (the reference Function's jvp: the tangent
+    of y is the backward's formula applied to the tangent of x), against float64 jvp of the plain PyTorch formula;
+    fully masked rows and masked keys give zero tangents."""
+    import torch.autograd.forward_ad as fwAD
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(2, 3, 6, 9, generator=g) * 2).to(dtype)
+    t = torch.randn(2, 3, 6, 9, generator=g).to(dtype)
+    m = torch.rand(2, 1, 6, 9, generator=g) < 0.3
+    m[0, 0, 2] = True  # a fully masked row
+    cm = torch.ones(6, 6, dtype=torch.bool).triu(1)  # causal: square [b * np, sq, sq], the key after the query masked
+    # the tangent is O(scale * |t|), like the backward's dx: check() widens atol the same way
+    tol = dict(atol=TOLERANCES[dtype]["atol"] * 4, rtol=TOLERANCES[dtype]["rtol"])
+    cases = [
+        (lambda v: PF.softmax(v, -1), lambda v: F.softmax(v, -1)),
+        (lambda v: PF.scaled_softmax(v, 0.7), lambda v: F.softmax(v * 0.7, -1)),
+        (lambda v: PF.scaled_masked_softmax(v, m, 0.7), lambda v: F.softmax((v * 0.7).masked_fill(m, -float("inf")), -1)),
+        (lambda v: PF.scaled_upper_triang_masked_softmax(v[..., :6].flatten(0, 1), 0.7),
+         lambda v: F.softmax((v[..., :6].flatten(0, 1) * 0.7).masked_fill(cm, -float("inf")), -1)),
+    ]
+    for fn, ref in cases:
+        want = jvp64(ref, x, t)
+        _, got = torch.func.jvp(fn, (x,), (t,))
+        torch.testing.assert_close(got.double(), want, **tol)
+        with fwAD.dual_level():
+            tan = fwAD.unpack_dual(fn(fwAD.make_dual(x, t))).tangent
+        assert tan is not None
+        torch.testing.assert_close(tan.double(), want, **tol)
+    _, got = torch.func.jvp(cases[2][0], (x,), (t,))
+    assert torch.count_nonzero(got[0, :, 2]) == 0 and torch.count_nonzero(got.masked_fill(~m, 0)) == 0
+
+
 def test_softmax_accepts_what_F_softmax_accepts():
     import numpy as np
 

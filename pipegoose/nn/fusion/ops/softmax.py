@@ -224,7 +224,11 @@ def softmax_reference_backward(dy: torch.Tensor, y: torch.Tensor, scale: float) 
 
 class ReferenceSoftmaxFunction(torch.autograd.Function):
     """The reference path with its own backward (zero gradient for fully masked rows, fp32 math); written with
-    ``setup_context`` and ``generate_vmap_rule`` so that ``torch.func.vmap`` / ``grad`` work through it."""
+    ``setup_context`` and ``generate_vmap_rule`` so that ``torch.func.vmap`` / ``grad`` / ``jvp`` work through it.
+
+    Forward mode (``jvp``): the softmax Jacobian ``scale * (diag(y) - y y^T)`` is symmetric, so the tangent of y
+    is the backward's formula applied to the tangent of x (zero on fully masked rows and masked keys, where y is
+    zero)."""
 
     generate_vmap_rule = True
 
@@ -235,12 +239,18 @@ class ReferenceSoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(output)
+        ctx.save_for_forward(output)
         ctx.scale = inputs[2]
 
     @staticmethod
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
         return softmax_reference_backward(dy, y, ctx.scale), None, None, None
+
+    @staticmethod
+    def jvp(ctx, dx, *_):
+        (y,) = ctx.saved_tensors
+        return softmax_reference_backward(dx, y, ctx.scale)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -261,6 +271,7 @@ class PipegooseSoftmaxFunction(torch.autograd.Function):
         ops = _ops("pipegoose/softmax")
         y = ops.softmax_forward(x.contiguous(), mask, float(scale), bool(causal))
         ctx.save_for_backward(y)
+        ctx.save_for_forward(y)
         ctx.scale = scale
         ctx.causal = bool(causal)
         return y
@@ -271,6 +282,12 @@ class PipegooseSoftmaxFunction(torch.autograd.Function):
         # causal: the kernel skips the masked tail, where y (and so dx) is zero
         dx = _ops("pipegoose/softmax").softmax_backward(dy.contiguous(), y, float(ctx.scale), ctx.causal)
         return dx, None, None, None
+
+    @staticmethod
+    def jvp(ctx, dx, *_):
+        # the Jacobian is symmetric (ReferenceSoftmaxFunction): the backward kernel maps the tangent of x to y's
+        (y,) = ctx.saved_tensors
+        return _ops("pipegoose/softmax").softmax_backward(dx.contiguous(), y, float(ctx.scale), ctx.causal)
 
 
 class MegatronScaledMaskedSoftmaxFunction(torch.autograd.Function):
@@ -289,6 +306,7 @@ class MegatronScaledMaskedSoftmaxFunction(torch.autograd.Function):
             # the copy gives a fully masked row 1/sk; we give zeros (and so zero gradient, as dx = s*y*(...))
             y.masked_fill_(m.all(dim=-1, keepdim=True), 0.0)
         ctx.save_for_backward(y)
+        ctx.save_for_forward(y)
         ctx.scale = scale
         return y
 
@@ -299,6 +317,13 @@ class MegatronScaledMaskedSoftmaxFunction(torch.autograd.Function):
         dx = ops.scaled_masked_softmax_backward(dy.contiguous(), y, float(ctx.scale))
         return dx, None, None
 
+    @staticmethod
+    def jvp(ctx, dx, *_):
+        # symmetric Jacobian (ReferenceSoftmaxFunction): the backward kernel gives the tangent
+        (y,) = ctx.saved_tensors
+        return _ops("megatron/scaled_masked_softmax").scaled_masked_softmax_backward(dx.contiguous(), y,
+                                                                                      float(ctx.scale))
+
 
 class MegatronScaledUpperTriangMaskedSoftmaxFunction(torch.autograd.Function):
     """megatron/scaled_upper_triang_masked_softmax: x [attn_batches, sq, sq], causal including the diagonal."""
@@ -308,6 +333,7 @@ class MegatronScaledUpperTriangMaskedSoftmaxFunction(torch.autograd.Function):
         ops = _ops("megatron/scaled_upper_triang_masked_softmax")
         y = ops.scaled_upper_triang_masked_softmax_forward(x.contiguous(), float(scale))
         ctx.save_for_backward(y)
+        ctx.save_for_forward(y)
         ctx.scale = scale
         return y
 
@@ -316,6 +342,13 @@ class MegatronScaledUpperTriangMaskedSoftmaxFunction(torch.autograd.Function):
         (y,) = ctx.saved_tensors
         ops = _ops("megatron/scaled_upper_triang_masked_softmax")
         return ops.scaled_upper_triang_masked_softmax_backward(dy.contiguous(), y, float(ctx.scale)), None
+
+    @staticmethod
+    def jvp(ctx, dx, *_):
+        # symmetric Jacobian (ReferenceSoftmaxFunction): the backward kernel gives the tangent
+        (y,) = ctx.saved_tensors
+        ops = _ops("megatron/scaled_upper_triang_masked_softmax")
+        return ops.scaled_upper_triang_masked_softmax_backward(dx.contiguous(), y, float(ctx.scale))
 
 
 # ---------------------------------------------------------------------------------------------------------------
