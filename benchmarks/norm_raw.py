@@ -17,7 +17,9 @@ Correctness is the GPU tests' job (``tests/kernels/test_norms_cuda.py``), not th
 (``grid,nv,pf,pcache``: grid 0 persistent / 1 full, 2, 4 or 8 chunks per thread, prefetch, parameter cache; ``-``
 is the shipped plan; see ``fwd_exp`` in ``norm_kernels.cuh``). Each line then carries ``plan`` and ``maxdiff``, the
 largest absolute difference of its outputs (y, mean, rstd) from the first plan's: a plan that computes something
-else shows there. ``benchmarks/results/nvidia_h200_2026-11-29/norm_fwd_plans_session5.log`` was made that way.
+else shows there. A plan the row cannot take (over 1024 threads per row, rows on the generic or scalar path) runs
+the shipped plan under its label. ``benchmarks/results/nvidia_h200_2026-11-30/norm_fwd_plans_session5.log`` was
+made that way.
 
 ``--bwd-wide`` builds with ``-DPIPEGOOSE_NORM_BWD_EXPERIMENT`` and times each backward twice: on its shipped plan and
 (``"plan": "wide"``, with ``maxrel``, the largest difference from the shipped plan's gradients relative to their
@@ -41,10 +43,14 @@ def table(path: str) -> str:
     copy = None
     with open(path) as f:
         for line in f:
+            if not line.strip() or line.startswith("#"):
+                continue
             d = json.loads(line)
             if "copy_gbps" in d:
                 copy = d["copy_gbps"]
                 continue
+            if "plan" not in d or "maxdiff" not in d:
+                continue  # not a --fwd-plans line
             plans += [d["plan"]] if d["plan"] not in plans else []
             key = (d["op"], d["dtype"], d["pdtype"], d["rows"], d["H"])
             rows.setdefault(key, {})[d["plan"]] = (d["gbps"], d["maxdiff"])

@@ -409,8 +409,8 @@ norm_fwd_kernel(const Tin* __restrict__ x, const void* __restrict__ w, const voi
   int64_t base = static_cast<int64_t>(blockIdx.x) * rpb;
   Raw<Tin, VEC> cur[NV];
   if constexpr (PF) load_row<Tin, VEC, NV, FIXED>(x + (base + rg) * H, base + rg < rows, t, tpr, nchunks, cur);
-  // The parameter cache in the prefetching kernels only (the host enables it up to 2048 columns, which always
-  // take a prefetching plan; compiled into the wide no-prefetch kernels, its registers made them spill).
+  // The parameter cache in the prefetching kernels only (the host enables it for prefetching plans up to 2048
+  // columns; compiled into the wide no-prefetch kernels, its registers made them spill).
   pcache = PF && pcache;
   if (pcache) stage_params<Tin, RMS>(w, b, p_f32, H, sw, sb);  // after the first loads: they overlap
   for (; base < rows; base += stride) {
@@ -564,8 +564,9 @@ norm_fwd_generic_kernel(const Tin* __restrict__ x, const void* __restrict__ w, c
 // FixedRow<HC, VEC, NV, ACC_SMEM>.
 template <bool ACC_SMEM, bool F32>
 struct BwdBounds {
-  // Register accumulators: blocks of 256 threads, three per SM for fp32 input and grad_output (<= 80 registers,
-  // no spills), two otherwise (<= 128 registers; at three per SM the 16-bit variants spill); shared-memory
+  // Register accumulators: blocks of 256 threads, three per SM for fp32 input and grad_output (<= 80 registers;
+  // RMSNorm's generic fp32 kernel spills 4 bytes there and still ran 12% faster at 512 columns, session 5 A/B), two
+  // otherwise (<= 128 registers; at three per SM the 16-bit variants spill 68-224 bytes); shared-memory
   // accumulators: up to 512 threads per row, <= 128 registers.
   static constexpr int threads = ACC_SMEM ? 512 : 256;
 #if defined(PIPEGOOSE_NORM_BWD_MINB)
@@ -1039,7 +1040,7 @@ struct Cfg {
 };
 
 // Forward plans (chunks = H / VEC; RMS and the element size V = VEC select among the plans measured on the H200,
-// session 5 forward A/B in benchmarks/results/nvidia_h200_2026-11-29/norm_fwd_plans_session5.log):
+// session 5 forward A/B in benchmarks/results/nvidia_h200_2026-11-30/norm_fwd_plans_session5.log):
 // - rows below 512 columns, and 16-bit LayerNorm rows up to 1024: four chunks per thread (up to 512 threads per
 //   row) on a persistent grid that prefetches the next row (pf), with the parameter cache;
 // - wider rows: one block per row group and row (a full grid, no prefetch: the GPU keeps as many blocks in flight as
@@ -1166,10 +1167,11 @@ inline void allow_smem(const void* kernel, size_t smem) {
 }
 
 #if defined(PIPEGOOSE_NORM_FWD_EXPERIMENT)
-// Benchmark experiment (off in the shipped build; benchmarks/norm_fwd_plans.py): the forward plan of vector rows with
+// Benchmark experiment (off in the shipped build; norm_raw --fwd-plans): the forward plan of vector rows with
 // Tout == Tin is read from PIPEGOOSE_NORM_FWD_EXP = "grid,nv,pf,pcache" (grid 0 persistent / 1 full, nv 2, 4 or 8
 // chunks per thread, pf 1 to prefetch the next row (not with nv 8), pcache 1 for the parameter cache (prefetching
-// plans only)); unset or malformed: the shipped plan.
+// plans only)); unset or malformed, or a plan the row cannot take (more than 1024 threads per row, a row on the
+// generic or scalar path): the shipped plan.
 struct FwdExp {
   bool on = false;
   int grid = 0, nv = 0, pf = 0, pc = 0;
@@ -1178,8 +1180,9 @@ inline FwdExp fwd_exp() {
   FwdExp e;
   const char* v = std::getenv("PIPEGOOSE_NORM_FWD_EXP");
   if (v == nullptr) return e;
-  e.on = std::sscanf(v, "%d,%d,%d,%d", &e.grid, &e.nv, &e.pf, &e.pc) == 4 && (e.nv == 2 || e.nv == 4 || e.nv == 8) &&
-         !(e.nv == 8 && e.pf);
+  int end = 0;
+  e.on = std::sscanf(v, "%d,%d,%d,%d%n", &e.grid, &e.nv, &e.pf, &e.pc, &end) == 4 && v[end] == '\0' &&
+         (e.nv == 2 || e.nv == 4 || e.nv == 8) && !(e.nv == 8 && e.pf);
   return e;
 }
 #endif
@@ -1196,8 +1199,11 @@ void launch_fwd(const Tin* x, const void* w, const void* b, bool p_f32, Tout* y,
   bool full_grid = !cfg.pf;
 #if defined(PIPEGOOSE_NORM_FWD_EXPERIMENT)
   const FwdExp ex = fwd_exp();
-  const bool exp_on = ex.on && vec && cfg.nv != 0 && std::is_same<Tin, Tout>::value &&
-                      round_tpr(ceil_div(H / V, ex.nv)) <= 1024;
+  bool exp_on = ex.on && vec && cfg.nv != 0 && std::is_same<Tin, Tout>::value &&
+                round_tpr(ceil_div(H / V, ex.nv)) <= 1024;
+#if defined(PIPEGOOSE_NORM_HIDDEN)
+  exp_on = exp_on && H != kSpecHidden;  // that size runs its specialised kernel on the shipped plan
+#endif
   if (exp_on) {
     cfg = Cfg{ex.nv, round_tpr(ceil_div(H / V, ex.nv)), false, ex.pf != 0};
     full_grid = ex.grid != 0;
@@ -1214,9 +1220,10 @@ void launch_fwd(const Tin* x, const void* w, const void* b, bool p_f32, Tout* y,
   }
   const int rpb = rows_per_block(cfg.tpr);
   const int threads = rpb * cfg.tpr;
-  // The parameter cache (stage_params) for rows of up to 2048 columns with parameters: there the LayerNorm forward
-  // ran 3-6% faster with it on the H200 (bf16, 512-1024 columns); at 4096-16384 columns staging the parameters in
-  // every block of the persistent grid cost the RMSNorm forward 3-6% (session 4 A/B), so those read them per row.
+  // The parameter cache (stage_params) for the prefetching plans of up to 2048 columns with parameters: there the
+  // LayerNorm forward ran 3-6% faster with it on the H200 (bf16, 512-1024 columns); at 4096-16384 columns staging the
+  // parameters in every block of the persistent grid cost the RMSNorm forward 3-6% (session 4 A/B). The full-grid
+  // plans read them per row.
   const size_t psmem = sizeof(float) * (RMS ? 1 : 2) * static_cast<size_t>(H);
   bool pcache = (w != nullptr || b != nullptr) && H <= 2048 && psmem <= kParamCacheBytes && cfg.pf;
 #if defined(PIPEGOOSE_NORM_FWD_EXPERIMENT)
@@ -1291,7 +1298,7 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   if (w != nullptr) vec = vec && aligned(w, pbytes);
   Cfg cfg = bwd_plan<V, RMS>(vec ? H / V : H, vec);
 #if defined(PIPEGOOSE_NORM_BWD_EXPERIMENT)
-  // Benchmark experiment (off in the shipped build; norm_raw --bwd-plans): PIPEGOOSE_NORM_BWD_EXP=wide sends every
+  // Benchmark experiment (off in the shipped build; norm_raw --bwd-wide): PIPEGOOSE_NORM_BWD_EXP=wide sends every
   // vector row to the two-kernel path.
   const char* bx = std::getenv("PIPEGOOSE_NORM_BWD_EXP");
   if (bx != nullptr && std::string(bx) == "wide" && vec) cfg = Cfg{};
