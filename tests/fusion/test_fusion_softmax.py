@@ -282,7 +282,8 @@ def test_forward_mode_ad_through_the_softmaxes(dtype):
     cases = [
         (lambda v: PF.softmax(v, -1), lambda v: F.softmax(v, -1)),
         (lambda v: PF.scaled_softmax(v, 0.7), lambda v: F.softmax(v * 0.7, -1)),
-        (lambda v: PF.scaled_masked_softmax(v, m, 0.7), lambda v: F.softmax((v * 0.7).masked_fill(m, -float("inf")), -1)),
+        (lambda v: PF.scaled_masked_softmax(v, m, 0.7),
+         lambda v: F.softmax((v * 0.7).masked_fill(m, -float("inf")), -1)),
         (lambda v: PF.scaled_upper_triang_masked_softmax(v[..., :6].flatten(0, 1), 0.7),
          lambda v: F.softmax((v[..., :6].flatten(0, 1) * 0.7).masked_fill(cm, -float("inf")), -1)),
     ]

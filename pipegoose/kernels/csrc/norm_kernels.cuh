@@ -1081,9 +1081,9 @@ constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
     if (tpr <= 512) return {4, tpr, true, true};
     return Cfg{};
   }
-  // 16-bit LayerNorm rows of 16384 columns and more: the two-kernel path (nv 0), 16-21% faster than the
+  // 16-bit LayerNorm rows of 16384 columns and more: the two-kernel path (nv 0), 20-22% faster than the
   // shared-memory accumulator plan at 16384 columns (bf16, bf16 or fp32 parameters; H200, session 5 A/B), where
-  // RMSNorm and fp32 inputs ran 11-35% slower on it.
+  // RMSNorm and fp32 inputs ran 11-36% slower on it.
   if (!RMS && V == 8 && chunks * V >= 16384) return Cfg{};
   const int tpr4 = round_tpr(ceil_div(chunks, 4));
 #if defined(PIPEGOOSE_NORM_BWD_SMEM_ACC)
@@ -1239,11 +1239,10 @@ void launch_fwd(const Tin* x, const void* w, const void* b, bool p_f32, Tout* y,
     allow_smem(reinterpret_cast<const void*>(kernel), smem);
     const int occ = occupancy(reinterpret_cast<const void*>(kernel), threads, smem);
     // Prefetching plans: a persistent grid (as many blocks as fit on the GPU at once, each walking over rows with a
-    // stride). The wide plans without prefetch: one block per row group and row (a full grid); on the H200 that
-    // ran 2-17% faster than the persistent grid for those rows (bf16 32768-65536, fp32 16384-32768 columns), while
-    // it lost up to 70% on the prefetching plans (there every block staged the parameter cache; session 4 A/B).
+    // stride). The plans without prefetch: one block per row group and row (a full grid; see fwd_plan).
     const int64_t full = std::min<int64_t>(ceil_div(rows, rpb), (1LL << 31) - 1);
-    const int64_t grid = std::max<int64_t>(1, full_grid ? full : std::min<int64_t>(full, static_cast<int64_t>(sms) * occ));
+    const int64_t resident = static_cast<int64_t>(sms) * occ;
+    const int64_t grid = std::max<int64_t>(1, full_grid ? full : std::min<int64_t>(full, resident));
     kernel<<<static_cast<unsigned>(grid), threads, smem, stream>>>(x, w, b, p_f32, y, mean, rstd, rows, H, cfg.tpr,
                                                                   eps, pcache);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
