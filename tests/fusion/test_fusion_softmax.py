@@ -299,6 +299,41 @@ def test_forward_mode_ad_through_the_softmaxes(dtype):
     assert torch.count_nonzero(got[0, :, 2]) == 0 and torch.count_nonzero(got.masked_fill(~m, 0)) == 0
 
 
+def test_nested_forward_mode_through_the_softmaxes():
+    """jvp of jvp and jacfwd of jacfwd (second order, forward over forward) match PyTorch's own ops in float64: inside
+    torch.func transforms the softmaxes run plain ops (an autograd.Function with a custom jvp gave wrong values
+    there, without an error); fully masked rows stay zero in every derivative, never NaN."""
+    from torch.func import jacfwd, jvp
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 2, 4, 5, generator=g, dtype=torch.float64)
+    t = torch.randn(2, 2, 4, 5, generator=g, dtype=torch.float64)
+    m = torch.rand(2, 1, 4, 5, generator=g) < 0.3
+    m[0, 0, 1] = True  # a fully masked row
+    empty = m.all(-1, keepdim=True)
+    cm = torch.ones(4, 4, dtype=torch.bool).triu(1)
+    cases = [
+        (lambda v: PF.scaled_softmax(v, 0.5), lambda v: F.softmax(v * 0.5, -1)),
+        (lambda v: PF.scaled_masked_softmax(v, m, 0.5),
+         lambda v: F.softmax((v * 0.5).masked_fill(m & ~empty, -float("inf")), -1).masked_fill(empty, 0.0)),
+        (lambda v: PF.scaled_upper_triang_masked_softmax(v[..., :4].flatten(0, 1), 0.5),
+         lambda v: F.softmax((v[..., :4].flatten(0, 1) * 0.5).masked_fill(cm, -float("inf")), -1)),
+    ]
+    for fn, ref in cases:
+        def second(f):
+            return jvp(lambda v: jvp(f, (v,), (t,))[1], (x,), (t,))[1]
+
+        got, want = second(fn), second(ref)
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+        def loss(f):
+            return lambda v: (f(v) ** 2).sum() + f(v).sum(-1).pow(2).sum()
+
+        torch.testing.assert_close(jacfwd(jacfwd(loss(fn)))(x), jacfwd(jacfwd(loss(ref)))(x),
+                                   rtol=1e-10, atol=1e-12)
+
+
 def test_softmax_accepts_what_F_softmax_accepts():
     import numpy as np
 

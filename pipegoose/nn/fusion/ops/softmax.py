@@ -214,6 +214,26 @@ def softmax_reference_forward(x: torch.Tensor, mask: torch.Tensor | None, scale:
     return y.to(x.dtype)
 
 
+def softmax_reference_composite(x: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                                causal: bool) -> torch.Tensor:
+    """softmax_reference_forward in plain differentiable ops (no autograd.Function), for inputs inside a
+    ``torch.func`` transform: there a Function with a custom ``jvp`` gave wrong values under nested forward mode
+    (``jvp`` of ``jvp``, ``jacfwd`` of ``jacfwd``; torch 2.14), while plain ops are exact to every order. Fully
+    masked rows keep their (finite) scores through the softmax and are zeroed after it, so every derivative of
+    those rows is zero, not NaN."""
+    ct = _compute_dtype(x.dtype)
+    s = x.to(ct) * scale
+    masked = mask
+    if causal:
+        cm = causal_mask(x.shape[-2], x.shape[-1], x.device)
+        masked = cm if masked is None else (masked | cm)
+    if masked is None:
+        return torch.softmax(s, dim=-1).to(x.dtype)
+    empty = masked.all(dim=-1, keepdim=True)
+    y = torch.softmax(s.masked_fill(masked & ~empty, float("-inf")), dim=-1)
+    return y.masked_fill(empty, 0.0).to(x.dtype)
+
+
 def softmax_reference_backward(dy: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
     """dx = scale * y * (dy - sum(dy * y)) in fp32 (fp64); rows of zeros in y give zeros."""
     ct = _compute_dtype(y.dtype)
@@ -442,6 +462,8 @@ def _run_choice(impl: str, x: torch.Tensor, mask: torch.Tensor | None, scale: fl
         if causal:
             return MegatronScaledUpperTriangMaskedSoftmaxFunction.apply(x, scale)
         return MegatronScaledMaskedSoftmaxFunction.apply(x, mask, scale)
+    if not has_storage(x):  # inside a torch.func transform (see softmax_reference_composite)
+        return softmax_reference_composite(x, mask, scale, causal)
     return ReferenceSoftmaxFunction.apply(x, mask, scale, causal)
 
 
