@@ -235,8 +235,8 @@ def test_fused_scale_mask_softmax_megatron_api():
 
 
 def test_torch_func_transforms_through_the_softmaxes():
-    """vmap / grad through the softmaxes (the inputs there have no storage: the fused paths decline them, the
-    reference Function has a vmap rule)."""
+    """vmap / grad through the softmaxes (the inputs there have no storage: the fused paths decline them, and the
+    reference path runs plain ops)."""
     from pipegoose.nn.fusion.ops import softmax as S
 
     x = torch.randn(3, 2, 4, 5, 5, dtype=torch.float64)

@@ -243,12 +243,13 @@ def softmax_reference_backward(dy: torch.Tensor, y: torch.Tensor, scale: float) 
 
 
 class ReferenceSoftmaxFunction(torch.autograd.Function):
-    """The reference path with its own backward (zero gradient for fully masked rows, fp32 math); written with
-    ``setup_context`` and ``generate_vmap_rule`` so that ``torch.func.vmap`` / ``grad`` / ``jvp`` work through it.
+    """The reference path with its own backward (zero gradient for fully masked rows, fp32 math; saves only y).
+    Inside ``torch.func`` transforms the ops run :func:`softmax_reference_composite` instead; ``setup_context`` and
+    ``generate_vmap_rule`` keep the Function usable there all the same.
 
-    Forward mode (``jvp``): the softmax Jacobian ``scale * (diag(y) - y y^T)`` is symmetric, so the tangent of y
-    is the backward's formula applied to the tangent of x (zero on fully masked rows and masked keys, where y is
-    zero)."""
+    Forward mode (``jvp``, for ``torch.autograd.forward_ad``): the softmax Jacobian ``scale * (diag(y) - y y^T)`` is
+    symmetric, so the tangent of y is the backward's formula applied to the tangent of x (zero on fully masked rows
+    and masked keys, where y is zero)."""
 
     generate_vmap_rule = True
 
