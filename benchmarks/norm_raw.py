@@ -37,29 +37,40 @@ SHAPES = [(131072, 512), (65536, 1024), (32768, 2048), (16384, 4096), (16384, 81
 
 def table(path: str) -> str:
     """The --fwd-plans lines of ``path`` as a table: % of the copy bandwidth per plan (``!`` marks a maxdiff above
-    0.1, far beyond the rounding of any dtype at the benchmark's values)."""
+    0.1, far beyond the rounding of any dtype at the benchmark's values, or NaN). One run per file (the last copy
+    bandwidth line is used)."""
     rows: dict[tuple, dict[str, tuple[float, float]]] = {}
     plans: list[str] = []
     copy = None
-    with open(path) as f:
-        for line in f:
-            if not line.strip() or line.startswith("#"):
-                continue
-            d = json.loads(line)
-            if "copy_gbps" in d:
-                copy = d["copy_gbps"]
-                continue
-            if "plan" not in d or "maxdiff" not in d:
-                continue  # not a --fwd-plans line
-            plans += [d["plan"]] if d["plan"] not in plans else []
-            key = (d["op"], d["dtype"], d["pdtype"], d["rows"], d["H"])
-            rows.setdefault(key, {})[d["plan"]] = (d["gbps"], d["maxdiff"])
-    if copy is None:
-        raise SystemExit(f"norm_raw: {path}: no copy_gbps line")
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip() or line.lstrip().startswith("#"):
+                    continue
+                try:
+                    d = json.loads(line)
+                except ValueError:
+                    raise SystemExit(f"norm_raw: {path}:{n}: not a JSON line of norm_raw") from None
+                if not isinstance(d, dict):
+                    continue
+                if "copy_gbps" in d:
+                    copy = float(d["copy_gbps"])
+                    continue
+                if "plan" not in d or "maxdiff" not in d:
+                    continue  # not a --fwd-plans line
+                plans += [d["plan"]] if d["plan"] not in plans else []
+                key = (d["op"], d["dtype"], d["pdtype"], d["rows"], d["H"])
+                rows.setdefault(key, {})[d["plan"]] = (float(d["gbps"]), float(d["maxdiff"]))
+    except (OSError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
+        raise SystemExit(f"norm_raw: {path}: {type(e).__name__}: {e}") from None
+    if not copy or copy <= 0:
+        raise SystemExit(f"norm_raw: {path}: no copy_gbps line with a positive bandwidth")
+    if not rows:
+        raise SystemExit(f"norm_raw: {path}: no --fwd-plans lines")
     out = [f"forward, % of the device copy ({copy:.0f} GB/s) per plan (grid,nv,pf,pcache; - = shipped)",
            "op dtype param_dtype rows H | " + " | ".join(plans)]
     for key, v in rows.items():
-        cells = [f"{v[p][0] / copy * 100:5.1f}{'!' if v[p][1] > 0.1 else ''}" if p in v else "-" for p in plans]
+        cells = [f"{v[p][0] / copy * 100:5.1f}{'' if v[p][1] <= 0.1 else '!'}" if p in v else "-" for p in plans]
         out.append(" ".join(map(str, key)) + " | " + " | ".join(cells))
     return "\n".join(out)
 
@@ -80,6 +91,11 @@ def main() -> None:
     if args.table:
         print(table(args.table))
         return
+    dtype_specs = args.dtypes.split(",")
+    for d in dtype_specs:
+        parts = d.split("/")
+        if len(parts) > 2 or any(p not in ("bf16", "fp16", "fp32") for p in parts):
+            raise SystemExit(f"norm_raw: --dtypes: {d!r}: expected INPUT or INPUT/PARAMETER of bf16, fp16, fp32")
     import os
     import torch
 
@@ -88,10 +104,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("norm_raw: needs a CUDA GPU")
     names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    try:
-        pairs = [tuple(names[n] for n in (d.split("/") * 2)[:2]) for d in args.dtypes.split(",")]
-    except KeyError as e:
-        raise SystemExit(f"norm_raw: --dtypes: unknown dtype {e} (expected bf16, fp16 or fp32)") from None
+    pairs = [tuple(names[n] for n in (d.split("/") * 2)[:2]) for d in dtype_specs]
     plans = [p for p in args.fwd_plans.split(";") if p]
     defs = [d for d in args.defines.split(",") if d] + (["-DPIPEGOOSE_NORM_FWD_EXPERIMENT"] if plans else [])
     defs += ["-DPIPEGOOSE_NORM_BWD_EXPERIMENT"] if args.bwd_wide else []

@@ -182,9 +182,20 @@ def report_only(args: argparse.Namespace) -> int:
     ms: dict[tuple, Measurement] = {}
     commands: list[str] = []
     e2e: dict[tuple, dict] = {}
+    gpu = None
     for d in args.report_only:
         p = Path(d) / "results.json" if Path(d).is_dir() else Path(d)
-        data, measurements = load_json(p)
+        try:
+            data, measurements = load_json(p)
+            env = data.get("environment")
+            if not isinstance(env, dict) or not env.get("gpu") or not isinstance(data.get("e2e") or [], list):
+                raise ValueError("expected a results.json of benchmarks.run (environment with gpu; e2e a list)")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SystemExit(f"--report-only: {p}: {type(e).__name__}: {e}") from None
+        if gpu is not None and env["gpu"] != gpu:
+            raise SystemExit(f"--report-only: {p} was measured on {env['gpu']}, the runs before it on {gpu}: "
+                             "results of different GPUs are not merged")
+        gpu = env["gpu"]
         cmd = (data.get("config") or {}).get("command")
         for c in ([cmd] if isinstance(cmd, str) else cmd or []):
             if c not in commands:
@@ -194,13 +205,18 @@ def report_only(args: argparse.Namespace) -> int:
         for k, v in data.items():
             if k == "e2e" and isinstance(v, list):
                 # end-to-end rows merge per (model, variant) like the measurements, the later run winning
+                # (a row a later run skipped keeps the earlier one)
                 for row in v:
-                    e2e[(row.get("model"), row.get("variant"))] = {**row, "run": row.get("run") or run_date}
+                    key = (row.get("model"), row.get("variant"))
+                    if row.get("status") != "skipped" or key not in e2e:
+                        e2e[key] = {**row, "run": row.get("run") or run_date}
             elif k != "measurements" and v is not None:
                 merged[k] = v
         for m in measurements:
             m.extra = {**(m.extra or {}), "run": (m.extra or {}).get("run") or run_date}
-            ms[(m.op, m.impl, m.dtype, m.pas, m.cols)] = m
+            key = (m.op, m.impl, m.dtype, m.pas, m.cols)
+            if m.status != "skipped" or key not in ms:  # a skipped (unmeasured) row never hides a measured one
+                ms[key] = m
     if e2e:
         merged["e2e"] = list(e2e.values())
     env = merged.get("environment", {})

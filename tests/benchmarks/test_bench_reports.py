@@ -148,3 +148,24 @@ def test_report_only_merges_e2e_rows_and_dates_each_row(tmp_path, monkeypatch):
     e2e = {(r["model"], r["variant"]): (r["tokens_per_s"], r["run"]) for r in data["e2e"]}
     assert e2e == {("llama", "sdpa"): (3.0, "2026-11-30"), ("llama", "liger"): (2.0, "2026-11-29")}
     assert "run 0" in data["config"]["command"] and "run 1" in data["config"]["command"]
+    # a later run that skipped a row (time budget) keeps the earlier measurement
+    skipped = tmp_path / "run2"
+    skipped.mkdir()
+    write_json(skipped / "results.json", {"gpu": "NVIDIA H200", "date": "2026-12-01T01:00:00+00:00", "device": "cuda"},
+               {"command": "run 2"}, copy, [m(cols=512, status="skipped")],
+               {"e2e": [{"model": "llama", "variant": "liger", "status": "skipped"}]})
+    assert main(["--report-only", *runs, str(skipped), "--out", str(tmp_path / "out2"), "--no-tuning"]) == 0
+    data, back = load_json(tmp_path / "out2" / "nvidia_h200_2026-12-01" / "results.json")
+    assert {x.cols: x.status for x in back} == {512: "ok", 1024: "ok"}
+    assert {r["variant"]: r["status"] for r in data["e2e"]} == {"sdpa": "ok", "liger": "ok"}
+    # runs of another GPU, a missing folder, a file that is not a results.json: a clear error, nothing written
+    other = tmp_path / "run3"
+    other.mkdir()
+    write_json(other / "results.json", {"gpu": "NVIDIA A100", "date": "2026-12-01T01:00:00+00:00", "device": "cuda"},
+               {"command": "run 3"}, copy, [m(cols=512)])
+    notes = tmp_path / "notes.json"
+    notes.write_text("[1, 2]")
+    for bad, match in ((other, "different GPUs"), (tmp_path / "nowhere", "nowhere"), (notes, "notes.json")):
+        with pytest.raises(SystemExit, match=match):
+            main(["--report-only", runs[0], str(bad), "--out", str(tmp_path / "out3"), "--no-tuning"])
+    assert not (tmp_path / "out3").exists()
