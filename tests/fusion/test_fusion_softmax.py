@@ -141,6 +141,16 @@ def test_softmax_without_dim_follows_F_softmax_legacy_rule(shape):
         PF.softmax(x, 0.5)
 
 
+def test_softmax_has_F_softmax_signature():
+    """The same parameters as F.softmax (input, dim, _stacklevel, dtype), positional or by name."""
+    import inspect
+
+    assert list(inspect.signature(PF.softmax).parameters)[:4] == list(inspect.signature(F.softmax).parameters)
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(PF.softmax(x, 1, 3, torch.float64), F.softmax(x, 1, 3, torch.float64), rtol=0, atol=0)
+    torch.testing.assert_close(PF.softmax(input=x, dim=0), F.softmax(input=x, dim=0), rtol=0, atol=0)
+
+
 def test_softmax_inf_rows_like_torch():
     x = torch.tensor([[float("-inf")] * 4, [0.0, float("-inf"), 1.0, 2.0]])
     torch.testing.assert_close(PF.softmax(x, -1), F.softmax(x, -1), equal_nan=True)

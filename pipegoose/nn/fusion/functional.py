@@ -26,31 +26,34 @@ __all__ = ["softmax", "scaled_softmax", "scaled_masked_softmax", "scaled_upper_t
            "layer_norm", "mixed_fused_layer_norm", "rms_norm"]
 
 
-def softmax(x: torch.Tensor, dim: int | None = None, dtype: torch.dtype | None = None, *,
+def softmax(input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3, dtype: torch.dtype | None = None, *,
             impl: str | None = None) -> torch.Tensor:
-    """Drop-in for ``torch.nn.functional.softmax(x, dim, dtype=dtype)``: the same result for every input.
+    """Drop-in for ``torch.nn.functional.softmax(input, dim, _stacklevel, dtype)`` (the same signature): the same
+    result for every input.
 
     Args:
-        x: any floating tensor, any shape, any device.
+        input: any floating tensor, any shape, any device.
         dim: the dim to normalize over. None (deprecated, as in F.softmax): PyTorch's implicit choice, dim 0 for 0-,
-            1- and 3-dimensional ``x``, else dim 1, with F.softmax's deprecation warning.
-        dtype: if given, ``x`` is cast to it first (as F.softmax does).
+            1- and 3-dimensional ``input``, else dim 1, with F.softmax's deprecation warning.
+        _stacklevel: as in F.softmax, the stack level of that warning.
+        dtype: if given, ``input`` is cast to it first (as F.softmax does).
 
     Returns:
-        Tensor of ``x``'s shape, dtype ``dtype`` or ``x.dtype`` (fp32 under CUDA autocast, like F.softmax).
+        Tensor of ``input``'s shape, dtype ``dtype`` or ``input.dtype`` (fp32 under CUDA autocast, like F.softmax).
 
     The fused path (pipegoose/softmax, pipegoose/kernels/csrc/softmax.cu, MIT) runs only where its result is
     within ``torch.allclose``'s default tolerance of F.softmax: CUDA, fp32, last dim. fp16/bf16 use F.softmax
     (a fused half result may differ by one ulp; :func:`scaled_softmax` is the fused half-precision path).
 
     Raises:
-        IndexError: ``dim`` out of range. TypeError: non-floating ``x``, ``dim`` not an integer or None, ``dtype``
-        not a floating torch.dtype, ``impl`` not a str. ValueError: ``impl`` names no implementation.
+        IndexError: ``dim`` out of range. TypeError: non-floating ``input``, ``dim`` not an integer or None,
+        ``dtype`` not a floating torch.dtype, ``impl`` not a str. ValueError: ``impl`` names no implementation.
     """
+    x = input
     if dim is None and isinstance(x, torch.Tensor):
-        # F.softmax's legacy rule (torch.nn.functional._get_softmax_dim), with its warning
+        # F.softmax's legacy rule (torch.nn.functional._get_softmax_dim, one frame deeper: hence - 1), with its warning
         warnings.warn("Implicit dimension choice for softmax has been deprecated. Change the call to include dim=X "
-                      "as an argument.", stacklevel=2)
+                      "as an argument.", stacklevel=max(1, _stacklevel - 1))
         dim = 0 if x.dim() in (0, 1, 3) else 1
     if dtype is not None and isinstance(x, torch.Tensor):
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
