@@ -197,30 +197,13 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def softmax_reference_forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float,
                               causal: bool) -> torch.Tensor:
-    """y = softmax(scale * x, masked) over the last dim in fp32 (fp64 for fp64 x); fully masked rows -> 0."""
-    ct = _compute_dtype(x.dtype)
-    s = x.to(ct) * scale
-    masked = None
-    if mask is not None:
-        masked = mask
-    if causal:
-        cm = causal_mask(x.shape[-2], x.shape[-1], x.device)
-        masked = cm if masked is None else (masked | cm)
-    if masked is None:
-        return torch.softmax(s, dim=-1).to(x.dtype)
-    s = s.masked_fill(masked, float("-inf"))
-    y = torch.softmax(s, dim=-1)
-    y = y.masked_fill(masked.all(dim=-1, keepdim=True), 0.0)
-    return y.to(x.dtype)
+    """y = softmax(scale * x, masked) over the last dim in fp32 (fp64 for fp64 x); fully masked rows -> 0.
 
-
-def softmax_reference_composite(x: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                                causal: bool) -> torch.Tensor:
-    """softmax_reference_forward in plain differentiable ops (no autograd.Function), for inputs inside a
-    ``torch.func`` transform: there a Function with a custom ``jvp`` gave wrong values under nested forward mode
-    (``jvp`` of ``jvp``, ``jacfwd`` of ``jacfwd``; torch 2.14), while plain ops are exact to every order. Fully
-    masked rows keep their (finite) scores through the softmax and are zeroed after it, so every derivative of
-    those rows is zero, not NaN."""
+    Plain differentiable ops: the forward of :class:`ReferenceSoftmaxFunction`, and the whole reference path inside
+    ``torch.func`` transforms, where a Function with a custom ``jvp`` gave wrong values under nested forward mode
+    (``jvp`` of ``jvp``, ``jacfwd`` of ``jacfwd``; torch 2.14) while plain ops are exact to every order. Fully masked
+    rows keep their (finite) scores through the softmax and are zeroed after it, so every derivative of those rows
+    is zero, not NaN."""
     ct = _compute_dtype(x.dtype)
     s = x.to(ct) * scale
     masked = mask
@@ -244,7 +227,7 @@ def softmax_reference_backward(dy: torch.Tensor, y: torch.Tensor, scale: float) 
 
 class ReferenceSoftmaxFunction(torch.autograd.Function):
     """The reference path with its own backward (zero gradient for fully masked rows, fp32 math; saves only y).
-    Inside ``torch.func`` transforms the ops run :func:`softmax_reference_composite` instead; ``setup_context`` and
+    Inside ``torch.func`` transforms the ops run :func:`softmax_reference_forward` directly; ``setup_context`` and
     ``generate_vmap_rule`` keep the Function usable there all the same.
 
     Forward mode (``jvp``, for ``torch.autograd.forward_ad``): the softmax Jacobian ``scale * (diag(y) - y y^T)`` is
@@ -463,8 +446,8 @@ def _run_choice(impl: str, x: torch.Tensor, mask: torch.Tensor | None, scale: fl
         if causal:
             return MegatronScaledUpperTriangMaskedSoftmaxFunction.apply(x, scale)
         return MegatronScaledMaskedSoftmaxFunction.apply(x, mask, scale)
-    if not has_storage(x):  # inside a torch.func transform (see softmax_reference_composite)
-        return softmax_reference_composite(x, mask, scale, causal)
+    if not has_storage(x):  # inside a torch.func transform (see softmax_reference_forward)
+        return softmax_reference_forward(x, mask, scale, causal)
     return ReferenceSoftmaxFunction.apply(x, mask, scale, causal)
 
 
