@@ -21,6 +21,9 @@ else shows there. A plan the row cannot take (over 1024 threads per row, rows on
 the shipped plan under its label. ``benchmarks/results/nvidia_h200_2026-11-30/norm_fwd_plans_session5.log`` was
 made that way.
 
+``--fwd-only`` / ``--bwd-only`` time one pass; ``--shapes 16384x5120,...`` replaces the sweep's shapes; ``--max-h H``
+keeps the shapes up to H columns.
+
 ``--bwd-wide`` builds with ``-DPIPEGOOSE_NORM_BWD_EXPERIMENT`` and times each backward twice: on its shipped plan and
 (``"plan": "wide"``, with ``maxrel``, the largest difference from the shipped plan's gradients relative to their
 largest magnitude) on the two-kernel path of the widest rows.
@@ -80,6 +83,9 @@ def main() -> None:
     ap.add_argument("--label", default="current", help="a name for this build in the output lines")
     ap.add_argument("--defines", default="", help="comma-separated -D flags for a variant build")
     ap.add_argument("--fwd-only", action="store_true")
+    ap.add_argument("--bwd-only", action="store_true")
+    ap.add_argument("--max-h", type=int, default=0, help="only the shapes with H up to this (0: all)")
+    ap.add_argument("--shapes", default="", help="ROWSxH,... instead of the sweep's shapes")
     ap.add_argument("--fwd-plans", default="", help='forward plans to compare, e.g. "-;1,4,0,0;1,8,0,0"')
     ap.add_argument("--bwd-wide", action="store_true",
                     help="build with -DPIPEGOOSE_NORM_BWD_EXPERIMENT and time each backward also on the two-kernel "
@@ -91,6 +97,22 @@ def main() -> None:
     if args.table:
         print(table(args.table))
         return
+    if args.fwd_only and args.bwd_only:
+        raise SystemExit("norm_raw: --fwd-only and --bwd-only exclude each other")
+    if args.max_h < 0:
+        raise SystemExit(f"norm_raw: --max-h: expected 0 (all) or a positive hidden size, got {args.max_h}")
+    shapes = SHAPES
+    if args.shapes:
+        try:
+            shapes = [tuple(int(v) for v in item.lower().split("x")) for item in args.shapes.split(",")]
+        except ValueError:
+            shapes = [()]
+        if any(len(sh) != 2 or min(sh) < 1 for sh in shapes):
+            raise SystemExit(f"norm_raw: --shapes: {args.shapes!r}: expected ROWSxH,... with positive integers")
+    kept = [(n, h) for n, h in shapes if not args.max_h or h <= args.max_h]
+    if not kept:
+        raise SystemExit(f"norm_raw: --max-h {args.max_h}: no shape left (the smallest H is {min(h for _, h in shapes)})")
+    shapes = kept
     dtype_specs = args.dtypes.split(",")
     for d in dtype_specs:
         parts = d.split("/")
@@ -129,7 +151,7 @@ def main() -> None:
             os.environ["PIPEGOOSE_NORM_FWD_EXP"] = plan
 
     for dt, pdt in pairs:
-        for n, h in SHAPES:
+        for n, h in shapes:
             if pdt != dt and h not in (4096, 16384):
                 continue
             x = torch.randn(n, h, device="cuda", dtype=dt)
@@ -160,7 +182,8 @@ def main() -> None:
                                           "maxdiff": diff}), flush=True)
                     set_plan("-")
                     continue
-                passes = [("fwd", fwd, 2 * act, "-"), ("bwd", bwd, 3 * act, "-")][:1 if args.fwd_only else 2]
+                passes = [("fwd", fwd, 2 * act, "-"), ("bwd", bwd, 3 * act, "-")]
+                passes = passes[:1] if args.fwd_only else passes[1:] if args.bwd_only else passes
                 if args.bwd_wide and not args.fwd_only:
                     passes.append(("bwd", bwd, 3 * act, "wide"))
                 for name, fn, nbytes, plan in passes:

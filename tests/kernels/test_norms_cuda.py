@@ -263,6 +263,20 @@ def test_backward_specialised_sizes(ln, rms, h):
                                          (torch.float32, torch.float32, None)), seed=h + 1)
 
 
+@pytest.mark.parametrize("rows,h", [(20000, 512), (4099, 3000), (4099, 6000)])
+def test_async_copy_backward_many_rows(ln, rms, rows, h):
+    """The register plan's asynchronous-copy backward (norm_bwd_async_kernel) on generic (not specialised) sizes,
+    over several times more rows than the persistent grid holds row groups, so that each row group's ring of
+    shared-memory stages wraps around and the rows past the end are zero-filled: 512 columns (eight rows per
+    256-thread block, combined at the end), 3000 (bf16: 192 threads per row; fp32: 384, a 512-thread kernel),
+    6000 (bf16: 384 threads, 512-thread kernel); with and without parameters."""
+    check_dtype_cases(ln, rms, rows, h, ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
+                                         (torch.float32, torch.float32, None)), seed=h + 11)
+    x, _, _, dy = make(rows, h, torch.bfloat16, None, seed=h + 12)
+    check_layer_norm(ln, x, None, None, dy)
+    check_rms_norm(rms, x, None, dy)
+
+
 @pytest.mark.parametrize("h", [16384, 20000, 32768])
 def test_wide_rows_two_kernel_backward(ln, rms, h):
     """Rows wider than the register plans (vector rows > 16384 columns; 16-bit LayerNorm from 16384): the backward's

@@ -795,6 +795,294 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Backward with asynchronous copies (the register-accumulator plan of vector rows whose input and grad_output
+// have the same element size)
+// ---------------------------------------------------------------------------------------------------------
+// norm_bwd_kernel's prefetching plan keeps the next row of x and dy in registers: 105-118 registers for 16-bit
+// inputs, two blocks of 256 threads per SM, one row ahead, and the profile of the fourth session found that backward
+// latency-bound (25% occupancy, 0.9 eligible warps per scheduler). Here each thread copies its own chunks of the
+// rows S - 1 ahead (S stages: AsyncBounds) straight into a ring of shared-memory stages with cp.async (Ampere and later; no
+// registers held while the copies are in flight), and reads the current row back from its stage in both passes.
+// Every thread reads only the slots its own copies wrote, so cp.async.wait_group alone orders them: no block
+// barrier per row beyond the row reduction's. Out-of-row slots and rows past the end are zero-filled by the copy
+// itself (source size 0), so the passes read them unconditionally. Shared memory: [the weight cache sw[H4] when
+// pcache][x stages: S * rpb rows of NV * tpr chunks][dy stages: the same]; the end of the kernel reuses the
+// stage area to combine the row groups' column sums (launch_bwd sizes it for both).
+// Same arguments, requirements and arithmetic (so the same results, bit for bit) as norm_bwd_kernel with
+// ACC_SMEM = false and 16-byte chunks of x and dy.
+// Stages and resident blocks per SM (the launch bound), from the session 6 A/B on the H200 (bwd % of copy, bf16
+// LayerNorm / RMSNorm): 256-thread blocks of the 16-bit kernels specialised to a hidden size (kBwdSpecHidden: 0-8
+// bytes of spills at 64 registers) run four blocks of two stages (1024-4096 columns: LayerNorm 76-77 -> 83-85,
+// RMSNorm about even); the others three blocks of three stages (at 512 columns, generic: LayerNorm 85 against 72
+// with four blocks of two, which spills 68 bytes; fp32 1024: 91 against 86). 512-thread blocks (rows of 257-512
+// threads): two blocks of two stages (64 registers). -DPIPEGOOSE_NORM_BWD_STAGES=S and
+// -DPIPEGOOSE_NORM_BWD_ASYNC_MINB=B (benchmark experiments, off in the shipped build) set every kernel's.
+template <int TPB, bool SPEC16>
+struct AsyncBounds {
+  static_assert(TPB == 256 || TPB == 512, "AsyncBounds: 256 or 512 threads per block");
+#if defined(PIPEGOOSE_NORM_BWD_STAGES)
+  static constexpr int stages = PIPEGOOSE_NORM_BWD_STAGES;
+#else
+  static constexpr int stages = TPB == 512 || SPEC16 ? 2 : 3;
+#endif
+#if defined(PIPEGOOSE_NORM_BWD_ASYNC_MINB)
+  static constexpr int min_blocks = PIPEGOOSE_NORM_BWD_ASYNC_MINB;
+#else
+  static constexpr int min_blocks = TPB == 512 ? 2 : SPEC16 ? 4 : 3;
+#endif
+  static_assert(stages >= 2 && stages <= 8, "PIPEGOOSE_NORM_BWD_STAGES: expected 2 to 8");
+};
+
+// Copies 16 bytes from global to shared memory asynchronously (bypassing L1); src_bytes 0 writes 16 zeros and
+// reads nothing (src must still be a valid address). Before sm_80 (no cp.async): a plain load and store, so the
+// kernel stays correct there (without the overlap).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  *reinterpret_cast<uint4*>(dst) = src_bytes ? *reinterpret_cast<const uint4*>(src) : make_uint4(0u, 0u, 0u, 0u);
+#else
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(src_bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Issues the copies of the chunks of one row owned by thread t into its stage slots (stage: the row image of
+// NV * tpr chunks); zeros for chunks outside the row and for an invalid row.
+template <typename T, int VEC, int NV, bool FIXED>
+__device__ __forceinline__ void async_row(T* stage, const T* __restrict__ row_ptr, const T* __restrict__ any,
+                                          bool valid, int t, int tpr, int nchunks) {
+  constexpr int B = VEC * static_cast<int>(sizeof(T));
+  static_assert(B % 16 == 0, "async_row: 16-byte chunks");
+#pragma unroll
+  for (int n = 0; n < NV; ++n) {
+    const int c = t + n * tpr;
+    const bool in = valid && chunk_in<FIXED>(c, n, tpr, nchunks);
+    const char* src = in ? reinterpret_cast<const char*>(row_ptr + static_cast<int64_t>(c) * VEC)
+                         : reinterpret_cast<const char*>(any);
+    char* dst = reinterpret_cast<char*>(stage + c * VEC);
+#pragma unroll
+    for (int k = 0; k < B / 16; ++k) cp_async16(dst + 16 * k, in ? src + 16 * k : src, in ? 16 : 0);
+  }
+}
+
+// Reads one 16-byte-multiple chunk of shared memory into r.
+template <typename T, int N>
+__device__ __forceinline__ void raw_lds(const T* p, Raw<T, N>& r) {
+  static_assert(Raw<T, N>::kBytes % 16 == 0, "raw_lds: 16-byte chunks");
+#pragma unroll
+  for (int k = 0; k < Raw<T, N>::kBytes / 16; ++k) {
+    const uint4 v = reinterpret_cast<const uint4*>(p)[k];
+    r.u[4 * k] = v.x;
+    r.u[4 * k + 1] = v.y;
+    r.u[4 * k + 2] = v.z;
+    r.u[4 * k + 3] = v.w;
+  }
+}
+
+// Shared memory of the stages, in bytes (per block).
+constexpr size_t bwd_async_stage_bytes(int stages, int rpb, int nv, int tpr, int vec, int in_bytes, int dy_bytes) {
+  return static_cast<size_t>(stages) * rpb * nv * tpr * vec * static_cast<size_t>(in_bytes + dy_bytes);
+}
+
+// TPB: blockDim.x (256, or 512 for rows of 257-512 threads).
+template <typename Tin, typename Tdy, int VEC, int NV, bool RMS, int HC, int TPB>
+__global__ void __launch_bounds__(TPB, (AsyncBounds<TPB, HC != 0 && sizeof(Tin) == 2>::min_blocks))
+norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const void* __restrict__ w, bool p_f32,
+                      const float* __restrict__ mean, const float* __restrict__ rstd, Tin* __restrict__ dx,
+                      float* __restrict__ ws, int64_t rows, int h_arg, int tpr_arg, bool pcache) {
+  using G = FixedRow<HC, VEC, NV, false>;
+  constexpr bool FIXED = HC > 0;
+  constexpr int NACC = RMS ? 1 : 2;
+  constexpr int PG = VEC < 4 ? VEC : 4;
+  constexpr int S = AsyncBounds<TPB, HC != 0 && sizeof(Tin) == 2>::stages;
+  extern __shared__ __align__(16) float bwd_smem[];
+  __shared__ __align__(16) float red[2][64];
+  const int H = FIXED ? HC : h_arg;
+  const int tpr = FIXED ? G::tpr : tpr_arg;
+  const int rpb = FIXED ? G::rpb : blockDim.x / tpr;
+  const unsigned nthreads = FIXED ? G::rpb * G::tpr : blockDim.x;
+  const int rg = threadIdx.x / tpr;
+  const int t = threadIdx.x - rg * tpr;
+  const int nchunks = FIXED ? G::chunks : H / VEC;
+  const float inv_h = FIXED ? G::inv_h : 1.f / static_cast<float>(H);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
+  float* sw = bwd_smem;
+  float* dyn_smem = bwd_smem + (pcache ? ((H + 3) & ~3) : 0);
+  const int rowlen = NV * tpr * VEC;  // elements of one stage row
+  Tin* xs = reinterpret_cast<Tin*>(dyn_smem);
+  Tdy* ds = reinterpret_cast<Tdy*>(xs + static_cast<int64_t>(S) * rpb * rowlen);
+  const bool want_acc = ws != nullptr;
+
+  float acc_w[NV][VEC];
+  float acc_b[NV][VEC];  // unused (and dropped by the compiler) when RMS
+#pragma unroll
+  for (int n = 0; n < NV; ++n)
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      acc_w[n][i] = 0.f;
+      acc_b[n][i] = 0.f;
+    }
+
+  // Prologue: the first S - 1 rows of this row group in flight, one commit group per row.
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * rpb + rg;
+#pragma unroll
+  for (int k = 0; k < S - 1; ++k) {
+    const int64_t row = row0 + k * stride;
+    const bool valid = row < rows;
+    const int slot = k * rpb + rg;
+    async_row<Tin, VEC, NV, FIXED>(xs + slot * rowlen, x + (valid ? row : 0) * H, x, valid, t, tpr, nchunks);
+    async_row<Tdy, VEC, NV, FIXED>(ds + slot * rowlen, dy + (valid ? row : 0) * H, dy, valid, t, tpr, nchunks);
+    cp_async_commit();
+  }
+  float m = 0.f, r = 0.f;
+  if (row0 < rows) {
+    if constexpr (!RMS) m = mean[row0];
+    r = rstd[row0];
+  }
+  if (pcache) stage_params<Tin, true>(w, nullptr, p_f32, H, sw, nullptr);  // after the first copies: they overlap
+
+  int parity = 0;
+  int stage = 0;  // the stage of the current row; the row S - 1 ahead goes to the stage before it
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * rpb; base < rows; base += stride) {
+    const int64_t row = base + rg;
+    const bool valid = row < rows;
+    {
+      const int64_t arow = row + (S - 1) * stride;
+      const bool avalid = arow < rows;
+      const int slot = (stage == 0 ? S - 1 : stage - 1) * rpb + rg;
+      async_row<Tin, VEC, NV, FIXED>(xs + slot * rowlen, x + (avalid ? arow : 0) * H, x, avalid, t, tpr, nchunks);
+      async_row<Tdy, VEC, NV, FIXED>(ds + slot * rowlen, dy + (avalid ? arow : 0) * H, dy, avalid, t, tpr,
+                                     nchunks);
+      cp_async_commit();
+    }
+    float mn = 0.f, rn = 0.f;
+    {
+      const int64_t nrow = row + stride;
+      if (nrow < rows) {
+        if constexpr (!RMS) mn = mean[nrow];
+        rn = rstd[nrow];
+      }
+    }
+    cp_async_wait<S - 1>();  // this row's group (committed S - 1 groups ago) has landed
+    const Tin* xrow = xs + (stage * rpb + rg) * rowlen;
+    const Tdy* drow = ds + (stage * rpb + rg) * rowlen;
+
+    float s[2] = {0.f, 0.f};
+#pragma unroll
+    for (int n = 0; n < NV; ++n) {
+      const int c = t + n * tpr;
+      Raw<Tin, VEC> xc;
+      Raw<Tdy, VEC> dc;
+      raw_lds(xrow + c * VEC, xc);
+      raw_lds(drow + c * VEC, dc);
+#pragma unroll
+      for (int g0 = 0; g0 < VEC; g0 += PG) {
+        float wv[PG];
+#pragma unroll
+        for (int k = 0; k < PG; ++k) wv[k] = 1.f;
+        if (chunk_in<FIXED>(c, n, tpr, nchunks)) {
+          if (pcache) lds_f<PG>(sw + c * VEC + g0, wv);
+          else if (w != nullptr) load_param<PG, Tin>(w, p_f32, c * VEC + g0, wv);
+        }
+#pragma unroll
+        for (int k = 0; k < PG; ++k) {
+          const int i = g0 + k;
+          const float xh = (raw_get(xc, i) - m) * r;  // zero-filled slots: dy == 0, so they add nothing below
+          const float d = raw_get(dc, i);
+          acc_w[n][i] += d * xh;
+          if constexpr (!RMS) acc_b[n][i] += d;
+          const float g = d * wv[k];
+          if constexpr (!RMS) s[0] += g;
+          s[1] += g * xh;
+        }
+      }
+    }
+    row_sum<2>(s, tpr, red[parity]);
+    parity ^= 1;
+    if (valid) {
+      const float c1 = RMS ? 0.f : s[0] * inv_h;
+      const float c2 = s[1] * inv_h;
+#pragma unroll
+      for (int n = 0; n < NV; ++n) {
+        const int c = t + n * tpr;
+        if (chunk_in<FIXED>(c, n, tpr, nchunks)) {
+          Raw<Tin, VEC> xc;
+          Raw<Tdy, VEC> dc;
+          raw_lds(xrow + c * VEC, xc);
+          raw_lds(drow + c * VEC, dc);
+          float o[VEC];
+#pragma unroll
+          for (int g0 = 0; g0 < VEC; g0 += PG) {
+            float wv[PG];
+#pragma unroll
+            for (int k = 0; k < PG; ++k) wv[k] = 1.f;
+            if (pcache) lds_f<PG>(sw + c * VEC + g0, wv);
+            else if (w != nullptr) load_param<PG, Tin>(w, p_f32, c * VEC + g0, wv);
+#pragma unroll
+            for (int k = 0; k < PG; ++k) {
+              const int i = g0 + k;
+              const float g = raw_get(dc, i) * wv[k];
+              o[i] = r * (g - c1 - (raw_get(xc, i) - m) * r * c2);
+            }
+          }
+          store_f<VEC>(dx + row * H + static_cast<int64_t>(c) * VEC, o);
+        }
+      }
+    }
+    m = mn;
+    r = rn;
+    stage = stage == S - 1 ? 0 : stage + 1;
+  }
+  cp_async_wait<0>();  // the zero-fill copies past the last row still write the stages that are reused below
+
+  if (!want_acc) return;
+  const int64_t P = gridDim.x;
+  if (rpb == 1) {
+#pragma unroll
+    for (int a = 0; a < NACC; ++a) {
+      float* out = ws + (a * P + blockIdx.x) * static_cast<int64_t>(H);
+#pragma unroll
+      for (int n = 0; n < NV; ++n) {
+        const int c = t + n * tpr;
+        if (chunk_in<FIXED>(c, n, tpr, nchunks)) store_f<VEC>(out + c * VEC, a == 0 ? acc_w[n] : acc_b[n]);
+      }
+    }
+  } else {
+    // Combine the row groups of the block in a fixed order (as norm_bwd_kernel), in the stage area.
+#pragma unroll
+    for (int a = 0; a < NACC; ++a) {
+      __syncthreads();  // every thread is past its last stage read (a == 0), or the previous readers are done
+#pragma unroll
+      for (int n = 0; n < NV; ++n) {
+        const int c = t + n * tpr;
+        if (chunk_in<FIXED>(c, n, tpr, nchunks)) {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) dyn_smem[rg * H + c * VEC + i] = a == 0 ? acc_w[n][i] : acc_b[n][i];
+        }
+      }
+      __syncthreads();
+      float* out = ws + (a * P + blockIdx.x) * static_cast<int64_t>(H);
+      for (int j = threadIdx.x; j < H; j += nthreads) {
+        float sum = 0.f;
+        for (int g = 0; g < rpb; ++g) sum += dyn_smem[g * H + j];
+        out[j] = sum;
+      }
+    }
+  }
+}
+
 // Any H: one block per row (persistent grid), two passes over the row; the per-column sums accumulate in the
 // block's own workspace rows (each column always updated by the same thread, so no races).
 template <typename Tin, typename Tdy, bool RMS>
@@ -1073,7 +1361,7 @@ constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
 // sums without prefetch (H <= 16384); then (and for 16-bit LayerNorm rows from 16384 columns) the two-kernel path
 // (nv 0 with vector rows). Scalar rows: four values per thread with prefetch, register column sums up to 256
 // threads per row, shared-memory ones up to 512.
-template <int V, bool RMS>
+template <int V, bool RMS, bool ASYNC>
 constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
   if (!vec) {
     const int tpr = round_tpr(ceil_div(chunks, 4));
@@ -1092,7 +1380,14 @@ constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
   if (tpr4 >= 32 && tpr4 <= 512) return {4, tpr4, true, true};
 #endif
   const int tpr2 = round_tpr(ceil_div(chunks, 2));
-  if (tpr2 <= 256) return {2, tpr2, false, true};
+#if defined(PIPEGOOSE_NORM_BWD_ASYNC256)
+  // Benchmark experiment (off in the shipped build): the register plan up to 256 threads per row only, as before
+  // session 6.
+  constexpr int kMaxRegTpr = 256;
+#else
+  constexpr int kMaxRegTpr = ASYNC ? 512 : 256;
+#endif
+  if (tpr2 <= kMaxRegTpr) return {2, tpr2, false, true};
   if (tpr4 <= 512) return {4, tpr4, true, true};
   if constexpr (32 / V > 4) {
     const int tprw = round_tpr(ceil_div(chunks, 32 / V));
@@ -1292,10 +1587,18 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
                       cudaStream_t stream) {
   constexpr int NACC = RMS ? 1 : 2;
   constexpr int V = 16 / sizeof(Tin);
+  // The register plan of vector rows takes the asynchronous-copy kernel (norm_bwd_async_kernel) when x and dy have
+  // the same element size; -DPIPEGOOSE_NORM_BWD_SYNC (a benchmark experiment, off in the shipped build) keeps
+  // norm_bwd_kernel there.
+#if defined(PIPEGOOSE_NORM_BWD_SYNC)
+  constexpr bool kAsyncBwd = false;
+#else
+  constexpr bool kAsyncBwd = sizeof(Tdy) == sizeof(Tin);
+#endif
   const int pbytes = V * (p_f32 ? 4 : static_cast<int>(sizeof(Tin)));
   bool vec = H % V == 0 && aligned(x, 16) && aligned(dx, 16) && aligned(dy, V * sizeof(Tdy));
   if (w != nullptr) vec = vec && aligned(w, pbytes);
-  Cfg cfg = bwd_plan<V, RMS>(vec ? H / V : H, vec);
+  Cfg cfg = bwd_plan<V, RMS, kAsyncBwd>(vec ? H / V : H, vec);
 #if defined(PIPEGOOSE_NORM_BWD_EXPERIMENT)
   // Benchmark experiment (off in the shipped build; norm_raw --bwd-wide): PIPEGOOSE_NORM_BWD_EXP=wide sends every
   // vector row to the two-kernel path.
@@ -1346,7 +1649,7 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     constexpr bool ACC = decltype(smem_c)::value != 0;
     constexpr bool PF = decltype(pf_c)::value != 0;
     constexpr int HC = decltype(h_c)::value;
-    auto kernel = &norm_bwd_kernel<Tin, Tdy, VEC, NV, RMS, ACC, PF, HC>;
+    constexpr bool ASYNC = kAsyncBwd && !ACC && VEC > 1;
     size_t smem = 0;
     if (ACC) smem = sizeof(float) * NACC * (NV * VEC + 1) * static_cast<size_t>(cfg.tpr);
     else if (rpb > 1) smem = sizeof(float) * static_cast<size_t>(rpb) * H;
@@ -1355,20 +1658,44 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     // columns, H200, session 4 A/B), where RMSNorm gained 5-17%.
     const size_t psmem = sizeof(float) * static_cast<size_t>((H + 3) & ~3);
     const bool pcache = w != nullptr && psmem <= kParamCacheBytes && !(!RMS && ACC && sizeof(Tin) == 2);
-    if (pcache) smem += psmem;
-    allow_smem(reinterpret_cast<const void*>(kernel), smem);
-    const int occ = occupancy(reinterpret_cast<const void*>(kernel), threads, smem);
-    const int64_t P = std::max<int64_t>(1, std::min<int64_t>(ceil_div(rows, rpb), static_cast<int64_t>(sms) * occ));
-    if (want_ws) ws = at::empty({NACC, P, H}, fopts);
-    kernel<<<static_cast<unsigned>(P), threads, smem, stream>>>(
-        dy, x, w, p_f32, mean, rstd, dx, want_ws ? ws.data_ptr<float>() : nullptr, rows, H, cfg.tpr, pcache);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    auto launch = [&](auto kernel, size_t smem) {
+      if (pcache) smem += psmem;
+      allow_smem(reinterpret_cast<const void*>(kernel), smem);
+      const int occ = occupancy(reinterpret_cast<const void*>(kernel), threads, smem);
+      const int64_t P = std::max<int64_t>(1, std::min<int64_t>(ceil_div(rows, rpb), static_cast<int64_t>(sms) * occ));
+      if (want_ws) ws = at::empty({NACC, P, H}, fopts);
+      kernel<<<static_cast<unsigned>(P), threads, smem, stream>>>(
+          dy, x, w, p_f32, mean, rstd, dx, want_ws ? ws.data_ptr<float>() : nullptr, rows, H, cfg.tpr, pcache);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if constexpr (ASYNC) {
+      // 256-thread blocks up to 256 threads per row, else one 512-thread row per block (bwd_plan's kMaxRegTpr).
+      auto async = [&](auto tpb_c) {
+        constexpr int TPB = decltype(tpb_c)::value;
+        constexpr int S = AsyncBounds<TPB, HC != 0 && sizeof(Tin) == 2>::stages;
+        const size_t stage = bwd_async_stage_bytes(S, rpb, NV, cfg.tpr, VEC, static_cast<int>(sizeof(Tin)),
+                                                   static_cast<int>(sizeof(Tdy)));
+        launch(&norm_bwd_async_kernel<Tin, Tdy, VEC, NV, RMS, HC, TPB>, std::max(smem, stage));
+      };
+      PG_CHECK(threads <= 512, "pipegoose norm backward: internal error: ", threads, " threads for the register plan");
+      if constexpr (HC > 0) {
+        async(IC<(FixedRow<HC, VEC, NV, false>::rpb * FixedRow<HC, VEC, NV, false>::tpr > 256 ? 512 : 256)>{});
+      } else if (threads > 256) {
+        async(IC<512>{});
+      } else {
+        async(IC<256>{});
+      }
+    } else {
+      PG_CHECK(ACC || threads <= 256, "pipegoose norm backward: internal error: ", threads,
+               " threads for the register plan");
+      launch(&norm_bwd_kernel<Tin, Tdy, VEC, NV, RMS, ACC, PF, HC>, smem);
+    }
   };
   // Specialised kernels (H == HC on the vector path; the plan is cfg's, evaluated at compile time): the shipped
   // backward sizes kBwdSpecHidden, and the PIPEGOOSE_NORM_HIDDEN experiment's size.
   auto try_spec = [&](auto h_c) -> bool {
     constexpr int HC = decltype(h_c)::value;
-    constexpr Cfg spec = bwd_plan<V, RMS>(HC / V, true);
+    constexpr Cfg spec = bwd_plan<V, RMS, kAsyncBwd>(HC / V, true);
     if constexpr (HC % V == 0 && spec.nv != 0) {
       if (vec && H == HC) {
         static_assert(spec.tpr == FixedRow<HC, V, spec.nv, spec.acc_smem>::tpr, "FixedRow: the plan's tpr");
