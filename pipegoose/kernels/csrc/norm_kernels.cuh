@@ -812,12 +812,15 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
 // Same arguments, requirements and arithmetic (so the same results, bit for bit) as norm_bwd_kernel with
 // ACC_SMEM = false and 16-byte chunks of x and dy.
 // Stages and resident blocks per SM (the launch bound), from the session 6 A/B on the H200 (bwd % of copy, bf16
-// LayerNorm / RMSNorm): 256-thread blocks of the 16-bit kernels specialised to a hidden size (kBwdSpecHidden: 0-8
-// bytes of spills at 64 registers) run four blocks of two stages (1024-4096 columns: LayerNorm 76-77 -> 83-85,
-// RMSNorm about even); the others three blocks of three stages (at 512 columns, generic: LayerNorm 85 against 72
-// with four blocks of two, which spills 68 bytes; fp32 1024: 91 against 86). 512-thread blocks (rows of 257-512
-// threads): two blocks of two stages (64 registers). -DPIPEGOOSE_NORM_BWD_STAGES=S and
-// -DPIPEGOOSE_NORM_BWD_ASYNC_MINB=B (benchmark experiments, off in the shipped build) set every kernel's.
+// LayerNorm / RMSNorm): 256-thread blocks of the 16-bit kernels specialised to a hidden size (kBwdSpecHidden: no
+// spills at 64 registers) run four blocks of two stages (1024-4096 columns: LayerNorm 76-77 -> 83-85, RMSNorm about
+// even); the others three blocks of three stages (at 512 columns, generic: LayerNorm 85 against 72 with four blocks
+// of two, where it spills 68 bytes; fp32 1024: 91 against 86). 512-thread blocks (rows of 257-512 threads): two
+// blocks of two stages (64 registers). Tried and dropped (session 6 A/B): the specialised kernels in blocks of up
+// to 1024 threads, one per SM (fewer workspace rows: 132 instead of 528; the workspace and its column reduction cost
+// 8-18% of the backward at [8192-16384, 4096] bf16), 0-20 points slower at every size (RMSNorm bf16 8192: 79
+// against 95; fp32 4096: 75 against 97). -DPIPEGOOSE_NORM_BWD_STAGES=S and -DPIPEGOOSE_NORM_BWD_ASYNC_MINB=B
+// (benchmark experiments, off in the shipped build) set every kernel's.
 template <int TPB, bool SPEC16>
 struct AsyncBounds {
   static_assert(TPB == 256 || TPB == 512, "AsyncBounds: 256 or 512 threads per block");
@@ -833,6 +836,36 @@ struct AsyncBounds {
 #endif
   static_assert(stages >= 2 && stages <= 8, "PIPEGOOSE_NORM_BWD_STAGES: expected 2 to 8");
 };
+
+// row_sum for kernels whose row groups synchronise apart: the cross-warp step waits on named barrier `bar` (1-15)
+// of the tpr threads of the row group instead of the whole block. Every thread of the row group must call it.
+template <int K>
+__device__ __forceinline__ void row_sum_group(float (&v)[K], int tpr, float* buf, int bar) {
+  const int width = tpr < 32 ? tpr : 32;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    if (off < width) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], off);
+    }
+  }
+  if (tpr > 32) {
+    const int warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) buf[k * 32 + warp] = v[k];
+    }
+    asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(tpr) : "memory");
+    const int nw = tpr >> 5;
+    const int first = (warp / nw) * nw;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      float s = 0.f;
+      for (int i = 0; i < nw; ++i) s += buf[k * 32 + first + i];
+      v[k] = s;
+    }
+  }
+}
 
 // Copies 16 bytes from global to shared memory asynchronously (bypassing L1); src_bytes 0 writes 16 zeros and
 // reads nothing (src must still be a valid address). Before sm_80 (no cp.async): a plain load and store, so the
@@ -1009,7 +1042,7 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
         }
       }
     }
-    row_sum<2>(s, tpr, red[parity]);
+    row_sum_group<2>(s, tpr, red[parity], 1 + rg);  // rpb <= 15 when tpr > 32
     parity ^= 1;
     if (valid) {
       const float c1 = RMS ? 0.f : s[0] * inv_h;
@@ -1424,6 +1457,12 @@ constexpr int kSpecHidden = static_cast<int>(PIPEGOOSE_NORM_HIDDEN);
 inline bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 inline int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+// Dynamic shared memory a block may use on this device (the opt-in limit less 1 KB for the kernels' static shared
+// memory): 227 KB on the H100/H200, 163 KB on the A100, 99 KB on sm_86/sm_89, 63 KB on sm_75.
+inline size_t smem_limit() {
+  const size_t optin = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+  return optin > 1024 ? optin - 1024 : 0;
+}
 
 // Resident blocks per SM for a kernel at a block size and dynamic smem size (cached per device).
 inline int occupancy(const void* kernel, int threads, size_t smem) {
@@ -1631,7 +1670,9 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return ws;
   }
-  if (cfg.nv == 0) {
+  // The generic kernel: no shared memory beyond the static; also the fallback of a plan whose shared memory does not
+  // fit this device (smem_limit).
+  auto run_generic = [&] {
     const int threads = 1024;
     const int occ = occupancy(reinterpret_cast<const void*>(&norm_bwd_generic_kernel<Tin, Tdy, RMS>), threads, 0);
     const int64_t P = std::max<int64_t>(1, std::min<int64_t>(rows, static_cast<int64_t>(sms) * occ));
@@ -1639,6 +1680,9 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     norm_bwd_generic_kernel<Tin, Tdy, RMS><<<static_cast<unsigned>(P), threads, 0, stream>>>(
         dy, x, w, p_f32, mean, rstd, dx, want_ws ? ws.data_ptr<float>() : nullptr, rows, H);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (cfg.nv == 0) {
+    run_generic();
     return ws;
   }
   const int rpb = cfg.acc_smem ? 1 : rows_per_block(cfg.tpr);
@@ -1658,37 +1702,46 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     // columns, H200, session 4 A/B), where RMSNorm gained 5-17%.
     const size_t psmem = sizeof(float) * static_cast<size_t>((H + 3) & ~3);
     const bool pcache = w != nullptr && psmem <= kParamCacheBytes && !(!RMS && ACC && sizeof(Tin) == 2);
-    auto launch = [&](auto kernel, size_t smem) {
-      if (pcache) smem += psmem;
-      allow_smem(reinterpret_cast<const void*>(kernel), smem);
-      const int occ = occupancy(reinterpret_cast<const void*>(kernel), threads, smem);
-      const int64_t P = std::max<int64_t>(1, std::min<int64_t>(ceil_div(rows, rpb), static_cast<int64_t>(sms) * occ));
+    // Launches kernel with rpb_k row groups per block and smem_k bytes of dynamic shared memory, plus the weight
+    // cache when it fits too; a plan that does not fit this device's shared memory at all runs the generic kernel.
+    auto launch = [&](auto kernel, size_t smem_k, int rpb_k) {
+      const int threads_k = rpb_k * cfg.tpr;
+      const size_t limit = smem_limit();
+      if (smem_k > limit) {
+        run_generic();
+        return;
+      }
+      const bool pc = pcache && smem_k + psmem <= limit;
+      if (pc) smem_k += psmem;
+      allow_smem(reinterpret_cast<const void*>(kernel), smem_k);
+      const int occ = occupancy(reinterpret_cast<const void*>(kernel), threads_k, smem_k);
+      const int64_t P =
+          std::max<int64_t>(1, std::min<int64_t>(ceil_div(rows, rpb_k), static_cast<int64_t>(sms) * occ));
       if (want_ws) ws = at::empty({NACC, P, H}, fopts);
-      kernel<<<static_cast<unsigned>(P), threads, smem, stream>>>(
-          dy, x, w, p_f32, mean, rstd, dx, want_ws ? ws.data_ptr<float>() : nullptr, rows, H, cfg.tpr, pcache);
+      kernel<<<static_cast<unsigned>(P), threads_k, smem_k, stream>>>(
+          dy, x, w, p_f32, mean, rstd, dx, want_ws ? ws.data_ptr<float>() : nullptr, rows, H, cfg.tpr, pc);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if constexpr (ASYNC) {
-      // 256-thread blocks up to 256 threads per row, else one 512-thread row per block (bwd_plan's kMaxRegTpr).
+      // Stages and blocks per SM: AsyncBounds. The stage area also holds the end's combine of the row groups (rpb * H floats).
+      const size_t combine = rpb > 1 ? sizeof(float) * static_cast<size_t>(rpb) * H : 0;
       auto async = [&](auto tpb_c) {
         constexpr int TPB = decltype(tpb_c)::value;
         constexpr int S = AsyncBounds<TPB, HC != 0 && sizeof(Tin) == 2>::stages;
         const size_t stage = bwd_async_stage_bytes(S, rpb, NV, cfg.tpr, VEC, static_cast<int>(sizeof(Tin)),
                                                    static_cast<int>(sizeof(Tdy)));
-        launch(&norm_bwd_async_kernel<Tin, Tdy, VEC, NV, RMS, HC, TPB>, std::max(smem, stage));
+        launch(&norm_bwd_async_kernel<Tin, Tdy, VEC, NV, RMS, HC, TPB>, std::max(stage, combine), rpb);
       };
       PG_CHECK(threads <= 512, "pipegoose norm backward: internal error: ", threads, " threads for the register plan");
-      if constexpr (HC > 0) {
-        async(IC<(FixedRow<HC, VEC, NV, false>::rpb * FixedRow<HC, VEC, NV, false>::tpr > 256 ? 512 : 256)>{});
-      } else if (threads > 256) {
-        async(IC<512>{});
+      if (threads > 256) {
+        if constexpr (HC == 0 || FixedRow<HC, VEC, NV, false>::tpr > 256) async(IC<512>{});
       } else {
-        async(IC<256>{});
+        if constexpr (HC == 0 || FixedRow<HC, VEC, NV, false>::tpr <= 256) async(IC<256>{});
       }
     } else {
       PG_CHECK(ACC || threads <= 256, "pipegoose norm backward: internal error: ", threads,
                " threads for the register plan");
-      launch(&norm_bwd_kernel<Tin, Tdy, VEC, NV, RMS, ACC, PF, HC>, smem);
+      launch(&norm_bwd_kernel<Tin, Tdy, VEC, NV, RMS, ACC, PF, HC>, smem, rpb);
     }
   };
   // Specialised kernels (H == HC on the vector path; the plan is cfg's, evaluated at compile time): the shipped
