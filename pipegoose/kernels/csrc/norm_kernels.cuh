@@ -15,7 +15,9 @@
 // Forward: one read of x, one write of y, two-pass mean/variance from registers.
 // Backward: keeps per-column partial sums of dy * xhat (and dy) in fp32 (registers, or shared memory for wide
 // rows), writes one partial row per block into an fp32 workspace [nacc, blocks, H], and norm_col_reduce_kernel
-// sums the partial rows column-wise in a fixed order (deterministic, no atomics).
+// sums the partial rows column-wise in a fixed order (deterministic, no atomics). The register plan of vector rows
+// (up to 512 threads per row) runs norm_bwd_async_kernel, which streams x and dy through a ring of shared-memory
+// stages with cp.async instead of prefetching into registers (see there); norm_bwd_kernel runs the other plans.
 // Rows wider than the register capacity: the forward takes norm_fwd_generic_kernel (block per row, re-reading the
 // row); the backward of vector rows (and of 16-bit LayerNorm rows from 16384 columns) the two-kernel path
 // (norm_bwd_rowstats_kernel + norm_bwd_cols_kernel), of scalar rows norm_bwd_generic_kernel.
@@ -1388,12 +1390,14 @@ constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
   return Cfg{};
 }
 
-// Backward plans. Vector rows: two chunks per thread with register column sums and prefetch (<= 256 threads per
-// row: bf16/fp16 H <= 4096, fp32 H <= 2048); four chunks per thread with shared-memory column sums and prefetch
-// (<= 512 threads: H <= 16384 / 8192); for fp32, eight chunks (32 values) per thread with shared-memory column
-// sums without prefetch (H <= 16384); then (and for 16-bit LayerNorm rows from 16384 columns) the two-kernel path
-// (nv 0 with vector rows). Scalar rows: four values per thread with prefetch, register column sums up to 256
-// threads per row, shared-memory ones up to 512.
+// Backward plans. Vector rows: two chunks per thread with register column sums and prefetch, up to 512 threads per
+// row when ASYNC (grad_output of the input's element size: norm_bwd_async_kernel; bf16/fp16 H <= 8192, fp32
+// H <= 4096; session 6 A/B: 8192 bf16 LayerNorm 64 -> 88% of copy, RMSNorm 81 -> 94, 4096 fp32 83-85 -> 95-96
+// against the shared-memory plan), else up to 256 (bf16/fp16 H <= 4096, fp32 H <= 2048); four chunks per thread
+// with shared-memory column sums and prefetch (<= 512 threads: H <= 16384 / 8192); for fp32, eight chunks (32
+// values) per thread with shared-memory column sums without prefetch (H <= 16384); then (and for 16-bit LayerNorm
+// rows from 16384 columns) the two-kernel path (nv 0 with vector rows). Scalar rows: four values per thread with
+// prefetch, register column sums up to 256 threads per row, shared-memory ones up to 512.
 template <int V, bool RMS, bool ASYNC>
 constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
   if (!vec) {
