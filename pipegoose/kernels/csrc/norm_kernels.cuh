@@ -804,15 +804,16 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
 // norm_bwd_kernel's prefetching plan keeps the next row of x and dy in registers: 105-118 registers for 16-bit
 // inputs, two blocks of 256 threads per SM, one row ahead, and the profile of the fourth session found that backward
 // latency-bound (25% occupancy, 0.9 eligible warps per scheduler). Here each thread copies its own chunks of the
-// rows S - 1 ahead (S stages: AsyncBounds) straight into a ring of shared-memory stages with cp.async (Ampere and later; no
-// registers held while the copies are in flight), and reads the current row back from its stage in both passes.
+// rows S - 1 ahead (S stages: AsyncBounds) straight into a ring of shared-memory stages with cp.async (sm_80 and
+// later; no registers held while the copies are in flight), and reads the current row back from its stage in both
+// passes.
 // Every thread reads only the slots its own copies wrote, so cp.async.wait_group alone orders them: no block
 // barrier per row beyond the row reduction's. Out-of-row slots and rows past the end are zero-filled by the copy
 // itself (source size 0), so the passes read them unconditionally. Shared memory: [the weight cache sw[H4] when
 // pcache][x stages: S * rpb rows of NV * tpr chunks][dy stages: the same]; the end of the kernel reuses the
 // stage area to combine the row groups' column sums (launch_bwd sizes it for both).
-// Same arguments, requirements and arithmetic (so the same results, bit for bit) as norm_bwd_kernel with
-// ACC_SMEM = false and 16-byte chunks of x and dy.
+// Same arguments and requirements as norm_bwd_kernel with ACC_SMEM = false and 16-byte chunks of x and dy, and the
+// same arithmetic in the same order.
 // Stages and resident blocks per SM (the launch bound), from the session 6 A/B on the H200 (bwd % of copy, bf16
 // LayerNorm / RMSNorm): 256-thread blocks of the 16-bit kernels specialised to a hidden size (kBwdSpecHidden: no
 // spills at 64 registers) run four blocks of two stages (1024-4096 columns: LayerNorm 76-77 -> 83-85, RMSNorm about
@@ -1706,10 +1707,9 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     // columns, H200, session 4 A/B), where RMSNorm gained 5-17%.
     const size_t psmem = sizeof(float) * static_cast<size_t>((H + 3) & ~3);
     const bool pcache = w != nullptr && psmem <= kParamCacheBytes && !(!RMS && ACC && sizeof(Tin) == 2);
-    // Launches kernel with rpb_k row groups per block and smem_k bytes of dynamic shared memory, plus the weight
-    // cache when it fits too; a plan that does not fit this device's shared memory at all runs the generic kernel.
-    auto launch = [&](auto kernel, size_t smem_k, int rpb_k) {
-      const int threads_k = rpb_k * cfg.tpr;
+    // Launches kernel with smem_k bytes of dynamic shared memory, plus the weight cache when it fits too; a plan
+    // that does not fit this device's shared memory at all runs the generic kernel.
+    auto launch = [&](auto kernel, size_t smem_k) {
       const size_t limit = smem_limit();
       if (smem_k > limit) {
         run_generic();
@@ -1718,23 +1718,23 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
       const bool pc = pcache && smem_k + psmem <= limit;
       if (pc) smem_k += psmem;
       allow_smem(reinterpret_cast<const void*>(kernel), smem_k);
-      const int occ = occupancy(reinterpret_cast<const void*>(kernel), threads_k, smem_k);
-      const int64_t P =
-          std::max<int64_t>(1, std::min<int64_t>(ceil_div(rows, rpb_k), static_cast<int64_t>(sms) * occ));
+      const int occ = occupancy(reinterpret_cast<const void*>(kernel), threads, smem_k);
+      const int64_t P = std::max<int64_t>(1, std::min<int64_t>(ceil_div(rows, rpb), static_cast<int64_t>(sms) * occ));
       if (want_ws) ws = at::empty({NACC, P, H}, fopts);
-      kernel<<<static_cast<unsigned>(P), threads_k, smem_k, stream>>>(
+      kernel<<<static_cast<unsigned>(P), threads, smem_k, stream>>>(
           dy, x, w, p_f32, mean, rstd, dx, want_ws ? ws.data_ptr<float>() : nullptr, rows, H, cfg.tpr, pc);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if constexpr (ASYNC) {
-      // Stages and blocks per SM: AsyncBounds. The stage area also holds the end's combine of the row groups (rpb * H floats).
+      // Stages and blocks per SM: AsyncBounds. The stage area also holds the end's combine of the row groups
+      // (rpb * H floats).
       const size_t combine = rpb > 1 ? sizeof(float) * static_cast<size_t>(rpb) * H : 0;
       auto async = [&](auto tpb_c) {
         constexpr int TPB = decltype(tpb_c)::value;
         constexpr int S = AsyncBounds<TPB, HC != 0 && sizeof(Tin) == 2>::stages;
         const size_t stage = bwd_async_stage_bytes(S, rpb, NV, cfg.tpr, VEC, static_cast<int>(sizeof(Tin)),
                                                    static_cast<int>(sizeof(Tdy)));
-        launch(&norm_bwd_async_kernel<Tin, Tdy, VEC, NV, RMS, HC, TPB>, std::max(stage, combine), rpb);
+        launch(&norm_bwd_async_kernel<Tin, Tdy, VEC, NV, RMS, HC, TPB>, std::max(stage, combine));
       };
       PG_CHECK(threads <= 512, "pipegoose norm backward: internal error: ", threads, " threads for the register plan");
       if (threads > 256) {
@@ -1745,7 +1745,7 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     } else {
       PG_CHECK(ACC || threads <= 256, "pipegoose norm backward: internal error: ", threads,
                " threads for the register plan");
-      launch(&norm_bwd_kernel<Tin, Tdy, VEC, NV, RMS, ACC, PF, HC>, smem, rpb);
+      launch(&norm_bwd_kernel<Tin, Tdy, VEC, NV, RMS, ACC, PF, HC>, smem);
     }
   };
   // Specialised kernels (H == HC on the vector path; the plan is cfg's, evaluated at compile time): the shipped
