@@ -33,7 +33,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
+# Input / parameter dtype pairs that differ are timed at these hidden sizes only.
+MIXED_H = (4096, 16384)
 SHAPES = [(131072, 512), (65536, 1024), (32768, 2048), (16384, 4096), (16384, 8192), (16384, 16384),
           (16384, 32768), (8192, 65536)]
 
@@ -57,7 +60,10 @@ def table(path: str) -> str:
                 if not isinstance(d, dict):
                     continue
                 if "copy_gbps" in d:
-                    copy = float(d["copy_gbps"])
+                    v = d["copy_gbps"]
+                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                        raise SystemExit(f"norm_raw: {path}:{n}: copy_gbps: expected a finite number, got {v!r}")
+                    copy = float(v)
                     continue
                 if "plan" not in d or "maxdiff" not in d:
                     continue  # not a --fwd-plans line
@@ -94,11 +100,24 @@ def main() -> None:
                     help="input dtypes, or INPUT/PARAMETER pairs (bf16, fp16, fp32), comma separated")
     ap.add_argument("--table", metavar="JSONL", help="print the --fwd-plans lines of JSONL as a table, then exit")
     args = ap.parse_args()
-    if args.table:
+    if args.table is not None:
+        others = [f for f in ("fwd_only", "bwd_only", "max_h", "shapes", "fwd_plans", "bwd_wide", "defines")
+                  if getattr(args, f) != ap.get_default(f)]
+        others += [f for f in ("dtypes", "label") if getattr(args, f) != ap.get_default(f)]
+        if not args.table:
+            raise SystemExit("norm_raw: --table: expected a JSONL file of norm_raw --fwd-plans lines, got ''")
+        if others:
+            raise SystemExit(f"norm_raw: --table only prints a table; it takes no other option (got --"
+                             f"{', --'.join(o.replace('_', '-') for o in others)})")
         print(table(args.table))
         return
-    if args.fwd_only and args.bwd_only:
-        raise SystemExit("norm_raw: --fwd-only and --bwd-only exclude each other")
+    plans_given = bool(args.fwd_plans.strip(";"))
+    for a, b, why in (("fwd_only", "bwd_only", "exclude each other"),
+                      ("fwd_plans", "bwd_only", "exclude each other (--fwd-plans times forwards only)"),
+                      ("fwd_plans", "bwd_wide", "exclude each other (--fwd-plans times forwards only)"),
+                      ("bwd_wide", "fwd_only", "exclude each other (--bwd-wide times backwards)")):
+        if (plans_given if a == "fwd_plans" else getattr(args, a)) and getattr(args, b):
+            raise SystemExit(f"norm_raw: --{a.replace('_', '-')} and --{b.replace('_', '-')} {why}")
     if args.max_h < 0:
         raise SystemExit(f"norm_raw: --max-h: expected 0 (all) or a positive hidden size, got {args.max_h}")
     shapes = SHAPES
@@ -109,6 +128,8 @@ def main() -> None:
             shapes = [()]
         if any(len(sh) != 2 or min(sh) < 1 for sh in shapes):
             raise SystemExit(f"norm_raw: --shapes: {args.shapes!r}: expected ROWSxH,... with positive integers")
+        if len(set(shapes)) != len(shapes):
+            raise SystemExit(f"norm_raw: --shapes: {args.shapes!r}: a shape is given twice")
     kept = [(n, h) for n, h in shapes if not args.max_h or h <= args.max_h]
     if not kept:
         raise SystemExit(f"norm_raw: --max-h {args.max_h}: no shape left (the smallest H is {min(h for _, h in shapes)})")
@@ -118,6 +139,11 @@ def main() -> None:
         parts = d.split("/")
         if len(parts) > 2 or any(p not in ("bf16", "fp16", "fp32") for p in parts):
             raise SystemExit(f"norm_raw: --dtypes: {d!r}: expected INPUT or INPUT/PARAMETER of bf16, fp16, fp32")
+        if len(parts) == 2 and parts[0] != parts[1] and not any(h in MIXED_H for _, h in shapes):
+            raise SystemExit(f"norm_raw: --dtypes: {d!r}: a pair of different dtypes is timed at H in {MIXED_H} "
+                             "only, and the shapes left (--shapes, --max-h) have none")
+    if len({tuple((d.split("/") * 2)[:2]) for d in dtype_specs}) != len(dtype_specs):
+        raise SystemExit(f"norm_raw: --dtypes: {args.dtypes!r}: a dtype (pair) is given twice")
     import os
     import torch
 
@@ -152,7 +178,7 @@ def main() -> None:
 
     for dt, pdt in pairs:
         for n, h in shapes:
-            if pdt != dt and h not in (4096, 16384):
+            if pdt != dt and h not in MIXED_H:
                 continue
             x = torch.randn(n, h, device="cuda", dtype=dt)
             dy = torch.randn_like(x)

@@ -3,11 +3,12 @@
     compute-sanitizer --tool memcheck  --error-exitcode 99 python tools/sanitize_kernels.py
     compute-sanitizer --tool racecheck --error-exitcode 99 python tools/sanitize_kernels.py norms
 
-Calls the forward and backward of ``pipegoose/layer_norm`` and ``pipegoose/rms_norm`` (every launch plan of
-``norm_kernels.cuh``: scalar rows, register and shared-memory accumulator plans, the prefetching and full-grid forward plans,
-the specialised backward sizes, the two-kernel wide backward, with and without parameters, fp32 parameters with a
-16-bit input) and of ``pipegoose/softmax`` (plain, padding-masked, causal; 1 to 40000 keys; one and three query rows)
-in fp32, fp16 and bf16, at row counts small enough for the sanitizers (seconds, not hours). The optional argument
+Calls the forward and backward of ``pipegoose/layer_norm`` and ``pipegoose/rms_norm`` (the launch plans of
+``norm_kernels.cuh``: scalar rows, register and shared-memory accumulator plans, the asynchronous-copy backward over
+many rows, the prefetching and full-grid forward plans, the specialised backward sizes, the two-kernel wide backward,
+with and without parameters and with a bias alone, fp32 parameters and fp32 grad_output with a 16-bit input) and of
+``pipegoose/softmax`` (plain, padding-masked, causal; 1 to 40000 keys; one and three query rows) in fp32, fp16 and
+bf16, at row counts small enough for the sanitizers (seconds, not hours). The optional argument
 ``norms`` or ``softmax`` limits it to one family. The GPU tests check values; this checks memory accesses, shared
 memory races and initialisation: the test suite itself is too large to run under the sanitizers (out of memory).
 """
@@ -18,18 +19,17 @@ import sys
 
 import torch
 
-from pipegoose.kernels import load
-
-NORM_HIDDEN = (1, 7, 100, 768, 1000, 2048, 3000, 4096, 5120, 8192, 12288, 16384, 20000, 65536)
+NORM_HIDDEN = (1, 7, 64, 100, 768, 1000, 1024, 2048, 3000, 4096, 5120, 8192, 12288, 16384, 20000, 65536)
 SOFTMAX_KEYS = (1, 5, 127, 1000, 2048, 4097, 16384, 40000)
 
 
 def main() -> int:
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
-    if which not in ("all", "norms", "softmax"):
-        raise SystemExit(f"sanitize_kernels: expected 'norms', 'softmax' or nothing, got {which!r}")
+    if which not in ("all", "norms", "softmax") or len(sys.argv) > 2:
+        raise SystemExit(f"sanitize_kernels: expected 'norms', 'softmax' or nothing, got {' '.join(sys.argv[1:])!r}")
     if not torch.cuda.is_available():
         raise SystemExit("sanitize_kernels: needs a CUDA GPU")
+    from pipegoose.kernels import load
     calls = 0
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     if which in ("all", "norms"):
@@ -37,18 +37,29 @@ def main() -> int:
         for dt in dtypes:
             for h in NORM_HIDDEN:
                 # 5000 rows: each row group of the persistent backward walks several rows (the asynchronous-copy
-                # kernel's ring of stages wraps around).
-                for rows in ((3, 37, 5000) if h in (768, 4096, 5120) else (3, 37) if h == 20000 else (3,)):
+                # kernel's ring of stages wraps around; 1000: the generic 16-bit kernel of three stages).
+                for rows in ((3, 37, 5000) if h in (768, 1000, 4096, 5120) else (3, 37) if h == 20000 else (3,)):
                     for pdt in ({dt, torch.float32} if h in (1000, 4096, 12288) else {dt}):
                         x = torch.randn(rows, h, device="cuda", dtype=dt)
                         dy = torch.randn_like(x)
                         w = torch.randn(h, device="cuda", dtype=pdt)
                         b = torch.randn(h, device="cuda", dtype=pdt)
-                        for ww, bb in ((w, b), (None, None)) if rows == 3 else ((w, b),):
+                        for ww, bb in ((w, b), (None, None), (None, b)) if rows == 3 else ((w, b),):
                             _, mean, rstd = ln.layer_norm_forward(x, ww, bb, 1e-5, None)
                             ln.layer_norm_backward(dy, x, ww, bb, mean, rstd)
+                            calls += 2
+                            if bb is not None and ww is None:
+                                continue  # RMSNorm has no bias
                             _, r = rms.rms_norm_forward(x, ww, 1e-5, None)
                             rms.rms_norm_backward(dy, x, ww, r)
+                            calls += 2
+                        if dt != torch.float32 and rows != 5000:
+                            # fp32 grad_output with a 16-bit input (autocast): the plans of norm_bwd_kernel that the
+                            # asynchronous-copy kernel does not take
+                            _, mean, rstd = ln.layer_norm_forward(x, w, b, 1e-5, torch.float32)
+                            ln.layer_norm_backward(dy.float(), x, w, b, mean, rstd)
+                            _, r = rms.rms_norm_forward(x, w, 1e-5, torch.float32)
+                            rms.rms_norm_backward(dy.float(), x, w, r)
                             calls += 4
     if which in ("all", "softmax"):
         sm = load("pipegoose/softmax")

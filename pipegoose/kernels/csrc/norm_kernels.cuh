@@ -842,6 +842,10 @@ struct AsyncBounds {
 
 // row_sum for kernels whose row groups synchronise apart: the cross-warp step waits on named barrier `bar` (1-15)
 // of the tpr threads of the row group instead of the whole block. Every thread of the row group must call it.
+// The id in a register makes ptxas reserve all 16 barriers of the block ("used 16 barriers"); the occupancy rules
+// count 64 per SM on sm_90 (so at most four such blocks per SM: the launch bounds ask for three or four) and fewer
+// on sm_120. Immediate ids (a switch over the row group) cost the 16-bit LayerNorm kernels 8-96 bytes of spills at
+// 64 registers (ptxas, session 6), so the register id stays until an A/B on those GPUs says otherwise.
 template <int K>
 __device__ __forceinline__ void row_sum_group(float (&v)[K], int tpr, float* buf, int bar) {
   const int width = tpr < 32 ? tpr : 32;
@@ -1749,7 +1753,8 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
                                                    static_cast<int>(sizeof(Tdy)));
         launch(&norm_bwd_async_kernel<Tin, Tdy, VEC, NV, RMS, HC, TPB>, std::max(stage, combine));
       };
-      PG_CHECK(threads <= 512, "pipegoose norm backward: internal error: ", threads, " threads for the register plan");
+      PG_CHECK(threads <= 512 && (cfg.tpr <= 32 || rpb <= 15), "pipegoose norm backward: internal error: ", rpb,
+               " rows of ", cfg.tpr, " threads per block for the register plan (named barriers 1-15)");
       if (threads > 256) {
         if constexpr (HC == 0 || FixedRow<HC, VEC, NV, false>::tpr > 256) async(IC<512>{});
       } else {

@@ -1,0 +1,57 @@
+"""benchmarks.norm_raw: argument checks (each bad combination exits with a one-line message naming the option,
+before any kernel is built or a GPU is needed) and --table (CPU only)."""
+
+import json
+import sys
+
+import _bench_path  # noqa: F401
+import pytest
+
+from benchmarks import norm_raw
+
+
+def run(monkeypatch, *argv):
+    monkeypatch.setattr(sys, "argv", ["norm_raw", *argv])
+    with pytest.raises(SystemExit) as e:
+        norm_raw.main()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--fwd-only", "--bwd-only"], "--fwd-only and --bwd-only exclude each other"),
+    (["--fwd-plans=-;1,4,0,0", "--bwd-only"], "--fwd-plans and --bwd-only exclude each other"),
+    (["--fwd-plans=-;1,4,0,0", "--bwd-wide"], "--fwd-plans and --bwd-wide exclude each other"),
+    (["--bwd-wide", "--fwd-only"], "--bwd-wide and --fwd-only exclude each other"),
+    (["--max-h", "-1"], "--max-h: expected 0 (all) or a positive hidden size"),
+    (["--max-h", "100"], "--max-h 100: no shape left (the smallest H is 512)"),
+    (["--shapes", "4x8x2"], "--shapes: '4x8x2': expected ROWSxH"),
+    (["--shapes", "0x8"], "--shapes: '0x8': expected ROWSxH"),
+    (["--shapes", "4x8,4x8"], "a shape is given twice"),
+    (["--dtypes", "bf16,bf16"], "a dtype (pair) is given twice"),
+    (["--dtypes", "int8"], "--dtypes: 'int8': expected INPUT or INPUT/PARAMETER"),
+    (["--dtypes", "bf16/fp32", "--shapes", "64x2048"], "a pair of different dtypes is timed at H in (4096, 16384)"),
+    (["--dtypes", "bf16/fp32", "--max-h", "2048"], "a pair of different dtypes is timed at H in (4096, 16384)"),
+    (["--table", ""], "--table: expected a JSONL file"),
+    (["--table", "x.jsonl", "--bwd-only"], "--table only prints a table; it takes no other option (got --bwd-only)"),
+])
+def test_bad_arguments_exit_with_the_option_named(monkeypatch, argv, expect):
+    msg = run(monkeypatch, *argv)
+    assert expect in msg, msg
+    assert "\n" not in msg
+
+
+def test_table_of_fwd_plan_lines_and_bad_copy_bandwidth(monkeypatch, tmp_path):
+    lines = [{"label": "x", "copy_gbps": 4000.0}]
+    for plan, gbps, diff in (("-", 3600.0, 0.0), ("1,8,0,0", 3200.0, 0.5)):
+        lines.append({"label": "x", "plan": plan, "op": "rms_norm", "dtype": "bfloat16", "pdtype": "bfloat16",
+                      "rows": 16384, "H": 4096, "pass": "fwd", "ms": 0.1, "gbps": gbps, "maxdiff": diff})
+    good = tmp_path / "good.jsonl"
+    good.write_text("\n".join(json.dumps(d) for d in lines) + "\n")
+    out = norm_raw.table(str(good))
+    row = [r for r in out.splitlines() if r.startswith("rms_norm")][0]
+    assert row.endswith("|  90.0 |  80.0!"), out  # 3600 / 4000; the second plan's maxdiff is flagged
+    for bad in ("NaN", "true", "1e400"):
+        p = tmp_path / f"bad_{bad}.jsonl"
+        p.write_text(good.read_text().replace("4000.0", bad, 1))
+        with pytest.raises(SystemExit, match="copy_gbps: expected a finite number"):
+            norm_raw.table(str(p))
