@@ -270,8 +270,14 @@ __device__ __forceinline__ void lds_f(const float* p, float (&out)[N]) {
 // partials in one fixed order. buf: shared float[K * 32], 16-byte aligned (one slot per warp of the block). Callers alternate
 // two buffers between consecutive calls, which makes one __syncthreads per call enough. Every thread of the
 // block must call it (it may synchronise the block).
-template <int K>
-__device__ __forceinline__ void row_sum(float (&v)[K], int tpr, float* buf) {
+// NAMED (kernels whose row groups synchronise apart): the cross-warp step waits on named barrier `bar` (1-15) of the
+// tpr threads of the row group instead of the whole block, and only the row group's threads must call it. The id in
+// a register makes ptxas reserve all 16 barriers of the block ("used 16 barriers"); the occupancy rules count 64 per
+// SM on sm_90 (so at most four such blocks per SM: the launch bounds ask for three or four) and fewer on sm_120.
+// Immediate ids (a switch over the row group) cost the 16-bit LayerNorm kernels 8-96 bytes of spills at 64
+// registers (ptxas, session 6), so the register id stays until an A/B on those GPUs says otherwise.
+template <int K, bool NAMED = false>
+__device__ __forceinline__ void row_sum(float (&v)[K], int tpr, float* buf, int bar = 0) {
   const int width = tpr < 32 ? tpr : 32;
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
@@ -286,14 +292,19 @@ __device__ __forceinline__ void row_sum(float (&v)[K], int tpr, float* buf) {
 #pragma unroll
       for (int k = 0; k < K; ++k) buf[k * 32 + warp] = v[k];
     }
-    __syncthreads();
+    if constexpr (NAMED) {
+      asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(tpr) : "memory");
+    } else {
+      __syncthreads();
+    }
     const int nw = tpr >> 5;
     const int first = (warp / nw) * nw;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       float s = 0.f;
-      if ((nw & 3) == 0) {
-        // 16-byte reads (first is a multiple of nw, so of 4; buf is 16-byte aligned), same summation order.
+      if (!NAMED && (nw & 3) == 0) {
+        // 16-byte reads (first is a multiple of nw, so of 4; buf is 16-byte aligned), same summation order. (Not
+        // in the NAMED kernels: there they took 16 more bytes of spills in the 512-thread 16-bit LayerNorm kernel.)
         const float4* b4 = reinterpret_cast<const float4*>(buf + k * 32 + first);
         for (int i = 0; i < (nw >> 2); ++i) {
           const float4 q = b4[i];
@@ -840,40 +851,6 @@ struct AsyncBounds {
   static_assert(stages >= 2 && stages <= 8, "PIPEGOOSE_NORM_BWD_STAGES: expected 2 to 8");
 };
 
-// row_sum for kernels whose row groups synchronise apart: the cross-warp step waits on named barrier `bar` (1-15)
-// of the tpr threads of the row group instead of the whole block. Every thread of the row group must call it.
-// The id in a register makes ptxas reserve all 16 barriers of the block ("used 16 barriers"); the occupancy rules
-// count 64 per SM on sm_90 (so at most four such blocks per SM: the launch bounds ask for three or four) and fewer
-// on sm_120. Immediate ids (a switch over the row group) cost the 16-bit LayerNorm kernels 8-96 bytes of spills at
-// 64 registers (ptxas, session 6), so the register id stays until an A/B on those GPUs says otherwise.
-template <int K>
-__device__ __forceinline__ void row_sum_group(float (&v)[K], int tpr, float* buf, int bar) {
-  const int width = tpr < 32 ? tpr : 32;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    if (off < width) {
-#pragma unroll
-      for (int k = 0; k < K; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], off);
-    }
-  }
-  if (tpr > 32) {
-    const int warp = threadIdx.x >> 5;
-    if ((threadIdx.x & 31) == 0) {
-#pragma unroll
-      for (int k = 0; k < K; ++k) buf[k * 32 + warp] = v[k];
-    }
-    asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(tpr) : "memory");
-    const int nw = tpr >> 5;
-    const int first = (warp / nw) * nw;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      float s = 0.f;
-      for (int i = 0; i < nw; ++i) s += buf[k * 32 + first + i];
-      v[k] = s;
-    }
-  }
-}
-
 // Copies 16 bytes from global to shared memory asynchronously (bypassing L1); src_bytes 0 writes 16 zeros and
 // reads nothing (src must still be a valid address). Before sm_80 (no cp.async): a plain load and store, so the
 // kernel stays correct there (without the overlap).
@@ -1049,7 +1026,7 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
         }
       }
     }
-    row_sum_group<2>(s, tpr, red[parity], 1 + rg);  // rpb <= 15 when tpr > 32
+    row_sum<2, true>(s, tpr, red[parity], 1 + rg);  // rpb <= 15 when tpr > 32
     parity ^= 1;
     if (valid) {
       const float c1 = RMS ? 0.f : s[0] * inv_h;
