@@ -263,13 +263,15 @@ def test_backward_specialised_sizes(ln, rms, h):
                                          (torch.float32, torch.float32, None)), seed=h + 1)
 
 
-@pytest.mark.parametrize("rows,h", [(20000, 512), (4099, 3000), (4099, 6000)])
+@pytest.mark.parametrize("rows,h", [(20000, 512), (4099, 3000), (4099, 6000), (2100, 12000)])
 def test_async_copy_backward_many_rows(ln, rms, rows, h):
     """The register plan's asynchronous-copy backward (norm_bwd_async_kernel) on generic (not specialised) sizes,
     over several times more rows than the persistent grid holds row groups, so that each row group's ring of
     shared-memory stages wraps around and the rows past the end are zero-filled: 512 columns (eight rows per
     256-thread block, combined at the end), 3000 (bf16: 192 threads per row; fp32: 384, a 512-thread kernel),
-    6000 (bf16: 384 threads, 512-thread kernel); with and without parameters."""
+    6000 (bf16: 384 threads, 512-thread kernel; fp32: four chunks per thread, 384 threads), 12000 (16-bit RMSNorm:
+    four chunks per thread, 384 threads; the other cases there take the shared-memory accumulator plans); with and
+    without parameters."""
     check_dtype_cases(ln, rms, rows, h, ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
                                          (torch.float32, torch.float32, None)), seed=h + 11)
     x, _, _, dy = make(rows, h, torch.bfloat16, None, seed=h + 12)
@@ -321,6 +323,26 @@ def test_constant_rows(ln, rms, h):
     x0 = torch.zeros(65, h, device=DEV, dtype=torch.bfloat16)
     x0[::2] = x[::2]
     check_rms_norm(rms, x0, w, dy)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("h", [1000, 1531, 4096, 16384, 65536])
+def test_layer_norm_statistics_far_from_zero(ln, dtype, h):
+    """Rows whose mean is far from zero against their spread (in bf16 at 10^4 the rows are nearly constant: one value
+    and a rare neighbour 64 apart), and rows with an outlier column among the first eight: mean, rstd and the output
+    must stay at the tolerances of the float64 reference. Formulations that cancel large terms fail here, as two tried
+    in session 7 did: one-pass moments shifted by the mean of the first eight columns (rstd off by 3e-4 at 65536
+    columns in fp16), and xhat = x * rstd - mean * rstd in one FMA (output off by 0.3 on the nearly constant bf16
+    rows, where rstd ~ 1 / sqrt(eps))."""
+    g = torch.Generator(device=DEV).manual_seed(12)
+    offset = 1000.0 if dtype == torch.float16 else 10000.0
+    x = (offset + 4 * torch.randn(64, h, generator=g, device=DEV)).to(dtype)
+    x[32:] = (50 + torch.randn(32, h, generator=g, device=DEV)).to(dtype)
+    x[32:, 0] = 2000.0
+    x[48:, 0] = 50.0
+    x[48:, 5] = 1000.0
+    _, w, b, dy = make(64, h, dtype, dtype, seed=12)
+    check_layer_norm(ln, x, w, b, dy)
 
 
 def test_non_contiguous_input(ln, rms):

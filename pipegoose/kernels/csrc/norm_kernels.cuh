@@ -835,7 +835,7 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
 // 8-18% of the backward at [8192-16384, 4096] bf16), 0-20 points slower at every size (RMSNorm bf16 8192: 79
 // against 95; fp32 4096: 75 against 97). -DPIPEGOOSE_NORM_BWD_STAGES=S and -DPIPEGOOSE_NORM_BWD_ASYNC_MINB=B
 // (benchmark experiments, off in the shipped build) set every kernel's.
-template <int TPB, bool SPEC16>
+template <int TPB, bool SPEC16, int NV = 2>
 struct AsyncBounds {
   static_assert(TPB == 256 || TPB == 512, "AsyncBounds: 256 or 512 threads per block");
 #if defined(PIPEGOOSE_NORM_BWD_STAGES)
@@ -846,7 +846,7 @@ struct AsyncBounds {
 #if defined(PIPEGOOSE_NORM_BWD_ASYNC_MINB)
   static constexpr int min_blocks = PIPEGOOSE_NORM_BWD_ASYNC_MINB;
 #else
-  static constexpr int min_blocks = TPB == 512 ? 2 : SPEC16 ? 4 : 3;
+  static constexpr int min_blocks = TPB == 512 ? (NV == 4 ? 1 : 2) : SPEC16 ? 4 : 3;
 #endif
   static_assert(stages >= 2 && stages <= 8, "PIPEGOOSE_NORM_BWD_STAGES: expected 2 to 8");
 };
@@ -915,7 +915,7 @@ constexpr size_t bwd_async_stage_bytes(int stages, int rpb, int nv, int tpr, int
 
 // TPB: blockDim.x (256, or 512 for rows of 257-512 threads).
 template <typename Tin, typename Tdy, int VEC, int NV, bool RMS, int HC, int TPB>
-__global__ void __launch_bounds__(TPB, (AsyncBounds<TPB, HC != 0 && sizeof(Tin) == 2>::min_blocks))
+__global__ void __launch_bounds__(TPB, (AsyncBounds<TPB, HC != 0 && sizeof(Tin) == 2, NV>::min_blocks))
 norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const void* __restrict__ w, bool p_f32,
                       const float* __restrict__ mean, const float* __restrict__ rstd, Tin* __restrict__ dx,
                       float* __restrict__ ws, int64_t rows, int h_arg, int tpr_arg, bool pcache) {
@@ -1420,6 +1420,13 @@ constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
   constexpr int kMaxRegTpr = ASYNC ? 512 : 256;
 #endif
   if (tpr2 <= kMaxRegTpr) return {2, tpr2, false, true};
+#if !defined(PIPEGOOSE_NORM_BWD_NO_REG4)
+  // Four chunks per thread with register column sums in the asynchronous-copy kernel up to 512 threads per row, where
+  // that holds no more accumulators than two 16-bit chunks: fp32 rows (H <= 8192), 16-bit RMSNorm rows (H <= 16384).
+  // -DPIPEGOOSE_NORM_BWD_NO_REG4 (a benchmark experiment, off in the shipped build) sends them to the shared-memory
+  // accumulator plan below, as before session 7.
+  if (ASYNC && (V == 4 || RMS) && tpr4 <= 512) return {4, tpr4, false, true};
+#endif
   if (tpr4 <= 512) return {4, tpr4, true, true};
   if constexpr (32 / V > 4) {
     const int tprw = round_tpr(ceil_div(chunks, 32 / V));
@@ -1735,7 +1742,8 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
       if (threads > 256) {
         if constexpr (HC == 0 || FixedRow<HC, VEC, NV, false>::tpr > 256) async(IC<512>{});
       } else {
-        if constexpr (HC == 0 || FixedRow<HC, VEC, NV, false>::tpr <= 256) async(IC<256>{});
+        // (Four chunks per thread only past 512 threads of two: never in blocks of 256.)
+        if constexpr (NV == 2 && (HC == 0 || FixedRow<HC, VEC, NV, false>::tpr <= 256)) async(IC<256>{});
       }
     } else {
       PG_CHECK(ACC || threads <= 256, "pipegoose norm backward: internal error: ", threads,
@@ -1752,8 +1760,8 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
       if (vec && H == HC) {
         static_assert(spec.tpr == FixedRow<HC, V, spec.nv, spec.acc_smem>::tpr, "FixedRow: the plan's tpr");
         if constexpr (!spec.acc_smem) {
-          static_assert(spec.nv == 2 && spec.pf, "bwd_plan: register plan");
-          go(IC<2>{}, IC<V>{}, IC<0>{}, IC<1>{}, IC<HC>{});
+          static_assert((spec.nv == 2 || (spec.nv == 4 && kAsyncBwd)) && spec.pf, "bwd_plan: register plan");
+          go(IC<spec.nv>{}, IC<V>{}, IC<0>{}, IC<1>{}, IC<HC>{});
         } else if constexpr (spec.pf) {
           static_assert(spec.nv == 4, "bwd_plan: shared-memory plan with prefetch");
           go(IC<4>{}, IC<V>{}, IC<1>{}, IC<sizeof(Tdy) == sizeof(Tin) ? 1 : 0>{}, IC<HC>{});
@@ -1779,6 +1787,12 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     if (cfg.acc_smem) go(IC<4>{}, IC<1>{}, IC<1>{}, IC<1>{}, IC<0>{});
     else go(IC<4>{}, IC<1>{}, IC<0>{}, IC<1>{}, IC<0>{});
   } else if (!cfg.acc_smem) {
+    if constexpr (kAsyncBwd && (V == 4 || RMS)) {
+      if (cfg.nv == 4) {
+        go(IC<4>{}, IC<V>{}, IC<0>{}, IC<1>{}, IC<0>{});
+        return ws;
+      }
+    }
     go(IC<2>{}, IC<V>{}, IC<0>{}, IC<1>{}, IC<0>{});
   } else if (cfg.pf) {
     // fp32 dy with a 16-bit input: two rows of fp32 dy do not fit the 128 registers, so no prefetch there.
