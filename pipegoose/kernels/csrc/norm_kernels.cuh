@@ -381,7 +381,9 @@ __device__ __forceinline__ void load_row(const T* __restrict__ base, bool valid,
 }
 
 // Launch bounds: prefetching variants (two packed rows live) and NV * VEC <= 32 keep <= 64 registers at 1024
-// threads per block; NV = 8 (wide rows, no prefetch) keeps 32 packed words.
+// threads per block; NV = 8 (wide rows, no prefetch) keeps 32 packed words. (Session 7 tried the full-grid four-chunk
+// plans at blocks of <= 512 threads, three per SM: 40 registers instead of 58-60, 75% occupancy; the forward did not
+// get faster: -3 to +3 points of copy, benchmarks/results/nvidia_h200_2026-11-30/SUMMARY.md.)
 template <int NV, int VEC>
 struct FwdBounds {
   static constexpr int value = 1024;
@@ -830,10 +832,11 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
 // spills at 64 registers) run four blocks of two stages (1024-4096 columns: LayerNorm 76-77 -> 83-85, RMSNorm about
 // even); the others three blocks of three stages (at 512 columns, generic: LayerNorm 85 against 72 with four blocks
 // of two, where it spills 68 bytes; fp32 1024: 91 against 86). 512-thread blocks (rows of 257-512 threads): two
-// blocks of two stages (64 registers). Tried and dropped (session 6 A/B): the specialised kernels in blocks of up
-// to 1024 threads, one per SM (fewer workspace rows: 132 instead of 528; the workspace and its column reduction cost
-// 8-18% of the backward at [8192-16384, 4096] bf16), 0-20 points slower at every size (RMSNorm bf16 8192: 79
-// against 95; fp32 4096: 75 against 97). -DPIPEGOOSE_NORM_BWD_STAGES=S and -DPIPEGOOSE_NORM_BWD_ASYNC_MINB=B
+// blocks of two stages (64 registers); with four chunks per thread (NV = 4) one block (76-108 registers, no spills;
+// its two stages, 128 KB at the widest rows, leave no room for a second block there anyway). Tried and dropped
+// (session 6 A/B): the specialised kernels in blocks of up to 1024 threads, one per SM (fewer workspace rows: 132
+// instead of 528; the workspace and its column reduction cost 8-18% of the backward at [8192-16384, 4096] bf16), 0-20
+// points slower at every size (RMSNorm bf16 8192: 79 against 95; fp32 4096: 75 against 97). -DPIPEGOOSE_NORM_BWD_STAGES=S and -DPIPEGOOSE_NORM_BWD_ASYNC_MINB=B
 // (benchmark experiments, off in the shipped build) set every kernel's.
 template <int TPB, bool SPEC16, int NV = 2>
 struct AsyncBounds {
@@ -1388,8 +1391,11 @@ constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
 // Backward plans. Vector rows: two chunks per thread with register column sums and prefetch, up to 512 threads per
 // row when ASYNC (grad_output of the input's element size: norm_bwd_async_kernel; bf16/fp16 H <= 8192, fp32
 // H <= 4096; session 6 A/B: 8192 bf16 LayerNorm 64 -> 88% of copy, RMSNorm 81 -> 94, 4096 fp32 83-85 -> 95-96
-// against the shared-memory plan), else up to 256 (bf16/fp16 H <= 4096, fp32 H <= 2048); four chunks per thread
-// with shared-memory column sums and prefetch (<= 512 threads: H <= 16384 / 8192); for fp32, eight chunks (32
+// against the shared-memory plan), else up to 256 (bf16/fp16 H <= 4096, fp32 H <= 2048); when ASYNC, four chunks
+// per thread with register column sums where they hold no more accumulators than two 16-bit chunks (fp32 H <= 8192,
+// 16-bit RMSNorm H <= 16384; session 7 A/B: fp32 8192 LayerNorm 76-86 -> 93, RMSNorm 87-90 -> 95, bf16 RMSNorm
+// 16384 75-77 -> 84); four chunks per thread with shared-memory column sums and prefetch (<= 512 threads:
+// H <= 16384 / 8192); for fp32, eight chunks (32
 // values) per thread with shared-memory column sums without prefetch (H <= 16384); then (and for 16-bit LayerNorm
 // rows from 16384 columns) the two-kernel path (nv 0 with vector rows). Scalar rows: four values per thread with
 // prefetch, register column sums up to 256 threads per row, shared-memory ones up to 512.
@@ -1805,15 +1811,11 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
 
 // Column sums of the workspace into the parameter gradients (either output may be null): 16 lanes of four loads in
 // flight. ncu (session 6, [16384, 4096] bf16 LayerNorm, 528 partial rows) measured this at 9.5 us, 1.83 TB/s, 26%
-// occupancy: 128 blocks with too few bytes in flight. -DPIPEGOOSE_NORM_COLRED_WIDE (a benchmark experiment, off in
-// the shipped build, not yet measured) runs 32 lanes of eight.
+// occupancy: 128 blocks with too few bytes in flight. 32 lanes of eight loads were no faster in the whole backward
+// (session 7 A/B: 0-1.7 points of copy slower at 18 of 20 shapes; benchmarks/results/nvidia_h200_2026-11-30/SUMMARY.md).
 template <typename TA, typename TB>
 void launch_col_reduce(const at::Tensor& ws, int H, TA* out_a, TB* out_b, cudaStream_t stream) {
-#if defined(PIPEGOOSE_NORM_COLRED_WIDE)
-  constexpr int kLanes = 32, kIlp = 8;
-#else
   constexpr int kLanes = 16, kIlp = 4;
-#endif
   const int64_t P = ws.size(1);
   const dim3 block(32, kLanes);
   const int64_t grid = ceil_div(H, 32);
