@@ -592,107 +592,6 @@ struct BwdBounds {
 #endif
 };
 
-// Pieces of the backward shared by norm_bwd_kernel and norm_bwd_async_kernel (forceinline: the same instructions as
-// when they were written out in each kernel). Parameters are read in groups of PG elements (16 bytes of fp32) from the
-// weight cache sw when pcache, else from w (ones without a weight).
-template <typename Tin, int PG>
-__device__ __forceinline__ void bwd_weight_group(const void* __restrict__ w, bool p_f32, bool pcache, const float* sw,
-                                                 int j, float (&wv)[PG]) {
-  if (pcache) lds_f<PG>(sw + j, wv);
-  else if (w != nullptr) load_param<PG, Tin>(w, p_f32, j, wv);
-}
-
-// First pass over chunk c of thread t: xhat = (x - m) * r, g = w * dy; adds g and g * xhat to the row sums s (s[0]
-// only for LayerNorm) and hands (i, dy, xhat) of each element to acc (the column sums). in: whether the chunk lies in
-// the row (outside it the weight is not read; x and dy are zeros there, so nothing is added).
-template <typename Tin, typename Tdy, int VEC, bool RMS, typename Acc>
-__device__ __forceinline__ void bwd_pass1_chunk(const Raw<Tin, VEC>& xc, const Raw<Tdy, VEC>& dc, bool in,
-                                                const void* __restrict__ w, bool p_f32, bool pcache, const float* sw,
-                                                int c, float m, float r, float (&s)[2], Acc&& acc) {
-  constexpr int PG = VEC < 4 ? VEC : 4;
-#pragma unroll
-  for (int g0 = 0; g0 < VEC; g0 += PG) {
-    float wv[PG];
-#pragma unroll
-    for (int k = 0; k < PG; ++k) wv[k] = 1.f;
-    if (in) bwd_weight_group<Tin, PG>(w, p_f32, pcache, sw, c * VEC + g0, wv);
-#pragma unroll
-    for (int k = 0; k < PG; ++k) {
-      const int i = g0 + k;
-      const float xh = (raw_get(xc, i) - m) * r;  // out-of-row slots: dy == 0, so they add nothing below
-      const float d = raw_get(dc, i);
-      acc(i, d, xh);
-      const float g = d * wv[k];
-      if constexpr (!RMS) s[0] += g;
-      s[1] += g * xh;
-    }
-  }
-}
-
-// Second pass over chunk c: dx = r * (w * dy - c1 - xhat * c2), written to out (VEC elements of Tin).
-template <typename Tin, typename Tdy, int VEC>
-__device__ __forceinline__ void bwd_dx_chunk(const Raw<Tin, VEC>& xc, const Raw<Tdy, VEC>& dc,
-                                             const void* __restrict__ w, bool p_f32, bool pcache, const float* sw,
-                                             int c, float m, float r, float c1, float c2, Tin* __restrict__ out) {
-  constexpr int PG = VEC < 4 ? VEC : 4;
-  float o[VEC];
-#pragma unroll
-  for (int g0 = 0; g0 < VEC; g0 += PG) {
-    float wv[PG];
-#pragma unroll
-    for (int k = 0; k < PG; ++k) wv[k] = 1.f;
-    bwd_weight_group<Tin, PG>(w, p_f32, pcache, sw, c * VEC + g0, wv);
-#pragma unroll
-    for (int k = 0; k < PG; ++k) {
-      const int i = g0 + k;
-      const float g = raw_get(dc, i) * wv[k];
-      o[i] = r * (g - c1 - (raw_get(xc, i) - m) * r * c2);
-    }
-  }
-  store_f<VEC>(out, o);
-}
-
-// Writes the block's partial column sums held in registers (acc_w, and acc_b for LayerNorm) to its workspace rows
-// ws[a][blockIdx.x][H]: directly with one row group per block, else combined over the row groups in a fixed order
-// through smem [rpb][H] floats (the caller's dynamic shared memory, free by then; every thread of the block calls it).
-template <int NACC, int NV, int VEC, bool FIXED>
-__device__ __forceinline__ void bwd_write_col_partials(const float (&acc_w)[NV][VEC], const float (&acc_b)[NV][VEC],
-                                                       float* __restrict__ ws, float* smem, int H, int rpb, int rg,
-                                                       int t, int tpr, int nchunks, unsigned nthreads) {
-  const int64_t P = gridDim.x;
-  if (rpb == 1) {
-#pragma unroll
-    for (int a = 0; a < NACC; ++a) {
-      float* out = ws + (a * P + blockIdx.x) * static_cast<int64_t>(H);
-#pragma unroll
-      for (int n = 0; n < NV; ++n) {
-        const int c = t + n * tpr;
-        if (chunk_in<FIXED>(c, n, tpr, nchunks)) store_f<VEC>(out + c * VEC, a == 0 ? acc_w[n] : acc_b[n]);
-      }
-    }
-    return;
-  }
-#pragma unroll
-  for (int a = 0; a < NACC; ++a) {
-    __syncthreads();  // every thread is past its last read of smem (a == 0), or the previous readers are done
-#pragma unroll
-    for (int n = 0; n < NV; ++n) {
-      const int c = t + n * tpr;
-      if (chunk_in<FIXED>(c, n, tpr, nchunks)) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) smem[rg * H + c * VEC + i] = a == 0 ? acc_w[n][i] : acc_b[n][i];
-      }
-    }
-    __syncthreads();
-    float* out = ws + (a * P + blockIdx.x) * static_cast<int64_t>(H);
-    for (int j = threadIdx.x; j < H; j += nthreads) {
-      float sum = 0.f;
-      for (int g = 0; g < rpb; ++g) sum += smem[g * H + j];
-      out[j] = sum;
-    }
-  }
-}
-
 template <typename Tin, typename Tdy, int VEC, int NV, bool RMS, bool ACC_SMEM, bool PF, int HC>
 __global__ void __launch_bounds__(BwdBounds<ACC_SMEM, sizeof(Tin) == 4 && sizeof(Tdy) == 4>::threads,
                                    BwdBounds<ACC_SMEM, sizeof(Tin) == 4 && sizeof(Tdy) == 4>::min_blocks)
@@ -702,6 +601,7 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
   using G = FixedRow<HC, VEC, NV, ACC_SMEM>;
   constexpr bool FIXED = HC > 0;
   constexpr int NACC = RMS ? 1 : 2;
+  constexpr int PG = VEC < 4 ? VEC : 4;
   extern __shared__ __align__(16) float bwd_smem[];  // [the weight cache sw[H4] when pcache][dyn_smem]
   __shared__ __align__(16) float red[2][64];
   const int H = FIXED ? HC : h_arg;
@@ -789,19 +689,34 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
 #pragma unroll
     for (int n = 0; n < NV; ++n) {
       const int c = t + n * tpr;
-      const bool in = chunk_in<FIXED>(c, n, tpr, nchunks);
-      bwd_pass1_chunk<Tin, Tdy, VEC, RMS>(xc[n], dc[n], in, w, p_f32, pcache, sw, c, m, r, s,
-                                          [&](int i, float d, float xh) {
-        if constexpr (ACC_SMEM) {
-          if (want_acc && in) {
-            acc_t[n * VEC + i] += d * xh;
-            if constexpr (!RMS) acc_t[acc_stride + n * VEC + i] += d;
-          }
-        } else {
-          acc_w[n][i] += d * xh;
-          if constexpr (!RMS) acc_b[n][i] += d;
+#pragma unroll
+      for (int g0 = 0; g0 < VEC; g0 += PG) {
+        float wv[PG];
+#pragma unroll
+        for (int k = 0; k < PG; ++k) wv[k] = 1.f;
+        if (chunk_in<FIXED>(c, n, tpr, nchunks)) {
+          if (pcache) lds_f<PG>(sw + c * VEC + g0, wv);
+          else if (w != nullptr) load_param<PG, Tin>(w, p_f32, c * VEC + g0, wv);
         }
-      });
+#pragma unroll
+        for (int k = 0; k < PG; ++k) {
+          const int i = g0 + k;
+          const float xh = (raw_get(xc[n], i) - m) * r;  // out-of-row slots: dy == 0, so they add nothing below
+          const float d = raw_get(dc[n], i);
+          if constexpr (ACC_SMEM) {
+            if (want_acc && chunk_in<FIXED>(c, n, tpr, nchunks)) {
+              acc_t[n * VEC + i] += d * xh;
+              if constexpr (!RMS) acc_t[acc_stride + n * VEC + i] += d;
+            }
+          } else {
+            acc_w[n][i] += d * xh;
+            if constexpr (!RMS) acc_b[n][i] += d;
+          }
+          const float g = d * wv[k];
+          if constexpr (!RMS) s[0] += g;
+          s[1] += g * xh;
+        }
+      }
     }
     row_sum<2>(s, tpr, red[parity]);
     parity ^= 1;
@@ -812,8 +727,22 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
       for (int n = 0; n < NV; ++n) {
         const int c = t + n * tpr;
         if (chunk_in<FIXED>(c, n, tpr, nchunks)) {
-          bwd_dx_chunk<Tin, Tdy, VEC>(xc[n], dc[n], w, p_f32, pcache, sw, c, m, r, c1, c2,
-                                      dx + row * H + static_cast<int64_t>(c) * VEC);
+          float o[VEC];
+#pragma unroll
+          for (int g0 = 0; g0 < VEC; g0 += PG) {
+            float wv[PG];
+#pragma unroll
+            for (int k = 0; k < PG; ++k) wv[k] = 1.f;
+            if (pcache) lds_f<PG>(sw + c * VEC + g0, wv);
+            else if (w != nullptr) load_param<PG, Tin>(w, p_f32, c * VEC + g0, wv);
+#pragma unroll
+            for (int k = 0; k < PG; ++k) {
+              const int i = g0 + k;
+              const float g = raw_get(dc[n], i) * wv[k];
+              o[i] = r * (g - c1 - (raw_get(xc[n], i) - m) * r * c2);
+            }
+          }
+          store_f<VEC>(dx + row * H + static_cast<int64_t>(c) * VEC, o);
         }
       }
     }
@@ -843,8 +772,41 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
         }
       }
     }
+  } else if (rpb == 1) {
+#pragma unroll
+    for (int a = 0; a < NACC; ++a) {
+      float* out = ws + (a * P + blockIdx.x) * static_cast<int64_t>(H);
+#pragma unroll
+      for (int n = 0; n < NV; ++n) {
+        const int c = t + n * tpr;
+        if (chunk_in<FIXED>(c, n, tpr, nchunks)) {
+          store_f<VEC>(out + c * VEC, a == 0 ? acc_w[n] : acc_b[n]);
+        }
+      }
+    }
   } else {
-    bwd_write_col_partials<NACC, NV, VEC, FIXED>(acc_w, acc_b, ws, dyn_smem, H, rpb, rg, t, tpr, nchunks, nthreads);
+    // Combine the row groups of the block in a fixed order, one accumulator at a time.
+#pragma unroll
+    for (int a = 0; a < NACC; ++a) {
+      __syncthreads();  // previous readers of dyn_smem are done
+#pragma unroll
+      for (int n = 0; n < NV; ++n) {
+        const int c = t + n * tpr;
+        if (chunk_in<FIXED>(c, n, tpr, nchunks)) {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            dyn_smem[rg * H + c * VEC + i] = a == 0 ? acc_w[n][i] : acc_b[n][i];
+          }
+        }
+      }
+      __syncthreads();
+      float* out = ws + (a * P + blockIdx.x) * static_cast<int64_t>(H);
+      for (int j = threadIdx.x; j < H; j += nthreads) {
+        float sum = 0.f;
+        for (int g = 0; g < rpb; ++g) sum += dyn_smem[g * H + j];
+        out[j] = sum;
+      }
+    }
   }
 }
 
@@ -963,6 +925,7 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
   using G = FixedRow<HC, VEC, NV, false>;
   constexpr bool FIXED = HC > 0;
   constexpr int NACC = RMS ? 1 : 2;
+  constexpr int PG = VEC < 4 ? VEC : 4;
   constexpr int S = AsyncBounds<TPB, HC != 0 && sizeof(Tin) == 2>::stages;
   extern __shared__ __align__(16) float bwd_smem[];
   __shared__ __align__(16) float red[2][64];
@@ -1044,12 +1007,27 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
       Raw<Tdy, VEC> dc;
       raw_lds(xrow + c * VEC, xc);
       raw_lds(drow + c * VEC, dc);
-      // (Zero-filled slots: x = dy = 0.)
-      bwd_pass1_chunk<Tin, Tdy, VEC, RMS>(xc, dc, chunk_in<FIXED>(c, n, tpr, nchunks), w, p_f32, pcache, sw, c, m, r,
-                                          s, [&](int i, float d, float xh) {
-        acc_w[n][i] += d * xh;
-        if constexpr (!RMS) acc_b[n][i] += d;
-      });
+#pragma unroll
+      for (int g0 = 0; g0 < VEC; g0 += PG) {
+        float wv[PG];
+#pragma unroll
+        for (int k = 0; k < PG; ++k) wv[k] = 1.f;
+        if (chunk_in<FIXED>(c, n, tpr, nchunks)) {
+          if (pcache) lds_f<PG>(sw + c * VEC + g0, wv);
+          else if (w != nullptr) load_param<PG, Tin>(w, p_f32, c * VEC + g0, wv);
+        }
+#pragma unroll
+        for (int k = 0; k < PG; ++k) {
+          const int i = g0 + k;
+          const float xh = (raw_get(xc, i) - m) * r;  // zero-filled slots: dy == 0, so they add nothing below
+          const float d = raw_get(dc, i);
+          acc_w[n][i] += d * xh;
+          if constexpr (!RMS) acc_b[n][i] += d;
+          const float g = d * wv[k];
+          if constexpr (!RMS) s[0] += g;
+          s[1] += g * xh;
+        }
+      }
     }
     row_sum<2, true>(s, tpr, red[parity], 1 + rg);  // rpb <= 15 when tpr > 32
     parity ^= 1;
@@ -1064,8 +1042,22 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
           Raw<Tdy, VEC> dc;
           raw_lds(xrow + c * VEC, xc);
           raw_lds(drow + c * VEC, dc);
-          bwd_dx_chunk<Tin, Tdy, VEC>(xc, dc, w, p_f32, pcache, sw, c, m, r, c1, c2,
-                                      dx + row * H + static_cast<int64_t>(c) * VEC);
+          float o[VEC];
+#pragma unroll
+          for (int g0 = 0; g0 < VEC; g0 += PG) {
+            float wv[PG];
+#pragma unroll
+            for (int k = 0; k < PG; ++k) wv[k] = 1.f;
+            if (pcache) lds_f<PG>(sw + c * VEC + g0, wv);
+            else if (w != nullptr) load_param<PG, Tin>(w, p_f32, c * VEC + g0, wv);
+#pragma unroll
+            for (int k = 0; k < PG; ++k) {
+              const int i = g0 + k;
+              const float g = raw_get(dc, i) * wv[k];
+              o[i] = r * (g - c1 - (raw_get(xc, i) - m) * r * c2);
+            }
+          }
+          store_f<VEC>(dx + row * H + static_cast<int64_t>(c) * VEC, o);
         }
       }
     }
@@ -1076,8 +1068,39 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
   cp_async_wait<0>();  // the zero-fill copies past the last row still write the stages that are reused below
 
   if (!want_acc) return;
-  // With several row groups, combined in the stage area.
-  bwd_write_col_partials<NACC, NV, VEC, FIXED>(acc_w, acc_b, ws, dyn_smem, H, rpb, rg, t, tpr, nchunks, nthreads);
+  const int64_t P = gridDim.x;
+  if (rpb == 1) {
+#pragma unroll
+    for (int a = 0; a < NACC; ++a) {
+      float* out = ws + (a * P + blockIdx.x) * static_cast<int64_t>(H);
+#pragma unroll
+      for (int n = 0; n < NV; ++n) {
+        const int c = t + n * tpr;
+        if (chunk_in<FIXED>(c, n, tpr, nchunks)) store_f<VEC>(out + c * VEC, a == 0 ? acc_w[n] : acc_b[n]);
+      }
+    }
+  } else {
+    // Combine the row groups of the block in a fixed order (as norm_bwd_kernel), in the stage area.
+#pragma unroll
+    for (int a = 0; a < NACC; ++a) {
+      __syncthreads();  // every thread is past its last stage read (a == 0), or the previous readers are done
+#pragma unroll
+      for (int n = 0; n < NV; ++n) {
+        const int c = t + n * tpr;
+        if (chunk_in<FIXED>(c, n, tpr, nchunks)) {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) dyn_smem[rg * H + c * VEC + i] = a == 0 ? acc_w[n][i] : acc_b[n][i];
+        }
+      }
+      __syncthreads();
+      float* out = ws + (a * P + blockIdx.x) * static_cast<int64_t>(H);
+      for (int j = threadIdx.x; j < H; j += nthreads) {
+        float sum = 0.f;
+        for (int g = 0; g < rpb; ++g) sum += dyn_smem[g * H + j];
+        out[j] = sum;
+      }
+    }
+  }
 }
 
 // Any H: one block per row (persistent grid), two passes over the row; the per-column sums accumulate in the
