@@ -836,8 +836,9 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
 // its two stages, 128 KB at the widest rows, leave no room for a second block there anyway). Tried and dropped
 // (session 6 A/B): the specialised kernels in blocks of up to 1024 threads, one per SM (fewer workspace rows: 132
 // instead of 528; the workspace and its column reduction cost 8-18% of the backward at [8192-16384, 4096] bf16), 0-20
-// points slower at every size (RMSNorm bf16 8192: 79 against 95; fp32 4096: 75 against 97). -DPIPEGOOSE_NORM_BWD_STAGES=S and -DPIPEGOOSE_NORM_BWD_ASYNC_MINB=B
-// (benchmark experiments, off in the shipped build) set every kernel's.
+// points slower at every size (RMSNorm bf16 8192: 79 against 95; fp32 4096: 75 against 97).
+// -DPIPEGOOSE_NORM_BWD_STAGES=S and -DPIPEGOOSE_NORM_BWD_ASYNC_MINB=B (benchmark experiments, off in the shipped
+// build) set every kernel's.
 template <int TPB, bool SPEC16, int NV = 2>
 struct AsyncBounds {
   static_assert(TPB == 256 || TPB == 512, "AsyncBounds: 256 or 512 threads per block");
@@ -1395,8 +1396,8 @@ constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
 // per thread with register column sums where they hold no more accumulators than two 16-bit chunks (fp32 H <= 8192,
 // 16-bit RMSNorm H <= 16384; session 7 A/B: fp32 8192 LayerNorm 76-86 -> 93, RMSNorm 87-90 -> 95, bf16 RMSNorm
 // 16384 75-77 -> 84); four chunks per thread with shared-memory column sums and prefetch (<= 512 threads:
-// H <= 16384 / 8192); for fp32, eight chunks (32
-// values) per thread with shared-memory column sums without prefetch (H <= 16384); then (and for 16-bit LayerNorm
+// H <= 16384 / 8192); for fp32, eight chunks (32 values) per thread with shared-memory column sums without prefetch
+// (H <= 16384); then (and for 16-bit LayerNorm
 // rows from 16384 columns) the two-kernel path (nv 0 with vector rows). Scalar rows: four values per thread with
 // prefetch, register column sums up to 256 threads per row, shared-memory ones up to 512.
 template <int V, bool RMS, bool ASYNC>
@@ -1812,7 +1813,8 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
 // Column sums of the workspace into the parameter gradients (either output may be null): 16 lanes of four loads in
 // flight. ncu (session 6, [16384, 4096] bf16 LayerNorm, 528 partial rows) measured this at 9.5 us, 1.83 TB/s, 26%
 // occupancy: 128 blocks with too few bytes in flight. 32 lanes of eight loads were no faster in the whole backward
-// (session 7 A/B: 0-1.7 points of copy slower at 18 of 20 shapes; benchmarks/results/nvidia_h200_2026-11-30/SUMMARY.md).
+// (session 7 A/B: 0-1.7 points of copy slower at 18 of 20 shapes; see
+// benchmarks/results/nvidia_h200_2026-11-30/SUMMARY.md).
 template <typename TA, typename TB>
 void launch_col_reduce(const at::Tensor& ws, int H, TA* out_a, TB* out_b, cudaStream_t stream) {
   constexpr int kLanes = 16, kIlp = 4;
