@@ -12,6 +12,11 @@ first use; ``python -m pipegoose.kernels build pipegoose/layer_norm pipegoose/rm
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +35,7 @@ EPS = 1e-5
 HIDDEN = [1, 7, 64, 100, 768, 1000, 1024, 1531, 2048, 4096, 5003, 5120, 8192, 12288, 16384, 65536]
 ROWS = [1, 3, 129, 16384]
 MAX_CASE_ELEMENTS = 2**28  # the float64 reference of larger cases costs more than it tells
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -343,6 +349,45 @@ def test_layer_norm_statistics_far_from_zero(ln, dtype, h):
     x[48:, 5] = 1000.0
     _, w, b, dy = make(64, h, dtype, dtype, seed=12)
     check_layer_norm(ln, x, w, b, dy)
+
+
+def _run_with_smem_limit(limit: str, body: str) -> subprocess.CompletedProcess:
+    """Runs ``body`` (with ``ln``, ``rms``, ``torch`` and this module as ``T`` in scope) in a fresh process with
+    PIPEGOOSE_NORM_SMEM_LIMIT=limit: the kernels read it once per process."""
+    code = "import sys\nsys.path[:0] = ['tests', 'tests/kernels']\nimport torch\nimport test_norms_cuda as T\n" \
+           "from pipegoose.kernels import load\nln, rms = load('pipegoose/layer_norm'), load('pipegoose/rms_norm')\n" \
+           + textwrap.dedent(body)
+    env = dict(os.environ, PIPEGOOSE_NORM_SMEM_LIMIT=limit)
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize("limit", [100352, 0])
+def test_backward_plans_of_smaller_shared_memory(limit):
+    """PIPEGOOSE_NORM_SMEM_LIMIT emulates a GPU with less shared memory: 100352 bytes is sm_86/sm_89's 99 KB less
+    the 1 KB kept for static shared memory, where the four-chunk register plan (fp32 6000 and 8192 columns, 16-bit
+    RMSNorm 12000 and 16384) must take the shared-memory accumulator plan it replaced; 0 leaves every plan that needs
+    dynamic shared memory to the generic kernel. Both stay at the float64 reference's tolerances."""
+    r = _run_with_smem_limit(str(limit), """
+        cases = ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
+                 (torch.float32, torch.float32, None))
+        for rows, h in ((3, 6000), (37, 8192), (37, 12000), (37, 16384), (2100, 4096), (5, 512)):
+            T.check_dtype_cases(ln, rms, rows, h, cases, seed=h)
+        print("SMEM-OK")
+    """)
+    assert r.returncode == 0 and "SMEM-OK" in r.stdout, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
+
+
+def test_smem_limit_variable_must_be_a_number_of_bytes():
+    r = _run_with_smem_limit("99KB", """
+        x = torch.randn(4, 1024, device="cuda")
+        _, rstd = rms.rms_norm_forward(x, None, 1e-5, None)
+        try:
+            rms.rms_norm_backward(torch.randn_like(x), x, None, rstd)
+        except RuntimeError as e:
+            print("ERROR:", e)
+    """)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "PIPEGOOSE_NORM_SMEM_LIMIT: expected a number of bytes >= 0, got '99KB'" in r.stdout, r.stdout
 
 
 def test_non_contiguous_input(ln, rms):

@@ -1471,10 +1471,22 @@ inline bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_
 
 inline int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 // Dynamic shared memory a block may use on this device (the opt-in limit less 1 KB for the kernels' static shared
-// memory): 227 KB on the H100/H200, 163 KB on the A100, 99 KB on sm_86/sm_89, 63 KB on sm_75.
+// memory): 227 KB on the H100/H200, 163 KB on the A100, 99 KB on sm_86/sm_89, 63 KB on sm_75. The environment
+// variable PIPEGOOSE_NORM_SMEM_LIMIT (bytes; read once per process) lowers it, so that the plans of a GPU with less
+// shared memory, and their fallbacks, can be tested on a larger one.
 inline size_t smem_limit() {
+  static const long long kOverride = [] {
+    const char* v = std::getenv("PIPEGOOSE_NORM_SMEM_LIMIT");
+    if (v == nullptr || *v == '\0') return -1LL;
+    char* end = nullptr;
+    const long long n = std::strtoll(v, &end, 10);
+    return end != nullptr && *end == '\0' && n >= 0 ? n : -2LL;
+  }();
+  PG_CHECK(kOverride != -2, "PIPEGOOSE_NORM_SMEM_LIMIT: expected a number of bytes >= 0, got '",
+           std::getenv("PIPEGOOSE_NORM_SMEM_LIMIT"), "'");
   const size_t optin = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
-  return optin > 1024 ? optin - 1024 : 0;
+  const size_t limit = optin > 1024 ? optin - 1024 : 0;
+  return kOverride >= 0 ? std::min(limit, static_cast<size_t>(kOverride)) : limit;
 }
 
 // Resident blocks per SM for a kernel at a block size and dynamic smem size (cached per device).
@@ -1657,6 +1669,15 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   const char* bx = std::getenv("PIPEGOOSE_NORM_BWD_EXP");
   if (bx != nullptr && std::string(bx) == "wide" && vec) cfg = Cfg{};
 #endif
+  // The four-chunk register plan keeps two stages of 512 x 4 chunks of x and dy (128 KB at the widest rows); on a GPU
+  // with less shared memory (sm_86/sm_89: 99 KB) such rows take the shared-memory accumulator plan it replaced (as
+  // before session 7), not the generic kernel.
+  auto reg4_fits = [&](int tpr) {
+    constexpr int kStages = AsyncBounds<512, false, 4>::stages;
+    return bwd_async_stage_bytes(kStages, 1, 4, tpr, V, static_cast<int>(sizeof(Tin)), static_cast<int>(sizeof(Tdy))) <=
+           smem_limit();
+  };
+  if (vec && cfg.nv == 4 && !cfg.acc_smem && !reg4_fits(cfg.tpr)) cfg.acc_smem = true;
   at::Tensor ws;
   const int sms = sm_count();
   if (cfg.nv == 0 && vec) {
@@ -1764,7 +1785,7 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     constexpr int HC = decltype(h_c)::value;
     constexpr Cfg spec = bwd_plan<V, RMS, kAsyncBwd>(HC / V, true);
     if constexpr (HC % V == 0 && spec.nv != 0) {
-      if (vec && H == HC) {
+      if (vec && H == HC && !(spec.nv == 4 && !spec.acc_smem && !reg4_fits(spec.tpr))) {
         static_assert(spec.tpr == FixedRow<HC, V, spec.nv, spec.acc_smem>::tpr, "FixedRow: the plan's tpr");
         if constexpr (!spec.acc_smem) {
           static_assert((spec.nv == 2 || (spec.nv == 4 && kAsyncBwd)) && spec.pf, "bwd_plan: register plan");
