@@ -14,11 +14,12 @@ Correctness is the GPU tests' job (``tests/kernels/test_norms_cuda.py``), not th
 
 ``--fwd-plans "CFG;CFG;..."`` compares forward launch plans within one build: it builds with
 ``-DPIPEGOOSE_NORM_FWD_EXPERIMENT`` and times each forward once per CFG, set through ``PIPEGOOSE_NORM_FWD_EXP``
-(``grid,nv,pf,pcache``: grid 0 persistent / 1 full, 2, 4 or 8 chunks per thread, prefetch, parameter cache; ``-``
-is the shipped plan; see ``fwd_exp`` in ``norm_kernels.cuh``). Each line then carries ``plan`` and ``maxdiff``, the
-largest absolute difference of its outputs (y, mean, rstd) from the first plan's: a plan that computes something
-else shows there. A plan the row cannot take (over 1024 threads per row, rows on the generic or scalar path) runs
-the shipped plan under its label. ``benchmarks/results/nvidia_h200_2026-11-30/norm_fwd_plans_session5.log`` was
+(``grid,nv,pf,preg``: grid 0 persistent / 1 full, 1, 2, 4 or 8 chunks per thread, prefetch (2 or 4 chunks),
+parameters in registers where they fit; ``-`` is the shipped plan; see ``fwd_exp`` in ``norm_kernels.cuh``; bf16 and
+fp32 input only, fp16 runs the shipped plan; session 5's log used the earlier ``grid,nv,pf,pcache`` form). Each
+line then carries ``plan`` and ``maxdiff``, the largest absolute difference of its outputs (y, mean, rstd) from the
+first plan's: a plan that computes something else shows there. A plan the row cannot take (a block over its
+kernel's launch bounds, rows on the generic or scalar path) runs the shipped plan under its label. ``benchmarks/results/nvidia_h200_2026-11-30/norm_fwd_plans_session5.log`` was
 made that way.
 
 ``--fwd-only`` / ``--bwd-only`` time one pass; ``--shapes 16384x5120,...`` replaces the sweep's shapes; ``--max-h H``
@@ -76,7 +77,7 @@ def table(path: str) -> str:
         raise SystemExit(f"norm_raw: {path}: no copy_gbps line with a positive bandwidth")
     if not rows:
         raise SystemExit(f"norm_raw: {path}: no --fwd-plans lines")
-    out = [f"forward, % of the device copy ({copy:.0f} GB/s) per plan (grid,nv,pf,pcache; - = shipped)",
+    out = [f"forward, % of the device copy ({copy:.0f} GB/s) per plan (grid,nv,pf,preg; - = shipped)",
            "op dtype param_dtype rows H | " + " | ".join(plans)]
     for key, v in rows.items():
         cells = [f"{v[p][0] / copy * 100:5.1f}{'' if v[p][1] <= 0.1 else '!'}" if p in v else "-" for p in plans]

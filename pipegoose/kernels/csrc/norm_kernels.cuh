@@ -197,8 +197,10 @@ __device__ __forceinline__ void store_f(T* __restrict__ p, const float (&in)[N])
   }
 }
 
-// Parameters (weight, bias) are float32 or the input's dtype, chosen at run time (p_f32): the branch is uniform
-// and halves the number of kernel instantiations.
+// The backward's and the generic forward's parameters (weight, bias) are float32 or the input's dtype, chosen at run
+// time (p_f32): the branch is uniform and halves the number of kernel instantiations. (The forward's row kernel takes
+// the parameter type as a template argument instead: with its parameters loaded before the reductions, the branches
+// and the waits behind them left its output loop; session 8.)
 template <int N, typename Tin>
 __device__ __forceinline__ void load_param(const void* __restrict__ p, bool p_f32, int off, float (&out)[N]) {
   if (p_f32) {
@@ -213,10 +215,10 @@ __device__ __forceinline__ float param_at(const void* __restrict__ p, bool p_f32
   return p_f32 ? static_cast<const float*>(p)[j] : to_f(static_cast<const Tin*>(p)[j]);
 }
 
-// Parameter cache: the launches stage the parameters once per block as fp32 in shared memory (sw[H], then sb[H]
-// for LayerNorm; a null weight stages ones, a null bias zeros) when they fit (kParamCacheBytes), so that the row
-// loop reads them with 16-byte shared loads instead of re-reading global memory per row behind the null and dtype
-// branches (which cost ~14 instructions per 4 parameters in the profile of the first version).
+// Parameter cache (the backward's weight): the launches stage the parameters once per block as fp32 in shared memory
+// (sw[H], then sb[H] when not RMS; a null weight stages ones, a null bias zeros) when they fit (kParamCacheBytes), so
+// that the row loop reads them with 16-byte shared loads instead of re-reading global memory per row behind the null
+// and dtype branches (which cost ~14 instructions per 4 parameters in the profile of the first version).
 constexpr size_t kParamCacheBytes = 64 * 1024;
 
 template <typename Tin, bool RMS>
@@ -276,8 +278,9 @@ __device__ __forceinline__ void lds_f(const float* p, float (&out)[N]) {
 // SM on sm_90 (so at most four such blocks per SM: the launch bounds ask for three or four) and fewer on sm_120.
 // Immediate ids (a switch over the row group) cost the 16-bit LayerNorm kernels 8-96 bytes of spills at 64
 // registers (ptxas, session 6), so the register id stays until an A/B on those GPUs says otherwise.
+// rg >= 0: the caller's row group index (threadIdx.x / tpr), which spares the cross-warp step a run-time division.
 template <int K, bool NAMED = false>
-__device__ __forceinline__ void row_sum(float (&v)[K], int tpr, float* buf, int bar = 0) {
+__device__ __forceinline__ void row_sum(float (&v)[K], int tpr, float* buf, int bar = 0, int rg = -1) {
   const int width = tpr < 32 ? tpr : 32;
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
@@ -298,7 +301,7 @@ __device__ __forceinline__ void row_sum(float (&v)[K], int tpr, float* buf, int 
       __syncthreads();
     }
     const int nw = tpr >> 5;
-    const int first = (warp / nw) * nw;
+    const int first = (rg >= 0 ? rg : warp / nw) * nw;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       float s = 0.f;
@@ -380,36 +383,72 @@ __device__ __forceinline__ void load_row(const T* __restrict__ base, bool valid,
   }
 }
 
-// Launch bounds: prefetching variants (two packed rows live) and NV * VEC <= 32 keep <= 64 registers at 1024
-// threads per block; NV = 8 (wide rows, no prefetch) keeps 32 packed words. (Session 7 tried the full-grid four-chunk
-// plans at blocks of <= 512 threads, three per SM: 40 registers instead of 58-60, 75% occupancy; the forward did not
-// get faster: -3 to +3 points of copy, benchmarks/results/nvidia_h200_2026-11-30/SUMMARY.md.)
-template <int NV, int VEC>
-struct FwdBounds {
-  static constexpr int value = 1024;
-};
+// Fills a chunk with v (v rounded to T; the forward's stand-in for an absent weight (1) or bias (0), exact in every
+// dtype).
+template <typename T, int N>
+__device__ __forceinline__ void raw_fill(Raw<T, N>& r, float v) {
+  float f[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) f[i] = v;
+  raw_pack<T, N>(f, r);
+}
 
-// Persistent row-group kernel. A row group of tpr threads owns rows rg0, rg0 + stride, ... (stride = gridDim.x *
-// rows per block); x stays packed in its own dtype in registers (converted to fp32 on each use), and with PF the
-// next row's chunks, mean and rstd are loaded before the current row is reduced, so that every thread keeps
+// Loads N parameters at element j (weight, and bias unless RMS; N * sizeof(Tp) <= 16 bytes, or a chunk held for the
+// whole kernel): cached loads, weight and bias issued together; an absent weight reads as ones, an absent bias as
+// zeros.
+template <typename Tp, int N, bool RMS>
+__device__ __forceinline__ void load_params(const Tp* __restrict__ w, const Tp* __restrict__ b, int j,
+                                            Raw<Tp, N>& pw, Raw<Tp, N>& pb) {
+  if (w != nullptr) raw_load<Tp, N, false>(w + j, pw); else raw_fill(pw, 1.f);
+  if constexpr (!RMS) {
+    if (b != nullptr) raw_load<Tp, N, false>(b + j, pb); else raw_fill(pb, 0.f);
+  }
+}
+
+// The forward's parameters in registers (PREG): the thread's parameters are loaded once, with the first row's x, so
+// that no load waits after the row reductions, where x's chunks of 16 bytes (twice with prefetch) and the parameters
+// take at most 36 words of registers (RMSNorm rows of four chunks with parameters of the input's dtype, LayerNorm rows
+// of two); elsewhere each chunk's parameters are loaded after the reductions (16 bytes of weight and bias at a time,
+// issued together). Session 8 plan grid (norm_fwd_plans_session8.log): holding 48 words needed blocks of 768 threads
+// (80 registers; 64 spilled 16-24 bytes), and those plans ran 3-7 points of copy slower than loading per chunk (fp32
+// LayerNorm 1024-4096 columns: 85-87 against 92; RMSNorm bf16 with fp32 parameters at 4096: 86 against 89).
+constexpr int fwd_data_words(int in_bytes, int p_bytes, int nv, bool rms, bool pf) {
+  return 4 * nv * (pf ? 2 : 1) + (16 / in_bytes) * p_bytes / 4 * nv * (rms ? 1 : 2);
+}
+constexpr bool fwd_preg(int in_bytes, int p_bytes, int nv, bool rms, bool pf, bool preg_on) {
+  return preg_on && fwd_data_words(in_bytes, p_bytes, nv, rms, pf) <= 36;
+}
+
+// Launch bounds: 1024 threads (64 registers; ptxas: no spills, except 4 bytes in the eight-chunk plans with fp32
+// parameters). (Session 7 tried the full-grid four-chunk plans at blocks of <= 512 threads, three per SM: 40
+// registers instead of 58-60, 75% occupancy; the forward did not get faster: -3 to +3 points of copy,
+// benchmarks/results/nvidia_h200_2026-11-30/SUMMARY.md.)
+constexpr int kFwdThreads = 1024;
+
+// Row kernel. A row group of tpr threads owns rows rg0, rg0 + stride, ... (stride = gridDim.x * rows per block; a
+// full grid gives each row group one row); x stays packed in its own dtype in registers (converted to fp32 on each
+// use), and with PF the next row's chunks are loaded before the current row is reduced, so that every thread keeps
 // NV 16-byte loads in flight through the reductions (the latency of one row is hidden behind the previous one).
+// PREG (fwd_preg_fits; PREG_ON false forces it off, a benchmark experiment): the parameters of the thread's chunks
+// stay in registers. The output is fma((x - mean) * rstd, w, b) (RMS: (x * rstd) * w).
 //
-// x [rows, H] (Tin), w/b [H] (float32 when p_f32, else Tin; either may be null), y [rows, H] (Tout), mean/rstd
-// [rows] fp32 (mean unused when RMS). Requires H % VEC == 0 and every pointer aligned to VEC elements when
-// VEC > 1, and ceil(H / VEC) <= NV * tpr; blockDim.x a multiple of tpr.
+// x [rows, H] (Tin), w/b [H] (Tp: float32 or Tin; either may be null), y [rows, H] (Tout), mean/rstd [rows] fp32
+// (mean unused when RMS). Requires H % VEC == 0 and every pointer aligned to VEC elements when VEC > 1, and
+// ceil(H / VEC) <= NV * tpr; blockDim.x a multiple of tpr.
 // HC > 0 (PIPEGOOSE_NORM_HIDDEN builds only): specialised to H == HC; H, tpr, the rows per block and 1 / H are the
 // constants of FixedRow<HC, VEC, NV, false> (the arguments h_arg and tpr_arg are then ignored; blockDim.x must be
 // rpb * tpr of that geometry). HC == 0: the run-time arguments.
-template <typename Tin, typename Tout, int VEC, int NV, bool RMS, bool PF, int HC>
-__global__ void __launch_bounds__(FwdBounds<NV, VEC>::value)
-norm_fwd_kernel(const Tin* __restrict__ x, const void* __restrict__ w, const void* __restrict__ b, bool p_f32,
+template <typename Tin, typename Tout, typename Tp, int VEC, int NV, bool RMS, bool PF, bool PREG_ON, int HC>
+__global__ void __launch_bounds__(kFwdThreads)
+norm_fwd_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const Tp* __restrict__ b,
                 Tout* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
-                int64_t rows, int h_arg, int tpr_arg, float eps, bool pcache) {
+                int64_t rows, int h_arg, int tpr_arg, float eps) {
   using G = FixedRow<HC, VEC, NV, false>;
   constexpr bool FIXED = HC > 0;
-  constexpr int PG = VEC < 4 ? VEC : 4;
+  constexpr bool PREG = VEC > 1 ? fwd_preg(sizeof(Tin), sizeof(Tp), NV, RMS, PF, PREG_ON) : PREG_ON;
+  // Parameters per load when they are not held (16 bytes of Tp, at most a chunk).
+  constexpr int PG = PREG ? VEC : (16 / static_cast<int>(sizeof(Tp)) < VEC ? 16 / static_cast<int>(sizeof(Tp)) : VEC);
   __shared__ __align__(16) float red[2][32];
-  extern __shared__ __align__(16) float fwd_smem[];  // pcache: the parameter cache sw[H], sb[H]
   const int H = FIXED ? HC : h_arg;
   const int tpr = FIXED ? G::tpr : tpr_arg;
   const int rpb = FIXED ? G::rpb : blockDim.x / tpr;
@@ -418,16 +457,18 @@ norm_fwd_kernel(const Tin* __restrict__ x, const void* __restrict__ w, const voi
   const int nchunks = FIXED ? G::chunks : H / VEC;  // exact: VEC == 1 or H % VEC == 0
   const float inv_h = FIXED ? G::inv_h : 1.f / static_cast<float>(H);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
-  float* sw = fwd_smem;
-  float* sb = fwd_smem + H;
   int parity = 0;
   int64_t base = static_cast<int64_t>(blockIdx.x) * rpb;
   Raw<Tin, VEC> cur[NV];
+  Raw<Tp, VEC> pw[PREG ? NV : 1], pb[PREG ? NV : 1];
   if constexpr (PF) load_row<Tin, VEC, NV, FIXED>(x + (base + rg) * H, base + rg < rows, t, tpr, nchunks, cur);
-  // The parameter cache in the prefetching kernels only (the host enables it for prefetching plans up to 2048
-  // columns; compiled into the wide no-prefetch kernels, its registers made them spill).
-  pcache = PF && pcache;
-  if (pcache) stage_params<Tin, RMS>(w, b, p_f32, H, sw, sb);  // after the first loads: they overlap
+  if constexpr (PREG) {
+#pragma unroll
+    for (int n = 0; n < NV; ++n) {
+      const int c = t + n * tpr;
+      if (chunk_in<FIXED>(c, n, tpr, nchunks)) load_params<Tp, VEC, RMS>(w, b, c * VEC, pw[n], pb[n]);
+    }
+  }
   for (; base < rows; base += stride) {
     const int64_t row = base + rg;
     const bool valid = row < rows;
@@ -445,21 +486,22 @@ norm_fwd_kernel(const Tin* __restrict__ x, const void* __restrict__ w, const voi
       for (int n = 0; n < NV; ++n)
 #pragma unroll
         for (int i = 0; i < VEC; ++i) s[0] += raw_get(cur[n], i);  // zeros outside the row
-      row_sum<1>(s, tpr, red[parity]);
+      row_sum<1>(s, tpr, red[parity], 0, rg);
       parity ^= 1;
       mean = s[0] * inv_h;
     }
     float q[1] = {0.f};
 #pragma unroll
     for (int n = 0; n < NV; ++n) {
-      const bool in = chunk_in<FIXED>(t + n * tpr, n, tpr, nchunks);
+      if (chunk_in<FIXED>(t + n * tpr, n, tpr, nchunks)) {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        const float d = in ? raw_get(cur[n], i) - mean : 0.f;
-        q[0] += d * d;
+        for (int i = 0; i < VEC; ++i) {
+          const float d = raw_get(cur[n], i) - mean;
+          q[0] += d * d;
+        }
       }
     }
-    row_sum<1>(q, tpr, red[parity]);
+    row_sum<1>(q, tpr, red[parity], 0, rg);
     parity ^= 1;
     const float rstd = rsqrtf(q[0] * inv_h + eps);
     if (valid) {
@@ -473,32 +515,19 @@ norm_fwd_kernel(const Tin* __restrict__ x, const void* __restrict__ w, const voi
         const int c = t + n * tpr;
         if (chunk_in<FIXED>(c, n, tpr, nchunks)) {
           float o[VEC];
-          // Parameters in groups of PG elements (16 bytes of fp32): fewer live registers than a whole chunk.
 #pragma unroll
           for (int g0 = 0; g0 < VEC; g0 += PG) {
-#pragma unroll
-            for (int i = 0; i < PG; ++i) o[g0 + i] = (raw_get(cur[n], g0 + i) - mean) * rstd;
-            if (PF && pcache) {
-              float wv[PG], bv[PG];
-              lds_f<PG>(sw + c * VEC + g0, wv);
-              if constexpr (!RMS) lds_f<PG>(sb + c * VEC + g0, bv);
-#pragma unroll
-              for (int i = 0; i < PG; ++i) o[g0 + i] = RMS ? o[g0 + i] * wv[i] : fmaf(o[g0 + i], wv[i], bv[i]);
-              continue;
+            Raw<Tp, PG> cw, cb;
+            if constexpr (PREG) {
+              cw = pw[n];
+              if constexpr (!RMS) cb = pb[n];
+            } else {
+              load_params<Tp, PG, RMS>(w, b, c * VEC + g0, cw, cb);
             }
-            if (w != nullptr) {
-              float wv[PG];
-              load_param<PG, Tin>(w, p_f32, c * VEC + g0, wv);
 #pragma unroll
-              for (int i = 0; i < PG; ++i) o[g0 + i] *= wv[i];
-            }
-            if constexpr (!RMS) {
-              if (b != nullptr) {
-                float bv[PG];
-                load_param<PG, Tin>(b, p_f32, c * VEC + g0, bv);
-#pragma unroll
-                for (int i = 0; i < PG; ++i) o[g0 + i] += bv[i];
-              }
+            for (int i = 0; i < PG; ++i) {
+              const float v = raw_get(cur[n], g0 + i);
+              o[g0 + i] = RMS ? v * rstd * raw_get(cw, i) : fmaf((v - mean) * rstd, raw_get(cw, i), raw_get(cb, i));
             }
           }
           store_f<VEC>(yr + static_cast<int64_t>(c) * VEC, o);
@@ -1361,14 +1390,16 @@ struct Cfg {
   bool pf = false;
 };
 
-// Forward plans (chunks = H / VEC; RMS and the element size V = VEC select among the plans measured on the H200,
-// session 5 forward A/B in benchmarks/results/nvidia_h200_2026-11-30/norm_fwd_plans_session5.log):
-// - rows below 512 columns, and 16-bit LayerNorm rows up to 1024: four chunks per thread (up to 512 threads per
-//   row) on a persistent grid that prefetches the next row (pf), with the parameter cache;
+// Forward plans (chunks = H / VEC; RMS and the element size V = VEC select among the plans measured on the H200:
+// session 5's plan grid, benchmarks/results/nvidia_h200_2026-11-30/norm_fwd_plans_session5.log, and session 8's of
+// the kernel with parameters loaded up front, norm_fwd_plans_session8.log):
+// - rows below 512 columns: four chunks per thread (up to 512 threads per row) on a persistent grid that prefetches
+//   the next row (pf);
 // - wider rows: one block per row group and row (a full grid, no prefetch: the GPU keeps as many blocks in flight as
 //   fit; 1-17% faster than the persistent grid there), four chunks per thread for RMSNorm up to 8192 columns and
-//   fp32 LayerNorm up to 4096, else eight (16-bit LayerNorm at any width: half the warps per row, so that its two
-//   reductions wait less: 80-91% of copy against 71-75% at 2048-16384 columns), up to 1024 threads per row;
+//   fp32 LayerNorm up to 4096, else eight (16-bit LayerNorm at any width from 512 columns: session 8, bf16, 85-93% of
+//   copy at 512-16384 columns, within 0.8 points of the best plan of the grid at every width; the prefetching plan it
+//   replaced at 512-1024 columns ran 82-83), up to 1024 threads per row;
 // - then the generic kernel. Scalar rows (VEC = 1): four values per thread with prefetch, up to 1024 threads per row.
 template <int V, bool RMS>
 constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
@@ -1377,7 +1408,7 @@ constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
     return tpr <= 1024 ? Cfg{4, tpr, false, true} : Cfg{};
   }
   const int64_t h = chunks * V;
-  if (h < 512 || (V == 8 && !RMS && h <= 1024)) {
+  if (h < 512) {
     const int tpr4 = round_tpr(ceil_div(chunks, 4));
     if (tpr4 <= 512) return {4, tpr4, false, true};
   }
@@ -1527,38 +1558,37 @@ inline void allow_smem(const void* kernel, size_t smem) {
 
 #if defined(PIPEGOOSE_NORM_FWD_EXPERIMENT)
 // Benchmark experiment (off in the shipped build; norm_raw --fwd-plans): the forward plan of vector rows with
-// Tout == Tin is read from PIPEGOOSE_NORM_FWD_EXP = "grid,nv,pf,pcache" (grid 0 persistent / 1 full, nv 2, 4 or 8
-// chunks per thread, pf 1 to prefetch the next row (not with nv 8), pcache 1 for the parameter cache (prefetching
-// plans only)); unset or malformed, or a plan the row cannot take (more than 1024 threads per row, a row on the
-// generic or scalar path): the shipped plan.
+// Tout == Tin, bf16 or fp32 input, is read from PIPEGOOSE_NORM_FWD_EXP = "grid,nv,pf,preg" (grid 0 persistent / 1
+// full, nv 1, 2, 4 or 8 chunks per thread, pf 1 to prefetch the next row (nv 2 or 4 only), preg 1 for the parameters
+// in registers where fwd_preg_fits, 0 for loads per chunk); unset or malformed, or a plan the row cannot take (more
+// than 1024 threads per row, a row on the generic or scalar path): the shipped plan.
 struct FwdExp {
   bool on = false;
-  int grid = 0, nv = 0, pf = 0, pc = 0;
+  int grid = 0, nv = 0, pf = 0, preg = 0;
 };
 inline FwdExp fwd_exp() {
   FwdExp e;
   const char* v = std::getenv("PIPEGOOSE_NORM_FWD_EXP");
   if (v == nullptr) return e;
   int end = 0;
-  e.on = std::sscanf(v, "%d,%d,%d,%d%n", &e.grid, &e.nv, &e.pf, &e.pc, &end) == 4 && v[end] == '\0' &&
-         (e.nv == 2 || e.nv == 4 || e.nv == 8) && !(e.nv == 8 && e.pf);
+  e.on = std::sscanf(v, "%d,%d,%d,%d%n", &e.grid, &e.nv, &e.pf, &e.preg, &end) == 4 && v[end] == '\0' &&
+         (e.nv == 1 || e.nv == 2 || e.nv == 4 || e.nv == 8) && (e.pf == 0 || e.nv == 2 || e.nv == 4);
   return e;
 }
 #endif
 
-template <typename Tin, typename Tout, bool RMS>
-void launch_fwd(const Tin* x, const void* w, const void* b, bool p_f32, Tout* y, float* mean, float* rstd,
-                int64_t rows, int H, float eps, cudaStream_t stream) {
+template <typename Tin, typename Tout, typename Tp, bool RMS>
+void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, float* rstd, int64_t rows, int H,
+                float eps, cudaStream_t stream) {
   constexpr int V = 16 / sizeof(Tin);
-  const int pbytes = V * (p_f32 ? 4 : static_cast<int>(sizeof(Tin)));
   bool vec = H % V == 0 && aligned(x, 16) && aligned(y, V * sizeof(Tout));
-  if (w != nullptr) vec = vec && aligned(w, pbytes);
-  if (b != nullptr) vec = vec && aligned(b, pbytes);
+  if (w != nullptr) vec = vec && aligned(w, V * sizeof(Tp));
+  if (b != nullptr) vec = vec && aligned(b, V * sizeof(Tp));
   Cfg cfg = fwd_plan<V, RMS>(vec ? H / V : H, vec);
   bool full_grid = !cfg.pf;
 #if defined(PIPEGOOSE_NORM_FWD_EXPERIMENT)
   const FwdExp ex = fwd_exp();
-  bool exp_on = ex.on && vec && cfg.nv != 0 && std::is_same<Tin, Tout>::value &&
+  bool exp_on = ex.on && vec && cfg.nv != 0 && std::is_same<Tin, Tout>::value && !std::is_same<Tin, __half>::value &&
                 round_tpr(ceil_div(H / V, ex.nv)) <= 1024;
 #if defined(PIPEGOOSE_NORM_HIDDEN)
   exp_on = exp_on && H != kSpecHidden;  // that size runs its specialised kernel on the shipped plan
@@ -1573,37 +1603,26 @@ void launch_fwd(const Tin* x, const void* w, const void* b, bool p_f32, Tout* y,
     const int threads = 1024;
     const int64_t grid = std::min<int64_t>(rows, static_cast<int64_t>(sms) * 2);
     norm_fwd_generic_kernel<Tin, Tout, RMS><<<static_cast<unsigned>(grid), threads, 0, stream>>>(
-        x, w, b, p_f32, y, mean, rstd, rows, H, eps);
+        x, w, b, std::is_same<Tp, float>::value, y, mean, rstd, rows, H, eps);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
   const int rpb = rows_per_block(cfg.tpr);
   const int threads = rpb * cfg.tpr;
-  // The parameter cache (stage_params) for the prefetching plans of up to 2048 columns with parameters: there the
-  // LayerNorm forward ran 3-6% faster with it on the H200 (bf16, 512-1024 columns); at 4096-16384 columns staging the
-  // parameters in every block of the persistent grid cost the RMSNorm forward 3-6% (session 4 A/B). The full-grid
-  // plans read them per row.
-  const size_t psmem = sizeof(float) * (RMS ? 1 : 2) * static_cast<size_t>(H);
-  bool pcache = (w != nullptr || b != nullptr) && H <= 2048 && psmem <= kParamCacheBytes && cfg.pf;
-#if defined(PIPEGOOSE_NORM_FWD_EXPERIMENT)
-  if (exp_on) pcache = (w != nullptr || b != nullptr) && ex.pc != 0 && psmem <= kParamCacheBytes && cfg.pf;
-#endif
-  auto go = [&](auto nv_c, auto vec_c, auto pf_c, auto h_c) {
+  auto go = [&](auto nv_c, auto vec_c, auto pf_c, auto preg_c, auto h_c) {
     constexpr int NV = decltype(nv_c)::value;
     constexpr int VEC = decltype(vec_c)::value;
     constexpr bool PF = decltype(pf_c)::value != 0;
+    constexpr bool PREG = decltype(preg_c)::value != 0;
     constexpr int HC = decltype(h_c)::value;
-    auto kernel = &norm_fwd_kernel<Tin, Tout, VEC, NV, RMS, PF, HC>;
-    const size_t smem = pcache ? psmem : 0;
-    allow_smem(reinterpret_cast<const void*>(kernel), smem);
-    const int occ = occupancy(reinterpret_cast<const void*>(kernel), threads, smem);
+    auto kernel = &norm_fwd_kernel<Tin, Tout, Tp, VEC, NV, RMS, PF, PREG, HC>;
+    const int occ = occupancy(reinterpret_cast<const void*>(kernel), threads, 0);
     // Prefetching plans: a persistent grid (as many blocks as fit on the GPU at once, each walking over rows with a
     // stride). The plans without prefetch: one block per row group and row (a full grid; see fwd_plan).
     const int64_t full = std::min<int64_t>(ceil_div(rows, rpb), (1LL << 31) - 1);
     const int64_t resident = static_cast<int64_t>(sms) * occ;
     const int64_t grid = std::max<int64_t>(1, full_grid ? full : std::min<int64_t>(full, resident));
-    kernel<<<static_cast<unsigned>(grid), threads, smem, stream>>>(x, w, b, p_f32, y, mean, rstd, rows, H, cfg.tpr,
-                                                                  eps, pcache);
+    kernel<<<static_cast<unsigned>(grid), threads, 0, stream>>>(x, w, b, y, mean, rstd, rows, H, cfg.tpr, eps);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
 #if defined(PIPEGOOSE_NORM_HIDDEN)
@@ -1613,33 +1632,38 @@ void launch_fwd(const Tin* x, const void* w, const void* b, bool p_f32, Tout* y,
     if (vec && H == kSpecHidden) {
       static_assert((spec.nv == 4 || spec.nv == 8) && !(spec.nv == 8 && spec.pf), "fwd_plan: vector plans");
       static_assert(spec.tpr == FixedRow<kSpecHidden, V, spec.nv, false>::tpr, "FixedRow: the plan's tpr");
-      go(IC<spec.nv>{}, IC<V>{}, IC<spec.pf ? 1 : 0>{}, IC<kSpecHidden>{});
+      go(IC<spec.nv>{}, IC<V>{}, IC<spec.pf ? 1 : 0>{}, IC<1>{}, IC<kSpecHidden>{});
       return;
     }
   }
 #endif
 #if defined(PIPEGOOSE_NORM_FWD_EXPERIMENT)
-  if constexpr (std::is_same<Tin, Tout>::value) {
+  if constexpr (std::is_same<Tin, Tout>::value && !std::is_same<Tin, __half>::value) {
     if (exp_on) {
-      if (cfg.nv == 2) {
-        if (cfg.pf) go(IC<2>{}, IC<V>{}, IC<1>{}, IC<0>{}); else go(IC<2>{}, IC<V>{}, IC<0>{}, IC<0>{});
+      auto pick = [&](auto nv_c, auto pf_c) {
+        if (ex.preg) go(nv_c, IC<V>{}, pf_c, IC<1>{}, IC<0>{}); else go(nv_c, IC<V>{}, pf_c, IC<0>{}, IC<0>{});
+      };
+      if (cfg.nv == 1) {
+        pick(IC<1>{}, IC<0>{});
+      } else if (cfg.nv == 2) {
+        if (cfg.pf) pick(IC<2>{}, IC<1>{}); else pick(IC<2>{}, IC<0>{});
       } else if (cfg.nv == 4) {
-        if (cfg.pf) go(IC<4>{}, IC<V>{}, IC<1>{}, IC<0>{}); else go(IC<4>{}, IC<V>{}, IC<0>{}, IC<0>{});
+        if (cfg.pf) pick(IC<4>{}, IC<1>{}); else pick(IC<4>{}, IC<0>{});
       } else {
-        go(IC<8>{}, IC<V>{}, IC<0>{}, IC<0>{});
+        pick(IC<8>{}, IC<0>{});
       }
       return;
     }
   }
 #endif
   if (!vec) {
-    go(IC<4>{}, IC<1>{}, IC<1>{}, IC<0>{});
+    go(IC<4>{}, IC<1>{}, IC<1>{}, IC<1>{}, IC<0>{});
   } else if (cfg.nv == 4 && cfg.pf) {
-    go(IC<4>{}, IC<V>{}, IC<1>{}, IC<0>{});
+    go(IC<4>{}, IC<V>{}, IC<1>{}, IC<1>{}, IC<0>{});
   } else if (cfg.nv == 4) {
-    go(IC<4>{}, IC<V>{}, IC<0>{}, IC<0>{});
+    go(IC<4>{}, IC<V>{}, IC<0>{}, IC<1>{}, IC<0>{});
   } else {
-    go(IC<8>{}, IC<V>{}, IC<0>{}, IC<0>{});
+    go(IC<8>{}, IC<V>{}, IC<0>{}, IC<1>{}, IC<0>{});
   }
 }
 
@@ -1935,12 +1959,13 @@ FwdResult norm_forward(const char* op, const at::Tensor& input_, const at::Tenso
   const int H = static_cast<int>(input.size(-1));
   const int64_t rows = input.numel() / H;
   const at::ScalarType in_t = input.scalar_type();
-  const at::ScalarType p_t = param_compute_dtype(weight_, bias_, in_t);
-  const at::Tensor weight = param_as(weight_, p_t);
-  const at::Tensor bias = param_as(bias_, p_t);
-  const bool p_f32 = p_t == at::kFloat;
   // Output types computed directly: the input's or float32; any other out_dtype is rounded from float32.
   const at::ScalarType y_t = (out_t == in_t || out_t == at::kFloat) ? out_t : at::kFloat;
+  // The kernels read the parameters in the input's dtype or float32; a float32 output of a 16-bit input reads them
+  // in float32 (converted first when they are 16-bit), which spares that rare case its own kernels.
+  const at::ScalarType p_t = y_t != in_t ? at::kFloat : param_compute_dtype(weight_, bias_, in_t);
+  const at::Tensor weight = param_as(weight_, p_t);
+  const at::Tensor bias = param_as(bias_, p_t);
   const auto fopts = input.options().dtype(at::kFloat);
 
   FwdResult r;
@@ -1951,13 +1976,20 @@ FwdResult norm_forward(const char* op, const at::Tensor& input_, const at::Tenso
     cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     dispatch_float(in_t, [&](auto tin) {
       using Tin = typename decltype(tin)::type;
-      auto with_out = [&](auto to) {
+      auto with = [&](auto to, auto tp) {
         using Tout = typename decltype(to)::type;
-        launch_fwd<Tin, Tout, RMS>(cptr<Tin>(input), vptr(weight), RMS ? nullptr : vptr(bias), p_f32,
-                                   mptr<Tout>(r.out), RMS ? nullptr : mptr<float>(r.mean), mptr<float>(r.rstd), rows,
-                                   H, static_cast<float>(eps), stream);
+        using Tp = typename decltype(tp)::type;
+        launch_fwd<Tin, Tout, Tp, RMS>(cptr<Tin>(input), cptr<Tp>(weight), RMS ? nullptr : cptr<Tp>(bias),
+                                       mptr<Tout>(r.out), RMS ? nullptr : mptr<float>(r.mean), mptr<float>(r.rstd),
+                                       rows, H, static_cast<float>(eps), stream);
       };
-      if (y_t == at::kFloat) with_out(Tag<float>{}); else with_out(Tag<Tin>{});
+      if (y_t != in_t) {
+        with(Tag<float>{}, Tag<float>{});
+      } else if (p_t == at::kFloat) {
+        with(Tag<Tin>{}, Tag<float>{});
+      } else {
+        with(Tag<Tin>{}, Tag<Tin>{});
+      }
     });
   }
   if (y_t != out_t) r.out = r.out.to(out_t);
