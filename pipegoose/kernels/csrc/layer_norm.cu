@@ -4,8 +4,9 @@
 //
 // layer_norm_forward(input [..., H], weight [H]?, bias [H]?, eps, out_dtype?) -> (output [..., H], mean [rows],
 //     rstd [rows]); rows = numel / H. input fp32/fp16/bf16; weight/bias fp32/fp16/bf16 independent of the input
-//     (read in the input's dtype or fp32; another dtype is converted to fp32 first); output in out_dtype or the
-//     input's dtype (an out_dtype that is neither the input's nor fp32 is rounded from an fp32 result); mean and
+//     (read in the input's dtype or fp32; another dtype, or any 16-bit dtype when the output is fp32 for a 16-bit
+//     input, is converted to fp32 first); output in out_dtype or the input's dtype (an out_dtype that is neither
+//     the input's nor fp32 is rounded from an fp32 result); y = fma((x - mean) * rstd, weight, bias); mean and
 //     rstd = 1 / sqrt(var + eps) in fp32, statistics in fp32 (two passes over the row held in registers).
 // layer_norm_backward(grad_output [..., H], input, weight?, bias?, mean, rstd) -> (grad_input (input's dtype),
 //     grad_weight, grad_bias (the parameter's shape and dtype; empty [0] tensors when it is None)); grad_output

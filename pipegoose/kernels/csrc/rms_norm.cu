@@ -5,7 +5,8 @@
 // rms_norm_forward(input [..., H], weight [H]?, eps, out_dtype?) -> (output [..., H], rstd [rows]);
 //     y = x * rsqrt(mean(x^2) + eps) * weight in fp32, rounded once to the output dtype (out_dtype or the
 //     input's; one that is neither the input's nor fp32 is rounded from an fp32 result). input fp32/fp16/bf16;
-//     weight fp32/fp16/bf16 independent of the input (read in the input's dtype or fp32, else converted to fp32).
+//     weight fp32/fp16/bf16 independent of the input (read in the input's dtype or fp32, else, and for
+//     an fp32 output of a 16-bit input, converted to fp32).
 // rms_norm_backward(grad_output [..., H], input, weight?, rstd) -> (grad_input (input's dtype), grad_weight
 //     (weight's shape and dtype, or an empty [0] tensor when weight is None)); grad_output in the input's dtype
 //     or fp32 (another dtype is converted to fp32); grad_weight summed in fp32 in a fixed order (deterministic).
