@@ -429,7 +429,7 @@ constexpr int kFwdThreads = 1024;
 // full grid gives each row group one row); x stays packed in its own dtype in registers (converted to fp32 on each
 // use), and with PF the next row's chunks are loaded before the current row is reduced, so that every thread keeps
 // NV 16-byte loads in flight through the reductions (the latency of one row is hidden behind the previous one).
-// PREG (fwd_preg_fits; PREG_ON false forces it off, a benchmark experiment): the parameters of the thread's chunks
+// PREG (fwd_preg; PREG_ON false forces it off, a benchmark experiment): the parameters of the thread's chunks
 // stay in registers. The output is fma((x - mean) * rstd, w, b) (RMS: (x * rstd) * w).
 //
 // x [rows, H] (Tin), w/b [H] (Tp: float32 or Tin; either may be null), y [rows, H] (Tout), mean/rstd [rows] fp32
@@ -1560,7 +1560,7 @@ inline void allow_smem(const void* kernel, size_t smem) {
 // Benchmark experiment (off in the shipped build; norm_raw --fwd-plans): the forward plan of vector rows with
 // Tout == Tin, bf16 or fp32 input, is read from PIPEGOOSE_NORM_FWD_EXP = "grid,nv,pf,preg" (grid 0 persistent / 1
 // full, nv 1, 2, 4 or 8 chunks per thread, pf 1 to prefetch the next row (nv 2 or 4 only), preg 1 for the parameters
-// in registers where fwd_preg_fits, 0 for loads per chunk); unset or malformed, or a plan the row cannot take (more
+// in registers where fwd_preg allows, 0 for loads per chunk); unset or malformed, or a plan the row cannot take (more
 // than 1024 threads per row, a row on the generic or scalar path): the shipped plan.
 struct FwdExp {
   bool on = false;
