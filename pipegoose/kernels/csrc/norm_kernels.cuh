@@ -131,39 +131,94 @@ __device__ __forceinline__ void raw_pack(const float (&in)[N], Raw<T, N>& r) {
   }
 }
 
-// Loads one chunk of N elements (aligned to its size) into r: with the evict-first hint (ld.global.cs) when
-// STREAM (x and dy are read exactly once per kernel, so they leave L1/L2 to the parameters and the workspace), else
-// through the read-only cache (__ldg: parameters, read by every row).
-template <bool STREAM, typename V>
+// Loads of x and dy (read once per kernel). Session 9 A/B (benchmarks/results/nvidia_h200_2026-11-30/
+// norm_session9.log, H200): a plain ld.global ran the forward 1-5 points of copy faster than the evict-first
+// ld.global.cs of sessions 1-8 at every size from 512 to 32768 columns (bf16 LayerNorm 16384x8192: 90.7 -> 94.9,
+// fp32 RMSNorm 16384x16384: 95.1 -> 99.4), except rows of one 1024-thread block (the widest rows of each plan: one block
+// per SM, 128 KB of loads in flight), where allocating in L1 cost up to 5.5 points (bf16 RMSNorm 65536: 94.0 -> 88.5)
+// and ld.global.nc.L1::no_allocate ran best (95.4); the synchronous backward gained up to 7.5 points (fp32 RMSNorm
+// 16384: 91.2 -> 98.8). Neither the L2::256B prefetch hint (with .cs or with .nc.L1::no_allocate) nor .nc alone beat
+// these. Ld::kPlain (ld.global) and Ld::kNoL1 (ld.global.nc.L1::no_allocate) are the two streaming modes; Ld::kCached
+// (__ldg) reads the parameters, which every row reads again. -DPIPEGOOSE_NORM_LD_CS (a benchmark experiment, off in
+// the shipped build) turns both streaming modes back into ld.global.cs, the loads before session 9.
+enum class Ld { kCached, kPlain, kNoL1 };
+
+template <Ld M, typename V>
 __device__ __forceinline__ V ld_hint(const V* p) {
-  if constexpr (STREAM) {
-    return __ldcs(p);
-  } else {
+#if defined(PIPEGOOSE_NORM_LD_CS)
+  if constexpr (M != Ld::kCached) return __ldcs(p);
+#endif
+  if constexpr (M == Ld::kCached) {
     return __ldg(p);
+  } else if constexpr (std::is_same<V, uint4>::value) {
+    uint4 v;
+    if constexpr (M == Ld::kNoL1) {
+      asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    } else {
+      asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    }
+    return v;
+  } else if constexpr (std::is_same<V, uint2>::value) {
+    uint2 v;
+    if constexpr (M == Ld::kNoL1) {
+      asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    } else {
+      asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    }
+    return v;
+  } else if constexpr (std::is_same<V, unsigned int>::value) {
+    unsigned int v;
+    if constexpr (M == Ld::kNoL1) {
+      asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    } else {
+      asm volatile("ld.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    }
+    return v;
+  } else {
+    static_assert(std::is_same<V, unsigned short>::value, "ld_hint: 2, 4, 8 or 16 bytes");
+    unsigned short v;
+    if constexpr (M == Ld::kNoL1) {
+      asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    } else {
+      asm volatile("ld.global.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    }
+    return v;
   }
 }
 
-template <typename T, int N, bool STREAM = true>
+// Stores of y and dx (written once). Session 9 A/B (norm_session9.log): st.global.cs (evict-first) ran the backward's
+// dx up to 8 points of copy faster (fp32 RMSNorm 65536x1024: 86.4 -> 94.6, bf16 RMSNorm 32768x2048: 83.6 -> 86.8) and
+// the forward's y 2-3 points slower than st.global; so dx is stored with .cs (kDxStream) and y plain.
+// -DPIPEGOOSE_NORM_DX_PLAIN (a benchmark experiment) stores dx plain, as before session 9.
+#if defined(PIPEGOOSE_NORM_DX_PLAIN)
+constexpr bool kDxStream = false;
+#else
+constexpr bool kDxStream = true;
+#endif
+
+// Loads one chunk of N elements (aligned to its size) into r with the load mode M (above).
+template <typename T, int N, Ld M = Ld::kPlain>
 __device__ __forceinline__ void raw_load(const T* __restrict__ p, Raw<T, N>& r) {
   constexpr int B = Raw<T, N>::kBytes;
   if constexpr (B % 16 == 0) {
 #pragma unroll
     for (int k = 0; k < B / 16; ++k) {
-      const uint4 v = ld_hint<STREAM>(reinterpret_cast<const uint4*>(p) + k);
+      const uint4 v = ld_hint<M>(reinterpret_cast<const uint4*>(p) + k);
       r.u[4 * k] = v.x;
       r.u[4 * k + 1] = v.y;
       r.u[4 * k + 2] = v.z;
       r.u[4 * k + 3] = v.w;
     }
   } else if constexpr (B == 8) {
-    const uint2 v = ld_hint<STREAM>(reinterpret_cast<const uint2*>(p));
+    const uint2 v = ld_hint<M>(reinterpret_cast<const uint2*>(p));
     r.u[0] = v.x;
     r.u[1] = v.y;
   } else if constexpr (B == 4) {
-    r.u[0] = ld_hint<STREAM>(reinterpret_cast<const unsigned int*>(p));
+    r.u[0] = ld_hint<M>(reinterpret_cast<const unsigned int*>(p));
   } else {
     static_assert(B == 2, "chunk size");
-    r.u[0] = ld_hint<STREAM>(reinterpret_cast<const unsigned short*>(p));
+    r.u[0] = ld_hint<M>(reinterpret_cast<const unsigned short*>(p));
   }
 }
 
@@ -171,13 +226,13 @@ __device__ __forceinline__ void raw_load(const T* __restrict__ p, Raw<T, N>& r) 
 template <int N, typename T>
 __device__ __forceinline__ void load_f(const T* __restrict__ p, float (&out)[N]) {
   Raw<T, N> r;
-  raw_load<T, N, false>(p, r);
+  raw_load<T, N, Ld::kCached>(p, r);
 #pragma unroll
   for (int i = 0; i < N; ++i) out[i] = raw_get(r, i);
 }
 
 // Writes N floats rounded to T at p (aligned to N * sizeof(T)).
-template <int N, typename T>
+template <int N, typename T, bool ST_STREAM = false>
 __device__ __forceinline__ void store_f(T* __restrict__ p, const float (&in)[N]) {
   constexpr int B = Raw<T, N>::kBytes;
   Raw<T, N> r;
@@ -185,7 +240,12 @@ __device__ __forceinline__ void store_f(T* __restrict__ p, const float (&in)[N])
   if constexpr (B % 16 == 0) {
 #pragma unroll
     for (int k = 0; k < B / 16; ++k) {
-      reinterpret_cast<uint4*>(p)[k] = make_uint4(r.u[4 * k], r.u[4 * k + 1], r.u[4 * k + 2], r.u[4 * k + 3]);
+      const uint4 v = make_uint4(r.u[4 * k], r.u[4 * k + 1], r.u[4 * k + 2], r.u[4 * k + 3]);
+      if constexpr (ST_STREAM) {
+        __stcs(reinterpret_cast<uint4*>(p) + k, v);
+      } else {
+        reinterpret_cast<uint4*>(p)[k] = v;
+      }
     }
   } else if constexpr (B == 8) {
     *reinterpret_cast<uint2*>(p) = make_uint2(r.u[0], r.u[1]);
@@ -369,14 +429,14 @@ __device__ __forceinline__ bool chunk_in(int c, int n, int tpr, int nchunks) {
 
 // Loads the chunks of one row owned by thread t (zeros outside the row, or for an invalid row). FIXED: see
 // chunk_in.
-template <typename T, int VEC, int NV, bool FIXED>
+template <typename T, int VEC, int NV, bool FIXED, Ld M = Ld::kPlain>
 __device__ __forceinline__ void load_row(const T* __restrict__ base, bool valid, int t, int tpr, int nchunks,
                                          Raw<T, VEC> (&out)[NV]) {
 #pragma unroll
   for (int n = 0; n < NV; ++n) {
     const int c = t + n * tpr;
     if (valid && chunk_in<FIXED>(c, n, tpr, nchunks)) {
-      raw_load<T, VEC>(base + static_cast<int64_t>(c) * VEC, out[n]);
+      raw_load<T, VEC, M>(base + static_cast<int64_t>(c) * VEC, out[n]);
     } else {
       raw_zero(out[n]);
     }
@@ -399,9 +459,9 @@ __device__ __forceinline__ void raw_fill(Raw<T, N>& r, float v) {
 template <typename Tp, int N, bool RMS>
 __device__ __forceinline__ void load_params(const Tp* __restrict__ w, const Tp* __restrict__ b, int j,
                                             Raw<Tp, N>& pw, Raw<Tp, N>& pb) {
-  if (w != nullptr) raw_load<Tp, N, false>(w + j, pw); else raw_fill(pw, 1.f);
+  if (w != nullptr) raw_load<Tp, N, Ld::kCached>(w + j, pw); else raw_fill(pw, 1.f);
   if constexpr (!RMS) {
-    if (b != nullptr) raw_load<Tp, N, false>(b + j, pb); else raw_fill(pb, 0.f);
+    if (b != nullptr) raw_load<Tp, N, Ld::kCached>(b + j, pb); else raw_fill(pb, 0.f);
   }
 }
 
@@ -438,13 +498,17 @@ constexpr int kFwdThreads = 1024;
 // HC > 0 (PIPEGOOSE_NORM_HIDDEN builds only): specialised to H == HC; H, tpr, the rows per block and 1 / H are the
 // constants of FixedRow<HC, VEC, NV, false> (the arguments h_arg and tpr_arg are then ignored; blockDim.x must be
 // rpb * tpr of that geometry). HC == 0: the run-time arguments.
-template <typename Tin, typename Tout, typename Tp, int VEC, int NV, bool RMS, bool PF, bool PREG_ON, int HC>
+// NOL1: x is loaded with ld.global.nc.L1::no_allocate (Ld::kNoL1), else ld.global; the launches set it for rows of
+// 1024 threads (one row per block and SM, see ld_hint).
+template <typename Tin, typename Tout, typename Tp, int VEC, int NV, bool RMS, bool PF, bool PREG_ON, int HC,
+          bool NOL1 = false>
 __global__ void __launch_bounds__(kFwdThreads)
 norm_fwd_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const Tp* __restrict__ b,
                 Tout* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
                 int64_t rows, int h_arg, int tpr_arg, float eps) {
   using G = FixedRow<HC, VEC, NV, false>;
   constexpr bool FIXED = HC > 0;
+  constexpr Ld LDX = NOL1 ? Ld::kNoL1 : Ld::kPlain;
   constexpr bool PREG = VEC > 1 ? fwd_preg(sizeof(Tin), sizeof(Tp), NV, RMS, PF, PREG_ON) : PREG_ON;
   // Parameters per load when they are not held (16 bytes of Tp, at most a chunk).
   constexpr int PG = PREG ? VEC : (16 / static_cast<int>(sizeof(Tp)) < VEC ? 16 / static_cast<int>(sizeof(Tp)) : VEC);
@@ -461,7 +525,7 @@ norm_fwd_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const Tp* _
   int64_t base = static_cast<int64_t>(blockIdx.x) * rpb;
   Raw<Tin, VEC> cur[NV];
   Raw<Tp, VEC> pw[PREG ? NV : 1], pb[PREG ? NV : 1];
-  if constexpr (PF) load_row<Tin, VEC, NV, FIXED>(x + (base + rg) * H, base + rg < rows, t, tpr, nchunks, cur);
+  if constexpr (PF) load_row<Tin, VEC, NV, FIXED, LDX>(x + (base + rg) * H, base + rg < rows, t, tpr, nchunks, cur);
   if constexpr (PREG) {
 #pragma unroll
     for (int n = 0; n < NV; ++n) {
@@ -475,9 +539,9 @@ norm_fwd_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const Tp* _
     Raw<Tin, VEC> nxt[PF ? NV : 1];
     if constexpr (PF) {
       const int64_t nrow = row + stride;
-      load_row<Tin, VEC, NV, FIXED>(x + nrow * H, nrow < rows, t, tpr, nchunks, nxt);
+      load_row<Tin, VEC, NV, FIXED, LDX>(x + nrow * H, nrow < rows, t, tpr, nchunks, nxt);
     } else {
-      load_row<Tin, VEC, NV, FIXED>(x + row * H, valid, t, tpr, nchunks, cur);
+      load_row<Tin, VEC, NV, FIXED, LDX>(x + row * H, valid, t, tpr, nchunks, cur);
     }
     float mean = 0.f;
     if constexpr (!RMS) {
@@ -771,7 +835,7 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
               o[i] = r * (g - c1 - (raw_get(xc[n], i) - m) * r * c2);
             }
           }
-          store_f<VEC>(dx + row * H + static_cast<int64_t>(c) * VEC, o);
+          store_f<VEC, Tin, kDxStream>(dx + row * H + static_cast<int64_t>(c) * VEC, o);
         }
       }
     }
@@ -1087,7 +1151,7 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
               o[i] = r * (g - c1 - (raw_get(xc, i) - m) * r * c2);
             }
           }
-          store_f<VEC>(dx + row * H + static_cast<int64_t>(c) * VEC, o);
+          store_f<VEC, Tin, kDxStream>(dx + row * H + static_cast<int64_t>(c) * VEC, o);
         }
       }
     }
@@ -1304,7 +1368,7 @@ norm_bwd_cols_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, cons
           if constexpr (!RMS) acc_b[i] += d;
           o[i] = r * (d * wv[i] - st.x - xh * st.y);
         }
-        store_f<VEC>(dx + row * H + off, o);
+        store_f<VEC, Tin, kDxStream>(dx + row * H + off, o);
       }
     }
   }
@@ -1615,15 +1679,24 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
     constexpr bool PF = decltype(pf_c)::value != 0;
     constexpr bool PREG = decltype(preg_c)::value != 0;
     constexpr int HC = decltype(h_c)::value;
-    auto kernel = &norm_fwd_kernel<Tin, Tout, Tp, VEC, NV, RMS, PF, PREG, HC>;
-    const int occ = occupancy(reinterpret_cast<const void*>(kernel), threads, 0);
-    // Prefetching plans: a persistent grid (as many blocks as fit on the GPU at once, each walking over rows with a
-    // stride). The plans without prefetch: one block per row group and row (a full grid; see fwd_plan).
-    const int64_t full = std::min<int64_t>(ceil_div(rows, rpb), (1LL << 31) - 1);
-    const int64_t resident = static_cast<int64_t>(sms) * occ;
-    const int64_t grid = std::max<int64_t>(1, full_grid ? full : std::min<int64_t>(full, resident));
-    kernel<<<static_cast<unsigned>(grid), threads, 0, stream>>>(x, w, b, y, mean, rstd, rows, H, cfg.tpr, eps);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    auto run = [&](auto kernel) {
+      const int occ = occupancy(reinterpret_cast<const void*>(kernel), threads, 0);
+      // Prefetching plans: a persistent grid (as many blocks as fit on the GPU at once, each walking over rows with
+      // a stride). The plans without prefetch: one block per row group and row (a full grid; see fwd_plan).
+      const int64_t full = std::min<int64_t>(ceil_div(rows, rpb), (1LL << 31) - 1);
+      const int64_t resident = static_cast<int64_t>(sms) * occ;
+      const int64_t grid = std::max<int64_t>(1, full_grid ? full : std::min<int64_t>(full, resident));
+      kernel<<<static_cast<unsigned>(grid), threads, 0, stream>>>(x, w, b, y, mean, rstd, rows, H, cfg.tpr, eps);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    // Rows of 1024 threads (eight chunks per thread at the widest rows) load x without allocating in L1 (ld_hint).
+    if constexpr (NV == 8) {
+      if (cfg.tpr == 1024) {
+        run(&norm_fwd_kernel<Tin, Tout, Tp, VEC, NV, RMS, PF, PREG, HC, true>);
+        return;
+      }
+    }
+    run(&norm_fwd_kernel<Tin, Tout, Tp, VEC, NV, RMS, PF, PREG, HC, false>);
   };
 #if defined(PIPEGOOSE_NORM_HIDDEN)
   // H == kSpecHidden on the vector path: cfg is this compile-time plan; the vector branches below with HC = H.
