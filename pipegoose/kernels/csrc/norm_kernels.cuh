@@ -159,28 +159,16 @@ __device__ __forceinline__ V ld_hint(const V* p) {
       asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     }
     return v;
-  } else if constexpr (std::is_same<V, uint2>::value) {
-    uint2 v;
-    if constexpr (M == Ld::kNoL1) {
-      asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    } else {
-      asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    }
-    return v;
-  } else if constexpr (std::is_same<V, unsigned int>::value) {
-    unsigned int v;
-    if constexpr (M == Ld::kNoL1) {
-      asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
-    } else {
-      asm volatile("ld.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
-    }
-    return v;
   } else {
-    static_assert(std::is_same<V, unsigned short>::value, "ld_hint: 2, 4, 8 or 16 bytes");
-    unsigned short v;
-    if constexpr (M == Ld::kNoL1) {
-      asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    // Narrower chunks (scalar rows, 8-byte chunks) only stream plainly: kNoL1 is for the 16-byte rows of 1024 threads.
+    static_assert(M == Ld::kPlain, "ld_hint: Ld::kNoL1 takes 16-byte chunks");
+    V v;
+    if constexpr (std::is_same<V, uint2>::value) {
+      asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    } else if constexpr (std::is_same<V, unsigned int>::value) {
+      asm volatile("ld.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
     } else {
+      static_assert(std::is_same<V, unsigned short>::value, "ld_hint: 2, 4, 8 or 16 bytes");
       asm volatile("ld.global.u16 %0, [%1];" : "=h"(v) : "l"(p));
     }
     return v;
