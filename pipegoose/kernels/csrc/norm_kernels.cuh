@@ -18,9 +18,10 @@
 // sums the partial rows column-wise in a fixed order (deterministic, no atomics). The register plan of vector rows
 // (up to 512 threads per row) runs norm_bwd_async_kernel, which streams x and dy through a ring of shared-memory
 // stages with cp.async instead of prefetching into registers (see there); norm_bwd_kernel runs the other plans.
-// Rows wider than the register capacity: the forward takes norm_fwd_generic_kernel (block per row, re-reading the
-// row); the backward of vector rows (and of 16-bit LayerNorm rows from 16384 columns) the two-kernel path
-// (norm_bwd_rowstats_kernel + norm_bwd_cols_kernel), of scalar rows norm_bwd_generic_kernel.
+// Rows wider than the register capacity: the forward takes norm_fwd_wide_kernel on the vector path (block per row, two
+// reads of the row, the second from L2), norm_fwd_generic_kernel on the scalar path (three scalar reads); the backward
+// of vector rows (and of 16-bit LayerNorm rows from 16384 columns) the two-kernel path (norm_bwd_rowstats_kernel +
+// norm_bwd_cols_kernel), of scalar rows norm_bwd_generic_kernel.
 // Launch plans per hidden size: fwd_plan / bwd_plan below. A build with -DPIPEGOOSE_NORM_HIDDEN=H0 (a benchmark
 // experiment, off in the shipped build; see the host side) adds instantiations specialised to H == H0.
 #pragma once
@@ -467,6 +468,72 @@ constexpr bool fwd_preg(int in_bytes, int p_bytes, int nv, bool rms, bool pf, bo
   return preg_on && fwd_data_words(in_bytes, p_bytes, nv, rms, pf) <= 36;
 }
 
+// (n, mean, M2) += (nb, mb, m2b): Chan et al.'s update in delta form, mean + d * nb / n, so that the rounding is at
+// the scale of the difference d of the two means, not of n * mean (the symmetric form (na * ma + nb * mb) / n lost
+// 2-3 ulp of the mean on rows of mean 1000 and spread 1, session 10's emulation; this form stays within 0.5). Both
+// empty: unchanged zeros.
+__device__ __forceinline__ void chan_merge(float& n, float& mean, float& m2, float nb, float mb, float m2b) {
+  const float nn = n + nb;
+  const float r = nn > 0.f ? nb / nn : 0.f;
+  const float d = mb - mean;
+  mean = fmaf(d, r, mean);
+  m2 = (m2 + m2b) + d * d * (n * r);
+  n = nn;
+}
+
+// Merges one chunk of VEC values into (n, mean, M2): the chunk's own mean and M2 (two passes over its values), then
+// chan_merge. Only the chunk is unpacked at a time.
+template <typename T, int VEC>
+__device__ __forceinline__ void merge_chunk(float& n, float& mean, float& m2, const Raw<T, VEC>& r) {
+  float cs = 0.f;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) cs += raw_get(r, i);
+  const float cm = cs * (1.f / VEC);
+  float cq = 0.f;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    const float d = raw_get(r, i) - cm;
+    cq += d * d;
+  }
+  chan_merge(n, mean, m2, static_cast<float>(VEC), cm, cq);
+}
+
+// LayerNorm statistics of a row held by the whole block (rows of 1024 threads) in ONE block-wide step: each thread
+// brings (count, mean, M2) of its own values (two passes over its registers), each warp merges its threads' with
+// chan_merge in an xor butterfly, then, after the block's one barrier, every warp merges the 32 warps' results the
+// same way and takes lane 0's, so every thread of the block ends with the same bits. Replaces the two sums (mean, then
+// the squared deviations), each with its barrier: with one block of 1024 threads per SM, no other block's loads run
+// while the block waits at a barrier. buf: shared float[96], alternated between consecutive rows as in row_sum.
+__device__ __forceinline__ void block_moments(float& n, float& mean, float& m2, float* buf) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float nb = __shfl_xor_sync(0xffffffffu, n, off);
+    const float mb = __shfl_xor_sync(0xffffffffu, mean, off);
+    const float qb = __shfl_xor_sync(0xffffffffu, m2, off);
+    chan_merge(n, mean, m2, nb, mb, qb);
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) {
+    buf[warp] = n;
+    buf[32 + warp] = mean;
+    buf[64 + warp] = m2;
+  }
+  __syncthreads();
+  const bool has = lane < static_cast<int>(blockDim.x >> 5);
+  n = has ? buf[lane] : 0.f;
+  mean = has ? buf[32 + lane] : 0.f;
+  m2 = has ? buf[64 + lane] : 0.f;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float nb = __shfl_xor_sync(0xffffffffu, n, off);
+    const float mb = __shfl_xor_sync(0xffffffffu, mean, off);
+    const float qb = __shfl_xor_sync(0xffffffffu, m2, off);
+    chan_merge(n, mean, m2, nb, mb, qb);
+  }
+  mean = __shfl_sync(0xffffffffu, mean, 0);
+  m2 = __shfl_sync(0xffffffffu, m2, 0);
+}
+
 // Launch bounds: 1024 threads (64 registers; ptxas: no spills, except 4 bytes in the eight-chunk plans with fp32
 // parameters). (Session 7 tried the full-grid four-chunk plans at blocks of <= 512 threads, three per SM: 40
 // registers instead of 58-60, 75% occupancy; the forward did not get faster: -3 to +3 points of copy,
@@ -486,8 +553,9 @@ constexpr int kFwdThreads = 1024;
 // HC > 0 (PIPEGOOSE_NORM_HIDDEN builds only): specialised to H == HC; H, tpr, the rows per block and 1 / H are the
 // constants of FixedRow<HC, VEC, NV, false> (the arguments h_arg and tpr_arg are then ignored; blockDim.x must be
 // rpb * tpr of that geometry). HC == 0: the run-time arguments.
-// NOL1: x is loaded with ld.global.nc.L1::no_allocate (Ld::kNoL1), else ld.global; the launches set it for rows of
-// 1024 threads (one row per block and SM, see ld_hint).
+// NOL1: x is loaded with ld.global.nc.L1::no_allocate (Ld::kNoL1), else ld.global, and LayerNorm takes its statistics
+// in one block-wide step (block_moments) instead of two sums; the launches set it for rows of 1024 threads (one row
+// per block and SM, see ld_hint), and it requires tpr == blockDim.x.
 template <typename Tin, typename Tout, typename Tp, int VEC, int NV, bool RMS, bool PF, bool PREG_ON, int HC,
           bool NOL1 = false>
 __global__ void __launch_bounds__(kFwdThreads)
@@ -500,7 +568,7 @@ norm_fwd_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const Tp* _
   constexpr bool PREG = VEC > 1 ? fwd_preg(sizeof(Tin), sizeof(Tp), NV, RMS, PF, PREG_ON) : PREG_ON;
   // Parameters per load when they are not held (16 bytes of Tp, at most a chunk).
   constexpr int PG = PREG ? VEC : (16 / static_cast<int>(sizeof(Tp)) < VEC ? 16 / static_cast<int>(sizeof(Tp)) : VEC);
-  __shared__ __align__(16) float red[2][32];
+  __shared__ __align__(16) float red[2][NOL1 && !RMS ? 96 : 32];
   const int H = FIXED ? HC : h_arg;
   const int tpr = FIXED ? G::tpr : tpr_arg;
   const int rpb = FIXED ? G::rpb : blockDim.x / tpr;
@@ -532,29 +600,40 @@ norm_fwd_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const Tp* _
       load_row<Tin, VEC, NV, FIXED, LDX>(x + row * H, valid, t, tpr, nchunks, cur);
     }
     float mean = 0.f;
-    if constexpr (!RMS) {
-      float s[1] = {0.f};
+    float q[1] = {0.f};
+    if constexpr (!RMS && NOL1) {
+      // The thread's own (count, mean, M2), merged chunk by chunk (merge_chunk: the whole thread's values unpacked at
+      // once spilled 144 bytes in the 16-bit kernels, an array of chunk means 28), then block_moments.
+      float cn = 0.f;
 #pragma unroll
       for (int n = 0; n < NV; ++n)
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) s[0] += raw_get(cur[n], i);  // zeros outside the row
-      row_sum<1>(s, tpr, red[parity], 0, rg);
+        if (chunk_in<FIXED>(t + n * tpr, n, tpr, nchunks)) merge_chunk(cn, mean, q[0], cur[n]);
+      block_moments(cn, mean, q[0], red[parity]);
       parity ^= 1;
-      mean = s[0] * inv_h;
-    }
-    float q[1] = {0.f};
+    } else {
+      if constexpr (!RMS) {
+        float s[1] = {0.f};
 #pragma unroll
-    for (int n = 0; n < NV; ++n) {
-      if (chunk_in<FIXED>(t + n * tpr, n, tpr, nchunks)) {
+        for (int n = 0; n < NV; ++n)
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const float d = raw_get(cur[n], i) - mean;
-          q[0] += d * d;
+          for (int i = 0; i < VEC; ++i) s[0] += raw_get(cur[n], i);  // zeros outside the row
+        row_sum<1>(s, tpr, red[parity], 0, rg);
+        parity ^= 1;
+        mean = s[0] * inv_h;
+      }
+#pragma unroll
+      for (int n = 0; n < NV; ++n) {
+        if (chunk_in<FIXED>(t + n * tpr, n, tpr, nchunks)) {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            const float d = raw_get(cur[n], i) - mean;
+            q[0] += d * d;
+          }
         }
       }
+      row_sum<1>(q, tpr, red[parity], 0, rg);
+      parity ^= 1;
     }
-    row_sum<1>(q, tpr, red[parity], 0, rg);
-    parity ^= 1;
     const float rstd = rsqrtf(q[0] * inv_h + eps);
     if (valid) {
       if (t == 0) {
@@ -593,8 +672,9 @@ norm_fwd_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const Tp* _
   }
 }
 
-// Any H: one block per row (grid-stride), the row is read three times (LN) / twice (RMS); later reads mostly
-// hit L2. blockDim.x must be a multiple of 32.
+// Any H (the launches use it for scalar rows wider than the register plans): one block per row (grid-stride), the row
+// is read three times (LN) / twice (RMS), one element at a time; later reads partly hit L2. blockDim.x must be a
+// multiple of 32.
 template <typename Tin, typename Tout, bool RMS>
 __global__ void __launch_bounds__(1024)
 norm_fwd_generic_kernel(const Tin* __restrict__ x, const void* __restrict__ w, const void* __restrict__ b, bool p_f32,
@@ -634,6 +714,147 @@ norm_fwd_generic_kernel(const Tin* __restrict__ x, const void* __restrict__ w, c
         if (b != nullptr) o += param_at<Tin>(b, p_f32, j);
       }
       yr[j] = from_f<Tout>(o);
+    }
+  }
+}
+
+// Rows wider than the register plans on the vector path (fwd_plan gives nv 0: fp32 rows over 32768 columns, 16-bit
+// rows over 65536): norm_fwd_wide_kernel. One block of kWideThreads per row (grid-stride over rows), two reads of the
+// row instead of the generic kernel's three (LayerNorm) scalar ones: the statistics pass loads x 16 bytes at a time
+// with an L2 evict-last policy; the output pass reads it again with evict-first, from L2, since the launch keeps the
+// rows in flight within half the L2 (wide_grid). LayerNorm statistics in one pass: each thread merges the mean and
+// the sum of squared deviations of its chunks (Chan et al.'s pairwise update in delta form, every chunk's own two-pass
+// moments), then the block merges the threads' (count, mean, M2) (block_moments): no cancellation of large terms, as in
+// the register kernel's two passes.
+// Before sm_80 (no createpolicy) the loads carry no L2 policy.
+constexpr int kWideThreads = 1024;
+constexpr int kWideUnroll = 4;  // chunks in flight per thread and pass
+
+__device__ __forceinline__ uint64_t l2_policy(bool last) {
+  uint64_t pol = 0;
+#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
+  if (last) {
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  } else {
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  }
+#endif
+  return pol;
+}
+
+// Loads 16 bytes at p (aligned) with the L2 policy pol (l2_policy).
+__device__ __forceinline__ uint4 ld_pol16(const void* p, uint64_t pol) {
+  uint4 v;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  (void)pol;
+  v = *reinterpret_cast<const uint4*>(p);
+#else
+  asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
+#endif
+  return v;
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void raw_load_pol(const T* p, Raw<T, N>& r, uint64_t pol) {
+  static_assert(Raw<T, N>::kBytes == 16, "raw_load_pol: one 16-byte chunk");
+  const uint4 v = ld_pol16(p, pol);
+  r.u[0] = v.x;
+  r.u[1] = v.y;
+  r.u[2] = v.z;
+  r.u[3] = v.w;
+}
+
+// Blocks per launch of norm_fwd_wide_kernel: at least one per SM, at most what fits, and beyond one per SM no more
+// rows in flight than half the L2 holds (the output pass re-reads each row from there).
+inline int64_t wide_grid(int64_t rows, int64_t row_bytes, int sms, int occ) {
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  const int64_t half_l2 = static_cast<int64_t>(prop->l2CacheSize) / 2;
+  const int64_t l2_rows = std::max<int64_t>(1, half_l2 / std::max<int64_t>(1, row_bytes));
+  const int64_t fit = static_cast<int64_t>(sms) * occ;
+  return std::max<int64_t>(1, std::min<int64_t>(rows, std::max<int64_t>(sms, std::min(fit, l2_rows))));
+}
+
+// x [rows, H] (Tin, 16-byte aligned, H % VEC == 0, VEC * sizeof(Tin) == 16), w/b [H] (Tp, aligned to VEC elements, or
+// null), y [rows, H] (Tout, aligned to VEC elements), mean/rstd [rows] fp32. blockDim.x = kWideThreads.
+template <typename Tin, typename Tout, typename Tp, int VEC, bool RMS>
+__global__ void __launch_bounds__(kWideThreads)
+norm_fwd_wide_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const Tp* __restrict__ b,
+                     Tout* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows,
+                     int H, float eps) {
+  constexpr int U = kWideUnroll;
+  __shared__ __align__(16) float red[2][3][32];
+  const int nchunks = H / VEC;
+  const int tid = threadIdx.x;
+  const int step = blockDim.x;
+  const float inv_h = 1.f / static_cast<float>(H);
+  const uint64_t keep = l2_policy(true);
+  const uint64_t drop = l2_policy(false);
+  int parity = 0;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const Tin* xr = x + row * H;
+    // Statistics pass.
+    float n = 0.f, m = 0.f, m2 = 0.f;  // RMS: m2 is the sum of squares
+    for (int c0 = tid; c0 < nchunks; c0 += U * step) {
+      Raw<Tin, VEC> r[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + u * step;
+        if (c < nchunks) raw_load_pol(xr + static_cast<int64_t>(c) * VEC, r[u], keep); else raw_zero(r[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if constexpr (RMS) {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            const float v = raw_get(r[u], i);
+            m2 += v * v;  // zeros past the row
+          }
+        } else {
+          if (c0 + u * step < nchunks) merge_chunk(n, m, m2, r[u]);
+        }
+      }
+    }
+    float mean = 0.f, var = 0.f;
+    if constexpr (RMS) {
+      float q[1] = {m2};
+      row_sum<1>(q, step, red[parity][0], 0, 0);
+      var = q[0] * inv_h;
+    } else {
+      block_moments(n, m, m2, &red[parity][0][0]);
+      mean = m;
+      var = m2 * inv_h;
+    }
+    parity ^= 1;
+    const float rstd = rsqrtf(var + eps);
+    if (tid == 0) {
+      if constexpr (!RMS) mean_out[row] = mean;
+      rstd_out[row] = rstd;
+    }
+    // Output pass.
+    Tout* yr = y + row * H;
+    for (int c0 = tid; c0 < nchunks; c0 += U * step) {
+      Raw<Tin, VEC> r[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + u * step;
+        if (c < nchunks) raw_load_pol(xr + static_cast<int64_t>(c) * VEC, r[u], drop);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + u * step;
+        if (c < nchunks) {
+          Raw<Tp, VEC> pw, pb;
+          load_params<Tp, VEC, RMS>(w, b, c * VEC, pw, pb);
+          float o[VEC];
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            const float v = raw_get(r[u], i);
+            o[i] = RMS ? v * rstd * raw_get(pw, i) : fmaf((v - mean) * rstd, raw_get(pw, i), raw_get(pb, i));
+          }
+          store_f<VEC>(yr + static_cast<int64_t>(c) * VEC, o);
+        }
+      }
     }
   }
 }
@@ -1433,8 +1654,9 @@ template <typename T> struct CudaT { using type = T; };
 template <> struct CudaT<at::Half> { using type = __half; };
 template <> struct CudaT<at::BFloat16> { using type = __nv_bfloat16; };
 
-// A launch plan: nv chunks of VEC elements per thread (0 = the generic kernel), tpr threads per row, the
-// backward's column sums in shared memory (acc_smem), the next row prefetched (pf).
+// A launch plan: nv chunks of VEC elements per thread (0 = the kernels of the widest rows: the forward's wide or
+// generic kernel, the backward's two-kernel path or generic kernel), tpr threads per row, the backward's column sums in
+// shared memory (acc_smem), the next row prefetched (pf).
 struct Cfg {
   int nv = 0;
   int tpr = 0;
@@ -1452,7 +1674,8 @@ struct Cfg {
 //   fp32 LayerNorm up to 4096, else eight (16-bit LayerNorm at any width from 512 columns: session 8, bf16, 85-93% of
 //   copy at 512-16384 columns, within 0.8 points of the best plan of the grid at every width; the prefetching plan it
 //   replaced at 512-1024 columns ran 82-83), up to 1024 threads per row;
-// - then the generic kernel. Scalar rows (VEC = 1): four values per thread with prefetch, up to 1024 threads per row.
+// - then (nv 0) norm_fwd_wide_kernel, or norm_fwd_generic_kernel for scalar rows. Scalar rows (VEC = 1): four values
+//   per thread with prefetch, up to 1024 threads per row.
 template <int V, bool RMS>
 constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
   if (!vec) {
@@ -1611,7 +1834,8 @@ inline void allow_smem(const void* kernel, size_t smem) {
 #if defined(PIPEGOOSE_NORM_FWD_EXPERIMENT)
 // Benchmark experiment (off in the shipped build; norm_raw --fwd-plans): the forward plan of vector rows with
 // Tout == Tin, bf16 or fp32 input, is read from PIPEGOOSE_NORM_FWD_EXP = "grid,nv,pf,preg" (grid 0 persistent / 1
-// full, nv 1, 2, 4 or 8 chunks per thread, pf 1 to prefetch the next row (nv 2 or 4 only), preg 1 for the parameters
+// full, nv 1, 2, 4 or 8 chunks per thread or 0 for norm_fwd_wide_kernel (grid, pf, preg then unused), pf 1 to
+// prefetch the next row (nv 2 or 4 only), preg 1 for the parameters
 // in registers where fwd_preg allows, 0 for loads per chunk); unset or malformed, or a plan the row cannot take (more
 // than 1024 threads per row, a row on the generic or scalar path): the shipped plan.
 struct FwdExp {
@@ -1624,7 +1848,7 @@ inline FwdExp fwd_exp() {
   if (v == nullptr) return e;
   int end = 0;
   e.on = std::sscanf(v, "%d,%d,%d,%d%n", &e.grid, &e.nv, &e.pf, &e.preg, &end) == 4 && v[end] == '\0' &&
-         (e.nv == 1 || e.nv == 2 || e.nv == 4 || e.nv == 8) && (e.pf == 0 || e.nv == 2 || e.nv == 4);
+         (e.nv == 0 || e.nv == 1 || e.nv == 2 || e.nv == 4 || e.nv == 8) && (e.pf == 0 || e.nv == 2 || e.nv == 4);
   return e;
 }
 #endif
@@ -1641,16 +1865,24 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
 #if defined(PIPEGOOSE_NORM_FWD_EXPERIMENT)
   const FwdExp ex = fwd_exp();
   bool exp_on = ex.on && vec && cfg.nv != 0 && std::is_same<Tin, Tout>::value && !std::is_same<Tin, __half>::value &&
-                round_tpr(ceil_div(H / V, ex.nv)) <= 1024;
+                (ex.nv == 0 || round_tpr(ceil_div(H / V, ex.nv)) <= 1024);
 #if defined(PIPEGOOSE_NORM_HIDDEN)
   exp_on = exp_on && H != kSpecHidden;  // that size runs its specialised kernel on the shipped plan
 #endif
   if (exp_on) {
-    cfg = Cfg{ex.nv, round_tpr(ceil_div(H / V, ex.nv)), false, ex.pf != 0};
+    cfg = ex.nv == 0 ? Cfg{} : Cfg{ex.nv, round_tpr(ceil_div(H / V, ex.nv)), false, ex.pf != 0};
     full_grid = ex.grid != 0;
   }
 #endif
   const int sms = sm_count();
+  if (cfg.nv == 0 && vec) {
+    auto kernel = &norm_fwd_wide_kernel<Tin, Tout, Tp, V, RMS>;
+    const int occ = occupancy(reinterpret_cast<const void*>(kernel), kWideThreads, 0);
+    const int64_t grid = wide_grid(rows, static_cast<int64_t>(H) * sizeof(Tin), sms, occ);
+    kernel<<<static_cast<unsigned>(grid), kWideThreads, 0, stream>>>(x, w, b, y, mean, rstd, rows, H, eps);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
   if (cfg.nv == 0) {
     const int threads = 1024;
     const int64_t grid = std::min<int64_t>(rows, static_cast<int64_t>(sms) * 2);
