@@ -7,7 +7,8 @@
 //   (d0, d1, d2) and located through the tensor's strides, so strided rows need no copy. The output is contiguous.
 //   Each thread owns whole 16-byte vectors (4 fp32 or 8 fp16/bf16 values) at vector index lane + i * TPR,
 //   i < NV, where TPR threads share one row:
-//     * TPR <= 32: several rows per warp / block, reductions with warp shuffles;
+//     * TPR <= 32: several rows per warp / block, reductions with warp shuffles; the forward's one-vector plans
+//       also give each thread several rows (fwd_rows in softmax.cuh), all loaded before the first is reduced;
 //     * TPR  > 32: one row per TPR threads, reductions through shared memory;
 //   the row stays in registers between the reductions (NV and the vector width are compile-time constants, so
 //   the register arrays never go to local memory). Rows too long for the register budget take a two-pass path

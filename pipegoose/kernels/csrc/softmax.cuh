@@ -488,84 +488,107 @@ __device__ __forceinline__ int64_t row_of(int64_t idx, int64_t rows, bool revers
 // At least 1024 resident threads per SM (64 registers per thread): enough loads in flight to cover HBM latency.
 constexpr int min_blocks(int block) { return block >= 1024 ? 1 : 1024 / block; }
 
-// Register-resident forward: TPR threads per row, NV vectors per thread, BLOCK threads per block; KC > 0: rows of
-// KC keys on the vector path (see PIPEGOOSE_SOFTMAX_KEYS), KC = 0: the row length a.sk is read at run time.
-template <typename T, int TPR, int NV, int BLOCK, bool FAST, int KC>
+// Register-resident forward: TPR threads per row, NV vectors per thread, R rows per thread (R > 1 only with
+// TPR <= 32, shuffle-only reductions; fwd_rows() says which plans take it: one load phase covers R rows), BLOCK
+// threads per block; KC > 0: rows of KC keys on the vector path (see
+// PIPEGOOSE_SOFTMAX_KEYS), KC = 0: the row length a.sk is read at run time. A block takes R * BLOCK / TPR
+// consecutive rows per step: row group g of the block takes rows base + r * BLOCK / TPR + g, r < R, so that for
+// each r the block's loads cover one contiguous stretch of rows.
+template <typename T, int TPR, int NV, int R, int BLOCK, bool FAST, int KC>
 __device__ __forceinline__ void fwd_reg_rows(const FwdArgs<T>& a, float* red_max, float* red_sum) {
   constexpr int V = Elem<T>::kVec;
   constexpr int RPB = BLOCK / TPR;
   static_assert(KC == 0 || (FAST && KC % V == 0 && KC <= TPR * NV * V), "KC: a vector-path row that fits the plan");
+  static_assert(R == 1 || TPR <= 32, "fwd_reg_rows: several rows per thread need shuffle-only reductions");
   const int lane = threadIdx.x % TPR;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * RPB;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * RPB * R;
   // The loop bound is uniform over the block: every thread reaches the shuffles and barriers.
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < a.rows; base += step) {
-    const int64_t idx = base + threadIdx.x / TPR;
-    const bool valid = idx < a.rows;
-    const int64_t row = row_of(idx, a.rows, a.reverse);
-    int64_t limit = 0;  // invalid rows read nothing
-    const T* x = a.x;
-    const uint8_t* m = a.mask;
-    if (valid) {
-      RowPos p{0, 0, 0};
-      if (a.xs.flat < 0 || a.mask != nullptr || a.causal) p = split_row(row, a.d1, a.d2, a.rows32);
-      limit = causal_limit(a.causal, p.i2, a.causal_shift, keys_of<KC>(a));
-      x += row_offset(a.xs, row, p);
-      if (a.mask != nullptr) m += row_offset(a.ms, row, p);
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB * R; base < a.rows; base += step) {
+    bool valid[R];
+    int64_t row[R];
+    int64_t limit[R];  // invalid rows read nothing
+    const T* x[R];
+    const uint8_t* m[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t idx = base + r * RPB + threadIdx.x / TPR;
+      valid[r] = idx < a.rows;
+      row[r] = row_of(idx, a.rows, a.reverse);
+      limit[r] = 0;
+      x[r] = a.x;
+      m[r] = a.mask;
+      if (valid[r]) {
+        RowPos p{0, 0, 0};
+        if (a.xs.flat < 0 || a.mask != nullptr || a.causal) p = split_row(row[r], a.d1, a.d2, a.rows32);
+        limit[r] = causal_limit(a.causal, p.i2, a.causal_shift, keys_of<KC>(a));
+        x[r] += row_offset(a.xs, row[r], p);
+        if (a.mask != nullptr) m[r] += row_offset(a.ms, row[r], p);
+      }
     }
-    // Load phase: every x (and mask) vector of the row is requested before any is used.
-    uint4 raw[NV];
-    uint2 mw[NV];
+    // Load phase: every x (and mask) vector of the thread's rows is requested before any is used.
+    uint4 raw[R][NV];
+    uint2 mw[R][NV];
 #pragma unroll
-    for (int i = 0; i < NV; ++i)
-      raw[i] = load_vec<T, FAST>(x, static_cast<int64_t>(i * TPR + lane) * V, keys_of<KC>(a),
-                                 slot_limit<V, TPR, KC>(i, lane, limit), a.x_vec);
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int i = 0; i < NV; ++i)
-      mw[i] = a.mask != nullptr ? load_mask_vec<V, FAST>(m, static_cast<int64_t>(i * TPR + lane) * V, keys_of<KC>(a),
-                                                         slot_limit<V, TPR, KC>(i, lane, limit), a.m_vec)
-                                : make_uint2(0u, 0u);
-    float v[NV][V];
-    float part[NV];
+      for (int i = 0; i < NV; ++i)
+        raw[r][i] = load_vec<T, FAST>(x[r], static_cast<int64_t>(i * TPR + lane) * V, keys_of<KC>(a),
+                                      slot_limit<V, TPR, KC>(i, lane, limit[r]), a.x_vec);
 #pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      scores_of<T>(raw[i], mw[i],
-                   visible_in<V>(static_cast<int64_t>(i * TPR + lane) * V, slot_limit<V, TPR, KC>(i, lane, limit)),
-                   a.scale, v[i]);
-      part[i] = tree_max<V>(v[i]);
-    }
-    float mx = group_reduce<TPR, true>(tree_max<NV>(part), red_max);
-    const float ref = mx == neg_inf() ? 0.f : mx;  // all masked: exp2(-inf) = 0 everywhere, the sum stays 0
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int i = 0; i < NV; ++i) {
+      for (int i = 0; i < NV; ++i)
+        mw[r][i] = a.mask != nullptr
+                       ? load_mask_vec<V, FAST>(m[r], static_cast<int64_t>(i * TPR + lane) * V, keys_of<KC>(a),
+                                                slot_limit<V, TPR, KC>(i, lane, limit[r]), a.m_vec)
+                       : make_uint2(0u, 0u);
 #pragma unroll
-      for (int k = 0; k < V; ++k) v[i][k] = exp2f(v[i][k] - ref);
-      part[i] = tree_sum<V>(v[i]);
-    }
-    const float sum = group_reduce<TPR, false>(tree_sum<NV>(part), red_sum);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    if (valid) {
-      T* y = a.y + row * keys_of<KC>(a);
+    for (int r = 0; r < R; ++r) {
+      float v[NV][V];
+      float part[NV];
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        scores_of<T>(raw[r][i], mw[r][i],
+                     visible_in<V>(static_cast<int64_t>(i * TPR + lane) * V,
+                                   slot_limit<V, TPR, KC>(i, lane, limit[r])),
+                     a.scale, v[i]);
+        part[i] = tree_max<V>(v[i]);
+      }
+      const float mx = group_reduce<TPR, true>(tree_max<NV>(part), red_max);
+      const float ref = mx == neg_inf() ? 0.f : mx;  // all masked: exp2(-inf) = 0 everywhere, the sum stays 0
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
 #pragma unroll
-        for (int k = 0; k < V; ++k) v[i][k] *= inv;
-        store_slot<T, TPR, KC>(y, i, lane, static_cast<int64_t>(i * TPR + lane) * V, keys_of<KC>(a), a.y_vec, v[i]);
+        for (int k = 0; k < V; ++k) v[i][k] = exp2f(v[i][k] - ref);
+        part[i] = tree_sum<V>(v[i]);
+      }
+      const float sum = group_reduce<TPR, false>(tree_sum<NV>(part), red_sum);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      if (valid[r]) {
+        T* y = a.y + row[r] * keys_of<KC>(a);
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+#pragma unroll
+          for (int k = 0; k < V; ++k) v[i][k] *= inv;
+          store_slot<T, TPR, KC>(y, i, lane, static_cast<int64_t>(i * TPR + lane) * V, keys_of<KC>(a), a.y_vec,
+                                 v[i]);
+        }
       }
     }
   }
 }
 
-template <typename T, int TPR, int NV, int BLOCK, int KC>
+template <typename T, int TPR, int NV, int R, int BLOCK, int KC>
 __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_fwd_reg_kernel(const FwdArgs<T> a) {
   static_assert(BLOCK % TPR == 0 && (TPR & (TPR - 1)) == 0, "TPR must be a power of two dividing BLOCK");
   __shared__ float red_max[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
   __shared__ float red_sum[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
   if constexpr (KC > 0) {  // launched for a.fast rows of KC keys only (run())
-    fwd_reg_rows<T, TPR, NV, BLOCK, true, KC>(a, red_max, red_sum);
+    fwd_reg_rows<T, TPR, NV, R, BLOCK, true, KC>(a, red_max, red_sum);
   } else if (a.fast) {  // uniform over the grid
-    fwd_reg_rows<T, TPR, NV, BLOCK, true, 0>(a, red_max, red_sum);
+    fwd_reg_rows<T, TPR, NV, R, BLOCK, true, 0>(a, red_max, red_sum);
   } else {
-    fwd_reg_rows<T, TPR, NV, BLOCK, false, 0>(a, red_max, red_sum);
+    fwd_reg_rows<T, TPR, NV, R, BLOCK, false, 0>(a, red_max, red_sum);
   }
 }
 
@@ -811,10 +834,65 @@ inline unsigned grid_for(int64_t rows, int rows_per_block) {
   return static_cast<unsigned>(std::min<int64_t>(blocks, std::numeric_limits<int32_t>::max()));
 }
 
+// Per-thread budget: 32 fp32 values in the forward; 16 raw 32-bit words of y (+ dy in shared memory) in the
+// backward.
+template <typename T>
+constexpr int fwd_max_nv() {
+  return sizeof(T) == 4 ? 8 : 4;
+}
+template <typename T>
+constexpr int bwd_max_nv() {
+  return 4;
+}
+
+// Rows per thread of the forward plans (fwd_reg_rows' R): the plans of one vector per thread (rows of up to 32
+// vectors) take kFwdRowsMax rows per thread (within the per-thread budget); the others one. Session 10 (H200,
+// benchmarks.softmax_raw, forward, % of copy, one row -> four): 16-bit rows of 128 and 256 keys 77-78 -> 82-84, fp32
+// of 128 keys 87.5 -> 89.0, padding-masked and causal rows +2 to +4; two rows per thread on the two- and four-vector
+// plans lost 1-5 points (16-bit 512 keys 92.8 -> 87.9, fp32 256 keys 99.6 -> 96.3). A benchmark build may set the
+// cap with -DPIPEGOOSE_SOFTMAX_FWD_ROWS=1, 2, 4 or 8 (1: one row per thread, the plans before session 10; 8: fp32
+// only, 16-bit stays at its budget of 4).
+#if defined(PIPEGOOSE_SOFTMAX_FWD_ROWS)
+constexpr int kFwdRowsMax = PIPEGOOSE_SOFTMAX_FWD_ROWS;
+static_assert(kFwdRowsMax == 1 || kFwdRowsMax == 2 || kFwdRowsMax == 4 || kFwdRowsMax == 8,
+              "PIPEGOOSE_SOFTMAX_FWD_ROWS: 1, 2, 4 or 8 rows per thread");
+#else
+constexpr int kFwdRowsMax = 4;
+#endif
+// Vectors per thread of the forward on rows of more than kFwdShortVecs and at most fwd_short_max() vectors (up to 512
+// keys in 16-bit, 128 in fp32): 2 to 16 threads per row instead of up to 32 with one or two vectors each, so fewer
+// shuffle steps per element and one load phase of kFwdShortVecs vectors; rows of up to kFwdShortVecs vectors keep
+// one vector per thread (and several rows per thread, fwd_rows). Session 10 (H200, benchmarks.softmax_raw, forward,
+// % of copy, one vector per thread -> four): 16-bit rows of 128 and 256 keys 82-84 -> 92-93, padding-masked 68-70 ->
+// 89-93, causal 54-55 -> 77-80, fp32 of 128 keys 88.9 -> 97.1 (two vectors per thread: 99.3 plain, but 2-7 points
+// below four on the masked and causal rows). A benchmark build may set it with -DPIPEGOOSE_SOFTMAX_FWD_VPT=1, 2 or 4
+// (1: the plans before session 10).
+#if defined(PIPEGOOSE_SOFTMAX_FWD_VPT)
+constexpr int kFwdShortVecs = PIPEGOOSE_SOFTMAX_FWD_VPT;
+static_assert(kFwdShortVecs == 1 || kFwdShortVecs == 2 || kFwdShortVecs == 4,
+              "PIPEGOOSE_SOFTMAX_FWD_VPT: 1, 2 or 4 vectors per thread");
+#else
+constexpr int kFwdShortVecs = 4;
+#endif
+
+template <typename T>
+constexpr int64_t fwd_short_max() {
+  // 16-bit: up to 64 vectors (16 threads x 4 vectors x 8 values: the per-thread budget of 32 values); at most 16
+  // threads per row in any case
+  return std::min<int64_t>(sizeof(T) == 2 ? 64 : 32, int64_t{16} * kFwdShortVecs);
+}
+
+template <typename T, int TPR, int NV>
+constexpr int fwd_rows() {
+  if (TPR > 32 || NV > 1) return 1;
+  return fwd_max_nv<T>() < kFwdRowsMax ? fwd_max_nv<T>() : kFwdRowsMax;
+}
+
 template <typename T, int TPR, int NV, int KC = 0>
 void launch_fwd(const FwdArgs<T>& a, cudaStream_t st) {
   constexpr int B = block_for<TPR>();
-  softmax_fwd_reg_kernel<T, TPR, NV, B, KC><<<grid_for(a.rows, B / TPR), B, 0, st>>>(a);
+  constexpr int R = fwd_rows<T, TPR, NV>();
+  softmax_fwd_reg_kernel<T, TPR, NV, R, B, KC><<<grid_for(a.rows, R * (B / TPR)), B, 0, st>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -829,17 +907,6 @@ void launch_bwd(const BwdArgs<T>& a, cudaStream_t st) {
   }
   kernel<<<grid_for(a.rows, B / TPR), B, smem, st>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// Per-thread budget: 32 fp32 values in the forward; 16 raw 32-bit words of y (+ dy in shared memory) in the
-// backward.
-template <typename T>
-constexpr int fwd_max_nv() {
-  return sizeof(T) == 4 ? 8 : 4;
-}
-template <typename T>
-constexpr int bwd_max_nv() {
-  return 4;
 }
 
 // Largest key length served by the register-resident kernels (beyond: two-pass).
@@ -861,6 +928,9 @@ struct RegPlan {
 template <typename T, bool BWD>
 constexpr RegPlan reg_plan(int64_t nvec) {
   constexpr int MAXNV = BWD ? bwd_max_nv<T>() : fwd_max_nv<T>();
+  if (!BWD && kFwdShortVecs > 1 && nvec > kFwdShortVecs && nvec <= fwd_short_max<T>())
+    for (int tpr = 2; tpr <= 16; tpr *= 2)
+      if (nvec <= int64_t{tpr} * kFwdShortVecs) return {tpr, kFwdShortVecs};
   for (int tpr = 1; tpr <= 32; tpr *= 2)
     if (nvec <= tpr) return {tpr, 1};
   if (nvec <= 64) return {32, 2};
@@ -872,7 +942,8 @@ constexpr RegPlan reg_plan(int64_t nvec) {
 }
 #endif
 
-// Plans in order of capacity: rows of up to 32 vectors use 1..32 threads with one vector each, then a warp with
+// Plans in order of capacity: rows of up to 32 vectors use 1..32 threads with one vector each (the forward: from
+// kFwdShortVecs + 1 vectors, 2..16 threads with kFwdShortVecs vectors each), then a warp with
 // 2, 4 (, 8) vectors (16-bit backward: 2 warps with 2 vectors instead of one warp with 4), then 64..1024 threads with the full per-thread budget, then the two-pass kernels.
 template <typename T, bool BWD, typename Args>
 void run(const Args& a, cudaStream_t st) {
@@ -907,6 +978,16 @@ void run(const Args& a, cudaStream_t st) {
   using I2 = std::integral_constant<int, 2>;
   using I4 = std::integral_constant<int, 4>;
   using IMAX = std::integral_constant<int, MAXNV>;
+  if constexpr (!BWD && kFwdShortVecs > 1) {
+    // Forward rows of kFwdShortVecs + 1 to fwd_short_max<T>() vectors: kFwdShortVecs vectors per thread.
+    using IS = std::integral_constant<int, kFwdShortVecs>;
+    if (nvec > kFwdShortVecs && nvec <= fwd_short_max<T>()) {
+      if (nvec <= 2 * kFwdShortVecs) return go(std::integral_constant<int, 2>{}, IS{});
+      if (nvec <= 4 * kFwdShortVecs) return go(std::integral_constant<int, 4>{}, IS{});
+      if (nvec <= 8 * kFwdShortVecs) return go(std::integral_constant<int, 8>{}, IS{});
+      return go(std::integral_constant<int, 16>{}, IS{});
+    }
+  }
   if (nvec <= 1) return go(std::integral_constant<int, 1>{}, I1{});
   if (nvec <= 2) return go(std::integral_constant<int, 2>{}, I1{});
   if (nvec <= 4) return go(std::integral_constant<int, 4>{}, I1{});
