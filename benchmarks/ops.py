@@ -454,10 +454,12 @@ def time_impl(fn: Callable, case: Case, timer: Timer) -> dict[str, dict]:
 
 def run_ops(ops: list[str], dtypes: list[torch.dtype], mode: str, device: str, timer: Timer, tol_table: dict,
             impl_filter: list[str] | None, deadline: float, log: Callable[[str], None] = print,
-            no_compile: bool = False, compile_dtypes: list[torch.dtype] | None = None) -> list[Measurement]:
+            no_compile: bool = False, compile_dtypes: list[torch.dtype] | None = None,
+            sizes: list[int] | None = None) -> list[Measurement]:
     """Benchmark every (op, dtype, size, impl); each op gets an equal share of the time left until ``deadline``
     (``time.perf_counter`` seconds); what does not fit is recorded as ``skipped``. ``compile_dtypes``: the dtypes
-    for which the ``compile`` impl runs (None = all; --quick compiles bf16 only: each shape costs a compile)."""
+    for which the ``compile`` impl runs (None = all; --quick compiles bf16 only: each shape costs a compile).
+    ``sizes``: the last-dim sizes of the mode's list to keep (None = all)."""
     results: list[Measurement] = []
     for k, op in enumerate(ops):
         op_deadline = time.perf_counter() + max(0.0, deadline - time.perf_counter()) / (len(ops) - k)
@@ -466,7 +468,7 @@ def run_ops(ops: list[str], dtypes: list[torch.dtype], mode: str, device: str, t
             names.remove("compile")
         for dtype in dtypes:
             tol = tol_table[dtype]
-            for cols in sizes_for(op, mode):
+            for cols in [c for c in sizes_for(op, mode) if sizes is None or c in sizes]:
                 shape = shape_for(op, cols, device)
                 base = dict(op=op, dtype=dtype_name(dtype), shape=shape, cols=cols)
                 if time.perf_counter() > op_deadline:

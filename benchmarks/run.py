@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                 f"{', '.join(GROUPS)}")
     ap.add_argument("--impls", default="", help="impl names to run (default all)")
     ap.add_argument("--dtypes", default="bf16,fp16,fp32")
+    ap.add_argument("--sizes", default="", help="last-dim sizes to keep of the mode's list, comma separated "
+                                                "(default all; e.g. 128,256 for the short softmax rows)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes, few reps: check the pipeline, not speed")
     ap.add_argument("--no-ops", action="store_true", help="skip the op and optimizer benchmarks")
@@ -86,6 +88,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.device == "cpu" and not a.dry_run and not a.report_only:
         ap.error("--device cpu: only with --dry-run (CPU timings say nothing about the GPU kernels)")
     a.mode = "dry" if a.dry_run else ("quick" if a.quick else "full")
+    try:
+        a.size_filter = [int(v) for v in _csv(a.sizes)] or None
+    except ValueError:
+        ap.error(f"--sizes: expected comma-separated integers, got {a.sizes!r}")
+    if a.size_filter:
+        from .ops import OPS, sizes_for
+
+        known = {c for o in a.ops if o in OPS for c in sizes_for(o, a.mode)}
+        unknown = [c for c in a.size_filter if c not in known]
+        if unknown:
+            ap.error(f"--sizes: {unknown} not among the {a.mode} sizes of the ops run ({sorted(known)})")
     a.batch = {}
     for kv in _csv(a.e2e_batch):
         k, _, v = kv.partition("=")
@@ -275,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         if op_list:
             run.measurements += run_ops(op_list, dtypes, args.mode, args.device, timer, tol, impl_filter,
                                         op_deadline, log=_log, no_compile=no_compile,
-                                        compile_dtypes=[torch.bfloat16] if args.mode == "quick" else None)
+                                        compile_dtypes=[torch.bfloat16] if args.mode == "quick" else None,
+                                        sizes=args.size_filter)
             run.write()
         if opt_list:
             opt_dtypes = [d for d in dtypes if d in (torch.float32, torch.bfloat16)]

@@ -56,3 +56,12 @@ def test_time_budget_skips_instead_of_running():
     res = ops.run_ops(["layer_norm"], [torch.float32], "dry", "cpu", Timer("cpu", warmup=0, reps=2), tolerances(),
                       ["native"], deadline=0.0, log=lambda s: None)
     assert res and all(m.status == "skipped" for m in res)
+
+
+def test_sizes_keeps_only_the_sizes_asked_for():
+    kw = dict(deadline=1e18, log=lambda s: None)
+    timer = Timer("cpu", warmup=0, reps=2)
+    res = ops.run_ops(["rms_norm"], [torch.float32], "dry", "cpu", timer, tolerances(), ["native"], sizes=[128], **kw)
+    assert res and {m.cols for m in res} == {128}
+    every = ops.run_ops(["rms_norm"], [torch.float32], "dry", "cpu", timer, tolerances(), ["native"], **kw)
+    assert {m.cols for m in every} == set(ops.SIZES["norm"]["dry"])
