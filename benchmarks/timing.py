@@ -76,6 +76,14 @@ class Timer:
             cls._cycles_per_ms = n / max(statistics.median(ms), 1e-6)
         return cls._cycles_per_ms
 
+    def copy_gbps(self, nbytes: int = 2**28) -> float:
+        """Device copy bandwidth in GB/s: ``nbytes`` read plus ``nbytes`` written over the median time of a copy of a
+        uint8 tensor (the reference of the raw A/B scripts, ``benchmarks.norm_raw`` and ``benchmarks.softmax_raw``)."""
+        src = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        dst = torch.empty_like(src)
+        ms = self.time(lambda _: dst.copy_(src))["median_ms"]
+        return 2 * nbytes / ms / 1e6
+
     def sync(self) -> None:
         if self.device == "cuda":
             torch.cuda.synchronize()

@@ -35,3 +35,9 @@ def test_spin_keeps_host_time_out_of_the_measurement():
     with_spin = Timer("cuda", warmup=2, reps=10, busy_ms=5).time(host_then_kernel)["median_ms"]
     assert without >= 1.5, without
     assert with_spin < 0.5, with_spin
+
+
+def test_copy_gbps_counts_read_and_written_bytes(monkeypatch):
+    t = Timer("cpu", warmup=0, reps=3)
+    monkeypatch.setattr(t, "time", lambda fn, setup=None: (fn(None), {"median_ms": 2.0})[1])
+    assert t.copy_gbps(2**20) == 2 * 2**20 / 2.0 / 1e6  # bytes read + written over the median milliseconds

@@ -498,13 +498,9 @@ __device__ __forceinline__ void merge_chunk(float& n, float& mean, float& m2, co
   chan_merge(n, mean, m2, static_cast<float>(VEC), cm, cq);
 }
 
-// LayerNorm statistics of a row held by the whole block (rows of 1024 threads) in ONE block-wide step: each thread
-// brings (count, mean, M2) of its own values (two passes over its registers), each warp merges its threads' with
-// chan_merge in an xor butterfly, then, after the block's one barrier, every warp merges the 32 warps' results the
-// same way and takes lane 0's, so every thread of the block ends with the same bits. Replaces the two sums (mean, then
-// the squared deviations), each with its barrier: with one block of 1024 threads per SM, no other block's loads run
-// while the block waits at a barrier. buf: shared float[96], alternated between consecutive rows as in row_sum.
-__device__ __forceinline__ void block_moments(float& n, float& mean, float& m2, float* buf) {
+// (n, mean, M2) merged over the 32 lanes of a warp in an xor butterfly (chan_merge); the lanes may differ in the last
+// bits (the merge is not symmetric), lane 0's result is the one used.
+__device__ __forceinline__ void warp_moments(float& n, float& mean, float& m2) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
     const float nb = __shfl_xor_sync(0xffffffffu, n, off);
@@ -512,6 +508,16 @@ __device__ __forceinline__ void block_moments(float& n, float& mean, float& m2, 
     const float qb = __shfl_xor_sync(0xffffffffu, m2, off);
     chan_merge(n, mean, m2, nb, mb, qb);
   }
+}
+
+// LayerNorm statistics of a row held by the whole block (rows of 1024 threads) in ONE block-wide step: each thread
+// brings (count, mean, M2) of its own values (two passes over its registers), each warp merges its threads' with
+// chan_merge in an xor butterfly, then, after the block's one barrier, every warp merges the 32 warps' results the
+// same way and takes lane 0's, so every thread of the block ends with the same bits. Replaces the two sums (mean, then
+// the squared deviations), each with its barrier: with one block of 1024 threads per SM, no other block's loads run
+// while the block waits at a barrier. buf: shared float[96], alternated between consecutive rows as in row_sum.
+__device__ __forceinline__ void block_moments(float& n, float& mean, float& m2, float* buf) {
+  warp_moments(n, mean, m2);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (lane == 0) {
     buf[warp] = n;
@@ -523,13 +529,7 @@ __device__ __forceinline__ void block_moments(float& n, float& mean, float& m2, 
   n = has ? buf[lane] : 0.f;
   mean = has ? buf[32 + lane] : 0.f;
   m2 = has ? buf[64 + lane] : 0.f;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const float nb = __shfl_xor_sync(0xffffffffu, n, off);
-    const float mb = __shfl_xor_sync(0xffffffffu, mean, off);
-    const float qb = __shfl_xor_sync(0xffffffffu, m2, off);
-    chan_merge(n, mean, m2, nb, mb, qb);
-  }
+  warp_moments(n, mean, m2);
   mean = __shfl_sync(0xffffffffu, mean, 0);
   m2 = __shfl_sync(0xffffffffu, m2, 0);
 }
