@@ -511,8 +511,8 @@ __device__ __forceinline__ void warp_moments(float& n, float& mean, float& m2) {
 }
 
 // LayerNorm statistics of a row held by the whole block (rows of 1024 threads) in ONE block-wide step: each thread
-// brings (count, mean, M2) of its own values (two passes over its registers), each warp merges its threads' with
-// chan_merge in an xor butterfly, then, after the block's one barrier, every warp merges the 32 warps' results the
+// brings (count, mean, M2) of its own values (merge_chunk over its chunks), each warp merges its threads' with
+// chan_merge in an xor butterfly (warp_moments), then, after the block's one barrier, every warp merges the 32 warps' results the
 // same way and takes lane 0's, so every thread of the block ends with the same bits. Replaces the two sums (mean, then
 // the squared deviations), each with its barrier: with one block of 1024 threads per SM, no other block's loads run
 // while the block waits at a barrier. buf: shared float[96], alternated between consecutive rows as in row_sum.
