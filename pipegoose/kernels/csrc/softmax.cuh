@@ -845,13 +845,15 @@ constexpr int bwd_max_nv() {
   return 4;
 }
 
-// Rows per thread of the forward plans (fwd_reg_rows' R): the plans of one vector per thread (rows of up to 32
-// vectors) take kFwdRowsMax rows per thread (within the per-thread budget); the others one. Session 10 (H200,
-// benchmarks.softmax_raw, forward, % of copy, one row -> four): 16-bit rows of 128 and 256 keys 77-78 -> 82-84, fp32
-// of 128 keys 87.5 -> 89.0, padding-masked and causal rows +2 to +4; two rows per thread on the two- and four-vector
-// plans lost 1-5 points (16-bit 512 keys 92.8 -> 87.9, fp32 256 keys 99.6 -> 96.3). A benchmark build may set the
-// cap with -DPIPEGOOSE_SOFTMAX_FWD_ROWS=1, 2, 4 or 8 (1: one row per thread, the plans before session 10; 8: fp32
-// only, 16-bit stays at its budget of 4).
+// Rows per thread of the forward plans (fwd_reg_rows' R): the plans of one vector per thread take kFwdRowsMax rows
+// per thread (within the per-thread budget); the others one. Since kFwdShortVecs, the one-vector plans serve rows of
+// at most kFwdShortVecs vectors (32 keys in 16-bit, 16 in fp32), which no benchmark times. Session 10 measured R
+// when the 128- and 256-key rows still ran on one-vector plans (H200, benchmarks.softmax_raw, forward, % of copy, one
+// row -> four): 16-bit 77-78 -> 82-84, fp32 at 128 keys 87.5 -> 89.0, padding-masked and causal rows +2 to +4; eight
+// rows per thread in fp32 fell to 66.5; two rows per thread on the two- and four-vector plans lost 1-5 points (16-bit
+// 512 keys 92.8 -> 87.9, fp32 256 keys 99.6 -> 96.3), so those take one. A benchmark build may set the cap with
+// -DPIPEGOOSE_SOFTMAX_FWD_ROWS=1, 2, 4 or 8 (1: one row per thread, the plans before session 10; 8: fp32 only,
+// 16-bit stays at its budget of 4).
 #if defined(PIPEGOOSE_SOFTMAX_FWD_ROWS)
 constexpr int kFwdRowsMax = PIPEGOOSE_SOFTMAX_FWD_ROWS;
 static_assert(kFwdRowsMax == 1 || kFwdRowsMax == 2 || kFwdRowsMax == 4 || kFwdRowsMax == 8,
