@@ -36,3 +36,17 @@ def test_run_sizes_filter(capsys):
         with pytest.raises(SystemExit):
             bench_run.parse_args(["--only", "softmax", *bad] if bad[0] != "--only" else bad)
         assert expect in capsys.readouterr().err
+
+
+def test_importing_run_leaves_strict_mode_alone():
+    """benchmarks.run turns strict mode on in main(), not at import: an import at collection time switched every
+    later test in the process to strict mode (CPU CI, session 10)."""
+    import os
+    import subprocess
+
+    code = "import os, sys; sys.path[:0] = ['.']; import benchmarks.run; print(os.environ.get('PIPEGOOSE_STRICT'))"
+    env = {k: v for k, v in os.environ.items() if k != "PIPEGOOSE_STRICT"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=bench_run.REPO_ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "None"
