@@ -44,8 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                 f"{', '.join(GROUPS)}")
     ap.add_argument("--impls", default="", help="impl names to run (default all)")
     ap.add_argument("--dtypes", default="bf16,fp16,fp32")
-    ap.add_argument("--sizes", default="", help="last-dim sizes to keep of the mode's list, comma separated "
-                                                "(default all; e.g. 128,256 for the short softmax rows)")
+    ap.add_argument("--sizes", default="", help="last-dim sizes to keep of the mode's list, comma separated, each "
+                                                "one a size of every op run (default all; e.g. --only softmaxes "
+                                                "--sizes 128,256); implies --no-tuning")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes, few reps: check the pipeline, not speed")
     ap.add_argument("--no-ops", action="store_true", help="skip the op and optimizer benchmarks")
@@ -87,16 +88,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--device cpu: only with --dry-run (CPU timings say nothing about the GPU kernels)")
     a.mode = "dry" if a.dry_run else ("quick" if a.quick else "full")
     try:
-        a.size_filter = [int(v) for v in _csv(a.sizes)] or None
+        a.size_filter = list(dict.fromkeys(int(v) for v in _csv(a.sizes))) or None
     except ValueError:
+        ap.error(f"--sizes: expected comma-separated integers, got {a.sizes!r}")
+    if a.sizes.strip() and not a.size_filter:
         ap.error(f"--sizes: expected comma-separated integers, got {a.sizes!r}")
     if a.size_filter:
         from .ops import OPS, sizes_for
 
-        known = {c for o in a.ops if o in OPS for c in sizes_for(o, a.mode)}
-        unknown = [c for c in a.size_filter if c not in known]
-        if unknown:
-            ap.error(f"--sizes: {unknown} not among the {a.mode} sizes of the ops run ({sorted(known)})")
+        if a.report_only or a.no_ops:
+            ap.error("--sizes: only for the op benchmarks (not with --report-only or --no-ops)")
+        sized = [o for o in a.ops if o in OPS]
+        if not sized or len(sized) != len(a.ops):
+            ap.error(f"--sizes: every op run must be a sized op ({', '.join(OPS)}); got {', '.join(a.ops)} "
+                     "(the optimizers have no sizes: run them without --sizes)")
+        for o in sized:
+            kept = [c for c in a.size_filter if c in sizes_for(o, a.mode)]
+            if len(kept) != len(a.size_filter):
+                ap.error(f"--sizes: {[c for c in a.size_filter if c not in kept]} not among the {a.mode} sizes of "
+                         f"{o} ({sizes_for(o, a.mode)})")
+        # A sweep of some sizes must not rewrite the tuning table, whose rules for an op come from all its sizes
+        # (merge the run into the full results with --report-only and derive the table from that).
+        if a.tuning_dir:
+            ap.error("--sizes: a partial sweep does not write a tuning table; merge it with --report-only instead "
+                     "(drop --tuning-dir)")
+        a.no_tuning = True
     a.batch = {}
     for kv in _csv(a.e2e_batch):
         k, _, v = kv.partition("=")
@@ -149,7 +165,8 @@ class Run:
         name = slug(env["gpu"]) if args.device == "cuda" else "cpu_dry_run"
         self.dir = Path(args.out) / f"{name}_{today()}"
         self.config = {"command": "python -m benchmarks.run " + " ".join(sys.argv[1:]), "mode": args.mode,
-                       "ops": args.ops, "dtypes": args.dtype_names, "device": args.device}
+                       "ops": args.ops, "dtypes": args.dtype_names, "device": args.device,
+                       "sizes": args.size_filter}
 
     def write(self) -> None:
         from .report import fill_pct, write_json, write_markdown

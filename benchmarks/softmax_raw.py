@@ -1,6 +1,6 @@
 """Raw bandwidth of our softmax ops per shape, for A/B comparisons of kernel versions (issue #8).
 
-    python -m benchmarks.softmax_raw [--label NAME] [--defines -DX,-DY] [--sizes 128,256] > OUT.jsonl
+    python -m benchmarks.softmax_raw [--label NAME] [--defines=-DX,-DY] [--sizes 128,256] [--fwd-only] > OUT.jsonl
 
 Times ``softmax_forward`` / ``softmax_backward`` of ``pipegoose/softmax`` (``benchmarks.timing.Timer``: CUDA events,
 L2 flushed, median of 30) on the sweep's inputs (``benchmarks.ops.make_case``: ``[b, np, sq = sk, sk]``, the
@@ -21,6 +21,7 @@ import json
 
 OPS = ("softmax", "softmax.masked", "softmax.causal")
 SIZES = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+MAX_KEYS = 32768  # the sweep's shapes hold sk * sk elements at least (sq = sk): 1G elements here
 
 
 def main() -> None:
@@ -32,19 +33,38 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bf16,fp16,fp32", help="comma-separated, of bf16, fp16, fp32")
     ap.add_argument("--fwd-only", action="store_true")
     args = ap.parse_args()
-    ops = [o for o in args.ops.split(",") if o]
-    if not ops or any(o not in OPS for o in ops):
-        raise SystemExit(f"softmax_raw: --ops: {args.ops!r}: expected a comma-separated list of {', '.join(OPS)}")
+
+    def items(opt: str, value: str) -> list[str]:
+        got = [v.strip() for v in value.split(",") if v.strip()]
+        dup = sorted({v for v in got if got.count(v) > 1})
+        if dup:
+            raise SystemExit(f"softmax_raw: {opt}: {value!r}: {', '.join(dup)} given twice")
+        return got
+
+    ops = items("--ops", args.ops)
+    bad = [o for o in ops if o not in OPS]
+    if not ops or bad:
+        raise SystemExit(f"softmax_raw: --ops: {args.ops!r}: {'unknown ' + ', '.join(bad) if bad else 'empty'}; "
+                         f"expected a comma-separated list of {', '.join(OPS)}")
     try:
-        sizes = [int(s) for s in args.sizes.split(",") if s]
+        sizes = [int(v) for v in items("--sizes", args.sizes)]
     except ValueError:
-        raise SystemExit(f"softmax_raw: --sizes: {args.sizes!r}: expected positive integers") from None
-    if not sizes or min(sizes) < 1:
-        raise SystemExit(f"softmax_raw: --sizes: {args.sizes!r}: expected positive integers")
+        raise SystemExit(f"softmax_raw: --sizes: {args.sizes!r}: expected key lengths from 1 to {MAX_KEYS}") from None
+    if not sizes or min(sizes) < 1 or max(sizes) > MAX_KEYS:
+        raise SystemExit(f"softmax_raw: --sizes: {args.sizes!r}: expected key lengths from 1 to {MAX_KEYS}")
     names = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-    dtypes = [d for d in args.dtypes.split(",") if d]
-    if not dtypes or any(d not in names for d in dtypes):
-        raise SystemExit(f"softmax_raw: --dtypes: {args.dtypes!r}: expected a comma-separated list of bf16, fp16, fp32")
+    short = {**{k: k for k in names}, **{v: k for k, v in names.items()}}  # bfloat16 -> bf16, ...
+    given = items("--dtypes", args.dtypes)
+    bad = [d for d in given if d not in short]
+    if not given or bad:
+        raise SystemExit(f"softmax_raw: --dtypes: {args.dtypes!r}: {'unknown ' + ', '.join(bad) if bad else 'empty'}; "
+                         "expected a comma-separated list of bf16, fp16, fp32 (or bfloat16, float16, float32)")
+    dtypes = [short[d] for d in given]
+    if len(set(dtypes)) != len(dtypes):
+        raise SystemExit(f"softmax_raw: --dtypes: {args.dtypes!r}: a dtype is given twice")
+    defs = items("--defines", args.defines)
+    if any(not d.startswith("-D") or len(d) < 3 for d in defs):
+        raise SystemExit(f"softmax_raw: --defines: {args.defines!r}: expected -DNAME[=VALUE],...")
     import torch
 
     from .ops import SCALE, make_case
@@ -52,7 +72,6 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("softmax_raw: needs a CUDA GPU")
-    defs = [d for d in args.defines.split(",") if d]
     if defs:
         from .build_cost import builder_with_defines
 

@@ -11,13 +11,20 @@ from benchmarks import softmax_raw
 
 
 @pytest.mark.parametrize("argv,expect", [
-    (["--ops", "softmax,bad"], "--ops: 'softmax,bad': expected a comma-separated list of softmax"),
-    (["--ops", ""], "--ops: '': expected"),
-    (["--sizes", "128,x"], "--sizes: '128,x': expected positive integers"),
-    (["--sizes", "0"], "--sizes: '0': expected positive integers"),
-    (["--dtypes", "bf16,int8"], "--dtypes: 'bf16,int8': expected a comma-separated list of bf16, fp16, fp32"),
+    (["--ops", "softmax,bad"], "--ops: 'softmax,bad': unknown bad; expected a comma-separated list of softmax"),
+    (["--ops", ""], "--ops: '': empty; expected"),
+    (["--ops", "softmax, softmax"], "--ops: 'softmax, softmax': softmax given twice"),
+    (["--sizes", "128,x"], "--sizes: '128,x': expected key lengths from 1 to 32768"),
+    (["--sizes", "0"], "--sizes: '0': expected key lengths from 1 to 32768"),
+    (["--sizes", "65536"], "--sizes: '65536': expected key lengths from 1 to 32768"),
+    (["--sizes", "128,128"], "--sizes: '128,128': 128 given twice"),
+    (["--dtypes", "bf16,int8"], "--dtypes: 'bf16,int8': unknown int8; expected a comma-separated list of bf16"),
+    (["--dtypes", "bf16,bfloat16"], "--dtypes: 'bf16,bfloat16': a dtype is given twice"),
+    (["--defines", "X"], "--defines: 'X': expected -DNAME[=VALUE]"),
 ])
 def test_softmax_raw_bad_arguments(monkeypatch, argv, expect):
+    """Each bad value exits with one line naming the option and the bad item, before a GPU is needed; spaces around
+    items are ignored (" softmax.masked, bf16" is fine, as in benchmarks.run)."""
     monkeypatch.setattr(sys, "argv", ["softmax_raw", *argv])
     with pytest.raises(SystemExit) as e:
         softmax_raw.main()
@@ -26,16 +33,37 @@ def test_softmax_raw_bad_arguments(monkeypatch, argv, expect):
     assert "\n" not in msg
 
 
+def test_softmax_raw_accepts_spaces_and_long_dtype_names(monkeypatch):
+    """The arguments pass their checks: the script stops at the GPU check (made to fail here, so that it never
+    benchmarks, on a GPU machine either)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["softmax_raw", "--ops", " softmax, softmax.masked", "--dtypes", "bfloat16, fp32",
+                                      "--sizes", " 128 ,256", "--defines=-DX=1, -DY"])
+    with pytest.raises(SystemExit) as e:
+        softmax_raw.main()
+    assert str(e.value) == "softmax_raw: needs a CUDA GPU"
+
+
 def test_run_sizes_filter(capsys):
-    a = bench_run.parse_args(["--only", "softmax", "--sizes", "128,256"])
-    assert a.size_filter == [128, 256]
+    a = bench_run.parse_args(["--only", "softmax", "--sizes", "128, 256,128"])
+    assert a.size_filter == [128, 256] and a.no_tuning  # duplicates dropped; a partial sweep writes no tuning table
     assert bench_run.parse_args(["--only", "softmax"]).size_filter is None
-    for bad, expect in ((["--sizes", "100"], "--sizes: [100] not among the full sizes"),
-                        (["--sizes", "1x"], "--sizes: expected comma-separated integers"),
-                        (["--only", "layer_norm", "--sizes", "128"], "--sizes: [128] not among")):
+    for argv, expect in (
+            (["--only", "softmax", "--sizes", "100"], "--sizes: [100] not among the full sizes of softmax"),
+            (["--only", "softmax", "--sizes", "1x"], "--sizes: expected comma-separated integers"),
+            (["--only", "softmax", "--sizes", ","], "--sizes: expected comma-separated integers"),
+            (["--only", "layer_norm", "--sizes", "128"], "--sizes: [128] not among the full sizes of layer_norm"),
+            (["--only", "softmax,layer_norm", "--sizes", "128,512"], "--sizes: [128] not among the full sizes of layer_norm"),
+            (["--only", "softmax,adamw", "--sizes", "512"], "every op run must be a sized op"),
+            (["--sizes", "512"], "every op run must be a sized op"),
+            (["--only", "softmax", "--sizes", "512", "--no-ops"], "not with --report-only or --no-ops"),
+            (["--only", "softmax", "--sizes", "512", "--tuning-dir", "t"], "does not write a tuning table")):
         with pytest.raises(SystemExit):
-            bench_run.parse_args(["--only", "softmax", *bad] if bad[0] != "--only" else bad)
-        assert expect in capsys.readouterr().err
+            bench_run.parse_args(argv)
+        err = capsys.readouterr().err
+        assert expect in err, (argv, err)
 
 
 def test_importing_run_leaves_strict_mode_alone():
