@@ -488,13 +488,85 @@ __device__ __forceinline__ int64_t row_of(int64_t idx, int64_t rows, bool revers
 // At least 1024 resident threads per SM (64 registers per thread): enough loads in flight to cover HBM latency.
 constexpr int min_blocks(int block) { return block >= 1024 ? 1 : 1024 / block; }
 
+// Raw forward plans (fwd_raw): the 16-bit plans of four vectors per thread and at least 64 threads per row (rows
+// of 1025 keys and more) keep a thread's vectors as the loaded 16-bit words and convert them again in each of the
+// three steps (max, sum, store); their calls without a padding mask run a kernel that holds no mask words
+// (softmax_fwd_reg_kernel's NM). ptxas still gives them 56 registers (sm_90), as before: the occupancy is the same,
+// the gain is in the code. Session 11 (H200, benchmarks.softmax_raw, forward, % of copy, shipped plans -> raw,
+// bf16): plain 4096 keys 91.5 -> 92.5, 8192 90.7 -> 93.1, 16384 89.5 -> 95.3 (2048: 93.5 -> 92.8); causal 2048-8192
+// 71-78 -> 76-82, 16384 65.9 -> 69.9; padding-masked unchanged; fp16 alike.
+// With launch bounds of 1536 or 2048 threads per SM (40 or 32 registers: spills) they ran 67-83 and 36-52, and so
+// did the short-row plans at 2048 (45-47): all plans keep min_blocks. A benchmark build may turn them off with
+// -DPIPEGOOSE_SOFTMAX_FWD_RAW=0 (the plans before session 11).
+#if defined(PIPEGOOSE_SOFTMAX_FWD_RAW)
+constexpr int kFwdRaw = PIPEGOOSE_SOFTMAX_FWD_RAW;
+static_assert(kFwdRaw == 0 || kFwdRaw == 1, "PIPEGOOSE_SOFTMAX_FWD_RAW: 0 or 1");
+#else
+constexpr int kFwdRaw = 1;
+#endif
+template <typename T, int TPR, int NV>
+constexpr bool fwd_raw() {
+  return kFwdRaw == 1 && sizeof(T) == 2 && NV == 4 && TPR >= 64;
+}
+
+// One row of a raw plan (fwd_raw): the row's loaded words raw / mw stay packed; each step converts them again.
+template <typename T, int TPR, int NV, int KC>
+__device__ __forceinline__ void fwd_raw_row(const FwdArgs<T>& a, uint4 (&raw)[NV], const uint2 (&mw)[NV], int lane,
+                                            bool valid, int64_t row, int64_t limit, float* red_max, float* red_sum) {
+  constexpr int V = Elem<T>::kVec;
+  // The opaque words make the compiler convert them again below instead of keeping converted copies alive.
+  auto opaque = [&]() {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      asm volatile("" : "+r"(raw[i].x), "+r"(raw[i].y), "+r"(raw[i].z), "+r"(raw[i].w));
+    }
+  };
+  auto scores = [&](int i, float (&v)[V]) {
+    scores_of<T>(raw[i], mw[i],
+                 visible_in<V>(static_cast<int64_t>(i * TPR + lane) * V, slot_limit<V, TPR, KC>(i, lane, limit)),
+                 a.scale, v);
+  };
+  float part[NV];
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    float v[V];
+    scores(i, v);
+    part[i] = tree_max<V>(v);
+  }
+  const float mx = group_reduce<TPR, true>(tree_max<NV>(part), red_max);
+  const float ref = mx == neg_inf() ? 0.f : mx;  // all masked: exp2(-inf) = 0 everywhere, the sum stays 0
+  opaque();
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    float v[V];
+    scores(i, v);
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] = exp2f(v[k] - ref);
+    part[i] = tree_sum<V>(v);
+  }
+  const float sum = group_reduce<TPR, false>(tree_sum<NV>(part), red_sum);
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  opaque();
+  if (valid) {
+    T* y = a.y + row * keys_of<KC>(a);
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      float v[V];
+      scores(i, v);
+#pragma unroll
+      for (int k = 0; k < V; ++k) v[k] = exp2f(v[k] - ref) * inv;
+      store_slot<T, TPR, KC>(y, i, lane, static_cast<int64_t>(i * TPR + lane) * V, keys_of<KC>(a), a.y_vec, v);
+    }
+  }
+}
+
 // Register-resident forward: TPR threads per row, NV vectors per thread, R rows per thread (R > 1 only with
 // TPR <= 32, shuffle-only reductions; fwd_rows() says which plans take it: one load phase covers R rows), BLOCK
 // threads per block; KC > 0: rows of KC keys on the vector path (see
 // PIPEGOOSE_SOFTMAX_KEYS), KC = 0: the row length a.sk is read at run time. A block takes R * BLOCK / TPR
 // consecutive rows per step: row group g of the block takes rows base + r * BLOCK / TPR + g, r < R, so that for
 // each r the block's loads cover one contiguous stretch of rows.
-template <typename T, int TPR, int NV, int R, int BLOCK, bool FAST, int KC>
+template <typename T, int TPR, int NV, int R, int BLOCK, bool FAST, int KC, bool NM = false>
 __device__ __forceinline__ void fwd_reg_rows(const FwdArgs<T>& a, float* red_max, float* red_sum) {
   constexpr int V = Elem<T>::kVec;
   constexpr int RPB = BLOCK / TPR;
@@ -516,13 +588,13 @@ __device__ __forceinline__ void fwd_reg_rows(const FwdArgs<T>& a, float* red_max
       row[r] = row_of(idx, a.rows, a.reverse);
       limit[r] = 0;
       x[r] = a.x;
-      m[r] = a.mask;
+      m[r] = NM ? nullptr : a.mask;
       if (valid[r]) {
         RowPos p{0, 0, 0};
-        if (a.xs.flat < 0 || a.mask != nullptr || a.causal) p = split_row(row[r], a.d1, a.d2, a.rows32);
+        if (a.xs.flat < 0 || m[r] != nullptr || a.causal) p = split_row(row[r], a.d1, a.d2, a.rows32);
         limit[r] = causal_limit(a.causal, p.i2, a.causal_shift, keys_of<KC>(a));
         x[r] += row_offset(a.xs, row[r], p);
-        if (a.mask != nullptr) m[r] += row_offset(a.ms, row[r], p);
+        if (m[r] != nullptr) m[r] += row_offset(a.ms, row[r], p);
       }
     }
     // Load phase: every x (and mask) vector of the thread's rows is requested before any is used.
@@ -538,10 +610,15 @@ __device__ __forceinline__ void fwd_reg_rows(const FwdArgs<T>& a, float* red_max
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int i = 0; i < NV; ++i)
-        mw[r][i] = a.mask != nullptr
+        mw[r][i] = !NM && a.mask != nullptr
                        ? load_mask_vec<V, FAST>(m[r], static_cast<int64_t>(i * TPR + lane) * V, keys_of<KC>(a),
                                                 slot_limit<V, TPR, KC>(i, lane, limit[r]), a.m_vec)
                        : make_uint2(0u, 0u);
+    if constexpr (fwd_raw<T, TPR, NV>()) {
+      static_assert(R == 1, "fwd_reg_rows: raw plans take one row per thread");
+      fwd_raw_row<T, TPR, NV, KC>(a, raw[0], mw[0], lane, valid[0], row[0], limit[0], red_max, red_sum);
+      continue;
+    }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       float v[NV][V];
@@ -578,17 +655,18 @@ __device__ __forceinline__ void fwd_reg_rows(const FwdArgs<T>& a, float* red_max
   }
 }
 
-template <typename T, int TPR, int NV, int R, int BLOCK, int KC>
+// NM: launched for calls without a padding mask only (the raw plans: fwd_raw), which then hold no mask words.
+template <typename T, int TPR, int NV, int R, int BLOCK, int KC, bool NM = false>
 __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_fwd_reg_kernel(const FwdArgs<T> a) {
   static_assert(BLOCK % TPR == 0 && (TPR & (TPR - 1)) == 0, "TPR must be a power of two dividing BLOCK");
   __shared__ float red_max[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
   __shared__ float red_sum[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
   if constexpr (KC > 0) {  // launched for a.fast rows of KC keys only (run())
-    fwd_reg_rows<T, TPR, NV, R, BLOCK, true, KC>(a, red_max, red_sum);
+    fwd_reg_rows<T, TPR, NV, R, BLOCK, true, KC, NM>(a, red_max, red_sum);
   } else if (a.fast) {  // uniform over the grid
-    fwd_reg_rows<T, TPR, NV, R, BLOCK, true, 0>(a, red_max, red_sum);
+    fwd_reg_rows<T, TPR, NV, R, BLOCK, true, 0, NM>(a, red_max, red_sum);
   } else {
-    fwd_reg_rows<T, TPR, NV, R, BLOCK, false, 0>(a, red_max, red_sum);
+    fwd_reg_rows<T, TPR, NV, R, BLOCK, false, 0, NM>(a, red_max, red_sum);
   }
 }
 
@@ -877,6 +955,20 @@ static_assert(kFwdShortVecs == 1 || kFwdShortVecs == 2 || kFwdShortVecs == 4,
 constexpr int kFwdShortVecs = 4;
 #endif
 
+// Vectors per thread of the backward on rows of 129 to 512 vectors (16-bit 1025-4096 keys, fp32 513-2048) without
+// the causal mask: 128 or 256 threads with two vectors each, dy and y in registers, instead of 64 or 128 threads with
+// four (dy staged in shared memory). Session 11 (H200, benchmarks.softmax_raw, backward, % of copy, four -> two):
+// bf16 2048 keys 96.0 -> 98.8, 4096 95.6 -> 98.0 (padding-masked alike), fp32 1024 keys 99.9 -> 102.3, 2048 100.2 ->
+// 101.3; at 1024 vectors and beyond two were equal or worse (bf16 8192 keys 98.3 -> 96.6, fp32 8192 101.9 -> 92.6),
+// and so were the causal rows (bf16 2048 84.9 -> 77.0, fp32 2048 94.1 -> 90.8), which keep four. A benchmark build
+// may set it with -DPIPEGOOSE_SOFTMAX_BWD_MID_NV=4 (the plans before session 11) or 2.
+#if defined(PIPEGOOSE_SOFTMAX_BWD_MID_NV)
+constexpr int kBwdMidVecs = PIPEGOOSE_SOFTMAX_BWD_MID_NV;
+static_assert(kBwdMidVecs == 2 || kBwdMidVecs == 4, "PIPEGOOSE_SOFTMAX_BWD_MID_NV: 2 or 4 vectors per thread");
+#else
+constexpr int kBwdMidVecs = 2;
+#endif
+
 template <typename T>
 constexpr int64_t fwd_short_max() {
   // 16-bit: up to 64 vectors (16 threads x 4 vectors x 8 values: the per-thread budget of 32 values); at most 16
@@ -894,6 +986,13 @@ template <typename T, int TPR, int NV, int KC = 0>
 void launch_fwd(const FwdArgs<T>& a, cudaStream_t st) {
   constexpr int B = block_for<TPR>();
   constexpr int R = fwd_rows<T, TPR, NV>();
+  if constexpr (fwd_raw<T, TPR, NV>()) {
+    if (a.mask == nullptr) {
+      softmax_fwd_reg_kernel<T, TPR, NV, R, B, KC, true><<<grid_for(a.rows, R * (B / TPR)), B, 0, st>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
+  }
   softmax_fwd_reg_kernel<T, TPR, NV, R, B, KC><<<grid_for(a.rows, R * (B / TPR)), B, 0, st>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -928,7 +1027,7 @@ struct RegPlan {
   int tpr, nv;
 };
 template <typename T, bool BWD>
-constexpr RegPlan reg_plan(int64_t nvec) {
+constexpr RegPlan reg_plan(int64_t nvec, bool causal) {
   constexpr int MAXNV = BWD ? bwd_max_nv<T>() : fwd_max_nv<T>();
   if (!BWD && kFwdShortVecs > 1 && nvec > kFwdShortVecs && nvec <= fwd_short_max<T>())
     for (int tpr = 2; tpr <= 16; tpr *= 2)
@@ -937,6 +1036,7 @@ constexpr RegPlan reg_plan(int64_t nvec) {
     if (nvec <= tpr) return {tpr, 1};
   if (nvec <= 64) return {32, 2};
   if (nvec <= 128) return BWD && sizeof(T) == 2 ? RegPlan{64, 2} : RegPlan{32, 4};
+  if (BWD && kBwdMidVecs == 2 && !causal && nvec <= 512) return {nvec <= 256 ? 128 : 256, 2};
   if (MAXNV == 8 && nvec <= 256) return {32, MAXNV};
   for (int tpr = 64; tpr <= 1024; tpr *= 2)
     if (nvec <= int64_t{tpr} * MAXNV) return {tpr, MAXNV};
@@ -945,8 +1045,10 @@ constexpr RegPlan reg_plan(int64_t nvec) {
 #endif
 
 // Plans in order of capacity: rows of up to 32 vectors use 1..32 threads with one vector each (the forward: from
-// kFwdShortVecs + 1 vectors, 2..16 threads with kFwdShortVecs vectors each), then a warp with
-// 2, 4 (, 8) vectors (16-bit backward: 2 warps with 2 vectors instead of one warp with 4), then 64..1024 threads with the full per-thread budget, then the two-pass kernels.
+// kFwdShortVecs + 1 vectors, 2..16 threads with kFwdShortVecs vectors each), then a warp with 2, 4 (, 8) vectors
+// (16-bit backward: 2 warps with 2 vectors instead of one warp with 4; the backward of rows of 129..512 vectors
+// without the causal mask: 128 or 256 threads with 2, kBwdMidVecs), then 64..1024 threads with the full per-thread
+// budget, then the two-pass kernels.
 template <typename T, bool BWD, typename Args>
 void run(const Args& a, cudaStream_t st) {
   constexpr int V = Elem<T>::kVec;
@@ -957,10 +1059,12 @@ void run(const Args& a, cudaStream_t st) {
 #if defined(PIPEGOOSE_SOFTMAX_KEYS)
     // Rows of kSpecKeys keys on the vector path: this plan's kernel with the key length as a constant.
     if (a.sk == kSpecKeys && a.fast) {
-      constexpr RegPlan kp = reg_plan<T, BWD>(kSpecKeys / Elem<T>::kVec);
+      constexpr RegPlan kp0 = reg_plan<T, BWD>(kSpecKeys / Elem<T>::kVec, false);
+      constexpr RegPlan kp1 = reg_plan<T, BWD>(kSpecKeys / Elem<T>::kVec, true);
+      const RegPlan kp = a.causal ? kp1 : kp0;
       TORCH_INTERNAL_ASSERT(kp.tpr == TPR && kp.nv == NV, "softmax: reg_plan() disagrees with run() for ",
                             kSpecKeys, " keys");
-      if constexpr (kp.tpr == TPR && kp.nv == NV) {
+      if constexpr ((kp0.tpr == TPR && kp0.nv == NV) || (kp1.tpr == TPR && kp1.nv == NV)) {
         if constexpr (BWD) {
           launch_bwd<T, TPR, NV, kSpecKeys>(a, st);
         } else {
@@ -1003,6 +1107,12 @@ void run(const Args& a, cudaStream_t st) {
     if (nvec <= 128) return go(std::integral_constant<int, 64>{}, I2{});
   } else {
     if (nvec <= 128) return go(std::integral_constant<int, 32>{}, I4{});
+  }
+  if constexpr (BWD && kBwdMidVecs == 2) {
+    if (!a.causal && nvec <= 512) {  // see kBwdMidVecs
+      if (nvec <= 256) return go(std::integral_constant<int, 128>{}, I2{});
+      return go(std::integral_constant<int, 256>{}, I2{});
+    }
   }
   if constexpr (MAXNV == 8) {
     if (nvec <= 256) return go(std::integral_constant<int, 32>{}, IMAX{});
