@@ -509,6 +509,20 @@ constexpr bool fwd_raw() {
   return kFwdRaw == 1 && sizeof(T) == 2 && NV == 4 && TPR >= 64;
 }
 
+// Which forward calls without a padding mask run the kernel that holds no mask words (softmax_fwd_reg_kernel's NM):
+// kFwdNoMask 0: those of the raw plans; 1: also the causal calls of every plan; 2: every call without a mask. Session
+// 11 (H200, benchmarks.softmax_raw, forward, % of copy, 0 -> 2): causal bf16 128-1024 keys 77.4-80.8 -> 81.4-85.1,
+// causal fp32 256 keys 87.2 -> 93.1 (other causal fp32 rows within 1 point); plain bf16 128 keys 92.9 -> 91.8 and
+// 256-512 0.3-0.5 lower, plain fp32 within 0.5: the plain calls of the other plans keep the kernel with mask words
+// (1). Every-16-bit-plan raw words (not kept) gave the same causal gain and lost up to 1.1 points on plain rows. A
+// benchmark build may set it with -DPIPEGOOSE_SOFTMAX_FWD_NM=0, 1 or 2.
+#if defined(PIPEGOOSE_SOFTMAX_FWD_NM)
+constexpr int kFwdNoMask = PIPEGOOSE_SOFTMAX_FWD_NM;
+static_assert(kFwdNoMask >= 0 && kFwdNoMask <= 2, "PIPEGOOSE_SOFTMAX_FWD_NM: 0, 1 or 2");
+#else
+constexpr int kFwdNoMask = 1;
+#endif
+
 // One row of a raw plan (fwd_raw): the row's loaded words raw / mw stay packed; each step converts them again.
 template <typename T, int TPR, int NV, int KC>
 __device__ __forceinline__ void fwd_raw_row(const FwdArgs<T>& a, uint4 (&raw)[NV], const uint2 (&mw)[NV], int lane,
@@ -655,7 +669,7 @@ __device__ __forceinline__ void fwd_reg_rows(const FwdArgs<T>& a, float* red_max
   }
 }
 
-// NM: launched for calls without a padding mask only (the raw plans: fwd_raw), which then hold no mask words.
+// NM: launched for calls without a padding mask only (kFwdNoMask says which), which then hold no mask words.
 template <typename T, int TPR, int NV, int R, int BLOCK, int KC, bool NM = false>
 __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_fwd_reg_kernel(const FwdArgs<T> a) {
   static_assert(BLOCK % TPR == 0 && (TPR & (TPR - 1)) == 0, "TPR must be a power of two dividing BLOCK");
@@ -986,8 +1000,8 @@ template <typename T, int TPR, int NV, int KC = 0>
 void launch_fwd(const FwdArgs<T>& a, cudaStream_t st) {
   constexpr int B = block_for<TPR>();
   constexpr int R = fwd_rows<T, TPR, NV>();
-  if constexpr (fwd_raw<T, TPR, NV>()) {
-    if (a.mask == nullptr) {
+  if constexpr (fwd_raw<T, TPR, NV>() || kFwdNoMask > 0) {
+    if (a.mask == nullptr && (fwd_raw<T, TPR, NV>() || kFwdNoMask == 2 || a.causal)) {
       softmax_fwd_reg_kernel<T, TPR, NV, R, B, KC, true><<<grid_for(a.rows, R * (B / TPR)), B, 0, st>>>(a);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return;
