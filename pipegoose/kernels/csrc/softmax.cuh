@@ -495,8 +495,8 @@ constexpr int min_blocks(int block) { return block >= 1024 ? 1 : 1024 / block; }
 // the gain is in the code. Session 11 (H200, benchmarks.softmax_raw, forward, % of copy, shipped plans -> raw,
 // bf16): plain 4096 keys 91.5 -> 92.5, 8192 90.7 -> 93.1, 16384 89.5 -> 95.3 (2048: 93.5 -> 92.8); causal 2048-8192
 // 71-78 -> 76-82, 16384 65.9 -> 69.9; padding-masked unchanged; fp16 alike.
-// With launch bounds of 1536 or 2048 threads per SM (40 or 32 registers: spills) they ran 67-83 and 36-52, and so
-// did the short-row plans at 2048 (45-47): all plans keep min_blocks. A benchmark build may turn them off with
+// With launch bounds of 1536 or 2048 threads per SM (40 or 32 registers: spills) they ran 67-83 and 36-52, and the
+// short-row plans at 2048 ran 37-47: all plans keep min_blocks. A benchmark build may turn them off with
 // -DPIPEGOOSE_SOFTMAX_FWD_RAW=0 (the plans before session 11).
 #if defined(PIPEGOOSE_SOFTMAX_FWD_RAW)
 constexpr int kFwdRaw = PIPEGOOSE_SOFTMAX_FWD_RAW;
@@ -512,7 +512,7 @@ constexpr bool fwd_raw() {
 // Which forward calls without a padding mask run the kernel that holds no mask words (softmax_fwd_reg_kernel's NM):
 // kFwdNoMask 0: those of the raw plans; 1: also the causal calls of every plan; 2: every call without a mask. Session
 // 11 (H200, benchmarks.softmax_raw, forward, % of copy, 0 -> 2): causal bf16 128-1024 keys 77.4-80.8 -> 81.4-85.1,
-// causal fp32 256 keys 87.2 -> 93.1 (other causal fp32 rows within 1 point); plain bf16 128 keys 92.9 -> 91.8 and
+// causal fp32 256 keys 87.2 -> 93.1 (other causal fp32 rows within 1.1 points); plain bf16 128 keys 92.9 -> 91.8 and
 // 256-512 0.3-0.5 lower, plain fp32 within 0.5: the plain calls of the other plans keep the kernel with mask words
 // (1). Every-16-bit-plan raw words (not kept) gave the same causal gain and lost up to 1.1 points on plain rows. A
 // benchmark build may set it with -DPIPEGOOSE_SOFTMAX_FWD_NM=0, 1 or 2.
