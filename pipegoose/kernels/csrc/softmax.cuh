@@ -25,8 +25,10 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 // ------------------------------------------------------------------------------------------------------------
 // Shape specialisation switch: a benchmark experiment (issue #6), used by benchmarks/build_cost.py --specialise;
 // the generic build, without the macro, is what ships.
-// -DPIPEGOOSE_SOFTMAX_KEYS=K0 (K0 > 0, a multiple of 8) adds, per dtype, one forward and one backward
-// register-resident kernel in which the key length (row length) is the compile-time constant K0: template argument
+// -DPIPEGOOSE_SOFTMAX_KEYS=K0 (K0 > 0, a multiple of 8) adds, per dtype, the forward and backward
+// register-resident kernels of K0's plans (the forward with and without mask words, kFwdNoMask; the backward's
+// causal and non-causal plans where they differ, kBwdMidVecs) in which the key length (row length) is the
+// compile-time constant K0: template argument
 // KC = K0 of the register-resident kernels (KC = 0: the length is read at run time, as in the generic build). Folded
 // there: which of a thread's vectors exist (and that they are whole), the bounds of the stores, the clamp of the
 // causal bound and the output row offsets. run() takes them for the calls with sk == K0 whose rows are on the vector
@@ -495,9 +497,10 @@ constexpr int min_blocks(int block) { return block >= 1024 ? 1 : 1024 / block; }
 // the gain is in the code. Session 11 (H200, benchmarks.softmax_raw, forward, % of copy, shipped plans -> raw,
 // bf16): plain 4096 keys 91.5 -> 92.5, 8192 90.7 -> 93.1, 16384 89.5 -> 95.3 (2048: 93.5 -> 92.8); causal 2048-8192
 // 71-78 -> 76-82, 16384 65.9 -> 69.9; padding-masked unchanged; fp16 alike.
-// With launch bounds of 1536 or 2048 threads per SM (40 or 32 registers: spills) they ran 67-83 and 36-52, and the
-// short-row plans at 2048 ran 37-47: all plans keep min_blocks. A benchmark build may turn them off with
-// -DPIPEGOOSE_SOFTMAX_FWD_RAW=0 (the plans before session 11).
+// With launch bounds of 1536 or 2048 threads per SM (40 or 32 registers: spills) they ran 67-83 and 36-52 (only the
+// causal rows of 16384 keys ran faster at 1536: bf16 71.7 against 69.9), and the short-row plans at 2048 ran 37-47:
+// all plans keep min_blocks. A benchmark build may turn them off with -DPIPEGOOSE_SOFTMAX_FWD_RAW=0 (with
+// -DPIPEGOOSE_SOFTMAX_FWD_NM=0 too: the forward plans before session 11).
 #if defined(PIPEGOOSE_SOFTMAX_FWD_RAW)
 constexpr int kFwdRaw = PIPEGOOSE_SOFTMAX_FWD_RAW;
 static_assert(kFwdRaw == 0 || kFwdRaw == 1, "PIPEGOOSE_SOFTMAX_FWD_RAW: 0 or 1");
@@ -511,11 +514,12 @@ constexpr bool fwd_raw() {
 
 // Which forward calls without a padding mask run the kernel that holds no mask words (softmax_fwd_reg_kernel's NM):
 // kFwdNoMask 0: those of the raw plans; 1: also the causal calls of every plan; 2: every call without a mask. Session
-// 11 (H200, benchmarks.softmax_raw, forward, % of copy, 0 -> 2): causal bf16 128-1024 keys 77.4-80.8 -> 81.4-85.1,
-// causal fp32 256 keys 87.2 -> 93.1 (other causal fp32 rows within 1.1 points); plain bf16 128 keys 92.9 -> 91.8 and
-// 256-512 0.3-0.5 lower, plain fp32 within 0.5: the plain calls of the other plans keep the kernel with mask words
-// (1). Every-16-bit-plan raw words (not kept) gave the same causal gain and lost up to 1.1 points on plain rows. A
-// benchmark build may set it with -DPIPEGOOSE_SOFTMAX_FWD_NM=0, 1 or 2.
+// 11 (H200, benchmarks.softmax_raw, forward, % of copy, 0 -> 2, calls 4-6): causal bf16 128-1024 keys 77.4-80.8 ->
+// 81.4-85.1, causal fp32 256 keys 86.8-87.4 -> 93.1-93.8 (the other causal fp32 rows of 128-16384 keys moved by -0.5
+// to +1.4); plain bf16 128 keys 92.9 -> 91.8 and 256-512 0.3-0.5 lower, plain fp32 within 0.5: the plain calls of the
+// plans other than the raw ones keep the kernel with mask words (1). Every-16-bit-plan raw words (not kept) gave the
+// same causal gain and lost up to 1.1 points on plain rows. A benchmark build may set it with
+// -DPIPEGOOSE_SOFTMAX_FWD_NM=0, 1 or 2.
 #if defined(PIPEGOOSE_SOFTMAX_FWD_NM)
 constexpr int kFwdNoMask = PIPEGOOSE_SOFTMAX_FWD_NM;
 static_assert(kFwdNoMask >= 0 && kFwdNoMask <= 2, "PIPEGOOSE_SOFTMAX_FWD_NM: 0, 1 or 2");
@@ -971,11 +975,12 @@ constexpr int kFwdShortVecs = 4;
 
 // Vectors per thread of the backward on rows of 129 to 512 vectors (16-bit 1025-4096 keys, fp32 513-2048) without
 // the causal mask: 128 or 256 threads with two vectors each, dy and y in registers, instead of 64 or 128 threads with
-// four (dy staged in shared memory). Session 11 (H200, benchmarks.softmax_raw, backward, % of copy, four -> two):
-// bf16 2048 keys 96.0 -> 98.8, 4096 95.6 -> 98.0 (padding-masked alike), fp32 1024 keys 99.9 -> 102.3, 2048 100.2 ->
-// 101.3; at 1024 vectors and beyond two were equal or worse (bf16 8192 keys 98.3 -> 96.6, fp32 8192 101.9 -> 92.6),
-// and so were the causal rows (bf16 2048 84.9 -> 77.0, fp32 2048 94.1 -> 90.8), which keep four. A benchmark build
-// may set it with -DPIPEGOOSE_SOFTMAX_BWD_MID_NV=4 (the plans before session 11) or 2.
+// four (dy staged in shared memory). Session 11 (H200, benchmarks.softmax_raw, backward, % of copy, four -> two;
+// call 2): bf16 2048 keys 95.8 -> 99.7-99.8, 4096 95.7 -> 98.9-99.1 (fp16 and padding-masked alike), fp32 1024 keys
+// 100.1 -> 103.3-103.6, 2048 100.2 -> 102.5-102.6. Call 1 (two vectors on every wide plan): at 1024 vectors and beyond
+// equal or worse (bf16 8192 keys 98.3 -> 96.6, fp32 8192 101.9 -> 92.6); causal rows worse at 2048 keys (bf16 84.9 ->
+// 77.0, fp32 94.1 -> 90.8), better only for fp32 at 1024 (94.0 -> 95.4): causal rows keep four. A benchmark build may
+// set it with -DPIPEGOOSE_SOFTMAX_BWD_MID_NV=4 (the plans before session 11) or 2.
 #if defined(PIPEGOOSE_SOFTMAX_BWD_MID_NV)
 constexpr int kBwdMidVecs = PIPEGOOSE_SOFTMAX_BWD_MID_NV;
 static_assert(kBwdMidVecs == 2 || kBwdMidVecs == 4, "PIPEGOOSE_SOFTMAX_BWD_MID_NV: 2 or 4 vectors per thread");
@@ -1035,8 +1040,8 @@ constexpr int64_t bwd_register_max_cols() {
 }
 
 #if defined(PIPEGOOSE_SOFTMAX_KEYS)
-// TPR and NV of the register-resident plan that run() takes for rows of nvec vectors ({0, 0}: the two-pass
-// kernels), as a constant expression, for the specialised key length; run() asserts that the two agree.
+// TPR and NV of the register-resident plan that run() takes for rows of nvec vectors, causal or not ({0, 0}: the
+// two-pass kernels), as a constant expression, for the specialised key length; run() asserts that the two agree.
 struct RegPlan {
   int tpr, nv;
 };
