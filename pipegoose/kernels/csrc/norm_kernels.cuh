@@ -264,32 +264,27 @@ __device__ __forceinline__ float param_at(const void* __restrict__ p, bool p_f32
   return p_f32 ? static_cast<const float*>(p)[j] : to_f(static_cast<const Tin*>(p)[j]);
 }
 
-// Parameter cache (the backward's weight): the launches stage the parameters once per block as fp32 in shared memory
-// (sw[H], then sb[H] when not RMS; a null weight stages ones, a null bias zeros) when they fit (kParamCacheBytes), so
-// that the row loop reads them with 16-byte shared loads instead of re-reading global memory per row behind the null
-// and dtype branches (which cost ~14 instructions per 4 parameters in the profile of the first version).
+// Weight cache of the backward: the launches stage the weight once per block as fp32 in shared memory (sw[H]; a null
+// weight stages ones) when it fits (kParamCacheBytes), so that the row loop reads it with 16-byte shared loads
+// instead of re-reading global memory per row behind the null and dtype branches (which cost ~14 instructions per 4
+// parameters in the profile of the first version).
 constexpr size_t kParamCacheBytes = 64 * 1024;
 
-template <typename Tin, bool RMS>
-__device__ __forceinline__ void stage_params(const void* __restrict__ w, const void* __restrict__ b, bool p_f32,
-                                             int H, float* sw, float* sb) {
+template <typename Tin>
+__device__ __forceinline__ void stage_weight(const void* __restrict__ w, bool p_f32, int H, float* sw) {
   // Eight independent loads per thread in flight (a plain loop would wait for each load before the next).
   constexpr int U = 8;
   for (int j0 = threadIdx.x; j0 < H; j0 += U * blockDim.x) {
-    float vw[U], vb[U];
+    float vw[U];
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int j = j0 + k * static_cast<int>(blockDim.x);
       vw[k] = j < H && w != nullptr ? param_at<Tin>(w, p_f32, j) : 1.f;
-      if constexpr (!RMS) vb[k] = j < H && b != nullptr ? param_at<Tin>(b, p_f32, j) : 0.f;
     }
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int j = j0 + k * static_cast<int>(blockDim.x);
-      if (j < H) {
-        sw[j] = vw[k];
-        if constexpr (!RMS) sb[j] = vb[k];
-      }
+      if (j < H) sw[j] = vw[k];
     }
   }
   __syncthreads();
@@ -915,7 +910,7 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
   const int nchunks = FIXED ? G::chunks : H / VEC;
   const float inv_h = FIXED ? G::inv_h : 1.f / static_cast<float>(H);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
-  // pcache: the weight as fp32 in sw (stage_params), H rounded up to 4 floats; the rest of the dynamic shared
+  // pcache: the weight as fp32 in sw (stage_weight), H rounded up to 4 floats; the rest of the dynamic shared
   // memory (dyn_smem) follows it.
   float* sw = bwd_smem;
   float* dyn_smem = bwd_smem + (pcache ? ((H + 3) & ~3) : 0);
@@ -958,7 +953,7 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
       r = rstd[row];
     }
   }
-  if (pcache) stage_params<Tin, true>(w, nullptr, p_f32, H, sw, nullptr);  // after the first loads: they overlap
+  if (pcache) stage_weight<Tin>(w, p_f32, H, sw);  // after the first loads: they overlap
   for (; base < rows; base += stride) {
     const int64_t row = base + rg;
     const bool valid = row < rows;
@@ -1274,7 +1269,7 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
     if constexpr (!RMS) m = mean[row0];
     r = rstd[row0];
   }
-  if (pcache) stage_params<Tin, true>(w, nullptr, p_f32, H, sw, nullptr);  // after the first copies: they overlap
+  if (pcache) stage_weight<Tin>(w, p_f32, H, sw);  // after the first copies: they overlap
 
   int parity = 0;
   int stage = 0;  // the stage of the current row; the row S - 1 ahead goes to the stage before it
@@ -2048,7 +2043,7 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     size_t smem = 0;
     if (ACC) smem = sizeof(float) * NACC * (NV * VEC + 1) * static_cast<size_t>(cfg.tpr);
     else if (rpb > 1) smem = sizeof(float) * static_cast<size_t>(rpb) * H;
-    // The weight cache (stage_params) in front of it, when there is a weight and it fits, except for the
+    // The weight cache (stage_weight) in front of it, when there is a weight and it fits, except for the
     // LayerNorm's shared-memory accumulator plans of 16-bit inputs: there it cost 2-7% (bf16 8192 and 16384
     // columns, H200, session 4 A/B), where RMSNorm gained 5-17%.
     const size_t psmem = sizeof(float) * static_cast<size_t>((H + 3) & ~3);
