@@ -1690,6 +1690,18 @@ constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
   return Cfg{};
 }
 
+// 16-bit LayerNorm vector rows never take a four-chunk plan without prefetch (16-bit rows below 512 columns prefetch,
+// wider ones take eight chunks, and rows past 8192 chunks none), so launch_fwd instantiates no such kernel for them;
+// checked here over every row that has a register plan.
+constexpr bool fwd_nv4_full_unused() {
+  for (int64_t chunks = 1; chunks <= int64_t{8} * 1024 + 1; ++chunks) {
+    const Cfg c = fwd_plan<8, false>(chunks, true);
+    if (c.nv == 4 && !c.pf) return false;
+  }
+  return true;
+}
+static_assert(fwd_nv4_full_unused(), "fwd_plan: a 16-bit LayerNorm plan of four chunks without prefetch (launch_fwd)");
+
 // Backward plans. Vector rows: two chunks per thread with register column sums and prefetch, up to 512 threads per
 // row when ASYNC (grad_output of the input's element size: norm_bwd_async_kernel; bf16/fp16 H <= 8192, fp32
 // H <= 4096; session 6 A/B: 8192 bf16 LayerNorm 64 -> 88% of copy, RMSNorm 81 -> 94, 4096 fp32 83-85 -> 95-96
@@ -1949,7 +1961,12 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
   } else if (cfg.nv == 4 && cfg.pf) {
     go(IC<4>{}, IC<V>{}, IC<1>{}, IC<1>{}, IC<0>{});
   } else if (cfg.nv == 4) {
-    go(IC<4>{}, IC<V>{}, IC<0>{}, IC<1>{}, IC<0>{});
+    if constexpr (V == 8 && !RMS) {  // no such plan: fwd_nv4_full_unused
+      TORCH_INTERNAL_ASSERT(false, "layer_norm forward: no four-chunk plan without prefetch for 16-bit rows (H = ", H,
+                            ")");
+    } else {
+      go(IC<4>{}, IC<V>{}, IC<0>{}, IC<1>{}, IC<0>{});
+    }
   } else {
     go(IC<8>{}, IC<V>{}, IC<0>{}, IC<1>{}, IC<0>{});
   }
