@@ -21,6 +21,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
+from .manifest import ManifestError
+
 
 def _builders(args, names):
     from .builder import KernelBuilder
@@ -201,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         return _build(args)
     except KeyError as e:  # an unknown kernel name: the message lists close matches
         print(f"python -m pipegoose.kernels {args.cmd}: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    except ManifestError as e:  # --manifest: missing, unreadable or invalid (the message names the file)
+        print(f"python -m pipegoose.kernels {args.cmd}: {e}", file=sys.stderr)
         return 2
 
 

@@ -438,6 +438,20 @@ def test_cli_build_reports_missing_and_doctor_runs(tiny):
     assert "preflight" in p.stdout and "test/tiny" in p.stdout and "unavailable" in p.stdout, p.stdout + p.stderr
 
 
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_cli_bad_manifest_is_a_clean_error(tmp_path, where):
+    # --manifest missing or not YAML: one line naming the file, exit code 2, no traceback
+    bad = tmp_path / "notes.md"
+    bad.write_text("# a title\nsome: [unclosed\n")
+    for path, says in ((tmp_path / "nope.yaml", "manifest not found"), (bad, "not valid YAML")):
+        opt = ["--manifest", str(path)]
+        args = opt + ["build", "softmax"] if where == "before" else ["build", "softmax"] + opt
+        p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", *args], capture_output=True, text=True,
+                           env=_env(tmp_path / "cache"), timeout=300)
+        assert p.returncode == 2, p.stdout + p.stderr
+        assert says in p.stderr and path.name in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
 def test_cli_doctor_reports_and_clean_removes_killed_builds_temp_folders(tiny):
     manifest, op, cache_dir = tiny
     env = _env(cache_dir)
