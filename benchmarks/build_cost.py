@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .common import REPO_ROOT
 
-__all__ = ["builder_with_defines", "find_switches", "build_cost", "specialise"]
+__all__ = ["builder_with_defines", "check_defines", "find_switches", "build_cost", "specialise"]
 
 MARK = "BUILD_RESULT "
 SPECIALISE_KERNELS = ("pipegoose/softmax", "pipegoose/layer_norm")
@@ -94,12 +94,37 @@ def build_cost(jobs: int = 16, timeout: float = 580.0) -> dict:
 # --- specialisation ------------------------------------------------------------------------------------------
 
 
+_DEFINE = re.compile(r"-D([A-Za-z_][A-Za-z0-9_]*)(=.*)?")
+
+
+def check_defines(kernel_ids: list[str], defines: list[str]) -> None:
+    """Raises ValueError, naming the define, unless each of ``defines`` is ``-DNAME`` or ``-DNAME=VALUE`` with a NAME
+    that occurs in the files of at least one of ``kernel_ids`` (a misspelt switch would otherwise build the default
+    kernel under a new build key without a word)."""
+    from pipegoose.kernels.manifest import load_manifest
+
+    m = load_manifest()
+    texts: dict[str, str] = {}
+    for d in defines:
+        got = _DEFINE.fullmatch(d)
+        if got is None:
+            raise ValueError(f"{d!r}: expected -DNAME or -DNAME=VALUE")
+        if not texts:
+            for kid in kernel_ids:
+                k = m.resolve(kid)
+                texts[k.id] = "\n".join(p.read_text(errors="replace") for p in m.kernel_paths(k) if p.is_file())
+        if not any(re.search(rf"\b{got.group(1)}\b", t) for t in texts.values()):
+            raise ValueError(f"{d!r}: {got.group(1)} occurs in none of the files of {', '.join(texts)}")
+
+
 def builder_with_defines(kernel_id: str, defines: list[str], cache: str | None):
     """A ``KernelBuilder`` for ``kernel_id`` whose nvcc and C++ flags gain ``defines`` (``-DNAME[=VALUE]``; they
-    change the build key), building into ``cache`` (None: the default cache)."""
+    change the build key), building into ``cache`` (None: the default cache). Raises ValueError for a define that
+    ``check_defines`` rejects."""
     from pipegoose.kernels.builder import KernelBuilder
     from pipegoose.kernels.manifest import load_manifest
 
+    check_defines([kernel_id], defines)
     m = load_manifest()
     k = m.resolve(kernel_id)
     if defines:

@@ -1,6 +1,6 @@
 """Raw bandwidth of our LayerNorm / RMSNorm ops per shape, for A/B comparisons of kernel versions (issue #8).
 
-    python -m benchmarks.norm_raw [--label NAME] [--defines -DX,-DY] > OUT.jsonl
+    python -m benchmarks.norm_raw [--label NAME] [--defines=-DX,-DY] > OUT.jsonl
 
 Times ``layer_norm_forward`` / ``layer_norm_backward`` and ``rms_norm_forward`` / ``rms_norm_backward`` of
 ``pipegoose/layer_norm`` and ``pipegoose/rms_norm`` (``benchmarks.timing.Timer``: CUDA events, L2 flushed, spin,
@@ -145,6 +145,13 @@ def main() -> None:
                              "only, and the shapes left (--shapes, --max-h) have none")
     if len({tuple((d.split("/") * 2)[:2]) for d in dtype_specs}) != len(dtype_specs):
         raise SystemExit(f"norm_raw: --dtypes: {args.dtypes!r}: a dtype (pair) is given twice")
+    from .build_cost import check_defines
+
+    try:
+        check_defines(["pipegoose/layer_norm", "pipegoose/rms_norm"],
+                      [d.strip() for d in args.defines.split(",") if d.strip()])
+    except ValueError as e:
+        raise SystemExit(f"norm_raw: --defines: {e}") from None
     import os
     import torch
 
@@ -155,7 +162,8 @@ def main() -> None:
     names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     pairs = [tuple(names[n] for n in (d.split("/") * 2)[:2]) for d in dtype_specs]
     plans = [p for p in args.fwd_plans.split(";") if p]
-    defs = [d for d in args.defines.split(",") if d] + (["-DPIPEGOOSE_NORM_FWD_EXPERIMENT"] if plans else [])
+    defs = [d.strip() for d in args.defines.split(",") if d.strip()]
+    defs += ["-DPIPEGOOSE_NORM_FWD_EXPERIMENT"] if plans else []
     defs += ["-DPIPEGOOSE_NORM_BWD_EXPERIMENT"] if args.bwd_wide else []
     if defs:
         from .build_cost import builder_with_defines

@@ -63,8 +63,12 @@ def main() -> None:
     if len(set(dtypes)) != len(dtypes):
         raise SystemExit(f"softmax_raw: --dtypes: {args.dtypes!r}: a dtype is given twice")
     defs = items("--defines", args.defines)
-    if any(not d.startswith("-D") or len(d) < 3 for d in defs):
-        raise SystemExit(f"softmax_raw: --defines: {args.defines!r}: expected -DNAME[=VALUE],...")
+    from .build_cost import check_defines
+
+    try:
+        check_defines(["pipegoose/softmax"], defs)
+    except ValueError as e:
+        raise SystemExit(f"softmax_raw: --defines: {e}") from None
     import torch
 
     from .ops import SCALE, make_case

@@ -32,6 +32,9 @@ def run(monkeypatch, *argv):
     (["--dtypes", "bf16/fp32", "--shapes", "64x2048"], "a pair of different dtypes is timed at H in (4096, 16384)"),
     (["--dtypes", "bf16/fp32", "--max-h", "2048"], "a pair of different dtypes is timed at H in (4096, 16384)"),
     (["--table", ""], "--table: expected a JSONL file"),
+    (["--defines=X"], "--defines: 'X': expected -DNAME or -DNAME=VALUE"),
+    (["--defines=-DPIPEGOOSE_NORM_BWD_SYNCC"],
+     "PIPEGOOSE_NORM_BWD_SYNCC occurs in none of the files of pipegoose/layer_norm, pipegoose/rms_norm"),
     (["--table", "x.jsonl", "--bwd-only"], "--table only prints a table; it takes no other option (got --bwd-only)"),
 ])
 def test_bad_arguments_exit_with_the_option_named(monkeypatch, argv, expect):
@@ -55,3 +58,13 @@ def test_table_of_fwd_plan_lines_and_bad_copy_bandwidth(monkeypatch, tmp_path):
         p.write_text(good.read_text().replace("4000.0", bad, 1))
         with pytest.raises(SystemExit, match="copy_gbps: expected a finite number"):
             norm_raw.table(str(p))
+
+
+def test_known_defines_pass_their_check(monkeypatch):
+    """Switches that the kernels' files name (spaces around items ignored) pass; the script then stops at the GPU
+    check (made to fail here, so that it never benchmarks, on a GPU machine either)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    msg = run(monkeypatch, "--defines=-DPIPEGOOSE_NORM_BWD_SYNC, -DPIPEGOOSE_NORM_BWD_STAGES=3")
+    assert msg == "norm_raw: needs a CUDA GPU", msg

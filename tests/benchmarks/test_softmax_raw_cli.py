@@ -20,7 +20,12 @@ from benchmarks import softmax_raw
     (["--sizes", "128,128"], "--sizes: '128,128': 128 given twice"),
     (["--dtypes", "bf16,int8"], "--dtypes: 'bf16,int8': unknown int8; expected a comma-separated list of bf16"),
     (["--dtypes", "bf16,bfloat16"], "--dtypes: 'bf16,bfloat16': a dtype is given twice"),
-    (["--defines", "X"], "--defines: 'X': expected -DNAME[=VALUE]"),
+    (["--defines", "X"], "--defines: 'X': expected -DNAME or -DNAME=VALUE"),
+    (["--defines=-D"], "--defines: '-D': expected -DNAME or -DNAME=VALUE"),
+    # a misspelt switch would build the default kernel under a new key: rejected before any build
+    (["--defines=-DPIPEGOOSE_SOFTMAX_FWD_NMM=2"],
+     "--defines: '-DPIPEGOOSE_SOFTMAX_FWD_NMM=2': PIPEGOOSE_SOFTMAX_FWD_NMM occurs in none of the files of "
+     "pipegoose/softmax"),
 ])
 def test_softmax_raw_bad_arguments(monkeypatch, argv, expect):
     """Each bad value exits with one line naming the option and the bad item, before a GPU is needed; spaces around
@@ -40,7 +45,8 @@ def test_softmax_raw_accepts_spaces_and_long_dtype_names(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(sys, "argv", ["softmax_raw", "--ops", " softmax, softmax.masked", "--dtypes", "bfloat16, fp32",
-                                      "--sizes", " 128 ,256", "--defines=-DX=1, -DY"])
+                                      "--sizes", " 128 ,256",
+                                      "--defines=-DPIPEGOOSE_SOFTMAX_FWD_NM=2, -DPIPEGOOSE_SOFTMAX_BWD_MID_NV=4"])
     with pytest.raises(SystemExit) as e:
         softmax_raw.main()
     assert str(e.value) == "softmax_raw: needs a CUDA GPU"
