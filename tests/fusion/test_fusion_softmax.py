@@ -180,8 +180,10 @@ def test_errors_name_the_argument():
         PF.scaled_softmax(x, float("nan"))
     with pytest.raises(ValueError, match="x"):
         PF.scaled_upper_triang_masked_softmax(x, 1.0)
-    with pytest.raises(TypeError, match="x"):
+    with pytest.raises(TypeError, match="^input: expected a floating point tensor"):
         PF.softmax(torch.arange(4))
+    with pytest.raises(TypeError, match="^input: expected a torch.Tensor, got list"):  # F.softmax's parameter name
+        PF.softmax([1.0, 2.0], -1)
     with pytest.raises(ValueError, match="impl"):
         PF.scaled_softmax(x, 1.0, impl="nonexistent")
 

@@ -59,7 +59,7 @@ def softmax(input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3, d
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype: expected a floating torch.dtype or None, got {dtype}")
         x, dtype = x.to(dtype), None  # as F.softmax: cast first (integer input with a float dtype is fine)
-    _sm.check_input(x)
+    _sm.check_input(x, "input")
     return _sm.run_plain(x, dim, dtype, impl)
 
 
