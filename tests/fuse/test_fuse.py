@@ -348,6 +348,13 @@ def test_plain_module_without_config():
     unfuse(model)
 
 
+def test_report_of_a_model_with_nothing_eligible_says_so():
+    report = fuse(nn.Sequential(nn.Linear(8, 8)), dry_run=True)
+    assert report.eligible == 0 and report.covered == 0
+    text = " ".join(str(report).split())  # the title may wrap
+    assert "no eligible module (nothing fused)" in text and "0/0" not in text and "100%" not in text, text
+
+
 def test_fuse_failure_leaves_model_untouched(monkeypatch):
     model = models.build("bert", "eager")
     before = _modules_by_path(model)

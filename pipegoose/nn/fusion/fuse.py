@@ -126,8 +126,8 @@ class FusionReport:
         from rich.table import Table
 
         title = (f"pipegoose fusion of {self.model}{' (dry run)' if self.dry_run else ''}: "
-                 f"{self.covered}/{self.eligible} eligible modules {'would be ' if self.dry_run else ''}fused "
-                 f"({self.coverage:.0%})")
+                 + (f"{self.covered}/{self.eligible} eligible modules {'would be ' if self.dry_run else ''}fused "
+                    f"({self.coverage:.0%})" if self.eligible else "no eligible module (nothing fused)"))
         table = Table(title=title, show_lines=False)
         for col in ("module", "kind", "original", "replacement", "fused fwd", "fused bwd", "reason"):
             table.add_column(col, overflow="fold")
