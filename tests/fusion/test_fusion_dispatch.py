@@ -76,10 +76,23 @@ def test_family_env_and_auto(monkeypatch):
 
 def test_unsupported_request_falls_through_with_reason(caplog):
     with caplog.at_level(logging.DEBUG, logger="pipegoose.nn.fusion.dispatch"):
-        c = dispatch.select(OP, problem(ported=False), impl="megatron")
+        with pytest.warns(UserWarning, match="fake.op: impl='megatron' cannot run this input: ported says no; "
+                                             "running pipegoose \\(builtin\\) instead"):
+            c = dispatch.select(OP, problem(ported=False), impl="megatron")
     assert (c.impl, c.source) == ("pipegoose", "builtin")
     assert c.reasons["megatron"] == "ported says no"
+    assert c.unmet == "impl='megatron' cannot run this input: ported says no"
     assert "megatron" in caplog.text and "ported says no" in caplog.text
+
+
+def test_unmet_env_request_warns_and_met_requests_do_not(monkeypatch, recwarn):
+    monkeypatch.setenv("PIPEGOOSE_IMPL_FAKE_OP", "pipegoose")
+    c = dispatch.select(OP, problem())
+    assert (c.impl, c.source, c.unmet) == ("pipegoose", "env", "")
+    assert not [w for w in recwarn if "cannot run" in str(w.message)]
+    with pytest.warns(UserWarning, match="PIPEGOOSE_IMPL_FAKE_OP='pipegoose' cannot run this input: ours says no; "
+                                         "running megatron \\(builtin\\) instead"):
+        dispatch.select(OP, problem(ours=False))
 
 
 def test_fallback_is_logged(caplog):

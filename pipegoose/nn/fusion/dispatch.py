@@ -26,7 +26,9 @@ Choice, first that supports the input wins:
 Ending on ``torch`` after a fused implementation was wanted is a *fallback*: the reason is recorded
 (:func:`explain`, :func:`last_choice`), logged at debug level on ``pipegoose.nn.fusion.dispatch``, and in strict
 mode (``PIPEGOOSE_STRICT=1`` or ``with dispatch.strict():``) raises :class:`FusionFallbackError`. Asking for
-``torch`` (argument, environment or tuning rule) is not a fallback.
+``torch`` (argument, environment or tuning rule) is not a fallback. A request (``impl=`` argument,
+``PIPEGOOSE_IMPL_*``) that cannot run the input warns (``UserWarning``, naming the request, why, and what runs
+instead; Python shows each message once by default), and the choice goes on as without it.
 
 Under ``torch.compile``: while the compiler traces a call and nothing asks for an implementation (no ``impl=``
 argument, no ``PIPEGOOSE_IMPL_*`` variable for the op, not strict mode), the op entry points emit the PyTorch
@@ -59,7 +61,7 @@ import os
 import re
 import threading
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -194,6 +196,8 @@ class Choice:
         fallback: True when the reference path runs because the wanted fused paths cannot.
         reasons: implementation name -> why it was not taken (empty string when it was not looked at).
         reason: one line summarising why the chosen implementation runs.
+        unmet: the requests (``impl=`` argument, ``PIPEGOOSE_IMPL_*``) that could not run this input and why; empty
+            when none was made or one ran. :func:`record` warns about them (``UserWarning``).
     """
 
     op: str
@@ -202,6 +206,7 @@ class Choice:
     fallback: bool
     reasons: Mapping[str, str]
     reason: str
+    unmet: str = ""
 
     def __str__(self) -> str:
         details = [(name, why) for name, why in self.reasons.items() if why]
@@ -579,7 +584,16 @@ def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool =
             why = "requested by the impl= argument" if source == "argument" else f"requested by {env_var}"
             return Choice(op, name, source, False, reasons, why)
         logger.debug("%s: requested implementation %s (%s) cannot run: %s", op, name, source, reasons[name])
+    if requests:
+        unmet = "; ".join(f"{'impl=' if source == 'argument' else env_var + '='}{name!r} cannot run this input: "
+                          f"{reasons[name]}" for name, source in requests)
+        return replace(_choose_unrequested(op, problem, impls, reasons, ok), unmet=unmet)
+    return _choose_unrequested(op, problem, impls, reasons, ok)
 
+
+def _choose_unrequested(op: str, problem: Problem, impls: Mapping[str, Implementation], reasons: dict[str, str],
+                        ok: Callable[[str], bool]) -> Choice:
+    """The choice when no request can run: the small-problem rule, then :func:`_automatic`."""
     small = _small_problem(problem, impls)
     if small is not None:
         # only where a fused implementation takes the input (else it is a real fallback); checked on metadata
@@ -698,6 +712,8 @@ def record(choice: Choice) -> Choice:
         per_op[choice.impl] = per_op.get(choice.impl, 0) + 1
     if choice.fallback:
         logger.debug("%s: falling back to %s: %s", op, choice.impl, choice.reason)
+    if choice.unmet:
+        warnings.warn(f"{op}: {choice.unmet}; running {choice.impl} ({choice.source}) instead", stacklevel=2)
     return choice
 
 
