@@ -342,6 +342,9 @@ def test_explain_refuses_what_the_softmax_ops_refuse():
         dispatch.explain("softmax.causal", x[0], scale=float("nan"))
     with pytest.raises(ValueError, match="attn_batches"):
         dispatch.explain("softmax.causal", x, scale=0.5)
+    # a dim passed as softmax(x, dim) would be: the mask's type is named first, whatever x's shape
+    with pytest.raises(TypeError, match="^mask: expected a bool torch.Tensor .* got int .*dim"):
+        dispatch.explain("softmax", x[0], -1)
 
 
 def test_explain_real_ops_on_cpu():

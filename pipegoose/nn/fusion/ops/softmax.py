@@ -64,6 +64,10 @@ def _explain_builder(op: str):
         check_input(x)
         scale = check_scale(scale)
         if mask is not None:
+            if not isinstance(mask, torch.Tensor):  # before the shape: explain(op, x, -1) passes a dim as mask
+                raise TypeError(f"mask: expected a bool torch.Tensor (True = masked) or None, got "
+                                f"{type(mask).__name__} (explain() takes the op's functional arguments: x, mask, "
+                                f"scale; softmax(x, dim)'s dim is not one of them)")
             if x.dim() != 4:
                 raise ValueError(f"x: expected [b, np, sq, sk] with a mask, got shape {list(x.shape)}")
             mask = check_mask(mask, x)
