@@ -93,6 +93,9 @@ def test_unmet_env_request_warns_and_met_requests_do_not(monkeypatch, recwarn):
     with pytest.warns(UserWarning, match="PIPEGOOSE_IMPL_FAKE_OP='pipegoose' cannot run this input: ours says no; "
                                          "running megatron \\(builtin\\) instead"):
         dispatch.select(OP, problem(ours=False))
+    recwarn.clear()
+    dispatch.select(OP, problem(ours=False))  # the same request, reason and choice: warned once already
+    assert not [w for w in recwarn if "cannot run" in str(w.message)]
 
 
 def test_fallback_is_logged(caplog):

@@ -28,7 +28,7 @@ Ending on ``torch`` after a fused implementation was wanted is a *fallback*: the
 mode (``PIPEGOOSE_STRICT=1`` or ``with dispatch.strict():``) raises :class:`FusionFallbackError`. Asking for
 ``torch`` (argument, environment or tuning rule) is not a fallback. A request (``impl=`` argument,
 ``PIPEGOOSE_IMPL_*``) that cannot run the input warns (``UserWarning``, naming the request, why, and what runs
-instead; Python shows each message once by default), and the choice goes on as without it.
+instead; once per op, request and reason until :func:`reset_stats`), and the choice goes on as without it.
 
 Under ``torch.compile``: while the compiler traces a call and nothing asks for an implementation (no ``impl=``
 argument, no ``PIPEGOOSE_IMPL_*`` variable for the op, not strict mode), the op entry points emit the PyTorch
@@ -226,6 +226,7 @@ _impls: dict[str, dict[str, Implementation]] = {}
 _problem_builders: dict[str, Callable[..., Problem]] = {}
 _stats: dict[str, dict[str, int]] = {}
 _last: dict[str, Choice] = {}
+_warned_unmet: set[tuple[str, str, str]] = set()  # (op, unmet, impl) already warned about (record)
 _memo: dict[tuple, Any] = {}  # the choice cache
 _MEMO_MAX = 4096
 
@@ -712,7 +713,9 @@ def record(choice: Choice) -> Choice:
         per_op[choice.impl] = per_op.get(choice.impl, 0) + 1
     if choice.fallback:
         logger.debug("%s: falling back to %s: %s", op, choice.impl, choice.reason)
-    if choice.unmet:
+    if choice.unmet and (op, choice.unmet, choice.impl) not in _warned_unmet:
+        # once per op, request and reason: a cached choice is recorded on every call of a hot loop
+        _warned_unmet.add((op, choice.unmet, choice.impl))
         warnings.warn(f"{op}: {choice.unmet}; running {choice.impl} ({choice.source}) instead", stacklevel=2)
     return choice
 
@@ -789,8 +792,10 @@ def stats() -> dict[str, dict[str, int]]:
 
 
 def reset_stats() -> None:
-    """Zero the counters and forget the last choices (and the choice cache, so that every next call chooses)."""
+    """Zero the counters and forget the last choices (and the choice cache, so that every next call chooses, and the
+    unmet requests already warned about)."""
     with _lock:
         _stats.clear()
         _last.clear()
         _memo.clear()
+        _warned_unmet.clear()
