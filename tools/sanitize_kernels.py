@@ -5,7 +5,8 @@
 
 Calls the forward and backward of ``pipegoose/layer_norm`` and ``pipegoose/rms_norm`` (the launch plans of
 ``norm_kernels.cuh``: scalar rows, register and shared-memory accumulator plans, the asynchronous-copy backward over
-many rows, the prefetching and full-grid forward plans, the wide-row forward, the specialised backward sizes, the
+many rows, the prefetching and full-grid forward plans, the rows of one block per SM (parameters staged through shared
+memory; 32000 and 64000 columns leave their last stride partial), the wide-row forward, the specialised backward sizes, the
 two-kernel wide backward, with and without parameters and with a bias alone, fp32 parameters and fp32 grad_output with
 a 16-bit input) and of
 ``pipegoose/softmax`` (plain, padding-masked, causal; 1 to 40000 keys; one and three query rows) in fp32, fp16 and
@@ -20,7 +21,8 @@ import sys
 
 import torch
 
-NORM_HIDDEN = (1, 7, 64, 100, 768, 1000, 1024, 2048, 3000, 4096, 5120, 8192, 12288, 16384, 20000, 32768, 65536, 65544)
+NORM_HIDDEN = (1, 7, 64, 100, 768, 1000, 1024, 2048, 3000, 4096, 5120, 8192, 12288, 16384, 20000, 32000, 32768, 64000,
+               65536, 65544)
 SOFTMAX_KEYS = (1, 5, 127, 1000, 2048, 4097, 16384, 40000)
 
 

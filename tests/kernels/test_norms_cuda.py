@@ -320,6 +320,28 @@ def test_wide_rows_two_kernel_backward(ln, rms, h):
     check_rms_norm(rms, x, None, dy)
 
 
+# Rows of one 1024-thread block per SM (fp32 31745-32768 columns, 16-bit 63489-65536): the LayerNorm forward stages
+# the parameters through shared memory (fwd_param_stages in norm_kernels.cuh); 32000 and 64000 leave the last stride
+# of chunks partial. A GPU with less shared memory than the stages takes the forward kernel without staging.
+ONE_BLOCK_ROWS = ((torch.float32, 32000), (torch.float32, 32768), (torch.bfloat16, 64000), (torch.bfloat16, 65536),
+                  (torch.float16, 65536))
+
+
+@pytest.mark.parametrize("dtype,h", ONE_BLOCK_ROWS, ids=lambda v: str(v))
+def test_rows_of_one_block_per_sm(ln, rms, dtype, h):
+    """Every parameter dtype the kernels read (the input's, fp32, and fp32 output of a 16-bit input), absent
+    parameters (read from the kernel's stand-ins of ones and zeros), a weight or a bias alone."""
+    cases = [(dtype, dtype, None), (dtype, torch.float32, None)]
+    if dtype != torch.float32:
+        cases.append((dtype, torch.float32, torch.float32))
+    check_dtype_cases(ln, rms, 37, h, cases, seed=h + 7)
+    x, w, b, dy = make(9, h, dtype, dtype, seed=h + 8)
+    check_layer_norm(ln, x, None, None, dy)
+    check_layer_norm(ln, x, w, None, dy)
+    check_layer_norm(ln, x, None, b, dy)
+    check_rms_norm(rms, x, None, dy)
+
+
 @pytest.mark.parametrize("h", [40000, 65536, 65544])
 def test_wide_rows_forward(ln, rms, h):
     """Vector rows wider than the forward's register plans (fp32 from 32772 columns, 16-bit from 65544): the two-pass
@@ -410,13 +432,16 @@ def _run_with_smem_limit(limit: str, body: str) -> subprocess.CompletedProcess:
 def test_backward_plans_of_smaller_shared_memory(limit):
     """PIPEGOOSE_NORM_SMEM_LIMIT emulates a GPU with less shared memory: 100352 bytes is sm_86/sm_89's 99 KB less
     the 1 KB kept for static shared memory, where the four-chunk register plan (fp32 6000 and 8192 columns, 16-bit
-    RMSNorm 12000 and 16384) must take the shared-memory accumulator plan it replaced; 0 leaves every plan that needs
-    dynamic shared memory to the generic kernel. Both stay at the float64 reference's tolerances."""
+    RMSNorm 12000 and 16384) must take the shared-memory accumulator plan it replaced, and the forward's rows of one
+    block per SM (ONE_BLOCK_ROWS) the kernel without staged parameters; 0 leaves every plan that needs dynamic shared
+    memory to the generic kernel. Both stay at the float64 reference's tolerances."""
     r = _run_with_smem_limit(str(limit), """
         cases = ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
                  (torch.float32, torch.float32, None))
         for rows, h in ((3, 6000), (37, 8192), (37, 12000), (37, 16384), (2100, 4096), (5, 512)):
             T.check_dtype_cases(ln, rms, rows, h, cases, seed=h)
+        for dtype, h in T.ONE_BLOCK_ROWS:  # the forward without staged parameters
+            T.check_dtype_cases(ln, rms, 5, h, ((dtype, dtype, None), (dtype, torch.float32, None)), seed=h)
         print("SMEM-OK")
     """)
     assert r.returncode == 0 and "SMEM-OK" in r.stdout, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"

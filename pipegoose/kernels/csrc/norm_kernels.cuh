@@ -427,6 +427,44 @@ __device__ __forceinline__ void load_row(const T* __restrict__ base, bool valid,
   }
 }
 
+// Copies 16 bytes from global to shared memory asynchronously (bypassing L1); src_bytes 0 writes 16 zeros and
+// reads nothing (src must still be a valid address). Before sm_80 (no cp.async): a plain load and store, so the
+// kernel stays correct there (without the overlap).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  *reinterpret_cast<uint4*>(dst) = src_bytes ? *reinterpret_cast<const uint4*>(src) : make_uint4(0u, 0u, 0u, 0u);
+#else
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(src_bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// cp_async_wait<N>() for a count known only after unrolling (n: 0-7).
+__device__ __forceinline__ void cp_async_wait_upto(int n) {
+  switch (n) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    case 6: cp_async_wait<6>(); break;
+    default: cp_async_wait<7>(); break;
+  }
+}
+
 // Fills a chunk with v (v rounded to T; the forward's stand-in for an absent weight (1) or bias (0), exact in every
 // dtype).
 template <typename T, int N>
@@ -447,6 +485,36 @@ __device__ __forceinline__ void load_params(const Tp* __restrict__ w, const Tp* 
   if constexpr (!RMS) {
     if (b != nullptr) raw_load<Tp, N, Ld::kCached>(b + j, pb); else raw_fill(pb, 0.f);
   }
+}
+
+// Stand-ins for an absent weight (ones) and bias (zeros), 32 bytes in every parameter dtype, for the copies of the
+// staged parameters (fwd_param_stages), which take an address, not a value.
+static __device__ __align__(16) const uint32_t kParamOnes[3][8] = {
+    {0x3f800000u, 0x3f800000u, 0x3f800000u, 0x3f800000u, 0x3f800000u, 0x3f800000u, 0x3f800000u, 0x3f800000u},
+    {0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u},
+    {0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u}};
+static __device__ __align__(16) const uint32_t kParamZeros[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+
+// LayerNorm rows of one block per SM (the NOL1 kernels): the parameters of a thread's chunks are copied into its own
+// slots of dynamic shared memory with cp.async, the first fwd_param_stages chunks' before the row reductions and
+// chunk n + stages's as soon as chunk n is written, instead of being loaded chunk by chunk after the reductions:
+// there, each chunk waited for its own L2 round trip (the loads sat behind the chunk's branch), and with one block
+// per SM nothing else ran meanwhile. The copies hold no registers (holding the loads in registers instead spilled:
+// ptxas, 64 registers with 32 words of x). Shared memory: stages * 1024 * fwd_param_bytes, at most kFwdParamSmem
+// bytes; fewer than two stages: none. Session 12 A/B (norm_raw, % of copy, no staging -> 2 / 3 / 4 stages):
+// fp32 16384x32768 87.1 -> 92.0 / 95.8 / 95.3, bf16 8192x65536 81.2 -> 88.3 / 89.2 / 87.1 (fp16 alike). RMSNorm
+// (one parameter array) is not staged: fp32 16384x32768 97.3 -> 96.4 / 95.4 (4 / 6 stages) / 94.8 (8), 16-bit
+// 8192x65536 +0.6-1.0. -DPIPEGOOSE_NORM_FWD_PSMEM=0 builds the kernels without staging.
+#if defined(PIPEGOOSE_NORM_FWD_PSMEM)
+constexpr int kFwdParamSmem = PIPEGOOSE_NORM_FWD_PSMEM;
+#else
+constexpr int kFwdParamSmem = 96 * 1024;
+#endif
+constexpr int kFwdRowThreadsMax = 1024;  // the NOL1 kernels' blocks (one row of 1024 threads)
+constexpr int fwd_param_bytes(int vec, int p_bytes, bool rms) { return vec * p_bytes * (rms ? 1 : 2); }
+constexpr int fwd_param_stages(int vec, int p_bytes, bool rms, int nv) {
+  const int k = kFwdParamSmem / (fwd_param_bytes(vec, p_bytes, rms) * kFwdRowThreadsMax);
+  return rms || k < 2 ? 0 : k < nv ? k : nv;
 }
 
 // The forward's parameters in registers (PREG): the thread's parameters are loaded once, with the first row's x, so
@@ -529,6 +597,15 @@ __device__ __forceinline__ void block_moments(float& n, float& mean, float& m2, 
   m2 = __shfl_sync(0xffffffffu, m2, 0);
 }
 
+// Row kernels of at most kFwdHoldFloats values per thread (not prefetching) convert the row to fp32 once and keep
+// it (HOLDF), instead of unpacking each value again on each of its three uses. (A benchmark experiment: 0, off, in
+// the shipped build.)
+#if defined(PIPEGOOSE_NORM_FWD_HOLDF)
+constexpr int kFwdHoldFloats = PIPEGOOSE_NORM_FWD_HOLDF;
+#else
+constexpr int kFwdHoldFloats = 0;
+#endif
+
 // Launch bounds: 1024 threads (64 registers; ptxas: no spills, except 4 bytes in the eight-chunk plans with fp32
 // parameters). (Session 7 tried the full-grid four-chunk plans at blocks of <= 512 threads, three per SM: 40
 // registers instead of 58-60, 75% occupancy; the forward did not get faster: -3 to +3 points of copy,
@@ -576,6 +653,34 @@ norm_fwd_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const Tp* _
   int64_t base = static_cast<int64_t>(blockIdx.x) * rpb;
   Raw<Tin, VEC> cur[NV];
   Raw<Tp, VEC> pw[PREG ? NV : 1], pb[PREG ? NV : 1];
+  constexpr bool HOLDF = !NOL1 && !PF && VEC > 1 && NV * VEC <= kFwdHoldFloats;
+  // NOL1: the parameters staged through shared memory, PST chunks ahead (fwd_param_stages); slot s of thread tid holds
+  // the 16-byte pieces of one chunk's weight then bias, piece h at ((s * PP + h) * TB + tid) * 16 bytes (TB: the
+  // NOL1 block, 1024 threads, a constant so that the offsets are immediates; a warp's reads and copies of one piece
+  // are 512 contiguous bytes).
+  constexpr int PST = NOL1 && !PREG && VEC * sizeof(Tp) % 16 == 0
+                          ? fwd_param_stages(VEC, sizeof(Tp), RMS, NV) : 0;
+  constexpr int PWP = VEC * static_cast<int>(sizeof(Tp)) / 16;  // 16-byte pieces of one chunk's weight
+  constexpr int PP = PWP * (RMS ? 1 : 2);
+  constexpr int TB = kFwdRowThreadsMax;
+  extern __shared__ __align__(16) uint4 fwd_psmem[];
+  auto stage_q = [&](int n) {  // copies chunk n's parameters into slot n % PST (a chunk outside the row: chunk 0's)
+    if constexpr (PST > 0) {
+      const int c = t + n * tpr;
+      const int j = (chunk_in<FIXED>(c, n, tpr, nchunks) ? c : 0) * VEC;
+      constexpr int k = std::is_same<Tp, float>::value ? 0 : std::is_same<Tp, __nv_bfloat16>::value ? 1 : 2;
+      const uint4* src_w = reinterpret_cast<const uint4*>(w != nullptr ? w + j : reinterpret_cast<const Tp*>(kParamOnes[k]));
+      uint4* slot = fwd_psmem + (n % PST) * PP * TB + threadIdx.x;
+#pragma unroll
+      for (int h = 0; h < PWP; ++h) cp_async16(slot + h * TB, src_w + h, 16);
+      if constexpr (!RMS) {
+        const uint4* src_b = reinterpret_cast<const uint4*>(b != nullptr ? b + j : reinterpret_cast<const Tp*>(kParamZeros));
+#pragma unroll
+        for (int h = 0; h < PWP; ++h) cp_async16(slot + (PWP + h) * TB, src_b + h, 16);
+      }
+      cp_async_commit();
+    }
+  };
   if constexpr (PF) load_row<Tin, VEC, NV, FIXED, LDX>(x + (base + rg) * H, base + rg < rows, t, tpr, nchunks, cur);
   if constexpr (PREG) {
 #pragma unroll
@@ -594,6 +699,16 @@ norm_fwd_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const Tp* _
     } else {
       load_row<Tin, VEC, NV, FIXED, LDX>(x + row * H, valid, t, tpr, nchunks, cur);
     }
+#pragma unroll
+    for (int n = 0; n < PST; ++n) stage_q(n);
+    // HOLDF: the row converted to fp32 once (x - mean in place after the mean), instead of on each of its uses.
+    float xf[HOLDF ? NV : 1][HOLDF ? VEC : 1];
+    if constexpr (HOLDF) {
+#pragma unroll
+      for (int n = 0; n < NV; ++n)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) xf[n][i] = raw_get(cur[n], i);
+    }
     float mean = 0.f;
     float q[1] = {0.f};
     if constexpr (!RMS && NOL1) {
@@ -611,7 +726,9 @@ norm_fwd_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const Tp* _
 #pragma unroll
         for (int n = 0; n < NV; ++n)
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) s[0] += raw_get(cur[n], i);  // zeros outside the row
+          for (int i = 0; i < VEC; ++i) {  // zeros outside the row
+            if constexpr (HOLDF) s[0] += xf[n][i]; else s[0] += raw_get(cur[n], i);
+          }
         row_sum<1>(s, tpr, red[parity], 0, rg);
         parity ^= 1;
         mean = s[0] * inv_h;
@@ -621,8 +738,13 @@ norm_fwd_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const Tp* _
         if (chunk_in<FIXED>(t + n * tpr, n, tpr, nchunks)) {
 #pragma unroll
           for (int i = 0; i < VEC; ++i) {
-            const float d = raw_get(cur[n], i) - mean;
-            q[0] += d * d;
+            if constexpr (HOLDF) {
+              if constexpr (!RMS) xf[n][i] -= mean;
+              q[0] += xf[n][i] * xf[n][i];
+            } else {
+              const float d = raw_get(cur[n], i) - mean;
+              q[0] += d * d;
+            }
           }
         }
       }
@@ -636,6 +758,34 @@ norm_fwd_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const Tp* _
         rstd_out[row] = rstd;
       }
       Tout* yr = y + row * H;
+      if constexpr (PST > 0) {
+#pragma unroll
+        for (int n = 0; n < NV; ++n) {
+          // Chunk n's copies have landed once at most (copies committed) - (n + 1) groups are in flight.
+          cp_async_wait_upto((n + PST < NV ? n + PST : NV) - (n + 1));
+          Raw<Tp, VEC> cw, cb;
+          const uint4* slot = fwd_psmem + (n % PST) * PP * TB + threadIdx.x;
+#pragma unroll
+          for (int h = 0; h < PWP; ++h) {
+            const uint4 v = slot[h * TB];
+            cw.u[4 * h] = v.x, cw.u[4 * h + 1] = v.y, cw.u[4 * h + 2] = v.z, cw.u[4 * h + 3] = v.w;
+            if constexpr (!RMS) {
+              const uint4 u = slot[(PWP + h) * TB];
+              cb.u[4 * h] = u.x, cb.u[4 * h + 1] = u.y, cb.u[4 * h + 2] = u.z, cb.u[4 * h + 3] = u.w;
+            }
+          }
+          const int c = t + n * tpr;
+          float o[VEC];
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            const float v = raw_get(cur[n], i);
+            o[i] = RMS ? v * rstd * raw_get(cw, i) : fmaf((v - mean) * rstd, raw_get(cw, i), raw_get(cb, i));
+          }
+          if (chunk_in<FIXED>(c, n, tpr, nchunks)) store_f<VEC>(yr + static_cast<int64_t>(c) * VEC, o);
+          // The slot is free once its values are used (o above): refill it with chunk n + PST's.
+          if (n + PST < NV) stage_q(n + PST);
+        }
+      } else {
 #pragma unroll
       for (int n = 0; n < NV; ++n) {
         const int c = t + n * tpr;
@@ -652,12 +802,18 @@ norm_fwd_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const Tp* _
             }
 #pragma unroll
             for (int i = 0; i < PG; ++i) {
-              const float v = raw_get(cur[n], g0 + i);
-              o[g0 + i] = RMS ? v * rstd * raw_get(cw, i) : fmaf((v - mean) * rstd, raw_get(cw, i), raw_get(cb, i));
+              if constexpr (HOLDF) {  // xf: x - mean (LayerNorm) or x (RMSNorm)
+                const float v = xf[n][g0 + i];
+                o[g0 + i] = RMS ? v * rstd * raw_get(cw, i) : fmaf(v * rstd, raw_get(cw, i), raw_get(cb, i));
+              } else {
+                const float v = raw_get(cur[n], g0 + i);
+                o[g0 + i] = RMS ? v * rstd * raw_get(cw, i) : fmaf((v - mean) * rstd, raw_get(cw, i), raw_get(cb, i));
+              }
             }
           }
           store_f<VEC>(yr + static_cast<int64_t>(c) * VEC, o);
         }
+      }
       }
     }
     if constexpr (PF) {
@@ -1151,30 +1307,6 @@ struct AsyncBounds {
 #endif
   static_assert(stages >= 2 && stages <= 8, "PIPEGOOSE_NORM_BWD_STAGES: expected 2 to 8");
 };
-
-// Copies 16 bytes from global to shared memory asynchronously (bypassing L1); src_bytes 0 writes 16 zeros and
-// reads nothing (src must still be a valid address). Before sm_80 (no cp.async): a plain load and store, so the
-// kernel stays correct there (without the overlap).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-  *reinterpret_cast<uint4*>(dst) = src_bytes ? *reinterpret_cast<const uint4*>(src) : make_uint4(0u, 0u, 0u, 0u);
-#else
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(src_bytes) : "memory");
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-// Waits until at most N of this thread's committed groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
-}
 
 // Issues the copies of the chunks of one row owned by thread t into its stage slots (stage: the row image of
 // NV * tpr chunks); zeros for chunks outside the row and for an invalid row.
@@ -1906,24 +2038,30 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
     constexpr bool PF = decltype(pf_c)::value != 0;
     constexpr bool PREG = decltype(preg_c)::value != 0;
     constexpr int HC = decltype(h_c)::value;
-    auto run = [&](auto kernel) {
-      const int occ = occupancy(reinterpret_cast<const void*>(kernel), threads, 0);
+    auto run = [&](auto kernel, size_t smem) {
+      allow_smem(reinterpret_cast<const void*>(kernel), smem);
+      const int occ = occupancy(reinterpret_cast<const void*>(kernel), threads, smem);
       // Prefetching plans: a persistent grid (as many blocks as fit on the GPU at once, each walking over rows with
       // a stride). The plans without prefetch: one block per row group and row (a full grid; see fwd_plan).
       const int64_t full = std::min<int64_t>(ceil_div(rows, rpb), (1LL << 31) - 1);
       const int64_t resident = static_cast<int64_t>(sms) * occ;
       const int64_t grid = std::max<int64_t>(1, full_grid ? full : std::min<int64_t>(full, resident));
-      kernel<<<static_cast<unsigned>(grid), threads, 0, stream>>>(x, w, b, y, mean, rstd, rows, H, cfg.tpr, eps);
+      kernel<<<static_cast<unsigned>(grid), threads, smem, stream>>>(x, w, b, y, mean, rstd, rows, H, cfg.tpr, eps);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    // Rows of 1024 threads (eight chunks per thread at the widest rows) load x without allocating in L1 (ld_hint).
-    if constexpr (NV == 8) {
-      if (cfg.tpr == 1024) {
-        run(&norm_fwd_kernel<Tin, Tout, Tp, VEC, NV, RMS, PF, PREG, HC, true>);
+    // Rows of 1024 threads (eight chunks per thread at the widest rows) load x without allocating in L1 (ld_hint) and
+    // stage their parameters through shared memory (fwd_param_stages), where the device has enough of it; else the
+    // kernel without either.
+    if constexpr (NV == 8 && VEC > 1) {
+      constexpr size_t smem = static_cast<size_t>(fwd_param_stages(VEC, sizeof(Tp), RMS, NV)) * kFwdRowThreadsMax *
+                              fwd_param_bytes(VEC, sizeof(Tp), RMS);
+      static_assert(kFwdRowThreadsMax == 1024, "the NOL1 kernels run rows of 1024 threads");
+      if (cfg.tpr == 1024 && threads == kFwdRowThreadsMax && smem <= smem_limit()) {
+        run(&norm_fwd_kernel<Tin, Tout, Tp, VEC, NV, RMS, PF, PREG, HC, true>, smem);
         return;
       }
     }
-    run(&norm_fwd_kernel<Tin, Tout, Tp, VEC, NV, RMS, PF, PREG, HC, false>);
+    run(&norm_fwd_kernel<Tin, Tout, Tp, VEC, NV, RMS, PF, PREG, HC, false>, 0);
   };
 #if defined(PIPEGOOSE_NORM_HIDDEN)
   // H == kSpecHidden on the vector path: cfg is this compile-time plan; the vector branches below with HC = H.
