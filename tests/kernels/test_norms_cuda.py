@@ -261,6 +261,11 @@ def test_weight_only_bias_only_and_mixed_parameter_dtypes(ln):
     check_layer_norm(ln, x, None, b, dy)
     check_layer_norm(ln, x, w, b.to(torch.bfloat16), dy)  # grad_bias must come back in bf16
     check_layer_norm(ln, x, w.to(torch.float16), b, dy)  # a parameter dtype that is neither input's nor fp32
+    # parameters of the input's dtype: the forward reads an absent one from its stand-ins (fwd_zero_stride)
+    for h in (512, 1000, 4096):
+        x, w, b, dy = make(257, h, torch.bfloat16, torch.bfloat16, seed=h)
+        check_layer_norm(ln, x, w, None, dy)
+        check_layer_norm(ln, x, None, b, dy)
 
 
 @pytest.mark.parametrize("h", [100, 4096, 16384])
