@@ -1841,10 +1841,11 @@ struct Cfg {
 //   fit; 1-17% faster than the persistent grid there), four chunks per thread for RMSNorm up to 8192 columns and
 //   LayerNorm up to 4096, else eight, up to 1024 threads per row. (16-bit LayerNorm took eight chunks from 512
 //   columns (session 8: within 0.8 points of the best plan of the grid at every width) until its four-chunk plan
-//   kept its row in fp32 (HOLDF, session 12: 1.0-2.0 points ahead at 512-2048 columns, 0.3 at 4096));
+//   kept its row in fp32 (HOLDF, session 12: 1.0-2.0 points ahead at 512-2048 columns, 0.3 at 4096); with fp32
+//   parameters (P32) it still takes eight: bf16 16384x4096 83.9 against 82.9 with four, session 12 call 3);
 // - then (nv 0) norm_fwd_wide_kernel, or norm_fwd_generic_kernel for scalar rows. Scalar rows (VEC = 1): four values
 //   per thread with prefetch, up to 1024 threads per row.
-template <int V, bool RMS>
+template <int V, bool RMS, bool P32 = false>
 constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
   if (!vec) {
     const int tpr = round_tpr(ceil_div(chunks, 4));
@@ -1855,13 +1856,26 @@ constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
     const int tpr4 = round_tpr(ceil_div(chunks, 4));
     if (tpr4 <= 512) return {4, tpr4, false, true};
   }
-  const int nv = h <= (RMS ? 8192 : 4096) ? 4 : 8;
+  const int nv = h <= (RMS ? 8192 : P32 ? 0 : 4096) ? 4 : 8;
   const int tpr = round_tpr(ceil_div(chunks, nv));
   if (tpr <= 1024) return {nv, tpr, false, false};
   const int tpr8 = round_tpr(ceil_div(chunks, 8));
   if (tpr8 <= 1024) return {8, tpr8, false, false};
   return Cfg{};
 }
+
+// 16-bit LayerNorm rows with fp32 parameters never take a four-chunk plan without prefetch (below 512 columns they
+// prefetch, wider ones take eight chunks, and rows past 8192 chunks none), so launch_fwd instantiates no such kernel
+// for them; checked here over every row that has a register plan.
+constexpr bool fwd_p32_nv4_full_unused() {
+  for (int64_t chunks = 1; chunks <= int64_t{8} * 1024 + 1; ++chunks) {
+    const Cfg c = fwd_plan<8, false, true>(chunks, true);
+    if (c.nv == 4 && !c.pf) return false;
+  }
+  return true;
+}
+static_assert(fwd_p32_nv4_full_unused(), "fwd_plan: a four-chunk plan without prefetch for LayerNorm with fp32 "
+                                         "parameters and a 16-bit input (launch_fwd)");
 
 // Backward plans. Vector rows: two chunks per thread with register column sums and prefetch, up to 512 threads per
 // row when ASYNC (grad_output of the input's element size: norm_bwd_async_kernel; bf16/fp16 H <= 8192, fp32
@@ -2049,7 +2063,8 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
   bool vec = H % V == 0 && aligned(x, 16) && aligned(y, V * sizeof(Tout));
   if (w != nullptr) vec = vec && aligned(w, V * sizeof(Tp));
   if (b != nullptr) vec = vec && aligned(b, V * sizeof(Tp));
-  Cfg cfg = fwd_plan<V, RMS>(vec ? H / V : H, vec);
+  constexpr bool P32 = sizeof(Tin) == 2 && sizeof(Tp) == 4;  // fp32 parameters of a 16-bit input
+  Cfg cfg = fwd_plan<V, RMS, P32>(vec ? H / V : H, vec);
   bool full_grid = !cfg.pf;
 #if defined(PIPEGOOSE_NORM_FWD_EXPERIMENT)
   const FwdExp ex = fwd_exp();
@@ -2121,7 +2136,7 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
   };
 #if defined(PIPEGOOSE_NORM_HIDDEN)
   // H == kSpecHidden on the vector path: cfg is this compile-time plan; the vector branches below with HC = H.
-  constexpr Cfg spec = fwd_plan<V, RMS>(kSpecHidden / V, true);
+  constexpr Cfg spec = fwd_plan<V, RMS, P32>(kSpecHidden / V, true);
   if constexpr (spec.nv != 0) {
     if (vec && H == kSpecHidden) {
       static_assert((spec.nv == 4 || spec.nv == 8) && !(spec.nv == 8 && spec.pf), "fwd_plan: vector plans");
@@ -2155,7 +2170,12 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
   } else if (cfg.nv == 4 && cfg.pf) {
     go(IC<4>{}, IC<V>{}, IC<1>{}, IC<1>{}, IC<0>{});
   } else if (cfg.nv == 4) {
-    go(IC<4>{}, IC<V>{}, IC<0>{}, IC<1>{}, IC<0>{});
+    if constexpr (P32 && !RMS) {  // no such plan: fwd_p32_nv4_full_unused
+      TORCH_INTERNAL_ASSERT(false, "layer_norm forward: no four-chunk plan without prefetch for fp32 parameters of a "
+                            "16-bit input (H = ", H, ")");
+    } else {
+      go(IC<4>{}, IC<V>{}, IC<0>{}, IC<1>{}, IC<0>{});
+    }
   } else {
     go(IC<8>{}, IC<V>{}, IC<0>{}, IC<1>{}, IC<0>{});
   }
