@@ -12,7 +12,8 @@ run it in each checkout (one process each: two builds of one op cannot share a p
 the lines on their keys; ``benchmarks/results/nvidia_h200_2026-11-29/norm_ab_session4.log`` was made that way.
 Correctness is the GPU tests' job (``tests/kernels/test_norms_cuda.py``), not this script's.
 
-``--fwd-plans "CFG;CFG;..."`` compares forward launch plans within one build: it builds with
+``--fwd-plans="CFG;CFG;..."`` (with ``=``: a list that starts with ``-`` is otherwise taken for an option) compares
+forward launch plans within one build: it builds with
 ``-DPIPEGOOSE_NORM_FWD_EXPERIMENT`` and times each forward once per CFG, set through ``PIPEGOOSE_NORM_FWD_EXP``
 (``grid,nv,pf,preg``: grid 0 persistent / 1 full, 1, 2, 4 or 8 chunks per thread, prefetch (2 or 4 chunks),
 parameters in registers where they fit; ``-`` is the shipped plan; see ``fwd_exp`` in ``norm_kernels.cuh``; bf16 and
@@ -93,7 +94,7 @@ def main() -> None:
     ap.add_argument("--bwd-only", action="store_true")
     ap.add_argument("--max-h", type=int, default=0, help="only the shapes with H up to this (0: all)")
     ap.add_argument("--shapes", default="", help="ROWSxH,... instead of the sweep's shapes")
-    ap.add_argument("--fwd-plans", default="", help='forward plans to compare, e.g. "-;1,4,0,0;1,8,0,0"')
+    ap.add_argument("--fwd-plans", default="", help='forward plans to compare, e.g. --fwd-plans="-;1,4,0,0;1,8,0,0"')
     ap.add_argument("--bwd-wide", action="store_true",
                     help="build with -DPIPEGOOSE_NORM_BWD_EXPERIMENT and time each backward also on the two-kernel "
                          "wide-row path (plan 'wide')")

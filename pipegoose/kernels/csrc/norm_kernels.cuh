@@ -496,7 +496,7 @@ __device__ __forceinline__ void load_params(const Tp* __restrict__ w, const Tp* 
 // bytes; fewer than two stages: none. Session 12 A/B (norm_raw, % of copy, no staging -> 2 / 3 / 4 stages):
 // fp32 16384x32768 87.1 -> 92.0 / 95.8 / 95.3, bf16 8192x65536 81.2 -> 88.3 / 89.2 / 87.1 (fp16 alike). RMSNorm
 // (one parameter array) is not staged: fp32 16384x32768 97.3 -> 96.4 / 95.4 (4 / 6 stages) / 94.8 (8), 16-bit
-// 8192x65536 +0.6-1.0. -DPIPEGOOSE_NORM_FWD_PSMEM=0 builds the kernels without staging.
+// 8192x65536 +0.4-1.5. -DPIPEGOOSE_NORM_FWD_PSMEM=0 builds the kernels without staging.
 #if defined(PIPEGOOSE_NORM_FWD_PSMEM)
 constexpr int kFwdParamSmem = PIPEGOOSE_NORM_FWD_PSMEM;
 #else
@@ -522,7 +522,7 @@ static __device__ __align__(16) const uint32_t kParamZeros[8] = {0u, 0u, 0u, 0u,
 // The row kernel's parameters at element j (ZS, fwd_zero_stride): w + j * wm and b + j * bm, never null (an absent
 // one is a stand-in with multiplier 0); else as given, null when absent, tested per load (load_params). Session 12 A/B
 // (norm_raw, null tests -> zero stride, % of copy): bf16 LayerNorm 512-4096 columns +0.6-1.0, RMSNorm bf16 and fp32 at
-// 8192 +0.8-1.1, the rest within 0.5; but LayerNorm with fp32 parameters and a 16-bit input spilled 12-20 bytes and
+// 8192 +0.7-1.2, the rest within 0.5; but LayerNorm with fp32 parameters and a 16-bit input spilled 12-20 bytes and
 // ran 7-8 points slower (bf16 16384x4096 81.1 -> 73.9), so those kernels keep the null tests.
 // -DPIPEGOOSE_NORM_FWD_NULLCHK (a benchmark experiment) gives every kernel the null tests.
 template <typename Tin, typename Tp, bool RMS>
