@@ -48,6 +48,7 @@
 #include <tuple>
 #include <utility>
 #include <type_traits>
+#include "pipegoose_async.cuh"
 #include "pipegoose_check.h"
 
 namespace pipegoose {
@@ -427,44 +428,6 @@ __device__ __forceinline__ void load_row(const T* __restrict__ base, bool valid,
   }
 }
 
-// Copies 16 bytes from global to shared memory asynchronously (bypassing L1); src_bytes 0 writes 16 zeros and
-// reads nothing (src must still be a valid address). Before sm_80 (no cp.async): a plain load and store, so the
-// kernel stays correct there (without the overlap).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-  *reinterpret_cast<uint4*>(dst) = src_bytes ? *reinterpret_cast<const uint4*>(src) : make_uint4(0u, 0u, 0u, 0u);
-#else
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(src_bytes) : "memory");
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-// Waits until at most N of this thread's committed groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
-}
-
-// cp_async_wait<N>() for a count known only after unrolling (n: 0-7).
-__device__ __forceinline__ void cp_async_wait_upto(int n) {
-  switch (n) {
-    case 0: cp_async_wait<0>(); break;
-    case 1: cp_async_wait<1>(); break;
-    case 2: cp_async_wait<2>(); break;
-    case 3: cp_async_wait<3>(); break;
-    case 4: cp_async_wait<4>(); break;
-    case 5: cp_async_wait<5>(); break;
-    case 6: cp_async_wait<6>(); break;
-    default: cp_async_wait<7>(); break;
-  }
-}
-
 // Fills a chunk with v (v rounded to T; the forward's stand-in for an absent weight (1) or bias (0), exact in every
 // dtype).
 template <typename T, int N>
@@ -488,15 +451,15 @@ __device__ __forceinline__ void load_params(const Tp* __restrict__ w, const Tp* 
 }
 
 // LayerNorm rows of one block per SM (the NOL1 kernels): the parameters of a thread's chunks are copied into its own
-// slots of dynamic shared memory with cp.async, the first fwd_param_stages chunks' before the row reductions and
-// chunk n + stages's as soon as chunk n is written, instead of being loaded chunk by chunk after the reductions:
-// there, each chunk waited for its own L2 round trip (the loads sat behind the chunk's branch), and with one block
-// per SM nothing else ran meanwhile. The copies hold no registers (holding the loads in registers instead spilled:
-// ptxas, 64 registers with 32 words of x). Shared memory: stages * 1024 * fwd_param_bytes, at most kFwdParamSmem
-// bytes; fewer than two stages: none. Session 12 A/B (norm_raw, % of copy, no staging -> 2 / 3 / 4 stages):
-// fp32 16384x32768 87.1 -> 92.0 / 95.8 / 95.3, bf16 8192x65536 81.2 -> 88.3 / 89.2 / 87.1 (fp16 alike). RMSNorm
-// (one parameter array) is not staged: fp32 16384x32768 97.3 -> 96.4 / 95.4 (4 / 6 stages) / 94.8 (8), 16-bit
-// 8192x65536 +0.4-1.5. -DPIPEGOOSE_NORM_FWD_PSMEM=0 builds the kernels without staging.
+// slots of dynamic shared memory with cp.async, the first fwd_param_stages chunks' before the row reductions and chunk
+// n + stages's as soon as chunk n is written, instead of being loaded chunk by chunk after the reductions: there, each
+// chunk waited for its own L2 round trip (the loads sat behind the chunk's branch), and with one block per SM nothing
+// else ran meanwhile. The copies hold no registers (loads into registers one or more chunks ahead spilled 8-204 bytes:
+// ptxas, 64 registers with 32 words of x). Shared memory: stages * 1024 * fwd_param_bytes, at most kFwdParamSmem bytes;
+// fewer than two stages: none. Session 12 A/B (norm_raw, % of copy, no staging -> 2 / 3 / 4 stages): fp32 16384x32768
+// 87.1 -> 92.0 / 95.8 / 95.3, bf16 8192x65536 81.2 -> 88.3 / 89.2 / 87.1 (fp16 alike). RMSNorm (one parameter array) is
+// not staged: fp32 16384x32768 97.3 -> 96.4 / 95.4 (4 / 6 stages) / 94.8 (8), 16-bit 8192x65536 +0.4-1.5.
+// -DPIPEGOOSE_NORM_FWD_PSMEM=0 builds the kernels without staging.
 #if defined(PIPEGOOSE_NORM_FWD_PSMEM)
 constexpr int kFwdParamSmem = PIPEGOOSE_NORM_FWD_PSMEM;
 #else
@@ -511,20 +474,20 @@ constexpr int fwd_param_stages(int vec, int p_bytes, bool rms, int nv) {
 
 // Stand-ins for an absent weight (ones) and bias (zeros), 32 bytes in every parameter dtype. The row kernel reads
 // them in place of a null parameter with a zero stride (launch_fwd passes them with wm / bm = 0, see
-// load_params_m), so that its loads need no test and no fill of the absent values per chunk (session 9's SASS of
-// the 16-bit LayerNorm: about 20 of the 80 instructions per chunk of the output loop were those).
+// load_params_m), so that its loads need no test and no fill of the absent values per chunk (session 12, SASS of the
+// 16-bit LayerNorm's output loop: about 15 of the 81 instructions per chunk were those).
 static __device__ __align__(16) const uint32_t kParamOnes[3][8] = {
     {0x3f800000u, 0x3f800000u, 0x3f800000u, 0x3f800000u, 0x3f800000u, 0x3f800000u, 0x3f800000u, 0x3f800000u},
     {0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u},
     {0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u}};
 static __device__ __align__(16) const uint32_t kParamZeros[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
 
-// The row kernel's parameters at element j (ZS, fwd_zero_stride): w + j * wm and b + j * bm, never null (an absent
-// one is a stand-in with multiplier 0); else as given, null when absent, tested per load (load_params). Session 12 A/B
-// (norm_raw, null tests -> zero stride, % of copy): bf16 LayerNorm 512-4096 columns +0.6-1.0, RMSNorm bf16 and fp32 at
-// 8192 +0.7-1.2, the rest within 0.5; but LayerNorm with fp32 parameters and a 16-bit input spilled 12-20 bytes and
-// ran 7-8 points slower (bf16 16384x4096 81.1 -> 73.9), so those kernels keep the null tests.
-// -DPIPEGOOSE_NORM_FWD_NULLCHK (a benchmark experiment) gives every kernel the null tests.
+// The row kernel's parameters at element j (ZS, fwd_zero_stride): w + j * wm and b + j * bm, never null (an absent one
+// is a stand-in with multiplier 0); else as given, null when absent, tested per load (load_params). Session 12 A/B
+// (norm_raw, null tests -> zero stride, % of copy, two runs each): bf16 LayerNorm 512-4096 columns 87.4-88.3 ->
+// 88.2-89.3, RMSNorm bf16 and fp32 at 8192 +0.7-1.2, the rest -0.6 to +0.9; but LayerNorm with fp32 parameters and a
+// 16-bit input spilled 12-20 bytes and ran 7-8 points slower (bf16 16384x4096 81.1 -> 73.9), so those kernels keep the
+// null tests. -DPIPEGOOSE_NORM_FWD_NULLCHK (a benchmark experiment) gives every kernel the null tests.
 template <typename Tin, typename Tp, bool RMS>
 constexpr bool fwd_zero_stride() {
 #if defined(PIPEGOOSE_NORM_FWD_NULLCHK)
@@ -857,6 +820,9 @@ norm_fwd_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const Tp* _
       }
       }
     }
+    // No copy of this row's parameters outlives it (a row past the end waited for none above), so that the next
+    // row's copies into the same slots cannot race them. After a valid row nothing is in flight: a no-op.
+    if constexpr (PST > 0) cp_async_wait<0>();
     if constexpr (PF) {
 #pragma unroll
       for (int n = 0; n < NV; ++n) cur[n] = nxt[n];

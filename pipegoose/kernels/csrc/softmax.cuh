@@ -15,6 +15,8 @@
 #include <optional>
 #include <type_traits>
 
+#include "pipegoose_async.cuh"
+
 namespace pipegoose {
 namespace softmax_detail {
 
@@ -473,35 +475,6 @@ __device__ __forceinline__ float tree_sum(const float (&v)[N]) {
   }
 }
 
-// 16-byte global -> shared copy that needs no register (cp.async, sm_80+); the bytes from src_bytes on are zero
-// filled, and src_bytes = 0 reads nothing. Before sm_80 (no cp.async): a plain load of the whole vector (the callers
-// pass whole vectors of the row: the FAST path), its bytes from src_bytes on zeroed, and a store, so that the kernels
-// build and stay correct there (without the overlap).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-  uint4 v = make_uint4(0u, 0u, 0u, 0u);
-  if (src_bytes > 0) {
-    v = *reinterpret_cast<const uint4*>(gmem);
-    auto keep = [&](int word) -> uint32_t {  // bytes word * 4 .. word * 4 + 3, the first in the low bits
-      const int n = src_bytes - word * 4;
-      return n >= 4 ? 0xffffffffu : (n <= 0 ? 0u : 0xffffffffu >> (8 * (4 - n)));
-    };
-    v.x &= keep(0);
-    v.y &= keep(1);
-    v.z &= keep(2);
-    v.w &= keep(3);
-  }
-  *reinterpret_cast<uint4*>(smem) = v;
-#else
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
-#endif
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-#endif
-}
 
 // Row handled by slot idx of the grid order: causal launches run the rows in reverse (within each head the
 // longest rows, the last queries, start first), so the last wave holds the shortest rows instead of the longest.
