@@ -821,9 +821,9 @@ norm_fwd_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const Tp* _
       }
     }
     // Staged rows (PST > 0) wait for all their copies in the output loop above, so none outlives the row. That loop
-    // runs only for a valid row: the NOL1 launches are a full grid of one row per block (rpb 1, grid = rows), where
-    // every row a block reaches is valid. A launch that could reach a row past the end would need
-    // cp_async_wait<0>() here before the next row's copies reuse the slots.
+    // runs only for a valid row, and the NOL1 blocks hold one row group (rpb 1), so every row the row loop reaches is
+    // valid. A kernel with several row groups per block would need cp_async_wait<0>() here before the next row's
+    // copies reuse the slots.
     if constexpr (PF) {
 #pragma unroll
       for (int n = 0; n < NV; ++n) cur[n] = nxt[n];
