@@ -742,8 +742,8 @@ norm_fwd_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const Tp* _
         if (chunk_in<FIXED>(t + n * tpr, n, tpr, nchunks)) {
 #pragma unroll
           for (int i = 0; i < VEC; ++i) {
-            if constexpr (HOLDF) {
-              if constexpr (!RMS) xf[n][i] -= mean;
+            if constexpr (HOLDF) {  // LayerNorm only
+              xf[n][i] -= mean;
               q[0] += xf[n][i] * xf[n][i];
             } else {
               const float d = raw_get(cur[n], i) - mean;
@@ -806,9 +806,8 @@ norm_fwd_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const Tp* _
             }
 #pragma unroll
             for (int i = 0; i < PG; ++i) {
-              if constexpr (HOLDF) {  // xf: x - mean (LayerNorm) or x (RMSNorm)
-                const float v = xf[n][g0 + i];
-                o[g0 + i] = RMS ? v * rstd * raw_get(cw, i) : fmaf(v * rstd, raw_get(cw, i), raw_get(cb, i));
+              if constexpr (HOLDF) {  // LayerNorm only: xf holds x - mean
+                o[g0 + i] = fmaf(xf[n][g0 + i] * rstd, raw_get(cw, i), raw_get(cb, i));
               } else {
                 const float v = raw_get(cur[n], g0 + i);
                 o[g0 + i] = RMS ? v * rstd * raw_get(cw, i) : fmaf((v - mean) * rstd, raw_get(cw, i), raw_get(cb, i));
