@@ -7,11 +7,13 @@ Calls the forward and backward of ``pipegoose/layer_norm`` and ``pipegoose/rms_n
 ``norm_kernels.cuh``: scalar rows, register and shared-memory accumulator plans, the asynchronous-copy backward over
 many rows, the prefetching and full-grid forward plans, the rows of one block per SM (parameters staged through shared
 memory; 32000 and 64000 columns leave their last stride partial), the wide-row forward, the specialised backward sizes, the
-two-kernel wide backward, with and without parameters and with a bias alone, fp32 parameters and fp32 grad_output with
-a 16-bit input) and of
+wide rows' backward (a thread block cluster per row on sm_90 and newer, the two-kernel path with fp32 grad_output of a
+16-bit input and before sm_90), with and without parameters and with a bias alone, fp32 parameters and fp32 grad_output
+with a 16-bit input) and of
 ``pipegoose/softmax`` (plain, padding-masked, causal; 1 to 40000 keys; one and three query rows) in fp32, fp16 and
 bf16, at row counts small enough for the sanitizers (seconds, not hours). The optional argument
-``norms`` or ``softmax`` limits it to one family. The GPU tests check values; this checks memory accesses, shared
+``norms`` or ``softmax`` limits it to one family; ``norms`` followed by hidden sizes (of the list
+``NORM_HIDDEN``) to those sizes, e.g. ``norms 16384 20000 32768 64000`` for the wide rows' backward. The GPU tests check values; this checks memory accesses, shared
 memory races and initialisation: the test suite itself is too large to run under the sanitizers (out of memory).
 """
 
@@ -28,8 +30,19 @@ SOFTMAX_KEYS = (1, 5, 127, 1000, 2048, 4097, 16384, 40000)
 
 def main() -> int:
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
-    if which not in ("all", "norms", "softmax") or len(sys.argv) > 2:
-        raise SystemExit(f"sanitize_kernels: expected 'norms', 'softmax' or nothing, got {' '.join(sys.argv[1:])!r}")
+    hidden = NORM_HIDDEN
+    if which == "norms" and len(sys.argv) > 2:
+        try:
+            hidden = tuple(int(a) for a in sys.argv[2:])
+        except ValueError:
+            raise SystemExit(f"sanitize_kernels: norms: expected hidden sizes (integers), got "
+                             f"{' '.join(sys.argv[2:])!r}") from None
+        if not set(hidden) <= set(NORM_HIDDEN):
+            raise SystemExit(f"sanitize_kernels: norms: expected hidden sizes among {NORM_HIDDEN}, got "
+                             f"{' '.join(sys.argv[2:])!r}")
+    elif which not in ("all", "norms", "softmax") or len(sys.argv) > 2:
+        raise SystemExit(f"sanitize_kernels: expected 'norms' [HIDDEN ...], 'softmax' or nothing, got "
+                         f"{' '.join(sys.argv[1:])!r}")
     if not torch.cuda.is_available():
         raise SystemExit("sanitize_kernels: needs a CUDA GPU")
     from pipegoose.kernels import load
@@ -38,10 +51,12 @@ def main() -> int:
     if which in ("all", "norms"):
         ln, rms = load("pipegoose/layer_norm"), load("pipegoose/rms_norm")
         for dt in dtypes:
-            for h in NORM_HIDDEN:
+            for h in hidden:
                 # 5000 rows: each row group of the persistent backward walks several rows (the asynchronous-copy
-                # kernel's ring of stages wraps around; 1000: the generic 16-bit kernel of three stages).
-                for rows in ((3, 37, 5000) if h in (768, 1000, 4096, 5120) else (3, 37) if h == 20000 else (3,)):
+                # kernel's ring of stages wraps around; 1000: the generic 16-bit kernel of three stages). 601 rows
+                # of 20000 columns: the clusters of the wide rows' backward (4 blocks each) walk several steps and
+                # their rings of stages wrap around, with a last step of one row in two.
+                for rows in ((3, 37, 5000) if h in (768, 1000, 4096, 5120) else (3, 37, 601) if h == 20000 else (3,)):
                     for pdt in ({dt, torch.float32} if h in (1000, 4096, 12288) else {dt}):
                         x = torch.randn(rows, h, device="cuda", dtype=dt)
                         dy = torch.randn_like(x)

@@ -20,8 +20,10 @@
 // stages with cp.async instead of prefetching into registers (see there); norm_bwd_kernel runs the other plans.
 // Rows wider than the register capacity: the forward takes norm_fwd_wide_kernel on the vector path (block per row, two
 // reads of the row, the second from L2), norm_fwd_generic_kernel on the scalar path (three scalar reads); the backward
-// of vector rows (and of 16-bit LayerNorm rows from 16384 columns) the two-kernel path (norm_bwd_rowstats_kernel +
-// norm_bwd_cols_kernel), of scalar rows norm_bwd_generic_kernel.
+// of vector rows (and of 16-bit LayerNorm rows from 16384 columns, fp32 LayerNorm rows of 16384) a thread block
+// cluster per row on sm_90 and newer (norm_bwd_cluster_kernel, one read of x and dy) where x and dy have one element
+// size, else the two-kernel path (norm_bwd_rowstats_kernel + norm_bwd_cols_kernel, two reads), of scalar rows
+// norm_bwd_generic_kernel.
 // Launch plans per hidden size: fwd_plan / bwd_plan below. A build with -DPIPEGOOSE_NORM_HIDDEN=H0 (a benchmark
 // experiment, off in the shipped build; see the host side) adds instantiations specialised to H == H0.
 #pragma once
@@ -1540,6 +1542,309 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Backward of wide rows on sm_90: one row shared by a thread block cluster
+// ---------------------------------------------------------------------------------------------------------
+// Rows too wide for the register plans of one block (16-bit LayerNorm from 16384 columns, every row from 32768) take
+// the two-kernel path below on GPUs before sm_90: it reads x and dy twice, five passes over an activation instead of
+// three, so at most 60% of the copy bandwidth (55-60% measured on the H200). On sm_90 a cluster of CL blocks (CL SMs)
+// shares each row instead:
+// - block k of the cluster (its rank) owns the chunks [k * cpb, (k + 1) * cpb) of every row the cluster walks (rows
+//   cluster, cluster + clusters, ...); thread t owns the chunks t + n * kClThreads of that slab (n < NV), their weight
+//   and their column sums in registers;
+// - x and dy stream through a ring of stages (bwd_cluster_stages) of shared memory with cp.async, as in norm_bwd_async_kernel:
+//   each thread copies and later reads only its own slots, so no barrier guards the stages;
+// - a step takes R rows (bwd_cluster_rows): their two row sums each (one for RMSNorm) are summed over the block (warp
+//   shuffles, one __syncthreads), written to the block's slots `part`, and after one cluster barrier every thread
+//   adds the CL blocks' slots through distributed shared memory in rank order: the same bits in every block of the
+//   cluster. The slots alternate between two buffers, so one barrier per step suffices (a slot is rewritten two steps
+//   later, after the next barrier, which every reader of it has passed);
+// - then dx = rstd * (dy * w - c1 - xhat * c2) from the stages, while the copies of the next S - R rows are in
+//   flight through the barrier.
+// One read of x and dy and one write of dx; the column sums go to ws [NACC, clusters, H] like the other plans' (one
+// partial row per cluster; norm_col_reduce_kernel sums them in a fixed order). The body compiles for sm_90 and newer
+// only (clusters): the host launches it only on such a GPU.
+constexpr int kClThreads = 512;
+#if defined(PIPEGOOSE_NORM_BWD_CL_VALUES)
+constexpr int kClValues = PIPEGOOSE_NORM_BWD_CL_VALUES;  // benchmark experiment: 8 or 16
+#else
+constexpr int kClValues = 16;     // values per thread and row: NV = kClValues / VEC chunks
+#endif
+static_assert(kClValues == 8 || kClValues == 16, "PIPEGOOSE_NORM_BWD_CL_VALUES: expected 8 or 16");
+constexpr int kClMaxCluster = 8;  // the portable cluster size limit
+// Stages: as many as fit kClSmemBytes of shared memory per block, 2 to 7 (fp32: 3 of 64 KB; 16-bit: 6 of 32 KB).
+// -DPIPEGOOSE_NORM_BWD_CL_SMEM_KB=N and -DPIPEGOOSE_NORM_BWD_CL_MINB=B (benchmark experiments, off in the shipped
+// build) set the budget and the blocks per SM of the launch bounds (B = 2 holds the kernel at 64 registers).
+#if defined(PIPEGOOSE_NORM_BWD_CL_SMEM_KB)
+constexpr int kClSmemBytes = PIPEGOOSE_NORM_BWD_CL_SMEM_KB * 1024;
+#else
+constexpr int kClSmemBytes = 192 * 1024;
+#endif
+#if defined(PIPEGOOSE_NORM_BWD_CL_MINB)
+constexpr int kClMinBlocks = PIPEGOOSE_NORM_BWD_CL_MINB;
+#else
+constexpr int kClMinBlocks = 1;
+#endif
+static_assert(kClMinBlocks >= 1 && kClMinBlocks <= 2, "PIPEGOOSE_NORM_BWD_CL_MINB: expected 1 or 2");
+constexpr int bwd_cluster_stages(int in_bytes, int dy_bytes) {
+  const int n = kClSmemBytes / (kClThreads * kClValues * (in_bytes + dy_bytes));
+  return n > 7 ? 7 : n < 2 ? 2 : n;
+}
+
+// Rows per step (one block reduction and one cluster barrier for R rows): two for 16-bit rows (at least four stages),
+// one for fp32 (three stages). -DPIPEGOOSE_NORM_BWD_CL_ROWS=R (a benchmark experiment, off in the shipped build) sets
+// the 16-bit rows'.
+#if defined(PIPEGOOSE_NORM_BWD_CL_ROWS)
+constexpr int kClRows16 = PIPEGOOSE_NORM_BWD_CL_ROWS;
+#else
+constexpr int kClRows16 = 2;
+#endif
+static_assert(kClRows16 >= 1 && kClRows16 <= 3, "PIPEGOOSE_NORM_BWD_CL_ROWS: expected 1 to 3");
+constexpr int bwd_cluster_rows(int in_bytes, int dy_bytes) {
+  return in_bytes + dy_bytes == 4 && bwd_cluster_stages(in_bytes, dy_bytes) >= 2 * kClRows16 ? kClRows16 : 1;
+}
+
+// Shared memory of the stages of norm_bwd_cluster_kernel, in bytes (per block).
+constexpr size_t bwd_cluster_smem(int in_bytes, int dy_bytes) {
+  return static_cast<size_t>(bwd_cluster_stages(in_bytes, dy_bytes)) * kClThreads * kClValues *
+         static_cast<size_t>(in_bytes + dy_bytes);
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ unsigned cluster_special(int which) {
+  unsigned v;
+  if (which == 0) {
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(v));
+  } else if (which == 1) {
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(v));
+  } else if (which == 2) {
+    asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(v));
+  } else {
+    asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(v));
+  }
+  return v;
+}
+
+// Every thread of every block of the cluster: writes before it are visible to reads after it, cluster-wide.
+__device__ __forceinline__ void cluster_barrier() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Reads the float2 at p (shared memory of this block) in the block of rank `rank` of the cluster.
+__device__ __forceinline__ float2 ld_cluster_f2(const float2* p, unsigned rank) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  uint32_t ra;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+  float2 v;
+  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(ra) : "memory");
+  return v;
+}
+#endif
+
+// Launched in clusters of CL = gridDim.x / clusters blocks of kClThreads threads (1-D grid and clusters), with
+// bwd_cluster_smem bytes of dynamic shared memory; cpb: chunks per block (cpb <= kClThreads * NV, CL * cpb >= H / VEC).
+template <typename Tin, typename Tdy, int VEC, int NV, bool RMS>
+__global__ void __launch_bounds__(kClThreads, kClMinBlocks)
+norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const void* __restrict__ w, bool p_f32,
+                        const float* __restrict__ mean, const float* __restrict__ rstd, Tin* __restrict__ dx,
+                        float* __restrict__ ws, int64_t rows, int H, int cpb) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(NV * VEC == kClValues, "norm_bwd_cluster_kernel: kClValues values per thread");
+  constexpr int NACC = RMS ? 1 : 2;
+  constexpr int S = bwd_cluster_stages(static_cast<int>(sizeof(Tin)), static_cast<int>(sizeof(Tdy)));
+  constexpr int R = bwd_cluster_rows(static_cast<int>(sizeof(Tin)), static_cast<int>(sizeof(Tdy)));
+  static_assert(S >= 2 * R || (R == 1 && S >= 2), "norm_bwd_cluster_kernel: stages for R rows in use and R in flight");
+  constexpr int kWarps = kClThreads / 32;
+  extern __shared__ __align__(16) float bwd_smem[];
+  __shared__ __align__(16) float red[2][2 * R][kWarps];  // [parity][sum of row][warp]
+  __shared__ __align__(16) float2 part[2][R];            // [parity][row]: this block's row sums, read by the cluster
+  const unsigned rank = cluster_special(0);
+  const unsigned cl = cluster_special(1);
+  const int64_t cid = cluster_special(2);
+  const int64_t ncl = cluster_special(3);
+  const int t = threadIdx.x;
+  const int warp = t >> 5, lane = t & 31;
+  const int c0 = static_cast<int>(rank) * cpb;  // the block's first chunk
+  const int nchunks = max(0, min(cpb, H / VEC - c0));
+  const int64_t col0 = static_cast<int64_t>(c0) * VEC;
+  const float inv_h = 1.f / static_cast<float>(H);
+  constexpr int rowlen = NV * kClThreads * VEC;  // elements of one stage
+  Tin* xs = reinterpret_cast<Tin*>(bwd_smem);
+  Tdy* ds = reinterpret_cast<Tdy*>(xs + S * rowlen);
+
+  float wv[NV][VEC];
+  float acc_w[NV][VEC];
+  float acc_b[NV][VEC];  // unused (and dropped by the compiler) when RMS
+#pragma unroll
+  for (int n = 0; n < NV; ++n) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      wv[n][i] = 1.f;
+      acc_w[n][i] = 0.f;
+      acc_b[n][i] = 0.f;
+    }
+  }
+
+  // The cluster's k-th row (cid + k * ncl) goes to stage k % S, one commit group per row. Prologue: the first S - R
+  // rows in flight.
+  auto issue = [&](int64_t k, int slot) {
+    const int64_t row = cid + k * ncl;
+    const bool valid = row < rows;
+    const int64_t off = valid ? row * H + col0 : 0;
+    async_row<Tin, VEC, NV, false>(xs + slot * rowlen, x + off, x, valid, t, kClThreads, nchunks);
+    async_row<Tdy, VEC, NV, false>(ds + slot * rowlen, dy + off, dy, valid, t, kClThreads, nchunks);
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int k = 0; k < S - R; ++k) issue(k, k);
+  if (w != nullptr) {
+#pragma unroll
+    for (int n = 0; n < NV; ++n) {
+      const int c = t + n * kClThreads;
+      if (c < nchunks) load_param<VEC, Tin>(w, p_f32, (c0 + c) * VEC, wv[n]);
+    }
+  }
+
+  int parity = 0;
+  int stage = 0;  // the stage of the step's first row
+  // R rows per step (rows row + q * ncl, q < R); the same steps, so the same barriers, in every block.
+  for (int64_t k = 0, row = cid; row < rows; k += R, row += R * ncl) {
+#pragma unroll
+    for (int q = 0; q < R; ++q) {
+      const int slot = stage + S - R + q;
+      issue(k + S - R + q, slot >= S ? slot - S : slot);
+    }
+    float m[R], r[R];
+#pragma unroll
+    for (int q = 0; q < R; ++q) {
+      const int64_t rq = row + q * ncl;
+      m[q] = 0.f;
+      r[q] = 0.f;  // a row past the end: zero-filled stages and r = 0 add nothing below
+      if (rq < rows) {
+        if constexpr (!RMS) m[q] = mean[rq];
+        r[q] = rstd[rq];
+      }
+    }
+    cp_async_wait<S - R>();  // the step's R groups (committed S - R groups and more ago) have landed
+
+    float s[2 * R];
+#pragma unroll
+    for (int q = 0; q < R; ++q) {
+      const int sq = stage + q >= S ? stage + q - S : stage + q;
+      const Tin* xrow = xs + sq * rowlen;
+      const Tdy* drow = ds + sq * rowlen;
+      float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+      for (int n = 0; n < NV; ++n) {
+        const int c = t + n * kClThreads;
+        Raw<Tin, VEC> xc;
+        Raw<Tdy, VEC> dc;
+        raw_lds(xrow + c * VEC, xc);
+        raw_lds(drow + c * VEC, dc);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const float xh = (raw_get(xc, i) - m[q]) * r[q];  // zero-filled slots: dy == 0, so they add nothing
+          const float d = raw_get(dc, i);
+          acc_w[n][i] += d * xh;
+          if constexpr (!RMS) acc_b[n][i] += d;
+          const float g = d * wv[n][i];
+          if constexpr (!RMS) s0 += g;
+          s1 += g * xh;
+        }
+      }
+      s[2 * q] = s0;
+      s[2 * q + 1] = s1;
+    }
+    // The block's sums, then the cluster's.
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+#pragma unroll
+      for (int j = 0; j < 2 * R; ++j) {
+        if (!RMS || (j & 1)) s[j] += __shfl_xor_sync(0xffffffffu, s[j], off);
+      }
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int j = 0; j < 2 * R; ++j) red[parity][j][warp] = s[j];
+    }
+    __syncthreads();
+    if (warp == 0) {
+      float b[2 * R];
+#pragma unroll
+      for (int j = 0; j < 2 * R; ++j) b[j] = lane < kWarps && (!RMS || (j & 1)) ? red[parity][j][lane] : 0.f;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+#pragma unroll
+        for (int j = 0; j < 2 * R; ++j) {
+          if (!RMS || (j & 1)) b[j] += __shfl_xor_sync(0xffffffffu, b[j], off);
+        }
+      }
+      if (lane == 0) {
+#pragma unroll
+        for (int q = 0; q < R; ++q) part[parity][q] = make_float2(b[2 * q], b[2 * q + 1]);
+      }
+    }
+    cluster_barrier();
+    float c1[R], c2[R];
+#pragma unroll
+    for (int q = 0; q < R; ++q) {
+      c1[q] = 0.f;
+      c2[q] = 0.f;
+    }
+    for (unsigned p = 0; p < cl; ++p) {
+#pragma unroll
+      for (int q = 0; q < R; ++q) {
+        const float2 v = ld_cluster_f2(&part[parity][q], p);
+        c1[q] += v.x;
+        c2[q] += v.y;
+      }
+    }
+    parity ^= 1;
+
+#pragma unroll
+    for (int q = 0; q < R; ++q) {
+      const int64_t rq = row + q * ncl;
+      if (rq >= rows) break;
+      const int sq = stage + q >= S ? stage + q - S : stage + q;
+      const Tin* xrow = xs + sq * rowlen;
+      const Tdy* drow = ds + sq * rowlen;
+      const float a1 = RMS ? 0.f : c1[q] * inv_h;
+      const float a2 = c2[q] * inv_h;
+#pragma unroll
+      for (int n = 0; n < NV; ++n) {
+        const int c = t + n * kClThreads;
+        if (c < nchunks) {
+          Raw<Tin, VEC> xc;
+          Raw<Tdy, VEC> dc;
+          raw_lds(xrow + c * VEC, xc);
+          raw_lds(drow + c * VEC, dc);
+          float o[VEC];
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            o[i] = r[q] * (raw_get(dc, i) * wv[n][i] - a1 - (raw_get(xc, i) - m[q]) * r[q] * a2);
+          }
+          store_f<VEC, Tin, kDxStream>(dx + rq * H + col0 + static_cast<int64_t>(c) * VEC, o);
+        }
+      }
+    }
+    stage = stage + R >= S ? stage + R - S : stage + R;
+  }
+  cp_async_wait<0>();  // the zero-fill copies past the last row still write this block's stages
+  cluster_barrier();   // no block leaves while another may still read its `part`
+
+  if (ws == nullptr) return;
+#pragma unroll
+  for (int a = 0; a < NACC; ++a) {
+    float* out = ws + (a * ncl + cid) * static_cast<int64_t>(H) + col0;
+#pragma unroll
+    for (int n = 0; n < NV; ++n) {
+      const int c = t + n * kClThreads;
+      if (c < nchunks) store_f<VEC>(out + c * VEC, a == 0 ? acc_w[n] : acc_b[n]);
+    }
+  }
+#endif
+}
+
 // Any H: one block per row (persistent grid), two passes over the row; the per-column sums accumulate in the
 // block's own workspace rows (each column always updated by the same thread, so no races).
 template <typename Tin, typename Tdy, bool RMS>
@@ -2149,6 +2454,87 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
 
 // Backward (dx, plus the workspace partial rows when want_ws). Returns the workspace [NACC, P, H] (undefined when
 // want_ws is false). The caller reduces it with launch_col_reduce.
+// Whether the current device runs thread block clusters (sm_90 and newer), cached per device.
+inline bool has_clusters() {
+  static std::mutex mu;
+  static std::map<int, bool> cache;
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(dev);
+  if (it != cache.end()) return it->second;
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  return cache[dev] = major >= 9;
+}
+
+// The cluster size of norm_bwd_cluster_kernel for rows of `chunks` chunks of vec elements: the smallest of 2, 4 and 8
+// whose blocks hold their slab of the row (kClThreads * kClValues / vec chunks), or 0 when none does.
+inline int bwd_cluster_size(int64_t chunks, int vec) {
+  const int64_t per_block = kClThreads * kClValues / vec;
+  for (int cl = 2; cl <= kClMaxCluster; cl *= 2) {
+    if (ceil_div(chunks, cl) <= per_block) return cl;
+  }
+  return 0;
+}
+
+// Launches norm_bwd_cluster_kernel on rows of vector chunks (H % VEC == 0, 16-byte aligned x, dy and dx, the weight
+// aligned to its chunks) in clusters of cl blocks, as many clusters as fit the GPU at once (at most one per row);
+// fills ws [NACC, clusters, H] when want_ws. Returns false, launching nothing, when the stages do not fit this
+// device's shared memory (smem_limit) or no cluster of cl such blocks fits the GPU.
+template <typename Tin, typename Tdy, bool RMS>
+bool launch_bwd_cluster(const Tdy* dy, const Tin* x, const void* w, bool p_f32, const float* mean, const float* rstd,
+                        Tin* dx, int64_t rows, int H, int cl, bool want_ws, const at::TensorOptions& fopts,
+                        cudaStream_t stream, at::Tensor& ws) {
+  constexpr int V = 16 / sizeof(Tin);
+  constexpr int NV = kClValues / V;
+  constexpr int NACC = RMS ? 1 : 2;
+  static_assert(sizeof(Tdy) == sizeof(Tin), "launch_bwd_cluster: x and dy of one element size");
+  auto kernel = &norm_bwd_cluster_kernel<Tin, Tdy, V, NV, RMS>;
+  const size_t smem = bwd_cluster_smem(static_cast<int>(sizeof(Tin)), static_cast<int>(sizeof(Tdy)));
+  if (cl < 2 || cl > kClMaxCluster || smem > smem_limit()) return false;
+  const int cpb = static_cast<int>(ceil_div(H / V, cl));
+  PG_CHECK(cpb <= kClThreads * NV, "pipegoose norm backward: internal error: ", cpb, " chunks per block of a cluster of ",
+           cl, " for ", H, " columns");
+  allow_smem(reinterpret_cast<const void*>(kernel), smem);
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cl);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.blockDim = dim3(kClThreads, 1, 1);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  // Clusters resident at once, cached per device, kernel and cluster size.
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, int>, int> cache;
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  const auto key = std::make_tuple(dev, reinterpret_cast<const void*>(kernel), cl);
+  int fit = -1;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) fit = it->second;
+  }
+  if (fit < 0) {
+    config.gridDim = dim3(static_cast<unsigned>(cl) * static_cast<unsigned>(sm_count()), 1, 1);
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&fit, kernel, &config));
+    std::lock_guard<std::mutex> lock(mu);
+    cache[key] = fit;
+  }
+  if (fit <= 0) return false;
+  const int64_t ncl = std::max<int64_t>(1, std::min<int64_t>(rows, fit));
+  config.gridDim = dim3(static_cast<unsigned>(ncl * cl), 1, 1);
+  if (want_ws) ws = at::empty({NACC, ncl, H}, fopts);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, dy, x, w, p_f32, mean, rstd, dx,
+                                    want_ws ? ws.data_ptr<float>() : nullptr, rows, H, cpb));
+  return true;
+}
+
 template <typename Tin, typename Tdy, bool RMS>
 at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, const float* mean, const float* rstd,
                       Tin* dx, int64_t rows, int H, bool want_ws, const at::TensorOptions& fopts,
@@ -2184,6 +2570,35 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   if (vec && cfg.nv == 4 && !cfg.acc_smem && !reg4_fits(cfg.tpr)) cfg.acc_smem = true;
   at::Tensor ws;
   const int sms = sm_count();
+  if constexpr (kAsyncBwd) {
+    // Rows past the register plans of one block (the two-kernel path, and fp32 LayerNorm's shared-memory plan of
+    // eight chunks per thread) run a cluster per row on sm_90 and newer (norm_bwd_cluster_kernel).
+    // -DPIPEGOOSE_NORM_BWD_NO_CLUSTER (a benchmark experiment, off in the shipped build) keeps them on those plans;
+    // -DPIPEGOOSE_NORM_BWD_CL_ALL (another) sends every row the register plans do not take to the cluster kernel.
+#if defined(PIPEGOOSE_NORM_BWD_NO_CLUSTER)
+    constexpr bool kCluster = false;
+#else
+    constexpr bool kCluster = true;
+#endif
+#if defined(PIPEGOOSE_NORM_BWD_CL_ALL)
+    const bool wide = cfg.nv == 0 || cfg.acc_smem;
+#else
+    const bool wide = cfg.nv == 0 || (!RMS && V == 4 && cfg.acc_smem && !cfg.pf);
+#endif
+    int cl = kCluster && vec && wide && has_clusters() ? bwd_cluster_size(H / V, V) : 0;
+#if defined(PIPEGOOSE_NORM_BWD_EXPERIMENT)
+    // Benchmark experiment: PIPEGOOSE_NORM_BWD_CL = 2, 4 or 8 sets the cluster size where one is taken and holds
+    // the row.
+    if (const char* e = std::getenv("PIPEGOOSE_NORM_BWD_CL"); cl > 0 && e != nullptr) {
+      const int want = std::atoi(e);
+      if ((want == 2 || want == 4 || want == 8) && ceil_div(H / V, want) <= kClThreads * kClValues / V) cl = want;
+    }
+#endif
+    if (cl > 0 && launch_bwd_cluster<Tin, Tdy, RMS>(dy, x, w, p_f32, mean, rstd, dx, rows, H, cl, want_ws, fopts,
+                                                     stream, ws)) {
+      return ws;
+    }
+  }
   if (cfg.nv == 0 && vec) {
     // Wide vector rows: the two-kernel path (norm_bwd_rowstats_kernel, norm_bwd_cols_kernel).
     auto stats = at::empty({std::max<int64_t>(rows, 1), 2}, fopts);
