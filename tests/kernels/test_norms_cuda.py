@@ -317,8 +317,8 @@ def test_wide_rows_backward(ln, rms, h):
     16384). With x and dy of one element size on sm_90 and newer: a thread block cluster per row
     (norm_bwd_cluster_kernel; clusters of 2 blocks at 16384 columns, 4 at 20000-32768, 8 at 65536), 1029 rows, more
     than the clusters that fit the GPU times the stages, so that each cluster's ring of stages wraps and the rows past
-    the end are zero-filled; 20000 and 20008 columns (2500 and 2501 chunks of 8) leave the blocks' slabs partial and
-    the last block's shorter than the others. fp32 grad_output with a 16-bit input, and GPUs before sm_90: the
+    the end are zero-filled; 20000 and 20008 columns (2500 and 2501 chunks of 8) leave the blocks' slabs partial, and
+    20008 the last block's shorter than the others. fp32 grad_output with a 16-bit input, and GPUs before sm_90: the
     row-statistics kernel and column-slab kernel (norm_bwd_rowstats_kernel, norm_bwd_cols_kernel). Five rows: fewer
     rows than clusters. With and without parameters."""
     check_dtype_cases(ln, rms, 1029, h, ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
@@ -443,8 +443,8 @@ def test_backward_plans_of_smaller_shared_memory(limit):
     """PIPEGOOSE_NORM_SMEM_LIMIT emulates a GPU with less shared memory: 100352 bytes is sm_86/sm_89's 99 KB less
     the 1 KB kept for static shared memory, where the four-chunk register plan (fp32 6000 and 8192 columns, 16-bit
     RMSNorm 12000 and 16384) must take the shared-memory accumulator plan it replaced (the forward's rows of one block
-    per SM, ONE_BLOCK_ROWS, still stage their parameters in 96 KB there, and the backward's clusters of wide rows
-    their 16-bit stages, where the fp32 rows' 192 KB do not fit and take the plans before clusters); 0 leaves every
+    per SM, ONE_BLOCK_ROWS, still stage their parameters in 96 KB there, while the backward's wide rows, whose cluster
+    stages take 192 KB, run the plans they had before clusters); 0 leaves every
     plan that needs dynamic shared memory to the generic kernel, the wide rows' backward to the two-kernel path, and
     those forward rows to the kernel without staged parameters. Both stay at the float64 reference's tolerances."""
     r = _run_with_smem_limit(str(limit), """

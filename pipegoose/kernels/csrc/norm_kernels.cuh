@@ -14,16 +14,18 @@
 // ~32-64 KB in flight per SM). The forward's other plans run a full grid (one block per row group and row).
 // Forward: one read of x, one write of y, two-pass mean/variance from registers.
 // Backward: keeps per-column partial sums of dy * xhat (and dy) in fp32 (registers, or shared memory for wide
-// rows), writes one partial row per block into an fp32 workspace [nacc, blocks, H], and norm_col_reduce_kernel
-// sums the partial rows column-wise in a fixed order (deterministic, no atomics). The register plan of vector rows
-// (up to 512 threads per row) runs norm_bwd_async_kernel, which streams x and dy through a ring of shared-memory
-// stages with cp.async instead of prefetching into registers (see there); norm_bwd_kernel runs the other plans.
+// rows), writes one partial row per block (per cluster in the cluster kernel) into an fp32 workspace [nacc, blocks,
+// H], and norm_col_reduce_kernel sums the partial rows column-wise in a fixed order (deterministic, no atomics). The
+// register plan of vector rows (up to 512 threads per row) runs norm_bwd_async_kernel, which streams x and dy through
+// a ring of shared-memory stages with cp.async instead of prefetching into registers (see there); norm_bwd_kernel runs
+// the other plans.
 // Rows wider than the register capacity: the forward takes norm_fwd_wide_kernel on the vector path (block per row, two
 // reads of the row, the second from L2), norm_fwd_generic_kernel on the scalar path (three scalar reads); the backward
-// of vector rows (and of 16-bit LayerNorm rows from 16384 columns, fp32 LayerNorm rows of 16384) a thread block
-// cluster per row on sm_90 and newer (norm_bwd_cluster_kernel, one read of x and dy) where x and dy have one element
-// size, else the two-kernel path (norm_bwd_rowstats_kernel + norm_bwd_cols_kernel, two reads), of scalar rows
-// norm_bwd_generic_kernel.
+// of vector rows (16-bit LayerNorm rows from 16384 columns, 16-bit and fp32 RMSNorm rows from 16392 and 16388, fp32
+// LayerNorm rows from 8196, up to 65536) a thread block cluster per row on sm_90 and newer (norm_bwd_cluster_kernel,
+// one read of x and dy) where x and dy have one element size, else the two-kernel path (norm_bwd_rowstats_kernel +
+// norm_bwd_cols_kernel, two reads; fp32 LayerNorm to 16384 columns: the shared-memory accumulator plan), of scalar
+// rows norm_bwd_generic_kernel.
 // Launch plans per hidden size: fwd_plan / bwd_plan below. A build with -DPIPEGOOSE_NORM_HIDDEN=H0 (a benchmark
 // experiment, off in the shipped build; see the host side) adds instantiations specialised to H == H0.
 #pragma once
@@ -1545,15 +1547,17 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
 // ---------------------------------------------------------------------------------------------------------
 // Backward of wide rows on sm_90: one row shared by a thread block cluster
 // ---------------------------------------------------------------------------------------------------------
-// Rows too wide for the register plans of one block (16-bit LayerNorm from 16384 columns, every row from 32768) take
-// the two-kernel path below on GPUs before sm_90: it reads x and dy twice, five passes over an activation instead of
-// three, so at most 60% of the copy bandwidth (55-60% measured on the H200). On sm_90 a cluster of CL blocks (CL SMs)
-// shares each row instead:
+// Rows too wide for the register plans of one block (16-bit LayerNorm from 16384 columns, 16-bit and fp32 RMSNorm
+// from 16392 and 16388, fp32 LayerNorm from 16388) take the two-kernel path below on GPUs before sm_90: it reads x and
+// dy twice, five passes over an activation instead of three (three fifths of one pass's speed; 55-62% of copy measured
+// on the H200); fp32 LayerNorm rows of 8196-16384 columns take the shared-memory accumulator plan of eight chunks per
+// thread (69.7% at 16384). On sm_90 a cluster of CL blocks (CL SMs) shares each of these rows instead, up to 65536
+// columns:
 // - block k of the cluster (its rank) owns the chunks [k * cpb, (k + 1) * cpb) of every row the cluster walks (rows
 //   cluster, cluster + clusters, ...); thread t owns the chunks t + n * kClThreads of that slab (n < NV), their weight
 //   and their column sums in registers;
-// - x and dy stream through a ring of stages (bwd_cluster_stages) of shared memory with cp.async, as in norm_bwd_async_kernel:
-//   each thread copies and later reads only its own slots, so no barrier guards the stages;
+// - x and dy stream through a ring of stages (bwd_cluster_stages) of shared memory with cp.async, as in
+//   norm_bwd_async_kernel: each thread copies and later reads only its own slots, so no barrier guards the stages;
 // - a step takes R rows (bwd_cluster_rows): their two row sums each (one for RMSNorm) are summed over the block (warp
 //   shuffles, one __syncthreads), written to the block's slots `part`, and after one cluster barrier every thread
 //   adds the CL blocks' slots through distributed shared memory in rank order: the same bits in every block of the
@@ -1565,35 +1569,26 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
 // partial row per cluster; norm_col_reduce_kernel sums them in a fixed order). The body compiles for sm_90 and newer
 // only (clusters): the host launches it only on such a GPU.
 constexpr int kClThreads = 512;
-#if defined(PIPEGOOSE_NORM_BWD_CL_VALUES)
-constexpr int kClValues = PIPEGOOSE_NORM_BWD_CL_VALUES;  // benchmark experiment: 8 or 16
-#else
 constexpr int kClValues = 16;     // values per thread and row: NV = kClValues / VEC chunks
-#endif
-static_assert(kClValues == 8 || kClValues == 16, "PIPEGOOSE_NORM_BWD_CL_VALUES: expected 8 or 16");
 constexpr int kClMaxCluster = 8;  // the portable cluster size limit
 // Stages: as many as fit kClSmemBytes of shared memory per block, 2 to 7 (fp32: 3 of 64 KB; 16-bit: 6 of 32 KB).
-// -DPIPEGOOSE_NORM_BWD_CL_SMEM_KB=N and -DPIPEGOOSE_NORM_BWD_CL_MINB=B (benchmark experiments, off in the shipped
-// build) set the budget and the blocks per SM of the launch bounds (B = 2 holds the kernel at 64 registers).
+// -DPIPEGOOSE_NORM_BWD_CL_SMEM_KB=N (a benchmark experiment, off in the shipped build) sets the budget. At one row per
+// step, 16-bit rows ran the same with 3 stages as with 6 (H200, session 13, calls 1-2): the steps' latency, not the
+// bytes in flight, held them back; two rows per step (below) did not.
 #if defined(PIPEGOOSE_NORM_BWD_CL_SMEM_KB)
 constexpr int kClSmemBytes = PIPEGOOSE_NORM_BWD_CL_SMEM_KB * 1024;
 #else
 constexpr int kClSmemBytes = 192 * 1024;
 #endif
-#if defined(PIPEGOOSE_NORM_BWD_CL_MINB)
-constexpr int kClMinBlocks = PIPEGOOSE_NORM_BWD_CL_MINB;
-#else
-constexpr int kClMinBlocks = 1;
-#endif
-static_assert(kClMinBlocks >= 1 && kClMinBlocks <= 2, "PIPEGOOSE_NORM_BWD_CL_MINB: expected 1 or 2");
 constexpr int bwd_cluster_stages(int in_bytes, int dy_bytes) {
   const int n = kClSmemBytes / (kClThreads * kClValues * (in_bytes + dy_bytes));
   return n > 7 ? 7 : n < 2 ? 2 : n;
 }
 
 // Rows per step (one block reduction and one cluster barrier for R rows): two for 16-bit rows (at least four stages),
-// one for fp32 (three stages). -DPIPEGOOSE_NORM_BWD_CL_ROWS=R (a benchmark experiment, off in the shipped build) sets
-// the 16-bit rows'.
+// one for fp32 (three stages; four of 64 KB do not fit). Two rows per step took the bf16 backward at 16384-65536
+// columns from 50.9-60.3% of copy to 71.6-78.1 (H200, session 13, call 3). -DPIPEGOOSE_NORM_BWD_CL_ROWS=R (a benchmark
+// experiment, off in the shipped build) sets the 16-bit rows' (R rows need 2R stages: with fewer, one row per step).
 #if defined(PIPEGOOSE_NORM_BWD_CL_ROWS)
 constexpr int kClRows16 = PIPEGOOSE_NORM_BWD_CL_ROWS;
 #else
@@ -1644,7 +1639,7 @@ __device__ __forceinline__ float2 ld_cluster_f2(const float2* p, unsigned rank) 
 // Launched in clusters of CL = gridDim.x / clusters blocks of kClThreads threads (1-D grid and clusters), with
 // bwd_cluster_smem bytes of dynamic shared memory; cpb: chunks per block (cpb <= kClThreads * NV, CL * cpb >= H / VEC).
 template <typename Tin, typename Tdy, int VEC, int NV, bool RMS>
-__global__ void __launch_bounds__(kClThreads, kClMinBlocks)
+__global__ void __launch_bounds__(kClThreads, 1)
 norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const void* __restrict__ w, bool p_f32,
                         const float* __restrict__ mean, const float* __restrict__ rstd, Tin* __restrict__ dx,
                         float* __restrict__ ws, int64_t rows, int H, int cpb) {
@@ -2494,8 +2489,8 @@ bool launch_bwd_cluster(const Tdy* dy, const Tin* x, const void* w, bool p_f32, 
   const size_t smem = bwd_cluster_smem(static_cast<int>(sizeof(Tin)), static_cast<int>(sizeof(Tdy)));
   if (cl < 2 || cl > kClMaxCluster || smem > smem_limit()) return false;
   const int cpb = static_cast<int>(ceil_div(H / V, cl));
-  PG_CHECK(cpb <= kClThreads * NV, "pipegoose norm backward: internal error: ", cpb, " chunks per block of a cluster of ",
-           cl, " for ", H, " columns");
+  PG_CHECK(cpb <= kClThreads * NV, "pipegoose norm backward: internal error: ", cpb,
+           " chunks per block of a cluster of ", cl, " for ", H, " columns");
   allow_smem(reinterpret_cast<const void*>(kernel), smem);
   cudaLaunchConfig_t config = {};
   cudaLaunchAttribute attr[1];
@@ -2541,9 +2536,10 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
                       cudaStream_t stream) {
   constexpr int NACC = RMS ? 1 : 2;
   constexpr int V = 16 / sizeof(Tin);
-  // The register plan of vector rows takes the asynchronous-copy kernel (norm_bwd_async_kernel) when x and dy have
-  // the same element size; -DPIPEGOOSE_NORM_BWD_SYNC (a benchmark experiment, off in the shipped build) keeps
-  // norm_bwd_kernel there.
+  // The register plan of vector rows takes the asynchronous-copy kernel (norm_bwd_async_kernel), and the wide rows the
+  // cluster kernel (norm_bwd_cluster_kernel), when x and dy have the same element size; -DPIPEGOOSE_NORM_BWD_SYNC (a
+  // benchmark experiment, off in the shipped build) keeps norm_bwd_kernel there, and the wide rows on their plans
+  // before session 13.
 #if defined(PIPEGOOSE_NORM_BWD_SYNC)
   constexpr bool kAsyncBwd = false;
 #else
@@ -2557,7 +2553,10 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   // Benchmark experiment (off in the shipped build; norm_raw --bwd-wide): PIPEGOOSE_NORM_BWD_EXP=wide sends every
   // vector row to the two-kernel path.
   const char* bx = std::getenv("PIPEGOOSE_NORM_BWD_EXP");
-  if (bx != nullptr && std::string(bx) == "wide" && vec) cfg = Cfg{};
+  const bool exp_wide = bx != nullptr && std::string(bx) == "wide" && vec;  // the two-kernel path, never a cluster
+  if (exp_wide) cfg = Cfg{};
+#else
+  constexpr bool exp_wide = false;
 #endif
   // The four-chunk register plan keeps two stages of 512 x 4 chunks of x and dy (128 KB at the widest rows); on a GPU
   // with less shared memory (sm_86/sm_89: 99 KB) such rows take the shared-memory accumulator plan it replaced (as
@@ -2572,28 +2571,17 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   const int sms = sm_count();
   if constexpr (kAsyncBwd) {
     // Rows past the register plans of one block (the two-kernel path, and fp32 LayerNorm's shared-memory plan of
-    // eight chunks per thread) run a cluster per row on sm_90 and newer (norm_bwd_cluster_kernel).
-    // -DPIPEGOOSE_NORM_BWD_NO_CLUSTER (a benchmark experiment, off in the shipped build) keeps them on those plans;
-    // -DPIPEGOOSE_NORM_BWD_CL_ALL (another) sends every row the register plans do not take to the cluster kernel.
+    // eight chunks per thread) run a cluster per row on sm_90 and newer (norm_bwd_cluster_kernel): 11-19 points of
+    // copy faster at 16384-65536 columns in bf16 and fp32 (H200, session 13, call 3). fp32 RMSNorm's shared-memory
+    // plan at 16384 columns (99% of copy) keeps it. -DPIPEGOOSE_NORM_BWD_NO_CLUSTER (a benchmark experiment, off in
+    // the shipped build) keeps them all on the plans before session 13.
 #if defined(PIPEGOOSE_NORM_BWD_NO_CLUSTER)
     constexpr bool kCluster = false;
 #else
     constexpr bool kCluster = true;
 #endif
-#if defined(PIPEGOOSE_NORM_BWD_CL_ALL)
-    const bool wide = cfg.nv == 0 || cfg.acc_smem;
-#else
     const bool wide = cfg.nv == 0 || (!RMS && V == 4 && cfg.acc_smem && !cfg.pf);
-#endif
-    int cl = kCluster && vec && wide && has_clusters() ? bwd_cluster_size(H / V, V) : 0;
-#if defined(PIPEGOOSE_NORM_BWD_EXPERIMENT)
-    // Benchmark experiment: PIPEGOOSE_NORM_BWD_CL = 2, 4 or 8 sets the cluster size where one is taken and holds
-    // the row.
-    if (const char* e = std::getenv("PIPEGOOSE_NORM_BWD_CL"); cl > 0 && e != nullptr) {
-      const int want = std::atoi(e);
-      if ((want == 2 || want == 4 || want == 8) && ceil_div(H / V, want) <= kClThreads * kClValues / V) cl = want;
-    }
-#endif
+    const int cl = kCluster && vec && wide && !exp_wide && has_clusters() ? bwd_cluster_size(H / V, V) : 0;
     if (cl > 0 && launch_bwd_cluster<Tin, Tdy, RMS>(dy, x, w, p_f32, mean, rstd, dx, rows, H, cl, want_ws, fopts,
                                                      stream, ws)) {
       return ws;
