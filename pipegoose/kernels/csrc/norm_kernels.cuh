@@ -21,10 +21,10 @@
 // the other plans.
 // Rows wider than the register capacity: the forward takes norm_fwd_wide_kernel on the vector path (block per row, two
 // reads of the row, the second from L2), norm_fwd_generic_kernel on the scalar path (three scalar reads); the backward
-// of vector rows (16-bit LayerNorm rows from 16384 columns, 16-bit and fp32 RMSNorm rows from 16392 and 16388, fp32
-// LayerNorm rows from 8196, up to 65536) a thread block cluster per row on sm_90 and newer (norm_bwd_cluster_kernel,
+// of vector rows (16-bit and fp32 LayerNorm rows from 16384 columns, 16-bit and fp32 RMSNorm rows from 16392 and
+// 16388, up to 65536) a thread block cluster per row on sm_90 and newer (norm_bwd_cluster_kernel,
 // one read of x and dy) where x and dy have one element size, else the two-kernel path (norm_bwd_rowstats_kernel +
-// norm_bwd_cols_kernel, two reads; fp32 LayerNorm to 16384 columns: the shared-memory accumulator plan), of scalar
+// norm_bwd_cols_kernel, two reads; fp32 LayerNorm at 16384 columns: the shared-memory accumulator plan), of scalar
 // rows norm_bwd_generic_kernel.
 // Launch plans per hidden size: fwd_plan / bwd_plan below. A build with -DPIPEGOOSE_NORM_HIDDEN=H0 (a benchmark
 // experiment, off in the shipped build; see the host side) adds instantiations specialised to H == H0.
@@ -1552,7 +1552,7 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
 // dy twice, five passes over an activation instead of three (three fifths of one pass's speed; 55-62% of copy measured
 // on the H200); fp32 LayerNorm rows of 8196-16384 columns take the shared-memory accumulator plan of eight chunks per
 // thread (69.7% at 16384). On sm_90 a cluster of CL blocks (CL SMs) shares each of these rows instead, up to 65536
-// columns:
+// columns (of the fp32 LayerNorm rows on that plan, 16384 only: the one size timed against it):
 // - block k of the cluster (its rank) owns the chunks [k * cpb, (k + 1) * cpb) of every row the cluster walks (rows
 //   cluster, cluster + clusters, ...); thread t owns the chunks t + n * kClThreads of that slab (n < NV), their weight
 //   and their column sums in registers;
@@ -2571,16 +2571,17 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   const int sms = sm_count();
   if constexpr (kAsyncBwd) {
     // Rows past the register plans of one block (the two-kernel path, and fp32 LayerNorm's shared-memory plan of
-    // eight chunks per thread) run a cluster per row on sm_90 and newer (norm_bwd_cluster_kernel): 11-19 points of
-    // copy faster at 16384-65536 columns in bf16 and fp32 (H200, session 13, call 3). fp32 RMSNorm's shared-memory
-    // plan at 16384 columns (99% of copy) keeps it. -DPIPEGOOSE_NORM_BWD_NO_CLUSTER (a benchmark experiment, off in
+    // eight chunks per thread at 16384 columns) run a cluster per row on sm_90 and newer (norm_bwd_cluster_kernel):
+    // 11-19 points of copy faster at 16384-65536 columns in bf16 and fp32 (H200, session 13, call 3). fp32 LayerNorm
+    // rows of 8196-16380 columns (never timed on either) keep that plan, and fp32 RMSNorm's shared-memory plan at 16384
+    // columns (99% of copy) keeps it. -DPIPEGOOSE_NORM_BWD_NO_CLUSTER (a benchmark experiment, off in
     // the shipped build) keeps them all on the plans before session 13.
 #if defined(PIPEGOOSE_NORM_BWD_NO_CLUSTER)
     constexpr bool kCluster = false;
 #else
     constexpr bool kCluster = true;
 #endif
-    const bool wide = cfg.nv == 0 || (!RMS && V == 4 && cfg.acc_smem && !cfg.pf);
+    const bool wide = cfg.nv == 0 || (!RMS && V == 4 && cfg.acc_smem && !cfg.pf && H >= 16384);
     const int cl = kCluster && vec && wide && !exp_wide && has_clusters() ? bwd_cluster_size(H / V, V) : 0;
     if (cl > 0 && launch_bwd_cluster<Tin, Tdy, RMS>(dy, x, w, p_f32, mean, rstd, dx, rows, H, cl, want_ws, fopts,
                                                      stream, ws)) {
