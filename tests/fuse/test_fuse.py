@@ -452,7 +452,9 @@ def test_torch_compile_of_a_fused_model_is_one_graph(arch, attn):
     """torch.compile of a fused model: while it traces, the fused modules and the attention function emit the
     PyTorch reference ops (dispatch.compile_passthrough), so the model is one graph (the dispatcher's locks and
     caches broke it at every layer: 6-14 graphs on these models), and the compiled fused model computes what the
-    unfused one does, forward and backward."""
+    unfused one does, forward and backward. The gradients at test_fuse_parity_and_unfuse's tolerance (tol x 10): they
+    are sums over positions of terms up to a few hundred, which the traced reference ops round in another order
+    than the unfused model (GPT-2 with transformers 5.24: wpe.weight off by 3e-5 where it reaches 240)."""
     import torch._dynamo as dynamo
 
     model = models.build(arch, attn)
@@ -473,7 +475,7 @@ def test_torch_compile_of_a_fused_model_is_one_graph(arch, attn):
     for name in got[2].keys() - ref[2].keys():  # unused outputs (BERT's pooler): zero gradients, not None
         assert not got[2][name].any(), name
     for name in ref[2]:
-        torch.testing.assert_close(got[2][name], ref[2][name], **tol(torch.float32), msg=name)
+        torch.testing.assert_close(got[2][name], ref[2][name], **tol(torch.float32, 10), msg=name)
     unfuse(model)
 
 
