@@ -440,13 +440,13 @@ def _run_with_smem_limit(limit: str, body: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("limit", [100352, 0])
 def test_backward_plans_of_smaller_shared_memory(limit):
-    """PIPEGOOSE_NORM_SMEM_LIMIT emulates a GPU with less shared memory: 100352 bytes is sm_86/sm_89's 99 KB less
-    the 1 KB kept for static shared memory, where the four-chunk register plan (fp32 6000 and 8192 columns, 16-bit
-    RMSNorm 12000 and 16384) must take the shared-memory accumulator plan it replaced (the forward's rows of one block
-    per SM, ONE_BLOCK_ROWS, still stage their parameters in 96 KB there, while the backward's wide rows, whose cluster
-    stages take 192 KB, run the plans they had before clusters); 0 leaves every
-    plan that needs dynamic shared memory to the generic kernel, the wide rows' backward to the two-kernel path, and
-    those forward rows to the kernel without staged parameters. Both stay at the float64 reference's tolerances."""
+    """PIPEGOOSE_NORM_SMEM_LIMIT emulates a GPU with less shared memory: 100352 bytes is sm_86/sm_89's 99 KB less the
+    1 KB kept for static shared memory, where the four-chunk register plan (fp32 6000 and 8192 columns, 16-bit RMSNorm
+    12000 and 16384) must take the shared-memory accumulator plan it replaced (the forward's rows of one block per
+    SM, ONE_BLOCK_ROWS, still stage their parameters in 96 KB there, while the backward's wide rows, whose cluster
+    stages take 192 KB, run the plans they had before clusters); 0 leaves every plan that needs dynamic shared
+    memory to the generic kernel, the wide rows' backward to the two-kernel path, and those forward rows to the
+    kernel without staged parameters. Both stay at the float64 reference's tolerances."""
     r = _run_with_smem_limit(str(limit), """
         cases = ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
                  (torch.float32, torch.float32, None))
