@@ -128,7 +128,7 @@ def _build(args) -> int:
     console = Console()
     _, builders = _builders(args, None if args.all else args.names)
     results: dict[str, tuple[str, str, float]] = {}
-    jobs = max(1, args.jobs)
+    jobs = args.jobs
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
         overall = progress.add_task(f"building {len(builders)} kernel(s), {jobs} at a time", total=len(builders))
@@ -169,6 +169,17 @@ def _build(args) -> int:
     return 2 if "missing" in states else 0
 
 
+
+def _positive_int(text: str) -> int:
+    """argparse type of --jobs: an integer >= 1 (0 or a negative count was taken as 1 without a word)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
+    return n
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_worker"]:
@@ -188,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="build kernels (in parallel child processes)", parents=[common])
     b.add_argument("names", nargs="*", help="kernel ids or aliases")
     b.add_argument("--all", action="store_true", help="every kernel of the manifest")
-    b.add_argument("-j", "--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+    b.add_argument("-j", "--jobs", type=_positive_int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="kernels built at once (default: half the CPU cores)")
     b.add_argument("--force", action="store_true", help="rebuild even when cached")
     c = sub.add_parser("clean", help="remove the temp folders left by killed builds (owner process gone)",

@@ -22,8 +22,13 @@ def test_demo_config_name_cpu(capsys):
     assert "FusedRMSNorm" in out and "PASS" in out
 
 
-def test_demo_bad_model():
+def test_demo_bad_model(capsys, tmp_path):
     assert demo.main(["--model", "no_such_arch", "--device", "cpu"]) == 2
+    assert "unknown config name 'no_such_arch'" in capsys.readouterr().out.replace("\n", "")
+    missing = str(tmp_path / "no_such_folder")
+    assert demo.main(["--model", missing, "--device", "cpu"]) == 2
+    out = capsys.readouterr().out.replace("\n", "")  # the console may wrap a long path
+    assert f"no folder {missing!r}" in out and "unknown config name" not in out, out
 
 
 def test_timing_alternates_unfused_and_fused(monkeypatch):

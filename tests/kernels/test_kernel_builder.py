@@ -468,6 +468,15 @@ def test_cli_doctor_reports_and_clean_removes_killed_builds_temp_folders(tiny):
     assert not dead.exists() and live.is_dir()
 
 
+@pytest.mark.parametrize("jobs", ["0", "-3", "two"])
+def test_cli_build_jobs_must_be_a_positive_count(tmp_path, jobs):
+    """-j 0 (or a negative count) was taken as 1 and started building; now an argparse error naming -j/--jobs."""
+    p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "build", "--all", "-j", jobs], capture_output=True,
+                       text=True, env=_env(tmp_path / "cache"), timeout=300)
+    assert p.returncode == 2 and "-j/--jobs" in p.stderr and "expected an integer >= 1" in p.stderr, p.stderr
+    assert "building" not in p.stdout, p.stdout
+
+
 def test_cli_unknown_kernel_and_options_after_the_subcommand(tiny, tmp_path):
     """An unknown name is a clean error (exit 2, close matches), not a traceback; --manifest / --cache-dir work
     after the subcommand as well as before it."""
