@@ -2449,19 +2449,8 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
 
 // Backward (dx, plus the workspace partial rows when want_ws). Returns the workspace [NACC, P, H] (undefined when
 // want_ws is false). The caller reduces it with launch_col_reduce.
-// Whether the current device runs thread block clusters (sm_90 and newer), cached per device.
-inline bool has_clusters() {
-  static std::mutex mu;
-  static std::map<int, bool> cache;
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(dev);
-  if (it != cache.end()) return it->second;
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  return cache[dev] = major >= 9;
-}
+// Whether the current device runs thread block clusters (sm_90 and newer).
+inline bool has_clusters() { return at::cuda::getCurrentDeviceProperties()->major >= 9; }
 
 // The cluster size of norm_bwd_cluster_kernel for rows of `chunks` chunks of vec elements: the smallest of 2, 4 and 8
 // whose blocks hold their slab of the row (kClThreads * kClValues / vec chunks), or 0 when none does.
