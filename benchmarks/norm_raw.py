@@ -28,7 +28,9 @@ keeps the shapes up to H columns.
 
 ``--bwd-wide`` builds with ``-DPIPEGOOSE_NORM_BWD_EXPERIMENT`` and times each backward twice: on its shipped plan and
 (``"plan": "wide"``, with ``maxrel``, the largest difference from the shipped plan's gradients relative to their
-largest magnitude) on the two-kernel path of the widest rows.
+largest magnitude) on the two-kernel path of the widest rows. ``--bwd-cluster`` does the same with the cluster kernel
+(``"plan": "cluster"``) wherever a cluster of at most eight blocks holds the row, on sm_90 and newer (other rows and
+GPUs run the shipped plan under that label).
 """
 
 from __future__ import annotations
@@ -98,12 +100,16 @@ def main() -> None:
     ap.add_argument("--bwd-wide", action="store_true",
                     help="build with -DPIPEGOOSE_NORM_BWD_EXPERIMENT and time each backward also on the two-kernel "
                          "wide-row path (plan 'wide')")
+    ap.add_argument("--bwd-cluster", action="store_true",
+                    help="build with -DPIPEGOOSE_NORM_BWD_EXPERIMENT and time each backward also on the cluster "
+                         "kernel (plan 'cluster'), where its clusters hold the row (sm_90 and newer)")
     ap.add_argument("--dtypes", default="bf16,fp32,bf16/fp32",
                     help="input dtypes, or INPUT/PARAMETER pairs (bf16, fp16, fp32), comma separated")
     ap.add_argument("--table", metavar="JSONL", help="print the --fwd-plans lines of JSONL as a table, then exit")
     args = ap.parse_args()
     if args.table is not None:
-        others = [f for f in ("fwd_only", "bwd_only", "max_h", "shapes", "fwd_plans", "bwd_wide", "defines")
+        others = [f for f in ("fwd_only", "bwd_only", "max_h", "shapes", "fwd_plans", "bwd_wide", "bwd_cluster",
+                              "defines")
                   if getattr(args, f) != ap.get_default(f)]
         others += [f for f in ("dtypes", "label") if getattr(args, f) != ap.get_default(f)]
         if not args.table:
@@ -117,7 +123,9 @@ def main() -> None:
     for a, b, why in (("fwd_only", "bwd_only", "exclude each other"),
                       ("fwd_plans", "bwd_only", "exclude each other (--fwd-plans times forwards only)"),
                       ("fwd_plans", "bwd_wide", "exclude each other (--fwd-plans times forwards only)"),
-                      ("bwd_wide", "fwd_only", "exclude each other (--bwd-wide times backwards)")):
+                      ("bwd_wide", "fwd_only", "exclude each other (--bwd-wide times backwards)"),
+                      ("fwd_plans", "bwd_cluster", "exclude each other (--fwd-plans times forwards only)"),
+                      ("bwd_cluster", "fwd_only", "exclude each other (--bwd-cluster times backwards)")):
         if (plans_given if a == "fwd_plans" else getattr(args, a)) and getattr(args, b):
             raise SystemExit(f"norm_raw: --{a.replace('_', '-')} and --{b.replace('_', '-')} {why}")
     if args.max_h < 0:
@@ -165,7 +173,7 @@ def main() -> None:
     plans = [p for p in args.fwd_plans.split(";") if p]
     defs = [d.strip() for d in args.defines.split(",") if d.strip()]
     defs += ["-DPIPEGOOSE_NORM_FWD_EXPERIMENT"] if plans else []
-    defs += ["-DPIPEGOOSE_NORM_BWD_EXPERIMENT"] if args.bwd_wide else []
+    defs += ["-DPIPEGOOSE_NORM_BWD_EXPERIMENT"] if args.bwd_wide or args.bwd_cluster else []
     if defs:
         from .build_cost import builder_with_defines
 
@@ -216,21 +224,22 @@ def main() -> None:
                     continue
                 passes = [("fwd", fwd, 2 * act, "-"), ("bwd", bwd, 3 * act, "-")]
                 passes = passes[:1] if args.fwd_only else passes[1:] if args.bwd_only else passes
-                if args.bwd_wide and not args.fwd_only:
-                    passes.append(("bwd", bwd, 3 * act, "wide"))
+                if not args.fwd_only:
+                    passes += [("bwd", bwd, 3 * act, p) for p, on in (("wide", args.bwd_wide),
+                                                                       ("cluster", args.bwd_cluster)) if on]
                 for name, fn, nbytes, plan in passes:
                     os.environ.pop("PIPEGOOSE_NORM_BWD_EXP", None)
-                    if plan == "wide":
-                        os.environ["PIPEGOOSE_NORM_BWD_EXP"] = "wide"
+                    if plan != "-":
+                        os.environ["PIPEGOOSE_NORM_BWD_EXP"] = plan
                         ref = [t.float() for t in bwd() if t.numel()]
                     t = timer.time(lambda _: fn())["median_ms"]
                     line = {"label": args.label, "op": op, "dtype": str(dt)[6:], "pdtype": str(pdt)[6:], "rows": n,
                             "H": h, "pass": name, "ms": round(t, 5), "gbps": round(nbytes / t / 1e6, 1)}
-                    if plan == "wide":
+                    if plan != "-":
                         os.environ.pop("PIPEGOOSE_NORM_BWD_EXP", None)
                         base = [t.float() for t in bwd() if t.numel()]
                         rel = [((a - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for a, r in zip(ref, base)]
-                        line.update(plan="wide", maxrel=max(rel))
+                        line.update(plan=plan, maxrel=max(rel))
                     print(json.dumps(line), flush=True)
             del x, dy
 

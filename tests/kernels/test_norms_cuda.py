@@ -311,16 +311,17 @@ def test_async_copy_backward_many_rows(ln, rms, rows, h):
     check_rms_norm(rms, x, None, dy)
 
 
-@pytest.mark.parametrize("h", [16384, 20000, 20008, 32768, 65536])
+@pytest.mark.parametrize("h", [12288, 13000, 16384, 20000, 20008, 32768, 65536])
 def test_wide_rows_backward(ln, rms, h):
-    """Rows wider than the register plans (vector rows > 16384 columns; 16-bit LayerNorm from 16384, fp32 LayerNorm
-    16384). With x and dy of one element size on sm_90 and newer: a thread block cluster per row
-    (norm_bwd_cluster_kernel; clusters of 2 blocks at 16384 columns, 4 at 20000-32768, 8 at 65536), 1029 rows, more
-    than the clusters that fit the GPU times the stages, so that each cluster's ring of stages wraps and the rows past
-    the end are zero-filled; 20000 and 20008 columns (2500 and 2501 chunks of 8) leave the blocks' slabs partial, and
-    20008 the last block's shorter than the others. fp32 grad_output with a 16-bit input, and GPUs before sm_90: the
-    row-statistics kernel and column-slab kernel (norm_bwd_rowstats_kernel, norm_bwd_cols_kernel). Five rows: fewer
-    rows than clusters. With and without parameters."""
+    """Vector rows from 12288 columns (fp32 RMSNorm: 16384; from 16392 past the register plans). With x and dy of one
+    element size on sm_90 and newer: a thread block cluster per row (norm_bwd_cluster_kernel; clusters of 2 blocks
+    at 12288-16384 columns, 4 at 20000-32768, 8 at 65536), 1029 rows, more than the clusters that fit the GPU times
+    the stages, so that each cluster's ring of stages wraps and the rows past the end are zero-filled; 13000, 20000 and
+    20008 columns (1625, 2500 and 2501 chunks of 8) leave the blocks' slabs partial, and 13000 and 20008 the last
+    block's shorter than the others. fp32 grad_output with a 16-bit input, and GPUs before sm_90: the register and
+    shared-memory plans up to 16384 columns, past them the row-statistics kernel and column-slab kernel
+    (norm_bwd_rowstats_kernel, norm_bwd_cols_kernel). Five rows: fewer rows than clusters. With and without
+    parameters."""
     check_dtype_cases(ln, rms, 1029, h, ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
                                          (torch.bfloat16, torch.float32, torch.float32),
                                          (torch.float32, torch.float32, None)), seed=h + 7)

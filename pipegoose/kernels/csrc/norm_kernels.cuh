@@ -21,11 +21,10 @@
 // the other plans.
 // Rows wider than the register capacity: the forward takes norm_fwd_wide_kernel on the vector path (block per row, two
 // reads of the row, the second from L2), norm_fwd_generic_kernel on the scalar path (three scalar reads); the backward
-// of vector rows (16-bit and fp32 LayerNorm rows from 16384 columns, 16-bit and fp32 RMSNorm rows from 16392 and
-// 16388, up to 65536) a thread block cluster per row on sm_90 and newer (norm_bwd_cluster_kernel,
-// one read of x and dy) where x and dy have one element size, else the two-kernel path (norm_bwd_rowstats_kernel +
-// norm_bwd_cols_kernel, two reads; fp32 LayerNorm at 16384 columns: the shared-memory accumulator plan), of scalar
-// rows norm_bwd_generic_kernel.
+// of vector rows a thread block cluster per row on sm_90 and newer (norm_bwd_cluster_kernel, one read of x and dy;
+// also for the rows of 12288-16384 columns, fp32 RMSNorm 16384 only) where x and dy have one element size, else the
+// two-kernel path (norm_bwd_rowstats_kernel + norm_bwd_cols_kernel, two reads; fp32 LayerNorm at 16384 columns: the
+// shared-memory accumulator plan), of scalar rows norm_bwd_generic_kernel.
 // Launch plans per hidden size: fwd_plan / bwd_plan below. A build with -DPIPEGOOSE_NORM_HIDDEN=H0 (a benchmark
 // experiment, off in the shipped build; see the host side) adds instantiations specialised to H == H0.
 #pragma once
@@ -1550,31 +1549,37 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
 // Rows too wide for the register plans of one block (16-bit LayerNorm from 16384 columns, 16-bit and fp32 RMSNorm
 // from 16392 and 16388, fp32 LayerNorm from 16388) take the two-kernel path below on GPUs before sm_90: it reads x and
 // dy twice, five passes over an activation instead of three (three fifths of one pass's speed; 55-62% of copy measured
-// on the H200); fp32 LayerNorm rows of 8196-16384 columns take the shared-memory accumulator plan of eight chunks per
-// thread (69.7% at 16384). On sm_90 a cluster of CL blocks (CL SMs) shares each of these rows instead, up to 65536
-// columns (of the fp32 LayerNorm rows on that plan, 16384 only: the one size timed against it):
+// on the H200). On sm_90 a cluster of CL blocks (CL SMs) shares each row instead, for vector rows from 12288 columns
+// (fp32 RMSNorm: 16384) up to 65536 (launch_bwd says which plans it replaced there, and what was timed):
 // - block k of the cluster (its rank) owns the chunks [k * cpb, (k + 1) * cpb) of every row the cluster walks (rows
 //   cluster, cluster + clusters, ...); thread t owns the chunks t + n * kClThreads of that slab (n < NV), their weight
 //   and their column sums in registers;
 // - x and dy stream through a ring of stages (bwd_cluster_stages) of shared memory with cp.async, as in
 //   norm_bwd_async_kernel: each thread copies and later reads only its own slots, so no barrier guards the stages;
-// - a step takes R rows (bwd_cluster_rows): their two row sums each (one for RMSNorm) are summed over the block (warp
-//   shuffles, one __syncthreads), written to the block's slots `part`, and after one cluster barrier every thread
-//   adds the CL blocks' slots through distributed shared memory in rank order: the same bits in every block of the
-//   cluster. The slots alternate between two buffers, so one barrier per step suffices (a slot is rewritten two steps
-//   later, after the next barrier, which every reader of it has passed);
-// - then dx = rstd * (dy * w - c1 - xhat * c2) from the stages, while the copies of the next S - R rows are in
-//   flight through the barrier.
+// - step j takes R rows (bwd_cluster_rows): pass 1 sums their two row sums each (one for RMSNorm) over the block (warp
+//   shuffles, one __syncthreads), and lanes of warp 0 write them into slot `rank` of every block's `part` (distributed
+//   shared memory); the block arrives at the cluster barrier, runs pass 2 of step j - 1's rows, dx = rstd * (dy * w -
+//   c1 - xhat * c2) from their stages, and only then waits: pass 2 hides the barrier's latency. After the wait every
+//   thread adds the CL slots in rank order, the same bits in every block. `part` alternates between two buffers, so
+//   one barrier per step suffices (a block rewrites a buffer two steps later, after the next barrier, which every
+//   reader of it has passed);
+// - two steps of R rows are in use at once, and the copies of the next S - 2R rows are in flight; each step loads the
+//   next step's mean and rstd, a step ahead of their use.
+// Pushing the sums and overlapping the barrier with pass 2 (rather than reading the other blocks' sums after the
+// barrier, then pass 2) took the raw backward at 16384-65536 columns from 73.0-80.6% of copy to 74.3-81.2 in bf16 and
+// from 84.2-99.3 to 89.8-99.5 in fp32; loading mean and rstd a step ahead, from 73.2-80.3 to 80.2-87.2 (LayerNorm bf16)
+// and from 78.5-79.8 to 90.9-91.3 (RMSNorm bf16 32768-65536), and fp32 from 89.4-99.3 to 99.2-101.8 (H200, session
+// 14, calls 1-2).
 // One read of x and dy and one write of dx; the column sums go to ws [NACC, clusters, H] like the other plans' (one
 // partial row per cluster; norm_col_reduce_kernel sums them in a fixed order). The body compiles for sm_90 and newer
 // only (clusters): the host launches it only on such a GPU.
 constexpr int kClThreads = 512;
 constexpr int kClValues = 16;     // values per thread and row: NV = kClValues / VEC chunks
+// (1024 threads of 8 values, 64 registers, ran the 16-bit rows 6.5-14.2 points of copy slower: H200, session 14, call 2.)
 constexpr int kClMaxCluster = 8;  // the portable cluster size limit
-// Stages: as many as fit kClSmemBytes of shared memory per block, 2 to 7 (fp32: 3 of 64 KB; 16-bit: 6 of 32 KB).
-// -DPIPEGOOSE_NORM_BWD_CL_SMEM_KB=N (a benchmark experiment, off in the shipped build) sets the budget. At one row per
-// step, 16-bit rows ran the same with 3 stages as with 6 (H200, session 13, calls 1-2): the steps' latency, not the
-// bytes in flight, held them back; two rows per step (below) did not.
+// Stages: as many as fit kClSmemBytes of shared memory per block, 3 to 7 (fp32: 3 of 64 KB; 16-bit: 6 of 32 KB).
+// -DPIPEGOOSE_NORM_BWD_CL_SMEM_KB=N (a benchmark experiment, off in the shipped build) sets the budget: 224 KB (16-bit:
+// 7 stages, three rows in flight instead of two) ran within 0.6 points of 192 KB (H200, session 14, call 1).
 #if defined(PIPEGOOSE_NORM_BWD_CL_SMEM_KB)
 constexpr int kClSmemBytes = PIPEGOOSE_NORM_BWD_CL_SMEM_KB * 1024;
 #else
@@ -1582,13 +1587,15 @@ constexpr int kClSmemBytes = 192 * 1024;
 #endif
 constexpr int bwd_cluster_stages(int in_bytes, int dy_bytes) {
   const int n = kClSmemBytes / (kClThreads * kClValues * (in_bytes + dy_bytes));
-  return n > 7 ? 7 : n < 2 ? 2 : n;
+  return n > 7 ? 7 : n < 3 ? 3 : n;
 }
 
-// Rows per step (one block reduction and one cluster barrier for R rows): two for 16-bit rows (at least four stages),
+// Rows per step (one block reduction and one cluster barrier for R rows): two for 16-bit rows (at least five stages),
 // one for fp32 (three stages; four of 64 KB do not fit). Two rows per step took the bf16 backward at 16384-65536
-// columns from 50.9-60.3% of copy to 71.6-78.1 (H200, session 13, call 3). -DPIPEGOOSE_NORM_BWD_CL_ROWS=R (a benchmark
-// experiment, off in the shipped build) sets the 16-bit rows' (R rows need 2R stages: with fewer, one row per step).
+// columns from 50.9-60.3% of copy to 71.6-78.1 (H200, session 13, call 3); with pass 2 overlapping the barrier, one
+// 16-bit row per step still ran LayerNorm 18-19 points slower (session 14, call 1). -DPIPEGOOSE_NORM_BWD_CL_ROWS=R (a
+// benchmark experiment, off in the shipped build) sets the 16-bit rows' (R rows need 2R + 1 stages: with fewer, one
+// row per step).
 #if defined(PIPEGOOSE_NORM_BWD_CL_ROWS)
 constexpr int kClRows16 = PIPEGOOSE_NORM_BWD_CL_ROWS;
 #else
@@ -1596,7 +1603,7 @@ constexpr int kClRows16 = 2;
 #endif
 static_assert(kClRows16 >= 1 && kClRows16 <= 3, "PIPEGOOSE_NORM_BWD_CL_ROWS: expected 1 to 3");
 constexpr int bwd_cluster_rows(int in_bytes, int dy_bytes) {
-  return in_bytes + dy_bytes == 4 && bwd_cluster_stages(in_bytes, dy_bytes) >= 2 * kClRows16 ? kClRows16 : 1;
+  return in_bytes + dy_bytes == 4 && bwd_cluster_stages(in_bytes, dy_bytes) > 2 * kClRows16 ? kClRows16 : 1;
 }
 
 // Shared memory of the stages of norm_bwd_cluster_kernel, in bytes (per block).
@@ -1625,6 +1632,25 @@ __device__ __forceinline__ void cluster_barrier() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+// The two halves of cluster_barrier: the writes of this thread before cluster_arrive are visible to every thread of
+// the cluster after its next cluster_wait. Work between the two overlaps the barrier.
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+// cluster_arrive without ordering any memory access: for a wait that only needs every block to have started.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+
+// Writes v to the float2 at p (shared memory of this block) in the block of rank `rank` of the cluster.
+__device__ __forceinline__ void st_cluster_f2(float2* p, unsigned rank, float2 v) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  uint32_t ra;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(ra), "f"(v.x), "f"(v.y) : "memory");
+}
+
 // Reads the float2 at p (shared memory of this block) in the block of rank `rank` of the cluster.
 __device__ __forceinline__ float2 ld_cluster_f2(const float2* p, unsigned rank) {
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -1648,11 +1674,12 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
   constexpr int NACC = RMS ? 1 : 2;
   constexpr int S = bwd_cluster_stages(static_cast<int>(sizeof(Tin)), static_cast<int>(sizeof(Tdy)));
   constexpr int R = bwd_cluster_rows(static_cast<int>(sizeof(Tin)), static_cast<int>(sizeof(Tdy)));
-  static_assert(S >= 2 * R || (R == 1 && S >= 2), "norm_bwd_cluster_kernel: stages for R rows in use and R in flight");
+  static_assert(S >= 2 * R + 1, "norm_bwd_cluster_kernel: stages for two steps of R rows in use and one row in flight");
   constexpr int kWarps = kClThreads / 32;
   extern __shared__ __align__(16) float bwd_smem[];
   __shared__ __align__(16) float red[2][2 * R][kWarps];  // [parity][sum of row][warp]
-  __shared__ __align__(16) float2 part[2][R];            // [parity][row]: this block's row sums, read by the cluster
+  // [parity][rank][row]: the row sums of each block of the cluster, pushed by that block
+  __shared__ __align__(16) float2 part[2][kClMaxCluster][R];
   const unsigned rank = cluster_special(0);
   const unsigned cl = cluster_special(1);
   const int64_t cid = cluster_special(2);
@@ -1680,18 +1707,25 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
     }
   }
 
-  // The cluster's k-th row (cid + k * ncl) goes to stage k % S, one commit group per row. Prologue: the first S - R
-  // rows in flight.
-  auto issue = [&](int64_t k, int slot) {
+  // The cluster's k-th row (cid + k * ncl) goes to stage k % S, one commit group per row. Step j takes rows jR ..
+  // jR + R - 1: their sums (pass 1), pushed to every block of the cluster, then the dx of step j - 1's rows (pass 2)
+  // between the arrival at the cluster barrier and the wait, so the barrier's latency hides behind pass 2. In use at
+  // once: the R rows of step j and the R of step j - 1; in flight: S - 2R rows. Prologue: rows 0 .. S - 2R - 1.
+  // A block may write into another's shared memory only once that block runs: every block arrives here, and waits
+  // before its first write (below).
+  cluster_arrive_relaxed();
+  int islot = 0;
+  auto issue = [&](int64_t k) {
     const int64_t row = cid + k * ncl;
     const bool valid = row < rows;
     const int64_t off = valid ? row * H + col0 : 0;
-    async_row<Tin, VEC, NV, false>(xs + slot * rowlen, x + off, x, valid, t, kClThreads, nchunks);
-    async_row<Tdy, VEC, NV, false>(ds + slot * rowlen, dy + off, dy, valid, t, kClThreads, nchunks);
+    async_row<Tin, VEC, NV, false>(xs + islot * rowlen, x + off, x, valid, t, kClThreads, nchunks);
+    async_row<Tdy, VEC, NV, false>(ds + islot * rowlen, dy + off, dy, valid, t, kClThreads, nchunks);
     cp_async_commit();
+    islot = islot + 1 == S ? 0 : islot + 1;
   };
 #pragma unroll
-  for (int k = 0; k < S - R; ++k) issue(k, k);
+  for (int k = 0; k < S - 2 * R; ++k) issue(k);
   if (w != nullptr) {
 #pragma unroll
     for (int n = 0; n < NV; ++n) {
@@ -1699,35 +1733,70 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
       if (c < nchunks) load_param<VEC, Tin>(w, p_f32, (c0 + c) * VEC, wv[n]);
     }
   }
+  auto slot_of = [&](int first, int q) { return first + q >= S ? first + q - S : first + q; };
+  // Pass 2 of the R rows from `row0` (stride ncl) in the stages from `first`: dx = rstd * (dy * w - a1 - xhat * a2).
+  auto pass2 = [&](int64_t row0, int first, const float* pm, const float* pr, const float* a1, const float* a2) {
+#pragma unroll
+    for (int q = 0; q < R; ++q) {
+      const int64_t rq = row0 + q * ncl;
+      if (rq >= rows) break;
+      const Tin* xrow = xs + slot_of(first, q) * rowlen;
+      const Tdy* drow = ds + slot_of(first, q) * rowlen;
+#pragma unroll
+      for (int n = 0; n < NV; ++n) {
+        const int c = t + n * kClThreads;
+        if (c < nchunks) {
+          Raw<Tin, VEC> xc;
+          Raw<Tdy, VEC> dc;
+          raw_lds(xrow + c * VEC, xc);
+          raw_lds(drow + c * VEC, dc);
+          float o[VEC];
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            o[i] = pr[q] * (raw_get(dc, i) * wv[n][i] - a1[q] - (raw_get(xc, i) - pm[q]) * pr[q] * a2[q]);
+          }
+          store_f<VEC, Tin, kDxStream>(dx + rq * H + col0 + static_cast<int64_t>(c) * VEC, o);
+        }
+      }
+    }
+  };
 
   int parity = 0;
   int stage = 0;  // the stage of the step's first row
-  // R rows per step (rows row + q * ncl, q < R); the same steps, so the same barriers, in every block.
-  for (int64_t k = 0, row = cid; row < rows; k += R, row += R * ncl) {
+  // The previous step's rows, stages, mean, rstd and cluster sums (scaled by 1 / H), for its pass 2.
+  int64_t prow = rows;  // rows: no previous step
+  int pstage = 0;
+  float pm[R], pr[R], pa1[R], pa2[R];
+#pragma unroll
+  for (int q = 0; q < R; ++q) pm[q] = pr[q] = pa1[q] = pa2[q] = 0.f;
+  // The mean and rstd of the R rows from row0 (stride ncl); a row past the end: zero-filled stages and r = 0 add
+  // nothing below.
+  auto load_stats = [&](int64_t row0, float* m, float* r) {
 #pragma unroll
     for (int q = 0; q < R; ++q) {
-      const int slot = stage + S - R + q;
-      issue(k + S - R + q, slot >= S ? slot - S : slot);
-    }
-    float m[R], r[R];
-#pragma unroll
-    for (int q = 0; q < R; ++q) {
-      const int64_t rq = row + q * ncl;
+      const int64_t rq = row0 + q * ncl;
       m[q] = 0.f;
-      r[q] = 0.f;  // a row past the end: zero-filled stages and r = 0 add nothing below
+      r[q] = 0.f;
       if (rq < rows) {
         if constexpr (!RMS) m[q] = mean[rq];
         r[q] = rstd[rq];
       }
     }
-    cp_async_wait<S - R>();  // the step's R groups (committed S - R groups and more ago) have landed
+  };
+  float m[R], r[R];  // the step's
+  load_stats(cid, m, r);
+  cluster_wait();
+  // The same steps, so the same barriers, in every block.
+  for (int64_t k = 0, row = cid; row < rows; k += R, row += R * ncl) {
+#pragma unroll
+    for (int q = 0; q < R; ++q) issue(k + S - 2 * R + q);  // into the stages of step j - 2, done
+    cp_async_wait<S - 2 * R>();  // the step's R groups have landed
 
     float s[2 * R];
 #pragma unroll
     for (int q = 0; q < R; ++q) {
-      const int sq = stage + q >= S ? stage + q - S : stage + q;
-      const Tin* xrow = xs + sq * rowlen;
-      const Tdy* drow = ds + sq * rowlen;
+      const Tin* xrow = xs + slot_of(stage, q) * rowlen;
+      const Tdy* drow = ds + slot_of(stage, q) * rowlen;
       float s0 = 0.f, s1 = 0.f;
 #pragma unroll
       for (int n = 0; n < NV; ++n) {
@@ -1750,7 +1819,7 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
       s[2 * q] = s0;
       s[2 * q + 1] = s1;
     }
-    // The block's sums, then the cluster's.
+    // The block's sums, pushed into slot `rank` of every block's `part`.
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
 #pragma unroll
@@ -1774,58 +1843,37 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
           if (!RMS || (j & 1)) b[j] += __shfl_xor_sync(0xffffffffu, b[j], off);
         }
       }
-      if (lane == 0) {
+      if (lane < static_cast<int>(cl)) {  // lane p writes block p's slot
 #pragma unroll
-        for (int q = 0; q < R; ++q) part[parity][q] = make_float2(b[2 * q], b[2 * q + 1]);
+        for (int q = 0; q < R; ++q) st_cluster_f2(&part[parity][rank][q], lane, make_float2(b[2 * q], b[2 * q + 1]));
       }
     }
-    cluster_barrier();
-    float c1[R], c2[R];
+    cluster_arrive();
+    if (prow < rows) pass2(prow, pstage, pm, pr, pa1, pa2);
+    cluster_wait();
+    // Every block's sums, added in rank order: the same bits in every block.
 #pragma unroll
     for (int q = 0; q < R; ++q) {
-      c1[q] = 0.f;
-      c2[q] = 0.f;
-    }
-    for (unsigned p = 0; p < cl; ++p) {
-#pragma unroll
-      for (int q = 0; q < R; ++q) {
-        const float2 v = ld_cluster_f2(&part[parity][q], p);
-        c1[q] += v.x;
-        c2[q] += v.y;
+      float c1 = 0.f, c2 = 0.f;
+      for (unsigned p = 0; p < cl; ++p) {
+        const float2 v = part[parity][p][q];
+        c1 += v.x;
+        c2 += v.y;
       }
+      pa1[q] = RMS ? 0.f : c1 * inv_h;
+      pa2[q] = c2 * inv_h;
+      pm[q] = m[q];
+      pr[q] = r[q];
     }
+    load_stats(row + R * ncl, m, r);  // the next step's, a step ahead of their use
     parity ^= 1;
-
-#pragma unroll
-    for (int q = 0; q < R; ++q) {
-      const int64_t rq = row + q * ncl;
-      if (rq >= rows) break;
-      const int sq = stage + q >= S ? stage + q - S : stage + q;
-      const Tin* xrow = xs + sq * rowlen;
-      const Tdy* drow = ds + sq * rowlen;
-      const float a1 = RMS ? 0.f : c1[q] * inv_h;
-      const float a2 = c2[q] * inv_h;
-#pragma unroll
-      for (int n = 0; n < NV; ++n) {
-        const int c = t + n * kClThreads;
-        if (c < nchunks) {
-          Raw<Tin, VEC> xc;
-          Raw<Tdy, VEC> dc;
-          raw_lds(xrow + c * VEC, xc);
-          raw_lds(drow + c * VEC, dc);
-          float o[VEC];
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) {
-            o[i] = r[q] * (raw_get(dc, i) * wv[n][i] - a1 - (raw_get(xc, i) - m[q]) * r[q] * a2);
-          }
-          store_f<VEC, Tin, kDxStream>(dx + rq * H + col0 + static_cast<int64_t>(c) * VEC, o);
-        }
-      }
-    }
-    stage = stage + R >= S ? stage + R - S : stage + R;
+    prow = row;
+    pstage = stage;
+    stage = slot_of(stage, R);
   }
+  if (prow < rows) pass2(prow, pstage, pm, pr, pa1, pa2);
+  // No block writes into another's `part` after its last arrival, which every block has waited for.
   cp_async_wait<0>();  // the zero-fill copies past the last row still write this block's stages
-  cluster_barrier();   // no block leaves while another may still read its `part`
 
   if (ws == nullptr) return;
 #pragma unroll
@@ -2544,8 +2592,11 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   const char* bx = std::getenv("PIPEGOOSE_NORM_BWD_EXP");
   const bool exp_wide = bx != nullptr && std::string(bx) == "wide" && vec;  // the two-kernel path, never a cluster
   if (exp_wide) cfg = Cfg{};
+  // PIPEGOOSE_NORM_BWD_EXP=cluster sends every vector row that a cluster can hold to the cluster kernel.
+  const bool exp_cluster = bx != nullptr && std::string(bx) == "cluster" && vec;
 #else
   constexpr bool exp_wide = false;
+  constexpr bool exp_cluster = false;
 #endif
   // The four-chunk register plan keeps two stages of 512 x 4 chunks of x and dy (128 KB at the widest rows); on a GPU
   // with less shared memory (sm_86/sm_89: 99 KB) such rows take the shared-memory accumulator plan it replaced (as
@@ -2559,18 +2610,19 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   at::Tensor ws;
   const int sms = sm_count();
   if constexpr (kAsyncBwd) {
-    // Rows past the register plans of one block (the two-kernel path, and fp32 LayerNorm's shared-memory plan of
-    // eight chunks per thread at 16384 columns) run a cluster per row on sm_90 and newer (norm_bwd_cluster_kernel):
-    // 11-19 points of copy faster at 16384-65536 columns in bf16 and fp32 (H200, session 13, call 3). fp32 LayerNorm
-    // rows of 8196-16380 columns (never timed on either) keep that plan, and fp32 RMSNorm's shared-memory plan at 16384
-    // columns (99% of copy) keeps it. -DPIPEGOOSE_NORM_BWD_NO_CLUSTER (a benchmark experiment, off in
-    // the shipped build) keeps them all on the plans before session 13.
+    // Vector rows from 12288 columns (fp32 RMSNorm: 16384) run a cluster per row on sm_90 and newer
+    // (norm_bwd_cluster_kernel), in place of the two-kernel path past the register plans and of the register and
+    // shared-memory plans from 12288 columns. Raw backward against those plans (H200, session 14, call 3, % of copy):
+    // at 12288 columns LayerNorm bf16 46.0 -> 75.8, fp32 84.1 -> 93.1, RMSNorm bf16 71.9 -> 82.5; at 16384 RMSNorm
+    // bf16 84.0 -> 94.0 and fp32 99.1 -> 101.9; at 8192 and below, and for fp32 RMSNorm at 12288 (100.2 -> 94.2), the
+    // cluster lost, and rows of 8200-12280 columns were not timed. -DPIPEGOOSE_NORM_BWD_NO_CLUSTER (a benchmark
+    // experiment, off in the shipped build) keeps every row on the plans before session 13.
 #if defined(PIPEGOOSE_NORM_BWD_NO_CLUSTER)
     constexpr bool kCluster = false;
 #else
     constexpr bool kCluster = true;
 #endif
-    const bool wide = cfg.nv == 0 || (!RMS && V == 4 && cfg.acc_smem && !cfg.pf && H >= 16384);
+    const bool wide = cfg.nv == 0 || H >= (RMS && V == 4 ? 16384 : 12288) || exp_cluster;
     const int cl = kCluster && vec && wide && !exp_wide && has_clusters() ? bwd_cluster_size(H / V, V) : 0;
     if (cl > 0 && launch_bwd_cluster<Tin, Tdy, RMS>(dy, x, w, p_f32, mean, rstd, dx, rows, H, cl, want_ws, fopts,
                                                      stream, ws)) {
