@@ -1566,10 +1566,10 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
 // - two steps of R rows are in use at once, and the copies of the next S - 2R rows are in flight; each step loads the
 //   next step's mean and rstd, a step ahead of their use.
 // Pushing the sums and overlapping the barrier with pass 2 (rather than reading the other blocks' sums after the
-// barrier, then pass 2) took the raw backward at 16384-65536 columns from 73.0-80.6% of copy to 74.3-81.2 in bf16 and
-// from 84.2-99.3 to 89.8-99.5 in fp32; loading mean and rstd a step ahead, from 73.2-80.3 to 80.2-87.2 (LayerNorm bf16)
-// and from 78.5-79.8 to 90.9-91.3 (RMSNorm bf16 32768-65536), and fp32 from 89.4-99.3 to 99.2-101.8 (H200, session
-// 14, calls 1-2).
+// barrier, then pass 2) took the raw backward of these rows at 16384-65536 columns from 73.0-80.6% of copy to
+// 74.3-81.2 in bf16 and from 84.2-90.6 to 89.8-92.8 in fp32; loading mean and rstd a step ahead, from 73.2-80.3 to
+// 80.2-87.2 (LayerNorm bf16), from 78.5-79.8 to 90.9-91.3 (RMSNorm bf16 32768-65536), and in fp32 from 89.4-92.8 to
+// 99.9-101.8 (H200, session 14, calls 1-2).
 // One read of x and dy and one write of dx; the column sums go to ws [NACC, clusters, H] like the other plans' (one
 // partial row per cluster; norm_col_reduce_kernel sums them in a fixed order). The body compiles for sm_90 and newer
 // only (clusters): the host launches it only on such a GPU.
@@ -1593,7 +1593,7 @@ constexpr int bwd_cluster_stages(int in_bytes, int dy_bytes) {
 // Rows per step (one block reduction and one cluster barrier for R rows): two for 16-bit rows (at least five stages),
 // one for fp32 (three stages; four of 64 KB do not fit). Two rows per step took the bf16 backward at 16384-65536
 // columns from 50.9-60.3% of copy to 71.6-78.1 (H200, session 13, call 3); with pass 2 overlapping the barrier, one
-// 16-bit row per step still ran LayerNorm 18-19 points slower (session 14, call 1). -DPIPEGOOSE_NORM_BWD_CL_ROWS=R (a
+// 16-bit row per step still ran LayerNorm 17.8-18.8 points slower (session 14, call 1). -DPIPEGOOSE_NORM_BWD_CL_ROWS=R (a
 // benchmark experiment, off in the shipped build) sets the 16-bit rows' (R rows need 2R + 1 stages: with fewer, one
 // row per step).
 #if defined(PIPEGOOSE_NORM_BWD_CL_ROWS)
