@@ -148,7 +148,10 @@ def cmd_update(a) -> int:
     report = update(_porter(a), a.id, to=a.to, latest=a.latest, force=a.force)
     _print_audit(report, False)
     s = report.sources[0]
-    out.print(f"updated {s.source}: {_pin(s.from_pin)} -> {_pin(s.to_pin)} (kernels.yaml and kernels.lock)")
+    if not report.updated:
+        out.print(f"{s.source} is already at {_pin(s.to_pin)}: nothing changed")
+    else:
+        out.print(f"updated {s.source}: {_pin(s.from_pin)} -> {_pin(s.to_pin)} (kernels.yaml and kernels.lock)")
     return 0
 
 

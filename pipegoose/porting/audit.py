@@ -84,6 +84,7 @@ class SourceAudit:
 @dataclass
 class AuditReport:
     sources: list[SourceAudit]
+    updated: bool = True  # update(): False when the source was already at the pin asked for (nothing changed)
 
     @property
     def exit_code(self) -> int:
@@ -303,7 +304,10 @@ def update(porter: Porter, name: str, to: str | None = None, latest: bool = Fals
         try:
             k = m.resolve(name)
         except KeyError as e:
-            raise PortError(e.args[0]) from None
+            close = difflib.get_close_matches(name, list(m.sources), n=3, cutoff=0.5)
+            hint = f"did you mean the source {', '.join(close)}? " if close else ""
+            raise PortError(f"{e.args[0]}; {hint}update takes a source id ({', '.join(m.sources)}) or a kernel "
+                            "id") from None
         sid, named = k.source, k.id
     src = m.sources[sid]
     if src.is_local:
@@ -319,6 +323,9 @@ def update(porter: Porter, name: str, to: str | None = None, latest: bool = Fals
         sa = report.sources[0]
         if sa.error:
             raise PortError(f"{sid}: audit failed: {sa.error}")
+        if all(kid in lock.kernels for kid in kids) and sa.to_pin == dict(lock.sources[sid].pin):
+            report.updated = False  # already at that pin: nothing to re-vendor or rewrite
+            return report
         gone = [f"{k.kernel}: {f.path} " + (f"moved to {', '.join(f.moved_to)}" if f.moved_to else "removed")
                 for k in sa.kernels for f in k.files if f.status in ("moved", "removed")]
         if gone:

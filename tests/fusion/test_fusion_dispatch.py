@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 
 import pytest
 import torch
@@ -369,3 +370,28 @@ def test_misspelt_impl_variable_warns(monkeypatch):
     monkeypatch.delenv("PIPEGOOSE_IMPL_LAYERNORM")
     monkeypatch.setenv("PIPEGOOSE_IMPL_LAYER_NORM", "torch")
     assert dispatch.warn_unknown_env() == []
+
+
+def test_warnings_name_the_callers_line_not_pipegoose():
+    """An unmet request warns at the user's line: through the functional op, and through a fused module called from
+    a model's forward (past nn.Module.__call__), not inside pipegoose or torch."""
+    from pipegoose.nn.fusion import FusedRMSNorm, softmax
+
+    dispatch._warned_unmet.clear()
+    with pytest.warns(UserWarning, match="cannot run this input") as rec:
+        softmax(torch.randn(4, 8), dim=-1, impl="megatron"); line = sys._getframe().f_lineno  # noqa: E702
+    assert [(w.filename, w.lineno) for w in rec if "cannot run" in str(w.message)] == [(__file__, line)]
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = FusedRMSNorm(8, impl="pipegoose")  # no GPU here, or a CPU input: unmet
+
+        def forward(self, x):
+            self.line = sys._getframe().f_lineno + 1
+            return self.norm(x)
+
+    model = Model()
+    with pytest.warns(UserWarning, match="cannot run this input") as rec:
+        model(torch.randn(4, 8))
+    assert [(w.filename, w.lineno) for w in rec if "cannot run" in str(w.message)] == [(__file__, model.line)]

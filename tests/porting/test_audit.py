@@ -151,6 +151,24 @@ def test_update_clean(repo):
     assert p.verify() == []
 
 
+def test_update_to_the_current_pin_changes_nothing(repo):
+    p = setup_sdist(repo)
+    before = repo.snapshot()
+    r = update(p, "up", to="1.0")
+    assert r.updated is False and r.exit_code == 0
+    assert repo.snapshot() == before
+    publish_version(repo, "1.1", V1_FILES)
+    assert update(p, "up", to="1.1").updated is True
+    assert p.manifest.sources["up"].pin["version"] == "1.1"
+
+
+def test_update_of_an_unknown_name_lists_the_sources(repo):
+    p = setup_sdist(repo)
+    with pytest.raises(PortError, match=r"unknown kernel 'upp'.*did you mean the source up\? update takes a source "
+                                        r"id \(up\) or a kernel id"):
+        update(p, "upp", to="1.1")
+
+
 def test_audit_git_two_commits_and_latest(repo, tmp_path):
     up, c1 = init_git_upstream(tmp_path / "upstream", V1_FILES)
     repo.write_manifest(source_yaml("up", f"git: {{url: '{up.working_tree_dir}', commit: {c1}}}"), K_ALPHA)
@@ -204,6 +222,11 @@ def test_cli_audit_exit_codes_and_json(repo):
                                                                  "before": True, "after": False}
     r = subprocess.run(env_cmd + ["--to", "1.0"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and "in sync" in r.stdout
+    upd = [a if a != "audit" else "update" for a in env_cmd]
+    before = repo.snapshot()
+    r = subprocess.run(upd + ["up", "--to", "1.0"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and "up is already at up 1.0: nothing changed" in " ".join(r.stdout.split()), r.stdout
+    assert "updated" not in r.stdout and repo.snapshot() == before
 
 
 @pytest.mark.parametrize("text,expected", [

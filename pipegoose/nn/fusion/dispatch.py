@@ -59,6 +59,7 @@ import json
 import logging
 import os
 import re
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, field, replace
@@ -518,6 +519,19 @@ def _env_request(op: str) -> tuple[str | None, str]:
 
 
 _env_checked = False
+# pipegoose's own files, and torch's (nn.Module.__call__ between a model and a fused module)
+_INTERNAL_DIRS = tuple(str(Path(m.__file__).resolve().parent) + os.sep
+                       for m in (sys.modules["pipegoose"], torch))
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` in the function calling this one name the first frame outside
+    pipegoose and torch: the user's line, or the model code that called a fused module."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def warn_unknown_env() -> list[str]:
@@ -531,7 +545,7 @@ def warn_unknown_env() -> list[str]:
     unknown = sorted(k for k in os.environ if k.startswith("PIPEGOOSE_IMPL_") and k not in known)
     for k in unknown:
         warnings.warn(f"{k}: no fused op of that name, so it is ignored; known: {', '.join(sorted(known))}",
-                      stacklevel=3)
+                      stacklevel=_caller_stacklevel())
     return unknown
 
 
@@ -716,7 +730,8 @@ def record(choice: Choice) -> Choice:
     if choice.unmet and (op, choice.unmet, choice.impl) not in _warned_unmet:
         # once per op, request and reason: a cached choice is recorded on every call of a hot loop
         _warned_unmet.add((op, choice.unmet, choice.impl))
-        warnings.warn(f"{op}: {choice.unmet}; running {choice.impl} ({choice.source}) instead", stacklevel=2)
+        warnings.warn(f"{op}: {choice.unmet}; running {choice.impl} ({choice.source}) instead",
+                      stacklevel=_caller_stacklevel())
     return choice
 
 
