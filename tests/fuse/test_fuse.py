@@ -102,6 +102,10 @@ def test_fuse_parity_and_unfuse(arch, attn, attention, softmax_calls):
     else:
         assert report.attention["chosen"] == "pipegoose" and report.coverage == 1.0
     assert "eligible modules fused" in str(report)
+    # the "@128" of the attention rows' implementations is explained under the table, only where it appears
+    probe = any("@128" in r.forward for r in report.fused_rows("attention"))
+    assert probe == expect_ours
+    assert ("@128: the choice for a sequence length of 128" in " ".join(str(report).split())) == probe
     d = report.to_dict()
     assert d["rows"] and d["covered"] == report.covered
 

@@ -1566,20 +1566,21 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
 // - two steps of R rows are in use at once, and the copies of the next S - 2R rows are in flight; each step loads the
 //   next step's mean and rstd, a step ahead of their use.
 // Pushing the sums and overlapping the barrier with pass 2 (rather than reading the other blocks' sums after the
-// barrier, then pass 2) took the raw backward of these rows at 16384-65536 columns from 73.0-80.6% of copy to
-// 74.3-81.2 in bf16 and from 84.2-90.6 to 89.8-92.8 in fp32; loading mean and rstd a step ahead, from 73.2-80.3 to
-// 80.2-87.2 (LayerNorm bf16), from 78.5-79.8 to 90.9-91.3 (RMSNorm bf16 32768-65536), and in fp32 from 89.4-92.8 to
-// 99.9-101.8 (H200, session 14, calls 1-2).
+// barrier, then pass 2) took the raw backward of these rows at 16384-65536 columns from 72.8-80.4% of copy to
+// 74.1-81.1 in bf16 and from 84.0-90.4 to 89.6-92.7 in fp32; loading mean and rstd a step ahead, from 73.3-80.4 to
+// 80.1-87.1 (LayerNorm bf16), from 78.5-79.8 to 90.8-91.2 (RMSNorm bf16 32768-65536), and in fp32 from 89.4-92.8 to
+// 99.8-101.6 (H200, session 14, calls 1-2).
 // One read of x and dy and one write of dx; the column sums go to ws [NACC, clusters, H] like the other plans' (one
 // partial row per cluster; norm_col_reduce_kernel sums them in a fixed order). The body compiles for sm_90 and newer
 // only (clusters): the host launches it only on such a GPU.
 constexpr int kClThreads = 512;
 constexpr int kClValues = 16;     // values per thread and row: NV = kClValues / VEC chunks
-// (1024 threads of 8 values, 64 registers, ran the 16-bit rows 6.5-14.2 points of copy slower: H200, session 14, call 2.)
+// (1024 threads of 8 values, 64 registers, ran the 16-bit rows 6.4-14.1 points of copy slower: H200, session 14,
+// call 2.)
 constexpr int kClMaxCluster = 8;  // the portable cluster size limit
 // Stages: as many as fit kClSmemBytes of shared memory per block, 3 to 7 (fp32: 3 of 64 KB; 16-bit: 6 of 32 KB).
 // -DPIPEGOOSE_NORM_BWD_CL_SMEM_KB=N (a benchmark experiment, off in the shipped build) sets the budget: 224 KB (16-bit:
-// 7 stages, three rows in flight instead of two) ran within 0.6 points of 192 KB (H200, session 14, call 1).
+// 7 stages, three rows in flight instead of two) ran within 0.5 points of 192 KB (H200, session 14, call 1).
 #if defined(PIPEGOOSE_NORM_BWD_CL_SMEM_KB)
 constexpr int kClSmemBytes = PIPEGOOSE_NORM_BWD_CL_SMEM_KB * 1024;
 #else
@@ -1593,9 +1594,9 @@ constexpr int bwd_cluster_stages(int in_bytes, int dy_bytes) {
 // Rows per step (one block reduction and one cluster barrier for R rows): two for 16-bit rows (at least five stages),
 // one for fp32 (three stages; four of 64 KB do not fit). Two rows per step took the bf16 backward at 16384-65536
 // columns from 50.9-60.3% of copy to 71.6-78.1 (H200, session 13, call 3); with pass 2 overlapping the barrier, one
-// 16-bit row per step still ran LayerNorm 17.8-18.8 points slower (session 14, call 1). -DPIPEGOOSE_NORM_BWD_CL_ROWS=R (a
-// benchmark experiment, off in the shipped build) sets the 16-bit rows' (R rows need 2R + 1 stages: with fewer, one
-// row per step).
+// 16-bit row per step still ran LayerNorm 17.6-18.8 points slower (session 14, call 1).
+// -DPIPEGOOSE_NORM_BWD_CL_ROWS=R (a benchmark experiment, off in the shipped build) sets the 16-bit rows' (R rows need
+// 2R + 1 stages: with fewer, one row per step).
 #if defined(PIPEGOOSE_NORM_BWD_CL_ROWS)
 constexpr int kClRows16 = PIPEGOOSE_NORM_BWD_CL_ROWS;
 #else
@@ -2615,8 +2616,9 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     // shared-memory plans from 12288 columns. Raw backward against those plans (H200, session 14, call 3, % of copy):
     // at 12288 columns LayerNorm bf16 46.0 -> 75.8, fp32 84.1 -> 93.1, RMSNorm bf16 71.9 -> 82.5; at 16384 RMSNorm
     // bf16 84.0 -> 94.0 and fp32 99.1 -> 101.9; at 8192 and below, and for fp32 RMSNorm at 12288 (100.2 -> 94.2), the
-    // cluster lost, and rows of 8200-12280 columns were not timed. -DPIPEGOOSE_NORM_BWD_NO_CLUSTER (a benchmark
-    // experiment, off in the shipped build) keeps every row on the plans before session 13.
+    // cluster lost, and rows of 8200-12280 columns (fp32: 8196-12284) were not timed.
+    // -DPIPEGOOSE_NORM_BWD_NO_CLUSTER (a benchmark experiment, off in the shipped build) keeps every row on the plans
+    // before session 13.
 #if defined(PIPEGOOSE_NORM_BWD_NO_CLUSTER)
     constexpr bool kCluster = false;
 #else

@@ -135,9 +135,15 @@ class FusionReport:
             style = None if r.fused else "dim"
             table.add_row(r.path or "<model>", r.kind, r.original, r.replacement or "skipped",
                           _yes_no(r.fused, r.forward), _yes_no(r.fused, r.backward), r.reason, style=style)
+        notes = []
         if self.attention:
             a = self.attention
-            table.caption = f"attention: {a.get('previous')} -> {a.get('chosen')}: {a.get('reason')}"
+            notes.append(f"attention: {a.get('previous')} -> {a.get('chosen')}: {a.get('reason')}")
+        if any(f" @{_PROBE_SEQ}" in impl for r in self.rows if r.fused for impl in (r.forward, r.backward)):
+            notes.append(f"@{_PROBE_SEQ}: the choice for a sequence length of {_PROBE_SEQ}; the dispatcher chooses again "
+                         "for each input shape at run time (dispatch.stats() counts what ran)")
+        if notes:
+            table.caption = "\n".join(notes)
         return table
 
     def __str__(self) -> str:
