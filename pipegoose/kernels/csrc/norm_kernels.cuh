@@ -1628,13 +1628,9 @@ __device__ __forceinline__ unsigned cluster_special(int which) {
   return v;
 }
 
-// Every thread of every block of the cluster: writes before it are visible to reads after it, cluster-wide.
-__device__ __forceinline__ void cluster_barrier() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// The two halves of cluster_barrier: the writes of this thread before cluster_arrive are visible to every thread of
-// the cluster after its next cluster_wait. Work between the two overlaps the barrier.
+// The cluster barrier in two halves (every thread of every block of the cluster arrives, then waits): the writes of
+// this thread before cluster_arrive are visible to every thread of the cluster after its next cluster_wait. Work
+// between the two overlaps the barrier.
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 }
@@ -1652,15 +1648,6 @@ __device__ __forceinline__ void st_cluster_f2(float2* p, unsigned rank, float2 v
   asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(ra), "f"(v.x), "f"(v.y) : "memory");
 }
 
-// Reads the float2 at p (shared memory of this block) in the block of rank `rank` of the cluster.
-__device__ __forceinline__ float2 ld_cluster_f2(const float2* p, unsigned rank) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  uint32_t ra;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
-  float2 v;
-  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(ra) : "memory");
-  return v;
-}
 #endif
 
 // Launched in clusters of CL = gridDim.x / clusters blocks of kClThreads threads (1-D grid and clusters), with
