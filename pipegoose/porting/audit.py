@@ -21,6 +21,7 @@ from pathlib import PurePosixPath
 from typing import Iterable
 
 import yaml
+from packaging.version import InvalidVersion, Version
 
 from ..kernels.manifest import ManifestError, Source
 from .errors import PortError
@@ -158,9 +159,18 @@ def _compare(path: str, old: SourceTree, new: SourceTree, want_diff: bool) -> Fi
 
 
 def _new_pin(source: Source, to: str | None, latest: bool, porter: Porter) -> dict[str, str]:
-    if to is not None:
-        return {"name": source.pin["name"], "version": to} if source.kind == "pypi" else {"url": source.pin["url"], "commit": to}
-    return porter.fetcher.latest(source)  # --latest, and the default
+    if to is None:
+        return porter.fetcher.latest(source)  # --latest, and the default
+    if source.kind != "pypi":
+        return {"url": source.pin["url"], "commit": to}
+    try:
+        version = Version(to)
+    except InvalidVersion:
+        raise PortError(f"--to: {to!r} is not a valid version of {source.pin['name']} (PEP 440, e.g. "
+                        f"{source.pin['version']})") from None
+    # A version equal to the pin however it is written (v0.5.0, 0.5.0.0, 0.5) is the pin, spelled as pinned.
+    current = source.pin["version"]
+    return {"name": source.pin["name"], "version": current if version == Version(current) else str(version)}
 
 
 def _targets(porter: Porter, names: Iterable[str] | None) -> dict[str, list[str]]:
@@ -305,9 +315,10 @@ def update(porter: Porter, name: str, to: str | None = None, latest: bool = Fals
             k = m.resolve(name)
         except KeyError as e:
             close = difflib.get_close_matches(name, list(m.sources), n=3, cutoff=0.5)
-            hint = f"did you mean the source {', '.join(close)}? " if close else ""
-            raise PortError(f"{e.args[0]}; {hint}update takes a source id ({', '.join(m.sources)}) or a kernel "
-                            "id") from None
+            kernel_hint = e.args[0].split("; ", 1)[1] if "; " in e.args[0] else ""
+            hint = f"did you mean the source {', '.join(close)}? " if close else f"{kernel_hint}; " if kernel_hint else ""
+            raise PortError(f"unknown source or kernel {name!r} in {m.path.name}; {hint}update takes a source id "
+                            f"({', '.join(m.sources)}) or a kernel id") from None
         sid, named = k.source, k.id
     src = m.sources[sid]
     if src.is_local:

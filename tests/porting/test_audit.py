@@ -162,11 +162,34 @@ def test_update_to_the_current_pin_changes_nothing(repo):
     assert p.manifest.sources["up"].pin["version"] == "1.1"
 
 
+@pytest.mark.parametrize("spelling", ["v1.0", "1.0.0", "1"])
+def test_update_to_the_current_version_spelled_otherwise_changes_nothing(repo, spelling):
+    """PEP 440 equal versions are the pin: no rewrite of kernels.yaml (a found walkthrough bug: 'v0.5.0' was taken
+    for a new pin and written into kernels.yaml and the lock)."""
+    p = setup_sdist(repo)
+    before = repo.snapshot()
+    r = update(p, "up", to=spelling)
+    assert r.updated is False and r.sources[0].to_pin["version"] == "1.0"
+    assert repo.snapshot() == before
+
+
+@pytest.mark.parametrize("bad", ["", "latest", "1.0 beta"])
+def test_update_to_an_invalid_version_is_a_clear_error(repo, bad):
+    p = setup_sdist(repo)
+    before = repo.snapshot()
+    with pytest.raises(PortError, match=f"--to: {bad!r} is not a valid version of up \\(PEP 440, e.g. 1.0\\)"):
+        update(p, "up", to=bad)
+    assert repo.snapshot() == before
+    assert audit(p, to=bad).exit_code == 2
+
+
 def test_update_of_an_unknown_name_lists_the_sources(repo):
     p = setup_sdist(repo)
-    with pytest.raises(PortError, match=r"unknown kernel 'upp'.*did you mean the source up\? update takes a source "
-                                        r"id \(up\) or a kernel id"):
+    with pytest.raises(PortError, match=r"unknown source or kernel 'upp' in kernels.yaml; did you mean the source up\? "
+                                        r"update takes a source id \(up\) or a kernel id"):
         update(p, "upp", to="1.1")
+    with pytest.raises(PortError, match=r"unknown source or kernel 'up/alpah' in kernels.yaml; did you mean: up/alpha"):
+        update(p, "up/alpah", to="1.1")
 
 
 def test_audit_git_two_commits_and_latest(repo, tmp_path):
