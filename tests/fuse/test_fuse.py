@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipegoose.nn.fusion.fuse import FusionReport, fuse, fused, is_fused, unfuse
+from pipegoose.nn.fusion.fuse import FusionReport, fuse, fused, fusion_report, is_fused, unfuse
 from pipegoose.nn.fusion.transformers import attention as attn_mod
 from tolerances import TOLERANCES, tol
 
@@ -350,6 +350,18 @@ def test_plain_module_without_config():
     assert report.covered == 1 and report.attention == {}
     torch.testing.assert_close(model(x), ref, **TOLERANCES[torch.float32])
     unfuse(model)
+
+
+def test_a_fuse_that_fuses_nothing_leaves_no_record():
+    """Llama has no LayerNorm: fuse(ops="layer_norm") changes nothing, so the model is not marked fused and a second
+    fuse with other ops works (it raised 'already fused', a fresh-clone walkthrough found)."""
+    model = models.build("llama", "eager")
+    report = fuse(model, ops="layer_norm")
+    assert report.covered == 0 and not is_fused(model) and fusion_report(model) is None
+    assert unfuse(model) is False
+    report = fuse(model, ops="rms_norm")
+    assert report.covered > 0 and is_fused(model)
+    assert unfuse(model) is True and not is_fused(model)
 
 
 def test_report_of_a_model_with_nothing_eligible_says_so():

@@ -273,6 +273,8 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
             paths (the dispatcher picks fused kernels on CUDA).
         ops: subset of ``("layer_norm", "rms_norm", "attention")``; None = all.
         dry_run: only report what would be done; the model is not touched.
+            A call that fuses nothing (no module of ``ops`` in the model) leaves no record either: ``is_fused``
+            stays False, and ``fuse`` may be called again, e.g. with other ``ops``.
         attention: ``"auto"`` (ours on models running eager attention; a model on SDPA keeps it unless the GPU's
             tuning table, op ``"attention"``, names ``pipegoose`` for its dtype, and then ours is used per call
             where the table says so; flash/flex attention is kept), ``"pipegoose"`` (ours whatever the model ran)
@@ -348,8 +350,8 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
 
     order = {p: i for i, (p, _) in enumerate(model.named_modules(remove_duplicate=False))}
     report.rows.sort(key=lambda r: order.get(r.path, len(order)))
-    if not dry_run:
-        _STATE[model] = state
+    if not dry_run and (state.swaps or state.config_swaps or any(r.fused for r in report.rows)):
+        _STATE[model] = state  # a call that fused nothing leaves no record: fuse() may be called again
     return report
 
 
