@@ -1506,6 +1506,11 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
     stage = stage == S - 1 ? 0 : stage + 1;
   }
   cp_async_wait<0>();  // the zero-fill copies past the last row still write the stages that are reused below
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Every block of this persistent grid is resident: the column reduction (a programmatic dependent launch) may be
+  // launched now; it waits for this grid's completion before it reads ws.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 
   if (!want_acc) return;
   const int64_t P = gridDim.x;
@@ -2066,6 +2071,11 @@ __global__ void __launch_bounds__(32 * LANES)
 norm_col_reduce_kernel(const float* __restrict__ ws, int64_t P, int H, TA* __restrict__ out_a,
                        TB* __restrict__ out_b) {
   static_assert(ILP >= 1 && (ILP & (ILP - 1)) == 0, "norm_col_reduce_kernel: ILP a power of two");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as a programmatic dependent of the backward kernel (launch_col_reduce): wait until that grid has
+  // completed and its writes to ws are visible (returns at once after an ordinary launch).
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   __shared__ float sa[LANES][33];
   __shared__ float sb[LANES][33];
   const int col = blockIdx.x * 32 + threadIdx.x;
@@ -2774,14 +2784,36 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
 // occupancy: 128 blocks with too few bytes in flight. 32 lanes of eight loads were no faster in the whole backward
 // (session 7 A/B: 0-1.7 points of copy slower at 18 of 20 shapes; see
 // benchmarks/results/nvidia_h200_2026-11-30/SUMMARY.md).
+// On sm_90 and newer it is a programmatic dependent launch: its blocks are launched while the backward kernel before
+// it in the stream finishes, and wait for it in the kernel (griddepcontrol.wait) instead of behind the launch.
 template <typename TA, typename TB>
 void launch_col_reduce(const at::Tensor& ws, int H, TA* out_a, TB* out_b, cudaStream_t stream) {
   constexpr int kLanes = 16, kIlp = 4;
   const int64_t P = ws.size(1);
   const dim3 block(32, kLanes);
   const int64_t grid = ceil_div(H, 32);
-  norm_col_reduce_kernel<TA, TB, kLanes, kIlp><<<static_cast<unsigned>(grid), block, 0, stream>>>(
-      ws.data_ptr<float>(), P, H, out_a, out_b);
+  auto kernel = &norm_col_reduce_kernel<TA, TB, kLanes, kIlp>;
+  bool pdl = has_clusters();
+#if defined(PIPEGOOSE_NORM_BWD_EXPERIMENT)
+  // PIPEGOOSE_NORM_BWD_PDL=0 (benchmark experiment, off in the shipped build): an ordinary launch.
+  if (const char* v = std::getenv("PIPEGOOSE_NORM_BWD_PDL")) pdl = pdl && std::string(v) != "0";
+#endif
+  if (pdl) {
+    cudaLaunchConfig_t config = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    config.gridDim = dim3(static_cast<unsigned>(grid), 1, 1);
+    config.blockDim = block;
+    config.dynamicSmemBytes = 0;
+    config.stream = stream;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<const float*>(ws.data_ptr<float>()), P, H, out_a,
+                                      out_b));
+    return;
+  }
+  kernel<<<static_cast<unsigned>(grid), block, 0, stream>>>(ws.data_ptr<float>(), P, H, out_a, out_b);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
