@@ -926,6 +926,9 @@ __device__ __forceinline__ void raw_load_pol(const T* p, Raw<T, N>& r, uint64_t 
   r.u[3] = v.w;
 }
 
+// (Session 15 timed this kernel as a plan for rows of 2048-32768 columns, with blocks of 256-1024 threads, 2 or 4
+// chunks in flight, 32-register launch bounds and one block per row, in the manner of torch.compile's looped
+// kernels: it trailed the register plans at 16 of 20 rows; session15.log.)
 // Blocks per launch of norm_fwd_wide_kernel: at least one per SM, at most what fits, and beyond one per SM no more
 // rows in flight than half the L2 holds (the output pass re-reads each row from there).
 inline int64_t wide_grid(int64_t rows, int64_t row_bytes, int sms, int occ) {
@@ -1299,7 +1302,9 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
 // its two stages, 128 KB at the widest rows, leave no room for a second block there anyway). Tried and dropped
 // (session 6 A/B): the specialised kernels in blocks of up to 1024 threads, one per SM (fewer workspace rows: 132
 // instead of 528; the workspace and its column reduction cost 8-18% of the backward at [8192-16384, 4096] bf16), 0-20
-// points slower at every size (RMSNorm bf16 8192: 79 against 95; fp32 4096: 75 against 97).
+// points slower at every size (RMSNorm bf16 8192: 79 against 95; fp32 4096: 75 against 97); and (session 15, call 5)
+// one block's bounds for the generic 16-bit LayerNorm kernel of 512-thread blocks (91 registers instead of 64 and 32
+// bytes of spills): 3-20 points slower at 4608-8000 columns.
 // -DPIPEGOOSE_NORM_BWD_STAGES=S and -DPIPEGOOSE_NORM_BWD_ASYNC_MINB=B (benchmark experiments, off in the shipped
 // build) set every kernel's.
 template <int TPB, bool SPEC16, int NV = 2>
@@ -2785,7 +2790,12 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
 // (session 7 A/B: 0-1.7 points of copy slower at 18 of 20 shapes; see
 // benchmarks/results/nvidia_h200_2026-11-30/SUMMARY.md).
 // On sm_90 and newer it is a programmatic dependent launch: its blocks are launched while the backward kernel before
-// it in the stream finishes, and wait for it in the kernel (griddepcontrol.wait) instead of behind the launch.
+// it in the stream finishes, and wait for it in the kernel (griddepcontrol.wait) instead of behind the launch. Raw
+// backward +0.3 to +1.7 points of copy at 512-8192 columns in both rounds of session 15's call 4 (H200).
+// Tried and dropped in session 15 (benchmarks/results/nvidia_h200_2026-11-30/session15.log): the register plans'
+// blocks adding their column sums across a cluster of 2, 4 or 8 before the workspace (fewer partial rows, but fewer
+// resident blocks: up to 4.9 points slower), and the row kernel summing its own workspace after a grid barrier in a
+// cooperative launch (no second kernel; LayerNorm 0.2-5.7 points slower).
 template <typename TA, typename TB>
 void launch_col_reduce(const at::Tensor& ws, int H, TA* out_a, TB* out_b, cudaStream_t stream) {
   constexpr int kLanes = 16, kIlp = 4;
