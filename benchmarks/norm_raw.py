@@ -128,6 +128,17 @@ def main() -> None:
                       ("bwd_cluster", "fwd_only", "exclude each other (--bwd-cluster times backwards)")):
         if (plans_given if a == "fwd_plans" else getattr(args, a)) and getattr(args, b):
             raise SystemExit(f"norm_raw: --{a.replace('_', '-')} and --{b.replace('_', '-')} {why}")
+    for plan in (p for p in args.fwd_plans.split(";") if p and p != "-"):
+        # The kernels' fwd_exp reads exactly this form and runs the shipped plan for anything else, which would be
+        # timed under the mistyped label: refuse it here.
+        try:
+            grid, nv, pf, preg = (int(v) for v in plan.split(","))
+        except ValueError:
+            grid = nv = pf = preg = -1
+        if grid not in (0, 1) or nv not in (0, 1, 2, 4, 8) or pf not in (0, 1) or preg not in (0, 1) or \
+                (pf and nv not in (2, 4)):
+            raise SystemExit(f"norm_raw: --fwd-plans: {plan!r}: expected - or grid,nv,pf,preg with grid 0 or 1, nv 0, "
+                             "1, 2, 4 or 8, pf 0 or 1 (1 only with nv 2 or 4), preg 0 or 1")
     if args.max_h < 0:
         raise SystemExit(f"norm_raw: --max-h: expected 0 (all) or a positive hidden size, got {args.max_h}")
     shapes = SHAPES
