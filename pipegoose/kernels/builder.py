@@ -138,11 +138,13 @@ class KernelBuilder:
         cache_dir: the build cache (default :func:`pipegoose.kernels.cache.default_cache_dir`).
         verbose: echo the compiler output while building (it always goes to the build log).
 
-    Raises (from :meth:`build` / :meth:`load`):
-        KeyError: unknown name (the message lists close matches).
-        KernelUnavailableError: toolchain preflight failed, vendored files or the binding are missing, the
-            running GPU's architecture is not covered; the message says what to run.
-        KernelBuildError: compiling, linking or loading failed; the message shows the first errors and the log path.
+    Raises:
+        KeyError: unknown name (the message lists close matches): from :meth:`from_name` at once, else from
+            :meth:`build` / :meth:`load`.
+        KernelUnavailableError: (from :meth:`build` / :meth:`load`) toolchain preflight failed, vendored files or
+            the binding are missing, the running GPU's architecture is not covered; the message says what to run.
+        KernelBuildError: (from :meth:`build` / :meth:`load`) compiling, linking or loading failed; the message
+            shows the first errors and the log path.
     """
 
     def __init__(self, name: str | None = None, *, manifest: Manifest | str | os.PathLike | None = None,
@@ -157,7 +159,11 @@ class KernelBuilder:
 
     @classmethod
     def from_name(cls, name: str, **kwargs: Any) -> "KernelBuilder":
-        return cls(name, **kwargs)
+        """The builder of the kernel ``name`` (an id or alias of the manifest), checked now: an unknown name raises
+        KeyError listing close matches here rather than at :meth:`load`. ``kwargs``: as for the constructor."""
+        builder = cls(name, **kwargs)
+        builder.kernel  # noqa: B018 - resolves the name (KeyError on an unknown one)
+        return builder
 
     def absolute_name(self) -> str:
         """The manifest id of the kernel (subclasses override this instead of passing a name)."""

@@ -490,3 +490,12 @@ def test_cli_unknown_kernel_and_options_after_the_subcommand(tiny, tmp_path):
                         "--cache-dir", str(other)], capture_output=True, text=True, env=env, timeout=300)
     out = p.stdout.replace("\n", "").replace("│", "").replace(" ", "")
     assert p.returncode == 0 and "test/tiny" in p.stdout and str(other).replace(" ", "") in out, p.stdout + p.stderr
+
+
+def test_from_name_checks_the_name_at_once(tiny):
+    """KernelBuilder.from_name resolves the name when called: a typo raises KeyError with close matches there, not
+    later at load(); a known alias or id gives the builder."""
+    manifest, _op, cache_dir = tiny
+    with pytest.raises(KeyError, match="unknown kernel 'tiny_typo'"):
+        KernelBuilder.from_name("tiny_typo", manifest=manifest, cache_dir=cache_dir)
+    assert KernelBuilder.from_name("tiny", manifest=manifest, cache_dir=cache_dir).kernel.id == "test/tiny"
