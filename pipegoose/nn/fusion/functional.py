@@ -165,7 +165,8 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: t
     have the output dtype: apex#1379).
 
     Raises:
-        TypeError: non-floating ``x``/parameters. ValueError: shapes, devices or ``eps`` wrong.
+        TypeError: non-floating ``x``/parameters, ``eps`` not a number. ValueError: shapes or devices wrong,
+        ``eps`` negative or not finite.
     """
     return _ln.run(x, normalized_shape, weight, bias, eps, impl)
 
@@ -197,7 +198,7 @@ def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: tor
     Kernel: pipegoose/rms_norm (pipegoose/kernels/csrc/rms_norm.cu, MIT).
 
     Raises:
-        TypeError: non-floating ``x``/``weight``, ``cast_before_weight`` not a bool. ValueError: shapes, devices
-        or ``eps`` wrong.
+        TypeError: non-floating ``x``/``weight``, ``cast_before_weight`` not a bool, ``eps`` not a number or None.
+        ValueError: shapes or devices wrong, ``eps`` negative or not finite.
     """
     return _rms.run(x, normalized_shape, weight, eps, cast_before_weight, impl)

@@ -74,7 +74,9 @@ def check_args(x: Any, shape: tuple[int, ...], weight: Any, bias: Any, eps: Any)
             raise ValueError(f"{name}: expected shape {list(shape)} (normalized_shape), got {list(p.shape)}")
         if p.device != x.device:
             raise ValueError(f"{name}: on {p.device}, expected the input's device {x.device}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or not math.isfinite(eps):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps: expected a number, got {eps!r} ({type(eps).__name__})")
+    if not eps >= 0 or not math.isfinite(eps):
         raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
 
 

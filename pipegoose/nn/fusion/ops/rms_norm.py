@@ -52,7 +52,9 @@ def check_args(x: Any, shape: tuple[int, ...], weight: Any, eps: Any) -> float |
             raise ValueError(f"weight: on {weight.device}, expected the input's device {x.device}")
     if eps is None:
         return None
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or not math.isfinite(eps):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps: expected a number or None, got {eps!r} ({type(eps).__name__})")
+    if not eps >= 0 or not math.isfinite(eps):
         raise ValueError(f"eps: expected a finite number >= 0 or None, got {eps!r}")
     return float(eps)
 
