@@ -9,6 +9,7 @@ pipegoose.nn.fusion are exercised without a GPU. The real kernels are tested in 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -243,11 +244,13 @@ def test_masked_softmax_glue_zeroes_fully_masked_rows(fake, impl, dtype):
 def test_megatron_rejections_route_to_pipegoose(fake):
     x = torch.randn(2, 3, 16, 64, dtype=torch.bfloat16)
     m = torch.zeros(2, 1, 16, 64, dtype=torch.bool)
-    assert PF.scaled_masked_softmax(x, m, 0.1, impl="megatron") is not None  # 0.1 not exact in bf16
+    with pytest.warns(UserWarning, match="impl='megatron' cannot run this input: scale 0.1"):
+        assert PF.scaled_masked_softmax(x, m, 0.1, impl="megatron") is not None  # 0.1 not exact in bf16
     assert dispatch.stats()["softmax.masked"] == {"pipegoose": 1}
     assert "representable" in dispatch.last_choice("softmax.masked").reasons["megatron"]
     x = torch.randn(2, 3, 7, 64, dtype=torch.bfloat16)  # sq=7: not a multiple of batches_per_block (8)
-    PF.scaled_masked_softmax(x, m[:, :, :7], 0.125, impl="megatron")
+    with pytest.warns(UserWarning, match="sq=7 not a multiple of batches_per_block"):
+        PF.scaled_masked_softmax(x, m[:, :, :7], 0.125, impl="megatron")
     assert "batches_per_block" in dispatch.last_choice("softmax.masked").reasons["megatron"]
 
 
@@ -283,9 +286,13 @@ def test_layer_norm_glue(fake, impl, xdt, pdt, affine):
     w = torch.randn(4, 8).to(pdt) if affine == "wb" else None
     b = torch.randn(4, 8).to(pdt) if affine == "wb" else None
     ts = [t.clone().requires_grad_(True) if t is not None else None for t in (x, w, b)]
-    y = PF.layer_norm(ts[0], (4, 8), ts[1], ts[2], impl=impl)
-    y.float().sum().backward()
     expect = impl if not (impl == "apex" and xdt != pdt and affine == "wb") else "pipegoose"  # apex#1379 guard
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = PF.layer_norm(ts[0], (4, 8), ts[1], ts[2], impl=impl)
+    fell_back = [str(w.message) for w in caught if "cannot run this input" in str(w.message)]
+    assert len(fell_back) == (expect != impl), fell_back  # the fallback says so, once; a direct run is silent
+    y.float().sum().backward()
     assert dispatch.stats()["layer_norm"] == {expect: 1}
     assert y.dtype == xdt
     want = F.layer_norm(x.float(), (4, 8), None if w is None else w.float(), None if b is None else b.float())
@@ -342,7 +349,8 @@ def test_fused_adam_mixed_buckets(fake):
     assert dispatch.stats()["adam"] == {"deepspeed": 2}  # one bucket per dtype
     b.grad_dtype = None  # allow an fp32 gradient on a bf16 parameter (master-grad setups)
     b.grad = torch.randn(5)  # fp32 grad for a bf16 param: deepspeed cannot, apex can
-    opt.step()
+    with pytest.warns(UserWarning, match="impl='deepspeed' cannot run this input: grads, params and moments"):
+        opt.step()
     assert dispatch.stats()["adam"] == {"deepspeed": 3, "apex": 1}
     assert "one dtype" in dispatch.last_choice("adam").reasons["deepspeed"]
 

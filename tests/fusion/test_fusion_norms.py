@@ -330,9 +330,9 @@ def test_error_messages_name_the_argument():
     with pytest.raises(TypeError, match="ops: "):
         fuse(torch.nn.Linear(2, 2), ops=5)
     with pytest.raises(TypeError, match="dtype: "):
-        softmax(x, dtype=torch.int32)
+        softmax(x, -1, dtype=torch.int32)
     with pytest.raises(TypeError, match="impl: "):
-        softmax(x, impl=3)
+        softmax(x, -1, impl=3)
 
 
 def test_explain_errors_say_what_to_pass():

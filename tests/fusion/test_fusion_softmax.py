@@ -161,7 +161,7 @@ def test_autocast_cpu_bf16_follows_torch():
     mask = torch.rand(2, 1, 8, 16) < 0.2
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = F.softmax(x, -1).dtype
-        assert PF.softmax(x).dtype == want
+        assert PF.softmax(x, -1).dtype == want
         assert PF.scaled_masked_softmax(x, mask, 0.5).dtype == want
         assert PF.scaled_masked_softmax(x.bfloat16(), mask, 0.5).dtype == F.softmax(x.bfloat16(), -1).dtype
 
@@ -181,7 +181,7 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="x"):
         PF.scaled_upper_triang_masked_softmax(x, 1.0)
     with pytest.raises(TypeError, match="^input: expected a floating point tensor"):
-        PF.softmax(torch.arange(4))
+        PF.softmax(torch.arange(4), -1)
     with pytest.raises(TypeError, match="^input: expected a torch.Tensor, got list"):  # F.softmax's parameter name
         PF.softmax([1.0, 2.0], -1)
     with pytest.raises(ValueError, match="impl"):
@@ -276,6 +276,7 @@ def jvp64(fn, x, t):
     return torch.nan_to_num(torch.func.jvp(fn, (x.double(),), (t.double(),))[1])
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")  # raised inside torch.func
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_mode_ad_through_the_softmaxes(dtype):
     """torch.func.jvp and torch.autograd.forward_ad through every softmax (the reference Function's jvp: the tangent
