@@ -2791,7 +2791,7 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
 // benchmarks/results/nvidia_h200_2026-11-30/SUMMARY.md).
 // On sm_90 and newer it is a programmatic dependent launch: its blocks are launched while the backward kernel before
 // it in the stream finishes, and wait for it in the kernel (griddepcontrol.wait) instead of behind the launch. Raw
-// backward +0.3 to +1.7 points of copy at 512-8192 columns in both rounds of session 15's call 4 (H200).
+// backward +0.2 to +1.7 points of copy (mean of two rounds) at 512-8192 columns in session 15's call 4 (H200).
 // Tried and dropped in session 15 (benchmarks/results/nvidia_h200_2026-11-30/session15.log): the register plans'
 // blocks adding their column sums across a cluster of 2, 4 or 8 before the workspace (fewer partial rows, but fewer
 // resident blocks: up to 4.9 points slower), and the row kernel summing its own workspace after a grid barrier in a
