@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,7 @@ from tolerances import TOLERANCES
 
 from pipegoose.nn.fusion import dispatch
 from pipegoose.nn.fusion import functional as PF
+from pipegoose.nn.fusion.fuse import fuse
 from pipegoose.nn.fusion.modules import FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -109,6 +111,34 @@ def test_layer_norm_autocast_cpu_matches_nn_layernorm(xdt):
         got = f(x)
     assert got.dtype == want.dtype
     close(got, want, want.dtype)
+
+
+@pytest.mark.parametrize("eps", [True, 0, 2, np.float32(1e-5), np.float16(1e-3), np.int64(1), np.bool_(True),
+                                 torch.tensor(1e-5), torch.tensor(1e-5, dtype=torch.float64)],
+                         ids=lambda e: f"{type(e).__name__}({e!r})")
+def test_eps_of_any_type_torch_takes(eps):
+    """eps as F.layer_norm / F.rms_norm take it (Python bools and ints, numpy scalars, 0-d tensors) gives their
+    result, in the functions, the modules and a fused model (whose modules kept such an eps)."""
+    x, w, b = torch.randn(3, 8), torch.randn(8), torch.randn(8)
+    torch.testing.assert_close(PF.layer_norm(x, (8,), w, b, eps), F.layer_norm(x, (8,), w, b, eps))
+    torch.testing.assert_close(PF.rms_norm(x, (8,), w, eps), F.rms_norm(x, (8,), w, eps))
+    model = torch.nn.Sequential(torch.nn.LayerNorm(8, eps=eps), torch.nn.RMSNorm(8, eps=eps))
+    want = model(x)
+    report = fuse(model)
+    assert len(report.fused_rows("layer_norm")) == 1 and len(report.fused_rows("rms_norm")) == 1, report
+    torch.testing.assert_close(model(x), want)
+
+
+@pytest.mark.parametrize("eps,err", [("a", TypeError), (torch.tensor([1e-5]), TypeError), (1j, TypeError),
+                                     (-1.0, ValueError), (float("inf"), ValueError), (float("nan"), ValueError)])
+def test_eps_errors_name_it(eps, err):
+    """What F.layer_norm rejects is a TypeError here too; a negative or non-finite eps (which PyTorch computes with)
+    is a ValueError: no kernel of ours takes it."""
+    x = torch.randn(3, 8)
+    with pytest.raises(err, match="^eps: expected a"):
+        PF.layer_norm(x, (8,), eps=eps)
+    with pytest.raises(err, match="^eps: expected a"):
+        PF.rms_norm(x, (8,), eps=eps)
 
 
 def test_layer_norm_errors():

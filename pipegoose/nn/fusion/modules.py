@@ -5,6 +5,7 @@ and transformers' Llama-style RMSNorm). Kernel sources: see :mod:`pipegoose.nn.f
 from __future__ import annotations
 
 import enum
+import math
 import numbers
 from typing import Any, Callable, Sequence
 
@@ -153,12 +154,12 @@ _HALF = (torch.float16, torch.bfloat16)
 def _small_native(op: str, impl: str | None, input: Any, shape: tuple[int, ...], eps: Any) -> bool:
     """Whether the dispatcher's small-problem rule would choose the native op for this module call and nothing
     overrides it: a CUDA tensor in a dtype our kernels take (so that the choice is the rule's, not a fallback that
-    strict mode must see), fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements, trailing dims ``shape``, a float ``eps``
-    >= 0 or None (anything else goes to the dispatcher, whose checks name the argument), no ``impl`` and no
+    strict mode must see), fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements, trailing dims ``shape``, a finite float
+    ``eps`` >= 0 or None (anything else goes to the dispatcher, whose checks name the argument), no ``impl`` and no
     ``PIPEGOOSE_IMPL_*`` variable. The module then calls the native op, as the unfused module does."""
     return (impl is None and isinstance(input, torch.Tensor) and _common.on_kernel_device(input)
             and input.numel() < dispatch.small_numel() and tuple(input.shape[input.dim() - len(shape):]) == shape
-            and input.dim() >= len(shape) and (eps is None or (type(eps) is float and eps >= 0.0))
+            and input.dim() >= len(shape) and (eps is None or (type(eps) is float and 0.0 <= eps < math.inf))
             and dispatch._env_request(op)[0] is None)
 
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, HALF_DTYPES, INT32_MAX, NO_STORAGE, autocast_state, call_without_autocast,
-                      dtype_name, has_storage, manifest_limit, needs_grad, param_signature, shape_signature,
+                      dtype_name, eps_value, has_storage, manifest_limit, needs_grad, param_signature, shape_signature,
                       torch_result_dtype)
 
 OP = "layer_norm"
@@ -74,10 +74,7 @@ def check_args(x: Any, shape: tuple[int, ...], weight: Any, bias: Any, eps: Any)
             raise ValueError(f"{name}: expected shape {list(shape)} (normalized_shape), got {list(p.shape)}")
         if p.device != x.device:
             raise ValueError(f"{name}: on {p.device}, expected the input's device {x.device}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps: expected a number, got {eps!r} ({type(eps).__name__})")
-    if not eps >= 0 or not math.isfinite(eps):
-        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
+    eps_value(eps)
 
 
 def out_dtype(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.dtype:

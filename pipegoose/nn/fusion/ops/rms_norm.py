@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from .. import dispatch
 from ..dispatch import Implementation, Problem
-from ._common import (FLOAT_DTYPES, NO_STORAGE, autocast_state, call_without_autocast, dtype_name, has_storage,
-                      manifest_limit, needs_grad, param_signature, shape_signature, torch_result_dtype)
+from ._common import (FLOAT_DTYPES, NO_STORAGE, autocast_state, call_without_autocast, dtype_name, eps_value,
+                      has_storage, manifest_limit, needs_grad, param_signature, shape_signature, torch_result_dtype)
 from .layer_norm import normalize_shape
 
 OP = "rms_norm"
@@ -50,13 +50,7 @@ def check_args(x: Any, shape: tuple[int, ...], weight: Any, eps: Any) -> float |
             raise ValueError(f"weight: expected shape {list(shape)} (normalized_shape), got {list(weight.shape)}")
         if weight.device != x.device:
             raise ValueError(f"weight: on {weight.device}, expected the input's device {x.device}")
-    if eps is None:
-        return None
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps: expected a number or None, got {eps!r} ({type(eps).__name__})")
-    if not eps >= 0 or not math.isfinite(eps):
-        raise ValueError(f"eps: expected a finite number >= 0 or None, got {eps!r}")
-    return float(eps)
+    return eps_value(eps, allow_none=True)
 
 
 def out_dtype(x: torch.Tensor, weight: torch.Tensor | None, cast_before_weight: bool) -> torch.dtype:
