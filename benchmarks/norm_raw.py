@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 
 # Input / parameter dtype pairs that differ are timed at these hidden sizes only.
 MIXED_H = (4096, 16384)
@@ -107,6 +108,9 @@ def main() -> None:
                     help="input dtypes, or INPUT/PARAMETER pairs (bf16, fp16, fp32), comma separated")
     ap.add_argument("--table", metavar="JSONL", help="print the --fwd-plans lines of JSONL as a table, then exit")
     args = ap.parse_args()
+    for name in ("fwd_plans", "shapes", "dtypes", "defines", "label"):
+        if not isinstance(getattr(args, name), str):  # argparse hands "--opt=--" over as a list
+            ap.error(f"--{name.replace('_', '-')}: expected a value, got {getattr(args, name)!r}")
     if args.table is not None:
         others = [f for f in ("fwd_only", "bwd_only", "max_h", "shapes", "fwd_plans", "bwd_wide", "bwd_cluster",
                               "defines")
@@ -129,11 +133,11 @@ def main() -> None:
         if (plans_given if a == "fwd_plans" else getattr(args, a)) and getattr(args, b):
             raise SystemExit(f"norm_raw: --{a.replace('_', '-')} and --{b.replace('_', '-')} {why}")
     for plan in (p for p in args.fwd_plans.split(";") if p and p != "-"):
-        # The kernels' fwd_exp reads exactly this form and runs the shipped plan for anything else, which would be
-        # timed under the mistyped label: refuse it here.
-        try:
+        # The kernels' fwd_exp reads exactly this form (sscanf "%d,%d,%d,%d" and nothing after it) and runs the
+        # shipped plan for anything else, which would be timed under the mistyped label: refuse it here.
+        if re.fullmatch(r"(\s*[+-]?[0-9]+,){3}\s*[+-]?[0-9]+", plan, flags=re.ASCII):
             grid, nv, pf, preg = (int(v) for v in plan.split(","))
-        except ValueError:
+        else:
             grid = nv = pf = preg = -1
         if grid not in (0, 1) or nv not in (0, 1, 2, 4, 8) or pf not in (0, 1) or preg not in (0, 1) or \
                 (pf and nv not in (2, 4)):

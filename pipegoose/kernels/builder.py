@@ -139,6 +139,8 @@ class KernelBuilder:
         verbose: echo the compiler output while building (it always goes to the build log).
 
     Raises:
+        TypeError: ``name`` not a str (at once).
+        ManifestError: ``manifest`` names no readable, valid manifest file (at once).
         KeyError: unknown name (the message lists close matches): from :meth:`from_name` at once, else from
             :meth:`build` / :meth:`load`.
         KernelUnavailableError: (from :meth:`build` / :meth:`load`) toolchain preflight failed, vendored files or
@@ -149,6 +151,8 @@ class KernelBuilder:
 
     def __init__(self, name: str | None = None, *, manifest: Manifest | str | os.PathLike | None = None,
                  cache_dir: str | os.PathLike | None = None, verbose: bool = False):
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name: expected a kernel id or alias (str), got {type(name).__name__} {name!r}")
         self._name = name
         if isinstance(manifest, Manifest):
             self.manifest = manifest

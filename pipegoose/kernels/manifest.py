@@ -341,6 +341,8 @@ def load_manifest(path: str | Path | None = None) -> Manifest:
         data = yaml.safe_load(p.read_text())
     except FileNotFoundError:
         raise ManifestError(f"{p}: manifest not found") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{p}: cannot read the manifest: {type(e).__name__}: {e}") from None
     except yaml.YAMLError as e:
         raise ManifestError(f"{p.name}: not valid YAML: {e}") from None
     if not isinstance(data, Mapping):

@@ -29,6 +29,9 @@ def run(monkeypatch, *argv):
     (["--fwd-plans=1,3,0,0"], "--fwd-plans: '1,3,0,0': expected - or grid,nv,pf,preg"),
     (["--fwd-plans=1,8,1,0"], "--fwd-plans: '1,8,1,0': expected - or grid,nv,pf,preg"),
     (["--fwd-plans=1,4,0,x"], "--fwd-plans: '1,4,0,x': expected - or grid,nv,pf,preg"),
+    (["--fwd-plans=1,4,0,0 "], "--fwd-plans: '1,4,0,0 ': expected - or grid,nv,pf,preg"),  # sscanf stops there
+    (["--fwd-plans=1 ,4,0,0"], "--fwd-plans: '1 ,4,0,0': expected - or grid,nv,pf,preg"),
+    (["--fwd-plans=1,\u0664,0,0"], "expected - or grid,nv,pf,preg"),  # a non-ASCII digit int() would take
     (["--max-h", "-1"], "--max-h: expected 0 (all) or a positive hidden size"),
     (["--max-h", "100"], "--max-h 100: no shape left (the smallest H is 512)"),
     (["--shapes", "4x8x2"], "--shapes: '4x8x2': expected ROWSxH"),
@@ -75,3 +78,11 @@ def test_known_defines_pass_their_check(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     msg = run(monkeypatch, "--defines=-DPIPEGOOSE_NORM_BWD_SYNC, -DPIPEGOOSE_NORM_BWD_STAGES=3")
     assert msg == "norm_raw: needs a CUDA GPU", msg
+
+
+@pytest.mark.parametrize("opt", ["--fwd-plans", "--shapes", "--dtypes"])
+def test_an_option_given_as_double_dash_is_a_usage_error(monkeypatch, capsys, opt):
+    """argparse hands "--opt=--" over as a list; that is a usage error naming the option, not a traceback."""
+    msg = run(monkeypatch, f"{opt}=--")
+    assert msg == "2"  # argparse's usage exit
+    assert f"{opt}: expected a value" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from kernel_helpers import write_manifest
 
 from pipegoose.kernels import cache, toolchain
 from pipegoose.kernels.builder import KernelBuildError, KernelBuilder, KernelUnavailableError, KernelError
+from pipegoose.kernels.manifest import ManifestError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -499,3 +500,8 @@ def test_from_name_checks_the_name_at_once(tiny):
     with pytest.raises(KeyError, match="unknown kernel 'tiny_typo'"):
         KernelBuilder.from_name("tiny_typo", manifest=manifest, cache_dir=cache_dir)
     assert KernelBuilder.from_name("tiny", manifest=manifest, cache_dir=cache_dir).kernel.id == "test/tiny"
+    for bad in (1, b"tiny", ("tiny",), Path("tiny")):
+        with pytest.raises(TypeError, match="^name: expected a kernel id or alias"):
+            KernelBuilder.from_name(bad, manifest=manifest, cache_dir=cache_dir)
+    with pytest.raises(ManifestError, match="cannot read the manifest: IsADirectoryError"):
+        KernelBuilder.from_name("tiny", manifest=manifest.parent, cache_dir=cache_dir)
