@@ -129,6 +129,20 @@ def test_eps_of_any_type_torch_takes(eps):
     torch.testing.assert_close(model(x), want)
 
 
+def test_tensor_eps_is_checked_on_every_call():
+    """A 0-d tensor eps may change in place between calls: it takes no part in the choice cache, so each call checks
+    its value (a cached call with a float eps would not)."""
+    x = torch.randn(3, 8)
+    eps = torch.tensor(1e-5)
+    PF.layer_norm(x, (8,), eps=eps)
+    PF.rms_norm(x, (8,), eps=eps)
+    eps.fill_(-1.0)
+    with pytest.raises(ValueError, match="^eps: expected a finite number"):
+        PF.layer_norm(x, (8,), eps=eps)
+    with pytest.raises(ValueError, match="^eps: expected a finite number"):
+        PF.rms_norm(x, (8,), eps=eps)
+
+
 @pytest.mark.parametrize("eps,err", [("a", TypeError), (torch.tensor([1e-5]), TypeError), (1j, TypeError),
                                      (-1.0, ValueError), (float("inf"), ValueError), (float("nan"), ValueError)])
 def test_eps_errors_name_it(eps, err):

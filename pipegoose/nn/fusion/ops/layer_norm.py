@@ -251,7 +251,7 @@ class ApexLayerNormFunction(torch.autograd.Function):
 def _signature(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any) -> tuple | None:
     """The call's metadata for the choice cache (dispatch.choice_key), or None when it cannot be cached (not
     tensors, unhashable arguments, torch.compile tracing)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or isinstance(eps, torch.Tensor):  # a 0-d tensor eps: checked on every call
         return None
     try:
         ns = normalized_shape

@@ -175,7 +175,7 @@ class PipegooseRMSNormFunction(torch.autograd.Function):
 
 def _signature(x: Any, normalized_shape: Any, weight: Any, eps: Any, cast_before_weight: bool) -> tuple | None:
     """The call's metadata for the choice cache (dispatch.choice_key), or None when it cannot be cached."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or isinstance(eps, torch.Tensor):  # a 0-d tensor eps: checked on every call
         return None
     try:
         ns = normalized_shape
