@@ -23,8 +23,8 @@ import sys
 
 import torch
 
-NORM_HIDDEN = (1, 7, 64, 100, 768, 1000, 1024, 2048, 3000, 4096, 5120, 8192, 12288, 16384, 20000, 32000, 32768, 64000,
-               65536, 65544)
+NORM_HIDDEN = (1, 7, 64, 100, 200, 264, 768, 1000, 1024, 1160, 2048, 2312, 3000, 4096, 5120, 6400, 8192, 12288, 16384,
+               20000, 32000, 32768, 64000, 65536, 65544)
 SOFTMAX_KEYS = (1, 5, 127, 1000, 2048, 4097, 16384, 40000)
 
 
@@ -53,10 +53,11 @@ def main() -> int:
         for dt in dtypes:
             for h in hidden:
                 # 5000 rows: each row group of the persistent backward walks several rows (the asynchronous-copy
-                # kernel's ring of stages wraps around; 1000: the generic 16-bit kernel of three stages). 601 rows
+                # kernel's ring of stages wraps around; 200: the 16-bit kernel of run-time geometry, three stages;
+                # 264, 1000, 2312, 5120: kernels compiled for their threads per row; 768, 4096: for the size). 601 rows
                 # of 20000 columns: the clusters of the wide rows' backward (4 blocks each) walk several steps and
                 # their rings of stages wrap around, with a last step of one row in two.
-                for rows in ((3, 37, 5000) if h in (768, 1000, 4096, 5120) else (3, 37, 601) if h == 20000 else (3,)):
+                for rows in ((3, 37, 5000) if h in (200, 264, 768, 1000, 2312, 4096, 5120) else (3, 37, 601) if h == 20000 else (3,)):
                     for pdt in ({dt, torch.float32} if h in (1000, 4096, 12288) else {dt}):
                         x = torch.randn(rows, h, device="cuda", dtype=dt)
                         dy = torch.randn_like(x)

@@ -311,6 +311,28 @@ def test_async_copy_backward_many_rows(ln, rms, rows, h):
     check_rms_norm(rms, x, None, dy)
 
 
+# Widths that take every threads-per-row size of the register plan's rows without a specialised kernel (two chunks
+# per thread: round_tpr(ceil(H / (2 * VEC)))), 32, 64, ..., 512, in 16-bit (multiples of 8 from 264 to 8000 columns)
+# and in fp32 (multiples of 4 from 200 to 3848), whichever tprc_mode in norm_kernels.cuh gives them (the kernel of
+# run-time geometry, or one compiled for the threads per row, in blocks of 256 or packed into 512); 1500 and 3300 are
+# scalar rows in 16-bit.
+TPRC_WIDTHS = [200, 264, 392, 648, 1000, 1160, 1500, 1600, 1800, 2304, 2312, 2816, 3000, 3300, 3336, 3800, 3848, 4104,
+               5000, 5400, 6000, 6400, 7000, 7600, 8000]
+
+
+@pytest.mark.parametrize("h", TPRC_WIDTHS)
+def test_backward_compiled_threads_per_row(ln, rms, h):
+    """The asynchronous-copy backward of widths without a specialised kernel (most run a kernel compiled for their
+    threads per row and rows per block, with H at run time): every threads-per-row size of 16-bit and fp32 rows, with
+    16-bit and fp32 parameters and without parameters, over more rows than the persistent grid holds row groups (the
+    rings of stages wrap around; rows past the end are zero-filled)."""
+    check_dtype_cases(ln, rms, 4099, h, ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
+                                         (torch.float32, torch.float32, None)), seed=h + 21)
+    x, _, _, dy = make(4099, h, torch.float16, None, seed=h + 22)
+    check_layer_norm(ln, x, None, None, dy)
+    check_rms_norm(rms, x, None, dy)
+
+
 @pytest.mark.parametrize("h", [12288, 13000, 16384, 20000, 20008, 32768, 65536])
 def test_wide_rows_backward(ln, rms, h):
     """Vector rows from 12288 columns (fp32 RMSNorm: 16384; from 16392 past the register plans). With x and dy of one

@@ -1295,7 +1295,8 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
 // same arithmetic in the same order.
 // Stages and resident blocks per SM (the launch bound), from the session 6 A/B on the H200 (bwd % of copy, bf16
 // LayerNorm / RMSNorm): 256-thread blocks of the 16-bit kernels specialised to a hidden size (kBwdSpecHidden: no
-// spills at 64 registers) run four blocks of two stages (1024-4096 columns: LayerNorm 76-77 -> 83-85, RMSNorm about
+// spills at 64 registers; since session 16 also those compiled for their threads per row, TPRC) run four blocks of two
+// stages (1024-4096 columns: LayerNorm 76-77 -> 83-85, RMSNorm about
 // even); the others three blocks of three stages (at 512 columns, generic: LayerNorm 85 against 72 with four blocks
 // of two, where it spills 68 bytes; fp32 1024: 91 against 86). 512-thread blocks (rows of 257-512 threads): two
 // blocks of two stages (64 registers); with four chunks per thread (NV = 4) one block (76-108 registers, no spills;
@@ -1361,9 +1362,52 @@ constexpr size_t bwd_async_stage_bytes(int stages, int rpb, int nv, int tpr, int
   return static_cast<size_t>(stages) * rpb * nv * tpr * vec * static_cast<size_t>(in_bytes + dy_bytes);
 }
 
-// TPB: blockDim.x (256, or 512 for rows of 257-512 threads).
-template <typename Tin, typename Tdy, int VEC, int NV, bool RMS, int HC, int TPB>
-__global__ void __launch_bounds__(TPB, (AsyncBounds<TPB, HC != 0 && sizeof(Tin) == 2, NV>::min_blocks))
+// Rows of two chunks per thread of the register plan without a specialised kernel (widths not in kBwdSpecHidden), by
+// their threads per row (tpr, a multiple of 32 up to 512 there): how they run in norm_bwd_async_kernel.
+// - kRuntime: the kernel of run-time geometry (TPRC = 0), as before session 16.
+// - kFixed: the kernel compiled for tpr (TPRC = tpr; rows per block TPB / tpr and the index arithmetic are
+//   compile-time constants, H is not; for 16-bit rows, four blocks of two stages per SM at 64 registers, as the
+//   specialised kernels); rows of up to 256 threads in blocks of 256, wider ones in blocks of 512.
+// - kPacked: kFixed with rows of 96-224 threads packed into blocks of 512 threads (5, 3, 2 or 2 rows instead of 2, 1,
+//   1 or 1): as many rows per SM, a third to a half of the workspace's partial rows.
+// Chosen from session 16's A/B of the raw backward (H200, % of copy, two rounds; benchmarks/results/
+// nvidia_h200_2026-11-30/session16.log): 16-bit kFixed against kRuntime +4.6 to +19.0 points at 640-7168 columns
+// (LayerNorm bf16 5120: 66.3 -> 84.7), but 16-bit LayerNorm at 384 and 512 columns (tpr 32) 16 to 23 points slower;
+// kPacked another +1 to +9 at tpr 96-224 (bf16 2560: LayerNorm 67.7 -> 76.7, RMSNorm 74.2 -> 81.4). fp32 is mixed
+// (each choice below is the best of the three at its measured tpr; the others follow their neighbours): LayerNorm
+// kFixed at 384-640 and 2560-3584 columns (+3 to +9) but tpr 384 (3072 columns: 89.0 against 90.9), kPacked at
+// 1152-1792 (+1.5 to +7); RMSNorm lost 1 to 6 points on kFixed at tpr 64 and 160 (384-512, 1152-1280 columns) and
+// gained 2 to 8 from tpr 224 (1792-3584).
+// -DPIPEGOOSE_NORM_BWD_NO_TPRC (a benchmark experiment, off in the shipped build) runs every such row kRuntime, as
+// before session 16; -DPIPEGOOSE_NORM_BWD_TPRC_FIXED every tpr from 32 kFixed, -DPIPEGOOSE_NORM_BWD_PACK every tpr
+// from 32 kFixed and 96-224 kPacked (session 16's "tprc" and "pack" builds).
+enum class Tprc { kRuntime, kFixed, kPacked };
+
+constexpr Tprc tprc_mode(int vec, bool rms, int tpr) {
+  const bool packable = tpr == 96 || tpr == 160 || tpr == 192 || tpr == 224;
+  if (tpr < 32 || tpr > 512 || tpr % 32 != 0) return Tprc::kRuntime;
+#if defined(PIPEGOOSE_NORM_BWD_NO_TPRC)
+  return Tprc::kRuntime;
+#elif defined(PIPEGOOSE_NORM_BWD_TPRC_FIXED)
+  return Tprc::kFixed;
+#elif defined(PIPEGOOSE_NORM_BWD_PACK)
+  return packable ? Tprc::kPacked : Tprc::kFixed;
+#else
+  if (vec == 8) return tpr == 32 ? Tprc::kRuntime : packable ? Tprc::kPacked : Tprc::kFixed;
+  if (vec != 4) return Tprc::kRuntime;
+  if (!rms) {
+    if (tpr == 32 || tpr == 384) return Tprc::kRuntime;
+    return tpr >= 160 && tpr <= 224 ? Tprc::kPacked : Tprc::kFixed;
+  }
+  if (tpr == 96 || tpr >= 224) return Tprc::kFixed;
+  return tpr == 192 ? Tprc::kPacked : Tprc::kRuntime;
+#endif
+}
+
+// TPB: blockDim.x (256, or 512 for rows of 257-512 threads and tprc_mode's packed rows). TPRC > 0 (with HC == 0): the
+// threads per row, and the rows per block TPB / TPRC, are compile-time constants (H is not).
+template <typename Tin, typename Tdy, int VEC, int NV, bool RMS, int HC, int TPB, int TPRC = 0>
+__global__ void __launch_bounds__(TPB, (AsyncBounds<TPB, (HC != 0 || TPRC != 0) && sizeof(Tin) == 2, NV>::min_blocks))
 norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const void* __restrict__ w, bool p_f32,
                       const float* __restrict__ mean, const float* __restrict__ rstd, Tin* __restrict__ dx,
                       float* __restrict__ ws, int64_t rows, int h_arg, int tpr_arg, bool pcache) {
@@ -1371,13 +1415,13 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
   constexpr bool FIXED = HC > 0;
   constexpr int NACC = RMS ? 1 : 2;
   constexpr int PG = VEC < 4 ? VEC : 4;
-  constexpr int S = AsyncBounds<TPB, HC != 0 && sizeof(Tin) == 2>::stages;
+  constexpr int S = AsyncBounds<TPB, (HC != 0 || TPRC != 0) && sizeof(Tin) == 2>::stages;
   extern __shared__ __align__(16) float bwd_smem[];
   __shared__ __align__(16) float red[2][64];
   const int H = FIXED ? HC : h_arg;
-  const int tpr = FIXED ? G::tpr : tpr_arg;
-  const int rpb = FIXED ? G::rpb : blockDim.x / tpr;
-  const unsigned nthreads = FIXED ? G::rpb * G::tpr : blockDim.x;
+  const int tpr = FIXED ? G::tpr : TPRC > 0 ? TPRC : tpr_arg;
+  const int rpb = FIXED ? G::rpb : TPRC > 0 ? TPB / TPRC : blockDim.x / tpr;
+  const unsigned nthreads = FIXED ? G::rpb * G::tpr : TPRC > 0 ? TPB / TPRC * TPRC : blockDim.x;
   const int rg = threadIdx.x / tpr;
   const int t = threadIdx.x - rg * tpr;
   const int nchunks = FIXED ? G::chunks : H / VEC;
@@ -2672,7 +2716,9 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     run_generic();
     return ws;
   }
-  const int rpb = cfg.acc_smem ? 1 : rows_per_block(cfg.tpr);
+  // kPacked rows (tprc_mode) fill blocks of 512 threads.
+  const bool pack = kAsyncBwd && vec && cfg.nv == 2 && !cfg.acc_smem && tprc_mode(V, RMS, cfg.tpr) == Tprc::kPacked;
+  const int rpb = cfg.acc_smem ? 1 : pack ? 512 / cfg.tpr : rows_per_block(cfg.tpr);
   const int threads = rpb * cfg.tpr;
   auto go = [&](auto nv_c, auto vec_c, auto smem_c, auto pf_c, auto h_c) {
     constexpr int NV = decltype(nv_c)::value;
@@ -2711,20 +2757,70 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
       // Stages and blocks per SM: AsyncBounds. The stage area also holds the end's combine of the row groups
       // (rpb * H floats).
       const size_t combine = rpb > 1 ? sizeof(float) * static_cast<size_t>(rpb) * H : 0;
-      auto async = [&](auto tpb_c) {
+      auto async = [&](auto tpb_c, auto tprc_c) {
         constexpr int TPB = decltype(tpb_c)::value;
-        constexpr int S = AsyncBounds<TPB, HC != 0 && sizeof(Tin) == 2>::stages;
+        constexpr int TPRC = decltype(tprc_c)::value;
+        constexpr int S = AsyncBounds<TPB, (HC != 0 || TPRC != 0) && sizeof(Tin) == 2>::stages;
         const size_t stage = bwd_async_stage_bytes(S, rpb, NV, cfg.tpr, VEC, static_cast<int>(sizeof(Tin)),
                                                    static_cast<int>(sizeof(Tdy)));
-        launch(&norm_bwd_async_kernel<Tin, Tdy, VEC, NV, RMS, HC, TPB>, std::max(stage, combine));
+        launch(&norm_bwd_async_kernel<Tin, Tdy, VEC, NV, RMS, HC, TPB, TPRC>, std::max(stage, combine));
+      };
+      // Rows of two chunks per thread without a specialised kernel (HC == 0) whose tprc_mode is kFixed or kPacked run
+      // the kernel compiled for their threads per row (TPRC; true if so): 32-256 in blocks of 256 threads (kFixed),
+      // 96-224 (kPacked) and 288-512 in blocks of 512. Only the kernels of those modes are instantiated.
+      auto fixed_tpr = [&](auto tpb_c) -> bool {
+        constexpr int TPB = decltype(tpb_c)::value;
+        static_assert(TPB == 256 || TPB == 512, "fixed_tpr: blocks of 256 or 512 threads");
+        bool done = false;
+        if constexpr (HC == 0 && NV == 2) {
+          auto one = [&](auto t_c) {
+            constexpr int T = decltype(t_c)::value;
+            constexpr Tprc mode = tprc_mode(VEC, RMS, T);
+            if constexpr (mode == (TPB == 256 || T > 256 ? Tprc::kFixed : Tprc::kPacked)) {
+              if (done || cfg.tpr != T) return;
+              PG_CHECK(threads == TPB / T * T, "pipegoose norm backward: internal error: ", threads, " threads for ",
+                       T, " per row in blocks of ", TPB);
+              async(tpb_c, t_c);
+              done = true;
+            }
+          };
+          if constexpr (TPB == 256) {
+            one(IC<32>{});
+            one(IC<64>{});
+            one(IC<96>{});
+            one(IC<128>{});
+            one(IC<160>{});
+            one(IC<192>{});
+            one(IC<224>{});
+            one(IC<256>{});
+          } else {
+            one(IC<96>{});
+            one(IC<160>{});
+            one(IC<192>{});
+            one(IC<224>{});
+            one(IC<288>{});
+            one(IC<320>{});
+            one(IC<352>{});
+            one(IC<384>{});
+            one(IC<416>{});
+            one(IC<448>{});
+            one(IC<480>{});
+            one(IC<512>{});
+          }
+        }
+        return done;
       };
       PG_CHECK(threads <= 512 && (cfg.tpr <= 32 || rpb <= 15), "pipegoose norm backward: internal error: ", rpb,
                " rows of ", cfg.tpr, " threads per block for the register plan (named barriers 1-15)");
       if (threads > 256) {
-        if constexpr (HC == 0 || FixedRow<HC, VEC, NV, false>::tpr > 256) async(IC<512>{});
+        if constexpr (HC == 0 || FixedRow<HC, VEC, NV, false>::tpr > 256) {
+          if (!fixed_tpr(IC<512>{})) async(IC<512>{}, IC<0>{});
+        }
       } else {
         // (Four chunks per thread only past 512 threads of two: never in blocks of 256.)
-        if constexpr (NV == 2 && (HC == 0 || FixedRow<HC, VEC, NV, false>::tpr <= 256)) async(IC<256>{});
+        if constexpr (NV == 2 && (HC == 0 || FixedRow<HC, VEC, NV, false>::tpr <= 256)) {
+          if (!fixed_tpr(IC<256>{})) async(IC<256>{}, IC<0>{});
+        }
       }
     } else {
       PG_CHECK(ACC || threads <= 256, "pipegoose norm backward: internal error: ", threads,
