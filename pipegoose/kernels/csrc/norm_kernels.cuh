@@ -1378,6 +1378,9 @@ constexpr size_t bwd_async_stage_bytes(int stages, int rpb, int nv, int tpr, int
 // kFixed at 384-640 and 2560-3584 columns (+3 to +9) but tpr 384 (3072 columns: 89.0 against 90.9), kPacked at
 // 1152-1792 (+1.5 to +7); RMSNorm lost 1 to 6 points on kFixed at tpr 64 and 160 (384-512, 1152-1280 columns) and
 // gained 2 to 8 from tpr 224 (1792-3584).
+// Tried and dropped (session 16, call 4): 16-bit rows whose lanes are busier with one chunk per thread (640-1280 and
+// 1600-1792 columns, 768 included) on one chunk per thread, compiled for 96-224 threads per row and packed into blocks
+// of 512: 5-17 points slower (RMSNorm bf16 1152: 73.3 against 90.4), but LayerNorm at 640 columns (+1.5).
 // -DPIPEGOOSE_NORM_BWD_NO_TPRC (a benchmark experiment, off in the shipped build) runs every such row kRuntime, as
 // before session 16; -DPIPEGOOSE_NORM_BWD_TPRC_FIXED every tpr from 32 kFixed, -DPIPEGOOSE_NORM_BWD_PACK every tpr
 // from 32 kFixed and 96-224 kPacked (session 16's "tprc" and "pack" builds).
