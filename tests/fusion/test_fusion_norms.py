@@ -395,3 +395,18 @@ def test_fused_adam_refuses_bad_types():
         FusedAdam([torch.nn.Parameter(torch.ones(3))], lr="a")
     with pytest.raises(TypeError, match="floating point parameters"):
         FusedAdam([torch.ones(3, dtype=torch.long)])
+
+
+@pytest.mark.parametrize("xdt", [torch.float16, torch.bfloat16], ids=str)
+def test_layer_norm_reference_fp64_parameters_of_half_input_are_not_rounded_down(xdt):
+    """A fp64 weight of a 16-bit input is not rounded to the input's dtype (1e5 overflowed fp16 to inf before): the
+    reference computes in fp64 and rounds the result once; gradients keep each tensor's dtype."""
+    x = torch.tensor([[-3.0, -1.0, 1.0, 3.0]], dtype=xdt, requires_grad=True)
+    w = torch.tensor([1.0, 1.0, 1e5, 1.0], dtype=torch.float64, requires_grad=True)
+    b = torch.tensor([0.5, 0.0, 0.0, -0.5], dtype=torch.float64, requires_grad=True)
+    y = PF.layer_norm(x, 4, w, b, 0.0)
+    want = F.layer_norm(x.detach().double(), (4,), w.detach(), b.detach(), 0.0).to(xdt)
+    assert y.dtype == xdt and torch.isfinite(y).all()
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    y.float().sum().backward()
+    assert x.grad.dtype == xdt and w.grad.dtype == b.grad.dtype == torch.float64

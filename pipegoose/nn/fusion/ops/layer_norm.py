@@ -176,7 +176,7 @@ def _param_for(p: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
     if p is None or p.dtype == x.dtype:
         return p
     if x.dtype in HALF_DTYPES:
-        return p.float() if p.dtype != torch.float64 else p.to(x.dtype)
+        return p.float() if p.dtype != torch.float64 else p  # fp64: layer_norm_reference computes in fp64
     return p.to(x.dtype)
 
 
@@ -186,6 +186,12 @@ def layer_norm_reference(x: torch.Tensor, shape: Sequence[int], weight: torch.Te
     if out != x.dtype:
         x = x.to(out)
     w, b = _param_for(weight, x), _param_for(bias, x)
+    if x.dtype in HALF_DTYPES and any(p is not None and p.dtype == torch.float64 for p in (w, b)):
+        # a fp64 parameter of a 16-bit input: computed in fp64 and rounded once (rounding the parameter to the
+        # input's dtype could overflow it, or round twice)
+        w64 = None if w is None else w.double()
+        b64 = None if b is None else b.double()
+        return F.layer_norm(x.double(), tuple(shape), w64, b64, eps).to(x.dtype)
     if w is not None and b is not None and w.dtype != b.dtype:
         w, b = w.float(), b.float()
     return F.layer_norm(x, tuple(shape), w, b, eps)
