@@ -55,10 +55,12 @@ def main() -> int:
                 # 5000 rows: each row group of the persistent backward walks several rows (the asynchronous-copy
                 # kernel's ring of stages wraps around; in 16-bit, 200 and 264 run the kernel of run-time geometry
                 # (three stages), 1000 and 5120 kernels compiled for their threads per row, 2312 one packing three
-                # rows to a block, 768 and 4096 kernels compiled for the size). 601 rows of 20000 columns: the
+                # rows to a block of 512 threads, 1160 ten rows (LayerNorm) and 5120 three rows to a block of 1024,
+                # 768 and 4096 kernels compiled for the size, packed into blocks of 512; in fp32, 1160 and 3000
+                # LayerNorm rows packed into blocks of 1024). 601 rows of 20000 columns: the
                 # clusters of the wide rows' backward (4 blocks each) walk several steps and their rings of stages
                 # wrap around, with a last step of one row in two.
-                many = h in (200, 264, 768, 1000, 2312, 4096, 5120)
+                many = h in (200, 264, 768, 1000, 1160, 2312, 3000, 4096, 5120)
                 for rows in ((3, 37, 5000) if many else (3, 37, 601) if h == 20000 else (3,)):
                     for pdt in ({dt, torch.float32} if h in (1000, 4096, 12288) else {dt}):
                         x = torch.randn(rows, h, device="cuda", dtype=dt)

@@ -314,8 +314,8 @@ def test_async_copy_backward_many_rows(ln, rms, rows, h):
 # Widths that take every threads-per-row size of the register plan's rows without a specialised kernel (two chunks
 # per thread: round_tpr(ceil(H / (2 * VEC)))), 32, 64, ..., 512, in 16-bit (multiples of 8 from 264 to 8000 columns)
 # and in fp32 (multiples of 4 from 200 to 3848), whichever tprc_mode in norm_kernels.cuh gives them (the kernel of
-# run-time geometry, or one compiled for the threads per row, in blocks of 256 or packed into 512); 1500 and 3300 are
-# scalar rows in 16-bit.
+# run-time geometry, or one compiled for the threads per row, in blocks of 256 or 512, or packed into blocks of 512 or
+# 1024 as pack_tpb says); 1500 and 3300 are scalar rows in 16-bit.
 TPRC_WIDTHS = [200, 264, 392, 648, 1000, 1160, 1500, 1600, 1800, 2304, 2312, 2816, 3000, 3300, 3336, 3800, 3848, 4104,
                5000, 5400, 6000, 6400, 7000, 7600, 8000]
 

@@ -1300,26 +1300,28 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
 // even); the others three blocks of three stages (at 512 columns, generic: LayerNorm 85 against 72 with four blocks
 // of two, where it spills 68 bytes; fp32 1024: 91 against 86). 512-thread blocks (rows of 257-512 threads): two
 // blocks of two stages (64 registers); with four chunks per thread (NV = 4) one block (76-108 registers, no spills;
-// its two stages, 128 KB at the widest rows, leave no room for a second block there anyway). Tried and dropped
-// (session 6 A/B): the specialised kernels in blocks of up to 1024 threads, one per SM (fewer workspace rows: 132
-// instead of 528; the workspace and its column reduction cost 8-18% of the backward at [8192-16384, 4096] bf16), 0-20
-// points slower at every size (RMSNorm bf16 8192: 79 against 95; fp32 4096: 75 against 97); and (session 15, call 5)
+// its two stages, 128 KB at the widest rows, leave no room for a second block there anyway). Packed rows (pack_tpb,
+// session 17) in blocks of 512 or 1024 threads: two blocks or one, of two stages, at 64 registers. Tried and dropped
+// (session 6 A/B, before the rows of a block synchronised apart on named barriers): the specialised kernels in blocks
+// of up to 1024 threads, one per SM (fewer workspace rows: 132 instead of 528; the workspace and its column reduction
+// cost 8-18% of the backward at [8192-16384, 4096] bf16), 0-20 points slower at every size (RMSNorm bf16 8192: 79
+// against 95; fp32 4096: 75 against 97); session 17's packing (pack_tpb) gains where that lost; and (session 15, call 5)
 // one block's bounds for the generic 16-bit LayerNorm kernel of 512-thread blocks (91 registers instead of 64 and 32
 // bytes of spills): 3-20 points slower at 4608-8000 columns.
 // -DPIPEGOOSE_NORM_BWD_STAGES=S and -DPIPEGOOSE_NORM_BWD_ASYNC_MINB=B (benchmark experiments, off in the shipped
 // build) set every kernel's.
 template <int TPB, bool SPEC16, int NV = 2>
 struct AsyncBounds {
-  static_assert(TPB == 256 || TPB == 512, "AsyncBounds: 256 or 512 threads per block");
+  static_assert(TPB == 256 || TPB == 512 || TPB == 1024, "AsyncBounds: 256, 512 or 1024 threads per block");
 #if defined(PIPEGOOSE_NORM_BWD_STAGES)
   static constexpr int stages = PIPEGOOSE_NORM_BWD_STAGES;
 #else
-  static constexpr int stages = TPB == 512 || SPEC16 ? 2 : 3;
+  static constexpr int stages = TPB >= 512 || SPEC16 ? 2 : 3;
 #endif
 #if defined(PIPEGOOSE_NORM_BWD_ASYNC_MINB)
   static constexpr int min_blocks = PIPEGOOSE_NORM_BWD_ASYNC_MINB;
 #else
-  static constexpr int min_blocks = TPB == 512 ? (NV == 4 ? 1 : 2) : SPEC16 ? 4 : 3;
+  static constexpr int min_blocks = TPB == 1024 ? 1 : TPB == 512 ? (NV == 4 ? 1 : 2) : SPEC16 ? 4 : 3;
 #endif
   static_assert(stages >= 2 && stages <= 8, "PIPEGOOSE_NORM_BWD_STAGES: expected 2 to 8");
 };
@@ -1386,28 +1388,109 @@ constexpr size_t bwd_async_stage_bytes(int stages, int rpb, int nv, int tpr, int
 // from 32 kFixed and 96-224 kPacked (session 16's "tprc" and "pack" builds).
 enum class Tprc { kRuntime, kFixed, kPacked };
 
-constexpr Tprc tprc_mode(int vec, bool rms, int tpr) {
+// Blocks that the rows of two chunks per thread of the register plan fill, by dtype (vec: 8 for 16-bit, 4 for fp32),
+// op, threads per row and kernel (spec: the kernel specialised to the row's size, kBwdSpecHidden; else the one compiled
+// for tpr, tprc_mode): 0 where they keep their unpacked blocks (256 threads; rows of 257-512 threads 512), else 512 or
+// 1024 (kPacked; at most 15 rows per block: the named barriers). Fewer, wider blocks per SM keep as many rows in
+// flight and leave fewer partial rows of column sums in the workspace (at [16384, 4096] 16-bit: 264 instead of 528).
+// Session 17's A/B of the raw backward (H200, % of copy, two rounds, bf16 and fp16 alike; benchmarks/results/
+// nvidia_h200_2026-11-30/session17.log), against session 16's choices (-DPIPEGOOSE_NORM_BWD_NO_PACK_TABLE):
+// - 16-bit, blocks of 512 at tpr 64 and 128 and the specialised 4096 (tpr 256): -0.1 to +5.0 (LayerNorm bf16
+//   [8192, 4096]: 71.8 -> 76.8, [16384, 4096]: 82.5 -> 86.4); blocks of 1024 gained less or lost there, but for
+//   LayerNorm [16384, 4096] (+4.0 and +4.5 in bf16 and fp16, against +3.9 and +3.8).
+// - 16-bit, blocks of 1024: LayerNorm at tpr 96 and 192 (1152-1536 and 2816-3072 columns: +0.6 to +5.5) and RMSNorm
+//   from tpr 288 (4608-8192 columns: +1.0 to +6.2), both ops at tpr 256 without the specialised kernel (4000 columns:
+//   +0.1 to +6.3, where blocks of 512 lost 2.4 to 4.6) and LayerNorm at 288-320 and 384, 448, 480 (4608, 5120, 6144,
+//   7168, 7680 columns: -0.4 to +3.5). LayerNorm keeps its blocks at tpr 352, 416 and 512 (5632, 6656, 8192 columns:
+//   0.7 to 2.8 slower in 1024); RMSNorm at tpr 96 and 160-224 keeps 512 (0.1 to 3.0 slower in 1024).
+// - fp32: LayerNorm at tpr 160 and 384-448 in blocks of 1024 (1152-1280 columns: +0.4 to +0.9, 3072-3584: +1.1 to
+//   +2.9); RMSNorm at tpr 128 in blocks of 512 (1016 columns: 87.1-87.6 -> 95.0-96.1; 1024, specialised: +0.8).
+//   Elsewhere packing lost up to 6.0 points (LayerNorm 768 in blocks of 512; 3840, tpr 480, in 1024: -0.4) or gained
+//   nothing.
+// -DPIPEGOOSE_NORM_BWD_PACK_TPB=P (a benchmark experiment, off in the shipped build; P = 512 or 1024) packs every row
+// of 64 to P / 2 threads into blocks of P instead; -DPIPEGOOSE_NORM_BWD_NO_PACK_TABLE packs as session 16 did (16-bit
+// tpr 96 and 160-224, fp32 LayerNorm 160-224 and fp32 RMSNorm 192 into blocks of 512, nothing else).
+#if defined(PIPEGOOSE_NORM_BWD_PACK_TPB)
+constexpr int kPackTpb = PIPEGOOSE_NORM_BWD_PACK_TPB;
+static_assert(kPackTpb == 512 || kPackTpb == 1024, "PIPEGOOSE_NORM_BWD_PACK_TPB: expected 512 or 1024");
+#endif
+constexpr int pack_tpb(int vec, bool rms, int tpr, bool spec) {
+  if (tpr < 64 || tpr > 512 || tpr % 32 != 0) return 0;
+#if defined(PIPEGOOSE_NORM_BWD_NO_TPRC) || defined(PIPEGOOSE_NORM_BWD_TPRC_FIXED)
+  return 0;
+#elif defined(PIPEGOOSE_NORM_BWD_PACK)
+  return !spec && (tpr == 96 || tpr == 160 || tpr == 192 || tpr == 224) ? 512 : 0;
+#elif defined(PIPEGOOSE_NORM_BWD_PACK_TPB)
+  return 2 * tpr <= kPackTpb && kPackTpb / tpr <= 15 ? kPackTpb : 0;
+#elif defined(PIPEGOOSE_NORM_BWD_NO_PACK_TABLE)
+  if (spec) return 0;
   const bool packable = tpr == 96 || tpr == 160 || tpr == 192 || tpr == 224;
+  if (vec == 8) return packable ? 512 : 0;
+  if (vec != 4) return 0;
+  if (!rms) return tpr >= 160 && tpr <= 224 ? 512 : 0;
+  return tpr == 192 ? 512 : 0;
+#else
+  if (vec == 8) {
+    if (tpr == 256) return spec ? 512 : 1024;
+    if (rms) return tpr >= 288 ? 1024 : 512;
+    if (tpr == 352 || tpr == 416 || tpr == 512) return 0;
+    return tpr == 96 || tpr >= 192 ? 1024 : 512;
+  }
+  if (vec != 4) return 0;
+  if (!rms) return tpr == 160 || (tpr >= 384 && tpr <= 448) ? 1024 : tpr == 192 || tpr == 224 ? 512 : 0;
+  return tpr == 128 || tpr == 192 ? 512 : 0;
+#endif
+}
+// The largest block of packed rows that this build launches.
+constexpr int kMaxPackTpb = [] {
+  int m = 512;
+  for (int t = 64; t <= 512; t += 32) {
+    for (int v = 4; v <= 8; v += 4) {
+      for (int k = 0; k < 4; ++k) {
+        if (pack_tpb(v, k & 1, t, k & 2) > m) m = pack_tpb(v, k & 1, t, k & 2);
+      }
+    }
+  }
+  return m;
+}();
+
+// Rows of two chunks per thread of the register plan without a specialised kernel (widths not in kBwdSpecHidden), by
+// their threads per row (tpr, a multiple of 32 up to 512 there): how they run in norm_bwd_async_kernel.
+// - kRuntime: the kernel of run-time geometry (TPRC = 0), as before session 16.
+// - kFixed: the kernel compiled for tpr (TPRC = tpr; rows per block TPB / tpr and the index arithmetic are
+//   compile-time constants, H is not; for 16-bit rows, four blocks of two stages per SM at 64 registers, as the
+//   specialised kernels); rows of up to 256 threads in blocks of 256, wider ones in blocks of 512.
+// - kPacked: kFixed in the blocks of pack_tpb.
+// Chosen from session 16's A/B of the raw backward (H200, % of copy, two rounds; benchmarks/results/
+// nvidia_h200_2026-11-30/session16.log): 16-bit kFixed against kRuntime +4.6 to +19.0 points at 640-7168 columns
+// (LayerNorm bf16 5120: 66.3 -> 84.7), but 16-bit LayerNorm at 384 and 512 columns (tpr 32) 16 to 23 points slower;
+// packed into blocks of 512, another +1 to +9 at tpr 96-224 (bf16 2560: LayerNorm 67.7 -> 76.7, RMSNorm 74.2 -> 81.4).
+// fp32 is mixed (each choice below is the best of the three at its measured tpr; the others follow their
+// neighbours): LayerNorm kFixed at 384-640 and 2560-3584 columns (+3 to +9) but tpr 384 (3072 columns: 89.0 against
+// 90.9), packed at 1152-1792 (+1.5 to +7); RMSNorm lost 1 to 6 points on kFixed at tpr 64 and 160 (384-512, 1152-1280
+// columns) and gained 2 to 8 from tpr 224 (1792-3584).
+// Tried and dropped (session 16, call 4): 16-bit rows whose lanes are busier with one chunk per thread (640-1280 and
+// 1600-1792 columns, 768 included) on one chunk per thread, compiled for 96-224 threads per row and packed into blocks
+// of 512: 5-17 points slower (RMSNorm bf16 1152: 73.3 against 90.4), but LayerNorm at 640 columns (+1.5).
+// -DPIPEGOOSE_NORM_BWD_NO_TPRC (a benchmark experiment, off in the shipped build) runs every such row kRuntime, as
+// before session 16; -DPIPEGOOSE_NORM_BWD_TPRC_FIXED every tpr from 32 kFixed, -DPIPEGOOSE_NORM_BWD_PACK every tpr
+// from 32 kFixed and 96-224 packed into 512 (session 16's "tprc" and "pack" builds).
+constexpr Tprc tprc_mode(int vec, bool rms, int tpr) {
   if (tpr < 32 || tpr > 512 || tpr % 32 != 0) return Tprc::kRuntime;
+  if (pack_tpb(vec, rms, tpr, false) != 0) return Tprc::kPacked;
 #if defined(PIPEGOOSE_NORM_BWD_NO_TPRC)
   return Tprc::kRuntime;
-#elif defined(PIPEGOOSE_NORM_BWD_TPRC_FIXED)
+#elif defined(PIPEGOOSE_NORM_BWD_TPRC_FIXED) || defined(PIPEGOOSE_NORM_BWD_PACK)
   return Tprc::kFixed;
-#elif defined(PIPEGOOSE_NORM_BWD_PACK)
-  return packable ? Tprc::kPacked : Tprc::kFixed;
 #else
-  if (vec == 8) return tpr == 32 ? Tprc::kRuntime : packable ? Tprc::kPacked : Tprc::kFixed;
+  if (vec == 8) return tpr == 32 ? Tprc::kRuntime : Tprc::kFixed;
   if (vec != 4) return Tprc::kRuntime;
-  if (!rms) {
-    if (tpr == 32 || tpr == 384) return Tprc::kRuntime;
-    return tpr >= 160 && tpr <= 224 ? Tprc::kPacked : Tprc::kFixed;
-  }
-  if (tpr == 96 || tpr >= 224) return Tprc::kFixed;
-  return tpr == 192 ? Tprc::kPacked : Tprc::kRuntime;
+  if (!rms) return tpr == 32 || tpr == 384 ? Tprc::kRuntime : Tprc::kFixed;
+  return tpr == 96 || tpr >= 224 ? Tprc::kFixed : Tprc::kRuntime;
 #endif
 }
 
-// TPB: blockDim.x (256, or 512 for rows of 257-512 threads and tprc_mode's packed rows). TPRC > 0 (with HC == 0): the
+// TPB: blockDim.x (256, 512 for rows of 257-512 threads, or pack_tpb's 512 or 1024). TPRC > 0 (with HC == 0): the
 // threads per row, and the rows per block TPB / TPRC, are compile-time constants (H is not).
 template <typename Tin, typename Tdy, int VEC, int NV, bool RMS, int HC, int TPB, int TPRC = 0>
 __global__ void __launch_bounds__(TPB, (AsyncBounds<TPB, (HC != 0 || TPRC != 0) && sizeof(Tin) == 2, NV>::min_blocks))
@@ -1423,8 +1506,10 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
   __shared__ __align__(16) float red[2][64];
   const int H = FIXED ? HC : h_arg;
   const int tpr = FIXED ? G::tpr : TPRC > 0 ? TPRC : tpr_arg;
-  const int rpb = FIXED ? G::rpb : TPRC > 0 ? TPB / TPRC : blockDim.x / tpr;
-  const unsigned nthreads = FIXED ? G::rpb * G::tpr : TPRC > 0 ? TPB / TPRC * TPRC : blockDim.x;
+  // (Specialised kernels: rows_per_block(G::tpr) rows in blocks of 256 threads, more when packed into 512 or 1024.)
+  static_assert(!FIXED || G::tpr <= TPB, "norm_bwd_async_kernel: a row wider than the block");
+  const int rpb = FIXED ? TPB / G::tpr : TPRC > 0 ? TPB / TPRC : blockDim.x / tpr;
+  const unsigned nthreads = FIXED ? TPB / G::tpr * G::tpr : TPRC > 0 ? TPB / TPRC * TPRC : blockDim.x;
   const int rg = threadIdx.x / tpr;
   const int t = threadIdx.x - rg * tpr;
   const int nchunks = FIXED ? G::chunks : H / VEC;
@@ -2719,9 +2804,17 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     run_generic();
     return ws;
   }
-  // kPacked rows (tprc_mode) fill blocks of 512 threads.
-  const bool pack = kAsyncBwd && vec && cfg.nv == 2 && !cfg.acc_smem && tprc_mode(V, RMS, cfg.tpr) == Tprc::kPacked;
-  const int rpb = cfg.acc_smem ? 1 : pack ? 512 / cfg.tpr : rows_per_block(cfg.tpr);
+  // Packed rows (pack_tpb) fill blocks of 512 or 1024 threads; the specialised sizes (try_spec below) have their own
+  // choice.
+  bool spec_h = false;
+#if defined(PIPEGOOSE_NORM_HIDDEN)
+  spec_h = spec_h || H == kSpecHidden;
+#endif
+#if !defined(PIPEGOOSE_NORM_NO_SPEC)
+  for (int hc : kBwdSpecHidden) spec_h = spec_h || H == hc;
+#endif
+  const int ptpb = kAsyncBwd && vec && cfg.nv == 2 && !cfg.acc_smem ? pack_tpb(V, RMS, cfg.tpr, spec_h) : 0;
+  const int rpb = cfg.acc_smem ? 1 : ptpb != 0 ? ptpb / cfg.tpr : rows_per_block(cfg.tpr);
   const int threads = rpb * cfg.tpr;
   auto go = [&](auto nv_c, auto vec_c, auto smem_c, auto pf_c, auto h_c) {
     constexpr int NV = decltype(nv_c)::value;
@@ -2773,13 +2866,14 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
       // 96-224 (kPacked) and 288-512 in blocks of 512. Only the kernels of those modes are instantiated.
       auto fixed_tpr = [&](auto tpb_c) -> bool {
         constexpr int TPB = decltype(tpb_c)::value;
-        static_assert(TPB == 256 || TPB == 512, "fixed_tpr: blocks of 256 or 512 threads");
+        static_assert(TPB == 256 || TPB == 512 || TPB == 1024, "fixed_tpr: blocks of 256, 512 or 1024 threads");
         bool done = false;
         if constexpr (HC == 0 && NV == 2) {
           auto one = [&](auto t_c) {
             constexpr int T = decltype(t_c)::value;
             constexpr Tprc mode = tprc_mode(VEC, RMS, T);
-            if constexpr (mode == (TPB == 256 || T > 256 ? Tprc::kFixed : Tprc::kPacked)) {
+            constexpr Tprc want = TPB == 256 || (TPB == 512 && T > 256) ? Tprc::kFixed : Tprc::kPacked;
+            if constexpr (mode == want && (want == Tprc::kFixed || TPB == pack_tpb(VEC, RMS, T, false))) {
               if (done || cfg.tpr != T) return;
               PG_CHECK(threads == TPB / T * T, "pipegoose norm backward: internal error: ", threads, " threads for ",
                        T, " per row in blocks of ", TPB);
@@ -2796,11 +2890,29 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
             one(IC<192>{});
             one(IC<224>{});
             one(IC<256>{});
-          } else {
+          } else if constexpr (TPB == 512) {
+            one(IC<64>{});
             one(IC<96>{});
+            one(IC<128>{});
             one(IC<160>{});
             one(IC<192>{});
             one(IC<224>{});
+            one(IC<288>{});
+            one(IC<320>{});
+            one(IC<352>{});
+            one(IC<384>{});
+            one(IC<416>{});
+            one(IC<448>{});
+            one(IC<480>{});
+            one(IC<512>{});
+          } else {
+            one(IC<64>{});
+            one(IC<96>{});
+            one(IC<128>{});
+            one(IC<160>{});
+            one(IC<192>{});
+            one(IC<224>{});
+            one(IC<256>{});
             one(IC<288>{});
             one(IC<320>{});
             one(IC<352>{});
@@ -2813,16 +2925,34 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
         }
         return done;
       };
-      PG_CHECK(threads <= 512 && (cfg.tpr <= 32 || rpb <= 15), "pipegoose norm backward: internal error: ", rpb,
+      PG_CHECK(threads <= kMaxPackTpb && (cfg.tpr <= 32 || rpb <= 15), "pipegoose norm backward: internal error: ", rpb,
                " rows of ", cfg.tpr, " threads per block for the register plan (named barriers 1-15)");
-      if (threads > 256) {
-        if constexpr (HC == 0 || FixedRow<HC, VEC, NV, false>::tpr > 256) {
+      constexpr int kSpecTpr = HC == 0 ? 0 : FixedRow<HC, VEC, NV, false>::tpr;
+      if (threads > 512) {
+        if constexpr (kMaxPackTpb == 1024 && NV == 2) {
+          if constexpr (HC == 0) {
+            PG_CHECK(fixed_tpr(IC<1024>{}), "pipegoose norm backward: internal error: no kernel for ", cfg.tpr,
+                     " threads per row in blocks of 1024");
+          } else if constexpr (pack_tpb(VEC, RMS, kSpecTpr, true) == 1024) {
+            async(IC<1024>{}, IC<0>{});
+          } else {
+            PG_CHECK(false, "pipegoose norm backward: internal error: ", threads, " threads for ", H, " columns");
+          }
+        } else {
+          PG_CHECK(false, "pipegoose norm backward: internal error: ", threads, " threads for ", H, " columns");
+        }
+      } else if (threads > 256) {
+        if constexpr (HC == 0 || kSpecTpr > 256 || (NV == 2 && pack_tpb(VEC, RMS, kSpecTpr, true) == 512)) {
           if (!fixed_tpr(IC<512>{})) async(IC<512>{}, IC<0>{});
+        } else {
+          PG_CHECK(false, "pipegoose norm backward: internal error: ", threads, " threads for ", H, " columns");
         }
       } else {
         // (Four chunks per thread only past 512 threads of two: never in blocks of 256.)
-        if constexpr (NV == 2 && (HC == 0 || FixedRow<HC, VEC, NV, false>::tpr <= 256)) {
+        if constexpr (NV == 2 && (HC == 0 || (kSpecTpr <= 256 && pack_tpb(VEC, RMS, kSpecTpr, true) == 0))) {
           if (!fixed_tpr(IC<256>{})) async(IC<256>{}, IC<0>{});
+        } else {
+          PG_CHECK(false, "pipegoose norm backward: internal error: ", threads, " threads for ", H, " columns");
         }
       }
     } else {
