@@ -344,6 +344,25 @@ def test_module_fast_path_leaves_cpu_to_the_dispatcher():
             mod(x)
 
 
+def test_cast_before_weight_is_checked_whatever_the_cache_holds():
+    """1 and numpy's bool equal True/False and hash alike, and the choice cache keyed cast_before_weight by value: a
+    call with True cached first let cast_before_weight=1 through, which a first call refuses. Now refused either
+    way."""
+    import numpy as np
+
+    from pipegoose.nn.fusion import dispatch
+    from pipegoose.nn.fusion.functional import rms_norm
+
+    x = torch.randn(4, 8)
+    for good, bad in ((True, 1), (False, 0), (True, np.bool_(True)), (False, np.bool_(False))):
+        dispatch.clear_choice_cache()
+        with pytest.raises(TypeError, match="cast_before_weight: expected a bool"):
+            rms_norm(x, (8,), cast_before_weight=bad)           # a first call: refused
+        rms_norm(x, (8,), cast_before_weight=good)
+        with pytest.raises(TypeError, match="cast_before_weight: expected a bool"):
+            rms_norm(x, (8,), cast_before_weight=bad)           # after the valid call was cached: refused too
+
+
 def test_cached_choice_does_not_skip_argument_checks():
     """(8.0,) equals (8,) and hashes alike: a valid call cached first must not let the invalid one through."""
     from pipegoose.nn.fusion.functional import layer_norm, rms_norm

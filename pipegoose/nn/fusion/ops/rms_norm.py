@@ -189,6 +189,10 @@ def _signature(x: Any, normalized_shape: Any, weight: Any, eps: Any, cast_before
 
 def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, eps: float | None,
         cast_before_weight: bool, impl: str | None) -> torch.Tensor:
+    # before the choice cache, whose key holds the value alone: 1 and numpy's True equal True and hash alike, so a
+    # cached call with True let them through where a first call refused them
+    if not isinstance(cast_before_weight, bool):
+        raise TypeError(f"cast_before_weight: expected a bool, got {type(cast_before_weight).__name__}")
     if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the op itself
         shape = normalize_shape(normalized_shape)
         if not cast_before_weight:
@@ -201,8 +205,6 @@ def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, eps
     key = None if sig is None else dispatch.choice_key(OP, impl, sig)
     hit = None if key is None else dispatch.cached_choice(key)
     if hit is None:
-        if not isinstance(cast_before_weight, bool):
-            raise TypeError(f"cast_before_weight: expected a bool, got {type(cast_before_weight).__name__}")
         shape = normalize_shape(normalized_shape)
         eps = check_args(x, shape, weight, eps)
         if eps is None:  # F.rms_norm's default: the machine epsilon of the compute dtype (fp32 for half inputs)
