@@ -19,8 +19,10 @@ its training flag. Parameters and buffers replaced while fused (``load_state_dic
 are handed back to the original modules by ``unfuse``.
 
 Limit: the undo record is kept outside the model (so ``state_dict`` and pickling see nothing of it), hence a
-``copy.deepcopy`` or a pickled-and-loaded fused model stays fused and ``unfuse`` returns False on it: unfuse before
-copying, or copy the unfused model and fuse the copy.
+``copy.deepcopy`` or a pickled-and-loaded fused model stays fused and cannot be unfused: ``unfuse`` raises a
+RuntimeError on it, saying so, and changes nothing (a copy whose attention alone was fused cannot be told from a model
+configured with pipegoose attention: ``unfuse`` returns False for it). Unfuse before copying, or copy the unfused
+model and fuse the copy.
 """
 
 from __future__ import annotations
