@@ -344,13 +344,59 @@ def test_module_fast_path_leaves_cpu_to_the_dispatcher():
             mod(x)
 
 
+@pytest.mark.parametrize("kwargs,err,match", [
+    (dict(normalized_shape=-4), ValueError, r"normalized_shape: expected sizes >= 1, got \[-4\]"),
+    (dict(normalized_shape=(4, 0)), ValueError, r"normalized_shape: expected sizes >= 1"),
+    (dict(normalized_shape=4.0), TypeError, r"normalized_shape: expected an int or a sequence of ints"),
+    (dict(normalized_shape=True), TypeError, r"normalized_shape: expected an int or a sequence of ints"),
+    (dict(normalized_shape=4, eps=-1e-5), ValueError, r"eps: expected a finite number >= 0"),
+    (dict(normalized_shape=4, eps=float("inf")), ValueError, r"eps: expected a finite number >= 0"),
+    (dict(normalized_shape=4, eps="1e-5"), TypeError, r"eps: expected a number"),
+    (dict(normalized_shape=4, impl="nope"), ValueError, r"impl: \w+ has no implementation 'nope'"),
+    (dict(normalized_shape=4, impl=1), TypeError, r"impl: expected an implementation name"),
+])
+@pytest.mark.parametrize("cls_name", ["MixedFusedLayerNorm", "FusedLayerNorm", "FusedRMSNorm"])
+def test_norm_modules_check_their_arguments_when_built(cls_name, kwargs, err, match):
+    """The norm modules checked eps, impl and the size only at the first forward (and a negative size gave torch's
+    'Trying to create tensor with negative dimension'); now the constructor raises, naming the argument, what the
+    functional ops would refuse at every call."""
+    from pipegoose.nn.fusion import modules
+
+    with pytest.raises(err, match=match):
+        getattr(modules, cls_name)(**kwargs, elementwise_affine=False)
+    if "normalized_shape" in match:
+        with pytest.raises(err, match=match):
+            getattr(modules, cls_name)(**kwargs)            # with a weight: before torch.ones(-4) is tried
+
+
+def test_norm_module_arguments_checked_when_built_rms_and_copies():
+    from pipegoose.nn.fusion.modules import FusedRMSNorm, MixedFusedLayerNorm
+
+    with pytest.raises(ValueError, match="hidden_size: expected sizes >= 1"):
+        FusedRMSNorm(hidden_size=-4)
+    with pytest.raises(TypeError, match="cast_before_weight: expected a bool, got int"):
+        FusedRMSNorm(4, cast_before_weight=1)
+    with pytest.raises(ValueError, match="impl: rms_norm has no implementation 'apex'"):
+        FusedRMSNorm(4, impl="apex")                         # a layer_norm implementation, not an rms_norm one
+    with pytest.raises(ValueError, match="impl: layer_norm has no implementation 'nope'"):
+        MixedFusedLayerNorm.from_layer_norm(torch.nn.LayerNorm(4), impl="nope")
+    with pytest.raises(ValueError, match="eps: expected a finite number >= 0 or None"):
+        FusedRMSNorm.from_module(torch.nn.RMSNorm(4, eps=-1.0))
+    # what the functional ops take still builds, and computes what it did
+    x = torch.randn(3, 4)
+    for eps in (1e-5, 0, True, np.float32(1e-5), np.int64(0), torch.tensor(1e-5)):
+        ln = MixedFusedLayerNorm(np.int64(4), eps=eps, impl="auto")
+        assert ln.normalized_shape == (4,)
+        assert torch.equal(ln(x), F.layer_norm(x, (4,), ln.weight, ln.bias, float(eps)))
+        rms = FusedRMSNorm([4], eps=eps, impl="torch")
+        assert torch.equal(rms(x), F.rms_norm(x, (4,), rms.weight, float(eps)))
+    assert FusedRMSNorm(hidden_size=4, eps=None).normalized_shape == (4,)
+
+
 def test_cast_before_weight_is_checked_whatever_the_cache_holds():
     """1 and numpy's bool equal True/False and hash alike, and the choice cache keyed cast_before_weight by value: a
     call with True cached first let cast_before_weight=1 through, which a first call refuses. Now refused either
     way."""
-    import numpy as np
-
-    from pipegoose.nn.fusion import dispatch
     from pipegoose.nn.fusion.functional import rms_norm
 
     x = torch.randn(4, 8)

@@ -83,6 +83,7 @@ __all__ = [
     "register",
     "register_problem",
     "implementations",
+    "check_impl",
     "choose",
     "select",
     "record",
@@ -571,6 +572,26 @@ def warn_unknown_env() -> list[str]:
     return unknown
 
 
+def check_impl(op: str, impl: Any) -> None:
+    """Check an ``impl`` argument of ``op``: None, ``"auto"`` or the name of one of its implementations (what
+    :func:`choose` accepts; the fused modules check theirs when constructed).
+
+    Raises:
+        KeyError: unknown op.
+        TypeError: ``impl`` is neither a str nor None.
+        ValueError: ``impl`` names no implementation of the op (the message lists them).
+    """
+    if impl is None:
+        return
+    if not isinstance(impl, str):
+        raise TypeError(f"impl: expected an implementation name (str), 'auto' or None, got {type(impl).__name__}")
+    if impl != "auto":
+        impls = implementations(op)
+        if impl not in impls:
+            raise ValueError(f"impl: {op} has no implementation {impl!r}; expected one of "
+                             f"{', '.join(impls)} or 'auto'")
+
+
 def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool = False) -> Choice:
     """Choose the implementation of ``op`` for ``problem`` (no counters, no strict check; see :func:`select`).
 
@@ -603,12 +624,8 @@ def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool =
             ok(name)
 
     requests: list[tuple[str, str]] = []
-    if impl is not None and not isinstance(impl, str):
-        raise TypeError(f"impl: expected an implementation name (str), 'auto' or None, got {type(impl).__name__}")
+    check_impl(op, impl)
     if impl is not None and impl != "auto":
-        if impl not in impls:
-            raise ValueError(f"impl: {op} has no implementation {impl!r}; expected one of "
-                             f"{', '.join(impls)} or 'auto'")
         requests.append((impl, "argument"))
     env_impl, env_var = _env_request(op)
     if env_impl is not None:
