@@ -393,6 +393,29 @@ def test_norm_module_arguments_checked_when_built_rms_and_copies():
     assert FusedRMSNorm(hidden_size=4, eps=None).normalized_shape == (4,)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_input_is_a_type_error_naming_the_argument(dtype):
+    """float8 input gave torch's '"LayerNormKernelImpl" not implemented for 'Float8_e4m3fn'' (layer_norm, rms_norm,
+    the modules) on some paths and an fp8 result on others (Llama rounding, a wider weight); now a TypeError naming x
+    and the dtypes taken, on every path (float64 runs the reference path, as before)."""
+    from pipegoose.nn.fusion.modules import FusedRMSNorm, MixedFusedLayerNorm
+
+    x = torch.randn(3, 8).to(dtype)
+    w = torch.ones(8)
+    match = r"^x: expected dtype float32, float16, bfloat16 or float64, got float8_e\w+ \(no fused kernel"
+    for fn in (lambda: PF.layer_norm(x, (8,)), lambda: PF.layer_norm(x, (8,), w, w),
+               lambda: PF.mixed_fused_layer_norm(x, (8,), w), lambda: PF.rms_norm(x, (8,)),
+               lambda: PF.rms_norm(x, (8,), w), lambda: PF.rms_norm(x, (8,), w, 1e-6, cast_before_weight=True),
+               lambda: MixedFusedLayerNorm(8)(x), lambda: FusedRMSNorm(8)(x),
+               lambda: FusedRMSNorm(8, eps=1e-6, cast_before_weight=True)(x),
+               lambda: dispatch.explain("rms_norm", x, (8,))):
+        with pytest.raises(TypeError, match=match):
+            fn()
+    x64 = x.double()
+    torch.testing.assert_close(PF.layer_norm(x64, (8,)), F.layer_norm(x64, (8,)), **TOLERANCES[torch.float32])
+    torch.testing.assert_close(PF.rms_norm(x64, (8,)), F.rms_norm(x64, (8,)), **TOLERANCES[torch.float32])
+
+
 def test_cast_before_weight_is_checked_whatever_the_cache_holds():
     """1 and numpy's bool equal True/False and hash alike, and the choice cache keyed cast_before_weight by value: a
     call with True cached first let cast_before_weight=1 through, which a first call refuses. Now refused either

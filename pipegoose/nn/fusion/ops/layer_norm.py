@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, HALF_DTYPES, INT32_MAX, NO_STORAGE, autocast_state, call_without_autocast,
-                      dtype_name, eps_value, has_storage, manifest_limit, needs_grad, param_signature, shape_signature,
+                      check_input_dtype, dtype_name, eps_value, has_storage, manifest_limit, needs_grad, param_signature, shape_signature,
                       torch_result_dtype)
 
 OP = "layer_norm"
@@ -61,6 +61,7 @@ def check_args(x: Any, shape: tuple[int, ...], weight: Any, bias: Any, eps: Any)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x: expected a floating point torch.Tensor, got "
                         f"{dtype_name(x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    check_input_dtype(x)
     if x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape:
         raise ValueError(f"x: expected shape [*, {', '.join(map(str, shape))}] (normalized_shape={list(shape)}), "
                          f"got {list(x.shape)}")

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, HALF_DTYPES, INT32_MAX, NO_STORAGE, autocast_state,
-                      call_without_autocast, dtype_name, has_storage, manifest_limit, megatron_batches_per_block,
+                      call_without_autocast, check_input_dtype, dtype_name, has_storage, manifest_limit, megatron_batches_per_block,
                       needs_grad, next_pow2, param_signature, representable, torch_result_dtype)
 
 OP_PLAIN, OP_MASKED, OP_CAUSAL = "softmax", "softmax.masked", "softmax.causal"
@@ -383,6 +383,7 @@ def check_input(x: Any, name: str = "x") -> None:
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"{name}: expected a floating point tensor, got {dtype_name(x.dtype)}")
+    check_input_dtype(x, name)
 
 
 def check_mask(mask: Any, x: torch.Tensor) -> torch.Tensor:
