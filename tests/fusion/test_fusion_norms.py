@@ -397,7 +397,7 @@ def test_norm_module_arguments_checked_when_built_rms_and_copies():
 def test_float8_input_is_a_type_error_naming_the_argument(dtype):
     """float8 input gave torch's '"LayerNormKernelImpl" not implemented for 'Float8_e4m3fn'' (layer_norm, rms_norm,
     the modules) on some paths and an fp8 result on others (Llama rounding, a wider weight); now a TypeError naming x
-    and the dtypes taken, on every path (float64 runs the reference path, as before)."""
+    (or the float8 parameter) and the dtypes taken, on every path (float64 runs the reference path, as before)."""
     from pipegoose.nn.fusion.modules import FusedRMSNorm, MixedFusedLayerNorm
 
     x = torch.randn(3, 8).to(dtype)
@@ -410,6 +410,13 @@ def test_float8_input_is_a_type_error_naming_the_argument(dtype):
                lambda: FusedRMSNorm(8, eps=1e-6, cast_before_weight=True)(x),
                lambda: dispatch.explain("rms_norm", x, (8,))):
         with pytest.raises(TypeError, match=match):
+            fn()
+    # a float8 parameter: refused too (Llama rounding failed in torch's type promotion, other paths upcast it)
+    w8, xf = torch.ones(8).to(dtype), torch.randn(3, 8)
+    for name, fn in (("weight", lambda: PF.layer_norm(xf, (8,), w8)), ("bias", lambda: PF.layer_norm(xf, (8,), w, w8)),
+                     ("weight", lambda: PF.rms_norm(xf, (8,), w8)),
+                     ("weight", lambda: PF.rms_norm(xf, (8,), w8, 1e-6, cast_before_weight=True))):
+        with pytest.raises(TypeError, match=match.replace("^x", f"^{name}")):
             fn()
     x64 = x.double()
     torch.testing.assert_close(PF.layer_norm(x64, (8,)), F.layer_norm(x64, (8,)), **TOLERANCES[torch.float32])

@@ -157,8 +157,8 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: t
 
     Args:
         x: [*, *normalized_shape], fp32, fp16, bf16 (fused paths) or fp64 (the reference path).
-        weight, bias: [*normalized_shape] or None, any float dtype independent of ``x``'s (e.g. bf16 x with fp32
-            weight).
+        weight, bias: [*normalized_shape] or None, fp32/fp16/bf16/fp64 independent of ``x``'s (e.g. bf16 x with
+            fp32 weight).
         eps: added to the variance.
 
     Returns:
@@ -171,7 +171,7 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: t
     have the output dtype: apex#1379).
 
     Raises:
-        TypeError: ``x`` not fp32/fp16/bf16/fp64 (float8 included), non-floating parameters, ``eps`` not a
+        TypeError: ``x``, ``weight`` or ``bias`` not fp32/fp16/bf16/fp64 (float8 included), ``eps`` not a
         number. ValueError: shapes or devices wrong, ``eps`` negative or not finite.
     """
     return _ln.run(x, normalized_shape, weight, bias, eps, impl)
@@ -191,7 +191,7 @@ def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: tor
 
     Args:
         x: [*, *normalized_shape], fp32, fp16, bf16 (fused paths) or fp64 (the reference path).
-        weight: [*normalized_shape] or None, any float dtype.
+        weight: [*normalized_shape] or None, fp32/fp16/bf16/fp64 independent of ``x``'s.
         eps: None -> F.rms_norm's default, ``torch.finfo`` eps of the compute dtype (fp32 for fp16/bf16/fp32
             input); LlamaRMSNorm uses 1e-6: pass it.
         cast_before_weight: False: F.rms_norm numerics (``x * rstd * weight`` in fp32, one rounding, output
@@ -204,8 +204,8 @@ def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: tor
     Kernel: pipegoose/rms_norm (pipegoose/kernels/csrc/rms_norm.cu, MIT).
 
     Raises:
-        TypeError: ``x`` not fp32/fp16/bf16/fp64 (float8 included), non-floating ``weight``,
-        ``cast_before_weight`` not a bool, ``eps`` not a number or None.
+        TypeError: ``x`` or ``weight`` not fp32/fp16/bf16/fp64 (float8 included), ``cast_before_weight`` not a
+        bool, ``eps`` not a number or None.
         ValueError: shapes or devices wrong, ``eps`` negative or not finite.
     """
     return _rms.run(x, normalized_shape, weight, eps, cast_before_weight, impl)

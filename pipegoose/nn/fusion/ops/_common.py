@@ -11,10 +11,11 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-# The input dtypes the norm and softmax ops take: the kernels' three, and float64, which the PyTorch reference path
-# computes (a fallback, as for any input the kernels decline). Other floating dtypes (float8_e4m3fn, float8_e5m2 and
-# the other 8-bit and narrower formats) have no path here, and PyTorch's own layer_norm, rms_norm and softmax had
-# none on CPU either (torch 2.14: NotImplementedError): a TypeError up front says so.
+# The tensor dtypes the norm and softmax ops take (input and parameters): the kernels' three, and float64, which the
+# PyTorch reference path computes (a fallback, as for any input the kernels decline). Other floating dtypes
+# (float8_e4m3fn, float8_e5m2 and the other 8-bit and narrower formats) have no path here, and PyTorch's own
+# layer_norm, rms_norm and softmax had none on CPU either (torch 2.14: NotImplementedError; float8 does not promote
+# with other dtypes): a TypeError up front says so.
 INPUT_DTYPES = FLOAT_DTYPES + (torch.float64,)
 INT32_MAX = 2**31 - 1
 GRID_YZ_MAX = 65535
@@ -146,8 +147,8 @@ def dtype_name(dtype: torch.dtype | None) -> str:
 
 
 def check_input_dtype(x: torch.Tensor, name: str = "x") -> None:
-    """TypeError naming ``name`` when the floating tensor ``x`` has a dtype outside :data:`INPUT_DTYPES` (float8 and
-    narrower formats: no kernel and no reference path here takes them)."""
+    """TypeError naming ``name`` when the floating tensor ``x`` (an input or a parameter) has a dtype outside
+    :data:`INPUT_DTYPES` (float8 and narrower formats: no kernel and no reference path here takes them)."""
     if x.dtype not in INPUT_DTYPES:
         raise TypeError(f"{name}: expected dtype {', '.join(map(dtype_name, INPUT_DTYPES[:-1]))} or "
                         f"{dtype_name(INPUT_DTYPES[-1])}, got {dtype_name(x.dtype)} (no fused kernel or reference path "

@@ -71,6 +71,7 @@ def check_args(x: Any, shape: tuple[int, ...], weight: Any, bias: Any, eps: Any)
         if not isinstance(p, torch.Tensor) or not p.is_floating_point():
             raise TypeError(f"{name}: expected a floating point torch.Tensor or None, got "
                             f"{dtype_name(p.dtype) if isinstance(p, torch.Tensor) else type(p).__name__}")
+        check_input_dtype(p, name)
         if tuple(p.shape) != shape:
             raise ValueError(f"{name}: expected shape {list(shape)} (normalized_shape), got {list(p.shape)}")
         if p.device != x.device:

@@ -48,6 +48,7 @@ def check_args(x: Any, shape: tuple[int, ...], weight: Any, eps: Any) -> float |
         if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
             raise TypeError(f"weight: expected a floating point torch.Tensor or None, got "
                             f"{dtype_name(weight.dtype) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+        check_input_dtype(weight, "weight")
         if tuple(weight.shape) != shape:
             raise ValueError(f"weight: expected shape {list(shape)} (normalized_shape), got {list(weight.shape)}")
         if weight.device != x.device:
