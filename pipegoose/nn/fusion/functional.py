@@ -7,6 +7,11 @@ Every function accepts ``impl`` (keyword): ``None``/``"auto"``, or an implementa
 its reason recorded. Autocast: the output dtype is the one PyTorch's own op gives under the same autocast state
 (softmax and layer_norm run in fp32 under CUDA autocast; CPU autocast leaves them in the input dtype).
 
+Double backward (``torch.autograd.grad(..., create_graph=True)`` and a backward through its result, e.g. gradient
+penalties or Hessian-vector products): the fused backward kernels are not differentiable, so a backward run with
+``create_graph=True`` computes the gradients with the PyTorch reference formulas (on the inputs the fused forward
+saved) instead, and second derivatives are PyTorch's; a plain backward runs the kernels. The forward stays fused.
+
 Kernel sources: see :mod:`pipegoose.nn.fusion.ops.softmax`, :mod:`~pipegoose.nn.fusion.ops.layer_norm`,
 :mod:`~pipegoose.nn.fusion.ops.rms_norm`.
 """

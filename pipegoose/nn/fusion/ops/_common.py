@@ -65,6 +65,28 @@ def call_without_autocast(device: torch.device, fn: Callable[..., Any], *args: A
     return fn(*args)
 
 
+def grads_through(fn: Callable[..., torch.Tensor], tensors: tuple, needs: tuple, dy: torch.Tensor) -> list:
+    """The gradients of ``fn(*tensors)`` for the output gradient ``dy``, by autograd with ``create_graph=True``, so
+    that they are differentiable again: for each tensor whose ``needs`` flag is set, its gradient (None for the others
+    and for None entries).
+
+    What a fused Function's backward returns when it runs with grad mode on (``torch.autograd.grad(...,
+    create_graph=True)``, ``backward(create_graph=True)``): the kernels' backward is not differentiable (the
+    ``torch.ops.pipegoose`` backward ops have no autograd formula), so ``fn`` is the op's PyTorch reference on the
+    Function's saved inputs, which connect the result to the graph of the forward. ``fn`` runs with autocast off."""
+    grads: list = [None] * len(tensors)
+    want = [i for i, (t, need) in enumerate(zip(tensors, needs)) if need and t is not None]
+    if not want:
+        return grads
+    device = next(t for t in tensors if t is not None).device
+    with torch.enable_grad():
+        y = call_without_autocast(device, fn, *tensors)
+        gs = torch.autograd.grad(y, [tensors[i] for i in want], dy, create_graph=True, allow_unused=True)
+    for i, g in zip(want, gs):
+        grads[i] = g
+    return grads
+
+
 def has_storage(t: torch.Tensor) -> bool:
     """False for a tensor without storage: inside a ``torch.func`` transform (vmap, grad, jvp) or a fake tensor.
     The kernels need real memory; such inputs take the reference path."""

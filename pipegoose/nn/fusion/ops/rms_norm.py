@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, NO_STORAGE, autocast_state, call_without_autocast, check_input_dtype,
-                      dtype_name, eps_value,
-                      has_storage, manifest_limit, needs_grad, param_signature, shape_signature, torch_result_dtype)
+                      dtype_name, eps_value, grads_through, has_storage, manifest_limit, needs_grad, param_signature,
+                      shape_signature, torch_result_dtype)
 from .layer_norm import normalize_shape
 
 OP = "rms_norm"
@@ -156,7 +156,12 @@ def _ops() -> Any:
 
 
 class PipegooseRMSNormFunction(torch.autograd.Function):
-    """pipegoose/rms_norm: rms_norm_forward(input [rows, H], weight [H]?, eps, out_dtype) -> (y, rstd)."""
+    """pipegoose/rms_norm: rms_norm_forward(input [rows, H], weight [H]?, eps, out_dtype) -> (y, rstd).
+
+    Double backward: a backward run with grad mode on (``create_graph=True``) computes the gradients through
+    :func:`rms_norm_reference` (``x * rstd * weight`` in fp32, rounded once to ``out``: the kernel's numerics) on the
+    saved inputs instead of the backward kernel, which is not differentiable; second derivatives are then PyTorch's.
+    A backward without ``create_graph`` runs the kernel."""
 
     @staticmethod
     def forward(ctx, x, weight, shape, eps, out):
@@ -164,16 +169,23 @@ class PipegooseRMSNormFunction(torch.autograd.Function):
         x2 = x.reshape(-1, h).contiguous()
         w = None if weight is None else weight.reshape(h).contiguous()
         y, rstd = _ops().rms_norm_forward(x2, w, float(eps), out)
-        ctx.save_for_backward(x2, w, rstd)
-        ctx.meta = (tuple(x.shape), tuple(shape), weight is not None)
+        # the inputs themselves (not x2, w, made here without the graph): a double backward needs them
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.meta = (tuple(shape), eps, out)
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x2, w, rstd = ctx.saved_tensors
-        xshape, shape, has_w = ctx.meta
+        x, weight, rstd = ctx.saved_tensors
+        shape, eps, out = ctx.meta
+        if torch.is_grad_enabled():  # create_graph=True: gradients that are differentiable again
+            return (*grads_through(lambda x_, w_: rms_norm_reference(x_, shape, w_, eps, out, False),
+                                   (x, weight), ctx.needs_input_grad[:2], dy), None, None, None)
+        h = math.prod(shape)
+        x2 = x.reshape(-1, h).contiguous()
+        w = None if weight is None else weight.reshape(h).contiguous()
         gi, gw = _ops().rms_norm_backward(dy.reshape(x2.shape).contiguous(), x2, w, rstd)
-        return gi.view(xshape), gw.view(shape) if has_w else None, None, None, None
+        return gi.view(x.shape), None if weight is None else gw.view(shape), None, None, None
 
 
 def _signature(x: Any, normalized_shape: Any, weight: Any, eps: Any, cast_before_weight: bool) -> tuple | None:

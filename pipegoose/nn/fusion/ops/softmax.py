@@ -272,7 +272,12 @@ def _ops(name: str) -> Any:
 
 
 class PipegooseSoftmaxFunction(torch.autograd.Function):
-    """pipegoose/softmax: ``softmax_forward(input, mask, scale, causal)`` / ``softmax_backward``."""
+    """pipegoose/softmax: ``softmax_forward(input, mask, scale, causal)`` / ``softmax_backward``.
+
+    Double backward: a backward run with grad mode on (``create_graph=True``) computes ``dx`` with
+    :func:`softmax_reference_backward` (plain differentiable ops on ``dy`` and the saved output, which leads back to
+    this Function) instead of the backward kernel, which is not differentiable; second derivatives are then exact.
+    A backward without ``create_graph`` runs the kernel. The same holds for the Megatron Functions below."""
 
     @staticmethod
     def forward(ctx, x, mask, scale, causal):
@@ -287,6 +292,8 @@ class PipegooseSoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a dx that is differentiable again
+            return softmax_reference_backward(dy, y, ctx.scale), None, None, None
         # causal: the kernel skips the masked tail, where y (and so dx) is zero
         dx = _ops("pipegoose/softmax").softmax_backward(dy.contiguous(), y, float(ctx.scale), ctx.causal)
         return dx, None, None, None
@@ -321,6 +328,8 @@ class MegatronScaledMaskedSoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True (see PipegooseSoftmaxFunction)
+            return softmax_reference_backward(dy, y, ctx.scale), None, None
         ops = _ops("megatron/scaled_masked_softmax")
         dx = ops.scaled_masked_softmax_backward(dy.contiguous(), y, float(ctx.scale))
         return dx, None, None
@@ -348,6 +357,8 @@ class MegatronScaledUpperTriangMaskedSoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True (see PipegooseSoftmaxFunction)
+            return softmax_reference_backward(dy, y, ctx.scale), None
         ops = _ops("megatron/scaled_upper_triang_masked_softmax")
         return ops.scaled_upper_triang_masked_softmax_backward(dy.contiguous(), y, float(ctx.scale)), None
 
