@@ -463,6 +463,28 @@ def test_unfuse_of_a_copy_of_a_fused_model_says_why():
     assert unfuse(copy.deepcopy(model)) is False  # a copy of the unfused model: nothing to undo
 
 
+def test_fuse_refuses_a_norm_whose_eps_the_fused_ops_refuse():
+    """The fused modules check eps when built: fuse() of a model with such a norm raises, naming the module's path,
+    and changes nothing (it used to fuse it, and every forward of the fused model raised)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.RMSNorm(4, eps=-1.0))
+    with pytest.raises(ValueError, match=r"^2 \(RMSNorm\): eps: expected a finite number >= 0"):
+        fuse(model)
+    assert [type(m) for m in model] == [nn.Linear, nn.LayerNorm, nn.RMSNorm] and not is_fused(model)
+
+
+def test_module_docstring_says_what_unfuse_does_with_a_copy():
+    """fuse.py's module docstring said that unfuse "returns False" on a copy of a fused model, where it raises (the
+    test above); the docstring must say what the code does."""
+    doc = " ".join(fuse_mod.__doc__.split())
+    assert "``unfuse`` returns False on it" not in doc
+    assert "``unfuse`` raises a RuntimeError on it" in doc
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    fuse(model)
+    with pytest.raises(RuntimeError, match="copy of a fused model"):
+        unfuse(copy.deepcopy(model))
+    assert unfuse(model)
+
+
 @pytest.mark.parametrize("arch,attn", [("gpt2", "eager"), ("llama", "sdpa"), ("llama", "eager"), ("bert", "eager")])
 def test_torch_compile_of_a_fused_model_is_one_graph(arch, attn):
     """torch.compile of a fused model: while it traces, the fused modules and the attention function emit the

@@ -493,6 +493,71 @@ def test_clip_grad_norm_vs_torch(dtype, impl):
 
 # --- fresh process: first call of the causal path with a fresh kernel build (ColossalAI#3092 class) -------------
 
+# --- double backward ---------------------------------------------------------------------------------------
+
+def _grad_and_hvp(fn, inputs, seed):
+    """(grads, Hessian-vector products) of sum(fn(*inputs) * v): a backward with create_graph=True, then one
+    through it (zeros where a gradient does not depend on an input)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    ins = [t.detach().clone().requires_grad_(True) for t in inputs]
+    y = fn(*ins)
+    v = torch.randn(y.shape, generator=g, device=DEV)
+    grads = torch.autograd.grad((y.float() * v).sum(), ins, create_graph=True)
+    u = [torch.randn(t.shape, generator=g, device=DEV) for t in ins]
+    hvp = torch.autograd.grad(sum((gr.float() * uu).sum() for gr, uu in zip(grads, u)), ins, allow_unused=True)
+    torch.cuda.synchronize()
+    return [gr.detach() for gr in grads], [torch.zeros_like(t) if h is None else h for t, h in zip(ins, hvp)]
+
+
+_MASK16 = (torch.arange(16) % 5 == 0).reshape(1, 1, 1, 16).expand(2, 1, 16, 16)
+DOUBLE_BACKWARD = {  # name: (op, impl, fn(impl), input shapes and dtypes, dtype of the result)
+    "layer_norm-pipegoose": ("layer_norm", "pipegoose", lambda i: lambda x, w, b: PF.layer_norm(x, (96,), w, b, impl=i),
+                             [((4, 96), torch.float32), ((96,), torch.float32), ((96,), torch.float32)], torch.float32),
+    "layer_norm-pipegoose-bf16": ("layer_norm", "pipegoose",
+                                  lambda i: lambda x, w, b: PF.layer_norm(x, (96,), w, b, impl=i),
+                                  [((4, 96), torch.bfloat16), ((96,), torch.float32), ((96,), torch.float32)],
+                                  torch.bfloat16),
+    "layer_norm-apex": ("layer_norm", "apex", lambda i: lambda x, w, b: PF.layer_norm(x, (96,), w, b, impl=i),
+                        [((4, 96), torch.float16), ((96,), torch.float16), ((96,), torch.float16)], torch.float16),
+    "rms_norm-pipegoose": ("rms_norm", "pipegoose", lambda i: lambda x, w: PF.rms_norm(x, (96,), w, 1e-6, impl=i),
+                           [((4, 96), torch.float32), ((96,), torch.float32)], torch.float32),
+    "rms_norm-pipegoose-llama": ("rms_norm", "pipegoose",
+                                 lambda i: lambda x, w: PF.rms_norm(x, 96, w, 1e-6, cast_before_weight=True, impl=i),
+                                 [((4, 96), torch.bfloat16), ((96,), torch.float32)], torch.bfloat16),
+    "softmax-pipegoose": ("softmax", "pipegoose", lambda i: lambda x: PF.scaled_softmax(x, 0.5, impl=i),
+                          [((4, 33), torch.float32)], torch.float32),
+    "softmax.masked-pipegoose": ("softmax.masked", "pipegoose",
+                                 lambda i: lambda x: PF.scaled_masked_softmax(x, _MASK16.to(DEV), 0.5, impl=i),
+                                 [((2, 2, 16, 16), torch.float16)], torch.float16),
+    "softmax.masked-megatron": ("softmax.masked", "megatron",
+                                lambda i: lambda x: PF.scaled_masked_softmax(x, _MASK16.to(DEV), 0.5, impl=i),
+                                [((2, 2, 16, 16), torch.float16)], torch.float16),
+    "softmax.causal-pipegoose": ("softmax.causal", "pipegoose",
+                                 lambda i: lambda x: PF.scaled_upper_triang_masked_softmax(x, 0.5, impl=i),
+                                 [((16, 16, 16), torch.bfloat16)], torch.bfloat16),
+    "softmax.causal-megatron": ("softmax.causal", "megatron",
+                                lambda i: lambda x: PF.scaled_upper_triang_masked_softmax(x, 0.5, impl=i),
+                                [((16, 16, 16), torch.bfloat16)], torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", list(DOUBLE_BACKWARD))
+def test_double_backward_every_fused_function(case, recwarn):
+    """create_graph=True through a fused Function, then a backward through the gradients: the same first and second
+    derivatives as the PyTorch reference path, and no "autograd kernel was not registered" warning (the backward
+    kernels are not differentiable; with them the second backward lost its terms)."""
+    op, impl, make, specs, dtype = DOUBLE_BACKWARD[case]
+    g = torch.Generator(device=DEV).manual_seed(7)
+    inputs = [torch.randn(shape, generator=g, device=DEV).to(dt) for shape, dt in specs]
+    grads, hvp = _grad_and_hvp(make(impl), inputs, 11)
+    ran(op, impl)
+    assert not [w for w in recwarn if "autograd kernel was not registered" in str(w.message)]
+    ref_grads, ref_hvp = _grad_and_hvp(make("torch"), inputs, 11)
+    for a, b in zip(grads + hvp, ref_grads + ref_hvp):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), **tol(dtype, 2))
+
+
 @pytest.mark.slow
 def test_causal_first_call_in_fresh_process_with_fresh_build(tmp_path):
     code = textwrap.dedent("""

@@ -132,6 +132,26 @@ def test_strict_mode(monkeypatch):
     assert dispatch.stats()[OP] == {"megatron": 1, "torch": 3}
 
 
+@pytest.mark.parametrize("value", ["2", "enabled", "y", "strict"])
+def test_unrecognised_strict_value_is_an_error(monkeypatch, value):
+    """An unrecognised PIPEGOOSE_STRICT used to mean off, silently (a user who wrote =2 or =enabled got no strict
+    mode); it is a ValueError naming the variable, the value and the accepted values, like a bad PIPEGOOSE_IMPL_*."""
+    monkeypatch.setenv("PIPEGOOSE_STRICT", value)
+    accepted = r"1, true, yes or on .*0, false, no, off or empty"
+    with pytest.raises(ValueError, match=rf"PIPEGOOSE_STRICT='{value}': expected {accepted}"):
+        dispatch.is_strict()
+    with pytest.raises(ValueError, match="PIPEGOOSE_STRICT"):
+        dispatch.select(OP, problem())                            # a call that chooses, no fallback
+    with pytest.raises(ValueError, match="PIPEGOOSE_STRICT"):
+        dispatch.record(Choice(OP, "torch", "fallback", True, {}, "ours says no"))  # a fallback (a cached choice)
+    with dispatch.strict(False):                                  # the context overrides the variable
+        assert dispatch.select(OP, problem(ours=False, ported=False)).impl == "torch"
+    for good, on in (("1", True), (" On ", True), ("YES", True), ("true", True), ("0", False), ("off", False),
+                     ("No", False), ("false", False), ("", False), ("  ", False)):
+        monkeypatch.setenv("PIPEGOOSE_STRICT", good)
+        assert dispatch.is_strict() is on, good
+
+
 def test_explain_counts_nothing():
     x = torch.zeros(2, 8, requires_grad=True)
     c = dispatch.explain(OP, x, ours=False)

@@ -47,6 +47,7 @@ class FakeOps:
             masked = cm if masked is None else masked | cm
         return _softmax_rows(x.float() * scale, masked).to(x.dtype)
 
+    @torch.no_grad()  # like the real ops, which have no autograd formula: no gradient flows through the result
     def softmax_backward(self, dy, y, scale, causal=False):
         self.calls.append("softmax_backward")
         assert dy.dtype == y.dtype and dy.shape == y.shape
@@ -390,3 +391,75 @@ def test_small_problem_rule_through_the_ops(fake, monkeypatch):
     assert dispatch.last_choice("rms_norm").impl == "pipegoose"
     assert dispatch.stats() == {"layer_norm": {"torch": 1}, "rms_norm": {"torch": 1, "pipegoose": 1}}
     assert "layer_norm_forward" not in fake.calls
+
+
+def _first_and_second_order(fn, inputs, calls, seed=0):
+    """(grads, Hessian-vector products, kernel calls of the first backward) of sum(fn(*inputs) * v) for random v, u:
+    the first backward with create_graph=True, then a backward through it (zeros where a gradient does not depend on
+    an input: a LayerNorm's bias)."""
+    g = torch.Generator().manual_seed(seed)
+    ins = [t.detach().clone().requires_grad_(True) for t in inputs]
+    y = fn(*ins)
+    v = torch.randn(y.shape, generator=g)
+    n = len(calls)
+    grads = torch.autograd.grad((y.float() * v).sum(), ins, create_graph=True)
+    first = calls[n:]
+    u = [torch.randn(t.shape, generator=g) for t in ins]
+    hvp = torch.autograd.grad(sum((gr.float() * uu).sum() for gr, uu in zip(grads, u)), ins, allow_unused=True)
+    hvp = [torch.zeros_like(t) if h is None else h for t, h in zip(ins, hvp)]
+    return [gr.detach() for gr in grads], hvp, first
+
+
+_R = lambda *shape, dtype=torch.float32: torch.randn(*shape).to(dtype)  # noqa: E731
+_MASK = torch.rand(2, 1, 16, 16, generator=torch.Generator().manual_seed(1)) < 0.3
+DOUBLE_BACKWARD_CASES = {
+    # name: (op, impl, fn(impl) -> callable, inputs, dtype the results are computed in)
+    "layer_norm-pipegoose": ("layer_norm", "pipegoose", lambda i: lambda x, w, b: PF.layer_norm(x, (4, 8), w, b, impl=i),
+                             (_R(3, 5, 4, 8), _R(4, 8), _R(4, 8)), torch.float32),
+    "layer_norm-pipegoose-mixed": ("layer_norm", "pipegoose",
+                                   lambda i: lambda x, w, b: PF.layer_norm(x, (8,), w, b, impl=i),
+                                   (_R(6, 8, dtype=torch.bfloat16), _R(8), _R(8)), torch.bfloat16),
+    "layer_norm-apex": ("layer_norm", "apex", lambda i: lambda x, w, b: PF.layer_norm(x, (8,), w, b, impl=i),
+                        (_R(6, 8), _R(8), _R(8)), torch.float32),
+    "rms_norm-pipegoose": ("rms_norm", "pipegoose", lambda i: lambda x, w: PF.rms_norm(x, (4, 8), w, 1e-6, impl=i),
+                           (_R(3, 5, 4, 8), _R(4, 8)), torch.float32),
+    "rms_norm-pipegoose-llama": ("rms_norm", "pipegoose",
+                                 lambda i: lambda x, w: PF.rms_norm(x, 8, w, 1e-6, cast_before_weight=True, impl=i),
+                                 (_R(6, 8, dtype=torch.bfloat16), _R(8)), torch.bfloat16),
+    "softmax-pipegoose": ("softmax", "pipegoose", lambda i: lambda x: PF.scaled_softmax(x, 0.5, impl=i),
+                          (_R(4, 33),), torch.float32),
+    "softmax-plain-pipegoose": ("softmax", "pipegoose", lambda i: lambda x: PF.softmax(x, -1, impl=i),
+                                (_R(4, 33),), torch.float32),
+    "softmax.masked-pipegoose": ("softmax.masked", "pipegoose",
+                                 lambda i: lambda x: PF.scaled_masked_softmax(x, _MASK, 0.5, impl=i),
+                                 (_R(2, 2, 16, 16, dtype=torch.float16),), torch.float16),
+    "softmax.masked-megatron": ("softmax.masked", "megatron",
+                                lambda i: lambda x: PF.scaled_masked_softmax(x, _MASK, 0.5, impl=i),
+                                (_R(2, 2, 16, 16, dtype=torch.float16),), torch.float16),
+    "softmax.causal-pipegoose": ("softmax.causal", "pipegoose",
+                                 lambda i: lambda x: PF.scaled_upper_triang_masked_softmax(x, 0.5, impl=i),
+                                 (_R(16, 16, 16, dtype=torch.float16),), torch.float16),
+    "softmax.causal-megatron": ("softmax.causal", "megatron",
+                                lambda i: lambda x: PF.scaled_upper_triang_masked_softmax(x, 0.5, impl=i),
+                                (_R(16, 16, 16, dtype=torch.float16),), torch.float16),
+}
+
+
+@pytest.mark.parametrize("case", list(DOUBLE_BACKWARD_CASES))
+def test_double_backward_through_the_fused_functions(fake, case):
+    """A backward with create_graph=True through a fused Function, then a backward through that: the kernels'
+    backward is not differentiable (it used to be called all the same, and its result had no graph back to the
+    input: the second backward failed, or with the real ops lost those terms), so such a backward runs the reference
+    formula and the second derivatives equal the reference path's. A plain backward still runs the kernel."""
+    op, impl, make, inputs, dtype = DOUBLE_BACKWARD_CASES[case]
+    grads, hvp, first = _first_and_second_order(make(impl), inputs, fake.calls)
+    assert dispatch.stats()[op] == {impl: 1}
+    ref_grads, ref_hvp, _ = _first_and_second_order(make("torch"), inputs, [])
+    for a, b in zip(grads + hvp, ref_grads + ref_hvp):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), **TOLERANCES[dtype])
+    assert not any(c.endswith("_backward") for c in first), first    # not the kernel under create_graph
+    ins = [t.detach().clone().requires_grad_(True) for t in inputs]
+    n = len(fake.calls)
+    make(impl)(*ins).float().sum().backward()              # no create_graph: the kernel
+    assert any(c.endswith("_backward") for c in fake.calls[n:])

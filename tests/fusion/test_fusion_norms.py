@@ -344,6 +344,101 @@ def test_module_fast_path_leaves_cpu_to_the_dispatcher():
             mod(x)
 
 
+@pytest.mark.parametrize("kwargs,err,match", [
+    (dict(normalized_shape=-4), ValueError, r"normalized_shape: expected sizes >= 1, got \[-4\]"),
+    (dict(normalized_shape=(4, 0)), ValueError, r"normalized_shape: expected sizes >= 1"),
+    (dict(normalized_shape=4.0), TypeError, r"normalized_shape: expected an int or a sequence of ints"),
+    (dict(normalized_shape=True), TypeError, r"normalized_shape: expected an int or a sequence of ints"),
+    (dict(normalized_shape=4, eps=-1e-5), ValueError, r"eps: expected a finite number >= 0"),
+    (dict(normalized_shape=4, eps=float("inf")), ValueError, r"eps: expected a finite number >= 0"),
+    (dict(normalized_shape=4, eps="1e-5"), TypeError, r"eps: expected a number"),
+    (dict(normalized_shape=4, impl="nope"), ValueError, r"impl: \w+ has no implementation 'nope'"),
+    (dict(normalized_shape=4, impl=1), TypeError, r"impl: expected an implementation name"),
+])
+@pytest.mark.parametrize("cls_name", ["MixedFusedLayerNorm", "FusedLayerNorm", "FusedRMSNorm"])
+def test_norm_modules_check_their_arguments_when_built(cls_name, kwargs, err, match):
+    """The norm modules checked eps, impl and the size only at the first forward (and a negative size gave torch's
+    'Trying to create tensor with negative dimension'); now the constructor raises, naming the argument, what the
+    functional ops would refuse at every call."""
+    from pipegoose.nn.fusion import modules
+
+    with pytest.raises(err, match=match):
+        getattr(modules, cls_name)(**kwargs, elementwise_affine=False)
+    if "normalized_shape" in match:
+        with pytest.raises(err, match=match):
+            getattr(modules, cls_name)(**kwargs)            # with a weight: before torch.ones(-4) is tried
+
+
+def test_norm_module_arguments_checked_when_built_rms_and_copies():
+    from pipegoose.nn.fusion.modules import FusedRMSNorm, MixedFusedLayerNorm
+
+    with pytest.raises(ValueError, match="hidden_size: expected sizes >= 1"):
+        FusedRMSNorm(hidden_size=-4)
+    with pytest.raises(TypeError, match="cast_before_weight: expected a bool, got int"):
+        FusedRMSNorm(4, cast_before_weight=1)
+    with pytest.raises(ValueError, match="impl: rms_norm has no implementation 'apex'"):
+        FusedRMSNorm(4, impl="apex")                         # a layer_norm implementation, not an rms_norm one
+    with pytest.raises(ValueError, match="impl: layer_norm has no implementation 'nope'"):
+        MixedFusedLayerNorm.from_layer_norm(torch.nn.LayerNorm(4), impl="nope")
+    with pytest.raises(ValueError, match="eps: expected a finite number >= 0 or None"):
+        FusedRMSNorm.from_module(torch.nn.RMSNorm(4, eps=-1.0))
+    # what the functional ops take still builds, and computes what it did
+    x = torch.randn(3, 4)
+    for eps in (1e-5, 0, True, np.float32(1e-5), np.int64(0), torch.tensor(1e-5)):
+        ln = MixedFusedLayerNorm(np.int64(4), eps=eps, impl="auto")
+        assert ln.normalized_shape == (4,)
+        assert torch.equal(ln(x), F.layer_norm(x, (4,), ln.weight, ln.bias, float(eps)))
+        rms = FusedRMSNorm([4], eps=eps, impl="torch")
+        assert torch.equal(rms(x), F.rms_norm(x, (4,), rms.weight, float(eps)))
+    assert FusedRMSNorm(hidden_size=4, eps=None).normalized_shape == (4,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_input_is_a_type_error_naming_the_argument(dtype):
+    """float8 input gave torch's '"LayerNormKernelImpl" not implemented for 'Float8_e4m3fn'' (layer_norm, rms_norm,
+    the modules) on some paths and an fp8 result on others (Llama rounding, a wider weight); now a TypeError naming x
+    (or the float8 parameter) and the dtypes taken, on every path (float64 runs the reference path, as before)."""
+    from pipegoose.nn.fusion.modules import FusedRMSNorm, MixedFusedLayerNorm
+
+    x = torch.randn(3, 8).to(dtype)
+    w = torch.ones(8)
+    match = r"^x: expected dtype float32, float16, bfloat16 or float64, got float8_e\w+ \(no fused kernel"
+    for fn in (lambda: PF.layer_norm(x, (8,)), lambda: PF.layer_norm(x, (8,), w, w),
+               lambda: PF.mixed_fused_layer_norm(x, (8,), w), lambda: PF.rms_norm(x, (8,)),
+               lambda: PF.rms_norm(x, (8,), w), lambda: PF.rms_norm(x, (8,), w, 1e-6, cast_before_weight=True),
+               lambda: MixedFusedLayerNorm(8)(x), lambda: FusedRMSNorm(8)(x),
+               lambda: FusedRMSNorm(8, eps=1e-6, cast_before_weight=True)(x),
+               lambda: dispatch.explain("rms_norm", x, (8,))):
+        with pytest.raises(TypeError, match=match):
+            fn()
+    # a float8 parameter: refused too (Llama rounding failed in torch's type promotion, other paths upcast it)
+    w8, xf = torch.ones(8).to(dtype), torch.randn(3, 8)
+    for name, fn in (("weight", lambda: PF.layer_norm(xf, (8,), w8)), ("bias", lambda: PF.layer_norm(xf, (8,), w, w8)),
+                     ("weight", lambda: PF.rms_norm(xf, (8,), w8)),
+                     ("weight", lambda: PF.rms_norm(xf, (8,), w8, 1e-6, cast_before_weight=True))):
+        with pytest.raises(TypeError, match=match.replace("^x", f"^{name}")):
+            fn()
+    x64 = x.double()
+    torch.testing.assert_close(PF.layer_norm(x64, (8,)), F.layer_norm(x64, (8,)), **TOLERANCES[torch.float32])
+    torch.testing.assert_close(PF.rms_norm(x64, (8,)), F.rms_norm(x64, (8,)), **TOLERANCES[torch.float32])
+
+
+def test_cast_before_weight_is_checked_whatever_the_cache_holds():
+    """1 and numpy's bool equal True/False and hash alike, and the choice cache keyed cast_before_weight by value: a
+    call with True cached first let cast_before_weight=1 through, which a first call refuses. Now refused either
+    way."""
+    from pipegoose.nn.fusion.functional import rms_norm
+
+    x = torch.randn(4, 8)
+    for good, bad in ((True, 1), (False, 0), (True, np.bool_(True)), (False, np.bool_(False))):
+        dispatch.clear_choice_cache()
+        with pytest.raises(TypeError, match="cast_before_weight: expected a bool"):
+            rms_norm(x, (8,), cast_before_weight=bad)           # a first call: refused
+        rms_norm(x, (8,), cast_before_weight=good)
+        with pytest.raises(TypeError, match="cast_before_weight: expected a bool"):
+            rms_norm(x, (8,), cast_before_weight=bad)           # after the valid call was cached: refused too
+
+
 def test_cached_choice_does_not_skip_argument_checks():
     """(8.0,) equals (8,) and hashes alike: a valid call cached first must not let the invalid one through."""
     from pipegoose.nn.fusion.functional import layer_norm, rms_norm

@@ -188,6 +188,34 @@ def test_errors_name_the_argument():
         PF.scaled_softmax(x, 1.0, impl="nonexistent")
 
 
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+FP8_ERROR = r"expected dtype float32, float16, bfloat16 or float64, got float8_e\w+ \(no fused kernel"
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_float8_input_is_a_type_error_naming_the_argument(dtype):
+    """float8 input gave torch's "softmax_lastdim_kernel_impl not implemented for 'Float8_e4m3fn'" on some entry
+    points (softmax, FusedScaleMaskSoftmax) and an fp8 result on others; every one now refuses it up front, naming the
+    argument and the dtypes taken (float64 runs the reference path, as before)."""
+    x = torch.randn(2, 2, 4, 4).to(dtype)
+    mask = torch.zeros(2, 1, 4, 4, dtype=torch.bool)
+    calls = {"x": [lambda: PF.scaled_softmax(x, 0.5), lambda: PF.scaled_masked_softmax(x, mask, 0.5),
+                   lambda: PF.scaled_masked_softmax(x, None, 0.5),
+                   lambda: PF.scaled_upper_triang_masked_softmax(x[0], 0.5),
+                   lambda: dispatch.explain("softmax.masked", x, mask, scale=0.5)],
+             "input": [lambda: PF.softmax(x, -1),
+                       lambda: fusion.FusedScaleMaskSoftmax(False, False, fusion.AttnMaskType.padding, True, None, True,
+                                                            None)(x, mask)]}
+    for name, fns in calls.items():
+        for fn in fns:
+            with pytest.raises(TypeError, match=f"^{name}: {FP8_ERROR}"):
+                fn()
+    with pytest.raises(TypeError, match=r"^dtype: expected torch.float32, float16, bfloat16, float64 or None"):
+        PF.softmax(x.float(), -1, dtype=dtype)
+    x64 = x.double()
+    torch.testing.assert_close(PF.scaled_softmax(x64, 0.5), torch.softmax(x64 * 0.5, -1), **TOLERANCES[torch.float32])
+
+
 def test_uint8_mask_is_nonzero_masked():
     x = torch.randn(1, 2, 3, 4)
     m8 = torch.tensor([0, 1, 2, 0], dtype=torch.uint8).expand(1, 1, 3, 4)

@@ -427,6 +427,20 @@ def test_wrong_op_name_in_binding_is_caught(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------------- CLI
 
 
+def test_readme_says_what_ci_runs():
+    """README's test section said only that CI runs `python -m pytest`; .ci/run first vendors, verifies and compiles
+    every kernel (`python -m pipegoose.kernels build --all -j 2`). Every python step of .ci/run, and the architecture it
+    builds for, must be in the README."""
+    ci = (REPO / ".ci" / "run").read_text()
+    readme = (REPO / "README.md").read_text()
+    steps = [line.strip().replace("python3 ", "python ") for line in ci.splitlines()
+             if line.strip().startswith("python3 ") and " pip " not in line]
+    assert "python -m pipegoose.kernels build --all -j 2" in steps and "python -m pytest" in steps, steps
+    for step in steps:
+        assert step in readme, f"README does not say that CI runs {step!r}"
+    assert "TORCH_CUDA_ARCH_LIST=9.0" in readme and 'TORCH_CUDA_ARCH_LIST:-9.0' in ci
+
+
 def test_cli_build_reports_missing_and_doctor_runs(tiny):
     manifest, op, cache_dir = tiny
     env = _env(cache_dir)

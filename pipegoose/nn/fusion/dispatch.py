@@ -25,7 +25,11 @@ Choice, first that supports the input wins:
 
 Ending on ``torch`` after a fused implementation was wanted is a *fallback*: the reason is recorded
 (:func:`explain`, :func:`last_choice`), logged at debug level on ``pipegoose.nn.fusion.dispatch``, and in strict
-mode (``PIPEGOOSE_STRICT=1`` or ``with dispatch.strict():``) raises :class:`FusionFallbackError`. Asking for
+mode (``PIPEGOOSE_STRICT=1`` or ``with dispatch.strict():``) raises :class:`FusionFallbackError`.
+``PIPEGOOSE_STRICT`` takes ``1``/``true``/``yes``/``on`` and ``0``/``false``/``no``/``off``/empty (any case); another
+value raises ``ValueError`` naming it wherever strict mode is read (when a call chooses: the first call of each
+signature, see "Choice cache"; at every fallback; when ``torch.compile`` traces a call), as a bad
+``PIPEGOOSE_IMPL_*`` value does, instead of meaning off. Asking for
 ``torch`` (argument, environment or tuning rule) is not a fallback. A request (``impl=`` argument,
 ``PIPEGOOSE_IMPL_*``) that cannot run the input warns (``UserWarning``, naming the request, why, and what runs
 instead; once per op, request and reason until :func:`reset_stats`), and the choice goes on as without it.
@@ -79,6 +83,7 @@ __all__ = [
     "register",
     "register_problem",
     "implementations",
+    "check_impl",
     "choose",
     "select",
     "record",
@@ -281,12 +286,30 @@ def implementations(op: str) -> dict[str, Implementation]:
 _strict_var: contextvars.ContextVar[bool | None] = contextvars.ContextVar("pipegoose_strict", default=None)
 
 
+_STRICT_ON = ("1", "true", "yes", "on")
+_STRICT_OFF = ("", "0", "false", "no", "off")
+
+
 def is_strict() -> bool:
-    """Whether a fallback raises: the innermost :func:`strict` context, else ``PIPEGOOSE_STRICT`` (1/true/yes/on)."""
+    """Whether a fallback raises: the innermost :func:`strict` context, else ``PIPEGOOSE_STRICT``: ``1``, ``true``,
+    ``yes`` or ``on`` (strict), ``0``, ``false``, ``no``, ``off`` or empty/unset (not strict); case and surrounding
+    blanks are ignored.
+
+    Raises:
+        ValueError: ``PIPEGOOSE_STRICT`` holds another value (``2``, ``enabled``, ...), naming the variable, the value
+            and the accepted values; not raised inside a :func:`strict` context, which overrides the variable.
+    """
     v = _strict_var.get()
     if v is not None:
         return v
-    return os.environ.get("PIPEGOOSE_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
+    raw = os.environ.get("PIPEGOOSE_STRICT", "")
+    value = raw.strip().lower()
+    if value in _STRICT_ON:
+        return True
+    if value in _STRICT_OFF:
+        return False
+    raise ValueError(f"PIPEGOOSE_STRICT={raw!r}: expected 1, true, yes or on (strict), or 0, false, no, off or empty "
+                     f"(not strict)")
 
 
 @contextlib.contextmanager
@@ -549,6 +572,26 @@ def warn_unknown_env() -> list[str]:
     return unknown
 
 
+def check_impl(op: str, impl: Any) -> None:
+    """Check an ``impl`` argument of ``op``: None, ``"auto"`` or the name of one of its implementations (what
+    :func:`choose` accepts; the fused modules check theirs when constructed).
+
+    Raises:
+        KeyError: unknown op.
+        TypeError: ``impl`` is neither a str nor None.
+        ValueError: ``impl`` names no implementation of the op (the message lists them).
+    """
+    if impl is None:
+        return
+    if not isinstance(impl, str):
+        raise TypeError(f"impl: expected an implementation name (str), 'auto' or None, got {type(impl).__name__}")
+    if impl != "auto":
+        impls = implementations(op)
+        if impl not in impls:
+            raise ValueError(f"impl: {op} has no implementation {impl!r}; expected one of "
+                             f"{', '.join(impls)} or 'auto'")
+
+
 def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool = False) -> Choice:
     """Choose the implementation of ``op`` for ``problem`` (no counters, no strict check; see :func:`select`).
 
@@ -560,7 +603,8 @@ def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool =
     Raises:
         KeyError: unknown op.
         TypeError: ``impl`` is neither a str nor None.
-        ValueError: ``impl`` (or the ``PIPEGOOSE_IMPL_*`` variable) names no implementation of the op.
+        ValueError: ``impl`` (or the ``PIPEGOOSE_IMPL_*`` variable) names no implementation of the op;
+            ``PIPEGOOSE_STRICT`` holds an unrecognised value (:func:`is_strict`).
     """
     impls = implementations(op)
     if not _env_checked:
@@ -580,12 +624,8 @@ def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool =
             ok(name)
 
     requests: list[tuple[str, str]] = []
-    if impl is not None and not isinstance(impl, str):
-        raise TypeError(f"impl: expected an implementation name (str), 'auto' or None, got {type(impl).__name__}")
+    check_impl(op, impl)
     if impl is not None and impl != "auto":
-        if impl not in impls:
-            raise ValueError(f"impl: {op} has no implementation {impl!r}; expected one of "
-                             f"{', '.join(impls)} or 'auto'")
         requests.append((impl, "argument"))
     env_impl, env_var = _env_request(op)
     if env_impl is not None:
@@ -593,6 +633,7 @@ def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool =
             raise ValueError(f"{env_var}={env_impl!r}: {op} has no implementation {env_impl!r}; expected one of "
                              f"{', '.join(impls)} or 'auto'")
         requests.append((env_impl, "env"))
+    is_strict()  # a bad PIPEGOOSE_STRICT is an error here, where a bad PIPEGOOSE_IMPL_* is, not only at a fallback
 
     for name, source in requests:
         if ok(name):

@@ -7,6 +7,11 @@ Every function accepts ``impl`` (keyword): ``None``/``"auto"``, or an implementa
 its reason recorded. Autocast: the output dtype is the one PyTorch's own op gives under the same autocast state
 (softmax and layer_norm run in fp32 under CUDA autocast; CPU autocast leaves them in the input dtype).
 
+Double backward (``torch.autograd.grad(..., create_graph=True)`` and a backward through its result, e.g. gradient
+penalties or Hessian-vector products): the fused backward kernels are not differentiable, so a backward run with
+``create_graph=True`` computes the gradients with the PyTorch reference formulas (on the inputs the fused forward
+saved) instead, and second derivatives are PyTorch's; a plain backward runs the kernels. The forward stays fused.
+
 Kernel sources: see :mod:`pipegoose.nn.fusion.ops.softmax`, :mod:`~pipegoose.nn.fusion.ops.layer_norm`,
 :mod:`~pipegoose.nn.fusion.ops.rms_norm`.
 """
@@ -19,6 +24,7 @@ from typing import Sequence
 import torch
 
 from .ops import layer_norm as _ln
+from .ops._common import INPUT_DTYPES as _INPUT_DTYPES
 from .ops import rms_norm as _rms
 from .ops import softmax as _sm
 
@@ -32,7 +38,7 @@ def softmax(input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3, d
     result for every input.
 
     Args:
-        input: any floating tensor, any shape, any device.
+        input: a float32, float16, bfloat16 or float64 tensor, any shape, any device.
         dim: the dim to normalize over. None (deprecated, as in F.softmax): PyTorch's implicit choice, dim 0 for 0-,
             1- and 3-dimensional ``input``, else dim 1, with F.softmax's deprecation warning.
         _stacklevel: as in F.softmax, the stack level of that warning.
@@ -46,8 +52,9 @@ def softmax(input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3, d
     (a fused half result may differ by one ulp; :func:`scaled_softmax` is the fused half-precision path).
 
     Raises:
-        IndexError: ``dim`` out of range. TypeError: non-floating ``input``, ``dim`` not an integer or None,
-        ``dtype`` not a floating torch.dtype, ``impl`` not a str. ValueError: ``impl`` names no implementation.
+        IndexError: ``dim`` out of range. TypeError: ``input`` (or ``dtype``) not float32, float16, bfloat16 or
+        float64 (float8 included), ``dim`` not an integer or None, ``impl`` not a str. ValueError: ``impl`` names
+        no implementation.
     """
     x = input
     if dim is None and isinstance(x, torch.Tensor):
@@ -56,8 +63,8 @@ def softmax(input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3, d
                       "as an argument.", stacklevel=max(1, _stacklevel - 1))
         dim = 0 if x.dim() in (0, 1, 3) else 1
     if dtype is not None and isinstance(x, torch.Tensor):
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype: expected a floating torch.dtype or None, got {dtype}")
+        if not isinstance(dtype, torch.dtype) or dtype not in _INPUT_DTYPES:
+            raise TypeError(f"dtype: expected torch.float32, float16, bfloat16, float64 or None, got {dtype}")
         x, dtype = x.to(dtype), None  # as F.softmax: cast first (integer input with a float dtype is fine)
     _sm.check_input(x, "input")
     return _sm.run_plain(x, dim, dtype, impl)
@@ -67,7 +74,8 @@ def scaled_softmax(x: torch.Tensor, scale: float = 1.0, *, impl: str | None = No
     """``softmax(scale * x)`` over the last dim, fp32 math (op ``softmax``).
 
     Args:
-        x: [..., sk] fp32/fp16/bf16 (fused: CUDA; the Megatron copy also needs [b, np, sq, sk] fp16/bf16).
+        x: [..., sk] fp32/fp16/bf16 (fused: CUDA; the Megatron copy also needs [b, np, sq, sk] fp16/bf16); fp64
+            runs the reference path.
         scale: Python float.
 
     Returns:
@@ -78,7 +86,8 @@ def scaled_softmax(x: torch.Tensor, scale: float = 1.0, *, impl: str | None = No
     mask. A row of all ``-inf`` gives NaN on the reference path.
 
     Raises:
-        TypeError: non-floating ``x`` or non-number ``scale``. ValueError: non-finite ``scale``.
+        TypeError: ``x`` not fp32/fp16/bf16/fp64 (float8 included), non-number ``scale``. ValueError: non-finite
+        ``scale``.
     """
     _sm.check_input(x)
     scale = _sm.check_scale(scale)
@@ -90,7 +99,7 @@ def scaled_masked_softmax(x: torch.Tensor, mask: torch.Tensor | None, scale: flo
     """Megatron's scaled masked softmax: ``softmax(scale * x)`` over the last dim with ``mask`` True = masked.
 
     Args:
-        x: [b, np, sq, sk] fp32/fp16/bf16.
+        x: [b, np, sq, sk] fp32/fp16/bf16 (fp64: the reference path).
         mask: bool (or uint8, nonzero = masked) [b or 1, 1, sq, sk] (any dim may be 1 to broadcast, except sk),
             or None (= :func:`scaled_softmax`).
         scale: Python float.
@@ -104,7 +113,8 @@ def scaled_masked_softmax(x: torch.Tensor, mask: torch.Tensor | None, scale: flo
     sq > 1, sk <= 2048, sk % 4 == 0 beyond 64, sq a multiple of batches_per_block, scale exact in the dtype).
 
     Raises:
-        TypeError: ``x`` not floating, ``mask`` not bool/uint8, ``scale`` not a number.
+        TypeError: ``x`` not fp32/fp16/bf16/fp64 (float8 included), ``mask`` not bool/uint8, ``scale`` not a
+            number.
         ValueError: ``x`` not 4-D, ``mask`` shape or device wrong, ``scale`` not finite.
     """
     _sm.check_input(x)
@@ -123,7 +133,7 @@ def scaled_upper_triang_masked_softmax(x: torch.Tensor, scale: float = 1.0, *,
     ``j > i`` (``j > i + sk - sq`` when sq != sk: bottom-right aligned, as with a KV cache).
 
     Args:
-        x: [attn_batches, sq, sk] fp32/fp16/bf16 (Megatron: sq == sk).
+        x: [attn_batches, sq, sk] fp32/fp16/bf16 (Megatron: sq == sk; fp64: the reference path).
         scale: Python float.
 
     Returns:
@@ -136,7 +146,8 @@ def scaled_upper_triang_masked_softmax(x: torch.Tensor, scale: float = 1.0, *,
     <= 2048, attn_batches a multiple of batches_per_block; longer inputs go to another implementation).
 
     Raises:
-        TypeError: non-floating ``x``. ValueError: ``x`` not 3-D, non-finite ``scale``.
+        TypeError: ``x`` not fp32/fp16/bf16/fp64 (float8 included). ValueError: ``x`` not 3-D, non-finite
+        ``scale``.
     """
     _sm.check_input(x)
     scale = _sm.check_scale(scale)
@@ -150,9 +161,9 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: t
     """LayerNorm over the trailing ``normalized_shape`` dims, statistics in fp32 (op ``layer_norm``).
 
     Args:
-        x: [*, *normalized_shape], any float dtype.
-        weight, bias: [*normalized_shape] or None, any float dtype independent of ``x``'s (e.g. bf16 x with fp32
-            weight).
+        x: [*, *normalized_shape], fp32, fp16, bf16 (fused paths) or fp64 (the reference path).
+        weight, bias: [*normalized_shape] or None, fp32/fp16/bf16/fp64 independent of ``x``'s (e.g. bf16 x with
+            fp32 weight).
         eps: added to the variance.
 
     Returns:
@@ -165,8 +176,8 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: t
     have the output dtype: apex#1379).
 
     Raises:
-        TypeError: non-floating ``x``/parameters, ``eps`` not a number. ValueError: shapes or devices wrong,
-        ``eps`` negative or not finite.
+        TypeError: ``x``, ``weight`` or ``bias`` not fp32/fp16/bf16/fp64 (float8 included), ``eps`` not a
+        number. ValueError: shapes or devices wrong, ``eps`` negative or not finite.
     """
     return _ln.run(x, normalized_shape, weight, bias, eps, impl)
 
@@ -184,8 +195,8 @@ def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: tor
     """RMSNorm over the trailing ``normalized_shape`` dims, ``rsqrt(mean(x^2) + eps)`` in fp32 (op ``rms_norm``).
 
     Args:
-        x: [*, *normalized_shape], any float dtype.
-        weight: [*normalized_shape] or None, any float dtype.
+        x: [*, *normalized_shape], fp32, fp16, bf16 (fused paths) or fp64 (the reference path).
+        weight: [*normalized_shape] or None, fp32/fp16/bf16/fp64 independent of ``x``'s.
         eps: None -> F.rms_norm's default, ``torch.finfo`` eps of the compute dtype (fp32 for fp16/bf16/fp32
             input); LlamaRMSNorm uses 1e-6: pass it.
         cast_before_weight: False: F.rms_norm numerics (``x * rstd * weight`` in fp32, one rounding, output
@@ -198,7 +209,8 @@ def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: tor
     Kernel: pipegoose/rms_norm (pipegoose/kernels/csrc/rms_norm.cu, MIT).
 
     Raises:
-        TypeError: non-floating ``x``/``weight``, ``cast_before_weight`` not a bool, ``eps`` not a number or None.
+        TypeError: ``x`` or ``weight`` not fp32/fp16/bf16/fp64 (float8 included), ``cast_before_weight`` not a
+        bool, ``eps`` not a number or None.
         ValueError: shapes or devices wrong, ``eps`` negative or not finite.
     """
     return _rms.run(x, normalized_shape, weight, eps, cast_before_weight, impl)

@@ -19,8 +19,10 @@ its training flag. Parameters and buffers replaced while fused (``load_state_dic
 are handed back to the original modules by ``unfuse``.
 
 Limit: the undo record is kept outside the model (so ``state_dict`` and pickling see nothing of it), hence a
-``copy.deepcopy`` or a pickled-and-loaded fused model stays fused and ``unfuse`` returns False on it: unfuse before
-copying, or copy the unfused model and fuse the copy.
+``copy.deepcopy`` or a pickled-and-loaded fused model stays fused and cannot be unfused: ``unfuse`` raises a
+RuntimeError on it, saying so, and changes nothing (a copy whose attention alone was fused cannot be told from a model
+configured with pipegoose attention: ``unfuse`` returns False for it). Unfuse before copying, or copy the unfused
+model and fuse the copy.
 """
 
 from __future__ import annotations
@@ -286,7 +288,8 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
         A :class:`FusionReport`.
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: unknown ``ops`` or ``attention`` value.
+        ValueError: unknown ``ops`` or ``attention`` value; a norm's ``eps`` that the fused ops refuse (negative or
+            not finite; TypeError when not a number), named with the module's path. Nothing is changed then.
         RuntimeError: ``model`` is already fused (call :func:`unfuse` first), or a replacement would not reuse
             the parameters of the module it replaces.
     """
@@ -355,6 +358,15 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     return report
 
 
+def _build(path, child, make, *args, **kwargs):
+    """``make(*args, **kwargs)``; a TypeError/ValueError of the fused module's constructor (an ``eps`` that the fused
+    ops refuse, say) names the module's path."""
+    try:
+        return make(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{path} ({type(child).__name__}): {e}") from None
+
+
 def _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNorm):
     """(row, replacement or None) for one module; (None, None) when it is not a candidate."""
     if isinstance(child, nn.LayerNorm):
@@ -363,7 +375,7 @@ def _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNo
         if type(child).forward is not nn.LayerNorm.forward:
             return FusionRow(path, "layer_norm", type(child).__name__, None, False,
                              reason="LayerNorm subclass with its own forward"), None
-        new = None if dry_run else MixedFusedLayerNorm.from_layer_norm(child)
+        new = None if dry_run else _build(path, child, MixedFusedLayerNorm.from_layer_norm, child)
         shape = tuple(child.normalized_shape)
         fwd, bwd = _impls("layer_norm", child, lambda d, t: (
             torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, child.weight, child.bias))
@@ -377,8 +389,8 @@ def _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNo
             return None, None
         return FusionRow(path, "rms_norm", type(child).__name__, None, False, reason=probe.reason,
                          eligible=False), None
-    new = None if dry_run else FusedRMSNorm.from_module(child, probe.eps,
-                                                        output_in_weight_dtype=probe.output_in_weight_dtype)
+    new = None if dry_run else _build(path, child, FusedRMSNorm.from_module, child, probe.eps,
+                                      output_in_weight_dtype=probe.output_in_weight_dtype)
     weight = getattr(child, "weight", None)   # None: torch.nn.RMSNorm(elementwise_affine=False)
     shape = tuple(child.normalized_shape) if isinstance(child, nn.RMSNorm) else (weight.numel(),)
     cast = not isinstance(child, nn.RMSNorm)

@@ -163,10 +163,25 @@ def _small_native(op: str, impl: str | None, input: Any, shape: tuple[int, ...],
             and dispatch._env_request(op)[0] is None)
 
 
-def _ln_shape(normalized_shape) -> tuple[int, ...]:
-    if isinstance(normalized_shape, numbers.Integral):
-        return (int(normalized_shape),)
-    return normalize_shape(normalized_shape)
+def _ln_shape(normalized_shape: Any, name: str = "normalized_shape") -> tuple[int, ...]:
+    """A module's normalized shape as a tuple of ints: an integer of any kind (a numpy one too, as torch.nn.LayerNorm
+    takes) or a sequence of them, each >= 1, as the functional ops check it (a bool is not a size). TypeError or
+    ValueError naming ``name``."""
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        normalized_shape = (normalized_shape,)
+    try:
+        return normalize_shape(normalized_shape)
+    except (TypeError, ValueError) as e:
+        if name == "normalized_shape":
+            raise
+        raise type(e)(str(e).replace("normalized_shape", name, 1)) from None
+
+
+def _check_module_args(op: str, eps: Any, impl: Any, allow_none_eps: bool = False) -> None:
+    """What the op checks at every call, checked once when a module is built: ``eps`` (a number >= 0 and finite, as
+    the functional ops take it), ``impl`` (None, ``auto`` or an implementation of ``op``)."""
+    _common.eps_value(eps, allow_none=allow_none_eps)
+    dispatch.check_impl(op, impl)
 
 
 class FusedLayerNorm(nn.LayerNorm):
@@ -176,6 +191,15 @@ class FusedLayerNorm(nn.LayerNorm):
 
     Args: as ``torch.nn.LayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None,
     dtype=None)``; ``impl``: force an implementation (``pipegoose``, ``apex``, ``torch``), default auto.
+    ``normalized_shape``: an integer or a sequence of integers, each >= 1 (stored as a tuple of ints). ``eps``: what
+    :func:`~pipegoose.nn.fusion.functional.layer_norm` takes (a bool, int, float, numpy scalar or 0-d tensor, finite
+    and >= 0).
+
+    Raises (when constructed, not at the first forward):
+        TypeError: ``normalized_shape`` not an integer or a sequence of them, ``eps`` not a number, ``impl`` not a
+            str or None.
+        ValueError: a size < 1 or no dimension, ``eps`` negative or not finite, ``impl`` naming no implementation of
+            ``layer_norm``.
 
     Kernels: pipegoose/layer_norm (MIT); Apex fused LayerNorm via ColossalAI 0.5.0
     extensions/csrc/kernel/cuda/layer_norm_kernel.cu (Apache-2.0).
@@ -183,7 +207,9 @@ class FusedLayerNorm(nn.LayerNorm):
 
     def __init__(self, normalized_shape: int | Sequence[int], eps: float = 1e-5, elementwise_affine: bool = True,
                  bias: bool = True, device=None, dtype=None, *, impl: str | None = None) -> None:
-        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias,
+        shape = _ln_shape(normalized_shape)
+        _check_module_args("layer_norm", eps, impl)
+        super().__init__(shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias,
                          device=device, dtype=dtype)
         self.impl = impl
 
@@ -200,9 +226,11 @@ class FusedLayerNorm(nn.LayerNorm):
     @classmethod
     def from_layer_norm(cls, module: nn.LayerNorm, *, impl: str | None = None) -> "FusedLayerNorm":
         """A fused module sharing ``module``'s parameter objects (``new.weight is module.weight``): optimizers and
-        tied references keep working. Raises TypeError if ``module`` is not a ``torch.nn.LayerNorm``."""
+        tied references keep working. Raises TypeError if ``module`` is not a ``torch.nn.LayerNorm``, and what the
+        constructor raises for its ``eps`` and ``impl``."""
         if not isinstance(module, nn.LayerNorm):
             raise TypeError(f"module: expected a torch.nn.LayerNorm, got {type(module).__name__}")
+        _check_module_args("layer_norm", module.eps, impl)
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.normalized_shape = tuple(module.normalized_shape)
@@ -231,8 +259,17 @@ class FusedRMSNorm(nn.Module):
         output_in_weight_dtype: T5LayerNorm's dtype rule: with an fp16/bf16 weight the output has the weight's
             dtype (whatever the input's); otherwise the rule of ``cast_before_weight``.
         device, dtype: of the weight.
+        impl: force an implementation (``pipegoose``, ``torch``), default auto.
 
     Parameters/state_dict: ``weight`` (as torch.nn.RMSNorm and LlamaRMSNorm). Kernel: pipegoose/rms_norm (MIT).
+
+    Raises (when constructed, not at the first forward):
+        TypeError: both or neither of ``normalized_shape`` / ``hidden_size``; the one given not an integer or a
+            sequence of them; ``eps`` not a number or None (a bool, int, float, numpy scalar or 0-d tensor, as
+            :func:`~pipegoose.nn.fusion.functional.rms_norm` takes); ``cast_before_weight`` not a bool; ``impl`` not
+            a str or None.
+        ValueError: a size < 1 or no dimension, ``eps`` negative or not finite, ``impl`` naming no implementation
+            of ``rms_norm``.
     """
 
     def __init__(self, normalized_shape: int | Sequence[int] | None = None, eps: float | None = None,
@@ -242,7 +279,13 @@ class FusedRMSNorm(nn.Module):
         self.output_in_weight_dtype = output_in_weight_dtype
         if (normalized_shape is None) == (hidden_size is None):
             raise TypeError("normalized_shape / hidden_size: give exactly one")
-        self.normalized_shape = _ln_shape(normalized_shape if normalized_shape is not None else hidden_size)
+        if normalized_shape is not None:
+            self.normalized_shape = _ln_shape(normalized_shape)
+        else:
+            self.normalized_shape = _ln_shape(hidden_size, "hidden_size")
+        if not isinstance(cast_before_weight, bool):
+            raise TypeError(f"cast_before_weight: expected a bool, got {type(cast_before_weight).__name__}")
+        _check_module_args("rms_norm", eps, impl, allow_none_eps=True)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.cast_before_weight = cast_before_weight

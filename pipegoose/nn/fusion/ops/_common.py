@@ -11,6 +11,12 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+# The tensor dtypes the norm and softmax ops take (input and parameters): the kernels' three, and float64, which the
+# PyTorch reference path computes (a fallback, as for any input the kernels decline). Other floating dtypes
+# (float8_e4m3fn, float8_e5m2 and the other 8-bit and narrower formats) have no path here, and PyTorch's own
+# layer_norm, rms_norm and softmax had none on CPU either (torch 2.14: NotImplementedError; float8 does not promote
+# with other dtypes): a TypeError up front says so.
+INPUT_DTYPES = FLOAT_DTYPES + (torch.float64,)
 INT32_MAX = 2**31 - 1
 GRID_YZ_MAX = 65535
 
@@ -57,6 +63,28 @@ def call_without_autocast(device: torch.device, fn: Callable[..., Any], *args: A
         with torch.autocast(device_type=device.type, enabled=False):
             return fn(*args)
     return fn(*args)
+
+
+def grads_through(fn: Callable[..., torch.Tensor], tensors: tuple, needs: tuple, dy: torch.Tensor) -> list:
+    """The gradients of ``fn(*tensors)`` for the output gradient ``dy``, by autograd with ``create_graph=True``, so
+    that they are differentiable again: for each tensor whose ``needs`` flag is set, its gradient (None for the others
+    and for None entries).
+
+    What a fused Function's backward returns when it runs with grad mode on (``torch.autograd.grad(...,
+    create_graph=True)``, ``backward(create_graph=True)``): the kernels' backward is not differentiable (the
+    ``torch.ops.pipegoose`` backward ops have no autograd formula), so ``fn`` is the op's PyTorch reference on the
+    Function's saved inputs, which connect the result to the graph of the forward. ``fn`` runs with autocast off."""
+    grads: list = [None] * len(tensors)
+    want = [i for i, (t, need) in enumerate(zip(tensors, needs)) if need and t is not None]
+    if not want:
+        return grads
+    device = next(t for t in tensors if t is not None).device
+    with torch.enable_grad():
+        y = call_without_autocast(device, fn, *tensors)
+        gs = torch.autograd.grad(y, [tensors[i] for i in want], dy, create_graph=True, allow_unused=True)
+    for i, g in zip(want, gs):
+        grads[i] = g
+    return grads
 
 
 def has_storage(t: torch.Tensor) -> bool:
@@ -138,6 +166,15 @@ def eps_value(eps: Any, allow_none: bool = False) -> float | None:
 
 def dtype_name(dtype: torch.dtype | None) -> str:
     return "None" if dtype is None else str(dtype).replace("torch.", "")
+
+
+def check_input_dtype(x: torch.Tensor, name: str = "x") -> None:
+    """TypeError naming ``name`` when the floating tensor ``x`` (an input or a parameter) has a dtype outside
+    :data:`INPUT_DTYPES` (float8 and narrower formats: no kernel and no reference path here takes them)."""
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{name}: expected dtype {', '.join(map(dtype_name, INPUT_DTYPES[:-1]))} or "
+                        f"{dtype_name(INPUT_DTYPES[-1])}, got {dtype_name(x.dtype)} (no fused kernel or reference path "
+                        f"here takes it); cast it first, e.g. {name}.to(torch.bfloat16)")
 
 
 @functools.lru_cache(maxsize=None)

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, HALF_DTYPES, INT32_MAX, NO_STORAGE, autocast_state, call_without_autocast,
-                      dtype_name, eps_value, has_storage, manifest_limit, needs_grad, param_signature, shape_signature,
-                      torch_result_dtype)
+                      check_input_dtype, dtype_name, eps_value, grads_through, has_storage, manifest_limit, needs_grad,
+                      param_signature, shape_signature, torch_result_dtype)
 
 OP = "layer_norm"
 SRC_PIPEGOOSE = "pipegoose/layer_norm: pipegoose/kernels/csrc/layer_norm.cu (pipegoose, MIT)"
@@ -61,6 +61,7 @@ def check_args(x: Any, shape: tuple[int, ...], weight: Any, bias: Any, eps: Any)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x: expected a floating point torch.Tensor, got "
                         f"{dtype_name(x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    check_input_dtype(x)
     if x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape:
         raise ValueError(f"x: expected shape [*, {', '.join(map(str, shape))}] (normalized_shape={list(shape)}), "
                          f"got {list(x.shape)}")
@@ -70,6 +71,7 @@ def check_args(x: Any, shape: tuple[int, ...], weight: Any, bias: Any, eps: Any)
         if not isinstance(p, torch.Tensor) or not p.is_floating_point():
             raise TypeError(f"{name}: expected a floating point torch.Tensor or None, got "
                             f"{dtype_name(p.dtype) if isinstance(p, torch.Tensor) else type(p).__name__}")
+        check_input_dtype(p, name)
         if tuple(p.shape) != shape:
             raise ValueError(f"{name}: expected shape {list(shape)} (normalized_shape), got {list(p.shape)}")
         if p.device != x.device:
@@ -208,7 +210,11 @@ def _ops(name: str) -> Any:
 
 
 class PipegooseLayerNormFunction(torch.autograd.Function):
-    """pipegoose/layer_norm: layer_norm_forward(input [rows, H], weight [H]?, bias [H]?, eps, out_dtype)."""
+    """pipegoose/layer_norm: layer_norm_forward(input [rows, H], weight [H]?, bias [H]?, eps, out_dtype).
+
+    Double backward: a backward run with grad mode on (``create_graph=True``) computes the gradients through
+    :func:`layer_norm_reference` on the saved inputs instead of the backward kernel, which is not differentiable;
+    second derivatives are then PyTorch's. A backward without ``create_graph`` runs the kernel."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, shape, eps, out):
@@ -217,22 +223,32 @@ class PipegooseLayerNormFunction(torch.autograd.Function):
         w = None if weight is None else weight.reshape(h).contiguous()
         b = None if bias is None else bias.reshape(h).contiguous()
         y, mean, rstd = _ops("pipegoose/layer_norm").layer_norm_forward(x2, w, b, float(eps), out)
-        ctx.save_for_backward(x2, w, b, mean, rstd)
-        ctx.meta = (tuple(x.shape), tuple(shape), weight is not None, bias is not None)
+        # the inputs themselves (not x2, w, b, made here without the graph): a double backward needs them
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.meta = (tuple(shape), eps, out)
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x2, w, b, mean, rstd = ctx.saved_tensors
-        xshape, shape, has_w, has_b = ctx.meta
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        shape, eps, out = ctx.meta
+        if torch.is_grad_enabled():  # create_graph=True: gradients that are differentiable again
+            return (*grads_through(lambda x_, w_, b_: layer_norm_reference(x_, shape, w_, b_, eps, out),
+                                   (x, weight, bias), ctx.needs_input_grad[:3], dy), None, None, None)
+        h = math.prod(shape)
+        x2 = x.reshape(-1, h).contiguous()
+        w = None if weight is None else weight.reshape(h).contiguous()
+        b = None if bias is None else bias.reshape(h).contiguous()
         dy2 = dy.reshape(x2.shape).contiguous()
         gi, gw, gb = _ops("pipegoose/layer_norm").layer_norm_backward(dy2, x2, w, b, mean, rstd)
-        return (gi.view(xshape), gw.view(shape) if has_w else None, gb.view(shape) if has_b else None,
-                None, None, None)
+        return (gi.view(x.shape), None if weight is None else gw.view(shape),
+                None if bias is None else gb.view(shape), None, None, None)
 
 
 class ApexLayerNormFunction(torch.autograd.Function):
-    """apex/fused_layer_norm: fused_layer_norm_affine_forward/backward (gamma, beta in the output dtype)."""
+    """apex/fused_layer_norm: fused_layer_norm_affine_forward/backward (gamma, beta in the output dtype).
+
+    Double backward: as :class:`PipegooseLayerNormFunction` (through :func:`layer_norm_reference`)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, shape, eps, out):
@@ -241,17 +257,20 @@ class ApexLayerNormFunction(torch.autograd.Function):
         g = torch.ones(shape, dtype=out, device=x.device) if weight is None else weight.contiguous()
         b = torch.zeros(shape, dtype=out, device=x.device) if bias is None else bias.contiguous()
         y, mean, invvar = _ops("apex/fused_layer_norm").fused_layer_norm_affine_forward(x2, shape, g, b, float(eps))
-        ctx.save_for_backward(x2, g, b, mean, invvar)
-        ctx.meta = (shape, float(eps), weight is not None, bias is not None)
+        ctx.save_for_backward(x, weight, bias, g, b, mean, invvar)  # x, weight, bias: for a double backward
+        ctx.meta = (shape, float(eps), out)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x2, g, b, mean, invvar = ctx.saved_tensors
-        shape, eps, has_w, has_b = ctx.meta
+        x, weight, bias, g, b, mean, invvar = ctx.saved_tensors
+        shape, eps, out = ctx.meta
+        if torch.is_grad_enabled():  # create_graph=True: gradients that are differentiable again
+            return (*grads_through(lambda x_, w_, b_: layer_norm_reference(x_, shape, w_, b_, eps, out),
+                                   (x, weight, bias), ctx.needs_input_grad[:3], dy), None, None, None)
         gi, gg, gb = _ops("apex/fused_layer_norm").fused_layer_norm_affine_backward(
-            dy.to(g.dtype).contiguous(), mean, invvar, x2, shape, g, b, eps)
-        return gi, gg if has_w else None, gb if has_b else None, None, None, None
+            dy.to(g.dtype).contiguous(), mean, invvar, x.contiguous(), shape, g.contiguous(), b.contiguous(), eps)
+        return gi, None if weight is None else gg, None if bias is None else gb, None, None, None
 
 
 def _signature(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any) -> tuple | None:

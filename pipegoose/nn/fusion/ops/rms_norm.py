@@ -27,8 +27,9 @@ import torch.nn.functional as F
 
 from .. import dispatch
 from ..dispatch import Implementation, Problem
-from ._common import (FLOAT_DTYPES, NO_STORAGE, autocast_state, call_without_autocast, dtype_name, eps_value,
-                      has_storage, manifest_limit, needs_grad, param_signature, shape_signature, torch_result_dtype)
+from ._common import (FLOAT_DTYPES, NO_STORAGE, autocast_state, call_without_autocast, check_input_dtype,
+                      dtype_name, eps_value, grads_through, has_storage, manifest_limit, needs_grad, param_signature,
+                      shape_signature, torch_result_dtype)
 from .layer_norm import normalize_shape
 
 OP = "rms_norm"
@@ -39,6 +40,7 @@ def check_args(x: Any, shape: tuple[int, ...], weight: Any, eps: Any) -> float |
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x: expected a floating point torch.Tensor, got "
                         f"{dtype_name(x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    check_input_dtype(x)
     if x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape:
         raise ValueError(f"x: expected shape [*, {', '.join(map(str, shape))}] (normalized_shape={list(shape)}), "
                          f"got {list(x.shape)}")
@@ -46,6 +48,7 @@ def check_args(x: Any, shape: tuple[int, ...], weight: Any, eps: Any) -> float |
         if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
             raise TypeError(f"weight: expected a floating point torch.Tensor or None, got "
                             f"{dtype_name(weight.dtype) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+        check_input_dtype(weight, "weight")
         if tuple(weight.shape) != shape:
             raise ValueError(f"weight: expected shape {list(shape)} (normalized_shape), got {list(weight.shape)}")
         if weight.device != x.device:
@@ -153,7 +156,12 @@ def _ops() -> Any:
 
 
 class PipegooseRMSNormFunction(torch.autograd.Function):
-    """pipegoose/rms_norm: rms_norm_forward(input [rows, H], weight [H]?, eps, out_dtype) -> (y, rstd)."""
+    """pipegoose/rms_norm: rms_norm_forward(input [rows, H], weight [H]?, eps, out_dtype) -> (y, rstd).
+
+    Double backward: a backward run with grad mode on (``create_graph=True``) computes the gradients through
+    :func:`rms_norm_reference` (``x * rstd * weight`` in fp32, rounded once to ``out``: the kernel's numerics) on the
+    saved inputs instead of the backward kernel, which is not differentiable; second derivatives are then PyTorch's.
+    A backward without ``create_graph`` runs the kernel."""
 
     @staticmethod
     def forward(ctx, x, weight, shape, eps, out):
@@ -161,16 +169,23 @@ class PipegooseRMSNormFunction(torch.autograd.Function):
         x2 = x.reshape(-1, h).contiguous()
         w = None if weight is None else weight.reshape(h).contiguous()
         y, rstd = _ops().rms_norm_forward(x2, w, float(eps), out)
-        ctx.save_for_backward(x2, w, rstd)
-        ctx.meta = (tuple(x.shape), tuple(shape), weight is not None)
+        # the inputs themselves (not x2, w, made here without the graph): a double backward needs them
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.meta = (tuple(shape), eps, out)
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x2, w, rstd = ctx.saved_tensors
-        xshape, shape, has_w = ctx.meta
+        x, weight, rstd = ctx.saved_tensors
+        shape, eps, out = ctx.meta
+        if torch.is_grad_enabled():  # create_graph=True: gradients that are differentiable again
+            return (*grads_through(lambda x_, w_: rms_norm_reference(x_, shape, w_, eps, out, False),
+                                   (x, weight), ctx.needs_input_grad[:2], dy), None, None, None)
+        h = math.prod(shape)
+        x2 = x.reshape(-1, h).contiguous()
+        w = None if weight is None else weight.reshape(h).contiguous()
         gi, gw = _ops().rms_norm_backward(dy.reshape(x2.shape).contiguous(), x2, w, rstd)
-        return gi.view(xshape), gw.view(shape) if has_w else None, None, None, None
+        return gi.view(x.shape), None if weight is None else gw.view(shape), None, None, None
 
 
 def _signature(x: Any, normalized_shape: Any, weight: Any, eps: Any, cast_before_weight: bool) -> tuple | None:
@@ -189,6 +204,10 @@ def _signature(x: Any, normalized_shape: Any, weight: Any, eps: Any, cast_before
 
 def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, eps: float | None,
         cast_before_weight: bool, impl: str | None) -> torch.Tensor:
+    # before the choice cache, whose key holds the value alone: 1 and numpy's True equal True and hash alike, so a
+    # cached call with True let them through where a first call refused them
+    if not isinstance(cast_before_weight, bool):
+        raise TypeError(f"cast_before_weight: expected a bool, got {type(cast_before_weight).__name__}")
     if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the op itself
         shape = normalize_shape(normalized_shape)
         if not cast_before_weight:
@@ -201,8 +220,6 @@ def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, eps
     key = None if sig is None else dispatch.choice_key(OP, impl, sig)
     hit = None if key is None else dispatch.cached_choice(key)
     if hit is None:
-        if not isinstance(cast_before_weight, bool):
-            raise TypeError(f"cast_before_weight: expected a bool, got {type(cast_before_weight).__name__}")
         shape = normalize_shape(normalized_shape)
         eps = check_args(x, shape, weight, eps)
         if eps is None:  # F.rms_norm's default: the machine epsilon of the compute dtype (fp32 for half inputs)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, HALF_DTYPES, INT32_MAX, NO_STORAGE, autocast_state,
-                      call_without_autocast, dtype_name, has_storage, manifest_limit, megatron_batches_per_block,
+                      call_without_autocast, check_input_dtype, dtype_name, has_storage, manifest_limit, megatron_batches_per_block,
                       needs_grad, next_pow2, param_signature, representable, torch_result_dtype)
 
 OP_PLAIN, OP_MASKED, OP_CAUSAL = "softmax", "softmax.masked", "softmax.causal"
@@ -272,7 +272,12 @@ def _ops(name: str) -> Any:
 
 
 class PipegooseSoftmaxFunction(torch.autograd.Function):
-    """pipegoose/softmax: ``softmax_forward(input, mask, scale, causal)`` / ``softmax_backward``."""
+    """pipegoose/softmax: ``softmax_forward(input, mask, scale, causal)`` / ``softmax_backward``.
+
+    Double backward: a backward run with grad mode on (``create_graph=True``) computes ``dx`` with
+    :func:`softmax_reference_backward` (plain differentiable ops on ``dy`` and the saved output, which leads back to
+    this Function) instead of the backward kernel, which is not differentiable; second derivatives are then exact.
+    A backward without ``create_graph`` runs the kernel. The same holds for the Megatron Functions below."""
 
     @staticmethod
     def forward(ctx, x, mask, scale, causal):
@@ -287,6 +292,8 @@ class PipegooseSoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a dx that is differentiable again
+            return softmax_reference_backward(dy, y, ctx.scale), None, None, None
         # causal: the kernel skips the masked tail, where y (and so dx) is zero
         dx = _ops("pipegoose/softmax").softmax_backward(dy.contiguous(), y, float(ctx.scale), ctx.causal)
         return dx, None, None, None
@@ -321,6 +328,8 @@ class MegatronScaledMaskedSoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True (see PipegooseSoftmaxFunction)
+            return softmax_reference_backward(dy, y, ctx.scale), None, None
         ops = _ops("megatron/scaled_masked_softmax")
         dx = ops.scaled_masked_softmax_backward(dy.contiguous(), y, float(ctx.scale))
         return dx, None, None
@@ -348,6 +357,8 @@ class MegatronScaledUpperTriangMaskedSoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True (see PipegooseSoftmaxFunction)
+            return softmax_reference_backward(dy, y, ctx.scale), None
         ops = _ops("megatron/scaled_upper_triang_masked_softmax")
         return ops.scaled_upper_triang_masked_softmax_backward(dy.contiguous(), y, float(ctx.scale)), None
 
@@ -383,6 +394,7 @@ def check_input(x: Any, name: str = "x") -> None:
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"{name}: expected a floating point tensor, got {dtype_name(x.dtype)}")
+    check_input_dtype(x, name)
 
 
 def check_mask(mask: Any, x: torch.Tensor) -> torch.Tensor:
