@@ -491,8 +491,6 @@ def test_clip_grad_norm_vs_torch(dtype, impl):
         torch.testing.assert_close(a.grad, b.grad, **TOLERANCES[dtype])
 
 
-# --- fresh process: first call of the causal path with a fresh kernel build (ColossalAI#3092 class) -------------
-
 # --- double backward ---------------------------------------------------------------------------------------
 
 def _grad_and_hvp(fn, inputs, seed):
@@ -557,6 +555,8 @@ def test_double_backward_every_fused_function(case, recwarn):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a.float(), b.float(), **tol(dtype, 2))
 
+
+# --- fresh process: first call of the causal path with a fresh kernel build (ColossalAI#3092 class) -------------
 
 @pytest.mark.slow
 def test_causal_first_call_in_fresh_process_with_fresh_build(tmp_path):
