@@ -414,7 +414,8 @@ _R = lambda *shape, dtype=torch.float32: torch.randn(*shape).to(dtype)  # noqa: 
 _MASK = torch.rand(2, 1, 16, 16, generator=torch.Generator().manual_seed(1)) < 0.3
 DOUBLE_BACKWARD_CASES = {
     # name: (op, impl, fn(impl) -> callable, inputs, dtype the results are computed in)
-    "layer_norm-pipegoose": ("layer_norm", "pipegoose", lambda i: lambda x, w, b: PF.layer_norm(x, (4, 8), w, b, impl=i),
+    "layer_norm-pipegoose": ("layer_norm", "pipegoose",
+                             lambda i: lambda x, w, b: PF.layer_norm(x, (4, 8), w, b, impl=i),
                              (_R(3, 5, 4, 8), _R(4, 8), _R(4, 8)), torch.float32),
     "layer_norm-pipegoose-mixed": ("layer_norm", "pipegoose",
                                    lambda i: lambda x, w, b: PF.layer_norm(x, (8,), w, b, impl=i),

@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, HALF_DTYPES, INT32_MAX, NO_STORAGE, autocast_state,
-                      call_without_autocast, check_input_dtype, dtype_name, has_storage, manifest_limit, megatron_batches_per_block,
-                      needs_grad, next_pow2, param_signature, representable, torch_result_dtype)
+                      call_without_autocast, check_input_dtype, dtype_name, has_storage, manifest_limit,
+                      megatron_batches_per_block, needs_grad, next_pow2, param_signature, representable,
+                      torch_result_dtype)
 
 OP_PLAIN, OP_MASKED, OP_CAUSAL = "softmax", "softmax.masked", "softmax.causal"
 
