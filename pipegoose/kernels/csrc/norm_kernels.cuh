@@ -2426,6 +2426,10 @@ inline size_t smem_limit() {
   return kOverride >= 0 ? std::min(limit, static_cast<size_t>(kOverride)) : limit;
 }
 
+// Whether `bytes` of dynamic shared memory fit smem_limit() (a function, so that a constant 0 is no "pointless
+// comparison of unsigned integer with zero", nvcc warning #186).
+inline bool smem_fits(size_t bytes) { return bytes <= smem_limit(); }
+
 // Resident blocks per SM for a kernel at a block size and dynamic smem size (cached per device).
 inline int occupancy(const void* kernel, int threads, size_t smem) {
   static std::mutex mu;
@@ -2576,7 +2580,7 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
       constexpr size_t smem = static_cast<size_t>(fwd_param_stages(VEC, sizeof(Tp), RMS, NV)) * kFwdRowThreadsMax *
                               fwd_param_bytes(VEC, sizeof(Tp), RMS);
       static_assert(kFwdRowThreadsMax == 1024, "the NOL1 kernels run rows of 1024 threads");
-      if (cfg.tpr == 1024 && threads == kFwdRowThreadsMax && smem <= smem_limit()) {
+      if (cfg.tpr == 1024 && threads == kFwdRowThreadsMax && smem_fits(smem)) {
         run(&norm_fwd_kernel<Tin, Tout, Tp, VEC, NV, RMS, PF, PREG, HC, true>, smem);
         return;
       }
