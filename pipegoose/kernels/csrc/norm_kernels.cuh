@@ -1395,18 +1395,19 @@ enum class Tprc { kRuntime, kFixed, kPacked };
 // flight and leave fewer partial rows of column sums in the workspace (at [16384, 4096] 16-bit: 264 instead of 528).
 // Session 17's A/B of the raw backward (H200, % of copy, two rounds, bf16 and fp16 alike; benchmarks/results/
 // nvidia_h200_2026-11-30/session17.log), against session 16's choices (-DPIPEGOOSE_NORM_BWD_NO_PACK_TABLE):
-// - 16-bit, blocks of 512 at tpr 64 and 128 and the specialised 4096 (tpr 256): -0.2 to +5.0 (LayerNorm bf16
-//   [8192, 4096]: 71.8 -> 76.8, [16384, 4096]: 82.5 -> 86.4); blocks of 1024 gained less or lost there, but for
-//   LayerNorm [16384, 4096] (+4.0 and +4.5 in bf16 and fp16, against +3.9 and +3.8).
+// - 16-bit, blocks of 512 at tpr 64 and 128 and the specialised 4096 (tpr 256): -0.1 to +5.0 (LayerNorm bf16
+//   [8192, 4096]: 71.8 -> 76.8, [16384, 4096]: 82.5 -> 86.4); blocks of 1024 gained less or lost at most of these
+//   rows (within 0.6 more at LayerNorm [16384, 4096] and 1600 columns and RMSNorm bf16 2048).
 // - 16-bit, blocks of 1024: LayerNorm at tpr 96 and 192-224 (1152-1536 and 2816-3584 columns: +0.2 to +5.5) and
 //   RMSNorm from tpr 288 (4608-8192 columns: +1.0 to +6.2), both ops at tpr 256 without the specialised kernel (4000
 //   columns: +0.1 to +6.3, where blocks of 512 lost 2.4 to 4.6) and LayerNorm at 288-320 and 384, 448, 480 (4608,
 //   5120, 6144, 7168, 7680 columns: -0.4 to +3.5). LayerNorm keeps its blocks at tpr 352, 416 and 512 (5632, 6656,
-//   8192 columns: 0.7 to 2.8 slower in 1024); RMSNorm at tpr 96 and 160-224 keeps 512 (0.1 to 3.0 slower in 1024).
-// - fp32: LayerNorm at tpr 160 and 384-448 in blocks of 1024 (1152-1280 columns: +0.4 to +0.9, 3072-3584: +1.1 to
+//   8192 columns: 0.7 to 2.8 slower in 1024); RMSNorm at tpr 96 and 160-224 keeps 512 (call 2: 0.1 to 3.0 slower
+//   in 1024), and so does LayerNorm at tpr 160 (2056-2560 columns; 1024 ran +0.2 to +0.7 at 2560, not yet taken).
+// - fp32: LayerNorm at tpr 160 and 384-448 in blocks of 1024 (1152-1280 columns: +0.4 to +0.9, 3072-3584: -0.0 to
 //   +2.9); RMSNorm at tpr 128 in blocks of 512 (1016 columns: 87.1-87.6 -> 95.0-96.1; 1024, specialised: +0.8).
 //   Elsewhere packing lost up to 6.0 points (LayerNorm 768 in blocks of 512; 3840, tpr 480, in 1024: -0.4) or gained
-//   nothing.
+//   at most 0.6 (LayerNorm 1792 in blocks of 1024).
 // -DPIPEGOOSE_NORM_BWD_PACK_TPB=P (a benchmark experiment, off in the shipped build; P = 512 or 1024) packs every row
 // of 64 to P / 2 threads into blocks of P instead; -DPIPEGOOSE_NORM_BWD_NO_PACK_TABLE packs as session 16 did (16-bit
 // tpr 96 and 160-224, fp32 LayerNorm 160-224 and fp32 RMSNorm 192 into blocks of 512, nothing else).
