@@ -9,7 +9,9 @@ never feed the others.
 from __future__ import annotations
 
 import copy
+import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -461,6 +463,32 @@ def test_unfuse_of_a_copy_of_a_fused_model_says_why():
     assert type(twin.ln_f).__name__ == "MixedFusedLayerNorm"  # nothing changed
     assert unfuse(model) and type(model.ln_f) is torch.nn.LayerNorm
     assert unfuse(copy.deepcopy(model)) is False  # a copy of the unfused model: nothing to undo
+
+
+@pytest.mark.parametrize("ops", [["attention"], None])
+def test_a_fused_model_saved_with_torch_save_runs_in_a_new_process(tmp_path, ops):
+    """torch.save of a fused model, torch.load in a new interpreter that imports nothing of pipegoose: the attention
+    name on the config (AttentionName) registers our attention function when it is unpickled, and the loaded model
+    computes what the fused one did, bit for bit. Before, transformers raised there: "`pipegoose` is not a valid
+    attention implementation registered in the AttentionInterface" (also with fused norms, whose classes the
+    unpickling imports, since importing the package registers nothing)."""
+    model = models.build("llama", "eager")
+    fuse(model, ops=ops, attention="pipegoose")
+    ids, mask = models.inputs()
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    path = tmp_path / "fused.pt"
+    torch.save({"model": model, "ids": ids, "mask": mask, "want": want}, path)
+    code = textwrap.dedent(f"""
+        import torch
+        d = torch.load({str(path)!r}, weights_only=False)
+        with torch.no_grad():
+            got = d["model"](input_ids=d["ids"], attention_mask=d["mask"]).last_hidden_state
+        torch.testing.assert_close(got, d["want"], rtol=0, atol=0)
+        print("same")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "same", r.stderr[-3000:]
 
 
 def test_fuse_refuses_a_norm_whose_eps_the_fused_ops_refuse():

@@ -459,7 +459,8 @@ def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
 
     attn.register()
     new_config = copy.copy(config)
-    matching.set_attn_implementation(new_config, chosen)
+    # a str that registers our attention again when the model is unpickled in another process (AttentionName)
+    matching.set_attn_implementation(new_config, attn.AttentionName(chosen))
     state.new_config = new_config
     for module in model.modules():
         if module.__dict__.get("config") is config:

@@ -406,6 +406,23 @@ def register() -> None:
     _registered = True
 
 
-__all__ = ["ATTENTION_NAME", "ATTENTION_SDPA_NAME", "MaskPlan", "additive_to_boolean_mask", "plan_mask",
+class AttentionName(str):
+    """The name of our attention function as ``fuse`` stores it on a model's config: a ``str`` (transformers looks
+    it up as one) which, unpickled (``torch.load`` of a model saved with ``torch.save``, ``copy.deepcopy``), calls
+    :func:`register` first, so that a fused model loaded in a new process runs without any import of pipegoose (the
+    plain name raised transformers' KeyError there: "`pipegoose` is not a valid attention implementation")."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return (_registered_name, (str(self),))
+
+
+def _registered_name(name: str) -> AttentionName:
+    register()
+    return AttentionName(name)
+
+
+__all__ = ["ATTENTION_NAME", "ATTENTION_SDPA_NAME", "AttentionName", "MaskPlan", "additive_to_boolean_mask", "plan_mask",
            "pipegoose_attention_forward", "pipegoose_sdpa_attention_forward", "register", "tuned_attention_impl",
            "table_prefers_pipegoose", "device_slug"]
