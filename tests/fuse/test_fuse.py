@@ -465,6 +465,41 @@ def test_unfuse_of_a_copy_of_a_fused_model_says_why():
     assert unfuse(copy.deepcopy(model)) is False  # a copy of the unfused model: nothing to undo
 
 
+_NORM_CLASSES = {"llama": ("transformers.models.llama.modeling_llama", "LlamaRMSNorm"),
+                 "olmo2": ("transformers.models.olmo2.modeling_olmo2", "Olmo2RMSNorm"),
+                 "t5": ("transformers.models.t5.modeling_t5", "T5LayerNorm")}
+_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@pytest.mark.parametrize("kind", list(_NORM_CLASSES))
+def test_fused_rms_norms_give_their_modules_results_bit_for_bit(kind):
+    """Three rounding rules of transformers' RMSNorms, told apart by fuse's probe: Llama (normalised input rounded to
+    the input's dtype, then times the weight), OLMo-2 (times the weight in fp32, rounded once to the input's dtype;
+    26 classes of transformers 5.24, GptOss and Gemma3n among them, were fused with Llama's rule and lost a rounding)
+    and T5 (a half weight: rounded to the weight's dtype, then times it; an fp32 weight: fp32). On the CPU (the
+    reference path) the fused module must give the module's output and gradient dtypes and bits, for every pair of
+    input and weight dtype, with random weights (ones hide the rounding)."""
+    import importlib
+
+    cls = getattr(importlib.import_module(_NORM_CLASSES[kind][0]), _NORM_CLASSES[kind][1])
+    g = torch.Generator().manual_seed(5)
+    for xd in _NORM_DTYPES:
+        for wd in _NORM_DTYPES:
+            model = nn.Sequential(cls(256, eps=1e-6))
+            model[0].weight.data = (torch.rand(256, generator=g) + 0.5).to(wd)
+            x = torch.randn(64, 256, generator=g).to(xd).requires_grad_()
+            want = model(x)
+            want_g = torch.autograd.grad(want.float().sum(), (x, model[0].weight))
+            report = fuse(model)
+            assert type(model[0]).__name__ == "FusedRMSNorm", report
+            got = model(x)
+            got_g = torch.autograd.grad(got.float().sum(), (x, model[0].weight))
+            assert got.dtype == want.dtype and torch.equal(got, want), (xd, wd,
+                                                                        (got.float() - want.float()).abs().max())
+            assert [t.dtype for t in got_g] == [t.dtype for t in want_g], (xd, wd)
+            assert unfuse(model)
+
+
 @pytest.mark.parametrize("ops", [["attention"], None])
 def test_a_fused_model_saved_with_torch_save_runs_in_a_new_process(tmp_path, ops):
     """torch.save of a fused model, torch.load in a new interpreter that imports nothing of pipegoose: the attention

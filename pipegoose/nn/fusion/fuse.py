@@ -390,10 +390,11 @@ def _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNo
         return FusionRow(path, "rms_norm", type(child).__name__, None, False, reason=probe.reason,
                          eligible=False), None
     new = None if dry_run else _build(path, child, FusedRMSNorm.from_module, child, probe.eps,
-                                      output_in_weight_dtype=probe.output_in_weight_dtype)
+                                      output_in_weight_dtype=probe.output_in_weight_dtype,
+                                      output_in_input_dtype=probe.output_in_input_dtype)
     weight = getattr(child, "weight", None)   # None: torch.nn.RMSNorm(elementwise_affine=False)
     shape = tuple(child.normalized_shape) if isinstance(child, nn.RMSNorm) else (weight.numel(),)
-    cast = not isinstance(child, nn.RMSNorm)
+    cast = not isinstance(child, nn.RMSNorm) and not probe.output_in_input_dtype
     fwd, bwd = _impls("rms_norm", child, lambda d, t: (
         torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, weight, probe.eps, cast))
     return FusionRow(path, "rms_norm", type(child).__name__, "FusedRMSNorm", True, fwd, bwd,

@@ -256,8 +256,14 @@ class FusedRMSNorm(nn.Module):
         elementwise_affine: learnable ``weight`` (ones) if True.
         cast_before_weight: False: ``torch.nn.RMSNorm`` numerics; True: transformers' LlamaRMSNorm numerics
             (see the functional).
-        output_in_weight_dtype: T5LayerNorm's dtype rule: with an fp16/bf16 weight the output has the weight's
-            dtype (whatever the input's); otherwise the rule of ``cast_before_weight``.
+        output_in_weight_dtype: T5LayerNorm's rule: with an fp16/bf16 weight, the input normalised in fp32 is
+            rounded to the weight's dtype and multiplied by the weight in it (the output in the weight's dtype,
+            whatever the input's; one kernel when input and weight share the dtype, else the kernel without weight, a
+            cast and a multiply); with an fp32 weight, ``torch.nn.RMSNorm``'s numerics in ``promote(input dtype,
+            weight dtype)``. ``cast_before_weight`` is then ignored.
+        output_in_input_dtype: OLMo-2's rule (``Olmo2RMSNorm`` and others: ``(weight * x_normed_fp32).to(input
+            dtype)``): ``torch.nn.RMSNorm`` numerics (one rounding), the output in the input's dtype whatever the
+            weight's; needs ``cast_before_weight=False`` and ``output_in_weight_dtype=False``.
         device, dtype: of the weight.
         impl: force an implementation (``pipegoose``, ``torch``), default auto.
 
@@ -266,15 +272,16 @@ class FusedRMSNorm(nn.Module):
     Raises (when constructed, not at the first forward):
         TypeError: both or neither of ``normalized_shape`` / ``hidden_size``; the one given not an integer or a
             sequence of them; ``eps`` not a number or None (a bool, int, float, numpy scalar or 0-d tensor, as
-            :func:`~pipegoose.nn.fusion.functional.rms_norm` takes); ``cast_before_weight`` not a bool; ``impl`` not
-            a str or None.
+            :func:`~pipegoose.nn.fusion.functional.rms_norm` takes); ``cast_before_weight`` or
+            ``output_in_input_dtype`` not a bool; ``impl`` not a str or None.
         ValueError: a size < 1 or no dimension, ``eps`` negative or not finite, ``impl`` naming no implementation
-            of ``rms_norm``.
+            of ``rms_norm``; ``output_in_input_dtype`` with ``cast_before_weight`` or ``output_in_weight_dtype``.
     """
 
     def __init__(self, normalized_shape: int | Sequence[int] | None = None, eps: float | None = None,
                  elementwise_affine: bool = True, *, hidden_size: int | None = None, cast_before_weight: bool = False,
-                 output_in_weight_dtype: bool = False, device=None, dtype=None, impl: str | None = None) -> None:
+                 output_in_weight_dtype: bool = False, output_in_input_dtype: bool = False, device=None, dtype=None,
+                 impl: str | None = None) -> None:
         super().__init__()
         self.output_in_weight_dtype = output_in_weight_dtype
         if (normalized_shape is None) == (hidden_size is None):
@@ -285,6 +292,12 @@ class FusedRMSNorm(nn.Module):
             self.normalized_shape = _ln_shape(hidden_size, "hidden_size")
         if not isinstance(cast_before_weight, bool):
             raise TypeError(f"cast_before_weight: expected a bool, got {type(cast_before_weight).__name__}")
+        if not isinstance(output_in_input_dtype, bool):
+            raise TypeError(f"output_in_input_dtype: expected a bool, got {type(output_in_input_dtype).__name__}")
+        if output_in_input_dtype and (cast_before_weight or output_in_weight_dtype):
+            raise ValueError("output_in_input_dtype: expected cast_before_weight=False and "
+                             "output_in_weight_dtype=False with it (OLMo-2's rule is torch.nn.RMSNorm's numerics)")
+        self.output_in_input_dtype = output_in_input_dtype
         _check_module_args("rms_norm", eps, impl, allow_none_eps=True)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
@@ -300,31 +313,48 @@ class FusedRMSNorm(nn.Module):
             nn.init.ones_(self.weight)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.output_in_weight_dtype and self.weight is not None and self.weight.dtype in _HALF:
-            y = PF.rms_norm(input, self.normalized_shape, self.weight, self.eps,
-                            cast_before_weight=self.cast_before_weight, impl=self.impl)
-            return y.to(self.weight.dtype)
+        if self.output_in_weight_dtype:
+            # T5LayerNorm: the normalised input in fp32 (or fp64); with a half weight rounded to the weight's dtype and
+            # multiplied in it (two roundings), else multiplied by the weight as F.rms_norm does (one rounding)
+            w = self.weight
+            if w is not None and w.dtype in _HALF:
+                if input.dtype == w.dtype:  # LlamaRMSNorm's numerics are T5's here, in one kernel
+                    return PF.rms_norm(input, self.normalized_shape, w, self.eps, cast_before_weight=True,
+                                       impl=self.impl)
+                h = PF.rms_norm(input if input.dtype in (torch.float32, torch.float64) else input.float(),
+                                self.normalized_shape, None, self.eps, cast_before_weight=False, impl=self.impl)
+                return w * h.to(w.dtype)
+            if w is not None and w.dtype != input.dtype:  # fp32 weight: T5 returns promote(input, weight)
+                dt = torch.promote_types(input.dtype, w.dtype)
+                input = input.to(dt)
+            return PF.rms_norm(input, self.normalized_shape, w, self.eps, cast_before_weight=False, impl=self.impl)
         if (not self.cast_before_weight
                 and _small_native("rms_norm", self.impl, input, self.normalized_shape, self.eps)
                 and (self.weight is None or self.weight.dtype == input.dtype)):
             dispatch.record(_SMALL_CHOICE["rms_norm"])  # see MixedFusedLayerNorm.forward
             return F.rms_norm(input, self.normalized_shape, self.weight, self.eps)
-        return PF.rms_norm(input, self.normalized_shape, self.weight, self.eps,
-                           cast_before_weight=self.cast_before_weight, impl=self.impl)
+        y = PF.rms_norm(input, self.normalized_shape, self.weight, self.eps,
+                        cast_before_weight=self.cast_before_weight, impl=self.impl)
+        if getattr(self, "output_in_input_dtype", False) and y.dtype != input.dtype:
+            return y.to(input.dtype)  # e.g. bf16 input, fp32 weight: F.rms_norm's rule gives fp32, OLMo-2's bf16
+        return y
 
     def extra_repr(self) -> str:
         return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
                 f"cast_before_weight={self.cast_before_weight}"
-                + (", output_in_weight_dtype=True" if self.output_in_weight_dtype else ""))
+                + (", output_in_weight_dtype=True" if self.output_in_weight_dtype else "")
+                + (", output_in_input_dtype=True" if getattr(self, "output_in_input_dtype", False) else ""))
 
     @classmethod
     def from_module(cls, module: nn.Module, eps: float | None = None, *, impl: str | None = None,
-                    output_in_weight_dtype: bool = False) -> "FusedRMSNorm":
+                    output_in_weight_dtype: bool = False, output_in_input_dtype: bool = False) -> "FusedRMSNorm":
         """A fused module sharing ``module.weight`` (same Parameter object).
 
         ``module``: ``torch.nn.RMSNorm`` (-> F.rms_norm numerics, its ``eps``) or a transformers Llama-style
         RMSNorm (``weight`` + ``variance_epsilon`` or ``eps``; -> ``cast_before_weight=True``). ``eps`` overrides.
-        ``output_in_weight_dtype``: the module is T5-style (see the class; ``fuse`` finds it out by a probe).
+        ``output_in_weight_dtype``: the module is T5-style; ``output_in_input_dtype``: OLMo-2 style (one rounding,
+        the output in the input's dtype; then ``cast_before_weight=False``). See the class; ``fuse`` finds both out
+        by a probe.
 
         Raises:
             TypeError: ``module`` is not ``torch.nn.RMSNorm`` and does not have exactly one parameter of its own, a
@@ -339,12 +369,12 @@ class FusedRMSNorm(nn.Module):
             if not isinstance(w, nn.Parameter) or w.dim() < 1 or own != ["weight"]:
                 raise TypeError(f"module: expected torch.nn.RMSNorm or an RMSNorm-style module whose only parameter "
                                 f"is 'weight', got {type(module).__name__} with parameters {own}")
-            shape, cast = tuple(w.shape), True
+            shape, cast = tuple(w.shape), not output_in_input_dtype
             mod_eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
             if eps is None and mod_eps is None:
                 raise ValueError(f"eps: {type(module).__name__} has no 'variance_epsilon' or 'eps'; pass eps=")
         new = cls(shape, eps=eps if eps is not None else mod_eps, elementwise_affine=False,
-                  output_in_weight_dtype=output_in_weight_dtype,
+                  output_in_weight_dtype=output_in_weight_dtype, output_in_input_dtype=output_in_input_dtype,
                   cast_before_weight=cast, impl=impl)
         new.elementwise_affine = w is not None
         new.weight = w

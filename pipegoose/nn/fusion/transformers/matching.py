@@ -109,6 +109,7 @@ class RMSNormProbe:
     reason: str
     candidate: bool
     output_in_weight_dtype: bool = False   # T5 style: a half weight makes the output that dtype (see the probe)
+    output_in_input_dtype: bool = False    # OLMo-2 style: one rounding, output in the input's dtype (see the probe)
 
 
 def _eps_of(module: nn.Module) -> float | None:
@@ -172,6 +173,41 @@ def probe_rms_norm(module: nn.Module, hidden_size: int | None) -> RMSNormProbe:
         err = (y.double() - ref).abs().max().item()
         return RMSNormProbe(False, None, f"output differs from the RMSNorm formula (max abs diff {err:.3g})",
                             looks_like_norm)
+    # Rounding (bf16 input and weight): Llama-style norms round the normalised input to the input's dtype, then
+    # multiply by the weight in that dtype (two roundings), which FusedRMSNorm(cast_before_weight=True) reproduces;
+    # OLMo-2-style norms (Olmo2RMSNorm, GptOssRMSNorm, Gemma3nRMSNorm, ...: 26 classes of transformers 5.24) multiply
+    # in fp32 and round once to the input's dtype, whatever the weight's: FusedRMSNorm(output_in_input_dtype=True).
+    # A norm that rounds once but returns another dtype with a bf16 input and an fp32 weight matches no rule.
+    x16 = x.to(torch.bfloat16)
+    w16 = w.to(torch.bfloat16)
+    object.__setattr__(stand_in, "_parameters", {pname: nn.Parameter(w16, requires_grad=False)})
+    try:
+        with torch.no_grad():
+            y16 = stand_in.forward(x16)
+    except Exception as exc:  # noqa: BLE001
+        return RMSNormProbe(False, None, f"probe forward in bf16 failed: {type(exc).__name__}: {exc}",
+                            looks_like_norm)
+    x32 = x16.float()
+    h = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    twice = w16 * h.to(torch.bfloat16)
+    once = (w16.float() * h).to(torch.bfloat16)
+    if not isinstance(y16, torch.Tensor) or y16.shape != x.shape or y16.dtype != torch.bfloat16:
+        return RMSNormProbe(False, None, "with bf16 input and weight the probe output is not a bf16 tensor of the "
+                            "input's shape", looks_like_norm)
+    if int((y16 != once).sum()) < int((y16 != twice).sum()):
+        object.__setattr__(stand_in, "_parameters", {pname: nn.Parameter(w, requires_grad=False)})
+        try:
+            with torch.no_grad():
+                mixed = stand_in.forward(x16).dtype
+        except Exception as exc:  # noqa: BLE001
+            return RMSNormProbe(False, None, f"probe forward with bf16 input and an fp32 weight failed: "
+                                f"{type(exc).__name__}: {exc}", looks_like_norm)
+        if mixed != torch.bfloat16:
+            return RMSNormProbe(False, None, f"rounds once like F.rms_norm, but with bf16 input and an fp32 weight "
+                                f"it returns {mixed} (OLMo-2 style returns bfloat16; no FusedRMSNorm rule for it)",
+                                looks_like_norm)
+        return RMSNormProbe(True, eps, "probe output equals the formula; one rounding, output in the input's dtype "
+                            "(OLMo-2 style)", True, output_in_input_dtype=True)
     # Mixed dtypes (fp32 input, bf16 weight): Llama-style norms return promote(weight, input) = fp32; T5-style ones
     # cast the normalised input to a half weight's dtype first and return bf16. FusedRMSNorm follows the module.
     object.__setattr__(stand_in, "_parameters", {pname: nn.Parameter(w.to(torch.bfloat16), requires_grad=False)})
