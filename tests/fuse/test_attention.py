@@ -159,6 +159,23 @@ def test_head_mask_and_bias():
                                **tol(torch.float32))
 
 
+def test_head_mask_of_one_value_per_head():
+    """A 1-D head_mask [h] scales heads, not key columns: with h == sk the product as it stood broadcast over the
+    keys and silently masked key column 1 instead of head 1; a mask that fits neither way is a ValueError naming it
+    (a [layers, h] mask, which transformers 5's BERT passes through unsliced, gave a bare broadcasting error)."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 4, 8, generator=g) for _ in range(3))   # h == sk == 4
+    head_mask = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    out, probs = pipegoose_attention_forward(_Mod(False), q, k, v, None, scaling=0.5, head_mask=head_mask)
+    ref = _reference(q, k, v, None, 0.5, head_mask.view(1, 4, 1, 1))[0]
+    torch.testing.assert_close(out.double(), ref, **tol(torch.float32))
+    assert probs[:, 1].abs().max() == 0 and probs[:, 0].sum(-1).sub(1).abs().max() < 1e-5
+    with pytest.raises(ValueError, match=r"head_mask: expected \[4\] \(one value per head\)"):
+        pipegoose_attention_forward(_Mod(False), q, k, v, None, scaling=0.5, head_mask=torch.ones(2, 3))
+    with pytest.raises(ValueError, match="head_mask: a 1-D mask needs one value per head"):
+        pipegoose_attention_forward(_Mod(False), q, k, v, None, scaling=0.5, head_mask=torch.ones(3))
+
+
 def test_plan_mask_classification():
     causal = torch.ones(6, 6, dtype=torch.bool).triu(1).view(1, 1, 6, 6).expand(2, 1, 6, 6)
     assert plan_mask(None, query_len=6, key_len=6, causal=True).kind == "causal"

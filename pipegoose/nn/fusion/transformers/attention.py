@@ -304,9 +304,10 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         attention_mask: see :func:`plan_mask`.
         scaling: softmax scale applied to ``Q K^T`` (default ``d ** -0.5``); OPT passes 1.0 (it scales Q itself).
         dropout: attention-probability dropout, applied as ``torch.nn.functional.dropout`` when ``module.training``.
-        kwargs: ``is_causal`` (overrides ``module.is_causal``), ``head_mask`` ([h] or broadcastable to the
-            probabilities, multiplied in as in transformers' eager path); others are ignored, except ``softcap``,
-            ``s_aux``, ``sinks`` which raise.
+        kwargs: ``is_causal`` (overrides ``module.is_causal``), ``head_mask`` ([h], one value per head, or
+            broadcastable to the probabilities [b, h, sq, sk], multiplied in as in transformers' eager path before
+            version 5, whose eager path ignores it); others are ignored, except ``softcap``, ``s_aux``, ``sinks``
+            which raise.
     Returns:
         ``(attn_output [b, sq, hq, d] contiguous, attn_weights [b, hq, sq, sk])``, in the dtype of ``value``.
 
@@ -321,7 +322,8 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     strict) the same SDPA call runs at every size, so the compiled model has no graph break here.
     Raises:
         NotImplementedError: an unsupported kwarg is set (``softcap``, ``s_aux``, ``sinks``).
-        ValueError: head counts that do not divide, or a mask of the wrong shape.
+        ValueError: head counts that do not divide, or a mask (``attention_mask``, ``head_mask``) of the wrong
+            shape.
     """
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
@@ -352,9 +354,29 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         probs = F.dropout(probs, p=dropout, training=module.training)
     head_mask = kwargs.get("head_mask")
     if head_mask is not None:
-        probs = probs * head_mask
+        probs = probs * _head_mask_for(head_mask, probs)
     out = torch.matmul(probs, value).transpose(1, 2).contiguous()
     return out, probs
+
+
+def _head_mask_for(head_mask: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """``head_mask`` as a factor of ``probs`` [b, h, sq, sk]: a 1-D mask is one value per head ([h] -> [1, h, 1, 1];
+    multiplied as it stood, it scaled key columns instead, silently where h == sk); any other must broadcast to
+    ``probs``. ValueError naming ``head_mask`` otherwise (e.g. a [layers, h] mask, which transformers 5 models pass
+    through to the attention function unsliced and their eager path ignores)."""
+    if not isinstance(head_mask, torch.Tensor):
+        raise TypeError(f"head_mask: expected a torch.Tensor or None, got {type(head_mask).__name__}")
+    h = probs.shape[1]
+    if head_mask.dim() == 1:
+        if head_mask.numel() != h:
+            raise ValueError(f"head_mask: a 1-D mask needs one value per head ({h}), got {head_mask.numel()}")
+        return head_mask.view(1, h, 1, 1)
+    try:
+        torch.broadcast_shapes(head_mask.shape, probs.shape)
+    except RuntimeError:
+        raise ValueError(f"head_mask: expected [{h}] (one value per head) or a tensor broadcastable to the attention "
+                         f"probabilities {list(probs.shape)}, got {list(head_mask.shape)}") from None
+    return head_mask
 
 
 def pipegoose_sdpa_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
