@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,18 +117,31 @@ def _toolkit_of_nvcc(nvcc: str) -> Path | None:
 
 @functools.lru_cache(maxsize=None)
 def find_cuda_home() -> Path | None:
-    """The CUDA toolkit folder, or None. Order: $CUDA_HOME, $CUDA_PATH, /usr/local/cuda, nvcc on PATH."""
+    """The CUDA toolkit folder, or None. Order: $CUDA_HOME, $CUDA_PATH, /usr/local/cuda, nvcc on PATH.
+
+    A $CUDA_HOME or $CUDA_PATH that is set but is not a toolkit (no ``bin/nvcc`` with ``include/cuda_runtime.h``: a
+    typo, or a prefix such as /usr/local whose nvcc is a wrapper) is passed over with a ``UserWarning`` that names it
+    and what is used instead (once per process: the result is cached)."""
+    passed_over: list[str] = []
+    found: Path | None = None
     for var in ("CUDA_HOME", "CUDA_PATH"):
         v = os.environ.get(var)
-        if v and is_cuda_toolkit(v):
-            return Path(v).resolve()
-    for cand in DEFAULT_TOOLKITS:
-        if is_cuda_toolkit(cand):
-            return Path(cand).resolve()
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        return _toolkit_of_nvcc(nvcc)
-    return None
+        if not v:
+            continue
+        if is_cuda_toolkit(v):
+            found = Path(v).resolve()
+            break
+        passed_over.append(f"{var}={v!r}")
+    if found is None:
+        found = next((Path(c).resolve() for c in DEFAULT_TOOLKITS if is_cuda_toolkit(c)), None)
+    if found is None:
+        nvcc = shutil.which("nvcc")
+        found = _toolkit_of_nvcc(nvcc) if nvcc else None
+    for what in passed_over:
+        warnings.warn(f"{what} is not a CUDA toolkit (expected bin/nvcc and include/cuda_runtime.h there); "
+                      + (f"using {found} instead" if found is not None else "no other toolkit found either"),
+                      UserWarning, stacklevel=2)
+    return found
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -150,7 +151,10 @@ def test_find_cuda_home_resolves_wrapper_and_skips_header_less_dirs(tmp_path, mo
     monkeypatch.setattr(toolchain, "DEFAULT_TOOLKITS", (str(tmp_path / "nowhere"),))
     monkeypatch.setenv("PATH", f"{prefix / 'bin'}:/usr/bin:/bin")
     assert not toolchain.is_cuda_toolkit(prefix)
-    assert toolchain.find_cuda_home() == real.resolve()
+    # passed over, with a word (a typo in CUDA_HOME was silently ignored)
+    with pytest.warns(UserWarning, match=re.escape(f"CUDA_HOME={str(prefix)!r} is not a CUDA toolkit")
+                      + ".*" + re.escape(f"using {real.resolve()} instead")):
+        assert toolchain.find_cuda_home() == real.resolve()
 
 
 def test_cuda_extra_include_dirs_found_when_toolkit_lacks_headers(tmp_path, monkeypatch):
