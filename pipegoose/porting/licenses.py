@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["detect_licenses", "DISALLOWED_MARKERS"]
+__all__ = ["detect_licenses", "primary_license", "DISALLOWED_MARKERS"]
 
 _WS = re.compile(r"\s+")
 
@@ -44,3 +44,27 @@ def detect_licenses(text: str) -> tuple[set[str], set[str]]:
                 continue
             bad.add(fam)
     return found, bad
+
+
+# Where each license's text begins (its first distinctive phrase), for primary_license.
+_STARTS: tuple[tuple[str, str], ...] = (
+    ("Apache-2.0", "apache license"),
+    ("MIT", "permission is hereby granted, free of charge"),
+    ("BSD", "redistribution and use in source and binary forms"),
+)
+_BSD3_CLAUSE = "neither the name"
+_BSD_BLOCK = 2000  # characters after a BSD text's first phrase that hold its clauses
+
+
+def primary_license(text: str) -> str | None:
+    """The SPDX id of the license whose text comes first in a license file (the project's own: a combined file such
+    as ColossalAI's LICENSE lists the licenses of bundled projects after it), or None when none is recognised. A BSD
+    text is BSD-3-Clause when its "neither the name" clause follows within its block, else BSD-2-Clause."""
+    t = _norm(text)
+    hits = [(t.find(phrase), spdx) for spdx, phrase in _STARTS if phrase in t]
+    if not hits:
+        return None
+    pos, spdx = min(hits)
+    if spdx == "BSD":
+        return "BSD-3-Clause" if _BSD3_CLAUSE in t[pos:pos + _BSD_BLOCK] else "BSD-2-Clause"
+    return spdx

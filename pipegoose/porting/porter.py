@@ -25,7 +25,7 @@ from ..kernels.manifest import ALLOWED_LICENSES, Kernel, Manifest, Source, load_
 from .errors import IntegrityError, LicenseError, ManifestFactError, PortError, SourceFileMissing
 from .fetch import Fetcher, SourceTree
 from .includes import missing_headers
-from .licenses import detect_licenses
+from .licenses import detect_licenses, primary_license
 from .lock import Lock, LockedKernel, LockedSource
 from .txn import TXN_DIRNAME, Transaction, recover, repo_lock
 from .util import sha256_bytes, sha256_file
@@ -158,6 +158,11 @@ class Porter:
         if src.license not in found:
             raise LicenseError(f"{src.id}: kernels.yaml declares {src.license} but {', '.join(src.license_files)} in "
                                f"{tree.label} does not carry its text (recognised: {', '.join(sorted(found)) or 'none'})")
+        primary = primary_license(text[0])
+        if primary is not None and primary != src.license:
+            raise LicenseError(f"{src.id}: kernels.yaml declares {src.license} but the first license text of "
+                               f"{src.license_files[0]} in {tree.label} is {primary} (the project's own license comes "
+                               f"first; {src.license} text further down is a bundled project's)")
         return out
 
     def lock_kernel(self, k: Kernel, tree: SourceTree) -> LockedKernel:

@@ -239,6 +239,27 @@ def test_declared_license_must_match_the_text(repo):
         repo.porter().add(["alpha"])
 
 
+def test_declared_license_must_be_the_first_text_of_a_combined_file(repo):
+    """A combined license file (ColossalAI's: its Apache-2.0 text, then the MIT notices of bundled projects) carries
+    the MIT phrase too: declaring MIT was accepted and recorded. The declared license must be the file's first text."""
+    bsd3 = ("Copyright (c) test fixture\nRedistribution and use in source and binary forms, with or without "
+            "modification, are permitted provided that the following conditions are met: ... 3. Neither the name of "
+            "the copyright holder nor the names of its contributors may be used to endorse products.\n")
+    src, _ = sdist_source(repo, license_text=APACHE + "\n---- bundled: tinylib ----\n" + MIT, declared="MIT")
+    repo.write_manifest(src, K_ALPHA)
+    with pytest.raises(LicenseError, match="declares MIT but the first license text of LICENSE.* is Apache-2.0"):
+        repo.porter().add(["alpha"])
+    assert not (repo.root / "vendor" / "up").exists()
+    src, _ = sdist_source(repo, license_text=bsd3, declared="BSD-2-Clause")
+    repo.write_manifest(src, K_ALPHA)
+    with pytest.raises(LicenseError, match="declares BSD-2-Clause but the first license text .* is BSD-3-Clause"):
+        repo.porter().add(["alpha"])
+    src, _ = sdist_source(repo, license_text=APACHE + "\n---- bundled: tinylib ----\n" + MIT, declared="Apache-2.0")
+    repo.write_manifest(src, K_ALPHA)
+    repo.porter().add(["alpha"])
+    assert (repo.root / "vendor" / "up").exists()
+
+
 def test_unknown_id_lists_close_matches(sdist_repo):
     with pytest.raises(PortError, match="unknown kernel 'up/alpah'.*did you mean: up/alpha"):
         sdist_repo.porter().add(["up/alpah"])
