@@ -2867,8 +2867,9 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
         launch(&norm_bwd_async_kernel<Tin, Tdy, VEC, NV, RMS, HC, TPB, TPRC>, std::max(stage, combine));
       };
       // Rows of two chunks per thread without a specialised kernel (HC == 0) whose tprc_mode is kFixed or kPacked run
-      // the kernel compiled for their threads per row (TPRC; true if so): 32-256 in blocks of 256 threads (kFixed),
-      // 96-224 (kPacked) and 288-512 in blocks of 512. Only the kernels of those modes are instantiated.
+      // the kernel compiled for their threads per row (TPRC; true if so): kFixed rows of 32-256 threads in blocks of
+      // 256 and of 288-512 in blocks of 512, kPacked rows in pack_tpb's blocks. Only the kernels of those modes are
+      // instantiated.
       auto fixed_tpr = [&](auto tpb_c) -> bool {
         constexpr int TPB = decltype(tpb_c)::value;
         static_assert(TPB == 256 || TPB == 512 || TPB == 1024, "fixed_tpr: blocks of 256, 512 or 1024 threads");
@@ -2878,7 +2879,8 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
             constexpr int T = decltype(t_c)::value;
             constexpr Tprc mode = tprc_mode(VEC, RMS, T);
             constexpr Tprc want = TPB == 256 || (TPB == 512 && T > 256) ? Tprc::kFixed : Tprc::kPacked;
-            if constexpr (mode == want && (want == Tprc::kFixed || TPB == pack_tpb(VEC, RMS, T, false))) {
+            constexpr bool fits = T <= TPB && (want == Tprc::kFixed || TPB == pack_tpb(VEC, RMS, T, false));
+            if constexpr (fits && mode == want) {
               if (done || cfg.tpr != T) return;
               PG_CHECK(threads == TPB / T * T, "pipegoose norm backward: internal error: ", threads, " threads for ",
                        T, " per row in blocks of ", TPB);
@@ -2886,47 +2888,10 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
               done = true;
             }
           };
-          if constexpr (TPB == 256) {
-            one(IC<32>{});
-            one(IC<64>{});
-            one(IC<96>{});
-            one(IC<128>{});
-            one(IC<160>{});
-            one(IC<192>{});
-            one(IC<224>{});
-            one(IC<256>{});
-          } else if constexpr (TPB == 512) {
-            one(IC<64>{});
-            one(IC<96>{});
-            one(IC<128>{});
-            one(IC<160>{});
-            one(IC<192>{});
-            one(IC<224>{});
-            one(IC<288>{});
-            one(IC<320>{});
-            one(IC<352>{});
-            one(IC<384>{});
-            one(IC<416>{});
-            one(IC<448>{});
-            one(IC<480>{});
-            one(IC<512>{});
-          } else {
-            one(IC<64>{});
-            one(IC<96>{});
-            one(IC<128>{});
-            one(IC<160>{});
-            one(IC<192>{});
-            one(IC<224>{});
-            one(IC<256>{});
-            one(IC<288>{});
-            one(IC<320>{});
-            one(IC<352>{});
-            one(IC<384>{});
-            one(IC<416>{});
-            one(IC<448>{});
-            one(IC<480>{});
-            one(IC<512>{});
-          }
+          // every multiple of 32 up to 512 that fits the block; `one` instantiates only the kernels of the modes
+          [&](auto... t_c) { (one(t_c), ...); }(IC<32>{}, IC<64>{}, IC<96>{}, IC<128>{}, IC<160>{}, IC<192>{},
+                                                IC<224>{}, IC<256>{}, IC<288>{}, IC<320>{}, IC<352>{}, IC<384>{},
+                                                IC<416>{}, IC<448>{}, IC<480>{}, IC<512>{});
         }
         return done;
       };
