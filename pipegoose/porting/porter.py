@@ -190,6 +190,14 @@ class Porter:
             p = lic / f
             if not p.is_file() or sha256_file(p) != h:
                 return False
+        # a file the lock does not record (verify's "extra") also sends an upstream source back to be vendored
+        # afresh (our own files live in the repository, among others: not checked so)
+        if self._is_local(sid):
+            return True
+        for folder, known in ((base, lock.files_of_source(sid)), (lic, s.license_files)):
+            if folder.is_dir() and any((p.is_file() or p.is_symlink()) and p.relative_to(folder).as_posix() not in known
+                                       for p in folder.rglob("*")):
+                return False
         return True
 
     def _stage_source(self, tx: Transaction, lock: Lock, sid: str, tree: SourceTree | None) -> None:

@@ -94,6 +94,14 @@ def test_sync_restores_from_cache_without_network(sdist_repo):
     # nothing to do the second time: no fetch at all
     r = repo.porter(offline=True).sync()
     assert r == {"added": [], "restored": [], "ok": ["up"]}
+    # a file the lock does not record under vendor/up or LICENSES/up: verify reports it, sync removes it (it used to
+    # leave it, and verify kept failing after sync)
+    for extra in (repo.root / "vendor" / "up" / "stray.cu", repo.root / "LICENSES" / "up" / "NOTES.txt"):
+        extra.write_text("not upstream's")
+        assert [p.kind for p in repo.porter().verify()] == ["extra"]
+        r = repo.porter(offline=True).sync()
+        assert r["restored"] == ["up"] and not extra.exists()
+        assert repo.snapshot() == before and repo.porter().verify() == []
 
 
 def test_offline_without_cache_fails_clearly(sdist_repo):
@@ -324,6 +332,10 @@ def test_local_source_is_hashed_in_place(repo):
     assert [s.state for s in p.states()] == ["modified"]
     p.add(["ours"])  # re-record after an intended change
     assert p.verify() == []
+    # the repository's other files are no "extra" of our own source: sync notes nothing
+    (repo.root / "pipegoose/kernels/csrc/other.cu").write_text("// not declared\n")
+    notes: list[str] = []
+    assert "pipegoose" in repo.porter(log=notes.append).sync()["ok"] and notes == []
 
 
 def _tar_with(member: tarfile.TarInfo, data: bytes | None = None) -> bytes:
