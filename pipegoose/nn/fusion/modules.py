@@ -336,7 +336,7 @@ class FusedRMSNorm(nn.Module):
         y = PF.rms_norm(input, self.normalized_shape, self.weight, self.eps,
                         cast_before_weight=self.cast_before_weight, impl=self.impl)
         if getattr(self, "output_in_input_dtype", False) and y.dtype != input.dtype:
-            return y.to(input.dtype)  # e.g. bf16 input, fp32 weight: F.rms_norm's rule gives fp32, OLMo-2's bf16
+            return y.to(input.dtype)  # under autocast F.rms_norm's rule can give fp32; OLMo-2's is the input's
         return y
 
     def extra_repr(self) -> str:
