@@ -1491,13 +1491,35 @@ constexpr Tprc tprc_mode(int vec, bool rms, int tpr) {
 #endif
 }
 
+// Whether norm_bwd_async_kernel<Tin, ..., RMS, HC, TPB, TPRC> always takes the weight from shared memory (the launch
+// must give it the cache's bytes), instead of choosing at run time between that copy and global memory: the 16-bit
+// LayerNorm kernels compiled for their threads per row (TPRC) and the one specialised to 8192 columns. Without the
+// global path's pointer and flags in the row loop their spills go (52-56 bytes at 64, 128, 256 and 512 threads per row;
+// 8 at 8192), and the raw backward gained 0.3-8.7 points of copy at 896-8192 columns (bf16 1600: 74.4 -> 82.2, 7680:
+// 74.1 -> 82.7, 8192: 76.6 -> 81.9; session 18, call 2). The others lost 0.2-4.8 so: RMSNorm, fp32, LayerNorm's 2048
+// and 4096 specialisations (e.g. bf16 2048 88.5 -> 85.3). -DPIPEGOOSE_NORM_BWD_PCACHE_ARG (a benchmark experiment, off
+// in the shipped build): never, as before session 18.
+constexpr bool bwd_async_pcache(bool rms, int in_bytes, int hc, int tprc) {
+#if defined(PIPEGOOSE_NORM_BWD_PCACHE_ARG)
+  static_cast<void>(rms);
+  static_cast<void>(in_bytes);
+  static_cast<void>(hc);
+  static_cast<void>(tprc);
+  return false;
+#else
+  return !rms && in_bytes == 2 && (tprc > 0 || hc == 8192);
+#endif
+}
+
 // TPB: blockDim.x (256, 512 for rows of 257-512 threads, or pack_tpb's 512 or 1024). TPRC > 0 (with HC == 0): the
 // threads per row, and the rows per block TPB / TPRC, are compile-time constants (H is not).
 template <typename Tin, typename Tdy, int VEC, int NV, bool RMS, int HC, int TPB, int TPRC = 0>
 __global__ void __launch_bounds__(TPB, (AsyncBounds<TPB, (HC != 0 || TPRC != 0) && sizeof(Tin) == 2, NV>::min_blocks))
 norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const void* __restrict__ w, bool p_f32,
                       const float* __restrict__ mean, const float* __restrict__ rstd, Tin* __restrict__ dx,
-                      float* __restrict__ ws, int64_t rows, int h_arg, int tpr_arg, bool pcache) {
+                      float* __restrict__ ws, int64_t rows, int h_arg, int tpr_arg, bool pcache_arg) {
+  // bwd_async_pcache: the weight always from its shared-memory copy (ones when there is none; launch_bwd sizes it).
+  const bool pcache = bwd_async_pcache(RMS, sizeof(Tin), HC, TPRC) || pcache_arg;
   using G = FixedRow<HC, VEC, NV, false>;
   constexpr bool FIXED = HC > 0;
   constexpr int NACC = RMS ? 1 : 2;
@@ -2306,7 +2328,22 @@ constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
     const int tpr4 = round_tpr(ceil_div(chunks, 4));
     if (tpr4 <= 512) return {4, tpr4, false, true};
   }
-  const int nv = h <= (RMS ? 8192 : P32 ? 0 : 4096) ? 4 : 8;
+  int nv = h <= (RMS ? 8192 : P32 ? 0 : 4096) ? 4 : 8;
+#if !defined(PIPEGOOSE_NORM_FWD_NO_LANE_RULE)
+  // Rows whose four-chunk plan leaves lanes idle (chunks short of 4 * tpr) take eight chunks per thread: LayerNorm below
+  // 90% of the lanes in use, 16-bit RMSNorm below 85%, or below 70% where four chunks need one warp per row. Session
+  // 18 (raw forward, % of copy, bf16, four -> eight chunks): LayerNorm 576 / 1152 / 1280 / 1600 / 1792 / 2304 / 3584
+  // columns 76.7 / 69.0 / 72.7 / 79.7 / 85.8 / 78.8 / 85.9 -> 86.0 / 86.7 / 90.1 / 88.2 / 89.7 / 83.9 / 89.5, RMSNorm
+  // 576 / 1152 / 1280 / 1536 / 2304 82.9 / 78.2 / 82.4 / 89.1 / 87.7 -> 90.3 / 91.2 / 91.5 / 91.2 / 91.4; RMSNorm at
+  // 768 (75%, one warp) 92.4 -> 91.1, and with the lanes in use (1000, 1792, 3584, 5120, 7680 in the plan grid) eight
+  // chunks lost 1.5-3.7. fp32 RMSNorm keeps four (eight lost 0.2-2.5 at 1000-5120 columns). -DPIPEGOOSE_NORM_FWD_NO_LANE_RULE (a
+  // benchmark experiment, off in the shipped build): four chunks, as before.
+  if (nv == 4 && (!RMS || V == 8)) {
+    const int tpr4 = round_tpr(ceil_div(chunks, 4));
+    const int pct = !RMS ? 90 : tpr4 <= 32 ? 70 : 85;
+    if (chunks * 100 < 4 * static_cast<int64_t>(tpr4) * pct) nv = 8;
+  }
+#endif
   const int tpr = round_tpr(ceil_div(chunks, nv));
   if (tpr <= 1024) return {nv, tpr, false, false};
   const int tpr8 = round_tpr(ceil_div(chunks, 8));
@@ -2838,13 +2875,14 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     const bool pcache = w != nullptr && psmem <= kParamCacheBytes && !(!RMS && ACC && sizeof(Tin) == 2);
     // Launches kernel with smem_k bytes of dynamic shared memory, plus the weight cache when it fits too; a plan
     // that does not fit this device's shared memory at all runs the generic kernel.
-    auto launch = [&](auto kernel, size_t smem_k) {
+    // need_pc: the kernel always reads the weight cache (bwd_async_pcache), so it runs only with it.
+    auto launch = [&](auto kernel, size_t smem_k, bool need_pc = false) {
       const size_t limit = smem_limit();
-      if (smem_k > limit) {
+      if (smem_k + (need_pc ? psmem : 0) > limit) {
         run_generic();
         return;
       }
-      const bool pc = pcache && smem_k + psmem <= limit;
+      const bool pc = need_pc || (pcache && smem_k + psmem <= limit);
       if (pc) smem_k += psmem;
       allow_smem(reinterpret_cast<const void*>(kernel), smem_k);
       const int occ = occupancy(reinterpret_cast<const void*>(kernel), threads, smem_k);
@@ -2864,7 +2902,8 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
         constexpr int S = AsyncBounds<TPB, (HC != 0 || TPRC != 0) && sizeof(Tin) == 2>::stages;
         const size_t stage = bwd_async_stage_bytes(S, rpb, NV, cfg.tpr, VEC, static_cast<int>(sizeof(Tin)),
                                                    static_cast<int>(sizeof(Tdy)));
-        launch(&norm_bwd_async_kernel<Tin, Tdy, VEC, NV, RMS, HC, TPB, TPRC>, std::max(stage, combine));
+        launch(&norm_bwd_async_kernel<Tin, Tdy, VEC, NV, RMS, HC, TPB, TPRC>, std::max(stage, combine),
+               bwd_async_pcache(RMS, sizeof(Tin), HC, TPRC));
       };
       // Rows of two chunks per thread without a specialised kernel (HC == 0) whose tprc_mode is kFixed or kPacked run
       // the kernel compiled for their threads per row (TPRC; true if so): kFixed rows of 32-256 threads in blocks of
