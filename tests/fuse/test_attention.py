@@ -299,3 +299,35 @@ def test_fused_rms_norm_keeps_the_module_output_dtype(style, xdt, wdt):
     assert out.dtype == ref.dtype, (style, xdt, wdt, out.dtype, ref.dtype)
     lowest = wdt if torch.finfo(wdt).bits < torch.finfo(xdt).bits or wdt == torch.bfloat16 else xdt
     torch.testing.assert_close(out.float(), ref.float(), **tol(lowest, 4))
+
+
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_transformers_sdpa_wrapper_zeroes_rows_without_keys(hkv):
+    """'pipegoose_sdpa' calls transformers' sdpa function through _transformers_sdpa, which opens a bool mask's rows
+    that have no key and zeroes their output (CUDA's SDPA gave NaN gradients there; tests/fuse/test_fuse_cuda.py):
+    here on the CPU, the result is unchanged elsewhere (against transformers' function called directly, and the
+    float64 reference), GQA included, and a mask with extra trailing keys (static caches) is cut first."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from pipegoose.nn.fusion.transformers.attention import _transformers_sdpa
+
+    g = torch.Generator().manual_seed(3)
+    b, hq, s, d = 3, 4, 9, 8
+    mod = _Mod(True)
+    mod.num_key_value_groups = hq // hkv
+    q = torch.randn(b, hq, s, d, generator=g, requires_grad=True)
+    k = torch.randn(b, hkv, s, d, generator=g, requires_grad=True)
+    v = torch.randn(b, hkv, s, d, generator=g, requires_grad=True)
+    j = torch.arange(s + 2)
+    pad = torch.tensor([0, 4, s + 2])
+    attend = (j[None, :s + 2] <= torch.arange(s)[:, None])[None] & (j[None, None, :] >= pad[:, None, None])
+    mask = attend[:, None]                                    # [b, 1, s, s + 2]; batch row 2: no key at all
+    out, w = _transformers_sdpa(mod, q, k, v, mask, scaling=0.3)
+    assert w is None and out.shape == (b, s, hq, d)
+    assert out[2].abs().max().item() == 0 and out[1, :4].abs().max().item() == 0
+    direct, _ = sdpa_attention_forward(mod, q, k, v, mask[..., :s], scaling=0.3)
+    torch.testing.assert_close(out, direct)   # the CPU's SDPA gives zeros there itself
+    ref_out = _reference(q, k, v, ~mask[..., :s], 0.3)[0]
+    torch.testing.assert_close(out.double(), ref_out, **tol(torch.float32, 4))
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.isfinite(t).all() for t in grads)

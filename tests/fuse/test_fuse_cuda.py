@@ -11,13 +11,14 @@ the model; the fused error must not exceed twice the unfused error plus the dtyp
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 
 from pipegoose.nn.fusion import dispatch
 from pipegoose.nn.fusion.fuse import fuse, unfuse
-from tolerances import TOLERANCES
+from tolerances import TOLERANCES, tol
 
 from . import models
 
@@ -142,3 +143,57 @@ def test_training_losses_match(arch):
     assert ref[-1] < ref[0] - 0.5, f"the unfused run did not train: {ref}"
     for i, (a, b) in enumerate(zip(ref, out)):
         assert abs(a - b) <= TRAIN_LOSS_RTOL * abs(a), f"step {i}: unfused {a:.5f} fused {b:.5f}\n{ref}\n{out}"
+
+
+class _AttnModule(torch.nn.Module):
+    is_causal = True
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("path", ["small_problem", "transformers_sdpa"])
+def test_sdpa_paths_give_zeros_for_rows_without_keys(monkeypatch, dtype, path):
+    """The paths that call F.scaled_dot_product_attention with a bool mask (our small-problem path, and
+    transformers' sdpa function behind 'pipegoose_sdpa'), on CUDA, with query rows that have no key to attend (a
+    left-padded causal batch, and a batch row of padding only): outputs and gradients match the float64 reference,
+    where such rows give zeros. On the H200 (torch 2.11) SDPA ran cuDNN attention in fp16/bf16, whose outputs for
+    such rows were nonzero, and the fused GPT-2 demo's gradients NaN (fp32 runs another backend: zeros)."""
+    from pipegoose.nn.fusion.transformers import attention as A
+
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")  # tests/fuse turn the small-problem rule off; this test is about it
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(11)
+    b, h, s, d, scale = 3, 4, 16, 32, 0.2
+    q, k, v = (torch.randn(b, h, s, d, generator=g).to(dev, dtype).requires_grad_() for _ in range(3))
+    pad = torch.tensor([0, 5, s])
+    j = torch.arange(s)
+    attend = (j[None, :] <= j[:, None])[None] & (j[None, None, :] >= pad[:, None, None])   # [b, sq, sk]
+    mask = attend[:, None].to(dev)
+    dispatch.reset_stats()
+    if path == "small_problem":
+        out, probs = A.pipegoose_attention_forward(_AttnModule(), q, k, v, mask, scaling=scale)
+        assert probs is None and dispatch.stats() == {"attention": {"sdpa": 1}}
+    else:
+        out, _ = A._transformers_sdpa(_AttnModule(), q, k, v, mask, scaling=scale)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    sc = (q64 @ k64.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    ref = (torch.softmax(sc, -1).nan_to_num(0.0) @ v64).transpose(1, 2)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert out[2].abs().max().item() == 0 and out[1, :5].abs().max().item() == 0   # rows without keys: zeros
+    torch.testing.assert_close(out.double(), ref, **tol(dtype, 4))
+    go = torch.randn(ref.shape, generator=g, dtype=torch.float64).to(dev)
+    grads = torch.autograd.grad(out, (q, k, v), go.to(dtype))
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), go)
+    for name, a, r in zip("qkv", grads, ref_grads):
+        assert torch.isfinite(a).all(), f"grad {name}: not finite"
+        torch.testing.assert_close(a.double(), r, **tol(dtype, 8), msg=lambda m: f"grad {name}: {m}")
+
+
+def test_demo_gpt2_bf16_left_padding_on_gpu(capsys):
+    """The main job on a GPU with a left-padded batch (--model gpt2: fully masked causal rows) in bf16: at this size
+    the attention runs the small-problem SDPA path; the fused model's gradients are finite and within the parity
+    rule (they were NaN before that path opened rows without keys)."""
+    from pipegoose.nn.fusion import demo
+
+    assert demo.main(["--model", "gpt2", "--device", "cuda", "--dtype", "bfloat16", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "parity (bfloat16" in out and "PASS" in out and not re.search(r"\bnan\b", out)

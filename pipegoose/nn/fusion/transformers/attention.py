@@ -264,17 +264,33 @@ _SMALL_CHOICE = dispatch.Choice(
     "costs the host less than a separate softmax")
 
 
+def _open_empty_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask with every fully masked row opened to all keys, keep [..., sq, 1]: whether the row had a key) for a bool
+    mask (True = attend). The caller multiplies SDPA's output by ``keep``, so those rows give zeros.
+
+    Why: on CUDA, ``F.scaled_dot_product_attention`` with a bool mask in fp16/bf16 runs cuDNN attention by default
+    (H200, torch 2.11), which gives rows with no key to attend (left-padded causal batches) nonzero outputs (a small
+    bf16 case: 1.66 where the efficient and math backends give 0) and, in the fused GPT-2 demo, NaN gradients
+    everywhere; the CPU gives zeros. An opened row computes finite weights, and ``keep`` zeroes the row's output and
+    with it every gradient through it. No host synchronisation."""
+    keep = mask.any(dim=-1, keepdim=True)
+    return mask | ~keep, keep
+
+
 def _small_sdpa(module, query, key, value, attention_mask, scaling, dropout, is_causal):
     """The small-problem path of :func:`pipegoose_attention_forward`: ``F.scaled_dot_product_attention`` on the
     same inputs (a bool mask: True = attend; a float mask: added; None: causal when ``is_causal`` and ``sq > 1``,
-    top-left aligned). A bool mask's fully masked rows give zeros, as on the fused path; an additive mask's give
-    uniform weights (as transformers' eager and SDPA paths)."""
+    top-left aligned). A bool mask's fully masked rows give zeros and zero gradients, as on the fused path
+    (:func:`_open_empty_rows`); an additive mask's give uniform weights (as transformers' eager and SDPA paths)."""
     hq, hkv = query.shape[1], key.shape[1]
     sq, sk = query.shape[2], key.shape[2]
     mask = attention_mask
+    keep = None
     if mask is not None:
         mask = _fit_mask(mask, sq, sk)
-        if mask.dtype != torch.bool:
+        if mask.dtype == torch.bool:
+            mask, keep = _open_empty_rows(mask)
+        else:
             if not mask.is_floating_point():
                 raise TypeError(f"attention_mask: expected a bool or floating-point mask, got dtype {mask.dtype}")
             mask = mask.to(query.dtype)
@@ -282,14 +298,24 @@ def _small_sdpa(module, query, key, value, attention_mask, scaling, dropout, is_
         query, _repeat_kv(key, hq // hkv), _repeat_kv(value, hq // hkv), attn_mask=mask,
         dropout_p=dropout if module.training else 0.0, scale=scaling,
         is_causal=mask is None and bool(is_causal) and sq > 1)
+    if keep is not None:
+        out = out * keep
     return out.transpose(1, 2).contiguous(), None
 
 
 def _transformers_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' ``sdpa`` attention function, with a bool mask's fully masked rows giving zeros and finite
+    gradients (:func:`_open_empty_rows`) as on our paths."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                  **kwargs)
+    keep = None
+    if attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.dim() == 4:
+        attention_mask, keep = _open_empty_rows(attention_mask[..., :key.shape[2]])
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                          dropout=dropout, **kwargs)
+    if keep is not None:  # out [b, sq, h, d]; keep [b or 1, h or 1, sq, 1]
+        out = out * keep.transpose(1, 2)
+    return out, weights
 
 
 def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
