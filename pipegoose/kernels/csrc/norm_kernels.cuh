@@ -1495,12 +1495,11 @@ constexpr Tprc tprc_mode(int vec, bool rms, int tpr) {
 // must give it the cache's bytes), instead of choosing at run time between that copy and global memory: the 16-bit
 // LayerNorm kernels compiled for their threads per row (TPRC) and those specialised to 768 and 8192 columns. Without
 // the global path's pointer and flags in the row loop their spills go (52-56 bytes at 64, 128, 256 and 512 threads per
-// row; 8 at 8192), and the raw backward gained 0.9-8.7 points of copy at 896-8192 columns but 1536 (-0.6 to +0.3)
-// (bf16 1600: 74.4 -> 82.2, 7680: 74.1 -> 82.7, 8192: 76.6 -> 81.9; session 18, call 2), and 5.8-6.1 at 768 (call
-// 4). The others lost 0.2-4.8
-// so: RMSNorm, fp32, LayerNorm's 1024, 2048 and 4096 specialisations (e.g. bf16 2048 88.5 -> 85.3, 1024 89.5 ->
-// 86.4). -DPIPEGOOSE_NORM_BWD_PCACHE_ARG (a benchmark experiment, off in the shipped build): never, as before session
-// 18.
+// row; 8 at 8192), and the raw backward gained 0.9-8.7 points of copy at 896-8192 columns but 1536 (-0.6 to +0.3) (bf16
+// 1600: 74.4 -> 82.2, 7680: 74.1 -> 82.7, 8192: 76.6 -> 81.9; session 18, call 2), and 5.8-6.1 at 768 (call 4). The
+// others lost 0.2-4.8 so: RMSNorm, fp32, LayerNorm's 1024, 2048 and 4096 specialisations (e.g. bf16 2048 88.5 -> 85.3,
+// 1024 89.5 -> 86.4). -DPIPEGOOSE_NORM_BWD_PCACHE_ARG (a benchmark experiment, off in the shipped build): never, as
+// before session 18.
 constexpr bool bwd_async_pcache(bool rms, int in_bytes, int hc, int tprc) {
 #if defined(PIPEGOOSE_NORM_BWD_PCACHE_ARG)
   static_cast<void>(rms);
