@@ -1494,12 +1494,13 @@ constexpr Tprc tprc_mode(int vec, bool rms, int tpr) {
 // Whether norm_bwd_async_kernel<Tin, ..., RMS, HC, TPB, TPRC> always takes the weight from shared memory (the launch
 // must give it the cache's bytes), instead of choosing at run time between that copy and global memory: the 16-bit
 // LayerNorm kernels compiled for their threads per row (TPRC) and those specialised to 768 and 8192 columns. Without
-// the global path's pointer and flags in the row loop their spills go (52-56 bytes at 64, 128, 256 and 512 threads per
-// row; 8 at 8192), and the raw backward gained 0.9-8.7 points of copy at 896-8192 columns but 1536 (-0.6 to +0.3) (bf16
-// 1600: 74.4 -> 82.2, 7680: 74.1 -> 82.7, 8192: 76.6 -> 81.9; session 18, call 2), and 5.8-6.1 at 768 (call 4). The
-// others lost 0.2-4.8 so: RMSNorm, fp32, LayerNorm's 1024, 2048 and 4096 specialisations (e.g. bf16 2048 88.5 -> 85.3,
-// 1024 89.5 -> 86.4). -DPIPEGOOSE_NORM_BWD_PCACHE_ARG (a benchmark experiment, off in the shipped build): never, as
-// before session 18.
+// the global path's pointer and flags in the row loop their spills go (52 bytes at 64, 128 and 256 threads per row, 8
+// at 8192; ptxas, sm_90; the kernel of 512 threads per row went from 56 to 88 bytes and still gained), and the raw
+// backward gained 0.9-8.7 points of copy at 896-8192 columns but 1536 (-0.6 to +0.3) (bf16 1600: 74.4 -> 82.2, 7680:
+// 74.1 -> 82.7, 8192: 76.6 -> 81.9; session 18, call 2), and 5.7-6.3 at 768 (call 4). The others went -4.8 to +0.2 so,
+// mostly losses: RMSNorm, fp32, LayerNorm's 1024, 2048 and 4096 specialisations (e.g. bf16 2048 88.5 -> 85.3, 1024 89.6
+// -> 86.4). -DPIPEGOOSE_NORM_BWD_PCACHE_ARG (a benchmark experiment, off in the shipped build): never, as before
+// session 18.
 constexpr bool bwd_async_pcache(bool rms, int in_bytes, int hc, int tprc) {
 #if defined(PIPEGOOSE_NORM_BWD_PCACHE_ARG)
   static_cast<void>(rms);
@@ -2337,7 +2338,7 @@ constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
   // / 3584 columns 76.7 / 69.0 / 72.7 / 79.7 / 85.8 / 78.8 / 85.9 -> 86.0 / 86.7 / 90.1 / 88.2 / 89.7 / 83.9 / 89.5,
   // RMSNorm 576 / 1152 / 1280 / 1536 / 2304 82.9 / 78.2 / 82.4 / 89.1 / 87.7 -> 90.3 / 91.2 / 91.5 / 91.2 / 91.4;
   // RMSNorm at 768 (75%, one warp) 92.4 -> 91.1, and with the lanes in use (1000, 1792, 3584, 5120, 7680 in the plan
-  // grid) eight chunks lost 1.5-3.7. fp32 RMSNorm keeps four (eight lost 0.2-2.5 at 1000-5120 columns).
+  // grid) eight chunks lost 1.5-3.7. fp32 RMSNorm keeps four (eight lost 0.3-2.5 at 1000-5120 columns).
   // -DPIPEGOOSE_NORM_FWD_NO_LANE_RULE (a benchmark experiment, off in the shipped build): four chunks, as before.
   if (nv == 4 && (!RMS || V == 8)) {
     const int tpr4 = round_tpr(ceil_div(chunks, 4));
@@ -3036,7 +3037,7 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
 // resident blocks: up to 4.9 points slower), and the row kernel summing its own workspace after a grid barrier in a
 // cooperative launch (no second kernel; LayerNorm 0.2-5.7 points slower). Session 18 (call 4): 16-byte loads, blocks of
 // 8 x 64 threads over 32 columns each holding a float4 per partial row (four times the bytes in flight): within 0.6
-// points at 576-4096 columns, 1.0-3.5 slower from 5120 (bf16 32768: 67.9 -> 65.1).
+// points at 576-4096 columns; from 5120 slower by 1.0-3.5 in 16-bit (bf16 32768: 67.9 -> 65.1), 0.4-2.5 in fp32.
 template <typename TA, typename TB>
 void launch_col_reduce(const at::Tensor& ws, int H, TA* out_a, TB* out_b, cudaStream_t stream) {
   constexpr int kLanes = 16, kIlp = 4;

@@ -268,10 +268,10 @@ def _open_empty_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(mask with every fully masked row opened to all keys, keep [..., sq, 1]: whether the row had a key) for a bool
     mask (True = attend). The caller multiplies SDPA's output by ``keep``, so those rows give zeros.
 
-    Why: on CUDA, ``F.scaled_dot_product_attention`` with a bool mask in fp16/bf16 runs cuDNN attention by default
-    (H200, torch 2.11), which gives rows with no key to attend (left-padded causal batches) nonzero outputs (a small
-    bf16 case: 1.66 where the efficient and math backends give 0) and, in the fused GPT-2 demo, NaN gradients
-    everywhere; the CPU gives zeros. An opened row computes finite weights, and ``keep`` zeroes the row's output and
+    Why: on CUDA, ``F.scaled_dot_product_attention`` with a bool mask in fp16/bf16 gives rows with no key to attend
+    (left-padded causal batches) nonzero outputs by default, as with cuDNN attention forced (H200, torch 2.11; a small
+    bf16 case: 1.66 and 1.53, where the efficient and math backends give 0), and in the fused GPT-2 demo NaN
+    gradients; the CPU gives zeros. An opened row computes finite weights, and ``keep`` zeroes the row's output and
     with it every gradient through it. No host synchronisation."""
     keep = mask.any(dim=-1, keepdim=True)
     return mask | ~keep, keep
