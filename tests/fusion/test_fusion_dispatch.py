@@ -392,6 +392,15 @@ def test_misspelt_impl_variable_warns(monkeypatch):
     assert dispatch.warn_unknown_env() == []
 
 
+def test_impl_attention_variable_is_known(monkeypatch, recwarn):
+    """PIPEGOOSE_IMPL_ATTENTION keeps the attention function's own paths under torch.compile (compile_passthrough
+    reads it); the check of unknown variables warned that it was ignored."""
+    monkeypatch.setenv("PIPEGOOSE_IMPL_ATTENTION", "pipegoose")
+    monkeypatch.setattr(dispatch, "_env_checked", False)
+    assert dispatch.warn_unknown_env() == []
+    assert not [w for w in recwarn if "PIPEGOOSE_IMPL_ATTENTION" in str(w.message)]
+
+
 def test_warnings_name_the_callers_line_not_pipegoose():
     """An unmet request warns at the user's line: through the functional op, and through a fused module called from
     a model's forward (past nn.Module.__call__), not inside pipegoose or torch."""

@@ -560,11 +560,12 @@ def _caller_stacklevel() -> int:
 def warn_unknown_env() -> list[str]:
     """Warn (``UserWarning``, once per process from :func:`choose`) about ``PIPEGOOSE_IMPL_*`` variables that name
     no op or op family (a misspelling such as ``PIPEGOOSE_IMPL_LAYERNORM`` would otherwise be ignored silently).
-    Returns the unknown names."""
+    ``PIPEGOOSE_IMPL_ATTENTION`` is known: the attention function reads it (:func:`compile_passthrough`), though
+    attention is no op of the dispatcher. Returns the unknown names."""
     global _env_checked
     _env_checked = True
     _ensure_builtin_ops()
-    known = {name for op in _impls for name in _env_names(op)}
+    known = {name for op in (*_impls, "attention") for name in _env_names(op)}
     unknown = sorted(k for k in os.environ if k.startswith("PIPEGOOSE_IMPL_") and k not in known)
     for k in unknown:
         warnings.warn(f"{k}: no fused op of that name, so it is ignored; known: {', '.join(sorted(known))}",
