@@ -76,7 +76,8 @@ def test_attention_matches_float64(dtype, sq, sk, hq, hkv, kind):
 def test_small_problems_run_sdpa(monkeypatch, dtype, sq, sk, hq, hkv, kind):
     """Below PIPEGOOSE_SMALL_NUMEL score elements the function runs F.scaled_dot_product_attention (counted as
     attention/sdpa, no weights returned); outputs and gradients still match the float64 reference, fully masked
-    rows included (zeros). PIPEGOOSE_SMALL_NUMEL=0 turns it off."""
+    rows included (zeros, for bool and additive masks alike, as on the softmax path). PIPEGOOSE_SMALL_NUMEL=0 turns
+    it off."""
     from pipegoose.nn.fusion import dispatch
     from pipegoose.nn.fusion.ops import _common
 
@@ -101,8 +102,6 @@ def test_small_problems_run_sdpa(monkeypatch, dtype, sq, sk, hq, hkv, kind):
     assert probs is None and dispatch.stats() == {"attention": {"sdpa": 1}}
     ref_out = _reference(q, k, v, masked, 0.37)[0]
     assert out.dtype == dtype and out.shape == (b, sq, hq, d) and out.is_contiguous()
-    if kind == "padding":   # an additive mask: a fully masked row is uniform (SDPA adds, as eager does)
-        ref_out[2] = v.double().repeat_interleave(hq // hkv, 1)[2].mean(1).expand(sq, hq, d)
     torch.testing.assert_close(out.double(), ref_out, **tol(dtype, 4))
     go = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dtype)
     grads = torch.autograd.grad(out, (q, k, v), go)
@@ -331,3 +330,60 @@ def test_transformers_sdpa_wrapper_zeroes_rows_without_keys(hkv):
     torch.testing.assert_close(out.double(), ref_out, **tol(torch.float32, 4))
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     assert all(torch.isfinite(t).all() for t in grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bfloat16, "-inf"], ids=str)
+def test_sdpa_paths_agree_with_the_softmax_path_on_additive_masks(monkeypatch, dtype, mask_dtype):
+    """An additive mask (the mask dtype's minimum, or -inf, for masked keys; an fp32 mask on 16-bit queries
+    included) with rows that have no key: the small-problem SDPA path and transformers' sdpa function behind
+    'pipegoose_sdpa' give what the softmax path gives (zeros there, the float64 reference elsewhere) and finite
+    gradients, so that a fused model's padded rows do not depend on the batch size or on torch.compile. Before, the
+    SDPA paths gave such rows uniform weights, and an fp32 minimum cast to a 16-bit dtype became -inf."""
+    from pipegoose.nn.fusion import dispatch
+    from pipegoose.nn.fusion.ops import _common
+    from pipegoose.nn.fusion.transformers.attention import _transformers_sdpa
+
+    g = torch.Generator().manual_seed(7)
+    b, h, s, d = 3, 2, 6, 8
+    q, k, v = (torch.randn(b, h, s, d, generator=g).to(dtype).requires_grad_() for _ in range(3))
+    j = torch.arange(s)
+    masked = ~((j[None, :] <= j[:, None])[None] & (j[None, None, :] >= torch.tensor([0, 2, s])[:, None, None]))
+    masked = masked[:, None]                                      # [b, 1, s, s]: causal, left padding 0 / 2 / all
+    if mask_dtype == "-inf":
+        mask = torch.zeros(masked.shape).masked_fill(masked, float("-inf"))
+    else:
+        mask = torch.zeros(masked.shape, dtype=mask_dtype).masked_fill(masked, torch.finfo(mask_dtype).min)
+    ref = _reference(q, k, v, masked, 0.3)[0]
+    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "0")
+    soft, _ = pipegoose_attention_forward(_Mod(True), q, k, v, mask, scaling=0.3)   # the softmax path
+    monkeypatch.setattr(_common, "on_kernel_device", lambda t: True)                 # CUDA only: pretend
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
+    dispatch.reset_stats()
+    small, _ = pipegoose_attention_forward(_Mod(True), q, k, v, mask, scaling=0.3)
+    assert dispatch.stats() == {"attention": {"sdpa": 1}}
+    mod = _Mod(True)
+    mod.num_key_value_groups = 1
+    via_tf, _ = _transformers_sdpa(mod, q, k, v, mask, scaling=0.3)
+    for name, out in (("softmax path", soft), ("small-problem SDPA", small), ("transformers sdpa", via_tf)):
+        assert out[2].abs().max().item() == 0 and out[1, :2].abs().max().item() == 0, name
+        torch.testing.assert_close(out.double(), ref, **tol(dtype, 4), msg=lambda m: f"{name}: {m}")
+        grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+        assert all(torch.isfinite(t).all() for t in grads), name
+
+
+def test_pipegoose_sdpa_applies_head_mask():
+    """'pipegoose_sdpa' hands calls to transformers' sdpa function where the tuning table prefers SDPA (always on
+    the CPU); that function ignores head_mask, so a call with one runs ours: the masked head's output is zero, as
+    from pipegoose_attention_forward (it was the unmasked head's output)."""
+    from pipegoose.nn.fusion.transformers.attention import pipegoose_sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 4, 5, 8, generator=g) for _ in range(3))
+    mod = _Mod(False)
+    mod.num_key_value_groups = 1
+    head_mask = torch.tensor([1.0, 0.0, 1.0, 0.5])
+    out, _ = pipegoose_sdpa_attention_forward(mod, q, k, v, None, scaling=0.3, head_mask=head_mask)
+    ref = _reference(q, k, v, None, 0.3, head_mask=head_mask.view(1, 4, 1, 1))[0]
+    assert out[:, :, 1].abs().max().item() == 0
+    torch.testing.assert_close(out.double(), ref, **tol(torch.float32, 4))

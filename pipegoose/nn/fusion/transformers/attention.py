@@ -21,8 +21,8 @@ Masks. For both entries a mask function is registered in ``AttentionMaskInterfac
 builds SDPA's boolean masks (True = attend, ``None`` when no masking is needed). Older transformers versions, and
 callers passing a ready 4-D mask, hand us transformers' additive float masks (0 or the dtype's minimum). Both are
 converted here to the Megatron convention: boolean, True = masked. A float mask holding other values (a real bias)
-is added to the scaled scores before an unmasked softmax. Fully masked rows give zeros (transformers' eager path
-gives uniform weights there, SDPA gives zeros).
+is added to the scaled scores before an unmasked softmax. Fully masked rows give zeros on every path of ours, the
+SDPA ones included (transformers' eager path gives uniform weights there).
 """
 
 from __future__ import annotations
@@ -264,36 +264,40 @@ _SMALL_CHOICE = dispatch.Choice(
     "costs the host less than a separate softmax")
 
 
-def _open_empty_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask with every fully masked row opened to all keys, keep [..., sq, 1]: whether the row had a key) for a bool
-    mask (True = attend). The caller multiplies SDPA's output by ``keep``, so those rows give zeros.
+def _sdpa_mask(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the mask to hand to SDPA, keep [..., sq, 1]: whether the row has a key to attend) for ``mask``, a bool mask
+    (True = attend) or an additive float mask (keys at or below half its dtype's minimum are masked, as on the softmax
+    path: :func:`additive_to_boolean_mask`; other values are a bias), with queries of ``dtype``. Rows without a key
+    are opened to every key (finite weights), and the caller multiplies SDPA's output by ``keep``, so that they give
+    zeros and zero gradients, as on the softmax path; a float mask is clamped to ``dtype``'s range before the cast (an
+    fp32 minimum became -inf in bf16 and fp16). No host synchronisation.
 
     Why: on CUDA, ``F.scaled_dot_product_attention`` with a bool mask in fp16/bf16 gives rows with no key to attend
     (left-padded causal batches) nonzero outputs by default, as with cuDNN attention forced (H200, torch 2.11; a small
     bf16 case: 1.66 and 1.53, where the efficient and math backends give 0), and in the fused GPT-2 demo NaN
-    gradients; the CPU gives zeros. An opened row computes finite weights, and ``keep`` zeroes the row's output and
-    with it every gradient through it. No host synchronisation."""
-    keep = mask.any(dim=-1, keepdim=True)
-    return mask | ~keep, keep
+    gradients; the CPU gives zeros. An additive mask's such rows gave uniform weights there, where the softmax path
+    gives zeros: the same model's padded rows differed with the batch size, or under ``torch.compile``."""
+    if mask.dtype == torch.bool:
+        keep = mask.any(dim=-1, keepdim=True)
+        return mask | ~keep, keep
+    if not mask.is_floating_point():
+        raise TypeError(f"attention_mask: expected a bool or floating-point mask, got dtype {mask.dtype}")
+    keep = (mask > torch.finfo(mask.dtype).min / 2).any(dim=-1, keepdim=True)
+    lo = torch.finfo(dtype).min
+    return mask.masked_fill(~keep, 0).clamp(min=max(lo, torch.finfo(mask.dtype).min)).to(dtype), keep
 
 
 def _small_sdpa(module, query, key, value, attention_mask, scaling, dropout, is_causal):
     """The small-problem path of :func:`pipegoose_attention_forward`: ``F.scaled_dot_product_attention`` on the
     same inputs (a bool mask: True = attend; a float mask: added; None: causal when ``is_causal`` and ``sq > 1``,
-    top-left aligned). A bool mask's fully masked rows give zeros and zero gradients, as on the fused path
-    (:func:`_open_empty_rows`); an additive mask's give uniform weights (as transformers' eager and SDPA paths)."""
+    top-left aligned). Rows without a key to attend (every key masked: False in a bool mask, at or below half the
+    dtype's minimum in an additive one) give zeros and zero gradients, as on the softmax path (:func:`_sdpa_mask`)."""
     hq, hkv = query.shape[1], key.shape[1]
     sq, sk = query.shape[2], key.shape[2]
     mask = attention_mask
     keep = None
     if mask is not None:
-        mask = _fit_mask(mask, sq, sk)
-        if mask.dtype == torch.bool:
-            mask, keep = _open_empty_rows(mask)
-        else:
-            if not mask.is_floating_point():
-                raise TypeError(f"attention_mask: expected a bool or floating-point mask, got dtype {mask.dtype}")
-            mask = mask.to(query.dtype)
+        mask, keep = _sdpa_mask(_fit_mask(mask, sq, sk), query.dtype)
     out = F.scaled_dot_product_attention(
         query, _repeat_kv(key, hq // hkv), _repeat_kv(value, hq // hkv), attn_mask=mask,
         dropout_p=dropout if module.training else 0.0, scale=scaling,
@@ -304,13 +308,13 @@ def _small_sdpa(module, query, key, value, attention_mask, scaling, dropout, is_
 
 
 def _transformers_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers' ``sdpa`` attention function, with a bool mask's fully masked rows giving zeros and finite
-    gradients (:func:`_open_empty_rows`) as on our paths."""
+    """transformers' ``sdpa`` attention function, with rows without a key to attend giving zeros and zero gradients
+    (:func:`_sdpa_mask`) as on our paths; a mask with more keys than ``key`` (static caches) is cut first."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     keep = None
-    if attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.dim() == 4:
-        attention_mask, keep = _open_empty_rows(attention_mask[..., :key.shape[2]])
+    if attention_mask is not None and attention_mask.dim() == 4:
+        attention_mask, keep = _sdpa_mask(attention_mask[..., :key.shape[2]], query.dtype)
     out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                           dropout=dropout, **kwargs)
     if keep is not None:  # out [b, sq, h, d]; keep [b or 1, h or 1, sq, 1]
@@ -339,9 +343,9 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
 
     Small problems: CUDA scores (fp16/bf16/fp32) of fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements (default 2**20; 0
     turns this off) without ``head_mask``, when transformers is not collecting attention weights
-    (``output_attentions=True``), run ``torch.nn.functional.scaled_dot_product_attention`` instead (same masks and causality; a
-    bool mask's fully masked rows give zeros as here, an additive float mask is added as transformers' eager and SDPA
-    paths add it, so its fully masked rows give uniform weights; ``attn_weights`` is then None, as with SDPA; counted
+    (``output_attentions=True``), run ``torch.nn.functional.scaled_dot_product_attention`` instead (same masks and
+    causality; fully masked rows give zeros as here, for bool and additive masks alike; ``attn_weights`` is then
+    None, as with SDPA; counted
     as op ``"attention"``, impl ``"sdpa"`` in ``dispatch.stats()``): at such sizes a training step is
     bound by the host, and the separate softmax with its Python autograd costs more host time than it saves.
     Under ``torch.compile`` (``dispatch.compile_passthrough("attention")``: no ``PIPEGOOSE_IMPL_ATTENTION``, not
@@ -407,9 +411,11 @@ def _head_mask_for(head_mask: torch.Tensor, probs: torch.Tensor) -> torch.Tensor
 
 def pipegoose_sdpa_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                                      **kwargs):
-    """:func:`pipegoose_attention_forward` where the tuning table says ours is faster, transformers' ``sdpa``
-    function otherwise (per call: device, dtype and key length). Same arguments and results."""
-    if tuned_attention_impl(query.device, query.dtype, key.shape[2]) == "pipegoose":
+    """:func:`pipegoose_attention_forward` where the tuning table says ours is faster, or a ``head_mask`` is given
+    (transformers' ``sdpa`` function ignores it), transformers' ``sdpa`` function otherwise (per call: device, dtype
+    and key length). Same arguments and results."""
+    if kwargs.get("head_mask") is not None or \
+            tuned_attention_impl(query.device, query.dtype, key.shape[2]) == "pipegoose":
         return pipegoose_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                            dropout=dropout, **kwargs)
     return _transformers_sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
