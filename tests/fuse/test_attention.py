@@ -122,6 +122,10 @@ def test_small_problem_path_refuses_bad_masks(monkeypatch):
         pipegoose_attention_forward(_Mod(False), q, k, v, torch.ones(1, 1, 4, 3, dtype=torch.bool))
     with pytest.raises(TypeError, match="attention_mask"):
         pipegoose_attention_forward(_Mod(False), q, k, v, torch.ones(1, 1, 4, 4, dtype=torch.int64))
+    # a mask for another batch or head count: a ValueError naming it (SDPA raised a bare RuntimeError)
+    for shape in ((3, 1, 4, 4), (1, 3, 4, 4)):
+        with pytest.raises(ValueError, match=r"attention_mask: expected shape \[1, 2 or 1, 4 or 1, >= 4\]"):
+            pipegoose_attention_forward(_Mod(False), q, k, v, torch.ones(*shape, dtype=torch.bool))
 
 
 def test_small_problem_rule_is_cuda_only_so_strict_sees_cpu_fallbacks(monkeypatch):

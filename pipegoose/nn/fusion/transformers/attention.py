@@ -97,17 +97,22 @@ def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
     return (k > q).view(1, 1, sq, sk)
 
 
-def _fit_mask(m: torch.Tensor, query_len: int, key_len: int) -> torch.Tensor:
-    """``m`` checked against ``[b or 1, h or 1, query_len or 1, >= key_len]`` and cut to ``key_len`` keys.
+def _fit_mask(m: torch.Tensor, query_len: int, key_len: int, batch: int | None = None,
+              heads: int | None = None) -> torch.Tensor:
+    """``m`` checked against ``[b or 1, h or 1, query_len or 1, >= key_len]`` (b and h only when given) and cut to
+    ``key_len`` keys.
 
     Raises:
-        ValueError: the mask's rank or last dimensions do not fit.
+        ValueError: the mask's rank or dimensions do not fit.
     """
     if m.dim() != 4:
         raise ValueError(f"attention_mask: expected a 4-D mask [b, 1, sq, sk], got shape {tuple(m.shape)}")
-    if m.shape[-1] < key_len or m.shape[-2] not in (1, query_len):
-        raise ValueError(
-            f"attention_mask: expected shape [b or 1, h or 1, {query_len} or 1, >= {key_len}], got {tuple(m.shape)}")
+    bad_b = batch is not None and m.shape[0] not in (1, batch)
+    bad_h = heads is not None and m.shape[1] not in (1, heads)
+    if m.shape[-1] < key_len or m.shape[-2] not in (1, query_len) or bad_b or bad_h:
+        dims = [(name if n is None else str(n)) + (" or 1" if n != 1 else "")
+                for name, n in (("b", batch), ("h", heads), ("sq", query_len))]
+        raise ValueError(f"attention_mask: expected shape [{', '.join(dims)}, >= {key_len}], got {tuple(m.shape)}")
     return m[..., :key_len] if m.shape[-1] > key_len else m
 
 
@@ -297,7 +302,7 @@ def _small_sdpa(module, query, key, value, attention_mask, scaling, dropout, is_
     mask = attention_mask
     keep = None
     if mask is not None:
-        mask, keep = _sdpa_mask(_fit_mask(mask, sq, sk), query.dtype)
+        mask, keep = _sdpa_mask(_fit_mask(mask, sq, sk, query.shape[0], hq), query.dtype)
     out = F.scaled_dot_product_attention(
         query, _repeat_kv(key, hq // hkv), _repeat_kv(value, hq // hkv), attn_mask=mask,
         dropout_p=dropout if module.training else 0.0, scale=scaling,
