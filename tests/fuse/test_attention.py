@@ -391,3 +391,26 @@ def test_pipegoose_sdpa_applies_head_mask():
     ref = _reference(q, k, v, None, 0.3, head_mask=head_mask.view(1, 4, 1, 1))[0]
     assert out[:, :, 1].abs().max().item() == 0
     torch.testing.assert_close(out.double(), ref, **tol(torch.float32, 4))
+
+
+def test_sdpa_mask_is_computed_once_per_mask_tensor(monkeypatch):
+    """The SDPA paths derive the opened mask and the rows to keep once per mask tensor (transformers passes one to
+    every layer), again after the mask is changed in place, and per query dtype."""
+    from pipegoose.nn.fusion.ops import _common
+    from pipegoose.nn.fusion.transformers import attention as A
+
+    monkeypatch.setattr(_common, "on_kernel_device", lambda t: True)   # the small-problem path, CUDA only: pretend
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
+    calls = []
+    real = A._sdpa_mask
+    monkeypatch.setattr(A, "_sdpa_mask", lambda m, dt: calls.append(dt) or real(m, dt))
+    q = k = v = torch.randn(2, 2, 4, 8)
+    mask = torch.ones(2, 1, 4, 4, dtype=torch.bool).tril()
+    mask[1] = False
+    outs = [A.pipegoose_attention_forward(_Mod(True), q, k, v, mask)[0] for _ in range(3)]
+    assert len(calls) == 1 and all(torch.equal(o, outs[0]) for o in outs) and outs[0][1].abs().max() == 0
+    mask[1, :, 3, 0] = True                                          # in place: a row of batch 1 gets a key
+    out = A.pipegoose_attention_forward(_Mod(True), q, k, v, mask)[0]
+    assert len(calls) == 2 and out[1, 3].abs().max() > 0 and out[1, :3].abs().max() == 0
+    A.pipegoose_attention_forward(_Mod(True), q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
+    assert len(calls) == 3

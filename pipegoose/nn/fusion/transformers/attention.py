@@ -292,6 +292,26 @@ def _sdpa_mask(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     return mask.masked_fill(~keep, 0).clamp(min=max(lo, torch.finfo(mask.dtype).min)).to(dtype), keep
 
 
+# One-entry cache of _sdpa_mask: transformers hands the same mask tensor to every layer of a forward pass, and the
+# small-problem path exists because such steps are bound by the host (three small ops per layer saved).
+_sdpa_mask_cache: dict = {}
+
+
+def _sdpa_mask_for(attention_mask: torch.Tensor, fitted: torch.Tensor, dtype: torch.dtype):
+    """:func:`_sdpa_mask` of ``fitted`` (``attention_mask`` checked and cut by :func:`_fit_mask`), computed once per
+    mask tensor: keyed by its identity and version counter, the fitted shape and ``dtype``; not cached while
+    ``torch.compile`` traces."""
+    if torch.compiler.is_compiling():
+        return _sdpa_mask(fitted, dtype)
+    key = (id(attention_mask), attention_mask._version, tuple(fitted.shape), dtype)
+    hit = _sdpa_mask_cache.get("entry")
+    if hit is not None and hit[0] == key and hit[1]() is attention_mask:
+        return hit[2]
+    result = _sdpa_mask(fitted, dtype)
+    _sdpa_mask_cache["entry"] = (key, weakref.ref(attention_mask), result)
+    return result
+
+
 def _small_sdpa(module, query, key, value, attention_mask, scaling, dropout, is_causal):
     """The small-problem path of :func:`pipegoose_attention_forward`: ``F.scaled_dot_product_attention`` on the
     same inputs (a bool mask: True = attend; a float mask: added; None: causal when ``is_causal`` and ``sq > 1``,
@@ -302,7 +322,7 @@ def _small_sdpa(module, query, key, value, attention_mask, scaling, dropout, is_
     mask = attention_mask
     keep = None
     if mask is not None:
-        mask, keep = _sdpa_mask(_fit_mask(mask, sq, sk, query.shape[0], hq), query.dtype)
+        mask, keep = _sdpa_mask_for(mask, _fit_mask(mask, sq, sk, query.shape[0], hq), query.dtype)
     out = F.scaled_dot_product_attention(
         query, _repeat_kv(key, hq // hkv), _repeat_kv(value, hq // hkv), attn_mask=mask,
         dropout_p=dropout if module.training else 0.0, scale=scaling,
@@ -319,7 +339,7 @@ def _transformers_sdpa(module, query, key, value, attention_mask, scaling=None, 
 
     keep = None
     if attention_mask is not None and attention_mask.dim() == 4:
-        attention_mask, keep = _sdpa_mask(attention_mask[..., :key.shape[2]], query.dtype)
+        attention_mask, keep = _sdpa_mask_for(attention_mask, attention_mask[..., :key.shape[2]], query.dtype)
     out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                           dropout=dropout, **kwargs)
     if keep is not None:  # out [b, sq, h, d]; keep [b or 1, h or 1, sq, 1]
