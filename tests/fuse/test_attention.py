@@ -414,3 +414,54 @@ def test_sdpa_mask_is_computed_once_per_mask_tensor(monkeypatch):
     assert len(calls) == 2 and out[1, 3].abs().max() > 0 and out[1, :3].abs().max() == 0
     A.pipegoose_attention_forward(_Mod(True), q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
     assert len(calls) == 3
+
+
+@pytest.mark.parametrize("path", ["softmax", "small_problem", "pipegoose_sdpa"])
+def test_masks_under_inference_mode_and_masks_that_require_grad(monkeypatch, path):
+    """The mask caches (plan_mask's, the SDPA paths') read the mask's version counter: a fused model failed under
+    torch.inference_mode() ("Inference tensors do not track version counter"); and a learned additive mask reused
+    for a second forward and backward failed ("backward through the graph a second time") or got no gradient after
+    a no_grad call. Now such masks are not cached: results as outside inference mode, gradients as the float64
+    reference's, every time."""
+    from pipegoose.nn.fusion.ops import _common
+    from pipegoose.nn.fusion.transformers.attention import pipegoose_sdpa_attention_forward
+
+    if path == "small_problem":
+        monkeypatch.setattr(_common, "on_kernel_device", lambda t: True)   # CUDA only: pretend
+        monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
+    mod = _Mod(True)
+    mod.num_key_value_groups = 1
+    fn = pipegoose_sdpa_attention_forward if path == "pipegoose_sdpa" else pipegoose_attention_forward
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, 4, 8, generator=g) for _ in range(3))
+    bool_mask = torch.ones(2, 1, 4, 4, dtype=torch.bool).tril()
+    bool_mask[1, :, :2, :2] = False                                 # left padding: rows 0-1 of batch 1 have no key
+    expected = fn(mod, q, k, v, bool_mask, scaling=0.3)[0]
+    with torch.inference_mode():
+        m = bool_mask.clone()
+        for _ in range(2):
+            torch.testing.assert_close(fn(mod, q, k, v, m, scaling=0.3)[0], expected)
+    bias = (torch.randn(2, 1, 4, 4, generator=g) * 0.5).requires_grad_()
+    q64, k64, v64, b64 = (t.detach().double().requires_grad_() for t in (q, k, v, bias))
+    ref = torch.softmax((q64 @ k64.transpose(-1, -2)) * 0.3 + b64, -1) @ v64
+    ref_grad = torch.autograd.grad(ref.sum(), b64)[0]
+    with torch.no_grad():
+        fn(mod, q, k, v, bias, scaling=0.3)
+    for _ in range(2):
+        out = fn(mod, q, k, v, bias, scaling=0.3)[0]
+        (grad,) = torch.autograd.grad(out.sum(), bias)
+        torch.testing.assert_close(grad.double(), ref_grad, **tol(torch.float32, 4))
+
+
+def test_sdpa_paths_do_not_hide_nan_in_an_additive_mask(monkeypatch):
+    """A NaN in an additive mask is no masked key: the row's output is NaN, as from the softmax path and eager (the
+    small-problem SDPA path took a row of NaN for a row without keys and gave zeros)."""
+    from pipegoose.nn.fusion.ops import _common
+
+    monkeypatch.setattr(_common, "on_kernel_device", lambda t: True)   # CUDA only: pretend
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
+    q = k = v = torch.randn(1, 1, 3, 8)
+    mask = torch.zeros(1, 1, 3, 3)
+    mask[0, 0, 1] = float("nan")
+    out = pipegoose_attention_forward(_Mod(False), q, k, v, mask, scaling=0.3)[0]
+    assert torch.isnan(out[0, 1]).all() and torch.isfinite(out[0, [0, 2]]).all()

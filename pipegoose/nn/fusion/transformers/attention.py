@@ -117,8 +117,20 @@ def _fit_mask(m: torch.Tensor, query_len: int, key_len: int, batch: int | None =
 
 
 # One-entry cache: the same mask tensor is passed to every layer of one forward pass, and classifying it costs a
-# device synchronisation. The entry is keyed by the tensor's identity and version counter.
+# device synchronisation. The entry is keyed by the tensor's identity and version counter (_cacheable says when not).
 _plan_cache: dict = {}
+
+
+def _cacheable(mask: torch.Tensor) -> bool:
+    """Whether results derived from ``mask`` may be cached by its identity and version counter (:func:`plan_mask`,
+    :func:`_sdpa_mask_for`). Not: while ``torch.compile`` traces; in inference mode or for an inference tensor (no
+    version counter: reading it raised, so a fused model failed under ``torch.inference_mode()``, and an inference
+    tensor cannot be saved for a later backward); for a mask that requires grad (the entry would hold its graph for
+    the next call's backward); during CUDA graph capture (a replay must recompute what it derives from the mask). A
+    write that bypasses the version counter (``mask.data[...] = ...``) is not seen: make a new mask instead."""
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or mask.is_inference() or mask.requires_grad:
+        return False
+    return not (mask.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def plan_mask(attention_mask: torch.Tensor | None, *, query_len: int, key_len: int, causal: bool) -> MaskPlan:
@@ -143,10 +155,12 @@ def plan_mask(attention_mask: torch.Tensor | None, *, query_len: int, key_len: i
 
     m = _fit_mask(attention_mask, query_len, key_len)
 
-    key = (id(attention_mask), attention_mask._version, query_len, key_len, causal)
-    cached = _plan_cache.get("entry")
-    if cached is not None and cached[0] == key and cached[1]() is attention_mask:
-        return cached[2]
+    cache = _cacheable(attention_mask)
+    if cache:
+        key = (id(attention_mask), attention_mask._version, query_len, key_len, causal)
+        cached = _plan_cache.get("entry")
+        if cached is not None and cached[0] == key and cached[1]() is attention_mask:
+            return cached[2]
 
     if m.dtype == torch.bool:
         plan = MaskPlan("masked", mask=~m)
@@ -164,7 +178,8 @@ def plan_mask(attention_mask: torch.Tensor | None, *, query_len: int, key_len: i
             causal_ref = _causal_mask(query_len, key_len, masked.device)
             if bool((masked == causal_ref).all()):
                 plan = MaskPlan("causal")
-    _plan_cache["entry"] = (key, weakref.ref(attention_mask), plan)
+    if cache:
+        _plan_cache["entry"] = (key, weakref.ref(attention_mask), plan)
     return plan
 
 
@@ -287,7 +302,7 @@ def _sdpa_mask(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
         return mask | ~keep, keep
     if not mask.is_floating_point():
         raise TypeError(f"attention_mask: expected a bool or floating-point mask, got dtype {mask.dtype}")
-    keep = (mask > torch.finfo(mask.dtype).min / 2).any(dim=-1, keepdim=True)
+    keep = (~(mask <= torch.finfo(mask.dtype).min / 2)).any(dim=-1, keepdim=True)   # NaN is no masked key: it shows
     lo = torch.finfo(dtype).min
     return mask.masked_fill(~keep, 0).clamp(min=max(lo, torch.finfo(mask.dtype).min)).to(dtype), keep
 
@@ -299,9 +314,9 @@ _sdpa_mask_cache: dict = {}
 
 def _sdpa_mask_for(attention_mask: torch.Tensor, fitted: torch.Tensor, dtype: torch.dtype):
     """:func:`_sdpa_mask` of ``fitted`` (``attention_mask`` checked and cut by :func:`_fit_mask`), computed once per
-    mask tensor: keyed by its identity and version counter, the fitted shape and ``dtype``; not cached while
-    ``torch.compile`` traces."""
-    if torch.compiler.is_compiling():
+    mask tensor: keyed by its identity and version counter, the fitted shape and ``dtype`` (not cached where
+    :func:`_cacheable` says so)."""
+    if not _cacheable(attention_mask):
         return _sdpa_mask(fitted, dtype)
     key = (id(attention_mask), attention_mask._version, tuple(fitted.shape), dtype)
     hit = _sdpa_mask_cache.get("entry")
