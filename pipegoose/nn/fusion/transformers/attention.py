@@ -133,6 +133,20 @@ def _cacheable(mask: torch.Tensor) -> bool:
     return not (mask.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
+def _mask_cached(store: dict, attention_mask: torch.Tensor, extra: tuple, compute):
+    """``compute()``, from the one-entry cache ``store`` when its entry is for this mask tensor (identity, version
+    counter and ``extra``), and stored there; without the cache where :func:`_cacheable` says so."""
+    if not _cacheable(attention_mask):
+        return compute()
+    key = (id(attention_mask), attention_mask._version, *extra)
+    hit = store.get("entry")
+    if hit is not None and hit[0] == key and hit[1]() is attention_mask:
+        return hit[2]
+    result = compute()
+    store["entry"] = (key, weakref.ref(attention_mask), result)
+    return result
+
+
 def plan_mask(attention_mask: torch.Tensor | None, *, query_len: int, key_len: int, causal: bool) -> MaskPlan:
     """Classify the mask transformers passes to an attention function.
 
@@ -154,14 +168,12 @@ def plan_mask(attention_mask: torch.Tensor | None, *, query_len: int, key_len: i
         return MaskPlan("causal" if (causal and query_len > 1) else "none")
 
     m = _fit_mask(attention_mask, query_len, key_len)
+    return _mask_cached(_plan_cache, attention_mask, (query_len, key_len, causal),
+                        lambda: _classify(m, query_len, key_len))
 
-    cache = _cacheable(attention_mask)
-    if cache:
-        key = (id(attention_mask), attention_mask._version, query_len, key_len, causal)
-        cached = _plan_cache.get("entry")
-        if cached is not None and cached[0] == key and cached[1]() is attention_mask:
-            return cached[2]
 
+def _classify(m: torch.Tensor, query_len: int, key_len: int) -> MaskPlan:
+    """:func:`plan_mask` of the fitted mask ``m`` (uncached)."""
     if m.dtype == torch.bool:
         plan = MaskPlan("masked", mask=~m)
     elif m.is_floating_point():
@@ -178,8 +190,6 @@ def plan_mask(attention_mask: torch.Tensor | None, *, query_len: int, key_len: i
             causal_ref = _causal_mask(query_len, key_len, masked.device)
             if bool((masked == causal_ref).all()):
                 plan = MaskPlan("causal")
-    if cache:
-        _plan_cache["entry"] = (key, weakref.ref(attention_mask), plan)
     return plan
 
 
@@ -316,15 +326,8 @@ def _sdpa_mask_for(attention_mask: torch.Tensor, fitted: torch.Tensor, dtype: to
     """:func:`_sdpa_mask` of ``fitted`` (``attention_mask`` checked and cut by :func:`_fit_mask`), computed once per
     mask tensor: keyed by its identity and version counter, the fitted shape and ``dtype`` (not cached where
     :func:`_cacheable` says so)."""
-    if not _cacheable(attention_mask):
-        return _sdpa_mask(fitted, dtype)
-    key = (id(attention_mask), attention_mask._version, tuple(fitted.shape), dtype)
-    hit = _sdpa_mask_cache.get("entry")
-    if hit is not None and hit[0] == key and hit[1]() is attention_mask:
-        return hit[2]
-    result = _sdpa_mask(fitted, dtype)
-    _sdpa_mask_cache["entry"] = (key, weakref.ref(attention_mask), result)
-    return result
+    return _mask_cached(_sdpa_mask_cache, attention_mask, (tuple(fitted.shape), dtype),
+                        lambda: _sdpa_mask(fitted, dtype))
 
 
 def _small_sdpa(module, query, key, value, attention_mask, scaling, dropout, is_causal):
