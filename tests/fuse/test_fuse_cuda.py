@@ -188,11 +188,14 @@ def test_sdpa_paths_give_zeros_for_rows_without_keys(monkeypatch, dtype, path):
         torch.testing.assert_close(a.double(), r, **tol(dtype, 8), msg=lambda m: f"grad {name}: {m}")
 
 
-def test_demo_gpt2_bf16_left_padding_on_gpu(capsys):
+def test_demo_gpt2_bf16_left_padding_on_gpu(capsys, monkeypatch):
     """The main job on a GPU with a left-padded batch (--model gpt2: fully masked causal rows) in bf16: at this size
-    the attention runs the small-problem SDPA path; the fused model's gradients are finite and within the parity
-    rule (they were NaN before that path opened rows without keys)."""
+    the attention runs the small-problem SDPA path (the rule on, as for a user: tests/fuse turn it off); the fused
+    model's gradients are finite and within the parity rule (they were NaN before that path opened rows without
+    keys)."""
     from pipegoose.nn.fusion import demo
+
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
 
     assert demo.main(["--model", "gpt2", "--device", "cuda", "--dtype", "bfloat16", "--steps", "1"]) == 0
     out = capsys.readouterr().out
