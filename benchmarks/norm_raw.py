@@ -15,8 +15,9 @@ Correctness is the GPU tests' job (``tests/kernels/test_norms_cuda.py``), not th
 ``--fwd-plans="CFG;CFG;..."`` (with ``=``: a list that starts with ``-`` is otherwise taken for an option) compares
 forward launch plans within one build: it builds with
 ``-DPIPEGOOSE_NORM_FWD_EXPERIMENT`` and times each forward once per CFG, set through ``PIPEGOOSE_NORM_FWD_EXP``
-(``grid,nv,pf,preg``: grid 0 persistent / 1 full, 1, 2, 4 or 8 chunks per thread, prefetch (2 or 4 chunks),
-parameters in registers where they fit; ``-`` is the shipped plan; see ``fwd_exp`` in ``norm_kernels.cuh``; bf16 and
+(``grid,nv,pf,preg[,minb]``: grid 0 persistent / 1 full, 1, 2, 4 or 8 chunks per thread, prefetch (2 or 4
+chunks), parameters in registers where they fit, and launch bounds asking for ``minb`` blocks of 1024 threads per SM
+(2: at most 32 registers; nv 2 or 4 without prefetch); ``-`` is the shipped plan; see ``fwd_exp`` in ``norm_kernels.cuh``; bf16 and
 fp32 input only, fp16 runs the shipped plan; session 5's log used the earlier ``grid,nv,pf,pcache`` form). Each
 line then carries ``plan`` and ``maxdiff``, the largest absolute difference of its outputs (y, mean, rstd) from the
 first plan's: a plan that computes something else shows there. A plan the row cannot take (a block over its
@@ -133,16 +134,19 @@ def main() -> None:
         if (plans_given if a == "fwd_plans" else getattr(args, a)) and getattr(args, b):
             raise SystemExit(f"norm_raw: --{a.replace('_', '-')} and --{b.replace('_', '-')} {why}")
     for plan in (p for p in args.fwd_plans.split(";") if p and p != "-"):
-        # The kernels' fwd_exp reads exactly this form (sscanf "%d,%d,%d,%d" and nothing after it) and runs the
-        # shipped plan for anything else, which would be timed under the mistyped label: refuse it here.
-        if re.fullmatch(r"(\s*[+-]?[0-9]+,){3}\s*[+-]?[0-9]+", plan, flags=re.ASCII):
-            grid, nv, pf, preg = (int(v) for v in plan.split(","))
+        # The kernels' fwd_exp reads exactly this form (sscanf "%d,%d,%d,%d", then an optional ",%d", and nothing
+        # after it) and runs the shipped plan for anything else, which would be timed under the mistyped label: refuse
+        # it here.
+        if re.fullmatch(r"(\s*[+-]?[0-9]+,){3,4}\s*[+-]?[0-9]+", plan, flags=re.ASCII):
+            grid, nv, pf, preg, *rest = (int(v) for v in plan.split(","))
+            minb = rest[0] if rest else 1
         else:
-            grid = nv = pf = preg = -1
+            grid = nv = pf = preg = minb = -1
         if grid not in (0, 1) or nv not in (0, 1, 2, 4, 8) or pf not in (0, 1) or preg not in (0, 1) or \
-                (pf and nv not in (2, 4)):
-            raise SystemExit(f"norm_raw: --fwd-plans: {plan!r}: expected - or grid,nv,pf,preg with grid 0 or 1, nv 0, "
-                             "1, 2, 4 or 8, pf 0 or 1 (1 only with nv 2 or 4), preg 0 or 1")
+                (pf and nv not in (2, 4)) or minb not in (1, 2) or (minb == 2 and (pf or nv not in (2, 4))):
+            raise SystemExit(f"norm_raw: --fwd-plans: {plan!r}: expected - or grid,nv,pf,preg[,minb] with grid 0 or "
+                             "1, nv 0, 1, 2, 4 or 8, pf 0 or 1 (1 only with nv 2 or 4), preg 0 or 1, minb 1 or 2 (2 "
+                             "only with nv 2 or 4 and pf 0: launch bounds of two 1024-thread blocks per SM)")
     if args.max_h < 0:
         raise SystemExit(f"norm_raw: --max-h: expected 0 (all) or a positive hidden size, got {args.max_h}")
     shapes = SHAPES

@@ -32,6 +32,10 @@ def run(monkeypatch, *argv):
     (["--fwd-plans=1,4,0,0 "], "--fwd-plans: '1,4,0,0 ': expected - or grid,nv,pf,preg"),  # sscanf stops there
     (["--fwd-plans=1 ,4,0,0"], "--fwd-plans: '1 ,4,0,0': expected - or grid,nv,pf,preg"),
     (["--fwd-plans=1,\u0664,0,0"], "expected - or grid,nv,pf,preg"),  # a non-ASCII digit int() would take
+    (["--fwd-plans=1,8,0,1,2"], "--fwd-plans: '1,8,0,1,2': expected - or grid,nv,pf,preg[,minb]"),  # nv 2 or 4
+    (["--fwd-plans=1,4,1,0,2"], "--fwd-plans: '1,4,1,0,2': expected - or grid,nv,pf,preg[,minb]"),  # no prefetch
+    (["--fwd-plans=1,4,0,0,3"], "--fwd-plans: '1,4,0,0,3': expected - or grid,nv,pf,preg[,minb]"),
+    (["--fwd-plans=1,4,0,0,2,1"], "--fwd-plans: '1,4,0,0,2,1': expected - or grid,nv,pf,preg[,minb]"),
     (["--max-h", "-1"], "--max-h: expected 0 (all) or a positive hidden size"),
     (["--max-h", "100"], "--max-h 100: no shape left (the smallest H is 512)"),
     (["--shapes", "4x8x2"], "--shapes: '4x8x2': expected ROWSxH"),
@@ -68,6 +72,17 @@ def test_table_of_fwd_plan_lines_and_bad_copy_bandwidth(monkeypatch, tmp_path):
         p.write_text(good.read_text().replace("4000.0", bad, 1))
         with pytest.raises(SystemExit, match="copy_gbps: expected a finite number"):
             norm_raw.table(str(p))
+
+
+@pytest.mark.parametrize("plans", ["-;1,2,0,1,2;1,4,0,0,2", "1,4,0,0,1", "1,4,0,0"])
+def test_fwd_plans_with_minb_pass_their_check(monkeypatch, plans):
+    """The optional fifth field (minb 1 or 2, as the kernels' fwd_exp takes it) passes; the script then stops at the
+    GPU check (made to fail here)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    msg = run(monkeypatch, f"--fwd-plans={plans}", "--shapes", "4x4096")
+    assert msg == "norm_raw: needs a CUDA GPU", msg
 
 
 def test_known_defines_pass_their_check(monkeypatch):

@@ -632,12 +632,13 @@ constexpr int kFwdThreads = 1024;
 // HC > 0 (PIPEGOOSE_NORM_HIDDEN builds only): specialised to H == HC; H, tpr, the rows per block and 1 / H are the
 // constants of FixedRow<HC, VEC, NV, false> (the arguments h_arg and tpr_arg are then ignored; blockDim.x must be
 // rpb * tpr of that geometry). HC == 0: the run-time arguments.
+// MINB: the launch bounds' blocks of kFwdThreads per SM (2: at most 32 registers; the experiment plans only).
 // NOL1: x is loaded with ld.global.nc.L1::no_allocate (Ld::kNoL1), else ld.global, and LayerNorm takes its statistics
 // in one block-wide step (block_moments) instead of two sums; the launches set it for rows of 1024 threads (one row
 // per block and SM, see ld_hint), and it requires tpr == blockDim.x.
 template <typename Tin, typename Tout, typename Tp, int VEC, int NV, bool RMS, bool PF, bool PREG_ON, int HC,
-          bool NOL1 = false>
-__global__ void __launch_bounds__(kFwdThreads)
+          bool NOL1 = false, int MINB = 1>
+__global__ void __launch_bounds__(kFwdThreads, MINB)
 norm_fwd_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const Tp* __restrict__ b, int wm, int bm,
                 Tout* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
                 int64_t rows, int h_arg, int tpr_arg, float eps) {
@@ -2511,19 +2512,28 @@ inline void allow_smem(const void* kernel, size_t smem) {
 // Tout == Tin, bf16 or fp32 input, is read from PIPEGOOSE_NORM_FWD_EXP = "grid,nv,pf,preg" (grid 0 persistent / 1
 // full, nv 1, 2, 4 or 8 chunks per thread or 0 for norm_fwd_wide_kernel (grid, pf, preg then unused), pf 1 to
 // prefetch the next row (nv 2 or 4 only), preg 1 for the parameters
-// in registers where fwd_preg allows, 0 for loads per chunk); unset or malformed, or a plan the row cannot take (more
-// than 1024 threads per row, a row on the generic or scalar path): the shipped plan.
+// in registers where fwd_preg allows, 0 for loads per chunk), and an optional fifth field minb (",2": the kernel's
+// launch bounds ask for two blocks of 1024 threads per SM, at most 32 registers; nv 2 or 4 without prefetch only);
+// unset or malformed, or a plan the row cannot take (more than 1024 threads per row, a row on the generic or scalar
+// path): the shipped plan.
 struct FwdExp {
   bool on = false;
-  int grid = 0, nv = 0, pf = 0, preg = 0;
+  int grid = 0, nv = 0, pf = 0, preg = 0, minb = 1;
 };
 inline FwdExp fwd_exp() {
   FwdExp e;
   const char* v = std::getenv("PIPEGOOSE_NORM_FWD_EXP");
   if (v == nullptr) return e;
   int end = 0;
-  e.on = std::sscanf(v, "%d,%d,%d,%d%n", &e.grid, &e.nv, &e.pf, &e.preg, &end) == 4 && v[end] == '\0' &&
-         (e.nv == 0 || e.nv == 1 || e.nv == 2 || e.nv == 4 || e.nv == 8) && (e.pf == 0 || e.nv == 2 || e.nv == 4);
+  e.on = std::sscanf(v, "%d,%d,%d,%d%n", &e.grid, &e.nv, &e.pf, &e.preg, &end) == 4;
+  if (e.on && v[end] == ',') {  // an optional fifth field: minb (1, or 2 for nv 2 or 4 without prefetch)
+    int end2 = 0;
+    e.on = std::sscanf(v + end, ",%d%n", &e.minb, &end2) == 1 && (e.minb == 1 || (e.minb == 2 && e.pf == 0 &&
+                                                                                   (e.nv == 2 || e.nv == 4)));
+    end += end2;
+  }
+  e.on = e.on && v[end] == '\0' && (e.nv == 0 || e.nv == 1 || e.nv == 2 || e.nv == 4 || e.nv == 8) &&
+         (e.pf == 0 || e.nv == 2 || e.nv == 4);
   return e;
 }
 #endif
@@ -2595,7 +2605,8 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
   const Tp* wk = ZS && w == nullptr ? fwd_stand_in<Tp>(true) : w;
   const Tp* bk = ZS && b == nullptr ? fwd_stand_in<Tp>(false) : b;
   const int wm = w != nullptr ? 1 : 0, bm = b != nullptr ? 1 : 0;
-  auto go = [&](auto nv_c, auto vec_c, auto pf_c, auto preg_c, auto h_c) {
+  auto go = [&](auto nv_c, auto vec_c, auto pf_c, auto preg_c, auto h_c, auto mb_c) {
+    constexpr int MB = decltype(mb_c)::value;
     constexpr int NV = decltype(nv_c)::value;
     constexpr int VEC = decltype(vec_c)::value;
     constexpr bool PF = decltype(pf_c)::value != 0;
@@ -2625,7 +2636,7 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
         return;
       }
     }
-    run(&norm_fwd_kernel<Tin, Tout, Tp, VEC, NV, RMS, PF, PREG, HC, false>, 0);
+    run(&norm_fwd_kernel<Tin, Tout, Tp, VEC, NV, RMS, PF, PREG, HC, false, MB>, 0);
   };
 #if defined(PIPEGOOSE_NORM_HIDDEN)
   // H == kSpecHidden on the vector path: cfg is this compile-time plan; the vector branches below with HC = H.
@@ -2634,7 +2645,7 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
     if (vec && H == kSpecHidden) {
       static_assert((spec.nv == 4 || spec.nv == 8) && !(spec.nv == 8 && spec.pf), "fwd_plan: vector plans");
       static_assert(spec.tpr == FixedRow<kSpecHidden, V, spec.nv, false>::tpr, "FixedRow: the plan's tpr");
-      go(IC<spec.nv>{}, IC<V>{}, IC<spec.pf ? 1 : 0>{}, IC<1>{}, IC<kSpecHidden>{});
+      go(IC<spec.nv>{}, IC<V>{}, IC<spec.pf ? 1 : 0>{}, IC<1>{}, IC<kSpecHidden>{}, IC<1>{});
       return;
     }
   }
@@ -2643,7 +2654,16 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
   if constexpr (std::is_same<Tin, Tout>::value && !std::is_same<Tin, __half>::value) {
     if (exp_on) {
       auto pick = [&](auto nv_c, auto pf_c) {
-        if (ex.preg) go(nv_c, IC<V>{}, pf_c, IC<1>{}, IC<0>{}); else go(nv_c, IC<V>{}, pf_c, IC<0>{}, IC<0>{});
+        constexpr bool MB2 = (decltype(nv_c)::value == 2 || decltype(nv_c)::value == 4) && decltype(pf_c)::value == 0;
+        if constexpr (MB2) {
+          if (ex.minb == 2) {
+            if (ex.preg) go(nv_c, IC<V>{}, pf_c, IC<1>{}, IC<0>{}, IC<2>{});
+            else go(nv_c, IC<V>{}, pf_c, IC<0>{}, IC<0>{}, IC<2>{});
+            return;
+          }
+        }
+        if (ex.preg) go(nv_c, IC<V>{}, pf_c, IC<1>{}, IC<0>{}, IC<1>{});
+        else go(nv_c, IC<V>{}, pf_c, IC<0>{}, IC<0>{}, IC<1>{});
       };
       if (cfg.nv == 1) {
         pick(IC<1>{}, IC<0>{});
@@ -2659,18 +2679,18 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
   }
 #endif
   if (!vec) {
-    go(IC<4>{}, IC<1>{}, IC<1>{}, IC<1>{}, IC<0>{});
+    go(IC<4>{}, IC<1>{}, IC<1>{}, IC<1>{}, IC<0>{}, IC<1>{});
   } else if (cfg.nv == 4 && cfg.pf) {
-    go(IC<4>{}, IC<V>{}, IC<1>{}, IC<1>{}, IC<0>{});
+    go(IC<4>{}, IC<V>{}, IC<1>{}, IC<1>{}, IC<0>{}, IC<1>{});
   } else if (cfg.nv == 4) {
     if constexpr (P32 && !RMS) {  // no such plan: fwd_p32_nv4_full_unused
       TORCH_INTERNAL_ASSERT(false, "layer_norm forward: no four-chunk plan without prefetch for fp32 parameters of a "
                             "16-bit input (H = ", H, ")");
     } else {
-      go(IC<4>{}, IC<V>{}, IC<0>{}, IC<1>{}, IC<0>{});
+      go(IC<4>{}, IC<V>{}, IC<0>{}, IC<1>{}, IC<0>{}, IC<1>{});
     }
   } else {
-    go(IC<8>{}, IC<V>{}, IC<0>{}, IC<1>{}, IC<0>{});
+    go(IC<8>{}, IC<V>{}, IC<0>{}, IC<1>{}, IC<0>{}, IC<1>{});
   }
 }
 
