@@ -17,8 +17,8 @@ forward launch plans within one build: it builds with
 ``-DPIPEGOOSE_NORM_FWD_EXPERIMENT`` and times each forward once per CFG, set through ``PIPEGOOSE_NORM_FWD_EXP``
 (``grid,nv,pf,preg[,minb]``: grid 0 persistent / 1 full, 1, 2, 4 or 8 chunks per thread, prefetch (2 or 4
 chunks), parameters in registers where they fit, and launch bounds asking for ``minb`` blocks of 1024 threads per SM
-(2: at most 32 registers; nv 2 or 4 without prefetch); ``-`` is the shipped plan; see ``fwd_exp`` in ``norm_kernels.cuh``; bf16 and
-fp32 input only, fp16 runs the shipped plan; session 5's log used the earlier ``grid,nv,pf,pcache`` form). Each
+(2: at most 32 registers; nv 2 or 4 without prefetch); ``-`` is the shipped plan; see ``fwd_exp`` in
+``norm_kernels.cuh``; bf16 and fp32 input only, fp16 runs the shipped plan; session 5's log used the earlier ``grid,nv,pf,pcache`` form). Each
 line then carries ``plan`` and ``maxdiff``, the largest absolute difference of its outputs (y, mean, rstd) from the
 first plan's: a plan that computes something else shows there. A plan the row cannot take (a block over its
 kernel's launch bounds, rows on the generic or scalar path) runs the shipped plan under its label. ``benchmarks/results/nvidia_h200_2026-11-30/norm_fwd_plans_session5.log`` was
