@@ -31,28 +31,50 @@ def test_demo_bad_model(capsys, tmp_path):
     assert f"no folder {missing!r}" in out and "unknown config name" not in out, out
 
 
-def test_timing_alternates_unfused_and_fused(monkeypatch):
-    """time_fused_and_unfused: rounds alternate fused / unfused on the same instance and end fused (the CUDA
-    timing itself is replaced: this runs on the CPU)."""
-    from pipegoose.nn.fusion.fuse import unfuse
+def test_timing_pairs_unfused_and_fused_steps(monkeypatch):
+    """time_fused_and_unfused: after warm-up steps of each, rounds of one timed unfused and one timed fused step on
+    the same instance, the order swapped every round, one untimed step after each swap; it ends fused, also when a
+    step raises (the CUDA timing itself is replaced: this runs on the CPU)."""
+    from pipegoose.nn.fusion.fuse import fuse, unfuse
 
     model, batch, _ = demo.load("llama", "eager", demo.torch.device("cpu"), demo.torch.float32)
-    seen = []
+    seen = []   # (fused, steps, warmup) of each time_step call
 
     def fake_time_step(m, b, steps, warmup=3):
         fused = any(type(mod).__name__ == "FusedRMSNorm" for mod in m.modules())
-        seen.append(fused)
-        return [2.0 if fused else 3.0] * steps
+        seen.append((fused, steps, warmup))
+        return [2.0 if fused else 3.0 + len(seen)] * steps
 
     monkeypatch.setattr(demo, "time_step", fake_time_step)
-    from pipegoose.nn.fusion.fuse import fuse
-
     fuse(model, attention="auto")
-    t = demo.time_fused_and_unfused(model, batch, steps=6, attention="auto", rounds=3)
-    assert (t["unfused"], t["fused"], t["ratios"]) == (3.0, 2.0, [1.5, 1.5, 1.5])
-    assert seen == [True, False] * 3
+    t = demo.time_fused_and_unfused(model, batch, steps=3, attention="auto", warmup=2)
+    F, U = True, False
+    assert seen == [(F, 0, 2), (U, 0, 2),                      # warm-up
+                    (F, 0, 1), (F, 1, 0), (U, 0, 1), (U, 1, 0),  # round 0: fused, then unfused
+                    (U, 1, 0), (F, 0, 1), (F, 1, 0),             # round 1: unfused, then fused
+                    (F, 1, 0), (U, 0, 1), (U, 1, 0)], seen       # round 2: fused, then unfused
+    # unfused ms: 3 + the call's number (calls 6, 7, 12: 9, 10, 15); each round's ratio is its own pair's
+    assert (t["unfused"], t["fused"], t["ratios"]) == (10.0, 2.0, [4.5, 5.0, 7.5]), t
     assert any(type(mod).__name__ == "FusedRMSNorm" for mod in model.modules())
+
+    def failing_time_step(m, b, steps, warmup=3):
+        if not any(type(mod).__name__ == "FusedRMSNorm" for mod in m.modules()) and steps:
+            raise RuntimeError("step failed")
+        return [1.0] * steps
+
+    monkeypatch.setattr(demo, "time_step", failing_time_step)
+    with pytest.raises(RuntimeError, match="step failed"):
+        demo.time_fused_and_unfused(model, batch, steps=2, attention="auto")
+    assert any(type(mod).__name__ == "FusedRMSNorm" for mod in model.modules())   # fused again
     assert unfuse(model)
+
+
+def test_timing_line():
+    line = demo.timing_line({"unfused": 10.0, "fused": 8.0, "ratios": [1.0, 1.25, 1.5, 1.25]})
+    assert line.endswith("unfused 10.000 ms, fused 8.000 ms, speed-up x1.250 (per pair: median x1.250, p10-p90 "
+                         "x1.075-x1.425)"), line  # inclusive: within the ratios
+    assert "median of 4 each" in line
+    assert demo.timing_line({"unfused": 3.0, "fused": 2.0, "ratios": [1.5]}).endswith("(per pair: median x1.500)")
 
 
 def test_demo_bf16_random_gpt2_cpu(capsys):

@@ -11,8 +11,8 @@ Steps: load, run the unfused model on a handful of sentences (mean-pooled embedd
 over paraphrase pairs, gradients), run a float64 copy of it as the reference, fuse the same instance, run again,
 print the report and the errors of both against the float64 reference (embeddings: max abs; loss: abs; gradients:
 max abs, relative to the gradient's magnitude), then, on a GPU, time one training step (forward + backward) of
-each with CUDA events (warm-up, median of ``--steps``, taken in alternating rounds of unfused and fused steps; the
-spread of the per-round speed-ups is printed too).
+each with CUDA events (warm-up, median of ``--steps``, taken in pairs of one unfused and one fused step, the order
+swapped every pair; the spread of the per-pair speed-ups is printed too).
 Without a GPU it says so; the fused model then runs the reference paths, and the parity shown is theirs.
 
 Parity: each quantity of the fused model must be within the tolerance of the dtype (:data:`PARITY_TOLERANCE`,
@@ -183,27 +183,49 @@ def time_step(model, batch, steps: int, warmup: int = 3) -> list[float]:
     return times
 
 
-def time_fused_and_unfused(model, batch, steps: int, attention: str, rounds: int = 10) -> dict:
-    """Step times (ms) of the unfused and the fused model, in ``rounds`` alternating rounds of about
-    ``steps / rounds`` timed steps each (the same instance, unfused and fused again between rounds), so that drift
-    of clocks and host load hits both alike. ``model`` is fused on entry and on return.
+def time_fused_and_unfused(model, batch, steps: int, attention: str, warmup: int = 3) -> dict:
+    """Step times (ms) of the unfused and the fused model: ``steps`` rounds of one timed step of each, on the same
+    instance (unfused and fused again between steps, each swap followed by one untimed step), the order swapped every
+    round, after ``warmup`` untimed steps of each. A small model's step is bound by the host, whose speed drifts by
+    more than 10% within seconds: steps taken side by side see the same drift, which rounds of several steps did not
+    (their speed-ups spread over x0.83-x1.24 on the H200, where paired steps of two unfused copies agreed within 1%).
+    ``model`` is fused on entry and on return.
 
-    Returns ``{"unfused": median ms, "fused": median ms, "ratios": [unfused / fused median of each round]}``: a
-    small model's step is bound by the host, whose speed drifts by more than 10% between rounds, so the spread of
-    the per-round speed-ups says how far the medians can be trusted."""
+    Returns ``{"unfused": median ms, "fused": median ms, "ratios": [unfused / fused ms of each round]}``."""
     from pipegoose.nn.fusion.fuse import fuse, unfuse
 
-    per = max(1, -(-steps // rounds))
-    fused_t, unfused_t, ratios = [], [], []
-    for _ in range(rounds):
-        f = time_step(model, batch, per)
-        unfuse(model)
-        u = time_step(model, batch, per)
-        fuse(model, attention=attention)
-        fused_t += f
-        unfused_t += u
-        ratios.append(statistics.median(u) / statistics.median(f))
-    return {"unfused": statistics.median(unfused_t), "fused": statistics.median(fused_t), "ratios": ratios}
+    time_step(model, batch, 0, warmup)
+    unfuse(model)
+    time_step(model, batch, 0, warmup)
+    fused_now = False
+    times: dict[bool, list[float]] = {True: [], False: []}
+    ratios = []
+    try:
+        for i in range(steps):
+            for want in ((True, False) if i % 2 == 0 else (False, True)):
+                if want != fused_now:
+                    if want:
+                        fuse(model, attention=attention)
+                    else:
+                        unfuse(model)
+                    fused_now = want
+                    time_step(model, batch, 0, 1)
+                times[want] += time_step(model, batch, 1, 0)
+            ratios.append(times[False][-1] / times[True][-1])
+    finally:
+        if not fused_now:
+            fuse(model, attention=attention)
+    return {"unfused": statistics.median(times[False]), "fused": statistics.median(times[True]), "ratios": ratios}
+
+
+def timing_line(timing: dict) -> str:
+    """The main job's line for :func:`time_fused_and_unfused`'s result: the medians, their ratio, and the median and
+    10th-90th percentiles of the per-pair ratios (the percentiles from two pairs on)."""
+    u, f, r = timing["unfused"], timing["fused"], timing["ratios"]
+    q = statistics.quantiles(r, n=10, method="inclusive") if len(r) >= 2 else None
+    return (f"training step (fwd+bwd; median of {len(r)} each, taken in pairs of one unfused and one fused step): "
+            f"unfused {u:.3f} ms, fused {f:.3f} ms, speed-up x{u / f:.3f} (per pair: median "
+            f"x{statistics.median(r):.3f}" + (f", p10-p90 x{q[0]:.3f}-x{q[-1]:.3f})" if q else ")"))
 
 
 def float64_reference(model, batch) -> tuple[tuple | None, str]:
@@ -363,10 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, f, u, ok in shown:
         console.print(f"  {name}: {f:.3g}" + (f" | {u:.3g}" if u is not None else "") + ("" if ok else "  [red]X[/red]"))
     if timing is not None:
-        u, f, r = timing["unfused"], timing["fused"], sorted(timing["ratios"])
-        console.print(f"training step (fwd+bwd; median of {args.steps} each, in {len(r)} alternating rounds): "
-                      f"unfused {u:.3f} ms, fused {f:.3f} ms, speed-up x{u / f:.3f} (per round: median "
-                      f"x{statistics.median(r):.3f}, range x{r[0]:.3f}-x{r[-1]:.3f})")
+        console.print(timing_line(timing))
     ok = fused_err["finite"] and not fused_err["missing"] and all(r[3] for r in rows)
     if fused_err["missing"]:
         console.print(f"gradients on one side only: {', '.join(fused_err['missing'])}")
