@@ -636,3 +636,36 @@ def test_argument_types_of_the_state_functions():
     for fn in (is_fused, fuse_mod.fusion_report, unfuse):
         with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
             fn(None)
+
+
+@pytest.mark.parametrize("how", ["parametrizations.weight_norm", "register_parametrization", "weight_norm (hooks)"])
+def test_norms_with_computed_parameters_are_skipped_with_a_reason(how):
+    """A LayerNorm or RMSNorm whose weight or bias is computed (torch.nn.utils.parametrize, or the hook-based
+    weight_norm) cannot share its Parameters with a fused module: fuse() raised a TypeError for the whole model
+    ("cannot assign ... to parameter 'weight'"), and skipped a parametrized nn.RMSNorm without a row. It is now a
+    skipped row with the reason; the rest of the model is fused, and the parametrization objects are no rows."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.RMSNorm(16, eps=1e-6), nn.LayerNorm(16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)   # torch.nn.utils.weight_norm is deprecated
+        for i in (1, 2):
+            if how == "parametrizations.weight_norm":
+                nn.utils.parametrizations.weight_norm(model[i])
+            elif how == "register_parametrization":
+                nn.utils.parametrize.register_parametrization(model[i], "weight", nn.Identity())
+            else:
+                nn.utils.weight_norm(model[i])
+    x = torch.randn(3, 16)
+    expected = model(x)
+    report = fuse(model)
+    rows = {r.path: r for r in report.rows}
+    assert set(rows) == {"1", "2", "3"}, rows
+    assert (rows["1"].kind, rows["2"].kind) == ("layer_norm", "rms_norm")
+    for p in ("1", "2"):
+        assert not rows[p].fused
+        assert ("parametrized" if how != "weight_norm (hooks)" else "plain tensor, not a Parameter") in rows[p].reason
+    assert rows["3"].fused and type(model[3]).__name__ == "MixedFusedLayerNorm"
+    torch.testing.assert_close(model(x), expected)
+    assert unfuse(model) and type(model[3]) is nn.LayerNorm

@@ -11,6 +11,10 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   or ``"pipegoose_sdpa"`` (ours where the GPU's tuning table says so, SDPA otherwise). Bloom is reported as skipped:
   its attention does not go through the interface.
 
+Skipped, with the reason in the report: LayerNorm subclasses with their own forward, and norms whose weight or bias
+is computed rather than a Parameter of their own (``torch.nn.utils.parametrize``, the hook-based
+``torch.nn.utils.weight_norm``), whose Parameters a fused module cannot share.
+
 Nothing is patched globally: no class, function or module global of transformers or torch changes; two models in
 one process can be fused differently. Parameters stay the same objects, so ``state_dict()`` keys and tensors, and
 optimizers built before fusing, are unaffected. A replacement module shares the hook dictionaries of the module it
@@ -36,6 +40,7 @@ from typing import Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .transformers import matching
 
@@ -312,6 +317,9 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     replaced: dict[int, nn.Module] = {}       # id(old) -> new (a shared module is replaced once, everywhere)
     seen: set[int] = set()
     fused_types = (MixedFusedLayerNorm, FusedRMSNorm)
+    # the parametrization objects of parametrized modules (a _WeightNorm, say): not modules of the model's computation
+    internal = {id(m) for mod in model.modules() if parametrize.is_parametrized(mod)
+                for m in mod.parametrizations.modules()}
 
     try:
         for parent_path, parent in list(model.named_modules()):
@@ -324,7 +332,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                         parent._modules[name] = replaced[id(child)]
                         state.swaps.append((parent, name, child, replaced[id(child)]))
                     continue
-                if id(child) in seen:
+                if id(child) in seen or id(child) in internal:
                     continue
                 seen.add(id(child))
                 if isinstance(child, fused_types):  # put there before this call: a copy of a fused model, or built in
@@ -367,6 +375,23 @@ def _build(path, child, make, *args, **kwargs):
         raise type(e)(f"{path} ({type(child).__name__}): {e}") from None
 
 
+def _computed_params(child: nn.Module) -> str | None:
+    """Why ``child``'s weight or bias is not a Parameter of its own (the fused modules share the module's Parameter
+    objects, so they cannot take such a module), or None. Parametrized modules (``torch.nn.utils.parametrize``:
+    ``parametrizations.weight_norm``, ``spectral_norm``, ``register_parametrization``) compute them on each access;
+    the hook-based ``torch.nn.utils.weight_norm`` sets a plain tensor before each forward."""
+    if parametrize.is_parametrized(child):
+        names = ", ".join(child.parametrizations.keys())
+        return (f"parametrized ({names}; torch.nn.utils.parametrize): the fused module shares Parameters, and these "
+                "are computed on each access")
+    for name in ("weight", "bias"):
+        value = child.__dict__.get(name)   # a plain attribute (a Parameter lives in _parameters)
+        if isinstance(value, torch.Tensor):
+            return (f"its {name} is a plain tensor, not a Parameter (set by a hook, such as "
+                    "torch.nn.utils.weight_norm's): the fused module shares Parameters")
+    return None
+
+
 def _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNorm):
     """(row, replacement or None) for one module; (None, None) when it is not a candidate."""
     if isinstance(child, nn.LayerNorm):
@@ -375,13 +400,22 @@ def _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNo
         if type(child).forward is not nn.LayerNorm.forward:
             return FusionRow(path, "layer_norm", type(child).__name__, None, False,
                              reason="LayerNorm subclass with its own forward"), None
+        why = _computed_params(child)
+        if why is not None:
+            return FusionRow(path, "layer_norm", type(child).__name__, None, False, reason=why), None
         new = None if dry_run else _build(path, child, MixedFusedLayerNorm.from_layer_norm, child)
         shape = tuple(child.normalized_shape)
         fwd, bwd = _impls("layer_norm", child, lambda d, t: (
             torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, child.weight, child.bias))
         return FusionRow(path, "layer_norm", type(child).__name__, "MixedFusedLayerNorm", True, fwd, bwd,
                          "torch.nn.LayerNorm, same parameters" + _small_note(child)), new
-    if "rms_norm" not in ops or any(True for _ in child.children()):
+    if "rms_norm" not in ops:
+        return None, None
+    if isinstance(child, nn.RMSNorm) or "rmsnorm" in type(child).__name__.lower():
+        why = _computed_params(child)   # parametrized: it has children, which the probe takes for "not a norm"
+        if why is not None:
+            return FusionRow(path, "rms_norm", type(child).__name__, None, False, reason=why), None
+    if any(True for _ in child.children()):
         return None, None
     probe = matching.probe_rms_norm(child, hidden)
     if not probe.ok:
