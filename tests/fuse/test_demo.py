@@ -117,6 +117,12 @@ def test_demo_bad_environment_is_a_message(capsys, monkeypatch):
     monkeypatch.setenv("PIPEGOOSE_STRICT", "maybe")
     assert demo.main(["--model", "llama", "--device", "cpu"]) == 2
     assert "PIPEGOOSE_STRICT" in capsys.readouterr().out
+    monkeypatch.delenv("PIPEGOOSE_STRICT")
+    # an implementation the op lacks: a traceback after loading and fusing the model, before check_env
+    monkeypatch.setenv("PIPEGOOSE_IMPL_LAYER_NORM", "megatron")
+    assert demo.main(["--model", "llama", "--device", "cpu"]) == 2
+    out = capsys.readouterr().out
+    assert "PIPEGOOSE_IMPL_LAYER_NORM='megatron': layer_norm has no implementation" in out and "model:" not in out
 
 
 def test_demo_tokenizer_larger_than_the_model(capsys, tmp_path):
@@ -131,3 +137,24 @@ def test_demo_tokenizer_larger_than_the_model(capsys, tmp_path):
     assert demo.main(["--model", str(tmp_path), "--device", "cpu"]) == 2
     out = " ".join(capsys.readouterr().out.split())
     assert "the model embeds 100 tokens" in out and "do not belong together" in out, out
+
+
+def test_bloom_is_told_by_model_type_not_by_the_path(monkeypatch, tmp_path):
+    """Bloom has no SDPA path: the demo loads it with eager attention. It took any --model path containing "bloom"
+    for Bloom (a BERT folder under /data/bloomberg/ lost its SDPA attention); the folder's config.json decides."""
+    seen = []
+
+    def fake_load(model_arg, attn, device, dtype):
+        seen.append(attn)
+        raise FileNotFoundError("stop here")
+
+    monkeypatch.setattr(demo, "load", fake_load)
+    bert = tmp_path / "bloomberg" / "minilm"
+    bert.mkdir(parents=True)
+    (bert / "config.json").write_text('{"model_type": "bert"}')
+    bloom = tmp_path / "mymodel"
+    bloom.mkdir()
+    (bloom / "config.json").write_text('{"model_type": "bloom"}')
+    for model in (str(bert), str(bloom), "bloom", "gpt2"):
+        assert demo.main(["--model", model, "--device", "cpu", "--attn-implementation", "sdpa"]) == 2
+    assert seen == ["sdpa", "eager", "eager", "sdpa"]

@@ -28,6 +28,7 @@ Exit status: 0 on parity, 1 otherwise, 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -95,6 +96,20 @@ def small_config(name: str, attn: str):
         raise ValueError(f"--model: no folder {name!r} (a path that does not exist); expected a local model folder "
                          f"or one of {', '.join(CONFIG_NAMES)}")
     raise ValueError(f"--model: unknown config name {name!r}; expected one of {', '.join(CONFIG_NAMES)} or a folder")
+
+
+def model_type(model_arg: str | None) -> str | None:
+    """The ``model_type`` of what ``--model`` names: ``bert`` for the default model, the config name itself, or a
+    folder's ``config.json`` entry (None when it cannot be read; the load then says why)."""
+    if model_arg is None:
+        return "bert"
+    path = Path(model_arg)
+    if not path.is_dir():
+        return model_arg
+    try:
+        return json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def load(model_arg: str | None, attn: str, device: torch.device, dtype: torch.dtype):
@@ -313,8 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1:
         parser.error("--steps: expected a positive integer")
     try:  # the environment the fusion reads, checked before any work
-        dispatch.small_numel()
-        dispatch.is_strict()
+        dispatch.check_env()
     except ValueError as e:
         console.print(f"[red]{escape(str(e))}[/red]")
         return 2
@@ -329,8 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     attn = args.attn_implementation
-    if args.model == "bloom" or (args.model and "bloom" in args.model.lower()):
-        attn = "eager"                                  # Bloom has no SDPA path in transformers
+    if attn != "eager" and model_type(args.model) == "bloom":
+        console.print("Bloom has no SDPA path in transformers: loaded with eager attention")
+        attn = "eager"
     try:
         model, batch, what = load(args.model, attn, device, dtype)
     except (FileNotFoundError, ValueError, OSError) as e:

@@ -573,6 +573,27 @@ def warn_unknown_env() -> list[str]:
     return unknown
 
 
+def check_env() -> None:
+    """Check the environment the dispatcher reads, as its calls would, but up front (before a long job, say): each
+    op's ``PIPEGOOSE_IMPL_*`` value (its own variable, else its family's) must name one of the op's implementations
+    or be ``auto``; ``PIPEGOOSE_SMALL_NUMEL`` and ``PIPEGOOSE_STRICT`` must parse. (At a call, a bad value is the same
+    ValueError, at the first call of the op it applies to.) Unknown ``PIPEGOOSE_IMPL_*`` names are
+    :func:`warn_unknown_env`'s.
+
+    Raises:
+        ValueError: the first bad variable, named with its value and what was expected.
+    """
+    _ensure_builtin_ops()
+    for op in list(_impls):
+        impls = implementations(op)
+        env_impl, env_var = _env_request(op)
+        if env_impl is not None and env_impl not in impls:
+            raise ValueError(f"{env_var}={env_impl!r}: {op} has no implementation {env_impl!r}; expected one of "
+                             f"{', '.join(impls)} or 'auto'")
+    small_numel()
+    is_strict()
+
+
 def check_impl(op: str, impl: Any) -> None:
     """Check an ``impl`` argument of ``op``: None, ``"auto"`` or the name of one of its implementations (what
     :func:`choose` accepts; the fused modules check theirs when constructed).
