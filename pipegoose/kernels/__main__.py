@@ -124,6 +124,10 @@ def _build(args) -> int:
     if not args.all and not args.names:
         print("build: name kernels or pass --all", file=sys.stderr)
         return 2
+    if args.all and args.names:  # the names were ignored: a typo started a build of every kernel
+        print(f"build: --all builds every kernel; name kernels or pass --all, not both (got {' '.join(args.names)})",
+              file=sys.stderr)
+        return 2
     os.environ.setdefault("PIPEGOOSE_QUIET", "1")
     console = Console()
     _, builders = _builders(args, None if args.all else args.names)

@@ -496,6 +496,15 @@ def test_cli_build_jobs_must_be_a_positive_count(tmp_path, jobs):
     assert "building" not in p.stdout, p.stdout
 
 
+def test_cli_build_all_with_names_is_an_error(tmp_path):
+    """`build --all nope` ignored the name and built every kernel (half an hour on 2 cores); --all and names
+    exclude each other."""
+    p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "build", "--all", "nope"], capture_output=True,
+                       text=True, env=_env(tmp_path / "cache"), timeout=300)
+    assert p.returncode == 2 and "not both (got nope)" in p.stderr, p.stderr
+    assert "building" not in p.stdout, p.stdout
+
+
 def test_cli_unknown_kernel_and_options_after_the_subcommand(tiny, tmp_path):
     """An unknown name is a clean error (exit 2, close matches), not a traceback; --manifest / --cache-dir work
     after the subcommand as well as before it."""
