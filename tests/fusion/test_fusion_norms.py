@@ -505,3 +505,23 @@ def test_layer_norm_reference_fp64_parameters_of_half_input_are_not_rounded_down
     torch.testing.assert_close(y, want, rtol=0, atol=0)
     y.float().sum().backward()
     assert x.grad.dtype == xdt and w.grad.dtype == b.grad.dtype == torch.float64
+
+
+def test_norm_arguments_numpy_sizes_and_flag_types():
+    """The functional norms took a numpy integer size only inside a sequence (a bare np.int64 was a TypeError, though
+    the modules take it, as torch.nn.LayerNorm does); FusedRMSNorm's output_in_weight_dtype took any value ("no" turned
+    T5's rule on), where its other flags must be bools."""
+    import numpy as np
+
+    from pipegoose.nn.fusion import functional as PF
+    from pipegoose.nn.fusion.modules import FusedRMSNorm
+
+    x = torch.randn(3, 16)
+    assert torch.equal(PF.layer_norm(x, np.int64(16)), torch.nn.functional.layer_norm(x, (16,)))
+    assert torch.equal(PF.rms_norm(x, np.int32(16), eps=1e-6), torch.nn.functional.rms_norm(x, (16,), eps=1e-6))
+    with pytest.raises(ValueError, match="normalized_shape: expected a size >= 1"):
+        PF.layer_norm(x, np.int64(0))
+    with pytest.raises(TypeError, match="normalized_shape: expected an int"):
+        PF.rms_norm(x, np.float32(16))
+    with pytest.raises(TypeError, match="output_in_weight_dtype: expected a bool, got str"):
+        FusedRMSNorm(16, output_in_weight_dtype="no")

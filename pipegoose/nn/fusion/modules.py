@@ -272,8 +272,8 @@ class FusedRMSNorm(nn.Module):
     Raises (when constructed, not at the first forward):
         TypeError: both or neither of ``normalized_shape`` / ``hidden_size``; the one given not an integer or a
             sequence of them; ``eps`` not a number or None (a bool, int, float, numpy scalar or 0-d tensor, as
-            :func:`~pipegoose.nn.fusion.functional.rms_norm` takes); ``cast_before_weight`` or
-            ``output_in_input_dtype`` not a bool; ``impl`` not a str or None.
+            :func:`~pipegoose.nn.fusion.functional.rms_norm` takes); ``cast_before_weight``,
+            ``output_in_weight_dtype`` or ``output_in_input_dtype`` not a bool; ``impl`` not a str or None.
         ValueError: a size < 1 or no dimension, ``eps`` negative or not finite, ``impl`` naming no implementation
             of ``rms_norm``; ``output_in_input_dtype`` with ``cast_before_weight`` or ``output_in_weight_dtype``.
     """
@@ -294,6 +294,8 @@ class FusedRMSNorm(nn.Module):
             raise TypeError(f"cast_before_weight: expected a bool, got {type(cast_before_weight).__name__}")
         if not isinstance(output_in_input_dtype, bool):
             raise TypeError(f"output_in_input_dtype: expected a bool, got {type(output_in_input_dtype).__name__}")
+        if not isinstance(output_in_weight_dtype, bool):
+            raise TypeError(f"output_in_weight_dtype: expected a bool, got {type(output_in_weight_dtype).__name__}")
         if output_in_input_dtype and (cast_before_weight or output_in_weight_dtype):
             raise ValueError("output_in_input_dtype: expected cast_before_weight=False and "
                              "output_in_weight_dtype=False with it (OLMo-2's rule is torch.nn.RMSNorm's numerics)")

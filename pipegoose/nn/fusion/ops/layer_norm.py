@@ -21,6 +21,7 @@ Implementations (op ``layer_norm``):
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from typing import Any, Sequence
 
@@ -40,10 +41,10 @@ SRC_APEX = ("apex/fused_layer_norm: Apex csrc/layer_norm_cuda_kernel.cu via Colo
 
 
 def normalize_shape(normalized_shape: Any) -> tuple[int, ...]:
-    if isinstance(normalized_shape, int) and not isinstance(normalized_shape, bool):
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):  # numpy's too
         if normalized_shape < 1:
             raise ValueError(f"normalized_shape: expected a size >= 1, got {normalized_shape}")
-        return (normalized_shape,)
+        return (int(normalized_shape),)
     if isinstance(normalized_shape, (str, bytes)) or not hasattr(normalized_shape, "__iter__"):
         raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {normalized_shape!r}")
     try:
