@@ -125,6 +125,15 @@ def test_demo_bad_environment_is_a_message(capsys, monkeypatch):
     assert "PIPEGOOSE_IMPL_LAYER_NORM='megatron': layer_norm has no implementation" in out and "model:" not in out
 
 
+def test_demo_strict_mode_fallback_is_a_message(capsys, monkeypatch):
+    """PIPEGOOSE_STRICT=1 where a fused op falls back (on the CPU, all do) ended in a FusionFallbackError traceback;
+    now a message naming strict mode and the op, exit status 1."""
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "1")
+    assert demo.main(["--model", "llama", "--device", "cpu"]) == 1
+    out = capsys.readouterr().out.replace("\n", "")
+    assert "strict mode (PIPEGOOSE_STRICT): a fused op fell back" in out and "rms_norm" in out, out
+
+
 def test_demo_tokenizer_larger_than_the_model(capsys, tmp_path):
     """A model folder whose tokenizer has more tokens than the model's embedding ended in IndexError from the
     embedding; now a message saying so, exit status 2."""

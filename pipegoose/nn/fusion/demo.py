@@ -22,7 +22,7 @@ rounding noise in the unfused model too. A model with more than :data:`FLOAT64_M
 copied to float64, and a float64 copy that gives non-finite values (Bloom's eager attention with fully masked
 rows) is not used; fused is then compared with unfused directly, against the tolerance alone.
 
-Exit status: 0 on parity, 1 otherwise, 2 on bad arguments.
+Exit status: 0 on parity, 1 otherwise (parity failed, or a fallback in strict mode), 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -373,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
         timing = None
         if gpu is not None:
             timing = time_fused_and_unfused(model, batch, args.steps, args.attention)
+    except dispatch.FusionFallbackError as e:   # PIPEGOOSE_STRICT: a fallback is an error, as asked
+        console.print(f"[red]strict mode (PIPEGOOSE_STRICT): a fused op fell back to the PyTorch path:[/red] "
+                      f"{escape(str(e))}")
+        return 1
     finally:
         unfuse(model)
 
