@@ -66,6 +66,16 @@ def test_timing_pairs_unfused_and_fused_steps(monkeypatch):
     with pytest.raises(RuntimeError, match="step failed"):
         demo.time_fused_and_unfused(model, batch, steps=2, attention="auto")
     assert any(type(mod).__name__ == "FusedRMSNorm" for mod in model.modules())   # fused again
+
+    def failing_warmup(m, b, steps, warmup=3):   # the unfused model's warm-up raises
+        if not any(type(mod).__name__ == "FusedRMSNorm" for mod in m.modules()):
+            raise RuntimeError("warm-up failed")
+        return [1.0] * steps
+
+    monkeypatch.setattr(demo, "time_step", failing_warmup)
+    with pytest.raises(RuntimeError, match="warm-up failed"):
+        demo.time_fused_and_unfused(model, batch, steps=2, attention="auto")
+    assert any(type(mod).__name__ == "FusedRMSNorm" for mod in model.modules())
     assert unfuse(model)
 
 

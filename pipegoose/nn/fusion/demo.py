@@ -209,13 +209,14 @@ def time_fused_and_unfused(model, batch, steps: int, attention: str, warmup: int
     Returns ``{"unfused": median ms, "fused": median ms, "ratios": [unfused / fused ms of each round]}``."""
     from pipegoose.nn.fusion.fuse import fuse, unfuse
 
-    time_step(model, batch, 0, warmup)
-    unfuse(model)
-    time_step(model, batch, 0, warmup)
-    fused_now = False
     times: dict[bool, list[float]] = {True: [], False: []}
     ratios = []
+    fused_now = True
     try:
+        time_step(model, batch, 0, warmup)
+        unfuse(model)
+        fused_now = False
+        time_step(model, batch, 0, warmup)
         for i in range(steps):
             for want in ((True, False) if i % 2 == 0 else (False, True)):
                 if want != fused_now:
