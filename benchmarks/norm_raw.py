@@ -82,7 +82,7 @@ def table(path: str) -> str:
         raise SystemExit(f"norm_raw: {path}: no copy_gbps line with a positive bandwidth")
     if not rows:
         raise SystemExit(f"norm_raw: {path}: no --fwd-plans lines")
-    out = [f"forward, % of the device copy ({copy:.0f} GB/s) per plan (grid,nv,pf,preg; - = shipped)",
+    out = [f"forward, % of the device copy ({copy:.0f} GB/s) per plan (grid,nv,pf,preg[,minb]; - = shipped)",
            "op dtype param_dtype rows H | " + " | ".join(plans)]
     for key, v in rows.items():
         cells = [f"{v[p][0] / copy * 100:5.1f}{'' if v[p][1] <= 0.1 else '!'}" if p in v else "-" for p in plans]

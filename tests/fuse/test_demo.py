@@ -158,7 +158,7 @@ def test_demo_tokenizer_larger_than_the_model(capsys, tmp_path):
     assert "the model embeds 100 tokens" in out and "do not belong together" in out, out
 
 
-def test_bloom_is_told_by_model_type_not_by_the_path(monkeypatch, tmp_path):
+def test_bloom_is_told_by_model_type_not_by_the_path(monkeypatch, tmp_path, capsys):
     """Bloom has no SDPA path: the demo loads it with eager attention. It took any --model path containing "bloom"
     for Bloom (a BERT folder under /data/bloomberg/ lost its SDPA attention); the folder's config.json decides."""
     seen = []
@@ -174,6 +174,11 @@ def test_bloom_is_told_by_model_type_not_by_the_path(monkeypatch, tmp_path):
     bloom = tmp_path / "mymodel"
     bloom.mkdir()
     (bloom / "config.json").write_text('{"model_type": "bloom"}')
+    said = []
     for model in (str(bert), str(bloom), "bloom", "gpt2"):
         assert demo.main(["--model", model, "--device", "cpu", "--attn-implementation", "sdpa"]) == 2
+        said.append("Bloom has no SDPA path" in capsys.readouterr().out)
     assert seen == ["sdpa", "eager", "eager", "sdpa"]
+    assert said == [False, True, True, False]
+    assert demo.main(["--model", "bloom", "--device", "cpu", "--attn-implementation", "eager"]) == 2
+    assert "Bloom has no SDPA path" not in capsys.readouterr().out and seen[-1] == "eager"

@@ -646,11 +646,14 @@ def test_norms_with_computed_parameters_are_skipped_with_a_reason(how):
     skipped row with the reason; the rest of the model is fused, and the parametrization objects are no rows."""
     import warnings
 
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.RMSNorm(16, eps=1e-6), nn.LayerNorm(16))
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.RMSNorm(16, eps=1e-6), nn.LayerNorm(16),
+                          T5LayerNorm(16), T5LayerNorm(16))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)   # torch.nn.utils.weight_norm is deprecated
-        for i in (1, 2):
+        for i in (1, 2) if how == "weight_norm (hooks)" else (1, 2, 4):  # a hook-based T5LayerNorm: 2 parameters
             if how == "parametrizations.weight_norm":
                 nn.utils.parametrizations.weight_norm(model[i])
             elif how == "register_parametrization":
@@ -661,11 +664,14 @@ def test_norms_with_computed_parameters_are_skipped_with_a_reason(how):
     expected = model(x)
     report = fuse(model)
     rows = {r.path: r for r in report.rows}
-    assert set(rows) == {"1", "2", "3"}, rows
+    assert set(rows) == {"1", "2", "3", "4", "5"}, rows
     assert (rows["1"].kind, rows["2"].kind) == ("layer_norm", "rms_norm")
     for p in ("1", "2"):
         assert not rows[p].fused
         assert ("parametrized" if how != "weight_norm (hooks)" else "plain tensor, not a Parameter") in rows[p].reason
+    if how != "weight_norm (hooks)":   # a parametrized T5LayerNorm: not probed, so a row not counted as eligible
+        assert not rows["4"].fused and not rows["4"].eligible and "parametrized" in rows["4"].reason
     assert rows["3"].fused and type(model[3]).__name__ == "MixedFusedLayerNorm"
+    assert rows["5"].fused and type(model[5]).__name__ == "FusedRMSNorm"
     torch.testing.assert_close(model(x), expected)
     assert unfuse(model) and type(model[3]) is nn.LayerNorm

@@ -220,11 +220,11 @@ def time_fused_and_unfused(model, batch, steps: int, attention: str, warmup: int
         for i in range(steps):
             for want in ((True, False) if i % 2 == 0 else (False, True)):
                 if want != fused_now:
+                    fused_now = want   # before the call: a fuse() that raises has undone itself, and is not repeated
                     if want:
                         fuse(model, attention=attention)
                     else:
                         unfuse(model)
-                    fused_now = want
                     time_step(model, batch, 0, 1)
                 times[want] += time_step(model, batch, 1, 0)
             ratios.append(times[False][-1] / times[True][-1])

@@ -84,6 +84,7 @@ __all__ = [
     "register_problem",
     "implementations",
     "check_impl",
+    "check_env",
     "choose",
     "select",
     "record",

@@ -411,10 +411,15 @@ def _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNo
                          "torch.nn.LayerNorm, same parameters" + _small_note(child)), new
     if "rms_norm" not in ops:
         return None, None
-    if isinstance(child, nn.RMSNorm) or "rmsnorm" in type(child).__name__.lower():
-        why = _computed_params(child)   # parametrized: it has children, which the probe takes for "not a norm"
+    # torch.nn.RMSNorm, and parametrized norms (their parametrizations are children, which the probe takes for "not a
+    # norm"; a parametrized T5LayerNorm or LlamaRMSNorm is not probed, so it is reported as not eligible)
+    parametrized_norm = (parametrize.is_parametrized(child) and "norm" in type(child).__name__.lower()
+                         and not isinstance(child, (nn.GroupNorm, nn.modules.batchnorm._NormBase)))
+    if isinstance(child, nn.RMSNorm) or parametrized_norm:
+        why = _computed_params(child)
         if why is not None:
-            return FusionRow(path, "rms_norm", type(child).__name__, None, False, reason=why), None
+            return FusionRow(path, "rms_norm", type(child).__name__, None, False, reason=why,
+                             eligible=isinstance(child, nn.RMSNorm)), None
     if any(True for _ in child.children()):
         return None, None
     probe = matching.probe_rms_norm(child, hidden)
