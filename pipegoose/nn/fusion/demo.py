@@ -207,7 +207,7 @@ def time_fused_and_unfused(model, batch, steps: int, attention: str, warmup: int
     ``model`` is fused on entry and on return.
 
     Returns ``{"unfused": median ms, "fused": median ms, "ratios": [unfused / fused ms of each round]}``."""
-    from pipegoose.nn.fusion.fuse import fuse, unfuse
+    from pipegoose.nn.fusion.fuse import fuse, is_fused, unfuse
 
     times: dict[bool, list[float]] = {True: [], False: []}
     ratios = []
@@ -229,7 +229,7 @@ def time_fused_and_unfused(model, batch, steps: int, attention: str, warmup: int
                 times[want] += time_step(model, batch, 1, 0)
             ratios.append(times[False][-1] / times[True][-1])
     finally:
-        if not fused_now:
+        if not fused_now and not is_fused(model):   # (an unfuse() that raised may have left it fused)
             fuse(model, attention=attention)
     return {"unfused": statistics.median(times[False]), "fused": statistics.median(times[True]), "ratios": ratios}
 
