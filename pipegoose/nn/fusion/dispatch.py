@@ -542,6 +542,15 @@ def _env_request(op: str) -> tuple[str | None, str]:
     return None, ""
 
 
+def _checked_env_request(op: str, impls: Mapping[str, Implementation]) -> tuple[str | None, str]:
+    """:func:`_env_request`, with a ValueError naming the variable when its value is no implementation of ``op``."""
+    env_impl, env_var = _env_request(op)
+    if env_impl is not None and env_impl not in impls:
+        raise ValueError(f"{env_var}={env_impl!r}: {op} has no implementation {env_impl!r}; expected one of "
+                         f"{', '.join(impls)} or 'auto'")
+    return env_impl, env_var
+
+
 _env_checked = False
 # pipegoose's own files, and torch's (nn.Module.__call__ between a model and a fused module)
 _INTERNAL_DIRS = tuple(str(Path(m.__file__).resolve().parent) + os.sep
@@ -586,11 +595,7 @@ def check_env() -> None:
     """
     _ensure_builtin_ops()
     for op in list(_impls):
-        impls = implementations(op)
-        env_impl, env_var = _env_request(op)
-        if env_impl is not None and env_impl not in impls:
-            raise ValueError(f"{env_var}={env_impl!r}: {op} has no implementation {env_impl!r}; expected one of "
-                             f"{', '.join(impls)} or 'auto'")
+        _checked_env_request(op, implementations(op))
     small_numel()
     is_strict()
 
@@ -650,11 +655,8 @@ def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool =
     check_impl(op, impl)
     if impl is not None and impl != "auto":
         requests.append((impl, "argument"))
-    env_impl, env_var = _env_request(op)
+    env_impl, env_var = _checked_env_request(op, impls)
     if env_impl is not None:
-        if env_impl not in impls:
-            raise ValueError(f"{env_var}={env_impl!r}: {op} has no implementation {env_impl!r}; expected one of "
-                             f"{', '.join(impls)} or 'auto'")
         requests.append((env_impl, "env"))
     is_strict()  # a bad PIPEGOOSE_STRICT is an error here, where a bad PIPEGOOSE_IMPL_* is, not only at a fallback
 
