@@ -194,3 +194,40 @@ def test_compile_tracing_is_not_cached(monkeypatch, chooses):
     # nothing asked for: the PyTorch op is emitted for the compiler (dispatch.compile_passthrough), no choice
     torch.testing.assert_close(PF.layer_norm(x, (40,), w, b), torch.nn.functional.layer_norm(x, (40,), w, b))
     assert len(chooses) == 2
+
+
+def test_environment_reads_are_cheap_and_exact(monkeypatch):
+    """The variables read on every call go through dispatch._environ_get: on POSIX a lookup in os.environ's own
+    store (not os.environ.get, ~0.8 us), which must see every change made through os.environ, as os.environ.get."""
+    import os
+
+    get = dispatch._environ_get
+    if os.name == "posix" and isinstance(getattr(os.environ, "_data", None), dict):
+        assert get != os.environ.get  # bound methods compare equal, not identical
+    var = "PIPEGOOSE_TEST_ENVIRON_GET"
+    monkeypatch.delenv(var, raising=False)
+    assert get(var) is None and get(var, "d") == "d"
+    for value in ("1", " auto ", "", "h\u00e9llo \udcff"):  # a surrogate escape: bytes that are not UTF-8
+        monkeypatch.setenv(var, value)
+        assert get(var) == os.environ.get(var) == value
+    os.environ.pop(var)
+    assert get(var, "gone") == "gone"
+    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "7")
+    assert dispatch.small_numel() == 7
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "yes")
+    assert dispatch.is_strict()
+    monkeypatch.setenv("PIPEGOOSE_IMPL_LAYER_NORM", "torch")
+    assert dispatch._env_request("layer_norm") == ("torch", "PIPEGOOSE_IMPL_LAYER_NORM")
+
+
+def test_environ_get_without_a_posix_store(monkeypatch):
+    """Where os.environ has no encoded store (another platform or Python), os.environ.get itself."""
+    import os
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "name", "nt")
+        assert dispatch._make_environ_get() == os.environ.get
+    fake = type("Env", (), {"get": os.environ.get})()  # a mapping without the store
+    with monkeypatch.context() as m:
+        m.setattr(os, "environ", fake)
+        assert dispatch._make_environ_get() == os.environ.get

@@ -276,15 +276,25 @@ def _small(query: torch.Tensor, sq: int, sk: int) -> bool:
     return bool(limit) and _common.on_kernel_device(query) and query.shape[0] * query.shape[1] * sq * sk < limit
 
 
+@lru_cache(maxsize=None)
+def _active_collector():
+    """transformers' output-recorder context variable (transformers >= 5), imported once (an import statement on
+    every attention call costs ~0.5 us of host time); None where that API is absent."""
+    try:
+        from transformers.utils.output_capturing import _active_collector as collector
+    except ImportError:
+        return None
+    return collector
+
+
 def _weights_requested() -> bool:
     """Whether transformers is collecting attention weights in this forward (``output_attentions=True``; its output
     recorder, transformers >= 5); SDPA returns none, so such calls keep the softmax path. False where that API
     is absent."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:
+    collector = _active_collector()
+    if collector is None:
         return False
-    collected = _active_collector.get()
+    collected = collector.get()
     return bool(collected) and any("attentions" in k for k in collected)
 
 
