@@ -613,6 +613,22 @@ def test_compile_passthrough_only_without_a_request(monkeypatch):
     assert seen == [False]
 
 
+def test_compile_with_a_bad_strict_variable_raises_value_error(monkeypatch):
+    """A bad PIPEGOOSE_STRICT under torch.compile is the ValueError that names it, as without compile (not dynamo's
+    InternalTorchDynamoError wrapping it)."""
+    import torch._dynamo as dynamo
+
+    from pipegoose.nn.fusion.modules import FusedLayerNorm
+
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "bogus")
+    m = FusedLayerNorm(16)
+    dynamo.reset()
+    with pytest.raises(ValueError, match="PIPEGOOSE_STRICT='bogus'") as e:
+        torch.compile(m, backend="eager")(torch.randn(4, 16))
+    assert type(e.value) is ValueError
+    dynamo.reset()
+
+
 def test_fuse_of_a_copy_reports_the_modules_it_already_holds():
     """fuse() on a copy of a fused model: the fused modules it holds are reported (not replaced, and unfuse will not
     revert them) instead of being left out of the report (it claimed full coverage of the rest)."""

@@ -744,18 +744,31 @@ def _automatic(op: str, problem: Problem, impls: Mapping[str, Implementation], r
 
 
 @torch.compiler.assume_constant_result
-def _requested(op: str) -> bool:
-    # read when torch.compile traces the call (a constant of the graph, like the module's configuration)
-    return is_strict() or _env_request(op)[0] is not None
+def _requested(op: str) -> str:
+    # read when torch.compile traces the call (a constant of the graph, like the module's configuration): "" (no
+    # request), "requested", or the message of a bad PIPEGOOSE_STRICT, which the caller raises (raised in here, the
+    # ValueError would reach the user wrapped in dynamo's InternalTorchDynamoError)
+    try:
+        strict_mode = is_strict()
+    except ValueError as e:
+        return str(e)
+    return "requested" if strict_mode or _env_request(op)[0] is not None else ""
 
 
 def compile_passthrough(op: str, impl: str | None = None) -> bool:
     """Whether the op entry points should emit the PyTorch reference op for this call: ``torch.compile`` is
     tracing it and neither ``impl`` nor a ``PIPEGOOSE_IMPL_*`` variable for ``op`` nor strict mode asks for an
-    implementation (see the module docstring). Outside a compiled region: False."""
+    implementation (see the module docstring). Outside a compiled region: False.
+
+    Raises:
+        ValueError: while tracing, ``PIPEGOOSE_STRICT`` holds a value :func:`is_strict` rejects (its message).
+    """
     if not torch.compiler.is_compiling():
         return False
-    return impl is None and not _requested(op)
+    requested = _requested(op)
+    if requested not in ("", "requested"):
+        raise ValueError(requested)
+    return impl is None and not requested
 
 
 def small_numel() -> int:
