@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import enum
 import math
-import numbers
 from typing import Any, Callable, Sequence
 
 import torch
@@ -169,8 +168,6 @@ def _ln_shape(normalized_shape: Any, name: str = "normalized_shape") -> tuple[in
     """A module's normalized shape as a tuple of ints: an integer of any kind (a numpy one too, as torch.nn.LayerNorm
     takes) or a sequence of them, each >= 1, as the functional ops check it (a bool is not a size). TypeError or
     ValueError naming ``name``."""
-    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
-        normalized_shape = (normalized_shape,)
     try:
         return normalize_shape(normalized_shape)
     except (TypeError, ValueError) as e:
