@@ -84,17 +84,18 @@ class FakeOps:
 
     # pipegoose/layer_norm, pipegoose/rms_norm
     def layer_norm_forward(self, x, w, b, eps, out_dtype):
-        self.calls.append("layer_norm_forward")
-        assert x.dim() == 2 and x.is_contiguous() and (w is None or w.dim() == 1)
-        xf = x.float()
+        self.calls.append("layer_norm_forward")  # the op's contract: input [..., H], parameters of H elements
+        h = x.shape[-1]
+        assert x.dim() >= 1 and all(p is None or p.numel() == h for p in (w, b))
+        xf = x.float().reshape(-1, h)
         mean = xf.mean(-1)
         rstd = torch.rsqrt(xf.var(-1, unbiased=False) + eps)
         y = (xf - mean[:, None]) * rstd[:, None]
         if w is not None:
-            y = y * w.float()
+            y = y * w.float().reshape(h)
         if b is not None:
-            y = y + b.float()
-        return y.to(out_dtype or x.dtype), mean, rstd
+            y = y + b.float().reshape(h)
+        return y.to(out_dtype or x.dtype).view(x.shape), mean, rstd
 
     def layer_norm_backward(self, dy, x, w, b, mean, rstd):
         self.calls.append("layer_norm_backward")
@@ -112,14 +113,15 @@ class FakeOps:
         return gx, gw, gb
 
     def rms_norm_forward(self, x, w, eps, out_dtype):
-        self.calls.append("rms_norm_forward")
-        assert x.dim() == 2 and x.is_contiguous()
-        xf = x.float()
+        self.calls.append("rms_norm_forward")  # the op's contract: input [..., H], a weight of H elements
+        h = x.shape[-1]
+        assert x.dim() >= 1 and (w is None or w.numel() == h)
+        xf = x.float().reshape(-1, h)
         rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
         y = xf * rstd[:, None]
         if w is not None:
-            y = y * w.float()
-        return y.to(out_dtype or x.dtype), rstd
+            y = y * w.float().reshape(h)
+        return y.to(out_dtype or x.dtype).view(x.shape), rstd
 
     def rms_norm_backward(self, dy, x, w, rstd):
         self.calls.append("rms_norm_backward")

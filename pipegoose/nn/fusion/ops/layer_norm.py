@@ -223,14 +223,19 @@ class PipegooseLayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, shape, eps, out):
-        h = math.prod(shape)
-        x2 = x.reshape(-1, h).contiguous()
-        w = None if weight is None else weight.reshape(h).contiguous()
-        b = None if bias is None else bias.reshape(h).contiguous()
-        y, mean, rstd = _ops("pipegoose/layer_norm").layer_norm_forward(x2, w, b, float(eps), out)
-        # the inputs themselves (not x2, w, b, made here without the graph): a double backward needs them
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ops = _ops("pipegoose/layer_norm")
+        # the inputs themselves are saved (not x2, w, b, made here without the graph): a double backward needs them
         ctx.meta = (tuple(shape), eps, out)
+        if len(shape) == 1:  # the op takes [..., H] and 1-D parameters as they are (host time: no views)
+            y, mean, rstd = ops.layer_norm_forward(x, weight, bias, float(eps), out)
+            ctx.save_for_backward(x, weight, bias, mean, rstd)
+            return y
+        h = math.prod(shape)
+        x2 = x.reshape(-1, h)
+        w = None if weight is None else weight.reshape(h)
+        b = None if bias is None else bias.reshape(h)
+        y, mean, rstd = ops.layer_norm_forward(x2, w, b, float(eps), out)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
         return y.view(x.shape)
 
     @staticmethod
@@ -240,12 +245,15 @@ class PipegooseLayerNormFunction(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: gradients that are differentiable again
             return (*grads_through(lambda x_, w_, b_: layer_norm_reference(x_, shape, w_, b_, eps, out),
                                    (x, weight, bias), ctx.needs_input_grad[:3], dy), None, None, None)
+        ops = _ops("pipegoose/layer_norm")
+        if len(shape) == 1:  # as in forward: the op's shapes are the tensors' own (grad_weight: the weight's)
+            gi, gw, gb = ops.layer_norm_backward(dy, x, weight, bias, mean, rstd)
+            return gi, None if weight is None else gw, None if bias is None else gb, None, None, None
         h = math.prod(shape)
-        x2 = x.reshape(-1, h).contiguous()
-        w = None if weight is None else weight.reshape(h).contiguous()
-        b = None if bias is None else bias.reshape(h).contiguous()
-        dy2 = dy.reshape(x2.shape).contiguous()
-        gi, gw, gb = _ops("pipegoose/layer_norm").layer_norm_backward(dy2, x2, w, b, mean, rstd)
+        x2 = x.reshape(-1, h)
+        w = None if weight is None else weight.reshape(h)
+        b = None if bias is None else bias.reshape(h)
+        gi, gw, gb = ops.layer_norm_backward(dy.reshape(x2.shape), x2, w, b, mean, rstd)
         return (gi.view(x.shape), None if weight is None else gw.view(shape),
                 None if bias is None else gb.view(shape), None, None, None)
 

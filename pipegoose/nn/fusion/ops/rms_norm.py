@@ -165,13 +165,17 @@ class PipegooseRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, shape, eps, out):
-        h = math.prod(shape)
-        x2 = x.reshape(-1, h).contiguous()
-        w = None if weight is None else weight.reshape(h).contiguous()
-        y, rstd = _ops().rms_norm_forward(x2, w, float(eps), out)
-        # the inputs themselves (not x2, w, made here without the graph): a double backward needs them
-        ctx.save_for_backward(x, weight, rstd)
+        # the inputs themselves are saved (not x2, w, made here without the graph): a double backward needs them
         ctx.meta = (tuple(shape), eps, out)
+        if len(shape) == 1:  # the op takes [..., H] and a 1-D weight as they are (host time: no views)
+            y, rstd = _ops().rms_norm_forward(x, weight, float(eps), out)
+            ctx.save_for_backward(x, weight, rstd)
+            return y
+        h = math.prod(shape)
+        x2 = x.reshape(-1, h)
+        w = None if weight is None else weight.reshape(h)
+        y, rstd = _ops().rms_norm_forward(x2, w, float(eps), out)
+        ctx.save_for_backward(x, weight, rstd)
         return y.view(x.shape)
 
     @staticmethod
@@ -181,10 +185,13 @@ class PipegooseRMSNormFunction(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: gradients that are differentiable again
             return (*grads_through(lambda x_, w_: rms_norm_reference(x_, shape, w_, eps, out, False),
                                    (x, weight), ctx.needs_input_grad[:2], dy), None, None, None)
+        if len(shape) == 1:  # as in forward: the op's shapes are the tensors' own (grad_weight: the weight's)
+            gi, gw = _ops().rms_norm_backward(dy, x, weight, rstd)
+            return gi, None if weight is None else gw, None, None, None
         h = math.prod(shape)
-        x2 = x.reshape(-1, h).contiguous()
-        w = None if weight is None else weight.reshape(h).contiguous()
-        gi, gw = _ops().rms_norm_backward(dy.reshape(x2.shape).contiguous(), x2, w, rstd)
+        x2 = x.reshape(-1, h)
+        w = None if weight is None else weight.reshape(h)
+        gi, gw = _ops().rms_norm_backward(dy.reshape(x2.shape), x2, w, rstd)
         return gi.view(x.shape), None if weight is None else gw.view(shape), None, None, None
 
 
