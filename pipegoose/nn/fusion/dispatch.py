@@ -17,11 +17,11 @@ Choice, first that supports the input wins:
    implementation supports the input (rules whose ``pass`` matches the call, ``fwd`` or ``fwd+bwd``, first);
 4. the built-in order: ours, then the ported copies, then ``torch``;
 5. before 3 and 4, small problems: when the input has fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements (default
-   2**20; 0 turns this off), a fused implementation supports it, and the op's reference path is one native PyTorch
+   2**24; 0 turns this off), a fused implementation supports it, and the op's reference path is one native PyTorch
    op for it (``F.layer_norm``, ``F.rms_norm``: ``Implementation.small_first``), the reference runs (source
    ``small``, not a fallback; no kernel is loaded). At such sizes a step is bound by the host, and a fused op's
-   Python autograd path costs more host time than its kernel can save on the GPU (a fused MiniLM step was slower
-   than the unfused one on the H200).
+   Python autograd path costs more host time than its kernel can save on the GPU (fused MiniLM, BERT-base and GPT-2
+   small steps were slower than unfused ones on the H200; see :data:`SMALL_NUMEL_DEFAULT`).
 
 Ending on ``torch`` after a fused implementation was wanted is a *fallback*: the reason is recorded
 (:func:`explain`, :func:`last_choice`), logged at debug level on ``pipegoose.nn.fusion.dispatch``, and in strict
@@ -116,9 +116,14 @@ IMPL_NAMES = ("pipegoose", "megatron", "apex", "deepspeed", "torch", "sdpa", "ea
 _KIND_ORDER = {"ours": 0, "ported": 1, "reference": 2}
 _PASSES = ("fwd", "fwd+bwd")
 # Small problems (see the module docstring). Measured on the H200 host (benchmarks/overhead.py, 2026-11-29): a fused
-# LayerNorm/RMSNorm call costs about 230 us more host time per forward + backward than F.layer_norm / F.rms_norm,
-# while the whole forward + backward of 2**20 bf16 elements moves ~6 MB, about 1.5 us at 4.2 TB/s.
-SMALL_NUMEL_DEFAULT = 1 << 20
+# LayerNorm/RMSNorm call cost about 230 us more host time per forward + backward than F.layer_norm / F.rms_norm
+# (session 20 took about 40% off, on a CPU without a GPU), while ours saves the GPU about 4 ps per bf16 element over
+# the native LayerNorm (fwd+bwd, ~10 bytes at 88% instead of ~40% of 4.2 TB/s). Whether a step hides the host cost
+# depends on the model; measured (H200, bf16, paired steps, benchmarks/results/nvidia_h200_2026-11-30/session20.log):
+# with the default at 2**20, BERT-base at batch 32 x 128 and 16 x 512 (LayerNorm inputs of 3.1M and 6.3M elements)
+# and GPT-2 small at 8 x 1024 (6.3M) ran 17-23% slower fused than unfused, while GPT-NeoX ~405M at 8 x 2048 (16.8M;
+# results.json, run of 2026-11-30) ran 2% faster. Hence 2**24: below it the native op (and SDPA for attention scores) runs.
+SMALL_NUMEL_DEFAULT = 1 << 24
 
 
 class FusionFallbackError(RuntimeError):

@@ -394,7 +394,7 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     Returns:
         ``(attn_output [b, sq, hq, d] contiguous, attn_weights [b, hq, sq, sk])``, in the dtype of ``value``.
 
-    Small problems: CUDA scores (fp16/bf16/fp32) of fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements (default 2**20; 0
+    Small problems: CUDA scores (fp16/bf16/fp32) of fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements (default 2**24; 0
     turns this off) without ``head_mask``, when transformers is not collecting attention weights
     (``output_attentions=True``), run ``torch.nn.functional.scaled_dot_product_attention`` instead (same masks and
     causality; fully masked rows give zeros as here, for bool and additive masks alike; ``attn_weights`` is then
