@@ -691,3 +691,46 @@ def test_norms_with_computed_parameters_are_skipped_with_a_reason(how):
     assert rows["5"].fused and type(model[5]).__name__ == "FusedRMSNorm"
     torch.testing.assert_close(model(x), expected)
     assert unfuse(model) and type(model[3]) is nn.LayerNorm
+
+
+class _EpsOutsideSqrt(nn.Module):
+    """An RMSNorm-like module adding eps to the root mean square (outside the square root)."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        dt = x.dtype
+        x = x.float()
+        return self.weight * (x / (x.pow(2).mean(-1, keepdim=True).sqrt() + self.variance_epsilon)).to(dt)
+
+
+class _EpsHardCoded(nn.Module):
+    """Llama's formula with eps hard-coded in forward (1e-5), another value than its attribute (1e-6)."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        dt = x.dtype
+        x = x.float()
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dt)
+
+
+@pytest.mark.parametrize("cls", [_EpsOutsideSqrt, _EpsHardCoded])
+def test_rms_norm_probe_refuses_a_norm_that_uses_eps_otherwise(cls):
+    """The probe's random input (mean square ~1) barely sees eps, so these modules passed it and were replaced by a
+    FusedRMSNorm taking the eps attribute: 44-95% relative error on inputs whose mean square is near eps. Now the probe
+    also runs inputs at that scale and refuses them, saying why; the model is left unchanged."""
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), cls(64))
+    x = torch.randn(4, 64) * 1e-3
+    ref = model(x)
+    report = fuse(model)
+    (row,) = [r for r in report.rows if r.path == "1"]
+    assert not row.fused and "eps is used otherwise" in row.reason and "mean square" in row.reason
+    assert type(model[1]) is cls
+    torch.testing.assert_close(model(x), ref, rtol=0, atol=0)

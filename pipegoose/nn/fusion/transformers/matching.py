@@ -173,6 +173,27 @@ def probe_rms_norm(module: nn.Module, hidden_size: int | None) -> RMSNormProbe:
         err = (y.double() - ref).abs().max().item()
         return RMSNormProbe(False, None, f"output differs from the RMSNorm formula (max abs diff {err:.3g})",
                             looks_like_norm)
+    # eps: the input above (mean square ~1.3) barely sees it. A norm that adds eps elsewhere (outside the square root)
+    # or whose forward uses another value than its eps attribute agrees there and differs on inputs whose mean square
+    # is near eps, where FusedRMSNorm (which takes the attribute) would then be silently wrong.
+    if eps > 0:
+        for mean_square in (eps, 0.1 * eps):
+            xs = x * torch.sqrt(mean_square / x.pow(2).mean(-1, keepdim=True))
+            try:
+                with torch.no_grad():
+                    ys = stand_in.forward(xs)
+            except Exception as exc:  # noqa: BLE001
+                return RMSNormProbe(False, None, f"probe forward failed on a small input: {type(exc).__name__}: {exc}",
+                                    looks_like_norm)
+            xsd = xs.double()
+            ref_s = xsd * torch.rsqrt(xsd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+            if (not isinstance(ys, torch.Tensor) or ys.shape != x.shape
+                    or not torch.allclose(ys.double(), ref_s, atol=1e-5, rtol=1e-3)):
+                err = (ys.double() - ref_s).abs().max().item() if isinstance(ys, torch.Tensor) and \
+                    ys.shape == x.shape else float("nan")
+                return RMSNormProbe(False, None, f"output differs from the RMSNorm formula with eps={eps:g} (its "
+                                    f"eps attribute) on inputs whose mean square is {mean_square:.3g} (max abs diff "
+                                    f"{err:.3g}): eps is used otherwise", looks_like_norm)
     # Rounding (bf16 input and weight): Llama-style norms round the normalised input to the input's dtype, then
     # multiply by the weight in that dtype (two roundings), which FusedRMSNorm(cast_before_weight=True) reproduces;
     # OLMo-2-style norms (Olmo2RMSNorm, GptOssRMSNorm, Gemma3nRMSNorm, ...: 26 classes of transformers 5.24) multiply
