@@ -734,3 +734,23 @@ def test_rms_norm_probe_refuses_a_norm_that_uses_eps_otherwise(cls):
     assert not row.fused and "eps is used otherwise" in row.reason and "mean square" in row.reason
     assert type(model[1]) is cls
     torch.testing.assert_close(model(x), ref, rtol=0, atol=0)
+
+
+def test_compile_of_a_fused_model_warns_nothing_of_ours():
+    """torch.compile of a model with our attention function: no warning from tracing our code (a functools.lru_cache
+    on the attention path made Dynamo warn at every compile)."""
+    import warnings
+
+    import torch._dynamo as dynamo
+
+    model = models.build("gpt2", "eager")
+    ids, mask = models.inputs()
+    fuse(model)
+    dynamo.reset()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.compile(model, backend="eager")(input_ids=ids, attention_mask=mask)
+    ours = [str(w.message) for w in seen if "lru_cache" in str(w.message) or "pipegoose" in str(w.filename)]
+    assert not ours, ours
+    dynamo.reset()
+    unfuse(model)

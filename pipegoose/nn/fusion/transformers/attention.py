@@ -276,15 +276,20 @@ def _small(query: torch.Tensor, sq: int, sk: int) -> bool:
     return bool(limit) and _common.on_kernel_device(query) and query.shape[0] * query.shape[1] * sq * sk < limit
 
 
-@lru_cache(maxsize=None)
+_COLLECTOR: list = []   # [transformers' output-recorder context variable or None], filled at the first call
+
+
 def _active_collector():
     """transformers' output-recorder context variable (transformers >= 5), imported once (an import statement on
-    every attention call costs ~0.5 us of host time); None where that API is absent."""
-    try:
-        from transformers.utils.output_capturing import _active_collector as collector
-    except ImportError:
-        return None
-    return collector
+    every attention call costs ~0.5 us of host time); None where that API is absent. A plain list, not
+    functools.lru_cache, which torch.compile warns about when it traces the call."""
+    if not _COLLECTOR:
+        try:
+            from transformers.utils.output_capturing import _active_collector as collector
+        except ImportError:
+            collector = None
+        _COLLECTOR.append(collector)
+    return _COLLECTOR[0]
 
 
 def _weights_requested() -> bool:
