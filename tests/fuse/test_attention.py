@@ -465,3 +465,27 @@ def test_sdpa_paths_do_not_hide_nan_in_an_additive_mask(monkeypatch):
     mask[0, 0, 1] = float("nan")
     out = pipegoose_attention_forward(_Mod(False), q, k, v, mask, scaling=0.3)[0]
     assert torch.isnan(out[0, 1]).all() and torch.isfinite(out[0, [0, 2]]).all()
+
+
+def test_a_bad_impl_attention_variable_is_an_error(monkeypatch):
+    """PIPEGOOSE_IMPL_ATTENTION=bogus ran a fused model without a word (any value was taken as a request); now the
+    attention function raises the ValueError that names it, as under torch.compile."""
+    import torch._dynamo as dynamo
+
+    from pipegoose.nn.fusion.fuse import fuse, unfuse
+
+    from . import models
+
+    model = models.build("gpt2", "eager")
+    ids, mask = models.inputs()
+    fuse(model)
+    monkeypatch.setenv("PIPEGOOSE_IMPL_ATTENTION", "bogus")
+    with pytest.raises(ValueError, match="PIPEGOOSE_IMPL_ATTENTION='bogus'"):
+        model(input_ids=ids, attention_mask=mask)
+    dynamo.reset()
+    with pytest.raises(ValueError, match="PIPEGOOSE_IMPL_ATTENTION='bogus'"):
+        torch.compile(model, backend="eager")(input_ids=ids, attention_mask=mask)
+    dynamo.reset()
+    monkeypatch.setenv("PIPEGOOSE_IMPL_ATTENTION", "pipegoose")
+    model(input_ids=ids, attention_mask=mask)
+    unfuse(model)

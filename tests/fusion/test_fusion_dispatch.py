@@ -395,18 +395,21 @@ def test_misspelt_impl_variable_warns(monkeypatch):
 def test_check_env_names_the_bad_variable(monkeypatch):
     """check_env: what the calls would raise, up front: an implementation the op lacks (its own variable, or its
     family's: PIPEGOOSE_IMPL_SOFTMAX covers softmax.masked and softmax.causal), PIPEGOOSE_SMALL_NUMEL and
-    PIPEGOOSE_STRICT. Valid values, auto, and PIPEGOOSE_IMPL_ATTENTION (not an op of the dispatcher) pass."""
+    PIPEGOOSE_STRICT, PIPEGOOSE_IMPL_ATTENTION other than auto / pipegoose (it accepted anything). Valid values and
+    auto pass."""
     for var in [k for k in __import__("os").environ if k.startswith("PIPEGOOSE_")]:
         monkeypatch.delenv(var)
     monkeypatch.setenv("PIPEGOOSE_IMPL_LAYER_NORM", "Apex")      # read case-insensitively, as the calls read it
     monkeypatch.setenv("PIPEGOOSE_IMPL_RMS_NORM", "auto")
-    monkeypatch.setenv("PIPEGOOSE_IMPL_ATTENTION", "anything")
+    monkeypatch.setenv("PIPEGOOSE_IMPL_ATTENTION", " PipeGoose ")
     dispatch.check_env()
+    monkeypatch.delenv("PIPEGOOSE_IMPL_ATTENTION")
     for var, value, expect in (("PIPEGOOSE_IMPL_LAYER_NORM", "megatron", "layer_norm has no implementation 'megatron'"),
                                ("PIPEGOOSE_IMPL_SOFTMAX", "apex", "softmax has no implementation 'apex'"),
                                ("PIPEGOOSE_IMPL_SOFTMAX_CAUSAL", "nope", "softmax.causal has no implementation"),
                                ("PIPEGOOSE_SMALL_NUMEL", "-3", "PIPEGOOSE_SMALL_NUMEL='-3'"),
-                               ("PIPEGOOSE_STRICT", "maybe", "PIPEGOOSE_STRICT='maybe'")):
+                               ("PIPEGOOSE_STRICT", "maybe", "PIPEGOOSE_STRICT='maybe'"),
+                               ("PIPEGOOSE_IMPL_ATTENTION", "bogus", "expected 'pipegoose'")):
         monkeypatch.setenv(var, value)
         with pytest.raises(ValueError, match=f"^{var}="):
             dispatch.check_env()

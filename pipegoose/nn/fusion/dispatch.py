@@ -85,6 +85,8 @@ __all__ = [
     "implementations",
     "check_impl",
     "check_env",
+    "check_attention_env",
+    "ATTENTION_ENV_VALUES",
     "choose",
     "select",
     "record",
@@ -619,7 +621,8 @@ def check_env() -> None:
     """Check the environment the dispatcher reads, as its calls would, but up front (before a long job, say): each
     op's ``PIPEGOOSE_IMPL_*`` value (its own variable, else its family's) must name one of the op's implementations
     or be ``auto``; ``PIPEGOOSE_SMALL_NUMEL`` and ``PIPEGOOSE_STRICT`` must parse. (At a call, a bad value is the same
-    ValueError, at the first call of the op it applies to.) Unknown ``PIPEGOOSE_IMPL_*`` names are
+    ValueError, at the first call of the op it applies to.) ``PIPEGOOSE_IMPL_ATTENTION``: :func:`check_attention_env`.
+    Unknown ``PIPEGOOSE_IMPL_*`` names are
     :func:`warn_unknown_env`'s.
 
     Raises:
@@ -628,6 +631,7 @@ def check_env() -> None:
     _ensure_builtin_ops()
     for op in list(_impls):
         _checked_env_request(op, implementations(op))
+    check_attention_env()
     small_numel()
     is_strict()
 
@@ -757,9 +761,30 @@ def _requested(op: str) -> str:
     # ValueError would reach the user wrapped in dynamo's InternalTorchDynamoError)
     try:
         strict_mode = is_strict()
+        if op == "attention":
+            check_attention_env()
     except ValueError as e:
         return str(e)
     return "requested" if strict_mode or _env_request(op)[0] is not None else ""
+
+
+ATTENTION_ENV_VALUES = ("auto", "pipegoose")
+
+
+def check_attention_env() -> None:
+    """Check ``PIPEGOOSE_IMPL_ATTENTION``: unset, empty, ``auto`` or ``pipegoose`` (case and surrounding blanks
+    ignored). ``pipegoose`` asks that the attention function keep its own paths under ``torch.compile`` (a graph break
+    per call) instead of emitting SDPA; attention is no op of the dispatcher, so no other implementation can be asked
+    for there.
+
+    Raises:
+        ValueError: another value, named with the variable and the accepted values.
+    """
+    raw = _environ_get("PIPEGOOSE_IMPL_ATTENTION", "")
+    value = raw.strip().lower()
+    if value and value not in ATTENTION_ENV_VALUES:
+        raise ValueError(f"PIPEGOOSE_IMPL_ATTENTION={raw!r}: expected 'pipegoose' (our attention function keeps its "
+                         f"own paths under torch.compile) or 'auto'")
 
 
 def compile_passthrough(op: str, impl: str | None = None) -> bool:

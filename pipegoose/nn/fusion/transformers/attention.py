@@ -410,8 +410,9 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     strict) the same SDPA call runs at every size, so the compiled model has no graph break here.
     Raises:
         NotImplementedError: an unsupported kwarg is set (``softcap``, ``s_aux``, ``sinks``).
-        ValueError: head counts that do not divide, or a mask (``attention_mask``, ``head_mask``) of the wrong
-            shape.
+        ValueError: head counts that do not divide, a mask (``attention_mask``, ``head_mask``) of the wrong
+            shape, or ``PIPEGOOSE_IMPL_ATTENTION`` other than ``auto`` / ``pipegoose``
+            (:func:`pipegoose.nn.fusion.dispatch.check_attention_env`).
     """
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
@@ -427,6 +428,8 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         scaling = query.shape[-1] ** -0.5
 
     sq, sk = query.shape[2], key.shape[2]
+    if not torch.compiler.is_compiling():
+        dispatch.check_attention_env()  # under torch.compile: compile_passthrough's check, at trace time
     if dispatch.compile_passthrough("attention") and kwargs.get("head_mask") is None and not _weights_requested():
         return _small_sdpa(module, query, key, value, attention_mask, scaling, dropout, is_causal)  # torch.compile
     if _small(query, sq, sk) and kwargs.get("head_mask") is None and not _weights_requested():
