@@ -187,3 +187,30 @@ def test_clip_grad_norm_edges():
     torch.testing.assert_close(p[0].grad, before, equal_nan=True)
     n = clip_grad_norm_(p[0], 1.0)  # a single tensor is accepted, nan propagates as in torch
     assert n.isnan() and p[0].grad.isnan().all()
+
+
+def test_fused_adam_checks_impl_and_param_groups_when_they_are_given():
+    """FusedAdam(impl="bogus") was built and failed at the first step(); add_param_group took lr=nan and betas
+    (2.0, 5.0), and step() then failed with a complex-dtype cast error. Now both raise at once, naming the argument,
+    and a refused group is not added."""
+    from pipegoose.nn.fusion.optim import FusedAdam
+
+    p = [torch.nn.Parameter(torch.randn(3))]
+    with pytest.raises(ValueError, match="impl: adam has no implementation 'bogus'"):
+        FusedAdam(p, impl="bogus")
+    with pytest.raises(ValueError, match="lr: expected a finite number >= 0, got nan"):
+        FusedAdam(p, lr=float("nan"))
+    opt = FusedAdam(p)
+    extra = torch.nn.Parameter(torch.randn(2))
+    for group, err, match in (({"lr": float("nan")}, ValueError, "lr: expected a finite number >= 0"),
+                              ({"betas": (2.0, 5.0)}, ValueError, r"betas: expected two values in \[0, 1\)"),
+                              ({"eps": "1e-8"}, TypeError, "eps: expected a number"),
+                              ({"impl": "nope"}, ValueError, "impl: adam has no implementation 'nope'")):
+        with pytest.raises(err, match=match):
+            opt.add_param_group({"params": [extra], **group})
+        assert len(opt.param_groups) == 1
+    with pytest.raises(TypeError, match="expected floating point parameters, got torch.int32"):
+        opt.add_param_group({"params": [torch.zeros(2, dtype=torch.int32)]})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [extra], "lr": torch.tensor(0.1), "impl": "torch"})
+    assert len(opt.param_groups) == 2

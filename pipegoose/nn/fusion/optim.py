@@ -40,9 +40,10 @@ class FusedAdam(torch.optim.Optimizer):
     State per parameter: ``step`` (float32 scalar tensor on the CPU), ``exp_avg``, ``exp_avg_sq``, as
     torch.optim.AdamW keeps them, so state_dicts load both ways (param groups carry AdamW's keys too).
 
-    Raises:
-        ValueError: bad hyper-parameters, amsgrad=True, capturable=True. RuntimeError (in step): sparse
-        gradients. TypeError: complex or non-floating parameters, a hyper-parameter that is not a number.
+    Raises (when built, and from ``add_param_group`` for a group's own values):
+        ValueError: bad hyper-parameters (lr, eps, weight_decay not finite and >= 0; betas not in [0, 1)), an
+        ``impl`` that names no implementation of ``adam``, amsgrad=True, capturable=True. TypeError: complex or
+        non-floating parameters, a hyper-parameter that is not a number. RuntimeError (in step): sparse gradients.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -53,28 +54,52 @@ class FusedAdam(torch.optim.Optimizer):
                              "state); use torch.optim.AdamW(amsgrad=True)")
         if capturable:
             raise ValueError("capturable: FusedAdam keeps the step on the host; capturable=True is not supported")
-        for name, v in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-            if isinstance(v, bool) or not isinstance(v, (int, float, torch.Tensor)):
-                raise TypeError(f"{name}: expected a number, got {type(v).__name__}")
-        if not lr >= 0.0:
-            raise ValueError(f"lr: expected >= 0, got {lr}")
-        if not eps >= 0.0:
-            raise ValueError(f"eps: expected >= 0, got {eps}")
-        if not (len(betas) == 2 and 0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"betas: expected two values in [0, 1), got {betas}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"weight_decay: expected >= 0, got {weight_decay}")
+        self._check_hyperparameters(dict(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay, impl=impl))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode,
                         bias_correction=bias_correction, amsgrad=False, capturable=False, maximize=False,
                         foreach=None, differentiable=False, fused=None, decoupled_weight_decay=adam_w_mode,
                         impl=impl)
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if torch.is_complex(p):
-                    raise TypeError("params: FusedAdam does not support complex parameters")
-                if not p.is_floating_point():
-                    raise TypeError(f"params: expected floating point parameters, got {p.dtype}")
+        super().__init__(params, defaults)  # each group through add_param_group: checked there
+
+    @staticmethod
+    def _check_hyperparameters(group: dict) -> None:
+        """The constructor's checks, for a param group too (``add_param_group``): ``lr``, ``eps``, ``weight_decay``
+        finite numbers >= 0 (a 0-d tensor too), ``betas`` two numbers in [0, 1), ``impl`` an implementation of
+        ``adam`` (or None / ``auto``). TypeError or ValueError naming the argument."""
+        for name in ("lr", "eps", "weight_decay"):
+            v = group[name]
+            if isinstance(v, bool) or not isinstance(v, (int, float, torch.Tensor)):
+                raise TypeError(f"{name}: expected a number, got {type(v).__name__}")
+            if not (0.0 <= float(v) < float("inf")):
+                raise ValueError(f"{name}: expected a finite number >= 0, got {v}")
+        betas = group["betas"]
+        try:
+            ok = len(betas) == 2 and all(not isinstance(b, bool) and 0.0 <= float(b) < 1.0 for b in betas)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"betas: expected two values in [0, 1), got {betas}")
+        dispatch.check_impl(_mt.OP_ADAM, group.get("impl"))
+
+    def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group``, with the constructor's checks of the group's hyperparameters
+        (its own or the defaults).
+
+        Raises:
+            TypeError, ValueError: a bad ``lr``, ``eps``, ``weight_decay``, ``betas`` or ``impl``, named.
+        """
+        if isinstance(param_group, dict) and "params" in param_group:
+            self._check_hyperparameters({**self.defaults, **param_group})
+            params = param_group["params"]
+            if not isinstance(params, set):  # (torch's add_param_group refuses a set, with its message)
+                params = [params] if isinstance(params, torch.Tensor) else list(params)  # once: may be a generator
+                param_group = {**param_group, "params": params}
+                for p in params:  # before the group is added: a refused group leaves the optimizer as it was
+                    if isinstance(p, torch.Tensor) and torch.is_complex(p):
+                        raise TypeError("params: FusedAdam does not support complex parameters")
+                    if isinstance(p, torch.Tensor) and not p.is_floating_point():
+                        raise TypeError(f"params: expected floating point parameters, got {p.dtype}")
+        super().add_param_group(param_group)
 
     @staticmethod
     def _check_loadable(groups: list) -> None:
