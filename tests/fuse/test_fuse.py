@@ -754,3 +754,21 @@ def test_compile_of_a_fused_model_warns_nothing_of_ours():
     assert not ours, ours
     dynamo.reset()
     unfuse(model)
+
+
+def test_unfuse_keeps_changes_made_to_the_original_config_while_fused():
+    """unfuse copied every attribute of the model's config (the copy) back onto the original config object, also
+    those the copy never changed: a change made meanwhile on the original (held elsewhere, or shared with another
+    model), such as output_hidden_states or the attention setting, was reverted. Now only what changed on the copy
+    goes back."""
+    model = models.build("gpt2", "eager")
+    cfg = model.config
+    fuse(model)
+    assert model.config is not cfg
+    cfg.output_hidden_states = True                 # on the original, while fused
+    model.config.use_cache = not cfg.use_cache      # on the copy, while fused
+    flipped = model.config.use_cache
+    unfuse(model)
+    assert model.config is cfg
+    assert cfg.output_hidden_states is True         # kept (it was reverted to False)
+    assert cfg.use_cache == flipped                 # carried back

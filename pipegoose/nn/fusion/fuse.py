@@ -9,7 +9,10 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
 * the attention softmax of BERT, GPT-2, GPT-NeoX, Llama and OPT models: the model's modules are pointed at a copy of
   its config whose ``_attn_implementation`` is ``"pipegoose"`` (our function in transformers' ``AttentionInterface``)
   or ``"pipegoose_sdpa"`` (ours where the GPU's tuning table says so, SDPA otherwise). Bloom is reported as skipped:
-  its attention does not go through the interface.
+  its attention does not go through the interface. The copy keeps other models that share the config object
+  unchanged; while fused, change the configuration through ``model.config`` (the copy): a reference to the config
+  object taken before ``fuse`` no longer reaches the model. ``unfuse`` carries the copy's changes back to the
+  original config and leaves alone the attributes the copy did not change.
 
 Skipped, with the reason in the report: LayerNorm subclasses with their own forward, and norms whose weight or bias
 is computed rather than a Parameter of their own (``torch.nn.utils.parametrize``, the hook-based
@@ -185,6 +188,7 @@ class _Fusion:
     swaps: list = field(default_factory=list)            # (parent, name, old, new)
     config_swaps: list = field(default_factory=list)     # (module, old_config)
     new_config: object = None
+    config_snapshot: dict = field(default_factory=dict)   # new_config's attributes as fuse() left them
     report: FusionReport | None = None
 
 
@@ -502,6 +506,7 @@ def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
     # a str that registers our attention again when the model is unpickled in another process (AttentionName)
     matching.set_attn_implementation(new_config, attn.AttentionName(chosen))
     state.new_config = new_config
+    state.config_snapshot = dict(new_config.__dict__)
     for module in model.modules():
         if module.__dict__.get("config") is config:
             state.config_swaps.append((module, config))
@@ -554,7 +559,7 @@ def _undo(state: _Fusion) -> list[str]:
     for module, old_config in reversed(state.config_swaps):
         new_config = module.__dict__.get("config")
         if new_config is state.new_config:
-            _sync_config_back(new_config, old_config)
+            _sync_config_back(new_config, old_config, state.config_snapshot)
             module.__dict__["config"] = old_config
         else:
             problems.append(f"{type(module).__name__}.config was replaced after fuse()")
@@ -581,14 +586,17 @@ def _carry_tensors_back(new: nn.Module, old: nn.Module) -> None:
                 old_d[key] = new_d[key]
 
 
-def _sync_config_back(new_config, old_config) -> None:
-    """Carry over to the original config what the user changed on the copy while fused (not the attention
-    setting), so that unfusing loses no configuration change."""
+def _sync_config_back(new_config, old_config, snapshot: dict) -> None:
+    """Carry over to the original config what was changed on the model's config (the copy) while fused (not the
+    attention setting), so that unfusing loses no configuration change: only the attributes that differ from
+    ``snapshot`` (the copy as fuse() left it), so that a change made meanwhile on the original config object (held
+    elsewhere, or shared with another model) is not overwritten with a stale value."""
     for key, value in new_config.__dict__.items():
         if key in ("_attn_implementation_internal", "_attn_implementation"):
             continue
-        if old_config.__dict__.get(key, _MISSING) is not value:
-            old_config.__dict__[key] = value
+        if snapshot.get(key, _MISSING) is value:
+            continue
+        old_config.__dict__[key] = value
 
 
 _MISSING = object()
