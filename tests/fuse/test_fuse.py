@@ -772,3 +772,21 @@ def test_unfuse_keeps_changes_made_to_the_original_config_while_fused():
     assert model.config is cfg
     assert cfg.output_hidden_states is True         # kept (it was reverted to False)
     assert cfg.use_cache == flipped                 # carried back
+
+
+def test_per_head_rms_norms_count_as_eligible_and_skipped():
+    """Qwen3's q_norm / k_norm (RMSNorm over head_dim) were reported as not eligible, so the report claimed 100%
+    coverage with real RMSNorms left unfused. Now the probe checks them numerically; an RMSNorm over another size than
+    the hidden one is an eligible row, not fused yet, saying why; the hidden-size norms are fused as before."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, intermediate_size=64, vocab_size=100)
+    model = transformers.Qwen3Model(cfg)
+    report = fuse(model)
+    rows = {r.path: r for r in report.rows if r.kind == "rms_norm"}
+    for name in ("layers.0.self_attn.q_norm", "layers.0.self_attn.k_norm"):
+        assert rows[name].eligible and not rows[name].fused and "not the hidden size 32" in rows[name].reason
+    for name in ("layers.0.input_layernorm", "layers.0.post_attention_layernorm", "norm"):
+        assert rows[name].fused
+    assert report.coverage < 1.0
+    unfuse(model)

@@ -14,9 +14,11 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   object taken before ``fuse`` no longer reaches the model. ``unfuse`` carries the copy's changes back to the
   original config and leaves alone the attributes the copy did not change.
 
-Skipped, with the reason in the report: LayerNorm subclasses with their own forward, and norms whose weight or bias
+Skipped, with the reason in the report: LayerNorm subclasses with their own forward, norms whose weight or bias
 is computed rather than a Parameter of their own (``torch.nn.utils.parametrize``, the hook-based
-``torch.nn.utils.weight_norm``), whose Parameters a fused module cannot share.
+``torch.nn.utils.weight_norm``), whose Parameters a fused module cannot share, and RMSNorms over another size than
+the model's hidden size (per-head norms such as Qwen3's ``q_norm`` / ``k_norm``: counted in the coverage, not fused
+yet).
 
 Nothing is patched globally: no class, function or module global of transformers or torch changes; two models in
 one process can be fused differently. Parameters stay the same objects, so ``state_dict()`` keys and tensors, and
@@ -431,7 +433,7 @@ def _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNo
         if not probe.candidate:
             return None, None
         return FusionRow(path, "rms_norm", type(child).__name__, None, False, reason=probe.reason,
-                         eligible=False), None
+                         eligible=probe.eligible), None
     new = None if dry_run else _build(path, child, FusedRMSNorm.from_module, child, probe.eps,
                                       output_in_weight_dtype=probe.output_in_weight_dtype,
                                       output_in_input_dtype=probe.output_in_input_dtype)

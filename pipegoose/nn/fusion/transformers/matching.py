@@ -110,6 +110,7 @@ class RMSNormProbe:
     candidate: bool
     output_in_weight_dtype: bool = False   # T5 style: a half weight makes the output that dtype (see the probe)
     output_in_input_dtype: bool = False    # OLMo-2 style: one rounding, output in the input's dtype (see the probe)
+    eligible: bool = False                 # not ok, yet an RMSNorm that fuse() leaves alone: counts in the coverage
 
 
 def _eps_of(module: nn.Module) -> float | None:
@@ -142,9 +143,17 @@ def probe_rms_norm(module: nn.Module, hidden_size: int | None) -> RMSNormProbe:
     if weight.dim() != 1:
         return RMSNormProbe(False, None, f"parameter '{pname}' is {weight.dim()}-D", looks_like_norm)
     looks_like_norm = looks_like_norm or _eps_of(module) is not None
-    if hidden_size is not None and weight.numel() != hidden_size:
-        return RMSNormProbe(False, None, f"weight has {weight.numel()} elements, hidden size is {hidden_size}",
-                            looks_like_norm)
+    result = _probe_rms_norm(module, pname, weight, looks_like_norm)
+    if result.ok and hidden_size is not None and weight.numel() != hidden_size:
+        # an RMSNorm over another size than the hidden one: per-head norms (Qwen3's q_norm / k_norm over head_dim,
+        # Gemma 3's), not fused yet (no GPU measurement of ours at such sizes), but counted: coverage stays honest
+        return RMSNormProbe(False, result.eps, f"an RMSNorm over {weight.numel()} elements, not the hidden size "
+                            f"{hidden_size} (a per-head norm): not fused yet", True, eligible=True)
+    return result
+
+
+def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_like_norm: bool) -> RMSNormProbe:
+    """The numerical part of :func:`probe_rms_norm`, for a leaf module with one 1-D parameter ``pname``."""
     if list(module.buffers(recurse=False)):
         return RMSNormProbe(False, None, "has buffers", looks_like_norm)
     eps = _eps_of(module)
