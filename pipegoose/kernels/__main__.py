@@ -222,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     except ManifestError as e:  # --manifest: missing, unreadable or invalid (the message names the file)
         print(f"python -m pipegoose.kernels {args.cmd}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (builds are cached only once complete)
+        print(f"python -m pipegoose.kernels {args.cmd}: interrupted; a kernel whose build had not finished is not "
+              "cached (its temp folder, if one is left, is removed by: python -m pipegoose.kernels clean)",
+              file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -532,3 +532,17 @@ def test_from_name_checks_the_name_at_once(tiny):
             KernelBuilder.from_name(bad, manifest=manifest, cache_dir=cache_dir)
     with pytest.raises(ManifestError, match="cannot read the manifest: IsADirectoryError"):
         KernelBuilder.from_name("tiny", manifest=manifest.parent, cache_dir=cache_dir)
+
+
+def test_cli_ctrl_c_is_a_line_not_a_traceback(monkeypatch, capsys):
+    """Ctrl-C during `python -m pipegoose.kernels build` printed a KeyboardInterrupt traceback; now one line saying
+    what is left (nothing cached half-built; how to remove a temp folder) and exit status 130."""
+    from pipegoose.kernels import __main__ as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_build", interrupted)
+    assert cli.main(["build", "--all"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "pipegoose.kernels clean" in err and "Traceback" not in err
