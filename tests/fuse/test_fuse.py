@@ -790,3 +790,14 @@ def test_per_head_rms_norms_count_as_eligible_and_skipped():
         assert rows[name].fused
     assert report.coverage < 1.0
     unfuse(model)
+
+
+@pytest.mark.parametrize("norm", [nn.LayerNorm(8), nn.RMSNorm(8)], ids=["layer_norm", "rms_norm"])
+def test_fuse_of_a_bare_norm_says_why_nothing_changed(norm):
+    """fuse(nn.LayerNorm(8)) returned an empty report (0 of 0) without a word: fuse replaces submodules in their
+    parent, and a bare norm has none. Now the report has a row saying so and what to use instead."""
+    report = fuse(norm)
+    (row,) = report.rows
+    assert row.path == "" and not row.fused and row.eligible and "the model itself is the norm" in row.reason
+    assert report.coverage == 0.0 and not is_fused(norm)
+    assert fuse(norm, ops=["attention"]).rows == []

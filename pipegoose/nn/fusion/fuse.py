@@ -365,6 +365,13 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
         _undo(state)
         raise
 
+    kind = "rms_norm" if isinstance(model, nn.RMSNorm) else "layer_norm"
+    if isinstance(model, (nn.LayerNorm, nn.RMSNorm)) and not isinstance(model, fused_types) and kind in ops:
+        # fuse() replaces submodules in their parents; the model itself has none to be replaced in
+        report.rows.append(FusionRow("", kind, type(model).__name__, None, False, reason=(
+            "the model itself is the norm: fuse() replaces submodules in their parent; use "
+            + ("FusedRMSNorm.from_module(model)" if kind == "rms_norm" else "MixedFusedLayerNorm.from_layer_norm(model)")
+            + " instead, or fuse a module that holds it")))
     order = {p: i for i, (p, _) in enumerate(model.named_modules(remove_duplicate=False))}
     report.rows.sort(key=lambda r: order.get(r.path, len(order)))
     if not dry_run and (state.swaps or state.config_swaps or any(r.fused for r in report.rows)):
