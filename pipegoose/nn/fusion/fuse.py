@@ -480,9 +480,10 @@ def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
         chosen, reason = attn.ATTENTION_NAME, f"attention='pipegoose' requested (was {previous})"
     elif previous in (None, "eager"):
         chosen = attn.ATTENTION_NAME
-        reason = ("the model ran eager attention (scores materialised, unfused mask + softmax); the fused "
-                  "scaled masked softmax replaces that softmax (on CUDA, scores under PIPEGOOSE_SMALL_NUMEL "
-                  "elements: SDPA)")
+        reason = ("the model ran eager attention (scores materialised, unfused mask + softmax); our attention "
+                  "function replaces it: on CUDA SDPA (fully masked rows give zeros, as eager), the fused scaled "
+                  "masked softmax where the GPU's tuning table names it, PIPEGOOSE_IMPL_ATTENTION=pipegoose or "
+                  "PIPEGOOSE_SMALL_NUMEL=0 asks for it, or attention weights or a head_mask are asked for")
     elif previous == "sdpa":
         if attn.table_prefers_pipegoose(device, dtype):
             chosen = attn.ATTENTION_SDPA_NAME
@@ -499,7 +500,7 @@ def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
     selected = chosen in attn.OUR_NAMES and chosen != previous
     for p, m in modules:
         if selected:
-            fwd, bwd = _impls(*_attention_probe(m))
+            fwd, bwd = _attention_impls(m)
             report.rows.append(FusionRow(p, "attention", type(m).__name__, f"'{chosen}' attention function", True,
                                          fwd, bwd, f"AttentionInterface, was '{previous}'"))
         else:
@@ -546,6 +547,17 @@ def _small_note(module: nn.Module) -> str:
         return ""
     n = dispatch.small_numel()
     return f"; inputs < {n} elements: the native op (PIPEGOOSE_SMALL_NUMEL)" if n else ""
+
+
+def _attention_impls(module: nn.Module) -> tuple[str, str]:
+    """The report's implementation columns of an attention module on our function: ``sdpa @128`` where the function
+    runs SDPA for the probe's scores (see ``attention._sdpa_choice``), else the softmax op's choice."""
+    from .transformers import attention as attn
+
+    p = _first_param(module)
+    if p is not None and attn.runs_sdpa(p.device, p.dtype, _PROBE_SEQ):
+        return f"sdpa @{_PROBE_SEQ}", f"sdpa @{_PROBE_SEQ}"
+    return _impls(*_attention_probe(module))
 
 
 def _attention_probe(module: nn.Module):

@@ -268,12 +268,34 @@ def _softmax(scores: torch.Tensor, plan: MaskPlan, scale: float) -> torch.Tensor
     return PF.scaled_masked_softmax(scores, None, scale)
 
 
-def _small(query: torch.Tensor, sq: int, sk: int) -> bool:
-    """Whether the scores ``[b, hq, sq, sk]`` have fewer than :func:`dispatch.small_numel` elements, on a device and
-    in a dtype where our fused softmax could run (elsewhere the softmax's reference path is a fallback, which strict
-    mode must see)."""
+def runs_sdpa(device: torch.device, dtype: torch.dtype, key_len: int) -> bool:
+    """Whether :func:`pipegoose_attention_forward` runs SDPA for scores of at least ``PIPEGOOSE_SMALL_NUMEL``
+    elements (without ``head_mask``, attention weights not asked for) on ``device`` in ``dtype`` at this key length
+    (see :func:`_sdpa_choice`)."""
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and dispatch.small_numel() != 0 and dispatch._env_request("attention")[0] != "pipegoose"
+            and tuned_attention_impl(device, dtype, key_len) != "pipegoose")
+
+
+def _sdpa_choice(query: torch.Tensor, sq: int, sk: int) -> dispatch.Choice | None:
+    """The choice of SDPA over the softmax path for the scores ``[b, hq, sq, sk]``, or None for the softmax path.
+    Only on a device and in a dtype where our fused softmax could run (elsewhere the softmax's reference path is a
+    fallback, which strict mode must see), and with ``PIPEGOOSE_SMALL_NUMEL`` not 0 (0: the softmax path at every
+    size). Scores of fewer elements than it: SDPA (a host-bound size). Larger ones: SDPA too, unless the GPU's tuning
+    table names ``pipegoose`` for op ``attention`` at this key length, or ``PIPEGOOSE_IMPL_ATTENTION=pipegoose``:
+    SDPA fuses the softmax itself, and the materialised scores of the softmax path cost more (H200, bf16, paired
+    steps of models loaded with eager attention and fused, session 20: BERT-base at 16 x 512 x0.878 and GPT-2 small
+    at 8 x 1024 x0.979 against unfused, on the softmax path; the same unfused models loaded with SDPA took 16-35%
+    less time per step than loaded with eager attention)."""
     limit = dispatch.small_numel()
-    return bool(limit) and _common.on_kernel_device(query) and query.shape[0] * query.shape[1] * sq * sk < limit
+    if not limit or not _common.on_kernel_device(query):
+        return None
+    if query.shape[0] * query.shape[1] * sq * sk < limit:
+        return _SMALL_CHOICE
+    if dispatch._env_request("attention")[0] == "pipegoose" or \
+            tuned_attention_impl(query.device, query.dtype, sk) == "pipegoose":
+        return None
+    return _UNTUNED_CHOICE
 
 
 _COLLECTOR: list = []   # [transformers' output-recorder context variable or None], filled at the first call
@@ -307,6 +329,10 @@ _SMALL_CHOICE = dispatch.Choice(
     "attention", "sdpa", "small", False, {},
     "scores below PIPEGOOSE_SMALL_NUMEL elements: a host-bound size, where SDPA (one native op, native backward) "
     "costs the host less than a separate softmax")
+_UNTUNED_CHOICE = dispatch.Choice(
+    "attention", "sdpa", "builtin", False, {},
+    "no tuning rule names pipegoose attention for this GPU, dtype and key length: SDPA, which fuses the softmax "
+    "itself (PIPEGOOSE_IMPL_ATTENTION=pipegoose or PIPEGOOSE_SMALL_NUMEL=0: the softmax path)")
 
 
 def _sdpa_mask(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -399,13 +425,15 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     Returns:
         ``(attn_output [b, sq, hq, d] contiguous, attn_weights [b, hq, sq, sk])``, in the dtype of ``value``.
 
-    Small problems: CUDA scores (fp16/bf16/fp32) of fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements (default 2**24; 0
-    turns this off) without ``head_mask``, when transformers is not collecting attention weights
-    (``output_attentions=True``), run ``torch.nn.functional.scaled_dot_product_attention`` instead (same masks and
-    causality; fully masked rows give zeros as here, for bool and additive masks alike; ``attn_weights`` is then
-    None, as with SDPA; counted
-    as op ``"attention"``, impl ``"sdpa"`` in ``dispatch.stats()``): at such sizes a training step is
-    bound by the host, and the separate softmax with its Python autograd costs more host time than it saves.
+    SDPA: on CUDA (fp16/bf16/fp32) without ``head_mask``, when transformers is not collecting attention weights
+    (``output_attentions=True``), the function runs ``torch.nn.functional.scaled_dot_product_attention`` instead of
+    the softmax path (same masks and causality; fully masked rows give zeros as here, for bool and additive masks
+    alike; ``attn_weights`` is then None, as with SDPA; counted as op ``"attention"``, impl ``"sdpa"`` in
+    ``dispatch.stats()``) for scores of fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements (default 2**24: a size bound
+    by the host, where the separate softmax with its Python autograd costs more host time than it saves), and for
+    larger ones unless the GPU's tuning table names ``pipegoose`` for op ``attention`` at the key length or
+    ``PIPEGOOSE_IMPL_ATTENTION=pipegoose`` (SDPA fuses the softmax itself; see :func:`_sdpa_choice`).
+    ``PIPEGOOSE_SMALL_NUMEL=0``: the softmax path at every size.
     Under ``torch.compile`` (``dispatch.compile_passthrough("attention")``: no ``PIPEGOOSE_IMPL_ATTENTION``, not
     strict) the same SDPA call runs at every size, so the compiled model has no graph break here.
     Raises:
@@ -432,8 +460,9 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         dispatch.check_attention_env()  # under torch.compile: compile_passthrough's check, at trace time
     if dispatch.compile_passthrough("attention") and kwargs.get("head_mask") is None and not _weights_requested():
         return _small_sdpa(module, query, key, value, attention_mask, scaling, dropout, is_causal)  # torch.compile
-    if _small(query, sq, sk) and kwargs.get("head_mask") is None and not _weights_requested():
-        dispatch.record(_SMALL_CHOICE)
+    sdpa = _sdpa_choice(query, sq, sk) if kwargs.get("head_mask") is None else None
+    if sdpa is not None and not _weights_requested():
+        dispatch.record(sdpa)
         return _small_sdpa(module, query, key, value, attention_mask, scaling, dropout, is_causal)
     key = _repeat_kv(key, hq // hkv)
     value = _repeat_kv(value, hq // hkv)
