@@ -707,13 +707,8 @@ class _EpsOutsideSqrt(nn.Module):
         return self.weight * (x / (x.pow(2).mean(-1, keepdim=True).sqrt() + self.variance_epsilon)).to(dt)
 
 
-class _EpsHardCoded(nn.Module):
+class _EpsHardCoded(_EpsOutsideSqrt):
     """Llama's formula with eps hard-coded in forward (1e-5), another value than its attribute (1e-6)."""
-
-    def __init__(self, h):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(h))
-        self.variance_epsilon = 1e-6
 
     def forward(self, x):
         dt = x.dtype

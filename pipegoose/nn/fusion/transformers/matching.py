@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -152,6 +153,16 @@ def probe_rms_norm(module: nn.Module, hidden_size: int | None) -> RMSNormProbe:
     return result
 
 
+def _forward_or_failure(stand_in: nn.Module, x: torch.Tensor, what: str, candidate: bool) -> Any:
+    """``stand_in.forward(x)`` without grad, or the not-ok probe result saying that it failed (any exception: a
+    module we cannot run we cannot vouch for)."""
+    try:
+        with torch.no_grad():
+            return stand_in.forward(x)
+    except Exception as exc:  # noqa: BLE001
+        return RMSNormProbe(False, None, f"probe forward {what} failed: {type(exc).__name__}: {exc}", candidate)
+
+
 def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_like_norm: bool) -> RMSNormProbe:
     """The numerical part of :func:`probe_rms_norm`, for a leaf module with one 1-D parameter ``pname``."""
     if list(module.buffers(recurse=False)):
@@ -188,12 +199,9 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
     if eps > 0:
         for mean_square in (eps, 0.1 * eps):
             xs = x * torch.sqrt(mean_square / x.pow(2).mean(-1, keepdim=True))
-            try:
-                with torch.no_grad():
-                    ys = stand_in.forward(xs)
-            except Exception as exc:  # noqa: BLE001
-                return RMSNormProbe(False, None, f"probe forward failed on a small input: {type(exc).__name__}: {exc}",
-                                    looks_like_norm)
+            ys = _forward_or_failure(stand_in, xs, "on a small input", looks_like_norm)
+            if isinstance(ys, RMSNormProbe):
+                return ys
             xsd = xs.double()
             ref_s = xsd * torch.rsqrt(xsd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
             if (not isinstance(ys, torch.Tensor) or ys.shape != x.shape
@@ -211,12 +219,9 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
     x16 = x.to(torch.bfloat16)
     w16 = w.to(torch.bfloat16)
     object.__setattr__(stand_in, "_parameters", {pname: nn.Parameter(w16, requires_grad=False)})
-    try:
-        with torch.no_grad():
-            y16 = stand_in.forward(x16)
-    except Exception as exc:  # noqa: BLE001
-        return RMSNormProbe(False, None, f"probe forward in bf16 failed: {type(exc).__name__}: {exc}",
-                            looks_like_norm)
+    y16 = _forward_or_failure(stand_in, x16, "in bf16", looks_like_norm)
+    if isinstance(y16, RMSNormProbe):
+        return y16
     x32 = x16.float()
     h = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     twice = w16 * h.to(torch.bfloat16)
