@@ -119,14 +119,14 @@ _KIND_ORDER = {"ours": 0, "ported": 1, "reference": 2}
 _PASSES = ("fwd", "fwd+bwd")
 # Small problems (see the module docstring). Measured on the H200 host (benchmarks/overhead.py, 2026-11-29): a fused
 # LayerNorm/RMSNorm call cost about 230 us more host time per forward + backward than F.layer_norm / F.rms_norm
-# (session 20 took about 40% off, measured on a CPU with the kernels emulated), while ours saves the GPU about 4 ps
-# per bf16 element over the native LayerNorm (fwd+bwd, ~10 bytes at 88% instead of ~40% of 4.2 TB/s). Whether a step
+# (session 20 cut the excess by ~40%, measured on a CPU with the kernels emulated), while ours saves the GPU about 3 ps
+# per bf16 element over the native LayerNorm (fwd+bwd, ~10 bytes at 87.5% instead of 39% of 4.2 TB/s). Whether a step
 # hides the host cost depends on the model; measured (H200, bf16, paired steps,
 # benchmarks/results/nvidia_h200_2026-11-30/session20.log) with the default at 2**20: BERT-base at batch 32 x 128 and
 # 16 x 512 (LayerNorm inputs of 3.1M and 6.3M elements) and GPT-2 small with SDPA at 8 x 1024 (6.3M) took 20-30%
 # longer per step fused than unfused (x0.77-0.83; GPT-2 with eager attention 3% longer), while GPT-NeoX ~405M at
-# 8 x 2048 (16.8M; results.json, run of 2026-11-30) ran 2% faster. Hence 2**24: below it the native op (and SDPA for
-# attention scores) runs.
+# 8 x 2048 (16.8M; one older run in results.json, 2026-11-30) ran 2% faster. Hence 2**24, from these two points (nothing
+# measured between 6.3M and 16.8M): below it the native op (and SDPA for attention scores) runs.
 SMALL_NUMEL_DEFAULT = 1 << 24
 
 
