@@ -773,9 +773,10 @@ ATTENTION_ENV_VALUES = ("auto", "pipegoose")
 
 def check_attention_env() -> None:
     """Check ``PIPEGOOSE_IMPL_ATTENTION``: unset, empty, ``auto`` or ``pipegoose`` (case and surrounding blanks
-    ignored). ``pipegoose`` asks that the attention function keep its own paths under ``torch.compile`` (a graph break
-    per call) instead of emitting SDPA; attention is no op of the dispatcher, so no other implementation can be asked
-    for there.
+    ignored). ``pipegoose`` asks the attention function for the fused softmax path on scores of at least
+    ``PIPEGOOSE_SMALL_NUMEL`` elements (else SDPA, unless the tuning table names ours), and under ``torch.compile``
+    for its own paths (a graph break per call) instead of SDPA; attention is no op of the dispatcher, so no other
+    implementation can be asked for there.
 
     Raises:
         ValueError: another value, named with the variable and the accepted values.
@@ -783,8 +784,8 @@ def check_attention_env() -> None:
     raw = _environ_get("PIPEGOOSE_IMPL_ATTENTION", "")
     value = raw.strip().lower()
     if value and value not in ATTENTION_ENV_VALUES:
-        raise ValueError(f"PIPEGOOSE_IMPL_ATTENTION={raw!r}: expected 'pipegoose' (our attention function keeps its "
-                         f"own paths under torch.compile) or 'auto'")
+        raise ValueError(f"PIPEGOOSE_IMPL_ATTENTION={raw!r}: expected 'pipegoose' (our attention function's fused "
+                         f"softmax path for large scores and under torch.compile) or 'auto'")
 
 
 def compile_passthrough(op: str, impl: str | None = None) -> bool:
