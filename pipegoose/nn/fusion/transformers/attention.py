@@ -273,8 +273,14 @@ def runs_sdpa(device: torch.device, dtype: torch.dtype, key_len: int) -> bool:
     elements (without ``head_mask``, attention weights not asked for) on ``device`` in ``dtype`` at this key length
     (see :func:`_sdpa_choice`)."""
     return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and dispatch.small_numel() != 0 and dispatch._env_request("attention")[0] != "pipegoose"
-            and tuned_attention_impl(device, dtype, key_len) != "pipegoose")
+            and dispatch.small_numel() != 0 and not _ours_asked_for(device, dtype, key_len))
+
+
+def _ours_asked_for(device: torch.device, dtype: torch.dtype, key_len: int) -> bool:
+    """Whether scores of at least ``PIPEGOOSE_SMALL_NUMEL`` elements take the softmax path rather than SDPA:
+    ``PIPEGOOSE_IMPL_ATTENTION=pipegoose``, or the GPU's tuning table names ``pipegoose`` for this key length."""
+    return (dispatch._env_request("attention")[0] == "pipegoose"
+            or tuned_attention_impl(device, dtype, key_len) == "pipegoose")
 
 
 def _sdpa_choice(query: torch.Tensor, sq: int, sk: int) -> dispatch.Choice | None:
@@ -292,10 +298,7 @@ def _sdpa_choice(query: torch.Tensor, sq: int, sk: int) -> dispatch.Choice | Non
         return None
     if query.shape[0] * query.shape[1] * sq * sk < limit:
         return _SMALL_CHOICE
-    if dispatch._env_request("attention")[0] == "pipegoose" or \
-            tuned_attention_impl(query.device, query.dtype, sk) == "pipegoose":
-        return None
-    return _UNTUNED_CHOICE
+    return None if _ours_asked_for(query.device, query.dtype, sk) else _UNTUNED_CHOICE
 
 
 _COLLECTOR: list = []   # [transformers' output-recorder context variable or None], filled at the first call
