@@ -214,3 +214,29 @@ def test_fused_adam_checks_impl_and_param_groups_when_they_are_given():
     assert len(opt.param_groups) == 1
     opt.add_param_group({"params": [extra], "lr": torch.tensor(0.1), "impl": "torch"})
     assert len(opt.param_groups) == 2
+
+
+def test_fused_adam_group_checks_cover_named_params_the_callers_dict_and_loaded_state():
+    """Review of the change above: (name, tensor) pairs, which torch takes, skipped the dtype check; the group added
+    was a copy of the caller's dict (torch keeps the dict itself); load_state_dict took a group with a bad impl, which
+    then failed at step()."""
+    from pipegoose.nn.fusion.optim import FusedAdam
+
+    with pytest.raises(TypeError, match="expected floating point parameters, got torch.int32"):
+        FusedAdam([("w", torch.zeros(2, dtype=torch.int32))])
+    with pytest.raises(TypeError, match="complex"):
+        FusedAdam([("w", torch.zeros(2, dtype=torch.complex64))])
+    opt = FusedAdam([torch.nn.Parameter(torch.randn(3))])
+    group = {"params": [torch.nn.Parameter(torch.randn(2))]}
+    opt.add_param_group(group)
+    assert opt.param_groups[-1] is group and group["lr"] == 1e-3
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0]["impl"] = "bogus"
+    with pytest.raises(ValueError, match="impl: adam has no implementation 'bogus'"):
+        opt.load_state_dict(sd)
+    sd["param_groups"][0]["impl"] = None
+    sd["param_groups"][1]["lr"] = float("nan")
+    with pytest.raises(ValueError, match="lr: expected a finite number >= 0, got nan"):
+        opt.load_state_dict(sd)
+    adamw = torch.optim.AdamW([torch.nn.Parameter(torch.randn(3))])
+    FusedAdam([torch.nn.Parameter(torch.randn(3))]).load_state_dict(adamw.state_dict())   # still loads

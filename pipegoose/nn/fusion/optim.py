@@ -20,6 +20,10 @@ from .ops import multi_tensor as _mt
 __all__ = ["FusedAdam", "clip_grad_norm_"]
 
 
+# what a loaded param group may lack (groups saved by torch.optim.Adam / AdamW have no impl) for the checks
+_LOADABLE_DEFAULTS = {"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.0, "betas": (0.9, 0.999), "impl": None}
+
+
 class FusedAdam(torch.optim.Optimizer):
     """Adam / AdamW over the multi-tensor kernels (op ``adam``), with torch.optim.AdamW's state layout.
 
@@ -93,18 +97,20 @@ class FusedAdam(torch.optim.Optimizer):
             params = param_group["params"]
             if not isinstance(params, set):  # (torch's add_param_group refuses a set, with its message)
                 params = [params] if isinstance(params, torch.Tensor) else list(params)  # once: may be a generator
-                param_group = {**param_group, "params": params}
                 for p in params:  # before the group is added: a refused group leaves the optimizer as it was
-                    if isinstance(p, torch.Tensor) and torch.is_complex(p):
+                    t = p[1] if isinstance(p, tuple) and len(p) == 2 else p   # (name, tensor), as torch takes them
+                    if isinstance(t, torch.Tensor) and torch.is_complex(t):
                         raise TypeError("params: FusedAdam does not support complex parameters")
-                    if isinstance(p, torch.Tensor) and not p.is_floating_point():
-                        raise TypeError(f"params: expected floating point parameters, got {p.dtype}")
+                    if isinstance(t, torch.Tensor) and not t.is_floating_point():
+                        raise TypeError(f"params: expected floating point parameters, got {t.dtype}")
+                param_group["params"] = params   # in place: torch keeps the caller's dict as the group
         super().add_param_group(param_group)
 
     @staticmethod
     def _check_loadable(groups: list) -> None:
         """Refuse param groups (e.g. saved by torch.optim.AdamW) asking for what the kernels do not do."""
         for group in groups:
+            FusedAdam._check_hyperparameters({**_LOADABLE_DEFAULTS, **group})
             if group.get("amsgrad", False):
                 raise ValueError("amsgrad: a param group with amsgrad=True cannot be loaded into FusedAdam")
             if group.get("maximize", False):
@@ -127,7 +133,9 @@ class FusedAdam(torch.optim.Optimizer):
         """``torch.optim.Optimizer.load_state_dict``, also from ``torch.optim.Adam``/``AdamW`` state dicts.
 
         Raises:
-            ValueError: a group asks for amsgrad or maximize (checked before anything is loaded).
+            ValueError: a group asks for amsgrad or maximize, or holds a bad ``lr``, ``eps``, ``weight_decay``,
+                ``betas`` or ``impl`` (checked before anything is loaded; TypeError for a value that is not a
+                number).
         """
         self._check_loadable(state_dict.get("param_groups", []))
         super().load_state_dict(state_dict)
