@@ -520,3 +520,19 @@ def test_a_bad_impl_attention_variable_is_an_error(monkeypatch):
     monkeypatch.setenv("PIPEGOOSE_IMPL_ATTENTION", "pipegoose")
     model(input_ids=ids, attention_mask=mask)
     unfuse(model)
+
+
+def test_review_fixes_output_attentions_kwarg_and_pipegoose_sdpa_env(monkeypatch):
+    """transformers 4.x passes output_attentions=True to the attention function (5.x has its output recorder): the
+    SDPA paths returned no weights for it. And pipegoose_sdpa took any PIPEGOOSE_IMPL_ATTENTION value silently."""
+    from pipegoose.nn.fusion.ops import _common
+    from pipegoose.nn.fusion.transformers import attention as A
+
+    monkeypatch.setattr(_common, "on_kernel_device", lambda t: t.dtype != torch.float64)
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
+    q = k = v = torch.randn(1, 2, 4, 8)
+    assert pipegoose_attention_forward(_Mod(True), q, k, v, None)[1] is None               # small: SDPA
+    assert pipegoose_attention_forward(_Mod(True), q, k, v, None, output_attentions=True)[1] is not None
+    monkeypatch.setenv("PIPEGOOSE_IMPL_ATTENTION", "bogus")
+    with pytest.raises(ValueError, match="PIPEGOOSE_IMPL_ATTENTION='bogus'"):
+        A.pipegoose_sdpa_attention_forward(_Mod(True), q, k, v, None)

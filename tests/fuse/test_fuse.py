@@ -796,3 +796,15 @@ def test_fuse_of_a_bare_norm_says_why_nothing_changed(norm):
     assert row.path == "" and not row.fused and row.eligible and "the model itself is the norm" in row.reason
     assert report.coverage == 0.0 and not is_fused(norm)
     assert fuse(norm, ops=["attention"]).rows == []
+
+
+@pytest.mark.parametrize("h", [768, 896, 1024, 1536, 2560, 3072, 4096, 5120])
+def test_report_probe_is_not_a_small_problem(monkeypatch, h):
+    """The report's norm probe must be at least PIPEGOOSE_SMALL_NUMEL elements (it shows the choice for training-size
+    inputs): with the default raised to 2**24, equal to the probe's cap, the floor division left 768-wide probes just
+    under it, and the report showed the native op for BERT-base and GPT-2."""
+    from pipegoose.nn.fusion import dispatch
+    from pipegoose.nn.fusion.fuse import _probe_rows
+
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
+    assert _probe_rows((h,)) * h >= dispatch.small_numel()

@@ -231,3 +231,14 @@ def test_environ_get_without_a_posix_store(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(os, "environ", fake)
         assert dispatch._make_environ_get() == os.environ.get
+
+
+def test_environ_get_follows_a_replaced_os_environ(monkeypatch):
+    """mock.patch("os.environ", {...}) replaces the object: the variables are read from the replacement, as
+    os.environ.get did (the fast path bound the store at import)."""
+    import os
+    from unittest import mock
+
+    with mock.patch("os.environ", {"PIPEGOOSE_STRICT": "yes", "PIPEGOOSE_SMALL_NUMEL": "5"}):
+        assert dispatch.is_strict() and dispatch.small_numel() == 5
+    assert dispatch._environ_get("PIPEGOOSE_SMALL_NUMEL") == os.environ.get("PIPEGOOSE_SMALL_NUMEL")

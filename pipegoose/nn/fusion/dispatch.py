@@ -304,8 +304,11 @@ def _make_environ_get() -> Callable[[str, str | None], str | None]:
     if os.name != "posix" or not isinstance(data, dict) or encode is None or decode is None:
         return os.environ.get
     keys: dict[str, Any] = {}
+    environ = os.environ
 
     def get(name: str, default: str | None = None) -> str | None:
+        if os.environ is not environ:   # replaced (mock.patch("os.environ", {...})): read what is there now
+            return os.environ.get(name, default)
         key = keys.get(name)
         if key is None:
             key = keys[name] = encode(name)

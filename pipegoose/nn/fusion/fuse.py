@@ -482,8 +482,9 @@ def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
         chosen = attn.ATTENTION_NAME
         reason = ("the model ran eager attention (scores materialised, unfused mask + softmax); our attention "
                   "function replaces it: on CUDA SDPA (fully masked rows give zeros, as eager), the fused scaled "
-                  "masked softmax where the GPU's tuning table names it, PIPEGOOSE_IMPL_ATTENTION=pipegoose or "
-                  "PIPEGOOSE_SMALL_NUMEL=0 asks for it, or attention weights or a head_mask are asked for")
+                  "masked softmax for scores of PIPEGOOSE_SMALL_NUMEL elements or more where the GPU's tuning table "
+                  "names it or PIPEGOOSE_IMPL_ATTENTION=pipegoose asks for it, at every size with "
+                  "PIPEGOOSE_SMALL_NUMEL=0 or when attention weights or a head_mask are asked for")
     elif previous == "sdpa":
         if attn.table_prefers_pipegoose(device, dtype):
             chosen = attn.ATTENTION_SDPA_NAME
@@ -500,7 +501,7 @@ def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
     selected = chosen in attn.OUR_NAMES and chosen != previous
     for p, m in modules:
         if selected:
-            fwd, bwd = _attention_impls(m)
+            fwd, bwd = _attention_impls(m, chosen)
             report.rows.append(FusionRow(p, "attention", type(m).__name__, f"'{chosen}' attention function", True,
                                          fwd, bwd, f"AttentionInterface, was '{previous}'"))
         else:
@@ -533,7 +534,9 @@ def _probe_rows(shape: tuple[int, ...]) -> int:
     from . import dispatch
 
     h = max(1, math.prod(shape))
-    return max(2, min(-(-dispatch.small_numel() // h), _PROBE_MAX_NUMEL // h))
+    # both rounded up: with the cap equal to the size (2**24 each by default), a floor left a 768-wide probe at
+    # 16776960 elements, a small problem, and the report showed the native op for training-size inputs
+    return max(2, min(-(-dispatch.small_numel() // h), -(-_PROBE_MAX_NUMEL // h)))
 
 
 def _small_note(module: nn.Module) -> str:
@@ -549,14 +552,20 @@ def _small_note(module: nn.Module) -> str:
     return f"; inputs < {n} elements: the native op (PIPEGOOSE_SMALL_NUMEL)" if n else ""
 
 
-def _attention_impls(module: nn.Module) -> tuple[str, str]:
-    """The report's implementation columns of an attention module on our function: ``sdpa @128`` where the function
-    runs SDPA for the probe's scores (see ``attention._sdpa_choice``), else the softmax op's choice."""
+def _attention_impls(module: nn.Module, chosen: str) -> tuple[str, str]:
+    """The report's implementation columns of an attention module on our function ``chosen``: ``sdpa @128`` where
+    it runs SDPA for the probe's scores (``pipegoose``: ``attention.runs_sdpa``; ``pipegoose_sdpa``: where the tuning
+    table does not name ours), else the softmax op's choice."""
     from .transformers import attention as attn
 
     p = _first_param(module)
-    if p is not None and attn.runs_sdpa(p.device, p.dtype, _PROBE_SEQ):
-        return f"sdpa @{_PROBE_SEQ}", f"sdpa @{_PROBE_SEQ}"
+    if p is not None:
+        if chosen == attn.ATTENTION_SDPA_NAME:
+            sdpa = attn.tuned_attention_impl(p.device, p.dtype, _PROBE_SEQ) != "pipegoose"
+        else:
+            sdpa = attn.runs_sdpa(p.device, p.dtype, _PROBE_SEQ)
+        if sdpa:
+            return f"sdpa @{_PROBE_SEQ}", f"sdpa @{_PROBE_SEQ}"
     return _impls(*_attention_probe(module))
 
 

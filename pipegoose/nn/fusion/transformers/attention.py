@@ -319,8 +319,8 @@ def _active_collector():
 
 def _weights_requested() -> bool:
     """Whether transformers is collecting attention weights in this forward (``output_attentions=True``; its output
-    recorder, transformers >= 5); SDPA returns none, so such calls keep the softmax path. False where that API
-    is absent."""
+    recorder, transformers >= 5; transformers 4.x passes ``output_attentions`` to the attention function, which the
+    caller checks); SDPA returns none, so such calls keep the softmax path. False where that API is absent."""
     collector = _active_collector()
     if collector is None:
         return False
@@ -461,10 +461,11 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     sq, sk = query.shape[2], key.shape[2]
     if not torch.compiler.is_compiling():
         dispatch.check_attention_env()  # under torch.compile: compile_passthrough's check, at trace time
-    if dispatch.compile_passthrough("attention") and kwargs.get("head_mask") is None and not _weights_requested():
+    if (dispatch.compile_passthrough("attention") and kwargs.get("head_mask") is None
+            and not kwargs.get("output_attentions") and not _weights_requested()):
         return _small_sdpa(module, query, key, value, attention_mask, scaling, dropout, is_causal)  # torch.compile
     sdpa = _sdpa_choice(query, sq, sk) if kwargs.get("head_mask") is None else None
-    if sdpa is not None and not _weights_requested():
+    if sdpa is not None and not kwargs.get("output_attentions") and not _weights_requested():
         dispatch.record(sdpa)
         return _small_sdpa(module, query, key, value, attention_mask, scaling, dropout, is_causal)
     key = _repeat_kv(key, hq // hkv)
@@ -506,7 +507,8 @@ def pipegoose_sdpa_attention_forward(module, query, key, value, attention_mask, 
                                      **kwargs):
     """:func:`pipegoose_attention_forward` where the tuning table says ours is faster, or a ``head_mask`` is given
     (transformers' ``sdpa`` function ignores it), transformers' ``sdpa`` function otherwise (per call: device, dtype
-    and key length). Same arguments and results."""
+    and key length). Same arguments and results; ``PIPEGOOSE_IMPL_ATTENTION`` is checked as there."""
+    dispatch.check_attention_env()
     if kwargs.get("head_mask") is not None or \
             tuned_attention_impl(query.device, query.dtype, key.shape[2]) == "pipegoose":
         return pipegoose_attention_forward(module, query, key, value, attention_mask, scaling=scaling,

@@ -149,7 +149,7 @@ def probe_rms_norm(module: nn.Module, hidden_size: int | None) -> RMSNormProbe:
         # an RMSNorm over another size than the hidden one: per-head norms (Qwen3's q_norm / k_norm over head_dim,
         # Gemma 3's), not fused yet (no GPU measurement of ours at such sizes), but counted: coverage stays honest
         return RMSNormProbe(False, result.eps, f"an RMSNorm over {weight.numel()} elements, not the hidden size "
-                            f"{hidden_size} (a per-head norm): not fused yet", True, eligible=True)
+                            f"{hidden_size} (a per-head or per-projection norm, say): not fused yet", True, eligible=True)
     return result
 
 
