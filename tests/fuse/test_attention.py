@@ -536,3 +536,18 @@ def test_review_fixes_output_attentions_kwarg_and_pipegoose_sdpa_env(monkeypatch
     monkeypatch.setenv("PIPEGOOSE_IMPL_ATTENTION", "bogus")
     with pytest.raises(ValueError, match="PIPEGOOSE_IMPL_ATTENTION='bogus'"):
         A.pipegoose_sdpa_attention_forward(_Mod(True), q, k, v, None)
+
+
+def test_pipegoose_sdpa_honours_impl_attention_pipegoose(monkeypatch):
+    """Second review: PIPEGOOSE_IMPL_ATTENTION=pipegoose was only validated by pipegoose_sdpa, which kept running
+    transformers' SDPA; now it takes our function there too (which then runs its softmax path for large scores)."""
+    from pipegoose.nn.fusion.transformers import attention as A
+
+    called = []
+    monkeypatch.setattr(A, "pipegoose_attention_forward", lambda *a, **k: called.append(1) or ("ours", None))
+    monkeypatch.setattr(A, "_transformers_sdpa", lambda *a, **k: ("sdpa", None))
+    q = k = v = torch.randn(1, 2, 4, 8)
+    monkeypatch.delenv("PIPEGOOSE_IMPL_ATTENTION", raising=False)
+    assert A.pipegoose_sdpa_attention_forward(_Mod(True), q, k, v, None)[0] == "sdpa"
+    monkeypatch.setenv("PIPEGOOSE_IMPL_ATTENTION", "pipegoose")
+    assert A.pipegoose_sdpa_attention_forward(_Mod(True), q, k, v, None)[0] == "ours" and called

@@ -808,3 +808,29 @@ def test_report_probe_is_not_a_small_problem(monkeypatch, h):
 
     monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
     assert _probe_rows((h,)) * h >= dispatch.small_numel()
+
+
+class _ZeroEpsAttributeHiddenEps(nn.Module):
+    """eps attribute 0, while the forward adds 1e-6: fused with eps 0, zero rows gave NaN and tiny rows 10x values."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+        self.eps = 0.0
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def test_rms_norm_probe_with_eps_zero_checks_tiny_inputs_and_bare_norms_get_a_row():
+    """Second review: the eps probe ran only for eps > 0; with eps 0 the formula is scale-invariant, so tiny inputs
+    expose an eps hidden in the forward. And a bare norm found by the probe (LlamaRMSNorm) gets the report row that
+    torch.nn.RMSNorm gets."""
+    transformers = pytest.importorskip("transformers")
+    model = nn.Sequential(nn.Linear(32, 32, bias=False), _ZeroEpsAttributeHiddenEps(32))
+    report = fuse(model)
+    (row,) = [r for r in report.rows if r.path == "1"]
+    assert not row.fused and "eps is used otherwise" in row.reason
+    llama = transformers.models.llama.modeling_llama.LlamaRMSNorm(8)
+    (row,) = fuse(llama).rows
+    assert row.kind == "rms_norm" and "the model itself is the norm" in row.reason

@@ -240,3 +240,20 @@ def test_fused_adam_group_checks_cover_named_params_the_callers_dict_and_loaded_
         opt.load_state_dict(sd)
     adamw = torch.optim.AdamW([torch.nn.Parameter(torch.randn(3))])
     FusedAdam([torch.nn.Parameter(torch.randn(3))]).load_state_dict(adamw.state_dict())   # still loads
+
+
+def test_fused_adam_refuses_unsupported_flags_per_group_and_takes_numpy_numbers():
+    """Second review: amsgrad / maximize / capturable set in a param group were taken (and failed at step(), or for
+    capturable never); a numpy lr was a TypeError (torch.optim.AdamW takes it); a two-element lr tensor a bare
+    ValueError."""
+    import numpy as np
+
+    from pipegoose.nn.fusion.optim import FusedAdam
+
+    p = torch.nn.Parameter(torch.randn(3))
+    for flag in ("amsgrad", "maximize", "capturable"):
+        with pytest.raises(ValueError, match=f"{flag}: a param group with {flag}=True is not supported"):
+            FusedAdam([{"params": [p], flag: True}])
+    assert FusedAdam([p], lr=np.float32(1e-3)).param_groups[0]["lr"] == np.float32(1e-3)
+    with pytest.raises(ValueError, match=r"lr: expected a number or a one-element tensor, got shape \[2\]"):
+        FusedAdam([p], lr=torch.tensor([1e-3, 2e-3]))

@@ -365,18 +365,30 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
         _undo(state)
         raise
 
-    kind = "rms_norm" if isinstance(model, nn.RMSNorm) else "layer_norm"
-    if isinstance(model, (nn.LayerNorm, nn.RMSNorm)) and not isinstance(model, fused_types) and kind in ops:
+    kind = _bare_norm_kind(model, hidden) if not isinstance(model, fused_types) else None
+    if kind in ops:
         # fuse() replaces submodules in their parents; the model itself has none to be replaced in
+        use = "FusedRMSNorm.from_module(model)" if kind == "rms_norm" else "MixedFusedLayerNorm.from_layer_norm(model)"
         report.rows.append(FusionRow("", kind, type(model).__name__, None, False, reason=(
-            "the model itself is the norm: fuse() replaces submodules in their parent; use "
-            + ("FusedRMSNorm.from_module(model)" if kind == "rms_norm" else "MixedFusedLayerNorm.from_layer_norm(model)")
-            + " instead, or fuse a module that holds it")))
+            f"the model itself is the norm: fuse() replaces submodules in their parent; use {use} instead, or fuse a "
+            "module that holds it")))
     order = {p: i for i, (p, _) in enumerate(model.named_modules(remove_duplicate=False))}
     report.rows.sort(key=lambda r: order.get(r.path, len(order)))
     if not dry_run and (state.swaps or state.config_swaps or any(r.fused for r in report.rows)):
         _STATE[model] = state  # a call that fused nothing leaves no record: fuse() may be called again
     return report
+
+
+def _bare_norm_kind(model: nn.Module, hidden: int | None) -> str | None:
+    """``layer_norm`` / ``rms_norm`` when ``model`` itself is a norm fuse() would replace inside a parent (a
+    ``torch.nn.LayerNorm``, ``torch.nn.RMSNorm``, or a module the RMSNorm probe accepts), else None."""
+    if isinstance(model, nn.LayerNorm):
+        return "layer_norm"
+    if isinstance(model, nn.RMSNorm):
+        return "rms_norm"
+    if any(True for _ in model.children()) or not any(True for _ in model.parameters(recurse=False)):
+        return None
+    return "rms_norm" if matching.probe_rms_norm(model, hidden).ok else None
 
 
 def _build(path, child, make, *args, **kwargs):
@@ -481,7 +493,8 @@ def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
     elif previous in (None, "eager"):
         chosen = attn.ATTENTION_NAME
         reason = ("the model ran eager attention (scores materialised, unfused mask + softmax); our attention "
-                  "function replaces it: on CUDA SDPA (fully masked rows give zeros, as eager), the fused scaled "
+                  "function replaces it: on CUDA SDPA (fully masked rows give zeros, as on the softmax path; eager "
+                  "gives them uniform weights), the fused scaled "
                   "masked softmax for scores of PIPEGOOSE_SMALL_NUMEL elements or more where the GPU's tuning table "
                   "names it or PIPEGOOSE_IMPL_ATTENTION=pipegoose asks for it, at every size with "
                   "PIPEGOOSE_SMALL_NUMEL=0 or when attention weights or a head_mask are asked for")
@@ -554,14 +567,14 @@ def _small_note(module: nn.Module) -> str:
 
 def _attention_impls(module: nn.Module, chosen: str) -> tuple[str, str]:
     """The report's implementation columns of an attention module on our function ``chosen``: ``sdpa @128`` where
-    it runs SDPA for the probe's scores (``pipegoose``: ``attention.runs_sdpa``; ``pipegoose_sdpa``: where the tuning
-    table does not name ours), else the softmax op's choice."""
+    it runs SDPA for the probe's scores (``pipegoose``: ``attention.runs_sdpa``; ``pipegoose_sdpa``: unless the tuning
+    table or ``PIPEGOOSE_IMPL_ATTENTION`` asks for ours), else the softmax op's choice."""
     from .transformers import attention as attn
 
     p = _first_param(module)
     if p is not None:
         if chosen == attn.ATTENTION_SDPA_NAME:
-            sdpa = attn.tuned_attention_impl(p.device, p.dtype, _PROBE_SEQ) != "pipegoose"
+            sdpa = not attn._ours_asked_for(p.device, p.dtype, _PROBE_SEQ)
         else:
             sdpa = attn.runs_sdpa(p.device, p.dtype, _PROBE_SEQ)
         if sdpa:

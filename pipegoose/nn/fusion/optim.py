@@ -9,6 +9,7 @@ for each kernel's assumptions. The reference path is PyTorch's own math.
 from __future__ import annotations
 
 import functools
+import numbers
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
@@ -72,10 +73,18 @@ class FusedAdam(torch.optim.Optimizer):
         ``adam`` (or None / ``auto``). TypeError or ValueError naming the argument."""
         for name in ("lr", "eps", "weight_decay"):
             v = group[name]
-            if isinstance(v, bool) or not isinstance(v, (int, float, torch.Tensor)):
+            if isinstance(v, bool) or not isinstance(v, (numbers.Real, torch.Tensor)):   # numpy scalars too
                 raise TypeError(f"{name}: expected a number, got {type(v).__name__}")
+            if isinstance(v, torch.Tensor) and v.numel() != 1:
+                raise ValueError(f"{name}: expected a number or a one-element tensor, got shape {list(v.shape)}")
             if not (0.0 <= float(v) < float("inf")):
                 raise ValueError(f"{name}: expected a finite number >= 0, got {v}")
+        for name, why in (("amsgrad", "the multi-tensor kernels have no max state; use torch.optim.AdamW("
+                                      "amsgrad=True)"),
+                          ("maximize", "the kernels only minimize"),
+                          ("capturable", "FusedAdam keeps the step on the host")):
+            if group.get(name, False):
+                raise ValueError(f"{name}: a param group with {name}=True is not supported by FusedAdam ({why})")
         betas = group["betas"]
         try:
             ok = len(betas) == 2 and all(not isinstance(b, bool) and 0.0 <= float(b) < 1.0 for b in betas)

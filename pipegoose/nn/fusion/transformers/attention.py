@@ -505,12 +505,12 @@ def _head_mask_for(head_mask: torch.Tensor, probs: torch.Tensor) -> torch.Tensor
 
 def pipegoose_sdpa_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                                      **kwargs):
-    """:func:`pipegoose_attention_forward` where the tuning table says ours is faster, or a ``head_mask`` is given
-    (transformers' ``sdpa`` function ignores it), transformers' ``sdpa`` function otherwise (per call: device, dtype
-    and key length). Same arguments and results; ``PIPEGOOSE_IMPL_ATTENTION`` is checked as there."""
+    """:func:`pipegoose_attention_forward` where the tuning table says ours is faster,
+    ``PIPEGOOSE_IMPL_ATTENTION=pipegoose`` asks for it, or a ``head_mask`` is given (transformers' ``sdpa`` function
+    ignores it), transformers' ``sdpa`` function otherwise (per call: device, dtype and key length). Same arguments
+    and results; ``PIPEGOOSE_IMPL_ATTENTION`` is checked as there."""
     dispatch.check_attention_env()
-    if kwargs.get("head_mask") is not None or \
-            tuned_attention_impl(query.device, query.dtype, key.shape[2]) == "pipegoose":
+    if kwargs.get("head_mask") is not None or _ours_asked_for(query.device, query.dtype, key.shape[2]):
         return pipegoose_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                            dropout=dropout, **kwargs)
     return _transformers_sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)

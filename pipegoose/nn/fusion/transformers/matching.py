@@ -149,7 +149,8 @@ def probe_rms_norm(module: nn.Module, hidden_size: int | None) -> RMSNormProbe:
         # an RMSNorm over another size than the hidden one: per-head norms (Qwen3's q_norm / k_norm over head_dim,
         # Gemma 3's), not fused yet (no GPU measurement of ours at such sizes), but counted: coverage stays honest
         return RMSNormProbe(False, result.eps, f"an RMSNorm over {weight.numel()} elements, not the hidden size "
-                            f"{hidden_size} (a per-head or per-projection norm, say): not fused yet", True, eligible=True)
+                            f"{hidden_size} (a per-head or per-projection norm, say): not fused yet", True,
+                            eligible=True)
     return result
 
 
@@ -196,21 +197,21 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
     # eps: the input above (mean square ~1.3) barely sees it. A norm that adds eps elsewhere (outside the square root)
     # or whose forward uses another value than its eps attribute agrees there and differs on inputs whose mean square
     # is near eps, where FusedRMSNorm (which takes the attribute) would then be silently wrong.
-    if eps > 0:
-        for mean_square in (eps, 0.1 * eps):
-            xs = x * torch.sqrt(mean_square / x.pow(2).mean(-1, keepdim=True))
-            ys = _forward_or_failure(stand_in, xs, "on a small input", looks_like_norm)
-            if isinstance(ys, RMSNormProbe):
-                return ys
-            xsd = xs.double()
-            ref_s = xsd * torch.rsqrt(xsd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
-            if (not isinstance(ys, torch.Tensor) or ys.shape != x.shape
-                    or not torch.allclose(ys.double(), ref_s, atol=1e-5, rtol=1e-3)):
-                err = (ys.double() - ref_s).abs().max().item() if isinstance(ys, torch.Tensor) and \
-                    ys.shape == x.shape else float("nan")
-                return RMSNormProbe(False, None, f"output differs from the RMSNorm formula with eps={eps:g} (its "
-                                    f"eps attribute) on inputs whose mean square is {mean_square:.3g} (max abs diff "
-                                    f"{err:.3g}): eps is used otherwise", looks_like_norm)
+    # With eps 0 the formula is scale-invariant: tiny inputs expose an eps (or a clamp) hidden in the forward.
+    for mean_square in ((eps, 0.1 * eps) if eps > 0 else (1e-6, 1e-12, 1e-18)):
+        xs = x * torch.sqrt(mean_square / x.pow(2).mean(-1, keepdim=True))
+        ys = _forward_or_failure(stand_in, xs, "on a small input", looks_like_norm)
+        if isinstance(ys, RMSNormProbe):
+            return ys
+        xsd = xs.double()
+        ref_s = xsd * torch.rsqrt(xsd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+        if (not isinstance(ys, torch.Tensor) or ys.shape != x.shape
+                or not torch.allclose(ys.double(), ref_s, atol=1e-5, rtol=1e-3)):
+            err = (ys.double() - ref_s).abs().max().item() if isinstance(ys, torch.Tensor) and \
+                ys.shape == x.shape else float("nan")
+            return RMSNormProbe(False, None, f"output differs from the RMSNorm formula with eps={eps:g} (its "
+                                f"eps attribute) on inputs whose mean square is {mean_square:.3g} (max abs diff "
+                                f"{err:.3g}): eps is used otherwise", looks_like_norm)
     # Rounding (bf16 input and weight): Llama-style norms round the normalised input to the input's dtype, then
     # multiply by the weight in that dtype (two roundings), which FusedRMSNorm(cast_before_weight=True) reproduces;
     # OLMo-2-style norms (Olmo2RMSNorm, GptOssRMSNorm, Gemma3nRMSNorm, ...: 26 classes of transformers 5.24) multiply
