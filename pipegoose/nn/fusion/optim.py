@@ -117,14 +117,10 @@ class FusedAdam(torch.optim.Optimizer):
 
     @staticmethod
     def _check_loadable(groups: list) -> None:
-        """Refuse param groups (e.g. saved by torch.optim.AdamW) asking for what the kernels do not do."""
+        """Refuse param groups (e.g. saved by torch.optim.AdamW) asking for what the kernels do not do (amsgrad,
+        maximize, capturable) or holding bad hyperparameters: :meth:`_check_hyperparameters`."""
         for group in groups:
             FusedAdam._check_hyperparameters({**_LOADABLE_DEFAULTS, **group})
-            if group.get("amsgrad", False):
-                raise ValueError("amsgrad: a param group with amsgrad=True cannot be loaded into FusedAdam")
-            if group.get("maximize", False):
-                raise ValueError("maximize: a param group with maximize=True cannot be loaded into FusedAdam "
-                                 "(the kernels only minimize)")
 
     def __setstate__(self, state: dict) -> None:
         self._check_loadable(state.get("param_groups", []))
