@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from pipegoose.nn.fusion import dispatch
 from pipegoose.nn.fusion import functional as PF
+from pipegoose.nn.fusion.modules import FusedLayerNorm
 
 
 def _per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
@@ -59,7 +60,11 @@ def cases(device: str, dtype: torch.dtype):
                 y.sum().backward()
         return go
 
+    ln = torch.nn.LayerNorm(384, device=device, dtype=dtype)
+    fln = FusedLayerNorm.from_layer_norm(ln, impl="pipegoose")
     out = [("layer_norm", "F.layer_norm", lambda bw: run(lambda: F.layer_norm(x, (384,), w, b), bw))]
+    out += [("layer_norm", "nn.LayerNorm", lambda bw: run(lambda: ln(x), bw))]
+    out += [("layer_norm", "FusedLayerNorm impl=pipegoose", lambda bw: run(lambda: fln(x), bw))]
     out += [("layer_norm", f"pipegoose impl={i}",
              (lambda i: lambda bw: run(lambda: PF.layer_norm(x, (384,), w, b, impl=i), bw))(i))
             for i in dispatch.implementations("layer_norm")]
@@ -96,7 +101,7 @@ def main(argv=None) -> int:
                 row.append(f"{_per_call_us(make(bw), a.calls, sync):9.1f}")
             except Exception as e:  # noqa: BLE001 - an implementation that cannot take the input is listed
                 row.append(f"{type(e).__name__:>9s}")
-        ran = ",".join(sorted(dispatch.stats().get(op, {}))) if label.startswith("pipegoose") else "torch"
+        ran = ",".join(sorted(dispatch.stats().get(op, {}))) if "pipegoose" in label else "torch"
         print(f"{op:16s} {label:36s} {row[0]} {row[1]:>11s}  {ran}")
     return 0
 

@@ -58,7 +58,8 @@ __all__ = [
 ]
 
 ALLOWED_LICENSES = ("Apache-2.0", "BSD-3-Clause", "MIT", "BSD-2-Clause")
-ENTRY_ROLES = ("forward", "backward", "optimizer", "reduction", "utility")
+# autograd: an op whose autograd formula (its backward) is registered with it, in C++
+ENTRY_ROLES = ("forward", "backward", "autograd", "optimizer", "reduction", "utility")
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 _KERNEL_ID = re.compile(r"^[a-z0-9][a-z0-9_.-]*/[a-z0-9][a-z0-9_.-]*$")
 _SOURCE_ID = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")

@@ -9,6 +9,7 @@ pipegoose.nn.fusion are exercised without a GPU. The real kernels are tested in 
 from __future__ import annotations
 
 import dataclasses
+import types
 import warnings
 
 import pytest
@@ -18,6 +19,9 @@ from tolerances import TOLERANCES
 
 from pipegoose.nn.fusion import FusedAdam, clip_grad_norm_, dispatch
 from pipegoose.nn.fusion import functional as PF
+from pipegoose.nn.fusion.ops._common import grads_through
+from pipegoose.nn.fusion.ops.layer_norm import layer_norm_reference
+from pipegoose.nn.fusion.ops.rms_norm import rms_norm_reference
 
 CUDA = torch.device("cuda")
 
@@ -135,6 +139,18 @@ class FakeOps:
             gs = torch.autograd.grad(y, ins, dy.float())
         return gs[0].to(x.dtype), (gs[1].to(w.dtype) if w is not None else torch.empty(0))
 
+    # pipegoose::layer_norm, pipegoose::rms_norm: the forward op with its autograd formula (a C++ Function in the
+    # real bindings, emulated by _EmulatedNormFunction)
+    @property
+    def layer_norm(self):
+        return types.SimpleNamespace(
+            default=lambda x, w, b, eps, out: _EmulatedNormFunction.apply(self, "layer_norm", x, w, b, eps, out))
+
+    @property
+    def rms_norm(self):
+        return types.SimpleNamespace(
+            default=lambda x, w, eps, out: _EmulatedNormFunction.apply(self, "rms_norm", x, w, None, eps, out))
+
     # apex/fused_layer_norm: output in gamma's dtype; fp16/bf16 input only with gamma of that dtype
     def fused_layer_norm_affine_forward(self, x, shape, g, b, eps):
         self.calls.append("fused_layer_norm_affine_forward")
@@ -190,6 +206,44 @@ class FakeOps:
         self.calls.append("multi_tensor_scale")
         for s, d in zip(src, dst):
             d.copy_(s.float() * scale)
+
+
+class _EmulatedNormFunction(torch.autograd.Function):
+    """What the C++ Function of pipegoose::layer_norm / rms_norm does (pipegoose/kernels/bindings/norm_autograd.h):
+    the forward op, saving the inputs and statistics; in backward the backward op, or with grad mode on
+    (create_graph=True) the gradients of the PyTorch formula on the saved inputs."""
+
+    @staticmethod
+    def forward(ctx, ops, kind, x, w, b, eps, out):
+        ops.calls.append(kind)
+        if kind == "layer_norm":
+            y, *stats = ops.layer_norm_forward(x, w, b, eps, out)
+        else:
+            y, *stats = ops.rms_norm_forward(x, w, eps, out)
+        ctx.save_for_backward(x, w, b, *stats)
+        ctx.meta = (ops, kind, eps, y.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, b, *stats = ctx.saved_tensors
+        ops, kind, eps, out = ctx.meta
+        shape = (x.shape[-1],)
+        if torch.is_grad_enabled():
+            if kind == "layer_norm":
+                def ref(x_, w_, b_):
+                    return layer_norm_reference(x_, shape, w_, b_, eps, out)
+            else:
+                def ref(x_, w_, b_):
+                    return rms_norm_reference(x_, shape, w_, eps, out, False)
+            gs = grads_through(ref, (x, w, b), ctx.needs_input_grad[2:5], dy)
+        elif kind == "layer_norm":
+            gx, gw, gb = ops.layer_norm_backward(dy, x, w, b, *stats)
+            gs = [gx, None if w is None else gw, None if b is None else gb]
+        else:
+            gx, gw = ops.rms_norm_backward(dy, x, w, *stats)
+            gs = [gx, None if w is None else gw, None]
+        return (None, None, *gs, None, None)
 
 
 @pytest.fixture

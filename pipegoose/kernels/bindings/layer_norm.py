@@ -1,11 +1,11 @@
-"""Fake (meta) impls of ``pipegoose::layer_norm_forward`` / ``pipegoose::layer_norm_backward`` (pipegoose's own
-LayerNorm, ``pipegoose/kernels/csrc/layer_norm.cu`` + ``norm_kernels.cuh``).
+"""Fake (meta) impls of ``pipegoose::layer_norm_forward``, ``pipegoose::layer_norm_backward`` and
+``pipegoose::layer_norm`` (pipegoose's own LayerNorm, ``pipegoose/kernels/csrc/layer_norm.cu`` + ``norm_kernels.cuh``).
 
 Shapes and dtypes, as the CUDA kernels return them: input ``[..., H]``, rows = numel / H;
 forward -> output (the input's shape, ``out_dtype`` or the input's dtype), mean and rstd (float32 ``[rows]``);
 backward -> grad_input (the input's shape and dtype), grad_weight / grad_bias (the parameter's shape and dtype,
-or an empty ``[0]`` tensor of the input's dtype when the parameter is None). Imported by the builder after the
-library is loaded.
+or an empty ``[0]`` tensor of the input's dtype when the parameter is None); ``layer_norm`` (the forward with its
+autograd formula) -> the forward's output. Imported by the builder after the library is loaded.
 """
 
 from __future__ import annotations
@@ -36,3 +36,9 @@ def _forward_fake(input, weight, bias, eps, out_dtype):
 def _backward_fake(grad_output, input, weight, bias, mean, rstd):
     _rows(input)
     return input.new_empty(input.shape), _param_grad(weight, input), _param_grad(bias, input)
+
+
+@torch.library.register_fake("pipegoose::layer_norm")
+def _fake(input, weight, bias, eps, out_dtype):
+    _rows(input)
+    return input.new_empty(input.shape, dtype=out_dtype if out_dtype is not None else input.dtype)

@@ -1,10 +1,11 @@
-"""Fake (meta) impls of ``pipegoose::rms_norm_forward`` / ``pipegoose::rms_norm_backward`` (pipegoose's own RMSNorm,
-``pipegoose/kernels/csrc/rms_norm.cu`` + ``norm_kernels.cuh``).
+"""Fake (meta) impls of ``pipegoose::rms_norm_forward``, ``pipegoose::rms_norm_backward`` and
+``pipegoose::rms_norm`` (pipegoose's own RMSNorm, ``pipegoose/kernels/csrc/rms_norm.cu`` + ``norm_kernels.cuh``).
 
 Shapes and dtypes, as the CUDA kernels return them: input ``[..., H]``, rows = numel / H;
 forward -> output (the input's shape, ``out_dtype`` or the input's dtype) and rstd (float32 ``[rows]``);
 backward -> grad_input (the input's shape and dtype) and grad_weight (the weight's shape and dtype, or an empty
-``[0]`` tensor of the input's dtype when weight is None). Imported by the builder after the library is loaded.
+``[0]`` tensor of the input's dtype when weight is None); ``rms_norm`` (the forward with its autograd formula) -> the
+forward's output. Imported by the builder after the library is loaded.
 """
 
 from __future__ import annotations
@@ -31,3 +32,9 @@ def _backward_fake(grad_output, input, weight, rstd):
     _rows(input)
     grad_weight = input.new_empty((0,)) if weight is None else weight.new_empty(weight.shape)
     return input.new_empty(input.shape), grad_weight
+
+
+@torch.library.register_fake("pipegoose::rms_norm")
+def _fake(input, weight, eps, out_dtype):
+    _rows(input)
+    return input.new_empty(input.shape, dtype=out_dtype if out_dtype is not None else input.dtype)

@@ -214,54 +214,28 @@ def _ops(name: str) -> Any:
     return ops
 
 
-class PipegooseLayerNormFunction(torch.autograd.Function):
-    """pipegoose/layer_norm: layer_norm_forward(input [rows, H], weight [H]?, bias [H]?, eps, out_dtype).
+def _run_pipegoose(x, weight, bias, shape, eps, out):
+    """pipegoose/layer_norm through ``torch.ops.pipegoose.layer_norm(input [..., H], weight [H]?, bias [H]?, eps,
+    out_dtype)``: the forward kernel with its autograd formula in C++ (pipegoose/kernels/bindings/layer_norm.cpp), so
+    that a call costs the host about what ``nn.LayerNorm`` does.
 
-    Double backward: a backward run with grad mode on (``create_graph=True``) computes the gradients through
-    :func:`layer_norm_reference` on the saved inputs instead of the backward kernel, which is not differentiable;
-    second derivatives are then PyTorch's. A backward without ``create_graph`` runs the kernel."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, shape, eps, out):
-        ops = _ops("pipegoose/layer_norm")
-        # the inputs themselves are saved (not x2, w, b, made here without the graph): a double backward needs them
-        ctx.meta = (tuple(shape), eps, out)
-        if len(shape) == 1:  # the op takes [..., H] and 1-D parameters as they are (host time: no views)
-            y, mean, rstd = ops.layer_norm_forward(x, weight, bias, float(eps), out)
-            ctx.save_for_backward(x, weight, bias, mean, rstd)
-            return y
-        h = math.prod(shape)
-        x2 = x.reshape(-1, h)
-        w = None if weight is None else weight.reshape(h)
-        b = None if bias is None else bias.reshape(h)
-        y, mean, rstd = ops.layer_norm_forward(x2, w, b, float(eps), out)
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        shape, eps, out = ctx.meta
-        if torch.is_grad_enabled():  # create_graph=True: gradients that are differentiable again
-            return (*grads_through(lambda x_, w_, b_: layer_norm_reference(x_, shape, w_, b_, eps, out),
-                                   (x, weight, bias), ctx.needs_input_grad[:3], dy), None, None, None)
-        ops = _ops("pipegoose/layer_norm")
-        if len(shape) == 1:  # as in forward: the op's shapes are the tensors' own (grad_weight: the weight's)
-            gi, gw, gb = ops.layer_norm_backward(dy, x, weight, bias, mean, rstd)
-            return gi, None if weight is None else gw, None if bias is None else gb, None, None, None
-        h = math.prod(shape)
-        x2 = x.reshape(-1, h)
-        w = None if weight is None else weight.reshape(h)
-        b = None if bias is None else bias.reshape(h)
-        gi, gw, gb = ops.layer_norm_backward(dy.reshape(x2.shape), x2, w, b, mean, rstd)
-        return (gi.view(x.shape), None if weight is None else gw.view(shape),
-                None if bias is None else gb.view(shape), None, None, None)
+    Double backward: a backward run with grad mode on (``create_graph=True``) computes the gradients through the
+    PyTorch formula (:func:`layer_norm_reference`'s) on the saved inputs instead of the backward kernel, which is not
+    differentiable; second derivatives are then PyTorch's. A backward without ``create_graph`` runs the kernel."""
+    op = _ops("pipegoose/layer_norm").layer_norm.default
+    if len(shape) == 1:  # the op takes [..., H] and 1-D parameters as they are (host time: no views)
+        return op(x, weight, bias, float(eps), out)
+    h = math.prod(shape)
+    y = op(x.reshape(-1, h), None if weight is None else weight.reshape(h), None if bias is None else bias.reshape(h),
+           float(eps), out)
+    return y.view(x.shape)
 
 
 class ApexLayerNormFunction(torch.autograd.Function):
     """apex/fused_layer_norm: fused_layer_norm_affine_forward/backward (gamma, beta in the output dtype).
 
-    Double backward: as :class:`PipegooseLayerNormFunction` (through :func:`layer_norm_reference`)."""
+    Double backward: a backward run with grad mode on (``create_graph=True``) computes the gradients through
+    :func:`layer_norm_reference` on the saved inputs instead of the backward kernel."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, shape, eps, out):
@@ -321,10 +295,6 @@ def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, bia
     choice, shape, out = hit
     dispatch.record(choice)
     return call_without_autocast(x.device, _RUNNERS[choice.impl], xin, weight, bias, shape, eps, out)
-
-
-def _run_pipegoose(x, weight, bias, shape, eps, out):
-    return PipegooseLayerNormFunction.apply(x, weight, bias, shape, eps, out)
 
 
 def _run_apex(x, weight, bias, shape, eps, out):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, NO_STORAGE, autocast_state, call_without_autocast, check_input_dtype,
-                      dtype_name, eps_value, grads_through, has_storage, manifest_limit, needs_grad, param_signature,
+                      dtype_name, eps_value, has_storage, manifest_limit, needs_grad, param_signature,
                       shape_signature, torch_result_dtype)
 from .layer_norm import normalize_shape
 
@@ -155,44 +155,22 @@ def _ops() -> Any:
     return ops
 
 
-class PipegooseRMSNormFunction(torch.autograd.Function):
-    """pipegoose/rms_norm: rms_norm_forward(input [rows, H], weight [H]?, eps, out_dtype) -> (y, rstd).
+def _run_pipegoose(x, weight, shape, eps, out):
+    """pipegoose/rms_norm through ``torch.ops.pipegoose.rms_norm(input [..., H], weight [H]?, eps, out_dtype)``:
+    the forward kernel with its autograd formula in C++ (pipegoose/kernels/bindings/rms_norm.cpp), so that a call
+    costs the host about what a native op does.
 
-    Double backward: a backward run with grad mode on (``create_graph=True``) computes the gradients through
-    :func:`rms_norm_reference` (``x * rstd * weight`` in fp32, rounded once to ``out``: the kernel's numerics) on the
-    saved inputs instead of the backward kernel, which is not differentiable; second derivatives are then PyTorch's.
-    A backward without ``create_graph`` runs the kernel."""
-
-    @staticmethod
-    def forward(ctx, x, weight, shape, eps, out):
-        # the inputs themselves are saved (not x2, w, made here without the graph): a double backward needs them
-        ctx.meta = (tuple(shape), eps, out)
-        if len(shape) == 1:  # the op takes [..., H] and a 1-D weight as they are (host time: no views)
-            y, rstd = _ops().rms_norm_forward(x, weight, float(eps), out)
-            ctx.save_for_backward(x, weight, rstd)
-            return y
-        h = math.prod(shape)
-        x2 = x.reshape(-1, h)
-        w = None if weight is None else weight.reshape(h)
-        y, rstd = _ops().rms_norm_forward(x2, w, float(eps), out)
-        ctx.save_for_backward(x, weight, rstd)
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        shape, eps, out = ctx.meta
-        if torch.is_grad_enabled():  # create_graph=True: gradients that are differentiable again
-            return (*grads_through(lambda x_, w_: rms_norm_reference(x_, shape, w_, eps, out, False),
-                                   (x, weight), ctx.needs_input_grad[:2], dy), None, None, None)
-        if len(shape) == 1:  # as in forward: the op's shapes are the tensors' own (grad_weight: the weight's)
-            gi, gw = _ops().rms_norm_backward(dy, x, weight, rstd)
-            return gi, None if weight is None else gw, None, None, None
-        h = math.prod(shape)
-        x2 = x.reshape(-1, h)
-        w = None if weight is None else weight.reshape(h)
-        gi, gw = _ops().rms_norm_backward(dy.reshape(x2.shape), x2, w, rstd)
-        return gi.view(x.shape), None if weight is None else gw.view(shape), None, None, None
+    Double backward: a backward run with grad mode on (``create_graph=True``) computes the gradients through the
+    PyTorch formula (``x * rstd * weight`` in fp32, rounded once to ``out``: the kernel's numerics, as
+    :func:`rms_norm_reference` with ``cast_before_weight=False``) on the saved inputs instead of the backward kernel,
+    which is not differentiable; second derivatives are then PyTorch's. A backward without ``create_graph`` runs the
+    kernel."""
+    op = _ops().rms_norm.default
+    if len(shape) == 1:  # the op takes [..., H] and a 1-D weight as they are (host time: no views)
+        return op(x, weight, float(eps), out)
+    h = math.prod(shape)
+    y = op(x.reshape(-1, h), None if weight is None else weight.reshape(h), float(eps), out)
+    return y.view(x.shape)
 
 
 def _signature(x: Any, normalized_shape: Any, weight: Any, eps: Any, cast_before_weight: bool) -> tuple | None:
@@ -244,5 +222,5 @@ def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, eps
     dispatch.record(choice)
     if choice.impl == "pipegoose":
         # cast_before_weight too: the weight is applied in the kernel, in fp32, rounded once to ``out``
-        return call_without_autocast(x.device, PipegooseRMSNormFunction.apply, xin, weight, shape, eps, out)
+        return call_without_autocast(x.device, _run_pipegoose, xin, weight, shape, eps, out)
     return call_without_autocast(x.device, rms_norm_reference, xin, shape, weight, eps, out, cast_before_weight)
