@@ -379,7 +379,7 @@ def test_layer_norm_under_cuda_autocast_matches_nn_layernorm():
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 def test_norm_autograd_runs_in_cpp(op):
     """impl=pipegoose: the graph's node is the C++ Function of ``pipegoose::<op>`` (a Python autograd.Function cost
-    20-50 us of host time per forward, which made fused mid-size models slower), its gradients are the kernels'
+    22-48 us of host time per forward, which made fused mid-size models slower), its gradients are the kernels'
     (the same as the backward op's), and in inference mode, below autograd, the op's forward alone gives the same
     output."""
     g = torch.Generator(device=DEV).manual_seed(3)

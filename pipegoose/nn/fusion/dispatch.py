@@ -20,8 +20,9 @@ Choice, first that supports the input wins:
    2**24; 0 turns this off), a fused implementation supports it, and the op's reference path is one native PyTorch
    op for it (``F.layer_norm``, ``F.rms_norm``: ``Implementation.small_first``), the reference runs (source
    ``small``, not a fallback; no kernel is loaded). At such sizes a step is bound by the host, and a fused op's
-   Python autograd path costs more host time than its kernel can save on the GPU (fused MiniLM, BERT-base and GPT-2
-   small steps were slower than unfused ones on the H200; see :data:`SMALL_NUMEL_DEFAULT`).
+   path (the Python dispatch above the op, the op's own host code) costs more host time than its kernel can save on
+   the GPU (fused MiniLM, BERT-base and GPT-2 small steps were slower than unfused ones on the H200; see
+   :data:`SMALL_NUMEL_DEFAULT`).
 
 Ending on ``torch`` after a fused implementation was wanted is a *fallback*: the reason is recorded
 (:func:`explain`, :func:`last_choice`), logged at debug level on ``pipegoose.nn.fusion.dispatch``, and in strict
@@ -126,7 +127,12 @@ _PASSES = ("fwd", "fwd+bwd")
 # 16 x 512 (LayerNorm inputs of 3.1M and 6.3M elements) and GPT-2 small with SDPA at 8 x 1024 (6.3M) took 20-30%
 # longer per step fused than unfused (x0.77-0.83; GPT-2 with eager attention 3% longer), while GPT-NeoX ~405M at
 # 8 x 2048 (16.8M; one older run in results.json, 2026-11-30) ran 2% faster. Hence 2**24, from these two points (nothing
-# measured between 6.3M and 16.8M): below it the native op (and SDPA for attention scores) runs.
+# measured between 6.3M and 16.8M): below it the native op (and SDPA for attention scores) runs. Session 21
+# (session21.log) profiled BERT-base at 32 x 128: the step is bound by the host (self CPU 36.3 ms per step unfused,
+# 46.3 fused; GPU time 14.8 and 14.1). It moved the norms' autograd into C++: a LayerNorm of 4096 x 768 then cost
+# 41-62 us more host time per forward + backward than nn.LayerNorm instead of 85-127, and the same paired steps with
+# ours at every size (PIPEGOOSE_SMALL_NUMEL=0) ran x0.84-0.94 (GPT-2 with eager attention x1.12) instead of
+# x0.80-0.88: still slower, so the default stays.
 SMALL_NUMEL_DEFAULT = 1 << 24
 
 
