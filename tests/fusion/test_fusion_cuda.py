@@ -407,11 +407,21 @@ def test_norm_autograd_runs_in_cpp(op):
             want = ops.rms_norm_backward(dy, x, w, rstd)
     for got, exp in zip((x.grad, w.grad, b.grad), want):
         torch.testing.assert_close(got, exp, rtol=0, atol=0)
-    with torch.inference_mode():
-        yi = fn(x.detach())
+    # below autograd the op's CUDA kernel calls the forward directly; through the Function, the forward op is
+    # dispatched (and profiled) on its own
+    def events(grad):
+        with torch.inference_mode(not grad), torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = fn(x if grad else x.detach())
+        return out, {e.name for e in prof.events()}
+
+    _, seen = events(True)
+    assert f"pipegoose::{op}" in seen and f"pipegoose::{op}_forward" in seen, seen
+    yi, seen = events(False)
+    assert f"pipegoose::{op}" in seen and f"pipegoose::{op}_forward" not in seen, seen
     assert yi.grad_fn is None
     torch.testing.assert_close(yi, y.detach(), rtol=0, atol=0)
-    ran(op, "pipegoose", 2)
+    ran(op, "pipegoose", 3)
 
 
 # --- rms norm -------------------------------------------------------------------------------------------------
@@ -557,6 +567,20 @@ DOUBLE_BACKWARD = {  # name: (op, impl, fn(impl), input shapes and dtypes, dtype
                                   torch.bfloat16),
     "layer_norm-apex": ("layer_norm", "apex", lambda i: lambda x, w, b: PF.layer_norm(x, (96,), w, b, impl=i),
                         [((4, 96), torch.float16), ((96,), torch.float16), ((96,), torch.float16)], torch.float16),
+    "layer_norm-pipegoose-weight-only": ("layer_norm", "pipegoose",
+                                         lambda i: lambda x, w: PF.layer_norm(x, (96,), w, None, impl=i),
+                                         [((4, 96), torch.float32), ((96,), torch.float32)], torch.float32),
+    "layer_norm-pipegoose-fp16-mixed": ("layer_norm", "pipegoose",
+                                        lambda i: lambda x, w, b: PF.layer_norm(x, (96,), w, b, impl=i),
+                                        [((4, 96), torch.float16), ((96,), torch.float16), ((96,), torch.float32)],
+                                        torch.float16),
+    "layer_norm-pipegoose-2d-shape": ("layer_norm", "pipegoose",
+                                      lambda i: lambda x, w, b: PF.layer_norm(x, (6, 16), w, b, impl=i),
+                                      [((4, 6, 16), torch.float32), ((6, 16), torch.float32), ((6, 16), torch.float32)],
+                                      torch.float32),
+    "rms_norm-pipegoose-2d-shape": ("rms_norm", "pipegoose",
+                                    lambda i: lambda x, w: PF.rms_norm(x, (6, 16), w, 1e-6, impl=i),
+                                    [((4, 6, 16), torch.bfloat16), ((6, 16), torch.bfloat16)], torch.bfloat16),
     "rms_norm-pipegoose": ("rms_norm", "pipegoose", lambda i: lambda x, w: PF.rms_norm(x, (96,), w, 1e-6, impl=i),
                            [((4, 96), torch.float32), ((96,), torch.float32)], torch.float32),
     "rms_norm-pipegoose-llama": ("rms_norm", "pipegoose",

@@ -520,3 +520,33 @@ def test_double_backward_through_the_fused_functions(fake, case):
     n = len(fake.calls)
     make(impl)(*ins).float().sum().backward()              # no create_graph: the kernel
     assert any(c.endswith("_backward") for c in fake.calls[n:])
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_torch_func_after_an_eager_call_of_the_same_metadata(fake, op):
+    """An eager call caches its choice (pipegoose); a call of the same shapes inside torch.func.grad / vmap (tensors
+    without storage, which report the same metadata) must not reuse it: the kernels decline such tensors, and the
+    norm Functions cannot run inside a transform (the C++ one raises "cannot use C++ torch::autograd::Function with
+    functorch transforms"). It runs the reference instead."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 16, generator=g).requires_grad_(True)
+    w = torch.randn(16, generator=g)
+    if op == "layer_norm":
+        def fn(t):
+            return PF.layer_norm(t, (16,), w, None, 1e-5)
+
+        def ref(t):
+            return F.layer_norm(t, (16,), w, None, 1e-5)
+    else:
+        def fn(t):
+            return PF.rms_norm(t, (16,), w, 1e-6)
+
+        def ref(t):
+            return F.rms_norm(t, (16,), w, 1e-6)
+    fn(x)
+    assert dispatch.last_choice(op).impl == "pipegoose"
+    got = torch.func.grad(lambda t: fn(t).pow(2).sum())(x.detach())
+    want = torch.func.grad(lambda t: ref(t).pow(2).sum())(x.detach())
+    torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
+    assert dispatch.last_choice(op).impl == "torch"
+    torch.testing.assert_close(torch.func.vmap(fn)(x.detach()), ref(x.detach()), **TOLERANCES[torch.float32])

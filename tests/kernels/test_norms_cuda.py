@@ -596,6 +596,13 @@ def test_opcheck(ln, rms):
     torch.library.opcheck(torch.ops.pipegoose.rms_norm_forward.default, (x, w, EPS, None))
     torch.library.opcheck(torch.ops.pipegoose.rms_norm_backward.default, (dy, x, w, rstd))
     torch.library.opcheck(torch.ops.pipegoose.rms_norm_backward.default, (dy, x, None, rstd))
+    # the ops with their autograd formula (C++ Functions), with inputs that need gradients
+    xg, wg, bg = (t.detach().requires_grad_(True) for t in (x, w, b))
+    torch.library.opcheck(torch.ops.pipegoose.layer_norm.default, (xg, wg, bg, EPS, torch.bfloat16))
+    torch.library.opcheck(torch.ops.pipegoose.layer_norm.default, (xg, None, bg, EPS, None))
+    torch.library.opcheck(torch.ops.pipegoose.layer_norm.default, (xg, None, None, EPS, torch.float32))
+    torch.library.opcheck(torch.ops.pipegoose.rms_norm.default, (xg, wg, EPS, torch.bfloat16))
+    torch.library.opcheck(torch.ops.pipegoose.rms_norm.default, (xg, None, EPS, None))
 
 
 def test_bad_arguments_name_the_argument(ln, rms):

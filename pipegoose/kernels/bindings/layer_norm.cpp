@@ -32,25 +32,24 @@ using BackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Ten
                                                                    const std::optional<at::Tensor>&, const at::Tensor&,
                                                                    const at::Tensor&);
 
-// F.layer_norm with the output dtype `out` (the input cast first, as autocast does); parameters of another dtype
-// than that are upcast exactly, a 16-bit input with an fp32 (or other 16-bit) parameter computed in fp32 and rounded
-// once. The Python reference, layer_norm_reference in pipegoose/nn/fusion/ops/layer_norm.py, for the dtypes the
-// kernels take. Differentiable (used for a double backward).
+// The kernel's numerics as PyTorch ops: F.layer_norm of x as it is when input, parameters and `out` share its dtype;
+// otherwise in fp32 from the uncast x and parameters (upcasts are exact), rounded once to `out`, as the kernel does
+// (the Python layer's reference, layer_norm_reference in pipegoose/nn/fusion/ops/layer_norm.py, casts x to `out`
+// first; its callers pass x already in `out`, where the two agree). Differentiable (used for a double backward).
 at::Tensor reference(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps, at::ScalarType out) {
-  const at::Tensor xo = x.scalar_type() == out ? x : x.to(out);
-  const auto t = xo.scalar_type();
-  const bool mixed = (w.defined() && w.scalar_type() != t) || (b.defined() && b.scalar_type() != t);
-  const std::vector<int64_t> shape{xo.size(-1)};
-  if (!mixed) return at::layer_norm(xo, shape, w, b, eps);
+  const auto t = x.scalar_type();
+  const std::vector<int64_t> shape{x.size(-1)};
+  const bool same = out == t && (!w.defined() || w.scalar_type() == t) && (!b.defined() || b.scalar_type() == t);
+  if (same) return at::layer_norm(x, shape, w, b, eps);
   auto f32 = [](const at::Tensor& p) { return p.defined() ? p.to(at::kFloat) : p; };
-  return at::layer_norm(xo.to(at::kFloat), shape, f32(w), f32(b), eps).to(t);
+  return at::layer_norm(x.to(at::kFloat), shape, f32(w), f32(b), eps).to(out);
 }
 
 }  // namespace
 
 namespace pipegoose {
 
-// The autograd node of pipegoose::layer_norm (named pipegoose::LayerNormFunction in profiles and graphs).
+// The autograd formula of pipegoose::layer_norm (graph node: torch::autograd::CppNode<pipegoose::LayerNormFunction>).
 struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const std::optional<at::Tensor>& weight,
                             const std::optional<at::Tensor>& bias, double eps,

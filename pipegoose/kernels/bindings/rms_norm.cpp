@@ -43,7 +43,7 @@ at::Tensor reference(const at::Tensor& x, const at::Tensor& w, double eps, at::S
 
 namespace pipegoose {
 
-// The autograd node of pipegoose::rms_norm (named pipegoose::RMSNormFunction in profiles and graphs).
+// The autograd formula of pipegoose::rms_norm (its graph node: torch::autograd::CppNode<pipegoose::RMSNormFunction>).
 struct RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const std::optional<at::Tensor>& weight,
                             double eps, std::optional<at::ScalarType> out_dtype) {

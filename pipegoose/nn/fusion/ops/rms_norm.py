@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, NO_STORAGE, autocast_state, call_without_autocast, check_input_dtype,
-                      dtype_name, eps_value, has_storage, manifest_limit, needs_grad, param_signature,
+                      dtype_name, eps_value, has_storage, in_transform, manifest_limit, needs_grad, param_signature,
                       shape_signature, torch_result_dtype)
 from .layer_norm import normalize_shape
 
@@ -157,8 +157,8 @@ def _ops() -> Any:
 
 def _run_pipegoose(x, weight, shape, eps, out):
     """pipegoose/rms_norm through ``torch.ops.pipegoose.rms_norm(input [..., H], weight [H]?, eps, out_dtype)``:
-    the forward kernel with its autograd formula in C++ (pipegoose/kernels/bindings/rms_norm.cpp), so that a call
-    costs the host about what a native op does.
+    the forward kernel with its autograd formula in C++ (pipegoose/kernels/bindings/rms_norm.cpp): no Python runs in
+    the backward (host time: see :func:`pipegoose.nn.fusion.ops.layer_norm._run_pipegoose`).
 
     Double backward: a backward run with grad mode on (``create_graph=True``) computes the gradients through the
     PyTorch formula (``x * rstd * weight`` in fp32, rounded once to ``out``: the kernel's numerics, as
@@ -178,6 +178,8 @@ def _signature(x: Any, normalized_shape: Any, weight: Any, eps: Any, cast_before
     if torch.compiler.is_compiling() or isinstance(eps, torch.Tensor):  # a 0-d tensor eps: checked on every call
         return None
     try:
+        if in_transform(x):  # inside torch.func: the metadata of a plain tensor, but the kernels decline it
+            return None
         ns = normalized_shape
         sig = (type(x), x.dtype, x.device, x.shape, x.requires_grad, shape_signature(ns), param_signature(weight),
                type(eps), eps, cast_before_weight, torch.is_grad_enabled(), autocast_state(x.device))
