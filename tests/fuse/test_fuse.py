@@ -834,3 +834,16 @@ def test_rms_norm_probe_with_eps_zero_checks_tiny_inputs_and_bare_norms_get_a_ro
     llama = transformers.models.llama.modeling_llama.LlamaRMSNorm(8)
     (row,) = fuse(llama).rows
     assert row.kind == "rms_norm" and "the model itself is the norm" in row.reason
+
+
+@pytest.mark.parametrize("var,value", [("PIPEGOOSE_STRICT", "maybe"), ("PIPEGOOSE_IMPL_LAYER_NORM", "fastest"),
+                                       ("PIPEGOOSE_SMALL_NUMEL", "-1")])
+def test_fuse_refuses_a_bad_environment_before_changing_the_model(monkeypatch, var, value):
+    """A PIPEGOOSE_* value the dispatcher refuses is fuse()'s ValueError naming it, and the model is left as it was: the
+    fused norms' small path never reads PIPEGOOSE_STRICT, so a bad value would otherwise pass unnoticed."""
+    model = models.build("gpt2", "eager")
+    before = [type(m) for m in model.modules()]
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=var):
+        fuse(model)
+    assert [type(m) for m in model.modules()] == before and not is_fused(model)

@@ -300,7 +300,9 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
         ValueError: unknown ``ops`` or ``attention`` value; a norm's ``eps`` that the fused ops refuse (negative or
-            not finite; TypeError when not a number), named with the module's path. Nothing is changed then.
+            not finite; TypeError when not a number), named with the module's path; a ``PIPEGOOSE_*`` variable with a
+            value the dispatcher refuses (``dispatch.check_env``: e.g. ``PIPEGOOSE_STRICT=2``, which the fused norms'
+            small path never reads, so that it would otherwise pass unnoticed). Nothing is changed then.
         RuntimeError: ``model`` is already fused (call :func:`unfuse` first), or a replacement would not reuse
             the parameters of the module it replaces.
     """
@@ -313,8 +315,10 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
         raise ValueError(f"attention: expected one of {list(ATTENTION_CHOICES)}, got {attention!r}")
     if model in _STATE:
         raise RuntimeError(f"model: this {type(model).__name__} is already fused; call unfuse(model) first")
-
+    from . import dispatch
     from .modules import FusedRMSNorm, MixedFusedLayerNorm
+
+    dispatch.check_env()
 
     config = getattr(model, "config", None)
     hidden = matching.hidden_size_of(config) if config is not None else None
