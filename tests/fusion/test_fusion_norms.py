@@ -277,6 +277,32 @@ def test_from_layer_norm_rejects_other_modules():
     assert FusedRMSNorm.from_module(NoEps(), eps=1e-6).eps == 1e-6
 
 
+@pytest.mark.parametrize("module", [torch.nn.LayerNorm(8, bias=False), torch.nn.LayerNorm(8, elementwise_affine=False),
+                                    torch.nn.GroupNorm(2, 8), torch.nn.InstanceNorm1d(8, affine=True)],
+                         ids=["layernorm-no-bias", "layernorm-no-affine", "groupnorm", "instancenorm"])
+def test_rms_norm_from_module_refuses_mean_subtracting_norms(module):
+    """A bias-free nn.LayerNorm has exactly an RMSNorm's parameters (weight, eps): from_module took it and gave an
+    RMSNorm's output (max error 2.6 on inputs of mean 3, found by a new user's walkthrough)."""
+    with pytest.raises(TypeError, match="subtracts the mean"):
+        FusedRMSNorm.from_module(module)
+
+
+def test_a_0d_tensor_eps_that_requires_grad():
+    """A 0-d tensor eps is accepted (as F.layer_norm's callers pass it); the LayerNorm passed the tensor itself to
+    F.layer_norm, which refuses it, after a "converting a tensor that requires grad" warning; a meta one (no value) is
+    the TypeError naming eps."""
+    from pipegoose.nn.fusion.functional import layer_norm, rms_norm
+
+    x = torch.randn(3, 8)
+    eps = torch.tensor(1e-3, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(layer_norm(x, 8, eps=eps), F.layer_norm(x, (8,), eps=1e-3))
+        torch.testing.assert_close(rms_norm(x, 8, eps=eps), F.rms_norm(x, (8,), eps=1e-3))
+    with pytest.raises(TypeError, match="eps: .* without a value"):
+        layer_norm(x, 8, eps=torch.tensor(1e-3, device="meta"))
+
+
 def test_normalized_shape_must_be_integers():
     import numpy as np
 

@@ -129,10 +129,10 @@ _PASSES = ("fwd", "fwd+bwd")
 # 8 x 2048 (16.8M; one older run in results.json, 2026-11-30) ran 2% faster. Hence 2**24, from these two points (nothing
 # measured between 6.3M and 16.8M): below it the native op (and SDPA for attention scores) runs. Session 21
 # (session21.log) profiled BERT-base at 32 x 128: the step is bound by the host (self CPU 36.3 ms per step unfused,
-# 46.3 fused; GPU time 14.8 and 14.1). It moved the norms' autograd into C++: a LayerNorm of 4096 x 768 then cost
-# 41-62 us more host time per forward + backward than nn.LayerNorm instead of 85-127, and the same paired steps with
-# ours at every size (PIPEGOOSE_SMALL_NUMEL=0) ran x0.84-0.94 (GPT-2 with eager attention x1.12) instead of
-# x0.80-0.88: still slower, so the default stays.
+# 46.3 fused; GPU time 14.8 and 14.1). It moved the norms' autograd into C++: a LayerNorm of 4096-16384 x 768 then
+# cost 56-62 us more host time per forward + backward than nn.LayerNorm instead of 85-127, and the same paired steps
+# with ours at every size (PIPEGOOSE_SMALL_NUMEL=0) ran x0.84-0.94 (GPT-2 with eager attention x1.12) instead of
+# x0.80-0.87 (x0.875): still slower, so the default stays.
 SMALL_NUMEL_DEFAULT = 1 << 24
 
 

@@ -361,10 +361,16 @@ class FusedRMSNorm(nn.Module):
 
         Raises:
             TypeError: ``module`` is not ``torch.nn.RMSNorm`` and does not have exactly one parameter of its own, a
-                ``weight`` of one or more dims (an ``nn.Linear``, with its bias, is refused).
+                ``weight`` of one or more dims (an ``nn.Linear``, with its bias, is refused), or it is a
+                ``torch.nn.LayerNorm`` (even without bias), ``GroupNorm`` or batch/instance norm.
             ValueError: the module's epsilon is unknown (no ``variance_epsilon``/``eps``) and ``eps`` is not given.
         """
         w = getattr(module, "weight", None)
+        if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)):
+            # their statistics subtract the mean: a bias-free one has RMSNorm's parameters, not its output
+            raise TypeError(f"module: expected torch.nn.RMSNorm or an RMSNorm-style module, got "
+                            f"{type(module).__name__}, which subtracts the mean (a LayerNorm: "
+                            f"FusedLayerNorm.from_layer_norm)")
         if isinstance(module, nn.RMSNorm):
             shape, cast, mod_eps = tuple(module.normalized_shape), False, module.eps
         else:

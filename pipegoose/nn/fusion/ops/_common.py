@@ -175,7 +175,13 @@ def eps_value(eps: Any, allow_none: bool = False) -> float | None:
     if not ok:
         raise TypeError(f"eps: expected a number{' or None' if allow_none else ''}, got {eps!r} "
                         f"({type(eps).__name__})")
-    value = float(eps)
+    if isinstance(eps, torch.Tensor):  # detached: no "converting a tensor that requires grad" warning
+        try:
+            value = float(eps.detach().item())
+        except RuntimeError:  # a meta or fake tensor holds no value
+            raise TypeError(f"eps: expected a number, got a 0-d tensor without a value (device {eps.device})") from None
+    else:
+        value = float(eps)
     if not value >= 0 or not math.isfinite(value):
         raise ValueError(f"eps: expected a finite number >= 0{' or None' if allow_none else ''}, got {eps!r}")
     return value

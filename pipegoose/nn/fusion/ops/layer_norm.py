@@ -1,4 +1,5 @@
-"""LayerNorm over the trailing ``normalized_shape``: autograd Functions, the PyTorch reference, dispatch.
+"""LayerNorm over the trailing ``normalized_shape``: the fused paths (our op with its C++ autograd, the Apex copy's
+autograd Function), the PyTorch reference, dispatch.
 
 Semantics (every implementation): statistics (mean, 1/std) in fp32, biased variance, ``y = (x - mean) * rstd *
 weight + bias``; input and parameter dtypes are independent; the output dtype is what ``torch.nn.LayerNorm``
@@ -218,7 +219,7 @@ def _run_pipegoose(x, weight, bias, shape, eps, out):
     """pipegoose/layer_norm through ``torch.ops.pipegoose.layer_norm(input [..., H], weight [H]?, bias [H]?, eps,
     out_dtype)``: the forward kernel with its autograd formula in C++ (pipegoose/kernels/bindings/layer_norm.cpp): no
     Python runs in the backward, and a call costs the host less than through a Python autograd.Function (H200: a
-    forward + backward 41-62 us more than ``nn.LayerNorm`` instead of 85-127; session21.log).
+    forward + backward 56-62 us more than ``nn.LayerNorm`` instead of 85-127 at 4096-16384 x 768; session21.log).
 
     Double backward: a backward run with grad mode on (``create_graph=True``) computes the gradients through the
     PyTorch formula (:func:`layer_norm_reference`'s) on the saved inputs instead of the backward kernel, which is not
@@ -290,12 +291,14 @@ def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, bia
         check_args(x, shape, weight, bias, eps)
         out = out_dtype(x, weight, bias)
         xin = x if out == x.dtype else x.to(out)  # what autocast does (fp32 policy); the kernels then see out == in
-        hit = (dispatch.choose(OP, layer_norm_problem(xin, shape, weight, bias, out), impl), shape, out)
+        # eps as a float: every implementation takes that (F.layer_norm refuses a 0-d tensor eps)
+        hit = (dispatch.choose(OP, layer_norm_problem(xin, shape, weight, bias, out), impl), shape, out,
+               eps_value(eps))
         if key is not None:
             dispatch.remember_choice(key, hit)
     else:
         xin = x if hit[2] == x.dtype else x.to(hit[2])
-    choice, shape, out = hit
+    choice, shape, out, eps = hit
     dispatch.record(choice)
     return call_without_autocast(x.device, _RUNNERS[choice.impl], xin, weight, bias, shape, eps, out)
 

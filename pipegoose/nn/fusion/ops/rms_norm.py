@@ -1,4 +1,5 @@
-"""RMSNorm over the trailing ``normalized_shape``: autograd Function, the PyTorch references, dispatch.
+"""RMSNorm over the trailing ``normalized_shape``: the fused path (our op with its C++ autograd), the PyTorch
+references, dispatch.
 
 Two conventions, both with ``rstd = rsqrt(mean(x^2) + eps)`` computed in fp32 (fp64 for fp64 input):
 
