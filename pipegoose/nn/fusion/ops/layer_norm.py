@@ -59,7 +59,8 @@ def normalize_shape(normalized_shape: Any) -> tuple[int, ...]:
     return shape
 
 
-def check_args(x: Any, shape: tuple[int, ...], weight: Any, bias: Any, eps: Any) -> None:
+def check_args(x: Any, shape: tuple[int, ...], weight: Any, bias: Any, eps: Any) -> float:
+    """Check the arguments (errors name the argument); returns ``eps`` as a float."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x: expected a floating point torch.Tensor, got "
                         f"{dtype_name(x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__}")
@@ -78,7 +79,7 @@ def check_args(x: Any, shape: tuple[int, ...], weight: Any, bias: Any, eps: Any)
             raise ValueError(f"{name}: expected shape {list(shape)} (normalized_shape), got {list(p.shape)}")
         if p.device != x.device:
             raise ValueError(f"{name}: on {p.device}, expected the input's device {x.device}")
-    eps_value(eps)
+    return eps_value(eps)
 
 
 def out_dtype(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.dtype:
@@ -288,12 +289,11 @@ def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, bia
     hit = None if key is None else dispatch.cached_choice(key)
     if hit is None:
         shape = normalize_shape(normalized_shape)
-        check_args(x, shape, weight, bias, eps)
+        eps_f = check_args(x, shape, weight, bias, eps)
         out = out_dtype(x, weight, bias)
         xin = x if out == x.dtype else x.to(out)  # what autocast does (fp32 policy); the kernels then see out == in
         # eps as a float: every implementation takes that (F.layer_norm refuses a 0-d tensor eps)
-        hit = (dispatch.choose(OP, layer_norm_problem(xin, shape, weight, bias, out), impl), shape, out,
-               eps_value(eps))
+        hit = (dispatch.choose(OP, layer_norm_problem(xin, shape, weight, bias, out), impl), shape, out, eps_f)
         if key is not None:
             dispatch.remember_choice(key, hit)
     else:
