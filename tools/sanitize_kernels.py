@@ -6,7 +6,8 @@
 Calls the forward and backward of ``pipegoose/layer_norm`` and ``pipegoose/rms_norm`` (the launch plans of
 ``norm_kernels.cuh``: scalar rows, register and shared-memory accumulator plans, the asynchronous-copy backward over
 many rows, the prefetching and full-grid forward plans, the rows of one block per SM (parameters staged through shared
-memory; 32000 and 64000 columns leave their last stride partial), the wide-row forward, the specialised backward
+memory; 32000 and 64000 columns leave their last stride partial), the wide rows' forward (fp32 64000 and 65536
+columns: half the row in registers, half in shared memory; 65544: the two-read kernel), the specialised backward
 sizes, the wide rows' backward (a thread block cluster per row on sm_90 and newer, the two-kernel path with fp32
 grad_output of a 16-bit input and before sm_90), with and without parameters and with a bias alone, fp32 parameters
 and fp32 grad_output with a 16-bit input) and of ``pipegoose/softmax`` (plain, padding-masked, causal; 1 to 40000

@@ -377,10 +377,13 @@ def test_rows_of_one_block_per_sm(ln, rms, dtype, h):
 
 @pytest.mark.parametrize("h", [40000, 65536, 65544])
 def test_wide_rows_forward(ln, rms, h):
-    """Vector rows wider than the forward's register plans (fp32 from 32772 columns, 16-bit from 65544): the two-pass
-    kernel with one-pass LayerNorm statistics merged across threads (norm_fwd_wide_kernel). 300 rows: more than its
-    grid at 65536 fp32 columns (one block per SM), so blocks walk several rows; every dtype pairing it is instantiated
-    for, without parameters, and rows whose mean is far from their spread (where merging moments could cancel)."""
+    """Vector rows wider than the forward's register plans (fp32 from 32772 columns, 16-bit from 65544). fp32 rows of
+    40000 and 65536 columns: half of each row in registers, half in shared memory (norm_fwd_split_kernel; at 40000
+    the shared-memory half is partial). 65544 columns: the two-pass kernel with one-pass statistics
+    (norm_fwd_wide_kernel), whose grid (one block per SM) is smaller than 300 rows, so blocks walk several rows; it
+    also takes the fp32 rows on a GPU with less shared memory (test_backward_plans_of_smaller_shared_memory). Every
+    dtype pairing the kernels are instantiated for, without parameters, and rows whose mean is far from their spread
+    (where merging moments could cancel)."""
     cases = [(torch.float32, torch.float32, None), (torch.bfloat16, torch.float32, torch.float32)]
     if h % 8 == 0 and h > 65536:
         cases += [(torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float16, None)]
@@ -451,14 +454,18 @@ def test_layer_norm_statistics_far_from_zero(ln, dtype, h):
     check_layer_norm(ln, x, w, b, dy)
 
 
-def _run_with_smem_limit(limit: str, body: str) -> subprocess.CompletedProcess:
-    """Runs ``body`` (with ``ln``, ``rms``, ``torch`` and this module as ``T`` in scope) in a fresh process with
-    PIPEGOOSE_NORM_SMEM_LIMIT=limit: the kernels read it once per process."""
+def _run_with_env(name: str, value: str, body: str) -> subprocess.CompletedProcess:
+    """Runs ``body`` (with ``ln``, ``rms``, ``torch`` and this module as ``T`` in scope) in a fresh process with the
+    environment variable ``name`` set to ``value``: the kernels read their variables once per process."""
     code = "import sys\nsys.path[:0] = ['tests', 'tests/kernels']\nimport torch\nimport test_norms_cuda as T\n" \
            "from pipegoose.kernels import load\nln, rms = load('pipegoose/layer_norm'), load('pipegoose/rms_norm')\n" \
            + textwrap.dedent(body)
-    env = dict(os.environ, PIPEGOOSE_NORM_SMEM_LIMIT=limit)
+    env = dict(os.environ, **{name: value})
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _run_with_smem_limit(limit: str, body: str) -> subprocess.CompletedProcess:
+    return _run_with_env("PIPEGOOSE_NORM_SMEM_LIMIT", limit, body)
 
 
 @pytest.mark.parametrize("limit", [100352, 0])
@@ -469,7 +476,9 @@ def test_backward_plans_of_smaller_shared_memory(limit):
     SM, ONE_BLOCK_ROWS, still stage their parameters in 96 KB there, while the backward's wide rows, whose cluster
     stages take 192 KB, run the plans they had before clusters); 0 leaves every plan that needs dynamic shared
     memory to the generic kernel, the wide rows' backward to the two-kernel path, and those forward rows to the
-    kernel without staged parameters. Both stay at the float64 reference's tolerances."""
+    kernel without staged parameters. At both, the forward of fp32 rows past the register plans (40000 and 65536
+    columns) takes the two-read kernel instead of the split one (128 KB of shared memory). All stay at the float64
+    reference's tolerances."""
     r = _run_with_smem_limit(str(limit), """
         cases = ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
                  (torch.float32, torch.float32, None))
@@ -477,9 +486,39 @@ def test_backward_plans_of_smaller_shared_memory(limit):
             T.check_dtype_cases(ln, rms, rows, h, cases, seed=h)
         for dtype, h in T.ONE_BLOCK_ROWS:  # the forward without staged parameters
             T.check_dtype_cases(ln, rms, 5, h, ((dtype, dtype, None), (dtype, torch.float32, None)), seed=h)
+        for h in (40000, 65536):  # fp32 rows past the register plans: the two-read kernel instead of the split one
+            T.check_dtype_cases(ln, rms, 7, h, ((torch.float32, torch.float32, None),), seed=h)
         print("SMEM-OK")
     """)
     assert r.returncode == 0 and "SMEM-OK" in r.stdout, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
+
+
+def test_plans_without_clusters():
+    """PIPEGOOSE_NORM_CLUSTERS=0 gives the backward plans of a GPU without thread block clusters (before sm_90) on one
+    that has them: the wide rows take the register and shared-memory plans up to 16384 columns, past them the
+    row-statistics and column-slab kernels, instead of norm_bwd_cluster_kernel, and the column reduction is an
+    ordinary launch instead of a programmatic dependent one. Rows of test_wide_rows_backward's widths (x and dy of one
+    element size: the rows the cluster kernel takes on sm_90), 37 and 1029 of them."""
+    r = _run_with_env("PIPEGOOSE_NORM_CLUSTERS", "0", """
+        for rows, h in ((37, 12288), (37, 13000), (1029, 20008), (37, 32768), (37, 65536)):
+            T.check_dtype_cases(ln, rms, rows, h, ((torch.bfloat16, torch.bfloat16, None),
+                                                   (torch.float32, torch.float32, None)), seed=h)
+        print("NO-CLUSTER-OK")
+    """)
+    assert r.returncode == 0 and "NO-CLUSTER-OK" in r.stdout, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
+
+
+def test_clusters_variable_must_be_0_or_1():
+    r = _run_with_env("PIPEGOOSE_NORM_CLUSTERS", "off", """
+        x = torch.randn(4, 65536, device="cuda")
+        _, rstd = rms.rms_norm_forward(x, None, 1e-5, None)
+        try:
+            rms.rms_norm_backward(torch.randn_like(x), x, None, rstd)
+        except RuntimeError as e:
+            print("ERROR:", e)
+    """)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "PIPEGOOSE_NORM_CLUSTERS: expected 0 or 1, got 'off'" in r.stdout, r.stdout
 
 
 def test_smem_limit_variable_must_be_a_number_of_bytes():

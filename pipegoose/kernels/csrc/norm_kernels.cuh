@@ -19,12 +19,14 @@
 // register plan of vector rows (up to 512 threads per row) runs norm_bwd_async_kernel, which streams x and dy through
 // a ring of shared-memory stages with cp.async instead of prefetching into registers (see there); norm_bwd_kernel runs
 // the other plans.
-// Rows wider than the register capacity: the forward takes norm_fwd_wide_kernel on the vector path (block per row, two
-// reads of the row, the second from L2), norm_fwd_generic_kernel on the scalar path (three scalar reads); the backward
-// of vector rows a thread block cluster per row on sm_90 and newer (norm_bwd_cluster_kernel, one read of x and dy;
-// also for the rows of 12288-16384 columns, fp32 RMSNorm 16384 only) where x and dy have one element size, else the
-// two-kernel path (norm_bwd_rowstats_kernel + norm_bwd_cols_kernel, two reads; fp32 LayerNorm at 16384 columns: the
-// shared-memory accumulator plan), of scalar rows norm_bwd_generic_kernel.
+// Rows wider than the register capacity: the forward takes norm_fwd_split_kernel for fp32 vector rows up to 65536
+// columns (block per row, half the row in registers, half in shared memory), norm_fwd_wide_kernel on the other vector
+// rows (block per row, two reads of the row, the second from L2), norm_fwd_generic_kernel on the scalar path (three
+// scalar reads); the backward of vector rows a thread block cluster per row on sm_90 and newer
+// (norm_bwd_cluster_kernel, one read of x and dy; also for the rows of 12288-16384 columns, fp32 RMSNorm 16384 only)
+// where x and dy have one element size, else the two-kernel path (norm_bwd_rowstats_kernel + norm_bwd_cols_kernel,
+// two reads; fp32 LayerNorm at 16384 columns: the shared-memory accumulator plan), of scalar rows
+// norm_bwd_generic_kernel.
 // Launch plans per hidden size: fwd_plan / bwd_plan below. A build with -DPIPEGOOSE_NORM_HIDDEN=H0 (a benchmark
 // experiment, off in the shipped build; see the host side) adds instantiations specialised to H == H0.
 #pragma once
@@ -1711,6 +1713,118 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
   }
 }
 
+// fp32 rows of 32772-65536 columns (8193-16384 chunks of four), wider than a block's registers hold: one block of
+// kSplitThreads per row (a full grid, as the register plans of the widest rows), thread t owning chunks t + n * 1024
+// for n < 16, the first eight in registers (loaded with ld.global.nc.L1::no_allocate), the other eight in shared
+// memory (128 KB per block, copied with cp.async into the thread's own slots, so that no barrier guards them). One read
+// of x and one write of y, where norm_fwd_wide_kernel reads the row twice. LayerNorm statistics in one block-wide step
+// (merge_chunk per chunk, block_moments), as the register plans of 1024-thread rows. The parameters are read per chunk
+// in the output loop (L2 hits). Needs split_smem(NR) bytes of dynamic shared memory (the host checks smem_fits).
+// Session 22 (H200, benchmarks.norm_raw, forward, % of copy, 16384 rows; wide kernel -> this one): RMSNorm 36864 /
+// 40000 / 65536 columns 83.9 / 82.1 / 69.9 -> 95.8 / 95.7 / 96.4, LayerNorm 80.1 / 68.8 / 65.5 -> 85.3 / 86.3 / 71.9.
+// Also measured there and dropped: a thread block cluster of eight 512-thread blocks per row (each block's slab
+// streamed through a ring of shared-memory stages, its statistics pushed into every block, the previous row's output
+// written while the cluster barrier completes, as norm_bwd_cluster_kernel does): RMSNorm 62.6 / 63.1 / 80.6,
+// LayerNorm 43.4 / 44.7 / 62.8; and the slab held in registers by clusters of 2-8 blocks of 512 or 1024 threads: 70-79
+// (LayerNorm) and 81-87 (RMSNorm) at 65536 columns.
+// NR: chunks per thread in registers (the launches: kSplitReg; 4, a benchmark experiment), the other
+// kSplitChunks - NR in shared memory (split_smem(NR) bytes).
+constexpr int kSplitThreads = 1024;
+constexpr int kSplitChunks = 16;  // chunks per thread: a row of up to 16 * 1024 * 4 = 65536 fp32 values
+constexpr int kSplitReg = 8;
+constexpr size_t split_smem(int nr) { return static_cast<size_t>(kSplitChunks - nr) * kSplitThreads * 16; }
+
+template <typename Tout, typename Tp, bool RMS, int NR>
+__global__ void __launch_bounds__(kSplitThreads, 1)
+norm_fwd_split_kernel(const float* __restrict__ x, const Tp* __restrict__ w, const Tp* __restrict__ b, int wm, int bm,
+                      Tout* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows,
+                      int H, float eps) {
+  constexpr int VEC = 4;
+  constexpr int NS = kSplitChunks - NR, TPB = kSplitThreads;
+  constexpr bool ZS = fwd_zero_stride<float, Tp, RMS>();
+  constexpr int PG = 16 / static_cast<int>(sizeof(Tp)) < VEC ? 16 / static_cast<int>(sizeof(Tp)) : VEC;
+  extern __shared__ __align__(16) uint4 fwd_split_smem[];
+  float* xs = reinterpret_cast<float*>(fwd_split_smem);  // chunk NR * TPB + c' of the row at xs + c' * VEC
+  __shared__ __align__(16) float red[2][RMS ? 32 : 96];
+  const int t = threadIdx.x;
+  const int nchunks = H / VEC;
+  const int nsm = nchunks - NR * TPB;  // chunks of the row in shared memory (may be <= 0 for a short row)
+  const float inv_h = 1.f / static_cast<float>(H);
+  int parity = 0;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float* xr = x + row * H;
+    async_row<float, VEC, NS, false>(xs, xr + static_cast<int64_t>(NR) * TPB * VEC, x, true, t, TPB, nsm);
+    cp_async_commit();
+    Raw<float, VEC> cur[NR];
+    load_row<float, VEC, NR, false, Ld::kNoL1>(xr, true, t, TPB, nchunks, cur);
+    float n = 0.f, m = 0.f, q = 0.f;
+    if constexpr (RMS) {
+      float s[1] = {0.f};
+#pragma unroll
+      for (int k = 0; k < NR; ++k)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) s[0] += raw_get(cur[k], i) * raw_get(cur[k], i);  // zeros outside the row
+      cp_async_wait<0>();
+#pragma unroll
+      for (int k = 0; k < NS; ++k) {
+        Raw<float, VEC> c;
+        raw_lds(xs + (t + k * TPB) * VEC, c);  // zero-filled outside the row
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) s[0] += raw_get(c, i) * raw_get(c, i);
+      }
+      row_sum<1>(s, TPB, red[parity], 0, 0);
+      q = s[0];
+    } else {
+#pragma unroll
+      for (int k = 0; k < NR; ++k)
+        if (t + k * TPB < nchunks) merge_chunk(n, m, q, cur[k]);
+      cp_async_wait<0>();
+#pragma unroll
+      for (int k = 0; k < NS; ++k) {
+        if (t + k * TPB < nsm) {
+          Raw<float, VEC> c;
+          raw_lds(xs + (t + k * TPB) * VEC, c);
+          merge_chunk(n, m, q, c);
+        }
+      }
+      block_moments(n, m, q, red[parity]);
+    }
+    parity ^= 1;
+    const float mean = m;  // 0 for RMSNorm
+    const float rstd = rsqrtf(q * inv_h + eps);
+    if (t == 0) {
+      if constexpr (!RMS) mean_out[row] = mean;
+      rstd_out[row] = rstd;
+    }
+    Tout* yr = y + row * H;
+    auto out = [&](const Raw<float, VEC>& xc, int c) {
+      float o[VEC];
+#pragma unroll
+      for (int g0 = 0; g0 < VEC; g0 += PG) {
+        Raw<Tp, PG> cw, cb;
+        load_params_m<ZS, Tp, PG, RMS>(w, b, wm, bm, c * VEC + g0, cw, cb);
+#pragma unroll
+        for (int i = 0; i < PG; ++i) {
+          const float v = raw_get(xc, g0 + i);
+          o[g0 + i] = RMS ? v * rstd * raw_get(cw, i) : fmaf((v - mean) * rstd, raw_get(cw, i), raw_get(cb, i));
+        }
+      }
+      store_f<VEC>(yr + static_cast<int64_t>(c) * VEC, o);
+    };
+#pragma unroll
+    for (int k = 0; k < NR; ++k)
+      if (t + k * TPB < nchunks) out(cur[k], t + k * TPB);
+#pragma unroll
+    for (int k = 0; k < NS; ++k) {
+      if (t + k * TPB < nsm) {
+        Raw<float, VEC> c;
+        raw_lds(xs + (t + k * TPB) * VEC, c);
+        out(c, NR * TPB + t + k * TPB);
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Backward of wide rows on sm_90: one row shared by a thread block cluster
 // ---------------------------------------------------------------------------------------------------------
@@ -2318,8 +2432,8 @@ struct Cfg {
 //   columns (session 8: within 0.8 points of the best plan of the grid at every width) until its four-chunk plan
 //   kept its row in fp32 (HOLDF, session 12: 1.0-2.0 points ahead at 512-2048 columns, 0.3 at 4096); with fp32
 //   parameters (P32) it still takes eight: bf16 16384x4096 83.9 against 82.9 with four, session 12 call 3);
-// - then (nv 0) norm_fwd_wide_kernel, or norm_fwd_generic_kernel for scalar rows. Scalar rows (VEC = 1): four values
-//   per thread with prefetch, up to 1024 threads per row.
+// - then (nv 0) norm_fwd_split_kernel (fp32 up to 65536 columns) or norm_fwd_wide_kernel, or norm_fwd_generic_kernel
+//   for scalar rows. Scalar rows (VEC = 1): four values per thread with prefetch, up to 1024 threads per row.
 template <int V, bool RMS, bool P32 = false>
 constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
   if (!vec) {
@@ -2569,6 +2683,11 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
   constexpr bool P32 = sizeof(Tin) == 2 && sizeof(Tp) == 4;  // fp32 parameters of a 16-bit input
   Cfg cfg = fwd_plan<V, RMS, P32>(vec ? H / V : H, vec);
   bool full_grid = !cfg.pf;
+  // The row and split kernels' parameters: never null (load_params_m).
+  constexpr bool ZS = fwd_zero_stride<Tin, Tp, RMS>();
+  const Tp* wk = ZS && w == nullptr ? fwd_stand_in<Tp>(true) : w;
+  const Tp* bk = ZS && b == nullptr ? fwd_stand_in<Tp>(false) : b;
+  const int wm = w != nullptr ? 1 : 0, bm = b != nullptr ? 1 : 0;
 #if defined(PIPEGOOSE_NORM_FWD_EXPERIMENT)
   const FwdExp ex = fwd_exp();
   bool exp_on = ex.on && vec && cfg.nv != 0 && std::is_same<Tin, Tout>::value && !std::is_same<Tin, __half>::value &&
@@ -2583,6 +2702,38 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
 #endif
   const int sms = sm_count();
   if (cfg.nv == 0 && vec) {
+    // fp32 rows of up to 65536 columns: half the row in registers, half in shared memory (norm_fwd_split_kernel), one
+    // read; wider rows (fp32 or 16-bit), or a device with less than its 128 KB of shared memory per block:
+    // norm_fwd_wide_kernel (two reads).
+    if constexpr (sizeof(Tin) == 4) {
+      auto split = [&](auto nr_c) {
+        constexpr int NR = decltype(nr_c)::value;
+        if (H / V > kSplitThreads * kSplitChunks || !smem_fits(split_smem(NR))) return false;
+        auto kernel = &norm_fwd_split_kernel<Tout, Tp, RMS, NR>;
+        allow_smem(reinterpret_cast<const void*>(kernel), split_smem(NR));
+        const int64_t grid = std::min<int64_t>(rows, (1LL << 31) - 1);
+        kernel<<<static_cast<unsigned>(grid), kSplitThreads, split_smem(NR), stream>>>(x, wk, bk, wm, bm, y, mean,
+                                                                                      rstd, rows, H, eps);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        return true;
+      };
+#if defined(PIPEGOOSE_NORM_FWD_EXPERIMENT)
+      // PIPEGOOSE_NORM_FWD_WIDE (benchmark experiment, off in the shipped build): split4 (four chunks per thread in
+      // registers, twelve in shared memory), split8 (the shipped plan) or wide (norm_fwd_wide_kernel).
+      if (const char* v = std::getenv("PIPEGOOSE_NORM_FWD_WIDE")) {
+        const std::string e(v);
+        if (e == "split4" && split(IC<4>{})) return;
+        if (e == "split8" && split(IC<8>{})) return;
+        if (e != "split4" && e != "split8" && e != "wide") {
+          PG_CHECK(false, "PIPEGOOSE_NORM_FWD_WIDE: expected split4, split8 or wide, got '", e, "'");
+        }
+      } else if (split(IC<kSplitReg>{})) {
+        return;
+      }
+#else
+      if (split(IC<kSplitReg>{})) return;
+#endif
+    }
     auto kernel = &norm_fwd_wide_kernel<Tin, Tout, Tp, V, RMS>;
     const int occ = occupancy(reinterpret_cast<const void*>(kernel), kWideThreads, 0);
     const int64_t grid = wide_grid(rows, static_cast<int64_t>(H) * sizeof(Tin), sms, occ);
@@ -2600,11 +2751,6 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
   }
   const int rpb = rows_per_block(cfg.tpr);
   const int threads = rpb * cfg.tpr;
-  // The row kernel's parameters: never null (load_params_m).
-  constexpr bool ZS = fwd_zero_stride<Tin, Tp, RMS>();
-  const Tp* wk = ZS && w == nullptr ? fwd_stand_in<Tp>(true) : w;
-  const Tp* bk = ZS && b == nullptr ? fwd_stand_in<Tp>(false) : b;
-  const int wm = w != nullptr ? 1 : 0, bm = b != nullptr ? 1 : 0;
   auto go = [&](auto nv_c, auto vec_c, auto pf_c, auto preg_c, auto h_c, auto mb_c) {
     constexpr int MB = decltype(mb_c)::value;
     constexpr int NV = decltype(nv_c)::value;
@@ -2696,8 +2842,21 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
 
 // Backward (dx, plus the workspace partial rows when want_ws). Returns the workspace [NACC, P, H] (undefined when
 // want_ws is false). The caller reduces it with launch_col_reduce.
-// Whether the current device runs thread block clusters (sm_90 and newer).
-inline bool has_clusters() { return at::cuda::getCurrentDeviceProperties()->major >= 9; }
+// Whether the norm kernels use thread block clusters on the current device: sm_90 and newer, unless the environment
+// variable PIPEGOOSE_NORM_CLUSTERS is 0 (read once per process; 1 or unset: on), so that the plans of a GPU without
+// clusters (the backward's wide rows on their other plans, the column reduction launched without programmatic
+// serialisation, also an sm_90 feature) can be tested on one that has them.
+inline bool has_clusters() {
+  static const int kSetting = [] {
+    const char* v = std::getenv("PIPEGOOSE_NORM_CLUSTERS");
+    if (v == nullptr || *v == '\0') return 1;
+    const std::string s(v);
+    return s == "0" ? 0 : s == "1" ? 1 : -1;
+  }();
+  PG_CHECK(kSetting >= 0, "PIPEGOOSE_NORM_CLUSTERS: expected 0 or 1, got '", std::getenv("PIPEGOOSE_NORM_CLUSTERS"),
+           "'");
+  return kSetting == 1 && at::cuda::getCurrentDeviceProperties()->major >= 9;
+}
 
 // The cluster size of norm_bwd_cluster_kernel for rows of `chunks` chunks of vec elements: the smallest of 2, 4 and 8
 // whose blocks hold their slab of the row (kClThreads * kClValues / vec chunks), or 0 when none does.
