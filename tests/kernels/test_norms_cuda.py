@@ -508,9 +508,16 @@ def test_plans_without_clusters():
     assert r.returncode == 0 and "NO-CLUSTER-OK" in r.stdout, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
 
 
-def test_clusters_variable_must_be_0_or_1():
-    r = _run_with_env("PIPEGOOSE_NORM_CLUSTERS", "off", """
-        x = torch.randn(4, 65536, device="cuda")
+@pytest.mark.parametrize("name,value,h,expect", [
+    ("PIPEGOOSE_NORM_CLUSTERS", "off", 65536, "PIPEGOOSE_NORM_CLUSTERS: expected 0 or 1, got 'off'"),
+    ("PIPEGOOSE_NORM_SMEM_LIMIT", "99KB", 1024,
+     "PIPEGOOSE_NORM_SMEM_LIMIT: expected a number of bytes >= 0, got '99KB'"),
+])
+def test_bad_kernel_variable_is_an_error_naming_it(name, value, h, expect):
+    """A malformed PIPEGOOSE_NORM_* variable is a RuntimeError naming it, raised by the first call that reads it (the
+    backward of a row the cluster kernel would take reads PIPEGOOSE_NORM_CLUSTERS)."""
+    r = _run_with_env(name, value, f"""
+        x = torch.randn(4, {h}, device="cuda")
         _, rstd = rms.rms_norm_forward(x, None, 1e-5, None)
         try:
             rms.rms_norm_backward(torch.randn_like(x), x, None, rstd)
@@ -518,20 +525,7 @@ def test_clusters_variable_must_be_0_or_1():
             print("ERROR:", e)
     """)
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "PIPEGOOSE_NORM_CLUSTERS: expected 0 or 1, got 'off'" in r.stdout, r.stdout
-
-
-def test_smem_limit_variable_must_be_a_number_of_bytes():
-    r = _run_with_smem_limit("99KB", """
-        x = torch.randn(4, 1024, device="cuda")
-        _, rstd = rms.rms_norm_forward(x, None, 1e-5, None)
-        try:
-            rms.rms_norm_backward(torch.randn_like(x), x, None, rstd)
-        except RuntimeError as e:
-            print("ERROR:", e)
-    """)
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert "PIPEGOOSE_NORM_SMEM_LIMIT: expected a number of bytes >= 0, got '99KB'" in r.stdout, r.stdout
+    assert expect in r.stdout, r.stdout
 
 
 def test_non_contiguous_input(ln, rms):
