@@ -32,6 +32,13 @@ keeps the shapes up to H columns.
 largest magnitude) on the two-kernel path of the widest rows. ``--bwd-cluster`` does the same with the cluster kernel
 (``"plan": "cluster"``) wherever a cluster of at most eight blocks holds the row, on sm_90 and newer (other rows and
 GPUs run the shipped plan under that label).
+
+The forward of fp32 rows of 32772-65536 columns, three ways: a build with ``--defines=-DPIPEGOOSE_NORM_FWD_EXPERIMENT``
+reads ``PIPEGOOSE_NORM_FWD_WIDE`` = ``split8`` (the shipped plan: eight chunks per thread in registers, eight in
+shared memory), ``split4`` (four and twelve) or ``wide`` (the two-read kernel); one process per value, e.g.
+``PIPEGOOSE_NORM_FWD_WIDE=wide python -m benchmarks.norm_raw --label wide
+--defines=-DPIPEGOOSE_NORM_FWD_EXPERIMENT --fwd-only --dtypes fp32 --shapes 16384x65536`` (session 22's
+``session22.log`` was made that way).
 """
 
 from __future__ import annotations

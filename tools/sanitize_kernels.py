@@ -2,12 +2,15 @@
 
     compute-sanitizer --tool memcheck  --error-exitcode 99 python tools/sanitize_kernels.py
     compute-sanitizer --tool racecheck --error-exitcode 99 python tools/sanitize_kernels.py norms
+    PIPEGOOSE_NORM_CLUSTERS=0 compute-sanitizer --tool memcheck --error-exitcode 99 python tools/sanitize_kernels.py norms
+
+(the last: the backward plans of a GPU before sm_90, on one that has clusters)
 
 Calls the forward and backward of ``pipegoose/layer_norm`` and ``pipegoose/rms_norm`` (the launch plans of
 ``norm_kernels.cuh``: scalar rows, register and shared-memory accumulator plans, the asynchronous-copy backward over
 many rows, the prefetching and full-grid forward plans, the rows of one block per SM (parameters staged through shared
 memory; 32000 and 64000 columns leave their last stride partial), the wide rows' forward (fp32 64000 and 65536
-columns: half the row in registers, half in shared memory; 65544: the two-read kernel), the specialised backward
+columns: the first 32768 values of a row in registers, the rest in shared memory; 65544: the two-read kernel), the specialised backward
 sizes, the wide rows' backward (a thread block cluster per row on sm_90 and newer, the two-kernel path with fp32
 grad_output of a 16-bit input and before sm_90), with and without parameters and with a bias alone, fp32 parameters
 and fp32 grad_output with a 16-bit input) and of ``pipegoose/softmax`` (plain, padding-masked, causal; 1 to 40000

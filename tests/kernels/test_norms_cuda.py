@@ -218,6 +218,22 @@ def check_dtype_cases(ln, rms, rows, h, cases, seed):
         check_rms_norm(rms, x, w, dy, out_dtype=out_dtype)
 
 
+def kernels_run(fn) -> str:
+    """The names of the CUDA kernels that ``fn()`` launches (torch.profiler), one per line: which launch plan ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return "\n".join(sorted({e.key for e in prof.key_averages()}))
+
+
+def split_forward_fits() -> bool:
+    """Whether a block may have the 128 KB of shared memory of norm_fwd_split_kernel on this GPU (the kernels keep
+    1 KB of the opt-in limit for static shared memory)."""
+    return torch.cuda.get_device_properties(DEV).shared_memory_per_block_optin - 1024 >= 128 * 1024
+
+
 # ----------------------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("pdtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -378,19 +394,27 @@ def test_rows_of_one_block_per_sm(ln, rms, dtype, h):
 @pytest.mark.parametrize("h", [40000, 65536, 65544])
 def test_wide_rows_forward(ln, rms, h):
     """Vector rows wider than the forward's register plans (fp32 from 32772 columns, 16-bit from 65544). fp32 rows of
-    40000 and 65536 columns: half of each row in registers, half in shared memory (norm_fwd_split_kernel; at 40000
-    the shared-memory half is partial). 65544 columns: the two-pass kernel with one-pass statistics
-    (norm_fwd_wide_kernel), whose grid (one block per SM) is smaller than 300 rows, so blocks walk several rows; it
-    also takes the fp32 rows on a GPU with less shared memory (test_backward_plans_of_smaller_shared_memory). Every
-    dtype pairing the kernels are instantiated for, without parameters, and rows whose mean is far from their spread
-    (where merging moments could cancel)."""
+    40000 and 65536 columns: the first 32768 values of each row in registers, the rest in shared memory
+    (norm_fwd_split_kernel; at 40000 the shared-memory part is partial), with and without each parameter. 65544
+    columns: the two-pass kernel with one-pass statistics (norm_fwd_wide_kernel), whose grid (one block per SM) is
+    smaller than 300 rows, so blocks walk several rows; it also takes the fp32 rows on a GPU with less shared memory
+    (test_plans_of_smaller_shared_memory). The dtype pairings of these widths (a 16-bit input below 65544 columns runs
+    a register plan), rows whose mean is far from their spread (where merging moments could cancel), and which kernel
+    ran."""
     cases = [(torch.float32, torch.float32, None), (torch.bfloat16, torch.float32, torch.float32)]
     if h % 8 == 0 and h > 65536:
         cases += [(torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float16, None)]
     check_dtype_cases(ln, rms, 300, h, cases, seed=h + 3)
-    x, _, _, dy = make(5, h, torch.float32, None, seed=h + 4)
+    x, w, b, dy = make(5, h, torch.float32, torch.float32, seed=h + 4)
     check_layer_norm(ln, x, None, None, dy)
+    check_layer_norm(ln, x, w, None, dy)
+    check_layer_norm(ln, x, None, b, dy)
     check_rms_norm(rms, x, None, dy)
+    # the plan that ran: the split kernel for fp32 rows up to 65536 columns (where a block may have its 128 KB of shared
+    # memory), the two-read kernel past them
+    names = kernels_run(lambda: (ln.layer_norm_forward(x, w, b, EPS, None), rms.rms_norm_forward(x, w, EPS, None)))
+    split = h <= 65536 and split_forward_fits()
+    assert ("norm_fwd_split_kernel" in names) == split and ("norm_fwd_wide_kernel" in names) != split, names
     g = torch.Generator(device=DEV).manual_seed(h)
     x = (1000.0 + torch.randn(8, h, generator=g, device=DEV)).float()
     x[4:, 0] = 5000.0
@@ -469,7 +493,7 @@ def _run_with_smem_limit(limit: str, body: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("limit", [100352, 0])
-def test_backward_plans_of_smaller_shared_memory(limit):
+def test_plans_of_smaller_shared_memory(limit):
     """PIPEGOOSE_NORM_SMEM_LIMIT emulates a GPU with less shared memory: 100352 bytes is sm_86/sm_89's 99 KB less the
     1 KB kept for static shared memory, where the four-chunk register plan (fp32 6000 and 8192 columns, 16-bit RMSNorm
     12000 and 16384) must take the shared-memory accumulator plan it replaced (the forward's rows of one block per
@@ -477,8 +501,8 @@ def test_backward_plans_of_smaller_shared_memory(limit):
     stages take 192 KB, run the plans they had before clusters); 0 leaves every plan that needs dynamic shared
     memory to the generic kernel, the wide rows' backward to the two-kernel path, and those forward rows to the
     kernel without staged parameters. At both, the forward of fp32 rows past the register plans (40000 and 65536
-    columns) takes the two-read kernel instead of the split one (128 KB of shared memory). All stay at the float64
-    reference's tolerances."""
+    columns) takes the two-read kernel instead of the split one (128 KB of shared memory; checked by the kernels that
+    ran). All stay at the float64 reference's tolerances."""
     r = _run_with_smem_limit(str(limit), """
         cases = ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
                  (torch.float32, torch.float32, None))
@@ -488,6 +512,9 @@ def test_backward_plans_of_smaller_shared_memory(limit):
             T.check_dtype_cases(ln, rms, 5, h, ((dtype, dtype, None), (dtype, torch.float32, None)), seed=h)
         for h in (40000, 65536):  # fp32 rows past the register plans: the two-read kernel instead of the split one
             T.check_dtype_cases(ln, rms, 7, h, ((torch.float32, torch.float32, None),), seed=h)
+        x = torch.randn(3, 40000, device="cuda")
+        names = T.kernels_run(lambda: ln.layer_norm_forward(x, None, None, 1e-5, None))
+        assert "norm_fwd_split_kernel" not in names and "norm_fwd_wide_kernel" in names, names
         print("SMEM-OK")
     """)
     assert r.returncode == 0 and "SMEM-OK" in r.stdout, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
@@ -498,14 +525,24 @@ def test_plans_without_clusters():
     that has them: the wide rows take the register and shared-memory plans up to 16384 columns, past them the
     row-statistics and column-slab kernels, instead of norm_bwd_cluster_kernel, and the column reduction is an
     ordinary launch instead of a programmatic dependent one. Rows of test_wide_rows_backward's widths (x and dy of one
-    element size: the rows the cluster kernel takes on sm_90), 37 and 1029 of them."""
-    r = _run_with_env("PIPEGOOSE_NORM_CLUSTERS", "0", """
-        for rows, h in ((37, 12288), (37, 13000), (1029, 20008), (37, 32768), (37, 65536)):
+    element size: the rows the cluster kernel takes on sm_90), 37 and 1029 of them; and which kernels ran, with the
+    variable and (on sm_90 and newer) without it."""
+    body = """
+        x = torch.randn(37, 20008, device="cuda", dtype=torch.bfloat16)
+        _, rstd = rms.rms_norm_forward(x, None, 1e-5, None)
+        print("KERNELS", T.kernels_run(lambda: rms.rms_norm_backward(torch.randn_like(x), x, None, rstd)))
+    """
+    r = _run_with_env("PIPEGOOSE_NORM_CLUSTERS", "0", body + """
+        for rows, h in ((37, 12288), (37, 13000), (37, 16384), (1029, 20008), (37, 32768), (37, 65536)):
             T.check_dtype_cases(ln, rms, rows, h, ((torch.bfloat16, torch.bfloat16, None),
                                                    (torch.float32, torch.float32, None)), seed=h)
         print("NO-CLUSTER-OK")
     """)
     assert r.returncode == 0 and "NO-CLUSTER-OK" in r.stdout, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
+    assert "norm_bwd_cluster_kernel" not in r.stdout and "norm_bwd_rowstats_kernel" in r.stdout, r.stdout
+    if torch.cuda.get_device_capability(DEV)[0] >= 9:  # the control: the same call with clusters
+        on = _run_with_env("PIPEGOOSE_NORM_CLUSTERS", "1", body)
+        assert on.returncode == 0 and "norm_bwd_cluster_kernel" in on.stdout, f"{on.stdout}\n{on.stderr[-4000:]}"
 
 
 @pytest.mark.parametrize("name,value,h,expect", [

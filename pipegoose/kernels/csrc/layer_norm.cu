@@ -7,7 +7,8 @@
 //     (read in the input's dtype or fp32; another dtype, or any 16-bit dtype when the output is fp32 for a 16-bit
 //     input, is converted to fp32 first); output in out_dtype or the input's dtype (an out_dtype that is neither
 //     the input's nor fp32 is rounded from an fp32 result); y = fma((x - mean) * rstd, weight, bias); mean and
-//     rstd = 1 / sqrt(var + eps) in fp32, statistics in fp32 (two passes over the row held in registers).
+//     rstd = 1 / sqrt(var + eps) in fp32, statistics in fp32 (two passes over the row held in registers, or per-chunk
+//     moments merged across the block for rows of one 1024-thread block and wider).
 // layer_norm_backward(grad_output [..., H], input, weight?, bias?, mean, rstd) -> (grad_input (input's dtype),
 //     grad_weight, grad_bias (the parameter's shape and dtype; empty [0] tensors when it is None)); grad_output
 //     in the input's dtype or fp32 (another dtype is converted to fp32). Parameter gradients are summed in fp32

@@ -12,7 +12,8 @@
 // at once); each row group walks over rows with a stride and, in the prefetching (PF) variants, loads the next row's
 // chunks before reducing the current one, so that 16-byte loads stay in flight through the reductions (Hopper needs
 // ~32-64 KB in flight per SM). The forward's other plans run a full grid (one block per row group and row).
-// Forward: one read of x, one write of y, two-pass mean/variance from registers.
+// Forward: one read of x, one write of y; LayerNorm statistics in two passes over the row held in registers, or, for
+// rows of 1024 threads and the widest rows, per-chunk moments merged across the block (merge_chunk, block_moments).
 // Backward: keeps per-column partial sums of dy * xhat (and dy) in fp32 (registers, or shared memory for wide
 // rows), writes one partial row per block (per cluster in the cluster kernel) into an fp32 workspace [nacc, blocks,
 // H], and norm_col_reduce_kernel sums the partial rows column-wise in a fixed order (deterministic, no atomics). The
@@ -20,8 +21,8 @@
 // a ring of shared-memory stages with cp.async instead of prefetching into registers (see there); norm_bwd_kernel runs
 // the other plans.
 // Rows wider than the register capacity: the forward takes norm_fwd_split_kernel for fp32 vector rows up to 65536
-// columns (block per row, half the row in registers, half in shared memory), norm_fwd_wide_kernel on the other vector
-// rows (block per row, two reads of the row, the second from L2), norm_fwd_generic_kernel on the scalar path (three
+// columns (block per row, the first 32768 values in registers, the rest in shared memory; where a block may have 128
+// KB of it), norm_fwd_wide_kernel on the other vector rows (block per row, two reads of the row, the second from L2), norm_fwd_generic_kernel on the scalar path (three
 // scalar reads); the backward of vector rows a thread block cluster per row on sm_90 and newer
 // (norm_bwd_cluster_kernel, one read of x and dy; also for the rows of 12288-16384 columns, fp32 RMSNorm 16384 only)
 // where x and dy have one element size, else the two-kernel path (norm_bwd_rowstats_kernel + norm_bwd_cols_kernel,
@@ -883,7 +884,8 @@ norm_fwd_generic_kernel(const Tin* __restrict__ x, const void* __restrict__ w, c
 }
 
 // Rows wider than the register plans on the vector path (fwd_plan gives nv 0: fp32 rows over 32768 columns, 16-bit
-// rows over 65536): norm_fwd_wide_kernel. One block of kWideThreads per row (grid-stride over rows), two reads of the
+// rows over 65536) that norm_fwd_split_kernel does not take (fp32 rows over 65536 columns, 16-bit rows, fp32 rows
+// where a block cannot have its 128 KB of shared memory): norm_fwd_wide_kernel. One block of kWideThreads per row (grid-stride over rows), two reads of the
 // row instead of the generic kernel's three (LayerNorm) scalar ones: the statistics pass loads x 16 bytes at a time
 // with an L2 evict-last policy; the output pass reads it again with evict-first, from L2, since the launch keeps the
 // rows in flight within half the L2 (wide_grid). LayerNorm statistics in one pass: each thread merges the mean and
@@ -1715,12 +1717,13 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
 
 // fp32 rows of 32772-65536 columns (8193-16384 chunks of four), wider than a block's registers hold: one block of
 // kSplitThreads per row (a full grid, as the register plans of the widest rows), thread t owning chunks t + n * 1024
-// for n < 16, the first eight in registers (loaded with ld.global.nc.L1::no_allocate), the other eight in shared
+// for n < 16 (so the row's first 32768 values lie in registers, the rest, up to as many, in shared memory), the first
+// eight in registers (loaded with ld.global.nc.L1::no_allocate), the other eight in shared
 // memory (128 KB per block, copied with cp.async into the thread's own slots, so that no barrier guards them). One read
 // of x and one write of y, where norm_fwd_wide_kernel reads the row twice. LayerNorm statistics in one block-wide step
 // (merge_chunk per chunk, block_moments), as the register plans of 1024-thread rows. The parameters are read per chunk
 // in the output loop (L2 hits). Needs split_smem(NR) bytes of dynamic shared memory (the host checks smem_fits).
-// Session 22 (H200, benchmarks.norm_raw, forward, % of copy, 16384 rows; wide kernel -> this one): RMSNorm 36864 /
+// Session 22 (H200, benchmarks.norm_raw, forward, % of copy, 16384 rows, call 4; wide kernel -> this one): RMSNorm 36864 /
 // 40000 / 65536 columns 83.9 / 82.1 / 69.9 -> 95.8 / 95.7 / 96.4, LayerNorm 80.1 / 68.8 / 65.5 -> 85.3 / 86.3 / 71.9.
 // Also measured there and dropped: a thread block cluster of eight 512-thread blocks per row (each block's slab
 // streamed through a ring of shared-memory stages, its statistics pushed into every block, the previous row's output
@@ -2702,9 +2705,9 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
 #endif
   const int sms = sm_count();
   if (cfg.nv == 0 && vec) {
-    // fp32 rows of up to 65536 columns: half the row in registers, half in shared memory (norm_fwd_split_kernel), one
-    // read; wider rows (fp32 or 16-bit), or a device with less than its 128 KB of shared memory per block:
-    // norm_fwd_wide_kernel (two reads).
+    // fp32 rows of up to 65536 columns: the first 32768 values in registers, the rest in shared memory
+    // (norm_fwd_split_kernel), one read; wider rows (fp32 or 16-bit), or a device with less than its 128 KB of shared
+    // memory per block: norm_fwd_wide_kernel (two reads).
     if constexpr (sizeof(Tin) == 4) {
       auto split = [&](auto nr_c) {
         constexpr int NR = decltype(nr_c)::value;
@@ -2719,7 +2722,8 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
       };
 #if defined(PIPEGOOSE_NORM_FWD_EXPERIMENT)
       // PIPEGOOSE_NORM_FWD_WIDE (benchmark experiment, off in the shipped build): split4 (four chunks per thread in
-      // registers, twelve in shared memory), split8 (the shipped plan) or wide (norm_fwd_wide_kernel).
+      // registers, twelve in shared memory), split8 (the shipped plan) or wide (norm_fwd_wide_kernel). A
+      // PIPEGOOSE_NORM_FWD_EXP plan (exp_on) keeps its meaning: nv 0 is norm_fwd_wide_kernel.
       if (const char* v = std::getenv("PIPEGOOSE_NORM_FWD_WIDE")) {
         const std::string e(v);
         if (e == "split4" && split(IC<4>{})) return;
@@ -2727,7 +2731,7 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
         if (e != "split4" && e != "split8" && e != "wide") {
           PG_CHECK(false, "PIPEGOOSE_NORM_FWD_WIDE: expected split4, split8 or wide, got '", e, "'");
         }
-      } else if (split(IC<kSplitReg>{})) {
+      } else if (!exp_on && split(IC<kSplitReg>{})) {
         return;
       }
 #else
@@ -2840,22 +2844,18 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
   }
 }
 
-// Backward (dx, plus the workspace partial rows when want_ws). Returns the workspace [NACC, P, H] (undefined when
-// want_ws is false). The caller reduces it with launch_col_reduce.
 // Whether the norm kernels use thread block clusters on the current device: sm_90 and newer, unless the environment
 // variable PIPEGOOSE_NORM_CLUSTERS is 0 (read once per process; 1 or unset: on), so that the plans of a GPU without
 // clusters (the backward's wide rows on their other plans, the column reduction launched without programmatic
 // serialisation, also an sm_90 feature) can be tested on one that has them.
 inline bool has_clusters() {
-  static const int kSetting = [] {
+  static const std::string kValue = [] {
     const char* v = std::getenv("PIPEGOOSE_NORM_CLUSTERS");
-    if (v == nullptr || *v == '\0') return 1;
-    const std::string s(v);
-    return s == "0" ? 0 : s == "1" ? 1 : -1;
+    return std::string(v == nullptr ? "" : v);
   }();
-  PG_CHECK(kSetting >= 0, "PIPEGOOSE_NORM_CLUSTERS: expected 0 or 1, got '", std::getenv("PIPEGOOSE_NORM_CLUSTERS"),
+  PG_CHECK(kValue.empty() || kValue == "0" || kValue == "1", "PIPEGOOSE_NORM_CLUSTERS: expected 0 or 1, got '", kValue,
            "'");
-  return kSetting == 1 && at::cuda::getCurrentDeviceProperties()->major >= 9;
+  return kValue != "0" && at::cuda::getCurrentDeviceProperties()->major >= 9;
 }
 
 // The cluster size of norm_bwd_cluster_kernel for rows of `chunks` chunks of vec elements: the smallest of 2, 4 and 8
@@ -2925,12 +2925,15 @@ bool launch_bwd_cluster(const Tdy* dy, const Tin* x, const void* w, bool p_f32, 
   return true;
 }
 
+// Backward (dx, plus the workspace partial rows when want_ws). Returns the workspace [NACC, P, H] (undefined when
+// want_ws is false). The caller reduces it with launch_col_reduce.
 template <typename Tin, typename Tdy, bool RMS>
 at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, const float* mean, const float* rstd,
                       Tin* dx, int64_t rows, int H, bool want_ws, const at::TensorOptions& fopts,
                       cudaStream_t stream) {
   constexpr int NACC = RMS ? 1 : 2;
   constexpr int V = 16 / sizeof(Tin);
+  (void)has_clusters();  // a malformed PIPEGOOSE_NORM_CLUSTERS is an error on every backward, before any launch
   // The register plan of vector rows takes the asynchronous-copy kernel (norm_bwd_async_kernel), and the wide rows the
   // cluster kernel (norm_bwd_cluster_kernel), when x and dy have the same element size; -DPIPEGOOSE_NORM_BWD_SYNC (a
   // benchmark experiment, off in the shipped build) keeps norm_bwd_kernel there, and the wide rows on their plans
