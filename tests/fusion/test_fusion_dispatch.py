@@ -371,6 +371,20 @@ def test_explain_refuses_what_the_softmax_ops_refuse():
         dispatch.explain("softmax", x[0], -1)
 
 
+def test_explain_takes_the_scale_of_the_plain_and_causal_functions():
+    """explain("softmax.causal", x, 0.5) as scaled_upper_triang_masked_softmax(x, 0.5) is called (and "softmax" as
+    scaled_softmax(x, 0.5)): the number after x is the scale, checked as the op checks it."""
+    x = torch.randn(4, 8, 16)
+    for op in ("softmax.causal", "softmax"):
+        a, b = dispatch.explain(op, x, 0.5), dispatch.explain(op, x, scale=0.5)
+        assert (a.impl, a.reasons) == (b.impl, b.reasons)
+        with pytest.raises(ValueError, match="scale"):
+            dispatch.explain(op, x, float("nan"))
+        with pytest.raises(TypeError, match="scale given twice"):
+            dispatch.explain(op, x, 0.5, scale=0.5)
+    assert dispatch.explain("softmax.causal", x, 2).impl == dispatch.explain("softmax.causal", x, scale=2.0).impl
+
+
 def test_explain_real_ops_on_cpu():
     x = torch.randn(2, 4, 8, 16)
     c = dispatch.explain("softmax.masked", x, torch.zeros(1, 1, 8, 16, dtype=torch.bool), scale=0.5)

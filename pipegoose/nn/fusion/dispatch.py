@@ -917,7 +917,8 @@ def explain(op: str, *inputs: Any, impl: str | None = None, **kwargs: Any) -> Ch
     """What the op would run for these inputs and why (per implementation); counts nothing, runs nothing.
 
     ``inputs``/``kwargs`` are the op's functional arguments, e.g.
-    ``explain("softmax.masked", x, mask, scale=0.125)``, ``explain("layer_norm", x, (1024,), w, b)``.
+    ``explain("softmax.masked", x, mask, scale=0.125)``, ``explain("softmax.causal", x, 0.125)`` (as
+    ``scaled_upper_triang_masked_softmax(x, scale)``), ``explain("layer_norm", x, (1024,), w, b)``.
     """
     if op == "attention":
         raise KeyError("attention: not a dispatcher op; the attention function chooses per call (the GPU's tuning "

@@ -60,6 +60,18 @@ def softmax_problem(op: str, x: torch.Tensor, mask: torch.Tensor | None = None, 
 
 
 def _explain_builder(op: str):
+    """The problem builder of ``op`` for dispatch.explain: the functional arguments of ``scaled_masked_softmax(x, mask,
+    scale)``; for the plain and causal ops also those of ``scaled_softmax(x, scale)`` and
+    ``scaled_upper_triang_masked_softmax(x, scale)`` (a number after x is the scale; for the plain op an int is
+    refused, as ``softmax(x, dim)``'s dim)."""
+    def entry(x: torch.Tensor, *args: Any, **kwargs: Any) -> Problem:
+        if op != OP_MASKED and args and not (args[0] is None or isinstance(args[0], torch.Tensor)):
+            if not (op == OP_PLAIN and isinstance(args[0], int)):
+                if "scale" in kwargs or len(args) > 1:
+                    raise TypeError(f"explain({op!r}, x, scale): scale given twice or extra arguments {args[1:]}")
+                return build(x, None, args[0], **kwargs)
+        return build(x, *args, **kwargs)
+
     def build(x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0, **_: Any) -> Problem:
         # the checks of the functional entry points, so that explain() refuses what the op would refuse
         check_input(x)
@@ -75,7 +87,7 @@ def _explain_builder(op: str):
         elif op == OP_CAUSAL and x.dim() != 3:
             raise ValueError(f"x: expected [attn_batches, sq, sk], got shape {list(x.shape)}")
         return softmax_problem(op, x, mask, scale)
-    return build
+    return entry
 
 
 # ---------------------------------------------------------------------------------------------------------------
