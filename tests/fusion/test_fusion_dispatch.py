@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 
 import pytest
@@ -431,6 +432,26 @@ def test_check_env_names_the_bad_variable(monkeypatch):
             dispatch.check_env()
         monkeypatch.delenv(var)
     dispatch.check_env()
+
+
+def test_check_env_checks_the_norm_kernels_variables(monkeypatch):
+    """PIPEGOOSE_NORM_CLUSTERS and PIPEGOOSE_NORM_SMEM_LIMIT, which the kernels read in C++ at their first launch on a
+    GPU, are checked up front by check_env (so by fuse too), with the kernels' rules and messages (strtoll's form for
+    the byte count: leading blanks and a sign, nothing after the digits)."""
+    for var in [k for k in __import__("os").environ if k.startswith("PIPEGOOSE_")]:
+        monkeypatch.delenv(var)
+    for var, good, bad, expect in (
+            ("PIPEGOOSE_NORM_CLUSTERS", ("0", "1", ""), ("2", "off", " 1", "true"), "expected 0 or 1"),
+            ("PIPEGOOSE_NORM_SMEM_LIMIT", ("0", "100352", " +5", "-0", ""), ("99KB", "-1", "1.5", "5 ", "x"),
+             "expected a number of bytes >= 0")):
+        for value in good:
+            monkeypatch.setenv(var, value)
+            dispatch.check_env()
+        for value in bad:
+            monkeypatch.setenv(var, value)
+            with pytest.raises(ValueError, match=f"^{var}: {expect}, got '{re.escape(value)}'$"):
+                dispatch.check_env()
+        monkeypatch.delenv(var)
 
 
 def test_impl_attention_variable_is_known(monkeypatch, recwarn):

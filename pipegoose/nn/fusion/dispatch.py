@@ -630,7 +630,8 @@ def check_env() -> None:
     """Check the environment the dispatcher reads, as its calls would, but up front (before a long job, say): each
     op's ``PIPEGOOSE_IMPL_*`` value (its own variable, else its family's) must name one of the op's implementations
     or be ``auto``; ``PIPEGOOSE_SMALL_NUMEL`` and ``PIPEGOOSE_STRICT`` must parse. (At a call, a bad value is the same
-    ValueError, at the first call of the op it applies to.) ``PIPEGOOSE_IMPL_ATTENTION``: :func:`check_attention_env`.
+    ValueError, at the first call of the op it applies to.) ``PIPEGOOSE_IMPL_ATTENTION``: :func:`check_attention_env`;
+    the norm kernels' ``PIPEGOOSE_NORM_CLUSTERS`` and ``PIPEGOOSE_NORM_SMEM_LIMIT``: :func:`check_kernel_env`.
     Unknown ``PIPEGOOSE_IMPL_*`` names are
     :func:`warn_unknown_env`'s.
 
@@ -643,6 +644,27 @@ def check_env() -> None:
     check_attention_env()
     small_numel()
     is_strict()
+    check_kernel_env()
+
+
+# What the norm kernels' C++ side accepts (norm_kernels.cuh: has_clusters, smem_limit; strtoll's base-10 form).
+_SMEM_LIMIT_RE = re.compile(r"[ \t\n\v\f\r]*[+-]?[0-9]+", re.ASCII)
+
+
+def check_kernel_env() -> None:
+    """Check the variables the norm kernels read in C++ (once per process, at their first launch on a GPU), up front:
+    ``PIPEGOOSE_NORM_CLUSTERS`` (0 or 1, or unset) and ``PIPEGOOSE_NORM_SMEM_LIMIT`` (a number of bytes >= 0, or
+    unset); the messages are the kernels'.
+
+    Raises:
+        ValueError: the first bad variable, named with its value and what was expected.
+    """
+    v = _environ_get("PIPEGOOSE_NORM_CLUSTERS")
+    if v not in (None, "", "0", "1"):
+        raise ValueError(f"PIPEGOOSE_NORM_CLUSTERS: expected 0 or 1, got '{v}'")
+    v = _environ_get("PIPEGOOSE_NORM_SMEM_LIMIT")
+    if v not in (None, "") and not (_SMEM_LIMIT_RE.fullmatch(v) and int(v) >= 0):
+        raise ValueError(f"PIPEGOOSE_NORM_SMEM_LIMIT: expected a number of bytes >= 0, got '{v}'")
 
 
 def check_impl(op: str, impl: Any) -> None:
