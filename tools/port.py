@@ -63,6 +63,9 @@ def cmd_sync(a) -> int:
     r = _porter(a).sync(all_kernels=a.all)
     out.print(f"sync: added {len(r['added'])} kernel(s); re-vendored {', '.join(r['restored']) or 'none'}; "
               f"already in place {', '.join(r['ok']) or 'none'}")
+    if r["stray"]:
+        out.print(f"sync: not recorded in kernels.lock, left in place (verify fails until they go): "
+                  f"{', '.join(r['stray'])}", style="yellow", markup=False)
     return 0
 
 

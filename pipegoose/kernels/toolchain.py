@@ -412,4 +412,4 @@ def _writable_check(path: Path) -> Check:
         return Check("cache dir", True, str(path))
     except OSError as e:
         return Check("cache dir", False, f"{path}: not writable ({e.strerror or e})",
-                     "set PIPEGOOSE_CACHE_DIR to a writable folder")
+                     "give a writable folder (--cache-dir, or PIPEGOOSE_CACHE_DIR for the default)")

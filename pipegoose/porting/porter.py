@@ -284,7 +284,10 @@ class Porter:
         """Make vendor/ and LICENSES/ exactly what kernels.lock records (fetching only sources that do not
         verify already); with ``all_kernels``, first add every kernel of the manifest missing from the lock.
 
-        Returns {"added": [...], "restored": [source ids re-vendored], "ok": [source ids already in place]}.
+        Returns {"added": [...], "restored": [source ids re-vendored], "ok": [source ids already in place],
+        "stray": [paths]}: "stray" lists what lies at the top of vendor/ or LICENSES/ but belongs to no locked source
+        (a file, or a folder of no source in the lock); sync leaves those in place (they are not its files), and
+        ``verify`` reports them.
         Raises PortError when the lock is empty (and not ``all_kernels``), when a lock entry no longer matches
         kernels.yaml (pin or file list changed: use ``add``/``update``), or on any fetch/integrity failure.
         """
@@ -323,7 +326,22 @@ class Porter:
                 trees[sid] = self.fetcher.tree(src, new.sources[sid].pin)
                 result["restored"].append(sid)
             self._commit(lock, new, trees)
+            result["stray"] = self._stray_top_entries(new)
         return result
+
+    def _stray_top_entries(self, lock: Lock) -> list[str]:
+        """Entries at the top of vendor/ and LICENSES/ that belong to no upstream source of ``lock``."""
+        stray = []
+        for top in ("vendor", "LICENSES"):
+            d = self.root / top
+            if not d.is_dir():
+                continue
+            for entry in sorted(d.iterdir()):
+                if entry.name in _IGNORED_TOP or entry.name.startswith("."):
+                    continue
+                if entry.is_file() or entry.name not in lock.sources or self._is_local(entry.name):
+                    stray.append(self._show(entry))
+        return stray
 
     def remove(self, names: Iterable[str]) -> list[str]:
         """Drop kernels from vendor/ and kernels.lock. Files another still-locked kernel of the same source uses

@@ -93,7 +93,7 @@ def test_sync_restores_from_cache_without_network(sdist_repo):
     assert repo.porter().verify() == []
     # nothing to do the second time: no fetch at all
     r = repo.porter(offline=True).sync()
-    assert r == {"added": [], "restored": [], "ok": ["up"]}
+    assert r == {"added": [], "restored": [], "ok": ["up"], "stray": []}
     # a file the lock does not record under vendor/up or LICENSES/up: verify reports it, sync removes it (it used to
     # leave it, and verify kept failing after sync)
     for extra in (repo.root / "vendor" / "up" / "stray.cu", repo.root / "LICENSES" / "up" / "NOTES.txt"):
@@ -102,6 +102,14 @@ def test_sync_restores_from_cache_without_network(sdist_repo):
         r = repo.porter(offline=True).sync()
         assert r["restored"] == ["up"] and not extra.exists()
         assert repo.snapshot() == before and repo.porter().verify() == []
+    # what belongs to no source at the top of vendor/ or LICENSES/: sync leaves it and names it (it said nothing, and
+    # verify kept failing after it)
+    (repo.root / "vendor" / "extra.txt").write_text("mine")
+    (repo.root / "LICENSES" / "other").mkdir()
+    (repo.root / "LICENSES" / "other" / "LICENSE").write_text("x")
+    r = repo.porter(offline=True).sync()
+    assert r["stray"] == ["vendor/extra.txt", "LICENSES/other"] and (repo.root / "vendor" / "extra.txt").exists()
+    assert {p.path for p in repo.porter().verify()} == {"vendor/extra.txt", "LICENSES/other/LICENSE"}
 
 
 def test_offline_without_cache_fails_clearly(sdist_repo):
