@@ -10,15 +10,15 @@ Calls the forward and backward of ``pipegoose/layer_norm`` and ``pipegoose/rms_n
 ``norm_kernels.cuh``: scalar rows, register and shared-memory accumulator plans, the asynchronous-copy backward over
 many rows, the prefetching and full-grid forward plans, the rows of one block per SM (parameters staged through shared
 memory; 32000 and 64000 columns leave their last stride partial), the wide rows' forward (fp32 64000 and 65536
-columns: the first 32768 values of a row in registers, the rest in shared memory; 65544: the two-read kernel), the specialised backward
-sizes, the wide rows' backward (a thread block cluster per row on sm_90 and newer, the two-kernel path with fp32
-grad_output of a 16-bit input and before sm_90), with and without parameters and with a bias alone, fp32 parameters
-and fp32 grad_output with a 16-bit input) and of ``pipegoose/softmax`` (plain, padding-masked, causal; 1 to 40000
-keys; one and three query rows) in fp32, fp16 and bf16, at row counts small enough for the sanitizers (seconds, not
-hours). The optional argument ``norms`` or ``softmax`` limits it to one family; ``norms`` followed by hidden sizes (of
-the list ``NORM_HIDDEN``) to those sizes, e.g. ``norms 16384 20000 32768 64000`` for the wide rows' backward. The GPU
-tests check values; this checks memory accesses, shared memory races and initialisation: the test suite itself is too
-large to run under the sanitizers (out of memory).
+columns: the first 32768 values of a row in registers, the rest in shared memory; 65544: the two-read kernel), the
+specialised backward sizes, the wide rows' backward (a thread block cluster per row on sm_90 and newer, the two-kernel
+path with fp32 grad_output of a 16-bit input and before sm_90), with and without parameters and with a bias alone,
+fp32 parameters and fp32 grad_output with a 16-bit input) and of ``pipegoose/softmax`` (plain, padding-masked, causal;
+1 to 40000 keys; one and three query rows) in fp32, fp16 and bf16, at row counts small enough for the sanitizers
+(seconds, not hours). The optional argument ``norms`` or ``softmax`` limits it to one family; ``norms`` followed by
+hidden sizes (of the list ``NORM_HIDDEN``) to those sizes, e.g. ``norms 16384 20000 32768 64000`` for the wide rows'
+backward. The GPU tests check values; this checks memory accesses, shared memory races and initialisation: the test
+suite itself is too large to run under the sanitizers (out of memory).
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@
 // the other plans.
 // Rows wider than the register capacity: the forward takes norm_fwd_split_kernel for fp32 vector rows up to 65536
 // columns (block per row, the first 32768 values in registers, the rest in shared memory; where a block may have 128
-// KB of it), norm_fwd_wide_kernel on the other vector rows (block per row, two reads of the row, the second from L2), norm_fwd_generic_kernel on the scalar path (three
-// scalar reads); the backward of vector rows a thread block cluster per row on sm_90 and newer
+// KB of it), norm_fwd_wide_kernel on the other vector rows (block per row, two reads of the row, the second from L2),
+// norm_fwd_generic_kernel on the scalar path (three scalar reads); the backward of vector rows a thread block cluster
+// per row on sm_90 and newer
 // (norm_bwd_cluster_kernel, one read of x and dy; also for the rows of 12288-16384 columns, fp32 RMSNorm 16384 only)
 // where x and dy have one element size, else the two-kernel path (norm_bwd_rowstats_kernel + norm_bwd_cols_kernel,
 // two reads; fp32 LayerNorm at 16384 columns: the shared-memory accumulator plan), of scalar rows
@@ -883,16 +884,16 @@ norm_fwd_generic_kernel(const Tin* __restrict__ x, const void* __restrict__ w, c
   }
 }
 
-// Rows wider than the register plans on the vector path (fwd_plan gives nv 0: fp32 rows over 32768 columns, 16-bit
-// rows over 65536) that norm_fwd_split_kernel does not take (fp32 rows over 65536 columns, 16-bit rows, fp32 rows
-// where a block cannot have its 128 KB of shared memory): norm_fwd_wide_kernel. One block of kWideThreads per row (grid-stride over rows), two reads of the
-// row instead of the generic kernel's three (LayerNorm) scalar ones: the statistics pass loads x 16 bytes at a time
-// with an L2 evict-last policy; the output pass reads it again with evict-first, from L2, since the launch keeps the
-// rows in flight within half the L2 (wide_grid). LayerNorm statistics in one pass: each thread merges the mean and
-// the sum of squared deviations of its chunks (Chan et al.'s pairwise update in delta form, every chunk's own two-pass
-// moments), then the block merges the threads' (count, mean, M2) (block_moments): no cancellation of large terms, as in
-// the register kernel's two passes.
-// Before sm_80 (no createpolicy) the loads carry no L2 policy.
+// Rows wider than the register plans on the vector path (fwd_plan gives nv 0: fp32 rows over 32768 columns, 16-bit rows
+// over 65536) that norm_fwd_split_kernel does not take (fp32 rows over 65536 columns, 16-bit rows, fp32 rows where a
+// block cannot have its 128 KB of shared memory): norm_fwd_wide_kernel. One block of kWideThreads per row (grid-stride
+// over rows), two reads of the row instead of the generic kernel's three (LayerNorm) scalar ones: the statistics pass
+// loads x 16 bytes at a time with an L2 evict-last policy; the output pass reads it again with evict-first, from L2,
+// since the launch keeps the rows in flight within half the L2 (wide_grid). LayerNorm statistics in one pass: each
+// thread merges the mean and the sum of squared deviations of its chunks (Chan et al.'s pairwise update in delta form,
+// every chunk's own two-pass moments), then the block merges the threads' (count, mean, M2) (block_moments): no
+// cancellation of large terms, as in the register kernel's two passes. Before sm_80 (no createpolicy) the loads carry
+// no L2 policy.
 constexpr int kWideThreads = 1024;
 constexpr int kWideUnroll = 4;  // chunks in flight per thread and pass
 
@@ -1718,20 +1719,20 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
 // fp32 rows of 32772-65536 columns (8193-16384 chunks of four), wider than a block's registers hold: one block of
 // kSplitThreads per row (a full grid, as the register plans of the widest rows), thread t owning chunks t + n * 1024
 // for n < 16 (so the row's first 32768 values lie in registers, the rest, up to as many, in shared memory), the first
-// eight in registers (loaded with ld.global.nc.L1::no_allocate), the other eight in shared
-// memory (128 KB per block, copied with cp.async into the thread's own slots, so that no barrier guards them). One read
-// of x and one write of y, where norm_fwd_wide_kernel reads the row twice. LayerNorm statistics in one block-wide step
-// (merge_chunk per chunk, block_moments), as the register plans of 1024-thread rows. The parameters are read per chunk
-// in the output loop (L2 hits). Needs split_smem(NR) bytes of dynamic shared memory (the host checks smem_fits).
-// Session 22 (H200, benchmarks.norm_raw, forward, % of copy, 16384 rows, call 4; wide kernel -> this one): RMSNorm 36864 /
-// 40000 / 65536 columns 83.9 / 82.1 / 69.9 -> 95.8 / 95.7 / 96.4, LayerNorm 80.1 / 68.8 / 65.5 -> 85.3 / 86.3 / 71.9.
-// Also measured there and dropped: a thread block cluster of eight 512-thread blocks per row (each block's slab
-// streamed through a ring of shared-memory stages, its statistics pushed into every block, the previous row's output
-// written while the cluster barrier completes, as norm_bwd_cluster_kernel does): RMSNorm 62.6 / 63.1 / 80.6,
-// LayerNorm 43.4 / 44.7 / 62.8; and the slab held in registers by clusters of 2-8 blocks of 512 or 1024 threads: 70-79
-// (LayerNorm) and 81-87 (RMSNorm) at 65536 columns.
-// NR: chunks per thread in registers (the launches: kSplitReg; 4, a benchmark experiment), the other
-// kSplitChunks - NR in shared memory (split_smem(NR) bytes).
+// eight in registers (loaded with ld.global.nc.L1::no_allocate), the other eight in shared memory (128 KB per block,
+// copied with cp.async into the thread's own slots, so that no barrier guards them). One read of x and one write of y,
+// where norm_fwd_wide_kernel reads the row twice. LayerNorm statistics in one block-wide step (merge_chunk per chunk,
+// block_moments), as the register plans of 1024-thread rows. The parameters are read per chunk in the output loop (L2
+// hits). Needs split_smem(NR) bytes of dynamic shared memory (the host checks smem_fits). Session 22 (H200,
+// benchmarks.norm_raw, forward, % of copy, 16384 rows, call 4; wide kernel -> this one): RMSNorm 36864 / 40000 / 65536
+// columns 83.9 / 82.1 / 69.9 -> 95.8 / 95.7 / 96.4, LayerNorm 80.1 / 68.8 / 65.5 -> 85.3 / 86.3 / 71.9. Also measured
+// there and dropped: a thread block cluster of eight 512-thread blocks per row (each block's slab streamed through a
+// ring of shared-memory stages, its statistics pushed into every block, the previous row's output written while the
+// cluster barrier completes, as norm_bwd_cluster_kernel does): RMSNorm 62.6 / 63.1 / 80.6, LayerNorm 43.4 / 44.7 /
+// 62.8; and the slab held in registers by clusters of 2-8 blocks of 512 or 1024 threads: 70-79 (LayerNorm) and 81-87
+// (RMSNorm) at 65536 columns. NR: chunks per thread in registers (the launches: kSplitReg; 4, a benchmark experiment),
+// the other kSplitChunks - NR in shared memory (split_smem(NR) bytes); four in registers and twelve in shared memory
+// ran 1.0-9.0 points slower at every row of the comparison above (call 5).
 constexpr int kSplitThreads = 1024;
 constexpr int kSplitChunks = 16;  // chunks per thread: a row of up to 16 * 1024 * 4 = 65536 fp32 values
 constexpr int kSplitReg = 8;
