@@ -329,19 +329,19 @@ class Porter:
             result["stray"] = self._stray_top_entries(new)
         return result
 
-    def _stray_top_entries(self, lock: Lock) -> list[str]:
-        """Entries at the top of vendor/ and LICENSES/ that belong to no upstream source of ``lock``."""
-        stray = []
+    def _top_entries(self):
+        """(top, entry) for each entry at the top of vendor/ and LICENSES/ (sorted), but the tool's own."""
         for top in ("vendor", "LICENSES"):
             d = self.root / top
-            if not d.is_dir():
-                continue
-            for entry in sorted(d.iterdir()):
-                if entry.name in _IGNORED_TOP or entry.name.startswith("."):
-                    continue
-                if entry.is_file() or entry.name not in lock.sources or self._is_local(entry.name):
-                    stray.append(self._show(entry))
-        return stray
+            if d.is_dir():
+                for entry in sorted(d.iterdir()):
+                    if entry.name not in _IGNORED_TOP and not entry.name.startswith("."):
+                        yield top, entry
+
+    def _stray_top_entries(self, lock: Lock) -> list[str]:
+        """Entries at the top of vendor/ and LICENSES/ that belong to no upstream source of ``lock``."""
+        return [self._show(entry) for _, entry in self._top_entries()
+                if entry.is_file() or entry.name not in lock.sources or self._is_local(entry.name)]
 
     def remove(self, names: Iterable[str]) -> list[str]:
         """Drop kernels from vendor/ and kernels.lock. Files another still-locked kernel of the same source uses
@@ -421,22 +421,17 @@ class Porter:
                 elif sha256_file(p) != h:
                     probs.append(Problem("differs", shown, f"sha256 {sha256_file(p)[:12]}…, kernels.lock {h[:12]}…"))
         # extra files: anything under vendor/ and LICENSES/ that no lock entry explains
-        for top, expected in (("vendor", lambda sid: lock.files_of_source(sid)),
-                              ("LICENSES", lambda sid: lock.sources[sid].license_files)):
-            d = self.root / top
-            if not d.is_dir():
+        expected = {"vendor": lambda sid: lock.files_of_source(sid),
+                    "LICENSES": lambda sid: lock.sources[sid].license_files}
+        for top, entry in self._top_entries():
+            sid = entry.name
+            known = set(expected[top](sid)) if sid in lock.sources and not self._is_local(sid) else set()
+            if entry.is_file():
+                probs.append(Problem("extra", self._show(entry), "not recorded in kernels.lock"))
                 continue
-            for entry in sorted(d.iterdir()):
-                if entry.name in _IGNORED_TOP or entry.name.startswith("."):
-                    continue
-                sid = entry.name
-                known = set(expected(sid)) if sid in lock.sources and not self._is_local(sid) else set()
-                if entry.is_file():
-                    probs.append(Problem("extra", self._show(entry), "not recorded in kernels.lock"))
-                    continue
-                for p in sorted(entry.rglob("*")):
-                    if (p.is_file() or p.is_symlink()) and p.relative_to(entry).as_posix() not in known:
-                        probs.append(Problem("extra", self._show(p), "not recorded in kernels.lock"))
+            for p in sorted(entry.rglob("*")):
+                if (p.is_file() or p.is_symlink()) and p.relative_to(entry).as_posix() not in known:
+                    probs.append(Problem("extra", self._show(p), "not recorded in kernels.lock"))
         return probs
 
     def _is_local(self, sid: str) -> bool:
