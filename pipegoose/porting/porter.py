@@ -281,8 +281,9 @@ class Porter:
         return new, trees
 
     def sync(self, all_kernels: bool = False) -> dict[str, list[str]]:
-        """Make vendor/ and LICENSES/ exactly what kernels.lock records (fetching only sources that do not
-        verify already); with ``all_kernels``, first add every kernel of the manifest missing from the lock.
+        """Make the upstream sources' folders in vendor/ and LICENSES/ exactly what kernels.lock records (fetching
+        only sources that do not verify already); with ``all_kernels``, first add every kernel of the manifest missing
+        from the lock.
 
         Returns {"added": [...], "restored": [source ids re-vendored], "ok": [source ids already in place],
         "stray": [paths]}: "stray" lists what lies at the top of vendor/ or LICENSES/ but belongs to no locked source
