@@ -34,8 +34,10 @@ largest magnitude) on the two-kernel path of the widest rows. ``--bwd-cluster`` 
 GPUs run the shipped plan under that label).
 
 The forward of fp32 rows of 32772-65536 columns, three ways: a build with ``--defines=-DPIPEGOOSE_NORM_FWD_EXPERIMENT``
-reads ``PIPEGOOSE_NORM_FWD_WIDE`` = ``split8`` (the shipped plan: eight chunks per thread in registers, eight in
-shared memory), ``split4`` (four and twelve) or ``wide`` (the two-read kernel); one process per value, e.g.
+reads ``PIPEGOOSE_NORM_FWD_WIDE`` = ``split8`` (eight chunks per thread in registers, eight in shared memory, a block
+per row: the shipped plan but for LayerNorm rows over 57344 columns), ``pipe8`` (the same on a block per SM that loads
+its next row while it writes one: the shipped plan of those rows), ``split4`` (four and twelve) or ``wide`` (the
+two-read kernel); one process per value, e.g.
 ``PIPEGOOSE_NORM_FWD_WIDE=wide python -m benchmarks.norm_raw --label wide
 --defines=-DPIPEGOOSE_NORM_FWD_EXPERIMENT --fwd-only --dtypes fp32 --shapes 16384x65536`` (session 22's
 ``session22.log`` was made that way).

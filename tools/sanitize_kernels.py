@@ -10,7 +10,8 @@ Calls the forward and backward of ``pipegoose/layer_norm`` and ``pipegoose/rms_n
 ``norm_kernels.cuh``: scalar rows, register and shared-memory accumulator plans, the asynchronous-copy backward over
 many rows, the prefetching and full-grid forward plans, the rows of one block per SM (parameters staged through shared
 memory; 32000 and 64000 columns leave their last stride partial), the wide rows' forward (fp32 64000 and 65536
-columns: the first 32768 values of a row in registers, the rest in shared memory; 65544: the two-read kernel), the
+columns: the first 32768 values of a row in registers, the rest in shared memory, LayerNorm's on a grid of one block
+per SM that walks 300 rows; 65544: the two-read kernel), the
 specialised backward sizes, the wide rows' backward (a thread block cluster per row on sm_90 and newer, the two-kernel
 path with fp32 grad_output of a 16-bit input and before sm_90), with and without parameters and with a bias alone,
 fp32 parameters and fp32 grad_output with a 16-bit input) and of ``pipegoose/softmax`` (plain, padding-masked, causal;
@@ -65,7 +66,10 @@ def main() -> int:
                 # clusters of the wide rows' backward (4 blocks each) walk several steps and their rings of stages
                 # wrap around, with a last step of one row in two.
                 many = h in (200, 264, 768, 1000, 1160, 2312, 3000, 4096, 5120)
-                for rows in ((3, 37, 5000) if many else (3, 37, 601) if h == 20000 else (3,)):
+                # 300 fp32 rows of 64000 and 65536 columns: LayerNorm's split forward walks rows, a block per SM,
+                # each block copying its next row into the shared memory that its current row's output has read
+                walk = h in (64000, 65536) and dt == torch.float32
+                for rows in ((3, 37, 5000) if many else (3, 37, 601) if h == 20000 else (3, 300) if walk else (3,)):
                     for pdt in ({dt, torch.float32} if h in (1000, 4096, 12288) else {dt}):
                         x = torch.randn(rows, h, device="cuda", dtype=dt)
                         dy = torch.randn_like(x)

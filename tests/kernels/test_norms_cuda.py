@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -391,17 +392,20 @@ def test_rows_of_one_block_per_sm(ln, rms, dtype, h):
     check_rms_norm(rms, x, None, dy)
 
 
-@pytest.mark.parametrize("h", [40000, 65536, 65544])
+@pytest.mark.parametrize("h", [40000, 57348, 65536, 65544])
 def test_wide_rows_forward(ln, rms, h):
     """Vector rows wider than the forward's register plans (fp32 from 32772 columns, 16-bit from 65544). fp32 rows of
-    40000 and 65536 columns: the first 32768 values of each row in registers, the rest in shared memory
-    (norm_fwd_split_kernel; at 40000 the shared-memory part is partial), with and without each parameter. 65544
-    columns: the two-pass kernel with one-pass statistics (norm_fwd_wide_kernel), whose grid (one block per SM) is
+    40000, 57348 and 65536 columns: the first 32768 values of each row in registers, the rest in shared memory
+    (norm_fwd_split_kernel; at 40000 and 57348 the shared-memory part is partial; LayerNorm from 57348 columns on a
+    grid of one block per SM smaller than 300 rows, each block loading its next row while it writes one), with and
+    without each parameter, with fp32 and bf16 parameters. 65544 columns: the two-pass kernel with one-pass statistics (norm_fwd_wide_kernel), whose grid (one block per SM) is
     smaller than 300 rows, so blocks walk several rows; it also takes the fp32 rows on a GPU with less shared memory
     (test_plans_of_smaller_shared_memory). The dtype pairings of these widths (a 16-bit input below 65544 columns runs
     a register plan), rows whose mean is far from their spread (where merging moments could cancel), and which kernel
     ran."""
     cases = [(torch.float32, torch.float32, None), (torch.bfloat16, torch.float32, torch.float32)]
+    if h <= 65536:
+        cases += [(torch.float32, torch.bfloat16, None)]  # the split kernel with 16-bit parameters
     if h % 8 == 0 and h > 65536:
         cases += [(torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float16, None)]
     check_dtype_cases(ln, rms, 300, h, cases, seed=h + 3)
@@ -415,6 +419,9 @@ def test_wide_rows_forward(ln, rms, h):
     names = kernels_run(lambda: (ln.layer_norm_forward(x, w, b, EPS, None), rms.rms_norm_forward(x, w, EPS, None)))
     split = h <= 65536 and split_forward_fits()
     assert ("norm_fwd_split_kernel" in names) == split and ("norm_fwd_wide_kernel" in names) != split, names
+    # LayerNorm rows over 57344 columns: the form that walks rows, a block per SM (the last template argument, PF)
+    pf = re.findall(r"norm_fwd_split_kernel<float, float, (?:false|0), 8, (true|false|1|0)>", names)
+    assert [v in ("true", "1") for v in pf] == ([h > 57344] if split else []), names
     g = torch.Generator(device=DEV).manual_seed(h)
     x = (1000.0 + torch.randn(8, h, generator=g, device=DEV)).float()
     x[4:, 0] = 5000.0

@@ -21,14 +21,13 @@
 // a ring of shared-memory stages with cp.async instead of prefetching into registers (see there); norm_bwd_kernel runs
 // the other plans.
 // Rows wider than the register capacity: the forward takes norm_fwd_split_kernel for fp32 vector rows up to 65536
-// columns (block per row, the first 32768 values in registers, the rest in shared memory; where a block may have 128
-// KB of it), norm_fwd_wide_kernel on the other vector rows (block per row, two reads of the row, the second from L2),
-// norm_fwd_generic_kernel on the scalar path (three scalar reads); the backward of vector rows a thread block cluster
-// per row on sm_90 and newer
-// (norm_bwd_cluster_kernel, one read of x and dy; also for the rows of 12288-16384 columns, fp32 RMSNorm 16384 only)
-// where x and dy have one element size, else the two-kernel path (norm_bwd_rowstats_kernel + norm_bwd_cols_kernel,
-// two reads; fp32 LayerNorm at 16384 columns: the shared-memory accumulator plan), of scalar rows
-// norm_bwd_generic_kernel.
+// columns (block per row, or for LayerNorm rows over 57344 columns block per SM; the first 32768 values in registers,
+// the rest in shared memory; where a block may have 128 KB of it), norm_fwd_wide_kernel on the other vector rows
+// (block per row, two reads of the row, the second from L2), norm_fwd_generic_kernel on the scalar path (three scalar
+// reads); the backward of vector rows a thread block cluster per row on sm_90 and newer (norm_bwd_cluster_kernel, one
+// read of x and dy; also for the rows of 12288-16384 columns, fp32 RMSNorm 16384 only) where x and dy have one element
+// size, else the two-kernel path (norm_bwd_rowstats_kernel + norm_bwd_cols_kernel, two reads; fp32 LayerNorm at 16384
+// columns: the shared-memory accumulator plan), of scalar rows norm_bwd_generic_kernel.
 // Launch plans per hidden size: fwd_plan / bwd_plan below. A build with -DPIPEGOOSE_NORM_HIDDEN=H0 (a benchmark
 // experiment, off in the shipped build; see the host side) adds instantiations specialised to H == H0.
 #pragma once
@@ -1733,12 +1732,27 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
 // (RMSNorm) at 65536 columns. NR: chunks per thread in registers (the launches: kSplitReg; 4, a benchmark experiment),
 // the other kSplitChunks - NR in shared memory (split_smem(NR) bytes); four in registers and twelve in shared memory
 // ran 1.0-9.0 points slower at every row of the comparison above (call 5).
+// PF: a grid of one block per SM (the host: at most sm_count() blocks), each walking rows; the next row's register
+// chunks are loaded as this row's output frees them, its shared-memory part copied after this row's last output, so
+// that its reads are in flight while this row is written (without PF a block's row is read only after the previous
+// block has finished). Session 23 (ncu, 16384 x 65536, a block per row): LayerNorm's forward took 2.88 ms against
+// RMSNorm's 2.16 on the same bytes, both at 64 registers and one block per SM; the longer statistics (a chain of
+// merge_chunk per thread) and output loop leave DRAM idle for longer between a block's reads. Measured and dropped
+// there: LayerNorm statistics in two passes over the thread's values instead of merge_chunk (70-71% of copy at
+// 57344-65536 columns, 85-90 at 36864-49152, against 72-82 and 85-86), and PF for RMSNorm (below).
 constexpr int kSplitThreads = 1024;
 constexpr int kSplitChunks = 16;  // chunks per thread: a row of up to 16 * 1024 * 4 = 65536 fp32 values
 constexpr int kSplitReg = 8;
 constexpr size_t split_smem(int nr) { return static_cast<size_t>(kSplitChunks - nr) * kSplitThreads * 16; }
+// LayerNorm rows of more than kSplitPipeChunks chunks of four (57344 columns) take norm_fwd_split_kernel's PF form (a
+// block per SM, the next row loaded while this one is written; launch_fwd). Session 23 (H200, raw forward, fp32, % of
+// copy, 16384 rows; a block per row -> PF): LayerNorm 53248 / 57344 / 59392 / 61440 / 63488 / 65536 columns 86.0 /
+// 77.4-79.6 / 73.4 / 73.5 / 70.1 / 72.4 -> 82.3-83.6 / 77.4 / 76.5 / 77.0 / 76.4 / 77.0, 4096 x 65536 70.1 -> 75.3,
+// with bf16 parameters 61440 / 65536 77.1-78.7 -> 88.8-89.3; RMSNorm 36864-65536 (fp32 parameters) 94.6-96.9 ->
+// 81.7-92.5.
+constexpr int kSplitPipeChunks = 57344 / 4;
 
-template <typename Tout, typename Tp, bool RMS, int NR>
+template <typename Tout, typename Tp, bool RMS, int NR, bool PF>
 __global__ void __launch_bounds__(kSplitThreads, 1)
 norm_fwd_split_kernel(const float* __restrict__ x, const Tp* __restrict__ w, const Tp* __restrict__ b, int wm, int bm,
                       Tout* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows,
@@ -1755,12 +1769,17 @@ norm_fwd_split_kernel(const float* __restrict__ x, const Tp* __restrict__ w, con
   const int nsm = nchunks - NR * TPB;  // chunks of the row in shared memory (may be <= 0 for a short row)
   const float inv_h = 1.f / static_cast<float>(H);
   int parity = 0;
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+  Raw<float, VEC> cur[NR];
+  // The block's first row (every row without PF): the shared-memory part with cp.async, then the register part.
+  auto load = [&](int64_t row) {
     const float* xr = x + row * H;
     async_row<float, VEC, NS, false>(xs, xr + static_cast<int64_t>(NR) * TPB * VEC, x, true, t, TPB, nsm);
     cp_async_commit();
-    Raw<float, VEC> cur[NR];
     load_row<float, VEC, NR, false, Ld::kNoL1>(xr, true, t, TPB, nchunks, cur);
+  };
+  if (PF && blockIdx.x < rows) load(blockIdx.x);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    if constexpr (!PF) load(row);
     float n = 0.f, m = 0.f, q = 0.f;
     if constexpr (RMS) {
       float s[1] = {0.f};
@@ -1815,16 +1834,39 @@ norm_fwd_split_kernel(const float* __restrict__ x, const Tp* __restrict__ w, con
       }
       store_f<VEC>(yr + static_cast<int64_t>(c) * VEC, o);
     };
+    // PF: the block's next row is loaded as this row's output frees the registers (chunk by chunk) and the slots (after
+    // the last one), so that its reads are in flight while this row is written. A slot's copy is issued after the
+    // stores that used the slots' values (in-order issue: the shared-memory reads have completed), so no barrier
+    // guards it.
+    const int64_t nrow = row + gridDim.x;
+    const bool more = PF && nrow < rows;
+    const float* xn = x + (more ? nrow : row) * H;
 #pragma unroll
-    for (int k = 0; k < NR; ++k)
-      if (t + k * TPB < nchunks) out(cur[k], t + k * TPB);
+    for (int k = 0; k < NR; ++k) {
+      const int c = t + k * TPB;
+      if (c < nchunks) out(cur[k], c);
+      if (more) {
+        if (c < nchunks) {
+          raw_load<float, VEC, Ld::kNoL1>(xn + static_cast<int64_t>(c) * VEC, cur[k]);
+        } else {
+          raw_zero(cur[k]);
+        }
+      }
+    }
 #pragma unroll
     for (int k = 0; k < NS; ++k) {
-      if (t + k * TPB < nsm) {
-        Raw<float, VEC> c;
-        raw_lds(xs + (t + k * TPB) * VEC, c);
-        out(c, NR * TPB + t + k * TPB);
+      const int c = t + k * TPB;
+      if (c < nsm) {
+        Raw<float, VEC> v;
+        raw_lds(xs + c * VEC, v);
+        out(v, NR * TPB + c);
       }
+    }
+    // after the loop: a copy between two chunks' outputs (its asm a compiler barrier) kept the next chunk's
+    // parameter loads from being issued early
+    if (more) {
+      async_row<float, VEC, NS, false>(xs, xn + static_cast<int64_t>(NR) * TPB * VEC, x, true, t, TPB, nsm);
+      cp_async_commit();
     }
   }
 }
@@ -2710,33 +2752,46 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
     // (norm_fwd_split_kernel), one read; wider rows (fp32 or 16-bit), or a device with less than its 128 KB of shared
     // memory per block: norm_fwd_wide_kernel (two reads).
     if constexpr (sizeof(Tin) == 4) {
-      auto split = [&](auto nr_c) {
+      auto split = [&](auto nr_c, auto pf_c) {
         constexpr int NR = decltype(nr_c)::value;
+        constexpr bool PF = decltype(pf_c)::value;
         if (H / V > kSplitThreads * kSplitChunks || !smem_fits(split_smem(NR))) return false;
-        auto kernel = &norm_fwd_split_kernel<Tout, Tp, RMS, NR>;
+        auto kernel = &norm_fwd_split_kernel<Tout, Tp, RMS, NR, PF>;
         allow_smem(reinterpret_cast<const void*>(kernel), split_smem(NR));
-        const int64_t grid = std::min<int64_t>(rows, (1LL << 31) - 1);
+        const int64_t grid = std::min<int64_t>(rows, PF ? static_cast<int64_t>(sms) : (1LL << 31) - 1);
         kernel<<<static_cast<unsigned>(grid), kSplitThreads, split_smem(NR), stream>>>(x, wk, bk, wm, bm, y, mean,
                                                                                       rstd, rows, H, eps);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         return true;
       };
+      using No = std::false_type;
+      using Yes = std::true_type;
+      // the shipped plan: the PF form for LayerNorm rows past kSplitPipeChunks
+      auto shipped_split = [&]() {
+        if constexpr (RMS) {
+          return split(IC<kSplitReg>{}, No{});
+        } else {
+          return H / V > kSplitPipeChunks ? split(IC<kSplitReg>{}, Yes{}) : split(IC<kSplitReg>{}, No{});
+        }
+      };
 #if defined(PIPEGOOSE_NORM_FWD_EXPERIMENT)
       // PIPEGOOSE_NORM_FWD_WIDE (benchmark experiment, off in the shipped build): split4 (four chunks per thread in
-      // registers, twelve in shared memory), split8 (the shipped plan) or wide (norm_fwd_wide_kernel). A
-      // PIPEGOOSE_NORM_FWD_EXP plan (exp_on) keeps its meaning: nv 0 is norm_fwd_wide_kernel.
+      // registers, twelve in shared memory), split8 (a block per row), pipe8 (a block per SM, the next row loaded
+      // during this row's output) or wide (norm_fwd_wide_kernel). A PIPEGOOSE_NORM_FWD_EXP plan (exp_on) keeps its
+      // meaning: nv 0 is norm_fwd_wide_kernel.
       if (const char* v = std::getenv("PIPEGOOSE_NORM_FWD_WIDE")) {
         const std::string e(v);
-        if (e == "split4" && split(IC<4>{})) return;
-        if (e == "split8" && split(IC<8>{})) return;
-        if (e != "split4" && e != "split8" && e != "wide") {
-          PG_CHECK(false, "PIPEGOOSE_NORM_FWD_WIDE: expected split4, split8 or wide, got '", e, "'");
+        if (e == "split4" && split(IC<4>{}, No{})) return;
+        if (e == "split8" && split(IC<8>{}, No{})) return;
+        if (e == "pipe8" && split(IC<8>{}, Yes{})) return;
+        if (e != "split4" && e != "split8" && e != "pipe8" && e != "wide") {
+          PG_CHECK(false, "PIPEGOOSE_NORM_FWD_WIDE: expected split4, split8, pipe8 or wide, got '", e, "'");
         }
-      } else if (!exp_on && split(IC<kSplitReg>{})) {
+      } else if (!exp_on && shipped_split()) {
         return;
       }
 #else
-      if (split(IC<kSplitReg>{})) return;
+      if (shipped_split()) return;
 #endif
     }
     auto kernel = &norm_fwd_wide_kernel<Tin, Tout, Tp, V, RMS>;
