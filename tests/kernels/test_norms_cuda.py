@@ -392,20 +392,22 @@ def test_rows_of_one_block_per_sm(ln, rms, dtype, h):
     check_rms_norm(rms, x, None, dy)
 
 
-@pytest.mark.parametrize("h", [40000, 57348, 65536, 65544])
+@pytest.mark.parametrize("h", [40000, 57344, 57348, 65536, 65544])
 def test_wide_rows_forward(ln, rms, h):
     """Vector rows wider than the forward's register plans (fp32 from 32772 columns, 16-bit from 65544). fp32 rows of
-    40000, 57348 and 65536 columns: the first 32768 values of each row in registers, the rest in shared memory
-    (norm_fwd_split_kernel; at 40000 and 57348 the shared-memory part is partial; LayerNorm from 57348 columns on a
-    grid of one block per SM smaller than 300 rows, each block loading its next row while it writes one), with and
-    without each parameter, with fp32 and bf16 parameters. 65544 columns: the two-pass kernel with one-pass statistics (norm_fwd_wide_kernel), whose grid (one block per SM) is
-    smaller than 300 rows, so blocks walk several rows; it also takes the fp32 rows on a GPU with less shared memory
-    (test_plans_of_smaller_shared_memory). The dtype pairings of these widths (a 16-bit input below 65544 columns runs
-    a register plan), rows whose mean is far from their spread (where merging moments could cancel), and which kernel
+    40000-65536 columns: the first 32768 values of each row in registers, the rest in shared memory
+    (norm_fwd_split_kernel; at 40000 and 57348 the shared-memory part is partial; LayerNorm from 57348 columns, the
+    first width past 57344, on a grid of one block per SM, which walks rows in the 300-row cases, each block loading
+    its next row while it writes one), with and without each parameter, with fp32 parameters and bf16 ones (which the
+    op converts to fp32 for an fp32 input). 65544 columns: the two-pass kernel with one-pass statistics
+    (norm_fwd_wide_kernel), whose grid (one block per SM) is smaller than 300 rows, so blocks walk several rows; it
+    also takes the fp32 rows on a GPU with less shared memory (test_plans_of_smaller_shared_memory). The dtype pairings
+    of these widths (a 16-bit input below 65544 columns runs a register plan, or the scalar path where the width is no
+    multiple of 8), rows whose mean is far from their spread (where merging moments could cancel), and which kernel
     ran."""
     cases = [(torch.float32, torch.float32, None), (torch.bfloat16, torch.float32, torch.float32)]
     if h <= 65536:
-        cases += [(torch.float32, torch.bfloat16, None)]  # the split kernel with 16-bit parameters
+        cases += [(torch.float32, torch.bfloat16, None)]  # 16-bit parameters of an fp32 input (converted to fp32)
     if h % 8 == 0 and h > 65536:
         cases += [(torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float16, None)]
     check_dtype_cases(ln, rms, 300, h, cases, seed=h + 3)
@@ -422,6 +424,9 @@ def test_wide_rows_forward(ln, rms, h):
     # LayerNorm rows over 57344 columns: the form that walks rows, a block per SM (the last template argument, PF)
     pf = re.findall(r"norm_fwd_split_kernel<float, float, (?:false|0), 8, (true|false|1|0)>", names)
     assert [v in ("true", "1") for v in pf] == ([h > 57344] if split else []), names
+    # RMSNorm: a block per row at every split width
+    rms_pf = re.findall(r"norm_fwd_split_kernel<float, float, (?:true|1), 8, (true|false|1|0)>", names)
+    assert [v in ("true", "1") for v in rms_pf] == ([False] if split else []), names
     g = torch.Generator(device=DEV).manual_seed(h)
     x = (1000.0 + torch.randn(8, h, generator=g, device=DEV)).float()
     x[4:, 0] = 5000.0

@@ -1716,7 +1716,8 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
 }
 
 // fp32 rows of 32772-65536 columns (8193-16384 chunks of four), wider than a block's registers hold: one block of
-// kSplitThreads per row (a full grid, as the register plans of the widest rows), thread t owning chunks t + n * 1024
+// kSplitThreads per row (a full grid, as the register plans of the widest rows; with PF, below, a block per SM walking
+// rows), thread t owning chunks t + n * 1024
 // for n < 16 (so the row's first 32768 values lie in registers, the rest, up to as many, in shared memory), the first
 // eight in registers (loaded with ld.global.nc.L1::no_allocate), the other eight in shared memory (128 KB per block,
 // copied with cp.async into the thread's own slots, so that no barrier guards them). One read of x and one write of y,
@@ -1747,9 +1748,8 @@ constexpr size_t split_smem(int nr) { return static_cast<size_t>(kSplitChunks - 
 // LayerNorm rows of more than kSplitPipeChunks chunks of four (57344 columns) take norm_fwd_split_kernel's PF form (a
 // block per SM, the next row loaded while this one is written; launch_fwd). Session 23 (H200, raw forward, fp32, % of
 // copy, 16384 rows; a block per row -> PF): LayerNorm 53248 / 57344 / 59392 / 61440 / 63488 / 65536 columns 86.0 /
-// 77.4-79.6 / 73.4 / 73.5 / 70.1 / 72.4 -> 82.3-83.6 / 77.4 / 76.5 / 77.0 / 76.4 / 77.0, 4096 x 65536 70.1 -> 75.3,
-// with bf16 parameters 61440 / 65536 77.1-78.7 -> 88.8-89.3; RMSNorm 36864-65536 (fp32 parameters) 94.6-96.9 ->
-// 81.7-92.5.
+// 77.4-79.6 / 73.4 / 73.5 / 70.1 / 72.4 -> 82.3-83.6 / 77.4 / 76.5 / 77.0 / 76.4 / 77.0, 4096 x 65536 70.1 -> 75.3;
+// RMSNorm 36864-65536 94.6-96.9 -> 81.7-92.5.
 constexpr int kSplitPipeChunks = 57344 / 4;
 
 template <typename Tout, typename Tp, bool RMS, int NR, bool PF>
@@ -1835,9 +1835,10 @@ norm_fwd_split_kernel(const float* __restrict__ x, const Tp* __restrict__ w, con
       store_f<VEC>(yr + static_cast<int64_t>(c) * VEC, o);
     };
     // PF: the block's next row is loaded as this row's output frees the registers (chunk by chunk) and the slots (after
-    // the last one), so that its reads are in flight while this row is written. A slot's copy is issued after the
-    // stores that used the slots' values (in-order issue: the shared-memory reads have completed), so no barrier
-    // guards it.
+    // the last one), so that its reads are in flight while this row is written. Only the thread that read a slot
+    // copies into it, after its read in program order: PTX performs cp.async as a weak memory operation of the
+    // executing thread, so its earlier ld.shared cannot observe the later copy (and the asm's "memory" clobber keeps
+    // the compiler from moving the read past it); no barrier or fence guards the slots.
     const int64_t nrow = row + gridDim.x;
     const bool more = PF && nrow < rows;
     const float* xn = x + (more ? nrow : row) * H;
