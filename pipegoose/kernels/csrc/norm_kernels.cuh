@@ -1769,6 +1769,9 @@ norm_fwd_split_kernel(const float* __restrict__ x, const Tp* __restrict__ w, con
   const int nsm = nchunks - NR * TPB;  // chunks of the row in shared memory (may be <= 0 for a short row)
   const float inv_h = 1.f / static_cast<float>(H);
   int parity = 0;
+#if defined(PIPEGOOSE_NORM_SPLIT_PARAM_L2)
+  const uint64_t keep_params = l2_policy(true);
+#endif
   Raw<float, VEC> cur[NR];
   // The block's first row (every row without PF): the shared-memory part with cp.async, then the register part.
   auto load = [&](int64_t row) {
@@ -1825,7 +1828,23 @@ norm_fwd_split_kernel(const float* __restrict__ x, const Tp* __restrict__ w, con
 #pragma unroll
       for (int g0 = 0; g0 < VEC; g0 += PG) {
         Raw<Tp, PG> cw, cb;
+#if defined(PIPEGOOSE_NORM_SPLIT_PARAM_L2)
+        // -DPIPEGOOSE_NORM_SPLIT_PARAM_L2 (a benchmark experiment, off in the shipped build): fp32 parameters read
+        // with an L2 evict_last policy, so that the streamed rows do not evict them. Session 23 (H200, call 7,
+        // benchmarks.norm_raw, fp32 forward, persistent parameters, % of copy, 16384 rows; shipped -> this):
+        // LayerNorm 65536 / 61440 / 49152 / 40000 columns 77.0 / 76.8 / 86.7 / 86.2 -> 86.9 / 89.4 / 87.7 / 86.3,
+        // RMSNorm 96.7 / 97.1 / 95.9 / 95.9 -> 95.5 / 96.1 / 94.9 / 93.7. Call 6 had found LayerNorm's PF form at
+        // 65536 columns at 89.4% with weight and bias written just before the call (a clone), 76.7 with persistent
+        // ones, 95.2 without parameters. Not yet shipped: no GPU test run on it (a float64 check only).
+        if constexpr (ZS && std::is_same<Tp, float>::value) {
+          raw_load_pol<float, 4>(w + (c * VEC + g0) * wm, cw, keep_params);
+          if constexpr (!RMS) raw_load_pol<float, 4>(b + (c * VEC + g0) * bm, cb, keep_params);
+        } else {
+          load_params_m<ZS, Tp, PG, RMS>(w, b, wm, bm, c * VEC + g0, cw, cb);
+        }
+#else
         load_params_m<ZS, Tp, PG, RMS>(w, b, wm, bm, c * VEC + g0, cw, cb);
+#endif
 #pragma unroll
         for (int i = 0; i < PG; ++i) {
           const float v = raw_get(xc, g0 + i);
