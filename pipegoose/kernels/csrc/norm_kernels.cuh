@@ -157,6 +157,20 @@ __device__ __forceinline__ V ld_hint(const V* p) {
   if constexpr (M != Ld::kCached) return __ldcs(p);
 #endif
   if constexpr (M == Ld::kCached) {
+#if defined(PIPEGOOSE_NORM_PARAM_L2) && !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
+    // -DPIPEGOOSE_NORM_PARAM_L2 (a benchmark experiment, off in the shipped build; not yet timed): every 16-byte
+    // parameter load (forward and backward) with an L2 evict_last policy, as -DPIPEGOOSE_NORM_SPLIT_PARAM_L2 does for
+    // the split forward only (norm_fwd_split_kernel, session 23). ptxas (sm_90, layer_norm.cu): no kernel spills
+    // more; some take more registers (16-bit norm_bwd_kernel plans 108 -> 128).
+    if constexpr (std::is_same<V, uint4>::value) {
+      uint64_t pol;
+      asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+      uint4 v;
+      asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+          : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
+      return v;
+    }
+#endif
     return __ldg(p);
   } else if constexpr (std::is_same<V, uint4>::value) {
     uint4 v;
