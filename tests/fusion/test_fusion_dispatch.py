@@ -131,6 +131,11 @@ def test_strict_mode(monkeypatch):
         assert dispatch.select(OP, problem(ours=False, ported=False)).impl == "torch"
     # a raising call is not counted
     assert dispatch.stats()[OP] == {"megatron": 1, "torch": 3}
+    # a walkthrough found strict("no") turning strict mode on (bool("no")): anything but a bool is a TypeError
+    for bad in ("no", 0, None):
+        with pytest.raises(TypeError, match=r"enabled: expected True or False, got "):
+            with dispatch.strict(bad):
+                pass
 
 
 @pytest.mark.parametrize("value", ["2", "enabled", "y", "strict"])

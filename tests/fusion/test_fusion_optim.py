@@ -257,3 +257,21 @@ def test_fused_adam_refuses_unsupported_flags_per_group_and_takes_numpy_numbers(
     assert FusedAdam([p], lr=np.float32(1e-3)).param_groups[0]["lr"] == np.float32(1e-3)
     with pytest.raises(ValueError, match=r"lr: expected a number or a one-element tensor, got shape \[2\]"):
         FusedAdam([p], lr=torch.tensor([1e-3, 2e-3]))
+
+
+@pytest.mark.parametrize("flag", ["adam_w_mode", "bias_correction", "amsgrad", "capturable"])
+def test_fused_adam_switches_must_be_bools(flag):
+    """A walkthrough found adam_w_mode="no" running AdamW (bool("no") is True), bias_correction="no" correcting, and
+    amsgrad="no" refused as if AMSGrad were asked for: a switch that is not True or False is a TypeError naming it, in
+    the constructor and in a param group."""
+    from pipegoose.nn.fusion.optim import FusedAdam
+
+    p = torch.nn.Parameter(torch.randn(3))
+    for bad in ("no", 0, None, torch.tensor(False)):
+        with pytest.raises(TypeError, match=rf"{flag}: expected True or False, got "):
+            FusedAdam([p], **{flag: bad})
+        with pytest.raises(TypeError, match=rf"{flag}: expected True or False, got "):
+            FusedAdam([{"params": [p], flag: bad}])
+    with pytest.raises(TypeError, match=r"maximize: expected True or False, got 'no'"):
+        FusedAdam([{"params": [p], "maximize": "no"}])
+    FusedAdam([p], adam_w_mode=False, bias_correction=False)  # the bools still work

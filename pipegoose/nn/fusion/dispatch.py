@@ -359,8 +359,13 @@ def is_strict() -> bool:
 @contextlib.contextmanager
 def strict(enabled: bool = True) -> Iterator[None]:
     """Context in which a fallback to the reference path raises :class:`FusionFallbackError` (or, with
-    ``enabled=False``, does not, whatever ``PIPEGOOSE_STRICT`` says)."""
-    token = _strict_var.set(bool(enabled))
+    ``enabled=False``, does not, whatever ``PIPEGOOSE_STRICT`` says).
+
+    Raises:
+        TypeError: ``enabled`` is not True or False (on entering the context)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected True or False, got {enabled!r}")
+    token = _strict_var.set(enabled)
     try:
         yield
     finally:

@@ -48,12 +48,15 @@ class FusedAdam(torch.optim.Optimizer):
     Raises (when built, and from ``add_param_group`` for a group's own values):
         ValueError: bad hyper-parameters (lr, eps, weight_decay not finite and >= 0; betas not in [0, 1)), an
         ``impl`` that names no implementation of ``adam``, amsgrad=True, capturable=True. TypeError: complex or
-        non-floating parameters, a hyper-parameter that is not a number. RuntimeError (in step): sparse gradients.
+        non-floating parameters, a hyper-parameter that is not a number, a switch (adam_w_mode, bias_correction,
+        amsgrad, capturable) that is not True or False. RuntimeError (in step): sparse gradients.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, adam_w_mode: bool = True, bias_correction: bool = True,
                  amsgrad: bool = False, capturable: bool = False, *, impl: str | None = None) -> None:
+        self._check_flags(dict(adam_w_mode=adam_w_mode, bias_correction=bias_correction, amsgrad=amsgrad,
+                               capturable=capturable))
         if amsgrad:
             raise ValueError("amsgrad: FusedAdam does not support AMSGrad (the multi-tensor kernels have no max "
                              "state); use torch.optim.AdamW(amsgrad=True)")
@@ -67,10 +70,20 @@ class FusedAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)  # each group through add_param_group: checked there
 
     @staticmethod
+    def _check_flags(group: dict) -> None:
+        """The switches of a group that are present (``adam_w_mode``, ``bias_correction``, ``amsgrad``, ``maximize``,
+        ``capturable``) must be True or False: a TypeError naming the argument otherwise (``bool("no")`` is True)."""
+        for name in ("adam_w_mode", "bias_correction", "amsgrad", "maximize", "capturable"):
+            if name in group and not isinstance(group[name], bool):
+                raise TypeError(f"{name}: expected True or False, got {group[name]!r}")
+
+    @staticmethod
     def _check_hyperparameters(group: dict) -> None:
         """The constructor's checks, for a param group too (``add_param_group``): ``lr``, ``eps``, ``weight_decay``
         finite numbers >= 0 (a 0-d tensor too), ``betas`` two numbers in [0, 1), ``impl`` an implementation of
-        ``adam`` (or None / ``auto``). TypeError or ValueError naming the argument."""
+        ``adam`` (or None / ``auto``), the switches True or False (:meth:`_check_flags`). TypeError or ValueError
+        naming the argument."""
+        FusedAdam._check_flags(group)
         for name in ("lr", "eps", "weight_decay"):
             v = group[name]
             if isinstance(v, bool) or not isinstance(v, (numbers.Real, torch.Tensor)):   # numpy scalars too
