@@ -119,7 +119,7 @@ def _build(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from .builder import KernelBuildError, KernelUnavailableError
+    from .builder import KernelBuildError, KernelUnavailableError, stop_workers
 
     if not args.all and not args.names:
         print("build: name kernels or pass --all", file=sys.stderr)
@@ -151,12 +151,17 @@ def _build(args) -> int:
 
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             futs = [pool.submit(one, b) for b in builders]
-            for f in as_completed(futs):
-                b, state, detail, secs = f.result()
-                results[b.kernel.id] = (state, detail, secs)
-                color = {"built": "green", "cached": "green", "missing": "yellow"}.get(state, "red")
-                progress.console.print(f"[{color}]{state:>7}[/] {b.kernel.id} ({secs:.1f} s)")
-                progress.advance(overall)
+            try:
+                for f in as_completed(futs):
+                    b, state, detail, secs = f.result()
+                    results[b.kernel.id] = (state, detail, secs)
+                    color = {"built": "green", "cached": "green", "missing": "yellow"}.get(state, "red")
+                    progress.console.print(f"[{color}]{state:>7}[/] {b.kernel.id} ({secs:.1f} s)")
+                    progress.advance(overall)
+            except BaseException:  # Ctrl-C reaches this thread only: stop the queued builds and the running workers
+                pool.shutdown(wait=False, cancel_futures=True)
+                stop_workers()
+                raise
     from rich.table import Table
 
     t = Table(title="build results")

@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -384,15 +385,7 @@ class KernelBuilder:
             log.write(f"$ {' '.join(cmd)}\n# TORCH_CUDA_ARCH_LIST={env.get('TORCH_CUDA_ARCH_LIST', '')} "
                       f"CUDA_HOME={env.get('CUDA_HOME', '')} MAX_JOBS={env.get('MAX_JOBS', '')}\n".encode())
             log.flush()
-            if self.verbose:
-                proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-                assert proc.stdout is not None
-                for line in proc.stdout:
-                    log.write(line)
-                    sys.stderr.buffer.write(line)
-                rc = proc.wait()
-            else:
-                rc = subprocess.run(cmd, env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT).returncode
+            rc = _run_worker(cmd, env=env, cwd=tmp, log=log, echo=self.verbose)
         result = None
         if rc == 0:
             try:
@@ -532,8 +525,90 @@ def load(name: str, **kwargs: Any) -> KernelOps:
     return KernelBuilder.from_name(name, **kwargs).load()
 
 
+def _run_worker(cmd: list[str], *, env: dict, cwd: Path, log: Any, echo: bool) -> int:
+    """Runs the build worker ``cmd`` with its output into ``log`` (a binary file; with ``echo`` also to stderr, line
+    by line) and returns its exit status. On POSIX the worker leads a process group of its own (ninja and the
+    compilers join it): whatever ends the wait early (Ctrl-C, an error while copying the output) stops that whole
+    group before it propagates, so that no compiler outlives the build (:func:`_stop_group`). If this process is
+    killed outright, the worker notices and stops its group itself (:func:`_exit_with_parent`)."""
+    posix = os.name == "posix"
+    with _workers_lock:
+        if _stop_requested.is_set():
+            raise RuntimeError("build stopped: stop_workers() was called")
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE if echo else log,
+                                stderr=subprocess.STDOUT, start_new_session=posix)
+        _workers.add(proc)
+    try:
+        if echo:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log.write(line)
+                sys.stderr.buffer.write(line)
+        return proc.wait()
+    finally:
+        if proc.poll() is None:
+            _stop_group(proc, posix)
+        with _workers_lock:
+            _workers.discard(proc)
+
+
+# The build workers running now (_run_worker), for stop_workers.
+_workers: set[subprocess.Popen] = set()
+_workers_lock = threading.Lock()
+_stop_requested = threading.Event()
+
+
+def stop_workers() -> None:
+    """Stops every build worker of this process and refuses new ones (builds then fail): for a caller that runs
+    builds in threads and is interrupted (``python -m pipegoose.kernels build``), where the interrupt reaches only the
+    main thread while the workers, in process groups of their own, do not see the terminal's Ctrl-C."""
+    with _workers_lock:
+        _stop_requested.set()
+        live = list(_workers)
+    for proc in live:
+        if proc.poll() is None:
+            _stop_group(proc, os.name == "posix")
+
+
+def _stop_group(proc: subprocess.Popen, posix: bool, grace_s: float = 5.0) -> None:
+    """SIGTERM to the worker's process group (POSIX; elsewhere the worker alone), SIGKILL after ``grace_s``."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (getattr(signal, "SIGKILL", signal.SIGTERM), None)):
+        try:
+            if posix:
+                os.killpg(proc.pid, sig)
+            elif sig == signal.SIGTERM:
+                proc.terminate()
+            else:
+                proc.kill()
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _exit_with_parent(poll_s: float = 0.5) -> None:
+    """In the build worker: a daemon thread that, once the process that started the worker is gone (the worker was
+    re-parented: its parent was killed, even with SIGKILL), stops the worker's process group, ninja and the
+    compilers with it, when the worker leads that group (as :func:`_run_worker` starts it), else the worker alone.
+    The build's temp folder is then left unpublished, for the next build of its key (or ``clean``) to remove."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        if os.name == "posix" and os.getpgrp() == os.getpid():
+            os.killpg(0, signal.SIGTERM)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pipegoose-parent-watch", daemon=True).start()
+
+
 def _worker_main(spec_path: str) -> int:
     """The child build: compile with cpp_extension, load the library, import the fakes, check the ops."""
+    _exit_with_parent()
     spec = json.loads(Path(spec_path).read_text())
     for p in spec.get("pythonpath", []):
         if p not in sys.path:
