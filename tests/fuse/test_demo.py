@@ -182,3 +182,15 @@ def test_bloom_is_told_by_model_type_not_by_the_path(monkeypatch, tmp_path, caps
     assert said == [False, True, True, False]
     assert demo.main(["--model", "bloom", "--device", "cpu", "--attn-implementation", "eager"]) == 2
     assert "Bloom has no SDPA path" not in capsys.readouterr().out and seen[-1] == "eager"
+
+
+def test_demo_folder_without_tokenizer_files(capsys, tmp_path):
+    """A walkthrough saved a BertModel without its tokenizer: transformers built an empty tokenizer, every word became
+    [UNK], and the demo reported PASS on that input; now a message saying so, exit status 2."""
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    BertModel(cfg).save_pretrained(tmp_path)
+    assert demo.main(["--model", str(tmp_path), "--device", "cpu"]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "maps every word of the demo's sentences to its unknown token" in out, out

@@ -132,6 +132,14 @@ def load(model_arg: str | None, attn: str, device: torch.device, dtype: torch.dt
         enc = tok(texts, padding=True, return_tensors="pt")
         if enc["input_ids"].shape[-1] == 0:
             raise ValueError(f"--model {path}: the tokenizer there gives no tokens for the demo's sentences")
+        unk = tok.unk_token_id
+        if unk is not None:
+            ids = enc["input_ids"][enc["attention_mask"].bool()]
+            words = ids[~torch.isin(ids, torch.tensor([i for i in tok.all_special_ids if i != unk], dtype=ids.dtype))]
+            if words.numel() and bool((words == unk).all()):
+                raise ValueError(f"--model {path}: the tokenizer there maps every word of the demo's sentences to "
+                                 f"its unknown token {tok.unk_token!r} (a folder saved without its tokenizer files "
+                                 "gets an empty one from transformers; save the tokenizer with the model)")
         rows = model.get_input_embeddings().num_embeddings
         if int(enc["input_ids"].max()) >= rows:
             raise ValueError(f"--model {path}: the tokenizer there gives token ids up to "
