@@ -525,6 +525,12 @@ def load(name: str, **kwargs: Any) -> KernelOps:
     return KernelBuilder.from_name(name, **kwargs).load()
 
 
+# The build workers running now (_run_worker), for stop_workers.
+_workers: set[subprocess.Popen] = set()
+_workers_lock = threading.Lock()
+_stop_requested = threading.Event()
+
+
 def _run_worker(cmd: list[str], *, env: dict, cwd: Path, log: Any, echo: bool) -> int:
     """Runs the build worker ``cmd`` with its output into ``log`` (a binary file; with ``echo`` also to stderr, line
     by line) and returns its exit status. On POSIX the worker leads a process group of its own (ninja and the
@@ -550,12 +556,6 @@ def _run_worker(cmd: list[str], *, env: dict, cwd: Path, log: Any, echo: bool) -
             _stop_group(proc, posix)
         with _workers_lock:
             _workers.discard(proc)
-
-
-# The build workers running now (_run_worker), for stop_workers.
-_workers: set[subprocess.Popen] = set()
-_workers_lock = threading.Lock()
-_stop_requested = threading.Event()
 
 
 def stop_workers() -> None:
