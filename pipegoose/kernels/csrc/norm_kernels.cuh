@@ -147,22 +147,24 @@ __device__ __forceinline__ void raw_pack(const float (&in)[N], Raw<T, N>& r) {
 // and ld.global.nc.L1::no_allocate ran best (95.4); the synchronous backward gained up to 7.5 points (fp32 RMSNorm
 // 16384: 91.2 -> 98.8). Neither the L2::256B prefetch hint (with .cs or with .nc.L1::no_allocate) nor .nc alone beat
 // these. Ld::kPlain (ld.global) and Ld::kNoL1 (ld.global.nc.L1::no_allocate) are the two streaming modes; Ld::kCached
-// (__ldg) reads the parameters, which every row reads again. -DPIPEGOOSE_NORM_LD_CS (a benchmark experiment, off in
-// the shipped build) turns both streaming modes back into ld.global.cs, the loads before session 9.
-enum class Ld { kCached, kPlain, kNoL1 };
+// (__ldg) reads the parameters, which every row reads again; Ld::kParam is kCached for the forward kernels' parameters
+// (an experiment can give them an L2 policy, below). -DPIPEGOOSE_NORM_LD_CS (a benchmark experiment, off in the
+// shipped build) turns both streaming modes back into ld.global.cs, the loads before session 9.
+enum class Ld { kCached, kParam, kPlain, kNoL1 };
 
 template <Ld M, typename V>
 __device__ __forceinline__ V ld_hint(const V* p) {
 #if defined(PIPEGOOSE_NORM_LD_CS)
-  if constexpr (M != Ld::kCached) return __ldcs(p);
+  if constexpr (M == Ld::kPlain || M == Ld::kNoL1) return __ldcs(p);
 #endif
-  if constexpr (M == Ld::kCached) {
-#if defined(PIPEGOOSE_NORM_PARAM_L2) && !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
-    // -DPIPEGOOSE_NORM_PARAM_L2 (a benchmark experiment, off in the shipped build; not yet timed): every 16-byte
-    // parameter load (forward and backward) with an L2 evict_last policy, as -DPIPEGOOSE_NORM_SPLIT_PARAM_L2 does for
-    // the split forward only (norm_fwd_split_kernel, session 23). ptxas (sm_90, layer_norm.cu): no kernel spills
-    // more; some take more registers (16-bit norm_bwd_kernel plans 108 -> 128).
-    if constexpr (std::is_same<V, uint4>::value) {
+  if constexpr (M == Ld::kCached || M == Ld::kParam) {
+#if defined(PIPEGOOSE_NORM_FWD_PARAM_L2) && !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
+    // -DPIPEGOOSE_NORM_FWD_PARAM_L2 (a benchmark experiment, off in the shipped build): the forward kernels' 16-byte
+    // parameter loads with an L2 evict_last policy, as LayerNorm's split forward reads its fp32 parameters. Session
+    // 24 (H200, call 1, benchmarks.norm_raw, % of copy) timed the same policy on every 16-byte parameter load of both
+    // passes: forward +0 to +1.5 points (bf16 LayerNorm 65536 x 1024 90.7 -> 91.7, 16384 x 32768 95.8 -> 97.3),
+    // backward up to -3.4 (fp32 LayerNorm 32768 x 2048 96.6 -> 93.2), so the experiment now covers the forward only.
+    if constexpr (M == Ld::kParam && std::is_same<V, uint4>::value) {
       uint64_t pol;
       asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
       uint4 v;
@@ -464,9 +466,9 @@ __device__ __forceinline__ void raw_fill(Raw<T, N>& r, float v) {
 template <typename Tp, int N, bool RMS>
 __device__ __forceinline__ void load_params(const Tp* __restrict__ w, const Tp* __restrict__ b, int j,
                                             Raw<Tp, N>& pw, Raw<Tp, N>& pb) {
-  if (w != nullptr) raw_load<Tp, N, Ld::kCached>(w + j, pw); else raw_fill(pw, 1.f);
+  if (w != nullptr) raw_load<Tp, N, Ld::kParam>(w + j, pw); else raw_fill(pw, 1.f);
   if constexpr (!RMS) {
-    if (b != nullptr) raw_load<Tp, N, Ld::kCached>(b + j, pb); else raw_fill(pb, 0.f);
+    if (b != nullptr) raw_load<Tp, N, Ld::kParam>(b + j, pb); else raw_fill(pb, 0.f);
   }
 }
 
@@ -520,8 +522,8 @@ template <bool ZS, typename Tp, int N, bool RMS>
 __device__ __forceinline__ void load_params_m(const Tp* __restrict__ w, const Tp* __restrict__ b, int wm, int bm,
                                               int j, Raw<Tp, N>& pw, Raw<Tp, N>& pb) {
   if constexpr (ZS) {
-    raw_load<Tp, N, Ld::kCached>(w + j * wm, pw);
-    if constexpr (!RMS) raw_load<Tp, N, Ld::kCached>(b + j * bm, pb);
+    raw_load<Tp, N, Ld::kParam>(w + j * wm, pw);
+    if constexpr (!RMS) raw_load<Tp, N, Ld::kParam>(b + j * bm, pb);
   } else {
     load_params<Tp, N, RMS>(w, b, j, pw, pb);
   }
@@ -1783,9 +1785,7 @@ norm_fwd_split_kernel(const float* __restrict__ x, const Tp* __restrict__ w, con
   const int nsm = nchunks - NR * TPB;  // chunks of the row in shared memory (may be <= 0 for a short row)
   const float inv_h = 1.f / static_cast<float>(H);
   int parity = 0;
-#if defined(PIPEGOOSE_NORM_SPLIT_PARAM_L2)
-  const uint64_t keep_params = l2_policy(true);
-#endif
+  const uint64_t keep_params = RMS ? 0 : l2_policy(true);  // LayerNorm's fp32 parameters: see out below
   Raw<float, VEC> cur[NR];
   // The block's first row (every row without PF): the shared-memory part with cp.async, then the register part.
   auto load = [&](int64_t row) {
@@ -1842,23 +1842,19 @@ norm_fwd_split_kernel(const float* __restrict__ x, const Tp* __restrict__ w, con
 #pragma unroll
       for (int g0 = 0; g0 < VEC; g0 += PG) {
         Raw<Tp, PG> cw, cb;
-#if defined(PIPEGOOSE_NORM_SPLIT_PARAM_L2)
-        // -DPIPEGOOSE_NORM_SPLIT_PARAM_L2 (a benchmark experiment, off in the shipped build): fp32 parameters read
-        // with an L2 evict_last policy, so that the streamed rows do not evict them. Session 23 (H200, call 7,
-        // benchmarks.norm_raw, fp32 forward, persistent parameters, % of copy, 16384 rows; shipped -> this):
-        // LayerNorm 65536 / 61440 / 49152 / 40000 columns 77.0 / 76.8 / 86.7 / 86.2 -> 86.9 / 89.4 / 87.7 / 86.3,
-        // RMSNorm 96.7 / 97.1 / 95.9 / 95.9 -> 95.5 / 96.1 / 94.9 / 93.7. Call 6 had found LayerNorm's PF form at
-        // 65536 columns at 89.4% with weight and bias written just before the call (a clone), 76.7 with persistent
-        // ones, 95.2 without parameters. Not yet shipped: no GPU test run on it (a float64 check only).
-        if constexpr (ZS && std::is_same<Tp, float>::value) {
+        // LayerNorm's fp32 parameters are read with an L2 evict_last policy, so that the streamed rows do not evict
+        // them. Session 23 (H200, call 7, benchmarks.norm_raw, fp32 forward, persistent parameters, % of copy, 16384
+        // rows; plain loads -> this): LayerNorm 65536 / 61440 / 49152 / 40000 columns 77.0 / 76.8 / 86.7 / 86.2 ->
+        // 86.9 / 89.4 / 87.7 / 86.3 (session 24, 8192 x 65536: 76.3 -> 89.6); RMSNorm (one parameter array) lost
+        // 1-2 points (96.7 / 97.1 / 95.9 / 95.9 -> 95.5 / 96.1 / 94.9 / 93.7) and keeps plain loads. Call 6 had found
+        // the PF form at 65536 columns at 89.4% with weight and bias written just before the call (a clone), 76.7
+        // with persistent ones, 95.2 without parameters.
+        if constexpr (!RMS && ZS && std::is_same<Tp, float>::value) {
           raw_load_pol<float, 4>(w + (c * VEC + g0) * wm, cw, keep_params);
-          if constexpr (!RMS) raw_load_pol<float, 4>(b + (c * VEC + g0) * bm, cb, keep_params);
+          raw_load_pol<float, 4>(b + (c * VEC + g0) * bm, cb, keep_params);
         } else {
           load_params_m<ZS, Tp, PG, RMS>(w, b, wm, bm, c * VEC + g0, cw, cb);
         }
-#else
-        load_params_m<ZS, Tp, PG, RMS>(w, b, wm, bm, c * VEC + g0, cw, cb);
-#endif
 #pragma unroll
         for (int i = 0; i < PG; ++i) {
           const float v = raw_get(xc, g0 + i);
