@@ -7,7 +7,7 @@
     python tools/port.py verify                    recompute hashes; exit 1 on any difference
     python tools/port.py remove <id>
     python tools/port.py audit [IDS] [--to X | --latest] [--diff] [--json]   exit 0 in sync, 1 drift, 2 error
-    python tools/port.py update <id|source> (--to X | --latest) [--force]
+    python tools/port.py update <id|source> (--to X | --latest) [--force] [--allow-downgrade]
 
 Options common to all: --root DIR (repository root: kernels.yaml, kernels.lock, vendor/, LICENSES/) or
 --manifest FILE; --cache DIR (download cache; env PIPEGOOSE_PORT_CACHE); --offline.
@@ -148,7 +148,7 @@ def cmd_audit(a) -> int:
 
 
 def cmd_update(a) -> int:
-    report = update(_porter(a), a.id, to=a.to, latest=a.latest, force=a.force)
+    report = update(_porter(a), a.id, to=a.to, latest=a.latest, force=a.force, allow_downgrade=a.allow_downgrade)
     _print_audit(report, False)
     s = report.sources[0]
     if not report.updated:
@@ -181,9 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("ids", nargs="+")
     s.set_defaults(fn=cmd_remove)
     s = sub.add_parser("audit", parents=[common], help="compare vendored kernels with a newer upstream")
-    s.add_argument("ids", nargs="*")
+    s.add_argument("ids", nargs="*", help="kernel ids/aliases or source ids (default: every vendored kernel)")
     g = s.add_mutually_exclusive_group()
-    g.add_argument("--to", help="version (pypi) or commit/ref (git) to compare with")
+    g.add_argument("--to", help="version (pypi) or commit/ref (git) to compare with; needs exactly one source "
+                                "(name it when more than one is vendored)")
     g.add_argument("--latest", action="store_true", help="newest release / branch head (the default)")
     s.add_argument("--diff", action="store_true", help="show the changes")
     s.add_argument("--json", action="store_true", help="machine-readable output")
@@ -191,9 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("update", parents=[common], help="re-vendor a source at a new pin")
     s.add_argument("id", help="kernel id/alias or source id")
     g = s.add_mutually_exclusive_group(required=True)
-    g.add_argument("--to")
-    g.add_argument("--latest", action="store_true")
+    g.add_argument("--to", help="version (pypi) or commit/ref (git) to move to")
+    g.add_argument("--latest", action="store_true", help="newest release / branch head")
     s.add_argument("--force", action="store_true", help="update even if a symbol vanished or a license changed")
+    s.add_argument("--allow-downgrade", action="store_true",
+                   help="allow a version older (PEP 440) than the pinned one; without it update refuses "
+                        "(git sources, pinned by commit, have no order and are never refused)")
     s.set_defaults(fn=cmd_update)
     a = ap.parse_args(argv)
     try:

@@ -208,11 +208,16 @@ def audit(porter: Porter, names: Iterable[str] | None = None, to: str | None = N
     pypi sources, a commit or ref for git sources) or the newest upstream (``latest``, also the default).
 
     Fetch failures are reported per source (``error``; exit code 2), not raised. Raises PortError for an
-    unknown id, or when ``to`` is given for kernels of more than one source.
+    unknown id, or when ``to`` is given for kernels of more than one source (a version or commit belongs to
+    one source: without ``names``, name the source when more than one is vendored).
     """
     targets = _targets(porter, names)
     if to is not None and len(targets) > 1:
-        raise PortError(f"--to applies to one source; the kernels named come from {', '.join(sorted(targets))}")
+        if names:
+            raise PortError(f"--to needs the kernels of exactly one source; the kernels named come from "
+                            f"{', '.join(sorted(targets))}")
+        raise PortError(f"--to needs exactly one source, and without a name audit covers every vendored one "
+                        f"({', '.join(sorted(targets))}): name it, e.g. `audit {min(targets)} --to {to}`")
     report = AuditReport([])
     for sid, kids in sorted(targets.items()):
         src = porter.manifest.sources[sid]
@@ -298,14 +303,30 @@ def edit_source_pin(text: str, sid: str, old_pin: dict[str, str], new_pin: dict[
     return "".join(lines[:start]) + block + "".join(lines[end:])
 
 
-def update(porter: Porter, name: str, to: str | None = None, latest: bool = False, force: bool = False) -> AuditReport:
+def _refuse_downgrade(sid: str, src: Source, version: str, asked: str) -> None:
+    """Raise PortError when ``version`` is older (PEP 440) than the pin of pypi source ``src``. Git sources,
+    pinned by commit, have no order; a version that does not parse is left to the audit to report."""
+    if src.kind != "pypi":
+        return
+    try:
+        older = Version(version) < Version(src.pin["version"])
+    except InvalidVersion:
+        return
+    if older:
+        raise PortError(f"{sid}: refusing to downgrade {src.pin['name']} from the pinned {src.pin['version']} to "
+                        f"{version} ({asked}); pass --allow-downgrade to do it anyway")
+
+
+def update(porter: Porter, name: str, to: str | None = None, latest: bool = False, force: bool = False,
+           allow_downgrade: bool = False) -> AuditReport:
     """Move a source (named by source id or by one of its kernels) to a new pin: audit it, then re-vendor
     every locked kernel of the source (and the named kernel) at the new pin, rewrite the pin in kernels.yaml
     and the lock, all in one transaction.
 
     Raises PortError (nothing changed) when: the audit fails; a vendored file was removed or moved upstream
     (edit the kernel's ``files`` first); an entry symbol vanished or a license file changed (unless
-    ``force``); the new files or license fail the checks of ``add``.
+    ``force``); the new version of a pypi source is older than its pin (unless ``allow_downgrade``; checked
+    before any download for ``to``); the new files or license fail the checks of ``add``.
     """
     m = porter.manifest
     if name in m.sources:
@@ -325,6 +346,8 @@ def update(porter: Porter, name: str, to: str | None = None, latest: bool = Fals
         raise PortError(f"{sid} is a local source (our own kernels): nothing to update")
     if to is None and not latest:
         raise PortError("update needs --to VERSION_OR_COMMIT or --latest")
+    if to is not None and not allow_downgrade:
+        _refuse_downgrade(sid, src, to, "--to")
     with porter.locked() as lock:
         porter._check_pin(lock, sid)
         kids = lock.kernels_of(sid) + ([named] if named and named not in lock.kernels else [])
@@ -334,6 +357,8 @@ def update(porter: Porter, name: str, to: str | None = None, latest: bool = Fals
         sa = report.sources[0]
         if sa.error:
             raise PortError(f"{sid}: audit failed: {sa.error}")
+        if latest and not allow_downgrade:  # the newest release may be older than a pre-release or yanked pin
+            _refuse_downgrade(sid, src, sa.to_pin.get("version", ""), "--latest: the newest release on the index")
         if all(kid in lock.kernels for kid in kids) and sa.to_pin == dict(lock.sources[sid].pin):
             report.updated = False  # already at that pin: nothing to re-vendor or rewrite
             return report

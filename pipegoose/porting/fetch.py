@@ -12,7 +12,8 @@ Download cache (``$PIPEGOOSE_PORT_CACHE``, default ``~/.cache/pipegoose/port``):
     git/<key>/                   bare clones, one per URL
 
 so a second ``sync`` needs no network. Writes into the cache are atomic (temporary file + rename) and
-serialised with a file lock.
+serialised with a file lock; temporary folders that a killed run left (``pypi/<name>/.dl-*``,
+``git/.<key>-*``) are removed by the next run, under the same lock.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable, Iterable, Mapping
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 from packaging.utils import InvalidSdistFilename, canonicalize_name, parse_sdist_filename
 from packaging.version import InvalidVersion, Version
 
@@ -55,6 +56,22 @@ __all__ = [
 ]
 
 _ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar", ".zip")
+
+
+def _remove_stale_temp(folder: Path, pattern: str) -> None:
+    """Remove the temporary folders matching ``pattern`` in ``folder`` (what a download or clone killed midway
+    left). Call only while holding the cache lock under which such folders are made.
+
+    The lock is what makes this safe: every such folder is created and used only while its lock is held, and
+    the OS drops a held lock when its process dies (``kill -9`` included), so while we hold it no live run is
+    writing into one. An owner-pid or age check would be weaker: pids are reused, a shared cache may be used
+    from other machines or containers, and a slow download can be old and still running. (A ``pip download``
+    orphaned by a killed run holds no lock and may still write into its folder: removing it makes that pip
+    fail, and its result would have been dropped anyway.)
+    """
+    for p in folder.glob(pattern):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)  # best effort: a leftover must not fail the run
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -508,6 +525,13 @@ class Fetcher:
     def _pypi_tree(self, source: Source, pin: dict[str, str]) -> SourceTree:
         name, version, want = pin["name"], pin["version"], pin.get("sha256")
         label = f"{name} {version} sdist"
+        d = self._pypi_dir(name)
+        if d.is_dir():
+            try:  # without waiting: a run holding the lock may be using its .dl-* folder (the next run sweeps)
+                with FileLock(str(d / ".lock"), timeout=0):
+                    _remove_stale_temp(d, ".dl-*")
+            except Timeout:
+                pass
         path = self._cached_sdist(name, version, want)
         if path is None:
             if self.offline:
@@ -524,6 +548,7 @@ class Fetcher:
         d = self._pypi_dir(name)
         d.mkdir(parents=True, exist_ok=True)
         with FileLock(str(d / ".lock"), timeout=600):
+            _remove_stale_temp(d, ".dl-*")
             cached = self._cached_sdist(name, version, want)
             if cached is not None:
                 return cached
@@ -590,6 +615,7 @@ class Fetcher:
         d = self.cache / "git" / key
         d.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(d.parent / f".{key}.lock"), timeout=600):
+            _remove_stale_temp(d.parent, f".{key}-*")
             try:
                 if not (d / "HEAD").exists():
                     if self.offline:

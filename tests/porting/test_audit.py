@@ -183,6 +183,78 @@ def test_update_to_an_invalid_version_is_a_clear_error(repo, bad):
     assert audit(p, to=bad).exit_code == 2
 
 
+def test_update_refuses_a_downgrade_unless_allowed(repo):
+    """A found walkthrough bug: `update colossalai --to 0.4.9` (older than the pin) downgraded without a word."""
+    p = setup_sdist(repo)
+    publish_version(repo, "0.9", V1_FILES)
+    before = repo.snapshot()
+    for to in ("0.9", "v0.9.0", "1.0rc1"):  # PEP 440 order: a pre-release of the pin is older too
+        with pytest.raises(PortError, match=rf"^up: refusing to downgrade up from the pinned 1\.0 to {to} \(--to\); "
+                                            r"pass --allow-downgrade to do it anyway$"):
+            update(p, "up", to=to)
+    assert repo.snapshot() == before
+    assert not list((repo.cache / "pypi" / "up").glob("up-0.9*"))  # refused before any download
+    # the CLI: refused (exit 2, the error on stderr), then done with --allow-downgrade
+    cmd = [sys.executable, str(ROOT / "tools/port.py"), "update", "up", "--root", str(repo.root), "--cache",
+           str(repo.cache), "--to", "0.9"]
+    import os
+
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": repo.index_url, "PIP_EXTRA_INDEX_URL": "",
+           "PIP_FIND_LINKS": ""}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and "refusing to downgrade up from the pinned 1.0 to 0.9" in " ".join(r.stderr.split())
+    assert repo.snapshot() == before
+    r = subprocess.run(cmd + ["--allow-downgrade"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "updated up: up 1.0 -> up 0.9" in " ".join(r.stdout.split())
+    p.reload_manifest()
+    assert p.manifest.sources["up"].pin["version"] == "0.9" and p.verify() == []
+    assert Lock.load(repo.root / "kernels.lock").sources["up"].pin["version"] == "0.9"
+    # --latest: the newest release on the index may be older than the pin
+    update(p, "up", to="1.0")
+    (Path(repo.index_url[len("file://"):]) / "files" / "up-1.0.tar.gz").unlink()
+    publish_version(repo, "0.9", V1_FILES)  # rewrites the index page: 0.9 only
+    before = repo.snapshot()
+    with pytest.raises(PortError, match=r"refusing to downgrade up from the pinned 1\.0 to 0\.9 \(--latest"):
+        update(p, "up", latest=True)
+    assert repo.snapshot() == before
+    assert update(p, "up", latest=True, allow_downgrade=True).updated is True
+
+
+def test_update_to_an_older_git_commit_is_no_downgrade(repo, tmp_path):
+    """Commits have no order: update moves a git source to any commit without --allow-downgrade."""
+    up, c1 = init_git_upstream(tmp_path / "upstream", V1_FILES)
+    c2 = commit_files(up, {**V1_FILES, "csrc/common/util.h": V1_FILES["csrc/common/util.h"] + "// v2\n"}, APACHE, "v2")
+    repo.write_manifest(source_yaml("up", f"git: {{url: '{up.working_tree_dir}', commit: {c2}}}"), K_ALPHA)
+    p = repo.porter()
+    p.add(["alpha"])
+    assert update(p, "up", to=c1).updated is True
+    assert Lock.load(repo.root / "kernels.lock").sources["up"].pin["commit"] == c1 and p.verify() == []
+
+
+def test_audit_to_without_a_source_name_needs_exactly_one_source(repo):
+    """A version belongs to one source: `audit --to X` without a name, when more than one source is vendored, is a
+    usage error that says so (it said "the kernels named come from ..." when none was named)."""
+    sd = publish_version(repo, "1.0", V1_FILES)
+    other = make_sdist(repo.root.parent / "build", "other", "1.0", V1_FILES)
+    publish(Path(repo.index_url[len("file://"):]), other)
+    repo.write_manifest(
+        source_yaml("up", f"pypi: {{name: up, version: '1.0', sha256: {sha256(sd.read_bytes())}}}")
+        + source_yaml("other", f"pypi: {{name: other, version: '1.0', sha256: {sha256(other.read_bytes())}}}"),
+        K_ALPHA + kernel_yaml("other/gamma", "other", ["csrc/kernels/alpha.cu", "csrc/common/util.h"], "alpha_fwd",
+                              "gamma_forward"))
+    p = repo.porter()
+    p.add(["up/alpha", "other/gamma"])
+    with pytest.raises(PortError, match=r"^--to needs exactly one source, and without a name audit covers every "
+                                        r"vendored one \(other, up\): name it, e\.g\. `audit other --to 1\.0`$"):
+        audit(p, to="1.0")
+    with pytest.raises(PortError, match=r"^--to needs the kernels of exactly one source; the kernels named come "
+                                        r"from other, up$"):
+        audit(p, ["up/alpha", "other"], to="1.0")
+    assert audit(p, ["other"], to="1.0").exit_code == 0  # one source named: fine
+    assert audit(p).exit_code == 0  # --latest (the default) covers every source
+
+
 def test_update_of_an_unknown_name_lists_the_sources(repo):
     p = setup_sdist(repo)
     with pytest.raises(PortError, match=r"unknown source or kernel 'upp' in kernels.yaml; did you mean the source up\? "

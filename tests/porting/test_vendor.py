@@ -117,6 +117,54 @@ def test_offline_without_cache_fails_clearly(sdist_repo):
         sdist_repo.porter(offline=True).add(["alpha"])
 
 
+def _killed_while_holding(lock: Path, make_temp: str) -> None:
+    """Run a process that takes the cache lock ``lock``, makes a temporary folder as a download does (``make_temp``:
+    Python code that binds ``d``) with a partial file in it, and is killed with SIGKILL: what a killed run leaves."""
+    code = (f"import os, signal, tempfile\nfrom pathlib import Path\nfrom filelock import FileLock\n"
+            f"FileLock({str(lock)!r}).acquire()\nd = {make_temp}\n(Path(d) / 'part.tar.gz').write_bytes(b'x' * 100)\n"
+            f"os.kill(os.getpid(), signal.SIGKILL)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == -9, r.stderr
+
+
+def test_next_run_removes_what_a_killed_download_left(sdist_repo):
+    """A found walkthrough bug: a download killed midway left its .dl-* folder in the port cache for ever. The next
+    run removes it under the cache lock, which the killed run no longer holds; one held by a live run is left."""
+    repo = sdist_repo
+    d = repo.cache / "pypi" / "up"
+    d.mkdir(parents=True)
+    _killed_while_holding(d / ".lock", f"tempfile.mkdtemp(dir={str(d)!r}, prefix='.dl-')")
+    assert len(list(d.glob(".dl-*"))) == 1
+    repo.porter().add(["alpha"])  # downloads
+    assert list(d.glob(".dl-*")) == []
+    # the sdist now in the cache: a run that downloads nothing removes a leftover too
+    _killed_while_holding(d / ".lock", f"tempfile.mkdtemp(dir={str(d)!r}, prefix='.dl-')")
+    repo.porter(offline=True).fetcher.tree(repo.porter().manifest.sources["up"])
+    assert list(d.glob(".dl-*")) == []
+    # while another run holds the lock, its .dl-* folder may be in use: left alone
+    from filelock import FileLock
+
+    (d / ".dl-live").mkdir()
+    with FileLock(str(d / ".lock")):
+        t = repo.porter(offline=True).fetcher.tree(repo.porter().manifest.sources["up"])
+        assert t.has("csrc/kernels/alpha.cu") and (d / ".dl-live").is_dir()
+    repo.porter(offline=True).fetcher.tree(repo.porter().manifest.sources["up"])
+    assert not (d / ".dl-live").exists()
+
+
+def test_next_run_removes_what_a_killed_clone_left(git_repo):
+    from pipegoose.porting.util import sha256_bytes
+
+    repo = git_repo
+    key = sha256_bytes(repo.upstream.working_tree_dir.encode())[:16]
+    g = repo.cache / "git"
+    g.mkdir(parents=True)
+    _killed_while_holding(g / f".{key}.lock", f"tempfile.mkdtemp(dir={str(g)!r}, prefix='.{key}-')")
+    (g / ".0123456789abcdef-other").mkdir()  # another URL's: not ours to judge
+    repo.porter().add(["alpha"])
+    assert list(g.glob(f".{key}-*")) == [] and (g / ".0123456789abcdef-other").is_dir()
+
+
 def test_verify_names_differing_missing_and_extra_files(git_repo):
     repo = git_repo
     p = repo.porter()
