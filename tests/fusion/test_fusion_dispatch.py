@@ -491,3 +491,17 @@ def test_warnings_name_the_callers_line_not_pipegoose():
     with pytest.warns(UserWarning, match="cannot run this input") as rec:
         model(torch.randn(4, 8))
     assert [(w.filename, w.lineno) for w in rec if "cannot run" in str(w.message)] == [(__file__, model.line)]
+
+
+def test_last_choice_of_an_unknown_op_is_a_key_error():
+    """last_choice("nope") returned None, as for a known op that has not run: a misspelt name went unnoticed. It is
+    now a KeyError naming the argument and the known ops (as implementations() and explain() raise); a known op that
+    has not run, and attention (no dispatcher op, but the attention function records its choices), give None."""
+    with pytest.raises(KeyError, match=r"op: unknown fused op 'nope'; known ops: .*attention.*fake\.op.*layer_norm"):
+        dispatch.last_choice("nope")
+    assert dispatch.last_choice(OP) is None
+    assert dispatch.last_choice("layer_norm") is None and dispatch.last_choice("attention") is None
+    c = dispatch.select(OP, problem())
+    assert dispatch.last_choice(OP) is c
+    with pytest.raises(KeyError, match="unknown fused op 'Fake.op'"):   # op names are not case-insensitive
+        dispatch.last_choice("Fake.op")

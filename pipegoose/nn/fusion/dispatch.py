@@ -291,9 +291,14 @@ def implementations(op: str) -> dict[str, Implementation]:
         _ensure_builtin_ops()
     with _lock:
         if op not in _impls:
-            raise KeyError(f"unknown fused op {op!r}; known ops: {', '.join(sorted(_impls))}")
+            raise _unknown_op(op)
         items = sorted(_impls[op].values(), key=lambda i: _KIND_ORDER[i.kind])
     return {i.name: i for i in items}
+
+
+def _unknown_op(op: Any, *also: str) -> KeyError:
+    """The error for an ``op`` argument that names no registered op (nor one of ``also``), listing the known ones."""
+    return KeyError(f"op: unknown fused op {op!r}; known ops: {', '.join(sorted({*_impls, *also}))}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -967,9 +972,21 @@ def explain(op: str, *inputs: Any, impl: str | None = None, **kwargs: Any) -> Ch
 
 
 def last_choice(op: str) -> Choice | None:
-    """The last choice :func:`select` made for ``op`` in this process (None if none)."""
+    """The last choice :func:`select` (or :func:`record`) made for ``op`` in this process: a dispatcher op, or
+    ``attention`` (our attention function records its choices). None when ``op`` has not run since the process
+    started or the last :func:`reset_stats`.
+
+    Raises:
+        KeyError: ``op`` names no op (the message lists the known ones).
+    """
     with _lock:
-        return _last.get(op)
+        hit = _last.get(op)
+    if hit is None and op != "attention" and op not in _impls:
+        _ensure_builtin_ops()
+        with _lock:
+            if op not in _impls:
+                raise _unknown_op(op, "attention")
+    return hit
 
 
 def stats() -> dict[str, dict[str, int]]:
