@@ -505,3 +505,22 @@ def test_last_choice_of_an_unknown_op_is_a_key_error():
     assert dispatch.last_choice(OP) is c
     with pytest.raises(KeyError, match="unknown fused op 'Fake.op'"):   # op names are not case-insensitive
         dispatch.last_choice("Fake.op")
+
+
+def test_impl_argument_is_case_insensitive_as_the_variables(monkeypatch):
+    """``impl="Megatron"`` was a ValueError, though PIPEGOOSE_IMPL_FAKE_OP=Megatron chose megatron: the argument is
+    now read as the variables are (case and surrounding blanks ignored), by check_impl, which choose calls; a name the
+    op does not have is still a ValueError naming the argument, the op and its implementations."""
+    for impl in ("Megatron", "MEGATRON", " megatron "):
+        assert dispatch.check_impl(OP, impl) == "megatron"
+        c = dispatch.select(OP, problem(), impl=impl)
+        assert (c.impl, c.source) == ("megatron", "argument")
+    assert dispatch.check_impl(OP, "AUTO") == "auto" and dispatch.check_impl(OP, None) is None
+    assert dispatch.select(OP, problem(), impl="Auto").source == "builtin"
+    with pytest.warns(UserWarning, match=r"impl='megatron' cannot run this input: ported says no"):
+        assert dispatch.select(OP, problem(ported=False), impl="MegaTron").impl == "pipegoose"
+    with pytest.raises(ValueError, match=r"^impl: fake\.op has no implementation 'Apex'; expected one of pipegoose, "
+                                         r"megatron, torch or 'auto' \(any case\)$"):
+        dispatch.select(OP, problem(), impl="Apex")
+    with pytest.raises(TypeError, match="impl: expected an implementation name"):
+        dispatch.check_impl(OP, b"torch")

@@ -551,3 +551,26 @@ def test_norm_arguments_numpy_sizes_and_flag_types():
         PF.rms_norm(x, np.float32(16))
     with pytest.raises(TypeError, match="output_in_weight_dtype: expected a bool, got str"):
         FusedRMSNorm(16, output_in_weight_dtype="no")
+
+
+@pytest.mark.parametrize("impl,want", [("Torch", "torch"), ("TORCH", "torch"), (" torch ", "torch"),
+                                       ("Auto", "torch"), ("PipeGoose", "torch")])
+def test_impl_argument_is_case_insensitive(impl, want):
+    """``impl="Torch"`` was a ValueError ("no implementation 'Torch'") while PIPEGOOSE_IMPL_LAYER_NORM=Torch worked:
+    the argument now takes any case (and surrounding blanks), as the variables do, in the functional ops and the
+    modules; a name the op does not have still names the argument, the op and its implementations."""
+    x = torch.randn(3, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # impl="PipeGoose" on CPU: "cannot run this input" (a UserWarning)
+        assert torch.equal(PF.layer_norm(x, 8, impl=impl), F.layer_norm(x, (8,)))
+        assert dispatch.last_choice("layer_norm").impl == want
+        assert torch.equal(PF.rms_norm(x, 8, impl=impl), F.rms_norm(x, (8,)))
+        assert torch.equal(FusedLayerNorm(8, impl=impl)(x), F.layer_norm(x, (8,), torch.ones(8), torch.zeros(8)))
+        assert torch.equal(PF.softmax(x, -1, impl=impl), F.softmax(x, -1))
+    if impl.strip().lower() == "torch":
+        assert dispatch.last_choice("softmax").source == "argument"
+    with pytest.raises(ValueError, match=r"impl: layer_norm has no implementation 'Megatron'; expected one of "
+                                         r"pipegoose, apex, torch or 'auto' \(any case\)"):
+        PF.layer_norm(x, 8, impl="Megatron")
+    with pytest.raises(ValueError, match="impl: rms_norm has no implementation 'Apex'"):
+        FusedRMSNorm(8, impl="Apex")

@@ -9,7 +9,7 @@ kernel runs), and names the manifest kernel it needs; the kernel is loaded on fi
 
 Choice, first that supports the input wins:
 
-1. the explicit ``impl=`` argument of the call;
+1. the explicit ``impl=`` argument of the call (case and surrounding blanks ignored, as in the variables);
 2. the environment: ``PIPEGOOSE_IMPL_<OP>`` (``.`` -> ``_``, e.g. ``PIPEGOOSE_IMPL_SOFTMAX_CAUSAL``), then the
    family's ``PIPEGOOSE_IMPL_<FAMILY>`` (``PIPEGOOSE_IMPL_SOFTMAX`` covers the three softmax ops); ``auto`` = none;
 3. the tuning table of the input's GPU (``pipegoose/nn/fusion/tuning/<slug>.json``, docs/architecture.md
@@ -587,9 +587,15 @@ def _env_names(op: str) -> tuple[str, ...]:
     return names
 
 
+def _impl_name(value: str) -> str:
+    """An implementation name as the dispatcher compares it: case and surrounding blanks ignored, for ``impl=``
+    arguments (:func:`check_impl`) and ``PIPEGOOSE_IMPL_*`` values alike."""
+    return value.strip().lower()
+
+
 def _env_request(op: str) -> tuple[str | None, str]:
     for var in _env_names(op):
-        v = _environ_get(var, "").strip().lower()
+        v = _impl_name(_environ_get(var, ""))
         if v and v != "auto":
             return v, var
     return None, ""
@@ -677,9 +683,13 @@ def check_kernel_env() -> None:
         raise ValueError(f"PIPEGOOSE_NORM_SMEM_LIMIT: expected a number of bytes >= 0, got '{v}'")
 
 
-def check_impl(op: str, impl: Any) -> None:
-    """Check an ``impl`` argument of ``op``: None, ``"auto"`` or the name of one of its implementations (what
-    :func:`choose` accepts; the fused modules check theirs when constructed).
+def check_impl(op: str, impl: Any) -> str | None:
+    """Check an ``impl`` argument of ``op``: None, ``"auto"`` or the name of one of its implementations, case and
+    surrounding blanks ignored as in ``PIPEGOOSE_IMPL_*`` values (what :func:`choose` accepts; the fused modules check
+    theirs when constructed).
+
+    Returns:
+        The name as the dispatcher uses it (``"Apex"`` -> ``"apex"``, ``"AUTO"`` -> ``"auto"``), or None.
 
     Raises:
         KeyError: unknown op.
@@ -687,21 +697,23 @@ def check_impl(op: str, impl: Any) -> None:
         ValueError: ``impl`` names no implementation of the op (the message lists them).
     """
     if impl is None:
-        return
+        return None
     if not isinstance(impl, str):
         raise TypeError(f"impl: expected an implementation name (str), 'auto' or None, got {type(impl).__name__}")
-    if impl != "auto":
+    name = _impl_name(impl)
+    if name != "auto":
         impls = implementations(op)
-        if impl not in impls:
+        if name not in impls:
             raise ValueError(f"impl: {op} has no implementation {impl!r}; expected one of "
-                             f"{', '.join(impls)} or 'auto'")
+                             f"{', '.join(impls)} or 'auto' (any case)")
+    return name
 
 
 def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool = False) -> Choice:
     """Choose the implementation of ``op`` for ``problem`` (no counters, no strict check; see :func:`select`).
 
     Args:
-        impl: the explicit request (an implementation name, ``auto`` or None).
+        impl: the explicit request (an implementation name, ``auto`` or None; any case, see :func:`check_impl`).
         check_all: also ask the implementations that the choice did not need to look at, so that ``reasons``
             says why each one would or would not run (what :func:`explain` shows).
 
@@ -729,7 +741,7 @@ def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool =
             ok(name)
 
     requests: list[tuple[str, str]] = []
-    check_impl(op, impl)
+    impl = check_impl(op, impl)
     if impl is not None and impl != "auto":
         requests.append((impl, "argument"))
     env_impl, env_var = _checked_env_request(op, impls)

@@ -3,8 +3,9 @@ per call by :mod:`pipegoose.nn.fusion.dispatch` (``impl=`` > ``PIPEGOOSE_IMPL_<O
 order > reference, with the fallback reason recorded; strict mode turns a fallback into an error).
 
 Every function accepts ``impl`` (keyword): ``None``/``"auto"``, or an implementation name of the op
-(``pipegoose``, ``megatron``, ``apex``, ``torch``); an implementation that cannot take the input is skipped with
-its reason recorded. Autocast: the output dtype is the one PyTorch's own op gives under the same autocast state
+(``pipegoose``, ``megatron``, ``apex``, ``torch``), case and surrounding blanks ignored as in ``PIPEGOOSE_IMPL_*``
+values (``"Apex"`` is ``"apex"``); an implementation that cannot take the input is skipped with its reason recorded
+(``UserWarning``). Autocast: the output dtype is the one PyTorch's own op gives under the same autocast state
 (softmax and layer_norm run in fp32 under CUDA autocast; CPU autocast leaves them in the input dtype).
 
 Double backward (``torch.autograd.grad(..., create_graph=True)`` and a backward through its result, e.g. gradient
