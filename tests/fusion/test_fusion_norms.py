@@ -371,8 +371,8 @@ def test_module_fast_path_leaves_cpu_to_the_dispatcher():
 
 
 @pytest.mark.parametrize("kwargs,err,match", [
-    (dict(normalized_shape=-4), ValueError, r"normalized_shape: expected a size >= 1, got -4"),
-    (dict(normalized_shape=(4, 0)), ValueError, r"normalized_shape: expected sizes >= 1"),
+    (dict(normalized_shape=-4), ValueError, r"normalized_shape: expected a size >= 0, got -4"),
+    (dict(normalized_shape=(4, -1)), ValueError, r"normalized_shape: expected sizes >= 0"),
     (dict(normalized_shape=4.0), TypeError, r"normalized_shape: expected an int or a sequence of ints"),
     (dict(normalized_shape=True), TypeError, r"normalized_shape: expected an int or a sequence of ints"),
     (dict(normalized_shape=4, eps=-1e-5), ValueError, r"eps: expected a finite number >= 0"),
@@ -398,7 +398,7 @@ def test_norm_modules_check_their_arguments_when_built(cls_name, kwargs, err, ma
 def test_norm_module_arguments_checked_when_built_rms_and_copies():
     from pipegoose.nn.fusion.modules import FusedRMSNorm, MixedFusedLayerNorm
 
-    with pytest.raises(ValueError, match="hidden_size: expected a size >= 1, got -4"):
+    with pytest.raises(ValueError, match="hidden_size: expected a size >= 0, got -4"):
         FusedRMSNorm(hidden_size=-4)
     with pytest.raises(TypeError, match="cast_before_weight: expected a bool, got int"):
         FusedRMSNorm(4, cast_before_weight=1)
@@ -545,12 +545,73 @@ def test_norm_arguments_numpy_sizes_and_flag_types():
     x = torch.randn(3, 16)
     assert torch.equal(PF.layer_norm(x, np.int64(16)), torch.nn.functional.layer_norm(x, (16,)))
     assert torch.equal(PF.rms_norm(x, np.int32(16), eps=1e-6), torch.nn.functional.rms_norm(x, (16,), eps=1e-6))
-    with pytest.raises(ValueError, match="normalized_shape: expected a size >= 1"):
-        PF.layer_norm(x, np.int64(0))
+    with pytest.raises(ValueError, match="normalized_shape: expected a size >= 0"):
+        PF.layer_norm(x, np.int64(-1))
     with pytest.raises(TypeError, match="normalized_shape: expected an int"):
         PF.rms_norm(x, np.float32(16))
     with pytest.raises(TypeError, match="output_in_weight_dtype: expected a bool, got str"):
         FusedRMSNorm(16, output_in_weight_dtype="no")
+
+
+@pytest.mark.parametrize("xdt,pdt", [(torch.float32, None), (torch.float32, "same"), (torch.bfloat16, "same"),
+                                     (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                     (torch.float64, "same")], ids=str)
+@pytest.mark.parametrize("shape,nshape", [((4, 0), (0,)), ((3, 2, 0), (2, 0)), ((0, 0), (0,)), ((0, 8), (8,))])
+def test_empty_inputs_as_pytorch(xdt, pdt, shape, nshape):
+    """A zero-size normalized_shape (x [4, 0] with (0,)) was a ValueError, where F.layer_norm and F.rms_norm return an
+    empty tensor (and empty gradients); an empty batch ([0, 8]) already ran. Both now give exactly what PyTorch gives,
+    output and gradients (weight and bias gradients of an empty batch: zeros), on the reference path."""
+    pdt = xdt if pdt == "same" else pdt
+    x = torch.randn(shape, dtype=xdt)
+    w = None if pdt is None else torch.randn(nshape, dtype=pdt)
+    b = None if pdt is None else torch.randn(nshape, dtype=pdt)
+    dy = torch.randn(shape, dtype=xdt)
+    with warnings.catch_warnings():  # F.rms_norm: "Mismatch dtype between input and weight"
+        warnings.simplefilter("ignore")
+        for ours, theirs, params in (
+                (lambda x_, w_, b_: PF.layer_norm(x_, nshape, w_, b_), F.layer_norm, (x, w, b)),
+                (lambda x_, w_: PF.rms_norm(x_, nshape, w_), F.rms_norm, (x, w))):
+            y, gs = grads(ours, params, dy)
+            want, want_gs = grads(lambda *t: theirs(t[0], nshape, *t[1:]), params, dy)
+            assert y.shape == want.shape == shape and y.dtype == want.dtype
+            assert torch.equal(y, want)
+            for g, want_g in zip(gs, want_gs):
+                assert (g is None) == (want_g is None)
+                if g is not None:
+                    assert g.dtype == want_g.dtype and torch.equal(g, want_g)
+        y = PF.rms_norm(x, nshape, w, cast_before_weight=True)   # Llama's rounding: its eager formula
+        assert y.shape == shape and y.dtype == (xdt if w is None else torch.promote_types(xdt, pdt))
+    # the integer form and the modules, as torch.nn.LayerNorm(0) / torch.nn.RMSNorm(0) take it
+    if nshape == (0,):
+        assert torch.equal(PF.layer_norm(x, 0), F.layer_norm(x, (0,)))
+        assert FusedLayerNorm(0, dtype=xdt)(x).shape == torch.nn.LayerNorm(0, dtype=xdt)(x).shape == shape
+        assert FusedRMSNorm(0, dtype=xdt)(x).shape == torch.nn.RMSNorm(0, dtype=xdt)(x).shape == shape
+    for bad in (-1, (2, -1)):
+        with pytest.raises(ValueError, match=r"normalized_shape: expected (a size|sizes) >= 0"):
+            PF.layer_norm(x, bad)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("shape,nshape", [((4, 0), (0,)), ((0, 8), (8,))])
+def test_empty_inputs_on_cuda_take_the_reference_path(monkeypatch, op, shape, nshape):
+    """On a CUDA device, an empty input is declined by every kernel (metadata alone: no kernel is loaded) with the
+    reason, and runs the PyTorch reference path, a fallback (the kernels' bindings refuse a hidden size of 0)."""
+    from dataclasses import replace
+
+    from pipegoose.nn.fusion.ops import layer_norm as ln, rms_norm as rms
+
+    def no_kernel(name):
+        raise AssertionError(f"loaded {name} for an empty input")
+
+    monkeypatch.setattr(dispatch, "kernel", no_kernel)
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    p = (ln.layer_norm_problem(x, nshape, None, None, x.dtype) if op == "layer_norm"
+         else rms.rms_norm_problem(x, nshape, None, x.dtype, False))
+    choice = dispatch.choose(op, replace(p, device=torch.device("cuda", 0)), check_all=True)
+    assert (choice.impl, choice.source, choice.fallback) == ("torch", "fallback", True)
+    for name in dispatch.implementations(op):
+        if name != "torch":
+            assert f"empty input, shape {list(shape)}" in choice.reasons[name]
 
 
 @pytest.mark.parametrize("impl,want", [("Torch", "torch"), ("TORCH", "torch"), (" torch ", "torch"),

@@ -163,6 +163,7 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: t
 
     Args:
         x: [*, *normalized_shape], fp32, fp16, bf16 (fused paths) or fp64 (the reference path).
+        normalized_shape: an int or a sequence of ints, each >= 0.
         weight, bias: [*normalized_shape] or None, fp32/fp16/bf16/fp64 independent of ``x``'s (e.g. bf16 x with
             fp32 weight).
         eps: added to the variance.
@@ -170,7 +171,8 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: t
     Returns:
         Tensor of ``x``'s shape; dtype = what ``torch.nn.LayerNorm`` gives: ``x.dtype`` (also with fp32
         parameters), fp32 under CUDA autocast. (fp32 ``x`` with half parameters, which PyTorch rejects, gives
-        fp32.)
+        fp32.) An empty ``x`` (no rows, or a 0 in ``normalized_shape``) runs the PyTorch reference path, a fallback
+        (no kernel runs for it): an empty result and gradients as F.layer_norm gives them.
 
     Kernels: pipegoose/layer_norm (pipegoose/kernels/csrc/layer_norm.cu, MIT); Apex mixed fused LayerNorm via
     ColossalAI 0.5.0 extensions/csrc/kernel/cuda/layer_norm_kernel.cu, Apache-2.0 (used only when gamma/beta
@@ -197,6 +199,7 @@ def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: tor
 
     Args:
         x: [*, *normalized_shape], fp32, fp16, bf16 (fused paths) or fp64 (the reference path).
+        normalized_shape: an int or a sequence of ints, each >= 0.
         weight: [*normalized_shape] or None, fp32/fp16/bf16/fp64 independent of ``x``'s.
         eps: None -> F.rms_norm's default, ``torch.finfo`` eps of the compute dtype (fp32 for fp16/bf16/fp32
             input); LlamaRMSNorm uses 1e-6: pass it.
@@ -205,7 +208,9 @@ def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: tor
             output dtype ``torch.result_type`` of that product, e.g. fp32 for bf16 x with fp32 weight).
 
     Returns:
-        Tensor of ``x``'s shape, dtype as above.
+        Tensor of ``x``'s shape, dtype as above. An empty ``x`` (no rows, or a 0 in ``normalized_shape``) runs the
+        PyTorch reference path, a fallback (no kernel runs for it): an empty result and gradients as F.rms_norm gives
+        them.
 
     Kernel: pipegoose/rms_norm (pipegoose/kernels/csrc/rms_norm.cu, MIT).
 

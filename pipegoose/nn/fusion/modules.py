@@ -166,7 +166,7 @@ def _small_native(op: str, impl: str | None, input: Any, shape: tuple[int, ...],
 
 def _ln_shape(normalized_shape: Any, name: str = "normalized_shape") -> tuple[int, ...]:
     """A module's normalized shape as a tuple of ints: an integer of any kind (a numpy one too, as torch.nn.LayerNorm
-    takes) or a sequence of them, each >= 1, as the functional ops check it (a bool is not a size). TypeError or
+    takes) or a sequence of them, each >= 0, as the functional ops check it (a bool is not a size). TypeError or
     ValueError naming ``name``."""
     try:
         return normalize_shape(normalized_shape)
@@ -190,15 +190,15 @@ class FusedLayerNorm(nn.LayerNorm):
 
     Args: as ``torch.nn.LayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None,
     dtype=None)``; ``impl``: force an implementation (``pipegoose``, ``apex``, ``torch``), default auto.
-    ``normalized_shape``: an integer or a sequence of integers, each >= 1 (stored as a tuple of ints). ``eps``: what
-    :func:`~pipegoose.nn.fusion.functional.layer_norm` takes (a bool, int, float, numpy scalar or 0-d tensor, finite
-    and >= 0).
+    ``normalized_shape``: an integer or a sequence of integers, each >= 0 (stored as a tuple of ints; a 0, as
+    ``nn.LayerNorm`` takes it, gives empty outputs). ``eps``: what :func:`~pipegoose.nn.fusion.functional.layer_norm`
+    takes (a bool, int, float, numpy scalar or 0-d tensor, finite and >= 0).
 
     Raises (when constructed, not at the first forward):
         TypeError: ``normalized_shape`` not an integer or a sequence of them, ``eps`` not a number, ``impl`` not a
             str or None.
-        ValueError: a size < 1 or no dimension, ``eps`` negative or not finite, ``impl`` naming no implementation of
-            ``layer_norm``.
+        ValueError: a negative size or no dimension, ``eps`` negative or not finite, ``impl`` naming no
+            implementation of ``layer_norm``.
 
     Kernels: pipegoose/layer_norm (MIT); Apex fused LayerNorm via ColossalAI 0.5.0
     extensions/csrc/kernel/cuda/layer_norm_kernel.cu (Apache-2.0).
@@ -275,8 +275,9 @@ class FusedRMSNorm(nn.Module):
             sequence of them; ``eps`` not a number or None (a bool, int, float, numpy scalar or 0-d tensor, as
             :func:`~pipegoose.nn.fusion.functional.rms_norm` takes); ``cast_before_weight``,
             ``output_in_weight_dtype`` or ``output_in_input_dtype`` not a bool; ``impl`` not a str or None.
-        ValueError: a size < 1 or no dimension, ``eps`` negative or not finite, ``impl`` naming no implementation
-            of ``rms_norm``; ``output_in_input_dtype`` with ``cast_before_weight`` or ``output_in_weight_dtype``.
+        ValueError: a negative size or no dimension, ``eps`` negative or not finite, ``impl`` naming no
+            implementation of ``rms_norm``; ``output_in_input_dtype`` with ``cast_before_weight`` or
+            ``output_in_weight_dtype``.
     """
 
     def __init__(self, normalized_shape: int | Sequence[int] | None = None, eps: float | None = None,

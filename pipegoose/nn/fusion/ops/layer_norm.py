@@ -39,12 +39,17 @@ OP = "layer_norm"
 SRC_PIPEGOOSE = "pipegoose/layer_norm: pipegoose/kernels/csrc/layer_norm.cu (pipegoose, MIT)"
 SRC_APEX = ("apex/fused_layer_norm: Apex csrc/layer_norm_cuda_kernel.cu via ColossalAI 0.5.0 "
             "extensions/csrc/kernel/cuda/layer_norm_kernel.cu, Apache-2.0")
+# why a kernel declines an input without rows or with a zero-size normalized_shape (empty batch, hidden size 0)
+EMPTY_INPUT = "empty input, shape {}: no kernel runs, the reference path returns the empty result"
 
 
 def normalize_shape(normalized_shape: Any) -> tuple[int, ...]:
+    """``normalized_shape`` as a tuple of ints: an integer (numpy's too) or a sequence of them, each >= 0. A zero
+    size is what F.layer_norm / F.rms_norm take (an empty result); it runs the reference path (the kernels'
+    ``supports`` decline an empty input)."""
     if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):  # numpy's too
-        if normalized_shape < 1:
-            raise ValueError(f"normalized_shape: expected a size >= 1, got {normalized_shape}")
+        if normalized_shape < 0:
+            raise ValueError(f"normalized_shape: expected a size >= 0, got {normalized_shape}")
         return (int(normalized_shape),)
     if isinstance(normalized_shape, (str, bytes)) or not hasattr(normalized_shape, "__iter__"):
         raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {normalized_shape!r}")
@@ -54,8 +59,8 @@ def normalize_shape(normalized_shape: Any) -> tuple[int, ...]:
         raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {normalized_shape!r}") from None
     if not shape:
         raise ValueError("normalized_shape: expected at least one dimension, got ()")
-    if any(d < 1 for d in shape):
-        raise ValueError(f"normalized_shape: expected sizes >= 1, got {list(shape)}")
+    if any(d < 0 for d in shape):
+        raise ValueError(f"normalized_shape: expected sizes >= 0, got {list(shape)}")
     return shape
 
 
@@ -120,13 +125,13 @@ def _common(p: Problem, kernel: str) -> tuple[bool, str]:
         return False, NO_STORAGE
     if p.dtype not in FLOAT_DTYPES:
         return False, f"input dtype {dtype_name(p.dtype)} not supported (float32, float16, bfloat16)"
+    if p["rows"] == 0 or p["hidden"] == 0:
+        return False, EMPTY_INPUT.format(list(p["shape"]))
     h = p["hidden"]
     hmin = manifest_limit(kernel, "hidden_min", 1)
     hmax = manifest_limit(kernel, "hidden_max", 65536)
     if not hmin <= h <= hmax:
         return False, f"hidden size {h} outside [{hmin}, {hmax}]"
-    if p["rows"] == 0:
-        return False, "no rows"
     return True, ""
 
 

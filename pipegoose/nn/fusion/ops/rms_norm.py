@@ -31,7 +31,7 @@ from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, NO_STORAGE, autocast_state, call_without_autocast, check_input_dtype,
                       dtype_name, eps_value, has_storage, in_transform, manifest_limit, needs_grad, param_signature,
                       shape_signature, torch_result_dtype)
-from .layer_norm import normalize_shape
+from .layer_norm import EMPTY_INPUT, normalize_shape
 
 OP = "rms_norm"
 SRC_PIPEGOOSE = "pipegoose/rms_norm: pipegoose/kernels/csrc/rms_norm.cu (pipegoose, MIT)"
@@ -100,13 +100,13 @@ def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
         d = p[name]
         if d is not None and d not in FLOAT_DTYPES:
             return False, f"{name.replace('_dtype', '')} dtype {dtype_name(d)} not supported"
+    if p["rows"] == 0 or p["hidden"] == 0:
+        return False, EMPTY_INPUT.format(list(p["shape"]))
     h = p["hidden"]
     hmin = manifest_limit("pipegoose/rms_norm", "hidden_min", 1)
     hmax = manifest_limit("pipegoose/rms_norm", "hidden_max", 65536)
     if not hmin <= h <= hmax:
         return False, f"hidden size {h} outside [{hmin}, {hmax}]"
-    if p["rows"] == 0:
-        return False, "no rows"
     return True, ""
 
 
