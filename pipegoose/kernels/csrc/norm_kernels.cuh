@@ -147,9 +147,9 @@ __device__ __forceinline__ void raw_pack(const float (&in)[N], Raw<T, N>& r) {
 // and ld.global.nc.L1::no_allocate ran best (95.4); the synchronous backward gained up to 7.5 points (fp32 RMSNorm
 // 16384: 91.2 -> 98.8). Neither the L2::256B prefetch hint (with .cs or with .nc.L1::no_allocate) nor .nc alone beat
 // these. Ld::kPlain (ld.global) and Ld::kNoL1 (ld.global.nc.L1::no_allocate) are the two streaming modes; Ld::kCached
-// (__ldg) reads the parameters, which every row reads again; Ld::kParam is kCached for the forward kernels' parameters
-// (an experiment can give them an L2 policy, below). -DPIPEGOOSE_NORM_LD_CS (a benchmark experiment, off in the
-// shipped build) turns both streaming modes back into ld.global.cs, the loads before session 9.
+// (__ldg) reads the backward's parameters, which every row reads again; Ld::kParam the forward's (with an L2 policy,
+// below). -DPIPEGOOSE_NORM_LD_CS (a benchmark experiment, off in the shipped build) turns both streaming modes back
+// into ld.global.cs, the loads before session 9.
 enum class Ld { kCached, kParam, kPlain, kNoL1 };
 
 template <Ld M, typename V>
@@ -158,12 +158,18 @@ __device__ __forceinline__ V ld_hint(const V* p) {
   if constexpr (M == Ld::kPlain || M == Ld::kNoL1) return __ldcs(p);
 #endif
   if constexpr (M == Ld::kCached || M == Ld::kParam) {
-#if defined(PIPEGOOSE_NORM_FWD_PARAM_L2) && !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
-    // -DPIPEGOOSE_NORM_FWD_PARAM_L2 (a benchmark experiment, off in the shipped build): the forward kernels' 16-byte
-    // parameter loads with an L2 evict_last policy, as LayerNorm's split forward reads its fp32 parameters. Session
-    // 24 (H200, call 1, benchmarks.norm_raw, % of copy) timed the same policy on every 16-byte parameter load of both
-    // passes: forward +0 to +1.5 points (bf16 LayerNorm 65536 x 1024 90.7 -> 91.7, 16384 x 32768 95.8 -> 97.3),
-    // backward up to -3.4 (fp32 LayerNorm 32768 x 2048 96.6 -> 93.2), so the experiment now covers the forward only.
+#if !defined(PIPEGOOSE_NORM_FWD_PARAM_LDG) && !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
+    // The forward kernels' 16-byte parameter loads (Ld::kParam) carry an L2 evict_last policy, so that the streamed
+    // rows do not evict the parameters that every row reads again. H200, benchmarks.norm_raw, forward, % of copy:
+    // - session 23 (call 7, the fp32 split forward only, 16384 rows): LayerNorm 65536 / 61440 columns 77.0 / 76.8 ->
+    //   86.9 / 89.4, 49152 / 40000 +1.0 / +0.1; session 24 (call 1), 8192 x 65536: 76.3 -> 89.6;
+    // - session 24 (call 2, every forward, two runs each): bf16 LayerNorm +0.2 to +1.6 (16384 x 32768 95.8 -> 97.4),
+    //   bf16 input with fp32 parameters, 16384 x 4096: LayerNorm 84.5 -> 87.2, RMSNorm 91.9 -> 92.8; the others -0.7
+    //   (fp32 RMSNorm 16384 x 8192 99.7 -> 99.0) to +0.8, RMSNorm's split forward among them (fp32 8192 x 65536
+    //   96.0 -> 96.2; session 23's form of the policy there, a volatile ld.global without .nc, cost it 1-2 points).
+    // The same policy on the backward's parameter loads cost up to 3.4 points (fp32 LayerNorm 32768 x 2048 96.6 ->
+    // 93.2; session 24 call 1): they keep __ldg. -DPIPEGOOSE_NORM_FWD_PARAM_LDG (a benchmark experiment) reads the
+    // forward's parameters with __ldg too, as before session 24.
     if constexpr (M == Ld::kParam && std::is_same<V, uint4>::value) {
       uint64_t pol;
       asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
@@ -1785,7 +1791,6 @@ norm_fwd_split_kernel(const float* __restrict__ x, const Tp* __restrict__ w, con
   const int nsm = nchunks - NR * TPB;  // chunks of the row in shared memory (may be <= 0 for a short row)
   const float inv_h = 1.f / static_cast<float>(H);
   int parity = 0;
-  const uint64_t keep_params = RMS ? 0 : l2_policy(true);  // LayerNorm's fp32 parameters: see out below
   Raw<float, VEC> cur[NR];
   // The block's first row (every row without PF): the shared-memory part with cp.async, then the register part.
   auto load = [&](int64_t row) {
@@ -1842,19 +1847,7 @@ norm_fwd_split_kernel(const float* __restrict__ x, const Tp* __restrict__ w, con
 #pragma unroll
       for (int g0 = 0; g0 < VEC; g0 += PG) {
         Raw<Tp, PG> cw, cb;
-        // LayerNorm's fp32 parameters are read with an L2 evict_last policy, so that the streamed rows do not evict
-        // them. Session 23 (H200, call 7, benchmarks.norm_raw, fp32 forward, persistent parameters, % of copy, 16384
-        // rows; plain loads -> this): LayerNorm 65536 / 61440 / 49152 / 40000 columns 77.0 / 76.8 / 86.7 / 86.2 ->
-        // 86.9 / 89.4 / 87.7 / 86.3 (session 24, 8192 x 65536: 76.3 -> 89.6); RMSNorm (one parameter array) lost
-        // 1-2 points (96.7 / 97.1 / 95.9 / 95.9 -> 95.5 / 96.1 / 94.9 / 93.7) and keeps plain loads. Call 6 had found
-        // the PF form at 65536 columns at 89.4% with weight and bias written just before the call (a clone), 76.7
-        // with persistent ones, 95.2 without parameters.
-        if constexpr (!RMS && ZS && std::is_same<Tp, float>::value) {
-          raw_load_pol<float, 4>(w + (c * VEC + g0) * wm, cw, keep_params);
-          raw_load_pol<float, 4>(b + (c * VEC + g0) * bm, cb, keep_params);
-        } else {
-          load_params_m<ZS, Tp, PG, RMS>(w, b, wm, bm, c * VEC + g0, cw, cb);
-        }
+        load_params_m<ZS, Tp, PG, RMS>(w, b, wm, bm, c * VEC + g0, cw, cb);  // evict_last (Ld::kParam)
 #pragma unroll
         for (int i = 0; i < PG; ++i) {
           const float v = raw_get(xc, g0 + i);
