@@ -481,11 +481,33 @@ class KernelBuilder:
         except (KernelUnavailableError, KernelBuildError) as e:
             return {**out, "state": "unavailable", "detail": str(e)}
         if res is None:
-            key = _cache.build_key(k.short_name, self.key_inputs())
+            tc = self._toolchain()
+            inputs = self.key_inputs(tc)
+            key = _cache.build_key(k.short_name, inputs)
             failed = self.cache_dir / "failed" / key / "build.log"
-            detail = f"last build failed, log: {failed}" if failed.is_file() else ""
+            detail = f"last build failed, log: {failed}" if failed.is_file() else self._other_archs_hint(inputs, tc)
             return {**out, "state": "not built", "key": key, "detail": detail}
         return {**out, "state": "cached", "key": res.key, "detail": str(res.library_path)}
+
+    def _other_archs_hint(self, inputs: dict[str, Any], tc: dict[str, Any]) -> str:
+        """A line naming the cached builds of this kernel that differ from the current inputs only in their GPU
+        architectures (say, built with ``TORCH_CUDA_ARCH_LIST=9.0`` where this shell targets every architecture),
+        or "" when there are none."""
+        if not self.needs_cuda:
+            return ""
+        # as the build info stores them (JSON: tuples read back as lists)
+        want = json.loads(json.dumps({n: v for n, v in inputs.items() if n != "archs"}, default=str))
+        found = []
+        for _entry, info in _cache.complete_entries(self.cache_dir, self.kernel.short_name):
+            other = info.get("inputs")
+            if isinstance(other, dict) and other.get("archs") and \
+                    {n: v for n, v in other.items() if n != "archs"} == want:
+                found.append(str(other["archs"]))
+        if not found:
+            return ""
+        lists = " or ".join(f'TORCH_CUDA_ARCH_LIST="{a}"' for a in sorted(set(found)))
+        return (f"built for other GPU architectures than this shell's {tc['archs']} (from {tc['arch_origin']}): "
+                f"{lists} selects that build where it covers the visible GPUs")
 
 
 def _quoted_includes(sources: list[Path], search: list[Path], root: Path) -> list[Path]:

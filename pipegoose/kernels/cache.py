@@ -77,8 +77,22 @@ def build_key(name: str, inputs: Mapping[str, Any]) -> str:
     Any change of any value changes the key; ``name`` only makes cache folders readable.
     """
     blob = json.dumps({"schema": KEY_SCHEMA, **inputs}, sort_keys=True, separators=(",", ":"), default=str)
-    safe = "".join(c if c.isalnum() or c in "_-" else "_" for c in name)
-    return f"{safe}-{hashlib.sha256(blob.encode()).hexdigest()[:24]}"
+    return f"{_safe_name(name)}-{hashlib.sha256(blob.encode()).hexdigest()[:24]}"
+
+
+def _safe_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "_-" else "_" for c in name)
+
+
+def complete_entries(cache_dir: Path, name: str) -> list[tuple[Path, dict]]:
+    """The published entries whose key starts with ``name`` (as :func:`build_key` writes it) and their build info;
+    other kernels whose names share that prefix can be among them (compare ``info["inputs"]["kernel"]``)."""
+    found = []
+    for entry in sorted(Path(cache_dir).glob(f"{_safe_name(name)}-*")):
+        info = is_complete(entry)
+        if info is not None:
+            found.append((entry, info))
+    return found
 
 
 # --------------------------------------------------------------------------------------------------- identity

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,6 +84,36 @@ def test_key_changes_with_every_input(tiny, fake_toolkit, monkeypatch):
     (fake_toolkit / "bin" / "nvcc").write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.1, V13.1.0'\n")
     cuda_keys.add(key("test/cuda_one"))
     assert len(cuda_keys) == 4, "the key must change with the arch list and the nvcc version"
+
+
+def test_status_names_a_build_cached_for_other_architectures(tiny, fake_toolkit, monkeypatch):
+    """A build made with TORCH_CUDA_ARCH_LIST=9.0 (as CI makes them) is not this shell's build when it targets the
+    default list; doctor's "not built" then says which list selects the cached one, and nothing for a build whose
+    other inputs differ."""
+    manifest, op, cache_dir = tiny
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    b = KernelBuilder("test/cuda_one", manifest=manifest, cache_dir=cache_dir)
+    inputs = b.key_inputs()
+    key = b.build_key()
+
+    def plant(key, inputs):
+        entry = cache.entry_dir(cache_dir, key)
+        entry.mkdir(parents=True)
+        (entry / "lib.so").write_bytes(b"")
+        info = {"kernel": "test/cuda_one", "key": key, "library": "lib.so", "archs": inputs["archs"], "inputs": inputs}
+        (entry / cache.BUILD_INFO).write_text(json.dumps(info))
+
+    plant(key, inputs)
+    assert b.status()["state"] == "cached"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
+    st = KernelBuilder("test/cuda_one", manifest=manifest, cache_dir=cache_dir).status()
+    assert st["state"] == "not built"
+    assert 'TORCH_CUDA_ARCH_LIST="9.0"' in st["detail"] and "8.0;9.0+PTX" in st["detail"], st["detail"]
+    # a cached build of other sources is not offered
+    shutil.rmtree(cache.entry_dir(cache_dir, key))
+    plant(key, {**inputs, "binding": "0" * 64})
+    st = KernelBuilder("test/cuda_one", manifest=manifest, cache_dir=cache_dir).status()
+    assert st["state"] == "not built" and st["detail"] == "", st["detail"]
 
 
 def test_key_ignores_unrelated_files(tiny):
