@@ -65,7 +65,8 @@ def _remove_stale_temp(folder: Path, pattern: str) -> None:
     The lock is what makes this safe: every such folder is created and used only while its lock is held, and
     the OS drops a held lock when its process dies (``kill -9`` included), so while we hold it no live run is
     writing into one. An owner-pid or age check would be weaker: pids are reused, a shared cache may be used
-    from other machines or containers, and a slow download can be old and still running. (A ``pip download``
+    from other machines or containers, and a slow download can be old and still running. A cache shared by several
+    hosts therefore needs a filesystem whose locks hold across them, as the kernel build cache does. (A ``pip download``
     orphaned by a killed run holds no lock and may still write into its folder: removing it makes that pip
     fail, and its result would have been dropped anyway.)
     """
@@ -530,8 +531,8 @@ class Fetcher:
             try:  # without waiting: a run holding the lock may be using its .dl-* folder (the next run sweeps)
                 with FileLock(str(d / ".lock"), timeout=0):
                     _remove_stale_temp(d, ".dl-*")
-            except Timeout:
-                pass
+            except (Timeout, OSError):  # held, or a lock we cannot open (read-only or another user's cache): the
+                pass                    # sweep is best effort, reading the cached sdist needs no lock
         path = self._cached_sdist(name, version, want)
         if path is None:
             if self.offline:

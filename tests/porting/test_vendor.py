@@ -152,6 +152,18 @@ def test_next_run_removes_what_a_killed_download_left(sdist_repo):
     assert not (d / ".dl-live").exists()
 
 
+def test_a_cached_sdist_reads_where_its_lock_cannot_be_opened(sdist_repo):
+    """From a code review: the sweep of leftovers takes the cache lock without waiting; a lock file that cannot be
+    opened (a read-only cache, another user's lock) must not stop a run from reading the sdist already cached."""
+    repo = sdist_repo
+    repo.porter().add(["alpha"])  # downloads into the cache
+    d = repo.cache / "pypi" / "up"
+    (d / ".lock").unlink(missing_ok=True)
+    (d / ".lock").mkdir()  # opening it raises IsADirectoryError, as an unreadable lock raises PermissionError
+    t = repo.porter(offline=True).fetcher.tree(repo.porter().manifest.sources["up"])
+    assert t.has("csrc/kernels/alpha.cu")
+
+
 def test_next_run_removes_what_a_killed_clone_left(git_repo):
     from pipegoose.porting.util import sha256_bytes
 
