@@ -159,17 +159,27 @@ __device__ __forceinline__ V ld_hint(const V* p) {
 #endif
   if constexpr (M == Ld::kCached || M == Ld::kParam) {
 #if !defined(PIPEGOOSE_NORM_FWD_PARAM_LDG) && !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
-    // The forward kernels' 16-byte parameter loads (Ld::kParam) carry an L2 evict_last policy, so that the streamed
-    // rows do not evict the parameters that every row reads again. H200, benchmarks.norm_raw, forward, % of copy:
-    // - session 23 (call 7, the fp32 split forward only, 16384 rows): LayerNorm 65536 / 61440 columns 77.0 / 76.8 ->
-    //   86.9 / 89.4, 49152 / 40000 +1.0 / +0.1; session 24 (call 1), 8192 x 65536: 76.3 -> 89.6;
-    // - session 24 (call 2, every forward, two runs each): bf16 LayerNorm +0.2 to +1.6 (16384 x 32768 95.8 -> 97.4),
-    //   bf16 input with fp32 parameters, 16384 x 4096: LayerNorm 84.5 -> 87.2, RMSNorm 91.9 -> 92.8; the others -0.7
-    //   (fp32 RMSNorm 16384 x 8192 99.7 -> 99.0) to +0.8, RMSNorm's split forward among them (fp32 8192 x 65536
-    //   96.0 -> 96.2; session 23's form of the policy there, a volatile ld.global without .nc, cost it 1-2 points).
+    // The forward kernels' 16-byte parameter chunks read into registers (Ld::kParam: load_params, load_params_m; the
+    // row, split and two-read kernels) carry an L2 evict_last policy, so that the streamed rows do not evict the
+    // parameters that every row reads again. Not covered: chunks under 16 bytes (__ldg), the parameters that
+    // LayerNorm rows of one block per SM stage through shared memory (cp.async) and the generic kernel's scalar
+    // reads. H200, benchmarks.norm_raw, forward, % of copy:
+    // - session 23 (call 7, the fp32 split forward only, in the form of a volatile ld.global.L2::cache_hint, 16384
+    //   rows): LayerNorm 65536 / 61440 columns 77.0 / 76.8 -> 86.9 / 89.4, 49152 / 40000 +1.0 / +0.1; RMSNorm -1.0
+    //   to -2.2; session 24 (call 1, that form), LayerNorm 8192 x 65536: 76.3 -> 89.6;
+    // - session 24 (call 2, this form in every forward but LayerNorm's split one, which kept session 23's; 36 shapes,
+    //   mean of two runs each): bf16 LayerNorm +0.15 to +1.6 (16384 x 32768 95.8 -> 97.4); bf16 input with fp32
+    //   parameters: LayerNorm 16384 x 4096 84.5 -> 87.2, 16384 x 16384 +1.15, RMSNorm 16384 x 4096 91.9 -> 92.8; the
+    //   rest -0.65 (fp32 RMSNorm 16384 x 8192 99.65 -> 99.0) to +0.8, RMSNorm's split forward among them (fp32
+    //   8192 x 65536 96.0 -> 96.2);
+    // - session 24 (call 3, this form everywhere, LayerNorm's split forward included): fp32 LayerNorm 16384 x 65536 /
+    //   61440 / 49152 / 40000 86.8 / 89.2 / 87.9 / 86.3, 8192 x 65536 87.8 (session 23's form: 89.4-89.6 in calls 1
+    //   and 2, another machine; not yet compared in one process: -DPIPEGOOSE_NORM_SPLIT_LDPOL builds that form).
     // The same policy on the backward's parameter loads cost up to 3.4 points (fp32 LayerNorm 32768 x 2048 96.6 ->
     // 93.2; session 24 call 1): they keep __ldg. -DPIPEGOOSE_NORM_FWD_PARAM_LDG (a benchmark experiment) reads the
-    // forward's parameters with __ldg too, as before session 24.
+    // forward's parameters with __ldg too, as before session 24. The asm is not volatile, so the compiler may hoist a
+    // load out of a row loop: right, since the parameters are read-only for the whole kernel (the host never lets w or
+    // b alias y, mean or rstd, which it allocates), as .nc requires anyway.
     if constexpr (M == Ld::kParam && std::is_same<V, uint4>::value) {
       uint64_t pol;
       asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
@@ -1791,6 +1801,9 @@ norm_fwd_split_kernel(const float* __restrict__ x, const Tp* __restrict__ w, con
   const int nsm = nchunks - NR * TPB;  // chunks of the row in shared memory (may be <= 0 for a short row)
   const float inv_h = 1.f / static_cast<float>(H);
   int parity = 0;
+#if defined(PIPEGOOSE_NORM_SPLIT_LDPOL)
+  const uint64_t keep_params = l2_policy(true);
+#endif
   Raw<float, VEC> cur[NR];
   // The block's first row (every row without PF): the shared-memory part with cp.async, then the register part.
   auto load = [&](int64_t row) {
@@ -1847,7 +1860,19 @@ norm_fwd_split_kernel(const float* __restrict__ x, const Tp* __restrict__ w, con
 #pragma unroll
       for (int g0 = 0; g0 < VEC; g0 += PG) {
         Raw<Tp, PG> cw, cb;
+#if defined(PIPEGOOSE_NORM_SPLIT_LDPOL)
+        // -DPIPEGOOSE_NORM_SPLIT_LDPOL (a benchmark experiment): LayerNorm's fp32 parameters with session 23's form of
+        // the L2 policy (a volatile ld.global.L2::cache_hint, see ld_hint), to compare it in one process with the
+        // shipped ld.global.nc form
+        if constexpr (!RMS && ZS && std::is_same<Tp, float>::value) {
+          raw_load_pol<float, 4>(w + (c * VEC + g0) * wm, cw, keep_params);
+          raw_load_pol<float, 4>(b + (c * VEC + g0) * bm, cb, keep_params);
+        } else {
+          load_params_m<ZS, Tp, PG, RMS>(w, b, wm, bm, c * VEC + g0, cw, cb);
+        }
+#else
         load_params_m<ZS, Tp, PG, RMS>(w, b, wm, bm, c * VEC + g0, cw, cb);  // evict_last (Ld::kParam)
+#endif
 #pragma unroll
         for (int i = 0; i < PG; ++i) {
           const float v = raw_get(xc, g0 + i);
