@@ -557,17 +557,19 @@ def test_norm_arguments_numpy_sizes_and_flag_types():
                                      (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
                                      (torch.float64, "same")], ids=str)
 @pytest.mark.parametrize("shape,nshape", [((4, 0), (0,)), ((3, 2, 0), (2, 0)), ((0, 0), (0,)), ((0, 8), (8,))])
-def test_empty_inputs_as_pytorch(xdt, pdt, shape, nshape):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_empty_inputs_as_pytorch(xdt, pdt, shape, nshape, device):
     """A zero-size normalized_shape (x [4, 0] with (0,)) was a ValueError, where F.layer_norm and F.rms_norm return an
     empty tensor (and empty gradients); an empty batch ([0, 8]) already ran. Both now give exactly what PyTorch gives,
-    output and gradients (weight and bias gradients of an empty batch: zeros), on the reference path."""
+    output and gradients (weight and bias gradients of an empty batch: zeros), on the reference path; on a GPU too,
+    in strict mode (an empty input is no fallback)."""
     pdt = xdt if pdt == "same" else pdt
-    x = torch.randn(shape, dtype=xdt)
-    w = None if pdt is None else torch.randn(nshape, dtype=pdt)
-    b = None if pdt is None else torch.randn(nshape, dtype=pdt)
-    dy = torch.randn(shape, dtype=xdt)
-    with warnings.catch_warnings():  # F.rms_norm: "Mismatch dtype between input and weight"
-        warnings.simplefilter("ignore")
+    x = torch.randn(shape, dtype=xdt, device=device)
+    w = None if pdt is None else torch.randn(nshape, dtype=pdt, device=device)
+    b = None if pdt is None else torch.randn(nshape, dtype=pdt, device=device)
+    dy = torch.randn(shape, dtype=xdt, device=device)
+    with warnings.catch_warnings(), dispatch.strict(device == "cuda"):
+        warnings.simplefilter("ignore")  # F.rms_norm: "Mismatch dtype between input and weight"
         for ours, theirs, params in (
                 (lambda x_, w_, b_: PF.layer_norm(x_, nshape, w_, b_), F.layer_norm, (x, w, b)),
                 (lambda x_, w_: PF.rms_norm(x_, nshape, w_), F.rms_norm, (x, w))):
@@ -584,8 +586,9 @@ def test_empty_inputs_as_pytorch(xdt, pdt, shape, nshape):
     # the integer form and the modules, as torch.nn.LayerNorm(0) / torch.nn.RMSNorm(0) take it
     if nshape == (0,):
         assert torch.equal(PF.layer_norm(x, 0), F.layer_norm(x, (0,)))
-        assert FusedLayerNorm(0, dtype=xdt)(x).shape == torch.nn.LayerNorm(0, dtype=xdt)(x).shape == shape
-        assert FusedRMSNorm(0, dtype=xdt)(x).shape == torch.nn.RMSNorm(0, dtype=xdt)(x).shape == shape
+        kw = {"dtype": xdt, "device": device}
+        assert FusedLayerNorm(0, **kw)(x).shape == torch.nn.LayerNorm(0, **kw)(x).shape == shape
+        assert FusedRMSNorm(0, **kw)(x).shape == torch.nn.RMSNorm(0, **kw)(x).shape == shape
     for bad in (-1, (2, -1)):
         with pytest.raises(ValueError, match=r"normalized_shape: expected (a size|sizes) >= 0"):
             PF.layer_norm(x, bad)
@@ -595,7 +598,9 @@ def test_empty_inputs_as_pytorch(xdt, pdt, shape, nshape):
 @pytest.mark.parametrize("shape,nshape", [((4, 0), (0,)), ((0, 8), (8,))])
 def test_empty_inputs_on_cuda_take_the_reference_path(monkeypatch, op, shape, nshape):
     """On a CUDA device, an empty input is declined by every kernel (metadata alone: no kernel is loaded) with the
-    reason, and runs the PyTorch reference path, a fallback (the kernels' bindings refuse a hidden size of 0)."""
+    reason, and runs the PyTorch reference path (the kernels' bindings refuse a hidden size of 0): source "empty", not
+    a fallback, so that strict mode does not raise on it (a code review: it did), also where impl= asks for a kernel
+    (a warning names the unmet request)."""
     from dataclasses import replace
 
     from pipegoose.nn.fusion.ops import layer_norm as ln, rms_norm as rms
@@ -607,11 +612,16 @@ def test_empty_inputs_on_cuda_take_the_reference_path(monkeypatch, op, shape, ns
     x = torch.randn(shape, dtype=torch.bfloat16)
     p = (ln.layer_norm_problem(x, nshape, None, None, x.dtype) if op == "layer_norm"
          else rms.rms_norm_problem(x, nshape, None, x.dtype, False))
-    choice = dispatch.choose(op, replace(p, device=torch.device("cuda", 0)), check_all=True)
-    assert (choice.impl, choice.source, choice.fallback) == ("torch", "fallback", True)
+    problem = replace(p, device=torch.device("cuda", 0))
+    choice = dispatch.choose(op, problem, check_all=True)
+    assert (choice.impl, choice.source, choice.fallback) == ("torch", "empty", False)
     for name in dispatch.implementations(op):
         if name != "torch":
             assert f"empty input, shape {list(shape)}" in choice.reasons[name]
+    with dispatch.strict():
+        assert dispatch.select(op, problem).source == "empty"
+        with pytest.warns(UserWarning, match="impl='pipegoose' cannot run this input"):
+            assert dispatch.select(op, problem, impl="pipegoose").impl == "torch"
 
 
 @pytest.mark.parametrize("impl,want", [("Torch", "torch"), ("TORCH", "torch"), (" torch ", "torch"),

@@ -214,7 +214,8 @@ class Choice:
 
     Attributes:
         op, impl: the op and the chosen implementation's name.
-        source: ``argument``, ``env``, ``tuning``, ``builtin``, ``small`` or ``fallback``.
+        source: ``argument``, ``env``, ``tuning``, ``builtin``, ``small``, ``empty`` (an input of no elements: the
+            reference, not a fallback) or ``fallback``.
         fallback: True when the reference path runs because the wanted fused paths cannot.
         reasons: implementation name -> why it was not taken (empty string when it was not looked at).
         reason: one line summarising why the chosen implementation runs.
@@ -763,7 +764,14 @@ def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool =
 
 def _choose_unrequested(op: str, problem: Problem, impls: Mapping[str, Implementation], reasons: dict[str, str],
                         ok: Callable[[str], bool]) -> Choice:
-    """The choice when no request can run: the small-problem rule, then :func:`_automatic`."""
+    """The choice when no request can run: an empty input, the small-problem rule, then :func:`_automatic`."""
+    if problem.get("numel") == 0:
+        # nothing for a kernel to compute (every kernel's supports declines it): the reference returns the empty
+        # result, and that is no fallback (strict mode does not raise on it)
+        ref = next((n for n, im in impls.items() if im.kind == "reference"), None)
+        if ref is not None:
+            return Choice(op, ref, "empty", False, reasons,
+                          "an empty input: no kernel runs, the reference path returns the empty result")
     small = _small_problem(problem, impls)
     if small is not None:
         # only where a fused implementation takes the input (else it is a real fallback); checked on metadata
