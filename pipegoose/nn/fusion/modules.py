@@ -198,7 +198,7 @@ class FusedLayerNorm(nn.LayerNorm):
         TypeError: ``normalized_shape`` not an integer or a sequence of them, ``eps`` not a number, ``impl`` not a
             str or None.
         ValueError: a negative size or no dimension, ``eps`` negative or not finite, ``impl`` naming no
-            implementation of ``layer_norm``.
+            implementation of ``layer_norm`` (names are read in any case, as ``PIPEGOOSE_IMPL_*`` values are).
 
     Kernels: pipegoose/layer_norm (MIT); Apex fused LayerNorm via ColossalAI 0.5.0
     extensions/csrc/kernel/cuda/layer_norm_kernel.cu (Apache-2.0).
@@ -266,7 +266,7 @@ class FusedRMSNorm(nn.Module):
             dtype)``): ``torch.nn.RMSNorm`` numerics (one rounding), the output in the input's dtype whatever the
             weight's; needs ``cast_before_weight=False`` and ``output_in_weight_dtype=False``.
         device, dtype: of the weight.
-        impl: force an implementation (``pipegoose``, ``torch``), default auto.
+        impl: force an implementation (``pipegoose``, ``torch``; any case), default auto.
 
     Parameters/state_dict: ``weight`` (as torch.nn.RMSNorm and LlamaRMSNorm). Kernel: pipegoose/rms_norm (MIT).
 

@@ -36,7 +36,8 @@ class FusedAdam(torch.optim.Optimizer):
         bias_correction: divide the moments by ``1 - beta**step`` (True, as torch).
         amsgrad: must be False (the kernels have no AMSGrad): ValueError otherwise.
         capturable: must be False: ValueError otherwise.
-        impl: ``apex`` (default order), ``deepspeed``, ``torch``, or None/``auto`` (``PIPEGOOSE_IMPL_ADAM`` applies).
+        impl: ``apex`` (default order), ``deepspeed``, ``torch``, or None/``auto`` (``PIPEGOOSE_IMPL_ADAM`` applies);
+            any case.
 
     Parameters may be fp32, fp16 or bf16 (each kernel call takes one bucket of tensors that share device,
     dtypes and step); the moments have the parameter's dtype and the math is fp32 in the kernels (so fp16/bf16
