@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from pipegoose.kernels.manifest import ManifestError  # noqa: E402
+from pipegoose.kernels.manifest import ManifestError, default_manifest_path  # noqa: E402
 from pipegoose.porting import PortError, Porter, audit, update  # noqa: E402
 
 _WIDTH = None if sys.stdout.isatty() else 160  # rich assumes 80 columns when piped
@@ -37,8 +37,25 @@ _STATE_STYLE = {"verified": "green", "vendored": "cyan", "declared": "dim", "mod
                 "stale": "yellow"}
 
 
+def _manifest_arg(a: argparse.Namespace) -> str | Path | None:
+    return a.manifest or (Path(a.root) / "kernels.yaml" if a.root else os.environ.get("PIPEGOOSE_MANIFEST"))
+
+
+def _records(a: argparse.Namespace) -> dict[Path, bytes | None]:
+    """kernels.yaml and kernels.lock as they are now (None: absent or unreadable), to tell after a Ctrl-C whether
+    the change was applied."""
+    m = Path(_manifest_arg(a) or default_manifest_path())
+    out: dict[Path, bytes | None] = {}
+    for f in (m, m.parent / "kernels.lock"):
+        try:
+            out[f] = f.read_bytes()
+        except OSError:
+            out[f] = None
+    return out
+
+
 def _porter(a: argparse.Namespace) -> Porter:
-    manifest = a.manifest or (Path(a.root) / "kernels.yaml" if a.root else os.environ.get("PIPEGOOSE_MANIFEST"))
+    manifest = _manifest_arg(a)
     return Porter(manifest, cache_dir=a.cache, offline=a.offline, log=lambda m: err.print(m, style="dim", markup=False))
 
 
@@ -200,13 +217,22 @@ def main(argv: list[str] | None = None) -> int:
                         "(git sources, pinned by commit, have no order and are never refused)")
     s.set_defaults(fn=cmd_update)
     a = ap.parse_args(argv)
+    before = _records(a)
     try:
         return a.fn(a)
     except (PortError, ManifestError) as e:
         err.print(f"error: {e}", style="red", markup=False)
         return 2
     except KeyboardInterrupt:
-        err.print("interrupted: vendor/, LICENSES/ and kernels.lock are unchanged")
+        # A Ctrl-C can land before the change's commit point (the change is rolled back: now, or by the next run
+        # if the rollback itself was cut short) or after it (the change is in place): say which
+        changed = [f.name for f, data in _records(a).items() if data != before.get(f)]
+        if changed:
+            err.print(f"interrupted after the change was applied: {' and '.join(changed)} now record it "
+                      f"(check with: python tools/port.py verify)")
+        else:
+            err.print("interrupted before the change was applied: kernels.yaml, kernels.lock, vendor/ and LICENSES/ "
+                      "are as they were (a change cut short midway is rolled back at once, or by the next run)")
         return 130
 
 

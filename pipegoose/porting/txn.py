@@ -49,6 +49,25 @@ def _fsync_write(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def _fsync_replace(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all: a kill mid-write leaves the previous content (or no file), never a
+    truncated one (the journal: a fresh-clone walkthrough killed an update while its journal was being rewritten,
+    and every later run failed on the empty file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    _fsync_write(tmp, data)
+    os.replace(tmp, path)
+    try:  # the rename itself, durable
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
@@ -68,7 +87,19 @@ def recover(root: Path) -> list[str]:
     for d in sorted(base.iterdir()):
         journal = d / "journal.json"
         if journal.is_file():
-            j = json.loads(journal.read_text())
+            try:
+                j = json.loads(journal.read_text())
+                if not isinstance(j, dict) or not isinstance(j.get("entries"), list):
+                    raise ValueError("not a journal")
+            except (OSError, ValueError):
+                # cut short by a kill while it was written (before _fsync_replace): it is written in full before
+                # the first rename and again after the last, so the files were either all swapped or none was
+                swapped = any(d.glob("backup-*")) or not any(d.glob("stage-*"))
+                notes.append(f"removed transaction {d.name}, whose journal a kill had cut short: its change was "
+                             f"{'applied in full' if swapped else 'not applied'}; check with python tools/port.py "
+                             f"verify")
+                _remove(d)
+                continue
             if j.get("committed"):
                 notes.append(f"finished clean-up of committed transaction {d.name}")
             else:
@@ -137,7 +168,7 @@ class Transaction:
             entries.append({"target": str(target.resolve().relative_to(root)), "staged": str(staged) if staged else None,
                             "backup": str(self.dir / f"backup-{i}") if had else None, "had_original": had})
         journal = self.dir / "journal.json"
-        _fsync_write(journal, json.dumps({"committed": False, "entries": entries}).encode())
+        _fsync_replace(journal, json.dumps({"committed": False, "entries": entries}).encode())
         try:
             for e, (target, staged) in zip(entries, self._ops):
                 if e["backup"]:
@@ -145,7 +176,7 @@ class Transaction:
                 if staged is not None:
                     target.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(staged, target)
-            _fsync_write(journal, json.dumps({"committed": True, "entries": entries}).encode())
+            _fsync_replace(journal, json.dumps({"committed": True, "entries": entries}).encode())
         except BaseException:
             _rollback(self.root, entries)
             raise

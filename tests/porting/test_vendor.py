@@ -292,6 +292,71 @@ def test_killed_swap_is_rolled_back_by_next_run(sdist_repo, monkeypatch):
     assert repo.snapshot() == before
 
 
+@pytest.mark.parametrize("cut", ["first", "committed"])
+def test_journal_cut_short_by_a_kill_is_recovered(sdist_repo, monkeypatch, cut):
+    """A fresh-clone walkthrough killed an update while its journal was being written: the empty journal.json made
+    every later run fail (JSONDecodeError). The journal is now replaced whole; one cut short (as the old writes could
+    leave it) is recognised from what is on disk: written before the first rename (nothing applied) or after the
+    last (everything applied), so the next run removes it and says which."""
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+    before = repo.snapshot()
+    real = txn_mod._fsync_replace
+    calls = {"n": 0}
+
+    def killed(path, data):
+        calls["n"] += 1
+        if calls["n"] == (1 if cut == "first" else 2):
+            path.write_bytes(b"")  # what a kill between the old truncating open and its write left
+            raise SystemExit("killed")
+        real(path, data)
+
+    monkeypatch.setattr(txn_mod, "_fsync_replace", killed)
+    monkeypatch.setattr(txn_mod, "_rollback", lambda root, entries: None)  # the process dies: no rollback
+    monkeypatch.setattr(txn_mod.Transaction, "__exit__", lambda self, *exc: None)  # nor clean-up
+    with pytest.raises(SystemExit):
+        repo.porter().add(["beta"])
+    monkeypatch.undo()
+    notes = []
+    p = repo.porter(log=notes.append)
+    assert p.verify() == []  # no JSONDecodeError; vendor/ and kernels.lock agree
+    assert not (repo.root / "vendor" / ".port-txn").exists()
+    if cut == "first":
+        assert repo.snapshot() == before and any("not applied" in n for n in notes), notes
+    else:
+        assert repo.snapshot() != before and any("applied in full" in n for n in notes), notes
+        assert "up/beta" in Lock.load(repo.root / "kernels.lock").kernels
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_ctrl_c_says_whether_the_change_was_applied(sdist_repo, monkeypatch, capsys, when):
+    """A fresh-clone walkthrough's Ctrl-C during `update` printed "vendor/, LICENSES/ and kernels.lock are unchanged"
+    while kernels.yaml and kernels.lock already held the new pin (the interrupt came after the commit point)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("port_cli", ROOT / "tools" / "port.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    from pipegoose.porting import Porter
+
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+
+    def add_then_ctrl_c(self, names):
+        if when == "after":  # the commit point passed: kernels.lock holds the change
+            self.lock_path.write_text(self.lock_path.read_text() + "# changed\n")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Porter, "add", add_then_ctrl_c)
+    rc = cli.main(["add", "--root", str(repo.root), "--cache", str(repo.cache), "alpha"])
+    msg = " ".join(capsys.readouterr().err.split())
+    assert rc == 130
+    if when == "after":
+        assert "interrupted after the change was applied: kernels.lock now record" in msg, msg
+    else:
+        assert "interrupted before the change was applied" in msg, msg
+
+
 def test_missing_license_file_stops_the_port(repo):
     src, _ = sdist_source(repo, license_text=None)
     repo.write_manifest(src, K_ALPHA)
