@@ -348,6 +348,8 @@ class KernelBuilder:
                 "seconds": round(time.monotonic() - t0, 2), "archs": tc.get("archs"), "inputs": self.key_inputs(tc),
             }
             entry = _cache.publish(tmp, self.cache_dir, key, info)
+            # an earlier failure of this key is no longer what doctor should report
+            shutil.rmtree(self.cache_dir / "failed" / key, ignore_errors=True)
             return BuildResult(k, key, entry, _cache.is_complete(entry) or info, built=True,
                                seconds=time.monotonic() - t0)
         finally:
@@ -392,6 +394,10 @@ class KernelBuilder:
                 result = json.loads((tmp / "result.json").read_text())
             except (OSError, ValueError):
                 result = None
+        if rc != 0 and _stop_requested.is_set():
+            # stopped by stop_workers (Ctrl-C of build --all), not a failure of the sources: no failed/ record,
+            # which doctor would report as "last build failed" (a fresh-clone walkthrough)
+            raise KernelBuildError(f"{k.id}: build stopped (interrupted); nothing was cached", None)
         if rc != 0 or not result:
             failed = self.cache_dir / "failed" / tmp.name.split(".tmp-")[0]
             failed.mkdir(parents=True, exist_ok=True)

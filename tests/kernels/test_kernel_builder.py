@@ -116,6 +116,41 @@ def test_status_names_a_build_cached_for_other_architectures(tiny, fake_toolkit,
     assert st["state"] == "not built" and st["detail"] == "", st["detail"]
 
 
+def test_a_stopped_build_is_no_failure_and_a_success_clears_one(tiny, monkeypatch):
+    """A fresh-clone walkthrough interrupted `build` (Ctrl-C: stop_workers) and doctor then said "last build failed"
+    with ninja's "interrupted by user" as the log; a later successful build of the key left that record too."""
+    import pipegoose.kernels.builder as builder_mod
+
+    manifest, op, cache_dir = tiny
+    b = KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir)
+    key = b.build_key()
+
+    def stopped(cmd, **kw):
+        builder_mod._stop_requested.set()  # what stop_workers does before it stops the worker's group
+        return -15
+
+    monkeypatch.setattr(builder_mod, "_run_worker", stopped)
+    try:
+        with pytest.raises(KernelBuildError, match="build stopped"):
+            b.build()
+    finally:
+        builder_mod._stop_requested.clear()
+    assert not (cache_dir / "failed").exists()
+    assert b.status()["detail"] == ""
+    # a failure recorded earlier for this key (say, the compiler killed for memory), then a build that succeeds
+    (cache_dir / "failed" / key).mkdir(parents=True)
+    (cache_dir / "failed" / key / "build.log").write_text("killed\n")
+    assert "last build failed" in b.status()["detail"]
+
+    def compiled(self, tmp, tc):
+        (tmp / "tiny.so").write_bytes(b"")
+        return tmp / "tiny.so"
+
+    monkeypatch.setattr(KernelBuilder, "_compile", compiled)
+    assert b.build().built
+    assert not (cache_dir / "failed" / key).exists()
+
+
 def test_key_ignores_unrelated_files(tiny):
     manifest, op, cache_dir = tiny
     b = KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir)
