@@ -28,6 +28,7 @@ from rich.table import Table  # noqa: E402
 
 from pipegoose.kernels.manifest import ManifestError, default_manifest_path  # noqa: E402
 from pipegoose.porting import PortError, Porter, audit, update  # noqa: E402
+from pipegoose.porting.util import short_pin  # noqa: E402
 
 _WIDTH = None if sys.stdout.isatty() else 160  # rich assumes 80 columns when piped
 out = Console(highlight=False, soft_wrap=True, width=_WIDTH)
@@ -103,12 +104,7 @@ def cmd_remove(a) -> int:
     return 0
 
 
-def _pin(p: dict) -> str:
-    if "version" in p:
-        return f"{p.get('name', '')} {p['version']}"
-    if "commit" in p:
-        return p["commit"][:12]
-    return str(p)
+_pin = short_pin
 
 
 def _print_audit(report, with_diff: bool) -> None:
@@ -237,4 +233,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `... --json | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)

@@ -28,6 +28,7 @@ from .errors import PortError
 from .fetch import SourceTree
 from .lock import LockedSource
 from .porter import Porter
+from .util import short_pin
 
 __all__ = ["FileAudit", "SymbolAudit", "KernelAudit", "SourceAudit", "AuditReport", "audit", "update",
            "symbol_defined", "edit_source_pin"]
@@ -199,6 +200,10 @@ def _targets(porter: Porter, names: Iterable[str] | None) -> dict[str, list[str]
         out.setdefault(k.source, [])
         if kid not in out[k.source]:
             out[k.source].append(kid)
+    if names and not out:  # named, but only our own kernels: say so rather than print an empty audit
+        ported = ", ".join(s for s in m.sources if not m.sources[s].is_local)
+        raise PortError(f"{', '.join(names)}: our own kernels (a local source) have no upstream to audit; name ported "
+                        f"kernels or their sources ({ported})")
     return out
 
 
@@ -365,13 +370,13 @@ def update(porter: Porter, name: str, to: str | None = None, latest: bool = Fals
         gone = [f"{k.kernel}: {f.path} " + (f"moved to {', '.join(f.moved_to)}" if f.moved_to else "removed")
                 for k in sa.kernels for f in k.files if f.status in ("moved", "removed")]
         if gone:
-            raise PortError(f"{sid} {sa.to_pin}: vendored files are gone upstream; update the kernels' files in "
+            raise PortError(f"{sid} {short_pin(sa.to_pin)}: vendored files are gone upstream; update the kernels' files in "
                             "kernels.yaml first:\n  " + "\n  ".join(gone))
         reasons = [f"{k.kernel}: entry symbol {s.symbol} ({s.op}) not found any more" for k in sa.kernels
                    for s in k.symbols if s.before and not s.after]
         reasons += [f"license file {f.path} {f.status}" for f in sa.licenses if f.status != "unchanged"]
         if reasons and not force:
-            raise PortError(f"{sid}: refusing to update to {sa.to_pin} (use --force after reviewing):\n  " + "\n  ".join(reasons))
+            raise PortError(f"{sid}: refusing to update to {short_pin(sa.to_pin)} (use --force after reviewing):\n  " + "\n  ".join(reasons))
         new_tree = porter.fetcher.tree(src, sa.to_pin)
         new_pin = dict(new_tree.pin)
         text = m.path.read_text()

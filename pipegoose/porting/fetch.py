@@ -536,7 +536,14 @@ class Fetcher:
         path = self._cached_sdist(name, version, want)
         if path is None:
             if self.offline:
-                raise FetchError(f"{label}: not in the download cache {self._pypi_dir(name)} and --offline was given")
+                bad = self._cached_sdist(name, version, None)  # there, but not the pinned bytes
+                if bad is not None:
+                    raise FetchError(f"{label}: the download cache holds {bad} with sha256 {sha256_file(bad)}, "
+                                     f"kernels.yaml pins {want} (a partial or altered download); remove it and "
+                                     f"run without --offline, or put the pinned file there")
+                raise FetchError(f"{label}: not in the download cache {self._pypi_dir(name)} and --offline was given "
+                                 f"(put the sdist there, e.g. from `pip download --no-deps --no-binary :all: "
+                                 f"{name}=={version}` on a machine with network)")
             path = self._download_sdist(name, version, want)
         got = sha256_file(path)
         if want and got != want:

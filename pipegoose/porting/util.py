@@ -6,7 +6,7 @@ import hashlib
 import os
 from pathlib import Path, PurePosixPath
 
-__all__ = ["sha256_bytes", "sha256_file", "safe_member_path", "default_cache_dir"]
+__all__ = ["sha256_bytes", "sha256_file", "safe_member_path", "default_cache_dir", "short_pin"]
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -51,3 +51,13 @@ def default_cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "pipegoose" / "port"
+
+
+def short_pin(pin: dict) -> str:
+    """A resolved pin as a person reads it: ``name version`` (PyPI), the commit's first 12 hex digits (git), else the
+    dict as it is."""
+    if "version" in pin:
+        return f"{pin.get('name', '')} {pin['version']}".strip()
+    if "commit" in pin:
+        return str(pin["commit"])[:12]
+    return str(pin)

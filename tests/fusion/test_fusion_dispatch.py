@@ -377,6 +377,19 @@ def test_explain_refuses_what_the_softmax_ops_refuse():
         dispatch.explain("softmax", x[0], -1)
 
 
+def test_explain_refuses_keywords_the_op_does_not_take():
+    """A fresh-clone walkthrough: explain("layer_norm", x, (8,), wieght=w) explained a call without a weight, and
+    explain("softmax", x, dim=0) a last-dim softmax: unknown keywords were dropped. Now a TypeError naming it."""
+    x, w = torch.randn(4, 8), torch.randn(8)
+    for op, args, kw, name in (("layer_norm", (x, (8,)), {"wieght": w}, "wieght"),
+                               ("rms_norm", (x, (8,)), {"epsilon": 1e-6}, "epsilon"),
+                               ("softmax", (x,), {"dim": 0}, "dim"),
+                               ("softmax.masked", (x.view(1, 1, 4, 8),), {"mask_": None}, "mask_")):
+        with pytest.raises(TypeError, match=rf"explain\('{re.escape(op)}', \.\.\.\).*'{name}' is not one of them"):
+            dispatch.explain(op, *args, **kw)
+    assert dispatch.explain("rms_norm", x, (8,), w, cast_before_weight=True).impl == "torch"  # a real keyword
+
+
 def test_explain_takes_the_scale_of_the_plain_and_causal_functions():
     """explain("softmax.causal", x, 0.5) as scaled_upper_triang_masked_softmax(x, 0.5) is called (and "softmax" as
     scaled_softmax(x, 0.5)): the number after x is the scale, checked as the op checks it."""
@@ -505,6 +518,8 @@ def test_last_choice_of_an_unknown_op_is_a_key_error():
     assert dispatch.last_choice(OP) is c
     with pytest.raises(KeyError, match="unknown fused op 'Fake.op'"):   # op names are not case-insensitive
         dispatch.last_choice("Fake.op")
+    with pytest.raises(TypeError, match=r"op: expected an op name \(str\), got list"):  # not "unhashable type"
+        dispatch.last_choice(["layer_norm"])
 
 
 def test_impl_argument_is_case_insensitive_as_the_variables(monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -439,6 +440,40 @@ def test_remove_keeps_shared_files_then_drops_source(git_repo):
     lock = Lock.load(repo.root / "kernels.lock")
     assert lock.kernels == {} and lock.sources == {}
     assert p.verify() == []
+
+
+def test_audit_of_our_own_kernels_says_there_is_no_upstream(repo):
+    """A fresh-clone walkthrough: `audit pipegoose` printed nothing and exited 0 (update said "nothing to update")."""
+    from pipegoose.porting import audit
+
+    (repo.root / "pipegoose/kernels/csrc").mkdir(parents=True)
+    (repo.root / "pipegoose/kernels/csrc/ours.cu").write_text("int ours_fwd(int x) { return x; }\n")
+    repo.write_manifest(source_yaml("pipegoose", "local: {path: .}", license="MIT"),
+                        kernel_yaml("pipegoose/ours", "pipegoose", ["pipegoose/kernels/csrc/ours.cu"], "ours_fwd",
+                                    "ours_forward", include_dirs="[]"))
+    p = repo.porter()
+    p.add(["ours"])
+    for names in (["pipegoose"], ["pipegoose/ours"]):
+        with pytest.raises(PortError, match=r"our own kernels \(a local source\) have no upstream to audit"):
+            audit(p, names)
+    assert audit(p).sources == []  # unnamed: every ported source, here none
+
+
+def test_offline_with_an_altered_cached_sdist_names_the_file(sdist_repo):
+    """A fresh-clone walkthrough truncated the cached sdist: `sync --offline` said it was "not in the download cache";
+    the message now names the file, both sha256 and what to do."""
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+    cached = next((repo.cache / "pypi" / "up").glob("*.tar.gz"))
+    data = cached.read_bytes()
+    cached.write_bytes(data[: len(data) // 2])  # a download cut short
+    src = repo.porter().manifest.sources["up"]
+    with pytest.raises(FetchError, match=rf"the download cache holds .*{re.escape(cached.name)} with sha256 .*"
+                                         rf"kernels.yaml pins {src.pin['sha256']}"):
+        repo.porter(offline=True).fetcher.tree(src)
+    cached.unlink()
+    with pytest.raises(FetchError, match=r"not in the download cache .* --offline was given \(put the sdist there"):
+        repo.porter(offline=True).fetcher.tree(src)
 
 
 def test_local_source_is_hashed_in_place(repo):

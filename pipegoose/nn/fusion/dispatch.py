@@ -985,9 +985,12 @@ def explain(op: str, *inputs: Any, impl: str | None = None, **kwargs: Any) -> Ch
     except TypeError as e:
         if "positional argument" not in str(e) and "keyword argument" not in str(e):
             raise
+        bad = re.search(r"unexpected keyword argument '(\w+)'", str(e))
+        # the builders' own names (_explain...) mean nothing to the caller: name the keyword alone
+        detail = f"{bad.group(1)!r} is not one of them" if bad else re.sub(r"^[\w.<>]+\(\) ", "", str(e))
         raise TypeError(f"explain({op!r}, ...): expected the op's functional arguments, e.g. "
                         f"explain('layer_norm', x, (1024,), w, b) or explain('softmax.masked', x, mask, "
-                        f"scale=0.125); {e}") from None
+                        f"scale=0.125); {detail}") from None
     return choose(op, problem, impl, check_all=True)
 
 
@@ -999,6 +1002,8 @@ def last_choice(op: str) -> Choice | None:
     Raises:
         KeyError: ``op`` names no op (the message lists the known ones).
     """
+    if not isinstance(op, str):
+        raise TypeError(f"op: expected an op name (str), got {type(op).__name__}")
     with _lock:
         hit = _last.get(op)
     if hit is None and op != "attention" and op not in _impls:

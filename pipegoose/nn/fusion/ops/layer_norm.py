@@ -112,7 +112,7 @@ def layer_norm_problem(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Te
                               bias_dtype=None if bias is None else bias.dtype, out_dtype=out))
 
 
-def _explain(x, normalized_shape, weight=None, bias=None, eps=1e-5, **_):
+def _explain(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     shape = normalize_shape(normalized_shape)
     check_args(x, shape, weight, bias, eps)
     return layer_norm_problem(x, shape, weight, bias, out_dtype(x, weight, bias))

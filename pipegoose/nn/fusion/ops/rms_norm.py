@@ -83,7 +83,7 @@ def rms_norm_problem(x, shape, weight, out, cast_before_weight) -> Problem:
                               cast_before_weight=cast_before_weight))
 
 
-def _explain(x, normalized_shape, weight=None, eps=None, cast_before_weight=False, **_):
+def _explain(x, normalized_shape, weight=None, eps=None, cast_before_weight=False):
     shape = normalize_shape(normalized_shape)
     check_args(x, shape, weight, eps)
     return rms_norm_problem(x, shape, weight, out_dtype(x, weight, cast_before_weight), cast_before_weight)

@@ -72,7 +72,7 @@ def _explain_builder(op: str):
                 return build(x, None, args[0], **kwargs)
         return build(x, *args, **kwargs)
 
-    def build(x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0, **_: Any) -> Problem:
+    def build(x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0) -> Problem:
         # the checks of the functional entry points, so that explain() refuses what the op would refuse
         check_input(x)
         scale = check_scale(scale)
