@@ -73,7 +73,10 @@ def cmd_list(a) -> int:
 
 def cmd_add(a) -> int:
     ids = _porter(a).add(a.ids)
-    out.print(f"added {len(ids)} kernel(s): {', '.join(ids)}")
+    if ids:
+        out.print(f"added {len(ids)} kernel(s): {', '.join(ids)}")
+    else:
+        out.print("nothing to add: every kernel named is already vendored at its pin and verifies")
     return 0
 
 

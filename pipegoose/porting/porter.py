@@ -252,17 +252,35 @@ class Porter:
     def add(self, names: Iterable[str]) -> list[str]:
         """Vendor kernels (ids or aliases) at their manifest pin and record them in kernels.lock.
 
+        A ported kernel already vendored at that pin, with the same files, whose files and license verify, is left
+        as it is (nothing fetched); our own kernels (a local source) are hashed again, which records an edit.
         Returns the kernel ids added. Raises PortError (or a subclass) and changes nothing on any failure:
         unknown id (message lists close matches), fetch/network failure, archive sha256 mismatch, a file or
         license file missing in the source, a license not allowed, a header missing from ``files``.
         """
         with self.locked() as lock:
             ids = self._resolve_ids(names)
-            new, trees = self._plan_add(lock, ids)
-            self._commit(lock, new, trees)
+            in_place = [kid for kid in ids if self._vendored_and_verified(lock, kid)]
+            ids = [kid for kid in ids if kid not in in_place]
+            if ids:
+                new, trees = self._plan_add(lock, ids)
+                self._commit(lock, new, trees)
+        for kid in in_place:
+            self.log(f"{kid} is already vendored at {self.manifest.sources[self.manifest.kernels[kid].source].describe_pin()}"
+                     " and verifies: nothing fetched")
         for kid in ids:
             self.log(f"added {kid} ({self.manifest.sources[self.manifest.kernels[kid].source].describe_pin()})")
         return ids
+
+    def _vendored_and_verified(self, lock: Lock, kid: str) -> bool:
+        """Whether ported kernel ``kid`` is in kernels.lock at the manifest's pin with the manifest's files, and its
+        source's folders verify (:meth:`_source_verifies`)."""
+        k = self.manifest.kernels[kid]
+        src = self.manifest.sources[k.source]
+        lk, ls = lock.kernels.get(kid), lock.sources.get(src.id)
+        if src.is_local or lk is None or ls is None or dict(ls.pin) != dict(src.pin) or set(k.files) != set(lk.files):
+            return False
+        return self._source_verifies(lock, src.id)
 
     def _plan_add(self, lock: Lock, ids: list[str]) -> tuple[Lock, dict[str, SourceTree | None]]:
         new = lock.copy()

@@ -476,6 +476,26 @@ def test_offline_with_an_altered_cached_sdist_names_the_file(sdist_repo):
         repo.porter(offline=True).fetcher.tree(src)
 
 
+def test_add_of_a_vendored_kernel_fetches_nothing(sdist_repo, monkeypatch):
+    """A fresh-clone walkthrough: `add` of a kernel already vendored fetched its source again and said "added 1
+    kernel(s)", where sync says "already in place". A tampered file still sends it back to be vendored."""
+    repo = sdist_repo
+    assert repo.porter().add(["alpha"]) == ["up/alpha"]
+    before = repo.snapshot()
+
+    def no_fetch(*a, **kw):
+        raise AssertionError("fetched a source that is in place")
+
+    monkeypatch.setattr(Fetcher, "tree", no_fetch)
+    notes = []
+    assert repo.porter(log=notes.append).add(["alpha"]) == []
+    assert repo.snapshot() == before and any("already vendored" in n for n in notes), notes
+    monkeypatch.undo()
+    (repo.root / "vendor" / "up" / "csrc" / "kernels" / "alpha.cu").write_text("tampered\n")
+    assert repo.porter().add(["alpha"]) == ["up/alpha"]
+    assert repo.porter().verify() == []
+
+
 def test_local_source_is_hashed_in_place(repo):
     (repo.root / "pipegoose/kernels/csrc").mkdir(parents=True)
     cu = repo.root / "pipegoose/kernels/csrc/ours.cu"
