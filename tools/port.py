@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from pipegoose.kernels.manifest import ManifestError, default_manifest_path  # noqa: E402
+from pipegoose.kernels.manifest import ManifestError  # noqa: E402
 from pipegoose.porting import PortError, Porter, audit, update  # noqa: E402
 from pipegoose.porting.util import short_pin  # noqa: E402
 
@@ -38,26 +38,14 @@ _STATE_STYLE = {"verified": "green", "vendored": "cyan", "declared": "dim", "mod
                 "stale": "yellow"}
 
 
-def _manifest_arg(a: argparse.Namespace) -> str | Path | None:
-    return a.manifest or (Path(a.root) / "kernels.yaml" if a.root else os.environ.get("PIPEGOOSE_MANIFEST"))
-
-
-def _records(a: argparse.Namespace) -> dict[Path, bytes | None]:
-    """kernels.yaml and kernels.lock as they are now (None: absent or unreadable), to tell after a Ctrl-C whether
-    the change was applied."""
-    m = Path(_manifest_arg(a) or default_manifest_path())
-    out: dict[Path, bytes | None] = {}
-    for f in (m, m.parent / "kernels.lock"):
-        try:
-            out[f] = f.read_bytes()
-        except OSError:
-            out[f] = None
-    return out
+_made: list[Porter] = []  # the Porters of this run: after a Ctrl-C, whether one passed its commit point
 
 
 def _porter(a: argparse.Namespace) -> Porter:
-    manifest = _manifest_arg(a)
-    return Porter(manifest, cache_dir=a.cache, offline=a.offline, log=lambda m: err.print(m, style="dim", markup=False))
+    manifest = a.manifest or (Path(a.root) / "kernels.yaml" if a.root else os.environ.get("PIPEGOOSE_MANIFEST"))
+    p = Porter(manifest, cache_dir=a.cache, offline=a.offline, log=lambda m: err.print(m, style="dim", markup=False))
+    _made.append(p)
+    return p
 
 
 def cmd_list(a) -> int:
@@ -216,22 +204,21 @@ def main(argv: list[str] | None = None) -> int:
                         "(git sources, pinned by commit, have no order and are never refused)")
     s.set_defaults(fn=cmd_update)
     a = ap.parse_args(argv)
-    before = _records(a)
+    _made.clear()
     try:
         return a.fn(a)
     except (PortError, ManifestError) as e:
         err.print(f"error: {e}", style="red", markup=False)
         return 2
     except KeyboardInterrupt:
-        # A Ctrl-C can land before the change's commit point (the change is rolled back: now, or by the next run
-        # if the rollback itself was cut short) or after it (the change is in place): say which
-        changed = [f.name for f, data in _records(a).items() if data != before.get(f)]
-        if changed:
-            err.print(f"interrupted after the change was applied: {' and '.join(changed)} now record it "
-                      f"(check with: python tools/port.py verify)")
+        # A Ctrl-C can land before a change's commit point (it is rolled back: now, or by the next run if the
+        # rollback itself was cut short) or after it (the change is in place): say which
+        if any(p.committed for p in _made):
+            err.print("interrupted after the change was applied: kernels.lock, vendor/ and LICENSES/ (and kernels.yaml "
+                      "for update) hold it; check with: python tools/port.py verify")
         else:
-            err.print("interrupted before the change was applied: kernels.yaml, kernels.lock, vendor/ and LICENSES/ "
-                      "are as they were (a change cut short midway is rolled back at once, or by the next run)")
+            err.print("interrupted: this run changed nothing (a change cut short midway is rolled back at once, or by "
+                      "the next run)")
         return 130
 
 

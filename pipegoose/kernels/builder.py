@@ -394,8 +394,8 @@ class KernelBuilder:
                 result = json.loads((tmp / "result.json").read_text())
             except (OSError, ValueError):
                 result = None
-        if rc != 0 and _stop_requested.is_set():
-            # stopped by stop_workers (Ctrl-C of build --all), not a failure of the sources: no failed/ record,
+        if rc < 0 and _stop_requested.is_set():
+            # killed by stop_workers' signal (Ctrl-C of build), not a failure of the sources: no failed/ record,
             # which doctor would report as "last build failed" (a fresh-clone walkthrough)
             raise KernelBuildError(f"{k.id}: build stopped (interrupted); nothing was cached", None)
         if rc != 0 or not result:
@@ -501,14 +501,14 @@ class KernelBuilder:
         or "" when there are none."""
         if not self.needs_cuda:
             return ""
-        # as the build info stores them (JSON: tuples read back as lists)
-        want = json.loads(json.dumps({n: v for n, v in inputs.items() if n != "archs"}, default=str))
         found = []
-        for _entry, info in _cache.complete_entries(self.cache_dir, self.kernel.short_name):
-            other = info.get("inputs")
-            if isinstance(other, dict) and other.get("archs") and \
-                    {n: v for n, v in other.items() if n != "archs"} == want:
-                found.append(str(other["archs"]))
+        for entry, info in _cache.complete_entries(self.cache_dir, self.kernel.short_name):
+            archs = (info.get("inputs") or {}).get("archs") if isinstance(info.get("inputs"), dict) else None
+            # the entry is the build of exactly these inputs with its own architectures: its key says so (the
+            # recorded inputs alone could differ from the ones that made the key)
+            if isinstance(archs, str) and archs != inputs.get("archs") and \
+                    _cache.build_key(self.kernel.short_name, {**inputs, "archs": archs}) == entry.name:
+                found.append(archs)
         if not found:
             return ""
         lists = " or ".join(f'TORCH_CUDA_ARCH_LIST="{a}"' for a in sorted(set(found)))

@@ -542,8 +542,8 @@ class Fetcher:
                                      f"kernels.yaml pins {want} (a partial or altered download); remove it and "
                                      f"run without --offline, or put the pinned file there")
                 raise FetchError(f"{label}: not in the download cache {self._pypi_dir(name)} and --offline was given "
-                                 f"(put the sdist there, e.g. from `pip download --no-deps --no-binary :all: "
-                                 f"{name}=={version}` on a machine with network)")
+                                 f"(run `python tools/port.py sync` on a machine with network and copy its "
+                                 f"pypi/{canonicalize_name(name)}/ folder of the port cache there)")
             path = self._download_sdist(name, version, want)
         got = sha256_file(path)
         if want and got != want:

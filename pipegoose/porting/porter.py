@@ -93,6 +93,9 @@ class Porter:
         self.fetcher = fetcher or Fetcher(self.root, Path(cache_dir) if cache_dir else None, offline)
         self.log = log or (lambda _msg: None)
         self.lock_timeout = lock_timeout
+        # whether a change of this Porter passed its commit point (tools/port.py tells a Ctrl-C before it from one
+        # after it)
+        self.committed = False
 
     # ------------------------------------------------------------------------------------------------------
     # helpers
@@ -244,7 +247,10 @@ class Porter:
                 extra(tx)
             if new.to_data() != old.to_data() or not self.lock_path.exists():
                 tx.stage_file(self.lock_path, new.dumps().encode())
-            tx.commit()
+            try:
+                tx.commit()
+            finally:
+                self.committed = self.committed or tx.committed
 
     # ------------------------------------------------------------------------------------------------------
     # operations
@@ -278,7 +284,11 @@ class Porter:
         k = self.manifest.kernels[kid]
         src = self.manifest.sources[k.source]
         lk, ls = lock.kernels.get(kid), lock.sources.get(src.id)
-        if src.is_local or lk is None or ls is None or dict(ls.pin) != dict(src.pin) or set(k.files) != set(lk.files):
+        if src.is_local or lk is None or ls is None or lk.source != k.source or ls.kind != src.kind:
+            return False
+        if dict(ls.pin) != dict(src.pin) or set(k.files) != set(lk.files):
+            return False
+        if ls.license != src.license or set(ls.license_files) != set(src.license_files):  # a license file declared
             return False
         return self._source_verifies(lock, src.id)
 

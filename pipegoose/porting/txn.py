@@ -68,6 +68,13 @@ def _fsync_replace(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def _journal_committed(journal: Path) -> bool:
+    try:
+        return bool(json.loads(journal.read_text()).get("committed"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
@@ -88,10 +95,14 @@ def recover(root: Path) -> list[str]:
         journal = d / "journal.json"
         if journal.is_file():
             try:
-                j = json.loads(journal.read_text())
+                text = journal.read_text()
+            except OSError as e:  # not "cut short": a journal we cannot read must not be judged (nor its backups lost)
+                raise PortError(f"cannot read {journal} to finish or roll back an interrupted change: {e}") from None
+            try:
+                j = json.loads(text)
                 if not isinstance(j, dict) or not isinstance(j.get("entries"), list):
                     raise ValueError("not a journal")
-            except (OSError, ValueError):
+            except ValueError:
                 # cut short by a kill while it was written (before _fsync_replace): it is written in full before
                 # the first rename and again after the last, so the files were either all swapped or none was
                 swapped = any(d.glob("backup-*")) or not any(d.glob("stage-*"))
@@ -134,6 +145,8 @@ class Transaction:
         self.dir.mkdir(parents=True)
         self._ops: list[tuple[Path, Path | None]] = []  # (target, staged path or None = delete)
         self._n = 0
+        self._live = False
+        self.committed = False  # True once the commit point (the journal's committed flag) is on disk
 
     def _stage_path(self, name: str) -> Path:
         self._n += 1
@@ -169,6 +182,7 @@ class Transaction:
                             "backup": str(self.dir / f"backup-{i}") if had else None, "had_original": had})
         journal = self.dir / "journal.json"
         _fsync_replace(journal, json.dumps({"committed": False, "entries": entries}).encode())
+        self._live = True  # from here until the swap or its rollback completes, the folder is recover()'s to finish
         try:
             for e, (target, staged) in zip(entries, self._ops):
                 if e["backup"]:
@@ -178,8 +192,14 @@ class Transaction:
                     os.replace(staged, target)
             _fsync_replace(journal, json.dumps({"committed": True, "entries": entries}).encode())
         except BaseException:
-            _rollback(self.root, entries)
+            if not _journal_committed(journal):  # an interrupt after the commit point rolls nothing back
+                _rollback(self.root, entries)
+            else:
+                self.committed = True
+            self._live = False
             raise
+        self.committed = True
+        self._live = False
         self._cleanup()
 
     def _cleanup(self) -> None:
@@ -194,5 +214,7 @@ class Transaction:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.dir.exists():
+        # a swap or rollback cut short (a second Ctrl-C during the rollback, an OSError) keeps the journal and the
+        # backups for recover() in the next run
+        if self.dir.exists() and not self._live:
             self._cleanup()

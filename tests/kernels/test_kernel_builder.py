@@ -109,9 +109,12 @@ def test_status_names_a_build_cached_for_other_architectures(tiny, fake_toolkit,
     st = KernelBuilder("test/cuda_one", manifest=manifest, cache_dir=cache_dir).status()
     assert st["state"] == "not built"
     assert 'TORCH_CUDA_ARCH_LIST="9.0"' in st["detail"] and "8.0;9.0+PTX" in st["detail"], st["detail"]
-    # a cached build of other sources is not offered
+    # a cached build of other sources is not offered, nor an entry whose recorded inputs match but whose key does
+    # not (another KEY_SCHEMA, a source edited while it built: a review found this false hint)
     shutil.rmtree(cache.entry_dir(cache_dir, key))
-    plant(key, {**inputs, "binding": "0" * 64})
+    other = {**inputs, "binding": "0" * 64}
+    plant(cache.build_key("cuda_one", other), other)
+    plant("cuda_one-000000000000000000000000", inputs)
     st = KernelBuilder("test/cuda_one", manifest=manifest, cache_dir=cache_dir).status()
     assert st["state"] == "not built" and st["detail"] == "", st["detail"]
 
@@ -137,6 +140,19 @@ def test_a_stopped_build_is_no_failure_and_a_success_clears_one(tiny, monkeypatc
         builder_mod._stop_requested.clear()
     assert not (cache_dir / "failed").exists()
     assert b.status()["detail"] == ""
+
+    def failed_as_stopped(cmd, **kw):  # a compile error that ends just as Ctrl-C comes: still a failure
+        builder_mod._stop_requested.set()
+        return 1
+
+    monkeypatch.setattr(builder_mod, "_run_worker", failed_as_stopped)
+    try:
+        with pytest.raises(KernelBuildError, match="failed"):
+            b.build()
+    finally:
+        builder_mod._stop_requested.clear()
+    assert "last build failed" in b.status()["detail"]
+    shutil.rmtree(cache_dir / "failed")
     # a failure recorded earlier for this key (say, the compiler killed for memory), then a build that succeeds
     (cache_dir / "failed" / key).mkdir(parents=True)
     (cache_dir / "failed" / key / "build.log").write_text("killed\n")

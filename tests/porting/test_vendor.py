@@ -329,33 +329,46 @@ def test_journal_cut_short_by_a_kill_is_recovered(sdist_repo, monkeypatch, cut):
         assert "up/beta" in Lock.load(repo.root / "kernels.lock").kernels
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("when", ["before", "after", "sync after"])
 def test_ctrl_c_says_whether_the_change_was_applied(sdist_repo, monkeypatch, capsys, when):
     """A fresh-clone walkthrough's Ctrl-C during `update` printed "vendor/, LICENSES/ and kernels.lock are unchanged"
-    while kernels.yaml and kernels.lock already held the new pin (the interrupt came after the commit point)."""
+    while kernels.yaml and kernels.lock already held the new pin (the interrupt came after the commit point). The CLI
+    now asks the transaction: a real `add`, interrupted while staging (before) or in the clean-up after the commit
+    point (after)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("port_cli", ROOT / "tools" / "port.py")
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
-    from pipegoose.porting import Porter
-
     repo = sdist_repo
-    repo.porter().add(["alpha"])
+    repo.porter().add(["alpha"])  # the sdist in the cache: the CLI's run below fetches nothing
+    before = repo.snapshot()
 
-    def add_then_ctrl_c(self, names):
-        if when == "after":  # the commit point passed: kernels.lock holds the change
-            self.lock_path.write_text(self.lock_path.read_text() + "# changed\n")
+    def ctrl_c(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(Porter, "add", add_then_ctrl_c)
-    rc = cli.main(["add", "--root", str(repo.root), "--cache", str(repo.cache), "alpha"])
-    msg = " ".join(capsys.readouterr().err.split())
-    assert rc == 130
-    if when == "after":
-        assert "interrupted after the change was applied: kernels.lock now record" in msg, msg
+    args = ["add", "--root", str(repo.root), "--cache", str(repo.cache), "--offline", "beta"]
+    if when == "before":
+        monkeypatch.setattr(porter_mod, "_write_staged", ctrl_c)
     else:
-        assert "interrupted before the change was applied" in msg, msg
+        monkeypatch.setattr(txn_mod.Transaction, "_cleanup", ctrl_c)
+    if when == "sync after":  # sync restores vendor/ and leaves kernels.lock as it was (a review: "unchanged")
+        (repo.root / "vendor" / "up" / "csrc" / "kernels" / "alpha.cu").write_text("tampered\n")
+        args = ["sync", "--root", str(repo.root), "--cache", str(repo.cache), "--offline"]
+    rc = cli.main(args)
+    msg = " ".join(capsys.readouterr().err.split())
+    monkeypatch.undo()
+    assert rc == 130
+    if when == "sync after":
+        assert "interrupted after the change was applied" in msg, msg
+        assert repo.porter().verify() == [] and repo.snapshot() == before  # restored (the clean-up: next run)
+    elif when == "after":
+        assert "interrupted after the change was applied" in msg, msg
+        assert "up/beta" in Lock.load(repo.root / "kernels.lock").kernels
+    else:
+        assert "interrupted: this run changed nothing" in msg, msg
+        assert repo.snapshot() == before
+    assert repo.porter().verify() == []
 
 
 def test_missing_license_file_stops_the_port(repo):
@@ -472,7 +485,7 @@ def test_offline_with_an_altered_cached_sdist_names_the_file(sdist_repo):
                                          rf"kernels.yaml pins {src.pin['sha256']}"):
         repo.porter(offline=True).fetcher.tree(src)
     cached.unlink()
-    with pytest.raises(FetchError, match=r"not in the download cache .* --offline was given \(put the sdist there"):
+    with pytest.raises(FetchError, match=r"not in the download cache .* --offline was given \(run `python tools/port.py sync` on"):
         repo.porter(offline=True).fetcher.tree(src)
 
 
@@ -494,6 +507,76 @@ def test_add_of_a_vendored_kernel_fetches_nothing(sdist_repo, monkeypatch):
     (repo.root / "vendor" / "up" / "csrc" / "kernels" / "alpha.cu").write_text("tampered\n")
     assert repo.porter().add(["alpha"]) == ["up/alpha"]
     assert repo.porter().verify() == []
+
+
+def test_add_vendors_a_license_file_declared_since(sdist_repo):
+    """A code review of the add that fetches nothing when a kernel is in place: a license file newly declared in
+    kernels.yaml must still send the source back to be vendored with it."""
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+    manifest = repo.root / "kernels.yaml"
+    text = manifest.read_text()
+    assert "license_files: [LICENSE]" in text
+    manifest.write_text(text.replace("license_files: [LICENSE]", "license_files: [LICENSE, PKG-INFO]"))
+    assert repo.porter().add(["alpha"]) == ["up/alpha"]
+    assert (repo.root / "LICENSES" / "up" / "PKG-INFO").is_file()
+    assert set(Lock.load(repo.root / "kernels.lock").sources["up"].license_files) == {"LICENSE", "PKG-INFO"}
+
+
+def test_a_rollback_cut_short_keeps_what_the_next_run_needs(sdist_repo, monkeypatch):
+    """A code review: a second Ctrl-C during the in-process rollback (or an OSError there) deleted the transaction
+    folder, journal and backups with it, so the next run could not restore vendor/. The folder now stays."""
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+    before = repo.snapshot()
+    real = os.replace
+    calls = {"n": 0}
+
+    def failing(a, b):
+        calls["n"] += 1
+        if calls["n"] == 4:  # mid-swap
+            raise OSError("simulated crash mid-swap")
+        real(a, b)
+
+    def second_ctrl_c(root, entries):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(txn_mod.os, "replace", failing)
+    monkeypatch.setattr(txn_mod, "_rollback", second_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        repo.porter().add(["beta"])
+    monkeypatch.undo()
+    assert list((repo.root / "vendor" / ".port-txn").iterdir())  # journal and backups kept
+    assert repo.porter().verify() == [] and repo.snapshot() == before  # the next run rolled back
+
+
+def test_a_kill_while_the_journal_is_rewritten_leaves_the_previous_one(sdist_repo, monkeypatch):
+    """The journal is written to a temporary file and renamed: a kill during the committed write leaves the
+    uncommitted journal whole, and the next run rolls the swap back (the old in-place write left it empty)."""
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+    before = repo.snapshot()
+    real = txn_mod._fsync_write
+    seen = {"journal": 0}
+
+    def killed(path, data):
+        if path.name == ".journal.json.tmp":
+            seen["journal"] += 1
+            if seen["journal"] == 2:  # the committed write
+                path.write_bytes(data[: len(data) // 2])
+                raise SystemExit("killed")
+        real(path, data)
+
+    monkeypatch.setattr(txn_mod, "_fsync_write", killed)
+    monkeypatch.setattr(txn_mod, "_rollback", lambda root, entries: None)  # the process dies: no rollback
+    monkeypatch.setattr(txn_mod.Transaction, "__exit__", lambda self, *exc: None)  # nor clean-up
+    with pytest.raises(SystemExit):
+        repo.porter().add(["beta"])
+    monkeypatch.undo()
+    assert seen["journal"] == 2
+    notes = []
+    assert repo.porter(log=notes.append).verify() == [] and repo.snapshot() == before
+    assert any("rolled back interrupted transaction" in n for n in notes), notes
 
 
 def test_local_source_is_hashed_in_place(repo):

@@ -23,6 +23,10 @@ Choice, first that supports the input wins:
    path (the Python dispatch above the op, the op's own host code) costs more host time than its kernel can save on
    the GPU (fused MiniLM, BERT-base and GPT-2 small steps were slower than unfused ones on the H200; see
    :data:`SMALL_NUMEL_DEFAULT`).
+6. before 5, an input of no elements (a problem whose ``numel`` is 0: a zero-size normalized_shape, an empty batch):
+   the reference runs (source ``empty``, not a fallback: there is nothing for a kernel to compute); a request that
+   named a kernel still warns that it could not run. (The fused modules' small-input shortcut counts such inputs as
+   ``small``; the optimizers' problems carry no ``numel``.)
 
 Ending on ``torch`` after a fused implementation was wanted is a *fallback*: the reason is recorded
 (:func:`explain`, :func:`last_choice`), logged at debug level on ``pipegoose.nn.fusion.dispatch``, and in strict
