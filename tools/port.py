@@ -95,14 +95,11 @@ def cmd_remove(a) -> int:
     return 0
 
 
-_pin = short_pin
-
-
 def _print_audit(report, with_diff: bool) -> None:
     """One row per kernel (file counts by status, entry symbols, new upstream files), then one row per file
     that is not unchanged."""
     for s in report.sources:
-        head = f"{s.source}: {_pin(s.from_pin)} -> {_pin(s.to_pin) if s.to_pin else '?'}"
+        head = f"{s.source}: {short_pin(s.from_pin)} -> {short_pin(s.to_pin) if s.to_pin else '?'}"
         if s.error:
             out.print(f"{head}: error: {s.error}", style="red", markup=False)
             continue
@@ -156,9 +153,9 @@ def cmd_update(a) -> int:
     _print_audit(report, False)
     s = report.sources[0]
     if not report.updated:
-        out.print(f"{s.source} is already at {_pin(s.to_pin)}: nothing changed")
+        out.print(f"{s.source} is already at {short_pin(s.to_pin)}: nothing changed")
     else:
-        out.print(f"updated {s.source}: {_pin(s.from_pin)} -> {_pin(s.to_pin)} (kernels.yaml and kernels.lock)")
+        out.print(f"updated {s.source}: {short_pin(s.from_pin)} -> {short_pin(s.to_pin)} (kernels.yaml and kernels.lock)")
     return 0
 
 

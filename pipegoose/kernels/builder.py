@@ -291,8 +291,10 @@ class KernelBuilder:
     def cached(self) -> BuildResult | None:
         """The cached build for the current inputs, or None (raises like :meth:`build` when unavailable)."""
         self._check_files()
-        tc = self._toolchain()
-        key = _cache.build_key(self.kernel.short_name, self.key_inputs(tc))
+        return self._cached_for(self.key_inputs(self._toolchain()))
+
+    def _cached_for(self, inputs: dict[str, Any]) -> BuildResult | None:
+        key = _cache.build_key(self.kernel.short_name, inputs)
         entry = _cache.entry_dir(self.cache_dir, key)
         info = _cache.is_complete(entry)
         return BuildResult(self.kernel, key, entry, info, built=False) if info else None
@@ -482,13 +484,14 @@ class KernelBuilder:
         reg = (str(self.manifest.path.resolve()), k.id)
         if reg in _LOADED:
             return {**out, "state": "loaded", "detail": str(_LOADED[reg].library_path), "key": _LOADED[reg].build_key}
-        try:
-            res = self.cached()
+        try:  # as cached(), keeping the toolchain and inputs for the "not built" details
+            self._check_files()
+            tc = self._toolchain()
         except (KernelUnavailableError, KernelBuildError) as e:
             return {**out, "state": "unavailable", "detail": str(e)}
+        inputs = self.key_inputs(tc)
+        res = self._cached_for(inputs)
         if res is None:
-            tc = self._toolchain()
-            inputs = self.key_inputs(tc)
             key = _cache.build_key(k.short_name, inputs)
             failed = self.cache_dir / "failed" / key / "build.log"
             detail = f"last build failed, log: {failed}" if failed.is_file() else self._other_archs_hint(inputs, tc)

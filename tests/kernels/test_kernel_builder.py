@@ -128,29 +128,24 @@ def test_a_stopped_build_is_no_failure_and_a_success_clears_one(tiny, monkeypatc
     b = KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir)
     key = b.build_key()
 
-    def stopped(cmd, **kw):
-        builder_mod._stop_requested.set()  # what stop_workers does before it stops the worker's group
-        return -15
+    def build_while_stopping(rc: int, match: str) -> None:
+        """A build whose worker exits with ``rc`` after stop_workers set its flag (as it does before it stops the
+        worker's group)."""
+        def worker(cmd, **kw):
+            builder_mod._stop_requested.set()
+            return rc
 
-    monkeypatch.setattr(builder_mod, "_run_worker", stopped)
-    try:
-        with pytest.raises(KernelBuildError, match="build stopped"):
-            b.build()
-    finally:
-        builder_mod._stop_requested.clear()
+        monkeypatch.setattr(builder_mod, "_run_worker", worker)
+        try:
+            with pytest.raises(KernelBuildError, match=match):
+                b.build()
+        finally:
+            builder_mod._stop_requested.clear()
+
+    build_while_stopping(-15, "build stopped")  # killed by the stop's SIGTERM
     assert not (cache_dir / "failed").exists()
     assert b.status()["detail"] == ""
-
-    def failed_as_stopped(cmd, **kw):  # a compile error that ends just as Ctrl-C comes: still a failure
-        builder_mod._stop_requested.set()
-        return 1
-
-    monkeypatch.setattr(builder_mod, "_run_worker", failed_as_stopped)
-    try:
-        with pytest.raises(KernelBuildError, match="failed"):
-            b.build()
-    finally:
-        builder_mod._stop_requested.clear()
+    build_while_stopping(1, "failed")  # a compile error that ends just as Ctrl-C comes: still a failure
     assert "last build failed" in b.status()["detail"]
     shutil.rmtree(cache_dir / "failed")
     # a failure recorded earlier for this key (say, the compiler killed for memory), then a build that succeeds

@@ -246,24 +246,40 @@ def test_interrupted_copy_leaves_everything_as_it_was(sdist_repo, monkeypatch, e
     assert not (repo.root / "vendor" / ".port-txn").exists()
 
 
+def _raising_on_call(real, n: int, exc: BaseException):
+    """``real``, except that its ``n``-th call raises ``exc`` instead (a crash or interrupt at that point)."""
+    calls = {"n": 0}
+
+    def wrapper(*args):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise exc
+        return real(*args)
+
+    return wrapper
+
+
 def test_failure_during_swap_rolls_back(sdist_repo, monkeypatch):
     repo = sdist_repo
     repo.porter().add(["alpha"])
     before = repo.snapshot()
     real = os.replace
-    calls = {"n": 0}
-
-    def failing(a, b):
-        calls["n"] += 1
-        if calls["n"] == 4:  # after vendor/up was swapped, before the lock
-            raise OSError("simulated crash mid-swap")
-        real(a, b)
-
-    monkeypatch.setattr(txn_mod.os, "replace", failing)
+    # the 4th rename: after the journal and vendor/up were swapped, before the lock
+    monkeypatch.setattr(txn_mod.os, "replace", _raising_on_call(real, 4, OSError("simulated crash mid-swap")))
     with pytest.raises(OSError, match="mid-swap"):
         repo.porter().add(["beta"])
     monkeypatch.setattr(txn_mod.os, "replace", real)
     assert repo.snapshot() == before
+
+
+def _add_beta_and_die(repo, monkeypatch) -> None:
+    """``add beta`` in a process that dies where a patched function raises SystemExit: no in-process rollback, no
+    clean-up of the transaction folder (what kill -9 leaves); the patches are undone afterwards."""
+    monkeypatch.setattr(txn_mod, "_rollback", lambda root, entries: None)
+    monkeypatch.setattr(txn_mod.Transaction, "__exit__", lambda self, *exc: None)
+    with pytest.raises(SystemExit):
+        repo.porter().add(["beta"])
+    monkeypatch.undo()
 
 
 def test_killed_swap_is_rolled_back_by_next_run(sdist_repo, monkeypatch):
@@ -271,21 +287,8 @@ def test_killed_swap_is_rolled_back_by_next_run(sdist_repo, monkeypatch):
     repo = sdist_repo
     repo.porter().add(["alpha"])
     before = repo.snapshot()
-    real = os.replace
-    calls = {"n": 0}
-
-    def dying(a, b):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise SystemExit("killed")
-        real(a, b)
-
-    monkeypatch.setattr(txn_mod.os, "replace", dying)
-    monkeypatch.setattr(txn_mod, "_rollback", lambda root, entries: None)  # the process dies: no rollback
-    monkeypatch.setattr(txn_mod.Transaction, "__exit__", lambda self, *exc: None)  # nor clean-up
-    with pytest.raises(SystemExit):
-        repo.porter().add(["beta"])
-    monkeypatch.undo()
+    monkeypatch.setattr(txn_mod.os, "replace", _raising_on_call(os.replace, 4, SystemExit("killed")))
+    _add_beta_and_die(repo, monkeypatch)
     assert repo.snapshot() != before  # half-swapped on disk
     assert list((repo.root / "vendor" / ".port-txn").iterdir())
     p = repo.porter()
@@ -313,11 +316,7 @@ def test_journal_cut_short_by_a_kill_is_recovered(sdist_repo, monkeypatch, cut):
         real(path, data)
 
     monkeypatch.setattr(txn_mod, "_fsync_replace", killed)
-    monkeypatch.setattr(txn_mod, "_rollback", lambda root, entries: None)  # the process dies: no rollback
-    monkeypatch.setattr(txn_mod.Transaction, "__exit__", lambda self, *exc: None)  # nor clean-up
-    with pytest.raises(SystemExit):
-        repo.porter().add(["beta"])
-    monkeypatch.undo()
+    _add_beta_and_die(repo, monkeypatch)
     notes = []
     p = repo.porter(log=notes.append)
     assert p.verify() == []  # no JSONDecodeError; vendor/ and kernels.lock agree
@@ -529,19 +528,10 @@ def test_a_rollback_cut_short_keeps_what_the_next_run_needs(sdist_repo, monkeypa
     repo = sdist_repo
     repo.porter().add(["alpha"])
     before = repo.snapshot()
-    real = os.replace
-    calls = {"n": 0}
-
-    def failing(a, b):
-        calls["n"] += 1
-        if calls["n"] == 4:  # mid-swap
-            raise OSError("simulated crash mid-swap")
-        real(a, b)
-
     def second_ctrl_c(root, entries):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(txn_mod.os, "replace", failing)
+    monkeypatch.setattr(txn_mod.os, "replace", _raising_on_call(os.replace, 4, OSError("simulated crash mid-swap")))
     monkeypatch.setattr(txn_mod, "_rollback", second_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         repo.porter().add(["beta"])
@@ -568,11 +558,7 @@ def test_a_kill_while_the_journal_is_rewritten_leaves_the_previous_one(sdist_rep
         real(path, data)
 
     monkeypatch.setattr(txn_mod, "_fsync_write", killed)
-    monkeypatch.setattr(txn_mod, "_rollback", lambda root, entries: None)  # the process dies: no rollback
-    monkeypatch.setattr(txn_mod.Transaction, "__exit__", lambda self, *exc: None)  # nor clean-up
-    with pytest.raises(SystemExit):
-        repo.porter().add(["beta"])
-    monkeypatch.undo()
+    _add_beta_and_die(repo, monkeypatch)
     assert seen["journal"] == 2
     notes = []
     assert repo.porter(log=notes.append).verify() == [] and repo.snapshot() == before
