@@ -41,7 +41,7 @@ import copy
 import math
 import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -79,7 +79,9 @@ class FusionRow:
             ``-`` when not fused, ``?`` when the dispatcher cannot say. The counts of what actually ran are in
             ``dispatch.stats()``.
         reason: why it was fused or skipped.
-        eligible: whether it counts towards the coverage share (modules of a kind we fuse).
+        eligible: whether it counts towards the coverage share: modules of a kind we fuse, except attention kept on
+            the model's own implementation (an already fused one that fuse keeps, such as SDPA, flash or flex
+            attention; ``attention="keep"``; a model whose attention cannot be replaced).
     """
 
     path: str
@@ -267,10 +269,29 @@ def _parse_ops(ops: Iterable[str] | str | None) -> tuple[str, ...]:
     except TypeError:
         raise TypeError(f"ops: expected an op name or an iterable of them ({list(OPS)}) or None, got "
                         f"{type(ops).__name__}") from None
-    bad = [o for o in ops if o not in OPS]
+    not_str = [o for o in ops if not isinstance(o, str)]
+    if not_str:
+        raise TypeError(f"ops: expected op names (str) from {list(OPS)}, got {not_str!r}")
+    names = tuple(_choice_name(o) for o in ops)  # case and surrounding blanks ignored, as impl= and PIPEGOOSE_IMPL_*
+    bad = [o for o, n in zip(ops, names) if n not in OPS]
     if bad:
         raise ValueError(f"ops: unknown op(s) {bad}; expected a subset of {list(OPS)} or None (all)")
-    return ops
+    return names
+
+
+def _choice_name(value: str) -> str:
+    """An ``ops`` or ``attention`` value as :func:`fuse` compares it: case and surrounding blanks ignored, as the
+    dispatcher reads ``impl=`` and ``PIPEGOOSE_IMPL_*`` values."""
+    return value.strip().lower()
+
+
+def _parse_attention(attention: Any) -> str:
+    if not isinstance(attention, str):
+        raise TypeError(f"attention: expected one of {list(ATTENTION_CHOICES)} (str), got {type(attention).__name__}")
+    name = _choice_name(attention)
+    if name not in ATTENTION_CHOICES:
+        raise ValueError(f"attention: expected one of {list(ATTENTION_CHOICES)} (any case), got {attention!r}")
+    return name
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -284,21 +305,22 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
         model: a constructed ``torch.nn.Module`` (typically a transformers ``PreTrainedModel``, e.g. from
             ``from_pretrained``), on any device and dtype. Modules whose parameters are on CPU run the reference
             paths (the dispatcher picks fused kernels on CUDA).
-        ops: subset of ``("layer_norm", "rms_norm", "attention")``; None = all.
+        ops: subset of ``("layer_norm", "rms_norm", "attention")`` (a name or an iterable of names; case and
+            surrounding blanks ignored, as in ``impl=``); None = all.
         dry_run: only report what would be done; the model is not touched.
             A call that fuses nothing (no module of ``ops`` in the model) leaves no record either: ``is_fused``
             stays False, and ``fuse`` may be called again, e.g. with other ``ops``.
         attention: ``"auto"`` (ours on models running eager attention; a model on SDPA keeps it unless the GPU's
             tuning table, op ``"attention"``, names ``pipegoose`` for its dtype, and then ours is used per call
             where the table says so; flash/flex attention is kept), ``"pipegoose"`` (ours whatever the model ran)
-            or ``"keep"`` (do not touch attention).
+            or ``"keep"`` (do not touch attention); any case.
     Under ``torch.compile`` the replacements emit the PyTorch ops while the compiler traces them (one graph; the
     compiler fuses those ops itself; ``dispatch.compile_passthrough``); the fused kernels run in eager mode.
 
     Returns:
         A :class:`FusionReport`.
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``.
+        TypeError: ``model`` is not an ``nn.Module``; ``ops`` or ``attention`` not str values.
         ValueError: unknown ``ops`` or ``attention`` value; a norm's ``eps`` that the fused ops refuse (negative or
             not finite; TypeError when not a number), named with the module's path; a ``PIPEGOOSE_*`` variable with a
             value the dispatcher refuses (``dispatch.check_env``: e.g. ``PIPEGOOSE_STRICT=2``, which the fused norms'
@@ -311,8 +333,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     if not isinstance(dry_run, bool):
         raise TypeError(f"dry_run: expected a bool, got {type(dry_run).__name__}")
     ops = _parse_ops(ops)
-    if attention not in ATTENTION_CHOICES:
-        raise ValueError(f"attention: expected one of {list(ATTENTION_CHOICES)}, got {attention!r}")
+    attention = _parse_attention(attention)
     if model in _STATE:
         raise RuntimeError(f"model: this {type(model).__name__} is already fused; call unfuse(model) first")
     from . import dispatch
@@ -522,10 +543,12 @@ def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
             report.rows.append(FusionRow(p, "attention", type(m).__name__, f"'{chosen}' attention function", True,
                                          fwd, bwd, f"AttentionInterface, was '{previous}'"))
         else:
+            # kept on the model's own attention: unsupported, attention='keep', or already a fused one (SDPA, flash,
+            # flex) that fuse chose to keep; none of these is a module fuse left undone, so none counts in the coverage
             ours = chosen in attn.OUR_NAMES
             report.rows.append(FusionRow(p, "attention", type(m).__name__,
                                          f"'{chosen}' attention function" if ours else None, ours,
-                                         reason=reason, eligible=supported))
+                                         reason=reason, eligible=ours))
     if not selected or dry_run:
         return
 
