@@ -171,8 +171,9 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: t
     Returns:
         Tensor of ``x``'s shape; dtype = what ``torch.nn.LayerNorm`` gives: ``x.dtype`` (also with fp32
         parameters), fp32 under CUDA autocast. (fp32 ``x`` with half parameters, which PyTorch rejects, gives
-        fp32.) An empty ``x`` (no rows, or a 0 in ``normalized_shape``) runs the PyTorch reference path, a fallback
-        (no kernel runs for it): an empty result and gradients as F.layer_norm gives them.
+        fp32.) An empty ``x`` (no rows, or a 0 in ``normalized_shape``) runs the PyTorch reference path with source
+        ``empty``, not a fallback (no kernel runs for it; strict mode does not raise): an empty result and gradients as
+        F.layer_norm gives them.
 
     Kernels: pipegoose/layer_norm (pipegoose/kernels/csrc/layer_norm.cu, MIT); Apex mixed fused LayerNorm via
     ColossalAI 0.5.0 extensions/csrc/kernel/cuda/layer_norm_kernel.cu, Apache-2.0 (used only when gamma/beta
@@ -209,8 +210,8 @@ def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: tor
 
     Returns:
         Tensor of ``x``'s shape, dtype as above. An empty ``x`` (no rows, or a 0 in ``normalized_shape``) runs the
-        PyTorch reference path, a fallback (no kernel runs for it): an empty result and gradients as F.rms_norm gives
-        them.
+        PyTorch reference path with source ``empty``, not a fallback (no kernel runs for it; strict mode does not
+        raise): an empty result and gradients as F.rms_norm gives them.
 
     Kernel: pipegoose/rms_norm (pipegoose/kernels/csrc/rms_norm.cu, MIT).
 

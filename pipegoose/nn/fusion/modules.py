@@ -153,7 +153,8 @@ _HALF = (torch.float16, torch.bfloat16)
 def _small_native(op: str, impl: str | None, input: Any, shape: tuple[int, ...], eps: Any) -> bool:
     """Whether the dispatcher's small-problem rule would choose the native op for this module call and nothing
     overrides it: a CUDA tensor in a dtype our kernels take (so that the choice is the rule's, not a fallback that
-    strict mode must see), fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements, trailing dims ``shape``, a finite float
+    strict mode must see), fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements but not none (an empty input is the
+    dispatcher's, which counts it as ``empty``), trailing dims ``shape``, a finite float
     ``eps`` >= 0 or None (anything else goes to the dispatcher, whose checks name the argument), no ``impl`` and no
     ``PIPEGOOSE_IMPL_*`` variable. The module then calls the native op, as the unfused module does."""
     # cheapest tests first: this runs on every call of every fused norm of a host-bound model
@@ -161,7 +162,7 @@ def _small_native(op: str, impl: str | None, input: Any, shape: tuple[int, ...],
     return (impl is None and isinstance(input, torch.Tensor) and _common.on_kernel_device(input)
             and input.dim() >= n and input.shape[-n:] == shape
             and (eps is None or (type(eps) is float and 0.0 <= eps < math.inf))
-            and input.numel() < dispatch.small_numel() and dispatch._env_request(op)[0] is None)
+            and 0 < input.numel() < dispatch.small_numel() and dispatch._env_request(op)[0] is None)
 
 
 def _ln_shape(normalized_shape: Any, name: str = "normalized_shape") -> tuple[int, ...]:
