@@ -139,8 +139,17 @@ def _build(args) -> int:
 
         def one(b):
             t0 = time.monotonic()
+
+            def waiting(owner: dict) -> None:
+                # another process (a second `build`, a training job's first load) holds the key's build lock: say so,
+                # or the row sits silent until that build ends (the builder's own line is off under PIPEGOOSE_QUIET)
+                who = (f"pid {owner.get('pid', '?')} on {owner.get('hostname', '?')}" if owner
+                       else "another process")
+                progress.console.print(f"[yellow]waiting[/] {b.kernel.id}: {who} is building it; waiting for that "
+                                       f"build to end (at most PIPEGOOSE_BUILD_LOCK_TIMEOUT seconds, default 3600)")
+
             try:
-                res = b.build(force=args.force)
+                res = b.build(force=args.force, on_wait=waiting)
                 return b, "built" if res.built else "cached", str(res.library_path), time.monotonic() - t0
             except KernelUnavailableError as e:
                 return b, "missing", str(e), time.monotonic() - t0

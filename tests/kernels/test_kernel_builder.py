@@ -623,3 +623,24 @@ def test_cli_ctrl_c_is_a_line_not_a_traceback(monkeypatch, capsys):
     assert cli.main(["build", "--all"]) == 130
     err = capsys.readouterr().err
     assert "interrupted" in err and "pipegoose.kernels clean" in err and "Traceback" not in err
+
+
+def test_cli_build_says_when_it_waits_for_another_build(tiny, monkeypatch, capsys):
+    """A second `python -m pipegoose.kernels build` whose kernel another process was building sat silent until that
+    build ended (the builder's waiting line is off under PIPEGOOSE_QUIET, which the CLI sets): the CLI now prints a
+    line naming the kernel and the lock's holder."""
+    from pipegoose.kernels import __main__ as cli
+
+    manifest, _op, _cache_dir = tiny
+    calls = []
+
+    def busy_build(self, force=False, on_wait=None):
+        calls.append(on_wait)
+        on_wait({"pid": 4242, "hostname": "node7"})   # what BuildLock.acquire calls when it finds the lock held
+        raise KernelBuildError("stand-in")
+
+    monkeypatch.setattr(KernelBuilder, "build", busy_build)
+    assert cli.main(["--manifest", str(manifest), "build", "tiny"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert calls and calls[0] is not None
+    assert "waiting test/tiny: pid 4242 on node7 is building it" in out, out
