@@ -649,3 +649,16 @@ def test_impl_argument_is_case_insensitive(impl, want):
         PF.layer_norm(x, 8, impl="Megatron")
     with pytest.raises(ValueError, match="impl: rms_norm has no implementation 'Apex'"):
         FusedRMSNorm(8, impl="Apex")
+
+
+@pytest.mark.parametrize("impl", ["", "  "])
+def test_empty_impl_argument_says_what_to_pass(impl, monkeypatch):
+    """An empty PIPEGOOSE_IMPL_* variable means no request (as an unset one); an empty impl= argument is refused, and
+    the message now says so (it read "has no implementation ''; expected one of ... or 'auto'", as for a typo)."""
+    x = torch.randn(3, 8)
+    monkeypatch.setenv("PIPEGOOSE_IMPL_LAYER_NORM", impl)
+    assert torch.equal(PF.layer_norm(x, 8), F.layer_norm(x, (8,)))   # the variable: no request
+    for call in (lambda: PF.layer_norm(x, 8, impl=impl), lambda: FusedRMSNorm(8, impl=impl),
+                 lambda: PF.softmax(x, -1, impl=impl)):
+        with pytest.raises(ValueError, match=r"impl: an empty name .*; pass None or 'auto' for the automatic choice"):
+            call()

@@ -699,13 +699,19 @@ def check_impl(op: str, impl: Any) -> str | None:
     Raises:
         KeyError: unknown op.
         TypeError: ``impl`` is neither a str nor None.
-        ValueError: ``impl`` names no implementation of the op (the message lists them).
+        ValueError: ``impl`` names no implementation of the op (the message lists them), or is empty or blank
+            (an empty ``PIPEGOOSE_IMPL_*`` variable is the same as an unset one; an empty argument is refused).
     """
     if impl is None:
         return None
     if not isinstance(impl, str):
         raise TypeError(f"impl: expected an implementation name (str), 'auto' or None, got {type(impl).__name__}")
     name = _impl_name(impl)
+    if not name:
+        # an unset or empty PIPEGOOSE_IMPL_* variable means "no request"; an empty argument is more likely a bug
+        # (a name read from a missing setting) than a wish, so it is refused rather than read as "auto"
+        raise ValueError(f"impl: an empty name ({impl!r}); pass None or 'auto' for the automatic choice, or one of "
+                         f"{', '.join(implementations(op))}")
     if name != "auto":
         impls = implementations(op)
         if name not in impls:
