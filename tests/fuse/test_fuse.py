@@ -477,6 +477,38 @@ def test_unfuse_of_a_copy_of_a_fused_model_says_why():
     assert unfuse(copy.deepcopy(model)) is False  # a copy of the unfused model: nothing to undo
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert", "sequential"])
+def test_a_fused_model_is_freed_when_dropped(arch):
+    """fuse() kept every fused model alive for ever (its GPU memory too): the record, a value of a dict keyed weakly by
+    the model, held the model itself (the config swapped on it; a norm that is its direct child, as GPT-2's ln_f).
+    Dropping a fused model now frees it; a copy or pickle of a replacement carries no record of the module it replaced."""
+    import gc
+    import weakref
+
+    from pipegoose.nn.fusion.fuse import _STATE
+
+    model = (nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)) if arch == "sequential"
+             else models.build(arch, "eager"))
+    report = fuse(model)
+    assert report.fused_rows() and is_fused(model)
+    norm = next(m for m in model.modules() if type(m).__name__ in ("MixedFusedLayerNorm", "FusedRMSNorm"))
+    for clone in (copy.deepcopy(norm), torch.load(_saved(norm), weights_only=False)):
+        assert "_pipegoose_original" not in clone.__dict__ and "_pipegoose_original" in norm.__dict__
+    ref, n = weakref.ref(model), len(_STATE)
+    del model, norm, report
+    gc.collect()
+    assert ref() is None and len(_STATE) == n - 1
+
+
+def _saved(module):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    return buf
+
+
 _NORM_CLASSES = {"llama": ("transformers.models.llama.modeling_llama", "LlamaRMSNorm"),
                  "olmo2": ("transformers.models.olmo2.modeling_olmo2", "Olmo2RMSNorm"),
                  "t5": ("transformers.models.t5.modeling_t5", "T5LayerNorm")}

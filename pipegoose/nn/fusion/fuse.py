@@ -47,6 +47,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .modules import ORIGINAL_ATTR as _ORIGINAL
 from .transformers import matching
 
 OPS = ("layer_norm", "rms_norm", "attention")
@@ -187,10 +188,14 @@ class _NullIO:
 # ----------------------------------------------------------------------------------------------------------------
 # State of a fused model (kept outside the model, so state_dict and pickling see nothing of it)
 # ----------------------------------------------------------------------------------------------------------------
+# The record holds the model's own modules only through weak references: ``_STATE`` is keyed weakly by the model, and a
+# value that reached the model (a parent that is the model itself, a config swapped on it) kept every fused model alive
+# for ever, GPU memory included. Each replacement holds the module it replaced (``_ORIGINAL`` in its ``__dict__``,
+# dropped when it is pickled or copied), so that what unfuse restores lives exactly as long as the model does.
 @dataclass
 class _Fusion:
-    swaps: list = field(default_factory=list)            # (parent, name, old, new)
-    config_swaps: list = field(default_factory=list)     # (module, old_config)
+    swaps: list = field(default_factory=list)            # (weakref to parent, name, weakref to new)
+    config_swaps: list = field(default_factory=list)     # (weakref to module, old_config)
     new_config: object = None
     config_snapshot: dict = field(default_factory=dict)   # new_config's attributes as fuse() left them
     report: FusionReport | None = None
@@ -361,7 +366,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                 if id(child) in replaced:                       # second occurrence of a shared module
                     if not dry_run:
                         parent._modules[name] = replaced[id(child)]
-                        state.swaps.append((parent, name, child, replaced[id(child)]))
+                        state.swaps.append((weakref.ref(parent), name, weakref.ref(replaced[id(child)])))
                     continue
                 if id(child) in seen or id(child) in internal:
                     continue
@@ -380,9 +385,10 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                 if new is not None:
                     _check_same_params(new, child)
                     _adopt(new, child)
+                    new.__dict__[_ORIGINAL] = child
                     replaced[id(child)] = new
                     parent._modules[name] = new
-                    state.swaps.append((parent, name, child, new))
+                    state.swaps.append((weakref.ref(parent), name, weakref.ref(new)))
 
         if "attention" in ops:
             _fuse_attention(model, config, attention, dry_run, report, state)
@@ -560,7 +566,7 @@ def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
     state.config_snapshot = dict(new_config.__dict__)
     for module in model.modules():
         if module.__dict__.get("config") is config:
-            state.config_swaps.append((module, config))
+            state.config_swaps.append((weakref.ref(module), config))
             module.__dict__["config"] = new_config
 
 
@@ -626,20 +632,31 @@ def _attention_probe(module: nn.Module):
 def _undo(state: _Fusion) -> list[str]:
     """Put back every swapped module and config; returns the paths that could not be restored (changed since)."""
     problems = []
-    for module, old_config in reversed(state.config_swaps):
+    for module_ref, old_config in reversed(state.config_swaps):
+        module = module_ref()
+        if module is None:  # no longer part of anything (collected): nothing to restore in it
+            continue
         new_config = module.__dict__.get("config")
         if new_config is state.new_config:
             _sync_config_back(new_config, old_config, state.config_snapshot)
             module.__dict__["config"] = old_config
         else:
             problems.append(f"{type(module).__name__}.config was replaced after fuse()")
-    for parent, name, old, new in reversed(state.swaps):
-        if parent._modules.get(name) is new:
+    done = []
+    for parent_ref, name, new_ref in reversed(state.swaps):
+        parent, new = parent_ref(), new_ref()
+        if parent is None:  # collected: it was taken out of the model, nothing to restore in it
+            continue
+        if new is not None and parent._modules.get(name) is new:
+            old = new.__dict__[_ORIGINAL]
             old.train(new.training)
             _carry_tensors_back(new, old)
             parent._modules[name] = old
+            done.append(new)
         else:
             problems.append(f"{type(parent).__name__}.{name} was replaced after fuse()")
+    for new in done:  # after every parent of a shared module is restored
+        new.__dict__.pop(_ORIGINAL, None)
     state.swaps.clear()
     state.config_swaps.clear()
     return problems

@@ -143,6 +143,20 @@ class FusedScaleMaskSoftmax(nn.Module):
         return megatron_batches_per_block(sk)
 
 
+# Set by fuse() on a replacement: the module it replaced, which unfuse() puts back. Held by the replacement (so it lives
+# as long as the model does) and left out when the replacement is pickled or copied (a copy has no record to unfuse).
+ORIGINAL_ATTR = "_pipegoose_original"
+
+
+class _DropsFuseRecord:
+    """The fused norms' ``__getstate__`` (pickling, ``copy.deepcopy``): without :data:`ORIGINAL_ATTR`."""
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop(ORIGINAL_ATTR, None)
+        return state
+
+
 _SMALL_CHOICE = {op: dispatch.Choice(op, "torch", "small", False, {}, f"input below PIPEGOOSE_SMALL_NUMEL elements: "
                                      f"the native op (module fast path)") for op in ("layer_norm", "rms_norm")}
 
@@ -184,7 +198,7 @@ def _check_module_args(op: str, eps: Any, impl: Any, allow_none_eps: bool = Fals
     dispatch.check_impl(op, impl)
 
 
-class FusedLayerNorm(nn.LayerNorm):
+class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
     """Drop-in for ``torch.nn.LayerNorm`` (same constructor, parameters ``weight``/``bias``, state_dict keys)
     running :func:`pipegoose.nn.fusion.functional.layer_norm`: statistics in fp32, parameters may have another
     dtype than the input (e.g. fp32 weights with bf16 activations), output dtype as ``nn.LayerNorm``'s.
@@ -249,7 +263,7 @@ class MixedFusedLayerNorm(FusedLayerNorm):
     """Megatron's name for :class:`FusedLayerNorm` (fp32 parameters with fp16/bf16 activations); identical."""
 
 
-class FusedRMSNorm(nn.Module):
+class FusedRMSNorm(_DropsFuseRecord, nn.Module):
     """RMSNorm module over :func:`pipegoose.nn.fusion.functional.rms_norm`.
 
     Args:
