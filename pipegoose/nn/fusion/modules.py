@@ -170,10 +170,14 @@ def _small_native(op: str, impl: str | None, input: Any, shape: tuple[int, ...],
     strict mode must see), fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements but not none (an empty input is the
     dispatcher's, which counts it as ``empty``), trailing dims ``shape``, a finite float
     ``eps`` >= 0 or None (anything else goes to the dispatcher, whose checks name the argument), no ``impl`` and no
-    ``PIPEGOOSE_IMPL_*`` variable. The module then calls the native op, as the unfused module does."""
+    ``PIPEGOOSE_IMPL_*`` variable, not while ``torch.compile`` traces. The module then calls the native op, as the
+    unfused module does."""
     # cheapest tests first: this runs on every call of every fused norm of a host-bound model
     n = len(shape)
+    # not while torch.compile traces: record() takes the dispatcher's lock, a graph break at every norm; the op entry
+    # points emit the reference op there (dispatch.compile_passthrough), one graph
     return (impl is None and isinstance(input, torch.Tensor) and _common.on_kernel_device(input)
+            and not torch.compiler.is_compiling()
             and input.dim() >= n and input.shape[-n:] == shape
             and (eps is None or (type(eps) is float and 0.0 <= eps < math.inf))
             and 0 < input.numel() < dispatch.small_numel() and dispatch._env_request(op)[0] is None)
