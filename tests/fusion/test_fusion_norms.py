@@ -662,3 +662,23 @@ def test_empty_impl_argument_says_what_to_pass(impl, monkeypatch):
                  lambda: PF.softmax(x, -1, impl=impl)):
         with pytest.raises(ValueError, match=r"impl: an empty name .*; pass None or 'auto' for the automatic choice"):
             call()
+
+
+def test_olmo2_rule_on_the_small_path_keeps_the_input_dtype(monkeypatch):
+    """OLMo-2's rule (output_in_input_dtype) gives the input's dtype. Under CUDA autocast torch.rms_norm returns fp32
+    (rms_norm is on autocast's fp32 list); the module's small-problem shortcut returned that as it was, while the
+    dispatched path cast it back: bf16 above PIPEGOOSE_SMALL_NUMEL, fp32 below. Emulated here: the shortcut taken as on
+    a GPU, torch.rms_norm returning fp32 as under CUDA autocast."""
+    from pipegoose.nn.fusion.ops import _common
+
+    monkeypatch.setattr(_common, "on_kernel_device", lambda t: t.dtype != torch.float64)
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL", raising=False)
+    native = torch.rms_norm
+    monkeypatch.setattr(torch, "rms_norm", lambda x, *a: native(x.float(), *[t.float() if isinstance(t, torch.Tensor)
+                                                                               else t for t in a]))
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    mod = FusedRMSNorm(64, eps=1e-6, output_in_input_dtype=True, dtype=torch.bfloat16)
+    y = mod(x)
+    assert dispatch.last_choice("rms_norm").source == "small"
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, F.rms_norm(x.float(), (64,), mod.weight.float(), 1e-6).to(torch.bfloat16))

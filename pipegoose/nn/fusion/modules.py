@@ -355,9 +355,10 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
                 and _small_native("rms_norm", self.impl, input, self.normalized_shape, self.eps)
                 and (w is None or w.dtype == input.dtype)):
             dispatch.record(_SMALL_CHOICE["rms_norm"])  # see FusedLayerNorm.forward
-            return torch.rms_norm(input, self.normalized_shape, w, self.eps)
-        y = PF.rms_norm(input, self.normalized_shape, w, self.eps, cast_before_weight=self.cast_before_weight,
-                        impl=self.impl)
+            y = torch.rms_norm(input, self.normalized_shape, w, self.eps)
+        else:
+            y = PF.rms_norm(input, self.normalized_shape, w, self.eps, cast_before_weight=self.cast_before_weight,
+                            impl=self.impl)
         if getattr(self, "output_in_input_dtype", False) and y.dtype != input.dtype:
             return y.to(input.dtype)  # under autocast F.rms_norm's rule can give fp32; OLMo-2's is the input's
         return y
