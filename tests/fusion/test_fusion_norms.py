@@ -360,6 +360,12 @@ def test_module_fast_path_for_small_inputs(monkeypatch):
     # float64 (no kernel takes it): the dispatcher's choice, a fallback that strict mode sees
     with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError):
         MixedFusedLayerNorm(64).double()(x.double())
+    # rows wider than our kernels take (65536): a fallback too, not the small rule (the shortcut counted it "small", and
+    # strict mode did not raise where the functional op does)
+    wide = torch.randn(2, 65537)
+    for mod in (MixedFusedLayerNorm(65537), FusedRMSNorm(65537)):
+        with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="would fall back to torch"):
+            mod(wide)
 
 
 def test_module_fast_path_leaves_cpu_to_the_dispatcher():

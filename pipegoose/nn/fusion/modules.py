@@ -5,6 +5,7 @@ and transformers' Llama-style RMSNorm). Kernel sources: see :mod:`pipegoose.nn.f
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -167,7 +168,8 @@ _HALF = (torch.float16, torch.bfloat16)
 def _small_native(op: str, impl: str | None, input: Any, shape: tuple[int, ...], eps: Any) -> bool:
     """Whether the dispatcher's small-problem rule would choose the native op for this module call and nothing
     overrides it: a CUDA tensor in a dtype our kernels take (so that the choice is the rule's, not a fallback that
-    strict mode must see), fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements but not none (an empty input is the
+    strict mode must see), rows our kernel takes (its hidden size limits), fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements
+    but not none (an empty input is the
     dispatcher's, which counts it as ``empty``), trailing dims ``shape``, a finite float
     ``eps`` >= 0 or None (anything else goes to the dispatcher, whose checks name the argument), no ``impl`` and no
     ``PIPEGOOSE_IMPL_*`` variable, not while ``torch.compile`` traces. The module then calls the native op, as the
@@ -178,9 +180,23 @@ def _small_native(op: str, impl: str | None, input: Any, shape: tuple[int, ...],
     # points emit the reference op there (dispatch.compile_passthrough), one graph
     return (impl is None and isinstance(input, torch.Tensor) and _common.on_kernel_device(input)
             and not torch.compiler.is_compiling()
-            and input.dim() >= n and input.shape[-n:] == shape
+            and input.dim() >= n and input.shape[-n:] == shape and _in_kernel_range(op, shape)
             and (eps is None or (type(eps) is float and 0.0 <= eps < math.inf))
             and 0 < input.numel() < dispatch.small_numel() and dispatch._env_request(op)[0] is None)
+
+
+@functools.cache
+def _kernel_range(op: str) -> tuple[int, int]:
+    kernel = f"pipegoose/{op}"
+    return _common.manifest_limit(kernel, "hidden_min", 1), _common.manifest_limit(kernel, "hidden_max", 65536)
+
+
+def _in_kernel_range(op: str, shape: tuple[int, ...]) -> bool:
+    """Whether our kernel takes rows of ``shape`` (its ``hidden_min`` / ``hidden_max`` in kernels.yaml): the
+    small-problem rule applies only where a fused implementation could run (else the native op is a fallback, which
+    strict mode and the counters must see)."""
+    lo, hi = _kernel_range(op)
+    return lo <= (shape[0] if len(shape) == 1 else math.prod(shape)) <= hi
 
 
 def _ln_shape(normalized_shape: Any, name: str = "normalized_shape") -> tuple[int, ...]:
