@@ -189,6 +189,33 @@ def test_forward_mode_ad_every_softmax_impl(impl, dtype):
                                    rtol=tl["rtol"])
 
 
+@pytest.mark.parametrize("dtype", ALL)
+def test_forward_mode_ad_through_the_norms_takes_the_reference(dtype):
+    """The fused norms have no forward derivative (the C++ autograd Function has no jvp): a dual tensor
+    (torch.autograd.forward_ad) raised where F.layer_norm / F.rms_norm work. It now runs the reference, whose
+    tangent is PyTorch's, also after an eager call cached the kernel choice for the same metadata; outside the dual
+    level the kernel runs again."""
+    import torch.autograd.forward_ad as fwAD
+
+    g = torch.Generator(device=DEV).manual_seed(12)
+    x = torch.randn(64, 1024, generator=g, device=DEV).to(dtype)
+    t = torch.randn(64, 1024, generator=g, device=DEV).to(dtype)
+    w = torch.randn(1024, generator=g, device=DEV).to(dtype)
+    for op, fn, ref in (("layer_norm", lambda v: PF.layer_norm(v, (1024,), w, w, 1e-5),
+                         lambda v: F.layer_norm(v, (1024,), w, w, 1e-5)),
+                        ("rms_norm", lambda v: PF.rms_norm(v, (1024,), w, 1e-6),
+                         lambda v: F.rms_norm(v, (1024,), w, 1e-6))):
+        fn(x)
+        assert dispatch.last_choice(op).impl == "pipegoose"
+        with fwAD.dual_level():
+            tangent = fwAD.unpack_dual(fn(fwAD.make_dual(x, t))).tangent
+            assert dispatch.last_choice(op).impl == "torch"
+            want = fwAD.unpack_dual(ref(fwAD.make_dual(x, t))).tangent
+        torch.testing.assert_close(tangent, want, **TOLERANCES[dtype])
+        fn(x)
+        assert dispatch.last_choice(op).impl == "pipegoose"
+
+
 def test_must_hold_short_keys_fp16_padding_mask_auto():
     x = torch.randn(4, 12, 24, 24, device=DEV, dtype=torch.float16)
     dy = torch.randn_like(x)

@@ -550,3 +550,57 @@ def test_torch_func_after_an_eager_call_of_the_same_metadata(fake, op):
     torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
     assert dispatch.last_choice(op).impl == "torch"
     torch.testing.assert_close(torch.func.vmap(fn)(x.detach()), ref(x.detach()), **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_norm_transforms_and_dual_tensors_in_any_argument(fake, op):
+    """A code review: the choice cache looked only at ``x`` for torch.func tensors, so after an eager call a call
+    whose weight or bias came from a transform (vmap over weights) reused the cached kernel choice and crashed inside
+    the norm Function; and the fused norms have no forward derivative (their C++ Function has no jvp), so a dual
+    tensor (torch.autograd.forward_ad) crashed where F.layer_norm / F.rms_norm work. Both now run the reference."""
+    import torch.autograd.forward_ad as fwAD
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(4, 16, generator=g)
+    ws = torch.randn(3, 16, generator=g)
+    t = torch.randn(4, 16, generator=g)
+    if op == "layer_norm":
+        def fn(x_, w_):
+            return PF.layer_norm(x_, (16,), w_, w_ * 0.5, 1e-5)
+
+        def ref(x_, w_):
+            return F.layer_norm(x_, (16,), w_, w_ * 0.5, 1e-5)
+    else:
+        def fn(x_, w_):
+            return PF.rms_norm(x_, (16,), w_, 1e-6)
+
+        def ref(x_, w_):
+            return F.rms_norm(x_, (16,), w_, 1e-6)
+    fn(x, ws[0])
+    assert dispatch.last_choice(op).impl == "pipegoose"          # cached for plain tensors of this metadata
+    got = torch.func.vmap(lambda w_: fn(x, w_))(ws)               # the weight (and bias) under vmap, x plain
+    torch.testing.assert_close(got, torch.stack([ref(x, w_) for w_ in ws]), **TOLERANCES[torch.float32])
+    assert dispatch.last_choice(op).impl == "torch"
+    fn(x, ws[0])
+    with fwAD.dual_level():
+        y = fn(fwAD.make_dual(x, t), ws[0])
+        tangent = fwAD.unpack_dual(y).tangent
+        assert dispatch.last_choice(op).impl == "torch" and "forward_ad" in dispatch.last_choice(op).reasons["pipegoose"]
+        want = fwAD.unpack_dual(ref(fwAD.make_dual(x, t), ws[0])).tangent
+    torch.testing.assert_close(tangent, want, **TOLERANCES[torch.float32])
+    fn(x, ws[0])
+    assert dispatch.last_choice(op).impl == "pipegoose"           # outside the dual level: the kernel again
+
+
+def test_softmax_mask_under_vmap_after_an_eager_call(fake):
+    """The softmax's cache key took a mask from vmap (no storage) for a plain one: after an eager call, vmap over masks
+    reused the kernel choice and crashed in the fused Function; it now runs the reference."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 3, 5, 8, generator=g)
+    masks = torch.rand(4, 2, 1, 5, 8, generator=g) < 0.3
+    PF.scaled_masked_softmax(x, masks[0], 0.5)
+    assert dispatch.last_choice("softmax.masked").impl == "pipegoose"
+    got = torch.func.vmap(lambda m: PF.scaled_masked_softmax(x, m, 0.5))(masks)
+    assert dispatch.last_choice("softmax.masked").impl == "torch"
+    want = torch.stack([_softmax_rows(x.double() * 0.5, m) for m in masks])
+    torch.testing.assert_close(got.double(), want, **TOLERANCES[torch.float32])

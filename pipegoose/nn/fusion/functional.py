@@ -13,6 +13,11 @@ penalties or Hessian-vector products): the fused backward kernels are not differ
 ``create_graph=True`` computes the gradients with the PyTorch reference formulas (on the inputs the fused forward
 saved) instead, and second derivatives are PyTorch's; a plain backward runs the kernels. The forward stays fused.
 
+Transforms and forward mode: inside ``torch.func`` (``vmap``, ``grad``, ``jvp``: any tensor argument of a transform,
+the weight or mask too) every op runs its PyTorch reference. With dual tensors (``torch.autograd.forward_ad``) the
+softmaxes keep their fused paths (their Functions have a ``jvp``); the norms, whose fused Functions have none, run
+the reference (a dispatcher choice with the reason, not an error).
+
 Kernel sources: see :mod:`pipegoose.nn.fusion.ops.softmax`, :mod:`~pipegoose.nn.fusion.ops.layer_norm`,
 :mod:`~pipegoose.nn.fusion.ops.rms_norm`.
 """

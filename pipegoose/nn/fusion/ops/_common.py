@@ -8,6 +8,7 @@ import threading
 from typing import Any, Callable
 
 import torch
+from torch.autograd import forward_ad as _fwad
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -115,6 +116,33 @@ def in_transform(t: torch.Tensor) -> bool:
 
 
 NO_STORAGE = "a tensor without storage (inside a torch.func transform such as vmap): the kernels need real memory"
+FORWARD_AD = ("a dual tensor (torch.autograd.forward_ad): the fused norms have no forward derivative (jvp); PyTorch's "
+              "op has")
+
+
+def any_in_transform(*tensors: Any) -> bool:
+    """:func:`in_transform` of any tensor among ``tensors`` (None and non-tensors skipped): a call with one such
+    argument (a mask or weight under ``vmap``, say) must not reuse a choice cached for plain tensors."""
+    return any(isinstance(t, torch.Tensor) and _is_functorch_wrapped(t) for t in tensors)
+
+
+def all_have_storage(*tensors: Any) -> bool:
+    """:func:`has_storage` of every tensor among ``tensors`` (None and non-tensors skipped)."""
+    return all(has_storage(t) for t in tensors if isinstance(t, torch.Tensor))
+
+
+def in_dual_level() -> bool:
+    """Whether a ``torch.autograd.forward_ad.dual_level`` is open (tensors may then carry tangents): the norms leave
+    such calls out of the choice cache. A global read; ``torch.func.jvp`` opens one too."""
+    return getattr(_fwad, "_current_level", 0) >= 0   # a torch without the attribute: always checked
+
+
+def has_tangent(*tensors: Any) -> bool:
+    """Whether a tensor among ``tensors`` carries a forward-mode tangent (a dual tensor). Costs nothing outside a dual
+    level, ~5 us inside."""
+    if not in_dual_level():
+        return False
+    return any(isinstance(t, torch.Tensor) and _fwad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def on_kernel_device(t: torch.Tensor) -> bool:

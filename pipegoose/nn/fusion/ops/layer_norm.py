@@ -31,9 +31,10 @@ import torch.nn.functional as F
 
 from .. import dispatch
 from ..dispatch import Implementation, Problem
-from ._common import (FLOAT_DTYPES, HALF_DTYPES, INT32_MAX, NO_STORAGE, autocast_state, call_without_autocast,
-                      check_input_dtype, dtype_name, eps_value, grads_through, has_storage, in_transform,
-                      manifest_limit, needs_grad, param_signature, shape_signature, torch_result_dtype)
+from ._common import (FLOAT_DTYPES, FORWARD_AD, HALF_DTYPES, INT32_MAX, NO_STORAGE, all_have_storage, any_in_transform,
+                      autocast_state, call_without_autocast, check_input_dtype, dtype_name, eps_value, grads_through,
+                      has_tangent, in_dual_level, manifest_limit, needs_grad, param_signature, shape_signature,
+                      torch_result_dtype)
 
 OP = "layer_norm"
 SRC_PIPEGOOSE = "pipegoose/layer_norm: pipegoose/kernels/csrc/layer_norm.cu (pipegoose, MIT)"
@@ -107,7 +108,8 @@ def layer_norm_problem(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Te
     h = math.prod(shape)
     return Problem(OP, x.dtype, x.device, cols=h, needs_grad=needs_grad(x, weight, bias),
                    extra=dict(shape=tuple(x.shape), normalized_shape=shape, hidden=h,
-                              rows=x.numel() // h if h else 0, numel=x.numel(), storage=has_storage(x),
+                              rows=x.numel() // h if h else 0, numel=x.numel(),
+                              storage=all_have_storage(x, weight, bias), forward_ad=has_tangent(x, weight, bias),
                               weight_dtype=None if weight is None else weight.dtype,
                               bias_dtype=None if bias is None else bias.dtype, out_dtype=out))
 
@@ -123,6 +125,8 @@ def _common(p: Problem, kernel: str) -> tuple[bool, str]:
         return False, f"needs a CUDA tensor, got device {p.device}"
     if not p.get("storage", True):
         return False, NO_STORAGE
+    if p.get("forward_ad"):
+        return False, FORWARD_AD
     if p.dtype not in FLOAT_DTYPES:
         return False, f"input dtype {dtype_name(p.dtype)} not supported (float32, float16, bfloat16)"
     if p["rows"] == 0 or p["hidden"] == 0:
@@ -274,7 +278,9 @@ def _signature(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any) 
     if torch.compiler.is_compiling() or isinstance(eps, torch.Tensor):  # a 0-d tensor eps: checked on every call
         return None
     try:
-        if in_transform(x):  # inside torch.func: the metadata of a plain tensor, but the kernels decline it
+        # inside torch.func (any argument), or where tensors may carry forward-mode tangents: the metadata of plain
+        # tensors, but the kernels decline them
+        if any_in_transform(x, weight, bias) or in_dual_level():
             return None
         ns = normalized_shape
         sig = (type(x), x.dtype, x.device, x.shape, x.requires_grad, shape_signature(ns), param_signature(weight),

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, HALF_DTYPES, INT32_MAX, NO_STORAGE, autocast_state,
-                      call_without_autocast, check_input_dtype, dtype_name, has_storage, manifest_limit,
+                      call_without_autocast, check_input_dtype, dtype_name, has_storage, in_transform, manifest_limit,
                       megatron_batches_per_block, needs_grad, next_pow2, param_signature, representable,
                       torch_result_dtype)
 
@@ -433,6 +433,8 @@ def _signature(x: torch.Tensor, mask: torch.Tensor | None, *rest: Any) -> tuple 
     if torch.compiler.is_compiling():
         return None
     try:
+        if mask is not None and in_transform(mask):  # a mask under vmap: the kernels decline it (x: data_ptr raises)
+            return None
         sig = (type(x), x.dtype, x.device, x.shape, x.stride(), x.data_ptr() % 16 == 0, x.requires_grad,
                param_signature(mask), torch.is_grad_enabled(), autocast_state(x.device)) + rest
         hash(sig)
