@@ -386,6 +386,7 @@ def strict(enabled: bool = True) -> Iterator[None]:
 # Kernel loading (lazy, cached, failures become reasons)
 
 _kernel_cache: dict[str, Any] = {}  # name -> KernelOps, or str (the failure reason)
+_kernel_loading: dict[str, threading.Lock] = {}  # name -> the lock of its one load (see kernel())
 
 
 def _load_kernel(name: str) -> Any:
@@ -409,17 +410,25 @@ def kernel(name: str) -> tuple[Any | None, str]:
 
     A ``KernelError`` (build failure, preflight failure) is cached as the reason ``"<name> unavailable: <msg>"``
     and not retried in this process (:func:`clear_kernel_cache` retries).
+
+    Threads loading one kernel wait for a single load (a first load may build it: minutes); the dispatcher's own
+    lock is not held meanwhile, so calls of ops whose choice is made go on in other threads.
     """
-    with _lock:
-        hit = _kernel_cache.get(name)
-        if hit is None:
-            try:
-                hit = _load_kernel(name)
-            except _kernel_error_types() + (ImportError,) as e:
-                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                hit = f"{name} unavailable: {type(e).__name__}: {msg}"
-                logger.debug("kernel %s could not load: %s", name, e)
-            _kernel_cache[name] = hit
+    hit = _kernel_cache.get(name)
+    if hit is None:
+        with _lock:
+            once = _kernel_loading.setdefault(name, threading.Lock())
+        with once:
+            hit = _kernel_cache.get(name)  # loaded by the thread this one waited for
+            if hit is None:
+                try:
+                    hit = _load_kernel(name)
+                except _kernel_error_types() + (ImportError,) as e:
+                    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    hit = f"{name} unavailable: {type(e).__name__}: {msg}"
+                    logger.debug("kernel %s could not load: %s", name, e)
+                with _lock:
+                    _kernel_cache[name] = hit
     if isinstance(hit, str):
         return None, hit
     return hit, ""
