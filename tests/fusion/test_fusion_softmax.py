@@ -260,6 +260,31 @@ def test_fused_scale_mask_softmax_padding_and_causal(dtype):
     assert torch.count_nonzero(y[1, :, 4]) == 0
 
 
+def test_fused_scale_mask_softmax_fallback_is_counted_and_the_choice_cached(monkeypatch):
+    """With fusion asked for, the module's PyTorch path ran without a word where no fused path took the input (here:
+    CPU): not counted, no last_choice, strict mode silent (the functional op raises there); and it chose afresh on
+    every call. The fallback is now recorded like the functional ops' (strict mode raises), the choice cached."""
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float16)
+    mask = torch.rand(2, 1, 8, 8) < 0.3
+    dispatch.reset_stats()
+    chose = []
+    real_choose = dispatch.choose
+    monkeypatch.setattr(dispatch, "choose", lambda *a, **k: chose.append(a[0]) or real_choose(*a, **k))
+    m = _module(AttnMaskType.padding, torch.float16, scale=0.5)
+    for _ in range(3):
+        m(x, mask)
+    assert dispatch.stats()["softmax.masked"] == {"torch": 3} and dispatch.last_choice("softmax.masked").fallback
+    assert chose == ["softmax.masked"]
+    with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="softmax.masked"):
+        m(x, mask)
+    with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="causal with a padding mask"):
+        _module(AttnMaskType.causal, torch.float16)(x, mask)
+    # fusion not asked for (Megatron's flag) or fp32 scores: the module's own PyTorch path, no fallback
+    with dispatch.strict():
+        FusedScaleMaskSoftmax(True, False, AttnMaskType.padding, False, None, True, 0.5)(x, mask)
+        _module(AttnMaskType.padding, torch.float32)(x.float(), mask)
+
+
 def test_fused_scale_mask_softmax_megatron_api():
     m = _module(AttnMaskType.padding)
     assert not m.is_kernel_available(None, 2, 3, 8, 8, _input=torch.randn(2, 3, 8, 8, dtype=torch.bfloat16))

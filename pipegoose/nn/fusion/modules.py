@@ -75,8 +75,13 @@ class FusedScaleMaskSoftmax(nn.Module):
         _sm.check_input(input, "input")
         if input.dim() != 4:
             raise ValueError(f"input: expected [b, np, sq, sk], got shape {list(input.shape)}")
-        if self.is_kernel_available(mask, *input.size(), _input=input):
-            return self.forward_fused_softmax(input, mask)
+        if (self.scaled_masked_softmax_fusion and self.input_in_float16 and input.dtype in _HALF
+                and not dispatch.compile_passthrough(self._fused_op(mask))):
+            choice = self._choice(input, mask)
+            if choice.impl != "torch":
+                return self.forward_fused_softmax(input, mask)
+            # fusion asked for, but no fused path takes the input: a fallback, counted (strict mode raises on it)
+            dispatch.record(choice)
         return self.forward_torch_softmax(input, mask)
 
     def _fused_op(self, mask: torch.Tensor | None) -> str:
@@ -99,16 +104,28 @@ class FusedScaleMaskSoftmax(nn.Module):
                             device="cuda")
         if x.dtype not in (torch.float16, torch.bfloat16):
             return False
-        causal = self.attn_mask_type == AttnMaskType.causal
-        if causal and mask is not None:
-            return False  # causal + padding mask: no single fused kernel call, PyTorch path
+        return self._choice(x, mask).impl != "torch"
+
+    def _choice(self, x: torch.Tensor, mask: torch.Tensor | None) -> dispatch.Choice:
+        """The dispatcher's choice for scores ``x`` (fp16/bf16, [b, np, sq, sk]) and ``mask``, cached as the functional
+        ops cache theirs (a call costs a dictionary lookup once its metadata was seen)."""
+        op = self._fused_op(mask)
+        if op == _sm.OP_CAUSAL and mask is not None:
+            return dispatch.Choice(op, "torch", "fallback", True, {}, "causal with a padding mask: no fused kernel "
+                                   "takes both (the PyTorch path)")
         scale = self.scale if self.scale is not None else 1.0
-        if causal:
-            problem = _sm.softmax_problem(_sm.OP_CAUSAL, x.reshape(-1, sq, sk), None, scale)
-        else:
-            problem = _sm.softmax_problem(self._fused_op(mask), x, mask, scale)
-        choice = dispatch.choose(problem.op, problem)
-        return choice.impl != "torch"
+        sig = _sm._signature(x, mask, "FusedScaleMaskSoftmax", scale)
+        key = None if sig is None else dispatch.choice_key(op, None, sig)
+        hit = None if key is None else dispatch.cached_choice(key)
+        if hit is None:
+            if op == _sm.OP_CAUSAL:
+                problem = _sm.softmax_problem(op, x.reshape(-1, x.shape[-2], x.shape[-1]), None, scale)
+            else:
+                problem = _sm.softmax_problem(op, x, mask, scale)
+            hit = dispatch.choose(op, problem)
+            if key is not None:
+                dispatch.remember_choice(key, hit)
+        return hit
 
     def forward_fused_softmax(self, input: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         b, np, sq, sk = input.size()
