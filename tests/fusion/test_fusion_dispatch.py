@@ -573,3 +573,23 @@ def test_impl_argument_is_case_insensitive_as_the_variables(monkeypatch):
         dispatch.select(OP, problem(), impl="Apex")
     with pytest.raises(TypeError, match="impl: expected an implementation name"):
         dispatch.check_impl(OP, b"torch")
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "softmax.masked"])
+def test_explain_describes_the_problem_the_call_chooses_on(op, monkeypatch):
+    """Under CUDA autocast the ops cast x to the output dtype (fp32) and choose for that; explain() described the
+    uncast x, so that it could say an implementation cannot run an input that the call then ran on it (the Apex
+    copy: "input bfloat16 with output float32"). Emulated: the output dtype rule returns fp32 for bf16 input."""
+    from pipegoose.nn.fusion.ops import layer_norm as ln, rms_norm as rms, softmax as sm
+
+    fp32 = lambda *a, **k: torch.float32  # noqa: E731 - what autocast's fp32 policy gives
+    monkeypatch.setattr({"layer_norm": ln, "rms_norm": rms, "softmax.masked": sm}[op],
+                        "softmax_out_dtype" if op.startswith("softmax") else "out_dtype", fp32)
+    x = torch.randn(2, 3, 4, 16, dtype=torch.bfloat16)
+    w = torch.randn(16, dtype=torch.float32)
+    args = {"layer_norm": (x, (16,), w, w), "rms_norm": (x, (16,), w),
+            "softmax.masked": (x, torch.zeros(2, 1, 4, 16, dtype=torch.bool), 0.5)}[op]
+    problem = dispatch._problem_builders[op](*args)
+    assert problem.dtype == torch.float32 and problem["shape"] == tuple(x.shape)
+    if op == "rms_norm":  # Llama's rounding keeps the input dtype: no cast
+        assert dispatch._problem_builders[op](x, (16,), w, None, True).dtype == torch.bfloat16

@@ -21,6 +21,7 @@ Implementations (op ``layer_norm``):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import operator
@@ -117,7 +118,9 @@ def layer_norm_problem(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Te
 def _explain(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     shape = normalize_shape(normalized_shape)
     check_args(x, shape, weight, bias, eps)
-    return layer_norm_problem(x, shape, weight, bias, out_dtype(x, weight, bias))
+    out = out_dtype(x, weight, bias)
+    # the problem run() chooses on: x cast to the output dtype first, as autocast does (without copying x here)
+    return dataclasses.replace(layer_norm_problem(x, shape, weight, bias, out), dtype=out)
 
 
 def _common(p: Problem, kernel: str) -> tuple[bool, str]:

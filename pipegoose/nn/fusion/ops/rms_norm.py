@@ -20,6 +20,7 @@ Implementations (op ``rms_norm``): ``pipegoose`` (pipegoose/kernels/csrc/rms_nor
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -87,7 +88,10 @@ def rms_norm_problem(x, shape, weight, out, cast_before_weight) -> Problem:
 def _explain(x, normalized_shape, weight=None, eps=None, cast_before_weight=False):
     shape = normalize_shape(normalized_shape)
     check_args(x, shape, weight, eps)
-    return rms_norm_problem(x, shape, weight, out_dtype(x, weight, cast_before_weight), cast_before_weight)
+    out = out_dtype(x, weight, cast_before_weight)
+    p = rms_norm_problem(x, shape, weight, out, cast_before_weight)
+    # the problem run() chooses on: x cast to the output dtype first unless Llama's rounding (without copying x here)
+    return p if cast_before_weight else dataclasses.replace(p, dtype=out)
 
 
 def _pipegoose_supports(p: Problem) -> tuple[bool, str]:

@@ -21,6 +21,7 @@ Implementations:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from typing import Any
@@ -86,7 +87,12 @@ def _explain_builder(op: str):
             mask = check_mask(mask, x)
         elif op == OP_CAUSAL and x.dim() != 3:
             raise ValueError(f"x: expected [attn_batches, sq, sk], got shape {list(x.shape)}")
-        return softmax_problem(op, x, mask, scale)
+        p = softmax_problem(op, x, mask, scale)
+        out = softmax_out_dtype(x)
+        if out == x.dtype:
+            return p
+        # the problem run() chooses on: x cast first, as autocast does (a new contiguous, aligned tensor)
+        return dataclasses.replace(p, dtype=out, extra=dict(p.extra, aligned=p.get("storage", True)))
     return entry
 
 
