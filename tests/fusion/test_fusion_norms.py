@@ -688,3 +688,25 @@ def test_olmo2_rule_on_the_small_path_keeps_the_input_dtype(monkeypatch):
     assert dispatch.last_choice("rms_norm").source == "small"
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, F.rms_norm(x.float(), (64,), mod.weight.float(), 1e-6).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+def test_nested_tensors_run_pytorchs_op(layout):
+    """torch.nn.LayerNorm and F.softmax take nested tensors; FusedLayerNorm and PF.softmax raised "NestedTensorImpl
+    doesn't support sizes" on a strided one (reading its shape for the choice cache), and on a GPU a jagged one would
+    have reached the kernels, which take dense rows. Every nested input now runs PyTorch's op, as a recorded fallback."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the strided layout is a prototype: a UserWarning
+        nt = torch.nested.nested_tensor([torch.randn(3, 16), torch.randn(5, 16)], layout=layout)
+    mod = FusedLayerNorm(16)
+    torch.nn.init.normal_(mod.weight)
+    for got, want, op in ((lambda: mod(nt), lambda: F.layer_norm(nt, (16,), mod.weight, mod.bias), "layer_norm"),
+                          (lambda: PF.softmax(nt, -1), lambda: F.softmax(nt, -1), "softmax")):
+        y, ref = got(), want()
+        assert y.is_nested
+        for a, b in zip(y.unbind(), ref.unbind()):
+            assert torch.equal(a, b)
+        choice = dispatch.last_choice(op)
+        assert choice.fallback and "nested tensor" in choice.reason
+        with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="nested tensor"):
+            got()

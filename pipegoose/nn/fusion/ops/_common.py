@@ -145,11 +145,23 @@ def has_tangent(*tensors: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and _fwad.unpack_dual(t).tangent is not None for t in tensors)
 
 
+NESTED = "a nested tensor: the kernels take dense rows; PyTorch's op runs it"
+
+
+def nested_fallback(op: str) -> Any:
+    """The choice recorded for a nested tensor (``torch.nested``, either layout), which every op hands to PyTorch's
+    own op: a fallback (counted; strict mode raises)."""
+    from .. import dispatch
+
+    return dispatch.Choice(op, "torch", "fallback", True, {}, NESTED)
+
+
 def on_kernel_device(t: torch.Tensor) -> bool:
     """Whether our fused kernels could run on ``t``: a CUDA tensor in fp16, bf16 or fp32. The small-problem
     shortcuts (fused norm modules, the attention function) apply only there: elsewhere the native op is a fallback,
-    which strict mode must see. Tests replace this function (``_common.on_kernel_device``) to exercise them on CPU."""
-    return t.is_cuda and t.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    which strict mode must see (a nested tensor is no kernel input either). Tests replace this function
+    (``_common.on_kernel_device``) to exercise them on CPU."""
+    return t.is_cuda and t.dtype in (torch.float16, torch.bfloat16, torch.float32) and not t.is_nested
 
 
 def shape_signature(shape: Any) -> tuple:

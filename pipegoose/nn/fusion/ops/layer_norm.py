@@ -34,8 +34,8 @@ from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, FORWARD_AD, HALF_DTYPES, INT32_MAX, NO_STORAGE, all_have_storage, any_in_transform,
                       autocast_state, call_without_autocast, check_input_dtype, dtype_name, eps_value, grads_through,
-                      has_tangent, in_dual_level, manifest_limit, needs_grad, param_signature, shape_signature,
-                      torch_result_dtype)
+                      has_tangent, in_dual_level, manifest_limit, needs_grad, nested_fallback, param_signature,
+                      shape_signature, torch_result_dtype)
 
 OP = "layer_norm"
 SRC_PIPEGOOSE = "pipegoose/layer_norm: pipegoose/kernels/csrc/layer_norm.cu (pipegoose, MIT)"
@@ -297,6 +297,9 @@ def _signature(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any) 
 def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, bias: torch.Tensor | None,
         eps: float, impl: str | None) -> torch.Tensor:
     if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the op itself
+        return F.layer_norm(x, normalize_shape(normalized_shape), weight, bias, eps)
+    if getattr(x, "is_nested", False):
+        dispatch.record(nested_fallback(OP))
         return F.layer_norm(x, normalize_shape(normalized_shape), weight, bias, eps)
     sig = _signature(x, normalized_shape, weight, bias, eps)
     key = None if sig is None else dispatch.choice_key(OP, impl, sig)

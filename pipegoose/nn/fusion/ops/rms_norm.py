@@ -31,7 +31,7 @@ from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, FORWARD_AD, NO_STORAGE, all_have_storage, any_in_transform, autocast_state,
                       call_without_autocast, check_input_dtype, dtype_name, eps_value, has_tangent, in_dual_level,
-                      manifest_limit, needs_grad, param_signature, shape_signature, torch_result_dtype)
+                      manifest_limit, needs_grad, nested_fallback, param_signature, shape_signature, torch_result_dtype)
 from .layer_norm import EMPTY_INPUT, normalize_shape
 
 OP = "rms_norm"
@@ -205,6 +205,9 @@ def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, eps
     # cached call with True let them through where a first call refused them
     if not isinstance(cast_before_weight, bool):
         raise TypeError(f"cast_before_weight: expected a bool, got {type(cast_before_weight).__name__}")
+    if getattr(x, "is_nested", False):  # PyTorch's op (which may refuse it, as F.rms_norm does a strided one)
+        dispatch.record(nested_fallback(OP))
+        return F.rms_norm(x, normalize_shape(normalized_shape), weight, eps)
     if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the op itself
         shape = normalize_shape(normalized_shape)
         if not cast_before_weight:

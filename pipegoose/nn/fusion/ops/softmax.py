@@ -33,8 +33,8 @@ from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, HALF_DTYPES, INT32_MAX, NO_STORAGE, autocast_state,
                       call_without_autocast, check_input_dtype, dtype_name, has_storage, in_transform, manifest_limit,
-                      megatron_batches_per_block, needs_grad, next_pow2, param_signature, representable,
-                      torch_result_dtype)
+                      megatron_batches_per_block, needs_grad, nested_fallback, next_pow2, param_signature,
+                      representable, torch_result_dtype)
 
 OP_PLAIN, OP_MASKED, OP_CAUSAL = "softmax", "softmax.masked", "softmax.causal"
 
@@ -503,6 +503,9 @@ def run_plain(x: torch.Tensor, dim: int, dtype: torch.dtype | None, impl: str | 
         raise IndexError(f"dim: expected in [{-nd}, {nd - 1}], got {dim}")
     if dispatch.compile_passthrough(OP_PLAIN, impl):
         return F.softmax(x, dim)  # torch.compile fuses it itself
+    if x.is_nested:
+        dispatch.record(nested_fallback(OP_PLAIN))
+        return F.softmax(x, dim)
     last = x.dim() == 0 or dim % nd == nd - 1
     choice, x = _choose(OP_PLAIN, x, None, 1.0, impl, True, last, ())
     if choice.impl == "pipegoose":
