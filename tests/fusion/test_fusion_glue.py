@@ -604,3 +604,19 @@ def test_softmax_mask_under_vmap_after_an_eager_call(fake):
     assert dispatch.last_choice("softmax.masked").impl == "torch"
     want = torch.stack([_softmax_rows(x.double() * 0.5, m) for m in masks])
     torch.testing.assert_close(got.double(), want, **TOLERANCES[torch.float32])
+
+
+def test_fuse_report_loads_only_the_kernels_its_choices_need(fake, monkeypatch):
+    """fuse() filled each report row with dispatch.explain, which asks every implementation and so loaded (on a first
+    run: built, a minute each) the kernels of implementations the choice never needed, such as the Apex copy. The
+    report now asks only for the choice."""
+    from pipegoose.nn.fusion.fuse import fuse, unfuse
+
+    loaded = []
+    monkeypatch.setattr(dispatch, "_load_kernel", lambda name: loaded.append(name) or fake)
+    dispatch.clear_kernel_cache()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    report = fuse(model)
+    assert report.fused_rows("layer_norm")[0].forward == "pipegoose"
+    assert loaded == ["pipegoose/layer_norm"], loaded
+    unfuse(model)

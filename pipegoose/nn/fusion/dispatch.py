@@ -100,6 +100,7 @@ __all__ = [
     "remember_choice",
     "clear_choice_cache",
     "explain",
+    "problem_of",
     "last_choice",
     "stats",
     "reset_stats",
@@ -990,7 +991,16 @@ def explain(op: str, *inputs: Any, impl: str | None = None, **kwargs: Any) -> Ch
     ``inputs``/``kwargs`` are the op's functional arguments, e.g.
     ``explain("softmax.masked", x, mask, scale=0.125)``, ``explain("softmax.causal", x, 0.125)`` (as
     ``scaled_upper_triang_masked_softmax(x, scale)``), ``explain("layer_norm", x, (1024,), w, b)``.
+
+    Every implementation is asked, so the kernel of each one that takes the input is loaded (and, on a first run,
+    built); :func:`choose` of :func:`problem_of` loads only what the choice needs.
     """
+    return choose(op, problem_of(op, *inputs, **kwargs), impl, check_all=True)
+
+
+def problem_of(op: str, *inputs: Any, **kwargs: Any) -> Problem:
+    """The :class:`Problem` the op's call with these functional arguments chooses on (see :func:`explain`). Raises
+    what :func:`explain` raises for them."""
     if op == "attention":
         raise KeyError("attention: not a dispatcher op; the attention function chooses per call (the GPU's tuning "
                        "table, the small-problem rule) and counts it as 'attention' in stats(); explain the softmax "
@@ -1010,7 +1020,7 @@ def explain(op: str, *inputs: Any, impl: str | None = None, **kwargs: Any) -> Ch
         raise TypeError(f"explain({op!r}, ...): expected the op's functional arguments, e.g. "
                         f"explain('layer_norm', x, (1024,), w, b) or explain('softmax.masked', x, mask, "
                         f"scale=0.125); {detail}") from None
-    return choose(op, problem, impl, check_all=True)
+    return problem
 
 
 def last_choice(op: str) -> Choice | None:

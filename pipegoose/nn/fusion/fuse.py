@@ -239,7 +239,9 @@ def _impls(op: str, module: nn.Module, build_inputs) -> tuple[str, str]:
         if device.type == "meta":
             return "?", "?"
         args = build_inputs(device, dtype)
-        choice = dispatch.explain(op, *args)
+        # the choice alone (not explain's check of every implementation, which loads, and on a first run builds, the
+        # kernels of implementations the choice does not need: the Apex and Megatron copies)
+        choice = dispatch.choose(op, dispatch.problem_of(op, *args))
         impl = choice.impl + (" (fallback)" if choice.fallback else "")
         if op.startswith("softmax"):
             impl += f" @{_PROBE_SEQ}"
