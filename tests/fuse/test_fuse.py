@@ -900,3 +900,47 @@ def test_fuse_refuses_a_bad_environment_before_changing_the_model(monkeypatch, v
     with pytest.raises(ValueError, match=var):
         fuse(model)
     assert [type(m) for m in model.modules()] == before and not is_fused(model)
+
+
+def test_instance_state_of_replaced_norms_is_kept():
+    """A walkthrough: fuse() replaced a norm whose forward was set on the instance (accelerate's device_map / offload
+    hooks do this, with ``_hf_hook``; so do patches), bypassing it while fused; it dropped the module's own instance
+    attributes; and what was changed on the replacement (``eps``, ``variance_epsilon`` of a Llama norm, a carried
+    attribute) was lost at unfuse or read by nothing. Such norms are now left alone with the reason, attributes are
+    carried over and back, and a fused RMSNorm reads and writes ``variance_epsilon`` as its ``eps``."""
+    import types
+
+    model = models.build("gpt2", "eager")
+    patched = model.h[0].ln_1
+    calls = []
+    orig_forward = patched.forward
+    patched.forward = types.MethodType(lambda self, x: calls.append(1) or orig_forward(x), patched)
+    hooked = model.h[1].ln_1
+    hooked._hf_hook = object()   # what accelerate's add_hook_to_module sets, with a forward on the instance
+    tagged = model.ln_f
+    tagged.my_tag = {"owner": "me"}
+    report = fuse(model)
+    rows = {r.path: r for r in report.rows}
+    for path, what in (("h.0.ln_1", "a forward set on the instance"),
+                       ("h.1.ln_1", "an accelerate hook")):
+        assert not rows[path].fused and rows[path].eligible and what in rows[path].reason, rows[path]
+    assert model.h[0].ln_1 is patched and model.h[1].ln_1 is hooked
+    ids, mask = models.inputs()
+    model(input_ids=ids, attention_mask=mask)
+    assert calls
+    fused_ln = model.ln_f
+    assert fused_ln is not tagged and fused_ln.my_tag is tagged.my_tag
+    fused_ln.eps, fused_ln.my_tag = 0.5, {"owner": "you"}
+    assert unfuse(model) and model.ln_f is tagged
+    assert tagged.eps == 0.5 and tagged.my_tag == {"owner": "you"}
+
+    llama = models.build("llama", "eager")
+    norm = llama.norm
+    fuse(llama)
+    fused_norm = llama.norm
+    assert fused_norm.variance_epsilon == norm.variance_epsilon == fused_norm.eps
+    fused_norm.variance_epsilon = 1e-3
+    assert fused_norm.eps == 1e-3
+    with pytest.raises(ValueError, match="eps"):
+        fused_norm.variance_epsilon = -1.0
+    assert unfuse(llama) and llama.norm is norm and norm.variance_epsilon == 1e-3

@@ -387,6 +387,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                 if new is not None:
                     _check_same_params(new, child)
                     _adopt(new, child)
+                    _carry_attrs(child, new)
                     new.__dict__[_ORIGINAL] = child
                     replaced[id(child)] = new
                     parent._modules[name] = new
@@ -433,6 +434,47 @@ def _build(path, child, make, *args, **kwargs):
         raise type(e)(f"{path} ({type(child).__name__}): {e}") from None
 
 
+def _instance_override(child: nn.Module) -> str | None:
+    """Why ``child``'s own instance changes how it runs, so that a fused module in its place would bypass that (None
+    when nothing does): a ``forward`` set on the instance (accelerate's ``add_hook_to_module``, used by
+    ``device_map`` / offloading, and monkey patches do this)."""
+    if "forward" in child.__dict__ or "_hf_hook" in child.__dict__:
+        what = "an accelerate hook (_hf_hook)" if "_hf_hook" in child.__dict__ else "a forward set on the instance"
+        return (f"{what}: the module's own forward is replaced, which a fused module in its place would bypass "
+                "(device_map / offloading hooks, a patch)")
+    return None
+
+
+# What a module's __dict__ holds for nn.Module itself: not carried over to a replacement (its own are set up anew).
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"_compiled_call_impl"}
+
+
+def _carry_attrs(old: nn.Module, new: nn.Module) -> None:
+    """Give ``new`` the instance attributes of ``old`` that it lacks (a user's tag, a model's bookkeeping), the same
+    objects; not nn.Module's internals, not the parameters and not the epsilon attributes, which the fused module
+    holds as ``eps`` (see :func:`_carry_back`)."""
+    for key, value in old.__dict__.items():
+        if (key in _MODULE_INTERNALS or key in new.__dict__ or key in matching.EPS_ATTRIBUTES
+                or hasattr(type(new), key)):
+            continue
+        new.__dict__[key] = value
+
+
+def _carry_back(new: nn.Module, old: nn.Module) -> None:
+    """At unfuse: what was rebound on the replacement while fused goes back to the original: the instance
+    attributes it carried (:func:`_carry_attrs`) and its ``eps``, under the original's name for it (``eps``,
+    ``variance_epsilon`` or ``epsilon``)."""
+    for key, value in new.__dict__.items():
+        if key in old.__dict__ and key not in _MODULE_INTERNALS and key not in matching.EPS_ATTRIBUTES:
+            if old.__dict__[key] is not value and key not in ("normalized_shape", "elementwise_affine"):
+                old.__dict__[key] = value
+    eps = new.__dict__.get("eps", _MISSING)
+    if eps is not _MISSING:
+        name = next((n for n in matching.EPS_ATTRIBUTES if n in old.__dict__), None)
+        if name is not None and old.__dict__[name] != eps:
+            old.__dict__[name] = eps
+
+
 def _computed_params(child: nn.Module) -> str | None:
     """Why ``child``'s weight or bias is not a Parameter of its own (the fused modules share the module's Parameter
     objects, so they cannot take such a module), or None. Parametrized modules (``torch.nn.utils.parametrize``:
@@ -458,7 +500,7 @@ def _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNo
         if type(child).forward is not nn.LayerNorm.forward:
             return FusionRow(path, "layer_norm", type(child).__name__, None, False,
                              reason="LayerNorm subclass with its own forward"), None
-        why = _computed_params(child)
+        why = _instance_override(child) or _computed_params(child)
         if why is not None:
             return FusionRow(path, "layer_norm", type(child).__name__, None, False, reason=why), None
         new = None if dry_run else _build(path, child, MixedFusedLayerNorm.from_layer_norm, child)
@@ -486,6 +528,9 @@ def _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNo
             return None, None
         return FusionRow(path, "rms_norm", type(child).__name__, None, False, reason=probe.reason,
                          eligible=probe.eligible), None
+    why = _instance_override(child)
+    if why is not None:
+        return FusionRow(path, "rms_norm", type(child).__name__, None, False, reason=why), None
     new = None if dry_run else _build(path, child, FusedRMSNorm.from_module, child, probe.eps,
                                       output_in_weight_dtype=probe.output_in_weight_dtype,
                                       output_in_input_dtype=probe.output_in_input_dtype)
@@ -653,6 +698,7 @@ def _undo(state: _Fusion) -> list[str]:
             old = new.__dict__[_ORIGINAL]
             old.train(new.training)
             _carry_tensors_back(new, old)
+            _carry_back(new, old)
             parent._modules[name] = old
             done.append(new)
         else:

@@ -364,6 +364,17 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         else:
             self.register_parameter("weight", None)
 
+    @property
+    def variance_epsilon(self) -> float | None:
+        """``eps`` under transformers' Llama-style name, read and written (a fused Llama norm's ``variance_epsilon``
+        set by model code would otherwise be an attribute that nothing reads)."""
+        return self.eps
+
+    @variance_epsilon.setter
+    def variance_epsilon(self, value: float | None) -> None:
+        _common.eps_value(value, allow_none=True)
+        self.eps = value
+
     def reset_parameters(self) -> None:
         if self.weight is not None:
             nn.init.ones_(self.weight)
