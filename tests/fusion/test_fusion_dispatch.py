@@ -406,9 +406,34 @@ def test_explain_refuses_what_the_softmax_ops_refuse():
         dispatch.explain("softmax.causal", x[0], scale=float("nan"))
     with pytest.raises(ValueError, match="attn_batches"):
         dispatch.explain("softmax.causal", x, scale=0.5)
-    # a dim passed as softmax(x, dim) would be: the mask's type is named first, whatever x's shape
-    with pytest.raises(TypeError, match="^mask: expected a bool torch.Tensor .* got int .*dim"):
-        dispatch.explain("softmax", x[0], -1)
+    # a mask of the wrong type is named first, whatever x's shape
+    with pytest.raises(TypeError, match="^mask: expected a bool torch.Tensor .* got float"):
+        dispatch.explain("softmax.masked", x[0], 0.5)
+    with pytest.raises(IndexError, match="dim"):
+        dispatch.explain("softmax", x, 4)
+
+
+def test_explain_of_softmax_with_a_dim_describes_softmax(monkeypatch):
+    """A walkthrough: explain("softmax", x) described scaled_softmax (fused in 16-bit) while softmax(x, dim), the
+    F.softmax drop-in, is fused only where exact (fp32) and over the last dim: on a GPU it said "pipegoose" for a bf16
+    call that ran the reference (a fallback, which strict mode raises on). explain("softmax", x, dim) (or dim=) now
+    describes softmax(x, dim); a float after x stays scaled_softmax's scale."""
+    from dataclasses import replace
+
+    from pipegoose.nn.fusion.ops import softmax as sm
+
+    x = torch.randn(2, 4, 8, 16, dtype=torch.bfloat16)
+    for args, kw, exact, last in (((-1,), {}, True, True), ((1,), {}, True, False), ((), {"dim": 3}, True, True),
+                                  ((0.5,), {}, False, True), ((), {}, False, True)):
+        p = dispatch.problem_of("softmax", x, *args, **kw)
+        assert (p["exact"], p["last_dim"]) == (exact, last), (args, kw)
+    monkeypatch.setattr(dispatch, "_load_kernel", lambda name: object())
+    dispatch.clear_kernel_cache()
+    on_gpu = lambda p: replace(p, device=torch.device("cuda"), extra=dict(p.extra, aligned=True))  # noqa: E731
+    assert dispatch.choose("softmax", on_gpu(dispatch.problem_of("softmax", x, -1))).impl == "torch"
+    assert dispatch.choose("softmax", on_gpu(dispatch.problem_of("softmax", x.float(), -1))).impl == "pipegoose"
+    assert dispatch.choose("softmax", on_gpu(dispatch.problem_of("softmax", x.float(), 1))).impl == "torch"
+    dispatch.clear_kernel_cache()
 
 
 def test_explain_refuses_keywords_the_op_does_not_take():
@@ -417,7 +442,7 @@ def test_explain_refuses_keywords_the_op_does_not_take():
     x, w = torch.randn(4, 8), torch.randn(8)
     for op, args, kw, name in (("layer_norm", (x, (8,)), {"wieght": w}, "wieght"),
                                ("rms_norm", (x, (8,)), {"epsilon": 1e-6}, "epsilon"),
-                               ("softmax", (x,), {"dim": 0}, "dim"),
+                               ("softmax", (x,), {"axis": 0}, "axis"),
                                ("softmax.masked", (x.view(1, 1, 4, 8),), {"mask_": None}, "mask_")):
         with pytest.raises(TypeError, match=rf"explain\('{re.escape(op)}', \.\.\.\).*'{name}' is not one of them"):
             dispatch.explain(op, *args, **kw)

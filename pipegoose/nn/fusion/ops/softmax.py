@@ -63,9 +63,12 @@ def softmax_problem(op: str, x: torch.Tensor, mask: torch.Tensor | None = None, 
 def _explain_builder(op: str):
     """The problem builder of ``op`` for dispatch.explain: the functional arguments of ``scaled_masked_softmax(x, mask,
     scale)``; for the plain and causal ops also those of ``scaled_softmax(x, scale)`` and
-    ``scaled_upper_triang_masked_softmax(x, scale)`` (a number after x is the scale; for the plain op an int is
-    refused, as ``softmax(x, dim)``'s dim)."""
+    ``scaled_upper_triang_masked_softmax(x, scale)`` (a float after x is the scale); for the plain op an int after x
+    (or ``dim=``) is ``softmax(x, dim)``'s dim, which describes that call (the F.softmax drop-in: fused only where
+    exact, over the last dim)."""
     def entry(x: torch.Tensor, *args: Any, **kwargs: Any) -> Problem:
+        if op == OP_PLAIN and ("dim" in kwargs or (args and isinstance(args[0], int) and not isinstance(args[0], bool))):
+            return plain(x, *args, **kwargs)
         if op != OP_MASKED and args and not (args[0] is None or isinstance(args[0], torch.Tensor)):
             if not (op == OP_PLAIN and isinstance(args[0], int)):
                 if "scale" in kwargs or len(args) > 1:
@@ -87,7 +90,18 @@ def _explain_builder(op: str):
             mask = check_mask(mask, x)
         elif op == OP_CAUSAL and x.dim() != 3:
             raise ValueError(f"x: expected [attn_batches, sq, sk], got shape {list(x.shape)}")
-        p = softmax_problem(op, x, mask, scale)
+        return cast_as_run(softmax_problem(op, x, mask, scale), x)
+
+    def plain(x: torch.Tensor, dim: int) -> Problem:
+        # softmax(x, dim) (the F.softmax drop-in): exact, and fused only over the last dim (run_plain)
+        check_input(x, "input")
+        nd = max(x.dim(), 1)
+        if not -nd <= dim < nd:
+            raise IndexError(f"dim: expected in [{-nd}, {nd - 1}], got {dim}")
+        last = x.dim() == 0 or dim % nd == nd - 1
+        return cast_as_run(softmax_problem(OP_PLAIN, x, None, 1.0, exact=True, last_dim=last), x)
+
+    def cast_as_run(p: Problem, x: torch.Tensor) -> Problem:
         out = softmax_out_dtype(x)
         if out == x.dtype:
             return p
