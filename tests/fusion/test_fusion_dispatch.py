@@ -70,7 +70,11 @@ def test_family_env_and_auto(monkeypatch):
     monkeypatch.setenv("PIPEGOOSE_IMPL_FAKE", "torch")
     c = dispatch.select(OP, problem())
     assert (c.impl, c.source, c.fallback) == ("torch", "env", False)
-    monkeypatch.setenv("PIPEGOOSE_IMPL_FAKE_OP", "auto")  # op-level auto: the family's value still applies
+    # op-level auto: this op chooses automatically whatever its family asks (a walkthrough: it fell through to the
+    # family's request, so that no op of a family could be exempted from it)
+    monkeypatch.setenv("PIPEGOOSE_IMPL_FAKE_OP", "auto")
+    assert dispatch.select(OP, problem()).source not in ("env", "argument")
+    monkeypatch.setenv("PIPEGOOSE_IMPL_FAKE_OP", " ")  # empty or blank: unset, the family applies
     assert dispatch.select(OP, problem()).impl == "torch"
     monkeypatch.setenv("PIPEGOOSE_IMPL_FAKE_OP", "pipegoose")  # op-level beats family
     assert dispatch.select(OP, problem()).impl == "pipegoose"

@@ -11,7 +11,8 @@ Choice, first that supports the input wins:
 
 1. the explicit ``impl=`` argument of the call (case and surrounding blanks ignored, as in the variables);
 2. the environment: ``PIPEGOOSE_IMPL_<OP>`` (``.`` -> ``_``, e.g. ``PIPEGOOSE_IMPL_SOFTMAX_CAUSAL``), then the
-   family's ``PIPEGOOSE_IMPL_<FAMILY>`` (``PIPEGOOSE_IMPL_SOFTMAX`` covers the three softmax ops); ``auto`` = none;
+   family's ``PIPEGOOSE_IMPL_<FAMILY>`` (``PIPEGOOSE_IMPL_SOFTMAX`` covers the three softmax ops); ``auto`` = none
+   (in the op's own variable it overrides the family's);
 3. the tuning table of the input's GPU (``pipegoose/nn/fusion/tuning/<slug>.json``, docs/architecture.md
    "Tuning tables"): the first rule whose op and dtype match, whose ``max_cols`` is not exceeded and whose
    implementation supports the input (rules whose ``pass`` matches the call, ``fwd`` or ``fwd+bwd``, first);
@@ -609,9 +610,14 @@ def _impl_name(value: str) -> str:
 
 
 def _env_request(op: str) -> tuple[str | None, str]:
+    """(implementation, variable) asked for by the op's ``PIPEGOOSE_IMPL_*`` variables, or (None, ""): the op's own
+    variable first, then its family's (``PIPEGOOSE_IMPL_SOFTMAX`` for ``softmax.masked``); an unset or empty one is
+    skipped, and ``auto`` in the op's own variable ends the search (it overrides a family request)."""
     for var in _env_names(op):
         v = _impl_name(_environ_get(var, ""))
-        if v and v != "auto":
+        if v == "auto":
+            return None, ""
+        if v:
             return v, var
     return None, ""
 
