@@ -224,6 +224,44 @@ class KernelBuilder:
         raise KernelUnavailableError(f"kernel {k.id}: missing {len(missing)} file(s): {', '.join(rel[:6])}"
                                      f"{' ...' if len(rel) > 6 else ''}; {hint}")
 
+    def modified_files(self, digests: dict[str, str] | None = None) -> list[str]:
+        """Vendored files of this kernel whose sha256 differs from ``kernels.lock`` (changed after ``tools/port.py``
+        vendored them), relative to the source's folder. Empty for this project's own kernels, for a kernel the lock
+        does not record (a manifest without one) and for an unreadable lock (``tools/port.py verify`` reports that).
+        ``digests``: file -> sha256 already computed (:meth:`key_inputs`' ``files``)."""
+        k = self.kernel
+        if self.manifest.sources[k.source].is_local:
+            return []
+        from pipegoose.porting.errors import PortError
+        from pipegoose.porting.lock import Lock
+
+        try:
+            entry = Lock.load(self.manifest.root / "kernels.lock").kernels.get(k.id)
+        except (PortError, OSError):
+            return []
+        if entry is None:
+            return []
+        base = self.manifest.vendor_dir(k.source)
+        digests = digests or {}
+        return [f for f, want in sorted(entry.files.items())
+                if (base / f).is_file() and (digests.get(f) or _cache.file_digest(base / f)) != want]
+
+    def _check_vendored(self, digests: dict[str, str]) -> None:
+        """Refuse to build or load vendored files that differ from ``kernels.lock`` (third-party code changed after it
+        was vendored and recorded), unless ``PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1``, which builds them with a warning."""
+        changed = self.modified_files(digests)
+        if not changed:
+            return
+        rel = self.manifest.vendor_dir(self.kernel.source).relative_to(self.manifest.root)
+        what = f"{len(changed)} vendored file(s) differ from kernels.lock: " + ", ".join(
+            str(rel / f) for f in changed[:4]) + (" ..." if len(changed) > 4 else "")
+        if os.environ.get("PIPEGOOSE_ALLOW_MODIFIED_VENDOR") == "1":
+            _log(f"{self.kernel.id}: building modified third-party code (PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1): {what}")
+            return
+        raise KernelBuildError(f"kernel {self.kernel.id}: {what} (changed after tools/port.py vendored them); restore "
+                               "them with python tools/port.py sync, see what changed with python tools/port.py list, "
+                               "or build them as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1")
+
     def _check_object_names(self) -> None:
         # cpp_extension names objects after the source's basename: two sources with one stem would collide.
         seen: dict[str, Path] = {}
@@ -314,7 +352,9 @@ class KernelBuilder:
         self._check_files()
         self._check_object_names()
         tc = self._toolchain()
-        key = _cache.build_key(k.short_name, self.key_inputs(tc))
+        inputs = self.key_inputs(tc)
+        self._check_vendored(inputs["files"])
+        key = _cache.build_key(k.short_name, inputs)
         entry = _cache.entry_dir(self.cache_dir, key)
         if not force and (info := _cache.is_complete(entry)):
             return BuildResult(k, key, entry, info, built=False, seconds=time.monotonic() - t0)
@@ -490,6 +530,10 @@ class KernelBuilder:
         except (KernelUnavailableError, KernelBuildError) as e:
             return {**out, "state": "unavailable", "detail": str(e)}
         inputs = self.key_inputs(tc)
+        try:
+            self._check_vendored(inputs["files"])
+        except KernelBuildError as e:  # what build() and load() refuse: doctor says so
+            return {**out, "state": "unavailable", "detail": str(e)}
         res = self._cached_for(inputs)
         if res is None:
             key = _cache.build_key(k.short_name, inputs)

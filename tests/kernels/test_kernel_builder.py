@@ -644,3 +644,40 @@ def test_cli_build_says_when_it_waits_for_another_build(tiny, monkeypatch, capsy
     out = " ".join(capsys.readouterr().out.split())
     assert calls and calls[0] is not None
     assert "waiting test/tiny: pid 4242 on node7 is building it" in out, out
+
+
+def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
+    """A walkthrough: a vendored file changed after tools/port.py recorded it in kernels.lock was compiled and loaded
+    without a word (port.py list said "modified"). The builder now refuses it, naming the files and the ways out;
+    PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1 builds it as it is."""
+    import hashlib
+
+    from pipegoose.porting.lock import Lock, LockedKernel, LockedSource
+
+    manifest, _op, cache_dir = tiny
+    root = manifest.parent
+    src = root / "vendor" / "upstream" / "src"
+    src.mkdir(parents=True)
+    (src / "kernel.cu").write_text("// vendored\n")
+    (src / "kernel.h").write_text("// header\n")
+    lock = Lock(root / "kernels.lock")
+    lock.sources["upstream"] = LockedSource("pypi", {"name": "upstream", "version": "1.0", "sha256": "a" * 64},
+                                            "Apache-2.0", {})
+    lock.kernels["test/vendored"] = LockedKernel("upstream", {
+        f: hashlib.sha256((src.parent / f).read_bytes()).hexdigest() for f in ("src/kernel.cu", "src/kernel.h")})
+    (root / "kernels.lock").write_text(lock.dumps())
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    b = KernelBuilder("test/vendored", manifest=manifest, cache_dir=cache_dir)
+    assert b.modified_files() == []
+    (src / "kernel.cu").write_text("// vendored, then changed\n")
+    assert b.modified_files() == ["src/kernel.cu"]
+    with pytest.raises(KernelBuildError, match=r"1 vendored file\(s\) differ from kernels.lock: "
+                                               r"vendor/upstream/src/kernel.cu .*tools/port.py sync"):
+        b.build()
+    st = b.status()   # what doctor shows
+    assert st["state"] == "unavailable" and "differ from kernels.lock" in st["detail"]
+    monkeypatch.setenv("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "1")
+    with pytest.raises(KernelError) as e:   # on to the compiler (the fake toolkit's nvcc compiles nothing)
+        b.build()
+    assert "differ from kernels.lock" not in str(e.value)
+    assert KernelBuilder("test/tiny", manifest=manifest, cache_dir=cache_dir).modified_files() == []  # our own code
