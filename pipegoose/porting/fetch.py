@@ -478,7 +478,13 @@ class Fetcher:
 
     def latest(self, source: Source) -> dict[str, str]:
         """The newest pin upstream: the newest final release with an sdist on pip's index (pypi), or the
-        head of the default branch (git). Raises FetchError."""
+        head of the default branch (git). Raises FetchError, also offline (this asks the index or the remote)."""
+        if self.offline and source.kind in ("pypi", "git"):
+            where = "package index" if source.kind == "pypi" else "git remote"
+            raise FetchError(f"{source.id}: the newest upstream is on the {where}, and --offline was given: pass --to "
+                             f"{'VERSION' if source.kind == 'pypi' else 'COMMIT'} (its "
+                             f"{'sdist' if source.kind == 'pypi' else 'clone'} in the download cache) instead of "
+                             f"--latest (the default of audit)")
         if source.kind == "pypi":
             links = [l for l in self.index.sdists(source.pin["name"]) if not l.yanked and not l.version.is_prerelease]
             if not links:

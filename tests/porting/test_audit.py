@@ -68,6 +68,25 @@ def test_audit_unchanged_is_in_sync(repo):
     assert r.sources[0].to_pin["version"] == "1.1" and r.exit_code == 0
 
 
+def test_audit_latest_offline_says_it_needs_the_index(repo, monkeypatch):
+    """A walkthrough: `audit --offline` (whose default is --latest) asked the package index, which --offline ("use only
+    the download cache") rules out, and failed with "cannot reach any package index". It now says why without asking,
+    and what to pass instead; --to with the sdist in the download cache works offline."""
+    setup_sdist(repo)
+    publish_version(repo, "1.1", V1_FILES)
+    audit(repo.porter(), to="1.1")   # online: 1.1's sdist is now in the download cache
+    from pipegoose.porting import fetch
+
+    offline = repo.porter(offline=True)
+    monkeypatch.setattr(fetch, "SimpleIndex", lambda *a, **k: pytest.fail("asked the package index"))
+    offline.fetcher._index = None
+    for kw in ({"latest": True}, {}):
+        r = audit(offline, **kw)
+        assert r.exit_code == 2 and r.sources[0].error.startswith(
+            "up: the newest upstream is on the package index, and --offline was given: pass --to VERSION"), r.sources
+    assert audit(offline, to="1.1").exit_code == 0
+
+
 def test_audit_changed_moved_new_and_license(repo):
     p = setup_sdist(repo)
     publish_version(repo, "2.0", V2_CHANGED, APACHE_V2)
