@@ -475,6 +475,9 @@ def test_explain_real_ops_on_cpu():
     assert c.impl == "torch" and "CUDA" in c.reasons["apex"]
     text = str(c)  # each implementation's reason once (the summary line used to repeat them all)
     assert text.count("apex: ") == 1 and text.count("pipegoose: ") == 1, text
+    # a request that cannot run is printed (it was only in .unmet: print(explain(..., impl="apex")) never named it)
+    text = str(dispatch.explain("layer_norm", x, (16,), impl="apex"))
+    assert "not as requested: impl='apex' cannot run this input" in text, text
 
 
 def test_misspelt_impl_variable_warns(monkeypatch):

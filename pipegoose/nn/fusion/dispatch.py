@@ -243,6 +243,8 @@ class Choice:
         if details and reason == "; ".join(f"{name}: {why}" for name, why in details):
             reason = "no fused implementation takes it (why, below)"  # the summary is the list below: once
         lines = [f"{self.op}: {self.impl} ({self.source}){' FALLBACK' if self.fallback else ''}: {reason}"]
+        if self.unmet:  # a request that could not run (impl=, PIPEGOOSE_IMPL_*): said first, it is what the caller asked
+            lines.append(f"  not as requested: {self.unmet}")
         lines += [f"  {name}: {why}" for name, why in details]
         return "\n".join(lines)
 
