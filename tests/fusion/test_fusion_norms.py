@@ -442,10 +442,12 @@ def test_float8_input_is_a_type_error_naming_the_argument(dtype):
     for fn in (lambda: PF.layer_norm(x, (8,)), lambda: PF.layer_norm(x, (8,), w, w),
                lambda: PF.mixed_fused_layer_norm(x, (8,), w), lambda: PF.rms_norm(x, (8,)),
                lambda: PF.rms_norm(x, (8,), w), lambda: PF.rms_norm(x, (8,), w, 1e-6, cast_before_weight=True),
-               lambda: MixedFusedLayerNorm(8)(x), lambda: FusedRMSNorm(8)(x),
-               lambda: FusedRMSNorm(8, eps=1e-6, cast_before_weight=True)(x),
                lambda: dispatch.explain("rms_norm", x, (8,))):
         with pytest.raises(TypeError, match=match):
+            fn()
+    for fn in (lambda: MixedFusedLayerNorm(8)(x), lambda: FusedRMSNorm(8)(x),   # the modules' argument: input
+               lambda: FusedRMSNorm(8, eps=1e-6, cast_before_weight=True)(x)):
+        with pytest.raises(TypeError, match=match.replace("^x", "^input")):
             fn()
     # a float8 parameter: refused too (Llama rounding failed in torch's type promotion, other paths upcast it)
     w8, xf = torch.ones(8).to(dtype), torch.randn(3, 8)
@@ -710,3 +712,13 @@ def test_nested_tensors_run_pytorchs_op(layout):
         assert choice.fallback and "nested tensor" in choice.reason
         with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="nested tensor"):
             got()
+
+
+def test_module_errors_name_the_modules_argument():
+    """The modules' forward takes ``input`` (as torch.nn.LayerNorm's); their errors said "x: expected shape [*, 8]", the
+    functional op's name for it."""
+    for mod in (FusedLayerNorm(8), FusedRMSNorm(8, eps=1e-6, cast_before_weight=True)):
+        with pytest.raises(ValueError, match=r"^input: expected shape \[\*, 8\]"):
+            mod(torch.randn(2, 7))
+        with pytest.raises(TypeError, match=r"^input: expected a floating point"):
+            mod(torch.ones(2, 8, dtype=torch.int64))

@@ -411,3 +411,11 @@ def test_softmax_accepts_what_F_softmax_accepts():
         PF.softmax(x, 1.0)
     with pytest.raises(TypeError, match="floating"):
         PF.softmax(ints, -1)
+
+
+def test_a_mask_without_its_leading_dims_says_so():
+    """A 3-D mask (which PyTorch would broadcast from the right) was refused with "expected ... broadcastable to
+    [2, 3, 4, 5]", which it is; the message now says that 4 dims are expected and how to add them."""
+    x = torch.randn(2, 3, 4, 5)
+    with pytest.raises(ValueError, match=r"mask: expected 4 dims .* got 3-D shape \[1, 4, 5\]: add the missing"):
+        fusion.scaled_masked_softmax(x, torch.zeros(1, 4, 5, dtype=torch.bool), 1.0)

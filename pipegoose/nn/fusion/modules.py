@@ -216,6 +216,13 @@ def _in_kernel_range(op: str, shape: tuple[int, ...]) -> bool:
     return lo <= (shape[0] if len(shape) == 1 else math.prod(shape)) <= hi
 
 
+def _as_input_error(e: Exception) -> Exception:
+    """An error of the functional op about its ``x``, renamed for the module's argument ``input`` (as
+    ``torch.nn.LayerNorm.forward(input)``); other errors as they are."""
+    msg = str(e)
+    return type(e)("input" + msg[1:]) if msg.startswith("x:") else e
+
+
 def _ln_shape(normalized_shape: Any, name: str = "normalized_shape") -> tuple[int, ...]:
     """A module's normalized shape as a tuple of ints: an integer of any kind (a numpy one too, as torch.nn.LayerNorm
     takes) or a sequence of them, each >= 0, as the functional ops check it (a bool is not a size). TypeError or
@@ -274,7 +281,10 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
             # the ATen op F.layer_norm calls (it handles __torch_function__ itself; its last argument, cudnn_enable, is
             # unused): F.layer_norm's Python layer costs ~0.5 us more per call
             return torch.layer_norm(input, self.normalized_shape, w, b, self.eps, True)
-        return PF.layer_norm(input, self.normalized_shape, w, b, self.eps, impl=self.impl)
+        try:
+            return PF.layer_norm(input, self.normalized_shape, w, b, self.eps, impl=self.impl)
+        except (TypeError, ValueError) as e:
+            raise _as_input_error(e) from None
 
     @classmethod
     def from_layer_norm(cls, module: nn.LayerNorm, *, impl: str | None = None) -> "FusedLayerNorm":
@@ -401,8 +411,11 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
             dispatch.record(_SMALL_CHOICE["rms_norm"])  # see FusedLayerNorm.forward
             y = torch.rms_norm(input, self.normalized_shape, w, self.eps)
         else:
-            y = PF.rms_norm(input, self.normalized_shape, w, self.eps, cast_before_weight=self.cast_before_weight,
-                            impl=self.impl)
+            try:
+                y = PF.rms_norm(input, self.normalized_shape, w, self.eps, cast_before_weight=self.cast_before_weight,
+                                impl=self.impl)
+            except (TypeError, ValueError) as e:
+                raise _as_input_error(e) from None
         if getattr(self, "output_in_input_dtype", False) and y.dtype != input.dtype:
             return y.to(input.dtype)  # under autocast F.rms_norm's rule can give fp32; OLMo-2's is the input's
         return y

@@ -442,7 +442,11 @@ def check_mask(mask: Any, x: torch.Tensor) -> torch.Tensor:
                         f"additive float masks at the model boundary")
     if mask.device != x.device:
         raise ValueError(f"mask: on {mask.device}, expected the input's device {x.device}")
-    if mask.dim() != 4 or any(m not in (1, s) for m, s in zip(mask.shape, x.shape)) or mask.shape[3] != x.shape[3]:
+    if mask.dim() != 4:
+        raise ValueError(f"mask: expected 4 dims [b or 1, np or 1, sq or 1, sk] (sk={x.shape[3]}), got "
+                         f"{mask.dim()}-D shape {list(mask.shape)}: add the missing leading dims (mask[None] ...), "
+                         f"PyTorch's right-aligned broadcasting is not applied")
+    if any(m not in (1, s) for m, s in zip(mask.shape, x.shape)) or mask.shape[3] != x.shape[3]:
         raise ValueError(f"mask: expected shape [b or 1, np or 1, sq or 1, sk] = broadcastable to "
                          f"{list(x.shape)} with sk={x.shape[3]}, got {list(mask.shape)}")
     return mask
