@@ -551,3 +551,32 @@ def test_pipegoose_sdpa_honours_impl_attention_pipegoose(monkeypatch):
     assert A.pipegoose_sdpa_attention_forward(_Mod(True), q, k, v, None)[0] == "sdpa"
     monkeypatch.setenv("PIPEGOOSE_IMPL_ATTENTION", "pipegoose")
     assert A.pipegoose_sdpa_attention_forward(_Mod(True), q, k, v, None)[0] == "ours" and called
+
+
+def test_attention_rules_come_from_the_dispatchers_validated_table(tmp_path, monkeypatch, caplog):
+    """The attention function read the tuning table on its own (its own cache, which dispatch.clear_tuning_cache did
+    not clear, and no validation: a rule whose max_cols is not a number raised in every attention call). It now takes
+    the dispatcher's table: validated once, a malformed one ignored with a warning, valid rules used."""
+    import json
+    import logging
+
+    from pipegoose.nn.fusion import dispatch
+    from pipegoose.nn.fusion.transformers import attention as A
+
+    monkeypatch.setattr(dispatch, "TUNING_DIR", str(tmp_path))
+    monkeypatch.setattr(dispatch, "_device_name", lambda device: "Fake GPU Z-9")
+    path = tmp_path / "fake_gpu_z_9.json"
+    rule = {"op": "attention", "dtype": "bfloat16", "max_cols": "a lot", "impl": "pipegoose"}
+    path.write_text(json.dumps({"device": "Fake GPU Z-9", "rules": [rule]}))
+    dispatch.clear_tuning_cache()
+    dev = torch.device("cuda")
+    with caplog.at_level(logging.WARNING, logger="pipegoose.nn.fusion.dispatch"):
+        assert A.tuned_attention_impl(dev, torch.bfloat16, 128) is None
+    assert "max_cols" in caplog.text
+    path.write_text(json.dumps({"device": "Fake GPU Z-9", "rules": [{**rule, "max_cols": 256}]}))
+    dispatch.clear_tuning_cache()
+    assert A.tuned_attention_impl(dev, torch.bfloat16, 128) == "pipegoose"
+    assert A.tuned_attention_impl(dev, torch.bfloat16, 512) is None
+    assert A.tuned_attention_impl(dev, torch.float16, 128) is None
+    assert A.table_prefers_pipegoose(dev, torch.bfloat16) and not A.table_prefers_pipegoose(dev, torch.float16)
+    dispatch.clear_tuning_cache()

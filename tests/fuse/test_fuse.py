@@ -406,9 +406,12 @@ def test_fuse_failure_leaves_model_untouched(monkeypatch):
 def test_sdpa_model_with_tuning_table_uses_ours_where_the_table_says(monkeypatch, softmax_calls):
     """A tuning table naming pipegoose for op 'attention' (up to 8 keys here) makes auto select 'pipegoose_sdpa':
     ours for short keys, SDPA beyond (the table is read per call; the GPU lookup is replaced by a fixed table)."""
-    rules = ({"op": "attention", "dtype": "float32", "max_cols": 8, "impl": "pipegoose"},
-             {"op": "attention", "dtype": "float32", "max_cols": None, "impl": "sdpa"})
-    monkeypatch.setattr(attn_mod, "attention_rules", lambda device: rules)
+    from pipegoose.nn.fusion import dispatch
+
+    table = dispatch.TuningTable.parse({"device": "Fake GPU", "rules": [
+        {"op": "attention", "dtype": "float32", "max_cols": 8, "impl": "pipegoose"},
+        {"op": "attention", "dtype": "float32", "max_cols": None, "impl": "sdpa"}]})
+    monkeypatch.setattr(dispatch, "tuning_table", lambda device: table)
     model = models.build("llama", "sdpa")
     report = fuse(model)
     assert report.attention["chosen"] == "pipegoose_sdpa" and "tuning table" in report.attention["reason"]

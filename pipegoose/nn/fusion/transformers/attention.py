@@ -27,12 +27,8 @@ SDPA ones included (transformers' eager path gives uniform weights there).
 
 from __future__ import annotations
 
-import json
-import re
 import weakref
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -43,8 +39,6 @@ from ..ops import _common
 ATTENTION_NAME = "pipegoose"
 ATTENTION_SDPA_NAME = "pipegoose_sdpa"
 OUR_NAMES = (ATTENTION_NAME, ATTENTION_SDPA_NAME)
-
-TUNING_DIR = Path(__file__).resolve().parent.parent / "tuning"
 
 # kwargs that change the math of attention in ways our function does not implement; when one is set we refuse
 # instead of silently ignoring it.
@@ -199,44 +193,25 @@ def _classify(m: torch.Tensor, query_len: int, key_len: int) -> MaskPlan:
 device_slug = dispatch.device_slug
 
 
-@lru_cache(maxsize=None)
-def _load_table(device_name: str) -> tuple:
-    path = TUNING_DIR / f"{device_slug(device_name)}.json"
-    if not path.is_file():
-        return ()
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return ()
-    rules = data.get("rules", []) if isinstance(data, dict) else []
-    return tuple(r for r in rules if isinstance(r, dict) and r.get("op") == "attention")
-
-
-def attention_rules(device: torch.device) -> tuple:
-    """The ``"attention"`` rules of the tuning table of the GPU ``device`` is on (empty off CUDA or without table)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return ()
-    return _load_table(torch.cuda.get_device_name(device))
+def attention_rules(device: torch.device) -> tuple[dispatch.TuningRule, ...]:
+    """The ``"attention"`` rules of the tuning table of the GPU ``device`` is on (empty off CUDA or without table):
+    the dispatcher's table (:func:`dispatch.tuning_table`: read once, validated, a malformed one ignored with a
+    warning; ``dispatch.clear_tuning_cache`` reloads it)."""
+    table = dispatch.tuning_table(device)
+    return () if table is None else tuple(r for r in table.rules if r.op == "attention")
 
 
 def tuned_attention_impl(device: torch.device, dtype: torch.dtype, key_len: int) -> str | None:
     """The first matching rule's ``impl`` for this device, dtype and key length, or None without a matching rule."""
-    dname = str(dtype).removeprefix("torch.")
     for rule in attention_rules(device):
-        if rule.get("dtype") not in (None, dname):
-            continue
-        max_cols = rule.get("max_cols")
-        if max_cols is not None and key_len > int(max_cols):
-            continue
-        return rule.get("impl")
+        if rule.dtype == dtype and (rule.max_cols is None or key_len <= rule.max_cols):
+            return rule.impl
     return None
 
 
 def table_prefers_pipegoose(device: torch.device, dtype: torch.dtype | None) -> bool:
     """True when some ``"attention"`` rule for this GPU (and dtype, when given) names ``pipegoose``."""
-    dname = None if dtype is None else str(dtype).removeprefix("torch.")
-    return any(r.get("impl") == "pipegoose" and (dname is None or r.get("dtype") in (None, dname))
-               for r in attention_rules(device))
+    return any(r.impl == "pipegoose" and (dtype is None or r.dtype == dtype) for r in attention_rules(device))
 
 
 # --------------------------------------------------------------------------------------------------------------------
