@@ -66,9 +66,7 @@ def _remove_stale_temp(folder: Path, pattern: str) -> None:
     the OS drops a held lock when its process dies (``kill -9`` included), so while we hold it no live run is
     writing into one. An owner-pid or age check would be weaker: pids are reused, a shared cache may be used
     from other machines or containers, and a slow download can be old and still running. A cache shared by several
-    hosts therefore needs a filesystem whose locks hold across them, as the kernel build cache does. (A ``pip download``
-    orphaned by a killed run holds no lock and may still write into its folder: removing it makes that pip
-    fail, and its result would have been dropped anyway.)
+    hosts therefore needs a filesystem whose locks hold across them, as the kernel build cache does.
     """
     for p in folder.glob(pattern):
         if p.is_dir() and not p.is_symlink():
@@ -557,8 +555,11 @@ class Fetcher:
         return ArchiveTree(path, {"name": name, "version": version, "sha256": got}, label)
 
     def _download_sdist(self, name: str, version: str, want: str | None) -> Path:
-        """Download into the cache (atomically): first ``pip download`` (pip's own index configuration), and
-        when pip fails (e.g. it cannot build the sdist's metadata) the simple API of the same indexes."""
+        """Download into the cache (atomically) from the simple API of pip's configured indexes and find-links
+        (``pip config``, ``PIP_INDEX_URL``, ...), and check the sha256 before the archive is kept or opened.
+
+        Not ``pip download``: for an sdist it builds the package's metadata, which runs the upstream ``setup.py``
+        (code of a package whose hash was not checked yet) on this machine."""
         d = self._pypi_dir(name)
         d.mkdir(parents=True, exist_ok=True)
         with FileLock(str(d / ".lock"), timeout=600):
@@ -569,9 +570,7 @@ class Fetcher:
             with tempfile.TemporaryDirectory(dir=d, prefix=".dl-") as tmp:
                 tmpd = Path(tmp)
                 errors = []
-                got = self._pip_download(name, version, tmpd, errors)
-                if got is None:
-                    got = self._simple_download(name, version, want, tmpd, errors)
+                got = self._simple_download(name, version, want, tmpd, errors)
                 if got is None:
                     raise FetchError(f"{name}=={version}: download failed:\n  " + "\n  ".join(errors))
                 sha = sha256_file(got)
@@ -580,21 +579,6 @@ class Fetcher:
                 final = d / got.name
                 os.replace(got, final)
                 return final
-
-    def _pip_download(self, name: str, version: str, dest: Path, errors: list[str]) -> Path | None:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
-               "--disable-pip-version-check", "-q", f"{name}=={version}", "-d", str(dest)]
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        except (OSError, subprocess.SubprocessError) as e:
-            errors.append(f"pip download: {e}")
-            return None
-        files = [p for p in dest.iterdir() if p.name.endswith(_ARCHIVE_SUFFIXES)]
-        if files:  # pip may save the archive and then fail on metadata: the archive is what we need
-            return files[0]
-        tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-3:])
-        errors.append(f"pip download (exit {r.returncode}): {tail}")
-        return None
 
     def _simple_download(self, name: str, version: str, want: str | None, dest: Path, errors: list[str]) -> Path | None:
         try:

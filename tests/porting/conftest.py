@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from pipegoose.porting.fetch import Fetcher
 from porting_helpers import MIT, Repo
 
 
@@ -15,8 +14,6 @@ def repo(tmp_path, monkeypatch) -> Repo:
     (root / "LICENSE").write_text(MIT)
     index = tmp_path / "index"
     index.mkdir()
-    # pip itself is not run in these tests unless a test asks for it (it is slow); the simple-index path runs.
-    monkeypatch.setattr(Fetcher, "_pip_download", lambda self, name, version, dest, errors: None)
     monkeypatch.setenv("PIPEGOOSE_PORT_CACHE", str(tmp_path / "cache"))
     return Repo(root, tmp_path / "cache", index.as_uri())
 

@@ -650,45 +650,34 @@ def test_links_inside_the_archive_are_followed(repo):
     assert not (v / "alias.h").is_symlink()
 
 
-def test_pip_download_path_and_fallback_when_metadata_cannot_be_built(tmp_path, monkeypatch):
-    """The real `pip download` against a file:// index: a buildable sdist goes through pip; one whose
-    setup.py fails (V1_FILES) falls back to the simple index of the same configuration."""
-    from porting_helpers import Repo
-
+def test_a_download_never_runs_the_upstream_setup_py(tmp_path, monkeypatch):
+    """A walkthrough: fetching an sdist ran `pip download`, which builds the package's metadata, i.e. runs its
+    setup.py, before the sha256 pin was checked: a tampered or mispinned archive ran code on this machine (and every
+    `port.py sync` ran ColossalAI's and DeepSpeed's setup.py). The archive now comes from the simple API of the same
+    pip configuration and is checked before it is kept or opened; nothing of it runs."""
     index = tmp_path / "index"
-    good = make_sdist(tmp_path / "b", "good-pkg", "2.0",
-                      {**V1_FILES, "setup.py": "from setuptools import setup\nsetup(name='good-pkg', version='2.0')\n"})
-    bad = make_sdist(tmp_path / "b", "up", "1.0", V1_FILES)
-    publish(index, good)
-    publish(index, bad)
+    marker = tmp_path / "setup_py_ran"
+    evil = make_sdist(tmp_path / "b", "evil-pkg", "1.0", {
+        **V1_FILES, "setup.py": f"open({str(marker)!r}, 'w').write('ran')\nfrom setuptools import setup\nsetup()\n"})
+    publish(index, evil)
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("PIP_INDEX_URL", index.as_uri())
     for var in ("PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS"):
         monkeypatch.delenv(var, raising=False)
     root = tmp_path / "repo"
     root.mkdir()
-    seen = []
-    real_pip = Fetcher._pip_download
-
-    def spy(self, name, version, dest, errors):
-        got = real_pip(self, name, version, dest, errors)
-        seen.append((name, got is not None, list(errors)))
-        return got
-
-    monkeypatch.setattr(Fetcher, "_pip_download", spy)
-    f = Fetcher(root, tmp_path / "cache")
     from pipegoose.kernels.manifest import Source
 
-    g = Source("good", "G", "h", "Apache-2.0", ("LICENSE",), "pypi",
-               {"name": "good-pkg", "version": "2.0", "sha256": sha256(good.read_bytes())})
-    t = f.tree(g)
-    assert t.read("csrc/kernels/alpha.cu") == V1_FILES["csrc/kernels/alpha.cu"].encode()
-    assert seen[-1][:2] == ("good-pkg", True)
-    b = Source("up", "U", "h", "Apache-2.0", ("LICENSE",), "pypi", {"name": "up", "version": "1.0", "sha256": sha256(bad.read_bytes())})
-    t = f.tree(b)
-    assert t.has("csrc/kernels/beta.cu")
-    assert seen[-1][:2] == ("up", False) and "pip download" in seen[-1][2][0]
-    assert sorted(p.name for p in (tmp_path / "cache/pypi/up").iterdir() if not p.name.startswith(".")) == ["up-1.0.tar.gz"]
+    f = Fetcher(root, tmp_path / "cache")
+    wrong = Source("evil", "E", "h", "Apache-2.0", ("LICENSE",), "pypi",
+                   {"name": "evil-pkg", "version": "1.0", "sha256": "a" * 64})
+    with pytest.raises(IntegrityError, match="kernels.yaml pins aaaa"):
+        f.tree(wrong)
+    assert not marker.exists() and not list((tmp_path / "cache/pypi/evil-pkg").glob("*.tar.gz"))
+    right = Source("evil", "E", "h", "Apache-2.0", ("LICENSE",), "pypi",
+                   {"name": "evil-pkg", "version": "1.0", "sha256": sha256(evil.read_bytes())})
+    assert f.tree(right).read("csrc/kernels/alpha.cu") == V1_FILES["csrc/kernels/alpha.cu"].encode()
+    assert not marker.exists()
 
 
 def test_cli_list_shows_states(git_repo):
