@@ -90,6 +90,17 @@ def test_fake_impls_give_shapes_and_dtypes():
         assert mean.shape == (20,) and invvar.shape == (20,) and mean.dtype == torch.float32
         dx, dg, db = ops.fused_layer_norm_affine_backward(out, mean, invvar, xl, [6, 8], g, g, 1e-5)
         assert dx.dtype == torch.float32 and dg.shape == (6, 8) and dg.dtype == torch.bfloat16
+        # what the bindings refuse, the fakes refuse when traced (a walkthrough: they took any metadata, so a trace
+        # succeeded and the call failed at run time): shapes, dtype pairs, limits
+        gf = torch.empty(6, 8, device="cuda", dtype=torch.float32)
+        for bad in (lambda: ops.fused_layer_norm_affine_forward(xl, [1024], g, g, 1e-5),
+                    lambda: ops.fused_layer_norm_affine_forward(xl.bfloat16(), [6, 8], gf, gf, 1e-5),
+                    lambda: ops.fused_layer_norm_affine_forward(xl, [6, 8], g, gf, 1e-5),
+                    lambda: ops.scaled_masked_softmax_forward(x.float(), m, 0.5),
+                    lambda: ops.scaled_masked_softmax_forward(x, m[:, :, :8], 0.5),
+                    lambda: ops.scaled_upper_triang_masked_softmax_forward(xc[:, :8], 1.0)):
+            with pytest.raises(RuntimeError, match="must|not an output dtype"):
+                bad()
         noop = torch.empty(1, device="cuda", dtype=torch.int32)
         ts = [torch.empty(n, device="cuda") for n in (3, 5, 7)]
         norm, norms = ops.multi_tensor_l2norm(2048, noop, ts, True)
