@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from ..kernels.manifest import ALLOWED_LICENSES, Kernel, Manifest, Source, load_manifest
+from ..kernels.manifest import ALLOWED_LICENSES, Kernel, Manifest, Source, default_manifest_path, load_manifest
 from .errors import IntegrityError, LicenseError, ManifestFactError, PortError, SourceFileMissing
 from .fetch import Fetcher, SourceTree
 from .includes import missing_headers
@@ -87,12 +87,21 @@ class Porter:
     def __init__(self, manifest: str | Path | Manifest | None = None, cache_dir: str | Path | None = None,
                  offline: bool = False, fetcher: Fetcher | None = None, log: Callable[[str], None] | None = None,
                  lock_timeout: float = 60.0):
-        self.manifest = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
+        self.log = log or (lambda _msg: None)
+        self.lock_timeout = lock_timeout
+        if not isinstance(manifest, Manifest):
+            # an interrupted change (update edits kernels.yaml too) is finished or rolled back before kernels.yaml is
+            # read: a kill at the wrong moment could leave it moved aside, and no later run could load it to recover
+            path = Path(manifest) if manifest is not None else default_manifest_path()
+            if (path.parent / "vendor" / TXN_DIRNAME).is_dir():
+                with repo_lock(path.parent, lock_timeout):
+                    for note in recover(path.parent):
+                        self.log(note)
+            manifest = load_manifest(path)
+        self.manifest = manifest
         self.root = self.manifest.root
         self.lock_path = self.root / "kernels.lock"
         self.fetcher = fetcher or Fetcher(self.root, Path(cache_dir) if cache_dir else None, offline)
-        self.log = log or (lambda _msg: None)
-        self.lock_timeout = lock_timeout
         # whether a change of this Porter passed its commit point (tools/port.py tells a Ctrl-C before it from one
         # after it)
         self.committed = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -168,6 +169,46 @@ def test_update_clean(repo):
     assert (repo.root / "vendor/up/csrc/common/util.h").read_text().endswith("// v1.1\n")
     assert audit(p, to="1.1").exit_code == 0
     assert p.verify() == []
+
+
+def test_update_killed_with_kernels_yaml_moved_aside_is_recovered(repo, monkeypatch):
+    """A walkthrough killed `update` (kill -9) at each rename of its transaction: at one of them kernels.yaml was
+    moved aside, and every later port.py run failed with "kernels.yaml: manifest not found" (it loaded the manifest
+    before rolling back). The next run now rolls back first: kernels.yaml, vendor/ and kernels.lock as before."""
+    from pipegoose.porting import txn as txn_mod
+
+    p = setup_sdist(repo, add=("alpha",))
+    publish_version(repo, "1.1", {**V1_FILES, "csrc/common/util.h": V1_FILES["csrc/common/util.h"] + "// v1.1\n"})
+    audit(p, to="1.1")  # 1.1 in the download cache
+    before = repo.snapshot()
+    real = os.replace
+    for n in range(1, 30):
+        calls = {"n": 0}
+
+        def replace(a, b, n=n, calls=calls):
+            calls["n"] += 1
+            if calls["n"] == n:
+                raise SystemExit("killed")
+            return real(a, b)
+
+        with monkeypatch.context() as m:  # kill -9: no rollback, no clean-up in the dying process
+            m.setattr(txn_mod.os, "replace", replace)
+            m.setattr(txn_mod, "_rollback", lambda root, entries: None)
+            m.setattr(txn_mod.Transaction, "__exit__", lambda self, *exc: None)
+            with pytest.raises(SystemExit):
+                update(repo.porter(), "up", to="1.1")
+        if not (repo.root / "kernels.yaml").exists():
+            break
+        assert repo.porter().verify() == []  # not this rename: recovered; try the next one
+        if repo.snapshot() != before:  # killed after the commit point: applied in full; back to 1.0
+            update(repo.porter(), "up", to="1.0", allow_downgrade=True)
+            before = repo.snapshot()
+    else:
+        pytest.fail("no rename of update's transaction moved kernels.yaml aside")
+    notes = []
+    q = repo.porter(log=notes.append)   # loads kernels.yaml only after the rollback
+    assert any("rolled back" in n for n in notes), notes
+    assert q.verify() == [] and repo.snapshot() == before
 
 
 def test_update_to_the_current_pin_changes_nothing(repo):
