@@ -35,6 +35,7 @@ import sys
 import sysconfig
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -224,43 +225,59 @@ class KernelBuilder:
         raise KernelUnavailableError(f"kernel {k.id}: missing {len(missing)} file(s): {', '.join(rel[:6])}"
                                      f"{' ...' if len(rel) > 6 else ''}; {hint}")
 
-    def modified_files(self, digests: dict[str, str] | None = None) -> list[str]:
-        """Vendored files of this kernel whose sha256 differs from ``kernels.lock`` (changed after ``tools/port.py``
-        vendored them), relative to the source's folder. Empty for this project's own kernels, for a kernel the lock
-        does not record (a manifest without one) and for an unreadable lock (``tools/port.py verify`` reports that).
-        ``digests``: file -> sha256 already computed (:meth:`key_inputs`' ``files``)."""
+    def vendored_problems(self, digests: dict[str, str] | None = None) -> list[str]:
+        """What keeps this kernel's vendored files from being the ones ``tools/port.py`` recorded in ``kernels.lock``,
+        one line each (empty for this project's own kernels, and when everything matches): a file whose sha256
+        differs, a file in the source's ``vendor/`` folder that the lock does not record (it could shadow a recorded
+        header), a kernel the lock does not record, or a lock that cannot be read. ``digests``: file -> sha256
+        already computed (:meth:`key_inputs`' ``files``)."""
         k = self.kernel
         if self.manifest.sources[k.source].is_local:
             return []
         from pipegoose.porting.errors import PortError
         from pipegoose.porting.lock import Lock
 
+        lock_path = self.manifest.root / "kernels.lock"
         try:
-            entry = Lock.load(self.manifest.root / "kernels.lock").kernels.get(k.id)
-        except (PortError, OSError):
-            return []
+            lock = Lock.load(lock_path)
+        except (PortError, OSError) as e:
+            return [f"{lock_path.name} cannot be read ({e})"]
+        entry = lock.kernels.get(k.id)
         if entry is None:
-            return []
+            return [f"{lock_path.name} has no record of this kernel (vendor it with python tools/port.py add {k.id})"]
         base = self.manifest.vendor_dir(k.source)
+        rel = base.relative_to(self.manifest.root)
         digests = digests or {}
-        return [f for f, want in sorted(entry.files.items())
-                if (base / f).is_file() and (digests.get(f) or _cache.file_digest(base / f)) != want]
+        out = [f"{rel / f} differs from {lock_path.name}" for f, want in sorted(entry.files.items())
+               if (base / f).is_file() and (digests.get(f) or _cache.file_digest(base / f)) != want]
+        recorded = lock.files_of_source(k.source)
+        extra = sorted(str(p.relative_to(base)) for p in base.rglob("*")
+                       if (p.is_file() or p.is_symlink()) and str(p.relative_to(base)) not in recorded)
+        out += [f"{rel / f} is not recorded in {lock_path.name}" for f in extra]
+        return out
 
-    def _check_vendored(self, digests: dict[str, str]) -> None:
-        """Refuse to build or load vendored files that differ from ``kernels.lock`` (third-party code changed after it
-        was vendored and recorded), unless ``PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1``, which builds them with a warning."""
-        changed = self.modified_files(digests)
-        if not changed:
+    def modified_files(self, digests: dict[str, str] | None = None) -> list[str]:
+        """The vendored files of this kernel whose sha256 differs from ``kernels.lock``, relative to the source's folder
+        (part of :meth:`vendored_problems`)."""
+        rel = str(self.manifest.vendor_dir(self.kernel.source).relative_to(self.manifest.root)) + "/"
+        return [p.split(" ")[0].removeprefix(rel) for p in self.vendored_problems(digests) if " differs from " in p]
+
+    def _check_vendored(self, digests: dict[str, str], *, building: bool = True) -> None:
+        """Refuse to build or load vendored files that are not exactly what ``kernels.lock`` records
+        (:meth:`vendored_problems`), unless ``PIPEGOOSE_ALLOW_MODIFIED_VENDOR`` is 1/true/yes/on: then they are built,
+        with a warning (``building``: False for ``status``, which builds nothing and says nothing)."""
+        problems = self.vendored_problems(digests)
+        if not problems:
             return
-        rel = self.manifest.vendor_dir(self.kernel.source).relative_to(self.manifest.root)
-        what = f"{len(changed)} vendored file(s) differ from kernels.lock: " + ", ".join(
-            str(rel / f) for f in changed[:4]) + (" ..." if len(changed) > 4 else "")
-        if os.environ.get("PIPEGOOSE_ALLOW_MODIFIED_VENDOR") == "1":
-            _log(f"{self.kernel.id}: building modified third-party code (PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1): {what}")
+        what = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+        if os.environ.get("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "").strip().lower() in ("1", "true", "yes", "on"):
+            if building:  # a warning, not the builder's progress line: PIPEGOOSE_QUIET does not hide it
+                warnings.warn(f"{self.kernel.id}: building third-party code that is not what kernels.lock records "
+                              f"(PIPEGOOSE_ALLOW_MODIFIED_VENDOR): {what}", UserWarning, stacklevel=3)
             return
-        raise KernelBuildError(f"kernel {self.kernel.id}: {what} (changed after tools/port.py vendored them); restore "
-                               "them with python tools/port.py sync, see what changed with python tools/port.py list, "
-                               "or build them as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1")
+        raise KernelBuildError(f"kernel {self.kernel.id}: the vendored files are not what tools/port.py recorded: "
+                               f"{what}; restore them with python tools/port.py sync (python tools/port.py verify "
+                               "lists what differs), or build them as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1")
 
     def _check_object_names(self) -> None:
         # cpp_extension names objects after the source's basename: two sources with one stem would collide.
@@ -531,7 +548,7 @@ class KernelBuilder:
             return {**out, "state": "unavailable", "detail": str(e)}
         inputs = self.key_inputs(tc)
         try:
-            self._check_vendored(inputs["files"])
+            self._check_vendored(inputs["files"], building=False)
         except KernelBuildError as e:  # what build() and load() refuse: doctor says so
             return {**out, "state": "unavailable", "detail": str(e)}
         res = self._cached_for(inputs)

@@ -671,13 +671,31 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
     assert b.modified_files() == []
     (src / "kernel.cu").write_text("// vendored, then changed\n")
     assert b.modified_files() == ["src/kernel.cu"]
-    with pytest.raises(KernelBuildError, match=r"1 vendored file\(s\) differ from kernels.lock: "
-                                               r"vendor/upstream/src/kernel.cu .*tools/port.py sync"):
+    with pytest.raises(KernelBuildError, match=r"not what tools/port.py recorded: vendor/upstream/src/kernel.cu "
+                                               r"differs from kernels.lock.*tools/port.py sync"):
         b.build()
     st = b.status()   # what doctor shows
-    assert st["state"] == "unavailable" and "differ from kernels.lock" in st["detail"]
-    monkeypatch.setenv("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "1")
-    with pytest.raises(KernelError) as e:   # on to the compiler (the fake toolkit's nvcc compiles nothing)
+    assert st["state"] == "unavailable" and "differs from kernels.lock" in st["detail"]
+    # a second walkthrough: a file the lock does not record could shadow a recorded header (an include path finds it
+    # first), and a missing or unreadable lock switched the check off
+    (src / "kernel.cu").write_text("// vendored\n")
+    (src / "common").mkdir()
+    (src / "common" / "kernel.h").write_text("#error shadow\n")
+    assert b.vendored_problems() == ["vendor/upstream/src/common/kernel.h is not recorded in kernels.lock"]
+    (src / "common" / "kernel.h").unlink()
+    assert b.vendored_problems() == []
+    (root / "kernels.lock").rename(root / "kernels.lock.away")
+    assert "no record of this kernel" in b.vendored_problems()[0]
+    (root / "kernels.lock").write_text("version: 2\n")
+    assert "kernels.lock cannot be read" in b.vendored_problems()[0]
+    with pytest.raises(KernelBuildError, match="cannot be read"):
         b.build()
-    assert "differ from kernels.lock" not in str(e.value)
-    assert KernelBuilder("test/tiny", manifest=manifest, cache_dir=cache_dir).modified_files() == []  # our own code
+    (root / "kernels.lock.away").replace(root / "kernels.lock")
+    (src / "kernel.cu").write_text("// vendored, then changed\n")
+    monkeypatch.setenv("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "yes")
+    assert b.status()["state"] != "unavailable"
+    with pytest.warns(UserWarning, match="building third-party code that is not what kernels.lock records"), \
+            pytest.raises(KernelError) as e:   # on to the compiler (the fake toolkit's nvcc compiles nothing)
+        b.build()
+    assert "differs from kernels.lock" not in str(e.value)
+    assert KernelBuilder("test/tiny", manifest=manifest, cache_dir=cache_dir).vendored_problems() == []  # our own
