@@ -937,6 +937,19 @@ def test_instance_state_of_replaced_norms_is_kept():
     assert unfuse(model) and model.ln_f is tagged
     assert tagged.eps == 0.5 and tagged.my_tag == {"owner": "you"}
 
+    # a Llama-style norm with a forward on the instance: the probe (which runs the module's computation) ran the patched
+    # forward, misreported the norm, and with accelerate's device hooks raised
+    llama = models.build("llama", "eager")
+    hooked_norm = llama.layers[0].input_layernorm
+    ran = []
+    hooked_forward = hooked_norm.forward
+    hooked_norm.forward = types.MethodType(lambda self, x: ran.append(1) or hooked_forward(x), hooked_norm)
+    rows = {r.path: r for r in fuse(llama).rows}
+    row = rows["layers.0.input_layernorm"]
+    assert not ran and not row.fused and row.eligible and "a forward set on the instance" in row.reason, row
+    assert llama.layers[0].input_layernorm is hooked_norm
+    unfuse(llama)
+
     llama = models.build("llama", "eager")
     norm = llama.norm
     fuse(llama)

@@ -14,8 +14,9 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   object taken before ``fuse`` no longer reaches the model. ``unfuse`` carries the copy's changes back to the
   original config and leaves alone the attributes the copy did not change.
 
-Skipped, with the reason in the report: LayerNorm subclasses with their own forward, norms whose weight or bias
-is computed rather than a Parameter of their own (``torch.nn.utils.parametrize``, the hook-based
+Skipped, with the reason in the report: LayerNorm subclasses with their own forward, norms whose forward is set on
+the instance (accelerate's ``device_map`` / offloading hooks, patches: a fused module would bypass it), norms whose
+weight or bias is computed rather than a Parameter of their own (``torch.nn.utils.parametrize``, the hook-based
 ``torch.nn.utils.weight_norm``), whose Parameters a fused module cannot share, and RMSNorms over another size than
 the model's hidden size (per-head norms such as Qwen3's ``q_norm`` / ``k_norm``: counted in the coverage, not fused
 yet).
@@ -23,9 +24,10 @@ yet).
 Nothing is patched globally: no class, function or module global of transformers or torch changes; two models in
 one process can be fused differently. Parameters stay the same objects, so ``state_dict()`` keys and tensors, and
 optimizers built before fusing, are unaffected. A replacement module shares the hook dictionaries of the module it
-replaces (forward, pre-forward, backward and state-dict hooks keep firing, and their handles still remove them) and
-its training flag. Parameters and buffers replaced while fused (``load_state_dict(assign=True)``, ``to_empty``)
-are handed back to the original modules by ``unfuse``.
+replaces (forward, pre-forward, backward and state-dict hooks keep firing, and their handles still remove them), its
+training flag and its other instance attributes. Parameters and buffers replaced while fused
+(``load_state_dict(assign=True)``, ``to_empty``), ``eps`` and carried attributes changed on the replacement are
+handed back to the original modules by ``unfuse``.
 
 Limit: the undo record is kept outside the model (so ``state_dict`` and pickling see nothing of it), hence a
 ``copy.deepcopy`` or a pickled-and-loaded fused model stays fused and cannot be unfused: ``unfuse`` raises a

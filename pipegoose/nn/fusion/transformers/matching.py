@@ -178,6 +178,10 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
     x = torch.randn(2, 3, n, generator=gen, dtype=torch.float32) + 0.5   # nonzero mean: rejects mean-subtracting norms
     stand_in = object.__new__(type(module))
     stand_in.__dict__.update(module.__dict__)
+    # the class's computation, not a forward set on the instance (accelerate's hooks, a patch): that one must not run
+    # on the probe's CPU tensors (it may move them, or have effects), and fuse() leaves such modules alone anyway
+    for name in ("forward", "_hf_hook", "_old_forward"):
+        stand_in.__dict__.pop(name, None)
     object.__setattr__(stand_in, "_parameters", {pname: nn.Parameter(w, requires_grad=False)})
     object.__setattr__(stand_in, "_buffers", {})
     object.__setattr__(stand_in, "_modules", {})
@@ -186,8 +190,8 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
             y = stand_in.forward(x)
     except Exception as exc:  # noqa: BLE001 - any failure means we cannot vouch for the module
         return RMSNormProbe(False, None, f"probe forward failed: {type(exc).__name__}: {exc}", looks_like_norm)
-    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
-        return RMSNormProbe(False, None, "probe output has another shape", looks_like_norm)
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.device != x.device:
+        return RMSNormProbe(False, None, "probe output has another shape or device", looks_like_norm)
     xd = x.double()
     ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
     if not torch.allclose(y.double(), ref, atol=1e-5, rtol=1e-4):
