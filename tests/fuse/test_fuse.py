@@ -960,3 +960,39 @@ def test_instance_state_of_replaced_norms_is_kept():
     with pytest.raises(ValueError, match="eps"):
         fused_norm.variance_epsilon = -1.0
     assert unfuse(llama) and llama.norm is norm and norm.variance_epsilon == 1e-3
+
+
+def test_unfuse_carries_back_only_what_changed_on_the_replacement():
+    """A review of the carry-back: unfuse copied back every attribute whose value differed, so changes made on the
+    original object while fused (through a reference held elsewhere) were undone, an attribute of the original that
+    shares its name with one of the fused module's (``impl``) was overwritten, and eps went to the first eps-named
+    attribute, not the one the norm's eps came from. Now only values rebound on the replacement go back, eps to its
+    own attribute."""
+    class TaggedLN(nn.LayerNorm):
+        pass
+
+    model = nn.Sequential(nn.Linear(8, 8), TaggedLN(8), nn.LayerNorm(8))
+    tagged, plain = model[1], model[2]
+    tagged.impl, tagged.tag, plain.tag = "mine", "a", "a"
+    fuse(model)
+    assert model[1].tag == "a" and model[1].impl is None   # the fused module's own impl, not the original's
+    tagged.eps, tagged.tag = 0.25, "b"                     # changed on the original while fused
+    model[2].tag = "c"                                     # changed on the replacement
+    assert unfuse(model)
+    assert (tagged.eps, tagged.tag, tagged.impl) == (0.25, "b", "mine") and plain.tag == "c" and plain.eps == 1e-5
+
+    class OddRMSNorm(nn.Module):  # eps held as eps, with a variance_epsilon attribute that is not a number
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(8))
+            self.variance_epsilon, self.eps = None, 1e-6
+
+        def forward(self, x):
+            h = x.float()
+            return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    model = nn.Sequential(nn.Linear(8, 8), OddRMSNorm())
+    norm = model[1]
+    assert fuse(model).fused_rows("rms_norm")
+    model[1].eps = 1e-3
+    assert unfuse(model) and norm.eps == 1e-3 and norm.variance_epsilon is None

@@ -389,8 +389,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                 if new is not None:
                     _check_same_params(new, child)
                     _adopt(new, child)
-                    _carry_attrs(child, new)
-                    new.__dict__[_ORIGINAL] = child
+                    new.__dict__[_ORIGINAL] = _carry_attrs(child, new)
                     replaced[id(child)] = new
                     parent._modules[name] = new
                     state.swaps.append((weakref.ref(parent), name, weakref.ref(new)))
@@ -451,30 +450,44 @@ def _instance_override(child: nn.Module) -> str | None:
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"_compiled_call_impl"}
 
 
-def _carry_attrs(old: nn.Module, new: nn.Module) -> None:
+@dataclass
+class _Replaced:
+    """What a replacement holds of the module it replaced (``new.__dict__[_ORIGINAL]``, see :class:`_Fusion`): the
+    module, the instance attributes carried over to the replacement with their values then, the replacement's ``eps``
+    then, and the original's name for its epsilon (``eps``, ``variance_epsilon``, ``epsilon``; None: none)."""
+
+    module: nn.Module
+    carried: dict
+    eps: object
+    eps_attr: str | None
+
+
+def _carry_attrs(old: nn.Module, new: nn.Module) -> _Replaced:
     """Give ``new`` the instance attributes of ``old`` that it lacks (a user's tag, a model's bookkeeping), the same
     objects; not nn.Module's internals, not the parameters and not the epsilon attributes, which the fused module
-    holds as ``eps`` (see :func:`_carry_back`)."""
+    holds as ``eps``. Returns the record :func:`_carry_back` needs."""
+    carried = {}
     for key, value in old.__dict__.items():
         if (key in _MODULE_INTERNALS or key in new.__dict__ or key in matching.EPS_ATTRIBUTES
                 or hasattr(type(new), key)):
             continue
-        new.__dict__[key] = value
+        new.__dict__[key] = carried[key] = value
+    eps_attr = "eps" if isinstance(old, (nn.LayerNorm, nn.RMSNorm)) else matching.eps_attribute(old)
+    return _Replaced(old, carried, new.__dict__.get("eps", _MISSING), eps_attr)
 
 
-def _carry_back(new: nn.Module, old: nn.Module) -> None:
-    """At unfuse: what was rebound on the replacement while fused goes back to the original: the instance
-    attributes it carried (:func:`_carry_attrs`) and its ``eps``, under the original's name for it (``eps``,
-    ``variance_epsilon`` or ``epsilon``)."""
-    for key, value in new.__dict__.items():
-        if key in old.__dict__ and key not in _MODULE_INTERNALS and key not in matching.EPS_ATTRIBUTES:
-            if old.__dict__[key] is not value and key not in ("normalized_shape", "elementwise_affine"):
-                old.__dict__[key] = value
+def _carry_back(new: nn.Module, rec: _Replaced) -> None:
+    """At unfuse: what was rebound on the replacement while fused goes back to the original (``rec.module``): the
+    carried attributes and ``eps`` (under the original's name for it), each only when the replacement's value is no
+    longer the one it had at fuse time; what was changed on the original meanwhile stays."""
+    old = rec.module
+    for key, then in rec.carried.items():
+        now = new.__dict__.get(key, _MISSING)
+        if now is not then and now is not _MISSING:
+            old.__dict__[key] = now
     eps = new.__dict__.get("eps", _MISSING)
-    if eps is not _MISSING:
-        name = next((n for n in matching.EPS_ATTRIBUTES if n in old.__dict__), None)
-        if name is not None and old.__dict__[name] != eps:
-            old.__dict__[name] = eps
+    if rec.eps_attr is not None and eps is not _MISSING and eps is not rec.eps:
+        setattr(old, rec.eps_attr, eps)
 
 
 def _computed_params(child: nn.Module) -> str | None:
@@ -697,10 +710,11 @@ def _undo(state: _Fusion) -> list[str]:
         if parent is None:  # collected: it was taken out of the model, nothing to restore in it
             continue
         if new is not None and parent._modules.get(name) is new:
-            old = new.__dict__[_ORIGINAL]
+            rec = new.__dict__[_ORIGINAL]
+            old = rec.module
             old.train(new.training)
             _carry_tensors_back(new, old)
-            _carry_back(new, old)
+            _carry_back(new, rec)
             parent._modules[name] = old
             done.append(new)
         else:

@@ -114,12 +114,19 @@ class RMSNormProbe:
     eligible: bool = False                 # not ok, yet an RMSNorm that fuse() leaves alone: counts in the coverage
 
 
-def _eps_of(module: nn.Module) -> float | None:
+def eps_attribute(module: nn.Module) -> str | None:
+    """The name of the attribute that holds a norm's epsilon: the first of :data:`EPS_ATTRIBUTES` whose value is a
+    number >= 0 and finite (what the probe and ``FusedRMSNorm.from_module`` take), or None."""
     for name in EPS_ATTRIBUTES:
         value = getattr(module, name, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
-            return float(value)
+            return name
     return None
+
+
+def _eps_of(module: nn.Module) -> float | None:
+    name = eps_attribute(module)
+    return None if name is None else float(getattr(module, name))
 
 
 def probe_rms_norm(module: nn.Module, hidden_size: int | None) -> RMSNormProbe:
