@@ -712,6 +712,22 @@ def test_nested_tensors_run_pytorchs_op(layout):
         assert choice.fallback and "nested tensor" in choice.reason
         with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="nested tensor"):
             got()
+    # a review: the nested path skipped the arguments' checks and Llama's rounding
+    with pytest.raises(ValueError, match="eps"):
+        PF.layer_norm(nt, (16,), None, None, -1.0)
+    for bad in (lambda: PF.rms_norm(nt, (16,), impl="bogus"), lambda: PF.softmax(nt, -1, impl="bogus")):
+        with pytest.raises(ValueError, match="impl"):
+            bad()
+    with pytest.warns(UserWarning, match="impl='pipegoose' cannot run this input: a nested tensor"):
+        PF.layer_norm(nt, (16,), mod.weight, mod.bias, impl="pipegoose")
+    if layout == torch.jagged:  # Llama's rounding (cast_before_weight) on a jagged bf16 input with an fp32 weight
+        nb = nt.to(torch.bfloat16)
+        w = torch.randn(16)
+        y = PF.rms_norm(nb, (16,), w, 1e-6, cast_before_weight=True)
+        for a, xb in zip(y.unbind(), nb.unbind()):
+            h = xb.float()
+            want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+            assert a.dtype == torch.float32 and torch.equal(a, want)
 
 
 def test_module_errors_name_the_modules_argument():

@@ -148,12 +148,15 @@ def has_tangent(*tensors: Any) -> bool:
 NESTED = "a nested tensor: the kernels take dense rows; PyTorch's op runs it"
 
 
-def nested_fallback(op: str) -> Any:
+def nested_fallback(op: str, impl: Any = None) -> Any:
     """The choice recorded for a nested tensor (``torch.nested``, either layout), which every op hands to PyTorch's
-    own op: a fallback (counted; strict mode raises)."""
+    own op: a fallback (counted; strict mode raises), with the ``impl`` request it cannot honour (checked: a name the
+    op does not have is the ValueError it is for dense inputs)."""
     from .. import dispatch
 
-    return dispatch.Choice(op, "torch", "fallback", True, {}, NESTED)
+    name = dispatch.check_impl(op, impl)
+    unmet = f"impl={name!r} cannot run this input: {NESTED}" if name not in (None, "auto", "torch") else ""
+    return dispatch.Choice(op, "torch", "fallback", True, {}, NESTED, unmet)
 
 
 def on_kernel_device(t: torch.Tensor) -> bool:

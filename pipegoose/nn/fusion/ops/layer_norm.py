@@ -299,8 +299,9 @@ def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, bia
     if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the op itself
         return F.layer_norm(x, normalize_shape(normalized_shape), weight, bias, eps)
     if getattr(x, "is_nested", False):
-        dispatch.record(nested_fallback(OP))
-        return F.layer_norm(x, normalize_shape(normalized_shape), weight, bias, eps)
+        shape, eps = normalize_shape(normalized_shape), eps_value(eps)  # the checks of a dense call
+        dispatch.record(nested_fallback(OP, impl))
+        return F.layer_norm(x, shape, weight, bias, eps)
     sig = _signature(x, normalized_shape, weight, bias, eps)
     key = None if sig is None else dispatch.choice_key(OP, impl, sig)
     hit = None if key is None else dispatch.cached_choice(key)

@@ -205,9 +205,15 @@ def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, eps
     # cached call with True let them through where a first call refused them
     if not isinstance(cast_before_weight, bool):
         raise TypeError(f"cast_before_weight: expected a bool, got {type(cast_before_weight).__name__}")
-    if getattr(x, "is_nested", False):  # PyTorch's op (which may refuse it, as F.rms_norm does a strided one)
-        dispatch.record(nested_fallback(OP))
-        return F.rms_norm(x, normalize_shape(normalized_shape), weight, eps)
+    if getattr(x, "is_nested", False):  # PyTorch's ops (which may refuse it, as F.rms_norm does a strided one)
+        shape, eps = normalize_shape(normalized_shape), eps_value(eps, allow_none=True)  # the checks of a dense call
+        dispatch.record(nested_fallback(OP, impl))
+        if not cast_before_weight:
+            return F.rms_norm(x, shape, weight, eps)
+        if eps is None:
+            eps = torch.finfo(_compute_dtype(x.dtype)).eps
+        out = x.dtype if weight is None else torch.promote_types(weight.dtype, x.dtype)
+        return rms_norm_reference(x, shape, weight, eps, out, True)   # Llama's rounding, its eager formula
     if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the op itself
         shape = normalize_shape(normalized_shape)
         if not cast_before_weight:

@@ -522,7 +522,7 @@ def run_plain(x: torch.Tensor, dim: int, dtype: torch.dtype | None, impl: str | 
     if dispatch.compile_passthrough(OP_PLAIN, impl):
         return F.softmax(x, dim)  # torch.compile fuses it itself
     if x.is_nested:
-        dispatch.record(nested_fallback(OP_PLAIN))
+        dispatch.record(nested_fallback(OP_PLAIN, impl))
         return F.softmax(x, dim)
     last = x.dim() == 0 or dim % nd == nd - 1
     choice, x = _choose(OP_PLAIN, x, None, 1.0, impl, True, last, ())
