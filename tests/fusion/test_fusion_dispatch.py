@@ -206,10 +206,11 @@ def test_kernel_load_success_is_cached(monkeypatch):
     assert calls == ["pipegoose/fake"]
 
 
-def test_a_kernel_load_blocks_neither_other_ops_nor_loads_twice(monkeypatch):
+def test_a_kernel_load_neither_blocks_loaded_ops_nor_runs_twice(monkeypatch):
     """A first load may build a kernel (minutes). It ran under the dispatcher's lock, which every op call takes (to
     count and remember its choice): one thread building stalled every other thread's ops (a code review measured 2.85 s
-    of a 3 s stand-in load). Now only threads loading the same kernel wait, for one load."""
+    of a 3 s stand-in load). Now threads loading the same kernel wait for one load, and the others' calls go on (the
+    builder itself loads one library at a time, which this stand-in load does not model)."""
     import threading
 
     release, started, calls, ops = threading.Event(), threading.Event(), [], object()

@@ -416,7 +416,8 @@ def kernel(name: str) -> tuple[Any | None, str]:
     and not retried in this process (:func:`clear_kernel_cache` retries).
 
     Threads loading one kernel wait for a single load (a first load may build it: minutes); the dispatcher's own
-    lock is not held meanwhile, so calls of ops whose choice is made go on in other threads.
+    lock is not held meanwhile, so other threads' calls of ops whose kernels are loaded go on. (Loads of different
+    kernels still follow one another: the builder loads one library at a time per process.)
     """
     hit = _kernel_cache.get(name)
     if hit is None:
