@@ -428,10 +428,14 @@ def test_explain_of_softmax_with_a_dim_describes_softmax(monkeypatch):
     from pipegoose.nn.fusion.ops import softmax as sm
 
     x = torch.randn(2, 4, 8, 16, dtype=torch.bfloat16)
+    import numpy as np
+
     for args, kw, exact, last in (((-1,), {}, True, True), ((1,), {}, True, False), ((), {"dim": 3}, True, True),
-                                  ((0.5,), {}, False, True), ((), {}, False, True)):
+                                  ((np.int64(-1),), {}, True, True), ((0.5,), {}, False, True), ((), {}, False, True)):
         p = dispatch.problem_of("softmax", x, *args, **kw)
         assert (p["exact"], p["last_dim"]) == (exact, last), (args, kw)
+    p = dispatch.problem_of("softmax", x, -1, dtype=torch.float32)   # softmax(x, -1, dtype=torch.float32)
+    assert p.dtype == torch.float32 and p["exact"]
     monkeypatch.setattr(dispatch, "_load_kernel", lambda name: object())
     dispatch.clear_kernel_cache()
     on_gpu = lambda p: replace(p, device=torch.device("cuda"), extra=dict(p.extra, aligned=True))  # noqa: E731

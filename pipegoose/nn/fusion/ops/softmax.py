@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import operator
 from typing import Any
 
@@ -67,7 +68,8 @@ def _explain_builder(op: str):
     (or ``dim=``) is ``softmax(x, dim)``'s dim, which describes that call (the F.softmax drop-in: fused only where
     exact, over the last dim)."""
     def entry(x: torch.Tensor, *args: Any, **kwargs: Any) -> Problem:
-        if op == OP_PLAIN and ("dim" in kwargs or (args and isinstance(args[0], int) and not isinstance(args[0], bool))):
+        if op == OP_PLAIN and ("dim" in kwargs or (args and isinstance(args[0], numbers.Integral)
+                                                   and not isinstance(args[0], bool))):
             return plain(x, *args, **kwargs)
         if op != OP_MASKED and args and not (args[0] is None or isinstance(args[0], torch.Tensor)):
             if not (op == OP_PLAIN and isinstance(args[0], int)):
@@ -92,14 +94,21 @@ def _explain_builder(op: str):
             raise ValueError(f"x: expected [attn_batches, sq, sk], got shape {list(x.shape)}")
         return cast_as_run(softmax_problem(op, x, mask, scale), x)
 
-    def plain(x: torch.Tensor, dim: int) -> Problem:
-        # softmax(x, dim) (the F.softmax drop-in): exact, and fused only over the last dim (run_plain)
+    def plain(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> Problem:
+        # softmax(x, dim, dtype=dtype) (the F.softmax drop-in): exact, and fused only over the last dim (run_plain)
         check_input(x, "input")
+        dim = operator.index(dim)
         nd = max(x.dim(), 1)
         if not -nd <= dim < nd:
             raise IndexError(f"dim: expected in [{-nd}, {nd - 1}], got {dim}")
         last = x.dim() == 0 or dim % nd == nd - 1
-        return cast_as_run(softmax_problem(OP_PLAIN, x, None, 1.0, exact=True, last_dim=last), x)
+        p = softmax_problem(OP_PLAIN, x, None, 1.0, exact=True, last_dim=last)
+        if dtype is not None and dtype != x.dtype:  # x cast first, as softmax(x, dim, dtype=dtype) does
+            if not isinstance(dtype, torch.dtype) or dtype not in (*FLOAT_DTYPES, torch.float64):
+                raise TypeError(f"dtype: expected torch.float32, float16, bfloat16, float64 or None, got {dtype}")
+            p = dataclasses.replace(p, dtype=dtype, extra=dict(p.extra, aligned=p.get("storage", True)))
+            x = torch.empty(0, dtype=dtype, device=x.device)   # for the autocast rule below: dtype and device only
+        return cast_as_run(p, x)
 
     def cast_as_run(p: Problem, x: torch.Tensor) -> Problem:
         out = softmax_out_dtype(x)
