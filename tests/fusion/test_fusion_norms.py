@@ -733,7 +733,8 @@ def test_nested_tensors_run_pytorchs_op(layout):
 def test_module_errors_name_the_modules_argument():
     """The modules' forward takes ``input`` (as torch.nn.LayerNorm's); their errors said "x: expected shape [*, 8]", the
     functional op's name for it."""
-    for mod in (FusedLayerNorm(8), FusedRMSNorm(8, eps=1e-6, cast_before_weight=True)):
+    for mod in (FusedLayerNorm(8), FusedRMSNorm(8, eps=1e-6, cast_before_weight=True),
+                FusedRMSNorm(8, eps=1e-6, output_in_weight_dtype=True)):
         with pytest.raises(ValueError, match=r"^input: expected shape \[\*, 8\]"):
             mod(torch.randn(2, 7))
         with pytest.raises(TypeError, match=r"^input: expected a floating point"):

@@ -392,19 +392,10 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         w = self.weight  # once: a module attribute lookup costs ~0.6 us of host time
         if self.output_in_weight_dtype:
-            # T5LayerNorm: the normalised input in fp32 (or fp64); with a half weight rounded to the weight's dtype and
-            # multiplied in it (two roundings), else multiplied by the weight as F.rms_norm does (one rounding)
-            if w is not None and w.dtype in _HALF:
-                if input.dtype == w.dtype:  # LlamaRMSNorm's numerics are T5's here, in one kernel
-                    return PF.rms_norm(input, self.normalized_shape, w, self.eps, cast_before_weight=True,
-                                       impl=self.impl)
-                h = PF.rms_norm(input if input.dtype in (torch.float32, torch.float64) else input.float(),
-                                self.normalized_shape, None, self.eps, cast_before_weight=False, impl=self.impl)
-                return w * h.to(w.dtype)
-            if w is not None and w.dtype != input.dtype:  # fp32 weight: T5 returns promote(input, weight)
-                dt = torch.promote_types(input.dtype, w.dtype)
-                input = input.to(dt)
-            return PF.rms_norm(input, self.normalized_shape, w, self.eps, cast_before_weight=False, impl=self.impl)
+            try:
+                return self._t5_forward(input, w)
+            except (TypeError, ValueError) as e:
+                raise _as_input_error(e) from None
         if (not self.cast_before_weight
                 and _small_native("rms_norm", self.impl, input, self.normalized_shape, self.eps)
                 and (w is None or w.dtype == input.dtype)):
@@ -419,6 +410,21 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         if getattr(self, "output_in_input_dtype", False) and y.dtype != input.dtype:
             return y.to(input.dtype)  # under autocast F.rms_norm's rule can give fp32; OLMo-2's is the input's
         return y
+
+    def _t5_forward(self, input: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+        # T5LayerNorm: the normalised input in fp32 (or fp64); with a half weight rounded to the weight's dtype and
+        # multiplied in it (two roundings), else multiplied by the weight as F.rms_norm does (one rounding)
+        if w is not None and w.dtype in _HALF:
+            if input.dtype == w.dtype:  # LlamaRMSNorm's numerics are T5's here, in one kernel
+                return PF.rms_norm(input, self.normalized_shape, w, self.eps, cast_before_weight=True,
+                                   impl=self.impl)
+            h = PF.rms_norm(input if input.dtype in (torch.float32, torch.float64) else input.float(),
+                            self.normalized_shape, None, self.eps, cast_before_weight=False, impl=self.impl)
+            return w * h.to(w.dtype)
+        if w is not None and w.dtype != input.dtype:  # fp32 weight: T5 returns promote(input, weight)
+            dt = torch.promote_types(input.dtype, w.dtype)
+            input = input.to(dt)
+        return PF.rms_norm(input, self.normalized_shape, w, self.eps, cast_before_weight=False, impl=self.impl)
 
     def extra_repr(self) -> str:
         return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
