@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tuning-dir", default=None, help="where the tuning table goes "
                                                        "(default pipegoose/nn/fusion/tuning)")
     ap.add_argument("--no-tuning", action="store_true", help="do not write the tuning table")
+    ap.add_argument("--overwrite", action="store_true", help="replace the results of an earlier run of the day in "
+                                                             "the same --out folder (refused without it)")
     ap.add_argument("--report-only", nargs="+", default=None, metavar="DIR",
                     help="merge these run folders' results.json (later wins) and rewrite the reports")
     a = ap.parse_args(argv)
@@ -84,6 +86,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad:
         ap.error(f"--dtypes: unknown {bad}; expected some of bf16, fp16, fp32")
     a.dtype_names = list(dict.fromkeys(DTYPES[d] for d in _csv(a.dtypes)))
+    if not a.dtype_names and not a.report_only:
+        ap.error(f"--dtypes: expected some of bf16, fp16, fp32, got {a.dtypes!r}")
+    if _csv(a.impls):
+        from .ops import IMPL_ORDER
+        from .optimizers import ADAMW, CLIP
+
+        known = list(dict.fromkeys([*IMPL_ORDER, *ADAMW, *CLIP]))
+        unknown = [i for i in _csv(a.impls) if i not in known]
+        if unknown:
+            ap.error(f"--impls: unknown {unknown}; expected some of {', '.join(known)}")
+    if a.budget_s is not None and not a.budget_s > 0:
+        ap.error(f"--budget-s: expected a number of seconds > 0, got {a.budget_s}")
+    if a.jobs < 1:
+        ap.error(f"--jobs: expected an integer >= 1, got {a.jobs}")
     if a.device == "cpu" and not a.dry_run and not a.report_only:
         ap.error("--device cpu: only with --dry-run (CPU timings say nothing about the GPU kernels)")
     a.mode = "dry" if a.dry_run else ("quick" if a.quick else "full")
@@ -192,11 +208,18 @@ class Run:
             _log(f"plots: skipped ({e}); pip install matplotlib")
         a = self.args
         if not a.no_tuning and any(m.tunable and m.status == "ok" for m in self.measurements):
-            tdir = a.tuning_dir or (self.dir / "tuning" if a.device == "cpu" else None)
+            results = (self.dir / "results.json").resolve()
+            in_repo = results.is_relative_to(REPO_ROOT.resolve())
+            # the repository's table only from results the repository holds (its "benchmark" field names them);
+            # results written elsewhere get their table beside them unless --tuning-dir says otherwise
+            tdir = a.tuning_dir or (self.dir / "tuning" if a.device == "cpu" or not in_repo else None)
             gpu = self.env["gpu"]
             path = write_tuning_table(gpu, self.env.get("date", today())[:10],
-                                      f"benchmarks/results/{self.dir.name}/results.json", self.measurements, tdir)
-            _log(f"tuning table: {path}")
+                                      str(results.relative_to(REPO_ROOT.resolve())) if in_repo else str(results),
+                                      self.measurements, tdir)
+            _log(f"tuning table: {path}" + ("" if in_repo or a.tuning_dir else " (the results are outside the "
+                                            "repository: its table is not changed; --tuning-dir "
+                                            "pipegoose/nn/fusion/tuning writes it)"))
         _log(f"results: {self.dir / 'results.json'}, {self.dir / 'results.md'}")
         _log("=" * 100)
         for line in summary_lines(self.measurements, copy, self.sections.get("e2e")):
@@ -243,7 +266,10 @@ def report_only(args: argparse.Namespace) -> int:
         for m in measurements:
             m.extra = {**(m.extra or {}), "run": (m.extra or {}).get("run") or run_date}
             key = (m.op, m.impl, m.dtype, m.pas, m.cols)
-            if m.status != "skipped" or key not in ms:  # a skipped (unmeasured) row never hides a measured one
+            # a row that measured nothing (skipped; unavailable: the impl did not load or build; error: it crashed or
+            # could not be timed) never hides a measured one: it would take the impl out of the tuning table's
+            # choices for that size. FAILED (a wrong result) and unsupported (the impl declines the shape) do replace.
+            if m.status not in ("skipped", "unavailable", "error") or key not in ms:
                 ms[key] = m
     if e2e:
         merged["e2e"] = list(e2e.values())
@@ -276,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     env = environment(args.device)
     run = Run(args, env)
+    if (run.dir / "results.json").exists() and not args.overwrite:
+        # a second run of the day into the same --out would replace the first one's results (the reports and plots
+        # of ops it does not run would stay, no longer matching them)
+        print(f"python -m benchmarks.run: {run.dir / 'results.json'} exists (an earlier run of today): pass another "
+              f"--out and merge the two with --report-only, or --overwrite to replace it", file=sys.stderr)
+        return 2
     _log(f"pipegoose benchmarks: {env['gpu']} | torch {env['torch']} | CUDA {env.get('cuda_runtime')} | "
          f"triton {env.get('triton')} | transformers {env.get('transformers')} | liger {env.get('liger_kernel')}"
          f" | mode {args.mode} -> {run.dir}")

@@ -6,7 +6,9 @@ part; eager/native/compile/Liger are comparisons, not choices the dispatcher can
 
 Buckets: for each (op, dtype, pass) the measured sizes are sorted; each size's winner is the impl with the lowest
 median time; consecutive sizes with the same winner form one rule whose ``max_cols`` is the largest size in it; the
-last rule has ``max_cols: null`` (any larger size). A size where no dispatchable impl passed gives no rule. Rules
+last rule has ``max_cols: null`` (any larger size). A size where no dispatchable impl passed gives no rule of its
+own (the rule of the next larger size covers it, as it covers unmeasured sizes). Timings that are not a positive
+finite number are left out; a size that is not a positive integer is a ValueError. Rules
 are written for the passes the dispatcher tells apart, ``fwd`` (no grad needed) and ``fwd+bwd`` (training); the
 ``bwd``-only timings stay in results.json.
 """
@@ -14,6 +16,7 @@ are written for the passes the dispatcher tells apart, ``fwd`` (no grad needed) 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections import defaultdict
@@ -37,6 +40,10 @@ def tuning_rules(measurements: Iterable[Measurement]) -> list[dict]:
         if (m.status != "ok" or not m.tunable or m.op not in TUNING_OPS or m.median_ms is None
                 or m.pas not in RULE_PASSES):
             continue
+        if isinstance(m.cols, bool) or not isinstance(m.cols, int) or m.cols < 1:
+            raise ValueError(f"{m.op} {m.impl} {m.dtype} {m.pas}: cols: expected a size >= 1, got {m.cols!r}")
+        if not (isinstance(m.median_ms, (int, float)) and math.isfinite(m.median_ms) and m.median_ms > 0):
+            continue   # a NaN would win every comparison it comes first in, a zero or negative time every one
         key = (m.op, m.dtype, m.pas)
         cur = best[key].get(m.cols)
         if cur is None or m.median_ms < cur[0]:

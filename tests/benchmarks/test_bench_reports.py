@@ -169,3 +169,45 @@ def test_report_only_merges_e2e_rows_and_dates_each_row(tmp_path, monkeypatch):
         with pytest.raises(SystemExit, match=match):
             main(["--report-only", runs[0], str(bad), "--out", str(tmp_path / "out3"), "--no-tuning"])
     assert not (tmp_path / "out3").exists()
+
+
+def test_rules_leave_out_timings_that_are_no_time_and_refuse_bad_sizes():
+    """A walkthrough: a NaN median won when it came first (every comparison with NaN is False), a zero or negative one
+    won outright, and a size that is not a number crashed the sort with a traceback."""
+    for bad in (float("nan"), 0.0, -1.0):
+        ms = [m(impl="torch", cols=512, ms=0.5), m(impl="pipegoose", cols=512, ms=1.0)]
+        ms[0].median_ms = bad
+        assert [r["impl"] for r in tuning_rules(ms)] == ["pipegoose"], bad
+    with pytest.raises(ValueError, match="cols: expected a size >= 1, got 'big'"):
+        tuning_rules([m(cols=512), m(cols="big")])
+
+
+def test_report_only_keeps_a_measurement_over_a_later_row_that_measured_nothing(tmp_path, monkeypatch):
+    """A walkthrough: a later run where our kernel did not load (unavailable) or crashed (error) replaced the earlier
+    run's timings, and the merged tuning table sent large softmaxes to the slow reference path. Such rows no longer
+    hide a measurement; a later FAILED (a wrong result) still does. A table derived from results outside the repository
+    is written beside them, not over the repository's."""
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "")
+    from benchmarks.run import main
+    from benchmarks.tuning import DEFAULT_TUNING_DIR
+
+    copy = {"bytes": 2 * 2**30, "gbps": 4000.0, "median_ms": 0.5}
+    runs = []
+    for i, rows in enumerate(([m(impl="pipegoose", cols=4096, ms=1.0), m(impl="torch", cols=4096, ms=5.0)],
+                              [m(impl="pipegoose", cols=4096, status="unavailable"),
+                               m(impl="torch", cols=4096, status="error")])):
+        fill_pct(rows, copy["gbps"])
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        write_json(d / "results.json", {"gpu": "NVIDIA H200", "date": f"2026-12-0{i + 1}T01:00:00+00:00",
+                                        "device": "cuda"}, {"command": f"run {i}"}, copy, rows)
+        runs.append(str(d))
+    repo_table = DEFAULT_TUNING_DIR / "nvidia_h200.json"
+    before = repo_table.read_bytes() if repo_table.exists() else None
+    assert main(["--report-only", *runs, "--out", str(tmp_path / "out")]) == 0
+    out = tmp_path / "out" / "nvidia_h200_2026-12-02"
+    _, back = load_json(out / "results.json")
+    assert {(x.impl, x.status) for x in back} == {("pipegoose", "ok"), ("torch", "ok")}
+    table = json.loads((out / "tuning" / "nvidia_h200.json").read_text())
+    assert [r["impl"] for r in table["rules"]] == ["pipegoose"] and table["benchmark"] == str(out / "results.json")
+    assert (repo_table.read_bytes() if repo_table.exists() else None) == before

@@ -84,3 +84,30 @@ def test_importing_run_leaves_strict_mode_alone():
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "None"
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--impls", "nonexistent"], "--impls: unknown ['nonexistent']"),
+    (["--dtypes", ","], "--dtypes: expected some of bf16, fp16, fp32"),
+    (["--budget-s", "-5"], "--budget-s: expected a number of seconds > 0"),
+    (["--jobs", "0"], "--jobs: expected an integer >= 1"),
+])
+def test_run_refuses_arguments_that_run_nothing(capsys, argv, expect):
+    """A walkthrough: each of these ran nothing (or a run of skipped rows), exited 0 and replaced the day's results."""
+    with pytest.raises(SystemExit):
+        bench_run.parse_args(argv)
+    assert expect in capsys.readouterr().err
+
+
+def test_run_refuses_to_replace_an_earlier_run_of_the_day(tmp_path, monkeypatch, capsys):
+    """A second run of the day into the same --out replaced the first one's results.json (its reports and plots of
+    other ops stayed, no longer matching): refused, saying how to keep both; --overwrite replaces it."""
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "")
+    argv = ["--device", "cpu", "--dry-run", "--only", "clip_grad_norm", "--dtypes", "fp32", "--out", str(tmp_path),
+            "--no-tuning"]
+    assert bench_run.main(argv) == 0
+    results = next(tmp_path.glob("cpu_dry_run_*/results.json"))
+    first = results.read_bytes()
+    assert bench_run.main(argv) == 2
+    assert "exists (an earlier run of today)" in capsys.readouterr().err and results.read_bytes() == first
+    assert bench_run.main(argv + ["--overwrite"]) == 0
