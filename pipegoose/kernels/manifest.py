@@ -256,8 +256,12 @@ def _parse_source(ctx: _Ctx, sid: str, d: Any) -> Source:
     spec = _req(ctx, fetch, kind, f"{where}.fetch", Mapping)
     w = f"{where}.fetch.{kind}"
     if kind == "pypi":
-        pin = {"name": _req(ctx, spec, "name", w), "version": str(_req(ctx, spec, "version", w, (str, int, float))),
-               "sha256": _req(ctx, spec, "sha256", w)}
+        version = _req(ctx, spec, "version", w, (str, int, float))
+        if isinstance(version, float) or isinstance(version, bool):
+            # YAML reads 0.10 as the number 0.1: the version the user meant is lost before we see it
+            raise ctx.err(f"{w}.version", f"expected a version string, got the number {version!r}: quote it "
+                                          f"(version: '0.10'), as YAML reads an unquoted 0.10 as 0.1")
+        pin = {"name": _req(ctx, spec, "name", w), "version": str(version), "sha256": _req(ctx, spec, "sha256", w)}
         if not _HEX64.match(pin["sha256"]):
             raise ctx.err(f"{w}.sha256", f"expected 64 lower-case hex digits, got {pin['sha256']!r}")
     elif kind == "git":

@@ -7,7 +7,7 @@ import pytest
 from pipegoose.kernels.manifest import ManifestError, load_manifest
 from porting_helpers import MANIFEST_HEAD, kernel_yaml, source_yaml
 
-GOOD_SRC = source_yaml("up", "pypi: {name: up, version: 1.0, sha256: " + "a" * 64 + "}")
+GOOD_SRC = source_yaml("up", "pypi: {name: up, version: '1.0', sha256: " + "a" * 64 + "}")
 GOOD_K = kernel_yaml("up/alpha", "up", ["csrc/kernels/alpha.cu"], "alpha_fwd", "alpha_forward")
 
 
@@ -35,6 +35,9 @@ def test_good_manifest_loads(tmp_path):
     (GOOD_SRC, GOOD_K.replace("role: forward", "role: sideways"), "kernels.yaml: kernels.up/alpha.entries[0].role: expected one of"),
     (GOOD_SRC, GOOD_K.replace("dtypes: [float16]", "dtypes: [float8]"), "kernels.yaml: kernels.up/alpha.dtypes: unknown dtype"),
     (GOOD_SRC, GOOD_K.replace("  backward: false\n", ""), "kernels.yaml: kernels.up/alpha.backward: required field is missing"),
+    # a walkthrough: an unquoted 0.10 became the version 0.1 ("not in the download cache"), without a word
+    (GOOD_SRC.replace("'1.0'", "0.10"), GOOD_K,
+     "kernels.yaml: sources.up.fetch.pypi.version: expected a version string, got the number 0.1: quote it"),
 ])
 def test_manifest_errors_name_file_entry_field(tmp_path, src, kern, expected):
     with pytest.raises(ManifestError) as ei:
