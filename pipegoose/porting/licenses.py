@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["detect_licenses", "primary_license", "DISALLOWED_MARKERS"]
+__all__ = ["detect_licenses", "primary_license", "file_license_problem", "DISALLOWED_MARKERS"]
 
 _WS = re.compile(r"\s+")
 
@@ -68,3 +68,26 @@ def primary_license(text: str) -> str | None:
     if spdx == "BSD":
         return "BSD-3-Clause" if _BSD3_CLAUSE in t[pos:pos + _BSD_BLOCK] else "BSD-2-Clause"
     return spdx
+
+
+_SPDX = re.compile(r"SPDX-License-Identifier:\s*([A-Za-z0-9.+\-() ]+)")
+_HEADER = 16384  # characters of a source file read for its license header
+
+
+def file_license_problem(text: str, allowed: tuple[str, ...]) -> str | None:
+    """Why a vendored source file may not be taken, from its own header (None when nothing says so): an
+    ``SPDX-License-Identifier`` naming no allowed license (``A OR B`` passes when one of them is allowed), or the
+    text of a copyleft / non-commercial license (a file of another license bundled in a permissive project)."""
+    head = text[:_HEADER]
+    for expr in _SPDX.findall(head):
+        # an exception (``WITH LLVM-exception``) adds permissions: the license before it is what counts
+        bare = re.sub(r"\s+WITH\s+[A-Za-z0-9.+\-]+", "", expr.strip())
+        ids = [i for i in re.split(r"\s+(?:OR|AND)\s+|[()\s]+", bare) if i]
+        either = " OR " in expr and " AND " not in expr
+        ok = any(i in allowed for i in ids) if either else all(i in allowed for i in ids)
+        if not ok:
+            return f"its SPDX-License-Identifier is {expr.strip()} (allowed: {', '.join(allowed)})"
+    _, bad = detect_licenses(head)
+    if bad:
+        return f"its header carries {', '.join(sorted(bad))} text"
+    return None

@@ -25,7 +25,7 @@ from ..kernels.manifest import ALLOWED_LICENSES, Kernel, Manifest, Source, defau
 from .errors import IntegrityError, LicenseError, ManifestFactError, PortError, SourceFileMissing
 from .fetch import Fetcher, SourceTree
 from .includes import missing_headers
-from .licenses import detect_licenses, primary_license
+from .licenses import detect_licenses, file_license_problem, primary_license
 from .lock import Lock, LockedKernel, LockedSource
 from .txn import TXN_DIRNAME, Transaction, recover, repo_lock
 from .util import sha256_bytes, sha256_file
@@ -189,7 +189,14 @@ class Porter:
             listing = ", ".join(f"{h} (included by {by})" for h, by in headers.items())
             raise ManifestFactError(f"{self.manifest.path.name}: kernels.{k.id}.files: expected every header the "
                                     f"kernel includes from its source; missing: {listing}")
-        return LockedKernel(k.source, {f: sha256_bytes(tree.read(f)) for f in k.files})
+        files = {}
+        for f in k.files:
+            data = tree.read(f)
+            why = file_license_problem(data.decode("utf-8", "replace"), ALLOWED_LICENSES)
+            if why is not None:  # a file of another license inside a permissive source
+                raise LicenseError(f"{k.id}: {f} in {tree.label}: {why}; it is not vendored")
+            files[f] = sha256_bytes(data)
+        return LockedKernel(k.source, files)
 
     def _source_verifies(self, lock: Lock, sid: str) -> bool:
         base, lic = self.vendor_dir(sid), self.license_dir(sid)

@@ -386,6 +386,30 @@ def test_disallowed_license_text_stops_the_port(repo):
     assert not (repo.root / "vendor").exists() or not (repo.root / "vendor" / "up").exists()
 
 
+@pytest.mark.parametrize("header", ["// SPDX-License-Identifier: GPL-3.0-only\n",
+                                    "/* This file is part of X, under the GNU General Public License v3. */\n"])
+def test_a_kernel_file_of_a_copyleft_license_stops_the_port(repo, header):
+    """A walkthrough vendored a .cu file whose header said SPDX-License-Identifier: GPL-3.0-only (inside a source whose
+    license file is Apache-2.0): the gate read the license files only. Each vendored file's own header is now read;
+    an allowed SPDX id (or an allowed one of an OR) passes."""
+    files = {**V1_FILES, "csrc/kernels/alpha.cu": header + V1_FILES["csrc/kernels/alpha.cu"]}
+    src, _ = sdist_source(repo, files=files)
+    repo.write_manifest(src, K_ALPHA)
+    with pytest.raises(LicenseError, match="up/alpha: csrc/kernels/alpha.cu in .*(SPDX-License-Identifier is GPL-3.0-only"
+                                           "|carries GPL text).*not vendored"):
+        repo.porter().add(["alpha"])
+    assert not (repo.root / "vendor" / "up").exists()
+
+
+def test_a_kernel_file_with_an_allowed_spdx_id_is_taken(repo):
+    files = {**V1_FILES, "csrc/kernels/alpha.cu": "// SPDX-License-Identifier: MIT OR GPL-2.0\n"
+                                                   + V1_FILES["csrc/kernels/alpha.cu"]}
+    src, _ = sdist_source(repo, files=files)
+    repo.write_manifest(src, K_ALPHA)
+    repo.porter().add(["alpha"])
+    assert repo.porter().verify() == []
+
+
 def test_declared_license_must_match_the_text(repo):
     src, _ = sdist_source(repo, license_text=MIT, declared="Apache-2.0")
     repo.write_manifest(src, K_ALPHA)
