@@ -652,6 +652,7 @@ class Fetcher:
 
         try:
             c = repo.commit(ref)
+            c.tree  # a full sha resolves lazily: reading the commit is what finds out that it is not in the repository
             return c.hexsha
         except (git.BadName, ValueError, gitdb.exc.BadName, gitdb.exc.BadObject):
             return None

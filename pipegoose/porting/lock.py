@@ -68,6 +68,9 @@ class Lock:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise PortError(f"{path.name}: not valid YAML: {e}") from None
+        if isinstance(data, dict) and "version" not in data:
+            raise PortError(f"{path.name}: no 'version' key: not a whole kernels.lock (cut short?); restore it from git "
+                            "or re-run `port.py add`")
         if not isinstance(data, dict) or data.get("version") != LOCK_VERSION:
             raise PortError(f"{path.name}: version: expected {LOCK_VERSION}, got {data.get('version') if isinstance(data, dict) else data!r}")
         lock = cls(path)
@@ -77,7 +80,7 @@ class Lock:
                                                  dict(s.get("license_files") or {}))
             for kid, k in (data.get("kernels") or {}).items():
                 lock.kernels[kid] = LockedKernel(k["source"], dict(k["files"]))
-        except (KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise PortError(f"{path.name}: malformed entry ({e!r}); restore it from git or re-run `port.py add`") from None
         for kid, k in lock.kernels.items():
             if k.source not in lock.sources:

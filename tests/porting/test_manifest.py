@@ -49,3 +49,34 @@ def test_real_manifest_loads():
     m = load_manifest()
     assert "megatron/scaled_masked_softmax" in m.kernels
     assert m.sources["colossalai"].kind == "pypi"
+
+
+@pytest.mark.parametrize("text,expect", [
+    ("sources: {}\n", "no 'version' key: not a whole kernels.lock"),
+    ("version: 1\nsources:\n  s: {kind: pypi, pin: {name: a}, license: MIT}\nkernels:\n  k: {source: s, files: [a, b]}\n",
+     "malformed entry"),
+])
+def test_a_broken_lock_is_one_clear_error(tmp_path, text, expect):
+    """A walkthrough: a kernels.lock cut short said "version: expected 1, got None", and one whose files were a list
+    raised a bare ValueError (a traceback from port.py)."""
+    from pipegoose.porting import PortError
+    from pipegoose.porting.lock import Lock
+
+    (tmp_path / "kernels.lock").write_text(text)
+    with pytest.raises(PortError, match=expect):
+        Lock.load(tmp_path / "kernels.lock")
+
+
+def test_a_full_sha_missing_from_the_repository_does_not_resolve(tmp_path):
+    """`audit --to 0000...` raised gitpython's ValueError: a full sha resolves lazily, and only reading the commit
+    finds out it is not there. It now resolves to nothing (audit then reports the source's error)."""
+    import git
+
+    from pipegoose.porting.fetch import Fetcher
+
+    repo = git.Repo.init(tmp_path / "up")
+    (tmp_path / "up" / "a").write_text("a")
+    repo.index.add(["a"])
+    sha = repo.index.commit("a").hexsha
+    assert Fetcher._git_resolve(repo, sha) == sha
+    assert Fetcher._git_resolve(repo, "0" * 40) is None
