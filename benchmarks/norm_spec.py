@@ -116,9 +116,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per build (the builds run in parallel)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
-    hidden = [int(h) for h in a.hidden.split(",") if h]
-    if not hidden or any(h < 1 for h in hidden) or a.rows < 64:
-        ap.error("--hidden: expected positive integers; --rows: expected >= 64")
+    try:
+        hidden = [int(h) for h in a.hidden.split(",") if h.strip()]
+    except ValueError:
+        hidden = []
+    if not hidden or any(h < 1 for h in hidden):
+        ap.error(f"--hidden: expected comma-separated positive integers, got {a.hidden!r}")
+    if a.rows < 64:
+        ap.error(f"--rows: expected >= 64, got {a.rows}")
+    import torch
+
+    if not torch.cuda.is_available():  # before the builds, which take minutes and would time nothing
+        print("norm_spec: needs a CUDA GPU", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="pipegoose-normspec-") as root:
         # The specialised build is the shipped one: it shares the user's kernel cache (PIPEGOOSE_CACHE_DIR), so that a
         # prior `python -m pipegoose.kernels build` is reused; the generic one gets a cold cache of its own.

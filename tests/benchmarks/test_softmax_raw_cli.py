@@ -111,3 +111,19 @@ def test_run_refuses_to_replace_an_earlier_run_of_the_day(tmp_path, monkeypatch,
     assert bench_run.main(argv) == 2
     assert "exists (an earlier run of today)" in capsys.readouterr().err and results.read_bytes() == first
     assert bench_run.main(argv + ["--overwrite"]) == 0
+
+
+def test_norm_spec_checks_its_arguments_and_the_gpu_before_building(monkeypatch, capsys):
+    """A walkthrough: --hidden abc was a traceback, and without a GPU the script compiled for minutes before finding
+    nothing to time."""
+    import torch
+
+    from benchmarks import norm_spec
+
+    with pytest.raises(SystemExit):
+        norm_spec.main(["--hidden", "abc"])
+    assert "--hidden: expected comma-separated positive integers, got 'abc'" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(norm_spec, "_spawn", lambda *a, **k: pytest.fail("built without a GPU"))
+    assert norm_spec.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
