@@ -72,6 +72,9 @@ def cmd_sync(a) -> int:
     r = _porter(a).sync(all_kernels=a.all)
     out.print(f"sync: added {len(r['added'])} kernel(s); re-vendored {', '.join(r['restored']) or 'none'}; "
               f"already in place {', '.join(r['ok']) or 'none'}")
+    if r.get("differs"):
+        out.print(f"sync: this project's own files differ from kernels.lock (verify fails): {', '.join(r['differs'])}; "
+                  f"re-record them with python tools/port.py add <id>", style="yellow", markup=False)
     if r["stray"]:
         out.print(f"sync: not recorded in kernels.lock, left in place (verify fails until they go): "
                   f"{', '.join(r['stray'])}", style="yellow", markup=False)

@@ -330,6 +330,7 @@ class Porter:
         from the lock.
 
         Returns {"added": [...], "restored": [source ids re-vendored], "ok": [source ids already in place],
+        "differs": [this project's sources whose files differ from the lock: sync has nothing to fetch for them],
         "stray": [paths]}: "stray" lists what lies at the top of vendor/ or LICENSES/ but belongs to no locked source
         (a file, or a folder of no source in the lock); sync leaves those in place (they are not its files), and
         ``verify`` reports them.
@@ -352,7 +353,7 @@ class Porter:
                 self._check_pin(lock, sid)
             new_ids = [k for k in self.manifest.kernels if k not in lock.kernels] if all_kernels else []
             new, trees = self._plan_add(lock, new_ids)
-            result = {"added": new_ids, "restored": [], "ok": []}
+            result = {"added": new_ids, "restored": [], "ok": [], "differs": []}
             for sid in sorted(new.sources):
                 src = self.manifest.sources[sid]
                 if sid in trees:
@@ -365,7 +366,7 @@ class Porter:
                     # difference is reported (and fails `verify`) but does not stop vendoring the upstream sources.
                     self.log(f"note: {sid}: local files differ from kernels.lock (see `python tools/port.py verify`); "
                              f"re-record them with `python tools/port.py add <id>`")
-                    result["ok"].append(sid)
+                    result["differs"].append(sid)
                     continue
                 self.log(f"fetching {src.describe_pin()}")
                 trees[sid] = self.fetcher.tree(src, new.sources[sid].pin)
@@ -385,8 +386,10 @@ class Porter:
 
     def _stray_top_entries(self, lock: Lock) -> list[str]:
         """Entries at the top of vendor/ and LICENSES/ that belong to no upstream source of ``lock``."""
+        # what verify reports: files (an empty folder holds none, and verify passes with it)
         return [self._show(entry) for _, entry in self._top_entries()
-                if entry.is_file() or entry.name not in lock.sources or self._is_local(entry.name)]
+                if entry.is_file() or ((entry.name not in lock.sources or self._is_local(entry.name))
+                                       and any(p.is_file() or p.is_symlink() for p in entry.rglob("*")))]
 
     def remove(self, names: Iterable[str]) -> list[str]:
         """Drop kernels from vendor/ and kernels.lock. Files another still-locked kernel of the same source uses
@@ -464,7 +467,9 @@ class Porter:
                 if not p.is_file():
                     probs.append(Problem("missing", shown, "run `python tools/port.py sync`"))
                 elif sha256_file(p) != h:
-                    probs.append(Problem("differs", shown, f"sha256 {sha256_file(p)[:12]}…, kernels.lock {h[:12]}…"))
+                    fix = (f"; this project's own file: re-record it with `python tools/port.py add` of its kernel"
+                           if self._is_local(sid) else "; `python tools/port.py sync` restores it")
+                    probs.append(Problem("differs", shown, f"sha256 {sha256_file(p)[:12]}…, kernels.lock {h[:12]}…{fix}"))
         # extra files: anything under vendor/ and LICENSES/ that no lock entry explains
         expected = {"vendor": lambda sid: lock.files_of_source(sid),
                     "LICENSES": lambda sid: lock.sources[sid].license_files}

@@ -94,7 +94,7 @@ def test_sync_restores_from_cache_without_network(sdist_repo):
     assert repo.porter().verify() == []
     # nothing to do the second time: no fetch at all
     r = repo.porter(offline=True).sync()
-    assert r == {"added": [], "restored": [], "ok": ["up"], "stray": []}
+    assert r == {"added": [], "restored": [], "ok": ["up"], "differs": [], "stray": []}
     # a file the lock does not record under vendor/up or LICENSES/up: verify reports it, sync removes it (it used to
     # leave it, and verify kept failing after sync)
     for extra in (repo.root / "vendor" / "up" / "stray.cu", repo.root / "LICENSES" / "up" / "NOTES.txt"):
@@ -111,6 +111,9 @@ def test_sync_restores_from_cache_without_network(sdist_repo):
     r = repo.porter(offline=True).sync()
     assert r["stray"] == ["vendor/extra.txt", "LICENSES/other"] and (repo.root / "vendor" / "extra.txt").exists()
     assert {p.path for p in repo.porter().verify()} == {"vendor/extra.txt", "LICENSES/other/LICENSE"}
+    # an empty folder fails no verify, so sync does not name it as something that does
+    (repo.root / "LICENSES" / "junk").mkdir()
+    assert "LICENSES/junk" not in repo.porter(offline=True).sync()["stray"]
 
 
 def test_offline_without_cache_fails_clearly(sdist_repo):
@@ -609,8 +612,10 @@ def test_local_source_is_hashed_in_place(repo):
     assert [(pr.kind, pr.path) for pr in p.verify()] == [("differs", "pipegoose/kernels/csrc/ours.cu")]
     # sync vendors the upstream sources and only notes our own edited files (git is their record; verify fails)
     result = p.sync()
-    assert "pipegoose" in result["ok"]
+    # a walkthrough: sync listed it as "already in place" right after noting that its files differ
+    assert "pipegoose" in result["differs"] and "pipegoose" not in result["ok"]
     assert [s.state for s in p.states()] == ["modified"]
+    assert "re-record it with `python tools/port.py add`" in p.verify()[0].detail
     p.add(["ours"])  # re-record after an intended change
     assert p.verify() == []
     # the repository's other files are no "extra" of our own source: sync notes nothing
