@@ -37,7 +37,7 @@ __all__ = ["FileAudit", "SymbolAudit", "KernelAudit", "SourceAudit", "AuditRepor
 @dataclass
 class FileAudit:
     path: str
-    status: str  # unchanged | changed | moved | removed
+    status: str  # unchanged | changed | moved | removed | added (listed in kernels.yaml, at the new pin only)
     added: int = 0
     deleted: int = 0
     moved_to: list[str] = field(default_factory=list)
@@ -243,11 +243,15 @@ def audit(porter: Porter, names: Iterable[str] | None = None, to: str | None = N
                 sa.licenses.append(_compare(lf, old, new, with_diff))
         for kid in kids:
             k = porter.manifest.kernels[kid]
-            files = [_compare(f, old, new, with_diff) if old.has(f) else FileAudit(f, "removed") for f in k.files]
+            # a path of kernels.yaml that the old pin lacks and the new one has: the manifest was edited to follow a
+            # move upstream before `update` (its files are taken from the new pin); absent from both, it is gone
+            files = [_compare(f, old, new, with_diff) if old.has(f)
+                     else FileAudit(f, "added", new.read(f).decode("utf-8", "replace").count("\n")) if new.has(f)
+                     else FileAudit(f, "removed") for f in k.files]
             old_text = "\n".join(old.read(f).decode("utf-8", "replace") for f in k.files if old.has(f))
             new_paths = []
             for fa in files:
-                if fa.status in ("unchanged", "changed"):
+                if fa.status in ("unchanged", "changed", "added"):
                     new_paths.append(fa.path)
                 elif fa.status == "moved":
                     new_paths.append(fa.moved_to[0])

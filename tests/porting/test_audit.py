@@ -211,6 +211,26 @@ def test_update_killed_with_kernels_yaml_moved_aside_is_recovered(repo, monkeypa
     assert q.verify() == [] and repo.snapshot() == before
 
 
+def test_update_follows_a_file_moved_upstream_once_kernels_yaml_names_it(repo):
+    """A walkthrough: upstream moved a vendored header; `update` said to fix kernels.yaml's file list first, and once
+    it was fixed said the new path was "removed" (it is absent only at the old pin): the only way on was remove and
+    add, which skip update's review. A path at the new pin only is now "added", and the update goes through."""
+    p = setup_sdist(repo, kernels=K_ALPHA, add=("alpha",))
+    moved = {**V1_FILES, "csrc/kernels/alpha.cu": V1_FILES["csrc/kernels/alpha.cu"].replace("common/util.h",
+                                                                                           "include/util.h")}
+    moved["csrc/include/util.h"] = moved.pop("csrc/common/util.h")
+    publish_version(repo, "1.1", moved)
+    with pytest.raises(PortError, match="csrc/common/util.h moved to csrc/include/util.h"):
+        update(p, "up", to="1.1")
+    manifest = repo.root / "kernels.yaml"
+    manifest.write_text(manifest.read_text().replace("csrc/common/util.h", "csrc/include/util.h"))
+    r = update(repo.porter(), "up", to="1.1")
+    files = {f.path: f.status for f in r.sources[0].kernels[0].files}
+    assert files == {"csrc/kernels/alpha.cu": "changed", "csrc/include/util.h": "added"}
+    assert repo.porter().verify() == []
+    assert (repo.root / "vendor/up/csrc/include/util.h").is_file() and not (repo.root / "vendor/up/csrc/common").exists()
+
+
 def test_update_to_the_current_pin_changes_nothing(repo):
     p = setup_sdist(repo)
     before = repo.snapshot()
