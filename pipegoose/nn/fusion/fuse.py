@@ -29,7 +29,8 @@ training flag and its other instance attributes. Parameters and buffers replaced
 (``load_state_dict(assign=True)``, ``to_empty``), ``eps`` and carried attributes changed on the replacement are
 handed back to the original modules by ``unfuse``.
 
-Limit: the undo record is kept outside the model (so ``state_dict`` and pickling see nothing of it), hence a
+Limit: the undo record is kept where ``state_dict`` and pickling see nothing of it (a table keyed weakly by the
+model, and on each replacement an attribute that copies and pickles leave out), hence a
 ``copy.deepcopy`` or a pickled-and-loaded fused model stays fused and cannot be unfused: ``unfuse`` raises a
 RuntimeError on it, saying so, and changes nothing (a copy whose attention alone was fused cannot be told from a model
 configured with pipegoose attention: ``unfuse`` returns False for it). Unfuse before copying, or copy the unfused
