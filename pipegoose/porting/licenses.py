@@ -70,24 +70,71 @@ def primary_license(text: str) -> str | None:
     return spdx
 
 
-_SPDX = re.compile(r"SPDX-License-Identifier:\s*([A-Za-z0-9.+\-() ]+)")
+_SPDX = re.compile(r"SPDX-License-Identifier:[ \t]*([^\n]*)")
 _HEADER = 16384  # characters of a source file read for its license header
+# what starts a comment line: its marker is not part of the text (a notice wraps across "//" or " * " lines)
+_COMMENT_MARK = re.compile(r"^[ \t]*(?:/\*+|\*+/?|//+|#+|<!--|-->|;+|--|!)?[ \t]?")
+_SPDX_TOKEN = re.compile(r"\(|\)|[A-Za-z0-9.+\-:]+")
+_SPDX_OPS = {"AND", "OR", "WITH"}
+# disallowed license families in prose, and the cues of a sentence that grants or restricts a license (a mention of
+# the GPL in a note on compatibility is not a grant)
+_PROSE_FAMILIES: tuple[tuple[str, re.Pattern], ...] = (
+    ("GPL", re.compile(r"\bgnu (?:affero |lesser |library )?general public licen[cs]e\b|\b(?:a|l)?gpl(?:v?\d|-\d|\b)")),
+    ("non-commercial", re.compile(r"\bnon[- ]?commercial\b|\bby-nc\b")),
+    ("MPL", re.compile(r"\bmozilla public licen[cs]e\b|\bmpl-?\d")),
+)
+_GRANT = re.compile(r"licensed under|license[ds]? to you|distributed under|released under|under the terms of|subject to the terms|"
+                    r"is free software|redistribute it|licen[cs]e:|use only|only for|only be used")
+_ALLOWED_NAMES = re.compile(r"\bmit\b|\bapache\b|\bbsd\b")
+
+
+def _comment_free(text: str) -> str:
+    """``text`` without the comment markers that start its lines, whitespace collapsed, lower case."""
+    return _norm("\n".join(_COMMENT_MARK.sub("", line, count=1) for line in text.splitlines()))
+
+
+def _spdx_ids(expr: str) -> tuple[list[str], bool] | None:
+    """The license ids of an SPDX expression (what follows ``SPDX-License-Identifier:`` up to the first word that is no
+    id, operator or parenthesis, so ``MIT see LICENSE`` is ``MIT``; exceptions after ``WITH`` dropped) and whether it
+    is a choice (``A OR B``); None when there is none."""
+    ids, either, prev_id, skip = [], False, False, False
+    for tok in _SPDX_TOKEN.findall(expr):
+        up = tok.upper()
+        if up in _SPDX_OPS:
+            either = either or up == "OR"
+            skip, prev_id = up == "WITH", False
+        elif tok in "()":
+            if tok == "(" and prev_id:
+                break                      # "Apache-2.0 (see LICENSE)": the comment after the id
+            continue
+        elif prev_id:
+            break                          # an id right after an id: the expression ended
+        else:
+            if not skip:
+                ids.append(tok)
+            skip, prev_id = False, True
+    return (ids, either) if ids else None
 
 
 def file_license_problem(text: str, allowed: tuple[str, ...]) -> str | None:
-    """Why a vendored source file may not be taken, from its own header (None when nothing says so): an
-    ``SPDX-License-Identifier`` naming no allowed license (``A OR B`` passes when one of them is allowed), or the
-    text of a copyleft / non-commercial license (a file of another license bundled in a permissive project)."""
+    """Why a vendored source file may not be taken, from its own header (None when nothing says so). A best-effort
+    check of the first 16 KB: an ``SPDX-License-Identifier`` decides when there is one (its ids must be allowed; for
+    ``A OR B`` one of them); without one, a sentence that grants or restricts a license and names a copyleft,
+    Mozilla or non-commercial license (comment markers and line breaks removed, so a wrapped notice is found) stops
+    it, unless the same sentence offers an allowed license as the alternative."""
     head = text[:_HEADER]
-    for expr in _SPDX.findall(head):
-        # an exception (``WITH LLVM-exception``) adds permissions: the license before it is what counts
-        bare = re.sub(r"\s+WITH\s+[A-Za-z0-9.+\-]+", "", expr.strip())
-        ids = [i for i in re.split(r"\s+(?:OR|AND)\s+|[()\s]+", bare) if i]
-        either = " OR " in expr and " AND " not in expr
-        ok = any(i in allowed for i in ids) if either else all(i in allowed for i in ids)
-        if not ok:
-            return f"its SPDX-License-Identifier is {expr.strip()} (allowed: {', '.join(allowed)})"
-    _, bad = detect_licenses(head)
-    if bad:
-        return f"its header carries {', '.join(sorted(bad))} text"
+    exprs = [e for e in (_spdx_ids(m) for m in _SPDX.findall(head)) if e is not None]
+    if exprs:
+        for ids, either in exprs:
+            ok = any(i in allowed for i in ids) if either else all(i in allowed for i in ids)
+            if not ok:
+                return f"its SPDX-License-Identifier names {' or '.join(ids) if either else ', '.join(ids)} " \
+                       f"(allowed: {', '.join(allowed)})"
+        return None
+    for sentence in re.split(r"(?<=[.;])\s+", _comment_free(head)):
+        if not _GRANT.search(sentence):
+            continue
+        for fam, pat in _PROSE_FAMILIES:
+            if pat.search(sentence) and not (" or " in sentence and _ALLOWED_NAMES.search(sentence)):
+                return f"its header grants or restricts it under a {fam} license: \"{sentence[:160]}\""
     return None
