@@ -18,9 +18,11 @@ serialised with a file lock; temporary folders that a killed run left (``pypi/<n
 
 from __future__ import annotations
 
+import base64
 import html.parser
 import io
 import json
+import netrc
 import os
 import shutil
 import ssl
@@ -339,17 +341,61 @@ class _AnchorParser(html.parser.HTMLParser):
                 self.links.append((a["href"], a))
 
 
+def redact(url: str) -> str:
+    """``url`` with its credentials (``https://user:token@host/...``) replaced by ``***``, for messages."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"***@{host}" + (f":{parts.port}" if parts.port else "")))
+
+
 class SimpleIndex:
-    """The PEP 503/691 simple API of pip's configured indexes and find-links folders."""
+    """The PEP 503/691 simple API of pip's configured indexes and find-links folders.
+
+    Credentials as pip takes them: in an index URL (``https://user:token@host/simple``; sent as HTTP Basic auth to
+    that host, for its pages and downloads alike) or, for a host without them, in ``~/.netrc``. They never appear in
+    a message."""
 
     def __init__(self, config: IndexConfig | None = None):
         self.config = config or pip_index_config()
         ctx = ssl.create_default_context(cafile=self.config.cert) if self.config.cert else ssl.create_default_context()
         self._ctx = ctx
+        self._auth: dict[str, tuple[str, str]] = {}   # host[:port] -> (user, password), from the index URLs
+        for u in self.config.index_urls:
+            parts = urllib.parse.urlsplit(u)
+            if parts.username is not None:
+                self._auth[self._host(parts)] = (urllib.parse.unquote(parts.username),
+                                                 urllib.parse.unquote(parts.password or ""))
+
+    @staticmethod
+    def _host(parts: urllib.parse.SplitResult) -> str:
+        return (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
+
+    def _request(self, url: str, headers: dict[str, str]) -> urllib.request.Request:
+        """A request for ``url`` without credentials in it, with the Basic auth of its host (index URL or netrc)."""
+        parts = urllib.parse.urlsplit(url)
+        host = self._host(parts)
+        auth = self._auth.get(host)
+        if parts.username is not None:
+            auth = (urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or ""))
+        url = urllib.parse.urlunsplit(parts._replace(netloc=host))
+        if auth is None and parts.hostname:
+            try:
+                found = netrc.netrc().authenticators(parts.hostname)
+            except (OSError, netrc.NetrcParseError):
+                found = None
+            if found:
+                auth = (found[0] or "", found[2] or "")
+        req = urllib.request.Request(url, headers=headers)
+        if auth is not None:
+            token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+            req.add_unredirected_header("Authorization", f"Basic {token}")
+        return req
 
     def _get(self, url: str) -> tuple[bytes, str]:
-        req = urllib.request.Request(url, headers={
-            "Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1", "User-Agent": "pipegoose-port"})
+        req = self._request(url, {"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1",
+                                  "User-Agent": "pipegoose-port"})
         with urllib.request.urlopen(req, timeout=self.config.timeout, context=self._ctx) as r:
             return r.read(), r.headers.get("Content-Type", "")
 
@@ -377,6 +423,8 @@ class SimpleIndex:
             folder = Path(urllib.request.url2pathname(urllib.parse.urlparse(url).path))
             return self._links_from_dir(folder) if folder.is_dir() else []
         body, ctype = self._get(url)
+        parts = urllib.parse.urlsplit(url)
+        url = urllib.parse.urlunsplit(parts._replace(netloc=self._host(parts)))  # links without the credentials
         if "json" in ctype:
             data = json.loads(body)
             return [(f["filename"], urllib.parse.urljoin(url, f["url"]), (f.get("hashes") or {}).get("sha256"),
@@ -404,7 +452,7 @@ class SimpleIndex:
                 links = get()
                 ok += 1
             except (urllib.error.URLError, OSError, ValueError) as e:
-                errors.append(f"{where}: {e}")
+                errors.append(f"{redact(where)}: {e}")
                 continue
             for fname, url, sha, yanked in links:
                 if not fname.endswith(_ARCHIVE_SUFFIXES):
@@ -424,11 +472,11 @@ class SimpleIndex:
             shutil.copyfile(urllib.request.url2pathname(urllib.parse.urlparse(link.url).path), dest)
             return
         try:
-            req = urllib.request.Request(link.url, headers={"User-Agent": "pipegoose-port"})
+            req = self._request(link.url, {"User-Agent": "pipegoose-port"})
             with urllib.request.urlopen(req, timeout=self.config.timeout, context=self._ctx) as r, open(dest, "wb") as f:
                 shutil.copyfileobj(r, f)
         except (urllib.error.URLError, OSError) as e:
-            raise FetchError(f"download of {link.url} failed: {e}") from e
+            raise FetchError(f"download of {redact(link.url)} failed: {e}") from e
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -587,7 +635,8 @@ class Fetcher:
             errors.append(f"simple index: {e}")
             return None
         if not links:
-            errors.append(f"simple index: no sdist of {name} {version} on {', '.join(self.index.config.index_urls)}")
+            errors.append(f"simple index: no sdist of {name} {version} on "
+                          f"{', '.join(redact(u) for u in self.index.config.index_urls)}")
             return None
         if want:
             matching = [l for l in links if l.sha256 in (None, want)]

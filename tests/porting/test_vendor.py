@@ -744,3 +744,52 @@ def test_git_unreachable_remote(repo, tmp_path):
     with pytest.raises(FetchError, match="git failed"):
         repo.porter().add(["alpha"])
     assert not (repo.root / "kernels.lock").exists()
+
+
+def test_an_index_with_credentials_in_its_url_is_read_with_them_and_they_are_never_shown(tmp_path):
+    """A second review: with `pip download` gone, the simple-API client sent an index URL's user:token@host to DNS as
+    a host name (private mirrors stopped working) and printed the token in its errors. The credentials now go as HTTP
+    Basic auth to that host, for its pages and its downloads, and every message shows *** in their place."""
+    import base64
+    import http.server
+    import threading
+
+    from pipegoose.porting.fetch import IndexConfig, SimpleIndex
+
+    archive = b"not really a tarball"
+    want = "Basic " + base64.b64encode(b"user:s3cret").decode()
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            seen.append((self.path, self.headers.get("Authorization")))
+            if self.headers.get("Authorization") != want:
+                self.send_response(401)
+                self.end_headers()
+                return
+            body = (b'<a href="/files/up-1.0.tar.gz">up-1.0.tar.gz</a>' if self.path.startswith("/simple/")
+                    else archive)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html" if self.path.startswith("/simple/") else "application/x-tar")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        idx = SimpleIndex(IndexConfig([f"http://user:s3cret@127.0.0.1:{port}/simple"], [], None, 10.0))
+        links = idx.sdists("up")
+        assert [link.filename for link in links] == ["up-1.0.tar.gz"] and "s3cret" not in links[0].url
+        idx.download(links[0], tmp_path / "up-1.0.tar.gz")
+        assert (tmp_path / "up-1.0.tar.gz").read_bytes() == archive
+        assert seen == [("/simple/up/", want), ("/files/up-1.0.tar.gz", want)]
+        wrong = SimpleIndex(IndexConfig([f"http://user:wr0ng@127.0.0.1:{port}/simple"], [], None, 10.0))
+        with pytest.raises(FetchError) as e:
+            wrong.sdists("up")
+        assert "wr0ng" not in str(e.value) and "***@127.0.0.1" in str(e.value)
+    finally:
+        server.shutdown()
