@@ -124,6 +124,9 @@ _LOADED: dict[tuple[str, str], KernelOps] = {}
 _LOAD_LOCK = threading.RLock()
 
 
+_HEADER_SUFFIXES = frozenset((".h", ".hh", ".hpp", ".hxx", ".cuh", ".inc", ".inl", ".ipp", ".tcc"))
+
+
 def _log(msg: str) -> None:
     if os.environ.get("PIPEGOOSE_QUIET") != "1":
         print(f"[pipegoose.kernels] {msg}", file=sys.stderr, flush=True)
@@ -250,10 +253,15 @@ class KernelBuilder:
         digests = digests or {}
         out = [f"{rel / f} differs from {lock_path.name}" for f, want in sorted(entry.files.items())
                if (base / f).is_file() and (digests.get(f) or _cache.file_digest(base / f)) != want]
+        # a header the lock does not record where an #include of this kernel could find it (under its include dirs or
+        # beside its files) could shadow a recorded one; other strays (a .cu of a kernel no longer locked, an editor's
+        # swap file) cannot, and are verify's to report
         recorded = lock.files_of_source(k.source)
+        roots = [base / d for d in k.include_dirs] + [(base / f).parent for f in k.files]
         extra = sorted(str(p.relative_to(base)) for p in base.rglob("*")
-                       if (p.is_file() or p.is_symlink()) and str(p.relative_to(base)) not in recorded)
-        out += [f"{rel / f} is not recorded in {lock_path.name}" for f in extra]
+                       if (p.is_file() or p.is_symlink()) and p.suffix in _HEADER_SUFFIXES
+                       and str(p.relative_to(base)) not in recorded and any(p.is_relative_to(r) for r in roots))
+        out += [f"{rel / f} is not recorded in {lock_path.name} (it could shadow a recorded header)" for f in extra]
         return out
 
     def modified_files(self, digests: dict[str, str] | None = None) -> list[str]:
@@ -262,19 +270,19 @@ class KernelBuilder:
         rel = str(self.manifest.vendor_dir(self.kernel.source).relative_to(self.manifest.root)) + "/"
         return [p.split(" ")[0].removeprefix(rel) for p in self.vendored_problems(digests) if " differs from " in p]
 
-    def _check_vendored(self, digests: dict[str, str], *, building: bool = True) -> None:
+    def _check_vendored(self, digests: dict[str, str], *, building: bool = True) -> str | None:
         """Refuse to build or load vendored files that are not exactly what ``kernels.lock`` records
         (:meth:`vendored_problems`), unless ``PIPEGOOSE_ALLOW_MODIFIED_VENDOR`` is 1/true/yes/on: then they are built,
-        with a warning (``building``: False for ``status``, which builds nothing and says nothing)."""
+        with a warning (``building``: False for ``status``, which builds nothing: it gets the line back instead)."""
         problems = self.vendored_problems(digests)
         if not problems:
-            return
+            return None
         what = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
         if os.environ.get("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "").strip().lower() in ("1", "true", "yes", "on"):
             if building:  # a warning, not the builder's progress line: PIPEGOOSE_QUIET does not hide it
                 warnings.warn(f"{self.kernel.id}: building third-party code that is not what kernels.lock records "
                               f"(PIPEGOOSE_ALLOW_MODIFIED_VENDOR): {what}", UserWarning, stacklevel=3)
-            return
+            return f"third-party code that is not what kernels.lock records (PIPEGOOSE_ALLOW_MODIFIED_VENDOR): {what}"
         raise KernelBuildError(f"kernel {self.kernel.id}: the vendored files are not what tools/port.py recorded: "
                                f"{what}; restore them with python tools/port.py sync (python tools/port.py verify "
                                "lists what differs), or build them as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1")
@@ -548,16 +556,17 @@ class KernelBuilder:
             return {**out, "state": "unavailable", "detail": str(e)}
         inputs = self.key_inputs(tc)
         try:
-            self._check_vendored(inputs["files"], building=False)
+            allowed = self._check_vendored(inputs["files"], building=False)
         except KernelBuildError as e:  # what build() and load() refuse: doctor says so
             return {**out, "state": "unavailable", "detail": str(e)}
+        note = f" ({allowed})" if allowed else ""
         res = self._cached_for(inputs)
         if res is None:
             key = _cache.build_key(k.short_name, inputs)
             failed = self.cache_dir / "failed" / key / "build.log"
             detail = f"last build failed, log: {failed}" if failed.is_file() else self._other_archs_hint(inputs, tc)
-            return {**out, "state": "not built", "key": key, "detail": detail}
-        return {**out, "state": "cached", "key": res.key, "detail": str(res.library_path)}
+            return {**out, "state": "not built", "key": key, "detail": detail + note}
+        return {**out, "state": "cached", "key": res.key, "detail": str(res.library_path) + note}
 
     def _other_archs_hint(self, inputs: dict[str, Any], tc: dict[str, Any]) -> str:
         """A line naming the cached builds of this kernel that differ from the current inputs only in their GPU
