@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             if "error" in builds[(label, k)]:
                 timed[(label, k)] = builds[(label, k)]
                 continue
-            timed[(label, k)] = _collect(_spawn(["time", k, caches[label], a.hidden, str(a.rows), a.dtypes,
+            timed[(label, k)] = _collect(_spawn(["time", k, caches[label], ",".join(map(str, hidden)), str(a.rows),
+                                                 a.dtypes,
                                                  *defines[label]], caches[label]), 300)
     rows = []
     print(f"{'op':10s} {'dtype':5s} {'H':>6s} {'generic ms':>11s} {'spec ms':>9s} {'change':>8s} {'spec GB/s':>10s} "

@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     env = environment(args.device)
     run = Run(args, env)
-    if (run.dir / "results.json").exists() and not args.overwrite:
+    if (run.dir / "results.json").exists() and not args.overwrite and not args.dry_run:  # a dry run checks the pipeline
         # a second run of the day into the same --out would replace the first one's results (the reports and plots
         # of ops it does not run would stay, no longer matching them)
         print(f"python -m benchmarks.run: {run.dir / 'results.json'} exists (an earlier run of today): pass another "

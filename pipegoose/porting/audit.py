@@ -1,11 +1,12 @@
 """Compare vendored kernels with a newer upstream (``audit``) and move a source to a new pin (``update``).
 
 Per kernel and vendored file: unchanged / changed (+lines/-lines, optional unified diff) / moved (a file of the
-same name elsewhere in the new upstream) / removed. Per source: license files unchanged / changed / removed.
+same name elsewhere in the new upstream) / removed / added (a path of kernels.yaml found at the new pin only: the
+manifest was edited to follow a move). Per source: license files unchanged / changed / removed.
 Per entry symbol of the manifest: present before and after (a C/C++ function definition or declaration
 named so, found by regular expression). New upstream files in the folders of the vendored ones are listed.
 
-Exit codes (``tools/port.py audit``): 0 in sync, 1 drift (a file changed/moved/removed, a license changed or
+Exit codes (``tools/port.py audit``): 0 in sync, 1 drift (a file changed/moved/removed/added, a license changed or
 an entry symbol vanished), 2 error (fetch failure, unknown id). New files beside the vendored ones are
 reported but are not drift by themselves.
 """

@@ -103,14 +103,19 @@ def test_run_refuses_to_replace_an_earlier_run_of_the_day(tmp_path, monkeypatch,
     """A second run of the day into the same --out replaced the first one's results.json (its reports and plots of
     other ops stayed, no longer matching): refused, saying how to keep both; --overwrite replaces it."""
     monkeypatch.setenv("PIPEGOOSE_STRICT", "")
-    argv = ["--device", "cpu", "--dry-run", "--only", "clip_grad_norm", "--dtypes", "fp32", "--out", str(tmp_path),
-            "--no-tuning"]
+    # a GPU run that measures nothing (--no-ops), on a stand-in environment: a CPU machine has no GPU to run on
+    monkeypatch.setattr(bench_run, "environment", lambda device: {"gpu": "Fake GPU X-1", "device": device,
+                                                                  "date": "2026-12-01T00:00:00+00:00", "torch": "x"})
+    argv = ["--no-ops", "--out", str(tmp_path), "--no-tuning"]
     assert bench_run.main(argv) == 0
-    results = next(tmp_path.glob("cpu_dry_run_*/results.json"))
+    results = next(tmp_path.glob("fake_gpu_x_1_*/results.json"))
     first = results.read_bytes()
     assert bench_run.main(argv) == 2
     assert "exists (an earlier run of today)" in capsys.readouterr().err and results.read_bytes() == first
     assert bench_run.main(argv + ["--overwrite"]) == 0
+    dry = ["--device", "cpu", "--dry-run", "--only", "clip_grad_norm", "--dtypes", "fp32", "--out", str(tmp_path),
+           "--no-tuning"]
+    assert bench_run.main(dry) == 0 and bench_run.main(dry) == 0   # a dry run checks the pipeline: not refused
 
 
 def test_norm_spec_checks_its_arguments_and_the_gpu_before_building(monkeypatch, capsys):
