@@ -104,6 +104,9 @@ def test_run_refuses_to_replace_an_earlier_run_of_the_day(tmp_path, monkeypatch,
     other ops stayed, no longer matching): refused, saying how to keep both; --overwrite replaces it."""
     monkeypatch.setenv("PIPEGOOSE_STRICT", "")
     # a GPU run that measures nothing (--no-ops), on a stand-in environment: a CPU machine has no GPU to run on
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench_run, "environment", lambda device: {"gpu": "Fake GPU X-1", "device": device,
                                                                   "date": "2026-12-01T00:00:00+00:00", "torch": "x"})
     argv = ["--no-ops", "--out", str(tmp_path), "--no-tuning"]
