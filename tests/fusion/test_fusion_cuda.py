@@ -216,6 +216,25 @@ def test_forward_mode_ad_through_the_norms_takes_the_reference(dtype):
         assert dispatch.last_choice(op).impl == "pipegoose"
 
 
+def test_compiled_softmax_under_cuda_autocast_matches_eager():
+    """Under CUDA autocast the scaled softmaxes give fp32 for 16-bit scores (F.softmax's rule); compiled, they emit the
+    reference with that rule written out (no dispatcher in the graph): the same dtype and values as the eager call."""
+    x = torch.randn(2, 4, 64, 64, device=DEV, dtype=torch.float16)
+    mask = torch.rand(2, 1, 64, 64, device=DEV) < 0.3
+
+    def f(t):
+        return PF.scaled_masked_softmax(t, mask, 0.125)
+
+    with torch.autocast("cuda", dtype=torch.float16):
+        want = f(x)
+        import torch._dynamo as dynamo
+
+        dynamo.reset()
+        got = torch.compile(f, backend="eager")(x)
+    assert want.dtype == got.dtype == torch.float32
+    torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
+
+
 def test_must_hold_short_keys_fp16_padding_mask_auto():
     x = torch.randn(4, 12, 24, 24, device=DEV, dtype=torch.float16)
     dy = torch.randn_like(x)

@@ -419,3 +419,26 @@ def test_a_mask_without_its_leading_dims_says_so():
     x = torch.randn(2, 3, 4, 5)
     with pytest.raises(ValueError, match=r"mask: expected 4 dims .* got 3-D shape \[1, 4, 5\]: add the missing"):
         fusion.scaled_masked_softmax(x, torch.zeros(1, 4, 5, dtype=torch.bool), 1.0)
+
+
+def test_the_softmaxes_compile_to_one_graph_under_autocast():
+    """A code review: under autocast the scaled softmaxes took the dispatcher's path while torch.compile traced them
+    (its locks broke the graph: 4 graphs, 3 breaks for one call); they now emit the reference there too, in the
+    output dtype F.softmax has under autocast, and compute what the eager call does."""
+    import torch._dynamo as dynamo
+
+    x = torch.randn(2, 3, 8, 8)
+    mask = torch.rand(2, 1, 8, 8) < 0.3
+
+    def f(t):
+        return fusion.scaled_masked_softmax(t, mask, 0.5) + fusion.scaled_upper_triang_masked_softmax(t[0], 0.5)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = f(x)
+        dynamo.reset()
+        explained = dynamo.explain(f)(x)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+        dynamo.reset()
+        got = torch.compile(f, backend="eager")(x)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want)

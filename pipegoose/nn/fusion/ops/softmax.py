@@ -497,8 +497,14 @@ def _choose(op: str, x: torch.Tensor, mask: torch.Tensor | None, scale: float, i
 def run(op: str, x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool,
         impl: str | None, exact: bool = False) -> torch.Tensor:
     """Choose and run an implementation of a scaled (masked/causal) softmax over the last dim of ``x``."""
-    if dispatch.compile_passthrough(op, impl) and not autocast_state(x.device)[1]:
-        return ReferenceSoftmaxFunction.apply(x, mask, scale, causal)  # torch.compile fuses it itself
+    if dispatch.compile_passthrough(op, impl):  # torch.compile fuses the reference itself
+        kind, autocast_on, _ = autocast_state(x.device)
+        if not autocast_on:
+            return ReferenceSoftmaxFunction.apply(x, mask, scale, causal)
+        # the output dtype F.softmax has under autocast, without the measured rule (softmax_out_dtype), whose cache and
+        # lock break the graph: fp32 for 16-bit input under CUDA autocast (softmax is on its fp32 list), else x's
+        out = torch.float32 if kind == "cuda" and x.dtype in HALF_DTYPES else x.dtype
+        return call_without_autocast(x.device, ReferenceSoftmaxFunction.apply, x.to(out), mask, scale, causal)
     choice, x = _choose(op, x, mask, scale, impl, exact, True, (causal,))
     return call_without_autocast(x.device, _run_choice, choice.impl, x, mask, scale, causal)
 
