@@ -79,6 +79,11 @@ def _doctor(args) -> int:
                 st = {**st, "state": "error", "detail": str(e)}
         kt.add_row(b.kernel.id, ", ".join(b.kernel.aliases), f"[{colors[st['state']]}]{st['state']}[/]", st["detail"])
     console.print(kt)
+    from pipegoose._env import unknown_names
+
+    for name, close in unknown_names():  # a misspelt PIPEGOOSE_CACHE_DIR, say, is otherwise ignored without a word
+        console.print(f"[yellow]{name}[/]: pipegoose reads no variable of that name, so it is ignored"
+                      + (f"; did you mean {close}?" if close else ""))
     litter = cache.abandoned_tmp(cache_dir)
     if litter:
         console.print(f"[yellow]{len(litter)} temp folder(s) of killed builds[/] in {cache_dir} "

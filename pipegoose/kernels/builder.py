@@ -278,7 +278,12 @@ class KernelBuilder:
         if not problems:
             return None
         what = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
-        if os.environ.get("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "").strip().lower() in ("1", "true", "yes", "on"):
+        raw = os.environ.get("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "")
+        allow = raw.strip().lower()
+        if allow not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
+            raise KernelBuildError(f"PIPEGOOSE_ALLOW_MODIFIED_VENDOR={raw!r}: expected 1/true/yes/on or 0/false/no/off "
+                                   f"(or unset); kernel {self.kernel.id}: {what}")
+        if allow in ("1", "true", "yes", "on"):
             if building:  # a warning, not the builder's progress line: PIPEGOOSE_QUIET does not hide it
                 warnings.warn(f"{self.kernel.id}: building third-party code that is not what kernels.lock records "
                               f"(PIPEGOOSE_ALLOW_MODIFIED_VENDOR): {what}", UserWarning, stacklevel=3)

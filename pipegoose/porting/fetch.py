@@ -593,9 +593,11 @@ class Fetcher:
                     raise FetchError(f"{label}: the download cache holds {bad} with sha256 {sha256_file(bad)}, "
                                      f"kernels.yaml pins {want} (a partial or altered download); remove it and "
                                      f"run without --offline, or put the pinned file there")
+                # the same command without --offline on a machine with network fetches this very version (sync only
+                # fetches the pinned one, which is not always the one asked for here: update --to, audit --to)
                 raise FetchError(f"{label}: not in the download cache {self._pypi_dir(name)} and --offline was given "
-                                 f"(run `python tools/port.py sync` on a machine with network and copy its "
-                                 f"pypi/{canonicalize_name(name)}/ folder of the port cache there)")
+                                 f"(run the same command without --offline on a machine with network, then copy the "
+                                 f"pypi/{canonicalize_name(name)}/ folder of its port cache there)")
             path = self._download_sdist(name, version, want)
         got = sha256_file(path)
         if want and got != want:

@@ -630,3 +630,17 @@ def test_explain_describes_the_problem_the_call_chooses_on(op, monkeypatch):
     assert problem.dtype == torch.float32 and problem["shape"] == tuple(x.shape)
     if op == "rms_norm":  # Llama's rounding keeps the input dtype: no cast
         assert dispatch._problem_builders[op](x, (16,), w, None, True).dtype == torch.bfloat16
+
+
+def test_misspelt_pipegoose_variables_of_any_kind_warn(monkeypatch):
+    """A walkthrough: PIPEGOOSE_STRCT=1 left strict mode off without a word (only PIPEGOOSE_IMPL_* names were checked);
+    every PIPEGOOSE_* name pipegoose does not read now gets a warning naming the closest one it does."""
+    monkeypatch.setenv("PIPEGOOSE_STRCT", "1")
+    monkeypatch.setenv("PIPEGOOSE_SMALLNUMEL", "0")
+    monkeypatch.setattr(dispatch, "_env_checked", False)
+    with pytest.warns(UserWarning) as rec:
+        unknown = dispatch.warn_unknown_env()
+    assert {"PIPEGOOSE_STRCT", "PIPEGOOSE_SMALLNUMEL"} <= set(unknown)
+    text = " ".join(str(w.message) for w in rec)
+    assert "PIPEGOOSE_STRCT: pipegoose reads no variable of that name, so it is ignored; did you mean " \
+           "PIPEGOOSE_STRICT?" in text and "did you mean PIPEGOOSE_SMALL_NUMEL?" in text

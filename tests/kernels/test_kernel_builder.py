@@ -530,8 +530,10 @@ def test_cli_build_reports_missing_and_doctor_runs(tiny):
     assert p.returncode == 2, p.stdout + p.stderr
     assert "missing" in p.stdout and "tools/port.py sync" in p.stdout.replace("\n", "").replace("│", "")
     p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "doctor"],
-                       capture_output=True, text=True, env=env, timeout=300)
+                       capture_output=True, text=True, env={**env, "PIPEGOOSE_CACHE_DIRR": "/elsewhere"}, timeout=300)
     assert "preflight" in p.stdout and "test/tiny" in p.stdout and "unavailable" in p.stdout, p.stdout + p.stderr
+    # a misspelt variable is named (the build cache silently stayed the default one)
+    assert "PIPEGOOSE_CACHE_DIRR: pipegoose reads no variable of that name" in " ".join(p.stdout.split()), p.stdout
 
 
 @pytest.mark.parametrize("where", ["before", "after"])
@@ -697,6 +699,9 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
         b.build()
     (root / "kernels.lock.away").replace(root / "kernels.lock")
     (src / "kernel.cu").write_text("// vendored, then changed\n")
+    monkeypatch.setenv("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "2")   # a value of neither kind: named, not taken as "off"
+    with pytest.raises(KernelBuildError, match=r"PIPEGOOSE_ALLOW_MODIFIED_VENDOR='2': expected 1/true/yes/on"):
+        b.build()
     monkeypatch.setenv("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "yes")
     st = b.status()   # doctor: not refused, and says what it would build
     assert st["state"] != "unavailable" and "PIPEGOOSE_ALLOW_MODIFIED_VENDOR" in st["detail"]

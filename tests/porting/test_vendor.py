@@ -523,7 +523,8 @@ def test_offline_with_an_altered_cached_sdist_names_the_file(sdist_repo):
                                          rf"kernels.yaml pins {src.pin['sha256']}"):
         repo.porter(offline=True).fetcher.tree(src)
     cached.unlink()
-    with pytest.raises(FetchError, match=r"not in the download cache .* --offline was given \(run `python tools/port.py sync` on"):
+    with pytest.raises(FetchError, match=r"not in the download cache .* --offline was given \(run the same command "
+                                         r"without --offline on a machine with network"):
         repo.porter(offline=True).fetcher.tree(src)
 
 

@@ -651,8 +651,10 @@ def _caller_stacklevel() -> int:
 
 
 def warn_unknown_env() -> list[str]:
-    """Warn (``UserWarning``, once per process from :func:`choose`) about ``PIPEGOOSE_IMPL_*`` variables that name
-    no op or op family (a misspelling such as ``PIPEGOOSE_IMPL_LAYERNORM`` would otherwise be ignored silently).
+    """Warn (``UserWarning``, once per process from :func:`choose`, and from :func:`check_env`, which ``fuse`` calls)
+    about ``PIPEGOOSE_IMPL_*`` variables that name no op or op family (a misspelling such as
+    ``PIPEGOOSE_IMPL_LAYERNORM`` would otherwise be ignored silently) and about other ``PIPEGOOSE_*`` names that
+    pipegoose does not read (:mod:`pipegoose._env`, with the closest known name).
     ``PIPEGOOSE_IMPL_ATTENTION`` is known: the attention function reads it (:func:`compile_passthrough`), though
     attention is no op of the dispatcher. Returns the unknown names."""
     global _env_checked
@@ -663,6 +665,13 @@ def warn_unknown_env() -> list[str]:
     for k in unknown:
         warnings.warn(f"{k}: no fused op of that name, so it is ignored; known: {', '.join(sorted(known))}",
                       stacklevel=_caller_stacklevel())
+    # every other PIPEGOOSE_* name this project does not read (PIPEGOOSE_STRCT=1 left strict mode off without a word)
+    from pipegoose._env import unknown_names
+
+    for k, close in unknown_names():
+        warnings.warn(f"{k}: pipegoose reads no variable of that name, so it is ignored"
+                      + (f"; did you mean {close}?" if close else ""), stacklevel=_caller_stacklevel())
+        unknown.append(k)
     return unknown
 
 
@@ -672,13 +681,14 @@ def check_env() -> None:
     or be ``auto``; ``PIPEGOOSE_SMALL_NUMEL`` and ``PIPEGOOSE_STRICT`` must parse. (At a call, a bad value is the same
     ValueError, at the first call of the op it applies to.) ``PIPEGOOSE_IMPL_ATTENTION``: :func:`check_attention_env`;
     the norm kernels' ``PIPEGOOSE_NORM_CLUSTERS`` and ``PIPEGOOSE_NORM_SMEM_LIMIT``: :func:`check_kernel_env`.
-    Unknown ``PIPEGOOSE_IMPL_*`` names are
-    :func:`warn_unknown_env`'s.
+    Unknown ``PIPEGOOSE_*`` names get :func:`warn_unknown_env`'s warning (once per process).
 
     Raises:
         ValueError: the first bad variable, named with its value and what was expected.
     """
     _ensure_builtin_ops()
+    if not _env_checked:  # unknown PIPEGOOSE_* names: warned once per process, here or at the first choice
+        warn_unknown_env()
     for op in list(_impls):
         _checked_env_request(op, implementations(op))
     check_attention_env()
