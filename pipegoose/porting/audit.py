@@ -181,10 +181,19 @@ def _targets(porter: Porter, names: Iterable[str] | None) -> dict[str, list[str]
     lock = Lock.load(porter.lock_path)
     m = porter.manifest
     if names:
-        try:
-            ids = [m.resolve(n).id if n not in m.sources else n for n in names]
-        except KeyError as e:
-            raise PortError(e.args[0]) from None
+        ids = []
+        for n in names:
+            if n in m.sources:
+                ids.append(n)
+                continue
+            try:
+                ids.append(m.resolve(n).id)
+            except KeyError as e:
+                close = difflib.get_close_matches(n, list(m.sources), n=3, cutoff=0.6)
+                if close:  # audit takes source ids too: a misspelt one is one of them, not a kernel
+                    raise PortError(f"unknown source or kernel {n!r} in {m.path.name}; did you mean the source "
+                                    f"{', '.join(close)}?") from None
+                raise PortError(e.args[0]) from None
         kernels: list[str] = []
         for i in ids:
             if i in m.sources:  # a source id: its locked kernels (or all of its kernels)

@@ -426,3 +426,11 @@ def test_edit_source_pin_keeps_layout():
     d = yaml.safe_load(new)
     assert d["sources"]["a"]["fetch"]["pypi"]["version"] == 1.0 and "# pinned" in new
     assert d["sources"]["b"]["fetch"]["pypi"] == {"name": "b", "version": "1.1", "sha256": "c" * 64}
+
+
+def test_audit_of_a_misspelt_source_suggests_the_source(repo):
+    """A walkthrough: `audit colosalai` suggested kernels ("did you mean: causal_softmax"); audit takes source ids too,
+    and now suggests the source."""
+    p = setup_sdist(repo, add=("alpha",))
+    with pytest.raises(PortError, match="unknown source or kernel 'upp' in kernels.yaml; did you mean the source up"):
+        audit(p, ["upp"])
