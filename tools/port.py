@@ -70,8 +70,13 @@ def cmd_add(a) -> int:
 
 def cmd_sync(a) -> int:
     r = _porter(a).sync(all_kernels=a.all)
-    out.print(f"sync: added {len(r['added'])} kernel(s); re-vendored {', '.join(r['restored']) or 'none'}; "
-              f"already in place {', '.join(r['ok']) or 'none'}")
+    done = [f"added {len(r['added'])} kernel(s)"]
+    if r.get("vendored"):
+        done.append(f"vendored {', '.join(r['vendored'])}")
+    if r["restored"]:
+        done.append(f"re-vendored {', '.join(r['restored'])} (their files differed from kernels.lock)")
+    done.append(f"already in place {', '.join(r['ok']) or 'none'}")
+    out.print("sync: " + "; ".join(done), markup=False)
     if r.get("differs"):
         out.print(f"sync: this project's own files differ from kernels.lock (verify fails): {', '.join(r['differs'])}; "
                   f"re-record them with python tools/port.py add <id>", style="yellow", markup=False)

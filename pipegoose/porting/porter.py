@@ -329,7 +329,8 @@ class Porter:
         only sources that do not verify already); with ``all_kernels``, first add every kernel of the manifest missing
         from the lock.
 
-        Returns {"added": [...], "restored": [source ids re-vendored], "ok": [source ids already in place],
+        Returns {"added": [...], "vendored": [source ids fetched into an absent vendor/ folder (a fresh clone)],
+        "restored": [source ids re-vendored over files that differed from the lock], "ok": [source ids already in place],
         "differs": [this project's sources whose files differ from the lock: sync has nothing to fetch for them],
         "stray": [paths]}: "stray" lists what lies at the top of vendor/ or LICENSES/ but belongs to no locked source
         (a file, or a folder of no source in the lock); sync leaves those in place (they are not its files), and
@@ -353,7 +354,7 @@ class Porter:
                 self._check_pin(lock, sid)
             new_ids = [k for k in self.manifest.kernels if k not in lock.kernels] if all_kernels else []
             new, trees = self._plan_add(lock, new_ids)
-            result = {"added": new_ids, "restored": [], "ok": [], "differs": []}
+            result = {"added": new_ids, "vendored": [], "restored": [], "ok": [], "differs": []}
             for sid in sorted(new.sources):
                 src = self.manifest.sources[sid]
                 if sid in trees:
@@ -368,9 +369,10 @@ class Porter:
                              f"re-record them with `python tools/port.py add <id>`")
                     result["differs"].append(sid)
                     continue
+                present = any(p.is_file() for d in (self.vendor_dir(sid), self.license_dir(sid)) for p in d.rglob("*"))
                 self.log(f"fetching {src.describe_pin()}")
                 trees[sid] = self.fetcher.tree(src, new.sources[sid].pin)
-                result["restored"].append(sid)
+                result["restored" if present else "vendored"].append(sid)
             self._commit(lock, new, trees)
             result["stray"] = self._stray_top_entries(new)
         return result

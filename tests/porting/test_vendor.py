@@ -89,19 +89,20 @@ def test_sync_restores_from_cache_without_network(sdist_repo):
     # the index disappears: only the download cache can serve
     shutil.rmtree(Path(repo.index_url[len("file://"):]))
     r = repo.porter(offline=True).sync()
-    assert r["restored"] == ["up"]
+    # absent (a fresh clone): "vendored", not "re-vendored"
+    assert r["vendored"] == ["up"] and r["restored"] == []
     assert repo.snapshot() == before
     assert repo.porter().verify() == []
     # nothing to do the second time: no fetch at all
     r = repo.porter(offline=True).sync()
-    assert r == {"added": [], "restored": [], "ok": ["up"], "differs": [], "stray": []}
+    assert r == {"added": [], "vendored": [], "restored": [], "ok": ["up"], "differs": [], "stray": []}
     # a file the lock does not record under vendor/up or LICENSES/up: verify reports it, sync removes it (it used to
     # leave it, and verify kept failing after sync)
     for extra in (repo.root / "vendor" / "up" / "stray.cu", repo.root / "LICENSES" / "up" / "NOTES.txt"):
         extra.write_text("not upstream's")
         assert [p.kind for p in repo.porter().verify()] == ["extra"]
         r = repo.porter(offline=True).sync()
-        assert r["restored"] == ["up"] and not extra.exists()
+        assert r["restored"] == ["up"] and r["vendored"] == [] and not extra.exists()
         assert repo.snapshot() == before and repo.porter().verify() == []
     # what belongs to no source at the top of vendor/ or LICENSES/: sync leaves it and names it (it said nothing, and
     # verify kept failing after it)
