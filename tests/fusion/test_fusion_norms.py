@@ -586,8 +586,16 @@ def test_empty_inputs_as_pytorch(xdt, pdt, shape, nshape, device):
                 (lambda x_, w_, b_: PF.layer_norm(x_, nshape, w_, b_), F.layer_norm, (x, w, b)),
                 (lambda x_, w_: PF.rms_norm(x_, nshape, w_), F.rms_norm, (x, w))):
             y, gs = grads(ours, params, dy)
-            want, want_gs = grads(lambda *t: theirs(t[0], nshape, *t[1:]), params, dy)
-            assert y.shape == want.shape == shape and y.dtype == want.dtype
+            try:
+                want, want_gs = grads(lambda *t: theirs(t[0], nshape, *t[1:]), params, dy)
+            except RuntimeError as e:
+                # F.layer_norm on CUDA refuses a 16-bit input with fp32 parameters ("expected scalar type"), which
+                # ours takes (input and parameter dtypes are independent): PyTorch's answer is then its CPU one
+                assert device == "cuda" and pdt is not None and pdt != xdt and "scalar type" in str(e)
+                want, want_gs = grads(lambda *t: theirs(t[0], nshape, *t[1:]),
+                                      [None if t is None else t.cpu() for t in params], dy.cpu())
+                want, want_gs = want.to(device), [None if g is None else g.to(device) for g in want_gs]
+            assert y.shape == want.shape == shape and y.dtype == want.dtype and y.device == want.device
             assert torch.equal(y, want)
             for g, want_g in zip(gs, want_gs):
                 assert (g is None) == (want_g is None)
