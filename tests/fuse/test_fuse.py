@@ -701,6 +701,44 @@ def test_fuse_of_a_copy_reports_the_modules_it_already_holds():
     assert unfuse(model)
 
 
+def test_fusions_of_a_part_and_of_the_whole_are_reported_and_unfused_together():
+    """fuse() of a submodule, then of the model (and the other way round): the second report said the first call's
+    modules were "a copy of a fused model ... unfuse() will not revert it", and unfuse(model) left them fused. The
+    report now names the fuse() call that put them there, and unfuse(model) reverts the parts' fusions too."""
+    from pipegoose.nn.fusion.modules import MixedFusedLayerNorm
+
+    def n_fused(m):
+        return sum(isinstance(x, MixedFusedLayerNorm) for x in m.modules())
+
+    model = models.build("gpt2", "eager")
+    fuse(model.h[0], ops=["layer_norm"])
+    report = fuse(model, ops=["layer_norm"])
+    held = [r for r in report.rows if r.path.startswith("h.0.")]
+    assert len(held) == 2 and all(r.fused and "earlier fuse() of h.0 (GPT2Block)" in r.reason for r in held)
+    assert n_fused(model) == 5
+    assert unfuse(model) is True
+    assert n_fused(model) == 0 and not is_fused(model) and not is_fused(model.h[0])
+    # the whole first, then a part: the part's report names the enclosing model; unfuse(model) reverts both
+    fuse(model, ops=["layer_norm"])
+    report = fuse(model.h[1], ops=["layer_norm"])
+    assert all(r.fused and "earlier fuse() of an enclosing GPT2Model" in r.reason for r in report.rows)
+    assert unfuse(model) is True and n_fused(model) == 0 and not is_fused(model.h[1])
+    assert unfuse(model) is False
+
+
+def test_kinds_left_out_of_ops_are_counted_in_the_report():
+    """fuse(llama, ops=["layer_norm"]) said only "no eligible module (nothing fused)": Llama's norms are RMSNorms.
+    The report counts the modules of the kinds left out of ops, and says so."""
+    model = models.build("llama", "eager")
+    report = fuse(model, ops=["layer_norm"], dry_run=True)
+    assert report.eligible == 0
+    assert report.not_requested == {"rms_norm": 5, "attention": 2}
+    assert "not in ops: 2 attention, 5 rms_norm module(s)" in str(report)
+    assert report.to_dict()["not_requested"] == {"rms_norm": 5, "attention": 2}
+    assert fuse(model, dry_run=True).not_requested == {}
+    assert fuse(model, ops=["rms_norm"], dry_run=True).not_requested == {"attention": 2}
+
+
 def test_argument_types_of_the_state_functions():
     model = models.build("gpt2", "eager")
     with pytest.raises(TypeError, match="dry_run: expected a bool"):

@@ -109,12 +109,16 @@ class FusionReport:
             before and after, and why).
         dry_run: True when nothing was changed.
         model: class name of the model.
+        not_requested: ``{kind: count}`` of modules that ``fuse`` would have considered for a kind left out of
+            ``ops`` (a Llama fused with ``ops=["layer_norm"]`` has RMSNorms, not LayerNorms); empty when ``ops``
+            named every kind.
     """
 
     rows: list[FusionRow] = field(default_factory=list)
     attention: dict = field(default_factory=dict)
     dry_run: bool = False
     model: str = ""
+    not_requested: dict = field(default_factory=dict)
 
     @property
     def eligible(self) -> int:
@@ -138,7 +142,7 @@ class FusionReport:
     def to_dict(self) -> dict:
         return {"model": self.model, "dry_run": self.dry_run, "attention": dict(self.attention),
                 "eligible": self.eligible, "covered": self.covered, "coverage": self.coverage,
-                "rows": [asdict(r) for r in self.rows]}
+                "not_requested": dict(self.not_requested), "rows": [asdict(r) for r in self.rows]}
 
     def __rich__(self):
         from rich.table import Table
@@ -160,6 +164,10 @@ class FusionReport:
         if any(f" @{_PROBE_SEQ}" in impl for r in self.rows if r.fused for impl in (r.forward, r.backward)):
             notes.append(f"@{_PROBE_SEQ}: the choice for a sequence length of {_PROBE_SEQ}; the dispatcher chooses again "
                          "for each input shape at run time (dispatch.stats() counts what ran)")
+        if self.not_requested:
+            found = ", ".join(f"{n} {kind}" for kind, n in sorted(self.not_requested.items()))
+            notes.append(f"not in ops: {found} module(s) of a kind not asked for (ops= names the kinds to fuse; all "
+                         f"of {', '.join(OPS)} by default)")
         if notes:
             table.caption = "\n".join(notes)
         return table
@@ -376,15 +384,18 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                 if id(child) in seen or id(child) in internal:
                     continue
                 seen.add(id(child))
-                if isinstance(child, fused_types):  # put there before this call: a copy of a fused model, or built in
+                if isinstance(child, fused_types):  # put there before this call
                     kind = "rms_norm" if isinstance(child, FusedRMSNorm) else "layer_norm"
-                    report.rows.append(FusionRow(
-                        path, kind, type(child).__name__, type(child).__name__, True,
-                        reason="already fused before this call (a copy of a fused model, or built with it): not "
-                               "replaced here, and unfuse() will not revert it"))
+                    report.rows.append(FusionRow(path, kind, type(child).__name__, type(child).__name__, True,
+                                                 reason=_already_fused_reason(model, child)))
                     continue
                 row, new = _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNorm)
                 if row is None:
+                    left_out = tuple(k for k in ("layer_norm", "rms_norm") if k not in ops)
+                    if left_out:
+                        other, _ = _consider(child, path, left_out, hidden, True, MixedFusedLayerNorm, FusedRMSNorm)
+                        if other is not None and other.eligible:
+                            report.not_requested[other.kind] = report.not_requested.get(other.kind, 0) + 1
                     continue
                 report.rows.append(row)
                 if new is not None:
@@ -397,6 +408,10 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
 
         if "attention" in ops:
             _fuse_attention(model, config, attention, dry_run, report, state)
+        else:
+            n = sum(1 for p, m in model.named_modules() if p and matching.is_attention_module(m))
+            if n:
+                report.not_requested["attention"] = n
     except BaseException:
         _undo(state)
         raise
@@ -413,6 +428,20 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     if not dry_run and (state.swaps or state.config_swaps or any(r.fused for r in report.rows)):
         _STATE[model] = state  # a call that fused nothing leaves no record: fuse() may be called again
     return report
+
+
+def _already_fused_reason(model: nn.Module, module: nn.Module) -> str:
+    """Why fuse() leaves ``module`` (a fused module found in ``model``) as it is, and what reverts it."""
+    for root, st in list(_STATE.items()):
+        if any(new() is module for _, _, new in st.swaps):
+            inside = next((p for p, m in model.named_modules() if m is root), None)
+            if inside:
+                return (f"fused by an earlier fuse() of {inside} ({type(root).__name__}): not replaced here; "
+                        "unfuse() of either reverts it")
+            return (f"fused by an earlier fuse() of an enclosing {type(root).__name__}: not replaced here; unfuse() "
+                    "of that model reverts it")
+    return ("already fused before this call (a copy of a fused model, or built with it): not replaced here, and "
+            "unfuse() will not revert it")
 
 
 def _bare_norm_kind(model: nn.Module, hidden: int | None) -> str | None:
@@ -764,8 +793,11 @@ def unfuse(model: nn.Module) -> bool:
     alone was fused cannot be told from a model configured with pipegoose attention by its user: ``unfuse``
     returns False for it and its config keeps the pipegoose attention name.)
 
+    Parts of ``model`` fused by their own :func:`fuse` calls (``fuse(model.model.layers[0])`` before or after
+    ``fuse(model)``) are unfused with it: no fused module that fuse() put in ``model`` is left.
+
     Returns:
-        True if the model was fused, False if there was nothing to undo.
+        True if the model (or a part of it) was fused, False if there was nothing to undo.
     Raises:
         TypeError: ``model`` is not a torch.nn.Module.
         RuntimeError: some module or config swapped by ``fuse`` was replaced since by someone else; everything
@@ -774,8 +806,9 @@ def unfuse(model: nn.Module) -> bool:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    parts = [m for p, m in model.named_modules() if p and m in _STATE]   # parts fused by their own fuse() calls
     state = _STATE.pop(model, None)
-    if state is None:
+    if state is None and not parts:
         from .modules import FusedRMSNorm, MixedFusedLayerNorm
 
         found = [p for p, m in model.named_modules() if isinstance(m, (MixedFusedLayerNorm, FusedRMSNorm))]
@@ -787,7 +820,11 @@ def unfuse(model: nn.Module) -> bool:
                 "original before copying it), a part of a fused model or the model inside a torch.compile wrapper "
                 "(unfuse the module that was passed to fuse()), or built with fused modules; nothing was changed")
         return False
-    problems = _undo(state)
+    problems = [] if state is None else _undo(state)
+    for part in parts:
+        part_state = _STATE.pop(part, None)
+        if part_state is not None:
+            problems += _undo(part_state)
     if problems:
         raise RuntimeError("unfuse: restored everything except: " + "; ".join(problems))
     return True
