@@ -213,14 +213,22 @@ class KernelBuilder:
         paths = self.manifest.kernel_paths(k) + [self.manifest.binding_path(k)]
         return [p for p in paths if not p.is_file()]
 
+    def _rel(self, p: Path) -> str:
+        return str(p.relative_to(self.manifest.root)) if p.is_relative_to(self.manifest.root) else str(p)
+
     def _check_files(self) -> None:
         missing = self.missing_files()
         if not missing:
             return
         k = self.kernel
         src = self.manifest.sources[k.source]
-        rel = [str(p.relative_to(self.manifest.root)) if p.is_relative_to(self.manifest.root) else str(p)
-               for p in missing]
+        rel = [self._rel(p) for p in missing]
+        vendored = [p for p in self.manifest.kernel_paths(k) if p != self.manifest.binding_path(k)]
+        if not src.is_local and not self.manifest.vendor_dir(k.source).exists() and set(vendored) <= set(missing):
+            # nothing of the source vendored yet (a fresh clone): no file list, which says no more than this
+            where = self._rel(self.manifest.vendor_dir(k.source))
+            raise KernelUnavailableError(f"kernel {k.id}: not vendored yet (no {where}/): python tools/port.py sync "
+                                         f"(or: python tools/port.py add {k.id})")
         if src.is_local or all(p == self.manifest.binding_path(k) for p in missing):
             hint = "these files are part of this project: check out the complete repository"
         else:

@@ -193,10 +193,19 @@ def test_cuda_major_mismatch_message(tiny, fake_toolkit, monkeypatch):
 
 
 def test_missing_vendored_files_says_run_port_sync(tiny, fake_toolkit):
+    """Nothing of the source vendored (a fresh clone): one short line (it listed every file, which doctor showed for
+    each kernel before the first sync); a source partly there: the missing files."""
     manifest, op, cache_dir = tiny
     with pytest.raises(KernelUnavailableError) as e:
         KernelBuilder("test/vendored", manifest=manifest, cache_dir=cache_dir).build()
-    assert "python tools/port.py sync" in str(e.value) and "src/kernel.cu" in str(e.value)
+    assert str(e.value) == ("kernel test/vendored: not vendored yet (no vendor/upstream/): python tools/port.py sync "
+                            "(or: python tools/port.py add test/vendored)")
+    (manifest.parent / "vendor" / "upstream" / "src").mkdir(parents=True)
+    (manifest.parent / "vendor" / "upstream" / "src" / "other.h").write_text("")
+    with pytest.raises(KernelUnavailableError) as e:
+        KernelBuilder("test/vendored", manifest=manifest, cache_dir=cache_dir).build()
+    assert "python tools/port.py sync" in str(e.value)
+    assert "missing 2 file(s): vendor/upstream/src/kernel.cu, vendor/upstream/src/kernel.h;" in str(e.value)
 
 
 def test_unwritable_cache_dir(tiny, tmp_path):
