@@ -881,6 +881,39 @@ def test_per_head_rms_norms_count_as_eligible_and_skipped():
     unfuse(model)
 
 
+def test_per_head_rms_norms_of_a_composite_model_are_told_by_its_sub_configs_hidden_sizes():
+    """A composite model (Llava, Qwen2.5-VL, Gemma 3: a text and a vision config, no hidden size at the top) gave the
+    probe no hidden size, so per-head norms were fused there unmeasured while Qwen3's were not. The hidden sizes now
+    come from the sub-configs too: the norms over either model's hidden size are fused, the per-head ones not."""
+    transformers = pytest.importorskip("transformers")
+    from pipegoose.nn.fusion.transformers import matching
+
+    text = transformers.Qwen3Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                    head_dim=8, intermediate_size=64, vocab_size=100)
+    vision = transformers.Qwen3Config(hidden_size=24, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=6, intermediate_size=48, vocab_size=10)
+    cfg = transformers.LlavaConfig(text_config=text.to_dict(), vision_config=transformers.CLIPVisionConfig(
+        hidden_size=24).to_dict())
+    assert matching.hidden_size_of(cfg) is None and matching.hidden_sizes_of(cfg) == {32, 24}
+
+    class Composite(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = cfg
+            self.text, self.vision = transformers.Qwen3Model(text), transformers.Qwen3Model(vision)
+
+    model = Composite()
+    report = fuse(model, ops=["rms_norm"])
+    rows = {r.path: r for r in report.rows}
+    for tower, size in (("text", 32), ("vision", 24)):
+        for name in ("layers.0.self_attn.q_norm", "layers.0.self_attn.k_norm"):
+            row = rows[f"{tower}.{name}"]
+            assert not row.fused and row.eligible and "not a hidden size of the model (24, 32)" in row.reason, row
+        for name in ("layers.0.input_layernorm", "norm"):
+            assert rows[f"{tower}.{name}"].fused, rows[f"{tower}.{name}"]
+    unfuse(model)
+
+
 @pytest.mark.parametrize("norm", [nn.LayerNorm(8), nn.RMSNorm(8)], ids=["layer_norm", "rms_norm"])
 def test_fuse_of_a_bare_norm_says_why_nothing_changed(norm):
     """fuse(nn.LayerNorm(8)) returned an empty report (0 of 0) without a word: fuse replaces submodules in their

@@ -18,8 +18,8 @@ Skipped, with the reason in the report: LayerNorm subclasses with their own forw
 the instance (accelerate's ``device_map`` / offloading hooks, patches: a fused module would bypass it), norms whose
 weight or bias is computed rather than a Parameter of their own (``torch.nn.utils.parametrize``, the hook-based
 ``torch.nn.utils.weight_norm``), whose Parameters a fused module cannot share, and RMSNorms over another size than
-the model's hidden size (per-head norms such as Qwen3's ``q_norm`` / ``k_norm``: counted in the coverage, not fused
-yet).
+the model's hidden sizes (its config's and, for a composite model such as Llava or Qwen2.5-VL, its sub-configs';
+per-head norms such as Qwen3's ``q_norm`` / ``k_norm``: counted in the coverage, not fused yet).
 
 Nothing is patched globally: no class, function or module global of transformers or torch changes; two models in
 one process can be fused differently. Parameters stay the same objects, so ``state_dict()`` keys and tensors, and
@@ -162,8 +162,8 @@ class FusionReport:
             a = self.attention
             notes.append(f"attention: {a.get('previous')} -> {a.get('chosen')}: {a.get('reason')}")
         if any(f" @{_PROBE_SEQ}" in impl for r in self.rows if r.fused for impl in (r.forward, r.backward)):
-            notes.append(f"@{_PROBE_SEQ}: the choice for a sequence length of {_PROBE_SEQ}; the dispatcher chooses again "
-                         "for each input shape at run time (dispatch.stats() counts what ran)")
+            notes.append(f"@{_PROBE_SEQ}: the choice for a sequence length of {_PROBE_SEQ}; the dispatcher chooses "
+                         "again for each input shape at run time (dispatch.stats() counts what ran)")
         if self.not_requested:
             found = ", ".join(f"{n} {kind}" for kind, n in sorted(self.not_requested.items()))
             notes.append(f"not in ops: {found} module(s) of a kind not asked for (ops= names the kinds to fuse; all "
@@ -360,7 +360,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     dispatch.check_env()
 
     config = getattr(model, "config", None)
-    hidden = matching.hidden_size_of(config) if config is not None else None
+    hidden = matching.hidden_sizes_of(config) if config is not None else None
     report = FusionReport(dry_run=dry_run, model=type(model).__name__)
     state = _Fusion(report=report)
     replaced: dict[int, nn.Module] = {}       # id(old) -> new (a shared module is replaced once, everywhere)
@@ -444,7 +444,7 @@ def _already_fused_reason(model: nn.Module, module: nn.Module) -> str:
             "unfuse() will not revert it")
 
 
-def _bare_norm_kind(model: nn.Module, hidden: int | None) -> str | None:
+def _bare_norm_kind(model: nn.Module, hidden) -> str | None:
     """``layer_norm`` / ``rms_norm`` when ``model`` itself is a norm fuse() would replace inside a parent (a
     ``torch.nn.LayerNorm``, ``torch.nn.RMSNorm``, or a module the RMSNorm probe accepts), else None."""
     if isinstance(model, nn.LayerNorm):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Collection
 
 import torch
 from torch import nn
@@ -45,6 +45,24 @@ def hidden_size_of(config) -> int | None:
         if isinstance(value, int):
             return value
     return None
+
+
+def hidden_sizes_of(config) -> frozenset[int]:
+    """The hidden sizes of a transformers config and of the configs it holds (a composite model's ``text_config``,
+    ``vision_config``, ``encoder`` / ``decoder``..., two levels down): Llava's, Qwen2.5-VL's and Gemma 3's top-level
+    configs have none of their own. Empty when none is found."""
+    sizes, todo, seen = set(), [(config, 0)], set()
+    while todo:
+        c, depth = todo.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        size = hidden_size_of(c)
+        if size is not None:
+            sizes.add(size)
+        if depth < 2 and is_config(c):
+            todo += [(v, depth + 1) for v in vars(c).values() if is_config(v)]
+    return frozenset(sizes)
 
 
 def model_type_of(config) -> str | None:
@@ -129,8 +147,9 @@ def _eps_of(module: nn.Module) -> float | None:
     return None if name is None else float(getattr(module, name))
 
 
-def probe_rms_norm(module: nn.Module, hidden_size: int | None) -> RMSNormProbe:
-    """Check numerically whether ``module`` computes RMSNorm (see the module docstring).
+def probe_rms_norm(module: nn.Module, hidden_size: int | Collection[int] | None) -> RMSNormProbe:
+    """Check numerically whether ``module`` computes RMSNorm (see the module docstring). ``hidden_size``: the model's
+    hidden size, or its sizes (:func:`hidden_sizes_of`); None or empty: any size.
 
     The module itself is not run: a shallow stand-in sharing its class and attributes, holding a random fp32 CPU
     weight, is, through ``forward`` directly (so the module's hooks do not fire and its parameters are untouched).
@@ -152,12 +171,14 @@ def probe_rms_norm(module: nn.Module, hidden_size: int | None) -> RMSNormProbe:
         return RMSNormProbe(False, None, f"parameter '{pname}' is {weight.dim()}-D", looks_like_norm)
     looks_like_norm = looks_like_norm or _eps_of(module) is not None
     result = _probe_rms_norm(module, pname, weight, looks_like_norm)
-    if result.ok and hidden_size is not None and weight.numel() != hidden_size:
+    sizes = sorted({hidden_size} if isinstance(hidden_size, int) else set(hidden_size or ()))
+    if result.ok and sizes and weight.numel() not in sizes:
         # an RMSNorm over another size than the hidden one: per-head norms (Qwen3's q_norm / k_norm over head_dim,
         # Gemma 3's), not fused yet (no GPU measurement of ours at such sizes), but counted: coverage stays honest
-        return RMSNormProbe(False, result.eps, f"an RMSNorm over {weight.numel()} elements, not the hidden size "
-                            f"{hidden_size} (a per-head or per-projection norm, say): not fused yet", True,
-                            eligible=True)
+        what = (f"the hidden size {sizes[0]}" if len(sizes) == 1
+                else f"a hidden size of the model ({', '.join(map(str, sizes))})")
+        return RMSNormProbe(False, result.eps, f"an RMSNorm over {weight.numel()} elements, not {what} (a per-head "
+                            "or per-projection norm, say): not fused yet", True, eligible=True)
     return result
 
 
@@ -273,5 +294,5 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
 
 
 __all__ = ["ATTENTION_MODEL_TYPES", "ATTENTION_SKIP_REASONS", "RMSNormProbe", "attention_support",
-           "get_attn_implementation", "hidden_size_of", "is_attention_module", "is_config", "model_type_of",
-           "probe_rms_norm", "set_attn_implementation"]
+           "get_attn_implementation", "hidden_size_of", "hidden_sizes_of", "is_attention_module", "is_config",
+           "model_type_of", "probe_rms_norm", "set_attn_implementation"]
