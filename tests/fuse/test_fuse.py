@@ -694,7 +694,10 @@ def test_fuse_of_a_copy_reports_the_modules_it_already_holds():
     report = fuse(twin, ops=["layer_norm"])
     held = [r for r in report.rows if r.kind == "layer_norm"]
     assert held and all(r.fused and "already fused before this call" in r.reason for r in held)
-    assert unfuse(twin) is True                      # fuse(twin) swapped nothing; the held modules stay
+    # fuse(twin) swapped nothing, so it left no record (is_fused was True and unfuse(twin) True, reverting nothing)
+    assert not is_fused(twin)
+    with pytest.raises(RuntimeError, match="copy of a fused model"):
+        unfuse(twin)
     assert type(twin.ln_f).__name__ == "MixedFusedLayerNorm"
     with pytest.raises(RuntimeError, match="part of a fused model"):
         unfuse(model.h[0])                           # a submodule of the fused model: the record is the model's
@@ -722,11 +725,26 @@ def test_fusions_of_a_part_and_of_the_whole_are_reported_and_unfused_together():
     fuse(model, ops=["layer_norm"])
     report = fuse(model.h[1], ops=["layer_norm"])
     assert all(r.fused and "earlier fuse() of an enclosing GPT2Model" in r.reason for r in report.rows)
-    assert unfuse(model) is True and n_fused(model) == 0 and not is_fused(model.h[1])
+    assert not is_fused(model.h[1])                 # it fused nothing itself: no record (unfuse(h.1) did nothing)
+    assert unfuse(model) is True and n_fused(model) == 0
     assert unfuse(model) is False
+    # a model that only shares a block with the fused one is not called its enclosing model
+    other = nn.Sequential(model.h[0])
+    fuse(model, ops=["layer_norm"])
+    (row, *_) = fuse(other, ops=["layer_norm"], dry_run=True).rows
+    assert "another model that shares this module (GPT2Model)" in row.reason
+    unfuse(model)
+    # with fused(model): a part fused before the block stays fused after it; one fused inside it does not
+    fuse(model.h[0], ops=["layer_norm"])
+    with fused(model, ops=["attention"]):
+        fuse(model.h[1], ops=["layer_norm"])
+        assert n_fused(model) == 4
+    assert is_fused(model.h[0]) and not is_fused(model.h[1]) and n_fused(model) == 2
+    assert model.config._attn_implementation == "eager"
+    assert unfuse(model) is True and n_fused(model) == 0
 
 
-def test_kinds_left_out_of_ops_are_counted_in_the_report():
+def test_kinds_left_out_of_ops_are_counted_in_the_report(monkeypatch):
     """fuse(llama, ops=["layer_norm"]) said only "no eligible module (nothing fused)": Llama's norms are RMSNorms.
     The report counts the modules of the kinds left out of ops, and says so."""
     model = models.build("llama", "eager")
@@ -737,6 +755,16 @@ def test_kinds_left_out_of_ops_are_counted_in_the_report():
     assert report.to_dict()["not_requested"] == {"rms_norm": 5, "attention": 2}
     assert fuse(model, dry_run=True).not_requested == {}
     assert fuse(model, ops=["rms_norm"], dry_run=True).not_requested == {"attention": 2}
+    # counting asks the dispatcher nothing (a choice can load, even build, the kernel of a kind left out)
+    from pipegoose.nn.fusion import dispatch
+
+    asked = []
+    monkeypatch.setattr(dispatch, "choose", lambda op, *a, **k: asked.append(op))   # (fuse's caller catches errors)
+    assert fuse(model, ops=["layer_norm"], dry_run=True).not_requested == {"rms_norm": 5, "attention": 2}
+    assert asked == []
+    # attention that fuse() could not replace (Bloom's ALiBi) is not counted as left out
+    bloom = models.build("bloom", "eager")
+    assert fuse(bloom, ops=["layer_norm"], dry_run=True).not_requested == {}
 
 
 def test_argument_types_of_the_state_functions():
@@ -893,7 +921,7 @@ def test_per_head_rms_norms_of_a_composite_model_are_told_by_its_sub_configs_hid
     vision = transformers.Qwen3Config(hidden_size=24, num_hidden_layers=1, num_attention_heads=4,
                                       num_key_value_heads=2, head_dim=6, intermediate_size=48, vocab_size=10)
     cfg = transformers.LlavaConfig(text_config=text.to_dict(), vision_config=transformers.CLIPVisionConfig(
-        hidden_size=24).to_dict())
+        hidden_size=24, num_attention_heads=2).to_dict())
     assert matching.hidden_size_of(cfg) is None and matching.hidden_sizes_of(cfg) == {32, 24}
 
     class Composite(nn.Module):
@@ -903,12 +931,30 @@ def test_per_head_rms_norms_of_a_composite_model_are_told_by_its_sub_configs_hid
             self.text, self.vision = transformers.Qwen3Model(text), transformers.Qwen3Model(vision)
 
     model = Composite()
+    # each tower's own config decides (a pooled set let a per-head norm through where its size was another tower's
+    # hidden size): a head_dim of 8 in the text tower and a vision hidden size of 8
+    clash = transformers.Qwen3Config(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                     head_dim=4, intermediate_size=16, vocab_size=10)
+    both = Composite()
+    both.vision = transformers.Qwen3Model(clash)
+    both.config = transformers.LlavaConfig(text_config=text.to_dict(), vision_config=transformers.CLIPVisionConfig(
+        hidden_size=8, num_attention_heads=2).to_dict())
+    rows = {r.path: r for r in fuse(both, ops=["rms_norm"], dry_run=True).rows}
+    assert not rows["text.layers.0.self_attn.q_norm"].fused and rows["vision.norm"].fused
+    assert "not the hidden size 32" in rows["text.layers.0.self_attn.q_norm"].reason
+    # a module outside the towers takes the model's sizes (the composite's: all of its sub-configs')
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    model.head = nn.Sequential(LlamaRMSNorm(24), LlamaRMSNorm(8))
+    rows = {r.path: r for r in fuse(model, ops=["rms_norm"], dry_run=True).rows}
+    assert rows["head.0"].fused and not rows["head.1"].fused
+    assert "not a hidden size of the model (24, 32)" in rows["head.1"].reason
     report = fuse(model, ops=["rms_norm"])
     rows = {r.path: r for r in report.rows}
     for tower, size in (("text", 32), ("vision", 24)):
         for name in ("layers.0.self_attn.q_norm", "layers.0.self_attn.k_norm"):
             row = rows[f"{tower}.{name}"]
-            assert not row.fused and row.eligible and "not a hidden size of the model (24, 32)" in row.reason, row
+            assert not row.fused and row.eligible and "not the hidden size" in row.reason, row
         for name in ("layers.0.input_layernorm", "norm"):
             assert rows[f"{tower}.{name}"].fused, rows[f"{tower}.{name}"]
     unfuse(model)

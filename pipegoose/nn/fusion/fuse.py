@@ -360,7 +360,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     dispatch.check_env()
 
     config = getattr(model, "config", None)
-    hidden = matching.hidden_sizes_of(config) if config is not None else None
+    hidden = _hidden_sizes(config)
     report = FusionReport(dry_run=dry_run, model=type(model).__name__)
     state = _Fusion(report=report)
     replaced: dict[int, nn.Module] = {}       # id(old) -> new (a shared module is replaced once, everywhere)
@@ -370,8 +370,17 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     internal = {id(m) for mod in model.modules() if parametrize.is_parametrized(mod)
                 for m in mod.parametrizations.modules()}
 
+    # each module's hidden sizes: those of its nearest enclosing module with a transformers config of its own (a
+    # composite model's towers carry theirs), else the model's (for a composite config, all of its sub-configs')
+    sizes_at: dict[str, frozenset[int] | None] = {"": hidden}
+    held: set[int] = set()          # rows of modules fused before this call: no record of this call for them
     try:
         for parent_path, parent in list(model.named_modules()):
+            own = getattr(parent, "config", None) if parent_path else None
+            if parent_path not in sizes_at:
+                sizes_at[parent_path] = (_hidden_sizes(own) if matching.is_config(own) and _hidden_sizes(own)
+                                         else sizes_at.get(parent_path.rpartition(".")[0], hidden))
+            parent_hidden = sizes_at[parent_path]
             for name, child in list(parent._modules.items()):
                 if child is None:
                     continue
@@ -388,14 +397,13 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                     kind = "rms_norm" if isinstance(child, FusedRMSNorm) else "layer_norm"
                     report.rows.append(FusionRow(path, kind, type(child).__name__, type(child).__name__, True,
                                                  reason=_already_fused_reason(model, child)))
+                    held.add(id(report.rows[-1]))
                     continue
-                row, new = _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNorm)
+                row, new = _consider(child, path, ops, parent_hidden, dry_run, MixedFusedLayerNorm, FusedRMSNorm)
                 if row is None:
-                    left_out = tuple(k for k in ("layer_norm", "rms_norm") if k not in ops)
-                    if left_out:
-                        other, _ = _consider(child, path, left_out, hidden, True, MixedFusedLayerNorm, FusedRMSNorm)
-                        if other is not None and other.eligible:
-                            report.not_requested[other.kind] = report.not_requested.get(other.kind, 0) + 1
+                    kind = _norm_kind_left_out(child, ops, parent_hidden)
+                    if kind is not None:
+                        report.not_requested[kind] = report.not_requested.get(kind, 0) + 1
                     continue
                 report.rows.append(row)
                 if new is not None:
@@ -408,8 +416,9 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
 
         if "attention" in ops:
             _fuse_attention(model, config, attention, dry_run, report, state)
-        else:
-            n = sum(1 for p, m in model.named_modules() if p and matching.is_attention_module(m))
+        elif matching.is_config(config):
+            n = sum(1 for p, m in model.named_modules()
+                    if p and matching.is_attention_module(m) and matching.attention_support(config, m)[0])
             if n:
                 report.not_requested["attention"] = n
     except BaseException:
@@ -425,9 +434,30 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
             "module that holds it")))
     order = {p: i for i, (p, _) in enumerate(model.named_modules(remove_duplicate=False))}
     report.rows.sort(key=lambda r: order.get(r.path, len(order)))
-    if not dry_run and (state.swaps or state.config_swaps or any(r.fused for r in report.rows)):
+    if not dry_run and (state.swaps or state.config_swaps
+                        or any(r.fused and id(r) not in held for r in report.rows)):
         _STATE[model] = state  # a call that fused nothing leaves no record: fuse() may be called again
     return report
+
+
+def _hidden_sizes(config) -> frozenset[int] | None:
+    """A config's hidden size, or, for a composite config with none of its own, its sub-configs' (None: no config,
+    or none found: any size)."""
+    if config is None:
+        return None
+    size = matching.hidden_size_of(config)
+    return frozenset({size}) if size is not None else (matching.hidden_sizes_of(config) or None)
+
+
+def _norm_kind_left_out(child: nn.Module, ops: tuple, hidden) -> str | None:
+    """The kind of norm ``child`` is, where that kind is left out of ``ops`` and fuse() would have counted it as
+    eligible (for the report's ``not_requested``; classification only: no dispatcher choice, no kernel loaded)."""
+    if isinstance(child, nn.LayerNorm):
+        return "layer_norm" if "layer_norm" not in ops else None
+    if "rms_norm" in ops or any(True for _ in child.children()):
+        return None
+    probe = matching.probe_rms_norm(child, hidden)
+    return "rms_norm" if probe.ok or probe.eligible else None
 
 
 def _already_fused_reason(model: nn.Module, module: nn.Module) -> str:
@@ -438,8 +468,11 @@ def _already_fused_reason(model: nn.Module, module: nn.Module) -> str:
             if inside:
                 return (f"fused by an earlier fuse() of {inside} ({type(root).__name__}): not replaced here; "
                         "unfuse() of either reverts it")
-            return (f"fused by an earlier fuse() of an enclosing {type(root).__name__}: not replaced here; unfuse() "
-                    "of that model reverts it")
+            if any(m is model for m in root.modules()):
+                return (f"fused by an earlier fuse() of an enclosing {type(root).__name__}: not replaced here; "
+                        "unfuse() of that model reverts it")
+            return (f"fused by an earlier fuse() of another model that shares this module ({type(root).__name__}): "
+                    "not replaced here; unfuse() of that model reverts it")
     return ("already fused before this call (a copy of a fused model, or built with it): not replaced here, and "
             "unfuse() will not revert it")
 
@@ -806,7 +839,19 @@ def unfuse(model: nn.Module) -> bool:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    parts = [m for p, m in model.named_modules() if p and m in _STATE]   # parts fused by their own fuse() calls
+    return _unfuse(model)
+
+
+def _fused_parts(model: nn.Module) -> list[nn.Module]:
+    """The parts of ``model`` (not itself) fused by their own fuse() calls."""
+    return [m for p, m in model.named_modules() if p and m in _STATE]
+
+
+def _unfuse(model: nn.Module, keep: Iterable[nn.Module] = ()) -> bool:
+    """:func:`unfuse`, leaving the fusions of the parts in ``keep`` in place (``fused()`` keeps those made before it
+    was entered)."""
+    kept = {id(m) for m in keep}
+    parts = [m for m in _fused_parts(model) if id(m) not in kept]
     state = _STATE.pop(model, None)
     if state is None and not parts:
         from .modules import FusedRMSNorm, MixedFusedLayerNorm
@@ -820,11 +865,15 @@ def unfuse(model: nn.Module) -> bool:
                 "original before copying it), a part of a fused model or the model inside a torch.compile wrapper "
                 "(unfuse the module that was passed to fuse()), or built with fused modules; nothing was changed")
         return False
-    problems = [] if state is None else _undo(state)
-    for part in parts:
-        part_state = _STATE.pop(part, None)
-        if part_state is not None:
-            problems += _undo(part_state)
+    problems: list[str] = []
+    try:
+        if state is not None:
+            problems += _undo(state)
+    finally:  # the parts are reverted even when the model's own undo raised
+        for part in parts:
+            part_state = _STATE.pop(part, None)
+            if part_state is not None:
+                problems += _undo(part_state)
     if problems:
         raise RuntimeError("unfuse: restored everything except: " + "; ".join(problems))
     return True
@@ -832,12 +881,15 @@ def unfuse(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def fused(model: nn.Module, ops: Iterable[str] | str | None = None, attention: str = "auto") -> Iterator[FusionReport]:
-    """``with fused(model) as report: ...``: :func:`fuse` on entry, :func:`unfuse` on exit (also on error)."""
+    """``with fused(model) as report: ...``: :func:`fuse` on entry, :func:`unfuse` on exit (also on error). Parts of
+    ``model`` fused by their own :func:`fuse` calls before the block stay fused after it; those fused inside it are
+    reverted with the model."""
+    earlier = _fused_parts(model) if isinstance(model, nn.Module) else []
     report = fuse(model, ops=ops, attention=attention)
     try:
         yield report
     finally:
-        unfuse(model)
+        _unfuse(model, keep=earlier)
 
 
 __all__ = ["FusionReport", "FusionRow", "fuse", "unfuse", "fused", "is_fused", "fusion_report", "OPS"]
