@@ -484,7 +484,8 @@ def test_unfuse_of_a_copy_of_a_fused_model_says_why():
 def test_a_fused_model_is_freed_when_dropped(arch):
     """fuse() kept every fused model alive for ever (its GPU memory too): the record, a value of a dict keyed weakly by
     the model, held the model itself (the config swapped on it; a norm that is its direct child, as GPT-2's ln_f).
-    Dropping a fused model now frees it; a copy or pickle of a replacement carries no record of the module it replaced."""
+    Dropping a fused model now frees it; a copy or pickle of a replacement carries no record of the module it
+    replaced."""
     import gc
     import weakref
 
