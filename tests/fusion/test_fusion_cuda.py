@@ -422,6 +422,52 @@ def test_layer_norm_under_cuda_autocast_matches_nn_layernorm():
     torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
 
 
+@pytest.mark.parametrize("frozen", ["weight", "bias", "both"])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_frozen_norm_parameters_get_no_gradient_computed(op, frozen):
+    """A frozen parameter (requires_grad False: LoRA, a frozen backbone) got its gradient computed by the backward
+    kernel and dropped. Now the C++ autograd formula asks the backward op for the gradients that are needed only: the
+    others stay None, the rest equal the full backward's bit for bit, and with every parameter frozen no column
+    reduction runs (torch.profiler)."""
+    if op == "rms_norm" and frozen == "bias":
+        pytest.skip("RMSNorm has no bias")
+    g = torch.Generator(device=DEV).manual_seed(5)
+    x = torch.randn(4096, 1024, generator=g, device=DEV).to(torch.bfloat16)
+    w = torch.randn(1024, generator=g, device=DEV)
+    b = torch.randn(1024, generator=g, device=DEV)
+    dy = torch.randn(x.shape, generator=g, device=DEV).to(torch.bfloat16)
+
+    def step(train_w, train_b):
+        xs, ws, bs = (t.detach().clone().requires_grad_(r) for t, r in ((x, True), (w, train_w), (b, train_b)))
+        if op == "layer_norm":
+            y = PF.layer_norm(xs, (1024,), ws, bs, 1e-5, impl="pipegoose")
+        else:
+            y = PF.rms_norm(xs, (1024,), ws, 1e-6, impl="pipegoose")
+        y.backward(dy)
+        return xs.grad, ws.grad, bs.grad
+
+    full = step(True, True)
+    got = step(frozen == "bias", frozen == "weight")
+    torch.testing.assert_close(got[0], full[0], rtol=0, atol=0)
+    if frozen in ("weight", "both"):
+        assert got[1] is None
+    else:
+        torch.testing.assert_close(got[1], full[1], rtol=0, atol=0)
+    if op == "layer_norm":
+        if frozen in ("bias", "both"):
+            assert got[2] is None
+        else:
+            torch.testing.assert_close(got[2], full[2], rtol=0, atol=0)
+    if frozen == "both":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step(False, False)
+            torch.cuda.synchronize()
+        names = {e.key for e in prof.key_averages()}
+        assert not any("col_reduce" in n for n in names) and any("norm_bwd" in n for n in names), names
+
+
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 def test_norm_autograd_runs_in_cpp(op):
     """impl=pipegoose: the graph's node is the C++ Function of ``pipegoose::<op>`` (a Python autograd.Function cost

@@ -620,6 +620,31 @@ def test_backward_is_deterministic(ln, rms):
                                                    rms.rms_norm_backward(dy, x, w, rstd)))
 
 
+@pytest.mark.parametrize("h", [64, 768, 4096, 8192, 20008, 65536])
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32], ids=str)
+def test_frozen_parameters_skip_their_gradients(ln, rms, h, dt):
+    """weight_grad / bias_grad False (what the autograd formula passes for a frozen parameter): the gradient is not
+    computed (an empty [0] tensor, no column-reduction launch) and dx is bit for bit that of the full backward, over
+    every backward plan (register, asynchronous copy, cluster, wide rows); the other parameter's gradient too."""
+    x, w, b, dy = make(1029 if h <= 8192 else 37, h, dt, dt, seed=h)
+    _, mean, rstd = ln.layer_norm_forward(x, w, b, EPS, None)
+    full = ln.layer_norm_backward(dy, x, w, b, mean, rstd)
+    for wg, bg in ((False, False), (True, False), (False, True)):
+        poison((x.shape, x.dtype))
+        dx, dw, db = ln.layer_norm_backward(dy, x, w, b, mean, rstd, wg, bg)
+        assert torch.equal(dx, full[0])
+        assert torch.equal(dw, full[1]) if wg else dw.shape == (0,)
+        assert torch.equal(db, full[2]) if bg else db.shape == (0,)
+    _, rstd = rms.rms_norm_forward(x, w, EPS, None)
+    full = rms.rms_norm_backward(dy, x, w, rstd)
+    poison((x.shape, x.dtype))
+    dx, dw = rms.rms_norm_backward(dy, x, w, rstd, False)
+    assert torch.equal(dx, full[0]) and dw.shape == (0,)
+    ran = kernels_run(lambda: ln.layer_norm_backward(dy, x, w, b, mean, rstd, False, False))
+    assert "col_reduce" not in ran, ran
+    assert "col_reduce" in kernels_run(lambda: ln.layer_norm_backward(dy, x, w, b, mean, rstd)), "control"
+
+
 def test_int64_indexing(ln, rms):
     """More than 2^31 elements (bf16 [2^31/8192 + 3, 8192]): rows past the 2^31-th element, all statistics and the
     parameter gradients (a float64 reference computed in chunks)."""

@@ -16,7 +16,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_forward_cuda(
     double eps, std::optional<at::ScalarType> out_dtype);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cuda(
     const at::Tensor& grad_output, const at::Tensor& input, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd);
+    const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd, bool weight_grad,
+    bool bias_grad);
 
 namespace {
 
@@ -30,7 +31,7 @@ using ForwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tens
 using BackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                                    const std::optional<at::Tensor>&,
                                                                    const std::optional<at::Tensor>&, const at::Tensor&,
-                                                                   const at::Tensor&);
+                                                                   const at::Tensor&, bool, bool);
 
 // The kernel's numerics as PyTorch ops: F.layer_norm of x as it is when input, parameters and `out` share its dtype;
 // otherwise in fp32 from the uncast x and parameters (upcasts are exact), rounded once to `out`, as the kernel does
@@ -68,20 +69,21 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &w = saved[1], &b = saved[2];
     const at::Tensor& dy = grads[0];
+    // the graph's edges are those of the defined inputs, in order: x, then weight and bias where given
+    const bool nw = w.defined() && ctx->needs_input_grad(1);
+    const bool nb = b.defined() && ctx->needs_input_grad(w.defined() ? 2 : 1);
     if (at::GradMode::is_enabled()) {  // create_graph=True: gradients that are differentiable again
       const double eps = ctx->saved_data["eps"].toDouble();
       const auto out = ctx->saved_data["out"].toScalarType();
-      // the graph's edges are those of the defined inputs, in order: x, then weight and bias where given
-      const bool nw = w.defined() && ctx->needs_input_grad(1);
-      const bool nb = b.defined() && ctx->needs_input_grad(w.defined() ? 2 : 1);
       auto g = na::grads_through([&] { return reference(x, w, b, eps, out); }, {x, w, b},
                                  {ctx->needs_input_grad(0), nw, nb}, dy);
       return {g[0], g[1], g[2], at::Tensor(), at::Tensor()};
     }
     static const auto op = na::op_handle<BackwardSig>("pipegoose::layer_norm_backward");
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [gi, gw, gb] = op.call(dy, x, na::or_none(w), na::or_none(b), saved[3], saved[4]);
-    return {gi, w.defined() ? gw : at::Tensor(), b.defined() ? gb : at::Tensor(), at::Tensor(), at::Tensor()};
+    // a frozen parameter's gradient is not computed (no partial sums, no column reduction)
+    auto [gi, gw, gb] = op.call(dy, x, na::or_none(w), na::or_none(b), saved[3], saved[4], nw, nb);
+    return {gi, nw ? gw : at::Tensor(), nb ? gb : at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -106,7 +108,8 @@ TORCH_LIBRARY_FRAGMENT(pipegoose, m) {
   m.def("layer_norm_forward(Tensor input, Tensor? weight, Tensor? bias, float eps, ScalarType? out_dtype) "
         "-> (Tensor output, Tensor mean, Tensor rstd)");
   m.def("layer_norm_backward(Tensor grad_output, Tensor input, Tensor? weight, Tensor? bias, Tensor mean, "
-        "Tensor rstd) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+        "Tensor rstd, bool weight_grad=True, bool bias_grad=True) -> (Tensor grad_input, Tensor grad_weight, "
+        "Tensor grad_bias)");
   m.def("layer_norm(Tensor input, Tensor? weight, Tensor? bias, float eps, ScalarType? out_dtype) -> Tensor");
 }
 

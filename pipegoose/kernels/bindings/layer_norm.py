@@ -33,9 +33,10 @@ def _forward_fake(input, weight, bias, eps, out_dtype):
 
 
 @torch.library.register_fake("pipegoose::layer_norm_backward")
-def _backward_fake(grad_output, input, weight, bias, mean, rstd):
+def _backward_fake(grad_output, input, weight, bias, mean, rstd, weight_grad=True, bias_grad=True):
     _rows(input)
-    return input.new_empty(input.shape), _param_grad(weight, input), _param_grad(bias, input)
+    return (input.new_empty(input.shape), _param_grad(weight if weight_grad else None, input),
+            _param_grad(bias if bias_grad else None, input))
 
 
 @torch.library.register_fake("pipegoose::layer_norm")

@@ -16,7 +16,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& input
                                                          std::optional<at::ScalarType> out_dtype);
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad_output, const at::Tensor& input,
                                                           const std::optional<at::Tensor>& weight,
-                                                          const at::Tensor& rstd);
+                                                          const at::Tensor& rstd, bool weight_grad);
 
 namespace {
 
@@ -27,7 +27,7 @@ using torch::autograd::variable_list;
 using ForwardSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const std::optional<at::Tensor>&, double,
                                                       std::optional<at::ScalarType>);
 using BackwardSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                       const std::optional<at::Tensor>&, const at::Tensor&);
+                                                       const std::optional<at::Tensor>&, const at::Tensor&, bool);
 
 // The kernel's numerics as PyTorch ops: x * rsqrt(mean(x^2) + eps) * weight in fp32, rounded once to `out` (the
 // Python reference, rms_norm_reference(..., cast_before_weight=False) in pipegoose/nn/fusion/ops/rms_norm.py, for
@@ -61,18 +61,20 @@ struct RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &w = saved[1];
     const at::Tensor& dy = grads[0];
+    const bool nw = w.defined() && ctx->needs_input_grad(1);
     if (at::GradMode::is_enabled()) {  // create_graph=True: gradients that are differentiable again
       const double eps = ctx->saved_data["eps"].toDouble();
       const auto out = ctx->saved_data["out"].toScalarType();
       // the graph's edges are those of the defined inputs, in order: x, then the weight where given
       auto g = na::grads_through([&] { return reference(x, w, eps, out); }, {x, w},
-                                 {ctx->needs_input_grad(0), w.defined() && ctx->needs_input_grad(1)}, dy);
+                                 {ctx->needs_input_grad(0), nw}, dy);
       return {g[0], g[1], at::Tensor(), at::Tensor()};
     }
     static const auto op = na::op_handle<BackwardSig>("pipegoose::rms_norm_backward");
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [gi, gw] = op.call(dy, x, na::or_none(w), saved[2]);
-    return {gi, w.defined() ? gw : at::Tensor(), at::Tensor(), at::Tensor()};
+    // a frozen weight's gradient is not computed (no partial sums, no column reduction)
+    auto [gi, gw] = op.call(dy, x, na::or_none(w), saved[2], nw);
+    return {gi, nw ? gw : at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -95,7 +97,7 @@ at::Tensor rms_norm_cuda(const at::Tensor& input, const std::optional<at::Tensor
 TORCH_LIBRARY_FRAGMENT(pipegoose, m) {
   m.def("rms_norm_forward(Tensor input, Tensor? weight, float eps, ScalarType? out_dtype) "
         "-> (Tensor output, Tensor rstd)");
-  m.def("rms_norm_backward(Tensor grad_output, Tensor input, Tensor? weight, Tensor rstd) "
+  m.def("rms_norm_backward(Tensor grad_output, Tensor input, Tensor? weight, Tensor rstd, bool weight_grad=True) "
         "-> (Tensor grad_input, Tensor grad_weight)");
   m.def("rms_norm(Tensor input, Tensor? weight, float eps, ScalarType? out_dtype) -> Tensor");
 }

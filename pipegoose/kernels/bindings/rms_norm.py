@@ -28,9 +28,9 @@ def _forward_fake(input, weight, eps, out_dtype):
 
 
 @torch.library.register_fake("pipegoose::rms_norm_backward")
-def _backward_fake(grad_output, input, weight, rstd):
+def _backward_fake(grad_output, input, weight, rstd, weight_grad=True):
     _rows(input)
-    grad_weight = input.new_empty((0,)) if weight is None else weight.new_empty(weight.shape)
+    grad_weight = input.new_empty((0,)) if weight is None or not weight_grad else weight.new_empty(weight.shape)
     return input.new_empty(input.shape), grad_weight
 
 

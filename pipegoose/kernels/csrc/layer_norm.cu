@@ -9,8 +9,9 @@
 //     the input's nor fp32 is rounded from an fp32 result); y = fma((x - mean) * rstd, weight, bias); mean and
 //     rstd = 1 / sqrt(var + eps) in fp32, statistics in fp32 (two passes over the row held in registers, or per-chunk
 //     moments merged across the block for rows of one 1024-thread block and wider).
-// layer_norm_backward(grad_output [..., H], input, weight?, bias?, mean, rstd) -> (grad_input (input's dtype),
-//     grad_weight, grad_bias (the parameter's shape and dtype; empty [0] tensors when it is None)); grad_output
+// layer_norm_backward(grad_output [..., H], input, weight?, bias?, mean, rstd, weight_grad=True, bias_grad=True) ->
+//     (grad_input (input's dtype), grad_weight, grad_bias (the parameter's shape and dtype; empty [0] tensors when
+//     it is None or its *_grad flag is False: a frozen parameter's gradient is not computed)); grad_output
 //     in the input's dtype or fp32 (another dtype is converted to fp32). Parameter gradients are summed in fp32
 //     in a fixed order (deterministic).
 // Non-contiguous input / grad_output are copied to contiguous first. Errors: RuntimeError naming the argument
@@ -28,9 +29,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_forward_cuda(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cuda(
     const at::Tensor& grad_output, const at::Tensor& input, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd) {
+    const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd, bool weight_grad,
+    bool bias_grad) {
   auto r = pipegoose::norm::norm_backward</*RMS=*/false>("layer_norm_backward", grad_output, input,
                                                          weight.value_or(at::Tensor()), bias.value_or(at::Tensor()),
-                                                         mean, rstd);
+                                                         mean, rstd, weight_grad, bias_grad);
   return {r.grad_input, r.grad_weight, r.grad_bias};
 }

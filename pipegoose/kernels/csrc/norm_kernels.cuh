@@ -3488,9 +3488,12 @@ struct BwdResult {
   at::Tensor grad_input, grad_weight, grad_bias;
 };
 
+// need_weight / need_bias: whether the parameter's gradient is computed (a frozen parameter's is not: no workspace
+// partial rows, no column reduction); one not computed is returned as an empty [0] tensor, as for a None parameter.
 template <bool RMS>
 BwdResult norm_backward(const char* op, const at::Tensor& grad_, const at::Tensor& input_, const at::Tensor& weight_,
-                        const at::Tensor& bias_, const at::Tensor& mean_, const at::Tensor& rstd_) {
+                        const at::Tensor& bias_, const at::Tensor& mean_, const at::Tensor& rstd_,
+                        bool need_weight = true, bool need_bias = true) {
   check_input(op, "input", input_);
   check_input(op, "grad_output", grad_);
   PG_CHECK(grad_.device() == input_.device(), op, ": grad_output: expected the input's device ", input_.device(),
@@ -3520,8 +3523,8 @@ BwdResult norm_backward(const char* op, const at::Tensor& grad_, const at::Tenso
 
   BwdResult r;
   r.grad_input = at::empty(input_.sizes(), input.options());
-  const bool want_w = weight_.defined();
-  const bool want_b = !RMS && bias_.defined();
+  const bool want_w = weight_.defined() && need_weight;
+  const bool want_b = !RMS && bias_.defined() && need_bias;
   r.grad_weight = want_w ? at::empty(weight_.sizes(), weight_.options()) : at::empty({0}, input.options());
   r.grad_bias = want_b ? at::empty(bias_.sizes(), bias_.options()) : at::empty({0}, input.options());
   if (rows == 0) {

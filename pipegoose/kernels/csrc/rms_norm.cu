@@ -7,8 +7,9 @@
 //     input's; one that is neither the input's nor fp32 is rounded from an fp32 result). input fp32/fp16/bf16;
 //     weight fp32/fp16/bf16 independent of the input (read in the input's dtype or fp32, else, and for
 //     an fp32 output of a 16-bit input, converted to fp32).
-// rms_norm_backward(grad_output [..., H], input, weight?, rstd) -> (grad_input (input's dtype), grad_weight
-//     (weight's shape and dtype, or an empty [0] tensor when weight is None)); grad_output in the input's dtype
+// rms_norm_backward(grad_output [..., H], input, weight?, rstd, weight_grad=True) -> (grad_input (input's dtype),
+//     grad_weight (weight's shape and dtype, or an empty [0] tensor when weight is None or weight_grad is False: a
+//     frozen weight's gradient is not computed)); grad_output in the input's dtype
 //     or fp32 (another dtype is converted to fp32); grad_weight summed in fp32 in a fixed order (deterministic).
 // Non-contiguous input / grad_output are copied to contiguous first. Errors: RuntimeError naming the argument
 // (device, dtype, H >= 1, weight numel == H, rstd fp32 with one element per row, grad_output shape == input
@@ -25,9 +26,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& input
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad_output, const at::Tensor& input,
                                                           const std::optional<at::Tensor>& weight,
-                                                          const at::Tensor& rstd) {
+                                                          const at::Tensor& rstd, bool weight_grad) {
   auto r = pipegoose::norm::norm_backward</*RMS=*/true>("rms_norm_backward", grad_output, input,
                                                         weight.value_or(at::Tensor()), at::Tensor(), at::Tensor(),
-                                                        rstd);
+                                                        rstd, weight_grad, false);
   return {r.grad_input, r.grad_weight};
 }
