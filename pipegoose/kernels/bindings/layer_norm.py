@@ -4,8 +4,8 @@
 Shapes and dtypes, as the CUDA kernels return them: input ``[..., H]``, rows = numel / H;
 forward -> output (the input's shape, ``out_dtype`` or the input's dtype), mean and rstd (float32 ``[rows]``);
 backward -> grad_input (the input's shape and dtype), grad_weight / grad_bias (the parameter's shape and dtype,
-or an empty ``[0]`` tensor of the input's dtype when the parameter is None); ``layer_norm`` (the forward with its
-autograd formula) -> the forward's output. Imported by the builder after the library is loaded.
+or an empty ``[0]`` tensor of the input's dtype when the parameter is None or its ``weight_grad`` / ``bias_grad``
+flag is False); ``layer_norm`` (the forward with its autograd formula) -> the forward's output. Imported by the builder after the library is loaded.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
 Shapes and dtypes, as the CUDA kernels return them: input ``[..., H]``, rows = numel / H;
 forward -> output (the input's shape, ``out_dtype`` or the input's dtype) and rstd (float32 ``[rows]``);
 backward -> grad_input (the input's shape and dtype) and grad_weight (the weight's shape and dtype, or an empty
-``[0]`` tensor of the input's dtype when weight is None); ``rms_norm`` (the forward with its autograd formula) -> the
-forward's output. Imported by the builder after the library is loaded.
+``[0]`` tensor of the input's dtype when weight is None or ``weight_grad`` is False); ``rms_norm`` (the forward with
+its autograd formula) -> the forward's output. Imported by the builder after the library is loaded.
 """
 
 from __future__ import annotations

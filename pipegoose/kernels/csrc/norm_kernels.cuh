@@ -3488,8 +3488,9 @@ struct BwdResult {
   at::Tensor grad_input, grad_weight, grad_bias;
 };
 
-// need_weight / need_bias: whether the parameter's gradient is computed (a frozen parameter's is not: no workspace
-// partial rows, no column reduction); one not computed is returned as an empty [0] tensor, as for a None parameter.
+// need_weight / need_bias: whether the parameter's gradient is computed (a frozen parameter's is not: its part of the
+// column reduction is skipped, and with no gradient needed at all neither workspace nor reduction is used); one not
+// computed is returned as an empty [0] tensor, as for a None parameter.
 template <bool RMS>
 BwdResult norm_backward(const char* op, const at::Tensor& grad_, const at::Tensor& input_, const at::Tensor& weight_,
                         const at::Tensor& bias_, const at::Tensor& mean_, const at::Tensor& rstd_,
