@@ -475,6 +475,8 @@ def test_unfuse_of_a_copy_of_a_fused_model_says_why():
     assert not is_fused(twin)
     with pytest.raises(RuntimeError, match="copy of a fused model"):
         unfuse(twin)
+    with fused(twin, ops=["layer_norm"]):   # its fuse() records nothing, so its exit has nothing to undo (it raised)
+        pass
     assert type(twin.ln_f).__name__ == "MixedFusedLayerNorm"  # nothing changed
     assert unfuse(model) and type(model.ln_f) is torch.nn.LayerNorm
     assert unfuse(copy.deepcopy(model)) is False  # a copy of the unfused model: nothing to undo
@@ -699,6 +701,8 @@ def test_fuse_of_a_copy_reports_the_modules_it_already_holds():
     assert not is_fused(twin)
     with pytest.raises(RuntimeError, match="copy of a fused model"):
         unfuse(twin)
+    with fused(twin, ops=["layer_norm"]):   # its fuse() records nothing, so its exit has nothing to undo (it raised)
+        pass
     assert type(twin.ln_f).__name__ == "MixedFusedLayerNorm"
     with pytest.raises(RuntimeError, match="part of a fused model"):
         unfuse(model.h[0])                           # a submodule of the fused model: the record is the model's
@@ -742,6 +746,9 @@ def test_fusions_of_a_part_and_of_the_whole_are_reported_and_unfused_together():
         assert n_fused(model) == 4
     assert is_fused(model.h[0]) and not is_fused(model.h[1]) and n_fused(model) == 2
     assert model.config._attn_implementation == "eager"
+    with fused(model, attention="keep", ops=["attention"]):   # records nothing: its exit raised (a "copy")
+        assert not is_fused(model)
+    assert is_fused(model.h[0]) and n_fused(model) == 2
     assert unfuse(model) is True and n_fused(model) == 0
 
 

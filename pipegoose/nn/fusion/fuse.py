@@ -847,12 +847,15 @@ def _fused_parts(model: nn.Module) -> list[nn.Module]:
     return [m for p, m in model.named_modules() if p and m in _STATE]
 
 
-def _unfuse(model: nn.Module, keep: Iterable[nn.Module] = ()) -> bool:
+def _unfuse(model: nn.Module, keep: Iterable[nn.Module] = (), quiet: bool = False) -> bool:
     """:func:`unfuse`, leaving the fusions of the parts in ``keep`` in place (``fused()`` keeps those made before it
-    was entered)."""
+    was entered); ``quiet``: nothing to undo is no error even where the model holds fused modules (``fused()``, whose
+    ``fuse`` call recorded nothing)."""
     kept = {id(m) for m in keep}
     parts = [m for m in _fused_parts(model) if id(m) not in kept]
     state = _STATE.pop(model, None)
+    if state is None and not parts and quiet:
+        return False  # fused(): its fuse() recorded nothing, so there is nothing of its own to undo
     if state is None and not parts:
         from .modules import FusedRMSNorm, MixedFusedLayerNorm
 
@@ -889,7 +892,7 @@ def fused(model: nn.Module, ops: Iterable[str] | str | None = None, attention: s
     try:
         yield report
     finally:
-        _unfuse(model, keep=earlier)
+        _unfuse(model, keep=earlier, quiet=True)
 
 
 __all__ = ["FusionReport", "FusionRow", "fuse", "unfuse", "fused", "is_fused", "fusion_report", "OPS"]
