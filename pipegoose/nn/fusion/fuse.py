@@ -376,10 +376,10 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     held: set[int] = set()          # rows of modules fused before this call: no record of this call for them
     try:
         for parent_path, parent in list(model.named_modules()):
-            own = getattr(parent, "config", None) if parent_path else None
             if parent_path not in sizes_at:
-                sizes_at[parent_path] = (_hidden_sizes(own) if matching.is_config(own) and _hidden_sizes(own)
-                                         else sizes_at.get(parent_path.rpartition(".")[0], hidden))
+                own = getattr(parent, "config", None)
+                own_sizes = _hidden_sizes(own) if matching.is_config(own) else None
+                sizes_at[parent_path] = own_sizes or sizes_at.get(parent_path.rpartition(".")[0], hidden)
             parent_hidden = sizes_at[parent_path]
             for name, child in list(parent._modules.items()):
                 if child is None:
