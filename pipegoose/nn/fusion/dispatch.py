@@ -553,11 +553,17 @@ def _device_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device)
 
 
+_NOT_LOADED = object()
+
+
 def tuning_table(device: torch.device) -> TuningTable | None:
     """The tuning table of ``device``'s GPU model, or None (no GPU, no table, or a malformed one: logged once)."""
     name = _device_name(device)
     if name is None:
         return None
+    table = _tables.get(name, _NOT_LOADED)   # read without the lock once loaded (attention asks on every call)
+    if table is not _NOT_LOADED:
+        return table
     with _lock:
         if name in _tables:
             return _tables[name]

@@ -199,6 +199,22 @@ def _signature(x: Any, normalized_shape: Any, weight: Any, eps: Any, cast_before
     return sig
 
 
+def _default_eps(eps: float | None, x: torch.Tensor) -> float:
+    """F.rms_norm's default for ``eps=None``: the machine epsilon of the compute dtype (fp32 for half inputs)."""
+    return torch.finfo(_compute_dtype(x.dtype)).eps if eps is None else eps
+
+
+def _pytorch_ops(x, shape, weight, eps, cast_before_weight: bool, without_autocast: bool) -> torch.Tensor:
+    """The call as PyTorch ops (nested tensors; torch.compile tracing): F.rms_norm, or Llama's rounding (its eager
+    formula) for ``cast_before_weight``, in the dtype F.rms_norm would give."""
+    if not cast_before_weight:
+        return F.rms_norm(x, shape, weight, eps)
+    out = out_dtype(x, weight, True)
+    if without_autocast:
+        return call_without_autocast(x.device, rms_norm_reference, x, shape, weight, _default_eps(eps, x), out, True)
+    return rms_norm_reference(x, shape, weight, _default_eps(eps, x), out, True)
+
+
 def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, eps: float | None,
         cast_before_weight: bool, impl: str | None) -> torch.Tensor:
     # before the choice cache, whose key holds the value alone: 1 and numpy's True equal True and hash alike, so a
@@ -208,28 +224,16 @@ def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, eps
     if getattr(x, "is_nested", False):  # PyTorch's ops (which may refuse it, as F.rms_norm does a strided one)
         shape, eps = normalize_shape(normalized_shape), eps_value(eps, allow_none=True)  # the checks of a dense call
         dispatch.record(nested_fallback(OP, impl))
-        if not cast_before_weight:
-            return F.rms_norm(x, shape, weight, eps)
-        if eps is None:
-            eps = torch.finfo(_compute_dtype(x.dtype)).eps
-        out = x.dtype if weight is None else torch.promote_types(weight.dtype, x.dtype)
-        return rms_norm_reference(x, shape, weight, eps, out, True)   # Llama's rounding, its eager formula
+        return _pytorch_ops(x, shape, weight, eps, cast_before_weight, without_autocast=False)
     if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the op itself
-        shape = normalize_shape(normalized_shape)
-        if not cast_before_weight:
-            return F.rms_norm(x, shape, weight, eps)
-        if eps is None:
-            eps = torch.finfo(_compute_dtype(x.dtype)).eps
-        out = x.dtype if weight is None else torch.promote_types(weight.dtype, x.dtype)
-        return call_without_autocast(x.device, rms_norm_reference, x, shape, weight, eps, out, True)
+        return _pytorch_ops(x, normalize_shape(normalized_shape), weight, eps, cast_before_weight,
+                            without_autocast=True)
     sig = _signature(x, normalized_shape, weight, eps, cast_before_weight)
     key = None if sig is None else dispatch.choice_key(OP, impl, sig)
     hit = None if key is None else dispatch.cached_choice(key)
     if hit is None:
         shape = normalize_shape(normalized_shape)
-        eps = check_args(x, shape, weight, eps)
-        if eps is None:  # F.rms_norm's default: the machine epsilon of the compute dtype (fp32 for half inputs)
-            eps = torch.finfo(_compute_dtype(x.dtype)).eps
+        eps = _default_eps(check_args(x, shape, weight, eps), x)
         out = out_dtype(x, weight, cast_before_weight)
         xin = x if cast_before_weight or out == x.dtype else x.to(out)
         choice = dispatch.choose(OP, rms_norm_problem(xin, shape, weight, out, cast_before_weight), impl)
