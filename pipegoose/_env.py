@@ -10,7 +10,17 @@ import difflib
 import os
 from typing import Mapping
 
-__all__ = ["KNOWN", "unknown_names"]
+__all__ = ["KNOWN", "flag", "unknown_names"]
+
+ON = ("1", "true", "yes", "on")
+OFF = ("", "0", "false", "no", "off")
+
+
+def flag(raw: str) -> bool | None:
+    """A switch variable's value: True for 1/true/yes/on, False for 0/false/no/off or empty (case and surrounding
+    blanks ignored), None for anything else (the caller raises, naming the variable)."""
+    value = raw.strip().lower()
+    return True if value in ON else False if value in OFF else None
 
 KNOWN: dict[str, str] = {
     "PIPEGOOSE_STRICT": "pipegoose.nn.fusion.dispatch (a fallback raises)",

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .. import _env
 from . import cache as _cache
 from . import toolchain
 from .manifest import Kernel, Manifest, load_manifest
@@ -287,11 +288,11 @@ class KernelBuilder:
             return None
         what = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
         raw = os.environ.get("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "")
-        allow = raw.strip().lower()
-        if allow not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
+        allow = _env.flag(raw)
+        if allow is None:
             raise KernelBuildError(f"PIPEGOOSE_ALLOW_MODIFIED_VENDOR={raw!r}: expected 1/true/yes/on or 0/false/no/off "
                                    f"(or unset); kernel {self.kernel.id}: {what}")
-        if allow in ("1", "true", "yes", "on"):
+        if allow:
             if building:  # a warning, not the builder's progress line: PIPEGOOSE_QUIET does not hide it
                 warnings.warn(f"{self.kernel.id}: building third-party code that is not what kernels.lock records "
                               f"(PIPEGOOSE_ALLOW_MODIFIED_VENDOR): {what}", UserWarning, stacklevel=3)

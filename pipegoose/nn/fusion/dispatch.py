@@ -78,6 +78,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
+from pipegoose import _env
+
 __all__ = [
     "FusionFallbackError",
     "TuningTableError",
@@ -344,10 +346,6 @@ _environ_get = _make_environ_get()
 _strict_var: contextvars.ContextVar[bool | None] = contextvars.ContextVar("pipegoose_strict", default=None)
 
 
-_STRICT_ON = ("1", "true", "yes", "on")
-_STRICT_OFF = ("", "0", "false", "no", "off")
-
-
 def is_strict() -> bool:
     """Whether a fallback raises: the innermost :func:`strict` context, else ``PIPEGOOSE_STRICT``: ``1``, ``true``,
     ``yes`` or ``on`` (strict), ``0``, ``false``, ``no``, ``off`` or empty/unset (not strict); case and surrounding
@@ -361,11 +359,9 @@ def is_strict() -> bool:
     if v is not None:
         return v
     raw = _environ_get("PIPEGOOSE_STRICT", "")
-    value = raw.strip().lower()
-    if value in _STRICT_ON:
-        return True
-    if value in _STRICT_OFF:
-        return False
+    value = _env.flag(raw)
+    if value is not None:
+        return value
     raise ValueError(f"PIPEGOOSE_STRICT={raw!r}: expected 1, true, yes or on (strict), or 0, false, no, off or empty "
                      f"(not strict)")
 
@@ -672,9 +668,7 @@ def warn_unknown_env() -> list[str]:
         warnings.warn(f"{k}: no fused op of that name, so it is ignored; known: {', '.join(sorted(known))}",
                       stacklevel=_caller_stacklevel())
     # every other PIPEGOOSE_* name this project does not read (PIPEGOOSE_STRCT=1 left strict mode off without a word)
-    from pipegoose._env import unknown_names
-
-    for k, close in unknown_names():
+    for k, close in _env.unknown_names():
         warnings.warn(f"{k}: pipegoose reads no variable of that name, so it is ignored"
                       + (f"; did you mean {close}?" if close else ""), stacklevel=_caller_stacklevel())
         unknown.append(k)
