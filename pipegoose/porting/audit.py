@@ -175,6 +175,22 @@ def _new_pin(source: Source, to: str | None, latest: bool, porter: Porter) -> di
     return {"name": source.pin["name"], "version": current if version == Version(current) else str(version)}
 
 
+def _resolve_name(m, name: str, command: str):
+    """``(source id, None)`` for a source id, ``(kernel's source id, kernel id)`` for a kernel id or alias. Raises
+    PortError naming the closest source ids (a misspelt source is one of them, not a kernel) or kernels."""
+    if name in m.sources:
+        return name, None
+    try:
+        k = m.resolve(name)
+    except KeyError as e:
+        close = difflib.get_close_matches(name, list(m.sources), n=3, cutoff=0.5)
+        kernel_hint = e.args[0].split("; ", 1)[1] if "; " in e.args[0] else ""
+        hint = f"did you mean the source {', '.join(close)}? " if close else f"{kernel_hint}; " if kernel_hint else ""
+        raise PortError(f"unknown source or kernel {name!r} in {m.path.name}; {hint}{command} takes a source id "
+                        f"({', '.join(m.sources)}) or a kernel id") from None
+    return k.source, k.id
+
+
 def _targets(porter: Porter, names: Iterable[str] | None) -> dict[str, list[str]]:
     from .lock import Lock
 
@@ -183,17 +199,8 @@ def _targets(porter: Porter, names: Iterable[str] | None) -> dict[str, list[str]
     if names:
         ids = []
         for n in names:
-            if n in m.sources:
-                ids.append(n)
-                continue
-            try:
-                ids.append(m.resolve(n).id)
-            except KeyError as e:
-                close = difflib.get_close_matches(n, list(m.sources), n=3, cutoff=0.6)
-                if close:  # audit takes source ids too: a misspelt one is one of them, not a kernel
-                    raise PortError(f"unknown source or kernel {n!r} in {m.path.name}; did you mean the source "
-                                    f"{', '.join(close)}?") from None
-                raise PortError(e.args[0]) from None
+            sid, kid = _resolve_name(m, n, "audit")
+            ids.append(kid or sid)
         kernels: list[str] = []
         for i in ids:
             if i in m.sources:  # a source id: its locked kernels (or all of its kernels)
@@ -348,18 +355,7 @@ def update(porter: Porter, name: str, to: str | None = None, latest: bool = Fals
     before any download for ``to``); the new files or license fail the checks of ``add``.
     """
     m = porter.manifest
-    if name in m.sources:
-        sid, named = name, None
-    else:
-        try:
-            k = m.resolve(name)
-        except KeyError as e:
-            close = difflib.get_close_matches(name, list(m.sources), n=3, cutoff=0.5)
-            kernel_hint = e.args[0].split("; ", 1)[1] if "; " in e.args[0] else ""
-            hint = f"did you mean the source {', '.join(close)}? " if close else f"{kernel_hint}; " if kernel_hint else ""
-            raise PortError(f"unknown source or kernel {name!r} in {m.path.name}; {hint}update takes a source id "
-                            f"({', '.join(m.sources)}) or a kernel id") from None
-        sid, named = k.source, k.id
+    sid, named = _resolve_name(m, name, "update")
     src = m.sources[sid]
     if src.is_local:
         raise PortError(f"{sid} is a local source (our own kernels): nothing to update")
