@@ -311,6 +311,33 @@ def test_fused_scale_mask_softmax_module_uses_a_kernel(kind):
                                **TOLERANCES[torch.float16])
 
 
+@pytest.mark.parametrize("kind", [AttnMaskType.padding, AttnMaskType.causal])
+def test_fused_scale_mask_softmax_under_autocast_runs_the_16bit_kernel(kind):
+    """Under CUDA autocast the module's fused path went through the functional op, which computes softmax in fp32
+    there: a cast of the scores to fp32, an fp32 kernel and a cast of the probabilities back. It now runs the 16-bit
+    kernel it chose on the scores as given (as Megatron's do): no cast, the same probabilities and gradients."""
+    x = (torch.randn(2, 4, 64, 64, device=DEV, dtype=torch.float16) * 3).requires_grad_()
+    mask = (torch.rand(2, 1, 64, 64, device=DEV) < 0.2) if kind == AttnMaskType.padding else None
+    causal = kind == AttnMaskType.causal
+    m = FusedScaleMaskSoftmax(True, False, kind, True, None, True, 0.125)
+    dy = torch.randn(2, 4, 64, 64, device=DEV, dtype=torch.float16)
+    with torch.autocast("cuda", dtype=torch.float16):
+        m(x, mask)  # the choice is made (and cached) outside the profile
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            y = m(x, mask)
+    casts = [e.name for e in prof.events() if e.name in ("aten::to", "aten::_to_copy", "aten::copy_")]
+    assert casts == []
+    assert y.dtype == torch.float16
+    op = "softmax.causal" if causal else "softmax.masked"
+    assert dispatch.last_choice(op).impl in ("pipegoose", "megatron")
+    y.backward(dy)
+    x64 = x.detach().double().requires_grad_()
+    y64 = softmax_ref64(x64, mask, 0.125, causal)
+    y64.backward(dy.double())
+    torch.testing.assert_close(y.double(), y64.detach(), **TOLERANCES[torch.float16])
+    torch.testing.assert_close(x.grad.double(), x64.grad, **TOLERANCES[torch.float16])
+
+
 def test_plain_softmax_fused_fp32_is_allclose_to_F_softmax():
     x = torch.randn(64, 1000, device=DEV) * 5
     x[3] = float("-inf")

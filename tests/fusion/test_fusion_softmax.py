@@ -285,6 +285,44 @@ def test_fused_scale_mask_softmax_fallback_is_counted_and_the_choice_cached(monk
         _module(AttnMaskType.padding, torch.float32)(x.float(), mask)
 
 
+@pytest.mark.parametrize("kind", [AttnMaskType.padding, AttnMaskType.causal])
+def test_fused_scale_mask_softmax_runs_its_choice_once_on_the_scores_as_given(monkeypatch, kind):
+    """The module chose an implementation and then called the functional op, which chose again (4-7 us of host time
+    per call) and, under autocast, cast the 16-bit scores to fp32 for an fp32 kernel (softmax is on autocast's fp32
+    list) and the probabilities back. It now runs its own choice on the scores as given, outside autocast, as
+    Megatron's kernels do. (A fused implementation is forced here: no kernel runs on the CPU.)"""
+    from pipegoose.nn.fusion.ops import softmax as S
+
+    x = torch.randn(2, 3, 8, 8, dtype=torch.bfloat16) * 3
+    mask = (torch.rand(2, 1, 8, 8) < 0.3).to(torch.uint8) if kind == AttnMaskType.padding else None
+    causal = kind == AttnMaskType.causal
+    ran, chose = [], []
+    real_run = S._run_choice
+
+    def run_choice(impl, xin, m, scale, is_causal):
+        ran.append((impl, xin.dtype, tuple(xin.shape), None if m is None else m.dtype, scale, is_causal,
+                    torch.is_autocast_enabled("cpu")))
+        return real_run("torch", xin, m, scale, is_causal)
+
+    monkeypatch.setattr(S, "_run_choice", run_choice)
+    real_choose = dispatch.choose
+    monkeypatch.setattr(dispatch, "choose", lambda *a, **k: chose.append(a[0]) or real_choose(*a, **k))
+    monkeypatch.setattr(FusedScaleMaskSoftmax, "_choice", lambda self, t, m: dispatch.Choice(
+        self._fused_op(m), "pipegoose", "argument", False, {}, "forced by the test"))
+    dispatch.reset_stats()
+    m = _module(kind, torch.bfloat16, scale=0.5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x, mask)
+    assert chose == []
+    shape = (6, 8, 8) if causal else (2, 3, 8, 8)
+    assert ran == [("pipegoose", torch.bfloat16, shape, None if causal else torch.bool, 0.5, causal, False)]
+    op = "softmax.causal" if causal else "softmax.masked"
+    assert dispatch.stats()[op] == {"pipegoose": 1}
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    torch.testing.assert_close(y.double(), ref64(x, None if causal else mask.bool(), 0.5, causal=causal),
+                               **TOLERANCES[torch.bfloat16])
+
+
 def test_fused_scale_mask_softmax_megatron_api():
     m = _module(AttnMaskType.padding)
     assert not m.is_kernel_available(None, 2, 3, 8, 8, _input=torch.randn(2, 3, 8, 8, dtype=torch.bfloat16))

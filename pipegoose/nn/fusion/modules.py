@@ -77,12 +77,27 @@ class FusedScaleMaskSoftmax(nn.Module):
             raise ValueError(f"input: expected [b, np, sq, sk], got shape {list(input.shape)}")
         if (self.scaled_masked_softmax_fusion and self.input_in_float16 and input.dtype in _HALF
                 and not dispatch.compile_passthrough(self._fused_op(mask))):
+            if mask is not None:
+                mask = _sm.check_mask(mask, input)
             choice = self._choice(input, mask)
-            if choice.impl != "torch":
-                return self.forward_fused_softmax(input, mask)
-            # fusion asked for, but no fused path takes the input: a fallback, counted (strict mode raises on it)
+            # counted either way; a fallback (fusion asked for, no fused path takes the input) raises in strict mode
             dispatch.record(choice)
+            if choice.impl != "torch":
+                return self._run_fused(choice.impl, input, mask)
         return self.forward_torch_softmax(input, mask)
+
+    def _run_fused(self, impl: str, input: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The chosen fused implementation on the 16-bit scores as given, without choosing again (the functional
+        op would, at a few microseconds of host time) and outside autocast, as Megatron's kernels run: under CUDA
+        autocast the functional op computes softmax in fp32 (F.softmax's rule), which cost a cast of the scores and of
+        the probabilities around an fp32 kernel; the probabilities are the input's dtype either way."""
+        scale = self.scale if self.scale is not None else 1.0
+        if self.attn_mask_type == AttnMaskType.causal:
+            b, np, sq, sk = input.shape
+            probs = _common.call_without_autocast(input.device, _sm._run_choice, impl, input.reshape(-1, sq, sk),
+                                                  None, scale, True)
+            return probs.view(b, np, sq, sk)
+        return _common.call_without_autocast(input.device, _sm._run_choice, impl, input, mask, scale, False)
 
     def _fused_op(self, mask: torch.Tensor | None) -> str:
         if self.attn_mask_type == AttnMaskType.causal:
