@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from pipegoose.nn.fusion import dispatch
 from pipegoose.nn.fusion import functional as PF
-from pipegoose.nn.fusion.modules import FusedLayerNorm
+from pipegoose.nn.fusion.modules import AttnMaskType, FusedLayerNorm, FusedScaleMaskSoftmax
 
 
 def _per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
@@ -77,6 +77,9 @@ def cases(device: str, dtype: torch.dtype):
     out += [("softmax.masked", f"pipegoose impl={i}",
              (lambda i: lambda bw: run(lambda: PF.scaled_masked_softmax(s, mask, 0.125, impl=i), bw))(i))
             for i in dispatch.implementations("softmax.masked")]
+    fsm = FusedScaleMaskSoftmax(dtype == torch.float16, dtype == torch.bfloat16, AttnMaskType.padding, True, None,
+                                True, 0.125)
+    out += [("softmax.masked", "FusedScaleMaskSoftmax", lambda bw: run(lambda: fsm(s, mask), bw))]
     return out
 
 
@@ -101,7 +104,8 @@ def main(argv=None) -> int:
                 row.append(f"{_per_call_us(make(bw), a.calls, sync):9.1f}")
             except Exception as e:  # noqa: BLE001 - an implementation that cannot take the input is listed
                 row.append(f"{type(e).__name__:>9s}")
-        ran = ",".join(sorted(dispatch.stats().get(op, {}))) if "pipegoose" in label else "torch"
+        ours = "pipegoose" in label or "Fused" in label
+        ran = ",".join(sorted(dispatch.stats().get(op, {}))) if ours else "torch"
         print(f"{op:16s} {label:36s} {row[0]} {row[1]:>11s}  {ran}")
     return 0
 

@@ -523,6 +523,58 @@ static_assert(kFwdNoMask >= 0 && kFwdNoMask <= 2, "PIPEGOOSE_SOFTMAX_FWD_NM: 0, 
 constexpr int kFwdNoMask = 1;
 #endif
 
+// Causal rows, register-resident plans of long rows: the output vectors wholly above the diagonal (columns >= the
+// causal bound, zeros whatever the scores) are stored right after the row's loads are issued, so that these writes
+// overlap the loads' round trip instead of waiting behind the row's reductions. Session 27 (H200,
+// benchmarks.softmax_raw, causal, % of copy, two alternating runs each, every plan with and without):
+// - backward, 16-bit: 2048 keys 85 -> 88.5, 4096 82 -> 86, 8192 83 -> 89, 16384 87.5 -> 95; fp32: 4096 92.3 -> 96,
+//   8192 89.2 -> 96, 16384 79.1 -> 94; but 16-bit rows of 128-256 keys lost 2-3.5 points, fp32 rows of 128-2048 up
+//   to 1.5 (2048: a tie);
+// - forward: 16-bit 16384 keys 70.2 -> 71.5 (bf16) and 70.3 -> 72.2 (fp16), fp32 16384 keys a tie; elsewhere it lost
+//   (16-bit 128 keys 81 -> 72, 2048-4096 keys 3.5 points, fp32 3 points).
+// The plain rows share the causal rows' kernels. On the every-plan build they moved by under 0.6 points, except the
+// plain bf16 forward at 16384 keys (95.4 -> 91.9, one run), which shares its kernel with the causal rows of 16384 keys
+// (no-mask words, kFwdNoMask). So only the backward takes it, on plans of at least 2048 keys (16-bit) or 4096 (fp32)
+// (kCausalEarlyZero 1). A benchmark build may set -DPIPEGOOSE_SOFTMAX_EARLY_ZERO=0 (never), 1 or 2 (every plan of
+// both passes, session 27's experiment).
+#if defined(PIPEGOOSE_SOFTMAX_EARLY_ZERO)
+constexpr int kCausalEarlyZero = PIPEGOOSE_SOFTMAX_EARLY_ZERO;
+static_assert(kCausalEarlyZero >= 0 && kCausalEarlyZero <= 2, "PIPEGOOSE_SOFTMAX_EARLY_ZERO: 0, 1 or 2");
+#else
+constexpr int kCausalEarlyZero = 1;
+#endif
+
+// Whether the plan of TPR threads with NV vectors each stores a causal row's zeros early (see kCausalEarlyZero).
+template <typename T, bool BWD, int TPR, int NV>
+constexpr bool early_zero() {
+  constexpr int64_t keys = int64_t{TPR} * NV * Elem<T>::kVec;  // the longest row of the plan
+  if constexpr (kCausalEarlyZero == 2) {
+    return true;
+  } else if constexpr (kCausalEarlyZero == 1) {
+    return BWD && keys >= (sizeof(T) == 2 ? 2048 : 4096);
+  } else {
+    return false;
+  }
+}
+
+// Whether the vector at column c0 of a causal row was stored early by a plan that does (EZ), and so not again.
+template <bool EZ>
+__device__ __forceinline__ bool stored_early(bool causal, int64_t c0, int64_t limit) {
+  return EZ && causal && c0 >= limit;
+}
+
+// The early zero stores of one row (see kCausalEarlyZero): the thread's vectors at columns >= limit.
+template <typename T, int TPR, int NV, int KC>
+__device__ __forceinline__ void store_early_zeros(T* __restrict__ y, int lane, int64_t sk, int64_t limit, bool vec_ok) {
+  constexpr int V = Elem<T>::kVec;
+  const float zeros[V] = {};
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int64_t c0 = static_cast<int64_t>(i * TPR + lane) * V;
+    if (c0 >= limit) store_slot<T, TPR, KC>(y, i, lane, c0, sk, vec_ok, zeros);
+  }
+}
+
 // One row of a raw plan (fwd_raw): the row's loaded words raw / mw stay packed; each step converts them again.
 template <typename T, int TPR, int NV, int KC>
 __device__ __forceinline__ void fwd_raw_row(const FwdArgs<T>& a, uint4 (&raw)[NV], const uint2 (&mw)[NV], int lane,
@@ -565,11 +617,13 @@ __device__ __forceinline__ void fwd_raw_row(const FwdArgs<T>& a, uint4 (&raw)[NV
     T* y = a.y + row * keys_of<KC>(a);
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
+      const int64_t c0 = static_cast<int64_t>(i * TPR + lane) * V;
+      if (stored_early<early_zero<T, false, TPR, NV>()>(a.causal, c0, limit)) continue;
       float v[V];
       scores(i, v);
 #pragma unroll
       for (int k = 0; k < V; ++k) v[k] = exp2f(v[k] - ref) * inv;
-      store_slot<T, TPR, KC>(y, i, lane, static_cast<int64_t>(i * TPR + lane) * V, keys_of<KC>(a), a.y_vec, v);
+      store_slot<T, TPR, KC>(y, i, lane, c0, keys_of<KC>(a), a.y_vec, v);
     }
   }
 }
@@ -628,6 +682,14 @@ __device__ __forceinline__ void fwd_reg_rows(const FwdArgs<T>& a, float* red_max
                        ? load_mask_vec<V, FAST>(m[r], static_cast<int64_t>(i * TPR + lane) * V, keys_of<KC>(a),
                                                 slot_limit<V, TPR, KC>(i, lane, limit[r]), a.m_vec)
                        : make_uint2(0u, 0u);
+    if constexpr (early_zero<T, false, TPR, NV>()) {
+      if (a.causal) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          if (valid[r])
+            store_early_zeros<T, TPR, NV, KC>(a.y + row[r] * keys_of<KC>(a), lane, keys_of<KC>(a), limit[r], a.y_vec);
+      }
+    }
     if constexpr (fwd_raw<T, TPR, NV>()) {
       static_assert(R == 1, "fwd_reg_rows: raw plans take one row per thread");
       fwd_raw_row<T, TPR, NV, KC>(a, raw[0], mw[0], lane, valid[0], row[0], limit[0], red_max, red_sum);
@@ -659,10 +721,11 @@ __device__ __forceinline__ void fwd_reg_rows(const FwdArgs<T>& a, float* red_max
         T* y = a.y + row[r] * keys_of<KC>(a);
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
+          const int64_t c0 = static_cast<int64_t>(i * TPR + lane) * V;
+          if (stored_early<early_zero<T, false, TPR, NV>()>(a.causal, c0, limit[r])) continue;
 #pragma unroll
           for (int k = 0; k < V; ++k) v[i][k] *= inv;
-          store_slot<T, TPR, KC>(y, i, lane, static_cast<int64_t>(i * TPR + lane) * V, keys_of<KC>(a), a.y_vec,
-                                 v[i]);
+          store_slot<T, TPR, KC>(y, i, lane, c0, keys_of<KC>(a), a.y_vec, v[i]);
         }
       }
     }
@@ -732,6 +795,10 @@ __device__ __forceinline__ void bwd_reg_rows(const BwdArgs<T>& a, float* red_sum
         stage[i * BLOCK + threadIdx.x] = load_raw<T>(g, c0, keys_of<KC>(a), lim, a.g_vec);
       }
     }
+    if constexpr (early_zero<T, true, TPR, NV>()) {
+      if (a.causal && valid)
+        store_early_zeros<T, TPR, NV, KC>(a.dx + row * keys_of<KC>(a), lane, keys_of<KC>(a), limit, a.dx_vec);
+    }
     if (a.causal) {  // the boundary vector was read whole on the FAST path: zero its invisible columns
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
@@ -772,12 +839,14 @@ __device__ __forceinline__ void bwd_reg_rows(const BwdArgs<T>& a, float* red_sum
       T* dx = a.dx + row * keys_of<KC>(a);
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
+        const int64_t c0 = static_cast<int64_t>(i * TPR + lane) * V;
+        if (stored_early<early_zero<T, true, TPR, NV>()>(a.causal, c0, limit)) continue;
         float fg[V], fy[V];
         Elem<T>::unpack(dy_of(i), fg);
         Elem<T>::unpack(ry[i], fy);
 #pragma unroll
         for (int k = 0; k < V; ++k) fy[k] = a.scale * fy[k] * (fg[k] - dot);
-        store_slot<T, TPR, KC>(dx, i, lane, static_cast<int64_t>(i * TPR + lane) * V, keys_of<KC>(a), a.dx_vec, fy);
+        store_slot<T, TPR, KC>(dx, i, lane, c0, keys_of<KC>(a), a.dx_vec, fy);
       }
     }
     if constexpr (TPR > 32) __syncthreads();  // red_sum is read after the barrier; guard its reuse
