@@ -44,7 +44,8 @@ class FusedScaleMaskSoftmax(nn.Module):
         scale: multiplier of the scores, or None (1.0); needs ``softmax_in_fp32`` (as in Megatron).
 
     ``forward(input [b, np, sq, sk], mask bool [b or 1, 1, sq, sk] or None)`` returns probabilities in the
-    input's dtype. ``causal`` masks key ``j > i + sk - sq`` (plus ``mask`` if given). Fused kernels (through
+    input's dtype, under CUDA autocast too: the fused kernels then run on the 16-bit scores as given (as Megatron's do),
+    the PyTorch path in fp32. ``causal`` masks key ``j > i + sk - sq`` (plus ``mask`` if given). Fused kernels (through
     :mod:`~pipegoose.nn.fusion.dispatch`): pipegoose/softmax (MIT), Megatron-LM's scaled_masked_softmax /
     scaled_upper_triang_masked_softmax via ColossalAI 0.5.0 extensions/csrc/kernel/cuda/ (Apache-2.0).
 
