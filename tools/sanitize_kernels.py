@@ -15,8 +15,8 @@ per SM that walks 300 rows; 65544: the two-read kernel), the
 specialised backward sizes, the wide rows' backward (a thread block cluster per row on sm_90 and newer, the two-kernel
 path with fp32 grad_output of a 16-bit input and before sm_90), with and without parameters and with a bias alone,
 fp32 parameters and fp32 grad_output with a 16-bit input) and of ``pipegoose/softmax`` (plain, padding-masked, causal;
-1 to 40000 keys; one and three query rows) in fp32, fp16 and bf16, at row counts small enough for the sanitizers
-(seconds, not hours). The optional argument ``norms`` or ``softmax`` limits it to one family; ``norms`` followed by
+1 to 40000 keys; one and three query rows, and a whole causal matrix of 2048 keys) in fp32, fp16 and bf16, at row
+counts small enough for the sanitizers (seconds, not hours). The optional argument ``norms`` or ``softmax`` limits it to one family; ``norms`` followed by
 hidden sizes (of the list ``NORM_HIDDEN``) to those sizes, e.g. ``norms 16384 20000 32768 64000`` for the wide rows'
 backward. The GPU tests check values; this checks memory accesses, shared memory races and initialisation: the test
 suite itself is too large to run under the sanitizers (out of memory).
@@ -30,7 +30,7 @@ import torch
 
 NORM_HIDDEN = (1, 7, 64, 100, 200, 264, 768, 1000, 1024, 1160, 2048, 2312, 3000, 4096, 5120, 6400, 8192, 12288, 16384,
                20000, 32000, 32768, 64000, 65536, 65544)
-SOFTMAX_KEYS = (1, 5, 127, 1000, 2048, 4097, 16384, 40000)
+SOFTMAX_KEYS = (1, 5, 127, 1000, 2048, 4097, 16384, 32768, 40000)
 
 
 def main() -> int:
@@ -105,6 +105,11 @@ def main() -> int:
                         y = sm.softmax_forward(x, m, 0.5, causal)
                         sm.softmax_backward(torch.randn_like(y), y, 0.5, causal)
                         calls += 2
+            # a whole causal matrix of long rows: every row length from 1 to sk (the staged 16-bit forward)
+            x = torch.randn(1, 1, 2048, 2048, device="cuda", dtype=dt)
+            y = sm.softmax_forward(x, None, 0.5, True)
+            sm.softmax_backward(torch.randn_like(y), y, 0.5, True)
+            calls += 2
     torch.cuda.synchronize()
     print(f"sanitize_kernels: {calls} kernel calls done")
     return 0

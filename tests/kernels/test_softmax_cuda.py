@@ -154,6 +154,23 @@ def test_key_lengths(sm, dtype, mode, sk):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("sk", [2048, 2056, 8192, 32768])
+def test_causal_square_long_rows(sm, dtype, sk):
+    """Whole causal score matrices (sq == sk) of long rows, every row length from 1 to sk: the 16-bit forward of these
+    rows runs the kernel that stages a row in shared memory (kCausalSmemMin), the backward its long-row plans (the
+    zeros above the diagonal stored early). A strided view (rows padded by 8 keys) takes the same paths."""
+    heads = 2 if sk <= 8192 else 1
+    rows = sk if sk <= 8192 else 1024  # 32768: the last 1024 queries of the matrix (rows of 31745-32768 keys)
+    x, dy, _ = make((1, heads, rows, sk), dtype, seed=sk)
+    if rows < sk:  # bottom-right aligned: query i sees keys j <= i + sk - rows
+        roundtrip(sm, f"causal last {rows} of {sk}", x, dy, None, 0.125, True, dtype)
+        return
+    roundtrip(sm, f"causal square {sk}", x, dy, None, 0.125, True, dtype)
+    base, dyb, _ = make((1, heads, sk, sk + 8), dtype, seed=sk + 1)
+    roundtrip(sm, f"causal square {sk} strided", base[..., :sk], dyb[..., :sk], None, 0.125, True, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("mode", MODES)
 def test_huge_row_two_pass(sm, dtype, mode):
     shape = (1, 2, 3, HUGE)

@@ -981,6 +981,77 @@ __global__ void __launch_bounds__(kTwoPassBlock) softmax_bwd_two_pass_kernel(con
 }
 
 // ------------------------------------------------------------------------------------------------------------
+// Causal forward of long 16-bit rows staged in shared memory (kCausalSmemMin). The register-resident plans of these
+// rows hold the whole row in registers, so an SM runs two rows at a time (two blocks of 512 threads), and a causal row
+// reads half a row on average: too few loads in flight to cover the DRAM round trip. Here a row's visible vectors go
+// to shared memory by cp.async (no registers), its zeros above the diagonal are stored while they land, and the three
+// steps (max, sum, store) read shared memory; a block of kCausalSmemBlock threads takes one row, and an SM holds as
+// many rows as its shared memory takes (seven of 16384 keys).
+constexpr int kCausalSmemBlock = 256;
+
+// Key lengths of the 16-bit causal forward calls that take the staged kernel (vector path, no padding mask):
+// [kCausalSmemMin, kCausalSmemMax]; kCausalSmemMin 0: none. A benchmark build may set the lower bound with
+// -DPIPEGOOSE_SOFTMAX_CAUSAL_SMEM=K (0: off).
+#if defined(PIPEGOOSE_SOFTMAX_CAUSAL_SMEM)
+constexpr int64_t kCausalSmemMin = PIPEGOOSE_SOFTMAX_CAUSAL_SMEM;
+static_assert(kCausalSmemMin >= 0, "PIPEGOOSE_SOFTMAX_CAUSAL_SMEM: a key length, or 0 (off)");
+#else
+constexpr int64_t kCausalSmemMin = 2048;
+#endif
+constexpr int64_t kCausalSmemMax = 32768;  // 64 KB of 16-bit keys per row
+
+template <typename T>
+__global__ void __launch_bounds__(kCausalSmemBlock, 2048 / kCausalSmemBlock)
+    softmax_fwd_causal_smem_kernel(const FwdArgs<T> a) {
+  constexpr int V = Elem<T>::kVec;
+  constexpr int B = kCausalSmemBlock;
+  extern __shared__ uint4 srow[];  // the row's visible vectors (sk / V of them at most)
+  __shared__ float red_max[B / 32];
+  __shared__ float red_sum[B / 32];
+  const int nvec = static_cast<int>(a.sk / V);  // a.fast: every vector whole; sk <= kCausalSmemMax
+  const uint2 nomask = make_uint2(0u, 0u);
+  for (int64_t idx = blockIdx.x; idx < a.rows; idx += gridDim.x) {
+    const int64_t row = row_of(idx, a.rows, a.reverse);
+    const RowPos p = split_row(row, a.d1, a.d2, a.rows32);
+    const int64_t limit = causal_limit(true, p.i2, a.causal_shift, a.sk);
+    const T* x = a.x + row_offset(a.xs, row, p);
+    T* y = a.y + row * a.sk;
+    const int nvis = static_cast<int>((limit + V - 1) / V);  // vectors holding a visible key
+    for (int v = threadIdx.x; v < nvis; v += B) cp_async16(&srow[v], x + static_cast<int64_t>(v) * V, 16);
+    for (int v = nvis + threadIdx.x; v < nvec; v += B)
+      *reinterpret_cast<uint4*>(y + static_cast<int64_t>(v) * V) = make_uint4(0u, 0u, 0u, 0u);
+    cp_async_wait_all();
+    __syncthreads();
+    float mx = neg_inf();
+    for (int v = threadIdx.x; v < nvis; v += B) {
+      float f[V];
+      scores_of<T>(srow[v], nomask, visible_in<V>(static_cast<int64_t>(v) * V, limit), a.scale, f);
+      mx = fmaxf(mx, tree_max<V>(f));
+    }
+    mx = group_reduce<B, true>(mx, red_max);
+    const float ref = mx == neg_inf() ? 0.f : mx;  // no visible key: the sum stays 0
+    float sum = 0.f;
+    for (int v = threadIdx.x; v < nvis; v += B) {
+      float f[V];
+      scores_of<T>(srow[v], nomask, visible_in<V>(static_cast<int64_t>(v) * V, limit), a.scale, f);
+#pragma unroll
+      for (int k = 0; k < V; ++k) f[k] = exp2f(f[k] - ref);
+      sum += tree_sum<V>(f);
+    }
+    sum = group_reduce<B, false>(sum, red_sum);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int v = threadIdx.x; v < nvis; v += B) {
+      float f[V];
+      scores_of<T>(srow[v], nomask, visible_in<V>(static_cast<int64_t>(v) * V, limit), a.scale, f);
+#pragma unroll
+      for (int k = 0; k < V; ++k) f[k] = exp2f(f[k] - ref) * inv;
+      *reinterpret_cast<uint4*>(y + static_cast<int64_t>(v) * V) = Elem<T>::pack(f);
+    }
+    __syncthreads();  // srow, red_max and red_sum are reused by the next row
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
 // Host side: plans and launches.
 
 constexpr int kSmallBlock = 128;  // block size when a row takes at most one warp
@@ -1094,6 +1165,24 @@ void launch_bwd(const BwdArgs<T>& a, cudaStream_t st) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Whether a forward call takes softmax_fwd_causal_smem_kernel (see kCausalSmemMin).
+template <typename T>
+bool causal_smem_takes(const FwdArgs<T>& a) {
+  return sizeof(T) == 2 && kCausalSmemMin > 0 && a.causal && a.mask == nullptr && a.fast && a.y_vec &&
+         a.sk >= kCausalSmemMin && a.sk <= kCausalSmemMax;
+}
+
+template <typename T>
+void launch_fwd_causal_smem(const FwdArgs<T>& a, cudaStream_t st) {
+  const int smem = static_cast<int>(a.sk * static_cast<int64_t>(sizeof(T)));
+  auto kernel = softmax_fwd_causal_smem_kernel<T>;
+  if (smem > 48 * 1024) {  // above the default dynamic shared memory limit: opt in (per device)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  }
+  kernel<<<grid_for(a.rows, 1), kCausalSmemBlock, smem, st>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // Largest key length served by the register-resident kernels (beyond: two-pass).
 template <typename T>
 constexpr int64_t fwd_register_max_cols() {
@@ -1164,6 +1253,9 @@ void run(const Args& a, cudaStream_t st) {
       launch_fwd<T, TPR, NV>(a, st);
     }
   };
+  if constexpr (!BWD && sizeof(T) == 2) {
+    if (causal_smem_takes(a)) return launch_fwd_causal_smem(a, st);
+  }
   using I1 = std::integral_constant<int, 1>;
   using I2 = std::integral_constant<int, 2>;
   using I4 = std::integral_constant<int, 4>;
