@@ -105,7 +105,7 @@ def main() -> int:
                         y = sm.softmax_forward(x, m, 0.5, causal)
                         sm.softmax_backward(torch.randn_like(y), y, 0.5, causal)
                         calls += 2
-            # a whole causal matrix of long rows: every row length from 1 to sk (the staged 16-bit forward)
+            # a whole causal matrix of long rows: every row length from 1 to sk
             x = torch.randn(1, 1, 2048, 2048, device="cuda", dtype=dt)
             y = sm.softmax_forward(x, None, 0.5, True)
             sm.softmax_backward(torch.randn_like(y), y, 0.5, True)

@@ -154,20 +154,18 @@ def test_key_lengths(sm, dtype, mode, sk):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize("sk", [2048, 2056, 8192, 32768])
+@pytest.mark.parametrize("sk", [2048, 2056, 8192, 16384, 32768])
 def test_causal_square_long_rows(sm, dtype, sk):
-    """Whole causal score matrices (sq == sk) of long rows, every row length from 1 to sk: the 16-bit forward of these
-    rows runs the kernel that stages a row in shared memory (kCausalSmemMin), the backward its long-row plans (the
-    zeros above the diagonal stored early). A strided view (rows padded by 8 keys) takes the same paths."""
+    """Whole causal score matrices (sq == sk) of long rows, every row length from 1 to sk: the long-row plans of the
+    backward (zeros above the diagonal stored early) and of the forward; from 16384 keys the 16-bit forward stages a
+    row in shared memory (kCausalSmemMin). Rows strided by 8 padding keys take the same paths."""
     heads = 2 if sk <= 8192 else 1
-    rows = sk if sk <= 8192 else 1024  # 32768: the last 1024 queries of the matrix (rows of 31745-32768 keys)
+    rows = sk if sk <= 16384 else 1024  # 32768: the last 1024 queries (bottom-right aligned: keys j <= i + sk - rows)
     x, dy, _ = make((1, heads, rows, sk), dtype, seed=sk)
-    if rows < sk:  # bottom-right aligned: query i sees keys j <= i + sk - rows
-        roundtrip(sm, f"causal last {rows} of {sk}", x, dy, None, 0.125, True, dtype)
-        return
-    roundtrip(sm, f"causal square {sk}", x, dy, None, 0.125, True, dtype)
-    base, dyb, _ = make((1, heads, sk, sk + 8), dtype, seed=sk + 1)
-    roundtrip(sm, f"causal square {sk} strided", base[..., :sk], dyb[..., :sk], None, 0.125, True, dtype)
+    roundtrip(sm, f"causal {rows} x {sk}", x, dy, None, 0.125, True, dtype)
+    r = min(rows, 1024)  # the last 1024 queries again, their rows strided
+    base, dyb, _ = make((1, heads, r, sk + 8), dtype, seed=sk + 1)
+    roundtrip(sm, f"causal {r} x {sk} strided", base[..., :sk], dyb[..., :sk], None, 0.125, True, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)

@@ -986,17 +986,23 @@ __global__ void __launch_bounds__(kTwoPassBlock) softmax_bwd_two_pass_kernel(con
 // reads half a row on average: too few loads in flight to cover the DRAM round trip. Here a row's visible vectors go
 // to shared memory by cp.async (no registers), its zeros above the diagonal are stored while they land, and the three
 // steps (max, sum, store) read shared memory; a block of kCausalSmemBlock threads takes one row, and an SM holds as
-// many rows as its shared memory takes (seven of 16384 keys).
+// many rows as its shared memory takes (seven of 16384 keys, three of 32768).
 constexpr int kCausalSmemBlock = 256;
 
 // Key lengths of the 16-bit causal forward calls that take the staged kernel (vector path, no padding mask):
-// [kCausalSmemMin, kCausalSmemMax]; kCausalSmemMin 0: none. A benchmark build may set the lower bound with
-// -DPIPEGOOSE_SOFTMAX_CAUSAL_SMEM=K (0: off).
+// [kCausalSmemMin, kCausalSmemMax]; kCausalSmemMin 0: none. Session 27 (H200, benchmarks.softmax_raw, causal forward,
+// % of copy, two alternating runs per build, against the register-resident plans): bf16 16384 keys 70.3 -> 85.1-85.5,
+// 32768 keys 59.5 -> 90.1-90.2 (fp16 alike); but 8192 keys 75 -> 75, 4096 82 -> 62, 2048 82 -> 45, 1024 85 -> 29:
+// eight blocks of 256 threads per SM hold eight rows, whose visible halves (2-8 KB at 2048-8192 keys) are too few
+// bytes in flight, where the register plans of those rows run 8-32 rows per SM. So it takes rows of 16384 keys and
+// more. (A Triton kernel of the same memory traffic, reading the lower triangle and writing the whole matrix, ran
+// 93-96% of copy in bf16 at 4096-16384 keys: the traffic itself allows 90%.) A benchmark build may set the lower
+// bound with -DPIPEGOOSE_SOFTMAX_CAUSAL_SMEM=K (0: off).
 #if defined(PIPEGOOSE_SOFTMAX_CAUSAL_SMEM)
 constexpr int64_t kCausalSmemMin = PIPEGOOSE_SOFTMAX_CAUSAL_SMEM;
 static_assert(kCausalSmemMin >= 0, "PIPEGOOSE_SOFTMAX_CAUSAL_SMEM: a key length, or 0 (off)");
 #else
-constexpr int64_t kCausalSmemMin = 2048;
+constexpr int64_t kCausalSmemMin = 16384;
 #endif
 constexpr int64_t kCausalSmemMax = 32768;  // 64 KB of 16-bit keys per row
 
