@@ -12,7 +12,9 @@
 //     * TPR  > 32: one row per TPR threads, reductions through shared memory;
 //   the row stays in registers between the reductions (NV and the vector width are compile-time constants, so
 //   the register arrays never go to local memory). Rows too long for the register budget take a two-pass path
-//   (online max/sum, then a second read) that works for any length.
+//   (online max/sum, then a second read) that works for any length. The 16-bit causal forward of rows of 16384 to
+//   32768 keys stages each row in shared memory instead, one row per block (softmax.cuh, kCausalSmemMin), so that
+//   an SM holds more rows than their registers would allow.
 //   Vector loads/stores are used when the row start and strides allow it (checked at run time); otherwise the
 //   same layout is walked with scalar accesses.
 //   Causal rows are read only up to their last visible key; the masked tail is written as zeros without being
