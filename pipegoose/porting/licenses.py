@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["detect_licenses", "primary_license", "file_license_problem", "DISALLOWED_MARKERS"]
+__all__ = ["detect_licenses", "primary_license", "file_license_problem", "DISALLOWED_FAMILIES"]
 
 _WS = re.compile(r"\s+")
 
@@ -20,13 +20,19 @@ _MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("BSD-2-Clause", ("redistribution and use in source and binary forms",)),
 )
 
-# Licenses that must never enter vendor/ (copyleft or non-commercial), recognised by phrase.
-DISALLOWED_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("AGPL", ("gnu affero general public license",)),
-    ("LGPL", ("gnu lesser general public license",)),
-    ("GPL", ("gnu general public license",)),
-    ("CC-BY-NC", ("noncommercial",)),
+# Licenses that must never enter vendor/, one row per family: its name (GPL: the GNU family, LGPL and AGPL included),
+# the names its license texts go by and its short ids (regexes; None: none), matched in lower-case text with whitespace
+# collapsed. Both checks read this table: a license file (detect_licenses) is refused when a text name occurs anywhere
+# in it; a source file's header (file_license_problem) when a text name or a short id occurs in a sentence that grants
+# or restricts a license. Short ids are not looked for anywhere in a license file: permissive texts mention them (the
+# LLVM exception to Apache-2.0 speaks of "software that is licensed under the GPLv2").
+DISALLOWED_FAMILIES: tuple[tuple[str, str, str | None], ...] = (
+    ("GPL", r"\bgnu (?:affero |lesser |library )?general public licen[cs]e", r"\b[al]?gpl(?:v?\d|-\d|\b)"),
+    ("non-commercial", r"\bnon[- ]?commercial|\bby-nc\b", None),
+    ("MPL", r"\bmozilla public licen[cs]e", r"\bmpl-?\d"),
 )
+_IN_LICENSE_FILES = tuple((fam, re.compile(names)) for fam, names, _ in DISALLOWED_FAMILIES)
+_IN_HEADERS = tuple((fam, re.compile(names + (f"|{ids}" if ids else ""))) for fam, names, ids in DISALLOWED_FAMILIES)
 
 
 def _norm(text: str) -> str:
@@ -34,15 +40,12 @@ def _norm(text: str) -> str:
 
 
 def detect_licenses(text: str) -> tuple[set[str], set[str]]:
-    """Return (allowed SPDX ids recognised, disallowed license families recognised) in a license text."""
+    """Return (allowed SPDX ids recognised, disallowed license families recognised) in ``text``, the contents of one or
+    more license files. A family of ``DISALLOWED_FAMILIES`` is recognised by a text name anywhere in it (in a combined
+    file too, where a bundled project's license follows the project's own). Raises nothing."""
     t = _norm(text)
     found = {spdx for spdx, phrases in _MARKERS if all(p in t for p in phrases)}
-    bad = set()
-    for fam, phrases in DISALLOWED_MARKERS:
-        if all(p in t for p in phrases):
-            if fam == "GPL" and ("gnu lesser general public license" in t or "gnu affero" in t):
-                continue
-            bad.add(fam)
+    bad = {fam for fam, pat in _IN_LICENSE_FILES if pat.search(t)}
     return found, bad
 
 
@@ -76,13 +79,8 @@ _HEADER = 16384  # characters of a source file read for its license header
 _COMMENT_MARK = re.compile(r"^[ \t]*(?:/\*+|\*+/?|//+|#+|<!--|-->|;+|--|!)?[ \t]?")
 _SPDX_TOKEN = re.compile(r"\(|\)|[A-Za-z0-9.+\-:]+")
 _SPDX_OPS = {"AND", "OR", "WITH"}
-# disallowed license families in prose, and the cues of a sentence that grants or restricts a license (a mention of
-# the GPL in a note on compatibility is not a grant)
-_PROSE_FAMILIES: tuple[tuple[str, re.Pattern], ...] = (
-    ("GPL", re.compile(r"\bgnu (?:affero |lesser |library )?general public licen[cs]e\b|\b(?:a|l)?gpl(?:v?\d|-\d|\b)")),
-    ("non-commercial", re.compile(r"\bnon[- ]?commercial\b|\bby-nc\b")),
-    ("MPL", re.compile(r"\bmozilla public licen[cs]e\b|\bmpl-?\d")),
-)
+# the cues of a sentence that grants or restricts a license (a mention of the GPL in a note on compatibility is not a
+# grant)
 _GRANT = re.compile(r"licensed under|license[ds]? to you|distributed under|released under|under the terms of|subject to the terms|"
                     r"is free software|redistribute it|licen[cs]e:|use only|only for|only be used")
 _ALLOWED_NAMES = re.compile(r"\bmit\b|\bapache\b|\bbsd\b")
@@ -119,9 +117,10 @@ def _spdx_ids(expr: str) -> tuple[list[str], bool] | None:
 def file_license_problem(text: str, allowed: tuple[str, ...]) -> str | None:
     """Why a vendored source file may not be taken, from its own header (None when nothing says so). A best-effort
     check of the first 16 KB: an ``SPDX-License-Identifier`` decides when there is one (its ids must be allowed; for
-    ``A OR B`` one of them); without one, a sentence that grants or restricts a license and names a copyleft,
-    Mozilla or non-commercial license (comment markers and line breaks removed, so a wrapped notice is found) stops
-    it, unless the same sentence offers an allowed license as the alternative."""
+    ``A OR B`` one of them); without one, a sentence that grants or restricts a license and names a family of
+    ``DISALLOWED_FAMILIES`` (copyleft, Mozilla or non-commercial; comment markers and line breaks removed, so a
+    wrapped notice is found) stops it, unless the same sentence offers an allowed license as the alternative.
+    ``text`` is the file's contents, ``allowed`` the allowed SPDX ids. Raises nothing."""
     head = text[:_HEADER]
     exprs = [e for e in (_spdx_ids(m) for m in _SPDX.findall(head)) if e is not None]
     if exprs:
@@ -134,7 +133,7 @@ def file_license_problem(text: str, allowed: tuple[str, ...]) -> str | None:
     for sentence in re.split(r"(?<=[.;])\s+", _comment_free(head)):
         if not _GRANT.search(sentence):
             continue
-        for fam, pat in _PROSE_FAMILIES:
+        for fam, pat in _IN_HEADERS:
             if pat.search(sentence) and not (" or " in sentence and _ALLOWED_NAMES.search(sentence)):
                 return f"its header grants or restricts it under a {fam} license: \"{sentence[:160]}\""
     return None

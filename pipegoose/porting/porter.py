@@ -148,8 +148,9 @@ class Porter:
         """Check the source's license files at its pin; return {license file: sha256}.
 
         Raises:
-            LicenseError: a license file is missing, a disallowed (copyleft / non-commercial) license text is
-                found, or the declared license's text is not recognised in the files.
+            LicenseError: a license file is missing, the text of a disallowed license (copyleft, Mozilla or
+                non-commercial: licenses.DISALLOWED_FAMILIES) is found, or the declared license's text is not
+                recognised in the files.
         """
         if src.license not in ALLOWED_LICENSES:  # the manifest loader refuses these already
             raise LicenseError(f"{src.id}: license {src.license!r} is not allowed; allowed: {', '.join(ALLOWED_LICENSES)}")

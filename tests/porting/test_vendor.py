@@ -18,6 +18,7 @@ from pipegoose.porting import (FetchError, IntegrityError, LicenseError, Manifes
 from pipegoose.porting import porter as porter_mod
 from pipegoose.porting import txn as txn_mod
 from pipegoose.porting.fetch import Fetcher
+from pipegoose.porting.licenses import detect_licenses, file_license_problem
 from pipegoose.porting.lock import Lock
 from porting_helpers import (APACHE, GPL, MIT, V1_FILES, commit_files, init_git_upstream, kernel_yaml, make_sdist,
                              publish, sha256, source_yaml)
@@ -424,6 +425,40 @@ def test_a_kernel_file_with_a_permissive_header_is_taken(repo, header):
     repo.write_manifest(src, K_ALPHA)
     repo.porter().add(["alpha"])
     assert repo.porter().verify() == []
+
+
+@pytest.mark.parametrize("bundled", [
+    "Mozilla Public License Version 2.0 (test fixture)\n",
+    "GNU LIBRARY GENERAL PUBLIC LICENSE\nVersion 2 (test fixture)\n",
+    "This model may be used for non-commercial purposes only (test fixture).\n",
+    "Released under CC BY-NC 4.0 (test fixture).\n"])
+def test_a_combined_license_file_bundling_a_disallowed_license_stops_the_port(repo, bundled):
+    """The license-file check knew AGPL, LGPL, GPL and "noncommercial" only: an Apache-2.0 file that bundled a
+    Mozilla, GNU Library (LGPL v2.0) or "non-commercial"/BY-NC licensed project was vendored, though a source file
+    with the same license in its header was refused."""
+    src, _ = sdist_source(repo, license_text=APACHE + "\n---- bundled: tinylib ----\n" + bundled)
+    repo.write_manifest(src, K_ALPHA)
+    with pytest.raises(LicenseError, match="up: LICENSE in .* carries (MPL|GPL|non-commercial) text, which is not"):
+        repo.porter().add(["alpha"])
+    assert not (repo.root / "vendor" / "up").exists()
+
+
+@pytest.mark.parametrize("family, name, short_id", [
+    ("GPL", "GNU Library General Public License", "GPLv2"),
+    ("MPL", "Mozilla Public License", "MPL-2.0"),
+    ("non-commercial", "Non-Commercial License", None),
+    ("non-commercial", "CC BY-NC 4.0 license", None)])
+def test_a_disallowed_family_is_recognised_in_a_header_and_a_license_file_alike(family, name, short_id):
+    """One table (licenses.DISALLOWED_FAMILIES) for both checks: a license a file header is refused for is found in a
+    license file too. A short id counts in a header's grant only: a permissive license file may mention it (the LLVM
+    exception to Apache-2.0 speaks of software licensed under the GPLv2)."""
+    allowed = ("Apache-2.0", "MIT")
+    assert f"under a {family} license" in file_license_problem(f"// Licensed under the {name}.\n", allowed)
+    assert detect_licenses(APACHE + f"\nbundled: tinylib, {name} (test fixture)\n") == ({"Apache-2.0"}, {family})
+    if short_id is not None:
+        assert f"under a {family} license" in file_license_problem(f"// Licensed under {short_id}.\n", allowed)
+        mention = f"\nExceptions: you may combine this software with software licensed under the {short_id}.\n"
+        assert detect_licenses(APACHE + mention) == ({"Apache-2.0"}, set())
 
 
 def test_declared_license_must_match_the_text(repo):
