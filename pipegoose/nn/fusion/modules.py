@@ -220,8 +220,7 @@ def _small_native(op: str, impl: str | None, input: Any, shape: tuple[int, ...],
 
 @functools.cache
 def _kernel_range(op: str) -> tuple[int, int]:
-    kernel = f"pipegoose/{op}"
-    return _common.manifest_limit(kernel, "hidden_min", 1), _common.manifest_limit(kernel, "hidden_max", 65536)
+    return _common.hidden_range(f"pipegoose/{op}")
 
 
 def _in_kernel_range(op: str, shape: tuple[int, ...]) -> bool:

@@ -254,6 +254,12 @@ def manifest_limit(kernel: str, key: str, default: Any) -> Any:
         return default
 
 
+def hidden_range(kernel: str) -> tuple[int, int]:
+    """The row lengths (hidden sizes) a norm kernel takes: its ``hidden_min`` / ``hidden_max`` in kernels.yaml, or
+    [1, 65536] where the manifest lacks them."""
+    return manifest_limit(kernel, "hidden_min", 1), manifest_limit(kernel, "hidden_max", 65536)
+
+
 def representable(value: float, dtype: torch.dtype) -> bool:
     """Whether ``value`` survives a round trip through ``dtype`` unchanged (fp32 first: kernels take float)."""
     v32 = float(torch.tensor(value, dtype=torch.float32))

@@ -34,7 +34,7 @@ from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, FORWARD_AD, HALF_DTYPES, INT32_MAX, NO_STORAGE, all_have_storage, any_in_transform,
                       autocast_state, call_without_autocast, check_input_dtype, dtype_name, eps_value, grads_through,
-                      has_tangent, in_dual_level, manifest_limit, needs_grad, nested_fallback, param_signature,
+                      has_tangent, hidden_range, in_dual_level, needs_grad, nested_fallback, param_signature,
                       shape_signature, torch_result_dtype)
 
 OP = "layer_norm"
@@ -135,8 +135,7 @@ def _common(p: Problem, kernel: str) -> tuple[bool, str]:
     if p["rows"] == 0 or p["hidden"] == 0:
         return False, EMPTY_INPUT.format(list(p["shape"]))
     h = p["hidden"]
-    hmin = manifest_limit(kernel, "hidden_min", 1)
-    hmax = manifest_limit(kernel, "hidden_max", 65536)
+    hmin, hmax = hidden_range(kernel)
     if not hmin <= h <= hmax:
         return False, f"hidden size {h} outside [{hmin}, {hmax}]"
     return True, ""

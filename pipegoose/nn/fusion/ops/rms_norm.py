@@ -31,7 +31,7 @@ from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, FORWARD_AD, NO_STORAGE, all_have_storage, any_in_transform, autocast_state,
                       call_without_autocast, check_input_dtype, dtype_name, eps_value, has_tangent, in_dual_level,
-                      manifest_limit, needs_grad, nested_fallback, param_signature, shape_signature, torch_result_dtype)
+                      hidden_range, needs_grad, nested_fallback, param_signature, shape_signature, torch_result_dtype)
 from .layer_norm import EMPTY_INPUT, normalize_shape
 
 OP = "rms_norm"
@@ -110,8 +110,7 @@ def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
     if p["rows"] == 0 or p["hidden"] == 0:
         return False, EMPTY_INPUT.format(list(p["shape"]))
     h = p["hidden"]
-    hmin = manifest_limit("pipegoose/rms_norm", "hidden_min", 1)
-    hmax = manifest_limit("pipegoose/rms_norm", "hidden_max", 65536)
+    hmin, hmax = hidden_range("pipegoose/rms_norm")
     if not hmin <= h <= hmax:
         return False, f"hidden size {h} outside [{hmin}, {hmax}]"
     return True, ""
