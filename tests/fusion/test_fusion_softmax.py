@@ -323,6 +323,18 @@ def test_fused_scale_mask_softmax_runs_its_choice_once_on_the_scores_as_given(mo
                                **TOLERANCES[torch.bfloat16])
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 0, 8), (2, 3, 8, 0), (0, 3, 8, 8)])
+def test_fused_scale_mask_softmax_causal_empty_scores(shape):
+    """A causal module given scores with no queries or no keys raised "cannot reshape tensor of 0 elements into shape
+    [-1, 0, 8]" (the reshape for the causal op inferred its first dim); it returns the empty probabilities, as the
+    padding module and the functional ops do."""
+    x = torch.randn(*shape, dtype=torch.bfloat16, requires_grad=True)
+    y = _module(AttnMaskType.causal, torch.bfloat16, scale=0.5)(x, None)
+    assert y.shape == x.shape and y.dtype == torch.bfloat16
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+
+
 def test_fused_scale_mask_softmax_megatron_api():
     m = _module(AttnMaskType.padding)
     assert not m.is_kernel_available(None, 2, 3, 8, 8, _input=torch.randn(2, 3, 8, 8, dtype=torch.bfloat16))

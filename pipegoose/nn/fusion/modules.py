@@ -39,13 +39,15 @@ class FusedScaleMaskSoftmax(nn.Module):
         scaled_masked_softmax_fusion: allow the fused kernels.
         mask_func: ``mask_func(scores, mask) -> scores`` for the PyTorch path (Megatron fills -10000); None =
             fill with ``-inf``. Either way a row whose keys are all masked gives zeros.
-        softmax_in_fp32: PyTorch path computes in fp32 (it always does here; the flag is kept for Megatron's
-            constraint below).
+        softmax_in_fp32: with a 16-bit flag, the PyTorch path computes in fp32 (else in the scores' dtype); ``scale``
+            needs it, as in Megatron.
         scale: multiplier of the scores, or None (1.0); needs ``softmax_in_fp32`` (as in Megatron).
 
-    ``forward(input [b, np, sq, sk], mask bool [b or 1, 1, sq, sk] or None)`` returns probabilities in the
-    input's dtype, under CUDA autocast too: the fused kernels then run on the 16-bit scores as given (as Megatron's do),
-    the PyTorch path in fp32. ``causal`` masks key ``j > i + sk - sq`` (plus ``mask`` if given). Fused kernels (through
+    ``forward(input [b, np, sq, sk], mask [b or 1, np or 1, sq or 1, sk] bool (uint8: nonzero = masked) or None)``
+    returns probabilities in the input's dtype, under CUDA autocast too: the fused kernels then run on the 16-bit
+    scores as given (as Megatron's do). The PyTorch path computes in fp32 when a 16-bit flag and ``softmax_in_fp32``
+    are set, else in the input's dtype. Scores of another dtype than the flags say (fp32 with a 16-bit flag) take the
+    PyTorch path. ``causal`` masks key ``j > i + sk - sq`` (plus ``mask`` if given). Fused kernels (through
     :mod:`~pipegoose.nn.fusion.dispatch`): pipegoose/softmax (MIT), Megatron-LM's scaled_masked_softmax /
     scaled_upper_triang_masked_softmax via ColossalAI 0.5.0 extensions/csrc/kernel/cuda/ (Apache-2.0).
 
@@ -95,8 +97,8 @@ class FusedScaleMaskSoftmax(nn.Module):
         scale = self.scale if self.scale is not None else 1.0
         if self.attn_mask_type == AttnMaskType.causal:
             b, np, sq, sk = input.shape
-            probs = _common.call_without_autocast(input.device, _sm._run_choice, impl, input.reshape(-1, sq, sk),
-                                                  None, scale, True)
+            probs = _common.call_without_autocast(input.device, _sm._run_choice, impl,
+                                                  input.reshape(b * np, sq, sk), None, scale, True)
             return probs.view(b, np, sq, sk)
         return _common.call_without_autocast(input.device, _sm._run_choice, impl, input, mask, scale, False)
 
@@ -135,7 +137,8 @@ class FusedScaleMaskSoftmax(nn.Module):
         hit = None if key is None else dispatch.cached_choice(key)
         if hit is None:
             if op == _sm.OP_CAUSAL:
-                problem = _sm.softmax_problem(op, x.reshape(-1, x.shape[-2], x.shape[-1]), None, scale)
+                problem = _sm.softmax_problem(op, x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3]), None,
+                                              scale)
             else:
                 problem = _sm.softmax_problem(op, x, mask, scale)
             hit = dispatch.choose(op, problem)
@@ -147,7 +150,7 @@ class FusedScaleMaskSoftmax(nn.Module):
         b, np, sq, sk = input.size()
         scale = self.scale if self.scale is not None else 1.0
         if self.attn_mask_type == AttnMaskType.causal:
-            probs = PF.scaled_upper_triang_masked_softmax(input.reshape(-1, sq, sk), scale)
+            probs = PF.scaled_upper_triang_masked_softmax(input.reshape(b * np, sq, sk), scale)
             return probs.view(b, np, sq, sk).to(input.dtype)
         return PF.scaled_masked_softmax(input, mask, scale).to(input.dtype)
 
