@@ -243,9 +243,21 @@ class KernelBuilder:
         differs, a file in the source's ``vendor/`` folder that the lock does not record (it could shadow a recorded
         header), a kernel the lock does not record, or a lock that cannot be read. ``digests``: file -> sha256
         already computed (:meth:`key_inputs`' ``files``)."""
+        modified, other = self._vendor_state(digests)
+        rel = self.manifest.vendor_dir(self.kernel.source).relative_to(self.manifest.root)
+        return [f"{rel / f} differs from kernels.lock" for f in modified] + other
+
+    def modified_files(self, digests: dict[str, str] | None = None) -> list[str]:
+        """The vendored files of this kernel whose sha256 differs from ``kernels.lock``, relative to the source's folder
+        (part of :meth:`vendored_problems`)."""
+        return self._vendor_state(digests)[0]
+
+    def _vendor_state(self, digests: dict[str, str] | None) -> tuple[list[str], list[str]]:
+        """(the vendored files whose sha256 differs from ``kernels.lock``, relative to the source's folder; the other
+        problems of :meth:`vendored_problems`, one line each)."""
         k = self.kernel
         if self.manifest.sources[k.source].is_local:
-            return []
+            return [], []
         from pipegoose.porting.errors import PortError
         from pipegoose.porting.lock import Lock
 
@@ -253,15 +265,15 @@ class KernelBuilder:
         try:
             lock = Lock.load(lock_path)
         except (PortError, OSError) as e:
-            return [f"{lock_path.name} cannot be read ({e})"]
+            return [], [f"{lock_path.name} cannot be read ({e})"]
         entry = lock.kernels.get(k.id)
         if entry is None:
-            return [f"{lock_path.name} has no record of this kernel (vendor it with python tools/port.py add {k.id})"]
+            return [], [f"{lock_path.name} has no record of this kernel (vendor it with python tools/port.py add {k.id})"]
         base = self.manifest.vendor_dir(k.source)
         rel = base.relative_to(self.manifest.root)
         digests = digests or {}
-        out = [f"{rel / f} differs from {lock_path.name}" for f, want in sorted(entry.files.items())
-               if (base / f).is_file() and (digests.get(f) or _cache.file_digest(base / f)) != want]
+        modified = [f for f, want in sorted(entry.files.items())
+                    if (base / f).is_file() and (digests.get(f) or _cache.file_digest(base / f)) != want]
         # a header the lock does not record where an #include of this kernel could find it (under its include dirs or
         # beside its files) could shadow a recorded one; other strays (a .cu of a kernel no longer locked, an editor's
         # swap file) cannot, and are verify's to report
@@ -270,14 +282,8 @@ class KernelBuilder:
         extra = sorted(str(p.relative_to(base)) for p in base.rglob("*")
                        if (p.is_file() or p.is_symlink()) and p.suffix in _HEADER_SUFFIXES
                        and str(p.relative_to(base)) not in recorded and any(p.is_relative_to(r) for r in roots))
-        out += [f"{rel / f} is not recorded in {lock_path.name} (it could shadow a recorded header)" for f in extra]
-        return out
-
-    def modified_files(self, digests: dict[str, str] | None = None) -> list[str]:
-        """The vendored files of this kernel whose sha256 differs from ``kernels.lock``, relative to the source's folder
-        (part of :meth:`vendored_problems`)."""
-        rel = str(self.manifest.vendor_dir(self.kernel.source).relative_to(self.manifest.root)) + "/"
-        return [p.split(" ")[0].removeprefix(rel) for p in self.vendored_problems(digests) if " differs from " in p]
+        return modified, [f"{rel / f} is not recorded in {lock_path.name} (it could shadow a recorded header)"
+                          for f in extra]
 
     def _check_vendored(self, digests: dict[str, str], *, building: bool = True) -> str | None:
         """Refuse to build or load vendored files that are not exactly what ``kernels.lock`` records
