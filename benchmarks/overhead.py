@@ -77,9 +77,10 @@ def cases(device: str, dtype: torch.dtype):
     out += [("softmax.masked", f"pipegoose impl={i}",
              (lambda i: lambda bw: run(lambda: PF.scaled_masked_softmax(s, mask, 0.125, impl=i), bw))(i))
             for i in dispatch.implementations("softmax.masked")]
-    fsm = FusedScaleMaskSoftmax(dtype == torch.float16, dtype == torch.bfloat16, AttnMaskType.padding, True, None,
-                                True, 0.125)
-    out += [("softmax.masked", "FusedScaleMaskSoftmax", lambda bw: run(lambda: fsm(s, mask), bw))]
+    if dtype in (torch.float16, torch.bfloat16):  # the module fuses 16-bit scores only (Megatron's flags)
+        fsm = FusedScaleMaskSoftmax(dtype == torch.float16, dtype == torch.bfloat16, AttnMaskType.padding, True, None,
+                                    True, 0.125)
+        out += [("softmax.masked", "FusedScaleMaskSoftmax", lambda bw: run(lambda: fsm(s, mask), bw))]
     return out
 
 
@@ -91,6 +92,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.calls < 1:
         ap.error("--calls: expected a positive integer")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device cuda: torch {torch.__version__} sees no CUDA device; use --device cpu")
     dtype = getattr(torch, a.dtype)
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
