@@ -15,10 +15,10 @@ per SM that walks 300 rows; 65544: the two-read kernel), the
 specialised backward sizes, the wide rows' backward (a thread block cluster per row on sm_90 and newer, the two-kernel
 path with fp32 grad_output of a 16-bit input and before sm_90), with and without parameters and with a bias alone,
 fp32 parameters and fp32 grad_output with a 16-bit input) and of ``pipegoose/softmax`` (plain, padding-masked, causal;
-1 to 40000 keys; one and three query rows, and a whole causal matrix of 2048 keys) in fp32, fp16 and bf16, at row
-counts small enough for the sanitizers (seconds, not hours). The optional argument ``norms`` or ``softmax`` limits it to one family; ``norms`` followed by
-hidden sizes (of the list ``NORM_HIDDEN``) to those sizes, e.g. ``norms 16384 20000 32768 64000`` for the wide rows'
-backward. The GPU tests check values; this checks memory accesses, shared memory races and initialisation: the test
+1 to 40000 keys; one and three query rows, and whole causal matrices of 2048 and 16384 keys) in fp32, fp16 and bf16,
+at row counts small enough for the sanitizers (seconds to minutes, not hours). The optional argument ``norms`` or
+``softmax`` limits it to one family; ``norms`` followed by hidden sizes (of the list ``NORM_HIDDEN``) to those sizes,
+e.g. ``norms 16384 20000 32768 64000`` for the wide rows' backward. The GPU tests check values; this checks memory accesses, shared memory races and initialisation: the test
 suite itself is too large to run under the sanitizers (out of memory).
 """
 
@@ -105,11 +105,14 @@ def main() -> int:
                         y = sm.softmax_forward(x, m, 0.5, causal)
                         sm.softmax_backward(torch.randn_like(y), y, 0.5, causal)
                         calls += 2
-            # a whole causal matrix of long rows: every row length from 1 to sk
-            x = torch.randn(1, 1, 2048, 2048, device="cuda", dtype=dt)
-            y = sm.softmax_forward(x, None, 0.5, True)
-            sm.softmax_backward(torch.randn_like(y), y, 0.5, True)
-            calls += 2
+            # a whole causal matrix of long rows: every row length from 1 to sk; and 16384 keys with three more
+            # queries than keys (rows of 0 to 16384 keys; one row of scores repeated: the 16-bit forward's staged
+            # kernel, from kCausalSmemMin keys)
+            for sq, sk in ((2048, 2048), (16387, 16384)):
+                x = torch.randn(1, 1, 1, sk, device="cuda", dtype=dt).expand(1, 1, sq, sk)
+                y = sm.softmax_forward(x, None, 0.5, True)
+                sm.softmax_backward(torch.randn_like(y), y, 0.5, True)
+                calls += 2
     torch.cuda.synchronize()
     print(f"sanitize_kernels: {calls} kernel calls done")
     return 0

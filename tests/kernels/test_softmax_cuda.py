@@ -30,7 +30,8 @@ MODES = ["plain", "masked", "causal"]
 # Together these reach every launch plan of softmax.cuh for every dtype, forward and backward: 1..60 keys: 1..16
 # threads per row (sub-warp rows); 127..1000: one warp with 1..8 vectors per thread (incl. the Megatron-LM#132
 # short-key class); 2048..32768: 64..1024 threads per row, register resident (the backward's largest plans stage dy
-# in shared memory); 4097: a partial last vector; 32768 (fp32 backward) and 40000: the two-pass kernels; HUGE: far
+# in shared memory; the 16-bit causal forward from 16384 keys stages the row in shared memory); 4097: a partial last
+# vector; 32768 (fp32 backward) and 40000: the two-pass kernels; HUGE: far
 # beyond the register budget.
 KEY_LENS = [1, 2, 5, 16, 31, 60, 127, 128, 300, 1000, 2048, 3000, 4097, 8192, 16384, 32768, 40000]
 HUGE = 200_003
@@ -169,6 +170,22 @@ def test_causal_square_long_rows(sm, dtype, sk):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_causal_long_rows_more_queries_than_keys(sm, dtype):
+    """Causal with sq > sk at 16384 keys (in 16-bit, the forward's staged kernel): the first sq - sk queries see no
+    key and give exact zeros, the next ones one key, two keys, and so on. Every query row holds the same scores and
+    gradient (stride-0 views), which also takes the kernels' strided-row path."""
+    sk, extra = 16384, 3
+    row, dy_row, _ = make((1, 1, 1, sk), dtype, seed=13)
+    x, dy = row.expand(1, 1, sk + extra, sk), dy_row.expand(1, 1, sk + extra, sk)
+    y = fwd(sm, x, None, 0.125, True)
+    assert bool((y[:, :, :extra] == 0).all()), "queries that see no key must give exact zeros"
+    check("causal sq > sk, 16384 keys fwd", y, ref_forward(x, None, 0.125, True), dtype)
+    dx = bwd(sm, dy, y, 0.125, True)
+    assert bool((dx[:, :, :extra] == 0).all())
+    check("causal sq > sk, 16384 keys bwd", dx, ref_backward(dy, y, 0.125), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("mode", MODES)
 def test_huge_row_two_pass(sm, dtype, mode):
     shape = (1, 2, 3, HUGE)
@@ -262,7 +279,7 @@ def test_fully_masked_rows_give_zeros(sm, dtype, sk):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize("sk", [24, 333, 2048, 40000])
+@pytest.mark.parametrize("sk", [24, 333, 2048, 16384, 40000])
 def test_hidden_keys_are_ignored(sm, dtype, sk):
     """NaN at masked keys and in the causal tail changes nothing: the causal tail is never read (forward, and
     backward with causal=True), masked keys are never used."""

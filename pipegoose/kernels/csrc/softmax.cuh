@@ -532,8 +532,8 @@ constexpr int kFwdNoMask = 1;
 //   to 1.5 (2048: a tie);
 // - forward: 16-bit 16384 keys 70.2 -> 71.5 (bf16) and 70.3 -> 72.2 (fp16), fp32 16384 keys a tie; elsewhere it lost
 //   (16-bit 128 keys 81 -> 72, 2048-4096 keys 3.5 points, fp32 3 points).
-// The plain rows share the causal rows' kernels. On the every-plan build they moved by under 0.6 points, except the
-// plain bf16 forward at 16384 keys (95.4 -> 91.9, one run), which shares its kernel with the causal rows of 16384 keys
+// The plain and padding-masked rows share the causal rows' kernels. On the every-plan build they moved by at most
+// 1 point, except the plain bf16 forward at 16384 keys (95.4 -> 91.9, one run), which shares its kernel with the causal rows of 16384 keys
 // (no-mask words, kFwdNoMask). So only the backward takes it, on plans of at least 2048 keys (16-bit) or 4096 (fp32)
 // (kCausalEarlyZero 1). A benchmark build may set -DPIPEGOOSE_SOFTMAX_EARLY_ZERO=0 (never), 1 or 2 (every plan of
 // both passes, session 27's experiment).
@@ -986,7 +986,7 @@ __global__ void __launch_bounds__(kTwoPassBlock) softmax_bwd_two_pass_kernel(con
 // reads half a row on average: too few loads in flight to cover the DRAM round trip. Here a row's visible vectors go
 // to shared memory by cp.async (no registers), its zeros above the diagonal are stored while they land, and the three
 // steps (max, sum, store) read shared memory; a block of kCausalSmemBlock threads takes one row, and an SM holds as
-// many rows as its shared memory takes (seven of 16384 keys, three of 32768).
+// many rows as its shared memory takes (six of 16384 keys, three of 32768, on sm_90).
 constexpr int kCausalSmemBlock = 256;
 
 // Key lengths of the 16-bit causal forward calls that take the staged kernel (vector path, no padding mask):
@@ -1158,33 +1158,57 @@ void launch_fwd(const FwdArgs<T>& a, cudaStream_t st) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Shared memory a block of the current device may use (static + dynamic, after opting in), in bytes: 227 KB on sm_90,
+// 163 KB on sm_80, 99 KB on sm_86 / sm_89, 64 KB on sm_75.
+inline size_t smem_optin() {
+  return at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+}
+
+// A block's static + dynamic shared memory above 48 KB needs the kernel's dynamic limit raised first. The value set is
+// the same for every launch of the kernel on a device (the caller's constant), so concurrent launches from several
+// host threads cannot lower it under one another.
+inline void allow_dynamic_smem(const void* kernel, size_t static_bytes, size_t dynamic_bytes, size_t limit) {
+  if (static_bytes + dynamic_bytes > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(limit)));
+}
+
 template <typename T, int TPR, int NV, int KC = 0>
 void launch_bwd(const BwdArgs<T>& a, cudaStream_t st) {
   constexpr int B = block_for<TPR>();
   constexpr bool STAGE = NV >= 4;  // dy in shared memory: see softmax_bwd_reg_kernel
   constexpr int smem = STAGE ? NV * B * static_cast<int>(sizeof(uint4)) : 0;
+  constexpr size_t kStatic = (B / 32 > 0 ? B / 32 : 1) * sizeof(float);  // red_sum
   auto kernel = softmax_bwd_reg_kernel<T, TPR, NV, B, STAGE, KC>;
-  if constexpr (smem > 48 * 1024) {  // above the default dynamic shared memory limit: opt in (per device)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  if constexpr (kStatic + smem > 48 * 1024) {
+    if (kStatic + smem > smem_optin()) {  // sm_75 (64 KB): the plan of 1024 threads does not fit; two passes do
+      softmax_bwd_two_pass_kernel<T><<<grid_for(a.rows, 1), kTwoPassBlock, 0, st>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
+    allow_dynamic_smem(reinterpret_cast<const void*>(kernel), kStatic, smem, smem);
   }
   kernel<<<grid_for(a.rows, B / TPR), B, smem, st>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Whether a forward call takes softmax_fwd_causal_smem_kernel (see kCausalSmemMin).
+constexpr size_t kCausalSmemStatic = 2 * (kCausalSmemBlock / 32) * sizeof(float);  // red_max, red_sum
+
+// Whether a forward call takes softmax_fwd_causal_smem_kernel (see kCausalSmemMin): a row's keys must also fit the
+// device's shared memory (on sm_75, 64 KB, rows up to 32736 16-bit keys).
 template <typename T>
 bool causal_smem_takes(const FwdArgs<T>& a) {
   return sizeof(T) == 2 && kCausalSmemMin > 0 && a.causal && a.mask == nullptr && a.fast && a.y_vec &&
-         a.sk >= kCausalSmemMin && a.sk <= kCausalSmemMax;
+         a.sk >= kCausalSmemMin && a.sk <= kCausalSmemMax &&
+         kCausalSmemStatic + static_cast<size_t>(a.sk) * sizeof(T) <= smem_optin();
 }
 
 template <typename T>
 void launch_fwd_causal_smem(const FwdArgs<T>& a, cudaStream_t st) {
-  const int smem = static_cast<int>(a.sk * static_cast<int64_t>(sizeof(T)));
+  const size_t smem = static_cast<size_t>(a.sk) * sizeof(T);
   auto kernel = softmax_fwd_causal_smem_kernel<T>;
-  if (smem > 48 * 1024) {  // above the default dynamic shared memory limit: opt in (per device)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  }
+  // one limit per device for every launch: the largest row this kernel takes there
+  const size_t limit = std::min(kCausalSmemMax * sizeof(T), smem_optin() - kCausalSmemStatic);
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), kCausalSmemStatic, smem, limit);
   kernel<<<grid_for(a.rows, 1), kCausalSmemBlock, smem, st>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
