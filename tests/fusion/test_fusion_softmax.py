@@ -335,6 +335,24 @@ def test_fused_scale_mask_softmax_causal_empty_scores(shape):
     assert x.grad.shape == x.shape
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_scale_mask_softmax_scores_not_of_the_flagged_dtype_are_a_fallback(dtype):
+    """A module whose flags say bf16, given fp32 or fp64 scores with fusion asked for, took the PyTorch path without a
+    word: nothing counted, strict mode silent (Megatron's kernels refuse such scores). It is now a counted fallback
+    that names the argument, and the result is still the PyTorch path's."""
+    x = torch.randn(2, 3, 8, 8, dtype=dtype)
+    mask = torch.rand(2, 1, 8, 8) < 0.3
+    m = _module(AttnMaskType.padding, torch.bfloat16, scale=0.5)
+    dispatch.reset_stats()
+    y = m(x, mask)
+    assert dispatch.stats()["softmax.masked"] == {"torch": 1} and dispatch.last_choice("softmax.masked").fallback
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.double(), ref64(x, mask, 0.5), **TOLERANCES[torch.float32])
+    with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError,
+                                          match="input: float.. scores with input_in_bf16"):
+        m(x, mask)
+
+
 def test_fused_scale_mask_softmax_megatron_api():
     m = _module(AttnMaskType.padding)
     assert not m.is_kernel_available(None, 2, 3, 8, 8, _input=torch.randn(2, 3, 8, 8, dtype=torch.bfloat16))

@@ -46,10 +46,11 @@ class FusedScaleMaskSoftmax(nn.Module):
     ``forward(input [b, np, sq, sk], mask [b or 1, np or 1, sq or 1, sk] bool (uint8: nonzero = masked) or None)``
     returns probabilities in the input's dtype, under CUDA autocast too: the fused kernels then run on the 16-bit
     scores as given (as Megatron's do). The PyTorch path computes in fp32 when a 16-bit flag and ``softmax_in_fp32``
-    are set, else in the input's dtype. Scores of another dtype than the flags say (fp32 with a 16-bit flag) take the
-    PyTorch path. ``causal`` masks key ``j > i + sk - sq`` (plus ``mask`` if given). Fused kernels (through
-    :mod:`~pipegoose.nn.fusion.dispatch`): pipegoose/softmax (MIT), Megatron-LM's scaled_masked_softmax /
-    scaled_upper_triang_masked_softmax via ColossalAI 0.5.0 extensions/csrc/kernel/cuda/ (Apache-2.0).
+    are set, else in the input's dtype. Scores that are not 16-bit although a flag says so take the PyTorch path,
+    counted as a fallback (strict mode raises on it). ``causal`` masks key ``j > i + sk - sq`` (plus ``mask`` if
+    given). Fused kernels (through :mod:`~pipegoose.nn.fusion.dispatch`): pipegoose/softmax (MIT), Megatron-LM's
+    scaled_masked_softmax / scaled_upper_triang_masked_softmax via ColossalAI 0.5.0 extensions/csrc/kernel/cuda/
+    (Apache-2.0).
 
     Raises:
         ValueError: both fp16 and bf16 flags, or ``scale`` without ``softmax_in_fp32``, or a non-4-D input.
@@ -78,8 +79,15 @@ class FusedScaleMaskSoftmax(nn.Module):
         _sm.check_input(input, "input")
         if input.dim() != 4:
             raise ValueError(f"input: expected [b, np, sq, sk], got shape {list(input.shape)}")
-        if (self.scaled_masked_softmax_fusion and self.input_in_float16 and input.dtype in _HALF
+        if (self.scaled_masked_softmax_fusion and self.input_in_float16
                 and not dispatch.compile_passthrough(self._fused_op(mask))):
+            if input.dtype not in _HALF:  # fusion asked for, but the scores are not the 16-bit dtype the flags say
+                flag = "input_in_fp16" if self.input_in_fp16 else "input_in_bf16"
+                dispatch.record(dispatch.Choice(
+                    self._fused_op(mask), "torch", "fallback", True, {},
+                    f"input: {_common.dtype_name(input.dtype)} scores with {flag}=True; the fused kernels take the "
+                    f"16-bit scores the flags declare (the PyTorch path)"))
+                return self.forward_torch_softmax(input, mask)
             if mask is not None:
                 mask = _sm.check_mask(mask, input)
             choice = self._choice(input, mask)
