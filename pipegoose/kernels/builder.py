@@ -243,9 +243,7 @@ class KernelBuilder:
         differs, a file in the source's ``vendor/`` folder that the lock does not record (it could shadow a recorded
         header), a kernel the lock does not record, or a lock that cannot be read. ``digests``: file -> sha256
         already computed (:meth:`key_inputs`' ``files``)."""
-        modified, other = self._vendor_state(digests)
-        rel = self.manifest.vendor_dir(self.kernel.source).relative_to(self.manifest.root)
-        return [f"{rel / f} differs from kernels.lock" for f in modified] + other
+        return self._vendor_state(digests)[1]
 
     def modified_files(self, digests: dict[str, str] | None = None) -> list[str]:
         """The vendored files of this kernel whose sha256 differs from ``kernels.lock``, relative to the source's folder
@@ -253,8 +251,8 @@ class KernelBuilder:
         return self._vendor_state(digests)[0]
 
     def _vendor_state(self, digests: dict[str, str] | None) -> tuple[list[str], list[str]]:
-        """(the vendored files whose sha256 differs from ``kernels.lock``, relative to the source's folder; the other
-        problems of :meth:`vendored_problems`, one line each)."""
+        """(the vendored files whose sha256 differs from ``kernels.lock``, relative to the source's folder; the lines
+        of :meth:`vendored_problems`)."""
         k = self.kernel
         if self.manifest.sources[k.source].is_local:
             return [], []
@@ -282,8 +280,9 @@ class KernelBuilder:
         extra = sorted(str(p.relative_to(base)) for p in base.rglob("*")
                        if (p.is_file() or p.is_symlink()) and p.suffix in _HEADER_SUFFIXES
                        and str(p.relative_to(base)) not in recorded and any(p.is_relative_to(r) for r in roots))
-        return modified, [f"{rel / f} is not recorded in {lock_path.name} (it could shadow a recorded header)"
-                          for f in extra]
+        return modified, ([f"{rel / f} differs from {lock_path.name}" for f in modified]
+                          + [f"{rel / f} is not recorded in {lock_path.name} (it could shadow a recorded header)"
+                             for f in extra])
 
     def _check_vendored(self, digests: dict[str, str], *, building: bool = True) -> str | None:
         """Refuse to build or load vendored files that are not exactly what ``kernels.lock`` records

@@ -719,3 +719,16 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
         b.build()
     assert "differs from kernels.lock" not in str(e.value)
     assert KernelBuilder("test/tiny", manifest=manifest, cache_dir=cache_dir).vendored_problems() == []  # our own
+
+
+def test_vendored_problems_with_a_relative_manifest_path(monkeypatch):
+    """A review: after vendored_problems and modified_files were made to share one list (168cd1b), a manifest loaded
+    from a relative path (``--manifest kernels.yaml``) made them raise for this project's own kernels ("'/work/main' is
+    not in the subpath of ''"): the vendor folder is absolute, the manifest's root relative. Our own kernels have no
+    vendored files to check."""
+    from pipegoose.kernels.manifest import load_manifest
+
+    monkeypatch.chdir(REPO)
+    m = load_manifest("kernels.yaml")
+    b = KernelBuilder("pipegoose/softmax", manifest=m)
+    assert b.vendored_problems() == [] and b.modified_files() == []
