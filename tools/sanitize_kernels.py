@@ -2,6 +2,7 @@
 
     compute-sanitizer --tool memcheck  --error-exitcode 99 python tools/sanitize_kernels.py
     compute-sanitizer --tool racecheck --error-exitcode 99 python tools/sanitize_kernels.py norms
+    compute-sanitizer --tool memcheck  --error-exitcode 99 python tools/sanitize_kernels.py softmax long
     PIPEGOOSE_NORM_CLUSTERS=0 compute-sanitizer --tool memcheck --error-exitcode 99 python tools/sanitize_kernels.py norms
 
 (the last: the backward plans of a GPU before sm_90, on one that has clusters)
@@ -15,10 +16,11 @@ per SM that walks 300 rows; 65544: the two-read kernel), the
 specialised backward sizes, the wide rows' backward (a thread block cluster per row on sm_90 and newer, the two-kernel
 path with fp32 grad_output of a 16-bit input and before sm_90), with and without parameters and with a bias alone,
 fp32 parameters and fp32 grad_output with a 16-bit input) and of ``pipegoose/softmax`` (plain, padding-masked, causal;
-1 to 40000 keys; one and three query rows, and whole causal matrices of 2048 and 16384 keys) in fp32, fp16 and bf16,
-at row counts small enough for the sanitizers (seconds to minutes, not hours). The optional argument ``norms`` or
-``softmax`` limits it to one family; ``norms`` followed by hidden sizes (of the list ``NORM_HIDDEN``) to those sizes,
-e.g. ``norms 16384 20000 32768 64000`` for the wide rows' backward. The GPU tests check values; this checks memory accesses, shared memory races and initialisation: the test
+1 to 40000 keys; one and three query rows, and a whole causal matrix of 2048 keys) in fp32, fp16 and bf16, at row
+counts small enough for the sanitizers (seconds, not hours). The optional argument ``norms`` or ``softmax`` limits it
+to one family; ``norms`` followed by hidden sizes (of the list ``NORM_HIDDEN``) to those sizes, e.g. ``norms 16384
+20000 32768 64000`` for the wide rows' backward; ``softmax long`` adds the 16-bit causal forward of 16387 queries of
+16384 keys (the staged kernel on rows of every length; for memcheck: minutes under racecheck). The GPU tests check values; this checks memory accesses, shared memory races and initialisation: the test
 suite itself is too large to run under the sanitizers (out of memory).
 """
 
@@ -45,9 +47,11 @@ def main() -> int:
         if not set(hidden) <= set(NORM_HIDDEN):
             raise SystemExit(f"sanitize_kernels: norms: expected hidden sizes among {NORM_HIDDEN}, got "
                              f"{' '.join(sys.argv[2:])!r}")
-    elif which not in ("all", "norms", "softmax") or len(sys.argv) > 2:
-        raise SystemExit(f"sanitize_kernels: expected 'norms' [HIDDEN ...], 'softmax' or nothing, got "
+    elif which not in ("all", "norms", "softmax") or sys.argv[2:] not in ([], ["long"]) or (
+            sys.argv[2:] == ["long"] and which != "softmax"):
+        raise SystemExit(f"sanitize_kernels: expected 'norms' [HIDDEN ...], 'softmax' [long] or nothing, got "
                          f"{' '.join(sys.argv[1:])!r}")
+    long_rows = sys.argv[2:] == ["long"]
     if not torch.cuda.is_available():
         raise SystemExit("sanitize_kernels: needs a CUDA GPU")
     from pipegoose.kernels import load
@@ -105,14 +109,19 @@ def main() -> int:
                         y = sm.softmax_forward(x, m, 0.5, causal)
                         sm.softmax_backward(torch.randn_like(y), y, 0.5, causal)
                         calls += 2
-            # a whole causal matrix of long rows: every row length from 1 to sk; and 16384 keys with three more
-            # queries than keys (rows of 0 to 16384 keys; one row of scores repeated: the 16-bit forward's staged
-            # kernel, from kCausalSmemMin keys)
-            for sq, sk in ((2048, 2048), (16387, 16384)):
-                x = torch.randn(1, 1, 1, sk, device="cuda", dtype=dt).expand(1, 1, sq, sk)
-                y = sm.softmax_forward(x, None, 0.5, True)
-                sm.softmax_backward(torch.randn_like(y), y, 0.5, True)
-                calls += 2
+            # a whole causal matrix of long rows: every row length from 1 to sk
+            x = torch.randn(1, 1, 2048, 2048, device="cuda", dtype=dt)
+            y = sm.softmax_forward(x, None, 0.5, True)
+            sm.softmax_backward(torch.randn_like(y), y, 0.5, True)
+            calls += 2
+            if long_rows and dt != torch.float32:
+                # the 16-bit forward's staged kernel (rows of kCausalSmemMin keys and more) on rows of every length:
+                # 16387 queries of 16384 keys (the first three see none), one row of scores repeated (a stride-0
+                # view). Hundreds of millions of shared memory accesses: for memcheck (racecheck takes long here,
+                # and the grid runs one row per block, so no block reuses its shared memory for a second row)
+                x = torch.randn(1, 1, 1, 16384, device="cuda", dtype=dt).expand(1, 1, 16387, 16384)
+                sm.softmax_forward(x, None, 0.5, True)
+                calls += 1
     torch.cuda.synchronize()
     print(f"sanitize_kernels: {calls} kernel calls done")
     return 0

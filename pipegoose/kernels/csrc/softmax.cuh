@@ -1177,7 +1177,7 @@ void launch_bwd(const BwdArgs<T>& a, cudaStream_t st) {
   constexpr int B = block_for<TPR>();
   constexpr bool STAGE = NV >= 4;  // dy in shared memory: see softmax_bwd_reg_kernel
   constexpr int smem = STAGE ? NV * B * static_cast<int>(sizeof(uint4)) : 0;
-  constexpr size_t kStatic = (B / 32 > 0 ? B / 32 : 1) * sizeof(float);  // red_sum
+  constexpr size_t kStatic = (B / 32 > 0 ? B / 32 : 1) * sizeof(float);  // the kernel's static red_sum: keep in step
   auto kernel = softmax_bwd_reg_kernel<T, TPR, NV, B, STAGE, KC>;
   if constexpr (kStatic + smem > 48 * 1024) {
     if (kStatic + smem > smem_optin()) {  // sm_75 (64 KB): the plan of 1024 threads does not fit; two passes do
@@ -1191,7 +1191,8 @@ void launch_bwd(const BwdArgs<T>& a, cudaStream_t st) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-constexpr size_t kCausalSmemStatic = 2 * (kCausalSmemBlock / 32) * sizeof(float);  // red_max, red_sum
+// The staged kernel's static shared memory (red_max, red_sum): keep in step with its __shared__ arrays.
+constexpr size_t kCausalSmemStatic = 2 * (kCausalSmemBlock / 32) * sizeof(float);
 
 // Whether a forward call takes softmax_fwd_causal_smem_kernel (see kCausalSmemMin): a row's keys must also fit the
 // device's shared memory (on sm_75, 64 KB, rows up to 32736 16-bit keys).
