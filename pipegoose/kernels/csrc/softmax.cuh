@@ -533,9 +533,9 @@ constexpr int kFwdNoMask = 1;
 // - forward: 16-bit 16384 keys 70.2 -> 71.5 (bf16) and 70.3 -> 72.2 (fp16), fp32 16384 keys a tie; elsewhere it lost
 //   (16-bit 128 keys 81 -> 72, 2048-4096 keys 3.5 points, fp32 3 points).
 // The plain and padding-masked rows share the causal rows' kernels. On the every-plan build they moved by at most
-// 1 point, except the plain bf16 forward at 16384 keys (95.4 -> 91.9, one run), which shares its kernel with the causal rows of 16384 keys
-// (no-mask words, kFwdNoMask). So only the backward takes it, on plans of at least 2048 keys (16-bit) or 4096 (fp32)
-// (kCausalEarlyZero 1). A benchmark build may set -DPIPEGOOSE_SOFTMAX_EARLY_ZERO=0 (never), 1 or 2 (every plan of
+// 1 point, except the plain bf16 forward at 16384 keys (95.4 -> 91.9, one run), which shares its kernel with the
+// causal rows of 16384 keys (no-mask words, kFwdNoMask). So only the backward takes it, on plans of at least 2048
+// keys (16-bit) or 4096 (fp32) (kCausalEarlyZero 1). A benchmark build may set -DPIPEGOOSE_SOFTMAX_EARLY_ZERO=0 (never), 1 or 2 (every plan of
 // both passes, session 27's experiment).
 #if defined(PIPEGOOSE_SOFTMAX_EARLY_ZERO)
 constexpr int kCausalEarlyZero = PIPEGOOSE_SOFTMAX_EARLY_ZERO;
