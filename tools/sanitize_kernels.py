@@ -47,8 +47,7 @@ def main() -> int:
         if not set(hidden) <= set(NORM_HIDDEN):
             raise SystemExit(f"sanitize_kernels: norms: expected hidden sizes among {NORM_HIDDEN}, got "
                              f"{' '.join(sys.argv[2:])!r}")
-    elif which not in ("all", "norms", "softmax") or sys.argv[2:] not in ([], ["long"]) or (
-            sys.argv[2:] == ["long"] and which != "softmax"):
+    elif which not in ("all", "norms", "softmax") or sys.argv[2:] not in ([], ["long"] if which == "softmax" else []):
         raise SystemExit(f"sanitize_kernels: expected 'norms' [HIDDEN ...], 'softmax' [long] or nothing, got "
                          f"{' '.join(sys.argv[1:])!r}")
     long_rows = sys.argv[2:] == ["long"]

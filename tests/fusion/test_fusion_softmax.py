@@ -321,6 +321,10 @@ def test_fused_scale_mask_softmax_runs_its_choice_once_on_the_scores_as_given(mo
     assert y.dtype == torch.bfloat16 and y.shape == x.shape
     torch.testing.assert_close(y.double(), ref64(x, None if causal else mask.bool(), 0.5, causal=causal),
                                **TOLERANCES[torch.bfloat16])
+    # Megatron's public forward_fused_softmax runs the same single choice (it went through the functional op too)
+    y2 = m.forward_fused_softmax(x, mask)
+    assert chose == [] and len(ran) == 2 and ran[1] == ran[0]
+    torch.testing.assert_close(y2, y)
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 0, 8), (2, 3, 8, 0), (0, 3, 8, 8)])

@@ -155,12 +155,13 @@ class FusedScaleMaskSoftmax(nn.Module):
         return hit
 
     def forward_fused_softmax(self, input: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        b, np, sq, sk = input.size()
-        scale = self.scale if self.scale is not None else 1.0
-        if self.attn_mask_type == AttnMaskType.causal:
-            probs = PF.scaled_upper_triang_masked_softmax(input.reshape(b * np, sq, sk), scale)
-            return probs.view(b, np, sq, sk).to(input.dtype)
-        return PF.scaled_masked_softmax(input, mask, scale).to(input.dtype)
+        """Megatron's method: the dispatcher's choice for these scores, run as :meth:`forward` runs it (counted; the
+        reference path, as a fallback, where no fused implementation takes them)."""
+        if mask is not None:
+            mask = _sm.check_mask(mask, input)
+        choice = self._choice(input, mask)
+        dispatch.record(choice)
+        return self._run_fused(choice.impl, input, mask)
 
     def forward_torch_softmax(self, input: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         x = input.float() if (self.input_in_float16 and self.softmax_in_fp32) else input
