@@ -20,8 +20,9 @@ fp32 parameters and fp32 grad_output with a 16-bit input) and of ``pipegoose/sof
 counts small enough for the sanitizers (seconds, not hours). The optional argument ``norms`` or ``softmax`` limits it
 to one family; ``norms`` followed by hidden sizes (of the list ``NORM_HIDDEN``) to those sizes, e.g. ``norms 16384
 20000 32768 64000`` for the wide rows' backward; ``softmax long`` adds the 16-bit causal forward of 16387 queries of
-16384 keys (the staged kernel on rows of every length; for memcheck: minutes under racecheck). The GPU tests check values; this checks memory accesses, shared memory races and initialisation: the test
-suite itself is too large to run under the sanitizers (out of memory).
+16384 keys (the staged kernel on rows of every length; for memcheck: minutes under racecheck). The GPU tests check
+values; this checks memory accesses, shared memory races and initialisation: the test suite itself is too large to run
+under the sanitizers (out of memory).
 """
 
 from __future__ import annotations
