@@ -16,7 +16,7 @@ per SM that walks 300 rows; 65544: the two-read kernel), the
 specialised backward sizes, the wide rows' backward (a thread block cluster per row on sm_90 and newer, the two-kernel
 path with fp32 grad_output of a 16-bit input and before sm_90), with and without parameters and with a bias alone,
 fp32 parameters and fp32 grad_output with a 16-bit input) and of ``pipegoose/softmax`` (plain, padding-masked, causal;
-1 to 40000 keys; one and three query rows, and a whole causal matrix of 2048 keys) in fp32, fp16 and bf16, at row
+1 to 40000 keys; one and three query rows, and whole causal matrices of 40 to 2048 keys: the row pairs of the forward and the backward) in fp32, fp16 and bf16, at row
 counts small enough for the sanitizers (seconds, not hours). The optional argument ``norms`` or ``softmax`` limits it
 to one family; ``norms`` followed by hidden sizes (of the list ``NORM_HIDDEN``) to those sizes, e.g. ``norms 16384
 20000 32768 64000`` for the wide rows' backward; ``softmax long`` adds the 16-bit causal forward of 16387 queries of
@@ -109,11 +109,14 @@ def main() -> int:
                         y = sm.softmax_forward(x, m, 0.5, causal)
                         sm.softmax_backward(torch.randn_like(y), y, 0.5, causal)
                         calls += 2
-            # a whole causal matrix of long rows: every row length from 1 to sk
-            x = torch.randn(1, 1, 2048, 2048, device="cuda", dtype=dt)
-            y = sm.softmax_forward(x, None, 0.5, True)
-            sm.softmax_backward(torch.randn_like(y), y, 0.5, True)
-            calls += 2
+            # whole causal matrices (sq == sk: the row pairs of the 16-bit forward from 513 keys and of the backward
+            # at the lengths softmax.cuh's causal_pair_bwd_plan takes): every row length from 1 to sk, an odd and an
+            # even number of vectors per row, two heads
+            for sk in (40, 136, 1000, 2048):
+                x = torch.randn(1, 2, sk, sk, device="cuda", dtype=dt)
+                y = sm.softmax_forward(x, None, 0.5, True)
+                sm.softmax_backward(torch.randn_like(y), y, 0.5, True)
+                calls += 2
             if long_rows and dt != torch.float32:
                 # the 16-bit forward's staged kernel (rows of kCausalSmemMin keys and more) on rows of every length:
                 # 16387 queries of 16384 keys (the first three see none), one row of scores repeated (a stride-0

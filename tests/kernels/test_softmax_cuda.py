@@ -158,15 +158,51 @@ def test_key_lengths(sm, dtype, mode, sk):
 @pytest.mark.parametrize("sk", [2048, 2056, 8192, 16384, 32768])
 def test_causal_square_long_rows(sm, dtype, sk):
     """Whole causal score matrices (sq == sk) of long rows, every row length from 1 to sk: the long-row plans of the
-    backward (zeros above the diagonal stored early) and of the forward; from 16384 keys the 16-bit forward stages a
-    row in shared memory (kCausalSmemMin). Rows strided by 8 padding keys take the same paths."""
+    backward (zeros above the diagonal stored early; at 16384 keys in row pairs) and of the forward (in 16-bit: row
+    pairs up to 8192 keys; from 16384 keys the row staged in shared memory, kCausalSmemMin). NaN above the diagonal of
+    dy and y must not change the backward's result (the tail is not read). The last 1024 queries again, their rows
+    strided by 8 padding keys: the register-resident plans (sq != sk)."""
     heads = 2 if sk <= 8192 else 1
     rows = sk if sk <= 16384 else 1024  # 32768: the last 1024 queries (bottom-right aligned: keys j <= i + sk - rows)
     x, dy, _ = make((1, heads, rows, sk), dtype, seed=sk)
-    roundtrip(sm, f"causal {rows} x {sk}", x, dy, None, 0.125, True, dtype)
+    y = roundtrip(sm, f"causal {rows} x {sk}", x, dy, None, 0.125, True, dtype)
+    tail = hidden_keys(x.shape, None, True)
+    dx = bwd(sm, dy, y, 0.125, True)
+    nan = float("nan")
+    dx_nan = bwd(sm, dy.masked_fill(tail, nan), y.masked_fill(tail, nan), 0.125, True)
+    assert torch.equal(dx_nan, dx), "NaN in the causal tail of dy / y changed the backward's result"
     r = min(rows, 1024)  # the last 1024 queries again, their rows strided
     base, dyb, _ = make((1, heads, r, sk + 8), dtype, seed=sk + 1)
     roundtrip(sm, f"causal {r} x {sk} strided", base[..., :sk], dyb[..., :sk], None, 0.125, True, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("sk", [8, 16, 24, 40, 48, 120, 128, 136, 512, 1000, 1024, 1032, 4096])
+def test_causal_square_rows_in_pairs(sm, dtype, sk):
+    """Square causal matrices (sq == sk, no padding mask, whole vectors): the row-pair kernels, which give one thread
+    group a short row and a long one: the forward's in 16-bit from 513 keys (softmax_fwd_causal_pair_kernel), the
+    backward's (softmax_bwd_causal_pair_kernel, causal flag) in 16-bit up to 1024 keys and in fp32 up to 128 (and
+    at 4096 keys in 16-bit); the other lengths the register-resident plans. Key lengths of an odd and an even number of
+    vectors in both vector widths (8 and 4 keys), from one vector per row up; several heads, contiguous and strided
+    rows (transposed heads); NaN above the diagonal must change nothing (the tail is not read, forward and backward)
+    and every output element must be written (poisoned outputs). The backward's pairs at 16384 keys (zeros stored
+    early): test_causal_square_long_rows."""
+    heads = 3 if sk <= 1032 else 2
+    x, dy, _ = make((2, heads, sk, sk), dtype, seed=sk + 5)
+    tail = hidden_keys(x.shape, None, True)
+    y = fwd(sm, x.masked_fill(tail, float("nan")), None, 0.125, True)
+    assert bool((y[tail.expand(x.shape)] == 0).all()), "the causal tail must be exact zeros"
+    check(f"causal pairs {sk} fwd", y, ref_forward(x, None, 0.125, True), dtype)
+    nan = float("nan")
+    dx = bwd(sm, dy.masked_fill(tail, nan), y.masked_fill(tail, nan), 0.125, True)
+    assert bool((dx[tail.expand(x.shape)] == 0).all()), "backward(causal=True) must write zeros in the causal tail"
+    terms = 0.125 * dy.double().abs().amax(dim=-1, keepdim=True) * y.double().abs().amax(dim=-1, keepdim=True)
+    check(f"causal pairs {sk} bwd", dx, ref_backward(dy, y, 0.125), dtype, row_scale=terms)
+    roundtrip(sm, f"causal pairs {sk}", x, dy, None, 0.125, True, dtype)
+    # rows strided: [b, sq, heads, sk + 8] seen as [b, heads, sq, sk] (not evenly spaced rows)
+    base, dyb, _ = make((2, sk, heads, sk + 8), dtype, seed=sk + 6)
+    xs, dys = base.transpose(1, 2)[..., :sk], dyb.transpose(1, 2)[..., :sk]
+    roundtrip(sm, f"causal pairs {sk} strided", xs, dys, None, 0.125, True, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
@@ -421,6 +457,21 @@ def test_int64_indexing(sm):
     assert not bool(torch.isnan(dx).any()), "NaN in the gradient: elements not written"
     for sl in edges:
         check(f"int64 bwd rows {sl}", dx[sl], ref_backward(dy[sl], y[sl], 1.0), torch.bfloat16)
+
+
+def test_causal_int64_indexing(sm):
+    """A causal [130, 4096, 4096] bf16 matrix (rows * sk > 2^31, 4.4 GB per tensor): the row pairs of the last heads
+    lie past 2^31 elements."""
+    heads, sk = 130, 4096
+    assert heads * sk * sk > 2**31
+    g = torch.Generator(device=DEV).manual_seed(32)
+    x = torch.randn((heads, sk, sk), generator=g, device=DEV, dtype=torch.bfloat16)
+    y = fwd(sm, x, None, 0.125, True)
+    dy = torch.randn((heads, sk, sk), generator=g, device=DEV, dtype=torch.bfloat16)
+    dx = bwd(sm, dy, y, 0.125, True)
+    for sl in (slice(0, 1), slice(heads - 3, heads)):  # the first head and the heads across / past 2^31 elements
+        check(f"causal int64 fwd heads {sl}", y[sl], ref_forward(x[sl], None, 0.125, True), torch.bfloat16)
+        check(f"causal int64 bwd heads {sl}", dx[sl], ref_backward(dy[sl], y[sl], 0.125), torch.bfloat16)
 
 
 # --------------------------------------------------------------------------------------------------- contract

@@ -14,7 +14,10 @@
 //   the register arrays never go to local memory). Rows too long for the register budget take a two-pass path
 //   (online max/sum, then a second read) that works for any length. The 16-bit causal forward of rows of 16384 to
 //   32768 keys stages each row in shared memory instead, one row per block (softmax.cuh, kCausalSmemMin), so that
-//   an SM holds more rows than their registers would allow.
+//   an SM holds more rows than their registers would allow. On square causal matrices one row group may take a
+//   short row and a long one, whose visible keys add up to one row: the 16-bit forward from 513 keys
+//   (softmax_fwd_causal_pair_kernel, kCausalPair) and the backward at the key lengths where that measured faster
+//   (softmax_bwd_causal_pair_kernel, kCausalPairBwd).
 //   Vector loads/stores are used when the row start and strides allow it (checked at run time); otherwise the
 //   same layout is walked with scalar accesses.
 //   Causal rows are read only up to their last visible key; the masked tail is written as zeros without being

@@ -287,17 +287,24 @@ __device__ __forceinline__ void store_vals(T* __restrict__ y, int64_t c0, int64_
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// Reductions over the TPR threads of a row group. For TPR > 32, `smem` holds (BLOCK / 32) floats; the caller
-// uses a different buffer for consecutive reductions (see the kernels for why that is race free).
+// Reductions over the TPR threads of a row group, of one float, or of a float2 (two rows at once: the causal row
+// pairs). For TPR > 32, `smem` holds (BLOCK / 32) values; the caller uses a different buffer for consecutive
+// reductions (see the kernels for why that is race free).
 
-template <int TPR, bool MAX>
-__device__ __forceinline__ float group_reduce(float v, float* smem) {
+__device__ __forceinline__ float shfl_xor(float v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+__device__ __forceinline__ float2 shfl_xor(float2 v, int o) { return make_float2(shfl_xor(v.x, o), shfl_xor(v.y, o)); }
+template <bool MAX>
+__device__ __forceinline__ float combine(float a, float b) { return MAX ? fmaxf(a, b) : a + b; }
+template <bool MAX>
+__device__ __forceinline__ float2 combine(float2 a, float2 b) {
+  return make_float2(combine<MAX>(a.x, b.x), combine<MAX>(a.y, b.y));
+}
+
+template <int TPR, bool MAX, typename F>
+__device__ __forceinline__ F group_reduce(F v, F* smem) {
   constexpr int W = TPR < 32 ? TPR : 32;
 #pragma unroll
-  for (int o = W / 2; o > 0; o >>= 1) {
-    const float u = __shfl_xor_sync(0xffffffffu, v, o);
-    v = MAX ? fmaxf(v, u) : v + u;
-  }
+  for (int o = W / 2; o > 0; o >>= 1) v = combine<MAX>(v, shfl_xor(v, o));
   if constexpr (TPR > 32) {
     constexpr int NW = TPR / 32;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -306,10 +313,7 @@ __device__ __forceinline__ float group_reduce(float v, float* smem) {
     __syncthreads();
     v = smem[first + lane % NW];  // every group of NW lanes holds all partials: all lanes end with the total
 #pragma unroll
-    for (int o = NW / 2; o > 0; o >>= 1) {
-      const float u = __shfl_xor_sync(0xffffffffu, v, o);
-      v = MAX ? fmaxf(v, u) : v + u;
-    }
+    for (int o = NW / 2; o > 0; o >>= 1) v = combine<MAX>(v, shfl_xor(v, o));
   }
   return v;
 }
@@ -1058,6 +1062,342 @@ __global__ void __launch_bounds__(kCausalSmemBlock, 2048 / kCausalSmemBlock)
 }
 
 // ------------------------------------------------------------------------------------------------------------
+// Causal forward of square score matrices (sq == sk) in row pairs. Causal row q reads ceil((q + 1) / V) vectors, half
+// a row on average, so a register-resident plan (one row per TPR threads, slots for a whole row) has only half as many
+// loads in flight as on plain rows, and the SM's other rows cannot make up for it: its residency is fixed by the
+// registers. Here TPR threads take two rows whose visible vectors add up to one row's, in the slots of one row.
+// The V rows of vector group g (rows gV .. gV + V - 1, g + 1 visible vectors each; V keys per vector) go with the V
+// rows of group nvec - 2 - g (nvec - 1 - g visible vectors), row gV + k with row (nvec - 2 - g) V + k; where the two
+// groups are one (the middle group, nvec even), its rows pair among themselves, gV + k with gV + V - 1 - k; the last
+// group (nvec visible vectors) runs alone. Every work item then reads nvec vectors and writes 2 nvec (1 alone), and
+// a head of sk rows is (sk + V) / 2 items. Slot vector index vi (lane + i * TPR, as in the other kernels) < va holds
+// vector vi of row a, va <= vi < nvec vector vi - va of row b; the zeros above the two diagonals (nvec - va vectors of
+// row a, nvec - vb of row b: nvec in all for a pair) are spread over the slots the same way. Both rows' max and sum
+// reduce at once (a float2). kCausalPair says which calls take it.
+
+// Which plans take it (causal_pair_plan): kCausalPair 1: the 16-bit plans of at least 32 threads per row (rows of
+// 513 keys and more, up to the staged kernel above, which takes 16384 and more where they fit); 2: also the shorter 16-bit rows (from 40 keys) and the
+// fp32 rows of 20 to 512 keys; 0: none. Session 28 (H200, benchmarks.softmax_raw, causal forward, % of copy, two
+// alternating runs, register-resident plans -> pairs): bf16 1024 keys 85.0 -> 85.6, 2048 82.1 -> 86.5, 4096 81.7 ->
+// 87.8, 8192 75.4 -> 86.9 (fp16 alike); but bf16 128 keys 80.8 -> 72.0, 256 83.0 -> 80.0, 512 a tie, fp32 128 keys
+// 90.4 -> 85.8, 256-512 1 point lower. Storing the zeros right after the loads were issued, instead of after the
+// values, lost everywhere (bf16 4096 keys 85.0, 128 keys 61.3). A benchmark build may set
+// -DPIPEGOOSE_SOFTMAX_CAUSAL_PAIR=0, 1 or 2.
+#if defined(PIPEGOOSE_SOFTMAX_CAUSAL_PAIR)
+constexpr int kCausalPair = PIPEGOOSE_SOFTMAX_CAUSAL_PAIR;
+static_assert(kCausalPair >= 0 && kCausalPair <= 2, "PIPEGOOSE_SOFTMAX_CAUSAL_PAIR: 0, 1 or 2");
+#else
+constexpr int kCausalPair = 1;
+#endif
+
+struct PairRows {
+  int qa, qb;  // query rows of a work item; qb < 0: row qa alone
+};
+
+// Rows of work item t (0 <= t < (sk + V) / 2) of a head of nvec vectors per row: the rows alone first, then the pairs.
+// 32-bit: the register-resident plans take rows of at most 32768 keys.
+template <int V>
+__device__ __forceinline__ PairRows pair_rows(int t, int nvec) {
+  if (t < V) return {(nvec - 1) * V + t, -1};
+  const int p = t - V, g = p / V, k = p % V, h = nvec - 2 - g;  // h >= g
+  return {g * V + k, h > g ? h * V + k : g * V + V - 1 - k};
+}
+
+template <typename T, int TPR, int NV, int BLOCK>
+__global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_fwd_causal_pair_kernel(const FwdArgs<T> a) {
+  static_assert(BLOCK % TPR == 0 && (TPR & (TPR - 1)) == 0, "TPR must be a power of two dividing BLOCK");
+  constexpr int V = Elem<T>::kVec;
+  constexpr int RPB = BLOCK / TPR;
+  __shared__ float2 red_max[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
+  __shared__ float2 red_sum[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
+  const int lane = threadIdx.x % TPR;
+  const int64_t sk = a.sk;  // a.fast: sk % V == 0; causal_pair_takes: sq == sk; a register plan: nvec <= TPR * NV
+  const int nvec = static_cast<int>(sk / V);
+  const int64_t per_head = (sk + V) / 2;
+  const int64_t items = a.rows / sk * per_head;
+  const uint2 nomask = make_uint2(0u, 0u);
+  const int64_t step = static_cast<int64_t>(gridDim.x) * RPB;
+  // The loop bound is uniform over the block: every thread reaches the shuffles and barriers.
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < items; base += step) {
+    const int64_t idx = base + threadIdx.x / TPR;
+    const bool valid = idx < items;
+    // An invalid item reads nothing (limits 0) and writes nothing; an item without row b has vb = 0 (nothing of
+    // row b read, stored or zeroed).
+    int64_t ra = 0, rb = 0;
+    int la = 0, lb = 0, va = nvec, vb = 0;
+    const T* xa = a.x;
+    const T* xb = a.x;
+    if (valid) {
+      const int64_t h = idx / per_head;
+      const PairRows pr = pair_rows<V>(static_cast<int>(idx - h * per_head), nvec);
+      ra = h * sk + pr.qa;
+      la = pr.qa + 1;
+      va = pr.qa / V + 1;
+      xa += row_offset(a.xs, ra, a.xs.flat < 0 ? split_row(ra, a.d1, a.d2, a.rows32) : RowPos{0, 0, 0});
+      if (pr.qb >= 0) {
+        rb = h * sk + pr.qb;
+        lb = pr.qb + 1;
+        vb = pr.qb / V + 1;
+        xb += row_offset(a.xs, rb, a.xs.flat < 0 ? split_row(rb, a.d1, a.d2, a.rows32) : RowPos{0, 0, 0});
+      }
+    }
+    // Slot i: row a's vector vi (vi < va) or row b's vector vi - va; its first column and the row's bound.
+    auto in_a = [&](int i) { return i * TPR + lane < va; };
+    auto col = [&](int i) { return (in_a(i) ? i * TPR + lane : i * TPR + lane - va) * V; };
+    auto bound = [&](int i) { return in_a(i) ? la : lb; };
+    uint4 raw[NV];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) raw[i] = load_vec<T, true>(in_a(i) ? xa : xb, col(i), sk, bound(i), true);
+    auto scores = [&](int i, float (&f)[V]) {
+      scores_of<T>(raw[i], nomask, visible_in<V>(col(i), bound(i)), a.scale, f);
+    };
+    // The opaque words make the compiler convert them again below instead of keeping converted copies alive.
+    auto opaque = [&]() {
+#pragma unroll
+      for (int i = 0; i < NV; ++i) asm volatile("" : "+r"(raw[i].x), "+r"(raw[i].y), "+r"(raw[i].z), "+r"(raw[i].w));
+    };
+    float2 part = make_float2(neg_inf(), neg_inf());
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      float f[V];
+      scores(i, f);
+      const float m = tree_max<V>(f);
+      if (in_a(i)) {
+        part.x = fmaxf(part.x, m);
+      } else {
+        part.y = fmaxf(part.y, m);
+      }
+    }
+    const float2 mx = group_reduce<TPR, true>(part, red_max);
+    // A row holds at least one visible key (q + 1 of them); an absent row b has a max of -inf and is not stored.
+    const float2 ref = make_float2(mx.x == neg_inf() ? 0.f : mx.x, mx.y == neg_inf() ? 0.f : mx.y);
+    opaque();
+    part = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      float f[V];
+      scores(i, f);
+      const float r = in_a(i) ? ref.x : ref.y;
+#pragma unroll
+      for (int k = 0; k < V; ++k) f[k] = exp2f(f[k] - r);
+      if (in_a(i)) {
+        part.x += tree_sum<V>(f);
+      } else {
+        part.y += tree_sum<V>(f);
+      }
+    }
+    const float2 sum = group_reduce<TPR, false>(part, red_sum);
+    const float2 inv = make_float2(sum.x > 0.f ? 1.f / sum.x : 0.f, sum.y > 0.f ? 1.f / sum.y : 0.f);
+    opaque();
+    if (valid) {
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const bool ia = in_a(i);
+        const int c0 = col(i);
+        if (!ia && c0 >= vb * V) continue;  // beyond row b's visible vectors (no row b: vb = 0)
+        float f[V];
+        scores(i, f);
+        const float r = ia ? ref.x : ref.y, s = ia ? inv.x : inv.y;
+#pragma unroll
+        for (int k = 0; k < V; ++k) f[k] = exp2f(f[k] - r) * s;
+        *reinterpret_cast<uint4*>(a.y + (ia ? ra : rb) * sk + c0) = Elem<T>::pack(f);
+      }
+      // Zeros above the diagonals: zi < nvec - va: row a's vector va + zi; then row b's from vb.
+      const int za = nvec - va, zb = vb > 0 ? nvec - vb : 0;
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const int zi = i * TPR + lane;
+        if (zi < za) {
+          *reinterpret_cast<uint4*>(a.y + ra * sk + (va + zi) * V) = make_uint4(0u, 0u, 0u, 0u);
+        } else if (zi < za + zb) {
+          *reinterpret_cast<uint4*>(a.y + rb * sk + (vb + zi - za) * V) = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+    }
+  }
+}
+
+// Causal backward of square matrices in the same row pairs: dx = scale * y * (dy - dot) for two rows at once, dy and y
+// read only where visible, in the slots of one row as above; dy in registers, or (STAGE, NV >= 4) in shared memory by
+// cp.async, each thread reading back only its own slots, as in bwd_reg_rows. EZ: the zeros above the diagonals are
+// stored right after the loads are issued, else after the values. causal_pair_bwd_plan says which plans take it.
+// Session 28 (H200, benchmarks.softmax_raw, causal backward, % of copy, two alternating runs, register-resident plans
+// -> pairs with the zeros late / early):
+// - 16-bit (bf16; fp16 alike): 128 keys 67.4 -> 78.7 / 79.1, 256 68.2 -> 80.9 / 81.4, 512 81.9 -> 89.7 / 87.9, 1024
+//   81.1 -> 90.7 / 89.6, 2048 88.8 -> 87.4 / 87.0, 4096 86.5 -> 89.5 / 89.0, 8192 88.2 -> 87.6 / 88.0, 16384
+//   94.4 -> 93.1 / 95.5;
+// - fp32: 128 keys 76.9 -> 87.3 / 88.1, 256 94.9 -> 93.8 / 92.4, 512 93.9 -> 93.3 / 92.4, 1024 93.9 -> 92.5 / 91.7,
+//   2048 93.4 -> 95.2 / 94.1, 4096 95.2 -> 94.0 / 93.0, 8192 95.4 -> 93.3 / 93.2, 16384 93.4 -> 91.7 / 97.6.
+// So the plans of the winning lengths take it (kCausalPairBwd 1): in 16-bit those of up to two vectors per thread
+// (rows of up to 1024 keys), in fp32 those of one (up to 128 keys); in both the plan of 128 threads with four vectors
+// (16-bit 2049-4096 keys, fp32 1025-2048); and, with the zeros early, the plan that holds 16384 keys (16-bit 512
+// threads: 8193-16384 keys; fp32 1024 threads: 8193-16384). A benchmark build may set
+// -DPIPEGOOSE_SOFTMAX_CAUSAL_PAIR_BWD=0 (none) or 2 (every plan, the zeros as -DPIPEGOOSE_SOFTMAX_PAIR_BWD_EARLY_ZERO=0
+// or 1 says: late or early).
+#if defined(PIPEGOOSE_SOFTMAX_CAUSAL_PAIR_BWD)
+constexpr int kCausalPairBwd = PIPEGOOSE_SOFTMAX_CAUSAL_PAIR_BWD;
+static_assert(kCausalPairBwd >= 0 && kCausalPairBwd <= 2, "PIPEGOOSE_SOFTMAX_CAUSAL_PAIR_BWD: 0, 1 or 2");
+#else
+constexpr int kCausalPairBwd = 1;
+#endif
+#if defined(PIPEGOOSE_SOFTMAX_PAIR_BWD_EARLY_ZERO)
+constexpr bool kCausalPairBwdEarlyZero = PIPEGOOSE_SOFTMAX_PAIR_BWD_EARLY_ZERO;
+#else
+constexpr bool kCausalPairBwdEarlyZero = false;
+#endif
+
+// Keys held by a plan of TPR threads with NV vectors each.
+template <typename T, int TPR, int NV>
+constexpr int64_t plan_keys() {
+  return int64_t{TPR} * NV * Elem<T>::kVec;
+}
+
+// Whether the backward plan of TPR threads with NV vectors each has a row-pair kernel, see kCausalPairBwd; and whether
+// that kernel stores the zeros early.
+template <typename T, int TPR, int NV>
+constexpr bool causal_pair_bwd_plan() {
+  if constexpr (NV == 2 && TPR >= 128) return false;  // kBwdMidVecs' plans: rows without the causal mask only
+  if constexpr (kCausalPairBwd == 1) {
+    return (sizeof(T) == 2 ? NV <= 2 : NV == 1) || (TPR == 128 && NV == 4) || plan_keys<T, TPR, NV>() == 16384;
+  }
+  return kCausalPairBwd == 2;
+}
+template <typename T, int TPR, int NV>
+constexpr bool causal_pair_bwd_early_zero() {
+  return kCausalPairBwd == 1 ? plan_keys<T, TPR, NV>() == 16384 : kCausalPairBwdEarlyZero;
+}
+
+template <typename T, int TPR, int NV, int BLOCK, bool STAGE, bool EZ>
+__global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_bwd_causal_pair_kernel(const BwdArgs<T> a) {
+  static_assert(BLOCK % TPR == 0 && (TPR & (TPR - 1)) == 0, "TPR must be a power of two dividing BLOCK");
+  constexpr int V = Elem<T>::kVec;
+  constexpr int RPB = BLOCK / TPR;
+  __shared__ float2 red_sum[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
+  extern __shared__ uint4 stage[];  // NV * BLOCK when STAGE
+  const int lane = threadIdx.x % TPR;
+  const int64_t sk = a.sk;  // a.fast: sk % V == 0; causal_pair_takes: sq == sk; a register plan: nvec <= TPR * NV
+  const int nvec = static_cast<int>(sk / V);
+  const int64_t per_head = (sk + V) / 2;
+  const int64_t items = a.rows / sk * per_head;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * RPB;
+  // The loop bound is uniform over the block: every thread reaches the shuffles and barriers.
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < items; base += step) {
+    const int64_t idx = base + threadIdx.x / TPR;
+    const bool valid = idx < items;
+    // As in softmax_fwd_causal_pair_kernel: an invalid item reads and writes nothing; without row b, vb = 0.
+    int64_t ra = 0, rb = 0;
+    int la = 0, lb = 0, va = nvec, vb = 0;
+    const T *ga = a.dy, *gb = a.dy, *ya = a.y, *yb = a.y;
+    if (valid) {
+      const int64_t h = idx / per_head;
+      const PairRows pr = pair_rows<V>(static_cast<int>(idx - h * per_head), nvec);
+      const bool split = a.gs.flat < 0 || a.ys.flat < 0;
+      ra = h * sk + pr.qa;
+      la = pr.qa + 1;
+      va = pr.qa / V + 1;
+      const RowPos pa = split ? split_row(ra, a.d1, a.d2, a.rows32) : RowPos{0, 0, 0};
+      ga += row_offset(a.gs, ra, pa);
+      ya += row_offset(a.ys, ra, pa);
+      if (pr.qb >= 0) {
+        rb = h * sk + pr.qb;
+        lb = pr.qb + 1;
+        vb = pr.qb / V + 1;
+        const RowPos pb = split ? split_row(rb, a.d1, a.d2, a.rows32) : RowPos{0, 0, 0};
+        gb += row_offset(a.gs, rb, pb);
+        yb += row_offset(a.ys, rb, pb);
+      }
+    }
+    auto in_a = [&](int i) { return i * TPR + lane < va; };
+    auto col = [&](int i) { return (in_a(i) ? i * TPR + lane : i * TPR + lane - va) * V; };
+    auto bound = [&](int i) { return in_a(i) ? la : lb; };
+    // Load phase: every dy and y vector of both rows is requested before any is used.
+    uint4 rg[STAGE ? 1 : NV], ry[NV];
+    if constexpr (STAGE) {
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const int bytes = visible_in<V>(col(i), bound(i)) * static_cast<int>(sizeof(T));  // zero filled beyond
+        const T* g = in_a(i) ? ga : gb;
+        cp_async16(&stage[i * BLOCK + threadIdx.x], bytes > 0 ? g + col(i) : g, bytes);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      ry[i] = load_vec<T, true>(in_a(i) ? ya : yb, col(i), sk, bound(i), true);
+      if constexpr (!STAGE) rg[i] = load_vec<T, true>(in_a(i) ? ga : gb, col(i), sk, bound(i), true);
+    }
+    // Zeros above the diagonals: zi < nvec - va: row a's vector va + zi; then row b's from vb.
+    auto store_zeros = [&]() {
+      if (!valid) return;
+      const int za = nvec - va, zb = vb > 0 ? nvec - vb : 0;
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const int zi = i * TPR + lane;
+        if (zi < za) {
+          *reinterpret_cast<uint4*>(a.dx + ra * sk + (va + zi) * V) = make_uint4(0u, 0u, 0u, 0u);
+        } else if (zi < za + zb) {
+          *reinterpret_cast<uint4*>(a.dx + rb * sk + (vb + zi - za) * V) = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+    };
+    if constexpr (EZ) store_zeros();
+    // The boundary vectors were read whole: zero their invisible columns (a zero y gives a zero dx, adds nothing).
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int vis = visible_in<V>(col(i), bound(i));
+      zero_from<T>(ry[i], vis);
+      if constexpr (!STAGE) zero_from<T>(rg[i], vis);
+    }
+    if constexpr (STAGE) cp_async_wait_all();  // this thread's own slots are now readable by it
+    auto dy_of = [&](int i) -> uint4 {
+      if constexpr (STAGE) {
+        return stage[i * BLOCK + threadIdx.x];
+      } else {
+        return rg[i];
+      }
+    };
+    float2 part = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      float fg[V], fy[V];
+      Elem<T>::unpack(dy_of(i), fg);
+      Elem<T>::unpack(ry[i], fy);
+#pragma unroll
+      for (int k = 0; k < V; ++k) fy[k] = fg[k] * fy[k];
+      if (in_a(i)) {
+        part.x += tree_sum<V>(fy);
+      } else {
+        part.y += tree_sum<V>(fy);
+      }
+    }
+    const float2 dot = group_reduce<TPR, false>(part, red_sum);
+    // As in bwd_reg_rows: opaque raw words, and the shared memory reads of dy kept below the reduction.
+    if constexpr (STAGE) asm volatile("" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      asm volatile("" : "+r"(ry[i].x), "+r"(ry[i].y), "+r"(ry[i].z), "+r"(ry[i].w));
+      if constexpr (!STAGE) asm volatile("" : "+r"(rg[i].x), "+r"(rg[i].y), "+r"(rg[i].z), "+r"(rg[i].w));
+    }
+    if (valid) {
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const bool ia = in_a(i);
+        const int c0 = col(i);
+        if (!ia && c0 >= vb * V) continue;  // beyond row b's visible vectors (no row b: vb = 0)
+        float fg[V], fy[V];
+        Elem<T>::unpack(dy_of(i), fg);
+        Elem<T>::unpack(ry[i], fy);
+        const float d = ia ? dot.x : dot.y;
+#pragma unroll
+        for (int k = 0; k < V; ++k) fy[k] = a.scale * fy[k] * (fg[k] - d);
+        *reinterpret_cast<uint4*>(a.dx + (ia ? ra : rb) * sk + c0) = Elem<T>::pack(fy);
+      }
+    }
+    if constexpr (!EZ) store_zeros();
+    if constexpr (TPR > 32) __syncthreads();  // red_sum is read after the barrier; guard its reuse
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
 // Host side: plans and launches.
 
 constexpr int kSmallBlock = 128;  // block size when a row takes at most one warp
@@ -1172,13 +1512,21 @@ inline void allow_dynamic_smem(const void* kernel, size_t static_bytes, size_t d
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(limit)));
 }
 
-template <typename T, int TPR, int NV, int KC = 0>
+// PAIR: softmax_bwd_causal_pair_kernel (causal_pair_takes), else softmax_bwd_reg_kernel.
+template <typename T, int TPR, int NV, int KC = 0, bool PAIR = false>
 void launch_bwd(const BwdArgs<T>& a, cudaStream_t st) {
   constexpr int B = block_for<TPR>();
   constexpr bool STAGE = NV >= 4;  // dy in shared memory: see softmax_bwd_reg_kernel
   constexpr int smem = STAGE ? NV * B * static_cast<int>(sizeof(uint4)) : 0;
-  constexpr size_t kStatic = (B / 32 > 0 ? B / 32 : 1) * sizeof(float);  // the kernel's static red_sum: keep in step
-  auto kernel = softmax_bwd_reg_kernel<T, TPR, NV, B, STAGE, KC>;
+  // the kernels' static red_sum (float, or float2 for the pairs): keep in step
+  constexpr size_t kStatic = (B / 32 > 0 ? B / 32 : 1) * (PAIR ? sizeof(float2) : sizeof(float));
+  auto kernel = [] {
+    if constexpr (PAIR) {
+      return softmax_bwd_causal_pair_kernel<T, TPR, NV, B, STAGE, causal_pair_bwd_early_zero<T, TPR, NV>()>;
+    } else {
+      return softmax_bwd_reg_kernel<T, TPR, NV, B, STAGE, KC>;
+    }
+  }();
   if constexpr (kStatic + smem > 48 * 1024) {
     if (kStatic + smem > smem_optin()) {  // sm_75 (64 KB): the plan of 1024 threads does not fit; two passes do
       softmax_bwd_two_pass_kernel<T><<<grid_for(a.rows, 1), kTwoPassBlock, 0, st>>>(a);
@@ -1187,7 +1535,8 @@ void launch_bwd(const BwdArgs<T>& a, cudaStream_t st) {
     }
     allow_dynamic_smem(reinterpret_cast<const void*>(kernel), kStatic, smem, smem);
   }
-  kernel<<<grid_for(a.rows, B / TPR), B, smem, st>>>(a);
+  const int64_t units = PAIR ? a.rows / a.sk * ((a.sk + Elem<T>::kVec) / 2) : a.rows;  // work items or rows
+  kernel<<<grid_for(units, B / TPR), B, smem, st>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -1211,6 +1560,37 @@ void launch_fwd_causal_smem(const FwdArgs<T>& a, cudaStream_t st) {
   const size_t limit = std::min(kCausalSmemMax * sizeof(T), smem_optin() - kCausalSmemStatic);
   allow_dynamic_smem(reinterpret_cast<const void*>(kernel), kCausalSmemStatic, smem, limit);
   kernel<<<grid_for(a.rows, 1), kCausalSmemBlock, smem, st>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Whether the forward plan of TPR threads with NV vectors each has a row-pair kernel (softmax_fwd_causal_pair_kernel),
+// see kCausalPair. fp32 (kCausalPair 2) up to four vectors per thread: with eight, the two rows' state spills (ptxas,
+// sm_90: 64 registers and 124 bytes of spill stores).
+template <typename T, int TPR, int NV>
+constexpr bool causal_pair_plan() {
+  if constexpr (sizeof(T) == 2) {
+    return NV > 1 && (kCausalPair == 2 || (kCausalPair == 1 && TPR >= 32));
+  } else {
+    return NV > 1 && NV <= 4 && kCausalPair == 2;
+  }
+}
+
+// Whether a call takes a row-pair kernel: causal, square (sq == sk, so that rows pair up within a head), without a
+// padding mask, every vector whole and aligned.
+template <typename T>
+bool causal_pair_takes(const FwdArgs<T>& a) {
+  return a.causal && a.causal_shift == 0 && a.mask == nullptr && a.fast && a.y_vec;
+}
+template <typename T>
+bool causal_pair_takes(const BwdArgs<T>& a) {
+  return a.causal && a.causal_shift == 0 && a.fast && a.dx_vec;
+}
+
+template <typename T, int TPR, int NV>
+void launch_fwd_causal_pair(const FwdArgs<T>& a, cudaStream_t st) {
+  constexpr int B = block_for<TPR>();
+  const int64_t items = a.rows / a.sk * ((a.sk + Elem<T>::kVec) / 2);
+  softmax_fwd_causal_pair_kernel<T, TPR, NV, B><<<grid_for(items, B / TPR), B, 0, st>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -1279,8 +1659,14 @@ void run(const Args& a, cudaStream_t st) {
     }
 #endif
     if constexpr (BWD) {
+      if constexpr (causal_pair_bwd_plan<T, TPR, NV>()) {
+        if (causal_pair_takes(a)) return launch_bwd<T, TPR, NV, 0, true>(a, st);
+      }
       launch_bwd<T, TPR, NV>(a, st);
     } else {
+      if constexpr (causal_pair_plan<T, TPR, NV>()) {
+        if (causal_pair_takes(a)) return launch_fwd_causal_pair<T, TPR, NV>(a, st);
+      }
       launch_fwd<T, TPR, NV>(a, st);
     }
   };
