@@ -10,19 +10,19 @@
 Calls the forward and backward of ``pipegoose/layer_norm`` and ``pipegoose/rms_norm`` (the launch plans of
 ``norm_kernels.cuh``: scalar rows, register and shared-memory accumulator plans, the asynchronous-copy backward over
 many rows, the prefetching and full-grid forward plans, the rows of one block per SM (parameters staged through shared
-memory; 32000 and 64000 columns leave their last stride partial), the wide rows' forward (fp32 64000 and 65536
-columns: the first 32768 values of a row in registers, the rest in shared memory, LayerNorm's on a grid of one block
-per SM that walks 300 rows; 65544: the two-read kernel), the
-specialised backward sizes, the wide rows' backward (a thread block cluster per row on sm_90 and newer, the two-kernel
-path with fp32 grad_output of a 16-bit input and before sm_90), with and without parameters and with a bias alone,
-fp32 parameters and fp32 grad_output with a 16-bit input) and of ``pipegoose/softmax`` (plain, padding-masked, causal;
-1 to 40000 keys; one and three query rows, and whole causal matrices of 40 to 2048 keys: the row pairs of the forward and the backward) in fp32, fp16 and bf16, at row
-counts small enough for the sanitizers (seconds, not hours). The optional argument ``norms`` or ``softmax`` limits it
-to one family; ``norms`` followed by hidden sizes (of the list ``NORM_HIDDEN``) to those sizes, e.g. ``norms 16384
-20000 32768 64000`` for the wide rows' backward; ``softmax long`` adds the 16-bit causal forward of 16387 queries of
-16384 keys (the staged kernel on rows of every length; for memcheck: minutes under racecheck). The GPU tests check
-values; this checks memory accesses, shared memory races and initialisation: the test suite itself is too large to run
-under the sanitizers (out of memory).
+memory; 32000 and 64000 columns leave their last stride partial), the wide rows' forward (fp32 64000 and 65536 columns:
+the first 32768 values of a row in registers, the rest in shared memory, LayerNorm's on a grid of one block per SM that
+walks 300 rows; 65544: the two-read kernel), the specialised backward sizes, the wide rows' backward (a thread block
+cluster per row on sm_90 and newer, the two-kernel path with fp32 grad_output of a 16-bit input and before sm_90), with
+and without parameters and with a bias alone, fp32 parameters and fp32 grad_output with a 16-bit input) and of
+``pipegoose/softmax`` (plain, padding-masked, causal; 1 to 40000 keys; one and three query rows, and whole causal
+matrices of 36 to 2056 keys: the row pairs of the forward and the backward) in fp32, fp16 and bf16, at row counts small
+enough for the sanitizers (seconds, not hours). The optional argument ``norms`` or ``softmax`` limits it to one family;
+``norms`` followed by hidden sizes (of the list ``NORM_HIDDEN``) to those sizes, e.g. ``norms 16384 20000 32768 64000``
+for the wide rows' backward; ``softmax long`` adds the 16-bit causal forward of 16387 queries of 16384 keys (the staged
+kernel on rows of every length; for memcheck: minutes under racecheck). The GPU tests check values; this checks memory
+accesses, shared memory races and initialisation: the test suite itself is too large to run under the sanitizers (out of
+memory).
 """
 
 from __future__ import annotations
@@ -109,10 +109,10 @@ def main() -> int:
                         y = sm.softmax_forward(x, m, 0.5, causal)
                         sm.softmax_backward(torch.randn_like(y), y, 0.5, causal)
                         calls += 2
-            # whole causal matrices (sq == sk: the row pairs of the 16-bit forward from 513 keys and of the backward
+            # whole causal matrices (sq == sk: the row pairs of the 16-bit forward from 1025 keys and of the backward
             # at the lengths softmax.cuh's causal_pair_bwd_plan takes): every row length from 1 to sk, an odd and an
-            # even number of vectors per row, two heads
-            for sk in (40, 136, 1000, 2048):
+            # even number of vectors per row (36 and 132: odd in fp32), two heads
+            for sk in (36, 40, 132, 136, 1000, 1032, 2056):
                 x = torch.randn(1, 2, sk, sk, device="cuda", dtype=dt)
                 y = sm.softmax_forward(x, None, 0.5, True)
                 sm.softmax_backward(torch.randn_like(y), y, 0.5, True)

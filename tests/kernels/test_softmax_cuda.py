@@ -155,12 +155,12 @@ def test_key_lengths(sm, dtype, mode, sk):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize("sk", [2048, 2056, 8192, 16384, 32768])
+@pytest.mark.parametrize("sk", [2048, 2056, 8192, 12288, 16384, 32768])
 def test_causal_square_long_rows(sm, dtype, sk):
     """Whole causal score matrices (sq == sk) of long rows, every row length from 1 to sk: the long-row plans of the
-    backward (zeros above the diagonal stored early; at 16384 keys in row pairs) and of the forward (in 16-bit: row
-    pairs up to 8192 keys; from 16384 keys the row staged in shared memory, kCausalSmemMin). NaN above the diagonal of
-    dy and y must not change the backward's result (the tail is not read). The last 1024 queries again, their rows
+    backward (zeros above the diagonal stored early; at 12288 and 16384 keys in row pairs) and of the forward
+    (16-bit: row pairs below 16384 keys; from 16384 keys the row staged in shared memory, kCausalSmemMin). NaN above the diagonal of
+    dy and y must not change the backward's result (the tail is not used). The last 1024 queries again, their rows
     strided by 8 padding keys: the register-resident plans (sq != sk)."""
     heads = 2 if sk <= 8192 else 1
     rows = sk if sk <= 16384 else 1024  # 32768: the last 1024 queries (bottom-right aligned: keys j <= i + sk - rows)
@@ -177,16 +177,16 @@ def test_causal_square_long_rows(sm, dtype, sk):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize("sk", [8, 16, 24, 40, 48, 120, 128, 136, 512, 1000, 1024, 1032, 4096])
+@pytest.mark.parametrize("sk", [8, 16, 20, 24, 36, 40, 48, 120, 128, 132, 136, 512, 516, 1000, 1024, 1032, 1040, 4096])
 def test_causal_square_rows_in_pairs(sm, dtype, sk):
     """Square causal matrices (sq == sk, no padding mask, whole vectors): the row-pair kernels, which give one thread
-    group a short row and a long one: the forward's in 16-bit from 513 keys (softmax_fwd_causal_pair_kernel), the
+    group a short row and a long one: the forward's in 16-bit from 1025 keys (softmax_fwd_causal_pair_kernel), the
     backward's (softmax_bwd_causal_pair_kernel, causal flag) in 16-bit up to 1024 keys and in fp32 up to 128 (and
     at 4096 keys in 16-bit); the other lengths the register-resident plans. Key lengths of an odd and an even number of
     vectors in both vector widths (8 and 4 keys), from one vector per row up; several heads, contiguous and strided
-    rows (transposed heads); NaN above the diagonal must change nothing (the tail is not read, forward and backward)
-    and every output element must be written (poisoned outputs). The backward's pairs at 16384 keys (zeros stored
-    early): test_causal_square_long_rows."""
+    rows (transposed heads); NaN above the diagonal must change nothing (the tail is not used, forward and backward)
+    and every output element must be written (poisoned outputs). The backward's pairs of 8193-16384 keys (zeros stored
+    early): test_causal_square_long_rows (12288 and 16384 keys)."""
     heads = 3 if sk <= 1032 else 2
     x, dy, _ = make((2, heads, sk, sk), dtype, seed=sk + 5)
     tail = hidden_keys(x.shape, None, True)
@@ -469,7 +469,8 @@ def test_causal_int64_indexing(sm):
     y = fwd(sm, x, None, 0.125, True)
     dy = torch.randn((heads, sk, sk), generator=g, device=DEV, dtype=torch.bfloat16)
     dx = bwd(sm, dy, y, 0.125, True)
-    for sl in (slice(0, 1), slice(heads - 3, heads)):  # the first head and the heads across / past 2^31 elements
+    assert not bool(torch.isnan(y).any()) and not bool(torch.isnan(dx).any()), "NaN in the output: not written?"
+    for sl in (slice(0, 1), slice(heads - 3, heads)):  # the first head; the last head below 2^31 elements, two past
         check(f"causal int64 fwd heads {sl}", y[sl], ref_forward(x[sl], None, 0.125, True), torch.bfloat16)
         check(f"causal int64 bwd heads {sl}", dx[sl], ref_backward(dy[sl], y[sl], 0.125), torch.bfloat16)
 

@@ -15,7 +15,7 @@
 //   (online max/sum, then a second read) that works for any length. The 16-bit causal forward of rows of 16384 to
 //   32768 keys stages each row in shared memory instead, one row per block (softmax.cuh, kCausalSmemMin), so that
 //   an SM holds more rows than their registers would allow. On square causal matrices one row group may take a
-//   short row and a long one, whose visible keys add up to one row: the 16-bit forward from 513 keys
+//   short row and a long one, whose visible vectors add up to one row: the 16-bit forward from 1025 keys
 //   (softmax_fwd_causal_pair_kernel, kCausalPair) and the backward at the key lengths where that measured faster
 //   (softmax_bwd_causal_pair_kernel, kCausalPairBwd).
 //   Vector loads/stores are used when the row start and strides allow it (checked at run time); otherwise the

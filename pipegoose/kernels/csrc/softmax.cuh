@@ -1075,9 +1075,10 @@ __global__ void __launch_bounds__(kCausalSmemBlock, 2048 / kCausalSmemBlock)
 // row a, nvec - vb of row b: nvec in all for a pair) are spread over the slots the same way. Both rows' max and sum
 // reduce at once (a float2). kCausalPair says which calls take it.
 
-// Which plans take it (causal_pair_plan): kCausalPair 1: the 16-bit plans of at least 32 threads per row (rows of
-// 513 keys and more, up to the staged kernel above, which takes 16384 and more where they fit); 2: also the shorter 16-bit rows (from 40 keys) and the
-// fp32 rows of 20 to 512 keys; 0: none. Session 28 (H200, benchmarks.softmax_raw, causal forward, % of copy, two
+// Which plans take it (causal_pair_plan): kCausalPair 1: the 16-bit plans of at least 64 threads per row (rows of
+// 1025 keys and more, up to the staged kernel above, which takes 16384 and more where they fit); 2: also the shorter
+// 16-bit rows (from 40 keys) and the fp32 rows of 20 to 512 keys; 0: none. (The plan of 32 threads with four
+// vectors, 513-1024 keys, spills 12 bytes with pairs: ptxas, sm_90; and gained only 0.6 points at 1024 keys.) Session 28 (H200, benchmarks.softmax_raw, causal forward, % of copy, two
 // alternating runs, register-resident plans -> pairs): bf16 1024 keys 85.0 -> 85.6, 2048 82.1 -> 86.5, 4096 81.7 ->
 // 87.8, 8192 75.4 -> 86.9 (fp16 alike); but bf16 128 keys 80.8 -> 72.0, 256 83.0 -> 80.0, 512 a tie, fp32 128 keys
 // 90.4 -> 85.8, 256-512 1 point lower. Storing the zeros right after the loads were issued, instead of after the
@@ -1284,7 +1285,9 @@ __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_bwd_causal_p
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < items; base += step) {
     const int64_t idx = base + threadIdx.x / TPR;
     const bool valid = idx < items;
-    // As in softmax_fwd_causal_pair_kernel: an invalid item reads and writes nothing; without row b, vb = 0.
+    // As in softmax_fwd_causal_pair_kernel: an invalid item reads and writes nothing; without row b, vb = 0. (The
+    // setup and the zero stores repeat the forward's: shared helpers cost registers here, 64 per thread, and made
+    // ptxas spill 4-8 bytes in some plans, sm_90.)
     int64_t ra = 0, rb = 0;
     int la = 0, lb = 0, va = nvec, vb = 0;
     const T *ga = a.dy, *gb = a.dy, *ya = a.y, *yb = a.y;
@@ -1569,7 +1572,7 @@ void launch_fwd_causal_smem(const FwdArgs<T>& a, cudaStream_t st) {
 template <typename T, int TPR, int NV>
 constexpr bool causal_pair_plan() {
   if constexpr (sizeof(T) == 2) {
-    return NV > 1 && (kCausalPair == 2 || (kCausalPair == 1 && TPR >= 32));
+    return NV > 1 && (kCausalPair == 2 || (kCausalPair == 1 && TPR >= 64));
   } else {
     return NV > 1 && NV <= 4 && kCausalPair == 2;
   }
