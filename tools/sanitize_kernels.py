@@ -20,9 +20,9 @@ matrices of 36 to 2056 keys: the row pairs of the forward and the backward) in f
 enough for the sanitizers (seconds, not hours). The optional argument ``norms`` or ``softmax`` limits it to one family;
 ``norms`` followed by hidden sizes (of the list ``NORM_HIDDEN``) to those sizes, e.g. ``norms 16384 20000 32768 64000``
 for the wide rows' backward; ``softmax long`` adds the 16-bit causal forward of 16387 queries of 16384 keys (the staged
-kernel on rows of every length; for memcheck: minutes under racecheck). The GPU tests check values; this checks memory
-accesses, shared memory races and initialisation: the test suite itself is too large to run under the sanitizers (out of
-memory).
+kernel on rows of every length) and a square causal matrix of 8200 keys (8196 in fp32: the backward's row pairs with
+early zeros); for memcheck: minutes under racecheck. The GPU tests check values; this checks memory accesses, shared
+memory races and initialisation: the test suite itself is too large to run under the sanitizers (out of memory).
 """
 
 from __future__ import annotations
@@ -125,6 +125,13 @@ def main() -> int:
                 x = torch.randn(1, 1, 1, 16384, device="cuda", dtype=dt).expand(1, 1, 16387, 16384)
                 sm.softmax_forward(x, None, 0.5, True)
                 calls += 1
+            if long_rows:
+                # the backward's row pairs with the zeros stored early (the plan that holds 16384 keys) on a square
+                # causal matrix of an odd number of vectors: 8200 keys in 16-bit, 8196 in fp32
+                sk = 8196 if dt == torch.float32 else 8200
+                y = sm.softmax_forward(torch.randn(1, 1, sk, sk, device="cuda", dtype=dt), None, 0.5, True)
+                sm.softmax_backward(torch.randn_like(y), y, 0.5, True)
+                calls += 2
     torch.cuda.synchronize()
     print(f"sanitize_kernels: {calls} kernel calls done")
     return 0

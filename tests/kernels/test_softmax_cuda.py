@@ -32,7 +32,7 @@ MODES = ["plain", "masked", "causal"]
 # short-key class); 2048..32768: 64..1024 threads per row, register resident (the backward's largest plans stage dy
 # in shared memory; the 16-bit causal forward from 16384 keys stages the row in shared memory); 4097: a partial last
 # vector; 32768 (fp32 backward) and 40000: the two-pass kernels; HUGE: far
-# beyond the register budget.
+# beyond the register budget. (The row-pair kernels of square causal matrices: the tests named causal_square.)
 KEY_LENS = [1, 2, 5, 16, 31, 60, 127, 128, 300, 1000, 2048, 3000, 4097, 8192, 16384, 32768, 40000]
 HUGE = 200_003
 
@@ -158,7 +158,8 @@ def test_key_lengths(sm, dtype, mode, sk):
 @pytest.mark.parametrize("sk", [2048, 2056, 8192, 12288, 16384, 32768])
 def test_causal_square_long_rows(sm, dtype, sk):
     """Whole causal score matrices (sq == sk) of long rows, every row length from 1 to sk: the long-row plans of the
-    backward (zeros above the diagonal stored early; at 12288 and 16384 keys in row pairs) and of the forward
+    backward (zeros above the diagonal stored early; in row pairs at 16-bit 2056 and fp32 2048 keys with the zeros
+    late, at 12288 and 16384 keys with the zeros early) and of the forward
     (16-bit: row pairs below 16384 keys; from 16384 keys the row staged in shared memory, kCausalSmemMin). NaN above the diagonal of
     dy and y must not change the backward's result (the tail is not used). The last 1024 queries again, their rows
     strided by 8 padding keys: the register-resident plans (sq != sk)."""
@@ -181,9 +182,10 @@ def test_causal_square_long_rows(sm, dtype, sk):
 def test_causal_square_rows_in_pairs(sm, dtype, sk):
     """Square causal matrices (sq == sk, no padding mask, whole vectors): the row-pair kernels, which give one thread
     group a short row and a long one: the forward's in 16-bit from 1025 keys (softmax_fwd_causal_pair_kernel), the
-    backward's (softmax_bwd_causal_pair_kernel, causal flag) in 16-bit up to 1024 keys and in fp32 up to 128 (and
-    at 4096 keys in 16-bit); the other lengths the register-resident plans. Key lengths of an odd and an even number of
-    vectors in both vector widths (8 and 4 keys), from one vector per row up; several heads, contiguous and strided
+    backward's (softmax_bwd_causal_pair_kernel, causal flag) in 16-bit up to 1024 keys and at 4096, in fp32 up to 128
+    keys and at 1032; the other lengths the register-resident plans. Key lengths of an odd and an even number of
+    vectors in both vector widths (8 and 4 keys: 20, 36, 132 and 516 are odd in fp32), from one vector per row up in
+    16-bit (two in fp32); several heads, contiguous and strided
     rows (transposed heads); NaN above the diagonal must change nothing (the tail is not used, forward and backward)
     and every output element must be written (poisoned outputs). The backward's pairs of 8193-16384 keys (zeros stored
     early): test_causal_square_long_rows (12288 and 16384 keys)."""
