@@ -1075,15 +1075,15 @@ __global__ void __launch_bounds__(kCausalSmemBlock, 2048 / kCausalSmemBlock)
 // row a, nvec - vb of row b: nvec in all for a pair) are spread over the slots the same way. Both rows' max and sum
 // reduce at once (a float2). kCausalPair says which calls take it.
 
-// Which plans take it (causal_pair_plan): kCausalPair 1: the 16-bit plans of at least 64 threads per row (rows of
-// 1025 keys and more, up to the staged kernel above, which takes 16384 and more where they fit); 2: also the shorter
-// 16-bit rows (from 40 keys) and the fp32 rows of 20 to 512 keys; 0: none. (The plan of 32 threads with four
-// vectors, 513-1024 keys, spills 12 bytes with pairs: ptxas, sm_90; and gained only 0.6 points at 1024 keys.) Session 28 (H200, benchmarks.softmax_raw, causal forward, % of copy, two
-// alternating runs, register-resident plans -> pairs): bf16 1024 keys 85.0 -> 85.6, 2048 82.1 -> 86.5, 4096 81.7 ->
-// 87.8, 8192 75.4 -> 86.9 (fp16 alike); but bf16 128 keys 80.8 -> 72.0, 256 83.0 -> 80.0, 512 a tie, fp32 128 keys
-// 90.4 -> 85.8, 256-512 1 point lower. Storing the zeros right after the loads were issued, instead of after the
-// values, lost everywhere (bf16 4096 keys 85.0, 128 keys 61.3). A benchmark build may set
-// -DPIPEGOOSE_SOFTMAX_CAUSAL_PAIR=0, 1 or 2.
+// Which plans take it (causal_pair_plan): kCausalPair 1: the 16-bit plans of at least 64 threads per row (rows of 1025
+// keys and more, up to the staged kernel above, which takes 16384 and more where they fit); 2: also the shorter 16-bit
+// rows (from 40 keys) and the fp32 rows of 20 to 512 keys; 0: none. (The plan of 32 threads with four vectors, 513-1024
+// keys, spills 12 bytes with pairs: ptxas, sm_90; and gained only 0.6 points at 1024 keys.) Session 28 (H200,
+// benchmarks.softmax_raw, causal forward, % of copy, two alternating runs, register-resident plans -> pairs): bf16 1024
+// keys 85.0 -> 85.6, 2048 82.1 -> 86.5, 4096 81.7 -> 87.8, 8192 75.4 -> 86.9 (fp16 alike); but bf16 128 keys 80.8 ->
+// 72.0, 256 83.0 -> 80.0, 512 a tie, fp32 128 keys 90.4 -> 85.8, 256-512 1 point lower. Storing the zeros right after
+// the loads were issued, instead of after the values, lost everywhere (bf16 4096 keys 85.0, 128 keys 61.3). A benchmark
+// build may set -DPIPEGOOSE_SOFTMAX_CAUSAL_PAIR=0, 1 or 2.
 #if defined(PIPEGOOSE_SOFTMAX_CAUSAL_PAIR)
 constexpr int kCausalPair = PIPEGOOSE_SOFTMAX_CAUSAL_PAIR;
 static_assert(kCausalPair >= 0 && kCausalPair <= 2, "PIPEGOOSE_SOFTMAX_CAUSAL_PAIR: 0, 1 or 2");
