@@ -159,10 +159,10 @@ def test_key_lengths(sm, dtype, mode, sk):
 def test_causal_square_long_rows(sm, dtype, sk):
     """Whole causal score matrices (sq == sk) of long rows, every row length from 1 to sk: the long-row plans of the
     backward (zeros above the diagonal stored early; in row pairs at 16-bit 2056 and fp32 2048 keys with the zeros
-    late, at 12288 and 16384 keys with the zeros early) and of the forward
-    (16-bit: row pairs below 16384 keys; from 16384 keys the row staged in shared memory, kCausalSmemMin). NaN above the diagonal of
-    dy and y must not change the backward's result (the tail is not used). The last 1024 queries again, their rows
-    strided by 8 padding keys: the register-resident plans (sq != sk)."""
+    late, at 12288 and 16384 keys with the zeros early) and of the forward (16-bit: row pairs below 16384 keys; from
+    16384 keys the row staged in shared memory, kCausalSmemMin). NaN above the diagonal of dy and y must not change
+    the backward's result (the tail is not used). The last 1024 queries again, their rows strided by 8 padding keys:
+    the register-resident plans (sq != sk)."""
     heads = 2 if sk <= 8192 else 1
     rows = sk if sk <= 16384 else 1024  # 32768: the last 1024 queries (bottom-right aligned: keys j <= i + sk - rows)
     x, dy, _ = make((1, heads, rows, sk), dtype, seed=sk)
@@ -180,15 +180,15 @@ def test_causal_square_long_rows(sm, dtype, sk):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("sk", [8, 16, 20, 24, 36, 40, 48, 120, 128, 132, 136, 512, 516, 1000, 1024, 1032, 1040, 4096])
 def test_causal_square_rows_in_pairs(sm, dtype, sk):
-    """Square causal matrices (sq == sk, no padding mask, whole vectors): the row-pair kernels, which give one thread
-    group a short row and a long one: the forward's in 16-bit from 1025 keys (softmax_fwd_causal_pair_kernel), the
-    backward's (softmax_bwd_causal_pair_kernel, causal flag) in 16-bit up to 1024 keys and at 4096, in fp32 up to 128
-    keys and at 1032; the other lengths the register-resident plans. Key lengths of an odd and an even number of
+    """Square causal matrices (sq == sk, no padding mask, whole vectors): the row-pair kernels, which give one thread group
+    a short row and a long one: the forward's in 16-bit from 1025 keys (softmax_fwd_causal_pair_kernel), the
+    backward's (softmax_bwd_causal_pair_kernel, causal flag) in 16-bit up to 1024 keys and at 4096, in fp32 up to
+    128 keys and at 1032; the other lengths the register-resident plans. Key lengths of an odd and an even number of
     vectors in both vector widths (8 and 4 keys: 20, 36, 132 and 516 are odd in fp32), from one vector per row up in
-    16-bit (two in fp32); several heads, contiguous and strided
-    rows (transposed heads); NaN above the diagonal must change nothing (the tail is not used, forward and backward)
-    and every output element must be written (poisoned outputs). The backward's pairs of 8193-16384 keys (zeros stored
-    early): test_causal_square_long_rows (12288 and 16384 keys)."""
+    16-bit (two in fp32); several heads, contiguous and strided rows (transposed heads); NaN above the diagonal must
+    change nothing (the tail is not used, forward and backward) and every output element must be written (poisoned
+    outputs). The backward's pairs of 8193-16384 keys (zeros stored early): test_causal_square_long_rows (12288 and
+    16384 keys)."""
     heads = 3 if sk <= 1032 else 2
     x, dy, _ = make((2, heads, sk, sk), dtype, seed=sk + 5)
     tail = hidden_keys(x.shape, None, True)
