@@ -180,8 +180,8 @@ def test_causal_square_long_rows(sm, dtype, sk):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("sk", [8, 16, 20, 24, 36, 40, 48, 120, 128, 132, 136, 512, 516, 1000, 1024, 1032, 1040, 4096])
 def test_causal_square_rows_in_pairs(sm, dtype, sk):
-    """Square causal matrices (sq == sk, no padding mask, whole vectors): the row-pair kernels, which give one thread group
-    a short row and a long one: the forward's in 16-bit from 1025 keys (softmax_fwd_causal_pair_kernel), the
+    """Square causal matrices (sq == sk, no padding mask, whole vectors): the row-pair kernels, which give one thread
+    group a short row and a long one: the forward's in 16-bit from 1025 keys (softmax_fwd_causal_pair_kernel), the
     backward's (softmax_bwd_causal_pair_kernel, causal flag) in 16-bit up to 1024 keys and at 4096, in fp32 up to
     128 keys and at 1032; the other lengths the register-resident plans. Key lengths of an odd and an even number of
     vectors in both vector widths (8 and 4 keys: 20, 36, 132 and 516 are odd in fp32), from one vector per row up in
