@@ -224,6 +224,50 @@ __device__ __forceinline__ uint32_t load_mask_bits(const uint8_t* __restrict__ m
   return bits;
 }
 
+// Cache hints of the 16-byte loads of the scores, y and dy, and of the 16-byte stores of y and dx (an A/B
+// experiment, session 29): kStoreHint 0: plain stores; 1: the causal zeros with st.global.cs (evict-first), the
+// values plain; 2: every 16-byte store with st.global.cs. kLoadHint 0: the compiler's load (ld.global.nc for these
+// read-only pointers); 1: ld.global.nc.L1::no_allocate; 2: ld.global.cs. A benchmark build sets them with
+// -DPIPEGOOSE_SOFTMAX_ST=N and -DPIPEGOOSE_SOFTMAX_LD=N.
+#if defined(PIPEGOOSE_SOFTMAX_ST)
+constexpr int kStoreHint = PIPEGOOSE_SOFTMAX_ST;
+static_assert(kStoreHint >= 0 && kStoreHint <= 2, "PIPEGOOSE_SOFTMAX_ST: 0, 1 or 2");
+#else
+constexpr int kStoreHint = 0;
+#endif
+#if defined(PIPEGOOSE_SOFTMAX_LD)
+constexpr int kLoadHint = PIPEGOOSE_SOFTMAX_LD;
+static_assert(kLoadHint >= 0 && kLoadHint <= 2, "PIPEGOOSE_SOFTMAX_LD: 0, 1 or 2");
+#else
+constexpr int kLoadHint = 0;
+#endif
+
+// 16-byte store at p (16-byte aligned); ZERO: a causal zero vector.
+template <bool ZERO = false, typename T>
+__device__ __forceinline__ void st_vec(T* __restrict__ p, const uint4& v) {
+  if constexpr (kStoreHint == 2 || (ZERO && kStoreHint == 1)) {
+    __stcs(reinterpret_cast<uint4*>(p), v);
+  } else {
+    *reinterpret_cast<uint4*>(p) = v;
+  }
+}
+
+// 16-byte load of read-only data at p (16-byte aligned).
+template <typename T>
+__device__ __forceinline__ uint4 ld_vec(const T* __restrict__ p) {
+  if constexpr (kLoadHint == 1) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+  } else if constexpr (kLoadHint == 2) {
+    return __ldcs(reinterpret_cast<const uint4*>(p));
+  } else {
+    return *reinterpret_cast<const uint4*>(p);
+  }
+}
+
 // Scaled scores (in log2 units) of one vector; masked or invisible columns give -inf.
 template <typename T>
 __device__ __forceinline__ void load_scores(const T* __restrict__ x, const uint8_t* __restrict__ m, int64_t c0,
@@ -232,7 +276,7 @@ __device__ __forceinline__ void load_scores(const T* __restrict__ x, const uint8
   constexpr int V = Elem<T>::kVec;
   if (c0 < limit) {
     if (x_vec && c0 + V <= sk) {
-      Elem<T>::unpack(*reinterpret_cast<const uint4*>(x + c0), v);
+      Elem<T>::unpack(ld_vec(x + c0), v);
     } else {
 #pragma unroll
       for (int k = 0; k < V; ++k) v[k] = (c0 + k < limit) ? Elem<T>::load1(x + c0 + k) : 0.f;
@@ -257,7 +301,7 @@ __device__ __forceinline__ uint4 load_raw(const T* __restrict__ p, int64_t c0, i
     const int64_t rem = limit - c0;
     T* e = reinterpret_cast<T*>(&r);
     if (vec_ok && c0 + V <= sk) {
-      r = *reinterpret_cast<const uint4*>(p + c0);
+      r = ld_vec(p + c0);
       if (rem < V) {  // the causal boundary vector
 #pragma unroll
         for (int k = 0; k < V; ++k)
@@ -272,13 +316,13 @@ __device__ __forceinline__ uint4 load_raw(const T* __restrict__ p, int64_t c0, i
   return r;
 }
 
-template <typename T>
+template <typename T, bool ZERO = false>
 __device__ __forceinline__ void store_vals(T* __restrict__ y, int64_t c0, int64_t sk, bool vec_ok,
                                            const float (&v)[Elem<T>::kVec]) {
   constexpr int V = Elem<T>::kVec;
   if (c0 >= sk) return;
   if (vec_ok && c0 + V <= sk) {
-    *reinterpret_cast<uint4*>(y + c0) = Elem<T>::pack(v);
+    st_vec<ZERO>(y + c0, Elem<T>::pack(v));
   } else {
 #pragma unroll
     for (int k = 0; k < V; ++k)
@@ -335,7 +379,7 @@ __device__ __forceinline__ uint4 load_vec(const T* __restrict__ p, int64_t c0, i
   uint4 r = make_uint4(0u, 0u, 0u, 0u);
   if (c0 < limit) {
     if (FAST || (vec_ok && c0 + V <= sk)) {
-      r = *reinterpret_cast<const uint4*>(p + c0);
+      r = ld_vec(p + c0);
     } else {
       const int64_t rem = limit - c0;
       T* e = reinterpret_cast<T*>(&r);
@@ -407,20 +451,20 @@ __device__ __forceinline__ int64_t slot_limit(int i, int lane, int64_t limit) {
 
 // Store of slot i (first column c0) of a row of sk columns: store_vals, or with KC > 0 (sk == KC) a store whose
 // column bounds are known at compile time.
-template <typename T, int TPR, int KC>
+template <typename T, int TPR, int KC, bool ZERO = false>
 __device__ __forceinline__ void store_slot(T* __restrict__ y, int i, int lane, int64_t c0, int64_t sk, bool vec_ok,
                                            const float (&v)[Elem<T>::kVec]) {
   constexpr int V = Elem<T>::kVec;
   if constexpr (KC > 0) {
     if (!vec_in_row<V, TPR, KC>(i, lane)) return;
     if (vec_ok) {  // the vector is whole
-      *reinterpret_cast<uint4*>(y + c0) = Elem<T>::pack(v);
+      st_vec<ZERO>(y + c0, Elem<T>::pack(v));
     } else {
 #pragma unroll
       for (int k = 0; k < V; ++k) Elem<T>::store1(y + c0 + k, v[k]);
     }
   } else {
-    store_vals<T>(y, c0, sk, vec_ok, v);
+    store_vals<T, ZERO>(y, c0, sk, vec_ok, v);
   }
 }
 
@@ -575,7 +619,7 @@ __device__ __forceinline__ void store_early_zeros(T* __restrict__ y, int lane, i
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     const int64_t c0 = static_cast<int64_t>(i * TPR + lane) * V;
-    if (c0 >= limit) store_slot<T, TPR, KC>(y, i, lane, c0, sk, vec_ok, zeros);
+    if (c0 >= limit) store_slot<T, TPR, KC, true>(y, i, lane, c0, sk, vec_ok, zeros);
   }
 }
 
@@ -1029,7 +1073,7 @@ __global__ void __launch_bounds__(kCausalSmemBlock, 2048 / kCausalSmemBlock)
     const int nvis = static_cast<int>((limit + V - 1) / V);  // vectors holding a visible key
     for (int v = threadIdx.x; v < nvis; v += B) cp_async16(&srow[v], x + static_cast<int64_t>(v) * V, 16);
     for (int v = nvis + threadIdx.x; v < nvec; v += B)
-      *reinterpret_cast<uint4*>(y + static_cast<int64_t>(v) * V) = make_uint4(0u, 0u, 0u, 0u);
+      st_vec<true>(y + static_cast<int64_t>(v) * V, make_uint4(0u, 0u, 0u, 0u));
     cp_async_wait_all();
     __syncthreads();
     float mx = neg_inf();
@@ -1055,7 +1099,7 @@ __global__ void __launch_bounds__(kCausalSmemBlock, 2048 / kCausalSmemBlock)
       scores_of<T>(srow[v], nomask, visible_in<V>(static_cast<int64_t>(v) * V, limit), a.scale, f);
 #pragma unroll
       for (int k = 0; k < V; ++k) f[k] = exp2f(f[k] - ref) * inv;
-      *reinterpret_cast<uint4*>(y + static_cast<int64_t>(v) * V) = Elem<T>::pack(f);
+      st_vec(y + static_cast<int64_t>(v) * V, Elem<T>::pack(f));
     }
     __syncthreads();  // srow, red_max and red_sum are reused by the next row
   }
@@ -1201,7 +1245,7 @@ __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_fwd_causal_p
         const float r = ia ? ref.x : ref.y, s = ia ? inv.x : inv.y;
 #pragma unroll
         for (int k = 0; k < V; ++k) f[k] = exp2f(f[k] - r) * s;
-        *reinterpret_cast<uint4*>(a.y + (ia ? ra : rb) * sk + c0) = Elem<T>::pack(f);
+        st_vec(a.y + (ia ? ra : rb) * sk + c0, Elem<T>::pack(f));
       }
       // Zeros above the diagonals: zi < nvec - va: row a's vector va + zi; then row b's from vb.
       const int za = nvec - va, zb = vb > 0 ? nvec - vb : 0;
@@ -1209,9 +1253,9 @@ __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_fwd_causal_p
       for (int i = 0; i < NV; ++i) {
         const int zi = i * TPR + lane;
         if (zi < za) {
-          *reinterpret_cast<uint4*>(a.y + ra * sk + (va + zi) * V) = make_uint4(0u, 0u, 0u, 0u);
+          st_vec<true>(a.y + ra * sk + (va + zi) * V, make_uint4(0u, 0u, 0u, 0u));
         } else if (zi < za + zb) {
-          *reinterpret_cast<uint4*>(a.y + rb * sk + (vb + zi - za) * V) = make_uint4(0u, 0u, 0u, 0u);
+          st_vec<true>(a.y + rb * sk + (vb + zi - za) * V, make_uint4(0u, 0u, 0u, 0u));
         }
       }
     }
@@ -1336,9 +1380,9 @@ __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_bwd_causal_p
       for (int i = 0; i < NV; ++i) {
         const int zi = i * TPR + lane;
         if (zi < za) {
-          *reinterpret_cast<uint4*>(a.dx + ra * sk + (va + zi) * V) = make_uint4(0u, 0u, 0u, 0u);
+          st_vec<true>(a.dx + ra * sk + (va + zi) * V, make_uint4(0u, 0u, 0u, 0u));
         } else if (zi < za + zb) {
-          *reinterpret_cast<uint4*>(a.dx + rb * sk + (vb + zi - za) * V) = make_uint4(0u, 0u, 0u, 0u);
+          st_vec<true>(a.dx + rb * sk + (vb + zi - za) * V, make_uint4(0u, 0u, 0u, 0u));
         }
       }
     };
@@ -1392,7 +1436,7 @@ __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_bwd_causal_p
         const float d = ia ? dot.x : dot.y;
 #pragma unroll
         for (int k = 0; k < V; ++k) fy[k] = a.scale * fy[k] * (fg[k] - d);
-        *reinterpret_cast<uint4*>(a.dx + (ia ? ra : rb) * sk + c0) = Elem<T>::pack(fy);
+        st_vec(a.dx + (ia ? ra : rb) * sk + c0, Elem<T>::pack(fy));
       }
     }
     if constexpr (!EZ) store_zeros();
