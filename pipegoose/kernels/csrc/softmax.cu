@@ -100,6 +100,7 @@ void forward_impl(const at::Tensor& input, const at::Tensor* mask, float scale, 
   a.rows32 = a.rows <= std::numeric_limits<int32_t>::max();
   a.fast = a.x_vec && a.sk % V == 0 && (mask == nullptr || a.m_vec);
   a.reverse = causal;
+  a.heads_inner = heads_inner_takes(a);
   launch_forward(a, st);
 }
 

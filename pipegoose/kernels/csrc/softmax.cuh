@@ -142,6 +142,7 @@ struct FwdArgs {
   bool causal, x_vec, m_vec, y_vec, rows32;
   bool fast;     // x_vec && sk % V == 0 && (no mask || m_vec): every vector whole and aligned
   bool reverse;  // run the rows in reverse order (causal: longest rows first)
+  bool heads_inner;  // the grid's slots walk the rows with d1 innermost (see heads_inner_takes)
 };
 
 template <typename T>
@@ -530,6 +531,18 @@ __device__ __forceinline__ int64_t row_of(int64_t idx, int64_t rows, bool revers
   return reverse ? rows - 1 - idx : idx;
 }
 
+// Row of a forward's slot idx: row_of, and with a.heads_inner the slots walk the rows in (d0, d2, d1) order, the heads
+// innermost, so that the d1 rows that share a padding-mask row (a mask broadcast over d1) run together and all but the
+// first read it from L2. In the rows' own order the d2 rows of a head come between them: at [1, 4, 4096, 4096] in
+// bf16 (a head's x and y: 64 MB, more than the 60 MB of L2) every head read the mask from memory again.
+template <typename T>
+__device__ __forceinline__ int64_t fwd_row_of(const FwdArgs<T>& a, int64_t idx) {
+  const int64_t s = row_of(idx, a.rows, a.reverse);
+  if (!a.heads_inner) return s;
+  const RowPos p = split_row(s, a.d2, a.d1, a.rows32);  // s in (d0, d2, d1) order: p.i1 the query, p.i2 the head
+  return (p.i0 * a.d1 + p.i2) * a.d2 + p.i1;
+}
+
 // ------------------------------------------------------------------------------------------------------------
 // At least 1024 resident threads per SM (64 registers per thread): enough loads in flight to cover HBM latency.
 constexpr int min_blocks(int block) { return block >= 1024 ? 1 : 1024 / block; }
@@ -701,7 +714,7 @@ __device__ __forceinline__ void fwd_reg_rows(const FwdArgs<T>& a, float* red_max
     for (int r = 0; r < R; ++r) {
       const int64_t idx = base + r * RPB + threadIdx.x / TPR;
       valid[r] = idx < a.rows;
-      row[r] = row_of(idx, a.rows, a.reverse);
+      row[r] = fwd_row_of(a, idx);
       limit[r] = 0;
       x[r] = a.x;
       m[r] = NM ? nullptr : a.mask;
@@ -937,7 +950,7 @@ __global__ void __launch_bounds__(kTwoPassBlock) softmax_fwd_two_pass_kernel(con
   __shared__ float sm_m[NW], sm_s[NW];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t idx = blockIdx.x; idx < a.rows; idx += gridDim.x) {
-    const int64_t row = row_of(idx, a.rows, a.reverse);
+    const int64_t row = fwd_row_of(a, idx);
     RowPos p{0, 0, 0};
     if (a.xs.flat < 0 || a.mask != nullptr || a.causal) p = split_row(row, a.d1, a.d2, a.rows32);
     const int64_t limit = causal_limit(a.causal, p.i2, a.causal_shift, a.sk);
@@ -1135,6 +1148,17 @@ static_assert(kCausalPair >= 0 && kCausalPair <= 2, "PIPEGOOSE_SOFTMAX_CAUSAL_PA
 constexpr int kCausalPair = 1;
 #endif
 
+// Who stores the row pairs' zeros, forward and backward (an A/B experiment, session 29): kPairZeroBlocks 0: each work
+// item, with its values; 1: blocks of their own, launched after the blocks that compute (a grid twice as large, the second half
+// storing zeros only); 2: the same blocks interleaved (odd blocks store zeros). A benchmark build sets
+// -DPIPEGOOSE_SOFTMAX_PAIR_ZERO_BLOCKS=N.
+#if defined(PIPEGOOSE_SOFTMAX_PAIR_ZERO_BLOCKS)
+constexpr int kPairZeroBlocks = PIPEGOOSE_SOFTMAX_PAIR_ZERO_BLOCKS;
+static_assert(kPairZeroBlocks >= 0 && kPairZeroBlocks <= 2, "PIPEGOOSE_SOFTMAX_PAIR_ZERO_BLOCKS: 0, 1 or 2");
+#else
+constexpr int kPairZeroBlocks = 0;
+#endif
+
 struct PairRows {
   int qa, qb;  // query rows of a work item; qb < 0: row qa alone
 };
@@ -1146,6 +1170,42 @@ __device__ __forceinline__ PairRows pair_rows(int t, int nvec) {
   if (t < V) return {(nvec - 1) * V + t, -1};
   const int p = t - V, g = p / V, k = p % V, h = nvec - 2 - g;  // h >= g
   return {g * V + k, h > g ? h * V + k : g * V + V - 1 - k};
+}
+
+// Under kPairZeroBlocks: whether this block stores zeros only; first and nblk: its index among the blocks of its role
+// and their count (the grid is even: as many zero blocks as computing ones).
+__device__ __forceinline__ bool pair_zero_block(int64_t& first, int64_t& nblk) {
+  nblk = gridDim.x / 2;
+  const bool zero = kPairZeroBlocks == 1 ? blockIdx.x >= nblk : (blockIdx.x & 1) != 0;
+  first = kPairZeroBlocks == 1 ? (zero ? blockIdx.x - nblk : blockIdx.x) : blockIdx.x / 2;
+  return zero;
+}
+
+// A zero block's work (kPairZeroBlocks): the zeros above the diagonals of its work items (items of them in all), in
+// out (y or dx). No barrier or shuffle.
+template <typename T, int TPR, int NV, int RPB>
+__device__ __forceinline__ void pair_zero_items(T* __restrict__ out, int64_t sk, int64_t items, int64_t first,
+                                                int64_t nblk) {
+  constexpr int V = Elem<T>::kVec;
+  const int lane = threadIdx.x % TPR;
+  const int nvec = static_cast<int>(sk / V);
+  const int64_t per_head = (sk + V) / 2;
+  for (int64_t idx = first * RPB + threadIdx.x / TPR; idx < items; idx += nblk * RPB) {
+    const int64_t h = idx / per_head;
+    const PairRows pr = pair_rows<V>(static_cast<int>(idx - h * per_head), nvec);
+    const int va = pr.qa / V + 1, vb = pr.qb >= 0 ? pr.qb / V + 1 : 0;
+    const int64_t ra = h * sk + pr.qa, rb = h * sk + pr.qb;
+    const int za = nvec - va, zb = vb > 0 ? nvec - vb : 0;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int zi = i * TPR + lane;
+      if (zi < za) {
+        st_vec<true>(out + ra * sk + (va + zi) * V, make_uint4(0u, 0u, 0u, 0u));
+      } else if (zi < za + zb) {
+        st_vec<true>(out + rb * sk + (vb + zi - za) * V, make_uint4(0u, 0u, 0u, 0u));
+      }
+    }
+  }
 }
 
 template <typename T, int TPR, int NV, int BLOCK>
@@ -1161,9 +1221,13 @@ __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_fwd_causal_p
   const int64_t per_head = (sk + V) / 2;
   const int64_t items = a.rows / sk * per_head;
   const uint2 nomask = make_uint2(0u, 0u);
-  const int64_t step = static_cast<int64_t>(gridDim.x) * RPB;
+  int64_t first = blockIdx.x, nblk = gridDim.x;
+  if constexpr (kPairZeroBlocks > 0) {
+    if (pair_zero_block(first, nblk)) return pair_zero_items<T, TPR, NV, RPB>(a.y, sk, items, first, nblk);
+  }
+  const int64_t step = nblk * RPB;
   // The loop bound is uniform over the block: every thread reaches the shuffles and barriers.
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < items; base += step) {
+  for (int64_t base = first * RPB; base < items; base += step) {
     const int64_t idx = base + threadIdx.x / TPR;
     const bool valid = idx < items;
     // An invalid item reads nothing (limits 0) and writes nothing; an item without row b has vb = 0 (nothing of
@@ -1251,6 +1315,7 @@ __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_fwd_causal_p
       const int za = nvec - va, zb = vb > 0 ? nvec - vb : 0;
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
+        if constexpr (kPairZeroBlocks > 0) break;  // stored by the zero blocks
         const int zi = i * TPR + lane;
         if (zi < za) {
           st_vec<true>(a.y + ra * sk + (va + zi) * V, make_uint4(0u, 0u, 0u, 0u));
@@ -1324,9 +1389,13 @@ __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_bwd_causal_p
   const int nvec = static_cast<int>(sk / V);
   const int64_t per_head = (sk + V) / 2;
   const int64_t items = a.rows / sk * per_head;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * RPB;
+  int64_t first = blockIdx.x, nblk = gridDim.x;
+  if constexpr (kPairZeroBlocks > 0) {
+    if (pair_zero_block(first, nblk)) return pair_zero_items<T, TPR, NV, RPB>(a.dx, sk, items, first, nblk);
+  }
+  const int64_t step = nblk * RPB;
   // The loop bound is uniform over the block: every thread reaches the shuffles and barriers.
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < items; base += step) {
+  for (int64_t base = first * RPB; base < items; base += step) {
     const int64_t idx = base + threadIdx.x / TPR;
     const bool valid = idx < items;
     // As in softmax_fwd_causal_pair_kernel: an invalid item reads and writes nothing; without row b, vb = 0. (The
@@ -1374,7 +1443,7 @@ __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_bwd_causal_p
     }
     // Zeros above the diagonals: zi < nvec - va: row a's vector va + zi; then row b's from vb.
     auto store_zeros = [&]() {
-      if (!valid) return;
+      if (kPairZeroBlocks > 0 || !valid) return;  // kPairZeroBlocks: stored by the zero blocks
       const int za = nvec - va, zb = vb > 0 ? nvec - vb : 0;
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
@@ -1583,7 +1652,8 @@ void launch_bwd(const BwdArgs<T>& a, cudaStream_t st) {
     allow_dynamic_smem(reinterpret_cast<const void*>(kernel), kStatic, smem, smem);
   }
   const int64_t units = PAIR ? a.rows / a.sk * ((a.sk + Elem<T>::kVec) / 2) : a.rows;  // work items or rows
-  kernel<<<grid_for(units, B / TPR), B, smem, st>>>(a);
+  const unsigned blocks = grid_for(units, B / TPR);
+  kernel<<<PAIR && kPairZeroBlocks > 0 ? 2 * std::min(blocks, 1u << 30) : blocks, B, smem, st>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -1622,6 +1692,21 @@ constexpr bool causal_pair_plan() {
   }
 }
 
+// Whether a forward's slots walk the heads innermost (fwd_row_of): a padding mask broadcast over d1 (stride 0, d1 > 1)
+// whose rows differ along the queries (d2 > 1, stride not 0; a mask broadcast over the queries too is reread by
+// consecutive rows anyway). kHeadsInner 1: those calls; 0: none. A benchmark build may set
+// -DPIPEGOOSE_SOFTMAX_HEADS_INNER=0 or 1.
+#if defined(PIPEGOOSE_SOFTMAX_HEADS_INNER)
+constexpr int kHeadsInner = PIPEGOOSE_SOFTMAX_HEADS_INNER;
+static_assert(kHeadsInner == 0 || kHeadsInner == 1, "PIPEGOOSE_SOFTMAX_HEADS_INNER: 0 or 1");
+#else
+constexpr int kHeadsInner = 1;
+#endif
+template <typename T>
+bool heads_inner_takes(const FwdArgs<T>& a) {
+  return kHeadsInner == 1 && a.mask != nullptr && a.d1 > 1 && a.d2 > 1 && a.ms.s1 == 0 && a.ms.s2 != 0;
+}
+
 // Whether a call takes a row-pair kernel: causal, square (sq == sk, so that rows pair up within a head), without a
 // padding mask, every vector whole and aligned.
 template <typename T>
@@ -1637,7 +1722,9 @@ template <typename T, int TPR, int NV>
 void launch_fwd_causal_pair(const FwdArgs<T>& a, cudaStream_t st) {
   constexpr int B = block_for<TPR>();
   const int64_t items = a.rows / a.sk * ((a.sk + Elem<T>::kVec) / 2);
-  softmax_fwd_causal_pair_kernel<T, TPR, NV, B><<<grid_for(items, B / TPR), B, 0, st>>>(a);
+  const unsigned blocks = grid_for(items, B / TPR);
+  const unsigned grid = kPairZeroBlocks > 0 ? 2 * std::min(blocks, 1u << 30) : blocks;
+  softmax_fwd_causal_pair_kernel<T, TPR, NV, B><<<grid, B, 0, st>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
