@@ -20,8 +20,9 @@ matrices of 36 to 2056 keys: the row pairs of the forward and the backward) in f
 enough for the sanitizers (seconds, not hours). The optional argument ``norms`` or ``softmax`` limits it to one family;
 ``norms`` followed by hidden sizes (of the list ``NORM_HIDDEN``) to those sizes, e.g. ``norms 16384 20000 32768 64000``
 for the wide rows' backward; ``softmax long`` adds the 16-bit causal forward of 16387 queries of 16384 keys (the staged
-kernel on rows of every length) and a square causal matrix of 8200 keys (8196 in fp32: the backward's row pairs with
-early zeros); for memcheck: minutes under racecheck. The GPU tests check values; this checks memory accesses, shared
+kernel on rows of every length), a square causal matrix of 8200 keys (8196 in fp32: the backward's row pairs with
+early zeros) and padding masks broadcast over heads larger than half the L2 (the forward's heads-innermost order); for
+memcheck: minutes under racecheck. The GPU tests check values; this checks memory accesses, shared
 memory races and initialisation: the test suite itself is too large to run under the sanitizers (out of memory).
 """
 
@@ -132,6 +133,15 @@ def main() -> int:
                 y = sm.softmax_forward(torch.randn(1, 1, sk, sk, device="cuda", dtype=dt), None, 0.5, True)
                 sm.softmax_backward(torch.randn_like(y), y, 0.5, True)
                 calls += 2
+                # a padding mask broadcast over heads larger than half the L2: the forward walks the heads innermost
+                # (softmax.cuh heads_inner_takes), in the register-resident kernel (4096 keys) and the two-pass one
+                l2 = torch.cuda.get_device_properties(0).L2_cache_size
+                for sk in (4096, 40000):
+                    sq = (l2 // (4 * sk * (torch.finfo(dt).bits // 8)) + 1) | 1
+                    mask = torch.rand(2, 1, sq, sk, device="cuda") < 0.3
+                    for causal in (False, True):
+                        sm.softmax_forward(torch.randn(2, 3, sq, sk, device="cuda", dtype=dt), mask, 0.5, causal)
+                        calls += 1
     torch.cuda.synchronize()
     print(f"sanitize_kernels: {calls} kernel calls done")
     return 0

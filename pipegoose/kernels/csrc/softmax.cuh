@@ -225,50 +225,6 @@ __device__ __forceinline__ uint32_t load_mask_bits(const uint8_t* __restrict__ m
   return bits;
 }
 
-// Cache hints of the 16-byte loads of the scores, y and dy, and of the 16-byte stores of y and dx (an A/B
-// experiment, session 29): kStoreHint 0: plain stores; 1: the causal zeros with st.global.cs (evict-first), the
-// values plain; 2: every 16-byte store with st.global.cs. kLoadHint 0: the compiler's load (ld.global.nc for these
-// read-only pointers); 1: ld.global.nc.L1::no_allocate; 2: ld.global.cs. A benchmark build sets them with
-// -DPIPEGOOSE_SOFTMAX_ST=N and -DPIPEGOOSE_SOFTMAX_LD=N.
-#if defined(PIPEGOOSE_SOFTMAX_ST)
-constexpr int kStoreHint = PIPEGOOSE_SOFTMAX_ST;
-static_assert(kStoreHint >= 0 && kStoreHint <= 2, "PIPEGOOSE_SOFTMAX_ST: 0, 1 or 2");
-#else
-constexpr int kStoreHint = 0;
-#endif
-#if defined(PIPEGOOSE_SOFTMAX_LD)
-constexpr int kLoadHint = PIPEGOOSE_SOFTMAX_LD;
-static_assert(kLoadHint >= 0 && kLoadHint <= 2, "PIPEGOOSE_SOFTMAX_LD: 0, 1 or 2");
-#else
-constexpr int kLoadHint = 0;
-#endif
-
-// 16-byte store at p (16-byte aligned); ZERO: a causal zero vector.
-template <bool ZERO = false, typename T>
-__device__ __forceinline__ void st_vec(T* __restrict__ p, const uint4& v) {
-  if constexpr (kStoreHint == 2 || (ZERO && kStoreHint == 1)) {
-    __stcs(reinterpret_cast<uint4*>(p), v);
-  } else {
-    *reinterpret_cast<uint4*>(p) = v;
-  }
-}
-
-// 16-byte load of read-only data at p (16-byte aligned).
-template <typename T>
-__device__ __forceinline__ uint4 ld_vec(const T* __restrict__ p) {
-  if constexpr (kLoadHint == 1) {
-    uint4 r;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p));
-    return r;
-  } else if constexpr (kLoadHint == 2) {
-    return __ldcs(reinterpret_cast<const uint4*>(p));
-  } else {
-    return *reinterpret_cast<const uint4*>(p);
-  }
-}
-
 // Scaled scores (in log2 units) of one vector; masked or invisible columns give -inf.
 template <typename T>
 __device__ __forceinline__ void load_scores(const T* __restrict__ x, const uint8_t* __restrict__ m, int64_t c0,
@@ -277,7 +233,7 @@ __device__ __forceinline__ void load_scores(const T* __restrict__ x, const uint8
   constexpr int V = Elem<T>::kVec;
   if (c0 < limit) {
     if (x_vec && c0 + V <= sk) {
-      Elem<T>::unpack(ld_vec(x + c0), v);
+      Elem<T>::unpack(*reinterpret_cast<const uint4*>(x + c0), v);
     } else {
 #pragma unroll
       for (int k = 0; k < V; ++k) v[k] = (c0 + k < limit) ? Elem<T>::load1(x + c0 + k) : 0.f;
@@ -302,7 +258,7 @@ __device__ __forceinline__ uint4 load_raw(const T* __restrict__ p, int64_t c0, i
     const int64_t rem = limit - c0;
     T* e = reinterpret_cast<T*>(&r);
     if (vec_ok && c0 + V <= sk) {
-      r = ld_vec(p + c0);
+      r = *reinterpret_cast<const uint4*>(p + c0);
       if (rem < V) {  // the causal boundary vector
 #pragma unroll
         for (int k = 0; k < V; ++k)
@@ -317,13 +273,13 @@ __device__ __forceinline__ uint4 load_raw(const T* __restrict__ p, int64_t c0, i
   return r;
 }
 
-template <typename T, bool ZERO = false>
+template <typename T>
 __device__ __forceinline__ void store_vals(T* __restrict__ y, int64_t c0, int64_t sk, bool vec_ok,
                                            const float (&v)[Elem<T>::kVec]) {
   constexpr int V = Elem<T>::kVec;
   if (c0 >= sk) return;
   if (vec_ok && c0 + V <= sk) {
-    st_vec<ZERO>(y + c0, Elem<T>::pack(v));
+    *reinterpret_cast<uint4*>(y + c0) = Elem<T>::pack(v);
   } else {
 #pragma unroll
     for (int k = 0; k < V; ++k)
@@ -371,6 +327,11 @@ __device__ __forceinline__ F group_reduce(F v, F* smem) {
 // FAST: 16-byte vectors allowed and sk % V == 0 (every vector is whole), so a load is one predicated instruction;
 // otherwise the vector-or-scalar choice is made per vector.
 
+// Cache hints measured and dropped (session 29, H200, benchmarks.softmax_raw, every op and length, bf16 and fp32, two
+// alternating runs): the 16-byte loads as ld.global.nc.L1::no_allocate or ld.global.cs moved by -9.5 to +0.1 points
+// (fp32 plain backward at 2048 keys 102.5 -> 93.0); st.global.cs on the causal zeros or on every store by -4.7 to +0.6
+// (fp32 causal forward at 256 keys 92.9 -> 88.2). The compiler's loads (ld.global.nc) and plain stores stay.
+
 // Raw vector at column c0; zeros (not read) when c0 >= limit. On the FAST path the causal boundary vector is read
 // whole (its columns >= limit exist and are masked afterwards); on the general path only columns < limit are read.
 template <typename T, bool FAST>
@@ -380,7 +341,7 @@ __device__ __forceinline__ uint4 load_vec(const T* __restrict__ p, int64_t c0, i
   uint4 r = make_uint4(0u, 0u, 0u, 0u);
   if (c0 < limit) {
     if (FAST || (vec_ok && c0 + V <= sk)) {
-      r = ld_vec(p + c0);
+      r = *reinterpret_cast<const uint4*>(p + c0);
     } else {
       const int64_t rem = limit - c0;
       T* e = reinterpret_cast<T*>(&r);
@@ -452,20 +413,20 @@ __device__ __forceinline__ int64_t slot_limit(int i, int lane, int64_t limit) {
 
 // Store of slot i (first column c0) of a row of sk columns: store_vals, or with KC > 0 (sk == KC) a store whose
 // column bounds are known at compile time.
-template <typename T, int TPR, int KC, bool ZERO = false>
+template <typename T, int TPR, int KC>
 __device__ __forceinline__ void store_slot(T* __restrict__ y, int i, int lane, int64_t c0, int64_t sk, bool vec_ok,
                                            const float (&v)[Elem<T>::kVec]) {
   constexpr int V = Elem<T>::kVec;
   if constexpr (KC > 0) {
     if (!vec_in_row<V, TPR, KC>(i, lane)) return;
     if (vec_ok) {  // the vector is whole
-      st_vec<ZERO>(y + c0, Elem<T>::pack(v));
+      *reinterpret_cast<uint4*>(y + c0) = Elem<T>::pack(v);
     } else {
 #pragma unroll
       for (int k = 0; k < V; ++k) Elem<T>::store1(y + c0 + k, v[k]);
     }
   } else {
-    store_vals<T, ZERO>(y, c0, sk, vec_ok, v);
+    store_vals<T>(y, c0, sk, vec_ok, v);
   }
 }
 
@@ -534,7 +495,8 @@ __device__ __forceinline__ int64_t row_of(int64_t idx, int64_t rows, bool revers
 // Row of a forward's slot idx: row_of, and with a.heads_inner the slots walk the rows in (d0, d2, d1) order, the heads
 // innermost, so that the d1 rows that share a padding-mask row (a mask broadcast over d1) run together and all but the
 // first read it from L2. In the rows' own order the d2 rows of a head come between them: at [1, 4, 4096, 4096] in
-// bf16 (a head's x and y: 64 MB, more than the 60 MB of L2) every head read the mask from memory again.
+// bf16 (a head's x and y: 64 MB, more than the 60 MB of L2) every head read the mask from memory again
+// (heads_inner_takes says when).
 template <typename T>
 __device__ __forceinline__ int64_t fwd_row_of(const FwdArgs<T>& a, int64_t idx) {
   const int64_t s = row_of(idx, a.rows, a.reverse);
@@ -632,7 +594,7 @@ __device__ __forceinline__ void store_early_zeros(T* __restrict__ y, int lane, i
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     const int64_t c0 = static_cast<int64_t>(i * TPR + lane) * V;
-    if (c0 >= limit) store_slot<T, TPR, KC, true>(y, i, lane, c0, sk, vec_ok, zeros);
+    if (c0 >= limit) store_slot<T, TPR, KC>(y, i, lane, c0, sk, vec_ok, zeros);
   }
 }
 
@@ -1086,7 +1048,7 @@ __global__ void __launch_bounds__(kCausalSmemBlock, 2048 / kCausalSmemBlock)
     const int nvis = static_cast<int>((limit + V - 1) / V);  // vectors holding a visible key
     for (int v = threadIdx.x; v < nvis; v += B) cp_async16(&srow[v], x + static_cast<int64_t>(v) * V, 16);
     for (int v = nvis + threadIdx.x; v < nvec; v += B)
-      st_vec<true>(y + static_cast<int64_t>(v) * V, make_uint4(0u, 0u, 0u, 0u));
+      *reinterpret_cast<uint4*>(y + static_cast<int64_t>(v) * V) = make_uint4(0u, 0u, 0u, 0u);
     cp_async_wait_all();
     __syncthreads();
     float mx = neg_inf();
@@ -1112,7 +1074,7 @@ __global__ void __launch_bounds__(kCausalSmemBlock, 2048 / kCausalSmemBlock)
       scores_of<T>(srow[v], nomask, visible_in<V>(static_cast<int64_t>(v) * V, limit), a.scale, f);
 #pragma unroll
       for (int k = 0; k < V; ++k) f[k] = exp2f(f[k] - ref) * inv;
-      st_vec(y + static_cast<int64_t>(v) * V, Elem<T>::pack(f));
+      *reinterpret_cast<uint4*>(y + static_cast<int64_t>(v) * V) = Elem<T>::pack(f);
     }
     __syncthreads();  // srow, red_max and red_sum are reused by the next row
   }
@@ -1139,24 +1101,16 @@ __global__ void __launch_bounds__(kCausalSmemBlock, 2048 / kCausalSmemBlock)
 // benchmarks.softmax_raw, causal forward, % of copy, two alternating runs, register-resident plans -> pairs): bf16 1024
 // keys 85.0 -> 85.6, 2048 82.1 -> 86.5, 4096 81.7 -> 87.8, 8192 75.4 -> 86.9 (fp16 alike); but bf16 128 keys 80.8 ->
 // 72.0, 256 83.0 -> 80.0, 512 a tie, fp32 128 keys 90.4 -> 85.8, 256-512 1 point lower. Storing the zeros right after
-// the loads were issued, instead of after the values, lost everywhere (bf16 4096 keys 85.0, 128 keys 61.3). A benchmark
-// build may set -DPIPEGOOSE_SOFTMAX_CAUSAL_PAIR=0, 1 or 2.
+// the loads were issued, instead of after the values, lost everywhere (bf16 4096 keys 85.0, 128 keys 61.3). So did
+// storing them from blocks of their own (session 29: a grid twice as large, half of its blocks storing only the zeros
+// of the other half's items, after them or interleaved): bf16 forward 2048 keys 85.3 -> 80.9 / 83.9, backward 128
+// keys 78.9 -> 50.5 / 63.1; no length gained more than 1.2 points. A benchmark build may set
+// -DPIPEGOOSE_SOFTMAX_CAUSAL_PAIR=0, 1 or 2.
 #if defined(PIPEGOOSE_SOFTMAX_CAUSAL_PAIR)
 constexpr int kCausalPair = PIPEGOOSE_SOFTMAX_CAUSAL_PAIR;
 static_assert(kCausalPair >= 0 && kCausalPair <= 2, "PIPEGOOSE_SOFTMAX_CAUSAL_PAIR: 0, 1 or 2");
 #else
 constexpr int kCausalPair = 1;
-#endif
-
-// Who stores the row pairs' zeros, forward and backward (an A/B experiment, session 29): kPairZeroBlocks 0: each work
-// item, with its values; 1: blocks of their own, launched after the blocks that compute (a grid twice as large, the second half
-// storing zeros only); 2: the same blocks interleaved (odd blocks store zeros). A benchmark build sets
-// -DPIPEGOOSE_SOFTMAX_PAIR_ZERO_BLOCKS=N.
-#if defined(PIPEGOOSE_SOFTMAX_PAIR_ZERO_BLOCKS)
-constexpr int kPairZeroBlocks = PIPEGOOSE_SOFTMAX_PAIR_ZERO_BLOCKS;
-static_assert(kPairZeroBlocks >= 0 && kPairZeroBlocks <= 2, "PIPEGOOSE_SOFTMAX_PAIR_ZERO_BLOCKS: 0, 1 or 2");
-#else
-constexpr int kPairZeroBlocks = 0;
 #endif
 
 struct PairRows {
@@ -1172,42 +1126,6 @@ __device__ __forceinline__ PairRows pair_rows(int t, int nvec) {
   return {g * V + k, h > g ? h * V + k : g * V + V - 1 - k};
 }
 
-// Under kPairZeroBlocks: whether this block stores zeros only; first and nblk: its index among the blocks of its role
-// and their count (the grid is even: as many zero blocks as computing ones).
-__device__ __forceinline__ bool pair_zero_block(int64_t& first, int64_t& nblk) {
-  nblk = gridDim.x / 2;
-  const bool zero = kPairZeroBlocks == 1 ? blockIdx.x >= nblk : (blockIdx.x & 1) != 0;
-  first = kPairZeroBlocks == 1 ? (zero ? blockIdx.x - nblk : blockIdx.x) : blockIdx.x / 2;
-  return zero;
-}
-
-// A zero block's work (kPairZeroBlocks): the zeros above the diagonals of its work items (items of them in all), in
-// out (y or dx). No barrier or shuffle.
-template <typename T, int TPR, int NV, int RPB>
-__device__ __forceinline__ void pair_zero_items(T* __restrict__ out, int64_t sk, int64_t items, int64_t first,
-                                                int64_t nblk) {
-  constexpr int V = Elem<T>::kVec;
-  const int lane = threadIdx.x % TPR;
-  const int nvec = static_cast<int>(sk / V);
-  const int64_t per_head = (sk + V) / 2;
-  for (int64_t idx = first * RPB + threadIdx.x / TPR; idx < items; idx += nblk * RPB) {
-    const int64_t h = idx / per_head;
-    const PairRows pr = pair_rows<V>(static_cast<int>(idx - h * per_head), nvec);
-    const int va = pr.qa / V + 1, vb = pr.qb >= 0 ? pr.qb / V + 1 : 0;
-    const int64_t ra = h * sk + pr.qa, rb = h * sk + pr.qb;
-    const int za = nvec - va, zb = vb > 0 ? nvec - vb : 0;
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const int zi = i * TPR + lane;
-      if (zi < za) {
-        st_vec<true>(out + ra * sk + (va + zi) * V, make_uint4(0u, 0u, 0u, 0u));
-      } else if (zi < za + zb) {
-        st_vec<true>(out + rb * sk + (vb + zi - za) * V, make_uint4(0u, 0u, 0u, 0u));
-      }
-    }
-  }
-}
-
 template <typename T, int TPR, int NV, int BLOCK>
 __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_fwd_causal_pair_kernel(const FwdArgs<T> a) {
   static_assert(BLOCK % TPR == 0 && (TPR & (TPR - 1)) == 0, "TPR must be a power of two dividing BLOCK");
@@ -1221,13 +1139,9 @@ __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_fwd_causal_p
   const int64_t per_head = (sk + V) / 2;
   const int64_t items = a.rows / sk * per_head;
   const uint2 nomask = make_uint2(0u, 0u);
-  int64_t first = blockIdx.x, nblk = gridDim.x;
-  if constexpr (kPairZeroBlocks > 0) {
-    if (pair_zero_block(first, nblk)) return pair_zero_items<T, TPR, NV, RPB>(a.y, sk, items, first, nblk);
-  }
-  const int64_t step = nblk * RPB;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * RPB;
   // The loop bound is uniform over the block: every thread reaches the shuffles and barriers.
-  for (int64_t base = first * RPB; base < items; base += step) {
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < items; base += step) {
     const int64_t idx = base + threadIdx.x / TPR;
     const bool valid = idx < items;
     // An invalid item reads nothing (limits 0) and writes nothing; an item without row b has vb = 0 (nothing of
@@ -1309,18 +1223,17 @@ __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_fwd_causal_p
         const float r = ia ? ref.x : ref.y, s = ia ? inv.x : inv.y;
 #pragma unroll
         for (int k = 0; k < V; ++k) f[k] = exp2f(f[k] - r) * s;
-        st_vec(a.y + (ia ? ra : rb) * sk + c0, Elem<T>::pack(f));
+        *reinterpret_cast<uint4*>(a.y + (ia ? ra : rb) * sk + c0) = Elem<T>::pack(f);
       }
       // Zeros above the diagonals: zi < nvec - va: row a's vector va + zi; then row b's from vb.
       const int za = nvec - va, zb = vb > 0 ? nvec - vb : 0;
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
-        if constexpr (kPairZeroBlocks > 0) break;  // stored by the zero blocks
         const int zi = i * TPR + lane;
         if (zi < za) {
-          st_vec<true>(a.y + ra * sk + (va + zi) * V, make_uint4(0u, 0u, 0u, 0u));
+          *reinterpret_cast<uint4*>(a.y + ra * sk + (va + zi) * V) = make_uint4(0u, 0u, 0u, 0u);
         } else if (zi < za + zb) {
-          st_vec<true>(a.y + rb * sk + (vb + zi - za) * V, make_uint4(0u, 0u, 0u, 0u));
+          *reinterpret_cast<uint4*>(a.y + rb * sk + (vb + zi - za) * V) = make_uint4(0u, 0u, 0u, 0u);
         }
       }
     }
@@ -1389,13 +1302,9 @@ __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_bwd_causal_p
   const int nvec = static_cast<int>(sk / V);
   const int64_t per_head = (sk + V) / 2;
   const int64_t items = a.rows / sk * per_head;
-  int64_t first = blockIdx.x, nblk = gridDim.x;
-  if constexpr (kPairZeroBlocks > 0) {
-    if (pair_zero_block(first, nblk)) return pair_zero_items<T, TPR, NV, RPB>(a.dx, sk, items, first, nblk);
-  }
-  const int64_t step = nblk * RPB;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * RPB;
   // The loop bound is uniform over the block: every thread reaches the shuffles and barriers.
-  for (int64_t base = first * RPB; base < items; base += step) {
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < items; base += step) {
     const int64_t idx = base + threadIdx.x / TPR;
     const bool valid = idx < items;
     // As in softmax_fwd_causal_pair_kernel: an invalid item reads and writes nothing; without row b, vb = 0. (The
@@ -1443,15 +1352,15 @@ __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_bwd_causal_p
     }
     // Zeros above the diagonals: zi < nvec - va: row a's vector va + zi; then row b's from vb.
     auto store_zeros = [&]() {
-      if (kPairZeroBlocks > 0 || !valid) return;  // kPairZeroBlocks: stored by the zero blocks
+      if (!valid) return;
       const int za = nvec - va, zb = vb > 0 ? nvec - vb : 0;
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
         const int zi = i * TPR + lane;
         if (zi < za) {
-          st_vec<true>(a.dx + ra * sk + (va + zi) * V, make_uint4(0u, 0u, 0u, 0u));
+          *reinterpret_cast<uint4*>(a.dx + ra * sk + (va + zi) * V) = make_uint4(0u, 0u, 0u, 0u);
         } else if (zi < za + zb) {
-          st_vec<true>(a.dx + rb * sk + (vb + zi - za) * V, make_uint4(0u, 0u, 0u, 0u));
+          *reinterpret_cast<uint4*>(a.dx + rb * sk + (vb + zi - za) * V) = make_uint4(0u, 0u, 0u, 0u);
         }
       }
     };
@@ -1505,7 +1414,7 @@ __global__ void __launch_bounds__(BLOCK, min_blocks(BLOCK)) softmax_bwd_causal_p
         const float d = ia ? dot.x : dot.y;
 #pragma unroll
         for (int k = 0; k < V; ++k) fy[k] = a.scale * fy[k] * (fg[k] - d);
-        st_vec(a.dx + (ia ? ra : rb) * sk + c0, Elem<T>::pack(fy));
+        *reinterpret_cast<uint4*>(a.dx + (ia ? ra : rb) * sk + c0) = Elem<T>::pack(fy);
       }
     }
     if constexpr (!EZ) store_zeros();
@@ -1652,8 +1561,7 @@ void launch_bwd(const BwdArgs<T>& a, cudaStream_t st) {
     allow_dynamic_smem(reinterpret_cast<const void*>(kernel), kStatic, smem, smem);
   }
   const int64_t units = PAIR ? a.rows / a.sk * ((a.sk + Elem<T>::kVec) / 2) : a.rows;  // work items or rows
-  const unsigned blocks = grid_for(units, B / TPR);
-  kernel<<<PAIR && kPairZeroBlocks > 0 ? 2 * std::min(blocks, 1u << 30) : blocks, B, smem, st>>>(a);
+  kernel<<<grid_for(units, B / TPR), B, smem, st>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -1694,17 +1602,27 @@ constexpr bool causal_pair_plan() {
 
 // Whether a forward's slots walk the heads innermost (fwd_row_of): a padding mask broadcast over d1 (stride 0, d1 > 1)
 // whose rows differ along the queries (d2 > 1, stride not 0; a mask broadcast over the queries too is reread by
-// consecutive rows anyway). kHeadsInner 1: those calls; 0: none. A benchmark build may set
-// -DPIPEGOOSE_SOFTMAX_HEADS_INNER=0 or 1.
+// consecutive rows anyway), with heads too large for the L2 to keep a mask row from one head's read of it to the next:
+// a head's scores and output (d2 * sk elements each) at least half the L2. Session 29 (H200, 60 MB of L2;
+// benchmarks.softmax_raw, padding-masked forward of [b, np, sk, sk] with a [b, 1, sk, sk] mask, % of copy, two
+// alternating runs, the rows' order -> heads innermost at every length):
+// - heads of 32 MB and more gained: bf16 [1, 4, 4096, 4096] (64 MB) 80.8 -> 90.0, fp16 81.0 -> 89.8, fp32 (128 MB)
+//   90.3 -> 95.1; fp32 [1, 16, 2048, 2048] (32 MB) 92.0 -> 93.6;
+// - heads of 16 MB and less lost up to 5.8 points: bf16 [1, 16, 2048, 2048] 89.8 -> 87.7, [4, 16, 1024, 1024]
+//   92.9 -> 89.4, fp32 256 keys 98.6 -> 92.8 (only the shortest rows, 128 keys, gained 1.7-2 points).
+// kHeadsInner 1: those calls; 0: none; 2: every call with such a mask, whatever the heads' size. A benchmark build may
+// set -DPIPEGOOSE_SOFTMAX_HEADS_INNER=0, 1 or 2.
 #if defined(PIPEGOOSE_SOFTMAX_HEADS_INNER)
 constexpr int kHeadsInner = PIPEGOOSE_SOFTMAX_HEADS_INNER;
-static_assert(kHeadsInner == 0 || kHeadsInner == 1, "PIPEGOOSE_SOFTMAX_HEADS_INNER: 0 or 1");
+static_assert(kHeadsInner >= 0 && kHeadsInner <= 2, "PIPEGOOSE_SOFTMAX_HEADS_INNER: 0, 1 or 2");
 #else
 constexpr int kHeadsInner = 1;
 #endif
 template <typename T>
 bool heads_inner_takes(const FwdArgs<T>& a) {
-  return kHeadsInner == 1 && a.mask != nullptr && a.d1 > 1 && a.d2 > 1 && a.ms.s1 == 0 && a.ms.s2 != 0;
+  if (kHeadsInner == 0 || a.mask == nullptr || a.d1 <= 1 || a.d2 <= 1 || a.ms.s1 != 0 || a.ms.s2 == 0) return false;
+  const int64_t head_bytes = 2 * a.d2 * a.sk * static_cast<int64_t>(sizeof(T));
+  return kHeadsInner == 2 || 2 * head_bytes >= at::cuda::getCurrentDeviceProperties()->l2CacheSize;
 }
 
 // Whether a call takes a row-pair kernel: causal, square (sq == sk, so that rows pair up within a head), without a
@@ -1722,9 +1640,7 @@ template <typename T, int TPR, int NV>
 void launch_fwd_causal_pair(const FwdArgs<T>& a, cudaStream_t st) {
   constexpr int B = block_for<TPR>();
   const int64_t items = a.rows / a.sk * ((a.sk + Elem<T>::kVec) / 2);
-  const unsigned blocks = grid_for(items, B / TPR);
-  const unsigned grid = kPairZeroBlocks > 0 ? 2 * std::min(blocks, 1u << 30) : blocks;
-  softmax_fwd_causal_pair_kernel<T, TPR, NV, B><<<grid, B, 0, st>>>(a);
+  softmax_fwd_causal_pair_kernel<T, TPR, NV, B><<<grid_for(items, B / TPR), B, 0, st>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
