@@ -134,10 +134,11 @@ def main() -> int:
                 sm.softmax_backward(torch.randn_like(y), y, 0.5, True)
                 calls += 2
                 # a padding mask broadcast over heads larger than half the L2: the forward walks the heads innermost
-                # (softmax.cuh heads_inner_takes), in the register-resident kernel (4096 keys) and the two-pass one
-                l2 = torch.cuda.get_device_properties(0).L2_cache_size
-                for sk in (4096, 40000):
-                    sq = (l2 // (4 * sk * (torch.finfo(dt).bits // 8)) + 1) | 1
+                # (softmax.cuh heads_inner_takes), in the register-resident kernel (4096 and 4099 keys) and the
+                # two-pass one (40000)
+                l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+                for sk in (4096, 4099, 40000):
+                    sq = (l2 // (3 * sk * (torch.finfo(dt).bits // 8)) + 1) | 1
                     mask = torch.rand(2, 1, sq, sk, device="cuda") < 0.3
                     for causal in (False, True):
                         sm.softmax_forward(torch.randn(2, 3, sq, sk, device="cuda", dtype=dt), mask, 0.5, causal)

@@ -295,12 +295,14 @@ def test_mask_broadcast_forms(sm, dtype, mshape):
 @pytest.mark.parametrize("keys", ["vector", "partial vector", "two-pass"])
 def test_mask_broadcast_over_large_heads(sm, dtype, causal, keys):
     """A padding mask broadcast over the heads, with heads whose scores and output exceed half this GPU's L2: the
-    forward's grid walks the heads innermost (``softmax.cuh``, ``heads_inner_takes``), in the register-resident kernel
+    forward's grid walks the heads innermost (``softmax.cuh``, ``heads_inner_takes``; the output is the same in either
+    order, so this checks the order's rows, not that it was taken), in the register-resident kernel
     (whole vectors, or a partial last one) and in the two-pass kernel (40000 keys). Two batches, three heads, an odd
     query count sized from the L2, and a fully masked row; every output element checked (poisoned first)."""
     sk = {"vector": 4096 if dtype != torch.float32 else 2048, "partial vector": 4099, "two-pass": 40000}[keys]
     l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
-    sq = (l2 // (4 * sk * torch.finfo(dtype).bits // 8) + 1) | 1  # a head's x and y: 2 * sq * sk elements > l2 / 2
+    # a head's x and y (2 * sq * sk elements) take at least two thirds of the L2 in bytes: the bound is half
+    sq = (l2 // (3 * sk * torch.finfo(dtype).bits // 8) + 1) | 1
     x, dy, mask = make((2, 3, sq, sk), dtype, seed=sq, mask_shape=(2, 1, sq, sk))
     mask[1, 0, sq // 2, :] = True
     roundtrip(sm, f"mask over heads [2, 3, {sq}, {sk}]", x, dy, mask, 0.125, causal, dtype)

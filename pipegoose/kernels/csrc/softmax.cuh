@@ -495,8 +495,8 @@ __device__ __forceinline__ int64_t row_of(int64_t idx, int64_t rows, bool revers
 // Row of a forward's slot idx: row_of, and with a.heads_inner the slots walk the rows in (d0, d2, d1) order, the heads
 // innermost, so that the d1 rows that share a padding-mask row (a mask broadcast over d1) run together and all but the
 // first read it from L2. In the rows' own order the d2 rows of a head come between them: at [1, 4, 4096, 4096] in
-// bf16 (a head's x and y: 64 MB, more than the 60 MB of L2) every head read the mask from memory again
-// (heads_inner_takes says when).
+// bf16 (a head's x and y: 64 MiB, more than the 60 MiB of L2) every head read the mask from memory again. Taken from
+// heads of half the L2 (heads_inner_takes).
 template <typename T>
 __device__ __forceinline__ int64_t fwd_row_of(const FwdArgs<T>& a, int64_t idx) {
   const int64_t s = row_of(idx, a.rows, a.reverse);
@@ -655,8 +655,8 @@ __device__ __forceinline__ void fwd_raw_row(const FwdArgs<T>& a, uint4 (&raw)[NV
 // TPR <= 32, shuffle-only reductions; fwd_rows() says which plans take it: one load phase covers R rows), BLOCK
 // threads per block; KC > 0: rows of KC keys on the vector path (see
 // PIPEGOOSE_SOFTMAX_KEYS), KC = 0: the row length a.sk is read at run time. A block takes R * BLOCK / TPR
-// consecutive rows per step: row group g of the block takes rows base + r * BLOCK / TPR + g, r < R, so that for
-// each r the block's loads cover one contiguous stretch of rows.
+// consecutive slots per step: row group g of the block takes slots base + r * BLOCK / TPR + g, r < R, so that for
+// each r the block's loads cover one contiguous stretch of rows (of heads, at one query, with a.heads_inner).
 template <typename T, int TPR, int NV, int R, int BLOCK, bool FAST, int KC, bool NM = false>
 __device__ __forceinline__ void fwd_reg_rows(const FwdArgs<T>& a, float* red_max, float* red_sum) {
   constexpr int V = Elem<T>::kVec;
@@ -1603,15 +1603,16 @@ constexpr bool causal_pair_plan() {
 // Whether a forward's slots walk the heads innermost (fwd_row_of): a padding mask broadcast over d1 (stride 0, d1 > 1)
 // whose rows differ along the queries (d2 > 1, stride not 0; a mask broadcast over the queries too is reread by
 // consecutive rows anyway), with heads too large for the L2 to keep a mask row from one head's read of it to the next:
-// a head's scores and output (d2 * sk elements each) at least half the L2. Session 29 (H200, 60 MB of L2;
+// a head's scores and output (d2 * sk elements each) at least half the L2. Session 29 (H200, 60 MiB of L2;
 // benchmarks.softmax_raw, padding-masked forward of [b, np, sk, sk] with a [b, 1, sk, sk] mask, % of copy, two
 // alternating runs, the rows' order -> heads innermost at every length):
-// - heads of 32 MB and more gained: bf16 [1, 4, 4096, 4096] (64 MB) 80.8 -> 90.0, fp16 81.0 -> 89.8, fp32 (128 MB)
-//   90.3 -> 95.1; fp32 [1, 16, 2048, 2048] (32 MB) 92.0 -> 93.6;
-// - heads of 16 MB and less lost up to 5.8 points: bf16 [1, 16, 2048, 2048] 89.8 -> 87.7, [4, 16, 1024, 1024]
+// - heads of 32 MiB and more gained: bf16 [1, 4, 4096, 4096] (64 MiB) 80.8 -> 90.0, fp16 81.0 -> 89.8, fp32 (128
+//   MiB) 90.3 -> 95.1; fp32 [1, 16, 2048, 2048] (32 MiB) 92.0 -> 93.6;
+// - heads of 16 MiB and less lost up to 5.8 points: bf16 [1, 16, 2048, 2048] 89.8 -> 87.7, [4, 16, 1024, 1024]
 //   92.9 -> 89.4, fp32 256 keys 98.6 -> 92.8 (only the shortest rows, 128 keys, gained 1.7-2 points).
-// kHeadsInner 1: those calls; 0: none; 2: every call with such a mask, whatever the heads' size. A benchmark build may
-// set -DPIPEGOOSE_SOFTMAX_HEADS_INNER=0, 1 or 2.
+// Causal calls with such a mask take the same bound (their rows read less: not measured). kHeadsInner 1: those calls;
+// 0: none; 2: every call with such a mask, whatever the heads' size. A benchmark build may set
+// -DPIPEGOOSE_SOFTMAX_HEADS_INNER=0, 1 or 2.
 #if defined(PIPEGOOSE_SOFTMAX_HEADS_INNER)
 constexpr int kHeadsInner = PIPEGOOSE_SOFTMAX_HEADS_INNER;
 static_assert(kHeadsInner >= 0 && kHeadsInner <= 2, "PIPEGOOSE_SOFTMAX_HEADS_INNER: 0, 1 or 2");
