@@ -168,8 +168,11 @@ def test_autocast_cpu_bf16_follows_torch():
 
 def test_errors_name_the_argument():
     x = torch.randn(2, 3, 4, 5)
-    with pytest.raises(TypeError, match="mask"):
+    with pytest.raises(TypeError, match="^mask: .* got float32; convert additive float masks"):
         PF.scaled_masked_softmax(x, torch.zeros(2, 1, 4, 5), 1.0)
+    for dt in (torch.int64, torch.int8):  # an integer mask is not told to convert a float mask
+        with pytest.raises(TypeError, match=r"^mask: .* got int\d+; pass mask != 0 for an integer mask"):
+            PF.scaled_masked_softmax(x, torch.zeros(2, 1, 4, 5, dtype=dt), 1.0)
     with pytest.raises(ValueError, match="mask"):
         PF.scaled_masked_softmax(x, torch.zeros(2, 1, 4, 6, dtype=torch.bool), 1.0)
     with pytest.raises(ValueError, match="x"):

@@ -447,8 +447,9 @@ def check_mask(mask: Any, x: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.uint8:
         mask = mask != 0
     elif mask.dtype != torch.bool:
-        raise TypeError(f"mask: expected dtype bool (True = masked), got {dtype_name(mask.dtype)}; convert "
-                        f"additive float masks at the model boundary")
+        hint = ("convert additive float masks at the model boundary" if mask.is_floating_point()
+                else "pass mask != 0 for an integer mask whose nonzero entries are masked")
+        raise TypeError(f"mask: expected dtype bool (True = masked) or uint8, got {dtype_name(mask.dtype)}; {hint}")
     if mask.device != x.device:
         raise ValueError(f"mask: on {mask.device}, expected the input's device {x.device}")
     if mask.dim() != 4:
