@@ -1067,7 +1067,46 @@ norm_fwd_wide_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const 
 // RMS: xhat = x * rstd,          g = w * dy,  dx = rstd * (g - xhat * mean_j(g * xhat))
 // dw_j = sum_rows dy * xhat, db_j = sum_rows dy.
 //
-// dy [rows, H] (Tdy), x [rows, H] (Tin), w [H] (float32 when p_f32, else Tin; or null), mean/rstd [rows] fp32,
+// DxRow: one element's dx from x, g = dy * w and its row's constants (mean, rstd, c1 = mean_j(g), c2 =
+// mean_j(g * xhat)). FMA (dx_fma) computes it as fma(x - mean, k1, rstd * (g - c1)) with k1 = -rstd^2 * c2 per row:
+// one instruction fewer per element than rstd * (g - c1 - (x - mean) * rstd * c2), which recomputes xhat (LayerNorm:
+// FADD, FFMA for g - c1 from dy * w, FMUL, FFMA; RMSNorm, mean and c1 zero: FMUL, FMUL, FFMA). x - mean stays the
+// exact difference it is in xhat.
+template <bool FMA>
+struct DxRow {
+  float m, r, c1, c2, k1;
+  __device__ __forceinline__ DxRow(float mean, float rstd, float c1_, float c2_)
+      : m(mean), r(rstd), c1(c1_), c2(c2_), k1(-(rstd * rstd) * c2_) {}
+  __device__ __forceinline__ float operator()(float x, float g) const {
+    if constexpr (FMA) {
+      return fmaf(x - m, k1, r * (g - c1));
+    } else {
+      return r * (g - c1 - (x - m) * r * c2);
+    }
+  }
+};
+
+// Whether the backward of Tin inputs computes dx in DxRow's fma form; HC: the kernel's compile-time hidden size (0:
+// none). Session 30 (H200, benchmarks.norm_raw, backward, % of copy, two alternating runs, old form -> fma form):
+// - 16-bit gained: RMSNorm bf16 16384-65536 columns +1.4 to +1.9 (16384 x 16384: 93.9 -> 95.8), 4096 +0.7; LayerNorm
+//   bf16 +0.4 to +0.8 at 512-4096 and 16384-65536 (16384 x 4096: 86.3 -> 86.8), fp16 alike; 6144 and 8192 -0.2 to
+//   -0.7;
+// - LayerNorm's kernel specialised to 768 columns spilled 8 bytes at its 64 registers (ptxas, sm_90) and lost 1.2-1.7
+//   (bf16 32768 x 768: 74.5 -> 72.8): it keeps the old form;
+// - fp32 moved by -1.5 (LayerNorm 32768 x 2048: 97.9 -> 96.4) to +0.6: it keeps the old form.
+// A benchmark build may set -DPIPEGOOSE_NORM_DX_FMA=0 (the old form everywhere) or 2 (the fma form everywhere).
+#if defined(PIPEGOOSE_NORM_DX_FMA)
+constexpr int kDxFma = PIPEGOOSE_NORM_DX_FMA;
+static_assert(kDxFma >= 0 && kDxFma <= 2, "PIPEGOOSE_NORM_DX_FMA: 0, 1 or 2");
+#else
+constexpr int kDxFma = 1;
+#endif
+template <typename Tin, bool RMS, int HC>
+constexpr bool dx_fma() {
+  return kDxFma == 2 || (kDxFma == 1 && sizeof(Tin) == 2 && !(!RMS && HC == 768));
+}
+
+// norm_bwd_kernel. dy [rows, H] (Tdy), x [rows, H] (Tin), w [H] (float32 when p_f32, else Tin; or null), mean/rstd [rows] fp32,
 // dx [rows, H] (Tin). ws: fp32 [NACC, gridDim.x, H] (NACC = 2 for LN: dw, db; 1 for RMS), or null when no
 // parameter gradient is wanted.
 //
@@ -1224,8 +1263,7 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
     row_sum<2>(s, tpr, red[parity]);
     parity ^= 1;
     if (valid) {
-      const float c1 = RMS ? 0.f : s[0] * inv_h;
-      const float c2 = s[1] * inv_h;
+      const DxRow<dx_fma<Tin, RMS, HC>()> dxo(m, r, RMS ? 0.f : s[0] * inv_h, s[1] * inv_h);
 #pragma unroll
       for (int n = 0; n < NV; ++n) {
         const int c = t + n * tpr;
@@ -1242,7 +1280,7 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
             for (int k = 0; k < PG; ++k) {
               const int i = g0 + k;
               const float g = raw_get(dc[n], i) * wv[k];
-              o[i] = r * (g - c1 - (raw_get(xc[n], i) - m) * r * c2);
+              o[i] = dxo(raw_get(xc[n], i), g);
             }
           }
           store_f<VEC, Tin, kDxStream>(dx + row * H + static_cast<int64_t>(c) * VEC, o);
@@ -1671,8 +1709,7 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
     row_sum<2, true>(s, tpr, red[parity], 1 + rg);  // rpb <= 15 when tpr > 32
     parity ^= 1;
     if (valid) {
-      const float c1 = RMS ? 0.f : s[0] * inv_h;
-      const float c2 = s[1] * inv_h;
+      const DxRow<dx_fma<Tin, RMS, HC>()> dxo(m, r, RMS ? 0.f : s[0] * inv_h, s[1] * inv_h);
 #pragma unroll
       for (int n = 0; n < NV; ++n) {
         const int c = t + n * tpr;
@@ -1693,7 +1730,7 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
             for (int k = 0; k < PG; ++k) {
               const int i = g0 + k;
               const float g = raw_get(dc, i) * wv[k];
-              o[i] = r * (g - c1 - (raw_get(xc, i) - m) * r * c2);
+              o[i] = dxo(raw_get(xc, i), g);
             }
           }
           store_f<VEC, Tin, kDxStream>(dx + row * H + static_cast<int64_t>(c) * VEC, o);
@@ -2098,7 +2135,8 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
     }
   }
   auto slot_of = [&](int first, int q) { return first + q >= S ? first + q - S : first + q; };
-  // Pass 2 of the R rows from `row0` (stride ncl) in the stages from `first`: dx = rstd * (dy * w - a1 - xhat * a2).
+  // Pass 2 of the R rows from `row0` (stride ncl) in the stages from `first`: dx = rstd * (dy * w - a1 - xhat * a2)
+  // (DxRow).
   auto pass2 = [&](int64_t row0, int first, const float* pm, const float* pr, const float* a1, const float* a2) {
 #pragma unroll
     for (int q = 0; q < R; ++q) {
@@ -2106,6 +2144,7 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
       if (rq >= rows) break;
       const Tin* xrow = xs + slot_of(first, q) * rowlen;
       const Tdy* drow = ds + slot_of(first, q) * rowlen;
+      const DxRow<dx_fma<Tin, RMS, 0>()> dxo(pm[q], pr[q], a1[q], a2[q]);
 #pragma unroll
       for (int n = 0; n < NV; ++n) {
         const int c = t + n * kClThreads;
@@ -2117,7 +2156,7 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
           float o[VEC];
 #pragma unroll
           for (int i = 0; i < VEC; ++i) {
-            o[i] = pr[q] * (raw_get(dc, i) * wv[n][i] - a1[q] - (raw_get(xc, i) - pm[q]) * pr[q] * a2[q]);
+            o[i] = dxo(raw_get(xc, i), raw_get(dc, i) * wv[n][i]);
           }
           store_f<VEC, Tin, kDxStream>(dx + rq * H + col0 + static_cast<int64_t>(c) * VEC, o);
         }
@@ -2291,14 +2330,12 @@ norm_bwd_generic_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
     }
     row_sum<2>(s, tpr, red[parity]);
     parity ^= 1;
-    const float c1 = RMS ? 0.f : s[0] * inv_h;
-    const float c2 = s[1] * inv_h;
+    const DxRow<dx_fma<Tin, RMS, 0>()> dxo(m, r, RMS ? 0.f : s[0] * inv_h, s[1] * inv_h);
     Tin* dxr = dx + row * H;
     for (int j = threadIdx.x; j < H; j += tpr) {
-      const float xh = (to_f(xr[j]) - m) * r;
       const float d = to_f(dyr[j]);
       const float g = w != nullptr ? d * param_at<Tin>(w, p_f32, j) : d;
-      dxr[j] = from_f<Tin>(r * (g - c1 - xh * c2));
+      dxr[j] = from_f<Tin>(dxo(to_f(xr[j]), g));
     }
   }
 }
