@@ -546,6 +546,12 @@ static_assert(kFwdNoMask >= 0 && kFwdNoMask <= 2, "PIPEGOOSE_SOFTMAX_FWD_NM: 0, 
 constexpr int kFwdNoMask = 1;
 #endif
 
+// Measured and dropped (session 30, H200, benchmarks.softmax_raw, causal forward, % of copy, two alternating runs):
+// in the kernels without mask words (NM), a branch per slot that skips the exponentials and partial sums of a
+// thread's slots wholly above the diagonal, instead of computing exp2(-inf) = 0 there. ptxas (sm_90) then gave the
+// 16-bit plans of 128-1024 keys 64 registers instead of 56 (eight blocks of 128 threads per SM instead of nine), and
+// they lost 1.7-4.5 points (bf16 256 keys 83.5 -> 79.2, 128 keys 80.7 -> 79.0); fp32 lost 0.2-0.7. (ncu, bf16 128
+// keys, the shipped kernel: issue slots 65% busy, DRAM 73% of peak, 31 warps per SM.)
 // Causal rows, register-resident plans of long rows: the output vectors wholly above the diagonal (columns >= the
 // causal bound, zeros whatever the scores) are stored right after the row's loads are issued, so that these writes
 // overlap the loads' round trip instead of waiting behind the row's reductions. Session 27 (H200,
