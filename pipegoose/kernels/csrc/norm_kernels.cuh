@@ -1088,9 +1088,9 @@ struct DxRow {
 
 // Whether the backward of Tin inputs computes dx in DxRow's fma form; HC: the kernel's compile-time hidden size (0:
 // none). Session 30 (H200, benchmarks.norm_raw, backward, % of copy, two alternating runs, old form -> fma form):
-// - 16-bit gained: RMSNorm bf16 16384-65536 columns +1.4 to +1.9 (16384 x 16384: 93.9 -> 95.8), 4096 +0.7; LayerNorm
-//   bf16 +0.4 to +0.8 at 512-4096 and 16384-65536 (16384 x 4096: 86.3 -> 86.8), fp16 alike; 6144 and 8192 -0.2 to
-//   -0.7;
+// - 16-bit gained: RMSNorm bf16 16384-65536 columns +1.4 to +1.9 (16384 x 16384: 93.9 -> 95.8), 4096 +0.7, fp16 +0.1
+//   to +0.6; LayerNorm +0.1 to +0.8 at 512-4096 and 16384-65536 (bf16 16384 x 4096: 86.3 -> 86.8), but 6144 and 8192
+//   -0.2 to -0.7; RMSNorm at 768 columns bf16 -0.6, fp16 +1.0;
 // - LayerNorm's kernel specialised to 768 columns spilled 8 bytes at its 64 registers (ptxas, sm_90) and lost 1.2-1.7
 //   (bf16 32768 x 768: 74.5 -> 72.8): it keeps the old form;
 // - fp32 moved by -1.5 (LayerNorm 32768 x 2048: 97.9 -> 96.4) to +0.6: it keeps the old form.
