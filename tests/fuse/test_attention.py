@@ -266,21 +266,23 @@ class _NoBiasLayerNorm(_LlamaStyle):
 def test_rms_norm_probe():
     from transformers.models.t5.modeling_t5 import T5LayerNorm
 
-    p = probe_rms_norm(_LlamaStyle(16), 16)
+    p = probe_rms_norm(_LlamaStyle(16))
     assert p.ok and not p.output_in_weight_dtype
-    p = probe_rms_norm(T5LayerNorm(16, eps=1e-5), 16)
+    p = probe_rms_norm(T5LayerNorm(16, eps=1e-5))
     assert p.ok and p.eps == 1e-5 and p.output_in_weight_dtype
-    assert probe_rms_norm(nn.RMSNorm(16), 16).ok
-    for bad, why in ((_GemmaStyle(16), "differs"), (_NoBiasLayerNorm(16), "differs"), (_LlamaStyle(8), "hidden"),
+    assert probe_rms_norm(nn.RMSNorm(16)).ok
+    # any size: a model's hidden size or a head's (Qwen3's q_norm over head_dim), down to one element
+    assert probe_rms_norm(_LlamaStyle(8)).ok and probe_rms_norm(_LlamaStyle(1)).ok
+    for bad, why in ((_GemmaStyle(16), "differs"), (_NoBiasLayerNorm(16), "differs"),
                      (nn.Linear(16, 16, bias=False), "2-D")):
-        p = probe_rms_norm(bad, 16)
+        p = probe_rms_norm(bad)
         assert not p.ok and why in p.reason, p
     # the probe does not run the module itself: its hooks do not fire and its weight is untouched
     m = _LlamaStyle(16)
     calls = []
     m.register_forward_hook(lambda *a: calls.append(1))
     w = m.weight.detach().clone()
-    assert probe_rms_norm(m, 16).ok and not calls and torch.equal(m.weight, w)
+    assert probe_rms_norm(m).ok and not calls and torch.equal(m.weight, w)
 
 
 def test_unknown_kwargs_raise():

@@ -17,9 +17,8 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
 Skipped, with the reason in the report: LayerNorm subclasses with their own forward, norms whose forward is set on
 the instance (accelerate's ``device_map`` / offloading hooks, patches: a fused module would bypass it), norms whose
 weight or bias is computed rather than a Parameter of their own (``torch.nn.utils.parametrize``, the hook-based
-``torch.nn.utils.weight_norm``), whose Parameters a fused module cannot share, and RMSNorms over another size than
-the model's hidden sizes (its config's and, for a composite model such as Llava or Qwen2.5-VL, its sub-configs';
-per-head norms such as Qwen3's ``q_norm`` / ``k_norm``: counted in the coverage, not fused yet).
+``torch.nn.utils.weight_norm``), whose Parameters a fused module cannot share. RMSNorms are fused over whatever size
+they normalize: the hidden size, a head's (Qwen3's ``q_norm`` / ``k_norm`` over ``head_dim``) or a projection's.
 
 Nothing is patched globally: no class, function or module global of transformers or torch changes; two models in
 one process can be fused differently. Parameters stay the same objects, so ``state_dict()`` keys and tensors, and
@@ -360,7 +359,6 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     dispatch.check_env()
 
     config = getattr(model, "config", None)
-    hidden = _hidden_sizes(config)
     report = FusionReport(dry_run=dry_run, model=type(model).__name__)
     state = _Fusion(report=report)
     replaced: dict[int, nn.Module] = {}       # id(old) -> new (a shared module is replaced once, everywhere)
@@ -370,17 +368,9 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     internal = {id(m) for mod in model.modules() if parametrize.is_parametrized(mod)
                 for m in mod.parametrizations.modules()}
 
-    # each module's hidden sizes: those of its nearest enclosing module with a transformers config of its own (a
-    # composite model's towers carry theirs), else the model's (for a composite config, all of its sub-configs')
-    sizes_at: dict[str, frozenset[int] | None] = {"": hidden}
     held: set[int] = set()          # rows of modules fused before this call: no record of this call for them
     try:
         for parent_path, parent in list(model.named_modules()):
-            if parent_path not in sizes_at:
-                own = getattr(parent, "config", None)
-                own_sizes = _hidden_sizes(own) if matching.is_config(own) else None
-                sizes_at[parent_path] = own_sizes or sizes_at.get(parent_path.rpartition(".")[0], hidden)
-            parent_hidden = sizes_at[parent_path]
             for name, child in list(parent._modules.items()):
                 if child is None:
                     continue
@@ -399,9 +389,9 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                                                  reason=_already_fused_reason(model, child)))
                     held.add(id(report.rows[-1]))
                     continue
-                row, new = _consider(child, path, ops, parent_hidden, dry_run, MixedFusedLayerNorm, FusedRMSNorm)
+                row, new = _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm)
                 if row is None:
-                    kind = _norm_kind_left_out(child, ops, parent_hidden)
+                    kind = _norm_kind_left_out(child, ops)
                     if kind is not None:
                         report.not_requested[kind] = report.not_requested.get(kind, 0) + 1
                     continue
@@ -425,7 +415,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
         _undo(state)
         raise
 
-    kind = _bare_norm_kind(model, hidden) if not isinstance(model, fused_types) else None
+    kind = _bare_norm_kind(model) if not isinstance(model, fused_types) else None
     if kind in ops:
         # fuse() replaces submodules in their parents; the model itself has none to be replaced in
         use = "FusedRMSNorm.from_module(model)" if kind == "rms_norm" else "MixedFusedLayerNorm.from_layer_norm(model)"
@@ -440,24 +430,14 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     return report
 
 
-def _hidden_sizes(config) -> frozenset[int] | None:
-    """A config's hidden size, or, for a composite config with none of its own, its sub-configs' (None: no config,
-    or none found: any size)."""
-    if config is None:
-        return None
-    size = matching.hidden_size_of(config)
-    return frozenset({size}) if size is not None else (matching.hidden_sizes_of(config) or None)
-
-
-def _norm_kind_left_out(child: nn.Module, ops: tuple, hidden) -> str | None:
+def _norm_kind_left_out(child: nn.Module, ops: tuple) -> str | None:
     """The kind of norm ``child`` is, where that kind is left out of ``ops`` and fuse() would have counted it as
     eligible (for the report's ``not_requested``; classification only: no dispatcher choice, no kernel loaded)."""
     if isinstance(child, nn.LayerNorm):
         return "layer_norm" if "layer_norm" not in ops else None
     if "rms_norm" in ops or any(True for _ in child.children()):
         return None
-    probe = matching.probe_rms_norm(child, hidden)
-    return "rms_norm" if probe.ok or probe.eligible else None
+    return "rms_norm" if matching.probe_rms_norm(child).ok else None
 
 
 def _already_fused_reason(model: nn.Module, module: nn.Module) -> str:
@@ -477,7 +457,7 @@ def _already_fused_reason(model: nn.Module, module: nn.Module) -> str:
             "unfuse() will not revert it")
 
 
-def _bare_norm_kind(model: nn.Module, hidden) -> str | None:
+def _bare_norm_kind(model: nn.Module) -> str | None:
     """``layer_norm`` / ``rms_norm`` when ``model`` itself is a norm fuse() would replace inside a parent (a
     ``torch.nn.LayerNorm``, ``torch.nn.RMSNorm``, or a module the RMSNorm probe accepts), else None."""
     if isinstance(model, nn.LayerNorm):
@@ -486,7 +466,7 @@ def _bare_norm_kind(model: nn.Module, hidden) -> str | None:
         return "rms_norm"
     if any(True for _ in model.children()) or not any(True for _ in model.parameters(recurse=False)):
         return None
-    return "rms_norm" if matching.probe_rms_norm(model, hidden).ok else None
+    return "rms_norm" if matching.probe_rms_norm(model).ok else None
 
 
 def _build(path, child, make, *args, **kwargs):
@@ -570,7 +550,7 @@ def _computed_params(child: nn.Module) -> str | None:
     return None
 
 
-def _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNorm):
+def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm):
     """(row, replacement or None) for one module; (None, None) when it is not a candidate."""
     if isinstance(child, nn.LayerNorm):
         if "layer_norm" not in ops:
@@ -600,12 +580,12 @@ def _consider(child, path, ops, hidden, dry_run, MixedFusedLayerNorm, FusedRMSNo
                              eligible=isinstance(child, nn.RMSNorm)), None
     if any(True for _ in child.children()):
         return None, None
-    probe = matching.probe_rms_norm(child, hidden)
+    probe = matching.probe_rms_norm(child)
     if not probe.ok:
         if not probe.candidate:
             return None, None
         return FusionRow(path, "rms_norm", type(child).__name__, None, False, reason=probe.reason,
-                         eligible=probe.eligible), None
+                         eligible=False), None
     why = _instance_override(child)
     if why is not None:
         return FusionRow(path, "rms_norm", type(child).__name__, None, False, reason=why), None

@@ -2,10 +2,10 @@
 
 * LayerNorm: every ``torch.nn.LayerNorm`` instance.
 * RMSNorm: found by what a module computes, not by its class name. A candidate has no children, exactly one
-  parameter (1-D, of the model's hidden size), no buffers and an ``eps``-like attribute (``variance_epsilon``,
-  ``eps`` or ``epsilon``); it is accepted when, run on CPU in fp32 on a small random input with a random weight,
-  its forward equals ``x * rsqrt(mean(x^2, -1) + eps) * weight`` (float64 reference). This finds the Llama, Mistral,
-  Qwen2 and T5 styles and rejects Gemma's ``(1 + weight)`` style and mean-subtracting norms.
+  parameter (1-D, of any size: the hidden size, a head's, a projection's), no buffers and an ``eps``-like attribute
+  (``variance_epsilon``, ``eps`` or ``epsilon``); it is accepted when, run on CPU in fp32 on a small random input with
+  a random weight, its forward equals ``x * rsqrt(mean(x^2, -1) + eps) * weight`` (float64 reference). This finds the
+  Llama, Mistral, Qwen2/Qwen3 and T5 styles and rejects Gemma's ``(1 + weight)`` style and mean-subtracting norms.
 * Attention: the model types whose attention goes through transformers' ``AttentionInterface`` and whose math
   our attention function reproduces (:data:`ATTENTION_MODEL_TYPES`); others are reported with the reason.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Collection
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,33 +36,6 @@ ATTENTION_SKIP_REASONS = {
 }
 
 EPS_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon")
-
-
-def hidden_size_of(config) -> int | None:
-    """The hidden size of a transformers config (``hidden_size``, ``n_embd`` or ``d_model``), or None."""
-    for name in ("hidden_size", "n_embd", "d_model"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    return None
-
-
-def hidden_sizes_of(config) -> frozenset[int]:
-    """The hidden sizes of a transformers config and of the configs it holds (a composite model's ``text_config``,
-    ``vision_config``, ``encoder`` / ``decoder``..., two levels down): Llava's, Qwen2.5-VL's and Gemma 3's top-level
-    configs have none of their own. Empty when none is found."""
-    sizes, todo, seen = set(), [(config, 0)], set()
-    while todo:
-        c, depth = todo.pop()
-        if id(c) in seen:
-            continue
-        seen.add(id(c))
-        size = hidden_size_of(c)
-        if size is not None:
-            sizes.add(size)
-        if depth < 2 and is_config(c):
-            todo += [(v, depth + 1) for v in vars(c).values() if is_config(v)]
-    return frozenset(sizes)
 
 
 def model_type_of(config) -> str | None:
@@ -129,7 +102,6 @@ class RMSNormProbe:
     candidate: bool
     output_in_weight_dtype: bool = False   # T5 style: a half weight makes the output that dtype (see the probe)
     output_in_input_dtype: bool = False    # OLMo-2 style: one rounding, output in the input's dtype (see the probe)
-    eligible: bool = False                 # not ok, yet an RMSNorm that fuse() leaves alone: counts in the coverage
 
 
 def eps_attribute(module: nn.Module) -> str | None:
@@ -147,9 +119,9 @@ def _eps_of(module: nn.Module) -> float | None:
     return None if name is None else float(getattr(module, name))
 
 
-def probe_rms_norm(module: nn.Module, hidden_size: int | Collection[int] | None) -> RMSNormProbe:
-    """Check numerically whether ``module`` computes RMSNorm (see the module docstring). ``hidden_size``: the model's
-    hidden size, or its sizes (:func:`hidden_sizes_of`); None or empty: any size.
+def probe_rms_norm(module: nn.Module) -> RMSNormProbe:
+    """Check numerically whether ``module`` computes RMSNorm (see the module docstring), over whatever size its weight
+    has: the model's hidden size, or a head's (Qwen3's ``q_norm`` / ``k_norm``) or a projection's.
 
     The module itself is not run: a shallow stand-in sharing its class and attributes, holding a random fp32 CPU
     weight, is, through ``forward`` directly (so the module's hooks do not fire and its parameters are untouched).
@@ -170,16 +142,7 @@ def probe_rms_norm(module: nn.Module, hidden_size: int | Collection[int] | None)
     if weight.dim() != 1:
         return RMSNormProbe(False, None, f"parameter '{pname}' is {weight.dim()}-D", looks_like_norm)
     looks_like_norm = looks_like_norm or _eps_of(module) is not None
-    result = _probe_rms_norm(module, pname, weight, looks_like_norm)
-    sizes = sorted({hidden_size} if isinstance(hidden_size, int) else set(hidden_size or ()))
-    if result.ok and sizes and weight.numel() not in sizes:
-        # an RMSNorm over another size than the hidden one: per-head norms (Qwen3's q_norm / k_norm over head_dim,
-        # Gemma 3's), not fused yet (no GPU measurement of ours at such sizes), but counted: coverage stays honest
-        what = (f"the hidden size {sizes[0]}" if len(sizes) == 1
-                else f"a hidden size of the model ({', '.join(map(str, sizes))})")
-        return RMSNormProbe(False, result.eps, f"an RMSNorm over {weight.numel()} elements, not {what} (a per-head "
-                            "or per-projection norm, say): not fused yet", True, eligible=True)
-    return result
+    return _probe_rms_norm(module, pname, weight, looks_like_norm)
 
 
 def _forward_or_failure(stand_in: nn.Module, x: torch.Tensor, what: str, candidate: bool) -> Any:
@@ -294,5 +257,5 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
 
 
 __all__ = ["ATTENTION_MODEL_TYPES", "ATTENTION_SKIP_REASONS", "RMSNormProbe", "attention_support",
-           "get_attn_implementation", "hidden_size_of", "hidden_sizes_of", "is_attention_module", "is_config",
+           "get_attn_implementation", "is_attention_module", "is_config",
            "model_type_of", "probe_rms_norm", "set_attn_implementation"]
