@@ -45,6 +45,35 @@ def _err(a, b):
     return (a - b).abs().max().item()
 
 
+def _fused_run(model, ids, mask, weights, **fuse_kw):
+    """fuse(model, **fuse_kw), one run of _run in strict mode (a fallback to the reference path raises), unfuse:
+    (the run's outputs and gradients, fuse's report, dispatch.stats() of the run)."""
+    report = fuse(model, **fuse_kw)
+    dispatch.reset_stats()
+    try:
+        with dispatch.strict():
+            fus = _run(model, ids, mask, weights)
+    finally:
+        ran = dispatch.stats()
+        unfuse(model)
+    return fus, report, ran
+
+
+def _assert_parity(fus, unf, ref64, dtype):
+    """The fused run's output and gradients are within twice the unfused run's error from the float64 run, plus the
+    dtype's tolerance (see the module docstring)."""
+    t = TOLERANCES[dtype]
+    scale = ref64[0].abs().max().item()
+    assert _err(fus[0], ref64[0]) <= 2 * _err(unf[0], ref64[0]) + t["atol"] + t["rtol"] * scale
+    # Gradients: the error of a whole parameter's gradient (L2 norm) rather than its largest element: in fp16 a
+    # single element of a small weight-gradient vector is dominated by rounding noise (seen on the H200: OPT fp16,
+    # final_layer_norm.weight, largest-element errors 1.21 fused vs 0.50 unfused at a gradient scale of 14).
+    for n, g64 in ref64[1].items():
+        gs = g64.norm().item()
+        e_f, e_u = (fus[1][n] - g64).norm().item(), (unf[1][n] - g64).norm().item()
+        assert e_f <= 2 * e_u + t["atol"] * gs + t["rtol"] * gs, (n, e_f, e_u)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("arch", models.ARCHS)
 def test_parity_with_kernels(arch, dtype):
@@ -64,30 +93,14 @@ def test_parity_with_kernels(arch, dtype):
 
     ref64 = _run(model64, ids, mask, weights)
     unf = _run(model, ids, mask, weights)
-    report = fuse(model)
-    dispatch.reset_stats()
-    try:
-        with dispatch.strict():
-            fus = _run(model, ids, mask, weights)
-    finally:
-        ran = dispatch.stats()
-        unfuse(model)
+    fus, report, ran = _fused_run(model, ids, mask, weights)
     # the fused kernels ran, and nothing fell back to the reference path (strict mode)
     assert ran.get("layer_norm" if arch != "llama" else "rms_norm"), ran
     assert all(impl != "torch" for per_op in ran.values() for impl in per_op), ran
     if arch != "bloom":
         assert report.attention["chosen"] == "pipegoose"
         assert ran.get("softmax.masked"), ran
-    t = TOLERANCES[dtype]
-    scale = ref64[0].abs().max().item()
-    assert _err(fus[0], ref64[0]) <= 2 * _err(unf[0], ref64[0]) + t["atol"] + t["rtol"] * scale
-    # Gradients: the error of a whole parameter's gradient (L2 norm) rather than its largest element: in fp16 a
-    # single element of a small weight-gradient vector is dominated by rounding noise (seen on the H200: OPT fp16,
-    # final_layer_norm.weight, largest-element errors 1.21 fused vs 0.50 unfused at a gradient scale of 14).
-    for n, g64 in ref64[1].items():
-        gs = g64.norm().item()
-        e_f, e_u = (fus[1][n] - g64).norm().item(), (unf[1][n] - g64).norm().item()
-        assert e_f <= 2 * e_u + t["atol"] * gs + t["rtol"] * gs, (n, e_f, e_u)
+    _assert_parity(fus, unf, ref64, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
@@ -109,25 +122,12 @@ def test_per_head_rms_norms_parity_with_kernels(dtype):
     weights = torch.randn(*ids.shape, 64, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(dev)
     ref64 = _run(model64, ids, mask, weights)
     unf = _run(model, ids, mask, weights)
-    report = fuse(model, ops=["rms_norm"])
+    fus, report, ran = _fused_run(model, ids, mask, weights, ops=["rms_norm"])
     rows = {r.path: r for r in report.rows}
     assert rows["layers.0.self_attn.q_norm"].fused and rows["layers.1.self_attn.k_norm"].fused, report
-    dispatch.reset_stats()
-    try:
-        with dispatch.strict():
-            fus = _run(model, ids, mask, weights)
-    finally:
-        ran = dispatch.stats()
-        unfuse(model)
     # 2 layers x (input, post-attention, q, k) + the final norm: 9 forwards, all ours
     assert ran.get("rms_norm") == {"pipegoose": 9}, ran
-    t = TOLERANCES[dtype]
-    scale = ref64[0].abs().max().item()
-    assert _err(fus[0], ref64[0]) <= 2 * _err(unf[0], ref64[0]) + t["atol"] + t["rtol"] * scale
-    for n, g64 in ref64[1].items():
-        gs = g64.norm().item()
-        e_f, e_u = (fus[1][n] - g64).norm().item(), (unf[1][n] - g64).norm().item()
-        assert e_f <= 2 * e_u + t["atol"] * gs + t["rtol"] * gs, (n, e_f, e_u)
+    _assert_parity(fus, unf, ref64, dtype)
 
 
 def _lm(arch, seed=0):
