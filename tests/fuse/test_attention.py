@@ -253,6 +253,15 @@ class _LlamaStyle(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class _GatedStyle(_LlamaStyle):
+    """Bamba / Mamba2 style: the model calls norm(x, gate); with gate=None it is a Llama-style RMSNorm."""
+
+    def forward(self, x, gate=None):
+        if gate is not None:
+            x = x * nn.functional.silu(gate)
+        return super().forward(x)
+
+
 class _GemmaStyle(_LlamaStyle):
     def forward(self, x):
         return super().forward(x) / self.weight * (1 + self.weight)
@@ -271,8 +280,14 @@ def test_rms_norm_probe():
     p = probe_rms_norm(T5LayerNorm(16, eps=1e-5))
     assert p.ok and p.eps == 1e-5 and p.output_in_weight_dtype
     assert probe_rms_norm(nn.RMSNorm(16)).ok
-    # any size: a model's hidden size or a head's (Qwen3's q_norm over head_dim), down to one element
-    assert probe_rms_norm(_LlamaStyle(8)).ok and probe_rms_norm(_LlamaStyle(1)).ok
+    # any size: a model's hidden size or a head's (Qwen3's q_norm over head_dim)
+    assert probe_rms_norm(_LlamaStyle(8)).ok and probe_rms_norm(_LlamaStyle(2)).ok
+    # but not a weight that broadcasts over other widths, nor a forward that takes more than the input (a gated
+    # norm): FusedRMSNorm could not run what the model passes them
+    p = probe_rms_norm(_LlamaStyle(1))
+    assert not p.ok and "broadcasts" in p.reason, p
+    p = probe_rms_norm(_GatedStyle(8))
+    assert not p.ok and "gate" in p.reason, p
     for bad, why in ((_GemmaStyle(16), "differs"), (_NoBiasLayerNorm(16), "differs"),
                      (nn.Linear(16, 16, bias=False), "2-D")):
         p = probe_rms_norm(bad)

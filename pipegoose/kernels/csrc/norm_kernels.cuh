@@ -1068,10 +1068,12 @@ norm_fwd_wide_kernel(const Tin* __restrict__ x, const Tp* __restrict__ w, const 
 // dw_j = sum_rows dy * xhat, db_j = sum_rows dy.
 //
 // DxRow: one element's dx from x, g = dy * w and its row's constants (mean, rstd, c1 = mean_j(g), c2 =
-// mean_j(g * xhat)). FMA (dx_fma) computes it as fma(x - mean, k1, rstd * (g - c1)) with k1 = -rstd^2 * c2 per row:
-// one instruction fewer per element than rstd * (g - c1 - (x - mean) * rstd * c2), which recomputes xhat (LayerNorm:
-// FADD, FFMA for g - c1 from dy * w, FMUL, FFMA; RMSNorm, mean and c1 zero: FMUL, FMUL, FFMA). x - mean stays the
-// exact difference it is in xhat.
+// mean_j(g * xhat)). FMA (dx_fma) computes it as fma(x - mean, k1, rstd * (g - c1)) with k1 = -rstd^2 * c2 per row
+// (LayerNorm: FADD, FFMA for g - c1 from dy * w, FMUL, FFMA; RMSNorm, mean and c1 zero: FMUL, FMUL, FFMA): one
+// instruction fewer per element than rstd * (g - c1 - (x - mean) * rstd * c2), which recomputes xhat (FADD, FMUL,
+// FFMA, FFMA, FMUL; RMSNorm FMUL, FMUL, FFMA, FMUL). x - mean stays the exact difference it is in xhat. (rstd^2
+// flushes to zero or overflows only at rstd below 1e-19 or above 1e19.) norm_bwd_cols_kernel keeps its own form: it
+// computes xhat for the weight gradient anyway.
 template <bool FMA>
 struct DxRow {
   float m, r, c1, c2, k1;

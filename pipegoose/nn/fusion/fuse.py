@@ -17,7 +17,8 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
 Skipped, with the reason in the report: LayerNorm subclasses with their own forward, norms whose forward is set on
 the instance (accelerate's ``device_map`` / offloading hooks, patches: a fused module would bypass it), norms whose
 weight or bias is computed rather than a Parameter of their own (``torch.nn.utils.parametrize``, the hook-based
-``torch.nn.utils.weight_norm``), whose Parameters a fused module cannot share. RMSNorms are fused over whatever size
+``torch.nn.utils.weight_norm``), whose Parameters a fused module cannot share, gated RMSNorms (``forward(x, gate)``:
+Bamba's, Mamba2's) and RMSNorms whose weight broadcasts over other widths. RMSNorms are fused over whatever size
 they normalize: the hidden size, a head's (Qwen3's ``q_norm`` / ``k_norm`` over ``head_dim``) or a projection's.
 
 Nothing is patched globally: no class, function or module global of transformers or torch changes; two models in

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -142,7 +143,23 @@ def probe_rms_norm(module: nn.Module) -> RMSNormProbe:
     if weight.dim() != 1:
         return RMSNormProbe(False, None, f"parameter '{pname}' is {weight.dim()}-D", looks_like_norm)
     looks_like_norm = looks_like_norm or _eps_of(module) is not None
+    extra = _extra_forward_arguments(type(module))
+    if extra:
+        # a gated norm (Bamba's, Mamba2's, GraniteMoeHybrid's RMSNormGated: forward(x, gate=None)): the probe's call
+        # with x alone matches the formula, but the model passes more, which FusedRMSNorm does not take
+        return RMSNormProbe(False, None, f"forward takes more than the input ({', '.join(extra)}): FusedRMSNorm takes "
+                            "the input alone", looks_like_norm)
     return _probe_rms_norm(module, pname, weight, looks_like_norm)
+
+
+def _extra_forward_arguments(cls: type) -> list[str]:
+    """The parameters of ``cls.forward`` after ``self`` and the input (``*args`` and ``**kwargs`` included); empty
+    when the signature cannot be read."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[2:]
+    except (TypeError, ValueError):
+        return []
+    return [("*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else "") + p.name for p in params]
 
 
 def _forward_or_failure(stand_in: nn.Module, x: torch.Tensor, what: str, candidate: bool) -> Any:
@@ -183,6 +200,16 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
         return RMSNormProbe(False, None, f"probe forward failed: {type(exc).__name__}: {exc}", looks_like_norm)
     if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.device != x.device:
         return RMSNormProbe(False, None, "probe output has another shape or device", looks_like_norm)
+    # a weight that broadcasts (one element over rows of any width): FusedRMSNorm normalizes over the weight's size
+    # only, so a module that also runs on other widths is not one it can stand in for
+    try:
+        with torch.no_grad():
+            stand_in.forward(torch.randn(2, 3, n + 1, generator=gen, dtype=torch.float32))
+    except Exception:  # noqa: BLE001 - the expected outcome: the weight does not fit the wider rows
+        pass
+    else:
+        return RMSNormProbe(False, None, f"its weight of {n} element(s) broadcasts over rows of another width: "
+                            "FusedRMSNorm normalizes over the weight's size only", looks_like_norm)
     xd = x.double()
     ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
     if not torch.allclose(y.double(), ref, atol=1e-5, rtol=1e-4):
