@@ -6,11 +6,14 @@ Models (random init from a config, no weights downloaded):
   ~1.1B params, batch 4.
 * ``neox``: pythia-410m's shape (hidden 1024, 24 layers, 16 heads, MLP 4096, rotary_pct 0.25, vocab 50304),
   ~405M params, batch 8.
+* ``qwen3``: Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 heads of 128, 8 KV heads, MLP 3072, vocab 151936,
+  tied embeddings), ~596M params, batch 4: RMSNorms over the hidden size and, per head, over q and k (``q_norm``,
+  ``k_norm``: 128 columns, 32 and 16 rows per token).
 
 Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
 (``pipegoose.nn.fusion.fuse(model)`` on that model), ``compile_sdpa`` (``torch.compile(model)``, compile time in
-the warm-up, reported separately), ``liger`` (``apply_liger_kernel_to_llama(model=...)`` with its defaults: rope,
-rms_norm, swiglu, fused linear cross-entropy) and ``liger_rmsnorm`` (only its RMSNorm: the like-for-like comparison
+the warm-up, reported separately), ``liger`` (``apply_liger_kernel_to_llama`` / ``_qwen3(model=...)`` with their defaults:
+rope, rms_norm, swiglu, fused linear cross-entropy) and ``liger_rmsnorm`` (only its RMSNorm: the like-for-like comparison
 with ours). Liger patches transformers globally, so every variant runs in its own subprocess (fresh memory, and
 nothing leaks into the next), under a time limit.
 
@@ -42,9 +45,15 @@ MODELS = {
                                                         num_hidden_layers=24, num_attention_heads=16,
                                                         vocab_size=50304, rotary_pct=0.25,
                                                         max_position_embeddings=2048, use_parallel_residual=True)),
+    "qwen3": dict(arch="qwen3", batch=4, config=dict(hidden_size=1024, intermediate_size=3072,
+                                                      num_hidden_layers=28, num_attention_heads=16,
+                                                      num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                                      max_position_embeddings=2048, rms_norm_eps=1e-6,
+                                                      tie_word_embeddings=True)),
 }
+CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config"}
 VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "compile_sdpa", "liger_rmsnorm", "liger")
-LIGER_ONLY = {"liger": ("llama",), "liger_rmsnorm": ("llama",)}
+LIGER_ONLY = {"liger": ("llama", "qwen3"), "liger_rmsnorm": ("llama", "qwen3")}
 MARK = "E2E_RESULT "
 LOSS_RTOL = 0.02
 
@@ -57,8 +66,7 @@ def _worker(model_name: str, variant: str, batch: int, seq: int, warmup: int, st
     res: dict = {"model": model_name, "variant": variant, "batch": batch, "seq": seq}
     if variant.startswith("liger") and importlib.util.find_spec("liger_kernel") is None:
         return {**res, "status": "unavailable", "detail": "liger_kernel is not importable"}
-    cfg_cls = transformers.LlamaConfig if spec["arch"] == "llama" else transformers.GPTNeoXConfig
-    cfg = cfg_cls(**spec["config"])
+    cfg = getattr(transformers, CONFIGS[spec["arch"]])(**spec["config"])
     attn = "eager" if variant in ("eager", "fuse_eager") else "sdpa"
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -71,15 +79,15 @@ def _worker(model_name: str, variant: str, batch: int, seq: int, warmup: int, st
 
         report = fuse(model)
         res["fuse_report"] = str(report)[:600]
-    elif variant == "liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+    elif variant.startswith("liger"):
+        import liger_kernel.transformers as liger
 
-        apply_liger_kernel_to_llama(model=model)
-    elif variant == "liger_rmsnorm":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-        apply_liger_kernel_to_llama(rope=False, cross_entropy=False, fused_linear_cross_entropy=False,
-                                    rms_norm=True, swiglu=False, model=model)
+        apply = getattr(liger, f"apply_liger_kernel_to_{spec['arch']}")
+        if variant == "liger":
+            apply(model=model)
+        else:
+            apply(rope=False, cross_entropy=False, fused_linear_cross_entropy=False, rms_norm=True, swiglu=False,
+                  model=model)
     step_model = torch.compile(model) if variant == "compile_sdpa" else model
     res["setup_s"] = round(time.perf_counter() - t0, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

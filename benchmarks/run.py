@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="time budget of the op + optimizer benchmarks (default 200 quick, 420 full)")
     ap.add_argument("--e2e", action="store_true", help="end-to-end training steps (subprocess per config)")
-    ap.add_argument("--e2e-models", default="llama,neox")
+    ap.add_argument("--e2e-models", default="llama,neox,qwen3")
     ap.add_argument("--e2e-variants", default="", help="default: all (sdpa, eager, fuse_sdpa, fuse_eager, "
                                                        "compile_sdpa, liger_rmsnorm, liger)")
     ap.add_argument("--e2e-batch", default="", help="e.g. llama=4,neox=8")
