@@ -50,7 +50,7 @@ import json
 import math
 import re
 
-# Input / parameter dtype pairs that differ are timed at these hidden sizes only.
+# Input / parameter dtype pairs that differ are timed at these hidden sizes only (at every shape of --shapes).
 MIXED_H = (4096, 16384)
 SHAPES = [(131072, 512), (65536, 1024), (32768, 2048), (16384, 4096), (16384, 8192), (16384, 16384),
           (16384, 32768), (8192, 65536)]
@@ -177,9 +177,9 @@ def main() -> None:
         parts = d.split("/")
         if len(parts) > 2 or any(p not in ("bf16", "fp16", "fp32") for p in parts):
             raise SystemExit(f"norm_raw: --dtypes: {d!r}: expected INPUT or INPUT/PARAMETER of bf16, fp16, fp32")
-        if len(parts) == 2 and parts[0] != parts[1] and not any(h in MIXED_H for _, h in shapes):
+        if len(parts) == 2 and parts[0] != parts[1] and not args.shapes and not any(h in MIXED_H for _, h in shapes):
             raise SystemExit(f"norm_raw: --dtypes: {d!r}: a pair of different dtypes is timed at H in {MIXED_H} "
-                             "only, and the shapes left (--shapes, --max-h) have none")
+                             "only (unless --shapes names the shapes), and the shapes left (--max-h) have none")
     if len({tuple((d.split("/") * 2)[:2]) for d in dtype_specs}) != len(dtype_specs):
         raise SystemExit(f"norm_raw: --dtypes: {args.dtypes!r}: a dtype (pair) is given twice")
     from .build_cost import check_defines
@@ -220,7 +220,7 @@ def main() -> None:
 
     for dt, pdt in pairs:
         for n, h in shapes:
-            if pdt != dt and h not in MIXED_H:
+            if pdt != dt and h not in MIXED_H and not args.shapes:
                 continue
             x = torch.randn(n, h, device="cuda", dtype=dt)
             dy = torch.randn_like(x)

@@ -2557,8 +2557,21 @@ struct Cfg {
 // Forward plans (chunks = H / VEC; RMS and the element size V = VEC select among the plans measured on the H200:
 // session 5's plan grid, benchmarks/results/nvidia_h200_2026-11-30/norm_fwd_plans_session5.log, and session 8's of
 // the kernel with parameters loaded up front, norm_fwd_plans_session8.log):
-// - rows below 512 columns: four chunks per thread (up to 512 threads per row) on a persistent grid that prefetches
-//   the next row (pf);
+// - rows below 512 columns of at least 16 chunks whose lanes are 75% in use or more with four chunks per thread, and
+//   rows of 8 chunks (64 columns of 16-bit, 32 of fp32) with two: a full grid without prefetch, parameters in
+//   registers for the four-chunk rows. Session 31 (H200, % of copy, forward; benchmarks/results/nvidia_h200_2026-11-30/
+//   session31.log): its plan grid (norm_raw --fwd-plans) chose these plans, and the raw A/B against the persistent
+//   prefetching plan that these rows took before (two alternating rounds) gained, in bf16, LayerNorm 64 / 128 / 192 /
+//   256 / 384 / 448 columns 69.5 / 81.9 / 82.5 / 84.1 / 84.5 / 82.4 -> 80.7 / 89.7 / 86.8 / 90.9 / 87.5 / 88.6, RMSNorm
+//   74.2 / 85.9 / 87.2 / 88.1 / 89.7 / 88.0 -> 90.5 / 91.6 / 90.8 / 91.7 / 91.8 / 92.3; fp16 alike; fp32 +2.6 to +7.9
+//   (LayerNorm 64: 86.9 -> 94.8). It lost where lanes idle: 16-bit 96 columns (12 chunks, two per thread on eight
+//   threads: LayerNorm -12, RMSNorm -4) and 320 (40 chunks, four per thread on sixteen threads: RMSNorm -2.7 to -3.5;
+//   fp32 LayerNorm -0.9), which keep the prefetching plan. 16-bit LayerNorm rows with fp32 parameters keep it too (no
+//   two- or four-chunk kernel without prefetch is built for them: fwd_p32_nv4_full_unused).
+//   -DPIPEGOOSE_NORM_FWD_SMALL_PF (a benchmark experiment, off in the shipped build): the prefetching plan for every
+//   such row, as before;
+// - other rows below 512 columns: four chunks per thread (up to 512 threads per row) on a persistent grid that
+//   prefetches the next row (pf);
 // - wider rows: one block per row group and row (a full grid, no prefetch: the GPU keeps as many blocks in flight as
 //   fit; 1-17% faster than the persistent grid there), four chunks per thread for RMSNorm up to 8192 columns and
 //   LayerNorm up to 4096, else eight, up to 1024 threads per row. (16-bit LayerNorm took eight chunks from 512
@@ -2575,6 +2588,13 @@ constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
   }
   const int64_t h = chunks * V;
   if (h < 512) {
+#if !defined(PIPEGOOSE_NORM_FWD_SMALL_PF)
+    const int nv = chunks >= 16 ? 4 : 2;
+    const int tpr = round_tpr(ceil_div(chunks, nv));
+    if (chunks >= 8 && !(P32 && !RMS) && chunks * 100 >= static_cast<int64_t>(nv) * tpr * (nv == 4 ? 75 : 100)) {
+      return {nv, tpr, false, false};
+    }
+#endif
     const int tpr4 = round_tpr(ceil_div(chunks, 4));
     if (tpr4 <= 512) return {4, tpr4, false, true};
   }
@@ -2601,13 +2621,13 @@ constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
   return Cfg{};
 }
 
-// 16-bit LayerNorm rows with fp32 parameters never take a four-chunk plan without prefetch (below 512 columns they
-// prefetch, wider ones take eight chunks, and rows past 8192 chunks none), so launch_fwd instantiates no such kernel
-// for them; checked here over every row that has a register plan.
+// 16-bit LayerNorm rows with fp32 parameters never take a two- or four-chunk plan without prefetch (below 512 columns
+// they prefetch, wider ones take eight chunks, and rows past 8192 chunks none), so launch_fwd instantiates no such
+// kernel for them; checked here over every row that has a register plan.
 constexpr bool fwd_p32_nv4_full_unused() {
   for (int64_t chunks = 1; chunks <= int64_t{8} * 1024 + 1; ++chunks) {
     const Cfg c = fwd_plan<8, false, true>(chunks, true);
-    if (c.nv == 4 && !c.pf) return false;
+    if ((c.nv == 2 || c.nv == 4) && !c.pf) return false;
   }
   return true;
 }
@@ -2936,7 +2956,8 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
   constexpr Cfg spec = fwd_plan<V, RMS, P32>(kSpecHidden / V, true);
   if constexpr (spec.nv != 0) {
     if (vec && H == kSpecHidden) {
-      static_assert((spec.nv == 4 || spec.nv == 8) && !(spec.nv == 8 && spec.pf), "fwd_plan: vector plans");
+      static_assert((spec.nv == 2 || spec.nv == 4 || spec.nv == 8) && !(spec.nv != 4 && spec.pf),
+                    "fwd_plan: vector plans");
       static_assert(spec.tpr == FixedRow<kSpecHidden, V, spec.nv, false>::tpr, "FixedRow: the plan's tpr");
       go(IC<spec.nv>{}, IC<V>{}, IC<spec.pf ? 1 : 0>{}, IC<1>{}, IC<kSpecHidden>{}, IC<1>{});
       return;
@@ -2975,6 +2996,14 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
     go(IC<4>{}, IC<1>{}, IC<1>{}, IC<1>{}, IC<0>{}, IC<1>{});
   } else if (cfg.nv == 4 && cfg.pf) {
     go(IC<4>{}, IC<V>{}, IC<1>{}, IC<1>{}, IC<0>{}, IC<1>{});
+  } else if (cfg.nv == 2) {
+    // rows of 8-15 chunks (fwd_plan), parameters loaded per chunk (as session 31 timed them)
+    if constexpr (P32 && !RMS) {  // no such plan: fwd_plan keeps those rows on the prefetching plan
+      TORCH_INTERNAL_ASSERT(false, "layer_norm forward: no two-chunk plan for fp32 parameters of a 16-bit input (H = ",
+                            H, ")");
+    } else {
+      go(IC<2>{}, IC<V>{}, IC<0>{}, IC<0>{}, IC<0>{}, IC<1>{});
+    }
   } else if (cfg.nv == 4) {
     if constexpr (P32 && !RMS) {  // no such plan: fwd_p32_nv4_full_unused
       TORCH_INTERNAL_ASSERT(false, "layer_norm forward: no four-chunk plan without prefetch for fp32 parameters of a "
