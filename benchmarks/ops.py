@@ -66,7 +66,7 @@ LN_EPS, RMS_EPS = 1e-5, 1e-6
 # last-dim sizes: full run, --quick, and the CPU dry run
 SIZES = {
     "softmax": {"full": [128, 256, 512, 1024, 2048, 4096, 8192, 16384], "quick": [512, 2048, 8192], "dry": [16, 64]},
-    "norm": {"full": [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536], "quick": [1024, 4096, 16384],
+    "norm": {"full": [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536], "quick": [1024, 4096, 16384],
              "dry": [32, 128]},
 }
 TARGET_ELEMS = {"cuda": 1 << 26, "cpu": 1 << 12}   # elements per input: 64M = 128 MB bf16, > 50 MB of L2
