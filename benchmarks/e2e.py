@@ -1,4 +1,4 @@
-"""End-to-end: one training step (forward, backward, AdamW) of Llama-like and GPT-NeoX-like models, bf16, seq 2048.
+"""End-to-end: one training step (forward, backward, AdamW) of Llama-, GPT-NeoX- and Qwen3-like models, bf16, seq 2048.
 
 Models (random init from a config, no weights downloaded):
 
@@ -8,7 +8,9 @@ Models (random init from a config, no weights downloaded):
   ~405M params, batch 8.
 * ``qwen3``: Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 heads of 128, 8 KV heads, MLP 3072, vocab 151936,
   tied embeddings), ~596M params, batch 4: RMSNorms over the hidden size and, per head, over q and k (``q_norm``,
-  ``k_norm``: 128 columns, 32 and 16 rows per token).
+  ``k_norm``: 128 columns, 16 and 8 rows per token). Not in ``benchmarks.run``'s default ``--e2e-models``. ``fuse``
+  replaces its norms only: its attention is not among the model types verified with the pipegoose attention
+  function, so ``fuse_eager`` is eager attention with fused norms (Llama's also moves attention).
 
 Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
 (``pipegoose.nn.fusion.fuse(model)`` on that model), ``compile_sdpa`` (``torch.compile(model)``, compile time in
@@ -177,7 +179,8 @@ def run_e2e(models: list[str], variants: list[str], deadline: float, quick: bool
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="one e2e config (used by benchmarks.run --e2e)")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description="one e2e config (used by benchmarks.run "
+                                                                             "--e2e)")
     ap.add_argument("--worker", action="store_true", required=True)
     ap.add_argument("--model", choices=list(MODELS), required=True)
     ap.add_argument("--variant", choices=list(VARIANTS), required=True)

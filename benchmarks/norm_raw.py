@@ -4,9 +4,10 @@
 
 Times ``layer_norm_forward`` / ``layer_norm_backward`` and ``rms_norm_forward`` / ``rms_norm_backward`` of
 ``pipegoose/layer_norm`` and ``pipegoose/rms_norm`` (``benchmarks.timing.Timer``: CUDA events, L2 flushed, spin,
-median of 30) at the sweep's training shapes in bf16, fp32 and bf16 input with fp32 parameters, and prints one JSON
-line per (op, dtype, parameter dtype, rows, H, pass): milliseconds and GB/s (bytes: forward x + y, backward
-x + dy + dx), after one line with the device copy bandwidth. ``--defines`` builds a variant with extra nvcc
+median of 30) at the training shapes of ``SHAPES`` (512-65536 columns) in bf16, fp32 and bf16 input with fp32
+parameters (that pair at 4096 and 16384 columns, or at every ``--shapes`` shape), and prints one JSON line per (op,
+dtype, parameter dtype, rows, H, pass): milliseconds and GB/s (bytes: forward x + y, backward x + dy + dx), after one
+line with the device copy bandwidth. ``--defines`` builds a variant with extra nvcc
 defines (``benchmarks.build_cost.builder_with_defines``, own build key). To compare two versions of the kernels,
 run it in each checkout (one process each: two builds of one op cannot share a process) on the same GPU and join
 the lines on their keys; ``benchmarks/results/nvidia_h200_2026-11-29/norm_ab_session4.log`` was made that way.
@@ -115,7 +116,9 @@ def main() -> None:
                     help="build with -DPIPEGOOSE_NORM_BWD_EXPERIMENT and time each backward also on the cluster "
                          "kernel (plan 'cluster'), where its clusters hold the row (sm_90 and newer)")
     ap.add_argument("--dtypes", default="bf16,fp32,bf16/fp32",
-                    help="input dtypes, or INPUT/PARAMETER pairs (bf16, fp16, fp32), comma separated")
+                    help="input dtypes, or INPUT/PARAMETER pairs (bf16, fp16, fp32), comma separated; a pair of "
+                         "different dtypes is timed at H 4096 and 16384 of the default shapes, or at every --shapes "
+                         "shape")
     ap.add_argument("--table", metavar="JSONL", help="print the --fwd-plans lines of JSONL as a table, then exit")
     args = ap.parse_args()
     for name in ("fwd_plans", "shapes", "dtypes", "defines", "label"):

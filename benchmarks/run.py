@@ -4,6 +4,7 @@
     python -m benchmarks.run --out benchmarks/results                   the full size sweep (< ~8 min)
     python -m benchmarks.run --only softmax.causal,layer_norm --dtypes bf16
     python -m benchmarks.run --no-ops --e2e                             end-to-end training steps (< ~6 min)
+    python -m benchmarks.run --no-ops --e2e --e2e-models qwen3 --e2e-variants sdpa,fuse_sdpa   the Qwen3 step
     python -m benchmarks.run --no-ops --build-cost --specialise         cold build / warm load / specialised builds
     python -m benchmarks.run --device cpu --dry-run --out /tmp/bench    the whole pipeline on tiny CPU inputs
     python -m benchmarks.run --report-only DIR [DIR ...] --out OUT      merge results.json files, redo md/plots/table
@@ -56,10 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="time budget of the op + optimizer benchmarks (default 200 quick, 420 full)")
     ap.add_argument("--e2e", action="store_true", help="end-to-end training steps (subprocess per config)")
-    ap.add_argument("--e2e-models", default="llama,neox,qwen3")
+    ap.add_argument("--e2e-models", default="llama,neox", help="comma separated: llama, neox, qwen3 (default "
+                                                                 "llama,neox)")
     ap.add_argument("--e2e-variants", default="", help="default: all (sdpa, eager, fuse_sdpa, fuse_eager, "
                                                        "compile_sdpa, liger_rmsnorm, liger)")
-    ap.add_argument("--e2e-batch", default="", help="e.g. llama=4,neox=8")
+    ap.add_argument("--e2e-batch", default="", help="e.g. llama=4,neox=8,qwen3=4")
     ap.add_argument("--e2e-budget-s", type=float, default=330.0)
     ap.add_argument("--build-cost", action="store_true", help="cold build of all kernels (-j --jobs), warm load")
     ap.add_argument("--specialise", action="store_true", help="specialised vs generic builds (if a switch exists)")
@@ -129,11 +131,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error("--sizes: a partial sweep does not write a tuning table; merge it with --report-only instead "
                      "(drop --tuning-dir)")
         a.no_tuning = True
+    from .e2e import MODELS as E2E_MODELS, VARIANTS as E2E_VARIANTS
+
+    e2e_models = _csv(a.e2e_models)
+    bad = [m for m in e2e_models if m not in E2E_MODELS]
+    if bad or not e2e_models:
+        ap.error(f"--e2e-models: unknown {bad}; expected some of {', '.join(E2E_MODELS)}")
+    bad = [v for v in _csv(a.e2e_variants) if v not in E2E_VARIANTS]
+    if bad:
+        ap.error(f"--e2e-variants: unknown {bad}; expected some of {', '.join(E2E_VARIANTS)}")
     a.batch = {}
     for kv in _csv(a.e2e_batch):
         k, _, v = kv.partition("=")
-        if not v.isdigit():
-            ap.error(f"--e2e-batch: expected MODEL=N, got {kv!r}")
+        if k not in E2E_MODELS or not v.isdigit() or int(v) < 1:
+            ap.error(f"--e2e-batch: expected MODEL=N with MODEL one of {', '.join(E2E_MODELS)} and N >= 1, "
+                     f"got {kv!r}")
         a.batch[k] = int(v)
     a.defines = {}
     for kd in a.specialise_define:

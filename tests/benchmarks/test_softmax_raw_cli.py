@@ -60,8 +60,8 @@ def test_run_sizes_filter(capsys):
             (["--only", "softmax", "--sizes", "100"], "--sizes: [100] not among the full sizes of softmax"),
             (["--only", "softmax", "--sizes", "1x"], "--sizes: expected comma-separated integers"),
             (["--only", "softmax", "--sizes", ","], "--sizes: expected comma-separated integers"),
-            (["--only", "layer_norm", "--sizes", "128"], "--sizes: [128] not among the full sizes of layer_norm"),
-            (["--only", "softmax,layer_norm", "--sizes", "128,512"], "--sizes: [128] not among the full sizes of layer_norm"),
+            (["--only", "layer_norm", "--sizes", "100"], "--sizes: [100] not among the full sizes of layer_norm"),
+            (["--only", "softmax,layer_norm", "--sizes", "64,512"], "--sizes: [64] not among the full sizes of softmax"),
             (["--only", "softmax,adamw", "--sizes", "512"], "every op run must be a sized op"),
             (["--sizes", "512"], "every op run must be a sized op"),
             (["--only", "softmax", "--sizes", "512", "--no-ops"], "not with --report-only or --no-ops"),
@@ -91,6 +91,11 @@ def test_importing_run_leaves_strict_mode_alone():
     (["--dtypes", ","], "--dtypes: expected some of bf16, fp16, fp32"),
     (["--budget-s", "-5"], "--budget-s: expected a number of seconds > 0"),
     (["--jobs", "0"], "--jobs: expected an integer >= 1"),
+    (["--e2e", "--e2e-models", "qwen"], "--e2e-models: unknown ['qwen']; expected some of llama, neox, qwen3"),
+    (["--e2e", "--e2e-models", ","], "--e2e-models: unknown []"),
+    (["--e2e", "--e2e-variants", "sdpa,fused_eager"], "--e2e-variants: unknown ['fused_eager']"),
+    (["--e2e", "--e2e-batch", "qwen=4"], "--e2e-batch: expected MODEL=N with MODEL one of llama, neox, qwen3"),
+    (["--e2e", "--e2e-batch", "qwen3=0"], "got 'qwen3=0'"),
 ])
 def test_run_refuses_arguments_that_run_nothing(capsys, argv, expect):
     """A walkthrough: each of these ran nothing (or a run of skipped rows), exited 0 and replaced the day's results."""

@@ -331,7 +331,9 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
         attention: ``"auto"`` (ours on models running eager attention; a model on SDPA keeps it unless the GPU's
             tuning table, op ``"attention"``, names ``pipegoose`` for its dtype, and then ours is used per call
             where the table says so; flash/flex attention is kept), ``"pipegoose"`` (ours whatever the model ran)
-            or ``"keep"`` (do not touch attention); any case.
+            or ``"keep"`` (do not touch attention); any case. Either way ours replaces only the attention of model
+            types verified with it (``transformers.matching.ATTENTION_MODEL_TYPES``); the others' attention is
+            reported as skipped, with that reason (Qwen3's, for one).
     Under ``torch.compile`` the replacements emit the PyTorch ops while the compiler traces them (one graph; the
     compiler fuses those ops itself; ``dispatch.compile_passthrough``); the fused kernels run in eager mode.
 
