@@ -13,11 +13,11 @@ Models (random init from a config, no weights downloaded):
   function, so ``fuse_eager`` is eager attention with fused norms (Llama's also moves attention).
 
 Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
-(``pipegoose.nn.fusion.fuse(model)`` on that model), ``compile_sdpa`` (``torch.compile(model)``, compile time in
-the warm-up, reported separately), ``liger`` (``apply_liger_kernel_to_llama`` / ``_qwen3(model=...)`` with their defaults:
-rope, rms_norm, swiglu, fused linear cross-entropy) and ``liger_rmsnorm`` (only its RMSNorm: the like-for-like comparison
-with ours). Liger patches transformers globally, so every variant runs in its own subprocess (fresh memory, and
-nothing leaks into the next), under a time limit.
+(``pipegoose.nn.fusion.fuse(model)`` on that model), ``compile_sdpa`` (``torch.compile(model)``, compile time in the
+warm-up, reported separately), ``liger`` (``apply_liger_kernel_to_llama`` / ``_qwen3(model=...)`` with their defaults:
+rope, rms_norm, swiglu, fused linear cross-entropy) and ``liger_rmsnorm`` (only its RMSNorm: the like-for-like
+comparison with ours). Liger patches transformers globally, so every variant runs in its own subprocess (fresh memory,
+and nothing leaks into the next), under a time limit.
 
 Measured: tokens/s = batch * seq * steps / wall time of ``steps`` steps after ``warmup`` steps (CUDA synchronised),
 peak memory = ``torch.cuda.max_memory_allocated`` over the timed steps. Correctness gate: the loss of every step is

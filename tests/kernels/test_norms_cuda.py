@@ -265,7 +265,7 @@ def test_fp32_params_with_half_input(ln, rms, h):
         check_rms_norm(rms, x, w, dy)
 
 
-@pytest.mark.parametrize("h", [7, 768, 4096, 16384])
+@pytest.mark.parametrize("h", [7, 64, 768, 4096, 16384])
 def test_without_parameters(ln, rms, h):
     x, _, _, dy = make(129, h, torch.bfloat16, None, seed=3)
     check_layer_norm(ln, x, None, None, dy)

@@ -2546,28 +2546,34 @@ template <> struct CudaT<at::BFloat16> { using type = __nv_bfloat16; };
 
 // A launch plan: nv chunks of VEC elements per thread (0 = the kernels of the widest rows: the forward's wide or
 // generic kernel, the backward's two-kernel path or generic kernel), tpr threads per row, the backward's column sums in
-// shared memory (acc_smem), the next row prefetched (pf).
+// shared memory (acc_smem), the next row prefetched (pf), and for a forward plan without prefetch a persistent grid
+// (persist; prefetching plans always run one) instead of a full one.
 struct Cfg {
   int nv = 0;
   int tpr = 0;
   bool acc_smem = false;
   bool pf = false;
+  bool persist = false;
 };
 
 // Forward plans (chunks = H / VEC; RMS and the element size V = VEC select among the plans measured on the H200:
 // session 5's plan grid, benchmarks/results/nvidia_h200_2026-11-30/norm_fwd_plans_session5.log, and session 8's of
 // the kernel with parameters loaded up front, norm_fwd_plans_session8.log):
 // - rows below 512 columns of at least 16 chunks whose lanes are 75% in use or more with four chunks per thread, and
-//   rows of 8 chunks (64 columns of 16-bit, 32 of fp32) with two: a full grid without prefetch, parameters in
-//   registers for the four-chunk rows. Session 31 (H200, % of copy, forward; benchmarks/results/nvidia_h200_2026-11-30/
-//   session31.log): its plan grid (norm_raw --fwd-plans) chose these plans, and the raw A/B against the persistent
-//   prefetching plan that these rows took before (two alternating rounds) gained, in bf16, LayerNorm 64 / 128 / 192 /
-//   256 / 384 / 448 columns 69.5 / 81.9 / 82.5 / 84.1 / 84.5 / 82.4 -> 80.7 / 89.7 / 86.8 / 90.9 / 87.5 / 88.6, RMSNorm
-//   74.2 / 85.9 / 87.2 / 88.1 / 89.7 / 88.0 -> 90.5 / 91.6 / 90.8 / 91.7 / 91.8 / 92.3; fp16 alike; fp32 +2.6 to +7.9
-//   (LayerNorm 64: 86.9 -> 94.8). It lost where lanes idle: 16-bit 96 columns (12 chunks, two per thread on eight
-//   threads: LayerNorm -12, RMSNorm -4) and 320 (40 chunks, four per thread on sixteen threads: RMSNorm -2.7 to -3.5;
-//   fp32 LayerNorm -0.9), which keep the prefetching plan. 16-bit LayerNorm rows with fp32 parameters keep it too (no
-//   two- or four-chunk kernel without prefetch is built for them: fwd_p32_nv4_full_unused).
+//   rows of exactly 8 chunks (64 columns of 16-bit, 32 of fp32) with two: no prefetch, on a full grid, but LayerNorm's
+//   rows of 8 chunks on a persistent one; the parameters in registers where fwd_preg allows it (RMSNorm with parameters
+//   of the input's dtype, four chunks), else loaded per chunk. Session 31 (H200, % of copy, forward;
+//   benchmarks/results/nvidia_h200_2026-11-30/session31.log): its plan grid (norm_raw --fwd-plans, bf16 and fp32, 64,
+//   128, 256 columns) had these plans fastest or within 0.2 points, but fp32 RMSNorm at 64 and 128 columns (two chunks
+//   per thread 1.7 and 0.8 points faster), and 16-bit LayerNorm at 64 columns took the persistent grid from it (84.7
+//   against the full grid's 80.5). The raw A/B against the persistent prefetching plan that these rows took before
+//   (two alternating rounds, every row on a full grid) gained, in bf16, LayerNorm 64 / 128 / 192 / 256 / 384 / 448
+//   columns 69.5 / 81.9 / 82.5 / 84.1 / 84.5 / 82.4 -> 80.7 / 89.7 / 86.8 / 90.9 / 87.5 / 88.6, RMSNorm 74.2 / 85.9 /
+//   87.2 / 88.1 / 89.7 / 88.0 -> 90.5 / 91.6 / 90.8 / 91.7 / 91.8 / 92.3; fp16 alike; fp32 +2.6 to +7.9 (LayerNorm 64:
+//   86.9 -> 94.8). It lost where lanes idle: 16-bit 96 columns (12 chunks, two per thread on eight threads: LayerNorm
+//   -12, RMSNorm -4) and 320 (40 chunks, four per thread on sixteen threads: RMSNorm -2.4 to -3.5; fp32 LayerNorm
+//   -0.9), which keep the prefetching plan. 16-bit LayerNorm rows with fp32 parameters keep it too (no two- or
+//   four-chunk kernel without prefetch is built for them: fwd_p32_only_pf_below_512).
 //   -DPIPEGOOSE_NORM_FWD_SMALL_PF (a benchmark experiment, off in the shipped build): the prefetching plan for every
 //   such row, as before;
 // - other rows below 512 columns: four chunks per thread (up to 512 threads per row) on a persistent grid that
@@ -2592,7 +2598,7 @@ constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
     const int nv = chunks >= 16 ? 4 : 2;
     const int tpr = round_tpr(ceil_div(chunks, nv));
     if (chunks >= 8 && !(P32 && !RMS) && chunks * 100 >= static_cast<int64_t>(nv) * tpr * (nv == 4 ? 75 : 100)) {
-      return {nv, tpr, false, false};
+      return {nv, tpr, false, false, nv == 2 && !RMS};
     }
 #endif
     const int tpr4 = round_tpr(ceil_div(chunks, 4));
@@ -2624,15 +2630,32 @@ constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
 // 16-bit LayerNorm rows with fp32 parameters never take a two- or four-chunk plan without prefetch (below 512 columns
 // they prefetch, wider ones take eight chunks, and rows past 8192 chunks none), so launch_fwd instantiates no such
 // kernel for them; checked here over every row that has a register plan.
-constexpr bool fwd_p32_nv4_full_unused() {
+constexpr bool fwd_p32_only_pf_below_512() {
   for (int64_t chunks = 1; chunks <= int64_t{8} * 1024 + 1; ++chunks) {
     const Cfg c = fwd_plan<8, false, true>(chunks, true);
     if ((c.nv == 2 || c.nv == 4) && !c.pf) return false;
   }
   return true;
 }
-static_assert(fwd_p32_nv4_full_unused(), "fwd_plan: a four-chunk plan without prefetch for LayerNorm with fp32 "
-                                         "parameters and a 16-bit input (launch_fwd)");
+static_assert(fwd_p32_only_pf_below_512(), "fwd_plan: a two- or four-chunk plan without prefetch for LayerNorm with "
+                                           "fp32 parameters and a 16-bit input (launch_fwd builds none)");
+
+// The plans of rows below 512 columns, as session 31 measured them (fwd_plan's comment).
+constexpr bool fwd_plan_is(Cfg c, int nv, int tpr, bool pf, bool persist) {
+  return c.nv == nv && c.tpr == tpr && c.pf == pf && c.persist == persist && !c.acc_smem;
+}
+static_assert(fwd_plan_is(fwd_plan<8, true>(8, true), 2, 4, false, false) &&     // 16-bit RMSNorm, 64 columns
+              fwd_plan_is(fwd_plan<8, false>(8, true), 2, 4, false, true) &&     // 16-bit LayerNorm, 64
+              fwd_plan_is(fwd_plan<8, true>(16, true), 4, 4, false, false) &&    // 128
+              fwd_plan_is(fwd_plan<8, false>(24, true), 4, 8, false, false) &&   // 192 (75% of the lanes)
+              fwd_plan_is(fwd_plan<8, true>(56, true), 4, 16, false, false) &&   // 448
+              fwd_plan_is(fwd_plan<8, true>(12, true), 4, 4, true, false) &&     // 96: prefetching plan
+              fwd_plan_is(fwd_plan<8, false>(40, true), 4, 16, true, false) &&   // 320 (62.5%): prefetching plan
+              fwd_plan_is(fwd_plan<8, false, true>(16, true), 4, 4, true, false) &&  // LayerNorm, fp32 parameters
+              fwd_plan_is(fwd_plan<4, false>(16, true), 4, 4, false, false) &&   // fp32 LayerNorm, 64 columns
+              fwd_plan_is(fwd_plan<4, true>(80, true), 4, 32, true, false) &&    // fp32 RMSNorm, 320: prefetching
+              fwd_plan_is(fwd_plan<8, true>(4, true), 4, 1, true, false),        // 32 columns: prefetching plan
+              "fwd_plan: the plans of rows below 512 columns");
 
 // Backward plans. Vector rows: two chunks per thread with register column sums and prefetch, up to 512 threads per
 // row when ASYNC (grad_output of the input's element size: norm_bwd_async_kernel; bf16/fp16 H <= 8192, fp32
@@ -2835,7 +2858,7 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
   if (b != nullptr) vec = vec && aligned(b, V * sizeof(Tp));
   constexpr bool P32 = sizeof(Tin) == 2 && sizeof(Tp) == 4;  // fp32 parameters of a 16-bit input
   Cfg cfg = fwd_plan<V, RMS, P32>(vec ? H / V : H, vec);
-  bool full_grid = !cfg.pf;
+  bool full_grid = !cfg.pf && !cfg.persist;
   // The row and split kernels' parameters: never null (load_params_m).
   constexpr bool ZS = fwd_zero_stride<Tin, Tp, RMS>();
   const Tp* wk = ZS && w == nullptr ? fwd_stand_in<Tp>(true) : w;
@@ -2959,7 +2982,7 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
       static_assert((spec.nv == 2 || spec.nv == 4 || spec.nv == 8) && !(spec.nv != 4 && spec.pf),
                     "fwd_plan: vector plans");
       static_assert(spec.tpr == FixedRow<kSpecHidden, V, spec.nv, false>::tpr, "FixedRow: the plan's tpr");
-      go(IC<spec.nv>{}, IC<V>{}, IC<spec.pf ? 1 : 0>{}, IC<1>{}, IC<kSpecHidden>{}, IC<1>{});
+      go(IC<spec.nv>{}, IC<V>{}, IC<spec.pf ? 1 : 0>{}, IC<spec.nv == 2 ? 0 : 1>{}, IC<kSpecHidden>{}, IC<1>{});
       return;
     }
   }
@@ -2997,15 +3020,15 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
   } else if (cfg.nv == 4 && cfg.pf) {
     go(IC<4>{}, IC<V>{}, IC<1>{}, IC<1>{}, IC<0>{}, IC<1>{});
   } else if (cfg.nv == 2) {
-    // rows of 8-15 chunks (fwd_plan), parameters loaded per chunk (as session 31 timed them)
-    if constexpr (P32 && !RMS) {  // no such plan: fwd_plan keeps those rows on the prefetching plan
+    // rows of 8 chunks (fwd_plan), parameters loaded per chunk (as session 31 timed them)
+    if constexpr (P32 && !RMS) {  // no such plan (fwd_p32_only_pf_below_512)
       TORCH_INTERNAL_ASSERT(false, "layer_norm forward: no two-chunk plan for fp32 parameters of a 16-bit input (H = ",
                             H, ")");
     } else {
       go(IC<2>{}, IC<V>{}, IC<0>{}, IC<0>{}, IC<0>{}, IC<1>{});
     }
   } else if (cfg.nv == 4) {
-    if constexpr (P32 && !RMS) {  // no such plan: fwd_p32_nv4_full_unused
+    if constexpr (P32 && !RMS) {  // no such plan (fwd_p32_only_pf_below_512)
       TORCH_INTERNAL_ASSERT(false, "layer_norm forward: no four-chunk plan without prefetch for fp32 parameters of a "
                             "16-bit input (H = ", H, ")");
     } else {
