@@ -179,8 +179,8 @@ def run_e2e(models: list[str], variants: list[str], deadline: float, quick: bool
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description="one e2e config (used by benchmarks.run "
-                                                                             "--e2e)")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e",
+                                 description="one e2e config (used by benchmarks.run --e2e)")
     ap.add_argument("--worker", action="store_true", required=True)
     ap.add_argument("--model", choices=list(MODELS), required=True)
     ap.add_argument("--variant", choices=list(VARIANTS), required=True)
