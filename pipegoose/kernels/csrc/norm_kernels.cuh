@@ -1384,7 +1384,13 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
 // cost 8-18% of the backward at [8192-16384, 4096] bf16), 0-20 points slower at every size (RMSNorm bf16 8192: 79
 // against 95; fp32 4096: 75 against 97); session 17's packing (pack_tpb) gains where that lost; and (session 15, call 5)
 // one block's bounds for the generic 16-bit LayerNorm kernel of 512-thread blocks (91 registers instead of 64 and 32
-// bytes of spills): 3-20 points slower at 4608-8000 columns.
+// bytes of spills): 3-20 points slower at 4608-8000 columns. Also dropped (session 32, call 1; session32.log): bulk
+// copies (cp.async.bulk, the TMA's one-dimensional form) instead of a cp.async per thread and chunk, in the kernels
+// whose rows are whole warps (the specialised sizes and TPRC), lane 0 of each warp copying its warp's chunks of the row
+// (two copies of 512 bytes per tensor at two chunks per thread) onto an mbarrier of its own per stage: correct (the
+// GPU norm tests and the sanitizers passed on it), but 1-16 points slower in 16-bit (bf16 LayerNorm 1024 / 4096 / 8192
+// columns 91.0 / 87.7 / 84.1 -> 79.3 / 77.0 / 72.2, RMSNorm 90.1 / 89.3 / 90.3 -> 86.4 / 86.1 / 78.1) and -5.8 to +0.6
+// in fp32; with three stages 1-4 points less behind, still slower.
 // -DPIPEGOOSE_NORM_BWD_STAGES=S and -DPIPEGOOSE_NORM_BWD_ASYNC_MINB=B (benchmark experiments, off in the shipped
 // build) set every kernel's.
 template <int TPB, bool SPEC16, int NV = 2>
@@ -2560,9 +2566,14 @@ struct Cfg {
 // session 5's plan grid, benchmarks/results/nvidia_h200_2026-11-30/norm_fwd_plans_session5.log, and session 8's of
 // the kernel with parameters loaded up front, norm_fwd_plans_session8.log):
 // - rows below 512 columns of at least 16 chunks whose lanes are 75% in use or more with four chunks per thread, and
-//   rows of exactly 8 chunks (64 columns of 16-bit, 32 of fp32) with two: no prefetch, on a full grid, but LayerNorm's
-//   rows of 8 chunks on a persistent one; the parameters in registers where fwd_preg allows it (RMSNorm with parameters
-//   of the input's dtype, four chunks), else loaded per chunk. Session 31 (H200, % of copy, forward;
+//   rows of exactly 8 chunks (64 columns of 16-bit, 32 of fp32), or of 16-bit rows 4 (32 columns), with two: no
+//   prefetch, on a full grid, but 16-bit LayerNorm's rows of two-chunk threads on a persistent one; the parameters in
+//   registers where fwd_preg allows it (RMSNorm with parameters of the input's dtype, four chunks), else loaded per
+//   chunk. Session 31's call 5 (plan grid, % of copy; 32 columns lie below the issue's range but took the prefetching
+//   plan with one thread per row): bf16 32 columns LayerNorm 48.6 -> 82.6 (persistent; full grid 79.5), RMSNorm 48.4
+//   -> 90.0 (full; persistent 86.3); fp32 LayerNorm 32 columns 89.5 on the persistent grid, 93.6 on the full one
+//   (RMSNorm 97.1 / 96.9); fp32 rows of 4 chunks (16 columns) were not measured and keep the prefetching plan.
+//   Session 31 (H200, % of copy, forward;
 //   benchmarks/results/nvidia_h200_2026-11-30/session31.log): its plan grid (norm_raw --fwd-plans, bf16 and fp32, 64,
 //   128, 256 columns) had these plans fastest or within 0.2 points, but fp32 RMSNorm at 64 and 128 columns (two chunks
 //   per thread 1.7 and 0.8 points faster), and 16-bit LayerNorm at 64 columns took the persistent grid from it (84.7
@@ -2597,8 +2608,9 @@ constexpr Cfg fwd_plan(int64_t chunks, bool vec) {
 #if !defined(PIPEGOOSE_NORM_FWD_SMALL_PF)
     const int nv = chunks >= 16 ? 4 : 2;
     const int tpr = round_tpr(ceil_div(chunks, nv));
-    if (chunks >= 8 && !(P32 && !RMS) && chunks * 100 >= static_cast<int64_t>(nv) * tpr * (nv == 4 ? 75 : 100)) {
-      return {nv, tpr, false, false, nv == 2 && !RMS};
+    if (chunks >= (V == 8 ? 4 : 8) && !(P32 && !RMS) &&
+        chunks * 100 >= static_cast<int64_t>(nv) * tpr * (nv == 4 ? 75 : 100)) {
+      return {nv, tpr, false, false, nv == 2 && !RMS && V == 8};
     }
 #endif
     const int tpr4 = round_tpr(ceil_div(chunks, 4));
@@ -2644,6 +2656,7 @@ static_assert(fwd_p32_only_pf_below_512(), "fwd_plan: a two- or four-chunk plan 
 constexpr bool fwd_plan_is(Cfg c, int nv, int tpr, bool pf, bool persist) {
   return c.nv == nv && c.tpr == tpr && c.pf == pf && c.persist == persist && !c.acc_smem;
 }
+#if !defined(PIPEGOOSE_NORM_FWD_SMALL_PF)  // (that experiment restores the plans before session 31)
 static_assert(fwd_plan_is(fwd_plan<8, true>(8, true), 2, 4, false, false) &&     // 16-bit RMSNorm, 64 columns
               fwd_plan_is(fwd_plan<8, false>(8, true), 2, 4, false, true) &&     // 16-bit LayerNorm, 64
               fwd_plan_is(fwd_plan<8, true>(16, true), 4, 4, false, false) &&    // 128
@@ -2654,8 +2667,13 @@ static_assert(fwd_plan_is(fwd_plan<8, true>(8, true), 2, 4, false, false) &&    
               fwd_plan_is(fwd_plan<8, false, true>(16, true), 4, 4, true, false) &&  // LayerNorm, fp32 parameters
               fwd_plan_is(fwd_plan<4, false>(16, true), 4, 4, false, false) &&   // fp32 LayerNorm, 64 columns
               fwd_plan_is(fwd_plan<4, true>(80, true), 4, 32, true, false) &&    // fp32 RMSNorm, 320: prefetching
-              fwd_plan_is(fwd_plan<8, true>(4, true), 4, 1, true, false),        // 32 columns: prefetching plan
+              fwd_plan_is(fwd_plan<4, false>(8, true), 2, 4, false, false) &&    // fp32 LayerNorm, 32: full grid
+              fwd_plan_is(fwd_plan<8, true>(4, true), 2, 2, false, false) &&     // 16-bit RMSNorm, 32 columns
+              fwd_plan_is(fwd_plan<8, false>(4, true), 2, 2, false, true) &&     // 16-bit LayerNorm, 32: persistent
+              fwd_plan_is(fwd_plan<8, true>(6, true), 4, 2, true, false) &&      // 48 (75%): prefetching plan
+              fwd_plan_is(fwd_plan<4, true>(4, true), 4, 1, true, false),        // fp32, 16 columns: prefetching
               "fwd_plan: the plans of rows below 512 columns");
+#endif
 
 // Backward plans. Vector rows: two chunks per thread with register column sums and prefetch, up to 512 threads per
 // row when ASYNC (grad_output of the input's element size: norm_bwd_async_kernel; bf16/fp16 H <= 8192, fp32
