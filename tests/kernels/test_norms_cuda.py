@@ -33,7 +33,8 @@ EPS = 1e-5
 # The spec's hidden sizes plus two odd ones that take the scalar (non-vector) paths: 1531 stays in registers,
 # 5003 takes the generic kernels. Together they reach every kernel variant (warp/sub-warp/multi-warp rows,
 # register and shared-memory accumulators, generic) for fp32 and bf16.
-HIDDEN = [1, 7, 32, 64, 96, 100, 128, 256, 448, 768, 1000, 1024, 1531, 2048, 4096, 5003, 5120, 8192, 12288, 16384, 65536]
+HIDDEN = [1, 7, 32, 64, 96, 100, 128, 256, 448, 768, 1000, 1024, 1531, 2048, 4096, 5003, 5120, 8192, 10240, 12288, 16384,
+          65536]
 ROWS = [1, 3, 129, 16384]
 MAX_CASE_ELEMENTS = 2**28  # the float64 reference of larger cases costs more than it tells
 REPO = Path(__file__).resolve().parents[2]

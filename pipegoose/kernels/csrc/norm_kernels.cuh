@@ -2681,7 +2681,8 @@ static_assert(fwd_plan_is(fwd_plan<8, true>(8, true), 2, 4, false, false) &&    
 // against the shared-memory plan), else up to 256 (bf16/fp16 H <= 4096, fp32 H <= 2048); when ASYNC, four chunks
 // per thread with register column sums where they hold no more accumulators than two 16-bit chunks (fp32 H <= 8192,
 // 16-bit RMSNorm H <= 16384; session 7 A/B: fp32 8192 LayerNorm 76-86 -> 93, RMSNorm 87-90 -> 95, bf16 RMSNorm
-// 16384 75-77 -> 84); four chunks per thread with shared-memory column sums and prefetch (<= 512 threads:
+// 16384 75-77 -> 84; fp32 rows only where that keeps 16 warps per SM, else the eight-chunk plan below: session
+// 32); four chunks per thread with shared-memory column sums and prefetch (<= 512 threads:
 // H <= 16384 / 8192); for fp32, eight chunks (32 values) per thread with shared-memory column sums without prefetch
 // (H <= 16384); then (and for 16-bit LayerNorm
 // rows from 16384 columns) the two-kernel path (nv 0 with vector rows). Scalar rows: four values per thread with
@@ -2713,6 +2714,20 @@ constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
   constexpr int kMaxRegTpr = ASYNC ? 512 : 256;
 #endif
   if (tpr2 <= kMaxRegTpr) return {2, tpr2, false, true};
+#if !defined(PIPEGOOSE_NORM_BWD_FP32_REG4)
+  // fp32 rows past the two-chunk plan take four chunks per thread in registers (below) only where that kernel keeps 16
+  // warps or more per SM: 512 threads per row, or for RMSNorm up to 320 (two blocks fit its 100 registers per thread;
+  // LayerNorm's 115-117 fit one); the other rows take eight chunks per thread with shared-memory column sums. Session 32
+  // (call 2, raw backward, % of copy, two rounds; session32.log), four chunks in registers -> eight in shared memory,
+  // 4608 / 5120 / 6144 / 7168 / 8192 columns: LayerNorm 63.3 / 67.9 / 73.7 / 80.4 / 94.3 -> 90.4 / 92.6 / 86.5 / 91.8
+  // / 82.7, RMSNorm 95.6 / 95.4 / 82.3 / 86.6 / 97.2 -> 91.7 / 92.0 / 92.6 / 92.3 / 92.3.
+  // -DPIPEGOOSE_NORM_BWD_FP32_REG4 (a benchmark experiment, off in the shipped build): four chunks in registers for
+  // every such row, as before.
+  if (ASYNC && V == 4 && tpr4 != 512 && !(RMS && tpr4 <= 320)) {
+    const int tprw = round_tpr(ceil_div(chunks, 8));
+    if (tprw <= 512) return {8, tprw, true, false};
+  }
+#endif
 #if !defined(PIPEGOOSE_NORM_BWD_NO_REG4)
   // Four chunks per thread with register column sums in the asynchronous-copy kernel up to 512 threads per row, where
   // that holds no more accumulators than two 16-bit chunks: fp32 rows (H <= 8192), 16-bit RMSNorm rows (H <= 16384).
@@ -2727,6 +2742,23 @@ constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
   }
   return Cfg{};
 }
+
+// The fp32 rows past the two-chunk plan (session 32's rule in bwd_plan).
+constexpr bool bwd_plan_is(Cfg c, int nv, int tpr, bool acc_smem, bool pf) {
+  return c.nv == nv && c.tpr == tpr && c.acc_smem == acc_smem && c.pf == pf;
+}
+#if !defined(PIPEGOOSE_NORM_BWD_FP32_REG4) && !defined(PIPEGOOSE_NORM_BWD_NO_REG4) && \
+    !defined(PIPEGOOSE_NORM_BWD_SMEM_ACC) && !defined(PIPEGOOSE_NORM_BWD_ASYNC256)  // (experiments with other plans)
+static_assert(bwd_plan_is(bwd_plan<4, false, true>(1152, true), 8, 160, true, false) &&  // LayerNorm 4608 columns
+              bwd_plan_is(bwd_plan<4, false, true>(1792, true), 8, 224, true, false) &&  // LayerNorm 7168
+              bwd_plan_is(bwd_plan<4, false, true>(2048, true), 4, 512, false, true) &&  // LayerNorm 8192: registers
+              bwd_plan_is(bwd_plan<4, true, true>(1280, true), 4, 320, false, true) &&   // RMSNorm 5120: registers
+              bwd_plan_is(bwd_plan<4, true, true>(1536, true), 8, 192, true, false) &&   // RMSNorm 6144
+              bwd_plan_is(bwd_plan<4, true, true>(2048, true), 4, 512, false, true) &&   // RMSNorm 8192: registers
+              bwd_plan_is(bwd_plan<4, false, false>(1280, true), 4, 320, true, true) &&  // mixed dtypes: unchanged
+              bwd_plan_is(bwd_plan<8, true, true>(1280, true), 4, 320, false, true),     // bf16 RMSNorm 10240
+              "bwd_plan: the fp32 rows past the two-chunk plan");
+#endif
 
 // Shape-specialised build: a benchmark experiment (issue #6: one build per shape against the generic build), used
 // by benchmarks/build_cost.py --specialise. What ships: the generic forward, and the backward specialised to the
@@ -3184,9 +3216,9 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   at::Tensor ws;
   const int sms = sm_count();
   if constexpr (kAsyncBwd) {
-    // Vector rows from 12288 columns (fp32 RMSNorm: 16384) run a cluster per row on sm_90 and newer
-    // (norm_bwd_cluster_kernel), in place of the two-kernel path past the register plans and of the register and
-    // shared-memory plans from 12288 columns. Raw backward against those plans (H200, session 14, call 3, % of copy):
+    // Vector rows from 8200 columns (16-bit RMSNorm: 9224, fp32 RMSNorm: 16384; session 32, below) run a cluster per
+    // row on sm_90 and newer (norm_bwd_cluster_kernel), in place of the two-kernel path past the register plans and of
+    // the register and shared-memory plans from there. Before session 32 they did from 12288 columns. Raw backward against those plans (H200, session 14, call 3, % of copy):
     // at 12288 columns LayerNorm bf16 46.0 -> 75.8, fp32 84.1 -> 93.1, RMSNorm bf16 71.9 -> 82.5; at 16384 RMSNorm
     // bf16 84.0 -> 94.0 and fp32 99.1 -> 101.9; at 8192 and below, and for fp32 RMSNorm at 12288 (100.2 -> 94.2), the
     // cluster lost, and rows of 8200-12280 columns (fp32: 8196-12284) were not timed.
@@ -3197,7 +3229,20 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
 #else
     constexpr bool kCluster = true;
 #endif
-    const bool wide = cfg.nv == 0 || H >= (RMS && V == 4 ? 16384 : 12288) || exp_cluster;
+    // Session 32 (call 3, raw backward, 16384 rows, % of copy; session32.log) timed the rows of 8200-12280 columns
+    // that session 14 had not, shipped plan -> cluster, 8704 / 9216 / 10240 / 11264 columns: LayerNorm bf16 34.0 /
+    // 35.5 / 38.4 / 41.7 -> 60.4 / 62.8 / 67.7 / 72.7, fp32 72.3 / 75.5 / 80.5 / 84.8 -> 80.4 / 82.5 / 86.8 / 90.3;
+    // RMSNorm bf16 85.4 / 85.8 / 64.7 / 70.1 -> 67.1 / 68.6 / 73.3 / 78.5 (its four-chunk plan keeps two blocks per SM
+    // up to 9216 columns, where its stages and weight cache still fit twice), fp32 89.4-99.1 -> 82.0-91.0. So the
+    // cluster runs LayerNorm rows from 8200 columns, 16-bit RMSNorm rows from 9224, fp32 RMSNorm rows from 16384.
+    // -DPIPEGOOSE_NORM_BWD_CLUSTER_MIN=H (a benchmark experiment, off in the shipped build): from H columns for every
+    // op and dtype but fp32 RMSNorm (12288: as before session 32).
+#if defined(PIPEGOOSE_NORM_BWD_CLUSTER_MIN)
+    const int cl_min = RMS && V == 4 ? 16384 : PIPEGOOSE_NORM_BWD_CLUSTER_MIN;
+#else
+    const int cl_min = !RMS ? 8200 : V == 4 ? 16384 : 9224;
+#endif
+    const bool wide = cfg.nv == 0 || H >= cl_min || exp_cluster;
     const int cl = kCluster && vec && wide && !exp_wide && has_clusters() ? bwd_cluster_size(H / V, V) : 0;
     if (cl > 0 && launch_bwd_cluster<Tin, Tdy, RMS>(dy, x, w, p_f32, mean, rstd, dx, rows, H, cl, want_ws, fopts,
                                                      stream, ws)) {
