@@ -266,6 +266,19 @@ def test_fp32_params_with_half_input(ln, rms, h):
         check_rms_norm(rms, x, w, dy)
 
 
+@pytest.mark.parametrize("h", [32, 64])
+def test_forward_persistent_grid_many_rows(ln, rms, h):
+    """16-bit LayerNorm rows of 32 and 64 columns run the forward on a persistent grid without prefetch (fwd_plan:
+    128 and 64 rows per 256-thread block): 300007 rows are several times the rows the resident blocks hold, so each
+    block walks rows past its first; RMSNorm's full grid on the same rows; fp16 and bf16, with parameters of the
+    input's dtype and without."""
+    for dtype in (torch.bfloat16, torch.float16):
+        x, w, b, dy = make(300007, h, dtype, dtype, seed=h + 40)
+        check_layer_norm(ln, x, w, b, dy)
+        check_rms_norm(rms, x, w, dy)
+        check_layer_norm(ln, x, None, None, dy)
+
+
 @pytest.mark.parametrize("h", [7, 32, 64, 768, 4096, 16384])
 def test_without_parameters(ln, rms, h):
     x, _, _, dy = make(129, h, torch.bfloat16, None, seed=3)
@@ -313,15 +326,18 @@ def test_backward_specialised_sizes(ln, rms, h):
                                          (torch.float32, torch.float32, None)), seed=h + 1)
 
 
-@pytest.mark.parametrize("rows,h", [(20000, 512), (4099, 3000), (4099, 6000), (2100, 12000)])
+@pytest.mark.parametrize("rows,h", [(20000, 512), (4099, 3000), (4099, 5000), (4099, 6000), (4099, 8000), (2100, 9000),
+                                    (2100, 12000)])
 def test_async_copy_backward_many_rows(ln, rms, rows, h):
     """The register plan's asynchronous-copy backward (norm_bwd_async_kernel) on generic (not specialised) sizes,
     over several times more rows than the persistent grid holds row groups, so that each row group's ring of
     shared-memory stages wraps around and the rows past the end are zero-filled: 512 columns (eight rows per
-    256-thread block, combined at the end), 3000 (bf16: 192 threads per row; fp32: 384, a 512-thread kernel),
-    6000 (bf16: 384 threads, 512-thread kernel; fp32: four chunks per thread, 384 threads), 12000 (16-bit RMSNorm:
-    four chunks per thread, 384 threads; the other cases there take the shared-memory accumulator plans); with and
-    without parameters."""
+    256-thread block, combined at the end), 3000 (bf16: 192 threads per row; fp32: 384, a 512-thread kernel), 5000
+    (fp32 RMSNorm: four chunks per thread, 320 threads; fp32 LayerNorm: eight chunks with shared-memory column sums),
+    6000 (bf16: 384 threads, 512-thread kernel; fp32: eight chunks with shared-memory column sums, 192 threads), 8000
+    (fp32: four chunks per thread, 512 threads), 9000 (16-bit RMSNorm: four chunks per thread, 288 threads; 16-bit
+    LayerNorm on sm_90: the cluster kernel), 12000 (16-bit rows on sm_90: the cluster kernel); with and without
+    parameters."""
     check_dtype_cases(ln, rms, rows, h, ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
                                          (torch.float32, torch.float32, None)), seed=h + 11)
     x, _, _, dy = make(rows, h, torch.bfloat16, None, seed=h + 12)
@@ -351,11 +367,11 @@ def test_backward_compiled_threads_per_row(ln, rms, h):
     check_rms_norm(rms, x, None, dy)
 
 
-@pytest.mark.parametrize("h", [12288, 13000, 16384, 20000, 20008, 32768, 65536])
+@pytest.mark.parametrize("h", [8704, 10240, 12288, 13000, 16384, 20000, 20008, 32768, 65536])
 def test_wide_rows_backward(ln, rms, h):
-    """Vector rows from 12288 columns (fp32 RMSNorm: 16384; from 16392 past the register plans). With x and dy of one
-    element size on sm_90 and newer: a thread block cluster per row (norm_bwd_cluster_kernel; clusters of 2 blocks
-    at 12288-16384 columns, 4 at 20000-32768, 8 at 65536), 1029 rows, more than the clusters that fit the GPU times
+    """Vector rows from 8200 columns (16-bit RMSNorm: 9224, so 8704 runs its four-chunk register plan; fp32 RMSNorm:
+    16384; from 16392 past the register plans). With x and dy of one element size on sm_90 and newer: a thread block
+    cluster per row (norm_bwd_cluster_kernel; clusters of 2 blocks at 8200-16384 columns, 4 at 20000-32768, 8 at 65536), 1029 rows, more than the clusters that fit the GPU times
     the stages, so that each cluster's ring of stages wraps and the rows past the end are zero-filled; 13000, 20000 and
     20008 columns (1625, 2500 and 2501 chunks of 8) leave the blocks' slabs partial, and 13000 and 20008 the last
     block's shorter than the others. fp32 grad_output with a 16-bit input, and GPUs before sm_90: the register and
@@ -508,8 +524,9 @@ def _run_with_smem_limit(limit: str, body: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("limit", [100352, 0])
 def test_plans_of_smaller_shared_memory(limit):
     """PIPEGOOSE_NORM_SMEM_LIMIT emulates a GPU with less shared memory: 100352 bytes is sm_86/sm_89's 99 KB less the
-    1 KB kept for static shared memory, where the four-chunk register plan (fp32 6000 and 8192 columns, 16-bit RMSNorm
-    12000 and 16384) must take the shared-memory accumulator plan it replaced (the forward's rows of one block per
+    1 KB kept for static shared memory, where the four-chunk register plan (fp32 8192 columns; 16-bit RMSNorm 12000 and
+    16384 where the cluster kernel does not fit either; fp32 6000 runs the eight-chunk shared-memory plan, which fits)
+    must take the shared-memory accumulator plan it replaced (the forward's rows of one block per
     SM, ONE_BLOCK_ROWS, still stage their parameters in 96 KB there, while the backward's wide rows, whose cluster
     stages take 192 KB, run the plans they had before clusters); 0 leaves every plan that needs dynamic shared
     memory to the generic kernel, the wide rows' backward to the two-kernel path, and those forward rows to the
@@ -546,7 +563,7 @@ def test_plans_without_clusters():
         print("KERNELS", T.kernels_run(lambda: rms.rms_norm_backward(torch.randn_like(x), x, None, rstd)))
     """
     r = _run_with_env("PIPEGOOSE_NORM_CLUSTERS", "0", body + """
-        for rows, h in ((37, 12288), (37, 13000), (37, 16384), (1029, 20008), (37, 32768), (37, 65536)):
+        for rows, h in ((37, 10240), (37, 12288), (37, 13000), (37, 16384), (1029, 20008), (37, 32768), (37, 65536)):
             T.check_dtype_cases(ln, rms, rows, h, ((torch.bfloat16, torch.bfloat16, None),
                                                    (torch.float32, torch.float32, None)), seed=h)
         print("NO-CLUSTER-OK")

@@ -1376,8 +1376,9 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
 // stages (1024-4096 columns: LayerNorm 76-77 -> 83-85, RMSNorm about
 // even); the others three blocks of three stages (at 512 columns, generic: LayerNorm 85 against 72 with four blocks
 // of two, where it spills 68 bytes; fp32 1024: 91 against 86). 512-thread blocks (rows of 257-512 threads): two
-// blocks of two stages (64 registers); with four chunks per thread (NV = 4) one block (76-108 registers, no spills;
-// its two stages, 128 KB at the widest rows, leave no room for a second block there anyway). Packed rows (pack_tpb,
+// blocks of two stages (64 registers); with four chunks per thread (NV = 4) launch bounds of one block (76-108
+// registers then, 86-117 in session 32's ptxas for sm_90; no spills; its two stages, 128 KB at the widest rows, leave
+// no room for a second block there anyway). Packed rows (pack_tpb,
 // session 17) in blocks of 512 or 1024 threads: two blocks or one, of two stages, at 64 registers. Tried and dropped
 // (session 6 A/B, before the rows of a block synchronised apart on named barriers): the specialised kernels in blocks
 // of up to 1024 threads, one per SM (fewer workspace rows: 132 instead of 528; the workspace and its column reduction
@@ -2572,7 +2573,8 @@ struct Cfg {
 //   chunk. Session 31's call 5 (plan grid, % of copy; 32 columns lie below the issue's range but took the prefetching
 //   plan with one thread per row): bf16 32 columns LayerNorm 48.6 -> 82.6 (persistent; full grid 79.5), RMSNorm 48.4
 //   -> 90.0 (full; persistent 86.3); fp32 LayerNorm 32 columns 89.5 on the persistent grid, 93.6 on the full one
-//   (RMSNorm 97.1 / 96.9); fp32 rows of 4 chunks (16 columns) were not measured and keep the prefetching plan.
+//   (RMSNorm, already on the full grid: 97.1 and 96.9 in two timings, 91.2 persistent); fp32 rows of 4 chunks (16
+//   columns) were not measured and keep the prefetching plan.
 //   Session 31 (H200, % of copy, forward;
 //   benchmarks/results/nvidia_h200_2026-11-30/session31.log): its plan grid (norm_raw --fwd-plans, bf16 and fp32, 64,
 //   128, 256 columns) had these plans fastest or within 0.2 points, but fp32 RMSNorm at 64 and 128 columns (two chunks
@@ -2714,23 +2716,27 @@ constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
   constexpr int kMaxRegTpr = ASYNC ? 512 : 256;
 #endif
   if (tpr2 <= kMaxRegTpr) return {2, tpr2, false, true};
-#if !defined(PIPEGOOSE_NORM_BWD_FP32_REG4)
+#if !defined(PIPEGOOSE_NORM_BWD_FP32_REG4) && !defined(PIPEGOOSE_NORM_BWD_NO_REG4)
   // fp32 rows past the two-chunk plan take four chunks per thread in registers (below) only where that kernel keeps 16
-  // warps or more per SM: 512 threads per row, or for RMSNorm up to 320 (two blocks fit its 100 registers per thread;
-  // LayerNorm's 115-117 fit one); the other rows take eight chunks per thread with shared-memory column sums. Session 32
+  // warps or more per SM: 512 threads per row, or for RMSNorm up to 320 (ptxas, sm_90: RMSNorm's kernel 96 registers,
+  // so that two blocks of 320 threads fit, with no registers to spare; LayerNorm's 117 fit one); the other rows take
+  // eight chunks per thread with shared-memory column sums (264 floats per thread at 256 threads per row: 66 KB, so
+  // on a GPU with 63 KB or less of shared memory per block fp32 LayerNorm rows of 7172-7680 columns take the generic
+  // kernel, where the plan before session 32 fitted). Session 32
   // (call 2, raw backward, % of copy, two rounds; session32.log), four chunks in registers -> eight in shared memory,
   // 4608 / 5120 / 6144 / 7168 / 8192 columns: LayerNorm 63.3 / 67.9 / 73.7 / 80.4 / 94.3 -> 90.4 / 92.6 / 86.5 / 91.8
   // / 82.7, RMSNorm 95.6 / 95.4 / 82.3 / 86.6 / 97.2 -> 91.7 / 92.0 / 92.6 / 92.3 / 92.3.
   // -DPIPEGOOSE_NORM_BWD_FP32_REG4 (a benchmark experiment, off in the shipped build): four chunks in registers for
-  // every such row, as before.
-  if (ASYNC && V == 4 && tpr4 != 512 && !(RMS && tpr4 <= 320)) {
+  // every such row, as before (so does -DPIPEGOOSE_NORM_BWD_NO_REG4, below, for its own plan).
+  if (ASYNC && V == 4 && tpr2 > 512 && tpr4 != 512 && !(RMS && tpr4 <= 320)) {
     const int tprw = round_tpr(ceil_div(chunks, 8));
     if (tprw <= 512) return {8, tprw, true, false};
   }
 #endif
 #if !defined(PIPEGOOSE_NORM_BWD_NO_REG4)
   // Four chunks per thread with register column sums in the asynchronous-copy kernel up to 512 threads per row, where
-  // that holds no more accumulators than two 16-bit chunks: fp32 rows (H <= 8192), 16-bit RMSNorm rows (H <= 16384).
+  // that holds no more accumulators than two 16-bit chunks: fp32 rows (H <= 8192; since session 32 only those that the
+  // rule above leaves here), 16-bit RMSNorm rows (H <= 16384; those from 9224 columns run the cluster kernel on sm_90).
   // -DPIPEGOOSE_NORM_BWD_NO_REG4 (a benchmark experiment, off in the shipped build) sends them to the shared-memory
   // accumulator plan below, as before session 7.
   if (ASYNC && (V == 4 || RMS) && tpr4 <= 512) return {4, tpr4, false, true};
@@ -3070,7 +3076,7 @@ void launch_fwd(const Tin* x, const Tp* w, const Tp* b, Tout* y, float* mean, fl
   } else if (cfg.nv == 4 && cfg.pf) {
     go(IC<4>{}, IC<V>{}, IC<1>{}, IC<1>{}, IC<0>{}, IC<1>{});
   } else if (cfg.nv == 2) {
-    // rows of 8 chunks (fwd_plan), parameters loaded per chunk (as session 31 timed them)
+    // rows of 8 chunks, and 16-bit rows of 4 (fwd_plan), parameters loaded per chunk (as sessions 31-32 timed them)
     if constexpr (P32 && !RMS) {  // no such plan (fwd_p32_only_pf_below_512)
       TORCH_INTERNAL_ASSERT(false, "layer_norm forward: no two-chunk plan for fp32 parameters of a 16-bit input (H = ",
                             H, ")");
@@ -3232,8 +3238,8 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     // Session 32 (call 3, raw backward, 16384 rows, % of copy; session32.log) timed the rows of 8200-12280 columns
     // that session 14 had not, shipped plan -> cluster, 8704 / 9216 / 10240 / 11264 columns: LayerNorm bf16 34.0 /
     // 35.5 / 38.4 / 41.7 -> 60.4 / 62.8 / 67.7 / 72.7, fp32 72.3 / 75.5 / 80.5 / 84.8 -> 80.4 / 82.5 / 86.8 / 90.3;
-    // RMSNorm bf16 85.4 / 85.8 / 64.7 / 70.1 -> 67.1 / 68.6 / 73.3 / 78.5 (its four-chunk plan keeps two blocks per SM
-    // up to 9216 columns, where its stages and weight cache still fit twice), fp32 89.4-99.1 -> 82.0-91.0. So the
+    // RMSNorm bf16 85.4 / 85.8 / 64.7 / 70.1 -> 67.1 / 68.6 / 73.3 / 78.5 (by our arithmetic, not profiled: its
+    // four-chunk plan's stages and weight cache fit two blocks per SM up to 9216 columns, one beyond), fp32 89.4-99.1 -> 82.0-91.0. So the
     // cluster runs LayerNorm rows from 8200 columns, 16-bit RMSNorm rows from 9224, fp32 RMSNorm rows from 16384.
     // -DPIPEGOOSE_NORM_BWD_CLUSTER_MIN=H (a benchmark experiment, off in the shipped build): from H columns for every
     // op and dtype but fp32 RMSNorm (12288: as before session 32).
