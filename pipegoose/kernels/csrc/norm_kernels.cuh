@@ -1378,12 +1378,12 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
 // of two, where it spills 68 bytes; fp32 1024: 91 against 86). 512-thread blocks (rows of 257-512 threads): two
 // blocks of two stages (64 registers); with four chunks per thread (NV = 4) launch bounds of one block (76-108
 // registers then, 86-117 in session 32's ptxas for sm_90; no spills; its two stages, 128 KB at the widest rows, leave
-// no room for a second block there anyway). Packed rows (pack_tpb,
-// session 17) in blocks of 512 or 1024 threads: two blocks or one, of two stages, at 64 registers. Tried and dropped
-// (session 6 A/B, before the rows of a block synchronised apart on named barriers): the specialised kernels in blocks
-// of up to 1024 threads, one per SM (fewer workspace rows: 132 instead of 528; the workspace and its column reduction
-// cost 8-18% of the backward at [8192-16384, 4096] bf16), 0-20 points slower at every size (RMSNorm bf16 8192: 79
-// against 95; fp32 4096: 75 against 97); session 17's packing (pack_tpb) gains where that lost; and (session 15, call 5)
+// no room for a second block there anyway). Packed rows (pack_tpb, session 17) in blocks of 512 or 1024 threads: two
+// blocks or one, of two stages, at 64 registers. Tried and dropped (session 6 A/B, before the rows of a block
+// synchronised apart on named barriers): the specialised kernels in blocks of up to 1024 threads, one per SM (fewer
+// workspace rows: 132 instead of 528; the workspace and its column reduction cost 8-18% of the backward at
+// [8192-16384, 4096] bf16), 0-20 points slower at every size (RMSNorm bf16 8192: 79 against 95; fp32 4096: 75 against
+// 97); session 17's packing (pack_tpb) gains where that lost; and (session 15, call 5)
 // one block's bounds for the generic 16-bit LayerNorm kernel of 512-thread blocks (91 registers instead of 64 and 32
 // bytes of spills): 3-20 points slower at 4608-8000 columns. Also dropped (session 32, call 1; session32.log): bulk
 // copies (cp.async.bulk, the TMA's one-dimensional form) instead of a cp.async per thread and chunk, in the kernels
@@ -3224,7 +3224,8 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   if constexpr (kAsyncBwd) {
     // Vector rows from 8200 columns (16-bit RMSNorm: 9224, fp32 RMSNorm: 16384; session 32, below) run a cluster per
     // row on sm_90 and newer (norm_bwd_cluster_kernel), in place of the two-kernel path past the register plans and of
-    // the register and shared-memory plans from there. Before session 32 they did from 12288 columns. Raw backward against those plans (H200, session 14, call 3, % of copy):
+    // the register and shared-memory plans from there; before session 32, from 12288 columns. Raw backward against
+    // those plans (H200, session 14, call 3, % of copy):
     // at 12288 columns LayerNorm bf16 46.0 -> 75.8, fp32 84.1 -> 93.1, RMSNorm bf16 71.9 -> 82.5; at 16384 RMSNorm
     // bf16 84.0 -> 94.0 and fp32 99.1 -> 101.9; at 8192 and below, and for fp32 RMSNorm at 12288 (100.2 -> 94.2), the
     // cluster lost, and rows of 8200-12280 columns (fp32: 8196-12284) were not timed.
@@ -3239,8 +3240,9 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     // that session 14 had not, shipped plan -> cluster, 8704 / 9216 / 10240 / 11264 columns: LayerNorm bf16 34.0 /
     // 35.5 / 38.4 / 41.7 -> 60.4 / 62.8 / 67.7 / 72.7, fp32 72.3 / 75.5 / 80.5 / 84.8 -> 80.4 / 82.5 / 86.8 / 90.3;
     // RMSNorm bf16 85.4 / 85.8 / 64.7 / 70.1 -> 67.1 / 68.6 / 73.3 / 78.5 (by our arithmetic, not profiled: its
-    // four-chunk plan's stages and weight cache fit two blocks per SM up to 9216 columns, one beyond), fp32 89.4-99.1 -> 82.0-91.0. So the
-    // cluster runs LayerNorm rows from 8200 columns, 16-bit RMSNorm rows from 9224, fp32 RMSNorm rows from 16384.
+    // four-chunk plan's stages and weight cache fit two blocks per SM up to 9216 columns, one beyond), fp32 89.4-99.1
+    // -> 82.0-91.0. So the cluster runs LayerNorm rows from 8200 columns, 16-bit RMSNorm rows from 9224, fp32 RMSNorm
+    // rows from 16384.
     // -DPIPEGOOSE_NORM_BWD_CLUSTER_MIN=H (a benchmark experiment, off in the shipped build): from H columns for every
     // op and dtype but fp32 RMSNorm (12288: as before session 32).
 #if defined(PIPEGOOSE_NORM_BWD_CLUSTER_MIN)
