@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--fwd-only", action="store_true")
     ap.add_argument("--bwd-only", action="store_true")
     ap.add_argument("--max-h", type=int, default=0, help="only the shapes with H up to this (0: all)")
-    ap.add_argument("--shapes", default="", help="ROWSxH,... instead of the sweep's shapes")
+    ap.add_argument("--shapes", default=None, help="ROWSxH,... instead of the sweep's shapes")
     ap.add_argument("--fwd-plans", default="", help='forward plans to compare, e.g. --fwd-plans="-;1,4,0,0;1,8,0,0"')
     ap.add_argument("--bwd-wide", action="store_true",
                     help="build with -DPIPEGOOSE_NORM_BWD_EXPERIMENT and time each backward also on the two-kernel "
@@ -122,7 +122,8 @@ def main() -> None:
     ap.add_argument("--table", metavar="JSONL", help="print the --fwd-plans lines of JSONL as a table, then exit")
     args = ap.parse_args()
     for name in ("fwd_plans", "shapes", "dtypes", "defines", "label"):
-        if not isinstance(getattr(args, name), str):  # argparse hands "--opt=--" over as a list
+        if not isinstance(getattr(args, name), str) and not (name == "shapes" and args.shapes is None):
+            # (argparse hands "--opt=--" over as a list)
             ap.error(f"--{name.replace('_', '-')}: expected a value, got {getattr(args, name)!r}")
     if args.table is not None:
         others = [f for f in ("fwd_only", "bwd_only", "max_h", "shapes", "fwd_plans", "bwd_wide", "bwd_cluster",
@@ -162,6 +163,8 @@ def main() -> None:
     if args.max_h < 0:
         raise SystemExit(f"norm_raw: --max-h: expected 0 (all) or a positive hidden size, got {args.max_h}")
     shapes = SHAPES
+    if args.shapes is not None and not args.shapes.strip(", "):
+        raise SystemExit(f"norm_raw: --shapes: {args.shapes!r}: expected ROWSxH,... with positive integers")
     if args.shapes:
         try:
             shapes = [tuple(int(v) for v in item.lower().split("x")) for item in args.shapes.split(",")]

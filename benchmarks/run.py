@@ -76,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="merge these run folders' results.json (later wins) and rewrite the reports")
     a = ap.parse_args(argv)
     ops: list[str] = []
+    if a.only.strip() and not _csv(a.only):
+        ap.error(f"--only: expected op names, comma separated, got {a.only!r}")
     for o in _csv(a.only) or list(OP_NAMES):
         if o in GROUPS:
             ops += GROUPS[o]
@@ -148,10 +150,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      f"got {kv!r}")
         a.batch[k] = int(v)
     a.defines = {}
+    if a.specialise_define and not a.specialise:
+        ap.error("--specialise-define: only with --specialise")
+    from .build_cost import SPECIALISE_KERNELS, check_defines
+
     for kd in a.specialise_define:
         k, _, flag = kd.partition(":")
         if not flag.startswith("-D"):
             ap.error(f"--specialise-define: expected KERNEL:-DNAME[=VALUE], got {kd!r}")
+        if k not in SPECIALISE_KERNELS:
+            ap.error(f"--specialise-define: {kd!r}: expected a kernel among {', '.join(SPECIALISE_KERNELS)}")
+        try:
+            check_defines([k], [flag])
+        except ValueError as e:
+            ap.error(f"--specialise-define: {e}")
         a.defines.setdefault(k, []).append(flag)
     return a
 

@@ -288,15 +288,17 @@ class KernelBuilder:
         """Refuse to build or load vendored files that are not exactly what ``kernels.lock`` records
         (:meth:`vendored_problems`), unless ``PIPEGOOSE_ALLOW_MODIFIED_VENDOR`` is 1/true/yes/on: then they are built,
         with a warning (``building``: False for ``status``, which builds nothing: it gets the line back instead)."""
-        problems = self.vendored_problems(digests)
-        if not problems:
-            return None
-        what = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+        # The variable's value is checked first, on every build and status: a typo named at once, not only once a
+        # vendored file differs (session 32's walkthrough: "2" passed doctor and build on a clean tree).
         raw = os.environ.get("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "")
         allow = _env.flag(raw)
+        problems = self.vendored_problems(digests)
+        what = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
         if allow is None:
             raise KernelBuildError(f"PIPEGOOSE_ALLOW_MODIFIED_VENDOR={raw!r}: expected 1/true/yes/on or 0/false/no/off "
-                                   f"(or unset); kernel {self.kernel.id}: {what}")
+                                   f"(or unset)" + (f"; kernel {self.kernel.id}: {what}" if problems else ""))
+        if not problems:
+            return None
         if allow:
             if building:  # a warning, not the builder's progress line: PIPEGOOSE_QUIET does not hide it
                 warnings.warn(f"{self.kernel.id}: building third-party code that is not what kernels.lock records "

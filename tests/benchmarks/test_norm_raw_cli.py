@@ -41,6 +41,8 @@ def run(monkeypatch, *argv):
     (["--shapes", "4x8x2"], "--shapes: '4x8x2': expected ROWSxH"),
     (["--shapes", "0x8"], "--shapes: '0x8': expected ROWSxH"),
     (["--shapes", "4x8,4x8"], "a shape is given twice"),
+    (["--shapes", ""], "--shapes: '': expected ROWSxH"),  # ran the default sweep (session 32's walkthrough)
+    (["--shapes", ","], "--shapes: ',': expected ROWSxH"),
     (["--dtypes", "bf16,bf16"], "a dtype (pair) is given twice"),
     (["--dtypes", "int8"], "--dtypes: 'int8': expected INPUT or INPUT/PARAMETER"),
     (["--dtypes", "bf16/fp32", "--max-h", "2048"], "a pair of different dtypes is timed at H in (4096, 16384)"),

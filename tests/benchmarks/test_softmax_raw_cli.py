@@ -72,6 +72,24 @@ def test_run_sizes_filter(capsys):
         assert expect in err, (argv, err)
 
 
+def test_run_refuses_empty_op_lists_and_bad_specialise_defines(capsys):
+    """An --only of commas ran every op, and a --specialise-define of an unknown kernel or switch was dropped only after
+    the sweep had run (session 32's walkthrough): both are usage errors now."""
+    a = bench_run.parse_args(["--specialise", "--specialise-define", "pipegoose/layer_norm:-DPIPEGOOSE_NORM_HIDDEN=1024"])
+    assert a.defines == {"pipegoose/layer_norm": ["-DPIPEGOOSE_NORM_HIDDEN=1024"]}
+    for argv, expect in (
+            (["--only", ","], "--only: expected op names"),
+            (["--specialise-define", "pipegoose/layer_norm:-DPIPEGOOSE_NORM_HIDDEN=1024"], "only with --specialise"),
+            (["--specialise", "--specialise-define", "layer_norm:-DPIPEGOOSE_NORM_HIDDEN=1024"],
+             "expected a kernel among pipegoose/softmax, pipegoose/layer_norm"),
+            (["--specialise", "--specialise-define", "pipegoose/layer_norm:-DPIPEGOOSE_NO_SUCH_SWITCH"],
+             "PIPEGOOSE_NO_SUCH_SWITCH occurs in none of the files")):
+        with pytest.raises(SystemExit):
+            bench_run.parse_args(argv)
+        err = capsys.readouterr().err
+        assert expect in err, (argv, err)
+
+
 def test_importing_run_leaves_strict_mode_alone():
     """benchmarks.run turns strict mode on in main(), not at import: an import at collection time switched every
     later test in the process to strict mode (CPU CI, session 10)."""

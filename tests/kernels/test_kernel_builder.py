@@ -700,6 +700,13 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
     (src / "other.cu").write_text("// a kernel no longer locked\n")
     (src / ".kernel.h.swp").write_text("swap")
     assert b.vendored_problems() == []
+    # a value of neither kind is an error on a clean tree too (session 32's walkthrough: it passed there)
+    monkeypatch.setenv("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "2")
+    with pytest.raises(KernelBuildError, match=r"PIPEGOOSE_ALLOW_MODIFIED_VENDOR='2': expected 1/true/yes/on"):
+        b.build()
+    st = b.status()   # doctor names it
+    assert st["state"] == "unavailable" and "PIPEGOOSE_ALLOW_MODIFIED_VENDOR='2'" in st["detail"], st
+    monkeypatch.delenv("PIPEGOOSE_ALLOW_MODIFIED_VENDOR")
     (root / "kernels.lock").rename(root / "kernels.lock.away")
     assert "no record of this kernel" in b.vendored_problems()[0]
     (root / "kernels.lock").write_text("version: 2\n")

@@ -186,7 +186,8 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: t
 
     Raises:
         TypeError: ``x``, ``weight`` or ``bias`` not fp32/fp16/bf16/fp64 (float8 included), ``eps`` not a
-        number. ValueError: shapes or devices wrong, ``eps`` negative or not finite.
+        number (a Python or numpy number, or a 0-d tensor, as ``F.layer_norm`` takes).
+        ValueError: shapes or devices wrong, ``eps`` negative or not finite.
     """
     return _ln.run(x, normalized_shape, weight, bias, eps, impl)
 
@@ -224,7 +225,7 @@ def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: tor
 
     Raises:
         TypeError: ``x`` or ``weight`` not fp32/fp16/bf16/fp64 (float8 included), ``cast_before_weight`` not a
-        bool, ``eps`` not a number or None.
+        bool, ``eps`` not a number (a Python or numpy number, or a 0-d tensor) or None.
         ValueError: shapes or devices wrong, ``eps`` negative or not finite.
     """
     return _rms.run(x, normalized_shape, weight, eps, cast_before_weight, impl)
