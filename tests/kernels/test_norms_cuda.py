@@ -369,15 +369,16 @@ def test_backward_compiled_threads_per_row(ln, rms, h):
 
 @pytest.mark.parametrize("h", [8704, 10240, 12288, 13000, 16384, 20000, 20008, 32768, 65536])
 def test_wide_rows_backward(ln, rms, h):
-    """Vector rows from 8200 columns (16-bit RMSNorm: 9224, so 8704 runs its four-chunk register plan; fp32 RMSNorm:
-    16384; from 16392 past the register plans). With x and dy of one element size on sm_90 and newer: a thread block
-    cluster per row (norm_bwd_cluster_kernel; clusters of 2 blocks at 8200-16384 columns, 4 at 20000-32768, 8 at
-    65536), 1029 rows, more than the clusters that fit the GPU times the stages, so that each cluster's ring of stages
-    wraps and the rows past the end are zero-filled; 13000, 20000 and 20008 columns (1625, 2500 and 2501 chunks of 8)
-    leave the blocks' slabs partial, and 13000 and 20008 the last block's shorter than the others. fp32 grad_output
-    with a 16-bit input, and GPUs before sm_90: the register and shared-memory plans up to 16384 columns, past them the
-    row-statistics kernel and column-slab kernel (norm_bwd_rowstats_kernel, norm_bwd_cols_kernel). Five rows: fewer
-    rows than clusters. With and without parameters."""
+    """Vector rows from 8200 columns (16-bit RMSNorm: 11272, so 8704 runs its four-chunk register plan and 10240 the
+    wide register rows, test_wide_register_rows_backward; fp32 RMSNorm: 16384; from 16392 past the register plans). With
+    x and dy of one element size on sm_90 and newer: a thread block cluster per row (norm_bwd_cluster_kernel; clusters
+    of 2 blocks at 8200-16384 columns, 4 at 20000-32768, 8 at 65536), 1029 rows, more than the clusters that fit the GPU
+    times the stages, so that each cluster's ring of stages wraps and the rows past the end are zero-filled; 13000,
+    20000 and 20008 columns (1625, 2500 and 2501 chunks of 8) leave the blocks' slabs partial, and 13000 and 20008 the
+    last block's shorter than the others. fp32 grad_output with a 16-bit input, and GPUs before sm_90: the register and
+    shared-memory plans up to 16384 columns, past them the row-statistics kernel and column-slab kernel
+    (norm_bwd_rowstats_kernel, norm_bwd_cols_kernel). Five rows: fewer rows than clusters. With and without
+    parameters."""
     check_dtype_cases(ln, rms, 1029, h, ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
                                          (torch.bfloat16, torch.float32, torch.float32),
                                          (torch.float32, torch.float32, None)), seed=h + 7)
@@ -385,6 +386,29 @@ def test_wide_rows_backward(ln, rms, h):
         x, _, _, dy = make(5, h, dtype, None, seed=h + 8)
         check_layer_norm(ln, x, None, None, dy)
         check_rms_norm(rms, x, None, dy)
+
+
+@pytest.mark.parametrize("h", [9216, 9224, 10000, 10240, 11264, 11272])
+def test_wide_register_rows_backward(ln, rms, h):
+    """16-bit RMSNorm rows of 9224-11264 columns (x and dy of one element size): two chunks per thread in one block of
+    up to 768 threads per row, four stages (bwd_plan's wide register rows in norm_kernels.cuh; 9224 columns: 577 busy
+    threads of 608, 10000: 625 of 640, so the last stride of chunks is partial); 9216 (the four-chunk register plan)
+    and 11272 (the cluster kernel on sm_90) are their neighbours. 2100 rows: each block's ring of stages wraps and the
+    rows past the end are zero-filled; with and without a weight, bf16 and fp16, fp32 parameters and fp32
+    grad_output; and which kernel ran, where the GPU's shared memory holds the stages and the weight cache."""
+    check_dtype_cases(ln, rms, 2100, h, ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
+                                         (torch.bfloat16, torch.float32, torch.float32)), seed=h + 31)
+    for dtype in (torch.bfloat16, torch.float16):
+        x, w, _, dy = make(5, h, dtype, dtype, seed=h + 32)
+        check_rms_norm(rms, x, w, dy)
+        check_rms_norm(rms, x, None, dy)
+    x, w, _, dy = make(64, h, torch.bfloat16, torch.bfloat16, seed=h + 33)
+    _, rstd = rms.rms_norm_forward(x, w, EPS, None)
+    names = kernels_run(lambda: rms.rms_norm_backward(dy, x, w, rstd))
+    tpr = math.ceil(h / 16 / 32) * 32
+    fits = 4 * 2 * tpr * 8 * 4 + 4 * h <= torch.cuda.get_device_properties(DEV).shared_memory_per_block_optin - 1024
+    wide = re.search(r"norm_bwd_async_kernel<[^>]*\b768\b", names) is not None
+    assert wide == (9224 <= h <= 11264 and fits), names
 
 
 # Rows of one 1024-thread block per SM (fp32 31745-32768 columns, 16-bit 63489-65536): the LayerNorm forward stages
@@ -526,7 +550,8 @@ def test_plans_of_smaller_shared_memory(limit):
     """PIPEGOOSE_NORM_SMEM_LIMIT emulates a GPU with less shared memory: 100352 bytes is sm_86/sm_89's 99 KB less the
     1 KB kept for static shared memory, where the four-chunk register plan (fp32 8192 columns; 16-bit RMSNorm 12000 and
     16384 where the cluster kernel does not fit either; fp32 6000 runs the eight-chunk shared-memory plan, which fits)
-    must take the shared-memory accumulator plan it replaced (the forward's rows of one block per
+    must take the shared-memory accumulator plan it replaced, and 16-bit RMSNorm's wide register rows (10240 columns:
+    four stages and the weight cache, 200 KB) the four-chunk register plan (the forward's rows of one block per
     SM, ONE_BLOCK_ROWS, still stage their parameters in 96 KB there, while the backward's wide rows, whose cluster
     stages take 192 KB, run the plans they had before clusters); 0 leaves every plan that needs dynamic shared
     memory to the generic kernel, the wide rows' backward to the two-kernel path, and those forward rows to the
@@ -536,7 +561,8 @@ def test_plans_of_smaller_shared_memory(limit):
     r = _run_with_smem_limit(str(limit), """
         cases = ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
                  (torch.float32, torch.float32, None))
-        for rows, h in ((3, 6000), (37, 8192), (37, 12000), (37, 16384), (37, 32768), (2100, 4096), (5, 512)):
+        for rows, h in ((3, 6000), (37, 8192), (37, 10240), (37, 12000), (37, 16384), (37, 32768), (2100, 4096),
+                        (5, 512)):
             T.check_dtype_cases(ln, rms, rows, h, cases, seed=h)
         for dtype, h in T.ONE_BLOCK_ROWS:  # the forward without staged parameters
             T.check_dtype_cases(ln, rms, 5, h, ((dtype, dtype, None), (dtype, torch.float32, None)), seed=h)
@@ -545,6 +571,10 @@ def test_plans_of_smaller_shared_memory(limit):
         x = torch.randn(3, 40000, device="cuda")
         names = T.kernels_run(lambda: ln.layer_norm_forward(x, None, None, 1e-5, None))
         assert "norm_fwd_split_kernel" not in names and "norm_fwd_wide_kernel" in names, names
+        x = torch.randn(37, 10240, device="cuda", dtype=torch.bfloat16)  # not the wide register rows' 768 threads
+        _, rstd = rms.rms_norm_forward(x, x[0], 1e-5, None)
+        names = T.kernels_run(lambda: rms.rms_norm_backward(torch.randn_like(x), x, x[0], rstd))
+        assert T.re.search(r"norm_bwd_async_kernel<[^>]*\b768\b", names) is None, names
         print("SMEM-OK")
     """)
     assert r.returncode == 0 and "SMEM-OK" in r.stdout, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"

@@ -1394,18 +1394,32 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
 // in fp32; with three stages 1-4 points less behind, still slower.
 // -DPIPEGOOSE_NORM_BWD_STAGES=S and -DPIPEGOOSE_NORM_BWD_ASYNC_MINB=B (benchmark experiments, off in the shipped
 // build) set every kernel's.
+// Blocks of 768 threads (kWideRegTpb) hold one 16-bit RMSNorm row of 577-704 threads of two chunks (bwd_plan's wide
+// register rows, 9224-11264 columns), one block per SM, kWideRegStages stages (with the weight cache, 220 KB of shared
+// memory at 11264 columns). -DPIPEGOOSE_NORM_BWD_WIDE_STAGES=S (a benchmark experiment, off in the shipped build) sets
+// their stages.
+constexpr int kWideRegTpb = 768;
+constexpr int kWideRegMinH = 9224, kWideRegMaxH = 11264;
+static_assert(4 * 2 * 704 * 8 * (2 + 2) + 4 * kWideRegMaxH <= 227 * 1024 - 1024,  // stages * chunks * tpr * VEC * bytes
+              "the wide register rows: four stages of x and dy and the weight cache in an H200's shared memory");
+#if defined(PIPEGOOSE_NORM_BWD_WIDE_STAGES)
+constexpr int kWideRegStages = PIPEGOOSE_NORM_BWD_WIDE_STAGES;
+#else
+constexpr int kWideRegStages = 4;
+#endif
 template <int TPB, bool SPEC16, int NV = 2>
 struct AsyncBounds {
-  static_assert(TPB == 256 || TPB == 512 || TPB == 1024, "AsyncBounds: 256, 512 or 1024 threads per block");
+  static_assert(TPB == 256 || TPB == 512 || TPB == kWideRegTpb || TPB == 1024,
+                "AsyncBounds: 256, 512, 768 or 1024 threads per block");
 #if defined(PIPEGOOSE_NORM_BWD_STAGES)
   static constexpr int stages = PIPEGOOSE_NORM_BWD_STAGES;
 #else
-  static constexpr int stages = TPB >= 512 || SPEC16 ? 2 : 3;
+  static constexpr int stages = TPB == kWideRegTpb ? kWideRegStages : TPB >= 512 || SPEC16 ? 2 : 3;
 #endif
 #if defined(PIPEGOOSE_NORM_BWD_ASYNC_MINB)
   static constexpr int min_blocks = PIPEGOOSE_NORM_BWD_ASYNC_MINB;
 #else
-  static constexpr int min_blocks = TPB == 1024 ? 1 : TPB == 512 ? (NV == 4 ? 1 : 2) : SPEC16 ? 4 : 3;
+  static constexpr int min_blocks = TPB >= kWideRegTpb ? 1 : TPB == 512 ? (NV == 4 ? 1 : 2) : SPEC16 ? 4 : 3;
 #endif
   static_assert(stages >= 2 && stages <= 8, "PIPEGOOSE_NORM_BWD_STAGES: expected 2 to 8");
 };
@@ -2716,6 +2730,21 @@ constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
   constexpr int kMaxRegTpr = ASYNC ? 512 : 256;
 #endif
   if (tpr2 <= kMaxRegTpr) return {2, tpr2, false, true};
+#if !defined(PIPEGOOSE_NORM_BWD_NO_WIDE_REG)
+  // 16-bit RMSNorm rows of 9224-11264 columns: two chunks per thread in one block of 577-704 threads per row
+  // (kWideRegTpb, four stages, one block per SM), where they ran a cluster per row (session 32) and before that the
+  // four-chunk register plan. Session 33 (call 1, raw backward, bf16, 16384 rows, % of copy, two rounds; session33.log),
+  // cluster -> this plan with 4 stages, 10240 / 11264 columns: 73.6 / 78.7 -> 81.4 / 82.2 (at 9216, where the four-chunk
+  // plan runs 86.0, it ran 78.4 against the cluster's 68.6 of session 32); call 2, the rule against the cluster, bf16
+  // and fp16: +3.3 to +13.1 at 9224-11264 columns (bf16 9224 / 10000 / 10240 / 11264: 63.8 / 66.1 / 73.6 / 78.6 -> 72.7
+  // / 79.2 / 81.3 / 82.0). Measured in call 1 and not taken: at 12288 columns four stages and the weight cache no longer
+  // fit (67.9 against the cluster's 83.4); three stages and two ran 63.6-76.8 (RMSNorm) at 8704-12288; 16-bit LayerNorm
+  // rows of 8704-12288 columns lost 0.6-6.8 points with three stages, 2.4-9.3 with two and 3.8-17.9 with four against
+  // the cluster, and every plan was within 0.5 at 8192 (where the 512-thread plan runs).
+  // -DPIPEGOOSE_NORM_BWD_NO_WIDE_REG (a benchmark experiment, off in the shipped build): the plans before session 33
+  // (the cluster from 9224 columns on sm_90).
+  if (ASYNC && RMS && V == 8 && chunks * V >= kWideRegMinH && chunks * V <= kWideRegMaxH) return {2, tpr2, false, true};
+#endif
 #if !defined(PIPEGOOSE_NORM_BWD_FP32_REG4) && !defined(PIPEGOOSE_NORM_BWD_NO_REG4)
   // fp32 rows past the two-chunk plan take four chunks per thread in registers (below) only where that kernel keeps 16
   // warps or more per SM: 512 threads per row, or for RMSNorm up to 320 (ptxas, sm_90: RMSNorm's kernel 96 registers,
@@ -2736,9 +2765,9 @@ constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
 #if !defined(PIPEGOOSE_NORM_BWD_NO_REG4)
   // Four chunks per thread with register column sums in the asynchronous-copy kernel up to 512 threads per row, where
   // that holds no more accumulators than two 16-bit chunks: fp32 rows (H <= 8192; since session 32 only those that the
-  // rule above leaves here), 16-bit RMSNorm rows (H <= 16384; those from 9224 columns run the cluster kernel on sm_90).
-  // -DPIPEGOOSE_NORM_BWD_NO_REG4 (a benchmark experiment, off in the shipped build) sends them to the shared-memory
-  // accumulator plan below, as before session 7.
+  // rule above leaves here), 16-bit RMSNorm rows (H <= 16384; 9224-11264 columns take the wide register rows above, and
+  // from 11272 columns run the cluster kernel on sm_90). -DPIPEGOOSE_NORM_BWD_NO_REG4 (a benchmark experiment, off in
+  // the shipped build) sends them to the shared-memory accumulator plan below, as before session 7.
   if (ASYNC && (V == 4 || RMS) && tpr4 <= 512) return {4, tpr4, false, true};
 #endif
   if (tpr4 <= 512) return {4, tpr4, true, true};
@@ -2754,7 +2783,8 @@ constexpr bool bwd_plan_is(Cfg c, int nv, int tpr, bool acc_smem, bool pf) {
   return c.nv == nv && c.tpr == tpr && c.acc_smem == acc_smem && c.pf == pf;
 }
 #if !defined(PIPEGOOSE_NORM_BWD_FP32_REG4) && !defined(PIPEGOOSE_NORM_BWD_NO_REG4) && \
-    !defined(PIPEGOOSE_NORM_BWD_SMEM_ACC) && !defined(PIPEGOOSE_NORM_BWD_ASYNC256)  // (experiments with other plans)
+    !defined(PIPEGOOSE_NORM_BWD_SMEM_ACC) && !defined(PIPEGOOSE_NORM_BWD_ASYNC256) && \
+    !defined(PIPEGOOSE_NORM_BWD_NO_WIDE_REG)  // (experiments with other plans)
 static_assert(bwd_plan_is(bwd_plan<4, false, true>(1152, true), 8, 160, true, false) &&  // LayerNorm 4608 columns
               bwd_plan_is(bwd_plan<4, false, true>(1792, true), 8, 224, true, false) &&  // LayerNorm 7168
               bwd_plan_is(bwd_plan<4, false, true>(2048, true), 4, 512, false, true) &&  // LayerNorm 8192: registers
@@ -2762,8 +2792,12 @@ static_assert(bwd_plan_is(bwd_plan<4, false, true>(1152, true), 8, 160, true, fa
               bwd_plan_is(bwd_plan<4, true, true>(1536, true), 8, 192, true, false) &&   // RMSNorm 6144
               bwd_plan_is(bwd_plan<4, true, true>(2048, true), 4, 512, false, true) &&   // RMSNorm 8192: registers
               bwd_plan_is(bwd_plan<4, false, false>(1280, true), 4, 320, true, true) &&  // mixed dtypes: unchanged
-              bwd_plan_is(bwd_plan<8, true, true>(1280, true), 4, 320, false, true),     // bf16 RMSNorm 10240
-              "bwd_plan: the fp32 rows past the two-chunk plan");
+              bwd_plan_is(bwd_plan<8, true, true>(1152, true), 4, 288, false, true) &&   // bf16 RMSNorm 9216
+              bwd_plan_is(bwd_plan<8, true, true>(1153, true), 2, 608, false, true) &&   // 9224: wide register rows
+              bwd_plan_is(bwd_plan<8, true, true>(1408, true), 2, 704, false, true) &&   // 11264: wide register rows
+              bwd_plan_is(bwd_plan<8, true, true>(1409, true), 4, 384, false, true) &&   // 11272 (cluster on sm_90)
+              bwd_plan_is(bwd_plan<8, false, true>(1280, true), 4, 320, true, true),     // bf16 LayerNorm 10240
+              "bwd_plan: the fp32 rows past the two-chunk plan, the 16-bit rows past 8192 columns");
 #endif
 
 // Shape-specialised build: a benchmark experiment (issue #6: one build per shape against the generic build), used
@@ -3218,13 +3252,22 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     return bwd_async_stage_bytes(kStages, 1, 4, tpr, V, static_cast<int>(sizeof(Tin)), static_cast<int>(sizeof(Tdy))) <=
            smem_limit();
   };
+  // The wide register rows (bwd_plan: 16-bit RMSNorm, 9224-11264 columns) need their four stages and the weight cache
+  // (220 KB at 11264 columns); where they do not fit, the four-chunk register plan they replaced (checked next).
+  if (vec && cfg.nv == 2 && cfg.tpr > 512) {
+    constexpr int kS = AsyncBounds<kWideRegTpb, false>::stages;
+    const size_t need = bwd_async_stage_bytes(kS, 1, 2, cfg.tpr, V, static_cast<int>(sizeof(Tin)),
+                                              static_cast<int>(sizeof(Tdy))) +
+                        (w != nullptr ? sizeof(float) * static_cast<size_t>((H + 3) & ~3) : 0);
+    if (need > smem_limit()) cfg = Cfg{4, round_tpr(ceil_div(H / V, 4)), false, true};
+  }
   if (vec && cfg.nv == 4 && !cfg.acc_smem && !reg4_fits(cfg.tpr)) cfg.acc_smem = true;
   at::Tensor ws;
   const int sms = sm_count();
   if constexpr (kAsyncBwd) {
-    // Vector rows from 8200 columns (16-bit RMSNorm: 9224, fp32 RMSNorm: 16384; session 32, below) run a cluster per
-    // row on sm_90 and newer (norm_bwd_cluster_kernel), in place of the two-kernel path past the register plans and of
-    // the register and shared-memory plans from there; before session 32, from 12288 columns. Raw backward against
+    // Vector rows from 8200 columns (16-bit RMSNorm: 11272, fp32 RMSNorm: 16384; sessions 32-33, below) run a cluster
+    // per row on sm_90 and newer (norm_bwd_cluster_kernel), in place of the two-kernel path past the register plans and
+    // of the register and shared-memory plans from there; before session 32, from 12288 columns. Raw backward against
     // those plans (H200, session 14, call 3, % of copy):
     // at 12288 columns LayerNorm bf16 46.0 -> 75.8, fp32 84.1 -> 93.1, RMSNorm bf16 71.9 -> 82.5; at 16384 RMSNorm
     // bf16 84.0 -> 94.0 and fp32 99.1 -> 101.9; at 8192 and below, and for fp32 RMSNorm at 12288 (100.2 -> 94.2), the
@@ -3242,13 +3285,16 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     // RMSNorm bf16 85.4 / 85.8 / 64.7 / 70.1 -> 67.1 / 68.6 / 73.3 / 78.5 (by our arithmetic, not profiled: its
     // four-chunk plan's stages and weight cache fit two blocks per SM up to 9216 columns, one beyond), fp32 89.4-99.1
     // -> 82.0-91.0. So the cluster runs LayerNorm rows from 8200 columns, 16-bit RMSNorm rows from 9224, fp32 RMSNorm
-    // rows from 16384.
+    // rows from 16384; since session 33, 16-bit RMSNorm rows from 11272 (9224-11264: bwd_plan's wide register rows).
     // -DPIPEGOOSE_NORM_BWD_CLUSTER_MIN=H (a benchmark experiment, off in the shipped build): from H columns for every
     // op and dtype but fp32 RMSNorm (12288: as before session 32).
 #if defined(PIPEGOOSE_NORM_BWD_CLUSTER_MIN)
     const int cl_min = RMS && V == 4 ? 16384 : PIPEGOOSE_NORM_BWD_CLUSTER_MIN;
-#else
+#elif defined(PIPEGOOSE_NORM_BWD_NO_WIDE_REG)
     const int cl_min = !RMS ? 8200 : V == 4 ? 16384 : 9224;
+#else
+    // (16-bit RMSNorm rows up to kWideRegMaxH columns: bwd_plan's wide register rows, session 33.)
+    const int cl_min = !RMS ? 8200 : V == 4 ? 16384 : kWideRegMaxH + 8;
 #endif
     const bool wide = cfg.nv == 0 || H >= cl_min || exp_cluster;
     const int cl = kCluster && vec && wide && !exp_wide && has_clusters() ? bwd_cluster_size(H / V, V) : 0;
@@ -3387,7 +3433,17 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
       PG_CHECK(threads <= kMaxPackTpb && (cfg.tpr <= 32 || rpb <= 15), "pipegoose norm backward: internal error: ", rpb,
                " rows of ", cfg.tpr, " threads per block for the register plan (named barriers 1-15)");
       constexpr int kSpecTpr = HC == 0 ? 0 : FixedRow<HC, VEC, NV, false>::tpr;
-      if (threads > 512) {
+      if (cfg.tpr > 512) {
+        // bwd_plan's wide register rows (16-bit RMSNorm, 577-704 threads of two chunks): one row per block of
+        // kWideRegTpb.
+        if constexpr (RMS && NV == 2 && VEC == 8 && (HC == 0 || kSpecTpr > 512)) {
+          PG_CHECK(threads == cfg.tpr && cfg.tpr <= kWideRegTpb, "pipegoose norm backward: internal error: ", threads,
+                   " threads for ", H, " columns");
+          async(IC<kWideRegTpb>{}, IC<0>{});
+        } else {
+          PG_CHECK(false, "pipegoose norm backward: internal error: ", cfg.tpr, " threads per row for ", H, " columns");
+        }
+      } else if (threads > 512) {
         if constexpr (kMaxPackTpb == 1024 && NV == 2) {
           if constexpr (HC == 0) {
             PG_CHECK(fixed_tpr(IC<1024>{}), "pipegoose norm backward: internal error: no kernel for ", cfg.tpr,
