@@ -2017,6 +2017,11 @@ constexpr int kClMaxCluster = 8;  // the portable cluster size limit
 // Stages: as many as fit kClSmemBytes of shared memory per block, 3 to 7 (fp32: 3 of 64 KB; 16-bit: 6 of 32 KB).
 // -DPIPEGOOSE_NORM_BWD_CL_SMEM_KB=N (a benchmark experiment, off in the shipped build) sets the budget: 224 KB (16-bit:
 // 7 stages, three rows in flight instead of two) ran within 0.5 points of 192 KB (H200, session 14, call 1).
+// Measured and dropped (session 33, call 3; session33.log): stages of the block's slab (cpb chunks) instead of the
+// block's capacity, as many as fit 192 KB (a run-time count, 5 to 11), so that rows whose slab fills part of the block
+// keep more rows in flight: -1.1 to +2.3 points at the cluster's rows of 8704-12288 and 20000-24576 columns (bf16
+// LayerNorm 10240: 67.7 -> 68.9, fp32 LayerNorm 11264: 90.1 -> 91.5), but -5.0 to +0.6 on full slabs (16384 and 32768
+// columns, the same stages; bf16 RMSNorm 16384: 95.5 -> 90.7): the cost of the run-time stage count.
 #if defined(PIPEGOOSE_NORM_BWD_CL_SMEM_KB)
 constexpr int kClSmemBytes = PIPEGOOSE_NORM_BWD_CL_SMEM_KB * 1024;
 #else
