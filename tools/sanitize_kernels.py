@@ -69,12 +69,13 @@ def main() -> int:
                 # 768 and 4096 kernels compiled for the size, packed into blocks of 512; in fp32, 1160 and 3000
                 # LayerNorm rows packed into blocks of 1024). 601 rows of 20000 columns: the
                 # clusters of the wide rows' backward (4 blocks each) walk several steps and their rings of stages
-                # wrap around, with a last step of one row in two.
+                # wrap around, with a last step of one row in two. 601 rows of 9224 and 11264 columns: 16-bit
+                # RMSNorm's wide register rows (one 768-thread block per SM, four stages) wrap their stages.
                 many = h in (200, 264, 768, 1000, 1160, 2312, 3000, 4096, 5120)
                 # 300 fp32 rows of 64000 and 65536 columns: LayerNorm's split forward walks rows, a block per SM,
                 # each block copying its next row into the shared memory that its current row's output has read
                 walk = h in (64000, 65536) and dt == torch.float32
-                for rows in ((3, 37, 5000) if many else (3, 37, 601) if h == 20000 else (3, 300) if walk else (3,)):
+                for rows in ((3, 37, 5000) if many else (3, 37, 601) if h == 20000 else (3, 601) if h in (9224, 11264) else (3, 300) if walk else (3,)):
                     for pdt in ({dt, torch.float32} if h in (1000, 4096, 12288) else {dt}):
                         x = torch.randn(rows, h, device="cuda", dtype=dt)
                         dy = torch.randn_like(x)

@@ -391,10 +391,10 @@ def test_wide_rows_backward(ln, rms, h):
 @pytest.mark.parametrize("h", [9216, 9224, 10000, 10240, 11264, 11272])
 def test_wide_register_rows_backward(ln, rms, h):
     """16-bit RMSNorm rows of 9224-11264 columns (x and dy of one element size): two chunks per thread in one block of
-    up to 768 threads per row, four stages (bwd_plan's wide register rows in norm_kernels.cuh; 9224 columns: 577 busy
-    threads of 608, 10000: 625 of 640, so the last stride of chunks is partial); 9216 (the four-chunk register plan)
-    and 11272 (the cluster kernel on sm_90) are their neighbours. 2100 rows: each block's ring of stages wraps and the
-    rows past the end are zero-filled; with and without a weight, bf16 and fp16, fp32 parameters and fp32
+    up to 768 threads per row, four stages (bwd_plan's wide register rows in norm_kernels.cuh; 9224 columns: 1153 chunks
+    on 608 threads, 545 of them with a second chunk; 10000: 1250 on 640, 610 with two); 9216 (the four-chunk register
+    plan) and 11272 (the cluster kernel on sm_90) are their neighbours. 2100 rows: each block's ring of stages wraps and
+    the rows past the end are zero-filled; with and without a weight, bf16 and fp16, fp32 parameters and fp32
     grad_output; and which kernel ran, where the GPU's shared memory holds the stages and the weight cache."""
     check_dtype_cases(ln, rms, 2100, h, ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
                                          (torch.bfloat16, torch.float32, torch.float32)), seed=h + 31)
@@ -407,8 +407,36 @@ def test_wide_register_rows_backward(ln, rms, h):
     names = kernels_run(lambda: rms.rms_norm_backward(dy, x, w, rstd))
     tpr = math.ceil(h / 16 / 32) * 32
     fits = 4 * 2 * tpr * 8 * 4 + 4 * h <= torch.cuda.get_device_properties(DEV).shared_memory_per_block_optin - 1024
-    wide = re.search(r"norm_bwd_async_kernel<[^>]*\b768\b", names) is not None
+    wide = re.search(WIDE_REG_KERNEL, names) is not None
     assert wide == (9224 <= h <= 11264 and fits), names
+
+
+# The kernel of the wide register rows (blocks of 768 threads, run-time geometry) in kernels_run's names.
+WIDE_REG_KERNEL = r"norm_bwd_async_kernel<[^>]*, 768, 0>"
+
+
+def test_wide_register_rows_fallback():
+    """Where the wide register rows' stages and weight cache (200 KB at 10240 columns) do not fit but the cluster
+    kernel's 192 KB do (PIPEGOOSE_NORM_SMEM_LIMIT=198000), the cluster takes the row on sm_90 and newer (elsewhere the
+    four-chunk register plan); without a weight the wide rows fit (160 KB) and run."""
+    r = _run_with_env("PIPEGOOSE_NORM_SMEM_LIMIT", "198000", """
+        cases = ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None))
+        T.check_dtype_cases(ln, rms, 601, 10240, cases, seed=5)
+        x, w, _, dy = T.make(64, 10240, torch.bfloat16, torch.bfloat16, seed=6)
+        for wt in (w, None):
+            _, rstd = rms.rms_norm_forward(x, wt, 1e-5, None)
+            names = T.kernels_run(lambda: rms.rms_norm_backward(dy, x, wt, rstd))
+            print("KERNELS", wt is None, names.replace(chr(10), " "))
+            T.check_rms_norm(rms, x, wt, dy)
+        print("FALLBACK-OK")
+    """)
+    assert r.returncode == 0 and "FALLBACK-OK" in r.stdout, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
+    with_w = next(line for line in r.stdout.splitlines() if line.startswith("KERNELS False"))
+    without_w = next(line for line in r.stdout.splitlines() if line.startswith("KERNELS True"))
+    assert re.search(WIDE_REG_KERNEL, with_w) is None, with_w
+    if torch.cuda.get_device_capability(DEV)[0] >= 9:
+        assert "norm_bwd_cluster_kernel" in with_w, with_w
+    assert re.search(WIDE_REG_KERNEL, without_w) is not None, without_w
 
 
 # Rows of one 1024-thread block per SM (fp32 31745-32768 columns, 16-bit 63489-65536): the LayerNorm forward stages
@@ -574,7 +602,7 @@ def test_plans_of_smaller_shared_memory(limit):
         x = torch.randn(37, 10240, device="cuda", dtype=torch.bfloat16)  # not the wide register rows' 768 threads
         _, rstd = rms.rms_norm_forward(x, x[0], 1e-5, None)
         names = T.kernels_run(lambda: rms.rms_norm_backward(torch.randn_like(x), x, x[0], rstd))
-        assert T.re.search(r"norm_bwd_async_kernel<[^>]*\b768\b", names) is None, names
+        assert T.re.search(T.WIDE_REG_KERNEL, names) is None, names
         print("SMEM-OK")
     """)
     assert r.returncode == 0 and "SMEM-OK" in r.stdout, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
@@ -585,7 +613,8 @@ def test_plans_without_clusters():
     that has them: the wide rows take the register and shared-memory plans up to 16384 columns, past them the
     row-statistics and column-slab kernels, instead of norm_bwd_cluster_kernel, and the column reduction is an
     ordinary launch instead of a programmatic dependent one. Rows of test_wide_rows_backward's widths (x and dy of one
-    element size: the rows the cluster kernel takes on sm_90), 37 and 1029 of them; and which kernels ran, with the
+    element size: the rows the cluster kernel takes on sm_90, but 16-bit RMSNorm's wide register rows at 10240), 37
+    and 1029 of them; and which kernels ran, with the
     variable and (on sm_90 and newer) without it."""
     body = """
         x = torch.randn(37, 20008, device="cuda", dtype=torch.bfloat16)

@@ -17,7 +17,8 @@
 // Backward: keeps per-column partial sums of dy * xhat (and dy) in fp32 (registers, or shared memory for wide
 // rows), writes one partial row per block (per cluster in the cluster kernel) into an fp32 workspace [nacc, blocks,
 // H], and norm_col_reduce_kernel sums the partial rows column-wise in a fixed order (deterministic, no atomics). The
-// register plan of vector rows (up to 512 threads per row) runs norm_bwd_async_kernel, which streams x and dy through
+// register plan of vector rows (up to 512 threads per row, 704 for 16-bit RMSNorm rows of 9224-11264 columns) runs
+// norm_bwd_async_kernel, which streams x and dy through
 // a ring of shared-memory stages with cp.async instead of prefetching into registers (see there); norm_bwd_kernel runs
 // the other plans.
 // Rows wider than the register capacity: the forward takes norm_fwd_split_kernel for fp32 vector rows up to 65536
@@ -1393,19 +1394,19 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
 // columns 91.0 / 87.7 / 84.1 -> 79.3 / 77.0 / 72.2, RMSNorm 90.1 / 89.3 / 90.3 -> 86.4 / 86.1 / 78.1) and -5.8 to +0.6
 // in fp32; with three stages 1-4 points less behind, still slower.
 // -DPIPEGOOSE_NORM_BWD_STAGES=S and -DPIPEGOOSE_NORM_BWD_ASYNC_MINB=B (benchmark experiments, off in the shipped
-// build) set every kernel's.
-// Blocks of 768 threads (kWideRegTpb) hold one 16-bit RMSNorm row of 577-704 threads of two chunks (bwd_plan's wide
-// register rows, 9224-11264 columns), one block per SM, kWideRegStages stages (with the weight cache, 220 KB of shared
-// memory at 11264 columns). -DPIPEGOOSE_NORM_BWD_WIDE_STAGES=S (a benchmark experiment, off in the shipped build) sets
-// their stages.
+// build) set every kernel's (STAGES=3: 0.2-7.3 points slower, bf16 1024-8192 columns, session 33, call 4).
+// Blocks of 768 threads (kWideRegTpb) hold one 16-bit RMSNorm row of 608-704 threads of two chunks (bwd_plan's wide
+// register rows, 9224-11264 columns: 577-704 chunks per stride), one block per SM, kWideRegStages stages (with the
+// weight cache, 220 KB of shared memory at 11264 columns; where they do not fit, launch_bwd takes the plan without
+// them). -DPIPEGOOSE_NORM_BWD_WIDE_STAGES=S (a benchmark experiment, off in the shipped build) sets their stages.
 constexpr int kWideRegTpb = 768;
 constexpr int kWideRegMinH = 9224, kWideRegMaxH = 11264;
-static_assert(4 * 2 * 704 * 8 * (2 + 2) + 4 * kWideRegMaxH <= 227 * 1024 - 1024,  // stages * chunks * tpr * VEC * bytes
-              "the wide register rows: four stages of x and dy and the weight cache in an H200's shared memory");
 #if defined(PIPEGOOSE_NORM_BWD_WIDE_STAGES)
 constexpr int kWideRegStages = PIPEGOOSE_NORM_BWD_WIDE_STAGES;
 #else
 constexpr int kWideRegStages = 4;
+static_assert(kWideRegStages * 2 * 704 * 8 * (2 + 2) + 4 * kWideRegMaxH <= 227 * 1024 - 1024,  // (2 chunks, 704 thr.)
+              "the wide register rows: their stages of x and dy and the weight cache in an H200's shared memory");
 #endif
 template <int TPB, bool SPEC16, int NV = 2>
 struct AsyncBounds {
@@ -1611,7 +1612,8 @@ constexpr bool bwd_async_pcache(bool rms, int in_bytes, int hc, int tprc) {
 #endif
 }
 
-// TPB: blockDim.x (256, 512 for rows of 257-512 threads, or pack_tpb's 512 or 1024). TPRC > 0 (with HC == 0): the
+// TPB: blockDim.x (256, 512 for rows of 257-512 threads, or pack_tpb's 512 or 1024), or kWideRegTpb (768) for the wide
+// register rows, whose blockDim.x is their threads per row (608-704). TPRC > 0 (with HC == 0): the
 // threads per row, and the rows per block TPB / TPRC, are compile-time constants (H is not).
 template <typename Tin, typename Tdy, int VEC, int NV, bool RMS, int HC, int TPB, int TPRC = 0>
 __global__ void __launch_bounds__(TPB, (AsyncBounds<TPB, (HC != 0 || TPRC != 0) && sizeof(Tin) == 2, NV>::min_blocks))
@@ -2037,7 +2039,8 @@ constexpr int bwd_cluster_stages(int in_bytes, int dy_bytes) {
 // columns from 50.9-60.3% of copy to 71.6-78.1 (H200, session 13, call 3); with pass 2 overlapping the barrier, one
 // 16-bit row per step still ran LayerNorm 17.6-18.8 points slower (session 14, call 1).
 // -DPIPEGOOSE_NORM_BWD_CL_ROWS=R (a benchmark experiment, off in the shipped build) sets the 16-bit rows' (R rows need
-// 2R + 1 stages: with fewer, one row per step).
+// 2R + 1 stages: with fewer, one row per step). Three rows per step with 7 stages (CL_SMEM_KB=224) ran -2.8 to +2.3
+// points against two at 8704-65536 columns (bf16; RMSNorm behind at 16384-65536; session 33, call 4).
 #if defined(PIPEGOOSE_NORM_BWD_CL_ROWS)
 constexpr int kClRows16 = PIPEGOOSE_NORM_BWD_CL_ROWS;
 #else
@@ -2696,19 +2699,19 @@ static_assert(fwd_plan_is(fwd_plan<8, true>(8, true), 2, 4, false, false) &&    
               "fwd_plan: the plans of rows below 512 columns");
 #endif
 
-// Backward plans. Vector rows: two chunks per thread with register column sums and prefetch, up to 512 threads per
-// row when ASYNC (grad_output of the input's element size: norm_bwd_async_kernel; bf16/fp16 H <= 8192, fp32
-// H <= 4096; session 6 A/B: 8192 bf16 LayerNorm 64 -> 88% of copy, RMSNorm 81 -> 94, 4096 fp32 83-85 -> 95-96
-// against the shared-memory plan), else up to 256 (bf16/fp16 H <= 4096, fp32 H <= 2048); when ASYNC, four chunks
-// per thread with register column sums where they hold no more accumulators than two 16-bit chunks (fp32 H <= 8192,
-// 16-bit RMSNorm H <= 16384; session 7 A/B: fp32 8192 LayerNorm 76-86 -> 93, RMSNorm 87-90 -> 95, bf16 RMSNorm
-// 16384 75-77 -> 84; fp32 rows only where that keeps 16 warps per SM, else the eight-chunk plan below: session
-// 32); four chunks per thread with shared-memory column sums and prefetch (<= 512 threads:
-// H <= 16384 / 8192); for fp32, eight chunks (32 values) per thread with shared-memory column sums without prefetch
-// (H <= 16384); then (and for 16-bit LayerNorm
-// rows from 16384 columns) the two-kernel path (nv 0 with vector rows). Scalar rows: four values per thread with
-// prefetch, register column sums up to 256 threads per row, shared-memory ones up to 512.
-template <int V, bool RMS, bool ASYNC>
+// Backward plans. Vector rows: two chunks per thread with register column sums and prefetch, up to 512 threads per row
+// when ASYNC (grad_output of the input's element size: norm_bwd_async_kernel; bf16/fp16 H <= 8192, fp32 H <= 4096;
+// session 6 A/B: 8192 bf16 LayerNorm 64 -> 88% of copy, RMSNorm 81 -> 94, 4096 fp32 83-85 -> 95-96 against the
+// shared-memory plan), else up to 256 (bf16/fp16 H <= 4096, fp32 H <= 2048); when ASYNC, four chunks per thread with
+// register column sums where they hold no more accumulators than two 16-bit chunks (fp32 H <= 8192, 16-bit RMSNorm H <=
+// 16384; session 7 A/B: fp32 8192 LayerNorm 76-86 -> 93, RMSNorm 87-90 -> 95, bf16 RMSNorm 16384 75-77 -> 84; fp32 rows
+// only where that keeps 16 warps per SM, else the eight-chunk plan below: session 32); two chunks per thread in one
+// block of up to 768 threads for 16-bit RMSNorm rows of 9224-11264 columns (the wide register rows, session 33, below);
+// four chunks per thread with shared-memory column sums and prefetch (<= 512 threads: H <= 16384 / 8192); for fp32,
+// eight chunks (32 values) per thread with shared-memory column sums without prefetch (H <= 16384); then (and for
+// 16-bit LayerNorm rows from 16384 columns) the two-kernel path (nv 0 with vector rows). Scalar rows: four values per
+// thread with prefetch, register column sums up to 256 threads per row, shared-memory ones up to 512.
+template <int V, bool RMS, bool ASYNC, bool WIDE = true>
 constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
   if (!vec) {
     const int tpr = round_tpr(ceil_div(chunks, 4));
@@ -2735,20 +2738,23 @@ constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
   constexpr int kMaxRegTpr = ASYNC ? 512 : 256;
 #endif
   if (tpr2 <= kMaxRegTpr) return {2, tpr2, false, true};
-#if !defined(PIPEGOOSE_NORM_BWD_NO_WIDE_REG)
+#if !defined(PIPEGOOSE_NORM_BWD_NO_WIDE_REG) && !defined(PIPEGOOSE_NORM_BWD_ASYNC256)
   // 16-bit RMSNorm rows of 9224-11264 columns: two chunks per thread in one block of 577-704 threads per row
   // (kWideRegTpb, four stages, one block per SM), where they ran a cluster per row (session 32) and before that the
-  // four-chunk register plan. Session 33 (call 1, raw backward, bf16, 16384 rows, % of copy, two rounds; session33.log),
-  // cluster -> this plan with 4 stages, 10240 / 11264 columns: 73.6 / 78.7 -> 81.4 / 82.2 (at 9216, where the four-chunk
-  // plan runs 86.0, it ran 78.4 against the cluster's 68.6 of session 32); call 2, the rule against the cluster, bf16
-  // and fp16: +3.3 to +13.1 at 9224-11264 columns (bf16 9224 / 10000 / 10240 / 11264: 63.8 / 66.1 / 73.6 / 78.6 -> 72.7
-  // / 79.2 / 81.3 / 82.0). Measured in call 1 and not taken: at 12288 columns four stages and the weight cache no longer
-  // fit (67.9 against the cluster's 83.4); three stages and two ran 63.6-76.8 (RMSNorm) at 8704-12288; 16-bit LayerNorm
-  // rows of 8704-12288 columns lost 0.6-6.8 points with three stages, 2.4-9.3 with two and 3.8-17.9 with four against
-  // the cluster, and every plan was within 0.5 at 8192 (where the 512-thread plan runs).
+  // four-chunk register plan. Session 33 (call 1, raw backward, bf16, 16384 rows, % of copy, two rounds;
+  // session33.log), cluster -> this plan with 4 stages, 10240 / 11264 columns: 73.6 / 78.7 -> 81.4 / 82.2 (at 9216,
+  // where the four-chunk plan runs 86.0, it ran 78.4 against the cluster's 68.6 of session 32); call 2, the rule
+  // against the cluster, bf16 and fp16: +1.9 to +13.1 at 9224-11264 columns (bf16 9224 / 10000 / 10240 / 11264: 63.8 /
+  // 66.1 / 73.6 / 78.6 -> 72.7 / 79.2 / 81.3 / 82.0). Measured in call 1 and not taken: at 12288 columns four stages
+  // and the weight cache no longer fit (67.9 against the cluster's 83.4); three stages and two ran 63.6-76.8 (RMSNorm)
+  // at 8704-12288; 16-bit LayerNorm rows of 8704-12288 columns lost 0.6-6.8 points with three stages, 2.4-9.3 with two
+  // and 3.8-17.9 with four against the cluster, and every plan was within 0.5 at 8192 (where the 512-thread plan runs).
   // -DPIPEGOOSE_NORM_BWD_NO_WIDE_REG (a benchmark experiment, off in the shipped build): the plans before session 33
-  // (the cluster from 9224 columns on sm_90).
-  if (ASYNC && RMS && V == 8 && chunks * V >= kWideRegMinH && chunks * V <= kWideRegMaxH) return {2, tpr2, false, true};
+  // (the cluster from 9224 columns on sm_90). WIDE = false: the plan without this rule (launch_bwd's fallback where the
+  // stages do not fit).
+  if (WIDE && ASYNC && RMS && V == 8 && chunks * V >= kWideRegMinH && chunks * V <= kWideRegMaxH) {
+    return {2, tpr2, false, true};
+  }
 #endif
 #if !defined(PIPEGOOSE_NORM_BWD_FP32_REG4) && !defined(PIPEGOOSE_NORM_BWD_NO_REG4)
   // fp32 rows past the two-chunk plan take four chunks per thread in registers (below) only where that kernel keeps 16
@@ -2788,21 +2794,24 @@ constexpr bool bwd_plan_is(Cfg c, int nv, int tpr, bool acc_smem, bool pf) {
   return c.nv == nv && c.tpr == tpr && c.acc_smem == acc_smem && c.pf == pf;
 }
 #if !defined(PIPEGOOSE_NORM_BWD_FP32_REG4) && !defined(PIPEGOOSE_NORM_BWD_NO_REG4) && \
-    !defined(PIPEGOOSE_NORM_BWD_SMEM_ACC) && !defined(PIPEGOOSE_NORM_BWD_ASYNC256) && \
-    !defined(PIPEGOOSE_NORM_BWD_NO_WIDE_REG)  // (experiments with other plans)
+    !defined(PIPEGOOSE_NORM_BWD_SMEM_ACC) && !defined(PIPEGOOSE_NORM_BWD_ASYNC256)  // (experiments with other plans)
 static_assert(bwd_plan_is(bwd_plan<4, false, true>(1152, true), 8, 160, true, false) &&  // LayerNorm 4608 columns
               bwd_plan_is(bwd_plan<4, false, true>(1792, true), 8, 224, true, false) &&  // LayerNorm 7168
               bwd_plan_is(bwd_plan<4, false, true>(2048, true), 4, 512, false, true) &&  // LayerNorm 8192: registers
               bwd_plan_is(bwd_plan<4, true, true>(1280, true), 4, 320, false, true) &&   // RMSNorm 5120: registers
               bwd_plan_is(bwd_plan<4, true, true>(1536, true), 8, 192, true, false) &&   // RMSNorm 6144
               bwd_plan_is(bwd_plan<4, true, true>(2048, true), 4, 512, false, true) &&   // RMSNorm 8192: registers
-              bwd_plan_is(bwd_plan<4, false, false>(1280, true), 4, 320, true, true) &&  // mixed dtypes: unchanged
-              bwd_plan_is(bwd_plan<8, true, true>(1152, true), 4, 288, false, true) &&   // bf16 RMSNorm 9216
+              bwd_plan_is(bwd_plan<4, false, false>(1280, true), 4, 320, true, true),    // mixed dtypes: unchanged
+              "bwd_plan: the fp32 rows past the two-chunk plan");
+#if !defined(PIPEGOOSE_NORM_BWD_NO_WIDE_REG)  // session 33's wide register rows
+static_assert(bwd_plan_is(bwd_plan<8, true, true>(1152, true), 4, 288, false, true) &&   // bf16 RMSNorm 9216
               bwd_plan_is(bwd_plan<8, true, true>(1153, true), 2, 608, false, true) &&   // 9224: wide register rows
               bwd_plan_is(bwd_plan<8, true, true>(1408, true), 2, 704, false, true) &&   // 11264: wide register rows
+              bwd_plan_is(bwd_plan<8, true, true, false>(1153, true), 4, 320, false, true) &&  // its fallback
               bwd_plan_is(bwd_plan<8, true, true>(1409, true), 4, 384, false, true) &&   // 11272 (cluster on sm_90)
               bwd_plan_is(bwd_plan<8, false, true>(1280, true), 4, 320, true, true),     // bf16 LayerNorm 10240
-              "bwd_plan: the fp32 rows past the two-chunk plan, the 16-bit rows past 8192 columns");
+              "bwd_plan: the 16-bit rows past 8192 columns");
+#endif
 #endif
 
 // Shape-specialised build: a benchmark experiment (issue #6: one build per shape against the generic build), used
@@ -3259,12 +3268,16 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   };
   // The wide register rows (bwd_plan: 16-bit RMSNorm, 9224-11264 columns) need their four stages and the weight cache
   // (220 KB at 11264 columns); where they do not fit, the four-chunk register plan they replaced (checked next).
+  bool wide_nofit = false;  // and the cluster kernel may take them first, as before session 33
   if (vec && cfg.nv == 2 && cfg.tpr > 512) {
     constexpr int kS = AsyncBounds<kWideRegTpb, false>::stages;
     const size_t need = bwd_async_stage_bytes(kS, 1, 2, cfg.tpr, V, static_cast<int>(sizeof(Tin)),
                                               static_cast<int>(sizeof(Tdy))) +
                         (w != nullptr ? sizeof(float) * static_cast<size_t>((H + 3) & ~3) : 0);
-    if (need > smem_limit()) cfg = Cfg{4, round_tpr(ceil_div(H / V, 4)), false, true};
+    if (need > smem_limit()) {
+      cfg = bwd_plan<V, RMS, kAsyncBwd, false>(H / V, vec);
+      wide_nofit = true;
+    }
   }
   if (vec && cfg.nv == 4 && !cfg.acc_smem && !reg4_fits(cfg.tpr)) cfg.acc_smem = true;
   at::Tensor ws;
@@ -3301,7 +3314,7 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     // (16-bit RMSNorm rows up to kWideRegMaxH columns: bwd_plan's wide register rows, session 33.)
     const int cl_min = !RMS ? 8200 : V == 4 ? 16384 : kWideRegMaxH + 8;
 #endif
-    const bool wide = cfg.nv == 0 || H >= cl_min || exp_cluster;
+    const bool wide = cfg.nv == 0 || H >= cl_min || exp_cluster || wide_nofit;
     const int cl = kCluster && vec && wide && !exp_wide && has_clusters() ? bwd_cluster_size(H / V, V) : 0;
     if (cl > 0 && launch_bwd_cluster<Tin, Tdy, RMS>(dy, x, w, p_f32, mean, rstd, dx, rows, H, cl, want_ws, fopts,
                                                      stream, ws)) {
@@ -3435,7 +3448,8 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
         }
         return done;
       };
-      PG_CHECK(threads <= kMaxPackTpb && (cfg.tpr <= 32 || rpb <= 15), "pipegoose norm backward: internal error: ", rpb,
+      PG_CHECK(threads <= (cfg.tpr > 512 ? kWideRegTpb : kMaxPackTpb) && (cfg.tpr <= 32 || rpb <= 15),
+               "pipegoose norm backward: internal error: ", rpb,
                " rows of ", cfg.tpr, " threads per block for the register plan (named barriers 1-15)");
       constexpr int kSpecTpr = HC == 0 ? 0 : FixedRow<HC, VEC, NV, false>::tpr;
       if (cfg.tpr > 512) {
@@ -3462,7 +3476,8 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
           PG_CHECK(false, "pipegoose norm backward: internal error: ", threads, " threads for ", H, " columns");
         }
       } else if (threads > 256) {
-        if constexpr (HC == 0 || kSpecTpr > 256 || (NV == 2 && pack_tpb(VEC, RMS, kSpecTpr, true) == 512)) {
+        if constexpr (HC == 0 || (kSpecTpr > 256 && kSpecTpr <= 512) ||
+                      (NV == 2 && pack_tpb(VEC, RMS, kSpecTpr, true) == 512)) {
           if (!fixed_tpr(IC<512>{})) async(IC<512>{}, IC<0>{});
         } else {
           PG_CHECK(false, "pipegoose norm backward: internal error: ", threads, " threads for ", H, " columns");
@@ -3487,7 +3502,8 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     constexpr int HC = decltype(h_c)::value;
     constexpr Cfg spec = bwd_plan<V, RMS, kAsyncBwd>(HC / V, true);
     if constexpr (HC % V == 0 && spec.nv != 0) {
-      if (vec && H == HC && !(spec.nv == 4 && !spec.acc_smem && !reg4_fits(spec.tpr))) {
+      if (vec && H == HC && !(spec.nv == 4 && !spec.acc_smem && !reg4_fits(spec.tpr)) && cfg.nv == spec.nv &&
+          cfg.tpr == spec.tpr) {
         static_assert(spec.tpr == FixedRow<HC, V, spec.nv, spec.acc_smem>::tpr, "FixedRow: the plan's tpr");
         if constexpr (!spec.acc_smem) {
           static_assert((spec.nv == 2 || (spec.nv == 4 && kAsyncBwd)) && spec.pf, "bwd_plan: register plan");
