@@ -50,7 +50,8 @@ def _doctor(args) -> int:
             for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     env.add_row("GPUs", ", ".join(gpus) or "none visible")
     env.add_row("cache", str(cache_dir))
-    for var in ("CUDA_HOME", "TORCH_CUDA_ARCH_LIST", "MAX_JOBS", "PIPEGOOSE_CACHE_DIR"):
+    for var in ("CUDA_HOME", "TORCH_CUDA_ARCH_LIST", "MAX_JOBS", "PIPEGOOSE_CACHE_DIR",
+                "PIPEGOOSE_ALLOW_MODIFIED_VENDOR"):
         env.add_row(var, os.environ.get(var, "(unset)"))
     console.print(env)
 
@@ -62,6 +63,13 @@ def _doctor(args) -> int:
         status = "[red]FAIL[/]" if not c.ok else ("[yellow]warn[/]" if c.warn else "[green]ok[/]")
         bad += not c.ok
         checks.add_row(c.name, status, c.detail, c.fix)
+    from pipegoose import _env
+
+    allow = os.environ.get("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "")
+    if _env.flag(allow) is None:  # every build and load refuses it (KernelBuilder._check_vendored)
+        bad += 1
+        checks.add_row("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "[red]FAIL[/]", f"{allow!r}",
+                       "set it to 1/true/yes/on or 0/false/no/off, or unset it")
     console.print(checks)
 
     manifest, builders = _builders(args, None)

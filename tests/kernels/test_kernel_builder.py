@@ -608,6 +608,22 @@ def test_cli_unknown_kernel_and_options_after_the_subcommand(tiny, tmp_path):
     assert p.returncode == 0 and "test/tiny" in p.stdout and str(other).replace(" ", "") in out, p.stdout + p.stderr
 
 
+def test_cli_doctor_fails_on_a_bad_allow_modified_vendor(tiny):
+    """PIPEGOOSE_ALLOW_MODIFIED_VENDOR=maybe made every kernel unavailable, but doctor exited 0 (session 33's
+    walkthrough): it is now a failed preflight row naming the variable and the values it takes, and the exit code 1."""
+    manifest, _op, cache_dir = tiny
+    cli = [sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "doctor"]
+    env = {**_env(cache_dir), "COLUMNS": "300"}  # rich's tables unwrapped
+    ok = subprocess.run(cli, capture_output=True, text=True, env={**env, "PIPEGOOSE_ALLOW_MODIFIED_VENDOR": "1"},
+                        timeout=300)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    p = subprocess.run(cli, capture_output=True, text=True, env={**env, "PIPEGOOSE_ALLOW_MODIFIED_VENDOR": "maybe"},
+                       timeout=300)
+    out = " ".join(p.stdout.replace("│", " ").split())
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "PIPEGOOSE_ALLOW_MODIFIED_VENDOR FAIL 'maybe'" in out and "1/true/yes/on or 0/false/no/off" in out, out
+
+
 def test_from_name_checks_the_name_at_once(tiny):
     """KernelBuilder.from_name resolves the name when called: a typo raises KeyError with close matches there, not
     later at load(); a known alias or id gives the builder."""
