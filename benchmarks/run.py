@@ -135,6 +135,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.no_tuning = True
     from .e2e import MODELS as E2E_MODELS, VARIANTS as E2E_VARIANTS
 
+    # The end-to-end options without --e2e were ignored without a word (session 33's walkthrough).
+    given = [o for o, v, d in (("--e2e-models", a.e2e_models, "llama,neox"), ("--e2e-variants", a.e2e_variants, ""),
+                               ("--e2e-batch", a.e2e_batch, ""), ("--e2e-budget-s", a.e2e_budget_s, 330.0)) if v != d]
+    if given and not a.e2e:
+        ap.error(f"{', '.join(given)}: only with --e2e (the end-to-end steps)")
     e2e_models = _csv(a.e2e_models)
     bad = [m for m in e2e_models if m not in E2E_MODELS]
     if bad or not e2e_models:

@@ -114,6 +114,8 @@ def test_importing_run_leaves_strict_mode_alone():
     (["--e2e", "--e2e-variants", "sdpa,fused_eager"], "--e2e-variants: unknown ['fused_eager']"),
     (["--e2e", "--e2e-batch", "qwen=4"], "--e2e-batch: expected MODEL=N with MODEL one of llama, neox, qwen3"),
     (["--e2e", "--e2e-batch", "qwen3=0"], "got 'qwen3=0'"),
+    (["--e2e-models", "neox", "--e2e-batch", "neox=2"], "--e2e-models, --e2e-batch: only with --e2e"),
+    (["--e2e-budget-s", "60"], "--e2e-budget-s: only with --e2e"),
 ])
 def test_run_refuses_arguments_that_run_nothing(capsys, argv, expect):
     """A walkthrough: each of these ran nothing (or a run of skipped rows), exited 0 and replaced the day's results."""
