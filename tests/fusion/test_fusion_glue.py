@@ -433,6 +433,26 @@ def test_clip_glue(fake, dtype, impl, max_norm):
     assert ("multi_tensor_scale" in fake.calls) == (impl == "apex" and max_norm < 1)
 
 
+@pytest.mark.parametrize("kw,err,msg", [
+    ({"max_norm": "a"}, TypeError, "max_norm: expected a number, got 'a'"),
+    ({"max_norm": None}, TypeError, "max_norm: expected a number, got None"),
+    ({"max_norm": 1.0, "norm_type": "fro"}, TypeError, "norm_type: expected a number, got 'fro'"),
+    ({"max_norm": -1.0}, ValueError, "max_norm: expected a number >= 0"),
+    ({"max_norm": float("nan")}, ValueError, "max_norm: expected a number >= 0"),
+    ({"max_norm": 1.0, "norm_type": float("nan")}, ValueError, "norm_type: expected a number"),
+])
+def test_clip_arguments_are_checked(kw, err, msg):
+    """A walkthrough: a string max_norm raised float()'s message without the argument's name, and a negative or nan
+    max_norm flipped or poisoned every gradient without a word (as torch's does); the gradients stay untouched."""
+    p = torch.nn.Parameter(torch.zeros(5))
+    p.grad = torch.arange(5.0)
+    with pytest.raises(err, match=msg):
+        clip_grad_norm_([p], **kw)
+    assert torch.equal(p.grad, torch.arange(5.0))
+    # what torch takes still works: "inf" as a string, a one-element tensor
+    assert float(clip_grad_norm_([p], torch.tensor(100.0), norm_type="inf")) == 4.0
+
+
 def test_small_problem_rule_through_the_ops(fake, monkeypatch):
     """With the default small-problem size, a small LayerNorm / F.rms_norm-style RMSNorm runs the native op
     (source "small"); Llama-style RMSNorm, whose torch path is the eager formula, keeps the fused kernel."""

@@ -9,6 +9,7 @@ for each kernel's assumptions. The reference path is PyTorch's own math.
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from collections import defaultdict
 from typing import Any, Callable, Iterable
@@ -207,6 +208,15 @@ def _result_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
 
 
 @torch.no_grad()
+def _number(name: str, v) -> float:
+    """``float(v)`` for a number, a numeric string such as ``"inf"`` (as torch takes) or a one-element tensor; else a
+    TypeError naming the argument."""
+    try:
+        return float(v)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{name}: expected a number, got {v!r}") from None
+
+
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False, *, impl: str | None = None) -> torch.Tensor:
     """Drop-in for ``torch.nn.utils.clip_grad_norm_``: scale the gradients in place so that their total norm is
@@ -219,12 +229,19 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     ``torch._foreach_mul_``. With no gradient: ``tensor(0.)``.
 
     Raises:
+        TypeError: ``max_norm`` or ``norm_type`` is not a number (or a one-element tensor).
+        ValueError: ``max_norm`` is negative or nan (torch would flip the gradients' signs or make them nan), or
+            ``norm_type`` is nan.
         RuntimeError: ``error_if_nonfinite`` and the total norm is nan/inf (gradients untouched).
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     grads = [p.grad for p in parameters if p.grad is not None]
-    max_norm, norm_type = float(max_norm), float(norm_type)
+    max_norm, norm_type = _number("max_norm", max_norm), _number("norm_type", norm_type)
+    if not max_norm >= 0:
+        raise ValueError(f"max_norm: expected a number >= 0 (inf: no clipping), got {max_norm}")
+    if math.isnan(norm_type):
+        raise ValueError("norm_type: expected a number (inf for the max norm), got nan")
     if not grads:
         return torch.tensor(0.0)
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
