@@ -101,7 +101,8 @@ def table(path: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.norm_raw", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--label", default="current", help="a name for this build in the output lines")
     ap.add_argument("--defines", default="", help="comma-separated -D flags for a variant build")
     ap.add_argument("--fwd-only", action="store_true")

@@ -25,7 +25,8 @@ MAX_KEYS = 32768  # the sweep's shapes hold sk * sk elements at least (sq = sk):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.softmax_raw", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--label", default="current", help="a name for this build in the output lines")
     ap.add_argument("--defines", default="", help="comma-separated -D flags for a variant build")
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {', '.join(OPS)}")

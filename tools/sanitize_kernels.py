@@ -38,6 +38,9 @@ SOFTMAX_KEYS = (1, 5, 127, 1000, 2048, 4097, 16384, 32768, 40000)
 
 
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return 0
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
     hidden = NORM_HIDDEN
     if which == "norms" and len(sys.argv) > 2:

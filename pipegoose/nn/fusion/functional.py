@@ -106,8 +106,9 @@ def scaled_masked_softmax(x: torch.Tensor, mask: torch.Tensor | None, scale: flo
 
     Args:
         x: [b, np, sq, sk] fp32/fp16/bf16 (fp64: the reference path).
-        mask: bool (or uint8, nonzero = masked) [b or 1, 1, sq, sk] (any dim may be 1 to broadcast, except sk),
-            or None (= :func:`scaled_softmax`).
+        mask: bool (or uint8, nonzero = masked) [b or 1, np or 1, sq or 1, sk] (any dim but sk may be 1 to
+            broadcast; Megatron's kernel takes only np == 1, the others every shape), or None (=
+            :func:`scaled_softmax`).
         scale: Python float.
 
     Returns:
