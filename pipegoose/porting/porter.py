@@ -309,6 +309,14 @@ class Porter:
             return False
         return self._source_verifies(lock, src.id)
 
+    @staticmethod
+    def _getting(src) -> str:
+        """The progress line of reading a source's files (it said "fetching" also for our own files and for an
+        sdist or repository already in the download cache)."""
+        if src.is_local:
+            return f"reading {src.describe_pin()}"
+        return f"getting {src.describe_pin()} (from the download cache, else the network)"
+
     def _plan_add(self, lock: Lock, ids: list[str]) -> tuple[Lock, dict[str, SourceTree | None]]:
         new = lock.copy()
         trees: dict[str, SourceTree | None] = {}
@@ -317,7 +325,7 @@ class Porter:
             src = self.manifest.sources[k.source]
             self._check_pin(lock, src.id)
             if src.id not in trees:
-                self.log(f"fetching {src.describe_pin()}")
+                self.log(self._getting(src))
                 trees[src.id] = self.fetcher.tree(src)
             tree = trees[src.id]
             lic = self.check_license(src, tree)
@@ -371,7 +379,7 @@ class Porter:
                     result["differs"].append(sid)
                     continue
                 present = any(p.is_file() for d in (self.vendor_dir(sid), self.license_dir(sid)) for p in d.rglob("*"))
-                self.log(f"fetching {src.describe_pin()}")
+                self.log(self._getting(src))
                 trees[sid] = self.fetcher.tree(src, new.sources[sid].pin)
                 result["restored" if present else "vendored"].append(sid)
             self._commit(lock, new, trees)
