@@ -78,7 +78,9 @@ def main() -> int:
                 # 300 fp32 rows of 64000 and 65536 columns: LayerNorm's split forward walks rows, a block per SM,
                 # each block copying its next row into the shared memory that its current row's output has read
                 walk = h in (64000, 65536) and dt == torch.float32
-                for rows in ((3, 37, 5000) if many else (3, 37, 601) if h == 20000 else (3, 601) if h in (9224, 11264) else (3, 300) if walk else (3,)):
+                wrap = h in (9224, 11264)
+                for rows in ((3, 37, 5000) if many else (3, 37, 601) if h == 20000 else (3, 601) if wrap
+                             else (3, 300) if walk else (3,)):
                     for pdt in ({dt, torch.float32} if h in (1000, 4096, 12288) else {dt}):
                         x = torch.randn(rows, h, device="cuda", dtype=dt)
                         dy = torch.randn_like(x)

@@ -3267,7 +3267,8 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
            smem_limit();
   };
   // The wide register rows (bwd_plan: 16-bit RMSNorm, 9224-11264 columns) need their four stages and the weight cache
-  // (220 KB at 11264 columns); where they do not fit, the four-chunk register plan they replaced (checked next).
+  // (220 KB at 11264 columns); where they do not fit, the plan without them (bwd_plan<..., false>: the four-chunk
+  // register plan, checked next), unless the cluster kernel takes the row first (sm_90: wide_nofit below).
   bool wide_nofit = false;  // and the cluster kernel may take them first, as before session 33
   if (vec && cfg.nv == 2 && cfg.tpr > 512) {
     constexpr int kS = AsyncBounds<kWideRegTpb, false>::stages;
