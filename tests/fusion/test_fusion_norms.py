@@ -155,6 +155,18 @@ def test_eps_errors_name_it(eps, err):
         PF.rms_norm(x, (8,), eps=eps)
 
 
+def test_variance_epsilon_errors_name_it():
+    """FusedRMSNorm.variance_epsilon (the Llama-style name of eps) named eps in its errors (walkthrough); the value
+    set is still read as eps."""
+    m = FusedRMSNorm(8)
+    with pytest.raises(TypeError, match="^variance_epsilon: expected a number or None"):
+        m.variance_epsilon = "x"
+    with pytest.raises(ValueError, match="^variance_epsilon: expected a finite number"):
+        m.variance_epsilon = -1.0
+    m.variance_epsilon = 1e-3
+    assert m.eps == 1e-3 and m.variance_epsilon == 1e-3
+
+
 def test_layer_norm_errors():
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match="x: expected shape"):

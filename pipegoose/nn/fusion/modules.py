@@ -409,7 +409,7 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
 
     @variance_epsilon.setter
     def variance_epsilon(self, value: float | None) -> None:
-        _common.eps_value(value, allow_none=True)
+        _common.eps_value(value, allow_none=True, name="variance_epsilon")
         self.eps = value
 
     def reset_parameters(self) -> None:

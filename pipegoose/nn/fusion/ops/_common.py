@@ -205,28 +205,30 @@ def megatron_batches_per_block(sk: int) -> int:
     return (128 // warp) * (2 if p <= 128 else 1)
 
 
-def eps_value(eps: Any, allow_none: bool = False) -> float | None:
+def eps_value(eps: Any, allow_none: bool = False, name: str = "eps") -> float | None:
     """``eps`` of a norm as a float, accepting what ``F.layer_norm`` / ``F.rms_norm`` accept for it: a Python bool, int
     or float, a numpy bool, integer or floating scalar, a 0-d tensor (``None`` too when ``allow_none``). Raises
-    TypeError naming ``eps`` for anything else (a str, a 1-element tensor of more dimensions, a Decimal), ValueError
-    for a negative or non-finite value, which PyTorch would take but no kernel of ours does."""
+    TypeError naming ``name`` (``eps``; a module's ``variance_epsilon``) for anything else (a str, a 1-element tensor of
+    more dimensions, a Decimal), ValueError for a negative or non-finite value, which PyTorch would take but no kernel
+    of ours does."""
     if eps is None and allow_none:
         return None
     kind = getattr(getattr(eps, "dtype", None), "kind", None)  # numpy scalars: "b", "i", "u" or "f"
     ok = (isinstance(eps, (bool, int, float)) or (kind in ("b", "i", "u", "f") and getattr(eps, "ndim", 1) == 0)
           or (isinstance(eps, torch.Tensor) and eps.dim() == 0 and not eps.is_complex()))
     if not ok:
-        raise TypeError(f"eps: expected a number{' or None' if allow_none else ''}, got {eps!r} "
+        raise TypeError(f"{name}: expected a number{' or None' if allow_none else ''}, got {eps!r} "
                         f"({type(eps).__name__})")
     if isinstance(eps, torch.Tensor):  # detached: no "converting a tensor that requires grad" warning
         try:
             value = float(eps.detach().item())
         except RuntimeError:  # a meta or fake tensor holds no value
-            raise TypeError(f"eps: expected a number, got a 0-d tensor without a value (device {eps.device})") from None
+            raise TypeError(f"{name}: expected a number, got a 0-d tensor without a value "
+                            f"(device {eps.device})") from None
     else:
         value = float(eps)
     if not value >= 0 or not math.isfinite(value):
-        raise ValueError(f"eps: expected a finite number >= 0{' or None' if allow_none else ''}, got {eps!r}")
+        raise ValueError(f"{name}: expected a finite number >= 0{' or None' if allow_none else ''}, got {eps!r}")
     return value
 
 
