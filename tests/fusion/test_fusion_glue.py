@@ -453,6 +453,16 @@ def test_clip_arguments_are_checked(kw, err, msg):
     assert float(clip_grad_norm_([p], torch.tensor(100.0), norm_type="inf")) == 4.0
 
 
+def test_clip_runs_without_autograd():
+    """clip_grad_norm_ runs under torch.no_grad, as torch's: gradients that require grad (create_graph=True) are
+    scaled in place and the norm carries no graph (a decorator once moved to a helper by mistake, session 33)."""
+    p = torch.nn.Parameter(torch.zeros(5))
+    p.grad = torch.arange(5.0).requires_grad_()
+    n = clip_grad_norm_([p], 1.0)
+    assert not n.requires_grad
+    torch.testing.assert_close(p.grad.detach(), torch.arange(5.0) / torch.arange(5.0).norm(), rtol=1e-5, atol=1e-6)
+
+
 def test_small_problem_rule_through_the_ops(fake, monkeypatch):
     """With the default small-problem size, a small LayerNorm / F.rms_norm-style RMSNorm runs the native op
     (source "small"); Llama-style RMSNorm, whose torch path is the eager formula, keeps the fused kernel."""

@@ -207,7 +207,6 @@ def _result_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
     return functools.reduce(torch.promote_types, dtypes)
 
 
-@torch.no_grad()
 def _number(name: str, v) -> float:
     """``float(v)`` for a number, a numeric string such as ``"inf"`` (as torch takes) or a one-element tensor; else a
     TypeError naming the argument."""
@@ -217,6 +216,7 @@ def _number(name: str, v) -> float:
         raise TypeError(f"{name}: expected a number, got {v!r}") from None
 
 
+@torch.no_grad()
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False, *, impl: str | None = None) -> torch.Tensor:
     """Drop-in for ``torch.nn.utils.clip_grad_norm_``: scale the gradients in place so that their total norm is
