@@ -3269,12 +3269,14 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   // The wide register rows (bwd_plan: 16-bit RMSNorm, 9224-11264 columns) need their four stages and the weight cache
   // (220 KB at 11264 columns); where they do not fit, the plan without them (bwd_plan<..., false>: the four-chunk
   // register plan, checked next), unless the cluster kernel takes the row first (sm_90: wide_nofit below).
+  // The weight cache's bytes (stage_weight: H floats, rounded up to a multiple of four).
+  const size_t psmem = sizeof(float) * static_cast<size_t>((H + 3) & ~3);
   bool wide_nofit = false;  // and the cluster kernel may take them first, as before session 33
   if (vec && cfg.nv == 2 && cfg.tpr > 512) {
     constexpr int kS = AsyncBounds<kWideRegTpb, false>::stages;
     const size_t need = bwd_async_stage_bytes(kS, 1, 2, cfg.tpr, V, static_cast<int>(sizeof(Tin)),
                                               static_cast<int>(sizeof(Tdy))) +
-                        (w != nullptr ? sizeof(float) * static_cast<size_t>((H + 3) & ~3) : 0);
+                        (w != nullptr ? psmem : 0);
     if (need > smem_limit()) {
       cfg = bwd_plan<V, RMS, kAsyncBwd, false>(H / V, vec);
       wide_nofit = true;
@@ -3386,7 +3388,6 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     // The weight cache (stage_weight) in front of it, when there is a weight and it fits, except for the
     // LayerNorm's shared-memory accumulator plans of 16-bit inputs: there it cost 2-7% (bf16 8192 and 16384
     // columns, H200, session 4 A/B), where RMSNorm gained 5-17%.
-    const size_t psmem = sizeof(float) * static_cast<size_t>((H + 3) & ~3);
     const bool pcache = w != nullptr && psmem <= kParamCacheBytes && !(!RMS && ACC && sizeof(Tin) == 2);
     // Launches kernel with smem_k bytes of dynamic shared memory, plus the weight cache when it fits too; a plan
     // that does not fit this device's shared memory at all runs the generic kernel.
