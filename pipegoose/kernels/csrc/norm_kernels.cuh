@@ -2722,6 +2722,9 @@ constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
   // 16-bit LayerNorm rows of 16384 columns and more: the two-kernel path (nv 0), 20-22% faster than the
   // shared-memory accumulator plan at 16384 columns (bf16, bf16 or fp32 parameters; H200, session 5 A/B), where
   // RMSNorm and fp32 inputs ran 11-36% slower on it.
+  // Measured and dropped (session 34, call 2; session34.log): 16-bit LayerNorm rows of 8200-16376 columns on the
+  // four-chunk register plan (ptxas sm_90: 128 registers, 28 bytes of spill stores, one block per SM) instead of the
+  // cluster kernel: 10-26 points slower (bf16 8704 / 12288 / 14336 columns 60.3 / 76.8 / 84.4 -> 50.3 / 57.6 / 60.3).
   if (!RMS && V == 8 && chunks * V >= 16384) return Cfg{};
   const int tpr4 = round_tpr(ceil_div(chunks, 4));
 #if defined(PIPEGOOSE_NORM_BWD_SMEM_ACC)
@@ -3402,6 +3405,11 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
       if (pc) smem_k += psmem;
       allow_smem(reinterpret_cast<const void*>(kernel), smem_k);
       const int occ = occupancy(reinterpret_cast<const void*>(kernel), threads, smem_k);
+      // Measured and dropped (session 34, call 2; session34.log): as few blocks as take the same number of row steps
+      // (16384 rows of two per block: 256 blocks of 32 steps, not 264 of 31-32): -2.3 to +1.2 points of copy at the
+      // sweep's 512-8192 columns (bf16 RMSNorm 4096: 89.0 -> 86.7, bf16 LayerNorm 512: 86.5 -> 87.7). The last,
+      // partial step costs little: bf16 LayerNorm 4096 columns over 16368 / 16384 / 16896 rows (31, 31.03, 32 steps
+      // of 264 blocks) ran 87.3 / 87.0 / 87.3% of copy.
       const int64_t P = std::max<int64_t>(1, std::min<int64_t>(ceil_div(rows, rpb), static_cast<int64_t>(sms) * occ));
       if (want_ws) ws = at::empty({NACC, P, H}, fopts);
       kernel<<<static_cast<unsigned>(P), threads, smem_k, stream>>>(
