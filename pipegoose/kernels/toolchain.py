@@ -398,10 +398,29 @@ def preflight(cache_dir: Path | None = None, *, need_cuda: bool = True) -> list[
             checks.append(Check("arch list", False, str(e), "fix or unset TORCH_CUDA_ARCH_LIST"))
     nj = ninja_path()
     checks.append(Check("ninja", nj is not None, nj or "not found", "" if nj else "pip install ninja"))
+    jobs = _max_jobs_check()
+    if jobs is not None:
+        checks.append(jobs)
     checks.append(_compiler_check(tv[0] if tv else None))
     if cache_dir is not None:
         checks.append(_writable_check(Path(cache_dir)))
     return checks
+
+
+def _max_jobs_check() -> Check | None:
+    """MAX_JOBS, which torch.utils.cpp_extension passes to ninja as ``-j`` when it is all digits and ignores
+    otherwise: a warning row for a value torch ignores or for 0 (ninja's -j 0 sets no limit); None when unset."""
+    v = os.environ.get("MAX_JOBS")
+    if v is None:
+        return None
+    fix = "set MAX_JOBS to a positive integer (compile jobs per build), or unset it"
+    if not v.isdigit():
+        return Check("MAX_JOBS", True, f"{v!r} is not a whole number: torch ignores it, and ninja runs its default "
+                     "number of jobs (the CPU count + 2)", fix, warn=True)
+    if int(v) == 0:
+        return Check("MAX_JOBS", True, "0: ninja -j 0 runs any number of compile jobs at once (no limit)", fix,
+                     warn=True)
+    return Check("MAX_JOBS", True, f"{int(v)} compile jobs per build")
 
 
 def _writable_check(path: Path) -> Check:

@@ -624,6 +624,23 @@ def test_cli_doctor_fails_on_a_bad_allow_modified_vendor(tiny):
     assert "PIPEGOOSE_ALLOW_MODIFIED_VENDOR FAIL 'maybe'" in out and "1/true/yes/on or 0/false/no/off" in out, out
 
 
+@pytest.mark.parametrize("value, ok", [("x", False), ("-1", False), ("0", False), ("2.5", False), ("4", True)])
+def test_preflight_max_jobs(fake_toolkit, monkeypatch, value, ok):
+    """MAX_JOBS=x was taken without a word, though torch ignores it (ninja then runs its default number of jobs),
+    and MAX_JOBS=0 sets no limit (session 33's walkthrough): a warning row naming the variable; a positive count an ok
+    row; no row when it is unset."""
+    monkeypatch.setenv("MAX_JOBS", value)
+    rows = [c for c in toolchain.preflight(None) if c.name == "MAX_JOBS"]
+    assert len(rows) == 1 and rows[0].ok and rows[0].warn == (not ok), rows
+    if ok:
+        assert rows[0].detail == "4 compile jobs per build"
+    else:
+        assert repr(value) in rows[0].detail or value == "0", rows[0]
+        assert "positive integer" in rows[0].fix
+    monkeypatch.delenv("MAX_JOBS")
+    assert not [c for c in toolchain.preflight(None) if c.name == "MAX_JOBS"]
+
+
 def test_from_name_checks_the_name_at_once(tiny):
     """KernelBuilder.from_name resolves the name when called: a typo raises KeyError with close matches there, not
     later at load(); a known alias or id gives the builder."""
