@@ -414,7 +414,7 @@ def _max_jobs_check() -> Check | None:
     if v is None:
         return None
     fix = "set MAX_JOBS to a positive integer (compile jobs per build), or unset it"
-    if not v.isdigit():
+    if not (v.isascii() and v.isdigit()):  # (int() of a non-ASCII digit such as '²' would raise)
         return Check("MAX_JOBS", True, f"{v!r} is not a whole number: torch ignores it, and ninja runs its default "
                      "number of jobs (the CPU count + 2)", fix, warn=True)
     if int(v) == 0:

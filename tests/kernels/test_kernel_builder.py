@@ -624,7 +624,8 @@ def test_cli_doctor_fails_on_a_bad_allow_modified_vendor(tiny):
     assert "PIPEGOOSE_ALLOW_MODIFIED_VENDOR FAIL 'maybe'" in out and "1/true/yes/on or 0/false/no/off" in out, out
 
 
-@pytest.mark.parametrize("value, ok", [("x", False), ("-1", False), ("0", False), ("2.5", False), ("4", True)])
+@pytest.mark.parametrize("value, ok", [("x", False), ("-1", False), ("0", False), ("2.5", False), ("\u00b2", False),
+                                       ("4", True)])
 def test_preflight_max_jobs(fake_toolkit, monkeypatch, value, ok):
     """MAX_JOBS=x was taken without a word, though torch ignores it (ninja then runs its default number of jobs),
     and MAX_JOBS=0 sets no limit (session 33's walkthrough): a warning row naming the variable; a positive count an ok
