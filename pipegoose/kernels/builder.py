@@ -164,7 +164,9 @@ class KernelBuilder:
             self.manifest = manifest
         else:
             self.manifest = load_manifest(manifest)
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else _cache.default_cache_dir()
+        # absolute: the build worker runs in the build's temp folder, where a relative path would name another place
+        self.cache_dir = (Path(cache_dir).expanduser().absolute() if cache_dir is not None
+                          else _cache.default_cache_dir())
         self.verbose = verbose
 
     @classmethod
@@ -423,8 +425,7 @@ class KernelBuilder:
             if not force and (info := _cache.is_complete(entry)):
                 return BuildResult(k, key, entry, info, built=False, seconds=time.monotonic() - t0)
             _cache.clean_stale_tmp(self.cache_dir, key)
-            if force and entry.exists():
-                shutil.rmtree(entry)
+            # (a forced rebuild keeps the entry there is until the new one replaces it: publish(replace=True))
             tmp = _cache.new_tmp_dir(self.cache_dir, key)
             try:
                 lib = self._compile(tmp, tc)
@@ -434,8 +435,9 @@ class KernelBuilder:
             info = {
                 "kernel": k.id, "key": key, "library": lib.name, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "seconds": round(time.monotonic() - t0, 2), "archs": tc.get("archs"), "inputs": self.key_inputs(tc),
+                "library_bytes": lib.stat().st_size, "library_sha256": _cache.file_digest(lib),
             }
-            entry = _cache.publish(tmp, self.cache_dir, key, info)
+            entry = _cache.publish(tmp, self.cache_dir, key, info, replace=force)
             # an earlier failure of this key is no longer what doctor should report
             shutil.rmtree(self.cache_dir / "failed" / key, ignore_errors=True)
             return BuildResult(k, key, entry, _cache.is_complete(entry) or info, built=True,

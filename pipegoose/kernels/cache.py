@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -57,9 +58,9 @@ def default_cache_dir() -> Path:
     """``$PIPEGOOSE_CACHE_DIR``, else ``$XDG_CACHE_HOME/pipegoose/kernels``, else ``~/.cache/pipegoose/kernels``."""
     env = os.environ.get("PIPEGOOSE_CACHE_DIR")
     if env:
-        return Path(env).expanduser()
+        return Path(env).expanduser().absolute()  # (the build worker runs in another folder)
     xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    base = Path(xdg).expanduser().absolute() if xdg else Path.home() / ".cache"
     return base / "pipegoose" / "kernels"
 
 
@@ -173,7 +174,15 @@ class BuildLock:
         self.path = self.dir / f"{key}.lock"
         self.owner_path = self.dir / f"{key}.owner.json"
         env_timeout = os.environ.get("PIPEGOOSE_BUILD_LOCK_TIMEOUT")
-        self.timeout = float(timeout if timeout is not None else env_timeout or 3600)
+        if timeout is None and env_timeout:
+            try:
+                timeout = float(env_timeout)
+            except ValueError:
+                timeout = math.nan
+            if not timeout > 0:  # (nan, 0, negative)
+                raise ValueError(f"PIPEGOOSE_BUILD_LOCK_TIMEOUT: expected a number of seconds > 0, got "
+                                 f"{env_timeout!r}")
+        self.timeout = float(timeout if timeout is not None else 3600)
         self.on_wait = on_wait
         self.soft = soft
         self.previous_owner: dict | None = None  # set when a dead owner's unfinished build was taken over
@@ -258,13 +267,26 @@ def entry_dir(cache_dir: Path, key: str) -> Path:
 
 
 def is_complete(entry: Path) -> dict | None:
-    """The build info of a published entry, or None when it is absent or incomplete."""
+    """The build info of a published entry, or None when it is absent or incomplete: no build info, no library, or
+    (entries published with them) a library whose size or sha256 is not the one recorded at publishing (a truncated
+    or damaged file, which dlopen could crash on with a bus error; the builder then builds the key again)."""
     try:
         info = json.loads((entry / BUILD_INFO).read_text())
     except (OSError, ValueError):
         return None
-    lib = entry / info.get("library", "")
-    return info if info.get("library") and lib.is_file() else None
+    if not isinstance(info, dict) or not isinstance(info.get("library"), str) or not info["library"]:
+        return None
+    lib = entry / info["library"]
+    try:
+        if not lib.is_file():
+            return None
+        if "library_bytes" in info and lib.stat().st_size != info["library_bytes"]:
+            return None
+        if "library_sha256" in info and file_digest(lib) != info["library_sha256"]:
+            return None
+    except OSError:
+        return None
+    return info
 
 
 def new_tmp_dir(cache_dir: Path, key: str) -> Path:
@@ -273,18 +295,25 @@ def new_tmp_dir(cache_dir: Path, key: str) -> Path:
     return d
 
 
-def publish(tmp: Path, cache_dir: Path, key: str, info: Mapping[str, Any]) -> Path:
+def publish(tmp: Path, cache_dir: Path, key: str, info: Mapping[str, Any], *, replace: bool = False) -> Path:
     """Write ``build.json`` into ``tmp`` and rename ``tmp`` to ``<cache>/<key>`` in one step.
 
-    The caller holds the key's :class:`BuildLock`; an existing complete entry wins (``tmp`` is removed).
+    The caller holds the key's :class:`BuildLock`; an existing complete entry wins (``tmp`` is removed), unless
+    ``replace`` (a forced rebuild): then the old entry is moved aside and removed only once ``tmp`` took its place, so
+    that a rebuild that is killed or fails keeps the build there was.
     """
     (tmp / BUILD_INFO).write_text(json.dumps(dict(info), indent=1, sort_keys=True, default=str))
     final = entry_dir(cache_dir, key)
-    if is_complete(final):
+    if not replace and is_complete(final):
         shutil.rmtree(tmp, ignore_errors=True)
         return final
-    if final.exists():  # an incomplete leftover (not produced by this code, which renames whole folders)
-        shutil.rmtree(final)
+    if final.exists():  # replaced, or an incomplete or damaged leftover
+        # aside under a temp-folder name of this process, which `clean` removes should this process die now
+        old = final.with_name(f"{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        return final
     os.rename(tmp, final)
     return final
 

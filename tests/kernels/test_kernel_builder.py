@@ -426,6 +426,57 @@ def test_build_removes_killed_builds_temp_folder(tiny):
     assert not dead.exists() and live.is_dir()
 
 
+def test_relative_cache_dir_forced_rebuild_and_damaged_library(tiny, monkeypatch, tmp_path):
+    """From session 34's walkthrough: a relative cache folder failed every build (the worker runs elsewhere: spec.json
+    not found); `build --force` removed the cached build before compiling, so a killed or failed rebuild left none;
+    a truncated cached library was taken as cached and crashed the process in dlopen (bus error). Now the folder is
+    made absolute, a forced rebuild replaces the old entry only once it is built, and a library whose size or sha256
+    differs from the one recorded at publishing is built again."""
+    manifest, op, _ = tiny
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIPEGOOSE_CACHE_DIR", "relative-default")
+    assert cache.default_cache_dir() == tmp_path / "relative-default"
+    b = KernelBuilder("tiny", manifest=manifest, cache_dir="relcache")
+    assert b.cache_dir == tmp_path / "relcache"
+    first = b.build()
+    assert first.built and cache.is_complete(first.entry)
+    lib = first.entry / first.info["library"]
+    assert first.info["library_bytes"] == lib.stat().st_size and first.info["library_sha256"] == cache.file_digest(lib)
+
+    def failing_compile(self, tmp, tc):
+        raise KernelBuildError("tiny: compile failed (test)", None)
+
+    with monkeypatch.context() as m:
+        m.setattr(KernelBuilder, "_compile", failing_compile)
+        with pytest.raises(KernelBuildError, match="compile failed"):
+            b.build(force=True)
+    assert cache.is_complete(first.entry) and cache.file_digest(lib) == first.info["library_sha256"]
+    assert not b.build().built  # the old build is still the cached one
+
+    good = lib.read_bytes()
+    lib.write_bytes(good[:1000])  # truncated
+    assert cache.is_complete(first.entry) is None
+    again = b.build()
+    assert again.built and again.entry == first.entry and cache.is_complete(again.entry)
+    flipped = bytearray(lib.read_bytes())
+    flipped[len(flipped) // 2] ^= 0xFF  # same size, other bytes
+    lib.write_bytes(bytes(flipped))
+    assert cache.is_complete(first.entry) is None
+    assert not [d for d in (tmp_path / "relcache").iterdir() if ".tmp-" in d.name]
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "nan"])
+def test_bad_build_lock_timeout_names_the_variable(tmp_path, monkeypatch, value):
+    """PIPEGOOSE_BUILD_LOCK_TIMEOUT=abc failed a build with a bare 'could not convert string to float' (session 34's
+    walkthrough)."""
+    monkeypatch.setenv("PIPEGOOSE_BUILD_LOCK_TIMEOUT", value)
+    with pytest.raises(ValueError, match=f"^PIPEGOOSE_BUILD_LOCK_TIMEOUT: expected a number of seconds > 0, got "
+                                         f"'{value}'$"):
+        cache.BuildLock(tmp_path, "k-0123456789abcdef01234567")
+    monkeypatch.setenv("PIPEGOOSE_BUILD_LOCK_TIMEOUT", "12.5")
+    assert cache.BuildLock(tmp_path, "k-0123456789abcdef01234567").timeout == 12.5
+
+
 # ------------------------------------------------------------------------------------------------- builds
 
 _LOAD = textwrap.dedent("""\
