@@ -20,6 +20,7 @@ Local sources (``pipegoose``) are recorded the same way; their files are hashed 
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from typing import Any
 import yaml
 
 from .errors import PortError
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 __all__ = ["Lock", "LockedSource", "LockedKernel", "LOCK_HEADER"]
 
@@ -85,6 +88,19 @@ class Lock:
         for kid, k in lock.kernels.items():
             if k.source not in lock.sources:
                 raise PortError(f"{path.name}: kernels.{kid}.source: {k.source!r} has no entry under sources")
+        # every recorded path inside its folder (vendor/<source>/, LICENSES/<source>/) and every hash a sha256: a
+        # hand-edited key such as /etc/passwd or ../../x made verify hash files outside the repository
+        entries = [(f"kernels.{kid}.files", f, h) for kid, k in lock.kernels.items() for f, h in k.files.items()]
+        entries += [(f"sources.{sid}.license_files", f, h) for sid, s in lock.sources.items()
+                    for f, h in s.license_files.items()]
+        for where, f, h in entries:
+            parts = str(f).split("/")
+            if not isinstance(f, str) or "\\" in f or any(part in ("", ".", "..") for part in parts):
+                raise PortError(f"{path.name}: {where}: {f!r}: expected a relative path inside the source's folder "
+                                "(no leading /, no empty, . or .. parts); restore it from git or re-run `port.py add`")
+            if not (isinstance(h, str) and _SHA256.fullmatch(h)):
+                raise PortError(f"{path.name}: {where}[{f!r}]: expected a sha256 (64 lowercase hex digits), got "
+                                f"{h!r}; restore it from git or re-run `port.py add`")
         return lock
 
     def copy(self) -> "Lock":

@@ -67,6 +67,14 @@ def _short_pin(pin) -> str:
     return f"local:{pin.get('path', '?')}"
 
 
+def _shown_digits(a: str, b: str) -> int:
+    """How many leading hex digits of two different hashes to show so that they differ (12 at least)."""
+    n = 12
+    while n < max(len(a), len(b)) and a[:n] == b[:n]:
+        n += 8
+    return n
+
+
 def _write_staged(path: Path, data: bytes) -> None:
     """Write one staged file (a separate function so tests can interrupt a port mid-copy)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -469,6 +477,10 @@ class Porter:
                 probs.append(Problem("stale", f"sources.{sid}", "in kernels.lock but not in kernels.yaml"))
             elif dict(m.pin) != dict(s.pin):
                 probs.append(Problem("stale", f"sources.{sid}", f"kernels.lock pin {s.pin} != kernels.yaml pin {dict(m.pin)}"))
+            elif m.license != s.license:
+                probs.append(Problem("stale", f"sources.{sid}", f"kernels.yaml license {m.license} != kernels.lock "
+                                     f"license {s.license}: `python tools/port.py add` of its kernels checks the "
+                                     "source's license file against the declared one and records it"))
             base, lic = self.vendor_dir(sid), self.license_dir(sid)
             checks = [(base, f, h) for f, h in lock.files_of_source(sid).items()]
             checks += [(lic, f, h) for f, h in s.license_files.items()]
@@ -480,7 +492,9 @@ class Porter:
                 elif sha256_file(p) != h:
                     fix = (f"; this project's own file: re-record it with `python tools/port.py add` of its kernel"
                            if self._is_local(sid) else "; `python tools/port.py sync` restores it")
-                    probs.append(Problem("differs", shown, f"sha256 {sha256_file(p)[:12]}…, kernels.lock {h[:12]}…{fix}"))
+                    got = sha256_file(p)
+                    n = _shown_digits(got, h)
+                    probs.append(Problem("differs", shown, f"sha256 {got[:n]}…, kernels.lock {h[:n]}…{fix}"))
         # extra files: anything under vendor/ and LICENSES/ that no lock entry explains
         expected = {"vendor": lambda sid: lock.files_of_source(sid),
                     "LICENSES": lambda sid: lock.sources[sid].license_files}
@@ -526,7 +540,8 @@ class Porter:
                 out.append(KernelState(kid, sid, project, lic, pin, "declared"))
                 continue
             ls = lock.sources[sid]
-            if k is None or src is None or set(k.files) != set(lk.files) or dict(src.pin) != dict(ls.pin):
+            if (k is None or src is None or set(k.files) != set(lk.files) or dict(src.pin) != dict(ls.pin)
+                    or src.license != ls.license):
                 out.append(KernelState(kid, sid, project, lic, pin, "stale", "kernels.yaml changed since it was locked"))
                 continue
             base, licd = self.vendor_dir(sid), self.license_dir(sid)

@@ -207,6 +207,42 @@ def test_verify_names_differing_missing_and_extra_files(git_repo):
     assert p.verify() == []
 
 
+def test_verify_checks_the_license_and_the_lock_paths_and_hashes(git_repo):
+    """Session 34's walkthrough: a license changed in kernels.yaml passed verify (and showed as verified in list); a
+    lock key such as /etc/passwd or ../x made verify hash a file outside vendor/, and a lock hash of 'xyz' was
+    taken; a lock hash edited in its last digit showed as two equal 12-digit prefixes."""
+    repo = git_repo
+    p = repo.porter()
+    p.add(["alpha"])
+    yml = repo.root / "kernels.yaml"
+    text = yml.read_text()
+    yml.write_text(text.replace("license: Apache-2.0", "license: MIT", 1))
+    p = repo.porter()
+    probs = [(pr.kind, pr.path, pr.detail) for pr in p.verify()]
+    assert [(k, path) for k, path, _ in probs] == [("stale", "sources.up")], probs
+    assert "kernels.yaml license MIT != kernels.lock license Apache-2.0" in probs[0][2]
+    assert {s.id: s.state for s in p.states()} == {"up/alpha": "stale", "up/beta": "declared"}
+    yml.write_text(text)
+
+    lock_path = repo.root / "kernels.lock"
+    good = lock_path.read_text()
+    key, digest = next((k, h) for k, h in yaml.safe_load(good)["kernels"]["up/alpha"]["files"].items())
+    for bad_key in ("/etc/passwd", "../../outside.h", "csrc/./x.h"):
+        lock_path.write_text(good.replace(f"{key}:", f"{bad_key}:", 1))
+        with pytest.raises(PortError, match=r"kernels.up/alpha.files: .*expected a relative path inside"):
+            repo.porter().verify()
+    lock_path.write_text(good.replace(digest, "xyz", 1))
+    with pytest.raises(PortError, match=r"expected a sha256 \(64 lowercase hex digits\), got 'xyz'"):
+        repo.porter().verify()
+    edited = digest[:-1] + ("0" if digest[-1] != "0" else "1")
+    lock_path.write_text(good.replace(digest, edited, 1))
+    (detail,) = [pr.detail for pr in repo.porter().verify() if pr.kind == "differs"]
+    shown = re.findall(r"[0-9a-f]{12,}", detail)
+    assert len(shown) == 2 and shown[0] != shown[1], detail
+    lock_path.write_text(good)
+    assert repo.porter().verify() == []
+
+
 def test_wrong_sha256_changes_nothing(repo):
     src, sd = sdist_source(repo)
     repo.write_manifest(src.replace(sha256(sd.read_bytes()), "f" * 64), K_ALPHA)
