@@ -359,6 +359,13 @@ class Porter:
             if not lock.kernels and not all_kernels:
                 raise PortError(f"{self.lock_path.name} has no kernels yet: run `python tools/port.py sync --all` "
                                 "or `python tools/port.py add <id>`")
+            new_ids = [k for k in self.manifest.kernels if k not in lock.kernels] if all_kernels else []
+            used = {lk.source for lk in lock.kernels.values()} | {self.manifest.kernels[k].source for k in new_ids}
+            for sid in lock.sources:
+                if sid not in used:  # (remove drops a source with its last kernel: this lock was edited by hand)
+                    raise PortError(f"kernels.lock: sources.{sid}: no kernel of kernels.lock comes from it (a kernel "
+                                    "entry removed by hand?): restore kernels.lock from git, or `python tools/port.py "
+                                    f"add` the kernels of {sid} again (`sync --all` adds every kernel)")
             for kid, lk in lock.kernels.items():
                 k = self.manifest.kernels.get(kid)
                 if k is None:
@@ -369,7 +376,6 @@ class Porter:
                                     f"run `python tools/port.py add {kid}`")
             for sid in lock.sources:
                 self._check_pin(lock, sid)
-            new_ids = [k for k in self.manifest.kernels if k not in lock.kernels] if all_kernels else []
             new, trees = self._plan_add(lock, new_ids)
             result = {"added": new_ids, "vendored": [], "restored": [], "ok": [], "differs": []}
             for sid in sorted(new.sources):
@@ -471,8 +477,13 @@ class Porter:
                 minus = sorted(set(lk.files) - set(k.files))
                 probs.append(Problem("stale", kid, "kernels.yaml files changed: "
                                      + ", ".join([f"+{f}" for f in plus] + [f"-{f}" for f in minus])))
+        used = {lk.source for lk in lock.kernels.values()}
         for sid, s in sorted(lock.sources.items()):
             m = self.manifest.sources.get(sid)
+            if sid not in used:
+                probs.append(Problem("stale", f"sources.{sid}", "no kernel of kernels.lock comes from it (a kernel entry "
+                                     "removed by hand?): restore kernels.lock from git, or `python tools/port.py add` "
+                                     "its kernels again"))
             if m is None:
                 probs.append(Problem("stale", f"sources.{sid}", "in kernels.lock but not in kernels.yaml"))
             elif dict(m.pin) != dict(s.pin):

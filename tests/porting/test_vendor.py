@@ -243,6 +243,26 @@ def test_verify_checks_the_license_and_the_lock_paths_and_hashes(git_repo):
     assert repo.porter().verify() == []
 
 
+def test_sync_refuses_a_locked_source_without_kernels(git_repo):
+    """A kernel entry deleted from kernels.lock by hand, its source kept: sync printed "re-vendored" and removed the
+    source's vendor/ and LICENSES/ folders, after which verify failed (session 34's walkthrough). Now sync refuses,
+    naming the source, and changes nothing; verify names it too."""
+    repo = git_repo
+    p = repo.porter()
+    p.add(["alpha"])
+    lock_path = repo.root / "kernels.lock"
+    data = yaml.safe_load(lock_path.read_text())
+    del data["kernels"]["up/alpha"]
+    data["kernels"]["up/beta"] = {"source": "other", "files": {}}  # the lock's other kernels, of another source
+    data["sources"]["other"] = dict(data["sources"]["up"], license_files={})
+    lock_path.write_text(yaml.safe_dump(data))
+    before = repo.snapshot()
+    with pytest.raises(PortError, match=r"kernels.lock: sources.up: no kernel of kernels.lock comes from it"):
+        repo.porter().sync()
+    assert repo.snapshot() == before
+    assert ("stale", "sources.up") in {(pr.kind, pr.path) for pr in repo.porter().verify()}
+
+
 def test_wrong_sha256_changes_nothing(repo):
     src, sd = sdist_source(repo)
     repo.write_manifest(src.replace(sha256(sd.read_bytes()), "f" * 64), K_ALPHA)
