@@ -70,6 +70,22 @@ def _doctor(args) -> int:
         bad += 1
         checks.add_row("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "[red]FAIL[/]", f"{allow!r}",
                        "set it to 1/true/yes/on or 0/false/no/off, or unset it")
+    # the dispatcher's variables (PIPEGOOSE_IMPL_*, PIPEGOOSE_STRICT, PIPEGOOSE_SMALL_NUMEL, the norm kernels'): a bad
+    # value is otherwise an error only at the first call of the op it applies to
+    import warnings
+
+    from pipegoose.nn.fusion import dispatch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # unknown names: the line below the tables says them
+        try:
+            dispatch.check_env()
+        except ValueError as e:
+            bad += 1
+            checks.add_row("dispatcher variables", "[red]FAIL[/]", str(e), "fix the value, or unset the variable")
+        else:
+            checks.add_row("dispatcher variables", "[green]ok[/]", "PIPEGOOSE_IMPL_*, PIPEGOOSE_STRICT, "
+                           "PIPEGOOSE_SMALL_NUMEL, PIPEGOOSE_NORM_*", "")
     console.print(checks)
 
     manifest, builders = _builders(args, None)

@@ -675,6 +675,21 @@ def test_cli_doctor_fails_on_a_bad_allow_modified_vendor(tiny):
     assert "PIPEGOOSE_ALLOW_MODIFIED_VENDOR FAIL 'maybe'" in out and "1/true/yes/on or 0/false/no/off" in out, out
 
 
+@pytest.mark.parametrize("var, value", [("PIPEGOOSE_IMPL_LAYER_NORM", "foo"), ("PIPEGOOSE_STRICT", "maybe"),
+                                        ("PIPEGOOSE_SMALL_NUMEL", "abc")])
+def test_cli_doctor_checks_the_dispatcher_variables(tiny, var, value):
+    """doctor exited 0 without a word on a bad PIPEGOOSE_IMPL_*, PIPEGOOSE_STRICT or PIPEGOOSE_SMALL_NUMEL, which fail
+    the first call of an op (session 34's walkthrough): a failed preflight row naming the variable, exit 1."""
+    manifest, _op, cache_dir = tiny
+    cli = [sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "doctor"]
+    env = {**_env(cache_dir), "COLUMNS": "400"}
+    p = subprocess.run(cli, capture_output=True, text=True, env={**env, var: value}, timeout=300)
+    out = " ".join(p.stdout.replace("│", " ").split())
+    assert p.returncode == 1 and "dispatcher variables FAIL" in out and var in out and value in out, out + p.stderr
+    ok = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=300)
+    assert ok.returncode == 0 and "dispatcher variables ok" in " ".join(ok.stdout.replace("│", " ").split()), ok.stdout
+
+
 @pytest.mark.parametrize("value, ok", [("x", False), ("-1", False), ("0", False), ("2.5", False), ("\u00b2", False),
                                        ("4", True)])
 def test_preflight_max_jobs(fake_toolkit, monkeypatch, value, ok):
