@@ -318,12 +318,12 @@ class Porter:
         return self._source_verifies(lock, src.id)
 
     @staticmethod
-    def _getting(src) -> str:
+    def _getting(src, offline: bool = False) -> str:
         """The progress line of reading a source's files (it said "fetching" also for our own files and for an
         sdist or repository already in the download cache)."""
         if src.is_local:
             return f"reading {src.describe_pin()}"
-        return f"getting {src.describe_pin()} (from the download cache, else the network)"
+        return f"getting {src.describe_pin()} (from the download cache{'' if offline else ', else the network'})"
 
     def _plan_add(self, lock: Lock, ids: list[str]) -> tuple[Lock, dict[str, SourceTree | None]]:
         new = lock.copy()
@@ -333,7 +333,7 @@ class Porter:
             src = self.manifest.sources[k.source]
             self._check_pin(lock, src.id)
             if src.id not in trees:
-                self.log(self._getting(src))
+                self.log(self._getting(src, self.fetcher.offline))
                 trees[src.id] = self.fetcher.tree(src)
             tree = trees[src.id]
             lic = self.check_license(src, tree)
@@ -393,7 +393,7 @@ class Porter:
                     result["differs"].append(sid)
                     continue
                 present = any(p.is_file() for d in (self.vendor_dir(sid), self.license_dir(sid)) for p in d.rglob("*"))
-                self.log(self._getting(src))
+                self.log(self._getting(src, self.fetcher.offline))
                 trees[sid] = self.fetcher.tree(src, new.sources[sid].pin)
                 result["restored" if present else "vendored"].append(sid)
             self._commit(lock, new, trees)

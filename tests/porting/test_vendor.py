@@ -89,9 +89,12 @@ def test_sync_restores_from_cache_without_network(sdist_repo):
     shutil.rmtree(repo.root / "LICENSES")
     # the index disappears: only the download cache can serve
     shutil.rmtree(Path(repo.index_url[len("file://"):]))
-    r = repo.porter(offline=True).sync()
+    lines = []
+    r = repo.porter(offline=True, log=lines.append).sync()
     # absent (a fresh clone): "vendored", not "re-vendored"
     assert r["vendored"] == ["up"] and r["restored"] == []
+    # offline, the progress line does not promise the network (session 34's walkthrough)
+    assert [ln for ln in lines if ln.startswith("getting ")] and not [ln for ln in lines if "network" in ln], lines
     assert repo.snapshot() == before
     assert repo.porter().verify() == []
     # nothing to do the second time: no fetch at all
