@@ -76,6 +76,8 @@ def cmd_sync(a) -> int:
     if r["restored"]:
         done.append(f"re-vendored {', '.join(r['restored'])} (their files differed from kernels.lock)")
     done.append(f"already in place {', '.join(r['ok']) or 'none'}")
+    if r.get("dropped"):
+        done.append(f"dropped {', '.join(r['dropped'])} (no vendored kernel comes from it any more)")
     out.print("sync: " + "; ".join(done), markup=False)
     if r.get("differs"):
         out.print(f"sync: this project's own files differ from kernels.lock (verify fails): {', '.join(r['differs'])}; "

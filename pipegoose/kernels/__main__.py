@@ -76,16 +76,24 @@ def _doctor(args) -> int:
 
     from pipegoose.nn.fusion import dispatch
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # unknown names: the line below the tables says them
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         try:
             dispatch.check_env()
         except ValueError as e:
             bad += 1
             checks.add_row("dispatcher variables", "[red]FAIL[/]", str(e), "fix the value, or unset the variable")
         else:
+            # (what check_env checks: dispatch.check_env, check_kernel_env)
             checks.add_row("dispatcher variables", "[green]ok[/]", "PIPEGOOSE_IMPL_*, PIPEGOOSE_STRICT, "
-                           "PIPEGOOSE_SMALL_NUMEL, PIPEGOOSE_NORM_*", "")
+                           "PIPEGOOSE_SMALL_NUMEL, PIPEGOOSE_NORM_CLUSTERS, PIPEGOOSE_NORM_SMEM_LIMIT", "")
+    try:  # read when a build waits for another's lock
+        cache.BuildLock(cache_dir, "doctor")
+    except ValueError as e:
+        bad += 1
+        checks.add_row("PIPEGOOSE_BUILD_LOCK_TIMEOUT", "[red]FAIL[/]", str(e), "fix the value, or unset it")
+    # a PIPEGOOSE_IMPL_* name of no op (the other unknown names: the line below the tables)
+    impl_names = [str(w.message) for w in caught if str(w.message).startswith("PIPEGOOSE_IMPL_")]
     console.print(checks)
 
     manifest, builders = _builders(args, None)
@@ -105,6 +113,8 @@ def _doctor(args) -> int:
     console.print(kt)
     from pipegoose._env import unknown_names
 
+    for msg in impl_names:
+        console.print(msg, style="yellow", markup=False)
     for name, close in unknown_names():  # a misspelt PIPEGOOSE_CACHE_DIR, say, is otherwise ignored without a word
         console.print(f"[yellow]{name}[/]: pipegoose reads no variable of that name, so it is ignored"
                       + (f"; did you mean {close}?" if close else ""))

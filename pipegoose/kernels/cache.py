@@ -60,7 +60,8 @@ def default_cache_dir() -> Path:
     if env:
         return Path(env).expanduser().absolute()  # (the build worker runs in another folder)
     xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser().absolute() if xdg else Path.home() / ".cache"
+    # (the XDG base directory spec: a relative XDG_CACHE_HOME is invalid and ignored)
+    base = Path(xdg).expanduser() if xdg and Path(xdg).expanduser().is_absolute() else Path.home() / ".cache"
     return base / "pipegoose" / "kernels"
 
 
@@ -179,8 +180,8 @@ class BuildLock:
                 timeout = float(env_timeout)
             except ValueError:
                 timeout = math.nan
-            if not timeout > 0:  # (nan, 0, negative)
-                raise ValueError(f"PIPEGOOSE_BUILD_LOCK_TIMEOUT: expected a number of seconds > 0, got "
+            if not timeout >= 0:  # (nan, negative; 0: do not wait)
+                raise ValueError(f"PIPEGOOSE_BUILD_LOCK_TIMEOUT: expected a number of seconds >= 0, got "
                                  f"{env_timeout!r}")
         self.timeout = float(timeout if timeout is not None else 3600)
         self.on_wait = on_wait
@@ -311,7 +312,11 @@ def publish(tmp: Path, cache_dir: Path, key: str, info: Mapping[str, Any], *, re
         # aside under a temp-folder name of this process, which `clean` removes should this process die now
         old = final.with_name(f"{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         os.rename(final, old)
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            os.rename(old, final)  # the build there was stays
+            raise
         shutil.rmtree(old, ignore_errors=True)
         return final
     os.rename(tmp, final)

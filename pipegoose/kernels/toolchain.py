@@ -408,19 +408,24 @@ def preflight(cache_dir: Path | None = None, *, need_cuda: bool = True) -> list[
 
 
 def _max_jobs_check() -> Check | None:
-    """MAX_JOBS, which torch.utils.cpp_extension passes to ninja as ``-j`` when it is all digits and ignores
-    otherwise: a warning row for a value torch ignores or for 0 (ninja's -j 0 sets no limit); None when unset."""
+    """MAX_JOBS as torch.utils.cpp_extension reads it: ``-j int(MAX_JOBS)`` for ninja when ``str.isdigit()`` holds
+    (Unicode digits too), else ignored. A failed row where that int() fails (every build would), a warning row for a
+    value torch ignores or for 0 (ninja's -j 0 sets no limit); None when unset."""
     v = os.environ.get("MAX_JOBS")
     if v is None:
         return None
     fix = "set MAX_JOBS to a positive integer (compile jobs per build), or unset it"
-    if not (v.isascii() and v.isdigit()):  # (int() of a non-ASCII digit such as '²' would raise)
+    if not v.isdigit():
         return Check("MAX_JOBS", True, f"{v!r} is not a whole number: torch ignores it, and ninja runs its default "
                      "number of jobs (the CPU count + 2)", fix, warn=True)
-    if int(v) == 0:
+    try:
+        jobs = int(v)
+    except ValueError:  # digits int() does not take, such as '²': torch's int() raises in every build
+        return Check("MAX_JOBS", False, f"{v!r}: torch reads it as a number of jobs, and int() fails on it", fix)
+    if jobs == 0:
         return Check("MAX_JOBS", True, "0: ninja -j 0 runs any number of compile jobs at once (no limit)", fix,
                      warn=True)
-    return Check("MAX_JOBS", True, f"{int(v)} compile jobs per build")
+    return Check("MAX_JOBS", True, f"{jobs} compile jobs per build")
 
 
 def _writable_check(path: Path) -> Check:

@@ -27,6 +27,8 @@ from typing import Any
 
 import yaml
 
+from ..kernels.manifest import _SOURCE_ID
+
 from .errors import PortError
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -85,6 +87,10 @@ class Lock:
                 lock.kernels[kid] = LockedKernel(k["source"], dict(k["files"]))
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise PortError(f"{path.name}: malformed entry ({e!r}); restore it from git or re-run `port.py add`") from None
+        for sid in lock.sources:  # (a source id names folders: vendor/<id>, LICENSES/<id>)
+            if not (isinstance(sid, str) and _SOURCE_ID.fullmatch(sid)):
+                raise PortError(f"{path.name}: sources: {sid!r}: expected a source id as kernels.yaml's (lowercase "
+                                "letters, digits, '_', '.', '-'); restore it from git or re-run `port.py add`")
         for kid, k in lock.kernels.items():
             if k.source not in lock.sources:
                 raise PortError(f"{path.name}: kernels.{kid}.source: {k.source!r} has no entry under sources")

@@ -277,6 +277,26 @@ class Porter:
             finally:
                 self.committed = self.committed or tx.committed
 
+    def _drop_unused_sources(self, new: Lock) -> list[str]:
+        """Drop from ``new`` the sources that none of its kernels comes from any more (a kernel moved to another
+        source by kernels.yaml and added again, or a kernel entry deleted from kernels.lock by hand), as ``remove``
+        does with a source's last kernel; returns their ids, logged."""
+        dropped = sorted(sid for sid in new.sources if not new.kernels_of(sid))
+        for sid in dropped:
+            del new.sources[sid]
+            self.log(f"dropped source {sid} from kernels.lock: no vendored kernel comes from it any more")
+        return dropped
+
+    def _stage_dropped(self, tx: Transaction, sids: list[str]) -> None:
+        """Delete the vendor/ and LICENSES/ folders of dropped sources (not this project's own files)."""
+        for sid in sids:
+            src = self.manifest.sources.get(sid)
+            if src is not None and src.is_local:
+                continue
+            for d in (self.vendor_dir(sid), self.license_dir(sid)):
+                if d.exists():
+                    tx.stage_delete(d)
+
     # ------------------------------------------------------------------------------------------------------
     # operations
     # ------------------------------------------------------------------------------------------------------
@@ -295,7 +315,8 @@ class Porter:
             ids = [kid for kid in ids if kid not in in_place]
             if ids:
                 new, trees = self._plan_add(lock, ids)
-                self._commit(lock, new, trees)
+                dropped = self._drop_unused_sources(new)
+                self._commit(lock, new, trees, extra=lambda tx: self._stage_dropped(tx, dropped))
         for kid in in_place:
             self.log(f"{kid} is already vendored at {self.manifest.sources[self.manifest.kernels[kid].source].describe_pin()}"
                      " and verifies: nothing fetched")
@@ -360,12 +381,6 @@ class Porter:
                 raise PortError(f"{self.lock_path.name} has no kernels yet: run `python tools/port.py sync --all` "
                                 "or `python tools/port.py add <id>`")
             new_ids = [k for k in self.manifest.kernels if k not in lock.kernels] if all_kernels else []
-            used = {lk.source for lk in lock.kernels.values()} | {self.manifest.kernels[k].source for k in new_ids}
-            for sid in lock.sources:
-                if sid not in used:  # (remove drops a source with its last kernel: this lock was edited by hand)
-                    raise PortError(f"kernels.lock: sources.{sid}: no kernel of kernels.lock comes from it (a kernel "
-                                    "entry removed by hand?): restore kernels.lock from git, or `python tools/port.py "
-                                    f"add` the kernels of {sid} again (`sync --all` adds every kernel)")
             for kid, lk in lock.kernels.items():
                 k = self.manifest.kernels.get(kid)
                 if k is None:
@@ -375,9 +390,11 @@ class Porter:
                     raise PortError(f"kernels.lock: {kid}: kernels.yaml's file list changed since it was vendored: "
                                     f"run `python tools/port.py add {kid}`")
             for sid in lock.sources:
-                self._check_pin(lock, sid)
+                if lock.kernels_of(sid):  # (a source no locked kernel comes from is dropped below, pin or not)
+                    self._check_pin(lock, sid)
             new, trees = self._plan_add(lock, new_ids)
-            result = {"added": new_ids, "vendored": [], "restored": [], "ok": [], "differs": []}
+            dropped = self._drop_unused_sources(new)
+            result = {"added": new_ids, "vendored": [], "restored": [], "ok": [], "differs": [], "dropped": dropped}
             for sid in sorted(new.sources):
                 src = self.manifest.sources[sid]
                 if sid in trees:
@@ -396,7 +413,7 @@ class Porter:
                 self.log(self._getting(src, self.fetcher.offline))
                 trees[sid] = self.fetcher.tree(src, new.sources[sid].pin)
                 result["restored" if present else "vendored"].append(sid)
-            self._commit(lock, new, trees)
+            self._commit(lock, new, trees, extra=lambda tx: self._stage_dropped(tx, dropped))
             result["stray"] = self._stray_top_entries(new)
         return result
 
@@ -481,9 +498,8 @@ class Porter:
         for sid, s in sorted(lock.sources.items()):
             m = self.manifest.sources.get(sid)
             if sid not in used:
-                probs.append(Problem("stale", f"sources.{sid}", "no kernel of kernels.lock comes from it (a kernel entry "
-                                     "removed by hand?): restore kernels.lock from git, or `python tools/port.py add` "
-                                     "its kernels again"))
+                probs.append(Problem("stale", f"sources.{sid}", "no kernel of kernels.lock comes from it: `python "
+                                     "tools/port.py sync` drops it and its folders (or restore kernels.lock from git)"))
             if m is None:
                 probs.append(Problem("stale", f"sources.{sid}", "in kernels.lock but not in kernels.yaml"))
             elif dict(m.pin) != dict(s.pin):

@@ -435,9 +435,12 @@ def test_relative_cache_dir_forced_rebuild_and_damaged_library(tiny, monkeypatch
     manifest, op, _ = tiny
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PIPEGOOSE_CACHE_DIR", "relative-default")
-    assert cache.default_cache_dir() == tmp_path / "relative-default"
+    assert cache.default_cache_dir() == Path.cwd() / "relative-default"
+    monkeypatch.delenv("PIPEGOOSE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative-xdg")  # invalid by the XDG spec: ignored
+    assert cache.default_cache_dir() == Path.home() / ".cache" / "pipegoose" / "kernels"
     b = KernelBuilder("tiny", manifest=manifest, cache_dir="relcache")
-    assert b.cache_dir == tmp_path / "relcache"
+    assert b.cache_dir == Path.cwd() / "relcache"
     first = b.build()
     assert first.built and cache.is_complete(first.entry)
     lib = first.entry / first.info["library"]
@@ -452,6 +455,10 @@ def test_relative_cache_dir_forced_rebuild_and_damaged_library(tiny, monkeypatch
             b.build(force=True)
     assert cache.is_complete(first.entry) and cache.file_digest(lib) == first.info["library_sha256"]
     assert not b.build().built  # the old build is still the cached one
+    (first.entry / "marker").write_text("")  # a forced build that succeeds replaces the entry
+    forced = b.build(force=True)
+    assert forced.built and forced.entry == first.entry and not (first.entry / "marker").exists()
+    assert cache.is_complete(forced.entry)
 
     good = lib.read_bytes()
     lib.write_bytes(good[:1000])  # truncated
@@ -465,16 +472,17 @@ def test_relative_cache_dir_forced_rebuild_and_damaged_library(tiny, monkeypatch
     assert not [d for d in (tmp_path / "relcache").iterdir() if ".tmp-" in d.name]
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-5", "nan"])
+@pytest.mark.parametrize("value", ["abc", "-5", "nan"])
 def test_bad_build_lock_timeout_names_the_variable(tmp_path, monkeypatch, value):
     """PIPEGOOSE_BUILD_LOCK_TIMEOUT=abc failed a build with a bare 'could not convert string to float' (session 34's
-    walkthrough)."""
+    walkthrough); 0 (do not wait) stays allowed."""
     monkeypatch.setenv("PIPEGOOSE_BUILD_LOCK_TIMEOUT", value)
-    with pytest.raises(ValueError, match=f"^PIPEGOOSE_BUILD_LOCK_TIMEOUT: expected a number of seconds > 0, got "
+    with pytest.raises(ValueError, match=f"^PIPEGOOSE_BUILD_LOCK_TIMEOUT: expected a number of seconds >= 0, got "
                                          f"'{value}'$"):
         cache.BuildLock(tmp_path, "k-0123456789abcdef01234567")
-    monkeypatch.setenv("PIPEGOOSE_BUILD_LOCK_TIMEOUT", "12.5")
-    assert cache.BuildLock(tmp_path, "k-0123456789abcdef01234567").timeout == 12.5
+    for ok, want in (("12.5", 12.5), ("0", 0.0)):
+        monkeypatch.setenv("PIPEGOOSE_BUILD_LOCK_TIMEOUT", ok)
+        assert cache.BuildLock(tmp_path, "k-0123456789abcdef01234567").timeout == want
 
 
 # ------------------------------------------------------------------------------------------------- builds
@@ -676,7 +684,7 @@ def test_cli_doctor_fails_on_a_bad_allow_modified_vendor(tiny):
 
 
 @pytest.mark.parametrize("var, value", [("PIPEGOOSE_IMPL_LAYER_NORM", "foo"), ("PIPEGOOSE_STRICT", "maybe"),
-                                        ("PIPEGOOSE_SMALL_NUMEL", "abc")])
+                                        ("PIPEGOOSE_SMALL_NUMEL", "abc"), ("PIPEGOOSE_BUILD_LOCK_TIMEOUT", "x")])
 def test_cli_doctor_checks_the_dispatcher_variables(tiny, var, value):
     """doctor exited 0 without a word on a bad PIPEGOOSE_IMPL_*, PIPEGOOSE_STRICT or PIPEGOOSE_SMALL_NUMEL, which fail
     the first call of an op (session 34's walkthrough): a failed preflight row naming the variable, exit 1."""
@@ -685,25 +693,33 @@ def test_cli_doctor_checks_the_dispatcher_variables(tiny, var, value):
     env = {**_env(cache_dir), "COLUMNS": "400"}
     p = subprocess.run(cli, capture_output=True, text=True, env={**env, var: value}, timeout=300)
     out = " ".join(p.stdout.replace("│", " ").split())
-    assert p.returncode == 1 and "dispatcher variables FAIL" in out and var in out and value in out, out + p.stderr
+    row = "PIPEGOOSE_BUILD_LOCK_TIMEOUT FAIL" if var == "PIPEGOOSE_BUILD_LOCK_TIMEOUT" else "dispatcher variables FAIL"
+    assert p.returncode == 1 and row in out and var in out and value in out, out + p.stderr
     ok = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=300)
     assert ok.returncode == 0 and "dispatcher variables ok" in " ".join(ok.stdout.replace("│", " ").split()), ok.stdout
+    if var == "PIPEGOOSE_IMPL_LAYER_NORM":  # a misspelt op name: a warning line, exit 0 (the review of session 34)
+        typo = subprocess.run(cli, capture_output=True, text=True, env={**env, "PIPEGOOSE_IMPL_LAYERNORM": "apex"},
+                              timeout=300)
+        assert typo.returncode == 0 and "PIPEGOOSE_IMPL_LAYERNORM: no fused op of that name" in typo.stdout, typo.stdout
 
 
-@pytest.mark.parametrize("value, ok", [("x", False), ("-1", False), ("0", False), ("2.5", False), ("\u00b2", False),
-                                       ("4", True)])
-def test_preflight_max_jobs(fake_toolkit, monkeypatch, value, ok):
+@pytest.mark.parametrize("value, state", [("x", "warn"), ("-1", "warn"), ("0", "warn"), ("2.5", "warn"),
+                                          ("\u00b2", "fail"), ("4", "ok"), ("\u0664", "ok")])
+def test_preflight_max_jobs(fake_toolkit, monkeypatch, value, state):
     """MAX_JOBS=x was taken without a word, though torch ignores it (ninja then runs its default number of jobs),
-    and MAX_JOBS=0 sets no limit (session 33's walkthrough): a warning row naming the variable; a positive count an ok
-    row; no row when it is unset."""
+    and MAX_JOBS=0 sets no limit (session 33's walkthrough): a warning row naming the variable; a value torch takes
+    as digits but int() refuses ('²': every build fails there) a failed row; a positive count (also in other
+    digits, as torch reads it) an ok row; no row when it is unset."""
     monkeypatch.setenv("MAX_JOBS", value)
     rows = [c for c in toolchain.preflight(None) if c.name == "MAX_JOBS"]
-    assert len(rows) == 1 and rows[0].ok and rows[0].warn == (not ok), rows
-    if ok:
-        assert rows[0].detail == "4 compile jobs per build"
+    assert len(rows) == 1, rows
+    row = rows[0]
+    assert (row.ok, row.warn) == {"ok": (True, False), "warn": (True, True), "fail": (False, False)}[state], row
+    if state == "ok":
+        assert row.detail == "4 compile jobs per build"
     else:
-        assert repr(value) in rows[0].detail or value == "0", rows[0]
-        assert "positive integer" in rows[0].fix
+        assert repr(value) in row.detail or value == "0", row
+        assert "positive integer" in row.fix
     monkeypatch.delenv("MAX_JOBS")
     assert not [c for c in toolchain.preflight(None) if c.name == "MAX_JOBS"]
 

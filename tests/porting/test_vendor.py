@@ -99,7 +99,7 @@ def test_sync_restores_from_cache_without_network(sdist_repo):
     assert repo.porter().verify() == []
     # nothing to do the second time: no fetch at all
     r = repo.porter(offline=True).sync()
-    assert r == {"added": [], "vendored": [], "restored": [], "ok": ["up"], "differs": [], "stray": []}
+    assert r == {"added": [], "vendored": [], "restored": [], "ok": ["up"], "differs": [], "dropped": [], "stray": []}
     # a file the lock does not record under vendor/up or LICENSES/up: verify reports it, sync removes it (it used to
     # leave it, and verify kept failing after sync)
     for extra in (repo.root / "vendor" / "up" / "stray.cu", repo.root / "LICENSES" / "up" / "NOTES.txt"):
@@ -246,24 +246,61 @@ def test_verify_checks_the_license_and_the_lock_paths_and_hashes(git_repo):
     assert repo.porter().verify() == []
 
 
-def test_sync_refuses_a_locked_source_without_kernels(git_repo):
-    """A kernel entry deleted from kernels.lock by hand, its source kept: sync printed "re-vendored" and removed the
-    source's vendor/ and LICENSES/ folders, after which verify failed (session 34's walkthrough). Now sync refuses,
-    naming the source, and changes nothing; verify names it too."""
+def test_a_source_no_kernel_comes_from_is_dropped(git_repo, tmp_path):
+    """A kernel moved to another source in kernels.yaml and added again left its old source in kernels.lock (the
+    review of session 34); a kernel entry deleted from kernels.lock by hand, its source kept, made sync say
+    "re-vendored" while it removed the source's folders, after which verify failed (session 34's walkthrough). Now add
+    and sync drop such a source from the lock with its vendor/ and LICENSES/ folders, and say so; verify names it."""
     repo = git_repo
     p = repo.porter()
-    p.add(["alpha"])
+    p.add(["alpha", "beta"])
+    up2, sha2 = init_git_upstream(tmp_path / "upstream2", V1_FILES)
+    yml = repo.root / "kernels.yaml"
+    data = yaml.safe_load(yml.read_text())
+    data["sources"]["up2"] = dict(data["sources"]["up"], fetch={"git": {"url": up2.working_tree_dir, "commit": sha2}})
+    data["kernels"]["up/alpha"]["source"] = "up2"
+    data["kernels"]["up/beta"]["source"] = "up2"
+    yml.write_text(yaml.safe_dump(data, sort_keys=False))
+    lines = []
+    assert repo.porter(log=lines.append).add(["alpha", "beta"]) == ["up/alpha", "up/beta"]
+    lock = Lock.load(repo.root / "kernels.lock")
+    assert sorted(lock.sources) == ["up2"] and {k.source for k in lock.kernels.values()} == {"up2"}
+    assert "dropped source up from kernels.lock: no vendored kernel comes from it any more" in lines
+    assert not (repo.root / "vendor" / "up").exists() and not (repo.root / "LICENSES" / "up").exists()
+    assert repo.porter().verify() == []
+
+    # beta back to up: two sources; then beta's entry deleted from kernels.lock by hand leaves up without kernels
+    data["kernels"]["up/beta"]["source"] = "up"
+    yml.write_text(yaml.safe_dump(data, sort_keys=False))
+    repo.porter().add(["beta"])
     lock_path = repo.root / "kernels.lock"
-    data = yaml.safe_load(lock_path.read_text())
-    del data["kernels"]["up/alpha"]
-    data["kernels"]["up/beta"] = {"source": "other", "files": {}}  # the lock's other kernels, of another source
-    data["sources"]["other"] = dict(data["sources"]["up"], license_files={})
-    lock_path.write_text(yaml.safe_dump(data))
-    before = repo.snapshot()
-    with pytest.raises(PortError, match=r"kernels.lock: sources.up: no kernel of kernels.lock comes from it"):
-        repo.porter().sync()
-    assert repo.snapshot() == before
+    ld = yaml.safe_load(lock_path.read_text())
+    assert sorted(ld["sources"]) == ["up", "up2"]
+    del ld["kernels"]["up/beta"]
+    lock_path.write_text(yaml.safe_dump(ld))
     assert ("stale", "sources.up") in {(pr.kind, pr.path) for pr in repo.porter().verify()}
+    r = repo.porter().sync()
+    # (up2 may be re-vendored: moving beta to up left beta's files in vendor/up2, which sync removes)
+    assert r["dropped"] == ["up"] and r["restored"] + r["ok"] == ["up2"], r
+    assert not (repo.root / "vendor" / "up").exists() and not (repo.root / "LICENSES" / "up").exists()
+    assert repo.porter().verify() == []
+    assert {s.id: s.state for s in repo.porter().states()} == {"up/alpha": "verified", "up/beta": "declared"}
+
+
+def test_lock_source_ids_are_checked(git_repo):
+    """A source id of kernels.lock names folders: '../../secret' made verify hash a file outside the repository
+    (the review of session 34)."""
+    repo = git_repo
+    repo.porter().add(["alpha"])
+    lock_path = repo.root / "kernels.lock"
+    good = lock_path.read_text()
+    for bad in ("../../secret", "Up", "a/b"):
+        lock_path.write_text(good.replace("source: up\n", f"source: '{bad}'\n").replace("\n  up:\n",
+                                                                                          f"\n  '{bad}':\n"))
+        with pytest.raises(PortError, match=r"sources: .*expected a source id"):
+            repo.porter().verify()
+    lock_path.write_text(good)
+    assert repo.porter().verify() == []
 
 
 def test_wrong_sha256_changes_nothing(repo):
