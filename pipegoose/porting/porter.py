@@ -455,11 +455,9 @@ class Porter:
                     src = self.manifest.sources.get(sid)
                     if src is not None and src.is_local:
                         continue
-                    vdir, ldir = self.root / "vendor" / sid, self.root / "LICENSES" / sid
+                    vdir = self.root / "vendor" / sid
                     if sid not in new.sources:
-                        for d in (vdir, ldir):
-                            if d.exists():
-                                tx.stage_delete(d)
+                        self._stage_dropped(tx, [sid])
                         continue
                     keep = new.files_of_source(sid)
                     drop = {f for k in ids if lock.kernels[k].source == sid for f in lock.kernels[k].files} - set(keep)
