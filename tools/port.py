@@ -42,7 +42,8 @@ _made: list[Porter] = []  # the Porters of this run: after a Ctrl-C, whether one
 
 
 def _porter(a: argparse.Namespace) -> Porter:
-    manifest = a.manifest or (Path(a.root) / "kernels.yaml" if a.root else os.environ.get("PIPEGOOSE_MANIFEST"))
+    # (an empty PIPEGOOSE_MANIFEST is unset, as the other variables' empty values are)
+    manifest = a.manifest or (Path(a.root) / "kernels.yaml" if a.root else os.environ.get("PIPEGOOSE_MANIFEST") or None)
     p = Porter(manifest, cache_dir=a.cache, offline=a.offline, log=lambda m: err.print(m, style="dim", markup=False))
     _made.append(p)
     return p

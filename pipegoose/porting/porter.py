@@ -146,6 +146,10 @@ class Porter:
                 try:
                     kid = self.manifest.resolve(n).id
                 except KeyError as e:
+                    if isinstance(n, str) and n in self.manifest.sources:  # a source id, not a kernel's
+                        kernels = [k for k, v in self.manifest.kernels.items() if v.source == n]
+                        raise PortError(f"{n!r} is a source, not a kernel; its kernels: {', '.join(kernels) or 'none'}"
+                                        ) from None
                     raise PortError(e.args[0]) from None
             if kid not in out:
                 out.append(kid)

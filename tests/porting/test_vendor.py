@@ -287,6 +287,12 @@ def test_a_source_no_kernel_comes_from_is_dropped(git_repo, tmp_path):
     assert {s.id: s.state for s in repo.porter().states()} == {"up/alpha": "verified", "up/beta": "declared"}
 
 
+def test_add_of_a_source_id_names_its_kernels(git_repo):
+    """`port.py add colossalai` (a source id) answered "did you mean: causal_softmax" (session 34's walkthrough)."""
+    with pytest.raises(PortError, match=r"^'up' is a source, not a kernel; its kernels: up/alpha, up/beta$"):
+        git_repo.porter().add(["up"])
+
+
 def test_lock_source_ids_are_checked(git_repo):
     """A source id of kernels.lock names folders: '../../secret' made verify hash a file outside the repository
     (the review of session 34)."""
@@ -863,6 +869,11 @@ def test_cli_list_shows_states(git_repo):
     lines = {ln.split("│")[1].strip(): ln for ln in r.stdout.splitlines() if ln.startswith("│")}
     assert "verified" in lines["up/alpha"] and "declared" in lines["up/beta"]
     assert "Apache-2.0" in lines["up/alpha"]
+    # an empty PIPEGOOSE_MANIFEST is unset (it gave "error: .: cannot read the manifest: IsADirectoryError"; session
+    # 34's walkthrough): the repository's kernels.yaml, from the repository's folder
+    r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "list"], capture_output=True, text=True,
+                       cwd=ROOT, env={**os.environ, "PIPEGOOSE_MANIFEST": ""})
+    assert r.returncode == 0 and "pipegoose/layer_norm" in r.stdout, r.stdout + r.stderr
 
 
 def test_git_commit_not_found(repo, tmp_path):
