@@ -84,11 +84,10 @@ def _doctor(args) -> int:
             bad += 1
             checks.add_row("dispatcher variables", "[red]FAIL[/]", str(e), "fix the value, or unset the variable")
         else:
-            # (what check_env checks: dispatch.check_env, check_kernel_env)
             checks.add_row("dispatcher variables", "[green]ok[/]", "PIPEGOOSE_IMPL_*, PIPEGOOSE_STRICT, "
                            "PIPEGOOSE_SMALL_NUMEL, PIPEGOOSE_NORM_CLUSTERS, PIPEGOOSE_NORM_SMEM_LIMIT", "")
     try:  # read when a build waits for another's lock
-        cache.BuildLock(cache_dir, "doctor")
+        cache.env_lock_timeout()
     except ValueError as e:
         bad += 1
         checks.add_row("PIPEGOOSE_BUILD_LOCK_TIMEOUT", "[red]FAIL[/]", str(e), "fix the value, or unset it")

@@ -154,6 +154,21 @@ class LockTimeout(TimeoutError):
     """The build lock stayed held by a live process for longer than the timeout."""
 
 
+def env_lock_timeout() -> float:
+    """``$PIPEGOOSE_BUILD_LOCK_TIMEOUT`` seconds (unset or empty: 3600; 0: do not wait). Raises ValueError, naming
+    the variable, for a value that is not a number >= 0."""
+    v = os.environ.get("PIPEGOOSE_BUILD_LOCK_TIMEOUT")
+    if not v:
+        return 3600.0
+    try:
+        t = float(v)
+    except ValueError:
+        t = math.nan
+    if not t >= 0:  # (nan, negative)
+        raise ValueError(f"PIPEGOOSE_BUILD_LOCK_TIMEOUT: expected a number of seconds >= 0, got {v!r}")
+    return t
+
+
 class BuildLock:
     """Mutual exclusion of the builders of one key, across threads, processes and ranks on one node.
 
@@ -174,16 +189,7 @@ class BuildLock:
         self.key = key
         self.path = self.dir / f"{key}.lock"
         self.owner_path = self.dir / f"{key}.owner.json"
-        env_timeout = os.environ.get("PIPEGOOSE_BUILD_LOCK_TIMEOUT")
-        if timeout is None and env_timeout:
-            try:
-                timeout = float(env_timeout)
-            except ValueError:
-                timeout = math.nan
-            if not timeout >= 0:  # (nan, negative; 0: do not wait)
-                raise ValueError(f"PIPEGOOSE_BUILD_LOCK_TIMEOUT: expected a number of seconds >= 0, got "
-                                 f"{env_timeout!r}")
-        self.timeout = float(timeout if timeout is not None else 3600)
+        self.timeout = float(timeout if timeout is not None else env_lock_timeout())
         self.on_wait = on_wait
         self.soft = soft
         self.previous_owner: dict | None = None  # set when a dead owner's unfinished build was taken over

@@ -450,19 +450,15 @@ class Porter:
             sids = sorted({lock.kernels[k].source for k in ids})
             for kid in ids:
                 del new.kernels[kid]
-            for sid in sids:
-                if not new.kernels_of(sid):
-                    del new.sources[sid]
+            dropped = self._drop_unused_sources(new)  # (with its last kernel)
 
             def stage(tx: Transaction) -> None:
+                self._stage_dropped(tx, dropped)
                 for sid in sids:
                     src = self.manifest.sources.get(sid)
-                    if src is not None and src.is_local:
+                    if sid in dropped or (src is not None and src.is_local):
                         continue
                     vdir = self.root / "vendor" / sid
-                    if sid not in new.sources:
-                        self._stage_dropped(tx, [sid])
-                        continue
                     keep = new.files_of_source(sid)
                     drop = {f for k in ids if lock.kernels[k].source == sid for f in lock.kernels[k].files} - set(keep)
                     if not vdir.exists():
@@ -518,10 +514,9 @@ class Porter:
                 shown = self._show(p)
                 if not p.is_file():
                     probs.append(Problem("missing", shown, "run `python tools/port.py sync`"))
-                elif sha256_file(p) != h:
+                elif (got := sha256_file(p)) != h:
                     fix = (f"; this project's own file: re-record it with `python tools/port.py add` of its kernel"
                            if self._is_local(sid) else "; `python tools/port.py sync` restores it")
-                    got = sha256_file(p)
                     n = _shown_digits(got, h)
                     probs.append(Problem("differs", shown, f"sha256 {got[:n]}…, kernels.lock {h[:n]}…{fix}"))
         # extra files: anything under vendor/ and LICENSES/ that no lock entry explains
