@@ -2024,6 +2024,11 @@ constexpr int kClMaxCluster = 8;  // the portable cluster size limit
 // keep more rows in flight: -1.1 to +2.3 points at the cluster's rows of 8704-12288 and 20000-24576 columns (bf16
 // LayerNorm 10240: 67.7 -> 68.9, fp32 LayerNorm 11264: 90.1 -> 91.5), but -5.0 to +0.6 on full slabs (16384 and 32768
 // columns, the same stages; bf16 RMSNorm 16384: 95.5 -> 90.7): the cost of the run-time stage count.
+// Measured and dropped (session 35, calls 1-2; session35.log): each thread copying and summing only the chunks of its
+// block's slab instead of every slot of the block (zeros past the slab): +1.1 to +2.3 points where the slab fills part
+// of the block (bf16 LayerNorm 8704 / 10240: 60.2 / 67.4 -> 61.3 / 69.2), -2.4 to -5.6 on full slabs (bf16 RMSNorm
+// 16384: 95.3 -> 90.5: the test in the unrolled loops); that loop only for partial slabs, a branch-free one for full
+// ones: -1.9 to -10.7 everywhere (two loops in one kernel).
 #if defined(PIPEGOOSE_NORM_BWD_CL_SMEM_KB)
 constexpr int kClSmemBytes = PIPEGOOSE_NORM_BWD_CL_SMEM_KB * 1024;
 #else
@@ -2092,17 +2097,66 @@ __device__ __forceinline__ void st_cluster_f2(float2* p, unsigned rank, float2 v
   asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(ra), "f"(v.x), "f"(v.y) : "memory");
 }
 
+// The mbarrier exchange (MBAR): an mbarrier in this block's shared memory (count 1; the fence makes the
+// initialisation visible to the cluster's other blocks, after the next cluster barrier).
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(a) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// Arms the mbarrier's current phase: it completes once `bytes` bytes have landed (complete_tx of st_async_f2). Relaxed:
+// it publishes nothing, so the thread need not wait for its earlier stores (with .release, call 2 of session 35: up to
+// 14 points slower than the cluster barrier on full slabs).
+__device__ __forceinline__ void mbar_arm(uint64_t* bar, uint32_t bytes) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+  asm volatile("mbarrier.arrive.expect_tx.relaxed.cluster.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes)
+               : "memory");
+}
+// Waits until the phase of parity `phase` of the mbarrier has completed; the bytes that completed it are then visible.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(a), "r"(phase)
+        : "memory");
+  } while (done == 0);
+}
+// Writes v to the float2 at p in the block of rank `rank`, completing 8 bytes of that block's mbarrier `bar`.
+__device__ __forceinline__ void st_async_f2(float2* p, uint64_t* bar, unsigned rank, float2 v) {
+  uint32_t ra, rb;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(ra)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(rb)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))), "r"(rank));
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::"r"(ra),
+               "f"(v.x), "f"(v.y), "r"(rb)
+               : "memory");
+}
+
 #endif
+
 
 // Launched in clusters of CL = gridDim.x / clusters blocks of kClThreads threads (1-D grid and clusters), with
 // bwd_cluster_smem bytes of dynamic shared memory; cpb: chunks per block (cpb <= kClThreads * NV, CL * cpb >= H / VEC).
-template <typename Tin, typename Tdy, int VEC, int NV, bool RMS>
+// The blocks' row sums travel to the other blocks of the cluster as plain stores into their shared memory, made
+// visible by the cluster barrier (arrive with release, wait with acquire) that every block passes once per step, or
+// (MBAR) as st.async stores that complete the bytes of an mbarrier in the receiving block: each block then waits only
+// for its own mbarrier, with no cluster barrier per step and no release fence over the thread's earlier global stores
+// (the dx of the step before; ncu, session 34, call 3: membar 0.9 of 6.8 cycles per issued instruction). launch_bwd_cluster
+// says which rows take which.
+template <typename Tin, typename Tdy, int VEC, int NV, bool RMS, bool MBAR>
 __global__ void __launch_bounds__(kClThreads, 1)
 norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const void* __restrict__ w, bool p_f32,
                         const float* __restrict__ mean, const float* __restrict__ rstd, Tin* __restrict__ dx,
                         float* __restrict__ ws, int64_t rows, int H, int cpb) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static_assert(NV * VEC == kClValues, "norm_bwd_cluster_kernel: kClValues values per thread");
+  static_assert(VEC * sizeof(Tin) == 16 && VEC * sizeof(Tdy) == 16, "norm_bwd_cluster_kernel: 16-byte chunks");
   constexpr int NACC = RMS ? 1 : 2;
   constexpr int S = bwd_cluster_stages(static_cast<int>(sizeof(Tin)), static_cast<int>(sizeof(Tdy)));
   constexpr int R = bwd_cluster_rows(static_cast<int>(sizeof(Tin)), static_cast<int>(sizeof(Tdy)));
@@ -2112,6 +2166,7 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
   __shared__ __align__(16) float red[2][2 * R][kWarps];  // [parity][sum of row][warp]
   // [parity][rank][row]: the row sums of each block of the cluster, pushed by that block
   __shared__ __align__(16) float2 part[2][kClMaxCluster][R];
+  __shared__ __align__(8) uint64_t full[2];  // MBAR: [parity], completed by the bytes of part[parity]
   const unsigned rank = cluster_special(0);
   const unsigned cl = cluster_special(1);
   const int64_t cid = cluster_special(2);
@@ -2145,6 +2200,15 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
   // once: the R rows of step j and the R of step j - 1; in flight: S - 2R rows. Prologue: rows 0 .. S - 2R - 1.
   // A block may write into another's shared memory only once that block runs: every block arrives here, and waits
   // before its first write (below).
+  const uint32_t step_bytes = static_cast<uint32_t>(cl * R * sizeof(float2));  // MBAR: into part[parity] per step
+  if constexpr (MBAR) {
+    if (t == 0) {
+      mbar_init(&full[0]);
+      mbar_init(&full[1]);
+      mbar_arm(&full[0], step_bytes);
+      mbar_arm(&full[1], step_bytes);
+    }
+  }
   cluster_arrive_relaxed();
   int islot = 0;
   auto issue = [&](int64_t k) {
@@ -2196,6 +2260,7 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
   };
 
   int parity = 0;
+  uint32_t phases = 0;  // MBAR: bit p, the parity of full[p]'s current phase
   int stage = 0;  // the stage of the step's first row
   // The previous step's rows, stages, mean, rstd and cluster sums (scaled by 1 / H), for its pass 2.
   int64_t prow = rows;  // rows: no previous step
@@ -2279,12 +2344,28 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
       }
       if (lane < static_cast<int>(cl)) {  // lane p writes block p's slot
 #pragma unroll
-        for (int q = 0; q < R; ++q) st_cluster_f2(&part[parity][rank][q], lane, make_float2(b[2 * q], b[2 * q + 1]));
+        for (int q = 0; q < R; ++q) {
+          if constexpr (MBAR) {
+            st_async_f2(&part[parity][rank][q], &full[parity], lane, make_float2(b[2 * q], b[2 * q + 1]));
+          } else {
+            st_cluster_f2(&part[parity][rank][q], lane, make_float2(b[2 * q], b[2 * q + 1]));
+          }
+        }
       }
     }
-    cluster_arrive();
-    if (prow < rows) pass2(prow, pstage, pm, pr, pa1, pa2);
-    cluster_wait();
+    if constexpr (MBAR) {
+      if (prow < rows) pass2(prow, pstage, pm, pr, pa1, pa2);
+      // part[parity] is written again two steps on, by blocks that have received this block's sums of the next step,
+      // pushed after the __syncthreads that follows every thread's reads of it below; the mbarrier is armed again for
+      // that step at once (bytes that land first leave its count negative, and the arrival completes the phase).
+      mbar_wait(&full[parity], (phases >> parity) & 1u);
+      phases ^= 1u << parity;
+      if (t == 0) mbar_arm(&full[parity], step_bytes);
+    } else {
+      cluster_arrive();
+      if (prow < rows) pass2(prow, pstage, pm, pr, pa1, pa2);
+      cluster_wait();
+    }
     // Every block's sums, added in rank order: the same bits in every block.
 #pragma unroll
     for (int q = 0; q < R; ++q) {
@@ -2306,8 +2387,13 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
     stage = slot_of(stage, R);
   }
   if (prow < rows) pass2(prow, pstage, pm, pr, pa1, pa2);
-  // No block writes into another's `part` after its last arrival, which every block has waited for.
+  // No block writes into another's `part` after its last arrival, which every block has waited for (MBAR: after the
+  // last step's sums, which every block has received; the barrier below keeps each block until the others are done).
   cp_async_wait<0>();  // the zero-fill copies past the last row still write this block's stages
+  if constexpr (MBAR) {
+    cluster_arrive_relaxed();
+    cluster_wait();
+  }
 
   if (ws == nullptr) return;
 #pragma unroll
@@ -3161,7 +3247,11 @@ inline bool has_clusters() {
 }
 
 // The cluster size of norm_bwd_cluster_kernel for rows of `chunks` chunks of vec elements: the smallest of 2, 4 and 8
-// whose blocks hold their slab of the row (kClThreads * kClValues / vec chunks), or 0 when none does.
+// whose blocks hold their slab of the row (kClThreads * kClValues / vec chunks), or 0 when none does. Larger clusters
+// (3-6 blocks where 2 or 4 hold the row, PIPEGOOSE_NORM_BWD_CL_SIZE below) ran 14-60 points of copy slower (session 35,
+// call 1; bf16 LayerNorm 8704 columns: 61.3 -> 44.8 / 35.5 / 27.3 / 21.0 at 3 / 4 / 5 / 6 blocks): each step costs
+// about as much as 1000 chunks' work whatever the slab (a block reduction, the exchange), so fewer chunks per block
+// per step is slower.
 inline int bwd_cluster_size(int64_t chunks, int vec) {
   const int64_t per_block = kClThreads * kClValues / vec;
   for (int cl = 2; cl <= kClMaxCluster; cl *= 2) {
@@ -3182,12 +3272,27 @@ bool launch_bwd_cluster(const Tdy* dy, const Tin* x, const void* w, bool p_f32, 
   constexpr int NV = kClValues / V;
   constexpr int NACC = RMS ? 1 : 2;
   static_assert(sizeof(Tdy) == sizeof(Tin), "launch_bwd_cluster: x and dy of one element size");
-  auto kernel = &norm_bwd_cluster_kernel<Tin, Tdy, V, NV, RMS>;
   const size_t smem = bwd_cluster_smem(static_cast<int>(sizeof(Tin)), static_cast<int>(sizeof(Tdy)));
   if (cl < 2 || cl > kClMaxCluster || smem > smem_limit()) return false;
   const int cpb = static_cast<int>(ceil_div(H / V, cl));
   PG_CHECK(cpb <= kClThreads * NV, "pipegoose norm backward: internal error: ", cpb,
            " chunks per block of a cluster of ", cl, " for ", H, " columns");
+  // The row sums' exchange: the mbarriers (MBAR) for 16-bit LayerNorm rows, for 16-bit RMSNorm slabs that fill at most
+  // three quarters of their blocks and for fp32 slabs that fill at most two thirds, the cluster barrier for the
+  // others. Session 35 (call 2, raw backward, % of copy, the mbarrier armed with release semantics; session35.log):
+  // 16-bit LayerNorm +2.2 to +7.1 at every width of 8704-65536 columns (bf16 8704 / 16384 / 32768: 60.4 / 86.3 / 84.3
+  // -> 62.7 / 89.9 / 88.2); bf16 RMSNorm +5.4 to +6.5 at fills of 62-75% (12288, 20480, 24576 columns), -0.8 to -5.3
+  // above; fp32 +3.0 to +4.1 at fills of 53-62% (LayerNorm 8704-10240 and 20480, RMSNorm 20480), +0.5 at 69% (LayerNorm
+  // 11264), -1.6 to -4.4 at 75% and -8.3 to -14.2 on fuller slabs (RMSNorm 16384: 101.9 -> 89.1).
+  // -DPIPEGOOSE_NORM_BWD_EXPERIMENT with PIPEGOOSE_NORM_BWD_CL_EXCHANGE=barrier or mbar (a benchmark experiment) takes
+  // one for every row.
+  constexpr int kCap = kClThreads * NV;  // chunks a block holds
+  bool mbar = sizeof(Tin) == 2 ? !RMS || 4 * cpb <= 3 * kCap : 3 * cpb <= 2 * kCap;
+#if defined(PIPEGOOSE_NORM_BWD_EXPERIMENT)
+  if (const char* v = std::getenv("PIPEGOOSE_NORM_BWD_CL_EXCHANGE")) mbar = std::string(v) == "mbar";
+#endif
+  auto kernel = mbar ? &norm_bwd_cluster_kernel<Tin, Tdy, V, NV, RMS, true>
+                     : &norm_bwd_cluster_kernel<Tin, Tdy, V, NV, RMS, false>;
   allow_smem(reinterpret_cast<const void*>(kernel), smem);
   cudaLaunchConfig_t config = {};
   cudaLaunchAttribute attr[1];
@@ -3321,7 +3426,15 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     const int cl_min = !RMS ? 8200 : V == 4 ? 16384 : kWideRegMaxH + 8;
 #endif
     const bool wide = cfg.nv == 0 || H >= cl_min || exp_cluster || wide_nofit;
-    const int cl = kCluster && vec && wide && !exp_wide && has_clusters() ? bwd_cluster_size(H / V, V) : 0;
+    int cl = kCluster && vec && wide && !exp_wide && has_clusters() ? bwd_cluster_size(H / V, V) : 0;
+#if defined(PIPEGOOSE_NORM_BWD_EXPERIMENT)
+    // PIPEGOOSE_NORM_BWD_CL_SIZE=N (benchmark experiment): clusters of N blocks (2 to 8, any N) where N is at least
+    // the size above, so that each block holds its slab.
+    if (const char* v = std::getenv("PIPEGOOSE_NORM_BWD_CL_SIZE"); v != nullptr && cl > 0) {
+      const int n = std::atoi(v);
+      if (n > cl && n <= kClMaxCluster) cl = n;
+    }
+#endif
     if (cl > 0 && launch_bwd_cluster<Tin, Tdy, RMS>(dy, x, w, p_f32, mean, rstd, dx, rows, H, cl, want_ws, fopts,
                                                      stream, ws)) {
       return ws;
