@@ -3279,11 +3279,14 @@ bool launch_bwd_cluster(const Tdy* dy, const Tin* x, const void* w, bool p_f32, 
            " chunks per block of a cluster of ", cl, " for ", H, " columns");
   // The row sums' exchange: the mbarriers (MBAR) for 16-bit LayerNorm rows, for 16-bit RMSNorm slabs that fill at most
   // three quarters of their blocks and for fp32 slabs that fill at most two thirds, the cluster barrier for the
-  // others. Session 35 (call 2, raw backward, % of copy, the mbarrier armed with release semantics; session35.log):
-  // 16-bit LayerNorm +2.2 to +7.1 at every width of 8704-65536 columns (bf16 8704 / 16384 / 32768: 60.4 / 86.3 / 84.3
-  // -> 62.7 / 89.9 / 88.2); bf16 RMSNorm +5.4 to +6.5 at fills of 62-75% (12288, 20480, 24576 columns), -0.8 to -5.3
-  // above; fp32 +3.0 to +4.1 at fills of 53-62% (LayerNorm 8704-10240 and 20480, RMSNorm 20480), +0.5 at 69% (LayerNorm
-  // 11264), -1.6 to -4.4 at 75% and -8.3 to -14.2 on fuller slabs (RMSNorm 16384: 101.9 -> 89.1).
+  // others. Session 35 (call 3, raw backward, % of copy, two rounds, cluster barrier -> mbarriers for every row;
+  // session35.log): 16-bit LayerNorm +2.4 to +9.8 at every width of 8704-65536 columns (bf16 8704 / 16384 / 24576 /
+  // 32768: 60.5 / 86.3 / 69.9 / 80.6 -> 65.5 / 88.7 / 79.6 / 89.9); bf16 RMSNorm +5.9 to +12.0 at fills of 62-75%
+  // (12288, 20480, 24576 columns), -1.8 to -6.5 above (16384: 95.6 -> 89.9); fp32 +3.4 to +8.9 at fills of 53-62%
+  // (LayerNorm 8704, 10240, 20480; RMSNorm 20480), +0.8 at 69% (LayerNorm 11264), -2.6 to -4.8 at 75% and -9.0 to -14.6
+  // on fuller slabs (RMSNorm 16384: 102.6 -> 88.8); the rule's choice ran within 0.3 of the better of the two at every
+  // row but fp32 LayerNorm 11264 (0.7 behind). With the mbarrier armed with release semantics (call 2) the gains were
+  // smaller (16-bit LayerNorm +2.2 to +7.1) and the losses larger.
   // -DPIPEGOOSE_NORM_BWD_EXPERIMENT with PIPEGOOSE_NORM_BWD_CL_EXCHANGE=barrier or mbar (a benchmark experiment) takes
   // one for every row.
   constexpr int kCap = kClThreads * NV;  // chunks a block holds
