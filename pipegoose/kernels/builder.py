@@ -495,9 +495,11 @@ class KernelBuilder:
             shutil.copyfile(log_path, kept)
             raise KernelBuildError(_failure_message(k.id, log_path.read_text(errors="replace"), kept, rc), kept)
         lib = Path(result["library"])
-        # Keep the library and the log; the objects and ninja files are not needed to load it.
+        # Keep the library and the log; the objects and ninja files are not needed to load it, and the worker's
+        # spec.json / result.json name this temporary folder, which publishing renames (build.json is the record).
         for p in tmp.iterdir():
-            if p.is_file() and (p.suffix == ".o" or p.name in (".ninja_deps", ".ninja_log", "lock")):
+            if p.is_file() and (p.suffix == ".o" or p.name in (".ninja_deps", ".ninja_log", "lock", "spec.json",
+                                                               "result.json")):
                 p.unlink()
         return tmp / lib.relative_to(tmp) if lib.is_relative_to(tmp) else lib
 

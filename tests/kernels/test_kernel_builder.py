@@ -431,7 +431,8 @@ def test_relative_cache_dir_forced_rebuild_and_damaged_library(tiny, monkeypatch
     not found); `build --force` removed the cached build before compiling, so a killed or failed rebuild left none;
     a truncated cached library was taken as cached and crashed the process in dlopen (bus error). Now the folder is
     made absolute, a forced rebuild replaces the old entry only once it is built, and a library whose size or sha256
-    differs from the one recorded at publishing is built again."""
+    differs from the one recorded at publishing is built again. The entry keeps no worker hand-off file (spec.json,
+    result.json) naming the temporary folder."""
     manifest, op, _ = tiny
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PIPEGOOSE_CACHE_DIR", "relative-default")
@@ -445,6 +446,8 @@ def test_relative_cache_dir_forced_rebuild_and_damaged_library(tiny, monkeypatch
     assert first.built and cache.is_complete(first.entry)
     lib = first.entry / first.info["library"]
     assert first.info["library_bytes"] == lib.stat().st_size and first.info["library_sha256"] == cache.file_digest(lib)
+    # the worker's hand-off files named the temporary folder that publishing renamed (session 34's walkthrough)
+    assert not (first.entry / "result.json").exists() and not (first.entry / "spec.json").exists()
 
     def failing_compile(self, tmp, tc):
         raise KernelBuildError("tiny: compile failed (test)", None)
