@@ -376,8 +376,9 @@ def test_wide_rows_backward(ln, rms, h):
     times the stages, so that each cluster's ring of stages wraps and the rows past the end are zero-filled; 13000,
     20000 and 20008 columns (1625, 2500 and 2501 chunks of 8) leave the blocks' slabs partial, and 13000 and 20008 the
     last block's shorter than the others. The blocks exchange their row sums through mbarriers (16-bit LayerNorm, and
-    slabs that fill at most three quarters of a 16-bit block or two thirds of an fp32 one: 16-bit RMSNorm 12288, 20000
-    and 20008 columns, fp32 8704, 10240, 20000 and 20008) or the cluster barrier (the other rows). fp32 grad_output
+    slabs that fill at most three quarters of a 16-bit block or two thirds of an fp32 one: bf16 RMSNorm 12288, 20000
+    and 20008 columns, fp32 LayerNorm 8704 and 10240, fp32 20000 and 20008) or the cluster barrier (the other rows;
+    the fp16 case's fp32 grad_output takes no cluster). fp32 grad_output
     with a 16-bit input, and GPUs before sm_90: the register and
     shared-memory plans up to 16384 columns, past them the row-statistics kernel and column-slab kernel
     (norm_bwd_rowstats_kernel, norm_bwd_cols_kernel). Five rows: fewer rows than clusters. With and without

@@ -2000,7 +2000,8 @@ norm_fwd_split_kernel(const float* __restrict__ x, const Tp* __restrict__ w, con
 //   c1 - xhat * c2) from their stages, and only then waits: pass 2 hides the barrier's latency. After the wait every
 //   thread adds the CL slots in rank order, the same bits in every block. `part` alternates between two buffers, so
 //   one barrier per step suffices (a block rewrites a buffer two steps later, after the next barrier, which every
-//   reader of it has passed);
+//   reader of it has passed). Since session 35 some rows (launch_bwd_cluster's rule) replace that barrier by an
+//   mbarrier per block that the sums' st.async stores complete (the MBAR exchange, below);
 // - two steps of R rows are in use at once, and the copies of the next S - 2R rows are in flight; each step loads the
 //   next step's mean and rstd, a step ahead of their use.
 // Pushing the sums and overlapping the barrier with pass 2 (rather than reading the other blocks' sums after the
@@ -2105,8 +2106,9 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar) {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 // Arms the mbarrier's current phase: it completes once `bytes` bytes have landed (complete_tx of st_async_f2). Relaxed:
-// it publishes nothing, so the thread need not wait for its earlier stores (with .release, call 2 of session 35: up to
-// 14 points slower than the cluster barrier on full slabs).
+// it publishes nothing, so the thread need not wait for its earlier stores (the dx of the step before); armed with
+// .release (session 35, call 2) the mbarriers gained less over the cluster barrier (16-bit LayerNorm +2.2 to +7.1
+// points of copy, against +2.4 to +9.8 relaxed in call 3). On full slabs they lose to the barrier either way.
 __device__ __forceinline__ void mbar_arm(uint64_t* bar, uint32_t bytes) {
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
   asm volatile("mbarrier.arrive.expect_tx.relaxed.cluster.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes)
@@ -2357,7 +2359,9 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
       if (prow < rows) pass2(prow, pstage, pm, pr, pa1, pa2);
       // part[parity] is written again two steps on, by blocks that have received this block's sums of the next step,
       // pushed after the __syncthreads that follows every thread's reads of it below; the mbarrier is armed again for
-      // that step at once (bytes that land first leave its count negative, and the arrival completes the phase).
+      // that step at once. Those bytes cannot land before this arm (they follow this block's next push); the
+      // prologue's arms are not ordered before the first bytes, which would only leave the count negative until the
+      // arrival, the phase still pending.
       mbar_wait(&full[parity], (phases >> parity) & 1u);
       phases ^= 1u << parity;
       if (t == 0) mbar_arm(&full[parity], step_bytes);
@@ -3286,7 +3290,7 @@ bool launch_bwd_cluster(const Tdy* dy, const Tin* x, const void* w, bool p_f32, 
   // (LayerNorm 8704, 10240, 20480; RMSNorm 20480), +0.8 at 69% (LayerNorm 11264), -2.6 to -4.8 at 75% and -9.0 to -14.6
   // on fuller slabs (RMSNorm 16384: 102.6 -> 88.8); the rule's choice ran within 0.3 of the better of the two at every
   // row but fp32 LayerNorm 11264 (0.7 behind). With the mbarrier armed with release semantics (call 2) the gains were
-  // smaller (16-bit LayerNorm +2.2 to +7.1) and the losses larger.
+  // smaller (16-bit LayerNorm +2.2 to +7.1), the losses on full slabs about the same.
   // -DPIPEGOOSE_NORM_BWD_EXPERIMENT with PIPEGOOSE_NORM_BWD_CL_EXCHANGE=barrier or mbar (a benchmark experiment) takes
   // one for every row.
   constexpr int kCap = kClThreads * NV;  // chunks a block holds
