@@ -301,6 +301,28 @@ class Porter:
                 if d.exists():
                     tx.stage_delete(d)
 
+    def _stage_departed(self, tx: Transaction, old: Lock, new: Lock, kids: Iterable[str], sids: Iterable[str],
+                        dropped: list[str]) -> None:
+        """Stage vendor/<sid> without the files that kernels ``kids`` used under ``old`` and no kernel of ``sid``
+        uses under ``new`` (kernels removed, or moved to another source), for each source ``sid`` that keeps
+        kernels; the other files stay as they are."""
+        kids = list(kids)
+        for sid in sids:
+            src = self.manifest.sources.get(sid)
+            if sid in dropped or (src is not None and src.is_local):
+                continue
+            vdir = self.root / "vendor" / sid
+            keep = new.files_of_source(sid)
+            drop = {f for k in kids if k in old.kernels and old.kernels[k].source == sid
+                    for f in old.kernels[k].files} - set(keep)
+            if not drop or not vdir.exists():
+                continue
+            stage_dir = tx.stage_dir(vdir)
+            for p in sorted(vdir.rglob("*")):
+                rel = p.relative_to(vdir).as_posix()
+                if p.is_file() and rel not in drop:
+                    _write_staged(stage_dir / rel, p.read_bytes())
+
     # ------------------------------------------------------------------------------------------------------
     # operations
     # ------------------------------------------------------------------------------------------------------
@@ -320,7 +342,16 @@ class Porter:
             if ids:
                 new, trees = self._plan_add(lock, ids)
                 dropped = self._drop_unused_sources(new)
-                self._commit(lock, new, trees, extra=lambda tx: self._stage_dropped(tx, dropped))
+                # kernels that kernels.yaml moved to another source leave their old source's folder (which keeps
+                # its other kernels' files)
+                moved = [kid for kid in ids if kid in lock.kernels and lock.kernels[kid].source != new.kernels[kid].source]
+                left = sorted({lock.kernels[kid].source for kid in moved} - set(trees))
+
+                def stage(tx: Transaction) -> None:
+                    self._stage_dropped(tx, dropped)
+                    self._stage_departed(tx, lock, new, moved, left, dropped)
+
+                self._commit(lock, new, trees, extra=stage)
         for kid in in_place:
             self.log(f"{kid} is already vendored at {self.manifest.sources[self.manifest.kernels[kid].source].describe_pin()}"
                      " and verifies: nothing fetched")
@@ -454,20 +485,7 @@ class Porter:
 
             def stage(tx: Transaction) -> None:
                 self._stage_dropped(tx, dropped)
-                for sid in sids:
-                    src = self.manifest.sources.get(sid)
-                    if sid in dropped or (src is not None and src.is_local):
-                        continue
-                    vdir = self.root / "vendor" / sid
-                    keep = new.files_of_source(sid)
-                    drop = {f for k in ids if lock.kernels[k].source == sid for f in lock.kernels[k].files} - set(keep)
-                    if not vdir.exists():
-                        continue
-                    stage_dir = tx.stage_dir(vdir)
-                    for p in sorted(vdir.rglob("*")):
-                        rel = p.relative_to(vdir).as_posix()
-                        if p.is_file() and rel not in drop:
-                            _write_staged(stage_dir / rel, p.read_bytes())
+                self._stage_departed(tx, lock, new, ids, sids, dropped)
 
             self._commit(lock, new, {}, extra=stage)
         for kid in ids:
