@@ -104,6 +104,19 @@ def test_unmet_env_request_warns_and_met_requests_do_not(monkeypatch, recwarn):
     assert not [w for w in recwarn if "cannot run" in str(w.message)]
 
 
+def test_unmet_request_by_argument_and_variable_gives_the_reason_once(monkeypatch):
+    """The same implementation asked by impl= and by the variable gave its reason twice (session 34's walkthrough)."""
+    monkeypatch.setenv("PIPEGOOSE_IMPL_FAKE_OP", "megatron")
+    with pytest.warns(UserWarning, match="cannot run this input"):
+        c = dispatch.select(OP, problem(ported=False), impl="megatron")
+    assert c.unmet == "impl='megatron' and PIPEGOOSE_IMPL_FAKE_OP='megatron' cannot run this input: ported says no"
+    monkeypatch.setenv("PIPEGOOSE_IMPL_FAKE_OP", "pipegoose")  # two implementations: a clause each
+    with pytest.warns(UserWarning, match="cannot run this input"):
+        c = dispatch.select(OP, problem(ported=False, ours=False), impl="megatron")
+    assert c.unmet == ("impl='megatron' cannot run this input: ported says no; "
+                       "PIPEGOOSE_IMPL_FAKE_OP='pipegoose' cannot run this input: ours says no")
+
+
 def test_fallback_is_logged(caplog):
     with caplog.at_level(logging.DEBUG, logger="pipegoose.nn.fusion.dispatch"):
         dispatch.select(OP, problem(ours=False, ported=False))

@@ -795,8 +795,11 @@ def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool =
             return Choice(op, name, source, False, reasons, why)
         logger.debug("%s: requested implementation %s (%s) cannot run: %s", op, name, source, reasons[name])
     if requests:
-        unmet = "; ".join(f"{'impl=' if source == 'argument' else env_var + '='}{name!r} cannot run this input: "
-                          f"{reasons[name]}" for name, source in requests)
+        # one clause per implementation: the argument and the variable naming the same one share its reason
+        asked: dict[str, list[str]] = {}
+        for name, source in requests:
+            asked.setdefault(name, []).append(f"{'impl=' if source == 'argument' else env_var + '='}{name!r}")
+        unmet = "; ".join(f"{' and '.join(who)} cannot run this input: {reasons[name]}" for name, who in asked.items())
         return replace(_choose_unrequested(op, problem, impls, reasons, ok), unmet=unmet)
     return _choose_unrequested(op, problem, impls, reasons, ok)
 
