@@ -2142,15 +2142,14 @@ __device__ __forceinline__ void st_async_f2(float2* p, uint64_t* bar, unsigned r
 
 #endif
 
-
 // Launched in clusters of CL = gridDim.x / clusters blocks of kClThreads threads (1-D grid and clusters), with
 // bwd_cluster_smem bytes of dynamic shared memory; cpb: chunks per block (cpb <= kClThreads * NV, CL * cpb >= H / VEC).
 // The blocks' row sums travel to the other blocks of the cluster as plain stores into their shared memory, made
 // visible by the cluster barrier (arrive with release, wait with acquire) that every block passes once per step, or
 // (MBAR) as st.async stores that complete the bytes of an mbarrier in the receiving block: each block then waits only
 // for its own mbarrier, with no cluster barrier per step and no release fence over the thread's earlier global stores
-// (the dx of the step before; ncu, session 34, call 3: membar 0.9 of 6.8 cycles per issued instruction). launch_bwd_cluster
-// says which rows take which.
+// (the dx of the step before; ncu, session 34, call 3: membar 0.9 of 6.8 cycles per issued instruction).
+// launch_bwd_cluster says which rows take which.
 template <typename Tin, typename Tdy, int VEC, int NV, bool RMS, bool MBAR>
 __global__ void __launch_bounds__(kClThreads, 1)
 norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const void* __restrict__ w, bool p_f32,
