@@ -172,11 +172,20 @@ def cmd_update(a) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tools/port.py", description=__doc__.split("\n\n")[0])
+    # the common options before the subcommand, and again after it (SUPPRESS there: absent after it keeps the value
+    # given before; they worked only after it, though the docstring says "common to all")
+    ap.add_argument("--root", help="repository root (holds kernels.yaml); default: this repository")
+    ap.add_argument("--manifest", help="path of kernels.yaml (overrides --root)")
+    ap.add_argument("--cache", help="download cache (default $PIPEGOOSE_PORT_CACHE or ~/.cache/pipegoose/port)")
+    ap.add_argument("--offline", action="store_true", help="use only the download cache")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--root", help="repository root (holds kernels.yaml); default: this repository")
-    common.add_argument("--manifest", help="path of kernels.yaml (overrides --root)")
-    common.add_argument("--cache", help="download cache (default $PIPEGOOSE_PORT_CACHE or ~/.cache/pipegoose/port)")
-    common.add_argument("--offline", action="store_true", help="use only the download cache")
+    common.add_argument("--root", default=argparse.SUPPRESS, help="repository root (holds kernels.yaml); default: "
+                        "this repository")
+    common.add_argument("--manifest", default=argparse.SUPPRESS, help="path of kernels.yaml (overrides --root)")
+    common.add_argument("--cache", default=argparse.SUPPRESS,
+                        help="download cache (default $PIPEGOOSE_PORT_CACHE or ~/.cache/pipegoose/port)")
+    common.add_argument("--offline", action="store_true", default=argparse.SUPPRESS,
+                        help="use only the download cache")
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("list", parents=[common], help="every kernel: source, license, state")
     s.add_argument("--quick", action="store_true", help="do not hash files (state 'vendored' instead of verified)")

@@ -555,6 +555,15 @@ class Fetcher:
             self._index = SimpleIndex()
         return self._index
 
+    def _make_cache_dir(self, d: Path) -> None:
+        """Create a folder of the download cache; FetchError naming the cache when it cannot (a raw traceback
+        before, e.g. for PIPEGOOSE_PORT_CACHE=/dev/null)."""
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise FetchError(f"download cache {self.cache}: cannot create {d}: {e.strerror or e} (set "
+                             "PIPEGOOSE_PORT_CACHE or --cache to a writable folder)") from None
+
     # -- pypi ---------------------------------------------------------------------------------------------
     def _pypi_dir(self, name: str) -> Path:
         return self.cache / "pypi" / canonicalize_name(name)
@@ -611,7 +620,7 @@ class Fetcher:
         Not ``pip download``: for an sdist it builds the package's metadata, which runs the upstream ``setup.py``
         (code of a package whose hash was not checked yet) on this machine."""
         d = self._pypi_dir(name)
-        d.mkdir(parents=True, exist_ok=True)
+        self._make_cache_dir(d)
         with FileLock(str(d / ".lock"), timeout=600):
             _remove_stale_temp(d, ".dl-*")
             cached = self._cached_sdist(name, version, want)
@@ -662,7 +671,7 @@ class Fetcher:
         url, ref = pin["url"], pin["commit"]
         key = sha256_bytes(url.encode())[:16]
         d = self.cache / "git" / key
-        d.parent.mkdir(parents=True, exist_ok=True)
+        self._make_cache_dir(d.parent)
         with FileLock(str(d.parent / f".{key}.lock"), timeout=600):
             _remove_stale_temp(d.parent, f".{key}-*")
             try:

@@ -70,9 +70,14 @@ class Lock:
         if not path.exists():
             return cls(path)
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:
             raise PortError(f"{path.name}: not valid YAML: {e}") from None
+        except UnicodeDecodeError as e:  # (a raw traceback, exit 1, which port.py documents as drift)
+            raise PortError(f"{path.name}: not UTF-8 text ({e.reason} at byte {e.start}); restore it from git or "
+                            "re-run `port.py add`") from None
+        except OSError as e:
+            raise PortError(f"{path.name}: cannot read it: {e.strerror or e}") from None
         if isinstance(data, dict) and "version" not in data:
             raise PortError(f"{path.name}: no 'version' key: not a whole kernels.lock (cut short?); restore it from git "
                             "or re-run `port.py add`")

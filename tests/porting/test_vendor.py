@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -881,6 +882,31 @@ def test_cli_list_shows_states(git_repo):
     r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "list"], capture_output=True, text=True,
                        cwd=ROOT, env={**os.environ, "PIPEGOOSE_MANIFEST": ""})
     assert r.returncode == 0 and "pipegoose/layer_norm" in r.stdout, r.stdout + r.stderr
+
+
+def test_cli_common_options_before_the_subcommand_and_bad_lock_or_cache(git_repo, tmp_path):
+    """Session 35's walkthrough: the options "common to all" worked only after the subcommand (`port.py --root D list`:
+    "invalid choice"); a kernels.lock that is not UTF-8 and a download cache that is not a folder gave raw tracebacks
+    and exit 1, which port.py documents as drift. Now the options go either side, and both are a clean error, exit 2."""
+    repo = git_repo
+    repo.porter().add(["alpha"])
+    port = [sys.executable, str(ROOT / "tools/port.py")]
+    r = subprocess.run(port + ["--root", str(repo.root), "list"], capture_output=True, text=True)
+    assert r.returncode == 0 and "up/alpha" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run(port + ["--root", "/nonexistent", "list", "--root", str(repo.root)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and "up/alpha" in r.stdout, r.stdout + r.stderr  # after the subcommand wins
+    shutil.rmtree(repo.root / "vendor" / "up")
+    not_dir = tmp_path / "a-file"
+    not_dir.write_text("")
+    r = subprocess.run(port + ["sync", "--root", str(repo.root)], capture_output=True, text=True,
+                       env={**os.environ, "PIPEGOOSE_PORT_CACHE": str(not_dir)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"download cache {not_dir}" in r.stderr and "PIPEGOOSE_PORT_CACHE" in r.stderr, r.stderr
+    (repo.root / "kernels.lock").write_bytes(b"\xff\xfe")
+    r = subprocess.run(port + ["verify", "--root", str(repo.root)], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "kernels.lock: not UTF-8 text" in r.stderr, r.stderr
 
 
 def test_git_commit_not_found(repo, tmp_path):
