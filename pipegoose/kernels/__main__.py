@@ -7,7 +7,9 @@
 
 Common options: ``--manifest PATH`` (default: the repository's kernels.yaml), ``--cache-dir DIR``.
 ``build`` exit status: 0 all built (or cached); 1 a build failed; 2 none failed but some kernels could not be
-built here (missing files or toolchain), each listed with the reason.
+built here (missing files or toolchain), each listed with the reason. ``doctor`` exit status: 0 every check passed
+and every kernel can be built or loaded; 1 a check failed (or, with ``--load``, a kernel failed to load); 2 none
+failed but some kernels are unavailable here (listed with the reason, e.g. vendored files missing or changed).
 ``doctor`` also counts those temp folders. ``clean`` removes only ``<key>.tmp-<pid>-<8 hex>`` folders whose pid is
 not a live process on this host, each under its key's build lock (a key being built is skipped); published builds,
 locks and failure logs stay (:func:`pipegoose.kernels.cache.clean_abandoned`).
@@ -100,6 +102,7 @@ def _doctor(args) -> int:
     for col in ("kernel", "aliases", "state", "detail"):
         kt.add_column(col, overflow="fold")
     colors = {"cached": "green", "loaded": "green", "not built": "yellow", "unavailable": "red", "error": "red"}
+    states = []
     for b in builders:
         st = b.status()
         if args.load and st["state"] == "cached":
@@ -109,6 +112,7 @@ def _doctor(args) -> int:
             except Exception as e:  # report, do not stop the table
                 st = {**st, "state": "error", "detail": str(e)}
         kt.add_row(b.kernel.id, ", ".join(b.kernel.aliases), f"[{colors[st['state']]}]{st['state']}[/]", st["detail"])
+        states.append(st["state"])
     console.print(kt)
     from pipegoose._env import unknown_names
 
@@ -121,7 +125,9 @@ def _doctor(args) -> int:
     if litter:
         console.print(f"[yellow]{len(litter)} temp folder(s) of killed builds[/] in {cache_dir} "
                       f"({_size(litter) / 2**20:.1f} MiB): remove them with python -m pipegoose.kernels clean")
-    return 1 if bad else 0
+    # as build's exit status: a kernel that cannot be built here is 2 (it was 0: a passing preflight hid a changed
+    # vendored file from CI; session 35's walkthrough)
+    return 1 if bad or "error" in states else 2 if "unavailable" in states else 0
 
 
 def _size(dirs) -> int:

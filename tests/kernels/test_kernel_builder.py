@@ -593,6 +593,14 @@ def test_readme_says_what_ci_runs():
     assert "TORCH_CUDA_ARCH_LIST=9.0" in readme and 'TORCH_CUDA_ARCH_LIST:-9.0' in ci
 
 
+def _without_vendored(manifest: Path) -> Path:
+    """The tiny manifest without its kernel test/vendored (whose files are never vendored: unavailable), beside it."""
+    text = manifest.read_text()
+    clean = manifest.with_name("clean.yaml")
+    clean.write_text(text.split("  test/vendored:")[0])
+    return clean
+
+
 def test_cli_build_reports_missing_and_doctor_runs(tiny):
     manifest, op, cache_dir = tiny
     env = _env(cache_dir)
@@ -605,6 +613,12 @@ def test_cli_build_reports_missing_and_doctor_runs(tiny):
     assert "preflight" in p.stdout and "test/tiny" in p.stdout and "unavailable" in p.stdout, p.stdout + p.stderr
     # a misspelt variable is named (the build cache silently stayed the default one)
     assert "PIPEGOOSE_CACHE_DIRR: pipegoose reads no variable of that name" in " ".join(p.stdout.split()), p.stdout
+    # a kernel that cannot be built here is exit 2, as for build (it was 0: a passing preflight hid a missing or changed
+    # vendored file from CI; session 35's walkthrough); without it, 0
+    assert p.returncode == 2, p.stdout + p.stderr
+    p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(_without_vendored(manifest)),
+                        "doctor"], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0 and "unavailable" not in p.stdout, p.stdout + p.stderr
 
 
 @pytest.mark.parametrize("where", ["before", "after"])
@@ -674,7 +688,7 @@ def test_cli_doctor_fails_on_a_bad_allow_modified_vendor(tiny):
     """PIPEGOOSE_ALLOW_MODIFIED_VENDOR=maybe made every kernel unavailable, but doctor exited 0 (session 33's
     walkthrough): it is now a failed preflight row naming the variable and the values it takes, and the exit code 1."""
     manifest, _op, cache_dir = tiny
-    cli = [sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "doctor"]
+    cli = [sys.executable, "-m", "pipegoose.kernels", "--manifest", str(_without_vendored(manifest)), "doctor"]
     env = {**_env(cache_dir), "COLUMNS": "300"}  # rich's tables unwrapped
     ok = subprocess.run(cli, capture_output=True, text=True, env={**env, "PIPEGOOSE_ALLOW_MODIFIED_VENDOR": "1"},
                         timeout=300)
@@ -692,7 +706,7 @@ def test_cli_doctor_checks_the_dispatcher_variables(tiny, var, value):
     """doctor exited 0 without a word on a bad PIPEGOOSE_IMPL_*, PIPEGOOSE_STRICT or PIPEGOOSE_SMALL_NUMEL, which fail
     the first call of an op (session 34's walkthrough): a failed preflight row naming the variable, exit 1."""
     manifest, _op, cache_dir = tiny
-    cli = [sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "doctor"]
+    cli = [sys.executable, "-m", "pipegoose.kernels", "--manifest", str(_without_vendored(manifest)), "doctor"]
     env = {**_env(cache_dir), "COLUMNS": "400"}
     p = subprocess.run(cli, capture_output=True, text=True, env={**env, var: value}, timeout=300)
     out = " ".join(p.stdout.replace("│", " ").split())
