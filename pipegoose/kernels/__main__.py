@@ -175,6 +175,11 @@ def _build(args) -> int:
     os.environ.setdefault("PIPEGOOSE_QUIET", "1")
     console = Console()
     _, builders = _builders(args, None if args.all else args.names)
+    from .toolchain import _max_jobs_check
+
+    mj = _max_jobs_check()  # a MAX_JOBS torch ignores, or 0 (no limit): said by doctor only before (a walkthrough)
+    if mj is not None and mj.ok and mj.warn:
+        print(f"build: warning: MAX_JOBS={mj.detail}; {mj.fix}", file=sys.stderr)
     results: dict[str, tuple[str, str, float]] = {}
     jobs = args.jobs
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),

@@ -56,8 +56,8 @@ BUILD_INFO = "build.json"
 
 def default_cache_dir() -> Path:
     """``$PIPEGOOSE_CACHE_DIR``, else ``$XDG_CACHE_HOME/pipegoose/kernels``, else ``~/.cache/pipegoose/kernels``."""
-    env = os.environ.get("PIPEGOOSE_CACHE_DIR")
-    if env:
+    env = os.environ.get("PIPEGOOSE_CACHE_DIR", "")
+    if env.strip():  # (blank: unset; it made a folder named by the spaces, session 35's walkthrough)
         return Path(env).expanduser().absolute()  # (the build worker runs in another folder)
     xdg = os.environ.get("XDG_CACHE_HOME")
     # (the XDG base directory spec: a relative XDG_CACHE_HOME is invalid and ignored)

@@ -437,7 +437,7 @@ def test_relative_cache_dir_forced_rebuild_and_damaged_library(tiny, monkeypatch
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PIPEGOOSE_CACHE_DIR", "relative-default")
     assert cache.default_cache_dir() == Path.cwd() / "relative-default"
-    monkeypatch.delenv("PIPEGOOSE_CACHE_DIR")
+    monkeypatch.setenv("PIPEGOOSE_CACHE_DIR", "  ")  # blank: unset (session 35's walkthrough: a folder named "  ")
     monkeypatch.setenv("XDG_CACHE_HOME", "relative-xdg")  # invalid by the XDG spec: ignored
     assert cache.default_cache_dir() == Path.home() / ".cache" / "pipegoose" / "kernels"
     b = KernelBuilder("tiny", manifest=manifest, cache_dir="relcache")
@@ -658,6 +658,21 @@ def test_cli_build_jobs_must_be_a_positive_count(tmp_path, jobs):
                        text=True, env=_env(tmp_path / "cache"), timeout=300)
     assert p.returncode == 2 and "-j/--jobs" in p.stderr and "expected an integer >= 1" in p.stderr, p.stderr
     assert "building" not in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize("value, warned", [("abc", "torch ignores it"), ("0", "no limit"), ("4", None)])
+def test_cli_build_warns_about_a_max_jobs_torch_ignores(tiny, value, warned):
+    """MAX_JOBS=abc was taken by build without a word (only doctor said it; session 35's walkthrough)."""
+    manifest, _op, cache_dir = tiny
+    p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "build",
+                        "test/vendored"], capture_output=True, text=True,
+                       env={**_env(cache_dir), "MAX_JOBS": value}, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr  # (its files are not vendored: unavailable)
+    if warned:
+        assert f"build: warning: MAX_JOBS='{value}'" in p.stderr or f"MAX_JOBS={value}" in p.stderr, p.stderr
+        assert warned in p.stderr, p.stderr
+    else:
+        assert "MAX_JOBS" not in p.stderr, p.stderr
 
 
 def test_cli_build_all_with_names_is_an_error(tmp_path):
