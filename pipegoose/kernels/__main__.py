@@ -163,6 +163,7 @@ def _build(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+    from . import cache
     from .builder import KernelBuildError, KernelUnavailableError, stop_workers
 
     if not args.all and not args.names:
@@ -194,6 +195,14 @@ def _build(args) -> int:
                 # or the row sits silent until that build ends (the builder's own line is off under PIPEGOOSE_QUIET)
                 who = (f"pid {owner.get('pid', '?')} on {owner.get('hostname', '?')}" if owner
                        else "another process")
+                try:
+                    limit = cache.env_lock_timeout()
+                except ValueError:  # (the lock raises it; this line only reports)
+                    limit = None
+                if limit == 0:  # (it said "waiting" and then failed after 0 s; session 35's walkthrough)
+                    progress.console.print(f"[yellow]busy[/] {b.kernel.id}: {who} is building it; "
+                                           "PIPEGOOSE_BUILD_LOCK_TIMEOUT=0: not waiting for it")
+                    return
                 progress.console.print(f"[yellow]waiting[/] {b.kernel.id}: {who} is building it; waiting for that "
                                        f"build to end (at most PIPEGOOSE_BUILD_LOCK_TIMEOUT seconds, default 3600)")
 

@@ -803,6 +803,12 @@ def test_cli_build_says_when_it_waits_for_another_build(tiny, monkeypatch, capsy
     out = " ".join(capsys.readouterr().out.split())
     assert calls and calls[0] is not None
     assert "waiting test/tiny: pid 4242 on node7 is building it" in out, out
+    # PIPEGOOSE_BUILD_LOCK_TIMEOUT=0 does not wait: the line says so (it said "waiting", then failed after 0 s)
+    monkeypatch.setenv("PIPEGOOSE_BUILD_LOCK_TIMEOUT", "0")
+    assert cli.main(["--manifest", str(manifest), "build", "tiny"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "busy test/tiny: pid 4242 on node7 is building it; PIPEGOOSE_BUILD_LOCK_TIMEOUT=0: not waiting" in out, out
+    assert "waiting for that build" not in out, out
 
 
 def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
