@@ -75,7 +75,7 @@ def cmd_sync(a) -> int:
     if r.get("vendored"):
         done.append(f"vendored {', '.join(r['vendored'])}")
     if r["restored"]:
-        done.append(f"re-vendored {', '.join(r['restored'])} (their files differed from kernels.lock)")
+        done.append(f"re-vendored {', '.join(r['restored'])} (their folders differed from kernels.lock: files missing, changed or not recorded there, which sync removes)")
     done.append(f"already in place {', '.join(r['ok']) or 'none'}")
     if r.get("dropped"):
         done.append(f"dropped {', '.join(r['dropped'])} (no vendored kernel comes from it any more)")
