@@ -26,6 +26,15 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from .manifest import ManifestError
 
 
+def _console():
+    """A rich console 160 columns wide when piped (rich assumes 80 there, which split kernel names mid-word in the
+    tables; session 35's walkthrough), unless COLUMNS says otherwise; the terminal's width on a terminal."""
+    from rich.console import Console
+
+    piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(width=160 if piped else None)
+
+
 def _builders(args, names):
     from .builder import KernelBuilder
     from .manifest import load_manifest
@@ -36,12 +45,11 @@ def _builders(args, names):
 
 
 def _doctor(args) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from . import cache, toolchain
 
-    console = Console()
+    console = _console()
     cache_dir = cache.default_cache_dir() if args.cache_dir is None else args.cache_dir
     import torch
 
@@ -160,7 +168,6 @@ def _clean(args) -> int:
 
 
 def _build(args) -> int:
-    from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from . import cache
@@ -174,7 +181,7 @@ def _build(args) -> int:
               file=sys.stderr)
         return 2
     os.environ.setdefault("PIPEGOOSE_QUIET", "1")
-    console = Console()
+    console = _console()
     _, builders = _builders(args, None if args.all else args.names)
     from .toolchain import _max_jobs_check
 

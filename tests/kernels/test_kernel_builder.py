@@ -616,9 +616,12 @@ def test_cli_build_reports_missing_and_doctor_runs(tiny):
     # a kernel that cannot be built here is exit 2, as for build (it was 0: a passing preflight hid a missing or changed
     # vendored file from CI; session 35's walkthrough); without it, 0
     assert p.returncode == 2, p.stdout + p.stderr
+    env.pop("COLUMNS", None)
     p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(_without_vendored(manifest)),
                         "doctor"], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0 and "unavailable" not in p.stdout, p.stdout + p.stderr
+    # piped: 160 columns, not rich's 80, which split names mid-word (session 35's walkthrough)
+    assert max(map(len, p.stdout.splitlines())) > 80 and "│ test/cuda_one " in p.stdout, p.stdout
 
 
 @pytest.mark.parametrize("where", ["before", "after"])
