@@ -75,7 +75,8 @@ def cmd_sync(a) -> int:
     if r.get("vendored"):
         done.append(f"vendored {', '.join(r['vendored'])}")
     if r["restored"]:
-        done.append(f"re-vendored {', '.join(r['restored'])} (their folders differed from kernels.lock: files missing, changed or not recorded there, which sync removes)")
+        done.append(f"re-vendored {', '.join(r['restored'])} (their folders differed from kernels.lock: files "
+                    "missing, changed or not recorded there, which sync removes)")
     done.append(f"already in place {', '.join(r['ok']) or 'none'}")
     if r.get("dropped"):
         done.append(f"dropped {', '.join(r['dropped'])} (no vendored kernel comes from it any more)")
@@ -174,18 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tools/port.py", description=__doc__.split("\n\n")[0])
     # the common options before the subcommand, and again after it (SUPPRESS there: absent after it keeps the value
     # given before; they worked only after it, though the docstring says "common to all")
-    ap.add_argument("--root", help="repository root (holds kernels.yaml); default: this repository")
-    ap.add_argument("--manifest", help="path of kernels.yaml (overrides --root)")
-    ap.add_argument("--cache", help="download cache (default $PIPEGOOSE_PORT_CACHE or ~/.cache/pipegoose/port)")
-    ap.add_argument("--offline", action="store_true", help="use only the download cache")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--root", default=argparse.SUPPRESS, help="repository root (holds kernels.yaml); default: "
-                        "this repository")
-    common.add_argument("--manifest", default=argparse.SUPPRESS, help="path of kernels.yaml (overrides --root)")
-    common.add_argument("--cache", default=argparse.SUPPRESS,
-                        help="download cache (default $PIPEGOOSE_PORT_CACHE or ~/.cache/pipegoose/port)")
-    common.add_argument("--offline", action="store_true", default=argparse.SUPPRESS,
-                        help="use only the download cache")
+    for flag, kw in (("--root", {"help": "repository root (holds kernels.yaml); default: this repository"}),
+                     ("--manifest", {"help": "path of kernels.yaml (overrides --root)"}),
+                     ("--cache", {"help": "download cache (default $PIPEGOOSE_PORT_CACHE or ~/.cache/pipegoose/port)"}),
+                     ("--offline", {"action": "store_true", "help": "use only the download cache"})):
+        ap.add_argument(flag, **kw)
+        common.add_argument(flag, default=argparse.SUPPRESS, **kw)
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("list", parents=[common], help="every kernel: source, license, state")
     s.add_argument("--quick", action="store_true", help="do not hash files (state 'vendored' instead of verified)")
