@@ -28,11 +28,12 @@ from .manifest import ManifestError
 
 def _console():
     """A rich console 160 columns wide when piped (rich assumes 80 there, which split kernel names mid-word in the
-    tables; session 35's walkthrough), unless COLUMNS says otherwise; the terminal's width on a terminal."""
+    tables; session 35's walkthrough), unless COLUMNS says otherwise; the terminal's width on a terminal. Lines of
+    text are not wrapped (soft_wrap), as port.py's."""
     from rich.console import Console
 
     piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
-    return Console(width=160 if piped else None)
+    return Console(width=160 if piped else None, soft_wrap=True)
 
 
 def _builders(args, names):
