@@ -184,9 +184,9 @@ def _build(args) -> int:
     os.environ.setdefault("PIPEGOOSE_QUIET", "1")
     console = _console()
     _, builders = _builders(args, None if args.all else args.names)
-    from .toolchain import _max_jobs_check
+    from .toolchain import max_jobs_check
 
-    mj = _max_jobs_check()  # a MAX_JOBS torch ignores, or 0 (no limit): said by doctor only before (a walkthrough)
+    mj = max_jobs_check()  # a MAX_JOBS torch ignores, or 0 (no limit): said by doctor only before (a walkthrough)
     if mj is not None and mj.ok and mj.warn:
         print(f"build: warning: MAX_JOBS={mj.detail}; {mj.fix}", file=sys.stderr)
     results: dict[str, tuple[str, str, float]] = {}

@@ -42,6 +42,7 @@ __all__ = [
     "arch_list",
     "arch_covers",
     "ninja_path",
+    "max_jobs_check",
     "preflight",
 ]
 
@@ -398,7 +399,7 @@ def preflight(cache_dir: Path | None = None, *, need_cuda: bool = True) -> list[
             checks.append(Check("arch list", False, str(e), "fix or unset TORCH_CUDA_ARCH_LIST"))
     nj = ninja_path()
     checks.append(Check("ninja", nj is not None, nj or "not found", "" if nj else "pip install ninja"))
-    jobs = _max_jobs_check()
+    jobs = max_jobs_check()
     if jobs is not None:
         checks.append(jobs)
     checks.append(_compiler_check(tv[0] if tv else None))
@@ -407,7 +408,7 @@ def preflight(cache_dir: Path | None = None, *, need_cuda: bool = True) -> list[
     return checks
 
 
-def _max_jobs_check() -> Check | None:
+def max_jobs_check() -> Check | None:
     """MAX_JOBS as torch.utils.cpp_extension reads it: ``-j int(MAX_JOBS)`` for ninja when ``str.isdigit()`` holds
     (Unicode digits too), else ignored. A failed row where that int() fails (every build would), a warning row for a
     value torch ignores or for 0 (ninja's -j 0 sets no limit); None when unset."""
