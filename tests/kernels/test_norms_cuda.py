@@ -375,10 +375,11 @@ def test_wide_rows_backward(ln, rms, h):
     of 2 blocks at 8200-16384 columns, 4 at 20000-32768, 8 at 65536), 1029 rows, more than the clusters that fit the GPU
     times the stages, so that each cluster's ring of stages wraps and the rows past the end are zero-filled; 13000,
     20000 and 20008 columns (1625, 2500 and 2501 chunks of 8) leave the blocks' slabs partial, and 13000 and 20008 the
-    last block's shorter than the others. The blocks exchange their row sums through mbarriers (16-bit LayerNorm, and
-    slabs that fill at most three quarters of a 16-bit block or two thirds of an fp32 one: bf16 RMSNorm 12288, 20000
-    and 20008 columns, fp32 LayerNorm 8704 and 10240, fp32 20000 and 20008) or the cluster barrier (the other rows;
-    the fp16 case's fp32 grad_output takes no cluster). fp32 grad_output
+    last block's shorter than the others. Each block has as few threads as hold its slab (bf16 8704 columns: 288;
+    13000: 416, its last block's slab 812 chunks; 20000 and 20008: 320). The blocks exchange their row sums through
+    mbarriers (16-bit rows, and fp32 slabs that fill at most three quarters of a block: fp32 LayerNorm 8704, 10240 and
+    12288 columns, fp32 20000 and 20008) or the cluster barrier (the other fp32 rows; the fp16 case's fp32 grad_output
+    takes no cluster). fp32 grad_output
     with a 16-bit input, and GPUs before sm_90: the register and
     shared-memory plans up to 16384 columns, past them the row-statistics kernel and column-slab kernel
     (norm_bwd_rowstats_kernel, norm_bwd_cols_kernel). Five rows: fewer rows than clusters. With and without

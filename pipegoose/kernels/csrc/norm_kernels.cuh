@@ -1990,18 +1990,25 @@ norm_fwd_split_kernel(const float* __restrict__ x, const Tp* __restrict__ w, con
 // on the H200). On sm_90 a cluster of CL blocks (CL SMs) shares each row instead, for vector rows from 12288 columns
 // (fp32 RMSNorm: 16384) up to 65536 (launch_bwd says which plans it replaced there, and what was timed):
 // - block k of the cluster (its rank) owns the chunks [k * cpb, (k + 1) * cpb) of every row the cluster walks (rows
-//   cluster, cluster + clusters, ...); thread t owns the chunks t + n * kClThreads of that slab (n < NV), their weight
-//   and their column sums in registers;
+//   cluster, cluster + clusters, ...); thread t of the block's nt threads owns the chunks t + n * nt of that slab
+//   (n < NV), their weight and their column sums in registers; nt is the fewest multiple of 32 threads that hold the
+//   slab (launch_bwd_cluster), so a slab that fills part of the block's capacity takes fewer threads, not idle slots;
 // - x and dy stream through a ring of stages (bwd_cluster_stages) of shared memory with cp.async, as in
 //   norm_bwd_async_kernel: each thread copies and later reads only its own slots, so no barrier guards the stages;
 // - step j takes R rows (bwd_cluster_rows): pass 1 sums their two row sums each (one for RMSNorm) over the block (warp
 //   shuffles, one __syncthreads), and lanes of warp 0 write them into slot `rank` of every block's `part` (distributed
-//   shared memory); the block arrives at the cluster barrier, runs pass 2 of step j - 1's rows, dx = rstd * (dy * w -
-//   c1 - xhat * c2) from their stages, and only then waits: pass 2 hides the barrier's latency. After the wait every
-//   thread adds the CL slots in rank order, the same bits in every block. `part` alternates between two buffers, so
-//   one barrier per step suffices (a block rewrites a buffer two steps later, after the next barrier, which every
-//   reader of it has passed). Since session 35 some rows (launch_bwd_cluster's rule) replace that barrier by an
-//   mbarrier per block that the sums' st.async stores complete (the MBAR exchange, below);
+//   shared memory), then the block runs pass 2 of step j - 1's rows, dx = rstd * (dy * w - c1 - xhat * c2) from their
+//   stages. Each thread adds the CL slots in rank order, the same bits in every block. Two exchanges (the kernel's
+//   template parameter MBAR; launch_bwd_cluster's rule says which rows take which):
+//   - the cluster barrier: the block arrives after its push, runs pass 2, waits, and reads step j's sums; `part`
+//     alternates between two buffers, so one barrier per step suffices (a block rewrites a buffer two steps later,
+//     after the next barrier, which every reader of it has passed);
+//   - MBAR (session 36): the pushes are st.async stores that complete the bytes of an mbarrier per buffer in the
+//     receiving block. Step j's sums are read a step later: thread 0 waits for them before step j + 1's block
+//     barrier, which makes them visible to every thread, and pass 2 of step j follows. No thread spins past that
+//     barrier, no cluster barrier per step, and the wait has pass 2 of step j - 1 and pass 1 of step j + 1 to hide in.
+//     Three buffers: a block's threads read buffer b after step j + 1's block barrier while warp 0 already pushes step
+//     j + 1's sums, so b takes new sums (step j + 3) only after the block's step j + 2 push, which follows every read;
 // - two steps of R rows are in use at once, and the copies of the next S - 2R rows are in flight; each step loads the
 //   next step's mean and rstd, a step ahead of their use.
 // Pushing the sums and overlapping the barrier with pass 2 (rather than reading the other blocks' sums after the
@@ -2098,17 +2105,20 @@ __device__ __forceinline__ void st_cluster_f2(float2* p, unsigned rank, float2 v
   asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(ra), "f"(v.x), "f"(v.y) : "memory");
 }
 
-// The mbarrier exchange (MBAR): an mbarrier in this block's shared memory (count 1; the fence makes the
-// initialisation visible to the cluster's other blocks, after the next cluster barrier).
+// The mbarrier exchange (MBAR): an mbarrier in this block's shared memory (count 1). mbar_init_fence makes the
+// initialisations before it visible to the cluster's other blocks, after the next cluster barrier.
 __device__ __forceinline__ void mbar_init(uint64_t* bar) {
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(a) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 // Arms the mbarrier's current phase: it completes once `bytes` bytes have landed (complete_tx of st_async_f2). Relaxed:
 // it publishes nothing, so the thread need not wait for its earlier stores (the dx of the step before); armed with
 // .release (session 35, call 2) the mbarriers gained less over the cluster barrier (16-bit LayerNorm +2.2 to +7.1
-// points of copy, against +2.4 to +9.8 relaxed in call 3). On full slabs they lose to the barrier either way.
+// points of copy, against +2.4 to +9.8 relaxed in call 3; both with every thread waiting after pass 2, before session
+// 36's deferred wait).
 __device__ __forceinline__ void mbar_arm(uint64_t* bar, uint32_t bytes) {
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
   asm volatile("mbarrier.arrive.expect_tx.relaxed.cluster.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes)
@@ -2142,14 +2152,14 @@ __device__ __forceinline__ void st_async_f2(float2* p, uint64_t* bar, unsigned r
 
 #endif
 
-// Launched in clusters of CL = gridDim.x / clusters blocks of kClThreads threads (1-D grid and clusters), with
-// bwd_cluster_smem bytes of dynamic shared memory; cpb: chunks per block (cpb <= kClThreads * NV, CL * cpb >= H / VEC).
-// The blocks' row sums travel to the other blocks of the cluster as plain stores into their shared memory, made
-// visible by the cluster barrier (arrive with release, wait with acquire) that every block passes once per step, or
-// (MBAR) as st.async stores that complete the bytes of an mbarrier in the receiving block: each block then waits only
-// for its own mbarrier, with no cluster barrier per step and no release fence over the thread's earlier global stores
-// (the dx of the step before; ncu, session 34, call 3: membar 0.9 of 6.8 cycles per issued instruction).
-// launch_bwd_cluster says which rows take which.
+// Launched in clusters of CL = gridDim.x / clusters blocks of nt threads (1-D grid and clusters; nt a multiple of 32,
+// at most kClThreads, nt * NV >= cpb), with bwd_cluster_smem bytes of dynamic shared memory; cpb: chunks per block
+// (cpb <= kClThreads * NV, CL * cpb >= H / VEC). The blocks' row sums travel to the other blocks of the cluster as
+// plain stores into their shared memory, made visible by the cluster barrier (arrive with release, wait with acquire)
+// that every block passes once per step, or (MBAR) as st.async stores that complete the bytes of an mbarrier in the
+// receiving block: each block then waits only for its own mbarrier, with no cluster barrier per step and no release
+// fence over the thread's earlier global stores (the dx of the step before; ncu, session 34, call 3: membar 0.9 of 6.8
+// cycles per issued instruction). launch_bwd_cluster says which rows take which.
 template <typename Tin, typename Tdy, int VEC, int NV, bool RMS, bool MBAR>
 __global__ void __launch_bounds__(kClThreads, 1)
 norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const void* __restrict__ w, bool p_f32,
@@ -2163,17 +2173,20 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
   constexpr int R = bwd_cluster_rows(static_cast<int>(sizeof(Tin)), static_cast<int>(sizeof(Tdy)));
   static_assert(S >= 2 * R + 1, "norm_bwd_cluster_kernel: stages for two steps of R rows in use and one row in flight");
   constexpr int kWarps = kClThreads / 32;
+  constexpr int NB = MBAR ? 3 : 2;  // buffers of the row sums
   extern __shared__ __align__(16) float bwd_smem[];
   __shared__ __align__(16) float red[2][2 * R][kWarps];  // [parity][sum of row][warp]
-  // [parity][rank][row]: the row sums of each block of the cluster, pushed by that block
-  __shared__ __align__(16) float2 part[2][kClMaxCluster][R];
-  __shared__ __align__(8) uint64_t full[2];  // MBAR: [parity], completed by the bytes of part[parity]
+  // [buffer][rank][row]: the row sums of each block of the cluster, pushed by that block
+  __shared__ __align__(16) float2 part[NB][kClMaxCluster][R];
+  __shared__ __align__(8) uint64_t full[NB];  // MBAR: [buffer], completed by the bytes of part[buffer]
   const unsigned rank = cluster_special(0);
   const unsigned cl = cluster_special(1);
   const int64_t cid = cluster_special(2);
   const int64_t ncl = cluster_special(3);
   const int t = threadIdx.x;
   const int warp = t >> 5, lane = t & 31;
+  const int nt = static_cast<int>(blockDim.x);  // a multiple of 32, at most kClThreads
+  const int nwarps = nt >> 5;
   const int c0 = static_cast<int>(rank) * cpb;  // the block's first chunk
   const int nchunks = max(0, min(cpb, H / VEC - c0));
   const int64_t col0 = static_cast<int64_t>(c0) * VEC;
@@ -2197,17 +2210,19 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
 
   // The cluster's k-th row (cid + k * ncl) goes to stage k % S, one commit group per row. Step j takes rows jR ..
   // jR + R - 1: their sums (pass 1), pushed to every block of the cluster, then the dx of step j - 1's rows (pass 2)
-  // between the arrival at the cluster barrier and the wait, so the barrier's latency hides behind pass 2. In use at
+  // between the arrival at the cluster barrier and the wait, so the barrier's latency hides behind pass 2 (MBAR: after
+  // thread 0's wait for step j - 1's sums before the block barrier). In use at
   // once: the R rows of step j and the R of step j - 1; in flight: S - 2R rows. Prologue: rows 0 .. S - 2R - 1.
   // A block may write into another's shared memory only once that block runs: every block arrives here, and waits
   // before its first write (below).
-  const uint32_t step_bytes = static_cast<uint32_t>(cl * R * sizeof(float2));  // MBAR: into part[parity] per step
+  const uint32_t step_bytes = static_cast<uint32_t>(cl * R * sizeof(float2));  // MBAR: into part[buf] per step
   if constexpr (MBAR) {
     if (t == 0) {
-      mbar_init(&full[0]);
-      mbar_init(&full[1]);
-      mbar_arm(&full[0], step_bytes);
-      mbar_arm(&full[1], step_bytes);
+#pragma unroll
+      for (int b = 0; b < NB; ++b) mbar_init(&full[b]);
+      mbar_init_fence();
+#pragma unroll
+      for (int b = 0; b < NB; ++b) mbar_arm(&full[b], step_bytes);
     }
   }
   cluster_arrive_relaxed();
@@ -2216,8 +2231,8 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
     const int64_t row = cid + k * ncl;
     const bool valid = row < rows;
     const int64_t off = valid ? row * H + col0 : 0;
-    async_row<Tin, VEC, NV, false>(xs + islot * rowlen, x + off, x, valid, t, kClThreads, nchunks);
-    async_row<Tdy, VEC, NV, false>(ds + islot * rowlen, dy + off, dy, valid, t, kClThreads, nchunks);
+    async_row<Tin, VEC, NV, false>(xs + islot * rowlen, x + off, x, valid, t, nt, nchunks);
+    async_row<Tdy, VEC, NV, false>(ds + islot * rowlen, dy + off, dy, valid, t, nt, nchunks);
     cp_async_commit();
     islot = islot + 1 == S ? 0 : islot + 1;
   };
@@ -2226,7 +2241,7 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
   if (w != nullptr) {
 #pragma unroll
     for (int n = 0; n < NV; ++n) {
-      const int c = t + n * kClThreads;
+      const int c = t + n * nt;
       if (c < nchunks) load_param<VEC, Tin>(w, p_f32, (c0 + c) * VEC, wv[n]);
     }
   }
@@ -2243,7 +2258,7 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
       const DxRow<dx_fma<Tin, RMS, 0>()> dxo(pm[q], pr[q], a1[q], a2[q]);
 #pragma unroll
       for (int n = 0; n < NV; ++n) {
-        const int c = t + n * kClThreads;
+        const int c = t + n * nt;
         if (c < nchunks) {
           Raw<Tin, VEC> xc;
           Raw<Tdy, VEC> dc;
@@ -2261,7 +2276,8 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
   };
 
   int parity = 0;
-  uint32_t phases = 0;  // MBAR: bit p, the parity of full[p]'s current phase
+  int buf = 0, pbuf = 0;  // the buffers of part and full of this step and of the step before
+  uint32_t phases = 0;  // MBAR: bit b, the parity of full[b]'s current phase
   int stage = 0;  // the stage of the step's first row
   // The previous step's rows, stages, mean, rstd and cluster sums (scaled by 1 / H), for its pass 2.
   int64_t prow = rows;  // rows: no previous step
@@ -2285,6 +2301,20 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
   };
   float m[R], r[R];  // the step's
   load_stats(cid, m, r);
+  // Every block's sums of the step in buffer b, added in rank order (the same bits in every block), scaled by 1 / H.
+  auto read_sums = [&](int b) {
+#pragma unroll
+    for (int q = 0; q < R; ++q) {
+      float c1 = 0.f, c2 = 0.f;
+      for (unsigned p = 0; p < cl; ++p) {
+        const float2 v = part[b][p][q];
+        c1 += v.x;
+        c2 += v.y;
+      }
+      pa1[q] = RMS ? 0.f : c1 * inv_h;
+      pa2[q] = c2 * inv_h;
+    }
+  };
   cluster_wait();
   // The same steps, so the same barriers, in every block.
   for (int64_t k = 0, row = cid; row < rows; k += R, row += R * ncl) {
@@ -2300,7 +2330,7 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
       float s0 = 0.f, s1 = 0.f;
 #pragma unroll
       for (int n = 0; n < NV; ++n) {
-        const int c = t + n * kClThreads;
+        const int c = t + n * nt;
         Raw<Tin, VEC> xc;
         Raw<Tdy, VEC> dc;
         raw_lds(xrow + c * VEC, xc);
@@ -2331,11 +2361,25 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
 #pragma unroll
       for (int j = 0; j < 2 * R; ++j) red[parity][j][warp] = s[j];
     }
+    if constexpr (MBAR) {
+      // The previous step's sums: thread 0 waits for them, the block barrier makes them visible to every thread.
+      // Then it arms that mbarrier again for the buffer's next sums (step j + 2): those cannot land before the arm,
+      // since they follow this block's push of step j + 1. The prologue's arms are not ordered before the first
+      // bytes, which would only leave the count negative until the arrival, the phase still pending.
+      if (t == 0 && prow < rows) {
+        mbar_wait(&full[pbuf], (phases >> pbuf) & 1u);
+        phases ^= 1u << pbuf;
+        mbar_arm(&full[pbuf], step_bytes);
+      }
+    }
     __syncthreads();
+    if constexpr (MBAR) {
+      if (prow < rows) read_sums(pbuf);
+    }
     if (warp == 0) {
       float b[2 * R];
 #pragma unroll
-      for (int j = 0; j < 2 * R; ++j) b[j] = lane < kWarps && (!RMS || (j & 1)) ? red[parity][j][lane] : 0.f;
+      for (int j = 0; j < 2 * R; ++j) b[j] = lane < nwarps && (!RMS || (j & 1)) ? red[parity][j][lane] : 0.f;
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) {
 #pragma unroll
@@ -2347,47 +2391,40 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
 #pragma unroll
         for (int q = 0; q < R; ++q) {
           if constexpr (MBAR) {
-            st_async_f2(&part[parity][rank][q], &full[parity], lane, make_float2(b[2 * q], b[2 * q + 1]));
+            st_async_f2(&part[buf][rank][q], &full[buf], lane, make_float2(b[2 * q], b[2 * q + 1]));
           } else {
-            st_cluster_f2(&part[parity][rank][q], lane, make_float2(b[2 * q], b[2 * q + 1]));
+            st_cluster_f2(&part[buf][rank][q], lane, make_float2(b[2 * q], b[2 * q + 1]));
           }
         }
       }
     }
     if constexpr (MBAR) {
       if (prow < rows) pass2(prow, pstage, pm, pr, pa1, pa2);
-      // part[parity] is written again two steps on, by blocks that have received this block's sums of the next step,
-      // pushed after the __syncthreads that follows every thread's reads of it below; the mbarrier is armed again for
-      // that step at once. Those bytes cannot land before this arm (they follow this block's next push); the
-      // prologue's arms are not ordered before the first bytes, which would only leave the count negative until the
-      // arrival, the phase still pending.
-      mbar_wait(&full[parity], (phases >> parity) & 1u);
-      phases ^= 1u << parity;
-      if (t == 0) mbar_arm(&full[parity], step_bytes);
     } else {
       cluster_arrive();
       if (prow < rows) pass2(prow, pstage, pm, pr, pa1, pa2);
       cluster_wait();
+      read_sums(buf);
     }
-    // Every block's sums, added in rank order: the same bits in every block.
 #pragma unroll
     for (int q = 0; q < R; ++q) {
-      float c1 = 0.f, c2 = 0.f;
-      for (unsigned p = 0; p < cl; ++p) {
-        const float2 v = part[parity][p][q];
-        c1 += v.x;
-        c2 += v.y;
-      }
-      pa1[q] = RMS ? 0.f : c1 * inv_h;
-      pa2[q] = c2 * inv_h;
       pm[q] = m[q];
       pr[q] = r[q];
     }
     load_stats(row + R * ncl, m, r);  // the next step's, a step ahead of their use
     parity ^= 1;
+    pbuf = buf;
+    buf = buf + 1 == NB ? 0 : buf + 1;
     prow = row;
     pstage = stage;
     stage = slot_of(stage, R);
+  }
+  if constexpr (MBAR) {
+    if (prow < rows) {
+      if (t == 0) mbar_wait(&full[pbuf], (phases >> pbuf) & 1u);
+      __syncthreads();
+      read_sums(pbuf);
+    }
   }
   if (prow < rows) pass2(prow, pstage, pm, pr, pa1, pa2);
   // No block writes into another's `part` after its last arrival, which every block has waited for (MBAR: after the
@@ -2404,7 +2441,7 @@ norm_bwd_cluster_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, c
     float* out = ws + (a * ncl + cid) * static_cast<int64_t>(H) + col0;
 #pragma unroll
     for (int n = 0; n < NV; ++n) {
-      const int c = t + n * kClThreads;
+      const int c = t + n * nt;
       if (c < nchunks) store_f<VEC>(out + c * VEC, a == 0 ? acc_w[n] : acc_b[n]);
     }
   }
@@ -3280,22 +3317,37 @@ bool launch_bwd_cluster(const Tdy* dy, const Tin* x, const void* w, bool p_f32, 
   const int cpb = static_cast<int>(ceil_div(H / V, cl));
   PG_CHECK(cpb <= kClThreads * NV, "pipegoose norm backward: internal error: ", cpb,
            " chunks per block of a cluster of ", cl, " for ", H, " columns");
-  // The row sums' exchange: the mbarriers (MBAR) for 16-bit LayerNorm rows, for 16-bit RMSNorm slabs that fill at most
-  // three quarters of their blocks and for fp32 slabs that fill at most two thirds, the cluster barrier for the
-  // others. Session 35 (call 3, raw backward, % of copy, two rounds, cluster barrier -> mbarriers for every row;
-  // session35.log): 16-bit LayerNorm +2.4 to +9.8 at every width of 8704-65536 columns (bf16 8704 / 16384 / 24576 /
-  // 32768: 60.5 / 86.3 / 69.9 / 80.6 -> 65.5 / 88.7 / 79.6 / 89.9); bf16 RMSNorm +5.9 to +12.0 at fills of 62-75%
-  // (12288, 20480, 24576 columns), -1.8 to -6.5 above (16384: 95.6 -> 89.9); fp32 +3.4 to +8.9 at fills of 53-62%
-  // (LayerNorm 8704, 10240, 20480; RMSNorm 20480), +0.8 at 69% (LayerNorm 11264), -2.6 to -4.8 at 75% and -9.0 to -14.6
-  // on fuller slabs (RMSNorm 16384: 102.6 -> 88.8); the rule's choice ran within 0.3 of the better of the two at every
-  // row but fp32 LayerNorm 11264 (0.7 behind). With the mbarrier armed with release semantics (call 2) the gains were
-  // smaller (16-bit LayerNorm +2.2 to +7.1), the losses on full slabs about the same.
-  // -DPIPEGOOSE_NORM_BWD_EXPERIMENT with PIPEGOOSE_NORM_BWD_CL_EXCHANGE=barrier or mbar (a benchmark experiment) takes
-  // one for every row.
+  // The row sums' exchange and the threads per block. Session 36 (call 1, raw backward, % of copy, two rounds, bf16
+  // and fp32, 8704-65536 columns; session36.log), against session 35's kernel (512 threads; mbarriers waited for by
+  // every thread after pass 2 for 16-bit LayerNorm and for slabs that fill at most 3/4 of a 16-bit block or 2/3 of an
+  // fp32 one, the cluster barrier for the others):
+  // - the mbarriers waited for by thread 0 a step later (MBAR), 512 threads: 16-bit +0.8 to +9.1 where the slab fills
+  //   3/4 of the block or more (bf16 RMSNorm 65536: 90.4 -> 99.5), within 0.4 on the partial LayerNorm slabs, -2.8 at
+  //   bf16 RMSNorm 20480; fp32 +3.6 to +13.2 on slabs filling up to 3/4, -0.7 to -7.5 on fuller ones (fp32 RMSNorm
+  //   16384: 101.8 -> 94.6);
+  // - blocks of as few threads as hold the slab (nt below) on top: 16-bit partial slabs +2.0 to +9.4 more (bf16
+  //   LayerNorm 8704 / 12288 / 20480 / 24576: 63.3 / 83.6 / 67.7 / 79.1 at first -> 72.8 / 90.2 / 75.5 / 86.3); full
+  //   slabs run 512 threads, as before (within -0.1 to +1.6 of the first variant).
+  // The rule: MBAR for 16-bit rows and for fp32 slabs that fill at most 3/4 of the block (fp32 LayerNorm 11264 / 24576:
+  // 90.3 / 88.5 -> 101.7 / 101.0), the cluster barrier for fuller fp32 slabs (there -0.6 to +0.6); nt for every row.
+  // At every timed row it ran within 1.8 of the best of the four variants (bf16 LayerNorm 20480: 75.5, against 77.3
+  // for nt threads on session 35's exchange).
+  // -DPIPEGOOSE_NORM_BWD_EXPERIMENT with PIPEGOOSE_NORM_BWD_CL_EXCHANGE=barrier or mbar takes one exchange for every
+  // row, and PIPEGOOSE_NORM_BWD_CL_THREADS=full kClThreads threads (benchmark experiments).
   constexpr int kCap = kClThreads * NV;  // chunks a block holds
-  bool mbar = sizeof(Tin) == 2 ? !RMS || 4 * cpb <= 3 * kCap : 3 * cpb <= 2 * kCap;
+  bool mbar = sizeof(Tin) == 2 || 4 * cpb <= 3 * kCap;
+  int threads = static_cast<int>(std::min<int64_t>(kClThreads, ceil_div(ceil_div(cpb, NV), 32) * 32));
 #if defined(PIPEGOOSE_NORM_BWD_EXPERIMENT)
-  if (const char* v = std::getenv("PIPEGOOSE_NORM_BWD_CL_EXCHANGE")) mbar = std::string(v) == "mbar";
+  if (const char* v = std::getenv("PIPEGOOSE_NORM_BWD_CL_EXCHANGE")) {
+    const std::string e(v);
+    PG_CHECK(e == "barrier" || e == "mbar", "PIPEGOOSE_NORM_BWD_CL_EXCHANGE: expected barrier or mbar, got '", e, "'");
+    mbar = e == "mbar";
+  }
+  if (const char* v = std::getenv("PIPEGOOSE_NORM_BWD_CL_THREADS")) {
+    const std::string e(v);
+    PG_CHECK(e == "full" || e == "slab", "PIPEGOOSE_NORM_BWD_CL_THREADS: expected full or slab, got '", e, "'");
+    if (e == "full") threads = kClThreads;
+  }
 #endif
   auto kernel = mbar ? &norm_bwd_cluster_kernel<Tin, Tdy, V, NV, RMS, true>
                      : &norm_bwd_cluster_kernel<Tin, Tdy, V, NV, RMS, false>;
@@ -3306,17 +3358,17 @@ bool launch_bwd_cluster(const Tdy* dy, const Tin* x, const void* w, bool p_f32, 
   attr[0].val.clusterDim.x = static_cast<unsigned>(cl);
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
-  config.blockDim = dim3(kClThreads, 1, 1);
+  config.blockDim = dim3(static_cast<unsigned>(threads), 1, 1);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = attr;
   config.numAttrs = 1;
-  // Clusters resident at once, cached per device, kernel and cluster size.
+  // Clusters resident at once, cached per device, kernel, cluster size and threads per block.
   static std::mutex mu;
-  static std::map<std::tuple<int, const void*, int>, int> cache;
+  static std::map<std::tuple<int, const void*, int, int>, int> cache;
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
-  const auto key = std::make_tuple(dev, reinterpret_cast<const void*>(kernel), cl);
+  const auto key = std::make_tuple(dev, reinterpret_cast<const void*>(kernel), cl, threads);
   int fit = -1;
   {
     std::lock_guard<std::mutex> lock(mu);
