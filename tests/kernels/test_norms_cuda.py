@@ -395,12 +395,13 @@ def test_wide_rows_backward(ln, rms, h):
 
 @pytest.mark.parametrize("h", [9216, 9224, 10000, 10240, 11264, 11272])
 def test_wide_register_rows_backward(ln, rms, h):
-    """16-bit RMSNorm rows of 9224-11264 columns (x and dy of one element size): two chunks per thread in one block of
-    up to 768 threads per row, four stages (bwd_plan's wide register rows in norm_kernels.cuh; 9224 columns: 1153 chunks
-    on 608 threads, 545 of them with a second chunk; 10000: 1250 on 640, 610 with two); 9216 (the four-chunk register
-    plan) and 11272 (the cluster kernel on sm_90) are their neighbours. 2100 rows: each block's ring of stages wraps and
-    the rows past the end are zero-filled; with and without a weight, bf16 and fp16, fp32 parameters and fp32
-    grad_output; and which kernel ran, where the GPU's shared memory holds the stages and the weight cache."""
+    """16-bit RMSNorm rows of 9224-11264 columns (x and dy of one element size): on sm_90 and newer the cluster kernel
+    (since session 36; test_wide_register_rows_without_clusters runs the plan below there), elsewhere two chunks per
+    thread in one block of up to 768 threads per row, four stages (bwd_plan's wide register rows in norm_kernels.cuh;
+    9224 columns: 1153 chunks on 608 threads, 545 of them with a second chunk; 10000: 1250 on 640, 610 with two); 9216
+    (the four-chunk register plan) and 11272 (the cluster kernel on sm_90) are their neighbours. 2100 rows: each
+    block's ring of stages wraps and the rows past the end are zero-filled; with and without a weight, bf16 and fp16,
+    fp32 parameters and fp32 grad_output; and which kernel ran."""
     check_dtype_cases(ln, rms, 2100, h, ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
                                          (torch.bfloat16, torch.float32, torch.float32)), seed=h + 31)
     for dtype in (torch.bfloat16, torch.float16):
@@ -410,10 +411,43 @@ def test_wide_register_rows_backward(ln, rms, h):
     x, w, _, dy = make(64, h, torch.bfloat16, torch.bfloat16, seed=h + 33)
     _, rstd = rms.rms_norm_forward(x, w, EPS, None)
     names = kernels_run(lambda: rms.rms_norm_backward(dy, x, w, rstd))
-    tpr = math.ceil(h / 16 / 32) * 32
-    fits = 4 * 2 * tpr * 8 * 4 + 4 * h <= torch.cuda.get_device_properties(DEV).shared_memory_per_block_optin - 1024
     wide = re.search(WIDE_REG_KERNEL, names) is not None
-    assert wide == (9224 <= h <= 11264 and fits), names
+    if torch.cuda.get_device_capability(DEV)[0] >= 9:
+        assert not wide and ("norm_bwd_cluster_kernel" in names) == (h >= 9224), names
+    else:
+        assert wide == (9224 <= h <= 11264 and _wide_register_rows_fit(h)), names
+
+
+def _wide_register_rows_fit(h: int) -> bool:
+    """Whether this GPU's shared memory holds the wide register rows' four stages and weight cache at h columns."""
+    tpr = math.ceil(h / 16 / 32) * 32
+    return 4 * 2 * tpr * 8 * 4 + 4 * h <= torch.cuda.get_device_properties(DEV).shared_memory_per_block_optin - 1024
+
+
+def test_wide_register_rows_without_clusters():
+    """PIPEGOOSE_NORM_CLUSTERS=0 on a GPU with clusters: 16-bit RMSNorm rows of 9224-11264 columns take the wide
+    register rows (test_wide_register_rows_backward's plan before sm_90) where their shared memory fits; 9216 and 11272
+    do not."""
+    if torch.cuda.get_device_capability(DEV)[0] < 9:
+        pytest.skip("before sm_90 test_wide_register_rows_backward runs these rows without clusters")
+    r = _run_with_env("PIPEGOOSE_NORM_CLUSTERS", "0", """
+        for h in (9216, 9224, 10000, 11264, 11272):
+            T.check_dtype_cases(ln, rms, 2100, h, ((torch.bfloat16, torch.bfloat16, None),
+                                                   (torch.bfloat16, torch.float32, torch.float32)), seed=h + 34)
+            x, w, _, dy = T.make(64, h, torch.float16, torch.float16, seed=h + 35)
+            T.check_rms_norm(rms, x, w, dy)
+            T.check_rms_norm(rms, x, None, dy)
+            _, rstd = rms.rms_norm_forward(x, w, 1e-5, None)
+            print("KERNELS", h, T.kernels_run(lambda: rms.rms_norm_backward(dy, x, w, rstd)).replace(chr(10), " "))
+        print("WIDE-OK")
+    """)
+    assert r.returncode == 0 and "WIDE-OK" in r.stdout, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
+    for line in r.stdout.splitlines():
+        if line.startswith("KERNELS"):
+            h = int(line.split()[1])
+            assert "norm_bwd_cluster_kernel" not in line, line
+            wide = re.search(WIDE_REG_KERNEL, line) is not None
+            assert wide == (9224 <= h <= 11264 and _wide_register_rows_fit(h)), line
 
 
 # The kernel of the wide register rows (blocks of 768 threads, run-time geometry) in kernels_run's names.
@@ -421,12 +455,13 @@ WIDE_REG_KERNEL = r"norm_bwd_async_kernel<[^>]*, 768, 0>"
 
 
 def test_wide_register_rows_fallback():
-    """Where the wide register rows' stages and weight cache (200 KB at 10240 columns) do not fit but the cluster
-    kernel's 192 KB do (PIPEGOOSE_NORM_SMEM_LIMIT=198000), the cluster takes the row on sm_90 and newer (elsewhere the
-    four-chunk register plan); without a weight the wide rows fit (160 KB) and run."""
+    """Where the wide register rows' stages and weight cache (200 KB at 10240 columns) do not fit
+    (PIPEGOOSE_NORM_SMEM_LIMIT=198000) and no cluster runs (PIPEGOOSE_NORM_CLUSTERS=0: a GPU before sm_90, where these
+    rows take the wide register rows), the row takes the four-chunk register plan; without a weight the wide rows fit
+    (160 KB) and run."""
     if torch.cuda.get_device_properties(DEV).shared_memory_per_block_optin - 1024 < 198000:
         pytest.skip("the GPU's shared memory per block is below the emulated 198000 bytes")
-    r = _run_with_env("PIPEGOOSE_NORM_SMEM_LIMIT", "198000", """
+    r = _run_with_env("PIPEGOOSE_NORM_SMEM_LIMIT", "198000", extra={"PIPEGOOSE_NORM_CLUSTERS": "0"}, body="""
         cases = ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None))
         T.check_dtype_cases(ln, rms, 601, 10240, cases, seed=5)
         x, w, _, dy = T.make(64, 10240, torch.bfloat16, torch.bfloat16, seed=6)
@@ -440,9 +475,7 @@ def test_wide_register_rows_fallback():
     assert r.returncode == 0 and "FALLBACK-OK" in r.stdout, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
     with_w = next(line for line in r.stdout.splitlines() if line.startswith("KERNELS False"))
     without_w = next(line for line in r.stdout.splitlines() if line.startswith("KERNELS True"))
-    assert re.search(WIDE_REG_KERNEL, with_w) is None, with_w
-    if torch.cuda.get_device_capability(DEV)[0] >= 9:
-        assert "norm_bwd_cluster_kernel" in with_w, with_w
+    assert re.search(WIDE_REG_KERNEL, with_w) is None and "norm_bwd_cluster_kernel" not in with_w, with_w
     assert re.search(WIDE_REG_KERNEL, without_w) is not None, without_w
 
 
@@ -566,13 +599,14 @@ def test_layer_norm_statistics_far_from_zero(ln, dtype, h):
     check_layer_norm(ln, x, w, b, dy)
 
 
-def _run_with_env(name: str, value: str, body: str) -> subprocess.CompletedProcess:
+def _run_with_env(name: str, value: str, body: str, extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Runs ``body`` (with ``ln``, ``rms``, ``torch`` and this module as ``T`` in scope) in a fresh process with the
-    environment variable ``name`` set to ``value``: the kernels read their variables once per process."""
+    environment variable ``name`` set to ``value`` (and those of ``extra``): the kernels read their variables once per
+    process."""
     code = "import sys\nsys.path[:0] = ['tests', 'tests/kernels']\nimport torch\nimport test_norms_cuda as T\n" \
            "from pipegoose.kernels import load\nln, rms = load('pipegoose/layer_norm'), load('pipegoose/rms_norm')\n" \
            + textwrap.dedent(body)
-    env = dict(os.environ, **{name: value})
+    env = dict(os.environ, **{name: value}, **(extra or {}))
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 

@@ -2832,7 +2832,8 @@ static_assert(fwd_plan_is(fwd_plan<8, true>(8, true), 2, 4, false, false) &&    
 // register column sums where they hold no more accumulators than two 16-bit chunks (fp32 H <= 8192, 16-bit RMSNorm H <=
 // 16384; session 7 A/B: fp32 8192 LayerNorm 76-86 -> 93, RMSNorm 87-90 -> 95, bf16 RMSNorm 16384 75-77 -> 84; fp32 rows
 // only where that keeps 16 warps per SM, else the eight-chunk plan below: session 32); two chunks per thread in one
-// block of up to 768 threads for 16-bit RMSNorm rows of 9224-11264 columns (the wide register rows, session 33, below);
+// block of up to 768 threads for 16-bit RMSNorm rows of 9224-11264 columns where no cluster runs (the wide register
+// rows, session 33, below);
 // four chunks per thread with shared-memory column sums and prefetch (<= 512 threads: H <= 16384 / 8192); for fp32,
 // eight chunks (32 values) per thread with shared-memory column sums without prefetch (H <= 16384); then (and for
 // 16-bit LayerNorm rows from 16384 columns) the two-kernel path (nv 0 with vector rows). Scalar rows: four values per
@@ -2868,9 +2869,10 @@ constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
 #endif
   if (tpr2 <= kMaxRegTpr) return {2, tpr2, false, true};
 #if !defined(PIPEGOOSE_NORM_BWD_NO_WIDE_REG) && !defined(PIPEGOOSE_NORM_BWD_ASYNC256)
-  // 16-bit RMSNorm rows of 9224-11264 columns: two chunks per thread in one block of 577-704 threads per row
-  // (kWideRegTpb, four stages, one block per SM), where they ran a cluster per row (session 32) and before that the
-  // four-chunk register plan. Session 33 (call 1, raw backward, bf16, 16384 rows, % of copy, two rounds;
+  // 16-bit RMSNorm rows of 9224-11264 columns where no cluster runs (since session 36 the cluster kernel takes them on
+  // sm_90 and newer: launch_bwd): two chunks per thread in one block of 577-704 threads per row (kWideRegTpb, four
+  // stages, one block per SM), where they ran a cluster per row (session 32) and before that the four-chunk register
+  // plan. Session 33 (call 1, raw backward, bf16, 16384 rows, % of copy, two rounds;
   // session33.log), cluster -> this plan with 4 stages, 10240 / 11264 columns: 73.6 / 78.7 -> 81.4 / 82.2 (at 9216,
   // where the four-chunk plan runs 86.0, it ran 78.4 against the cluster's 68.6 of session 32); call 2, the rule
   // against the cluster, bf16 and fp16: +1.9 to +13.1 at 9224-11264 columns (bf16 9224 / 10000 / 10240 / 11264: 63.8 /
@@ -2905,8 +2907,8 @@ constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
 #if !defined(PIPEGOOSE_NORM_BWD_NO_REG4)
   // Four chunks per thread with register column sums in the asynchronous-copy kernel up to 512 threads per row, where
   // that holds no more accumulators than two 16-bit chunks: fp32 rows (H <= 8192; since session 32 only those that the
-  // rule above leaves here), 16-bit RMSNorm rows (H <= 16384; 9224-11264 columns take the wide register rows above, and
-  // from 11272 columns run the cluster kernel on sm_90). -DPIPEGOOSE_NORM_BWD_NO_REG4 (a benchmark experiment, off in
+  // rule above leaves here), 16-bit RMSNorm rows (H <= 16384; from 9224 columns the cluster kernel on sm_90, elsewhere
+  // 9224-11264 columns take the wide register rows above). -DPIPEGOOSE_NORM_BWD_NO_REG4 (a benchmark experiment, off in
   // the shipped build) sends them to the shared-memory accumulator plan below, as before session 7.
   if (ASYNC && (V == 4 || RMS) && tpr4 <= 512) return {4, tpr4, false, true};
 #endif
@@ -2937,7 +2939,7 @@ static_assert(bwd_plan_is(bwd_plan<8, true, true>(1152, true), 4, 288, false, tr
               bwd_plan_is(bwd_plan<8, true, true>(1153, true), 2, 608, false, true) &&   // 9224: wide register rows
               bwd_plan_is(bwd_plan<8, true, true>(1408, true), 2, 704, false, true) &&   // 11264: wide register rows
               bwd_plan_is(bwd_plan<8, true, true, false>(1153, true), 4, 320, false, true) &&  // its fallback
-              bwd_plan_is(bwd_plan<8, true, true>(1409, true), 4, 384, false, true) &&   // 11272 (cluster on sm_90)
+              bwd_plan_is(bwd_plan<8, true, true>(1409, true), 4, 384, false, true) &&   // 11272
               bwd_plan_is(bwd_plan<8, false, true>(1280, true), 4, 320, true, true),     // bf16 LayerNorm 10240
               "bwd_plan: the 16-bit rows past 8192 columns");
 #endif
@@ -3434,7 +3436,8 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   };
   // The wide register rows (bwd_plan: 16-bit RMSNorm, 9224-11264 columns) need their four stages and the weight cache
   // (220 KB at 11264 columns); where they do not fit, the plan without them (bwd_plan<..., false>: the four-chunk
-  // register plan, checked next), unless the cluster kernel takes the row first (sm_90: wide_nofit below).
+  // register plan, checked next), unless the cluster kernel takes the row (sm_90, which takes it whether they fit or
+  // not: launch_bwd's cl_min; wide_nofit below).
   // The weight cache's bytes (stage_weight: H floats, rounded up to a multiple of four).
   const size_t psmem = sizeof(float) * static_cast<size_t>((H + 3) & ~3);
   bool wide_nofit = false;  // and the cluster kernel may take them first, as before session 33
@@ -3452,7 +3455,7 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   at::Tensor ws;
   const int sms = sm_count();
   if constexpr (kAsyncBwd) {
-    // Vector rows from 8200 columns (16-bit RMSNorm: 11272, fp32 RMSNorm: 16384; sessions 32-33, below) run a cluster
+    // Vector rows from 8200 columns (16-bit RMSNorm: 9224, fp32 RMSNorm: 16384; sessions 32-36, below) run a cluster
     // per row on sm_90 and newer (norm_bwd_cluster_kernel), in place of the two-kernel path past the register plans and
     // of the register and shared-memory plans from there; before session 32, from 12288 columns. Raw backward against
     // those plans (H200, session 14, call 3, % of copy):
@@ -3472,16 +3475,19 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     // RMSNorm bf16 85.4 / 85.8 / 64.7 / 70.1 -> 67.1 / 68.6 / 73.3 / 78.5 (by our arithmetic, not profiled: its
     // four-chunk plan's stages and weight cache fit two blocks per SM up to 9216 columns, one beyond), fp32 89.4-99.1
     // -> 82.0-91.0. So the cluster runs LayerNorm rows from 8200 columns, 16-bit RMSNorm rows from 9224, fp32 RMSNorm
-    // rows from 16384; since session 33, 16-bit RMSNorm rows from 11272 (9224-11264: bwd_plan's wide register rows).
+    // rows from 16384. Sessions 33-35 ran 16-bit RMSNorm rows of 9224-11264 columns on bwd_plan's wide register rows;
+    // session 36's cluster kernel (slab-sized blocks, the deferred mbarrier wait) beat them there (call 2, raw
+    // backward, bf16, 16384 rows, % of copy, two rounds; session36.log): 9224 / 10000 / 10240 / 11264 columns 72.5 /
+    // 79.5 / 81.2 / 81.9 -> 79.2 / 84.2 / 89.7 / 93.4, so the cluster takes them again (the wide register rows stay
+    // where no cluster runs). In the same call, the cluster from 6144 columns (-DPIPEGOOSE_NORM_BWD_CLUSTER_MIN=6144)
+    // lost at 6144 / 7168 / 8192 columns to the register plans: bf16 LayerNorm 90.4 / 91.2 / 89.9 -> 63.0 / 71.7 /
+    // 78.3, RMSNorm 89.4 / 92.7 / 97.3 -> 69.5 / 78.6 / 84.7, fp32 LayerNorm 90.2 / 96.5 / 97.6 -> 84.3 / 90.8 / 95.0.
     // -DPIPEGOOSE_NORM_BWD_CLUSTER_MIN=H (a benchmark experiment, off in the shipped build): from H columns for every
     // op and dtype but fp32 RMSNorm (12288: as before session 32).
 #if defined(PIPEGOOSE_NORM_BWD_CLUSTER_MIN)
     const int cl_min = RMS && V == 4 ? 16384 : PIPEGOOSE_NORM_BWD_CLUSTER_MIN;
-#elif defined(PIPEGOOSE_NORM_BWD_NO_WIDE_REG)
-    const int cl_min = !RMS ? 8200 : V == 4 ? 16384 : 9224;
 #else
-    // (16-bit RMSNorm rows up to kWideRegMaxH columns: bwd_plan's wide register rows, session 33.)
-    const int cl_min = !RMS ? 8200 : V == 4 ? 16384 : kWideRegMaxH + 8;
+    const int cl_min = !RMS ? 8200 : V == 4 ? 16384 : kWideRegMinH;
 #endif
     const bool wide = cfg.nv == 0 || H >= cl_min || exp_cluster || wide_nofit;
     int cl = kCluster && vec && wide && !exp_wide && has_clusters() ? bwd_cluster_size(H / V, V) : 0;
