@@ -369,8 +369,9 @@ def test_backward_compiled_threads_per_row(ln, rms, h):
 
 @pytest.mark.parametrize("h", [8704, 10240, 12288, 13000, 16384, 20000, 20008, 32768, 65536])
 def test_wide_rows_backward(ln, rms, h):
-    """Vector rows from 8200 columns (16-bit RMSNorm: 11272, so 8704 runs its four-chunk register plan and 10240 the
-    wide register rows, test_wide_register_rows_backward; fp32 RMSNorm: 16384; from 16392 past the register plans). With
+    """Vector rows from 8200 columns (16-bit RMSNorm: 9224, so 8704 runs its four-chunk register plan, and without
+    clusters 10240 the wide register rows, test_wide_register_rows_backward; fp32 RMSNorm: 16384; from 16392 past the
+    register plans). With
     x and dy of one element size on sm_90 and newer: a thread block cluster per row (norm_bwd_cluster_kernel; clusters
     of 2 blocks at 8200-16384 columns, 4 at 20000-32768, 8 at 65536), 1029 rows, more than the clusters that fit the GPU
     times the stages, so that each cluster's ring of stages wraps and the rows past the end are zero-filled; 13000,
@@ -399,7 +400,7 @@ def test_wide_register_rows_backward(ln, rms, h):
     (since session 36; test_wide_register_rows_without_clusters runs the plan below there), elsewhere two chunks per
     thread in one block of up to 768 threads per row, four stages (bwd_plan's wide register rows in norm_kernels.cuh;
     9224 columns: 1153 chunks on 608 threads, 545 of them with a second chunk; 10000: 1250 on 640, 610 with two); 9216
-    (the four-chunk register plan) and 11272 (the cluster kernel on sm_90) are their neighbours. 2100 rows: each
+    (the four-chunk register plan) and 11272 (the four-chunk register plan where no cluster runs) are their neighbours. 2100 rows: each
     block's ring of stages wraps and the rows past the end are zero-filled; with and without a weight, bf16 and fp16,
     fp32 parameters and fp32 grad_output; and which kernel ran."""
     check_dtype_cases(ln, rms, 2100, h, ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
@@ -433,6 +434,7 @@ def test_wide_register_rows_without_clusters():
     r = _run_with_env("PIPEGOOSE_NORM_CLUSTERS", "0", """
         for h in (9216, 9224, 10000, 11264, 11272):
             T.check_dtype_cases(ln, rms, 2100, h, ((torch.bfloat16, torch.bfloat16, None),
+                                                   (torch.float16, torch.float32, None),
                                                    (torch.bfloat16, torch.float32, torch.float32)), seed=h + 34)
             x, w, _, dy = T.make(64, h, torch.float16, torch.float16, seed=h + 35)
             T.check_rms_norm(rms, x, w, dy)
