@@ -400,9 +400,10 @@ def test_wide_register_rows_backward(ln, rms, h):
     (since session 36; test_wide_register_rows_without_clusters runs the plan below there), elsewhere two chunks per
     thread in one block of up to 768 threads per row, four stages (bwd_plan's wide register rows in norm_kernels.cuh;
     9224 columns: 1153 chunks on 608 threads, 545 of them with a second chunk; 10000: 1250 on 640, 610 with two); 9216
-    (the four-chunk register plan) and 11272 (the four-chunk register plan where no cluster runs) are their neighbours. 2100 rows: each
-    block's ring of stages wraps and the rows past the end are zero-filled; with and without a weight, bf16 and fp16,
-    fp32 parameters and fp32 grad_output; and which kernel ran."""
+    (the four-chunk register plan) and 11272 (the four-chunk register plan where no cluster runs) are their
+    neighbours. 2100 rows: each block's ring of stages wraps and the rows past the end are zero-filled; with and
+    without a weight, bf16 and fp16, fp32 parameters and fp32 grad_output; and which kernel ran
+    (cluster_kernel_runs says where the cluster kernel runs)."""
     check_dtype_cases(ln, rms, 2100, h, ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
                                          (torch.bfloat16, torch.float32, torch.float32)), seed=h + 31)
     for dtype in (torch.bfloat16, torch.float16):
@@ -413,16 +414,32 @@ def test_wide_register_rows_backward(ln, rms, h):
     _, rstd = rms.rms_norm_forward(x, w, EPS, None)
     names = kernels_run(lambda: rms.rms_norm_backward(dy, x, w, rstd))
     wide = re.search(WIDE_REG_KERNEL, names) is not None
-    if torch.cuda.get_device_capability(DEV)[0] >= 9:
+    if cluster_kernel_runs():
         assert not wide and ("norm_bwd_cluster_kernel" in names) == (h >= 9224), names
     else:
+        assert "norm_bwd_cluster_kernel" not in names, names
         assert wide == (9224 <= h <= 11264 and _wide_register_rows_fit(h)), names
+
+
+def smem_limit() -> int:
+    """The dynamic shared memory per block that the norm kernels allow themselves here, in bytes: the GPU's opt-in
+    limit less the 1 KB kept for static shared memory, or PIPEGOOSE_NORM_SMEM_LIMIT where that is lower."""
+    limit = max(torch.cuda.get_device_properties(DEV).shared_memory_per_block_optin - 1024, 0)
+    override = os.environ.get("PIPEGOOSE_NORM_SMEM_LIMIT", "")
+    return min(limit, int(override)) if override else limit
+
+
+def cluster_kernel_runs() -> bool:
+    """Whether the backward's cluster kernel runs 16-bit rows here: sm_90 or newer, PIPEGOOSE_NORM_CLUSTERS not 0, and
+    its six stages of 32 KB (x and dy of 512 threads x 16 values) within smem_limit()."""
+    return (torch.cuda.get_device_capability(DEV)[0] >= 9 and os.environ.get("PIPEGOOSE_NORM_CLUSTERS", "") != "0"
+            and smem_limit() >= 6 * 512 * 16 * 4)
 
 
 def _wide_register_rows_fit(h: int) -> bool:
     """Whether this GPU's shared memory holds the wide register rows' four stages and weight cache at h columns."""
     tpr = math.ceil(h / 16 / 32) * 32
-    return 4 * 2 * tpr * 8 * 4 + 4 * h <= torch.cuda.get_device_properties(DEV).shared_memory_per_block_optin - 1024
+    return 4 * 2 * tpr * 8 * 4 + 4 * h <= smem_limit()
 
 
 def test_wide_register_rows_without_clusters():

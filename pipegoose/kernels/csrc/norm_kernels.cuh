@@ -17,17 +17,16 @@
 // Backward: keeps per-column partial sums of dy * xhat (and dy) in fp32 (registers, or shared memory for wide
 // rows), writes one partial row per block (per cluster in the cluster kernel) into an fp32 workspace [nacc, blocks,
 // H], and norm_col_reduce_kernel sums the partial rows column-wise in a fixed order (deterministic, no atomics). The
-// register plan of vector rows (up to 512 threads per row, 704 for 16-bit RMSNorm rows of 9224-11264 columns) runs
-// norm_bwd_async_kernel, which streams x and dy through
-// a ring of shared-memory stages with cp.async instead of prefetching into registers (see there); norm_bwd_kernel runs
-// the other plans.
+// register plan of vector rows (up to 512 threads per row; 704 for 16-bit RMSNorm rows of 9224-11264 columns where no
+// cluster runs) runs norm_bwd_async_kernel, which streams x and dy through a ring of shared-memory stages with cp.async
+// instead of prefetching into registers (see there); norm_bwd_kernel runs the other plans.
 // Rows wider than the register capacity: the forward takes norm_fwd_split_kernel for fp32 vector rows up to 65536
 // columns (block per row, or for LayerNorm rows over 57344 columns block per SM; the first 32768 values in registers,
 // the rest in shared memory; where a block may have 128 KB of it), norm_fwd_wide_kernel on the other vector rows
 // (block per row, two reads of the row, the second from L2), norm_fwd_generic_kernel on the scalar path (three scalar
 // reads); the backward of vector rows a thread block cluster per row on sm_90 and newer (norm_bwd_cluster_kernel, one
-// read of x and dy; also for the rows of 12288-16384 columns, fp32 RMSNorm 16384 only) where x and dy have one element
-// size, else the two-kernel path (norm_bwd_rowstats_kernel + norm_bwd_cols_kernel, two reads; fp32 LayerNorm at 16384
+// read of x and dy; also for rows of 8200-16384 columns that a register plan could take: 16-bit RMSNorm from 9224, fp32
+// RMSNorm 16384 only) where x and dy have one element size, else the two-kernel path (norm_bwd_rowstats_kernel + norm_bwd_cols_kernel, two reads; fp32 LayerNorm at 16384
 // columns: the shared-memory accumulator plan), of scalar rows norm_bwd_generic_kernel.
 // Launch plans per hidden size: fwd_plan / bwd_plan below. A build with -DPIPEGOOSE_NORM_HIDDEN=H0 (a benchmark
 // experiment, off in the shipped build; see the host side) adds instantiations specialised to H == H0.
@@ -1987,8 +1986,8 @@ norm_fwd_split_kernel(const float* __restrict__ x, const Tp* __restrict__ w, con
 // Rows too wide for the register plans of one block (16-bit LayerNorm from 16384 columns, 16-bit and fp32 RMSNorm
 // from 16392 and 16388, fp32 LayerNorm from 16388) take the two-kernel path below on GPUs before sm_90: it reads x and
 // dy twice, five passes over an activation instead of three (three fifths of one pass's speed; 55-62% of copy measured
-// on the H200). On sm_90 a cluster of CL blocks (CL SMs) shares each row instead, for vector rows from 12288 columns
-// (fp32 RMSNorm: 16384) up to 65536 (launch_bwd says which plans it replaced there, and what was timed):
+// on the H200). On sm_90 a cluster of CL blocks (CL SMs) shares each row instead, for vector rows from 8200 columns
+// (16-bit RMSNorm: 9224, fp32 RMSNorm: 16384) up to 65536 (launch_bwd says which plans it replaced there, and what was timed):
 // - block k of the cluster (its rank) owns the chunks [k * cpb, (k + 1) * cpb) of every row the cluster walks (rows
 //   cluster, cluster + clusters, ...); thread t of the block's nt threads owns the chunks t + n * nt of that slab
 //   (n < NV), their weight and their column sums in registers; nt is the fewest multiple of 32 threads that hold the
@@ -3327,15 +3326,17 @@ bool launch_bwd_cluster(const Tdy* dy, const Tin* x, const void* w, bool p_f32, 
   //   3/4 of the block or more (bf16 RMSNorm 65536: 90.4 -> 99.5), within 0.4 on the partial LayerNorm slabs, -2.8 at
   //   bf16 RMSNorm 20480; fp32 +3.6 to +13.2 on slabs filling up to 3/4, -0.7 to -7.5 on fuller ones (fp32 RMSNorm
   //   16384: 101.8 -> 94.6);
-  // - blocks of as few threads as hold the slab (nt below) on top: 16-bit partial slabs +2.0 to +9.4 more (bf16
+  // - blocks of as few threads as hold the slab (`threads` below) on top: 16-bit partial slabs +2.0 to +9.4 more (bf16
   //   LayerNorm 8704 / 12288 / 20480 / 24576: 63.3 / 83.6 / 67.7 / 79.1 at first -> 72.8 / 90.2 / 75.5 / 86.3); full
   //   slabs run 512 threads, as before (within -0.1 to +1.6 of the first variant).
   // The rule: MBAR for 16-bit rows and for fp32 slabs that fill at most 3/4 of the block (fp32 LayerNorm 11264 / 24576:
-  // 90.3 / 88.5 -> 101.7 / 101.0), the cluster barrier for fuller fp32 slabs (there -0.6 to +0.6); nt for every row.
+  // 90.3 / 88.5 -> 101.7 / 101.0), the cluster barrier for fuller fp32 slabs (there -0.6 to +0.6); slab-sized blocks
+  // for every row.
   // At every timed row it ran within 1.8 of the best of the four variants (bf16 LayerNorm 20480: 75.5, against 77.3
   // for nt threads on session 35's exchange).
   // -DPIPEGOOSE_NORM_BWD_EXPERIMENT with PIPEGOOSE_NORM_BWD_CL_EXCHANGE=barrier or mbar takes one exchange for every
-  // row, and PIPEGOOSE_NORM_BWD_CL_THREADS=full kClThreads threads (benchmark experiments).
+  // row, and PIPEGOOSE_NORM_BWD_CL_THREADS=full kClThreads threads for every row (slab: the rule's count; benchmark
+  // experiments).
   constexpr int kCap = kClThreads * NV;  // chunks a block holds
   bool mbar = sizeof(Tin) == 2 || 4 * cpb <= 3 * kCap;
   int threads = static_cast<int>(std::min<int64_t>(kClThreads, ceil_div(ceil_div(cpb, NV), 32) * 32));
@@ -3434,22 +3435,17 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     return bwd_async_stage_bytes(kStages, 1, 4, tpr, V, static_cast<int>(sizeof(Tin)), static_cast<int>(sizeof(Tdy))) <=
            smem_limit();
   };
-  // The wide register rows (bwd_plan: 16-bit RMSNorm, 9224-11264 columns) need their four stages and the weight cache
-  // (220 KB at 11264 columns); where they do not fit, the plan without them (bwd_plan<..., false>: the four-chunk
-  // register plan, checked next), unless the cluster kernel takes the row (sm_90, which takes it whether they fit or
-  // not: launch_bwd's cl_min; wide_nofit below).
+  // The wide register rows (bwd_plan: 16-bit RMSNorm, 9224-11264 columns, where no cluster runs: cl_min below) need
+  // their four stages and the weight cache (220 KB at 11264 columns); where they do not fit, the plan without them
+  // (bwd_plan<..., false>: the four-chunk register plan, checked next).
   // The weight cache's bytes (stage_weight: H floats, rounded up to a multiple of four).
   const size_t psmem = sizeof(float) * static_cast<size_t>((H + 3) & ~3);
-  bool wide_nofit = false;  // and the cluster kernel may take them first, as before session 33
   if (vec && cfg.nv == 2 && cfg.tpr > 512) {
     constexpr int kS = AsyncBounds<kWideRegTpb, false>::stages;
     const size_t need = bwd_async_stage_bytes(kS, 1, 2, cfg.tpr, V, static_cast<int>(sizeof(Tin)),
                                               static_cast<int>(sizeof(Tdy))) +
                         (w != nullptr ? psmem : 0);
-    if (need > smem_limit()) {
-      cfg = bwd_plan<V, RMS, kAsyncBwd, false>(H / V, vec);
-      wide_nofit = true;
-    }
+    if (need > smem_limit()) cfg = bwd_plan<V, RMS, kAsyncBwd, false>(H / V, vec);
   }
   if (vec && cfg.nv == 4 && !cfg.acc_smem && !reg4_fits(cfg.tpr)) cfg.acc_smem = true;
   at::Tensor ws;
@@ -3483,13 +3479,13 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     // lost at 6144 / 7168 / 8192 columns to the register plans: bf16 LayerNorm 90.4 / 91.2 / 89.9 -> 63.0 / 71.7 /
     // 78.3, RMSNorm 89.4 / 92.7 / 97.3 -> 69.5 / 78.6 / 84.7, fp32 LayerNorm 90.2 / 96.5 / 97.6 -> 84.3 / 90.8 / 95.0.
     // -DPIPEGOOSE_NORM_BWD_CLUSTER_MIN=H (a benchmark experiment, off in the shipped build): from H columns for every
-    // op and dtype but fp32 RMSNorm (12288: as before session 32).
+    // op and dtype but fp32 RMSNorm (16384, as shipped).
 #if defined(PIPEGOOSE_NORM_BWD_CLUSTER_MIN)
     const int cl_min = RMS && V == 4 ? 16384 : PIPEGOOSE_NORM_BWD_CLUSTER_MIN;
 #else
     const int cl_min = !RMS ? 8200 : V == 4 ? 16384 : kWideRegMinH;
 #endif
-    const bool wide = cfg.nv == 0 || H >= cl_min || exp_cluster || wide_nofit;
+    const bool wide = cfg.nv == 0 || H >= cl_min || exp_cluster;
     int cl = kCluster && vec && wide && !exp_wide && has_clusters() ? bwd_cluster_size(H / V, V) : 0;
 #if defined(PIPEGOOSE_NORM_BWD_EXPERIMENT)
     // PIPEGOOSE_NORM_BWD_CL_SIZE=N (benchmark experiment): clusters of N blocks (2 to 8, any N) where N is at least
