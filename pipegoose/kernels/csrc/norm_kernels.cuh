@@ -3488,11 +3488,11 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     const bool wide = cfg.nv == 0 || H >= cl_min || exp_cluster;
     int cl = kCluster && vec && wide && !exp_wide && has_clusters() ? bwd_cluster_size(H / V, V) : 0;
 #if defined(PIPEGOOSE_NORM_BWD_EXPERIMENT)
-    // PIPEGOOSE_NORM_BWD_CL_SIZE=N (benchmark experiment): clusters of N blocks (2 to 8, any N) where N is at least
-    // the size above, so that each block holds its slab.
+    // PIPEGOOSE_NORM_BWD_CL_SIZE=N (benchmark experiment): clusters of N blocks (2 to 8, any N) where each block of N
+    // holds its slab of the row.
     if (const char* v = std::getenv("PIPEGOOSE_NORM_BWD_CL_SIZE"); v != nullptr && cl > 0) {
       const int n = std::atoi(v);
-      if (n > cl && n <= kClMaxCluster) cl = n;
+      if (n >= 2 && n <= kClMaxCluster && ceil_div(H / V, n) <= kClThreads * kClValues / V) cl = n;
     }
 #endif
     if (cl > 0 && launch_bwd_cluster<Tin, Tdy, RMS>(dy, x, w, p_f32, mean, rstd, dx, rows, H, cl, want_ws, fopts,
