@@ -70,7 +70,7 @@ def _doctor(args) -> int:
     for col in ("check", "status", "detail", "fix"):
         checks.add_column(col, overflow="fold")
     bad = 0
-    for c in toolchain.preflight(cache_dir):
+    for c in toolchain.preflight(cache_dir, create_cache=False):  # a diagnosis makes no folder
         status = "[red]FAIL[/]" if not c.ok else ("[yellow]warn[/]" if c.warn else "[green]ok[/]")
         bad += not c.ok
         checks.add_row(c.name, status, c.detail, c.fix)

@@ -320,12 +320,13 @@ class KernelBuilder:
                                        "rename the binding")
             seen[obj] = p
 
-    def preflight(self) -> list[toolchain.Check]:
-        return toolchain.preflight(self.cache_dir, need_cuda=self.needs_cuda)
+    def preflight(self, create_cache: bool = True) -> list[toolchain.Check]:
+        return toolchain.preflight(self.cache_dir, need_cuda=self.needs_cuda, create_cache=create_cache)
 
-    def _toolchain(self) -> dict[str, Any]:
-        """Run the preflight checks and gather what the build key and the child build need."""
-        failed = [c for c in self.preflight() if not c.ok]
+    def _toolchain(self, create_cache: bool = True) -> dict[str, Any]:
+        """Run the preflight checks and gather what the build key and the child build need (``create_cache=False``:
+        without making the cache folder, for :meth:`status`)."""
+        failed = [c for c in self.preflight(create_cache) if not c.ok]
         if failed:
             lines = "; ".join(f"{c.name}: {c.detail}" + (f" -> {c.fix}" if c.fix else "") for c in failed)
             raise KernelUnavailableError(f"cannot build {self.kernel.id}: {lines}")
@@ -576,7 +577,7 @@ class KernelBuilder:
             return {**out, "state": "loaded", "detail": str(_LOADED[reg].library_path), "key": _LOADED[reg].build_key}
         try:  # as cached(), keeping the toolchain and inputs for the "not built" details
             self._check_files()
-            tc = self._toolchain()
+            tc = self._toolchain(create_cache=False)  # a state makes no folder (doctor, list)
         except (KernelUnavailableError, KernelBuildError) as e:
             return {**out, "state": "unavailable", "detail": str(e)}
         inputs = self.key_inputs(tc)

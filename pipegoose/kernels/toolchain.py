@@ -357,8 +357,10 @@ def arch_list(cuda: tuple[int, int] | None = None) -> tuple[list[Arch], str]:
 # --------------------------------------------------------------------------------------------------- preflight
 
 
-def preflight(cache_dir: Path | None = None, *, need_cuda: bool = True) -> list[Check]:
-    """All toolchain checks (CUDA toolkit, nvcc vs torch CUDA major, ninja, host compiler, cache dir)."""
+def preflight(cache_dir: Path | None = None, *, need_cuda: bool = True, create_cache: bool = True) -> list[Check]:
+    """All toolchain checks (CUDA toolkit, nvcc vs torch CUDA major, ninja, host compiler, cache dir). With
+    ``create_cache=False`` (``doctor``) a missing cache folder is checked through the folder it would be made in, and
+    not created."""
     checks: list[Check] = []
     tv = torch_cuda_version()
     if need_cuda:
@@ -404,7 +406,7 @@ def preflight(cache_dir: Path | None = None, *, need_cuda: bool = True) -> list[
         checks.append(jobs)
     checks.append(_compiler_check(tv[0] if tv else None))
     if cache_dir is not None:
-        checks.append(_writable_check(Path(cache_dir)))
+        checks.append(_writable_check(Path(cache_dir), create=create_cache))
     return checks
 
 
@@ -429,12 +431,21 @@ def max_jobs_check() -> Check | None:
     return Check("MAX_JOBS", True, f"{jobs} compile jobs per build")
 
 
-def _writable_check(path: Path) -> Check:
+def _writable_check(path: Path, create: bool = True) -> Check:
+    """Whether a file can be written in ``path`` (made first when ``create``), by writing and removing one. Without
+    ``create``, a missing ``path`` is checked in its nearest existing parent folder, where a build would make it."""
+    fix = "give a writable folder (--cache-dir, or PIPEGOOSE_CACHE_DIR for the default)"
+    where, note = path, ""
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+        elif not path.exists():
+            where = next(p for p in path.parents if p.exists())  # the root exists
+            if not where.is_dir():
+                return Check("cache dir", False, f"{path}: cannot be made: {where} is not a folder", fix)
+            note = f" (not made yet; a build makes it in {where})"
+        with tempfile.NamedTemporaryFile(dir=where, prefix=".write-test-"):
             pass
-        return Check("cache dir", True, str(path))
+        return Check("cache dir", True, f"{path}{note}")
     except OSError as e:
-        return Check("cache dir", False, f"{path}: not writable ({e.strerror or e})",
-                     "give a writable folder (--cache-dir, or PIPEGOOSE_CACHE_DIR for the default)")
+        return Check("cache dir", False, f"{path}: not writable ({e.strerror or e})", fix)

@@ -703,6 +703,24 @@ def test_cli_unknown_kernel_and_options_after_the_subcommand(tiny, tmp_path):
     assert p.returncode == 0 and "test/tiny" in p.stdout and str(other).replace(" ", "") in out, p.stdout + p.stderr
 
 
+def test_cli_doctor_makes_no_cache_folder(tiny, tmp_path):
+    """doctor made the cache folder it checked (and its parents; session 35's walkthrough): a diagnosis now leaves the
+    file system as it found it, checks a missing folder through the parent a build would make it in, and fails where
+    that parent is a file."""
+    manifest, _op, _cache = tiny
+    cli = [sys.executable, "-m", "pipegoose.kernels", "--manifest", str(_without_vendored(manifest)), "doctor"]
+    missing = tmp_path / "new" / "cache"
+    p = subprocess.run(cli, capture_output=True, text=True, env={**_env(missing), "COLUMNS": "300"}, timeout=300)
+    out = " ".join(p.stdout.replace("│", " ").split())
+    assert p.returncode == 0 and f"cache dir ok {missing} (not made yet; a build makes it in {tmp_path})" in out, out
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "file").write_text("")
+    p = subprocess.run(cli, capture_output=True, text=True, env={**_env(tmp_path / "file" / "cache"), "COLUMNS": "300"},
+                       timeout=300)
+    out = " ".join(p.stdout.replace("│", " ").split())
+    assert p.returncode == 1 and f"{tmp_path / 'file'} is not a folder" in out, out
+
+
 def test_cli_doctor_fails_on_a_bad_allow_modified_vendor(tiny):
     """PIPEGOOSE_ALLOW_MODIFIED_VENDOR=maybe made every kernel unavailable, but doctor exited 0 (session 33's
     walkthrough): it is now a failed preflight row naming the variable and the values it takes, and the exit code 1."""
