@@ -198,10 +198,19 @@ class Manifest:
 
 class _Ctx:
     def __init__(self, path: Path):
-        self.file = path.name
+        self.file = _shown(path)
 
     def err(self, where: str, msg: str) -> ManifestError:
         return ManifestError(f"{self.file}: {where}: {msg}")
+
+
+def _shown(path: Path) -> str:
+    """A manifest's path as its errors name it: relative to the working folder when inside it (``kernels.yaml``), else
+    as given (``/dev/null``, not its name ``null``)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return str(path)
 
 
 def _req(ctx: _Ctx, d: Mapping, key: str, where: str, kind: type | tuple = str) -> Any:
@@ -349,9 +358,10 @@ def load_manifest(path: str | Path | None = None) -> Manifest:
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
         raise ManifestError(f"{p}: cannot read the manifest: {type(e).__name__}: {e}") from None
     except yaml.YAMLError as e:
-        raise ManifestError(f"{p.name}: not valid YAML: {e}") from None
+        raise ManifestError(f"{ctx.file}: not valid YAML: {e}") from None
     if not isinstance(data, Mapping):
-        raise ctx.err("<top>", "expected a mapping with 'schema', 'sources' and 'kernels'")
+        what = "the file is empty" if data is None else f"got {type(data).__name__}"
+        raise ctx.err("<top>", f"expected a mapping with 'schema', 'sources' and 'kernels', {what}")
     if data.get("schema") != 1:
         raise ctx.err("schema", f"expected 1, got {data.get('schema')!r}")
     raw_sources = _req(ctx, data, "sources", "<top>", Mapping)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 import pytest
 
 from pipegoose.kernels.manifest import ManifestError, load_manifest
@@ -80,3 +81,22 @@ def test_a_full_sha_missing_from_the_repository_does_not_resolve(tmp_path):
     sha = repo.index.commit("a").hexsha
     assert Fetcher._git_resolve(repo, sha) == sha
     assert Fetcher._git_resolve(repo, "0" * 40) is None
+
+
+@pytest.mark.parametrize("text, expect", [("", "the file is empty"), ("- a\n", "got list")])
+def test_a_manifest_that_is_no_mapping_is_named_by_its_path(tmp_path, monkeypatch, text, expect):
+    """`port.py list --manifest /dev/null` said "null: <top>: ...": the errors named the file by its name alone. They
+    now name it by its path (relative to the working folder when inside it), and say what the top level was."""
+    bad = tmp_path / "sub" / "kernels.yaml"
+    bad.parent.mkdir()
+    bad.write_text(text)
+    monkeypatch.chdir(tmp_path)
+    for given, shown in ((bad, "sub/kernels.yaml"), (Path("sub/kernels.yaml"), "sub/kernels.yaml")):
+        with pytest.raises(ManifestError) as ei:
+            load_manifest(given)
+        assert str(ei.value).startswith(f"{shown}: <top>: expected a mapping") and expect in str(ei.value), ei.value
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # not inside the working folder: the path as given
+    with pytest.raises(ManifestError) as ei:
+        load_manifest(bad)
+    assert str(ei.value).startswith(f"{bad}: <top>:"), ei.value
