@@ -168,8 +168,9 @@ class FusionReport:
             found = ", ".join(f"{n} {kind}" for kind, n in sorted(self.not_requested.items()))
             notes.append(f"not in ops: {found} module(s) of a kind not asked for (ops= names the kinds to fuse; all "
                          f"of {', '.join(OPS)} by default)")
-        if notes:
+        if notes:  # notes under the table, left-aligned (rich centres a caption by default)
             table.caption = "\n".join(notes)
+            table.caption_justify = "left"
         return table
 
     def __str__(self) -> str:
