@@ -85,7 +85,8 @@ def cmd_sync(a) -> int:
         out.print(f"sync: this project's own files differ from kernels.lock (verify fails): {', '.join(r['differs'])}; "
                   f"re-record them with python tools/port.py add <id>", style="yellow", markup=False)
     if r["stray"]:
-        out.print(f"sync: not recorded in kernels.lock, left in place (verify fails until they go): "
+        out.print(f"sync: not recorded in kernels.lock, left in place (not sync's files; verify fails until they go: "
+                  f"delete them, or declare their source and kernels in kernels.yaml and add them): "
                   f"{', '.join(r['stray'])}", style="yellow", markup=False)
     return 0
 
