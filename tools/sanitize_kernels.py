@@ -71,7 +71,7 @@ def main() -> int:
                 # rows to a block of 512 threads, 1160 ten rows (LayerNorm) and 5120 three rows to a block of 1024,
                 # 768 and 4096 kernels compiled for the size, packed into blocks of 512; in fp32, 1160 and 3000
                 # LayerNorm rows packed into blocks of 1024). 601 rows of 20000 columns: the
-                # clusters of the wide rows' backward (4 blocks each) walk several steps and their rings of stages
+                # clusters of the wide rows' backward (3 blocks each in 16-bit, 4 in fp32) walk several steps and their rings of stages
                 # wrap around, with a last step of one row in two. 601 rows of 9224 and 11264 columns: 16-bit
                 # RMSNorm's wide register rows (one 768-thread block per SM, four stages) wrap their stages.
                 many = h in (200, 264, 768, 1000, 1160, 2312, 3000, 4096, 5120)

@@ -367,24 +367,24 @@ def test_backward_compiled_threads_per_row(ln, rms, h):
     check_rms_norm(rms, x, None, dy)
 
 
-@pytest.mark.parametrize("h", [8704, 10240, 12288, 13000, 16384, 20000, 20008, 32768, 65536])
+@pytest.mark.parametrize("h", [8704, 10240, 12288, 13000, 16384, 20000, 20008, 32768, 40008, 65536])
 def test_wide_rows_backward(ln, rms, h):
     """Vector rows from 8200 columns (16-bit RMSNorm: 9224, so 8704 runs its four-chunk register plan, and without
     clusters 10240 the wide register rows, test_wide_register_rows_backward; fp32 RMSNorm: 16384; from 16392 past the
-    register plans). With
-    x and dy of one element size on sm_90 and newer: a thread block cluster per row (norm_bwd_cluster_kernel; clusters
-    of 2 blocks at 8200-16384 columns, 4 at 20000-32768, 8 at 65536), 1029 rows, more than the clusters that fit the GPU
-    times the stages, so that each cluster's ring of stages wraps and the rows past the end are zero-filled; 13000,
-    20000 and 20008 columns (1625, 2500 and 2501 chunks of 8) leave the blocks' slabs partial, and 13000 and 20008 the
-    last block's shorter than the others. Each block has as few threads as hold its slab (bf16 8704 columns: 288;
-    13000: 416, its last block's slab 812 chunks; 20000 and 20008: 320). The blocks exchange their row sums through
-    mbarriers (16-bit rows, and fp32 slabs that fill at most three quarters of a block: fp32 LayerNorm 8704, 10240 and
-    12288 columns, fp32 20000 and 20008) or the cluster barrier (the other fp32 rows; the fp16 case's fp32 grad_output
-    takes no cluster). fp32 grad_output
-    with a 16-bit input, and GPUs before sm_90: the register and
-    shared-memory plans up to 16384 columns, past them the row-statistics kernel and column-slab kernel
-    (norm_bwd_rowstats_kernel, norm_bwd_cols_kernel). Five rows: fewer rows than clusters. With and without
-    parameters."""
+    register plans). With x and dy of one element size on sm_90 and newer: a thread block cluster per row
+    (norm_bwd_cluster_kernel; the fewest blocks that hold the row: in 16-bit 2 at 8200-16384 columns, 3 at 20000 and
+    20008, 4 at 32768, 5 at 40008, 8 at 65536; in fp32 2, 4 or 8: 4 at 20000-32768, 8 at 40008 and 65536), 1029 rows,
+    more than the clusters that fit the GPU times the stages, so that each cluster's ring of stages wraps and the rows
+    past the end are zero-filled; 13000, 20000, 20008 and 40008 columns (1625, 2500, 2501 and 5001 chunks of 8) leave
+    the blocks' slabs partial, and 13000, 20008 and 40008 the last block's shorter than the others. Each block has as
+    few threads as hold its slab (bf16 8704 columns: 288; 13000: 416, its last block's slab 812 chunks; 20000 and
+    20008: 448, the slabs 834 chunks and 20008's last 833; 40008: 512, the slabs 1001 chunks and the last 997). The
+    blocks exchange their row sums through mbarriers (16-bit rows, and fp32 slabs that fill at most three quarters of
+    a block: fp32 LayerNorm 8704, 10240 and 12288 columns, fp32 20000, 20008 and 40008) or the cluster barrier (the
+    other fp32 rows; the fp16 case's fp32 grad_output takes no cluster). fp32 grad_output with a 16-bit input, and GPUs
+    before sm_90: the register and shared-memory plans up to 16384 columns, past them the row-statistics kernel and
+    column-slab kernel (norm_bwd_rowstats_kernel, norm_bwd_cols_kernel). Five rows: fewer rows than clusters. With and
+    without parameters."""
     check_dtype_cases(ln, rms, 1029, h, ((torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float32, None),
                                          (torch.bfloat16, torch.float32, torch.float32),
                                          (torch.float32, torch.float32, None)), seed=h + 7)

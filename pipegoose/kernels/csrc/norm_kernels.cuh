@@ -26,8 +26,9 @@
 // (block per row, two reads of the row, the second from L2), norm_fwd_generic_kernel on the scalar path (three scalar
 // reads); the backward of vector rows a thread block cluster per row on sm_90 and newer (norm_bwd_cluster_kernel, one
 // read of x and dy; also for rows of 8200-16384 columns that a register plan could take: 16-bit RMSNorm from 9224, fp32
-// RMSNorm 16384 only) where x and dy have one element size, else the two-kernel path (norm_bwd_rowstats_kernel + norm_bwd_cols_kernel, two reads; fp32 LayerNorm at 16384
-// columns: the shared-memory accumulator plan), of scalar rows norm_bwd_generic_kernel.
+// RMSNorm 16384 only) where x and dy have one element size, else the two-kernel path (norm_bwd_rowstats_kernel +
+// norm_bwd_cols_kernel, two reads; fp32 LayerNorm at 16384 columns: the shared-memory accumulator plan), of scalar rows
+// norm_bwd_generic_kernel.
 // Launch plans per hidden size: fwd_plan / bwd_plan below. A build with -DPIPEGOOSE_NORM_HIDDEN=H0 (a benchmark
 // experiment, off in the shipped build; see the host side) adds instantiations specialised to H == H0.
 #pragma once
@@ -1986,8 +1987,9 @@ norm_fwd_split_kernel(const float* __restrict__ x, const Tp* __restrict__ w, con
 // Rows too wide for the register plans of one block (16-bit LayerNorm from 16384 columns, 16-bit and fp32 RMSNorm
 // from 16392 and 16388, fp32 LayerNorm from 16388) take the two-kernel path below on GPUs before sm_90: it reads x and
 // dy twice, five passes over an activation instead of three (three fifths of one pass's speed; 55-62% of copy measured
-// on the H200). On sm_90 a cluster of CL blocks (CL SMs) shares each row instead, for vector rows from 8200 columns
-// (16-bit RMSNorm: 9224, fp32 RMSNorm: 16384) up to 65536 (launch_bwd says which plans it replaced there, and what was timed):
+// on the H200). On sm_90 a cluster of CL blocks (CL SMs; bwd_cluster_size: the fewest that hold the row) shares each
+// row instead, for vector rows from 8200 columns (16-bit RMSNorm: 9224, fp32 RMSNorm: 16384) up to 65536 (launch_bwd
+// says which plans it replaced there, and what was timed):
 // - block k of the cluster (its rank) owns the chunks [k * cpb, (k + 1) * cpb) of every row the cluster walks (rows
 //   cluster, cluster + clusters, ...); thread t of the block's nt threads owns the chunks t + n * nt of that slab
 //   (n < NV), their weight and their column sums in registers; nt is the fewest multiple of 32 threads that hold the
@@ -3287,16 +3289,30 @@ inline bool has_clusters() {
   return kValue != "0" && at::cuda::getCurrentDeviceProperties()->major >= 9;
 }
 
-// The cluster size of norm_bwd_cluster_kernel for rows of `chunks` chunks of vec elements: the smallest of 2, 4 and 8
-// whose blocks hold their slab of the row (kClThreads * kClValues / vec chunks), or 0 when none does. Larger clusters
-// (3-6 blocks where 2 or 4 hold the row, PIPEGOOSE_NORM_BWD_CL_SIZE below) ran 14-60 points of copy slower (session 35,
-// call 1; bf16 LayerNorm 8704 columns: 61.3 -> 44.8 / 35.5 / 27.3 / 21.0 at 3 / 4 / 5 / 6 blocks): each step costs
-// about as much as 1000 chunks' work whatever the slab (a block reduction, the exchange), so fewer chunks per block
-// per step is slower.
+// The cluster size of norm_bwd_cluster_kernel for rows of `chunks` chunks of vec elements: the fewest blocks whose
+// blocks hold their slab of the row (kClThreads * kClValues / vec chunks), of 2, 3, 4, 5 and 8 for 16-bit rows and of
+// 2, 4 and 8 for fp32, or 0 when none does. Each step costs about as much as 1000 chunks' work whatever the slab (a
+// block reduction, the exchange), so more chunks per block per step run faster:
+// - Session 37 (call 1, raw backward, % of copy, two rounds; session37.log), -DPIPEGOOSE_NORM_BWD_EXPERIMENT with
+//   PIPEGOOSE_NORM_BWD_CL_SIZE=N, the fewest blocks against the power of two: bf16 LayerNorm 18432 / 20480 / 22528 /
+//   24576 columns, 3 blocks for 4: 67.7 / 75.4 / 82.3 / 86.5 -> 86.3 / 82.6 / 86.1 / 93.3; RMSNorm 77.3 / 85.3 / 91.2
+//   / 93.9 -> 93.5 / 93.1 / 91.9 / 99.3; 36864 / 40960, 5 blocks for 8: LayerNorm 66.5 / 74.0 -> 78.7 / 84.7, RMSNorm
+//   75.7 / 84.0 -> 89.9 / 93.9. But 6 blocks at 49152 and 7 at 57344 lost (LayerNorm 85.0 / 84.9 -> 78.7 / 81.8,
+//   RMSNorm 92.4 / 95.0 -> 89.3 / 91.8; by our arithmetic, not profiled: two such clusters fill 12 or 14 of a GPC's
+//   16-18 SMs), and so did every fp32 row but LayerNorm 18432 (+2.9) and RMSNorm 24576 (+1.6), by up to 22 points
+//   (20480 columns, 3 blocks: LayerNorm 97.1 -> 76.5, RMSNorm 101.2 -> 79.3, where the slab of 83% of the block
+//   takes the cluster barrier instead of the mbarriers).
+// - Larger clusters (3-6 blocks where 2 or 4 hold the row) ran 14-60 points slower (session 35, call 1; bf16
+//   LayerNorm 8704 columns: 61.3 -> 44.8 / 35.5 / 27.3 / 21.0 at 3 / 4 / 5 / 6 blocks).
 inline int bwd_cluster_size(int64_t chunks, int vec) {
   const int64_t per_block = kClThreads * kClValues / vec;
-  for (int cl = 2; cl <= kClMaxCluster; cl *= 2) {
-    if (ceil_div(chunks, cl) <= per_block) return cl;
+  static constexpr int kSizes16[] = {2, 3, 4, 5, 8};  // 16-bit rows (vec 8)
+  static constexpr int kSizes32[] = {2, 4, 8};        // fp32 rows (vec 4)
+  const bool f32 = vec == 4;
+  const int* sizes = f32 ? kSizes32 : kSizes16;
+  const int n = f32 ? 3 : 5;
+  for (int i = 0; i < n; ++i) {
+    if (ceil_div(chunks, sizes[i]) <= per_block) return sizes[i];
   }
   return 0;
 }
@@ -3488,8 +3504,8 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     const bool wide = cfg.nv == 0 || H >= cl_min || exp_cluster;
     int cl = kCluster && vec && wide && !exp_wide && has_clusters() ? bwd_cluster_size(H / V, V) : 0;
 #if defined(PIPEGOOSE_NORM_BWD_EXPERIMENT)
-    // PIPEGOOSE_NORM_BWD_CL_SIZE=N (benchmark experiment): clusters of N blocks (2 to 8, any N) where each block of N
-    // holds its slab of the row.
+    // PIPEGOOSE_NORM_BWD_CL_SIZE=N (benchmark experiment): clusters of N blocks (2 to 8, any N, fewer than
+    // bwd_cluster_size's too) where each block of N holds its slab of the row.
     if (const char* v = std::getenv("PIPEGOOSE_NORM_BWD_CL_SIZE"); v != nullptr && cl > 0) {
       const int n = std::atoi(v);
       if (n >= 2 && n <= kClMaxCluster && ceil_div(H / V, n) <= kClThreads * kClValues / V) cl = n;
