@@ -286,7 +286,52 @@ def test_from_layer_norm_rejects_other_modules():
 
     with pytest.raises(ValueError, match="eps"):
         FusedRMSNorm.from_module(NoEps())
-    assert FusedRMSNorm.from_module(NoEps(), eps=1e-6).eps == 1e-6
+    with pytest.raises(ValueError, match="does not pass the RMSNorm probe"):  # no forward to check
+        FusedRMSNorm.from_module(NoEps(), eps=1e-6)
+    assert FusedRMSNorm.from_module(NoEps(), eps=1e-6, verify=False).eps == 1e-6
+
+
+class _OnePlusWeightRMSNorm(torch.nn.Module):
+    """Gemma's formula: x * rsqrt(mean(x^2) + eps) * (1 + weight), with an RMSNorm's parameter and eps."""
+
+    def __init__(self, n: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def test_rms_norm_from_module_refuses_another_formula():
+    """FusedRMSNorm.from_module(GemmaRMSNorm) returned a module whose output differed by up to 2.55 from the original,
+    without a word (a fresh-clone walkthrough; fuse() skipped such norms by its probe). from_module now runs that
+    probe: another formula is a ValueError with the probe's reason, verify=False takes the module on the caller's
+    word."""
+    m = _OnePlusWeightRMSNorm(16)
+    with torch.no_grad():
+        m.weight.normal_()
+    with pytest.raises(ValueError, match="does not pass the RMSNorm probe: output differs from the RMSNorm formula"):
+        FusedRMSNorm.from_module(m)
+    assert FusedRMSNorm.from_module(m, verify=False).weight is m.weight
+    gemma = pytest.importorskip("transformers.models.gemma.modeling_gemma")
+    with pytest.raises(ValueError, match="does not pass the RMSNorm probe"):
+        FusedRMSNorm.from_module(gemma.GemmaRMSNorm(16))
+
+
+def test_rms_norm_from_module_checks_the_rounding_flags():
+    """An OLMo-2-style norm (one rounding, the output in the input's dtype) taken without output_in_input_dtype=True
+    would round twice where the original rounds once: from_module names the flags to pass."""
+    olmo2 = pytest.importorskip("transformers.models.olmo2.modeling_olmo2")
+    m = olmo2.Olmo2RMSNorm(16, eps=1e-6)
+    with pytest.raises(ValueError, match="output_in_input_dtype=True does: pass those"):
+        FusedRMSNorm.from_module(m)
+    f = FusedRMSNorm.from_module(m, output_in_input_dtype=True)
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        m.weight.uniform_(0.5, 1.5)
+    assert torch.equal(f(x), m(x))
 
 
 @pytest.mark.parametrize("module", [torch.nn.LayerNorm(8, bias=False), torch.nn.LayerNorm(8, elementwise_affine=False),

@@ -595,7 +595,7 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm):
         return FusionRow(path, "rms_norm", type(child).__name__, None, False, reason=why), None
     new = None if dry_run else _build(path, child, FusedRMSNorm.from_module, child, probe.eps,
                                       output_in_weight_dtype=probe.output_in_weight_dtype,
-                                      output_in_input_dtype=probe.output_in_input_dtype)
+                                      output_in_input_dtype=probe.output_in_input_dtype, verify=False)  # probed above
     weight = getattr(child, "weight", None)   # None: torch.nn.RMSNorm(elementwise_affine=False)
     shape = tuple(child.normalized_shape) if isinstance(child, nn.RMSNorm) else (weight.numel(),)
     cast = not isinstance(child, nn.RMSNorm) and not probe.output_in_input_dtype

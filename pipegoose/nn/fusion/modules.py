@@ -461,7 +461,8 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
 
     @classmethod
     def from_module(cls, module: nn.Module, eps: float | None = None, *, impl: str | None = None,
-                    output_in_weight_dtype: bool = False, output_in_input_dtype: bool = False) -> "FusedRMSNorm":
+                    output_in_weight_dtype: bool = False, output_in_input_dtype: bool = False,
+                    verify: bool = True) -> "FusedRMSNorm":
         """A fused module sharing ``module.weight`` (same Parameter object).
 
         ``module``: ``torch.nn.RMSNorm`` (-> F.rms_norm numerics, its ``eps``) or a transformers Llama-style
@@ -469,12 +470,19 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         ``output_in_weight_dtype``: the module is T5-style; ``output_in_input_dtype``: OLMo-2 style (one rounding,
         the output in the input's dtype; then ``cast_before_weight=False``). See the class; ``fuse`` finds both out
         by a probe.
+        ``verify`` (default True): a module other than ``torch.nn.RMSNorm`` must pass the probe that ``fuse`` runs
+        (``transformers.matching.probe_rms_norm``: its forward on random CPU inputs against the RMSNorm formula with
+        its eps attribute, and its rounding against the two flags above), so that a norm of another formula (Gemma's
+        ``x * (1 + weight)``, say) is refused instead of silently replaced. ``verify=False`` takes the module on the
+        caller's word (a module without a runnable forward, or one whose eps lives elsewhere).
 
         Raises:
             TypeError: ``module`` is not ``torch.nn.RMSNorm`` and does not have exactly one parameter of its own, a
                 ``weight`` of one or more dims (an ``nn.Linear``, with its bias, is refused), or it is a
                 ``torch.nn.LayerNorm`` (even without bias), ``GroupNorm`` or batch/instance norm.
-            ValueError: the module's epsilon is unknown (no ``variance_epsilon``/``eps``) and ``eps`` is not given.
+            ValueError: the module's epsilon is unknown (no ``variance_epsilon``/``eps``) and ``eps`` is not given;
+                with ``verify``, the probe finds another formula (the message gives its reason) or another rounding
+                than ``output_in_weight_dtype`` / ``output_in_input_dtype`` say (it names the values to pass).
         """
         w = getattr(module, "weight", None)
         if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)):
@@ -493,6 +501,8 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
             mod_eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
             if eps is None and mod_eps is None:
                 raise ValueError(f"eps: {type(module).__name__} has no 'variance_epsilon' or 'eps'; pass eps=")
+            if verify:
+                _verify_rms_style(module, output_in_weight_dtype, output_in_input_dtype)
         new = cls(shape, eps=eps if eps is not None else mod_eps, elementwise_affine=False,
                   output_in_weight_dtype=output_in_weight_dtype, output_in_input_dtype=output_in_input_dtype,
                   cast_before_weight=cast, impl=impl)
@@ -500,3 +510,20 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         new.weight = w
         new.train(module.training)
         return new
+
+
+def _verify_rms_style(module: nn.Module, output_in_weight_dtype: bool, output_in_input_dtype: bool) -> None:
+    """FusedRMSNorm.from_module's check (``verify``): ValueError unless ``module`` passes fuse's RMSNorm probe with the
+    rounding the two flags name."""
+    from .transformers.matching import probe_rms_norm
+
+    name = type(module).__name__
+    probe = probe_rms_norm(module)
+    if not probe.ok:
+        raise ValueError(f"module: {name} does not pass the RMSNorm probe: {probe.reason}; FusedRMSNorm would compute "
+                         "something else (verify=False takes it anyway)")
+    found = (probe.output_in_weight_dtype, probe.output_in_input_dtype)
+    if found != (output_in_weight_dtype, output_in_input_dtype):
+        raise ValueError(f"module: {name} rounds its output as FusedRMSNorm with output_in_weight_dtype={found[0]}, "
+                         f"output_in_input_dtype={found[1]} does: pass those (got {output_in_weight_dtype}, "
+                         f"{output_in_input_dtype}), or verify=False")
