@@ -6,10 +6,11 @@
     python -m pipegoose.kernels clean [--dry-run]          remove the temp folders of killed builds (every key)
 
 Common options: ``--manifest PATH`` (default: the repository's kernels.yaml), ``--cache-dir DIR``.
-``build`` exit status: 0 all built (or cached); 1 a build failed; 2 none failed but some kernels could not be
-built here (missing files or toolchain), each listed with the reason. ``doctor`` exit status: 0 every check passed
-and every kernel can be built or loaded; 1 a check failed (or, with ``--load``, a kernel failed to load); 2 none
-failed but some kernels are unavailable here (listed with the reason, e.g. vendored files missing or changed).
+``build`` exit status: 0 all built (or cached); 1 a build failed; 2 none failed but some kernels are unavailable here
+(vendored files missing or changed, toolchain), each listed with the reason, as ``doctor`` says. ``doctor`` exit
+status: 0 every check passed and every kernel can be built or loaded; 1 a check failed (or, with ``--load``, a
+kernel failed to load); 2 none failed but some kernels are unavailable here (listed with the reason, e.g. vendored
+files missing or changed).
 ``doctor`` also counts those temp folders. ``clean`` removes only ``<key>.tmp-<pid>-<8 hex>`` folders whose pid is
 not a live process on this host, each under its key's build lock (a key being built is skipped); published builds,
 locks and failure logs stay (:func:`pipegoose.kernels.cache.clean_abandoned`).
@@ -218,7 +219,7 @@ def _build(args) -> int:
                 res = b.build(force=args.force, on_wait=waiting)
                 return b, "built" if res.built else "cached", str(res.library_path), time.monotonic() - t0
             except KernelUnavailableError as e:
-                return b, "missing", str(e), time.monotonic() - t0
+                return b, "unavailable", str(e), time.monotonic() - t0
             except KernelBuildError as e:
                 return b, "FAILED", str(e), time.monotonic() - t0
             except Exception as e:  # a bug must not hide the other kernels' results
@@ -230,7 +231,7 @@ def _build(args) -> int:
                 for f in as_completed(futs):
                     b, state, detail, secs = f.result()
                     results[b.kernel.id] = (state, detail, secs)
-                    color = {"built": "green", "cached": "green", "missing": "yellow"}.get(state, "red")
+                    color = {"built": "green", "cached": "green", "unavailable": "yellow"}.get(state, "red")
                     progress.console.print(f"[{color}]{state:>7}[/] {b.kernel.id} ({secs:.1f} s)")
                     progress.advance(overall)
             except BaseException:  # Ctrl-C reaches this thread only: stop the queued builds and the running workers
@@ -244,13 +245,13 @@ def _build(args) -> int:
         t.add_column(col, overflow="fold")
     for b in builders:
         state, detail, secs = results[b.kernel.id]
-        color = {"built": "green", "cached": "green", "missing": "yellow"}.get(state, "red")
+        color = {"built": "green", "cached": "green", "unavailable": "yellow"}.get(state, "red")
         t.add_row(b.kernel.id, f"[{color}]{state}[/]", f"{secs:.1f}", detail)
     console.print(t)
     states = [r[0] for r in results.values()]
     if "FAILED" in states:
         return 1
-    return 2 if "missing" in states else 0
+    return 2 if "unavailable" in states else 0
 
 
 

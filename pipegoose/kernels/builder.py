@@ -150,7 +150,8 @@ class KernelBuilder:
         KeyError: unknown name (the message lists close matches): from :meth:`from_name` at once, else from
             :meth:`build` / :meth:`load`.
         KernelUnavailableError: (from :meth:`build` / :meth:`load`) toolchain preflight failed, vendored files or
-            the binding are missing, the running GPU's architecture is not covered; the message says what to run.
+            the binding are missing, vendored files are not what kernels.lock records, the running GPU's architecture
+            is not covered; the message says what to run.
         KernelBuildError: (from :meth:`build` / :meth:`load`) compiling, linking or loading failed; the message
             shows the first errors and the log path.
     """
@@ -306,9 +307,11 @@ class KernelBuilder:
                 warnings.warn(f"{self.kernel.id}: building third-party code that is not what kernels.lock records "
                               f"(PIPEGOOSE_ALLOW_MODIFIED_VENDOR): {what}", UserWarning, stacklevel=3)
             return f"third-party code that is not what kernels.lock records (PIPEGOOSE_ALLOW_MODIFIED_VENDOR): {what}"
-        raise KernelBuildError(f"kernel {self.kernel.id}: the vendored files are not what tools/port.py recorded: "
-                               f"{what}; restore them with python tools/port.py sync (python tools/port.py verify "
-                               "lists what differs), or build them as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1")
+        # unavailable (as doctor says, and build's exit status 2), not a failed build: nothing was compiled
+        raise KernelUnavailableError(f"kernel {self.kernel.id}: the vendored files are not what tools/port.py recorded: "
+                                     f"{what}; restore them with python tools/port.py sync (python tools/port.py "
+                                     "verify lists what differs), or build them as they are with "
+                                     "PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1")
 
     def _check_object_names(self) -> None:
         # cpp_extension names objects after the source's basename: two sources with one stem would collide.
@@ -583,7 +586,7 @@ class KernelBuilder:
         inputs = self.key_inputs(tc)
         try:
             allowed = self._check_vendored(inputs["files"], building=False)
-        except KernelBuildError as e:  # what build() and load() refuse: doctor says so
+        except (KernelUnavailableError, KernelBuildError) as e:  # what build() and load() refuse: doctor says so
             return {**out, "state": "unavailable", "detail": str(e)}
         note = f" ({allowed})" if allowed else ""
         res = self._cached_for(inputs)

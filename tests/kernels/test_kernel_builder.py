@@ -607,7 +607,8 @@ def test_cli_build_reports_missing_and_doctor_runs(tiny):
     p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "build",
                         "test/vendored", "-j", "2"], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 2, p.stdout + p.stderr
-    assert "missing" in p.stdout and "tools/port.py sync" in p.stdout.replace("\n", "").replace("│", "")
+    # the state as doctor names it (it was "missing", for changed files too, which build called FAILED)
+    assert "unavailable test/vendored" in p.stdout and "tools/port.py sync" in p.stdout.replace("\n", "").replace("│", "")
     p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "doctor"],
                        capture_output=True, text=True, env={**env, "PIPEGOOSE_CACHE_DIRR": "/elsewhere"}, timeout=300)
     assert "preflight" in p.stdout and "test/tiny" in p.stdout and "unavailable" in p.stdout, p.stdout + p.stderr
@@ -858,7 +859,8 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
     assert b.modified_files() == []
     (src / "kernel.cu").write_text("// vendored, then changed\n")
     assert b.modified_files() == ["src/kernel.cu"]
-    with pytest.raises(KernelBuildError, match=r"not what tools/port.py recorded: vendor/upstream/src/kernel.cu "
+    # unavailable, as doctor says (it was a KernelBuildError: build's "FAILED", exit status 1; a walkthrough)
+    with pytest.raises(KernelUnavailableError, match=r"not what tools/port.py recorded: vendor/upstream/src/kernel.cu "
                                                r"differs from kernels.lock.*tools/port.py sync"):
         b.build()
     st = b.status()   # what doctor shows
@@ -887,7 +889,7 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
     assert "no record of this kernel" in b.vendored_problems()[0]
     (root / "kernels.lock").write_text("version: 2\n")
     assert "kernels.lock cannot be read" in b.vendored_problems()[0]
-    with pytest.raises(KernelBuildError, match="cannot be read"):
+    with pytest.raises(KernelUnavailableError, match="cannot be read"):
         b.build()
     (root / "kernels.lock.away").replace(root / "kernels.lock")
     (src / "kernel.cu").write_text("// vendored, then changed\n")
