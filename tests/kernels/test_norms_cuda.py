@@ -373,12 +373,13 @@ def test_wide_rows_backward(ln, rms, h):
     clusters 10240 the wide register rows, test_wide_register_rows_backward; fp32 RMSNorm: 16384; from 16392 past the
     register plans). With x and dy of one element size on sm_90 and newer: a thread block cluster per row
     (norm_bwd_cluster_kernel; the fewest blocks that hold the row: in 16-bit 2 at 8200-16384 columns, 3 at 20000 and
-    20008, 4 at 32768, 5 at 40008, 8 at 65536; in fp32 2, 4 or 8: 4 at 20000-32768, 8 at 40008 and 65536), 1029 rows,
+    20008, 4 at 32768, 5 at 40008, 8 at 65536; in fp32 2, 4 or 8: 2 at 8704-16384 (RMSNorm 16384 only), 4 at
+    20000-32768, 8 at 40008 and 65536), 1029 rows,
     more than the clusters that fit the GPU times the stages, so that each cluster's ring of stages wraps and the rows
     past the end are zero-filled; 13000, 20000, 20008 and 40008 columns (1625, 2500, 2501 and 5001 chunks of 8) leave
-    the blocks' slabs partial, and 13000, 20008 and 40008 the last block's shorter than the others. Each block has as
-    few threads as hold its slab (bf16 8704 columns: 288; 13000: 416, its last block's slab 812 chunks; 20000 and
-    20008: 448, the slabs 834 chunks and 20008's last 833; 40008: 512, the slabs 1001 chunks and the last 997). The
+    the blocks' slabs partial, and the last block's shorter than the others. Each block has as few threads as hold
+    its slab (bf16 8704 columns: 288; 13000: 416, its last block's slab 812 chunks; 20000 and 20008: 448, the slabs
+    834 chunks and the last 832 and 833; 40008: 512, the slabs 1001 chunks and the last 997). The
     blocks exchange their row sums through mbarriers (16-bit rows, and fp32 slabs that fill at most three quarters of
     a block: fp32 LayerNorm 8704, 10240 and 12288 columns, fp32 20000, 20008 and 40008) or the cluster barrier (the
     other fp32 rows; the fp16 case's fp32 grad_output takes no cluster). fp32 grad_output with a 16-bit input, and GPUs
@@ -397,7 +398,7 @@ def test_wide_rows_backward(ln, rms, h):
 @pytest.mark.parametrize("h", [9216, 9224, 10000, 10240, 11264, 11272])
 def test_wide_register_rows_backward(ln, rms, h):
     """16-bit RMSNorm rows of 9224-11264 columns (x and dy of one element size): on sm_90 and newer the cluster kernel
-    (since session 36; test_wide_register_rows_without_clusters runs the plan below there), elsewhere two chunks per
+    (since session 37; test_wide_register_rows_without_clusters runs the plan below there), elsewhere two chunks per
     thread in one block of up to 768 threads per row, four stages (bwd_plan's wide register rows in norm_kernels.cuh;
     9224 columns: 1153 chunks on 608 threads, 545 of them with a second chunk; 10000: 1250 on 640, 610 with two); 9216
     (the four-chunk register plan) and 11272 (the four-chunk register plan where no cluster runs) are their
@@ -673,9 +674,8 @@ def test_plans_without_clusters():
     that has them: the wide rows take the register and shared-memory plans up to 16384 columns, past them the
     row-statistics and column-slab kernels, instead of norm_bwd_cluster_kernel, and the column reduction is an
     ordinary launch instead of a programmatic dependent one. Rows of test_wide_rows_backward's widths (x and dy of one
-    element size: the rows the cluster kernel takes on sm_90, but 16-bit RMSNorm's wide register rows at 10240), 37
-    and 1029 of them; and which kernels ran, with the
-    variable and (on sm_90 and newer) without it."""
+    element size: the rows the cluster kernel takes on sm_90; here 16-bit RMSNorm at 10240 takes the wide register
+    rows), 37 and 1029 of them; and which kernels ran, with the variable and (on sm_90 and newer) without it."""
     body = """
         x = torch.randn(37, 20008, device="cuda", dtype=torch.bfloat16)
         _, rstd = rms.rms_norm_forward(x, None, 1e-5, None)

@@ -1987,8 +1987,8 @@ norm_fwd_split_kernel(const float* __restrict__ x, const Tp* __restrict__ w, con
 // Rows too wide for the register plans of one block (16-bit LayerNorm from 16384 columns, 16-bit and fp32 RMSNorm
 // from 16392 and 16388, fp32 LayerNorm from 16388) take the two-kernel path below on GPUs before sm_90: it reads x and
 // dy twice, five passes over an activation instead of three (three fifths of one pass's speed; 55-62% of copy measured
-// on the H200). On sm_90 a cluster of CL blocks (CL SMs; bwd_cluster_size: the fewest that hold the row) shares each
-// row instead, for vector rows from 8200 columns (16-bit RMSNorm: 9224, fp32 RMSNorm: 16384) up to 65536 (launch_bwd
+// on the H200). On sm_90 a cluster of CL blocks (CL SMs; bwd_cluster_size: the fewest of 2, 3, 4, 5 and 8 that hold
+// the row, fp32: of 2, 4 and 8) shares each row instead, for vector rows from 8200 columns (16-bit RMSNorm: 9224, fp32 RMSNorm: 16384) up to 65536 (launch_bwd
 // says which plans it replaced there, and what was timed):
 // - block k of the cluster (its rank) owns the chunks [k * cpb, (k + 1) * cpb) of every row the cluster walks (rows
 //   cluster, cluster + clusters, ...); thread t of the block's nt threads owns the chunks t + n * nt of that slab
@@ -2870,7 +2870,7 @@ constexpr Cfg bwd_plan(int64_t chunks, bool vec) {
 #endif
   if (tpr2 <= kMaxRegTpr) return {2, tpr2, false, true};
 #if !defined(PIPEGOOSE_NORM_BWD_NO_WIDE_REG) && !defined(PIPEGOOSE_NORM_BWD_ASYNC256)
-  // 16-bit RMSNorm rows of 9224-11264 columns where no cluster runs (since session 36 the cluster kernel takes them on
+  // 16-bit RMSNorm rows of 9224-11264 columns where no cluster runs (since session 37 the cluster kernel takes them on
   // sm_90 and newer: launch_bwd): two chunks per thread in one block of 577-704 threads per row (kWideRegTpb, four
   // stages, one block per SM), where they ran a cluster per row (session 32) and before that the four-chunk register
   // plan. Session 33 (call 1, raw backward, bf16, 16384 rows, % of copy, two rounds;
@@ -3487,11 +3487,11 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     // RMSNorm bf16 85.4 / 85.8 / 64.7 / 70.1 -> 67.1 / 68.6 / 73.3 / 78.5 (by our arithmetic, not profiled: its
     // four-chunk plan's stages and weight cache fit two blocks per SM up to 9216 columns, one beyond), fp32 89.4-99.1
     // -> 82.0-91.0. So the cluster runs LayerNorm rows from 8200 columns, 16-bit RMSNorm rows from 9224, fp32 RMSNorm
-    // rows from 16384. Sessions 33-35 ran 16-bit RMSNorm rows of 9224-11264 columns on bwd_plan's wide register rows;
+    // rows from 16384. Sessions 33-36 ran 16-bit RMSNorm rows of 9224-11264 columns on bwd_plan's wide register rows;
     // session 36's cluster kernel (slab-sized blocks, the deferred mbarrier wait) beat them there (call 2, raw
     // backward, bf16, 16384 rows, % of copy, two rounds; session36.log): 9224 / 10000 / 10240 / 11264 columns 72.5 /
-    // 79.5 / 81.2 / 81.9 -> 79.2 / 84.2 / 89.7 / 93.4, so the cluster takes them again (the wide register rows stay
-    // where no cluster runs). In the same call, the cluster from 6144 columns (-DPIPEGOOSE_NORM_BWD_CLUSTER_MIN=6144)
+    // 79.5 / 81.2 / 81.9 -> 79.2 / 84.2 / 89.7 / 93.4, so since session 37 the cluster takes them again (session37.log,
+    // call 1: 79.9 / 84.8 / 89.6 / 93.6; the wide register rows stay where no cluster runs). In the same call, the cluster from 6144 columns (-DPIPEGOOSE_NORM_BWD_CLUSTER_MIN=6144)
     // lost at 6144 / 7168 / 8192 columns to the register plans: bf16 LayerNorm 90.4 / 91.2 / 89.9 -> 63.0 / 71.7 /
     // 78.3, RMSNorm 89.4 / 92.7 / 97.3 -> 69.5 / 78.6 / 84.7, fp32 LayerNorm 90.2 / 96.5 / 97.6 -> 84.3 / 90.8 / 95.0.
     // -DPIPEGOOSE_NORM_BWD_CLUSTER_MIN=H (a benchmark experiment, off in the shipped build): from H columns for every
