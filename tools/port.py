@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from pipegoose._cli import path_arg  # noqa: E402
 from pipegoose.kernels.manifest import ManifestError  # noqa: E402
 from pipegoose.porting import PortError, Porter, audit, update  # noqa: E402
 from pipegoose.porting.util import short_pin  # noqa: E402
@@ -177,9 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     # the common options before the subcommand, and again after it (SUPPRESS there: absent after it keeps the value
     # given before; they worked only after it, though the docstring says "common to all")
     common = argparse.ArgumentParser(add_help=False)
-    for flag, kw in (("--root", {"help": "repository root (holds kernels.yaml); default: this repository"}),
-                     ("--manifest", {"help": "path of kernels.yaml (overrides --root)"}),
-                     ("--cache", {"help": "download cache (default $PIPEGOOSE_PORT_CACHE or ~/.cache/pipegoose/port)"}),
+    for flag, kw in (("--root", {"type": path_arg,
+                                 "help": "repository root (holds kernels.yaml); default: this repository"}),
+                     ("--manifest", {"type": path_arg, "help": "path of kernels.yaml (overrides --root)"}),
+                     ("--cache", {"type": path_arg,
+                                  "help": "download cache (default $PIPEGOOSE_PORT_CACHE or ~/.cache/pipegoose/port)"}),
                      ("--offline", {"action": "store_true", "help": "use only the download cache"})):
         ap.add_argument(flag, **kw)
         common.add_argument(flag, default=argparse.SUPPRESS, **kw)

@@ -272,12 +272,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return _worker_main(argv[1])
     p = argparse.ArgumentParser(prog="python -m pipegoose.kernels", description=__doc__.split("\n\n")[0])
-    p.add_argument("--manifest", default=None, help="kernels.yaml to use (default: the repository's)")
-    p.add_argument("--cache-dir", default=None, help="build cache (default: $PIPEGOOSE_CACHE_DIR or ~/.cache/...)")
+    from pipegoose._cli import path_arg
+
+    p.add_argument("--manifest", default=None, type=path_arg, help="kernels.yaml to use (default: the repository's)")
+    p.add_argument("--cache-dir", default=None, type=path_arg,
+                   help="build cache (default: $PIPEGOOSE_CACHE_DIR or ~/.cache/...)")
     # the same common options after the subcommand too (SUPPRESS: absent there keeps the value given before it)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--manifest", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    common.add_argument("--cache-dir", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("--manifest", default=argparse.SUPPRESS, type=path_arg, help=argparse.SUPPRESS)
+    common.add_argument("--cache-dir", default=argparse.SUPPRESS, type=path_arg, help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("doctor", help="toolchain checks and each kernel's state", parents=[common])
     d.add_argument("--load", action="store_true", help="also load every cached kernel")

@@ -722,6 +722,25 @@ def test_cli_doctor_makes_no_cache_folder(tiny, tmp_path):
     assert p.returncode == 1 and f"{tmp_path / 'file'} is not a folder" in out, out
 
 
+def test_cli_path_options_expand_the_home_folder_and_refuse_blanks(tiny, tmp_path):
+    """`doctor --cache-dir=~/x` made a folder named `~` in the working folder (a shell leaves `~` after `=` as it is),
+    and `build --cache-dir ""` built into the working folder (a fresh-clone walkthrough): `~` is now expanded, and a
+    blank path option is a usage error naming the option."""
+    manifest, _op, _cache = tiny
+    cli = [sys.executable, "-m", "pipegoose.kernels", "--manifest", str(_without_vendored(manifest))]
+    env = {**_env(tmp_path / "unused"), "HOME": str(tmp_path / "home"), "COLUMNS": "300"}
+    p = subprocess.run(cli + ["doctor", "--cache-dir=~/x"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=300)
+    out = " ".join(p.stdout.replace("│", " ").split())
+    assert p.returncode == 0 and f"cache {tmp_path / 'home' / 'x'}" in out, out
+    assert not (tmp_path / "~").exists()
+    for flag in ("--cache-dir", "--manifest"):
+        p = subprocess.run(cli + ["build", "--all", flag, ""], capture_output=True, text=True, env=env, cwd=tmp_path,
+                           timeout=300)
+        assert p.returncode == 2 and f"argument {flag}: expected a path, got an empty value" in p.stderr, p.stderr
+    assert not (tmp_path / "locks").exists()
+
+
 def test_cli_doctor_fails_on_a_bad_allow_modified_vendor(tiny):
     """PIPEGOOSE_ALLOW_MODIFIED_VENDOR=maybe made every kernel unavailable, but doctor exited 0 (session 33's
     walkthrough): it is now a failed preflight row naming the variable and the values it takes, and the exit code 1."""

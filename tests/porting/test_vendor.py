@@ -970,3 +970,22 @@ def test_an_index_with_credentials_in_its_url_is_read_with_them_and_they_are_nev
         assert "wr0ng" not in str(e.value) and "***@127.0.0.1" in str(e.value)
     finally:
         server.shutdown()
+
+
+def test_cli_path_options_expand_the_home_folder_and_refuse_blanks(git_repo, tmp_path):
+    """`port.py --cache=~/p sync` downloaded into a folder named `~` in the working folder (a shell leaves `~` after
+    `=` as it is), and `--cache ""` meant the working folder (a fresh-clone walkthrough): `~` is now expanded, and a
+    blank path option is a usage error naming the option."""
+    repo = git_repo
+    repo.porter().add(["alpha"])
+    port = [sys.executable, str(ROOT / "tools/port.py")]
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home)}
+    (home / "repo").symlink_to(repo.root)
+    r = subprocess.run(port + ["list", "--root=~/repo"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0 and "up/alpha" in r.stdout, r.stdout + r.stderr
+    assert not (tmp_path / "~").exists()
+    for flag in ("--cache", "--root", "--manifest"):
+        r = subprocess.run(port + ["list", flag, " "], capture_output=True, text=True, cwd=tmp_path)
+        assert r.returncode == 2 and f"argument {flag}: expected a path, got an empty value" in r.stderr, r.stderr
