@@ -82,6 +82,11 @@ def _doctor(args) -> int:
         bad += 1
         checks.add_row("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "[red]FAIL[/]", f"{allow!r}",
                        "set it to 1/true/yes/on or 0/false/no/off, or unset it")
+    quiet = os.environ.get("PIPEGOOSE_QUIET", "")
+    if _env.flag(quiet) is None:  # the builder warns and keeps its progress lines (builder.quiet)
+        bad += 1
+        checks.add_row("PIPEGOOSE_QUIET", "[red]FAIL[/]", f"{quiet!r}",
+                       "set it to 1/true/yes/on or 0/false/no/off, or unset it")
     # the dispatcher's variables (PIPEGOOSE_IMPL_*, PIPEGOOSE_STRICT, PIPEGOOSE_SMALL_NUMEL, the norm kernels'): a bad
     # value is otherwise an error only at the first call of the op it applies to
     import warnings

@@ -128,8 +128,25 @@ _LOAD_LOCK = threading.RLock()
 _HEADER_SUFFIXES = frozenset((".h", ".hh", ".hpp", ".hxx", ".cuh", ".inc", ".inl", ".ipp", ".tcc"))
 
 
+def quiet() -> bool:
+    """``PIPEGOOSE_QUIET`` as a switch (1/true/yes/on; only "1" was taken before, "true" printed on without a word).
+    Any other value keeps the progress lines, with a warning (once per value) naming it; ``doctor`` fails on it."""
+    raw = os.environ.get("PIPEGOOSE_QUIET", "")
+    value = _env.flag(raw)
+    if value is None:
+        if raw not in _QUIET_WARNED:
+            _QUIET_WARNED.add(raw)
+            warnings.warn(f"PIPEGOOSE_QUIET={raw!r}: expected 1/true/yes/on or 0/false/no/off (or unset); the builder's "
+                          "progress lines stay on", UserWarning, stacklevel=3)
+        return False
+    return value
+
+
+_QUIET_WARNED: set[str] = set()
+
+
 def _log(msg: str) -> None:
-    if os.environ.get("PIPEGOOSE_QUIET") != "1":
+    if not quiet():
         print(f"[pipegoose.kernels] {msg}", file=sys.stderr, flush=True)
 
 

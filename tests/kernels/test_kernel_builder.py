@@ -936,3 +936,29 @@ def test_vendored_problems_with_a_relative_manifest_path(monkeypatch):
     m = load_manifest("kernels.yaml")
     b = KernelBuilder("pipegoose/softmax", manifest=m)
     assert b.vendored_problems() == [] and b.modified_files() == []
+
+
+@pytest.mark.parametrize("value, expect", [("1", True), ("true", True), (" Yes ", True), ("on", True), ("0", False),
+                                           ("off", False), ("", False), ("maybe", None)])
+def test_quiet_takes_the_switch_values(monkeypatch, capsys, value, expect):
+    """Only PIPEGOOSE_QUIET=1 silenced the builder: true/yes/on printed on without a word (a fresh-clone walkthrough).
+    It now reads as the other switches; another value keeps the progress lines, with a warning naming it."""
+    from pipegoose.kernels import builder
+
+    monkeypatch.setenv("PIPEGOOSE_QUIET", value)
+    builder._QUIET_WARNED.clear()
+    if expect is None:
+        with pytest.warns(UserWarning, match=r"PIPEGOOSE_QUIET='maybe': expected 1/true/yes/on"):
+            builder._log("hello")
+    else:
+        builder._log("hello")
+    assert ("[pipegoose.kernels] hello" in capsys.readouterr().err) == (expect is not True)
+
+
+def test_cli_doctor_fails_on_a_bad_quiet(tiny):
+    manifest, _op, cache_dir = tiny
+    cli = [sys.executable, "-m", "pipegoose.kernels", "--manifest", str(_without_vendored(manifest)), "doctor"]
+    p = subprocess.run(cli, capture_output=True, text=True, env={**_env(cache_dir), "COLUMNS": "300",
+                                                                 "PIPEGOOSE_QUIET": "maybe"}, timeout=300)
+    out = " ".join(p.stdout.replace("│", " ").split())
+    assert p.returncode == 1 and "PIPEGOOSE_QUIET FAIL 'maybe'" in out, out
