@@ -762,6 +762,11 @@ def test_kinds_left_out_of_ops_are_counted_in_the_report(monkeypatch):
     assert "not in ops: 2 attention, 5 rms_norm module(s)" in str(report)
     # the notes start at the table's left edge (they were centred; session 35's walkthrough)
     assert any(line.startswith("not in ops: ") for line in str(report).splitlines()), str(report)
+    # the terminal's width (COLUMNS here), not always 200 columns (a walkthrough: a 100-column terminal broke every row)
+    for columns in ("100", "160"):
+        monkeypatch.setenv("COLUMNS", columns)
+        lines = str(fuse(model, dry_run=True)).splitlines()
+        assert max(map(len, lines)) <= int(columns) and lines[-1].strip(), lines
     assert report.to_dict()["not_requested"] == {"rms_norm": 5, "attention": 2}
     assert fuse(model, dry_run=True).not_requested == {}
     assert fuse(model, ops=["rms_norm"], dry_run=True).not_requested == {"attention": 2}

@@ -174,9 +174,14 @@ class FusionReport:
         return table
 
     def __str__(self) -> str:
+        """The report as a table of the terminal's width (``COLUMNS``, else the terminal's; 200 where there is none:
+        a log file, a notebook): it was always 200 columns, which broke every row in a narrower terminal."""
+        import shutil
+
         from rich.console import Console
 
-        console = Console(width=200, record=True, file=_NullIO(), color_system=None)
+        width = shutil.get_terminal_size((200, 24)).columns
+        console = Console(width=max(width, 40), record=True, file=_NullIO(), color_system=None)
         console.print(self)
         return console.export_text()
 
