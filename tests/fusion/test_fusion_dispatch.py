@@ -602,6 +602,9 @@ def test_last_choice_of_an_unknown_op_is_a_key_error():
     assert dispatch.last_choice(OP) is c
     with pytest.raises(KeyError, match="unknown fused op 'Fake.op'"):   # op names are not case-insensitive
         dispatch.last_choice("Fake.op")
+    # the closest name (a walkthrough: explain("layernorm", x) said only KeyError with the list)
+    with pytest.raises(KeyError, match=r"unknown fused op 'layernorm' \(did you mean 'layer_norm'\?\); known ops"):
+        dispatch.explain("layernorm", torch.randn(2, 8), (8,))
     with pytest.raises(TypeError, match=r"op: expected an op name \(str\), got list"):  # not "unhashable type"
         dispatch.last_choice(["layer_norm"])
 

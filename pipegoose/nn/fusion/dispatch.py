@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
 import importlib
 import json
 import logging
@@ -308,8 +309,12 @@ def implementations(op: str) -> dict[str, Implementation]:
 
 
 def _unknown_op(op: Any, *also: str) -> KeyError:
-    """The error for an ``op`` argument that names no registered op (nor one of ``also``), listing the known ones."""
-    return KeyError(f"op: unknown fused op {op!r}; known ops: {', '.join(sorted({*_impls, *also}))}")
+    """The error for an ``op`` argument that names no registered op (nor one of ``also``), listing the known ones and
+    the closest (``layernorm``: did you mean ``layer_norm``?)."""
+    known = sorted({*_impls, *also})
+    close = difflib.get_close_matches(op, known, n=1, cutoff=0.6) if isinstance(op, str) else []
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return KeyError(f"op: unknown fused op {op!r}{hint}; known ops: {', '.join(known)}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
