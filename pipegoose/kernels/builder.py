@@ -261,7 +261,8 @@ class KernelBuilder:
         """What keeps this kernel's vendored files from being the ones ``tools/port.py`` recorded in ``kernels.lock``,
         one line each (empty for this project's own kernels, and when everything matches): a file whose sha256
         differs, a file in the source's ``vendor/`` folder that the lock does not record (it could shadow a recorded
-        header), a kernel the lock does not record, or a lock that cannot be read. ``digests``: file -> sha256
+        header), a kernel the lock does not record, a lock that cannot be read, or a source pin or file list in
+        kernels.yaml other than the lock's (the vendored files are the old ones). ``digests``: file -> sha256
         already computed (:meth:`key_inputs`' ``files``)."""
         return self._vendor_state(digests)[1]
 
@@ -287,6 +288,17 @@ class KernelBuilder:
         entry = lock.kernels.get(k.id)
         if entry is None:
             return [], [f"{lock_path.name} has no record of this kernel (vendor it with python tools/port.py add {k.id})"]
+        # kernels.yaml changed since the files were vendored (a new pin or file list): the files are the old ones,
+        # which port.py's list and verify call stale and sync refuses; the builder built them without a word
+        stale = []
+        locked = lock.sources.get(k.source)
+        pin = dict(self.manifest.sources[k.source].pin)
+        if locked is not None and dict(locked.pin) != pin:
+            stale.append(f"kernels.yaml pins {k.source} at {pin}, but the vendored files are {dict(locked.pin)} "
+                         f"({lock_path.name}): python tools/port.py update {k.source} --to ..., or revert kernels.yaml")
+        if set(entry.files) != set(k.files):
+            stale.append(f"kernels.yaml's file list of {k.id} changed since it was vendored: "
+                         f"python tools/port.py add {k.id}")
         base = self.manifest.vendor_dir(k.source)
         rel = base.relative_to(self.manifest.root)
         digests = digests or {}
@@ -300,7 +312,7 @@ class KernelBuilder:
         extra = sorted(str(p.relative_to(base)) for p in base.rglob("*")
                        if (p.is_file() or p.is_symlink()) and p.suffix in _HEADER_SUFFIXES
                        and str(p.relative_to(base)) not in recorded and any(p.is_relative_to(r) for r in roots))
-        return modified, ([f"{rel / f} differs from {lock_path.name}" for f in modified]
+        return modified, (stale + [f"{rel / f} differs from {lock_path.name}" for f in modified]
                           + [f"{rel / f} is not recorded in {lock_path.name} (it could shadow a recorded header)"
                              for f in extra])
 

@@ -897,6 +897,21 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
     (src / "other.cu").write_text("// a kernel no longer locked\n")
     (src / ".kernel.h.swp").write_text("swap")
     assert b.vendored_problems() == []
+    # kernels.yaml changed since the files were vendored (a fresh-clone walkthrough: a new pin in kernels.yaml alone
+    # was built from the old files without a word, where port.py's list said "stale" and sync refused)
+    text = manifest.read_text()
+    for edited, says in ((text.replace('version: "1.0"', 'version: "0.9"'), "kernels.yaml pins upstream at "
+                          "{'name': 'upstream', 'version': '0.9'"),
+                         (text.replace("files: [src/kernel.cu, src/kernel.h]", "files: [src/kernel.cu]"),
+                          "kernels.yaml's file list of test/vendored changed since it was vendored")):
+        manifest.write_text(edited)
+        stale = KernelBuilder("test/vendored", manifest=manifest, cache_dir=cache_dir)
+        assert says in stale.vendored_problems()[0], stale.vendored_problems()
+        with pytest.raises(KernelUnavailableError, match="not what tools/port.py recorded: kernels.yaml"):
+            stale.build()
+        assert stale.status()["state"] == "unavailable"
+    manifest.write_text(text)
+    assert b.vendored_problems() == []
     # a value of neither kind is an error on a clean tree too (session 32's walkthrough: it passed there)
     monkeypatch.setenv("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "2")
     with pytest.raises(KernelBuildError, match=r"PIPEGOOSE_ALLOW_MODIFIED_VENDOR='2': expected 1/true/yes/on"):
