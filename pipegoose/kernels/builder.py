@@ -622,7 +622,14 @@ class KernelBuilder:
         if res is None:
             key = _cache.build_key(k.short_name, inputs)
             failed = self.cache_dir / "failed" / key / "build.log"
-            detail = f"last build failed, log: {failed}" if failed.is_file() else self._other_archs_hint(inputs, tc)
+            entry = _cache.entry_dir(self.cache_dir, key)
+            if failed.is_file():
+                detail = f"last build failed, log: {failed}"
+            elif entry.is_dir():  # (it said "not built" and nothing more; a fresh-clone walkthrough)
+                detail = (f"the cached build {entry} is incomplete or damaged (its library is not the one recorded "
+                          "when it was built): the next build replaces it")
+            else:
+                detail = self._other_archs_hint(inputs, tc)
             return {**out, "state": "not built", "key": key, "detail": detail + note}
         return {**out, "state": "cached", "key": res.key, "detail": str(res.library_path) + note}
 

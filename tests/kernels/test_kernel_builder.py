@@ -472,6 +472,9 @@ def test_relative_cache_dir_forced_rebuild_and_damaged_library(tiny, monkeypatch
     flipped[len(flipped) // 2] ^= 0xFF  # same size, other bytes
     lib.write_bytes(bytes(flipped))
     assert cache.is_complete(first.entry) is None
+    # what doctor shows: "not built" said nothing more (a fresh-clone walkthrough), as for a key never built
+    st = b.status()
+    assert st["state"] == "not built" and "is incomplete or damaged" in st["detail"] and str(first.entry) in st["detail"]
     assert not [d for d in (tmp_path / "relcache").iterdir() if ".tmp-" in d.name]
 
 
