@@ -1123,3 +1123,22 @@ def test_unfuse_carries_back_only_what_changed_on_the_replacement():
     assert fuse(model).fused_rows("rms_norm")
     model[1].eps = 1e-3
     assert unfuse(model) and norm.eps == 1e-3 and norm.variance_epsilon is None
+
+
+def test_a_parameter_free_layer_norm_is_not_called_an_rmsnorm():
+    """OLMo's LayerNorm has no parameters; fuse's report said "0 parameters (an RMSNorm has one weight)", as if it were
+    a broken RMSNorm (a fresh-clone walkthrough). It now says what the module is not."""
+
+    class ParameterFreeLayerNorm(torch.nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.normalized_shape, self.eps = (n,), 1e-5
+
+        def forward(self, x):
+            return torch.nn.functional.layer_norm(x, self.normalized_shape, None, None, self.eps)
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), ParameterFreeLayerNorm(8))
+    report = fuse(model, dry_run=True)
+    row = next(r for r in report.rows if r.original == "ParameterFreeLayerNorm")
+    assert not row.fused and row.reason.startswith("0 parameters of its own: not an RMSNorm (one weight), and not a "
+                                                   "torch.nn.LayerNorm"), row

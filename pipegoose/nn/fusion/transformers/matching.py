@@ -135,7 +135,9 @@ def probe_rms_norm(module: nn.Module) -> RMSNormProbe:
     if isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or any(True for _ in module.children()):
         return RMSNormProbe(False, None, "not a leaf norm", False)
     if len(params) != 1:
-        return RMSNormProbe(False, None, f"{len(params)} parameters (an RMSNorm has one weight)", looks_like_norm)
+        # (OLMo's parameter-free LayerNorm read "0 parameters (an RMSNorm has one weight)", as if it were an RMSNorm)
+        return RMSNormProbe(False, None, f"{len(params)} parameters of its own: not an RMSNorm (one weight), and not a "
+                            "torch.nn.LayerNorm", looks_like_norm)
     pname, weight = params[0]
     if pname != "weight":
         return RMSNormProbe(False, None, f"parameter is named '{pname}' (FusedRMSNorm's is 'weight': state_dict "
