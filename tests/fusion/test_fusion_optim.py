@@ -204,6 +204,8 @@ def test_fused_adam_checks_impl_and_param_groups_when_they_are_given():
     extra = torch.nn.Parameter(torch.randn(2))
     for group, err, match in (({"lr": float("nan")}, ValueError, "lr: expected a finite number >= 0"),
                               ({"betas": (2.0, 5.0)}, ValueError, r"betas: expected two values in \[0, 1\)"),
+                              # a string shown as a string (it read "got 0.9"; a fresh-clone walkthrough)
+                              ({"betas": "0.9"}, ValueError, r"betas: expected two values in \[0, 1\), got '0.9'"),
                               ({"eps": "1e-8"}, TypeError, "eps: expected a number"),
                               ({"impl": "nope"}, ValueError, "impl: adam has no implementation 'nope'")):
         with pytest.raises(err, match=match):

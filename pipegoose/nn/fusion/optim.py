@@ -106,7 +106,7 @@ class FusedAdam(torch.optim.Optimizer):
         except (TypeError, ValueError):
             ok = False
         if not ok:
-            raise ValueError(f"betas: expected two values in [0, 1), got {betas}")
+            raise ValueError(f"betas: expected two values in [0, 1), got {betas!r}")
         dispatch.check_impl(_mt.OP_ADAM, group.get("impl"))
 
     def add_param_group(self, param_group: dict) -> None:
