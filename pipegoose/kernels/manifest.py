@@ -362,6 +362,9 @@ def load_manifest(path: str | Path | None = None) -> Manifest:
     if not isinstance(data, Mapping):
         what = "the file is empty" if data is None else f"got {type(data).__name__}"
         raise ctx.err("<top>", f"expected a mapping with 'schema', 'sources' and 'kernels', {what}")
+    if "schema" not in data:  # (a kernels.lock given as the manifest read "schema: expected 1, got None")
+        raise ctx.err("schema", "required field is missing: not a kernels.yaml (one has schema: 1, sources and "
+                      f"kernels; this file has {', '.join(map(str, list(data)[:5])) or 'no keys'})")
     if data.get("schema") != 1:
         raise ctx.err("schema", f"expected 1, got {data.get('schema')!r}")
     raw_sources = _req(ctx, data, "sources", "<top>", Mapping)

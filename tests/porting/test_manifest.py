@@ -100,3 +100,12 @@ def test_a_manifest_that_is_no_mapping_is_named_by_its_path(tmp_path, monkeypatc
     with pytest.raises(ManifestError) as ei:
         load_manifest(bad)
     assert str(ei.value).startswith(f"{bad}: <top>:"), ei.value
+
+
+def test_a_lock_given_as_the_manifest_says_it_is_no_manifest(tmp_path):
+    """`PIPEGOOSE_MANIFEST=.../kernels.lock` read "schema: expected 1, got None" (a fresh-clone walkthrough)."""
+    lock = tmp_path / "kernels.lock"
+    lock.write_text("version: 1\nsources: {}\nkernels: {}\n")
+    with pytest.raises(ManifestError, match=r"schema: required field is missing: not a kernels.yaml \(one has schema: "
+                                            r"1, sources and kernels; this file has version, sources, kernels\)"):
+        load_manifest(lock)
