@@ -1988,8 +1988,8 @@ norm_fwd_split_kernel(const float* __restrict__ x, const Tp* __restrict__ w, con
 // from 16392 and 16388, fp32 LayerNorm from 16388) take the two-kernel path below on GPUs before sm_90: it reads x and
 // dy twice, five passes over an activation instead of three (three fifths of one pass's speed; 55-62% of copy measured
 // on the H200). On sm_90 a cluster of CL blocks (CL SMs; bwd_cluster_size: the fewest of 2, 3, 4, 5 and 8 that hold
-// the row, fp32: of 2, 4 and 8) shares each row instead, for vector rows from 8200 columns (16-bit RMSNorm: 9224, fp32 RMSNorm: 16384) up to 65536 (launch_bwd
-// says which plans it replaced there, and what was timed):
+// the row, fp32: of 2, 4 and 8) shares each row instead, for vector rows from 8200 columns (16-bit RMSNorm: 9224, fp32
+// RMSNorm: 16384) up to 65536 (launch_bwd says which plans it replaced there, and what was timed):
 // - block k of the cluster (its rank) owns the chunks [k * cpb, (k + 1) * cpb) of every row the cluster walks (rows
 //   cluster, cluster + clusters, ...); thread t of the block's nt threads owns the chunks t + n * nt of that slab
 //   (n < NV), their weight and their column sums in registers; nt is the fewest multiple of 32 threads that hold the
@@ -3491,9 +3491,10 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     // session 36's cluster kernel (slab-sized blocks, the deferred mbarrier wait) beat them there (call 2, raw
     // backward, bf16, 16384 rows, % of copy, two rounds; session36.log): 9224 / 10000 / 10240 / 11264 columns 72.5 /
     // 79.5 / 81.2 / 81.9 -> 79.2 / 84.2 / 89.7 / 93.4, so since session 37 the cluster takes them again (session37.log,
-    // call 1: 79.9 / 84.8 / 89.6 / 93.6; the wide register rows stay where no cluster runs). In the same call, the cluster from 6144 columns (-DPIPEGOOSE_NORM_BWD_CLUSTER_MIN=6144)
-    // lost at 6144 / 7168 / 8192 columns to the register plans: bf16 LayerNorm 90.4 / 91.2 / 89.9 -> 63.0 / 71.7 /
-    // 78.3, RMSNorm 89.4 / 92.7 / 97.3 -> 69.5 / 78.6 / 84.7, fp32 LayerNorm 90.2 / 96.5 / 97.6 -> 84.3 / 90.8 / 95.0.
+    // call 1: 79.9 / 84.8 / 89.6 / 93.6; the wide register rows stay where no cluster runs). In session 36's call 2,
+    // the cluster from 6144 columns (-DPIPEGOOSE_NORM_BWD_CLUSTER_MIN=6144) lost at 6144 / 7168 / 8192 columns to the
+    // register plans: bf16 LayerNorm 90.4 / 91.2 / 89.9 -> 63.0 / 71.7 / 78.3, RMSNorm 89.4 / 92.7 / 97.3 -> 69.5 /
+    // 78.6 / 84.7, fp32 LayerNorm 90.2 / 96.5 / 97.6 -> 84.3 / 90.8 / 95.0.
     // -DPIPEGOOSE_NORM_BWD_CLUSTER_MIN=H (a benchmark experiment, off in the shipped build): from H columns for every
     // op and dtype but fp32 RMSNorm (16384, as shipped).
 #if defined(PIPEGOOSE_NORM_BWD_CLUSTER_MIN)
