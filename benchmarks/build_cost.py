@@ -66,10 +66,10 @@ def build_cost(jobs: int = 16, timeout: float = 580.0) -> dict:
         env = {**os.environ, "PIPEGOOSE_CACHE_DIR": cache, "PIPEGOOSE_QUIET": "1", "COLUMNS": "200"}
         rc, out, err, wall = _run([sys.executable, "-m", "pipegoose.kernels", "--cache-dir", cache, "build", "--all",
                                    "-j", str(jobs)], env, timeout)
-        per = dict(re.findall(r"(?:built|cached|FAILED|missing)\s+(\S+/\S+) \((\d+\.\d+) s\)", out))
+        per = dict(re.findall(r"(?:built|cached|FAILED|unavailable)\s+(\S+/\S+) \((\d+\.\d+) s\)", out))
         res = {"jobs": jobs, "cold_build_s": round(wall, 1), "exit_code": rc,
                "per_kernel_s": {k: float(v) for k, v in per.items()},
-               "failed": re.findall(r"(?:FAILED|missing)\s+(\S+/\S+)", out)}
+               "failed": re.findall(r"(?:FAILED|unavailable)\s+(\S+/\S+)", out)}
         if rc not in (0, 2):
             res["detail"] = (err or out).strip().splitlines()[-5:]
         code = ("import json, time; t=time.perf_counter(); import pipegoose.kernels as K; t_imp=time.perf_counter()-t;"

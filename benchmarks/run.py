@@ -183,7 +183,7 @@ def build_kernels(jobs: int) -> dict:
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "build", "--all", "-j", str(jobs)],
                        capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, "COLUMNS": "200"})
-    tail = [ln for ln in p.stdout.splitlines() if any(s in ln for s in ("built", "cached", "FAILED", "missing"))]
+    tail = [ln for ln in p.stdout.splitlines() if any(s in ln for s in ("built", "cached", "FAILED", "unavailable"))]
     return {"exit_code": p.returncode, "wall_s": round(time.perf_counter() - t0, 1), "lines": tail[-20:],
             "stderr_tail": p.stderr.strip().splitlines()[-5:] if p.returncode else []}
 

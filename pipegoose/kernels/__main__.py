@@ -237,7 +237,7 @@ def _build(args) -> int:
                     b, state, detail, secs = f.result()
                     results[b.kernel.id] = (state, detail, secs)
                     color = {"built": "green", "cached": "green", "unavailable": "yellow"}.get(state, "red")
-                    progress.console.print(f"[{color}]{state:>7}[/] {b.kernel.id} ({secs:.1f} s)")
+                    progress.console.print(f"[{color}]{state:>11}[/] {b.kernel.id} ({secs:.1f} s)")
                     progress.advance(overall)
             except BaseException:  # Ctrl-C reaches this thread only: stop the queued builds and the running workers
                 pool.shutdown(wait=False, cancel_futures=True)

@@ -336,11 +336,14 @@ class KernelBuilder:
                 warnings.warn(f"{self.kernel.id}: building third-party code that is not what kernels.lock records "
                               f"(PIPEGOOSE_ALLOW_MODIFIED_VENDOR): {what}", UserWarning, stacklevel=3)
             return f"third-party code that is not what kernels.lock records (PIPEGOOSE_ALLOW_MODIFIED_VENDOR): {what}"
-        # unavailable (as doctor says, and build's exit status 2), not a failed build: nothing was compiled
+        # unavailable (as doctor says, and build's exit status 2), not a failed build: nothing was compiled. A changed
+        # pin or file list (lines from kernels.yaml) names its own command: sync refuses those
+        files = any(not p.startswith("kernels.yaml") for p in problems)
+        fix = ("restore them with python tools/port.py sync (python tools/port.py verify lists what differs), or build "
+               "them as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1") if files else \
+            "or build the vendored files as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1"
         raise KernelUnavailableError(f"kernel {self.kernel.id}: the vendored files are not what tools/port.py recorded: "
-                                     f"{what}; restore them with python tools/port.py sync (python tools/port.py "
-                                     "verify lists what differs), or build them as they are with "
-                                     "PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1")
+                                     f"{what}; {fix}")
 
     def _check_object_names(self) -> None:
         # cpp_extension names objects after the source's basename: two sources with one stem would collide.

@@ -38,6 +38,7 @@ Layout (see ``docs/architecture.md`` for the full reference)::
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,11 +207,14 @@ class _Ctx:
 
 def _shown(path: Path) -> str:
     """A manifest's path as its errors name it: relative to the working folder when inside it (``kernels.yaml``), else
-    as given (``/dev/null``, not its name ``null``)."""
+    as given (``/dev/null``, not its name ``null``); links are not followed (the name the user gave is the one shown)."""
     try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except (ValueError, OSError):
+        absolute, cwd = Path(os.path.abspath(path)), Path(os.path.abspath(os.getcwd()))
+    except OSError:  # the working folder is gone
         return str(path)
+    if cwd != Path(cwd.anchor) and absolute.is_relative_to(cwd):
+        return str(absolute.relative_to(cwd))
+    return str(path)
 
 
 def _req(ctx: _Ctx, d: Mapping, key: str, where: str, kind: type | tuple = str) -> Any:

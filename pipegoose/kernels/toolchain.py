@@ -437,6 +437,8 @@ def _writable_check(path: Path, create: bool = True) -> Check:
     fix = "give a writable folder (--cache-dir, or PIPEGOOSE_CACHE_DIR for the default)"
     where, note = path, ""
     try:
+        if path.is_symlink() and not path.exists():  # a build's mkdir fails on it ("File exists")
+            return Check("cache dir", False, f"{path}: a symbolic link to {os.readlink(path)}, which does not exist", fix)
         if create:
             path.mkdir(parents=True, exist_ok=True)
         elif not path.exists():

@@ -321,17 +321,25 @@ def test_rms_norm_from_module_refuses_another_formula():
 
 
 def test_rms_norm_from_module_checks_the_rounding_flags():
-    """An OLMo-2-style norm (one rounding, the output in the input's dtype) taken without output_in_input_dtype=True
-    would round twice where the original rounds once: from_module names the flags to pass."""
+    """The rounding flags default to what the probe finds (an OLMo-2-style norm: one rounding, the output in the
+    input's dtype; T5's: the weight's dtype); a flag given that contradicts the probe is refused, naming the values."""
     olmo2 = pytest.importorskip("transformers.models.olmo2.modeling_olmo2")
     m = olmo2.Olmo2RMSNorm(16, eps=1e-6)
-    with pytest.raises(ValueError, match="output_in_input_dtype=True does: pass those"):
-        FusedRMSNorm.from_module(m)
-    f = FusedRMSNorm.from_module(m, output_in_input_dtype=True)
-    x = torch.randn(3, 16, dtype=torch.bfloat16)
     with torch.no_grad():
         m.weight.uniform_(0.5, 1.5)
+    f = FusedRMSNorm.from_module(m)
+    assert f.output_in_input_dtype and not f.cast_before_weight
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
     assert torch.equal(f(x), m(x))
+    with pytest.raises(ValueError, match=r"output_in_input_dtype=True does: pass those or leave them None \(got None, "
+                                         r"False\)"):
+        FusedRMSNorm.from_module(m, output_in_input_dtype=False)
+    assert not FusedRMSNorm.from_module(m, output_in_input_dtype=False, verify=False).output_in_input_dtype
+    t5 = pytest.importorskip("transformers.models.t5.modeling_t5")
+    n = t5.T5LayerNorm(16, eps=1e-6).to(torch.bfloat16)
+    g = FusedRMSNorm.from_module(n)
+    assert g.output_in_weight_dtype
+    assert torch.equal(g(x.float()), n(x.float())) and g(x.float()).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("module", [torch.nn.LayerNorm(8, bias=False), torch.nn.LayerNorm(8, elementwise_affine=False),

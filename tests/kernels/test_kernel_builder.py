@@ -723,6 +723,11 @@ def test_cli_doctor_makes_no_cache_folder(tiny, tmp_path):
                        timeout=300)
     out = " ".join(p.stdout.replace("│", " ").split())
     assert p.returncode == 1 and f"{tmp_path / 'file'} is not a folder" in out, out
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")  # a build's mkdir fails on it: not "ok" (a review)
+    p = subprocess.run(cli, capture_output=True, text=True, env={**_env(tmp_path / "dangling"), "COLUMNS": "300"},
+                       timeout=300)
+    out = " ".join(p.stdout.replace("│", " ").split())
+    assert p.returncode == 1 and "a symbolic link to" in out and "which does not exist" in out, out
 
 
 def test_cli_path_options_expand_the_home_folder_and_refuse_blanks(tiny, tmp_path):
@@ -910,8 +915,9 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
         manifest.write_text(edited)
         stale = KernelBuilder("test/vendored", manifest=manifest, cache_dir=cache_dir)
         assert says in stale.vendored_problems()[0], stale.vendored_problems()
-        with pytest.raises(KernelUnavailableError, match="not what tools/port.py recorded: kernels.yaml"):
+        with pytest.raises(KernelUnavailableError, match="not what tools/port.py recorded: kernels.yaml") as e:
             stale.build()
+        assert "port.py sync" not in str(e.value), e.value  # sync refuses a changed pin or file list (a review)
         assert stale.status()["state"] == "unavailable"
     manifest.write_text(text)
     assert b.vendored_problems() == []

@@ -109,3 +109,13 @@ def test_a_lock_given_as_the_manifest_says_it_is_no_manifest(tmp_path):
     with pytest.raises(ManifestError, match=r"schema: required field is missing: not a kernels.yaml \(one has schema: "
                                             r"1, sources and kernels; this file has version, sources, kernels\)"):
         load_manifest(lock)
+
+
+def test_manifest_errors_keep_the_name_given_to_a_link(tmp_path, monkeypatch):
+    """_shown() followed symbolic links: kernels.yaml -> configs/real.yaml was named configs/real.yaml (a review)."""
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "real.yaml").write_text("")
+    (tmp_path / "kernels.yaml").symlink_to(tmp_path / "configs" / "real.yaml")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ManifestError, match=r"^kernels.yaml: <top>:"):
+        load_manifest(tmp_path / "kernels.yaml")

@@ -461,28 +461,29 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
 
     @classmethod
     def from_module(cls, module: nn.Module, eps: float | None = None, *, impl: str | None = None,
-                    output_in_weight_dtype: bool = False, output_in_input_dtype: bool = False,
+                    output_in_weight_dtype: bool | None = None, output_in_input_dtype: bool | None = None,
                     verify: bool = True) -> "FusedRMSNorm":
         """A fused module sharing ``module.weight`` (same Parameter object).
 
         ``module``: ``torch.nn.RMSNorm`` (-> F.rms_norm numerics, its ``eps``) or a transformers Llama-style
         RMSNorm (``weight`` + ``variance_epsilon`` or ``eps``; -> ``cast_before_weight=True``). ``eps`` overrides.
         ``output_in_weight_dtype``: the module is T5-style; ``output_in_input_dtype``: OLMo-2 style (one rounding,
-        the output in the input's dtype; then ``cast_before_weight=False``). See the class; ``fuse`` finds both out
-        by a probe.
+        the output in the input's dtype; then ``cast_before_weight=False``). See the class. None (the default): as
+        the probe below finds (False for ``torch.nn.RMSNorm`` and with ``verify=False``).
         ``verify`` (default True): a module other than ``torch.nn.RMSNorm`` must pass the probe that ``fuse`` runs
         (``transformers.matching.probe_rms_norm``: its forward on random CPU inputs against the RMSNorm formula with
-        its eps attribute, and its rounding against the two flags above), so that a norm of another formula (Gemma's
-        ``x * (1 + weight)``, say) is refused instead of silently replaced. ``verify=False`` takes the module on the
-        caller's word (a module without a runnable forward, or one whose eps lives elsewhere).
+        its eps attribute, a 1-D weight, no buffers), so that a norm of another formula (Gemma's ``x * (1 + weight)``,
+        say) is refused instead of silently replaced; a flag given that contradicts the rounding it finds is refused
+        too. ``verify=False`` takes the module on the caller's word (a module without a runnable forward, or one whose
+        eps lives under another name).
 
         Raises:
             TypeError: ``module`` is not ``torch.nn.RMSNorm`` and does not have exactly one parameter of its own, a
                 ``weight`` of one or more dims (an ``nn.Linear``, with its bias, is refused), or it is a
                 ``torch.nn.LayerNorm`` (even without bias), ``GroupNorm`` or batch/instance norm.
             ValueError: the module's epsilon is unknown (no ``variance_epsilon``/``eps``) and ``eps`` is not given;
-                with ``verify``, the probe finds another formula (the message gives its reason) or another rounding
-                than ``output_in_weight_dtype`` / ``output_in_input_dtype`` say (it names the values to pass).
+                with ``verify``, the probe finds another formula (the message gives its reason), or a rounding
+                other than an ``output_in_weight_dtype`` / ``output_in_input_dtype`` given says (it names the values).
         """
         w = getattr(module, "weight", None)
         if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)):
@@ -497,12 +498,14 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
             if not isinstance(w, nn.Parameter) or w.dim() < 1 or own != ["weight"]:
                 raise TypeError(f"module: expected torch.nn.RMSNorm or an RMSNorm-style module whose only parameter "
                                 f"is 'weight', got {type(module).__name__} with parameters {own}")
-            shape, cast = tuple(w.shape), not output_in_input_dtype
             mod_eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
             if eps is None and mod_eps is None:
                 raise ValueError(f"eps: {type(module).__name__} has no 'variance_epsilon' or 'eps'; pass eps=")
             if verify:
-                _verify_rms_style(module, output_in_weight_dtype, output_in_input_dtype)
+                output_in_weight_dtype, output_in_input_dtype = _verify_rms_style(module, output_in_weight_dtype,
+                                                                                  output_in_input_dtype)
+            shape, cast = tuple(w.shape), not output_in_input_dtype
+        output_in_weight_dtype, output_in_input_dtype = bool(output_in_weight_dtype), bool(output_in_input_dtype)
         new = cls(shape, eps=eps if eps is not None else mod_eps, elementwise_affine=False,
                   output_in_weight_dtype=output_in_weight_dtype, output_in_input_dtype=output_in_input_dtype,
                   cast_before_weight=cast, impl=impl)
@@ -512,18 +515,21 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         return new
 
 
-def _verify_rms_style(module: nn.Module, output_in_weight_dtype: bool, output_in_input_dtype: bool) -> None:
-    """FusedRMSNorm.from_module's check (``verify``): ValueError unless ``module`` passes fuse's RMSNorm probe with the
-    rounding the two flags name."""
+def _verify_rms_style(module: nn.Module, output_in_weight_dtype: bool | None,
+                      output_in_input_dtype: bool | None) -> tuple[bool, bool]:
+    """FusedRMSNorm.from_module's check (``verify``): the two rounding flags (each None: as the probe finds), or
+    ValueError when ``module`` fails fuse's RMSNorm probe or a flag given contradicts what it finds."""
     from .transformers.matching import probe_rms_norm
 
     name = type(module).__name__
     probe = probe_rms_norm(module)
     if not probe.ok:
-        raise ValueError(f"module: {name} does not pass the RMSNorm probe: {probe.reason}; FusedRMSNorm would compute "
-                         "something else (verify=False takes it anyway)")
+        raise ValueError(f"module: {name} does not pass the RMSNorm probe: {probe.reason} (verify=False takes it on "
+                         "your word)")
     found = (probe.output_in_weight_dtype, probe.output_in_input_dtype)
-    if found != (output_in_weight_dtype, output_in_input_dtype):
+    given = (output_in_weight_dtype, output_in_input_dtype)
+    if any(g is not None and bool(g) != f for g, f in zip(given, found)):
         raise ValueError(f"module: {name} rounds its output as FusedRMSNorm with output_in_weight_dtype={found[0]}, "
-                         f"output_in_input_dtype={found[1]} does: pass those (got {output_in_weight_dtype}, "
-                         f"{output_in_input_dtype}), or verify=False")
+                         f"output_in_input_dtype={found[1]} does: pass those or leave them None (got "
+                         f"{given[0]}, {given[1]}), or verify=False")
+    return found
