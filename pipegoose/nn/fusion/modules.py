@@ -524,8 +524,9 @@ def _verify_rms_style(module: nn.Module, output_in_weight_dtype: bool | None,
     name = type(module).__name__
     probe = probe_rms_norm(module)
     if not probe.ok:
-        raise ValueError(f"module: {name} does not pass the RMSNorm probe: {probe.reason} (verify=False takes it on "
-                         "your word)")
+        raise ValueError(f"module: {name} does not pass the RMSNorm probe: {probe.reason}. FusedRMSNorm computes "
+                         "x * rsqrt(mean(x^2) + eps) * weight; verify=False skips this check, for a module known to "
+                         "compute that whose probe cannot run (its outputs would otherwise differ from the module's)")
     found = (probe.output_in_weight_dtype, probe.output_in_input_dtype)
     given = (output_in_weight_dtype, output_in_input_dtype)
     if any(g is not None and bool(g) != f for g, f in zip(given, found)):
