@@ -284,8 +284,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="build cache (default: $PIPEGOOSE_CACHE_DIR or ~/.cache/...)")
     # the same common options after the subcommand too (SUPPRESS: absent there keeps the value given before it)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--manifest", default=argparse.SUPPRESS, type=path_arg, help=argparse.SUPPRESS)
-    common.add_argument("--cache-dir", default=argparse.SUPPRESS, type=path_arg, help=argparse.SUPPRESS)
+    # (listed in each subcommand's help too: `doctor -h` did not show them; a fresh-clone check)
+    common.add_argument("--manifest", default=argparse.SUPPRESS, type=path_arg,
+                        help="kernels.yaml to use (default: the repository's)")
+    common.add_argument("--cache-dir", default=argparse.SUPPRESS, type=path_arg,
+                        help="build cache (default: $PIPEGOOSE_CACHE_DIR or ~/.cache/...)")
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("doctor", help="toolchain checks and each kernel's state", parents=[common])
     d.add_argument("--load", action="store_true", help="also load every cached kernel")

@@ -747,6 +747,10 @@ def test_cli_path_options_expand_the_home_folder_and_refuse_blanks(tiny, tmp_pat
                            timeout=300)
         assert p.returncode == 2 and f"argument {flag}: expected a path, got an empty value" in p.stderr, p.stderr
     assert not (tmp_path / "locks").exists()
+    # each subcommand's help lists them too (`doctor -h` did not; a fresh-clone check)
+    for cmd in ("doctor", "build", "clean"):
+        p = subprocess.run(cli + [cmd, "-h"], capture_output=True, text=True, env=env, timeout=300)
+        assert p.returncode == 0 and "--cache-dir CACHE_DIR" in p.stdout and "--manifest MANIFEST" in p.stdout, p.stdout
 
 
 def test_cli_doctor_fails_on_a_bad_allow_modified_vendor(tiny):
