@@ -39,6 +39,10 @@ KNOWN: dict[str, str] = {
     "PIPEGOOSE_NORM_FWD_WIDE": "the norm kernels (forward experiment)",
     "PIPEGOOSE_NORM_BWD_EXP": "the norm kernels (backward experiment)",
     "PIPEGOOSE_NORM_BWD_PDL": "the norm kernels (programmatic dependent launch of the column reduction)",
+    # read only by builds with -DPIPEGOOSE_NORM_BWD_EXPERIMENT (the cluster backward's A/B runs)
+    "PIPEGOOSE_NORM_BWD_CL_SIZE": "the norm kernels, experiment builds (blocks per cluster)",
+    "PIPEGOOSE_NORM_BWD_CL_THREADS": "the norm kernels, experiment builds (threads per cluster block)",
+    "PIPEGOOSE_NORM_BWD_CL_EXCHANGE": "the norm kernels, experiment builds (barrier or mbar)",
 }
 
 

@@ -660,3 +660,24 @@ def test_misspelt_pipegoose_variables_of_any_kind_warn(monkeypatch):
     text = " ".join(str(w.message) for w in rec)
     assert "PIPEGOOSE_STRCT: pipegoose reads no variable of that name, so it is ignored; did you mean " \
            "PIPEGOOSE_STRICT?" in text and "did you mean PIPEGOOSE_SMALL_NUMEL?" in text
+
+
+def test_every_variable_the_code_reads_is_known():
+    """Each ``PIPEGOOSE_*`` name the Python code or the C++ kernels read (as a quoted literal) is in ``_env.KNOWN``:
+    the cluster experiment's ``PIPEGOOSE_NORM_BWD_CL_SIZE`` (the method of session 37) was reported as "pipegoose reads
+    no variable of that name" with a wrong "did you mean" (docs audit, session 38). Compile-time switches (``-D``
+    macros) are not read from the environment and are not quoted in the sources."""
+    from pathlib import Path
+
+    from pipegoose import _env
+
+    root = Path(dispatch.__file__).resolve().parents[3]
+    read = set()
+    for folder in ("pipegoose", "tools"):
+        for path in (root / folder).rglob("*"):
+            if path.suffix in (".py", ".cu", ".cuh", ".cpp", ".h") and path.name != "_env.py":
+                read |= set(re.findall(r'"(PIPEGOOSE_[A-Z0-9_]*[A-Z0-9])"', path.read_text(encoding="utf-8")))
+    read = {n for n in read if not n.startswith("PIPEGOOSE_IMPL_")}
+    assert "PIPEGOOSE_NORM_BWD_CL_SIZE" in read and "PIPEGOOSE_QUIET" in read  # the scan finds both kinds of file
+    assert sorted(read - set(_env.KNOWN)) == []
+    assert _env.unknown_names({"PIPEGOOSE_NORM_BWD_CL_SIZE": "3"}) == []
