@@ -6,7 +6,7 @@ A fetched source is a :class:`SourceTree`: a read-only view of the files of the 
 extracted to disk outside the download cache: archives are opened, checked member by member (no absolute
 names, no ``..`` that climbs out, no link that points outside the archive) and read directly.
 
-Download cache (``$PIPEGOOSE_PORT_CACHE``, default ``~/.cache/pipegoose/port``)::
+Download cache (``$PIPEGOOSE_PORT_CACHE``, else ``$XDG_CACHE_HOME/pipegoose/port``, else ``~/.cache/pipegoose/port``)::
 
     pypi/<name>/<sdist file>     archives, re-hashed on every use
     git/<key>/                   bare clones, one per URL

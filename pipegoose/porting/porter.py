@@ -87,7 +87,8 @@ class Porter:
     Args:
         manifest: path of kernels.yaml (default: the repository's). vendor/, LICENSES/ and kernels.lock are
             next to it, so tests point this at a temporary copy.
-        cache_dir: download cache (default ``$PIPEGOOSE_PORT_CACHE`` or ``~/.cache/pipegoose/port``).
+        cache_dir: download cache (default :func:`pipegoose.porting.util.default_cache_dir`: ``$PIPEGOOSE_PORT_CACHE``,
+            else ``$XDG_CACHE_HOME/pipegoose/port``, else ``~/.cache/pipegoose/port``).
         offline: use only the download cache.
         log: callable receiving progress lines (default: discard).
     """

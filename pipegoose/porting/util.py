@@ -44,12 +44,13 @@ def safe_member_path(name: str) -> str | None:
 
 def default_cache_dir() -> Path:
     """The download cache: ``$PIPEGOOSE_PORT_CACHE``, else ``$XDG_CACHE_HOME/pipegoose/port``, else
-    ``~/.cache/pipegoose/port``."""
-    env = os.environ.get("PIPEGOOSE_PORT_CACHE")
-    if env:
+    ``~/.cache/pipegoose/port``. As for the kernel cache (:func:`pipegoose.kernels.cache.default_cache_dir`), a blank
+    ``PIPEGOOSE_PORT_CACHE`` counts as unset and a relative ``XDG_CACHE_HOME`` (invalid by the XDG spec) is ignored."""
+    env = os.environ.get("PIPEGOOSE_PORT_CACHE", "")
+    if env.strip():
         return Path(env).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    base = Path(xdg).expanduser() if xdg and Path(xdg).expanduser().is_absolute() else Path.home() / ".cache"
     return base / "pipegoose" / "port"
 
 

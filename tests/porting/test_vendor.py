@@ -989,3 +989,17 @@ def test_cli_path_options_expand_the_home_folder_and_refuse_blanks(git_repo, tmp
     for flag in ("--cache", "--root", "--manifest"):
         r = subprocess.run(port + ["list", flag, " "], capture_output=True, text=True, cwd=tmp_path)
         assert r.returncode == 2 and f"argument {flag}: expected a path, got an empty value" in r.stderr, r.stderr
+
+
+def test_default_download_cache_blank_and_relative_variables(monkeypatch, tmp_path):
+    """A blank PIPEGOOSE_PORT_CACHE made a download cache folder named by the spaces, and a relative XDG_CACHE_HOME
+    was taken (the kernel cache already ignored both; docs audit, session 38)."""
+    from pipegoose.porting.util import default_cache_dir
+
+    monkeypatch.setenv("PIPEGOOSE_PORT_CACHE", "  ")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative-xdg")
+    assert default_cache_dir() == Path.home() / ".cache" / "pipegoose" / "port"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "pipegoose" / "port"
+    monkeypatch.setenv("PIPEGOOSE_PORT_CACHE", str(tmp_path / "c"))
+    assert default_cache_dir() == tmp_path / "c"
