@@ -48,9 +48,10 @@ class FusedScaleMaskSoftmax(nn.Module):
     scores as given (as Megatron's do). The PyTorch path computes in fp32 when a 16-bit flag and ``softmax_in_fp32``
     are set, else in the input's dtype. Scores that are not 16-bit although a flag says so take the PyTorch path,
     counted as a fallback (strict mode raises on it). ``causal`` masks key ``j > i + sk - sq`` (plus ``mask`` if
-    given). Fused kernels (through :mod:`~pipegoose.nn.fusion.dispatch`): pipegoose/softmax (MIT), Megatron-LM's
-    scaled_masked_softmax / scaled_upper_triang_masked_softmax via ColossalAI 0.5.0 extensions/csrc/kernel/cuda/
-    (Apache-2.0).
+    given). Fused kernels (through :mod:`~pipegoose.nn.fusion.dispatch`): pipegoose/softmax (MIT; this repository's
+    pipegoose/kernels/csrc/softmax.cuh), Megatron-LM's scaled_masked_softmax / scaled_upper_triang_masked_softmax
+    (megatron/fused_kernels/ at commit 040eac94) via ColossalAI 0.5.0 extensions/csrc/kernel/cuda/
+    scaled_masked_softmax_kernel.cu and scaled_upper_triang_masked_softmax_kernel.cu (Apache-2.0).
 
     Raises:
         ValueError: both fp16 and bf16 flags, or ``scale`` without ``softmax_in_fp32``, or a non-4-D input.
@@ -286,7 +287,10 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
         ValueError: a negative size or no dimension, ``eps`` negative or not finite, ``impl`` naming no
             implementation of ``layer_norm`` (names are read in any case, as ``PIPEGOOSE_IMPL_*`` values are).
 
-    Kernels: pipegoose/layer_norm (MIT); Apex fused LayerNorm via ColossalAI 0.5.0
+    ``forward(input [..., *normalized_shape])`` returns a tensor of the input's shape.
+
+    Kernels: pipegoose/layer_norm (MIT; this repository's pipegoose/kernels/csrc/layer_norm.cu and norm_kernels.cuh);
+    Apex's fused LayerNorm (csrc/layer_norm_cuda_kernel.cu) via ColossalAI 0.5.0
     extensions/csrc/kernel/cuda/layer_norm_kernel.cu (Apache-2.0).
     """
 
@@ -334,7 +338,8 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
 
 
 class MixedFusedLayerNorm(FusedLayerNorm):
-    """Megatron's name for :class:`FusedLayerNorm` (fp32 parameters with fp16/bf16 activations); identical."""
+    """Megatron's name for :class:`FusedLayerNorm` (fp32 parameters with fp16/bf16 activations); identical: its
+    arguments, shapes, errors and kernels are :class:`FusedLayerNorm`'s."""
 
 
 class FusedRMSNorm(_DropsFuseRecord, nn.Module):
@@ -357,7 +362,9 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         device, dtype: of the weight.
         impl: force an implementation (``pipegoose``, ``torch``; any case), default auto.
 
-    Parameters/state_dict: ``weight`` (as torch.nn.RMSNorm and LlamaRMSNorm). Kernel: pipegoose/rms_norm (MIT).
+    ``forward(input [..., *normalized_shape])`` returns a tensor of the input's shape (dtype: by the rounding flags
+    above). Parameters/state_dict: ``weight`` (as torch.nn.RMSNorm and LlamaRMSNorm). Kernel: pipegoose/rms_norm (MIT;
+    this repository's pipegoose/kernels/csrc/rms_norm.cu and norm_kernels.cuh).
 
     Raises (when constructed, not at the first forward):
         TypeError: both or neither of ``normalized_shape`` / ``hidden_size``; the one given not an integer or a

@@ -47,6 +47,11 @@ class FusedAdam(torch.optim.Optimizer):
     State per parameter: ``step`` (float32 scalar tensor on the CPU), ``exp_avg``, ``exp_avg_sq``, as
     torch.optim.AdamW keeps them, so state_dicts load both ways (param groups carry AdamW's keys too).
 
+    Kernels: ``apex``: Apex's csrc/multi_tensor_adam.cu via ColossalAI 0.5.0
+    extensions/csrc/kernel/cuda/multi_tensor_adam_kernel.cu (Apache-2.0; ColossalAI adds a div_scale argument);
+    ``deepspeed``: DeepSpeed 0.19.8 csrc/adam/multi_tensor_adam.cu (Apache-2.0, adapted from Apex's); ``torch``:
+    ``torch.optim.adam.adam`` (see :mod:`pipegoose.nn.fusion.ops.multi_tensor`).
+
     Raises (when built, and from ``add_param_group`` for a group's own values):
         ValueError: bad hyper-parameters (lr, eps, weight_decay not finite and >= 0; betas not in [0, 1)), an
         ``impl`` that names no implementation of ``adam``, amsgrad=True, capturable=True. TypeError: complex or
@@ -226,7 +231,8 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     Per (device, dtype) group (op ``clip_grad_norm``): ``apex`` computes the L2 norm with
     ``multi_tensor_l2norm`` (fp32 accumulation) and scales with ``multi_tensor_scale`` (fp32/fp16 gradients,
     ``norm_type=2``; one host sync reads the clip coefficient); otherwise ``torch._foreach_norm`` /
-    ``torch._foreach_mul_``. With no gradient: ``tensor(0.)``.
+    ``torch._foreach_mul_``. With no gradient: ``tensor(0.)``. Kernels: Apex's csrc/multi_tensor_l2norm_kernel.cu and
+    csrc/multi_tensor_scale_kernel.cu via ColossalAI 0.5.0 extensions/csrc/kernel/cuda/ (Apache-2.0).
 
     Raises:
         TypeError: ``max_norm`` or ``norm_type`` is not a number (or a one-element tensor).

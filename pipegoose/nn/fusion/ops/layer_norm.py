@@ -295,6 +295,13 @@ def _signature(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: Any) 
 
 def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, bias: torch.Tensor | None,
         eps: float, impl: str | None) -> torch.Tensor:
+    """:func:`pipegoose.nn.fusion.functional.layer_norm` behind the checks: ``x`` [*, *normalized_shape] -> the
+    same shape, in :func:`out_dtype`; runs the implementation the dispatcher chooses (``impl``: a forced one or None).
+
+    Raises:
+        TypeError, ValueError: as :func:`check_args`; ``impl`` naming no implementation of ``layer_norm``.
+        FusionFallbackError: in strict mode, where no fused implementation can take the input.
+    """
     if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the op itself
         return F.layer_norm(x, normalize_shape(normalized_shape), weight, bias, eps)
     if getattr(x, "is_nested", False):

@@ -39,6 +39,14 @@ SRC_PIPEGOOSE = "pipegoose/rms_norm: pipegoose/kernels/csrc/rms_norm.cu (pipegoo
 
 
 def check_args(x: Any, shape: tuple[int, ...], weight: Any, eps: Any) -> float | None:
+    """Check the arguments (errors name the argument); returns ``eps`` as a float, or None for the default.
+
+    Raises:
+        TypeError: ``x`` or ``weight`` not a floating point tensor (or of an unsupported dtype), ``eps`` not a
+            number.
+        ValueError: ``x``'s trailing dims not ``shape``, ``weight`` not of ``shape`` or on another device, ``eps``
+            negative or not finite.
+    """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x: expected a floating point torch.Tensor, got "
                         f"{dtype_name(x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__}")
@@ -59,6 +67,9 @@ def check_args(x: Any, shape: tuple[int, ...], weight: Any, eps: Any) -> float |
 
 
 def out_dtype(x: torch.Tensor, weight: torch.Tensor | None, cast_before_weight: bool) -> torch.dtype:
+    """The output dtype: with ``cast_before_weight`` (LlamaRMSNorm) the promotion of the weight's and the input's
+    dtypes; else what F.rms_norm returns for these dtypes under the current autocast state (the input's dtype when
+    PyTorch rejects the mix)."""
     if cast_before_weight:
         return x.dtype if weight is None else torch.promote_types(weight.dtype, x.dtype)
     dev = x.device
@@ -76,6 +87,8 @@ def out_dtype(x: torch.Tensor, weight: torch.Tensor | None, cast_before_weight: 
 
 
 def rms_norm_problem(x, shape, weight, out, cast_before_weight) -> Problem:
+    """The dispatcher's description of one call: ``x`` [*, *shape], ``weight`` of ``shape`` or None, ``out`` the
+    output dtype (:func:`out_dtype`)."""
     h = math.prod(shape)
     return Problem(OP, x.dtype, x.device, cols=h, needs_grad=needs_grad(x, weight),
                    extra=dict(shape=tuple(x.shape), normalized_shape=shape, hidden=h,
@@ -139,6 +152,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def rms_norm_reference(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | None, eps: float,
                        out: torch.dtype, cast_before_weight: bool) -> torch.Tensor:
+    """The PyTorch path: ``x`` [*, *shape] normalised over ``shape`` (fp32 statistics; fp64 for fp64 input), of
+    ``x``'s shape in dtype ``out``; ``cast_before_weight`` as the module docstring says. Arguments are not checked
+    (:func:`check_args` does)."""
     # the condition of _torch_is_native, on the tensors
     if not cast_before_weight and out == x.dtype and (weight is None or weight.dtype == x.dtype):
         # torch's own op computes exactly this (fp32 statistics, one rounding) in one kernel on CUDA
@@ -216,6 +232,14 @@ def _pytorch_ops(x, shape, weight, eps, cast_before_weight: bool, without_autoca
 
 def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, eps: float | None,
         cast_before_weight: bool, impl: str | None) -> torch.Tensor:
+    """:func:`pipegoose.nn.fusion.functional.rms_norm` behind the checks: ``x`` [*, *normalized_shape] -> the same
+    shape, in :func:`out_dtype`; runs the implementation the dispatcher chooses (``impl``: a forced one or None).
+
+    Raises:
+        TypeError, ValueError: as :func:`check_args`; ``cast_before_weight`` not a bool; ``impl`` naming no
+            implementation of ``rms_norm``.
+        FusionFallbackError: in strict mode, where the fused path cannot take the input.
+    """
     # before the choice cache, whose key holds the value alone: 1 and numpy's True equal True and hash alike, so a
     # cached call with True let them through where a first call refused them
     if not isinstance(cast_before_weight, bool):
