@@ -430,6 +430,11 @@ class KernelBuilder:
         on the key's lock and then take the published entry. Before compiling, with the lock held, it removes the
         key's temp folders whose builder process is gone (killed before publishing; see
         :func:`pipegoose.kernels.cache.clean_stale_tmp`). Returns a :class:`BuildResult`.
+
+        Raises:
+            KeyError, KernelUnavailableError: as the class docstring says.
+            KernelBuildError: compiling or linking failed (the message shows the first errors and the log path), or
+                the wait for another process's build of the same key ran past ``PIPEGOOSE_BUILD_LOCK_TIMEOUT``.
         """
         t0 = time.monotonic()
         k = self.kernel
@@ -542,7 +547,13 @@ class KernelBuilder:
     # ----------------------------------------------------------------------------------------- load
 
     def load(self) -> KernelOps:
-        """Build (or take from the cache) and load the kernel; the same :class:`KernelOps` on every call."""
+        """Build (or take from the cache) and load the kernel; the same :class:`KernelOps` on every call.
+
+        Raises:
+            KeyError, KernelUnavailableError, KernelBuildError: as the class docstring says.
+            KernelError: another build of this kernel, or of one with the same op names, is already loaded in this
+                process (a library cannot be unloaded: restart the process).
+        """
         k = self.kernel
         reg = (str(self.manifest.path.resolve()), k.id)
         with _LOAD_LOCK:
@@ -690,7 +701,7 @@ def _failure_message(kernel_id: str, log: str, kept: Path, rc: int) -> str:
 
 
 def load(name: str, **kwargs: Any) -> KernelOps:
-    """Shortcut for ``KernelBuilder.from_name(name, **kwargs).load()``."""
+    """Shortcut for ``KernelBuilder.from_name(name, **kwargs).load()``; raises what :meth:`KernelBuilder.load` raises."""
     return KernelBuilder.from_name(name, **kwargs).load()
 
 

@@ -1,6 +1,8 @@
-"""Fake (meta) impl of ``pipegoose::deepspeed_multi_tensor_adam``: it only updates its mutable list arguments in place and returns nothing,
-so the fake does nothing (shapes are unchanged); this makes ``torch.compile`` trace the op and
-``torch.library.opcheck`` pass. Kernel source: see kernels.yaml (origin). Imported by the builder after loading."""
+"""Fake (meta) impl of ``pipegoose::deepspeed_multi_tensor_adam``: it only updates its mutable list arguments in place
+and returns nothing, so the fake does nothing (shapes are unchanged); this makes ``torch.compile`` trace the op and
+``torch.library.opcheck`` pass. Imported by the builder after loading.
+Kernel: DeepSpeed 0.19.8 ``csrc/adam/multi_tensor_adam.cu`` (Apache-2.0, adapted from Apex's; kernels.yaml
+``deepspeed/multi_tensor_adam``)."""
 
 from __future__ import annotations
 

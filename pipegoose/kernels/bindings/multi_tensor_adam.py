@@ -1,6 +1,8 @@
-"""Fake (meta) impl of ``pipegoose::multi_tensor_adam``: it only updates its mutable list arguments in place and returns nothing,
-so the fake does nothing (shapes are unchanged); this makes ``torch.compile`` trace the op and
-``torch.library.opcheck`` pass. Kernel source: see kernels.yaml (origin). Imported by the builder after loading."""
+"""Fake (meta) impl of ``pipegoose::multi_tensor_adam``: it only updates its mutable list arguments in place and returns
+nothing, so the fake does nothing (shapes are unchanged); this makes ``torch.compile`` trace the op and
+``torch.library.opcheck`` pass. Imported by the builder after loading.
+Kernel: Apex's multi-tensor Adam (csrc/multi_tensor_adam.cu), ColossalAI 0.5.0 copy
+``extensions/csrc/kernel/cuda/multi_tensor_adam_kernel.cu`` (Apache-2.0; kernels.yaml ``apex/multi_tensor_adam``)."""
 
 from __future__ import annotations
 

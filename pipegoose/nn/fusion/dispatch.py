@@ -1021,6 +1021,12 @@ def explain(op: str, *inputs: Any, impl: str | None = None, **kwargs: Any) -> Ch
 
     Every implementation is asked, so the kernel of each one that takes the input is loaded (and, on a first run,
     built); :func:`choose` of :func:`problem_of` loads only what the choice needs.
+
+    Raises:
+        KeyError: ``op`` is not a dispatcher op (the message names the closest one; ``attention`` says what to
+            explain instead).
+        TypeError, ValueError: the arguments the op's functional would refuse, with its messages; ``impl`` naming
+            no implementation of ``op``.
     """
     return choose(op, problem_of(op, *inputs, **kwargs), impl, check_all=True)
 

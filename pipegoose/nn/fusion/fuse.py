@@ -875,7 +875,7 @@ def _unfuse(model: nn.Module, keep: Iterable[nn.Module] = (), quiet: bool = Fals
 def fused(model: nn.Module, ops: Iterable[str] | str | None = None, attention: str = "auto") -> Iterator[FusionReport]:
     """``with fused(model) as report: ...``: :func:`fuse` on entry, :func:`unfuse` on exit (also on error). Parts of
     ``model`` fused by their own :func:`fuse` calls before the block stay fused after it; those fused inside it are
-    reverted with the model."""
+    reverted with the model. Raises what :func:`fuse` raises, on entry (nothing is changed then)."""
     earlier = _fused_parts(model) if isinstance(model, nn.Module) else []
     report = fuse(model, ops=ops, attention=attention)
     try:
