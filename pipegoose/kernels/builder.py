@@ -701,7 +701,8 @@ def _failure_message(kernel_id: str, log: str, kept: Path, rc: int) -> str:
 
 
 def load(name: str, **kwargs: Any) -> KernelOps:
-    """Shortcut for ``KernelBuilder.from_name(name, **kwargs).load()``; raises what :meth:`KernelBuilder.load` raises."""
+    """Shortcut for ``KernelBuilder.from_name(name, **kwargs).load()``; raises what :meth:`KernelBuilder.load`
+    raises."""
     return KernelBuilder.from_name(name, **kwargs).load()
 
 
