@@ -38,6 +38,7 @@ Layout (see ``docs/architecture.md`` for the full reference)::
 from __future__ import annotations
 
 import difflib
+import io
 import os
 import re
 from dataclasses import dataclass, field
@@ -71,6 +72,41 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 class ManifestError(ValueError):
     """The manifest is malformed: the message names the file, the entry and the field."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping. PyYAML keeps the last one silently, so a
+    kernel entry written twice in ``kernels.yaml`` vanished, and ``port.py add`` then locked the other entry's files
+    under its id (a fresh-clone walkthrough, session 38)."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *anchor" may be followed by keys that override it
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            first = seen.get(key)
+        except TypeError:  # an unhashable key: the constructor below reports it
+            continue
+        if first is not None:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping", node.start_mark,
+                f"found the key {key!r} twice (first on line {first + 1}); each key may appear once", key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def safe_load_unique(text: str, name: str | None = None) -> Any:
+    """``yaml.safe_load(text)``, except that a mapping with a key given twice raises ``yaml.YAMLError`` naming the
+    key and both lines (used for ``kernels.yaml`` and ``kernels.lock``); ``name``: the file, for the messages."""
+    stream = io.StringIO(text)
+    stream.name = name or "<string>"  # (PyYAML's marks name a file-like stream by its .name)
+    return yaml.load(stream, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def repo_root() -> Path:
@@ -275,6 +311,12 @@ def _parse_source(ctx: _Ctx, sid: str, d: Any) -> Source:
             raise ctx.err(f"{w}.version", f"expected a version string, got the number {version!r}: quote it "
                                           f"(version: '0.10'), as YAML reads an unquoted 0.10 as 0.1")
         pin = {"name": _req(ctx, spec, "name", w), "version": str(version), "sha256": _req(ctx, spec, "sha256", w)}
+        from packaging.version import InvalidVersion, Version
+
+        try:  # (a walkthrough's "0.19.8; rm -rf /" passed here and failed later, as a mismatch with kernels.lock)
+            Version(pin["version"])
+        except InvalidVersion:
+            raise ctx.err(f"{w}.version", f"expected a PEP 440 version (e.g. '0.19.8'), got {pin['version']!r}") from None
         if not _HEX64.match(pin["sha256"]):
             raise ctx.err(f"{w}.sha256", f"expected 64 lower-case hex digits, got {pin['sha256']!r}")
     elif kind == "git":
@@ -333,6 +375,15 @@ def _parse_kernel(ctx: _Ctx, kid: str, d: Any, sources: Mapping[str, Source]) ->
     limits = d.get("limits") or {}
     if not isinstance(limits, Mapping):
         raise ctx.err(f"{where}.limits", f"expected a mapping, got {limits!r}")
+    # sizes (<x>_min, <x>_max, <x>_rank) are whole numbers, a minimum at most its maximum (a walkthrough: -5 passed)
+    for name, value in limits.items():
+        kind = str(name).rpartition("_")[2]
+        least = 0 if kind == "min" else 1
+        if kind in ("min", "max", "rank") and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise ctx.err(f"{where}.limits.{name}", f"expected a whole number >= {least}, got {value!r}")
+        high = limits.get(str(name)[:-4] + "_max") if kind == "min" else None
+        if isinstance(high, int) and value > high:  # (a bad maximum gets its own error, from its own row)
+            raise ctx.err(f"{where}.limits.{name}", f"expected at most {str(name)[:-4]}_max ({high}), got {value}")
     flags_raw = d.get("flags") or {}
     if not isinstance(flags_raw, Mapping) or set(flags_raw) - {"cxx", "nvcc"}:
         raise ctx.err(f"{where}.flags", f"expected a mapping with keys cxx and/or nvcc, got {flags_raw!r}")
@@ -356,7 +407,7 @@ def load_manifest(path: str | Path | None = None) -> Manifest:
     p = Path(path) if path is not None else default_manifest_path()
     ctx = _Ctx(p)
     try:
-        data = yaml.safe_load(p.read_text())
+        data = safe_load_unique(p.read_text(), str(p))
     except FileNotFoundError:
         raise ManifestError(f"{p}: manifest not found") from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:

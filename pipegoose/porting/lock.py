@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from ..kernels.manifest import _SOURCE_ID
+from ..kernels.manifest import _SOURCE_ID, safe_load_unique
 
 from .errors import PortError
 
@@ -70,7 +70,7 @@ class Lock:
         if not path.exists():
             return cls(path)
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            data = safe_load_unique(path.read_text(encoding="utf-8"), path.name) or {}
         except yaml.YAMLError as e:
             raise PortError(f"{path.name}: not valid YAML: {e}") from None
         except UnicodeDecodeError as e:  # (a raw traceback, exit 1, which port.py documents as drift)

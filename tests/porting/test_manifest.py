@@ -39,6 +39,17 @@ def test_good_manifest_loads(tmp_path):
     # a walkthrough: an unquoted 0.10 became the version 0.1 ("not in the download cache"), without a word
     (GOOD_SRC.replace("'1.0'", "0.10"), GOOD_K,
      "kernels.yaml: sources.up.fetch.pypi.version: expected a version string, got the number 0.1: quote it"),
+    # session 38's walkthrough: these passed list, sync and doctor
+    (GOOD_SRC.replace("'1.0'", "'1.0; rm -rf /'"), GOOD_K,
+     "kernels.yaml: sources.up.fetch.pypi.version: expected a PEP 440 version (e.g. '0.19.8'), got '1.0; rm -rf /'"),
+    (GOOD_SRC, GOOD_K.replace("    backward: false\n", "    backward: false\n    limits: {key_len_max: -5}\n"),
+     "kernels.yaml: kernels.up/alpha.limits.key_len_max: expected a whole number >= 1, got -5"),
+    (GOOD_SRC, GOOD_K.replace("    backward: false\n", "    backward: false\n    limits: {input_rank: true}\n"),
+     "kernels.yaml: kernels.up/alpha.limits.input_rank: expected a whole number >= 1, got True"),
+    (GOOD_SRC, GOOD_K.replace("    backward: false\n", "    backward: false\n    limits: {hidden_min: 9, hidden_max: 8}\n"),
+     "kernels.yaml: kernels.up/alpha.limits.hidden_min: expected at most hidden_max (8), got 9"),
+    (GOOD_SRC, GOOD_K + GOOD_K.replace("alpha_forward", "beta_forward"),
+     "found the key 'up/alpha' twice (first on line"),
 ])
 def test_manifest_errors_name_file_entry_field(tmp_path, src, kern, expected):
     with pytest.raises(ManifestError) as ei:
@@ -56,6 +67,7 @@ def test_real_manifest_loads():
     ("sources: {}\n", "no 'version' key: not a whole kernels.lock"),
     ("version: 1\nsources:\n  s: {kind: pypi, pin: {name: a}, license: MIT}\nkernels:\n  k: {source: s, files: [a, b]}\n",
      "malformed entry"),
+    ("version: 1\nsources: {}\nkernels: {}\nkernels: {}\n", "found the key 'kernels' twice"),  # session 38
 ])
 def test_a_broken_lock_is_one_clear_error(tmp_path, text, expect):
     """A walkthrough: a kernels.lock cut short said "version: expected 1, got None", and one whose files were a list
