@@ -84,7 +84,8 @@ def cmd_sync(a) -> int:
     out.print("sync: " + "; ".join(done), markup=False)
     if r.get("differs"):
         out.print(f"sync: this project's own files differ from kernels.lock (verify fails): {', '.join(r['differs'])}; "
-                  f"re-record them with python tools/port.py add <id>", style="yellow", markup=False)
+                  f"sync fetches nothing for them: restore missing or changed files from git (git checkout -- <path>), "
+                  f"or re-record intended changes with python tools/port.py add <id>", style="yellow", markup=False)
     if r["stray"]:
         out.print(f"sync: not recorded in kernels.lock, left in place (not sync's files; verify fails until they go: "
                   f"delete them, or declare their source and kernels in kernels.yaml and add them): "

@@ -34,6 +34,9 @@ __all__ = ["Porter", "Problem", "KernelState", "STATES"]
 
 STATES = ("declared", "vendored", "verified", "modified", "missing", "stale")
 _IGNORED_TOP = {"README.md", ".port.lock", TXN_DIRNAME, ".gitkeep"}
+# verify's fix for a missing file of this project's own kernels, which sync cannot restore (it fetches nothing for them)
+_LOCAL_MISSING = ("this project's own file: restore it from git (`git checkout -- <path>`); if it was removed on "
+                  "purpose, change the kernel's files in kernels.yaml and run `python tools/port.py add` of the kernel")
 
 
 @dataclass(frozen=True)
@@ -531,8 +534,9 @@ class Porter:
             for folder, f, h in sorted(checks, key=lambda t: (str(t[0]), t[1])):
                 p = folder / f
                 shown = self._show(p)
-                if not p.is_file():
-                    probs.append(Problem("missing", shown, "run `python tools/port.py sync`"))
+                if not p.is_file():  # (sync cannot restore this project's own files: a walkthrough followed it)
+                    probs.append(Problem("missing", shown, _LOCAL_MISSING if self._is_local(sid)
+                                         else "run `python tools/port.py sync`"))
                 elif (got := sha256_file(p)) != h:
                     fix = (f"; this project's own file: re-record it with `python tools/port.py add` of its kernel"
                            if self._is_local(sid) else "; `python tools/port.py sync` restores it")
@@ -591,7 +595,8 @@ class Porter:
             paths = [(base / f, h) for f, h in lk.files.items()] + [(licd / f, h) for f, h in ls.license_files.items()]
             absent = [p for p, _ in paths if not p.is_file()]
             if absent:
-                out.append(KernelState(kid, sid, project, lic, pin, "missing", f"{len(absent)} file(s) absent: run sync"))
+                fix = "restore from git (own files)" if src is not None and src.is_local else "run sync"
+                out.append(KernelState(kid, sid, project, lic, pin, "missing", f"{len(absent)} file(s) absent: {fix}"))
                 continue
             if not check_hashes:
                 out.append(KernelState(kid, sid, project, lic, pin, "vendored"))

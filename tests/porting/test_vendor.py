@@ -1003,3 +1003,21 @@ def test_default_download_cache_blank_and_relative_variables(monkeypatch, tmp_pa
     assert default_cache_dir() == tmp_path / "xdg" / "pipegoose" / "port"
     monkeypatch.setenv("PIPEGOOSE_PORT_CACHE", str(tmp_path / "c"))
     assert default_cache_dir() == tmp_path / "c"
+
+
+def test_a_missing_file_of_our_own_kernel_is_not_sent_to_sync(repo):
+    """A fresh-clone walkthrough deleted one of this project's kernel files: verify and list said "run sync", and sync
+    (which fetches nothing for a local source) exited 0 with the file still missing. The fix named now is git."""
+    (repo.root / "pipegoose/kernels/csrc").mkdir(parents=True)
+    own = repo.root / "pipegoose/kernels/csrc/ours.cu"
+    own.write_text("int ours_fwd(int x) { return x; }\n")
+    repo.write_manifest(source_yaml("pipegoose", "local: {path: .}", license="MIT"),
+                        kernel_yaml("pipegoose/ours", "pipegoose", ["pipegoose/kernels/csrc/ours.cu"], "ours_fwd",
+                                    "ours_forward", include_dirs="[]"))
+    repo.porter().add(["ours"])
+    own.unlink()
+    probs = [pr for pr in repo.porter().verify() if pr.kind == "missing"]
+    assert len(probs) == 1 and "ours.cu" in probs[0].path, probs
+    assert "restore it from git" in probs[0].detail and "sync" not in probs[0].detail
+    state = {s.id: s for s in repo.porter().states()}["pipegoose/ours"]
+    assert state.state == "missing" and state.detail == "1 file(s) absent: restore from git (own files)"
