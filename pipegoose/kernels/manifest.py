@@ -110,7 +110,8 @@ def safe_load_unique(text: str, name: str | None = None) -> Any:
 
 
 def repo_root() -> Path:
-    """The repository (or installed package) root: the folder that holds ``kernels.yaml``."""
+    """The folder above the ``pipegoose`` package: the repository root, which holds ``kernels.yaml`` (pipegoose is
+    installed from a clone, ``pip install -e .``; a wheel has no manifest and no ``vendor/``)."""
     return Path(__file__).resolve().parents[2]
 
 
@@ -409,7 +410,12 @@ def load_manifest(path: str | Path | None = None) -> Manifest:
     try:
         data = safe_load_unique(p.read_text(), str(p))
     except FileNotFoundError:
-        raise ManifestError(f"{p}: manifest not found") from None
+        hint = ""
+        if path is None:  # (a walkthrough's wheel install said only "manifest not found")
+            hint = (": pipegoose builds its kernels from a clone of its repository (kernels.yaml, kernels.lock and the "
+                    "vendor/ that tools/port.py fills live there): install it with `pip install -e .` from the clone, "
+                    "or pass the manifest's path (--manifest, manifest=)")
+        raise ManifestError(f"{p}: manifest not found{hint}") from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
         raise ManifestError(f"{p}: cannot read the manifest: {type(e).__name__}: {e}") from None
     except yaml.YAMLError as e:

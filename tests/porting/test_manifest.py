@@ -131,3 +131,40 @@ def test_manifest_errors_keep_the_name_given_to_a_link(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ManifestError, match=r"^kernels.yaml: <top>:"):
         load_manifest(tmp_path / "kernels.yaml")
+
+
+def test_no_default_manifest_says_how_pipegoose_is_installed(tmp_path, monkeypatch):
+    """A walkthrough installed a wheel: every kernel command said only "<site-packages>/kernels.yaml: manifest not
+    found". The default manifest's absence now says that pipegoose runs from a clone (or takes --manifest)."""
+    from pipegoose.kernels import manifest
+
+    monkeypatch.setattr(manifest, "default_manifest_path", lambda: tmp_path / "kernels.yaml")
+    with pytest.raises(ManifestError, match=r"manifest not found: pipegoose builds its kernels from a clone .*"
+                                            r"pip install -e \.` .*--manifest"):
+        load_manifest()
+    with pytest.raises(ManifestError, match=r"nope\.yaml: manifest not found$"):  # a path given: it is the mistake
+        load_manifest(tmp_path / "nope.yaml")
+
+
+def test_package_data_holds_every_data_file_of_the_package():
+    """The H200 tuning table was not in the package data, so an installed (non-editable) pipegoose dispatched without
+    it (a walkthrough); every file under pipegoose/ that is not Python must match a package-data pattern."""
+    import fnmatch
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    data = [p for p in (root / "pipegoose").rglob("*")
+            if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts]
+    assert any(p.suffix == ".json" for p in data) and any(p.suffix == ".cu" for p in data)
+    unmatched = []
+    for p in data:
+        rel = p.relative_to(root)
+        ok = False
+        for pkg, globs in patterns.items():
+            base = Path(*pkg.split("."))
+            if rel.is_relative_to(base) and any(fnmatch.fnmatch(rel.relative_to(base).as_posix(), g) for g in globs):
+                ok = True
+        if not ok:
+            unmatched.append(rel.as_posix())
+    assert unmatched == []
