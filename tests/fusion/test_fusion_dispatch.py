@@ -207,6 +207,21 @@ def test_kernel_load_failure_becomes_a_reason(monkeypatch):
     assert kernels is not None
 
 
+def test_a_missing_manifest_makes_the_kernel_unavailable(monkeypatch, tmp_path):
+    """An installed pipegoose (a wheel) has no kernels.yaml: on a GPU the first fused op raised ManifestError instead
+    of falling back with the reason (a fresh-clone walkthrough)."""
+    from pipegoose.kernels import manifest
+
+    monkeypatch.setattr(manifest, "default_manifest_path", lambda: tmp_path / "kernels.yaml")
+    dispatch.clear_kernel_cache()
+    try:
+        ops, why = dispatch.kernel("pipegoose/rms_norm")
+        assert ops is None and why.startswith("pipegoose/rms_norm unavailable: ManifestError: ")
+        assert "manifest not found: pipegoose builds its kernels from a clone" in why
+    finally:
+        dispatch.clear_kernel_cache()
+
+
 def test_kernel_load_success_is_cached(monkeypatch):
     sentinel = object()
     calls = []

@@ -402,10 +402,14 @@ def _load_kernel(name: str) -> Any:
 
 
 def _kernel_error_types() -> tuple[type[BaseException], ...]:
+    """What a kernel load raises that makes the kernel unavailable (a fallback with its reason), not an error: the
+    builder's errors, and a manifest that is missing or malformed (an installed wheel has none: the first fused op on
+    a GPU raised ManifestError there, a walkthrough's finding)."""
     try:
         import pipegoose.kernels as kernels
+        from pipegoose.kernels.manifest import ManifestError
 
-        return (kernels.KernelError,)
+        return (kernels.KernelError, ManifestError)
     except (ImportError, AttributeError):  # the kernel layer is not there (yet): loading cannot succeed either
         return (ImportError,)
 
