@@ -1,5 +1,6 @@
 """The transitive ``#include`` closure of a kernel's files inside its source, to check that kernels.yaml
-lists every header a kernel needs (a missing one only shows up as a compile error on the GPU machine)."""
+lists every header a kernel needs (a missing one only shows up as a compile error on the GPU machine), and whether
+the files declare an entry symbol (:func:`symbol_defined`, for ``add`` and ``audit``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Iterable
 from .fetch import SourceTree
 from .util import safe_member_path
 
-__all__ = ["include_closure", "missing_headers"]
+__all__ = ["include_closure", "missing_headers", "symbol_defined"]
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*([<"])([^>"]+)[>"]', re.M)
 _BLOCK_COMMENT = re.compile(r"/\*.*?\*/", re.S)
@@ -56,3 +57,14 @@ def missing_headers(tree: SourceTree, files: Iterable[str], include_dirs: Iterab
     files = list(files)
     closure = include_closure(tree, files, include_dirs)
     return {h: by for h, by in sorted(closure.items()) if h not in files}
+
+
+def symbol_defined(symbol: str, text: str) -> bool:
+    """True if ``text`` (C/C++/CUDA) declares or defines a function ``symbol``: a return type (possibly
+    templated or qualified) then the name then ``(`` at the start of a statement. Calls do not count."""
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    text = re.sub(r"//[^\n]*", "", text)
+    pat = re.compile(r"(?:^|[;{}])\s*(?:template\s*<[^;{}]*>\s*)?"
+                     r"(?!return\b)(?:[A-Za-z_][\w:]*(?:\s*<[^;{}()]*>)?[\s*&]+)+"
+                     + re.escape(symbol) + r"\s*\(", re.M)
+    return bool(pat.search(text))

@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Iterator
 from ..kernels.manifest import ALLOWED_LICENSES, Kernel, Manifest, Source, default_manifest_path, load_manifest
 from .errors import IntegrityError, LicenseError, ManifestFactError, PortError, SourceFileMissing
 from .fetch import Fetcher, SourceTree
-from .includes import missing_headers
+from .includes import missing_headers, symbol_defined
 from .licenses import detect_licenses, file_license_problem, primary_license
 from .lock import Lock, LockedKernel, LockedSource
 from .txn import TXN_DIRNAME, Transaction, recover, repo_lock
@@ -194,9 +194,11 @@ class Porter:
                                f"first; {src.license} text further down is a bundled project's)")
         return out
 
-    def lock_kernel(self, k: Kernel, tree: SourceTree) -> LockedKernel:
-        """Hash a kernel's files at the tree's pin, after checking they exist and that every header they
-        include from the source is listed. Raises SourceFileMissing or ManifestFactError."""
+    def lock_kernel(self, k: Kernel, tree: SourceTree, check_symbols: bool = True) -> LockedKernel:
+        """Hash a kernel's files at the tree's pin, after checking they exist, that every header they include from
+        the source is listed and that they (or the binding) declare each entry symbol (unless not
+        ``check_symbols``: ``update --force`` takes a version where one vanished). Raises SourceFileMissing,
+        LicenseError or ManifestFactError."""
         missing = [f for f in k.files if not tree.has(f)]
         if missing:
             raise SourceFileMissing(f"{k.id}: {len(missing)} file(s) of kernels.{k.id}.files not found in {tree.label}: "
@@ -206,13 +208,25 @@ class Porter:
             listing = ", ".join(f"{h} (included by {by})" for h, by in headers.items())
             raise ManifestFactError(f"{self.manifest.path.name}: kernels.{k.id}.files: expected every header the "
                                     f"kernel includes from its source; missing: {listing}")
-        files = {}
+        files, texts = {}, []
         for f in k.files:
             data = tree.read(f)
-            why = file_license_problem(data.decode("utf-8", "replace"), ALLOWED_LICENSES)
+            texts.append(data.decode("utf-8", "replace"))
+            why = file_license_problem(texts[-1], ALLOWED_LICENSES)
             if why is not None:  # a file of another license inside a permissive source
                 raise LicenseError(f"{k.id}: {f} in {tree.label}: {why}; it is not vendored")
             files[f] = sha256_bytes(data)
+        # each entry symbol is declared in the files (our C++ autograd functions: in the binding). A misspelt symbol
+        # was locked without a word, and audit only counted it (a fresh-clone walkthrough).
+        binding = self.manifest.binding_path(k)
+        if binding.is_file():
+            texts.append(binding.read_text(encoding="utf-8", errors="replace"))
+        text = "\n".join(texts)
+        absent = [f"{e.symbol} ({e.op})" for e in k.entries if check_symbols and not symbol_defined(e.symbol, text)]
+        if absent:
+            raise ManifestFactError(f"{self.manifest.path.name}: kernels.{k.id}.entries: expected each entry symbol "
+                                    f"declared in the kernel's files or its binding; not found in {tree.label}: "
+                                    + ", ".join(absent))
         return LockedKernel(k.source, files)
 
     def _source_verifies(self, lock: Lock, sid: str) -> bool:

@@ -434,3 +434,25 @@ def test_audit_of_a_misspelt_source_suggests_the_source(repo):
     p = setup_sdist(repo, add=("alpha",))
     with pytest.raises(PortError, match="unknown source or kernel 'upp' in kernels.yaml; did you mean the source up"):
         audit(p, ["upp"])
+
+
+def test_a_misspelt_entry_symbol_is_refused_by_add_and_is_drift_in_audit(repo):
+    """A fresh-clone walkthrough misspelt an entry symbol in kernels.yaml: add, sync and doctor said nothing, and audit
+    printed "in sync; entry symbols present 9/10" with exit 0. Now add refuses it, naming the symbol, and audit (of a
+    lock written before the check) counts a symbol not found at the target as drift."""
+    from pipegoose.porting import ManifestFactError
+
+    setup_sdist(repo, kernels=K_ALPHA, add=("alpha",))
+    manifest = repo.root / "kernels.yaml"
+    manifest.write_text(manifest.read_text().replace("symbol: alpha_fwd,", "symbol: alpha_fwdX,"))
+    (repo.root / "vendor" / "up" / "csrc" / "kernels" / "alpha.cu").write_text("tampered\n")  # add re-locks
+    before = repo.snapshot()
+    with pytest.raises(ManifestFactError, match=r"kernels\.up/alpha\.entries: expected each entry symbol declared .*"
+                                                r"not found in up 1\.0 sdist: alpha_fwdX \(alpha_forward\)"):
+        repo.porter().add(["alpha"])
+    assert repo.snapshot() == before
+    publish_version(repo, "1.1", V1_FILES)
+    r = audit(repo.porter(), to="1.1")
+    _, k = by_path(r, "up/alpha")
+    assert [(s.symbol, s.before, s.after) for s in k.symbols] == [("alpha_fwdX", False, False)]
+    assert r.exit_code == 1
