@@ -108,7 +108,8 @@ def scaled_masked_softmax(x: torch.Tensor, mask: torch.Tensor | None, scale: flo
         x: [b, np, sq, sk] fp32/fp16/bf16 (fp64: the reference path).
         mask: bool (or uint8, nonzero = masked) [b or 1, np or 1, sq or 1, sk] (any dim but sk may be 1 to
             broadcast; Megatron's kernel takes only np == 1, the others every shape), or None (=
-            :func:`scaled_softmax`).
+            :func:`scaled_softmax`: the call is then op ``softmax``, counted and forced as that op, with
+            ``PIPEGOOSE_IMPL_SOFTMAX``; ``PIPEGOOSE_IMPL_SOFTMAX_MASKED`` does not apply).
         scale: Python float.
 
     Returns:
