@@ -50,6 +50,7 @@ import yaml
 __all__ = [
     "ALLOWED_LICENSES",
     "ManifestError",
+    "UnknownNameError",
     "Source",
     "Kernel",
     "Entry",
@@ -72,6 +73,14 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 class ManifestError(ValueError):
     """The manifest is malformed: the message names the file, the entry and the field."""
+
+
+class UnknownNameError(KeyError):
+    """A ``KeyError`` for an unknown kernel or op name whose message prints as written (``str()`` of a plain KeyError
+    is the repr of its message, quotes and escapes included)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -210,7 +219,7 @@ class Manifest:
             key = name.replace("_", "").lower()
             close = [n for n in names if key in n.replace("_", "").lower()][:5]
         hint = f"; did you mean: {', '.join(close)}" if close else f"; known kernels: {', '.join(self.kernels)}"
-        raise KeyError(f"unknown kernel {name!r} in {self.path.name}{hint}")
+        raise UnknownNameError(f"unknown kernel {name!r} in {self.path.name}{hint}")
 
     def source_of(self, kernel: Kernel | str) -> Source:
         k = self.resolve(kernel) if isinstance(kernel, str) else kernel

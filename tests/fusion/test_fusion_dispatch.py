@@ -696,3 +696,17 @@ def test_every_variable_the_code_reads_is_known():
     assert "PIPEGOOSE_NORM_BWD_CL_SIZE" in read and "PIPEGOOSE_QUIET" in read  # the scan finds both kinds of file
     assert sorted(read - set(_env.KNOWN)) == []
     assert _env.unknown_names({"PIPEGOOSE_NORM_BWD_CL_SIZE": "3"}) == []
+
+
+def test_an_unknown_name_prints_its_message_as_written():
+    """str() of a KeyError is the repr of its message: explain("layernorm", ...) printed it inside quotes, with
+    escaped quotes within (a walkthrough). The unknown-name errors are still KeyErrors."""
+    from pipegoose.kernels.manifest import UnknownNameError, load_manifest
+
+    with pytest.raises(KeyError) as ei:
+        dispatch.explain("layernorm", torch.randn(2, 32), (32,))
+    assert isinstance(ei.value, UnknownNameError)
+    assert str(ei.value).startswith("op: unknown fused op 'layernorm' (did you mean 'layer_norm'?)")
+    with pytest.raises(KeyError) as ei:
+        load_manifest().resolve("nope")
+    assert str(ei.value).startswith("unknown kernel 'nope' in kernels.yaml")

@@ -80,6 +80,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from pipegoose import _env
+from pipegoose.kernels.manifest import UnknownNameError
 
 __all__ = [
     "FusionFallbackError",
@@ -308,13 +309,13 @@ def implementations(op: str) -> dict[str, Implementation]:
     return {i.name: i for i in items}
 
 
-def _unknown_op(op: Any, *also: str) -> KeyError:
+def _unknown_op(op: Any, *also: str) -> UnknownNameError:
     """The error for an ``op`` argument that names no registered op (nor one of ``also``), listing the known ones and
     the closest (``layernorm``: did you mean ``layer_norm``?)."""
     known = sorted({*_impls, *also})
     close = difflib.get_close_matches(op, known, n=1, cutoff=0.6) if isinstance(op, str) else []
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return KeyError(f"op: unknown fused op {op!r}{hint}; known ops: {', '.join(known)}")
+    return UnknownNameError(f"op: unknown fused op {op!r}{hint}; known ops: {', '.join(known)}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1039,13 +1040,13 @@ def problem_of(op: str, *inputs: Any, **kwargs: Any) -> Problem:
     """The :class:`Problem` the op's call with these functional arguments chooses on (see :func:`explain`). Raises
     what :func:`explain` raises for them."""
     if op == "attention":
-        raise KeyError("attention: not a dispatcher op; the attention function chooses per call (the GPU's tuning "
-                       "table, the small-problem rule) and counts it as 'attention' in stats(); explain the softmax "
-                       "it runs instead, e.g. explain('softmax.masked', scores, mask, scale=...)")
+        raise UnknownNameError("attention: not a dispatcher op; the attention function chooses per call (the GPU's "
+                               "tuning table, the small-problem rule) and counts it as 'attention' in stats(); explain "
+                               "the softmax it runs instead, e.g. explain('softmax.masked', scores, mask, scale=...)")
     implementations(op)
     builder = _problem_builders.get(op)
     if builder is None:
-        raise KeyError(f"{op}: no problem builder registered; explain() cannot describe its inputs")
+        raise UnknownNameError(f"{op}: no problem builder registered; explain() cannot describe its inputs")
     try:
         problem = builder(*inputs, **kwargs)
     except TypeError as e:
