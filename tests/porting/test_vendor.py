@@ -639,15 +639,24 @@ def test_remove_keeps_shared_files_then_drops_source(git_repo):
     assert p.verify() == []
 
 
+def declare_our_own_kernel(repo) -> Path:
+    """A kernel of this project (a local source, ``pipegoose/ours``) in the test repository's manifest; returns its
+    one file."""
+    (repo.root / "pipegoose/kernels/csrc").mkdir(parents=True)
+    cu = repo.root / "pipegoose/kernels/csrc/ours.cu"
+    cu.write_text("int ours_fwd(int x) { return x; }\n")
+    repo.write_manifest(source_yaml("pipegoose", "local: {path: .}", license="MIT"),
+                        kernel_yaml("pipegoose/ours", "pipegoose", ["pipegoose/kernels/csrc/ours.cu"], "ours_fwd",
+                                    "ours_forward", include_dirs="[]"))
+    return cu
+
+
+
 def test_audit_of_our_own_kernels_says_there_is_no_upstream(repo):
     """A fresh-clone walkthrough: `audit pipegoose` printed nothing and exited 0 (update said "nothing to update")."""
     from pipegoose.porting import audit
 
-    (repo.root / "pipegoose/kernels/csrc").mkdir(parents=True)
-    (repo.root / "pipegoose/kernels/csrc/ours.cu").write_text("int ours_fwd(int x) { return x; }\n")
-    repo.write_manifest(source_yaml("pipegoose", "local: {path: .}", license="MIT"),
-                        kernel_yaml("pipegoose/ours", "pipegoose", ["pipegoose/kernels/csrc/ours.cu"], "ours_fwd",
-                                    "ours_forward", include_dirs="[]"))
+    declare_our_own_kernel(repo)
     p = repo.porter()
     p.add(["ours"])
     for names in (["pipegoose"], ["pipegoose/ours"]):
@@ -752,12 +761,7 @@ def test_a_kill_while_the_journal_is_rewritten_leaves_the_previous_one(sdist_rep
 
 
 def test_local_source_is_hashed_in_place(repo):
-    (repo.root / "pipegoose/kernels/csrc").mkdir(parents=True)
-    cu = repo.root / "pipegoose/kernels/csrc/ours.cu"
-    cu.write_text("int ours_fwd(int x) { return x; }\n")
-    repo.write_manifest(source_yaml("pipegoose", "local: {path: .}", license="MIT"),
-                        kernel_yaml("pipegoose/ours", "pipegoose", ["pipegoose/kernels/csrc/ours.cu"], "ours_fwd",
-                                    "ours_forward", include_dirs="[]"))
+    cu = declare_our_own_kernel(repo)
     p = repo.porter()
     p.add(["ours"])
     assert not (repo.root / "vendor" / "pipegoose").exists()
@@ -1008,12 +1012,7 @@ def test_default_download_cache_blank_and_relative_variables(monkeypatch, tmp_pa
 def test_a_missing_file_of_our_own_kernel_is_not_sent_to_sync(repo):
     """A fresh-clone walkthrough deleted one of this project's kernel files: verify and list said "run sync", and sync
     (which fetches nothing for a local source) exited 0 with the file still missing. The fix named now is git."""
-    (repo.root / "pipegoose/kernels/csrc").mkdir(parents=True)
-    own = repo.root / "pipegoose/kernels/csrc/ours.cu"
-    own.write_text("int ours_fwd(int x) { return x; }\n")
-    repo.write_manifest(source_yaml("pipegoose", "local: {path: .}", license="MIT"),
-                        kernel_yaml("pipegoose/ours", "pipegoose", ["pipegoose/kernels/csrc/ours.cu"], "ours_fwd",
-                                    "ours_forward", include_dirs="[]"))
+    own = declare_our_own_kernel(repo)
     repo.porter().add(["ours"])
     own.unlink()
     probs = [pr for pr in repo.porter().verify() if pr.kind == "missing"]
