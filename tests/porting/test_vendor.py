@@ -651,7 +651,6 @@ def declare_our_own_kernel(repo) -> Path:
     return cu
 
 
-
 def test_audit_of_our_own_kernels_says_there_is_no_upstream(repo):
     """A fresh-clone walkthrough: `audit pipegoose` printed nothing and exited 0 (update said "nothing to update")."""
     from pipegoose.porting import audit
