@@ -439,6 +439,8 @@ def _writable_check(path: Path, create: bool = True) -> Check:
     try:
         if path.is_symlink() and not path.exists():  # a build's mkdir fails on it ("File exists")
             return Check("cache dir", False, f"{path}: a symbolic link to {os.readlink(path)}, which does not exist", fix)
+        if path.exists() and not path.is_dir():  # (doctor said "Not a directory", build "File exists": a walkthrough)
+            return Check("cache dir", False, f"{path}: a file, not a folder", fix)
         if create:
             path.mkdir(parents=True, exist_ok=True)
         elif not path.exists():

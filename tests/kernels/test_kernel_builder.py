@@ -730,6 +730,15 @@ def test_cli_doctor_makes_no_cache_folder(tiny, tmp_path):
     assert p.returncode == 1 and "a symbolic link to" in out and "which does not exist" in out, out
 
 
+def test_a_cache_path_that_is_a_file_gets_one_reason(tmp_path):
+    """A cache path naming a file was "not writable (Not a directory)" in doctor and "not writable (File exists)" in
+    build (a fresh-clone walkthrough): both now say what it is."""
+    (tmp_path / "f").write_text("")
+    for create in (False, True):  # doctor, build
+        c = toolchain._writable_check(tmp_path / "f", create=create)
+        assert not c.ok and c.detail == f"{tmp_path / 'f'}: a file, not a folder", c
+
+
 def test_cli_path_options_expand_the_home_folder_and_refuse_blanks(tiny, tmp_path):
     """`doctor --cache-dir=~/x` made a folder named `~` in the working folder (a shell leaves `~` after `=` as it is),
     and `build --cache-dir ""` built into the working folder (a fresh-clone walkthrough): `~` is now expanded, and a
