@@ -134,8 +134,10 @@ def quiet() -> bool:
     raw = os.environ.get("PIPEGOOSE_QUIET", "")
     value = _env.flag(raw)
     if value is None:
-        if raw not in _QUIET_WARNED:
+        with _QUIET_LOCK:  # (threads building at once warned twice: the check and the add were apart)
+            first = raw not in _QUIET_WARNED
             _QUIET_WARNED.add(raw)
+        if first:
             warnings.warn(f"PIPEGOOSE_QUIET={raw!r}: expected 1/true/yes/on or 0/false/no/off (or unset); the builder's "
                           "progress lines stay on", UserWarning, stacklevel=3)
         return False
@@ -143,6 +145,7 @@ def quiet() -> bool:
 
 
 _QUIET_WARNED: set[str] = set()
+_QUIET_LOCK = threading.Lock()
 
 
 def _log(msg: str) -> None:

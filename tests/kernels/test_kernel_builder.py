@@ -999,3 +999,35 @@ def test_cli_doctor_fails_on_a_bad_quiet(tiny):
                                                                  "PIPEGOOSE_QUIET": "maybe"}, timeout=300)
     out = " ".join(p.stdout.replace("│", " ").split())
     assert p.returncode == 1 and "PIPEGOOSE_QUIET FAIL 'maybe'" in out, out
+
+
+def test_quiet_warns_once_across_threads(monkeypatch):
+    """Threads reading a bad PIPEGOOSE_QUIET at once (parallel builds log from several) each passed the "warned
+    already?" check before any recorded the value, and each warned. A set whose membership test waits for a second
+    thread makes that interleaving certain."""
+    import threading
+    import warnings
+
+    from pipegoose.kernels import builder
+
+    both_checked = threading.Barrier(2, timeout=2)
+
+    class SlowSet(set):
+        def __contains__(self, item):
+            found = super().__contains__(item)
+            try:
+                both_checked.wait()  # a second reader gets here only if the check is not under a lock
+            except threading.BrokenBarrierError:
+                pass
+            return found
+
+    monkeypatch.setattr(builder, "_QUIET_WARNED", SlowSet())
+    monkeypatch.setenv("PIPEGOOSE_QUIET", "maybe")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        threads = [threading.Thread(target=builder.quiet) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len([w for w in caught if "PIPEGOOSE_QUIET='maybe'" in str(w.message)]) == 1
