@@ -144,19 +144,44 @@ class FusionReport:
                 "eligible": self.eligible, "covered": self.covered, "coverage": self.coverage,
                 "not_requested": dict(self.not_requested), "rows": [asdict(r) for r in self.rows]}
 
-    def __rich__(self):
+    # The report is a table where its six short columns fit whole and leave the reason this many characters; else a
+    # list (a line per module, then its choice and reason, indented): at 90 columns the table broke every word.
+    REASON_MIN = 30
+
+    def __rich_console__(self, console, options):
+        from rich.padding import Padding
         from rich.table import Table
+        from rich.text import Text
 
         title = (f"pipegoose fusion of {self.model}{' (dry run)' if self.dry_run else ''}: "
                  + (f"{self.covered}/{self.eligible} eligible modules {'would be ' if self.dry_run else ''}fused "
                     f"({self.coverage:.0%})" if self.eligible else "no eligible module (nothing fused)"))
-        table = Table(title=title, show_lines=False)
-        for col in ("module", "kind", "original", "replacement", "fused fwd", "fused bwd", "reason"):
-            table.add_column(col, overflow="fold")
-        for r in self.rows:
-            style = None if r.fused else "dim"
-            table.add_row(r.path or "<model>", r.kind, r.original, r.replacement or "skipped",
-                          _yes_no(r.fused, r.forward), _yes_no(r.fused, r.backward), r.reason, style=style)
+        notes = self._notes()
+        header = ("module", "kind", "original", "replacement", "fused fwd", "fused bwd", "reason")
+        cells = [(r.path or "<model>", r.kind, r.original, r.replacement or "skipped", _yes_no(r.fused, r.forward),
+                  _yes_no(r.fused, r.backward), r.reason) for r in self.rows]
+        short = sum(max(len(c[i]) for c in [header, *cells]) + 3 for i in range(6)) + 4  # + padding and rules
+        if options.max_width >= short + self.REASON_MIN:
+            table = Table(title=title, show_lines=False)
+            for col in header:
+                table.add_column(col, overflow="fold")
+            for r, row in zip(self.rows, cells):
+                table.add_row(*row, style=None if r.fused else "dim")
+            if notes:  # notes under the table, left-aligned (rich centres a caption by default)
+                table.caption = "\n".join(notes)
+                table.caption_justify = "left"
+            yield table
+            return
+        yield Text(title, style="bold")
+        for r, (path, kind, original, replacement, fwd, bwd, reason) in zip(self.rows, cells):
+            style = "" if r.fused else "dim"
+            yield Text(f"{path}  {kind}: {original} -> {replacement}", style=style, overflow="fold")
+            yield Padding(Text(f"fwd {fwd}; bwd {bwd}; {reason}", style=style, overflow="fold"), (0, 0, 0, 4))
+        for n in notes:
+            yield Text(n, overflow="fold")
+
+    def _notes(self) -> list[str]:
+        """The lines under the report: the attention choice, the probe's sequence length, the kinds left out."""
         notes = []
         if self.attention:
             a = self.attention
@@ -168,14 +193,13 @@ class FusionReport:
             found = ", ".join(f"{n} {kind}" for kind, n in sorted(self.not_requested.items()))
             notes.append(f"not in ops: {found} module(s) of a kind not asked for (ops= names the kinds to fuse; all "
                          f"of {', '.join(OPS)} by default)")
-        if notes:  # notes under the table, left-aligned (rich centres a caption by default)
-            table.caption = "\n".join(notes)
-            table.caption_justify = "left"
-        return table
+        return notes
 
     def __str__(self) -> str:
-        """The report as a table of the terminal's width (``COLUMNS``, else the terminal's; 200 where there is none:
-        a log file, a notebook): it was always 200 columns, which broke every row in a narrower terminal."""
+        """The report at the terminal's width (``COLUMNS``, else the terminal's; 200 where there is none: a log file, a
+        notebook): a table, or a list where the table's short columns and :attr:`REASON_MIN` characters of reason
+        do not fit. It was always 200 columns, which broke every
+        row in a narrower terminal."""
         import shutil
 
         from rich.console import Console
