@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import difflib
 import os
+from pathlib import Path
 from typing import Mapping
 
-__all__ = ["KNOWN", "flag", "unknown_names"]
+__all__ = ["KNOWN", "flag", "unknown_names", "user_cache_dir"]
 
 ON = ("1", "true", "yes", "on")
 OFF = ("", "0", "false", "no", "off")
@@ -41,9 +42,21 @@ KNOWN: dict[str, str] = {
     "PIPEGOOSE_NORM_BWD_PDL": "the norm kernels (programmatic dependent launch of the column reduction)",
     # read only by builds with -DPIPEGOOSE_NORM_BWD_EXPERIMENT (the cluster backward's A/B runs)
     "PIPEGOOSE_NORM_BWD_CL_SIZE": "the norm kernels, experiment builds (blocks per cluster)",
-    "PIPEGOOSE_NORM_BWD_CL_THREADS": "the norm kernels, experiment builds (threads per cluster block)",
+    "PIPEGOOSE_NORM_BWD_CL_THREADS": "the norm kernels, experiment builds (full or slab: the cluster blocks' threads)",
     "PIPEGOOSE_NORM_BWD_CL_EXCHANGE": "the norm kernels, experiment builds (barrier or mbar)",
 }
+
+
+def user_cache_dir(variable: str, name: str) -> Path:
+    """A cache folder: ``$<variable>`` (``~`` expanded), else ``$XDG_CACHE_HOME/pipegoose/<name>``, else
+    ``~/.cache/pipegoose/<name>``. A blank variable counts as unset (it made a folder named by the spaces), and a
+    relative ``XDG_CACHE_HOME`` is ignored (invalid by the XDG base directory spec)."""
+    env = os.environ.get(variable, "")
+    if env.strip():
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg and Path(xdg).expanduser().is_absolute() else Path.home() / ".cache"
+    return base / "pipegoose" / name
 
 
 def unknown_names(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:

@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "help": "repository root (holds kernels.yaml); default: this repository"}),
                      ("--manifest", {"type": path_arg, "help": "path of kernels.yaml (overrides --root)"}),
                      ("--cache", {"type": path_arg,
-                                  "help": "download cache (default $PIPEGOOSE_PORT_CACHE, else $XDG_CACHE_HOME/pipegoose/port, else ~/.cache/pipegoose/port)"}),
+                                  "help": "download cache (default $PIPEGOOSE_PORT_CACHE, else "
+                                          "$XDG_CACHE_HOME/pipegoose/port, else ~/.cache/pipegoose/port)"}),
                      ("--offline", {"action": "store_true", "help": "use only the download cache"})):
         ap.add_argument(flag, **kw)
         common.add_argument(flag, default=argparse.SUPPRESS, **kw)

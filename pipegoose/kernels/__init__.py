@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .manifest import Kernel, Manifest, ManifestError, Source, load_manifest
+from .manifest import Kernel, Manifest, ManifestError, ManifestNotFoundError, Source, load_manifest
 
 # Names served lazily from ``builder`` (importing it imports torch).
 _BUILDER_NAMES = ("KernelBuilder", "KernelOps", "BuildResult", "load", "KernelError", "KernelBuildError",
                   "KernelUnavailableError")
 
-__all__ = ["Kernel", "Manifest", "ManifestError", "Source", "load_manifest", *_BUILDER_NAMES]
+__all__ = ["Kernel", "Manifest", "ManifestError", "ManifestNotFoundError", "Source", "load_manifest", *_BUILDER_NAMES]
 
 
 def __getattr__(name: str) -> Any:  # lazy: builder pulls in torch

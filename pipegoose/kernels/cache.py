@@ -30,6 +30,8 @@ from typing import Any, Callable, Mapping
 
 import filelock
 
+from .. import _env
+
 __all__ = [
     "KEY_SCHEMA",
     "default_cache_dir",
@@ -55,14 +57,9 @@ BUILD_INFO = "build.json"
 
 
 def default_cache_dir() -> Path:
-    """``$PIPEGOOSE_CACHE_DIR``, else ``$XDG_CACHE_HOME/pipegoose/kernels``, else ``~/.cache/pipegoose/kernels``."""
-    env = os.environ.get("PIPEGOOSE_CACHE_DIR", "")
-    if env.strip():  # (blank: unset; it made a folder named by the spaces, session 35's walkthrough)
-        return Path(env).expanduser().absolute()  # (the build worker runs in another folder)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    # (the XDG base directory spec: a relative XDG_CACHE_HOME is invalid and ignored)
-    base = Path(xdg).expanduser() if xdg and Path(xdg).expanduser().is_absolute() else Path.home() / ".cache"
-    return base / "pipegoose" / "kernels"
+    """``$PIPEGOOSE_CACHE_DIR``, else ``$XDG_CACHE_HOME/pipegoose/kernels``, else ``~/.cache/pipegoose/kernels``
+    (:func:`pipegoose._env.user_cache_dir`), made absolute: the build worker runs in another folder."""
+    return _env.user_cache_dir("PIPEGOOSE_CACHE_DIR", "kernels").absolute()
 
 
 def file_digest(path: str | os.PathLike) -> str:

@@ -50,6 +50,7 @@ import yaml
 __all__ = [
     "ALLOWED_LICENSES",
     "ManifestError",
+    "ManifestNotFoundError",
     "UnknownNameError",
     "Source",
     "Kernel",
@@ -73,6 +74,11 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 class ManifestError(ValueError):
     """The manifest is malformed: the message names the file, the entry and the field."""
+
+
+class ManifestNotFoundError(ManifestError):
+    """There is no manifest file at the path (an installed wheel has none); the dispatcher takes it as its kernels
+    being unavailable, where a malformed manifest stays an error."""
 
 
 class UnknownNameError(KeyError):
@@ -102,7 +108,8 @@ def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool
         if first is not None:
             raise yaml.constructor.ConstructorError(
                 "while constructing a mapping", node.start_mark,
-                f"found the key {key!r} twice (first on line {first + 1}); each key may appear once", key_node.start_mark)
+                f"found the key {key!r} twice (first on line {first + 1}); each key may appear once",
+                key_node.start_mark)
         seen[key] = key_node.start_mark.line
     return loader.construct_mapping(node, deep=deep)
 
@@ -326,7 +333,8 @@ def _parse_source(ctx: _Ctx, sid: str, d: Any) -> Source:
         try:  # (a walkthrough's "0.19.8; rm -rf /" passed here and failed later, as a mismatch with kernels.lock)
             Version(pin["version"])
         except InvalidVersion:
-            raise ctx.err(f"{w}.version", f"expected a PEP 440 version (e.g. '0.19.8'), got {pin['version']!r}") from None
+            raise ctx.err(f"{w}.version",
+                          f"expected a PEP 440 version (e.g. '0.19.8'), got {pin['version']!r}") from None
         if not _HEX64.match(pin["sha256"]):
             raise ctx.err(f"{w}.sha256", f"expected 64 lower-case hex digits, got {pin['sha256']!r}")
     elif kind == "git":
@@ -391,8 +399,9 @@ def _parse_kernel(ctx: _Ctx, kid: str, d: Any, sources: Mapping[str, Source]) ->
         least = 0 if kind == "min" else 1
         if kind in ("min", "max", "rank") and (isinstance(value, bool) or not isinstance(value, int) or value < least):
             raise ctx.err(f"{where}.limits.{name}", f"expected a whole number >= {least}, got {value!r}")
-        high = limits.get(str(name)[:-4] + "_max") if kind == "min" else None
-        if isinstance(high, int) and value > high:  # (a bad maximum gets its own error, from its own row)
+    for name, value in limits.items():  # (every value checked above first: a bad maximum is named by its own row)
+        high = limits.get(str(name)[:-4] + "_max") if str(name).endswith("_min") else None
+        if high is not None and value > high:
             raise ctx.err(f"{where}.limits.{name}", f"expected at most {str(name)[:-4]}_max ({high}), got {value}")
     flags_raw = d.get("flags") or {}
     if not isinstance(flags_raw, Mapping) or set(flags_raw) - {"cxx", "nvcc"}:
@@ -424,7 +433,7 @@ def load_manifest(path: str | Path | None = None) -> Manifest:
             hint = (": pipegoose builds its kernels from a clone of its repository (kernels.yaml, kernels.lock and the "
                     "vendor/ that tools/port.py fills live there): install it with `pip install -e .` from the clone, "
                     "or pass the manifest's path (--manifest, manifest=)")
-        raise ManifestError(f"{p}: manifest not found{hint}") from None
+        raise ManifestNotFoundError(f"{p}: manifest not found{hint}") from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
         raise ManifestError(f"{p}: cannot read the manifest: {type(e).__name__}: {e}") from None
     except yaml.YAMLError as e:

@@ -8,8 +8,9 @@ Everything here is probed once per process (``functools.lru_cache``); tests monk
   ``include/cuda_runtime.h`` (torch's own guess, ``/usr/local``, often lacks the headers).
 * :func:`cuda_extra_include_dirs` -- the pip CUDA wheels' include folders (``site-packages/nvidia/cu13/include``,
   ``nvidia/*/include``) when the toolkit lacks ``cusparse.h``/``cublas_v2.h``, which torch's headers include.
-* :func:`arch_list` -- the ``TORCH_CUDA_ARCH_LIST`` to build for: the visible GPUs (PTX for the newest), else
-  ``$TORCH_CUDA_ARCH_LIST``, else a default table matching nvcc's major version. ``compute_70`` is never assumed.
+* :func:`arch_list` -- the ``TORCH_CUDA_ARCH_LIST`` to build for: ``$TORCH_CUDA_ARCH_LIST`` when set (with any
+  visible GPU it does not cover added), else the visible GPUs (PTX for the newest), else a default table matching
+  nvcc's major version. ``compute_70`` is never assumed.
 * :func:`preflight` -- the checks, each a :class:`Check` with an actionable ``fix``.
 """
 

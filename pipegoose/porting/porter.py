@@ -216,17 +216,17 @@ class Porter:
             if why is not None:  # a file of another license inside a permissive source
                 raise LicenseError(f"{k.id}: {f} in {tree.label}: {why}; it is not vendored")
             files[f] = sha256_bytes(data)
-        # each entry symbol is declared in the files (our C++ autograd functions: in the binding). A misspelt symbol
-        # was locked without a word, and audit only counted it (a fresh-clone walkthrough).
-        binding = self.manifest.binding_path(k)
-        if binding.is_file():
-            texts.append(binding.read_text(encoding="utf-8", errors="replace"))
-        text = "\n".join(texts)
-        absent = [f"{e.symbol} ({e.op})" for e in k.entries if check_symbols and not symbol_defined(e.symbol, text)]
+        # each entry symbol is declared in the kernel's files, where audit looks for it too; an entry of role
+        # autograd (our C++ autograd functions) in the binding. A misspelt symbol was locked without a word, and audit
+        # only counted it (a fresh-clone walkthrough).
+        text, binding = "\n".join(texts), self.manifest.binding_path(k)
+        bound = binding.read_text(encoding="utf-8", errors="replace") if binding.is_file() else ""
+        absent = [f"{e.symbol} ({e.op})" for e in k.entries
+                  if check_symbols and not symbol_defined(e.symbol, bound if e.role == "autograd" else text)]
         if absent:
             raise ManifestFactError(f"{self.manifest.path.name}: kernels.{k.id}.entries: expected each entry symbol "
-                                    f"declared in the kernel's files or its binding; not found in {tree.label}: "
-                                    + ", ".join(absent))
+                                    f"declared in the kernel's files (role autograd: in its binding); not found in "
+                                    f"{tree.label}: " + ", ".join(absent))
         return LockedKernel(k.source, files)
 
     def _source_verifies(self, lock: Lock, sid: str) -> bool:
@@ -458,8 +458,9 @@ class Porter:
                 if src.is_local:
                     # Our own files live in git, which is their record; sync has nothing to fetch for them. A
                     # difference is reported (and fails `verify`) but does not stop vendoring the upstream sources.
-                    self.log(f"note: {sid}: local files differ from kernels.lock (see `python tools/port.py verify`); "
-                             f"re-record them with `python tools/port.py add <id>`")
+                    self.log(f"note: {sid}: local files differ from kernels.lock (see `python tools/port.py verify`): "
+                             f"restore missing or changed files from git, or re-record intended changes with "
+                             f"`python tools/port.py add <id>`")
                     result["differs"].append(sid)
                     continue
                 present = any(p.is_file() for d in (self.vendor_dir(sid), self.license_dir(sid)) for p in d.rglob("*"))
@@ -584,7 +585,8 @@ class Porter:
         """The state of every kernel of the manifest (and of lock entries that left it):
 
         declared (not in kernels.lock), vendored (locked and present; hashes not checked), verified (hashes
-        match), modified (a file or license file differs), missing (locked but files absent: run sync), stale
+        match), modified (a file or license file differs), missing (locked but files absent: run sync, or for
+        this project's own files restore them from git), stale
         (kernels.yaml changed since it was locked: pin or file list).
         """
         lock = Lock.load(self.lock_path)
@@ -609,7 +611,7 @@ class Porter:
             paths = [(base / f, h) for f, h in lk.files.items()] + [(licd / f, h) for f, h in ls.license_files.items()]
             absent = [p for p, _ in paths if not p.is_file()]
             if absent:
-                fix = "restore from git (own files)" if src is not None and src.is_local else "run sync"
+                fix = "restore from git (own files)" if self._is_local(sid) else "run sync"
                 out.append(KernelState(kid, sid, project, lic, pin, "missing", f"{len(absent)} file(s) absent: {fix}"))
                 continue
             if not check_hashes:

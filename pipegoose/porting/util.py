@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path, PurePosixPath
+
+from .. import _env
 
 __all__ = ["sha256_bytes", "sha256_file", "safe_member_path", "default_cache_dir", "short_pin"]
 
@@ -44,14 +45,8 @@ def safe_member_path(name: str) -> str | None:
 
 def default_cache_dir() -> Path:
     """The download cache: ``$PIPEGOOSE_PORT_CACHE``, else ``$XDG_CACHE_HOME/pipegoose/port``, else
-    ``~/.cache/pipegoose/port``. As for the kernel cache (:func:`pipegoose.kernels.cache.default_cache_dir`), a blank
-    ``PIPEGOOSE_PORT_CACHE`` counts as unset and a relative ``XDG_CACHE_HOME`` (invalid by the XDG spec) is ignored."""
-    env = os.environ.get("PIPEGOOSE_PORT_CACHE", "")
-    if env.strip():
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg and Path(xdg).expanduser().is_absolute() else Path.home() / ".cache"
-    return base / "pipegoose" / "port"
+    ``~/.cache/pipegoose/port`` (:func:`pipegoose._env.user_cache_dir`, as for the kernel cache)."""
+    return _env.user_cache_dir("PIPEGOOSE_PORT_CACHE", "port")
 
 
 def short_pin(pin: dict) -> str:

@@ -216,8 +216,13 @@ def test_a_missing_manifest_makes_the_kernel_unavailable(monkeypatch, tmp_path):
     dispatch.clear_kernel_cache()
     try:
         ops, why = dispatch.kernel("pipegoose/rms_norm")
-        assert ops is None and why.startswith("pipegoose/rms_norm unavailable: ManifestError: ")
+        assert ops is None and why.startswith("pipegoose/rms_norm unavailable: ManifestNotFoundError: ")
         assert "manifest not found: pipegoose builds its kernels from a clone" in why
+        # a malformed manifest in a clone stays an error, not a quiet fallback to PyTorch (a review)
+        (tmp_path / "kernels.yaml").write_text("schema: 1\nsources: {}\nkernels: {}\nkernels: {}\n")
+        dispatch.clear_kernel_cache()
+        with pytest.raises(manifest.ManifestError, match="found the key 'kernels' twice"):
+            dispatch.kernel("pipegoose/rms_norm")
     finally:
         dispatch.clear_kernel_cache()
 

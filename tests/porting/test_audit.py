@@ -446,6 +446,11 @@ def test_a_misspelt_entry_symbol_is_refused_by_add_and_is_drift_in_audit(repo):
     manifest = repo.root / "kernels.yaml"
     manifest.write_text(manifest.read_text().replace("symbol: alpha_fwd,", "symbol: alpha_fwdX,"))
     (repo.root / "vendor" / "up" / "csrc" / "kernels" / "alpha.cu").write_text("tampered\n")  # add re-locks
+    # a binding that declares the upstream function it calls does not count: the symbol must be in the kernel's
+    # files, where audit looks (a review: the binding was searched too, and add and audit disagreed)
+    binding = repo.root / "pipegoose" / "kernels" / "bindings" / "alpha_forward.cpp"
+    binding.parent.mkdir(parents=True, exist_ok=True)
+    binding.write_text("int alpha_fwdX(int x);\n")
     before = repo.snapshot()
     with pytest.raises(ManifestFactError, match=r"kernels\.up/alpha\.entries: expected each entry symbol declared .*"
                                                 r"not found in up 1\.0 sdist: alpha_fwdX \(alpha_forward\)"):

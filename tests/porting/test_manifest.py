@@ -12,6 +12,10 @@ GOOD_SRC = source_yaml("up", "pypi: {name: up, version: '1.0', sha256: " + "a" *
 GOOD_K = kernel_yaml("up/alpha", "up", ["csrc/kernels/alpha.cu"], "alpha_fwd", "alpha_forward")
 
 
+def with_limits(limits: str) -> str:
+    return GOOD_K.replace("    backward: false\n", f"    backward: false\n    limits: {limits}\n")
+
+
 def write(tmp_path, text):
     p = tmp_path / "kernels.yaml"
     p.write_text(text)
@@ -42,12 +46,14 @@ def test_good_manifest_loads(tmp_path):
     # session 38's walkthrough: these passed list, sync and doctor
     (GOOD_SRC.replace("'1.0'", "'1.0; rm -rf /'"), GOOD_K,
      "kernels.yaml: sources.up.fetch.pypi.version: expected a PEP 440 version (e.g. '0.19.8'), got '1.0; rm -rf /'"),
-    (GOOD_SRC, GOOD_K.replace("    backward: false\n", "    backward: false\n    limits: {key_len_max: -5}\n"),
+    (GOOD_SRC, with_limits("{key_len_max: -5}"),
      "kernels.yaml: kernels.up/alpha.limits.key_len_max: expected a whole number >= 1, got -5"),
-    (GOOD_SRC, GOOD_K.replace("    backward: false\n", "    backward: false\n    limits: {input_rank: true}\n"),
+    (GOOD_SRC, with_limits("{input_rank: true}"),
      "kernels.yaml: kernels.up/alpha.limits.input_rank: expected a whole number >= 1, got True"),
-    (GOOD_SRC, GOOD_K.replace("    backward: false\n", "    backward: false\n    limits: {hidden_min: 9, hidden_max: 8}\n"),
+    (GOOD_SRC, with_limits("{hidden_min: 9, hidden_max: 8}"),
      "kernels.yaml: kernels.up/alpha.limits.hidden_min: expected at most hidden_max (8), got 9"),
+    (GOOD_SRC, with_limits("{hidden_min: 2, hidden_max: true}"),
+     "kernels.yaml: kernels.up/alpha.limits.hidden_max: expected a whole number >= 1, got True"),
     (GOOD_SRC, GOOD_K + GOOD_K.replace("alpha_forward", "beta_forward"),
      "found the key 'up/alpha' twice (first on line"),
 ])
@@ -150,7 +156,8 @@ def test_package_data_holds_every_data_file_of_the_package():
     """The H200 tuning table was not in the package data, so an installed (non-editable) pipegoose dispatched without
     it (a walkthrough); every file under pipegoose/ that is not Python must match a package-data pattern."""
     import fnmatch
-    import tomllib
+
+    tomllib = pytest.importorskip("tomllib")  # (Python 3.11+; pyproject.toml allows 3.10)
 
     root = Path(__file__).resolve().parents[2]
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
@@ -163,7 +170,9 @@ def test_package_data_holds_every_data_file_of_the_package():
         ok = False
         for pkg, globs in patterns.items():
             base = Path(*pkg.split("."))
-            if rel.is_relative_to(base) and any(fnmatch.fnmatch(rel.relative_to(base).as_posix(), g) for g in globs):
+            # part by part, as setuptools globs match: a "*" does not cross a "/" (fnmatch's would)
+            parts = rel.relative_to(base).parts if rel.is_relative_to(base) else ()
+            if any(len(parts) == len(g.split("/")) and all(map(fnmatch.fnmatch, parts, g.split("/"))) for g in globs):
                 ok = True
         if not ok:
             unmatched.append(rel.as_posix())

@@ -1019,3 +1019,6 @@ def test_a_missing_file_of_our_own_kernel_is_not_sent_to_sync(repo):
     assert "restore it from git" in probs[0].detail and "sync" not in probs[0].detail
     state = {s.id: s for s in repo.porter().states()}["pipegoose/ours"]
     assert state.state == "missing" and state.detail == "1 file(s) absent: restore from git (own files)"
+    notes = []  # sync's own note said only "re-record them with add", which fails on a missing file (a review)
+    assert repo.porter(log=notes.append).sync()["differs"] == ["pipegoose"]
+    assert any("restore missing or changed files from git" in n for n in notes), notes

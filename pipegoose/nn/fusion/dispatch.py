@@ -404,13 +404,12 @@ def _load_kernel(name: str) -> Any:
 
 def _kernel_error_types() -> tuple[type[BaseException], ...]:
     """What a kernel load raises that makes the kernel unavailable (a fallback with its reason), not an error: the
-    builder's errors, and a manifest that is missing or malformed (an installed wheel has none: the first fused op on
-    a GPU raised ManifestError there, a walkthrough's finding)."""
+    builder's errors, and no manifest at all (an installed wheel has none: the first fused op on a GPU raised there,
+    a walkthrough's finding). A malformed manifest stays an error."""
     try:
         import pipegoose.kernels as kernels
-        from pipegoose.kernels.manifest import ManifestError
 
-        return (kernels.KernelError, ManifestError)
+        return (kernels.KernelError, kernels.ManifestNotFoundError)
     except (ImportError, AttributeError):  # the kernel layer is not there (yet): loading cannot succeed either
         return (ImportError,)
 
@@ -418,8 +417,9 @@ def _kernel_error_types() -> tuple[type[BaseException], ...]:
 def kernel(name: str) -> tuple[Any | None, str]:
     """Load kernel ``name`` (manifest id or alias) once: ``(ops, "")``, or ``(None, reason)`` when it cannot load.
 
-    A ``KernelError`` (build failure, preflight failure) is cached as the reason ``"<name> unavailable: <msg>"``
-    and not retried in this process (:func:`clear_kernel_cache` retries).
+    A ``KernelError`` (build failure, preflight failure) or a missing manifest (``ManifestNotFoundError``) is cached
+    as the reason ``"<name> unavailable: <msg>"`` and not retried in this process (:func:`clear_kernel_cache`
+    retries).
 
     Threads loading one kernel wait for a single load (a first load may build it: minutes); the dispatcher's own
     lock is not held meanwhile, so other threads' calls of ops whose kernels are loaded go on. (Loads of different
