@@ -18,10 +18,14 @@ SCHEMA = 1
 
 
 def fill_pct(measurements: Iterable[Measurement], copy_gbps: float | None) -> None:
-    """Set ``pct_of_copy`` = 100 * gbps / copy_gbps on every timed measurement (no-op without a copy figure)."""
+    """Set ``pct_of_copy`` = 100 * gbps / copy on every timed measurement, where copy is the copy bandwidth of the run
+    that measured it (``extra["copy_gbps"]``, which ``--report-only`` records on merged rows), else ``copy_gbps``
+    (no-op without either). A merge used to rescale every row to the last run's copy (a walkthrough: 5.45% -> 8.73%
+    for a row whose GB/s had not changed)."""
     for m in measurements:
-        if m.gbps is not None and copy_gbps:
-            m.pct_of_copy = 100.0 * m.gbps / copy_gbps
+        copy = (m.extra or {}).get("copy_gbps") or copy_gbps
+        if m.gbps is not None and copy:
+            m.pct_of_copy = 100.0 * m.gbps / copy
 
 
 def _atomic_write(path: Path, text: str) -> None:

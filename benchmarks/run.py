@@ -292,8 +292,13 @@ def report_only(args: argparse.Namespace) -> int:
                         e2e[key] = {**row, "run": row.get("run") or run_date}
             elif k != "measurements" and v is not None:
                 merged[k] = v
+        run_copy = (data.get("copy") or {}).get("gbps")
         for m in measurements:
+            # the row's run and that run's copy bandwidth, which its % of copy is relative to (a row merged before
+            # keeps both)
             m.extra = {**(m.extra or {}), "run": (m.extra or {}).get("run") or run_date}
+            if run_copy and not m.extra.get("copy_gbps"):
+                m.extra["copy_gbps"] = run_copy
             key = (m.op, m.impl, m.dtype, m.pas, m.cols)
             # a row that measured nothing (skipped; unavailable: the impl did not load or build; error: it crashed or
             # could not be timed) never hides a measured one: it would take the impl out of the tuning table's

@@ -3,6 +3,8 @@
 import json
 
 import _bench_path  # noqa: F401
+from pathlib import Path
+
 import pytest
 
 from benchmarks.common import Measurement, slug
@@ -169,6 +171,34 @@ def test_report_only_merges_e2e_rows_and_dates_each_row(tmp_path, monkeypatch):
         with pytest.raises(SystemExit, match=match):
             main(["--report-only", runs[0], str(bad), "--out", str(tmp_path / "out3"), "--no-tuning"])
     assert not (tmp_path / "out3").exists()
+
+
+def test_report_only_keeps_each_rows_percent_of_its_own_runs_copy(tmp_path, monkeypatch):
+    """--report-only recomputed every row's % of copy against the last run's copy bandwidth (a walkthrough: a row
+    whose GB/s had not changed went from 5.45% to 8.73%). Each row now keeps its own run's copy figure."""
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "")
+    from benchmarks.run import main
+
+    runs = []
+    for i, (gbps, cols) in enumerate(((4000.0, 512), (2000.0, 1024))):
+        copy = {"bytes": 2 * 2**30, "gbps": gbps, "median_ms": 0.5}
+        rows = [m(cols=cols, ms=1.0)]
+        fill_pct(rows, copy["gbps"])
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        write_json(d / "results.json", {"gpu": "NVIDIA H200", "date": f"2026-11-2{i + 1}T10:00:00+00:00",
+                                        "device": "cuda"}, {"command": f"run {i}"}, copy, rows)
+        runs.append(str(d))
+    before = {x.cols: x.pct_of_copy for r in runs for x in load_json(Path(r) / "results.json")[1]}
+    assert main(["--report-only", *runs, "--out", str(tmp_path / "out"), "--no-tuning"]) == 0
+    _, back = load_json(tmp_path / "out" / "nvidia_h200_2026-11-22" / "results.json")
+    assert {x.cols: x.pct_of_copy for x in back} == before
+    assert {x.cols: x.extra["copy_gbps"] for x in back} == {512: 4000.0, 1024: 2000.0}
+    # merged again (a merged file's copy is its last run's): the rows keep their own figures
+    assert main(["--report-only", str(tmp_path / "out" / "nvidia_h200_2026-11-22"), "--out", str(tmp_path / "o2"),
+                 "--no-tuning"]) == 0
+    _, again = load_json(tmp_path / "o2" / "nvidia_h200_2026-11-22" / "results.json")
+    assert {x.cols: x.pct_of_copy for x in again} == before
 
 
 def test_rules_leave_out_timings_that_are_no_time_and_refuse_bad_sizes():
