@@ -269,7 +269,8 @@ def test_fused_adam_switches_must_be_bools(flag):
     from pipegoose.nn.fusion.optim import FusedAdam
 
     p = torch.nn.Parameter(torch.randn(3))
-    for bad in ("no", 0, None, torch.tensor(False)):
+    # (adam_w_mode=None is "not given" since decoupled_weight_decay may say it instead: session 38's walkthrough)
+    for bad in ("no", 0, torch.tensor(False)) + ((None,) if flag != "adam_w_mode" else ()):
         with pytest.raises(TypeError, match=rf"{flag}: expected True or False, got "):
             FusedAdam([p], **{flag: bad})
         with pytest.raises(TypeError, match=rf"{flag}: expected True or False, got "):
@@ -277,3 +278,57 @@ def test_fused_adam_switches_must_be_bools(flag):
     with pytest.raises(TypeError, match=r"maximize: expected True or False, got 'no'"):
         FusedAdam([{"params": [p], "maximize": "no"}])
     FusedAdam([p], adam_w_mode=False, bias_correction=False)  # the bools still work
+    assert FusedAdam([p], adam_w_mode=None).param_groups[0]["adam_w_mode"] is True
+
+
+def test_fused_adam_takes_adamw_arguments_and_keeps_one_weight_decay_mode():
+    """A walkthrough replacing torch.optim.AdamW: foreach/fused/maximize/differentiable were TypeErrors, AdamW's sixth
+    positional argument (amsgrad) set adam_w_mode here, and a group's adam_w_mode and decoupled_weight_decay (the key
+    AdamW follows) drifted apart, so a state dict loaded into AdamW took the other mode (0.18 apart after 3 steps)."""
+    from pipegoose.nn.fusion.optim import FusedAdam
+
+    p = torch.nn.Parameter(torch.randn(5))
+    FusedAdam([p], foreach=True, fused=False, maximize=False, differentiable=False)
+    for name in ("maximize", "differentiable"):
+        with pytest.raises(ValueError, match=rf"{name}: {name}=True is not supported"):
+            FusedAdam([p], **{name: True})
+    with pytest.raises(TypeError, match="foreach: expected None, True or False"):
+        FusedAdam([p], foreach="yes")
+    with pytest.raises(TypeError, match="positional"):
+        FusedAdam([p], 1e-3, (0.9, 0.999), 1e-8, 0.01, False)
+    # one setting, two names: either gives both, in the constructor and in a group
+    for kw, want in (({"decoupled_weight_decay": False}, False), ({"adam_w_mode": False}, False), ({}, True)):
+        g = FusedAdam([p], **kw).param_groups[0]
+        assert g["adam_w_mode"] is want and g["decoupled_weight_decay"] is want, kw
+        g = FusedAdam([{"params": [p], **kw}]).param_groups[0]
+        assert g["adam_w_mode"] is want and g["decoupled_weight_decay"] is want, kw
+    with pytest.raises(ValueError, match="adam_w_mode=True and decoupled_weight_decay=False"):
+        FusedAdam([p], adam_w_mode=True, decoupled_weight_decay=False)
+    # L2 mode (adam_w_mode=False) carries into torch.optim.Adam, which follows decoupled_weight_decay: both take the
+    # same steps (torch.optim.AdamW sets decoupled_weight_decay=True on every group it loads, by design)
+    o = FusedAdam([{"params": [p], "adam_w_mode": False}], lr=0.1, weight_decay=0.5)
+    p.grad = torch.ones(5)
+    o.step()
+    q = torch.nn.Parameter(p.detach().clone())
+    a = torch.optim.Adam([q])
+    a.load_state_dict(copy.deepcopy(o.state_dict()))  # (a loaded state shares the tensors it was given)
+    for _ in range(3):
+        p.grad, q.grad = torch.ones(5), torch.ones(5)
+        o.step()
+        a.step()
+    torch.testing.assert_close(p, q)
+    # a group edited by hand into two modes is refused at the step, naming both
+    o.param_groups[0]["adam_w_mode"] = True
+    with pytest.raises(ValueError, match="adam_w_mode=True and decoupled_weight_decay=False"):
+        o.step()
+
+
+def test_clip_grad_norm_takes_torchs_foreach_argument():
+    """torch.nn.utils.clip_grad_norm_(..., foreach=True) was a TypeError here (a walkthrough: "drop-in")."""
+    ps = [torch.nn.Parameter(torch.randn(4)) for _ in range(2)]
+    for p in ps:
+        p.grad = torch.full((4,), 3.0)
+    total = clip_grad_norm_(ps, 1.0, 2.0, False, True)
+    torch.testing.assert_close(total, torch.tensor(72.0).sqrt())  # 8 gradients of 3
+    with pytest.raises(TypeError, match="foreach: expected None, True or False"):
+        clip_grad_norm_(ps, 1.0, foreach="yes")

@@ -32,11 +32,18 @@ class FusedAdam(torch.optim.Optimizer):
     Args:
         params: iterable of parameters or of param groups (dicts).
         lr: learning rate (> 0 or 0). betas: (beta1, beta2) in [0, 1). eps: > 0 or 0, added to sqrt(v_hat).
-        weight_decay: >= 0; decoupled (``p *= 1 - lr * wd``, AdamW) with ``adam_w_mode=True`` (default), L2
-            (``g += wd * p``, torch.optim.Adam) otherwise.
+        weight_decay: >= 0, default 0.0 as Apex's and DeepSpeed's FusedAdam (torch.optim.AdamW's default is 0.01:
+            pass it when replacing AdamW); decoupled (``p *= 1 - lr * wd``, AdamW) with ``adam_w_mode=True``
+            (default), L2 (``g += wd * p``, torch.optim.Adam) otherwise.
+        Keyword-only (the positional order is torch.optim.AdamW's up to ``weight_decay``; AdamW's sixth,
+        ``amsgrad``, was ``adam_w_mode`` here, so a sixth positional argument is a TypeError):
+        adam_w_mode: decoupled weight decay (True, the default) or L2. ``decoupled_weight_decay`` is
+            torch.optim.Adam's name for it: either may be given (a group keeps both keys, equal; different values
+            are a ValueError).
         bias_correction: divide the moments by ``1 - beta**step`` (True, as torch).
-        amsgrad: must be False (the kernels have no AMSGrad): ValueError otherwise.
-        capturable: must be False: ValueError otherwise.
+        amsgrad, maximize, capturable, differentiable: must be False (the kernels have no AMSGrad, only minimize,
+            keep the step on the host, and are not differentiable): ValueError otherwise.
+        foreach, fused: taken for torch.optim.AdamW's signature and ignored (the step is always multi-tensor).
         impl: ``apex`` (default order), ``deepspeed``, ``torch``, or None/``auto`` (``PIPEGOOSE_IMPL_ADAM`` applies);
             any case.
 
@@ -54,33 +61,62 @@ class FusedAdam(torch.optim.Optimizer):
 
     Raises (when built, and from ``add_param_group`` for a group's own values):
         ValueError: bad hyper-parameters (lr, eps, weight_decay not finite and >= 0; betas not in [0, 1)), an
-        ``impl`` that names no implementation of ``adam``, amsgrad=True, capturable=True. TypeError: complex or
-        non-floating parameters, a hyper-parameter that is not a number, a switch (adam_w_mode, bias_correction,
-        amsgrad, capturable) that is not True or False. RuntimeError (in step): sparse gradients.
+        ``impl`` that names no implementation of ``adam``, amsgrad, maximize, capturable or differentiable True,
+        ``adam_w_mode`` and ``decoupled_weight_decay`` different. TypeError: complex or non-floating parameters, a
+        hyper-parameter that is not a number, a switch that is not True or False, a sixth positional argument.
+        RuntimeError (in step): sparse gradients.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, adam_w_mode: bool = True, bias_correction: bool = True,
-                 amsgrad: bool = False, capturable: bool = False, *, impl: str | None = None) -> None:
-        self._check_flags(dict(adam_w_mode=adam_w_mode, bias_correction=bias_correction, amsgrad=amsgrad,
-                               capturable=capturable))
+                 eps: float = 1e-8, weight_decay: float = 0.0, *, adam_w_mode: bool | None = None,
+                 bias_correction: bool = True, amsgrad: bool = False, maximize: bool = False,
+                 capturable: bool = False, differentiable: bool = False, foreach: bool | None = None,
+                 fused: bool | None = None, decoupled_weight_decay: bool | None = None,
+                 impl: str | None = None) -> None:
+        flags = dict(bias_correction=bias_correction, amsgrad=amsgrad, maximize=maximize, capturable=capturable,
+                     differentiable=differentiable)
+        for name, v in (("adam_w_mode", adam_w_mode), ("decoupled_weight_decay", decoupled_weight_decay)):
+            if v is not None:
+                flags[name] = v
+        for name, v in (("foreach", foreach), ("fused", fused)):
+            if v is not None and not isinstance(v, bool):
+                raise TypeError(f"{name}: expected None, True or False, got {v!r}")
+        self._check_flags(flags)
         if amsgrad:
             raise ValueError("amsgrad: FusedAdam does not support AMSGrad (the multi-tensor kernels have no max "
                              "state); use torch.optim.AdamW(amsgrad=True)")
-        if capturable:
-            raise ValueError("capturable: FusedAdam keeps the step on the host; capturable=True is not supported")
+        for name, why in (("maximize", "the kernels only minimize"), ("capturable", "FusedAdam keeps the step on "
+                          "the host"), ("differentiable", "the kernels are not differentiable")):
+            if flags[name]:
+                raise ValueError(f"{name}: {name}=True is not supported by FusedAdam ({why})")
+        decoupled = self._decoupled(flags)
         self._check_hyperparameters(dict(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay, impl=impl))
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode,
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adam_w_mode=decoupled,
                         bias_correction=bias_correction, amsgrad=False, capturable=False, maximize=False,
-                        foreach=None, differentiable=False, fused=None, decoupled_weight_decay=adam_w_mode,
+                        foreach=foreach, differentiable=False, fused=fused, decoupled_weight_decay=decoupled,
                         impl=impl)
         super().__init__(params, defaults)  # each group through add_param_group: checked there
+
+    @staticmethod
+    def _decoupled(group: dict) -> bool:
+        """A group's weight decay mode from ``adam_w_mode`` or ``decoupled_weight_decay`` (torch.optim.Adam's name,
+        which torch.optim.AdamW state dicts carry), whichever it has (True when neither). A group with both, different,
+        is a ValueError: they drifted apart per group, and a state dict loaded into AdamW followed the other one (a
+        walkthrough: 0.18 apart after 3 steps)."""
+        a, d = group.get("adam_w_mode"), group.get("decoupled_weight_decay")
+        if a is not None and d is not None and bool(a) != bool(d):
+            raise ValueError(f"adam_w_mode={a!r} and decoupled_weight_decay={d!r}: the same setting (decoupled "
+                             "weight decay) given two values; give one, or both equal")
+        return bool(a if a is not None else d if d is not None else True)
 
     @staticmethod
     def _check_flags(group: dict) -> None:
         """The switches of a group that are present (``adam_w_mode``, ``bias_correction``, ``amsgrad``, ``maximize``,
         ``capturable``) must be True or False: a TypeError naming the argument otherwise (``bool("no")`` is True)."""
-        for name in ("adam_w_mode", "bias_correction", "amsgrad", "maximize", "capturable"):
+        for name in ("adam_w_mode", "decoupled_weight_decay", "bias_correction", "amsgrad", "maximize", "capturable",
+                     "differentiable"):
+            if name in ("adam_w_mode", "decoupled_weight_decay") and group.get(name, False) is None:
+                continue  # not given: the other name, else True (:meth:`_decoupled`)
             if name in group and not isinstance(group[name], bool):
                 raise TypeError(f"{name}: expected True or False, got {group[name]!r}")
 
@@ -102,7 +138,8 @@ class FusedAdam(torch.optim.Optimizer):
         for name, why in (("amsgrad", "the multi-tensor kernels have no max state; use torch.optim.AdamW("
                                       "amsgrad=True)"),
                           ("maximize", "the kernels only minimize"),
-                          ("capturable", "FusedAdam keeps the step on the host")):
+                          ("capturable", "FusedAdam keeps the step on the host"),
+                          ("differentiable", "the kernels are not differentiable")):
             if group.get(name, False):
                 raise ValueError(f"{name}: a param group with {name}=True is not supported by FusedAdam ({why})")
         betas = group["betas"]
@@ -113,6 +150,7 @@ class FusedAdam(torch.optim.Optimizer):
         if not ok:
             raise ValueError(f"betas: expected two values in [0, 1), got {betas!r}")
         dispatch.check_impl(_mt.OP_ADAM, group.get("impl"))
+        FusedAdam._decoupled(group)
 
     def add_param_group(self, param_group: dict) -> None:
         """``torch.optim.Optimizer.add_param_group``, with the constructor's checks of the group's hyperparameters
@@ -122,6 +160,11 @@ class FusedAdam(torch.optim.Optimizer):
             TypeError, ValueError: a bad ``lr``, ``eps``, ``weight_decay``, ``betas`` or ``impl``, named.
         """
         if isinstance(param_group, dict) and "params" in param_group:
+            own = {k: param_group[k] for k in ("adam_w_mode", "decoupled_weight_decay")
+                   if param_group.get(k) is not None}
+            self._check_flags(own)
+            if own:  # one of the two names given (or both, equal): the group keeps both, equal
+                param_group["adam_w_mode"] = param_group["decoupled_weight_decay"] = self._decoupled(own)
             self._check_hyperparameters({**self.defaults, **param_group})
             params = param_group["params"]
             if not isinstance(params, set):  # (torch's add_param_group refuses a set, with its message)
@@ -146,7 +189,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._check_loadable(state.get("param_groups", []))
         super().__setstate__(state)
         for group in self.param_groups:  # groups saved by torch.optim.Adam/AdamW lack our keys
-            group.setdefault("adam_w_mode", group.get("decoupled_weight_decay", True))
+            group["adam_w_mode"] = group["decoupled_weight_decay"] = self._decoupled(group)
             group.setdefault("bias_correction", True)
             group.setdefault("impl", None)
             for p in group["params"]:
@@ -223,7 +266,8 @@ def _number(name: str, v) -> float:
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False, *, impl: str | None = None) -> torch.Tensor:
+                    error_if_nonfinite: bool = False, foreach: bool | None = None, *,
+                    impl: str | None = None) -> torch.Tensor:
     """Drop-in for ``torch.nn.utils.clip_grad_norm_``: scale the gradients in place so that their total norm is
     at most ``max_norm``; return the total norm (before clipping) as a scalar tensor, on the first gradient's
     device, in the gradients' (promoted) dtype, as torch does.
@@ -232,14 +276,18 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     ``multi_tensor_l2norm`` (fp32 accumulation) and scales with ``multi_tensor_scale`` (fp32/fp16 gradients,
     ``norm_type=2``; one host sync reads the clip coefficient); otherwise ``torch._foreach_norm`` /
     ``torch._foreach_mul_``. With no gradient: ``tensor(0.)``. Kernels: Apex's csrc/multi_tensor_l2norm_kernel.cu and
-    csrc/multi_tensor_scale_kernel.cu via ColossalAI 0.5.0 extensions/csrc/kernel/cuda/ (Apache-2.0).
+    csrc/multi_tensor_scale_kernel.cu via ColossalAI 0.5.0 extensions/csrc/kernel/cuda/ (Apache-2.0). ``foreach`` is
+    taken for torch's signature and ignored (the paths above are multi-tensor already).
 
     Raises:
-        TypeError: ``max_norm`` or ``norm_type`` is not a number (or a one-element tensor).
+        TypeError: ``max_norm`` or ``norm_type`` is not a number (or a one-element tensor); ``foreach`` not None, True
+            or False.
         ValueError: ``max_norm`` is negative or nan (torch would flip the gradients' signs or make them nan), or
             ``norm_type`` is nan.
         RuntimeError: ``error_if_nonfinite`` and the total norm is nan/inf (gradients untouched).
     """
+    if foreach is not None and not isinstance(foreach, bool):
+        raise TypeError(f"foreach: expected None, True or False, got {foreach!r}")
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     grads = [p.grad for p in parameters if p.grad is not None]
