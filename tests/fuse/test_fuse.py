@@ -1098,6 +1098,23 @@ def test_instance_state_of_replaced_norms_is_kept():
     assert unfuse(llama) and llama.norm is norm and norm.variance_epsilon == 1e-3
 
 
+def test_unfuse_carries_back_attributes_and_buffers_added_while_fused():
+    """A walkthrough set an attribute and registered a buffer on a fused norm: unfuse lost both (only attributes the
+    original had, and eps, came back), where the README says the fused norms share the originals' instance
+    attributes. Nothing of the fused module's own goes to the original."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    norm = model[1]
+    before = set(norm.__dict__)
+    fuse(model)
+    model[1].foo = "bar"
+    model[1].register_buffer("extra", torch.ones(1))
+    model[1].register_buffer("scratch", torch.zeros(1), persistent=False)
+    assert unfuse(model) and model[1] is norm
+    assert norm.foo == "bar" and torch.equal(norm.extra, torch.ones(1)) and "extra" in norm.state_dict()
+    assert "scratch" in dict(norm.named_buffers()) and "scratch" not in norm.state_dict()
+    assert set(norm.__dict__) - before == {"foo"}
+
+
 def test_unfuse_carries_back_only_what_changed_on_the_replacement():
     """A review of the carry-back: unfuse copied back every attribute whose value differed, so changes made on the
     original object while fused (through a reference held elsewhere) were undone, an attribute of the original that

@@ -530,12 +530,15 @@ _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"_compiled_call_impl"}
 class _Replaced:
     """What a replacement holds of the module it replaced (``new.__dict__[_ORIGINAL]``, see :class:`_Fusion`): the
     module, the instance attributes carried over to the replacement with their values then, the replacement's ``eps``
-    then, and the original's name for its epsilon (``eps``, ``variance_epsilon``, ``epsilon``; None: none)."""
+    then, the original's name for its epsilon (``eps``, ``variance_epsilon``, ``epsilon``; None: none), and the names
+    of the replacement's attributes and buffers then (what is added while fused goes back too)."""
 
     module: nn.Module
     carried: dict
     eps: object
     eps_attr: str | None
+    attrs_then: frozenset = frozenset()
+    buffers_then: frozenset = frozenset()
 
 
 def _carry_attrs(old: nn.Module, new: nn.Module) -> _Replaced:
@@ -549,18 +552,26 @@ def _carry_attrs(old: nn.Module, new: nn.Module) -> _Replaced:
             continue
         new.__dict__[key] = carried[key] = value
     eps_attr = "eps" if isinstance(old, (nn.LayerNorm, nn.RMSNorm)) else matching.eps_attribute(old)
-    return _Replaced(old, carried, new.__dict__.get("eps", _MISSING), eps_attr)
+    return _Replaced(old, carried, new.__dict__.get("eps", _MISSING), eps_attr, frozenset(new.__dict__),
+                     frozenset(new._buffers))
 
 
 def _carry_back(new: nn.Module, rec: _Replaced) -> None:
     """At unfuse: what was rebound on the replacement while fused goes back to the original (``rec.module``): the
     carried attributes and ``eps`` (under the original's name for it), each only when the replacement's value is no
-    longer the one it had at fuse time; what was changed on the original meanwhile stays."""
+    longer the one it had at fuse time, and the attributes and buffers added to it while fused (a walkthrough: they
+    were lost); what was changed on the original meanwhile stays."""
     old = rec.module
     for key, then in rec.carried.items():
         now = new.__dict__.get(key, _MISSING)
         if now is not then and now is not _MISSING:
             old.__dict__[key] = now
+    for key, value in new.__dict__.items():
+        if key not in rec.attrs_then and key != _ORIGINAL and key not in _MODULE_INTERNALS:
+            setattr(old, key, value)
+    for name, buf in new._buffers.items():
+        if name not in rec.buffers_then:
+            old.register_buffer(name, buf, persistent=name not in new._non_persistent_buffers_set)
     eps = new.__dict__.get("eps", _MISSING)
     if rec.eps_attr is not None and eps is not _MISSING and eps is not rec.eps:
         setattr(old, rec.eps_attr, eps)
