@@ -20,12 +20,15 @@ __all__ = ["REPO_ROOT", "slug", "environment", "tolerances", "Measurement", "dty
 
 def slug(device_name: str) -> str:
     """Tuning-table slug of a device name (docs/architecture.md "Tuning tables"): lower case, every run of
-    characters other than ASCII letters and digits replaced by ``_`` (``"NVIDIA H200"`` -> ``"nvidia_h200"``).
+    characters other than ASCII letters and digits replaced by ``_``, none at either end (``"NVIDIA H200"`` ->
+    ``"nvidia_h200"``): the dispatcher's :func:`pipegoose.nn.fusion.dispatch.device_slug`, which looks the table up.
 
     Raises ValueError when ``device_name`` is empty or has no letter or digit."""
     if not isinstance(device_name, str) or not re.search(r"[A-Za-z0-9]", device_name or ""):
         raise ValueError(f"device_name: expected a device name with letters or digits, got {device_name!r}")
-    return re.sub(r"[^a-z0-9]+", "_", device_name.lower())
+    from pipegoose.nn.fusion.dispatch import device_slug
+
+    return device_slug(device_name)
 
 
 def today() -> str:

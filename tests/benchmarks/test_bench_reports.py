@@ -24,6 +24,7 @@ def test_slug_follows_the_architecture_doc():
     assert slug("NVIDIA H200") == "nvidia_h200"
     assert slug("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
     assert slug("Tesla V100-SXM2-16GB") == "tesla_v100_sxm2_16gb"
+    assert slug("cpu x86_64 (dry run)") == "cpu_x86_64_dry_run" and slug("(cpu)") == "cpu"  # no "_" at the ends
     with pytest.raises(ValueError, match="device_name"):
         slug("--")
 

@@ -467,8 +467,9 @@ _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 
 def device_slug(name: str) -> str:
-    """``NVIDIA H200`` -> ``nvidia_h200``: lower case, every run of other characters than letters/digits -> ``_``."""
-    return re.sub(r"[^a-z0-9]+", "_", name.lower())
+    """``NVIDIA H200`` -> ``nvidia_h200``: lower case, every run of other characters than letters/digits -> ``_``,
+    none at either end (``cpu (x86_64)`` -> ``cpu_x86_64``, not ``cpu_x86_64_``: a walkthrough's tuning file name)."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
 @dataclass(frozen=True)
