@@ -198,8 +198,7 @@ class FusionReport:
     def __str__(self) -> str:
         """The report at the terminal's width (``COLUMNS``, else the terminal's; 200 where there is none: a log file, a
         notebook): a table, or a list where the table's short columns and :attr:`REASON_MIN` characters of reason
-        do not fit. It was always 200 columns, which broke every
-        row in a narrower terminal."""
+        do not fit. It was always 200 columns, which broke every row in a narrower terminal."""
         import shutil
 
         from rich.console import Console
