@@ -12,6 +12,7 @@ import copy
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -1113,6 +1114,35 @@ def test_unfuse_carries_back_attributes_and_buffers_added_while_fused():
     assert norm.foo == "bar" and torch.equal(norm.extra, torch.ones(1)) and "extra" in norm.state_dict()
     assert "scratch" in dict(norm.named_buffers()) and "scratch" not in norm.state_dict()
     assert set(norm.__dict__) - before == {"foo"}
+    # submodules and parameters added, a carried attribute deleted, a full backward hook registered while fused
+    norm.tag = "x"
+    fuse(model)
+    calls = []
+    del model[1].tag
+    model[1].adapter = nn.Linear(8, 8)
+    model[1].scale = nn.Parameter(torch.ones(1))
+    model[1].register_full_backward_hook(lambda *a: calls.append(1))
+    assert unfuse(model)
+    assert not hasattr(norm, "tag") and isinstance(norm.adapter, nn.Linear) and "scale" in dict(norm.named_parameters())
+    model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    assert calls == [1]   # (the hook flag stayed None on the original: the hook never fired after unfuse)
+
+
+def test_unfuse_cannot_fail_halfway_on_a_name_the_original_holds():
+    """A review: prune and weight_norm applied to a fused norm left a plain ``weight`` attribute on it, and unfuse set
+    it back with setattr on an original whose ``weight`` is a Parameter: TypeError, one norm restored, the other not,
+    and the record gone (unfuse again: "a copy"). Names the original holds already are left out."""
+    from torch.nn.utils import prune
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.RMSNorm(8))
+    fuse(model)
+    prune.l1_unstructured(model[1], "weight", 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)   # (weight_norm is deprecated)
+        torch.nn.utils.weight_norm(model[2], "weight", dim=0)
+    assert unfuse(model) and not is_fused(model)
+    assert (type(model[1]), type(model[2])) == (nn.LayerNorm, nn.RMSNorm)
+    assert isinstance(model[1]._parameters["weight"], nn.Parameter)
 
 
 def test_unfuse_carries_back_only_what_changed_on_the_replacement():

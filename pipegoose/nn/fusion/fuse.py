@@ -523,6 +523,8 @@ def _instance_override(child: nn.Module) -> str | None:
 
 # What a module's __dict__ holds for nn.Module itself: not carried over to a replacement (its own are set up anew).
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"_compiled_call_impl"}
+# Where a module holds its names: plain attributes, then nn.Module's registries.
+_SLOTS = ("__dict__", "_parameters", "_buffers", "_modules")
 
 
 @dataclass
@@ -530,14 +532,14 @@ class _Replaced:
     """What a replacement holds of the module it replaced (``new.__dict__[_ORIGINAL]``, see :class:`_Fusion`): the
     module, the instance attributes carried over to the replacement with their values then, the replacement's ``eps``
     then, the original's name for its epsilon (``eps``, ``variance_epsilon``, ``epsilon``; None: none), and the names
-    of the replacement's attributes and buffers then (what is added while fused goes back too)."""
+    the replacement held then in each slot (``__dict__``, ``_parameters``, ``_buffers``, ``_modules``: what is added
+    while fused goes back too)."""
 
     module: nn.Module
     carried: dict
     eps: object
     eps_attr: str | None
-    attrs_then: frozenset = frozenset()
-    buffers_then: frozenset = frozenset()
+    names_then: dict = field(default_factory=dict)
 
 
 def _carry_attrs(old: nn.Module, new: nn.Module) -> _Replaced:
@@ -551,26 +553,40 @@ def _carry_attrs(old: nn.Module, new: nn.Module) -> _Replaced:
             continue
         new.__dict__[key] = carried[key] = value
     eps_attr = "eps" if isinstance(old, (nn.LayerNorm, nn.RMSNorm)) else matching.eps_attribute(old)
-    return _Replaced(old, carried, new.__dict__.get("eps", _MISSING), eps_attr, frozenset(new.__dict__),
-                     frozenset(new._buffers))
+    return _Replaced(old, carried, new.__dict__.get("eps", _MISSING), eps_attr,
+                     {slot: frozenset(getattr(new, slot)) for slot in _SLOTS})
 
 
 def _carry_back(new: nn.Module, rec: _Replaced) -> None:
     """At unfuse: what was rebound on the replacement while fused goes back to the original (``rec.module``): the
     carried attributes and ``eps`` (under the original's name for it), each only when the replacement's value is no
-    longer the one it had at fuse time, and the attributes and buffers added to it while fused (a walkthrough: they
-    were lost); what was changed on the original meanwhile stays."""
+    longer the one it had at fuse time (a carried attribute deleted on the replacement is deleted), the full-backward
+    hook flag, and what was added to the replacement while fused (attributes, parameters, buffers, submodules: they
+    were lost, a walkthrough found). What was changed on the original meanwhile stays, and an added name that the
+    original holds already, in any slot or on its class, is left out: unfuse cannot fail halfway (a review: prune's
+    plain ``weight`` attribute, set back with setattr on a module whose ``weight`` is a Parameter, raised)."""
     old = rec.module
     for key, then in rec.carried.items():
         now = new.__dict__.get(key, _MISSING)
-        if now is not then and now is not _MISSING:
+        if now is _MISSING:
+            if old.__dict__.get(key, _MISSING) is then:
+                del old.__dict__[key]
+        elif now is not then:
             old.__dict__[key] = now
-    for key, value in new.__dict__.items():
-        if key not in rec.attrs_then and key != _ORIGINAL and key not in _MODULE_INTERNALS:
-            setattr(old, key, value)
-    for name, buf in new._buffers.items():
-        if name not in rec.buffers_then:
-            old.register_buffer(name, buf, persistent=name not in new._non_persistent_buffers_set)
+    if new.__dict__.get("_is_full_backward_hook") is not None:   # (set by a hook registered while fused)
+        old.__dict__["_is_full_backward_hook"] = new.__dict__["_is_full_backward_hook"]
+
+    def taken(name: str) -> bool:
+        return any(name in getattr(old, slot) for slot in _SLOTS) or hasattr(type(old), name)
+
+    for slot in _SLOTS:
+        for name, value in getattr(new, slot).items():
+            if (name in rec.names_then.get(slot, ()) or name == _ORIGINAL or name in _MODULE_INTERNALS
+                    or taken(name)):
+                continue
+            getattr(old, slot)[name] = value
+            if slot == "_buffers" and name in new._non_persistent_buffers_set:
+                old._non_persistent_buffers_set.add(name)
     eps = new.__dict__.get("eps", _MISSING)
     if rec.eps_attr is not None and eps is not _MISSING and eps is not rec.eps:
         setattr(old, rec.eps_attr, eps)
