@@ -332,3 +332,29 @@ def test_clip_grad_norm_takes_torchs_foreach_argument():
     torch.testing.assert_close(total, torch.tensor(72.0).sqrt())  # 8 gradients of 3
     with pytest.raises(TypeError, match="foreach: expected None, True or False"):
         clip_grad_norm_(ps, 1.0, foreach="yes")
+
+
+def test_fused_adam_weight_decay_mode_of_loaded_and_none_groups():
+    """A review of the one-setting rule: a group given adam_w_mode=None kept None and stepped in L2 mode (bool(None))
+    while saying decoupled; a FusedAdam state dict saved before the rule (adam_w_mode=False beside
+    decoupled_weight_decay=True) no longer loaded; an older torch.optim.Adam state dict (neither key) turned L2 into
+    decoupled. Loading takes adam_w_mode, else decoupled_weight_decay, else the loading optimizer's own mode."""
+    from pipegoose.nn.fusion.optim import FusedAdam
+
+    a, b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+    o = FusedAdam([a], lr=0.1, weight_decay=0.1)
+    o.add_param_group(dict(params=[b], adam_w_mode=None))
+    assert (o.param_groups[1]["adam_w_mode"], o.param_groups[1]["decoupled_weight_decay"]) == (True, True)
+    old = copy.deepcopy(o.state_dict())            # as saved before the rule
+    old["param_groups"][1]["adam_w_mode"] = False  # (its step read adam_w_mode)
+    o.load_state_dict(old)
+    assert (o.param_groups[1]["adam_w_mode"], o.param_groups[1]["decoupled_weight_decay"]) == (False, False)
+    assert old["param_groups"][1]["decoupled_weight_decay"] is True   # the caller's dict is left as it was
+    legacy = copy.deepcopy(torch.optim.Adam([torch.nn.Parameter(torch.randn(4))], weight_decay=0.1).state_dict())
+    for g in legacy["param_groups"]:
+        g.pop("decoupled_weight_decay", None)
+    l2 = FusedAdam([torch.nn.Parameter(torch.randn(4))], adam_w_mode=False)
+    l2.load_state_dict(legacy)
+    assert l2.param_groups[0]["adam_w_mode"] is False and l2.param_groups[0]["decoupled_weight_decay"] is False
+    restored = copy.deepcopy(l2)   # pickling goes through __setstate__ too
+    assert restored.param_groups[0]["adam_w_mode"] is False

@@ -105,8 +105,9 @@ class FusedAdam(torch.optim.Optimizer):
         walkthrough: 0.18 apart after 3 steps)."""
         a, d = group.get("adam_w_mode"), group.get("decoupled_weight_decay")
         if a is not None and d is not None and bool(a) != bool(d):
-            raise ValueError(f"adam_w_mode={a!r} and decoupled_weight_decay={d!r}: the same setting (decoupled "
-                             "weight decay) given two values; give one, or both equal")
+            raise ValueError(f"adam_w_mode={a!r} and decoupled_weight_decay={d!r}: one setting (decoupled weight "
+                             "decay) under FusedAdam's and torch's names, given two values; give one, or set both "
+                             "(group['adam_w_mode'] = group['decoupled_weight_decay'] = ...)")
         return bool(a if a is not None else d if d is not None else True)
 
     @staticmethod
@@ -160,8 +161,10 @@ class FusedAdam(torch.optim.Optimizer):
             TypeError, ValueError: a bad ``lr``, ``eps``, ``weight_decay``, ``betas`` or ``impl``, named.
         """
         if isinstance(param_group, dict) and "params" in param_group:
-            own = {k: param_group[k] for k in ("adam_w_mode", "decoupled_weight_decay")
-                   if param_group.get(k) is not None}
+            for k in ("adam_w_mode", "decoupled_weight_decay"):  # None: not given (the defaults' value); it was kept
+                if k in param_group and param_group[k] is None:      # as None, and step read bool(None): L2 (review)
+                    del param_group[k]
+            own = {k: param_group[k] for k in ("adam_w_mode", "decoupled_weight_decay") if k in param_group}
             self._check_flags(own)
             if own:  # one of the two names given (or both, equal): the group keeps both, equal
                 param_group["adam_w_mode"] = param_group["decoupled_weight_decay"] = self._decoupled(own)
@@ -185,11 +188,21 @@ class FusedAdam(torch.optim.Optimizer):
         for group in groups:
             FusedAdam._check_hyperparameters({**_LOADABLE_DEFAULTS, **group})
 
+    @staticmethod
+    def _loaded_mode(group: dict, fallback: bool = True) -> dict:
+        """A saved group with one weight decay mode under both names: ``adam_w_mode`` where it has it (FusedAdam's
+        own key, the one its step read; a FusedAdam saved before the two were kept equal may hold a different
+        ``decoupled_weight_decay``), else ``decoupled_weight_decay`` (torch.optim.Adam/AdamW), else ``fallback`` (an
+        older torch state dict has neither: the loading optimizer's own setting). A copy; the caller's is kept."""
+        a, d = group.get("adam_w_mode"), group.get("decoupled_weight_decay")
+        mode = bool(a if a is not None else d if d is not None else fallback)
+        return {**group, "adam_w_mode": mode, "decoupled_weight_decay": mode}
+
     def __setstate__(self, state: dict) -> None:
-        self._check_loadable(state.get("param_groups", []))
+        state = {**state, "param_groups": [self._loaded_mode(g) for g in state.get("param_groups", [])]}
+        self._check_loadable(state["param_groups"])
         super().__setstate__(state)
         for group in self.param_groups:  # groups saved by torch.optim.Adam/AdamW lack our keys
-            group["adam_w_mode"] = group["decoupled_weight_decay"] = self._decoupled(group)
             group.setdefault("bias_correction", True)
             group.setdefault("impl", None)
             for p in group["params"]:
@@ -198,14 +211,19 @@ class FusedAdam(torch.optim.Optimizer):
                     st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """``torch.optim.Optimizer.load_state_dict``, also from ``torch.optim.Adam``/``AdamW`` state dicts.
+        """``torch.optim.Optimizer.load_state_dict``, also from ``torch.optim.Adam``/``AdamW`` state dicts. The weight
+        decay mode of a group is its ``adam_w_mode``, else its ``decoupled_weight_decay``, else this optimizer's.
 
         Raises:
             ValueError: a group asks for amsgrad or maximize, or holds a bad ``lr``, ``eps``, ``weight_decay``,
                 ``betas`` or ``impl`` (checked before anything is loaded; TypeError for a value that is not a
                 number).
         """
-        self._check_loadable(state_dict.get("param_groups", []))
+        now = [g.get("adam_w_mode", True) for g in self.param_groups]
+        groups = [self._loaded_mode(g, now[i] if i < len(now) else True)
+                  for i, g in enumerate(state_dict.get("param_groups", []))]
+        state_dict = {**state_dict, "param_groups": groups}
+        self._check_loadable(groups)
         super().load_state_dict(state_dict)
         self.__setstate__({"state": self.state, "param_groups": self.param_groups})
 
