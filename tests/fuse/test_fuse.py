@@ -1145,6 +1145,16 @@ def test_unfuse_cannot_fail_halfway_on_a_name_the_original_holds():
     assert isinstance(model[1]._parameters["weight"], nn.Parameter)
 
 
+def test_the_report_prints_brackets_as_written(monkeypatch):
+    """A review: the report's table read module paths and reasons as rich markup, so "x[/y]" raised MarkupError and
+    "[bold]z" lost its brackets (the list layout already printed them as written)."""
+    model = nn.ModuleDict({"x[/y]": nn.LayerNorm(8), "[bold]z": nn.LayerNorm(8)})
+    for columns in ("220", "90"):   # the table, the list
+        monkeypatch.setenv("COLUMNS", columns)
+        text = str(fuse(model, dry_run=True))
+        assert "x[/y]" in text and "[bold]z" in text, text
+
+
 def test_unfuse_carries_back_only_what_changed_on_the_replacement():
     """A review of the carry-back: unfuse copied back every attribute whose value differed, so changes made on the
     original object while fused (through a reference held elsewhere) were undone, an attribute of the original that

@@ -162,13 +162,14 @@ class FusionReport:
                   _yes_no(r.fused, r.backward), r.reason) for r in self.rows]
         short = sum(max(len(c[i]) for c in [header, *cells]) + 3 for i in range(6)) + 4  # + padding and rules
         if options.max_width >= short + self.REASON_MIN:
-            table = Table(title=title, show_lines=False)
+            # cells as Text: a reason or path holding "[...]" was read as rich markup (words lost, or MarkupError)
+            table = Table(title=Text(title), show_lines=False)
             for col in header:
                 table.add_column(col, overflow="fold")
             for r, row in zip(self.rows, cells):
-                table.add_row(*row, style=None if r.fused else "dim")
+                table.add_row(*map(Text, row), style=None if r.fused else "dim")
             if notes:  # notes under the table, left-aligned (rich centres a caption by default)
-                table.caption = "\n".join(notes)
+                table.caption = Text("\n".join(notes))
                 table.caption_justify = "left"
             yield table
             return
