@@ -270,6 +270,10 @@ def report_only(args: argparse.Namespace) -> int:
             env = data.get("environment")
             if not isinstance(env, dict) or not env.get("gpu") or not isinstance(data.get("e2e") or [], list):
                 raise ValueError("expected a results.json of benchmarks.run (environment with gpu; e2e a list)")
+            copy = data.get("copy")
+            if copy is not None and not (isinstance(copy, dict) and isinstance(copy.get("gbps"), (int, float))
+                                         and not isinstance(copy.get("gbps"), bool)):
+                raise ValueError(f"copy: expected a mapping with a number 'gbps', got {copy!r}")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise SystemExit(f"--report-only: {p}: {type(e).__name__}: {e}") from None
         if gpu is not None and env["gpu"] != gpu:
@@ -294,11 +298,14 @@ def report_only(args: argparse.Namespace) -> int:
                 merged[k] = v
         run_copy = (data.get("copy") or {}).get("gbps")
         for m in measurements:
-            # the row's run and that run's copy bandwidth, which its % of copy is relative to (a row merged before
-            # keeps both)
+            # the row's run, and the copy bandwidth its % of copy was computed against: recorded (a row merged
+            # since session 38), else what its stored % implies (the file's copy, or for an older merge the copy it
+            # used), else the file's copy; so a merge keeps every stored %
             m.extra = {**(m.extra or {}), "run": (m.extra or {}).get("run") or run_date}
-            if run_copy and not m.extra.get("copy_gbps"):
-                m.extra["copy_gbps"] = run_copy
+            if not m.extra.get("copy_gbps"):
+                implied = 100.0 * m.gbps / m.pct_of_copy if m.gbps and m.pct_of_copy else None
+                if implied or run_copy:
+                    m.extra["copy_gbps"] = implied or run_copy
             key = (m.op, m.impl, m.dtype, m.pas, m.cols)
             # a row that measured nothing (skipped; unavailable: the impl did not load or build; error: it crashed or
             # could not be timed) never hides a measured one: it would take the impl out of the tuning table's

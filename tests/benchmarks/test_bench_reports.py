@@ -200,6 +200,20 @@ def test_report_only_keeps_each_rows_percent_of_its_own_runs_copy(tmp_path, monk
                  "--no-tuning"]) == 0
     _, again = load_json(tmp_path / "o2" / "nvidia_h200_2026-11-22" / "results.json")
     assert {x.cols: x.pct_of_copy for x in again} == before
+    # a results.json without a copy section keeps its stored % (a review: they were rescaled to the other run's copy);
+    # a malformed copy section is one clear error
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    data = json.loads((Path(runs[0]) / "results.json").read_text())
+    data["copy"] = None
+    (bare / "results.json").write_text(json.dumps(data))
+    assert main(["--report-only", str(bare), runs[1], "--out", str(tmp_path / "o3"), "--no-tuning"]) == 0
+    _, mixed = load_json(tmp_path / "o3" / "nvidia_h200_2026-11-22" / "results.json")
+    assert {x.cols: round(x.pct_of_copy, 9) for x in mixed} == {c: round(v, 9) for c, v in before.items()}
+    data["copy"] = {"gbps": "4.2"}
+    (bare / "results.json").write_text(json.dumps(data))
+    with pytest.raises(SystemExit, match=r"--report-only: .*results.json: ValueError: copy: expected a mapping"):
+        main(["--report-only", str(bare), "--out", str(tmp_path / "o4"), "--no-tuning"])
 
 
 def test_rules_leave_out_timings_that_are_no_time_and_refuse_bad_sizes():
