@@ -207,7 +207,7 @@ class FusionReport:
         width = shutil.get_terminal_size((200, 24)).columns
         console = Console(width=max(width, 40), record=True, file=_NullIO(), color_system=None)
         console.print(self)
-        return console.export_text()
+        return "\n".join(line.rstrip() for line in console.export_text().splitlines())  # (padding to the width)
 
 
 def _yes_no(fused: bool, impl: str) -> str:
