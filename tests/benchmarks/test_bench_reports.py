@@ -174,6 +174,15 @@ def test_report_only_merges_e2e_rows_and_dates_each_row(tmp_path, monkeypatch):
     assert not (tmp_path / "out3").exists()
 
 
+def write_run(folder: Path, date: str, copy: dict, rows: list) -> str:
+    """A results.json of one H200 run in ``folder`` (made), its rows' % of copy filled from ``copy``."""
+    fill_pct(rows, copy["gbps"])
+    folder.mkdir()
+    write_json(folder / "results.json", {"gpu": "NVIDIA H200", "date": date, "device": "cuda"},
+               {"command": f"run {folder.name}"}, copy, rows)
+    return str(folder)
+
+
 def test_report_only_keeps_each_rows_percent_of_its_own_runs_copy(tmp_path, monkeypatch):
     """--report-only recomputed every row's % of copy against the last run's copy bandwidth (a walkthrough: a row
     whose GB/s had not changed went from 5.45% to 8.73%). Each row now keeps its own run's copy figure."""
@@ -183,13 +192,7 @@ def test_report_only_keeps_each_rows_percent_of_its_own_runs_copy(tmp_path, monk
     runs = []
     for i, (gbps, cols) in enumerate(((4000.0, 512), (2000.0, 1024))):
         copy = {"bytes": 2 * 2**30, "gbps": gbps, "median_ms": 0.5}
-        rows = [m(cols=cols, ms=1.0)]
-        fill_pct(rows, copy["gbps"])
-        d = tmp_path / f"run{i}"
-        d.mkdir()
-        write_json(d / "results.json", {"gpu": "NVIDIA H200", "date": f"2026-11-2{i + 1}T10:00:00+00:00",
-                                        "device": "cuda"}, {"command": f"run {i}"}, copy, rows)
-        runs.append(str(d))
+        runs.append(write_run(tmp_path / f"run{i}", f"2026-11-2{i + 1}T10:00:00+00:00", copy, [m(cols=cols, ms=1.0)]))
     before = {x.cols: x.pct_of_copy for r in runs for x in load_json(Path(r) / "results.json")[1]}
     assert main(["--report-only", *runs, "--out", str(tmp_path / "out"), "--no-tuning"]) == 0
     _, back = load_json(tmp_path / "out" / "nvidia_h200_2026-11-22" / "results.json")
@@ -241,12 +244,7 @@ def test_report_only_keeps_a_measurement_over_a_later_row_that_measured_nothing(
     for i, rows in enumerate(([m(impl="pipegoose", cols=4096, ms=1.0), m(impl="torch", cols=4096, ms=5.0)],
                               [m(impl="pipegoose", cols=4096, status="unavailable"),
                                m(impl="torch", cols=4096, status="error")])):
-        fill_pct(rows, copy["gbps"])
-        d = tmp_path / f"run{i}"
-        d.mkdir()
-        write_json(d / "results.json", {"gpu": "NVIDIA H200", "date": f"2026-12-0{i + 1}T01:00:00+00:00",
-                                        "device": "cuda"}, {"command": f"run {i}"}, copy, rows)
-        runs.append(str(d))
+        runs.append(write_run(tmp_path / f"run{i}", f"2026-12-0{i + 1}T01:00:00+00:00", copy, rows))
     repo_table = DEFAULT_TUNING_DIR / "nvidia_h200.json"
     before = repo_table.read_bytes() if repo_table.exists() else None
     assert main(["--report-only", *runs, "--out", str(tmp_path / "out")]) == 0
