@@ -358,3 +358,7 @@ def test_fused_adam_weight_decay_mode_of_loaded_and_none_groups():
     assert l2.param_groups[0]["adam_w_mode"] is False and l2.param_groups[0]["decoupled_weight_decay"] is False
     restored = copy.deepcopy(l2)   # pickling goes through __setstate__ too
     assert restored.param_groups[0]["adam_w_mode"] is False
+    bad = copy.deepcopy(l2.state_dict())
+    bad["param_groups"][0]["adam_w_mode"] = "no"   # a loaded switch is still checked, not read as bool("no")
+    with pytest.raises(TypeError, match="adam_w_mode: expected True or False, got 'no'"):
+        l2.load_state_dict(bad)

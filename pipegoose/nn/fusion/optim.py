@@ -101,8 +101,8 @@ class FusedAdam(torch.optim.Optimizer):
     def _decoupled(group: dict) -> bool:
         """A group's weight decay mode from ``adam_w_mode`` or ``decoupled_weight_decay`` (torch.optim.Adam's name,
         which torch.optim.AdamW state dicts carry), whichever it has (True when neither). A group with both, different,
-        is a ValueError: they drifted apart per group, and a state dict loaded into AdamW followed the other one (a
-        walkthrough: 0.18 apart after 3 steps)."""
+        is a ValueError: they drifted apart per group, and a state dict loaded into torch.optim.Adam followed the
+        other one (a walkthrough)."""
         a, d = group.get("adam_w_mode"), group.get("decoupled_weight_decay")
         if a is not None and d is not None and bool(a) != bool(d):
             raise ValueError(f"adam_w_mode={a!r} and decoupled_weight_decay={d!r}: one setting (decoupled weight "
@@ -195,7 +195,9 @@ class FusedAdam(torch.optim.Optimizer):
         ``decoupled_weight_decay``), else ``decoupled_weight_decay`` (torch.optim.Adam/AdamW), else ``fallback`` (an
         older torch state dict has neither: the loading optimizer's own setting). A copy; the caller's is kept."""
         a, d = group.get("adam_w_mode"), group.get("decoupled_weight_decay")
-        mode = bool(a if a is not None else d if d is not None else fallback)
+        mode = a if a is not None else d if d is not None else fallback
+        if not isinstance(mode, bool):  # left as saved: the checks name it (bool("no") would be True)
+            return dict(group)
         return {**group, "adam_w_mode": mode, "decoupled_weight_decay": mode}
 
     def __setstate__(self, state: dict) -> None:
