@@ -3763,6 +3763,10 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
 // cooperative launch (no second kernel; LayerNorm 0.2-5.7 points slower). Session 18 (call 4): 16-byte loads, blocks of
 // 8 x 64 threads over 32 columns each holding a float4 per partial row (four times the bytes in flight): within 0.6
 // points at 576-4096 columns; from 5120 slower by 1.0-3.5 in 16-bit (bf16 32768: 67.9 -> 65.1), 0.4-2.5 in fp32.
+// Session 39 (call 1; benchmarks/results/nvidia_h200_2026-11-30/session39.log): each 32-column tile split over a
+// cluster of up to 8 blocks (about four blocks per SM; block 0 adds the others' sums, pushed into its shared memory,
+// in rank order), still a programmatic dependent launch: -0.0 to +0.9 at 64-512 columns, slower from 1024 (bf16
+// LayerNorm / RMSNorm 4096: 86.3 / 87.1 -> 82.6 / 83.2; 8192 x 8192: 81.7 / 89.7 -> 76.6 / 84.1; fp32 -0.1 to -3.1).
 template <typename TA, typename TB>
 void launch_col_reduce(const at::Tensor& ws, int H, TA* out_a, TB* out_b, cudaStream_t stream) {
   constexpr int kLanes = 16, kIlp = 4;
