@@ -161,7 +161,7 @@ class FusionReport:
         cells = [(r.path or "<model>", r.kind, r.original, r.replacement or "skipped", _yes_no(r.fused, r.forward),
                   _yes_no(r.fused, r.backward), r.reason) for r in self.rows]
         short = sum(max(len(c[i]) for c in [header, *cells]) + 3 for i in range(6)) + 4  # + padding and rules
-        if options.max_width >= short + self.REASON_MIN:
+        if cells and options.max_width >= short + self.REASON_MIN:  # no rows: the title and notes alone
             # cells as Text: a reason or path holding "[...]" was read as rich markup (words lost, or MarkupError)
             table = Table(title=Text(title), show_lines=False)
             for col in header:
