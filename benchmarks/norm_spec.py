@@ -4,7 +4,8 @@
                                    [--out FILE.json]
 
 The norm kernels (``pipegoose/kernels/csrc/norm_kernels.cuh``) ship backward kernels specialised to the hidden sizes
-``kBwdSpecHidden``; ``-DPIPEGOOSE_NORM_NO_SPEC`` leaves them out. This builds ``pipegoose/layer_norm`` and
+``kBwdSpecHidden`` and, for 16-bit inputs with gradients of the same dtype, ``kBwdSpec16Ln`` / ``kBwdSpec16Rms``
+(2560-6144); ``-DPIPEGOOSE_NORM_NO_SPEC`` leaves all of them out. This builds ``pipegoose/layer_norm`` and
 ``pipegoose/rms_norm`` both ways (in parallel, each build in its own process: two builds of one op cannot share a
 process, they register the same ``torch.ops.pipegoose`` names; the generic one in a cold temporary cache, the shipped
 one in the user's cache, reused when present), then, one process at a time, times

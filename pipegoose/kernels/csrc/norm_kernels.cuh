@@ -42,6 +42,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -2963,6 +2964,33 @@ static_assert(bwd_plan_is(bwd_plan<8, true, true>(1152, true), 4, 288, false, tr
 // builds both ways to compare).
 constexpr int kBwdSpecHidden[] = {768, 1024, 2048, 4096, 8192};
 static_assert(sizeof(kBwdSpecHidden) / sizeof(int) == 5, "launch_bwd tries exactly five sizes");
+// More model widths, for 16-bit inputs and gradients of the same dtype only (kBwdSpec16Ln for LayerNorm,
+// kBwdSpec16Rms for RMSNorm): Phi-2 / GPT-NeoX-2.7B 2560, Llama-3.2-3B 3072, Qwen2-7B 3584, Llama-2-13B 5120, 6144.
+// Session 39 (call 3, raw, 16384 rows, % of copy, two rounds; benchmarks/results/nvidia_h200_2026-11-30/
+// session39.log), -DPIPEGOOSE_NORM_HIDDEN=H builds against the shipped one, bf16 backward: LayerNorm 2560 / 3072 /
+// 3584 / 5120 / 6144 +3.6 / +3.9 / +0.3 / +1.5 / -4.9, RMSNorm +1.9 / +1.6 / +1.6 / +2.0 / +2.6; fp32 mixed (RMSNorm
+// 2560 and 3584 -2.4), so fp32 keeps the kernels compiled for its threads per row. -DPIPEGOOSE_NORM_NO_SPEC16 leaves
+// these out (the A/B's control).
+constexpr int kBwdSpec16Ln[] = {2560, 3072, 5120};
+constexpr int kBwdSpec16Rms[] = {2560, 3072, 3584, 5120, 6144};
+static_assert(sizeof(kBwdSpec16Ln) / sizeof(int) == 3 && sizeof(kBwdSpec16Rms) / sizeof(int) == 5,
+              "launch_bwd tries exactly these sizes");
+// Whether launch_bwd<Tin, Tdy, RMS> has a kernel specialised to H (kBwdSpecHidden, kBwdSpec16Ln / kBwdSpec16Rms).
+template <typename Tin, typename Tdy, bool RMS>
+constexpr bool bwd_spec16(int64_t H) {
+#if defined(PIPEGOOSE_NORM_NO_SPEC) || defined(PIPEGOOSE_NORM_NO_SPEC16)
+  (void)H;
+  return false;
+#else
+  if (sizeof(Tin) != 2 || !std::is_same<Tin, Tdy>::value) return false;
+  if (RMS) {
+    for (int hc : kBwdSpec16Rms) if (H == hc) return true;
+  } else {
+    for (int hc : kBwdSpec16Ln) if (H == hc) return true;
+  }
+  return false;
+#endif
+}
 
 #if defined(PIPEGOOSE_NORM_HIDDEN)
 static_assert(PIPEGOOSE_NORM_HIDDEN > 0, "PIPEGOOSE_NORM_HIDDEN: expected a hidden size > 0");
@@ -3565,6 +3593,7 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
 #if !defined(PIPEGOOSE_NORM_NO_SPEC)
   for (int hc : kBwdSpecHidden) spec_h = spec_h || H == hc;
 #endif
+  spec_h = spec_h || bwd_spec16<Tin, Tdy, RMS>(H);
   const int ptpb = kAsyncBwd && vec && cfg.nv == 2 && !cfg.acc_smem ? pack_tpb(V, RMS, cfg.tpr, spec_h) : 0;
   const int rpb = cfg.acc_smem ? 1 : ptpb != 0 ? ptpb / cfg.tpr : rows_per_block(cfg.tpr);
   const int threads = rpb * cfg.tpr;
@@ -3727,6 +3756,20 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
   if (try_spec(IC<kBwdSpecHidden[0]>{}) || try_spec(IC<kBwdSpecHidden[1]>{}) || try_spec(IC<kBwdSpecHidden[2]>{}) ||
       try_spec(IC<kBwdSpecHidden[3]>{}) || try_spec(IC<kBwdSpecHidden[4]>{})) {
     return ws;
+  }
+#endif
+#if !defined(PIPEGOOSE_NORM_NO_SPEC) && !defined(PIPEGOOSE_NORM_NO_SPEC16)
+  if constexpr (sizeof(Tin) == 2 && std::is_same<Tin, Tdy>::value) {
+    if constexpr (RMS) {
+      if (try_spec(IC<kBwdSpec16Rms[0]>{}) || try_spec(IC<kBwdSpec16Rms[1]>{}) || try_spec(IC<kBwdSpec16Rms[2]>{}) ||
+          try_spec(IC<kBwdSpec16Rms[3]>{}) || try_spec(IC<kBwdSpec16Rms[4]>{})) {
+        return ws;
+      }
+    } else {
+      if (try_spec(IC<kBwdSpec16Ln[0]>{}) || try_spec(IC<kBwdSpec16Ln[1]>{}) || try_spec(IC<kBwdSpec16Ln[2]>{})) {
+        return ws;
+      }
+    }
   }
 #endif
   if (!vec) {
