@@ -2965,7 +2965,8 @@ static_assert(bwd_plan_is(bwd_plan<8, true, true>(1152, true), 4, 288, false, tr
 constexpr int kBwdSpecHidden[] = {768, 1024, 2048, 4096, 8192};
 static_assert(sizeof(kBwdSpecHidden) / sizeof(int) == 5, "launch_bwd tries exactly five sizes");
 // More model widths, for 16-bit inputs and gradients of the same dtype only (kBwdSpec16Ln for LayerNorm,
-// kBwdSpec16Rms for RMSNorm): Phi-2 / GPT-NeoX-2.7B 2560, Llama-3.2-3B 3072, Qwen2-7B 3584, Llama-2-13B 5120, 6144.
+// kBwdSpec16Rms for RMSNorm): Phi-2 / GPT-NeoX-2.7B 2560, Llama-3.2-3B 3072, Qwen2-7B 3584, Llama-2-13B 5120,
+// GPT-NeoX-20B 6144.
 // Session 39 (call 3, raw, 16384 rows, % of copy, two rounds; benchmarks/results/nvidia_h200_2026-11-30/
 // session39.log), -DPIPEGOOSE_NORM_HIDDEN=H builds against the shipped one, bf16 backward: LayerNorm 2560 / 3072 /
 // 3584 / 5120 / 6144 +3.6 / +3.9 / +0.3 / +1.5 / -4.9, RMSNorm +1.9 / +1.6 / +1.6 / +2.0 / +2.6; fp32 mixed (RMSNorm
@@ -2975,7 +2976,7 @@ constexpr int kBwdSpec16Ln[] = {2560, 3072, 5120};
 constexpr int kBwdSpec16Rms[] = {2560, 3072, 3584, 5120, 6144};
 static_assert(sizeof(kBwdSpec16Ln) / sizeof(int) == 3 && sizeof(kBwdSpec16Rms) / sizeof(int) == 5,
               "launch_bwd tries exactly these sizes");
-// Whether launch_bwd<Tin, Tdy, RMS> has a kernel specialised to H (kBwdSpecHidden, kBwdSpec16Ln / kBwdSpec16Rms).
+// Whether H is one of kBwdSpec16Ln / kBwdSpec16Rms for launch_bwd<Tin, Tdy, RMS> (kBwdSpecHidden: checked apart).
 template <typename Tin, typename Tdy, bool RMS>
 constexpr bool bwd_spec16(int64_t H) {
 #if defined(PIPEGOOSE_NORM_NO_SPEC) || defined(PIPEGOOSE_NORM_NO_SPEC16)
