@@ -22,6 +22,20 @@ def test_demo_config_name_cpu(capsys):
     assert "FusedRMSNorm" in out and "PASS" in out
 
 
+@pytest.mark.parametrize("columns", [60, 100])
+def test_demo_output_fits_the_terminal(capsys, monkeypatch, columns):
+    """Every line of the main job's output (the fuse report too) fits COLUMNS and none is padded: it was 200 columns
+    wide whatever the terminal, and the report's list layout was padded with spaces to that width. (rich leaves one
+    space where it wraps a line of its own.)"""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    assert demo.main(["--model", "bert", "--device", "cpu", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "MixedFusedLayerNorm" in out and "PASS" in out
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= columns, [ln for ln in lines if len(ln) > columns]
+    assert not [ln for ln in lines if ln.endswith("  ")], out
+
+
 def test_demo_bad_model(capsys, tmp_path):
     assert demo.main(["--model", "no_such_arch", "--device", "cpu"]) == 2
     assert "unknown config name 'no_such_arch'" in capsys.readouterr().out.replace("\n", "")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -332,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="attention the model is loaded with (default eager: the unfused baseline whose "
                              "softmax ours replaces; with sdpa, auto keeps SDPA unless the tuning table says otherwise)")
     args = parser.parse_args(argv)
-    console = Console(width=max(Console().width, 200))
+    # as wide as the terminal (COLUMNS, else the terminal's; 200 where there is none: a log file), as the report's
+    # str() is: a fixed 200 broke every line in a narrower terminal
+    console = Console(width=max(shutil.get_terminal_size((200, 24)).columns, 40))
 
     if args.steps < 1:
         parser.error("--steps: expected a positive integer")
@@ -374,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     if sum(p.numel() for p in model.parameters()) <= FLOAT64_MAX_PARAMS:
         ref64, why_no_ref64 = float64_reference(model, batch)
     report = fuse(model, attention=args.attention)
-    console.print(report)
+    print(report)  # str(): the report at the terminal's width, without the padding rich adds to the list layout
     dispatch.reset_stats()
     try:
         out = step(model, batch)
