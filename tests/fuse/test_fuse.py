@@ -1156,6 +1156,7 @@ def test_the_report_prints_brackets_as_written(monkeypatch):
         text = str(fuse(model, dry_run=True))
         assert "x[/y]" in text and "[bold]z" in text, text
         assert all(line == line.rstrip() for line in text.splitlines())   # no padding to the width (a review)
+        assert text.startswith("pipegoose fusion of"), text   # the title left-aligned (rich centred it: a walkthrough)
 
 
 def test_unfuse_carries_back_only_what_changed_on_the_replacement():

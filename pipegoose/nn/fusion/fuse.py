@@ -163,7 +163,7 @@ class FusionReport:
         short = sum(max(len(c[i]) for c in [header, *cells]) + 3 for i in range(6)) + 4  # + padding and rules
         if cells and options.max_width >= short + self.REASON_MIN:  # no rows: the title and notes alone
             # cells as Text: a reason or path holding "[...]" was read as rich markup (words lost, or MarkupError)
-            table = Table(title=Text(title), show_lines=False)
+            table = Table(title=Text(title), title_justify="left", show_lines=False)
             for col in header:
                 table.add_column(col, overflow="fold")
             for r, row in zip(self.rows, cells):
