@@ -2970,8 +2970,9 @@ static_assert(sizeof(kBwdSpecHidden) / sizeof(int) == 5, "launch_bwd tries exact
 // Session 39 (call 3, raw, 16384 rows, % of copy, two rounds; benchmarks/results/nvidia_h200_2026-11-30/
 // session39.log), -DPIPEGOOSE_NORM_HIDDEN=H builds against the shipped one, bf16 backward: LayerNorm 2560 / 3072 /
 // 3584 / 5120 / 6144 +3.6 / +3.9 / +0.3 / +1.5 / -4.9, RMSNorm +1.9 / +1.6 / +1.6 / +2.0 / +2.6; fp32 mixed (RMSNorm
-// 2560 and 3584 -2.4), so fp32 keeps the kernels compiled for its threads per row. -DPIPEGOOSE_NORM_NO_SPEC16 leaves
-// these out (the A/B's control).
+// 2560 and 3584 -2.4), so fp32 keeps the kernels compiled for its threads per row. fp16 takes them too, unmeasured
+// against a control (its plans are bf16's; call 4 ran it within 2 points of bf16). -DPIPEGOOSE_NORM_NO_SPEC16 leaves
+// these out.
 constexpr int kBwdSpec16Ln[] = {2560, 3072, 5120};
 constexpr int kBwdSpec16Rms[] = {2560, 3072, 3584, 5120, 6144};
 static_assert(sizeof(kBwdSpec16Ln) / sizeof(int) == 3 && sizeof(kBwdSpec16Rms) / sizeof(int) == 5,
@@ -3809,8 +3810,9 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
 // points at 576-4096 columns; from 5120 slower by 1.0-3.5 in 16-bit (bf16 32768: 67.9 -> 65.1), 0.4-2.5 in fp32.
 // Session 39 (call 1; benchmarks/results/nvidia_h200_2026-11-30/session39.log): each 32-column tile split over a
 // cluster of up to 8 blocks (about four blocks per SM; block 0 adds the others' sums, pushed into its shared memory,
-// in rank order), still a programmatic dependent launch: -0.0 to +0.9 at 64-512 columns, slower from 1024 (bf16
-// LayerNorm / RMSNorm 4096: 86.3 / 87.1 -> 82.6 / 83.2; 8192 x 8192: 81.7 / 89.7 -> 76.6 / 84.1; fp32 -0.1 to -3.1).
+// in rank order), still a programmatic dependent launch: -0.0 to +0.9 at 64-512 and 65536 columns, slower at
+// 1024-16384 (bf16 LayerNorm / RMSNorm 4096: 86.3 / 87.1 -> 82.6 / 83.2; 8192 x 8192: 81.7 / 89.7 -> 76.6 / 84.1; fp32
+// -0.1 to -3.1).
 template <typename TA, typename TB>
 void launch_col_reduce(const at::Tensor& ws, int H, TA* out_a, TB* out_b, cudaStream_t stream) {
   constexpr int kLanes = 16, kIlp = 4;
