@@ -104,8 +104,11 @@ def test_fuse_parity_and_unfuse(arch, attn, attention, softmax_calls):
         # SDPA kept on purpose (it fuses the softmax itself) is no module left unfused: it counted as "eligible,
         # skipped", and the report of a model with every norm fused said 8/10 (80%)
         assert not any(r.eligible for r in att_rows) and report.coverage == 1.0, report
+        # the title said "100%" over rows of skipped attention, without a word that they are not counted
+        assert "(100%); not counted: 2 attention left as they are" in " ".join(str(report).split()), report
     else:
         assert report.attention["chosen"] == "pipegoose" and report.coverage == 1.0
+        assert "not counted" not in str(report), report
     assert "eligible modules fused" in str(report)
     # the "@128" of the attention rows' implementations is explained under the table, only where it appears
     probe = any("@128" in r.forward for r in report.fused_rows("attention"))

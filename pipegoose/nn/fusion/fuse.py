@@ -153,9 +153,7 @@ class FusionReport:
         from rich.table import Table
         from rich.text import Text
 
-        title = (f"pipegoose fusion of {self.model}{' (dry run)' if self.dry_run else ''}: "
-                 + (f"{self.covered}/{self.eligible} eligible modules {'would be ' if self.dry_run else ''}fused "
-                    f"({self.coverage:.0%})" if self.eligible else "no eligible module (nothing fused)"))
+        title = self._title()
         notes = self._notes()
         header = ("module", "kind", "original", "replacement", "fused fwd", "fused bwd", "reason")
         cells = [(r.path or "<model>", r.kind, r.original, r.replacement or "skipped", _yes_no(r.fused, r.forward),
@@ -180,6 +178,21 @@ class FusionReport:
             yield Padding(Text(f"fwd {fwd}; bwd {bwd}; {reason}", style=style, overflow="fold"), (0, 0, 0, 4))
         for n in notes:
             yield Text(n, overflow="fold")
+
+    def _title(self) -> str:
+        """The report's first line: the model, the share of eligible modules fused, and the modules left as they are
+        that the share does not count (kept attention, parametrized norms), by kind."""
+        title = (f"pipegoose fusion of {self.model}{' (dry run)' if self.dry_run else ''}: "
+                 + (f"{self.covered}/{self.eligible} eligible modules {'would be ' if self.dry_run else ''}fused "
+                    f"({self.coverage:.0%})" if self.eligible else "no eligible module (nothing fused)"))
+        uncounted: dict[str, int] = {}
+        for r in self.rows:
+            if not r.eligible and not r.fused:
+                uncounted[r.kind] = uncounted.get(r.kind, 0) + 1
+        if uncounted:
+            kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(uncounted.items()))
+            title += f"; not counted: {kinds} left as they are"
+        return title
 
     def _notes(self) -> list[str]:
         """The lines under the report: the attention choice, the probe's sequence length, the kinds left out."""
