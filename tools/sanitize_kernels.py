@@ -32,9 +32,9 @@ import sys
 
 import torch
 
-NORM_HIDDEN = (1, 7, 32, 64, 96, 100, 128, 200, 264, 448, 768, 1000, 1024, 1160, 2048, 2312, 2560, 3000, 3072, 3584,
-               4096, 5120, 6144, 6400, 8192, 9224, 10240, 11264, 12288, 16384, 20000, 32000, 32768, 40008, 64000,
-               65536, 65544)
+NORM_HIDDEN = (1, 7, 32, 64, 96, 100, 128, 200, 264, 448, 576, 768, 896, 960, 1000, 1024, 1152, 1160, 1280, 1536,
+               1600, 2048, 2304, 2312, 2560, 3000, 3072, 3584, 3840, 4096, 4608, 5120, 6144, 6400, 7168, 8192, 9224,
+               10240, 11264, 12288, 16384, 20000, 32000, 32768, 40008, 64000, 65536, 65544)
 SOFTMAX_KEYS = (1, 5, 127, 1000, 2048, 4097, 16384, 32768, 40000)
 
 
@@ -70,18 +70,18 @@ def main() -> int:
                 # kernel's ring of stages wraps around; in 16-bit, 200 and 264 run the kernel of run-time geometry
                 # (three stages), 1000 kernels compiled for their threads per row, 2312 one packing three rows to a
                 # block of 512 threads, 1160 ten rows (LayerNorm) to a block of 1024, 768 and 4096 kernels compiled
-                # for the size, packed into blocks of 512, and 2560, 3072 and 5120 kernels compiled for the size
-                # (kBwdSpec16Ln / kBwdSpec16Rms; 3584 and 6144 RMSNorm's, LayerNorm's compiled for their threads per
-                # row), packed into blocks of 512 or 1024 (5120: three rows); in fp32, 1160 and 3000
-                # LayerNorm rows packed into blocks of 1024). 601 rows of 20000 columns: the clusters of the wide
-                # rows' backward (16-bit: 3 blocks, the last slab shorter; fp32: 4) walk several steps and their rings
-                # of stages wrap around, with a last step of one row in two (40008 columns, 16-bit clusters of 5
-                # blocks: 3 rows; with 601 rows, memcheck ran clean in session 37, but racecheck of 20000 and 40008
-                # columns did not end within 150 s, where with 3 it ended in under 60). 601 rows of 9224 and 11264
-                # columns: 16-bit RMSNorm's rows on sm_90's cluster kernel (2 blocks), and where no cluster
-                # runs (PIPEGOOSE_NORM_CLUSTERS=0, before sm_90) its wide register rows (one 768-thread block per SM,
-                # four stages): their stages wrap.
-                many = h in (200, 264, 768, 1000, 1160, 2312, 2560, 3000, 3072, 3584, 4096, 5120, 6144)
+                # for the size, packed into blocks of 512, and 576-7168 kernels compiled for the size where
+                # BwdSpecExtra lists them (else those compiled for their threads per row), packed into blocks of 512
+                # or 1024 (5120: three rows); in fp32, 1160 and 3000 LayerNorm rows packed into blocks of 1024).
+                # 601 rows of 20000 columns: the clusters of the wide rows' backward (16-bit: 3 blocks, the last slab
+                # shorter; fp32: 4) walk several steps and their rings of stages wrap around, with a last step of one
+                # row in two (40008 columns, 16-bit clusters of 5 blocks: 3 rows; with 601 rows, memcheck ran clean
+                # in session 37, but racecheck of 20000 and 40008 columns did not end within 150 s, where with 3 it
+                # ended in under 60). 601 rows of 9224 and 11264 columns: 16-bit RMSNorm's rows on sm_90's cluster
+                # kernel (2 blocks), and where no cluster runs (PIPEGOOSE_NORM_CLUSTERS=0, before sm_90) its wide
+                # register rows (one 768-thread block per SM, four stages): their stages wrap.
+                many = h in (200, 264, 576, 768, 896, 960, 1000, 1152, 1160, 1280, 1536, 1600, 2304, 2312, 2560,
+                              3000, 3072, 3584, 3840, 4096, 4608, 5120, 6144, 7168)
                 # 300 fp32 rows of 64000 and 65536 columns: LayerNorm's split forward walks rows, a block per SM,
                 # each block copying its next row into the shared memory that its current row's output has read
                 walk = h in (64000, 65536) and dt == torch.float32

@@ -424,7 +424,7 @@ constexpr int round_tpr(int64_t n) {
 
 constexpr int rows_per_block(int tpr) { return tpr >= 256 ? 1 : 256 / tpr; }
 
-// Compile-time geometry of a kernel specialised to H == HC (HC > 0: the backward's shipped sizes kBwdSpecHidden and
+// Compile-time geometry of a kernel specialised to H == HC (HC > 0: the backward's shipped sizes BwdSpecHidden and
 // PIPEGOOSE_NORM_HIDDEN builds, see the host side): chunks per row, threads per row (every plan of fwd_plan / bwd_plan with NV chunks per thread takes
 // round_tpr(ceil_div(chunks, NV)); the launches static_assert it against the plan), rows per block (one with the
 // backward's shared-memory accumulators: ONE_ROW) and 1 / H. HC == 0 (the generic kernels): unused.
@@ -1121,7 +1121,7 @@ constexpr bool dx_fma() {
 // dynamic shared memory [NACC][tpr][NV * VEC + 1] owned slot by slot by one thread (ACC_SMEM true; requires one
 // row group per block). At the end, with several row groups per block, dynamic shared memory [RPB][H] floats
 // combines them in a fixed order; each block writes one partial row per accumulator into ws.
-// HC > 0 (kBwdSpecHidden, or PIPEGOOSE_NORM_HIDDEN builds): specialised to H == HC as norm_fwd_kernel, with the geometry
+// HC > 0 (BwdSpecHidden, or PIPEGOOSE_NORM_HIDDEN builds): specialised to H == HC as norm_fwd_kernel, with the geometry
 // FixedRow<HC, VEC, NV, ACC_SMEM>.
 template <bool ACC_SMEM, bool F32>
 struct BwdBounds {
@@ -1373,7 +1373,7 @@ norm_bwd_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, const voi
 // Same arguments and requirements as norm_bwd_kernel with ACC_SMEM = false and 16-byte chunks of x and dy, and the
 // same arithmetic in the same order.
 // Stages and resident blocks per SM (the launch bound), from the session 6 A/B on the H200 (bwd % of copy, bf16
-// LayerNorm / RMSNorm): 256-thread blocks of the 16-bit kernels specialised to a hidden size (kBwdSpecHidden: no
+// LayerNorm / RMSNorm): 256-thread blocks of the 16-bit kernels specialised to a hidden size (BwdSpecHidden: no
 // spills at 64 registers; since session 16 also those compiled for their threads per row, TPRC) run four blocks of two
 // stages (1024-4096 columns: LayerNorm 76-77 -> 83-85, RMSNorm about
 // even); the others three blocks of three stages (at 512 columns, generic: LayerNorm 85 against 72 with four blocks
@@ -1464,7 +1464,7 @@ constexpr size_t bwd_async_stage_bytes(int stages, int rpb, int nv, int tpr, int
   return static_cast<size_t>(stages) * rpb * nv * tpr * vec * static_cast<size_t>(in_bytes + dy_bytes);
 }
 
-// Rows of two chunks per thread of the register plan without a specialised kernel (widths not in kBwdSpecHidden), by
+// Rows of two chunks per thread of the register plan without a specialised kernel (widths not in BwdSpecHidden), by
 // their threads per row (tpr, a multiple of 32 up to 512 there): how they run in norm_bwd_async_kernel.
 // - kRuntime: the kernel of run-time geometry (TPRC = 0), as before session 16.
 // - kFixed: the kernel compiled for tpr (TPRC = tpr; rows per block TPB / tpr and the index arithmetic are
@@ -1489,10 +1489,11 @@ constexpr size_t bwd_async_stage_bytes(int stages, int rpb, int nv, int tpr, int
 enum class Tprc { kRuntime, kFixed, kPacked };
 
 // Blocks that the rows of two chunks per thread of the register plan fill, by dtype (vec: 8 for 16-bit, 4 for fp32),
-// op, threads per row and kernel (spec: the kernel specialised to the row's size, kBwdSpecHidden; else the one compiled
-// for tpr, tprc_mode): 0 where they keep their unpacked blocks (256 threads; rows of 257-512 threads 512), else 512 or
-// 1024 (kPacked; at most 15 rows per block: the named barriers). Fewer, wider blocks per SM keep as many rows in
-// flight and leave fewer partial rows of column sums in the workspace (at [16384, 4096] 16-bit: 264 instead of 528).
+// op, threads per row and kernel (spec: the kernel specialised to the row's size, BwdSpecHidden or BwdSpecExtra; else
+// the one compiled for tpr, tprc_mode): 0 where they keep their unpacked blocks (256 threads; rows of 257-512 threads
+// 512), else 512 or 1024 (kPacked; at most 15 rows per block: the named barriers). Fewer, wider blocks per SM keep as
+// many rows in flight and leave fewer partial rows of column sums in the workspace (at [16384, 4096] 16-bit: 264
+// instead of 528).
 // Session 17's A/B of the raw backward (H200, % of copy, two rounds, bf16 and fp16 alike; benchmarks/results/
 // nvidia_h200_2026-11-30/session17.log), against session 16's choices (-DPIPEGOOSE_NORM_BWD_NO_PACK_TABLE):
 // - 16-bit, blocks of 512 at tpr 64 and 128 and the specialised 4096 (tpr 256): -0.1 to +5.0 (LayerNorm bf16
@@ -1555,7 +1556,7 @@ constexpr int kMaxPackTpb = [] {
   return m;
 }();
 
-// Rows of two chunks per thread of the register plan without a specialised kernel (widths not in kBwdSpecHidden), by
+// Rows of two chunks per thread of the register plan without a specialised kernel (widths not in BwdSpecHidden), by
 // their threads per row (tpr, a multiple of 32 up to 512 there): how they run in norm_bwd_async_kernel.
 // - kRuntime: the kernel of run-time geometry (TPRC = 0), as before session 16.
 // - kFixed: the kernel compiled for tpr (TPRC = tpr; rows per block TPB / tpr and the index arithmetic are
@@ -2949,7 +2950,7 @@ static_assert(bwd_plan_is(bwd_plan<8, true, true>(1152, true), 4, 288, false, tr
 
 // Shape-specialised build: a benchmark experiment (issue #6: one build per shape against the generic build), used
 // by benchmarks/build_cost.py --specialise. What ships: the generic forward, and the backward specialised to the
-// sizes kBwdSpecHidden (below), the only place where the experiment found a gain.
+// sizes BwdSpecHidden (below), the only place where the experiment found a gain.
 // Compiling with -DPIPEGOOSE_NORM_HIDDEN=H0 (H0 > 0, a multiple of 8 so that every dtype's vector chunk divides
 // it) adds instantiations of norm_fwd_kernel / norm_bwd_kernel with HC = H0: the plan fwd_plan / bwd_plan would
 // choose for H0 (evaluated at compile time, so the same plan), with H, the chunks and threads per row, the rows
@@ -2962,36 +2963,61 @@ static_assert(bwd_plan_is(bwd_plan<8, true, true>(1152, true), 4, 288, false, tr
 // to the size took 0.149 ms against 0.182 ms (H200, benchmarks/results/nvidia_h200_2026-11-29/SUMMARY.md). Each
 // size adds one kernel per (input, grad dtype) pair; -DPIPEGOOSE_NORM_NO_SPEC leaves them out (benchmarks/norm_spec.py
 // builds both ways to compare).
-constexpr int kBwdSpecHidden[] = {768, 1024, 2048, 4096, 8192};
-static_assert(sizeof(kBwdSpecHidden) / sizeof(int) == 5, "launch_bwd tries exactly five sizes");
-// More model widths, for 16-bit inputs and gradients of the same dtype only (kBwdSpec16Ln for LayerNorm,
-// kBwdSpec16Rms for RMSNorm): Phi-2 / GPT-NeoX-2.7B 2560, Llama-3.2-3B 3072, Qwen2-7B 3584, Llama-2-13B 5120,
-// GPT-NeoX-20B 6144.
-// Session 39 (call 3, raw, 16384 rows, % of copy, two rounds; benchmarks/results/nvidia_h200_2026-11-30/
-// session39.log), -DPIPEGOOSE_NORM_HIDDEN=H builds against the shipped one, bf16 backward: LayerNorm 2560 / 3072 /
-// 3584 / 5120 / 6144 +3.6 / +3.9 / +0.3 / +1.5 / -4.9, RMSNorm +1.9 / +1.6 / +1.6 / +2.0 / +2.6; fp32 mixed (RMSNorm
-// 2560 and 3584 -2.4), so fp32 keeps the kernels compiled for its threads per row. fp16 takes them too, unmeasured
-// against a control (its plans are bf16's; call 4 ran it within 2 points of bf16). -DPIPEGOOSE_NORM_NO_SPEC16 leaves
-// these out.
-constexpr int kBwdSpec16Ln[] = {2560, 3072, 5120};
-constexpr int kBwdSpec16Rms[] = {2560, 3072, 3584, 5120, 6144};
-static_assert(sizeof(kBwdSpec16Ln) / sizeof(int) == 3 && sizeof(kBwdSpec16Rms) / sizeof(int) == 5,
-              "launch_bwd tries exactly these sizes");
-// Whether H is one of kBwdSpec16Ln / kBwdSpec16Rms for launch_bwd<Tin, Tdy, RMS> (kBwdSpecHidden: checked apart).
-template <typename Tin, typename Tdy, bool RMS>
-constexpr bool bwd_spec16(int64_t H) {
-#if defined(PIPEGOOSE_NORM_NO_SPEC) || defined(PIPEGOOSE_NORM_NO_SPEC16)
-  (void)H;
-  return false;
+template <int... Hs>
+using Sizes = std::integer_sequence<int, Hs...>;
+#if defined(PIPEGOOSE_NORM_NO_SPEC)
+using BwdSpecHidden = Sizes<>;
 #else
-  if (sizeof(Tin) != 2 || !std::is_same<Tin, Tdy>::value) return false;
-  if (RMS) {
-    for (int hc : kBwdSpec16Rms) if (H == hc) return true;
-  } else {
-    for (int hc : kBwdSpec16Ln) if (H == hc) return true;
-  }
-  return false;
+using BwdSpecHidden = Sizes<768, 1024, 2048, 4096, 8192>;
 #endif
+// More model widths, for inputs and gradients of one dtype only (BwdSpecExtra): SmolLM2-135M 576, Qwen2-0.5B 896,
+// SmolLM2-360M 960, Gemma-3-1B 1152, GPT-2 large 1280, Qwen2-1.5B 1536, GPT-2 XL 1600, Gemma-2-2B 2304, Phi-2 /
+// GPT-NeoX-2.7B 2560, Llama-3.2-3B 3072, Qwen2-7B 3584, Gemma-3-12B 3840, Gemma-2-27B 4608, Llama-2-13B 5120,
+// GPT-NeoX-20B 6144, Yi-34B 7168. Each list keeps the widths where a -DPIPEGOOSE_NORM_HIDDEN=H build ran the raw
+// backward faster than the shipped one (16384 rows, % of copy, two rounds in alternating processes;
+// benchmarks/results/nvidia_h200_2026-11-30/session39.log and session40.log):
+// - 2560 / 3072 / 3584 / 5120 / 6144 (session 39, call 3): bf16 LayerNorm +3.6 / +3.9 / +0.3 / +1.5 / -4.9, RMSNorm
+//   +1.9 / +1.6 / +1.6 / +2.0 / +2.6; fp32 LayerNorm +0.3 / +1.3 / +1.8 / -0.6 / +4.4, RMSNorm -2.4 / -0.8 / -2.4 /
+//   -0.9 / +0.7. Against a build without the lists (-DPIPEGOOSE_NORM_NO_SPEC16 -DPIPEGOOSE_NORM_NO_SPEC32; session
+//   40, call 1): fp16 LayerNorm +3.1 / +4.1 / +0.3 / +1.1 / +0.5, RMSNorm +1.1 to +2.2; fp32 LayerNorm 3072 / 3584 /
+//   6144 +1.6 / +1.8 / +5.2.
+// - 896 / 1280 / 1536 / 1600 / 2304 / 7168 (session 40, call 1): LayerNorm bf16 +1.8 / +1.9 / +3.8 / -2.2 / +1.6 /
+//   -4.0 (fp16 alike), fp32 +1.2 / +2.0 / +1.4 / +1.2 / +0.9 / +0.1; RMSNorm bf16 +2.6 / +3.6 / +2.5 / +1.7 / +0.8 /
+//   +2.1 (fp16 +1.5 to +3.3), fp32 +1.1 / +12.2 / -1.9 / +1.0 / -0.4 / +1.2 (896: -0.1 in call 2's check, left out).
+// - 576 / 960 / 1152 / 3840 / 4608 (session 40, call 2): LayerNorm bf16 -0.4 / +3.2 / -2.6 / +0.8 / -2.7 (fp16
+//   alike), fp32 +2.0 / +1.9 / +1.2 / +2.0 / +1.9; RMSNorm bf16 +1.4 / +2.8 / +2.4 / +1.4 / +2.2 (fp16 +1.3 to +3.0),
+//   fp32 +0.9 / +0.3 / +14.3 / -2.6 / -0.3.
+// -DPIPEGOOSE_NORM_NO_SPEC16 leaves the 16-bit lists out, -DPIPEGOOSE_NORM_NO_SPEC32 the fp32 ones. Mixed pairs (a
+// 16-bit input with fp32 gradients) keep the kernels compiled for their threads per row.
+#if defined(PIPEGOOSE_NORM_NO_SPEC) || defined(PIPEGOOSE_NORM_NO_SPEC16)
+using BwdSpec16Ln = Sizes<>;
+using BwdSpec16Rms = Sizes<>;
+#else
+using BwdSpec16Ln = Sizes<896, 960, 1280, 1536, 2304, 2560, 3072, 3840, 5120>;
+using BwdSpec16Rms =
+    Sizes<576, 896, 960, 1152, 1280, 1536, 1600, 2304, 2560, 3072, 3584, 3840, 4608, 5120, 6144, 7168>;
+#endif
+#if defined(PIPEGOOSE_NORM_NO_SPEC) || defined(PIPEGOOSE_NORM_NO_SPEC32)
+using BwdSpec32Ln = Sizes<>;
+using BwdSpec32Rms = Sizes<>;
+#else
+using BwdSpec32Ln = Sizes<576, 896, 960, 1152, 1280, 1536, 1600, 2304, 3072, 3584, 3840, 4608, 6144>;
+using BwdSpec32Rms = Sizes<576, 1152, 1280, 1600, 7168>;
+#endif
+// The widths of launch_bwd<Tin, Tdy, RMS> with a specialised kernel beyond BwdSpecHidden.
+template <typename Tin, typename Tdy, bool RMS>
+using BwdSpecExtra = std::conditional_t<
+    !std::is_same<Tin, Tdy>::value, Sizes<>,
+    std::conditional_t<sizeof(Tin) == 2, std::conditional_t<RMS, BwdSpec16Rms, BwdSpec16Ln>,
+                       std::conditional_t<RMS, BwdSpec32Rms, BwdSpec32Ln>>>;
+template <int... Hs>
+constexpr bool has_size(Sizes<Hs...>, int64_t H) {
+  return ((H == Hs) || ... || false);
+}
+// f(IC<HC>{}) for each HC of the list, in order, until one returns true; whether one did.
+template <int... Hs, typename F>
+bool any_size(Sizes<Hs...>, F&& f) {
+  return (f(IC<Hs>{}) || ... || false);
 }
 
 #if defined(PIPEGOOSE_NORM_HIDDEN)
@@ -3592,10 +3618,7 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
 #if defined(PIPEGOOSE_NORM_HIDDEN)
   spec_h = spec_h || H == kSpecHidden;
 #endif
-#if !defined(PIPEGOOSE_NORM_NO_SPEC)
-  for (int hc : kBwdSpecHidden) spec_h = spec_h || H == hc;
-#endif
-  spec_h = spec_h || bwd_spec16<Tin, Tdy, RMS>(H);
+  spec_h = spec_h || has_size(BwdSpecHidden{}, H) || has_size(BwdSpecExtra<Tin, Tdy, RMS>{}, H);
   const int ptpb = kAsyncBwd && vec && cfg.nv == 2 && !cfg.acc_smem ? pack_tpb(V, RMS, cfg.tpr, spec_h) : 0;
   const int rpb = cfg.acc_smem ? 1 : ptpb != 0 ? ptpb / cfg.tpr : rows_per_block(cfg.tpr);
   const int threads = rpb * cfg.tpr;
@@ -3707,7 +3730,10 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
           PG_CHECK(false, "pipegoose norm backward: internal error: ", threads, " threads for ", H, " columns");
         }
       } else if (threads > 256) {
-        if constexpr (HC == 0 || (kSpecTpr > 256 && kSpecTpr <= 512) ||
+        // (A specialised kernel of two chunks per thread whose rows pack_tpb packs into blocks of 1024 never runs
+        // in blocks of 512: not instantiated.)
+        if constexpr (HC == 0 ||
+                      (kSpecTpr > 256 && kSpecTpr <= 512 && !(NV == 2 && pack_tpb(VEC, RMS, kSpecTpr, true) == 1024)) ||
                       (NV == 2 && pack_tpb(VEC, RMS, kSpecTpr, true) == 512)) {
           if (!fixed_tpr(IC<512>{})) async(IC<512>{}, IC<0>{});
         } else {
@@ -3728,7 +3754,7 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
     }
   };
   // Specialised kernels (H == HC on the vector path; the plan is cfg's, evaluated at compile time): the shipped
-  // backward sizes kBwdSpecHidden, and the PIPEGOOSE_NORM_HIDDEN experiment's size.
+  // backward sizes BwdSpecHidden and BwdSpecExtra, and the PIPEGOOSE_NORM_HIDDEN experiment's size.
   auto try_spec = [&](auto h_c) -> bool {
     constexpr int HC = decltype(h_c)::value;
     constexpr Cfg spec = bwd_plan<V, RMS, kAsyncBwd>(HC / V, true);
@@ -3754,26 +3780,7 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
 #if defined(PIPEGOOSE_NORM_HIDDEN)
   if (try_spec(IC<kSpecHidden>{})) return ws;
 #endif
-#if !defined(PIPEGOOSE_NORM_NO_SPEC)
-  if (try_spec(IC<kBwdSpecHidden[0]>{}) || try_spec(IC<kBwdSpecHidden[1]>{}) || try_spec(IC<kBwdSpecHidden[2]>{}) ||
-      try_spec(IC<kBwdSpecHidden[3]>{}) || try_spec(IC<kBwdSpecHidden[4]>{})) {
-    return ws;
-  }
-#endif
-#if !defined(PIPEGOOSE_NORM_NO_SPEC) && !defined(PIPEGOOSE_NORM_NO_SPEC16)
-  if constexpr (sizeof(Tin) == 2 && std::is_same<Tin, Tdy>::value) {
-    if constexpr (RMS) {
-      if (try_spec(IC<kBwdSpec16Rms[0]>{}) || try_spec(IC<kBwdSpec16Rms[1]>{}) || try_spec(IC<kBwdSpec16Rms[2]>{}) ||
-          try_spec(IC<kBwdSpec16Rms[3]>{}) || try_spec(IC<kBwdSpec16Rms[4]>{})) {
-        return ws;
-      }
-    } else {
-      if (try_spec(IC<kBwdSpec16Ln[0]>{}) || try_spec(IC<kBwdSpec16Ln[1]>{}) || try_spec(IC<kBwdSpec16Ln[2]>{})) {
-        return ws;
-      }
-    }
-  }
-#endif
+  if (any_size(BwdSpecHidden{}, try_spec) || any_size(BwdSpecExtra<Tin, Tdy, RMS>{}, try_spec)) return ws;
   if (!vec) {
     if (cfg.acc_smem) go(IC<4>{}, IC<1>{}, IC<1>{}, IC<1>{}, IC<0>{});
     else go(IC<4>{}, IC<1>{}, IC<0>{}, IC<1>{}, IC<0>{});
