@@ -4,8 +4,8 @@
                                    [--out FILE.json]
 
 The norm kernels (``pipegoose/kernels/csrc/norm_kernels.cuh``) ship backward kernels specialised to the hidden sizes
-``kBwdSpecHidden`` and, for 16-bit inputs with gradients of the same dtype, ``kBwdSpec16Ln`` / ``kBwdSpec16Rms``
-(2560-6144); ``-DPIPEGOOSE_NORM_NO_SPEC`` leaves all of them out. This builds ``pipegoose/layer_norm`` and
+``BwdSpecHidden`` and, for inputs with gradients of the same dtype, the model widths of ``BwdSpecExtra`` (576-7168,
+per op and dtype); ``-DPIPEGOOSE_NORM_NO_SPEC`` leaves all of them out. This builds ``pipegoose/layer_norm`` and
 ``pipegoose/rms_norm`` both ways (in parallel, each build in its own process: two builds of one op cannot share a
 process, they register the same ``torch.ops.pipegoose`` names; the generic one in a cold temporary cache, the shipped
 one in the user's cache, reused when present), then, one process at a time, times
