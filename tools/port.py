@@ -31,7 +31,8 @@ from pipegoose.kernels.manifest import ManifestError  # noqa: E402
 from pipegoose.porting import PortError, Porter, audit, update  # noqa: E402
 from pipegoose.porting.util import short_pin  # noqa: E402
 
-_WIDTH = None if sys.stdout.isatty() else 160  # rich assumes 80 columns when piped
+# rich assumes 80 columns when piped: 160 there, unless COLUMNS says (rich reads it)
+_WIDTH = None if sys.stdout.isatty() or os.environ.get("COLUMNS", "").strip().isdigit() else 160
 out = Console(highlight=False, soft_wrap=True, width=_WIDTH)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -50,14 +51,32 @@ def _porter(a: argparse.Namespace) -> Porter:
     return p
 
 
+# The list is a table where its id, license and state columns fit whole and leave the source and detail this many
+# characters (they fold); else a line per kernel (id and state, then source, license and detail, indented): at 60
+# columns the table broke the ids mid-word.
+_REST_MIN = 40
+
+
 def cmd_list(a) -> int:
+    from rich.text import Text
+
     p = _porter(a)
-    t = Table(title=f"kernels ({p.manifest.path})", show_lines=False)
-    for col in ("kernel", "source", "license", "state", "detail"):
-        t.add_column(col, overflow="fold")
-    for s in p.states(check_hashes=not a.quick):
-        t.add_row(s.id, f"{s.project}: {s.pin}", s.license, f"[{_STATE_STYLE.get(s.state, '')}]{s.state}[/]", s.detail)
-    out.print(t)
+    header = ("kernel", "source", "license", "state", "detail")
+    rows = [(s.id, f"{s.project}: {s.pin}", s.license, s.state, s.detail) for s in p.states(check_hashes=not a.quick)]
+    title = f"kernels ({p.manifest.path})"
+    short = sum(max(len(r[i]) for r in [header, *rows]) + 3 for i in (0, 2, 3)) + 4  # + padding and rules
+    if out.width >= short + _REST_MIN:
+        t = Table(title=title, show_lines=False)
+        for col in header:
+            t.add_column(col, overflow="fold")
+        for kid, source, lic, state, detail in rows:
+            t.add_row(kid, source, lic, Text(state, style=_STATE_STYLE.get(state, "")), detail)
+        out.print(t)
+        return 0
+    out.print(Text(title, style="bold", overflow="fold"), soft_wrap=False)
+    for kid, source, lic, state, detail in rows:
+        out.print(Text.assemble(kid, "  ", (state, _STATE_STYLE.get(state, ""))))
+        out.print(Text("    " + "; ".join(x for x in (source, lic, detail) if x), overflow="fold"), soft_wrap=False)
     return 0
 
 

@@ -887,6 +887,25 @@ def test_cli_list_shows_states(git_repo):
     assert r.returncode == 0 and "pipegoose/layer_norm" in r.stdout, r.stdout + r.stderr
 
 
+def test_cli_list_fits_narrow_terminals(git_repo):
+    """Session 39's walkthrough: at 60 columns `port.py list` folded the kernel ids mid-word inside the table. Where the
+    table's short columns do not fit, it prints a line per kernel (id and state) and its source, license and detail
+    indented under it; COLUMNS is honoured when piped (it printed 160 columns whatever COLUMNS said)."""
+    repo = git_repo
+    repo.porter().add(["alpha"])
+    port = [sys.executable, str(ROOT / "tools/port.py"), "list", "--root", str(repo.root)]
+    for cols in (40, 60):
+        r = subprocess.run(port, capture_output=True, text=True, env={**os.environ, "COLUMNS": str(cols)})
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert all(len(ln) <= cols for ln in lines), r.stdout
+        assert "up/alpha  verified" in lines and "up/beta  declared" in lines, r.stdout
+        i, j = lines.index("up/alpha  verified"), lines.index("up/beta  declared")
+        assert lines[i + 1].startswith("    ") and "Apache-2.0" in "".join(lines[i + 1:j]), r.stdout
+    r = subprocess.run(port, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0 and any(ln.startswith("│ up/alpha") for ln in r.stdout.splitlines()), r.stdout
+
+
 def test_cli_common_options_before_the_subcommand_and_bad_lock_or_cache(git_repo, tmp_path):
     """Session 35's walkthrough: the options "common to all" worked only after the subcommand (`port.py --root D list`:
     "invalid choice"); a kernels.lock that is not UTF-8 and a download cache that is not a folder gave raw tracebacks
