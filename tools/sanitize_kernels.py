@@ -72,7 +72,9 @@ def main() -> int:
                 # block of 512 threads, 1160 ten rows (LayerNorm) to a block of 1024, 768 and 4096 kernels compiled
                 # for the size, packed into blocks of 512, and 576-7168 kernels compiled for the size where
                 # BwdSpecExtra lists them (else those compiled for their threads per row), packed into blocks of 512
-                # or 1024 (5120: three rows); in fp32, 1160 and 3000 LayerNorm rows packed into blocks of 1024).
+                # or 1024 (5120: three rows); in fp32, 1160 and 3000 LayerNorm rows packed into blocks of 1024, and
+                # the fp32 kernels compiled for the size (BwdSpecExtra; LayerNorm 4608 and 6144 and RMSNorm 7168 on
+                # norm_bwd_kernel's shared-memory plan)).
                 # 601 rows of 20000 columns: the clusters of the wide rows' backward (16-bit: 3 blocks, the last slab
                 # shorter; fp32: 4) walk several steps and their rings of stages wrap around, with a last step of one
                 # row in two (40008 columns, 16-bit clusters of 5 blocks: 3 rows; with 601 rows, memcheck ran clean

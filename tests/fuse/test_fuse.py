@@ -105,7 +105,7 @@ def test_fuse_parity_and_unfuse(arch, attn, attention, softmax_calls):
         # skipped", and the report of a model with every norm fused said 8/10 (80%)
         assert not any(r.eligible for r in att_rows) and report.coverage == 1.0, report
         # the title said "100%" over rows of skipped attention, without a word that they are not counted
-        assert "(100%); not counted: 2 attention left as they are" in " ".join(str(report).split()), report
+        assert "(100%); not counted: 2 attention module(s) left as they are" in " ".join(str(report).split()), report
     else:
         assert report.attention["chosen"] == "pipegoose" and report.coverage == 1.0
         assert "not counted" not in str(report), report

@@ -328,8 +328,8 @@ def test_backward_specialised_sizes(ln, rms, h):
                                          (torch.float32, torch.float32, None)), seed=h + 1)
 
 
-# BwdSpec16Ln / BwdSpec16Rms / BwdSpec32Ln in norm_kernels.cuh (BwdSpecExtra): the widths whose backward (input and
-# grad_output of one dtype) runs a kernel specialised to the width, by the input's bits.
+# BwdSpec16Ln / BwdSpec16Rms / BwdSpec32Ln / BwdSpec32Rms in norm_kernels.cuh (BwdSpecExtra): the widths whose
+# backward (input and grad_output of one dtype) runs a kernel specialised to the width, by the input's bits.
 SPEC_EXTRA = {16: {"layer_norm": (896, 960, 1280, 1536, 2304, 2560, 3072, 3840, 5120),
                    "rms_norm": (576, 896, 960, 1152, 1280, 1536, 1600, 2304, 2560, 3072, 3584, 3840, 4608, 5120, 6144,
                                 7168)},
@@ -343,7 +343,7 @@ def test_backward_specialisations_are_taken_where_listed(ln, rms, h):
     """Which backward ran: a kernel specialised to H (H among the template arguments of the norm_bwd kernel) for
     inputs and gradients of one dtype at SPEC_EXTRA's widths; none for a bf16 input with fp32 gradients and for the
     widths not listed (no gain or a loss in sessions 39-40's measurements: 16-bit LayerNorm 576, 1152, 1600, 3584,
-    4608, 6144 and 7168; fp32 RMSNorm 896, 960, 1536, 2304 and 2560-6144)."""
+    4608, 6144 and 7168; fp32 LayerNorm 2560, 5120 and 7168; fp32 RMSNorm 896, 960, 1536, 2304 and 2560-6144)."""
     for dt, gdt in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.bfloat16, torch.float32),
                     (torch.float32, torch.float32)):
         x, w, b, dy = make(64, h, dt, dt, seed=h)

@@ -425,9 +425,10 @@ constexpr int round_tpr(int64_t n) {
 constexpr int rows_per_block(int tpr) { return tpr >= 256 ? 1 : 256 / tpr; }
 
 // Compile-time geometry of a kernel specialised to H == HC (HC > 0: the backward's shipped sizes BwdSpecHidden and
-// PIPEGOOSE_NORM_HIDDEN builds, see the host side): chunks per row, threads per row (every plan of fwd_plan / bwd_plan with NV chunks per thread takes
-// round_tpr(ceil_div(chunks, NV)); the launches static_assert it against the plan), rows per block (one with the
-// backward's shared-memory accumulators: ONE_ROW) and 1 / H. HC == 0 (the generic kernels): unused.
+// BwdSpecExtra, and PIPEGOOSE_NORM_HIDDEN builds, see the host side): chunks per row, threads per row (every plan of
+// fwd_plan / bwd_plan with NV chunks per thread takes round_tpr(ceil_div(chunks, NV)); the launches static_assert it
+// against the plan), rows per block (one with the backward's shared-memory accumulators: ONE_ROW) and 1 / H. HC == 0
+// (the generic kernels): unused.
 template <int HC, int VEC, int NV, bool ONE_ROW>
 struct FixedRow {
   static_assert(HC >= 0 && HC % VEC == 0, "FixedRow: HC must be a multiple of VEC");
@@ -1121,8 +1122,8 @@ constexpr bool dx_fma() {
 // dynamic shared memory [NACC][tpr][NV * VEC + 1] owned slot by slot by one thread (ACC_SMEM true; requires one
 // row group per block). At the end, with several row groups per block, dynamic shared memory [RPB][H] floats
 // combines them in a fixed order; each block writes one partial row per accumulator into ws.
-// HC > 0 (BwdSpecHidden, or PIPEGOOSE_NORM_HIDDEN builds): specialised to H == HC as norm_fwd_kernel, with the geometry
-// FixedRow<HC, VEC, NV, ACC_SMEM>.
+// HC > 0 (BwdSpecHidden, BwdSpecExtra, or PIPEGOOSE_NORM_HIDDEN builds): specialised to H == HC as norm_fwd_kernel,
+// with the geometry FixedRow<HC, VEC, NV, ACC_SMEM>.
 template <bool ACC_SMEM, bool F32>
 struct BwdBounds {
   // Register accumulators: blocks of 256 threads, three per SM for fp32 input and grad_output (<= 80 registers;
@@ -1464,8 +1465,9 @@ constexpr size_t bwd_async_stage_bytes(int stages, int rpb, int nv, int tpr, int
   return static_cast<size_t>(stages) * rpb * nv * tpr * vec * static_cast<size_t>(in_bytes + dy_bytes);
 }
 
-// Rows of two chunks per thread of the register plan without a specialised kernel (widths not in BwdSpecHidden), by
-// their threads per row (tpr, a multiple of 32 up to 512 there): how they run in norm_bwd_async_kernel.
+// Rows of two chunks per thread of the register plan without a specialised kernel (widths not in BwdSpecHidden or
+// BwdSpecExtra), by their threads per row (tpr, a multiple of 32 up to 512 there): how they run in
+// norm_bwd_async_kernel.
 // - kRuntime: the kernel of run-time geometry (TPRC = 0), as before session 16.
 // - kFixed: the kernel compiled for tpr (TPRC = tpr; rows per block TPB / tpr and the index arithmetic are
 //   compile-time constants, H is not; for 16-bit rows, four blocks of two stages per SM at 64 registers, as the
@@ -1556,8 +1558,9 @@ constexpr int kMaxPackTpb = [] {
   return m;
 }();
 
-// Rows of two chunks per thread of the register plan without a specialised kernel (widths not in BwdSpecHidden), by
-// their threads per row (tpr, a multiple of 32 up to 512 there): how they run in norm_bwd_async_kernel.
+// Rows of two chunks per thread of the register plan without a specialised kernel (widths not in BwdSpecHidden or
+// BwdSpecExtra), by their threads per row (tpr, a multiple of 32 up to 512 there): how they run in
+// norm_bwd_async_kernel.
 // - kRuntime: the kernel of run-time geometry (TPRC = 0), as before session 16.
 // - kFixed: the kernel compiled for tpr (TPRC = tpr; rows per block TPB / tpr and the index arithmetic are
 //   compile-time constants, H is not; for 16-bit rows, four blocks of two stages per SM at 64 registers, as the
@@ -2950,7 +2953,7 @@ static_assert(bwd_plan_is(bwd_plan<8, true, true>(1152, true), 4, 288, false, tr
 
 // Shape-specialised build: a benchmark experiment (issue #6: one build per shape against the generic build), used
 // by benchmarks/build_cost.py --specialise. What ships: the generic forward, and the backward specialised to the
-// sizes BwdSpecHidden (below), the only place where the experiment found a gain.
+// sizes BwdSpecHidden and BwdSpecExtra (below), the only place where the experiment found a gain.
 // Compiling with -DPIPEGOOSE_NORM_HIDDEN=H0 (H0 > 0, a multiple of 8 so that every dtype's vector chunk divides
 // it) adds instantiations of norm_fwd_kernel / norm_bwd_kernel with HC = H0: the plan fwd_plan / bwd_plan would
 // choose for H0 (evaluated at compile time, so the same plan), with H, the chunks and threads per row, the rows
@@ -2974,13 +2977,13 @@ using BwdSpecHidden = Sizes<768, 1024, 2048, 4096, 8192>;
 // SmolLM2-360M 960, Gemma-3-1B 1152, GPT-2 large 1280, Qwen2-1.5B 1536, GPT-2 XL 1600, Gemma-2-2B 2304, Phi-2 /
 // GPT-NeoX-2.7B 2560, Llama-3.2-3B 3072, Qwen2-7B 3584, Gemma-3-12B 3840, Gemma-2-27B 4608, Llama-2-13B 5120,
 // GPT-NeoX-20B 6144, Yi-34B 7168. Each list keeps the widths where a -DPIPEGOOSE_NORM_HIDDEN=H build ran the raw
-// backward faster than the shipped one (16384 rows, % of copy, two rounds in alternating processes;
-// benchmarks/results/nvidia_h200_2026-11-30/session39.log and session40.log):
+// backward faster than the shipped one by about 0.8 points of copy or more (16-bit: in bf16 and in fp16; 16384 rows,
+// two rounds in alternating processes; benchmarks/results/nvidia_h200_2026-11-30/session39.log and session40.log):
 // - 2560 / 3072 / 3584 / 5120 / 6144 (session 39, call 3): bf16 LayerNorm +3.6 / +3.9 / +0.3 / +1.5 / -4.9, RMSNorm
 //   +1.9 / +1.6 / +1.6 / +2.0 / +2.6; fp32 LayerNorm +0.3 / +1.3 / +1.8 / -0.6 / +4.4, RMSNorm -2.4 / -0.8 / -2.4 /
 //   -0.9 / +0.7. Against a build without the lists (-DPIPEGOOSE_NORM_NO_SPEC16 -DPIPEGOOSE_NORM_NO_SPEC32; session
-//   40, call 1): fp16 LayerNorm +3.1 / +4.1 / +0.3 / +1.1 / +0.5, RMSNorm +1.1 to +2.2; fp32 LayerNorm 3072 / 3584 /
-//   6144 +1.6 / +1.8 / +5.2.
+//   40, call 1): fp16 LayerNorm 2560 / 3072 / 5120 +3.1 / +4.1 / +1.1, RMSNorm +1.1 to +2.2; fp32 LayerNorm 3072 /
+//   3584 / 6144 +1.6 / +1.8 / +5.2.
 // - 896 / 1280 / 1536 / 1600 / 2304 / 7168 (session 40, call 1): LayerNorm bf16 +1.8 / +1.9 / +3.8 / -2.2 / +1.6 /
 //   -4.0 (fp16 alike), fp32 +1.2 / +2.0 / +1.4 / +1.2 / +0.9 / +0.1; RMSNorm bf16 +2.6 / +3.6 / +2.5 / +1.7 / +0.8 /
 //   +2.1 (fp16 +1.5 to +3.3), fp32 +1.1 / +12.2 / -1.9 / +1.0 / -0.4 / +1.2 (896: -0.1 in call 2's check, left out).

@@ -181,7 +181,8 @@ class FusionReport:
 
     def _title(self) -> str:
         """The report's first line: the model, the share of eligible modules fused, and the modules left as they are
-        that the share does not count (kept attention, parametrized norms), by kind."""
+        that the share does not count (``eligible`` False: kept attention, attention of a model without a config,
+        parametrized norms, norms the RMSNorm probe refused), by kind."""
         title = (f"pipegoose fusion of {self.model}{' (dry run)' if self.dry_run else ''}: "
                  + (f"{self.covered}/{self.eligible} eligible modules {'would be ' if self.dry_run else ''}fused "
                     f"({self.coverage:.0%})" if self.eligible else "no eligible module (nothing fused)"))
@@ -191,7 +192,7 @@ class FusionReport:
                 uncounted[r.kind] = uncounted.get(r.kind, 0) + 1
         if uncounted:
             kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(uncounted.items()))
-            title += f"; not counted: {kinds} left as they are"
+            title += f"; not counted: {kinds} module(s) left as they are"
         return title
 
     def _notes(self) -> list[str]:
