@@ -715,7 +715,7 @@ def test_fuse_of_a_copy_reports_the_modules_it_already_holds():
     assert unfuse(model)
 
 
-def test_fusions_of_a_part_and_of_the_whole_are_reported_and_unfused_together():
+def test_fusions_of_a_part_and_of_the_whole_are_reported_and_unfused_together(monkeypatch):
     """fuse() of a submodule, then of the model (and the other way round): the second report said the first call's
     modules were "a copy of a fused model ... unfuse() will not revert it", and unfuse(model) left them fused. The
     report now names the fuse() call that put them there, and unfuse(model) reverts the parts' fusions too."""
@@ -729,6 +729,10 @@ def test_fusions_of_a_part_and_of_the_whole_are_reported_and_unfused_together():
     report = fuse(model, ops=["layer_norm"])
     held = [r for r in report.rows if r.path.startswith("h.0.")]
     assert len(held) == 2 and all(r.fused and "earlier fuse() of h.0 (GPT2Block)" in r.reason for r in held)
+    # no choice is made for them here: "yes", not "yes: -" (session 40's walkthrough)
+    for columns in ("90", "260"):   # the list, the table
+        monkeypatch.setenv("COLUMNS", columns)
+        assert "yes: -" not in str(report) and "yes" in str(report), str(report)
     assert n_fused(model) == 5
     assert unfuse(model) is True
     assert n_fused(model) == 0 and not is_fused(model) and not is_fused(model.h[0])
@@ -782,6 +786,20 @@ def test_kinds_left_out_of_ops_are_counted_in_the_report(monkeypatch):
         assert "layers.0.post_attention_layernorm " in text and "LlamaRMSNorm" in text, text
         if not table:
             assert "layers.0.post_attention_layernorm  rms_norm: LlamaRMSNorm -> FusedRMSNorm" in text, text
+            assert "\n    fused fwd " in text and "; fused bwd " in text, text   # (was "fwd ...; bwd ...")
+    # the table's short columns whole, the reason wrapping: rich shrank every column in proportion, so at 200 columns
+    # a module path broke mid-word ("post_attention_layerno" / "rm"; session 40's walkthrough)
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    causal = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager")
+    for columns in ("200", "220", "260"):
+        monkeypatch.setenv("COLUMNS", columns)
+        dry = fuse(causal, dry_run=True)
+        lines = str(dry).splitlines()
+        assert any(ln.startswith("┃ module") for ln in lines), lines
+        for r in dry.rows:
+            assert any(f"│ {r.path} " in ln and f" {r.original} " in ln for ln in lines), (r.path, lines)
     assert report.to_dict()["not_requested"] == {"rms_norm": 5, "attention": 2}
     assert fuse(model, dry_run=True).not_requested == {}
     assert fuse(model, ops=["rms_norm"], dry_run=True).not_requested == {"attention": 2}

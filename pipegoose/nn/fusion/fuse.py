@@ -158,12 +158,16 @@ class FusionReport:
         header = ("module", "kind", "original", "replacement", "fused fwd", "fused bwd", "reason")
         cells = [(r.path or "<model>", r.kind, r.original, r.replacement or "skipped", _yes_no(r.fused, r.forward),
                   _yes_no(r.fused, r.backward), r.reason) for r in self.rows]
-        short = sum(max(len(c[i]) for c in [header, *cells]) + 3 for i in range(6)) + 4  # + padding and rules
+        widths = [max(len(c[i]) for c in [header, *cells]) for i in range(6)]
+        short = sum(w + 3 for w in widths) + 4  # + padding and rules
         if cells and options.max_width >= short + self.REASON_MIN:  # no rows: the title and notes alone
             # cells as Text: a reason or path holding "[...]" was read as rich markup (words lost, or MarkupError)
             table = Table(title=Text(title), title_justify="left", show_lines=False)
-            for col in header:
-                table.add_column(col, overflow="fold")
+            # the short columns whole (rich shrank every column in proportion, folding module paths mid-word at
+            # 200 columns); the reason takes the rest and wraps
+            for col, w in zip(header, widths):
+                table.add_column(col, no_wrap=True, min_width=w)
+            table.add_column(header[6], overflow="fold")
             for r, row in zip(self.rows, cells):
                 table.add_row(*map(Text, row), style=None if r.fused else "dim")
             if notes:  # notes under the table, left-aligned (rich centres a caption by default)
@@ -175,7 +179,8 @@ class FusionReport:
         for r, (path, kind, original, replacement, fwd, bwd, reason) in zip(self.rows, cells):
             style = "" if r.fused else "dim"
             yield Text(f"{path}  {kind}: {original} -> {replacement}", style=style, overflow="fold")
-            yield Padding(Text(f"fwd {fwd}; bwd {bwd}; {reason}", style=style, overflow="fold"), (0, 0, 0, 4))
+            yield Padding(Text(f"fused fwd {fwd}; fused bwd {bwd}; {reason}", style=style, overflow="fold"),
+                          (0, 0, 0, 4))
         for n in notes:
             yield Text(n, overflow="fold")
 
@@ -227,6 +232,8 @@ class FusionReport:
 def _yes_no(fused: bool, impl: str) -> str:
     if not fused:
         return "no"
+    if impl == "-":   # fused by an earlier fuse() (the reason says which): no choice made here ("yes: -" read oddly)
+        return "yes"
     if impl.startswith("torch") or impl == "?":
         return f"no: {impl}"
     return f"yes: {impl}"
