@@ -208,3 +208,12 @@ def test_demo_folder_without_tokenizer_files(capsys, tmp_path):
     assert demo.main(["--model", str(tmp_path), "--device", "cpu"]) == 2
     out = " ".join(capsys.readouterr().out.split())
     assert "maps every word of the demo's sentences to its unknown token" in out, out
+    # a GPT-2 folder without tokenizer files: transformers builds a GPT-2 tokenizer that gives no tokens at all, and
+    # the message said only that (session 40's walkthrough); it says why now
+    from transformers import GPT2Config, GPT2Model
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2Model(GPT2Config(vocab_size=128, n_embd=32, n_layer=1, n_head=2)).save_pretrained(gpt2)
+    assert demo.main(["--model", str(gpt2), "--device", "cpu"]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("gives no tokens" in out or "no tokenizer there" in out) and "save the tokenizer with the model" in out, out

@@ -132,7 +132,9 @@ def load(model_arg: str | None, attn: str, device: torch.device, dtype: torch.dt
         texts = [a for a, _ in SENTENCES] + [b for _, b in SENTENCES]
         enc = tok(texts, padding=True, return_tensors="pt")
         if enc["input_ids"].shape[-1] == 0:
-            raise ValueError(f"--model {path}: the tokenizer there gives no tokens for the demo's sentences")
+            raise ValueError(f"--model {path}: the tokenizer there gives no tokens for the demo's sentences (a folder "
+                             "saved without its tokenizer files gets an empty one from transformers; save the "
+                             "tokenizer with the model)")
         unk = tok.unk_token_id
         if unk is not None:
             ids = enc["input_ids"][enc["attention_mask"].bool()]
