@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from .manifest import ManifestError
@@ -71,7 +72,10 @@ def _doctor(args) -> int:
     for col in ("check", "status", "detail", "fix"):
         checks.add_column(col, overflow="fold")
     bad = 0
-    for c in toolchain.preflight(cache_dir, create_cache=False):  # a diagnosis makes no folder
+    with warnings.catch_warnings():   # a CUDA_HOME passed over: its row says so (the raw warning repeated it)
+        warnings.filterwarnings("ignore", message=r".* is not a CUDA toolkit", category=UserWarning)
+        pre = toolchain.preflight(cache_dir, create_cache=False)  # a diagnosis makes no folder
+    for c in pre:
         status = "[red]FAIL[/]" if not c.ok else ("[yellow]warn[/]" if c.warn else "[green]ok[/]")
         bad += not c.ok
         checks.add_row(c.name, status, c.detail, c.fix)
@@ -89,7 +93,6 @@ def _doctor(args) -> int:
                        "set it to 1/true/yes/on or 0/false/no/off, or unset it")
     # the dispatcher's variables (PIPEGOOSE_IMPL_*, PIPEGOOSE_STRICT, PIPEGOOSE_SMALL_NUMEL, the norm kernels'): a bad
     # value is otherwise an error only at the first call of the op it applies to
-    import warnings
 
     from pipegoose.nn.fusion import dispatch
 
@@ -276,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         from .builder import _worker_main
 
         return _worker_main(argv[1])
-    p = argparse.ArgumentParser(prog="python -m pipegoose.kernels", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pipegoose.kernels", description=__doc__.split("\n\n")[0].replace("``", ""))
     from pipegoose._cli import path_arg
 
     p.add_argument("--manifest", default=None, type=path_arg, help="kernels.yaml to use (default: the repository's)")

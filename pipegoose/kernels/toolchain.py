@@ -372,7 +372,18 @@ def preflight(cache_dir: Path | None = None, *, need_cuda: bool = True, create_c
                 "on PATH; a toolkit has bin/nvcc and include/cuda_runtime.h)",
                 f"install the CUDA {tv[0] if tv else ''} toolkit (nvcc) and set CUDA_HOME to it"))
         else:
-            checks.append(Check("CUDA toolkit", True, str(home)))
+            # a CUDA_HOME / CUDA_PATH that find_cuda_home passed over (its UserWarning shows once per process): said
+            # here too, so that doctor's table does not read "ok" beside a variable that is not used
+            passed = [f"{v}={os.environ[v]!r}" for v in ("CUDA_HOME", "CUDA_PATH")
+                      if os.environ.get(v) and not is_cuda_toolkit(os.environ[v])
+                      and Path(os.environ[v]).resolve() != home]
+            if passed:
+                checks.append(Check("CUDA toolkit", True, f"{home} ({', '.join(passed)} is not a CUDA toolkit: no "
+                                    "bin/nvcc with include/cuda_runtime.h there; passed over)",
+                                    f"unset {' and '.join(p.split('=')[0] for p in passed)} or point it at the "
+                                    "toolkit", warn=True))
+            else:
+                checks.append(Check("CUDA toolkit", True, str(home)))
             nv = nvcc_version(home)
             if nv is None:
                 checks.append(Check("nvcc", False, f"{home}/bin/nvcc --version gave no release number",

@@ -760,6 +760,9 @@ def test_cli_path_options_expand_the_home_folder_and_refuse_blanks(tiny, tmp_pat
     for cmd in ("doctor", "build", "clean"):
         p = subprocess.run(cli + [cmd, "-h"], capture_output=True, text=True, env=env, timeout=300)
         assert p.returncode == 0 and "--cache-dir CACHE_DIR" in p.stdout and "--manifest MANIFEST" in p.stdout, p.stdout
+    # the description without the docstring's reST backticks (session 40's walkthrough)
+    p = subprocess.run(cli + ["--help"], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0 and "doctor | build | clean" in p.stdout and "``" not in p.stdout, p.stdout
 
 
 def test_cli_doctor_fails_on_a_bad_allow_modified_vendor(tiny):
@@ -776,6 +779,31 @@ def test_cli_doctor_fails_on_a_bad_allow_modified_vendor(tiny):
     out = " ".join(p.stdout.replace("│", " ").split())
     assert p.returncode == 1, p.stdout + p.stderr
     assert "PIPEGOOSE_ALLOW_MODIFIED_VENDOR FAIL 'maybe'" in out and "1/true/yes/on or 0/false/no/off" in out, out
+
+
+def test_cli_doctor_says_a_passed_over_cuda_home_in_its_row(tiny, tmp_path):
+    """CUDA_HOME pointing at no toolkit: doctor printed a raw UserWarning with a source line while its "CUDA toolkit"
+    row said ok (session 40's walkthrough). The row is a warning now, naming the variable and the fix; no traceback
+    text on stderr. (Needs a toolkit elsewhere, as on CI.)"""
+    from pipegoose.kernels import toolchain
+
+    env_home = {v: os.environ.pop(v) for v in ("CUDA_HOME", "CUDA_PATH") if v in os.environ}
+    try:
+        toolchain.find_cuda_home.cache_clear()
+        if toolchain.find_cuda_home() is None:
+            pytest.skip("no CUDA toolkit on this machine")
+    finally:
+        os.environ.update(env_home)
+        toolchain.find_cuda_home.cache_clear()
+    manifest, _op, cache_dir = tiny
+    cli = [sys.executable, "-m", "pipegoose.kernels", "--manifest", str(_without_vendored(manifest)), "doctor"]
+    env = {**_env(cache_dir), "COLUMNS": "400", "CUDA_HOME": str(tmp_path / "nonexistent")}
+    env.pop("CUDA_PATH", None)
+    p = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=300)
+    out = " ".join(p.stdout.replace("│", " ").split())
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "CUDA toolkit warn" in out and "is not a CUDA toolkit" in out and "unset CUDA_HOME" in out, out
+    assert "UserWarning" not in p.stderr and "find_cuda_home()" not in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("var, value", [("PIPEGOOSE_IMPL_LAYER_NORM", "foo"), ("PIPEGOOSE_STRICT", "maybe"),
