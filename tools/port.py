@@ -31,8 +31,9 @@ from pipegoose.kernels.manifest import ManifestError  # noqa: E402
 from pipegoose.porting import PortError, Porter, audit, update  # noqa: E402
 from pipegoose.porting.util import short_pin  # noqa: E402
 
-# rich assumes 80 columns when piped: 160 there, unless COLUMNS says (rich reads it)
-_WIDTH = None if sys.stdout.isatty() or os.environ.get("COLUMNS", "").strip().isdigit() else 160
+# COLUMNS when it is a positive number (rich's own rule); else the terminal's width, or 160 when piped (rich assumes 80)
+_COLUMNS = os.environ.get("COLUMNS", "")
+_WIDTH = int(_COLUMNS) if _COLUMNS.isdigit() and int(_COLUMNS) > 0 else None if sys.stdout.isatty() else 160
 out = Console(highlight=False, soft_wrap=True, width=_WIDTH)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -51,8 +52,8 @@ def _porter(a: argparse.Namespace) -> Porter:
     return p
 
 
-# The list is a table where its id, license and state columns fit whole and leave the source and detail this many
-# characters (they fold); else a line per kernel (id and state, then source, license and detail, indented): at 60
+# The list is a table where its id, license and state columns fit whole and leave the source and detail about this
+# many characters (they fold); else a line per kernel (id and state, then source, license and detail, indented): at 60
 # columns the table broke the ids mid-word.
 _REST_MIN = 40
 
@@ -66,9 +67,15 @@ def cmd_list(a) -> int:
     title = f"kernels ({p.manifest.path})"
     short = sum(max(len(r[i]) for r in [header, *rows]) + 3 for i in (0, 2, 3)) + 4  # + padding and rules
     if out.width >= short + _REST_MIN:
-        t = Table(title=title, show_lines=False)
-        for col in header:
-            t.add_column(col, overflow="fold")
+        out.print(Text(title, overflow="fold"), soft_wrap=False)   # (a table's title ignored the width here)
+        t = Table(show_lines=False)
+        # id, license and state whole (rich shrank every column in proportion, folding ids mid-word below 133
+        # columns); source and detail fold
+        for i, col in enumerate(header):
+            if i in (0, 2, 3):
+                t.add_column(col, no_wrap=True, min_width=max(len(r[i]) for r in [header, *rows]))
+            else:
+                t.add_column(col, overflow="fold")
         for kid, source, lic, state, detail in rows:
             t.add_row(kid, source, lic, Text(state, style=_STATE_STYLE.get(state, "")), detail)
         out.print(t)

@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         from .builder import _worker_main
 
         return _worker_main(argv[1])
-    p = argparse.ArgumentParser(prog="python -m pipegoose.kernels", description=__doc__.split("\n\n")[0].replace("``", ""))
+    p = argparse.ArgumentParser(prog="python -m pipegoose.kernels",
+                                description=__doc__.split("\n\n")[0].replace("``", ""))
     from pipegoose._cli import path_arg
 
     p.add_argument("--manifest", default=None, type=path_arg, help="kernels.yaml to use (default: the repository's)")

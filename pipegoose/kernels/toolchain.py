@@ -117,6 +117,21 @@ def _toolkit_of_nvcc(nvcc: str) -> Path | None:
     return None
 
 
+def _cuda_env_toolkit() -> tuple[Path | None, list[str]]:
+    """(the toolkit that $CUDA_HOME, else $CUDA_PATH, names, or None; ``VAR='value'`` of each of them that is set but
+    is not a toolkit and was looked at before it): :func:`find_cuda_home`'s first step, and what :func:`preflight`
+    reports as passed over."""
+    passed_over: list[str] = []
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        v = os.environ.get(var)
+        if not v:
+            continue
+        if is_cuda_toolkit(v):
+            return Path(v).resolve(), passed_over
+        passed_over.append(f"{var}={v!r}")
+    return None, passed_over
+
+
 @functools.lru_cache(maxsize=None)
 def find_cuda_home() -> Path | None:
     """The CUDA toolkit folder, or None. Order: $CUDA_HOME, $CUDA_PATH, /usr/local/cuda, nvcc on PATH.
@@ -124,16 +139,7 @@ def find_cuda_home() -> Path | None:
     A $CUDA_HOME or $CUDA_PATH that is set but is not a toolkit (no ``bin/nvcc`` with ``include/cuda_runtime.h``: a
     typo, or a prefix such as /usr/local whose nvcc is a wrapper) is passed over with a ``UserWarning`` that names it
     and what is used instead (once per process: the result is cached)."""
-    passed_over: list[str] = []
-    found: Path | None = None
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        v = os.environ.get(var)
-        if not v:
-            continue
-        if is_cuda_toolkit(v):
-            found = Path(v).resolve()
-            break
-        passed_over.append(f"{var}={v!r}")
+    found, passed_over = _cuda_env_toolkit()
     if found is None:
         found = next((Path(c).resolve() for c in DEFAULT_TOOLKITS if is_cuda_toolkit(c)), None)
     if found is None:
@@ -366,20 +372,20 @@ def preflight(cache_dir: Path | None = None, *, need_cuda: bool = True, create_c
     tv = torch_cuda_version()
     if need_cuda:
         home = find_cuda_home()
+        # a CUDA_HOME / CUDA_PATH that find_cuda_home passed over (its UserWarning shows once per process): said in
+        # the row too, so that doctor's table does not read "ok" beside a variable that is not used
+        passed = _cuda_env_toolkit()[1]
+        are = "is" if len(passed) == 1 else "are"
         if home is None:
             checks.append(Check(
                 "CUDA toolkit", False, "no toolkit found (looked at $CUDA_HOME, $CUDA_PATH, /usr/local/cuda, nvcc "
-                "on PATH; a toolkit has bin/nvcc and include/cuda_runtime.h)",
+                "on PATH; a toolkit has bin/nvcc and include/cuda_runtime.h"
+                + (f"; {' and '.join(passed)} {are} not one" if passed else "") + ")",
                 f"install the CUDA {tv[0] if tv else ''} toolkit (nvcc) and set CUDA_HOME to it"))
         else:
-            # a CUDA_HOME / CUDA_PATH that find_cuda_home passed over (its UserWarning shows once per process): said
-            # here too, so that doctor's table does not read "ok" beside a variable that is not used
-            passed = [f"{v}={os.environ[v]!r}" for v in ("CUDA_HOME", "CUDA_PATH")
-                      if os.environ.get(v) and not is_cuda_toolkit(os.environ[v])
-                      and Path(os.environ[v]).resolve() != home]
             if passed:
-                checks.append(Check("CUDA toolkit", True, f"{home} ({', '.join(passed)} is not a CUDA toolkit: no "
-                                    "bin/nvcc with include/cuda_runtime.h there; passed over)",
+                checks.append(Check("CUDA toolkit", True, f"{home} ({' and '.join(passed)} {are} not a CUDA toolkit: "
+                                    "no bin/nvcc with include/cuda_runtime.h there; passed over)",
                                     f"unset {' and '.join(p.split('=')[0] for p in passed)} or point it at the "
                                     "toolkit", warn=True))
             else:

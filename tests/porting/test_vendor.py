@@ -904,6 +904,14 @@ def test_cli_list_fits_narrow_terminals(git_repo):
         assert lines[i + 1].startswith("    ") and "Apache-2.0" in "".join(lines[i + 1:j]), r.stdout
     r = subprocess.run(port, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 0 and any(ln.startswith("│ up/alpha") for ln in r.stdout.splitlines()), r.stdout
+    # every width: the ids whole, in the table (rich shrank its columns, folding ids just above the list's threshold)
+    # or the list; COLUMNS=0 (not a width: it printed nothing) as unset, 160 columns when piped
+    for cols in (80, 100, 110, 120, 130, 140, 160, 0):
+        r = subprocess.run(port, capture_output=True, text=True, env={**os.environ, "COLUMNS": str(cols)})
+        lines = r.stdout.splitlines()
+        assert r.returncode == 0 and all(len(ln) <= (cols or 160) for ln in lines), (cols, r.stdout)
+        for kid in ("up/alpha", "up/beta"):
+            assert any(ln.startswith((f"│ {kid} ", f"{kid}  ")) for ln in lines), (cols, kid, r.stdout)
 
 
 def test_cli_common_options_before_the_subcommand_and_bad_lock_or_cache(git_repo, tmp_path):

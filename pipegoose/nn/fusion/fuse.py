@@ -233,7 +233,7 @@ def _yes_no(fused: bool, impl: str) -> str:
     if not fused:
         return "no"
     if impl == "-":   # fused by an earlier fuse() (the reason says which): no choice made here ("yes: -" read oddly)
-        return "yes"
+        return "yes (earlier fuse)"
     if impl.startswith("torch") or impl == "?":
         return f"no: {impl}"
     return f"yes: {impl}"
