@@ -65,19 +65,20 @@ def cmd_list(a) -> int:
     header = ("kernel", "source", "license", "state", "detail")
     rows = [(s.id, f"{s.project}: {s.pin}", s.license, s.state, s.detail) for s in p.states(check_hashes=not a.quick)]
     title = f"kernels ({p.manifest.path})"
-    short = sum(max(len(r[i]) for r in [header, *rows]) + 3 for i in (0, 2, 3)) + 4  # + padding and rules
+    whole = {i: max(len(r[i]) for r in [header, *rows]) for i in (0, 2, 3)}   # the columns kept whole
+    short = sum(w + 3 for w in whole.values()) + 4  # + padding and rules
     if out.width >= short + _REST_MIN:
         out.print(Text(title, overflow="fold"), soft_wrap=False)   # (a table's title ignored the width here)
         t = Table(show_lines=False)
         # id, license and state whole (rich shrank every column in proportion, folding ids mid-word below 133
         # columns); source and detail fold
         for i, col in enumerate(header):
-            if i in (0, 2, 3):
-                t.add_column(col, no_wrap=True, min_width=max(len(r[i]) for r in [header, *rows]))
+            if i in whole:
+                t.add_column(col, no_wrap=True, min_width=whole[i])
             else:
                 t.add_column(col, overflow="fold")
-        for kid, source, lic, state, detail in rows:
-            t.add_row(kid, source, lic, Text(state, style=_STATE_STYLE.get(state, "")), detail)
+        for kid, source, lic, state, detail in rows:   # (Text: a "[...]" in a path or detail is not markup)
+            t.add_row(Text(kid), Text(source), Text(lic), Text(state, style=_STATE_STYLE.get(state, "")), Text(detail))
         out.print(t)
         return 0
     out.print(Text(title, style="bold", overflow="fold"), soft_wrap=False)
