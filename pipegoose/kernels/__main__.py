@@ -129,7 +129,10 @@ def _doctor(args) -> int:
                 st = {**st, "state": "loaded", "detail": f"{len(ops.ops)} ops from {ops.library_path}"}
             except Exception as e:  # report, do not stop the table
                 st = {**st, "state": "error", "detail": str(e)}
-        kt.add_row(b.kernel.id, ", ".join(b.kernel.aliases), f"[{colors[st['state']]}]{st['state']}[/]", st["detail"])
+        detail = st["detail"]
+        if _env.flag(allow) is None and detail.startswith("PIPEGOOSE_ALLOW_MODIFIED_VENDOR="):
+            detail = "PIPEGOOSE_ALLOW_MODIFIED_VENDOR: see preflight"   # (its message was repeated in every row)
+        kt.add_row(b.kernel.id, ", ".join(b.kernel.aliases), f"[{colors[st['state']]}]{st['state']}[/]", detail)
         states.append(st["state"])
     console.print(kt)
     from pipegoose._env import unknown_names

@@ -779,6 +779,8 @@ def test_cli_doctor_fails_on_a_bad_allow_modified_vendor(tiny):
     out = " ".join(p.stdout.replace("│", " ").split())
     assert p.returncode == 1, p.stdout + p.stderr
     assert "PIPEGOOSE_ALLOW_MODIFIED_VENDOR FAIL 'maybe'" in out and "1/true/yes/on or 0/false/no/off" in out, out
+    # said once, in its preflight row; the kernel rows point there (every row repeated it: session 40's walkthrough)
+    assert out.count("1/true/yes/on or 0/false/no/off") == 1 and "see preflight" in out, out
 
 
 def test_cli_doctor_says_a_passed_over_cuda_home_in_its_row(tiny, tmp_path):
