@@ -316,18 +316,6 @@ def test_out_dtype_float32_many_rows(ln, rms, h):
     check_rms_norm(rms, x, w, dy, out_dtype=torch.float32)
 
 
-@pytest.mark.parametrize("h", [576, 768, 896, 960, 1024, 1152, 1280, 1536, 1600, 2048, 2304, 2560, 3072, 3584, 3840,
-                               4096, 4608, 5120, 6144, 7168, 8192])
-def test_backward_specialised_sizes(ln, rms, h):
-    """The backward kernels specialised to these sizes (BwdSpecHidden in norm_kernels.cuh, every dtype pair; and
-    BwdSpecExtra, pairs of one dtype: 576-7168, SPEC_EXTRA below), in every (input, grad_output, parameter) dtype
-    combination, over more rows than the grid holds."""
-    check_dtype_cases(ln, rms, 4099, h, ((torch.float16, torch.float16, None), (torch.bfloat16, torch.float32, None),
-                                         (torch.bfloat16, torch.bfloat16, torch.float32),
-                                         (torch.float16, torch.float32, torch.float32),
-                                         (torch.float32, torch.float32, None)), seed=h + 1)
-
-
 # BwdSpec16Ln / BwdSpec16Rms / BwdSpec32Ln / BwdSpec32Rms in norm_kernels.cuh (BwdSpecExtra): the widths whose
 # backward (input and grad_output of one dtype) runs a kernel specialised to the width, by the input's bits.
 SPEC_EXTRA = {16: {"layer_norm": (896, 960, 1280, 1536, 2304, 2560, 3072, 3840, 5120),
@@ -335,10 +323,23 @@ SPEC_EXTRA = {16: {"layer_norm": (896, 960, 1280, 1536, 2304, 2560, 3072, 3840, 
                                 7168)},
               32: {"layer_norm": (576, 896, 960, 1152, 1280, 1536, 1600, 2304, 3072, 3584, 3840, 4608, 6144),
                    "rms_norm": (576, 1152, 1280, 1600, 7168)}}
+# BwdSpecHidden: every dtype pair
+SPEC_HIDDEN = (768, 1024, 2048, 4096, 8192)
+SPEC_EXTRA_WIDTHS = sorted({h for by_op in SPEC_EXTRA.values() for widths in by_op.values() for h in widths})
 
 
-@pytest.mark.parametrize("h", [576, 896, 960, 1152, 1280, 1536, 1600, 2304, 2560, 3072, 3584, 3840, 4608, 5120, 6144,
-                               7168])
+@pytest.mark.parametrize("h", sorted(set(SPEC_HIDDEN) | set(SPEC_EXTRA_WIDTHS)))
+def test_backward_specialised_sizes(ln, rms, h):
+    """The backward kernels specialised to these sizes (BwdSpecHidden in norm_kernels.cuh, every dtype pair; and
+    BwdSpecExtra, pairs of one dtype: 576-7168, SPEC_EXTRA above), in every (input, grad_output, parameter) dtype
+    combination, over more rows than the grid holds."""
+    check_dtype_cases(ln, rms, 4099, h, ((torch.float16, torch.float16, None), (torch.bfloat16, torch.float32, None),
+                                         (torch.bfloat16, torch.bfloat16, torch.float32),
+                                         (torch.float16, torch.float32, torch.float32),
+                                         (torch.float32, torch.float32, None)), seed=h + 1)
+
+
+@pytest.mark.parametrize("h", SPEC_EXTRA_WIDTHS)
 def test_backward_specialisations_are_taken_where_listed(ln, rms, h):
     """Which backward ran: a kernel specialised to H (H among the template arguments of the norm_bwd kernel) for
     inputs and gradients of one dtype at SPEC_EXTRA's widths; none for a bf16 input with fp32 gradients and for the
