@@ -120,9 +120,11 @@ def main() -> None:
                     help="input dtypes, or INPUT/PARAMETER pairs (bf16, fp16, fp32), comma separated; a pair of "
                          "different dtypes is timed at H 4096 and 16384 of the default shapes, or at every --shapes "
                          "shape")
+    ap.add_argument("--ops", default="layer_norm,rms_norm",
+                    help="the ops to build and time, comma separated: layer_norm, rms_norm or both")
     ap.add_argument("--table", metavar="JSONL", help="print the --fwd-plans lines of JSONL as a table, then exit")
     args = ap.parse_args()
-    for name in ("fwd_plans", "shapes", "dtypes", "defines", "label"):
+    for name in ("fwd_plans", "shapes", "dtypes", "defines", "label", "ops"):
         if not isinstance(getattr(args, name), str) and not (name == "shapes" and args.shapes is None):
             # (argparse hands "--opt=--" over as a list)
             ap.error(f"--{name.replace('_', '-')}: expected a value, got {getattr(args, name)!r}")
@@ -130,7 +132,7 @@ def main() -> None:
         others = [f for f in ("fwd_only", "bwd_only", "max_h", "shapes", "fwd_plans", "bwd_wide", "bwd_cluster",
                               "defines")
                   if getattr(args, f) != ap.get_default(f)]
-        others += [f for f in ("dtypes", "label") if getattr(args, f) != ap.get_default(f)]
+        others += [f for f in ("dtypes", "label", "ops") if getattr(args, f) != ap.get_default(f)]
         if not args.table:
             raise SystemExit("norm_raw: --table: expected a JSONL file of norm_raw --fwd-plans lines, got ''")
         if others:
@@ -189,10 +191,13 @@ def main() -> None:
                              "only (unless --shapes names the shapes), and the shapes left (--max-h) have none")
     if len({tuple((d.split("/") * 2)[:2]) for d in dtype_specs}) != len(dtype_specs):
         raise SystemExit(f"norm_raw: --dtypes: {args.dtypes!r}: a dtype (pair) is given twice")
+    ops = args.ops.split(",")
+    if not ops or any(o not in ("layer_norm", "rms_norm") for o in ops) or len(set(ops)) != len(ops):
+        raise SystemExit(f"norm_raw: --ops: {args.ops!r}: expected layer_norm, rms_norm or layer_norm,rms_norm")
     from .build_cost import check_defines
 
     try:
-        check_defines(["pipegoose/layer_norm", "pipegoose/rms_norm"],
+        check_defines([f"pipegoose/{o}" for o in ops],
                       [d.strip() for d in args.defines.split(",") if d.strip()])
     except ValueError as e:
         raise SystemExit(f"norm_raw: --defines: {e}") from None
@@ -212,11 +217,12 @@ def main() -> None:
     if defs:
         from .build_cost import builder_with_defines
 
-        ln, rms = (builder_with_defines(k, defs, None).load() for k in ("pipegoose/layer_norm", "pipegoose/rms_norm"))
+        ln, rms = (builder_with_defines(f"pipegoose/{o}", defs, None).load() if o in ops else None
+                   for o in ("layer_norm", "rms_norm"))
     else:
         from pipegoose.kernels import load
 
-        ln, rms = load("pipegoose/layer_norm"), load("pipegoose/rms_norm")
+        ln, rms = (load(f"pipegoose/{o}") if o in ops else None for o in ("layer_norm", "rms_norm"))
     timer = Timer("cuda", warmup=5, reps=30, max_s=float("inf"))
     print(json.dumps({"label": args.label, "copy_gbps": round(timer.copy_gbps(), 1)}), flush=True)
     def set_plan(plan: str) -> None:
@@ -234,7 +240,7 @@ def main() -> None:
             w = torch.randn(h, device="cuda", dtype=pdt)
             b = torch.randn(h, device="cuda", dtype=pdt)
             act = n * h * x.element_size()
-            for op in ("layer_norm", "rms_norm"):
+            for op in ops:
                 if op == "layer_norm":
                     fwd = lambda: ln.layer_norm_forward(x, w, b, 1e-5, None)  # noqa: E731
                     _, mean, rstd = fwd()

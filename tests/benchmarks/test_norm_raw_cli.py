@@ -50,6 +50,12 @@ def run(monkeypatch, *argv):
     (["--defines=X"], "--defines: 'X': expected -DNAME or -DNAME=VALUE"),
     (["--defines=-DPIPEGOOSE_NORM_BWD_SYNCC"],
      "PIPEGOOSE_NORM_BWD_SYNCC occurs in none of the files of pipegoose/layer_norm, pipegoose/rms_norm"),
+    (["--ops", "layernorm"], "--ops: 'layernorm': expected layer_norm, rms_norm or layer_norm,rms_norm"),
+    (["--ops", "rms_norm,rms_norm"], "--ops: 'rms_norm,rms_norm': expected layer_norm, rms_norm"),
+    (["--ops", ""], "--ops: '': expected layer_norm"),
+    (["--ops=layer_norm", "--defines=-DPIPEGOOSE_NORM_RMS_ONLY_MACRO"],
+     "PIPEGOOSE_NORM_RMS_ONLY_MACRO occurs in none of the files of pipegoose/layer_norm"),
+    (["--table", "x.jsonl", "--ops=rms_norm"], "--table only prints a table; it takes no other option (got --ops)"),
     (["--table", "x.jsonl", "--bwd-only"], "--table only prints a table; it takes no other option (got --bwd-only)"),
 ])
 def test_bad_arguments_exit_with_the_option_named(monkeypatch, argv, expect):
