@@ -787,6 +787,16 @@ def test_kinds_left_out_of_ops_are_counted_in_the_report(monkeypatch):
         if not table:
             assert "layers.0.post_attention_layernorm  rms_norm: LlamaRMSNorm -> FusedRMSNorm" in text, text
             assert "\n    fused fwd " in text and "; fused bwd " in text, text   # (was "fwd ...; bwd ...")
+    # narrower than a module's path and its change: the change on its own line, indented (at 60 columns its second
+    # half began at the left edge, read as another module; session 40's walkthrough)
+    monkeypatch.setenv("COLUMNS", "60")
+    dry = fuse(model, dry_run=True)
+    lines = str(dry).splitlines()
+    assert max(map(len, lines)) <= 60, lines
+    for r in dry.rows:   # every module alike ("norm" would fit its line: it is split as the others are)
+        i = lines.index(r.path)
+        assert lines[i + 1].startswith(f"    {r.kind}: {r.original} -> "), (r.path, lines)
+        assert lines[i + 2].startswith("    ") and not lines[i + 2].startswith("     "), (r.path, lines)
     # the table's short columns whole, the reason wrapping: rich shrank every column in proportion, so at 200 columns
     # a module path broke mid-word ("post_attention_layerno" / "rm"; session 40's walkthrough)
     transformers = pytest.importorskip("transformers")

@@ -176,9 +176,17 @@ class FusionReport:
             yield table
             return
         yield Text(title, style="bold")
+        # the change under the path, indented, where a module's path and change do not fit a line (folded, the line's
+        # second half began at the left edge), for every module alike
+        split = any(len(c[0]) + len(f"  {c[1]}: {c[2]} -> {c[3]}") > options.max_width for c in cells)
         for r, (path, kind, original, replacement, fwd, bwd, reason) in zip(self.rows, cells):
             style = "" if r.fused else "dim"
-            yield Text(f"{path}  {kind}: {original} -> {replacement}", style=style, overflow="fold")
+            change = f"{kind}: {original} -> {replacement}"
+            if not split:
+                yield Text(f"{path}  {change}", style=style, overflow="fold")
+            else:
+                yield Text(path, style=style, overflow="fold")
+                yield Padding(Text(change, style=style, overflow="fold"), (0, 0, 0, 4))
             yield Padding(Text(f"fused fwd {fwd}; fused bwd {bwd}; {reason}", style=style, overflow="fold"),
                           (0, 0, 0, 4))
         for n in notes:
