@@ -35,6 +35,10 @@ import torch
 NORM_HIDDEN = (1, 7, 32, 64, 96, 100, 128, 200, 264, 448, 576, 768, 896, 960, 1000, 1024, 1152, 1160, 1280, 1536,
                1600, 2048, 2304, 2312, 2560, 3000, 3072, 3584, 3840, 4096, 4608, 5120, 6144, 6400, 7168, 8192, 9224,
                10240, 11264, 12288, 16384, 20000, 32000, 32768, 40008, 64000, 65536, 65544)
+# The widths run over 5000 rows as well (see main): every width of BwdSpecExtra in norm_kernels.cuh among them
+# (tests/kernels/test_norm_spec_lists.py checks it)
+NORM_MANY_ROWS = (200, 264, 576, 768, 896, 960, 1000, 1152, 1160, 1280, 1536, 1600, 2304, 2312, 2560, 3000, 3072,
+                  3584, 3840, 4096, 4608, 5120, 6144, 7168)
 SOFTMAX_KEYS = (1, 5, 127, 1000, 2048, 4097, 16384, 32768, 40000)
 
 
@@ -82,8 +86,7 @@ def main() -> int:
                 # ended in under 60). 601 rows of 9224 and 11264 columns: 16-bit RMSNorm's rows on sm_90's cluster
                 # kernel (2 blocks), and where no cluster runs (PIPEGOOSE_NORM_CLUSTERS=0, before sm_90) its wide
                 # register rows (one 768-thread block per SM, four stages): their stages wrap.
-                many = h in (200, 264, 576, 768, 896, 960, 1000, 1152, 1160, 1280, 1536, 1600, 2304, 2312, 2560,
-                              3000, 3072, 3584, 3840, 4096, 4608, 5120, 6144, 7168)
+                many = h in NORM_MANY_ROWS
                 # 300 fp32 rows of 64000 and 65536 columns: LayerNorm's split forward walks rows, a block per SM,
                 # each block copying its next row into the shared memory that its current row's output has read
                 walk = h in (64000, 65536) and dt == torch.float32

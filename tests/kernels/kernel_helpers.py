@@ -1,9 +1,22 @@
-"""Helpers of the builder tests: a throw-away manifest with tiny kernels."""
+"""Helpers of the kernel tests: a throw-away manifest with tiny kernels (builder tests); the norm backward's
+specialised widths (GPU tests; tests/kernels/test_norm_spec_lists.py checks them against norm_kernels.cuh)."""
 
 from __future__ import annotations
 
 import textwrap
 from pathlib import Path
+
+# BwdSpec16Ln / BwdSpec16Rms / BwdSpec32Ln / BwdSpec32Rms in norm_kernels.cuh (BwdSpecExtra): the widths whose
+# backward (input and grad_output of one dtype) runs a kernel specialised to the width, by the input's bits.
+NORM_SPEC_EXTRA = {
+    16: {"layer_norm": (576, 896, 960, 1152, 1280, 1536, 1600, 2304, 2560, 3072, 3840, 4608, 5120, 7168),
+         "rms_norm": (576, 896, 960, 1152, 1280, 1536, 1600, 2304, 2560, 3072, 3584, 3840, 4608, 5120, 6144, 7168)},
+    32: {"layer_norm": (576, 896, 960, 1152, 1280, 1536, 1600, 2304, 3072, 3584, 3840, 4608, 6144),
+         "rms_norm": (576, 1152, 1280, 1600, 7168)}}
+# BwdSpecHidden: every dtype pair
+NORM_SPEC_HIDDEN = (768, 1024, 2048, 4096, 8192)
+# BwdPcache16Ln: the 16-bit LayerNorm specialisations that always read the weight from shared memory
+NORM_PCACHE16_LN = (576, 768, 896, 960, 1152, 1280, 1600, 4608, 5120, 7168, 8192)
 
 
 def write_manifest(root: Path, op: str, *, cpp_body: str | None = None, extra_kernels: str = "",

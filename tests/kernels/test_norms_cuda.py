@@ -23,6 +23,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_helpers import NORM_SPEC_EXTRA as SPEC_EXTRA
+from kernel_helpers import NORM_SPEC_HIDDEN as SPEC_HIDDEN
 from tolerances import TOLERANCES
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
@@ -316,22 +318,13 @@ def test_out_dtype_float32_many_rows(ln, rms, h):
     check_rms_norm(rms, x, w, dy, out_dtype=torch.float32)
 
 
-# BwdSpec16Ln / BwdSpec16Rms / BwdSpec32Ln / BwdSpec32Rms in norm_kernels.cuh (BwdSpecExtra): the widths whose
-# backward (input and grad_output of one dtype) runs a kernel specialised to the width, by the input's bits.
-SPEC_EXTRA = {16: {"layer_norm": (896, 960, 1280, 1536, 2304, 2560, 3072, 3840, 5120),
-                   "rms_norm": (576, 896, 960, 1152, 1280, 1536, 1600, 2304, 2560, 3072, 3584, 3840, 4608, 5120, 6144,
-                                7168)},
-              32: {"layer_norm": (576, 896, 960, 1152, 1280, 1536, 1600, 2304, 3072, 3584, 3840, 4608, 6144),
-                   "rms_norm": (576, 1152, 1280, 1600, 7168)}}
-# BwdSpecHidden: every dtype pair
-SPEC_HIDDEN = (768, 1024, 2048, 4096, 8192)
 SPEC_EXTRA_WIDTHS = sorted({h for by_op in SPEC_EXTRA.values() for widths in by_op.values() for h in widths})
 
 
 @pytest.mark.parametrize("h", sorted(set(SPEC_HIDDEN) | set(SPEC_EXTRA_WIDTHS)))
 def test_backward_specialised_sizes(ln, rms, h):
     """The backward kernels specialised to these sizes (BwdSpecHidden in norm_kernels.cuh, every dtype pair; and
-    BwdSpecExtra, pairs of one dtype: 576-7168, SPEC_EXTRA above), in every (input, grad_output, parameter) dtype
+    BwdSpecExtra, pairs of one dtype: 576-7168, SPEC_EXTRA), in every (input, grad_output, parameter) dtype
     combination, over more rows than the grid holds."""
     check_dtype_cases(ln, rms, 4099, h, ((torch.float16, torch.float16, None), (torch.bfloat16, torch.float32, None),
                                          (torch.bfloat16, torch.bfloat16, torch.float32),
@@ -343,8 +336,8 @@ def test_backward_specialised_sizes(ln, rms, h):
 def test_backward_specialisations_are_taken_where_listed(ln, rms, h):
     """Which backward ran: a kernel specialised to H (H among the template arguments of the norm_bwd kernel) for
     inputs and gradients of one dtype at SPEC_EXTRA's widths; none for a bf16 input with fp32 gradients and for the
-    widths not listed (no gain or a loss in sessions 39-40's measurements: 16-bit LayerNorm 576, 1152, 1600, 3584,
-    4608, 6144 and 7168; fp32 LayerNorm 2560, 5120 and 7168; fp32 RMSNorm 896, 960, 1536, 2304 and 2560-6144)."""
+    widths not listed (no gain or a loss in sessions 39-41's measurements: 16-bit LayerNorm 3584 and 6144; fp32
+    LayerNorm 2560, 5120 and 7168; fp32 RMSNorm 896, 960, 1536, 2304 and 2560-6144)."""
     for dt, gdt in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.bfloat16, torch.float32),
                     (torch.float32, torch.float32)):
         x, w, b, dy = make(64, h, dt, dt, seed=h)

@@ -1597,7 +1597,7 @@ constexpr Tprc tprc_mode(int vec, bool rms, int tpr) {
 
 // Whether norm_bwd_async_kernel<Tin, ..., RMS, HC, TPB, TPRC> always takes the weight from shared memory (the launch
 // must give it the cache's bytes), instead of choosing at run time between that copy and global memory: the 16-bit
-// LayerNorm kernels compiled for their threads per row (TPRC) and those specialised to 768 and 8192 columns. Without
+// LayerNorm kernels compiled for their threads per row (TPRC) and those specialised to the widths of BwdPcache16Ln. Without
 // the global path's pointer and flags in the row loop their spills go (52 bytes at 64, 128 and 256 threads per row, 8
 // at 8192; ptxas, sm_90; the kernel of 512 threads per row went from 56 to 88 bytes and still gained), and the raw
 // backward gained 0.9-8.7 points of copy at 896-8192 columns but 1536 (-0.6 to +0.3) (bf16 1600: 74.4 -> 82.2, 7680:
@@ -1605,6 +1605,21 @@ constexpr Tprc tprc_mode(int vec, bool rms, int tpr) {
 // mostly losses: RMSNorm, fp32, LayerNorm's 1024, 2048 and 4096 specialisations (e.g. bf16 2048 88.5 -> 85.3, 1024 89.6
 // -> 86.4). -DPIPEGOOSE_NORM_BWD_PCACHE_ARG (a benchmark experiment, off in the shipped build): never, as before
 // session 18.
+// The specialised widths among them (BwdPcache16Ln; raw backward, 16384 rows, % of copy, two rounds; benchmarks/results/
+// nvidia_h200_2026-11-30/session40.log and session41.log): 768 and 8192 (session 18); 1152, 1600 and 4608 (where a
+// specialised kernel with the run-time choice lost 2.2-2.7 points to the kernels compiled for their threads per row,
+// this one gained 1.8-4.6 over them; session 41, call 1); 576 and 7168 (specialised with it: +3.7 / +4.9 and +1.7 /
+// +1.9 in bf16 / fp16); 896, 960, 1280 and 5120 (+0.8 to +2.9 in both; call 1, against the run-time choice). Left at
+// the run-time choice: 1536, 2304, 2560, 3072 and 3840 (-1.0 to +1.8, one dtype or neither above +0.8) and 1024,
+// 2048 and 4096 (-0.8 to -3.2, as in session 18). -DPIPEGOOSE_NORM_BWD_PCACHE_SPEC (a benchmark experiment): every
+// specialised 16-bit LayerNorm width.
+template <int... Hs>
+using Sizes = std::integer_sequence<int, Hs...>;
+template <int... Hs>
+constexpr bool has_size(Sizes<Hs...>, int64_t H) {
+  return ((H == Hs) || ... || false);
+}
+using BwdPcache16Ln = Sizes<576, 768, 896, 960, 1152, 1280, 1600, 4608, 5120, 7168, 8192>;
 constexpr bool bwd_async_pcache(bool rms, int in_bytes, int hc, int tprc) {
 #if defined(PIPEGOOSE_NORM_BWD_PCACHE_ARG)
   static_cast<void>(rms);
@@ -1612,8 +1627,10 @@ constexpr bool bwd_async_pcache(bool rms, int in_bytes, int hc, int tprc) {
   static_cast<void>(hc);
   static_cast<void>(tprc);
   return false;
+#elif defined(PIPEGOOSE_NORM_BWD_PCACHE_SPEC)
+  return !rms && in_bytes == 2 && (tprc > 0 || hc > 0);
 #else
-  return !rms && in_bytes == 2 && (tprc > 0 || hc == 768 || hc == 8192);
+  return !rms && in_bytes == 2 && (tprc > 0 || has_size(BwdPcache16Ln{}, hc));
 #endif
 }
 
@@ -2966,8 +2983,6 @@ static_assert(bwd_plan_is(bwd_plan<8, true, true>(1152, true), 4, 288, false, tr
 // to the size took 0.149 ms against 0.182 ms (H200, benchmarks/results/nvidia_h200_2026-11-29/SUMMARY.md). Each
 // size adds one kernel per (input, grad dtype) pair; -DPIPEGOOSE_NORM_NO_SPEC leaves them out (benchmarks/norm_spec.py
 // builds both ways to compare).
-template <int... Hs>
-using Sizes = std::integer_sequence<int, Hs...>;
 #if defined(PIPEGOOSE_NORM_NO_SPEC)
 using BwdSpecHidden = Sizes<>;
 #else
@@ -2990,13 +3005,17 @@ using BwdSpecHidden = Sizes<768, 1024, 2048, 4096, 8192>;
 // - 576 / 960 / 1152 / 3840 / 4608 (session 40, call 2): LayerNorm bf16 -0.4 / +3.2 / -2.6 / +0.8 / -2.7 (fp16
 //   alike), fp32 +2.0 / +1.9 / +1.2 / +2.0 / +1.9; RMSNorm bf16 +1.4 / +2.8 / +2.4 / +1.4 / +2.2 (fp16 +1.3 to +3.0),
 //   fp32 +0.9 / +0.3 / +14.3 / -2.6 / -0.3.
+// - 16-bit LayerNorm 576 / 1152 / 1600 / 4608 / 7168 (session 41), with the weight always from shared memory
+//   (BwdPcache16Ln, where it lost above). Against a build without the 16-bit lists (session 41, call 2), every 16-bit
+//   LayerNorm width of the list: bf16 +0.9 to +4.6 (576: 44.3 -> 47.9, 1280: 66.3 -> 70.8, 7168: 91.7 -> 93.1), fp16
+//   +1.5 to +4.5. 6144 stays out: -16.0 / -18.4 specialised with the shared-memory weight (call 1).
 // -DPIPEGOOSE_NORM_NO_SPEC16 leaves the 16-bit lists out, -DPIPEGOOSE_NORM_NO_SPEC32 the fp32 ones. Mixed pairs (a
 // 16-bit input with fp32 gradients) keep the kernels compiled for their threads per row.
 #if defined(PIPEGOOSE_NORM_NO_SPEC) || defined(PIPEGOOSE_NORM_NO_SPEC16)
 using BwdSpec16Ln = Sizes<>;
 using BwdSpec16Rms = Sizes<>;
 #else
-using BwdSpec16Ln = Sizes<896, 960, 1280, 1536, 2304, 2560, 3072, 3840, 5120>;
+using BwdSpec16Ln = Sizes<576, 896, 960, 1152, 1280, 1536, 1600, 2304, 2560, 3072, 3840, 4608, 5120, 7168>;
 using BwdSpec16Rms =
     Sizes<576, 896, 960, 1152, 1280, 1536, 1600, 2304, 2560, 3072, 3584, 3840, 4608, 5120, 6144, 7168>;
 #endif
@@ -3013,10 +3032,6 @@ using BwdSpecExtra = std::conditional_t<
     !std::is_same<Tin, Tdy>::value, Sizes<>,
     std::conditional_t<sizeof(Tin) == 2, std::conditional_t<RMS, BwdSpec16Rms, BwdSpec16Ln>,
                        std::conditional_t<RMS, BwdSpec32Rms, BwdSpec32Ln>>>;
-template <int... Hs>
-constexpr bool has_size(Sizes<Hs...>, int64_t H) {
-  return ((H == Hs) || ... || false);
-}
 // f(IC<HC>{}) for each HC of the list, in order, until one returns true; whether one did.
 template <int... Hs, typename F>
 bool any_size(Sizes<Hs...>, F&& f) {

@@ -1,0 +1,65 @@
+"""The norm backward's specialised widths, written in ``norm_kernels.cuh`` (``Sizes<...>`` lists), in the GPU tests
+(``kernel_helpers.NORM_SPEC_*``) and in the sanitizer run (``tools/sanitize_kernels.py``): the same lists (CPU only;
+the GPU test ``test_backward_specialisations_are_taken_where_listed`` checks which kernel each width runs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+from kernel_helpers import NORM_PCACHE16_LN, NORM_SPEC_EXTRA, NORM_SPEC_HIDDEN
+
+ROOT = Path(__file__).resolve().parents[2]
+HEADER = ROOT / "pipegoose" / "kernels" / "csrc" / "norm_kernels.cuh"
+
+
+def header_lists(text: str) -> dict[str, tuple[int, ...]]:
+    """``using NAME = Sizes<...>;`` of ``text``: the non-empty definition of each name (the empty ones are the
+    -DPIPEGOOSE_NORM_NO_SPEC* branches). Raises AssertionError if a name has two non-empty definitions."""
+    found: dict[str, tuple[int, ...]] = {}
+    for name, body in re.findall(r"using\s+(\w+)\s*=\s*Sizes<([^>]*)>\s*;", text):
+        if not body.strip():
+            continue
+        assert name not in found, f"{name}: two non-empty definitions in {HEADER.name}"
+        found[name] = tuple(int(v) for v in body.split(","))
+    return found
+
+
+@pytest.fixture(scope="module")
+def lists():
+    return header_lists(HEADER.read_text())
+
+
+def test_header_lists_parse():
+    text = "using A = Sizes<>;\nusing A =\n    Sizes<1, 2,\n 3>;\nusing B = Sizes<4>;"
+    assert header_lists(text) == {"A": (1, 2, 3), "B": (4,)}
+    with pytest.raises(AssertionError, match="two non-empty"):
+        header_lists("using A = Sizes<1>; using A = Sizes<2>;")
+
+
+def test_tests_use_the_header_lists(lists):
+    assert lists["BwdSpecHidden"] == NORM_SPEC_HIDDEN
+    assert lists["BwdSpec16Ln"] == NORM_SPEC_EXTRA[16]["layer_norm"]
+    assert lists["BwdSpec16Rms"] == NORM_SPEC_EXTRA[16]["rms_norm"]
+    assert lists["BwdSpec32Ln"] == NORM_SPEC_EXTRA[32]["layer_norm"]
+    assert lists["BwdSpec32Rms"] == NORM_SPEC_EXTRA[32]["rms_norm"]
+    assert lists["BwdPcache16Ln"] == NORM_PCACHE16_LN
+
+
+def test_pcache_widths_are_specialised(lists):
+    # bwd_async_pcache's list names kernels specialised to the width: a width in no specialisation list is dead
+    spec16_ln = set(lists["BwdSpecHidden"]) | set(lists["BwdSpec16Ln"])
+    assert set(lists["BwdPcache16Ln"]) <= spec16_ln
+
+
+def test_sanitizer_reaches_every_specialised_width(lists):
+    spec = importlib.util.spec_from_file_location("sanitize_kernels", ROOT / "tools" / "sanitize_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    extra = {h for name in ("BwdSpec16Ln", "BwdSpec16Rms", "BwdSpec32Ln", "BwdSpec32Rms") for h in lists[name]}
+    assert extra | set(lists["BwdSpecHidden"]) <= set(mod.NORM_HIDDEN)
+    # the specialised kernels walk several rows per row group only with enough rows
+    assert extra <= set(mod.NORM_MANY_ROWS)
+    assert set(mod.NORM_MANY_ROWS) <= set(mod.NORM_HIDDEN)
