@@ -3007,7 +3007,7 @@ using BwdSpecHidden = Sizes<768, 1024, 2048, 4096, 8192>;
 //   fp32 +0.9 / +0.3 / +14.3 / -2.6 / -0.3.
 // - 16-bit LayerNorm 576 / 1152 / 1600 / 4608 / 7168 (session 41), with the weight always from shared memory
 //   (BwdPcache16Ln, where it lost above). Against a build without the 16-bit lists (session 41, call 2), every 16-bit
-//   LayerNorm width of the list: bf16 +0.9 to +4.6 (576: 44.3 -> 47.9, 1280: 66.3 -> 70.8, 7168: 91.7 -> 93.1), fp16
+//   LayerNorm width of the list: bf16 +0.9 to +4.6 (576: 44.3 -> 47.9, 1280: 66.2 -> 70.8, 7168: 91.7 -> 93.1), fp16
 //   +1.5 to +4.5. 6144 stays out: -16.0 / -18.4 specialised with the shared-memory weight (call 1).
 // -DPIPEGOOSE_NORM_NO_SPEC16 leaves the 16-bit lists out, -DPIPEGOOSE_NORM_NO_SPEC32 the fp32 ones. Mixed pairs (a
 // 16-bit input with fp32 gradients) keep the kernels compiled for their threads per row.
