@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pipegoose.nn.fusion import demo
 
@@ -51,7 +52,7 @@ def test_timing_pairs_unfused_and_fused_steps(monkeypatch):
     step raises (the CUDA timing itself is replaced: this runs on the CPU)."""
     from pipegoose.nn.fusion.fuse import fuse, unfuse
 
-    model, batch, _ = demo.load("llama", "eager", demo.torch.device("cpu"), demo.torch.float32)
+    model, batch, _ = demo.load("llama", "eager", torch.device("cpu"), torch.float32)
     seen = []   # (fused, steps, warmup) of each time_step call
 
     def fake_time_step(m, b, steps, warmup=3):
@@ -107,6 +108,23 @@ def test_demo_bf16_random_gpt2_cpu(capsys):
     assert demo.main(["--model", "gpt2", "--device", "cpu", "--dtype", "bfloat16", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "float64" in out and "parity (bfloat16" in out and "PASS" in out
+
+
+def test_demo_bloom_has_a_float64_reference(capsys):
+    """Bloom's eager attention takes its softmax in float32, where a float64 copy's mask value is -inf: with left
+    padding its fully masked rows were NaN, and the demo compared fused with unfused only (session 40's walkthrough).
+    Its batch pads on the right; the other models keep left padding (fully masked causal rows)."""
+    model, batch, _ = demo.load("bloom", "eager", torch.device("cpu"), torch.float32)
+    mask = batch["attention_mask"]
+    assert bool((mask[:, 0] == 1).all()) and not bool((mask[:, -1] == 1).all()), mask
+    ref, why = demo.float64_reference(model, batch)
+    assert ref is not None, why
+    _, batch, _ = demo.load("llama", "eager", torch.device("cpu"), torch.float32)
+    assert not bool((batch["attention_mask"][:, 0] == 1).all()) and bool((batch["attention_mask"][:, -1] == 1).all())
+    assert demo.main(["--model", "bloom", "--device", "cpu", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "relative error against the float64 model" in out and "no float64 reference" not in out, out
+    assert "PASS" in out
 
 
 def _errs(emb, loss, grads):
