@@ -26,7 +26,8 @@ kernel's launch bounds, rows on the generic or scalar path) runs the shipped pla
 made that way.
 
 ``--fwd-only`` / ``--bwd-only`` time one pass; ``--shapes 16384x5120,...`` replaces the sweep's shapes; ``--max-h H``
-keeps the shapes up to H columns.
+keeps the shapes up to H columns; ``--ops layer_norm`` (or ``rms_norm``) builds and times one op only (a variant
+build of the other is not made).
 
 ``--bwd-wide`` builds with ``-DPIPEGOOSE_NORM_BWD_EXPERIMENT`` and times each backward twice: on its shipped plan and
 (``"plan": "wide"``, with ``maxrel``, the largest difference from the shipped plan's gradients relative to their

@@ -53,8 +53,6 @@ def run(monkeypatch, *argv):
     (["--ops", "layernorm"], "--ops: 'layernorm': expected layer_norm, rms_norm or layer_norm,rms_norm"),
     (["--ops", "rms_norm,rms_norm"], "--ops: 'rms_norm,rms_norm': expected layer_norm, rms_norm"),
     (["--ops", ""], "--ops: '': expected layer_norm"),
-    (["--ops=layer_norm", "--defines=-DPIPEGOOSE_NORM_RMS_ONLY_MACRO"],
-     "PIPEGOOSE_NORM_RMS_ONLY_MACRO occurs in none of the files of pipegoose/layer_norm"),
     (["--table", "x.jsonl", "--ops=rms_norm"], "--table only prints a table; it takes no other option (got --ops)"),
     (["--table", "x.jsonl", "--bwd-only"], "--table only prints a table; it takes no other option (got --bwd-only)"),
 ])
@@ -62,6 +60,14 @@ def test_bad_arguments_exit_with_the_option_named(monkeypatch, argv, expect):
     msg = run(monkeypatch, *argv)
     assert expect in msg, msg
     assert "\n" not in msg
+
+
+def test_ops_limits_the_defines_check_to_its_kernels(monkeypatch):
+    """--ops layer_norm checks --defines against pipegoose/layer_norm's files only (and builds only that kernel)."""
+    msg = run(monkeypatch, "--ops=layer_norm", "--defines=-DPIPEGOOSE_NORM_RMS_ONLY_MACRO")
+    assert msg.endswith("occurs in none of the files of pipegoose/layer_norm"), msg
+    msg = run(monkeypatch, "--defines=-DPIPEGOOSE_NORM_RMS_ONLY_MACRO")
+    assert msg.endswith("pipegoose/layer_norm, pipegoose/rms_norm"), msg
 
 
 def test_table_of_fwd_plan_lines_and_bad_copy_bandwidth(monkeypatch, tmp_path):
