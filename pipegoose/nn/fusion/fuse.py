@@ -184,11 +184,12 @@ class FusionReport:
             change = f"{kind}: {original} -> {replacement}"
             if not split:
                 yield Text(f"{path}  {change}", style=style, overflow="fold")
-            else:
-                yield Text(path, style=style, overflow="fold")
+            else:   # path (continued at 2 after a dot), change at 4, the rest at 6: each level its own indent
+                for i, part in enumerate(_fold_path(path, options.max_width)):
+                    yield Padding(Text(part, style=style, overflow="fold"), (0, 0, 0, 2 if i else 0))
                 yield Padding(Text(change, style=style, overflow="fold"), (0, 0, 0, 4))
             yield Padding(Text(f"fused fwd {fwd}; fused bwd {bwd}; {reason}", style=style, overflow="fold"),
-                          (0, 0, 0, 4))
+                          (0, 0, 0, 6 if split else 4))
         for n in notes:
             yield Text(n, overflow="fold")
 
@@ -235,6 +236,22 @@ class FusionReport:
         console = Console(width=max(width, 40), record=True, file=_NullIO(), color_system=None)
         console.print(self)
         return "\n".join(line.rstrip() for line in console.export_text().splitlines())  # (padding to the width)
+
+
+def _fold_path(path: str, width: int) -> list[str]:
+    """``path`` in lines of ``width`` characters (``width - 2`` after the first, which the report indents by 2),
+    broken after a dot where one falls in the line, else at the width."""
+    lines: list[str] = []
+    rest = path
+    while rest:
+        w = max(width - (2 if lines else 0), 1)
+        if len(rest) <= w:
+            lines.append(rest)
+            break
+        cut = rest.rfind(".", 0, w) + 1 or w
+        lines.append(rest[:cut])
+        rest = rest[cut:]
+    return lines
 
 
 def _yes_no(fused: bool, impl: str) -> str:
