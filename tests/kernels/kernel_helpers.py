@@ -1,5 +1,6 @@
 """Helpers of the kernel tests: a throw-away manifest with tiny kernels (builder tests); the norm backward's
-specialised widths (GPU tests; tests/kernels/test_norm_spec_lists.py checks them against norm_kernels.cuh)."""
+specialised widths (NORM_SPEC_*: GPU tests; all three checked against norm_kernels.cuh by
+tests/kernels/test_norm_spec_lists.py)."""
 
 from __future__ import annotations
 

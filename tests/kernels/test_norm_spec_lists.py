@@ -15,11 +15,17 @@ ROOT = Path(__file__).resolve().parents[2]
 HEADER = ROOT / "pipegoose" / "kernels" / "csrc" / "norm_kernels.cuh"
 
 
+def strip_comments(text: str) -> str:
+    """``text`` without C++ comments (``//`` to the line's end, ``/* ... */``)."""
+    return re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
+
+
 def header_lists(text: str) -> dict[str, tuple[int, ...]]:
-    """``using NAME = Sizes<...>;`` of ``text``: the non-empty definition of each name (the empty ones are the
-    -DPIPEGOOSE_NORM_NO_SPEC* branches). Raises AssertionError if a name has two non-empty definitions."""
+    """``using NAME = Sizes<...>;`` of ``text`` (comments left out): the non-empty definition of each name (the empty
+    ones are the branches of -DPIPEGOOSE_NORM_NO_SPEC* and of experiments that are off in the shipped build). Raises
+    AssertionError if a name has two non-empty definitions."""
     found: dict[str, tuple[int, ...]] = {}
-    for name, body in re.findall(r"using\s+(\w+)\s*=\s*Sizes<([^>]*)>\s*;", text):
+    for name, body in re.findall(r"using\s+(\w+)\s*=\s*Sizes<([^>]*)>\s*;", strip_comments(text)):
         if not body.strip():
             continue
         assert name not in found, f"{name}: two non-empty definitions in {HEADER.name}"
@@ -37,6 +43,9 @@ def test_header_lists_parse():
     assert header_lists(text) == {"A": (1, 2, 3), "B": (4,)}
     with pytest.raises(AssertionError, match="two non-empty"):
         header_lists("using A = Sizes<1>; using A = Sizes<2>;")
+    # comments: a list written in one, or one inside a list, is not read (review)
+    assert header_lists("// using A = Sizes<9>;\nusing A = Sizes<1, // one\n 2>; /* using A = Sizes<3>; */") == \
+        {"A": (1, 2)}
 
 
 def test_tests_use_the_header_lists(lists):
@@ -46,6 +55,15 @@ def test_tests_use_the_header_lists(lists):
     assert lists["BwdSpec32Ln"] == NORM_SPEC_EXTRA[32]["layer_norm"]
     assert lists["BwdSpec32Rms"] == NORM_SPEC_EXTRA[32]["rms_norm"]
     assert lists["BwdPcache16Ln"] == NORM_PCACHE16_LN
+
+
+def test_pcache_reads_its_list():
+    # the shipped branch of bwd_async_pcache takes its widths from BwdPcache16Ln (a review: going back to literal
+    # widths there left every test of the lists passing)
+    text = strip_comments(HEADER.read_text())
+    body = text[text.index("constexpr bool bwd_async_pcache("):]
+    shipped = body[body.index("#else"):body.index("#endif")]
+    assert "has_size(BwdPcache16Ln{}, hc)" in shipped, shipped
 
 
 def test_pcache_widths_are_specialised(lists):
