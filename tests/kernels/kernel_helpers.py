@@ -18,6 +18,8 @@ NORM_SPEC_EXTRA = {
 NORM_SPEC_HIDDEN = (768, 1024, 2048, 4096, 8192)
 # BwdPcache16Ln: the 16-bit LayerNorm specialisations that always read the weight from shared memory
 NORM_PCACHE16_LN = (576, 768, 896, 960, 1152, 1280, 1600, 4608, 5120, 7168, 8192)
+# BwdPcache16Rms: the same for 16-bit RMSNorm
+NORM_PCACHE16_RMS = (576, 768, 6144)
 
 
 def write_manifest(root: Path, op: str, *, cpp_body: str | None = None, extra_kernels: str = "",

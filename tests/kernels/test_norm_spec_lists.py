@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from kernel_helpers import NORM_PCACHE16_LN, NORM_SPEC_EXTRA, NORM_SPEC_HIDDEN
+from kernel_helpers import NORM_PCACHE16_LN, NORM_PCACHE16_RMS, NORM_SPEC_EXTRA, NORM_SPEC_HIDDEN
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = ROOT / "pipegoose" / "kernels" / "csrc" / "norm_kernels.cuh"
@@ -55,6 +55,7 @@ def test_tests_use_the_header_lists(lists):
     assert lists["BwdSpec32Ln"] == NORM_SPEC_EXTRA[32]["layer_norm"]
     assert lists["BwdSpec32Rms"] == NORM_SPEC_EXTRA[32]["rms_norm"]
     assert lists["BwdPcache16Ln"] == NORM_PCACHE16_LN
+    assert lists["BwdPcache16Rms"] == NORM_PCACHE16_RMS
 
 
 def test_pcache_reads_its_list():
@@ -63,13 +64,14 @@ def test_pcache_reads_its_list():
     text = strip_comments(HEADER.read_text())
     body = text[text.index("constexpr bool bwd_async_pcache("):]
     shipped = body[body.index("#else"):body.index("#endif")]
-    assert "has_size(BwdPcache16Ln{}, hc)" in shipped, shipped
+    assert "has_size(BwdPcache16Ln{}, hc)" in shipped and "has_size(BwdPcache16Rms{}, hc)" in shipped, shipped
 
 
 def test_pcache_widths_are_specialised(lists):
     # bwd_async_pcache's list names kernels specialised to the width: a width in no specialisation list is dead
     spec16_ln = set(lists["BwdSpecHidden"]) | set(lists["BwdSpec16Ln"])
     assert set(lists["BwdPcache16Ln"]) <= spec16_ln
+    assert set(lists["BwdPcache16Rms"]) <= set(lists["BwdSpecHidden"]) | set(lists["BwdSpec16Rms"])
 
 
 def test_sanitizer_reaches_every_specialised_width(lists):

@@ -330,6 +330,11 @@ def test_backward_specialised_sizes(ln, rms, h):
                                          (torch.bfloat16, torch.bfloat16, torch.float32),
                                          (torch.float16, torch.float32, torch.float32),
                                          (torch.float32, torch.float32, None)), seed=h + 1)
+    # without parameters: the kernels that always read the weight from shared memory (BwdPcache16Ln, BwdPcache16Rms)
+    # stage ones there
+    x, _, _, dy = make(4099, h, torch.bfloat16, None, seed=h + 2)
+    check_layer_norm(ln, x, None, None, dy)
+    check_rms_norm(rms, x, None, dy)
 
 
 @pytest.mark.parametrize("h", SPEC_EXTRA_WIDTHS)
@@ -694,6 +699,26 @@ def test_plans_of_smaller_shared_memory(limit):
         print("SMEM-OK")
     """)
     assert r.returncode == 0 and "SMEM-OK" in r.stdout, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("limit,want", [(130000, "GENERIC"), (143360, "SPEC")])
+def test_weight_cache_that_does_not_fit_takes_the_generic_backward(limit, want):
+    """16-bit LayerNorm at 5120 columns runs a kernel that always reads the weight from shared memory (BwdPcache16Ln):
+    122880 bytes of stages (2 stages x 3 rows of 320 threads x 2 chunks x 8 values x 4 bytes) and 20480 of weight
+    cache. Under a limit where the stages fit and the cache does not, the generic kernel runs, never that kernel
+    without its cache; where both fit, the specialised one. Both at the float64 reference's tolerances."""
+    r = _run_with_smem_limit(str(limit), """
+        x, w, b, dy = T.make(4099, 5120, torch.bfloat16, torch.bfloat16, seed=5)
+        T.check_layer_norm(ln, x, w, b, dy)
+        T.check_layer_norm(ln, x, None, None, dy)
+        _, mean, rstd = ln.layer_norm_forward(x, w, b, 1e-5, None)
+        names = T.kernels_run(lambda: ln.layer_norm_backward(dy, x, w, b, mean, rstd))
+        bwd = [n for n in names.splitlines() if "norm_bwd" in n]
+        print("GENERIC" if any("norm_bwd_generic_kernel" in n for n in bwd) else
+              "SPEC" if any("5120" in n for n in bwd) else f"OTHER {bwd}")
+    """)
+    assert r.returncode == 0 and r.stdout.split()[-1:] == [want], \
+        f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
 
 
 def test_plans_without_clusters():

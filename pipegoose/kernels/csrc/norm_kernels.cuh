@@ -1597,7 +1597,8 @@ constexpr Tprc tprc_mode(int vec, bool rms, int tpr) {
 
 // Whether norm_bwd_async_kernel<Tin, ..., RMS, HC, TPB, TPRC> always takes the weight from shared memory (the launch
 // must give it the cache's bytes), instead of choosing at run time between that copy and global memory: the 16-bit
-// LayerNorm kernels compiled for their threads per row (TPRC) and those specialised to the widths of BwdPcache16Ln. Without
+// LayerNorm kernels compiled for their threads per row (TPRC) and those specialised to the widths of BwdPcache16Ln, and
+// the 16-bit RMSNorm kernels specialised to those of BwdPcache16Rms (below). Without
 // the global path's pointer and flags in the row loop their spills go (52 bytes at 64, 128 and 256 threads per row, 8
 // at 8192; ptxas, sm_90; the kernel of 512 threads per row went from 56 to 88 bytes and still gained), and the raw
 // backward gained 0.9-8.7 points of copy at 896-8192 columns but 1536 (-0.6 to +0.3) (bf16 1600: 74.4 -> 82.2, 7680:
@@ -1607,10 +1608,10 @@ constexpr Tprc tprc_mode(int vec, bool rms, int tpr) {
 // session 18.
 // The specialised widths among them (BwdPcache16Ln; raw backward, 16384 rows, % of copy, two rounds; benchmarks/results/
 // nvidia_h200_2026-11-30/session40.log and session41.log): 768 and 8192 (session 18); 1152, 1600 and 4608 (where a
-// specialised kernel with the run-time choice lost 2.2-2.7 points to the kernels compiled for their threads per row,
+// specialised kernel with the run-time choice lost 1.7-2.7 points to the kernels compiled for their threads per row,
 // this one gained 1.8-4.6 over them; session 41, call 1); 576 and 7168 (specialised with it: +3.7 / +4.9 and +1.7 /
 // +1.9 in bf16 / fp16); 896, 960, 1280 and 5120 (+0.8 to +2.9 in both; call 1, against the run-time choice). Left at
-// the run-time choice: 1536, 2304, 2560, 3072 and 3840 (-1.0 to +1.8, one dtype or neither above +0.8) and 1024,
+// the run-time choice: 1536, 2304, 2560, 3072 and 3840 (-0.3 to +1.8, one dtype or neither above +0.8) and 1024,
 // 2048 and 4096 (-0.8 to -3.2, as in session 18). -DPIPEGOOSE_NORM_BWD_PCACHE_SPEC (a benchmark experiment): every
 // specialised 16-bit LayerNorm width.
 template <int... Hs>
@@ -1620,6 +1621,11 @@ constexpr bool has_size(Sizes<Hs...>, int64_t H) {
   return ((H == Hs) || ... || false);
 }
 using BwdPcache16Ln = Sizes<576, 768, 896, 960, 1152, 1280, 1600, 4608, 5120, 7168, 8192>;
+// The 16-bit RMSNorm kernels specialised to these widths take the weight from shared memory only too (session 41,
+// call 3: every 16-bit RMSNorm specialisation so, against the run-time choice, gained at 576 / 768 / 6144, +4.7 /
+// +1.2 / +1.0 in bf16 and +2.6 / +1.1 / +1.1 in fp16, and elsewhere went -5.2 to +0.7: 8192 -5.2, 3840 -3.2, 896
+// +0.6).
+using BwdPcache16Rms = Sizes<576, 768, 6144>;
 constexpr bool bwd_async_pcache(bool rms, int in_bytes, int hc, int tprc) {
 #if defined(PIPEGOOSE_NORM_BWD_PCACHE_ARG)
   static_cast<void>(rms);
@@ -1630,7 +1636,7 @@ constexpr bool bwd_async_pcache(bool rms, int in_bytes, int hc, int tprc) {
 #elif defined(PIPEGOOSE_NORM_BWD_PCACHE_SPEC)
   return !rms && in_bytes == 2 && (tprc > 0 || hc > 0);
 #else
-  return !rms && in_bytes == 2 && (tprc > 0 || has_size(BwdPcache16Ln{}, hc));
+  return in_bytes == 2 && (rms ? has_size(BwdPcache16Rms{}, hc) : tprc > 0 || has_size(BwdPcache16Ln{}, hc));
 #endif
 }
 
