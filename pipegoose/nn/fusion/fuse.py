@@ -465,7 +465,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                 if isinstance(child, fused_types):  # put there before this call
                     kind = "rms_norm" if isinstance(child, FusedRMSNorm) else "layer_norm"
                     report.rows.append(FusionRow(path, kind, type(child).__name__, type(child).__name__, True,
-                                                 reason=_already_fused_reason(model, child)))
+                                                 *_fused_impls(child), reason=_already_fused_reason(model, child)))
                     held.add(id(report.rows[-1]))
                     continue
                 row, new = _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm)
@@ -517,6 +517,21 @@ def _norm_kind_left_out(child: nn.Module, ops: tuple) -> str | None:
     if "rms_norm" in ops or any(True for _ in child.children()):
         return None
     return "rms_norm" if matching.probe_rms_norm(child).ok else None
+
+
+def _fused_impls(module: nn.Module) -> tuple[str, str]:
+    """(forward, backward) for a norm fused before this call, as :func:`_consider` gives them for a new one: what the
+    dispatcher picks for it (the report showed "yes" there, also where the fallback runs; a walkthrough)."""
+    from .modules import FusedRMSNorm
+
+    shape = tuple(module.normalized_shape)
+    if isinstance(module, FusedRMSNorm):
+        eps = module.eps if module.eps is not None else torch.finfo(torch.float32).eps
+        return _impls("rms_norm", module, lambda d, t: (
+            torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, module.weight, eps,
+            module.cast_before_weight))
+    return _impls("layer_norm", module, lambda d, t: (
+        torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, module.weight, module.bias))
 
 
 def _already_fused_reason(model: nn.Module, module: nn.Module) -> str:
