@@ -221,7 +221,8 @@ class Manifest:
             if name in k.aliases:
                 return k
         names = list(self.kernels) + [a for k in self.kernels.values() for a in k.aliases]
-        close = difflib.get_close_matches(name, names, n=5, cutoff=0.4)
+        # difflib's default cutoff (0.6): at 0.4, "nothere" got "did you mean: rms_norm" (a walkthrough)
+        close = difflib.get_close_matches(name, names, n=5)
         if not close:  # substring matches help with "layernorm" -> "apex/fused_layer_norm"
             key = name.replace("_", "").lower()
             close = [n for n in names if key in n.replace("_", "").lower()][:5]

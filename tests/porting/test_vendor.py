@@ -607,6 +607,14 @@ def test_unknown_id_lists_close_matches(sdist_repo):
     assert r.returncode == 2 and "did you mean" in r.stderr
 
 
+def test_unrelated_names_are_not_suggested(sdist_repo):
+    """`port.py remove nothere` answered "did you mean: rms_norm" (session 41's walkthrough): a name close to none
+    lists the known kernels instead ("opal" is 0.5 alike to "up/alpha" and 0.44 to its alias "alpha")."""
+    with pytest.raises(PortError, match="unknown kernel 'opal'") as e:
+        sdist_repo.porter().add(["opal"])
+    assert "did you mean" not in str(e.value) and "known kernels: " in str(e.value), str(e.value)
+
+
 def test_file_missing_in_source(repo):
     src, _ = sdist_source(repo)
     repo.write_manifest(src, K_ALPHA.replace("csrc/common/util.h", "csrc/common/util.h, csrc/common/gone.h"))
