@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -84,7 +85,10 @@ def cmd_list(a) -> int:
     out.print(Text(title, style="bold", overflow="fold"), soft_wrap=False)
     for kid, source, lic, state, detail in rows:
         out.print(Text.assemble(kid, "  ", (state, _STATE_STYLE.get(state, ""))))
-        out.print(Text("    " + "; ".join(x for x in (source, lic, detail) if x), overflow="fold"), soft_wrap=False)
+        # indented as a block: its wrapped lines went on at the left edge, read as another kernel (a walkthrough)
+        rest = "; ".join(x for x in (source, lic, detail) if x)
+        for line in textwrap.wrap(rest, max(out.width - 4, 8), break_on_hyphens=False) or [""]:
+            out.print(Text("    " + line))
     return 0
 
 

@@ -910,6 +910,8 @@ def test_cli_list_fits_narrow_terminals(git_repo):
         assert "up/alpha  verified" in lines and "up/beta  declared" in lines, r.stdout
         i, j = lines.index("up/alpha  verified"), lines.index("up/beta  declared")
         assert lines[i + 1].startswith("    ") and "Apache-2.0" in "".join(lines[i + 1:j]), r.stdout
+        # every wrapped line of the block indented (at 40 columns "Apache-2.0" began at the left edge; a walkthrough)
+        assert all(ln.startswith("    ") and ln == ln.rstrip() for ln in lines[i + 1:j]), r.stdout
     r = subprocess.run(port, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 0 and any(ln.startswith("│ up/alpha") for ln in r.stdout.splitlines()), r.stdout
     # every width: the ids whole, in the table (rich shrank its columns, folding ids just above the list's threshold)
