@@ -44,6 +44,10 @@ def test_demo_bad_model(capsys, tmp_path):
     assert demo.main(["--model", missing, "--device", "cpu"]) == 2
     out = capsys.readouterr().out.replace("\n", "")  # the console may wrap a long path
     assert f"no folder {missing!r}" in out and "unknown config name" not in out, out
+    # a folder without config.json (transformers answered "Should have a `model_type` key"; a walkthrough)
+    assert demo.main(["--model", str(tmp_path), "--device", "cpu"]) == 2
+    out = " ".join(capsys.readouterr().out.split())   # (the console wraps at a blank)
+    assert "no config.json there" in out and "model_type" not in out, out
 
 
 def test_timing_pairs_unfused_and_fused_steps(monkeypatch):

@@ -127,6 +127,9 @@ def load(model_arg: str | None, attn: str, device: torch.device, dtype: torch.dt
     if model_arg is None or Path(model_arg).is_dir():
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         path = minilm_path() if model_arg is None else Path(model_arg)
+        if not (path / "config.json").is_file():   # (transformers said "Should have a `model_type` key")
+            raise FileNotFoundError(f"--model {path}: no config.json there (expected a model folder saved with "
+                                    "save_pretrained, with its tokenizer)")
         model = AutoModel.from_pretrained(path, attn_implementation=attn, dtype=torch.float32)
         try:
             tok = AutoTokenizer.from_pretrained(path)
