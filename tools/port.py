@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -62,33 +61,15 @@ _REST_MIN = 40
 def cmd_list(a) -> int:
     from rich.text import Text
 
+    from pipegoose._table import print_table
+
     p = _porter(a)
-    header = ("kernel", "source", "license", "state", "detail")
-    rows = [(s.id, f"{s.project}: {s.pin}", s.license, s.state, s.detail) for s in p.states(check_hashes=not a.quick)]
-    title = f"kernels ({p.manifest.path})"
-    whole = {i: max(len(r[i]) for r in [header, *rows]) for i in (0, 2, 3)}   # the columns kept whole
-    short = sum(w + 3 for w in whole.values()) + 4  # + padding and rules
-    if out.width >= short + _REST_MIN:
-        out.print(Text(title, overflow="fold"), soft_wrap=False)   # (a table's title ignored the width here)
-        t = Table(show_lines=False)
-        # id, license and state whole (rich shrank every column in proportion, folding ids mid-word below 133
-        # columns); source and detail fold
-        for i, col in enumerate(header):
-            if i in whole:
-                t.add_column(col, no_wrap=True, min_width=whole[i])
-            else:
-                t.add_column(col, overflow="fold")
-        for kid, source, lic, state, detail in rows:   # (Text: a "[...]" in a path or detail is not markup)
-            t.add_row(Text(kid), Text(source), Text(lic), Text(state, style=_STATE_STYLE.get(state, "")), Text(detail))
-        out.print(t)
-        return 0
-    out.print(Text(title, style="bold", overflow="fold"), soft_wrap=False)
-    for kid, source, lic, state, detail in rows:
-        out.print(Text.assemble(kid, "  ", (state, _STATE_STYLE.get(state, ""))))
-        # indented as a block: its wrapped lines went on at the left edge, read as another kernel (a walkthrough)
-        rest = "; ".join(x for x in (source, lic, detail) if x)
-        for line in textwrap.wrap(rest, max(out.width - 4, 8), break_on_hyphens=False) or [""]:
-            out.print(Text("    " + line))
+    rows = [(s.id, f"{s.project}: {s.pin}", s.license, Text(s.state, style=_STATE_STYLE.get(s.state, "")), s.detail)
+            for s in p.states(check_hashes=not a.quick)]
+    # id, license and state whole in the table (rich folded ids mid-word below 133 columns); in the list, a line of id
+    # and state per kernel, its source, license and detail indented below
+    print_table(out, f"kernels ({p.manifest.path})", ("kernel", "source", "license", "state", "detail"), rows,
+                whole=(0, 2, 3), head=(0, 3), rest_min=_REST_MIN)
     return 0
 
 

@@ -48,7 +48,9 @@ def _builders(args, names):
 
 
 def _doctor(args) -> int:
-    from rich.table import Table
+    from rich.text import Text
+
+    from pipegoose._table import print_table
 
     from . import cache, toolchain
 
@@ -56,41 +58,37 @@ def _doctor(args) -> int:
     cache_dir = cache.default_cache_dir() if args.cache_dir is None else args.cache_dir
     import torch
 
-    env = Table(title="environment", show_header=False)
-    env.add_row("python", sys.version.split()[0])
-    env.add_row("torch", f"{torch.__version__} (CUDA {torch.version.cuda})")
+    env = [("python", sys.version.split()[0]), ("torch", f"{torch.__version__} (CUDA {torch.version.cuda})")]
     gpus = [f"{torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
             for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    env.add_row("GPUs", ", ".join(gpus) or "none visible")
-    env.add_row("cache", str(cache_dir))
-    for var in ("CUDA_HOME", "TORCH_CUDA_ARCH_LIST", "MAX_JOBS", "PIPEGOOSE_CACHE_DIR",
-                "PIPEGOOSE_ALLOW_MODIFIED_VENDOR"):
-        env.add_row(var, os.environ.get(var, "(unset)"))
-    console.print(env)
+    env += [("GPUs", ", ".join(gpus) or "none visible"), ("cache", str(cache_dir))]
+    env += [(var, os.environ.get(var, "(unset)")) for var in ("CUDA_HOME", "TORCH_CUDA_ARCH_LIST", "MAX_JOBS",
+                                                             "PIPEGOOSE_CACHE_DIR", "PIPEGOOSE_ALLOW_MODIFIED_VENDOR")]
+    # the names, checks, kernels and states whole (rich cut them, "TORCH_CUDA_ARCH…", in narrow terminals; a
+    # walkthrough), else a list (pipegoose._table)
+    print_table(console, "environment", ("name", "value"), env, whole=(0,), head=(0,), show_header=False)
 
-    checks = Table(title="preflight")
-    for col in ("check", "status", "detail", "fix"):
-        checks.add_column(col, overflow="fold")
+    checks = []   # (check, status, detail, fix)
+    fail, ok = Text("FAIL", style="red"), Text("ok", style="green")
     bad = 0
     with warnings.catch_warnings():   # a CUDA_HOME passed over: its row says so (the raw warning repeated it)
         warnings.filterwarnings("ignore", message=r".* is not a CUDA toolkit", category=UserWarning)
         pre = toolchain.preflight(cache_dir, create_cache=False)  # a diagnosis makes no folder
     for c in pre:
-        status = "[red]FAIL[/]" if not c.ok else ("[yellow]warn[/]" if c.warn else "[green]ok[/]")
+        status = fail if not c.ok else Text("warn", style="yellow") if c.warn else ok
         bad += not c.ok
-        checks.add_row(c.name, status, c.detail, c.fix)
+        checks.append((c.name, status, c.detail, c.fix))
     from pipegoose import _env
 
     allow = os.environ.get("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "")
     if _env.flag(allow) is None:  # every build and load refuses it (KernelBuilder._check_vendored)
         bad += 1
-        checks.add_row("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "[red]FAIL[/]", f"{allow!r}",
-                       "set it to 1/true/yes/on or 0/false/no/off, or unset it")
+        checks.append(("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", fail, f"{allow!r}",
+                       "set it to 1/true/yes/on or 0/false/no/off, or unset it"))
     quiet = os.environ.get("PIPEGOOSE_QUIET", "")
     if _env.flag(quiet) is None:  # the builder warns and keeps its progress lines (builder.quiet)
         bad += 1
-        checks.add_row("PIPEGOOSE_QUIET", "[red]FAIL[/]", f"{quiet!r}",
-                       "set it to 1/true/yes/on or 0/false/no/off, or unset it")
+        checks.append(("PIPEGOOSE_QUIET", fail, f"{quiet!r}", "set it to 1/true/yes/on or 0/false/no/off, or unset it"))
     # the dispatcher's variables (PIPEGOOSE_IMPL_*, PIPEGOOSE_STRICT, PIPEGOOSE_SMALL_NUMEL, the norm kernels'): a bad
     # value is otherwise an error only at the first call of the op it applies to
 
@@ -102,23 +100,21 @@ def _doctor(args) -> int:
             dispatch.check_env()
         except ValueError as e:
             bad += 1
-            checks.add_row("dispatcher variables", "[red]FAIL[/]", str(e), "fix the value, or unset the variable")
+            checks.append(("dispatcher variables", fail, str(e), "fix the value, or unset the variable"))
         else:
-            checks.add_row("dispatcher variables", "[green]ok[/]", "PIPEGOOSE_IMPL_*, PIPEGOOSE_STRICT, "
-                           "PIPEGOOSE_SMALL_NUMEL, PIPEGOOSE_NORM_CLUSTERS, PIPEGOOSE_NORM_SMEM_LIMIT", "")
+            checks.append(("dispatcher variables", ok, "PIPEGOOSE_IMPL_*, PIPEGOOSE_STRICT, PIPEGOOSE_SMALL_NUMEL, "
+                           "PIPEGOOSE_NORM_CLUSTERS, PIPEGOOSE_NORM_SMEM_LIMIT", ""))
     try:  # read when a build waits for another's lock
         cache.env_lock_timeout()
     except ValueError as e:
         bad += 1
-        checks.add_row("PIPEGOOSE_BUILD_LOCK_TIMEOUT", "[red]FAIL[/]", str(e), "fix the value, or unset it")
+        checks.append(("PIPEGOOSE_BUILD_LOCK_TIMEOUT", fail, str(e), "fix the value, or unset it"))
     # a PIPEGOOSE_IMPL_* name of no op (the other unknown names: the line below the tables)
     impl_names = [str(w.message) for w in caught if str(w.message).startswith("PIPEGOOSE_IMPL_")]
-    console.print(checks)
+    print_table(console, "preflight", ("check", "status", "detail", "fix"), checks, whole=(0, 1), head=(0, 1))
 
     manifest, builders = _builders(args, None)
-    kt = Table(title=f"kernels ({manifest.path})")
-    for col in ("kernel", "aliases", "state", "detail"):
-        kt.add_column(col, overflow="fold")
+    kt = []   # (kernel, aliases, state, detail)
     colors = {"cached": "green", "loaded": "green", "not built": "yellow", "unavailable": "red", "error": "red"}
     states = []
     for b in builders:
@@ -132,9 +128,10 @@ def _doctor(args) -> int:
         detail = st["detail"]
         if _env.flag(allow) is None and detail.startswith("PIPEGOOSE_ALLOW_MODIFIED_VENDOR="):
             detail = "PIPEGOOSE_ALLOW_MODIFIED_VENDOR: see preflight"   # (its message was repeated in every row)
-        kt.add_row(b.kernel.id, ", ".join(b.kernel.aliases), f"[{colors[st['state']]}]{st['state']}[/]", detail)
+        kt.append((b.kernel.id, ", ".join(b.kernel.aliases), Text(st["state"], style=colors[st["state"]]), detail))
         states.append(st["state"])
-    console.print(kt)
+    print_table(console, f"kernels ({manifest.path})", ("kernel", "aliases", "state", "detail"), kt, whole=(0, 2),
+                head=(0, 2))
     from pipegoose._env import unknown_names
 
     for msg in impl_names:

@@ -783,6 +783,26 @@ def test_cli_doctor_fails_on_a_bad_allow_modified_vendor(tiny):
     assert out.count("1/true/yes/on or 0/false/no/off") == 1 and "see preflight" in out, out
 
 
+def test_cli_doctor_fits_narrow_terminals(tiny):
+    """At 40 and 60 columns doctor's tables cut the variable names ("TORCH_CUDA_ARCH…") and broke cells mid-word
+    (session 41's walkthrough). Where the names, checks, kernels and states do not fit whole in a table, each table is
+    a list: a line of them, the rest indented below; at 200 columns, tables."""
+    manifest, _op, cache_dir = tiny
+    cli = [sys.executable, "-m", "pipegoose.kernels", "--manifest", str(_without_vendored(manifest)), "doctor"]
+    for cols in ("40", "60"):
+        p = subprocess.run(cli, capture_output=True, text=True, env={**_env(cache_dir), "COLUMNS": cols}, timeout=300)
+        lines = p.stdout.splitlines()
+        assert p.returncode in (0, 2) and "…" not in p.stdout and "┃" not in p.stdout, p.stdout + p.stderr
+        for name in ("TORCH_CUDA_ARCH_LIST", "PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "PIPEGOOSE_CACHE_DIR"):
+            i = lines.index(name)
+            assert lines[i + 1].startswith("    "), (name, p.stdout)
+        assert any(ln.startswith("nvcc  ") for ln in lines), p.stdout
+        assert any(ln.startswith("test/tiny  ") for ln in lines), p.stdout
+        assert all(len(ln) <= int(cols) for ln in lines if ln.startswith("    ")), p.stdout
+    p = subprocess.run(cli, capture_output=True, text=True, env={**_env(cache_dir), "COLUMNS": "200"}, timeout=300)
+    assert "│ TORCH_CUDA_ARCH_LIST " in p.stdout and "┃ check " in p.stdout, p.stdout
+
+
 def test_cli_doctor_says_a_passed_over_cuda_home_in_its_row(tiny, tmp_path):
     """CUDA_HOME pointing at no toolkit: doctor printed a raw UserWarning with a source line while its "CUDA toolkit"
     row said ok (session 40's walkthrough). The row is a warning now, naming the variable and the fix; no traceback

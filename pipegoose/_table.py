@@ -1,0 +1,53 @@
+"""Tables of the command-line tools (``python -m pipegoose.kernels doctor``, ``tools/port.py list``) that stay
+readable in narrow terminals.
+
+rich shrinks every column of a table in proportion to fit the width, so below about 130 columns it folded kernel ids,
+variable names and states mid-word (``TORCH_CUDA_ARCH…``, ``megatro|n/scale|d_maske…``; walkthroughs of sessions 39
+and 41). :func:`print_table` keeps the short columns whole and lets the long ones wrap; where the short columns and
+``rest_min`` characters of the others do not fit, it prints a list instead: a line of the row's head cells, then its
+other cells indented below them.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+Cell = str | Text
+
+
+def print_table(console: Console, title: str, header: Sequence[str], rows: Sequence[Sequence[Cell]], *,
+                whole: Sequence[int], head: Sequence[int], rest_min: int = 40, show_header: bool = True) -> None:
+    """Print ``rows`` (cells: str, printed as written, or rich Text) under ``title``.
+
+    Args:
+        whole: indices of the columns kept unbroken in the table (the others fold).
+        head: indices of the cells on a row's first line in the list layout (the other non-empty cells follow,
+            joined by "; ", wrapped and indented by 4).
+        rest_min: the table is printed where ``whole``'s columns leave at least this many characters to the others.
+    """
+    cells = [[c if isinstance(c, Text) else Text(c) for c in row] for row in rows]
+    widths = {i: max(len(r[i].plain) for r in [[Text(h) for h in header], *cells]) for i in whole}
+    short = sum(w + 3 for w in widths.values()) + 4   # + padding and rules
+    if console.width >= short + rest_min:
+        console.print(Text(title, overflow="fold"), soft_wrap=False)   # (a table's title ignored the width)
+        table = Table(show_header=show_header, show_lines=False)
+        for i, col in enumerate(header):
+            if i in widths:
+                table.add_column(col, no_wrap=True, min_width=widths[i])
+            else:
+                table.add_column(col, overflow="fold")
+        for row in cells:
+            table.add_row(*row)
+        console.print(table)
+        return
+    console.print(Text(title, style="bold", overflow="fold"), soft_wrap=False)
+    for row in cells:
+        console.print(Text("  ").join(row[i] for i in head), soft_wrap=True)
+        rest = "; ".join(c.plain for i, c in enumerate(row) if i not in head and c.plain)
+        for line in textwrap.wrap(rest, max(console.width - 4, 8), break_on_hyphens=False):
+            console.print(Text("    " + line), soft_wrap=True)
