@@ -223,7 +223,7 @@ class Manifest:
         names = list(self.kernels) + [a for k in self.kernels.values() for a in k.aliases]
         # difflib's default cutoff (0.6): at 0.4, "nothere" got "did you mean: rms_norm" (a walkthrough)
         close = difflib.get_close_matches(name, names, n=5)
-        if not close:  # substring matches help with "layernorm" -> "apex/fused_layer_norm"
+        if not close:  # substring matches: "adam" -> "apex/multi_tensor_adam", ...
             key = name.replace("_", "").lower()
             close = [n for n in names if key in n.replace("_", "").lower()][:5]
         hint = f"; did you mean: {', '.join(close)}" if close else f"; known kernels: {', '.join(self.kernels)}"

@@ -736,6 +736,7 @@ def test_fusions_of_a_part_and_of_the_whole_are_reported_and_unfused_together(mo
     for columns in ("90", "260"):   # the list, the table
         monkeypatch.setenv("COLUMNS", columns)
         assert "yes: -" not in str(report) and "fused by an earlier" in str(report), str(report)
+        assert "yes (earlier fuse)" not in str(report), str(report)
     assert n_fused(model) == 5
     assert unfuse(model) is True
     assert n_fused(model) == 0 and not is_fused(model) and not is_fused(model.h[0])
@@ -763,6 +764,28 @@ def test_fusions_of_a_part_and_of_the_whole_are_reported_and_unfused_together(mo
         assert not is_fused(model)
     assert is_fused(model.h[0]) and n_fused(model) == 2
     assert unfuse(model) is True and n_fused(model) == 0
+
+
+def test_modules_fused_before_show_what_they_run():
+    """A review of session 41's fix: attention kept on ours (a copy of a fused model, fused again) read "yes (earlier
+    fuse)" where the fallback runs, and a norm fused before with its own impl= request showed the dispatcher's default
+    choice, not what the module runs. Both now show the choice the module gets."""
+    import copy
+
+    from pipegoose.nn.fusion.modules import FusedRMSNorm
+
+    model = models.build("gpt2", "eager")
+    fuse(model)
+    twin = copy.deepcopy(model)
+    report = fuse(twin)
+    new = fuse(models.build("gpt2", "eager"), dry_run=True)
+    want = {r.path: (r.forward, r.backward) for r in new.rows if r.kind == "attention"}
+    got = {r.path: (r.forward, r.backward) for r in report.rows if r.kind == "attention"}
+    assert got == want and all(v != ("-", "-") for v in got.values()), (got, want)
+    assert "yes (earlier fuse)" not in str(report) and "yes: -" not in str(report), str(report)
+    held = nn.Sequential(nn.Linear(8, 8), FusedRMSNorm(8, impl="torch"))
+    (row,) = fuse(held, dry_run=True).rows
+    assert (row.forward, row.backward) == ("torch", "torch"), row
 
 
 def test_kinds_left_out_of_ops_are_counted_in_the_report(monkeypatch):

@@ -257,8 +257,8 @@ def _fold_path(path: str, width: int) -> list[str]:
 def _yes_no(fused: bool, impl: str) -> str:
     if not fused:
         return "no"
-    if impl == "-":   # fused by an earlier fuse() (the reason says which): no choice made here ("yes: -" read oddly)
-        return "yes (earlier fuse)"
+    if impl == "-":   # (no choice to show)
+        return "yes"
     if impl.startswith("torch") or impl == "?":
         return f"no: {impl}"
     return f"yes: {impl}"
@@ -315,8 +315,9 @@ def _first_param(module: nn.Module) -> torch.Tensor | None:
     return next(iter(module.parameters()), None)
 
 
-def _impls(op: str, module: nn.Module, build_inputs) -> tuple[str, str]:
-    """(forward, backward) implementation names the dispatcher would pick for this module's device and dtype."""
+def _impls(op: str, module: nn.Module, build_inputs, impl: str | None = None) -> tuple[str, str]:
+    """(forward, backward) implementation names the dispatcher would pick for this module's device and dtype (with the
+    module's own ``impl`` request, if any)."""
     try:
         from . import dispatch
 
@@ -328,7 +329,7 @@ def _impls(op: str, module: nn.Module, build_inputs) -> tuple[str, str]:
         args = build_inputs(device, dtype)
         # the choice alone (not explain's check of every implementation, which loads, and on a first run builds, the
         # kernels of implementations the choice does not need: the Apex and Megatron copies)
-        choice = dispatch.choose(op, dispatch.problem_of(op, *args))
+        choice = dispatch.choose(op, dispatch.problem_of(op, *args), impl=impl)
         impl = choice.impl + (" (fallback)" if choice.fallback else "")
         if op.startswith("softmax"):
             impl += f" @{_PROBE_SEQ}"
@@ -525,13 +526,13 @@ def _fused_impls(module: nn.Module) -> tuple[str, str]:
     from .modules import FusedRMSNorm
 
     shape = tuple(module.normalized_shape)
+    impl = getattr(module, "impl", None)   # a request made on the module (FusedRMSNorm(impl="torch"), say)
     if isinstance(module, FusedRMSNorm):
-        eps = module.eps if module.eps is not None else torch.finfo(torch.float32).eps
         return _impls("rms_norm", module, lambda d, t: (
-            torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, module.weight, eps,
-            module.cast_before_weight))
+            torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, module.weight, module.eps,
+            module.cast_before_weight), impl)
     return _impls("layer_norm", module, lambda d, t: (
-        torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, module.weight, module.bias))
+        torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, module.weight, module.bias), impl)
 
 
 def _already_fused_reason(model: nn.Module, module: nn.Module) -> str:
@@ -778,8 +779,9 @@ def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
             # kept on the model's own attention: unsupported, attention='keep', or already a fused one (SDPA, flash,
             # flex) that fuse chose to keep; none of these is a module fuse left undone, so none counts in the coverage
             ours = chosen in attn.OUR_NAMES
+            fwd, bwd = _attention_impls(m, chosen) if ours else ("-", "-")   # (ours already: what it runs)
             report.rows.append(FusionRow(p, "attention", type(m).__name__,
-                                         f"'{chosen}' attention function" if ours else None, ours,
+                                         f"'{chosen}' attention function" if ours else None, ours, fwd, bwd,
                                          reason=reason, eligible=ours))
     if not selected or dry_run:
         return
