@@ -330,10 +330,10 @@ def _impls(op: str, module: nn.Module, build_inputs, impl: str | None = None) ->
         # the choice alone (not explain's check of every implementation, which loads, and on a first run builds, the
         # kernels of implementations the choice does not need: the Apex and Megatron copies)
         choice = dispatch.choose(op, dispatch.problem_of(op, *args), impl=impl)
-        impl = choice.impl + (" (fallback)" if choice.fallback else "")
+        name = choice.impl + (" (fallback)" if choice.fallback else "")
         if op.startswith("softmax"):
-            impl += f" @{_PROBE_SEQ}"
-        return impl, impl
+            name += f" @{_PROBE_SEQ}"
+        return name, name
     except Exception:  # noqa: BLE001 - the report must not fail because a dispatcher cannot describe an input
         return "?", "?"
 
