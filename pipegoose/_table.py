@@ -10,6 +10,8 @@ other cells indented below them.
 
 from __future__ import annotations
 
+import os
+import sys
 import textwrap
 from collections.abc import Sequence
 
@@ -18,6 +20,21 @@ from rich.table import Table
 from rich.text import Text
 
 Cell = str | Text
+
+
+def terminal_width() -> int | None:
+    """The tools' console width: ``COLUMNS`` where it is a positive number, else the terminal's (None: rich asks it),
+    else 160 when piped (rich assumes 80, which split kernel names mid-word). ``COLUMNS=0`` made rich print nothing
+    (port.py list in session 40, doctor in session 41), so it counts as unset."""
+    cols = os.environ.get("COLUMNS", "")
+    if cols.isdigit() and int(cols) > 0:
+        return int(cols)
+    if sys.stdout.isatty():
+        try:
+            return os.get_terminal_size(sys.stdout.fileno()).columns   # (rich would read COLUMNS=0 again)
+        except OSError:
+            return None
+    return 160
 
 
 def print_table(console: Console, title: str, header: Sequence[str], rows: Sequence[Sequence[Cell]], *,

@@ -31,10 +31,9 @@ from pipegoose.kernels.manifest import ManifestError  # noqa: E402
 from pipegoose.porting import PortError, Porter, audit, update  # noqa: E402
 from pipegoose.porting.util import short_pin  # noqa: E402
 
-# COLUMNS when it is a positive number (rich's own rule); else the terminal's width, or 160 when piped (rich assumes 80)
-_COLUMNS = os.environ.get("COLUMNS", "")
-_WIDTH = int(_COLUMNS) if _COLUMNS.isdigit() and int(_COLUMNS) > 0 else None if sys.stdout.isatty() else 160
-out = Console(highlight=False, soft_wrap=True, width=_WIDTH)
+from pipegoose._table import terminal_width  # noqa: E402
+
+out = Console(highlight=False, soft_wrap=True, width=terminal_width())
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 _STATE_STYLE = {"verified": "green", "vendored": "cyan", "declared": "dim", "modified": "red", "missing": "yellow",

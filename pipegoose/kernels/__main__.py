@@ -29,13 +29,14 @@ from .manifest import ManifestError
 
 
 def _console():
-    """A rich console 160 columns wide when piped (rich assumes 80 there, which split kernel names mid-word in the
-    tables; session 35's walkthrough), unless COLUMNS says otherwise; the terminal's width on a terminal. Lines of
-    text are not wrapped (soft_wrap), as port.py's."""
+    """A rich console of :func:`pipegoose._table.terminal_width` (160 columns when piped, unless COLUMNS says otherwise;
+    rich assumed 80 there, which split kernel names mid-word in the tables: session 35's walkthrough). Lines of text are
+    not wrapped (soft_wrap), as port.py's."""
     from rich.console import Console
 
-    piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
-    return Console(width=160 if piped else None, soft_wrap=True)
+    from pipegoose._table import terminal_width
+
+    return Console(width=terminal_width(), soft_wrap=True)
 
 
 def _builders(args, names):

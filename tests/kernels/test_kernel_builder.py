@@ -801,6 +801,10 @@ def test_cli_doctor_fits_narrow_terminals(tiny):
         assert all(len(ln) <= int(cols) for ln in lines if ln.startswith("    ")), p.stdout
     p = subprocess.run(cli, capture_output=True, text=True, env={**_env(cache_dir), "COLUMNS": "200"}, timeout=300)
     assert "│ TORCH_CUDA_ARCH_LIST " in p.stdout and "┃ check " in p.stdout, p.stdout
+    # COLUMNS=0 as unset (160 when piped): doctor printed nothing (the final read of session 41; port.py's rule)
+    p = subprocess.run(cli, capture_output=True, text=True, env={**_env(cache_dir), "COLUMNS": "0"}, timeout=300)
+    lines = p.stdout.splitlines()
+    assert "│ TORCH_CUDA_ARCH_LIST " in p.stdout and max(map(len, lines)) <= 160, p.stdout
 
 
 def test_cli_doctor_says_a_passed_over_cuda_home_in_its_row(tiny, tmp_path):
