@@ -20,6 +20,9 @@ from rich.table import Table
 from rich.text import Text
 
 Cell = str | Text
+# Words up to this long are kept whole in a table's folding columns; longer ones (a path of a cache or a temporary
+# folder) fold anyway, rather than make every narrower terminal print the list.
+_WORD_MAX = 32
 
 
 def terminal_width() -> int | None:
@@ -45,19 +48,30 @@ def print_table(console: Console, title: str, header: Sequence[str], rows: Seque
         whole: indices of the columns kept unbroken in the table (the others fold).
         head: indices of the cells on a row's first line in the list layout (the other non-empty cells follow,
             joined by "; ", wrapped and indented by 4).
-        rest_min: the table is printed where ``whole``'s columns leave at least this many characters to the others.
+        rest_min: the table is printed where ``whole``'s columns leave at least this many characters to the others,
+            and enough for the longest word of each of them (rich folds a word wider than its column).
     """
     cells = [[c if isinstance(c, Text) else Text(c) for c in row] for row in rows]
-    widths = {i: max(len(r[i].plain) for r in [[Text(h) for h in header], *cells]) for i in whole}
-    short = sum(w + 3 for w in widths.values()) + 4   # + padding and rules
-    if console.width >= short + rest_min:
+    lines = [[Text(h) for h in header], *cells]
+    widths = {i: max(len(r[i].plain) for r in lines) for i in whole}
+    # The other columns: as wide as their text, narrowed widest first, but never below their longest word (rich's
+    # own shrinking folded words mid-word: port.py audit at 60 columns, "csrc/kernels" / "/gamma.cu").
+    others = [i for i in range(len(header)) if i not in widths]
+    natural = {i: max(len(line) for r in lines for line in r[i].plain.splitlines() or [""]) for i in others}
+    floor = {i: min(_WORD_MAX, max(len(w) for r in lines for w in [*r[i].plain.split(), ""])) for i in others}
+    # the others' room: the width less the whole columns, and a padding of 2 and a rule per column
+    room = console.width - 3 * len(header) - 1 - sum(widths.values())
+    if room >= max(rest_min - 3 * len(others) + 3, sum(floor.values()), 0):
+        while sum(natural.values()) > room:
+            i = max((i for i in others if natural[i] > floor[i]), key=lambda i: natural[i])
+            natural[i] -= 1
         console.print(Text(title, overflow="fold"), soft_wrap=False)   # (a table's title ignored the width)
         table = Table(show_header=show_header, show_lines=False)
         for i, col in enumerate(header):
             if i in widths:
                 table.add_column(col, no_wrap=True, min_width=widths[i])
             else:
-                table.add_column(col, overflow="fold")
+                table.add_column(col, overflow="fold", width=natural[i])
         for row in cells:
             table.add_row(*row)
         console.print(table)

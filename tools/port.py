@@ -24,14 +24,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.text import Text  # noqa: E402
 
 from pipegoose._cli import path_arg  # noqa: E402
 from pipegoose.kernels.manifest import ManifestError  # noqa: E402
 from pipegoose.porting import PortError, Porter, audit, update  # noqa: E402
 from pipegoose.porting.util import short_pin  # noqa: E402
 
-from pipegoose._table import terminal_width  # noqa: E402
+from pipegoose._table import print_table, terminal_width  # noqa: E402
 
 out = Console(highlight=False, soft_wrap=True, width=terminal_width())
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -51,24 +51,15 @@ def _porter(a: argparse.Namespace) -> Porter:
     return p
 
 
-# The list is a table where its id, license and state columns fit whole and leave the source and detail about this
-# many characters (they fold); else a line per kernel (id and state, then source, license and detail, indented): at 60
-# columns the table broke the ids mid-word.
-_REST_MIN = 40
-
-
 def cmd_list(a) -> int:
-    from rich.text import Text
-
-    from pipegoose._table import print_table
-
     p = _porter(a)
     rows = [(s.id, f"{s.project}: {s.pin}", s.license, Text(s.state, style=_STATE_STYLE.get(s.state, "")), s.detail)
             for s in p.states(check_hashes=not a.quick)]
-    # id, license and state whole in the table (rich folded ids mid-word below 133 columns); in the list, a line of id
-    # and state per kernel, its source, license and detail indented below
+    # id, license and state whole in the table (rich folded ids mid-word below 133 columns), where they leave
+    # print_table's rest_min (40 characters) to source and detail; else a list: a line of id and state per kernel, its
+    # source, license and detail indented below (at 60 columns the table broke the ids mid-word)
     print_table(out, f"kernels ({p.manifest.path})", ("kernel", "source", "license", "state", "detail"), rows,
-                whole=(0, 2, 3), head=(0, 3), rest_min=_REST_MIN)
+                whole=(0, 2, 3), head=(0, 3))
     return 0
 
 
@@ -127,13 +118,9 @@ def _print_audit(report, with_diff: bool) -> None:
     for s in report.sources:
         head = f"{s.source}: {short_pin(s.from_pin)} -> {short_pin(s.to_pin) if s.to_pin else '?'}"
         if s.error:
-            out.print(f"{head}: error: {s.error}", style="red", markup=False)
+            out.print(f"{head}: error: {s.error}", style="red", markup=False, soft_wrap=False)
             continue
-        t = Table(title=head, title_justify="left")
-        for col in ("kernel", "files", "entry symbols", "new upstream files beside"):
-            t.add_column(col, overflow="fold")
-        lic = ", ".join(f"{f.path} {f.status}" for f in s.licenses)
-        t.add_row("(license)", lic, "", "")
+        rows = [("(license)", ", ".join(f"{f.path} {f.status}" for f in s.licenses), "", "")]
         details = []
         for k in s.kernels:
             counts: dict[str, int] = {}
@@ -143,22 +130,22 @@ def _print_audit(report, with_diff: bool) -> None:
             present = sum(1 for sy in k.symbols if sy.after)
             gone = [sy.symbol for sy in k.symbols if not sy.after]
             syms = f"{present}/{len(k.symbols)}" + (f" (missing: {', '.join(gone)})" if gone else "")
-            style = "red" if k.drift else "green"
-            t.add_row(k.kernel, f"[{style}]{files}[/]", syms, ", ".join(k.new_files) or "-")
+            rows.append((k.kernel, Text(files, style="red" if k.drift else "green"), syms,
+                         ", ".join(k.new_files) or "-"))
             details += [(k.kernel, f) for f in k.files if f.status != "unchanged"]
-        out.print(t)
+        # kernel ids whole (rich folded them mid-word at 40 columns); a list where the rest would not fit
+        print_table(out, head, ("kernel", "files", "entry symbols", "new upstream files beside"), rows,
+                    whole=(0,), head=(0, 1))
         if details:
-            d = Table(show_header=True)
-            for col in ("kernel", "file", "status", "+/-", "moved to"):
-                d.add_column(col, overflow="fold")
-            for kid, f in details:
-                d.add_row(kid, f.path, f.status, f"+{f.added}/-{f.deleted}", ", ".join(f.moved_to))
-            out.print(d)
+            print_table(out, f"{s.source}: files not unchanged", ("kernel", "file", "status", "+/-", "moved to"),
+                        [(kid, f.path, f.status, f"+{f.added}/-{f.deleted}", ", ".join(f.moved_to))
+                         for kid, f in details],
+                        whole=(0, 2, 3), head=(0, 1, 2))
         verdict = "[red]drift[/red]" if s.drift else "[green]in sync[/green]"
         nsym = sum(1 for k in s.kernels for sy in k.symbols if sy.after)
         tot = sum(len(k.symbols) for k in s.kernels)
         out.print(f"{s.source}: {verdict}; entry symbols present {nsym}/{tot}; "
-                  f"license {'changed' if s.license_changed else 'unchanged'}")
+                  f"license {'changed' if s.license_changed else 'unchanged'}", soft_wrap=False)   # (at words)
         if with_diff:
             for f in [*s.licenses, *(f for k in s.kernels for f in k.files)]:
                 if f.diff:

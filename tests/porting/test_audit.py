@@ -461,3 +461,22 @@ def test_a_misspelt_entry_symbol_is_refused_by_add_and_is_drift_in_audit(repo):
     _, k = by_path(r, "up/alpha")
     assert [(s.symbol, s.before, s.after) for s in k.symbols] == [("alpha_fwdX", False, False)]
     assert r.exit_code == 1
+
+
+@pytest.mark.parametrize("columns", [40, 60, 160])
+def test_cli_audit_fits_narrow_terminals(repo, columns):
+    """A walkthrough (session 41): at 40 columns `port.py audit` folded kernel ids and file paths mid-word (rich
+    shrank every column of its tables). They now stay whole: a table where the rest fits, else a list."""
+    setup_sdist(repo)
+    publish_version(repo, "2.0", V2_CHANGED)
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": repo.index_url, "PIP_EXTRA_INDEX_URL": "",
+           "PIP_FIND_LINKS": "", "COLUMNS": str(columns)}
+    r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "audit", "--root", str(repo.root), "--cache",
+                        str(repo.cache), "--to", "2.0"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1, r.stderr
+    lines = r.stdout.splitlines()
+    assert max(len(line) for line in lines) <= columns, r.stdout
+    words = {w.strip("│|,;()") for line in lines for w in line.split()}
+    for whole in ("up/alpha", "up/beta", "csrc/kernels/alpha.cu", "csrc/common/extra.h", "csrc/kernels/gamma.cu"):
+        assert whole in words, f"{whole} not whole at {columns} columns:\n{r.stdout}"
+    assert "drift" in r.stdout
