@@ -20,6 +20,9 @@ NORM_SPEC_HIDDEN = (768, 1024, 2048, 4096, 8192)
 NORM_PCACHE16_LN = (576, 768, 896, 960, 1152, 1280, 1600, 4608, 5120, 7168, 8192)
 # BwdPcache16Rms: the same for 16-bit RMSNorm
 NORM_PCACHE16_RMS = (576, 768, 6144)
+# BwdPcache32Ln / BwdPcache32Rms: the same for fp32 input and grad_output
+NORM_PCACHE32_LN = (576, 1024, 1152, 1280)
+NORM_PCACHE32_RMS = (576, 1152)
 
 
 def write_manifest(root: Path, op: str, *, cpp_body: str | None = None, extra_kernels: str = "",

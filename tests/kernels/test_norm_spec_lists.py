@@ -9,7 +9,8 @@ import re
 from pathlib import Path
 
 import pytest
-from kernel_helpers import NORM_PCACHE16_LN, NORM_PCACHE16_RMS, NORM_SPEC_EXTRA, NORM_SPEC_HIDDEN
+from kernel_helpers import (NORM_PCACHE16_LN, NORM_PCACHE16_RMS, NORM_PCACHE32_LN, NORM_PCACHE32_RMS, NORM_SPEC_EXTRA,
+                            NORM_SPEC_HIDDEN)
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = ROOT / "pipegoose" / "kernels" / "csrc" / "norm_kernels.cuh"
@@ -56,15 +57,18 @@ def test_tests_use_the_header_lists(lists):
     assert lists["BwdSpec32Rms"] == NORM_SPEC_EXTRA[32]["rms_norm"]
     assert lists["BwdPcache16Ln"] == NORM_PCACHE16_LN
     assert lists["BwdPcache16Rms"] == NORM_PCACHE16_RMS
+    assert lists["BwdPcache32Ln"] == NORM_PCACHE32_LN
+    assert lists["BwdPcache32Rms"] == NORM_PCACHE32_RMS
 
 
 def test_pcache_reads_its_list():
-    # the shipped branch of bwd_async_pcache takes its widths from BwdPcache16Ln (a review: going back to literal
-    # widths there left every test of the lists passing)
+    # the shipped branch of bwd_async_pcache takes its widths from the BwdPcache lists (a review: going back to
+    # literal widths there left every test of the lists passing)
     text = strip_comments(HEADER.read_text())
     body = text[text.index("constexpr bool bwd_async_pcache("):]
     shipped = body[body.index("#else"):body.index("#endif")]
     assert "has_size(BwdPcache16Ln{}, hc)" in shipped and "has_size(BwdPcache16Rms{}, hc)" in shipped, shipped
+    assert "(rms ? has_size(BwdPcache32Rms{}, hc) : has_size(BwdPcache32Ln{}, hc))" in shipped, shipped
 
 
 def test_pcache_widths_are_specialised(lists):
@@ -72,6 +76,8 @@ def test_pcache_widths_are_specialised(lists):
     spec16_ln = set(lists["BwdSpecHidden"]) | set(lists["BwdSpec16Ln"])
     assert set(lists["BwdPcache16Ln"]) <= spec16_ln
     assert set(lists["BwdPcache16Rms"]) <= set(lists["BwdSpecHidden"]) | set(lists["BwdSpec16Rms"])
+    assert set(lists["BwdPcache32Ln"]) <= set(lists["BwdSpecHidden"]) | set(lists["BwdSpec32Ln"])
+    assert set(lists["BwdPcache32Rms"]) <= set(lists["BwdSpecHidden"]) | set(lists["BwdSpec32Rms"])
 
 
 def test_sanitizer_reaches_every_specialised_width(lists):

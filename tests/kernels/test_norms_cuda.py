@@ -701,21 +701,25 @@ def test_plans_of_smaller_shared_memory(limit):
     assert r.returncode == 0 and "SMEM-OK" in r.stdout, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
 
 
-@pytest.mark.parametrize("limit,want", [(130000, "GENERIC"), (143360, "SPEC")])
-def test_weight_cache_that_does_not_fit_takes_the_generic_backward(limit, want):
-    """16-bit LayerNorm at 5120 columns runs a kernel that always reads the weight from shared memory (BwdPcache16Ln):
-    122880 bytes of stages (2 stages x 3 rows of 320 threads x 2 chunks x 8 values x 4 bytes) and 20480 of weight
-    cache. Under a limit where the stages fit and the cache does not, the generic kernel runs, never that kernel
-    without its cache; where both fit, the specialised one. Both at the float64 reference's tolerances."""
-    r = _run_with_smem_limit(str(limit), """
-        x, w, b, dy = T.make(4099, 5120, torch.bfloat16, torch.bfloat16, seed=5)
+@pytest.mark.parametrize("dtype,h,limit,want", [
+    ("bfloat16", 5120, 130000, "GENERIC"), ("bfloat16", 5120, 143360, "SPEC"),
+    ("float32", 1280, 125000, "GENERIC"), ("float32", 1280, 128000, "SPEC")])
+def test_weight_cache_that_does_not_fit_takes_the_generic_backward(dtype, h, limit, want):
+    """LayerNorm at these widths runs a kernel that always reads the weight from shared memory (bf16 5120:
+    BwdPcache16Ln, 122880 bytes of stages (2 stages x 3 rows of 320 threads x 2 chunks x 8 values x 4 bytes) and 20480
+    of weight cache; fp32 1280: BwdPcache32Ln, 122880 bytes of stages (2 x 6 rows of 160 threads x 2 x 4 values x 8
+    bytes) and 5120 of cache). Under a limit where the stages fit and the cache does not, the generic kernel runs,
+    never that kernel without its cache; where both fit, the specialised one. Both at the float64 reference's
+    tolerances."""
+    r = _run_with_smem_limit(str(limit), f"""
+        x, w, b, dy = T.make(4099, {h}, torch.{dtype}, torch.{dtype}, seed=5)
         T.check_layer_norm(ln, x, w, b, dy)
         T.check_layer_norm(ln, x, None, None, dy)
         _, mean, rstd = ln.layer_norm_forward(x, w, b, 1e-5, None)
         names = T.kernels_run(lambda: ln.layer_norm_backward(dy, x, w, b, mean, rstd))
         bwd = [n for n in names.splitlines() if "norm_bwd" in n]
         print("GENERIC" if any("norm_bwd_generic_kernel" in n for n in bwd) else
-              "SPEC" if any("5120" in n for n in bwd) else f"OTHER {bwd}")
+              "SPEC" if any(", {h}, " in n for n in bwd) else f"OTHER {{bwd}}")
     """)
     assert r.returncode == 0 and r.stdout.split()[-1:] == [want], \
         f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
