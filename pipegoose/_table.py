@@ -4,8 +4,8 @@ readable in narrow terminals.
 rich shrinks every column of a table in proportion to fit the width, so below about 130 columns it folded kernel ids,
 variable names and states mid-word (``TORCH_CUDA_ARCH…``, ``megatro|n/scale|d_maske…``; walkthroughs of sessions 39
 and 41). :func:`print_table` keeps the short columns whole and lets the long ones wrap; where the short columns and
-``rest_min`` characters of the others do not fit, it prints a list instead: a line of the row's head cells, then its
-other cells indented below them.
+``rest_min`` characters of the others (and each of their words of up to 32 characters) do not fit, it prints a list
+instead: the row's head cells, then its other cells indented below them.
 """
 
 from __future__ import annotations
@@ -49,19 +49,22 @@ def print_table(console: Console, title: str, header: Sequence[str], rows: Seque
         head: indices of the cells on a row's first line in the list layout (the other non-empty cells follow,
             joined by "; ", wrapped and indented by 4).
         rest_min: the table is printed where ``whole``'s columns leave at least this many characters to the others,
-            and enough for the longest word of each of them (rich folds a word wider than its column).
+            and enough for the longest word (of up to ``_WORD_MAX`` characters) of each of them: rich folds a word
+            wider than its column.
     """
     cells = [[c if isinstance(c, Text) else Text(c) for c in row] for row in rows]
     lines = [[Text(h) for h in header], *cells]
     widths = {i: max(len(r[i].plain) for r in lines) for i in whole}
-    # The other columns: as wide as their text, narrowed widest first, but never below their longest word (rich's
-    # own shrinking folded words mid-word: port.py audit at 60 columns, "csrc/kernels" / "/gamma.cu").
+    short = sum(w + 3 for w in widths.values()) + 4   # the whole columns, with their padding and rules
+    # The other columns: as wide as their text, narrowed widest first, never below their longest word of up to
+    # _WORD_MAX characters (rich's own shrinking folded words mid-word: port.py audit at 60 columns, "csrc/kernels" /
+    # "/gamma.cu"; longer words fold anyway).
     others = [i for i in range(len(header)) if i not in widths]
     natural = {i: max(len(line) for r in lines for line in r[i].plain.splitlines() or [""]) for i in others}
-    floor = {i: min(_WORD_MAX, max(len(w) for r in lines for w in [*r[i].plain.split(), ""])) for i in others}
-    # the others' room: the width less the whole columns, and a padding of 2 and a rule per column
-    room = console.width - 3 * len(header) - 1 - sum(widths.values())
-    if room >= max(rest_min - 3 * len(others) + 3, sum(floor.values()), 0):
+    floor = {i: max((len(w) for r in lines for w in r[i].plain.split() if len(w) <= _WORD_MAX), default=1)
+             for i in others}
+    room = console.width - short - 3 * len(others) + 3   # the others' text, less a padding of 2 and a rule each
+    if console.width >= short + rest_min and room >= sum(floor.values()):
         while sum(natural.values()) > room:
             i = max((i for i in others if natural[i] > floor[i]), key=lambda i: natural[i])
             natural[i] -= 1
@@ -78,7 +81,9 @@ def print_table(console: Console, title: str, header: Sequence[str], rows: Seque
         return
     console.print(Text(title, style="bold", overflow="fold"), soft_wrap=False)
     for row in cells:
-        console.print(Text("  ").join(row[i] for i in head), soft_wrap=True)
+        first = Text("  ").join(row[i] for i in head)
+        first.overflow = "fold"   # (wrapped at its spaces; a word wider than the terminal folds)
+        console.print(first, soft_wrap=False)
         rest = "; ".join(c.plain for i, c in enumerate(row) if i not in head and c.plain)
         for line in textwrap.wrap(rest, max(console.width - 4, 8), break_on_hyphens=False):
             console.print(Text("    " + line), soft_wrap=True)

@@ -140,7 +140,7 @@ def _print_audit(report, with_diff: bool) -> None:
             print_table(out, f"{s.source}: files not unchanged", ("kernel", "file", "status", "+/-", "moved to"),
                         [(kid, f.path, f.status, f"+{f.added}/-{f.deleted}", ", ".join(f.moved_to))
                          for kid, f in details],
-                        whole=(0, 2, 3), head=(0, 1, 2))
+                        whole=(0, 2, 3), head=(0, 2))
         verdict = "[red]drift[/red]" if s.drift else "[green]in sync[/green]"
         nsym = sum(1 for k in s.kernels for sy in k.symbols if sy.after)
         tot = sum(len(k.symbols) for k in s.kernels)
