@@ -330,11 +330,12 @@ def test_backward_specialised_sizes(ln, rms, h):
                                          (torch.bfloat16, torch.bfloat16, torch.float32),
                                          (torch.float16, torch.float32, torch.float32),
                                          (torch.float32, torch.float32, None)), seed=h + 1)
-    # without parameters: the kernels that always read the weight from shared memory (BwdPcache16Ln, BwdPcache16Rms)
-    # stage ones there
-    x, _, _, dy = make(4099, h, torch.bfloat16, None, seed=h + 2)
-    check_layer_norm(ln, x, None, None, dy)
-    check_rms_norm(rms, x, None, dy)
+    # without parameters: the kernels that always read the weight from shared memory (BwdPcache16Ln, BwdPcache16Rms,
+    # and in fp32 BwdPcache32Ln, BwdPcache32Rms) stage ones there
+    for dt in (torch.bfloat16, torch.float32):
+        x, _, _, dy = make(4099, h, dt, None, seed=h + 2)
+        check_layer_norm(ln, x, None, None, dy)
+        check_rms_norm(rms, x, None, dy)
 
 
 @pytest.mark.parametrize("h", SPEC_EXTRA_WIDTHS)
