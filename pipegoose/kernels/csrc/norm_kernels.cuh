@@ -1598,8 +1598,8 @@ constexpr Tprc tprc_mode(int vec, bool rms, int tpr) {
 // Whether norm_bwd_async_kernel<Tin, ..., RMS, HC, TPB, TPRC> always takes the weight from shared memory (the launch
 // must give it the cache's bytes), instead of choosing at run time between that copy and global memory: the 16-bit
 // LayerNorm kernels compiled for their threads per row (TPRC) and those specialised to the widths of BwdPcache16Ln, the
-// 16-bit RMSNorm kernels specialised to those of BwdPcache16Rms, and the fp32 ones (fp32 gradients too) specialised to
-// those of BwdPcache32Ln and BwdPcache32Rms (below). Without
+// 16-bit RMSNorm kernels specialised to those of BwdPcache16Rms, and the fp32 ones specialised to those of
+// BwdPcache32Ln and BwdPcache32Rms (below; this kernel runs only where x and dy have one element size). Without
 // the global path's pointer and flags in the row loop their spills go (52 bytes at 64, 128 and 256 threads per row, 8
 // at 8192; ptxas, sm_90; the kernel of 512 threads per row went from 56 to 88 bytes and still gained), and the raw
 // backward gained 0.9-8.7 points of copy at 896-8192 columns but 1536 (-0.6 to +0.3) (bf16 1600: 74.4 -> 82.2, 7680:
@@ -1627,7 +1627,7 @@ using BwdPcache16Ln = Sizes<576, 768, 896, 960, 1152, 1280, 1600, 4608, 5120, 71
 // +1.2 / +1.0 in bf16 and +2.6 / +1.1 / +1.1 in fp16, and elsewhere went -5.2 to +0.7: 8192 -5.2, 3840 -3.2, 896
 // +0.6).
 using BwdPcache16Rms = Sizes<576, 768, 6144>;
-// The fp32 kernels (fp32 gradients too) specialised to these widths also (session 42; raw backward, 16384 rows, % of
+// The fp32 kernels specialised to these widths also (session 42; raw backward, 16384 rows, % of
 // copy, two rounds; benchmarks/results/nvidia_h200_2026-11-30/session42.log). Call 1, every fp32 specialisation so
 // against the run-time choice: LayerNorm 576 / 1024 / 1152 / 1280 +2.6 / +2.0 / +1.0 / +1.9, RMSNorm 576 / 1152 +1.0 /
 // +0.8, elsewhere -3.4 to +0.4 (LayerNorm 4096 -3.4, 2048 -3.0, 3840 -2.9). Call 2, these lists against
@@ -1640,21 +1640,17 @@ constexpr bool kBwdPcache32 = false;
 #else
 constexpr bool kBwdPcache32 = true;
 #endif
-constexpr bool bwd_async_pcache(bool rms, int in_bytes, int dy_bytes, int hc, int tprc) {
+constexpr bool bwd_async_pcache(bool rms, int in_bytes, int hc, int tprc) {
 #if defined(PIPEGOOSE_NORM_BWD_PCACHE_ARG)
   static_cast<void>(rms);
   static_cast<void>(in_bytes);
-  static_cast<void>(dy_bytes);
   static_cast<void>(hc);
   static_cast<void>(tprc);
   return false;
 #elif defined(PIPEGOOSE_NORM_BWD_PCACHE_SPEC)
-  static_cast<void>(dy_bytes);
   return !rms && in_bytes == 2 && (tprc > 0 || hc > 0);
 #else
-  if (in_bytes == 4) {
-    return kBwdPcache32 && dy_bytes == 4 && (rms ? has_size(BwdPcache32Rms{}, hc) : has_size(BwdPcache32Ln{}, hc));
-  }
+  if (in_bytes == 4) return kBwdPcache32 && (rms ? has_size(BwdPcache32Rms{}, hc) : has_size(BwdPcache32Ln{}, hc));
   return in_bytes == 2 && (rms ? has_size(BwdPcache16Rms{}, hc) : tprc > 0 || has_size(BwdPcache16Ln{}, hc));
 #endif
 }
@@ -1668,7 +1664,7 @@ norm_bwd_async_kernel(const Tdy* __restrict__ dy, const Tin* __restrict__ x, con
                       const float* __restrict__ mean, const float* __restrict__ rstd, Tin* __restrict__ dx,
                       float* __restrict__ ws, int64_t rows, int h_arg, int tpr_arg, bool pcache_arg) {
   // bwd_async_pcache: the weight always from its shared-memory copy (ones when there is none; launch_bwd sizes it).
-  const bool pcache = bwd_async_pcache(RMS, sizeof(Tin), sizeof(Tdy), HC, TPRC) || pcache_arg;
+  const bool pcache = bwd_async_pcache(RMS, sizeof(Tin), HC, TPRC) || pcache_arg;
   using G = FixedRow<HC, VEC, NV, false>;
   constexpr bool FIXED = HC > 0;
   constexpr int NACC = RMS ? 1 : 2;
@@ -3714,7 +3710,7 @@ at::Tensor launch_bwd(const Tdy* dy, const Tin* x, const void* w, bool p_f32, co
         const size_t stage = bwd_async_stage_bytes(S, rpb, NV, cfg.tpr, VEC, static_cast<int>(sizeof(Tin)),
                                                    static_cast<int>(sizeof(Tdy)));
         launch(&norm_bwd_async_kernel<Tin, Tdy, VEC, NV, RMS, HC, TPB, TPRC>, std::max(stage, combine),
-               bwd_async_pcache(RMS, sizeof(Tin), sizeof(Tdy), HC, TPRC));
+               bwd_async_pcache(RMS, sizeof(Tin), HC, TPRC));
       };
       // Rows of two chunks per thread without a specialised kernel (HC == 0) whose tprc_mode is kFixed or kPacked run
       // the kernel compiled for their threads per row (TPRC; true if so): kFixed rows of 32-256 threads in blocks of
