@@ -247,16 +247,18 @@ def _build(args) -> int:
                 pool.shutdown(wait=False, cancel_futures=True)
                 stop_workers()
                 raise
-    from rich.table import Table
+    from rich.text import Text
 
-    t = Table(title="build results")
-    for col in ("kernel", "result", "seconds", "detail"):
-        t.add_column(col, overflow="fold")
+    from pipegoose._table import print_table
+
+    rows = []
     for b in builders:
         state, detail, secs = results[b.kernel.id]
         color = {"built": "green", "cached": "green", "unavailable": "yellow"}.get(state, "red")
-        t.add_row(b.kernel.id, f"[{color}]{state}[/]", f"{secs:.1f}", detail)
-    console.print(t)
+        rows.append((b.kernel.id, Text(state, style=color), f"{secs:.1f}", detail))
+    # kernel, result and seconds whole (at 40 columns rich folded them to 7 characters a line: "apex/mu|lti_ten")
+    print_table(console, "build results", ("kernel", "result", "seconds", "detail"), rows, whole=(0, 1, 2),
+                head=(0, 1, 2))
     states = [r[0] for r in results.values()]
     if "FAILED" in states:
         return 1

@@ -667,6 +667,21 @@ def test_cli_build_jobs_must_be_a_positive_count(tmp_path, jobs):
     assert "building" not in p.stdout, p.stdout
 
 
+@pytest.mark.parametrize("columns", [40, 60])
+def test_cli_build_results_fit_narrow_terminals(tiny, columns):
+    """A walkthrough (session 42): at 40 columns build's results table folded every cell to 7 characters a line
+    ("apex/mu|lti_ten|sor_sca|le") and its "unavailable" explanation to one fragment a line. Now the kernel, result and
+    seconds stay whole (a list where the detail would not fit) and every line fits."""
+    manifest, _op, cache_dir = tiny
+    p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "build",
+                        "test/vendored"], capture_output=True, text=True,
+                       env={**_env(cache_dir), "COLUMNS": str(columns)}, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    results = p.stdout[p.stdout.index("build results"):]
+    assert max(map(len, results.splitlines())) <= columns, results
+    assert "test/vendored  unavailable" in results and "tools/port.py sync" in " ".join(results.split()), results
+
+
 @pytest.mark.parametrize("value, warned", [("abc", "torch ignores it"), ("0", "no limit"), ("4", None)])
 def test_cli_build_warns_about_a_max_jobs_torch_ignores(tiny, value, warned):
     """MAX_JOBS=abc was taken by build without a word (only doctor said it; session 35's walkthrough)."""
