@@ -44,6 +44,12 @@ def test_demo_bad_model(capsys, tmp_path):
     assert demo.main(["--model", missing, "--device", "cpu"]) == 2
     out = capsys.readouterr().out.replace("\n", "")  # the console may wrap a long path
     assert f"no folder {missing!r}" in out and "unknown config name" not in out, out
+    # a file that exists (a walkthrough: it was "a path that does not exist")
+    (tmp_path / "README.md").write_text("x")
+    a_file = str(tmp_path / "README.md")
+    assert demo.main(["--model", a_file, "--device", "cpu"]) == 2
+    out = capsys.readouterr().out.replace("\n", "")
+    assert f"{a_file!r} is not a folder" in out and "does not exist" not in out, out
     # a folder without config.json (transformers answered "Should have a `model_type` key"; a walkthrough)
     assert demo.main(["--model", str(tmp_path), "--device", "cpu"]) == 2
     out = " ".join(capsys.readouterr().out.split())   # (the console wraps at a blank)

@@ -98,6 +98,9 @@ def small_config(name: str, attn: str):
     if name == "bloom":
         return tr.BloomConfig(hidden_size=h, n_layer=layers, n_head=heads, bos_token_id=0, eos_token_id=0,
                               **common)
+    if os.path.exists(os.path.expanduser(name)):   # (a walkthrough: a file was called "a path that does not exist")
+        raise ValueError(f"--model: {name!r} is not a folder; expected a local model folder (config.json and weights) "
+                         f"or one of {', '.join(CONFIG_NAMES)}")
     if os.sep in name or name.startswith((".", "~")):
         raise ValueError(f"--model: no folder {name!r} (a path that does not exist); expected a local model folder "
                          f"or one of {', '.join(CONFIG_NAMES)}")
