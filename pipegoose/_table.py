@@ -41,13 +41,15 @@ def terminal_width() -> int | None:
 
 
 def print_table(console: Console, title: str, header: Sequence[str], rows: Sequence[Sequence[Cell]], *,
-                whole: Sequence[int], head: Sequence[int], rest_min: int = 40, show_header: bool = True) -> None:
+                whole: Sequence[int], head: Sequence[int], rest_min: int = 40, show_header: bool = True,
+                labels: bool = False) -> None:
     """Print ``rows`` (cells: str, printed as written, or rich Text) under ``title``.
 
     Args:
         whole: indices of the columns kept unbroken in the table (the others fold).
         head: indices of the cells on a row's first line in the list layout (the other non-empty cells follow,
             joined by "; ", wrapped and indented by 4).
+        labels: in the list layout, each of those other cells follows its column's name ("entry symbols: 1/1").
         rest_min: the table is printed where ``whole``'s columns leave at least this many characters to the others,
             and enough for the longest word (of up to ``_WORD_MAX`` characters) of each of them: rich folds a word
             wider than its column.
@@ -84,6 +86,7 @@ def print_table(console: Console, title: str, header: Sequence[str], rows: Seque
         first = Text("  ").join(row[i] for i in head)
         first.overflow = "fold"   # (wrapped at its spaces; a word wider than the terminal folds)
         console.print(first, soft_wrap=False)
-        rest = "; ".join(c.plain for i, c in enumerate(row) if i not in head and c.plain)
+        rest = "; ".join(f"{header[i]}: {c.plain}" if labels else c.plain
+                         for i, c in enumerate(row) if i not in head and c.plain)
         for line in textwrap.wrap(rest, max(console.width - 4, 8), break_on_hyphens=False):
             console.print(Text("    " + line), soft_wrap=True)

@@ -135,12 +135,12 @@ def _print_audit(report, with_diff: bool) -> None:
             details += [(k.kernel, f) for f in k.files if f.status != "unchanged"]
         # kernel ids whole (rich folded them mid-word at 40 columns); a list where the rest would not fit
         print_table(out, head, ("kernel", "files", "entry symbols", "new upstream files beside"), rows,
-                    whole=(0,), head=(0, 1))
+                    whole=(0,), head=(0, 1), labels=True)
         if details:
             print_table(out, f"{s.source}: files not unchanged", ("kernel", "file", "status", "+/-", "moved to"),
                         [(kid, f.path, f.status, f"+{f.added}/-{f.deleted}", ", ".join(f.moved_to))
                          for kid, f in details],
-                        whole=(0, 2, 3), head=(0, 2))
+                        whole=(0, 2, 3), head=(0, 2), labels=True)
         verdict = "[red]drift[/red]" if s.drift else "[green]in sync[/green]"
         nsym = sum(1 for k in s.kernels for sy in k.symbols if sy.after)
         tot = sum(len(k.symbols) for k in s.kernels)

@@ -480,3 +480,5 @@ def test_cli_audit_fits_narrow_terminals(repo, columns):
     for whole in ("up/alpha", "up/beta", "csrc/kernels/alpha.cu", "csrc/common/extra.h", "csrc/kernels/gamma.cu"):
         assert whole in words, f"{whole} not whole at {columns} columns:\n{r.stdout}"
     assert "drift" in r.stdout
+    if "┏" not in r.stdout:   # the list layout names its cells (a walkthrough: "2/2; -" said nothing)
+        assert "entry symbols: 1/1" in " ".join(r.stdout.split()), r.stdout
