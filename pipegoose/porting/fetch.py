@@ -527,10 +527,15 @@ class Fetcher:
         head of the default branch (git). Raises FetchError, also offline (this asks the index or the remote)."""
         if self.offline and source.kind in ("pypi", "git"):
             where = "package index" if source.kind == "pypi" else "git remote"
+            what = "VERSION" if source.kind == "pypi" else "COMMIT"
+            # the versions whose sdist is in the download cache (a walkthrough: the hint led to a second error when
+            # several sources are vendored, and said nothing of what --to could be)
+            cached = sorted(self._cached_versions(source.pin["name"]), key=Version) if source.kind == "pypi" else []
+            there = f"; in the cache: {', '.join(cached)}" if cached else ""
             raise FetchError(f"{source.id}: the newest upstream is on the {where}, and --offline was given: pass --to "
-                             f"{'VERSION' if source.kind == 'pypi' else 'COMMIT'} (its "
-                             f"{'sdist' if source.kind == 'pypi' else 'clone'} in the download cache) instead of "
-                             f"--latest (the default of audit)")
+                             f"{what} (its {'sdist' if source.kind == 'pypi' else 'clone'} in the download cache"
+                             f"{there}) instead of --latest (the default of audit), e.g. `python tools/port.py audit "
+                             f"{source.id} --offline --to {cached[-1] if cached else what}`")
         if source.kind == "pypi":
             links = [l for l in self.index.sdists(source.pin["name"]) if not l.yanked and not l.version.is_prerelease]
             if not links:
@@ -568,20 +573,29 @@ class Fetcher:
     def _pypi_dir(self, name: str) -> Path:
         return self.cache / "pypi" / canonicalize_name(name)
 
-    def _cached_sdist(self, name: str, version: str, sha256: str | None) -> Path | None:
+    def _cached_sdists(self, name: str) -> list[tuple[Path, Version]]:
+        """The sdists of ``name`` in the download cache, with their versions."""
         d = self._pypi_dir(name)
-        if not d.is_dir():
-            return None
-        for p in sorted(d.iterdir()):
+        out = []
+        for p in sorted(d.iterdir()) if d.is_dir() else []:
             if not p.name.endswith(_ARCHIVE_SUFFIXES) or p.name.startswith("."):
                 continue
             try:
                 pname, ver = parse_sdist_filename(p.name)
             except (InvalidSdistFilename, InvalidVersion):
                 continue
-            if pname == canonicalize_name(name) and ver == Version(version):
-                if sha256 is None or sha256_file(p) == sha256:
-                    return p
+            if pname == canonicalize_name(name):
+                out.append((p, ver))
+        return out
+
+    def _cached_versions(self, name: str) -> list[str]:
+        """The versions of ``name`` whose sdist is in the download cache."""
+        return [str(v) for _, v in self._cached_sdists(name)]
+
+    def _cached_sdist(self, name: str, version: str, sha256: str | None) -> Path | None:
+        for p, ver in self._cached_sdists(name):
+            if ver == Version(version) and (sha256 is None or sha256_file(p) == sha256):
+                return p
         return None
 
     def _pypi_tree(self, source: Source, pin: dict[str, str]) -> SourceTree:

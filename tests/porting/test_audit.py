@@ -85,6 +85,10 @@ def test_audit_latest_offline_says_it_needs_the_index(repo, monkeypatch):
         r = audit(offline, **kw)
         assert r.exit_code == 2 and r.sources[0].error.startswith(
             "up: the newest upstream is on the package index, and --offline was given: pass --to VERSION"), r.sources
+        # the versions it can take, and the whole command (a walkthrough: `audit --offline --to 0.5.0` then failed
+        # for want of the source's name)
+        assert "in the cache: 1.0, 1.1" in r.sources[0].error and \
+            "`python tools/port.py audit up --offline --to 1.1`" in r.sources[0].error, r.sources[0].error
     assert audit(offline, to="1.1").exit_code == 0
 
 
