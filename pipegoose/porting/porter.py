@@ -612,7 +612,11 @@ class Porter:
             absent = [p for p, _ in paths if not p.is_file()]
             if absent:
                 fix = "restore from git (own files)" if self._is_local(sid) else "run sync"
-                out.append(KernelState(kid, sid, project, lic, pin, "missing", f"{len(absent)} file(s) absent: {fix}"))
+                # the present files that differ too (a walkthrough: a changed file went unsaid beside a missing one)
+                bad = [self._show(p) for p, h in paths if check_hashes and p.is_file() and sha256_file(p) != h]
+                also = f", {len(bad)} modified ({', '.join(bad)})" if bad else ""
+                out.append(KernelState(kid, sid, project, lic, pin, "missing",
+                                       f"{len(absent)} file(s) absent{also}: {fix}"))
                 continue
             if not check_hashes:
                 out.append(KernelState(kid, sid, project, lic, pin, "vendored"))

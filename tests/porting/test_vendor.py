@@ -201,6 +201,9 @@ def test_verify_names_differing_missing_and_extra_files(git_repo):
                         ("extra", "vendor/up/csrc/kernels/sneaky.cu"), ("extra", "LICENSES/up/NOTICE")}
     states = {s.id: s.state for s in p.states()}
     assert states == {"up/alpha": "modified", "up/beta": "missing"}
+    # beta's changed util.h is named beside its missing file (a walkthrough: only "1 file(s) absent")
+    beta = next(s for s in p.states() if s.id == "up/beta")
+    assert beta.detail == "1 file(s) absent, 1 modified (vendor/up/csrc/common/util.h): run sync", beta.detail
     # the CLI exits non-zero and names the files
     r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "verify", "--root", str(repo.root)],
                        capture_output=True, text=True)
