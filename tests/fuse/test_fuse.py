@@ -1209,9 +1209,18 @@ def test_unfuse_cannot_fail_halfway_on_a_name_the_original_holds():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)   # (weight_norm is deprecated)
         torch.nn.utils.weight_norm(model[2], "weight", dim=0)
+    x = torch.randn(3, 8)
+    fused_out = model(x)
     assert unfuse(model) and not is_fused(model)
     assert (type(model[1]), type(model[2])) == (nn.LayerNorm, nn.RMSNorm)
+    # the originals as prune and weight_norm leave a module (session 42: `weight` stayed a Parameter of the original,
+    # and the pre-hooks' setattr of a tensor over it raised TypeError at the first forward after unfuse)
+    assert "weight" not in model[1]._parameters and {"weight_orig"} <= set(model[1]._parameters)
+    assert "weight_mask" in model[1]._buffers and {"weight_g", "weight_v"} <= set(model[2]._parameters)
+    torch.testing.assert_close(model(x), fused_out)
+    prune.remove(model[1], "weight")   # and prune's own undo works on the original
     assert isinstance(model[1]._parameters["weight"], nn.Parameter)
+    torch.testing.assert_close(model(x), fused_out)
 
 
 def test_the_report_prints_brackets_as_written(monkeypatch):

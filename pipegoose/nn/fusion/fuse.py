@@ -596,13 +596,15 @@ class _Replaced:
     module, the instance attributes carried over to the replacement with their values then, the replacement's ``eps``
     then, the original's name for its epsilon (``eps``, ``variance_epsilon``, ``epsilon``; None: none), and the names
     the replacement held then in each slot (``__dict__``, ``_parameters``, ``_buffers``, ``_modules``: what is added
-    while fused goes back too)."""
+    while fused goes back too), and its parameters and buffers then (``(slot, name)``: the object; what is removed
+    while fused goes too)."""
 
     module: nn.Module
     carried: dict
     eps: object
     eps_attr: str | None
     names_then: dict = field(default_factory=dict)
+    tensors_then: dict = field(default_factory=dict)
 
 
 def _carry_attrs(old: nn.Module, new: nn.Module) -> _Replaced:
@@ -617,7 +619,8 @@ def _carry_attrs(old: nn.Module, new: nn.Module) -> _Replaced:
         new.__dict__[key] = carried[key] = value
     eps_attr = "eps" if isinstance(old, (nn.LayerNorm, nn.RMSNorm)) else matching.eps_attribute(old)
     return _Replaced(old, carried, new.__dict__.get("eps", _MISSING), eps_attr,
-                     {slot: frozenset(getattr(new, slot)) for slot in _SLOTS})
+                     {slot: frozenset(getattr(new, slot)) for slot in _SLOTS},
+                     {(slot, k): v for slot in ("_parameters", "_buffers") for k, v in getattr(new, slot).items()})
 
 
 def _carry_back(new: nn.Module, rec: _Replaced) -> None:
@@ -638,6 +641,15 @@ def _carry_back(new: nn.Module, rec: _Replaced) -> None:
             old.__dict__[key] = now
     if new.__dict__.get("_is_full_backward_hook") is not None:   # (set by a hook registered while fused)
         old.__dict__["_is_full_backward_hook"] = new.__dict__["_is_full_backward_hook"]
+
+    # A parameter or buffer removed from the replacement while fused leaves the original too, where it still holds
+    # the object of fuse time: prune and weight_norm take ``weight`` out of the parameters and leave a plain tensor
+    # and a forward pre-hook that sets it, and that hook's setattr over the original's Parameter raised at the first
+    # forward after unfuse (session 42).
+    for (slot, name), then in rec.tensors_then.items():
+        if name not in getattr(new, slot) and getattr(old, slot).get(name, _MISSING) is then:
+            del getattr(old, slot)[name]
+            old._non_persistent_buffers_set.discard(name)
 
     def taken(name: str) -> bool:
         return any(name in getattr(old, slot) for slot in _SLOTS) or hasattr(type(old), name)
