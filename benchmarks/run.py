@@ -255,6 +255,9 @@ class Run:
             _log(line)
 
 
+_E2E_NO_RESULT = ("skipped", "unavailable", "timeout", "error")
+
+
 def report_only(args: argparse.Namespace) -> int:
     from .report import load_json
 
@@ -288,11 +291,12 @@ def report_only(args: argparse.Namespace) -> int:
         run_date = str((data.get("environment") or {}).get("date") or "")[:10] or p.parent.name
         for k, v in data.items():
             if k == "e2e" and isinstance(v, list):
-                # end-to-end rows merge per (model, variant) like the measurements, the later run winning
-                # (a row a later run skipped keeps the earlier one)
+                # end-to-end rows merge per (model, variant) like the measurements, the later run winning; a row
+                # that measured nothing (skipped, unavailable, timeout, error) keeps the earlier one. FAILED (a loss
+                # off the sdpa run's) and oom replace it: they are results of the step.
                 for row in v:
                     key = (row.get("model"), row.get("variant"))
-                    if row.get("status") != "skipped" or key not in e2e:
+                    if row.get("status") not in _E2E_NO_RESULT or key not in e2e:
                         e2e[key] = {**row, "run": row.get("run") or run_date}
             elif k != "measurements" and v is not None:
                 merged[k] = v

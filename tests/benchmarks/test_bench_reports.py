@@ -151,16 +151,31 @@ def test_report_only_merges_e2e_rows_and_dates_each_row(tmp_path, monkeypatch):
     e2e = {(r["model"], r["variant"]): (r["tokens_per_s"], r["run"]) for r in data["e2e"]}
     assert e2e == {("llama", "sdpa"): (3.0, "2026-11-30"), ("llama", "liger"): (2.0, "2026-11-29")}
     assert "run 0" in data["config"]["command"] and "run 1" in data["config"]["command"]
-    # a later run that skipped a row (time budget) keeps the earlier measurement
+    # a later run that measured nothing for a row (skipped for the time budget, timed out, crashed, not
+    # installed) keeps the earlier measurement; a FAILED row (loss off sdpa's) or an oom replaces it
     skipped = tmp_path / "run2"
     skipped.mkdir()
     write_json(skipped / "results.json", {"gpu": "NVIDIA H200", "date": "2026-12-01T01:00:00+00:00", "device": "cuda"},
                {"command": "run 2"}, copy, [m(cols=512, status="skipped")],
-               {"e2e": [{"model": "llama", "variant": "liger", "status": "skipped"}]})
+               {"e2e": [{"model": "llama", "variant": "liger", "status": "skipped"},
+                        {"model": "llama", "variant": "sdpa", "status": "timeout", "detail": "over 113 s"}]})
     assert main(["--report-only", *runs, str(skipped), "--out", str(tmp_path / "out2"), "--no-tuning"]) == 0
     data, back = load_json(tmp_path / "out2" / "nvidia_h200_2026-12-01" / "results.json")
     assert {x.cols: x.status for x in back} == {512: "ok", 1024: "ok"}
-    assert {r["variant"]: r["status"] for r in data["e2e"]} == {"sdpa": "ok", "liger": "ok"}
+    assert {r["variant"]: (r["status"], r["run"]) for r in data["e2e"]} == {"sdpa": ("ok", "2026-11-30"),
+                                                                          "liger": ("ok", "2026-11-29")}
+    for i, (sdpa, liger, want) in enumerate((("error", "unavailable", {"sdpa": "ok", "liger": "ok"}),
+                                             ("FAILED", "oom", {"sdpa": "FAILED", "liger": "oom"}))):
+        later = tmp_path / f"later{i}"
+        later.mkdir()
+        write_json(later / "results.json", {"gpu": "NVIDIA H200", "date": "2026-12-02T01:00:00+00:00", "device": "cuda"},
+                   {"command": f"later {i}"}, copy, [m(cols=512)],
+                   {"e2e": [{"model": "llama", "variant": "sdpa", "status": sdpa},
+                            {"model": "llama", "variant": "liger", "status": liger}]})
+        out = tmp_path / f"out_later{i}"
+        assert main(["--report-only", *runs, str(later), "--out", str(out), "--no-tuning"]) == 0
+        data, _ = load_json(out / "nvidia_h200_2026-12-02" / "results.json")
+        assert {r["variant"]: r["status"] for r in data["e2e"]} == want
     # runs of another GPU, a missing folder, a file that is not a results.json: a clear error, nothing written
     other = tmp_path / "run3"
     other.mkdir()
