@@ -132,16 +132,18 @@ def write_markdown(path: str | Path, env: dict, config: dict, copy: dict | None,
         out += [f"- {s} {impl} {op}: {d}" for s, impl, op, d in other]
         out.append("")
     if e2e:
+        # run: the date of the run that measured the row (--report-only merges rows of several runs; a variant
+        # compares with the sdpa row of its own run, and the sdpa baseline moves between runs)
         out += ["## End-to-end training step (bf16, seq 2048, AdamW fused)", "",
-                "| model | variant | params | batch | status | tokens/s | step ms | peak GiB | note |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                "| model | variant | params | batch | status | tokens/s | step ms | peak GiB | run | note |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for r in e2e:
             tps = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else ""
             ms_ = f"{r['step_ms']:.1f}" if r.get("step_ms") else ""
             mem = f"{r['peak_mem_gib']:.1f}" if r.get("peak_mem_gib") else ""
             params = f"{r['params']/1e6:.0f}M" if r.get("params") else ""
             out.append(f"| {r['model']} | {r['variant']} | {params} | {r.get('batch', '')} | {r['status']} | {tps} "
-                       f"| {ms_} | {mem} | {str(r.get('detail', ''))[:150]} |")
+                       f"| {ms_} | {mem} | {r.get('run', '')} | {str(r.get('detail', ''))[:150]} |")
         out.append("")
     if build_cost:
         out += ["## Build cost", "", "```", json.dumps(build_cost, indent=1), "```", ""]

@@ -1,6 +1,7 @@
 """Results writer, tuning-table writer and plots of the benchmark suite, on fake measurements (CPU only)."""
 
 import json
+import re
 
 import _bench_path  # noqa: F401
 from pathlib import Path
@@ -150,6 +151,10 @@ def test_report_only_merges_e2e_rows_and_dates_each_row(tmp_path, monkeypatch):
     assert got == {512: (1.0, "2026-11-29"), 1024: (0.5, "2026-11-30")}
     e2e = {(r["model"], r["variant"]): (r["tokens_per_s"], r["run"]) for r in data["e2e"]}
     assert e2e == {("llama", "sdpa"): (3.0, "2026-11-30"), ("llama", "liger"): (2.0, "2026-11-29")}
+    md = (tmp_path / "out" / "nvidia_h200_2026-11-30" / "results.md").read_text()
+    assert "| run | note |" in md  # the end-to-end table names each row's run
+    assert re.search(r"\| llama \| sdpa \|.*\| 2026-11-30 \|", md)
+    assert re.search(r"\| llama \| liger \|.*\| 2026-11-29 \|", md)
     assert "run 0" in data["config"]["command"] and "run 1" in data["config"]["command"]
     # a later run that measured nothing for a row (skipped for the time budget, timed out, crashed, not
     # installed) keeps the earlier measurement; a FAILED row (loss off sdpa's) or an oom replaces it
@@ -168,8 +173,8 @@ def test_report_only_merges_e2e_rows_and_dates_each_row(tmp_path, monkeypatch):
                                              ("FAILED", "oom", {"sdpa": "FAILED", "liger": "oom"}))):
         later = tmp_path / f"later{i}"
         later.mkdir()
-        write_json(later / "results.json", {"gpu": "NVIDIA H200", "date": "2026-12-02T01:00:00+00:00", "device": "cuda"},
-                   {"command": f"later {i}"}, copy, [m(cols=512)],
+        env = {"gpu": "NVIDIA H200", "date": "2026-12-02T01:00:00+00:00", "device": "cuda"}
+        write_json(later / "results.json", env, {"command": f"later {i}"}, copy, [m(cols=512)],
                    {"e2e": [{"model": "llama", "variant": "sdpa", "status": sdpa},
                             {"model": "llama", "variant": "liger", "status": liger}]})
         out = tmp_path / f"out_later{i}"
