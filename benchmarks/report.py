@@ -188,5 +188,6 @@ def summary_lines(measurements: list[Measurement], copy: dict | None, e2e: list[
     for r in e2e or []:
         tps = f"{r['tokens_per_s']:.0f} tok/s" if r.get("tokens_per_s") else r.get("detail", "")[:80]
         mem = f", peak {r['peak_mem_gib']:.1f} GiB" if r.get("peak_mem_gib") else ""
-        lines.append(f"e2e {r['model']:6s} {r['variant']:12s} {r['status']:8s} {tps}{mem}")
+        run = f" (run {r['run']})" if r.get("run") else ""
+        lines.append(f"e2e {r['model']:6s} {r['variant']:12s} {r['status']:8s} {tps}{mem}{run}")
     return lines

@@ -265,6 +265,7 @@ def report_only(args: argparse.Namespace) -> int:
     ms: dict[tuple, Measurement] = {}
     commands: list[str] = []
     e2e: dict[tuple, dict] = {}
+    hidden: list[str] = []  # later rows of a crash or a hang that an earlier measurement outlives
     gpu = None
     for d in args.report_only:
         p = Path(d) / "results.json" if Path(d).is_dir() else Path(d)
@@ -293,11 +294,19 @@ def report_only(args: argparse.Namespace) -> int:
             if k == "e2e" and isinstance(v, list):
                 # end-to-end rows merge per (model, variant) like the measurements, the later run winning; a row
                 # that measured nothing (skipped, unavailable, timeout, error) keeps the earlier one. FAILED (a loss
-                # off the sdpa run's) and oom replace it: they are results of the step.
+                # off the sdpa run's) and oom replace it: they are results of the step. A timeout or an error may
+                # also be a hang or a crash of the code under test: the kept row's note and the merge's output say so.
                 for row in v:
                     key = (row.get("model"), row.get("variant"))
+                    row_run = row.get("run") or run_date
                     if row.get("status") not in _E2E_NO_RESULT or key not in e2e:
-                        e2e[key] = {**row, "run": row.get("run") or run_date}
+                        e2e[key] = {**row, "run": row_run}
+                    elif row.get("status") in ("timeout", "error") and e2e[key].get("status") not in _E2E_NO_RESULT:
+                        later = f"run {row_run}: {row['status']}" + (f" ({row['detail']})" if row.get("detail") else "")
+                        kept = e2e[key]
+                        if later not in (kept.get("detail") or ""):  # (a merge of a merge says it once)
+                            kept["detail"] = "; ".join(x for x in (kept.get("detail"), later) if x)
+                        hidden.append(f"e2e {key[0]} {key[1]}: {later}; the {kept.get('run')} row is kept")
             elif k != "measurements" and v is not None:
                 merged[k] = v
         run_copy = (data.get("copy") or {}).get("gbps")
@@ -316,6 +325,9 @@ def report_only(args: argparse.Namespace) -> int:
             # choices for that size. FAILED (a wrong result) and unsupported (the impl declines the shape) do replace.
             if m.status not in ("skipped", "unavailable", "error") or key not in ms:
                 ms[key] = m
+            elif m.status == "error" and ms[key].status not in ("skipped", "unavailable", "error"):
+                hidden.append(f"{m.impl}/{m.op}/{m.dtype}/{m.pas}/{m.cols}: run {m.extra['run']}: error "
+                              f"({m.detail[:120]}); the {ms[key].extra.get('run')} row is kept")
     if e2e:
         merged["e2e"] = list(e2e.values())
     env = merged.get("environment", {})
@@ -330,6 +342,8 @@ def report_only(args: argparse.Namespace) -> int:
     if env.get("date"):
         run.dir = Path(args.out) / f"{slug(env['gpu']) if args.device == 'cuda' else 'cpu_dry_run'}_{env['date'][:10]}"
     run.finish()
+    for line in hidden:
+        _log(f"note: {line}")
     return 0
 
 

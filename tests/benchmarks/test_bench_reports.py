@@ -124,7 +124,7 @@ def test_plots_on_fake_data(tmp_path):
     assert head == b"\x89PNG\r\n\x1a\n" and files[0].stat().st_size > 5000
 
 
-def test_report_only_merges_e2e_rows_and_dates_each_row(tmp_path, monkeypatch):
+def test_report_only_merges_e2e_rows_and_dates_each_row(tmp_path, monkeypatch, capsys):
     """--report-only: measurements and end-to-end rows merge per key, the later run winning, and every merged row
     names the run (date) that measured it."""
     # benchmarks.run turns strict mode on for its process when imported (os.environ.setdefault); keep it to this test
@@ -164,11 +164,20 @@ def test_report_only_merges_e2e_rows_and_dates_each_row(tmp_path, monkeypatch):
                {"command": "run 2"}, copy, [m(cols=512, status="skipped")],
                {"e2e": [{"model": "llama", "variant": "liger", "status": "skipped"},
                         {"model": "llama", "variant": "sdpa", "status": "timeout", "detail": "over 113 s"}]})
+    capsys.readouterr()
     assert main(["--report-only", *runs, str(skipped), "--out", str(tmp_path / "out2"), "--no-tuning"]) == 0
     data, back = load_json(tmp_path / "out2" / "nvidia_h200_2026-12-01" / "results.json")
     assert {x.cols: x.status for x in back} == {512: "ok", 1024: "ok"}
     assert {r["variant"]: (r["status"], r["run"]) for r in data["e2e"]} == {"sdpa": ("ok", "2026-11-30"),
                                                                           "liger": ("ok", "2026-11-29")}
+    # a timeout (or error) may be a hang (or crash) of the code under test: the kept row's note and the merge's
+    # output name it; the summary names each end-to-end row's run
+    sdpa = next(r for r in data["e2e"] if r["variant"] == "sdpa")
+    assert sdpa["detail"] == "run 2026-12-01: timeout (over 113 s)"
+    out = capsys.readouterr().out
+    assert "note: e2e llama sdpa: run 2026-12-01: timeout (over 113 s); the 2026-11-30 row is kept" in out
+    assert "(run 2026-11-30)" in out and "(run 2026-11-29)" in out
+    assert "run 2026-12-01: timeout" in (tmp_path / "out2" / "nvidia_h200_2026-12-01" / "results.md").read_text()
     for i, (sdpa, liger, want) in enumerate((("error", "unavailable", {"sdpa": "ok", "liger": "ok"}),
                                              ("FAILED", "oom", {"sdpa": "FAILED", "liger": "oom"}))):
         later = tmp_path / f"later{i}"
@@ -181,6 +190,18 @@ def test_report_only_merges_e2e_rows_and_dates_each_row(tmp_path, monkeypatch):
         assert main(["--report-only", *runs, str(later), "--out", str(out), "--no-tuning"]) == 0
         data, _ = load_json(out / "nvidia_h200_2026-12-02" / "results.json")
         assert {r["variant"]: r["status"] for r in data["e2e"]} == want
+    # a measurement that crashed in a later run keeps the earlier one, and the merge says so
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    boom = m(cols=1024, status="error")
+    boom.detail = "RuntimeError: boom"
+    write_json(crashed / "results.json", {"gpu": "NVIDIA H200", "date": "2026-12-03T01:00:00+00:00", "device": "cuda"},
+               {"command": "crashed"}, copy, [boom])
+    capsys.readouterr()
+    assert main(["--report-only", *runs, str(crashed), "--out", str(tmp_path / "out_crash"), "--no-tuning"]) == 0
+    _, back = load_json(tmp_path / "out_crash" / "nvidia_h200_2026-12-03" / "results.json")
+    assert {x.cols: (x.status, x.extra["run"]) for x in back} == {512: ("ok", "2026-11-29"), 1024: ("ok", "2026-11-30")}
+    assert "run 2026-12-03: error (RuntimeError: boom); the 2026-11-30 row is kept" in capsys.readouterr().out
     # runs of another GPU, a missing folder, a file that is not a results.json: a clear error, nothing written
     other = tmp_path / "run3"
     other.mkdir()
