@@ -1223,6 +1223,44 @@ def test_unfuse_cannot_fail_halfway_on_a_name_the_original_holds():
     torch.testing.assert_close(model(x), fused_out)
 
 
+def test_unfuse_carries_back_parametrizations_registered_while_fused():
+    """A walkthrough: a parametrization registered on a fused norm (``register_parametrization``,
+    ``parametrizations.weight_norm``) left the original after unfuse with the ``parametrizations`` container but
+    without the class property that computes ``weight``: AttributeError at the first forward. Now the original takes
+    the same parametrization lists (the Parameters an optimizer holds), as if it had been parametrized itself."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    class Double(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.RMSNorm(8))
+    ref = copy.deepcopy(model)
+    for m in (ref, model):
+        if m is model:
+            fuse(model)
+        parametrize.register_parametrization(m[1], "weight", Double())
+        weight_norm(m[2], "weight", dim=0)
+    x = torch.randn(3, 8)
+    fused_out = model(x)
+    params = [id(p) for p in model.parameters()]
+    assert unfuse(model) and not is_fused(model)
+    assert [type(m).__name__ for m in model[1:]] == ["ParametrizedLayerNorm", "ParametrizedRMSNorm"]
+    assert isinstance(model[1], nn.LayerNorm) and parametrize.is_parametrized(model[2], "weight")
+    torch.testing.assert_close(model(x), fused_out)
+    torch.testing.assert_close(model(x), ref(x))
+    assert [id(p) for p in model.parameters()] == params   # the optimizer's Parameters
+    assert list(model.state_dict()) == list(ref.state_dict()) and not model[1]._buffers
+    model(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    for m in model[1:]:   # and torch's own undo works on the originals
+        parametrize.remove_parametrizations(m, "weight")
+    assert (type(model[1]), type(model[2])) == (nn.LayerNorm, nn.RMSNorm)
+    torch.testing.assert_close(model(x), fused_out)
+
+
 def test_the_report_prints_brackets_as_written(monkeypatch):
     """A review: the report's table read module paths and reasons as rich markup, so "x[/y]" raised MarkupError and
     "[bold]z" lost its brackets (the list layout already printed them as written)."""

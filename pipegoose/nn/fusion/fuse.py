@@ -665,6 +665,37 @@ def _carry_back(new: nn.Module, rec: _Replaced) -> None:
     eps = new.__dict__.get("eps", _MISSING)
     if rec.eps_attr is not None and eps is not _MISSING and eps is not rec.eps:
         setattr(old, rec.eps_attr, eps)
+    _carry_parametrizations_back(new, old)
+
+
+class _Unchanged(nn.Module):
+    """A placeholder parametrization (see :func:`_carry_parametrizations_back`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def _carry_parametrizations_back(new: nn.Module, old: nn.Module) -> None:
+    """Parametrizations registered on the replacement while fused (``torch.nn.utils.parametrize``:
+    ``register_parametrization``, ``parametrizations.weight_norm``) go to the original, the same
+    ``ParametrizationList`` objects (their ``original`` Parameters are those an optimizer holds). The loop of
+    :func:`_carry_back` gave the original the ``parametrizations`` container but not the property that computes the
+    tensor, which torch puts on a class of its own: the original lost ``weight`` (AttributeError at the first forward
+    after unfuse; a walkthrough). ``register_parametrization`` gives it that class and property, on a placeholder that
+    the shared list then replaces. (A parametrized module is not fused, so the original has none of its own.)"""
+    if not parametrize.is_parametrized(new):
+        return
+    if old._modules.get("parametrizations") is new.parametrizations:
+        del old._modules["parametrizations"]   # (the container alone, as _carry_back's loop added it)
+    if parametrize.is_parametrized(old):
+        return
+    lists = dict(new.parametrizations.items())
+    for name, plist in lists.items():
+        if name in old._parameters or name in old._buffers:
+            continue   # (re-registered on the original while fused: left as it is)
+        old.register_buffer(name, torch.empty(0), persistent=False)   # moved into the placeholder list, then dropped
+        parametrize.register_parametrization(old, name, _Unchanged(), unsafe=True)
+        old.parametrizations[name] = plist
 
 
 def _computed_params(child: nn.Module) -> str | None:
