@@ -55,6 +55,9 @@ MODELS = {
 }
 CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config"}
 VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "compile_sdpa", "liger_rmsnorm", "liger")
+# What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the
+# subprocess failed), unavailable (Liger-Kernel not installed), skipped (time budget, or no CUDA).
+STATUSES = ("ok", "FAILED", "oom", "timeout", "error", "unavailable", "skipped")
 LIGER_ONLY = {"liger": ("llama", "qwen3"), "liger_rmsnorm": ("llama", "qwen3")}
 MARK = "E2E_RESULT "
 LOSS_RTOL = 0.02

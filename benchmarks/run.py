@@ -75,6 +75,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--report-only", nargs="+", default=None, metavar="DIR",
                     help="merge these run folders' results.json (later wins) and rewrite the reports")
     a = ap.parse_args(argv)
+    if a.report_only:
+        # A merge reads results and writes reports; the options of a run were accepted and ignored (a walkthrough).
+        ignored = [f"--{k.replace('_', '-')}" for k in ("quick", "only", "impls", "dtypes", "dry_run", "no_ops",
+                                                        "no_build", "jobs", "no_compile", "budget_s", "e2e",
+                                                        "build_cost", "specialise", "specialise_define")
+                   if getattr(a, k) != ap.get_default(k)]
+        if ignored:
+            ap.error(f"{', '.join(ignored)}: not with --report-only, which merges results and writes the reports "
+                     "(only --out, --tuning-dir, --no-tuning, --overwrite and --device go with it)")
     ops: list[str] = []
     if a.only.strip() and not _csv(a.only):
         ap.error(f"--only: expected op names, comma separated, got {a.only!r}")
@@ -256,6 +265,31 @@ class Run:
 
 
 _E2E_NO_RESULT = ("skipped", "unavailable", "timeout", "error")
+_E2E_NUMBERS = ("tokens_per_s", "step_ms", "peak_mem_gib", "params", "batch", "seq", "steps", "setup_s", "warmup_s")
+
+
+def _check_e2e_rows(rows: list) -> None:
+    """Raises ValueError naming the row and field of an end-to-end row that the reports cannot show (a walkthrough:
+    such rows gave tracebacks, some after results.json was written): each a mapping with a model and a variant
+    (strings), a status of benchmarks.e2e.STATUSES, numbers or nothing for the measured fields, a string or nothing
+    for the detail."""
+    from .e2e import STATUSES
+
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict):
+            raise ValueError(f"e2e[{i}]: expected a mapping, got {r!r}")
+        for k in ("model", "variant"):
+            if not isinstance(r.get(k), str) or not r[k]:
+                raise ValueError(f"e2e[{i}]: {k}: expected a name, got {r.get(k)!r}")
+        if r.get("status") not in STATUSES:
+            raise ValueError(f"e2e[{i}] ({r['model']} {r['variant']}): status: expected one of {', '.join(STATUSES)}, "
+                             f"got {r.get('status')!r}")
+        for k in _E2E_NUMBERS:
+            v = r.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ValueError(f"e2e[{i}] ({r['model']} {r['variant']}): {k}: expected a number, got {v!r}")
+        if r.get("detail") is not None and not isinstance(r["detail"], str):
+            raise ValueError(f"e2e[{i}] ({r['model']} {r['variant']}): detail: expected text, got {r['detail']!r}")
 
 
 def report_only(args: argparse.Namespace) -> int:
@@ -265,7 +299,8 @@ def report_only(args: argparse.Namespace) -> int:
     ms: dict[tuple, Measurement] = {}
     commands: list[str] = []
     e2e: dict[tuple, dict] = {}
-    hidden: list[str] = []  # later rows of a crash or a hang that an earlier measurement outlives
+    hidden: list[str] = []  # later rows of a crash or a hang that an earlier measurement outlives, runs out of order
+    last_date: tuple | None = None  # the newest run so far: (ISO date, path)
     gpu = None
     for d in args.report_only:
         p = Path(d) / "results.json" if Path(d).is_dir() else Path(d)
@@ -278,12 +313,21 @@ def report_only(args: argparse.Namespace) -> int:
             if copy is not None and not (isinstance(copy, dict) and isinstance(copy.get("gbps"), (int, float))
                                          and not isinstance(copy.get("gbps"), bool)):
                 raise ValueError(f"copy: expected a mapping with a number 'gbps', got {copy!r}")
+            _check_e2e_rows(data.get("e2e") or [])
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise SystemExit(f"--report-only: {p}: {type(e).__name__}: {e}") from None
         if gpu is not None and env["gpu"] != gpu:
             raise SystemExit(f"--report-only: {p} was measured on {env['gpu']}, the runs before it on {gpu}: "
                              "results of different GPUs are not merged")
         gpu = env["gpu"]
+        # later arguments win: say so where a run is older than one before it (a walkthrough: newest first let an
+        # older run replace a newer one without a word)
+        when = str(env.get("date") or "")
+        if when and last_date and when < last_date[0]:
+            hidden.append(f"{p} ({when[:10]}) is older than {last_date[1]} ({last_date[0][:10]}), which comes before "
+                          "it: its rows replace that run's (later arguments win)")
+        if when and (not last_date or when >= last_date[0]):
+            last_date = (when, p)
         cmd = (data.get("config") or {}).get("command")
         for c in ([cmd] if isinstance(cmd, str) else cmd or []):
             if c not in commands:
@@ -299,7 +343,8 @@ def report_only(args: argparse.Namespace) -> int:
                 for row in v:
                     key = (row.get("model"), row.get("variant"))
                     row_run = row.get("run") or run_date
-                    if row.get("status") not in _E2E_NO_RESULT or key not in e2e:
+                    if (row.get("status") not in _E2E_NO_RESULT or key not in e2e
+                            or e2e[key].get("status") in _E2E_NO_RESULT):   # (of two attempts, the later)
                         e2e[key] = {**row, "run": row_run}
                     elif row.get("status") in ("timeout", "error") and e2e[key].get("status") not in _E2E_NO_RESULT:
                         later = f"run {row_run}: {row['status']}" + (f" ({row['detail']})" if row.get("detail") else "")
@@ -323,7 +368,8 @@ def report_only(args: argparse.Namespace) -> int:
             # a row that measured nothing (skipped; unavailable: the impl did not load or build; error: it crashed or
             # could not be timed) never hides a measured one: it would take the impl out of the tuning table's
             # choices for that size. FAILED (a wrong result) and unsupported (the impl declines the shape) do replace.
-            if m.status not in ("skipped", "unavailable", "error") or key not in ms:
+            if (m.status not in ("skipped", "unavailable", "error") or key not in ms
+                    or ms[key].status in ("skipped", "unavailable", "error")):
                 ms[key] = m
             elif m.status == "error" and ms[key].status not in ("skipped", "unavailable", "error"):
                 hidden.append(f"{m.impl}/{m.op}/{m.dtype}/{m.pas}/{m.cols}: run {m.extra['run']}: error "
@@ -341,6 +387,10 @@ def report_only(args: argparse.Namespace) -> int:
         run.sections[k] = merged.get(k)
     if env.get("date"):
         run.dir = Path(args.out) / f"{slug(env['gpu']) if args.device == 'cuda' else 'cpu_dry_run'}_{env['date'][:10]}"
+    if (run.dir / "results.json").exists() and not args.overwrite:
+        # as a run does: a merge into a folder that holds results replaced them without a word (a walkthrough)
+        raise SystemExit(f"--report-only: {run.dir / 'results.json'} exists: pass another --out, or --overwrite to "
+                         "replace it (e.g. when that folder is among the merged ones)")
     run.finish()
     for line in hidden:
         _log(f"note: {line}")

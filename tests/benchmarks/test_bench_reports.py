@@ -215,6 +215,65 @@ def test_report_only_merges_e2e_rows_and_dates_each_row(tmp_path, monkeypatch, c
     assert not (tmp_path / "out3").exists()
 
 
+def test_report_only_refuses_what_it_would_ignore_or_lose(tmp_path, monkeypatch, capsys):
+    """A walkthrough of --report-only: a second merge into the same folder replaced the first one's results without a
+    word; options of a run (--quick, --only, --dtypes) were accepted and ignored; malformed end-to-end rows gave
+    tracebacks, some after results.json was written; runs given newest first replaced newer rows without a word; of
+    two attempts that measured nothing, the earlier was kept."""
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "")
+    from benchmarks.run import main
+
+    copy = {"bytes": 2 * 2**30, "gbps": 4000.0, "median_ms": 0.5}
+
+    def run(name, date, e2e, rows=None):
+        d = tmp_path / name
+        d.mkdir()
+        rows = rows or [m(cols=512)]
+        fill_pct(rows, copy["gbps"])
+        write_json(d / "results.json", {"gpu": "NVIDIA H200", "date": date, "device": "cuda"}, {"command": name},
+                   copy, rows, {"e2e": e2e})
+        return str(d)
+
+    old = run("old", "2026-12-01T01:00:00+00:00", [{"model": "llama", "variant": "sdpa", "status": "ok",
+                                                   "tokens_per_s": 100.0},
+                                                  {"model": "llama", "variant": "eager", "status": "skipped"}])
+    new = run("new", "2026-12-02T01:00:00+00:00", [{"model": "llama", "variant": "sdpa", "status": "ok",
+                                                   "tokens_per_s": 90.0},
+                                                  {"model": "llama", "variant": "eager", "status": "timeout",
+                                                   "detail": "over 90 s"}])
+    out = tmp_path / "out"
+    assert main(["--report-only", old, new, "--out", str(out), "--no-tuning"]) == 0
+    data, _ = load_json(out / "nvidia_h200_2026-12-02" / "results.json")
+    assert {r["variant"]: r["status"] for r in data["e2e"]} == {"sdpa": "ok", "eager": "timeout"}  # the later attempt
+    # a second merge into that folder: refused, the first merge's results kept; --overwrite replaces them
+    with pytest.raises(SystemExit, match="exists: pass another --out, or --overwrite"):
+        main(["--report-only", new, "--out", str(out), "--no-tuning"])
+    assert len(load_json(out / "nvidia_h200_2026-12-02" / "results.json")[0]["e2e"]) == 2
+    # newest first: the older run's rows win, and the merge says so
+    capsys.readouterr()
+    assert main(["--report-only", new, old, "--out", str(tmp_path / "reversed"), "--no-tuning"]) == 0
+    assert "old/results.json (2026-12-01) is older than" in capsys.readouterr().out
+    # the options of a run are refused with it (argparse's usage error, exit 2)
+    for extra in (["--quick"], ["--only", "softmax"], ["--dtypes", "fp32"], ["--e2e"], ["--budget-s", "9"]):
+        with pytest.raises(SystemExit) as e:
+            main(["--report-only", old, "--out", str(tmp_path / "x"), *extra])
+        assert e.value.code == 2, extra
+    assert "not with --report-only" in capsys.readouterr().err
+    # malformed end-to-end rows: a clear error naming the row and field, nothing written
+    for i, (row, match) in enumerate((("oops", r"e2e\[0\]: expected a mapping"),
+                                      ({"model": "llama", "variant": "sdpa"}, "status: expected one of"),
+                                      ({"variant": "sdpa", "status": "ok"}, "model: expected a name"),
+                                      ({"model": "llama", "variant": "sdpa", "status": "Timeout"}, "'Timeout'"),
+                                      ({"model": "llama", "variant": "sdpa", "status": "ok", "tokens_per_s": "fast"},
+                                       "tokens_per_s: expected a number"),
+                                      ({"model": "llama", "variant": "sdpa", "status": "ok", "detail": 3},
+                                       "detail: expected text"))):
+        bad = run(f"bad{i}", "2026-12-03T01:00:00+00:00", [row])
+        with pytest.raises(SystemExit, match=match):
+            main(["--report-only", old, bad, "--out", str(tmp_path / f"bad_out{i}"), "--no-tuning"])
+        assert not (tmp_path / f"bad_out{i}").exists()
+
+
 def write_run(folder: Path, date: str, copy: dict, rows: list) -> str:
     """A results.json of one H200 run in ``folder`` (made), its rows' % of copy filled from ``copy``."""
     fill_pct(rows, copy["gbps"])
