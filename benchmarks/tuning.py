@@ -68,21 +68,22 @@ def write_tuning_table(device_name: str, measured: str, benchmark: str, measurem
                        out_dir: str | Path | None = None) -> Path:
     """Write ``<out_dir>/<slug(device_name)>.json`` (default dir: ``pipegoose/nn/fusion/tuning``) atomically.
 
-    Rules of the ops measured now replace that device's earlier rules for those ops; rules of other ops (e.g. an
-    earlier ``attention`` run) are kept. ``measured``: date ``YYYY-MM-DD``; ``benchmark``: the repository-relative
-    path of the results.json the rules come from. Returns the path written. Raises ValueError on an empty device
-    name (see :func:`benchmarks.common.slug`)."""
+    Rules of the (op, dtype, pass) groups measured now replace that device's earlier rules for those groups; the
+    rules of other groups (an earlier ``attention`` run, a dtype or pass this run did not time) are kept. (Keyed by
+    op alone, a merge of one dtype's sweep dropped the op's rules for the other dtypes: a walkthrough.)
+    ``measured``: date ``YYYY-MM-DD``; ``benchmark``: the repository-relative path of the results.json the rules come
+    from. Returns the path written. Raises ValueError on an empty device name (see :func:`benchmarks.common.slug`)."""
     measurements = list(measurements)
     rules = tuning_rules(measurements)
     out = Path(out_dir) if out_dir is not None else DEFAULT_TUNING_DIR
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{slug(device_name)}.json"
-    new_ops = {m.op for m in measurements if m.op in TUNING_OPS}
+    new_groups = {(r["op"], r["dtype"], r["pass"]) for r in rules}
     kept: list[dict] = []
     if path.exists():
         try:
             old = json.loads(path.read_text())
-            kept = [r for r in old.get("rules", []) if r.get("op") not in new_ops]
+            kept = [r for r in old.get("rules", []) if (r.get("op"), r.get("dtype"), r.get("pass")) not in new_groups]
         except (OSError, ValueError):
             kept = []   # an unreadable table is replaced, not merged
     table = {"device": device_name, "measured": measured, "benchmark": benchmark, "rules": kept + rules}

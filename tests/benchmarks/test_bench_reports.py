@@ -63,21 +63,27 @@ def test_tuning_table_file_is_valid_for_the_dispatcher(tmp_path):
     ms = [m(impl="megatron", cols=1024, ms=1.0), m(impl="pipegoose", cols=4096, ms=1.0)]
     old = {"device": "NVIDIA H200", "measured": "2026-01-01", "benchmark": "x",
            "rules": [{"op": "attention", "dtype": "bfloat16", "pass": "fwd+bwd", "max_cols": None, "impl": "sdpa"},
-                     {"op": "softmax.causal", "dtype": "bfloat16", "pass": "fwd", "max_cols": None, "impl": "torch"}]}
+                     {"op": "softmax.causal", "dtype": "bfloat16", "pass": "fwd", "max_cols": None, "impl": "torch"},
+                     {"op": "softmax.causal", "dtype": "float32", "pass": "fwd+bwd", "max_cols": None, "impl": "torch"},
+                     {"op": "softmax.causal", "dtype": "bfloat16", "pass": "fwd+bwd", "max_cols": None,
+                      "impl": "torch"}]}
     (tmp_path / "nvidia_h200.json").write_text(json.dumps(old))
     path = write_tuning_table("NVIDIA H200", "2026-11-29", "benchmarks/results/nvidia_h200_2026-11-29/results.json",
                               ms, tmp_path)
     assert path.name == "nvidia_h200.json"
     data = json.loads(path.read_text())
     assert data["device"] == "NVIDIA H200" and data["measured"] == "2026-11-29"
-    # the earlier attention rule is kept, the earlier causal-softmax rule replaced by the new measurements
-    assert [r["op"] for r in data["rules"]] == ["attention", "softmax.causal", "softmax.causal"]
-    assert [r["impl"] for r in data["rules"][1:]] == ["megatron", "pipegoose"]
+    # the earlier rules of the groups measured now (causal softmax, bf16, fwd+bwd) are replaced; those of other ops,
+    # dtypes and passes are kept (a walkthrough: a merge of one dtype's sweep dropped the op's other rules)
+    assert [(r["op"], r["dtype"], r["pass"], r["impl"]) for r in data["rules"]] == [
+        ("attention", "bfloat16", "fwd+bwd", "sdpa"), ("softmax.causal", "bfloat16", "fwd", "torch"),
+        ("softmax.causal", "float32", "fwd+bwd", "torch"), ("softmax.causal", "bfloat16", "fwd+bwd", "megatron"),
+        ("softmax.causal", "bfloat16", "fwd+bwd", "pipegoose")]
     assert not list(tmp_path.glob(".*"))   # no temp file left behind
     from pipegoose.nn.fusion.dispatch import TuningTable
 
     table = TuningTable.load(path)   # the consumer accepts what we wrote
-    assert [r.impl for r in table.rules] == ["sdpa", "megatron", "pipegoose"]
+    assert [r.impl for r in table.rules] == ["sdpa", "torch", "torch", "megatron", "pipegoose"]
 
 
 def test_results_json_roundtrip_markdown_and_summary(tmp_path):
