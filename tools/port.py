@@ -172,8 +172,19 @@ def cmd_update(a) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Points ``doctor`` and ``build``, commands of ``python -m pipegoose.kernels``, there (a walkthrough: "invalid
+    choice: 'doctor'" alone)."""
+
+    def error(self, message: str):
+        for cmd in ("doctor", "build"):
+            if f"invalid choice: '{cmd}'" in message:
+                message += f"; for {cmd}: python -m pipegoose.kernels {cmd}"
+        super().error(message)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tools/port.py", description=__doc__.split("\n\n")[0])
+    ap = _Parser(prog="tools/port.py", description=__doc__.split("\n\n")[0])
     # the common options before the subcommand, and again after it (SUPPRESS there: absent after it keeps the value
     # given before; they worked only after it, though the docstring says "common to all")
     common = argparse.ArgumentParser(add_help=False)

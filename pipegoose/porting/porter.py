@@ -615,8 +615,10 @@ class Porter:
                 # the present files that differ too (a walkthrough: a changed file went unsaid beside a missing one)
                 bad = [self._show(p) for p, h in paths if check_hashes and p.is_file() and sha256_file(p) != h]
                 also = f", {len(bad)} modified ({', '.join(bad)})" if bad else ""
+                # and which are absent (a walkthrough: `list` said only how many)
                 out.append(KernelState(kid, sid, project, lic, pin, "missing",
-                                       f"{len(absent)} file(s) absent{also}: {fix}"))
+                                       f"{len(absent)} file(s) absent ({', '.join(self._show(p) for p in absent)})"
+                                       f"{also}: {fix}"))
                 continue
             if not check_hashes:
                 out.append(KernelState(kid, sid, project, lic, pin, "vendored"))

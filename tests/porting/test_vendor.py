@@ -201,9 +201,10 @@ def test_verify_names_differing_missing_and_extra_files(git_repo):
                         ("extra", "vendor/up/csrc/kernels/sneaky.cu"), ("extra", "LICENSES/up/NOTICE")}
     states = {s.id: s.state for s in p.states()}
     assert states == {"up/alpha": "modified", "up/beta": "missing"}
-    # beta's changed util.h is named beside its missing file (a walkthrough: only "1 file(s) absent")
+    # beta's missing file and its changed util.h are named (walkthroughs: only "1 file(s) absent")
     beta = next(s for s in p.states() if s.id == "up/beta")
-    assert beta.detail == "1 file(s) absent, 1 modified (vendor/up/csrc/common/util.h): run sync", beta.detail
+    assert beta.detail == ("1 file(s) absent (vendor/up/csrc/kernels/beta.cu), 1 modified "
+                           "(vendor/up/csrc/common/util.h): run sync"), beta.detail
     # the CLI exits non-zero and names the files
     r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "verify", "--root", str(repo.root)],
                        capture_output=True, text=True)
@@ -952,6 +953,22 @@ def test_cli_common_options_before_the_subcommand_and_bad_lock_or_cache(git_repo
     assert "kernels.lock: not UTF-8 text" in r.stderr, r.stderr
 
 
+def test_cli_points_the_kernels_commands_to_their_cli(capsys):
+    """A walkthrough: `port.py doctor` said only "invalid choice: 'doctor'"; doctor and build are commands of
+    `python -m pipegoose.kernels`, and the error now says so (exit 2, argparse's usage error)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import port
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    for cmd in ("doctor", "build", "bogus"):
+        with pytest.raises(SystemExit) as e:
+            port.main([cmd])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"invalid choice: '{cmd}'" in err, err
+        assert (f"for {cmd}: python -m pipegoose.kernels {cmd}" in err) == (cmd != "bogus"), err
+
+
 def test_git_commit_not_found(repo, tmp_path):
     up, sha = init_git_upstream(tmp_path / "upstream", V1_FILES)
     repo.write_manifest(source_yaml("up", f"git: {{url: '{up.working_tree_dir}', commit: {'a' * 40}}}"), K_ALPHA)
@@ -1058,7 +1075,8 @@ def test_a_missing_file_of_our_own_kernel_is_not_sent_to_sync(repo):
     assert len(probs) == 1 and "ours.cu" in probs[0].path, probs
     assert "restore it from git" in probs[0].detail and "sync" not in probs[0].detail
     state = {s.id: s for s in repo.porter().states()}["pipegoose/ours"]
-    assert state.state == "missing" and state.detail == "1 file(s) absent: restore from git (own files)"
+    assert state.state == "missing" and state.detail == (
+        "1 file(s) absent (pipegoose/kernels/csrc/ours.cu): restore from git (own files)"), state.detail
     notes = []  # sync's own note said only "re-record them with add", which fails on a missing file (a review)
     assert repo.porter(log=notes.append).sync()["differs"] == ["pipegoose"]
     assert any("restore missing or changed files from git" in n for n in notes), notes
