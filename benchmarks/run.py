@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--report-only", nargs="+", default=None, metavar="DIR",
                     help="merge these run folders' results.json (later wins) and rewrite the reports")
     a = ap.parse_args(argv)
+    if Path(a.out).exists() and not Path(a.out).is_dir():   # (NotADirectoryError at the first write: a walkthrough)
+        ap.error(f"--out: expected a folder, got the file {a.out}")
     if a.report_only:
         # A merge reads results and writes reports; the options of a run were accepted and ignored (a walkthrough).
         ignored = [f"--{k.replace('_', '-')}" for k in ("quick", "only", "impls", "dtypes", "dry_run", "no_ops",

@@ -265,6 +265,11 @@ def test_report_only_refuses_what_it_would_ignore_or_lose(tmp_path, monkeypatch,
             main(["--report-only", old, "--out", str(tmp_path / "x"), *extra])
         assert e.value.code == 2, extra
     assert "not with --report-only" in capsys.readouterr().err
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    with pytest.raises(SystemExit) as e:
+        main(["--report-only", old, "--out", str(a_file), "--no-tuning"])
+    assert e.value.code == 2 and "--out: expected a folder" in capsys.readouterr().err
     # malformed end-to-end rows: a clear error naming the row and field, nothing written
     for i, (row, match) in enumerate((("oops", r"e2e\[0\]: expected a mapping"),
                                       ({"model": "llama", "variant": "sdpa"}, "status: expected one of"),

@@ -152,11 +152,13 @@ def test_parity_rule():
     assert not demo.parity(_errs(0.05, 0.01, {"w": 0.61}), unfused, tol=0.08)[-1][3]
 
 
-@pytest.mark.parametrize("device", ["mps", "foo"])
-def test_demo_bad_device(device):
+@pytest.mark.parametrize("device", ["mps", "foo", "tpu", "cpu:1", "cuda:x"])
+def test_demo_bad_device(device, capsys):
+    """A clear usage error (a walkthrough: "tpu" pasted torch's list of device types, "cpu:1" was taken)."""
     with pytest.raises(SystemExit) as e:
         demo.main(["--model", "llama", "--device", device])
-    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.strip().endswith(f"--device: expected cpu or cuda[:i], got {device!r}"), err
 
 
 def test_demo_bad_environment_is_a_message(capsys, monkeypatch):

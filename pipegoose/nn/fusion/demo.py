@@ -367,9 +367,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError as e:
-        parser.error(f"--device: expected cpu or cuda[:i], got {args.device!r} ({e})")
-    if device.type not in ("cpu", "cuda"):
+    except RuntimeError:   # (torch's message lists its twenty device types: a walkthrough)
+        parser.error(f"--device: expected cpu or cuda[:i], got {args.device!r}")
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index not in (None, 0)):
         parser.error(f"--device: expected cpu or cuda[:i], got {args.device!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         console.print(f"--device {device}: no CUDA device is visible")
