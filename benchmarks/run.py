@@ -375,7 +375,7 @@ def report_only(args: argparse.Namespace) -> int:
                 ms[key] = m
             elif m.status == "error" and ms[key].status not in ("skipped", "unavailable", "error"):
                 hidden.append(f"{m.impl}/{m.op}/{m.dtype}/{m.pas}/{m.cols}: run {m.extra['run']}: error "
-                              f"({m.detail[:120]}); the {ms[key].extra.get('run')} row is kept")
+                              f"({(m.detail or '')[:120]}); the {ms[key].extra.get('run')} row is kept")
     if e2e:
         merged["e2e"] = list(e2e.values())
     env = merged.get("environment", {})
