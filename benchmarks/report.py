@@ -178,7 +178,8 @@ def summary_lines(measurements: list[Measurement], copy: dict | None, e2e: list[
     counts: dict[str, int] = defaultdict(int)
     for m in measurements:
         counts[m.status] += 1
-    lines.append("statuses: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+    if counts:   # (an end-to-end run alone printed "statuses: " with nothing after it: a walkthrough)
+        lines.append("statuses: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
     failed = sorted({f"{m.impl}/{m.op}/{m.dtype}" for m in measurements if m.status == "FAILED"})
     if failed:
         lines.append("FAILED: " + ", ".join(failed[:30]))

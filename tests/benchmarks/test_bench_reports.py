@@ -107,6 +107,7 @@ def test_results_json_roundtrip_markdown_and_summary(tmp_path):
     assert "## softmax.causal — bfloat16" in md and "FAILED" in md and "y: 3 of 10 elements off" in md
     assert "| 1024 | fwd+bwd |" in md and "2 (0%)" in md      # 2 GB/s = 0% of 4000 GB/s
     assert "| llama | sdpa |" in md and "NVIDIA H200" in md and "570" in md
+    assert not any(ln.startswith("statuses:") for ln in summary_lines([], None))   # (an end-to-end run alone)
     lines = summary_lines(ms, copy)
     assert any("FAILED: megatron/softmax.causal/bfloat16" in ln for ln in lines)
     assert any(ln.strip().startswith("adamw") and "torch_fused=70" in ln for ln in lines)
