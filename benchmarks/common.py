@@ -121,6 +121,9 @@ def tolerances() -> dict:
 
 
 STATUSES = ("ok", "FAILED", "unsupported", "unavailable", "error", "skipped")
+# the statuses of rows that measured nothing (skipped for the budget; the impl did not load or build; it crashed or
+# could not be timed): a merge keeps an earlier measurement over them, the tuning table keeps the group's rules
+NO_RESULT = ("skipped", "unavailable", "error")
 
 
 @dataclass

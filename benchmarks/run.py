@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import REPO_ROOT, Measurement, environment, slug, today, tolerances
+from .common import NO_RESULT, REPO_ROOT, Measurement, environment, slug, today, tolerances
 
 OP_NAMES = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "adamw", "clip_grad_norm")
 GROUPS = {"softmaxes": ["softmax", "softmax.masked", "softmax.causal"], "norms": ["layer_norm", "rms_norm"],
@@ -370,10 +370,9 @@ def report_only(args: argparse.Namespace) -> int:
             # a row that measured nothing (skipped; unavailable: the impl did not load or build; error: it crashed or
             # could not be timed) never hides a measured one: it would take the impl out of the tuning table's
             # choices for that size. FAILED (a wrong result) and unsupported (the impl declines the shape) do replace.
-            if (m.status not in ("skipped", "unavailable", "error") or key not in ms
-                    or ms[key].status in ("skipped", "unavailable", "error")):
+            if m.status not in NO_RESULT or key not in ms or ms[key].status in NO_RESULT:
                 ms[key] = m
-            elif m.status == "error" and ms[key].status not in ("skipped", "unavailable", "error"):
+            elif m.status == "error" and ms[key].status not in NO_RESULT:
                 hidden.append(f"{m.impl}/{m.op}/{m.dtype}/{m.pas}/{m.cols}: run {m.extra['run']}: error "
                               f"({(m.detail or '')[:120]}); the {ms[key].extra.get('run')} row is kept")
     if e2e:

@@ -23,7 +23,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable
 
-from .common import REPO_ROOT, Measurement, slug
+from .common import NO_RESULT, REPO_ROOT, Measurement, slug
 
 __all__ = ["tuning_rules", "write_tuning_table", "DEFAULT_TUNING_DIR", "TUNING_OPS"]
 
@@ -78,12 +78,20 @@ def write_tuning_table(device_name: str, measured: str, benchmark: str, measurem
     out = Path(out_dir) if out_dir is not None else DEFAULT_TUNING_DIR
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{slug(device_name)}.json"
-    new_groups = {(r["op"], r["dtype"], r["pass"]) for r in rules}
+    # the groups this run has a result for: a group where every dispatchable impl FAILED (or declined the shape)
+    # is measured too, and its old rule goes (built from the rules, a wrong impl's old rule stayed: a review);
+    # rows that measured nothing (skipped for the budget, not built, crashed) replace nothing
+    new_groups = {(r["op"], r["dtype"], r["pass"]) for r in rules} | {
+        (m.op, m.dtype, m.pas) for m in measurements
+        if m.tunable and m.op in TUNING_OPS and m.pas in RULE_PASSES and m.status not in NO_RESULT}
+    new_op_dtypes = {(op, dt) for op, dt, _ in new_groups}
     kept: list[dict] = []
     if path.exists():
         try:
             old = json.loads(path.read_text())
-            kept = [r for r in old.get("rules", []) if (r.get("op"), r.get("dtype"), r.get("pass")) not in new_groups]
+            # a rule without a pass (an older table) covers both passes: it goes with either group
+            kept = [r for r in old.get("rules", []) if (r.get("op"), r.get("dtype"), r.get("pass")) not in new_groups
+                    and not (r.get("pass") is None and (r.get("op"), r.get("dtype")) in new_op_dtypes)]
         except (OSError, ValueError):
             kept = []   # an unreadable table is replaced, not merged
     table = {"device": device_name, "measured": measured, "benchmark": benchmark, "rules": kept + rules}

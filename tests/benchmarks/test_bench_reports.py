@@ -86,6 +86,26 @@ def test_tuning_table_file_is_valid_for_the_dispatcher(tmp_path):
     assert [r.impl for r in table.rules] == ["sdpa", "torch", "torch", "megatron", "pipegoose"]
 
 
+def test_tuning_table_drops_the_rules_of_a_group_whose_impls_now_fail(tmp_path):
+    """A review: the groups replaced were those this run made rules for, so where every dispatchable impl FAILED now,
+    the old rule (naming the impl that is now wrong) stayed. A group with a result (FAILED, unsupported) loses its old
+    rules; one whose rows measured nothing (skipped, not built, crashed) keeps them; an old rule without a pass goes
+    with either pass of its op and dtype."""
+    old = {"device": "NVIDIA H200", "measured": "2026-01-01", "benchmark": "x",
+           "rules": [{"op": "rms_norm", "dtype": "bfloat16", "pass": "fwd+bwd", "max_cols": None, "impl": "pipegoose"},
+                     {"op": "rms_norm", "dtype": "float16", "pass": "fwd+bwd", "max_cols": None, "impl": "pipegoose"},
+                     {"op": "layer_norm", "dtype": "bfloat16", "max_cols": None, "impl": "apex"},
+                     {"op": "layer_norm", "dtype": "float32", "max_cols": None, "impl": "apex"}]}
+    (tmp_path / "nvidia_h200.json").write_text(json.dumps(old))
+    ms = [m(op="rms_norm", dtype="bfloat16", status="FAILED"), m(op="rms_norm", dtype="float16", status="skipped"),
+          m(op="rms_norm", dtype="float16", impl="torch", status="error"),
+          m(op="layer_norm", dtype="bfloat16", pas="fwd", ms=1.0)]
+    path = write_tuning_table("NVIDIA H200", "2026-12-04", "x", ms, tmp_path)
+    got = [(r["op"], r["dtype"], r.get("pass"), r["impl"]) for r in json.loads(path.read_text())["rules"]]
+    assert got == [("rms_norm", "float16", "fwd+bwd", "pipegoose"), ("layer_norm", "float32", None, "apex"),
+                   ("layer_norm", "bfloat16", "fwd", "pipegoose")]
+
+
 def test_results_json_roundtrip_markdown_and_summary(tmp_path):
     ms = [m(impl="pipegoose", cols=1024, ms=0.5), m(impl="eager", cols=1024, ms=2.0, tunable=None),
           m(impl="megatron", cols=1024, status="FAILED"),
