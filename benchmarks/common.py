@@ -159,6 +159,10 @@ class Measurement:
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
             raise ValueError(f"status: expected one of {', '.join(STATUSES)}, got {self.status!r}")
+        if self.detail is None:   # (a results.json row with "detail": null crashed the reports: a review)
+            self.detail = ""
+        if not isinstance(self.detail, str):
+            raise ValueError(f"detail: expected text, got {self.detail!r}")
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -143,7 +143,7 @@ def write_markdown(path: str | Path, env: dict, config: dict, copy: dict | None,
             mem = f"{r['peak_mem_gib']:.1f}" if r.get("peak_mem_gib") else ""
             params = f"{r['params']/1e6:.0f}M" if r.get("params") else ""
             out.append(f"| {r['model']} | {r['variant']} | {params} | {r.get('batch', '')} | {r['status']} | {tps} "
-                       f"| {ms_} | {mem} | {r.get('run', '')} | {str(r.get('detail', ''))[:150]} |")
+                       f"| {ms_} | {mem} | {r.get('run', '')} | {str(r.get('detail') or '')[:150]} |")
         out.append("")
     if build_cost:
         out += ["## Build cost", "", "```", json.dumps(build_cost, indent=1), "```", ""]
@@ -187,7 +187,7 @@ def summary_lines(measurements: list[Measurement], copy: dict | None, e2e: list[
     if errors:
         lines.append("errors: " + " | ".join(errors[:8]))
     for r in e2e or []:
-        tps = f"{r['tokens_per_s']:.0f} tok/s" if r.get("tokens_per_s") else r.get("detail", "")[:80]
+        tps = f"{r['tokens_per_s']:.0f} tok/s" if r.get("tokens_per_s") else str(r.get("detail") or "")[:80]
         mem = f", peak {r['peak_mem_gib']:.1f} GiB" if r.get("peak_mem_gib") else ""
         run = f" (run {r['run']})" if r.get("run") else ""
         lines.append(f"e2e {r['model']:6s} {r['variant']:12s} {r['status']:8s} {tps}{mem}{run}")

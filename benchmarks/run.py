@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from .common import NO_RESULT, REPO_ROOT, Measurement, environment, slug, today, tolerances
@@ -48,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sizes", default="", help="last-dim sizes to keep of the mode's list, comma separated, each "
                                                 "one a size of every op run (default all; e.g. --only softmaxes "
                                                 "--sizes 128,256); implies --no-tuning")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="where to run (with --report-only: not used, the merged runs name their device)")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes, few reps: check the pipeline, not speed")
     ap.add_argument("--no-ops", action="store_true", help="skip the op and optimizer benchmarks")
     ap.add_argument("--no-build", action="store_true", help="do not run `python -m pipegoose.kernels build` first")
@@ -75,8 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--report-only", nargs="+", default=None, metavar="DIR",
                     help="merge these run folders' results.json (later wins) and rewrite the reports")
     a = ap.parse_args(argv)
-    if Path(a.out).exists() and not Path(a.out).is_dir():   # (NotADirectoryError at the first write: a walkthrough)
-        ap.error(f"--out: expected a folder, got the file {a.out}")
+    # (NotADirectoryError at the first write: a walkthrough; for a path under a file, a review)
+    on_disk = next((q for q in (Path(a.out), *Path(a.out).parents) if q.exists()), None)
+    if on_disk is not None and not on_disk.is_dir():
+        ap.error(f"--out: expected a folder, got the file {a.out}" if on_disk == Path(a.out)
+                 else f"--out: expected a folder, got {a.out}, under the file {on_disk}")
     if a.report_only:
         # A merge reads results and writes reports; the options of a run were accepted and ignored (a walkthrough).
         ignored = [f"--{k.replace('_', '-')}" for k in ("quick", "only", "impls", "dtypes", "dry_run", "no_ops",
@@ -85,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    if getattr(a, k) != ap.get_default(k)]
         if ignored:
             ap.error(f"{', '.join(ignored)}: not with --report-only, which merges results and writes the reports "
-                     "(only --out, --tuning-dir, --no-tuning, --overwrite and --device go with it)")
+                     "(only --out, --tuning-dir, --no-tuning and --overwrite go with it; the device is the merged "
+                     "runs')")
     ops: list[str] = []
     if a.only.strip() and not _csv(a.only):
         ap.error(f"--only: expected op names, comma separated, got {a.only!r}")
@@ -270,6 +276,17 @@ _E2E_NO_RESULT = ("skipped", "unavailable", "timeout", "error")
 _E2E_NUMBERS = ("tokens_per_s", "step_ms", "peak_mem_gib", "params", "batch", "seq", "steps", "setup_s", "warmup_s")
 
 
+def _run_time(date) -> datetime | None:
+    """A run's ``environment.date`` (ISO 8601) as an aware datetime (one without an offset is taken as UTC), or None
+    where it is missing or not a date. (Compared as text, 2026-12-03T01:00+05:00 came after 2026-12-02T23:00+00:00,
+    which is later: a review.)"""
+    try:
+        t = datetime.fromisoformat(str(date))
+    except ValueError:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+
+
 def _check_e2e_rows(rows: list) -> None:
     """Raises ValueError naming the row and field of an end-to-end row that the reports cannot show (a walkthrough:
     such rows gave tracebacks, some after results.json was written): each a mapping with a model and a variant
@@ -296,13 +313,14 @@ def _check_e2e_rows(rows: list) -> None:
 
 def report_only(args: argparse.Namespace) -> int:
     from .report import load_json
+    from .tuning import tuning_rules
 
     merged: dict = {}
     ms: dict[tuple, Measurement] = {}
     commands: list[str] = []
     e2e: dict[tuple, dict] = {}
     hidden: list[str] = []  # later rows of a crash or a hang that an earlier measurement outlives, runs out of order
-    last_date: tuple | None = None  # the newest run so far: (ISO date, path)
+    last_date: tuple | None = None  # the newest run so far: (time, path)
     gpu = None
     for d in args.report_only:
         p = Path(d) / "results.json" if Path(d).is_dir() else Path(d)
@@ -316,6 +334,7 @@ def report_only(args: argparse.Namespace) -> int:
                                          and not isinstance(copy.get("gbps"), bool)):
                 raise ValueError(f"copy: expected a mapping with a number 'gbps', got {copy!r}")
             _check_e2e_rows(data.get("e2e") or [])
+            tuning_rules(measurements)   # a row the tuning table cannot take: refused before anything is written
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise SystemExit(f"--report-only: {p}: {type(e).__name__}: {e}") from None
         if gpu is not None and env["gpu"] != gpu:
@@ -324,10 +343,12 @@ def report_only(args: argparse.Namespace) -> int:
         gpu = env["gpu"]
         # later arguments win: say so where a run is older than one before it (a walkthrough: newest first let an
         # older run replace a newer one without a word)
-        when = str(env.get("date") or "")
+        when = _run_time(env.get("date"))
         if when and last_date and when < last_date[0]:
-            hidden.append(f"{p} ({when[:10]}) is older than {last_date[1]} ({last_date[0][:10]}), which comes before "
-                          "it: its rows replace that run's (later arguments win)")
+            utc = "%Y-%m-%d %H:%M UTC"   # (dates as written may differ in offset: 2026-12-03 can be the older)
+            hidden.append(f"{p} ({when.astimezone(timezone.utc):{utc}}) is older than {last_date[1]} "
+                          f"({last_date[0].astimezone(timezone.utc):{utc}}), which comes before it: its rows replace "
+                          "that run's (later arguments win)")
         if when and (not last_date or when >= last_date[0]):
             last_date = (when, p)
         cmd = (data.get("config") or {}).get("command")
@@ -347,6 +368,13 @@ def report_only(args: argparse.Namespace) -> int:
                     row_run = row.get("run") or run_date
                     if (row.get("status") not in _E2E_NO_RESULT or key not in e2e
                             or e2e[key].get("status") in _E2E_NO_RESULT):   # (of two attempts, the later)
+                        before = e2e.get(key)
+                        if (before and before.get("status") in ("timeout", "error")
+                                and row.get("status") in ("skipped", "unavailable")):
+                            # a later run that did not try says nothing of the hang or crash: say it went
+                            hidden.append(f"e2e {key[0]} {key[1]}: the {before.get('run')} row's {before['status']}"
+                                          + (f" ({before['detail']})" if before.get("detail") else "")
+                                          + f" is replaced by run {row_run}'s {row['status']}")
                         e2e[key] = {**row, "run": row_run}
                     elif row.get("status") in ("timeout", "error") and e2e[key].get("status") not in _E2E_NO_RESULT:
                         later = f"run {row_run}: {row['status']}" + (f" ({row['detail']})" if row.get("detail") else "")
@@ -371,6 +399,10 @@ def report_only(args: argparse.Namespace) -> int:
             # could not be timed) never hides a measured one: it would take the impl out of the tuning table's
             # choices for that size. FAILED (a wrong result) and unsupported (the impl declines the shape) do replace.
             if m.status not in NO_RESULT or key not in ms or ms[key].status in NO_RESULT:
+                if key in ms and ms[key].status == "error" and m.status in ("skipped", "unavailable"):
+                    was = f" ({ms[key].detail[:120]})" if ms[key].detail else ""
+                    hidden.append(f"{m.impl}/{m.op}/{m.dtype}/{m.pas}/{m.cols}: the {ms[key].extra.get('run')} row's "
+                                  f"error{was} is replaced by run {m.extra['run']}'s {m.status}")
                 ms[key] = m
             elif m.status == "error" and ms[key].status not in NO_RESULT:
                 hidden.append(f"{m.impl}/{m.op}/{m.dtype}/{m.pas}/{m.cols}: run {m.extra['run']}: error "

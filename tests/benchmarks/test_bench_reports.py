@@ -279,7 +279,7 @@ def test_report_only_refuses_what_it_would_ignore_or_lose(tmp_path, monkeypatch,
     # newest first: the older run's rows win, and the merge says so
     capsys.readouterr()
     assert main(["--report-only", new, old, "--out", str(tmp_path / "reversed"), "--no-tuning"]) == 0
-    assert "old/results.json (2026-12-01) is older than" in capsys.readouterr().out
+    assert "old/results.json (2026-12-01 01:00 UTC) is older than" in capsys.readouterr().out
     # the options of a run are refused with it (argparse's usage error, exit 2)
     for extra in (["--quick"], ["--only", "softmax"], ["--dtypes", "fp32"], ["--e2e"], ["--budget-s", "9"]):
         with pytest.raises(SystemExit) as e:
@@ -304,6 +304,59 @@ def test_report_only_refuses_what_it_would_ignore_or_lose(tmp_path, monkeypatch,
         with pytest.raises(SystemExit, match=match):
             main(["--report-only", old, bad, "--out", str(tmp_path / f"bad_out{i}"), "--no-tuning"])
         assert not (tmp_path / f"bad_out{i}").exists()
+
+
+def test_report_only_review_findings(tmp_path, monkeypatch, capsys):
+    """A review of --report-only: a row with "detail": null passed the checks, then crashed the summary after
+    results.json was written (and results.md showed "None"); dates with different UTC offsets were compared as text;
+    a later skipped row replaced an earlier crash without a word; a row the tuning table refuses (cols 0) was found
+    after results.json was written; --out under a file gave a traceback."""
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "")
+    from benchmarks.run import main
+
+    copy = {"bytes": 2 * 2**30, "gbps": 4000.0, "median_ms": 0.5}
+
+    def run(name, date, e2e, rows=None):
+        d = tmp_path / name
+        d.mkdir()
+        rows = rows if rows is not None else [m(cols=512)]
+        fill_pct(rows, copy["gbps"])
+        write_json(d / "results.json", {"gpu": "NVIDIA H200", "date": date, "device": "cuda"}, {"command": name},
+                   copy, rows, {"e2e": e2e})
+        return str(d)
+
+    crash = m(cols=1024, status="error")
+    crash.detail = None   # as a results.json row with "detail": null loads
+    a = run("a", "2026-12-02T23:00:00+00:00",
+            [{"model": "llama", "variant": "sdpa", "status": "ok", "tokens_per_s": 5.0, "detail": None},
+             {"model": "llama", "variant": "eager", "status": "error", "detail": "CUDA error"}], [m(cols=512), crash])
+    # 01:00 at +05:00 is 20:00 UTC of the day before: older than run a, though its text sorts after
+    b = run("b", "2026-12-03T01:00:00+05:00",
+            [{"model": "llama", "variant": "eager", "status": "skipped", "detail": None}],
+            [m(cols=1024, status="skipped")])
+    capsys.readouterr()
+    out = tmp_path / "out"
+    assert main(["--report-only", a, b, "--out", str(out), "--no-tuning"]) == 0
+    said = capsys.readouterr().out
+    assert "b/results.json (2026-12-02 20:00 UTC) is older than" in said and "(2026-12-02 23:00 UTC)" in said
+    assert "e2e llama eager: the 2026-12-02 row's error (CUDA error) is replaced by run 2026-12-03's skipped" in said
+    assert "1024: the 2026-12-02 row's error is replaced by run 2026-12-03's skipped" in said
+    assert re.search(r"e2e llama +sdpa +ok +5 tok/s \(run 2026-12-02\)", said)
+    md = next(out.glob("*/results.md")).read_text()
+    assert "None" not in md
+    # given the other way round (the newer last): no note of an older run
+    assert main(["--report-only", b, a, "--out", str(tmp_path / "out2"), "--no-tuning"]) == 0
+    assert "is older than" not in capsys.readouterr().out
+    # a row the tuning table refuses: a clear error before anything is written
+    bad = run("bad", "2026-12-04T01:00:00+00:00", [], [m(cols=0)])
+    with pytest.raises(SystemExit, match="cols: expected a size >= 1, got 0"):
+        main(["--report-only", a, bad, "--out", str(tmp_path / "out3"), "--tuning-dir", str(tmp_path / "t")])
+    assert not (tmp_path / "out3").exists() and not (tmp_path / "t").exists()
+    # --out under a file: argparse's usage error naming the file
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit) as e:
+        main(["--report-only", a, "--out", str(tmp_path / "a-file" / "sub"), "--no-tuning"])
+    assert e.value.code == 2 and "under the file" in capsys.readouterr().err
 
 
 def write_run(folder: Path, date: str, copy: dict, rows: list) -> str:
