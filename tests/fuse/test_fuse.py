@@ -1261,6 +1261,44 @@ def test_unfuse_carries_back_parametrizations_registered_while_fused():
     torch.testing.assert_close(model(x), fused_out)
 
 
+def test_unfuse_carries_parametrizations_to_an_original_parametrized_while_fused():
+    """A review: where the original itself was parametrized while fused (a reference kept from before ``fuse``), unfuse
+    returned before carrying the replacement's parametrizations, and the original had no ``weight`` (its Parameter
+    left with the replacement's list): AttributeError at the first forward. Now it keeps its own (``bias``) and takes
+    the replacement's (``weight``); a name both parametrized stays the original's."""
+    from torch.nn.utils import parametrize
+
+    class Double(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    with torch.no_grad():
+        model[1].bias.normal_()
+    ln = model[1]
+    w, b = ln.weight, ln.bias
+    fuse(model)
+    assert model[1] is not ln
+    parametrize.register_parametrization(ln, "bias", Double())
+    parametrize.register_parametrization(model[1], "weight", Double())
+    x = torch.randn(3, 8)
+    assert unfuse(model) and model[1] is ln
+    assert parametrize.is_parametrized(ln, "weight") and parametrize.is_parametrized(ln, "bias")
+    assert ln.parametrizations.weight.original is w and ln.parametrizations.bias.original is b
+    h = model[0](x)
+    torch.testing.assert_close(model(x), torch.nn.functional.layer_norm(h, (8,), 2 * w, 2 * b))
+    # both parametrized "weight": the original's stays
+    model = nn.Sequential(nn.LayerNorm(8))
+    ln = model[0]
+    fuse(model)
+    parametrize.register_parametrization(ln, "weight", Double())
+    parametrize.register_parametrization(model[0], "weight", Double())
+    assert unfuse(model) and model[0] is ln
+    assert len(ln.parametrizations.weight) == 1
+    torch.testing.assert_close(ln.weight, 2 * ln.parametrizations.weight.original)
+
+
 def test_the_report_prints_brackets_as_written(monkeypatch):
     """A review: the report's table read module paths and reasons as rich markup, so "x[/y]" raised MarkupError and
     "[bold]z" lost its brackets (the list layout already printed them as written)."""

@@ -682,17 +682,18 @@ def _carry_parametrizations_back(new: nn.Module, old: nn.Module) -> None:
     :func:`_carry_back` gave the original the ``parametrizations`` container but not the property that computes the
     tensor, which torch puts on a class of its own: the original lost ``weight`` (AttributeError at the first forward
     after unfuse; a walkthrough). ``register_parametrization`` gives it that class and property, on a placeholder that
-    the shared list then replaces. (A parametrized module is not fused, so the original has none of its own.)"""
+    the shared list then replaces. (A parametrized module is not fused; one that a user parametrized while fused keeps
+    its own lists and takes the replacement's for the names it lacks: returning there lost them, and the original its
+    ``weight``, a review. As in :func:`_carry_back`, a name the original holds already is left as it is.)"""
     if not parametrize.is_parametrized(new):
         return
     if old._modules.get("parametrizations") is new.parametrizations:
         del old._modules["parametrizations"]   # (the container alone, as _carry_back's loop added it)
-    if parametrize.is_parametrized(old):
-        return
     lists = dict(new.parametrizations.items())
     for name, plist in lists.items():
-        if name in old._parameters or name in old._buffers:
-            continue   # (re-registered on the original while fused: left as it is)
+        if (parametrize.is_parametrized(old, name) or hasattr(type(old), name)
+                or any(name in getattr(old, slot) for slot in _SLOTS)):
+            continue   # (the original's own, or registered on it while fused: left as it is)
         old.register_buffer(name, torch.empty(0), persistent=False)   # moved into the placeholder list, then dropped
         parametrize.register_parametrization(old, name, _Unchanged(), unsafe=True)
         old.parametrizations[name] = plist
