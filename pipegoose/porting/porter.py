@@ -34,6 +34,7 @@ __all__ = ["Porter", "Problem", "KernelState", "STATES"]
 
 STATES = ("declared", "vendored", "verified", "modified", "missing", "stale")
 _IGNORED_TOP = {"README.md", ".port.lock", TXN_DIRNAME, ".gitkeep"}
+_ABSENT_SHOWN = 3   # absent files a state names before "and N more"
 # verify's fix for a missing file of this project's own kernels, which sync cannot restore (it fetches nothing for them)
 _LOCAL_MISSING = ("this project's own file: restore it from git (`git checkout -- <path>`); if it was removed on "
                   "purpose, change the kernel's files in kernels.yaml and run `python tools/port.py add` of the kernel")
@@ -615,10 +616,15 @@ class Porter:
                 # the present files that differ too (a walkthrough: a changed file went unsaid beside a missing one)
                 bad = [self._show(p) for p, h in paths if check_hashes and p.is_file() and sha256_file(p) != h]
                 also = f", {len(bad)} modified ({', '.join(bad)})" if bad else ""
-                # and which are absent (a walkthrough: `list` said only how many)
-                out.append(KernelState(kid, sid, project, lic, pin, "missing",
-                                       f"{len(absent)} file(s) absent ({', '.join(self._show(p) for p in absent)})"
-                                       f"{also}: {fix}"))
+                # and which are absent (a walkthrough: `list` said only how many), the first few: in a fresh clone,
+                # where none is there, every path of every kernel made `list` three screens long (a review)
+                if len(absent) == len(paths):
+                    what = f"none of its {len(paths)} files is there (not vendored yet)"
+                else:
+                    shown = [self._show(p) for p in absent[:_ABSENT_SHOWN]]
+                    more = len(absent) - len(shown)
+                    what = f"{len(absent)} file(s) absent ({', '.join(shown)}{f', and {more} more' if more else ''})"
+                out.append(KernelState(kid, sid, project, lic, pin, "missing", f"{what}{also}: {fix}"))
                 continue
             if not check_hashes:
                 out.append(KernelState(kid, sid, project, lic, pin, "vendored"))

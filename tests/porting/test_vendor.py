@@ -215,6 +215,29 @@ def test_verify_names_differing_missing_and_extra_files(git_repo):
     assert p.verify() == []
 
 
+def test_a_missing_kernel_names_its_first_absent_files_only(git_repo, monkeypatch):
+    """A review: in a fresh clone (nothing vendored) `port.py list` named every path of every kernel, three screens
+    at 120 columns. A kernel none of whose files is there says so; otherwise the first few absent files are named."""
+    import shutil
+
+    import pipegoose.porting.porter as porter_mod
+
+    repo = git_repo
+    p = repo.porter()
+    p.add(["alpha", "beta"])
+    v = repo.root / "vendor" / "up"
+    (v / "csrc/kernels/beta.cu").unlink()
+    (v / "csrc/common/extra.h").unlink()
+    monkeypatch.setattr(porter_mod, "_ABSENT_SHOWN", 1)
+    beta = next(s for s in p.states() if s.id == "up/beta")
+    assert beta.detail == "2 file(s) absent (vendor/up/csrc/common/extra.h, and 1 more): run sync", beta.detail
+    shutil.rmtree(v)
+    shutil.rmtree(repo.root / "LICENSES" / "up")
+    details = {s.id: s.detail for s in p.states()}
+    assert details == {"up/alpha": "none of its 3 files is there (not vendored yet): run sync",
+                       "up/beta": "none of its 4 files is there (not vendored yet): run sync"}, details
+
+
 def test_verify_checks_the_license_and_the_lock_paths_and_hashes(git_repo):
     """Session 34's walkthrough: a license changed in kernels.yaml passed verify (and showed as verified in list); a
     lock key such as /etc/passwd or ../x made verify hash a file outside vendor/, and a lock hash of 'xyz' was
