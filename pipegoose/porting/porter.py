@@ -34,7 +34,7 @@ __all__ = ["Porter", "Problem", "KernelState", "STATES"]
 
 STATES = ("declared", "vendored", "verified", "modified", "missing", "stale")
 _IGNORED_TOP = {"README.md", ".port.lock", TXN_DIRNAME, ".gitkeep"}
-_ABSENT_SHOWN = 3   # absent files a state names before "and N more"
+_ABSENT_SHOWN = 3   # absent or modified files a kernel's state names before "and N more"
 # verify's fix for a missing file of this project's own kernels, which sync cannot restore (it fetches nothing for them)
 _LOCAL_MISSING = ("this project's own file: restore it from git (`git checkout -- <path>`); if it was removed on "
                   "purpose, change the kernel's files in kernels.yaml and run `python tools/port.py add` of the kernel")
@@ -576,6 +576,11 @@ class Porter:
         s = self.manifest.sources.get(sid)
         return bool(s and s.is_local)
 
+    def _first_few(self, paths: list[Path]) -> str:
+        """The first ``_ABSENT_SHOWN`` of ``paths`` as :meth:`_show` writes them, and how many more ("" for none)."""
+        more = len(paths) - _ABSENT_SHOWN
+        return ", ".join(self._show(p) for p in paths[:_ABSENT_SHOWN]) + (f", and {more} more" if more > 0 else "")
+
     def _show(self, p: Path) -> str:
         try:
             return p.resolve().relative_to(self.root.resolve()).as_posix()
@@ -612,24 +617,24 @@ class Porter:
             paths = [(base / f, h) for f, h in lk.files.items()] + [(licd / f, h) for f, h in ls.license_files.items()]
             absent = [p for p, _ in paths if not p.is_file()]
             if absent:
-                fix = "restore from git (own files)" if self._is_local(sid) else "run sync"
+                local = self._is_local(sid)
+                fix = "restore from git (own files)" if local else "run sync"
                 # the present files that differ too (a walkthrough: a changed file went unsaid beside a missing one)
-                bad = [self._show(p) for p, h in paths if check_hashes and p.is_file() and sha256_file(p) != h]
-                also = f", {len(bad)} modified ({', '.join(bad)})" if bad else ""
+                bad = [p for p, h in paths if check_hashes and p.is_file() and sha256_file(p) != h]
+                also = f", {len(bad)} modified ({self._first_few(bad)})" if bad else ""
                 # and which are absent (a walkthrough: `list` said only how many), the first few: in a fresh clone,
                 # where none is there, every path of every kernel made `list` three screens long (a review)
-                if len(absent) == len(paths):
-                    what = f"none of its {len(paths)} files is there (not vendored yet)"
+                if len(absent) == len(paths) and not local:   # (our own files are named: git restores them)
+                    what = (f"none of its {len(paths)} files is there" if len(paths) > 1 else "its file is not there")
+                    what += " (not vendored yet)"
                 else:
-                    shown = [self._show(p) for p in absent[:_ABSENT_SHOWN]]
-                    more = len(absent) - len(shown)
-                    what = f"{len(absent)} file(s) absent ({', '.join(shown)}{f', and {more} more' if more else ''})"
+                    what = f"{len(absent)} file(s) absent ({self._first_few(absent)})"
                 out.append(KernelState(kid, sid, project, lic, pin, "missing", f"{what}{also}: {fix}"))
                 continue
             if not check_hashes:
                 out.append(KernelState(kid, sid, project, lic, pin, "vendored"))
                 continue
-            bad = [self._show(p) for p, h in paths if sha256_file(p) != h]
+            bad = [p for p, h in paths if sha256_file(p) != h]
             out.append(KernelState(kid, sid, project, lic, pin, "modified" if bad else "verified",
-                                   ", ".join(bad)))
+                                   self._first_few(bad)))
         return out

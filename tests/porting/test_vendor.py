@@ -236,6 +236,13 @@ def test_a_missing_kernel_names_its_first_absent_files_only(git_repo, monkeypatc
     details = {s.id: s.detail for s in p.states()}
     assert details == {"up/alpha": "none of its 3 files is there (not vendored yet): run sync",
                        "up/beta": "none of its 4 files is there (not vendored yet): run sync"}, details
+    # a modified kernel names its first few changed files too
+    p.sync()
+    for f in ("csrc/kernels/beta.cu", "csrc/common/extra.h", "csrc/common/util.h"):
+        (v / f).write_text("changed\n")
+    beta = next(s for s in p.states() if s.id == "up/beta")
+    assert (beta.state, beta.detail) == ("modified", "vendor/up/csrc/common/extra.h, and 2 more"), beta.detail
+
 
 
 def test_verify_checks_the_license_and_the_lock_paths_and_hashes(git_repo):
