@@ -49,8 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sizes", default="", help="last-dim sizes to keep of the mode's list, comma separated, each "
                                                 "one a size of every op run (default all; e.g. --only softmaxes "
                                                 "--sizes 128,256); implies --no-tuning")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                    help="where to run (with --report-only: not used, the merged runs name their device)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes, few reps: check the pipeline, not speed")
     ap.add_argument("--no-ops", action="store_true", help="skip the op and optimizer benchmarks")
     ap.add_argument("--no-build", action="store_true", help="do not run `python -m pipegoose.kernels build` first")
@@ -78,20 +77,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="merge these run folders' results.json (later wins) and rewrite the reports")
     a = ap.parse_args(argv)
     # (NotADirectoryError at the first write: a walkthrough; for a path under a file, a review)
-    on_disk = next((q for q in (Path(a.out), *Path(a.out).parents) if q.exists()), None)
-    if on_disk is not None and not on_disk.is_dir():
-        ap.error(f"--out: expected a folder, got the file {a.out}" if on_disk == Path(a.out)
-                 else f"--out: expected a folder, got {a.out}, under the file {on_disk}")
+    for opt, folder in (("--out", a.out), ("--tuning-dir", a.tuning_dir)):
+        on_disk = next((q for q in (Path(folder), *Path(folder).parents) if q.exists()), None) if folder else None
+        if on_disk is not None and not on_disk.is_dir():
+            ap.error(f"{opt}: expected a folder, got the file {folder}" if on_disk == Path(folder)
+                     else f"{opt}: expected a folder, got {folder}, under the file {on_disk}")
     if a.report_only:
         # A merge reads results and writes reports; the options of a run were accepted and ignored (a walkthrough).
         ignored = [f"--{k.replace('_', '-')}" for k in ("quick", "only", "impls", "dtypes", "dry_run", "no_ops",
                                                         "no_build", "jobs", "no_compile", "budget_s", "e2e",
-                                                        "build_cost", "specialise", "specialise_define")
+                                                        "build_cost", "specialise", "specialise_define", "device")
                    if getattr(a, k) != ap.get_default(k)]
         if ignored:
             ap.error(f"{', '.join(ignored)}: not with --report-only, which merges results and writes the reports "
-                     "(only --out, --tuning-dir, --no-tuning and --overwrite go with it; the device is the merged "
-                     "runs')")
+                     "(only --out, --tuning-dir, --no-tuning and --overwrite go with it; the merged runs name their "
+                     "device)")
     ops: list[str] = []
     if a.only.strip() and not _csv(a.only):
         ap.error(f"--only: expected op names, comma separated, got {a.only!r}")
@@ -243,7 +243,7 @@ class Run:
     def finish(self) -> None:
         from .plots import plot_all
         from .report import summary_lines
-        from .tuning import write_tuning_table
+        from .tuning import table_inputs, write_tuning_table
 
         self.write()
         copy = self.sections.get("copy")
@@ -253,7 +253,8 @@ class Run:
         except ImportError as e:
             _log(f"plots: skipped ({e}); pip install matplotlib")
         a = self.args
-        if not a.no_tuning and any(m.tunable and m.status == "ok" for m in self.measurements):
+        # (gated on a rule or a FAILED impl: a run whose every dispatchable impl FAILED must still drop their rules)
+        if not a.no_tuning and any(table_inputs(self.measurements)):
             results = (self.dir / "results.json").resolve()
             in_repo = results.is_relative_to(REPO_ROOT.resolve())
             # the repository's table only from results the repository holds (its "benchmark" field names them);
@@ -277,14 +278,15 @@ _E2E_NUMBERS = ("tokens_per_s", "step_ms", "peak_mem_gib", "params", "batch", "s
 
 
 def _run_time(date) -> datetime | None:
-    """A run's ``environment.date`` (ISO 8601) as an aware datetime (one without an offset is taken as UTC), or None
+    """A run's ``environment.date`` (ISO 8601) as a datetime in UTC (one without an offset is taken as UTC), or None
     where it is missing or not a date. (Compared as text, 2026-12-03T01:00+05:00 came after 2026-12-02T23:00+00:00,
     which is later: a review.)"""
-    try:
-        t = datetime.fromisoformat(str(date))
-    except ValueError:
+    text = str(date)
+    try:   # ("Z" for UTC: Python 3.10's fromisoformat does not read it; OverflowError: year 1 at +05:00, say)
+        t = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text)
+        return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).astimezone(timezone.utc)
+    except (ValueError, OverflowError):
         return None
-    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
 
 def _check_e2e_rows(rows: list) -> None:
@@ -334,7 +336,8 @@ def report_only(args: argparse.Namespace) -> int:
                                          and not isinstance(copy.get("gbps"), bool)):
                 raise ValueError(f"copy: expected a mapping with a number 'gbps', got {copy!r}")
             _check_e2e_rows(data.get("e2e") or [])
-            tuning_rules(measurements)   # a row the tuning table cannot take: refused before anything is written
+            if not args.no_tuning:
+                tuning_rules(measurements)   # a row the tuning table cannot take: refused before anything is written
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise SystemExit(f"--report-only: {p}: {type(e).__name__}: {e}") from None
         if gpu is not None and env["gpu"] != gpu:
@@ -345,10 +348,10 @@ def report_only(args: argparse.Namespace) -> int:
         # older run replace a newer one without a word)
         when = _run_time(env.get("date"))
         if when and last_date and when < last_date[0]:
-            utc = "%Y-%m-%d %H:%M UTC"   # (dates as written may differ in offset: 2026-12-03 can be the older)
-            hidden.append(f"{p} ({when.astimezone(timezone.utc):{utc}}) is older than {last_date[1]} "
-                          f"({last_date[0].astimezone(timezone.utc):{utc}}), which comes before it: its rows replace "
-                          "that run's (later arguments win)")
+            # (the dates as written, and in UTC: a run of 2026-12-03 at +05:00 can be the older)
+            hidden.append(f"{p} (run {env['date']}, {when:%Y-%m-%d %H:%M} UTC) is older than {last_date[1]} "
+                          f"({last_date[0]:%Y-%m-%d %H:%M} UTC), which comes before it: its rows replace that run's "
+                          "(later arguments win)")
         if when and (not last_date or when >= last_date[0]):
             last_date = (when, p)
         cmd = (data.get("config") or {}).get("command")

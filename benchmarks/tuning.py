@@ -23,9 +23,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable
 
-from .common import NO_RESULT, REPO_ROOT, Measurement, slug
+from .common import REPO_ROOT, Measurement, slug
 
-__all__ = ["tuning_rules", "write_tuning_table", "DEFAULT_TUNING_DIR", "TUNING_OPS"]
+__all__ = ["tuning_rules", "table_inputs", "write_tuning_table", "DEFAULT_TUNING_DIR", "TUNING_OPS"]
 
 DEFAULT_TUNING_DIR = REPO_ROOT / "pipegoose" / "nn" / "fusion" / "tuning"
 TUNING_OPS = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "attention")
@@ -64,34 +64,46 @@ def tuning_rules(measurements: Iterable[Measurement]) -> list[dict]:
     return rules
 
 
+def table_inputs(measurements: Iterable[Measurement]) -> tuple[list[dict], set[tuple]]:
+    """What a run changes in a tuning table: its rules (:func:`tuning_rules`) and the dispatchable impls that FAILED,
+    as (op, dtype, pass, impl). Both empty: the run changes nothing (the table is not written)."""
+    measurements = list(measurements)
+    failed = {(m.op, m.dtype, m.pas, m.tunable) for m in measurements
+              if m.status == "FAILED" and m.tunable and m.op in TUNING_OPS and m.pas in RULE_PASSES}
+    return tuning_rules(measurements), failed
+
+
 def write_tuning_table(device_name: str, measured: str, benchmark: str, measurements: Iterable[Measurement],
                        out_dir: str | Path | None = None) -> Path:
     """Write ``<out_dir>/<slug(device_name)>.json`` (default dir: ``pipegoose/nn/fusion/tuning``) atomically.
 
-    Rules of the (op, dtype, pass) groups measured now replace that device's earlier rules for those groups; the
-    rules of other groups (an earlier ``attention`` run, a dtype or pass this run did not time) are kept. (Keyed by
-    op alone, a merge of one dtype's sweep dropped the op's rules for the other dtypes: a walkthrough.)
+    Rules of the (op, dtype, pass) groups timed now replace that device's earlier rules for those groups; the rules
+    of other groups (an earlier ``attention`` run, a dtype or pass this run did not time) are kept, less those
+    naming an impl that FAILED in their group now. (Keyed by op alone, a merge of one dtype's sweep dropped the op's
+    rules for the other dtypes: a walkthrough.)
     ``measured``: date ``YYYY-MM-DD``; ``benchmark``: the repository-relative path of the results.json the rules come
     from. Returns the path written. Raises ValueError on an empty device name (see :func:`benchmarks.common.slug`)."""
     measurements = list(measurements)
-    rules = tuning_rules(measurements)
+    rules, failed = table_inputs(measurements)
     out = Path(out_dir) if out_dir is not None else DEFAULT_TUNING_DIR
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{slug(device_name)}.json"
-    # the groups this run has a result for: a group where every dispatchable impl FAILED (or declined the shape)
-    # is measured too, and its old rule goes (built from the rules, a wrong impl's old rule stayed: a review);
-    # rows that measured nothing (skipped for the budget, not built, crashed) replace nothing
-    new_groups = {(r["op"], r["dtype"], r["pass"]) for r in rules} | {
-        (m.op, m.dtype, m.pas) for m in measurements
-        if m.tunable and m.op in TUNING_OPS and m.pas in RULE_PASSES and m.status not in NO_RESULT}
+    new_groups = {(r["op"], r["dtype"], r["pass"]) for r in rules}
     new_op_dtypes = {(op, dt) for op, dt, _ in new_groups}
+
+    def stays(r: dict) -> bool:
+        op, dt, ps, impl = r.get("op"), r.get("dtype"), r.get("pass"), r.get("impl")
+        if (op, dt, ps) in new_groups or (ps is None and (op, dt) in new_op_dtypes):
+            return False   # replaced (a rule without a pass, from an older table, covers both passes)
+        # an impl that gave a wrong result now loses its rules, though no impl of the group passed (a review: the
+        # old rule, naming the impl that is now wrong, stayed)
+        return not any((op, dt, p, impl) in failed for p in ([ps] if ps else RULE_PASSES))
+
     kept: list[dict] = []
     if path.exists():
         try:
             old = json.loads(path.read_text())
-            # a rule without a pass (an older table) covers both passes: it goes with either group
-            kept = [r for r in old.get("rules", []) if (r.get("op"), r.get("dtype"), r.get("pass")) not in new_groups
-                    and not (r.get("pass") is None and (r.get("op"), r.get("dtype")) in new_op_dtypes)]
+            kept = [r for r in old.get("rules", []) if stays(r)]
         except (OSError, ValueError):
             kept = []   # an unreadable table is replaced, not merged
     table = {"device": device_name, "measured": measured, "benchmark": benchmark, "rules": kept + rules}

@@ -88,22 +88,30 @@ def test_tuning_table_file_is_valid_for_the_dispatcher(tmp_path):
 
 def test_tuning_table_drops_the_rules_of_a_group_whose_impls_now_fail(tmp_path):
     """A review: the groups replaced were those this run made rules for, so where every dispatchable impl FAILED now,
-    the old rule (naming the impl that is now wrong) stayed. A group with a result (FAILED, unsupported) loses its old
-    rules; one whose rows measured nothing (skipped, not built, crashed) keeps them; an old rule without a pass goes
-    with either pass of its op and dtype."""
+    the old rule (naming the impl that is now wrong) stayed. An old rule naming an impl that FAILED in its group goes;
+    rows that measured nothing (skipped, not built, crashed) or a shape an impl declines change nothing; an old rule
+    without a pass goes with either pass of its op and dtype."""
     old = {"device": "NVIDIA H200", "measured": "2026-01-01", "benchmark": "x",
            "rules": [{"op": "rms_norm", "dtype": "bfloat16", "pass": "fwd+bwd", "max_cols": None, "impl": "pipegoose"},
                      {"op": "rms_norm", "dtype": "float16", "pass": "fwd+bwd", "max_cols": None, "impl": "pipegoose"},
                      {"op": "layer_norm", "dtype": "bfloat16", "max_cols": None, "impl": "apex"},
                      {"op": "layer_norm", "dtype": "float32", "max_cols": None, "impl": "apex"}]}
     (tmp_path / "nvidia_h200.json").write_text(json.dumps(old))
+    old["rules"] += [{"op": "softmax.causal", "dtype": "bfloat16", "pass": "fwd+bwd", "max_cols": None,
+                      "impl": "pipegoose"},
+                     {"op": "softmax.causal", "dtype": "float16", "pass": "fwd", "max_cols": None, "impl": "pipegoose"}]
+    (tmp_path / "nvidia_h200.json").write_text(json.dumps(old))
     ms = [m(op="rms_norm", dtype="bfloat16", status="FAILED"), m(op="rms_norm", dtype="float16", status="skipped"),
           m(op="rms_norm", dtype="float16", impl="torch", status="error"),
-          m(op="layer_norm", dtype="bfloat16", pas="fwd", ms=1.0)]
+          m(op="layer_norm", dtype="bfloat16", pas="fwd", ms=1.0),
+          # a shape Megatron's copy declines, another impl's wrong result: the pipegoose rules stay
+          m(impl="megatron", cols=4096, status="unsupported"), m(cols=4096, status="skipped"),
+          m(dtype="float16", pas="fwd", impl="torch", status="FAILED")]
     path = write_tuning_table("NVIDIA H200", "2026-12-04", "x", ms, tmp_path)
     got = [(r["op"], r["dtype"], r.get("pass"), r["impl"]) for r in json.loads(path.read_text())["rules"]]
     assert got == [("rms_norm", "float16", "fwd+bwd", "pipegoose"), ("layer_norm", "float32", None, "apex"),
-                   ("layer_norm", "bfloat16", "fwd", "pipegoose")]
+                   ("softmax.causal", "bfloat16", "fwd+bwd", "pipegoose"),
+                   ("softmax.causal", "float16", "fwd", "pipegoose"), ("layer_norm", "bfloat16", "fwd", "pipegoose")]
 
 
 def test_results_json_roundtrip_markdown_and_summary(tmp_path):
@@ -279,9 +287,10 @@ def test_report_only_refuses_what_it_would_ignore_or_lose(tmp_path, monkeypatch,
     # newest first: the older run's rows win, and the merge says so
     capsys.readouterr()
     assert main(["--report-only", new, old, "--out", str(tmp_path / "reversed"), "--no-tuning"]) == 0
-    assert "old/results.json (2026-12-01 01:00 UTC) is older than" in capsys.readouterr().out
+    assert "old/results.json (run 2026-12-01T01:00:00+00:00, 2026-12-01 01:00 UTC) is older than" in capsys.readouterr().out
     # the options of a run are refused with it (argparse's usage error, exit 2)
-    for extra in (["--quick"], ["--only", "softmax"], ["--dtypes", "fp32"], ["--e2e"], ["--budget-s", "9"]):
+    for extra in (["--quick"], ["--only", "softmax"], ["--dtypes", "fp32"], ["--e2e"], ["--budget-s", "9"],
+                  ["--device", "cpu"]):
         with pytest.raises(SystemExit) as e:
             main(["--report-only", old, "--out", str(tmp_path / "x"), *extra])
         assert e.value.code == 2, extra
@@ -338,7 +347,8 @@ def test_report_only_review_findings(tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     assert main(["--report-only", a, b, "--out", str(out), "--no-tuning"]) == 0
     said = capsys.readouterr().out
-    assert "b/results.json (2026-12-02 20:00 UTC) is older than" in said and "(2026-12-02 23:00 UTC)" in said
+    assert ("b/results.json (run 2026-12-03T01:00:00+05:00, 2026-12-02 20:00 UTC) is older than" in said
+            and "(2026-12-02 23:00 UTC)" in said)
     assert "e2e llama eager: the 2026-12-02 row's error (CUDA error) is replaced by run 2026-12-03's skipped" in said
     assert "1024: the 2026-12-02 row's error is replaced by run 2026-12-03's skipped" in said
     assert re.search(r"e2e llama +sdpa +ok +5 tok/s \(run 2026-12-02\)", said)
@@ -347,16 +357,41 @@ def test_report_only_review_findings(tmp_path, monkeypatch, capsys):
     # given the other way round (the newer last): no note of an older run
     assert main(["--report-only", b, a, "--out", str(tmp_path / "out2"), "--no-tuning"]) == 0
     assert "is older than" not in capsys.readouterr().out
-    # a row the tuning table refuses: a clear error before anything is written
+    # a row the tuning table refuses: a clear error before anything is written (with --no-tuning no table is made)
     bad = run("bad", "2026-12-04T01:00:00+00:00", [], [m(cols=0)])
     with pytest.raises(SystemExit, match="cols: expected a size >= 1, got 0"):
         main(["--report-only", a, bad, "--out", str(tmp_path / "out3"), "--tuning-dir", str(tmp_path / "t")])
     assert not (tmp_path / "out3").exists() and not (tmp_path / "t").exists()
-    # --out under a file: argparse's usage error naming the file
+    assert main(["--report-only", a, bad, "--out", str(tmp_path / "out3"), "--no-tuning"]) == 0
+    # --out or --tuning-dir under a file: argparse's usage error naming the file
     (tmp_path / "a-file").write_text("")
-    with pytest.raises(SystemExit) as e:
-        main(["--report-only", a, "--out", str(tmp_path / "a-file" / "sub"), "--no-tuning"])
-    assert e.value.code == 2 and "under the file" in capsys.readouterr().err
+    for opt in ("--out", "--tuning-dir"):
+        with pytest.raises(SystemExit) as e:
+            main(["--report-only", a, opt, str(tmp_path / "a-file" / "sub"),
+                  *(["--out", str(tmp_path / "out4")] if opt != "--out" else [])])
+        assert e.value.code == 2 and f"{opt}: expected a folder" in capsys.readouterr().err
+    assert not (tmp_path / "out4").exists()
+    # dates that are not dates, or out of the datetime range in UTC: no order note, no traceback
+    for i, date in enumerate(("0001-01-01T00:30:00+05:00", "9999-12-31T23:00:00-05:00", "yesterday")):
+        odd = run(f"odd{i}", date, [])
+        assert main(["--report-only", a, odd, "--out", str(tmp_path / f"odd_out{i}"), "--no-tuning"]) == 0
+    capsys.readouterr()
+    # a "Z" date is UTC (Python 3.10's fromisoformat does not read it)
+    z = run("z", "2026-12-01T00:00:00Z", [])
+    assert main(["--report-only", a, z, "--out", str(tmp_path / "z_out"), "--no-tuning"]) == 0
+    assert "z/results.json (run 2026-12-01T00:00:00Z, 2026-12-01 00:00 UTC) is older" in capsys.readouterr().out
+    # a run whose only dispatchable rows FAILED drops the old rule naming the impl (it was kept: the table was written
+    # only where some row was ok)
+    tdir = tmp_path / "tuning"
+    tdir.mkdir()
+    (tdir / "nvidia_h200.json").write_text(json.dumps({"device": "NVIDIA H200", "measured": "2026-01-01",
+                                                       "benchmark": "x", "rules": [
+        {"op": "rms_norm", "dtype": "bfloat16", "pass": "fwd+bwd", "max_cols": None, "impl": "pipegoose"},
+        {"op": "layer_norm", "dtype": "bfloat16", "pass": "fwd+bwd", "max_cols": None, "impl": "pipegoose"}]}))
+    wrong = run("wrong", "2026-12-05T01:00:00+00:00", [], [m(op="rms_norm", status="FAILED"),
+                                                           m(op="rms_norm", impl="torch", status="FAILED")])
+    assert main(["--report-only", wrong, "--out", str(tmp_path / "wrong_out"), "--tuning-dir", str(tdir)]) == 0
+    assert [r["op"] for r in json.loads((tdir / "nvidia_h200.json").read_text())["rules"]] == ["layer_norm"]
 
 
 def write_run(folder: Path, date: str, copy: dict, rows: list) -> str:
