@@ -44,6 +44,8 @@ _made: list[Porter] = []  # the Porters of this run: after a Ctrl-C, whether one
 
 
 def _porter(a: argparse.Namespace) -> Porter:
+    if a.root and Path(a.root).exists() and not Path(a.root).is_dir():   # (a traceback: a walkthrough)
+        raise PortError(f"--root {a.root}: expected the repository's folder (it holds kernels.yaml), got a file")
     # (an empty PIPEGOOSE_MANIFEST is unset, as the other variables' empty values are)
     manifest = a.manifest or (Path(a.root) / "kernels.yaml" if a.root else os.environ.get("PIPEGOOSE_MANIFEST") or None)
     p = Porter(manifest, cache_dir=a.cache, offline=a.offline, log=lambda m: err.print(m, style="dim", markup=False))

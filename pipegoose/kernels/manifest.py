@@ -424,7 +424,9 @@ def load_manifest(path: str | Path | None = None) -> Manifest:
         ManifestError: on any malformed field (message: ``<file>: <entry>.<field>: <what was expected>``),
             on duplicate aliases or op names, or when the file is missing or is not YAML.
     """
-    p = Path(path) if path is not None else default_manifest_path()
+    # absolute: the manifest's folder is the root of vendor/ and LICENSES/, and a relative one was joined onto itself
+    # where a step runs from the root (a walkthrough: `--root sub/repo` vendored into sub/repo/sub/repo/vendor)
+    p = Path(path).expanduser().absolute() if path is not None else default_manifest_path()
     ctx = _Ctx(p)
     try:
         data = safe_load_unique(p.read_text(), str(p))
@@ -435,7 +437,7 @@ def load_manifest(path: str | Path | None = None) -> Manifest:
                     "vendor/ that tools/port.py fills live there): install it with `pip install -e .` from the clone, "
                     "or pass the manifest's path (--manifest, manifest=)")
         raise ManifestNotFoundError(f"{p}: manifest not found{hint}") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+    except (IsADirectoryError, NotADirectoryError, PermissionError, UnicodeDecodeError) as e:
         raise ManifestError(f"{p}: cannot read the manifest: {type(e).__name__}: {e}") from None
     except yaml.YAMLError as e:
         raise ManifestError(f"{ctx.file}: not valid YAML: {e}") from None

@@ -105,7 +105,7 @@ class Porter:
         if not isinstance(manifest, Manifest):
             # an interrupted change (update edits kernels.yaml too) is finished or rolled back before kernels.yaml is
             # read: a kill at the wrong moment could leave it moved aside, and no later run could load it to recover
-            path = Path(manifest) if manifest is not None else default_manifest_path()
+            path = Path(manifest).expanduser().absolute() if manifest is not None else default_manifest_path()
             if (path.parent / "vendor" / TXN_DIRNAME).is_dir():
                 with repo_lock(path.parent, lock_timeout):
                     for note in recover(path.parent):

@@ -1062,6 +1062,33 @@ def test_an_index_with_credentials_in_its_url_is_read_with_them_and_they_are_nev
         server.shutdown()
 
 
+def test_cli_relative_root_or_manifest_from_another_folder(git_repo, tmp_path):
+    """A walkthrough: `port.py --root sub/repo sync` run from the parent vendored into sub/repo/sub/repo/vendor (the
+    relative root was joined onto itself) and said it vendored; PIPEGOOSE_MANIFEST relative did the same, and from a
+    folder inside the repository `--root ..` gave a traceback. `--root` naming a file gave a traceback."""
+    repo = git_repo
+    repo.porter().add(["alpha"])
+    shutil.rmtree(repo.root / "vendor" / "up")
+    port = [sys.executable, str(ROOT / "tools/port.py")]
+    rel = os.path.relpath(repo.root, tmp_path)
+    inside = repo.root / "docs"
+    inside.mkdir()
+    for cwd, args, env in ((tmp_path, ["--root", rel], {}),
+                           (tmp_path, [], {"PIPEGOOSE_MANIFEST": os.path.join(rel, "kernels.yaml")}),
+                           (inside, ["--root", ".."], {}), (inside, ["--manifest", "../kernels.yaml"], {})):
+        r = subprocess.run(port + [*args, "sync"], capture_output=True, text=True, cwd=cwd,
+                           env={**os.environ, **env})
+        assert r.returncode == 0, r.stdout + r.stderr
+        r = subprocess.run(port + ["--root", str(repo.root), "verify"], capture_output=True, text=True)
+        assert r.returncode == 0, (args, env, r.stdout + r.stderr)
+        assert not [q for q in repo.root.rglob("vendor") if q.parent != repo.root], list(repo.root.rglob("vendor"))
+        shutil.rmtree(repo.root / "vendor" / "up")
+    (tmp_path / "a-file").write_text("")
+    r = subprocess.run(port + ["--root", str(tmp_path / "a-file"), "list"], capture_output=True, text=True)
+    assert r.returncode == 2 and "expected the repository's folder" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_cli_path_options_expand_the_home_folder_and_refuse_blanks(git_repo, tmp_path):
     """`port.py --cache=~/p sync` downloaded into a folder named `~` in the working folder (a shell leaves `~` after
     `=` as it is), and `--cache ""` meant the working folder (a fresh-clone walkthrough): `~` is now expanded, and a
