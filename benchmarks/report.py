@@ -186,9 +186,11 @@ def summary_lines(measurements: list[Measurement], copy: dict | None, e2e: list[
     errors = sorted({f"{m.impl}/{m.op}: {m.detail[:80]}" for m in measurements if m.status == "error"})
     if errors:
         lines.append("errors: " + " | ".join(errors[:8]))
+    width = max([12, *(len(r["variant"]) for r in e2e or [])])
     for r in e2e or []:
         tps = f"{r['tokens_per_s']:.0f} tok/s" if r.get("tokens_per_s") else str(r.get("detail") or "")[:80]
         mem = f", peak {r['peak_mem_gib']:.1f} GiB" if r.get("peak_mem_gib") else ""
         run = f" (run {r['run']})" if r.get("run") else ""
-        lines.append(f"e2e {r['model']:6s} {r['variant']:12s} {r['status']:8s} {tps}{mem}{run}")
+        # (the variant column as wide as the longest variant name: liger_rmsnorm's rows stood a column out)
+        lines.append(f"e2e {r['model']:6s} {r['variant']:{width}s} {r['status']:8s} {tps}{mem}{run}")
     return lines

@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from pipegoose._cli import path_arg
+
 from .common import NO_RESULT, REPO_ROOT, Measurement, environment, slug, today, tolerances
+from .tuning import DEFAULT_TUNING_DIR
 
 OP_NAMES = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "adamw", "clip_grad_norm")
 GROUPS = {"softmaxes": ["softmax", "softmax.masked", "softmax.causal"], "norms": ["layer_norm", "rms_norm"],
@@ -40,7 +44,8 @@ def _csv(s: str | None) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results"), help="results root folder")
+    ap.add_argument("--out", type=path_arg, default=str(REPO_ROOT / "benchmarks" / "results"),
+                    help="results root folder")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     ap.add_argument("--only", default="", help=f"ops, comma separated: {', '.join(OP_NAMES)} or groups "
                                                 f"{', '.join(GROUPS)}")
@@ -68,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--specialise", action="store_true", help="specialised vs generic builds (if a switch exists)")
     ap.add_argument("--specialise-define", action="append", default=[], metavar="KERNEL:FLAG",
                     help="a -D flag for a kernel's specialised build (default: its #ifdef PIPEGOOSE_* switches)")
-    ap.add_argument("--tuning-dir", default=None, help="where the tuning table goes "
+    ap.add_argument("--tuning-dir", type=path_arg, default=None, help="where the tuning table goes "
                                                        "(default pipegoose/nn/fusion/tuning)")
     ap.add_argument("--no-tuning", action="store_true", help="do not write the tuning table")
     ap.add_argument("--overwrite", action="store_true", help="replace the results of an earlier run of the day in "
@@ -76,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--report-only", nargs="+", default=None, metavar="DIR",
                     help="merge these run folders' results.json (later wins) and rewrite the reports")
     a = ap.parse_args(argv)
+    if a.no_tuning and a.tuning_dir:
+        ap.error("--tuning-dir: not with --no-tuning, which writes no tuning table")
     # (NotADirectoryError at the first write: a walkthrough; for a path under a file, a review)
     for opt, folder in (("--out", a.out), ("--tuning-dir", a.tuning_dir)):
         on_disk = next((q for q in (Path(folder), *Path(folder).parents) if q.exists()), None) if folder else None
@@ -240,6 +247,15 @@ class Run:
         write_markdown(self.dir / "results.md", self.env, self.config, copy, self.measurements,
                        self.sections.get("e2e"), self.sections.get("build_cost"), self.sections.get("specialise"))
 
+    def tuning_dir(self) -> Path:
+        """Where this run's tuning table goes: ``--tuning-dir``; else the repository's table for results the
+        repository holds (its "benchmark" field names them); results written elsewhere (and CPU dry runs) get their
+        table beside them."""
+        if self.args.tuning_dir:
+            return Path(self.args.tuning_dir)
+        in_repo = (self.dir / "results.json").resolve().is_relative_to(REPO_ROOT.resolve())
+        return self.dir / "tuning" if self.args.device == "cpu" or not in_repo else DEFAULT_TUNING_DIR
+
     def finish(self) -> None:
         from .plots import plot_all
         from .report import summary_lines
@@ -257,9 +273,7 @@ class Run:
         if not a.no_tuning and any(table_inputs(self.measurements)):
             results = (self.dir / "results.json").resolve()
             in_repo = results.is_relative_to(REPO_ROOT.resolve())
-            # the repository's table only from results the repository holds (its "benchmark" field names them);
-            # results written elsewhere get their table beside them unless --tuning-dir says otherwise
-            tdir = a.tuning_dir or (self.dir / "tuning" if a.device == "cpu" or not in_repo else None)
+            tdir = self.tuning_dir()
             gpu = self.env["gpu"]
             path = write_tuning_table(gpu, self.env.get("date", today())[:10],
                                       str(results.relative_to(REPO_ROOT.resolve())) if in_repo else str(results),
@@ -311,11 +325,62 @@ def _check_e2e_rows(rows: list) -> None:
                 raise ValueError(f"e2e[{i}] ({r['model']} {r['variant']}): {k}: expected a number, got {v!r}")
         if r.get("detail") is not None and not isinstance(r["detail"], str):
             raise ValueError(f"e2e[{i}] ({r['model']} {r['variant']}): detail: expected text, got {r['detail']!r}")
+        if r["status"] == "ok" and not _number(r.get("tokens_per_s")):
+            raise ValueError(f"e2e[{i}] ({r['model']} {r['variant']}): tokens_per_s: expected a number for a row "
+                             f"that is ok, got {r.get('tokens_per_s')!r}")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+_ROW_NUMBERS = ("bytes", "median_ms", "p20_ms", "p80_ms", "reps", "gbps", "pct_of_copy", "max_abs_err")
+
+
+def _check_run(data: dict, measurements: list[Measurement]) -> None:
+    """Raises ValueError naming the field of a results.json that the merge and the reports cannot take, before anything
+    is written (a walkthrough: a null date, a copy without its bytes, an ok row without its GB/s, a size that is
+    text gave tracebacks, most after results.json was written): the environment's GPU and date (ISO 8601), the copy
+    figures, the config, each row's names, size, numbers and extra fields, the end-to-end rows."""
+    env = data.get("environment")
+    if not isinstance(env, dict) or not isinstance(env.get("gpu"), str) or not env["gpu"]:
+        raise ValueError("expected a results.json of benchmarks.run (environment with gpu)")
+    if not isinstance(env.get("date"), str) or _run_time(env["date"]) is None:
+        raise ValueError(f"environment.date: expected an ISO 8601 date and time, got {env.get('date')!r}")
+    copy = data.get("copy")
+    if copy is not None and not (isinstance(copy, dict) and all(_number(copy.get(k)) for k in
+                                                                ("gbps", "bytes", "median_ms"))):
+        raise ValueError(f"copy: expected a mapping with the numbers gbps, bytes and median_ms, got {copy!r}")
+    if not isinstance(data.get("config") or {}, dict):
+        raise ValueError(f"config: expected a mapping, got {data['config']!r}")
+    for i, m in enumerate(measurements):
+        where = f"measurements[{i}]"
+        for k in ("op", "impl", "dtype", "pas"):
+            if not isinstance(getattr(m, k), str) or not getattr(m, k):
+                raise ValueError(f"{where}: {'pass' if k == 'pas' else k}: expected a name, got {getattr(m, k)!r}")
+        where += f" ({m.op} {m.impl} {m.dtype} {m.pas})"
+        if isinstance(m.cols, bool) or not isinstance(m.cols, int) or m.cols < 1:
+            raise ValueError(f"{where}: cols: expected a size >= 1, got {m.cols!r}")
+        for k in _ROW_NUMBERS:
+            v = getattr(m, k)
+            if v is not None and not _number(v):
+                raise ValueError(f"{where}: {k}: expected a number, got {v!r}")
+        if m.status == "ok" and not (_number(m.median_ms) and _number(m.gbps)):
+            raise ValueError(f"{where}: a row that is ok needs its median_ms and gbps, got {m.median_ms!r} and "
+                             f"{m.gbps!r}")
+        for k in ("shape", "extra"):
+            if not isinstance(getattr(m, k) or {}, dict):
+                raise ValueError(f"{where}: {k}: expected a mapping, got {getattr(m, k)!r}")
+        if m.tunable is not None and not isinstance(m.tunable, str):
+            raise ValueError(f"{where}: tunable: expected an impl name or null, got {m.tunable!r}")
+    if not isinstance(data.get("e2e") or [], list):
+        raise ValueError(f"e2e: expected a list, got {data['e2e']!r}")
+    _check_e2e_rows(data.get("e2e") or [])
 
 
 def report_only(args: argparse.Namespace) -> int:
     from .report import load_json
-    from .tuning import tuning_rules
+    from .tuning import read_rules
 
     merged: dict = {}
     ms: dict[tuple, Measurement] = {}
@@ -328,16 +393,8 @@ def report_only(args: argparse.Namespace) -> int:
         p = Path(d) / "results.json" if Path(d).is_dir() else Path(d)
         try:
             data, measurements = load_json(p)
-            env = data.get("environment")
-            if not isinstance(env, dict) or not env.get("gpu") or not isinstance(data.get("e2e") or [], list):
-                raise ValueError("expected a results.json of benchmarks.run (environment with gpu; e2e a list)")
-            copy = data.get("copy")
-            if copy is not None and not (isinstance(copy, dict) and isinstance(copy.get("gbps"), (int, float))
-                                         and not isinstance(copy.get("gbps"), bool)):
-                raise ValueError(f"copy: expected a mapping with a number 'gbps', got {copy!r}")
-            _check_e2e_rows(data.get("e2e") or [])
-            if not args.no_tuning:
-                tuning_rules(measurements)   # a row the tuning table cannot take: refused before anything is written
+            _check_run(data, measurements)
+            env = data["environment"]
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise SystemExit(f"--report-only: {p}: {type(e).__name__}: {e}") from None
         if gpu is not None and env["gpu"] != gpu:
@@ -427,7 +484,24 @@ def report_only(args: argparse.Namespace) -> int:
         # as a run does: a merge into a folder that holds results replaced them without a word (a walkthrough)
         raise SystemExit(f"--report-only: {run.dir / 'results.json'} exists: pass another --out, or --overwrite to "
                          "replace it (e.g. when that folder is among the merged ones)")
-    run.finish()
+    if not args.no_tuning:   # (a table that is not one crashed the merge after its results were written)
+        try:
+            read_rules(run.tuning_dir() / f"{slug(env['gpu'])}.json")
+        except ValueError as e:
+            raise SystemExit(f"--report-only: {e}") from None
+    # A merge interrupted (Ctrl-C) or failing halfway left results.json without the rest, which the next merge refused
+    # as finished (a walkthrough): a folder this merge made goes again.
+    fresh = not run.dir.exists()
+    try:
+        run.finish()
+    except BaseException as e:
+        if fresh:
+            shutil.rmtree(run.dir, ignore_errors=True)
+        if isinstance(e, KeyboardInterrupt):
+            print(f"--report-only: interrupted; " + (f"{run.dir} removed" if fresh else
+                  f"{run.dir} may hold part of this merge: run it again with --overwrite"), file=sys.stderr)
+            return 130
+        raise
     for line in hidden:
         _log(f"note: {line}")
     return 0

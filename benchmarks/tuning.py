@@ -25,7 +25,7 @@ from typing import Iterable
 
 from .common import REPO_ROOT, Measurement, slug
 
-__all__ = ["tuning_rules", "table_inputs", "write_tuning_table", "DEFAULT_TUNING_DIR", "TUNING_OPS"]
+__all__ = ["tuning_rules", "table_inputs", "read_rules", "write_tuning_table", "DEFAULT_TUNING_DIR", "TUNING_OPS"]
 
 DEFAULT_TUNING_DIR = REPO_ROOT / "pipegoose" / "nn" / "fusion" / "tuning"
 TUNING_OPS = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "attention")
@@ -73,6 +73,24 @@ def table_inputs(measurements: Iterable[Measurement]) -> tuple[list[dict], set[t
     return tuning_rules(measurements), failed
 
 
+def read_rules(path: str | Path) -> list[dict]:
+    """The rules of the tuning table at ``path`` ([] where there is none). Raises ValueError naming the file where it is
+    not a table (not JSON, not an object with a list of rule objects): a run would otherwise replace it and drop its
+    rules without a word, or crash after its results were written (a walkthrough)."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{p}: not a tuning table ({type(e).__name__}: {e}): mend or remove it") from None
+    rules = data.get("rules") if isinstance(data, dict) else None
+    if not isinstance(rules, list) or not all(isinstance(r, dict) for r in rules):
+        raise ValueError(f"{p}: not a tuning table (expected an object whose 'rules' is a list of objects): mend or "
+                         "remove it")
+    return rules
+
+
 def write_tuning_table(device_name: str, measured: str, benchmark: str, measurements: Iterable[Measurement],
                        out_dir: str | Path | None = None) -> Path:
     """Write ``<out_dir>/<slug(device_name)>.json`` (default dir: ``pipegoose/nn/fusion/tuning``) atomically.
@@ -82,7 +100,8 @@ def write_tuning_table(device_name: str, measured: str, benchmark: str, measurem
     naming an impl that FAILED in their group now. (Keyed by op alone, a merge of one dtype's sweep dropped the op's
     rules for the other dtypes: a walkthrough.)
     ``measured``: date ``YYYY-MM-DD``; ``benchmark``: the repository-relative path of the results.json the rules come
-    from. Returns the path written. Raises ValueError on an empty device name (see :func:`benchmarks.common.slug`)."""
+    from. Returns the path written. Raises ValueError on an empty device name (see :func:`benchmarks.common.slug`) and
+    where the file there is not a tuning table (:func:`read_rules`)."""
     measurements = list(measurements)
     rules, failed = table_inputs(measurements)
     out = Path(out_dir) if out_dir is not None else DEFAULT_TUNING_DIR
@@ -99,13 +118,7 @@ def write_tuning_table(device_name: str, measured: str, benchmark: str, measurem
         # old rule, naming the impl that is now wrong, stayed)
         return not any((op, dt, p, impl) in failed for p in ([ps] if ps else RULE_PASSES))
 
-    kept: list[dict] = []
-    if path.exists():
-        try:
-            old = json.loads(path.read_text())
-            kept = [r for r in old.get("rules", []) if stays(r)]
-        except (OSError, ValueError):
-            kept = []   # an unreadable table is replaced, not merged
+    kept = [r for r in read_rules(path) if stays(r)]
     table = {"device": device_name, "measured": measured, "benchmark": benchmark, "rules": kept + rules}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=out)
     try:

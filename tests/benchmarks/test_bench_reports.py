@@ -357,12 +357,11 @@ def test_report_only_review_findings(tmp_path, monkeypatch, capsys):
     # given the other way round (the newer last): no note of an older run
     assert main(["--report-only", b, a, "--out", str(tmp_path / "out2"), "--no-tuning"]) == 0
     assert "is older than" not in capsys.readouterr().out
-    # a row the tuning table refuses: a clear error before anything is written (with --no-tuning no table is made)
+    # a row the tuning table refuses: a clear error before anything is written
     bad = run("bad", "2026-12-04T01:00:00+00:00", [], [m(cols=0)])
     with pytest.raises(SystemExit, match="cols: expected a size >= 1, got 0"):
         main(["--report-only", a, bad, "--out", str(tmp_path / "out3"), "--tuning-dir", str(tmp_path / "t")])
     assert not (tmp_path / "out3").exists() and not (tmp_path / "t").exists()
-    assert main(["--report-only", a, bad, "--out", str(tmp_path / "out3"), "--no-tuning"]) == 0
     # --out or --tuning-dir under a file: argparse's usage error naming the file
     (tmp_path / "a-file").write_text("")
     for opt in ("--out", "--tuning-dir"):
@@ -371,10 +370,12 @@ def test_report_only_review_findings(tmp_path, monkeypatch, capsys):
                   *(["--out", str(tmp_path / "out4")] if opt != "--out" else [])])
         assert e.value.code == 2 and f"{opt}: expected a folder" in capsys.readouterr().err
     assert not (tmp_path / "out4").exists()
-    # dates that are not dates, or out of the datetime range in UTC: no order note, no traceback
+    # dates that are not dates, or out of the datetime range in UTC: a clear error, no traceback, nothing written
     for i, date in enumerate(("0001-01-01T00:30:00+05:00", "9999-12-31T23:00:00-05:00", "yesterday")):
         odd = run(f"odd{i}", date, [])
-        assert main(["--report-only", a, odd, "--out", str(tmp_path / f"odd_out{i}"), "--no-tuning"]) == 0
+        with pytest.raises(SystemExit, match="environment.date: expected an ISO 8601 date"):
+            main(["--report-only", a, odd, "--out", str(tmp_path / f"odd_out{i}"), "--no-tuning"])
+        assert not (tmp_path / f"odd_out{i}").exists()
     capsys.readouterr()
     # a "Z" date is UTC (Python 3.10's fromisoformat does not read it)
     z = run("z", "2026-12-01T00:00:00Z", [])
@@ -392,6 +393,75 @@ def test_report_only_review_findings(tmp_path, monkeypatch, capsys):
                                                            m(op="rms_norm", impl="torch", status="FAILED")])
     assert main(["--report-only", wrong, "--out", str(tmp_path / "wrong_out"), "--tuning-dir", str(tdir)]) == 0
     assert [r["op"] for r in json.loads((tdir / "nvidia_h200.json").read_text())["rules"]] == ["layer_norm"]
+
+
+def test_report_only_refuses_malformed_runs_and_tables_before_writing(tmp_path, monkeypatch, capsys):
+    """A fresh-clone walkthrough edited a results.json: an ok row without its GB/s, a null or numeric date, a copy
+    without its bytes, a size given as text, numbers as text, extra or config of the wrong kind, and an ok end-to-end
+    row without numbers gave tracebacks, most after results.json was written; a tuning table that is not one crashed
+    the merge after writing (or, not JSON, was replaced without a word); `--out ""` wrote into the working folder and
+    the repository's tuning table; a merge interrupted halfway left a folder the next merge refused."""
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "")
+    from benchmarks.run import main
+
+    good = write_run(tmp_path / "good", "2026-12-01T01:00:00+00:00", {"bytes": 2 * 2**30, "gbps": 4000.0,
+                                                                     "median_ms": 0.5}, [m(cols=512)])
+    base = json.loads((Path(good) / "results.json").read_text())
+
+    def edited(name, edit):
+        data = json.loads(json.dumps(base))
+        edit(data)
+        d = tmp_path / name
+        d.mkdir()
+        (d / "results.json").write_text(json.dumps(data))
+        return str(d)
+
+    row = lambda **kw: (lambda d: d["measurements"][0].update(kw))   # noqa: E731
+    cases = [("gbps_null", row(gbps=None), "a row that is ok needs its median_ms and gbps"),
+             ("date_null", lambda d: d["environment"].update(date=None), "environment.date"),
+             ("date_int", lambda d: d["environment"].update(date=20261205), "environment.date"),
+             ("copy_bytes", lambda d: d["copy"].pop("bytes"), "copy: expected a mapping with the numbers"),
+             ("cols_text", row(cols="1024", tunable=None), "cols: expected a size >= 1, got '1024'"),
+             ("cols_null", row(cols=None, tunable=None), "cols: expected a size >= 1, got None"),
+             ("gbps_text", row(gbps="900"), "gbps: expected a number, got '900'"),
+             ("extra_list", row(extra=[1]), "extra: expected a mapping"),
+             ("config_list", lambda d: d.update(config=["a"]), "config: expected a mapping"),
+             ("e2e_ok_empty", lambda d: d.update(e2e=[{"model": "llama", "variant": "sdpa", "status": "ok"}]),
+              "tokens_per_s: expected a number for a row that is ok")]
+    for name, edit, match in cases:
+        bad = edited(name, edit)
+        with pytest.raises(SystemExit, match=match):
+            main(["--report-only", good, bad, "--out", str(tmp_path / f"out_{name}"), "--no-tuning"])
+        assert not (tmp_path / f"out_{name}").exists(), name
+    # a tuning table that is not one: refused before anything is written, the table left as it is
+    for i, text in enumerate(("[]", '{"rules": null}', "not json")):
+        tdir = tmp_path / f"t{i}"
+        tdir.mkdir()
+        (tdir / "nvidia_h200.json").write_text(text)
+        with pytest.raises(SystemExit, match="not a tuning table"):
+            main(["--report-only", good, "--out", str(tmp_path / f"tout{i}"), "--tuning-dir", str(tdir)])
+        assert not (tmp_path / f"tout{i}").exists() and (tdir / "nvidia_h200.json").read_text() == text
+    # blank path options and --tuning-dir with --no-tuning: usage errors
+    for args in (["--out", ""], ["--out", str(tmp_path / "o"), "--tuning-dir", " "],
+                 ["--out", str(tmp_path / "o"), "--no-tuning", "--tuning-dir", str(tmp_path / "t")]):
+        with pytest.raises(SystemExit) as e:
+            main(["--report-only", good, *args])
+        assert e.value.code == 2, args
+    err = capsys.readouterr().err
+    assert "expected a path, got an empty value" in err and "--tuning-dir: not with --no-tuning" in err
+    # interrupted halfway (here: while plotting): the folder it made is gone, and the same merge runs again
+    import benchmarks.plots
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(benchmarks.plots, "plot_all", interrupt)
+    out = tmp_path / "interrupted"
+    assert main(["--report-only", good, "--out", str(out), "--no-tuning"]) == 130
+    assert "interrupted" in capsys.readouterr().err and not (out / "nvidia_h200_2026-12-01").exists()
+    monkeypatch.undo()
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "")
+    assert main(["--report-only", good, "--out", str(out), "--no-tuning"]) == 0
 
 
 def write_run(folder: Path, date: str, copy: dict, rows: list) -> str:
@@ -474,3 +544,10 @@ def test_report_only_keeps_a_measurement_over_a_later_row_that_measured_nothing(
     table = json.loads((out / "tuning" / "nvidia_h200.json").read_text())
     assert [r["impl"] for r in table["rules"]] == ["pipegoose"] and table["benchmark"] == str(out / "results.json")
     assert (repo_table.read_bytes() if repo_table.exists() else None) == before
+
+
+def test_summary_end_to_end_columns_line_up():
+    """A walkthrough: liger_rmsnorm, wider than the variant column, put its row's status a column out of line."""
+    rows = [{"model": "qwen3", "variant": v, "status": "ok", "tokens_per_s": 1.0} for v in ("sdpa", "liger_rmsnorm")]
+    lines = [x for x in summary_lines([], None, rows) if x.startswith("e2e")]
+    assert len({x.index(" ok ") for x in lines}) == 1, lines
