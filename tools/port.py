@@ -66,9 +66,17 @@ def cmd_list(a) -> int:
 
 
 def cmd_add(a) -> int:
-    ids = _porter(a).add(a.ids)
+    p = _porter(a)
+    before = {s.id: s.state for s in p.states(check_hashes=False)}
+    ids = p.add(a.ids)
     if ids:
         out.print(f"added {len(ids)} kernel(s): {', '.join(ids)}")
+        # a source's folder is written whole, with the other kernels kernels.lock holds of it: say so (a walkthrough:
+        # `add fused_layernorm` in a fresh clone wrote six kernels' files and named one)
+        back = [s.id for s in p.states(check_hashes=False)
+                if s.id not in ids and before.get(s.id) == "missing" and s.state == "vendored"]
+        if back:
+            out.print(f"restored with them, from the same source(s) as kernels.lock records them: {', '.join(back)}")
     else:
         out.print("nothing to add: every kernel named is already vendored at its pin and verifies")
     return 0

@@ -329,6 +329,18 @@ def test_a_source_no_kernel_comes_from_is_dropped(git_repo, tmp_path):
     assert {s.id: s.state for s in repo.porter().states()} == {"up/alpha": "verified", "up/beta": "declared"}
 
 
+def test_cli_add_names_the_kernels_restored_with_it(git_repo):
+    """A walkthrough: in a fresh clone (kernels.lock holds every kernel, vendor/ is empty) `port.py add` of one kernel
+    wrote its source's whole folder, the other locked kernels too, and said "added 1 kernel(s)" alone."""
+    repo = git_repo
+    repo.porter().add(["alpha", "beta"])
+    shutil.rmtree(repo.root / "vendor" / "up")
+    r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "--root", str(repo.root), "add", "alpha"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "added 1 kernel(s): up/alpha" in r.stdout and "restored with them" in r.stdout and "up/beta" in r.stdout
+
+
 def test_add_of_a_source_id_names_its_kernels(git_repo):
     """`port.py add colossalai` (a source id) answered "did you mean: causal_softmax" (session 34's walkthrough)."""
     with pytest.raises(PortError, match=r"^'up' is a source, not a kernel; its kernels: up/alpha, up/beta$"):
