@@ -527,6 +527,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m benchmarks.run: {run.dir / 'results.json'} exists (an earlier run of today): pass another "
               f"--out and merge the two with --report-only, or --overwrite to replace it", file=sys.stderr)
         return 2
+    if not args.no_tuning:
+        from .tuning import read_rules
+
+        try:   # (before the measurements: a table that is not one would fail the run at its end)
+            read_rules(run.tuning_dir() / f"{slug(env['gpu'])}.json")
+        except ValueError as e:
+            print(f"python -m benchmarks.run: {e}", file=sys.stderr)
+            return 2
     _log(f"pipegoose benchmarks: {env['gpu']} | torch {env['torch']} | CUDA {env.get('cuda_runtime')} | "
          f"triton {env.get('triton')} | transformers {env.get('transformers')} | liger {env.get('liger_kernel')}"
          f" | mode {args.mode} -> {run.dir}")

@@ -551,3 +551,17 @@ def test_summary_end_to_end_columns_line_up():
     rows = [{"model": "qwen3", "variant": v, "status": "ok", "tokens_per_s": 1.0} for v in ("sdpa", "liger_rmsnorm")]
     lines = [x for x in summary_lines([], None, rows) if x.startswith("e2e")]
     assert len({x.index(" ok ") for x in lines}) == 1, lines
+
+
+def test_a_run_refuses_a_tuning_table_that_is_not_one_before_measuring(tmp_path, monkeypatch, capsys):
+    """The check of the merge, at the start of a run: a table that is not one failed the run at its end."""
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "")
+    from benchmarks.run import main
+
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "cpu_x86_64_dry_run.json").write_text("[]")
+    monkeypatch.setattr("benchmarks.run.environment", lambda device: {"gpu": "cpu x86_64 (dry run)",
+                                                                      "date": "2026-12-04T00:00:00+00:00"})
+    assert main(["--device", "cpu", "--dry-run", "--no-build", "--out", str(tmp_path / "o"),
+                 "--tuning-dir", str(tmp_path / "t")]) == 2
+    assert "not a tuning table" in capsys.readouterr().err and not (tmp_path / "o").exists()
