@@ -161,6 +161,17 @@ def test_demo_bad_device(device, capsys):
     assert e.value.code == 2 and err.strip().endswith(f"--device: expected cpu or cuda[:i], got {device!r}"), err
 
 
+def test_demo_takes_the_short_dtype_names(capsys, monkeypatch):
+    """A walkthrough: --dtype bf16 was refused (benchmarks.run --dtypes takes it). The short names are parsed (the run
+    stops at a bad environment variable, before any work) and a wrong name still gets the usage error."""
+    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "abc")
+    for name in ("bf16", "fp16", "fp32", "half", "bfloat16"):
+        assert demo.main(["--model", "llama", "--device", "cpu", "--dtype", name]) == 2, name
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--model", "llama", "--device", "cpu", "--dtype", "fp8"])
+    assert e.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
 def test_demo_bad_environment_is_a_message(capsys, monkeypatch):
     """PIPEGOOSE_SMALL_NUMEL=abc (or a bad PIPEGOOSE_STRICT) ended in a traceback from fuse(); now a message
     naming the variable, exit status 2, before any work."""
