@@ -261,6 +261,7 @@ class Run:
         from .report import summary_lines
         from .tuning import table_inputs, write_tuning_table
 
+        self.complete = False
         self.write()
         copy = self.sections.get("copy")
         try:
@@ -281,6 +282,7 @@ class Run:
             _log(f"tuning table: {path}" + ("" if in_repo or a.tuning_dir else " (the results are outside the "
                                             "repository: its table is not changed; --tuning-dir "
                                             "pipegoose/nn/fusion/tuning writes it)"))
+        self.complete = True   # (everything is written: what follows only prints)
         _log(f"results: {self.dir / 'results.json'}, {self.dir / 'results.md'}")
         _log("=" * 100)
         for line in summary_lines(self.measurements, copy, self.sections.get("e2e")):
@@ -490,15 +492,18 @@ def report_only(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise SystemExit(f"--report-only: {e}") from None
     # A merge interrupted (Ctrl-C) or failing halfway left results.json without the rest, which the next merge refused
-    # as finished (a walkthrough): a folder this merge made goes again.
+    # as finished (a walkthrough): a folder this merge made goes again, but only while the merge is incomplete (a
+    # broken pipe in the summary, `| head`, once removed a finished merge: a review).
     fresh = not run.dir.exists()
     try:
         run.finish()
     except BaseException as e:
-        if fresh:
+        done = getattr(run, "complete", False)
+        if fresh and not done:
             shutil.rmtree(run.dir, ignore_errors=True)
         if isinstance(e, KeyboardInterrupt):
-            print(f"--report-only: interrupted; " + (f"{run.dir} removed" if fresh else
+            print("--report-only: interrupted; " + (f"the merge was complete: {run.dir}" if done else
+                  f"{run.dir} removed" if fresh else
                   f"{run.dir} may hold part of this merge: run it again with --overwrite"), file=sys.stderr)
             return 130
         raise

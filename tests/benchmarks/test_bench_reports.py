@@ -462,6 +462,27 @@ def test_report_only_refuses_malformed_runs_and_tables_before_writing(tmp_path, 
     monkeypatch.undo()
     monkeypatch.setenv("PIPEGOOSE_STRICT", "")
     assert main(["--report-only", good, "--out", str(out), "--no-tuning"]) == 0
+    # a failure after everything was written (a broken pipe in the summary, `| head`) keeps the finished merge and
+    # its tuning table (it removed both before: a review); Ctrl-C there says the merge was complete
+    import benchmarks.report
+
+    for exc in (BrokenPipeError, KeyboardInterrupt):
+        def broken(*a, **k):
+            raise exc()
+
+        monkeypatch.setattr(benchmarks.report, "summary_lines", broken)
+        done, tdir = tmp_path / f"done_{exc.__name__}", tmp_path / f"tdone_{exc.__name__}"
+        if exc is KeyboardInterrupt:
+            assert main(["--report-only", good, "--out", str(done), "--tuning-dir", str(tdir)]) == 130
+            assert "the merge was complete" in capsys.readouterr().err
+        else:
+            with pytest.raises(BrokenPipeError):
+                main(["--report-only", good, "--out", str(done), "--tuning-dir", str(tdir)])
+        assert (done / "nvidia_h200_2026-12-01" / "results.json").exists(), exc
+        assert (done / "nvidia_h200_2026-12-01" / "results.md").exists(), exc
+        assert (tdir / "nvidia_h200.json").exists(), exc
+        monkeypatch.undo()
+        monkeypatch.setenv("PIPEGOOSE_STRICT", "")
 
 
 def write_run(folder: Path, date: str, copy: dict, rows: list) -> str:
