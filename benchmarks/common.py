@@ -173,7 +173,13 @@ class Measurement:
     def from_json(cls, d: dict) -> "Measurement":
         d = dict(d)
         d["pas"] = d.pop("pass")
+        for k in _FLOATS:   # report._clean writes an infinite number as "inf" (JSON has none): read it back
+            if d.get(k) in ("inf", "-inf"):
+                d[k] = float(d[k])
         return cls(**d)
+
+
+_FLOATS = ("median_ms", "p20_ms", "p80_ms", "gbps", "pct_of_copy", "max_abs_err")
 
 
 def env_flag(name: str) -> bool:

@@ -373,6 +373,11 @@ def _check_run(data: dict, measurements: list[Measurement]) -> None:
         for k in ("shape", "extra"):
             if not isinstance(getattr(m, k) or {}, dict):
                 raise ValueError(f"{where}: {k}: expected a mapping, got {getattr(m, k)!r}")
+        extra = m.extra or {}
+        if extra.get("copy_gbps") is not None and not _number(extra["copy_gbps"]):
+            raise ValueError(f"{where}: extra.copy_gbps: expected a number, got {extra['copy_gbps']!r}")
+        if extra.get("run") is not None and (not isinstance(extra["run"], str) or _run_time(extra["run"]) is None):
+            raise ValueError(f"{where}: extra.run: expected an ISO 8601 date and time, got {extra['run']!r}")
         if m.tunable is not None and not isinstance(m.tunable, str):
             raise ValueError(f"{where}: tunable: expected an impl name or null, got {m.tunable!r}")
     if not isinstance(data.get("e2e") or [], list):

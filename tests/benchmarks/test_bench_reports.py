@@ -425,6 +425,8 @@ def test_report_only_refuses_malformed_runs_and_tables_before_writing(tmp_path, 
              ("cols_null", row(cols=None, tunable=None), "cols: expected a size >= 1, got None"),
              ("gbps_text", row(gbps="900"), "gbps: expected a number, got '900'"),
              ("extra_list", row(extra=[1]), "extra: expected a mapping"),
+             ("extra_copy", row(extra={"copy_gbps": "4000"}), "extra.copy_gbps: expected a number"),
+             ("extra_run", row(extra={"run": 5}), "extra.run: expected an ISO 8601 date"),
              ("config_list", lambda d: d.update(config=["a"]), "config: expected a mapping"),
              ("e2e_ok_empty", lambda d: d.update(e2e=[{"model": "llama", "variant": "sdpa", "status": "ok"}]),
               "tokens_per_s: expected a number for a row that is ok")]
@@ -586,3 +588,20 @@ def test_a_run_refuses_a_tuning_table_that_is_not_one_before_measuring(tmp_path,
     assert main(["--device", "cpu", "--dry-run", "--no-build", "--out", str(tmp_path / "o"),
                  "--tuning-dir", str(tmp_path / "t")]) == 2
     assert "not a tuning table" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_report_only_reads_back_the_infinite_errors_a_run_writes(tmp_path, monkeypatch):
+    """A FAILED row whose error is infinite (a clip, say) is written as "inf" (JSON has no infinity); the merge's
+    checks refused it as "expected a number" (a review). It is read back as a float and kept."""
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "")
+    from benchmarks.run import main
+
+    bad = m(impl="megatron", status="FAILED")
+    bad.max_abs_err = float("inf")
+    run = write_run(tmp_path / "run", "2026-12-01T01:00:00+00:00", {"bytes": 2 * 2**30, "gbps": 4000.0,
+                                                                   "median_ms": 0.5}, [m(), bad])
+    assert json.loads((Path(run) / "results.json").read_text())["measurements"][1]["max_abs_err"] == "inf"
+    assert load_json(Path(run) / "results.json")[1][1].max_abs_err == float("inf")
+    assert main(["--report-only", run, "--out", str(tmp_path / "out"), "--no-tuning"]) == 0
+    out = tmp_path / "out" / "nvidia_h200_2026-12-01" / "results.json"
+    assert [x.max_abs_err for x in load_json(out)[1] if x.impl == "megatron"] == [float("inf")]
