@@ -67,16 +67,24 @@ def cmd_list(a) -> int:
 
 def cmd_add(a) -> int:
     p = _porter(a)
-    before = {s.id: s.state for s in p.states(check_hashes=False)}
+    before = {s.id: s for s in p.states()}
     ids = p.add(a.ids)
     if ids:
         out.print(f"added {len(ids)} kernel(s): {', '.join(ids)}")
         # a source's folder is written whole, with the other kernels kernels.lock holds of it: say so (a walkthrough:
-        # `add fused_layernorm` in a fresh clone wrote six kernels' files and named one)
-        back = [s.id for s in p.states(check_hashes=False)
-                if s.id not in ids and before.get(s.id) == "missing" and s.state == "vendored"]
+        # `add fused_layernorm` in a fresh clone wrote six kernels' files and named one), and name the local edits
+        # of those kernels' files that it replaced (a review: they went without a word)
+        after = {s.id: s.state for s in p.states()}
+        ported = {sid for sid, src in p.manifest.sources.items() if not src.is_local}
+        was = {kid: s.state for kid, s in before.items()
+               if kid not in ids and s.source in ported and after.get(kid) == "verified"}
+        back = [kid for kid, st in was.items() if st == "missing"]
+        edited = [kid for kid, st in was.items() if st == "modified"]
         if back:
             out.print(f"restored with them, from the same source(s) as kernels.lock records them: {', '.join(back)}")
+        if edited:
+            out.print(f"replaced the local changes to these kernels' files, from the same source(s): "
+                      f"{', '.join(f'{kid} ({before[kid].detail})' for kid in edited)}", style="yellow", markup=False)
     else:
         out.print("nothing to add: every kernel named is already vendored at its pin and verifies")
     return 0

@@ -341,6 +341,25 @@ def test_cli_add_names_the_kernels_restored_with_it(git_repo):
     assert "added 1 kernel(s): up/alpha" in r.stdout and "restored with them" in r.stdout and "up/beta" in r.stdout
 
 
+
+def test_cli_add_names_the_local_edits_it_replaced(git_repo):
+    """A review: `port.py add` of a kernel whose source folder is rewritten replaced a sibling kernel's locally
+    edited file and said nothing of it (the sibling was not missing, so it was not named as restored)."""
+    repo = git_repo
+    repo.porter().add(["alpha", "beta"])
+    # edit a file only beta has (the two share util.h), and take alpha's own file away
+    edited = repo.root / "vendor" / "up" / "csrc/kernels/beta.cu"
+    edited.write_text(edited.read_text() + "// a local edit\n")
+    (repo.root / "vendor" / "up" / "csrc/kernels/alpha.cu").unlink()
+    assert {s.id: s.state for s in repo.porter().states()} == {"up/alpha": "missing", "up/beta": "modified"}
+    r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "--root", str(repo.root), "add", "alpha"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "replaced the local changes" in r.stdout and "up/beta" in r.stdout and "beta.cu" in r.stdout, r.stdout
+    assert "restored with them" not in r.stdout
+    assert "a local edit" not in edited.read_text()
+
+
 def test_add_of_a_source_id_names_its_kernels(git_repo):
     """`port.py add colossalai` (a source id) answered "did you mean: causal_softmax" (session 34's walkthrough)."""
     with pytest.raises(PortError, match=r"^'up' is a source, not a kernel; its kernels: up/alpha, up/beta$"):
