@@ -427,7 +427,7 @@ def load_manifest(path: str | Path | None = None) -> Manifest:
     # absolute: the manifest's folder is the root of vendor/ and LICENSES/, and a relative one was joined onto itself
     # where a step runs from the root (a walkthrough: `--root sub/repo` vendored into sub/repo/sub/repo/vendor)
     p = Path(path).expanduser().absolute() if path is not None else default_manifest_path()
-    ctx = _Ctx(p)
+    ctx = _Ctx(Path(path).expanduser() if path is not None else p)   # (errors name the path as given: not /a/b/../c)
     try:
         data = safe_load_unique(p.read_text(), str(p))
     except FileNotFoundError:
@@ -436,9 +436,9 @@ def load_manifest(path: str | Path | None = None) -> Manifest:
             hint = (": pipegoose builds its kernels from a clone of its repository (kernels.yaml, kernels.lock and the "
                     "vendor/ that tools/port.py fills live there): install it with `pip install -e .` from the clone, "
                     "or pass the manifest's path (--manifest, manifest=)")
-        raise ManifestNotFoundError(f"{p}: manifest not found{hint}") from None
+        raise ManifestNotFoundError(f"{ctx.file}: manifest not found{hint}") from None
     except (IsADirectoryError, NotADirectoryError, PermissionError, UnicodeDecodeError) as e:
-        raise ManifestError(f"{p}: cannot read the manifest: {type(e).__name__}: {e}") from None
+        raise ManifestError(f"{ctx.file}: cannot read the manifest: {type(e).__name__}: {e}") from None
     except yaml.YAMLError as e:
         raise ManifestError(f"{ctx.file}: not valid YAML: {e}") from None
     if not isinstance(data, Mapping):
