@@ -341,7 +341,6 @@ def test_cli_add_names_the_kernels_restored_with_it(git_repo):
     assert "added 1 kernel(s): up/alpha" in r.stdout and "restored with them" in r.stdout and "up/beta" in r.stdout
 
 
-
 def test_cli_add_names_the_local_edits_it_replaced(git_repo):
     """A review: `port.py add` of a kernel whose source folder is rewritten replaced a sibling kernel's locally
     edited file and said nothing of it (the sibling was not missing, so it was not named as restored)."""
