@@ -279,6 +279,7 @@ class Run:
             path = write_tuning_table(gpu, self.env.get("date", today())[:10],
                                       str(results.relative_to(REPO_ROOT.resolve())) if in_repo else str(results),
                                       self.measurements, tdir)
+            self.complete = True   # (written: a broken pipe in the line below must not remove the merge)
             _log(f"tuning table: {path}" + ("" if in_repo or a.tuning_dir else " (the results are outside the "
                                             "repository: its table is not changed; --tuning-dir "
                                             "pipegoose/nn/fusion/tuning writes it)"))
@@ -376,8 +377,8 @@ def _check_run(data: dict, measurements: list[Measurement]) -> None:
         extra = m.extra or {}
         if extra.get("copy_gbps") is not None and not _number(extra["copy_gbps"]):
             raise ValueError(f"{where}: extra.copy_gbps: expected a number, got {extra['copy_gbps']!r}")
-        if extra.get("run") is not None and (not isinstance(extra["run"], str) or _run_time(extra["run"]) is None):
-            raise ValueError(f"{where}: extra.run: expected an ISO 8601 date and time, got {extra['run']!r}")
+        if extra.get("run") is not None and not isinstance(extra["run"], str):   # (a date or a label: text)
+            raise ValueError(f"{where}: extra.run: expected the run's date or label as text, got {extra['run']!r}")
         if m.tunable is not None and not isinstance(m.tunable, str):
             raise ValueError(f"{where}: tunable: expected an impl name or null, got {m.tunable!r}")
     if not isinstance(data.get("e2e") or [], list):

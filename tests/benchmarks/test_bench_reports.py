@@ -426,7 +426,7 @@ def test_report_only_refuses_malformed_runs_and_tables_before_writing(tmp_path, 
              ("gbps_text", row(gbps="900"), "gbps: expected a number, got '900'"),
              ("extra_list", row(extra=[1]), "extra: expected a mapping"),
              ("extra_copy", row(extra={"copy_gbps": "4000"}), "extra.copy_gbps: expected a number"),
-             ("extra_run", row(extra={"run": 5}), "extra.run: expected an ISO 8601 date"),
+             ("extra_run", row(extra={"run": 5}), "extra.run: expected the run's date or label as text"),
              ("config_list", lambda d: d.update(config=["a"]), "config: expected a mapping"),
              ("e2e_ok_empty", lambda d: d.update(e2e=[{"model": "llama", "variant": "sdpa", "status": "ok"}]),
               "tokens_per_s: expected a number for a row that is ok")]
@@ -468,12 +468,23 @@ def test_report_only_refuses_malformed_runs_and_tables_before_writing(tmp_path, 
     # its tuning table (it removed both before: a review); Ctrl-C there says the merge was complete
     import benchmarks.report
 
-    for exc in (BrokenPipeError, KeyboardInterrupt):
+    import benchmarks.run
+
+    log = benchmarks.run._log
+    for exc, where in ((BrokenPipeError, "summary"), (KeyboardInterrupt, "summary"), (BrokenPipeError, "table")):
         def broken(*a, **k):
             raise exc()
 
-        monkeypatch.setattr(benchmarks.report, "summary_lines", broken)
-        done, tdir = tmp_path / f"done_{exc.__name__}", tmp_path / f"tdone_{exc.__name__}"
+        def broken_log(msg, *a, **k):   # the line that names the tuning table, printed after it was written
+            if str(msg).startswith("tuning table:"):
+                raise exc()
+            return log(msg, *a, **k)
+
+        if where == "summary":
+            monkeypatch.setattr(benchmarks.report, "summary_lines", broken)
+        else:
+            monkeypatch.setattr(benchmarks.run, "_log", broken_log)
+        done, tdir = tmp_path / f"done_{exc.__name__}_{where}", tmp_path / f"tdone_{exc.__name__}_{where}"
         if exc is KeyboardInterrupt:
             assert main(["--report-only", good, "--out", str(done), "--tuning-dir", str(tdir)]) == 130
             assert "the merge was complete" in capsys.readouterr().err
