@@ -76,15 +76,15 @@ def cmd_add(a) -> int:
         # of those kernels' files that it replaced (a review: they went without a word)
         after = {s.id: s.state for s in p.states()}
         ported = {sid for sid, src in p.manifest.sources.items() if not src.is_local}
-        was = {kid: s.state for kid, s in before.items()
-               if kid not in ids and s.source in ported and after.get(kid) == "verified"}
-        back = [kid for kid, st in was.items() if st == "missing"]
-        edited = [kid for kid, st in was.items() if st == "modified"]
+        rewritten = {kid: s for kid, s in before.items() if s.source in ported and after.get(kid) == "verified"}
+        back = [kid for kid, s in rewritten.items() if kid not in ids and s.state == "missing"]
+        # (the kernels added too: re-vendoring replaces their own edits; and a missing kernel's present edited files)
+        edited = [kid for kid, s in rewritten.items() if s.modified]
         if back:
             out.print(f"restored with them, from the same source(s) as kernels.lock records them: {', '.join(back)}")
         if edited:
-            out.print(f"replaced the local changes to these kernels' files, from the same source(s): "
-                      f"{', '.join(f'{kid} ({before[kid].detail})' for kid in edited)}", style="yellow", markup=False)
+            out.print(f"replaced the local changes to these kernels' files, from the pinned source(s): "
+                      f"{', '.join(f'{kid} ({before[kid].modified})' for kid in edited)}", style="yellow", markup=False)
     else:
         out.print("nothing to add: every kernel named is already vendored at its pin and verifies")
     return 0

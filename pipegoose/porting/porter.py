@@ -61,6 +61,7 @@ class KernelState:
     pin: str
     state: str
     detail: str = ""
+    modified: str = ""   # the present files that differ from kernels.lock (the first few, as detail names them)
 
 
 def _short_pin(pin) -> str:
@@ -629,12 +630,13 @@ class Porter:
                     what += " (not vendored yet)"
                 else:
                     what = f"{len(absent)} file(s) absent ({self._first_few(absent)})"
-                out.append(KernelState(kid, sid, project, lic, pin, "missing", f"{what}{also}: {fix}"))
+                out.append(KernelState(kid, sid, project, lic, pin, "missing", f"{what}{also}: {fix}",
+                                       self._first_few(bad)))
                 continue
             if not check_hashes:
                 out.append(KernelState(kid, sid, project, lic, pin, "vendored"))
                 continue
             bad = [p for p, h in paths if sha256_file(p) != h]
             out.append(KernelState(kid, sid, project, lic, pin, "modified" if bad else "verified",
-                                   self._first_few(bad)))
+                                   self._first_few(bad), self._first_few(bad)))
         return out

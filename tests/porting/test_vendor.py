@@ -357,6 +357,15 @@ def test_cli_add_names_the_local_edits_it_replaced(git_repo):
     assert "replaced the local changes" in r.stdout and "up/beta" in r.stdout and "beta.cu" in r.stdout, r.stdout
     assert "restored with them" not in r.stdout
     assert "a local edit" not in edited.read_text()
+    # a sibling both missing a file and edited in another is named as restored and as edited (its edits went unsaid)
+    edited.write_text(edited.read_text() + "// a local edit\n")
+    for f in ("csrc/kernels/alpha.cu", "csrc/common/extra.h"):
+        (repo.root / "vendor" / "up" / f).unlink()
+    r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "--root", str(repo.root), "add", "alpha"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "restored with them" in r.stdout and "replaced the local changes" in r.stdout, r.stdout
+    assert "up/beta (vendor/up/csrc/kernels/beta.cu)" in r.stdout.replace("\n", " "), r.stdout
 
 
 def test_add_of_a_source_id_names_its_kernels(git_repo):
