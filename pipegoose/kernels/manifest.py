@@ -429,7 +429,7 @@ def load_manifest(path: str | Path | None = None) -> Manifest:
     p = Path(path).expanduser().absolute() if path is not None else default_manifest_path()
     ctx = _Ctx(Path(path).expanduser() if path is not None else p)   # (errors name the path as given: not /a/b/../c)
     try:
-        data = safe_load_unique(p.read_text(), str(p))
+        data = safe_load_unique(p.read_text(), ctx.file)
     except FileNotFoundError:
         hint = ""
         if path is None:  # (a walkthrough's wheel install said only "manifest not found")
@@ -438,7 +438,8 @@ def load_manifest(path: str | Path | None = None) -> Manifest:
                     "or pass the manifest's path (--manifest, manifest=)")
         raise ManifestNotFoundError(f"{ctx.file}: manifest not found{hint}") from None
     except (IsADirectoryError, NotADirectoryError, PermissionError, UnicodeDecodeError) as e:
-        raise ManifestError(f"{ctx.file}: cannot read the manifest: {type(e).__name__}: {e}") from None
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)   # (str(e) repeats the absolute path)
+        raise ManifestError(f"{ctx.file}: cannot read the manifest: {type(e).__name__}: {why}") from None
     except yaml.YAMLError as e:
         raise ManifestError(f"{ctx.file}: not valid YAML: {e}") from None
     if not isinstance(data, Mapping):

@@ -119,10 +119,11 @@ def test_a_manifest_that_is_no_mapping_is_named_by_its_path(tmp_path, monkeypatc
         load_manifest(bad)
     assert str(ei.value).startswith(f"{bad}: <top>:"), ei.value
     # relative and outside the working folder: as given, not /.../elsewhere/../sub/kernels.yaml (a review)
-    for call in (lambda: load_manifest("../sub/kernels.yaml"), lambda: load_manifest("../sub/nope.yaml")):
+    (tmp_path / "sub" / "dup.yaml").write_text("schema: 1\nschema: 1\n")
+    for given in ("../sub/kernels.yaml", "../sub/nope.yaml", "../sub/dup.yaml", "../sub"):
         with pytest.raises(ManifestError) as ei:
-            call()
-        assert str(ei.value).startswith("../sub/"), ei.value
+            load_manifest(given)
+        assert str(ei.value).startswith(given + ":") and "elsewhere/.." not in str(ei.value), ei.value
 
 
 def test_a_lock_given_as_the_manifest_says_it_is_no_manifest(tmp_path):
