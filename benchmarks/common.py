@@ -153,7 +153,7 @@ class Measurement:
     pct_of_copy: float | None = None
     max_abs_err: float | None = None
     detail: str = ""
-    tunable: str | None = None   # dispatcher impl name (pipegoose, megatron, apex, torch) or None
+    tunable: str | None = None   # dispatcher impl name (pipegoose, megatron, apex, torch, ...) or None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

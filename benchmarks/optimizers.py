@@ -45,6 +45,9 @@ OPT_SIZES = {"full": [100_000_000, 300_000_000, 1_000_000_000], "quick": [100_00
              "dry": [60_000, 200_000]}
 LR_CHECK, LR_TIME, BETAS, EPS, WD = 0.05, 1e-3, (0.9, 0.999), 1e-8, 0.01
 CHUNK = 2048 * 32
+# benchmark impl -> the dispatcher implementation it times (the tuning table's choices); others are comparisons
+TUNABLE = {"adamw": {"torch_fused": "torch_fused", "torch_foreach": "torch", "apex": "apex", "deepspeed": "deepspeed"},
+           "clip_grad_norm": {"torch_foreach": "torch", "apex": "apex"}}
 
 
 def layer_shapes(total: int, hidden: int) -> list[tuple[int, ...]]:
@@ -247,7 +250,7 @@ def run_optimizers(dtypes: list[torch.dtype], mode: str, device: str, timer: Tim
                     if impl_filter and name not in impl_filter:
                         continue
                     base = dict(op=op, impl=name, dtype=dtype_name(dtype), pas="step", shape=shape, cols=n,
-                                bytes=nbytes, tunable=None)
+                                bytes=nbytes, tunable=TUNABLE[op].get(name))
                     if time.perf_counter() > deadline:
                         results.append(Measurement(**base, status="skipped", detail="time budget"))
                         continue

@@ -2,7 +2,8 @@
 
 Format and consumer: docs/architecture.md "Tuning tables" (``pipegoose/nn/fusion/tuning/<slug>.json``). Only
 measurements with ``status == "ok"`` and a dispatcher impl name (``tunable``: pipegoose, megatron, apex, torch) take
-part; eager/native/compile/Liger are comparisons, not choices the dispatcher can make.
+part; eager/native/compile/Liger are comparisons, not choices the dispatcher can make. The optimizers' rows take part
+too (``adamw``'s rules are for the dispatcher's ``adam``; a ``step`` gives rules of pass null).
 
 Buckets: for each (op, dtype, pass) the measured sizes are sorted; each size's winner is the impl with the lowest
 median time; consecutive sizes with the same winner form one rule whose ``max_cols`` is the largest size in it; the
@@ -28,23 +29,38 @@ from .common import REPO_ROOT, Measurement, slug
 __all__ = ["tuning_rules", "table_inputs", "read_rules", "write_tuning_table", "DEFAULT_TUNING_DIR", "TUNING_OPS"]
 
 DEFAULT_TUNING_DIR = REPO_ROOT / "pipegoose" / "nn" / "fusion" / "tuning"
-TUNING_OPS = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "attention")
+TUNING_OPS = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "attention", "adamw",
+              "clip_grad_norm")
+RULE_OP = {"adamw": "adam"}   # a benchmark op -> the dispatcher op its rules are for (AdamW is timed; the op is adam)
+STEP_OPS = ("adamw", "clip_grad_norm")   # timed as one optimizer "step": their rules hold for any call (pass null)
 PASS_ORDER = {"fwd": 0, "fwd+bwd": 1}
 RULE_PASSES = ("fwd", "fwd+bwd")   # what the dispatcher distinguishes: inference forward, training step
 
 
+def _rule_pass(m: Measurement) -> tuple[bool, str | None]:
+    """(whether ``m``'s pass gives rules, the rules' pass): ``fwd`` and ``fwd+bwd`` as timed; an optimizer's
+    ``step`` gives rules for any call (None)."""
+    if m.op in STEP_OPS:
+        return m.pas == "step", None
+    return m.pas in RULE_PASSES, m.pas
+
+
 def tuning_rules(measurements: Iterable[Measurement]) -> list[dict]:
-    """Rules (dicts with op, dtype, pass, max_cols, impl; the documented schema, nothing more) from measurements."""
+    """Rules (dicts with op, dtype, pass, max_cols, impl; the documented schema, nothing more) from measurements.
+    An optimizer's rules are for the dispatcher's op (``adamw`` -> ``adam``), with pass null and ``max_cols`` bounding
+    the parameter count of a bucket."""
     best: dict[tuple, dict[int, tuple[float, str]]] = defaultdict(dict)
     for m in measurements:
-        if (m.status != "ok" or not m.tunable or m.op not in TUNING_OPS or m.median_ms is None
-                or m.pas not in RULE_PASSES):
+        if m.status != "ok" or not m.tunable or m.op not in TUNING_OPS or m.median_ms is None:
+            continue
+        gives, pas = _rule_pass(m)
+        if not gives:
             continue
         if isinstance(m.cols, bool) or not isinstance(m.cols, int) or m.cols < 1:
             raise ValueError(f"{m.op} {m.impl} {m.dtype} {m.pas}: cols: expected a size >= 1, got {m.cols!r}")
         if not (isinstance(m.median_ms, (int, float)) and math.isfinite(m.median_ms) and m.median_ms > 0):
             continue   # a NaN would win every comparison it comes first in, a zero or negative time every one
-        key = (m.op, m.dtype, m.pas)
+        key = (m.op, m.dtype, pas)
         cur = best[key].get(m.cols)
         if cur is None or m.median_ms < cur[0]:
             best[key][m.cols] = (m.median_ms, m.tunable)
@@ -59,7 +75,7 @@ def tuning_rules(measurements: Iterable[Measurement]) -> list[dict]:
                 buckets.append([c])
         for i, bucket in enumerate(buckets):
             impl = best[(op, dtype, pas)][bucket[0]][1]
-            rules.append({"op": op, "dtype": dtype, "pass": pas,
+            rules.append({"op": RULE_OP.get(op, op), "dtype": dtype, "pass": pas,
                           "max_cols": None if i == len(buckets) - 1 else bucket[-1], "impl": impl})
     return rules
 
@@ -68,8 +84,8 @@ def table_inputs(measurements: Iterable[Measurement]) -> tuple[list[dict], set[t
     """What a run changes in a tuning table: its rules (:func:`tuning_rules`) and the dispatchable impls that FAILED,
     as (op, dtype, pass, impl). Both empty: the run changes nothing (the table is not written)."""
     measurements = list(measurements)
-    failed = {(m.op, m.dtype, m.pas, m.tunable) for m in measurements
-              if m.status == "FAILED" and m.tunable and m.op in TUNING_OPS and m.pas in RULE_PASSES}
+    failed = {(RULE_OP.get(m.op, m.op), m.dtype, _rule_pass(m)[1], m.tunable) for m in measurements
+              if m.status == "FAILED" and m.tunable and m.op in TUNING_OPS and _rule_pass(m)[0]}
     return tuning_rules(measurements), failed
 
 
@@ -116,7 +132,7 @@ def write_tuning_table(device_name: str, measured: str, benchmark: str, measurem
             return False   # replaced (a rule without a pass, from an older table, covers both passes)
         # an impl that gave a wrong result now loses its rules, though no impl of the group passed (a review: the
         # old rule, naming the impl that is now wrong, stayed)
-        return not any((op, dt, p, impl) in failed for p in ([ps] if ps else RULE_PASSES))
+        return not any((op, dt, p, impl) in failed for p in ([ps] if ps else (None,) + RULE_PASSES))
 
     kept = [r for r in read_rules(path) if stays(r)]
     table = {"device": device_name, "measured": measured, "benchmark": benchmark, "rules": kept + rules}

@@ -114,6 +114,50 @@ def test_tuning_table_drops_the_rules_of_a_group_whose_impls_now_fail(tmp_path):
                    ("softmax.causal", "float16", "fwd", "pipegoose"), ("layer_norm", "bfloat16", "fwd", "pipegoose")]
 
 
+def test_optimizer_rows_give_rules_for_the_dispatchers_optimizer_ops(tmp_path):
+    """The optimizers' rows took no part in the tuning table, so FusedAdam's default stayed the Apex copy where torch's
+    fused AdamW measured twice as fast (bf16, H200). An ``adamw`` step gives ``adam`` rules (pass null, max_cols the
+    parameter count); comparisons (``pipegoose`` = FusedAdam itself, ``torch_loop``) take no part; a FAILED impl's old
+    rule goes; the dispatcher reads the table and applies it per bucket size."""
+    ms = [m(op="adamw", impl="torch_fused", pas="step", cols=10**8, ms=1.0),
+          m(op="adamw", impl="apex", pas="step", cols=10**8, ms=2.0),
+          m(op="adamw", impl="pipegoose", pas="step", cols=10**8, ms=0.5, tunable=None),
+          m(op="adamw", impl="torch_fused", pas="step", cols=10**9, ms=12.0),
+          m(op="adamw", impl="deepspeed", pas="step", cols=10**9, ms=11.0),
+          m(op="clip_grad_norm", impl="torch", pas="step", cols=10**8, ms=1.0, dtype="float32"),
+          m(op="clip_grad_norm", impl="apex", pas="step", cols=10**8, ms=1.5, dtype="float32"),
+          m(op="clip_grad_norm", impl="torch_loop", pas="step", cols=10**8, ms=0.1, dtype="float32", tunable=None)]
+    assert tuning_rules(ms) == [
+        {"op": "adam", "dtype": "bfloat16", "pass": None, "max_cols": 10**8, "impl": "torch_fused"},
+        {"op": "adam", "dtype": "bfloat16", "pass": None, "max_cols": None, "impl": "deepspeed"},
+        {"op": "clip_grad_norm", "dtype": "float32", "pass": None, "max_cols": None, "impl": "torch"}]
+    old = {"device": "NVIDIA H200", "measured": "2026-01-01", "benchmark": "x",
+           "rules": [{"op": "adam", "dtype": "float32", "pass": None, "max_cols": None, "impl": "apex"},
+                     {"op": "adam", "dtype": "float16", "pass": None, "max_cols": None, "impl": "apex"},
+                     {"op": "adam", "dtype": "bfloat16", "pass": None, "max_cols": None, "impl": "apex"}]}
+    (tmp_path / "nvidia_h200.json").write_text(json.dumps(old))
+    path = write_tuning_table("NVIDIA H200", "2026-12-04", "x",
+                              ms + [m(op="adamw", impl="apex", pas="step", dtype="float32", status="FAILED")], tmp_path)
+    got = [(r["op"], r["dtype"], r["pass"], r["max_cols"], r["impl"]) for r in json.loads(path.read_text())["rules"]]
+    assert got == [("adam", "float16", None, None, "apex"), ("adam", "bfloat16", None, 10**8, "torch_fused"),
+                   ("adam", "bfloat16", None, None, "deepspeed"), ("clip_grad_norm", "float32", None, None, "torch")]
+
+    import torch
+
+    from pipegoose.nn.fusion import dispatch
+    from pipegoose.nn.fusion.ops import multi_tensor as mt
+
+    table = dispatch.TuningTable.load(path)
+
+    def chosen(numel):
+        problem = dispatch.Problem("adam", torch.bfloat16, torch.device("cuda", 0), numel, False, {})
+        return [r.impl for r in table.candidates(problem)][0]
+
+    assert chosen(10**8) == "torch_fused" and chosen(10**8 + 1) == "deepspeed"
+    ps = [torch.zeros(3, 5), torch.zeros(7)]
+    assert mt.adam_problem(ps, ps, ps, ps).cols == 22 and mt.clip_problem(ps, 2.0).cols == 22
+
+
 def test_results_json_roundtrip_markdown_and_summary(tmp_path):
     ms = [m(impl="pipegoose", cols=1024, ms=0.5), m(impl="eager", cols=1024, ms=2.0, tunable=None),
           m(impl="megatron", cols=1024, status="FAILED"),

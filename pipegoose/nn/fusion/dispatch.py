@@ -1,8 +1,9 @@
 """One dispatcher for every fused op: implementations, ``supports()`` checks, choice, counters and strict mode.
 
 Each op (``softmax``, ``softmax.masked``, ``softmax.causal``, ``layer_norm``, ``rms_norm``, ``adam``,
-``clip_grad_norm``) has several :class:`Implementation` s: ours (``pipegoose``), ported registry copies
-(``megatron``, ``apex``, ``deepspeed``) and the PyTorch reference (``torch``). Each declares
+``clip_grad_norm``) has several :class:`Implementation` s: ours (``pipegoose``), fused kernels that ship in
+PyTorch (``torch_fused``: ``adam``'s ``torch._fused_adamw_``), ported registry copies (``megatron``, ``apex``,
+``deepspeed``) and the PyTorch reference (``torch``). Each declares
 ``supports(problem) -> (ok, reason)`` over a :class:`Problem` (shapes, dtypes, device, layout: metadata only, no
 kernel runs), and names the manifest kernel it needs; the kernel is loaded on first use
 (``pipegoose.kernels.load``) and a failed load becomes a reason (``"pipegoose/softmax unavailable: ..."``).
@@ -16,7 +17,7 @@ Choice, first that supports the input wins:
 3. the tuning table of the input's GPU (``pipegoose/nn/fusion/tuning/<slug>.json``, docs/architecture.md
    "Tuning tables"): the first rule whose op and dtype match, whose ``max_cols`` is not exceeded and whose
    implementation supports the input (rules whose ``pass`` matches the call, ``fwd`` or ``fwd+bwd``, first);
-4. the built-in order: ours, then the ported copies, then ``torch``;
+4. the built-in order: ours, then PyTorch's fused kernels, then the ported copies, then ``torch``;
 5. before 3 and 4, small problems: when the input has fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements (default
    2**24; 0 turns this off), a fused implementation supports it, and the op's reference path is one native PyTorch
    op for it (``F.layer_norm``, ``F.rms_norm``: ``Implementation.small_first``), the reference runs (source
@@ -125,8 +126,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 TUNING_DIR = Path(__file__).resolve().parent / "tuning"
-IMPL_NAMES = ("pipegoose", "megatron", "apex", "deepspeed", "torch", "sdpa", "eager")
-_KIND_ORDER = {"ours": 0, "ported": 1, "reference": 2}
+IMPL_NAMES = ("pipegoose", "megatron", "apex", "deepspeed", "torch", "torch_fused", "sdpa", "eager")
+# native (a fused kernel that ships in PyTorch) before the ported copies: where both exist (adam) it measured faster
+# (H200, 2026-11-29/30: AdamW bf16 2.67-2.74 TB/s against the Apex copy's 1.35-1.42, fp32 3.43-3.48 against 3.30-3.34)
+_KIND_ORDER = {"ours": 0, "native": 1, "ported": 2, "reference": 3}
 _PASSES = ("fwd", "fwd+bwd")
 # Small problems (see the module docstring). Measured on the H200 host (benchmarks/overhead.py, 2026-11-29): a fused
 # LayerNorm/RMSNorm call cost about 230 us more host time per forward + backward than F.layer_norm / F.rms_norm
@@ -190,8 +193,10 @@ class Implementation:
 
     Attributes:
         op: the op it implements.
-        name: ``pipegoose``, ``megatron``, ``apex``, ``deepspeed`` or ``torch`` (``sdpa``/``eager`` for attention).
-        kind: ``ours``, ``ported`` or ``reference`` (orders the built-in choice).
+        name: ``pipegoose``, ``megatron``, ``apex``, ``deepspeed``, ``torch_fused`` or ``torch`` (``sdpa``/``eager``
+            for attention).
+        kind: ``ours``, ``native`` (a fused kernel that ships in PyTorch), ``ported`` or ``reference`` (orders the
+            built-in choice in that order).
         supports: ``supports(problem) -> (ok, reason)``; the reason says what is not supported.
         kernels: manifest kernels (ids or aliases) loaded, in order, before the first use; empty for ``torch``.
         source: where the kernel comes from (project, file, version, license) for docs and reports.
@@ -295,7 +300,7 @@ def _ensure_builtin_ops() -> None:
 
 
 def implementations(op: str) -> dict[str, Implementation]:
-    """The implementations of ``op`` by name, in built-in order (ours, ported, torch).
+    """The implementations of ``op`` by name, in built-in order (ours, native, ported, torch).
 
     Raises:
         KeyError: unknown op (the message lists the known ones).

@@ -9,6 +9,10 @@ Ops (dispatch names) and implementations:
   cross pairs excepted); contiguous; 32-bit sizes.
   ``deepspeed`` - DeepSpeed 0.19.8 ``csrc/adam/multi_tensor_adam.cu`` (adapted from Apex), Apache-2.0: fp32 math;
   grads, params and both moments in one dtype; 64-bit indexing.
+  ``torch_fused`` - PyTorch's own fused kernels, ``torch._fused_adamw_`` / ``torch._fused_adam_``
+  (``aten/src/ATen/native/cuda/FusedAdamWKernel.cu`` / ``FusedAdamKernel.cu`` of the installed torch; what
+  ``torch.optim.AdamW(fused=True)`` runs): fp32 math; grads, params and both moments in one dtype (fp32, fp16, bf16,
+  fp64); contiguous; bias correction always on (``bias_correction=False`` is declined).
   ``torch`` - ``torch.optim.adam.adam`` (the functional math of torch.optim.Adam/AdamW; own ``torch._foreach``
   math when ``bias_correction=False``, which torch does not offer).
 * ``clip_grad_norm`` (one call per device and dtype): ``apex`` - ``multi_tensor_l2norm`` + ``multi_tensor_scale``
@@ -32,6 +36,8 @@ CHUNK_SIZE = 2048 * 32  # elements per block-chunk, as Apex's optimizers use
 SRC_APEX_ADAM = ("apex/multi_tensor_adam: Apex csrc/multi_tensor_adam.cu via ColossalAI 0.5.0 "
                  "extensions/csrc/kernel/cuda/multi_tensor_adam_kernel.cu, Apache-2.0")
 SRC_DS_ADAM = "deepspeed/multi_tensor_adam: DeepSpeed 0.19.8 csrc/adam/multi_tensor_adam.cu, Apache-2.0"
+SRC_TORCH_ADAM = (f"torch._fused_adamw_ / torch._fused_adam_: PyTorch {torch.__version__} "
+                  "aten/src/ATen/native/cuda/FusedAdamWKernel.cu / FusedAdamKernel.cu, BSD-3-Clause")
 SRC_APEX_CLIP = ("apex/multi_tensor_l2norm + apex/multi_tensor_scale: Apex csrc/multi_tensor_{l2norm,scale}_kernel.cu "
                  "via ColossalAI 0.5.0 extensions/csrc/kernel/cuda/, Apache-2.0")
 
@@ -51,15 +57,19 @@ def _tensors_facts(lists: Sequence[Sequence[torch.Tensor]]) -> dict:
                 uniform=all(len({t.dtype for t in lst}) <= 1 for lst in lists))
 
 
-def adam_problem(grads, params, exp_avgs, exp_avg_sqs) -> Problem:
+def adam_problem(grads, params, exp_avgs, exp_avg_sqs, bias_correction: bool = True) -> Problem:
+    """The ``adam`` problem of one bucket. ``cols`` is the bucket's parameter count (the size the benchmarks time an
+    optimizer at, and the tuning rules' ``max_cols`` bound)."""
     facts = _tensors_facts([grads, params, exp_avgs, exp_avg_sqs])
-    return Problem(OP_ADAM, params[0].dtype, params[0].device, None, False, facts)
+    facts["bias_correction"] = bool(bias_correction)
+    return Problem(OP_ADAM, params[0].dtype, params[0].device, sum(p.numel() for p in params), False, facts)
 
 
 def clip_problem(grads: Sequence[torch.Tensor], norm_type: float) -> Problem:
+    """The ``clip_grad_norm`` problem of one (device, dtype) group; ``cols`` is its element count."""
     facts = _tensors_facts([grads])
     facts["norm_type"] = float(norm_type)
-    return Problem(OP_CLIP, grads[0].dtype, grads[0].device, None, False, facts)
+    return Problem(OP_CLIP, grads[0].dtype, grads[0].device, sum(g.numel() for g in grads), False, facts)
 
 
 def _lists_ok(p: Problem) -> tuple[bool, str]:
@@ -103,6 +113,23 @@ def _ds_adam_supports(p: Problem) -> tuple[bool, str]:
     return True, ""
 
 
+def _torch_fused_adam_supports(p: Problem) -> tuple[bool, str]:
+    ok, why = _lists_ok(p)
+    if not ok:
+        return ok, why
+    if not p.get("bias_correction", True):
+        return False, "bias_correction=False: torch's fused kernels always correct the moments' bias"
+    dts = set(p["dtypes"])
+    if len(dts) != 1:
+        return False, "grads, params and moments must share one dtype (the kernel reads every list as the param's)"
+    (d,) = dts
+    if d not in FLOAT_DTYPES + (torch.float64,):
+        return False, f"dtype {dtype_name(d)} not supported"
+    if not hasattr(torch, "_fused_adamw_"):
+        return False, f"torch {torch.__version__} has no torch._fused_adamw_"
+    return True, ""
+
+
 def _apex_clip_supports(p: Problem) -> tuple[bool, str]:
     ok, why = _lists_ok(p)
     if not ok:
@@ -120,6 +147,7 @@ dispatch.register(Implementation(OP_ADAM, "apex", "ported", _apex_adam_supports,
                                  SRC_APEX_ADAM))
 dispatch.register(Implementation(OP_ADAM, "deepspeed", "ported", _ds_adam_supports,
                                  ("deepspeed/multi_tensor_adam",), SRC_DS_ADAM))
+dispatch.register(Implementation(OP_ADAM, "torch_fused", "native", _torch_fused_adam_supports, (), SRC_TORCH_ADAM))
 dispatch.register(Implementation(OP_ADAM, "torch", "reference", lambda p: (True, ""), (), "torch.optim.adam.adam"))
 dispatch.register(Implementation(OP_CLIP, "apex", "ported", _apex_clip_supports,
                                  ("apex/multi_tensor_l2norm", "apex/multi_tensor_scale"), SRC_APEX_CLIP))
@@ -150,10 +178,21 @@ def _ops(name: str) -> Any:
 
 def adam_step_fused(impl: str, grads, params, exp_avgs, exp_avg_sqs, *, lr: float, beta1: float, beta2: float,
                     eps: float, step: int, adam_w_mode: bool, bias_correction: bool, weight_decay: float) -> None:
-    """One Adam/AdamW step over a bucket with the ``apex`` or ``deepspeed`` kernel (``step`` already counted)."""
+    """One Adam/AdamW step over a bucket with the ``apex``, ``deepspeed`` or ``torch_fused`` kernel (``step``, the
+    bucket's shared step count, already counted)."""
     dev = params[0].device
     mode = 1 if adam_w_mode else 0
-    if impl == "apex":
+    if impl == "torch_fused":
+        if not bias_correction:
+            raise ValueError("bias_correction: torch_fused always corrects the bias (its supports() declines False)")
+        # the kernel reads each tensor's step from a float32 tensor on the device; the bucket shares one count, so
+        # one tensor serves every entry (no host sync: a fill kernel)
+        steps = [torch.full((), float(step), dtype=torch.float32, device=dev)] * len(params)
+        fn = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
+        fn(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [], steps, lr=float(lr), beta1=float(beta1),
+           beta2=float(beta2), weight_decay=float(weight_decay), eps=float(eps), amsgrad=False, maximize=False,
+           grad_scale=None, found_inf=None)
+    elif impl == "apex":
         _ops("apex/multi_tensor_adam").multi_tensor_adam(
             CHUNK_SIZE, noop_flag(dev), list(grads), list(params), list(exp_avgs), list(exp_avg_sqs), float(lr),
             float(beta1), float(beta2), float(eps), int(step), mode, int(bias_correction), float(weight_decay), -1.0)
@@ -162,7 +201,7 @@ def adam_step_fused(impl: str, grads, params, exp_avgs, exp_avg_sqs, *, lr: floa
             CHUNK_SIZE, noop_flag(dev), list(grads), list(params), list(exp_avgs), list(exp_avg_sqs), float(lr),
             float(beta1), float(beta2), float(eps), int(step), mode, int(bias_correction), float(weight_decay))
     else:
-        raise ValueError(f"impl: expected 'apex' or 'deepspeed', got {impl!r}")
+        raise ValueError(f"impl: expected 'apex', 'deepspeed' or 'torch_fused', got {impl!r}")
 
 
 @torch.no_grad()
