@@ -13,7 +13,9 @@ Models (random init from a config, no weights downloaded):
   function, so ``fuse_eager`` is eager attention with fused norms (Llama's also moves attention).
 
 Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
-(``pipegoose.nn.fusion.fuse(model)`` on that model), ``compile_sdpa`` (``torch.compile(model)``, compile time in the
+(``pipegoose.nn.fusion.fuse(model)`` on that model), ``fuse_sdpa_adam`` (``fuse_sdpa`` with
+``pipegoose.nn.fusion.FusedAdam(lr, weight_decay=0.01)``, AdamW's defaults, in place of ``torch.optim.AdamW(fused=True)``
+that every other variant steps with), ``compile_sdpa`` (``torch.compile(model)``, compile time in the
 warm-up, reported separately), ``liger`` (``apply_liger_kernel_to_llama`` / ``_qwen3(model=...)`` with their defaults:
 rope, rms_norm, swiglu, fused linear cross-entropy) and ``liger_rmsnorm`` (only its RMSNorm: the like-for-like
 comparison with ours). Liger patches transformers globally, so every variant runs in its own subprocess (fresh memory,
@@ -54,7 +56,7 @@ MODELS = {
                                                       tie_word_embeddings=True)),
 }
 CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config"}
-VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "compile_sdpa", "liger_rmsnorm", "liger")
+VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "compile_sdpa", "liger_rmsnorm", "liger")
 # What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the
 # subprocess failed), unavailable (Liger-Kernel not installed), skipped (time budget, or no CUDA).
 STATUSES = ("ok", "FAILED", "oom", "timeout", "error", "unavailable", "skipped")
@@ -95,7 +97,12 @@ def _worker(model_name: str, variant: str, batch: int, seq: int, warmup: int, st
                   model=model)
     step_model = torch.compile(model) if variant == "compile_sdpa" else model
     res["setup_s"] = round(time.perf_counter() - t0, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    if variant == "fuse_sdpa_adam":
+        from pipegoose.nn.fusion import FusedAdam
+
+        opt = FusedAdam(model.parameters(), lr=1e-4, weight_decay=0.01)   # torch.optim.AdamW's default decay
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     gen = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda", generator=gen)
     losses: list[float] = []

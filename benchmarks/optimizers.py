@@ -9,7 +9,8 @@ AdamW (decoupled) mode.
 Implementations:
 
 * adamw: ``torch_fused`` = ``torch.optim.AdamW(fused=True)``; ``torch_foreach`` = ``AdamW(foreach=True)``;
-  ``pipegoose`` = ``pipegoose.nn.fusion.optim.FusedAdam`` (its default kernel); ``apex`` / ``deepspeed`` = the raw
+  ``pipegoose`` = ``pipegoose.nn.fusion.optim.FusedAdam(impl="pipegoose")`` (our kernel, op ``pipegoose::adam_step``);
+  ``fused_adam`` = ``FusedAdam()`` (the dispatcher's choice: what a user gets); ``apex`` / ``deepspeed`` = the raw
   ``torch.ops.pipegoose.multi_tensor_adam`` / ``deepspeed_multi_tensor_adam`` ops (Apex via ColossalAI 0.5.0,
   DeepSpeed 0.19.8) called with chunk size 2048*32, mode 1 (AdamW).
 * clip_grad_norm: ``torch_foreach`` = ``torch.nn.utils.clip_grad_norm_(foreach=True)``; ``torch_loop`` =
@@ -28,13 +29,14 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
 
 from .byte_counts import op_bytes
 from .common import Measurement, dtype_name
-from .ops import Unavailable, check_close, classify
+from .ops import Unavailable, Unsupported, check_close, classify
 from .timing import Timer
 
 __all__ = ["OPT_SIZES", "make_params", "run_optimizers", "adamw_reference"]
@@ -46,7 +48,8 @@ OPT_SIZES = {"full": [100_000_000, 300_000_000, 1_000_000_000], "quick": [100_00
 LR_CHECK, LR_TIME, BETAS, EPS, WD = 0.05, 1e-3, (0.9, 0.999), 1e-8, 0.01
 CHUNK = 2048 * 32
 # benchmark impl -> the dispatcher implementation it times (the tuning table's choices); others are comparisons
-TUNABLE = {"adamw": {"torch_fused": "torch_fused", "torch_foreach": "torch", "apex": "apex", "deepspeed": "deepspeed"},
+TUNABLE = {"adamw": {"pipegoose": "pipegoose", "torch_fused": "torch_fused", "torch_foreach": "torch", "apex": "apex",
+                     "deepspeed": "deepspeed"},
            "clip_grad_norm": {"torch_foreach": "torch", "apex": "apex"}}
 
 
@@ -103,19 +106,36 @@ def _torch_adamw(kind: str) -> Callable:
     return build
 
 
-def _pipegoose_adamw(params: list[torch.Tensor], lr: float) -> Callable:
-    try:
-        from pipegoose.nn.fusion.optim import FusedAdam
-    except Exception as e:
-        raise Unavailable(f"pipegoose.nn.fusion.optim not importable: {type(e).__name__}: {e}") from None
-    ps = [torch.nn.Parameter(p, requires_grad=True) for p in params]
-    opt = FusedAdam(ps, lr=lr, betas=BETAS, eps=EPS, weight_decay=WD, adam_w_mode=True)
+def _fused_adam(impl: str | None) -> Callable:
+    """``FusedAdam(impl=impl)``: None is the dispatcher's own choice (what a user gets); a named implementation must be
+    the one that runs (Unsupported, or Unavailable where its kernel did not load, otherwise)."""
+    def build(params: list[torch.Tensor], lr: float) -> Callable:
+        try:
+            from pipegoose.nn.fusion import dispatch
+            from pipegoose.nn.fusion.optim import FusedAdam
+        except Exception as e:
+            raise Unavailable(f"pipegoose.nn.fusion.optim not importable: {type(e).__name__}: {e}") from None
+        ps = [torch.nn.Parameter(p, requires_grad=True) for p in params]
+        opt = FusedAdam(ps, lr=lr, betas=BETAS, eps=EPS, weight_decay=WD, adam_w_mode=True, impl=impl)
+        checked = []
 
-    def step(grads: list[torch.Tensor]) -> None:
-        for p, g in zip(ps, grads):
-            p.grad = g
-        opt.step()
-    return step, ps
+        def step(grads: list[torch.Tensor]) -> None:
+            for p, g in zip(ps, grads):
+                p.grad = g
+            if impl is None or checked:
+                opt.step()
+                return
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")   # the request that cannot run: reported below instead
+                opt.step()
+            choice = dispatch.last_choice("adam")
+            if choice is None or choice.impl != impl:
+                why = (choice.reasons.get(impl) or choice.unmet) if choice is not None else "no choice recorded"
+                exc = Unavailable if "unavailable" in why else Unsupported
+                raise exc(f"{impl} not taken (dispatcher ran {choice.impl if choice else '?'}): {why}")
+            checked.append(True)
+        return step, ps
+    return build
 
 
 def _raw_adamw(kernel: str, op: str) -> Callable:
@@ -145,7 +165,8 @@ def _raw_adamw(kernel: str, op: str) -> Callable:
 
 
 ADAMW = {"torch_fused": _torch_adamw("fused"), "torch_foreach": _torch_adamw("foreach"),
-         "pipegoose": _pipegoose_adamw, "apex": _raw_adamw("apex/multi_tensor_adam", "multi_tensor_adam"),
+         "pipegoose": _fused_adam("pipegoose"), "fused_adam": _fused_adam(None),
+         "apex": _raw_adamw("apex/multi_tensor_adam", "multi_tensor_adam"),
          "deepspeed": _raw_adamw("deepspeed/multi_tensor_adam", "deepspeed_multi_tensor_adam")}
 
 

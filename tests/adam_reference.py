@@ -1,25 +1,34 @@
-"""The float64 Adam/AdamW reference of the optimizer tests (CPU and GPU)."""
+"""The float64 Adam/AdamW step of the optimizer tests (CPU and GPU), and the states they start from."""
 
 from __future__ import annotations
 
 import torch
 
 
-def adam64(p, grads, lr, betas, eps, wd, adam_w_mode, dtype):
-    """float64 Adam/AdamW over the successive ``grads`` from zero moments. As the kernels do, a step reads p, m, v as
-    stored, updates p with the new m and v before they are rounded, and stores all three rounded to ``dtype`` (in
-    fp16 a small v rounds to zero: an update from the rounded v would be lr * m / eps)."""
-    p = p.double()
-    m, v = torch.zeros_like(p), torch.zeros_like(p)
+def adam_state(shapes, dtype, device="cpu", seed=0):
+    """Random parameters, gradients and moments (v > 0) of ``dtype``: a step from them is well conditioned. From zero
+    moments the first update is lr * g / (|g| + eps), about lr * sign(g): an L2-mode gradient g + wd * p that cancels
+    to near zero takes either sign in fp32 and float64, and the update differs by 2 * lr."""
+    g = torch.Generator().manual_seed(seed)
+
+    def make(scale=1.0, positive=False):
+        ts = [torch.randn(s, generator=g, dtype=torch.float64) * scale for s in shapes]
+        return [(t.abs() + 0.01 if positive else t).to(dtype).to(device) for t in ts]
+
+    return make(), make(), make(0.1), make(0.1, positive=True)   # p, grad, exp_avg, exp_avg_sq
+
+
+def adam_step64(p, g, m, v, step, lr, betas, eps, wd, adam_w_mode):
+    """One Adam (L2) or AdamW (decoupled) step in float64 from the stored ``p``, ``m``, ``v``; ``step`` counts this
+    step (bias correction ``1 - beta ** step``; None: no bias correction). Returns the new (p, m, v), unrounded."""
+    p, g, m, v = (t.double().cpu() for t in (p, g, m, v))
     b1, b2 = betas
-    for k, g in enumerate(grads, start=1):
-        g = g.double()
-        if adam_w_mode:
-            p = p * (1 - lr * wd)
-        else:
-            g = g + wd * p
-        m = b1 * m + (1 - b1) * g
-        v = b2 * v + (1 - b2) * g * g
-        p = (p - lr * (m / (1 - b1 ** k)) / ((v / (1 - b2 ** k)).sqrt() + eps)).to(dtype).double()
-        m, v = m.to(dtype).double(), v.to(dtype).double()
-    return p
+    if adam_w_mode:
+        p = p * (1 - lr * wd)
+    else:
+        g = g + wd * p
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    c1, c2 = (1.0, 1.0) if step is None else (1 - b1 ** step, 1 - b2 ** step)
+    p = p - lr * (m / c1) / ((v / c2).sqrt() + eps)
+    return p, m, v

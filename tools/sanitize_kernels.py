@@ -3,6 +3,7 @@
     compute-sanitizer --tool memcheck  --error-exitcode 99 python tools/sanitize_kernels.py
     compute-sanitizer --tool racecheck --error-exitcode 99 python tools/sanitize_kernels.py norms
     compute-sanitizer --tool memcheck  --error-exitcode 99 python tools/sanitize_kernels.py softmax long
+    compute-sanitizer --tool memcheck  --error-exitcode 99 python tools/sanitize_kernels.py adam
     PIPEGOOSE_NORM_CLUSTERS=0 compute-sanitizer --tool memcheck --error-exitcode 99 python tools/sanitize_kernels.py norms
 
 (the last: the backward plans of a GPU before sm_90, on one that has clusters)
@@ -16,8 +17,11 @@ walks 300 rows; 65544: the two-read kernel), the specialised backward sizes, the
 cluster per row on sm_90 and newer, the two-kernel path with fp32 grad_output of a 16-bit input and before sm_90), with
 and without parameters and with a bias alone, fp32 parameters and fp32 grad_output with a 16-bit input) and of
 ``pipegoose/softmax`` (plain, padding-masked, causal; 1 to 40000 keys; one and three query rows, and whole causal
-matrices of 36 to 2056 keys: the row pairs of the forward and the backward) in fp32, fp16 and bf16, at row counts small
-enough for the sanitizers (seconds, not hours). The optional argument ``norms`` or ``softmax`` limits it to one family;
+matrices of 36 to 2056 keys: the row pairs of the forward and the backward) and ``pipegoose/multi_tensor_adam`` (one
+step, AdamW and L2, over tensors of 1 to 12289 elements, more than one launch holds, empty ones, and views at odd
+offsets: the scalar path) in fp32, fp16 and bf16, at row counts small
+enough for the sanitizers (seconds, not hours). The optional argument ``norms``, ``softmax`` or ``adam`` limits it to
+one family;
 ``norms`` followed by hidden sizes (of the list ``NORM_HIDDEN``) to those sizes, e.g. ``norms 16384 20000 32768 64000``
 for the wide rows' backward; ``softmax long`` adds the 16-bit causal forward of 16387 queries of 16384 keys (the staged
 kernel on rows of every length), a square causal matrix of 8200 keys (8196 in fp32: the backward's row pairs with
@@ -57,8 +61,9 @@ def main() -> int:
         if not set(hidden) <= set(NORM_HIDDEN):
             raise SystemExit(f"sanitize_kernels: norms: expected hidden sizes among {NORM_HIDDEN}, got "
                              f"{' '.join(sys.argv[2:])!r}")
-    elif which not in ("all", "norms", "softmax") or sys.argv[2:] not in ([], ["long"] if which == "softmax" else []):
-        raise SystemExit(f"sanitize_kernels: expected 'norms' [HIDDEN ...], 'softmax' [long] or nothing, got "
+    elif which not in ("all", "norms", "softmax", "adam") or sys.argv[2:] not in (
+            [], ["long"] if which == "softmax" else []):
+        raise SystemExit(f"sanitize_kernels: expected 'norms' [HIDDEN ...], 'softmax' [long], 'adam' or nothing, got "
                          f"{' '.join(sys.argv[1:])!r}")
     long_rows = sys.argv[2:] == ["long"]
     if not torch.cuda.is_available():
@@ -161,6 +166,18 @@ def main() -> int:
                     for causal in (False, True):
                         sm.softmax_forward(torch.randn(2, 3, sq, sk, device="cuda", dtype=dt), mask, 0.5, causal)
                         calls += 1
+    if which in ("all", "adam"):
+        adam = load("pipegoose/multi_tensor_adam")
+        # sizes around the 4096-element chunk and the vector width; 390 tensors: two launches (384 a launch)
+        sizes = [1, 3, 4095, 4096, 4097, 12289, 0] + [5] * 383 + [0]
+        for dt in dtypes:
+            lists = [[torch.randn(n, device="cuda", dtype=dt) for n in sizes] for _ in range(3)]
+            lists.append([torch.rand(n, device="cuda", dtype=dt) for n in sizes])
+            for k in range(3):   # misaligned views (offset 1 of a larger buffer) in one list each
+                lists[k][k + 1] = torch.randn(sizes[k + 1] + 1, device="cuda", dtype=dt)[1:]
+            for adam_w_mode in (True, False):
+                adam.adam_step(*lists, 1e-3, 0.9, 0.999, 1e-8, 3, adam_w_mode, True, 0.01)
+                calls += 1
     torch.cuda.synchronize()
     print(f"sanitize_kernels: {calls} kernel calls done")
     return 0

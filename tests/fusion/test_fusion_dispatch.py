@@ -428,7 +428,7 @@ def test_real_ops_are_registered():
                       "softmax.masked": ["pipegoose", "megatron", "torch"],
                       "softmax.causal": ["pipegoose", "megatron", "torch"],
                       "layer_norm": ["pipegoose", "apex", "torch"], "rms_norm": ["pipegoose", "torch"],
-                      "adam": ["torch_fused", "apex", "deepspeed", "torch"], "clip_grad_norm": ["apex", "torch"]}.items():
+                      "adam": ["pipegoose", "torch_fused", "apex", "deepspeed", "torch"], "clip_grad_norm": ["apex", "torch"]}.items():
         assert list(dispatch.implementations(op)) == names
 
 

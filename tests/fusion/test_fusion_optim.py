@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from adam_reference import adam64
+from adam_reference import adam_state, adam_step64
 from tolerances import TOLERANCES
 
 from pipegoose.nn.fusion import dispatch
@@ -369,37 +369,33 @@ def test_fused_adam_weight_decay_mode_of_loaded_and_none_groups():
 @pytest.mark.parametrize("adam_w_mode", [True, False])
 def test_torch_fused_adam_step_matches_float64_math(dtype, adam_w_mode):
     """The ``torch_fused`` implementation's call (torch._fused_adamw_ / _fused_adam_, which torch also has on the CPU):
-    lr, betas, eps, weight decay, the mode and the shared step count reach the kernel as meant. Three steps over
-    tensors of odd sizes against the float64 math; the first step moves every element (lr 0.05 is far above the
-    rounding)."""
+    lr, betas, eps, weight decay, the mode and the bucket's step count reach the kernel as meant. One step (the
+    seventh) over tensors of odd sizes from random moments against the float64 math: p, exp_avg and exp_avg_sq."""
     from pipegoose.nn.fusion.ops import multi_tensor as mt
 
-    g = torch.Generator().manual_seed(5)
     shapes = [(1,), (7,), (33, 31), (1000 + 3,)]
-    p0 = [torch.randn(s, generator=g).to(dtype) for s in shapes]
-    grads = [[torch.randn(s, generator=g).to(dtype) for s in shapes] for _ in range(3)]
-    ps = [p.clone() for p in p0]
-    ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
-    hp = dict(lr=0.05, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-    for k in range(3):
-        mt.adam_step_fused("torch_fused", grads[k], ps, ms, vs, step=k + 1, adam_w_mode=adam_w_mode,
-                           bias_correction=True, **hp)
-        if k == 0:   # the first step moves every element by about lr (bias-corrected m / sqrt(v) is +-1)
-            assert all((p != q).all() for p, q in zip(ps, p0))
-    for i, p in enumerate(ps):
-        want = adam64(p0[i], [gs[i] for gs in grads], 0.05, (0.9, 0.95), 1e-8, 0.1, adam_w_mode, dtype)
-        torch.testing.assert_close(p.double(), want, **TOLERANCES[dtype])
+    ps, gs, ms, vs = adam_state(shapes, dtype, seed=5)
+    want = [adam_step64(*t, 7, 0.05, (0.9, 0.95), 1e-8, 0.1, adam_w_mode) for t in zip(ps, gs, ms, vs)]
+    mt.adam_step_fused("torch_fused", gs, ps, ms, vs, step=7, adam_w_mode=adam_w_mode, bias_correction=True,
+                       lr=0.05, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    for i, (wp, wm, wv) in enumerate(want):
+        for got, ref, what in ((ps[i], wp, "param"), (ms[i], wm, "exp_avg"), (vs[i], wv, "exp_avg_sq")):
+            torch.testing.assert_close(got.double(), ref, **TOLERANCES[dtype], msg=lambda e: f"{what}[{i}]: {e}")
     with pytest.raises(ValueError, match="bias_correction"):
-        mt.adam_step_fused("torch_fused", grads[0], ps, ms, vs, step=4, adam_w_mode=True, bias_correction=False, **hp)
+        mt.adam_step_fused("torch_fused", gs, ps, ms, vs, step=8, adam_w_mode=True, bias_correction=False,
+                           lr=0.05, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 
-def test_torch_fused_adam_declines_what_its_kernel_cannot_run():
-    """``torch_fused`` is the first of the built-in order on a GPU; it must decline, with the reason, what the kernel
-    would read wrongly (lists of mixed dtypes: it reads every list as the param's) or cannot do (no bias correction)."""
+@pytest.mark.parametrize("name", ["pipegoose", "torch_fused"])
+def test_adam_kernels_decline_what_they_cannot_run(name):
+    """Ours and ``torch_fused`` come first in the built-in order on a GPU; each must decline, with the reason, what its
+    kernel would read wrongly (lists of mixed dtypes: both read the four lists in one dtype) or cannot do."""
     from pipegoose.nn.fusion.ops import multi_tensor as mt
 
-    impl = dispatch.implementations("adam")["torch_fused"]
-    assert impl.kind == "native" and list(dispatch.implementations("adam"))[0] == "torch_fused"
+    order = list(dispatch.implementations("adam"))
+    assert order[:2] == ["pipegoose", "torch_fused"]
+    impl = dispatch.implementations("adam")[name]
+    assert impl.kind == {"pipegoose": "ours", "torch_fused": "native"}[name]
     bf = [torch.zeros(4, 3, dtype=torch.bfloat16)]
 
     def on_gpu(problem):   # the same facts, on a CUDA device (the checks read metadata only)
@@ -410,7 +406,7 @@ def test_torch_fused_adam_declines_what_its_kernel_cannot_run():
     ok, why = impl.supports(on_gpu(mt.adam_problem([torch.zeros(4, 3)], bf, bf, bf)))
     assert not ok and "one dtype" in why
     ok, why = impl.supports(on_gpu(mt.adam_problem(bf, bf, bf, bf, bias_correction=False)))
-    assert not ok and "bias_correction=False" in why
+    assert ok is (name == "pipegoose") and ("bias_correction=False" in why) is (name == "torch_fused")
     t = [torch.zeros(4, 3, dtype=torch.bfloat16).t()]
     ok, why = impl.supports(on_gpu(mt.adam_problem(t, t, t, t)))
     assert not ok and "contiguous" in why

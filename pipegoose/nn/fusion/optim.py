@@ -2,8 +2,8 @@
 
 Kernels: Apex ``multi_tensor_adam`` / ``multi_tensor_l2norm`` / ``multi_tensor_scale`` (copies in ColossalAI
 0.5.0 ``extensions/csrc/kernel/cuda/multi_tensor_{adam,l2norm,scale}_kernel.cu``, Apache-2.0, Apex BSD-3 notice)
-and DeepSpeed 0.19.8 ``csrc/adam/multi_tensor_adam.cu`` (Apache-2.0), and PyTorch's own fused Adam/AdamW kernels
-(``torch._fused_adamw_``); see :mod:`pipegoose.nn.fusion.ops.multi_tensor` for each kernel's assumptions. The reference
+and DeepSpeed 0.19.8 ``csrc/adam/multi_tensor_adam.cu`` (Apache-2.0), PyTorch's own fused Adam/AdamW kernels
+(``torch._fused_adamw_``) and ours (``pipegoose/kernels/csrc/multi_tensor_adam.cu``); see :mod:`pipegoose.nn.fusion.ops.multi_tensor` for each kernel's assumptions. The reference
 path is PyTorch's own (foreach) math.
 """
 
@@ -45,8 +45,8 @@ class FusedAdam(torch.optim.Optimizer):
         amsgrad, maximize, capturable, differentiable: must be False (the kernels have no AMSGrad, only minimize,
             keep the step on the host, and are not differentiable): ValueError otherwise.
         foreach, fused: taken for torch.optim.AdamW's signature and ignored (the step is always multi-tensor).
-        impl: ``torch_fused``, ``apex``, ``deepspeed``, ``torch``, or None/``auto`` (``PIPEGOOSE_IMPL_ADAM``, then the
-            GPU's tuning table, then that built-in order); any case.
+        impl: ``pipegoose``, ``torch_fused``, ``apex``, ``deepspeed``, ``torch``, or None/``auto``
+            (``PIPEGOOSE_IMPL_ADAM``, then the GPU's tuning table, then that built-in order); any case.
 
     Parameters may be fp32, fp16 or bf16 (each kernel call takes one bucket of tensors that share device,
     dtypes and step); the moments have the parameter's dtype and the math is fp32 in the kernels (so fp16/bf16
@@ -55,7 +55,8 @@ class FusedAdam(torch.optim.Optimizer):
     State per parameter: ``step`` (float32 scalar tensor on the CPU), ``exp_avg``, ``exp_avg_sq``, as
     torch.optim.AdamW keeps them, so state_dicts load both ways (param groups carry AdamW's keys too).
 
-    Kernels: ``torch_fused``: PyTorch's ``torch._fused_adamw_`` / ``torch._fused_adam_``
+    Kernels: ``pipegoose``: ours, pipegoose/kernels/csrc/multi_tensor_adam.cu (op ``pipegoose::adam_step``; one dtype
+    for every list); ``torch_fused``: PyTorch's ``torch._fused_adamw_`` / ``torch._fused_adam_``
     (aten/src/ATen/native/cuda/FusedAdamWKernel.cu / FusedAdamKernel.cu of the installed torch, what
     ``torch.optim.AdamW(fused=True)`` runs; one dtype for every list, bias correction on); ``apex``: Apex's
     csrc/multi_tensor_adam.cu via ColossalAI 0.5.0 extensions/csrc/kernel/cuda/multi_tensor_adam_kernel.cu

@@ -3,6 +3,9 @@
 Ops (dispatch names) and implementations:
 
 * ``adam`` (one call per bucket of tensors sharing device, dtypes and step):
+  ``pipegoose`` - ours, ``pipegoose/kernels/csrc/multi_tensor_adam.cu`` (op ``pipegoose::adam_step``): fp32 math,
+  one rounding of each stored value; grads, params and both moments in one dtype (fp32, fp16, bf16); contiguous;
+  64-bit offsets; any number of tensors (384 per launch).
   ``apex`` - Apex ``amp_C.multi_tensor_adam`` copy in ColossalAI 0.5.0
   ``extensions/csrc/kernel/cuda/multi_tensor_adam_kernel.cu`` (+ ``multi_tensor_apply.cuh``), Apache-2.0 (Apex
   BSD-3 notice): fp32 math; grads one dtype, params/exp_avg/exp_avg_sq one dtype (fp32/fp16/bf16, the fp16-bf16
@@ -36,6 +39,7 @@ CHUNK_SIZE = 2048 * 32  # elements per block-chunk, as Apex's optimizers use
 SRC_APEX_ADAM = ("apex/multi_tensor_adam: Apex csrc/multi_tensor_adam.cu via ColossalAI 0.5.0 "
                  "extensions/csrc/kernel/cuda/multi_tensor_adam_kernel.cu, Apache-2.0")
 SRC_DS_ADAM = "deepspeed/multi_tensor_adam: DeepSpeed 0.19.8 csrc/adam/multi_tensor_adam.cu, Apache-2.0"
+SRC_OURS_ADAM = "pipegoose/multi_tensor_adam: pipegoose pipegoose/kernels/csrc/multi_tensor_adam.cu, MIT"
 SRC_TORCH_ADAM = (f"torch._fused_adamw_ / torch._fused_adam_: PyTorch {torch.__version__} "
                   "aten/src/ATen/native/cuda/FusedAdamWKernel.cu / FusedAdamKernel.cu, BSD-3-Clause")
 SRC_APEX_CLIP = ("apex/multi_tensor_l2norm + apex/multi_tensor_scale: Apex csrc/multi_tensor_{l2norm,scale}_kernel.cu "
@@ -113,6 +117,19 @@ def _ds_adam_supports(p: Problem) -> tuple[bool, str]:
     return True, ""
 
 
+def _pipegoose_adam_supports(p: Problem) -> tuple[bool, str]:
+    ok, why = _lists_ok(p)
+    if not ok:
+        return ok, why
+    dts = set(p["dtypes"])
+    if len(dts) != 1:
+        return False, "grads, params and moments must share one dtype (the kernel takes one for the four lists)"
+    (d,) = dts
+    if d not in FLOAT_DTYPES:
+        return False, f"dtype {dtype_name(d)} not supported (float32, float16, bfloat16)"
+    return True, ""
+
+
 def _torch_fused_adam_supports(p: Problem) -> tuple[bool, str]:
     ok, why = _lists_ok(p)
     if not ok:
@@ -143,6 +160,8 @@ def _apex_clip_supports(p: Problem) -> tuple[bool, str]:
     return True, ""
 
 
+dispatch.register(Implementation(OP_ADAM, "pipegoose", "ours", _pipegoose_adam_supports,
+                                 ("pipegoose/multi_tensor_adam",), SRC_OURS_ADAM))
 dispatch.register(Implementation(OP_ADAM, "apex", "ported", _apex_adam_supports, ("apex/multi_tensor_adam",),
                                  SRC_APEX_ADAM))
 dispatch.register(Implementation(OP_ADAM, "deepspeed", "ported", _ds_adam_supports,
@@ -178,11 +197,15 @@ def _ops(name: str) -> Any:
 
 def adam_step_fused(impl: str, grads, params, exp_avgs, exp_avg_sqs, *, lr: float, beta1: float, beta2: float,
                     eps: float, step: int, adam_w_mode: bool, bias_correction: bool, weight_decay: float) -> None:
-    """One Adam/AdamW step over a bucket with the ``apex``, ``deepspeed`` or ``torch_fused`` kernel (``step``, the
-    bucket's shared step count, already counted)."""
+    """One Adam/AdamW step over a bucket with the ``pipegoose``, ``apex``, ``deepspeed`` or ``torch_fused`` kernel
+    (``step``, the bucket's shared step count, already counted)."""
     dev = params[0].device
     mode = 1 if adam_w_mode else 0
-    if impl == "torch_fused":
+    if impl == "pipegoose":
+        _ops("pipegoose/multi_tensor_adam").adam_step(
+            list(grads), list(params), list(exp_avgs), list(exp_avg_sqs), float(lr), float(beta1), float(beta2),
+            float(eps), int(step), bool(adam_w_mode), bool(bias_correction), float(weight_decay))
+    elif impl == "torch_fused":
         if not bias_correction:
             raise ValueError("bias_correction: torch_fused always corrects the bias (its supports() declines False)")
         # the kernel reads each tensor's step from a float32 tensor on the device; the bucket shares one count, so
@@ -201,7 +224,7 @@ def adam_step_fused(impl: str, grads, params, exp_avgs, exp_avg_sqs, *, lr: floa
             CHUNK_SIZE, noop_flag(dev), list(grads), list(params), list(exp_avgs), list(exp_avg_sqs), float(lr),
             float(beta1), float(beta2), float(eps), int(step), mode, int(bias_correction), float(weight_decay))
     else:
-        raise ValueError(f"impl: expected 'apex', 'deepspeed' or 'torch_fused', got {impl!r}")
+        raise ValueError(f"impl: expected 'pipegoose', 'apex', 'deepspeed' or 'torch_fused', got {impl!r}")
 
 
 @torch.no_grad()

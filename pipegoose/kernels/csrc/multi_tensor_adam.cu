@@ -1,0 +1,246 @@
+// Multi-tensor Adam / AdamW step for fp32, fp16 and bf16 tensors with fp32 math. Written for pipegoose; op
+// pipegoose::adam_step (binding: pipegoose/kernels/bindings/adam_step.cpp; schema: docs/architecture.md "Op schemas").
+//
+// One launch updates many tensors: their pointers, sizes and the prefix sums of their chunk counts travel in the
+// kernel's parameter block (TensorTable, about 17 KB: CUDA 12.1+ takes up to 32764 bytes of parameters on sm_70 and
+// later), so no host-to-device copy is needed and the step stays asynchronous. A list longer than kMaxTensors
+// tensors takes several launches. Block b finds its tensor by a binary search over the prefix sums (every thread of
+// the block reads the same entries: constant-cache broadcasts) and updates one chunk of 4096 elements.
+// Each thread loads all of its vectors of the four tensors (grad, param, exp_avg, exp_avg_sq) before it computes,
+// so that 4 * kUnroll loads are in flight per thread. A tensor whose four pointers are not all 16-byte aligned (a
+// view into a flat buffer at an odd offset) takes the scalar path, with the same math; the tail of a tensor that is
+// not a whole number of vectors does too. Offsets are 64-bit. Loads and stores are streaming (__ldcs / __stcs):
+// every byte is touched once.
+//
+// The math, per element, in fp32 from the stored values (each stored value rounded once):
+//   L2 (adam_w_mode false): g += weight_decay * p
+//   m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g * g
+//   AdamW (adam_w_mode true): p *= 1 - lr * weight_decay
+//   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps),  bc = 1 - beta ** step (1 without bias correction)
+// which is torch.optim.Adam / AdamW's update (torch._fused_adam_ / _fused_adamw_ do the same in fp32).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "pipegoose_check.h"
+
+namespace pipegoose {
+namespace {
+
+constexpr const char* kOp = "pipegoose::adam_step";
+constexpr int kThreads = 256;
+// 16-byte vectors per thread and tensor in one chunk: 4 of fp32, 2 of 16-bit values (8 elements each; with 4 the bf16
+// kernel took 168 registers, one block per SM), so that a chunk is 4096 elements of either
+template <typename T> constexpr int kUnroll = sizeof(T) == 4 ? 4 : 2;
+template <typename T> constexpr int64_t kChunkElems = static_cast<int64_t>(kThreads) * kUnroll<T> * (16 / sizeof(T));
+constexpr int kMaxTensors = 384;                      // tensors per launch: 384 * 44 + 4 bytes of table
+
+struct TensorTable {
+  void* ptr[4][kMaxTensors];      // grad, param, exp_avg, exp_avg_sq
+  int64_t numel[kMaxTensors];
+  int32_t chunk_start[kMaxTensors + 1];   // prefix sums of the chunk counts: tensor i owns blocks [start[i], start[i+1])
+  uint8_t aligned[kMaxTensors];   // all four pointers 16-byte aligned: vector path
+};
+
+struct Hyper {
+  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, inv_bc2_sqrt, decay, weight_decay;
+  bool adam_w;
+};
+
+// c10's Half and BFloat16 convert to and from float on the device (round to nearest even)
+template <typename T> __device__ __forceinline__ float to_f(T x) { return static_cast<float>(x); }
+template <typename T> __device__ __forceinline__ T from_f(float x) { return static_cast<T>(x); }
+
+__device__ __forceinline__ void adam_math(const Hyper& h, float g, float& p, float& m, float& v) {
+  if (!h.adam_w) g = fmaf(h.weight_decay, p, g);
+  m = fmaf(h.beta1, m, h.one_minus_beta1 * g);
+  v = fmaf(h.beta2, v, h.one_minus_beta2 * g * g);
+  const float denom = fmaf(sqrtf(v), h.inv_bc2_sqrt, h.eps);
+  if (h.adam_w) p *= h.decay;
+  p -= h.step_size * (m / denom);
+}
+
+template <typename T>
+__device__ __forceinline__ void scalar_update(const Hyper& h, T* g, T* p, T* m, T* v, int64_t i) {
+  float pf = to_f<T>(p[i]), mf = to_f<T>(m[i]), vf = to_f<T>(v[i]);
+  adam_math(h, to_f<T>(g[i]), pf, mf, vf);
+  p[i] = from_f<T>(pf);
+  m[i] = from_f<T>(mf);
+  v[i] = from_f<T>(vf);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant__ TensorTable table, const Hyper h,
+                                                        int n_tensors) {
+  constexpr int V = 16 / sizeof(T);   // elements per 16-byte vector
+  const int32_t block = static_cast<int32_t>(blockIdx.x);
+  int lo = 0, hi = n_tensors - 1;     // the last tensor whose chunk_start <= block
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (table.chunk_start[mid] <= block) lo = mid; else hi = mid - 1;
+  }
+  const int t = lo;
+  const int64_t numel = table.numel[t];
+  const int64_t chunk = block - table.chunk_start[t];
+  const int64_t begin = chunk * kChunkElems<T>;   // first element of this chunk
+  const int64_t end = min(numel, begin + kChunkElems<T>);
+  T* g = static_cast<T*>(table.ptr[0][t]);
+  T* p = static_cast<T*>(table.ptr[1][t]);
+  T* m = static_cast<T*>(table.ptr[2][t]);
+  T* v = static_cast<T*>(table.ptr[3][t]);
+  if (!table.aligned[t]) {
+    for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) scalar_update(h, g, p, m, v, i);
+    return;
+  }
+  const int64_t full_vecs = (end - begin) / V;   // whole vectors in this chunk
+  const float4* g4 = reinterpret_cast<const float4*>(g + begin);
+  float4* p4 = reinterpret_cast<float4*>(p + begin);
+  float4* m4 = reinterpret_cast<float4*>(m + begin);
+  float4* v4 = reinterpret_cast<float4*>(v + begin);
+  constexpr int U = kUnroll<T>;
+  float4 rg[U], rp[U], rm[U], rv[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int64_t k = threadIdx.x + static_cast<int64_t>(u) * kThreads;
+    if (k < full_vecs) {
+      rg[u] = __ldcs(g4 + k);
+      rp[u] = __ldcs(p4 + k);
+      rm[u] = __ldcs(m4 + k);
+      rv[u] = __ldcs(v4 + k);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int64_t k = threadIdx.x + static_cast<int64_t>(u) * kThreads;
+    if (k < full_vecs) {
+      T* eg = reinterpret_cast<T*>(&rg[u]);
+      T* ep = reinterpret_cast<T*>(&rp[u]);
+      T* em = reinterpret_cast<T*>(&rm[u]);
+      T* ev = reinterpret_cast<T*>(&rv[u]);
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        float pf = to_f<T>(ep[e]), mf = to_f<T>(em[e]), vf = to_f<T>(ev[e]);
+        adam_math(h, to_f<T>(eg[e]), pf, mf, vf);
+        ep[e] = from_f<T>(pf);
+        em[e] = from_f<T>(mf);
+        ev[e] = from_f<T>(vf);
+      }
+      __stcs(p4 + k, rp[u]);
+      __stcs(m4 + k, rm[u]);
+      __stcs(v4 + k, rv[u]);
+    }
+  }
+  // the tail of the tensor that is not a whole vector (only in its last chunk)
+  for (int64_t i = begin + full_vecs * V + threadIdx.x; i < end; i += kThreads) scalar_update(h, g, p, m, v, i);
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+const char* kListNames[4] = {"grads", "params", "exp_avgs", "exp_avg_sqs"};
+
+}  // namespace
+
+void adam_step_cuda(at::TensorList grads, at::TensorList params, at::TensorList exp_avgs,
+                    at::TensorList exp_avg_sqs, double lr, double beta1, double beta2, double eps, int64_t step,
+                    bool adam_w_mode, bool bias_correction, double weight_decay) {
+  const at::TensorList lists[4] = {grads, params, exp_avgs, exp_avg_sqs};
+  const size_t n = grads.size();
+  for (int l = 1; l < 4; ++l) {
+    PG_CHECK(lists[l].size() == n, kOp, ": ", kListNames[l], " has ", lists[l].size(), " tensors but grads has ", n,
+             "; the lists must have equal lengths");
+  }
+  for (auto [name, x] : {std::pair<const char*, double>{"lr", lr}, {"beta1", beta1}, {"beta2", beta2},
+                         {"eps", eps}, {"weight_decay", weight_decay}}) {
+    PG_CHECK(std::isfinite(x), kOp, ": ", name, " must be finite, got ", x);
+  }
+  PG_CHECK(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, kOp, ": beta1 and beta2 must be in [0, 1), got ",
+           beta1, ", ", beta2);
+  PG_CHECK(step >= 1 || !bias_correction, kOp, ": step must be >= 1 (it counts this step) with bias correction, got ",
+           step);
+  if (n == 0) return;
+  const at::Tensor& first = params[0];
+  const at::ScalarType dtype = first.scalar_type();
+  PG_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, kOp,
+           ": params must be float32, float16 or bfloat16, got ", dtype);
+  PG_CHECK(first.is_cuda(), kOp, ": params[0] must be a CUDA tensor, got device ", first.device());
+  for (int l = 0; l < 4; ++l) {
+    for (size_t i = 0; i < n; ++i) {
+      const at::Tensor& x = lists[l][i];
+      PG_CHECK(x.defined(), kOp, ": ", kListNames[l], "[", i, "] is undefined");
+      PG_CHECK(x.device() == first.device(), kOp, ": ", kListNames[l], "[", i, "] is on ", x.device(),
+               " but params[0] is on ", first.device(), "; expected one CUDA device");
+      PG_CHECK(x.scalar_type() == dtype, kOp, ": ", kListNames[l], "[", i, "] is ", x.scalar_type(),
+               " but params[0] is ", dtype, "; the kernel takes one dtype for every tensor of the four lists");
+      PG_CHECK(x.is_contiguous(), kOp, ": ", kListNames[l], "[", i, "] must be contiguous, got strides ",
+               x.strides(), " for sizes ", x.sizes());
+      PG_CHECK(x.numel() == params[i].numel(), kOp, ": ", kListNames[l], "[", i, "] has ", x.numel(),
+               " elements but params[", i, "] has ", params[i].numel());
+    }
+  }
+  const int64_t elems_per_chunk = dtype == at::kFloat ? kChunkElems<float> : kChunkElems<at::Half>;
+  for (size_t i = 0; i < n; ++i) {   // before the first launch: a refused list leaves every tensor as it was
+    PG_CHECK((params[i].numel() + elems_per_chunk - 1) / elems_per_chunk <= INT32_MAX, kOp, ": params[", i,
+             "] has ", params[i].numel(), " elements, more than one launch covers (", elems_per_chunk,
+             " * (2^31 - 1))");
+  }
+  const double bc1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
+  const double bc2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
+  PG_CHECK(bc1 > 0 && bc2 > 0, kOp, ": the bias corrections 1 - beta ** step are not positive (beta1 ", beta1,
+           ", beta2 ", beta2, ", step ", step, ")");
+  Hyper h;
+  h.beta1 = static_cast<float>(beta1);
+  h.beta2 = static_cast<float>(beta2);
+  h.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  h.eps = static_cast<float>(eps);
+  h.step_size = static_cast<float>(lr / bc1);
+  h.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+  h.decay = static_cast<float>(1.0 - lr * weight_decay);
+  h.weight_decay = static_cast<float>(weight_decay);
+  h.adam_w = adam_w_mode;
+
+  c10::cuda::CUDAGuard guard(first.device());
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  TensorTable table;
+  int count = 0;
+  int64_t chunks = 0;
+  auto launch = [&]() {
+    if (count == 0) return;
+    table.chunk_start[count] = static_cast<int32_t>(chunks);
+    const unsigned grid = static_cast<unsigned>(chunks);
+    if (dtype == at::kFloat) {
+      adam_kernel<float><<<grid, kThreads, 0, stream>>>(table, h, count);
+    } else if (dtype == at::kHalf) {
+      adam_kernel<at::Half><<<grid, kThreads, 0, stream>>>(table, h, count);
+    } else {
+      adam_kernel<at::BFloat16><<<grid, kThreads, 0, stream>>>(table, h, count);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    count = 0;
+    chunks = 0;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t numel = params[i].numel();
+    if (numel == 0) continue;
+    const int64_t c = (numel + elems_per_chunk - 1) / elems_per_chunk;
+    // a launch's chunk count must fit its int32 prefix sums and the grid (2^31 - 1 blocks)
+    if (count == kMaxTensors || chunks + c > INT32_MAX) launch();
+    bool ok = true;
+    for (int l = 0; l < 4; ++l) {
+      table.ptr[l][count] = lists[l][i].data_ptr();
+      ok = ok && aligned16(table.ptr[l][count]);
+    }
+    table.numel[count] = numel;
+    table.aligned[count] = ok ? 1 : 0;
+    table.chunk_start[count] = static_cast<int32_t>(chunks);
+    chunks += c;
+    ++count;
+  }
+  launch();
+}
+
+}  // namespace pipegoose
