@@ -387,6 +387,7 @@ def _check_run(data: dict, measurements: list[Measurement]) -> None:
 
 
 def report_only(args: argparse.Namespace) -> int:
+    from .optimizers import upgrade_row
     from .report import load_json
     from .tuning import read_rules
 
@@ -462,6 +463,7 @@ def report_only(args: argparse.Namespace) -> int:
                 implied = 100.0 * m.gbps / m.pct_of_copy if m.gbps and m.pct_of_copy else None
                 if implied or run_copy:
                     m.extra["copy_gbps"] = implied or run_copy
+            upgrade_row(m)   # optimizer rows from before their impls were named (renames an old row, so first)
             key = (m.op, m.impl, m.dtype, m.pas, m.cols)
             # a row that measured nothing (skipped; unavailable: the impl did not load or build; error: it crashed or
             # could not be timed) never hides a measured one: it would take the impl out of the tuning table's

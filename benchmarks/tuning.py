@@ -1,9 +1,10 @@
 """Tuning-table writer: the fastest correct dispatchable impl per op, dtype, pass and last-dim bucket.
 
 Format and consumer: docs/architecture.md "Tuning tables" (``pipegoose/nn/fusion/tuning/<slug>.json``). Only
-measurements with ``status == "ok"`` and a dispatcher impl name (``tunable``: pipegoose, megatron, apex, torch) take
-part; eager/native/compile/Liger are comparisons, not choices the dispatcher can make. The optimizers' rows take part
-too (``adamw``'s rules are for the dispatcher's ``adam``; a ``step`` gives rules of pass null).
+measurements with ``status == "ok"`` and a dispatcher impl name (``tunable``: pipegoose, megatron, apex, deepspeed,
+torch, torch_fused; sdpa and eager for attention) take part; the ops' eager/native/compile/Liger rows are comparisons,
+not choices the dispatcher can make. The optimizers' rows take part too (``adamw``'s rules are for the dispatcher's
+``adam``; a ``step`` gives rules of pass null).
 
 Buckets: for each (op, dtype, pass) the measured sizes are sorted; each size's winner is the impl with the lowest
 median time; consecutive sizes with the same winner form one rule whose ``max_cols`` is the largest size in it; the

@@ -18,10 +18,9 @@ cluster per row on sm_90 and newer, the two-kernel path with fp32 grad_output of
 and without parameters and with a bias alone, fp32 parameters and fp32 grad_output with a 16-bit input) and of
 ``pipegoose/softmax`` (plain, padding-masked, causal; 1 to 40000 keys; one and three query rows, and whole causal
 matrices of 36 to 2056 keys: the row pairs of the forward and the backward) and ``pipegoose/multi_tensor_adam`` (one
-step, AdamW and L2, over tensors of 1 to 12289 elements, more than one launch holds, empty ones, and views at odd
-offsets: the scalar path) in fp32, fp16 and bf16, at row counts small
-enough for the sanitizers (seconds, not hours). The optional argument ``norms``, ``softmax`` or ``adam`` limits it to
-one family;
+step, AdamW and L2, over tensors of 1 to 12289 elements (around both chunk sizes), more than one launch holds, empty
+ones, and views at odd offsets: the scalar path) in fp32, fp16 and bf16, at row counts small enough for the sanitizers
+(seconds, not hours). The optional argument ``norms``, ``softmax`` or ``adam`` limits it to one family;
 ``norms`` followed by hidden sizes (of the list ``NORM_HIDDEN``) to those sizes, e.g. ``norms 16384 20000 32768 64000``
 for the wide rows' backward; ``softmax long`` adds the 16-bit causal forward of 16387 queries of 16384 keys (the staged
 kernel on rows of every length), a square causal matrix of 8200 keys (8196 in fp32: the backward's row pairs with
@@ -168,8 +167,9 @@ def main() -> int:
                         calls += 1
     if which in ("all", "adam"):
         adam = load("pipegoose/multi_tensor_adam")
-        # sizes around the 4096-element chunk and the vector width; 390 tensors: two launches (384 a launch)
-        sizes = [1, 3, 4095, 4096, 4097, 12289, 0] + [5] * 383 + [0]
+        # sizes around the chunks (2048 16-bit, 4096 fp32 elements) and the vector width; 393 tensors: two launches
+        # (384 a launch)
+        sizes = [1, 3, 2047, 2049, 4095, 4096, 4097, 12289, 0] + [5] * 383 + [0] + [2048]
         for dt in dtypes:
             lists = [[torch.randn(n, device="cuda", dtype=dt) for n in sizes] for _ in range(3)]
             lists.append([torch.rand(n, device="cuda", dtype=dt) for n in sizes])

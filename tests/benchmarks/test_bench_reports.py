@@ -117,11 +117,11 @@ def test_tuning_table_drops_the_rules_of_a_group_whose_impls_now_fail(tmp_path):
 def test_optimizer_rows_give_rules_for_the_dispatchers_optimizer_ops(tmp_path):
     """The optimizers' rows took no part in the tuning table, so FusedAdam's default stayed the Apex copy where torch's
     fused AdamW measured twice as fast (bf16, H200). An ``adamw`` step gives ``adam`` rules (pass null, max_cols the
-    parameter count); comparisons (``pipegoose`` = FusedAdam itself, ``torch_loop``) take no part; a FAILED impl's old
-    rule goes; the dispatcher reads the table and applies it per bucket size."""
+    parameter count); comparisons (``fused_adam`` = FusedAdam's own choice, ``torch_loop``) take no part; a FAILED
+    impl's old rule goes; the dispatcher reads the table and applies it per bucket size."""
     ms = [m(op="adamw", impl="torch_fused", pas="step", cols=10**8, ms=1.0),
           m(op="adamw", impl="apex", pas="step", cols=10**8, ms=2.0),
-          m(op="adamw", impl="pipegoose", pas="step", cols=10**8, ms=0.5, tunable=None),
+          m(op="adamw", impl="fused_adam", pas="step", cols=10**8, ms=0.5, tunable=None),
           m(op="adamw", impl="torch_fused", pas="step", cols=10**9, ms=12.0),
           m(op="adamw", impl="deepspeed", pas="step", cols=10**9, ms=11.0),
           m(op="clip_grad_norm", impl="torch", pas="step", cols=10**8, ms=1.0, dtype="float32"),
@@ -622,6 +622,52 @@ def test_report_only_keeps_a_measurement_over_a_later_row_that_measured_nothing(
     table = json.loads((out / "tuning" / "nvidia_h200.json").read_text())
     assert [r["impl"] for r in table["rules"]] == ["pipegoose"] and table["benchmark"] == str(out / "results.json")
     assert (repo_table.read_bytes() if repo_table.exists() else None) == before
+
+
+def test_report_only_names_the_impls_of_optimizer_rows_written_before_they_were_named(tmp_path, monkeypatch):
+    """A review: optimizer rows of runs before session 46 carry no ``tunable``, and their ``pipegoose`` AdamW row timed
+    FusedAdam's default of the day (the Apex copy). Merged with a run where our kernel did not load and torch's fused
+    AdamW was skipped at a size, the old rows stood: torch_fused took no part in the choice there, the rule named Apex,
+    and the old row passed for our kernel. Old rows are now read with their implementations named and the old
+    ``pipegoose`` row as ``fused_adam``."""
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "")
+    from benchmarks.run import main
+
+    def opt(impl, ms=None, status="ok", tunable="same"):
+        row = m(op="adamw", impl=impl, pas="step", cols=10**9, ms=ms or 1.0, status=status, tunable=tunable)
+        row.shape = {"params": 10**9, "tensors": 200}
+        return row
+
+    old = [opt("torch_fused", 5.0, tunable=None), opt("apex", 9.6, tunable=None), opt("pipegoose", 10.0, tunable=None),
+           opt("torch_foreach", 12.6, tunable=None)]
+    new = [opt("torch_fused", status="skipped"), opt("pipegoose", status="unavailable"), opt("apex", 9.4),
+           opt("fused_adam", status="skipped", tunable=None)]
+    copy = {"bytes": 2 * 2**30, "gbps": 4000.0, "median_ms": 0.5}
+    runs = [write_run(tmp_path / f"run{i}", f"2026-12-0{i + 1}T01:00:00+00:00", copy, rows)
+            for i, rows in enumerate((old, new))]
+    assert main(["--report-only", *runs, "--out", str(tmp_path / "out")]) == 0
+    out = tmp_path / "out" / "nvidia_h200_2026-12-02"
+    _, back = load_json(out / "results.json")
+    got = {(x.impl, x.status, x.tunable, x.median_ms) for x in back}
+    assert got == {("torch_fused", "ok", "torch_fused", 5.0), ("apex", "ok", "apex", 9.4),
+                   ("fused_adam", "ok", None, 10.0), ("pipegoose", "unavailable", "pipegoose", None),
+                   ("torch_foreach", "ok", "torch", 12.6)}
+    table = json.loads((out / "tuning" / "nvidia_h200.json").read_text())
+    assert [(r["op"], r["impl"]) for r in table["rules"]] == [("adam", "torch_fused")]
+
+
+def test_optimizer_benchmark_impls_name_implementations_of_the_dispatchers_ops():
+    """The optimizer rows' ``tunable`` names (benchmarks.optimizers.TUNABLE) must be implementations of the op their
+    rules are for: a misspelt one would write rules the dispatcher skips."""
+    from benchmarks.optimizers import ADAMW, CLIP, TUNABLE
+    from benchmarks.tuning import RULE_OP
+    from pipegoose.nn.fusion import dispatch
+
+    for op, impls in TUNABLE.items():
+        assert set(impls) <= set({"adamw": ADAMW, "clip_grad_norm": CLIP}[op])
+        assert set(impls.values()) <= set(dispatch.implementations(RULE_OP.get(op, op))), op
+    assert TUNABLE["adamw"]["pipegoose"] == "pipegoose" and TUNABLE["adamw"]["torch_foreach"] == "torch"
+    assert "fused_adam" not in TUNABLE["adamw"]   # FusedAdam's own choice: a comparison, not an implementation
 
 
 def test_summary_end_to_end_columns_line_up():

@@ -651,22 +651,24 @@ ADAM_CASES = [(impl, dt) for impl in ("pipegoose", "torch_fused", "apex", "deeps
 @pytest.mark.parametrize("impl,dtype", ADAM_CASES)
 @pytest.mark.parametrize("adam_w_mode", [True, False])
 def test_every_adam_impl_against_float64(impl, dtype, adam_w_mode):
-    """Each implementation of ``adam`` through FusedAdam: one step (the seventh: the state is loaded) over tensors of
-    odd sizes (one element; one past the 65536-element chunk of the multi-tensor kernels; three chunks and a bit)
-    against the float64 math: the parameters and both moments, each within one rounding."""
+    """Each implementation of ``adam`` through FusedAdam: one step from a loaded state (moments given, the step count
+    0: this is step 1, where the bias correction with beta2 0.999 scales the update by 0.32, so a wrong step count fails
+    in every dtype) over tensors of odd sizes (one element; one past the 65536-element chunk of the ported
+    multi-tensor kernels; three of them and a bit) against the float64 math: the parameters and both moments, each
+    within one rounding."""
     shapes = [(1,), (2048 * 32 + 5,), (97, 2048 + 3), (3,)]
     p0, gs, m0, v0 = adam_state(shapes, dtype, DEV, seed=11)
-    want = [adam_step64(*t, 7, 0.05, (0.9, 0.95), 1e-8, 0.1, adam_w_mode) for t in zip(p0, gs, m0, v0)]
+    want = [adam_step64(*t, 1, 0.05, (0.9, 0.999), 1e-8, 0.1, adam_w_mode) for t in zip(p0, gs, m0, v0)]
     ps = [torch.nn.Parameter(p.clone()) for p in p0]
-    opt = FusedAdam(ps, lr=0.05, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, adam_w_mode=adam_w_mode, impl=impl)
+    opt = FusedAdam(ps, lr=0.05, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, adam_w_mode=adam_w_mode, impl=impl)
     for p, g, m, v in zip(ps, gs, m0, v0):
         p.grad = g
-        opt.state[p] = {"step": torch.tensor(6.0), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
     opt.step()
     ran("adam", impl)
     for i, (wp, wm, wv) in enumerate(want):
         st = opt.state[ps[i]]
-        assert st["step"].item() == 7
+        assert st["step"].item() == 1
         for got, ref, what in ((ps[i], wp, "param"), (st["exp_avg"], wm, "exp_avg"), (st["exp_avg_sq"], wv, "v")):
             torch.testing.assert_close(got.detach().double().cpu(), ref, **TOLERANCES[dtype],
                                        msg=lambda e: f"{what}[{i}]: {e}")

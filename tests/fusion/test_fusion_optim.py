@@ -367,17 +367,19 @@ def test_fused_adam_weight_decay_mode_of_loaded_and_none_groups():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("adam_w_mode", [True, False])
-def test_torch_fused_adam_step_matches_float64_math(dtype, adam_w_mode):
+@pytest.mark.parametrize("step,beta2", [(7, 0.95), (1, 0.999)])
+def test_torch_fused_adam_step_matches_float64_math(dtype, adam_w_mode, step, beta2):
     """The ``torch_fused`` implementation's call (torch._fused_adamw_ / _fused_adam_, which torch also has on the CPU):
-    lr, betas, eps, weight decay, the mode and the bucket's step count reach the kernel as meant. One step (the
-    seventh) over tensors of odd sizes from random moments against the float64 math: p, exp_avg and exp_avg_sq."""
+    lr, betas, eps, weight decay, the mode and the bucket's step count reach the kernel as meant. One step over tensors
+    of odd sizes from random moments against the float64 math: p, exp_avg and exp_avg_sq. (At step 1 with beta2 0.999
+    the bias correction scales the update by 0.32: a wrong step count fails in every dtype.)"""
     from pipegoose.nn.fusion.ops import multi_tensor as mt
 
     shapes = [(1,), (7,), (33, 31), (1000 + 3,)]
     ps, gs, ms, vs = adam_state(shapes, dtype, seed=5)
-    want = [adam_step64(*t, 7, 0.05, (0.9, 0.95), 1e-8, 0.1, adam_w_mode) for t in zip(ps, gs, ms, vs)]
-    mt.adam_step_fused("torch_fused", gs, ps, ms, vs, step=7, adam_w_mode=adam_w_mode, bias_correction=True,
-                       lr=0.05, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    want = [adam_step64(*t, step, 0.05, (0.9, beta2), 1e-8, 0.1, adam_w_mode) for t in zip(ps, gs, ms, vs)]
+    mt.adam_step_fused("torch_fused", gs, ps, ms, vs, step=step, adam_w_mode=adam_w_mode, bias_correction=True,
+                       lr=0.05, beta1=0.9, beta2=beta2, eps=1e-8, weight_decay=0.1)
     for i, (wp, wm, wv) in enumerate(want):
         for got, ref, what in ((ps[i], wp, "param"), (ms[i], wm, "exp_avg"), (vs[i], wv, "exp_avg_sq")):
             torch.testing.assert_close(got.double(), ref, **TOLERANCES[dtype], msg=lambda e: f"{what}[{i}]: {e}")

@@ -13,9 +13,9 @@ pytestmark = pytest.mark.cuda
 DEV = "cuda"
 ALL = [torch.float32, torch.float16, torch.bfloat16]
 HP = dict(lr=0.05, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-# one element; around the 4096-element chunk; one past the vector width; 400 small tensors (a launch takes 384);
-# empty tensors between and at the end
-SIZES = [1, 3, 4095, 4096, 4097, 65536 + 5, 0, 8 * 1000 + 1] + [37] * 400 + [0]
+# one element; around the chunks (2048 16-bit, 4096 fp32 elements); one past the vector width; 400 small tensors (a
+# launch takes 384); empty tensors between and at the end
+SIZES = [1, 3, 2047, 2048, 2049, 4095, 4096, 4097, 65536 + 5, 0, 8 * 1000 + 1] + [37] * 400 + [0]
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +48,15 @@ def test_opcheck(ops):
 @pytest.mark.parametrize("dtype", ALL)
 @pytest.mark.parametrize("adam_w_mode", [True, False])
 @pytest.mark.parametrize("bias_correction", [True, False])
-def test_adam_step_matches_float64(ops, dtype, adam_w_mode, bias_correction):
+@pytest.mark.parametrize("step,beta2", [(7, 0.95), (1, 0.999)])
+def test_adam_step_matches_float64(ops, dtype, adam_w_mode, bias_correction, step, beta2):
+    """(At step 7 with beta2 0.95 the bias correction moves an update by 5%, within the 16-bit tolerances; at step 1
+    with beta2 0.999 by a factor of 0.32: a wrong step or correction fails in every dtype there.)"""
     p, g, m, v = adam_state([(n,) for n in SIZES], dtype, DEV, seed=3)
-    wants = [adam_step64(*t, 7 if bias_correction else None, HP["lr"], (HP["beta1"], HP["beta2"]), HP["eps"],
+    wants = [adam_step64(*t, step if bias_correction else None, HP["lr"], (HP["beta1"], beta2), HP["eps"],
                          HP["weight_decay"], adam_w_mode) for t in zip(p, g, m, v)]
     g_before = [t.clone() for t in g]
-    _step(ops, g, p, m, v, adam_w_mode=adam_w_mode, bias_correction=bias_correction)
+    _step(ops, g, p, m, v, step=step, adam_w_mode=adam_w_mode, bias_correction=bias_correction, beta2=beta2)
     assert all(torch.equal(a, b) for a, b in zip(g, g_before)), "grads must not change"
     _check((p, m, v), wants, dtype)
 

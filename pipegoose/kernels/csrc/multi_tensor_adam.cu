@@ -5,7 +5,8 @@
 // kernel's parameter block (TensorTable, about 17 KB: CUDA 12.1+ takes up to 32764 bytes of parameters on sm_70 and
 // later), so no host-to-device copy is needed and the step stays asynchronous. A list longer than kMaxTensors
 // tensors takes several launches. Block b finds its tensor by a binary search over the prefix sums (every thread of
-// the block reads the same entries: constant-cache broadcasts) and updates one chunk of 4096 elements.
+// the block reads the same entries: constant-cache broadcasts) and updates one chunk (4096 fp32 or 2048 16-bit
+// elements).
 // Each thread loads all of its vectors of the four tensors (grad, param, exp_avg, exp_avg_sq) before it computes,
 // so that 4 * kUnroll loads are in flight per thread. A tensor whose four pointers are not all 16-byte aligned (a
 // view into a flat buffer at an odd offset) takes the scalar path, with the same math; the tail of a tensor that is
@@ -13,7 +14,7 @@
 // every byte is touched once.
 //
 // The math, per element, in fp32 from the stored values (each stored value rounded once):
-//   L2 (adam_w_mode false): g += weight_decay * p
+//   L2 (adam_w_mode false): g += weight_decay * p (where weight_decay != 0)
 //   m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g * g
 //   AdamW (adam_w_mode true): p *= 1 - lr * weight_decay
 //   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps),  bc = 1 - beta ** step (1 without bias correction)
@@ -32,17 +33,42 @@ namespace pipegoose {
 namespace {
 
 constexpr const char* kOp = "pipegoose::adam_step";
-constexpr int kThreads = 256;
-// 16-byte vectors per thread and tensor in one chunk: 4 of fp32, 2 of 16-bit values (8 elements each; with 4 the bf16
-// kernel took 168 registers, one block per SM), so that a chunk is 4096 elements of either
-template <typename T> constexpr int kUnroll = sizeof(T) == 4 ? 4 : 2;
+// Benchmark experiments (the build without them is what ships): -DPIPEGOOSE_ADAM_THREADS=N threads per block,
+// -DPIPEGOOSE_ADAM_UNROLL32=U / -DPIPEGOOSE_ADAM_UNROLL16=U vectors per thread and tensor, -DPIPEGOOSE_ADAM_MINB32=B /
+// -DPIPEGOOSE_ADAM_MINB16=B the launch bounds' minimum blocks per SM.
+//
+// Measured (H200, session 46, benchmarks/results/nvidia_h200_2026-11-30/session46.log call 4; AdamW over 976M
+// parameters, % of copy): the 16-bit step is bound by instruction issue, not by memory: with two vectors per thread
+// and two blocks per SM it ran at 84%, with --use_fast_math at 97%, and with one vector per thread and four blocks
+// per SM (at most 64 registers: more warps to hide the math) at 98% with the precise math. fp32 ran at 95-98% in
+// every geometry tried (two to four vectors, 128-512 threads): it keeps four vectors and two blocks.
+#ifndef PIPEGOOSE_ADAM_THREADS
+#define PIPEGOOSE_ADAM_THREADS 256
+#endif
+#ifndef PIPEGOOSE_ADAM_UNROLL32
+#define PIPEGOOSE_ADAM_UNROLL32 4
+#endif
+#ifndef PIPEGOOSE_ADAM_UNROLL16
+#define PIPEGOOSE_ADAM_UNROLL16 1
+#endif
+#ifndef PIPEGOOSE_ADAM_MINB32
+#define PIPEGOOSE_ADAM_MINB32 2
+#endif
+#ifndef PIPEGOOSE_ADAM_MINB16
+#define PIPEGOOSE_ADAM_MINB16 4
+#endif
+constexpr int kThreads = PIPEGOOSE_ADAM_THREADS;
+// 16-byte vectors per thread and tensor in one chunk (4 fp32 or 8 16-bit values each) and the blocks per SM the
+// register budget allows: fp32 4 vectors, 2 blocks (a chunk of 4096 elements); 16-bit 1 vector, 4 blocks (2048)
+template <typename T> constexpr int kUnroll = sizeof(T) == 4 ? PIPEGOOSE_ADAM_UNROLL32 : PIPEGOOSE_ADAM_UNROLL16;
+template <typename T> constexpr int kMinBlocks = sizeof(T) == 4 ? PIPEGOOSE_ADAM_MINB32 : PIPEGOOSE_ADAM_MINB16;
 template <typename T> constexpr int64_t kChunkElems = static_cast<int64_t>(kThreads) * kUnroll<T> * (16 / sizeof(T));
-constexpr int kMaxTensors = 384;                      // tensors per launch: 384 * 44 + 4 bytes of table
+constexpr int kMaxTensors = 384;                      // tensors per launch: 384 * 45 + 4 bytes of table
 
 struct TensorTable {
   void* ptr[4][kMaxTensors];      // grad, param, exp_avg, exp_avg_sq
   int64_t numel[kMaxTensors];
-  int32_t chunk_start[kMaxTensors + 1];   // prefix sums of the chunk counts: tensor i owns blocks [start[i], start[i+1])
+  int32_t chunk_start[kMaxTensors + 1];   // chunk count prefix sums: tensor i owns blocks [start[i], start[i+1])
   uint8_t aligned[kMaxTensors];   // all four pointers 16-byte aligned: vector path
 };
 
@@ -56,7 +82,7 @@ template <typename T> __device__ __forceinline__ float to_f(T x) { return static
 template <typename T> __device__ __forceinline__ T from_f(float x) { return static_cast<T>(x); }
 
 __device__ __forceinline__ void adam_math(const Hyper& h, float g, float& p, float& m, float& v) {
-  if (!h.adam_w) g = fmaf(h.weight_decay, p, g);
+  if (!h.adam_w && h.weight_decay != 0.f) g = fmaf(h.weight_decay, p, g);   // as torch: no 0 * inf = nan
   m = fmaf(h.beta1, m, h.one_minus_beta1 * g);
   v = fmaf(h.beta2, v, h.one_minus_beta2 * g * g);
   const float denom = fmaf(sqrtf(v), h.inv_bc2_sqrt, h.eps);
@@ -74,8 +100,8 @@ __device__ __forceinline__ void scalar_update(const Hyper& h, T* g, T* p, T* m, 
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 2) adam_kernel(const __grid_constant__ TensorTable table, const Hyper h,
-                                                        int n_tensors) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks<T>)
+    adam_kernel(const __grid_constant__ TensorTable table, const Hyper h, int n_tensors) {
   constexpr int V = 16 / sizeof(T);   // elements per 16-byte vector
   const int32_t block = static_cast<int32_t>(blockIdx.x);
   int lo = 0, hi = n_tensors - 1;     // the last tensor whose chunk_start <= block
