@@ -37,11 +37,12 @@ constexpr const char* kOp = "pipegoose::adam_step";
 // -DPIPEGOOSE_ADAM_UNROLL32=U / -DPIPEGOOSE_ADAM_UNROLL16=U vectors per thread and tensor, -DPIPEGOOSE_ADAM_MINB32=B /
 // -DPIPEGOOSE_ADAM_MINB16=B the launch bounds' minimum blocks per SM.
 //
-// Measured (H200, session 46, benchmarks/results/nvidia_h200_2026-11-30/session46.log call 4; AdamW over 976M
-// parameters, % of copy): the 16-bit step is bound by instruction issue, not by memory: with two vectors per thread
-// and two blocks per SM it ran at 84%, with --use_fast_math at 97%, and with one vector per thread and four blocks
-// per SM (at most 64 registers: more warps to hide the math) at 98% with the precise math. fp32 ran at 95-98% in
-// every geometry tried (two to four vectors, 128-512 threads): it keeps four vectors and two blocks.
+// Measured (H200, session 46, benchmarks/results/nvidia_h200_2026-11-30/session46.log calls 4-6; AdamW over 976M
+// parameters, % of copy): the 16-bit step is bound by instruction issue, not by memory. --use_fast_math (approximate
+// division and square root, denormals flushed) took it from 84% to 97-99% in both calls that timed it; the precise
+// math stays. Launch geometry moved it little: 83-88% at two or four vectors per thread, 128 or 256 threads, two or
+// four blocks per SM (one vector and four blocks timed 98% once, in call 4, and 83% twice in calls 5 and 6, where
+// its bf16 SASS is that of the shipped build). fp32 ran at 95-98% in every geometry tried.
 #ifndef PIPEGOOSE_ADAM_THREADS
 #define PIPEGOOSE_ADAM_THREADS 256
 #endif
@@ -59,7 +60,8 @@ constexpr const char* kOp = "pipegoose::adam_step";
 #endif
 constexpr int kThreads = PIPEGOOSE_ADAM_THREADS;
 // 16-byte vectors per thread and tensor in one chunk (4 fp32 or 8 16-bit values each) and the blocks per SM the
-// register budget allows: fp32 4 vectors, 2 blocks (a chunk of 4096 elements); 16-bit 1 vector, 4 blocks (2048)
+// register budget allows: fp32 4 vectors, 2 blocks (a chunk of 4096 elements); 16-bit 1 vector, 4 blocks (2048;
+// the GPU tests and the sanitizers ran on this geometry)
 template <typename T> constexpr int kUnroll = sizeof(T) == 4 ? PIPEGOOSE_ADAM_UNROLL32 : PIPEGOOSE_ADAM_UNROLL16;
 template <typename T> constexpr int kMinBlocks = sizeof(T) == 4 ? PIPEGOOSE_ADAM_MINB32 : PIPEGOOSE_ADAM_MINB16;
 template <typename T> constexpr int64_t kChunkElems = static_cast<int64_t>(kThreads) * kUnroll<T> * (16 / sizeof(T));

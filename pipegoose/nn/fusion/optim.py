@@ -64,8 +64,8 @@ class FusedAdam(torch.optim.Optimizer):
     (Apache-2.0; ColossalAI adds a div_scale argument); ``deepspeed``: DeepSpeed 0.19.8 csrc/adam/multi_tensor_adam.cu
     (Apache-2.0, adapted from Apex's); ``torch``: ``torch.optim.adam.adam`` (see
     :mod:`pipegoose.nn.fusion.ops.multi_tensor`). On the H200 (benchmarks/results/nvidia_h200_2026-11-30, 100M-1B
-    parameters, bf16 AdamW step): ours 3.54-3.61 TB/s (84-85% of the copy bandwidth), ``torch_fused`` 2.68-2.72, the
-    Apex copy 1.41-1.42; the GPU's tuning table picks ours.
+    parameters, bf16 AdamW step): ours 3.61-3.72 TB/s (85-88% of the copy bandwidth), ``torch_fused`` 2.70-2.74, the
+    Apex copy 1.45-1.46; the GPU's tuning table picks ours.
 
     Raises (when built, and from ``add_param_group`` for a group's own values):
         ValueError: bad hyper-parameters (lr, eps, weight_decay not finite and >= 0; betas not in [0, 1)), an
