@@ -104,47 +104,35 @@ def _apex_adam_supports(p: Problem) -> tuple[bool, str]:
     return True, ""
 
 
-def _ds_adam_supports(p: Problem) -> tuple[bool, str]:
+def _one_dtype(p: Problem, allowed: tuple, why_one: str) -> tuple[bool, str]:
+    """:func:`_lists_ok`, then one dtype for grads, params and both moments, among ``allowed``."""
     ok, why = _lists_ok(p)
     if not ok:
         return ok, why
     dts = set(p["dtypes"])
     if len(dts) != 1:
-        return False, "grads, params and moments must share one dtype (the copy dispatches on one type)"
+        return False, f"grads, params and moments must share one dtype ({why_one})"
     (d,) = dts
-    if d not in FLOAT_DTYPES + (torch.float64,):
-        return False, f"dtype {dtype_name(d)} not supported"
+    if d not in allowed:
+        return False, f"dtype {dtype_name(d)} not supported ({', '.join(dtype_name(a) for a in allowed)})"
     return True, ""
+
+
+def _ds_adam_supports(p: Problem) -> tuple[bool, str]:
+    return _one_dtype(p, FLOAT_DTYPES + (torch.float64,), "the copy dispatches on one type")
 
 
 def _pipegoose_adam_supports(p: Problem) -> tuple[bool, str]:
-    ok, why = _lists_ok(p)
-    if not ok:
-        return ok, why
-    dts = set(p["dtypes"])
-    if len(dts) != 1:
-        return False, "grads, params and moments must share one dtype (the kernel takes one for the four lists)"
-    (d,) = dts
-    if d not in FLOAT_DTYPES:
-        return False, f"dtype {dtype_name(d)} not supported (float32, float16, bfloat16)"
-    return True, ""
+    return _one_dtype(p, FLOAT_DTYPES, "the kernel takes one for the four lists")
 
 
 def _torch_fused_adam_supports(p: Problem) -> tuple[bool, str]:
-    ok, why = _lists_ok(p)
-    if not ok:
-        return ok, why
-    if not p.get("bias_correction", True):
+    ok, why = _one_dtype(p, FLOAT_DTYPES + (torch.float64,), "the kernel reads every list as the param's")
+    if ok and not p.get("bias_correction", True):
         return False, "bias_correction=False: torch's fused kernels always correct the moments' bias"
-    dts = set(p["dtypes"])
-    if len(dts) != 1:
-        return False, "grads, params and moments must share one dtype (the kernel reads every list as the param's)"
-    (d,) = dts
-    if d not in FLOAT_DTYPES + (torch.float64,):
-        return False, f"dtype {dtype_name(d)} not supported"
-    if not hasattr(torch, "_fused_adamw_"):
+    if ok and not hasattr(torch, "_fused_adamw_"):
         return False, f"torch {torch.__version__} has no torch._fused_adamw_"
-    return True, ""
+    return ok, why
 
 
 def _apex_clip_supports(p: Problem) -> tuple[bool, str]:
