@@ -111,7 +111,7 @@ def write_markdown(path: str | Path, env: dict, config: dict, copy: dict | None,
             rows[(m.cols, m.pas)][m.impl] = m
         order = {"fwd": 0, "bwd": 1, "fwd+bwd": 2, "step": 3}
         for (cols, pas) in sorted(rows, key=lambda k: (k[0], order.get(k[1], 9))):
-            label = f"{cols/1e6:.0f}M params" if pas == "step" else str(cols)
+            label = (f"{cols / 1e6:.0f}M params" if cols >= 10**6 else f"{cols} params") if pas == "step" else str(cols)
             out.append(f"| {label} | {pas} | " + " | ".join(_cell(rows[(cols, pas)].get(i)) for i in impls) + " |")
         out.append("")
     bad = [m for m in measurements if m.status in ("FAILED", "error")]

@@ -706,3 +706,13 @@ def test_report_only_reads_back_the_infinite_errors_a_run_writes(tmp_path, monke
     assert main(["--report-only", run, "--out", str(tmp_path / "out"), "--no-tuning"]) == 0
     out = tmp_path / "out" / "nvidia_h200_2026-12-01" / "results.json"
     assert [x.max_abs_err for x in load_json(out)[1] if x.impl == "megatron"] == [float("inf")]
+
+
+def test_results_md_tells_optimizer_sizes_under_a_million_apart(tmp_path):
+    """A walkthrough: the CPU dry run's optimizer sizes (about 63k and 200k parameters) were both "0M params"."""
+    ms = [Measurement(op="adamw", impl="torch_fused", dtype="float32", pas="step", shape={"params": n}, cols=n,
+                      status="ok", bytes=28 * n, median_ms=1.0, gbps=1.0) for n in (63_000, 200_000, 10**8)]
+    copy = {"bytes": 2 * 2**30, "gbps": 4000.0, "median_ms": 0.5}
+    md = write_markdown(tmp_path / "results.md", {"gpu": "cpu", "date": "2026-12-04T00:00:00+00:00"}, {}, copy,
+                        ms).read_text()
+    assert "| 63000 params |" in md and "| 200000 params |" in md and "| 100M params |" in md

@@ -715,3 +715,27 @@ def test_an_unknown_name_prints_its_message_as_written():
     with pytest.raises(KeyError) as ei:
         load_manifest().resolve("nope")
     assert str(ei.value).startswith("unknown kernel 'nope' in kernels.yaml")
+
+
+def test_an_impl_argument_that_cannot_run_is_said_where_the_variable_takes_over(monkeypatch):
+    """A walkthrough: FusedAdam(impl="pipegoose") on CPU tensors with PIPEGOOSE_IMPL_ADAM=torch ran torch without a
+    word about the argument (without the variable the same request warned)."""
+    import warnings
+
+    from pipegoose.nn.fusion.optim import FusedAdam
+
+    monkeypatch.setenv("PIPEGOOSE_IMPL_ADAM", "torch")
+    dispatch.reset_stats()
+    p = torch.nn.Parameter(torch.randn(5))
+    p.grad = torch.randn(5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FusedAdam([p], impl="pipegoose").step()
+    c = dispatch.last_choice("adam")
+    assert (c.impl, c.source) == ("torch", "env") and "impl='pipegoose' cannot run this input: needs CUDA" in c.unmet
+    said = [str(w.message) for w in caught]
+    assert any("impl='pipegoose' cannot run this input" in m for m in said), said
+    monkeypatch.setenv("PIPEGOOSE_IMPL_ADAM", "auto")   # no variable's request: the argument's failure said as before
+    dispatch.reset_stats()
+    with pytest.warns(UserWarning, match="impl='pipegoose' cannot run this input"):
+        FusedAdam([p], impl="pipegoose").step()

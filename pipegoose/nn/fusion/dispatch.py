@@ -234,8 +234,9 @@ class Choice:
         fallback: True when the reference path runs because the wanted fused paths cannot.
         reasons: implementation name -> why it was not taken (empty string when it was not looked at).
         reason: one line summarising why the chosen implementation runs.
-        unmet: the requests (``impl=`` argument, ``PIPEGOOSE_IMPL_*``) that could not run this input and why; empty
-            when none was made or one ran. :func:`record` warns about them (``UserWarning``).
+        unmet: the requests (``impl=`` argument, ``PIPEGOOSE_IMPL_*``) that could not run this input and why (an
+            argument that could not run also where the variable's request then ran); empty when none was made or the
+            first one ran. :func:`record` warns about them (``UserWarning``).
     """
 
     op: str
@@ -805,18 +806,22 @@ def choose(op: str, problem: Problem, impl: str | None = None, check_all: bool =
         requests.append((env_impl, "env"))
     is_strict()  # a bad PIPEGOOSE_STRICT is an error here, where a bad PIPEGOOSE_IMPL_* is, not only at a fallback
 
-    for name, source in requests:
-        if ok(name):
-            why = "requested by the impl= argument" if source == "argument" else f"requested by {env_var}"
-            return Choice(op, name, source, False, reasons, why)
-        logger.debug("%s: requested implementation %s (%s) cannot run: %s", op, name, source, reasons[name])
-    if requests:
+    def unmet(failed: list[tuple[str, str]]) -> str:
         # one clause per implementation: the argument and the variable naming the same one share its reason
         asked: dict[str, list[str]] = {}
-        for name, source in requests:
+        for name, source in failed:
             asked.setdefault(name, []).append(f"{'impl=' if source == 'argument' else env_var + '='}{name!r}")
-        unmet = "; ".join(f"{' and '.join(who)} cannot run this input: {reasons[name]}" for name, who in asked.items())
-        return replace(_choose_unrequested(op, problem, impls, reasons, ok), unmet=unmet)
+        return "; ".join(f"{' and '.join(who)} cannot run this input: {reasons[name]}" for name, who in asked.items())
+
+    for i, (name, source) in enumerate(requests):
+        if ok(name):
+            why = "requested by the impl= argument" if source == "argument" else f"requested by {env_var}"
+            # an impl= argument that could not run, the variable's request taking over, is still said (a walkthrough:
+            # it was dropped without a word when the variable was set)
+            return Choice(op, name, source, False, reasons, why, unmet(requests[:i]))
+        logger.debug("%s: requested implementation %s (%s) cannot run: %s", op, name, source, reasons[name])
+    if requests:
+        return replace(_choose_unrequested(op, problem, impls, reasons, ok), unmet=unmet(requests))
     return _choose_unrequested(op, problem, impls, reasons, ok)
 
 

@@ -15,7 +15,9 @@ Ops (dispatch names) and implementations:
   ``torch_fused`` - PyTorch's own fused kernels, ``torch._fused_adamw_`` / ``torch._fused_adam_``
   (``aten/src/ATen/native/cuda/FusedAdamWKernel.cu`` / ``FusedAdamKernel.cu`` of the installed torch; what
   ``torch.optim.AdamW(fused=True)`` runs): fp32 math; grads, params and both moments in one dtype (fp32, fp16, bf16,
-  fp64); contiguous; bias correction always on (``bias_correction=False`` is declined).
+  fp64); contiguous; bias correction always on (``bias_correction=False`` is declined). CUDA tensors only, as every
+  implementation here but ``torch`` (torch has a CPU fused kernel too; on the CPU FusedAdam runs the reference, which
+  equals torch.optim.AdamW's default path).
   ``torch`` - ``torch.optim.adam.adam`` (the functional math of torch.optim.Adam/AdamW; own ``torch._foreach``
   math when ``bias_correction=False``, which torch does not offer).
 * ``clip_grad_norm`` (one call per device and dtype): ``apex`` - ``multi_tensor_l2norm`` + ``multi_tensor_scale``
