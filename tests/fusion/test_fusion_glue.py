@@ -197,6 +197,13 @@ class FakeOps:
         assert len({grads[0].dtype, params[0].dtype, ms[0].dtype, vs[0].dtype}) == 1
         self._adam(grads, params, ms, vs, lr, b1, b2, eps, step, mode, bc, wd)
 
+    def adam_step(self, grads, params, ms, vs, lr, b1, b2, eps, step, adam_w_mode, bias_correction, wd):
+        # the schema of pipegoose::adam_step (bindings/adam_step.cpp): no chunk size or noop flag, bool switches
+        self.calls.append("adam_step")
+        assert isinstance(adam_w_mode, bool) and isinstance(bias_correction, bool) and isinstance(step, int)
+        assert len({t.dtype for lst in (grads, params, ms, vs) for t in lst}) == 1
+        self._adam(grads, params, ms, vs, lr, b1, b2, eps, step, 1 if adam_w_mode else 0, int(bias_correction), wd)
+
     def multi_tensor_l2norm(self, chunk, noop, tensors, per_tensor):
         self.calls.append("multi_tensor_l2norm")
         assert tensors[0].dtype in (torch.float32, torch.float16)
@@ -374,9 +381,11 @@ def test_rms_norm_glue(fake, cast_before_weight):
     assert fake.calls.count("rms_norm_forward") == 1  # one kernel, the weight applied inside it
 
 
-@pytest.mark.parametrize("impl", ["apex", "deepspeed"])
+@pytest.mark.parametrize("impl", ["pipegoose", "torch_fused", "apex", "deepspeed", None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_adam_glue_matches_adamw(fake, impl, dtype):
+    """Each adam implementation's call from FusedAdam (torch_fused: torch's own fused kernel, which runs on the CPU
+    too; None: the built-in order, ours first) against torch.optim.AdamW over 10 steps."""
     torch.manual_seed(0)
     m1 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(dtype)
     m2 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(dtype)
@@ -389,7 +398,8 @@ def test_fused_adam_glue_matches_adamw(fake, impl, dtype):
             o.zero_grad()
             m(x).float().pow(2).mean().backward()
             o.step()
-    assert dispatch.stats()["adam"] == {impl: 10}
+    assert dispatch.stats()["adam"] == {impl or "pipegoose": 10}
+    assert fake.calls.count("adam_step") == (10 if impl in ("pipegoose", None) else 0)
     t = TOLERANCES[dtype]
     for a, b in zip(m1.parameters(), m2.parameters()):
         torch.testing.assert_close(a, b, atol=t["atol"] * 10, rtol=t["rtol"] * 10)
