@@ -415,3 +415,20 @@ def test_adam_kernels_decline_what_they_cannot_run(name):
     i64 = [torch.zeros(3, dtype=torch.int64)]
     ok, why = impl.supports(on_gpu(mt.adam_problem(i64, i64, i64, i64)))
     assert not ok and "int64" in why
+
+
+def test_explain_takes_one_buckets_lists_and_names_a_bad_argument():
+    """A walkthrough: explain("adam", g, p, m, v) with tensors for lists gave "Boolean value of Tensor ... ambiguous",
+    empty lists a bare IndexError, lists of unequal length no complaint; neither call was documented."""
+    g = [torch.randn(3), torch.randn(4)]
+    c = dispatch.explain("adam", g, g, g, g)
+    assert c.impl == "torch" and "needs CUDA" in c.reasons["pipegoose"]
+    assert dispatch.explain("clip_grad_norm", g, 2.0).impl == "torch"
+    with pytest.raises(TypeError, match="grads: expected a list of tensors"):
+        dispatch.explain("adam", g[0], g[0], g[0], g[0])
+    with pytest.raises(TypeError, match="params: expected a non-empty list of tensors"):
+        dispatch.explain("adam", g, [], g, g)
+    with pytest.raises(ValueError, match="exp_avg_sqs: 1 tensors, but grads has 2"):
+        dispatch.explain("adam", g, g, g, g[:1])
+    with pytest.raises(TypeError, match="grads: expected a list of tensors"):
+        dispatch.explain("clip_grad_norm", g[0])

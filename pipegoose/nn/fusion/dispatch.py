@@ -1033,7 +1033,9 @@ def explain(op: str, *inputs: Any, impl: str | None = None, **kwargs: Any) -> Ch
 
     ``inputs``/``kwargs`` are the op's functional arguments, e.g.
     ``explain("softmax.masked", x, mask, scale=0.125)``, ``explain("softmax.causal", x, 0.125)`` (as
-    ``scaled_upper_triang_masked_softmax(x, scale)``), ``explain("layer_norm", x, (1024,), w, b)``.
+    ``scaled_upper_triang_masked_softmax(x, scale)``), ``explain("layer_norm", x, (1024,), w, b)``; the optimizer ops
+    take one bucket's lists (one tensor per parameter): ``explain("adam", grads, params, exp_avgs, exp_avg_sqs)``
+    (``bias_correction=False`` as a keyword) and ``explain("clip_grad_norm", grads, norm_type)``.
 
     Every implementation is asked, so the kernel of each one that takes the input is loaded (and, on a first run,
     built); :func:`choose` of :func:`problem_of` loads only what the choice needs.

@@ -161,8 +161,34 @@ dispatch.register(Implementation(OP_ADAM, "torch", "reference", lambda p: (True,
 dispatch.register(Implementation(OP_CLIP, "apex", "ported", _apex_clip_supports,
                                  ("apex/multi_tensor_l2norm", "apex/multi_tensor_scale"), SRC_APEX_CLIP))
 dispatch.register(Implementation(OP_CLIP, "torch", "reference", lambda p: (True, ""), (), "torch._foreach_norm"))
-dispatch.register_problem(OP_ADAM, adam_problem)
-dispatch.register_problem(OP_CLIP, clip_problem)
+def _tensor_lists(**lists: Any) -> None:
+    """explain()'s checks of the optimizer ops' arguments: lists (or tuples) of tensors, not empty, of one length.
+    (FusedAdam and clip_grad_norm_ build their lists themselves and call the problem builders directly.)"""
+    n = None
+    for name, lst in lists.items():
+        if isinstance(lst, torch.Tensor) or not isinstance(lst, (list, tuple)):
+            raise TypeError(f"{name}: expected a list of tensors (one per parameter), got {type(lst).__name__}")
+        if not lst or not all(isinstance(t, torch.Tensor) for t in lst):
+            raise TypeError(f"{name}: expected a non-empty list of tensors")
+        if n is not None and len(lst) != n:
+            raise ValueError(f"{name}: {len(lst)} tensors, but grads has {n}; expected one per parameter")
+        n = len(lst) if n is None else n
+
+
+def _explain_adam(grads, params, exp_avgs, exp_avg_sqs, bias_correction: bool = True) -> Problem:
+    _tensor_lists(grads=grads, params=params, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs)
+    return adam_problem(grads, params, exp_avgs, exp_avg_sqs, bias_correction)
+
+
+def _explain_clip(grads, norm_type: float = 2.0) -> Problem:
+    _tensor_lists(grads=grads)
+    return clip_problem(grads, norm_type)
+
+
+# explain("adam", grads, params, exp_avgs, exp_avg_sqs[, bias_correction]) and explain("clip_grad_norm", grads
+# [, norm_type]): one bucket / one (device, dtype) group, as FusedAdam.step and clip_grad_norm_ ask
+dispatch.register_problem(OP_ADAM, _explain_adam)
+dispatch.register_problem(OP_CLIP, _explain_clip)
 
 
 _noop_flags: dict[torch.device, torch.Tensor] = {}
