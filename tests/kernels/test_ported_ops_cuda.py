@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from adam_reference import adam_step64
 from tolerances import TOLERANCES, tol
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
@@ -355,19 +356,12 @@ SIZES = [1, 1000, 4097 * 3, 0, 65536 + 5] + [37] * 45 + [0]  # > one launch of t
 
 
 def ref_adam(g, p, m, v, lr, b1, b2, eps, step, mode, bias_correction, wd, div_scale=-1.0):
-    g, p, m, v = (t.double() for t in (g, p, m, v))
+    """The float64 step of tests/adam_reference.py in the ported kernels' arguments: mode 0 = L2, 1 = AdamW;
+    ColossalAI's div_scale divides the gradients. Returns (p, m, v) on p's device."""
     if div_scale > 0:
-        g = g / div_scale
-    if mode == 0:
-        g = g + wd * p
-    m = b1 * m + (1 - b1) * g
-    v = b2 * v + (1 - b2) * g * g
-    c1 = 1 - b1 ** step if bias_correction else 1.0
-    c2 = 1 - b2 ** step if bias_correction else 1.0
-    update = (m / c1) / (torch.sqrt(v / c2) + eps)
-    if mode == 1:
-        update = update + wd * p
-    return p - lr * update, m, v
+        g = g.double() / div_scale
+    out = adam_step64(p, g, m, v, step if bias_correction else None, lr, (b1, b2), eps, wd, mode == 1)
+    return tuple(t.to(p.device) for t in out)
 
 
 ADAM_DTYPES = [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
