@@ -18,7 +18,9 @@
 //   m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g * g
 //   AdamW (adam_w_mode true): p *= 1 - lr * weight_decay
 //   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps),  bc = 1 - beta ** step (1 without bias correction)
-// which is torch.optim.Adam / AdamW's update (torch._fused_adam_ / _fused_adamw_ do the same in fp32).
+// which is torch.optim.Adam / AdamW's update (torch._fused_adam_ / _fused_adamw_ do the same in fp32). fp32 tensors
+// take the correctly rounded square root and division; 16-bit ones approximate ones of 2^-23 and 2 ulp (sqrt_approx,
+// div_full below), whose error the rounding to 16 bits hides.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -39,8 +41,9 @@ constexpr const char* kOp = "pipegoose::adam_step";
 //
 // Measured (H200, session 46, benchmarks/results/nvidia_h200_2026-11-30/session46.log calls 4-6; AdamW over 976M
 // parameters, % of copy): the 16-bit step is bound by instruction issue, not by memory. --use_fast_math (approximate
-// division and square root, denormals flushed) took it from 84% to 97-99% in both calls that timed it; the precise
-// math stays. Launch geometry moved it little: 83-88% at two or four vectors per thread, 128 or 256 threads, two or
+// division and square root, denormals flushed) took it from 84% to 97-99% in both calls that timed it; not shipped
+// (flushing subnormals changes values). Session 47: the approximate square root and division alone, subnormals kept,
+// for 16-bit tensors (shipped, see sqrt_approx). Launch geometry moved it little: 83-88% at two or four vectors per thread, 128 or 256 threads, two or
 // four blocks per SM (one vector and four blocks timed 98% once, in call 4, and 83% twice in calls 5 and 6, where
 // its bf16 SASS is that of the shipped build). fp32 ran at 95-98% in every geometry tried.
 #ifndef PIPEGOOSE_ADAM_THREADS
@@ -83,19 +86,41 @@ struct Hyper {
 template <typename T> __device__ __forceinline__ float to_f(T x) { return static_cast<float>(x); }
 template <typename T> __device__ __forceinline__ T from_f(float x) { return static_cast<T>(x); }
 
+// The 16-bit step's square root and division: PTX sqrt.approx.f32 (relative error 2^-23) and div.full.f32 (2 ulp
+// over the full range), subnormals kept (no .ftz): what -prec-sqrt=false -prec-div=false emit. Their error is far
+// below the 2^-9 (bf16) or 2^-12 (fp16) of the rounding that stores each value, and the correctly rounded
+// instructions made the 16-bit step bound by instruction issue: AdamW over 976M bf16 parameters ran at 80.5% of
+// copy, with these at 97.4% (H200, session 47 call 2, .gpu/adam_var.py; fp32 96.2% either way, so fp32 keeps the
+// correctly rounded ones).
+__device__ __forceinline__ float sqrt_approx(float x) {
+  float r;
+  asm("sqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ float div_full(float a, float b) {
+  float r;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+template <bool kApprox>
 __device__ __forceinline__ void adam_math(const Hyper& h, float g, float& p, float& m, float& v) {
   if (!h.adam_w && h.weight_decay != 0.f) g = fmaf(h.weight_decay, p, g);   // as torch: no 0 * inf = nan
   m = fmaf(h.beta1, m, h.one_minus_beta1 * g);
   v = fmaf(h.beta2, v, h.one_minus_beta2 * g * g);
-  const float denom = fmaf(sqrtf(v), h.inv_bc2_sqrt, h.eps);
+  const float denom = fmaf(kApprox ? sqrt_approx(v) : sqrtf(v), h.inv_bc2_sqrt, h.eps);
   if (h.adam_w) p *= h.decay;
-  p -= h.step_size * (m / denom);
+  p -= h.step_size * (kApprox ? div_full(m, denom) : m / denom);
 }
+
+// 16-bit tensors take the approximate square root and division (above), fp32 the correctly rounded ones
+template <typename T> constexpr bool kApproxMath = sizeof(T) == 2;
 
 template <typename T>
 __device__ __forceinline__ void scalar_update(const Hyper& h, T* g, T* p, T* m, T* v, int64_t i) {
   float pf = to_f<T>(p[i]), mf = to_f<T>(m[i]), vf = to_f<T>(v[i]);
-  adam_math(h, to_f<T>(g[i]), pf, mf, vf);
+  adam_math<kApproxMath<T>>(h, to_f<T>(g[i]), pf, mf, vf);
   p[i] = from_f<T>(pf);
   m[i] = from_f<T>(mf);
   v[i] = from_f<T>(vf);
@@ -152,7 +177,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<T>)
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         float pf = to_f<T>(ep[e]), mf = to_f<T>(em[e]), vf = to_f<T>(ev[e]);
-        adam_math(h, to_f<T>(eg[e]), pf, mf, vf);
+        adam_math<kApproxMath<T>>(h, to_f<T>(eg[e]), pf, mf, vf);
         ep[e] = from_f<T>(pf);
         em[e] = from_f<T>(mf);
         ev[e] = from_f<T>(vf);

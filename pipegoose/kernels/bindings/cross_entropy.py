@@ -1,0 +1,30 @@
+"""Fake (meta) impls of ``pipegoose::cross_entropy_forward`` and ``pipegoose::cross_entropy_backward`` (pipegoose's
+softmax cross-entropy, ``pipegoose/kernels/csrc/cross_entropy.cu``).
+
+Shapes and dtypes, as the CUDA kernels return them: ``logits`` [N, V], ``target`` int64 [N]; forward -> loss and lse,
+float32 [N]; backward -> grad_logits (contiguous [N, V], the logits' dtype). Imported by the builder after the library
+is loaded."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _check(logits: torch.Tensor, target: torch.Tensor) -> None:
+    torch._check(logits.dim() == 2, lambda: f"logits: expected 2-D [N, V], got shape {tuple(logits.shape)}")
+    torch._check(target.dim() == 1 and target.shape[0] == logits.shape[0],
+                 lambda: f"target: expected 1-D with {logits.shape[0]} elements, got shape {tuple(target.shape)}")
+
+
+@torch.library.register_fake("pipegoose::cross_entropy_forward")
+def _forward_fake(logits, target, ignore_index):
+    _check(logits, target)
+    n = logits.shape[0]
+    return (torch.empty((n,), dtype=torch.float32, device=logits.device),
+            torch.empty((n,), dtype=torch.float32, device=logits.device))
+
+
+@torch.library.register_fake("pipegoose::cross_entropy_backward")
+def _backward_fake(grad_loss, logits, target, lse, ignore_index):
+    _check(logits, target)
+    return torch.empty(tuple(logits.shape), dtype=logits.dtype, device=logits.device)

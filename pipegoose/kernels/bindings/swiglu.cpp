@@ -1,0 +1,87 @@
+// torch.library binding of pipegoose's SwiGLU kernels (pipegoose/kernels/csrc/swiglu.cu).
+// Schemas: docs/architecture.md, "Op schemas", Ours. The entry points check every argument themselves.
+//
+// swiglu (the op the Python layer calls): the forward kernel with its autograd formula in C++, registered for the
+// Autograd key (no Python in the backward, as for the norms: norm_autograd.h says why); below autograd (inference
+// mode) the forward alone. It saves gate and up, not the product: the backward recomputes sigmoid(gate).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "norm_autograd.h"
+
+namespace pipegoose {
+at::Tensor swiglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up);
+std::tuple<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate,
+                                                        const at::Tensor& up);
+}  // namespace pipegoose
+
+namespace {
+
+namespace na = pipegoose::norm_autograd;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+using ForwardSig = at::Tensor(const at::Tensor&, const at::Tensor&);
+using BackwardSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+
+// The kernel's numerics as PyTorch ops: silu(gate) * up in fp32, rounded once to gate's dtype (the Python reference,
+// swiglu_reference in pipegoose/nn/fusion/ops/swiglu.py). Differentiable (used for a double backward).
+at::Tensor reference(const at::Tensor& gate, const at::Tensor& up) {
+  return (at::silu(gate.to(at::kFloat)) * up.to(at::kFloat)).to(gate.scalar_type());
+}
+
+}  // namespace
+
+namespace pipegoose {
+
+// The autograd formula of pipegoose::swiglu (its graph node: torch::autograd::CppNode<pipegoose::SwiGLUFunction>).
+struct SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
+    static const auto op = na::op_handle<ForwardSig>("pipegoose::swiglu_forward");
+    at::AutoDispatchBelowADInplaceOrView below;
+    at::Tensor y = op.call(gate, up);
+    ctx->save_for_backward({gate, up});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &g = saved[0], &u = saved[1];
+    const at::Tensor& dy = grads[0];
+    if (!dy.defined()) return {at::Tensor(), at::Tensor()};
+    if (at::GradMode::is_enabled()) {  // create_graph=True: gradients that are differentiable again
+      return na::grads_through([&] { return reference(g, u); }, {g, u},
+                               {ctx->needs_input_grad(0), ctx->needs_input_grad(1)}, dy);
+    }
+    static const auto op = na::op_handle<BackwardSig>("pipegoose::swiglu_backward");
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [dg, du] = op.call(dy, g, u);
+    return {ctx->needs_input_grad(0) ? dg : at::Tensor(), ctx->needs_input_grad(1) ? du : at::Tensor()};
+  }
+};
+
+}  // namespace pipegoose
+
+namespace {
+
+at::Tensor swiglu_autograd(const at::Tensor& gate, const at::Tensor& up) {
+  return pipegoose::SwiGLUFunction::apply(gate, up);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pipegoose, m) {
+  m.def("swiglu_forward(Tensor gate, Tensor up) -> Tensor");
+  m.def("swiglu_backward(Tensor grad_output, Tensor gate, Tensor up) -> (Tensor grad_gate, Tensor grad_up)");
+  m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pipegoose, CUDA, m) {
+  m.impl("swiglu_forward", &pipegoose::swiglu_forward_cuda);
+  m.impl("swiglu_backward", &pipegoose::swiglu_backward_cuda);
+  m.impl("swiglu", &pipegoose::swiglu_forward_cuda);
+}
+
+TORCH_LIBRARY_IMPL(pipegoose, Autograd, m) { m.impl("swiglu", &swiglu_autograd); }
