@@ -8,9 +8,10 @@ built or loaded until the first CUDA call that wants it, and transformers is imp
 from . import dispatch
 from .dispatch import FusionFallbackError
 from .fuse import FusionReport, fuse, fused, fusion_report, is_fused, unfuse
-from .functional import (layer_norm, mixed_fused_layer_norm, rms_norm, scaled_masked_softmax, scaled_softmax,
-                         scaled_upper_triang_masked_softmax, softmax)
-from .modules import AttnMaskType, FusedLayerNorm, FusedRMSNorm, FusedScaleMaskSoftmax, MixedFusedLayerNorm
+from .functional import (cross_entropy, layer_norm, mixed_fused_layer_norm, rms_norm, scaled_masked_softmax, scaled_softmax,
+                         scaled_upper_triang_masked_softmax, softmax, swiglu)
+from .modules import (AttnMaskType, FusedLayerNorm, FusedRMSNorm, FusedScaleMaskSoftmax, FusedSwiGLUMLP,
+                      MixedFusedLayerNorm)
 from .optim import FusedAdam, clip_grad_norm_
 
 __all__ = [
@@ -23,11 +24,14 @@ __all__ = [
     "layer_norm",
     "mixed_fused_layer_norm",
     "rms_norm",
+    "swiglu",
+    "cross_entropy",
     "AttnMaskType",
     "FusedScaleMaskSoftmax",
     "FusedLayerNorm",
     "MixedFusedLayerNorm",
     "FusedRMSNorm",
+    "FusedSwiGLUMLP",
     "FusedAdam",
     "clip_grad_norm_",
     "fuse",

@@ -19,7 +19,8 @@ softmaxes keep their fused paths (their Functions have a ``jvp``); the norms, wh
 the reference (a dispatcher choice with the reason, not an error).
 
 Kernel sources: see :mod:`pipegoose.nn.fusion.ops.softmax`, :mod:`~pipegoose.nn.fusion.ops.layer_norm`,
-:mod:`~pipegoose.nn.fusion.ops.rms_norm`.
+:mod:`~pipegoose.nn.fusion.ops.rms_norm`, :mod:`~pipegoose.nn.fusion.ops.swiglu`,
+:mod:`~pipegoose.nn.fusion.ops.cross_entropy`.
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ from typing import Sequence
 
 import torch
 
+from .ops import cross_entropy as _ce
 from .ops import layer_norm as _ln
 from .ops._common import INPUT_DTYPES as _INPUT_DTYPES
 from .ops import rms_norm as _rms
 from .ops import softmax as _sm
+from .ops import swiglu as _swiglu
 
 __all__ = ["softmax", "scaled_softmax", "scaled_masked_softmax", "scaled_upper_triang_masked_softmax",
-           "layer_norm", "mixed_fused_layer_norm", "rms_norm"]
+           "layer_norm", "mixed_fused_layer_norm", "rms_norm", "swiglu", "cross_entropy"]
 
 
 def softmax(input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3, dtype: torch.dtype | None = None, *,
@@ -231,3 +234,62 @@ def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: tor
         ValueError: shapes or devices wrong, ``eps`` negative or not finite.
     """
     return _rms.run(x, normalized_shape, weight, eps, cast_before_weight, impl)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
+    """SwiGLU's gated activation ``silu(gate) * up`` = ``gate * sigmoid(gate) * up``, elementwise (op ``swiglu``):
+    ``F.silu(gate) * up`` in one kernel forward and one backward. In an MLP: ``down_proj(swiglu(gate_proj(x),
+    up_proj(x)))``.
+
+    Args:
+        gate, up: tensors of one shape (any, e.g. [batch, seq, intermediate]) and dtype: fp32, fp16, bf16 (the
+            kernel) or fp64; shapes that broadcast or differing dtypes run the PyTorch reference (a fallback with
+            the reason).
+
+    Returns:
+        Tensor of ``gate``'s shape and dtype (the kernel's output is contiguous; on the reference path, shapes that
+        broadcast and mixed dtypes give the broadcast shape and the promoted dtype, as ``F.silu(gate) * up``). The kernel computes each value in
+        fp32 and rounds it once (eager PyTorch in 16-bit rounds ``silu(gate)`` first: about one unit in the last
+        place apart, the kernel the closer to exact); gradients for ``gate`` and ``up`` likewise. It saves ``gate``
+        and ``up`` for the backward, not ``silu(gate)``.
+
+    Kernel: pipegoose/swiglu (pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
+
+    Raises:
+        TypeError: ``gate`` or ``up`` not a floating point tensor of fp32/fp16/bf16/fp64.
+        ValueError: ``up`` on another device than ``gate``, or of a shape that does not broadcast with it; ``impl``
+            naming no implementation of ``swiglu`` (``pipegoose``, ``torch``).
+        FusionFallbackError: in strict mode, where the kernel cannot take the input.
+    """
+    return _swiglu.run(gate, up, impl)
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: int = -100, reduction: str = "mean",
+                  impl: str | None = None) -> torch.Tensor:
+    """Softmax cross-entropy, ``F.cross_entropy(logits.float(), target, ignore_index=..., reduction=...)`` (op
+    ``cross_entropy``): the loss transformers computes for causal and masked language models, without the fp32 copy of
+    the logits.
+
+    Args:
+        logits: [N, V] class scores, fp32/fp16/bf16 (the kernel; last dim contiguous, rows at any stride) or fp64;
+            other shapes ``F.cross_entropy`` takes run the reference path (a fallback with the reason).
+        target: [N] int64 class indices in [0, V), or ``ignore_index`` (those rows add nothing and are not counted by
+            the mean). A target outside [0, V) that is not ``ignore_index`` gives a NaN loss on the kernel path (and a
+            device-side assert on PyTorch's).
+        ignore_index: the target value to skip.
+        reduction: ``mean`` (over the rows not ignored; NaN when every row is ignored, as PyTorch's), ``sum`` or
+            ``none`` (fp32 [N], 0 for ignored rows).
+
+    Returns:
+        The loss in fp32 (fp64 for fp64 logits); the gradient of the logits is in their dtype, computed in fp32 and
+        rounded once. Not twice differentiable on the kernel path (``create_graph=True`` raises).
+
+    Kernel: pipegoose/cross_entropy (pipegoose/kernels/csrc/cross_entropy.cu, this project, MIT).
+
+    Raises:
+        TypeError: ``logits`` not a floating point tensor, ``target`` not a tensor, ``ignore_index`` not an int.
+        ValueError: ``reduction`` not one of ``mean``, ``sum``, ``none``; ``target`` on another device; ``impl``
+            naming no implementation of ``cross_entropy`` (``pipegoose``, ``torch``).
+        FusionFallbackError: in strict mode, where the kernel cannot take the input.
+    """
+    return _ce.run(logits, target, ignore_index, reduction, impl)

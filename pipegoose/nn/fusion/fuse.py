@@ -1,11 +1,19 @@
-"""``fuse(model)``: swap a constructed model's LayerNorms, RMSNorms and attention softmax for the fused ones, per
-instance, with an exact undo (``unfuse``) and a report of what was done (``FusionReport``).
+"""``fuse(model)``: swap a constructed model's LayerNorms, RMSNorms, SwiGLU MLPs, language-model loss and attention
+softmax for the fused ones, per instance, with an exact undo (``unfuse``) and a report of what was done
+(``FusionReport``).
 
 What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``):
 
 * every ``torch.nn.LayerNorm`` -> ``MixedFusedLayerNorm`` (same ``weight``/``bias`` Parameter objects);
 * every module that computes RMSNorm, found by a numerical probe (``transformers.matching.probe_rms_norm``) ->
   ``FusedRMSNorm`` (same ``weight``);
+* every module that computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``, found by a numerical probe
+  (``transformers.matching.probe_swiglu_mlp``: transformers' ``LlamaMLP`` and its copies in Mistral, Qwen2, Qwen3, ...)
+  -> ``FusedSwiGLUMLP`` (the same projection modules; the activation and product in one kernel, op ``swiglu``);
+* the loss of a transformers language model whose forward calls ``self.loss_function`` and whose loss is
+  transformers' ``ForCausalLMLoss`` or ``ForMaskedLMLoss``: the instance's ``loss_function`` is set to
+  ``transformers.loss.causal_lm_loss`` / ``masked_lm_loss`` (the same loss on our cross-entropy kernel, op
+  ``cross_entropy``, without the fp32 copy of the logits; the report's row for it has the model's path, ``""``);
 * the attention softmax of BERT, GPT-2, GPT-NeoX, Llama and OPT models: the model's modules are pointed at a copy of
   its config whose ``_attn_implementation`` is ``"pipegoose"`` (our function in transformers' ``AttentionInterface``)
   or ``"pipegoose_sdpa"`` (ours where the GPU's tuning table says so, SDPA otherwise). Bloom is reported as skipped:
@@ -51,9 +59,10 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .modules import ORIGINAL_ATTR as _ORIGINAL
+from .transformers import loss as _loss
 from .transformers import matching
 
-OPS = ("layer_norm", "rms_norm", "attention")
+OPS = ("layer_norm", "rms_norm", "swiglu", "cross_entropy", "attention")
 ATTENTION_CHOICES = ("auto", "pipegoose", "keep")
 
 # Hook dictionaries a replacement shares with the module it replaces (those present in this torch version).
@@ -72,7 +81,7 @@ class FusionRow:
 
     Attributes:
         path: dotted module path in the model (``""`` for the model itself).
-        kind: ``layer_norm``, ``rms_norm`` or ``attention``.
+        kind: ``layer_norm``, ``rms_norm``, ``swiglu``, ``cross_entropy`` (the model's loss) or ``attention``.
         original: class name of the module found.
         replacement: class name (or attention function) put in its place; None when skipped.
         fused: whether it was (or, in a dry run, would be) replaced.
@@ -282,6 +291,7 @@ class _NullIO:
 @dataclass
 class _Fusion:
     swaps: list = field(default_factory=list)            # (weakref to parent, name, weakref to new)
+    loss_swaps: list = field(default_factory=list)       # (weakref to model, the loss function set on it)
     config_swaps: list = field(default_factory=list)     # (weakref to module, old_config)
     new_config: object = None
     config_snapshot: dict = field(default_factory=dict)   # new_config's attributes as fuse() left them
@@ -343,7 +353,7 @@ def _adopt(new: nn.Module, old: nn.Module) -> None:
     for name in _HOOK_DICTS + _HOOK_FLAGS:
         if name in old.__dict__:
             object.__setattr__(new, name, old.__dict__[name])
-    new.train(old.training)
+    new.training = old.training   # the module's own flag: an MLP's children are the original's, left as they are
 
 
 def _check_same_params(new: nn.Module, old: nn.Module) -> None:
@@ -394,14 +404,15 @@ def _parse_attention(attention: Any) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool = False,
          attention: str = "auto") -> FusionReport:
-    """Replace ``model``'s LayerNorms, RMSNorms and attention softmax by fused ones, on this instance only.
+    """Replace ``model``'s LayerNorms, RMSNorms, SwiGLU MLPs, language-model loss and attention softmax by fused
+    ones, on this instance only.
 
     Args:
         model: a constructed ``torch.nn.Module`` (typically a transformers ``PreTrainedModel``, e.g. from
             ``from_pretrained``), on any device and dtype. Modules whose parameters are on CPU run the reference
             paths (the dispatcher picks fused kernels on CUDA).
-        ops: subset of ``("layer_norm", "rms_norm", "attention")`` (a name or an iterable of names; case and
-            surrounding blanks ignored, as in ``impl=``); None = all.
+        ops: subset of ``("layer_norm", "rms_norm", "swiglu", "cross_entropy", "attention")`` (a name or an iterable
+            of names; case and surrounding blanks ignored, as in ``impl=``); None = all.
         dry_run: only report what would be done; the model is not touched.
             A call that fuses nothing (no module of ``ops`` in the model) leaves no record either: ``is_fused``
             stays False, and ``fuse`` may be called again, e.g. with other ``ops``.
@@ -434,7 +445,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     if model in _STATE:
         raise RuntimeError(f"model: this {type(model).__name__} is already fused; call unfuse(model) first")
     from . import dispatch
-    from .modules import FusedRMSNorm, MixedFusedLayerNorm
+    from .modules import FusedRMSNorm, FusedSwiGLUMLP, MixedFusedLayerNorm
 
     dispatch.check_env()
 
@@ -443,7 +454,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     state = _Fusion(report=report)
     replaced: dict[int, nn.Module] = {}       # id(old) -> new (a shared module is replaced once, everywhere)
     seen: set[int] = set()
-    fused_types = (MixedFusedLayerNorm, FusedRMSNorm)
+    fused_types = (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP)
     # the parametrization objects of parametrized modules (a _WeightNorm, say): not modules of the model's computation
     internal = {id(m) for mod in model.modules() if parametrize.is_parametrized(mod)
                 for m in mod.parametrizations.modules()}
@@ -464,7 +475,8 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                     continue
                 seen.add(id(child))
                 if isinstance(child, fused_types):  # put there before this call
-                    kind = "rms_norm" if isinstance(child, FusedRMSNorm) else "layer_norm"
+                    kind = ("rms_norm" if isinstance(child, FusedRMSNorm) else
+                            "swiglu" if isinstance(child, FusedSwiGLUMLP) else "layer_norm")
                     report.rows.append(FusionRow(path, kind, type(child).__name__, type(child).__name__, True,
                                                  *_fused_impls(child), reason=_already_fused_reason(model, child)))
                     held.add(id(report.rows[-1]))
@@ -484,6 +496,10 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                     parent._modules[name] = new
                     state.swaps.append((weakref.ref(parent), name, weakref.ref(new)))
 
+        if "cross_entropy" in ops:
+            _fuse_loss(model, dry_run, report, state)
+        elif _loss.loss_support(model)[0] is not None:
+            report.not_requested["cross_entropy"] = 1
         if "attention" in ops:
             _fuse_attention(model, config, attention, dry_run, report, state)
         elif matching.is_config(config):
@@ -504,7 +520,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
             "module that holds it")))
     order = {p: i for i, (p, _) in enumerate(model.named_modules(remove_duplicate=False))}
     report.rows.sort(key=lambda r: order.get(r.path, len(order)))
-    if not dry_run and (state.swaps or state.config_swaps
+    if not dry_run and (state.swaps or state.config_swaps or state.loss_swaps
                         or any(r.fused and id(r) not in held for r in report.rows)):
         _STATE[model] = state  # a call that fused nothing leaves no record: fuse() may be called again
     return report
@@ -515,6 +531,8 @@ def _norm_kind_left_out(child: nn.Module, ops: tuple) -> str | None:
     eligible (for the report's ``not_requested``; classification only: no dispatcher choice, no kernel loaded)."""
     if isinstance(child, nn.LayerNorm):
         return "layer_norm" if "layer_norm" not in ops else None
+    if "swiglu" not in ops and matching.probe_swiglu_mlp(child).ok:
+        return "swiglu"
     if "rms_norm" in ops or any(True for _ in child.children()):
         return None
     return "rms_norm" if matching.probe_rms_norm(child).ok else None
@@ -523,10 +541,12 @@ def _norm_kind_left_out(child: nn.Module, ops: tuple) -> str | None:
 def _fused_impls(module: nn.Module) -> tuple[str, str]:
     """(forward, backward) for a norm fused before this call, as :func:`_consider` gives them for a new one: what the
     dispatcher picks for it (the report showed "yes" there, also where the fallback runs; a walkthrough)."""
-    from .modules import FusedRMSNorm
+    from .modules import FusedRMSNorm, FusedSwiGLUMLP
 
-    shape = tuple(module.normalized_shape)
     impl = getattr(module, "impl", None)   # a request made on the module (FusedRMSNorm(impl="torch"), say)
+    if isinstance(module, FusedSwiGLUMLP):
+        return _impls("swiglu", module, _swiglu_probe_inputs(module), impl)
+    shape = tuple(module.normalized_shape)
     if isinstance(module, FusedRMSNorm):
         return _impls("rms_norm", module, lambda d, t: (
             torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, module.weight, module.eps,
@@ -733,6 +753,10 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm):
             torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, child.weight, child.bias))
         return FusionRow(path, "layer_norm", type(child).__name__, "MixedFusedLayerNorm", True, fwd, bwd,
                          "torch.nn.LayerNorm, same parameters" + _small_note(child)), new
+    if "swiglu" in ops:
+        found = _consider_swiglu(child, path, dry_run)
+        if found is not None:
+            return found
     if "rms_norm" not in ops:
         return None, None
     # torch.nn.RMSNorm, and parametrized norms (their parametrizations are children, which the probe takes for "not a
@@ -765,6 +789,56 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm):
         torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, weight, probe.eps, cast))
     return FusionRow(path, "rms_norm", type(child).__name__, "FusedRMSNorm", True, fwd, bwd,
                      f"RMSNorm ({probe.reason}), eps={probe.eps}{_small_note(child)}"), new
+
+
+def _swiglu_probe_inputs(mlp: nn.Module):
+    """The report's probe of a SwiGLU MLP's activation: gate and up of the intermediate size (``gate_proj``'s
+    ``out_features``, else its weight's first dim), rows enough that it is not a small problem."""
+    proj = getattr(mlp, "gate_proj", None)
+    inter = getattr(proj, "out_features", None) or getattr(getattr(proj, "weight", None), "shape", (1,))[0]
+    rows = _probe_rows((int(inter),))
+    return lambda d, t: (torch.empty(rows, int(inter), device=d, dtype=t), torch.empty(rows, int(inter), device=d,
+                                                                                       dtype=t))
+
+
+def _consider_swiglu(child, path, dry_run):
+    """(row, replacement or None) for a module with SwiGLU's projections; None when it has none (not a candidate)."""
+    from .modules import FusedSwiGLUMLP
+
+    probe = matching.probe_swiglu_mlp(child)
+    if not probe.candidate:
+        return None
+    if not probe.ok:
+        return FusionRow(path, "swiglu", type(child).__name__, None, False, reason=probe.reason, eligible=False), None
+    why = _instance_override(child)
+    if why is not None:
+        return FusionRow(path, "swiglu", type(child).__name__, None, False, reason=why), None
+    new = None if dry_run else _build(path, child, FusedSwiGLUMLP.from_module, child, verify=False)  # probed above
+    fwd, bwd = _impls("swiglu", child, _swiglu_probe_inputs(child))
+    return FusionRow(path, "swiglu", type(child).__name__, "FusedSwiGLUMLP", True, fwd, bwd,
+                     f"SwiGLU MLP ({probe.reason}), same projections" + _small_note(child)), new
+
+
+def _fuse_loss(model, dry_run, report, state) -> None:
+    """The report's row for the model's loss, and the swap (``model.loss_function``, this instance)."""
+    name, reason, candidate = _loss.loss_support(model)
+    if not candidate:
+        return
+    original = getattr(getattr(model, "loss_function", None), "__name__", "loss_function")
+    if name is None:
+        report.rows.append(FusionRow("", "cross_entropy", original, None, False, reason=reason, eligible=False))
+        return
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    fwd = bwd = "?"
+    if isinstance(vocab, int) and vocab > 0:
+        rows = _probe_rows((vocab,))
+        fwd, bwd = _impls("cross_entropy", model, lambda d, t: (torch.empty(rows, vocab, device=d, dtype=t),
+                                                                 torch.zeros(rows, dtype=torch.long, device=d)))
+    if not dry_run:
+        fn = _loss.FUNCTIONS[name]
+        model.__dict__["_loss_function"] = fn     # transformers' loss_function property returns it
+        state.loss_swaps.append((weakref.ref(model), fn))
+    report.rows.append(FusionRow("", "cross_entropy", original, name, True, fwd, bwd, reason))
 
 
 def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
@@ -914,6 +988,14 @@ def _undo(state: _Fusion) -> list[str]:
             module.__dict__["config"] = old_config
         else:
             problems.append(f"{type(module).__name__}.config was replaced after fuse()")
+    for model_ref, fn in reversed(state.loss_swaps):
+        model = model_ref()
+        if model is None:
+            continue
+        if model.__dict__.get("_loss_function") is fn:
+            del model.__dict__["_loss_function"]
+        else:
+            problems.append(f"{type(model).__name__}.loss_function was replaced after fuse()")
     done = []
     for parent_ref, name, new_ref in reversed(state.swaps):
         parent, new = parent_ref(), new_ref()
@@ -922,7 +1004,7 @@ def _undo(state: _Fusion) -> list[str]:
         if new is not None and parent._modules.get(name) is new:
             rec = new.__dict__[_ORIGINAL]
             old = rec.module
-            old.train(new.training)
+            old.training = new.training   # (train() would also set the children's, which may differ)
             _carry_tensors_back(new, old)
             _carry_back(new, rec)
             parent._modules[name] = old
@@ -933,17 +1015,20 @@ def _undo(state: _Fusion) -> list[str]:
         new.__dict__.pop(_ORIGINAL, None)
     state.swaps.clear()
     state.config_swaps.clear()
+    state.loss_swaps.clear()
     return problems
 
 
 def _carry_tensors_back(new: nn.Module, old: nn.Module) -> None:
-    """Give the original module the replacement's current parameters and buffers (the same objects at fuse time;
-    replaced since by ``load_state_dict(assign=True)``, ``to_empty``, a conversion that overwrites parameters, or an
-    assignment), so that unfusing loses nothing the user did while fused."""
-    for slot in ("_parameters", "_buffers"):
+    """Give the original module the replacement's current parameters, buffers and submodules (the same objects at
+    fuse time; replaced since by ``load_state_dict(assign=True)``, ``to_empty``, a conversion that overwrites
+    parameters, an assignment, or, for a fused MLP, an adapter library wrapping its projections), so that unfusing
+    loses nothing the user did while fused."""
+    for slot in ("_parameters", "_buffers", "_modules"):
         old_d, new_d = getattr(old, slot), getattr(new, slot)
         for key in old_d:
-            if key in new_d and new_d[key] is not old_d[key]:
+            # (parametrizations: each module's own container, which _carry_parametrizations_back merges)
+            if key in new_d and new_d[key] is not old_d[key] and not (slot == "_modules" and key == "parametrizations"):
                 old_d[key] = new_d[key]
 
 
@@ -1004,9 +1089,10 @@ def _unfuse(model: nn.Module, keep: Iterable[nn.Module] = (), quiet: bool = Fals
     if state is None and not parts and quiet:
         return False  # fused(): its fuse() recorded nothing, so there is nothing of its own to undo
     if state is None and not parts:
-        from .modules import FusedRMSNorm, MixedFusedLayerNorm
+        from .modules import FusedRMSNorm, FusedSwiGLUMLP, MixedFusedLayerNorm
 
-        found = [p for p, m in model.named_modules() if isinstance(m, (MixedFusedLayerNorm, FusedRMSNorm))]
+        found = [p for p, m in model.named_modules()
+                 if isinstance(m, (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP))]
         if found:
             raise RuntimeError(
                 f"unfuse: this {type(model).__name__} holds fused modules ({found[0]}"

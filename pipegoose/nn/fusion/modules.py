@@ -1,6 +1,7 @@
 """Modules over the fused ops: Megatron's ``FusedScaleMaskSoftmax``, Apex/Megatron's ``MixedFusedLayerNorm`` /
-``FusedLayerNorm`` (drop-ins for ``torch.nn.LayerNorm``) and ``FusedRMSNorm`` (drop-in for ``torch.nn.RMSNorm``
-and transformers' Llama-style RMSNorm). Kernel sources: see :mod:`pipegoose.nn.fusion.functional`."""
+``FusedLayerNorm`` (drop-ins for ``torch.nn.LayerNorm``), ``FusedRMSNorm`` (drop-in for ``torch.nn.RMSNorm``
+and transformers' Llama-style RMSNorm) and ``FusedSwiGLUMLP`` (for transformers' Llama-style MLP). Kernel sources:
+see :mod:`pipegoose.nn.fusion.functional`."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from .ops import _common
 from .ops._common import megatron_batches_per_block
 from .ops.layer_norm import normalize_shape
 
-__all__ = ["AttnMaskType", "FusedScaleMaskSoftmax", "MixedFusedLayerNorm", "FusedLayerNorm", "FusedRMSNorm"]
+__all__ = ["AttnMaskType", "FusedScaleMaskSoftmax", "MixedFusedLayerNorm", "FusedLayerNorm", "FusedRMSNorm",
+           "FusedSwiGLUMLP"]
 
 
 class AttnMaskType(enum.Enum):
@@ -519,6 +521,77 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         new.elementwise_affine = w is not None
         new.weight = w
         new.train(module.training)
+        return new
+
+
+class FusedSwiGLUMLP(_DropsFuseRecord, nn.Module):
+    """The SwiGLU MLP ``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the activation and product in one kernel
+    (:func:`pipegoose.nn.fusion.functional.swiglu`): what ``fuse`` puts in place of transformers' ``LlamaMLP`` and
+    its copies (Mistral, Qwen2, Qwen3, ...).
+
+    Args:
+        gate_proj, up_proj: modules mapping ``[..., hidden]`` to ``[..., intermediate]`` (``torch.nn.Linear`` in
+            transformers' models; any module works), held as they are: the same objects, so parameters, optimizers
+            and ``state_dict`` keys (``gate_proj.weight``, ...) are unchanged.
+        down_proj: ``[..., intermediate]`` -> ``[..., hidden]``.
+        impl: force an implementation of op ``swiglu`` (``pipegoose``, ``torch``; any case), default auto.
+
+    ``forward(x [..., hidden])`` -> ``[..., hidden]``. The activation runs our kernel where the dispatcher chooses it
+    (CUDA, gate and up of one shape and dtype, at least ``PIPEGOOSE_SMALL_NUMEL`` elements), else
+    ``F.silu(gate) * up``. Kernel: pipegoose/swiglu (pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
+
+    Raises (when constructed):
+        TypeError: a projection that is not a ``torch.nn.Module``; ``impl`` not a str or None.
+        ValueError: ``impl`` naming no implementation of ``swiglu``.
+    """
+
+    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, *,
+                 impl: str | None = None) -> None:
+        super().__init__()
+        for name, m in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"{name}: expected a torch.nn.Module, got {type(m).__name__}")
+        dispatch.check_impl("swiglu", impl)
+        self.gate_proj = gate_proj
+        self.up_proj = up_proj
+        self.down_proj = down_proj
+        self.impl = impl
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(PF.swiglu(self.gate_proj(x), self.up_proj(x), impl=self.impl))
+
+    def extra_repr(self) -> str:
+        return f"impl={self.impl!r}" if self.impl is not None else ""
+
+    @classmethod
+    def from_module(cls, mlp: nn.Module, *, impl: str | None = None, verify: bool = True) -> "FusedSwiGLUMLP":
+        """A fused module holding ``mlp``'s children, the same objects in the same order (its ``act_fn`` too, which
+        it does not call: ``named_modules()`` and ``state_dict`` keys are unchanged), and its training flag.
+
+        ``verify`` (default True): ``mlp`` must pass the probe that ``fuse`` runs
+        (``transformers.matching.probe_swiglu_mlp``: its forward, with small random projections on CPU, against
+        ``down_proj(silu(gate_proj(x)) * up_proj(x))``), so that a gated MLP of another activation (Gemma's GELU) is
+        refused instead of silently replaced.
+
+        Raises:
+            TypeError: ``mlp`` lacks a ``gate_proj``, ``up_proj`` or ``down_proj`` submodule.
+            ValueError: with ``verify``, the probe finds another computation (the message gives its reason).
+        """
+        from .transformers.matching import SWIGLU_PROJECTIONS, probe_swiglu_mlp
+
+        children = dict(mlp.named_children()) if isinstance(mlp, nn.Module) else {}
+        missing = [n for n in SWIGLU_PROJECTIONS if not isinstance(children.get(n), nn.Module)]
+        if missing:
+            raise TypeError(f"mlp: expected a module with submodules gate_proj, up_proj and down_proj, got "
+                            f"{type(mlp).__name__} without {', '.join(missing)}")
+        if verify:
+            probe = probe_swiglu_mlp(mlp)
+            if not probe.ok:
+                raise ValueError(f"mlp: {type(mlp).__name__} does not pass the SwiGLU probe: {probe.reason}; "
+                                 "verify=False skips this check")
+        new = cls(children["gate_proj"], children["up_proj"], children["down_proj"], impl=impl)
+        new._modules = dict(mlp._modules)   # every child, in the original's order
+        new.training = mlp.training
         return new
 
 

@@ -2,6 +2,6 @@
 registration of its implementations with :mod:`pipegoose.nn.fusion.dispatch`. Importing this package
 registers them all; nothing here loads a kernel (that happens on first CUDA use)."""
 
-from . import layer_norm, multi_tensor, rms_norm, softmax  # noqa: F401  (registration side effects)
+from . import cross_entropy, layer_norm, multi_tensor, rms_norm, softmax, swiglu  # noqa: F401  (registration)
 
-__all__ = ["layer_norm", "multi_tensor", "rms_norm", "softmax"]
+__all__ = ["cross_entropy", "layer_norm", "multi_tensor", "rms_norm", "softmax", "swiglu"]

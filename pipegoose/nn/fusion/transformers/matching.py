@@ -8,6 +8,12 @@
   Llama, Mistral, Qwen2/Qwen3 and T5 styles and rejects Gemma's ``(1 + weight)`` style and mean-subtracting norms.
 * Attention: the model types whose attention goes through transformers' ``AttentionInterface`` and whose math
   our attention function reproduces (:data:`ATTENTION_MODEL_TYPES`); others are reported with the reason.
+* SwiGLU MLP: found by what a module computes, as RMSNorm is. A candidate has children named ``gate_proj``,
+  ``up_proj`` and ``down_proj`` (Llama, Mistral, Qwen2/Qwen3 and their copies); it is accepted when it has no other
+  child than an activation ``act_fn``, no parameter or buffer of its own, a forward that takes the input alone, and,
+  run on CPU in fp32 with small random ``torch.nn.Linear`` stand-ins for the three projections, gives
+  ``down_proj(silu(gate_proj(x)) * up_proj(x))``. Gemma's GELU MLP, MLPs with dropout and fused ``gate_up_proj``
+  MLPs (Phi-3) are reported as not SwiGLU, with the reason.
 """
 
 from __future__ import annotations
@@ -285,6 +291,100 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
                                                                         if t5 else ""), True, t5)
 
 
-__all__ = ["ATTENTION_MODEL_TYPES", "ATTENTION_SKIP_REASONS", "RMSNormProbe", "attention_support",
+# --------------------------------------------------------------------------------------------------------------------
+# SwiGLU MLP probe
+# --------------------------------------------------------------------------------------------------------------------
+SWIGLU_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class SwiGLUProbe:
+    """Result of :func:`probe_swiglu_mlp`: ``ok``, or not with the ``reason``; ``candidate`` says whether the module
+    has the three projections (worth a row in the report)."""
+
+    ok: bool
+    reason: str
+    candidate: bool
+
+
+def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
+    """Check whether ``module`` computes ``down_proj(silu(gate_proj(x)) * up_proj(x))`` (see the module docstring).
+
+    The module itself is not run: a shallow stand-in sharing its class and attributes, whose three projections are
+    small random fp32 ``torch.nn.Linear`` modules on CPU, is, through ``forward`` directly (the module's hooks do not
+    fire; its projections, which may be large or on a GPU, are not touched). Never raises.
+    """
+    children = dict(module.named_children())
+    if not all(isinstance(children.get(n), nn.Module) for n in SWIGLU_PROJECTIONS):
+        return SwiGLUProbe(False, "", False)
+    other = [n for n in children if n not in SWIGLU_PROJECTIONS and n != "act_fn"]
+    if other:
+        return SwiGLUProbe(False, f"has submodules besides the projections and act_fn ({', '.join(other)}): not the "
+                           "plain SwiGLU MLP", True)
+    if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
+        return SwiGLUProbe(False, "has parameters or buffers of its own: not the plain SwiGLU MLP", True)
+    extra = _extra_forward_arguments(type(module))
+    if extra:
+        return SwiGLUProbe(False, f"forward takes more than the input ({', '.join(extra)}): FusedSwiGLUMLP takes the "
+                           "input alone", True)
+    act = children.get("act_fn")
+    if act is not None:
+        t = torch.linspace(-6.0, 6.0, 25)
+        try:
+            with torch.no_grad():
+                a = act(t.clone())   # (an in-place activation, nn.SiLU(inplace=True), must not change t)
+        except Exception as exc:  # noqa: BLE001
+            return SwiGLUProbe(False, f"probe of act_fn failed: {type(exc).__name__}: {exc}", True)
+        if not isinstance(a, torch.Tensor) or a.shape != t.shape or not torch.allclose(
+                a.double(), torch.nn.functional.silu(t.double()), atol=1e-6, rtol=1e-5):
+            return SwiGLUProbe(False, f"act_fn ({type(act).__name__}) is not SiLU: a gated MLP of another activation "
+                               "(GeGLU, say), which the SwiGLU kernel does not compute", True)
+    hidden, inter = 8, 12
+    gen = torch.Generator().manual_seed(4321)
+
+    def linear(n_in: int, n_out: int, like: nn.Module) -> nn.Linear:
+        lin = nn.Linear(n_in, n_out, bias=getattr(like, "bias", None) is not None)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(n_out, n_in, generator=gen) / math.sqrt(n_in))
+            if lin.bias is not None:
+                lin.bias.copy_(torch.randn(n_out, generator=gen) * 0.1)
+        return lin
+
+    stand = {"gate_proj": linear(hidden, inter, children["gate_proj"]),
+             "up_proj": linear(hidden, inter, children["up_proj"]),
+             "down_proj": linear(inter, hidden, children["down_proj"])}
+    stand_in = object.__new__(type(module))
+    stand_in.__dict__.update(module.__dict__)
+    for name in ("forward", "_hf_hook", "_old_forward"):
+        stand_in.__dict__.pop(name, None)
+    object.__setattr__(stand_in, "_parameters", {})
+    object.__setattr__(stand_in, "_buffers", {})
+    object.__setattr__(stand_in, "_modules", {**children, **stand})
+    x = torch.randn(2, 3, hidden, generator=gen) * 2.0
+    try:
+        with torch.no_grad():
+            y = stand_in.forward(x)
+    except Exception as exc:  # noqa: BLE001 - a forward we cannot run we cannot vouch for
+        return SwiGLUProbe(False, f"probe forward failed: {type(exc).__name__}: {exc}", True)
+    with torch.no_grad():
+        xd = x.double()
+        g = torch.nn.functional.linear(xd, stand["gate_proj"].weight.double(), _b(stand["gate_proj"]))
+        u = torch.nn.functional.linear(xd, stand["up_proj"].weight.double(), _b(stand["up_proj"]))
+        ref = torch.nn.functional.linear(torch.nn.functional.silu(g) * u, stand["down_proj"].weight.double(),
+                                         _b(stand["down_proj"]))
+    if not isinstance(y, torch.Tensor) or y.shape != ref.shape:
+        return SwiGLUProbe(False, "probe output is not a tensor of the input's shape", True)
+    if not torch.allclose(y.double(), ref, atol=1e-5, rtol=1e-4):
+        err = (y.double() - ref).abs().max().item()
+        return SwiGLUProbe(False, f"output differs from down_proj(silu(gate_proj(x)) * up_proj(x)) (max abs diff "
+                           f"{err:.3g})", True)
+    return SwiGLUProbe(True, "probe output equals down_proj(silu(gate_proj(x)) * up_proj(x))", True)
+
+
+def _b(lin: nn.Linear) -> torch.Tensor | None:
+    return None if lin.bias is None else lin.bias.double()
+
+
+__all__ = ["ATTENTION_MODEL_TYPES", "ATTENTION_SKIP_REASONS", "RMSNormProbe", "SwiGLUProbe", "attention_support",
            "get_attn_implementation", "is_attention_module", "is_config",
-           "model_type_of", "probe_rms_norm", "set_attn_implementation"]
+           "model_type_of", "probe_rms_norm", "probe_swiglu_mlp", "set_attn_implementation"]

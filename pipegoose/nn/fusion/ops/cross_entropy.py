@@ -1,0 +1,161 @@
+"""Softmax cross-entropy over class logits: our kernel (per-row loss and log-sum-exp forward, the logits' gradient
+backward) with a Python autograd Function, the PyTorch reference, dispatch.
+
+Semantics: ``F.cross_entropy(logits.float(), target, ignore_index=..., reduction=...)`` for 2-D logits ``[N, V]`` and
+1-D class indices ``[N]``: what transformers' causal-LM and masked-LM losses compute (they upcast the logits to fp32
+first). The loss is fp32 (fp64 for fp64 logits, on the reference path); the logits' gradient is in the logits' dtype.
+The kernel computes in fp32 from the stored logits without the fp32 copy: it reads the logits once forward and once
+backward and writes their gradient once, where the upcast path writes and reads an fp32 copy, its log-softmax and
+their gradients (about 8 passes over 4-byte values instead of 3 over 2-byte ones in bf16).
+
+Implementations (op ``cross_entropy``): ``pipegoose`` (pipegoose/kernels/csrc/cross_entropy.cu, this project, MIT) and
+``torch``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from .. import dispatch
+from ..dispatch import Implementation, Problem
+from ._common import (FLOAT_DTYPES, INT32_MAX, NO_STORAGE, all_have_storage, call_without_autocast,
+                      dtype_name, has_tangent, needs_grad)
+
+OP = "cross_entropy"
+SRC_PIPEGOOSE = "pipegoose/cross_entropy: pipegoose/kernels/csrc/cross_entropy.cu (pipegoose, MIT)"
+REDUCTIONS = ("mean", "sum", "none")
+FORWARD_AD_CE = ("a dual tensor (torch.autograd.forward_ad): the cross-entropy kernel has no forward derivative (jvp); "
+                 "PyTorch's op has")
+
+
+def check_args(logits: Any, target: Any, ignore_index: Any, reduction: Any) -> None:
+    """Check the arguments (errors name the argument).
+
+    Raises:
+        TypeError: ``logits`` not a floating point tensor; ``target`` not a tensor; ``ignore_index`` not an int.
+        ValueError: ``reduction`` not ``mean``, ``sum`` or ``none``; ``target`` on another device than ``logits``.
+    """
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise TypeError(f"logits: expected a floating point torch.Tensor, got "
+                        f"{dtype_name(logits.dtype) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target: expected a torch.Tensor of class indices, got {type(target).__name__}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+    if target.device != logits.device:
+        raise ValueError(f"target: on {target.device}, expected the logits' device {logits.device}")
+
+
+def cross_entropy_problem(logits: torch.Tensor, target: torch.Tensor) -> Problem:
+    """The dispatcher's description of one call (metadata only)."""
+    return Problem(OP, logits.dtype, logits.device, cols=logits.shape[-1] if logits.dim() else None,
+                   needs_grad=needs_grad(logits),
+                   extra=dict(shape=tuple(logits.shape), target_shape=tuple(target.shape), target_dtype=target.dtype,
+                              numel=logits.numel(), storage=all_have_storage(logits, target),
+                              forward_ad=has_tangent(logits),
+                              last_dim_contiguous=logits.dim() == 0 or logits.shape[-1] <= 1 or logits.stride(-1) == 1))
+
+
+def _explain(logits, target, ignore_index=-100, reduction="mean"):
+    check_args(logits, target, ignore_index, reduction)
+    return cross_entropy_problem(logits, target)
+
+
+def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
+    if p.device.type != "cuda":
+        return False, f"needs a CUDA tensor, got device {p.device}"
+    if not p.get("storage", True):
+        return False, NO_STORAGE
+    if p.get("forward_ad"):
+        return False, FORWARD_AD_CE
+    if p.dtype not in FLOAT_DTYPES:
+        return False, f"logits dtype {dtype_name(p.dtype)} not supported (float32, float16, bfloat16)"
+    shape = p["shape"]
+    if len(shape) != 2:
+        return False, f"logits of shape {list(shape)}: the kernel takes [N, V] (class scores in the last dim)"
+    if p["target_dtype"] != torch.int64 or p["target_shape"] != shape[:1]:
+        return False, (f"target {dtype_name(p['target_dtype'])} of shape {list(p['target_shape'])}: the kernel takes "
+                       f"int64 class indices of shape [{shape[0]}] (not probabilities)")
+    if not p["last_dim_contiguous"]:
+        return False, "logits' last dim is not contiguous"
+    if p["numel"] == 0:
+        return False, "an empty input"
+    if shape[0] > INT32_MAX:
+        return False, f"{shape[0]} rows: more than one launch covers (2^31 - 1)"
+    return True, ""
+
+
+dispatch.register(Implementation(OP, "pipegoose", "ours", _pipegoose_supports, ("pipegoose/cross_entropy",),
+                                 SRC_PIPEGOOSE))
+dispatch.register(Implementation(OP, "torch", "reference", lambda p: (True, ""), (),
+                                 "PyTorch: F.cross_entropy on the logits upcast to fp32"))
+dispatch.register_problem(OP, _explain)
+
+
+def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                            reduction: str) -> torch.Tensor:
+    """The PyTorch path: ``F.cross_entropy`` on the logits upcast to fp32 (fp64 logits as they are)."""
+    x = logits if logits.dtype == torch.float64 else logits.float()
+    return F.cross_entropy(x, target, ignore_index=ignore_index, reduction=reduction)
+
+
+def _ops() -> Any:
+    ops, why = dispatch.kernel("pipegoose/cross_entropy")
+    if ops is None:
+        raise RuntimeError(why)
+    return ops
+
+
+class PipegooseCrossEntropyFunction(torch.autograd.Function):
+    """pipegoose/cross_entropy: per-row losses (fp32 [N]) of logits [N, V] and int64 targets [N]; the backward runs
+    the backward kernel on the saved logits and log-sum-exps. Not twice differentiable (``create_graph=True`` raises;
+    the reference path is)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index):
+        loss, lse = _ops().cross_entropy_forward(logits, target, ignore_index)
+        ctx.save_for_backward(logits, target, lse)
+        ctx.ignore_index = ignore_index
+        ctx.mark_non_differentiable(lse)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        logits, target, lse = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        return _ops().cross_entropy_backward(grad_loss, logits, target, lse, ctx.ignore_index), None, None
+
+
+def _run_pipegoose(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    rows = PipegooseCrossEntropyFunction.apply(logits, target, ignore_index)
+    if reduction == "none":
+        return rows
+    total = rows.sum()
+    if reduction == "sum":
+        return total
+    return total / (target != ignore_index).sum()   # no synchronisation; 0 / 0 = nan, as F.cross_entropy's mean
+
+
+def run(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
+        impl: str | None) -> torch.Tensor:
+    """:func:`pipegoose.nn.fusion.functional.cross_entropy` behind the checks.
+
+    Raises:
+        TypeError, ValueError: as :func:`check_args`; ``impl`` naming no implementation of ``cross_entropy``.
+        FusionFallbackError: in strict mode, where the kernel cannot take the input.
+    """
+    if dispatch.compile_passthrough(OP, impl):
+        return cross_entropy_reference(logits, target, ignore_index, reduction)
+    check_args(logits, target, ignore_index, reduction)
+    choice = dispatch.select(OP, cross_entropy_problem(logits, target), impl)
+    if choice.impl == "pipegoose":
+        return call_without_autocast(logits.device, _run_pipegoose, logits, target, ignore_index, reduction)
+    return call_without_autocast(logits.device, cross_entropy_reference, logits, target, ignore_index, reduction)

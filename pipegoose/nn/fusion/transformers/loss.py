@@ -1,0 +1,107 @@
+"""The language-model losses of transformers on our cross-entropy kernel, and how ``fuse`` finds where to put them.
+
+transformers' ``PreTrainedModel.loss_function`` returns the instance attribute ``_loss_function`` when one is set, else
+the function of the model's loss type (``ForCausalLMLoss``, ``ForMaskedLMLoss``, ...). ``fuse`` sets that attribute on
+the model (this instance only; ``unfuse`` removes it) to :func:`causal_lm_loss` or :func:`masked_lm_loss`: the same
+arguments and result as transformers' functions (labels shifted and padded with ``ignore_index`` for the causal loss;
+``num_items_in_batch`` turns the mean into a sum divided by it), with the logits' upcast to fp32 and
+``F.cross_entropy`` replaced by :func:`pipegoose.nn.fusion.functional.cross_entropy`, which computes the same loss in
+fp32 without the fp32 copy (2.5-3 GB less peak memory for a Llama-1.1B step of 8192 tokens of a 32000-word vocabulary).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import functional as PF
+
+# transformers' loss types whose functions these replace (LOSS_MAPPING keys)
+LOSS_TYPES = {"ForCausalLM": "causal_lm_loss", "ForConditionalGeneration": "causal_lm_loss",
+              "ForMaskedLM": "masked_lm_loss"}
+
+
+def _reduce(logits: torch.Tensor, target: torch.Tensor, num_items_in_batch: Any, ignore_index: int) -> torch.Tensor:
+    """transformers' ``fixed_cross_entropy``: the mean over the rows not ignored, or, with ``num_items_in_batch``, the
+    sum divided by it."""
+    if num_items_in_batch is None:
+        return PF.cross_entropy(logits, target, ignore_index=ignore_index, reduction="mean")
+    loss = PF.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, num_items_in_batch: Any = None,
+                   ignore_index: int = -100, shift_labels: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss`` on :func:`~pipegoose.nn.fusion.functional.cross_entropy`.
+
+    Args:
+        logits: [batch, seq, vocab_size] (any float dtype: not upcast), labels: [batch, seq] int64 token ids
+            (``ignore_index`` where no loss is wanted); token t predicts label t + 1 (the labels are shifted, the last
+            position padded with ``ignore_index``), unless ``shift_labels`` [batch, seq] is given, already shifted.
+        num_items_in_batch: None (mean over the counted tokens) or the count to divide the sum by (gradient
+            accumulation); other keyword arguments are ignored, as transformers' function ignores them.
+
+    Returns:
+        The fp32 scalar loss. Raises what :func:`~pipegoose.nn.fusion.functional.cross_entropy` raises.
+    """
+    if shift_labels is None:
+        labels = F.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:].contiguous()
+    return _reduce(logits.reshape(-1, vocab_size), shift_labels.reshape(-1).to(logits.device), num_items_in_batch,
+                   ignore_index)
+
+
+def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, num_items_in_batch: Any = None,
+                   ignore_index: int = -100, **kwargs: Any) -> torch.Tensor:
+    """transformers' ``ForMaskedLMLoss`` (no shift) on :func:`~pipegoose.nn.fusion.functional.cross_entropy`;
+    arguments and result as :func:`causal_lm_loss`'s."""
+    return _reduce(logits.reshape(-1, vocab_size), labels.reshape(-1).to(logits.device), num_items_in_batch,
+                   ignore_index)
+
+
+FUNCTIONS = {"causal_lm_loss": causal_lm_loss, "masked_lm_loss": masked_lm_loss}
+
+
+def loss_support(model: nn.Module) -> tuple[str | None, str, bool]:
+    """(name of our loss function for ``model`` or None, reason, whether ``model`` is a candidate at all: it has
+    transformers' ``loss_function`` property).
+
+    A model qualifies when its class has transformers' ``loss_function`` property, its forward calls it
+    (``self.loss_function`` among the names its code uses: BERT's masked-LM head, for one, builds its own
+    ``CrossEntropyLoss``), no loss function is set on the instance already, and the loss type's function is
+    transformers' causal- or masked-LM loss."""
+    prop = getattr(type(model), "loss_function", None)
+    if not isinstance(prop, property):
+        return None, "", False
+    try:
+        code = inspect.unwrap(type(model).forward).__code__
+        names = code.co_names
+    except (AttributeError, ValueError):
+        names = ()
+    if "loss_function" not in names:
+        return None, (f"{type(model).__name__}.forward computes its loss without self.loss_function: nothing to "
+                      "replace per instance"), True
+    if "_loss_function" in model.__dict__:
+        return None, "a loss function is already set on this model (model.loss_function = ...): left as it is", True
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError as e:
+        return None, f"transformers' LOSS_MAPPING is not importable: {e}", True
+    try:
+        current = model.loss_function
+    except Exception as e:  # noqa: BLE001 - a property that cannot answer: leave the model alone
+        return None, f"model.loss_function raised {type(e).__name__}: {e}", True
+    for loss_type, ours in LOSS_TYPES.items():
+        if LOSS_MAPPING.get(loss_type) is current:
+            return ours, f"transformers' {current.__name__} -> {ours} (the same loss, no fp32 copy of the logits)", True
+    name = getattr(current, "__name__", type(current).__name__)
+    return None, f"its loss is {name}, not a language-model cross-entropy", False
+
+
+__all__ = ["causal_lm_loss", "masked_lm_loss", "loss_support", "LOSS_TYPES", "FUNCTIONS"]
