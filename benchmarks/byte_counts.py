@@ -22,6 +22,10 @@ layer_norm             fwd     read x, w, b; write y, mean, rstd (fp32): ``2*N*s
 layer_norm             bwd     read dy, x, w, mean, rstd; write dx, dw, db: ``3*N*s + 3*H*s + 2*R*4``
 rms_norm               fwd     read x, w; write y, rstd (fp32):         ``2*N*s + H*s + R*4``
 rms_norm               bwd     read dy, x, w, rstd; write dx, dw:       ``3*N*s + 2*H*s + R*4``
+swiglu                 fwd     read gate, up; write y:                  ``3*N*s``
+swiglu                 bwd     read dy, gate, up; write dgate, dup:     ``5*N*s``
+cross_entropy          fwd     read logits, target (int64); write lse (fp32): ``N*s + R*8 + R*4``
+cross_entropy          bwd     read logits, target, lse; write dlogits: ``2*N*s + R*8 + R*4``
 any op                 fwd+bwd the sum of fwd and bwd (each pass must touch its own tensors)
 adamw                  step    read g, p, m, v; write p, m, v:          ``7*P*s``
 clip_grad_norm         step    read g (norm), read g + write g (scale): ``3*P*s``
@@ -82,6 +86,12 @@ def _one_pass(op: str, pas: str, shape: Mapping[str, int], s: int) -> int:
         if op == "layer_norm":
             return (2 * n * s + 2 * hid * s + 2 * r * _STAT) if pas == "fwd" else (3 * n * s + 3 * hid * s + 2 * r * _STAT)
         return (2 * n * s + hid * s + r * _STAT) if pas == "fwd" else (3 * n * s + 2 * hid * s + r * _STAT)
+    if op == "swiglu":
+        r, inter = _need(shape, "rows", "inter")
+        return (3 if pas == "fwd" else 5) * r * inter * s
+    if op == "cross_entropy":
+        r, vocab = _need(shape, "rows", "vocab")
+        return (1 if pas == "fwd" else 2) * r * vocab * s + r * 8 + r * _STAT
     if op == "adamw":
         (p,) = _need(shape, "params")
         return 7 * p * s
@@ -92,13 +102,13 @@ def _one_pass(op: str, pas: str, shape: Mapping[str, int], s: int) -> int:
         (n,) = _need(shape, "numel")
         return 2 * n * s
     raise ValueError(f"op: unknown op {op!r}; expected softmax, softmax.masked, softmax.causal, layer_norm, "
-                     "rms_norm, adamw, clip_grad_norm or copy")
+                     "rms_norm, swiglu, cross_entropy, adamw, clip_grad_norm or copy")
 
 
 def op_bytes(op: str, pas: str, shape: Mapping[str, int], dtype: str) -> int:
     """Minimum bytes read + written by ``op`` in pass ``pas`` (``fwd``, ``bwd``, ``fwd+bwd``; ``step`` for the
     optimizer ops and ``copy``) on ``shape`` (a mapping: ``b, np, sq, sk`` for the softmaxes, ``rows, hidden`` for
-    the norms, ``params`` for adamw/clip_grad_norm, ``numel`` for copy) in ``dtype`` (name, e.g. ``"bfloat16"``).
+    the norms, ``rows, inter`` for swiglu, ``rows, vocab`` for cross_entropy, ``params`` for adamw/clip_grad_norm, ``numel`` for copy) in ``dtype`` (name, e.g. ``"bfloat16"``).
 
     Returns an int (bytes). Raises ValueError naming the argument on an unknown op, pass, dtype or a bad shape.
     The counts are tabulated in this module's docstring.

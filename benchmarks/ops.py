@@ -1,4 +1,5 @@
-"""Op benchmarks: softmax (plain, padding-masked, causal), LayerNorm, RMSNorm; every impl checked, then timed.
+"""Op benchmarks: softmax (plain, padding-masked, causal), LayerNorm, RMSNorm, SwiGLU, cross-entropy; every impl
+checked, then timed.
 
 Ops and their definitions (what the float64 reference computes; ``x`` is the benchmark input in its dtype):
 
@@ -8,6 +9,10 @@ Ops and their definitions (what the float64 reference computes; ``x`` is the ben
 * ``softmax.causal``: ``y = softmax(0.125 * x)`` with key ``j > i`` masked, ``sq == sk``.
 * ``layer_norm``: ``y = (x - mean) * rstd * w + b`` over the last dim of ``x [rows, hidden]``, eps 1e-5.
 * ``rms_norm``: ``y = x * rsqrt(mean(x^2) + eps) * w``, eps 1e-6.
+* ``swiglu``: ``y = silu(gate) * up`` elementwise, ``gate`` and ``up`` of ``[rows, inter]`` (``inter``: an MLP's
+  intermediate size, the op's size axis).
+* ``cross_entropy``: ``loss = mean over the rows not ignored of (logsumexp(x_i) - x_i[t_i])``, logits ``[rows, vocab]``
+  (``vocab``: the size axis), int64 targets, 1 in 16 rows ``ignore_index`` (-100); the loss in fp32.
 
 The scale 0.125 (head dim 64) is a power of two, so no implementation loses precision by scaling in low precision.
 
@@ -15,19 +20,24 @@ Implementations (``impl`` in results.json):
 
 * ``eager``: the Python code transformers runs: softmax = ``(x * scale + additive_mask).softmax(-1,
   dtype=float32).to(dtype)`` (additive mask in the input dtype, 0 or the dtype's minimum); RMSNorm = LlamaRMSNorm's
-  forward (fp32 variance, ``weight * x.to(input_dtype)``). LayerNorm has no separate eager path: transformers
-  calls ``nn.LayerNorm`` = ``native``.
+  forward (fp32 variance, ``weight * x.to(input_dtype)``); SwiGLU = LlamaMLP's ``act_fn(gate) * up`` =
+  ``F.silu(gate) * up``; cross-entropy = transformers' loss, ``F.cross_entropy(logits.float(), target)``. LayerNorm
+  has no separate eager path: transformers calls ``nn.LayerNorm`` = ``native``.
 * ``native``: the best single PyTorch op: ``F.softmax`` (for masked/causal: ``masked_fill(-inf)`` then
-  ``F.softmax`` in the input dtype), ``F.layer_norm``, ``F.rms_norm``.
+  ``F.softmax`` in the input dtype), ``F.layer_norm``, ``F.rms_norm``, ``F.cross_entropy`` in the input dtype (its
+  loss in that dtype); none for SwiGLU (two ops: ``eager``).
 * ``compile``: ``torch.compile(dynamic=False)`` of the eager code (of ``F.layer_norm`` for LayerNorm); its compile
   time is recorded in ``extra.compile_s`` and is not part of the timings.
 * ``liger``: Liger-Kernel's functional op where it has one (``liger_softmax``, ``liger_layer_norm``,
-  ``liger_rms_norm(in_place=False)``), only when ``liger_kernel`` is importable.
+  ``liger_rms_norm(in_place=False)``, ``liger_swiglu`` = ``LigerSiLUMulFunction``, whose backward writes into the
+  saved gate and up, which are the inputs: run_ops restores them after it), ``liger_cross_entropy`` (its forward
+  writes the gradient into the logits, restored likewise; its backward only scales it), only when ``liger_kernel`` is
+  importable.
 * ``pipegoose``, ``megatron``, ``apex``, ``torch``: ``pipegoose.nn.fusion.functional`` with ``impl=`` that name
   (our kernel, the Megatron-LM/Apex copies from ColossalAI 0.5.0, the dispatcher's reference path):
   ``scaled_softmax(x, 1.0)`` (op ``softmax``: ``functional.softmax`` keeps fp16/bf16 on F.softmax),
   ``scaled_masked_softmax``, ``scaled_upper_triang_masked_softmax`` (on the ``[b*np, sq, sk]`` view),
-  ``layer_norm``, ``rms_norm``. Run with ``PIPEGOOSE_STRICT=1``, and after the checked call the dispatcher's
+  ``layer_norm``, ``rms_norm``, ``swiglu``, ``cross_entropy``. Run with ``PIPEGOOSE_STRICT=1``, and after the checked call the dispatcher's
   ``last_choice`` must name the requested impl: an input the impl refuses is reported ``unsupported``, never
   timed under the wrong name. These are the names the tuning table may choose.
 
@@ -57,7 +67,7 @@ from .timing import Timer
 
 __all__ = ["OPS", "SIZES", "make_case", "impls_for", "run_ops", "reference", "check_close", "Case"]
 
-OPS = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm")
+OPS = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "swiglu", "cross_entropy")
 TUNABLE = ("pipegoose", "megatron", "apex", "torch")
 IMPL_ORDER = ("eager", "native", "compile", "liger", "torch", "megatron", "apex", "pipegoose")
 SCALE = 0.125
@@ -68,18 +78,25 @@ SIZES = {
     "softmax": {"full": [128, 256, 512, 1024, 2048, 4096, 8192, 16384], "quick": [512, 2048, 8192], "dry": [16, 64]},
     "norm": {"full": [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536], "quick": [1024, 4096, 16384],
              "dry": [32, 128]},
+    # intermediate sizes of SwiGLU MLPs: Qwen3-0.6B 3072, TinyLlama / Llama-1.1B 5632, Llama-2-7B 11008,
+    # Llama-3-8B / Mistral-7B 14336, Llama-3-70B 28672
+    "swiglu": {"full": [1408, 3072, 5632, 11008, 14336, 28672], "quick": [5632], "dry": [16, 64]},
+    # vocabularies: Llama-2 / TinyLlama 32000, GPT-NeoX / Pythia 50304, Llama-3 128256, Qwen2/Qwen3 151936
+    "cross_entropy": {"full": [32000, 50304, 128256, 151936], "quick": [32000], "dry": [16, 100]},
 }
+CE_IGNORE = -100
 TARGET_ELEMS = {"cuda": 1 << 26, "cpu": 1 << 12}   # elements per input: 64M = 128 MB bf16, > 50 MB of L2
 MIN_ROWS = {"cuda": 16384, "cpu": 16}
 
 
 def sizes_for(op: str, mode: str) -> list[int]:
-    return SIZES["softmax" if op.startswith("softmax") else "norm"][mode]
+    return SIZES["softmax" if op.startswith("softmax") else op if op in ("swiglu", "cross_entropy") else "norm"][mode]
 
 
 def shape_for(op: str, cols: int, device: str) -> dict[str, int]:
     """Benchmark shape for an op at last-dim size ``cols``: the softmaxes get ``[b, np, sq=sk, sk]`` with
-    ``b*np*sq*sk`` >= the target element count where possible; the norms ``[rows >= 16384, hidden]``."""
+    ``b*np*sq*sk`` >= the target element count where possible; the norms ``[rows >= 16384, hidden]``; swiglu
+    ``[rows >= 16384, inter]``."""
     target = TARGET_ELEMS[device]
     if op.startswith("softmax"):
         per_head = cols * cols
@@ -87,6 +104,10 @@ def shape_for(op: str, cols: int, device: str) -> dict[str, int]:
         if per_head * heads <= target:
             return {"b": max(1, target // (per_head * heads)), "np": heads, "sq": cols, "sk": cols}
         return {"b": 1, "np": max(1, target // per_head), "sq": cols, "sk": cols}
+    if op == "swiglu":
+        return {"rows": max(MIN_ROWS[device], target // cols), "inter": cols}
+    if op == "cross_entropy":   # 128M logits (256 MB in bf16): 4194 rows of 32000, 883 of 151936
+        return {"rows": max(16, 2 * target // cols), "vocab": cols}
     return {"rows": max(MIN_ROWS[device], target // cols), "hidden": cols}
 
 
@@ -136,6 +157,17 @@ def make_case(op: str, dtype: torch.dtype, cols: int, device: str, seed: int = 0
             inputs["additive_mask"] = torch.zeros(1, 1, sq, sk, dtype=dtype, device=device).masked_fill_(
                 inputs["mask"], torch.finfo(dtype).min)
         return Case(op, dtype, shape, cols, inputs, ["x"], randn(b, h, sq, sk))
+    if op == "swiglu":
+        rows, inter = shape["rows"], shape["inter"]
+        g = (randn(rows, inter) * 2).requires_grad_()
+        u = randn(rows, inter).requires_grad_()
+        return Case(op, dtype, shape, cols, {"g": g, "u": u}, ["g", "u"], randn(rows, inter))
+    if op == "cross_entropy":
+        rows, vocab = shape["rows"], shape["vocab"]
+        x = (randn(rows, vocab) * 2).requires_grad_()
+        t = torch.randint(0, vocab, (rows,), generator=gen, device=device)
+        t[::16] = CE_IGNORE
+        return Case(op, dtype, shape, cols, {"x": x, "t": t}, ["x"], torch.ones((), device=device))
     rows, hid = shape["rows"], shape["hidden"]
     x = randn(rows, hid).requires_grad_()
     w = (1 + 0.1 * randn(hid, dt=torch.float32)).to(dtype).requires_grad_()
@@ -180,6 +212,32 @@ def reference(case: Case, chunk_elems: int = 1 << 25) -> dict[str, torch.Tensor]
                 y[bi, hs] = ys.float()
                 dx[bi, hs] = dxs.float()
         return {"y": y, "dx": dx}
+    if op == "swiglu":
+        g, u = inp["g"].detach(), inp["u"].detach()
+        y = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+        dg, du = torch.empty_like(y), torch.empty_like(y)
+        for rs in _chunks(g.shape[0], chunk_elems // g.shape[1]):
+            gs, us, dys = g[rs].double(), u[rs].double(), case.dy[rs].double()
+            sig = torch.sigmoid(gs)
+            y[rs] = (gs * sig * us).float()
+            du[rs] = (dys * gs * sig).float()
+            dg[rs] = (dys * us * sig * (1 + gs * (1 - sig))).float()
+        return {"y": y, "dg": dg, "du": du}
+    if op == "cross_entropy":
+        x, t = inp["x"].detach(), inp["t"]
+        keep = t != CE_IGNORE
+        count = int(keep.sum())
+        dx = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        total = torch.zeros((), dtype=torch.float64, device=x.device)
+        for rs in _chunks(x.shape[0], chunk_elems // x.shape[1]):
+            xs, ts, ks = x[rs].double(), t[rs], keep[rs]
+            lse = torch.logsumexp(xs, -1)
+            picked = xs.gather(1, ts.clamp(min=0)[:, None])[:, 0]
+            total += ((lse - picked) * ks).sum()
+            p = torch.exp(xs - lse[:, None])
+            p[torch.arange(p.shape[0], device=x.device), ts.clamp(min=0)] -= 1
+            dx[rs] = (p * ks[:, None] * (float(case.dy) / count)).float()
+        return {"y": (total / count).float(), "dx": dx}
     x, w = inp["x"].detach(), inp["w"].detach().double()
     rows, hid = x.shape
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
@@ -270,6 +328,10 @@ def _eager(case: Case) -> Callable:
             h = h * torch.rsqrt(var + RMS_EPS)
             return i["w"] * h.to(dt)
         return llama_rms_norm
+    if op == "swiglu":
+        return lambda i: F.silu(i["g"]) * i["u"]   # LlamaMLP: act_fn(gate_proj(x)) * up_proj(x)
+    if op == "cross_entropy":   # transformers' ForCausalLMLoss: the logits upcast, then F.cross_entropy
+        return lambda i: F.cross_entropy(i["x"].float(), i["t"], ignore_index=CE_IGNORE)
     raise Unsupported("transformers calls nn.LayerNorm (= native) for LayerNorm")
 
 
@@ -279,6 +341,10 @@ def _native(case: Case) -> Callable:
         return lambda i: F.softmax(i["x"], dim=-1)
     if op in ("softmax.masked", "softmax.causal"):
         return lambda i: F.softmax((i["x"] * SCALE).masked_fill(i["mask"], float("-inf")), dim=-1)
+    if op == "swiglu":
+        raise Unsupported("PyTorch has no single op for silu(gate) * up (eager runs two)")
+    if op == "cross_entropy":
+        return lambda i: F.cross_entropy(i["x"], i["t"], ignore_index=CE_IGNORE)
     hid = case.shape["hidden"]
     if op == "layer_norm":
         return lambda i: F.layer_norm(i["x"], (hid,), i["w"], i["b"], LN_EPS)
@@ -318,6 +384,21 @@ def _liger(case: Case) -> Callable:
     if op == "rms_norm":
         # in_place=False: the default writes dx into dy, which would corrupt the repeated backward timing
         return lambda i: LF.liger_rms_norm(i["x"], i["w"], RMS_EPS, in_place=False)
+    if op == "swiglu":
+        try:
+            from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+        except Exception as e:  # noqa: BLE001
+            raise Unavailable(f"liger_kernel.ops.swiglu not importable: {e}") from None
+        # its backward writes dgate and dup into the saved gate and up, which are the inputs themselves: run_ops
+        # restores the inputs after this impl (clobbers_inputs)
+        fn = lambda i: LigerSiLUMulFunction.apply(i["g"], i["u"])  # noqa: E731
+        fn.clobbers_inputs = True
+        return fn
+    if op == "cross_entropy":
+        # its forward writes the logits' gradient into the logits (the input itself): run_ops restores them
+        fn = lambda i: LF.liger_cross_entropy(i["x"], i["t"], ignore_index=CE_IGNORE)  # noqa: E731
+        fn.clobbers_inputs = True
+        return fn
     raise Unsupported("Liger-Kernel has no masked or causal softmax")
 
 
@@ -347,6 +428,10 @@ def _ours(impl: str) -> Callable[[Case], Callable]:
         elif op == "layer_norm":
             hid = case.shape["hidden"]
             fn = lambda i: PF.layer_norm(i["x"], (hid,), i["w"], i["b"], LN_EPS, impl=impl)  # noqa: E731
+        elif op == "swiglu":
+            fn = lambda i: PF.swiglu(i["g"], i["u"], impl=impl)  # noqa: E731
+        elif op == "cross_entropy":
+            fn = lambda i: PF.cross_entropy(i["x"], i["t"], ignore_index=CE_IGNORE, impl=impl)  # noqa: E731
         else:
             hid = case.shape["hidden"]
             fn = lambda i: PF.rms_norm(i["x"], (hid,), i["w"], RMS_EPS, impl=impl)  # noqa: E731
@@ -385,10 +470,12 @@ def impls_for(op: str) -> list[str]:
         names.remove("eager")
     if op in ("softmax.masked", "softmax.causal"):
         names.remove("liger")
-    if op.startswith("softmax") or op == "rms_norm":
+    if op.startswith("softmax") or op in ("rms_norm", "swiglu", "cross_entropy"):
         names.remove("apex")      # Apex: only LayerNorm is ported
-    if op in ("layer_norm", "rms_norm"):
+    if op in ("layer_norm", "rms_norm", "swiglu", "cross_entropy"):
         names.remove("megatron")  # Megatron-LM: only the softmax kernels
+    if op == "swiglu":
+        names.remove("native")    # no single PyTorch op
     return names
 
 
@@ -421,14 +508,18 @@ def check_impl(fn: Callable, case: Case, tol: dict) -> tuple[str, float, str]:
 
     Returns (status "ok"/"FAILED", worst max-abs error, detail)."""
     dev = case.dy.device.type
-    poison(case.dy.numel() * case.dy.element_size(), dev)
+    first = case.inputs[case.wrt[0]]   # (the cross-entropy's dy is a scalar; its gradient has the logits' size)
+    nbytes = max(case.dy.numel() * case.dy.element_size(), first.numel() * first.element_size())
+    poison(nbytes, dev)
     y = fn(case.inputs)
     _verify_choice(fn)
     if not isinstance(y, torch.Tensor):
         return "FAILED", float("nan"), f"forward returned {type(y).__name__}, expected a Tensor"
-    if y.dtype != case.dtype:
+    # the cross-entropy's loss is fp32 (transformers upcasts; so do ours and Liger's) or, natively, the input's dtype
+    want = (case.dtype, torch.float32) if case.op == "cross_entropy" else (case.dtype,)
+    if y.dtype not in want:
         return "FAILED", float("nan"), f"forward returned dtype {y.dtype}, expected {case.dtype}"
-    poison(case.dy.numel() * case.dy.element_size(), dev)
+    poison(nbytes, dev)
     grads = _grads(y, case)
     worst, problems = 0.0, []
     for name, got in [("y", y)] + [(f"d{n}", g) for n, g in zip(case.wrt, grads)]:
@@ -477,7 +568,13 @@ def run_ops(ops: list[str], dtypes: list[torch.dtype], mode: str, device: str, t
                     continue
                 case = make_case(op, dtype, cols, device, seed=cols)
                 case.ref = reference(case)
+                pristine: dict[str, torch.Tensor] = {}
                 for name in names:
+                    if pristine:   # the impl before wrote into the inputs: they are put back for this one
+                        with torch.no_grad():
+                            for k, v in pristine.items():
+                                case.inputs[k].copy_(v)
+                        pristine = {}
                     tunable = name if name in TUNABLE else None
                     extra: dict[str, Any] = {}
                     if name == "compile" and compile_dtypes is not None and dtype not in compile_dtypes:
@@ -489,6 +586,8 @@ def run_ops(ops: list[str], dtypes: list[torch.dtype], mode: str, device: str, t
                     try:
                         t0 = time.perf_counter()
                         fn = IMPLS[name](case)
+                        if getattr(fn, "clobbers_inputs", False):
+                            pristine = {k: v.detach().clone() for k, v in case.inputs.items()}
                         status, err, detail = check_impl(fn, case, tol)
                         if name == "compile":
                             extra["compile_s"] = round(time.perf_counter() - t0, 2)

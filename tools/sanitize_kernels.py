@@ -4,6 +4,9 @@
     compute-sanitizer --tool racecheck --error-exitcode 99 python tools/sanitize_kernels.py norms
     compute-sanitizer --tool memcheck  --error-exitcode 99 python tools/sanitize_kernels.py softmax long
     compute-sanitizer --tool memcheck  --error-exitcode 99 python tools/sanitize_kernels.py adam
+    compute-sanitizer --tool memcheck  --error-exitcode 99 python tools/sanitize_kernels.py swiglu
+    compute-sanitizer --tool memcheck  --error-exitcode 99 python tools/sanitize_kernels.py cross_entropy
+    compute-sanitizer --tool racecheck --error-exitcode 99 python tools/sanitize_kernels.py cross_entropy
     PIPEGOOSE_NORM_CLUSTERS=0 compute-sanitizer --tool memcheck --error-exitcode 99 python tools/sanitize_kernels.py norms
 
 (the last: the backward plans of a GPU before sm_90, on one that has clusters)
@@ -19,8 +22,11 @@ and without parameters and with a bias alone, fp32 parameters and fp32 grad_outp
 ``pipegoose/softmax`` (plain, padding-masked, causal; 1 to 40000 keys; one and three query rows, and whole causal
 matrices of 36 to 2056 keys: the row pairs of the forward and the backward) and ``pipegoose/multi_tensor_adam`` (one
 step, AdamW and L2, over tensors of 1 to 12289 elements (around both chunk sizes), more than one launch holds, empty
-ones, and views at odd offsets: the scalar path) in fp32, fp16 and bf16, at row counts small enough for the sanitizers
-(seconds, not hours). The optional argument ``norms``, ``softmax`` or ``adam`` limits it to one family;
+ones, and views at odd offsets: the scalar path) and ``pipegoose/swiglu`` (forward and backward of 1 to 300007
+elements: whole vectors, tails, several blocks; views at odd offsets: the scalar path) and ``pipegoose/cross_entropy``
+(forward and backward over 1 to 50257 classes, rows at a stride that misaligns every other row, ignored and
+out-of-range targets) in fp32, fp16 and bf16, at row counts small enough for the sanitizers (seconds, not hours). The
+optional argument ``norms``, ``softmax``, ``adam``, ``swiglu`` or ``cross_entropy`` limits it to one family;
 ``norms`` followed by hidden sizes (of the list ``NORM_HIDDEN``) to those sizes, e.g. ``norms 16384 20000 32768 64000``
 for the wide rows' backward; ``softmax long`` adds the 16-bit causal forward of 16387 queries of 16384 keys (the staged
 kernel on rows of every length), a square causal matrix of 8200 keys (8196 in fp32: the backward's row pairs with
@@ -60,9 +66,10 @@ def main() -> int:
         if not set(hidden) <= set(NORM_HIDDEN):
             raise SystemExit(f"sanitize_kernels: norms: expected hidden sizes among {NORM_HIDDEN}, got "
                              f"{' '.join(sys.argv[2:])!r}")
-    elif which not in ("all", "norms", "softmax", "adam") or sys.argv[2:] not in (
+    elif which not in ("all", "norms", "softmax", "adam", "swiglu", "cross_entropy") or sys.argv[2:] not in (
             [], ["long"] if which == "softmax" else []):
-        raise SystemExit(f"sanitize_kernels: expected 'norms' [HIDDEN ...], 'softmax' [long], 'adam' or nothing, got "
+        raise SystemExit(f"sanitize_kernels: expected 'norms' [HIDDEN ...], 'softmax' [long], 'adam', 'swiglu', "
+                         f"'cross_entropy' or nothing, got "
                          f"{' '.join(sys.argv[1:])!r}")
     long_rows = sys.argv[2:] == ["long"]
     if not torch.cuda.is_available():
@@ -178,6 +185,31 @@ def main() -> int:
             for adam_w_mode in (True, False):
                 adam.adam_step(*lists, 1e-3, 0.9, 0.999, 1e-8, 3, adam_w_mode, True, 0.01)
                 calls += 1
+    if which in ("all", "swiglu"):
+        sw = load("pipegoose/swiglu")
+        for dt in dtypes:
+            for n in (1, 7, 8, 9, 4095, 4096 * 2 + 5, 300007):
+                g, u, dy = (torch.randn(n, device="cuda", dtype=dt) for _ in range(3))
+                sw.swiglu_forward(g, u)
+                sw.swiglu_backward(dy, g, u)
+                # views at element offset 1 (not 16-byte aligned): the scalar path
+                g1, u1, dy1 = (torch.randn(n + 1, device="cuda", dtype=dt)[1:] for _ in range(3))
+                sw.swiglu_forward(g1, u1)
+                sw.swiglu_backward(dy1, g1, u1)
+                calls += 4
+    if which in ("all", "cross_entropy"):
+        ce = load("pipegoose/cross_entropy")
+        for dt in dtypes:
+            for v in (1, 7, 8, 9, 1000, 4097, 50257):
+                rows = 5
+                # rows of v + 1 columns (a view of the first v): every other row starts misaligned in 16-bit
+                x = torch.randn(rows, v + 1, device="cuda", dtype=dt)[:, :v]
+                t = torch.randint(0, v, (rows,), device="cuda")
+                t[1] = -100          # ignored
+                t[2] = v             # out of range: NaN
+                loss, lse = ce.cross_entropy_forward(x, t, -100)
+                ce.cross_entropy_backward(torch.ones(rows, device="cuda"), x, t, lse, -100)
+                calls += 2
     torch.cuda.synchronize()
     print(f"sanitize_kernels: {calls} kernel calls done")
     return 0
