@@ -794,8 +794,8 @@ def test_kinds_left_out_of_ops_are_counted_in_the_report(monkeypatch):
     model = models.build("llama", "eager")
     report = fuse(model, ops=["layer_norm"], dry_run=True)
     assert report.eligible == 0
-    assert report.not_requested == {"rms_norm": 5, "attention": 2}
-    assert "not in ops: 2 attention, 5 rms_norm module(s)" in str(report)
+    assert report.not_requested == {"rms_norm": 5, "swiglu": 2, "attention": 2}
+    assert "not in ops: 2 attention, 5 rms_norm, 2 swiglu module(s)" in str(report)
     # the notes start at the table's left edge (they were centred; session 35's walkthrough)
     assert any(line.startswith("not in ops: ") for line in str(report).splitlines()), str(report)
     # the terminal's width (COLUMNS here), not always 200 columns (a walkthrough: a 100-column terminal broke every row)
@@ -820,7 +820,7 @@ def test_kinds_left_out_of_ops_are_counted_in_the_report(monkeypatch):
     lines = str(dry).splitlines()
     assert max(map(len, lines)) <= 60, lines
     for r in dry.rows:   # every module alike ("norm" would fit its line: it is split as the others are)
-        i = lines.index(r.path)
+        i = lines.index(r.path or "<model>")   # (the model's own row, its loss: "<model>")
         assert lines[i + 1].startswith(f"    {r.kind}: {r.original} -> "), (r.path, lines)
         # the rest at 6, apart from a folded change (at 4; review: both at 4 read as one block)
         j = next(k for k in range(i + 1, len(lines)) if lines[k].startswith("      "))
@@ -845,16 +845,16 @@ def test_kinds_left_out_of_ops_are_counted_in_the_report(monkeypatch):
         lines = str(dry).splitlines()
         assert any(ln.startswith("┃ module") for ln in lines), lines
         for r in dry.rows:
-            assert any(f"│ {r.path} " in ln and f" {r.original} " in ln for ln in lines), (r.path, lines)
-    assert report.to_dict()["not_requested"] == {"rms_norm": 5, "attention": 2}
+            assert any(f"│ {r.path or '<model>'} " in ln and f" {r.original} " in ln for ln in lines), (r.path, lines)
+    assert report.to_dict()["not_requested"] == {"rms_norm": 5, "swiglu": 2, "attention": 2}
     assert fuse(model, dry_run=True).not_requested == {}
-    assert fuse(model, ops=["rms_norm"], dry_run=True).not_requested == {"attention": 2}
+    assert fuse(model, ops=["rms_norm"], dry_run=True).not_requested == {"swiglu": 2, "attention": 2}
     # counting asks the dispatcher nothing (a choice can load, even build, the kernel of a kind left out)
     from pipegoose.nn.fusion import dispatch
 
     asked = []
     monkeypatch.setattr(dispatch, "choose", lambda op, *a, **k: asked.append(op))   # (fuse's caller catches errors)
-    assert fuse(model, ops=["layer_norm"], dry_run=True).not_requested == {"rms_norm": 5, "attention": 2}
+    assert fuse(model, ops=["layer_norm"], dry_run=True).not_requested == {"rms_norm": 5, "swiglu": 2, "attention": 2}
     assert asked == []
     # attention that fuse() could not replace (Bloom's ALiBi) is not counted as left out
     bloom = models.build("bloom", "eager")
@@ -1364,3 +1364,444 @@ def test_a_parameter_free_layer_norm_is_not_called_an_rmsnorm():
     row = next(r for r in report.rows if r.original == "ParameterFreeLayerNorm")
     assert not row.fused and row.reason.startswith("0 parameters of its own: not an RMSNorm (one weight), and not a "
                                                    "torch.nn.LayerNorm"), row
+
+
+# ------------------------------------------------------------------------------------------------- SwiGLU MLPs
+def _swiglu_rows(report):
+    return [r for r in report.rows if r.kind == "swiglu"]
+
+
+def test_swiglu_mlps_of_llama_are_fused_and_unfused():
+    """fuse() puts a FusedSwiGLUMLP in place of every LlamaMLP: the same projection modules (Parameter objects,
+    state_dict keys in their order, module paths), the model's results (forward and backward, with the norms and the
+    attention fused too); unfuse() puts the very same LlamaMLP objects back."""
+    from pipegoose.nn.fusion.modules import FusedSwiGLUMLP
+
+    model = models.build("llama", "eager")
+    ids, mask = models.inputs()
+    weights = torch.randn(*ids.shape, model.config.hidden_size, generator=torch.Generator().manual_seed(7))
+    before = _modules_by_path(model)
+    mlps = {p: m for p, m in before.items() if type(m).__name__ == "LlamaMLP"}
+    assert sorted(mlps) == ["layers.0.mlp", "layers.1.mlp"]
+    params = [(n, p) for n, p in model.named_parameters()]
+    sd = model.state_dict()
+    ref = _run(model, ids, mask, weights)
+
+    report = fuse(model)
+    rows = _swiglu_rows(report)
+    assert sorted(r.path for r in rows) == sorted(mlps)
+    assert all((r.original, r.replacement, r.fused, r.eligible) == ("LlamaMLP", "FusedSwiGLUMLP", True, True)
+               for r in rows), rows
+    assert all("same projections" in r.reason and r.forward != "-" for r in rows), rows
+    assert report.fused_rows("swiglu") == rows
+    after = _modules_by_path(model)
+    assert list(after) == list(before)                          # the same paths, in the same order
+    for p, mlp in mlps.items():
+        assert type(after[p]) is FusedSwiGLUMLP and after[p] is not mlp
+        for name, child in mlp.named_children():                # act_fn too (held, not called)
+            assert after[f"{p}.{name}"] is child
+    assert [(n, id(p)) for n, p in model.named_parameters()] == [(n, id(p)) for n, p in params]
+    new_sd = model.state_dict()
+    assert list(new_sd) == list(sd) and all(new_sd[k] is sd[k] or torch.equal(new_sd[k], sd[k]) for k in sd)
+
+    out = _run(model, ids, mask, weights)
+    t = tol(torch.float32, 10)
+    torch.testing.assert_close(out[0], ref[0], **t)
+    assert out[2].keys() == ref[2].keys() and any(".mlp." in n for n in ref[2])
+    for n in ref[2]:
+        torch.testing.assert_close(out[2][n], ref[2][n], **t, msg=lambda m: f"grad of {n}: {m}")
+
+    assert unfuse(model) is True and not is_fused(model)
+    after = _modules_by_path(model)
+    assert list(after) == list(before) and all(after[p] is m for p, m in before.items())
+    again = _run(model, ids, mask, weights)
+    assert torch.equal(again[0], ref[0]) and all(torch.equal(again[2][n], ref[2][n]) for n in ref[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fuse_of_the_swiglu_mlps_alone_is_exact_on_cpu(dtype):
+    """ops=["swiglu"] replaces the MLPs and nothing else; on the CPU the fused MLP runs F.silu(gate) * up, LlamaMLP's
+    own ops, so the model's output, loss and gradients are those of the unfused model bit for bit."""
+    from pipegoose.nn.fusion import dispatch
+
+    model = models.build("llama", "eager").to(dtype)
+    ids, mask = models.inputs()
+    weights = torch.randn(*ids.shape, model.config.hidden_size, generator=torch.Generator().manual_seed(8))
+    ref = _run(model, ids, mask, weights)
+    report = fuse(model, ops=["swiglu"])
+    assert {r.kind for r in report.rows} == {"swiglu"} and len(report.fused_rows("swiglu")) == 2
+    assert "swiglu" not in report.not_requested
+    assert {k: report.not_requested.get(k) for k in ("rms_norm", "attention")} == {"rms_norm": 5, "attention": 2}
+    assert model.config._attn_implementation == "eager"
+    assert {type(m).__name__ for p, m in model.named_modules() if p.endswith("norm")} == {"LlamaRMSNorm"}
+    assert [type(layer.mlp).__name__ for layer in model.layers] == ["FusedSwiGLUMLP"] * 2
+    dispatch.reset_stats()
+    out = _run(model, ids, mask, weights)
+    assert dispatch.stats()["swiglu"] == {"torch": 2}           # one call per layer, through the dispatcher
+    assert out[0].dtype == dtype
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    assert out[2].keys() == ref[2].keys() and all(torch.equal(out[2][n], ref[2][n]) for n in ref[2])
+    assert unfuse(model)
+    assert [type(layer.mlp).__name__ for layer in model.layers] == ["LlamaMLP"] * 2
+    assert torch.equal(_run(model, ids, mask, weights)[0], ref[0])
+
+
+def test_dry_run_of_the_swiglu_mlps_changes_nothing():
+    model = models.build("llama", "eager")
+    before = _modules_by_path(model)
+    report = fuse(model, ops="swiglu", dry_run=True)
+    assert len(report.fused_rows("swiglu")) == 2 and report.dry_run
+    assert not is_fused(model) and all(_modules_by_path(model)[p] is m for p, m in before.items())
+
+
+def test_a_gated_mlp_of_another_activation_is_skipped_with_the_reason():
+    """Gemma-style MLP (gate_proj / up_proj / down_proj around GELU): not SwiGLU, reported as such and left alone;
+    the rest of the model is fused."""
+    cfg = models.config("llama", "eager", hidden_act="gelu_pytorch_tanh")
+    model = models.build("llama", cfg=cfg)
+    mlps = [layer.mlp for layer in model.layers]
+    report = fuse(model)
+    rows = _swiglu_rows(report)
+    assert len(rows) == 2, report.rows
+    for r in rows:
+        assert not r.fused and not r.eligible and r.replacement is None and r.original == "LlamaMLP"
+        assert "not SiLU" in r.reason, r.reason
+    assert [layer.mlp for layer in model.layers] == mlps
+    assert len(report.fused_rows("rms_norm")) == 5
+    assert unfuse(model)
+    # alone: nothing to fuse, no record
+    report = fuse(model, ops=["swiglu"])
+    assert report.covered == 0 and not is_fused(model) and len(_swiglu_rows(report)) == 2
+
+
+def test_an_mlp_with_an_extra_child_is_skipped_with_the_reason():
+    model = models.build("llama", "eager")
+    odd = model.layers[0].mlp
+    odd.dropout = nn.Dropout(0.1)
+    report = fuse(model, ops=["swiglu"])
+    rows = {r.path: r for r in _swiglu_rows(report)}
+    assert not rows["layers.0.mlp"].fused and "besides the projections and act_fn (dropout)" in rows[
+        "layers.0.mlp"].reason
+    assert rows["layers.1.mlp"].fused
+    assert model.layers[0].mlp is odd and type(model.layers[1].mlp).__name__ == "FusedSwiGLUMLP"
+    assert unfuse(model) and type(model.layers[1].mlp).__name__ == "LlamaMLP"
+
+
+def test_from_module_refuses_modules_that_are_not_swiglu_mlps():
+    from pipegoose.nn.fusion.modules import FusedSwiGLUMLP
+
+    model = models.build("llama", "eager")
+    with pytest.raises(TypeError, match=r"^mlp: expected a module with submodules gate_proj, up_proj and down_proj, "
+                                        r"got LlamaAttention without gate_proj, up_proj, down_proj"):
+        FusedSwiGLUMLP.from_module(model.layers[0].self_attn)
+    gelu = models.build("llama", cfg=models.config("llama", "eager", hidden_act="gelu_pytorch_tanh"))
+    with pytest.raises(ValueError, match=r"^mlp: LlamaMLP does not pass the SwiGLU probe: act_fn \(\w+\) is not SiLU"):
+        FusedSwiGLUMLP.from_module(gelu.layers[0].mlp)
+    fused = FusedSwiGLUMLP.from_module(model.layers[0].mlp)
+    assert fused.gate_proj is model.layers[0].mlp.gate_proj
+
+
+def test_submodules_replaced_in_a_fused_mlp_go_back_to_the_original():
+    """A projection replaced while fused (an assignment, an adapter library wrapping it) is the original MLP's after
+    unfuse: the model computes what it computed fused, with the same state_dict."""
+
+    class Adapter(nn.Module):   # what LoRA-style libraries do: the original module inside a wrapper
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+            self.extra = nn.Linear(base.in_features, base.out_features, bias=False)
+
+        def forward(self, x):
+            return self.base(x) + self.extra(x)
+
+    model = models.build("llama", "eager")
+    mlp0, mlp1 = model.layers[0].mlp, model.layers[1].mlp
+    old_down = mlp0.down_proj
+    fuse(model, ops=["swiglu"])
+    new_down = nn.Linear(old_down.in_features, old_down.out_features, bias=False)
+    model.layers[0].mlp.down_proj = new_down
+    model.layers[1].mlp.gate_proj = Adapter(model.layers[1].mlp.gate_proj)
+    ids, mask = models.inputs()
+    fused_out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    fused_sd = model.state_dict()
+    assert "layers.1.mlp.gate_proj.base.weight" in fused_sd
+    assert unfuse(model)
+    assert model.layers[0].mlp is mlp0 and model.layers[1].mlp is mlp1
+    assert mlp0.down_proj is new_down and isinstance(mlp1.gate_proj, Adapter)
+    assert list(model.state_dict()) == list(fused_sd)
+    assert torch.equal(model(input_ids=ids, attention_mask=mask).last_hidden_state, fused_out)
+
+
+def test_parameters_of_fused_mlps_loaded_while_fused_survive_unfuse():
+    model = models.build("llama", "eager")
+    fuse(model)
+    g = torch.Generator().manual_seed(3)
+    sd = {k: torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+    model.load_state_dict(sd, assign=True)
+    assert unfuse(model)
+    assert type(model.layers[0].mlp).__name__ == "LlamaMLP"
+    got = model.state_dict()
+    assert all(torch.equal(got[k], sd[k]) for k in sd)
+
+
+def test_training_flags_of_mlps_and_their_children_are_left_as_they_are():
+    """fuse() and unfuse() set the replaced module's own training flag, not its children's (train(flag) would: a
+    projection put in eval mode on purpose came back in training mode)."""
+    model = models.build("llama", "eager").train()
+    model.layers[0].mlp.down_proj.eval()
+    model.layers[1].mlp.eval()
+    model.layers[1].mlp.gate_proj.train()
+    flags = {p: m.training for p, m in model.named_modules()}
+    assert not flags["layers.0.mlp.down_proj"] and flags["layers.0.mlp"] and not flags["layers.1.mlp"]
+    fuse(model)
+    assert type(model.layers[1].mlp).__name__ == "FusedSwiGLUMLP"
+    assert {p: m.training for p, m in model.named_modules()} == flags
+    assert unfuse(model)
+    assert {p: m.training for p, m in model.named_modules()} == flags
+    # model.eval() while fused reaches the originals at unfuse
+    fuse(model)
+    model.eval()
+    assert unfuse(model) and not any(m.training for m in model.modules())
+
+
+def test_hooks_of_a_fused_mlp_keep_firing():
+    model = models.build("llama", "eager")
+    mlp = model.layers[0].mlp
+    seen = []
+    handle = mlp.register_forward_hook(lambda m, i, o: seen.append(type(m).__name__))
+    fuse(model, ops=["swiglu"])
+    ids, mask = models.inputs()
+    model(input_ids=ids, attention_mask=mask)
+    assert seen == ["FusedSwiGLUMLP"]
+    handle.remove()
+    model(input_ids=ids, attention_mask=mask)
+    assert seen == ["FusedSwiGLUMLP"]
+    assert unfuse(model) and model.layers[0].mlp is mlp
+
+
+def test_a_shared_mlp_is_replaced_once_everywhere():
+    model = models.build("llama", "eager")
+    shared = model.layers[0].mlp
+    model.layers[1].mlp = shared
+    report = fuse(model, ops=["swiglu"])
+    assert len(report.fused_rows("swiglu")) == 1
+    assert model.layers[0].mlp is model.layers[1].mlp and model.layers[0].mlp is not shared
+    assert unfuse(model) and model.layers[0].mlp is shared and model.layers[1].mlp is shared
+
+
+def test_unfuse_of_a_copy_with_fused_mlps_says_why():
+    model = models.build("llama", "eager")
+    fuse(model, ops=["swiglu"])
+    twin = copy.deepcopy(model)
+    assert "_pipegoose_original" not in twin.layers[0].mlp.__dict__
+    with pytest.raises(RuntimeError, match=r"holds fused modules \(layers\.0\.mlp and 1 more\).*copy of a fused model"):
+        unfuse(twin)
+    assert type(twin.layers[0].mlp).__name__ == "FusedSwiGLUMLP"   # nothing changed
+    assert unfuse(model) and type(model.layers[0].mlp).__name__ == "LlamaMLP"
+
+
+# --- cross-entropy (the model's loss) ---
+def _lm(arch="llama", seed=0, dtype=torch.float32):
+    """A tiny language model with its head (models.build makes base models): causal LM for llama / gpt2, masked LM
+    for bert."""
+    import transformers as tr
+
+    torch.manual_seed(seed)
+    cls = tr.AutoModelForMaskedLM if arch == "bert" else tr.AutoModelForCausalLM
+    return cls.from_config(models.config(arch, "eager"), attn_implementation="eager").eval().to(dtype)
+
+
+def _lm_inputs():
+    """No padding (a left-padded row's last pad position predicts its first token, and fully masked attention rows
+    are where fused and eager attention differ on purpose); some labels ignored."""
+    ids, mask = models.inputs(left_pad=(0, 0, 0))
+    labels = ids.clone()
+    labels[1, :4] = -100
+    labels[2, 6] = -100
+    return ids, mask, labels
+
+
+def _lm_run(model, **kw):
+    """(loss, grads) of model(input_ids, attention_mask, labels=...).loss, backward."""
+    ids, mask, labels = _lm_inputs()
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels, **kw).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _ce_rows(report):
+    return [r for r in report.rows if r.kind == "cross_entropy"]
+
+
+def test_fuse_sets_the_causal_lm_loss_of_llama_and_unfuse_removes_it():
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from pipegoose.nn.fusion.transformers.loss import causal_lm_loss
+
+    model = _lm("llama")
+    assert model.loss_function is ForCausalLMLoss and "_loss_function" not in model.__dict__
+    ref = _lm_run(model)
+    report = fuse(model)
+    rows = _ce_rows(report)
+    assert len(rows) == 1, report.rows
+    r = rows[0]
+    assert (r.path, r.kind, r.original, r.replacement, r.fused, r.eligible) == (
+        "", "cross_entropy", "ForCausalLMLoss", "causal_lm_loss", True, True), r
+    assert "ForCausalLMLoss -> causal_lm_loss" in r.reason and r.forward != "-" and r.backward != "-"
+    assert report.rows[0] is r                                   # the model's own row comes first
+    assert report.fused_rows("cross_entropy") == rows and report.coverage == 1.0
+    assert "<model>" in str(report)
+    assert model.__dict__["_loss_function"] is causal_lm_loss and model.loss_function is causal_lm_loss
+    assert "loss_function" not in type(model).__dict__           # the class: untouched
+    other = _lm("llama")
+    assert other.loss_function is ForCausalLMLoss                # this instance only
+    # the loss (and the model's other fused parts): within the fp32 tolerance of the unfused model
+    out = _lm_run(model)
+    t = tol(torch.float32, 10)
+    torch.testing.assert_close(out[0], ref[0], **t)
+    assert out[1].keys() == ref[1].keys()
+    for n in ref[1]:
+        torch.testing.assert_close(out[1][n], ref[1][n], **t, msg=lambda m: f"grad of {n}: {m}")
+    assert unfuse(model) is True and not is_fused(model)
+    assert "_loss_function" not in model.__dict__ and model.loss_function is ForCausalLMLoss
+    again = _lm_run(model)
+    assert torch.equal(again[0], ref[0]) and all(torch.equal(again[1][n], ref[1][n]) for n in ref[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_fuse_of_the_loss_alone_is_exact_on_cpu(arch, dtype):
+    """ops=["cross_entropy"] sets the loss and nothing else; on the CPU causal_lm_loss runs F.cross_entropy on the
+    logits upcast, ForCausalLMLoss's own computation: loss and gradients bit for bit, also with num_items_in_batch
+    (gradient accumulation), which the model's forward passes on to the loss."""
+    from pipegoose.nn.fusion import dispatch
+
+    model = _lm(arch, dtype=dtype)
+    ref = _lm_run(model)
+    ref_n = _lm_run(model, num_items_in_batch=torch.tensor(7))
+    before = _modules_by_path(model)
+    report = fuse(model, ops=["cross_entropy"])
+    assert [(r.kind, r.replacement, r.fused) for r in report.rows] == [("cross_entropy", "causal_lm_loss", True)]
+    assert is_fused(model)                                       # the loss alone is a fusion (recorded)
+    assert all(_modules_by_path(model)[p] is m for p, m in before.items())
+    dispatch.reset_stats()
+    out = _lm_run(model)
+    assert dispatch.stats()["cross_entropy"] == {"torch": 1}     # through the dispatcher (the reference on the CPU)
+    assert out[0].dtype == torch.float32
+    assert torch.equal(out[0], ref[0]) and out[1].keys() == ref[1].keys()
+    assert all(torch.equal(out[1][n], ref[1][n]) for n in ref[1])
+    out_n = _lm_run(model, num_items_in_batch=torch.tensor(7))
+    assert torch.equal(out_n[0], ref_n[0]) and all(torch.equal(out_n[1][n], ref_n[1][n]) for n in ref_n[1])
+    assert unfuse(model) and "_loss_function" not in model.__dict__
+    assert torch.equal(_lm_run(model)[0], ref[0])
+
+
+def test_gpt2_lm_head_model_gets_the_causal_lm_loss():
+    from pipegoose.nn.fusion.transformers.loss import causal_lm_loss
+
+    model = _lm("gpt2")
+    report = fuse(model)
+    (r,) = _ce_rows(report)
+    assert (r.path, r.original, r.replacement, r.fused, r.eligible) == ("", "ForCausalLMLoss", "causal_lm_loss",
+                                                                        True, True)
+    assert model.loss_function is causal_lm_loss
+    assert len(report.fused_rows("layer_norm")) == 5 and report.coverage == 1.0
+    assert unfuse(model) and "_loss_function" not in model.__dict__
+
+
+def test_a_loss_function_set_by_the_user_is_left_alone():
+    def my_loss(logits, labels, vocab_size, **kwargs):
+        return logits.float().mean() * 0 + 1.0
+
+    model = _lm("llama")
+    model.loss_function = my_loss
+    report = fuse(model)
+    (r,) = _ce_rows(report)
+    assert not r.fused and r.replacement is None and not r.eligible and r.original == "my_loss"
+    assert "already set" in r.reason, r.reason
+    assert model.__dict__["_loss_function"] is my_loss and model.loss_function is my_loss
+    assert len(report.fused_rows("rms_norm")) == 5               # the rest is fused
+    assert unfuse(model)
+    assert model.loss_function is my_loss                        # still the user's
+    assert _lm_run(model)[0].item() == 1.0
+
+
+def test_the_loss_left_out_of_ops_is_counted():
+    model = _lm("llama")
+    report = fuse(model, ops=["rms_norm"])
+    assert not _ce_rows(report) and "_loss_function" not in model.__dict__
+    assert report.not_requested["cross_entropy"] == 1
+    assert "1 cross_entropy" in str(report), str(report)
+    assert unfuse(model)
+    assert fuse(model, dry_run=True).not_requested.get("cross_entropy") is None
+    # a loss fuse() would not replace (set by the user) is not counted as left out
+    model.loss_function = lambda *a, **k: None
+    assert "cross_entropy" not in fuse(model, ops=["rms_norm"], dry_run=True).not_requested
+
+
+def test_unfuse_after_the_loss_function_was_replaced_says_so_and_restores_the_rest():
+    model = _lm("llama")
+    norms = {p: m for p, m in _modules_by_path(model).items() if type(m).__name__ == "LlamaRMSNorm"}
+    fuse(model)
+
+    def mine(*a, **k):
+        return None
+
+    model.loss_function = mine
+    with pytest.raises(RuntimeError, match=r"LlamaForCausalLM\.loss_function was replaced after fuse\(\)"):
+        unfuse(model)
+    assert not is_fused(model)
+    after = _modules_by_path(model)
+    assert all(after[p] is m for p, m in norms.items())         # the rest restored
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+    assert model.loss_function is mine                           # the user's, kept
+
+
+def test_bert_masked_lm_computes_its_own_loss_and_is_reported_as_such():
+    """BertForMaskedLM's forward builds its own CrossEntropyLoss (it never calls self.loss_function): setting the
+    instance's loss function would change nothing, so it is a row not fused, not eligible, with the reason."""
+    model = _lm("bert")
+    ids, mask, labels = _lm_inputs()
+    ref = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    report = fuse(model)
+    (r,) = _ce_rows(report)
+    assert (r.path, r.fused, r.eligible, r.replacement) == ("", False, False, None), r
+    assert "BertForMaskedLM.forward computes its loss without self.loss_function" in r.reason, r.reason
+    assert "_loss_function" not in model.__dict__
+    assert report.coverage == 1.0                                # not eligible: not counted as undone
+    assert unfuse(model)
+    assert fuse(model, ops=["layer_norm"], dry_run=True).not_requested.get("cross_entropy") is None
+    report = fuse(model, ops=["cross_entropy"])                 # nothing to do: no record
+    assert not is_fused(model) and not report.fused_rows()
+    assert torch.equal(model(input_ids=ids, attention_mask=mask, labels=labels).loss, ref)
+
+
+def test_dry_run_of_the_loss_changes_nothing():
+    model = _lm("llama")
+    report = fuse(model, ops=["cross_entropy"], dry_run=True)
+    (r,) = _ce_rows(report)
+    assert r.fused and r.replacement == "causal_lm_loss" and report.dry_run
+    assert "_loss_function" not in model.__dict__ and not is_fused(model)
+    report = fuse(model, dry_run=True)
+    assert len(_ce_rows(report)) == 1 and "_loss_function" not in model.__dict__ and not is_fused(model)
+
+
+def test_fused_context_sets_and_removes_the_loss():
+    from pipegoose.nn.fusion.transformers.loss import causal_lm_loss
+
+    model = _lm("llama")
+    with fused(model, ops=["cross_entropy"]):
+        assert model.loss_function is causal_lm_loss
+    assert "_loss_function" not in model.__dict__
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_a_base_model_without_a_head_gets_no_loss_row(arch):
+    """A base model (models.build: LlamaModel, GPT2Model, BertModel) computes no loss at all: the report has no
+    cross_entropy row for it (no "ForCausalLMLoss -> skipped" row, and no "not counted: 1 cross_entropy" note under a
+    fully fused model's report)."""
+    model = models.build(arch, "eager")
+    report = fuse(model, dry_run=True)
+    assert not _ce_rows(report), _ce_rows(report)
+    assert "cross_entropy" not in str(report)

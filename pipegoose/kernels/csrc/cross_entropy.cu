@@ -17,7 +17,11 @@
 // One block per row. Rows whose start is 16-byte aligned take 16-byte vectors (4 fp32 or 8 16-bit values), the rest
 // and the tail of a row scalar loads. logits: last dim contiguous, rows at any stride (a [B, S, V] output's view);
 // offsets are 64-bit. Errors (RuntimeError naming the argument): not CUDA, devices differ, logits not 2-D or not
-// fp32/fp16/bf16 or its last dim not contiguous, target not 1-D int64 of N elements, grad_loss / lse not fp32 [N].
+// fp32/fp16/bf16 or its last dim not contiguous, target not 1-D int64 of N elements, grad_loss / lse not [N], lse not
+// fp32 (grad_loss of another dtype is converted to fp32).
+// Precision: the loss is (max - x_t) + log(sum of exp(x - max)), accurate at any logit size; the backward's
+// exp(x - lse) carries lse's fp32 rounding, a relative error of about 2^-24 * |lse| in each probability (6e-6 at logits
+// of 100, 6e-4 at 1e4), as every kernel that keeps the log-sum-exp in fp32 for the backward.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -144,9 +148,10 @@ __global__ void __launch_bounds__(kThreads) ce_fwd_kernel(const T* __restrict__ 
   }
   r = block_reduce(r);
   if (threadIdx.x == 0) {
-    const float l = r.m + logf(r.s);
-    lse[row] = l;
-    loss[row] = (t >= 0 && t < V) ? l - to_f<T>(x[t]) : NAN;
+    const float log_s = logf(r.s);
+    lse[row] = r.m + log_s;
+    // (max - x_t) + log(sum): exact where x_t is near the maximum, where lse - x_t would lose lse's low bits
+    loss[row] = (t >= 0 && t < V) ? (r.m - to_f<T>(x[t])) + log_s : NAN;
   }
 }
 
@@ -164,12 +169,11 @@ __global__ void __launch_bounds__(kThreads) ce_bwd_kernel(const float* __restric
   const float g = ignored ? 0.f : grad_loss[row];
   const float l = ignored ? 0.f : lse[row];
   const bool bad = !ignored && !(t >= 0 && t < V);
-  // dx = g * exp(x - l) - g * [j == t], with exp(x - l) = exp2(x * log2e - l * log2e)
-  const float l2 = l * kLog2e;
+  // dx = g * exp(x - l) - g * [j == t]; x - l first (l * log2e overflows for logits past 2.4e38)
   auto value = [&](float xv, int64_t j) -> float {
     if (ignored) return 0.f;
     if (bad) return NAN;
-    const float p = exp2f(fmaf(xv, kLog2e, -l2));
+    const float p = exp2f((xv - l) * kLog2e);
     return g * p - (j == t ? g : 0.f);
   };
   int64_t done = 0;
@@ -235,7 +239,7 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward_cuda(const at::Tensor& 
   at::Tensor loss = at::empty({n}, fopts), lse = at::empty({n}, fopts);
   if (n == 0) return {loss, lse};
   const at::Tensor target = target_in.contiguous();
-  const int64_t stride = v == 1 ? 1 : logits.stride(0);
+  const int64_t stride = logits.stride(0);   // (0 for rows expanded from one)
   c10::cuda::CUDAGuard guard(logits.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   by_dtype(logits.scalar_type(), [&](auto tag) {
@@ -262,7 +266,7 @@ at::Tensor cross_entropy_backward_cuda(const at::Tensor& grad_loss_in, const at:
   if (n == 0) return grad;
   const at::Tensor target = target_in.contiguous(), lse = lse_in.contiguous();
   const at::Tensor gl = grad_loss_in.to(at::kFloat).contiguous();
-  const int64_t stride = v == 1 ? 1 : logits.stride(0);
+  const int64_t stride = logits.stride(0);
   c10::cuda::CUDAGuard guard(logits.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   by_dtype(logits.scalar_type(), [&](auto tag) {

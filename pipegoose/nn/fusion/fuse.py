@@ -821,10 +821,9 @@ def _consider_swiglu(child, path, dry_run):
 
 def _fuse_loss(model, dry_run, report, state) -> None:
     """The report's row for the model's loss, and the swap (``model.loss_function``, this instance)."""
-    name, reason, candidate = _loss.loss_support(model)
+    name, reason, candidate, original = _loss.loss_support(model)
     if not candidate:
         return
-    original = getattr(getattr(model, "loss_function", None), "__name__", "loss_function")
     if name is None:
         report.rows.append(FusionRow("", "cross_entropy", original, None, False, reason=reason, eligible=False))
         return

@@ -50,6 +50,8 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, 
     Returns:
         The fp32 scalar loss. Raises what :func:`~pipegoose.nn.fusion.functional.cross_entropy` raises.
     """
+    if logits.dtype == torch.float64:
+        logits = logits.float()   # transformers' upcast (logits.float()) makes fp64 logits fp32 too
     if shift_labels is None:
         labels = F.pad(labels, (0, 1), value=ignore_index)
         shift_labels = labels[..., 1:].contiguous()
@@ -61,6 +63,8 @@ def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, 
                    ignore_index: int = -100, **kwargs: Any) -> torch.Tensor:
     """transformers' ``ForMaskedLMLoss`` (no shift) on :func:`~pipegoose.nn.fusion.functional.cross_entropy`;
     arguments and result as :func:`causal_lm_loss`'s."""
+    if logits.dtype == torch.float64:
+        logits = logits.float()
     return _reduce(logits.reshape(-1, vocab_size), labels.reshape(-1).to(logits.device), num_items_in_batch,
                    ignore_index)
 
@@ -68,17 +72,38 @@ def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, 
 FUNCTIONS = {"causal_lm_loss": causal_lm_loss, "masked_lm_loss": masked_lm_loss}
 
 
-def loss_support(model: nn.Module) -> tuple[str | None, str, bool]:
-    """(name of our loss function for ``model`` or None, reason, whether ``model`` is a candidate at all: it has
-    transformers' ``loss_function`` property).
+def _current_loss(model: nn.Module) -> Any:
+    """``model.loss_function`` without transformers' "loss_type=None ... unrecognized" warning, which reading it logs
+    for a model whose config names no loss type (GPT-2's, say: the default, the causal-LM loss, is meant)."""
+    import logging
 
-    A model qualifies when its class has transformers' ``loss_function`` property, its forward calls it
-    (``self.loss_function`` among the names its code uses: BERT's masked-LM head, for one, builds its own
-    ``CrossEntropyLoss``), no loss function is set on the instance already, and the loss type's function is
-    transformers' causal- or masked-LM loss."""
+    log = logging.getLogger("transformers.modeling_utils")
+    was = log.disabled
+    log.disabled = True
+    try:
+        return model.loss_function
+    finally:
+        log.disabled = was
+
+
+def _takes_labels(cls: type) -> bool:
+    try:
+        return "labels" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def loss_support(model: nn.Module) -> tuple[str | None, str, bool, str]:
+    """(name of our loss function for ``model`` or None, reason, whether ``model`` is a candidate at all, the name of
+    the loss it has). A candidate has transformers' ``loss_function`` property and a forward that takes ``labels``
+    (a base model without a head, ``LlamaModel``, computes no loss: not a candidate).
+
+    A candidate qualifies when its forward calls ``self.loss_function`` (among the names its code uses: BERT's
+    masked-LM head, for one, builds its own ``CrossEntropyLoss``), no loss function is set on the instance already,
+    and the loss type's function is transformers' causal- or masked-LM loss."""
     prop = getattr(type(model), "loss_function", None)
-    if not isinstance(prop, property):
-        return None, "", False
+    if not isinstance(prop, property) or not _takes_labels(type(model)):
+        return None, "", False, ""
     try:
         code = inspect.unwrap(type(model).forward).__code__
         names = code.co_names
@@ -86,22 +111,23 @@ def loss_support(model: nn.Module) -> tuple[str | None, str, bool]:
         names = ()
     if "loss_function" not in names:
         return None, (f"{type(model).__name__}.forward computes its loss without self.loss_function: nothing to "
-                      "replace per instance"), True
+                      "replace per instance"), True, "its own loss"
     if "_loss_function" in model.__dict__:
-        return None, "a loss function is already set on this model (model.loss_function = ...): left as it is", True
+        name = getattr(model.__dict__["_loss_function"], "__name__", "loss_function")
+        return None, "a loss function is already set on this model (model.loss_function = ...): left as it is", True, name
     try:
         from transformers.loss.loss_utils import LOSS_MAPPING
     except ImportError as e:
-        return None, f"transformers' LOSS_MAPPING is not importable: {e}", True
+        return None, f"transformers' LOSS_MAPPING is not importable: {e}", True, "loss_function"
     try:
-        current = model.loss_function
+        current = _current_loss(model)
     except Exception as e:  # noqa: BLE001 - a property that cannot answer: leave the model alone
-        return None, f"model.loss_function raised {type(e).__name__}: {e}", True
+        return None, f"model.loss_function raised {type(e).__name__}: {e}", True, "loss_function"
+    name = getattr(current, "__name__", type(current).__name__)
     for loss_type, ours in LOSS_TYPES.items():
         if LOSS_MAPPING.get(loss_type) is current:
-            return ours, f"transformers' {current.__name__} -> {ours} (the same loss, no fp32 copy of the logits)", True
-    name = getattr(current, "__name__", type(current).__name__)
-    return None, f"its loss is {name}, not a language-model cross-entropy", False
+            return ours, f"transformers' {name} -> {ours} (the same loss, no fp32 copy of the logits)", True, name
+    return None, f"its loss is {name}, not a language-model cross-entropy", False, name
 
 
 __all__ = ["causal_lm_loss", "masked_lm_loss", "loss_support", "LOSS_TYPES", "FUNCTIONS"]

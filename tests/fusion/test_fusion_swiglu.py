@@ -1,0 +1,685 @@
+"""CPU: SwiGLU's gated activation ``silu(gate) * up`` (op ``swiglu``): the functional's reference path against
+``F.silu(gate) * up`` (bit for bit) and float64, its argument checks, the dispatcher's reasons for the kernel
+(``_pipegoose_supports`` on hand-made CUDA problems; no GPU needed), strict mode, ``FusedSwiGLUMLP`` and the SwiGLU
+probe of ``fuse``.
+
+The tests marked ``slow`` load the kernel library (a first run compiles it: minutes; they skip, with the reason,
+where nvcc is missing) and run the ops' fake impls and the C++ autograd formula on meta tensors.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tolerances import tol
+
+from pipegoose.nn.fusion import FusedSwiGLUMLP, dispatch
+from pipegoose.nn.fusion import functional as PF
+from pipegoose.nn.fusion.ops import swiglu as S
+from pipegoose.nn.fusion.ops._common import NO_STORAGE
+from pipegoose.nn.fusion.ops.swiglu import FORWARD_AD_SWIGLU
+from pipegoose.nn.fusion.transformers.matching import probe_swiglu_mlp
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+CUDA = torch.device("cuda", 0)   # a device object: no GPU needed to describe a problem on it
+
+
+@pytest.fixture(autouse=True)
+def _fresh_stats():
+    dispatch.reset_stats()
+    yield
+
+
+def _inputs(shape, dtype, seed=0, up_shape=None, up_dtype=None):
+    g = torch.Generator().manual_seed(seed)
+    gate = (torch.randn(shape, generator=g) * 3).to(dtype)
+    up = torch.randn(shape if up_shape is None else up_shape, generator=g).to(up_dtype or dtype)
+    return gate, up
+
+
+def _fwd_bwd(fn, gate, up, dy):
+    gate = gate.detach().clone().requires_grad_(True)
+    up = up.detach().clone().requires_grad_(True)
+    y = fn(gate, up)
+    y.backward(dy.to(y.dtype))
+    return y.detach(), gate.grad, up.grad
+
+
+def _ref64(gate, up, dy):
+    """float64: silu(g) * u and its gradients dg = dy * u * s * (1 + g * (1 - s)), du = dy * g * s (reduced over
+    broadcast dimensions, as autograd does)."""
+    g, u, d = gate.double(), up.double(), dy.double()
+    s = torch.sigmoid(g)
+    y = g * s * u
+    dg = d * u * s * (1 + g * (1 - s))
+    du = d * g * s
+    return y, dg.sum_to_size(gate.shape), du.sum_to_size(up.shape)
+
+
+# ------------------------------------------------------------------------------------------- the reference path
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+@pytest.mark.parametrize("shape", [(3, 7, 33), (1,), (), (2, 1031), (5, 0)])
+def test_reference_path_is_torch_bit_for_bit(dtype, shape):
+    """On the CPU the functional runs F.silu(gate) * up: output and both gradients equal PyTorch's exactly (the
+    kernel's one-rounding numerics are for CUDA only), counted as the torch path."""
+    gate, up = _inputs(shape, dtype, seed=len(shape))
+    dy = torch.randn(shape, generator=torch.Generator().manual_seed(9)).to(dtype)
+    y, dg, du = _fwd_bwd(PF.swiglu, gate, up, dy)
+    want, want_dg, want_du = _fwd_bwd(lambda a, b: F.silu(a) * b, gate, up, dy)
+    assert y.dtype == dtype and y.shape == torch.Size(shape)
+    assert dg.dtype == du.dtype == dtype
+    assert torch.equal(y, want) and torch.equal(dg, want_dg) and torch.equal(du, want_du)
+    assert dispatch.stats()["swiglu"] == {"torch": 1}
+    expect = "empty" if gate.numel() == 0 else "fallback"
+    assert dispatch.last_choice("swiglu").source == expect
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_path_against_float64(dtype):
+    """The path against the float64 formula (and its gradient formulas) within the tolerance table: eager 16-bit
+    rounds silu(gate) and then the product (two roundings: scale 2)."""
+    gate, up = _inputs((4, 9, 257), dtype, seed=3)
+    dy = torch.randn(gate.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+    y, dg, du = _fwd_bwd(PF.swiglu, gate, up, dy)
+    y64, dg64, du64 = _ref64(gate, up, dy)
+    scale = 1 if dtype == torch.float32 else 2
+    for name, got, want in (("out", y, y64), ("grad_gate", dg, dg64), ("grad_up", du, du64)):
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got.double(), want, **tol(dtype, scale), msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("gshape,ushape,gdt,udt,rounded", [
+    ((4, 1, 6), (1, 5, 6), torch.float32, torch.float32, torch.float32),     # broadcasting both ways
+    ((3, 6), (6,), torch.bfloat16, torch.bfloat16, torch.bfloat16),          # up broadcast over rows
+    ((3, 6), (3, 6), torch.float32, torch.bfloat16, torch.float32),          # mixed dtypes: the promoted dtype
+    ((3, 6), (3, 6), torch.float16, torch.float64, torch.float16)])          # (silu rounded to fp16 first)
+def test_broadcasting_and_mixed_dtypes_follow_pytorch(gshape, ushape, gdt, udt, rounded):
+    """What the kernel does not take (shapes that broadcast, dtypes that differ) is F.silu(gate) * up exactly: shape,
+    dtype and gradients (summed over broadcast dimensions) as PyTorch gives them."""
+    gate, up = _inputs(gshape, gdt, seed=5, up_shape=ushape, up_dtype=udt)
+    out_shape = torch.broadcast_shapes(gshape, ushape)
+    dy = torch.randn(out_shape, generator=torch.Generator().manual_seed(6))
+    y, dg, du = _fwd_bwd(PF.swiglu, gate, up, dy)
+    want, want_dg, want_du = _fwd_bwd(lambda a, b: F.silu(a) * b, gate, up, dy)
+    assert y.shape == out_shape and y.dtype == torch.promote_types(gdt, udt) == want.dtype
+    assert dg.shape == gate.shape and du.shape == up.shape and dg.dtype == gdt and du.dtype == udt
+    assert torch.equal(y, want) and torch.equal(dg, want_dg) and torch.equal(du, want_du)
+    y64, _, du64 = _ref64(gate, up, dy.to(y.dtype))
+    torch.testing.assert_close(y.double(), y64, **tol(rounded, 2))
+    du_rounded = udt if udt in (torch.float16, torch.bfloat16) else rounded   # du is rounded to up's dtype
+    torch.testing.assert_close(du.double(), du64, **tol(du_rounded, 8))
+
+
+def test_explain_on_cpu_names_why_the_kernel_does_not_run():
+    gate, up = _inputs((3, 5), torch.bfloat16)
+    c = dispatch.explain("swiglu", gate, up)
+    assert (c.impl, c.source, c.fallback) == ("torch", "fallback", True)
+    assert "needs a CUDA tensor" in c.reasons["pipegoose"] and c.reasons["torch"] == ""
+    assert "needs a CUDA tensor" in str(c)
+    # explain counts nothing
+    assert dispatch.stats().get("swiglu", {}) == {}
+    # an empty input: the reference returns the empty result, no fallback
+    c = dispatch.explain("swiglu", gate[:0], up[:0])
+    assert (c.impl, c.source, c.fallback) == ("torch", "empty", False)
+
+
+def test_strict_mode_raises_on_the_cpu_fallback():
+    """Off CUDA the kernel cannot run, so the PyTorch path is a fallback, which strict mode refuses; an empty input
+    and an explicit impl='torch' are no fallback."""
+    gate, up = _inputs((3, 5), torch.float32)
+    with dispatch.strict():
+        with pytest.raises(dispatch.FusionFallbackError, match=r"swiglu: strict mode.*needs a CUDA tensor"):
+            PF.swiglu(gate, up)
+        assert PF.swiglu(gate[:0], up[:0]).shape == (0, 5)
+        assert torch.equal(PF.swiglu(gate, up, impl="torch"), F.silu(gate) * up)
+        assert dispatch.last_choice("swiglu").source == "argument"
+        mlp = FusedSwiGLUMLP(nn.Linear(5, 7), nn.Linear(5, 7), nn.Linear(7, 5))
+        with pytest.raises(dispatch.FusionFallbackError):
+            mlp(gate)
+        mlp_torch = FusedSwiGLUMLP(nn.Linear(5, 7), nn.Linear(5, 7), nn.Linear(7, 5), impl="torch")
+        assert mlp_torch(gate).shape == (3, 5)
+    # out of strict mode the same call runs (and was counted once more)
+    assert torch.equal(PF.swiglu(gate, up), F.silu(gate) * up)
+
+
+def test_impl_argument():
+    gate, up = _inputs((3, 5), torch.float32)
+    with pytest.warns(UserWarning, match=r"impl='pipegoose' cannot run this input: needs a CUDA tensor"):
+        y = PF.swiglu(gate, up, impl="pipegoose")
+    assert torch.equal(y, F.silu(gate) * up)
+    assert dispatch.last_choice("swiglu").impl == "torch"
+    with pytest.raises(ValueError, match=r"impl: swiglu has no implementation 'fused'"):
+        PF.swiglu(gate, up, impl="fused")
+    with pytest.raises(TypeError, match="impl"):
+        PF.swiglu(gate, up, impl=1)
+    assert torch.equal(PF.swiglu(gate, up, impl=" Torch "), F.silu(gate) * up)   # any case, as PIPEGOOSE_IMPL_*
+
+
+# --------------------------------------------------------------------------------------------- argument errors
+def test_argument_errors_name_the_argument():
+    gate, up = _inputs((3, 5), torch.float32)
+    cases = [
+        ((1.0, up), TypeError, r"^gate: expected a floating point torch.Tensor, got float"),
+        ((gate, [1.0]), TypeError, r"^up: expected a floating point torch.Tensor, got list"),
+        ((gate.int(), up), TypeError, r"^gate: expected a floating point torch.Tensor, got int32"),
+        ((gate, up.long()), TypeError, r"^up: expected a floating point torch.Tensor, got int64"),
+        ((gate, up.bool()), TypeError, r"^up: "),
+        ((gate.to(torch.complex64), up), TypeError, r"^gate: "),
+        ((gate, up[:2]), ValueError, r"^up: shape \[2, 5\] does not broadcast with gate's \[3, 5\]"),
+        ((gate, torch.randn(4)), ValueError, r"^up: shape \[4\] does not broadcast"),
+    ]
+    if hasattr(torch, "float8_e4m3fn"):
+        cases += [((gate.to(torch.float8_e4m3fn), up), TypeError, r"^gate: expected dtype .*got float8_e4m3fn"),
+                  ((gate, up.to(torch.float8_e4m3fn)), TypeError, r"^up: expected dtype .*got float8_e4m3fn")]
+    for args, err, match in cases:
+        with pytest.raises(err, match=match):
+            PF.swiglu(*args)
+        with pytest.raises(err, match=match):   # explain refuses what the op refuses, with its message
+            dispatch.explain("swiglu", *args)
+    # a refused call is not counted
+    assert dispatch.stats().get("swiglu", {}) == {}
+
+
+def test_argument_errors_after_a_cached_choice():
+    """The choice cache holds a valid call's choice; a call with other metadata is checked again (a wrong shape
+    after a right one must still raise)."""
+    gate, up = _inputs((3, 5), torch.float32)
+    PF.swiglu(gate, up)
+    PF.swiglu(gate, up)
+    with pytest.raises(ValueError, match="^up: "):
+        PF.swiglu(gate, up[:, :2])
+    with pytest.raises(TypeError, match="^up: "):
+        PF.swiglu(gate, up.int())
+
+
+def test_device_mismatch_names_up():
+    """(A CUDA tensor needs a GPU; the meta device stands in for the second device. tests/kernels/test_swiglu_cuda.py
+    checks the kernel's own device check.)"""
+    gate, up = _inputs((3, 5), torch.float32)
+    with pytest.raises(ValueError, match=r"^up: on meta, expected gate's device cpu"):
+        PF.swiglu(gate, up.to("meta"))
+    with pytest.raises(ValueError, match=r"^up: on cpu, expected gate's device meta"):
+        dispatch.explain("swiglu", gate.to("meta"), up)
+
+
+# ------------------------------------------------------------------------------ the kernel's supports() on CUDA
+def _cuda_problem(gate, up):
+    """The problem of (gate, up) as if they were on a GPU (metadata only: the CPU tensors describe it)."""
+    return replace(S.swiglu_problem(gate, up), device=CUDA)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_takes_one_shape_and_one_dtype_on_cuda(dtype):
+    supports = dispatch.implementations("swiglu")["pipegoose"].supports
+    gate, up = _inputs((2, 3, 11), dtype)
+    assert supports(_cuda_problem(gate, up)) == (True, "")
+    assert supports(_cuda_problem(gate[0, 0, 0], up[0, 0, 0])) == (True, "")   # 0-d: one element
+    assert supports(_cuda_problem(gate.transpose(0, 2), up.transpose(0, 2))) == (True, "")   # copied to contiguous
+    assert supports(S.swiglu_problem(gate, up)) == (False, "needs a CUDA tensor, got device cpu")
+
+
+@pytest.mark.parametrize("what,build,reason", [
+    ("dtypes differ", lambda g, u: (g, u.half()), r"up is float16 and gate float32: the kernel takes one dtype"),
+    ("gate float64", lambda g, u: (g.double(), u.double()), r"dtype float64 not supported \(float32, float16, "
+                                                            r"bfloat16\)"),
+    ("shapes differ (broadcast)", lambda g, u: (g, u[:1]), r"up's shape \[1, 5\] differs from gate's \[3, 5\]: "
+                                                          r"the kernel does not broadcast"),
+    ("same numel, other shape", lambda g, u: (g, u.reshape(5, 3)), r"differs from gate's \[3, 5\]"),
+    ("empty", lambda g, u: (g[:0], u[:0]), r"^an empty input$"),
+], ids=["dtypes_differ", "float64", "broadcast", "other_shape", "empty"])
+def test_kernel_declines_on_cuda_with_the_reason(what, build, reason):
+    supports = dispatch.implementations("swiglu")["pipegoose"].supports
+    ok, why = supports(_cuda_problem(*build(*_inputs((3, 5), torch.float32))))
+    assert not ok, what
+    assert re.search(reason, why), (what, why)
+
+
+def test_kernel_declines_tensors_without_storage_and_dual_tensors():
+    supports = dispatch.implementations("swiglu")["pipegoose"].supports
+    p = _cuda_problem(*_inputs((3, 5), torch.float32))
+    assert supports(replace(p, extra={**p.extra, "storage": False})) == (False, NO_STORAGE)
+    assert supports(replace(p, extra={**p.extra, "forward_ad": True})) == (False, FORWARD_AD_SWIGLU)
+
+
+def test_problem_describes_the_call():
+    gate, up = _inputs((2, 3, 11), torch.bfloat16)
+    p = S.swiglu_problem(gate, up.requires_grad_())
+    assert (p.op, p.dtype, p.device, p.cols, p.needs_grad) == ("swiglu", torch.bfloat16, torch.device("cpu"), 11, True)
+    assert p["shape"] == p["up_shape"] == (2, 3, 11) and p["numel"] == 66 and p["up_dtype"] == torch.bfloat16
+    assert p["storage"] is True and p["forward_ad"] is False
+    assert not S.swiglu_problem(gate, up.detach()).needs_grad
+    p0 = S.swiglu_problem(gate[0, 0, 0], up[0, 0, 0])
+    assert p0.cols == 1 and p0["numel"] == 1 and p0["shape"] == ()
+
+
+def test_choice_on_cuda_of_empty_and_small_inputs_loads_no_kernel(monkeypatch):
+    """On a GPU an empty input runs the reference (source "empty", no fallback: strict mode passes) and an input under
+    PIPEGOOSE_SMALL_NUMEL the native ops (source "small", the kernel named as one that takes it), both on metadata
+    alone: no kernel is loaded (or built) for them."""
+    def no_kernel(name):
+        raise AssertionError(f"loaded {name}")
+
+    monkeypatch.setattr(dispatch, "kernel", no_kernel)
+    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "1000")
+    gate, up = _inputs((4, 0), torch.bfloat16)
+    with dispatch.strict():
+        c = dispatch.select("swiglu", _cuda_problem(gate, up))
+    assert (c.impl, c.source, c.fallback) == ("torch", "empty", False)
+    gate, up = _inputs((3, 5), torch.bfloat16)
+    with dispatch.strict():
+        c = dispatch.select("swiglu", _cuda_problem(gate, up))
+    assert (c.impl, c.source, c.fallback) == ("torch", "small", False)
+    assert "fused paths that take it: pipegoose" in c.reason
+    # a small input the kernel does not take (broadcast) is a real fallback, also when small
+    with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="does not broadcast"):
+        dispatch.select("swiglu", _cuda_problem(gate, up[:1]))
+
+
+def test_choice_on_cuda_picks_the_kernel_where_it_loads(monkeypatch):
+    """Above the small size, on CUDA, with the kernel loadable (a stand-in here), the kernel is the built-in choice;
+    where it cannot load, the reference runs with the load error as the reason (a fallback)."""
+    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "0")
+    gate, up = _inputs((3, 5), torch.float16)
+    monkeypatch.setattr(dispatch, "kernel", lambda name: (object(), "") if name == "pipegoose/swiglu"
+                        else (None, f"{name}: unexpected"))
+    c = dispatch.choose("swiglu", _cuda_problem(gate, up))
+    assert (c.impl, c.source, c.fallback) == ("pipegoose", "builtin", False)
+    monkeypatch.setattr(dispatch, "kernel", lambda name: (None, f"{name} unavailable: nvcc missing"))
+    c = dispatch.choose("swiglu", _cuda_problem(gate, up))
+    assert (c.impl, c.fallback) == ("torch", True) and "pipegoose/swiglu unavailable: nvcc missing" in c.reason
+
+
+# -------------------------------------------------------------------------------------------------- other inputs
+def test_vmap_and_forward_ad_run_the_reference():
+    gate, up = _inputs((4, 6), torch.float32, seed=2)
+    assert torch.equal(torch.func.vmap(PF.swiglu)(gate, up), F.silu(gate) * up)
+    tangent = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    _, jvp = torch.func.jvp(lambda g: PF.swiglu(g, up), (gate,), (tangent,))
+    _, want = torch.func.jvp(lambda g: F.silu(g) * up, (gate,), (tangent,))
+    assert torch.equal(jvp, want)
+
+
+@pytest.mark.parametrize("layout", ["jagged", "strided"])
+def test_nested_tensors_run_the_reference(layout):
+    """A nested tensor goes to PyTorch's ops (a fallback, counted), which take both layouts: F.silu(gate) * up."""
+    g = torch.Generator().manual_seed(8)
+    parts_g = [torch.randn(2, 4, generator=g), torch.randn(3, 4, generator=g)]
+    parts_u = [torch.randn(2, 4, generator=g), torch.randn(3, 4, generator=g)]
+    if layout == "jagged":   # (one offsets tensor: the same ragged dimension)
+        offsets = torch.tensor([0, 2, 5])
+        gate = torch.nested.nested_tensor_from_jagged(torch.cat(parts_g), offsets)
+        up = torch.nested.nested_tensor_from_jagged(torch.cat(parts_u), offsets)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # ("the PyTorch API of nested tensors is in prototype stage")
+            gate, up = torch.nested.nested_tensor(parts_g), torch.nested.nested_tensor(parts_u)
+    want = F.silu(gate) * up   # PyTorch takes it
+    y = PF.swiglu(gate, up)
+    assert y.is_nested
+    for got, w in zip(y.unbind(), want.unbind()):
+        assert torch.equal(got, w)
+    c = dispatch.last_choice("swiglu")
+    assert c.fallback and "nested tensor" in c.reason
+
+
+# ------------------------------------------------------------------------------------------------ FusedSwiGLUMLP
+class _MLP(nn.Module):
+    """transformers' LlamaMLP, written out."""
+
+    def __init__(self, hidden=8, inter=12, bias=False, act=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.act_fn = act if act is not None else nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_mlp_from_module_is_a_drop_in(bias, dtype):
+    torch.manual_seed(0)
+    mlp = _MLP(bias=bias).to(dtype).eval()
+    fused = FusedSwiGLUMLP.from_module(mlp)
+    assert [(n, id(m)) for n, m in fused.named_children()] == [(n, id(m)) for n, m in mlp.named_children()]
+    assert list(fused.state_dict()) == list(mlp.state_dict())
+    assert [id(p) for p in fused.parameters()] == [id(p) for p in mlp.parameters()]
+    assert not fused.training and fused.impl is None
+    x = torch.randn(2, 3, 8, dtype=dtype, requires_grad=True)
+    dy = torch.randn(2, 3, 8, dtype=dtype)
+    want = mlp(x)
+    want_dx, *want_grads = torch.autograd.grad(want, [x, *mlp.parameters()], dy)
+    got = fused(x)
+    dx, *grads = torch.autograd.grad(got, [x, *fused.parameters()], dy)
+    assert torch.equal(got, want) and torch.equal(dx, want_dx)
+    assert len(grads) == len(want_grads) == (6 if bias else 3)
+    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+    assert dispatch.stats()["swiglu"] == {"torch": 1}   # (the fused module's call; the original calls act_fn)
+
+
+def test_fused_mlp_keeps_the_training_flag_and_the_children_theirs():
+    mlp = _MLP().train()
+    mlp.down_proj.eval()
+    fused = FusedSwiGLUMLP.from_module(mlp)
+    assert fused.training and not fused.down_proj.training and fused.gate_proj.training
+    mlp.eval()
+    assert not FusedSwiGLUMLP.from_module(mlp).training
+
+
+def test_fused_mlp_constructor_checks():
+    lin = nn.Linear(4, 4)
+    with pytest.raises(TypeError, match=r"^up_proj: expected a torch.nn.Module, got function"):
+        FusedSwiGLUMLP(lin, F.relu, lin)
+    with pytest.raises(ValueError, match=r"impl: swiglu has no implementation 'triton'"):
+        FusedSwiGLUMLP(lin, lin, lin, impl="triton")
+    with pytest.raises(TypeError, match="impl"):
+        FusedSwiGLUMLP(lin, lin, lin, impl=3)
+    m = FusedSwiGLUMLP(nn.Linear(4, 6), nn.Linear(4, 6), nn.Linear(6, 4), impl="torch")
+    assert "impl='torch'" in repr(m) and [n for n, _ in m.named_children()] == ["gate_proj", "up_proj", "down_proj"]
+    x = torch.randn(3, 4)
+    assert torch.equal(m(x), m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x)))
+
+
+def test_from_module_refuses_what_is_not_a_swiglu_mlp():
+    with pytest.raises(TypeError, match=r"^mlp: expected a module with submodules gate_proj, up_proj and down_proj, "
+                                        r"got Linear without gate_proj, up_proj, down_proj"):
+        FusedSwiGLUMLP.from_module(nn.Linear(4, 4))
+    partial = _MLP()
+    del partial.up_proj
+    with pytest.raises(TypeError, match=r"without up_proj$"):
+        FusedSwiGLUMLP.from_module(partial)
+    with pytest.raises(TypeError, match="^mlp: "):
+        FusedSwiGLUMLP.from_module("mlp")
+    gelu = _MLP(act=nn.GELU(approximate="tanh"))
+    with pytest.raises(ValueError, match=r"^mlp: _MLP does not pass the SwiGLU probe: act_fn \(GELU\) is not SiLU"):
+        FusedSwiGLUMLP.from_module(gelu)
+    # verify=False takes it as it is (the caller's word): the fused module then computes SwiGLU, not GELU
+    fused = FusedSwiGLUMLP.from_module(gelu, verify=False)
+    x = torch.randn(2, 8)
+    assert torch.equal(fused(x), gelu.down_proj(F.silu(gelu.gate_proj(x)) * gelu.up_proj(x)))
+
+
+# ------------------------------------------------------------------------------------------------ the probe
+class _Swapped(_MLP):
+    def forward(self, x):   # silu of the up projection: a gated MLP with the roles exchanged
+        return self.down_proj(self.gate_proj(x) * self.act_fn(self.up_proj(x)))
+
+
+class _Scaled(_MLP):
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x) * 0.5)
+
+
+class _NoActFn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 12), nn.Linear(8, 12), nn.Linear(12, 8)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _WithDropout(_MLP):
+    def __init__(self):
+        super().__init__()
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.dropout(super().forward(x))
+
+
+class _WithScale(_MLP):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+class _TakesMore(_MLP):
+    def forward(self, x, residual):
+        return super().forward(x) + residual
+
+
+class _Raises(_MLP):
+    def forward(self, x):
+        raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("make,ok,reason", [
+    (lambda: _MLP(), True, "probe output equals"),
+    (lambda: _MLP(bias=True), True, "probe output equals"),
+    (lambda: _MLP(act=nn.SiLU(inplace=True)), True, "probe output equals"),
+    (lambda: _NoActFn(), True, "probe output equals"),
+    (lambda: _MLP(act=nn.GELU()), False, "act_fn (GELU) is not SiLU"),
+    (lambda: _MLP(act=nn.ReLU()), False, "act_fn (ReLU) is not SiLU"),
+    (lambda: _Swapped(), False, "output differs from down_proj(silu(gate_proj(x)) * up_proj(x))"),
+    (lambda: _Scaled(), False, "output differs"),
+    (lambda: _WithDropout(), False, "has submodules besides the projections and act_fn (dropout)"),
+    (lambda: _WithScale(), False, "has parameters or buffers of its own"),
+    (lambda: _TakesMore(), False, "forward takes more than the input (residual)"),
+    (lambda: _Raises(), False, "probe forward failed: RuntimeError: boom"),
+], ids=["llama", "bias", "inplace_silu", "functional_silu", "gelu", "relu", "swapped", "scaled", "dropout",
+        "own_parameter", "more_arguments", "raises"])
+def test_probe(make, ok, reason):
+    mlp = make()
+    probe = probe_swiglu_mlp(mlp)
+    assert probe.candidate and probe.ok is ok and reason in probe.reason, probe
+
+
+def test_probe_does_not_run_or_touch_the_module():
+    """The probe runs the class's forward on CPU stand-ins: the module's own projections (which may be large, on a
+    GPU, or on the meta device) are not called, its hooks do not fire, and nothing of it changes."""
+    with torch.device("meta"):
+        mlp = _MLP(hidden=4096, inter=11008)
+    calls = []
+    mlp.register_forward_hook(lambda *a: calls.append("mlp"))
+    mlp.gate_proj.register_forward_hook(lambda *a: calls.append("gate_proj"))
+    children = dict(mlp.named_children())
+    assert probe_swiglu_mlp(mlp).ok
+    assert calls == [] and dict(mlp.named_children()) == children and mlp.gate_proj.weight.is_meta
+
+
+def test_probe_of_modules_without_the_projections():
+    for m in (nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)), nn.LayerNorm(4)):
+        probe = probe_swiglu_mlp(m)
+        assert not probe.ok and not probe.candidate
+
+
+@pytest.mark.parametrize("module,cls,ok", [
+    ("llama", "LlamaMLP", True), ("mistral", "MistralMLP", True), ("qwen2", "Qwen2MLP", True),
+    ("qwen3", "Qwen3MLP", True), ("gemma", "GemmaMLP", False), ("phi3", "Phi3MLP", None)])
+def test_probe_of_transformers_mlps(module, cls, ok):
+    """Llama's MLP and its copies pass; Gemma's GELU MLP is refused with the reason; Phi-3's fused gate_up_proj is no
+    candidate."""
+    mod = pytest.importorskip(f"transformers.models.{module}.modeling_{module}")
+    import transformers
+
+    cfg_cls = getattr(transformers, cls.replace("MLP", "Config"))
+    cfg = cfg_cls(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
+    mlp = getattr(mod, cls)(cfg)
+    probe = probe_swiglu_mlp(mlp)
+    if ok is None:
+        assert not probe.candidate and not probe.ok
+        return
+    assert probe.candidate and probe.ok is ok, probe
+    if ok:
+        fused = FusedSwiGLUMLP.from_module(mlp)
+        x = torch.randn(2, 5, 32)
+        assert torch.equal(fused(x), mlp(x))
+    else:
+        assert "is not SiLU" in probe.reason
+        with pytest.raises(ValueError, match="is not SiLU"):
+            FusedSwiGLUMLP.from_module(mlp)
+
+
+# ------------------------------------------------------------------------------------------------ on a GPU
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_functional_on_cuda_runs_the_kernel(no_tuning_table, dtype):
+    """On CUDA (tuning table and small-problem rule set aside) the functional runs pipegoose::swiglu: no fallback
+    (strict mode passes), the ops' results bit for bit, the float64 formulas within the tolerance table; what the
+    kernel does not take (broadcasting) is a fallback strict mode refuses."""
+    gate, up = (t.cuda() for t in _inputs((4, 1001), dtype, seed=11))
+    dy = torch.randn(4, 1001, generator=torch.Generator().manual_seed(12)).to(dtype).cuda()
+    with dispatch.strict():
+        y, dg, du = _fwd_bwd(PF.swiglu, gate, up, dy)
+    c = dispatch.last_choice("swiglu")
+    assert (c.impl, c.fallback) == ("pipegoose", False), c
+    assert torch.equal(y, torch.ops.pipegoose.swiglu_forward(gate, up))
+    want_dg, want_du = torch.ops.pipegoose.swiglu_backward(dy, gate, up)
+    assert torch.equal(dg, want_dg) and torch.equal(du, want_du)
+    for name, got, want in zip(("out", "grad_gate", "grad_up"), (y, dg, du), _ref64(gate.cpu(), up.cpu(), dy.cpu())):
+        torch.testing.assert_close(got.double().cpu(), want, **tol(dtype), msg=lambda m: f"{name}: {m}")
+    with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="does not broadcast"):
+        PF.swiglu(gate, up[:1])
+    assert torch.equal(PF.swiglu(gate, up[:1]), F.silu(gate) * up[:1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_mlp_on_cuda_matches_the_mlp(no_tuning_table, dtype):
+    torch.manual_seed(1)
+    mlp = _MLP(hidden=64, inter=176).to("cuda", dtype)
+    fused = FusedSwiGLUMLP.from_module(mlp)
+    x = torch.randn(3, 7, 64, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(3, 7, 64, device="cuda", dtype=dtype)
+    want = mlp(x)
+    want_grads = torch.autograd.grad(want, [x, *mlp.parameters()], dy)
+    with dispatch.strict():
+        got = fused(x)
+        grads = torch.autograd.grad(got, [x, *fused.parameters()], dy)
+    assert dispatch.last_choice("swiglu").impl == "pipegoose"
+    # eager rounds silu(gate) before the product in 16-bit, the kernel once: a unit in the last place apart, summed
+    # over the 176 columns of down_proj
+    torch.testing.assert_close(got, want, **tol(dtype, 4))
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, **tol(dtype, 8))
+
+
+# ----------------------------------------------------------------------- fake impls and C++ autograd (meta; slow)
+def _load_library():
+    from pipegoose.kernels.builder import KernelBuilder, KernelUnavailableError
+
+    b = KernelBuilder("pipegoose/swiglu")
+    try:
+        failed = [c for c in b.preflight() if not c.ok]
+    except KernelUnavailableError as e:
+        pytest.skip(str(e))
+    if failed:
+        pytest.skip("; ".join(f"{c.name}: {c.detail}" for c in failed))
+    return b.load()
+
+
+def _calls_of(ops_to_log):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.name() in ops_to_log:
+                self.calls.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    return Log()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fake_impls_on_meta_tensors(dtype):
+    _load_library()
+    ops = torch.ops.pipegoose
+    g = torch.empty(3, 5, 7, device="meta", dtype=dtype)
+    u = torch.empty(3, 5, 7, device="meta", dtype=dtype)
+    for y in (ops.swiglu_forward(g, u), ops.swiglu(g, u)):
+        assert y.device.type == "meta" and y.shape == (3, 5, 7) and y.dtype == dtype and y.is_contiguous()
+    dg, du = ops.swiglu_backward(g, g, u)
+    assert dg.shape == du.shape == (3, 5, 7) and dg.dtype == du.dtype == dtype
+    # non-contiguous inputs: contiguous outputs of gate's shape, as the kernel returns them
+    gt, ut = g.transpose(0, 2), u.transpose(0, 2)
+    y = ops.swiglu_forward(gt, ut)
+    assert y.shape == (7, 5, 3) and y.is_contiguous()
+    assert ops.swiglu_forward(g[:0], u[:0]).shape == (0, 5, 7)
+
+
+@pytest.mark.slow
+def test_fake_impls_refuse_what_the_kernels_refuse():
+    _load_library()
+    ops = torch.ops.pipegoose
+    g = torch.empty(4, 6, device="meta")
+    with pytest.raises(RuntimeError, match=r"up: expected gate's shape \(4, 6\), got \(4, 5\)"):
+        ops.swiglu_forward(g, torch.empty(4, 5, device="meta"))
+    with pytest.raises(RuntimeError, match=r"up: expected gate's dtype torch.float32, got torch.bfloat16"):
+        ops.swiglu_forward(g, torch.empty(4, 6, device="meta", dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"grad_output: expected gate's shape \(4, 6\), got \(6, 4\)"):
+        ops.swiglu_backward(torch.empty(6, 4, device="meta"), g, g)
+    with pytest.raises(RuntimeError, match=r"up: expected gate's shape"):
+        ops.swiglu(g, torch.empty(4, 1, device="meta"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)], ids=["both", "gate", "up"])
+def test_autograd_gives_gradients_for_the_inputs_that_need_them(needs):
+    """The C++ autograd formula: one call of the backward op, gradients (of the inputs' shape and dtype) for the inputs
+    that require them and None for the others."""
+    _load_library()
+    g = torch.empty(8, 64, device="meta", dtype=torch.bfloat16, requires_grad=needs[0])
+    u = torch.empty(8, 64, device="meta", dtype=torch.bfloat16, requires_grad=needs[1])
+    y = torch.ops.pipegoose.swiglu(g, u)
+    assert y.requires_grad and "SwiGLU" in type(y.grad_fn).__name__ + str(y.grad_fn.name())
+    with _calls_of({"pipegoose::swiglu_backward"}) as log:
+        y.backward(torch.empty_like(y))
+    assert log.calls == ["pipegoose::swiglu_backward"]
+    for t, need in zip((g, u), needs):
+        assert (t.grad is not None) == need
+        if need:
+            assert t.grad.shape == t.shape and t.grad.dtype == t.dtype and t.grad.device.type == "meta"
+
+
+@pytest.mark.slow
+def test_autograd_without_grad_and_in_inference_mode():
+    _load_library()
+    g = torch.empty(8, 64, device="meta", requires_grad=True)
+    u = torch.empty(8, 64, device="meta")
+    with torch.no_grad():
+        assert not torch.ops.pipegoose.swiglu(g, u).requires_grad
+    with torch.inference_mode():
+        y = torch.ops.pipegoose.swiglu(g, u)
+    assert y.grad_fn is None and y.shape == (8, 64)
+    assert not torch.ops.pipegoose.swiglu(g.detach(), u).requires_grad
+
+
+@pytest.mark.slow
+def test_create_graph_differentiates_the_reference_instead_of_the_backward_op():
+    """backward with create_graph=True: gradients that are differentiable again (a graph of PyTorch ops on the saved
+    inputs), without the backward op (which has no derivative)."""
+    _load_library()
+    g = torch.empty(8, 64, device="meta", requires_grad=True)
+    u = torch.empty(8, 64, device="meta", requires_grad=True)
+    y = torch.ops.pipegoose.swiglu(g, u)
+    with _calls_of({"pipegoose::swiglu_backward"}) as log:
+        dg, du = torch.autograd.grad(y, (g, u), torch.empty_like(y), create_graph=True)
+    assert log.calls == []
+    assert dg.requires_grad and du.requires_grad and dg.shape == du.shape == (8, 64)
+    (ddg,) = torch.autograd.grad(dg.sum() + du.sum(), (g,))
+    assert ddg.shape == (8, 64)
+
+
+def test_no_warnings_on_the_plain_cpu_call():
+    gate, up = _inputs((3, 5), torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PF.swiglu(gate, up)
+        FusedSwiGLUMLP.from_module(_MLP())(torch.randn(2, 8))

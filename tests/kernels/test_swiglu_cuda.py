@@ -1,0 +1,465 @@
+"""GPU: ``pipegoose::swiglu_forward`` / ``swiglu_backward`` and the autograd op ``pipegoose::swiglu`` (ours,
+``pipegoose/kernels/csrc/swiglu.cu``, binding ``pipegoose/kernels/bindings/swiglu.cpp``) against the float64 formulas
+computed on the CPU from the same (already rounded) inputs:
+
+    out = g * s * u,  grad_gate = dy * u * s * (1 + g * (1 - s)),  grad_up = dy * g * s,  s = sigmoid(g),
+
+with the per-dtype tolerances of ``tests/tolerances.py``: one element to 2**31 and more (64-bit offsets), sizes around
+the vector width, non-contiguous inputs, misaligned views (the scalar path), large, infinite and NaN gates (as
+PyTorch's silu), empty tensors, the argument checks, ``torch.library.opcheck`` and a double backward. The ops allocate
+their outputs: the caching allocator is left holding NaN blocks of the outputs' sizes first (``poison``), and every
+element is checked finite, so an element a kernel does not write shows up.
+
+Run on the GPU machine: ``python -m pytest -m cuda tests/kernels/test_swiglu_cuda.py -q`` (builds the kernel on first
+use; ``python -m pipegoose.kernels build pipegoose/swiglu`` first saves time).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tolerances import TOLERANCES, tol
+
+pytestmark = pytest.mark.cuda
+
+DEV = "cuda"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# one element (0-d and 1-d); around the vector width (4 fp32 or 8 16-bit values: 7, 8, 9); odd; one block's vectors
+# (256 threads x 2 vectors x 8 16-bit values = 4096, 2048 fp32 values) and one past it; sizes that are no multiple of
+# either width; an MLP's activations (TinyLlama's intermediate size 5632: 4096 tokens; 8 x 2048 tokens of 5632 / 8)
+SHAPES = [(), (1,), (7,), (8,), (9,), (3, 5, 1001), (2048,), (4096,), (4097,), (2048 * 3 + 5,), (1_000_003,),
+          (4096, 5632), (8, 2048, 704)]
+AUTOGRAD_SHAPES = [(), (9,), (3, 5, 1001), (4097,), (4096, 5632)]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from pipegoose.kernels import load
+
+    return load("pipegoose/swiglu")
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+def seed_of(*key) -> int:
+    return zlib.crc32(repr(key).encode())
+
+
+def poison(*like: tuple[tuple[int, ...], torch.dtype]) -> None:
+    """Leave NaN-filled (0xFF bytes: NaN in fp32/fp16/bf16) blocks of the outputs' sizes in the caching allocator,
+    so that an output element the kernel does not write reads back as NaN."""
+    blocks = [torch.full((max(1, math.prod(s)) * torch.empty((), dtype=d).element_size(),), 0xFF,
+                         dtype=torch.uint8, device=DEV) for s, d in like]
+    torch.cuda.synchronize()
+    del blocks
+
+
+def make(shape, dtype, seed, scale=2.0):
+    """gate (N(0, scale^2): both tails of sigmoid), up and grad_output, on the GPU in ``dtype``."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    g = (torch.randn(shape, generator=gen, device=DEV) * scale).to(dtype)
+    u = torch.randn(shape, generator=gen, device=DEV).to(dtype)
+    dy = torch.randn(shape, generator=gen, device=DEV).to(dtype)
+    return g, u, dy
+
+
+def ref64(g, u, dy=None):
+    """float64 on the CPU: out, or (out, grad_gate, grad_up) with ``dy``."""
+    g64, u64 = g.detach().cpu().double(), u.detach().cpu().double()
+    s = torch.sigmoid(g64)
+    y = g64 * s * u64
+    if dy is None:
+        return y
+    d = dy.detach().cpu().double()
+    return y, d * u64 * s * (1 + g64 * (1 - s)), d * g64 * s
+
+
+def check(name, got, want, dtype, shape=None):
+    """Shape, dtype, device, layout; every element finite (a NaN: not written); assert_close with TOLERANCES[dtype]."""
+    shape = want.shape if shape is None else torch.Size(shape)
+    assert got.shape == shape, f"{name}: shape {tuple(got.shape)} != {tuple(shape)}"
+    assert got.dtype == dtype and got.device.type == "cuda", f"{name}: {got.dtype} on {got.device}"
+    assert got.is_contiguous(), f"{name}: not contiguous (strides {got.stride()})"
+    bad = int((~torch.isfinite(got)).sum())
+    assert bad == 0, f"{name}: {bad} element(s) not finite (not written, or a value the reference does not have)"
+    torch.testing.assert_close(got.double().cpu(), want, **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
+
+
+def run_ops(ops, g, u, dy):
+    """Forward and backward through the ops, outputs poisoned first."""
+    poison((g.shape, g.dtype))
+    y = ops.swiglu_forward(g, u)
+    poison((g.shape, g.dtype), (g.shape, g.dtype))
+    dg, du = ops.swiglu_backward(dy, g, u)
+    return y, dg, du
+
+
+def check_ops(ops, g, u, dy, dtype, what=""):
+    y, dg, du = run_ops(ops, g, u, dy)
+    ry, rdg, rdu = ref64(g, u, dy)
+    check(f"{what}out", y, ry, dtype, g.shape)
+    check(f"{what}grad_gate", dg, rdg, dtype, g.shape)
+    check(f"{what}grad_up", du, rdu, dtype, g.shape)
+    return y, dg, du
+
+
+# --------------------------------------------------------------------------------------------- the formulas
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_ops_match_float64(ops, dtype, shape):
+    g, u, dy = make(shape, dtype, seed_of(shape, dtype))
+    before = [t.clone() for t in (g, u, dy)]
+    check_ops(ops, g, u, dy, dtype)
+    assert all(torch.equal(a, b) for a, b in zip((g, u, dy), before)), "an input changed"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", AUTOGRAD_SHAPES, ids=str)
+@pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)], ids=["both", "gate", "up"])
+def test_autograd_op_matches_float64(ops, dtype, shape, needs):
+    """torch.ops.pipegoose.swiglu with .backward(): the forward kernel, and the backward kernel's gradients for the
+    inputs that require them (None for the other), the very results of the ops."""
+    g, u, dy = make(shape, dtype, seed_of("autograd", shape, dtype))
+    gg, uu = g.clone().requires_grad_(needs[0]), u.clone().requires_grad_(needs[1])
+    poison((g.shape, dtype))
+    y = torch.ops.pipegoose.swiglu(gg, uu)
+    assert y.requires_grad and y.grad_fn is not None
+    poison((g.shape, dtype), (g.shape, dtype))
+    y.backward(dy)
+    ry, rdg, rdu = ref64(g, u, dy)
+    check("out", y.detach(), ry, dtype, shape)
+    for name, t, need, want in (("grad_gate", gg, needs[0], rdg), ("grad_up", uu, needs[1], rdu)):
+        if need:
+            check(name, t.grad, want, dtype, shape)
+        else:
+            assert t.grad is None, f"{name}: a gradient for an input that does not require one"
+    assert torch.equal(y.detach(), ops.swiglu_forward(g, u))
+    dg, du = ops.swiglu_backward(dy, g, u)
+    assert not needs[0] or torch.equal(gg.grad, dg)
+    assert not needs[1] or torch.equal(uu.grad, du)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_autograd_op_with_a_broadcast_output_gradient(ops, dtype):
+    """y.sum().backward(): the output gradient is an expanded scalar (stride 0), made contiguous by the backward."""
+    g, u, _ = make((37, 129), dtype, seed_of("sum", dtype))
+    gg, uu = g.clone().requires_grad_(), u.clone().requires_grad_()
+    torch.ops.pipegoose.swiglu(gg, uu).sum().backward()
+    _, rdg, rdu = ref64(g, u, torch.ones_like(g))
+    check("grad_gate", gg.grad, rdg, dtype)
+    check("grad_up", uu.grad, rdu, dtype)
+
+
+def test_autograd_op_without_grad_and_in_inference_mode(ops):
+    g, u, _ = make((5, 301), torch.bfloat16, seed_of("inference"))
+    want = ops.swiglu_forward(g, u)
+    with torch.inference_mode():
+        y = torch.ops.pipegoose.swiglu(g, u)
+    assert y.grad_fn is None and torch.equal(y, want)
+    gg = g.clone().requires_grad_()
+    with torch.no_grad():
+        y = torch.ops.pipegoose.swiglu(gg, u)
+    assert not y.requires_grad and torch.equal(y, want)
+
+
+def test_grad_output_of_another_dtype_is_converted_first(ops):
+    """One dtype for every tensor: a grad_output of another floating dtype is converted to gate's first (the result
+    is that of the converted grad_output, bit for bit)."""
+    g, u, dy = make((3, 1001), torch.bfloat16, seed_of("dy dtype"))
+    dy32 = torch.randn(3, 1001, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1))
+    got = ops.swiglu_backward(dy32, g, u)
+    want = ops.swiglu_backward(dy32.to(torch.bfloat16), g, u)
+    assert all(a.dtype == torch.bfloat16 and torch.equal(a, b) for a, b in zip(got, want))
+    g32, u32, _ = make((3, 1001), torch.float32, seed_of("dy dtype 32"))
+    got = ops.swiglu_backward(dy.half(), g32, u32)
+    want = ops.swiglu_backward(dy.half().float(), g32, u32)
+    assert all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(got, want))
+
+
+# ------------------------------------------------------------------------------------------ memory layouts
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_non_contiguous_inputs(ops, dtype):
+    """Transposed, strided and narrowed views (copied to contiguous ones by the ops; outputs contiguous, of gate's
+    shape), an expanded up (stride 0) and a gate and up of different layouts; the ops and the autograd op."""
+    base_g, base_u, base_dy = make((64, 2 * 1001), dtype, seed_of("strided", dtype))
+    views = {"transposed": lambda t: t.t(),                 # [2002, 64]
+             "strided last dim": lambda t: t[:, ::2],       # [64, 1001], stride 2
+             "narrowed rows": lambda t: t[:, 3:1000]}       # contiguous rows, row stride 2002
+    for name, view in views.items():
+        g, u, dy = view(base_g), view(base_u), view(base_dy)
+        assert not g.is_contiguous() and not u.is_contiguous() and not dy.is_contiguous()
+        y, dg, du = check_ops(ops, g, u, dy, dtype, what=f"{name}: ")
+        gc, uc, dyc = g.contiguous(), u.contiguous(), dy.contiguous()
+        assert torch.equal(y, ops.swiglu_forward(gc, uc)), name
+        assert all(torch.equal(a, b) for a, b in zip((dg, du), ops.swiglu_backward(dyc, gc, uc))), name
+        gg, uu = g.detach().requires_grad_(), u.detach().requires_grad_()   # (views of leaves: new leaves)
+        yy = torch.ops.pipegoose.swiglu(gg, uu)
+        yy.backward(dy)
+        assert torch.equal(yy.detach(), y) and torch.equal(gg.grad, dg) and torch.equal(uu.grad, du), name
+    # up broadcast by expand (one row for every row: stride 0), gate contiguous
+    g = base_g[:, :1001].contiguous()
+    u = base_u[0, :1001].expand(64, 1001)
+    dy = base_dy[:, :1001]
+    check_ops(ops, g, u, dy, dtype, what="expanded up: ")
+    # gate transposed, up contiguous, of one shape
+    g = base_g[:, :64].t()
+    u = base_u[:64, :64].contiguous()
+    check_ops(ops, g, u, base_dy[:64, :64], dtype, what="mixed layouts: ")
+    # a 4-d channels_last gate: output in gate's shape, contiguous
+    g4 = base_g.reshape(2, 4, 8, 2002)[:, :, :, :8].contiguous(memory_format=torch.channels_last)
+    u4 = base_u.reshape(2, 4, 8, 2002)[:, :, :, :8].contiguous()
+    assert not g4.is_contiguous()
+    check("channels_last out", ops.swiglu_forward(g4, u4), ref64(g4, u4), dtype, g4.shape)
+
+
+def _at_offset(t: torch.Tensor, k: int) -> torch.Tensor:
+    """The same values, a view at element offset ``k`` of a larger buffer (not 16-byte aligned for odd ``k``)."""
+    buf = torch.empty(t.numel() + k, dtype=t.dtype, device=DEV)
+    buf[k:] = t.reshape(-1)
+    v = buf[k:].view(t.shape)
+    assert v.data_ptr() % 16 != 0, (k, t.dtype)
+    return v
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(7,), (9,), (3 * 4096 + 5,), (33, 4097), ((1 << 20) + 3,)], ids=str)
+def test_misaligned_views_take_the_scalar_path(ops, dtype, shape):
+    """Views at odd element offsets (pointers not 16-byte aligned: the scalar kernel, over every block): gate alone,
+    up alone, grad_output alone, all of them. The same math as the vector path: results bit for bit equal."""
+    g, u, dy = make(shape, dtype, seed_of("misaligned", shape, dtype))
+    aligned = run_ops(ops, g, u, dy)
+    for which in ("gate", "up", "grad_output", "all"):
+        k = 1 if which != "all" else 3
+        gm = _at_offset(g, k) if which in ("gate", "all") else g
+        um = _at_offset(u, k) if which in ("up", "all") else u
+        dym = _at_offset(dy, k) if which in ("grad_output", "all") else dy
+        assert any(t.data_ptr() % 16 for t in (gm, um, dym))
+        got = check_ops(ops, gm, um, dym, dtype, what=f"{which} misaligned: ")
+        for name, a, b in zip(("out", "grad_gate", "grad_up"), got, aligned):
+            assert torch.equal(a, b), f"{which} misaligned: {name} differs from the vector path's"
+
+
+# ----------------------------------------------------------------------------------- large and special values
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_gates(ops, dtype):
+    """Gates of +-20, +-88, +-89 (where exp(-g) leaves fp32's range), +-100 and +-1e4 among ordinary ones: finite
+    results as the float64 formulas give them (sigmoid 0 or 1 there), in every dtype; up and grad_output bounded so
+    that no true result overflows fp16."""
+    n = 3 * 4096 + 7
+    g, u, dy = make((n,), dtype, seed_of("large", dtype))
+    u, dy = u.clamp(-4, 4), dy.clamp(-4, 4)
+    specials = torch.tensor([20.0, -20.0, 88.0, -88.0, 89.0, -89.0, 100.0, -100.0, 1e4, -1e4], device=DEV)
+    g[::3] = specials.repeat(n // (3 * len(specials)) + 1)[:len(range(0, n, 3))].to(dtype)
+    y, dg, du = check_ops(ops, g, u, dy, dtype)
+    # the limits, exactly: sigmoid(1e4) = 1 (out = g * u, grad_gate = dy * u), sigmoid(-1e4) = 0 (all zero)
+    big, small = g == 1e4, g == -1e4
+    assert big.any() and small.any()
+    gb, ub, dyb = g[big].float(), u[big].float(), dy[big].float()
+    torch.testing.assert_close(y[big].float(), (gb * ub).to(dtype).float(), rtol=0, atol=0)
+    torch.testing.assert_close(dg[big].float(), (dyb * ub).to(dtype).float(), rtol=0, atol=0)
+    assert (y[small] == 0).all() and (dg[small] == 0).all() and (du[small] == 0).all()
+
+
+SPECIAL_GATES = [float("-inf"), float("inf"), float("nan"), 0.0, -0.0, 1.0, -1.0, 3.0, -3.0, 100.0, -100.0, 1e4, -1e4]
+SPECIAL_UPS = [1.0, -2.5, 0.0, float("inf"), float("-inf"), float("nan")]
+SPECIAL_DYS = [1.5, -0.75, 0.0]
+
+
+def _special_grid(dtype):
+    """Every combination of the special gates, ups and output gradients, as three tensors of one shape."""
+    g, u, d = torch.meshgrid(torch.tensor(SPECIAL_GATES), torch.tensor(SPECIAL_UPS), torch.tensor(SPECIAL_DYS),
+                             indexing="ij")
+    return [t.reshape(-1).to(DEV, dtype) for t in (g, u, d)]
+
+
+def _torch_fp32(g, u, dy):
+    """PyTorch's silu(g) * u and its gradients, in fp32 on the GPU."""
+    gg = g.float().detach().requires_grad_()
+    uu = u.float().detach().requires_grad_()
+    y = F.silu(gg) * uu
+    y.backward(dy.float())
+    return y.detach(), gg.grad, uu.grad
+
+
+def _same_as_torch(name, got, want):
+    """The same NaN positions as PyTorch's fp32 result ``want``; the same infinities; the rest close (the tolerance
+    of ``got``'s dtype: a 16-bit result is PyTorch's fp32 one rounded)."""
+    nan_got, nan_want = torch.isnan(got), torch.isnan(want)
+    where = (nan_got != nan_want).nonzero().reshape(-1).tolist()
+    assert not where, (f"{name}: NaN where PyTorch has none, or the other way round, at {where[:10]}: got "
+                       f"{got.reshape(-1)[where[:10]].tolist()}, PyTorch {want.reshape(-1)[where[:10]].tolist()}")
+    torch.testing.assert_close(got.float(), want, equal_nan=True, **TOLERANCES[got.dtype],
+                               msg=lambda m: f"{name}: {m}")
+
+
+def test_inf_and_nan_as_torch_silu(ops):
+    """fp32: infinite and NaN gates, ups and large gates give what PyTorch's silu(gate) * up gives (and its
+    gradients): the same NaN positions, the same infinities, the rest close. Through the ops and the autograd op."""
+    g, u, dy = _special_grid(torch.float32)
+    want = _torch_fp32(g, u, dy)
+    got = (ops.swiglu_forward(g, u), *ops.swiglu_backward(dy, g, u))
+    for name, a, b in zip(("out", "grad_gate", "grad_up"), got, want):
+        _same_as_torch(name, a, b)
+    gg, uu = g.clone().requires_grad_(), u.clone().requires_grad_()
+    y = torch.ops.pipegoose.swiglu(gg, uu)
+    y.backward(dy)
+    for name, a, b in zip(("autograd out", "autograd grad_gate", "autograd grad_up"), (y.detach(), gg.grad, uu.grad),
+                          want):
+        _same_as_torch(name, a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gates_near_the_largest_float_as_torch_silu(ops, dtype):
+    """Finite gates near -3.4e38 (fp32's and bf16's range): sigmoid is 0 there, silu(gate) -0, and PyTorch's gradient
+    of up, dy * silu(gate), is 0. grad_up must not be NaN for finite inputs (dy * gate overflows to -inf first where
+    it is computed as (dy * gate) * sigmoid(gate))."""
+    g = torch.tensor([-3e38, -1e38, -2e38, 3e38, -1e30], device=DEV).to(dtype)
+    u = torch.tensor([1.0, -0.5, 2.0, 1.0, 1.0], device=DEV).to(dtype)
+    dy = torch.tensor([2.5, 4.0, -2.0, 0.5, 3.0], device=DEV).to(dtype)
+    want = _torch_fp32(g, u, dy)
+    got = (ops.swiglu_forward(g, u), *ops.swiglu_backward(dy, g, u))
+    for name, a, b in zip(("out", "grad_gate", "grad_up"), got, want):
+        _same_as_torch(f"{dtype} {name}", a, b)
+
+
+# -------------------------------------------------------------------------------------------------- empty
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(0,), (0, 5), (3, 0, 7)], ids=str)
+def test_empty_tensors(ops, dtype, shape):
+    g = torch.empty(shape, device=DEV, dtype=dtype)
+    y = ops.swiglu_forward(g, g.clone())
+    assert y.shape == shape and y.dtype == dtype and y.device == g.device
+    dg, du = ops.swiglu_backward(g, g, g.clone())
+    assert dg.shape == du.shape == shape and dg.dtype == du.dtype == dtype
+    gg, uu = g.clone().requires_grad_(), g.clone().requires_grad_()
+    y = torch.ops.pipegoose.swiglu(gg, uu)
+    y.backward(torch.empty_like(y))
+    assert y.shape == gg.grad.shape == uu.grad.shape == shape
+    torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------- argument checks
+def test_bad_arguments_name_the_argument(ops):
+    g, u, dy = make((4, 6), torch.float32, seed_of("bad"))
+    fwd, bwd = ops.swiglu_forward, ops.swiglu_backward
+    cases = [
+        (lambda: fwd(g.cpu(), u), r"swiglu_forward: gate must be a CUDA tensor, got device cpu"),
+        (lambda: fwd(g, u.cpu()), r"swiglu_forward: up is on cpu but gate is on cuda:\d+"),
+        (lambda: fwd(g, u.half()), r"swiglu_forward: up is Half but gate is Float; expected one dtype"),
+        (lambda: fwd(g.double(), u.double()), r"swiglu_forward: gate must be float32, float16 or bfloat16, got Double"),
+        (lambda: fwd(g.int(), u.int()), r"gate must be float32, float16 or bfloat16, got Int"),
+        (lambda: fwd(g, u[:, :5]), r"swiglu_forward: up has shape \[4, 5\] but gate has \[4, 6\]; expected equal "
+                                   r"shapes \(no broadcasting\)"),
+        (lambda: fwd(g, u[:1]), r"up has shape \[1, 6\] but gate has \[4, 6\]"),            # broadcastable: refused
+        (lambda: fwd(g, u.reshape(6, 4)), r"up has shape \[6, 4\] but gate has \[4, 6\]"),  # same numel: refused
+        (lambda: bwd(dy[:, :5], g, u), r"swiglu_backward: grad_output has shape \[4, 5\] but gate has \[4, 6\]"),
+        (lambda: bwd(dy.reshape(24), g, u), r"grad_output has shape \[24\] but gate has \[4, 6\]"),
+        (lambda: bwd(dy.cpu(), g, u), r"swiglu_backward: grad_output is on cpu but gate is on cuda:\d+"),
+        (lambda: bwd(dy.int(), g, u), r"swiglu_backward: grad_output must be a floating point tensor, got Int"),
+        (lambda: bwd(dy, g, u.bfloat16()), r"swiglu_backward: up is BFloat16 but gate is Float"),
+        (lambda: bwd(dy, g.cpu(), u), r"swiglu_backward: gate must be a CUDA tensor, got device cpu"),
+        (lambda: bwd(dy, g, u[:, :5]), r"swiglu_backward: up has shape \[4, 5\]"),
+        (lambda: torch.ops.pipegoose.swiglu(g, u.half()), r"swiglu_forward: up is Half but gate is Float"),
+        (lambda: torch.ops.pipegoose.swiglu(g.clone().requires_grad_(), u[:2]), r"up has shape \[2, 6\]"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+    # no CUDA tensor at all: no kernel of ours runs (the op has none for the CPU); PyTorch says so, naming the op
+    with pytest.raises(NotImplementedError, match=r"pipegoose::swiglu_forward.*CPU"):
+        fwd(g.cpu(), u.cpu())
+
+
+@pytest.mark.skipif("torch.cuda.device_count() < 2", reason="needs two GPUs")
+def test_second_gpu(ops):
+    """Inputs on cuda:1 while cuda:0 is current: the launch on their device (results right); devices that differ
+    are an error naming up."""
+    g, u, dy = (t.to("cuda:1") for t in make((5, 4097), torch.bfloat16, seed_of("gpu1")))
+    with torch.cuda.device(0):
+        y, dg, du = ops.swiglu_forward(g, u), *ops.swiglu_backward(dy, g, u)
+    assert y.device == dg.device == du.device == torch.device("cuda", 1)
+    ry, rdg, rdu = ref64(g, u, dy)
+    for name, a, b in (("out", y, ry), ("grad_gate", dg, rdg), ("grad_up", du, rdu)):
+        torch.testing.assert_close(a.double().cpu(), b, **TOLERANCES[torch.bfloat16], msg=lambda m: f"{name}: {m}")
+    with pytest.raises(RuntimeError, match=r"up is on cuda:0 but gate is on cuda:1"):
+        ops.swiglu_forward(g, u.to("cuda:0"))
+
+
+# ------------------------------------------------------------------------------------ opcheck, double backward
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_opcheck(ops, dtype):
+    g, u, dy = make((2, 3, 17), dtype, seed_of("opcheck", dtype))
+    torch.library.opcheck(torch.ops.pipegoose.swiglu_forward.default, (g, u))
+    torch.library.opcheck(torch.ops.pipegoose.swiglu_forward.default, (g.transpose(0, 2), u.transpose(0, 2)))
+    torch.library.opcheck(torch.ops.pipegoose.swiglu_backward.default, (dy, g, u))
+    # the op with its autograd formula (a C++ Function), with inputs that need gradients
+    gg, uu = g.clone().requires_grad_(), u.clone().requires_grad_()
+    torch.library.opcheck(torch.ops.pipegoose.swiglu.default, (gg, uu))
+    torch.library.opcheck(torch.ops.pipegoose.swiglu.default, (gg, u))
+    torch.library.opcheck(torch.ops.pipegoose.swiglu.default, (g, uu))
+    torch.library.opcheck(torch.ops.pipegoose.swiglu.default, (g, u))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_double_backward(ops, dtype):
+    """backward with create_graph=True: first derivatives as the float64 formula's, and differentiable again: the
+    second derivatives (of <grad_gate, v1> + <grad_up, v2>) equal those of the float64 reference by autograd."""
+    g, u, dy = make((64, 129), dtype, seed_of("double", dtype))
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    v1 = torch.randn(64, 129, device=DEV, generator=gen).to(dtype)
+    v2 = torch.randn(64, 129, device=DEV, generator=gen).to(dtype)
+    gg, uu = g.clone().requires_grad_(), u.clone().requires_grad_()
+    y = torch.ops.pipegoose.swiglu(gg, uu)
+    dg, du = torch.autograd.grad(y, (gg, uu), dy, create_graph=True)
+    assert dg.requires_grad and du.requires_grad
+    ddg, ddu = torch.autograd.grad((dg.float() * v1.float()).sum() + (du.float() * v2.float()).sum(), (gg, uu))
+
+    g64, u64 = g.cpu().double().requires_grad_(), u.cpu().double().requires_grad_()
+    y64 = F.silu(g64) * u64
+    dg64, du64 = torch.autograd.grad(y64, (g64, u64), dy.cpu().double(), create_graph=True)
+    ddg64, ddu64 = torch.autograd.grad((dg64 * v1.cpu().double()).sum() + (du64 * v2.cpu().double()).sum(),
+                                       (g64, u64))
+    _, rdg, rdu = ref64(g, u, dy)
+    torch.testing.assert_close(dg64.detach(), rdg)   # (the reference's two forms agree)
+    check("grad_gate", dg.detach(), dg64.detach(), dtype)
+    check("grad_up", du.detach(), du64.detach(), dtype)
+    for name, a, b in (("grad_gate of grad", ddg, ddg64), ("grad_up of grad", ddu, ddu64)):
+        assert a.dtype == dtype and torch.isfinite(a).all(), name
+        torch.testing.assert_close(a.double().cpu(), b, **tol(dtype, 2), msg=lambda m: f"{name}: {m}")
+
+
+# ----------------------------------------------------------------------------------------- 64-bit offsets
+def test_more_than_2_31_elements(ops):
+    """bf16 tensors of 2**31 + 27 elements (4.3 GB each): the elements past 2**31, the vector path's last whole
+    vectors and its tail, and the scalar path (views at offset 1) over the same range, against float64 on slices at
+    the start, around 2**31 and at the end, and finite everywhere (written)."""
+    free, _ = torch.cuda.mem_get_info()
+    if free < 30 * 2**30:
+        pytest.skip(f"needs 30 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    n = 2**31 + 27
+    dtype = torch.bfloat16
+    gen = torch.Generator(device=DEV).manual_seed(21)
+    g_buf = torch.randn(n + 1, generator=gen, device=DEV, dtype=dtype) * 2
+    u_buf = torch.randn(n + 1, generator=gen, device=DEV, dtype=dtype)
+    dy = torch.randn(n, generator=gen, device=DEV, dtype=dtype)
+    pieces = [slice(0, 5000), slice(2**31 - 3000, 2**31 + 3000), slice(n - 5000, n)]
+
+    for what, g, u in (("aligned", g_buf[:n], u_buf[:n]), ("misaligned", g_buf[1:], u_buf[1:])):
+        assert g.numel() == n and (g.data_ptr() % 16 != 0) == (what == "misaligned")
+        poison(((n,), dtype))
+        y = ops.swiglu_forward(g, u)
+        assert y.shape == (n,) and bool(torch.isfinite(y).all()), f"{what}: out not written everywhere"
+        for s in pieces:
+            check(f"{what} out[{s.start}:{s.stop}]", y[s], ref64(g[s], u[s]), dtype)
+        del y
+        poison(((n,), dtype), ((n,), dtype))
+        dg, du = ops.swiglu_backward(dy, g, u)
+        assert bool(torch.isfinite(dg).all()) and bool(torch.isfinite(du).all()), f"{what}: grads not written"
+        for s in pieces:
+            _, rdg, rdu = ref64(g[s], u[s], dy[s])
+            check(f"{what} grad_gate[{s.start}:{s.stop}]", dg[s], rdg, dtype)
+            check(f"{what} grad_up[{s.start}:{s.stop}]", du[s], rdu, dtype)
+        del dg, du
