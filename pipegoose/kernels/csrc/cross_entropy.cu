@@ -197,16 +197,6 @@ __global__ void __launch_bounds__(kThreads) ce_bwd_kernel(const float* __restric
   }
 }
 
-template <typename F>
-void by_dtype(at::ScalarType dt, F&& f) {
-  if (dt == at::kFloat) {
-    f(float{});
-  } else if (dt == at::kHalf) {
-    f(at::Half{});
-  } else {
-    f(at::BFloat16{});
-  }
-}
 
 void check_logits_target(const char* op, const at::Tensor& logits, const at::Tensor& target) {
   PG_CHECK(logits.defined() && target.defined(), op, ": logits and target must be defined tensors");

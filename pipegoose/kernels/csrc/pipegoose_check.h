@@ -10,7 +10,9 @@
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/ArrayRef.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 #include <cstdio>
@@ -57,3 +59,21 @@ std::string cat(const A&... a) {
 }  // namespace pipegoose
 
 #define PG_CHECK(cond, ...) TORCH_CHECK(cond, ::pipegoose::msg::cat(__VA_ARGS__))
+
+namespace pipegoose {
+
+// f(T{}) for the element type T of dtype dt: float, at::Half or at::BFloat16 (any other dtype is the caller's to
+// refuse first, with PG_CHECK; it gets the bf16 branch). Used after the checks, where AT_DISPATCH would also
+// instantiate double.
+template <typename F>
+void by_dtype(c10::ScalarType dt, F&& f) {
+  if (dt == c10::ScalarType::Float) {
+    f(float{});
+  } else if (dt == c10::ScalarType::Half) {
+    f(c10::Half{});
+  } else {
+    f(c10::BFloat16{});
+  }
+}
+
+}  // namespace pipegoose

@@ -155,17 +155,6 @@ __global__ void __launch_bounds__(kThreads) swiglu_bwd_kernel(const T* __restric
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// f(T{}) for the kernel's element type T of dtype dt (float, at::Half or at::BFloat16; checked before)
-template <typename F>
-void by_dtype(at::ScalarType dt, F&& f) {
-  if (dt == at::kFloat) {
-    f(float{});
-  } else if (dt == at::kHalf) {
-    f(at::Half{});
-  } else {
-    f(at::BFloat16{});
-  }
-}
 
 // The launch shape: n_vec whole vectors when every pointer is aligned (else none: the blocks then walk all n elements
 // one at a time, as many blocks as the vectors would take), and the blocks that cover them.

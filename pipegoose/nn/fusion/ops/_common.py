@@ -145,6 +145,21 @@ def has_tangent(*tensors: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and _fwad.unpack_dual(t).tangent is not None for t in tensors)
 
 
+def kernel_input_ok(p: Any, forward_ad: str = FORWARD_AD, what: str = "input") -> tuple[bool, str]:
+    """The checks every kernel of ours makes first, on a dispatcher ``Problem``: a CUDA device, tensors with storage,
+    no forward-mode tangent (``forward_ad``: the reason given for one), and ``p.dtype`` (``what``'s dtype) one of
+    fp32 / fp16 / bf16. (True, "") or (False, the reason)."""
+    if p.device.type != "cuda":
+        return False, f"needs a CUDA tensor, got device {p.device}"
+    if not p.get("storage", True):
+        return False, NO_STORAGE
+    if p.get("forward_ad"):
+        return False, forward_ad
+    if p.dtype not in FLOAT_DTYPES:
+        return False, f"{what} dtype {dtype_name(p.dtype)} not supported (float32, float16, bfloat16)"
+    return True, ""
+
+
 NESTED = "a nested tensor: the kernels take dense rows; PyTorch's op runs it"
 
 

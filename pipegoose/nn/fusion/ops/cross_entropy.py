@@ -22,7 +22,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import dispatch
 from ..dispatch import Implementation, Problem
-from ._common import (FLOAT_DTYPES, INT32_MAX, NO_STORAGE, all_have_storage, call_without_autocast,
+from ._common import (INT32_MAX, all_have_storage, kernel_input_ok, call_without_autocast,
                       dtype_name, has_tangent, needs_grad)
 
 OP = "cross_entropy"
@@ -68,14 +68,9 @@ def _explain(logits, target, ignore_index=-100, reduction="mean"):
 
 
 def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
-    if p.device.type != "cuda":
-        return False, f"needs a CUDA tensor, got device {p.device}"
-    if not p.get("storage", True):
-        return False, NO_STORAGE
-    if p.get("forward_ad"):
-        return False, FORWARD_AD_CE
-    if p.dtype not in FLOAT_DTYPES:
-        return False, f"logits dtype {dtype_name(p.dtype)} not supported (float32, float16, bfloat16)"
+    ok, why = kernel_input_ok(p, FORWARD_AD_CE, "logits")
+    if not ok:
+        return ok, why
     shape = p["shape"]
     if len(shape) != 2:
         return False, f"logits of shape {list(shape)}: the kernel takes [N, V] (class scores in the last dim)"

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 from .. import dispatch
 from ..dispatch import Implementation, Problem
-from ._common import (FLOAT_DTYPES, FORWARD_AD, HALF_DTYPES, INT32_MAX, NO_STORAGE, all_have_storage, any_in_transform,
-                      autocast_state, call_without_autocast, check_input_dtype, dtype_name, eps_value, grads_through,
+from ._common import (FLOAT_DTYPES, HALF_DTYPES, INT32_MAX, all_have_storage, any_in_transform, autocast_state,
+                      kernel_input_ok, call_without_autocast, check_input_dtype, dtype_name, eps_value, grads_through,
                       has_tangent, hidden_range, in_dual_level, needs_grad, nested_fallback, param_signature,
                       shape_signature, torch_result_dtype)
 
@@ -124,14 +124,9 @@ def _explain(x, normalized_shape, weight=None, bias=None, eps=1e-5):
 
 
 def _common(p: Problem, kernel: str) -> tuple[bool, str]:
-    if p.device.type != "cuda":
-        return False, f"needs a CUDA tensor, got device {p.device}"
-    if not p.get("storage", True):
-        return False, NO_STORAGE
-    if p.get("forward_ad"):
-        return False, FORWARD_AD
-    if p.dtype not in FLOAT_DTYPES:
-        return False, f"input dtype {dtype_name(p.dtype)} not supported (float32, float16, bfloat16)"
+    ok, why = kernel_input_ok(p)
+    if not ok:
+        return ok, why
     if p["rows"] == 0 or p["hidden"] == 0:
         return False, EMPTY_INPUT.format(list(p["shape"]))
     h = p["hidden"]

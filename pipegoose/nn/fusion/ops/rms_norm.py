@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from .. import dispatch
 from ..dispatch import Implementation, Problem
-from ._common import (FLOAT_DTYPES, FORWARD_AD, NO_STORAGE, all_have_storage, any_in_transform, autocast_state,
+from ._common import (FLOAT_DTYPES, kernel_input_ok, all_have_storage, any_in_transform, autocast_state,
                       call_without_autocast, check_input_dtype, dtype_name, eps_value, has_tangent, in_dual_level,
                       hidden_range, needs_grad, nested_fallback, param_signature, shape_signature, torch_result_dtype)
 from .layer_norm import EMPTY_INPUT, normalize_shape
@@ -108,14 +108,9 @@ def _explain(x, normalized_shape, weight=None, eps=None, cast_before_weight=Fals
 
 
 def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
-    if p.device.type != "cuda":
-        return False, f"needs a CUDA tensor, got device {p.device}"
-    if not p.get("storage", True):
-        return False, NO_STORAGE
-    if p.get("forward_ad"):
-        return False, FORWARD_AD
-    if p.dtype not in FLOAT_DTYPES:
-        return False, f"input dtype {dtype_name(p.dtype)} not supported (float32, float16, bfloat16)"
+    ok, why = kernel_input_ok(p)
+    if not ok:
+        return ok, why
     for name in ("weight_dtype", "out_dtype"):
         d = p[name]
         if d is not None and d not in FLOAT_DTYPES:

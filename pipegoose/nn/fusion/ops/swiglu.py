@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .. import dispatch
 from ..dispatch import Implementation, Problem
-from ._common import (FLOAT_DTYPES, NO_STORAGE, all_have_storage, any_in_transform, call_without_autocast,
+from ._common import (all_have_storage, kernel_input_ok, any_in_transform, call_without_autocast,
                       check_input_dtype, dtype_name, has_tangent, in_dual_level, needs_grad, nested_fallback)
 
 OP = "swiglu"
@@ -67,14 +67,9 @@ def _explain(gate, up):
 
 
 def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
-    if p.device.type != "cuda":
-        return False, f"needs a CUDA tensor, got device {p.device}"
-    if not p.get("storage", True):
-        return False, NO_STORAGE
-    if p.get("forward_ad"):
-        return False, FORWARD_AD_SWIGLU
-    if p.dtype not in FLOAT_DTYPES:
-        return False, f"dtype {dtype_name(p.dtype)} not supported (float32, float16, bfloat16)"
+    ok, why = kernel_input_ok(p, FORWARD_AD_SWIGLU, "gate")
+    if not ok:
+        return ok, why
     if p["up_dtype"] != p.dtype:
         return False, f"up is {dtype_name(p['up_dtype'])} and gate {dtype_name(p.dtype)}: the kernel takes one dtype"
     if p["up_shape"] != p["shape"]:
