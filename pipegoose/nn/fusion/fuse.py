@@ -12,7 +12,7 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   -> ``FusedSwiGLUMLP`` (the same projection modules; the activation and product in one kernel, op ``swiglu``);
 * the loss of a transformers language model whose forward calls ``self.loss_function`` and whose loss is
   transformers' ``ForCausalLMLoss`` or ``ForMaskedLMLoss``: the instance's ``loss_function`` is set to
-  ``transformers.loss.causal_lm_loss`` / ``masked_lm_loss`` (the same loss on our cross-entropy kernel, op
+  ``pipegoose.nn.fusion.transformers.loss.causal_lm_loss`` / ``masked_lm_loss`` (the same loss on our kernel, op
   ``cross_entropy``, without the fp32 copy of the logits; the report's row for it has the model's path, ``""``);
 * the attention softmax of BERT, GPT-2, GPT-NeoX, Llama and OPT models: the model's modules are pointed at a copy of
   its config whose ``_attn_implementation`` is ``"pipegoose"`` (our function in transformers' ``AttentionInterface``)
