@@ -462,12 +462,12 @@ class _Raises(_MLP):
     (lambda: _NoActFn(), True, "probe output equals"),
     (lambda: _MLP(act=nn.GELU()), False, "act_fn (GELU) is not SiLU"),
     (lambda: _MLP(act=nn.ReLU()), False, "act_fn (ReLU) is not SiLU"),
-    (lambda: _Swapped(), False, "output differs from down_proj(silu(gate_proj(x)) * up_proj(x))"),
-    (lambda: _Scaled(), False, "output differs"),
+    (lambda: _Swapped(), False, "output (training mode) differs from down_proj(silu(gate_proj(x)) * up_proj(x))"),
+    (lambda: _Scaled(), False, "output (training mode) differs"),
     (lambda: _WithDropout(), False, "has submodules besides the projections and act_fn (dropout)"),
     (lambda: _WithScale(), False, "has parameters or buffers of its own"),
     (lambda: _TakesMore(), False, "forward takes more than the input (residual)"),
-    (lambda: _Raises(), False, "probe forward failed: RuntimeError: boom"),
+    (lambda: _Raises(), False, "probe forward (training mode) failed: RuntimeError: boom"),
 ], ids=["llama", "bias", "inplace_silu", "functional_silu", "gelu", "relu", "swapped", "scaled", "dropout",
         "own_parameter", "more_arguments", "raises"])
 def test_probe(make, ok, reason):

@@ -266,17 +266,17 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: int = -100, reduction: str = "mean",
                   impl: str | None = None) -> torch.Tensor:
-    """Softmax cross-entropy, ``F.cross_entropy(logits.float(), target, ignore_index=..., reduction=...)`` (op
-    ``cross_entropy``): the loss transformers computes for causal and masked language models, without the fp32 copy of
-    the logits.
+    """Softmax cross-entropy, ``F.cross_entropy(logits.float(), target, ignore_index=..., reduction=...)`` (fp64
+    logits: as they are) (op ``cross_entropy``): the loss transformers computes for causal and masked language models,
+    without the fp32 copy of the logits.
 
     Args:
         logits: [N, V] class scores, fp32/fp16/bf16 (the kernel; last dim contiguous, rows at any stride) or fp64;
             other shapes ``F.cross_entropy`` takes run the reference path (a fallback with the reason).
         target: [N] int64 class indices in [0, V), or ``ignore_index`` (those rows add nothing and are not counted by
-            the mean). A target outside [0, V) that is not ``ignore_index`` gives a NaN loss on the kernel path (and a
-            device-side assert on PyTorch's).
-        ignore_index: the target value to skip.
+            the mean). A target outside [0, V) that is not ``ignore_index`` gives a NaN loss on the kernel path
+            (PyTorch's path raises an IndexError on CPU and stops with a device-side assert on CUDA).
+        ignore_index: the target value to skip (a Python or numpy integer).
         reduction: ``mean`` (over the rows not ignored; NaN when every row is ignored, as PyTorch's), ``sum`` or
             ``none`` (fp32 [N], 0 for ignored rows).
 
@@ -287,9 +287,12 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
     Kernel: pipegoose/cross_entropy (pipegoose/kernels/csrc/cross_entropy.cu, this project, MIT).
 
     Raises:
-        TypeError: ``logits`` not a floating point tensor, ``target`` not a tensor, ``ignore_index`` not an int.
+        TypeError: ``logits`` not a floating point tensor of fp32/fp16/bf16/fp64 (float8 included), ``target`` not a
+            tensor, ``ignore_index`` not an integer.
         ValueError: ``reduction`` not one of ``mean``, ``sum``, ``none``; ``target`` on another device; ``impl``
             naming no implementation of ``cross_entropy`` (``pipegoose``, ``torch``).
+        RuntimeError: (PyTorch's path) ``target`` not int64 class indices of the logits' rows, e.g. int32 (the
+            kernel declines such a target, and PyTorch's ``F.cross_entropy`` says what it expects).
         FusionFallbackError: in strict mode, where the kernel cannot take the input.
     """
     return _ce.run(logits, target, ignore_index, reduction, impl)

@@ -13,7 +13,8 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
 * the loss of a transformers language model whose forward calls ``self.loss_function`` and whose loss is
   transformers' ``ForCausalLMLoss`` or ``ForMaskedLMLoss``: the instance's ``loss_function`` is set to
   ``pipegoose.nn.fusion.transformers.loss.causal_lm_loss`` / ``masked_lm_loss`` (the same loss on our kernel, op
-  ``cross_entropy``, without the fp32 copy of the logits; the report's row for it has the model's path, ``""``);
+  ``cross_entropy``, without the fp32 copy of the logits; the report's row for it has the language model's path:
+  ``""`` for the model itself, or the path of one inside a wrapper, PEFT's ``PeftModel`` say);
 * the attention softmax of BERT, GPT-2, GPT-NeoX, Llama and OPT models: the model's modules are pointed at a copy of
   its config whose ``_attn_implementation`` is ``"pipegoose"`` (our function in transformers' ``AttentionInterface``)
   or ``"pipegoose_sdpa"`` (ours where the GPU's tuning table says so, SDPA otherwise). Bloom is reported as skipped:
@@ -497,9 +498,11 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                     state.swaps.append((weakref.ref(parent), name, weakref.ref(new)))
 
         if "cross_entropy" in ops:
-            _fuse_loss(model, dry_run, report, state)
-        elif _loss.loss_support(model)[0] is not None:
-            report.not_requested["cross_entropy"] = 1
+            _fuse_losses(model, dry_run, report, state)
+        else:
+            n = sum(1 for _, m in _loss.language_models(model) if _loss.loss_support(m)[0] is not None)
+            if n:
+                report.not_requested["cross_entropy"] = n
         if "attention" in ops:
             _fuse_attention(model, config, attention, dry_run, report, state)
         elif matching.is_config(config):
@@ -819,13 +822,20 @@ def _consider_swiglu(child, path, dry_run):
                      f"SwiGLU MLP ({probe.reason}), same projections" + _small_note(child)), new
 
 
-def _fuse_loss(model, dry_run, report, state) -> None:
-    """The report's row for the model's loss, and the swap (``model.loss_function``, this instance)."""
+def _fuse_losses(model, dry_run, report, state) -> None:
+    """The report's rows for the losses of ``model`` and of the language models inside it (a wrapper's: PEFT's
+    ``PeftModel``, a training module holding the model), and the swaps (each one's ``loss_function``, per instance)."""
+    for path, lm in _loss.language_models(model):
+        _fuse_loss(lm, path, dry_run, report, state)
+
+
+def _fuse_loss(model, path, dry_run, report, state) -> None:
+    """The report's row for one language model's loss, and the swap (``model.loss_function``, this instance)."""
     name, reason, candidate, original = _loss.loss_support(model)
     if not candidate:
         return
     if name is None:
-        report.rows.append(FusionRow("", "cross_entropy", original, None, False, reason=reason, eligible=False))
+        report.rows.append(FusionRow(path, "cross_entropy", original, None, False, reason=reason, eligible=False))
         return
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     fwd = bwd = "?"
@@ -837,7 +847,7 @@ def _fuse_loss(model, dry_run, report, state) -> None:
         fn = _loss.FUNCTIONS[name]
         model.__dict__["_loss_function"] = fn     # transformers' loss_function property returns it
         state.loss_swaps.append((weakref.ref(model), fn))
-    report.rows.append(FusionRow("", "cross_entropy", original, name, True, fwd, bwd, reason))
+    report.rows.append(FusionRow(path, "cross_entropy", original, name, True, fwd, bwd, reason))
 
 
 def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
@@ -993,8 +1003,8 @@ def _undo(state: _Fusion) -> list[str]:
             continue
         if model.__dict__.get("_loss_function") is fn:
             del model.__dict__["_loss_function"]
-        else:
-            problems.append(f"{type(model).__name__}.loss_function was replaced after fuse()")
+        # else: a loss function set by the user while fused: theirs stays (as a change made on an original module
+        # while fused wins over the replacement's)
     done = []
     for parent_ref, name, new_ref in reversed(state.swaps):
         parent, new = parent_ref(), new_ref()
@@ -1090,8 +1100,8 @@ def _unfuse(model: nn.Module, keep: Iterable[nn.Module] = (), quiet: bool = Fals
     if state is None and not parts:
         from .modules import FusedRMSNorm, FusedSwiGLUMLP, MixedFusedLayerNorm
 
-        found = [p for p, m in model.named_modules()
-                 if isinstance(m, (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP))]
+        found = [p or "<model>" for p, m in model.named_modules()
+                 if isinstance(m, (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP)) or _loss.ours_is_set(m)]
         if found:
             raise RuntimeError(
                 f"unfuse: this {type(model).__name__} holds fused modules ({found[0]}"

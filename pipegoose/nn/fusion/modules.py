@@ -538,7 +538,9 @@ class FusedSwiGLUMLP(_DropsFuseRecord, nn.Module):
 
     ``forward(x [..., hidden])`` -> ``[..., hidden]``. The activation runs our kernel where the dispatcher chooses it
     (CUDA, gate and up of one shape and dtype, at least ``PIPEGOOSE_SMALL_NUMEL`` elements), else
-    ``F.silu(gate) * up``. Kernel: pipegoose/swiglu (pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
+    ``F.silu(gate) * up``. Built by :meth:`from_module`, it keeps the MLP's ``act_fn`` without calling it; an
+    ``act_fn`` replaced, or given forward hooks, while fused is called as the original MLP would
+    (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, no kernel). Kernel: pipegoose/swiglu (pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
 
     Raises (when constructed):
         TypeError: a projection that is not a ``torch.nn.Module``; ``impl`` not a str or None.
@@ -558,6 +560,11 @@ class FusedSwiGLUMLP(_DropsFuseRecord, nn.Module):
         self.impl = impl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = self._modules.get("act_fn")
+        if act is not None and (act is not self.__dict__.get("_probed_act") or act._forward_hooks
+                                or act._forward_pre_hooks):
+            # an act_fn replaced or hooked since the probe vouched for it: run it, as the original MLP would
+            return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(PF.swiglu(self.gate_proj(x), self.up_proj(x), impl=self.impl))
 
     def extra_repr(self) -> str:
@@ -591,6 +598,8 @@ class FusedSwiGLUMLP(_DropsFuseRecord, nn.Module):
                                  "verify=False skips this check")
         new = cls(children["gate_proj"], children["up_proj"], children["down_proj"], impl=impl)
         new._modules = dict(mlp._modules)   # every child, in the original's order
+        # the act_fn the probe found to be SiLU (not a submodule of its own: an attribute state_dict does not see)
+        new.__dict__["_probed_act"] = mlp._modules.get("act_fn")
         new.training = mlp.training
         return new
 

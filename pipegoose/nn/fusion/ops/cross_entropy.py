@@ -14,6 +14,7 @@ Implementations (op ``cross_entropy``): ``pipegoose`` (pipegoose/kernels/csrc/cr
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import dispatch
 from ..dispatch import Implementation, Problem
-from ._common import (INT32_MAX, all_have_storage, kernel_input_ok, call_without_autocast,
+from ._common import (INT32_MAX, all_have_storage, check_input_dtype, kernel_input_ok, call_without_autocast,
                       dtype_name, has_tangent, needs_grad)
 
 OP = "cross_entropy"
@@ -32,24 +33,31 @@ FORWARD_AD_CE = ("a dual tensor (torch.autograd.forward_ad): the cross-entropy k
                  "PyTorch's op has")
 
 
-def check_args(logits: Any, target: Any, ignore_index: Any, reduction: Any) -> None:
-    """Check the arguments (errors name the argument).
+def check_args(logits: Any, target: Any, ignore_index: Any, reduction: Any) -> int:
+    """Check the arguments (errors name the argument); returns ``ignore_index`` as an int.
 
     Raises:
-        TypeError: ``logits`` not a floating point tensor; ``target`` not a tensor; ``ignore_index`` not an int.
+        TypeError: ``logits`` not a floating point tensor of fp32/fp16/bf16/fp64; ``target`` not a tensor;
+            ``ignore_index`` not an integer (a Python or numpy one; not a bool).
         ValueError: ``reduction`` not ``mean``, ``sum`` or ``none``; ``target`` on another device than ``logits``.
     """
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise TypeError(f"logits: expected a floating point torch.Tensor, got "
                         f"{dtype_name(logits.dtype) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
+    check_input_dtype(logits, "logits")
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target: expected a torch.Tensor of class indices, got {type(target).__name__}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    try:
+        if isinstance(ignore_index, bool) or getattr(getattr(ignore_index, "dtype", None), "kind", "i") == "b":
+            raise TypeError
+        ignore_index = operator.index(ignore_index)
+    except TypeError:
+        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}") from None
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {', '.join(REDUCTIONS)}, got {reduction!r}")
     if target.device != logits.device:
         raise ValueError(f"target: on {target.device}, expected the logits' device {logits.device}")
+    return ignore_index
 
 
 def cross_entropy_problem(logits: torch.Tensor, target: torch.Tensor) -> Problem:
@@ -149,7 +157,7 @@ def run(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction
     """
     if dispatch.compile_passthrough(OP, impl):
         return cross_entropy_reference(logits, target, ignore_index, reduction)
-    check_args(logits, target, ignore_index, reduction)
+    ignore_index = check_args(logits, target, ignore_index, reduction)
     choice = dispatch.select(OP, cross_entropy_problem(logits, target), impl)
     if choice.impl == "pipegoose":
         return call_without_autocast(logits.device, _run_pipegoose, logits, target, ignore_index, reduction)

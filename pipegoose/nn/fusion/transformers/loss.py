@@ -72,6 +72,19 @@ def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, 
 FUNCTIONS = {"causal_lm_loss": causal_lm_loss, "masked_lm_loss": masked_lm_loss}
 
 
+def ours_is_set(model: nn.Module) -> bool:
+    """Whether one of our loss functions is set on ``model`` (by :func:`pipegoose.nn.fusion.fuse`, or copied along with
+    a fused model)."""
+    fn = model.__dict__.get("_loss_function")
+    return any(fn is f for f in FUNCTIONS.values())
+
+
+def language_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, module) of ``model`` and of the modules inside it whose class has transformers' ``loss_function``
+    property (cheap: a class attribute), outermost first, each once."""
+    return [(p, m) for p, m in model.named_modules() if isinstance(getattr(type(m), "loss_function", None), property)]
+
+
 def _current_loss(model: nn.Module) -> Any:
     """``model.loss_function`` without transformers' "loss_type=None ... unrecognized" warning, which reading it logs
     for a model whose config names no loss type (GPT-2's, say: the default, the causal-LM loss, is meant)."""
@@ -114,6 +127,9 @@ def loss_support(model: nn.Module) -> tuple[str | None, str, bool, str]:
                       "replace per instance"), True, "its own loss"
     if "_loss_function" in model.__dict__:
         name = getattr(model.__dict__["_loss_function"], "__name__", "loss_function")
+        if ours_is_set(model):
+            return None, (f"pipegoose's {name} is set already (a copy of a fused model keeps it; unfuse the original "
+                          "before copying): left as it is"), True, name
         return None, "a loss function is already set on this model (model.loss_function = ...): left as it is", True, name
     try:
         from transformers.loss.loss_utils import LOSS_MAPPING
@@ -126,7 +142,8 @@ def loss_support(model: nn.Module) -> tuple[str | None, str, bool, str]:
     name = getattr(current, "__name__", type(current).__name__)
     for loss_type, ours in LOSS_TYPES.items():
         if LOSS_MAPPING.get(loss_type) is current:
-            return ours, f"transformers' {name} -> {ours} (the same loss, no fp32 copy of the logits)", True, name
+            return ours, (f"transformers' {name} -> {ours} (the same loss; where our kernel runs, no fp32 copy of the "
+                          "logits)"), True, name
     return None, f"its loss is {name}, not a language-model cross-entropy", False, name
 
 

@@ -12,8 +12,10 @@
   ``up_proj`` and ``down_proj`` (Llama, Mistral, Qwen2/Qwen3 and their copies); it is accepted when it has no other
   child than an activation ``act_fn``, no parameter or buffer of its own, a forward that takes the input alone, and,
   run on CPU in fp32 with small random ``torch.nn.Linear`` stand-ins for the three projections, gives
-  ``down_proj(silu(gate_proj(x)) * up_proj(x))``. Gemma's GELU MLP, MLPs with dropout and fused ``gate_up_proj``
-  MLPs (Phi-3) are reported as not SwiGLU, with the reason.
+  ``down_proj(silu(gate_proj(x)) * up_proj(x))``, in training mode and in eval mode (a dropout that runs only in
+  training is caught either way). Gemma's GELU MLP, MLPs with dropout and MLPs whose ``act_fn`` has hooks (which the
+  fused module would not run) are reported as not SwiGLU, with the reason; fused ``gate_up_proj`` MLPs (Phi-3) have no
+  ``gate_proj`` and are no candidates (no row).
 """
 
 from __future__ import annotations
@@ -311,8 +313,10 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     """Check whether ``module`` computes ``down_proj(silu(gate_proj(x)) * up_proj(x))`` (see the module docstring).
 
     The module itself is not run: a shallow stand-in sharing its class and attributes, whose three projections are
-    small random fp32 ``torch.nn.Linear`` modules on CPU, is, through ``forward`` directly (the module's hooks do not
-    fire; its projections, which may be large or on a GPU, are not touched). Never raises.
+    small random fp32 ``torch.nn.Linear`` modules on CPU and whose ``act_fn`` is ``torch.nn.SiLU()`` (once the
+    module's own is found to compute SiLU, through its ``forward`` directly), is, through ``forward`` directly, in
+    training and in eval mode: no hook of the module or its children fires, and its projections, which may be large or
+    on a GPU, are not touched. Never raises.
     """
     children = dict(module.named_children())
     if not all(isinstance(children.get(n), nn.Module) for n in SWIGLU_PROJECTIONS):
@@ -329,10 +333,14 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
                            "input alone", True)
     act = children.get("act_fn")
     if act is not None:
+        if act._forward_hooks or act._forward_pre_hooks or getattr(act, "_forward_hooks_with_kwargs", None):
+            return SwiGLUProbe(False, "act_fn has forward hooks, which FusedSwiGLUMLP (one kernel for the activation "
+                               "and the product) would not run", True)
         t = torch.linspace(-6.0, 6.0, 25)
         try:
             with torch.no_grad():
-                a = act(t.clone())   # (an in-place activation, nn.SiLU(inplace=True), must not change t)
+                # its forward, not __call__ (no hook fires); a copy of t: nn.SiLU(inplace=True) must not change it
+                a = type(act).forward(act, t.clone())
         except Exception as exc:  # noqa: BLE001
             return SwiGLUProbe(False, f"probe of act_fn failed: {type(exc).__name__}: {exc}", True)
         if not isinstance(a, torch.Tensor) or a.shape != t.shape or not torch.allclose(
@@ -359,25 +367,30 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
         stand_in.__dict__.pop(name, None)
     object.__setattr__(stand_in, "_parameters", {})
     object.__setattr__(stand_in, "_buffers", {})
-    object.__setattr__(stand_in, "_modules", {**children, **stand})
+    object.__setattr__(stand_in, "_modules", {**children, **stand, **({"act_fn": nn.SiLU()} if act is not None else {})})
     x = torch.randn(2, 3, hidden, generator=gen) * 2.0
-    try:
-        with torch.no_grad():
-            y = stand_in.forward(x)
-    except Exception as exc:  # noqa: BLE001 - a forward we cannot run we cannot vouch for
-        return SwiGLUProbe(False, f"probe forward failed: {type(exc).__name__}: {exc}", True)
+    ys = []
+    for training in (True, False):   # a forward that reads self.training (functional dropout) differs in one
+        stand_in.__dict__["training"] = training
+        try:
+            with torch.no_grad():
+                ys.append(stand_in.forward(x))
+        except Exception as exc:  # noqa: BLE001 - a forward we cannot run we cannot vouch for
+            return SwiGLUProbe(False, f"probe forward ({'training' if training else 'eval'} mode) failed: "
+                               f"{type(exc).__name__}: {exc}", True)
     with torch.no_grad():
         xd = x.double()
         g = torch.nn.functional.linear(xd, stand["gate_proj"].weight.double(), _b(stand["gate_proj"]))
         u = torch.nn.functional.linear(xd, stand["up_proj"].weight.double(), _b(stand["up_proj"]))
         ref = torch.nn.functional.linear(torch.nn.functional.silu(g) * u, stand["down_proj"].weight.double(),
                                          _b(stand["down_proj"]))
-    if not isinstance(y, torch.Tensor) or y.shape != ref.shape:
-        return SwiGLUProbe(False, "probe output is not a tensor of the input's shape", True)
-    if not torch.allclose(y.double(), ref, atol=1e-5, rtol=1e-4):
-        err = (y.double() - ref).abs().max().item()
-        return SwiGLUProbe(False, f"output differs from down_proj(silu(gate_proj(x)) * up_proj(x)) (max abs diff "
-                           f"{err:.3g})", True)
+    for mode, y in zip(("training", "eval"), ys):
+        if not isinstance(y, torch.Tensor) or y.shape != ref.shape:
+            return SwiGLUProbe(False, f"probe output ({mode} mode) is not a tensor of the input's shape", True)
+        if not torch.allclose(y.double(), ref, atol=1e-5, rtol=1e-4):
+            err = (y.double() - ref).abs().max().item()
+            return SwiGLUProbe(False, f"output ({mode} mode) differs from down_proj(silu(gate_proj(x)) * up_proj(x)) "
+                               f"(max abs diff {err:.3g})", True)
     return SwiGLUProbe(True, "probe output equals down_proj(silu(gate_proj(x)) * up_proj(x))", True)
 
 
