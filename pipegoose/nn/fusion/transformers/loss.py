@@ -147,4 +147,4 @@ def loss_support(model: nn.Module) -> tuple[str | None, str, bool, str]:
     return None, f"its loss is {name}, not a language-model cross-entropy", False, name
 
 
-__all__ = ["causal_lm_loss", "masked_lm_loss", "loss_support", "LOSS_TYPES", "FUNCTIONS"]
+__all__ = ["causal_lm_loss", "masked_lm_loss", "loss_support", "language_models", "ours_is_set", "LOSS_TYPES", "FUNCTIONS"]
