@@ -11,7 +11,8 @@ import torch
 
 
 def _pair(gate: torch.Tensor, up: torch.Tensor) -> None:
-    torch._check(gate.shape == up.shape, lambda: f"up: expected gate's shape {tuple(gate.shape)}, got {tuple(up.shape)}")
+    torch._check(gate.shape == up.shape,
+                 lambda: f"up: expected gate's shape {tuple(gate.shape)}, got {tuple(up.shape)}")
     torch._check(gate.dtype == up.dtype, lambda: f"up: expected gate's dtype {gate.dtype}, got {up.dtype}")
 
 

@@ -248,10 +248,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> 
 
     Returns:
         Tensor of ``gate``'s shape and dtype (the kernel's output is contiguous; on the reference path, shapes that
-        broadcast and mixed dtypes give the broadcast shape and the promoted dtype, as ``F.silu(gate) * up``). The kernel computes each value in
-        fp32 and rounds it once (eager PyTorch in 16-bit rounds ``silu(gate)`` first: about one unit in the last
-        place apart, the kernel the closer to exact); gradients for ``gate`` and ``up`` likewise. It saves ``gate``
-        and ``up`` for the backward, not ``silu(gate)``.
+        broadcast and mixed dtypes give the broadcast shape and the promoted dtype, as ``F.silu(gate) * up``). The
+        kernel computes each value in fp32 and rounds it once (eager PyTorch in 16-bit rounds ``silu(gate)`` first:
+        about one unit in the last place apart, the kernel the closer to exact); gradients for ``gate`` and ``up``
+        likewise. It saves ``gate`` and ``up`` for the backward, not ``silu(gate)``.
 
     Kernel: pipegoose/swiglu (pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
 

@@ -130,7 +130,8 @@ def loss_support(model: nn.Module) -> tuple[str | None, str, bool, str]:
         if ours_is_set(model):
             return None, (f"pipegoose's {name} is set already (a copy of a fused model keeps it; unfuse the original "
                           "before copying): left as it is"), True, name
-        return None, "a loss function is already set on this model (model.loss_function = ...): left as it is", True, name
+        return (None, "a loss function is already set on this model (model.loss_function = ...): left as it is",
+                True, name)
     try:
         from transformers.loss.loss_utils import LOSS_MAPPING
     except ImportError as e:
@@ -147,4 +148,5 @@ def loss_support(model: nn.Module) -> tuple[str | None, str, bool, str]:
     return None, f"its loss is {name}, not a language-model cross-entropy", False, name
 
 
-__all__ = ["causal_lm_loss", "masked_lm_loss", "loss_support", "language_models", "ours_is_set", "LOSS_TYPES", "FUNCTIONS"]
+__all__ = ["causal_lm_loss", "masked_lm_loss", "loss_support", "language_models", "ours_is_set", "LOSS_TYPES",
+           "FUNCTIONS"]
