@@ -33,13 +33,13 @@ Implementations (``impl`` in results.json):
   saved gate and up, which are the inputs: run_ops restores them after it), ``liger_cross_entropy`` (its forward
   writes the gradient into the logits, restored likewise; its backward only scales it), only when ``liger_kernel`` is
   importable.
-* ``pipegoose``, ``megatron``, ``apex``, ``torch``: ``pipegoose.nn.fusion.functional`` with ``impl=`` that name
-  (our kernel, the Megatron-LM/Apex copies from ColossalAI 0.5.0, the dispatcher's reference path):
-  ``scaled_softmax(x, 1.0)`` (op ``softmax``: ``functional.softmax`` keeps fp16/bf16 on F.softmax),
-  ``scaled_masked_softmax``, ``scaled_upper_triang_masked_softmax`` (on the ``[b*np, sq, sk]`` view),
-  ``layer_norm``, ``rms_norm``, ``swiglu``, ``cross_entropy``. Run with ``PIPEGOOSE_STRICT=1``, and after the checked call the dispatcher's
-  ``last_choice`` must name the requested impl: an input the impl refuses is reported ``unsupported``, never
-  timed under the wrong name. These are the names the tuning table may choose.
+* ``pipegoose``, ``megatron``, ``apex``, ``torch``: ``pipegoose.nn.fusion.functional`` with ``impl=`` that name (our
+  kernel, the Megatron-LM/Apex copies from ColossalAI 0.5.0, the dispatcher's reference path): ``scaled_softmax(x,
+  1.0)`` (op ``softmax``: ``functional.softmax`` keeps fp16/bf16 on F.softmax), ``scaled_masked_softmax``,
+  ``scaled_upper_triang_masked_softmax`` (on the ``[b*np, sq, sk]`` view), ``layer_norm``, ``rms_norm``, ``swiglu``,
+  ``cross_entropy``. Run with ``PIPEGOOSE_STRICT=1``, and after the checked call the dispatcher's ``last_choice`` must
+  name the requested impl: an input the impl refuses is reported ``unsupported``, never timed under the wrong name.
+  These are the names the tuning table may choose.
 
 Correctness gate: on the benchmark inputs each impl's forward output and every input gradient are compared with a
 float64 reference (kept in fp32) elementwise: ``|out - ref| <= atol * max|ref| + rtol * |ref|`` with ``atol``,

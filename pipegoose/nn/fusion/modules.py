@@ -540,7 +540,8 @@ class FusedSwiGLUMLP(_DropsFuseRecord, nn.Module):
     (CUDA, gate and up of one shape and dtype, at least ``PIPEGOOSE_SMALL_NUMEL`` elements), else
     ``F.silu(gate) * up``. Built by :meth:`from_module`, it keeps the MLP's ``act_fn`` without calling it; an
     ``act_fn`` replaced, or given forward hooks, while fused is called as the original MLP would
-    (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, no kernel). Kernel: pipegoose/swiglu (pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
+    (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, no kernel). Kernel: pipegoose/swiglu
+    (pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
 
     Raises (when constructed):
         TypeError: a projection that is not a ``torch.nn.Module``; ``impl`` not a str or None.

@@ -367,7 +367,8 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
         stand_in.__dict__.pop(name, None)
     object.__setattr__(stand_in, "_parameters", {})
     object.__setattr__(stand_in, "_buffers", {})
-    object.__setattr__(stand_in, "_modules", {**children, **stand, **({"act_fn": nn.SiLU()} if act is not None else {})})
+    silu = {"act_fn": nn.SiLU()} if act is not None else {}
+    object.__setattr__(stand_in, "_modules", {**children, **stand, **silu})
     x = torch.randn(2, 3, hidden, generator=gen) * 2.0
     ys = []
     for training in (True, False):   # a forward that reads self.training (functional dropout) differs in one
