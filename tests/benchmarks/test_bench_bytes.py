@@ -30,6 +30,25 @@ def test_causal_softmax_reads_the_lower_triangle_writes_all():
         op_bytes("softmax.causal", "fwd", {"b": 1, "np": 1, "sq": 3, "sk": 4}, "float16")
 
 
+def test_swiglu_reads_two_writes_one_forward_reads_three_writes_two_backward():
+    r, i = 4096, 5632
+    n = r * i
+    assert op_bytes("swiglu", "fwd", {"rows": r, "inter": i}, "bfloat16") == 3 * n * 2
+    assert op_bytes("swiglu", "bwd", {"rows": r, "inter": i}, "float32") == 5 * n * 4
+    assert op_bytes("swiglu", "fwd+bwd", {"rows": r, "inter": i}, "float16") == 8 * n * 2
+    with pytest.raises(ValueError, match="inter"):
+        op_bytes("swiglu", "fwd", {"rows": r, "hidden": i}, "bfloat16")
+
+
+def test_cross_entropy_reads_the_logits_once_forward_and_writes_their_gradient_backward():
+    r, v = 4194, 32000
+    n = r * v
+    extra = r * 8 + r * 4                 # int64 targets, fp32 log-sum-exp
+    assert op_bytes("cross_entropy", "fwd", {"rows": r, "vocab": v}, "bfloat16") == n * 2 + extra
+    assert op_bytes("cross_entropy", "bwd", {"rows": r, "vocab": v}, "bfloat16") == 2 * n * 2 + extra
+    assert op_bytes("cross_entropy", "fwd+bwd", {"rows": r, "vocab": v}, "float32") == 3 * n * 4 + 2 * extra
+
+
 def test_norm_counts_include_params_and_fp32_stats():
     r, h = 16384, 1000
     n = r * h
