@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from kernel_loading import load_or_skip
 from tolerances import tol
 
 from pipegoose.nn.fusion import FusedSwiGLUMLP, dispatch
@@ -568,16 +569,7 @@ def test_fused_mlp_on_cuda_matches_the_mlp(no_tuning_table, dtype):
 
 # ----------------------------------------------------------------------- fake impls and C++ autograd (meta; slow)
 def _load_library():
-    from pipegoose.kernels.builder import KernelBuilder, KernelUnavailableError
-
-    b = KernelBuilder("pipegoose/swiglu")
-    try:
-        failed = [c for c in b.preflight() if not c.ok]
-    except KernelUnavailableError as e:
-        pytest.skip(str(e))
-    if failed:
-        pytest.skip("; ".join(f"{c.name}: {c.detail}" for c in failed))
-    return b.load()
+    return load_or_skip("pipegoose/swiglu")
 
 
 def _calls_of(ops_to_log):

@@ -14,20 +14,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipegoose.kernels.builder import KernelBuilder, KernelUnavailableError
+from kernel_loading import load_or_skip
 
 pytestmark = pytest.mark.slow
 
 
 def _load(kid: str) -> None:
-    b = KernelBuilder(kid)
-    try:
-        failed = [c for c in b.preflight() if not c.ok]
-    except KernelUnavailableError as e:
-        pytest.skip(str(e))
-    if failed:
-        pytest.skip("; ".join(f"{c.name}: {c.detail}" for c in failed))
-    b.load()
+    load_or_skip(kid)
 
 
 class _BackwardFlags(TorchDispatchMode):
