@@ -8,7 +8,7 @@ built or loaded until the first CUDA call that wants it, and transformers is imp
 from . import dispatch
 from .dispatch import FusionFallbackError
 from .fuse import FusionReport, fuse, fused, fusion_report, is_fused, unfuse
-from .functional import (cross_entropy, layer_norm, mixed_fused_layer_norm, rms_norm, scaled_masked_softmax,
+from .functional import (apply_rotary_pos_emb, cross_entropy, layer_norm, mixed_fused_layer_norm, rms_norm, scaled_masked_softmax,
                          scaled_softmax, scaled_upper_triang_masked_softmax, softmax, swiglu)
 from .modules import (AttnMaskType, FusedLayerNorm, FusedRMSNorm, FusedScaleMaskSoftmax, FusedSwiGLUMLP,
                       MixedFusedLayerNorm)
@@ -26,6 +26,7 @@ __all__ = [
     "rms_norm",
     "swiglu",
     "cross_entropy",
+    "apply_rotary_pos_emb",
     "AttnMaskType",
     "FusedScaleMaskSoftmax",
     "FusedLayerNorm",

@@ -20,7 +20,7 @@ the reference (a dispatcher choice with the reason, not an error).
 
 Kernel sources: see :mod:`pipegoose.nn.fusion.ops.softmax`, :mod:`~pipegoose.nn.fusion.ops.layer_norm`,
 :mod:`~pipegoose.nn.fusion.ops.rms_norm`, :mod:`~pipegoose.nn.fusion.ops.swiglu`,
-:mod:`~pipegoose.nn.fusion.ops.cross_entropy`.
+:mod:`~pipegoose.nn.fusion.ops.cross_entropy`, :mod:`~pipegoose.nn.fusion.ops.rope`.
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ from .ops import cross_entropy as _ce
 from .ops import layer_norm as _ln
 from .ops._common import INPUT_DTYPES as _INPUT_DTYPES
 from .ops import rms_norm as _rms
+from .ops import rope as _rope
 from .ops import softmax as _sm
 from .ops import swiglu as _swiglu
 
 __all__ = ["softmax", "scaled_softmax", "scaled_masked_softmax", "scaled_upper_triang_masked_softmax",
-           "layer_norm", "mixed_fused_layer_norm", "rms_norm", "swiglu", "cross_entropy"]
+           "layer_norm", "mixed_fused_layer_norm", "rms_norm", "swiglu", "cross_entropy", "apply_rotary_pos_emb"]
 
 
 def softmax(input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3, dtype: torch.dtype | None = None, *,
@@ -296,3 +297,38 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
         FusionFallbackError: in strict mode, where the kernel cannot take the input.
     """
     return _ce.run(logits, target, ignore_index, reduction, impl)
+
+
+def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         unsqueeze_dim: int = 1, *, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding of the query and key (op ``rope``): drop-in for transformers'
+    ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` of Llama, Mistral, Qwen2/Qwen3, GPT-NeoX (full rotary)
+    and their copies: ``q * cos + rotate_half(q) * sin`` and the same for ``k``, with
+    ``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])`` and ``cos``, ``sin`` unsqueezed at ``unsqueeze_dim`` to
+    broadcast over the heads. Both in one kernel forward and one backward.
+
+    Args:
+        q: [B, Hq, S, D] (``unsqueeze_dim=1``) or [B, S, Hq, D] (``unsqueeze_dim=2``), fp32/fp16/bf16 (the kernel;
+            any strides, e.g. the transposed view of a projection) or fp64.
+        k: the same layout with Hk heads (Hk may differ from Hq: grouped-query attention).
+        cos, sin: [B or 1, S, D], q's dtype: the rotation's tables (``LlamaRotaryEmbedding``'s output).
+        unsqueeze_dim: where cos and sin get the heads' dimension, as in transformers (1 or 2 on the kernel).
+
+    Returns:
+        ``(q_embed, k_embed)`` of q's and k's shapes and dtype; on the kernel path each has its input's strides where
+        the input is dense (as eager PyTorch's product), else it is contiguous. The kernel computes each value in
+        fp32 and rounds it once (eager PyTorch in 16-bit rounds three times: about one unit in the last place apart,
+        the kernel the closer to exact); gradients for ``q`` and ``k`` likewise. It saves only ``cos`` and ``sin``.
+        Other inputs run the PyTorch reference (a fallback with the reason): dtypes that differ, a cos or sin that
+        requires grad (the kernel gives them none), partial rotary (cos narrower than D), odd D, other ranks.
+
+    Kernel: pipegoose/rope (pipegoose/kernels/csrc/rope.cu, this project, MIT).
+
+    Raises:
+        TypeError: a tensor argument not a floating point tensor of fp32/fp16/bf16/fp64; ``unsqueeze_dim`` not an int.
+        ValueError: a tensor on another device than ``q``; ``impl`` naming no implementation of ``rope``
+            (``pipegoose``, ``torch``).
+        RuntimeError: (PyTorch's path) shapes that do not broadcast.
+        FusionFallbackError: in strict mode, where the kernel cannot take the input.
+    """
+    return _rope.run(q, k, cos, sin, unsqueeze_dim, impl)

@@ -1,0 +1,281 @@
+// Rotary position embedding (RoPE, the rotate-half form of GPT-NeoX, Llama and their copies in transformers'
+// apply_rotary_pos_emb) applied to the query and the key of an attention layer in one launch, forward and backward,
+// for fp32, fp16 and bf16 tensors with fp32 math. Written for pipegoose; ops pipegoose::rope_forward / rope_backward
+// / rope (binding: pipegoose/kernels/bindings/rope.cpp; schemas: docs/architecture.md "Op schemas").
+//
+// rope_forward(q [B, Hq, S, D], k [B, Hk, S, D], cos [Bc, S, D], sin [Bc, S, D]) -> (q_embed, k_embed), Bc 1 or B:
+//     x_embed = x * cos + rotate_half(x) * sin,   rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
+//   with cos and sin broadcast over the heads (transformers' cos.unsqueeze(1)), that is, per half of a head's D:
+//     y1 = x1 * c1 - x2 * s1,   y2 = x2 * c2 + x1 * s2
+// rope_backward(grad_q_embed, grad_k_embed, cos, sin) -> (grad_q, grad_k), the transposed rotation:
+//     g1 = dy1 * c1 + dy2 * s2,   g2 = dy2 * c2 - dy1 * s1
+// cos and sin are used as given (both halves read: no assumption that cos[:D/2] == cos[D/2:], as it is in Llama's
+// tables), and they get no gradient. Each value is computed in fp32 and rounded once to the dtype (eager PyTorch in
+// 16-bit rounds each product and the sum: three roundings; the kernel is the closer to exact).
+//
+// Layout: any strides for q, k, the gradients, cos and sin, as long as the last dimension is contiguous (stride 1;
+// a tensor whose last stride is not 1 is copied first). Outputs take their input's strides where the input is
+// dense (torch.empty_like: a query of Llama, a transposed [B, S, H, D] projection, gives a result of the same layout,
+// as eager PyTorch's product does), else they are contiguous. One dtype for q, k, cos and sin; gradients of another
+// dtype are converted first. D even. 64-bit offsets. Errors (RuntimeError naming the argument): not CUDA, devices
+// differ, dtype not fp32/fp16/bf16 or differing, ranks or sizes that do not match the shapes above.
+//
+// Work: one thread per (token, head, vector of a half): it loads 16 bytes of each half of the head (8 16-bit or 4
+// fp32 values) and the matching vectors of cos and sin (the same for every head of a token: L1 hits), and stores 16
+// bytes of each half of the output. Consecutive threads take consecutive vectors of a head, then the next head:
+// a token's heads are contiguous in Llama's layout, so a warp reads and writes whole lines. Where a pointer or a
+// stride is not a multiple of 16 bytes, or D/2 not a multiple of the vector, the same kernel runs one element per
+// thread.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cstdint>
+#include <tuple>
+
+#include "pipegoose_check.h"
+
+namespace pipegoose {
+namespace {
+
+#ifndef PIPEGOOSE_ROPE_THREADS
+#define PIPEGOOSE_ROPE_THREADS 256
+#endif
+constexpr int kThreads = PIPEGOOSE_ROPE_THREADS;
+
+template <typename T> __device__ __forceinline__ float to_f(T x) { return static_cast<float>(x); }
+template <typename T> __device__ __forceinline__ T from_f(float x) { return static_cast<T>(x); }
+
+// One tensor of [B, H, S, D] elements: its strides (elements) and, for an output, those of the result.
+struct Strides {
+  int64_t b, h, s;
+};
+
+struct Params {
+  const void* q;
+  const void* k;
+  void* q_out;
+  void* k_out;
+  const void* cos;
+  const void* sin;
+  Strides q_in, q_res, k_in, k_res;
+  int64_t cos_b, cos_s, sin_b, sin_s;  // batch stride 0 where cos / sin hold one batch
+  int64_t items;                      // B * S * (Hq + Hk) * vecs
+  int32_t seq, heads_q, heads, half, vecs;   // heads = Hq + Hk; vecs = vectors per half of a head
+};
+
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
+};
+
+// 16-byte vectors move as uint4 (one 128-bit load or store); ro: through the read-only cache (cos and sin).
+template <typename T, int V, bool ro = false>
+__device__ __forceinline__ Vec<T, V> load(const T* p) {
+  Vec<T, V> r;
+  if constexpr (V * sizeof(T) == 16) {
+    const uint4 u = ro ? __ldg(reinterpret_cast<const uint4*>(p)) : *reinterpret_cast<const uint4*>(p);
+    r = *reinterpret_cast<const Vec<T, V>*>(&u);
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) r.v[j] = p[j];
+  }
+  return r;
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store(T* p, const Vec<T, V>& r) {
+  if constexpr (V * sizeof(T) == 16) {
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&r);
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) p[j] = r.v[j];
+  }
+}
+
+// kBwd: the transposed rotation (the backward); I: the index type of the item arithmetic (32-bit where it fits).
+template <typename T, int V, bool kBwd, typename I>
+__global__ void __launch_bounds__(kThreads) rope_kernel(const Params p) {
+  using VT = Vec<T, V>;
+  const I item = static_cast<I>(blockIdx.x) * kThreads + threadIdx.x;
+  if (item >= static_cast<I>(p.items)) return;
+  const I per_token = static_cast<I>(p.heads) * p.vecs;
+  const I token = item / per_token;
+  const I r = item - token * per_token;
+  const I b = token / p.seq;
+  const I s = token - b * p.seq;
+  I head = r / p.vecs;
+  const I e = (r - head * p.vecs) * V;   // first element of this vector within the half
+  const bool is_q = head < static_cast<I>(p.heads_q);
+  if (!is_q) head -= p.heads_q;
+  const Strides in = is_q ? p.q_in : p.k_in;
+  const Strides res = is_q ? p.q_res : p.k_res;
+  const T* x = static_cast<const T*>(is_q ? p.q : p.k) + (static_cast<int64_t>(b) * in.b +
+                                                          static_cast<int64_t>(head) * in.h +
+                                                          static_cast<int64_t>(s) * in.s + e);
+  T* y = static_cast<T*>(is_q ? p.q_out : p.k_out) + (static_cast<int64_t>(b) * res.b +
+                                                      static_cast<int64_t>(head) * res.h +
+                                                      static_cast<int64_t>(s) * res.s + e);
+  const T* c = static_cast<const T*>(p.cos) + (static_cast<int64_t>(b) * p.cos_b + static_cast<int64_t>(s) * p.cos_s + e);
+  const T* n = static_cast<const T*>(p.sin) + (static_cast<int64_t>(b) * p.sin_b + static_cast<int64_t>(s) * p.sin_s + e);
+  const VT x1 = load<T, V>(x);
+  const VT x2 = load<T, V>(x + p.half);
+  const VT c1 = load<T, V, true>(c);
+  const VT c2 = load<T, V, true>(c + p.half);
+  const VT s1 = load<T, V, true>(n);
+  const VT s2 = load<T, V, true>(n + p.half);
+  VT y1, y2;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const float a = to_f(x1.v[j]), d = to_f(x2.v[j]);
+    if (kBwd) {
+      y1.v[j] = from_f<T>(a * to_f(c1.v[j]) + d * to_f(s2.v[j]));
+      y2.v[j] = from_f<T>(d * to_f(c2.v[j]) - a * to_f(s1.v[j]));
+    } else {
+      y1.v[j] = from_f<T>(a * to_f(c1.v[j]) - d * to_f(s1.v[j]));
+      y2.v[j] = from_f<T>(d * to_f(c2.v[j]) + a * to_f(s2.v[j]));
+    }
+  }
+  store<T, V>(y, y1);
+  store<T, V>(y + p.half, y2);
+}
+
+const char* kFwd = "pipegoose::rope_forward";
+const char* kBwd = "pipegoose::rope_backward";
+
+// The rank and sizes of q-like tensors ([B, H, S, D]) and of cos / sin ([Bc, S, D]); the dtype and device of all.
+void check_args(const char* op, const char* qn, const at::Tensor& q, const char* kn, const at::Tensor& k,
+                const at::Tensor& cos, const at::Tensor& sin) {
+  PG_CHECK(q.defined() && k.defined() && cos.defined() && sin.defined(), op, ": ", qn, ", ", kn,
+           ", cos and sin must be defined tensors");
+  PG_CHECK(cos.is_cuda(), op, ": cos must be a CUDA tensor, got device ", cos.device());
+  const char* names[] = {qn, kn, "sin"};
+  const at::Tensor* tensors[] = {&q, &k, &sin};
+  for (int i = 0; i < 3; ++i) {
+    PG_CHECK(tensors[i]->device() == cos.device(), op, ": ", names[i], " is on ", tensors[i]->device(),
+             " but cos is on ", cos.device(), "; expected one CUDA device");
+  }
+  const auto dt = cos.scalar_type();
+  PG_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, op,
+           ": cos must be float32, float16 or bfloat16, got ", dt);
+  PG_CHECK(sin.scalar_type() == dt, op, ": sin is ", sin.scalar_type(), " but cos is ", dt, "; expected one dtype");
+  PG_CHECK(cos.dim() == 3, op, ": cos must have 3 dimensions [batch or 1, seq, head_dim], got shape ", cos.sizes());
+  PG_CHECK(sin.sizes() == cos.sizes(), op, ": sin has shape ", sin.sizes(), " but cos has ", cos.sizes(),
+           "; expected equal shapes");
+  PG_CHECK(q.dim() == 4, op, ": ", qn, " must have 4 dimensions [batch, heads, seq, head_dim], got shape ", q.sizes());
+  PG_CHECK(k.dim() == 4, op, ": ", kn, " must have 4 dimensions [batch, heads, seq, head_dim], got shape ", k.sizes());
+  const int64_t B = q.size(0), S = q.size(2), D = q.size(3);
+  PG_CHECK(k.size(0) == B && k.size(2) == S && k.size(3) == D, op, ": ", kn, " has shape ", k.sizes(), " but ", qn,
+           " has ", q.sizes(), "; expected the same batch, seq and head_dim");
+  PG_CHECK(cos.size(1) == S && cos.size(2) == D && (cos.size(0) == B || cos.size(0) == 1), op, ": cos has shape ",
+           cos.sizes(), " but ", qn, " has ", q.sizes(), "; expected [", B, " or 1, ", S, ", ", D, "]");
+  PG_CHECK(D % 2 == 0, op, ": head_dim must be even (two halves rotate), got ", D);
+  PG_CHECK(S <= INT32_MAX && q.size(1) + k.size(1) <= INT32_MAX && D <= INT32_MAX, op, ": ", qn, " ", q.sizes(),
+           " and ", kn, " ", k.sizes(), " have more heads, positions or head_dim than 2**31 - 1");
+}
+
+// t itself where its last dimension is contiguous, else a contiguous copy.
+at::Tensor last_dim_contiguous(const at::Tensor& t) { return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous(); }
+
+// (a dimension of size 1 is never stepped over: its stride, which may be anything, counts as 0)
+int64_t step(const at::Tensor& t, int d) { return t.size(d) == 1 ? 0 : t.stride(d); }
+
+Strides strides_of(const at::Tensor& t) { return {step(t, 0), step(t, 1), step(t, 2)}; }
+
+bool multiple(int64_t v, int64_t m) { return v % m == 0; }
+
+template <typename T>
+void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
+  Params p = p0;
+  constexpr int kV = 16 / sizeof(T);
+  // the vector path: every base pointer 16-byte aligned, every stride and the half a multiple of the vector
+  bool vec = multiple(p.half, kV);
+  const void* ptrs[] = {p.q, p.k, p.q_out, p.k_out, p.cos, p.sin};
+  for (const void* ptr : ptrs) vec = vec && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+  const Strides strides[] = {p.q_in, p.q_res, p.k_in, p.k_res};
+  for (const Strides& st : strides) {
+    vec = vec && multiple(st.b, kV) && multiple(st.h, kV) && multiple(st.s, kV);
+  }
+  vec = vec && multiple(p.cos_b, kV) && multiple(p.cos_s, kV) && multiple(p.sin_b, kV) && multiple(p.sin_s, kV);
+  const int v = vec ? kV : 1;
+  p.vecs = p.half / v;
+  const int64_t tokens = p.items;  // (set by the caller to B * S)
+  p.items = tokens * p.heads * p.vecs;
+  if (p.items == 0) return;
+  const int64_t blocks = (p.items + kThreads - 1) / kThreads;
+  PG_CHECK(blocks <= INT32_MAX, op, ": ", p.items, " work items are more than one launch covers");
+  const bool narrow = p.items + kThreads <= INT32_MAX;
+  auto go = [&](auto kernel) {
+    kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (vec) {
+    if (bwd) {
+      narrow ? go(rope_kernel<T, kV, true, uint32_t>) : go(rope_kernel<T, kV, true, int64_t>);
+    } else {
+      narrow ? go(rope_kernel<T, kV, false, uint32_t>) : go(rope_kernel<T, kV, false, int64_t>);
+    }
+  } else {
+    if (bwd) {
+      narrow ? go(rope_kernel<T, 1, true, uint32_t>) : go(rope_kernel<T, 1, true, int64_t>);
+    } else {
+      narrow ? go(rope_kernel<T, 1, false, uint32_t>) : go(rope_kernel<T, 1, false, int64_t>);
+    }
+  }
+}
+
+// Rotates x (q-like) and y (k-like) into new tensors of their layout; bwd: the transposed rotation.
+std::tuple<at::Tensor, at::Tensor> rotate(const char* op, const at::Tensor& x_in, const at::Tensor& y_in,
+                                          const at::Tensor& cos_in, const at::Tensor& sin_in, bool bwd) {
+  const at::Tensor x = last_dim_contiguous(x_in), y = last_dim_contiguous(y_in);
+  const at::Tensor cos = last_dim_contiguous(cos_in), sin = last_dim_contiguous(sin_in);
+  at::Tensor x_out = at::empty_like(x), y_out = at::empty_like(y);
+  if (x_out.numel() == 0 && y_out.numel() == 0) return {x_out, y_out};
+  c10::cuda::CUDAGuard guard(cos.device());
+  Params p{};
+  p.q = x.const_data_ptr();
+  p.k = y.const_data_ptr();
+  p.q_out = x_out.mutable_data_ptr();
+  p.k_out = y_out.mutable_data_ptr();
+  p.cos = cos.const_data_ptr();
+  p.sin = sin.const_data_ptr();
+  p.q_in = strides_of(x);
+  p.q_res = strides_of(x_out);
+  p.k_in = strides_of(y);
+  p.k_res = strides_of(y_out);
+  p.cos_b = step(cos, 0);   // 0 for a table of one batch, broadcast over q's
+  p.sin_b = step(sin, 0);
+  p.cos_s = step(cos, 1);
+  p.sin_s = step(sin, 1);
+  p.seq = static_cast<int32_t>(x.size(2));
+  p.heads_q = static_cast<int32_t>(x.size(1));
+  p.heads = static_cast<int32_t>(x.size(1) + y.size(1));
+  p.half = static_cast<int32_t>(x.size(3) / 2);
+  p.items = x.size(0) * x.size(2);  // tokens; launch() multiplies by the work per token
+  if (p.half == 0) return {x_out, y_out};
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  by_dtype(cos.scalar_type(), [&](auto tag) { launch<decltype(tag)>(p, bwd, stream, op); });
+  return {x_out, y_out};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> rope_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                                     const at::Tensor& sin) {
+  check_args(kFwd, "q", q, "k", k, cos, sin);
+  PG_CHECK(q.scalar_type() == cos.scalar_type() && k.scalar_type() == cos.scalar_type(), kFwd, ": q is ",
+           q.scalar_type(), ", k ", k.scalar_type(), " and cos ", cos.scalar_type(), "; expected one dtype");
+  return rotate(kFwd, q, k, cos, sin, /*bwd=*/false);
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_backward_cuda(const at::Tensor& grad_q_embed, const at::Tensor& grad_k_embed,
+                                                      const at::Tensor& cos, const at::Tensor& sin) {
+  check_args(kBwd, "grad_q_embed", grad_q_embed, "grad_k_embed", grad_k_embed, cos, sin);
+  PG_CHECK(at::isFloatingType(grad_q_embed.scalar_type()) && at::isFloatingType(grad_k_embed.scalar_type()), kBwd,
+           ": grad_q_embed and grad_k_embed must be floating point tensors, got ", grad_q_embed.scalar_type(), " and ",
+           grad_k_embed.scalar_type());
+  const auto dt = cos.scalar_type();
+  return rotate(kBwd, grad_q_embed.to(dt), grad_k_embed.to(dt), cos, sin, /*bwd=*/true);
+}
+
+}  // namespace pipegoose

@@ -1,0 +1,182 @@
+"""Rotary position embedding (RoPE) of an attention layer's query and key, in the rotate-half form of GPT-NeoX,
+Llama and their copies (transformers' ``apply_rotary_pos_emb``): ``x * cos + rotate_half(x) * sin`` with
+``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])``, cos and sin broadcast over the heads. Our kernel with its C++
+autograd, the PyTorch reference, dispatch.
+
+Numerics: the kernel computes each output (and, in the backward, each gradient) in fp32 from the stored inputs and
+rounds it once to the dtype. Eager PyTorch in fp16 / bf16 rounds both products and their sum (three roundings), so
+the two differ by about one unit in the last place of the dtype, the kernel being the closer to exact; in fp32 they
+agree to about 1e-7 relative. The kernel saves cos and sin for the backward (as eager PyTorch does: the rotation is
+linear in q and k); cos and sin get no gradient from it, so a call where they require one runs PyTorch's ops.
+
+Implementations (op ``rope``): ``pipegoose`` (pipegoose/kernels/csrc/rope.cu, this project, MIT) and ``torch``
+(transformers' formula in PyTorch ops).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import dispatch
+from ..dispatch import Implementation, Problem
+from ._common import (all_have_storage, any_in_transform, call_without_autocast, check_input_dtype, dtype_name,
+                      has_tangent, in_dual_level, kernel_input_ok, needs_grad, nested_fallback)
+
+OP = "rope"
+FORWARD_AD_ROPE = ("a dual tensor (torch.autograd.forward_ad): the RoPE kernel has no forward derivative (jvp); "
+                   "PyTorch's ops have")
+SRC_PIPEGOOSE = "pipegoose/rope: pipegoose/kernels/csrc/rope.cu (pipegoose, MIT)"
+_NAMES = ("q", "k", "cos", "sin")
+
+
+def check_args(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: Any = 1) -> None:
+    """Check the arguments (errors name the argument). Shapes are left to the paths: the kernel's ``supports`` says
+    which it takes, and PyTorch's broadcasting raises for the rest.
+
+    Raises:
+        TypeError: ``q``, ``k``, ``cos`` or ``sin`` not a floating point tensor, or of a dtype no path here takes
+            (float8); ``unsqueeze_dim`` not an int.
+        ValueError: a tensor on another device than ``q``.
+    """
+    for name, t in zip(_NAMES, (q, k, cos, sin)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name}: expected a floating point torch.Tensor, got "
+                            f"{dtype_name(t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        check_input_dtype(t, name)
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device}, expected q's device {q.device}")
+    if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int):
+        raise TypeError(f"unsqueeze_dim: expected an int (the heads' dimension of q once cos is unsqueezed), got "
+                        f"{type(unsqueeze_dim).__name__}")
+
+
+def rope_problem(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 unsqueeze_dim: int = 1) -> Problem:
+    """The dispatcher's description of one call (metadata only)."""
+    return Problem(OP, q.dtype, q.device, cols=q.shape[-1] if q.dim() else 1, needs_grad=needs_grad(q, k),
+                   extra=dict(shape=tuple(q.shape), k_shape=tuple(k.shape), cos_shape=tuple(cos.shape),
+                              sin_shape=tuple(sin.shape), dtypes=(k.dtype, cos.dtype, sin.dtype),
+                              unsqueeze_dim=unsqueeze_dim, numel=q.numel() + k.numel(),
+                              table_grad=torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad),
+                              storage=all_have_storage(q, k, cos, sin), forward_ad=has_tangent(q, k, cos, sin)))
+
+
+def _explain(q, k, cos, sin, unsqueeze_dim=1):
+    check_args(q, k, cos, sin, unsqueeze_dim)
+    return rope_problem(q, k, cos, sin, unsqueeze_dim)
+
+
+def _heads_dim(p: Problem) -> int | None:
+    """Where q's heads are: 1 ([B, H, S, D], transformers' default) or 2 ([B, S, H, D]); None for other values."""
+    return {1: 1, -3: 1, 2: 2, -2: 2}.get(p["unsqueeze_dim"])
+
+
+def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
+    ok, why = kernel_input_ok(p, FORWARD_AD_ROPE, "q")
+    if not ok:
+        return ok, why
+    if any(d != p.dtype for d in p["dtypes"]):
+        return False, (f"q is {dtype_name(p.dtype)} but k, cos, sin are "
+                       f"{', '.join(dtype_name(d) for d in p['dtypes'])}: the kernel takes one dtype")
+    if p["table_grad"]:
+        return False, "cos or sin requires grad: the kernel gives them no gradient"
+    h = _heads_dim(p)
+    if h is None:
+        return False, f"unsqueeze_dim={p['unsqueeze_dim']}: the kernel takes 1 ([B, H, S, D]) or 2 ([B, S, H, D])"
+    q, k, c = p["shape"], p["k_shape"], p["cos_shape"]
+    if len(q) != 4 or len(k) != 4 or len(c) != 3:
+        return False, (f"q {list(q)}, k {list(k)}, cos {list(c)}: the kernel takes 4-d q and k and 3-d cos and sin "
+                       "[batch or 1, seq, head_dim]")
+    if p["sin_shape"] != c:
+        return False, f"sin's shape {list(p['sin_shape'])} differs from cos's {list(c)}"
+    s = 3 - h   # seq's dim: 2 for [B, H, S, D], 1 for [B, S, H, D]
+    if k[0] != q[0] or k[s] != q[s] or k[3] != q[3]:
+        return False, f"k's shape {list(k)} differs from q's {list(q)} in batch, seq or head_dim"
+    if c[0] not in (1, q[0]) or c[1] != q[s] or c[2] != q[3]:
+        return False, (f"cos's shape {list(c)} is not [{q[0]} or 1, {q[s]}, {q[3]}] (partial rotary and other "
+                       "broadcasts run PyTorch's ops)")
+    if q[3] % 2:
+        return False, f"head_dim {q[3]} is odd: rotate_half splits it in two"
+    if p["numel"] == 0:
+        return False, "an empty input"
+    return True, ""
+
+
+dispatch.register(Implementation(OP, "pipegoose", "ours", _pipegoose_supports, ("pipegoose/rope",), SRC_PIPEGOOSE))
+dispatch.register(Implementation(OP, "torch", "reference", lambda p: (True, ""), (),
+                                 "PyTorch: q * cos + rotate_half(q) * sin (transformers' formula)", small_first=True))
+dispatch.register_problem(OP, _explain)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``cat(-x[..., D/2:], x[..., :D/2])`` (transformers' ``rotate_half``)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch path: transformers' ``apply_rotary_pos_emb`` (broadcasting; the promoted dtype)."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def _run_pipegoose(q, k, cos, sin, heads_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """pipegoose/rope through ``torch.ops.pipegoose.rope(q, k, cos, sin)`` (q and k as [B, H, S, D]: a [B, S, H, D]
+    pair goes through as transposed views, and its results come back transposed): the forward kernel with its
+    autograd formula in C++ (pipegoose/kernels/bindings/rope.cpp). A backward with ``create_graph=True`` rotates the
+    gradients back with PyTorch's ops (fp32, one rounding) instead."""
+    ops, why = dispatch.kernel("pipegoose/rope")
+    if ops is None:
+        raise RuntimeError(why)
+    if heads_dim == 2:
+        qe, ke = ops.rope.default(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return qe.transpose(1, 2), ke.transpose(1, 2)
+    return ops.rope.default(q, k, cos, sin)
+
+
+def _signature(q, k, cos, sin, unsqueeze_dim) -> tuple | None:
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        if any_in_transform(q, k, cos, sin) or in_dual_level():
+            return None
+        sig = (unsqueeze_dim, torch.is_grad_enabled()) + tuple(
+            (type(t), t.dtype, t.device, t.shape, t.requires_grad) for t in (q, k, cos, sin))
+        hash(sig)
+    except (AttributeError, TypeError):
+        return None
+    return sig
+
+
+def run(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
+        impl: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pipegoose.nn.fusion.functional.apply_rotary_pos_emb` behind the checks; runs the implementation the
+    dispatcher chooses (``impl``: a forced one or None).
+
+    Raises:
+        TypeError, ValueError: as :func:`check_args`; ``impl`` naming no implementation of ``rope``.
+        FusionFallbackError: in strict mode, where the kernel cannot take the input.
+    """
+    if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the ops itself
+        return rope_reference(q, k, cos, sin, unsqueeze_dim)
+    if any(getattr(t, "is_nested", False) for t in (q, k, cos, sin)):
+        check_args(q, k, cos, sin, unsqueeze_dim)
+        dispatch.record(nested_fallback(OP, impl))
+        return rope_reference(q, k, cos, sin, unsqueeze_dim)
+    sig = _signature(q, k, cos, sin, unsqueeze_dim)
+    key = None if sig is None else dispatch.choice_key(OP, impl, sig)
+    choice = None if key is None else dispatch.cached_choice(key)
+    if choice is None:
+        check_args(q, k, cos, sin, unsqueeze_dim)
+        choice = dispatch.choose(OP, rope_problem(q, k, cos, sin, unsqueeze_dim), impl)
+        if key is not None:
+            dispatch.remember_choice(key, choice)
+    dispatch.record(choice)
+    if choice.impl == "pipegoose":
+        heads_dim = 2 if unsqueeze_dim in (2, -2) else 1
+        return call_without_autocast(q.device, _run_pipegoose, q, k, cos, sin, heads_dim)
+    return rope_reference(q, k, cos, sin, unsqueeze_dim)
