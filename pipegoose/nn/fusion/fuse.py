@@ -1,5 +1,5 @@
-"""``fuse(model)``: swap a constructed model's LayerNorms, RMSNorms, SwiGLU MLPs, language-model loss and attention
-softmax for the fused ones, per instance, with an exact undo (``unfuse``) and a report of what was done
+"""``fuse(model)``: swap a constructed model's LayerNorms, RMSNorms, SwiGLU MLPs, rotary position embedding,
+language-model loss and attention softmax for the fused ones, per instance, with an exact undo (``unfuse``) and a report of what was done
 (``FusionReport``).
 
 What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``):
@@ -10,6 +10,11 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
 * every module that computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``, found by a numerical probe
   (``transformers.matching.probe_swiglu_mlp``: transformers' ``LlamaMLP`` and its copies in Mistral, Qwen2, Qwen3, ...)
   -> ``FusedSwiGLUMLP`` (the same projection modules; the activation and product in one kernel, op ``swiglu``);
+* the rotary position embedding of every attention module whose forward calls its modeling module's
+  ``apply_rotary_pos_emb`` (Llama, Mistral, Qwen2, Qwen3, Gemma, GPT-NeoX, ...), where that function is transformers'
+  rotate-half RoPE (checked numerically): the module is not replaced but gets two hooks, and its calls run op
+  ``rope`` (query and key in one kernel) through a dispatching function put under that global name
+  (``pipegoose.nn.fusion.transformers.rope`` says how; the report's row has the module's path and kind ``rope``);
 * the loss of a transformers language model whose forward calls ``self.loss_function`` and whose loss is
   transformers' ``ForCausalLMLoss`` or ``ForMaskedLMLoss``: the instance's ``loss_function`` is set to
   ``pipegoose.nn.fusion.transformers.loss.causal_lm_loss`` / ``masked_lm_loss`` (the same loss on our kernel, op
@@ -30,8 +35,10 @@ weight or bias is computed rather than a Parameter of their own (``torch.nn.util
 Bamba's, Mamba2's) and RMSNorms whose weight broadcasts over other widths. RMSNorms are fused over whatever size
 they normalize: the hidden size, a head's (Qwen3's ``q_norm`` / ``k_norm`` over ``head_dim``) or a projection's.
 
-Nothing is patched globally: no class, function or module global of transformers or torch changes; two models in
-one process can be fused differently. Parameters stay the same objects, so ``state_dict()`` keys and tensors, and
+One module global changes, nothing else of transformers or torch: a modeling module's ``apply_rotary_pos_emb``
+while a module of it is fused for ``rope``, replaced by a function that runs the original for every call that does
+not come from a fused module (other models compute exactly what they did) and put back when the last one is
+unfused. No class changes; two models in one process can be fused differently. Parameters stay the same objects, so ``state_dict()`` keys and tensors, and
 optimizers built before fusing, are unaffected. A replacement module shares the hook dictionaries of the module it
 replaces (forward, pre-forward, backward and state-dict hooks keep firing, and their handles still remove them), its
 training flag and its other instance attributes. Parameters and buffers replaced while fused
@@ -62,8 +69,9 @@ from torch.nn.utils import parametrize
 from .modules import ORIGINAL_ATTR as _ORIGINAL
 from .transformers import loss as _loss
 from .transformers import matching
+from .transformers import rope as _rope
 
-OPS = ("layer_norm", "rms_norm", "swiglu", "cross_entropy", "attention")
+OPS = ("layer_norm", "rms_norm", "swiglu", "rope", "cross_entropy", "attention")
 ATTENTION_CHOICES = ("auto", "pipegoose", "keep")
 
 # Hook dictionaries a replacement shares with the module it replaces (those present in this torch version).
@@ -82,7 +90,8 @@ class FusionRow:
 
     Attributes:
         path: dotted module path in the model (``""`` for the model itself).
-        kind: ``layer_norm``, ``rms_norm``, ``swiglu``, ``cross_entropy`` (the model's loss) or ``attention``.
+        kind: ``layer_norm``, ``rms_norm``, ``swiglu``, ``rope`` (an attention module's rotary embedding),
+            ``cross_entropy`` (the model's loss) or ``attention``.
         original: class name of the module found.
         replacement: class name (or attention function) put in its place; None when skipped.
         fused: whether it was (or, in a dry run, would be) replaced.
@@ -293,6 +302,7 @@ class _NullIO:
 class _Fusion:
     swaps: list = field(default_factory=list)            # (weakref to parent, name, weakref to new)
     loss_swaps: list = field(default_factory=list)       # (weakref to model, the loss function set on it)
+    rope_hooks: list = field(default_factory=list)       # (weakref to attention module, transformers.rope.Installed)
     config_swaps: list = field(default_factory=list)     # (weakref to module, old_config)
     new_config: object = None
     config_snapshot: dict = field(default_factory=dict)   # new_config's attributes as fuse() left them
@@ -405,15 +415,15 @@ def _parse_attention(attention: Any) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool = False,
          attention: str = "auto") -> FusionReport:
-    """Replace ``model``'s LayerNorms, RMSNorms, SwiGLU MLPs, language-model loss and attention softmax by fused
-    ones, on this instance only.
+    """Replace ``model``'s LayerNorms, RMSNorms, SwiGLU MLPs, rotary position embedding, language-model loss and
+    attention softmax by fused ones, on this instance only.
 
     Args:
         model: a constructed ``torch.nn.Module`` (typically a transformers ``PreTrainedModel``, e.g. from
             ``from_pretrained``), on any device and dtype. Modules whose parameters are on CPU run the reference
             paths (the dispatcher picks fused kernels on CUDA).
-        ops: subset of ``("layer_norm", "rms_norm", "swiglu", "cross_entropy", "attention")`` (a name or an iterable
-            of names; case and surrounding blanks ignored, as in ``impl=``); None = all.
+        ops: subset of ``("layer_norm", "rms_norm", "swiglu", "rope", "cross_entropy", "attention")`` (a name or an
+            iterable of names; case and surrounding blanks ignored, as in ``impl=``); None = all.
         dry_run: only report what would be done; the model is not touched.
             A call that fuses nothing (no module of ``ops`` in the model) leaves no record either: ``is_fused``
             stays False, and ``fuse`` may be called again, e.g. with other ``ops``.
@@ -484,6 +494,16 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                     continue
                 row, new = _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm)
                 if row is None:
+                    target = _rope.target(child)
+                    if target is not None:   # an attention module that applies RoPE: hooked, not replaced
+                        if "rope" in ops:
+                            row = _consider_rope(model, child, path, target, dry_run, state)
+                            report.rows.append(row)
+                            if row.fused and row.replacement is None:
+                                held.add(id(row))
+                        elif _rope.probe(target.original)[0]:   # (one it could fuse; the probe is cached)
+                            report.not_requested["rope"] = report.not_requested.get("rope", 0) + 1
+                        continue
                     kind = _norm_kind_left_out(child, ops)
                     if kind is not None:
                         report.not_requested[kind] = report.not_requested.get(kind, 0) + 1
@@ -523,7 +543,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
             "module that holds it")))
     order = {p: i for i, (p, _) in enumerate(model.named_modules(remove_duplicate=False))}
     report.rows.sort(key=lambda r: order.get(r.path, len(order)))
-    if not dry_run and (state.swaps or state.config_swaps or state.loss_swaps
+    if not dry_run and (state.swaps or state.config_swaps or state.loss_swaps or state.rope_hooks
                         or any(r.fused and id(r) not in held for r in report.rows)):
         _STATE[model] = state  # a call that fused nothing leaves no record: fuse() may be called again
     return report
@@ -822,6 +842,52 @@ def _consider_swiglu(child, path, dry_run):
                      f"SwiGLU MLP ({probe.reason}), same projections" + _small_note(child)), new
 
 
+def _rope_probe_inputs(module: nn.Module):
+    """The report's probe of an attention module's RoPE: q and k of its heads and head size (from the module, else its
+    config), one batch of positions enough that it is not a small problem; None where they cannot be told."""
+    config = getattr(module, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None)
+    if not dim and heads and getattr(config, "hidden_size", None):
+        dim = config.hidden_size // heads
+    if not all(isinstance(v, int) and v > 0 for v in (heads, kv_heads, dim)):
+        return None
+    seq = _probe_rows(((heads + kv_heads) * dim,))
+    return lambda d, t: (torch.empty(1, heads, seq, dim, device=d, dtype=t),
+                         torch.empty(1, kv_heads, seq, dim, device=d, dtype=t),
+                         torch.empty(1, seq, dim, device=d, dtype=t), torch.empty(1, seq, dim, device=d, dtype=t))
+
+
+def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
+    """The report's row for an attention module that applies RoPE through ``target`` (its modeling module's global
+    ``apply_rotary_pos_emb``), and the hooks that route its calls to our op (``transformers.rope.install``)."""
+    name = type(child).__name__
+    users = getattr(target.current, "__pipegoose_users__", ())
+    if child in users:
+        owner = next((r for r, st in list(_STATE.items())
+                      if any(ref() is child for ref, _ in st.rope_hooks)), None)
+        inside = next((p for p, m in model.named_modules() if m is owner), None) if owner is not None else None
+        why = (f"fused by an earlier fuse() of {inside} ({type(owner).__name__}): unfuse() of either reverts it"
+               if inside else "fused by an earlier fuse() of a model holding this module: unfuse() of that model "
+               "reverts it")
+        return FusionRow(path, "rope", name, None, True, "-", "-", reason=why)
+    ok, why = _rope.probe(target.original)
+    if not ok:
+        return FusionRow(path, "rope", name, None, False, reason=why, eligible=False)
+    why = _instance_override(child)
+    if why is not None:
+        return FusionRow(path, "rope", name, None, False, reason=why)
+    build = _rope_probe_inputs(child)
+    fwd, bwd = _impls("rope", child, build) if build is not None else ("?", "?")
+    if not dry_run:
+        rec = _rope.install(child, target)
+        state.rope_hooks.append((weakref.ref(child), rec))
+    return FusionRow(path, "rope", name, "rope hooks", True, fwd, bwd,
+                     f"{target.module_name.rsplit('.', 1)[-1]}.{_rope.NAME}, the rotate-half RoPE (probed): its calls "
+                     f"from this module run op rope" + _small_note(child))
+
+
 def _fuse_losses(model, dry_run, report, state) -> None:
     """The report's rows for the losses of ``model`` and of the language models inside it (a wrapper's: PEFT's
     ``PeftModel``, a training module holding the model), and the swaps (each one's ``loss_function``, per instance)."""
@@ -997,6 +1063,8 @@ def _undo(state: _Fusion) -> list[str]:
             module.__dict__["config"] = old_config
         else:
             problems.append(f"{type(module).__name__}.config was replaced after fuse()")
+    for module_ref, rec in reversed(state.rope_hooks):
+        _rope.uninstall(module_ref(), rec)
     for model_ref, fn in reversed(state.loss_swaps):
         model = model_ref()
         if model is None:
@@ -1025,6 +1093,7 @@ def _undo(state: _Fusion) -> list[str]:
     state.swaps.clear()
     state.config_swaps.clear()
     state.loss_swaps.clear()
+    state.rope_hooks.clear()
     return problems
 
 
@@ -1101,7 +1170,8 @@ def _unfuse(model: nn.Module, keep: Iterable[nn.Module] = (), quiet: bool = Fals
         from .modules import FusedRMSNorm, FusedSwiGLUMLP, MixedFusedLayerNorm
 
         found = [p or "<model>" for p, m in model.named_modules()
-                 if isinstance(m, (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP)) or _loss.ours_is_set(m)]
+                 if isinstance(m, (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP)) or _loss.ours_is_set(m)
+                 or _rope.hooked(m)]
         if found:
             raise RuntimeError(
                 f"unfuse: this {type(model).__name__} holds fused modules ({found[0]}"

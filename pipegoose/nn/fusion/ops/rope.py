@@ -106,7 +106,7 @@ def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
 
 dispatch.register(Implementation(OP, "pipegoose", "ours", _pipegoose_supports, ("pipegoose/rope",), SRC_PIPEGOOSE))
 dispatch.register(Implementation(OP, "torch", "reference", lambda p: (True, ""), (),
-                                 "PyTorch: q * cos + rotate_half(q) * sin (transformers' formula)", small_first=True))
+                                 "PyTorch: q * cos + rotate_half(q) * sin (transformers' formula)"))
 dispatch.register_problem(OP, _explain)
 
 
