@@ -7,7 +7,8 @@ implementation really moves (an eager chain of kernels moves more, and so shows 
 ``s`` is the element size of the data dtype (2 for fp16/bf16, 4 for fp32), ``N`` = number of elements of the
 input, ``R`` = rows, ``H`` = hidden size (last dim), ``T`` = elements of the lower triangle (incl. the diagonal)
 of the causal score matrices = ``B * sq*(sq+1)/2`` for ``B`` = batch*heads, ``M`` = elements of the boolean mask
-(1 byte each, at its stored broadcast shape ``[b, 1, sq, sk]``), ``P`` = parameters.
+(1 byte each, at its stored broadcast shape ``[b, 1, sq, sk]``), ``P`` = parameters; for RoPE ``Q = b*seq*hq*d`` and
+``K = b*seq*hk*d`` = elements of q and k, ``C = b*seq*d`` = elements of each of cos and sin (``[b, seq, d]``).
 
 =====================  ======  ===========================================================================
 op                     pass    bytes counted
@@ -26,6 +27,8 @@ swiglu                 fwd     read gate, up; write y:                  ``3*N*s`
 swiglu                 bwd     read dy, gate, up; write dgate, dup:     ``5*N*s``
 cross_entropy          fwd     read logits, target (int64); write lse (fp32): ``N*s + R*8 + R*4``
 cross_entropy          bwd     read logits, target, lse; write dlogits: ``2*N*s + R*8 + R*4``
+rope                   fwd     read q, k, cos, sin; write q_embed, k_embed: ``2*(Q+K)*s + 2*C*s``
+rope                   bwd     read dq_embed, dk_embed, cos, sin; write dq, dk: ``2*(Q+K)*s + 2*C*s``
 any op                 fwd+bwd the sum of fwd and bwd (each pass must touch its own tensors)
 adamw                  step    read g, p, m, v; write p, m, v:          ``7*P*s``
 clip_grad_norm         step    read g (norm), read g + write g (scale): ``3*P*s``
@@ -92,6 +95,9 @@ def _one_pass(op: str, pas: str, shape: Mapping[str, int], s: int) -> int:
     if op == "cross_entropy":
         r, vocab = _need(shape, "rows", "vocab")
         return (1 if pas == "fwd" else 2) * r * vocab * s + r * 8 + r * _STAT
+    if op == "rope":   # the rotation is linear: the backward needs cos and sin, not q or k
+        b, seq, hq, hk, d = _need(shape, "b", "seq", "hq", "hk", "d")
+        return 2 * b * seq * (hq + hk) * d * s + 2 * b * seq * d * s
     if op == "adamw":
         (p,) = _need(shape, "params")
         return 7 * p * s
@@ -102,14 +108,14 @@ def _one_pass(op: str, pas: str, shape: Mapping[str, int], s: int) -> int:
         (n,) = _need(shape, "numel")
         return 2 * n * s
     raise ValueError(f"op: unknown op {op!r}; expected softmax, softmax.masked, softmax.causal, layer_norm, "
-                     "rms_norm, swiglu, cross_entropy, adamw, clip_grad_norm or copy")
+                     "rms_norm, swiglu, cross_entropy, rope, adamw, clip_grad_norm or copy")
 
 
 def op_bytes(op: str, pas: str, shape: Mapping[str, int], dtype: str) -> int:
     """Minimum bytes read + written by ``op`` in pass ``pas`` (``fwd``, ``bwd``, ``fwd+bwd``; ``step`` for the
     optimizer ops and ``copy``) on ``shape`` (a mapping: ``b, np, sq, sk`` for the softmaxes, ``rows, hidden`` for
-    the norms, ``rows, inter`` for swiglu, ``rows, vocab`` for cross_entropy, ``params`` for adamw/clip_grad_norm,
-    ``numel`` for copy) in ``dtype`` (name, e.g. ``"bfloat16"``).
+    the norms, ``rows, inter`` for swiglu, ``rows, vocab`` for cross_entropy, ``b, seq, hq, hk, d`` for rope, ``params``
+    for adamw/clip_grad_norm, ``numel`` for copy) in ``dtype`` (name, e.g. ``"bfloat16"``).
 
     Returns an int (bytes). Raises ValueError naming the argument on an unknown op, pass, dtype or a bad shape.
     The counts are tabulated in this module's docstring.

@@ -1,5 +1,5 @@
-"""Op benchmarks: softmax (plain, padding-masked, causal), LayerNorm, RMSNorm, SwiGLU, cross-entropy; every impl
-checked, then timed.
+"""Op benchmarks: softmax (plain, padding-masked, causal), LayerNorm, RMSNorm, SwiGLU, cross-entropy, RoPE; every
+impl checked, then timed.
 
 Ops and their definitions (what the float64 reference computes; ``x`` is the benchmark input in its dtype):
 
@@ -13,6 +13,14 @@ Ops and their definitions (what the float64 reference computes; ``x`` is the ben
   intermediate size, the op's size axis).
 * ``cross_entropy``: ``loss = mean over the rows not ignored of (logsumexp(x_i) - x_i[t_i])``, logits ``[rows, vocab]``
   (``vocab``: the size axis), int64 targets, 1 in 16 rows ``ignore_index`` (-100); the loss in fp32.
+* ``rope``: ``(q_embed, k_embed) = (q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)``, cos and sin
+  broadcast over the heads (transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``): q ``[B, Hq, S,
+  D]`` and k ``[B, Hk, S, D]`` in the layout of Llama's attention (``proj(x).view(B, S, H, D).transpose(1, 2)``:
+  memory ``[B, S, H, D]``), cos and sin ``[B, S, D]`` in the input dtype as LlamaRotaryEmbedding returns them
+  (``cat(freqs, freqs)``, theta 10000, the positions of each batch row starting at a random offset). Size axis: the
+  head dim ``D`` (what the dispatcher's rules compare, ``max_cols``), one model's head counts per D at ``B*S = 4 *
+  2048`` tokens (``ROPE_HEADS``). The backward is that of both outputs (random gradients of q_embed and k_embed, in
+  the outputs' layout); cos and sin get no gradient.
 
 The scale 0.125 (head dim 64) is a power of two, so no implementation loses precision by scaling in low precision.
 
@@ -21,25 +29,30 @@ Implementations (``impl`` in results.json):
 * ``eager``: the Python code transformers runs: softmax = ``(x * scale + additive_mask).softmax(-1,
   dtype=float32).to(dtype)`` (additive mask in the input dtype, 0 or the dtype's minimum); RMSNorm = LlamaRMSNorm's
   forward (fp32 variance, ``weight * x.to(input_dtype)``); SwiGLU = LlamaMLP's ``act_fn(gate) * up`` =
-  ``F.silu(gate) * up``; cross-entropy = transformers' loss, ``F.cross_entropy(logits.float(), target)``. LayerNorm
-  has no separate eager path: transformers calls ``nn.LayerNorm`` = ``native``.
+  ``F.silu(gate) * up``; cross-entropy = transformers' loss, ``F.cross_entropy(logits.float(), target)``; RoPE =
+  ``apply_rotary_pos_emb`` of ``transformers.models.llama.modeling_llama``. LayerNorm has no separate eager path:
+  transformers calls ``nn.LayerNorm`` = ``native``.
 * ``native``: the best single PyTorch op: ``F.softmax`` (for masked/causal: ``masked_fill(-inf)`` then
   ``F.softmax`` in the input dtype), ``F.layer_norm``, ``F.rms_norm``, ``F.cross_entropy`` in the input dtype (its
-  loss in that dtype); none for SwiGLU (two ops: ``eager``).
-* ``compile``: ``torch.compile(dynamic=False)`` of the eager code (of ``F.layer_norm`` for LayerNorm); its compile
-  time is recorded in ``extra.compile_s`` and is not part of the timings.
+  loss in that dtype); none for SwiGLU (two ops: ``eager``) and RoPE (PyTorch has no rotary op).
+* ``compile``: ``torch.compile(dynamic=False)`` of the eager code (of ``F.layer_norm`` for LayerNorm, of the
+  dispatcher's reference ``pipegoose.nn.fusion.ops.rope.rope_reference`` for RoPE: transformers' formula); its
+  compile time is recorded in ``extra.compile_s`` and is not part of the timings.
 * ``liger``: Liger-Kernel's functional op where it has one (``liger_softmax``, ``liger_layer_norm``,
   ``liger_rms_norm(in_place=False)``, ``liger_swiglu`` = ``LigerSiLUMulFunction``, whose backward writes into the
   saved gate and up, which are the inputs: run_ops restores them after it), ``liger_cross_entropy`` (its forward
-  writes the gradient into the logits, restored likewise; its backward only scales it), only when ``liger_kernel`` is
-  importable.
+  writes the gradient into the logits, restored likewise; its backward only scales it), ``liger_rotary_pos_emb``
+  (``liger_kernel.transformers.rope``: in Llama's layout its forward rotates q and k in place and returns views of
+  them, and its backward rotates the incoming gradients in place; run_ops restores the inputs and the gradients
+  after it; it reads only the first half of cos and sin, which equals the second in LlamaRotaryEmbedding's tables),
+  only when ``liger_kernel`` is importable.
 * ``pipegoose``, ``megatron``, ``apex``, ``torch``: ``pipegoose.nn.fusion.functional`` with ``impl=`` that name (our
   kernel, the Megatron-LM/Apex copies from ColossalAI 0.5.0, the dispatcher's reference path): ``scaled_softmax(x,
   1.0)`` (op ``softmax``: ``functional.softmax`` keeps fp16/bf16 on F.softmax), ``scaled_masked_softmax``,
   ``scaled_upper_triang_masked_softmax`` (on the ``[b*np, sq, sk]`` view), ``layer_norm``, ``rms_norm``, ``swiglu``,
-  ``cross_entropy``. Run with ``PIPEGOOSE_STRICT=1``, and after the checked call the dispatcher's ``last_choice`` must
-  name the requested impl: an input the impl refuses is reported ``unsupported``, never timed under the wrong name.
-  These are the names the tuning table may choose.
+  ``cross_entropy``, ``apply_rotary_pos_emb`` (op ``rope``). Run with ``PIPEGOOSE_STRICT=1``, and after the checked
+  call the dispatcher's ``last_choice`` must name the requested impl: an input the impl refuses is reported
+  ``unsupported``, never timed under the wrong name. These are the names the tuning table may choose.
 
 Correctness gate: on the benchmark inputs each impl's forward output and every input gradient are compared with a
 float64 reference (kept in fp32) elementwise: ``|out - ref| <= atol * max|ref| + rtol * |ref|`` with ``atol``,
@@ -67,7 +80,7 @@ from .timing import Timer
 
 __all__ = ["OPS", "SIZES", "make_case", "impls_for", "run_ops", "reference", "check_close", "Case"]
 
-OPS = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "swiglu", "cross_entropy")
+OPS = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "swiglu", "cross_entropy", "rope")
 TUNABLE = ("pipegoose", "megatron", "apex", "torch")
 IMPL_ORDER = ("eager", "native", "compile", "liger", "torch", "megatron", "apex", "pipegoose")
 SCALE = 0.125
@@ -83,20 +96,29 @@ SIZES = {
     "swiglu": {"full": [1408, 3072, 5632, 11008, 14336, 28672], "quick": [5632], "dry": [16, 64]},
     # vocabularies: Llama-2 / TinyLlama 32000, GPT-NeoX / Pythia 50304, Llama-3 128256, Qwen2/Qwen3 151936
     "cross_entropy": {"full": [32000, 50304, 128256, 151936], "quick": [32000], "dry": [16, 100]},
+    # head dims (the dispatcher's cols for rope), each with one model's head counts (ROPE_HEADS)
+    "rope": {"full": [64, 96, 128, 256], "quick": [64, 128], "dry": [16, 64]},
 }
+# RoPE: (query heads, key/value heads) per head dim: TinyLlama / Llama-1.1B 32/4 at D 64 (the training shape of this
+# project's Llama runs), Phi-3-mini 32/32 at 96, Llama-3-8B / Mistral-7B 32/8 at 128, Gemma-7B 16/16 at 256; other
+# sizes (the dry ones) 4/2. Tokens: batch 4 x seq 2048 on the GPU (8192: q + k of 19-67M elements), 2 x 16 on the CPU.
+ROPE_HEADS = {64: (32, 4), 96: (32, 32), 128: (32, 8), 256: (16, 16)}
+ROPE_TOKENS = {"cuda": (4, 2048), "cpu": (2, 16)}
+ROPE_THETA = 10000.0
 CE_IGNORE = -100
 TARGET_ELEMS = {"cuda": 1 << 26, "cpu": 1 << 12}   # elements per input: 64M = 128 MB bf16, > 50 MB of L2
 MIN_ROWS = {"cuda": 16384, "cpu": 16}
 
 
 def sizes_for(op: str, mode: str) -> list[int]:
-    return SIZES["softmax" if op.startswith("softmax") else op if op in ("swiglu", "cross_entropy") else "norm"][mode]
+    return SIZES["softmax" if op.startswith("softmax") else op if op in ("swiglu", "cross_entropy", "rope")
+                 else "norm"][mode]
 
 
 def shape_for(op: str, cols: int, device: str) -> dict[str, int]:
     """Benchmark shape for an op at last-dim size ``cols``: the softmaxes get ``[b, np, sq=sk, sk]`` with
     ``b*np*sq*sk`` >= the target element count where possible; the norms ``[rows >= 16384, hidden]``; swiglu
-    ``[rows >= 16384, inter]``."""
+    ``[rows >= 16384, inter]``; rope ``b, seq, hq, hk, d`` (``d = cols``: ``ROPE_TOKENS``, ``ROPE_HEADS``)."""
     target = TARGET_ELEMS[device]
     if op.startswith("softmax"):
         per_head = cols * cols
@@ -108,6 +130,10 @@ def shape_for(op: str, cols: int, device: str) -> dict[str, int]:
         return {"rows": max(MIN_ROWS[device], target // cols), "inter": cols}
     if op == "cross_entropy":   # 128M logits (256 MB in bf16): 4194 rows of 32000, 883 of 151936
         return {"rows": max(16, 2 * target // cols), "vocab": cols}
+    if op == "rope":
+        b, seq = ROPE_TOKENS[device]
+        hq, hk = ROPE_HEADS.get(cols, (4, 2))
+        return {"b": b, "seq": seq, "hq": hq, "hk": hk, "d": cols}
     return {"rows": max(MIN_ROWS[device], target // cols), "hidden": cols}
 
 
@@ -119,8 +145,9 @@ class Case:
     cols: int
     inputs: dict[str, torch.Tensor]           # tensors given to impls (x, w, b require grad)
     wrt: list[str]                             # names of the inputs whose gradients are checked and timed
-    dy: torch.Tensor
-    ref: dict[str, torch.Tensor] = field(default_factory=dict)   # "y" and "d<name>", fp32
+    dy: torch.Tensor | tuple[torch.Tensor, ...]   # the upstream gradient, one per output
+    ref: dict[str, torch.Tensor] = field(default_factory=dict)   # the outputs ("y") and "d<name>", fp32
+    outs: tuple[str, ...] = ("y",)             # names of the forward's outputs (rope: "yq", "yk")
 
     def free(self) -> None:
         self.inputs.clear()
@@ -168,6 +195,22 @@ def make_case(op: str, dtype: torch.dtype, cols: int, device: str, seed: int = 0
         t = torch.randint(0, vocab, (rows,), generator=gen, device=device)
         t[::16] = CE_IGNORE
         return Case(op, dtype, shape, cols, {"x": x, "t": t}, ["x"], torch.ones((), device=device))
+    if op == "rope":
+        b, seq, hq, hk, d = (shape[k] for k in ("b", "seq", "hq", "hk", "d"))
+
+        def heads(h: int) -> torch.Tensor:   # Llama's q / k: proj(x).view(b, seq, h, d).transpose(1, 2)
+            return randn(b, seq, h, d).transpose(1, 2)
+
+        q, k = heads(hq).detach().requires_grad_(), heads(hk).detach().requires_grad_()
+        # LlamaRotaryEmbedding: positions (each batch row from an offset of its own, so a kernel that reads batch 0's
+        # table for every row fails), angles in fp32, cat(freqs, freqs), cos / sin in the model's dtype
+        inv_freq = 1.0 / ROPE_THETA ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+        start = torch.randperm(4 * seq, generator=gen, device=device)[:b, None]
+        freqs = (start + torch.arange(seq, device=device)).float()[..., None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        return Case(op, dtype, shape, cols, {"q": q, "k": k, "cos": cos, "sin": sin}, ["q", "k"],
+                    (heads(hq), heads(hk)), outs=("yq", "yk"))
     rows, hid = shape["rows"], shape["hidden"]
     x = randn(rows, hid).requires_grad_()
     w = (1 + 0.1 * randn(hid, dt=torch.float32)).to(dtype).requires_grad_()
@@ -238,6 +281,8 @@ def reference(case: Case, chunk_elems: int = 1 << 25) -> dict[str, torch.Tensor]
             p[torch.arange(p.shape[0], device=x.device), ts.clamp(min=0)] -= 1
             dx[rs] = (p * ks[:, None] * (float(case.dy) / count)).float()
         return {"y": (total / count).float(), "dx": dx}
+    if op == "rope":
+        return _rope_reference(case, chunk_elems)
     x, w = inp["x"].detach(), inp["w"].detach().double()
     rows, hid = x.shape
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
@@ -266,6 +311,31 @@ def reference(case: Case, chunk_elems: int = 1 << 25) -> dict[str, torch.Tensor]
     if op == "layer_norm":
         out["db"] = db.float()
     return out
+
+
+def _rope_reference(case: Case, chunk_elems: int) -> dict[str, torch.Tensor]:
+    """RoPE per half of the head dim, in float64: ``y1 = x1 c1 - x2 s1``, ``y2 = x2 c2 + x1 s2``; the gradient is the
+    transposed rotation, ``g1 = dy1 c1 + dy2 s2``, ``g2 = dy2 c2 - dy1 s1`` (written out, not via rotate_half)."""
+    inp = case.inputs
+    cos, sin = inp["cos"], inp["sin"]
+    out: dict[str, torch.Tensor] = {}
+    for name, dy in zip(("q", "k"), case.dy):
+        x = inp[name].detach()
+        b, h, seq, d = x.shape
+        half = d // 2
+        y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        dx = torch.empty_like(y)
+        for bi in range(b):
+            cb = bi if cos.shape[0] > 1 else 0
+            c, s = cos[cb].double(), sin[cb].double()   # [seq, d], broadcast over the heads
+            c1, c2, s1, s2 = c[:, :half], c[:, half:], s[:, :half], s[:, half:]
+            for hs in _chunks(h, chunk_elems // (seq * d)):
+                xs, dys = x[bi, hs].double(), dy[bi, hs].double()
+                x1, x2, d1, d2 = xs[..., :half], xs[..., half:], dys[..., :half], dys[..., half:]
+                y[bi, hs] = torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2), dim=-1).float()
+                dx[bi, hs] = torch.cat((d1 * c1 + d2 * s2, d2 * c2 - d1 * s1), dim=-1).float()
+        out[f"y{name}"], out[f"d{name}"] = y, dx
+    return {k: out[k] for k in ("yq", "yk", "dq", "dk")}
 
 
 def check_close(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float,
@@ -332,6 +402,12 @@ def _eager(case: Case) -> Callable:
         return lambda i: F.silu(i["g"]) * i["u"]   # LlamaMLP: act_fn(gate_proj(x)) * up_proj(x)
     if op == "cross_entropy":   # transformers' ForCausalLMLoss: the logits upcast, then F.cross_entropy
         return lambda i: F.cross_entropy(i["x"].float(), i["t"], ignore_index=CE_IGNORE)
+    if op == "rope":   # LlamaAttention: apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        try:
+            from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        except Exception as e:  # noqa: BLE001 - not installed, or a version without it
+            raise Unavailable(f"transformers' Llama apply_rotary_pos_emb not importable: {e}") from None
+        return lambda i: apply_rotary_pos_emb(i["q"], i["k"], i["cos"], i["sin"])
     raise Unsupported("transformers calls nn.LayerNorm (= native) for LayerNorm")
 
 
@@ -343,6 +419,8 @@ def _native(case: Case) -> Callable:
         return lambda i: F.softmax((i["x"] * SCALE).masked_fill(i["mask"], float("-inf")), dim=-1)
     if op == "swiglu":
         raise Unsupported("PyTorch has no single op for silu(gate) * up (eager runs two)")
+    if op == "rope":
+        raise Unsupported("PyTorch has no rotary embedding op (eager runs the formula)")
     if op == "cross_entropy":
         return lambda i: F.cross_entropy(i["x"], i["t"], ignore_index=CE_IGNORE)
     hid = case.shape["hidden"]
@@ -356,8 +434,18 @@ def _native(case: Case) -> Callable:
 _COMPILED: dict[tuple, Callable] = {}
 
 
+def _rope_reference_fn() -> Callable:
+    """The dispatcher's RoPE reference (transformers' formula in PyTorch ops), which ``compile`` compiles."""
+    try:
+        from pipegoose.nn.fusion.ops.rope import rope_reference
+    except Exception as e:  # noqa: BLE001
+        raise Unavailable(f"pipegoose.nn.fusion.ops.rope not importable: {type(e).__name__}: {e}") from None
+    return lambda i: rope_reference(i["q"], i["k"], i["cos"], i["sin"])
+
+
 def _compile(case: Case) -> Callable:
-    base = _native(case) if case.op == "layer_norm" else _eager(case)
+    base = (_native(case) if case.op == "layer_norm" else _rope_reference_fn() if case.op == "rope"
+            else _eager(case))
     key = (case.op, case.dtype, tuple(case.shape.items()))
     fn = _COMPILED.get(key)
     if fn is None:
@@ -399,6 +487,17 @@ def _liger(case: Case) -> Callable:
         fn = lambda i: LF.liger_cross_entropy(i["x"], i["t"], ignore_index=CE_IGNORE)  # noqa: E731
         fn.clobbers_inputs = True
         return fn
+    if op == "rope":
+        try:
+            from liger_kernel.transformers.rope import liger_rotary_pos_emb
+        except Exception as e:  # noqa: BLE001
+            raise Unavailable(f"liger_kernel.transformers.rope not importable: {e}") from None
+        # q.transpose(1, 2) of Llama's layout is contiguous, so its forward rotates q and k in place (the inputs)
+        # and returns views of them, and its backward rotates the incoming gradients (case.dy) in place: run_ops
+        # restores both after this impl (clobbers_inputs)
+        fn = lambda i: liger_rotary_pos_emb(i["q"], i["k"], i["cos"], i["sin"])  # noqa: E731
+        fn.clobbers_inputs = True
+        return fn
     raise Unsupported("Liger-Kernel has no masked or causal softmax")
 
 
@@ -432,6 +531,8 @@ def _ours(impl: str) -> Callable[[Case], Callable]:
             fn = lambda i: PF.swiglu(i["g"], i["u"], impl=impl)  # noqa: E731
         elif op == "cross_entropy":
             fn = lambda i: PF.cross_entropy(i["x"], i["t"], ignore_index=CE_IGNORE, impl=impl)  # noqa: E731
+        elif op == "rope":
+            fn = lambda i: PF.apply_rotary_pos_emb(i["q"], i["k"], i["cos"], i["sin"], impl=impl)  # noqa: E731
         else:
             hid = case.shape["hidden"]
             fn = lambda i: PF.rms_norm(i["x"], (hid,), i["w"], RMS_EPS, impl=impl)  # noqa: E731
@@ -470,11 +571,11 @@ def impls_for(op: str) -> list[str]:
         names.remove("eager")
     if op in ("softmax.masked", "softmax.causal"):
         names.remove("liger")
-    if op.startswith("softmax") or op in ("rms_norm", "swiglu", "cross_entropy"):
+    if op.startswith("softmax") or op in ("rms_norm", "swiglu", "cross_entropy", "rope"):
         names.remove("apex")      # Apex: only LayerNorm is ported
-    if op in ("layer_norm", "rms_norm", "swiglu", "cross_entropy"):
+    if op in ("layer_norm", "rms_norm", "swiglu", "cross_entropy", "rope"):
         names.remove("megatron")  # Megatron-LM: only the softmax kernels
-    if op == "swiglu":
+    if op in ("swiglu", "rope"):
         names.remove("native")    # no single PyTorch op
     return names
 
@@ -498,7 +599,12 @@ def classify(exc: BaseException) -> str:
 # running
 
 
-def _grads(y: torch.Tensor, case: Case) -> tuple:
+def _dys(case: Case) -> tuple[torch.Tensor, ...]:
+    """The upstream gradients, one per output."""
+    return case.dy if isinstance(case.dy, tuple) else (case.dy,)
+
+
+def _grads(y: torch.Tensor | tuple, case: Case) -> tuple:
     # allow_unused: an impl that ignores an input (no gradient for it) is FAILED by check_impl, not an error
     return torch.autograd.grad(y, [case.inputs[n] for n in case.wrt], case.dy, allow_unused=True)
 
@@ -507,22 +613,31 @@ def check_impl(fn: Callable, case: Case, tol: dict) -> tuple[str, float, str]:
     """Run ``fn`` once (forward + backward) on poisoned memory and compare with ``case.ref``.
 
     Returns (status "ok"/"FAILED", worst max-abs error, detail)."""
-    dev = case.dy.device.type
+    dy0 = _dys(case)[0]
+    dev = dy0.device.type
     first = case.inputs[case.wrt[0]]   # (the cross-entropy's dy is a scalar; its gradient has the logits' size)
-    nbytes = max(case.dy.numel() * case.dy.element_size(), first.numel() * first.element_size())
+    nbytes = max(dy0.numel() * dy0.element_size(), first.numel() * first.element_size())
     poison(nbytes, dev)
     y = fn(case.inputs)
     _verify_choice(fn)
-    if not isinstance(y, torch.Tensor):
-        return "FAILED", float("nan"), f"forward returned {type(y).__name__}, expected a Tensor"
+    if len(case.outs) == 1:
+        if not isinstance(y, torch.Tensor):
+            return "FAILED", float("nan"), f"forward returned {type(y).__name__}, expected a Tensor"
+        ys = (y,)
+    else:
+        ys = tuple(y) if isinstance(y, (tuple, list)) else (y,)
+        if len(ys) != len(case.outs) or not all(isinstance(t, torch.Tensor) for t in ys):
+            return "FAILED", float("nan"), (f"forward returned {type(y).__name__} of "
+                                            f"{[type(t).__name__ for t in ys]}, expected {len(case.outs)} Tensors")
     # the cross-entropy's loss is fp32 (transformers upcasts; so do ours and Liger's) or, natively, the input's dtype
     want = (case.dtype, torch.float32) if case.op == "cross_entropy" else (case.dtype,)
-    if y.dtype not in want:
-        return "FAILED", float("nan"), f"forward returned dtype {y.dtype}, expected {case.dtype}"
+    for t in ys:
+        if t.dtype not in want:
+            return "FAILED", float("nan"), f"forward returned dtype {t.dtype}, expected {case.dtype}"
     poison(nbytes, dev)
     grads = _grads(y, case)
     worst, problems = 0.0, []
-    for name, got in [("y", y)] + [(f"d{n}", g) for n, g in zip(case.wrt, grads)]:
+    for name, got in list(zip(case.outs, ys)) + [(f"d{n}", g) for n, g in zip(case.wrt, grads)]:
         if got is None:
             problems.append(f"{name}: no gradient")
             continue
@@ -569,12 +684,15 @@ def run_ops(ops: list[str], dtypes: list[torch.dtype], mode: str, device: str, t
                 case = make_case(op, dtype, cols, device, seed=cols)
                 case.ref = reference(case)
                 pristine: dict[str, torch.Tensor] = {}
+                pristine_dy: tuple[torch.Tensor, ...] = ()
                 for name in names:
-                    if pristine:   # the impl before wrote into the inputs: they are put back for this one
+                    if pristine:   # the impl before wrote into the inputs (or dy): they are put back for this one
                         with torch.no_grad():
                             for k, v in pristine.items():
                                 case.inputs[k].copy_(v)
-                        pristine = {}
+                            for d, v in zip(_dys(case), pristine_dy):
+                                d.copy_(v)
+                        pristine, pristine_dy = {}, ()
                     tunable = name if name in TUNABLE else None
                     extra: dict[str, Any] = {}
                     if name == "compile" and compile_dtypes is not None and dtype not in compile_dtypes:
@@ -588,6 +706,7 @@ def run_ops(ops: list[str], dtypes: list[torch.dtype], mode: str, device: str, t
                         fn = IMPLS[name](case)
                         if getattr(fn, "clobbers_inputs", False):
                             pristine = {k: v.detach().clone() for k, v in case.inputs.items()}
+                            pristine_dy = tuple(d.clone() for d in _dys(case))
                         status, err, detail = check_impl(fn, case, tol)
                         if name == "compile":
                             extra["compile_s"] = round(time.perf_counter() - t0, 2)

@@ -31,7 +31,7 @@ __all__ = ["tuning_rules", "table_inputs", "read_rules", "write_tuning_table", "
 
 DEFAULT_TUNING_DIR = REPO_ROOT / "pipegoose" / "nn" / "fusion" / "tuning"
 TUNING_OPS = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "swiglu", "cross_entropy",
-              "attention", "adamw", "clip_grad_norm")
+              "rope", "attention", "adamw", "clip_grad_norm")
 RULE_OP = {"adamw": "adam"}   # a benchmark op -> the dispatcher op its rules are for (AdamW is timed; the op is adam)
 STEP_OPS = ("adamw", "clip_grad_norm")   # timed as one optimizer "step": their rules hold for any call (pass null)
 PASS_ORDER = {"fwd": 0, "fwd+bwd": 1}

@@ -49,6 +49,17 @@ def test_cross_entropy_reads_the_logits_once_forward_and_writes_their_gradient_b
     assert op_bytes("cross_entropy", "fwd+bwd", {"rows": r, "vocab": v}, "float32") == 3 * n * 4 + 2 * extra
 
 
+def test_rope_reads_and_writes_q_and_k_once_and_reads_cos_and_sin_once_each_pass():
+    shape = {"b": 4, "seq": 2048, "hq": 32, "hk": 4, "d": 64}     # Llama-1.1B's training shape
+    qk, table = 4 * 2048 * (32 + 4) * 64, 4 * 2048 * 64          # elements of q + k; of cos (and of sin)
+    one = 2 * qk * 2 + 2 * table * 2                               # bf16: q, k read and written; cos, sin read
+    assert op_bytes("rope", "fwd", shape, "bfloat16") == one
+    assert op_bytes("rope", "bwd", shape, "bfloat16") == one       # dq_embed, dk_embed in; dq, dk out; cos, sin
+    assert op_bytes("rope", "fwd+bwd", shape, "float32") == 2 * 2 * one
+    with pytest.raises(ValueError, match="hk"):
+        op_bytes("rope", "fwd", {"b": 4, "seq": 2048, "hq": 32, "d": 64}, "bfloat16")
+
+
 def test_norm_counts_include_params_and_fp32_stats():
     r, h = 16384, 1000
     n = r * h

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from benchmarks import ops
+from pipegoose.nn.fusion.ops.rope import rope_reference
 from benchmarks.common import tolerances
 from benchmarks.timing import Timer
 
@@ -24,16 +25,114 @@ def test_check_close_flags_nan_and_off_elements():
         ops.check_close(ref[:3], ref, 1e-5, 1e-4)
 
 
+@pytest.mark.parametrize("size", [0, 1])
 @pytest.mark.parametrize("op", ops.OPS)
-def test_reference_matches_torch_on_fp32(op):
-    case = ops.make_case(op, torch.float32, ops.sizes_for(op, "dry")[0], "cpu")
+def test_reference_matches_torch_on_fp32(op, size):
+    case = ops.make_case(op, torch.float32, ops.sizes_for(op, "dry")[size], "cpu")
     ref = ops.reference(case)
-    fn = ops.IMPLS["eager" if op == "swiglu" else "native"](case)   # (PyTorch has no single op for SwiGLU)
+    # (PyTorch has no single op for SwiGLU or RoPE: their eager code, transformers')
+    fn = ops.IMPLS["eager" if op in ("swiglu", "rope") else "native"](case)
     y = fn(case.inputs)
-    grads = torch.autograd.grad(y, [case.inputs[n] for n in case.wrt], case.dy)
-    torch.testing.assert_close(y, ref["y"], atol=1e-5, rtol=1e-4)
+    ys = y if isinstance(y, tuple) else (y,)
+    assert set(ref) == {*case.outs, *(f"d{n}" for n in case.wrt)} and len(ys) == len(case.outs)
+    grads = torch.autograd.grad(ys, [case.inputs[n] for n in case.wrt], case.dy)
+    for name, t in zip(case.outs, ys):
+        torch.testing.assert_close(t, ref[name], atol=1e-5, rtol=1e-4)
     for n, g in zip(case.wrt, grads):
         torch.testing.assert_close(g, ref[f"d{n}"], atol=1e-4, rtol=1e-4)
+
+
+def test_rope_case_has_llamas_layout_and_tables():
+    """q and k as Llama's attention makes them (a [B, S, H, D] projection seen as [B, H, S, D]), the gradients in the
+    same layout, cos and sin [B, S, D] in the dtype with equal halves (LlamaRotaryEmbedding's cat(freqs, freqs)) and
+    rows of their own per batch (a kernel reading batch 0's table for every row fails the gate)."""
+    case = ops.make_case("rope", torch.bfloat16, 64, "cpu")
+    b, seq, hq, hk, d = (case.shape[k] for k in ("b", "seq", "hq", "hk", "d"))
+    assert (hq, hk, d) == (32, 4, 64) and case.cols == 64 and case.wrt == ["q", "k"]
+    for t, h in ((case.inputs["q"], hq), (case.inputs["k"], hk), *zip(case.dy, (hq, hk))):
+        assert t.shape == (b, h, seq, d) and t.dtype == torch.bfloat16
+        assert t.transpose(1, 2).is_contiguous() and not t.is_contiguous()
+    assert case.inputs["q"].is_leaf and case.inputs["q"].requires_grad
+    cos, sin = case.inputs["cos"], case.inputs["sin"]
+    assert cos.shape == sin.shape == (b, seq, d) and cos.dtype == torch.bfloat16 and not cos.requires_grad
+    assert torch.equal(cos[..., : d // 2], cos[..., d // 2:]) and torch.equal(sin[..., : d // 2], sin[..., d // 2:])
+    assert not torch.equal(cos[0], cos[1])
+    torch.testing.assert_close(cos.float() ** 2 + sin.float() ** 2, torch.ones(b, seq, d), atol=2e-2, rtol=0)
+    assert ops.shape_for("rope", 64, "cuda") == {"b": 4, "seq": 2048, "hq": 32, "hk": 4, "d": 64}
+    assert all(ops.shape_for("rope", c, "cuda")["d"] == c for c in ops.sizes_for("rope", "full"))
+    assert ops.impls_for("rope") == ["eager", "compile", "liger", "torch", "pipegoose"]
+
+
+def test_rope_impl_with_one_output_or_wrong_rotation_is_failed():
+    case = ops.make_case("rope", torch.float32, 16, "cpu")
+    case.ref = ops.reference(case)
+    tol = tolerances()[torch.float32]
+    eager = ops.IMPLS["eager"](case)
+    assert ops.check_impl(eager, case, tol)[0] == "ok"
+    status, _, detail = ops.check_impl(lambda i: eager(i)[0], case, tol)
+    assert status == "FAILED" and "expected 2 Tensors" in detail
+    # the other direction of rotation (sin negated): right shapes and dtypes, wrong values and gradients
+    status, _, detail = ops.check_impl(lambda i: eager({**i, "sin": -i["sin"]}), case, tol)
+    assert status == "FAILED" and all(f"{n}:" in detail for n in ("yq", "yk", "dq", "dk"))
+
+
+class _Clobbering(torch.autograd.Function):
+    """RoPE right on the first call, then writing into its inputs (forward) or its incoming gradients (backward), as
+    Liger-Kernel's rope does in Llama's layout."""
+
+    where = "inputs"
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        yq, yk = rope_reference(q, k, cos, sin)
+        if _Clobbering.where == "inputs":
+            q.add_(1.0)
+            k.add_(1.0)
+        return yq, yk
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        cos, sin = ctx.saved_tensors
+        with torch.enable_grad():   # the transposed rotation: the vector-Jacobian product of the formula
+            q0 = torch.zeros_like(gq, requires_grad=True)
+            k0 = torch.zeros_like(gk, requires_grad=True)
+            dq, dk = torch.autograd.grad(rope_reference(q0, k0, cos, sin), (q0, k0), (gq, gk))
+        if _Clobbering.where == "dy":
+            gq.add_(1.0)
+            gk.add_(1.0)
+        return dq, dk, None, None
+
+
+@pytest.mark.parametrize("where", ["inputs", "dy"])
+@pytest.mark.parametrize("declared", [True, False])
+def test_an_impl_that_writes_into_its_inputs_or_gradients_is_undone_for_the_next(monkeypatch, where, declared):
+    """An impl marked clobbers_inputs (Liger's in-place kernels) has the case's inputs and upstream gradients put back
+    before the next impl runs; undeclared, the next (honest) impl is checked against corrupted inputs and FAILs."""
+    monkeypatch.setattr(_Clobbering, "where", where)
+
+    def clobbering(case):
+        fn = lambda i: _Clobbering.apply(i["q"], i["k"], i["cos"], i["sin"])  # noqa: E731
+        fn.clobbers_inputs = declared
+        return fn
+
+    monkeypatch.setitem(ops.IMPLS, "eager", clobbering)
+    monkeypatch.setitem(ops.IMPLS, "torch", lambda case: ops._rope_reference_fn())
+    res = ops.run_ops(["rope"], [torch.float32], "dry", "cpu", Timer("cpu", warmup=0, reps=2), tolerances(),
+                      ["eager", "torch"], deadline=1e18, log=lambda s: None, sizes=[16])
+    first = {m.status for m in res if m.impl == "eager"}
+    after = {m.status for m in res if m.impl == "torch"}
+    assert first == {"ok"}
+    assert after == ({"ok"} if declared else {"FAILED"})
+
+
+def test_rope_runs_through_run_ops_on_the_cpu():
+    res = ops.run_ops(["rope"], [torch.float32, torch.bfloat16], "dry", "cpu", Timer("cpu", warmup=0, reps=2),
+                      tolerances(), ["eager", "native", "megatron"], deadline=1e18, log=lambda s: None)
+    assert res and {m.impl for m in res} == {"eager"}          # no native, megatron or apex row for rope
+    assert all(m.status == "ok" and m.gbps > 0 and m.bytes > 0 for m in res)
+    assert {(m.dtype, m.cols) for m in res} == {(d, c) for d in ("float32", "bfloat16") for c in (16, 64)}
+    assert {tuple(m.shape) for m in res} == {("b", "seq", "hq", "hk", "d")}
 
 
 def test_wrong_impl_is_failed_not_timed(monkeypatch):
