@@ -7,6 +7,7 @@
     compute-sanitizer --tool memcheck  --error-exitcode 99 python tools/sanitize_kernels.py swiglu
     compute-sanitizer --tool memcheck  --error-exitcode 99 python tools/sanitize_kernels.py cross_entropy
     compute-sanitizer --tool racecheck --error-exitcode 99 python tools/sanitize_kernels.py cross_entropy
+    compute-sanitizer --tool memcheck  --error-exitcode 99 python tools/sanitize_kernels.py rope
     PIPEGOOSE_NORM_CLUSTERS=0 compute-sanitizer --tool memcheck --error-exitcode 99 python tools/sanitize_kernels.py norms
 
 (the last: the backward plans of a GPU before sm_90, on one that has clusters)
@@ -25,8 +26,12 @@ step, AdamW and L2, over tensors of 1 to 12289 elements (around both chunk sizes
 ones, and views at odd offsets: the scalar path) and ``pipegoose/swiglu`` (forward and backward of 1 to 300007
 elements: whole vectors, tails, several blocks; views at odd offsets: the scalar path) and ``pipegoose/cross_entropy``
 (forward and backward over 1 to 50257 classes, rows at a stride that misaligns every other row, ignored and
-out-of-range targets) in fp32, fp16 and bf16, at row counts small enough for the sanitizers (seconds, not hours). The
-optional argument ``norms``, ``softmax``, ``adam``, ``swiglu`` or ``cross_entropy`` limits it to one family;
+out-of-range targets) and ``pipegoose/rope`` (forward and backward of q and k from one head and position of 2
+elements to 40 + 7 heads of 128 over 300 positions and a Llama-like 32 + 8 heads of 128 over 1024 positions, tables
+of one batch and of B, no query or no key heads; the vector path, head dims no multiple of the vector, views at odd
+offsets, rows of D + 1 elements and a narrowed head dim (the scalar path), Llama's transposed projections and a fused
+qkv projection's heads) in fp32, fp16 and bf16, at sizes small enough for the sanitizers (seconds, not hours). The
+optional argument ``norms``, ``softmax``, ``adam``, ``swiglu``, ``cross_entropy`` or ``rope`` limits it to one family;
 ``norms`` followed by hidden sizes (of the list ``NORM_HIDDEN``) to those sizes, e.g. ``norms 16384 20000 32768 64000``
 for the wide rows' backward; ``softmax long`` adds the 16-bit causal forward of 16387 queries of 16384 keys (the staged
 kernel on rows of every length), a square causal matrix of 8200 keys (8196 in fp32: the backward's row pairs with
@@ -66,10 +71,10 @@ def main() -> int:
         if not set(hidden) <= set(NORM_HIDDEN):
             raise SystemExit(f"sanitize_kernels: norms: expected hidden sizes among {NORM_HIDDEN}, got "
                              f"{' '.join(sys.argv[2:])!r}")
-    elif which not in ("all", "norms", "softmax", "adam", "swiglu", "cross_entropy") or sys.argv[2:] not in (
+    elif which not in ("all", "norms", "softmax", "adam", "swiglu", "cross_entropy", "rope") or sys.argv[2:] not in (
             [], ["long"] if which == "softmax" else []):
         raise SystemExit(f"sanitize_kernels: expected 'norms' [HIDDEN ...], 'softmax' [long], 'adam', 'swiglu', "
-                         f"'cross_entropy' or nothing, got "
+                         f"'cross_entropy', 'rope' or nothing, got "
                          f"{' '.join(sys.argv[1:])!r}")
     long_rows = sys.argv[2:] == ["long"]
     if not torch.cuda.is_available():
@@ -210,6 +215,50 @@ def main() -> int:
                 loss, lse = ce.cross_entropy_forward(x, t, -100)
                 ce.cross_entropy_backward(torch.ones(rows, device="cuda"), x, t, lse, -100)
                 calls += 2
+    if which in ("all", "rope"):
+        rp = load("pipegoose/rope")
+
+        # the same shape at element offset 1 of a buffer (not 16-byte aligned), in rows of D + 1 elements (strides no
+        # multiple of the vector), and narrowed in the head dim from element 1 of rows of D + 2 (both): the scalar path
+        def at_offset(t):
+            return torch.randn(t.numel() + 1, device="cuda", dtype=t.dtype)[1:].view(t.shape)
+
+        def in_longer_rows(t):
+            return torch.randn(*t.shape[:-1], t.shape[-1] + 1, device="cuda", dtype=t.dtype)[..., :t.shape[-1]]
+
+        def narrowed(t):
+            return torch.randn(*t.shape[:-1], t.shape[-1] + 2, device="cuda", dtype=t.dtype)[..., 1:t.shape[-1] + 1]
+
+        # (B, Hq, Hk, S, D, Bc): one element per half; head dims no multiple of the vector (6, 10; 24 in 16-bit: the
+        # scalar path); one 16-bit vector per half (16); Llama's shapes; a last block left partial (40 + 7 heads of
+        # 128 over 300 positions); no query heads, no key heads; a Llama-like layer over 1024 positions
+        shapes = ((1, 1, 1, 1, 2, 1), (3, 3, 1, 7, 6, 3), (3, 3, 1, 7, 10, 1), (2, 4, 2, 9, 24, 2),
+                  (2, 4, 4, 33, 16, 1), (2, 32, 4, 33, 64, 2), (1, 40, 7, 300, 128, 1), (2, 0, 2, 5, 16, 1),
+                  (2, 4, 0, 5, 16, 2), (2, 32, 8, 1024, 128, 1))
+        for dt in dtypes:
+            for b, hq, hk, s, d, bc in shapes:
+                q, dq = (torch.randn(b, hq, s, d, device="cuda", dtype=dt) for _ in range(2))
+                k, dk = (torch.randn(b, hk, s, d, device="cuda", dtype=dt) for _ in range(2))
+                cos, sin = (torch.randn(bc, s, d, device="cuda", dtype=dt) for _ in range(2))
+                rp.rope_forward(q, k, cos, sin)
+                rp.rope_backward(dq, dk, cos, sin)
+                calls += 2
+                if s > 300:
+                    continue
+                for view in (at_offset, in_longer_rows, narrowed):
+                    rp.rope_forward(view(q), view(k), view(cos), view(sin))
+                    rp.rope_backward(view(dq), view(dk), view(cos), view(sin))
+                    calls += 2
+                # Llama's transposed projections ([B, S, H, D] viewed as [B, H, S, D]: outputs of that layout) and a
+                # fused qkv projection's heads (neither dense nor contiguous)
+                qt = torch.randn(b, s, hq, d, device="cuda", dtype=dt).transpose(1, 2)
+                kt = torch.randn(b, s, hk, d, device="cuda", dtype=dt).transpose(1, 2)
+                qkv = torch.randn(b, s, hq + 2 * hk, d, device="cuda", dtype=dt)
+                qf, kf = qkv[:, :, :hq].transpose(1, 2), qkv[:, :, hq:hq + hk].transpose(1, 2)
+                for qq, kk in ((qt, kt), (qf, kf)):
+                    rp.rope_forward(qq, kk, cos, sin)
+                    rp.rope_backward(qq, kk, cos, sin)
+                    calls += 2
     torch.cuda.synchronize()
     print(f"sanitize_kernels: {calls} kernel calls done")
     return 0

@@ -614,8 +614,9 @@ def test_last_choice_of_an_unknown_op_is_a_key_error():
     """last_choice("nope") returned None, as for a known op that has not run: a misspelt name went unnoticed. It is
     now a KeyError naming the argument and the known ops (as implementations() and explain() raise); a known op that
     has not run, and attention (no dispatcher op, but the attention function records its choices), give None."""
-    with pytest.raises(KeyError, match=r"op: unknown fused op 'nope'; known ops: .*attention.*fake\.op.*layer_norm"):
-        dispatch.last_choice("nope")
+    # (a name near no op: "nope" now gets "did you mean 'rope'?")
+    with pytest.raises(KeyError, match=r"op: unknown fused op 'xyzzy'; known ops: .*attention.*fake\.op.*layer_norm"):
+        dispatch.last_choice("xyzzy")
     assert dispatch.last_choice(OP) is None
     assert dispatch.last_choice("layer_norm") is None and dispatch.last_choice("attention") is None
     c = dispatch.select(OP, problem())

@@ -52,6 +52,7 @@ struct RoPEFunction : public torch::autograd::Function<RoPEFunction> {
     static const auto op = na::op_handle<Sig>("pipegoose::rope_forward");
     at::AutoDispatchBelowADInplaceOrView below;
     auto [qe, ke] = op.call(q, k, cos, sin);
+    ctx->set_materialize_grads(false);   // an output left out of the loss: its gradient stays undefined (no zeros)
     ctx->save_for_backward({cos, sin});
     ctx->saved_data["q_sizes"] = q.sizes().vec();
     ctx->saved_data["k_sizes"] = k.sizes().vec();

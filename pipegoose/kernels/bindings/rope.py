@@ -3,7 +3,8 @@
 
 Shapes and dtypes, as the CUDA kernels return them: ``q`` ``[B, Hq, S, D]``, ``k`` ``[B, Hk, S, D]``, ``cos`` and
 ``sin`` ``[B or 1, S, D]``, one dtype; each output has its input's shape and dtype (``cos``'s dtype in the backward)
-and, where the input is dense, its strides (``torch.empty_like``). Imported by the builder after the library is
+and the strides ``torch.empty_like`` gives it (the input's where it is dense, else dense strides in the input's
+order of dimensions). Imported by the builder after the library is
 loaded."""
 
 from __future__ import annotations
@@ -19,6 +20,15 @@ def _check(qn, q, kn, k, cos, sin) -> None:
     torch._check(k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2] and k.shape[3] == q.shape[3],
                  lambda: f"{kn}: shape {tuple(k.shape)} does not match {qn}'s {tuple(q.shape)} in batch, seq, head_dim")
     torch._check(q.shape[3] % 2 == 0, lambda: f"{qn}: head_dim must be even, got {q.shape[3]}")
+    torch._check(cos.shape[1] == q.shape[2] and cos.shape[2] == q.shape[3]
+                 and (cos.shape[0] == 1 or cos.shape[0] == q.shape[0]),
+                 lambda: f"cos: shape {tuple(cos.shape)} is not [{q.shape[0]} or 1, {q.shape[2]}, {q.shape[3]}]")
+    torch._check(sin.dtype == cos.dtype, lambda: f"sin: dtype {sin.dtype}, expected cos's {cos.dtype}")
+
+
+def _same_dtype(q, k, cos) -> None:
+    torch._check(q.dtype == cos.dtype and k.dtype == cos.dtype,
+                 lambda: f"q is {q.dtype}, k {k.dtype} and cos {cos.dtype}; expected one dtype")
 
 
 def _like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -30,6 +40,7 @@ def _like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @torch.library.register_fake("pipegoose::rope_forward")
 def _forward_fake(q, k, cos, sin):
     _check("q", q, "k", k, cos, sin)
+    _same_dtype(q, k, cos)
     return _like(q, q.dtype), _like(k, k.dtype)
 
 
@@ -42,4 +53,5 @@ def _backward_fake(grad_q_embed, grad_k_embed, cos, sin):
 @torch.library.register_fake("pipegoose::rope")
 def _fake(q, k, cos, sin):
     _check("q", q, "k", k, cos, sin)
+    _same_dtype(q, k, cos)
     return _like(q, q.dtype), _like(k, k.dtype)

@@ -14,9 +14,9 @@
 // 16-bit rounds each product and the sum: three roundings; the kernel is the closer to exact).
 //
 // Layout: any strides for q, k, the gradients, cos and sin, as long as the last dimension is contiguous (stride 1;
-// a tensor whose last stride is not 1 is copied first). Outputs take their input's strides where the input is
-// dense (torch.empty_like: a query of Llama, a transposed [B, S, H, D] projection, gives a result of the same layout,
-// as eager PyTorch's product does), else they are contiguous. One dtype for q, k, cos and sin; gradients of another
+// a tensor whose last stride is not 1 is copied first). Outputs are torch.empty_like their input: its strides where
+// it is dense (a query of Llama, a transposed [B, S, H, D] projection, gives a result of the same layout, as eager
+// PyTorch's product does), else dense strides in the input's order of dimensions. One dtype for q, k, cos and sin; gradients of another
 // dtype are converted first. D even. 64-bit offsets. Errors (RuntimeError naming the argument): not CUDA, devices
 // differ, dtype not fp32/fp16/bf16 or differing, ranks or sizes that do not match the shapes above.
 //

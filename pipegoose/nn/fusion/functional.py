@@ -316,7 +316,8 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
 
     Returns:
         ``(q_embed, k_embed)`` of q's and k's shapes and dtype; on the kernel path each has its input's strides where
-        the input is dense (as eager PyTorch's product), else it is contiguous. The kernel computes each value in
+        the input is dense (as eager PyTorch's product), else dense strides in its order of dimensions
+        (``torch.empty_like``). The kernel computes each value in
         fp32 and rounds it once (eager PyTorch in 16-bit rounds three times: about one unit in the last place apart,
         the kernel the closer to exact); gradients for ``q`` and ``k`` likewise. It saves only ``cos`` and ``sin``.
         Other inputs run the PyTorch reference (a fallback with the reason): dtypes that differ, a cos or sin that

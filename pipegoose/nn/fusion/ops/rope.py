@@ -144,7 +144,8 @@ def _signature(q, k, cos, sin, unsqueeze_dim) -> tuple | None:
     try:
         if any_in_transform(q, k, cos, sin) or in_dual_level():
             return None
-        sig = (unsqueeze_dim, torch.is_grad_enabled()) + tuple(
+        # (the type too: True, 1.0 and numpy.int64(1) equal 1, and check_args refuses them)
+        sig = (type(unsqueeze_dim), unsqueeze_dim, torch.is_grad_enabled()) + tuple(
             (type(t), t.dtype, t.device, t.shape, t.requires_grad) for t in (q, k, cos, sin))
         hash(sig)
     except (AttributeError, TypeError):
