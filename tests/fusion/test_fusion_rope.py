@@ -138,7 +138,7 @@ def test_reference_path_against_float64(dtype, bshd):
 
 
 @pytest.mark.parametrize("what,build", [
-    ("tables in fp32, q and k in bf16 (promoted)", lambda: _inputs(dtype=torch.bfloat16, table_dtype=torch.float32)),
+    ("tables in bf16, q and k in fp32 (promoted)", lambda: _inputs(dtype=torch.float32, table_dtype=torch.bfloat16)),
     ("q and k of other dtypes", lambda: (lambda q, k, c, s: (q, k.half(), c, s))(*_inputs())),
     ("q of batch 1, tables of batch 2 (q broadcast)", lambda: (lambda q, k, c, s: (q[:1], k[:1], c, s))(
         *_inputs(bc=2))),
@@ -344,9 +344,11 @@ def _declined(build):
 
 DECLINED = [
     ("k_half", lambda q, k, c, s: (q, k.half(), c, s, 1),
-     r"^q is float32 but k, cos, sin are float16, float32, float32: the kernel takes one dtype$"),
+     r"^q is float32 but k, cos, sin are float16, float32, float32: the kernel takes one dtype, or 16-bit q and k "
+     r"with fp32 cos and sin \(autocast\)$"),
     ("tables_bf16", lambda q, k, c, s: (q, k, c.bfloat16(), s.bfloat16(), 1),
-     r"^q is float32 but k, cos, sin are float32, bfloat16, bfloat16: the kernel takes one dtype$"),
+     r"^q is float32 but k, cos, sin are float32, bfloat16, bfloat16: the kernel takes one dtype, or 16-bit q and "
+     r"k with fp32 cos and sin \(autocast\)$"),
     ("float64", lambda q, k, c, s: (q.double(), k.double(), c.double(), s.double(), 1),
      r"^q dtype float64 not supported \(float32, float16, bfloat16\)$"),
     ("cos_requires_grad", lambda q, k, c, s: (q, k, c.requires_grad_(), s, 1),
@@ -728,3 +730,19 @@ def test_op_refuses_tables_that_require_grad():
         with torch.no_grad():
             qe, _ = torch.ops.pipegoose.rope(q, k, cc, ss)
         assert qe.shape == q.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_kernel_takes_16bit_q_and_k_with_fp32_tables(dtype):
+    """Autocast's pair (16-bit projections, LlamaRotaryEmbedding's fp32 tables) is the kernel's on CUDA; the reverse
+    (fp32 q with 16-bit tables) and 16-bit tables of the other 16-bit dtype are not."""
+    q, k, cos, sin = _inputs(dtype=dtype, table_dtype=torch.float32)
+    assert R._pipegoose_supports(_cuda_problem(q, k, cos, sin, 1)) == (True, "")
+    other = torch.bfloat16 if dtype == torch.float16 else torch.float16
+    for args in (_inputs(dtype=torch.float32, table_dtype=dtype), _inputs(dtype=dtype, table_dtype=other)):
+        ok, why = R._pipegoose_supports(_cuda_problem(*args, 1))
+        assert not ok and "the kernel takes one dtype, or 16-bit q and k with fp32 cos and sin" in why
+    # the reference path (CPU) gives PyTorch's promotion, as transformers' function
+    got = PF.apply_rotary_pos_emb(q, k, cos, sin)
+    want = _hf()(q, k, cos, sin)
+    assert all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(got, want))

@@ -322,6 +322,72 @@ def test_gradients_of_another_dtype_are_converted_first(ops):
     assert all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", AUTOGRAD_CASES, ids=case_id)
+def test_16bit_q_and_k_with_fp32_tables(ops, dtype, case):
+    """Autocast's pair: 16-bit q and k (the projections' outputs) with fp32 cos and sin (LlamaRotaryEmbedding under
+    autocast): fp32 results, as PyTorch's promotion of q * cos makes them; gradients in q's dtype, from fp32 output
+    gradients. Against float64, and the raw ops against the autograd op bit for bit."""
+    q, k, _, _, _, _ = make(case, dtype, seed_of("mixed", case))
+    b, hq, hk, s_, d, bc = case
+    cos, sin = tables(bc, s_, d, torch.float32, seed_of("mixed tables", case))
+    gen = torch.Generator(device=DEV).manual_seed(seed_of("mixed grads", case))
+    dq = torch.randn(q.shape, generator=gen, device=DEV)
+    dk = torch.randn(k.shape, generator=gen, device=DEV)
+    poison((q.shape, torch.float32), (k.shape, torch.float32))
+    qe, ke = ops.rope_forward(q, k, cos, sin)
+    assert qe.dtype == ke.dtype == torch.float32
+    gq, gk = ops.rope_backward(dq, dk, cos, sin, dtype)
+    assert gq.dtype == gk.dtype == dtype
+    want = ref64(q, k, cos, sin, dq, dk)
+    for name, got, w, dt in zip(("q_embed", "k_embed", "grad_q", "grad_k"), (qe, ke, gq, gk), want,
+                                (torch.float32, torch.float32, dtype, dtype)):
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got.double(), w, **tol(dt), msg=lambda m: f"{name}: {m}")
+    # the formula in PyTorch (promotion to fp32): the same values up to fp32's rounding
+    tq, tk = torch_formula(q, k, cos, sin)
+    assert tq.dtype == torch.float32
+    torch.testing.assert_close(qe, tq, **tol(torch.float32))
+    torch.testing.assert_close(ke, tk, **tol(torch.float32))
+    qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+    aq, ak = torch.ops.pipegoose.rope(qq, kk, cos, sin)
+    torch.autograd.backward((aq, ak), (dq, dk))
+    assert torch.equal(aq, qe) and torch.equal(ak, ke)
+    assert qq.grad.dtype == dtype and torch.equal(qq.grad, gq) and torch.equal(kk.grad, gk)
+
+
+def test_autocast_llama_attention_runs_the_kernel(ops, no_tuning_table):
+    """A float32 Llama attention under bf16 autocast, fused for rope: the kernel runs (16-bit q and k, fp32 tables),
+    and the outputs and gradients match the unfused module's."""
+    transformers = pytest.importorskip("transformers")
+    from pipegoose.nn.fusion import dispatch, fuse, unfuse
+
+    cfg = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                                   intermediate_size=512, vocab_size=64, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaModel(cfg).to(DEV)
+    ids = torch.randint(0, 64, (2, 300), device=DEV)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            h = model(input_ids=ids).last_hidden_state
+        h.float().square().mean().backward()
+        return h.detach().float(), [p.grad.detach().clone() for p in model.parameters()]
+
+    h0, g0 = run()
+    fuse(model, ops=["rope"])
+    try:
+        with dispatch.strict():
+            h1, g1 = run()
+        assert dispatch.stats()["rope"] == {"pipegoose": 1}
+    finally:
+        unfuse(model)
+    torch.testing.assert_close(h1, h0, **tol(torch.bfloat16))
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, **tol(torch.bfloat16, 4))
+
+
 # ------------------------------------------------------------------------------------------ memory layouts
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_transposed_projections_keep_their_layout(ops, dtype):
@@ -452,7 +518,8 @@ def test_functional_on_cuda_runs_the_kernel(ops, no_tuning_table, dtype):
     k2 = k.float() if dtype != torch.float32 else k.half()
     got = apply(q, k2, cos, sin)
     c = dispatch.last_choice("rope")
-    assert (c.impl, c.fallback) == ("torch", True) and "the kernel takes one dtype" in c.reasons["pipegoose"], c
+    assert (c.impl, c.fallback) == ("torch", True) and "the kernel takes one dtype, or 16-bit q and k with fp32" in \
+        c.reasons["pipegoose"], c
     want = torch_formula(q, k2, cos, sin)
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
     # partial rotary (cos narrower than D): PyTorch's broadcasting error, as transformers' function raises it
@@ -706,8 +773,12 @@ def test_bad_arguments_name_the_argument(ops):
         (lambda: fwd(q.double(), k.double(), cos.double(), sin.double()),
          r"rope_forward: cos must be float32, float16 or bfloat16, got Double"),
         (lambda: fwd(q, k, cos, sin.half()), r"rope_forward: sin is Half but cos is Float; expected one dtype"),
-        (lambda: fwd(q.bfloat16(), k, cos, sin), r"rope_forward: q is BFloat16, k Float and cos Float; expected one"),
-        (lambda: fwd(q, k.half(), cos, sin), r"rope_forward: q is Float, k Half and cos Float; expected one dtype"),
+        (lambda: fwd(q.bfloat16(), k, cos, sin), r"rope_forward: k is Float but q is BFloat16; expected one dtype"),
+        (lambda: fwd(q, k.half(), cos, sin), r"rope_forward: k is Half but q is Float; expected one dtype"),
+        (lambda: fwd(q, k, cos.half(), sin.half()), r"rope_forward: q is Float and cos Half; expected one dtype, or "
+                                                    r"float16 / bfloat16 q and k with float32 cos and sin \(autocast\)"),
+        (lambda: bwd(dq, dk, cos.half(), sin.half(), torch.bfloat16),
+         r"rope_backward: dtype BFloat16 with cos of Half; expected cos's dtype, or float16 / bfloat16 with float32"),
         (lambda: fwd(q, k, cos[0], sin[0]), r"rope_forward: cos must have 3 dimensions \[batch or 1, seq, "
                                             r"head_dim\], got shape \[5, 8\]"),
         (lambda: fwd(q, k, cos, sin[..., :6]), r"rope_forward: sin has shape \[1, 5, 6\] but cos has \[1, 5, 8\]; "

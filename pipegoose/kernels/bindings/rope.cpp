@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -19,7 +20,8 @@ namespace pipegoose {
 std::tuple<at::Tensor, at::Tensor> rope_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                                      const at::Tensor& sin);
 std::tuple<at::Tensor, at::Tensor> rope_backward_cuda(const at::Tensor& grad_q_embed, const at::Tensor& grad_k_embed,
-                                                      const at::Tensor& cos, const at::Tensor& sin);
+                                                      const at::Tensor& cos, const at::Tensor& sin,
+                                                      std::optional<at::ScalarType> dtype);
 }  // namespace pipegoose
 
 namespace {
@@ -30,15 +32,17 @@ using torch::autograd::variable_list;
 
 using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                const at::Tensor&);
+using BackwardSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                       const at::Tensor&, std::optional<at::ScalarType>);
 
 // The backward's numerics as PyTorch ops, differentiable (a backward with create_graph=True): the transposed rotation
-// of dy in fp32, rounded once to cos's dtype. g1 = dy1 * c1 + dy2 * s2, g2 = dy2 * c2 - dy1 * s1.
-at::Tensor rotate_back(const at::Tensor& dy, const at::Tensor& cos, const at::Tensor& sin) {
+// of dy in fp32, rounded once to `dtype` (q's). g1 = dy1 * c1 + dy2 * s2, g2 = dy2 * c2 - dy1 * s1.
+at::Tensor rotate_back(const at::Tensor& dy, const at::Tensor& cos, const at::Tensor& sin, at::ScalarType dtype) {
   const int64_t half = dy.size(-1) / 2;
   const at::Tensor d = dy.to(at::kFloat), c = cos.to(at::kFloat).unsqueeze(1), s = sin.to(at::kFloat).unsqueeze(1);
   const at::Tensor ds = d * s;
   const at::Tensor rot = at::cat({ds.narrow(-1, half, half), -ds.narrow(-1, 0, half)}, -1);
-  return (d * c + rot).to(cos.scalar_type());
+  return (d * c + rot).to(dtype);
 }
 
 }  // namespace
@@ -56,6 +60,7 @@ struct RoPEFunction : public torch::autograd::Function<RoPEFunction> {
     ctx->save_for_backward({cos, sin});
     ctx->saved_data["q_sizes"] = q.sizes().vec();
     ctx->saved_data["k_sizes"] = k.sizes().vec();
+    ctx->saved_data["dtype"] = static_cast<int64_t>(q.scalar_type());   // the gradients' (cos's may be fp32)
     return {qe, ke};
   }
 
@@ -66,17 +71,18 @@ struct RoPEFunction : public torch::autograd::Function<RoPEFunction> {
     const bool want_q = ctx->needs_input_grad(0) && dq.defined();
     const bool want_k = ctx->needs_input_grad(1) && dk.defined();
     if (!want_q && !want_k) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
     if (at::GradMode::is_enabled()) {  // create_graph=True: gradients that are differentiable again
       c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-      return {want_q ? rotate_back(dq, cos, sin) : at::Tensor(), want_k ? rotate_back(dk, cos, sin) : at::Tensor(),
-              at::Tensor(), at::Tensor()};
+      return {want_q ? rotate_back(dq, cos, sin, dtype) : at::Tensor(),
+              want_k ? rotate_back(dk, cos, sin, dtype) : at::Tensor(), at::Tensor(), at::Tensor()};
     }
     // an output whose gradient is undefined (not used in the loss) rotates zeros: its input gets no gradient
     if (!dq.defined()) dq = at::zeros(ctx->saved_data["q_sizes"].toIntVector(), cos.options());
     if (!dk.defined()) dk = at::zeros(ctx->saved_data["k_sizes"].toIntVector(), cos.options());
-    static const auto op = na::op_handle<Sig>("pipegoose::rope_backward");
+    static const auto op = na::op_handle<BackwardSig>("pipegoose::rope_backward");
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [gq, gk] = op.call(dq, dk, cos, sin);
+    auto [gq, gk] = op.call(dq, dk, cos, sin, dtype);
     return {want_q ? gq : at::Tensor(), want_k ? gk : at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -99,7 +105,7 @@ std::tuple<at::Tensor, at::Tensor> rope_autograd(const at::Tensor& q, const at::
 
 TORCH_LIBRARY_FRAGMENT(pipegoose, m) {
   m.def("rope_forward(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor q_embed, Tensor k_embed)");
-  m.def("rope_backward(Tensor grad_q_embed, Tensor grad_k_embed, Tensor cos, Tensor sin) -> "
+  m.def("rope_backward(Tensor grad_q_embed, Tensor grad_k_embed, Tensor cos, Tensor sin, ScalarType? dtype=None) -> "
         "(Tensor grad_q, Tensor grad_k)");
   m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor q_embed, Tensor k_embed)");
 }

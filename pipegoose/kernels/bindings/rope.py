@@ -2,10 +2,10 @@
 (pipegoose's rotary position embedding, ``pipegoose/kernels/csrc/rope.cu``).
 
 Shapes and dtypes, as the CUDA kernels return them: ``q`` ``[B, Hq, S, D]``, ``k`` ``[B, Hk, S, D]``, ``cos`` and
-``sin`` ``[B or 1, S, D]``, one dtype; each output has its input's shape and dtype (``cos``'s dtype in the backward)
-and the strides ``torch.empty_like`` gives it (the input's where it is dense, else dense strides in the input's
-order of dimensions). Imported by the builder after the library is
-loaded."""
+``sin`` ``[B or 1, S, D]``, one dtype or 16-bit q and k with fp32 tables (autocast); each output has its input's
+shape, the promoted dtype (fp32 for fp32 tables; the backward: ``dtype``, default cos's) and the strides
+``torch.empty_like`` gives it (the input's where it is dense, else dense strides in the input's order of dimensions).
+Imported by the builder after the library is loaded."""
 
 from __future__ import annotations
 
@@ -26,9 +26,22 @@ def _check(qn, q, kn, k, cos, sin) -> None:
     torch._check(sin.dtype == cos.dtype, lambda: f"sin: dtype {sin.dtype}, expected cos's {cos.dtype}")
 
 
-def _same_dtype(q, k, cos) -> None:
-    torch._check(q.dtype == cos.dtype and k.dtype == cos.dtype,
-                 lambda: f"q is {q.dtype}, k {k.dtype} and cos {cos.dtype}; expected one dtype")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _forward_dtype(q, k, cos) -> torch.dtype:
+    """The results' dtype: q's, or fp32 for 16-bit q and k with fp32 tables (autocast; PyTorch's promotion)."""
+    torch._check(k.dtype == q.dtype, lambda: f"k is {k.dtype} but q is {q.dtype}; expected one dtype")
+    torch._check(cos.dtype == q.dtype or (cos.dtype == torch.float32 and q.dtype in _HALF),
+                 lambda: f"q is {q.dtype} and cos {cos.dtype}; expected one dtype, or 16-bit q with float32 cos")
+    return torch.float32 if cos.dtype == torch.float32 else q.dtype
+
+
+def _backward_dtype(cos, dtype) -> torch.dtype:
+    out = cos.dtype if dtype is None else dtype
+    torch._check(out == cos.dtype or (cos.dtype == torch.float32 and out in _HALF),
+                 lambda: f"dtype {out} with cos of {cos.dtype}; expected cos's dtype, or 16-bit with float32 cos")
+    return out
 
 
 def _like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -40,18 +53,19 @@ def _like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @torch.library.register_fake("pipegoose::rope_forward")
 def _forward_fake(q, k, cos, sin):
     _check("q", q, "k", k, cos, sin)
-    _same_dtype(q, k, cos)
-    return _like(q, q.dtype), _like(k, k.dtype)
+    out = _forward_dtype(q, k, cos)
+    return _like(q, out), _like(k, out)
 
 
 @torch.library.register_fake("pipegoose::rope_backward")
-def _backward_fake(grad_q_embed, grad_k_embed, cos, sin):
+def _backward_fake(grad_q_embed, grad_k_embed, cos, sin, dtype=None):
     _check("grad_q_embed", grad_q_embed, "grad_k_embed", grad_k_embed, cos, sin)
-    return _like(grad_q_embed, cos.dtype), _like(grad_k_embed, cos.dtype)
+    out = _backward_dtype(cos, dtype)
+    return _like(grad_q_embed, out), _like(grad_k_embed, out)
 
 
 @torch.library.register_fake("pipegoose::rope")
 def _fake(q, k, cos, sin):
     _check("q", q, "k", k, cos, sin)
-    _same_dtype(q, k, cos)
-    return _like(q, q.dtype), _like(k, k.dtype)
+    out = _forward_dtype(q, k, cos)
+    return _like(q, out), _like(k, out)

@@ -7,7 +7,7 @@
 //     x_embed = x * cos + rotate_half(x) * sin,   rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
 //   with cos and sin broadcast over the heads (transformers' cos.unsqueeze(1)), that is, per half of a head's D:
 //     y1 = x1 * c1 - x2 * s1,   y2 = x2 * c2 + x1 * s2
-// rope_backward(grad_q_embed, grad_k_embed, cos, sin) -> (grad_q, grad_k), the transposed rotation:
+// rope_backward(grad_q_embed, grad_k_embed, cos, sin, dtype=None) -> (grad_q, grad_k), the transposed rotation:
 //     g1 = dy1 * c1 + dy2 * s2,   g2 = dy2 * c2 - dy1 * s1
 // cos and sin are used as given (both halves read: no assumption that cos[:D/2] == cos[D/2:], as it is in Llama's
 // tables), and they get no gradient. Each value is computed in fp32 and rounded once to the dtype (eager PyTorch in
@@ -16,9 +16,11 @@
 // Layout: any strides for q, k, the gradients, cos and sin, as long as the last dimension is contiguous (stride 1;
 // a tensor whose last stride is not 1 is copied first). Outputs are torch.empty_like their input: its strides where
 // it is dense (a query of Llama, a transposed [B, S, H, D] projection, gives a result of the same layout, as eager
-// PyTorch's product does), else dense strides in the input's order of dimensions. One dtype for q, k, cos and sin; gradients of another
-// dtype are converted first. D even. 64-bit offsets. Errors (RuntimeError naming the argument): not CUDA, devices
-// differ, dtype not fp32/fp16/bf16 or differing, ranks or sizes that do not match the shapes above.
+// PyTorch's product does), else dense strides in the input's order of dimensions. Dtypes: one for q, k, cos and sin
+// (fp32, fp16, bf16), or fp16 / bf16 q and k with fp32 cos and sin, as under autocast, whose results are fp32 (PyTorch's
+// promotion of q * cos); the backward converts the output gradients to cos's dtype and writes the input gradients in
+// `dtype` (q's; default cos's). D even. 64-bit offsets. Errors (RuntimeError naming the argument): not CUDA, devices
+// differ, dtypes not one of those pairs, ranks or sizes that do not match the shapes above.
 //
 // Work: one thread per (token, head, vector of a half): it loads 16 bytes of each half of the head (8 16-bit or 4
 // fp32 values) and the matching vectors of cos and sin (the same for every head of a token: L1 hits), and stores 16
@@ -31,6 +33,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 
 #include "pipegoose_check.h"
@@ -69,12 +72,16 @@ struct alignas(sizeof(T) * V) Vec {
   T v[V];
 };
 
-// 16-byte vectors move as uint4 (one 128-bit load or store); ro: through the read-only cache (cos and sin).
+// 16- and 8-byte vectors move as uint4 / uint2 (one 128- or 64-bit load or store); ro: through the read-only cache
+// (cos and sin).
 template <typename T, int V, bool ro = false>
 __device__ __forceinline__ Vec<T, V> load(const T* p) {
   Vec<T, V> r;
   if constexpr (V * sizeof(T) == 16) {
     const uint4 u = ro ? __ldg(reinterpret_cast<const uint4*>(p)) : *reinterpret_cast<const uint4*>(p);
+    r = *reinterpret_cast<const Vec<T, V>*>(&u);
+  } else if constexpr (V * sizeof(T) == 8) {
+    const uint2 u = ro ? __ldg(reinterpret_cast<const uint2*>(p)) : *reinterpret_cast<const uint2*>(p);
     r = *reinterpret_cast<const Vec<T, V>*>(&u);
   } else {
 #pragma unroll
@@ -87,16 +94,18 @@ template <typename T, int V>
 __device__ __forceinline__ void store(T* p, const Vec<T, V>& r) {
   if constexpr (V * sizeof(T) == 16) {
     *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&r);
+  } else if constexpr (V * sizeof(T) == 8) {
+    *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(&r);
   } else {
 #pragma unroll
     for (int j = 0; j < V; ++j) p[j] = r.v[j];
   }
 }
 
-// kBwd: the transposed rotation (the backward); I: the index type of the item arithmetic (32-bit where it fits).
-template <typename T, int V, bool kBwd, typename I>
+// TI: the rotated tensors' element type (q, k; the output gradients), TC: cos and sin's, TO: the results'; kBwd: the
+// transposed rotation (the backward); I: the index type of the item arithmetic (32-bit where it fits).
+template <typename TI, typename TC, typename TO, int V, bool kBwd, typename I>
 __global__ void __launch_bounds__(kThreads) rope_kernel(const Params p) {
-  using VT = Vec<T, V>;
   const I item = static_cast<I>(blockIdx.x) * kThreads + threadIdx.x;
   if (item >= static_cast<I>(p.items)) return;
   const I per_token = static_cast<I>(p.heads) * p.vecs;
@@ -110,34 +119,36 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const Params p) {
   if (!is_q) head -= p.heads_q;
   const Strides in = is_q ? p.q_in : p.k_in;
   const Strides res = is_q ? p.q_res : p.k_res;
-  const T* x = static_cast<const T*>(is_q ? p.q : p.k) + (static_cast<int64_t>(b) * in.b +
-                                                          static_cast<int64_t>(head) * in.h +
-                                                          static_cast<int64_t>(s) * in.s + e);
-  T* y = static_cast<T*>(is_q ? p.q_out : p.k_out) + (static_cast<int64_t>(b) * res.b +
-                                                      static_cast<int64_t>(head) * res.h +
-                                                      static_cast<int64_t>(s) * res.s + e);
-  const T* c = static_cast<const T*>(p.cos) + (static_cast<int64_t>(b) * p.cos_b + static_cast<int64_t>(s) * p.cos_s + e);
-  const T* n = static_cast<const T*>(p.sin) + (static_cast<int64_t>(b) * p.sin_b + static_cast<int64_t>(s) * p.sin_s + e);
-  const VT x1 = load<T, V>(x);
-  const VT x2 = load<T, V>(x + p.half);
-  const VT c1 = load<T, V, true>(c);
-  const VT c2 = load<T, V, true>(c + p.half);
-  const VT s1 = load<T, V, true>(n);
-  const VT s2 = load<T, V, true>(n + p.half);
-  VT y1, y2;
+  const TI* x = static_cast<const TI*>(is_q ? p.q : p.k) + (static_cast<int64_t>(b) * in.b +
+                                                            static_cast<int64_t>(head) * in.h +
+                                                            static_cast<int64_t>(s) * in.s + e);
+  TO* y = static_cast<TO*>(is_q ? p.q_out : p.k_out) + (static_cast<int64_t>(b) * res.b +
+                                                        static_cast<int64_t>(head) * res.h +
+                                                        static_cast<int64_t>(s) * res.s + e);
+  const TC* c = static_cast<const TC*>(p.cos) + (static_cast<int64_t>(b) * p.cos_b +
+                                                 static_cast<int64_t>(s) * p.cos_s + e);
+  const TC* n = static_cast<const TC*>(p.sin) + (static_cast<int64_t>(b) * p.sin_b +
+                                                 static_cast<int64_t>(s) * p.sin_s + e);
+  const Vec<TI, V> x1 = load<TI, V>(x);
+  const Vec<TI, V> x2 = load<TI, V>(x + p.half);
+  const Vec<TC, V> c1 = load<TC, V, true>(c);
+  const Vec<TC, V> c2 = load<TC, V, true>(c + p.half);
+  const Vec<TC, V> s1 = load<TC, V, true>(n);
+  const Vec<TC, V> s2 = load<TC, V, true>(n + p.half);
+  Vec<TO, V> y1, y2;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     const float a = to_f(x1.v[j]), d = to_f(x2.v[j]);
     if (kBwd) {
-      y1.v[j] = from_f<T>(a * to_f(c1.v[j]) + d * to_f(s2.v[j]));
-      y2.v[j] = from_f<T>(d * to_f(c2.v[j]) - a * to_f(s1.v[j]));
+      y1.v[j] = from_f<TO>(a * to_f(c1.v[j]) + d * to_f(s2.v[j]));
+      y2.v[j] = from_f<TO>(d * to_f(c2.v[j]) - a * to_f(s1.v[j]));
     } else {
-      y1.v[j] = from_f<T>(a * to_f(c1.v[j]) - d * to_f(s1.v[j]));
-      y2.v[j] = from_f<T>(d * to_f(c2.v[j]) + a * to_f(s2.v[j]));
+      y1.v[j] = from_f<TO>(a * to_f(c1.v[j]) - d * to_f(s1.v[j]));
+      y2.v[j] = from_f<TO>(d * to_f(c2.v[j]) + a * to_f(s2.v[j]));
     }
   }
-  store<T, V>(y, y1);
-  store<T, V>(y + p.half, y2);
+  store<TO, V>(y, y1);
+  store<TO, V>(y + p.half, y2);
 }
 
 const char* kFwd = "pipegoose::rope_forward";
@@ -184,14 +195,43 @@ Strides strides_of(const at::Tensor& t) { return {step(t, 0), step(t, 1), step(t
 
 bool multiple(int64_t v, int64_t m) { return v % m == 0; }
 
-template <typename T>
+// The types of one launch: TI the rotated tensors', TC the tables', TO the results'. One dtype for all three, or the
+// mixed-precision pairs of autocast: 16-bit q and k with fp32 tables give fp32 results (PyTorch's type promotion),
+// and the backward of those takes fp32 output gradients to 16-bit input gradients.
+template <typename F>
+void by_types(c10::ScalarType ti, c10::ScalarType tc, c10::ScalarType to, F&& f) {
+  using c10::ScalarType;
+  if (ti == tc && tc == to) {
+    by_dtype(ti, [&](auto t) { f(t, t, t); });
+  } else if (tc == ScalarType::Float && to == ScalarType::Float) {
+    if (ti == ScalarType::Half) f(c10::Half{}, float{}, float{});
+    else f(c10::BFloat16{}, float{}, float{});
+  } else {
+    if (to == ScalarType::Half) f(float{}, float{}, c10::Half{});
+    else f(float{}, float{}, c10::BFloat16{});
+  }
+}
+
+// Whether (ti, tc, to) is one of by_types's combinations.
+bool supported_types(c10::ScalarType ti, c10::ScalarType tc, c10::ScalarType to) {
+  using c10::ScalarType;
+  auto half = [](ScalarType t) { return t == ScalarType::Half || t == ScalarType::BFloat16; };
+  auto any = [&](ScalarType t) { return t == ScalarType::Float || half(t); };
+  return (ti == tc && tc == to && any(ti)) ||
+         (tc == ScalarType::Float && ((half(ti) && to == ScalarType::Float) || (ti == ScalarType::Float && half(to))));
+}
+
+template <typename TI, typename TC, typename TO>
 void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
   Params p = p0;
-  constexpr int kV = 16 / sizeof(T);
-  // the vector path: every base pointer 16-byte aligned, every stride and the half a multiple of the vector
-  bool vec = multiple(p.half, kV);
-  const void* ptrs[] = {p.q, p.k, p.q_out, p.k_out, p.cos, p.sin};
-  for (const void* ptr : ptrs) vec = vec && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+  constexpr int kWidest = sizeof(TI) > sizeof(TC) ? (sizeof(TI) > sizeof(TO) ? sizeof(TI) : sizeof(TO))
+                                                  : (sizeof(TC) > sizeof(TO) ? sizeof(TC) : sizeof(TO));
+  constexpr int kV = 16 / kWidest;   // elements per vector: 16 bytes of the widest type
+  // the vector path: every base pointer aligned to its vector, every stride and the half a multiple of the vector
+  auto aligned = [](const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
+  bool vec = multiple(p.half, kV) && aligned(p.q, kV * sizeof(TI)) && aligned(p.k, kV * sizeof(TI)) &&
+             aligned(p.q_out, kV * sizeof(TO)) && aligned(p.k_out, kV * sizeof(TO)) &&
+             aligned(p.cos, kV * sizeof(TC)) && aligned(p.sin, kV * sizeof(TC));
   const Strides strides[] = {p.q_in, p.q_res, p.k_in, p.k_res};
   for (const Strides& st : strides) {
     vec = vec && multiple(st.b, kV) && multiple(st.h, kV) && multiple(st.s, kV);
@@ -211,25 +251,27 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
   };
   if (vec) {
     if (bwd) {
-      narrow ? go(rope_kernel<T, kV, true, uint32_t>) : go(rope_kernel<T, kV, true, int64_t>);
+      narrow ? go(rope_kernel<TI, TC, TO, kV, true, uint32_t>) : go(rope_kernel<TI, TC, TO, kV, true, int64_t>);
     } else {
-      narrow ? go(rope_kernel<T, kV, false, uint32_t>) : go(rope_kernel<T, kV, false, int64_t>);
+      narrow ? go(rope_kernel<TI, TC, TO, kV, false, uint32_t>) : go(rope_kernel<TI, TC, TO, kV, false, int64_t>);
     }
   } else {
     if (bwd) {
-      narrow ? go(rope_kernel<T, 1, true, uint32_t>) : go(rope_kernel<T, 1, true, int64_t>);
+      narrow ? go(rope_kernel<TI, TC, TO, 1, true, uint32_t>) : go(rope_kernel<TI, TC, TO, 1, true, int64_t>);
     } else {
-      narrow ? go(rope_kernel<T, 1, false, uint32_t>) : go(rope_kernel<T, 1, false, int64_t>);
+      narrow ? go(rope_kernel<TI, TC, TO, 1, false, uint32_t>) : go(rope_kernel<TI, TC, TO, 1, false, int64_t>);
     }
   }
 }
 
-// Rotates x (q-like) and y (k-like) into new tensors of their layout; bwd: the transposed rotation.
+// Rotates x (q-like) and y (k-like, x's dtype) into new tensors of their layout and dtype `out`; bwd: the transposed
+// rotation.
 std::tuple<at::Tensor, at::Tensor> rotate(const char* op, const at::Tensor& x_in, const at::Tensor& y_in,
-                                          const at::Tensor& cos_in, const at::Tensor& sin_in, bool bwd) {
+                                          const at::Tensor& cos_in, const at::Tensor& sin_in, c10::ScalarType out,
+                                          bool bwd) {
   const at::Tensor x = last_dim_contiguous(x_in), y = last_dim_contiguous(y_in);
   const at::Tensor cos = last_dim_contiguous(cos_in), sin = last_dim_contiguous(sin_in);
-  at::Tensor x_out = at::empty_like(x), y_out = at::empty_like(y);
+  at::Tensor x_out = at::empty_like(x, x.options().dtype(out)), y_out = at::empty_like(y, y.options().dtype(out));
   if (x_out.numel() == 0 && y_out.numel() == 0) return {x_out, y_out};
   c10::cuda::CUDAGuard guard(cos.device());
   Params p{};
@@ -254,7 +296,9 @@ std::tuple<at::Tensor, at::Tensor> rotate(const char* op, const at::Tensor& x_in
   p.items = x.size(0) * x.size(2);  // tokens; launch() multiplies by the work per token
   if (p.half == 0) return {x_out, y_out};
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  by_dtype(cos.scalar_type(), [&](auto tag) { launch<decltype(tag)>(p, bwd, stream, op); });
+  by_types(x.scalar_type(), cos.scalar_type(), out, [&](auto ti, auto tc, auto to) {
+    launch<decltype(ti), decltype(tc), decltype(to)>(p, bwd, stream, op);
+  });
   return {x_out, y_out};
 }
 
@@ -263,19 +307,25 @@ std::tuple<at::Tensor, at::Tensor> rotate(const char* op, const at::Tensor& x_in
 std::tuple<at::Tensor, at::Tensor> rope_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                                      const at::Tensor& sin) {
   check_args(kFwd, "q", q, "k", k, cos, sin);
-  PG_CHECK(q.scalar_type() == cos.scalar_type() && k.scalar_type() == cos.scalar_type(), kFwd, ": q is ",
-           q.scalar_type(), ", k ", k.scalar_type(), " and cos ", cos.scalar_type(), "; expected one dtype");
-  return rotate(kFwd, q, k, cos, sin, /*bwd=*/false);
+  const auto dt = q.scalar_type(), tab = cos.scalar_type();
+  PG_CHECK(k.scalar_type() == dt, kFwd, ": k is ", k.scalar_type(), " but q is ", dt, "; expected one dtype");
+  const auto out = tab == at::kFloat ? at::kFloat : dt;   // PyTorch's promotion of q * cos
+  PG_CHECK(supported_types(dt, tab, out), kFwd, ": q is ", dt, " and cos ", tab,
+           "; expected one dtype, or float16 / bfloat16 q and k with float32 cos and sin (autocast)");
+  return rotate(kFwd, q, k, cos, sin, out, /*bwd=*/false);
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_backward_cuda(const at::Tensor& grad_q_embed, const at::Tensor& grad_k_embed,
-                                                      const at::Tensor& cos, const at::Tensor& sin) {
+                                                      const at::Tensor& cos, const at::Tensor& sin,
+                                                      std::optional<at::ScalarType> dtype) {
   check_args(kBwd, "grad_q_embed", grad_q_embed, "grad_k_embed", grad_k_embed, cos, sin);
   PG_CHECK(at::isFloatingType(grad_q_embed.scalar_type()) && at::isFloatingType(grad_k_embed.scalar_type()), kBwd,
            ": grad_q_embed and grad_k_embed must be floating point tensors, got ", grad_q_embed.scalar_type(), " and ",
            grad_k_embed.scalar_type());
-  const auto dt = cos.scalar_type();
-  return rotate(kBwd, grad_q_embed.to(dt), grad_k_embed.to(dt), cos, sin, /*bwd=*/true);
+  const auto tab = cos.scalar_type(), out = dtype.value_or(tab);
+  PG_CHECK(supported_types(tab, tab, out), kBwd, ": dtype ", out, " with cos of ", tab,
+           "; expected cos's dtype, or float16 / bfloat16 with float32 cos and sin (autocast)");
+  return rotate(kBwd, grad_q_embed.to(tab), grad_k_embed.to(tab), cos, sin, out, /*bwd=*/true);
 }
 
 }  // namespace pipegoose

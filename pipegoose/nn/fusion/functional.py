@@ -311,7 +311,8 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
         q: [B, Hq, S, D] (``unsqueeze_dim=1``) or [B, S, Hq, D] (``unsqueeze_dim=2``), fp32/fp16/bf16 (the kernel;
             any strides, e.g. the transposed view of a projection) or fp64.
         k: the same layout with Hk heads (Hk may differ from Hq: grouped-query attention).
-        cos, sin: [B or 1, S, D], q's dtype: the rotation's tables (``LlamaRotaryEmbedding``'s output).
+        cos, sin: [B or 1, S, D], q's dtype, or fp32 with 16-bit q and k (autocast; the results are then fp32, as
+            PyTorch's promotion makes them): the rotation's tables (``LlamaRotaryEmbedding``'s output).
         unsqueeze_dim: where cos and sin get the heads' dimension, as in transformers (1 or 2 on the kernel).
 
     Returns:

@@ -3,6 +3,10 @@ Llama and their copies (transformers' ``apply_rotary_pos_emb``): ``x * cos + rot
 ``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])``, cos and sin broadcast over the heads. Our kernel with its C++
 autograd, the PyTorch reference, dispatch.
 
+Dtypes: one for q, k, cos and sin, or fp16 / bf16 q and k with fp32 cos and sin (a model in fp32 under autocast:
+the projections are 16-bit, LlamaRotaryEmbedding's tables fp32), whose results are fp32 as PyTorch's promotion of
+``q * cos`` makes them, and whose gradients come back in q's dtype.
+
 Numerics: the kernel computes each output (and, in the backward, each gradient) in fp32 from the stored inputs and
 rounds it once to the dtype. Eager PyTorch in fp16 / bf16 rounds both products and their sum (three roundings), so
 the two differ by about one unit in the last place of the dtype, the kernel being the closer to exact; in fp32 they
@@ -21,7 +25,7 @@ import torch
 
 from .. import dispatch
 from ..dispatch import Implementation, Problem
-from ._common import (all_have_storage, any_in_transform, call_without_autocast, check_input_dtype, dtype_name,
+from ._common import (HALF_DTYPES, all_have_storage, any_in_transform, call_without_autocast, check_input_dtype, dtype_name,
                       has_tangent, in_dual_level, kernel_input_ok, needs_grad, nested_fallback)
 
 OP = "rope"
@@ -77,9 +81,12 @@ def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
     ok, why = kernel_input_ok(p, FORWARD_AD_ROPE, "q")
     if not ok:
         return ok, why
-    if any(d != p.dtype for d in p["dtypes"]):
+    k_dt, cos_dt, sin_dt = p["dtypes"]
+    if k_dt != p.dtype or sin_dt != cos_dt or not (cos_dt == p.dtype or (cos_dt == torch.float32
+                                                                           and p.dtype in HALF_DTYPES)):
         return False, (f"q is {dtype_name(p.dtype)} but k, cos, sin are "
-                       f"{', '.join(dtype_name(d) for d in p['dtypes'])}: the kernel takes one dtype")
+                       f"{', '.join(dtype_name(d) for d in p['dtypes'])}: the kernel takes one dtype, or 16-bit q and "
+                       "k with fp32 cos and sin (autocast)")
     if p["table_grad"]:
         return False, "cos or sin requires grad: the kernel gives them no gradient"
     h = _heads_dim(p)
