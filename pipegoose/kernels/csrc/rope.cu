@@ -41,16 +41,12 @@
 namespace pipegoose {
 namespace {
 
-// Benchmark experiments (the build without them is what ships): -DPIPEGOOSE_ROPE_THREADS=N threads per block,
-// -DPIPEGOOSE_ROPE_HEADS=G heads per thread.
+// Benchmark experiment (the build without it is what ships): -DPIPEGOOSE_ROPE_THREADS=N threads per block. (Several
+// heads per thread, the cos / sin vectors loaded once for them, ran slower in bf16: session48.log, call 4.)
 #ifndef PIPEGOOSE_ROPE_THREADS
 #define PIPEGOOSE_ROPE_THREADS 256
 #endif
 constexpr int kThreads = PIPEGOOSE_ROPE_THREADS;
-#ifndef PIPEGOOSE_ROPE_HEADS
-#define PIPEGOOSE_ROPE_HEADS 1
-#endif
-constexpr int kHeads = PIPEGOOSE_ROPE_HEADS;   // heads per thread
 
 template <typename T> __device__ __forceinline__ float to_f(T x) { return static_cast<float>(x); }
 template <typename T> __device__ __forceinline__ T from_f(float x) { return static_cast<T>(x); }
@@ -69,9 +65,8 @@ struct Params {
   const void* sin;
   Strides q_in, q_res, k_in, k_res;
   int64_t cos_b, cos_s, sin_b, sin_s;  // batch stride 0 where cos / sin hold one batch
-  int64_t items;                      // B * S * groups * vecs
+  int64_t items;                      // B * S * (Hq + Hk) * vecs
   int32_t seq, heads_q, heads, half, vecs;   // heads = Hq + Hk; vecs = vectors per half of a head
-  int32_t groups;                     // threads per token and vector: ceil(heads / kHeads)
 };
 
 template <typename T, int V>
@@ -110,69 +105,54 @@ __device__ __forceinline__ void store(T* p, const Vec<T, V>& r) {
 }
 
 // TI: the rotated tensors' element type (q, k; the output gradients), TC: cos and sin's, TO: the results'; kBwd: the
-// transposed rotation (the backward); I: the index type of the item arithmetic (32-bit where it fits). A thread takes
-// kHeads heads of a token (heads g, g + groups, g + 2 groups, ...: consecutive threads, consecutive heads) at one
-// vector of the half: it loads the vectors of cos and sin once, then every head's two vectors, then computes.
+// transposed rotation (the backward); I: the index type of the item arithmetic (32-bit where it fits).
 template <typename TI, typename TC, typename TO, int V, bool kBwd, typename I>
 __global__ void __launch_bounds__(kThreads) rope_kernel(const Params p) {
   const I item = static_cast<I>(blockIdx.x) * kThreads + threadIdx.x;
   if (item >= static_cast<I>(p.items)) return;
-  const I per_token = static_cast<I>(p.groups) * p.vecs;
+  const I per_token = static_cast<I>(p.heads) * p.vecs;
   const I token = item / per_token;
   const I r = item - token * per_token;
   const I b = token / p.seq;
   const I s = token - b * p.seq;
-  const I grp = r / p.vecs;
-  const I e = (r - grp * p.vecs) * V;   // first element of this vector within the half
+  I head = r / p.vecs;
+  const I e = (r - head * p.vecs) * V;   // first element of this vector within the half
+  const bool is_q = head < static_cast<I>(p.heads_q);
+  if (!is_q) head -= p.heads_q;
+  const Strides in = is_q ? p.q_in : p.k_in;
+  const Strides res = is_q ? p.q_res : p.k_res;
+  const TI* x = static_cast<const TI*>(is_q ? p.q : p.k) + (static_cast<int64_t>(b) * in.b +
+                                                            static_cast<int64_t>(head) * in.h +
+                                                            static_cast<int64_t>(s) * in.s + e);
+  TO* y = static_cast<TO*>(is_q ? p.q_out : p.k_out) + (static_cast<int64_t>(b) * res.b +
+                                                        static_cast<int64_t>(head) * res.h +
+                                                        static_cast<int64_t>(s) * res.s + e);
   const TC* c = static_cast<const TC*>(p.cos) + (static_cast<int64_t>(b) * p.cos_b +
                                                  static_cast<int64_t>(s) * p.cos_s + e);
   const TC* n = static_cast<const TC*>(p.sin) + (static_cast<int64_t>(b) * p.sin_b +
                                                  static_cast<int64_t>(s) * p.sin_s + e);
+  const Vec<TI, V> x1 = load<TI, V>(x);
+  const Vec<TI, V> x2 = load<TI, V>(x + p.half);
   const Vec<TC, V> c1 = load<TC, V, true>(c);
   const Vec<TC, V> c2 = load<TC, V, true>(c + p.half);
   const Vec<TC, V> s1 = load<TC, V, true>(n);
   const Vec<TC, V> s2 = load<TC, V, true>(n + p.half);
-  Vec<TI, V> x1[kHeads], x2[kHeads];
+  Vec<TO, V> y1, y2;
 #pragma unroll
-  for (int g = 0; g < kHeads; ++g) {
-    I head = grp + static_cast<I>(g) * p.groups;
-    if (head < static_cast<I>(p.heads)) {
-      const bool is_q = head < static_cast<I>(p.heads_q);
-      if (!is_q) head -= p.heads_q;
-      const Strides in = is_q ? p.q_in : p.k_in;
-      const TI* x = static_cast<const TI*>(is_q ? p.q : p.k) + (static_cast<int64_t>(b) * in.b +
-                                                                static_cast<int64_t>(head) * in.h +
-                                                                static_cast<int64_t>(s) * in.s + e);
-      x1[g] = load<TI, V>(x);
-      x2[g] = load<TI, V>(x + p.half);
+  for (int j = 0; j < V; ++j) {
+    const float a = to_f(x1.v[j]), d = to_f(x2.v[j]);
+    // one product rounded, then a fused multiply-add, spelled out so that every build and path (vector or scalar)
+    // rounds alike (left to the compiler, the contraction differed between the two paths by an ulp in fp32)
+    if (kBwd) {
+      y1.v[j] = from_f<TO>(__fmaf_rn(a, to_f(c1.v[j]), __fmul_rn(d, to_f(s2.v[j]))));
+      y2.v[j] = from_f<TO>(__fmaf_rn(d, to_f(c2.v[j]), -__fmul_rn(a, to_f(s1.v[j]))));
+    } else {
+      y1.v[j] = from_f<TO>(__fmaf_rn(a, to_f(c1.v[j]), -__fmul_rn(d, to_f(s1.v[j]))));
+      y2.v[j] = from_f<TO>(__fmaf_rn(d, to_f(c2.v[j]), __fmul_rn(a, to_f(s2.v[j]))));
     }
   }
-#pragma unroll
-  for (int g = 0; g < kHeads; ++g) {
-    I head = grp + static_cast<I>(g) * p.groups;
-    if (head < static_cast<I>(p.heads)) {
-      const bool is_q = head < static_cast<I>(p.heads_q);
-      if (!is_q) head -= p.heads_q;
-      const Strides res = is_q ? p.q_res : p.k_res;
-      TO* y = static_cast<TO*>(is_q ? p.q_out : p.k_out) + (static_cast<int64_t>(b) * res.b +
-                                                            static_cast<int64_t>(head) * res.h +
-                                                            static_cast<int64_t>(s) * res.s + e);
-      Vec<TO, V> y1, y2;
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const float a = to_f(x1[g].v[j]), d = to_f(x2[g].v[j]);
-        if (kBwd) {
-          y1.v[j] = from_f<TO>(a * to_f(c1.v[j]) + d * to_f(s2.v[j]));
-          y2.v[j] = from_f<TO>(d * to_f(c2.v[j]) - a * to_f(s1.v[j]));
-        } else {
-          y1.v[j] = from_f<TO>(a * to_f(c1.v[j]) - d * to_f(s1.v[j]));
-          y2.v[j] = from_f<TO>(d * to_f(c2.v[j]) + a * to_f(s2.v[j]));
-        }
-      }
-      store<TO, V>(y, y1);
-      store<TO, V>(y + p.half, y2);
-    }
-  }
+  store<TO, V>(y, y1);
+  store<TO, V>(y + p.half, y2);
 }
 
 const char* kFwd = "pipegoose::rope_forward";
@@ -264,8 +244,7 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
   const int v = vec ? kV : 1;
   p.vecs = p.half / v;
   const int64_t tokens = p.items;  // (set by the caller to B * S)
-  p.groups = (p.heads + kHeads - 1) / kHeads;
-  p.items = tokens * p.groups * p.vecs;
+  p.items = tokens * p.heads * p.vecs;
   if (p.items == 0) return;
   const int64_t blocks = (p.items + kThreads - 1) / kThreads;
   PG_CHECK(blocks <= INT32_MAX, op, ": ", p.items, " work items are more than one launch covers");
