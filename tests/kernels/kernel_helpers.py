@@ -1,10 +1,13 @@
 """Helpers of the kernel tests: a throw-away manifest with tiny kernels (builder tests); the norm backward's
 specialised widths (NORM_SPEC_*: GPU tests; all three checked against norm_kernels.cuh by
-tests/kernels/test_norm_spec_lists.py)."""
+tests/kernels/test_norm_spec_lists.py); a stable seed per test key and the allocator poisoning of the elementwise
+kernels' GPU tests (SwiGLU, RoPE)."""
 
 from __future__ import annotations
 
+import math
 import textwrap
+import zlib
 from pathlib import Path
 
 # BwdSpec16Ln / BwdSpec16Rms / BwdSpec32Ln / BwdSpec32Rms in norm_kernels.cuh (BwdSpecExtra): the widths whose
@@ -88,3 +91,19 @@ def write_manifest(root: Path, op: str, *, cpp_body: str | None = None, extra_ke
         """) + extra_kernels)
     (root / "csrc" / "one.cu").write_text("__global__ void one_kernel() {}\n")
     return path
+
+
+def seed_of(*key) -> int:
+    """A seed that depends on ``key`` only (not on the test order or the interpreter's hash randomisation)."""
+    return zlib.crc32(repr(key).encode())
+
+
+def poison(*like, device: str = "cuda") -> None:
+    """Leave NaN-filled (0xFF bytes: NaN in fp32/fp16/bf16) blocks of the outputs' sizes (``(shape, dtype)`` pairs) in
+    the caching allocator, so that an output element the kernel does not write reads back as NaN."""
+    import torch
+
+    blocks = [torch.full((max(1, math.prod(s)) * torch.empty((), dtype=d).element_size(),), 0xFF,
+                         dtype=torch.uint8, device=device) for s, d in like]
+    torch.cuda.synchronize()
+    del blocks

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import math
 import warnings
-import zlib
 
 import pytest
 import torch
+from kernel_helpers import poison, seed_of
 from tolerances import TOLERANCES, tol
 
 pytestmark = pytest.mark.cuda
@@ -79,19 +79,6 @@ def _fresh_stats():
 
 
 # --------------------------------------------------------------------------------------------------- helpers
-def seed_of(*key) -> int:
-    return zlib.crc32(repr(key).encode())
-
-
-def poison(*like: tuple[tuple[int, ...], torch.dtype]) -> None:
-    """Leave NaN-filled (0xFF bytes: NaN in fp32/fp16/bf16) blocks of the outputs' sizes in the caching allocator,
-    so that an output element the kernel does not write reads back as NaN."""
-    blocks = [torch.full((max(1, math.prod(s)) * torch.empty((), dtype=d).element_size(),), 0xFF,
-                         dtype=torch.uint8, device=DEV) for s, d in like]
-    torch.cuda.synchronize()
-    del blocks
-
-
 def tables(bc, s, d, dtype, seed):
     """cos and sin [bc, s, d] of angles drawn per element (the two halves of a head differ)."""
     gen = torch.Generator(device=DEV).manual_seed(seed)

@@ -16,12 +16,11 @@ use; ``python -m pipegoose.kernels build pipegoose/swiglu`` first saves time).
 
 from __future__ import annotations
 
-import math
-import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_helpers import poison, seed_of
 from tolerances import TOLERANCES, tol
 
 pytestmark = pytest.mark.cuda
@@ -44,19 +43,6 @@ def ops():
 
 
 # --------------------------------------------------------------------------------------------------- helpers
-def seed_of(*key) -> int:
-    return zlib.crc32(repr(key).encode())
-
-
-def poison(*like: tuple[tuple[int, ...], torch.dtype]) -> None:
-    """Leave NaN-filled (0xFF bytes: NaN in fp32/fp16/bf16) blocks of the outputs' sizes in the caching allocator,
-    so that an output element the kernel does not write reads back as NaN."""
-    blocks = [torch.full((max(1, math.prod(s)) * torch.empty((), dtype=d).element_size(),), 0xFF,
-                         dtype=torch.uint8, device=DEV) for s, d in like]
-    torch.cuda.synchronize()
-    del blocks
-
-
 def make(shape, dtype, seed, scale=2.0):
     """gate (N(0, scale^2): both tails of sigmoid), up and grad_output, on the GPU in ``dtype``."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
