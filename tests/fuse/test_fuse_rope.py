@@ -25,7 +25,20 @@ def _restore_global():
     """Every test leaves modeling_llama's function as it found it (a failed test must not leak a patch)."""
     yield
     ml.apply_rotary_pos_emb = ORIGINAL
-    rope_mod._active.depth = 0
+    if isinstance(ORIGINAL, torch.nn.Module) and rope_mod.is_dispatching(ORIGINAL.__dict__.get("forward")):
+        del ORIGINAL.__dict__["forward"]
+    rope_mod._active.stack = []
+
+
+def _installed():
+    """The dispatching function at modeling_llama's apply_rotary_pos_emb (transformers 5: the forward of the kernels
+    wrapper module, which stays the global; older versions: the global itself), or None."""
+    return rope_mod.dispatching_of(ml.apply_rotary_pos_emb)
+
+
+def _restored() -> bool:
+    """modeling_llama's function as it was: the same object, with nothing of ours on it."""
+    return ml.apply_rotary_pos_emb is ORIGINAL and rope_mod.dispatching_of(ORIGINAL) is None
 
 
 def _rope_rows(report):
@@ -69,8 +82,12 @@ def test_llama_rope_is_fused_per_module_and_unfused_exactly():
                for r in rows), rows
     assert all("modeling_llama.apply_rotary_pos_emb, the rotate-half RoPE (probed)" in r.reason for r in rows), rows
     assert report.eligible == report.covered == 2
-    assert ml.apply_rotary_pos_emb is not ORIGINAL and rope_mod.is_dispatching(ml.apply_rotary_pos_emb)
-    assert ml.apply_rotary_pos_emb.__wrapped__ is ORIGINAL
+    d = _installed()
+    assert d is not None
+    if isinstance(ORIGINAL, torch.nn.Module):   # the wrapper module stays the global (it pickles by name)
+        assert ml.apply_rotary_pos_emb is ORIGINAL and ORIGINAL.__dict__["forward"] is d
+    else:
+        assert d.__wrapped__ is ORIGINAL
     assert all(rope_mod.hooked(m) for m in attn.values())
     assert _attention_modules(model) == attn          # nothing replaced
 
@@ -81,10 +98,10 @@ def test_llama_rope_is_fused_per_module_and_unfused_exactly():
     assert g.keys() == ref_g.keys()
     for n in ref_g:
         torch.testing.assert_close(g[n], ref_g[n], rtol=1e-12, atol=1e-12, msg=lambda m: f"grad of {n}: {m}")
-    assert rope_mod._active.depth == 0
+    assert not rope_mod._active.stack
 
     assert unfuse(model) is True and not is_fused(model)
-    assert ml.apply_rotary_pos_emb is ORIGINAL
+    assert _restored()
     assert not any(rope_mod.hooked(m) for m in attn.values())
     dispatch.reset_stats()
     _step(model, ids, mask)
@@ -120,17 +137,17 @@ def test_the_function_goes_back_with_the_last_fused_model():
     unfusing the second puts the original back."""
     a, b = models.build("llama", "eager"), models.build("llama", "eager", seed=1)
     fuse(a, ops=["rope"])
-    fn = ml.apply_rotary_pos_emb
+    fn = _installed()
     fuse(b, ops=["rope"])
-    assert ml.apply_rotary_pos_emb is fn               # installed once
+    assert _installed() is fn is not None              # installed once
     unfuse(a)
-    assert ml.apply_rotary_pos_emb is fn
+    assert _installed() is fn
     ids, mask = models.inputs()
     dispatch.reset_stats()
     b(input_ids=ids, attention_mask=mask)
     assert _rope_calls() == 2
     unfuse(b)
-    assert ml.apply_rotary_pos_emb is ORIGINAL
+    assert _restored()
 
 
 def test_a_function_replaced_while_fused_is_left_alone():
@@ -144,7 +161,7 @@ def test_a_function_replaced_while_fused_is_left_alone():
 
     ml.apply_rotary_pos_emb = theirs
     assert unfuse(model) is True
-    assert ml.apply_rotary_pos_emb is theirs
+    assert ml.apply_rotary_pos_emb is theirs and rope_mod.dispatching_of(ORIGINAL) is None
     assert not any(rope_mod.hooked(m) for m in _attention_modules(model).values())
 
 
@@ -176,7 +193,7 @@ def test_dry_run_changes_nothing():
     model = models.build("llama", "eager")
     report = fuse(model, dry_run=True)
     assert len([r for r in _rope_rows(report) if r.fused]) == 2
-    assert ml.apply_rotary_pos_emb is ORIGINAL
+    assert _restored()
     assert not any(rope_mod.hooked(m) for m in _attention_modules(model).values())
 
 
@@ -188,13 +205,14 @@ def test_a_forward_that_raises_leaves_no_count_behind():
     attn = next(iter(_attention_modules(model).values()))
     with pytest.raises(Exception):
         attn(torch.randn(1, 3, model.config.hidden_size), position_embeddings=None)   # (cos, sin = None: TypeError)
-    assert rope_mod._active.depth == 0
+    assert not rope_mod._active.stack
     unfuse(model)
 
 
 def test_gpt_neox_partial_rotary_runs_the_original():
-    """GPT-NeoX's function handles partial rotary itself (partial_rotary_factor < 1: cos narrower than the head): those
-    calls go to the original function, exactly; with a factor of 1 they run the op."""
+    """GPT-NeoX's function handles partial rotary itself (partial_rotary_factor < 1, Pythia's default: cos narrower
+    than the head): the report says those modules are not fused, why, and their calls run the original function,
+    exactly; with a factor of 1 they are fused and run the op."""
     for pct, calls in ((0.25, 0), (1.0, 2)):
         cfg = models.config("gpt_neox", "eager")
         cfg.rope_parameters = {**cfg.rope_parameters, "partial_rotary_factor": pct}
@@ -202,7 +220,10 @@ def test_gpt_neox_partial_rotary_runs_the_original():
         ids, mask = models.inputs(left_pad=(0, 0, 0))
         ref_h, ref_g = _step(model, ids, mask)
         report = fuse(model, ops=["rope"])
-        assert len([r for r in _rope_rows(report) if r.fused]) == 2, report.rows
+        rows = _rope_rows(report)
+        assert len(rows) == 2 and all(r.fused == (pct == 1.0) for r in rows), rows
+        if pct < 1:
+            assert all("partial rotary (factor 0.25)" in r.reason and not r.eligible for r in rows), rows
         dispatch.reset_stats()
         h, g = _step(model, ids, mask)
         assert _rope_calls() == calls
@@ -221,7 +242,7 @@ def test_a_copy_of_a_fused_model_is_told_apart():
     assert all(rope_mod.hooked(m) for m in _attention_modules(twin).values())
     with pytest.raises(RuntimeError, match="holds fused modules"):
         unfuse(twin)
-    assert unfuse(model) is True and ml.apply_rotary_pos_emb is ORIGINAL
+    assert unfuse(model) is True and _restored()
 
 
 def test_parts_fused_first_are_reported_and_reverted_with_the_model():
@@ -235,12 +256,158 @@ def test_parts_fused_first_are_reported_and_reverted_with_the_model():
     assert rows["layers.0.self_attn"].fused and "earlier fuse() of layers.0" in rows["layers.0.self_attn"].reason
     assert len(model.layers[0].self_attn._forward_pre_hooks) == 1
     assert unfuse(model) is True
-    assert not is_fused(layer) and ml.apply_rotary_pos_emb is ORIGINAL
+    assert not is_fused(layer) and _restored()
     assert not any(rope_mod.hooked(m) for m in _attention_modules(model).values())
 
 
 def test_fused_context_manager():
     model = models.build("llama", "eager")
     with fused(model, ops=["rope"]):
-        assert rope_mod.is_dispatching(ml.apply_rotary_pos_emb)
-    assert ml.apply_rotary_pos_emb is ORIGINAL and not is_fused(model)
+        assert _installed() is not None
+    assert _restored() and not is_fused(model)
+
+
+# --- review of session 48: dtypes the model's function casts back, calls the kernel would not take, pickling, Ctrl-C,
+# --- per-layer configs (each reproduced on the code before its fix)
+def _calls_and_output(model, *args, **kwargs):
+    dispatch.reset_stats()
+    out = model(*args, **kwargs)
+    return _rope_calls(), out
+
+
+def test_a_function_that_casts_back_keeps_its_dtype():
+    """OLMo's apply_rotary_pos_emb casts its results to q's dtype, and its rotary tables stay fp32 in a bf16 model: the
+    op (fp32 results for bf16 q with fp32 tables, as Llama's function gives) would change the dtype and break the
+    attention. The probe finds out; those calls run OLMo's own code, and the fused bf16 model computes what it did."""
+    Olmo2Config = getattr(transformers, "Olmo2Config", None)
+    if Olmo2Config is None:
+        pytest.skip("this transformers has no OLMo2")
+    cfg = Olmo2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, vocab_size=97,
+                      pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(cfg, attn_implementation="sdpa").to(torch.bfloat16).eval()
+    ids = torch.randint(2, 97, (2, 7))
+    ref = model(input_ids=ids).last_hidden_state
+    report = fuse(model, ops=["rope"])
+    assert all(r.fused for r in _rope_rows(report)) and _rope_rows(report)
+    calls, out = _calls_and_output(model, input_ids=ids)
+    assert calls == 0 and out.last_hidden_state.dtype == torch.bfloat16
+    torch.testing.assert_close(out.last_hidden_state, ref, rtol=0, atol=0)
+    # Llama's function promotes (fp32 results), as the kernel: its mixed calls are the op's
+    assert rope_mod.probe(ORIGINAL).promotes
+    unfuse(model)
+
+
+# a module of this test file whose forward calls this file's apply_rotary_pos_emb: q of the last positions only, k, cos
+# and sin of every position (MuseGlimmerAssistant's window over its context), the tables cut by the function itself
+def apply_rotary_pos_emb(q, k, cos, sin):
+    def rot(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    cq, sq = cos[:, -q.shape[2]:].unsqueeze(1), sin[:, -q.shape[2]:].unsqueeze(1)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cq + rot(q) * sq, k * c + rot(k) * s
+
+
+class _WindowAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8, dtype=torch.float64)
+
+    def forward(self, q, k, cos, sin):
+        q, k = apply_rotary_pos_emb(self.proj(q), k, cos, sin)
+        return q.sum() + k.sum()
+
+
+def test_calls_the_kernel_would_not_take_run_the_models_code():
+    """A call whose q covers fewer positions than k and the tables passed the old check (ranks and head size) and ran
+    the op's reference formula, which is not this function's: it raised. Only calls of the shapes the kernel takes
+    reach the op; this one runs the model's own function, exactly."""
+    import sys
+
+    here = sys.modules[__name__]
+    mod = _WindowAttention()
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 3, 8, dtype=torch.float64, generator=g)
+    k = torch.randn(1, 1, 8, 8, dtype=torch.float64, generator=g)
+    cos, sin = torch.randn(1, 8, 8, dtype=torch.float64), torch.randn(1, 8, 8, dtype=torch.float64)
+    ref = mod(q, k, cos, sin)
+    original = here.apply_rotary_pos_emb
+    holder = torch.nn.ModuleDict({"attn": mod})   # (fuse considers a model's submodules)
+    try:
+        report = fuse(holder, ops=["rope"])
+        assert [r.fused for r in _rope_rows(report)] == [True]
+        assert rope_mod.is_dispatching(here.apply_rotary_pos_emb)
+        calls, out = _calls_and_output(mod, q, k, cos, sin)
+        assert calls == 0 and torch.equal(out, ref)
+        # the same module with q over every position: the op's shapes, and its call
+        q8 = torch.randn(1, 2, 8, 8, dtype=torch.float64, generator=g)
+        ref8 = original(mod.proj(q8), k, cos, sin)
+        calls, out = _calls_and_output(mod, q8, k, cos, sin)
+        assert calls == 1 and torch.allclose(out, ref8[0].sum() + ref8[1].sum(), rtol=1e-12, atol=1e-12)
+    finally:
+        unfuse(holder)
+    assert here.apply_rotary_pos_emb is original
+
+
+def test_models_pickle_while_a_model_is_fused():
+    """transformers 5 keeps apply_rotary_pos_emb as a kernels wrapper module, which unpickling rebuilds from the global's
+    type: a plain function put in its place broke torch.save / torch.load of every Llama while one was fused. The
+    global object stays; fused and unfused models round-trip, and the fused copy still runs the op."""
+    import io
+
+    fused_model, other = models.build("llama", "eager"), models.build("llama", "eager", seed=1)
+    fuse(fused_model, ops=["rope"])
+    ids, mask = models.inputs()
+    for m in (other, fused_model):
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        copy_ = torch.load(buf, weights_only=False)
+        torch.testing.assert_close(copy_(input_ids=ids, attention_mask=mask).last_hidden_state,
+                                   m(input_ids=ids, attention_mask=mask).last_hidden_state, rtol=0, atol=0)
+    calls, _ = _calls_and_output(copy_, input_ids=ids, attention_mask=mask)
+    assert calls == 2 and all(rope_mod.hooked(a) for a in _attention_modules(copy_).values())
+    unfuse(fused_model)
+    assert _restored()
+
+
+def test_keyboard_interrupt_in_a_fused_forward_leaves_nothing_behind():
+    """A KeyboardInterrupt inside a fused attention forward skips the always-called forward hook (it runs on Exception
+    only): a counter stayed up, and from then on every model in the thread ran the op. The dispatching function now
+    also finds the fused forward among its callers: an unfused model runs its own code after the interrupt."""
+    fused_model, other = models.build("llama", "eager"), models.build("llama", "eager", seed=1)
+    fuse(fused_model, ops=["rope"])
+    ids, mask = models.inputs()
+
+    def interrupt(module, args, output):
+        raise KeyboardInterrupt
+
+    h = fused_model.layers[0].self_attn.v_proj.register_forward_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        fused_model(input_ids=ids, attention_mask=mask)
+    h.remove()
+    assert rope_mod._active.stack   # (the entry the hook did not take away)
+    calls, _ = _calls_and_output(other, input_ids=ids, attention_mask=mask)
+    assert calls == 0
+    calls, _ = _calls_and_output(fused_model, input_ids=ids, attention_mask=mask)
+    assert calls == 2
+    unfuse(fused_model)
+
+
+def test_per_layer_configs_do_not_stop_fuse():
+    """A config whose attributes differ per layer raises a RuntimeError subclass for them (not AttributeError): the
+    report's probe inputs read them, and fuse(model) raised on a model it fused before. Now the row's implementation
+    columns say '?' where the config cannot tell, and the model is fused."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "embedding_gemma2_text" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no EmbeddingGemma2")
+    cfg = CONFIG_MAPPING["embedding_gemma2_text"](hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                  num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                                                  vocab_size=97, pad_token_id=0)
+    model = transformers.AutoModel.from_config(cfg).eval()
+    report = fuse(model)
+    assert is_fused(model) and any(r.kind == "rms_norm" and r.fused for r in report.rows)
+    unfuse(model)

@@ -12,7 +12,15 @@ from __future__ import annotations
 import torch
 
 
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _check(qn, q, kn, k, cos, sin) -> None:
+    torch._check(cos.dtype in _FLOATS, lambda: f"cos: dtype {cos.dtype}, expected float32, float16 or bfloat16")
+    for name, t in ((qn, q), (kn, k), ("sin", sin)):
+        torch._check(t.device == cos.device, lambda: f"{name}: on {t.device}, expected cos's device {cos.device}")
+    torch._check(q.dtype.is_floating_point and k.dtype.is_floating_point,
+                 lambda: f"{qn} and {kn}: expected floating point tensors, got {q.dtype} and {k.dtype}")
     torch._check(cos.dim() == 3, lambda: f"cos: expected 3 dimensions [batch or 1, seq, head_dim], got {cos.dim()}")
     torch._check(sin.shape == cos.shape, lambda: f"sin: expected cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
     torch._check(q.dim() == 4, lambda: f"{qn}: expected 4 dimensions [batch, heads, seq, head_dim], got {q.dim()}")

@@ -11,10 +11,11 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   (``transformers.matching.probe_swiglu_mlp``: transformers' ``LlamaMLP`` and its copies in Mistral, Qwen2, Qwen3, ...)
   -> ``FusedSwiGLUMLP`` (the same projection modules; the activation and product in one kernel, op ``swiglu``);
 * the rotary position embedding of every attention module whose forward calls its modeling module's
-  ``apply_rotary_pos_emb`` (Llama, Mistral, Qwen2, Qwen3, Gemma, GPT-NeoX, ...), where that function is transformers'
-  rotate-half RoPE (checked numerically): the module is not replaced but gets two hooks, and its calls run op
-  ``rope`` (query and key in one kernel) through a dispatching function put under that global name
-  (``pipegoose.nn.fusion.transformers.rope`` says how; the report's row has the module's path and kind ``rope``);
+  ``apply_rotary_pos_emb`` (Llama, Mistral, Qwen2, Qwen3, Gemma, GPT-NeoX with full rotary, ...), where that
+  function is transformers' rotate-half RoPE (checked numerically): the module is not replaced but gets two hooks, and
+  its plain calls run op ``rope`` (query and key in one kernel) through a dispatching function at that global name
+  (``pipegoose.nn.fusion.transformers.rope`` says how; the report's row has the module's path and kind ``rope``;
+  partial rotary and interleaved RoPE, which the config names, are reported as skipped);
 * the loss of a transformers language model whose forward calls ``self.loss_function`` and whose loss is
   transformers' ``ForCausalLMLoss`` or ``ForMaskedLMLoss``: the instance's ``loss_function`` is set to
   ``pipegoose.nn.fusion.transformers.loss.causal_lm_loss`` / ``masked_lm_loss`` (the same loss on our kernel, op
@@ -36,9 +37,9 @@ Bamba's, Mamba2's) and RMSNorms whose weight broadcasts over other widths. RMSNo
 they normalize: the hidden size, a head's (Qwen3's ``q_norm`` / ``k_norm`` over ``head_dim``) or a projection's.
 
 One module global changes, nothing else of transformers or torch: a modeling module's ``apply_rotary_pos_emb``
-while a module of it is fused for ``rope``, replaced by a function that runs the original for every call that does
-not come from a fused module (other models compute exactly what they did) and put back when the last one is
-unfused. No class changes; two models in one process can be fused differently. Parameters stay the same objects, so ``state_dict()`` keys and tensors, and
+while a module of it is fused for ``rope`` (or, where it is transformers 5's ``kernels`` wrapper module, that
+wrapper's ``forward``), routed through a function that runs the model's own code for every call that does not come
+from a fused module (other models compute exactly what they did), and put back when the last one is unfused. No class changes; two models in one process can be fused differently. Parameters stay the same objects, so ``state_dict()`` keys and tensors, and
 optimizers built before fusing, are unaffected. A replacement module shares the hook dictionaries of the module it
 replaces (forward, pre-forward, backward and state-dict hooks keep firing, and their handles still remove them), its
 training flag and its other instance attributes. Parameters and buffers replaced while fused
@@ -501,7 +502,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                             report.rows.append(row)
                             if row.fused and row.replacement is None:
                                 held.add(id(row))
-                        elif _rope.probe(target.original)[0]:   # (one it could fuse; the probe is cached)
+                        elif _rope.probe(target.original, target.where).ok and _rope_unused(child) is None:
                             report.not_requested["rope"] = report.not_requested.get("rope", 0) + 1
                         continue
                     kind = _norm_kind_left_out(child, ops)
@@ -846,11 +847,12 @@ def _rope_probe_inputs(module: nn.Module):
     """The report's probe of an attention module's RoPE: q and k of its heads and head size (from the module, else its
     config), one batch of positions enough that it is not a small problem; None where they cannot be told."""
     config = getattr(module, "config", None)
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None)
-    if not dim and heads and getattr(config, "hidden_size", None):
-        dim = config.hidden_size // heads
+    heads = _config_value(config, "num_attention_heads")
+    kv_heads = _config_value(config, "num_key_value_heads") or heads
+    dim = getattr(module, "head_dim", None) or _config_value(config, "head_dim")
+    hidden = _config_value(config, "hidden_size")
+    if not dim and isinstance(heads, int) and heads > 0 and isinstance(hidden, int):
+        dim = hidden // heads
     if not all(isinstance(v, int) and v > 0 for v in (heads, kv_heads, dim)):
         return None
     seq = _probe_rows(((heads + kv_heads) * dim,))
@@ -859,11 +861,38 @@ def _rope_probe_inputs(module: nn.Module):
                          torch.empty(1, seq, dim, device=d, dtype=t), torch.empty(1, seq, dim, device=d, dtype=t))
 
 
+def _config_value(config, name: str):
+    """``config.<name>``, or None where it is missing or cannot be read (transformers raises a RuntimeError for an
+    attribute that differs between the layers of a heterogeneous config)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:   # noqa: BLE001 - a config that cannot say gives no value
+        return None
+
+
+def _rope_unused(module: nn.Module) -> str | None:
+    """Why an attention module that mentions ``apply_rotary_pos_emb`` would never call it in the plain form the op
+    takes (None: it would): partial rotary (a factor below 1 in its config: the function rotates part of the head,
+    its own code), or an interleaved rotation selected by the config (it calls another function)."""
+    config = getattr(module, "config", None)
+    params = _config_value(config, "rope_parameters")
+    factors = [_config_value(config, "partial_rotary_factor"), _config_value(config, "rotary_pct"),
+               params.get("partial_rotary_factor") if isinstance(params, dict) else None]
+    factor = next((f for f in factors if isinstance(f, (int, float)) and not isinstance(f, bool)), None)
+    if factor is not None and factor < 1:
+        return (f"partial rotary (factor {factor}): its calls rotate part of each head, which the model's own code "
+                "does (the kernel rotates whole heads)")
+    if _config_value(config, "rope_interleave") is True:
+        return "rope_interleave=True: the model calls its interleaved RoPE function, not apply_rotary_pos_emb"
+    return None
+
+
 def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
     """The report's row for an attention module that applies RoPE through ``target`` (its modeling module's global
     ``apply_rotary_pos_emb``), and the hooks that route its calls to our op (``transformers.rope.install``)."""
     name = type(child).__name__
-    users = getattr(target.current, "__pipegoose_users__", ())
+    installed = _rope.dispatching_of(target.current)
+    users = installed.__pipegoose_users__ if installed is not None else ()
     if child in users:
         owner = next((r for r, st in list(_STATE.items())
                       if any(ref() is child for ref, _ in st.rope_hooks)), None)
@@ -872,8 +901,11 @@ def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
                if inside else "fused by an earlier fuse() of a model holding this module: unfuse() of that model "
                "reverts it")
         return FusionRow(path, "rope", name, None, True, "-", "-", reason=why)
-    ok, why = _rope.probe(target.original)
-    if not ok:
+    found = _rope.probe(target.original, target.where)
+    if not found.ok:
+        return FusionRow(path, "rope", name, None, False, reason=found.why, eligible=False)
+    why = _rope_unused(child)
+    if why is not None:
         return FusionRow(path, "rope", name, None, False, reason=why, eligible=False)
     why = _instance_override(child)
     if why is not None:
@@ -881,11 +913,11 @@ def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
     build = _rope_probe_inputs(child)
     fwd, bwd = _impls("rope", child, build) if build is not None else ("?", "?")
     if not dry_run:
-        rec = _rope.install(child, target)
+        rec = _rope.install(child, target, found.promotes)
         state.rope_hooks.append((weakref.ref(child), rec))
     return FusionRow(path, "rope", name, "rope hooks", True, fwd, bwd,
-                     f"{target.module_name.rsplit('.', 1)[-1]}.{_rope.NAME}, the rotate-half RoPE (probed): its calls "
-                     f"from this module run op rope" + _small_note(child))
+                     f"{target.module_name.rsplit('.', 1)[-1]}.{_rope.NAME}, the rotate-half RoPE (probed): its plain "
+                     f"calls from this module run op rope" + _small_note(child))
 
 
 def _fuse_losses(model, dry_run, report, state) -> None:

@@ -3,20 +3,28 @@
 transformers applies RoPE with a module-level function, ``apply_rotary_pos_emb(q, k, cos, sin)``, that the attention
 module's ``forward`` looks up in its modeling module's globals (``modeling_llama.apply_rotary_pos_emb`` for
 ``LlamaAttention``; Mistral, Qwen2, Qwen3, Gemma, GPT-NeoX and the other copies have their own). No per-instance
-hook reaches that call, so ``fuse`` puts a *dispatching* function under that global name (:func:`install`), which
-runs our op only while a fused attention module's forward is running, and the original function everywhere else:
+hook reaches that call, so ``fuse`` routes it through a *dispatching* function (:func:`install`), which runs our op
+only for calls made inside a fused attention module's forward, and the model's own code for every other call:
 
-* a fused attention module gets a forward pre-hook and an always-called forward hook that count, per thread, the
-  fused forwards under way; the dispatching function sends a call to
+* where the global is a plain function (older transformers), the dispatching function takes its place; where it is
+  the ``kernels`` library's wrapper module (transformers 5: an ``nn.Module`` instance, ``Func``, whose forward calls
+  the function), the global object stays and the dispatching function becomes that instance's ``forward`` (so the
+  wrapper's pickling by name, its ``kernelize`` hooks and its identity are kept);
+* a fused attention module gets a forward pre-hook and an always-called forward hook that keep, per thread, the fused
+  forwards under way; the dispatching function sends a call to
   :func:`pipegoose.nn.fusion.functional.apply_rotary_pos_emb` (the kernel, or its reference path, as the dispatcher
-  chooses) when that count is positive and the call is the plain ``(q, k, cos, sin)`` form with 4-d ``q``, ``k`` and
-  3-d ``cos``, ``sin`` of the full head size; any other call (another model of the same type that is not fused,
-  partial rotary, extra arguments, ``torch.compile`` tracing) goes to the original function, unchanged;
-* before it is installed, the original function is checked numerically (:func:`probe`: float64 CPU inputs against
-  transformers' rotate-half formula), so a model whose function computes something else (an interleaved rotation,
-  a patch by another library) is reported as skipped instead;
-* ``unfuse`` removes the hooks, and the original function is put back when the last fused module of that modeling
-  module is unfused (a fused model that is garbage collected without ``unfuse`` leaves the dispatching function in
+  chooses) only when the innermost of them is really running (its forward's frame is among the callers: a forward
+  left by ``KeyboardInterrupt``, which skips the hook, leaves nothing behind) and the call is the plain
+  ``(q, k, cos, sin)`` form the kernel takes: 4-d q and k of one batch, sequence and even head size, cos and sin
+  ``[batch or 1, seq, head]``, one dtype, or 16-bit q and k with fp32 tables where the model's function promotes its
+  results to fp32 as PyTorch's ``q * cos`` does (the probe checks; OLMo's casts them back, so its mixed calls run its
+  own code). Any other call (another model of the same type that is not fused, partial rotary, extra arguments,
+  ``torch.compile`` tracing) goes to the model's own code, unchanged;
+* before it is installed, the model's function is checked numerically (:func:`probe`: float64 CPU inputs against
+  transformers' rotate-half formula, and the result dtype of 16-bit q with fp32 tables), so a model whose function
+  computes something else (an interleaved rotation, a patch by another library) is reported as skipped instead;
+* ``unfuse`` removes the hooks, and the global (or the wrapper's forward) is put back when the last fused module
+  using it is unfused (a fused model that is garbage collected without ``unfuse`` leaves the dispatching function in
   place, passing every call through); a function that someone else put there meanwhile is left as it is.
 
 This is the one global that ``fuse`` changes; other models, fused or not, compute exactly what they computed.
@@ -26,7 +34,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -35,25 +45,44 @@ import torch
 from torch import nn
 
 NAME = "apply_rotary_pos_emb"
-_ORIGINAL_ATTR = "__pipegoose_rope_original__"
+_FALLBACK_ATTR = "__pipegoose_rope_original__"   # on a dispatching function: the model's own code it falls back to
+_HALF = (torch.float16, torch.bfloat16)
+_FRAMES = 12   # how far up the callers the dispatching function looks for the fused forward's frame
 
-_active = threading.local()   # .depth: fused attention forwards under way on this thread
+_active = threading.local()   # .stack: (weakref to a fused attention module, its forward's code) under way
 
 
 @dataclass
 class Target:
-    """Where an attention module's forward finds its RoPE function: the modeling module's globals and the function
-    there now (``current``; ``original``: the function beneath our dispatching one, when that is installed)."""
+    """Where an attention module's forward finds its RoPE: the modeling module (name, globals), the object under the
+    global name now (``current``: a function, or transformers' ``kernels`` wrapper module), the callable that computes
+    the model's own RoPE (``original``: ``current`` itself, or what the dispatching function installed on it falls back
+    to), and the attention class's forward code (what the dispatching function looks for among its callers)."""
 
     module_name: str
     namespace: dict
-    current: Callable
+    current: Any
     original: Callable
+    code: types.CodeType
+
+    @property
+    def where(self) -> str:
+        return f"{self.module_name}.{NAME}"
+
+
+def dispatching_of(obj: Any) -> Callable | None:
+    """The dispatching function of :func:`install` at ``obj`` (the global, or the wrapper module's ``forward``), or
+    None."""
+    if is_dispatching(obj):
+        return obj
+    if isinstance(obj, nn.Module) and is_dispatching(obj.__dict__.get("forward")):
+        return obj.__dict__["forward"]
+    return None
 
 
 def target(module: nn.Module) -> Target | None:
-    """The RoPE function ``module``'s class forward calls by its global name ``apply_rotary_pos_emb``, or None (no
-    such call: not an attention module with RoPE)."""
+    """Where ``module``'s class forward finds the RoPE function it calls by its global name ``apply_rotary_pos_emb``,
+    or None (no such call: not an attention module with RoPE)."""
     fwd = getattr(type(module), "forward", None)
     try:
         fwd = inspect.unwrap(fwd)
@@ -66,8 +95,9 @@ def target(module: nn.Module) -> Target | None:
     current = namespace.get(NAME)
     if not callable(current):
         return None
-    original = getattr(current, _ORIGINAL_ATTR, current)
-    return Target(namespace.get("__name__", "?"), namespace, current, original)
+    d = dispatching_of(current)
+    original = getattr(d, _FALLBACK_ATTR) if d is not None else current
+    return Target(namespace.get("__name__", "?"), namespace, current, original, code)
 
 
 def _reference64(q, k, cos, sin):
@@ -80,20 +110,39 @@ def _reference64(q, k, cos, sin):
     return q * c + rot(q) * s, k * c + rot(k) * s
 
 
-_probed: "weakref.WeakKeyDictionary[Callable, tuple[bool, str]]" = weakref.WeakKeyDictionary()
+@dataclass(frozen=True)
+class Probe:
+    """What :func:`probe` found: ``ok`` (the rotate-half RoPE), ``why`` (when not), ``promotes`` (16-bit q and k with
+    fp32 tables give fp32 results, as the kernel's)."""
+
+    ok: bool
+    why: str = ""
+    promotes: bool = False
 
 
-def probe(fn: Callable) -> tuple[bool, str]:
-    """Whether ``fn(q, k, cos, sin)`` computes transformers' rotate-half RoPE: (True, "") or (False, why). Checked on
-    float64 CPU inputs (grouped-query shapes, cos and sin of a batch and of one batch, random tables rather than real
-    cosines so that both halves are told apart) against the formula; cached per function."""
+_probed: "weakref.WeakKeyDictionary[Any, Probe]" = weakref.WeakKeyDictionary()
+
+
+def probe(fn: Callable, where: str = NAME) -> Probe:
+    """Whether ``fn(q, k, cos, sin)`` computes transformers' rotate-half RoPE. Checked on float64 CPU inputs
+    (grouped-query shapes, cos and sin of a batch and of one batch, random tables rather than real cosines so that
+    both halves are told apart) against the formula; then on bf16 q and k with fp32 tables, for its result dtype.
+    Cached per function (``where`` names it in the reason)."""
     try:
         return _probed[fn]
     except (KeyError, TypeError):
         pass
-    where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    result = _probe(fn, where)
+    if not isinstance(fn, types.MethodType):   # (a bound method is made anew at each access: not cached)
+        try:
+            _probed[fn] = result
+        except TypeError:
+            pass
+    return result
+
+
+def _probe(fn: Callable, where: str) -> Probe:
     g = torch.Generator().manual_seed(0)
-    result = (True, "")
     try:
         for b_tab in (2, 1):
             q = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=g)
@@ -105,96 +154,165 @@ def probe(fn: Callable) -> tuple[bool, str]:
             want = _reference64(q, k, cos, sin)
             if (not isinstance(got, (tuple, list)) or len(got) != 2
                     or not all(isinstance(t, torch.Tensor) and t.shape == w.shape for t, w in zip(got, want))):
-                result = (False, f"{where}(q, k, cos, sin) does not return (q_embed, k_embed) of q's and k's shapes")
-                break
+                return Probe(False, f"{where}(q, k, cos, sin) does not return (q_embed, k_embed) of q's and k's "
+                                    "shapes")
             if not all(torch.allclose(t.double(), w, rtol=1e-12, atol=1e-12) for t, w in zip(got, want)):
-                result = (False, f"{where} does not compute the rotate-half RoPE (x * cos + rotate_half(x) * sin) "
-                                 "that pipegoose's rope kernel computes")
-                break
+                return Probe(False, f"{where} does not compute the rotate-half RoPE (x * cos + rotate_half(x) * sin) "
+                                    "that pipegoose's rope kernel computes")
     except Exception as e:   # noqa: BLE001 - any failure means "not the function we can replace"
-        result = (False, f"{where}(q, k, cos, sin) failed on float64 CPU inputs: {type(e).__name__}: {e}")
-    try:
-        _probed[fn] = result
-    except TypeError:
-        pass
-    return result
+        return Probe(False, f"{where}(q, k, cos, sin) failed on float64 CPU inputs: {type(e).__name__}: {e}")
+    try:   # autocast's pair: does the function promote to fp32 (as the kernel) or cast back (OLMo's)?
+        with torch.no_grad():
+            got = fn(q.bfloat16(), k.bfloat16(), cos.float(), sin.float())
+        promotes = all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in got)
+    except Exception:   # noqa: BLE001 - then its mixed calls run its own code
+        promotes = False
+    return Probe(True, "", promotes)
 
 
-def _takes(args: tuple, kwargs: dict) -> bool:
-    """Whether a call is the plain form the kernel path takes: (q, k, cos, sin), 4-d q and k, 3-d cos and sin of the
-    full head size (anything else: the original function)."""
-    if len(args) != 4 or kwargs:
+def _takes(args: tuple, kwargs: dict, promotes: bool) -> bool:
+    """Whether a call is the plain form the kernel takes (the dispatcher's ``rope`` problem with the kernel's shape and
+    dtype conditions), for which the op's paths compute what the probed function computes; anything else runs the
+    model's own code."""
+    if len(args) != 4 or kwargs or not all(isinstance(t, torch.Tensor) for t in args):
         return False
     q, k, cos, sin = args
-    if not all(isinstance(t, torch.Tensor) for t in args):
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
         return False
-    return (q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 and sin.shape == cos.shape
-            and cos.shape[-1] == q.shape[-1] == k.shape[-1])
+    b, _, s, d = q.shape
+    if k.shape[0] != b or k.shape[2] != s or k.shape[3] != d or d % 2 or cos.shape[0] not in (1, b) or \
+            cos.shape[1] != s or cos.shape[2] != d:
+        return False
+    if k.dtype != q.dtype or sin.dtype != cos.dtype:
+        return False
+    return cos.dtype == q.dtype or (promotes and cos.dtype == torch.float32 and q.dtype in _HALF)
 
 
-def _make_dispatching(original: Callable) -> Callable:
+def _inside_fused_forward() -> bool:
+    """Whether the innermost fused attention forward of this thread is among the callers (its frame, ``self`` the
+    module), within a few frames."""
+    stack = getattr(_active, "stack", None)
+    if not stack:
+        return False
+    ref, code = stack[-1]
+    module = ref()
+    if code is None:
+        return False
+    f = sys._getframe(2)
+    for _ in range(_FRAMES):
+        if f is None:
+            return False
+        if f.f_code is code and f.f_locals.get("self") is module:
+            return module is not None
+        f = f.f_back
+    return False
+
+
+def _make_dispatching(fallback: Callable, promotes: bool) -> Callable:
     from ..functional import apply_rotary_pos_emb as fused_rope
 
-    @functools.wraps(original)
     def apply_rotary_pos_emb(*args: Any, **kwargs: Any):
-        if getattr(_active, "depth", 0) > 0 and not torch.compiler.is_compiling() and _takes(args, kwargs):
+        if (not torch.compiler.is_compiling() and _inside_fused_forward()
+                and _takes(args, kwargs, promotes)):
             return fused_rope(*args)
-        return original(*args, **kwargs)
+        return fallback(*args, **kwargs)
 
-    setattr(apply_rotary_pos_emb, _ORIGINAL_ATTR, original)
+    functools.update_wrapper(apply_rotary_pos_emb, getattr(fallback, "__func__", fallback))
+    setattr(apply_rotary_pos_emb, _FALLBACK_ATTR, fallback)
     apply_rotary_pos_emb.__pipegoose_users__ = weakref.WeakSet()   # the fused modules that use it
     return apply_rotary_pos_emb
 
 
+@functools.lru_cache(maxsize=None)
+def _forward_code(cls: type) -> types.CodeType | None:
+    """The code of ``cls``'s forward, under its decorators (what runs in the frame the dispatching function looks
+    for)."""
+    try:
+        return inspect.unwrap(cls.forward).__code__
+    except (AttributeError, ValueError, TypeError):
+        return None
+
+
 def _enter(module, args):
     if not torch.compiler.is_compiling():
-        _active.depth = getattr(_active, "depth", 0) + 1
+        stack = getattr(_active, "stack", None)
+        if stack is None:
+            stack = _active.stack = []
+        stack.append((weakref.ref(module), _forward_code(type(module))))
 
 
 def _leave(module, args, output):
     if not torch.compiler.is_compiling():
-        _active.depth = max(0, getattr(_active, "depth", 0) - 1)
+        stack = getattr(_active, "stack", None) or []
+        # (entries above this module's: forwards left without their hook, by KeyboardInterrupt)
+        while stack:
+            ref, _ = stack.pop()
+            if ref() is module:
+                break
 
 
 @dataclass
 class Installed:
-    """What :func:`install` did for one attention module: the hooks' handles and the dispatching function."""
+    """What :func:`install` did for one attention module: the hooks' handles, the dispatching function, where it is
+    (``namespace[NAME]``, or ``holder``'s forward) and what it replaced there (``replaced``; None: nothing)."""
 
     namespace: dict
     dispatching: Callable
     handles: tuple
+    holder: nn.Module | None = None
+    replaced: Any = None
 
 
-def install(module: nn.Module, t: Target) -> Installed:
-    """Route ``module``'s RoPE calls to our op: the dispatching function under ``t``'s global name (put there unless
-    it is there already) and the module's two hooks. The caller has probed ``t.original``."""
+def install(module: nn.Module, t: Target, promotes: bool) -> Installed:
+    """Route ``module``'s RoPE calls to our op: the dispatching function (put in place unless it is there already)
+    and the module's two hooks. The caller has probed ``t.original`` (``promotes``: its result dtype for 16-bit q with
+    fp32 tables)."""
     current = t.namespace.get(NAME)
-    if getattr(current, _ORIGINAL_ATTR, None) is t.original:
-        dispatching = current
-    else:
-        dispatching = _make_dispatching(t.original)
-        t.namespace[NAME] = dispatching
+    dispatching = dispatching_of(current)
+    holder = current if isinstance(current, nn.Module) else None
+    replaced = None
+    if dispatching is None:
+        if holder is not None:   # transformers' kernels wrapper: its forward, the object stays
+            replaced = holder.__dict__.get("forward")
+            fallback = replaced if replaced is not None else types.MethodType(type(holder).forward, holder)
+            dispatching = _make_dispatching(fallback, promotes)
+            holder.__dict__["forward"] = dispatching
+        else:
+            dispatching = _make_dispatching(current, promotes)
+            t.namespace[NAME] = dispatching
+    elif holder is not None:
+        replaced = dispatching.__pipegoose_replaced__
+    if holder is not None and not hasattr(dispatching, "__pipegoose_replaced__"):
+        dispatching.__pipegoose_replaced__ = replaced
     dispatching.__pipegoose_users__.add(module)
-    handles = (module.register_forward_pre_hook(_enter),
-               module.register_forward_hook(_leave, always_call=True))
-    return Installed(t.namespace, dispatching, handles)
+    # (module-level functions: a fused model pickles, its hooks by reference)
+    handles = (module.register_forward_pre_hook(_enter), module.register_forward_hook(_leave, always_call=True))
+    return Installed(t.namespace, dispatching, handles, holder, replaced)
 
 
 def uninstall(module: nn.Module | None, rec: Installed) -> None:
-    """Undo :func:`install` for one module: its hooks go, and the original function goes back under the global name
-    once no live fused module uses the dispatching function (unless someone replaced it there since)."""
+    """Undo :func:`install` for one module: its hooks go, and the global (or the wrapper's forward) goes back once no
+    live fused module uses the dispatching function (unless someone replaced it there since)."""
     for h in rec.handles:
         h.remove()
     users = rec.dispatching.__pipegoose_users__
     if module is not None:
         users.discard(module)
-    if len(users) == 0 and rec.namespace.get(NAME) is rec.dispatching:
-        rec.namespace[NAME] = getattr(rec.dispatching, _ORIGINAL_ATTR)
+    if len(users):
+        return
+    if rec.holder is not None:
+        if rec.holder.__dict__.get("forward") is rec.dispatching:
+            if rec.replaced is None:
+                del rec.holder.__dict__["forward"]
+            else:
+                rec.holder.__dict__["forward"] = rec.replaced
+    elif rec.namespace.get(NAME) is rec.dispatching:
+        rec.namespace[NAME] = getattr(rec.dispatching, _FALLBACK_ATTR)
 
 
 def is_dispatching(fn: Any) -> bool:
     """Whether ``fn`` is a dispatching function of :func:`install`."""
-    return hasattr(fn, _ORIGINAL_ATTR)
+    return callable(fn) and hasattr(fn, _FALLBACK_ATTR)
 
 
 def hooked(module: nn.Module) -> bool:
