@@ -178,8 +178,8 @@ def test_a_function_that_is_not_the_rotate_half_rope_is_skipped():
     def gpu_only(q, k, cos, sin, unsqueeze_dim=1):
         raise RuntimeError("expected a CUDA tensor")
 
-    for fn, why in ((interleaved, "does not compute the rotate-half RoPE"), (gpu_only, "failed on float64 CPU inputs: "
-                                                                                       "RuntimeError: expected a CUDA")):
+    for fn, why in ((interleaved, "does not compute the rotate-half RoPE"),
+                    (gpu_only, "failed on float64 CPU inputs: RuntimeError: expected a CUDA")):
         ml.apply_rotary_pos_emb = fn
         model = models.build("llama", "eager")
         report = fuse(model, ops=["rope"])
@@ -352,9 +352,9 @@ def test_calls_the_kernel_would_not_take_run_the_models_code():
 
 
 def test_models_pickle_while_a_model_is_fused():
-    """transformers 5 keeps apply_rotary_pos_emb as a kernels wrapper module, which unpickling rebuilds from the global's
-    type: a plain function put in its place broke torch.save / torch.load of every Llama while one was fused. The
-    global object stays; fused and unfused models round-trip, and the fused copy still runs the op."""
+    """transformers 5 keeps apply_rotary_pos_emb as a kernels wrapper module, which unpickling rebuilds from the
+    global's type: a plain function put in its place broke torch.save / torch.load of every Llama while one was fused.
+    The global object stays; fused and unfused models round-trip, and the fused copy still runs the op."""
     import io
 
     fused_model, other = models.build("llama", "eager"), models.build("llama", "eager", seed=1)

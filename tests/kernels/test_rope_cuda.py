@@ -762,8 +762,9 @@ def test_bad_arguments_name_the_argument(ops):
         (lambda: fwd(q, k, cos, sin.half()), r"rope_forward: sin is Half but cos is Float; expected one dtype"),
         (lambda: fwd(q.bfloat16(), k, cos, sin), r"rope_forward: k is Float but q is BFloat16; expected one dtype"),
         (lambda: fwd(q, k.half(), cos, sin), r"rope_forward: k is Half but q is Float; expected one dtype"),
-        (lambda: fwd(q, k, cos.half(), sin.half()), r"rope_forward: q is Float and cos Half; expected one dtype, or "
-                                                    r"float16 / bfloat16 q and k with float32 cos and sin \(autocast\)"),
+        (lambda: fwd(q, k, cos.half(), sin.half()),
+         r"rope_forward: q is Float and cos Half; expected one dtype, or float16 / bfloat16 q and k with float32 cos "
+         r"and sin \(autocast\)"),
         (lambda: bwd(dq, dk, cos.half(), sin.half(), torch.bfloat16),
          r"rope_backward: dtype BFloat16 with cos of Half; expected cos's dtype, or float16 / bfloat16 with float32"),
         (lambda: fwd(q, k, cos[0], sin[0]), r"rope_forward: cos must have 3 dimensions \[batch or 1, seq, "

@@ -22,7 +22,8 @@ def _check(qn, q, kn, k, cos, sin) -> None:
     torch._check(q.dtype.is_floating_point and k.dtype.is_floating_point,
                  lambda: f"{qn} and {kn}: expected floating point tensors, got {q.dtype} and {k.dtype}")
     torch._check(cos.dim() == 3, lambda: f"cos: expected 3 dimensions [batch or 1, seq, head_dim], got {cos.dim()}")
-    torch._check(sin.shape == cos.shape, lambda: f"sin: expected cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
+    torch._check(sin.shape == cos.shape,
+                 lambda: f"sin: expected cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
     torch._check(q.dim() == 4, lambda: f"{qn}: expected 4 dimensions [batch, heads, seq, head_dim], got {q.dim()}")
     torch._check(k.dim() == 4, lambda: f"{kn}: expected 4 dimensions [batch, heads, seq, head_dim], got {k.dim()}")
     torch._check(k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2] and k.shape[3] == q.shape[3],

@@ -13,14 +13,14 @@
 // tables), and they get no gradient. Each value is computed in fp32 and rounded once to the dtype (eager PyTorch in
 // 16-bit rounds each product and the sum: three roundings; the kernel is the closer to exact).
 //
-// Layout: any strides for q, k, the gradients, cos and sin, as long as the last dimension is contiguous (stride 1;
-// a tensor whose last stride is not 1 is copied first). Outputs are torch.empty_like their input: its strides where
-// it is dense (a query of Llama, a transposed [B, S, H, D] projection, gives a result of the same layout, as eager
-// PyTorch's product does), else dense strides in the input's order of dimensions. Dtypes: one for q, k, cos and sin
-// (fp32, fp16, bf16), or fp16 / bf16 q and k with fp32 cos and sin, as under autocast, whose results are fp32 (PyTorch's
-// promotion of q * cos); the backward converts the output gradients to cos's dtype and writes the input gradients in
-// `dtype` (q's; default cos's). D even. 64-bit offsets. Errors (RuntimeError naming the argument): not CUDA, devices
-// differ, dtypes not one of those pairs, ranks or sizes that do not match the shapes above.
+// Layout: any strides for q, k, the gradients, cos and sin, as long as the last dimension is contiguous (stride 1; a
+// tensor whose last stride is not 1 is copied first). Outputs are torch.empty_like their input: its strides where it is
+// dense (a query of Llama, a transposed [B, S, H, D] projection, gives a result of the same layout, as eager PyTorch's
+// product does), else dense strides in the input's order of dimensions. Dtypes: one for q, k, cos and sin (fp32, fp16,
+// bf16), or fp16 / bf16 q and k with fp32 cos and sin, as under autocast, whose results are fp32 (PyTorch's promotion
+// of q * cos); the backward converts the output gradients to cos's dtype and writes the input gradients in `dtype`
+// (q's; default cos's). D even. 64-bit offsets. Errors (RuntimeError naming the argument): not CUDA, devices differ,
+// dtypes not one of those pairs, ranks or sizes that do not match the shapes above.
 //
 // Work: one thread per (token, head, vector of a half): it loads 16 bytes of each half of the head (8 16-bit or 4
 // fp32 values) and the matching vectors of cos and sin (the same for every head of a token: L1 hits), and stores 16
@@ -190,7 +190,9 @@ void check_args(const char* op, const char* qn, const at::Tensor& q, const char*
 }
 
 // t itself where its last dimension is contiguous, else a contiguous copy.
-at::Tensor last_dim_contiguous(const at::Tensor& t) { return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous(); }
+at::Tensor last_dim_contiguous(const at::Tensor& t) {
+  return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
+}
 
 // (a dimension of size 1 is never stepped over: its stride, which may be anything, counts as 0)
 int64_t step(const at::Tensor& t, int d) { return t.size(d) == 1 ? 0 : t.stride(d); }

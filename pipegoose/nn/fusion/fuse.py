@@ -1,6 +1,6 @@
 """``fuse(model)``: swap a constructed model's LayerNorms, RMSNorms, SwiGLU MLPs, rotary position embedding,
-language-model loss and attention softmax for the fused ones, per instance, with an exact undo (``unfuse``) and a report of what was done
-(``FusionReport``).
+language-model loss and attention softmax for the fused ones, per instance, with an exact undo (``unfuse``) and a
+report of what was done (``FusionReport``).
 
 What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``):
 
@@ -36,15 +36,16 @@ weight or bias is computed rather than a Parameter of their own (``torch.nn.util
 Bamba's, Mamba2's) and RMSNorms whose weight broadcasts over other widths. RMSNorms are fused over whatever size
 they normalize: the hidden size, a head's (Qwen3's ``q_norm`` / ``k_norm`` over ``head_dim``) or a projection's.
 
-One module global changes, nothing else of transformers or torch: a modeling module's ``apply_rotary_pos_emb``
-while a module of it is fused for ``rope`` (or, where it is transformers 5's ``kernels`` wrapper module, that
-wrapper's ``forward``), routed through a function that runs the model's own code for every call that does not come
-from a fused module (other models compute exactly what they did), and put back when the last one is unfused. No class changes; two models in one process can be fused differently. Parameters stay the same objects, so ``state_dict()`` keys and tensors, and
-optimizers built before fusing, are unaffected. A replacement module shares the hook dictionaries of the module it
+One module global changes, nothing else of transformers or torch: a modeling module's ``apply_rotary_pos_emb`` while a
+module of it is fused for ``rope`` (or, where it is transformers 5's ``kernels`` wrapper module, that wrapper's
+``forward``), routed through a function that runs the model's own code for every call that does not come from a fused
+module (other models compute exactly what they did), and put back when the last one is unfused. No class changes; two
+models in one process can be fused differently. Parameters stay the same objects, so ``state_dict()`` keys and tensors,
+and optimizers built before fusing, are unaffected. A replacement module shares the hook dictionaries of the module it
 replaces (forward, pre-forward, backward and state-dict hooks keep firing, and their handles still remove them), its
 training flag and its other instance attributes. Parameters and buffers replaced while fused
-(``load_state_dict(assign=True)``, ``to_empty``), ``eps`` and carried attributes changed on the replacement are
-handed back to the original modules by ``unfuse``.
+(``load_state_dict(assign=True)``, ``to_empty``), ``eps`` and carried attributes changed on the replacement are handed
+back to the original modules by ``unfuse``.
 
 Limit: the undo record is kept where ``state_dict`` and pickling see nothing of it (a table keyed weakly by the
 model, and on each replacement an attribute that copies and pickles leave out), hence a

@@ -25,8 +25,8 @@ import torch
 
 from .. import dispatch
 from ..dispatch import Implementation, Problem
-from ._common import (HALF_DTYPES, all_have_storage, any_in_transform, call_without_autocast, check_input_dtype, dtype_name,
-                      has_tangent, in_dual_level, kernel_input_ok, needs_grad, nested_fallback)
+from ._common import (HALF_DTYPES, all_have_storage, any_in_transform, call_without_autocast, check_input_dtype,
+                      dtype_name, has_tangent, in_dual_level, kernel_input_ok, needs_grad, nested_fallback)
 
 OP = "rope"
 FORWARD_AD_ROPE = ("a dual tensor (torch.autograd.forward_ad): the RoPE kernel has no forward derivative (jvp); "
