@@ -411,3 +411,22 @@ def test_per_layer_configs_do_not_stop_fuse():
     report = fuse(model)
     assert is_fused(model) and any(r.kind == "rms_norm" and r.fused for r in report.rows)
     unfuse(model)
+
+
+@pytest.mark.parametrize("kwargs", [dict(partial_rotary_factor=1.0), dict(rotary_pct=1.0, partial_rotary_factor=0.25),
+                                    dict()], ids=["top_level_factor_1", "rotary_pct_1", "default"])
+def test_gpt_neox_report_agrees_with_what_runs(kwargs):
+    """transformers 5's GPT-NeoX reads rope_parameters, where a top-level partial_rotary_factor can be stale: the
+    report read that one first and said fused for modules that rotate a quarter of each head (and skipped for ones
+    that rotate all of it). It now reads the module's rotary_ndims against its head size: a row is fused exactly
+    where the op runs."""
+    cfg = transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, **kwargs)
+    model = transformers.GPTNeoXModel(cfg).double().eval()
+    full = model.layers[0].attention.rotary_ndims == model.layers[0].attention.head_size
+    report = fuse(model, ops=["rope"])
+    rows = _rope_rows(report)
+    assert len(rows) == 2 and all(r.fused == full for r in rows), rows
+    calls, _ = _calls_and_output(model, input_ids=torch.randint(0, 64, (1, 8)))
+    assert calls == (2 if full else 0)
+    unfuse(model)

@@ -7,6 +7,9 @@ Default model: the pretrained all-MiniLM-L6-v2 (BERT, 6 layers, hidden 384) from
 package, loaded offline. ``--model`` also takes a local transformers model folder, or a config name (``bert``,
 ``gpt2``, ``gpt_neox``, ``llama``, ``opt``, ``bloom``) for a small randomly initialised model (hidden 256, 4 layers).
 
+``fuse`` replaces what it finds (the report lists it): on ``llama`` that includes its SwiGLU MLPs and its rotary
+position embedding (op ``rope``).
+
 Steps: load, run the unfused model on a handful of sentences (mean-pooled embeddings, an in-batch contrastive loss
 over paraphrase pairs, gradients), run a float64 copy of it as the reference, fuse the same instance, run again,
 print the report and the errors of both against the float64 reference (embeddings: max abs; loss: abs; gradients:

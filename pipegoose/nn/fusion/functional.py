@@ -322,7 +322,9 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
         fp32 and rounds it once (eager PyTorch in 16-bit rounds three times: about one unit in the last place apart,
         the kernel the closer to exact); gradients for ``q`` and ``k`` likewise. It saves only ``cos`` and ``sin``.
         Other inputs run the PyTorch reference (a fallback with the reason): dtypes that differ, a cos or sin that
-        requires grad (the kernel gives them none), partial rotary (cos narrower than D), odd D, other ranks.
+        requires grad (the kernel gives them none), odd D, other ranks. Partial rotary (cos narrower than D) raises
+        PyTorch's broadcasting error there, as Llama's function does (GPT-NeoX's function splits the head itself, and
+        ``fuse`` leaves such models' RoPE to it).
 
     Kernel: pipegoose/rope (pipegoose/kernels/csrc/rope.cu, this project, MIT).
 

@@ -52,7 +52,8 @@ model, and on each replacement an attribute that copies and pickles leave out), 
 ``copy.deepcopy`` or a pickled-and-loaded fused model stays fused and cannot be unfused: ``unfuse`` raises a
 RuntimeError on it, saying so, and changes nothing (a copy whose attention alone was fused cannot be told from a model
 configured with pipegoose attention: ``unfuse`` returns False for it). Unfuse before copying, or copy the unfused
-model and fuse the copy.
+model and fuse the copy. RoPE is the exception to "stays fused": a copy's attention modules carry the hooks, but their
+calls run the model's own RoPE code unless a fused original keeps the dispatching function installed in the process.
 """
 
 from __future__ import annotations
@@ -876,10 +877,15 @@ def _rope_unused(module: nn.Module) -> str | None:
     takes (None: it would): partial rotary (a factor below 1 in its config: the function rotates part of the head,
     its own code), or an interleaved rotation selected by the config (it calls another function)."""
     config = getattr(module, "config", None)
-    params = _config_value(config, "rope_parameters")
-    factors = [_config_value(config, "partial_rotary_factor"), _config_value(config, "rotary_pct"),
-               params.get("partial_rotary_factor") if isinstance(params, dict) else None]
-    factor = next((f for f in factors if isinstance(f, (int, float)) and not isinstance(f, bool)), None)
+    ndims = getattr(module, "rotary_ndims", None)   # what the module rotates (GPT-NeoX), against its head size
+    head = getattr(module, "head_size", None) or getattr(module, "head_dim", None)
+    if isinstance(ndims, int) and isinstance(head, int) and head > 0:
+        factor = ndims / head
+    else:   # transformers 5 reads rope_parameters first (a top-level partial_rotary_factor may be stale there)
+        params = _config_value(config, "rope_parameters")
+        factors = [params.get("partial_rotary_factor") if isinstance(params, dict) else None,
+                   _config_value(config, "partial_rotary_factor"), _config_value(config, "rotary_pct")]
+        factor = next((f for f in factors if isinstance(f, (int, float)) and not isinstance(f, bool)), None)
     if factor is not None and factor < 1:
         return (f"partial rotary (factor {factor}): its calls rotate part of each head, which the model's own code "
                 "does (the kernel rotates whole heads)")
