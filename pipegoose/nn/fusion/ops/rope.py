@@ -77,6 +77,26 @@ def _heads_dim(p: Problem) -> int | None:
     return {1: 1, -3: 1, 2: 2, -2: 2}.get(p["unsqueeze_dim"])
 
 
+def shape_reason(q: tuple, k: tuple, c: tuple, s_shape: tuple, heads_dim: int = 1) -> str:
+    """Why the kernel does not take these shapes of q, k, cos and sin (q's heads at ``heads_dim``: 1 or 2), or "" when
+    it does: 4-d q and k of one batch, sequence and even head size, cos and sin [batch or 1, seq, head]. The one place
+    of these conditions (the dispatcher's ``supports`` and fuse's RoPE routing ask it)."""
+    if len(q) != 4 or len(k) != 4 or len(c) != 3:
+        return (f"q {list(q)}, k {list(k)}, cos {list(c)}: the kernel takes 4-d q and k and 3-d cos and sin "
+                "[batch or 1, seq, head_dim]")
+    if s_shape != c:
+        return f"sin's shape {list(s_shape)} differs from cos's {list(c)}"
+    s = 3 - heads_dim   # seq's dim: 2 for [B, H, S, D], 1 for [B, S, H, D]
+    if k[0] != q[0] or k[s] != q[s] or k[3] != q[3]:
+        return f"k's shape {list(k)} differs from q's {list(q)} in batch, seq or head_dim"
+    if c[0] not in (1, q[0]) or c[1] != q[s] or c[2] != q[3]:
+        return (f"cos's shape {list(c)} is not [{q[0]} or 1, {q[s]}, {q[3]}] (partial rotary and other broadcasts run "
+                "PyTorch's ops)")
+    if q[3] % 2:
+        return f"head_dim {q[3]} is odd: rotate_half splits it in two"
+    return ""
+
+
 def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
     ok, why = kernel_input_ok(p, FORWARD_AD_ROPE, "q")
     if not ok:
@@ -92,20 +112,9 @@ def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
     h = _heads_dim(p)
     if h is None:
         return False, f"unsqueeze_dim={p['unsqueeze_dim']}: the kernel takes 1 ([B, H, S, D]) or 2 ([B, S, H, D])"
-    q, k, c = p["shape"], p["k_shape"], p["cos_shape"]
-    if len(q) != 4 or len(k) != 4 or len(c) != 3:
-        return False, (f"q {list(q)}, k {list(k)}, cos {list(c)}: the kernel takes 4-d q and k and 3-d cos and sin "
-                       "[batch or 1, seq, head_dim]")
-    if p["sin_shape"] != c:
-        return False, f"sin's shape {list(p['sin_shape'])} differs from cos's {list(c)}"
-    s = 3 - h   # seq's dim: 2 for [B, H, S, D], 1 for [B, S, H, D]
-    if k[0] != q[0] or k[s] != q[s] or k[3] != q[3]:
-        return False, f"k's shape {list(k)} differs from q's {list(q)} in batch, seq or head_dim"
-    if c[0] not in (1, q[0]) or c[1] != q[s] or c[2] != q[3]:
-        return False, (f"cos's shape {list(c)} is not [{q[0]} or 1, {q[s]}, {q[3]}] (partial rotary and other "
-                       "broadcasts run PyTorch's ops)")
-    if q[3] % 2:
-        return False, f"head_dim {q[3]} is odd: rotate_half splits it in two"
+    why = shape_reason(p["shape"], p["k_shape"], p["cos_shape"], p["sin_shape"], h)
+    if why:
+        return False, why
     if p["numel"] == 0:
         return False, "an empty input"
     return True, ""

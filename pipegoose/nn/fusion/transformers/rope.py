@@ -44,6 +44,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..ops.rope import shape_reason
+
 NAME = "apply_rotary_pos_emb"
 _FALLBACK_ATTR = "__pipegoose_rope_original__"   # on a dispatching function: the model's own code it falls back to
 _HALF = (torch.float16, torch.bfloat16)
@@ -55,15 +57,14 @@ _active = threading.local()   # .stack: (weakref to a fused attention module, it
 @dataclass
 class Target:
     """Where an attention module's forward finds its RoPE: the modeling module (name, globals), the object under the
-    global name now (``current``: a function, or transformers' ``kernels`` wrapper module), the callable that computes
-    the model's own RoPE (``original``: ``current`` itself, or what the dispatching function installed on it falls back
-    to), and the attention class's forward code (what the dispatching function looks for among its callers)."""
+    global name now (``current``: a function, or transformers' ``kernels`` wrapper module), and the callable that
+    computes the model's own RoPE (``original``: ``current`` itself, or what the dispatching function installed on it
+    falls back to)."""
 
     module_name: str
     namespace: dict
     current: Any
     original: Callable
-    code: types.CodeType
 
     @property
     def where(self) -> str:
@@ -83,11 +84,7 @@ def dispatching_of(obj: Any) -> Callable | None:
 def target(module: nn.Module) -> Target | None:
     """Where ``module``'s class forward finds the RoPE function it calls by its global name ``apply_rotary_pos_emb``,
     or None (no such call: not an attention module with RoPE)."""
-    fwd = getattr(type(module), "forward", None)
-    try:
-        fwd = inspect.unwrap(fwd)
-    except (ValueError, TypeError):
-        return None
+    fwd = _forward(type(module))
     code = getattr(fwd, "__code__", None)
     namespace = getattr(fwd, "__globals__", None)
     if code is None or namespace is None or NAME not in code.co_names:
@@ -97,7 +94,7 @@ def target(module: nn.Module) -> Target | None:
         return None
     d = dispatching_of(current)
     original = getattr(d, _FALLBACK_ATTR) if d is not None else current
-    return Target(namespace.get("__name__", "?"), namespace, current, original, code)
+    return Target(namespace.get("__name__", "?"), namespace, current, original)
 
 
 def _reference64(q, k, cos, sin):
@@ -177,11 +174,7 @@ def _takes(args: tuple, kwargs: dict, promotes: bool) -> bool:
     if len(args) != 4 or kwargs or not all(isinstance(t, torch.Tensor) for t in args):
         return False
     q, k, cos, sin = args
-    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
-        return False
-    b, _, s, d = q.shape
-    if k.shape[0] != b or k.shape[2] != s or k.shape[3] != d or d % 2 or cos.shape[0] not in (1, b) or \
-            cos.shape[1] != s or cos.shape[2] != d:
+    if shape_reason(tuple(q.shape), tuple(k.shape), tuple(cos.shape), tuple(sin.shape)):
         return False
     if k.dtype != q.dtype or sin.dtype != cos.dtype:
         return False
@@ -224,11 +217,11 @@ def _make_dispatching(fallback: Callable, promotes: bool) -> Callable:
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_code(cls: type) -> types.CodeType | None:
-    """The code of ``cls``'s forward, under its decorators (what runs in the frame the dispatching function looks
-    for)."""
+def _forward(cls: type) -> Callable | None:
+    """``cls``'s forward under its decorators: the function whose globals name the RoPE function, and whose frame the
+    dispatching function looks for."""
     try:
-        return inspect.unwrap(cls.forward).__code__
+        return inspect.unwrap(cls.forward)
     except (AttributeError, ValueError, TypeError):
         return None
 
@@ -238,7 +231,7 @@ def _enter(module, args):
         stack = getattr(_active, "stack", None)
         if stack is None:
             stack = _active.stack = []
-        stack.append((weakref.ref(module), _forward_code(type(module))))
+        stack.append((weakref.ref(module), getattr(_forward(type(module)), "__code__", None)))
 
 
 def _leave(module, args, output):
