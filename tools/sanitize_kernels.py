@@ -25,13 +25,14 @@ matrices of 36 to 2056 keys: the row pairs of the forward and the backward) and 
 step, AdamW and L2, over tensors of 1 to 12289 elements (around both chunk sizes), more than one launch holds, empty
 ones, and views at odd offsets: the scalar path) and ``pipegoose/swiglu`` (forward and backward of 1 to 300007
 elements: whole vectors, tails, several blocks; views at odd offsets: the scalar path) and ``pipegoose/cross_entropy``
-(forward and backward over 1 to 50257 classes, rows at a stride that misaligns every other row, ignored and
-out-of-range targets) and ``pipegoose/rope`` (forward and backward of q and k from one head and position of 2
-elements to 40 + 7 heads of 128 over 300 positions and a Llama-like 32 + 8 heads of 128 over 1024 positions, tables
-of one batch and of B, no query or no key heads; the vector path, head dims no multiple of the vector, views at odd
-offsets, rows of D + 1 elements and a narrowed head dim (the scalar path), Llama's transposed projections and a fused
-qkv projection's heads) in fp32, fp16 and bf16, at sizes small enough for the sanitizers (seconds, not hours). The
-optional argument ``norms``, ``softmax``, ``adam``, ``swiglu``, ``cross_entropy`` or ``rope`` limits it to one family;
+(forward and backward over 1 to 151936 classes, the backward's long rows split over 2 to 8 blocks, rows at a stride
+that misaligns every other row, ignored and out-of-range targets) and ``pipegoose/rope`` (forward and backward of q
+and k from one head and position of 2 elements to 40 + 7 heads of 128 over 300 positions and a Llama-like 32 + 8
+heads of 128 over 1024 positions, tables of one batch and of B, no query or no key heads; the vector path, head dims
+no multiple of the vector, views at odd offsets, rows of D + 1 elements and a narrowed head dim (the scalar path),
+Llama's transposed projections and a fused qkv projection's heads) in fp32, fp16 and bf16, at sizes small enough for
+the sanitizers (seconds, not hours).
+The optional argument ``norms``, ``softmax``, ``adam``, ``swiglu``, ``cross_entropy`` or ``rope`` limits it to one family;
 ``norms`` followed by hidden sizes (of the list ``NORM_HIDDEN``) to those sizes, e.g. ``norms 16384 20000 32768 64000``
 for the wide rows' backward; ``softmax long`` adds the 16-bit causal forward of 16387 queries of 16384 keys (the staged
 kernel on rows of every length), a square causal matrix of 8200 keys (8196 in fp32: the backward's row pairs with
@@ -205,7 +206,7 @@ def main() -> int:
     if which in ("all", "cross_entropy"):
         ce = load("pipegoose/cross_entropy")
         for dt in dtypes:
-            for v in (1, 7, 8, 9, 1000, 4097, 50257):
+            for v in (1, 7, 8, 9, 1000, 4097, 50257, 151936):   # 151936 (50257 in fp32): backward rows split
                 rows = 5
                 # rows of v + 1 columns (a view of the first v): every other row starts misaligned in 16-bit
                 x = torch.randn(rows, v + 1, device="cuda", dtype=dt)[:, :v]

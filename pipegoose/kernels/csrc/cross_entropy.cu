@@ -14,9 +14,14 @@
 // running maximum and the sum of exponentials rescaled when the maximum grows, as in flash attention), the backward
 // reads them once and writes the gradient once.
 //
-// One block per row. Rows whose start is 16-byte aligned take 16-byte vectors (4 fp32 or 8 16-bit values), the rest
-// and the tail of a row scalar loads. logits: last dim contiguous, rows at any stride (a [B, S, V] output's view);
-// offsets are 64-bit. Errors (RuntimeError naming the argument): not CUDA, devices differ, logits not 2-D or not
+// The forward: one block of 256 threads per row; the backward: one block of 512 threads per row, or 2, 4 or 8 where
+// one per row leaves the GPU's last wave of blocks part-empty (few or long rows: 883 rows of 151936 classes fill 1.7
+// waves of the H200's 528 resident blocks; parts_for). Rows whose start is 16-byte aligned take 16-byte vectors (4
+// fp32 or 8 16-bit values), the rest and the tail of a row scalar loads. The forward's 16-bit loop takes each
+// vector's maximum on packed pairs and widens values one by one (bf16 by a shift), and its exponentials are MUFU.EX2
+// alone (ex2.approx.ftz): about 5 instructions per value where there were 10 (session 48's loop, which was
+// issue-bound: the 16-bit forward ran at 55-65% of a device copy, fp32 at 83-87%).
+// logits: last dim contiguous, rows at any stride (a [B, S, V] output's view); offsets are 64-bit. Errors (RuntimeError naming the argument): not CUDA, devices differ, logits not 2-D or not
 // fp32/fp16/bf16 or its last dim not contiguous, target not 1-D int64 of N elements, grad_loss / lse not [N], lse not
 // fp32 (grad_loss of another dtype is converted to fp32).
 // Precision: the loss is (max - x_t) + log(sum of exp(x - max)), accurate at any logit size; the backward's
@@ -26,29 +31,84 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <tuple>
+#include <type_traits>
 
 #include "pipegoose_check.h"
 
 namespace pipegoose {
 namespace {
 
-// Benchmark experiments (the build without them is what ships): -DPIPEGOOSE_CE_THREADS=N threads per block,
-// -DPIPEGOOSE_CE_UNROLL=U vectors a thread loads before it computes, in the forward.
+// Benchmark experiments (the build without them is what ships): -DPIPEGOOSE_CE_THREADS=N threads per block of the
+// forward, -DPIPEGOOSE_CE_UNROLL=U vectors a thread loads before it computes there, -DPIPEGOOSE_CE_PARTS=N blocks per
+// row of the backward. Measured on the H200 (session 49, .gpu/ce_var.py, CUDA graphs; benchmark shapes 883-4194 rows
+// of 32000-151936 classes): the forward at 256 threads ran as fast as at 512 in bf16 and up to 7% faster in fp16
+// (V 32000), at 1024 up to 27% slower; 8 vectors per thread up to 72% slower than 4 (registers); loading the next 4
+// vectors before summing the current 4 (a register double buffer) slower at every shape but one; the forward split
+// over a thread block cluster of 2 or 4 blocks per row (partial sums merged through distributed shared memory) 6-190%
+// slower than one block per row. The backward split into 2-4 blocks per row ran 2-4% faster at 883 rows of 151936 and
+// in fp32 at 2668 rows of 50304, 1% slower in 16-bit at 2668 rows of 50304 (where parts_for keeps one block per row:
+// its rows hold too few vectors per thread for two).
 #ifndef PIPEGOOSE_CE_THREADS
-#define PIPEGOOSE_CE_THREADS 512
+#define PIPEGOOSE_CE_THREADS 256
 #endif
 #ifndef PIPEGOOSE_CE_UNROLL
 #define PIPEGOOSE_CE_UNROLL 4
 #endif
-constexpr int kThreads = PIPEGOOSE_CE_THREADS;
+constexpr int kThreads = PIPEGOOSE_CE_THREADS;   // the forward's
+constexpr int kBwdThreads = 512;
 constexpr int kUnroll = PIPEGOOSE_CE_UNROLL;
 constexpr int kWarps = kThreads / 32;
 constexpr float kLog2e = 1.4426950408889634f;
 
 template <typename T> __device__ __forceinline__ float to_f(T x) { return static_cast<float>(x); }
+
+// 2^x, flushing subnormal results to zero (MUFU.EX2 alone; exp2f adds a rescaling around it for subnormal results).
+// Used by the forward only, where every flushed term is below 2^-126 beside a sum of at least 1 (the row's maximum
+// contributes exactly 1), so it changes no result.
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The two 16-bit values of a 32-bit word (the lower address first), as floats; and their packed maximum (exact; a NaN
+// beside a number gives the number, as fmaxf).
+__device__ __forceinline__ float2 unpack(uint32_t w, c10::BFloat16) {
+  return {__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u)};
+}
+__device__ __forceinline__ float2 unpack(uint32_t w, c10::Half) {
+  float lo, hi;
+  asm("{.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;}"
+      : "=f"(lo), "=f"(hi) : "r"(w));
+  return {lo, hi};
+}
+__device__ __forceinline__ uint32_t max2(uint32_t a, uint32_t b, c10::BFloat16) {
+  uint32_t d;
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm("max.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+#else   // before sm_80: in fp32, repacked (exact: the values are bf16's)
+  const float2 x = unpack(a, c10::BFloat16{}), y = unpack(b, c10::BFloat16{});
+  d = (__float_as_uint(fmaxf(x.x, y.x)) >> 16) | (__float_as_uint(fmaxf(x.y, y.y)) & 0xffff0000u);
+#endif
+  return d;
+}
+__device__ __forceinline__ uint32_t max2(uint32_t a, uint32_t b, c10::Half) {
+  uint32_t d;
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm("max.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+#else   // before sm_80: in fp32, repacked (exact: the values are fp16's)
+  const float2 x = unpack(a, c10::Half{}), y = unpack(b, c10::Half{});
+  asm("{.reg .b16 l, h;\n\tcvt.rn.f16.f32 l, %1;\n\tcvt.rn.f16.f32 h, %2;\n\tmov.b32 %0, {l, h};}"
+      : "=r"(d) : "f"(fmaxf(x.x, y.x)), "f"(fmaxf(x.y, y.y)));
+#endif
+  return d;
+}
 
 // The running (maximum, sum of exp(x - maximum)) of a thread or warp, merged with another.
 struct MaxSum {
@@ -58,7 +118,7 @@ struct MaxSum {
 __device__ __forceinline__ MaxSum merge(MaxSum a, MaxSum b) {
   const float m = fmaxf(a.m, b.m);
   if (m == -INFINITY) return {m, 0.f};   // both empty (or every value -inf): no NaN from -inf - -inf
-  return {m, a.s * exp2f((a.m - m) * kLog2e) + b.s * exp2f((b.m - m) * kLog2e)};
+  return {m, a.s * ex2_ftz((a.m - m) * kLog2e) + b.s * ex2_ftz((b.m - m) * kLog2e)};
 }
 
 // Adds the values of one chunk (their maximum cm) to a running pair.
@@ -69,10 +129,51 @@ __device__ __forceinline__ void add_chunk(MaxSum& r, const float (&x)[K]) {
   for (int e = 1; e < K; ++e) cm = fmaxf(cm, x[e]);
   const float m = fmaxf(r.m, cm);
   if (m == -INFINITY) return;   // -inf values only: nothing to add yet
-  float s = r.s * exp2f((r.m - m) * kLog2e);
+  float s = r.s * ex2_ftz((r.m - m) * kLog2e);
 #pragma unroll
-  for (int e = 0; e < K; ++e) s += exp2f((x[e] - m) * kLog2e);
+  for (int e = 0; e < K; ++e) s += ex2_ftz((x[e] - m) * kLog2e);
   r = {m, s};
+}
+
+// Adds U 16-byte vectors of T to a running pair: fp32 through add_chunk; 16-bit values take their maximum packed (two
+// per instruction, exact) and are widened one by one as the sum needs them, into two partial sums.
+template <typename T, int U>
+__device__ __forceinline__ void add_vectors(MaxSum& r, const uint4 (&a)[U]) {
+  if constexpr (std::is_same_v<T, float>) {
+    float v[4 * U];
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      v[4 * k] = __uint_as_float(a[k].x);
+      v[4 * k + 1] = __uint_as_float(a[k].y);
+      v[4 * k + 2] = __uint_as_float(a[k].z);
+      v[4 * k + 3] = __uint_as_float(a[k].w);
+    }
+    add_chunk(r, v);
+  } else {
+    uint32_t mx = a[0].x;
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      if (k > 0) mx = max2(mx, a[k].x, T{});
+      mx = max2(mx, a[k].y, T{});
+      mx = max2(mx, a[k].z, T{});
+      mx = max2(mx, a[k].w, T{});
+    }
+    const float2 cm2 = unpack(mx, T{});
+    const float m = fmaxf(r.m, fmaxf(cm2.x, cm2.y));
+    if (m == -INFINITY) return;   // -inf values only: nothing to add yet
+    float s0 = r.s * ex2_ftz((r.m - m) * kLog2e), s1 = 0.f;
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const uint32_t w[4] = {a[k].x, a[k].y, a[k].z, a[k].w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = unpack(w[e], T{});
+        s0 += ex2_ftz((f.x - m) * kLog2e);
+        s1 += ex2_ftz((f.y - m) * kLog2e);
+      }
+    }
+    r = {m, s0 + s1};
+  }
 }
 
 // The block's merged pair, returned to every thread.
@@ -98,10 +199,11 @@ __device__ __forceinline__ MaxSum block_reduce(MaxSum r) {
   return r;
 }
 
+// Forward: one block per row; 32 registers, so that an SM of 2048 threads (sm_80, sm_90, sm_100) holds 8.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) ce_fwd_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V,
-                                                          const int64_t* __restrict__ target, int64_t ignore_index,
-                                                          float* __restrict__ loss, float* __restrict__ lse) {
+__global__ void __launch_bounds__(kThreads, 2048 / kThreads)
+    ce_fwd_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V, const int64_t* __restrict__ target,
+                  int64_t ignore_index, float* __restrict__ loss, float* __restrict__ lse) {
   constexpr int VEC = 16 / sizeof(T);
   const int64_t row = blockIdx.x;
   const int64_t t = target[row];
@@ -113,32 +215,25 @@ __global__ void __launch_bounds__(kThreads) ce_fwd_kernel(const T* __restrict__ 
     return;
   }
   const T* x = logits + row * row_stride;
+  // the target's logit, loaded now: its latency passes under the row's
+  const float xt = (threadIdx.x == 0 && t >= 0 && t < V) ? to_f<T>(x[t]) : 0.f;
   MaxSum r{-INFINITY, 0.f};
   int64_t done = 0;
   if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {
     const int64_t nvec = V / VEC;
-    const float4* x4 = reinterpret_cast<const float4*>(x);
+    const uint4* x4 = reinterpret_cast<const uint4*>(x);
+    const int64_t n = nvec;
     int64_t i = threadIdx.x;
-    for (; i + (kUnroll - 1) * kThreads < nvec; i += kUnroll * kThreads) {   // kUnroll vectors in flight per thread
-      float4 a[kUnroll];
+    constexpr int64_t kStep = int64_t{kUnroll} * kThreads;
+    for (; i + (kUnroll - 1) * kThreads < n; i += kStep) {   // kUnroll vectors in flight per thread
+      uint4 a[kUnroll];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) a[k] = x4[i + k * kThreads];
-      float v[kUnroll * VEC];
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
-        const T* ea = reinterpret_cast<const T*>(&a[k]);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) v[k * VEC + e] = to_f<T>(ea[e]);
-      }
-      add_chunk(r, v);
+      add_vectors<T>(r, a);
     }
-    for (; i < nvec; i += kThreads) {
-      const float4 a = x4[i];
-      const T* ea = reinterpret_cast<const T*>(&a);
-      float v[VEC];
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) v[e] = to_f<T>(ea[e]);
-      add_chunk(r, v);
+    for (; i < n; i += kThreads) {
+      const uint4 a[1] = {x4[i]};
+      add_vectors<T>(r, a);
     }
     done = nvec * VEC;
   }
@@ -151,17 +246,26 @@ __global__ void __launch_bounds__(kThreads) ce_fwd_kernel(const T* __restrict__ 
     const float log_s = logf(r.s);
     lse[row] = r.m + log_s;
     // (max - x_t) + log(sum): exact where x_t is near the maximum, where lse - x_t would lose lse's low bits
-    loss[row] = (t >= 0 && t < V) ? (r.m - to_f<T>(x[t])) + log_s : NAN;
+    loss[row] = (t >= 0 && t < V) ? (r.m - xt) + log_s : NAN;
   }
 }
 
+// The part [lo, hi) of n items that part p of `parts` takes (contiguous, sizes differing by at most one).
+__device__ __forceinline__ void part_range(int64_t n, int p, int parts, int64_t& lo, int64_t& hi) {
+  lo = n * p / parts;
+  hi = n * (p + 1) / parts;
+}
+
+// Backward: `parts` blocks per row (blockIdx.x = row * parts + part), block p writing the p-th slice of the row's
+// vectors (and its share of the scalar rest).
 template <typename T>
-__global__ void __launch_bounds__(kThreads) ce_bwd_kernel(const float* __restrict__ grad_loss, const T* __restrict__ logits,
-                                                          int64_t row_stride, int64_t V,
-                                                          const int64_t* __restrict__ target, int64_t ignore_index,
-                                                          const float* __restrict__ lse, T* __restrict__ grad) {
+__global__ void __launch_bounds__(kBwdThreads)
+    ce_bwd_kernel(const float* __restrict__ grad_loss, const T* __restrict__ logits, int64_t row_stride, int64_t V,
+                  const int64_t* __restrict__ target, int64_t ignore_index, const float* __restrict__ lse,
+                  T* __restrict__ grad, int parts) {
   constexpr int VEC = 16 / sizeof(T);
-  const int64_t row = blockIdx.x;
+  const int64_t row = blockIdx.x / parts;
+  const int part = static_cast<int>(blockIdx.x % parts);
   const int64_t t = target[row];
   const T* x = logits + row * row_stride;
   T* dx = grad + row * V;
@@ -179,9 +283,11 @@ __global__ void __launch_bounds__(kThreads) ce_bwd_kernel(const float* __restric
   int64_t done = 0;
   if (reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(dx) % 16 == 0) {
     const int64_t nvec = V / VEC;
+    int64_t lo, hi;
+    part_range(nvec, part, parts, lo, hi);
     const float4* x4 = reinterpret_cast<const float4*>(x);
     float4* d4 = reinterpret_cast<float4*>(dx);
-    for (int64_t i = threadIdx.x; i < nvec; i += kThreads) {
+    for (int64_t i = lo + threadIdx.x; i < hi; i += kBwdThreads) {
       const float4 a = ignored ? make_float4(0.f, 0.f, 0.f, 0.f) : x4[i];
       const T* ea = reinterpret_cast<const T*>(&a);
       float4 o;
@@ -192,11 +298,47 @@ __global__ void __launch_bounds__(kThreads) ce_bwd_kernel(const float* __restric
     }
     done = nvec * VEC;
   }
-  for (int64_t j = done + threadIdx.x; j < V; j += kThreads) {
+  for (int64_t j = done + int64_t{part} * kBwdThreads + threadIdx.x; j < V; j += int64_t{parts} * kBwdThreads) {
     dx[j] = static_cast<T>(value(ignored ? 0.f : to_f<T>(x[j]), j));
   }
 }
 
+// The backward's blocks per row for `rows` rows of `nvec` vectors. A block's time is about proportional to its share
+// of a row, and the blocks run in waves of `slots` (SMs * resident blocks): p blocks per row take about
+// ceil(rows * p / slots) / p row-times. Of the counts 1, 2, 4 and 8 that keep at least kMinVecs vectors per thread,
+// the fewest within 2% of the least time: more than one where one block per row leaves the last wave part-empty (few
+// or long rows). -DPIPEGOOSE_CE_PARTS=N forces N (a benchmark experiment).
+constexpr int kMinVecs = 8;
+int parts_for(int64_t rows, int64_t nvec, int slots, int max_parts) {
+#ifdef PIPEGOOSE_CE_PARTS
+  return std::min(PIPEGOOSE_CE_PARTS, max_parts);
+#endif
+  auto time = [&](int p) { return std::ceil(static_cast<double>(rows) * p / slots) / p; };
+  int top = 1;   // the most parts allowed
+  while (top * 2 <= max_parts && nvec >= int64_t{top} * 2 * kBwdThreads * kMinVecs) top *= 2;
+  double least = time(1);
+  for (int p = 2; p <= top; p *= 2) least = std::min(least, time(p));
+  int p = 1;
+  while (p < top && time(p) > least * 1.02) p *= 2;
+  return p;
+}
+
+// Resident blocks per SM of a kernel at `threads` threads per block (cached per device and kernel), times the SMs.
+int slots(const void* kernel, int threads) {
+  static std::mutex mu;
+  static std::map<std::pair<int, const void*>, int> cache;
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  const auto key = std::make_pair(dev, kernel);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  int n = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0));
+  n = std::max(n, 1) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  cache[key] = n;
+  return n;
+}
 
 void check_logits_target(const char* op, const at::Tensor& logits, const at::Tensor& target) {
   PG_CHECK(logits.defined() && target.defined(), op, ": logits and target must be defined tensors");
@@ -261,9 +403,12 @@ at::Tensor cross_entropy_backward_cuda(const at::Tensor& grad_loss_in, const at:
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   by_dtype(logits.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    ce_bwd_kernel<T><<<static_cast<unsigned>(n), kThreads, 0, stream>>>(
+    int parts = parts_for(n, v / (16 / static_cast<int64_t>(sizeof(T))),
+                          slots(reinterpret_cast<const void*>(ce_bwd_kernel<T>), kBwdThreads), 8);
+    if (n * parts > INT32_MAX) parts = 1;
+    ce_bwd_kernel<T><<<static_cast<unsigned>(n * parts), kBwdThreads, 0, stream>>>(
         gl.const_data_ptr<float>(), logits.const_data_ptr<T>(), stride, v, target.const_data_ptr<int64_t>(),
-        ignore_index, lse.const_data_ptr<float>(), grad.mutable_data_ptr<T>());
+        ignore_index, lse.const_data_ptr<float>(), grad.mutable_data_ptr<T>(), parts);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return grad;
