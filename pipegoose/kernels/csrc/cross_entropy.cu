@@ -47,13 +47,13 @@ namespace {
 // Benchmark experiments (the build without them is what ships): -DPIPEGOOSE_CE_THREADS=N threads per block of the
 // forward, -DPIPEGOOSE_CE_UNROLL=U vectors a thread loads before it computes there, -DPIPEGOOSE_CE_PARTS=N blocks per
 // row of the backward. Measured on the H200 (session 49, .gpu/ce_var.py, CUDA graphs; benchmark shapes 883-4194 rows
-// of 32000-151936 classes): the forward at 256 threads ran as fast as at 512 in bf16 and up to 7% faster in fp16
+// of 32000-151936 classes): the forward at 256 threads ran as fast as at 512 in bf16 and up to 7.5% faster in fp16
 // (V 32000), at 1024 up to 27% slower; 8 vectors per thread up to 72% slower than 4 (registers); loading the next 4
-// vectors before summing the current 4 (a register double buffer) slower at every shape but one; the forward split
-// over a thread block cluster of 2 or 4 blocks per row (partial sums merged through distributed shared memory) 6-190%
-// slower than one block per row. The backward split into 2-4 blocks per row ran 2-4% faster at 883 rows of 151936 and
-// in fp32 at 2668 rows of 50304, 1% slower in 16-bit at 2668 rows of 50304 (where parts_for keeps one block per row:
-// its rows hold too few vectors per thread for two).
+// vectors before summing the current 4 (a register double buffer) slower at every shape; the forward split over a
+// thread block cluster of 2 or 4 blocks per row (partial sums merged through distributed shared memory) 6-190% slower
+// than one block per row. The backward split into 4 blocks per row ran 3-4% faster at 883 rows of 151936 in 16-bit
+// (as fast in fp32), into 2 2% faster in fp32 at 2668 rows of 50304 and 1% slower in 16-bit there (where parts_for
+// keeps one block per row: its rows hold too few vectors per thread for two).
 #ifndef PIPEGOOSE_CE_THREADS
 #define PIPEGOOSE_CE_THREADS 256
 #endif
