@@ -107,14 +107,19 @@ def test_fuse_parity_and_unfuse(arch, attn, attention, softmax_calls):
         # the title said "100%" over rows of skipped attention, without a word that they are not counted
         # (GPT-NeoX's default partial rotary: its attention modules' RoPE rows are not counted either)
         left = "2 attention, 2 rope" if arch == "gpt_neox" else "2 attention"
-        assert f"(100%); not counted: {left} module(s) left as they are" in " ".join(str(report).split()), report
+        assert "(100%), in " in str(report), report
+        assert f"; not counted: {left} module(s) left as they are" in " ".join(str(report).split()), report
     else:
         assert report.attention["chosen"] == "pipegoose" and report.coverage == 1.0
         if arch == "gpt_neox":   # partial rotary (Pythia's default): its RoPE runs GPT-NeoX's own code, and says so
             assert "not counted: 2 rope module(s) left as they are" in " ".join(str(report).split()), report
         else:
             assert "not counted" not in str(report), report
-    assert "eligible modules fused" in str(report)
+    # rows, not modules: Llama's attention modules have a RoPE row and an attention row, and the title said
+    # "N modules" counting both
+    assert f"{report.covered}/{report.eligible} eligible fusions applied" in str(report)
+    modules = {r.path for r in report.fused_rows()}
+    assert f"in {len(modules)} module" in " ".join(str(report).split()) and len(modules) <= report.covered
     # the "@128" of the attention rows' implementations is explained under the table, only where it appears
     probe = any("@128" in r.forward for r in report.fused_rows("attention"))
     assert probe == expect_ours

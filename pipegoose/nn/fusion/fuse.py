@@ -144,15 +144,23 @@ class FusionReport:
 
     @property
     def eligible(self) -> int:
+        """Eligible rows: (module, kind) pairs, so an attention module with a RoPE row and an attention row counts
+        twice."""
         return sum(r.eligible for r in self.rows)
 
     @property
     def covered(self) -> int:
+        """Eligible rows that are fused."""
         return sum(r.eligible and r.fused for r in self.rows)
 
     @property
+    def modules_fused(self) -> int:
+        """Distinct modules with at least one fused row."""
+        return len({r.path for r in self.rows if r.fused})
+
+    @property
     def coverage(self) -> float:
-        """Share of eligible modules that are fused, 0..1 (1.0 when none is eligible)."""
+        """Share of eligible rows that are fused, 0..1 (1.0 when none is eligible)."""
         return self.covered / self.eligible if self.eligible else 1.0
 
     def fused_rows(self, kind: str | None = None) -> list[FusionRow]:
@@ -216,12 +224,15 @@ class FusionReport:
             yield Text(n, overflow="fold")
 
     def _title(self) -> str:
-        """The report's first line: the model, the share of eligible modules fused, and the modules left as they are
-        that the share does not count (``eligible`` False: kept attention, attention of a model without a config,
+        """The report's first line: the model, the share of eligible fusions applied (rows: an attention module with
+        a RoPE row and an attention row has two) and the modules they touch, and the modules left as they are that the
+        share does not count (``eligible`` False: kept attention, attention of a model without a config,
         parametrized norms, norms the RMSNorm probe refused), by kind."""
+        would = "would be " if self.dry_run else ""
+        n = self.modules_fused
         title = (f"pipegoose fusion of {self.model}{' (dry run)' if self.dry_run else ''}: "
-                 + (f"{self.covered}/{self.eligible} eligible modules {'would be ' if self.dry_run else ''}fused "
-                    f"({self.coverage:.0%})" if self.eligible else "no eligible module (nothing fused)"))
+                 + (f"{self.covered}/{self.eligible} eligible fusions {would}applied ({self.coverage:.0%}), in "
+                    f"{n} module{'' if n == 1 else 's'}" if self.eligible else "no eligible module (nothing fused)"))
         uncounted: dict[str, int] = {}
         for r in self.rows:
             if not r.eligible and not r.fused:
