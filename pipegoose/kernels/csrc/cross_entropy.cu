@@ -222,16 +222,15 @@ __global__ void __launch_bounds__(kThreads, 2048 / kThreads)
   if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {
     const int64_t nvec = V / VEC;
     const uint4* x4 = reinterpret_cast<const uint4*>(x);
-    const int64_t n = nvec;
     int64_t i = threadIdx.x;
     constexpr int64_t kStep = int64_t{kUnroll} * kThreads;
-    for (; i + (kUnroll - 1) * kThreads < n; i += kStep) {   // kUnroll vectors in flight per thread
+    for (; i + (kUnroll - 1) * kThreads < nvec; i += kStep) {   // kUnroll vectors in flight per thread
       uint4 a[kUnroll];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) a[k] = x4[i + k * kThreads];
       add_vectors<T>(r, a);
     }
-    for (; i < n; i += kThreads) {
+    for (; i < nvec; i += kThreads) {
       const uint4 a[1] = {x4[i]};
       add_vectors<T>(r, a);
     }
