@@ -108,16 +108,16 @@ def test_fuse_parity_and_unfuse(arch, attn, attention, softmax_calls):
         # (GPT-NeoX's default partial rotary: its attention modules' RoPE rows are not counted either)
         left = "2 attention, 2 rope" if arch == "gpt_neox" else "2 attention"
         assert "(100%), in " in str(report), report
-        assert f"; not counted: {left} module(s) left as they are" in " ".join(str(report).split()), report
+        assert f"; not counted: {left} left to the model's own code" in " ".join(str(report).split()), report
     else:
         assert report.attention["chosen"] == "pipegoose" and report.coverage == 1.0
         if arch == "gpt_neox":   # partial rotary (Pythia's default): its RoPE runs GPT-NeoX's own code, and says so
-            assert "not counted: 2 rope module(s) left as they are" in " ".join(str(report).split()), report
+            assert "not counted: 2 rope left to the model's own code" in " ".join(str(report).split()), report
         else:
             assert "not counted" not in str(report), report
     # rows, not modules: Llama's attention modules have a RoPE row and an attention row, and the title said
     # "N modules" counting both
-    assert f"{report.covered}/{report.eligible} eligible fusions applied" in str(report)
+    assert f"{report.covered}/{report.eligible} eligible fusions in place" in str(report)
     modules = {r.path for r in report.fused_rows()}
     assert f"in {len(modules)} module" in " ".join(str(report).split()) and len(modules) <= report.covered
     # the "@128" of the attention rows' implementations is explained under the table, only where it appears
@@ -392,11 +392,23 @@ def test_a_fuse_that_fuses_nothing_leaves_no_record():
     assert unfuse(model) is True and not is_fused(model)
 
 
+def test_report_title_counts_fusions_and_modules():
+    """The title counts rows ((module, kind) pairs) as fusions, in the singular for one, and the modules they touch
+    (in to_dict() too); a model with nothing eligible says so without a count (session 49's walkthrough: "1/1
+    eligible fusions", "in 0 modules", "no eligible module" in a dry run)."""
+    report = fuse(nn.Sequential(nn.LayerNorm(8)))
+    text = " ".join(str(report).split())
+    assert "1/1 eligible fusion in place (100%), in 1 module" in text and "fusions" not in text, text
+    assert report.to_dict()["modules_fused"] == report.modules_fused == 1
+    text = " ".join(str(fuse(nn.Sequential(nn.Linear(8, 8)))).split())
+    assert "no eligible fusion (nothing is fused)" in text and " in 0 module" not in text, text
+
+
 def test_report_of_a_model_with_nothing_eligible_says_so():
     report = fuse(nn.Sequential(nn.Linear(8, 8)), dry_run=True)
     assert report.eligible == 0 and report.covered == 0
     text = " ".join(str(report).split())  # the title may wrap
-    assert "no eligible module (nothing fused)" in text and "0/0" not in text and "100%" not in text, text
+    assert "no eligible fusion (nothing would be fused)" in text and "0/0" not in text and "100%" not in text, text
     # no table of no rows: a header over nothing read as a report that lost its rows
     assert "replacement" not in text and "━" not in str(report), str(report)
 

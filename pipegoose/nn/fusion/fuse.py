@@ -89,7 +89,8 @@ _HOOK_FLAGS = ("_is_full_backward_hook",)
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass
 class FusionRow:
-    """One module considered by :func:`fuse`.
+    """One (module, kind) considered by :func:`fuse` (an attention module can have a ``rope`` and an ``attention``
+    row).
 
     Attributes:
         path: dotted module path in the model (``""`` for the model itself).
@@ -126,7 +127,7 @@ class FusionReport:
     """What :func:`fuse` did. ``print(report)`` shows a table; ``report.to_dict()`` / ``report.rows`` give data.
 
     Attributes:
-        rows: one :class:`FusionRow` per module considered.
+        rows: one :class:`FusionRow` per (module, kind) considered.
         attention: ``{"previous": ..., "chosen": ..., "reason": ...}`` (the model's attention implementation
             before and after, and why).
         dry_run: True when nothing was changed.
@@ -172,6 +173,7 @@ class FusionReport:
     def to_dict(self) -> dict:
         return {"model": self.model, "dry_run": self.dry_run, "attention": dict(self.attention),
                 "eligible": self.eligible, "covered": self.covered, "coverage": self.coverage,
+                "modules_fused": self.modules_fused,
                 "not_requested": dict(self.not_requested), "rows": [asdict(r) for r in self.rows]}
 
     # The report is a table where its six short columns fit whole and leave the reason this many characters; else a
@@ -224,22 +226,28 @@ class FusionReport:
             yield Text(n, overflow="fold")
 
     def _title(self) -> str:
-        """The report's first line: the model, the share of eligible fusions applied (rows: an attention module with
-        a RoPE row and an attention row has two) and the modules they touch, and the modules left as they are that the
-        share does not count (``eligible`` False: kept attention, attention of a model without a config,
-        parametrized norms, norms the RMSNorm probe refused), by kind."""
+        """The report's first line: the model, the share of eligible fusions in place (rows: an attention module with
+        a RoPE row and an attention row has two; rows fused before this call count as in place) and the modules they
+        touch, and the rows the share does not count (``eligible`` False: kept attention, attention of a model without
+        a config, partial or interleaved RoPE, parametrized norms, norms the RMSNorm probe refused, SwiGLU the probe
+        refused, losses fuse() does not replace), by kind: the model's own code runs there."""
         would = "would be " if self.dry_run else ""
-        n = self.modules_fused
-        title = (f"pipegoose fusion of {self.model}{' (dry run)' if self.dry_run else ''}: "
-                 + (f"{self.covered}/{self.eligible} eligible fusions {would}applied ({self.coverage:.0%}), in "
-                    f"{n} module{'' if n == 1 else 's'}" if self.eligible else "no eligible module (nothing fused)"))
+        title = f"pipegoose fusion of {self.model}{' (dry run)' if self.dry_run else ''}: "
+        if self.eligible:
+            n = self.modules_fused
+            title += (f"{self.covered}/{self.eligible} eligible fusion{'' if self.eligible == 1 else 's'} {would}in "
+                      f"place ({self.coverage:.0%})")
+            if n:
+                title += f", in {n} module{'' if n == 1 else 's'}"
+        else:
+            title += f"no eligible fusion (nothing {would or 'is '}fused)"
         uncounted: dict[str, int] = {}
         for r in self.rows:
             if not r.eligible and not r.fused:
                 uncounted[r.kind] = uncounted.get(r.kind, 0) + 1
         if uncounted:
             kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(uncounted.items()))
-            title += f"; not counted: {kinds} module(s) left as they are"
+            title += f"; not counted: {kinds} left to the model's own code"
         return title
 
     def _notes(self) -> list[str]:
