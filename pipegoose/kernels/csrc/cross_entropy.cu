@@ -35,12 +35,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <map>
-#include <mutex>
 #include <tuple>
 #include <type_traits>
 
 #include "pipegoose_check.h"
+#include "pipegoose_occupancy.h"
 
 namespace pipegoose {
 namespace {
@@ -323,23 +322,6 @@ int parts_for(int64_t rows, int64_t nvec, int slots, int max_parts) {
   return p;
 }
 
-// Resident blocks per SM of a kernel at `threads` threads per block (cached per device and kernel), times the SMs.
-int slots(const void* kernel, int threads) {
-  static std::mutex mu;
-  static std::map<std::pair<int, const void*>, int> cache;
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  const auto key = std::make_pair(dev, kernel);
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  int n = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0));
-  n = std::max(n, 1) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  cache[key] = n;
-  return n;
-}
-
 void check_logits_target(const char* op, const at::Tensor& logits, const at::Tensor& target) {
   PG_CHECK(logits.defined() && target.defined(), op, ": logits and target must be defined tensors");
   PG_CHECK(logits.is_cuda(), op, ": logits must be a CUDA tensor, got device ", logits.device());
@@ -404,7 +386,7 @@ at::Tensor cross_entropy_backward_cuda(const at::Tensor& grad_loss_in, const at:
   by_dtype(logits.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     int parts = parts_for(n, v / (16 / static_cast<int64_t>(sizeof(T))),
-                          slots(reinterpret_cast<const void*>(ce_bwd_kernel<T>), kBwdThreads), 8);
+                          occupancy(reinterpret_cast<const void*>(ce_bwd_kernel<T>), kBwdThreads, 0) * sm_count(), 8);
     if (n * parts > INT32_MAX) parts = 1;
     ce_bwd_kernel<T><<<static_cast<unsigned>(n * parts), kBwdThreads, 0, stream>>>(
         gl.const_data_ptr<float>(), logits.const_data_ptr<T>(), stride, v, target.const_data_ptr<int64_t>(),

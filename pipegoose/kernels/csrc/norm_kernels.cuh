@@ -58,6 +58,7 @@
 #include <type_traits>
 #include "pipegoose_async.cuh"
 #include "pipegoose_check.h"
+#include "pipegoose_occupancy.h"
 
 namespace pipegoose {
 namespace norm {
@@ -3068,7 +3069,6 @@ constexpr int kSpecHidden = static_cast<int>(PIPEGOOSE_NORM_HIDDEN);
 
 inline bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-inline int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 // Dynamic shared memory a block may use on this device (the opt-in limit less 1 KB for the kernels' static shared
 // memory): 227 KB on the H100/H200, 163 KB on the A100, 99 KB on sm_86/sm_89, 63 KB on sm_75. The environment
 // variable PIPEGOOSE_NORM_SMEM_LIMIT (bytes; read once per process) lowers it, so that the plans of a GPU with less
@@ -3091,26 +3091,6 @@ inline size_t smem_limit() {
 // Whether `bytes` of dynamic shared memory fit smem_limit() (a function, so that a constant 0 is no "pointless
 // comparison of unsigned integer with zero", nvcc warning #186).
 inline bool smem_fits(size_t bytes) { return bytes <= smem_limit(); }
-
-// Resident blocks per SM for a kernel at a block size and dynamic smem size (cached per device).
-inline int occupancy(const void* kernel, int threads, size_t smem) {
-  static std::mutex mu;
-  static std::map<std::tuple<int, const void*, int, size_t>, int> cache;
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  const auto key = std::make_tuple(dev, kernel, threads, smem);
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
-  }
-  int n = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
-  n = std::max(n, 1);
-  std::lock_guard<std::mutex> lock(mu);
-  cache[key] = n;
-  return n;
-}
 
 // Raises a kernel's dynamic shared memory limit to smem when needed (the default, 48 KB, counts the kernel's static
 // shared memory too, so any request above 32 KB sets it). Cached per device and kernel: the attribute is set once
