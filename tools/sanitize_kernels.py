@@ -26,7 +26,8 @@ step, AdamW and L2, over tensors of 1 to 12289 elements (around both chunk sizes
 ones, and views at odd offsets: the scalar path) and ``pipegoose/swiglu`` (forward and backward of 1 to 300007
 elements: whole vectors, tails, several blocks; views at odd offsets: the scalar path) and ``pipegoose/cross_entropy``
 (forward and backward over 1 to 151936 classes, the backward's long rows split over 2 to 8 blocks, rows at a stride
-that misaligns every other row, ignored and out-of-range targets) and ``pipegoose/rope`` (forward and backward of q
+that misaligns every other row, ignored and out-of-range targets, the reduced forward's mean and sum, and the
+backward's grad_loss at stride 0) and ``pipegoose/rope`` (forward and backward of q
 and k from one head and position of 2 elements to 40 + 7 heads of 128 over 300 positions and a Llama-like 32 + 8
 heads of 128 over 1024 positions, tables of one batch and of B, no query or no key heads; the vector path, head dims
 no multiple of the vector, views at odd offsets, rows of D + 1 elements and a narrowed head dim (the scalar path),
@@ -215,7 +216,12 @@ def main() -> int:
                 t[2] = v             # out of range: NaN
                 loss, lse = ce.cross_entropy_forward(x, t, -100)
                 ce.cross_entropy_backward(torch.ones(rows, device="cuda"), x, t, lse, -100)
-                calls += 2
+                # the reduced forward (blocks arriving at a counter; the last one sums), the backward's grad_loss
+                # expanded from one value (stride 0)
+                for mean in (True, False):
+                    out, lse, count = ce.cross_entropy_forward_reduced(x, t, -100, mean)
+                ce.cross_entropy_backward(torch.ones((), device="cuda").expand(rows), x, t, lse, -100)
+                calls += 4
     if which in ("all", "rope"):
         rp = load("pipegoose/rope")
 

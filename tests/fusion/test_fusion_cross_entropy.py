@@ -1,7 +1,8 @@
 """CPU: softmax cross-entropy (op ``cross_entropy``): the functional's reference path against
 ``F.cross_entropy(logits.float(), ...)`` (bit for bit), its argument checks, the dispatcher's reasons for the kernel
 (``_pipegoose_supports`` on hand-made CUDA problems; no GPU needed), strict mode, the Python side of the kernel path
-(``PipegooseCrossEntropyFunction`` and the reductions, on a float64 stand-in for the CUDA ops), and the transformers
+(``PipegooseCrossEntropyFunction``, ``PipegooseCrossEntropyReducedFunction`` and the reductions, on a float64
+stand-in for the CUDA ops), and the transformers
 glue (``causal_lm_loss`` / ``masked_lm_loss`` against transformers' ``ForCausalLMLoss`` / ``ForMaskedLMLoss``).
 
 The kernel itself is tested on the GPU: ``tests/kernels/test_cross_entropy_cuda.py``.
@@ -17,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_loading import load_or_skip
 from pipegoose.nn.fusion import cross_entropy, dispatch
 from pipegoose.nn.fusion import functional as PF
 from pipegoose.nn.fusion.ops import cross_entropy as C
@@ -319,8 +321,17 @@ def _stand_in_ops(calls):
         loss = torch.where(valid, lse - picked, torch.nan).masked_fill(ignored, 0)
         return loss.float(), lse.masked_fill(ignored, 0).float()
 
+    def forward_reduced(logits, target, ignore_index, mean):
+        calls.append(("forward_reduced", ignore_index))
+        rows, lse = forward(logits, target, ignore_index)
+        calls.pop()
+        count = (target != ignore_index).sum()
+        total = rows.double().sum()
+        return (total / count if mean else total).float(), lse, count
+
     def backward(grad_loss, logits, target, lse, ignore_index):
         calls.append(("backward", ignore_index))
+        assert grad_loss.shape == target.shape, "grad_loss: one value per row (expanded from a reduced loss's)"
         x = logits.double()
         ignored = target == ignore_index
         valid = (target >= 0) & (target < x.shape[1]) & ~ignored
@@ -330,14 +341,23 @@ def _stand_in_ops(calls):
         g[~valid & ~ignored] = torch.nan
         return g.to(logits.dtype)
 
-    return SimpleNamespace(cross_entropy_forward=forward, cross_entropy_backward=backward)
+    return SimpleNamespace(cross_entropy_forward=forward, cross_entropy_forward_reduced=forward_reduced,
+                           cross_entropy_backward=backward)
+
+
+@pytest.fixture(params=[False, True], ids=["reduced-by-torch", "reduced-in-kernel"])
+def reduce_in_kernel(request, monkeypatch):
+    """Both routes of the mean and sum: PyTorch's reductions over the per-row op, and the op that reduces in its own
+    launch (``C.REDUCE_IN_KERNEL``)."""
+    monkeypatch.setattr(C, "REDUCE_IN_KERNEL", request.param)
+    return request.param
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("ignore_index", [-100, 5])
-def test_kernel_path_reductions_and_backward(monkeypatch, reduction, ignore_index):
-    """The autograd Function and the reductions around the per-row kernel: mean = sum over the rows not ignored /
-    their count, sum, none; the backward gets the upstream gradient per row, the saved lse and ignore_index."""
+def test_kernel_path_reductions_and_backward(monkeypatch, reduction, ignore_index, reduce_in_kernel):
+    """The autograd Functions and the reductions around the kernels: mean = sum over the rows not ignored / their
+    count, sum, none; the backward gets the upstream gradient per row, the saved lse and ignore_index."""
     calls = []
     monkeypatch.setattr(C, "_ops", lambda: _stand_in_ops(calls))
     logits, target = _inputs(8, 13, torch.float32, seed=6, ignore_index=ignore_index, ignored=(0, 5, 6))
@@ -349,14 +369,15 @@ def test_kernel_path_reductions_and_backward(monkeypatch, reduction, ignore_inde
                           upstream)
     want, want_grad = _fwd_bwd(F.cross_entropy, logits.double(), target, upstream.double(),
                                ignore_index=ignore_index, reduction=reduction)
-    assert calls == [("forward", ignore_index), ("backward", ignore_index)]
+    fwd = "forward_reduced" if reduce_in_kernel and reduction != "none" else "forward"
+    assert calls == [(fwd, ignore_index), ("backward", ignore_index)]
     assert loss.dtype == torch.float32 and grad.dtype == torch.float32 and loss.shape == want.shape
     torch.testing.assert_close(loss.double(), want, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(grad.double(), want_grad, atol=1e-6, rtol=1e-6)
     assert (grad[[0, 5, 6]] == 0).all()
 
 
-def test_kernel_path_every_row_ignored_and_out_of_range_targets(monkeypatch):
+def test_kernel_path_every_row_ignored_and_out_of_range_targets(monkeypatch, reduce_in_kernel):
     calls = []
     monkeypatch.setattr(C, "_ops", lambda: _stand_in_ops(calls))
     logits, target = _inputs(4, 6, torch.float32, ignored=range(4))
@@ -375,12 +396,56 @@ def test_kernel_path_every_row_ignored_and_out_of_range_targets(monkeypatch):
     torch.testing.assert_close(loss[keep].double(), want, atol=1e-6, rtol=1e-6)
 
 
-def test_kernel_path_without_a_gradient_for_the_logits(monkeypatch):
+def test_kernel_path_without_a_gradient_for_the_logits(monkeypatch, reduce_in_kernel):
     calls = []
     monkeypatch.setattr(C, "_ops", lambda: _stand_in_ops(calls))
     logits, target = _inputs(4, 6, torch.float32)
     loss = C._run_pipegoose(logits, target, -100, "sum")
-    assert not loss.requires_grad and calls == [("forward", -100)]
+    assert not loss.requires_grad and calls == [("forward_reduced" if reduce_in_kernel else "forward", -100)]
+
+
+def test_kernel_path_reduced_in_kernel_scales_the_gradient_once(monkeypatch):
+    """The reduced route's backward: the scalar's upstream gradient (here 3) divided by the count for the mean, once,
+    and handed to the backward kernel as one value per row; a second backward through a retained graph gives the same
+    gradient (nothing saved is modified)."""
+    calls = []
+    monkeypatch.setattr(C, "_ops", lambda: _stand_in_ops(calls))
+    monkeypatch.setattr(C, "REDUCE_IN_KERNEL", True)
+    logits, target = _inputs(6, 9, torch.float32, seed=11, ignored=(2, 4))
+    for reduction in ("mean", "sum"):
+        x = logits.clone().requires_grad_(True)
+        loss = C._run_pipegoose(x, target, -100, reduction)
+        (g1,) = torch.autograd.grad(loss, x, torch.tensor(3.0), retain_graph=True)
+        (g2,) = torch.autograd.grad(loss, x, torch.tensor(3.0))
+        xr = logits.double().requires_grad_(True)
+        (want,) = torch.autograd.grad(F.cross_entropy(xr, target, reduction=reduction), xr, torch.tensor(3.0).double())
+        torch.testing.assert_close(g1.double(), want, atol=1e-6, rtol=1e-6)
+        assert torch.equal(g1, g2)
+
+
+# ------------------------------------------------------------------------------------- fake impls (meta; slow)
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+def test_fake_impls_on_meta_tensors(dtype):
+    """Shapes and dtypes as the kernels return them (pipegoose/kernels/bindings/cross_entropy.py), and the fakes
+    refuse the shapes the kernels refuse."""
+    load_or_skip("pipegoose/cross_entropy")
+    ops = torch.ops.pipegoose
+    n, v = 5, 11
+    x = torch.empty(n, v, device="meta", dtype=dtype)
+    t = torch.empty(n, device="meta", dtype=torch.int64)
+    loss, lse = ops.cross_entropy_forward(x, t, -100)
+    assert loss.shape == lse.shape == (n,) and loss.dtype == lse.dtype == torch.float32
+    for mean in (True, False):
+        out, lse, count = ops.cross_entropy_forward_reduced(x, t, -100, mean)
+        assert out.shape == count.shape == () and out.dtype == torch.float32 and count.dtype == torch.int64
+        assert lse.shape == (n,) and lse.dtype == torch.float32
+    grad = ops.cross_entropy_backward(torch.empty((), device="meta").expand(n), x, t, lse, -100)
+    assert grad.shape == (n, v) and grad.dtype == dtype
+    for bad in (lambda: ops.cross_entropy_forward_reduced(x, t[:3], -100, True),
+                lambda: ops.cross_entropy_forward_reduced(x[None], t, -100, False)):
+        with pytest.raises(RuntimeError, match="target: expected 1-D with|logits: expected 2-D"):
+            bad()
 
 
 # -------------------------------------------------------------------------------------- the transformers glue

@@ -55,6 +55,16 @@ def dispatch(no_tuning_table):
     d.reset_stats()
 
 
+@pytest.fixture(params=[False, True], ids=["reduced-by-torch", "reduced-in-kernel"])
+def reduce_in_kernel(request, monkeypatch):
+    """Both routes of the functional's mean and sum: PyTorch's reductions over the per-row op, and
+    cross_entropy_forward_reduced (``REDUCE_IN_KERNEL``)."""
+    from pipegoose.nn.fusion.ops import cross_entropy as C
+
+    monkeypatch.setattr(C, "REDUCE_IN_KERNEL", request.param)
+    return request.param
+
+
 # --------------------------------------------------------------------------------------------------- helpers
 def poison(*nbytes: int) -> None:
     """Leave 0xFF-filled blocks (NaN in fp32/fp16/bf16) of the given sizes in the caching allocator, so that an
@@ -153,7 +163,7 @@ def test_ops_match_float64(ops, dtype, v, n, ignore_index):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-def test_every_row_ignored(ops, dtype, dispatch):
+def test_every_row_ignored(ops, dtype, dispatch, reduce_in_kernel):
     """Ops: loss 0, lse 0, gradient zeros (written). Functional: mean NaN (0 / 0, as PyTorch's), sum 0, gradients
     zero, as F.cross_entropy on the GPU."""
     n, v = 6, 1000
@@ -209,6 +219,112 @@ def test_empty_batch(ops):
     assert loss.shape == lse.shape == (0,) and loss.dtype == torch.float32
     grad = ops.cross_entropy_backward(loss, x, t, lse, -100)
     assert grad.shape == (0, 7) and grad.dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------- the reduced forward and grad_loss strides
+def run_reduced(ops, x, t, ignore_index, mean):
+    """cross_entropy_forward_reduced with its outputs and workspace poisoned first; (out, lse, count)."""
+    n = x.shape[0]
+    poison(4, 4 * n, 8, 4 * n, 4)
+    out, lse, count = ops.cross_entropy_forward_reduced(x, t, ignore_index, mean)
+    assert out.shape == () and out.dtype == torch.float32 and lse.shape == (n,) and lse.dtype == torch.float32
+    assert count.shape == () and count.dtype == torch.int64
+    return out, lse, count
+
+
+@pytest.mark.parametrize("mean", [True, False], ids=["mean", "sum"])
+@pytest.mark.parametrize("n", [1, 3, 257, 4099])
+@pytest.mark.parametrize("v", [1, 9, 1000, 50257])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_reduced_forward_matches_float64_and_the_rows(ops, dtype, v, n, mean):
+    """out = the float64 reference's sum (/ count) of the rows' losses, within the fp32 tolerances, and within 1e-6
+    of the per-row op's losses summed in float64 (the same row code; the reduction in fp64); lse bit for bit the
+    per-row op's; count the rows not ignored. 4099 rows: several waves of blocks arriving at the counter."""
+    x = logits_of(n, v, dtype, seed=40 + v + n)
+    t = targets_of(n, v, seed=41 + n, every=3)
+    out, lse, count = run_reduced(ops, x, t, -100, mean)
+    rows, rows_lse = ops.cross_entropy_forward(x, t, -100)
+    want_rows, _ = ref64(x, t, -100)
+    kept = int((t != -100).sum())
+    assert count.item() == kept
+    want = want_rows.sum() / (kept if mean else 1)
+    check(out, want, "out vs float64", **LOSS_TOL)
+    from_rows = rows.double().sum().item() / (kept if mean else 1)
+    torch.testing.assert_close(out.item(), from_rows, rtol=1e-6, atol=1e-6)
+    assert torch.equal(lse, rows_lse)
+
+
+def test_reduced_forward_is_deterministic_over_many_blocks(ops):
+    """100003 rows of 64 classes (blocks arriving in any order): the same bits on every run, and the fp64 sum of the
+    per-row op's losses rounded to fp32."""
+    n, v = 100003, 64
+    x = logits_of(n, v, torch.bfloat16, seed=42)
+    t = targets_of(n, v, seed=43, every=5)
+    runs = [run_reduced(ops, x, t, -100, True)[0] for _ in range(5)]
+    assert all(torch.equal(r, runs[0]) for r in runs), [r.item() for r in runs]
+    rows, _ = ops.cross_entropy_forward(x, t, -100)
+    want = rows.double().sum() / int((t != -100).sum())
+    torch.testing.assert_close(runs[0].double(), want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_reduced_forward_edges(ops, dtype):
+    """Every row ignored: mean NaN (0 / 0, as F.cross_entropy), sum 0, count 0, lse zeros. A target out of range:
+    the mean and the sum NaN. No row: mean NaN, sum 0, count 0."""
+    n, v = 6, 1000
+    x = logits_of(n, v, dtype, seed=44)
+    t = torch.full((n,), -100, device=DEV)
+    out, lse, count = run_reduced(ops, x, t, -100, True)
+    assert torch.isnan(out) and count.item() == 0 and torch.equal(lse, torch.zeros_like(lse))
+    out, _, count = run_reduced(ops, x, t, -100, False)
+    assert out.item() == 0 and count.item() == 0
+    t = targets_of(n, v, seed=45)
+    t[2] = v
+    for mean in (True, False):
+        out, _, count = run_reduced(ops, x, t, -100, mean)
+        assert torch.isnan(out) and count.item() == int((t != -100).sum())
+    empty = logits_of(0, v, dtype)
+    none = torch.zeros(0, dtype=torch.long, device=DEV)
+    out, lse, count = ops.cross_entropy_forward_reduced(empty, none, -100, True)
+    assert torch.isnan(out) and lse.shape == (0,) and count.item() == 0
+    out, _, count = ops.cross_entropy_forward_reduced(empty, none, -100, False)
+    assert out.item() == 0 and count.item() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_backward_takes_grad_loss_at_any_stride(ops, dtype):
+    """grad_loss as one value expanded to every row (stride 0: a reduced loss's gradient), as every other element of
+    a longer tensor (stride 2), and in bf16 (converted): the gradient of the same values given contiguous."""
+    n, v = 37, 50257
+    x = logits_of(n, v, dtype, seed=46)
+    t = targets_of(n, v, seed=47)
+    _, lse = ops.cross_entropy_forward(x, t, -100)
+    one = torch.tensor(0.75, device=DEV)
+    longer = grad_loss_of(2 * n, seed=48)
+    for name, g in (("stride 0", one.expand(n)), ("stride 2", longer[::2]), ("bf16", longer[:n].bfloat16())):
+        poison(n * v * x.element_size())
+        got = ops.cross_entropy_backward(g, x, t, lse, -100)
+        want = ops.cross_entropy_backward(g.float().contiguous(), x, t, lse, -100)
+        assert torch.equal(got, want), name
+    check(ops.cross_entropy_backward(one.expand(n), x, t, lse, -100), ref64(x, t, -100, one.expand(n).cpu())[2],
+          "stride 0 vs float64", **TOLERANCES[dtype])
+
+
+def test_reduced_argument_errors_name_the_argument(ops):
+    n, v = 4, 33
+    x = logits_of(n, v, torch.float32, seed=49)
+    t = targets_of(n, v, seed=50)
+    fwd = ops.cross_entropy_forward_reduced
+    cases = [
+        (lambda: fwd(x.cpu(), t, -100, True), r"cross_entropy_forward_reduced: logits must be a CUDA tensor"),
+        (lambda: fwd(x, t.int(), -100, True), r"cross_entropy_forward_reduced: target must be int64"),
+        (lambda: fwd(x, t[:3], -100, False), r"cross_entropy_forward_reduced: target must be 1-D with 4 elements"),
+        (lambda: fwd(x.double(), t, -100, True), r"logits must be float32, float16 or bfloat16, got Double"),
+        (lambda: fwd(x.t(), t[:1].expand(v), -100, True), r"logits' last dim must be contiguous"),
+    ]
+    for call, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            call()
 
 
 # ------------------------------------------------------------------------------------ layouts and alignment
@@ -407,6 +523,8 @@ def test_opcheck(ops, dtype):
     loss, lse = ops.cross_entropy_forward(x, t, -100)
     torch.library.opcheck(torch.ops.pipegoose.cross_entropy_backward.default,
                           (grad_loss_of(n), x, t, lse, -100))
+    for mean in (True, False):
+        torch.library.opcheck(torch.ops.pipegoose.cross_entropy_forward_reduced.default, (x, t, -100, mean))
 
 
 # ----------------------------------------------------------------------------------------------- the functional
@@ -442,7 +560,7 @@ def ref_reduced(x, t, ignore_index, reduction, upstream=None):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("v", [9, 32000, 50257, 151936])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-def test_functional_matches_float64_and_pytorch(dtype, v, reduction, dispatch):
+def test_functional_matches_float64_and_pytorch(dtype, v, reduction, dispatch, reduce_in_kernel):
     """The functional on the kernel (strict mode: no fallback) against the float64 reference and against
     F.cross_entropy(logits.float(), target) on the GPU (what transformers computes): loss and .backward()."""
     from pipegoose.nn.fusion import functional as PF
@@ -467,7 +585,7 @@ def test_functional_matches_float64_and_pytorch(dtype, v, reduction, dispatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-def test_functional_on_views_of_model_outputs(dtype, dispatch):
+def test_functional_on_views_of_model_outputs(dtype, dispatch, reduce_in_kernel):
     """The shapes a language model hands over: a [B, S, V] output's view(-1, V), and its slice [:, :-1] flattened
     (a copy), and logits at a row stride (a slice of a wider buffer), all on the kernel."""
     from pipegoose.nn.fusion import functional as PF
@@ -532,7 +650,7 @@ def test_functional_is_not_twice_differentiable_on_the_kernel(dispatch):
 
 # ------------------------------------------------------------------------------------------------ a Llama step
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
-def test_llama_step_size(ops, dtype, dispatch):
+def test_llama_step_size(ops, dtype, dispatch, reduce_in_kernel):
     """8192 tokens x 32000 classes in bf16 (a Llama training step): the ops against the float64 reference in chunks
     of rows; the functional's mean against F.cross_entropy(logits.float(), target), with less than half its peak
     memory (no fp32 copy of the logits)."""

@@ -1,9 +1,9 @@
-"""Fake (meta) impls of ``pipegoose::cross_entropy_forward`` and ``pipegoose::cross_entropy_backward`` (pipegoose's
-softmax cross-entropy, ``pipegoose/kernels/csrc/cross_entropy.cu``).
+"""Fake (meta) impls of ``pipegoose::cross_entropy_forward``, ``cross_entropy_forward_reduced`` and
+``cross_entropy_backward`` (pipegoose's softmax cross-entropy, ``pipegoose/kernels/csrc/cross_entropy.cu``).
 
 Shapes and dtypes, as the CUDA kernels return them: ``logits`` [N, V], ``target`` int64 [N]; forward -> loss and lse,
-float32 [N]; backward -> grad_logits (contiguous [N, V], the logits' dtype). Imported by the builder after the library
-is loaded."""
+float32 [N]; forward_reduced -> out (float32 []), lse (float32 [N]), count (int64 []); backward -> grad_logits
+(contiguous [N, V], the logits' dtype). Imported by the builder after the library is loaded."""
 
 from __future__ import annotations
 
@@ -22,6 +22,14 @@ def _forward_fake(logits, target, ignore_index):
     n = logits.shape[0]
     return (torch.empty((n,), dtype=torch.float32, device=logits.device),
             torch.empty((n,), dtype=torch.float32, device=logits.device))
+
+
+@torch.library.register_fake("pipegoose::cross_entropy_forward_reduced")
+def _forward_reduced_fake(logits, target, ignore_index, mean):
+    _check(logits, target)
+    return (torch.empty((), dtype=torch.float32, device=logits.device),
+            torch.empty((logits.shape[0],), dtype=torch.float32, device=logits.device),
+            torch.empty((), dtype=torch.int64, device=logits.device))
 
 
 @torch.library.register_fake("pipegoose::cross_entropy_backward")

@@ -1,12 +1,18 @@
 // Softmax cross-entropy over class logits, forward and backward, for fp32, fp16 and bf16 logits with fp32 math.
-// Written for pipegoose; ops pipegoose::cross_entropy_forward / cross_entropy_backward (binding:
+// Written for pipegoose; ops pipegoose::cross_entropy_forward / cross_entropy_forward_reduced / cross_entropy_backward
+// (binding:
 // pipegoose/kernels/bindings/cross_entropy.cpp; schemas: docs/architecture.md "Op schemas").
 //
 // cross_entropy_forward(logits [N, V], target [N] int64, ignore_index) -> (loss [N] fp32, lse [N] fp32):
 //     lse_i = log(sum_j exp(x_ij)), loss_i = lse_i - x_i[target_i]; a row whose target is ignore_index gets loss 0
 //     (and lse 0). A target outside [0, V) that is not ignore_index gives loss NaN (PyTorch's kernel stops the
 //     process with a device-side assert there; a check on the host would cost a synchronisation per call).
-// cross_entropy_backward(grad_loss [N] fp32, logits, target, lse, ignore_index) -> grad_logits [N, V]:
+// cross_entropy_forward_reduced(logits, target, ignore_index, mean) -> (out [] fp32, lse [N] fp32, count [] int64):
+//     the same rows reduced in the same launch: out = the sum of the rows' losses, divided by count (the rows whose
+//     target is not ignore_index) where `mean` (0 / 0 = NaN with every row ignored, as F.cross_entropy); the sum in
+//     fp64 in a fixed order, so the same inputs give the same bits on every run.
+// cross_entropy_backward(grad_loss [N], logits, target, lse, ignore_index) -> grad_logits [N, V] (grad_loss at any
+//     stride, 0 included: a reduced loss's gradient expanded to every row):
 //     dx_ij = grad_loss_i * (exp(x_ij - lse_i) - [j == target_i]), rounded once to the logits' dtype; ignored rows
 //     get zeros, out-of-range targets NaN.
 // The math is F.cross_entropy(logits.float(), target, reduction="none")'s (what transformers' loss computes after
@@ -199,15 +205,17 @@ __device__ __forceinline__ MaxSum block_reduce(MaxSum r) {
   return r;
 }
 
-// Forward: one block per row; 32 registers, so that an SM of 2048 threads (sm_80, sm_90, sm_100) holds 8.
+// The forward of one row (blockIdx.x): loss and lse written by thread 0. Every thread of the block takes the same
+// branch (the row's target decides), so an ignored row's block passes no barrier and a computed row's passes the
+// same ones in every thread.
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 2048 / kThreads)
-    ce_fwd_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V, const int64_t* __restrict__ target,
-                  int64_t ignore_index, float* __restrict__ loss, float* __restrict__ lse) {
+__device__ __forceinline__ void row_forward(const T* __restrict__ logits, int64_t row_stride, int64_t V,
+                                            const int64_t* __restrict__ target, int64_t ignore_index,
+                                            float* __restrict__ loss, float* __restrict__ lse) {
   constexpr int VEC = 16 / sizeof(T);
   const int64_t row = blockIdx.x;
   const int64_t t = target[row];
-  if (t == ignore_index) {   // the whole block leaves: no barrier is reached
+  if (t == ignore_index) {
     if (threadIdx.x == 0) {
       loss[row] = 0.f;
       lse[row] = 0.f;
@@ -249,6 +257,65 @@ __global__ void __launch_bounds__(kThreads, 2048 / kThreads)
   }
 }
 
+// Forward: one block per row; 32 registers, so that an SM of 2048 threads (sm_80, sm_90, sm_100) holds 8.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2048 / kThreads)
+    ce_fwd_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V, const int64_t* __restrict__ target,
+                  int64_t ignore_index, float* __restrict__ loss, float* __restrict__ lse) {
+  row_forward<T>(logits, row_stride, V, target, ignore_index, loss, lse);
+}
+
+// The block's sum of one double per thread, in a fixed order (the same result on every run), to thread 0.
+__device__ __forceinline__ double block_sum(double v) {
+  __shared__ double part[kWarps];
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    v = 0.0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) v += part[w];
+  }
+  return v;
+}
+
+// Forward with the loss's reduction: each block computes its row as ce_fwd_kernel (the per-row losses go to the
+// workspace `rows`), then counts itself in `arrived` (zero before the launch); the block that arrives last sums the
+// rows' losses in fp64, in a fixed order (deterministic, whichever block is last), counts the rows not ignored, and
+// writes out = sum / count (`mean`; 0 / 0 = NaN, as F.cross_entropy) or the sum, and the count. One launch where the
+// per-row kernel's mean took four more (sum, compare, count, divide).
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2048 / kThreads)
+    ce_fwd_reduce_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V,
+                         const int64_t* __restrict__ target, int64_t ignore_index, float* __restrict__ rows,
+                         float* __restrict__ lse, unsigned int* __restrict__ arrived, float* __restrict__ out,
+                         int64_t* __restrict__ count, bool mean) {
+  row_forward<T>(logits, row_stride, V, target, ignore_index, rows, lse);
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    __threadfence();   // this row's loss (written by this thread) visible to every block before its arrival is
+    last = atomicAdd(arrived, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int64_t n = gridDim.x;
+  double s = 0.0, c = 0.0;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+    s += static_cast<double>(__ldcg(rows + i));   // (from L2: other blocks wrote them)
+    c += target[i] != ignore_index ? 1.0 : 0.0;
+  }
+  s = block_sum(s);
+  __syncthreads();   // block_sum's shared slots are reused
+  c = block_sum(c);
+  if (threadIdx.x == 0) {
+    *count = static_cast<int64_t>(c);
+    *out = static_cast<float>(mean ? s / c : s);
+  }
+}
+
 // The part [lo, hi) of n items that part p of `parts` takes (contiguous, sizes differing by at most one).
 __device__ __forceinline__ void part_range(int64_t n, int p, int parts, int64_t& lo, int64_t& hi) {
   lo = n * p / parts;
@@ -256,10 +323,12 @@ __device__ __forceinline__ void part_range(int64_t n, int p, int parts, int64_t&
 }
 
 // Backward: `parts` blocks per row (blockIdx.x = row * parts + part), block p writing the p-th slice of the row's
-// vectors (and its share of the scalar rest).
+// vectors (and its share of the scalar rest). grad_loss at any stride: 0 for a reduced loss's gradient expanded to
+// every row.
 template <typename T>
 __global__ void __launch_bounds__(kBwdThreads)
-    ce_bwd_kernel(const float* __restrict__ grad_loss, const T* __restrict__ logits, int64_t row_stride, int64_t V,
+    ce_bwd_kernel(const float* __restrict__ grad_loss, int64_t grad_stride, const T* __restrict__ logits,
+                  int64_t row_stride, int64_t V,
                   const int64_t* __restrict__ target, int64_t ignore_index, const float* __restrict__ lse,
                   T* __restrict__ grad, int parts) {
   constexpr int VEC = 16 / sizeof(T);
@@ -269,7 +338,7 @@ __global__ void __launch_bounds__(kBwdThreads)
   const T* x = logits + row * row_stride;
   T* dx = grad + row * V;
   const bool ignored = t == ignore_index;
-  const float g = ignored ? 0.f : grad_loss[row];
+  const float g = ignored ? 0.f : grad_loss[row * grad_stride];
   const float l = ignored ? 0.f : lse[row];
   const bool bad = !ignored && !(t >= 0 && t < V);
   // dx = g * exp(x - l) - g * [j == t]; x - l first (l * log2e overflows for logits past 2.4e38)
@@ -342,6 +411,7 @@ void check_logits_target(const char* op, const at::Tensor& logits, const at::Ten
 
 const char* kFwd = "pipegoose::cross_entropy_forward";
 const char* kBwd = "pipegoose::cross_entropy_backward";
+const char* kFwdReduced = "pipegoose::cross_entropy_forward_reduced";
 
 }  // namespace
 
@@ -366,6 +436,38 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward_cuda(const at::Tensor& 
   return {loss, lse};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward_reduced_cuda(const at::Tensor& logits,
+                                                                                  const at::Tensor& target_in,
+                                                                                  int64_t ignore_index, bool mean) {
+  check_logits_target(kFwdReduced, logits, target_in);
+  const int64_t n = logits.size(0), v = logits.size(1);
+  const auto fopts = logits.options().dtype(at::kFloat);
+  at::Tensor out = at::empty({}, fopts), lse = at::empty({n}, fopts);
+  at::Tensor count = at::empty({}, fopts.dtype(at::kLong));
+  if (n == 0) {   // no row: the sum 0, the mean 0 / 0
+    out.fill_(mean ? NAN : 0.f);
+    count.zero_();
+    return {out, lse, count};
+  }
+  const at::Tensor target = target_in.contiguous();
+  at::Tensor rows = at::empty({n}, fopts);
+  at::Tensor arrived = at::empty({1}, fopts.dtype(at::kInt));
+  const int64_t stride = logits.stride(0);
+  c10::cuda::CUDAGuard guard(logits.device());
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  C10_CUDA_CHECK(cudaMemsetAsync(arrived.mutable_data_ptr(), 0, sizeof(unsigned int), stream));
+  by_dtype(logits.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    ce_fwd_reduce_kernel<T><<<static_cast<unsigned>(n), kThreads, 0, stream>>>(
+        logits.const_data_ptr<T>(), stride, v, target.const_data_ptr<int64_t>(), ignore_index,
+        rows.mutable_data_ptr<float>(), lse.mutable_data_ptr<float>(),
+        reinterpret_cast<unsigned int*>(arrived.mutable_data_ptr<int32_t>()), out.mutable_data_ptr<float>(),
+        count.mutable_data_ptr<int64_t>(), mean);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {out, lse, count};
+}
+
 at::Tensor cross_entropy_backward_cuda(const at::Tensor& grad_loss_in, const at::Tensor& logits,
                                        const at::Tensor& target_in, const at::Tensor& lse_in, int64_t ignore_index) {
   check_logits_target(kBwd, logits, target_in);
@@ -379,7 +481,8 @@ at::Tensor cross_entropy_backward_cuda(const at::Tensor& grad_loss_in, const at:
   at::Tensor grad = at::empty({n, v}, logits.options().memory_format(at::MemoryFormat::Contiguous));
   if (n == 0) return grad;
   const at::Tensor target = target_in.contiguous(), lse = lse_in.contiguous();
-  const at::Tensor gl = grad_loss_in.to(at::kFloat).contiguous();
+  // (a mean's or sum's gradient comes expanded from one value, at stride 0: read in place)
+  const at::Tensor gl = grad_loss_in.to(at::kFloat);
   const int64_t stride = logits.stride(0);
   c10::cuda::CUDAGuard guard(logits.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -389,8 +492,8 @@ at::Tensor cross_entropy_backward_cuda(const at::Tensor& grad_loss_in, const at:
                           occupancy(reinterpret_cast<const void*>(ce_bwd_kernel<T>), kBwdThreads, 0) * sm_count(), 8);
     if (n * parts > INT32_MAX) parts = 1;
     ce_bwd_kernel<T><<<static_cast<unsigned>(n * parts), kBwdThreads, 0, stream>>>(
-        gl.const_data_ptr<float>(), logits.const_data_ptr<T>(), stride, v, target.const_data_ptr<int64_t>(),
-        ignore_index, lse.const_data_ptr<float>(), grad.mutable_data_ptr<T>(), parts);
+        gl.const_data_ptr<float>(), gl.stride(0), logits.const_data_ptr<T>(), stride, v,
+        target.const_data_ptr<int64_t>(), ignore_index, lse.const_data_ptr<float>(), grad.mutable_data_ptr<T>(), parts);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return grad;

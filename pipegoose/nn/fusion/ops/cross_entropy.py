@@ -137,7 +137,42 @@ class PipegooseCrossEntropyFunction(torch.autograd.Function):
         return _ops().cross_entropy_backward(grad_loss, logits, target, lse, ctx.ignore_index), None, None
 
 
+class PipegooseCrossEntropyReducedFunction(torch.autograd.Function):
+    """pipegoose/cross_entropy, reduced in the forward's launch: the mean over the rows not ignored (``mean``) or the
+    sum of the rows' losses, an fp32 scalar of logits [N, V] and int64 targets [N]. The backward runs the backward
+    kernel with the scalar's gradient (divided by the count for the mean) expanded to every row, at stride 0. Not
+    twice differentiable."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, mean):
+        out, lse, count = _ops().cross_entropy_forward_reduced(logits, target, ignore_index, mean)
+        ctx.save_for_backward(logits, target, lse, count)
+        ctx.ignore_index = ignore_index
+        ctx.mean = mean
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        logits, target, lse, count = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        g = grad_out.float()
+        if ctx.mean:
+            g = g / count   # every row ignored: count 0, but then every row's gradient is 0 (the kernel's)
+        grad = _ops().cross_entropy_backward(g.expand(logits.shape[0]), logits, target, lse, ctx.ignore_index)
+        return grad, None, None, None
+
+
+# The loss's mean and sum in the forward's launch (cross_entropy_forward_reduced) instead of PyTorch's reductions
+# (four more launches) over the per-row losses. Off until its GPU tests have run: written in session 50, without a
+# GPU (tests/kernels/test_cross_entropy_cuda.py runs both routes whatever this says).
+REDUCE_IN_KERNEL = False
+
+
 def _run_pipegoose(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    if reduction != "none" and REDUCE_IN_KERNEL:
+        return PipegooseCrossEntropyReducedFunction.apply(logits, target, ignore_index, reduction == "mean")
     rows = PipegooseCrossEntropyFunction.apply(logits, target, ignore_index)
     if reduction == "none":
         return rows
