@@ -64,92 +64,66 @@ __device__ __forceinline__ void bwd_math(float dy, float g, float u, float& dg, 
   dg = dy * u * (s * (1.f + g * (1.f - s)));
 }
 
-// Block b owns vectors [b * kThreads * kUnroll, (b + 1) * kThreads * kUnroll); n_vec whole vectors, n elements.
-template <typename T>
-__global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(const T* __restrict__ g, const T* __restrict__ u,
-                                                               T* __restrict__ y, int64_t n_vec, int64_t n) {
-  constexpr int V = 16 / sizeof(T);
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll + threadIdx.x;
-  const float4* g4 = reinterpret_cast<const float4*>(g);
-  const float4* u4 = reinterpret_cast<const float4*>(u);
-  float4* y4 = reinterpret_cast<float4*>(y);
-  float4 rg[kUnroll], ru[kUnroll];
-#pragma unroll
-  for (int k = 0; k < kUnroll; ++k) {
-    const int64_t i = base + static_cast<int64_t>(k) * kThreads;
-    if (i < n_vec) {
-      rg[k] = load16(g4 + i);
-      ru[k] = load16(u4 + i);
-    }
+// The forward and the backward: silu(gate) * up of (gate, up); and (grad_gate, grad_up) of (grad_output, gate, up).
+struct Fwd {
+  static constexpr int kIn = 2, kOut = 1;
+  __device__ __forceinline__ static void apply(const float (&x)[2], float (&y)[1]) { y[0] = fwd_math(x[0], x[1]); }
+};
+struct Bwd {
+  static constexpr int kIn = 3, kOut = 2;
+  __device__ __forceinline__ static void apply(const float (&x)[3], float (&y)[2]) {
+    bwd_math(x[0], x[1], x[2], y[0], y[1]);
   }
-#pragma unroll
-  for (int k = 0; k < kUnroll; ++k) {
-    const int64_t i = base + static_cast<int64_t>(k) * kThreads;
-    if (i < n_vec) {
-      const T* eg = reinterpret_cast<const T*>(&rg[k]);
-      const T* eu = reinterpret_cast<const T*>(&ru[k]);
-      float4 out;
-      T* ey = reinterpret_cast<T*>(&out);
-#pragma unroll
-      for (int e = 0; e < V; ++e) ey[e] = from_f<T>(fwd_math(to_f<T>(eg[e]), to_f<T>(eu[e])));
-      y4[i] = out;
-    }
-  }
-  // the elements past the last whole vector: fewer than V, or all of them where a pointer is not aligned
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t i = n_vec * V + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
-    y[i] = from_f<T>(fwd_math(to_f<T>(g[i]), to_f<T>(u[i])));
-  }
-}
+};
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads) swiglu_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ g,
-                                                               const T* __restrict__ u, T* __restrict__ dg,
-                                                               T* __restrict__ du, int64_t n_vec, int64_t n) {
-  constexpr int V = 16 / sizeof(T);
+// Block b owns vectors [b * kThreads * kUnroll, (b + 1) * kThreads * kUnroll): a thread loads all its vectors of
+// every input, then computes and stores them; the elements past the last whole vector (fewer than one vector, or all
+// of them where a pointer is not aligned) go one at a time over the grid.
+// The inputs x0, x1[, x2] and outputs y0[, y1] (the unused ones null) as __restrict__ parameters: the loads take the
+// read-only path (LDG.CONSTANT), which pointers passed in an array would not.
+template <typename T, typename Op>
+__global__ void __launch_bounds__(kThreads)
+    swiglu_kernel(const T* __restrict__ x0, const T* __restrict__ x1, const T* __restrict__ x2, T* __restrict__ y0,
+                  T* __restrict__ y1, int64_t n_vec, int64_t n) {
+  constexpr int V = 16 / sizeof(T), NI = Op::kIn, NO = Op::kOut;
+  const T* const a_in[3] = {x0, x1, x2};
+  T* const a_out[2] = {y0, y1};
   const int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll + threadIdx.x;
-  const float4* dy4 = reinterpret_cast<const float4*>(dy);
-  const float4* g4 = reinterpret_cast<const float4*>(g);
-  const float4* u4 = reinterpret_cast<const float4*>(u);
-  float4* dg4 = reinterpret_cast<float4*>(dg);
-  float4* du4 = reinterpret_cast<float4*>(du);
-  float4 rdy[kUnroll], rg[kUnroll], ru[kUnroll];
+  float4 r[NI][kUnroll];
 #pragma unroll
   for (int k = 0; k < kUnroll; ++k) {
     const int64_t i = base + static_cast<int64_t>(k) * kThreads;
     if (i < n_vec) {
-      rdy[k] = load16(dy4 + i);
-      rg[k] = load16(g4 + i);
-      ru[k] = load16(u4 + i);
+#pragma unroll
+      for (int t = 0; t < NI; ++t) r[t][k] = load16(reinterpret_cast<const float4*>(a_in[t]) + i);
     }
   }
 #pragma unroll
   for (int k = 0; k < kUnroll; ++k) {
     const int64_t i = base + static_cast<int64_t>(k) * kThreads;
     if (i < n_vec) {
-      const T* edy = reinterpret_cast<const T*>(&rdy[k]);
-      const T* eg = reinterpret_cast<const T*>(&rg[k]);
-      const T* eu = reinterpret_cast<const T*>(&ru[k]);
-      float4 og, ou;
-      T* eog = reinterpret_cast<T*>(&og);
-      T* eou = reinterpret_cast<T*>(&ou);
+      float4 o[NO];
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        float a, b;
-        bwd_math(to_f<T>(edy[e]), to_f<T>(eg[e]), to_f<T>(eu[e]), a, b);
-        eog[e] = from_f<T>(a);
-        eou[e] = from_f<T>(b);
+        float x[NI], y[NO];
+#pragma unroll
+        for (int t = 0; t < NI; ++t) x[t] = to_f<T>(reinterpret_cast<const T*>(&r[t][k])[e]);
+        Op::apply(x, y);
+#pragma unroll
+        for (int t = 0; t < NO; ++t) reinterpret_cast<T*>(&o[t])[e] = from_f<T>(y[t]);
       }
-      dg4[i] = og;
-      du4[i] = ou;
+#pragma unroll
+      for (int t = 0; t < NO; ++t) reinterpret_cast<float4*>(a_out[t])[i] = o[t];
     }
   }
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t i = n_vec * V + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
-    float a, b;
-    bwd_math(to_f<T>(dy[i]), to_f<T>(g[i]), to_f<T>(u[i]), a, b);
-    dg[i] = from_f<T>(a);
-    du[i] = from_f<T>(b);
+    float x[NI], y[NO];
+#pragma unroll
+    for (int t = 0; t < NI; ++t) x[t] = to_f<T>(a_in[t][i]);
+    Op::apply(x, y);
+#pragma unroll
+    for (int t = 0; t < NO; ++t) a_out[t][i] = from_f<T>(y[t]);
   }
 }
 
@@ -204,7 +178,7 @@ at::Tensor swiglu_forward_cuda(const at::Tensor& gate_in, const at::Tensor& up_i
     const scalar_t* u = up.const_data_ptr<scalar_t>();
     scalar_t* y = out.mutable_data_ptr<scalar_t>();
     const Launch l = plan(n, 16 / sizeof(scalar_t), aligned16(g) && aligned16(u) && aligned16(y), kFwd);
-    swiglu_fwd_kernel<scalar_t><<<l.grid, kThreads, 0, stream>>>(g, u, y, l.n_vec, n);
+    swiglu_kernel<scalar_t, Fwd><<<l.grid, kThreads, 0, stream>>>(g, u, nullptr, y, nullptr, l.n_vec, n);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
@@ -237,7 +211,7 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor& grad_o
     scalar_t* pdu = du.mutable_data_ptr<scalar_t>();
     const bool aligned = aligned16(pdy) && aligned16(g) && aligned16(u) && aligned16(pdg) && aligned16(pdu);
     const Launch l = plan(n, 16 / sizeof(scalar_t), aligned, kBwd);
-    swiglu_bwd_kernel<scalar_t><<<l.grid, kThreads, 0, stream>>>(pdy, g, u, pdg, pdu, l.n_vec, n);
+    swiglu_kernel<scalar_t, Bwd><<<l.grid, kThreads, 0, stream>>>(pdy, g, u, pdg, pdu, l.n_vec, n);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {dg, du};
