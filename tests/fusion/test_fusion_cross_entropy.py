@@ -29,12 +29,6 @@ REDUCTIONS = ["mean", "sum", "none"]
 CUDA = torch.device("cuda", 0)   # a device object: no GPU needed to describe a problem on it
 
 
-@pytest.fixture(autouse=True)
-def _fresh_stats():
-    dispatch.reset_stats()
-    yield
-
-
 def _inputs(n, v, dtype, seed=0, ignore_index=-100, ignored=(1,)):
     """(logits [n, v] of ``dtype``, int64 target [n]) with the rows ``ignored`` set to ``ignore_index``."""
     g = torch.Generator().manual_seed(seed)

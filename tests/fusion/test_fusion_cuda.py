@@ -33,12 +33,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
-def _fresh_stats(monkeypatch):
+def _no_env_overrides(monkeypatch):
+    """The user's PIPEGOOSE_IMPL_* and PIPEGOOSE_STRICT set aside (the dispatcher's state: conftest's _fresh_stats)."""
     for k in list(os.environ):
         if k.startswith("PIPEGOOSE_IMPL_") or k == "PIPEGOOSE_STRICT":
             monkeypatch.delenv(k)
-    dispatch.reset_stats()
-    yield
 
 
 def poison(*like: torch.Tensor, copies: int = 3) -> None:

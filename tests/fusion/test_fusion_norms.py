@@ -51,12 +51,6 @@ def close(a, b, dtype, scale=1.0):
     torch.testing.assert_close(a.double(), b.double(), atol=t["atol"] * scale, rtol=t["rtol"] * scale)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_stats():
-    dispatch.reset_stats()
-    yield
-
-
 @pytest.mark.parametrize("xdt", DTYPES)
 @pytest.mark.parametrize("pdt", ["same", torch.float32])
 @pytest.mark.parametrize("shape,nshape", [((3, 7, 33), (33,)), ((2, 5, 4, 6), (4, 6)), ((1, 1), (1,)),

@@ -35,12 +35,6 @@ def train(model, opt, data, dtype):
     return losses
 
 
-@pytest.fixture(autouse=True)
-def _fresh_stats():
-    dispatch.reset_stats()
-    yield
-
-
 @pytest.mark.parametrize("dtype,adam_w_mode", [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)])
 def test_fused_adam_reference_matches_torch_over_100_steps(dtype, adam_w_mode):
     m1, m2 = small_model(dtype), small_model(dtype)

@@ -31,12 +31,6 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CUDA = torch.device("cuda", 0)   # a device object: no GPU needed to describe a problem on it
 
 
-@pytest.fixture(autouse=True)
-def _fresh_stats():
-    dispatch.reset_stats()
-    yield
-
-
 def _hf():
     """transformers' apply_rotary_pos_emb (Llama's; Mistral, Qwen2/3 and GPT-NeoX copy it)."""
     return pytest.importorskip("transformers.models.llama.modeling_llama").apply_rotary_pos_emb

@@ -47,12 +47,6 @@ def check(fn, ref, x, dy, dtype):
     torch.testing.assert_close(dx.double(), dx64, atol=TOLERANCES[dtype]["atol"] * 4, rtol=TOLERANCES[dtype]["rtol"])
 
 
-@pytest.fixture(autouse=True)
-def _fresh_stats():
-    dispatch.reset_stats()
-    yield
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(3, 5, 7, 13), (1, 1, 1, 1), (2, 3, 17, 129), (2, 1, 4, 2048 + 3)])
 @pytest.mark.parametrize("mask_kind", ["full", "bcast_b", "bcast_q", "none"])

@@ -31,12 +31,6 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CUDA = torch.device("cuda", 0)   # a device object: no GPU needed to describe a problem on it
 
 
-@pytest.fixture(autouse=True)
-def _fresh_stats():
-    dispatch.reset_stats()
-    yield
-
-
 def _inputs(shape, dtype, seed=0, up_shape=None, up_dtype=None):
     g = torch.Generator().manual_seed(seed)
     gate = (torch.randn(shape, generator=g) * 3).to(dtype)

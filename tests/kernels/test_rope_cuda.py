@@ -86,6 +86,12 @@ def tables(bc, s, d, dtype, seed):
     return theta.cos().to(dtype), theta.sin().to(dtype)
 
 
+def projected(b, s, h, d, dtype, gen):
+    """Llama's query or key heads: a projection's output [B, S, H * D] viewed as [B, H, S, D] (transpose(1, 2): dense,
+    not contiguous), random from ``gen``."""
+    return torch.randn(b, s, h * d, generator=gen, device=DEV).to(dtype).view(b, s, h, d).transpose(1, 2)
+
+
 def make(case, dtype, seed):
     """q [B, Hq, S, D], k [B, Hk, S, D], cos and sin [Bc, S, D], output gradients dq, dk; contiguous, on the GPU."""
     b, hq, hk, s, d, bc = case
@@ -383,8 +389,8 @@ def test_transposed_projections_keep_their_layout(ops, dtype):
     (contiguous ones, and transposed ones); values bit for bit those of contiguous inputs."""
     b, hq, hk, s, d = 2, 8, 2, 33, 64
     gen = torch.Generator(device=DEV).manual_seed(seed_of("llama layout", dtype))
-    q = torch.randn(b, s, hq * d, generator=gen, device=DEV).to(dtype).view(b, s, hq, d).transpose(1, 2)
-    k = torch.randn(b, s, hk * d, generator=gen, device=DEV).to(dtype).view(b, s, hk, d).transpose(1, 2)
+    q = projected(b, s, hq, d, dtype, gen)
+    k = projected(b, s, hk, d, dtype, gen)
     cos, sin = tables(1, s, d, dtype, 3)
     assert not q.is_contiguous() and dense(q) and not k.is_contiguous()
     for grad_layout in ("contiguous", "transposed"):
@@ -482,8 +488,8 @@ def test_functional_on_cuda_runs_the_kernel(ops, no_tuning_table, dtype):
     apply, dispatch = _functional()
     b, hq, hk, s, d = 2, 8, 2, 33, 64
     gen = torch.Generator(device=DEV).manual_seed(seed_of("functional", dtype))
-    q = torch.randn(b, s, hq * d, generator=gen, device=DEV).to(dtype).view(b, s, hq, d).transpose(1, 2)
-    k = torch.randn(b, s, hk * d, generator=gen, device=DEV).to(dtype).view(b, s, hk, d).transpose(1, 2)
+    q = projected(b, s, hq, d, dtype, gen)
+    k = projected(b, s, hk, d, dtype, gen)
     dq = torch.randn(b, hq, s, d, generator=gen, device=DEV).to(dtype)
     dk = torch.randn(b, hk, s, d, generator=gen, device=DEV).to(dtype)
     cos, sin = tables(1, s, d, dtype, 4)
@@ -557,8 +563,8 @@ def test_functional_matches_transformers_with_llama_tables(ops, no_tuning_table)
         x = torch.empty(1, device=DEV, dtype=dtype)
         cos, sin = rotary(x, pos)
         assert cos.shape == (b, s, 64) and cos.dtype == dtype
-        q = torch.randn(b, s, 8 * 64, generator=gen, device=DEV).to(dtype).view(b, s, 8, 64).transpose(1, 2)
-        k = torch.randn(b, s, 2 * 64, generator=gen, device=DEV).to(dtype).view(b, s, 2, 64).transpose(1, 2)
+        q = projected(b, s, 8, 64, dtype, gen)
+        k = projected(b, s, 2, 64, dtype, gen)
         dq, dk = torch.randn_like(q), torch.randn_like(k)
         with dispatch.strict():
             got = _fwd_bwd(apply, q, k, cos, sin, dq, dk)
@@ -847,8 +853,8 @@ def test_large_shape(ops, no_tuning_table, dtype):
     apply, dispatch = _functional()
     b, hq, hk, s, d = 4, 32, 8, 2048, 128
     gen = torch.Generator(device=DEV).manual_seed(seed_of("large", dtype))
-    q = torch.randn(b, s, hq * d, generator=gen, device=DEV).to(dtype).view(b, s, hq, d).transpose(1, 2)
-    k = torch.randn(b, s, hk * d, generator=gen, device=DEV).to(dtype).view(b, s, hk, d).transpose(1, 2)
+    q = projected(b, s, hq, d, dtype, gen)
+    k = projected(b, s, hk, d, dtype, gen)
     dq = torch.randn(b, hq, s, d, generator=gen, device=DEV).to(dtype)
     dk = torch.randn(b, hk, s, d, generator=gen, device=DEV).to(dtype)
     cos, sin = tables(b, s, d, dtype, 11)
