@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from ce_stand_in import stand_in_ops
 from kernel_loading import load_or_skip
 from pipegoose.nn.fusion import cross_entropy, dispatch
 from pipegoose.nn.fusion import functional as PF
@@ -301,44 +301,6 @@ def test_choice_on_cuda_of_an_empty_input_loads_no_kernel(monkeypatch):
 
 
 # ------------------------------------------- the kernel path's Python side, on a float64 stand-in for the CUDA ops
-def _stand_in_ops(calls):
-    """``cross_entropy_forward`` / ``cross_entropy_backward`` as the kernel defines them (float64 math, results in
-    the kernel's dtypes: fp32 loss and lse, 0 for ignored rows, NaN for targets out of range; the gradient in the
-    logits' dtype), on the CPU."""
-    def forward(logits, target, ignore_index):
-        calls.append(("forward", ignore_index))
-        x = logits.double()
-        lse = torch.logsumexp(x, 1)
-        ignored = target == ignore_index
-        valid = (target >= 0) & (target < x.shape[1]) & ~ignored
-        picked = x.gather(1, target.clamp(0, x.shape[1] - 1)[:, None])[:, 0]
-        loss = torch.where(valid, lse - picked, torch.nan).masked_fill(ignored, 0)
-        return loss.float(), lse.masked_fill(ignored, 0).float()
-
-    def forward_reduced(logits, target, ignore_index, mean):
-        calls.append(("forward_reduced", ignore_index))
-        rows, lse = forward(logits, target, ignore_index)
-        calls.pop()
-        count = (target != ignore_index).sum()
-        total = rows.double().sum()
-        return (total / count if mean else total).float(), lse, count
-
-    def backward(grad_loss, logits, target, lse, ignore_index):
-        calls.append(("backward", ignore_index))
-        assert grad_loss.shape == target.shape, "grad_loss: one value per row (expanded from a reduced loss's)"
-        x = logits.double()
-        ignored = target == ignore_index
-        valid = (target >= 0) & (target < x.shape[1]) & ~ignored
-        p = torch.exp(x - lse.double()[:, None])
-        p[valid, target[valid]] -= 1
-        g = (p * grad_loss.double()[:, None]).masked_fill(ignored[:, None], 0)
-        g[~valid & ~ignored] = torch.nan
-        return g.to(logits.dtype)
-
-    return SimpleNamespace(cross_entropy_forward=forward, cross_entropy_forward_reduced=forward_reduced,
-                           cross_entropy_backward=backward)
-
-
 @pytest.fixture(params=[False, True], ids=["reduced-by-torch", "reduced-in-kernel"])
 def reduce_in_kernel(request, monkeypatch):
     """Both routes of the mean and sum: PyTorch's reductions over the per-row op, and the op that reduces in its own
@@ -353,7 +315,7 @@ def test_kernel_path_reductions_and_backward(monkeypatch, reduction, ignore_inde
     """The autograd Functions and the reductions around the kernels: mean = sum over the rows not ignored / their
     count, sum, none; the backward gets the upstream gradient per row, the saved lse and ignore_index."""
     calls = []
-    monkeypatch.setattr(C, "_ops", lambda: _stand_in_ops(calls))
+    monkeypatch.setattr(C, "_ops", lambda: stand_in_ops(calls))
     logits, target = _inputs(8, 13, torch.float32, seed=6, ignore_index=ignore_index, ignored=(0, 5, 6))
     if ignore_index == 5:
         target[target == 5] = 4
@@ -373,7 +335,7 @@ def test_kernel_path_reductions_and_backward(monkeypatch, reduction, ignore_inde
 
 def test_kernel_path_every_row_ignored_and_out_of_range_targets(monkeypatch, reduce_in_kernel):
     calls = []
-    monkeypatch.setattr(C, "_ops", lambda: _stand_in_ops(calls))
+    monkeypatch.setattr(C, "_ops", lambda: stand_in_ops(calls))
     logits, target = _inputs(4, 6, torch.float32, ignored=range(4))
     loss, grad = _fwd_bwd(lambda x, t: C._run_pipegoose(x, t, -100, "mean"), logits, target)
     assert torch.isnan(loss) and torch.equal(grad, torch.zeros_like(grad))        # 0 / 0, as F.cross_entropy
@@ -392,7 +354,7 @@ def test_kernel_path_every_row_ignored_and_out_of_range_targets(monkeypatch, red
 
 def test_kernel_path_without_a_gradient_for_the_logits(monkeypatch, reduce_in_kernel):
     calls = []
-    monkeypatch.setattr(C, "_ops", lambda: _stand_in_ops(calls))
+    monkeypatch.setattr(C, "_ops", lambda: stand_in_ops(calls))
     logits, target = _inputs(4, 6, torch.float32)
     loss = C._run_pipegoose(logits, target, -100, "sum")
     assert not loss.requires_grad and calls == [("forward_reduced" if reduce_in_kernel else "forward", -100)]
@@ -403,7 +365,7 @@ def test_kernel_path_reduced_in_kernel_scales_the_gradient_once(monkeypatch):
     and handed to the backward kernel as one value per row; a second backward through a retained graph gives the same
     gradient (nothing saved is modified)."""
     calls = []
-    monkeypatch.setattr(C, "_ops", lambda: _stand_in_ops(calls))
+    monkeypatch.setattr(C, "_ops", lambda: stand_in_ops(calls))
     monkeypatch.setattr(C, "REDUCE_IN_KERNEL", True)
     logits, target = _inputs(6, 9, torch.float32, seed=11, ignored=(2, 4))
     for reduction in ("mean", "sum"):

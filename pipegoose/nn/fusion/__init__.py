@@ -8,10 +8,11 @@ built or loaded until the first CUDA call that wants it, and transformers is imp
 from . import dispatch
 from .dispatch import FusionFallbackError
 from .fuse import FusionReport, fuse, fused, fusion_report, is_fused, unfuse
-from .functional import (apply_rotary_pos_emb, cross_entropy, layer_norm, mixed_fused_layer_norm, rms_norm, scaled_masked_softmax,
-                         scaled_softmax, scaled_upper_triang_masked_softmax, softmax, swiglu)
-from .modules import (AttnMaskType, FusedLayerNorm, FusedRMSNorm, FusedScaleMaskSoftmax, FusedSwiGLUMLP,
-                      MixedFusedLayerNorm)
+from .functional import (apply_rotary_pos_emb, cross_entropy, fused_linear_cross_entropy, layer_norm,
+                         mixed_fused_layer_norm, rms_norm, scaled_masked_softmax, scaled_softmax,
+                         scaled_upper_triang_masked_softmax, softmax, swiglu)
+from .modules import (AttnMaskType, FusedLayerNorm, FusedLinearCrossEntropyLoss, FusedRMSNorm, FusedScaleMaskSoftmax,
+                      FusedSwiGLUMLP, MixedFusedLayerNorm)
 from .optim import FusedAdam, clip_grad_norm_
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "rms_norm",
     "swiglu",
     "cross_entropy",
+    "fused_linear_cross_entropy",
     "apply_rotary_pos_emb",
     "AttnMaskType",
     "FusedScaleMaskSoftmax",
@@ -33,6 +35,7 @@ __all__ = [
     "MixedFusedLayerNorm",
     "FusedRMSNorm",
     "FusedSwiGLUMLP",
+    "FusedLinearCrossEntropyLoss",
     "FusedAdam",
     "clip_grad_norm_",
     "fuse",

@@ -32,6 +32,7 @@ import torch
 
 from .ops import cross_entropy as _ce
 from .ops import layer_norm as _ln
+from .ops import linear_cross_entropy as _flce
 from .ops._common import INPUT_DTYPES as _INPUT_DTYPES
 from .ops import rms_norm as _rms
 from .ops import rope as _rope
@@ -39,7 +40,8 @@ from .ops import softmax as _sm
 from .ops import swiglu as _swiglu
 
 __all__ = ["softmax", "scaled_softmax", "scaled_masked_softmax", "scaled_upper_triang_masked_softmax",
-           "layer_norm", "mixed_fused_layer_norm", "rms_norm", "swiglu", "cross_entropy", "apply_rotary_pos_emb"]
+           "layer_norm", "mixed_fused_layer_norm", "rms_norm", "swiglu", "cross_entropy", "fused_linear_cross_entropy",
+           "apply_rotary_pos_emb"]
 
 
 def softmax(input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3, dtype: torch.dtype | None = None, *,
@@ -297,6 +299,55 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
         FusionFallbackError: in strict mode, where the kernel cannot take the input.
     """
     return _ce.run(logits, target, ignore_index, reduction, impl)
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                               bias: torch.Tensor | None = None, *, ignore_index: int = -100, reduction: str = "mean",
+                               chunk_rows: int | None = None, impl: str | None = None) -> torch.Tensor:
+    """A language model's output projection and its softmax cross-entropy in one,
+    ``F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ignore_index=..., reduction=...)`` (op
+    ``fused_linear_cross_entropy``), computed chunk by chunk over the rows so that the [N, V] logits and their
+    gradient never exist whole: a chunk's logits (a GEMM in the weight's dtype), its loss and the logits' gradient
+    (the cross-entropy kernel), then the chunk's gradients of ``hidden`` and ``weight`` (GEMMs), all in the forward;
+    the backward scales them by the loss's upstream gradient. No logits are returned.
+
+    Args:
+        hidden: [..., H] hidden states (the last layer's output, before ``lm_head``), fp32/fp16/bf16 (the fused path)
+            or fp64 (the reference path); flattened to [N, H].
+        weight: [V, H], ``lm_head.weight`` (tied or not), the dtype of ``hidden`` on the fused path (under autocast
+            both are cast to autocast's dtype first, as ``F.linear`` casts them).
+        target: N int64 class indices of any shape (flattened), or ``ignore_index``; already shifted for a causal LM.
+            A target outside [0, V) that is not ``ignore_index`` gives a NaN loss on the fused path.
+        bias: [V] or None.
+        ignore_index: the target value to skip (a Python or numpy integer).
+        reduction: ``mean`` (over the rows not ignored; NaN when every row is ignored, as PyTorch's) or ``sum``.
+        chunk_rows: rows per chunk (a positive int); None: about N / ceil(V / H), a power of two of at least 256, so
+            that a chunk's logits hold about as many values as ``hidden``
+            (:func:`~pipegoose.nn.fusion.ops.linear_cross_entropy.default_chunk_rows`). Peak memory beyond the
+            inputs: the gradients of ``hidden`` and ``weight`` (saved from the forward) and, while the forward runs,
+            one chunk's logits and their gradient ([chunk_rows, V] each).
+
+    Returns:
+        The fp32 scalar loss (fp64 for fp64 inputs, on the reference path). Gradients: ``hidden``'s and ``weight``'s in
+        their dtype, ``bias``'s accumulated in fp32 and rounded once; the weight's gradient is accumulated over the
+        chunks in its dtype (one rounding per chunk, where the unfused ``F.linear`` rounds once). Not twice
+        differentiable on the fused path (``create_graph=True`` raises).
+
+    Kernel: pipegoose/cross_entropy (pipegoose/kernels/csrc/cross_entropy.cu, this project, MIT), per chunk, between
+    cuBLAS GEMMs (``torch.mm``). Added in session 50, on a machine without a GPU: its GPU tests
+    (tests/kernels/test_linear_cross_entropy_cuda.py) are written and have not run yet.
+
+    Raises:
+        TypeError: ``hidden``, ``weight`` or ``bias`` not a floating point tensor of fp32/fp16/bf16/fp64; ``target``
+            not a tensor; ``ignore_index`` or ``chunk_rows`` not an integer.
+        ValueError: ``reduction`` not ``mean`` or ``sum``; ``weight`` not [V, H]; ``bias`` not [V]; ``target`` not one
+            index per row of ``hidden``; a tensor on another device; ``chunk_rows`` below 1; ``impl`` naming no
+            implementation of ``fused_linear_cross_entropy`` (``pipegoose``, ``torch``).
+        RuntimeError: (PyTorch's path) dtypes ``F.linear`` or ``F.cross_entropy`` refuse (``weight`` of another dtype
+            than ``hidden`` without autocast, ``target`` not int64).
+        FusionFallbackError: in strict mode, where the fused path cannot take the input.
+    """
+    return _flce.run(hidden, weight, target, bias, ignore_index, reduction, chunk_rows, impl)
 
 
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

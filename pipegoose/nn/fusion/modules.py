@@ -1,6 +1,7 @@
 """Modules over the fused ops: Megatron's ``FusedScaleMaskSoftmax``, Apex/Megatron's ``MixedFusedLayerNorm`` /
 ``FusedLayerNorm`` (drop-ins for ``torch.nn.LayerNorm``), ``FusedRMSNorm`` (drop-in for ``torch.nn.RMSNorm``
-and transformers' Llama-style RMSNorm) and ``FusedSwiGLUMLP`` (for transformers' Llama-style MLP). Kernel sources:
+and transformers' Llama-style RMSNorm), ``FusedSwiGLUMLP`` (for transformers' Llama-style MLP) and
+``FusedLinearCrossEntropyLoss`` (a language model's output projection and loss in one). Kernel sources:
 see :mod:`pipegoose.nn.fusion.functional`."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from .ops._common import megatron_batches_per_block
 from .ops.layer_norm import normalize_shape
 
 __all__ = ["AttnMaskType", "FusedScaleMaskSoftmax", "MixedFusedLayerNorm", "FusedLayerNorm", "FusedRMSNorm",
-           "FusedSwiGLUMLP"]
+           "FusedSwiGLUMLP", "FusedLinearCrossEntropyLoss"]
 
 
 class AttnMaskType(enum.Enum):
@@ -603,6 +604,49 @@ class FusedSwiGLUMLP(_DropsFuseRecord, nn.Module):
         new.__dict__["_probed_act"] = mlp._modules.get("act_fn")
         new.training = mlp.training
         return new
+
+
+class FusedLinearCrossEntropyLoss(nn.Module):
+    """A language model's output projection and loss in one (:func:`pipegoose.nn.fusion.functional.
+    fused_linear_cross_entropy`): ``F.cross_entropy(F.linear(hidden, weight, bias).float(), target)`` computed chunk
+    by chunk over the rows, without the [N, V] logits.
+
+    Args:
+        ignore_index: the target value to skip (default -100, transformers' and PyTorch's).
+        reduction: ``mean`` (over the rows not ignored) or ``sum``.
+        chunk_rows: rows per chunk, or None (about N / ceil(V / H), a power of two).
+        impl: force an implementation of op ``fused_linear_cross_entropy`` (``pipegoose``, ``torch``), default auto.
+
+    ``forward(hidden [..., H], weight [V, H], target [...] int64, bias [V] or None)`` -> the fp32 scalar loss.
+    Kernel: pipegoose/cross_entropy (pipegoose/kernels/csrc/cross_entropy.cu, this project, MIT), between cuBLAS
+    GEMMs.
+
+    Raises (when constructed): the TypeError and ValueError the functional raises for these arguments.
+    """
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", chunk_rows: int | None = None, *,
+                 impl: str | None = None) -> None:
+        super().__init__()
+        from .ops import linear_cross_entropy as _flce
+
+        probe = torch.empty(1, 1)
+        self.ignore_index = _flce.check_args(probe, probe, torch.empty(1, dtype=torch.long), None, ignore_index,
+                                             reduction, chunk_rows)
+        dispatch.check_impl("fused_linear_cross_entropy", impl)
+        self.reduction = reduction
+        self.chunk_rows = chunk_rows
+        self.impl = impl
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        return PF.fused_linear_cross_entropy(hidden, weight, target, bias, ignore_index=self.ignore_index,
+                                             reduction=self.reduction, chunk_rows=self.chunk_rows, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        parts = [f"ignore_index={self.ignore_index}", f"reduction={self.reduction!r}"]
+        parts += [f"chunk_rows={self.chunk_rows}"] if self.chunk_rows is not None else []
+        parts += [f"impl={self.impl!r}"] if self.impl is not None else []
+        return ", ".join(parts)
 
 
 def _verify_rms_style(module: nn.Module, output_in_weight_dtype: bool | None,

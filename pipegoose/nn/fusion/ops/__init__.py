@@ -2,6 +2,7 @@
 registration of its implementations with :mod:`pipegoose.nn.fusion.dispatch`. Importing this package
 registers them all; nothing here loads a kernel (that happens on first CUDA use)."""
 
-from . import cross_entropy, layer_norm, multi_tensor, rms_norm, softmax, swiglu  # noqa: F401  (registration)
+from . import (cross_entropy, layer_norm, linear_cross_entropy, multi_tensor, rms_norm, softmax,  # noqa: F401
+               swiglu)  # (registration)
 
-__all__ = ["cross_entropy", "layer_norm", "multi_tensor", "rms_norm", "softmax", "swiglu"]
+__all__ = ["cross_entropy", "layer_norm", "linear_cross_entropy", "multi_tensor", "rms_norm", "softmax", "swiglu"]

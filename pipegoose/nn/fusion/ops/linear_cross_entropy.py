@@ -1,0 +1,243 @@
+"""Fused linear cross-entropy: a language model's output projection and its loss, chunk by chunk over the rows, so
+that the [N, V] logits of the whole batch and their gradient never exist at once (op ``fused_linear_cross_entropy``).
+
+Semantics: ``F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ignore_index=..., reduction=...)``, what
+transformers' causal-LM loss computes from ``lm_head``'s output: the logits in the weight's dtype, the loss in fp32.
+The fused path computes, per chunk of rows, the chunk's logits (one GEMM, in the weight's dtype, as ``lm_head``), their
+loss and log-sum-exp with the cross-entropy kernel (fp32 math), the logits' gradient at once (the kernel's backward,
+scaled by 1 / count for the mean, known before the backward runs), and from it the chunk's gradients of the hidden
+states (one GEMM) and of the weight (one GEMM accumulated over the chunks) and bias. The backward only scales them by
+the loss's upstream gradient. Peak memory: one chunk's logits and their gradient ([chunk_rows, V] each) and the
+weight's gradient, where the unfused path keeps the [N, V] logits, their fp32 copy and the fp32 gradient.
+
+Precision against the unfused path: the same logits and the same rounding of the logits' gradient; the weight's
+gradient is accumulated over the chunks in the weight's dtype (a GEMM with beta = 1: one rounding per chunk, where the
+unfused path rounds once), the bias's in fp32.
+
+Implementations (op ``fused_linear_cross_entropy``): ``pipegoose`` (cuBLAS through ``torch.mm`` for the GEMMs and
+pipegoose/kernels/csrc/cross_entropy.cu for the loss, this project, MIT) and ``torch`` (the unfused expression).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from .. import dispatch
+from ..dispatch import Implementation, Problem
+from . import cross_entropy as _ce
+from ._common import (INT32_MAX, all_have_storage, autocast_state, call_without_autocast, check_input_dtype, dtype_name,
+                      has_tangent, kernel_input_ok, needs_grad)
+
+OP = "fused_linear_cross_entropy"
+SRC_PIPEGOOSE = ("pipegoose/cross_entropy: pipegoose/kernels/csrc/cross_entropy.cu (pipegoose, MIT), per chunk of "
+                 "rows, between cuBLAS GEMMs (torch.mm)")
+REDUCTIONS = ("mean", "sum")
+FORWARD_AD_FLCE = ("a dual tensor (torch.autograd.forward_ad): the fused path has no forward derivative (jvp); "
+                   "PyTorch's ops have")
+
+
+def check_args(hidden: Any, weight: Any, target: Any, bias: Any, ignore_index: Any, reduction: Any,
+               chunk_rows: Any) -> int:
+    """Check the arguments (errors name the argument); returns ``ignore_index`` as an int.
+
+    Raises:
+        TypeError: ``hidden`` or ``weight`` (or ``bias``, when given) not a floating point tensor of
+            fp32/fp16/bf16/fp64; ``target`` not a tensor; ``ignore_index`` or ``chunk_rows`` not an integer.
+        ValueError: ``reduction`` not ``mean`` or ``sum``; ``weight`` not 2-D [V, H] with H = ``hidden``'s last dim;
+            ``bias`` not [V]; ``target``'s element count not ``hidden``'s rows; a tensor on another device than
+            ``hidden``; ``chunk_rows`` below 1.
+    """
+    for name, t in (("hidden", hidden), ("weight", weight)) + ((("bias", bias),) if bias is not None else ()):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            got = dtype_name(t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name}: expected a floating point torch.Tensor, got {got}")
+        check_input_dtype(t, name)
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target: expected a torch.Tensor of class indices, got {type(target).__name__}")
+    ignore_index = _as_int(ignore_index, "ignore_index")
+    if chunk_rows is not None and _as_int(chunk_rows, "chunk_rows") < 1:
+        raise ValueError(f"chunk_rows: expected a positive number of rows, got {chunk_rows}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {', '.join(REDUCTIONS)}, got {reduction!r} (per-row losses: "
+                         f"cross_entropy on the logits)")
+    if hidden.dim() < 1:
+        raise ValueError("hidden: expected [..., H] hidden states, got a 0-dim tensor")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight: expected [V, {hidden.shape[-1]}] (the output projection of hidden states of size "
+                         f"{hidden.shape[-1]}), got shape {list(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias: expected [{weight.shape[0]}] (one per class), got shape {list(bias.shape)}")
+    rows = hidden.numel() // hidden.shape[-1] if hidden.shape[-1] else math.prod(hidden.shape[:-1])
+    if target.numel() != rows:
+        raise ValueError(f"target: expected {rows} class indices (one per row of hidden, shape "
+                         f"{list(hidden.shape[:-1])}), got shape {list(target.shape)}")
+    for name, t in (("weight", weight), ("target", target)) + ((("bias", bias),) if bias is not None else ()):
+        if t.device != hidden.device:
+            raise ValueError(f"{name}: on {t.device}, expected hidden's device {hidden.device}")
+    return ignore_index
+
+
+def _as_int(value: Any, name: str) -> int:
+    import operator
+
+    try:
+        if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", "i") == "b":
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+
+
+def problem(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None) -> Problem:
+    """The dispatcher's description of one call (metadata only); ``cols`` is the number of classes V."""
+    rows = target.numel()
+    return Problem(OP, hidden.dtype, hidden.device, cols=weight.shape[0] if weight.dim() == 2 else None,
+                   needs_grad=needs_grad(hidden, weight, bias),
+                   extra=dict(rows=rows, hidden_size=hidden.shape[-1] if hidden.dim() else None,
+                              weight_dtype=weight.dtype, bias_dtype=None if bias is None else bias.dtype,
+                              target_dtype=target.dtype, numel=rows * (weight.shape[0] if weight.dim() == 2 else 0),
+                              storage=all_have_storage(hidden, weight, target, bias),
+                              forward_ad=has_tangent(hidden, weight, bias)))
+
+
+def _explain(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean", chunk_rows=None):
+    check_args(hidden, weight, target, bias, ignore_index, reduction, chunk_rows)
+    hidden, weight, bias = _compute_dtype(hidden, weight, bias)
+    return problem(hidden, weight, target, bias)
+
+
+def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
+    ok, why = kernel_input_ok(p, FORWARD_AD_FLCE, "hidden")
+    if not ok:
+        return ok, why
+    for name in ("weight", "bias"):
+        dt = p[f"{name}_dtype"]
+        if dt is not None and dt != p.dtype:
+            return False, (f"{name} {dtype_name(dt)} with hidden {dtype_name(p.dtype)}: the fused path takes one "
+                           f"dtype (F.linear's rule)")
+    if p["target_dtype"] != torch.int64:
+        return False, f"target {dtype_name(p['target_dtype'])}: the kernel takes int64 class indices"
+    if p["numel"] == 0:
+        return False, "an empty input"
+    if p.cols > INT32_MAX:
+        return False, f"{p.cols} classes: more than the kernel's launch covers"
+    return True, ""
+
+
+dispatch.register(Implementation(OP, "pipegoose", "ours", _pipegoose_supports, ("pipegoose/cross_entropy",),
+                                 SRC_PIPEGOOSE))
+dispatch.register(Implementation(OP, "torch", "reference", lambda p: (True, ""), (),
+                                 "PyTorch: F.cross_entropy(F.linear(hidden, weight, bias).float(), target)"))
+dispatch.register_problem(OP, _explain)
+
+
+def reference(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+              ignore_index: int, reduction: str) -> torch.Tensor:
+    """The unfused path: ``F.cross_entropy(F.linear(hidden, weight, bias).float(), target)`` (fp64 logits as they
+    are), over ``hidden`` flattened to [N, H] and ``target`` to [N]."""
+    logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight, bias)
+    x = logits if logits.dtype == torch.float64 else logits.float()
+    return F.cross_entropy(x, target.reshape(-1), ignore_index=ignore_index, reduction=reduction)
+
+
+MIN_CHUNK_ROWS = 256
+
+
+def default_chunk_rows(rows: int, vocab: int, hidden_size: int) -> int:
+    """Rows per chunk: about ``rows / ceil(V / H)``, so that a chunk's logits hold about as many values as the hidden
+    states ([N, H]), rounded up to a power of two (GEMM-friendly); at least :data:`MIN_CHUNK_ROWS` (small hidden
+    sizes would otherwise give GEMMs of a few rows) and at most ``rows``."""
+    chunks = max(1, -(-vocab // max(1, hidden_size)))
+    want = max(1, -(-rows // chunks))
+    return min(max(rows, 1), max(MIN_CHUNK_ROWS, 1 << (want - 1).bit_length()))
+
+
+class PipegooseLinearCrossEntropyFunction(torch.autograd.Function):
+    """The fused path (see the module): forward computes the loss and the gradients, backward scales the gradients by
+    the loss's upstream gradient. hidden [N, H], weight [V, H], bias [V] or None, one dtype; target int64 [N]. Not
+    twice differentiable."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, ignore_index, mean, chunk_rows):
+        ops = _ce._ops()
+        n = hidden.shape[0]
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and bias is not None
+        count = (target != ignore_index).sum()
+        # the logits' gradient per row: 1 / count for the mean (0 / 0 rows are ignored ones: never read), 1 for the sum
+        one = torch.ones((), device=hidden.device, dtype=torch.float32)
+        scale = one / count if mean else one
+        total = torch.zeros((), device=hidden.device, dtype=torch.float64)
+        grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
+        grad_w = torch.zeros_like(weight, memory_format=torch.contiguous_format) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], device=hidden.device, dtype=torch.float32) if need_b else None
+        for lo in range(0, n, chunk_rows):
+            hi = min(n, lo + chunk_rows)
+            h, t = hidden[lo:hi], target[lo:hi]
+            logits = F.linear(h, weight, bias)
+            rows, lse = ops.cross_entropy_forward(logits, t, ignore_index)
+            total += rows.sum(dtype=torch.float64)
+            if need_h or need_w or need_b:
+                g = ops.cross_entropy_backward(scale.expand(hi - lo), logits, t, lse, ignore_index)
+                del logits
+                if need_h:
+                    torch.mm(g, weight, out=grad_h[lo:hi])
+                if need_w:
+                    grad_w.addmm_(g.t(), h)
+                if need_b:
+                    grad_b += g.sum(0, dtype=torch.float32)
+        loss = (total / count if mean else total).float()
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        g = grad_loss.float()
+        # out of place: a second backward through a retained graph scales the saved gradients again, not their
+        # products (the multiplication by a 0-dim fp32 tensor keeps each gradient's dtype)
+        return (None if grad_h is None else grad_h * g, None if grad_w is None else grad_w * g,
+                None if grad_b is None else (grad_b * g).to(ctx.bias_dtype), None, None, None, None)
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """The tensors as ``F.linear`` would multiply them: cast to autocast's dtype where autocast is on for their device
+    (it casts F.linear's inputs), else as they are."""
+    _, enabled, dt = autocast_state(hidden.device)
+    if not enabled or hidden.dtype == torch.float64:
+        return hidden, weight, bias
+    cast = (lambda t: t if t is None or t.dtype == dt else t.to(dt))
+    return cast(hidden), cast(weight), cast(bias)
+
+
+def _run_pipegoose(hidden, weight, target, bias, ignore_index, reduction, chunk_rows):
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = target.reshape(-1)
+    rows = default_chunk_rows(h.shape[0], weight.shape[0], h.shape[1]) if chunk_rows is None else chunk_rows
+    return PipegooseLinearCrossEntropyFunction.apply(h, weight, bias, t, ignore_index, reduction == "mean", rows)
+
+
+def run(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+        ignore_index: int, reduction: str, chunk_rows: int | None, impl: str | None) -> torch.Tensor:
+    """:func:`pipegoose.nn.fusion.functional.fused_linear_cross_entropy` behind the checks.
+
+    Raises:
+        TypeError, ValueError: as :func:`check_args`; ``impl`` naming no implementation of the op.
+        FusionFallbackError: in strict mode, where the fused path cannot take the input.
+    """
+    if dispatch.compile_passthrough(OP, impl):
+        return reference(hidden, weight, target, bias, ignore_index, reduction)
+    ignore_index = check_args(hidden, weight, target, bias, ignore_index, reduction, chunk_rows)
+    hidden, weight, bias = _compute_dtype(hidden, weight, bias)
+    choice = dispatch.select(OP, problem(hidden, weight, target, bias), impl)
+    if choice.impl == "pipegoose":
+        return call_without_autocast(hidden.device, _run_pipegoose, hidden, weight, target, bias, ignore_index,
+                                     reduction, chunk_rows)
+    return call_without_autocast(hidden.device, reference, hidden, weight, target, bias, ignore_index, reduction)
