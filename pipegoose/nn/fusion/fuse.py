@@ -21,6 +21,10 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   ``pipegoose.nn.fusion.transformers.loss.causal_lm_loss`` / ``masked_lm_loss`` (the same loss on our kernel, op
   ``cross_entropy``, without the fp32 copy of the logits; the report's row for it has the language model's path:
   ``""`` for the model itself, or the path of one inside a wrapper, PEFT's ``PeftModel`` say);
+* with ``ops`` naming ``linear_cross_entropy`` (opt-in), a causal LM's head and loss in one: an instance ``forward``
+  that, in training with ``labels``, runs the model without the [B, S, V] logits and computes transformers' causal-LM
+  loss with ``fused_linear_cross_entropy`` (``pipegoose.nn.fusion.transformers.lm_head``; the output's ``logits`` is
+  None then);
 * the attention softmax of BERT, GPT-2, GPT-NeoX, Llama and OPT models: the model's modules are pointed at a copy of
   its config whose ``_attn_implementation`` is ``"pipegoose"`` (our function in transformers' ``AttentionInterface``)
   or ``"pipegoose_sdpa"`` (ours where the GPU's tuning table says so, SDPA otherwise). Bloom is reported as skipped:
@@ -70,11 +74,14 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .modules import ORIGINAL_ATTR as _ORIGINAL
+from .transformers import lm_head as _lm_head
 from .transformers import loss as _loss
 from .transformers import matching
 from .transformers import rope as _rope
 
-OPS = ("layer_norm", "rms_norm", "swiglu", "rope", "cross_entropy", "attention")
+OPS = ("layer_norm", "rms_norm", "swiglu", "rope", "cross_entropy", "attention", "linear_cross_entropy")
+# what ops=None fuses: all but linear_cross_entropy (the LM head and loss in one, opt-in until measured on a GPU)
+DEFAULT_OPS = OPS[:-1]
 ATTENTION_CHOICES = ("auto", "pipegoose", "keep")
 
 # Hook dictionaries a replacement shares with the module it replaces (those present in this torch version).
@@ -95,7 +102,8 @@ class FusionRow:
     Attributes:
         path: dotted module path in the model (``""`` for the model itself).
         kind: ``layer_norm``, ``rms_norm``, ``swiglu``, ``rope`` (an attention module's rotary embedding),
-            ``cross_entropy`` (the model's loss) or ``attention``.
+            ``cross_entropy`` (the model's loss), ``linear_cross_entropy`` (a causal LM's head and loss in one) or
+            ``attention``.
         original: class name of the module found.
         replacement: class name (or attention function) put in its place; None when skipped.
         fused: whether it was (or, in a dry run, would be) replaced.
@@ -262,7 +270,7 @@ class FusionReport:
         if self.not_requested:
             found = ", ".join(f"{n} {kind}" for kind, n in sorted(self.not_requested.items()))
             notes.append(f"not in ops: {found} module(s) of a kind not asked for (ops= names the kinds to fuse; all "
-                         f"of {', '.join(OPS)} by default)")
+                         f"of {', '.join(DEFAULT_OPS)} by default)")
         return notes
 
     def __str__(self) -> str:
@@ -324,6 +332,7 @@ class _NullIO:
 class _Fusion:
     swaps: list = field(default_factory=list)            # (weakref to parent, name, weakref to new)
     loss_swaps: list = field(default_factory=list)       # (weakref to model, the loss function set on it)
+    head_swaps: list = field(default_factory=list)       # (weakref to model, its lm_head.FusedLMForward)
     rope_hooks: list = field(default_factory=list)       # (weakref to attention module, transformers.rope.Installed)
     config_swaps: list = field(default_factory=list)     # (weakref to module, old_config)
     new_config: object = None
@@ -399,7 +408,7 @@ def _check_same_params(new: nn.Module, old: nn.Module) -> None:
 
 def _parse_ops(ops: Iterable[str] | str | None) -> tuple[str, ...]:
     if ops is None:
-        return OPS
+        return DEFAULT_OPS
     if isinstance(ops, str):
         ops = [ops]
     try:
@@ -413,7 +422,8 @@ def _parse_ops(ops: Iterable[str] | str | None) -> tuple[str, ...]:
     names = tuple(_choice_name(o) for o in ops)  # case and surrounding blanks ignored, as impl= and PIPEGOOSE_IMPL_*
     bad = [o for o, n in zip(ops, names) if n not in OPS]
     if bad:
-        raise ValueError(f"ops: unknown op(s) {bad}; expected a subset of {list(OPS)} or None (all)")
+        raise ValueError(f"ops: unknown op(s) {bad}; expected a subset of {list(OPS)} or None (all but "
+                         f"linear_cross_entropy)")
     return names
 
 
@@ -444,8 +454,11 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
         model: a constructed ``torch.nn.Module`` (typically a transformers ``PreTrainedModel``, e.g. from
             ``from_pretrained``), on any device and dtype. Modules whose parameters are on CPU run the reference
             paths (the dispatcher picks fused kernels on CUDA).
-        ops: subset of ``("layer_norm", "rms_norm", "swiglu", "rope", "cross_entropy", "attention")`` (a name or an
-            iterable of names; case and surrounding blanks ignored, as in ``impl=``); None = all.
+        ops: subset of ``("layer_norm", "rms_norm", "swiglu", "rope", "cross_entropy", "attention",
+            "linear_cross_entropy")`` (a name or an iterable of names; case and surrounding blanks ignored, as in
+            ``impl=``); None = all but ``linear_cross_entropy``, which is opt-in: a causal LM's head and loss in one
+            (:mod:`pipegoose.nn.fusion.transformers.lm_head`; in training with labels the output's ``logits`` is
+            None), written without a GPU in session 50 and not yet measured.
         dry_run: only report what would be done; the model is not touched.
             A call that fuses nothing (no module of ``ops`` in the model) leaves no record either: ``is_fused``
             stays False, and ``fuse`` may be called again, e.g. with other ``ops``.
@@ -545,6 +558,9 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
             n = sum(1 for _, m in _loss.language_models(model) if _loss.loss_support(m)[0] is not None)
             if n:
                 report.not_requested["cross_entropy"] = n
+        if "linear_cross_entropy" in ops:
+            for path, lm in _loss.language_models(model):
+                _fuse_lm_head(lm, path, dry_run, report, state)
         if "attention" in ops:
             _fuse_attention(model, config, attention, dry_run, report, state)
         elif matching.is_config(config):
@@ -565,7 +581,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
             "module that holds it")))
     order = {p: i for i, (p, _) in enumerate(model.named_modules(remove_duplicate=False))}
     report.rows.sort(key=lambda r: order.get(r.path, len(order)))
-    if not dry_run and (state.swaps or state.config_swaps or state.loss_swaps or state.rope_hooks
+    if not dry_run and (state.swaps or state.config_swaps or state.loss_swaps or state.rope_hooks or state.head_swaps
                         or any(r.fused and id(r) not in held for r in report.rows)):
         _STATE[model] = state  # a call that fused nothing leaves no record: fuse() may be called again
     return report
@@ -974,6 +990,27 @@ def _fuse_loss(model, path, dry_run, report, state) -> None:
     report.rows.append(FusionRow(path, "cross_entropy", original, name, True, fwd, bwd, reason))
 
 
+def _fuse_lm_head(model, path, dry_run, report, state) -> None:
+    """The report's row for one causal LM's head and loss in one (``linear_cross_entropy``), and the swap (an instance
+    ``forward``, :mod:`pipegoose.nn.fusion.transformers.lm_head`)."""
+    if _loss.loss_support(model)[2] is False:   # not a language model with transformers' loss_function: no row
+        return
+    ok, reason = _lm_head.support(model)
+    if not ok:
+        report.rows.append(FusionRow(path, "linear_cross_entropy", type(model).__name__, None, False, reason=reason,
+                                     eligible=False))
+        return
+    head = _lm_head.head_of(model)
+    rows = _probe_rows((head.weight.shape[0],))
+    fwd, bwd = _impls("fused_linear_cross_entropy", model, lambda d, t: (
+        torch.empty(rows, head.weight.shape[1], device=d, dtype=t), torch.empty(head.weight.shape, device=d, dtype=t),
+        torch.zeros(rows, dtype=torch.long, device=d)))
+    if not dry_run:
+        state.head_swaps.append((weakref.ref(model), _lm_head.install(model)))
+    report.rows.append(FusionRow(path, "linear_cross_entropy", type(model).__name__, _lm_head.NAME, True, fwd, bwd,
+                                 reason))
+
+
 def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
     from .transformers import attention as attn
 
@@ -1123,6 +1160,8 @@ def _undo(state: _Fusion) -> list[str]:
             problems.append(f"{type(module).__name__}.config was replaced after fuse()")
     for module_ref, rec in reversed(state.rope_hooks):
         _rope.uninstall(module_ref(), rec)
+    for model_ref, fwd in reversed(state.head_swaps):
+        _lm_head.uninstall(model_ref(), fwd)
     for model_ref, fn in reversed(state.loss_swaps):
         model = model_ref()
         if model is None:
@@ -1151,6 +1190,7 @@ def _undo(state: _Fusion) -> list[str]:
     state.swaps.clear()
     state.config_swaps.clear()
     state.loss_swaps.clear()
+    state.head_swaps.clear()
     state.rope_hooks.clear()
     return problems
 
@@ -1265,4 +1305,4 @@ def fused(model: nn.Module, ops: Iterable[str] | str | None = None, attention: s
         _unfuse(model, keep=earlier, quiet=True)
 
 
-__all__ = ["FusionReport", "FusionRow", "fuse", "unfuse", "fused", "is_fused", "fusion_report", "OPS"]
+__all__ = ["FusionReport", "FusionRow", "fuse", "unfuse", "fused", "is_fused", "fusion_report", "OPS", "DEFAULT_OPS"]

@@ -1,0 +1,220 @@
+"""fuse(model, ops=[..., "linear_cross_entropy"]): a causal LM's head and loss in one (CPU: the functional's reference
+path runs, so the fused model's loss and gradients equal the unfused model's bit for bit).
+
+What is checked: the five causal architectures of ``models`` (Llama, GPT-2, GPT-NeoX, OPT, Bloom); training with
+labels gives transformers' loss (mean, ``num_items_in_batch``, ``shift_labels``, another ``ignore_index``) with
+``logits`` None, every other call (eval, no labels, ``return_dict=False``, ``logits_to_keep``) the model's own output;
+the report's row and the reasons of models it skips; dry runs, unfuse, the ``fused`` context, copies and pickles; the
+default ops leave it out.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import warnings
+
+import pytest
+import torch
+
+from pipegoose.nn.fusion.fuse import DEFAULT_OPS, OPS, fuse, fused, is_fused, unfuse
+from pipegoose.nn.fusion.transformers import lm_head
+
+from . import models
+
+CAUSAL = ("llama", "gpt2", "gpt_neox", "opt", "bloom")
+KIND = "linear_cross_entropy"
+
+
+def _lm(arch="llama", seed=0, **cfg):
+    import transformers as tr
+
+    torch.manual_seed(seed)
+    cls = tr.AutoModelForMaskedLM if arch == "bert" else tr.AutoModelForCausalLM
+    return cls.from_config(models.config(arch, "eager", **cfg), attn_implementation="eager").train()
+
+
+def _batch():
+    ids, mask = models.inputs(left_pad=(0, 0, 0))
+    labels = ids.clone()
+    labels[1, :4] = -100
+    labels[2, 6] = -100
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def _run(model, **kw):
+    """(output, grads by parameter name) of one forward + backward of the loss."""
+    model.zero_grad(set_to_none=True)
+    out = model(**dict(_batch(), **kw))
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _rows(report):
+    return [r for r in report.rows if r.kind == KIND]
+
+
+def _same(a, b):
+    (oa, ga), (ob, gb) = a, b
+    assert torch.equal(oa.loss, ob.loss), (oa.loss, ob.loss)
+    assert ga.keys() == gb.keys()
+    for n in ga:
+        assert torch.equal(ga[n], gb[n]), n
+
+
+@pytest.mark.parametrize("arch", CAUSAL)
+def test_training_with_labels_gives_the_same_loss_without_logits(arch):
+    model = _lm(arch)
+    ref = _run(model)
+    report = fuse(model, ops=[KIND])
+    (row,) = _rows(report)
+    assert (row.path, row.original, row.replacement, row.fused, row.eligible) == (
+        "", type(model).__name__, "fused_linear_cross_entropy", True, True), row
+    assert "logits is None" in row.reason and row.forward != "-"
+    assert lm_head.is_installed(model)
+    got = _run(model)
+    assert got[0].logits is None and type(got[0]) is type(ref[0])
+    _same(got, ref)
+    assert "loss" in got[0].keys() and "logits" not in got[0].keys()
+    assert unfuse(model) and not lm_head.is_installed(model) and "forward" not in model.__dict__
+    _same(_run(model), ref)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_loss_arguments_as_transformers(arch):
+    """num_items_in_batch (the sum divided by it), shift_labels given, another ignore_index: as the unfused model."""
+    model = _lm(arch)
+    b = _batch()
+    shift = torch.nn.functional.pad(b["labels"], (0, 1), value=-100)[..., 1:].clone()
+    shift[0, 2] = -100
+    labels7 = b["labels"].masked_fill(b["labels"] == -100, 7)
+    cases = [dict(num_items_in_batch=torch.tensor(17)), dict(num_items_in_batch=9), dict(shift_labels=shift),
+             dict(labels=labels7, ignore_index=7)]
+    refs = [_run(model, **kw) for kw in cases]
+    fuse(model, ops=[KIND])
+    for kw, ref in zip(cases, refs):
+        got = _run(model, **kw)
+        assert got[0].logits is None, kw
+        _same(got, ref)
+
+
+def test_other_calls_run_the_model_as_it_is():
+    """eval mode, no labels, return_dict=False, logits_to_keep: the model's own output (logits included)."""
+    model = _lm("llama")
+    b = _batch()
+    fuse(model, ops=[KIND])
+    out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+    assert out.logits.shape == (3, 11, models.VOCAB) and out.loss is None
+    tup = model(**b, return_dict=False)
+    assert isinstance(tup, tuple) and tup[1].shape == (3, 11, models.VOCAB)
+    kept = model(**dict(b, labels=None), logits_to_keep=1)
+    assert kept.logits.shape == (3, 1, models.VOCAB)
+    model.eval()
+    ev = model(**b)
+    assert ev.logits.shape == (3, 11, models.VOCAB) and ev.loss is not None
+    unfuse(model)
+    ref = model(**b)
+    assert torch.equal(ev.loss, ref.loss) and torch.equal(ev.logits, ref.logits)
+
+
+def test_with_the_default_ops_the_loss_row_and_the_head_row():
+    """Not in the default ops; with them, the head row beside the loss row (our causal_lm_loss set: the head's loss
+    is the same), and the model's norms etc. fused as before."""
+    assert KIND in OPS and KIND not in DEFAULT_OPS
+    model = _lm("llama")
+    ref = _run(model)
+    report = fuse(model)
+    assert not _rows(report)
+    unfuse(model)
+    report = fuse(model, ops=list(DEFAULT_OPS) + [KIND])
+    kinds = {r.kind for r in report.rows if r.fused}
+    assert {"cross_entropy", KIND, "rms_norm"} <= kinds, kinds
+    got = _run(model)
+    assert got[0].logits is None
+    torch.testing.assert_close(got[0].loss, ref[0].loss, atol=1e-5, rtol=1e-5)
+    assert unfuse(model) and not lm_head.is_installed(model)
+
+
+def test_skipped_models_say_why():
+    """A masked LM (its loss is not the causal LM's); a causal LM whose config post-processes the logits; a head
+    with a forward hook; a model with an instance forward already; a base model without a head (no row)."""
+    report = fuse(_lm("bert"), ops=[KIND], dry_run=True)
+    (row,) = _rows(report)
+    assert not row.fused and not row.eligible and "its loss is" in row.reason
+    capped = _lm("llama", final_logit_softcapping=30.0)
+    (row,) = _rows(fuse(capped, ops=[KIND], dry_run=True))
+    assert not row.fused and "final_logit_softcapping" in row.reason
+    hooked = _lm("llama")
+    hooked.lm_head.register_forward_hook(lambda m, a, o: None)
+    (row,) = _rows(fuse(hooked, ops=[KIND], dry_run=True))
+    assert not row.fused and "not a plain torch.nn.Linear" in row.reason
+    patched = _lm("llama")
+    patched.forward = patched.forward
+    (row,) = _rows(fuse(patched, ops=[KIND], dry_run=True))
+    assert not row.fused and "instance attribute forward" in row.reason
+    assert not _rows(fuse(models.build("llama"), ops=[KIND], dry_run=True))
+
+
+def test_dry_run_and_the_fused_context():
+    model = _lm("llama")
+    report = fuse(model, ops=[KIND], dry_run=True)
+    assert _rows(report)[0].fused and not lm_head.is_installed(model) and not is_fused(model)
+    with fused(model, ops=[KIND]):
+        assert lm_head.is_installed(model)
+        assert _run(model)[0].logits is None
+    assert not lm_head.is_installed(model) and not is_fused(model)
+
+
+def test_copies_and_pickles_keep_the_fused_forward_on_the_copy():
+    """A deep copy's forward is bound to the copy (not the original); a pickled model loads with it."""
+    model = _lm("llama")
+    ref = _run(model)
+    fuse(model, ops=[KIND])
+    twin = copy.deepcopy(model)
+    assert twin.__dict__["forward"].model is twin
+    _same(_run(twin), ref)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded.__dict__["forward"].model is loaded
+    _same(_run(loaded), ref)
+    assert pickle.loads(pickle.dumps(model)).__dict__["forward"].model is not model
+
+
+def test_a_head_called_twice_runs_the_plain_forward_with_a_warning(monkeypatch):
+    """A forward that calls the output projection more than once (not transformers' pattern): the call runs again
+    the plain way, with one warning per class."""
+    model = _lm("llama")
+    ref = _run(model)
+    fuse(model, ops=[KIND])
+    real = type(model).forward
+
+    def twice(self, *a, **k):
+        self.lm_head(torch.zeros(1, model.config.hidden_size))
+        return real(self, *a, **k)
+    monkeypatch.setattr(type(model), "forward", twice)
+    monkeypatch.setattr(lm_head, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="called the output projection 2 time"):
+        got = _run(model)
+    assert got[0].logits is not None
+    _same(got, ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _run(model)
+
+
+def test_labels_inside_the_forwards_kwargs(monkeypatch):
+    """A forward that takes everything as ``**kwargs`` (a wrapper's, say): labels found there, the head fused."""
+    model = _lm("llama")
+    ref = _run(model)
+    fuse(model, ops=[KIND])
+    real = type(model).forward
+
+    def via_kwargs(self, **k):
+        return real(self, **k)
+    monkeypatch.setattr(type(model), "forward", via_kwargs)
+    got = _run(model)
+    assert got[0].logits is None
+    _same(got, ref)
