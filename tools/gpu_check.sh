@@ -5,6 +5,10 @@
 set -uo pipefail
 out=${1:-gpu-check}; mark=${2:-"cuda and not slow"}; shift $(( $# > 2 ? 2 : $# ))
 paths=("$@"); [ ${#paths[@]} -gt 0 ] || paths=(tests)
+if ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2> /dev/null; then
+  echo "tools/gpu_check.sh: needs a CUDA GPU that torch can use (none here); the CPU tests: python -m pytest" >&2
+  exit 2
+fi
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

@@ -309,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
                        parents=[common])
     c.add_argument("--dry-run", action="store_true", help="only list them")
     args = p.parse_args(argv)
+    if args.cmd == "build":   # PIPEGOOSE_QUIET's warning for a bad value also where every kernel is cached (no line)
+        from .builder import quiet
+
+        quiet()
     try:
         if args.cmd == "doctor":
             return _doctor(args)

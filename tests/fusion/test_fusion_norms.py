@@ -278,11 +278,20 @@ def test_from_layer_norm_rejects_other_modules():
             super().__init__()
             self.weight = torch.nn.Parameter(torch.ones(8))
 
-    with pytest.raises(ValueError, match="eps"):
-        FusedRMSNorm.from_module(NoEps())
+    with pytest.raises(ValueError, match=r"^eps: NoEps has no 'variance_epsilon' or 'eps'; pass eps="):
+        FusedRMSNorm.from_module(NoEps(), verify=False)
     with pytest.raises(ValueError, match="does not pass the RMSNorm probe"):  # no forward to check
         FusedRMSNorm.from_module(NoEps(), eps=1e-6)
+    with pytest.raises(ValueError, match="does not pass the RMSNorm probe"):  # the probe first, then eps
+        FusedRMSNorm.from_module(NoEps())
     assert FusedRMSNorm.from_module(NoEps(), eps=1e-6, verify=False).eps == 1e-6
+    # not a module at all; a Linear without bias (one 'weight'): the probe's reason, not a request for eps (a
+    # fresh-clone walkthrough: "pass eps=" was asked first, and the probe's error came only after)
+    for bad in (None, "x"):
+        with pytest.raises(TypeError, match=r"^module: expected torch.nn.RMSNorm or an RMSNorm-style"):
+            FusedRMSNorm.from_module(bad)
+    with pytest.raises(ValueError, match=r"Linear does not pass the RMSNorm probe: parameter 'weight' is 2-D"):
+        FusedRMSNorm.from_module(torch.nn.Linear(8, 8, bias=False))
 
 
 class _OnePlusWeightRMSNorm(torch.nn.Module):

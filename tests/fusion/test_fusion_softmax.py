@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -172,7 +173,7 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="x"):
         PF.scaled_masked_softmax(x[0], None, 1.0)
     with pytest.raises(TypeError, match="scale"):
-        PF.scaled_masked_softmax(x, None, torch.tensor(1.0))
+        PF.scaled_masked_softmax(x, None, torch.tensor([1.0]))
     with pytest.raises(ValueError, match="scale"):
         PF.scaled_softmax(x, float("nan"))
     with pytest.raises(ValueError, match="x"):
@@ -366,6 +367,32 @@ def test_fused_scale_mask_softmax_megatron_api():
         FusedScaleMaskSoftmax(True, False, AttnMaskType.padding, True, None, False, 0.5)
     with pytest.raises(ValueError, match="input"):
         m(torch.randn(3, 8, 8, dtype=torch.bfloat16), None)
+    # arguments Megatron takes on trust, checked when constructed (a fresh-clone walkthrough: a mask_func of 5 failed
+    # at the first masked forward with "'int' object is not callable")
+    with pytest.raises(TypeError, match=r"^mask_func: expected a callable"):
+        FusedScaleMaskSoftmax(False, False, AttnMaskType.padding, True, 5, True, None)
+    with pytest.raises(TypeError, match=r"^input_in_fp16: expected a bool, got 'yes'"):
+        FusedScaleMaskSoftmax("yes", False, AttnMaskType.padding, True, None, True, None)
+    with pytest.raises(TypeError, match=r"^softmax_in_fp32: expected a bool"):
+        FusedScaleMaskSoftmax(False, False, AttnMaskType.padding, True, None, 1, None)
+    assert FusedScaleMaskSoftmax(np.bool_(True), False, AttnMaskType.padding, True, None, True, None).input_in_fp16
+
+
+@pytest.mark.parametrize("scale", [0.5, 1, np.float32(0.5), np.float64(0.5), np.int64(2), torch.tensor(0.5),
+                                   torch.tensor(2, dtype=torch.int32)], ids=str)
+def test_scale_takes_what_eps_takes(scale):
+    """A Python, numpy or 0-d tensor number, as the norms' eps (numpy float32 and 0-d tensors were refused with
+    "expected a Python float" while numpy float64 passed: a fresh-clone walkthrough)."""
+    x = torch.randn(2, 2, 4, 4)
+    want = torch.softmax(x * float(scale), -1)
+    torch.testing.assert_close(PF.scaled_softmax(x, scale), want)
+    assert FusedScaleMaskSoftmax(False, False, AttnMaskType.padding, True, None, True, scale).scale == float(scale)
+
+
+@pytest.mark.parametrize("scale", [True, "0.5", torch.tensor([0.5]), torch.tensor(True), None], ids=str)
+def test_scale_refuses_what_is_not_a_number(scale):
+    with pytest.raises(TypeError, match=r"^scale: expected a number"):
+        PF.scaled_softmax(torch.randn(2, 2, 4, 4), scale)
 
 
 def test_torch_func_transforms_through_the_softmaxes():

@@ -1070,6 +1070,16 @@ def test_cli_doctor_fails_on_a_bad_quiet(tiny):
     assert p.returncode == 1 and "PIPEGOOSE_QUIET FAIL 'maybe'" in out, out
 
 
+def test_cli_build_warns_on_a_bad_quiet_before_any_build(tiny):
+    """PIPEGOOSE_QUIET=maybe: the warning came only from a progress line, so a build whose kernels were all cached (or,
+    here, none to build: an unknown name) said nothing (a fresh-clone walkthrough). The CLI now reads it first."""
+    manifest, _op, cache_dir = tiny
+    cli = [sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "build", "no_such_kernel"]
+    p = subprocess.run(cli, capture_output=True, text=True, env={**_env(cache_dir), "PIPEGOOSE_QUIET": "maybe"},
+                       timeout=300)
+    assert p.returncode == 2 and "PIPEGOOSE_QUIET='maybe': expected 1/true/yes/on" in p.stderr, p.stderr
+
+
 def test_quiet_warns_once_across_threads(monkeypatch):
     """Threads reading a bad PIPEGOOSE_QUIET at once (parallel builds log from several) each passed the "warned
     already?" check before any recorded the value, and each warned. A set whose membership test waits for a second

@@ -88,7 +88,7 @@ def scaled_softmax(x: torch.Tensor, scale: float = 1.0, *, impl: str | None = No
     Args:
         x: [..., sk] fp32/fp16/bf16 (fused: CUDA; the Megatron copy also needs [b, np, sq, sk] fp16/bf16); fp64
             runs the reference path.
-        scale: Python float.
+        scale: a finite number (Python, numpy or a 0-d tensor).
 
     Returns:
         Tensor like ``x`` (dtype fp32 under CUDA autocast).
@@ -116,7 +116,7 @@ def scaled_masked_softmax(x: torch.Tensor, mask: torch.Tensor | None, scale: flo
             broadcast; Megatron's kernel takes only np == 1, the others every shape), or None (=
             :func:`scaled_softmax`: the call is then op ``softmax``, counted and forced as that op, with
             ``PIPEGOOSE_IMPL_SOFTMAX``; ``PIPEGOOSE_IMPL_SOFTMAX_MASKED`` does not apply).
-        scale: Python float.
+        scale: a finite number (Python, numpy or a 0-d tensor).
 
     Returns:
         [b, np, sq, sk] in ``x``'s dtype (fp32 under CUDA autocast). A row whose keys are all masked gives zeros
@@ -148,7 +148,7 @@ def scaled_upper_triang_masked_softmax(x: torch.Tensor, scale: float = 1.0, *,
 
     Args:
         x: [attn_batches, sq, sk] fp32/fp16/bf16 (Megatron: sq == sk; fp64: the reference path).
-        scale: Python float.
+        scale: a finite number (Python, numpy or a 0-d tensor).
 
     Returns:
         [attn_batches, sq, sk] in ``x``'s dtype (fp32 under CUDA autocast); rows with no visible key (sq > sk)

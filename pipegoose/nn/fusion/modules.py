@@ -57,6 +57,8 @@ class FusedScaleMaskSoftmax(nn.Module):
     scaled_masked_softmax_kernel.cu and scaled_upper_triang_masked_softmax_kernel.cu (Apache-2.0).
 
     Raises:
+        TypeError: a flag that is not a bool, a ``mask_func`` that is not callable (or None), an ``attn_mask_type``
+            that is not an :class:`AttnMaskType`, a ``scale`` that is not a number.
         ValueError: both fp16 and bf16 flags, or ``scale`` without ``softmax_in_fp32``, or a non-4-D input.
     """
 
@@ -64,6 +66,14 @@ class FusedScaleMaskSoftmax(nn.Module):
                  scaled_masked_softmax_fusion: bool, mask_func: Callable | None, softmax_in_fp32: bool,
                  scale: float | None) -> None:
         super().__init__()
+        for name, flag in (("input_in_fp16", input_in_fp16), ("input_in_bf16", input_in_bf16),
+                           ("scaled_masked_softmax_fusion", scaled_masked_softmax_fusion),
+                           ("softmax_in_fp32", softmax_in_fp32)):
+            if not (isinstance(flag, bool) or getattr(getattr(flag, "dtype", None), "kind", None) == "b"):
+                raise TypeError(f"{name}: expected a bool, got {flag!r} ({type(flag).__name__})")
+        if mask_func is not None and not callable(mask_func):
+            raise TypeError(f"mask_func: expected a callable mask_func(scores, mask) or None, got {mask_func!r} "
+                            f"({type(mask_func).__name__})")
         if input_in_fp16 and input_in_bf16:
             raise ValueError("input_in_fp16, input_in_bf16: both fp16 and bf16 flags cannot be active at the same time")
         if not isinstance(attn_mask_type, AttnMaskType):
@@ -495,6 +505,9 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
                 with ``verify``, the probe finds another formula (the message gives its reason), or a rounding
                 other than an ``output_in_weight_dtype`` / ``output_in_input_dtype`` given says (it names the values).
         """
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module: expected torch.nn.RMSNorm or an RMSNorm-style torch.nn.Module, got "
+                            f"{type(module).__name__}")
         w = getattr(module, "weight", None)
         if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)):
             # their statistics subtract the mean: a bias-free one has RMSNorm's parameters, not its output
@@ -509,11 +522,11 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
                 raise TypeError(f"module: expected torch.nn.RMSNorm or an RMSNorm-style module whose only parameter "
                                 f"is 'weight', got {type(module).__name__} with parameters {own}")
             mod_eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-            if eps is None and mod_eps is None:
-                raise ValueError(f"eps: {type(module).__name__} has no 'variance_epsilon' or 'eps'; pass eps=")
-            if verify:
+            if verify:   # first: a module that is no RMSNorm (an nn.Linear without bias) is told so, not asked for eps
                 output_in_weight_dtype, output_in_input_dtype = _verify_rms_style(module, output_in_weight_dtype,
                                                                                   output_in_input_dtype)
+            if eps is None and mod_eps is None:
+                raise ValueError(f"eps: {type(module).__name__} has no 'variance_epsilon' or 'eps'; pass eps=")
             shape, cast = tuple(w.shape), not output_in_input_dtype
         output_in_weight_dtype, output_in_input_dtype = bool(output_in_weight_dtype), bool(output_in_input_dtype)
         new = cls(shape, eps=eps if eps is not None else mod_eps, elementwise_affine=False,

@@ -423,8 +423,21 @@ def softmax_out_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def check_scale(scale: Any) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale: expected a Python float, got {type(scale).__name__}")
+    """``scale`` as a float: a Python int or float, a numpy integer or floating scalar, or a 0-d real tensor (what
+    the norms take for ``eps``; not a bool). Raises TypeError for anything else, ValueError for a non-finite value."""
+    kind = getattr(getattr(scale, "dtype", None), "kind", None)  # numpy scalars: "i", "u" or "f"
+    ok = ((isinstance(scale, (int, float)) and not isinstance(scale, bool))
+          or (kind in ("i", "u", "f") and getattr(scale, "ndim", 1) == 0)
+          or (isinstance(scale, torch.Tensor) and scale.dim() == 0 and not scale.is_complex()
+              and scale.dtype != torch.bool))
+    if not ok:
+        raise TypeError(f"scale: expected a number, got {scale!r} ({type(scale).__name__})")
+    if isinstance(scale, torch.Tensor):
+        try:
+            scale = scale.detach().item()
+        except RuntimeError:  # a meta or fake tensor holds no value
+            raise TypeError(f"scale: expected a number, got a 0-d tensor without a value "
+                            f"(device {scale.device})") from None
     scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite number, got {scale}")
