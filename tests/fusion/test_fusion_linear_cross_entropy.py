@@ -129,6 +129,14 @@ def test_fused_path_gradients_only_where_asked(monkeypatch):
         loss = fn(hidden, weight, target, bias, chunk_rows=4)
     assert not loss.requires_grad and calls == [("forward", -100)] * 2
     torch.testing.assert_close(loss.double(), want[0], atol=1e-6, rtol=1e-6)
+    # leaves that require grad, under no_grad / inference_mode (an evaluation loop): no gradient work either
+    # (autograd.Function's needs_input_grad is True there too)
+    for mode in (torch.no_grad, torch.inference_mode):
+        calls.clear()
+        with mode():
+            loss = fn(hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True), target, bias,
+                      chunk_rows=4)
+        assert not loss.requires_grad and calls == [("forward", -100)] * 2, mode
 
 
 def test_fused_path_second_backward_and_upstream_scaling(monkeypatch):

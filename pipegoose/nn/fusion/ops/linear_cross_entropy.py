@@ -163,10 +163,11 @@ class PipegooseLinearCrossEntropyFunction(torch.autograd.Function):
     twice differentiable."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, ignore_index, mean, chunk_rows):
+    def forward(ctx, hidden, weight, bias, target, ignore_index, mean, chunk_rows, grad_mode):
         ops = _ce._ops()
         n = hidden.shape[0]
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        # (needs_input_grad says True under no_grad / inference_mode too: the caller's grad mode decides)
+        need_h, need_w, need_b = (flag and grad_mode for flag in ctx.needs_input_grad[:3])
         need_b = need_b and bias is not None
         count = (target != ignore_index).sum()
         # the logits' gradient per row: 1 / count for the mean (0 / 0 rows are ignored ones: never read), 1 for the sum
@@ -204,7 +205,7 @@ class PipegooseLinearCrossEntropyFunction(torch.autograd.Function):
         # out of place: a second backward through a retained graph scales the saved gradients again, not their
         # products (the multiplication by a 0-dim fp32 tensor keeps each gradient's dtype)
         return (None if grad_h is None else grad_h * g, None if grad_w is None else grad_w * g,
-                None if grad_b is None else (grad_b * g).to(ctx.bias_dtype), None, None, None, None)
+                None if grad_b is None else (grad_b * g).to(ctx.bias_dtype), None, None, None, None, None)
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
@@ -221,7 +222,8 @@ def _run_pipegoose(hidden, weight, target, bias, ignore_index, reduction, chunk_
     h = hidden.reshape(-1, hidden.shape[-1])
     t = target.reshape(-1)
     rows = default_chunk_rows(h.shape[0], weight.shape[0], h.shape[1]) if chunk_rows is None else chunk_rows
-    return PipegooseLinearCrossEntropyFunction.apply(h, weight, bias, t, ignore_index, reduction == "mean", rows)
+    return PipegooseLinearCrossEntropyFunction.apply(h, weight, bias, t, ignore_index, reduction == "mean", rows,
+                                                     torch.is_grad_enabled())
 
 
 def run(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
