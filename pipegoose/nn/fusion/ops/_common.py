@@ -247,6 +247,19 @@ def eps_value(eps: Any, allow_none: bool = False, name: str = "eps") -> float | 
     return value
 
 
+def int_value(value: Any, name: str) -> int:
+    """``value`` as an int: a Python or numpy integer (``operator.index``), not a bool. Raises TypeError naming
+    ``name`` otherwise."""
+    import operator
+
+    try:
+        if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", "i") == "b":
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+
+
 def dtype_name(dtype: torch.dtype | None) -> str:
     return "None" if dtype is None else str(dtype).replace("torch.", "")
 

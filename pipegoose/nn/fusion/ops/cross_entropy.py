@@ -14,7 +14,6 @@ Implementations (op ``cross_entropy``): ``pipegoose`` (pipegoose/kernels/csrc/cr
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ from torch.autograd.function import once_differentiable
 from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (INT32_MAX, all_have_storage, check_input_dtype, kernel_input_ok, call_without_autocast,
-                      dtype_name, has_tangent, needs_grad)
+                      dtype_name, has_tangent, int_value, needs_grad)
 
 OP = "cross_entropy"
 SRC_PIPEGOOSE = "pipegoose/cross_entropy: pipegoose/kernels/csrc/cross_entropy.cu (pipegoose, MIT)"
@@ -47,12 +46,7 @@ def check_args(logits: Any, target: Any, ignore_index: Any, reduction: Any) -> i
     check_input_dtype(logits, "logits")
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target: expected a torch.Tensor of class indices, got {type(target).__name__}")
-    try:
-        if isinstance(ignore_index, bool) or getattr(getattr(ignore_index, "dtype", None), "kind", "i") == "b":
-            raise TypeError
-        ignore_index = operator.index(ignore_index)
-    except TypeError:
-        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}") from None
+    ignore_index = int_value(ignore_index, "ignore_index")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {', '.join(REDUCTIONS)}, got {reduction!r}")
     if target.device != logits.device:

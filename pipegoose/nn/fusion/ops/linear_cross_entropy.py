@@ -31,7 +31,7 @@ from .. import dispatch
 from ..dispatch import Implementation, Problem
 from . import cross_entropy as _ce
 from ._common import (INT32_MAX, all_have_storage, autocast_state, call_without_autocast, check_input_dtype, dtype_name,
-                      has_tangent, kernel_input_ok, needs_grad)
+                      has_tangent, int_value, kernel_input_ok, needs_grad)
 
 OP = "fused_linear_cross_entropy"
 SRC_PIPEGOOSE = ("pipegoose/cross_entropy: pipegoose/kernels/csrc/cross_entropy.cu (pipegoose, MIT), per chunk of "
@@ -59,8 +59,8 @@ def check_args(hidden: Any, weight: Any, target: Any, bias: Any, ignore_index: A
         check_input_dtype(t, name)
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target: expected a torch.Tensor of class indices, got {type(target).__name__}")
-    ignore_index = _as_int(ignore_index, "ignore_index")
-    if chunk_rows is not None and _as_int(chunk_rows, "chunk_rows") < 1:
+    ignore_index = int_value(ignore_index, "ignore_index")
+    if chunk_rows is not None and int_value(chunk_rows, "chunk_rows") < 1:
         raise ValueError(f"chunk_rows: expected a positive number of rows, got {chunk_rows}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {', '.join(REDUCTIONS)}, got {reduction!r} (per-row losses: "
@@ -80,17 +80,6 @@ def check_args(hidden: Any, weight: Any, target: Any, bias: Any, ignore_index: A
         if t.device != hidden.device:
             raise ValueError(f"{name}: on {t.device}, expected hidden's device {hidden.device}")
     return ignore_index
-
-
-def _as_int(value: Any, name: str) -> int:
-    import operator
-
-    try:
-        if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", "i") == "b":
-            raise TypeError
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
 
 
 def problem(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None) -> Problem:
