@@ -21,8 +21,8 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   ``pipegoose.nn.fusion.transformers.loss.causal_lm_loss`` / ``masked_lm_loss`` (the same loss on our kernel, op
   ``cross_entropy``, without the fp32 copy of the logits; the report's row for it has the language model's path:
   ``""`` for the model itself, or the path of one inside a wrapper, PEFT's ``PeftModel`` say);
-* with ``ops`` naming ``linear_cross_entropy`` (opt-in), a causal LM's head and loss in one: an instance ``forward``
-  that, in training with ``labels``, runs the model without the [B, S, V] logits and computes transformers' causal-LM
+* with ``ops`` naming ``linear_cross_entropy`` (opt-in), a causal LM's head and loss in one: two forward hooks that,
+  in training with ``labels``, run the model without the [B, S, V] logits and computes transformers' causal-LM
   loss with ``fused_linear_cross_entropy`` (``pipegoose.nn.fusion.transformers.lm_head``; the output's ``logits`` is
   None then);
 * the attention softmax of BERT, GPT-2, GPT-NeoX, Llama and OPT models: the model's modules are pointed at a copy of
@@ -332,7 +332,7 @@ class _NullIO:
 class _Fusion:
     swaps: list = field(default_factory=list)            # (weakref to parent, name, weakref to new)
     loss_swaps: list = field(default_factory=list)       # (weakref to model, the loss function set on it)
-    head_swaps: list = field(default_factory=list)       # (weakref to model, its lm_head.FusedLMForward)
+    head_swaps: list = field(default_factory=list)       # (weakref to model, lm_head.install's hook handles)
     rope_hooks: list = field(default_factory=list)       # (weakref to attention module, transformers.rope.Installed)
     config_swaps: list = field(default_factory=list)     # (weakref to module, old_config)
     new_config: object = None
@@ -1160,8 +1160,8 @@ def _undo(state: _Fusion) -> list[str]:
             problems.append(f"{type(module).__name__}.config was replaced after fuse()")
     for module_ref, rec in reversed(state.rope_hooks):
         _rope.uninstall(module_ref(), rec)
-    for model_ref, fwd in reversed(state.head_swaps):
-        _lm_head.uninstall(model_ref(), fwd)
+    for model_ref, handles in reversed(state.head_swaps):
+        _lm_head.uninstall(model_ref(), handles)
     for model_ref, fn in reversed(state.loss_swaps):
         model = model_ref()
         if model is None:

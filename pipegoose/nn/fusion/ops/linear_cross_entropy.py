@@ -8,7 +8,10 @@ loss and log-sum-exp with the cross-entropy kernel (fp32 math), the logits' grad
 scaled by 1 / count for the mean, known before the backward runs), and from it the chunk's gradients of the hidden
 states (one GEMM) and of the weight (one GEMM accumulated over the chunks) and bias. The backward only scales them by
 the loss's upstream gradient. Peak memory: one chunk's logits and their gradient ([chunk_rows, V] each) and the
-weight's gradient, where the unfused path keeps the [N, V] logits, their fp32 copy and the fp32 gradient.
+gradients of hidden and weight, where the unfused path keeps the [N, V] logits, their fp32 copy and the fp32
+gradient; the backward scales the saved gradients out of place (a retained graph's second backward must find them
+unscaled), so for a moment they exist twice (Liger-Kernel skips its scaling where the upstream gradient is 1, which
+costs a host synchronisation to know).
 
 Precision against the unfused path: the same logits and the same rounding of the logits' gradient; the weight's
 gradient is accumulated over the chunks in the weight's dtype (a GEMM with beta = 1: one rounding per chunk, where the
@@ -181,6 +184,9 @@ class PipegooseLinearCrossEntropyFunction(torch.autograd.Function):
                     grad_w.addmm_(g.t(), h)
                 if need_b:
                     grad_b += g.sum(0, dtype=torch.float32)
+                del g
+            # (both freed before the next chunk's are allocated: at most one chunk's logits and gradient at once)
+            logits = None
         loss = (total / count if mean else total).float()
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.bias_dtype = None if bias is None else bias.dtype

@@ -4,16 +4,24 @@ has not been measured on a GPU yet).
 
 transformers' causal LMs (Llama, Mistral, Qwen2/3, GPT-NeoX, GPT-2, OPT, Bloom and their copies) compute
 ``logits = self.lm_head(hidden_states)`` and then ``self.loss_function(logits, labels, vocab_size, **kwargs)``. On a
-fused model (this instance: an instance attribute ``forward``, which ``unfuse`` removes), a call in training mode with
-``labels`` runs the model's own forward without them, with the head replaced for that call by one that records its
-input and returns an empty tensor (no [B, S, V] logits), then computes transformers' causal-LM loss from the recorded
-hidden states with :func:`fused_linear_cross_entropy`: the labels shifted by one and padded with ``ignore_index``
-(or ``shift_labels`` as given), the mean over the counted tokens, or the sum divided by ``num_items_in_batch``. The
-output's ``loss`` is that loss and its ``logits`` None, as Liger-Kernel's fused forward returns them in training.
+fused model (this instance: a forward pre-hook and a forward hook, which ``unfuse`` removes; the model's ``forward``
+and its signature are untouched), a call in training mode with ``labels`` runs the model's forward without them, with
+the head replaced for that call by one that records its input and returns an empty tensor (no [B, S, V] logits), then
+computes transformers' causal-LM loss from the recorded hidden states with :func:`fused_linear_cross_entropy`: the
+labels shifted by one and padded with ``ignore_index`` (or ``shift_labels`` as given), the mean over the counted
+tokens, or the sum divided by ``num_items_in_batch``. The output's ``loss`` is that loss and its ``logits`` None, as
+Liger-Kernel's fused forward returns them in training (code that reads ``outputs.logits`` in training, TRL's
+``SFTTrainer`` without its Liger option for one, needs the logits: leave ``linear_cross_entropy`` out there).
 
 Every other call runs the model's forward as it is: evaluation mode, no labels, ``return_dict=False``,
 ``logits_to_keep`` other than 0, a head that is not called exactly once in the forward (then the call is run again
-the plain way, with a warning once per model class).
+the plain way, with a warning once per model class). The hooks act on the module they are called for, so replicas
+(``nn.DataParallel``), copies and DDP / FSDP wrappers get the same behaviour.
+
+Only model types whose forward is verified to compute exactly ``CE(lm_head(hidden))`` are taken
+(:data:`MODEL_TYPES`): others post-process the logits (Granite's ``logits_scaling``, Gemma-2's soft-capping), add a
+router's auxiliary loss when given labels (Mixtral and the other MoE models), or build decoder inputs from the labels
+(encoder-decoder models).
 """
 
 from __future__ import annotations
@@ -30,6 +38,11 @@ from .. import functional as PF
 from . import loss as _loss
 
 NAME = "fused_linear_cross_entropy"
+# config.model_type of the causal LMs whose forward (transformers 5.25) is: base model, hidden states sliced by
+# logits_to_keep, logits = lm_head(hidden), loss = self.loss_function(logits, labels, vocab_size, **kwargs), nothing
+# else done with the labels or the logits
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt2", "opt", "bloom")
+_STATE_ATTR = "_pipegoose_lm_head_calls"
 _warned: set[str] = set()
 
 
@@ -49,41 +62,55 @@ def head_of(model: nn.Module) -> nn.Linear | None:
 
 
 def support(model: nn.Module) -> tuple[bool, str]:
-    """(whether ``fuse`` can put the fused head and loss on ``model``, the reason): a transformers causal LM whose
-    forward calls ``self.loss_function``, whose loss is the causal-LM cross-entropy (transformers' or ours), with a
-    plain ``nn.Linear`` head and no logit post-processing (Gemma-2's soft-capping, Cohere's ``logit_scale``)."""
+    """(whether ``fuse`` can put the fused head and loss on ``model``, the reason): a transformers causal LM of a
+    verified type (:data:`MODEL_TYPES`, not encoder-decoder) whose forward calls ``self.loss_function``, whose loss is
+    the causal-LM cross-entropy (transformers' or ours), with a plain ``nn.Linear`` head and no logit post-processing
+    in its config."""
     name, reason, candidate, original = _loss.loss_support(model)
     ours = _loss.ours_is_set(model) and model.__dict__.get("_loss_function") is _loss.causal_lm_loss
     if not candidate:
         return False, "not a language model with transformers' loss_function"
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODEL_TYPES or getattr(config, "is_encoder_decoder", False):
+        return False, (f"model type {model_type!r}: not one whose forward is verified to compute "
+                       f"CE(lm_head(hidden)) alone ({', '.join(MODEL_TYPES)})")
     if name != "causal_lm_loss" and not ours:
         return False, f"its loss is {original or 'not transformers causal-LM loss'}: {reason}"
     if head_of(model) is None:
         return False, "its output projection (get_output_embeddings()) is not a plain torch.nn.Linear"
-    config = getattr(model, "config", None)
-    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
-        if getattr(config, attr, None) not in (None, 1, 1.0):
-            return False, f"config.{attr} = {getattr(config, attr)!r}: its logits are post-processed after the head"
+    texts = [config] + ([config.get_text_config()] if callable(getattr(config, "get_text_config", None)) else [])
+    for cfg in texts:
+        for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling", "logits_soft_cap",
+                     "output_multiplier_scale"):
+            if getattr(cfg, attr, None) not in (None, 1, 1.0):
+                return False, f"config.{attr} = {getattr(cfg, attr)!r}: its logits are post-processed after the head"
+    if getattr(config, "output_router_logits", False):
+        return False, "config.output_router_logits: its loss adds a router's auxiliary loss"
     if "forward" in model.__dict__:
         return False, "an instance attribute forward is set already: left as it is"
+    if is_installed(model):
+        return False, ("the fused head's hooks are on this model already (a copy of a fused model keeps them; unfuse "
+                       "the original before copying): left as they are")
     return True, (f"lm_head + {original} -> {NAME} (in training with labels: no [B, S, V] logits; output.logits is "
                   "None then)")
 
 
-class FusedLMForward:
-    """The instance ``forward`` that ``fuse`` sets on a causal LM (see the module). Holds the model (a plain reference:
-    a fused model pickles and deep-copies with it) and calls its class's forward."""
+def _bind(module: nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments | None:
+    try:
+        return inspect.signature(type(module).forward).bind(module, *args, **kwargs)
+    except (TypeError, ValueError):
+        return None   # the model's forward raises its own error
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        model = self.model
-        plain = type(model).forward
-        try:
-            bound = inspect.signature(plain).bind(model, *args, **kwargs)
-        except TypeError:
-            return plain(model, *args, **kwargs)   # let the model's forward raise its own error
+def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+    """Before the model's forward: for a call the fused head takes, the labels taken out of the call and the head
+    replaced by a recorder (until :func:`_post_hook`); a stack entry per call (None: the call runs as it is)."""
+    calls = module.__dict__.setdefault(_STATE_ATTR, [])
+    entry = None
+    args, kwargs = tuple(args), dict(kwargs)   # (the call's own, kept for a plain rerun; binding copies them)
+    bound = _bind(module, args, kwargs) if module.training else None
+    if bound is not None:
         params = bound.arguments
         var_kw = next((n for n, p in bound.signature.parameters.items() if p.kind is p.VAR_KEYWORD), None)
         extra = params.get(var_kw, {}) if var_kw is not None else {}
@@ -91,38 +118,53 @@ class FusedLMForward:
         where = params if "labels" in bound.signature.parameters else extra
         labels = where.get("labels")
         keep = params.get("logits_to_keep", extra.get("logits_to_keep", 0))
-        if (labels is None or not model.training or params.get("return_dict", extra.get("return_dict")) is False
-                or not (isinstance(keep, int) and keep == 0)):
-            return plain(model, *args, **kwargs)
-        head = head_of(model)
-        if head is None:
-            return plain(model, *args, **kwargs)
-        where["labels"] = None
-        seen: list[torch.Tensor] = []
+        head = head_of(module)
+        if (labels is not None and head is not None
+                and params.get("return_dict", extra.get("return_dict")) is not False
+                and isinstance(keep, int) and keep == 0):
+            where["labels"] = None
+            seen: list[torch.Tensor] = []
 
-        def record(x: torch.Tensor) -> torch.Tensor:
-            seen.append(x)
-            return x.new_empty(x.shape[:-1] + (0,))
+            def record(x: torch.Tensor) -> torch.Tensor:
+                seen.append(x)
+                return x.new_empty(x.shape[:-1] + (0,))
 
-        head.__dict__["forward"] = record
-        try:
-            out = plain(*bound.args, **bound.kwargs)
-        finally:
-            head.__dict__.pop("forward", None)
-        from transformers.utils import ModelOutput
+            head.__dict__["forward"] = record
+            entry = dict(head=head, record=record, seen=seen, labels=labels, args=args, kwargs=kwargs,
+                         extra={k: v for k, v in extra.items() if k != "labels"})
+            calls.append(entry)
+            return bound.args[1:], bound.kwargs
+    calls.append(entry)
+    return None
 
-        fields = getattr(out, "__dataclass_fields__", {})
-        if len(seen) != 1 or not isinstance(out, ModelOutput) or "logits" not in fields or "loss" not in fields:
-            cls = type(model).__name__
-            if cls not in _warned:
-                _warned.add(cls)
-                warnings.warn(f"{cls}: its forward called the output projection {len(seen)} time(s) or returned no "
-                              f"ModelOutput; the fused head and loss need one call: this call (and each like it) "
-                              f"runs the plain forward again", RuntimeWarning, stacklevel=2)
-            return plain(model, *args, **kwargs)
-        loss = causal_lm_head_loss(seen[0], head, labels, **{k: v for k, v in extra.items() if k != "labels"})
-        # a new output of the same class (ModelOutput keeps its keys and attributes in step only when built so)
-        return type(out)(**{k: v for k, v in out.items() if k not in ("loss", "logits")}, loss=loss)
+
+def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    """After the model's forward (also when it raised: ``always_call``): the head put back; for a fused call, the
+    loss from the recorded hidden states and the output rebuilt without logits."""
+    calls = module.__dict__.get(_STATE_ATTR) or [None]
+    entry = calls.pop()
+    if entry is None:
+        return None
+    head = entry["head"]
+    if head.__dict__.get("forward") is entry["record"]:
+        del head.__dict__["forward"]
+    if output is None:   # the forward raised: the exception goes on
+        return None
+    from transformers.utils import ModelOutput
+
+    fields = getattr(output, "__dataclass_fields__", {})
+    seen = entry["seen"]
+    if len(seen) != 1 or not isinstance(output, ModelOutput) or "logits" not in fields or "loss" not in fields:
+        cls = type(module).__name__
+        if cls not in _warned:
+            _warned.add(cls)
+            warnings.warn(f"{cls}: its forward called the output projection {len(seen)} time(s) or returned no "
+                          f"ModelOutput; the fused head and loss need one call: this call (and each like it) runs the "
+                          f"plain forward again", RuntimeWarning, stacklevel=2)
+        return type(module).forward(module, *entry["args"], **entry["kwargs"])   # (no hooks: not through __call__)
+    loss = causal_lm_head_loss(seen[0], head, entry["labels"], **entry["extra"])
+    # a new output of the same class (ModelOutput keeps its keys and attributes in step only when built so)
+    return type(output)(**{k: v for k, v in output.items() if k not in ("loss", "logits")}, loss=loss)
 
 
 def causal_lm_head_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, num_items_in_batch: Any = None,
@@ -144,20 +186,23 @@ def causal_lm_head_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Ten
     return loss / num_items_in_batch
 
 
-def install(model: nn.Module) -> FusedLMForward:
-    fwd = FusedLMForward(model)
-    model.__dict__["forward"] = fwd
-    return fwd
+def install(model: nn.Module) -> tuple:
+    """The hooks on ``model``; returns their handles (for :func:`uninstall`)."""
+    pre = model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+    post = model.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
+    return pre, post
 
 
-def uninstall(model: nn.Module | None, fwd: FusedLMForward) -> None:
-    """Remove ``fwd`` from ``model`` (nothing when the model is gone or its forward was replaced since)."""
-    if model is not None and model.__dict__.get("forward") is fwd:
-        del model.__dict__["forward"]
+def uninstall(model: nn.Module | None, handles: tuple) -> None:
+    """Remove the hooks (nothing where the model is gone)."""
+    for h in handles:
+        h.remove()
+    if model is not None:
+        model.__dict__.pop(_STATE_ATTR, None)
 
 
 def is_installed(model: nn.Module) -> bool:
-    return isinstance(model.__dict__.get("forward"), FusedLMForward)
+    return any(h is _pre_hook for h in model._forward_pre_hooks.values())
 
 
-__all__ = ["FusedLMForward", "causal_lm_head_loss", "head_of", "install", "uninstall", "is_installed", "support"]
+__all__ = ["MODEL_TYPES", "causal_lm_head_loss", "head_of", "install", "uninstall", "is_installed", "support"]
