@@ -560,7 +560,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                 report.not_requested["cross_entropy"] = n
         if "linear_cross_entropy" in ops:
             for path, lm in _loss.language_models(model):
-                _fuse_lm_head(lm, path, dry_run, report, state)
+                _fuse_lm_head(lm, path, _wrappers_of(model, path), dry_run, report, state)
         if "attention" in ops:
             _fuse_attention(model, config, attention, dry_run, report, state)
         elif matching.is_config(config):
@@ -990,12 +990,29 @@ def _fuse_loss(model, path, dry_run, report, state) -> None:
     report.rows.append(FusionRow(path, "cross_entropy", original, name, True, fwd, bwd, reason))
 
 
-def _fuse_lm_head(model, path, dry_run, report, state) -> None:
-    """The report's row for one causal LM's head and loss in one (``linear_cross_entropy``), and the swap (an instance
-    ``forward``, :mod:`pipegoose.nn.fusion.transformers.lm_head`)."""
+def _wrappers_of(model: nn.Module, path: str) -> list[nn.Module]:
+    """The modules on the way from ``model`` down to the one at ``path`` (``model`` first; none for ``path == ""``)."""
+    if not path:
+        return []
+    parts = path.split(".")
+    out, m = [model], model
+    for name in parts[:-1]:
+        m = m._modules[name]
+        out.append(m)
+    return out
+
+
+def _fuse_lm_head(model, path, wrappers, dry_run, report, state) -> None:
+    """The report's row for one causal LM's head and loss in one (``linear_cross_entropy``), and the hooks
+    (:mod:`pipegoose.nn.fusion.transformers.lm_head`). ``wrappers``: the modules holding it (PEFT's tuners call its
+    ``forward`` directly, which runs no hooks: not fused inside them)."""
     if _loss.loss_support(model)[2] is False:   # not a language model with transformers' loss_function: no row
         return
+    peft = next((w for w in wrappers if type(w).__module__.split(".")[0] == "peft"), None)
     ok, reason = _lm_head.support(model)
+    if ok and peft is not None:
+        ok, reason = False, (f"inside {type(peft).__name__} (PEFT), whose tuner calls the model's forward directly "
+                             f"(model.forward(...)), which runs no module hooks: the fused head would never run")
     if not ok:
         report.rows.append(FusionRow(path, "linear_cross_entropy", type(model).__name__, None, False, reason=reason,
                                      eligible=False))

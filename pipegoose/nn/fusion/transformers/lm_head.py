@@ -16,7 +16,9 @@ Liger-Kernel's fused forward returns them in training (code that reads ``outputs
 Every other call runs the model's forward as it is: evaluation mode, no labels, ``return_dict=False``,
 ``logits_to_keep`` other than 0, a head that is not called exactly once in the forward (then the call is run again
 the plain way, with a warning once per model class). The hooks act on the module they are called for, so replicas
-(``nn.DataParallel``), copies and DDP / FSDP wrappers get the same behaviour.
+(``nn.DataParallel``), copies and DDP / FSDP wrappers get the same behaviour; a wrapper that calls the model's
+``forward`` directly (``model.forward(...)``) runs no hooks, so there the model computes its logits and loss as
+unfused (``fuse`` reports a model inside PEFT's tuners, which do so, as not fused).
 
 Only model types whose forward is verified to compute exactly ``CE(lm_head(hidden))`` are taken
 (:data:`MODEL_TYPES`): others post-process the logits (Granite's ``logits_scaling``, Gemma-2's soft-capping), add a
