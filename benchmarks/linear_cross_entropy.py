@@ -4,7 +4,9 @@
 
 Implementations, each of ``loss(hidden [N, H], weight [V, H], target [N])`` then the gradients of hidden and weight:
 
-* ``pipegoose``: :func:`pipegoose.nn.fusion.fused_linear_cross_entropy` (strict: the fused path or an error);
+* ``pipegoose``: :func:`pipegoose.nn.fusion.fused_linear_cross_entropy` (strict: the fused path or an error), its
+  default chunking; ``pipegoose@R`` the same at R rows per chunk (``--chunk-rows R ...``: the default takes about
+  N / ceil(V / H) rows, and each chunk reads and writes the weight's whole gradient once);
 * ``pipegoose-ce``: the unfused head, ``F.linear``, then our cross-entropy kernel on the whole logits;
 * ``transformers``: ``F.cross_entropy(F.linear(hidden, weight).float(), target)``, what transformers' causal-LM loss
   runs after ``lm_head``;
@@ -47,13 +49,14 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return n, h, v
 
 
-def losses() -> dict[str, Callable | None]:
-    """name -> ``fn(hidden, weight, target)`` returning the scalar loss (None where it cannot run here)."""
+def losses(chunk_rows: list[int] = ()) -> dict[str, Callable | None]:
+    """name -> ``fn(hidden, weight, target)`` returning the scalar loss (None where it cannot run here); one
+    ``pipegoose@R`` per value R of ``chunk_rows`` (our fused loss with R rows per chunk, beside the default's)."""
     from pipegoose.nn.fusion import cross_entropy, dispatch, fused_linear_cross_entropy
 
-    def ours(h, w, t):
+    def ours(h, w, t, rows=None):
         with dispatch.strict():
-            return fused_linear_cross_entropy(h, w, t, impl="pipegoose")
+            return fused_linear_cross_entropy(h, w, t, impl="pipegoose", chunk_rows=rows)
 
     def ours_ce(h, w, t):
         with dispatch.strict():
@@ -64,6 +67,8 @@ def losses() -> dict[str, Callable | None]:
 
     fns: dict[str, Callable | None] = {"pipegoose": ours, "pipegoose-ce": ours_ce, "transformers": upcast,
                                        "compile": torch.compile(upcast, dynamic=False), "liger": None}
+    for r in chunk_rows:
+        fns[f"pipegoose@{r}"] = lambda h, w, t, r=r: ours(h, w, t, r)
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -103,7 +108,7 @@ def run_shape(shape: tuple[int, int, int], fns: dict, timer: Timer, dtype: torch
     want = step(fns["transformers"], hidden, weight, target)
     tol = tolerances()[dtype]
     rows = []
-    for name in IMPLS:
+    for name in IMPLS + tuple(k for k in fns if k not in IMPLS):
         row: dict[str, Any] = dict(impl=name, tokens=n, hidden=h, vocab=v, dtype=str(dtype).removeprefix("torch."))
         fn = fns.get(name)
         if fn is None:
@@ -161,12 +166,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", type=parse_shape, nargs="+", default=[parse_shape(s) for s in SHAPES],
                     help="NxHxV: tokens x hidden size x vocabulary (default: %(default)s)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--chunk-rows", type=int, nargs="*", default=[],
+                    help="also time our fused loss at these rows per chunk (rows pipegoose@R), beside the default")
     ap.add_argument("--out", type=Path, default=None, help="folder for linear_cross_entropy.json / .md")
     args = ap.parse_args(argv)
+    if any(r < 1 for r in args.chunk_rows):
+        ap.error(f"--chunk-rows: expected positive numbers of rows, got {args.chunk_rows}")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.linear_cross_entropy: needs a CUDA GPU")
     env = environment("cuda")
-    fns = losses()
+    fns = losses(args.chunk_rows)
     timer = Timer("cuda", warmup=3, reps=args.reps, max_s=10.0)
     rows = []
     for shape in args.shapes:

@@ -42,3 +42,9 @@ def test_rel_error():
 def test_refuses_without_a_gpu():
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         B.main(["--shapes", "8x4x16"])
+
+
+def test_chunk_rows_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        B.main(["--chunk-rows", "512", "0"])
+    assert "--chunk-rows: expected positive numbers of rows" in capsys.readouterr().err
