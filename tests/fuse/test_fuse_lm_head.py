@@ -291,3 +291,105 @@ def test_inside_wrappers():
                                         "forward": lambda self, **kw: self.base_model.forward(**kw)})
     (row,) = _rows(fuse(Tuner(_lm("llama")), ops=[KIND], dry_run=True))
     assert not row.fused and "inside LoraModel (PEFT)" in row.reason and "runs no module hooks" in row.reason
+
+
+def test_the_loss_runs_under_the_forwards_autocast():
+    """accelerate (and the Trainer's bf16) wrap the instance forward in autocast; the hooks run outside it. The loss
+    is computed where the head runs, inside the forward, so it sees that autocast as the unfused head does (a
+    break-test: it ran in fp32 there)."""
+    def make(fused):
+        model = _lm("llama")
+        if fused:
+            fuse(model, ops=[KIND])
+        model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+        return model
+
+    ref = _run(make(False))
+    got = _run(make(True))
+    assert got[0].logits is None
+    _same(got, ref)
+
+
+def test_replicas_in_threads_keep_their_own_calls():
+    """nn.DataParallel's replicas share the original's __dict__ objects and run in threads: each call's state is
+    per thread and module, so after the original ran once, two replicas in two threads still get their own losses
+    (a break-test: they shared one stack and swapped entries)."""
+    import threading
+
+    model = _lm("llama")
+    fuse(model, ops=[KIND])
+    model.eval()
+    model(**_batch())                          # the original runs once (in eval: not fused)
+    model.train()
+    batches = [_batch(), dict(_batch(), labels=_batch()["labels"].roll(1, dims=1))]
+    want = [model(**b).loss for b in batches]
+    def replicate(m):
+        """As torch.nn.parallel.replicate makes a replica: every module copied (its __dict__ shallowly), the
+        children the copies' (parameters shared here: one device)."""
+        r = m._replicate_for_data_parallel()
+        r._parameters = dict(m._parameters)     # (replicate assigns the device's copies; here the same ones)
+        r._modules = {k: None if c is None else replicate(c) for k, c in m._modules.items()}
+        return r
+
+    for _ in range(5):
+        replicas = [replicate(model) for _ in batches]
+        got = [None, None]
+
+        def work(i):
+            got[i] = replicas[i](**batches[i]).loss
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), (got, want)
+
+
+def test_an_interrupted_call_leaves_no_recorder_on_the_head():
+    """A KeyboardInterrupt (a BaseException: no always-called hook runs) inside a fused forward left the head's
+    recorder in place (a break-test: logits of width 0 after it, unfuse could not repair it). The next call, a
+    fused or an unfused one, and unfuse remove it."""
+    model = _lm("llama")
+    ref = _run(model)
+    fuse(model, ops=[KIND])
+    fired = []
+
+    def interrupt(module, args, output):
+        if not fired:
+            fired.append(1)
+            raise KeyboardInterrupt
+    h = model.model.layers[1].register_forward_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(**_batch())
+    h.remove()
+    assert "forward" in model.lm_head.__dict__          # left by the interrupted call
+    _same(_run(model), ref)                             # the next call clears it
+    with pytest.raises(KeyboardInterrupt):
+        fired.clear()
+        h = model.model.layers[1].register_forward_hook(interrupt)
+        model(**_batch())
+    h.remove()
+    unfuse(model)
+    assert "forward" not in model.lm_head.__dict__
+    model.eval()
+    assert model(**_batch()).logits.shape[-1] == models.VOCAB
+
+
+def test_a_loss_function_set_after_fuse_and_return_dict_in_the_config():
+    """A loss function set on the fused model later is used (the call is not fused); a config with return_dict
+    False gives the model's tuple (not fused: no plain rerun either)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    model = _lm("llama")
+    fuse(model, ops=[KIND])
+    model.loss_function = lambda *a, **k: 2 * ForCausalLMLoss(*a, **k)
+    doubled = model(**_batch())
+    assert doubled.logits is not None
+    plain = _lm("bloom")
+    ref = plain(**_batch()).loss
+    fuse(plain, ops=[KIND])
+    plain.config.return_dict = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = plain(**_batch())
+    assert isinstance(out, tuple) and torch.equal(out[0], ref)

@@ -6,19 +6,22 @@ transformers' causal LMs (Llama, Mistral, Qwen2/3, GPT-NeoX, GPT-2, OPT, Bloom a
 ``logits = self.lm_head(hidden_states)`` and then ``self.loss_function(logits, labels, vocab_size, **kwargs)``. On a
 fused model (this instance: a forward pre-hook and a forward hook, which ``unfuse`` removes; the model's ``forward``
 and its signature are untouched), a call in training mode with ``labels`` runs the model's forward without them, with
-the head replaced for that call by one that records its input and returns an empty tensor (no [B, S, V] logits), then
-computes transformers' causal-LM loss from the recorded hidden states with :func:`fused_linear_cross_entropy`: the
+the head replaced for that call by one that computes, from its input, transformers' causal-LM loss with
+:func:`fused_linear_cross_entropy` (inside the forward, so under the autocast the forward runs in: accelerate and the
+Trainer put it around the forward, not around the hooks) and returns an empty tensor (no [B, S, V] logits): the
 labels shifted by one and padded with ``ignore_index`` (or ``shift_labels`` as given), the mean over the counted
 tokens, or the sum divided by ``num_items_in_batch``. The output's ``loss`` is that loss and its ``logits`` None, as
 Liger-Kernel's fused forward returns them in training (code that reads ``outputs.logits`` in training, TRL's
 ``SFTTrainer`` without its Liger option for one, needs the logits: leave ``linear_cross_entropy`` out there).
 
-Every other call runs the model's forward as it is: evaluation mode, no labels, ``return_dict=False``,
-``logits_to_keep`` other than 0, a head that is not called exactly once in the forward (then the call is run again
+Every other call runs the model's forward as it is: evaluation mode, no labels, ``return_dict=False`` (given, or
+in the config), ``logits_to_keep`` other than 0, a loss function set on the model after ``fuse``, a head that is not called exactly once in the forward (then the call is run again
 the plain way, with a warning once per model class). The hooks act on the module they are called for, so replicas
 (``nn.DataParallel``), copies and DDP / FSDP wrappers get the same behaviour; a wrapper that calls the model's
 ``forward`` directly (``model.forward(...)``) runs no hooks, so there the model computes its logits and loss as
-unfused (``fuse`` reports a model inside PEFT's tuners, which do so, as not fused).
+unfused (``fuse`` reports a model inside PEFT's tuners, which do so, as not fused). A call's state lives per thread
+and module, not on the module (replicas share their ``__dict__``'s objects); a recorder left on the head by a call
+interrupted with a BaseException (Ctrl-C runs no always-called hook) is removed by the next call and by ``unfuse``.
 
 Only model types whose forward is verified to compute exactly ``CE(lm_head(hidden))`` are taken
 (:data:`MODEL_TYPES`): others post-process the logits (Granite's ``logits_scaling``, Gemma-2's soft-capping), add a
@@ -29,6 +32,7 @@ router's auxiliary loss when given labels (Mixtral and the other MoE models), or
 from __future__ import annotations
 
 import inspect
+import threading
 import warnings
 from typing import Any
 
@@ -44,7 +48,6 @@ NAME = "fused_linear_cross_entropy"
 # logits_to_keep, logits = lm_head(hidden), loss = self.loss_function(logits, labels, vocab_size, **kwargs), nothing
 # else done with the labels or the logits
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt2", "opt", "bloom")
-_STATE_ATTR = "_pipegoose_lm_head_calls"
 _warned: set[str] = set()
 
 
@@ -56,6 +59,8 @@ def head_of(model: nn.Module) -> nn.Linear | None:
         head = get() if callable(get) else None
     except Exception:  # noqa: BLE001 - a model that cannot say has no head we can use
         return None
+    if isinstance(head, nn.Module):
+        _restore(head)   # (a recorder left by an interrupted call)
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward or "forward" in head.__dict__:
         return None
     if head._forward_hooks or head._forward_pre_hooks:
@@ -105,14 +110,43 @@ def _bind(module: nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArgument
         return None   # the model's forward raises its own error
 
 
+# Calls in flight, per thread and module (id): nn.DataParallel's replicas share their __dict__'s objects and run in
+# threads of their own, so the state of a call lives here, not on the module.
+_calls = threading.local()
+
+
+def _stack(module: nn.Module) -> list:
+    per = getattr(_calls, "per_module", None)
+    if per is None:
+        per = _calls.per_module = {}
+    return per.setdefault(id(module), [])
+
+
+def _is_recorder(fn: Any) -> bool:
+    return getattr(fn, "_pipegoose_recorder", False)
+
+
+def _restore(head: nn.Module) -> None:
+    """Remove a recorder left on ``head`` (a call interrupted by a BaseException, which runs no always-called hook)."""
+    if _is_recorder(head.__dict__.get("forward")):
+        del head.__dict__["forward"]
+
+
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
     """Before the model's forward: for a call the fused head takes, the labels taken out of the call and the head
-    replaced by a recorder (until :func:`_post_hook`); a stack entry per call (None: the call runs as it is)."""
-    calls = module.__dict__.setdefault(_STATE_ATTR, [])
+    replaced by a recorder that computes the loss where the head would run (under the forward's autocast: accelerate
+    and the Trainer wrap the forward in it, not the hooks) and returns no logits; a stack entry per call (None: the
+    call runs as it is)."""
+    calls = _stack(module)
+    while calls:   # a model's forward does not call itself: entries left here are from interrupted calls
+        stale = calls.pop()
+        if stale is not None:
+            _restore(stale["head"])
     entry = None
     args, kwargs = tuple(args), dict(kwargs)   # (the call's own, kept for a plain rerun; binding copies them)
     bound = _bind(module, args, kwargs) if module.training else None
-    if bound is not None:
+    loss_fn = module.__dict__.get("_loss_function", _loss.causal_lm_loss)   # (one set after fuse: not fused)
+    if bound is not None and loss_fn is _loss.causal_lm_loss:
         params = bound.arguments
         var_kw = next((n for n, p in bound.signature.parameters.items() if p.kind is p.VAR_KEYWORD), None)
         extra = params.get(var_kw, {}) if var_kw is not None else {}
@@ -120,20 +154,26 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         where = params if "labels" in bound.signature.parameters else extra
         labels = where.get("labels")
         keep = params.get("logits_to_keep", extra.get("logits_to_keep", 0))
+        return_dict = params.get("return_dict", extra.get("return_dict"))
+        if return_dict is None:
+            return_dict = getattr(getattr(module, "config", None), "return_dict", True)
         head = head_of(module)
-        if (labels is not None and head is not None
-                and params.get("return_dict", extra.get("return_dict")) is not False
-                and isinstance(keep, int) and keep == 0):
+        if labels is not None and head is not None and return_dict is not False and isinstance(keep, int) \
+                and keep == 0:
             where["labels"] = None
-            seen: list[torch.Tensor] = []
+            loss_extra = {k: v for k, v in extra.items() if k != "labels"}
+            losses: list[torch.Tensor] = []
 
             def record(x: torch.Tensor) -> torch.Tensor:
-                seen.append(x)
+                # a second call, or hidden states not one per label: not transformers' pattern (the post-hook reruns
+                # the forward plainly)
+                ok = not losses and tuple(x.shape[:-1]) == tuple(labels.shape)
+                losses.append(causal_lm_head_loss(x, head, labels, **loss_extra) if ok else None)
                 return x.new_empty(x.shape[:-1] + (0,))
 
+            record._pipegoose_recorder = True
             head.__dict__["forward"] = record
-            entry = dict(head=head, record=record, seen=seen, labels=labels, args=args, kwargs=kwargs,
-                         extra={k: v for k, v in extra.items() if k != "labels"})
+            entry = dict(head=head, losses=losses, args=args, kwargs=kwargs)
             calls.append(entry)
             return bound.args[1:], bound.kwargs
     calls.append(entry)
@@ -141,32 +181,31 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
 
 
 def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    """After the model's forward (also when it raised: ``always_call``): the head put back; for a fused call, the
-    loss from the recorded hidden states and the output rebuilt without logits."""
-    calls = module.__dict__.get(_STATE_ATTR) or [None]
-    entry = calls.pop()
+    """After the model's forward (also when it raised an Exception: ``always_call``): the head put back; for a fused
+    call, the output rebuilt with the loss and without logits."""
+    calls = _stack(module)
+    entry = calls.pop() if calls else None
+    if not calls:
+        getattr(_calls, "per_module", {}).pop(id(module), None)
     if entry is None:
         return None
-    head = entry["head"]
-    if head.__dict__.get("forward") is entry["record"]:
-        del head.__dict__["forward"]
+    _restore(entry["head"])
     if output is None:   # the forward raised: the exception goes on
         return None
     from transformers.utils import ModelOutput
 
     fields = getattr(output, "__dataclass_fields__", {})
-    seen = entry["seen"]
-    if len(seen) != 1 or not isinstance(output, ModelOutput) or "logits" not in fields or "loss" not in fields:
+    losses = entry["losses"]
+    if len(losses) != 1 or losses[0] is None or not isinstance(output, ModelOutput) or "logits" not in fields or "loss" not in fields:
         cls = type(module).__name__
         if cls not in _warned:
             _warned.add(cls)
-            warnings.warn(f"{cls}: its forward called the output projection {len(seen)} time(s) or returned no "
+            warnings.warn(f"{cls}: its forward called the output projection {len(losses)} time(s) or returned no "
                           f"ModelOutput; the fused head and loss need one call: this call (and each like it) runs the "
                           f"plain forward again", RuntimeWarning, stacklevel=2)
         return type(module).forward(module, *entry["args"], **entry["kwargs"])   # (no hooks: not through __call__)
-    loss = causal_lm_head_loss(seen[0], head, entry["labels"], **entry["extra"])
     # a new output of the same class (ModelOutput keeps its keys and attributes in step only when built so)
-    return type(output)(**{k: v for k, v in output.items() if k not in ("loss", "logits")}, loss=loss)
+    return type(output)(**{k: v for k, v in output.items() if k not in ("loss", "logits")}, loss=losses[0])
 
 
 def causal_lm_head_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, num_items_in_batch: Any = None,
@@ -196,11 +235,17 @@ def install(model: nn.Module) -> tuple:
 
 
 def uninstall(model: nn.Module | None, handles: tuple) -> None:
-    """Remove the hooks (nothing where the model is gone)."""
+    """Remove the hooks, and a recorder an interrupted call left on the head (nothing where the model is gone)."""
     for h in handles:
         h.remove()
     if model is not None:
-        model.__dict__.pop(_STATE_ATTR, None)
+        get = getattr(model, "get_output_embeddings", None)
+        try:
+            head = get() if callable(get) else None
+        except Exception:  # noqa: BLE001
+            head = None
+        if isinstance(head, nn.Module):
+            _restore(head)
 
 
 def is_installed(model: nn.Module) -> bool:
