@@ -12,7 +12,8 @@ Trainer put it around the forward, not around the hooks) and returns an empty te
 labels shifted by one and padded with ``ignore_index`` (or ``shift_labels`` as given), the mean over the counted
 tokens, or the sum divided by ``num_items_in_batch``. The output's ``loss`` is that loss and its ``logits`` None, as
 Liger-Kernel's fused forward returns them in training (code that reads ``outputs.logits`` in training, TRL's
-``SFTTrainer`` without its Liger option for one, needs the logits: leave ``linear_cross_entropy`` out there).
+``SFTTrainer`` without its Liger option for one, needs the logits: leave ``linear_cross_entropy`` out there; and
+with ``logits`` None, ``output[1]`` and ``output.to_tuple()[1]`` are the next field, not the logits).
 
 Every other call runs the model's forward as it is: evaluation mode, no labels, ``return_dict=False`` (given, or
 in the config), ``logits_to_keep`` other than 0, a loss function set on the model after ``fuse``, a head that is not called exactly once in the forward (then the call is run again
