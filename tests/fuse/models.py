@@ -63,3 +63,14 @@ def inputs(batch: int = 3, seq: int = 11, seed: int = 1, left_pad=(0, 4, 2)):
     for i, p in enumerate(left_pad[:batch]):
         mask[i, :p] = 0
     return ids, mask
+
+
+class Wrapper(torch.nn.Module):
+    """A module holding a language model as ``base_model`` and calling it (the shape of PEFT's ``PeftModel``)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.base_model = lm
+
+    def forward(self, **kw):
+        return self.base_model(**kw)

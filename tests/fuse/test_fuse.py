@@ -1902,17 +1902,9 @@ def test_the_loss_of_a_language_model_inside_a_wrapper_is_fused():
     loss, with no row saying so."""
     from pipegoose.nn.fusion.transformers.loss import causal_lm_loss
 
-    class Wrap(nn.Module):
-        def __init__(self, lm):
-            super().__init__()
-            self.base_model = lm
-
-        def forward(self, **kw):
-            return self.base_model(**kw)
-
     lm = _lm("llama")
     want, _ = _lm_run(lm)
-    wrap = Wrap(lm)
+    wrap = models.Wrapper(lm)
     (row,) = _ce_rows(fuse(wrap))
     assert row.path == "base_model" and row.fused and row.replacement == "causal_lm_loss", row
     assert lm.loss_function is causal_lm_loss

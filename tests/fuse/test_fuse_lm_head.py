@@ -268,26 +268,16 @@ def test_inside_wrappers():
     """A wrapper that calls the model (hooks run): fused, the loss the unfused one's. A PEFT-like tuner (a class of
     a module named peft...), whose forward calls model.forward(...) directly and so runs no hooks: not fused, with the
     reason."""
-    from torch import nn
-
-    class Wrap(nn.Module):
-        def __init__(self, lm):
-            super().__init__()
-            self.base_model = lm
-
-        def forward(self, **kw):
-            return self.base_model(**kw)
-
     lm = _lm("llama")
     ref = _run(lm)
-    wrap = Wrap(lm)
+    wrap = models.Wrapper(lm)
     (row,) = _rows(fuse(wrap, ops=[KIND]))
     assert row.path == "base_model" and row.fused
     out = wrap(**_batch())
     assert out.logits is None and torch.equal(out.loss, ref[0].loss)
     unfuse(wrap)
 
-    Tuner = type("LoraModel", (Wrap,), {"__module__": "peft.tuners.lora.model",
+    Tuner = type("LoraModel", (models.Wrapper,), {"__module__": "peft.tuners.lora.model",
                                         "forward": lambda self, **kw: self.base_model.forward(**kw)})
     (row,) = _rows(fuse(Tuner(_lm("llama")), ops=[KIND], dry_run=True))
     assert not row.fused and "inside LoraModel (PEFT)" in row.reason and "runs no module hooks" in row.reason
