@@ -284,8 +284,8 @@ __device__ __forceinline__ double block_sum(double v) {
 // Forward with the loss's reduction: each block computes its row as ce_fwd_kernel (the per-row losses go to the
 // workspace `rows`), then counts itself in `arrived` (zero before the launch); the block that arrives last sums the
 // rows' losses in fp64, in a fixed order (deterministic, whichever block is last), counts the rows not ignored, and
-// writes out = sum / count (`mean`; 0 / 0 = NaN, as F.cross_entropy) or the sum, and the count. One launch where the
-// per-row kernel's mean took four more (sum, compare, count, divide).
+// writes out = sum / count (`mean`; 0 / 0 = NaN, as F.cross_entropy) or the sum, and the count. One launch (after a
+// 4-byte memset of the counter) where the per-row kernel's mean took four more (sum, compare, count, divide).
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 2048 / kThreads)
     ce_fwd_reduce_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V,

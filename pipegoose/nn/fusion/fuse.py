@@ -22,7 +22,7 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   ``cross_entropy``, without the fp32 copy of the logits; the report's row for it has the language model's path:
   ``""`` for the model itself, or the path of one inside a wrapper, PEFT's ``PeftModel`` say);
 * with ``ops`` naming ``linear_cross_entropy`` (opt-in), a causal LM's head and loss in one: two forward hooks that,
-  in training with ``labels``, run the model without the [B, S, V] logits and computes transformers' causal-LM
+  in training with ``labels``, run the model without the [B, S, V] logits and compute transformers' causal-LM
   loss with ``fused_linear_cross_entropy`` (``pipegoose.nn.fusion.transformers.lm_head``; the output's ``logits`` is
   None then);
 * the attention softmax of BERT, GPT-2, GPT-NeoX, Llama and OPT models: the model's modules are pointed at a copy of
@@ -1019,9 +1019,10 @@ def _fuse_lm_head(model, path, wrappers, dry_run, report, state) -> None:
         return
     head = _lm_head.head_of(model)
     rows = _probe_rows((head.weight.shape[0],))
+    # (the weight's stand-in an expanded 0-dim tensor: its shape without its memory, 1 GB for Llama-3-8B's head)
     fwd, bwd = _impls("fused_linear_cross_entropy", model, lambda d, t: (
-        torch.empty(rows, head.weight.shape[1], device=d, dtype=t), torch.empty(head.weight.shape, device=d, dtype=t),
-        torch.zeros(rows, dtype=torch.long, device=d)))
+        torch.empty(rows, head.weight.shape[1], device=d, dtype=t),
+        torch.empty((), device=d, dtype=t).expand(head.weight.shape), torch.zeros(rows, dtype=torch.long, device=d)))
     if not dry_run:
         state.head_swaps.append((weakref.ref(model), _lm_head.install(model)))
     report.rows.append(FusionRow(path, "linear_cross_entropy", type(model).__name__, _lm_head.NAME, True, fwd, bwd,
