@@ -181,15 +181,18 @@ def test_fused_path_16_bit(monkeypatch):
 
 
 def test_default_chunk_rows():
-    """About N / ceil(V / H), rounded up to a power of two, at least 256, at most N."""
-    assert L.default_chunk_rows(8192, 32000, 2048) == 512          # Llama-1.1B: 16 chunks
-    assert L.default_chunk_rows(16384, 128256, 4096) == 512        # Llama-3-8B: 32 chunks
-    assert L.default_chunk_rows(8191, 32000, 2048) == 512
+    """The largest power of two of rows whose logits hold at most 2**27 values, at least 256 rows, at most N."""
+    assert L.CHUNK_ELEMENTS == 1 << 27
+    assert L.default_chunk_rows(8192, 32000, 2048) == 4096         # Llama-1.1B: 2 chunks
+    assert L.default_chunk_rows(8191, 32000, 2048) == 4096
     assert L.default_chunk_rows(65536, 32000, 2048) == 4096
-    assert L.default_chunk_rows(8192, 151936, 896) == 256          # Qwen2-0.5B: 170 chunks of 49 rows, were it not
-    assert L.default_chunk_rows(5, 11, 8) == 5                     # for the floor of 256 rows; at most N
+    assert L.default_chunk_rows(16384, 128256, 4096) == 1024       # Llama-3-8B: 16 chunks
+    assert L.default_chunk_rows(8192, 151936, 896) == 512          # Qwen2-0.5B: 883 rows fit, rounded down
+    assert L.default_chunk_rows(4096, 1 << 20, 4096) == 256        # 128 rows fit: the floor of 256
+    assert L.default_chunk_rows(5, 11, 8) == 5                     # at most N
     assert L.default_chunk_rows(3, 10, 100) == 3
     assert L.default_chunk_rows(1, 151936, 896) == 1
+    assert L.default_chunk_rows(0, 32000, 2048) == 1
 
 
 # ---------------------------------------------------------------------------------------------- argument errors

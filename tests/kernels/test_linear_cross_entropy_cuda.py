@@ -80,12 +80,16 @@ def weight_scale(chunks: int) -> float:
     return 2 + chunks / 8
 
 
-def close(got, want, dtype, scale, what):
-    """|got - want| <= rtol(dtype) * scale * max|want| everywhere (and no NaN where want has none)."""
+def max_error(got, want) -> float:
+    return (got.detach().double().cpu() - want.detach().double().cpu()).abs().max().item()
+
+
+def close(got, want, dtype, scale, what, floor=0.0):
+    """|got - want| <= max(rtol(dtype) * scale * max|want|, ``floor``) everywhere (and no NaN where want has none)."""
     got, want = got.detach().double().cpu(), want.detach().double().cpu()
     assert got.shape == want.shape, (what, got.shape, want.shape)
     assert not torch.isnan(got).any() or torch.isnan(want).any(), f"{what}: NaN (an element not written?)"
-    bound = TOLERANCES[dtype]["rtol"] * scale * want.abs().max().item() + 1e-12
+    bound = max(TOLERANCES[dtype]["rtol"] * scale * want.abs().max().item(), floor) + 1e-12
     err = (got - want).abs().max().item()
     assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
@@ -118,7 +122,9 @@ def test_matches_unfused_and_float64(dtype, shape, reduction, bias, dispatch):
             continue
         assert a.dtype == dtype, name
         close(a, w, dtype, k, f"{name} vs unfused")
-        close(a, r, dtype, k, f"{name} vs float64")
+        # fp16's logit gradients of a mean over many rows are partly subnormal (p / count below 2**-14), so the
+        # unfused path is itself further from float64 than the table's rtol there: the fused one may be as far, twice
+        close(a, r, dtype, k, f"{name} vs float64", floor=2 * max_error(w, r))
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 7, 100, 4096])
