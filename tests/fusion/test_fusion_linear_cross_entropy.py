@@ -181,16 +181,16 @@ def test_fused_path_16_bit(monkeypatch):
 
 
 def test_default_chunk_rows():
-    """The largest power of two of rows whose logits hold at most 2**27 values, at least 256 rows, at most N."""
-    assert L.CHUNK_ELEMENTS == 1 << 27
+    """The largest power of two of rows whose logits hold at most 2**27 values, at least 2048 rows, at most N."""
+    assert (L.CHUNK_ELEMENTS, L.MIN_CHUNK_ROWS) == (1 << 27, 2048)
     assert L.default_chunk_rows(8192, 32000, 2048) == 4096         # Llama-1.1B: 2 chunks
     assert L.default_chunk_rows(8191, 32000, 2048) == 4096
     assert L.default_chunk_rows(65536, 32000, 2048) == 4096
-    assert L.default_chunk_rows(16384, 128256, 4096) == 1024       # Llama-3-8B: 16 chunks
-    assert L.default_chunk_rows(8192, 151936, 896) == 512          # Qwen2-0.5B: 883 rows fit, rounded down
-    assert L.default_chunk_rows(4096, 1 << 20, 4096) == 256        # 128 rows fit: the floor of 256
-    assert L.default_chunk_rows(5, 11, 8) == 5                     # at most N
-    assert L.default_chunk_rows(3, 10, 100) == 3
+    assert L.default_chunk_rows(65536, 16000, 2048) == 8192        # a smaller vocabulary: larger chunks
+    assert L.default_chunk_rows(16384, 128256, 4096) == 2048       # Llama-3-8B: 1046 rows fit, the floor of 2048
+    assert L.default_chunk_rows(8192, 151936, 896) == 2048         # Qwen2-0.5B
+    assert L.default_chunk_rows(1000, 151936, 896) == 1000         # at most N
+    assert L.default_chunk_rows(5, 11, 8) == 5
     assert L.default_chunk_rows(1, 151936, 896) == 1
     assert L.default_chunk_rows(0, 32000, 2048) == 1
 

@@ -321,9 +321,9 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         bias: [V] or None.
         ignore_index: the target value to skip (a Python or numpy integer).
         reduction: ``mean`` (over the rows not ignored; NaN when every row is ignored, as PyTorch's) or ``sum``.
-        chunk_rows: rows per chunk (a positive int); None: about N / ceil(V / H), a power of two of at least 256, so
-            that a chunk's logits hold about as many values as ``hidden``
-            (:func:`~pipegoose.nn.fusion.ops.linear_cross_entropy.default_chunk_rows`). Peak memory beyond the
+        chunk_rows: rows per chunk (a positive int); None: the largest power of two whose logits hold at most 2**27
+            values, at least 2048 and at most N (4096 rows at V 32000, 2048 at V 128256;
+            :func:`~pipegoose.nn.fusion.ops.linear_cross_entropy.default_chunk_rows`, measured there). Peak memory beyond the
             inputs: the gradients of ``hidden`` and ``weight`` (saved from the forward) and, while the forward runs,
             one chunk's logits and their gradient ([chunk_rows, V] each).
 
@@ -334,8 +334,10 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         differentiable on the fused path (``create_graph=True`` raises).
 
     Kernel: pipegoose/cross_entropy (pipegoose/kernels/csrc/cross_entropy.cu, this project, MIT), per chunk, between
-    cuBLAS GEMMs (``torch.mm``). Added in session 50, on a machine without a GPU: its GPU tests
-    (tests/kernels/test_linear_cross_entropy_cuda.py) are written and have not run yet.
+    cuBLAS GEMMs (``torch.mm``). GPU tests: tests/kernels/test_linear_cross_entropy_cuda.py. On the H200, bf16, 8192
+    rows: 4.74 ms forward + backward for Llama-1.1B's head (``torch.compile`` of the unfused expression 4.68,
+    Liger-Kernel's fused loss 6.29, transformers' expression 7.20), 657 MiB beyond the inputs (compile 657,
+    Liger 188, transformers 3000); benchmarks/results/nvidia_h200_2026-11-30/linear_cross_entropy.md.
 
     Raises:
         TypeError: ``hidden``, ``weight`` or ``bias`` not a floating point tensor of fp32/fp16/bf16/fp64; ``target``
