@@ -1,6 +1,6 @@
 """Fused linear cross-entropy: a language model's head and loss, forward + backward, time and peak memory.
 
-    python -m benchmarks.linear_cross_entropy [--shapes 8192x2048x32000 ...] [--reps 20] [--out DIR]
+    python -m benchmarks.linear_cross_entropy [--shapes 8192x2048x32000 ...] [--reps 20] [--impls a,b] [--out DIR]
 
 Implementations, each of ``loss(hidden [N, H], weight [V, H], target [N])`` then the gradients of hidden and weight:
 
@@ -98,7 +98,10 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item()
 
 
-def run_shape(shape: tuple[int, int, int], fns: dict, timer: Timer, dtype: torch.dtype) -> list[dict[str, Any]]:
+def run_shape(shape: tuple[int, int, int], fns: dict, timer: Timer, dtype: torch.dtype,
+              impls: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+    """One row per implementation (those of ``impls``, default all); ``transformers`` is the correctness check of
+    every row, run whether or not it is timed."""
     n, h, v = shape
     g = torch.Generator(device="cuda").manual_seed(n + h + v)
     hidden = torch.randn(n, h, device="cuda", generator=g).to(dtype).requires_grad_(True)
@@ -109,6 +112,8 @@ def run_shape(shape: tuple[int, int, int], fns: dict, timer: Timer, dtype: torch
     tol = tolerances()[dtype]
     rows = []
     for name in IMPLS + tuple(k for k in fns if k not in IMPLS):
+        if impls is not None and name not in impls:
+            continue
         row: dict[str, Any] = dict(impl=name, tokens=n, hidden=h, vocab=v, dtype=str(dtype).removeprefix("torch."))
         fn = fns.get(name)
         if fn is None:
@@ -168,10 +173,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--chunk-rows", type=int, nargs="*", default=[],
                     help="also time our fused loss at these rows per chunk (rows pipegoose@R), beside the default")
+    ap.add_argument("--impls", default="", help=f"comma separated, of {', '.join(IMPLS)} and pipegoose@R for each "
+                                                 "--chunk-rows R (default: all)")
     ap.add_argument("--out", type=Path, default=None, help="folder for linear_cross_entropy.json / .md")
     args = ap.parse_args(argv)
     if any(r < 1 for r in args.chunk_rows):
         ap.error(f"--chunk-rows: expected positive numbers of rows, got {args.chunk_rows}")
+    known = IMPLS + tuple(f"pipegoose@{r}" for r in args.chunk_rows)
+    impls = tuple(x.strip() for x in args.impls.split(",") if x.strip()) or None
+    unknown = [x for x in impls or () if x not in known]
+    if unknown:
+        ap.error(f"--impls: unknown {', '.join(unknown)}; expected some of {', '.join(known)}")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.linear_cross_entropy: needs a CUDA GPU")
     env = environment("cuda")
@@ -179,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     timer = Timer("cuda", warmup=3, reps=args.reps, max_s=10.0)
     rows = []
     for shape in args.shapes:
-        rows += run_shape(shape, fns, timer, torch.bfloat16)
+        rows += run_shape(shape, fns, timer, torch.bfloat16, impls)
         torch.cuda.empty_cache()
     md = markdown(env, rows)
     print(md)

@@ -48,3 +48,10 @@ def test_chunk_rows_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         B.main(["--chunk-rows", "512", "0"])
     assert "--chunk-rows: expected positive numbers of rows" in capsys.readouterr().err
+
+
+def test_impls_must_be_known(capsys):
+    with pytest.raises(SystemExit):
+        B.main(["--chunk-rows", "512", "--impls", "pipegoose,pipegoose@512,liger,pipegoose@1024"])
+    assert "--impls: unknown pipegoose@1024" in capsys.readouterr().err
+
