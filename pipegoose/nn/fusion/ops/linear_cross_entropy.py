@@ -173,7 +173,8 @@ class PipegooseLinearCrossEntropyFunction(torch.autograd.Function):
         scale = one / count if mean else one
         total = torch.zeros((), device=hidden.device, dtype=torch.float64)
         grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
-        grad_w = torch.zeros_like(weight, memory_format=torch.contiguous_format) if need_w else None
+        # (the first chunk's GEMM writes grad_w, the others accumulate into it: no zero fill, one read fewer)
+        grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_w else None
         grad_b = torch.zeros(weight.shape[0], device=hidden.device, dtype=torch.float32) if need_b else None
         for lo in range(0, n, chunk_rows):
             hi = min(n, lo + chunk_rows)
@@ -187,7 +188,10 @@ class PipegooseLinearCrossEntropyFunction(torch.autograd.Function):
                 if need_h:
                     torch.mm(g, weight, out=grad_h[lo:hi])
                 if need_w:
-                    grad_w.addmm_(g.t(), h)
+                    if lo == 0:
+                        torch.mm(g.t(), h, out=grad_w)
+                    else:
+                        grad_w.addmm_(g.t(), h)
                 if need_b:
                     grad_b += g.sum(0, dtype=torch.float32)
                 del g
