@@ -54,4 +54,3 @@ def test_impls_must_be_known(capsys):
     with pytest.raises(SystemExit):
         B.main(["--chunk-rows", "512", "--impls", "pipegoose,pipegoose@512,liger,pipegoose@1024"])
     assert "--impls: unknown pipegoose@1024" in capsys.readouterr().err
-
