@@ -249,6 +249,28 @@ def test_a_head_called_twice_runs_the_plain_forward_with_a_warning(monkeypatch):
         _run(model)
 
 
+def test_a_head_hooked_after_fuse_runs_the_models_head_with_a_warning(monkeypatch):
+    """A hook put on the head after fuse (FSDP2's fully_shard on the head, say): the model's own head and loss run,
+    with one warning per class, and the fused head again once the hook is gone."""
+    model = _lm("llama")
+    ref = _run(model)
+    fuse(model, ops=[KIND])
+    seen = []
+    handle = model.lm_head.register_forward_hook(lambda m, a, out: seen.append(tuple(out.shape)))
+    monkeypatch.setattr(lm_head, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="no longer a plain torch.nn.Linear without hooks"):
+        got = _run(model)
+    assert got[0].logits is not None and seen == [tuple(got[0].logits.shape)]
+    _same(got, ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _run(model)   # once per class
+        handle.remove()
+        got = _run(model)
+    assert got[0].logits is None
+    _same(got, ref)
+
+
 def test_labels_inside_the_forwards_kwargs(monkeypatch):
     """A forward that takes everything as ``**kwargs`` (a wrapper's, say): labels found there, the head fused."""
     model = _lm("llama")
