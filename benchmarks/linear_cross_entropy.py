@@ -5,8 +5,9 @@
 Implementations, each of ``loss(hidden [N, H], weight [V, H], target [N])`` then the gradients of hidden and weight:
 
 * ``pipegoose``: :func:`pipegoose.nn.fusion.fused_linear_cross_entropy` (strict: the fused path or an error), its
-  default chunking; ``pipegoose@R`` the same at R rows per chunk (``--chunk-rows R ...``: the default takes about
-  N / ceil(V / H) rows, and each chunk reads and writes the weight's whole gradient once);
+  default chunking; ``pipegoose@R`` the same at R rows per chunk (``--chunk-rows R ...``: the default is the largest power
+  of two of rows whose logits hold at most 2**27 values, at least 2048; each chunk reads and writes the weight's whole
+  gradient once);
 * ``pipegoose-ce``: the unfused head, ``F.linear``, then our cross-entropy kernel on the whole logits;
 * ``transformers``: ``F.cross_entropy(F.linear(hidden, weight).float(), target)``, what transformers' causal-LM loss
   runs after ``lm_head``;
@@ -179,11 +180,16 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if any(r < 1 for r in args.chunk_rows):
         ap.error(f"--chunk-rows: expected positive numbers of rows, got {args.chunk_rows}")
+    if args.reps < 1:
+        ap.error(f"--reps: expected a positive number of repetitions, got {args.reps}")
     known = IMPLS + tuple(f"pipegoose@{r}" for r in args.chunk_rows)
     impls = tuple(x.strip() for x in args.impls.split(",") if x.strip()) or None
+    if args.impls and impls is None:
+        ap.error(f"--impls: expected some of {', '.join(known)}, got {args.impls!r}")
     unknown = [x for x in impls or () if x not in known]
     if unknown:
-        ap.error(f"--impls: unknown {', '.join(unknown)}; expected some of {', '.join(known)}")
+        ap.error(f"--impls: unknown {', '.join(unknown)}; expected some of {', '.join(known)} (pipegoose@R needs "
+                 f"--chunk-rows R)")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.linear_cross_entropy: needs a CUDA GPU")
     env = environment("cuda")

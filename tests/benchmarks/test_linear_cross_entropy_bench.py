@@ -54,3 +54,14 @@ def test_impls_must_be_known(capsys):
     with pytest.raises(SystemExit):
         B.main(["--chunk-rows", "512", "--impls", "pipegoose,pipegoose@512,liger,pipegoose@1024"])
     assert "--impls: unknown pipegoose@1024" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--reps", "0"], "--reps: expected a positive number of repetitions, got 0"),
+    (["--impls", ",,"], "--impls: expected some of pipegoose, "),
+    (["--impls", "pipegoose@512"], "(pipegoose@R needs --chunk-rows R)"),
+])
+def test_argument_errors(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        B.main(argv)
+    assert message in capsys.readouterr().err

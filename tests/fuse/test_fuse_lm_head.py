@@ -271,6 +271,20 @@ def test_a_head_hooked_after_fuse_runs_the_models_head_with_a_warning(monkeypatc
     _same(got, ref)
 
 
+def test_a_float64_model_keeps_transformers_fp32_loss():
+    """transformers' loss rounds a float64 model's logits to fp32 (logits.float()); the fused model's loss is the
+    same fp32 value, and its gradients the same."""
+    model = _lm("llama").double()
+    ref = _run(model)
+    fuse(model, ops=[KIND])
+    got = _run(model)
+    assert got[0].logits is None and got[0].loss.dtype == ref[0].loss.dtype == torch.float32
+    _same(got, ref)
+    got = _run(model, num_items_in_batch=torch.tensor(9))
+    unfuse(model)
+    _same(got, _run(model, num_items_in_batch=torch.tensor(9)))
+
+
 def test_labels_inside_the_forwards_kwargs(monkeypatch):
     """A forward that takes everything as ``**kwargs`` (a wrapper's, say): labels found there, the head fused."""
     model = _lm("llama")

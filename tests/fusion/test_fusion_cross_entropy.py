@@ -551,3 +551,27 @@ def test_forward_ad_and_vmap_run_the_reference():
     batched = torch.stack([logits, logits * 2])
     got = torch.func.vmap(lambda x: PF.cross_entropy(x, target, reduction="sum"))(batched)
     assert torch.equal(got, torch.func.vmap(lambda x: F.cross_entropy(x, target, reduction="sum"))(batched))
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_kernel_path_double_backward_is_pytorchs(monkeypatch, reduction, reduce_in_kernel):
+    """A backward with create_graph=True (a gradient penalty) differentiates PyTorch's formula on the saved logits:
+    the second derivatives equal the reference's; without create_graph the kernel's backward runs."""
+    calls = []
+    monkeypatch.setattr(C, "_ops", lambda: stand_in_ops(calls))
+    logits, target = _inputs(6, 9, torch.float64, seed=21, ignored=(1,))
+
+    def penalty(run):
+        x = logits.clone().requires_grad_(True)
+        loss = run(x)
+        (g,) = torch.autograd.grad(loss.sum(), x, create_graph=True)
+        (gg,) = torch.autograd.grad((g ** 2).sum() + loss.sum(), x)
+        return g.detach(), gg
+
+    got = penalty(lambda x: C._run_pipegoose(x, target, -100, reduction))
+    want = penalty(lambda x: F.cross_entropy(x, target, reduction=reduction))
+    # (create_graph: PyTorch's formula, no kernel backward; the second grad's loss.sum() term: the kernel's)
+    assert [c[0] for c in calls] == ["forward_reduced" if reduce_in_kernel and reduction != "none" else "forward",
+                                     "backward"]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-8, rtol=1e-6)   # (the stand-in keeps an fp32 lse, as the kernel)

@@ -154,6 +154,38 @@ def test_fused_path_second_backward_and_upstream_scaling(monkeypatch):
         torch.testing.assert_close(c, a * 0.5)
 
 
+def test_fused_path_refuses_create_graph(monkeypatch):
+    """The gradients come from the forward, without a graph: a backward with create_graph=True raises (it returned
+    gradients without a graph, silently wrong second derivatives); impl='torch' is twice differentiable."""
+    from pipegoose.nn.fusion import fused_linear_cross_entropy
+
+    fn = _fused_stand_in(monkeypatch)
+    hidden, weight, bias, target = _inputs(7, 8, 11, seed=8)
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    loss = fn(leaves[0], leaves[1], target, leaves[2], chunk_rows=3)
+    with pytest.raises(RuntimeError, match="not twice differentiable .* impl='torch'"):
+        torch.autograd.grad(loss, leaves[0], create_graph=True)
+    loss = fused_linear_cross_entropy(leaves[0], leaves[1], target, leaves[2], impl="torch")
+    (g,) = torch.autograd.grad(loss, leaves[0], create_graph=True)
+    assert g.requires_grad
+
+
+def test_hidden_size_zero_and_layouts():
+    """H = 0 (logits of the bias alone) and a non-contiguous 3-D hidden: the unfused expression as written."""
+    from pipegoose.nn.fusion import fused_linear_cross_entropy
+
+    t = torch.tensor([0, 2, 1, 2, -100])
+    for bias in (None, torch.randn(3)):
+        got = fused_linear_cross_entropy(torch.randn(5, 0), torch.randn(3, 0), t, bias)
+        want = F.cross_entropy(F.linear(torch.randn(5, 0), torch.randn(3, 0), bias), t)
+        assert torch.equal(got, want)
+    h = torch.randn(4, 3, 8, dtype=torch.bfloat16).transpose(0, 1)
+    w, b = torch.randn(11, 8, dtype=torch.bfloat16), torch.randn(11, dtype=torch.bfloat16)
+    t = torch.randint(0, 11, (3, 4))
+    want = F.cross_entropy(F.linear(h, w, b).float().reshape(-1, 11), t.reshape(-1))
+    assert torch.equal(fused_linear_cross_entropy(h, w, t, b), want)
+
+
 def test_fused_path_every_row_ignored_and_out_of_range(monkeypatch):
     """Every row ignored: mean NaN (0 / 0, as F.cross_entropy), sum 0, zero gradients. A target out of range: NaN."""
     fn = _fused_stand_in(monkeypatch)

@@ -12,6 +12,9 @@ Double backward (``torch.autograd.grad(..., create_graph=True)`` and a backward 
 penalties or Hessian-vector products): the fused backward kernels are not differentiable, so a backward run with
 ``create_graph=True`` computes the gradients with the PyTorch reference formulas (on the inputs the fused forward
 saved) instead, and second derivatives are PyTorch's; a plain backward runs the kernels. The forward stays fused.
+The exception: :func:`fused_linear_cross_entropy`, whose fused path computes its gradients in the forward from
+tensors it does not keep, raises RuntimeError on a backward with ``create_graph=True`` (``impl="torch"`` is twice
+differentiable).
 
 Transforms and forward mode: inside ``torch.func`` (``vmap``, ``grad``, ``jvp``: any tensor argument of a transform,
 the weight or mask too) every op runs its PyTorch reference. With dual tensors (``torch.autograd.forward_ad``) the
@@ -285,7 +288,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
 
     Returns:
         The loss in fp32 (fp64 for fp64 logits); the gradient of the logits is in their dtype, computed in fp32 and
-        rounded once. Not twice differentiable on the kernel path (``create_graph=True`` raises).
+        rounded once. Double backward (``create_graph=True``): PyTorch's formula on the saved logits, as the module
+        says.
 
     Kernel: pipegoose/cross_entropy (pipegoose/kernels/csrc/cross_entropy.cu, this project, MIT).
 
@@ -331,7 +335,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         The fp32 scalar loss (fp64 for fp64 inputs, on the reference path). Gradients: ``hidden``'s and ``weight``'s in
         their dtype, ``bias``'s accumulated in fp32 and rounded once; the weight's gradient is accumulated over the
         chunks in its dtype (one rounding per chunk, where the unfused ``F.linear`` rounds once). Not twice
-        differentiable on the fused path (``create_graph=True`` raises).
+        differentiable on the fused path (a backward with ``create_graph=True`` raises RuntimeError; ``impl="torch"``
+        is).
 
     Kernel: pipegoose/cross_entropy (pipegoose/kernels/csrc/cross_entropy.cu, this project, MIT), per chunk, between
     cuBLAS GEMMs (``torch.mm``). GPU tests: tests/kernels/test_linear_cross_entropy_cuda.py. On the H200, bf16, 8192

@@ -627,7 +627,8 @@ class FusedLinearCrossEntropyLoss(nn.Module):
     Args:
         ignore_index: the target value to skip (default -100, transformers' and PyTorch's).
         reduction: ``mean`` (over the rows not ignored) or ``sum``.
-        chunk_rows: rows per chunk, or None (about N / ceil(V / H), a power of two).
+        chunk_rows: rows per chunk, or None (the largest power of two whose logits hold at most 2**27
+            values, at least 2048 and at most N: ``ops.linear_cross_entropy.default_chunk_rows``).
         impl: force an implementation of op ``fused_linear_cross_entropy`` (``pipegoose``, ``torch``), default auto.
 
     ``forward(hidden [..., H], weight [V, H], target [...] int64, bias [V] or None)`` -> the fp32 scalar loss.

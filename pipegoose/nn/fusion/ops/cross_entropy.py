@@ -18,12 +18,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (INT32_MAX, all_have_storage, check_input_dtype, kernel_input_ok, call_without_autocast,
-                      dtype_name, has_tangent, int_value, needs_grad)
+                      dtype_name, grads_through, has_tangent, int_value, needs_grad)
 
 OP = "cross_entropy"
 SRC_PIPEGOOSE = "pipegoose/cross_entropy: pipegoose/kernels/csrc/cross_entropy.cu (pipegoose, MIT)"
@@ -111,8 +110,9 @@ def _ops() -> Any:
 
 class PipegooseCrossEntropyFunction(torch.autograd.Function):
     """pipegoose/cross_entropy: per-row losses (fp32 [N]) of logits [N, V] and int64 targets [N]; the backward runs
-    the backward kernel on the saved logits and log-sum-exps. Not twice differentiable (``create_graph=True`` raises;
-    the reference path is)."""
+    the backward kernel on the saved logits and log-sum-exps. Double backward: a backward run with grad mode on
+    (``create_graph=True``) computes the logits' gradient with PyTorch's formula on the saved logits
+    (:func:`._common.grads_through`), differentiable again; without it the kernel runs."""
 
     @staticmethod
     def forward(ctx, logits, target, ignore_index):
@@ -123,19 +123,22 @@ class PipegooseCrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_loss):
         logits, target, lse = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None
+        if torch.is_grad_enabled():  # create_graph=True: a gradient that is differentiable again
+            (grad,) = grads_through(lambda x: cross_entropy_reference(x, target, ctx.ignore_index, "none"), (logits,), (True,),
+                                    grad_loss)
+            return grad, None, None
         return _ops().cross_entropy_backward(grad_loss, logits, target, lse, ctx.ignore_index), None, None
 
 
 class PipegooseCrossEntropyReducedFunction(torch.autograd.Function):
     """pipegoose/cross_entropy, reduced in the forward's launch: the mean over the rows not ignored (``mean``) or the
     sum of the rows' losses, an fp32 scalar of logits [N, V] and int64 targets [N]. The backward runs the backward
-    kernel with the scalar's gradient (divided by the count for the mean) expanded to every row, at stride 0. Not
-    twice differentiable."""
+    kernel with the scalar's gradient (divided by the count for the mean) expanded to every row, at stride 0. Double
+    backward as :class:`PipegooseCrossEntropyFunction`'s."""
 
     @staticmethod
     def forward(ctx, logits, target, ignore_index, mean):
@@ -146,11 +149,15 @@ class PipegooseCrossEntropyReducedFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out):
         logits, target, lse, count = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
+        if torch.is_grad_enabled():  # create_graph=True (see PipegooseCrossEntropyFunction)
+            reduction = "mean" if ctx.mean else "sum"
+            (grad,) = grads_through(lambda x: cross_entropy_reference(x, target, ctx.ignore_index, reduction), (logits,), (True,),
+                                    grad_out)
+            return grad, None, None, None
         g = grad_out.float()
         if ctx.mean:
             g = g / count   # every row ignored: count 0, but then every row's gradient is 0 (the kernel's)

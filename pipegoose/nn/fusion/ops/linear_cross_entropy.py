@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from .. import dispatch
 from ..dispatch import Implementation, Problem
@@ -114,8 +113,8 @@ def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
                            f"dtype (F.linear's rule)")
     if p["target_dtype"] != torch.int64:
         return False, f"target {dtype_name(p['target_dtype'])}: the kernel takes int64 class indices"
-    if p["numel"] == 0:
-        return False, "an empty input"
+    if p["numel"] == 0 or p["hidden_size"] == 0:
+        return False, "an empty input" if p["numel"] == 0 else "hidden size 0 (logits of the bias alone)"
     if p.cols > INT32_MAX:
         return False, f"{p.cols} classes: more than the kernel's launch covers"
     return True, ""
@@ -131,8 +130,9 @@ dispatch.register_problem(OP, _explain)
 def reference(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
               ignore_index: int, reduction: str) -> torch.Tensor:
     """The unfused path: ``F.cross_entropy(F.linear(hidden, weight, bias).float(), target)`` (fp64 logits as they
-    are), over ``hidden`` flattened to [N, H] and ``target`` to [N]."""
-    logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight, bias)
+    are), the logits flattened to [N, V] and ``target`` to [N]."""
+    # (F.linear of hidden as given, the expression's own rounding for any layout; then [N, V], also for H or V 0)
+    logits = F.linear(hidden, weight, bias).reshape(math.prod(hidden.shape[:-1]), weight.shape[0])
     x = logits if logits.dtype == torch.float64 else logits.float()
     return F.cross_entropy(x, target.reshape(-1), ignore_index=ignore_index, reduction=reduction)
 
@@ -158,7 +158,7 @@ def default_chunk_rows(rows: int, vocab: int, hidden_size: int) -> int:
 class PipegooseLinearCrossEntropyFunction(torch.autograd.Function):
     """The fused path (see the module): forward computes the loss and the gradients, backward scales the gradients by
     the loss's upstream gradient. hidden [N, H], weight [V, H], bias [V] or None, one dtype; target int64 [N]. Not
-    twice differentiable."""
+    twice differentiable: a backward with ``create_graph=True`` raises RuntimeError."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ignore_index, mean, chunk_rows, grad_mode):
@@ -203,8 +203,13 @@ class PipegooseLinearCrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_loss):
+        if torch.is_grad_enabled():
+            # create_graph=True: the gradients were computed in the forward, from tensors not saved, so they have no
+            # graph to differentiate; said here rather than returning gradients that silently have none
+            raise RuntimeError("fused_linear_cross_entropy: the fused path is not twice differentiable (a backward "
+                               "with create_graph=True); for second derivatives (a gradient penalty, a Hessian-vector "
+                               "product) call it with impl='torch'")
         grad_h, grad_w, grad_b = ctx.saved_tensors
         g = grad_loss.float()
         # out of place: a second backward through a retained graph scales the saved gradients again, not their

@@ -13,7 +13,9 @@ labels shifted by one and padded with ``ignore_index`` (or ``shift_labels`` as g
 tokens, or the sum divided by ``num_items_in_batch``. The output's ``loss`` is that loss and its ``logits`` None, as
 Liger-Kernel's fused forward returns them in training (code that reads ``outputs.logits`` in training, TRL's
 ``SFTTrainer`` without its Liger option for one, needs the logits: leave ``linear_cross_entropy`` out there; and
-with ``logits`` None, ``output[1]`` and ``output.to_tuple()[1]`` are the next field, not the logits).
+with ``logits`` None, ``output[1]`` and ``output.to_tuple()[1]`` are the next field, not the logits). Forward
+pre-hooks put on the model after ``fuse`` see such a call without its labels (``labels=None``: the fused pre-hook
+runs first and takes them out). A float64 model's loss is transformers' expression (its fp32 logits), as unfused.
 
 Every other call runs the model's forward as it is: evaluation mode, no labels, ``return_dict=False`` (given, or
 in the config), ``logits_to_keep`` other than 0, a loss function set on the model after ``fuse``, a head that is not called exactly once in the forward (then the call is run again
@@ -229,10 +231,18 @@ def causal_lm_head_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Ten
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     target = shift_labels.reshape(-1).to(hidden.device)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    if hidden.dtype == torch.float64:
+        # transformers' loss rounds a float64 model's logits to fp32 too (logits.float()), which the functional does
+        # not (fp64 in, fp64 out): the model's own expression, for the same loss
+        logits = F.linear(hidden, head.weight, head.bias).float()
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target, ignore_index=ignore_index,
+                               reduction=reduction)
+    else:
+        loss = PF.fused_linear_cross_entropy(hidden, head.weight, target, head.bias, ignore_index=ignore_index,
+                                             reduction=reduction)
     if num_items_in_batch is None:
-        return PF.fused_linear_cross_entropy(hidden, head.weight, target, head.bias, ignore_index=ignore_index)
-    loss = PF.fused_linear_cross_entropy(hidden, head.weight, target, head.bias, ignore_index=ignore_index,
-                                         reduction="sum")
+        return loss
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
