@@ -128,8 +128,8 @@ class PipegooseCrossEntropyFunction(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None
         if torch.is_grad_enabled():  # create_graph=True: a gradient that is differentiable again
-            (grad,) = grads_through(lambda x: cross_entropy_reference(x, target, ctx.ignore_index, "none"), (logits,), (True,),
-                                    grad_loss)
+            (grad,) = grads_through(lambda x: cross_entropy_reference(x, target, ctx.ignore_index, "none"),
+                                    (logits,), (True,), grad_loss)
             return grad, None, None
         return _ops().cross_entropy_backward(grad_loss, logits, target, lse, ctx.ignore_index), None, None
 
@@ -155,8 +155,8 @@ class PipegooseCrossEntropyReducedFunction(torch.autograd.Function):
             return None, None, None, None
         if torch.is_grad_enabled():  # create_graph=True (see PipegooseCrossEntropyFunction)
             reduction = "mean" if ctx.mean else "sum"
-            (grad,) = grads_through(lambda x: cross_entropy_reference(x, target, ctx.ignore_index, reduction), (logits,), (True,),
-                                    grad_out)
+            (grad,) = grads_through(lambda x: cross_entropy_reference(x, target, ctx.ignore_index, reduction),
+                                    (logits,), (True,), grad_out)
             return grad, None, None, None
         g = grad_out.float()
         if ctx.mean:

@@ -19,8 +19,9 @@ runs first and takes them out). A float64 model's loss is transformers' expressi
 
 Every other call runs the model's forward as it is: evaluation mode, no labels, ``return_dict=False`` (given, or
 in the config), ``logits_to_keep`` other than 0, a loss function set on the model after ``fuse``, a head that is not called exactly once in the forward (then the call is run again
-the plain way, with a warning once per model class), a head changed or hooked after ``fuse`` (FSDP2's ``fully_shard``
-on the head, say: the model's own head and loss run, with a warning once per model class). The hooks act on the module they are called for, so replicas
+the plain way, with a warning once per model class), a head changed or hooked after ``fuse`` (FSDP2's
+``fully_shard`` on the head, say: the model's own head and loss run, with a warning once per model class). The hooks
+act on the module they are called for, so replicas
 (``nn.DataParallel``), copies and DDP / FSDP wrappers get the same behaviour; a wrapper that calls the model's
 ``forward`` directly (``model.forward(...)``) runs no hooks, so there the model computes its logits and loss as
 unfused (``fuse`` reports a model inside PEFT's tuners, which do so, as not fused). A call's state lives per thread
