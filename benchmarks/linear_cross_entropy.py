@@ -5,9 +5,9 @@
 Implementations, each of ``loss(hidden [N, H], weight [V, H], target [N])`` then the gradients of hidden and weight:
 
 * ``pipegoose``: :func:`pipegoose.nn.fusion.fused_linear_cross_entropy` (strict: the fused path or an error), its
-  default chunking; ``pipegoose@R`` the same at R rows per chunk (``--chunk-rows R ...``: the default is the largest power
-  of two of rows whose logits hold at most 2**27 values, at least 2048; each chunk reads and writes the weight's whole
-  gradient once);
+  default chunking; ``pipegoose@R`` the same at R rows per chunk (``--chunk-rows R ...``: the default is the largest
+  power of two of rows whose logits hold at most 2**27 values, at least 2048; each chunk reads and writes the weight's
+  whole gradient once);
 * ``pipegoose-ce``: the unfused head, ``F.linear``, then our cross-entropy kernel on the whole logits;
 * ``transformers``: ``F.cross_entropy(F.linear(hidden, weight).float(), target)``, what transformers' causal-LM loss
   runs after ``lm_head``;

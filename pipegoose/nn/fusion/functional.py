@@ -327,9 +327,9 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         reduction: ``mean`` (over the rows not ignored; NaN when every row is ignored, as PyTorch's) or ``sum``.
         chunk_rows: rows per chunk (a positive int); None: the largest power of two whose logits hold at most 2**27
             values, at least 2048 and at most N (4096 rows at V 32000, 2048 at V 128256;
-            :func:`~pipegoose.nn.fusion.ops.linear_cross_entropy.default_chunk_rows`, measured there). Peak memory beyond the
-            inputs: the gradients of ``hidden`` and ``weight`` (saved from the forward) and, while the forward runs,
-            one chunk's logits and their gradient ([chunk_rows, V] each).
+            :func:`~pipegoose.nn.fusion.ops.linear_cross_entropy.default_chunk_rows`, measured there). Peak memory
+            beyond the inputs: the gradients of ``hidden`` and ``weight`` (saved from the forward) and, while the
+            forward runs, one chunk's logits and their gradient ([chunk_rows, V] each).
 
     Returns:
         The fp32 scalar loss (fp64 for fp64 inputs, on the reference path). Gradients: ``hidden``'s and ``weight``'s in

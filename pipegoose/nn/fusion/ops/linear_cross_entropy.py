@@ -149,7 +149,8 @@ def default_chunk_rows(rows: int, vocab: int, hidden_size: int) -> int:
     that ratio). On the H200 (``python -m benchmarks.linear_cross_entropy``, session 51), bf16, 8192 rows: Llama-1.1B's
     head (H 2048, V 32000) took 5.43 / 5.03 / 4.74 / 4.74 ms at 1024 / 2048 / 4096 / 8192 rows per chunk, Llama-3-8B's
     (4096, 128256) 42.6 / 41.1 / - / 40.2 ms, Qwen2-0.5B's (896, 151936) 12.5 / 12.2 / - / 12.7 ms; the Llama-1.1B
-    training step ran as fast with 2048 as with 4096 rows (72.5k tokens/s) and slower with 8192 (71.9k, 0.5 GiB more)."""
+    training step ran as fast with 2048 as with 4096 rows (72.5k tokens/s) and slower with 8192 (71.9k, 0.5 GiB
+    more)."""
     del hidden_size
     fit = max(1, CHUNK_ELEMENTS // max(1, vocab))
     return min(max(rows, 1), max(MIN_CHUNK_ROWS, 1 << (fit.bit_length() - 1)))
