@@ -57,8 +57,8 @@ MODELS = {
                                                       tie_word_embeddings=True)),
 }
 CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config"}
-VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "compile_sdpa", "liger_rmsnorm",
-            "liger")
+VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "compile_sdpa",
+            "liger_rmsnorm", "liger")
 # What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the
 # subprocess failed), unavailable (Liger-Kernel not installed), skipped (time budget, or no CUDA).
 STATUSES = ("ok", "FAILED", "oom", "timeout", "error", "unavailable", "skipped")
@@ -84,9 +84,7 @@ def _worker(model_name: str, variant: str, batch: int, seq: int, warmup: int, st
     model.to(torch.bfloat16).train()
     res["params"] = sum(p.numel() for p in model.parameters())
     if variant.startswith("fuse"):
-        from pipegoose.nn.fusion import fuse
-
-        from pipegoose.nn.fusion.fuse import DEFAULT_OPS
+        from pipegoose.nn.fusion.fuse import DEFAULT_OPS, fuse
 
         # fuse_sdpa_lce: the default ops and the LM head with the loss in one (opt-in: ops=... linear_cross_entropy)
         report = fuse(model, ops=DEFAULT_OPS + ("linear_cross_entropy",) if variant == "fuse_sdpa_lce" else None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import threading
 from typing import Any, Callable
 
@@ -250,8 +251,6 @@ def eps_value(eps: Any, allow_none: bool = False, name: str = "eps") -> float | 
 def int_value(value: Any, name: str) -> int:
     """``value`` as an int: a Python or numpy integer (``operator.index``), not a bool. Raises TypeError naming
     ``name`` otherwise."""
-    import operator
-
     try:
         if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", "i") == "b":
             raise TypeError
