@@ -10,8 +10,8 @@ import torch
 
 
 def stand_in_ops(calls: list) -> SimpleNamespace:
-    """``cross_entropy_forward``, ``cross_entropy_forward_reduced`` and ``cross_entropy_backward`` as the kernel
-    defines them (float64 math, results in the kernel's dtypes: fp32 loss and lse, 0 for ignored rows, NaN for
+    """``cross_entropy_forward``, ``cross_entropy_forward_reduced``, ``cross_entropy_backward`` and
+    ``cross_entropy_backward_`` (the gradient written over the logits) as the kernel defines them (float64 math, results in the kernel's dtypes: fp32 loss and lse, 0 for ignored rows, NaN for
     targets out of range; the gradient in the logits' dtype), on the CPU; each call appended to ``calls``."""
     def forward(logits, target, ignore_index):
         calls.append(("forward", ignore_index))
@@ -43,5 +43,10 @@ def stand_in_ops(calls: list) -> SimpleNamespace:
         g[~valid & ~ignored] = torch.nan
         return g.to(logits.dtype)
 
+    def backward_(grad_loss, logits, target, lse, ignore_index):
+        assert logits.is_contiguous(), "logits: the in-place backward takes contiguous logits"
+        logits.copy_(backward(grad_loss, logits, target, lse, ignore_index))
+        calls[-1] = ("backward_", ignore_index)
+
     return SimpleNamespace(cross_entropy_forward=forward, cross_entropy_forward_reduced=forward_reduced,
-                           cross_entropy_backward=backward)
+                           cross_entropy_backward=backward, cross_entropy_backward_=backward_)

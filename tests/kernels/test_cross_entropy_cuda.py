@@ -1,6 +1,6 @@
 """GPU: pipegoose's softmax cross-entropy (``pipegoose/kernels/csrc/cross_entropy.cu``) through
-``torch.ops.pipegoose.cross_entropy_forward`` / ``cross_entropy_backward`` and the functional
-``pipegoose.nn.fusion.cross_entropy``.
+``torch.ops.pipegoose.cross_entropy_forward`` / ``cross_entropy_backward`` / ``cross_entropy_backward_`` and the
+functional ``pipegoose.nn.fusion.cross_entropy``.
 
 Every result is compared with a float64 reference computed on the CPU from the same (already rounded) logits:
 ``lse = logsumexp(x)``, ``loss = lse - x[target]``, ``grad = (softmax(x) - onehot(target)) * grad_loss``, with the
@@ -311,6 +311,52 @@ def test_backward_takes_grad_loss_at_any_stride(ops, dtype):
           "stride 0 vs float64", **TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("n,v", [(1, 1), (3, 7), (257, 50257), (5, 151936), (2000, 32000), (0, 9)],
+                         ids=["1x1", "3x7", "257x50257", "5x151936", "2000x32000", "0x9"])
+def test_backward_in_place_is_the_backward(ops, dtype, n, v):
+    """cross_entropy_backward_ writes over the logits exactly what cross_entropy_backward returns: misaligned rows
+    (odd V in 16-bit, the scalar path), few long rows (2-8 blocks per row), many rows, ignored rows, a target out of
+    range (a NaN row), grad_loss expanded from one value. Every element changes from the logit to its gradient, so
+    an element the kernel skipped would differ."""
+    x = logits_of(n, v, dtype, seed=60)
+    t = targets_of(n, v, seed=61)
+    if n > 3:
+        t[3] = v
+    _, lse = ops.cross_entropy_forward(x, t, -100)
+    for g in (grad_loss_of(n, seed=62), torch.tensor(0.25, device=DEV).expand(n)):
+        want = ops.cross_entropy_backward(g, x, t, lse, -100)
+        y = x.clone()
+        ptr = y.data_ptr()
+        assert ops.cross_entropy_backward_(g, y, t, lse, -100) is None
+        assert y.data_ptr() == ptr and y.dtype == dtype and y.shape == (n, v)
+        assert torch.equal(y.isnan(), want.isnan()) and torch.equal(y.nan_to_num(), want.nan_to_num())
+
+
+def test_backward_in_place_errors_name_the_argument(ops):
+    n, v = 4, 33
+    x = logits_of(n, v, torch.float32, seed=63)
+    t = targets_of(n, v, seed=64)
+    _, lse = ops.cross_entropy_forward(x, t, -100)
+    gl = torch.ones(n, device=DEV)
+    wide = logits_of(n, v + 1, torch.float32, seed=65)
+    bwd_ = ops.cross_entropy_backward_
+    cases = [
+        (lambda: bwd_(gl, wide[:, :v], t, lse, -100), r"cross_entropy_backward_: logits must be contiguous \(the "
+                                                      r"gradient is written over it\), got strides \[34, 1\]"),
+        (lambda: bwd_(gl, x, t, x[:, 0], -100), r"cross_entropy_backward_: lse must not share memory with logits"),
+        (lambda: bwd_(x[:, 1], x, t, lse, -100), r"cross_entropy_backward_: grad_loss must not share memory with "
+                                                 r"logits"),
+        (lambda: bwd_(gl, x, t, lse[:3], -100), r"cross_entropy_backward_: lse must be 1-D with 4 elements"),
+        (lambda: bwd_(gl, x.half(), t, lse.half(), -100), r"cross_entropy_backward_: lse must be float32"),
+    ]
+    before = x.clone()
+    for call, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            call()
+    assert torch.equal(x, before), "a refused call wrote the logits"
+
+
 def test_reduced_argument_errors_name_the_argument(ops):
     n, v = 4, 33
     x = logits_of(n, v, torch.float32, seed=49)
@@ -524,6 +570,8 @@ def test_opcheck(ops, dtype):
     loss, lse = ops.cross_entropy_forward(x, t, -100)
     torch.library.opcheck(torch.ops.pipegoose.cross_entropy_backward.default,
                           (grad_loss_of(n), x, t, lse, -100))
+    torch.library.opcheck(torch.ops.pipegoose.cross_entropy_backward_.default,
+                          (grad_loss_of(n), x.clone(), t, lse, -100))
     for mean in (True, False):
         torch.library.opcheck(torch.ops.pipegoose.cross_entropy_forward_reduced.default, (x, t, -100, mean))
 

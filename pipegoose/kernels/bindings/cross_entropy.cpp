@@ -15,6 +15,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward_reduced_cud
                                                                                   int64_t ignore_index, bool mean);
 at::Tensor cross_entropy_backward_cuda(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
                                        const at::Tensor& lse, int64_t ignore_index);
+void cross_entropy_backward_inplace_cuda(const at::Tensor& grad_loss, const at::Tensor& logits,
+                                         const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index);
 }  // namespace pipegoose
 
 TORCH_LIBRARY_FRAGMENT(pipegoose, m) {
@@ -23,10 +25,13 @@ TORCH_LIBRARY_FRAGMENT(pipegoose, m) {
         "-> (Tensor out, Tensor lse, Tensor count)");
   m.def("cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, Tensor lse, int ignore_index) "
         "-> Tensor");
+  m.def("cross_entropy_backward_(Tensor grad_loss, Tensor(a!) logits, Tensor target, Tensor lse, int ignore_index) "
+        "-> ()");
 }
 
 TORCH_LIBRARY_IMPL(pipegoose, CUDA, m) {
   m.impl("cross_entropy_forward", &pipegoose::cross_entropy_forward_cuda);
   m.impl("cross_entropy_forward_reduced", &pipegoose::cross_entropy_forward_reduced_cuda);
   m.impl("cross_entropy_backward", &pipegoose::cross_entropy_backward_cuda);
+  m.impl("cross_entropy_backward_", &pipegoose::cross_entropy_backward_inplace_cuda);
 }

@@ -1,9 +1,11 @@
-"""Fake (meta) impls of ``pipegoose::cross_entropy_forward``, ``cross_entropy_forward_reduced`` and
-``cross_entropy_backward`` (pipegoose's softmax cross-entropy, ``pipegoose/kernels/csrc/cross_entropy.cu``).
+"""Fake (meta) impls of ``pipegoose::cross_entropy_forward``, ``cross_entropy_forward_reduced``,
+``cross_entropy_backward`` and ``cross_entropy_backward_`` (pipegoose's softmax cross-entropy,
+``pipegoose/kernels/csrc/cross_entropy.cu``).
 
 Shapes and dtypes, as the CUDA kernels return them: ``logits`` [N, V], ``target`` int64 [N]; forward -> loss and lse,
 float32 [N]; forward_reduced -> out (float32 []), lse (float32 [N]), count (int64 []); backward -> grad_logits
-(contiguous [N, V], the logits' dtype). Imported by the builder after the library is loaded."""
+(contiguous [N, V], the logits' dtype); backward_ -> nothing (the gradient is written over ``logits``, which must be
+contiguous). Imported by the builder after the library is loaded."""
 
 from __future__ import annotations
 
@@ -36,3 +38,10 @@ def _forward_reduced_fake(logits, target, ignore_index, mean):
 def _backward_fake(grad_loss, logits, target, lse, ignore_index):
     _check(logits, target)
     return torch.empty(tuple(logits.shape), dtype=logits.dtype, device=logits.device)
+
+
+@torch.library.register_fake("pipegoose::cross_entropy_backward_")
+def _backward_inplace_fake(grad_loss, logits, target, lse, ignore_index):
+    _check(logits, target)
+    torch._check(logits.is_contiguous(), lambda: f"logits: expected contiguous (the gradient is written over it), "
+                                                 f"got strides {logits.stride()}")

@@ -1,7 +1,7 @@
 // Softmax cross-entropy over class logits, forward and backward, for fp32, fp16 and bf16 logits with fp32 math.
-// Written for pipegoose; ops pipegoose::cross_entropy_forward / cross_entropy_forward_reduced / cross_entropy_backward
-// (binding:
-// pipegoose/kernels/bindings/cross_entropy.cpp; schemas: docs/architecture.md "Op schemas").
+// Written for pipegoose; ops pipegoose::cross_entropy_forward / cross_entropy_forward_reduced /
+// cross_entropy_backward / cross_entropy_backward_ (binding: pipegoose/kernels/bindings/cross_entropy.cpp; schemas:
+// docs/architecture.md "Op schemas").
 //
 // cross_entropy_forward(logits [N, V], target [N] int64, ignore_index) -> (loss [N] fp32, lse [N] fp32):
 //     lse_i = log(sum_j exp(x_ij)), loss_i = lse_i - x_i[target_i]; a row whose target is ignore_index gets loss 0
@@ -15,6 +15,8 @@
 //     stride, 0 included: a reduced loss's gradient expanded to every row):
 //     dx_ij = grad_loss_i * (exp(x_ij - lse_i) - [j == target_i]), rounded once to the logits' dtype; ignored rows
 //     get zeros, out-of-range targets NaN.
+// cross_entropy_backward_(grad_loss, logits, target, lse, ignore_index) -> (): the same gradient written over the
+//     logits (contiguous [N, V]): the fused linear cross-entropy's chunk then holds one [C, V] buffer, not two.
 // The math is F.cross_entropy(logits.float(), target, reduction="none")'s (what transformers' loss computes after
 // upcasting the logits), without an fp32 copy of the logits: the forward reads them once (an online softmax: the row's
 // running maximum and the sum of exponentials rescaled when the maximum grows, as in flash attention), the backward
@@ -324,13 +326,13 @@ __device__ __forceinline__ void part_range(int64_t n, int p, int parts, int64_t&
 
 // Backward: `parts` blocks per row (blockIdx.x = row * parts + part), block p writing the p-th slice of the row's
 // vectors (and its share of the scalar rest). grad_loss at any stride: 0 for a reduced loss's gradient expanded to
-// every row.
+// every row. Each element of the gradient is computed from the same element of the logits alone (and the row's lse
+// and target), read and written by one thread: `grad` may be `logits` itself (the in-place kernel), so the body takes
+// plain pointers and each kernel says how they alias.
 template <typename T>
-__global__ void __launch_bounds__(kBwdThreads)
-    ce_bwd_kernel(const float* __restrict__ grad_loss, int64_t grad_stride, const T* __restrict__ logits,
-                  int64_t row_stride, int64_t V,
-                  const int64_t* __restrict__ target, int64_t ignore_index, const float* __restrict__ lse,
-                  T* __restrict__ grad, int parts) {
+__device__ __forceinline__ void bwd_block(const float* grad_loss, int64_t grad_stride, const T* logits,
+                                          int64_t row_stride, int64_t V, const int64_t* target, int64_t ignore_index,
+                                          const float* lse, T* grad, int parts) {
   constexpr int VEC = 16 / sizeof(T);
   const int64_t row = blockIdx.x / parts;
   const int part = static_cast<int>(blockIdx.x % parts);
@@ -369,6 +371,24 @@ __global__ void __launch_bounds__(kBwdThreads)
   for (int64_t j = done + int64_t{part} * kBwdThreads + threadIdx.x; j < V; j += int64_t{parts} * kBwdThreads) {
     dx[j] = static_cast<T>(value(ignored ? 0.f : to_f<T>(x[j]), j));
   }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kBwdThreads)
+    ce_bwd_kernel(const float* __restrict__ grad_loss, int64_t grad_stride, const T* __restrict__ logits,
+                  int64_t row_stride, int64_t V, const int64_t* __restrict__ target, int64_t ignore_index,
+                  const float* __restrict__ lse, T* __restrict__ grad, int parts) {
+  bwd_block(grad_loss, grad_stride, logits, row_stride, V, target, ignore_index, lse, grad, parts);
+}
+
+// The gradient written over the logits (contiguous [N, V]): the same body, `data` read and written (no __restrict__
+// on it, so no read-only-cache loads of memory the kernel writes).
+template <typename T>
+__global__ void __launch_bounds__(kBwdThreads)
+    ce_bwd_inplace_kernel(const float* __restrict__ grad_loss, int64_t grad_stride, T* data, int64_t V,
+                          const int64_t* __restrict__ target, int64_t ignore_index, const float* __restrict__ lse,
+                          int parts) {
+  bwd_block(grad_loss, grad_stride, static_cast<const T*>(data), V, V, target, ignore_index, lse, data, parts);
 }
 
 // The backward's blocks per row for `rows` rows of `nvec` vectors. A block's time is about proportional to its share
@@ -411,6 +431,7 @@ void check_logits_target(const char* op, const at::Tensor& logits, const at::Ten
 
 const char* kFwd = "pipegoose::cross_entropy_forward";
 const char* kBwd = "pipegoose::cross_entropy_backward";
+const char* kBwdInplace = "pipegoose::cross_entropy_backward_";
 const char* kFwdReduced = "pipegoose::cross_entropy_forward_reduced";
 
 }  // namespace
@@ -468,18 +489,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward_reduced_cud
   return {out, lse, count};
 }
 
-at::Tensor cross_entropy_backward_cuda(const at::Tensor& grad_loss_in, const at::Tensor& logits,
-                                       const at::Tensor& target_in, const at::Tensor& lse_in, int64_t ignore_index) {
-  check_logits_target(kBwd, logits, target_in);
-  const int64_t n = logits.size(0), v = logits.size(1);
-  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_loss", &grad_loss_in}, {"lse", &lse_in}}) {
-    PG_CHECK(t->defined() && t->device() == logits.device(), kBwd, ": ", name, " must be a tensor on logits' device");
-    PG_CHECK(t->dim() == 1 && t->size(0) == n, kBwd, ": ", name, " must be 1-D with ", n, " elements, got shape ",
+namespace {
+
+void check_backward(const char* op, const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
+                    const at::Tensor& lse) {
+  check_logits_target(op, logits, target);
+  const int64_t n = logits.size(0);
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_loss", &grad_loss}, {"lse", &lse}}) {
+    PG_CHECK(t->defined() && t->device() == logits.device(), op, ": ", name, " must be a tensor on logits' device");
+    PG_CHECK(t->dim() == 1 && t->size(0) == n, op, ": ", name, " must be 1-D with ", n, " elements, got shape ",
              t->sizes());
   }
-  PG_CHECK(lse_in.scalar_type() == at::kFloat, kBwd, ": lse must be float32, got ", lse_in.scalar_type());
-  at::Tensor grad = at::empty({n, v}, logits.options().memory_format(at::MemoryFormat::Contiguous));
-  if (n == 0) return grad;
+  PG_CHECK(lse.scalar_type() == at::kFloat, op, ": lse must be float32, got ", lse.scalar_type());
+}
+
+// The backward into `grad` (contiguous [N, V], the logits' dtype), which is `logits` itself for the in-place op.
+void launch_backward(const at::Tensor& grad_loss_in, const at::Tensor& logits, const at::Tensor& target_in,
+                     const at::Tensor& lse_in, int64_t ignore_index, const at::Tensor& grad) {
+  const int64_t n = logits.size(0), v = logits.size(1);
+  if (n == 0) return;
+  const bool in_place = grad.is_same(logits);
   const at::Tensor target = target_in.contiguous(), lse = lse_in.contiguous();
   // (a mean's or sum's gradient comes expanded from one value, at stride 0: read in place)
   const at::Tensor gl = grad_loss_in.to(at::kFloat);
@@ -488,15 +517,46 @@ at::Tensor cross_entropy_backward_cuda(const at::Tensor& grad_loss_in, const at:
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   by_dtype(logits.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
+    const void* kernel = in_place ? reinterpret_cast<const void*>(ce_bwd_inplace_kernel<T>)
+                                  : reinterpret_cast<const void*>(ce_bwd_kernel<T>);
     int parts = parts_for(n, v / (16 / static_cast<int64_t>(sizeof(T))),
-                          occupancy(reinterpret_cast<const void*>(ce_bwd_kernel<T>), kBwdThreads, 0) * sm_count(), 8);
+                          occupancy(kernel, kBwdThreads, 0) * sm_count(), 8);
     if (n * parts > INT32_MAX) parts = 1;
-    ce_bwd_kernel<T><<<static_cast<unsigned>(n * parts), kBwdThreads, 0, stream>>>(
-        gl.const_data_ptr<float>(), gl.stride(0), logits.const_data_ptr<T>(), stride, v,
-        target.const_data_ptr<int64_t>(), ignore_index, lse.const_data_ptr<float>(), grad.mutable_data_ptr<T>(), parts);
+    const auto blocks = static_cast<unsigned>(n * parts);
+    if (in_place) {
+      ce_bwd_inplace_kernel<T><<<blocks, kBwdThreads, 0, stream>>>(
+          gl.const_data_ptr<float>(), gl.stride(0), grad.mutable_data_ptr<T>(), v, target.const_data_ptr<int64_t>(),
+          ignore_index, lse.const_data_ptr<float>(), parts);
+    } else {
+      ce_bwd_kernel<T><<<blocks, kBwdThreads, 0, stream>>>(
+          gl.const_data_ptr<float>(), gl.stride(0), logits.const_data_ptr<T>(), stride, v,
+          target.const_data_ptr<int64_t>(), ignore_index, lse.const_data_ptr<float>(), grad.mutable_data_ptr<T>(),
+          parts);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+}  // namespace
+
+at::Tensor cross_entropy_backward_cuda(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
+                                       const at::Tensor& lse, int64_t ignore_index) {
+  check_backward(kBwd, grad_loss, logits, target, lse);
+  at::Tensor grad = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
+  launch_backward(grad_loss, logits, target, lse, ignore_index, grad);
   return grad;
+}
+
+void cross_entropy_backward_inplace_cuda(const at::Tensor& grad_loss, const at::Tensor& logits,
+                                         const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index) {
+  check_backward(kBwdInplace, grad_loss, logits, target, lse);
+  PG_CHECK(logits.is_contiguous(), kBwdInplace, ": logits must be contiguous (the gradient is written over it), got "
+           "strides ", logits.strides(), " for shape ", logits.sizes());
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_loss", &grad_loss}, {"target", &target},
+                         {"lse", &lse}}) {
+    PG_CHECK(!t->is_alias_of(logits), kBwdInplace, ": ", name, " must not share memory with logits");
+  }
+  launch_backward(grad_loss, logits, target, lse, ignore_index, logits);
 }
 
 }  // namespace pipegoose

@@ -329,7 +329,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
             values, at least 2048 and at most N (4096 rows at V 32000, 2048 at V 128256;
             :func:`~pipegoose.nn.fusion.ops.linear_cross_entropy.default_chunk_rows`, measured there). Peak memory
             beyond the inputs: the gradients of ``hidden`` and ``weight`` (saved from the forward) and, while the
-            forward runs, one chunk's logits and their gradient ([chunk_rows, V] each).
+            forward runs, one chunk's logits ([chunk_rows, V]; their gradient is written over them).
 
     Returns:
         The fp32 scalar loss (fp64 for fp64 inputs, on the reference path). Gradients: ``hidden``'s and ``weight``'s in

@@ -3,15 +3,15 @@ that the [N, V] logits of the whole batch and their gradient never exist at once
 
 Semantics: ``F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ignore_index=..., reduction=...)``, what
 transformers' causal-LM loss computes from ``lm_head``'s output: the logits in the weight's dtype, the loss in fp32.
-The fused path computes, per chunk of rows, the chunk's logits (one GEMM, in the weight's dtype, as ``lm_head``), their
-loss and log-sum-exp with the cross-entropy kernel (fp32 math), the logits' gradient at once (the kernel's backward,
-scaled by 1 / count for the mean, known before the backward runs), and from it the chunk's gradients of the hidden
-states (one GEMM) and of the weight (one GEMM accumulated over the chunks) and bias. The backward only scales them by
-the loss's upstream gradient. Peak memory: one chunk's logits and their gradient ([chunk_rows, V] each) and the
-gradients of hidden and weight, where the unfused path keeps the [N, V] logits, their fp32 copy and the fp32
-gradient; the backward scales the saved gradients out of place (a retained graph's second backward must find them
-unscaled), so for a moment they exist twice (Liger-Kernel skips its scaling where the upstream gradient is 1, which
-costs a host synchronisation to know).
+The fused path computes, per chunk of rows, the chunk's logits (one GEMM, in the weight's dtype, as ``lm_head``),
+their loss and log-sum-exp with the cross-entropy kernel (fp32 math), the logits' gradient at once (the kernel's
+backward, scaled by 1 / count for the mean, known before the backward runs), and from it the chunk's gradients of the
+hidden states (one GEMM) and of the weight (one GEMM accumulated over the chunks) and bias. The backward only scales
+them by the loss's upstream gradient. Peak memory: one chunk's logits ([chunk_rows, V], over which the kernel writes
+their gradient: ``cross_entropy_backward_``) and the gradients of hidden and weight, where the unfused path keeps the
+[N, V] logits, their fp32 copy and the fp32 gradient; the backward scales the saved gradients out of place (a retained
+graph's second backward must find them unscaled), so for a moment they exist twice (Liger-Kernel skips its scaling
+where the upstream gradient is 1, which costs a host synchronisation to know).
 
 Precision against the unfused path: the same logits and the same rounding of the logits' gradient; the weight's
 gradient is accumulated over the chunks in the weight's dtype (a GEMM with beta = 1: one rounding per chunk, where the
@@ -143,14 +143,14 @@ CHUNK_ELEMENTS = 1 << 27
 
 def default_chunk_rows(rows: int, vocab: int, hidden_size: int) -> int:
     """Rows per chunk: the largest power of two whose logits hold at most :data:`CHUNK_ELEMENTS` values (2**27: a
-    chunk's logits and their gradient take 512 MiB in 16-bit), but at least :data:`MIN_CHUNK_ROWS` and at most
-    ``rows``. Each chunk reads and writes the weight's whole gradient once (its GEMM accumulates into it), 4 V H bytes
-    in 16-bit against the chunk's 6 C H V flops, so fewer, larger chunks are faster (``hidden_size`` does not change
-    that ratio). On the H200 (``python -m benchmarks.linear_cross_entropy``, session 51), bf16, 8192 rows: Llama-1.1B's
-    head (H 2048, V 32000) took 5.43 / 5.03 / 4.74 / 4.74 ms at 1024 / 2048 / 4096 / 8192 rows per chunk, Llama-3-8B's
-    (4096, 128256) 42.6 / 41.1 / - / 40.2 ms, Qwen2-0.5B's (896, 151936) 12.5 / 12.2 / - / 12.7 ms; the Llama-1.1B
-    training step ran as fast with 2048 as with 4096 rows (72.5k tokens/s) and slower with 8192 (71.9k, 0.5 GiB
-    more)."""
+    chunk's logits, and then their gradient in the same buffer, take 256 MiB in 16-bit), but at least
+    :data:`MIN_CHUNK_ROWS` and at most ``rows``. Each chunk reads and writes the weight's whole gradient once (its
+    GEMM accumulates into it), 4 V H bytes in 16-bit against the chunk's 6 C H V flops, so fewer, larger chunks are
+    faster (``hidden_size`` does not change that ratio). On the H200 (``python -m benchmarks.linear_cross_entropy``,
+    session 51), bf16, 8192 rows: Llama-1.1B's head (H 2048, V 32000) took 5.43 / 5.03 / 4.74 / 4.74 ms at 1024 /
+    2048 / 4096 / 8192 rows per chunk, Llama-3-8B's (4096, 128256) 42.6 / 41.1 / - / 40.2 ms, Qwen2-0.5B's (896,
+    151936) 12.5 / 12.2 / - / 12.7 ms; the Llama-1.1B training step ran as fast with 2048 as with 4096 rows (72.5k
+    tokens/s) and slower with 8192 (71.9k, 0.5 GiB more)."""
     del hidden_size
     fit = max(1, CHUNK_ELEMENTS // max(1, vocab))
     return min(max(rows, 1), max(MIN_CHUNK_ROWS, 1 << (fit.bit_length() - 1)))
@@ -184,8 +184,9 @@ class PipegooseLinearCrossEntropyFunction(torch.autograd.Function):
             rows, lse = ops.cross_entropy_forward(logits, t, ignore_index)
             total += rows.sum(dtype=torch.float64)
             if need_h or need_w or need_b:
-                g = ops.cross_entropy_backward(scale.expand(hi - lo), logits, t, lse, ignore_index)
-                del logits
+                # the logits' gradient written over the logits: one [C, V] buffer per chunk, not two
+                ops.cross_entropy_backward_(scale.expand(hi - lo), logits, t, lse, ignore_index)
+                g, logits = logits, None
                 if need_h:
                     torch.mm(g, weight, out=grad_h[lo:hi])
                 if need_w:
@@ -196,7 +197,7 @@ class PipegooseLinearCrossEntropyFunction(torch.autograd.Function):
                 if need_b:
                     grad_b += g.sum(0, dtype=torch.float32)
                 del g
-            # (both freed before the next chunk's are allocated: at most one chunk's logits and gradient at once)
+            # (freed before the next chunk's are allocated: at most one chunk's logits, or their gradient, at once)
             logits = None
         loss = (total / count if mean else total).float()
         ctx.save_for_backward(grad_h, grad_w, grad_b)
