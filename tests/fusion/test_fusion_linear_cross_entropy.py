@@ -139,19 +139,34 @@ def test_fused_path_gradients_only_where_asked(monkeypatch):
         assert not loss.requires_grad and calls == [("forward", -100)] * 2, mode
 
 
-def test_fused_path_second_backward_and_upstream_scaling(monkeypatch):
-    """A retained graph's second backward gives the same gradients (the saved ones are scaled out of place); an
-    upstream gradient of 0.5 halves them."""
+def test_fused_path_second_backward_raises_and_upstream_scaling(monkeypatch):
+    """The backward scales the gradients computed in the forward in place and hands them over: a retained graph's
+    second backward raises, naming the way out (no silently doubled scaling); an upstream gradient of 0.5 halves the
+    gradients of 1; a backward with retain_graph=True and no second one is fine."""
     fn = _fused_stand_in(monkeypatch)
     hidden, weight, bias, target = _inputs(7, 8, 11, seed=4)
     leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
-    loss = fn(leaves[0], leaves[1], target, leaves[2], chunk_rows=3)
-    first = torch.autograd.grad(loss, leaves, retain_graph=True)
-    second = torch.autograd.grad(loss, leaves, retain_graph=True)
-    half = torch.autograd.grad(loss, leaves, torch.tensor(0.5))
-    for a, b, c in zip(first, second, half):
+
+    def loss():
+        return fn(leaves[0], leaves[1], target, leaves[2], chunk_rows=3)
+
+    retained = loss()
+    first = torch.autograd.grad(retained, leaves, retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"second backward through the same graph \(retain_graph=True\).*"
+                                           r"impl='torch'"):
+        torch.autograd.grad(retained, leaves)
+    again = torch.autograd.grad(loss(), leaves)
+    half = torch.autograd.grad(loss(), leaves, torch.tensor(0.5))
+    for a, b, c in zip(first, again, half):
         assert torch.equal(a, b)
         torch.testing.assert_close(c, a * 0.5)
+    # the unfused path keeps PyTorch's retained-graph semantics
+    from pipegoose.nn.fusion import fused_linear_cross_entropy
+
+    retained = fused_linear_cross_entropy(leaves[0], leaves[1], target, leaves[2], impl="torch")
+    a = torch.autograd.grad(retained, leaves, retain_graph=True)
+    b = torch.autograd.grad(retained, leaves)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def test_fused_path_refuses_create_graph(monkeypatch):

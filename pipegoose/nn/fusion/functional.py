@@ -328,15 +328,17 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         chunk_rows: rows per chunk (a positive int); None: the largest power of two whose logits hold at most 2**27
             values, at least 2048 and at most N (4096 rows at V 32000, 2048 at V 128256;
             :func:`~pipegoose.nn.fusion.ops.linear_cross_entropy.default_chunk_rows`, measured there). Peak memory
-            beyond the inputs: the gradients of ``hidden`` and ``weight`` (saved from the forward) and, while the
+            beyond the inputs: the gradients of ``hidden`` and ``weight`` (kept from the forward) and, while the
             forward runs, one chunk's logits ([chunk_rows, V]; their gradient is written over them).
 
     Returns:
         The fp32 scalar loss (fp64 for fp64 inputs, on the reference path). Gradients: ``hidden``'s and ``weight``'s in
         their dtype, ``bias``'s accumulated in fp32 and rounded once; the weight's gradient is accumulated over the
-        chunks in its dtype (one rounding per chunk, where the unfused ``F.linear`` rounds once). Not twice
-        differentiable on the fused path (a backward with ``create_graph=True`` raises RuntimeError; ``impl="torch"``
-        is).
+        chunks in its dtype (one rounding per chunk, where the unfused ``F.linear`` rounds once). On the fused path,
+        not twice differentiable (a backward with ``create_graph=True`` raises RuntimeError; ``impl="torch"`` is),
+        and one backward per forward: the backward scales the gradients computed in the forward in place and hands
+        them to autograd (no second copy of the [V, H] weight gradient), so a second backward through a graph kept
+        with ``retain_graph=True`` raises RuntimeError.
 
     Kernel: pipegoose/cross_entropy (pipegoose/kernels/csrc/cross_entropy.cu, this project, MIT), per chunk, between
     cuBLAS GEMMs (``torch.mm``). GPU tests: tests/kernels/test_linear_cross_entropy_cuda.py. On the H200, bf16, 8192

@@ -9,9 +9,10 @@ backward, scaled by 1 / count for the mean, known before the backward runs), and
 hidden states (one GEMM) and of the weight (one GEMM accumulated over the chunks) and bias. The backward only scales
 them by the loss's upstream gradient. Peak memory: one chunk's logits ([chunk_rows, V], over which the kernel writes
 their gradient: ``cross_entropy_backward_``) and the gradients of hidden and weight, where the unfused path keeps the
-[N, V] logits, their fp32 copy and the fp32 gradient; the backward scales the saved gradients out of place (a retained
-graph's second backward must find them unscaled), so for a moment they exist twice (Liger-Kernel skips its scaling
-where the upstream gradient is 1, which costs a host synchronisation to know).
+[N, V] logits, their fp32 copy and the fp32 gradient; the backward scales the gradients in place and hands them to
+autograd without keeping them (no second copy of the weight's [V, H] gradient), so a second backward through a
+retained graph raises RuntimeError (Liger-Kernel 0.8.5 scales its saved gradients in place too where the upstream
+gradient is not 1, and a second backward there scales them again: read in its fused_linear_cross_entropy.py).
 
 Precision against the unfused path: the same logits and the same rounding of the logits' gradient; the weight's
 gradient is accumulated over the chunks in the weight's dtype (a GEMM with beta = 1: one rounding per chunk, where the
@@ -200,7 +201,8 @@ class PipegooseLinearCrossEntropyFunction(torch.autograd.Function):
             # (freed before the next chunk's are allocated: at most one chunk's logits, or their gradient, at once)
             logits = None
         loss = (total / count if mean else total).float()
-        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        # (on ctx, not save_for_backward: the backward scales them in place and lets them go)
+        ctx.grads = (grad_h, grad_w, grad_b)
         ctx.bias_dtype = None if bias is None else bias.dtype
         return loss
 
@@ -212,12 +214,22 @@ class PipegooseLinearCrossEntropyFunction(torch.autograd.Function):
             raise RuntimeError("fused_linear_cross_entropy: the fused path is not twice differentiable (a backward "
                                "with create_graph=True); for second derivatives (a gradient penalty, a Hessian-vector "
                                "product) call it with impl='torch'")
-        grad_h, grad_w, grad_b = ctx.saved_tensors
+        if ctx.grads is None:
+            raise RuntimeError("fused_linear_cross_entropy: a second backward through the same graph "
+                               "(retain_graph=True) on the fused path: its first backward scaled the gradients it "
+                               "computed in the forward in place and handed them over, so none are left; compute the "
+                               "loss again, or call it with impl='torch'")
+        grad_h, grad_w, grad_b = ctx.grads
+        ctx.grads = None
         g = grad_loss.float()
-        # out of place: a second backward through a retained graph scales the saved gradients again, not their
-        # products (the multiplication by a 0-dim fp32 tensor keeps each gradient's dtype)
-        return (None if grad_h is None else grad_h * g, None if grad_w is None else grad_w * g,
-                None if grad_b is None else (grad_b * g).to(ctx.bias_dtype), None, None, None, None, None)
+        # in place (a 0-dim fp32 factor keeps each gradient's dtype, with the bits of the out-of-place product), and
+        # no reference kept: autograd takes each tensor as the parameter's .grad, without the copy that an
+        # out-of-place product, or a reference kept for a second backward, would cost (the weight's gradient is
+        # [V, H]: 1 GiB for Llama-3-8B's head in bf16)
+        for t in (grad_h, grad_w, grad_b):
+            if t is not None:
+                t.mul_(g)
+        return (grad_h, grad_w, None if grad_b is None else grad_b.to(ctx.bias_dtype), None, None, None, None, None)
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
