@@ -98,11 +98,19 @@ def environment(device: str = "cuda") -> dict[str, Any]:
 
 
 def _git_head() -> str | None:
+    """The checkout's commit (``+dirty`` with uncommitted changes); where there is no git checkout or no gitpython
+    (a copy of the tree on a GPU machine), pipegoose's version, saying so; None where neither is known."""
     try:
         import git  # gitpython
 
         repo = git.Repo(REPO_ROOT)
         return repo.head.commit.hexsha[:12] + ("+dirty" if repo.is_dirty(untracked_files=False) else "")
+    except Exception:
+        pass
+    try:
+        import pipegoose
+
+        return f"{pipegoose.__version__} (no git checkout)"
     except Exception:
         return None
 
