@@ -342,9 +342,10 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
 
     Kernel: pipegoose/cross_entropy (pipegoose/kernels/csrc/cross_entropy.cu, this project, MIT), per chunk, between
     cuBLAS GEMMs (``torch.mm``). GPU tests: tests/kernels/test_linear_cross_entropy_cuda.py. On the H200, bf16, 8192
-    rows: 4.74 ms forward + backward for Llama-1.1B's head (``torch.compile`` of the unfused expression 4.68,
-    Liger-Kernel's fused loss 6.29, transformers' expression 7.20), 657 MiB beyond the inputs (compile 657,
-    Liger 188, transformers 3000); benchmarks/results/nvidia_h200_2026-11-30/linear_cross_entropy.md.
+    rows (session 52): 4.83 ms forward + backward for Llama-1.1B's head (``torch.compile`` of the unfused expression
+    4.83, Liger-Kernel's fused loss 6.55, transformers' expression 7.28), 407 MiB beyond the inputs (compile 657,
+    Liger 188, transformers 3000); Llama-3-8B's 41.3 ms, 1567 MiB (compile 39.5 / 3070, Liger 55.6 / 1129);
+    benchmarks/results/nvidia_h200_2026-11-30/linear_cross_entropy.md.
 
     Raises:
         TypeError: ``hidden``, ``weight`` or ``bias`` not a floating point tensor of fp32/fp16/bf16/fp64; ``target``

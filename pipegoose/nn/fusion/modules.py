@@ -633,7 +633,8 @@ class FusedLinearCrossEntropyLoss(nn.Module):
 
     ``forward(hidden [..., H], weight [V, H], target [...] int64, bias [V] or None)`` -> the fp32 scalar loss.
     Kernel: pipegoose/cross_entropy (pipegoose/kernels/csrc/cross_entropy.cu, this project, MIT), between cuBLAS
-    GEMMs.
+    GEMMs. On the fused path one backward per forward: a second backward through a retained graph, or one with
+    ``create_graph=True``, raises RuntimeError (``impl="torch"`` allows both).
 
     Raises (when constructed): the TypeError and ValueError the functional raises for these arguments.
     """
