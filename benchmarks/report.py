@@ -97,8 +97,16 @@ def write_markdown(path: str | Path, env: dict, config: dict, copy: dict | None,
     out = [f"# pipegoose benchmarks: {env.get('gpu')} ({env.get('date', '')[:10]})", "",
            "Effective bandwidth in GB/s (minimum bytes of the op / median time, see benchmarks/README.md) and, in "
            "parentheses, % of the device-to-device copy bandwidth measured in the same run. `FAILED` = wrong "
-           "result against the float64 reference (not timed).", "", *_env_table(env, copy), "",
-           f"Run: `{config.get('command', '')}`", ""]
+           "result against the float64 reference (not timed).", "", *_env_table(env, copy), ""]
+    # a merge (--report-only) records every run's command, " ; "-joined: one line of them outgrew the page, so a
+    # merge's list goes to the end of the file, one command per line
+    commands = [c for c in str(config.get("command", "")).split(" ; ") if c]
+    if len(commands) <= 1:
+        out += [f"Run: `{commands[0] if commands else ''}`", ""]
+    else:
+        out += [f"Merged with `--report-only`: the {len(commands)} commands behind these rows (runs and earlier merges) "
+                "are listed under \"Runs merged here\", at the end; each row of results.json names the date of the run "
+                "that measured it.", ""]
     by_op: dict[tuple[str, str], list[Measurement]] = defaultdict(list)
     for m in measurements:
         by_op[(m.op, m.dtype)].append(m)
@@ -149,6 +157,10 @@ def write_markdown(path: str | Path, env: dict, config: dict, copy: dict | None,
         out += ["## Build cost", "", "```", json.dumps(build_cost, indent=1), "```", ""]
     if specialise:
         out += ["## Specialised builds", "", "```", json.dumps(specialise, indent=1), "```", ""]
+    if len(commands) > 1:
+        out += ["## Runs merged here", "", "Oldest first; the last is the merge that wrote this file.", ""]
+        out += [f"{i}. `{c}`" for i, c in enumerate(commands, 1)]
+        out.append("")
     p = Path(path)
     _atomic_write(p, "\n".join(out) + "\n")
     return p

@@ -185,6 +185,23 @@ def test_results_json_roundtrip_markdown_and_summary(tmp_path):
     assert any(ln.strip().startswith("adamw") and "torch_fused=70" in ln for ln in lines)
 
 
+def test_markdown_lists_a_merges_commands_at_the_end(tmp_path):
+    """One run: its command under the environment. A merge (" ; "-joined commands): a line saying how many, and the
+    commands one per numbered line in the last section, after the tables."""
+    ms = [m(impl="pipegoose", cols=1024, ms=0.5)]
+    env = {"gpu": "NVIDIA H200", "date": "2026-11-29T10:00:00+00:00"}
+    one = write_markdown(tmp_path / "one.md", env, {"command": "python -m benchmarks.run --only x"}, None,
+                         ms).read_text()
+    assert "Run: `python -m benchmarks.run --only x`" in one and "Runs merged here" not in one
+    cmds = ["python -m benchmarks.run --only a", "python -m benchmarks.run --only b",
+            "python -m benchmarks.run --report-only r1 r2 --out o"]
+    md = write_markdown(tmp_path / "merged.md", env, {"command": " ; ".join(cmds)}, None, ms).read_text()
+    assert "Run: `" not in md and "the 3 commands behind these rows" in md
+    tail = md[md.index("## Runs merged here"):]
+    assert md.index("## softmax.causal") < md.index("## Runs merged here")
+    assert [ln for ln in tail.splitlines() if ln[:1].isdigit()] == [f"{i}. `{c}`" for i, c in enumerate(cmds, 1)]
+
+
 def test_measurement_rejects_unknown_status():
     with pytest.raises(ValueError, match="status"):
         m(status="fast")
