@@ -11,8 +11,9 @@ import torch
 
 def stand_in_ops(calls: list) -> SimpleNamespace:
     """``cross_entropy_forward``, ``cross_entropy_forward_reduced``, ``cross_entropy_backward`` and
-    ``cross_entropy_backward_`` (the gradient written over the logits) as the kernel defines them (float64 math, results in the kernel's dtypes: fp32 loss and lse, 0 for ignored rows, NaN for
-    targets out of range; the gradient in the logits' dtype), on the CPU; each call appended to ``calls``."""
+    ``cross_entropy_backward_`` (the gradient written over the logits) as the kernel defines them (float64 math,
+    results in the kernel's dtypes: fp32 loss and lse, 0 for ignored rows, NaN for targets out of range; the
+    gradient in the logits' dtype), on the CPU; each call appended to ``calls``."""
     def forward(logits, target, ignore_index):
         calls.append(("forward", ignore_index))
         x = logits.double()

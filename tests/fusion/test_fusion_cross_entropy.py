@@ -399,8 +399,10 @@ def test_fake_impls_on_meta_tensors(dtype):
     grad = ops.cross_entropy_backward(torch.empty((), device="meta").expand(n), x, t, lse, -100)
     assert grad.shape == (n, v) and grad.dtype == dtype
     assert ops.cross_entropy_backward_(torch.empty((), device="meta").expand(n), x, t, lse, -100) is None
-    with pytest.raises(RuntimeError, match="logits: expected contiguous"):
+    with pytest.raises(RuntimeError, match="logits must be contiguous"):
         ops.cross_entropy_backward_(torch.empty((), device="meta").expand(n), x.t().contiguous().t(), t, lse, -100)
+    with pytest.raises(RuntimeError, match="lse must be 1-D with 5 elements"):
+        ops.cross_entropy_backward_(torch.empty((), device="meta").expand(n), x, t, lse[:3], -100)
     for bad in (lambda: ops.cross_entropy_forward_reduced(x, t[:3], -100, True),
                 lambda: ops.cross_entropy_forward_reduced(x[None], t, -100, False)):
         with pytest.raises(RuntimeError, match="target: expected 1-D with|logits: expected 2-D"):

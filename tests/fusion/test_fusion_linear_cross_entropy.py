@@ -152,9 +152,17 @@ def test_fused_path_second_backward_raises_and_upstream_scaling(monkeypatch):
 
     retained = loss()
     first = torch.autograd.grad(retained, leaves, retain_graph=True)
-    with pytest.raises(RuntimeError, match=r"second backward through the same graph \(retain_graph=True\).*"
-                                           r"impl='torch'"):
+    with pytest.raises(RuntimeError, match=r"second backward through the same graph on the fused path \(after a "
+                                           r"backward with retain_graph=True.*impl='torch', or "
+                                           r"PIPEGOOSE_IMPL_FUSED_LINEAR_CROSS_ENTROPY=torch"):
         torch.autograd.grad(retained, leaves)
+    # backward called twice without retain_graph: the same error (no saved tensor for PyTorch's own check to miss)
+    twice = loss()
+    twice.backward()
+    with pytest.raises(RuntimeError, match=r"or a second call of backward"):
+        twice.backward()
+    for t in leaves:
+        t.grad = None
     again = torch.autograd.grad(loss(), leaves)
     half = torch.autograd.grad(loss(), leaves, torch.tensor(0.5))
     for a, b, c in zip(first, again, half):
@@ -167,6 +175,44 @@ def test_fused_path_second_backward_raises_and_upstream_scaling(monkeypatch):
     a = torch.autograd.grad(retained, leaves, retain_graph=True)
     b = torch.autograd.grad(retained, leaves)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("scaler", [1.0, 65536.0], ids=["unscaled", "loss-scaled"])
+def test_fused_path_fp16_mean_keeps_a_loss_scalers_precision(monkeypatch, scaler):
+    """fp16, the mean over 1024 rows of 32000 classes, the loss multiplied by a GradScaler-like factor before the
+    backward: the fused path's gradients are as close to float64 as the unfused path's (it computes the mean's logit
+    gradient at the sum's scale and divides in the backward: p / count underflows fp16 before the factor could lift
+    it, which put the fused path 250x further from float64 than the unfused one with the factor)."""
+    fn = _fused_stand_in(monkeypatch)
+    n, h, v = 1024, 64, 32000
+    g = torch.Generator().manual_seed(11)
+    hidden = torch.randn(n, h, generator=g)
+    weight = torch.randn(v, h, generator=g) * 0.02
+    target = torch.randint(0, v, (n,), generator=g)
+    up = torch.tensor(scaler)
+
+    def grads(f, dtype):
+        leaves = [t.to(dtype).requires_grad_(True) for t in (hidden, weight)]
+        (f(leaves[0], leaves[1], target) * up.to(dtype if dtype == torch.float64 else torch.float32)).backward()
+        return [t.grad.double() / scaler for t in leaves]
+
+    want = grads(_unfused, torch.float64)
+    fused, unfused = grads(fn, torch.float16), grads(_unfused, torch.float16)
+    for name, a, b, w in zip(("hidden", "weight"), fused, unfused, want):
+        err, ref_err = ((a - w).norm() / w.norm()).item(), ((b - w).norm() / w.norm()).item()
+        assert err <= 2 * ref_err + 1e-4, (name, scaler, err, ref_err)
+
+
+def test_fused_path_fp16_mean_every_row_ignored(monkeypatch):
+    """fp16, mean, every target ignore_index: the loss NaN (0 / 0, as F.cross_entropy) and the gradients zeros, as
+    on the path that scales in the forward (bf16 here)."""
+    fn = _fused_stand_in(monkeypatch)
+    for dtype in (torch.float16, torch.bfloat16):
+        hidden, weight, bias, target = _inputs(6, 8, 11, dtype, seed=12, ignored=range(6))
+        loss, gh, gw, gb = _loss_and_grads(fn, hidden, weight, bias, target, chunk_rows=4)
+        assert torch.isnan(loss), dtype
+        for t in (gh, gw, gb):
+            assert torch.equal(t, torch.zeros_like(t)), dtype
 
 
 def test_fused_path_refuses_create_graph(monkeypatch):

@@ -37,11 +37,22 @@ def _forward_reduced_fake(logits, target, ignore_index, mean):
 @torch.library.register_fake("pipegoose::cross_entropy_backward")
 def _backward_fake(grad_loss, logits, target, lse, ignore_index):
     _check(logits, target)
+    _check_rows(logits, grad_loss, lse)
     return torch.empty(tuple(logits.shape), dtype=logits.dtype, device=logits.device)
 
 
 @torch.library.register_fake("pipegoose::cross_entropy_backward_")
 def _backward_inplace_fake(grad_loss, logits, target, lse, ignore_index):
     _check(logits, target)
-    torch._check(logits.is_contiguous(), lambda: f"logits: expected contiguous (the gradient is written over it), "
+    _check_rows(logits, grad_loss, lse)
+    torch._check(logits.is_contiguous(), lambda: f"logits must be contiguous (the gradient is written over it), "
                                                  f"got strides {logits.stride()}")
+
+
+def _check_rows(logits, grad_loss, lse):
+    """grad_loss and lse: one value per row, as the CUDA op checks (lse fp32)."""
+    n = logits.shape[0]
+    for name, t in (("grad_loss", grad_loss), ("lse", lse)):
+        torch._check(t.dim() == 1 and t.shape[0] == n,
+                     lambda: f"{name} must be 1-D with {n} elements, got shape {tuple(t.shape)}")
+    torch._check(lse.dtype == torch.float32, lambda: f"lse must be float32, got {lse.dtype}")

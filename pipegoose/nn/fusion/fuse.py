@@ -459,7 +459,8 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
             "linear_cross_entropy")`` (a name or an iterable of names; case and surrounding blanks ignored, as in
             ``impl=``); None = all but ``linear_cross_entropy``, which is opt-in: a causal LM's head and loss in one
             (:mod:`pipegoose.nn.fusion.transformers.lm_head`; in training with labels the output's ``logits`` is
-            None; on the H200's Llama-1.1B step 0.3 GiB less peak memory at 0.5% fewer tokens/s, session 51).
+            None; on the H200's Llama-1.1B step 0.5 GiB less peak memory at 0.1% fewer tokens/s, session 52; one
+            backward per forward: a second backward through a retained graph raises RuntimeError).
         dry_run: only report what would be done; the model is not touched.
             A call that fuses nothing (no module of ``ops`` in the model) leaves no record either: ``is_fused``
             stays False, and ``fuse`` may be called again, e.g. with other ``ops``.

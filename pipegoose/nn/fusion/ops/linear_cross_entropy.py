@@ -12,11 +12,16 @@ their gradient: ``cross_entropy_backward_``) and the gradients of hidden and wei
 [N, V] logits, their fp32 copy and the fp32 gradient; the backward scales the gradients in place and hands them to
 autograd without keeping them (no second copy of the weight's [V, H] gradient), so a second backward through a
 retained graph raises RuntimeError (Liger-Kernel 0.8.5 scales its saved gradients in place too where the upstream
-gradient is not 1, and a second backward there scales them again: read in its fused_linear_cross_entropy.py).
+gradient is not 1, and a second backward there scales them again: read in its fused_linear_cross_entropy.py). The
+gradients are kept on ``ctx``, not saved with ``save_for_backward``: saved-tensor hooks (``save_on_cpu`` offloading,
+checkpointing's packing) do not see them, and they stay on the device from the forward to the backward.
 
-Precision against the unfused path: the same logits and the same rounding of the logits' gradient; the weight's
-gradient is accumulated over the chunks in the weight's dtype (a GEMM with beta = 1: one rounding per chunk, where the
-unfused path rounds once), the bias's in fp32.
+Precision against the unfused path: the same logits; the logits' gradient rounded once to their dtype, as there, but
+before the loss's upstream gradient is known (the unfused path multiplies first), so a loss scaler's factor (AMP's
+GradScaler) does not reach it: in fp16 the mean's gradient is therefore computed at the sum's scale and divided by the
+count in the backward (p / count underflows fp16, p alone does not); bf16 and fp32 have the range for 1 / count. The
+weight's gradient is accumulated over the chunks in the weight's dtype (a GEMM with beta = 1: one rounding per chunk,
+where the unfused path rounds once), the bias's in fp32.
 
 Implementations (op ``fused_linear_cross_entropy``): ``pipegoose`` (cuBLAS through ``torch.mm`` for the GEMMs and
 pipegoose/kernels/csrc/cross_entropy.cu for the loss, this project, MIT) and ``torch`` (the unfused expression).
@@ -170,9 +175,15 @@ class PipegooseLinearCrossEntropyFunction(torch.autograd.Function):
         need_h, need_w, need_b = (flag and grad_mode for flag in ctx.needs_input_grad[:3])
         need_b = need_b and bias is not None
         count = (target != ignore_index).sum()
-        # the logits' gradient per row: 1 / count for the mean (0 / 0 rows are ignored ones: never read), 1 for the sum
+        # the logits' gradient per row: 1 / count for the mean (0 / 0 rows are ignored ones: never read), 1 for the sum.
+        # fp16 computes the mean's at the sum's scale and divides in the backward, together with the upstream
+        # gradient: p / count underflows fp16 (3e-5 / 1024 is below its smallest subnormal) before a loss scaler's
+        # factor could lift it, where the unfused path scales first and rounds after
         one = torch.ones((), device=hidden.device, dtype=torch.float32)
-        scale = one / count if mean else one
+        fold = mean and hidden.dtype == torch.float16
+        scale = one / count if mean and not fold else one
+        # (every row ignored: the gradients are zeros, as on the path that scales in the forward)
+        ctx.post = torch.where(count > 0, one / count, 0.0) if fold else None
         total = torch.zeros((), device=hidden.device, dtype=torch.float64)
         grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
         # (the first chunk's GEMM writes grad_w, the others accumulate into it: no zero fill, one read fewer)
@@ -215,13 +226,15 @@ class PipegooseLinearCrossEntropyFunction(torch.autograd.Function):
                                "with create_graph=True); for second derivatives (a gradient penalty, a Hessian-vector "
                                "product) call it with impl='torch'")
         if ctx.grads is None:
-            raise RuntimeError("fused_linear_cross_entropy: a second backward through the same graph "
-                               "(retain_graph=True) on the fused path: its first backward scaled the gradients it "
-                               "computed in the forward in place and handed them over, so none are left; compute the "
-                               "loss again, or call it with impl='torch'")
+            raise RuntimeError("fused_linear_cross_entropy: a second backward through the same graph on the fused "
+                               "path (after a backward with retain_graph=True, or a second call of backward): its "
+                               "first backward scaled the gradients it computed in the forward in place and handed "
+                               "them over, so none are left. Compute the loss again, or take the unfused path: "
+                               "impl='torch', or PIPEGOOSE_IMPL_FUSED_LINEAR_CROSS_ENTROPY=torch (also for a model "
+                               "fused with ops=[..., 'linear_cross_entropy'])")
         grad_h, grad_w, grad_b = ctx.grads
         ctx.grads = None
-        g = grad_loss.float()
+        g = grad_loss.float() if ctx.post is None else grad_loss.float() * ctx.post
         # in place (a 0-dim fp32 factor keeps each gradient's dtype, with the bits of the out-of-place product), and
         # no reference kept: autograd takes each tensor as the parameter's .grad, without the copy that an
         # out-of-place product, or a reference kept for a second backward, would cost (the weight's gradient is
