@@ -104,9 +104,9 @@ def write_markdown(path: str | Path, env: dict, config: dict, copy: dict | None,
     if len(commands) <= 1:
         out += [f"Run: `{commands[0] if commands else ''}`", ""]
     else:
-        out += [f"Merged with `--report-only`: the {len(commands)} commands behind these rows (runs and earlier merges) "
-                "are listed under \"Runs merged here\", at the end; each row of results.json names the date of the run "
-                "that measured it.", ""]
+        out += [f"Merged with `--report-only`: the {len(commands)} commands behind these rows (runs and earlier "
+                "merges) are listed under \"Runs merged here\", at the end; each row of results.json names the date "
+                "of the run that measured it.", ""]
     by_op: dict[tuple[str, str], list[Measurement]] = defaultdict(list)
     for m in measurements:
         by_op[(m.op, m.dtype)].append(m)
