@@ -338,7 +338,9 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         not twice differentiable (a backward with ``create_graph=True`` raises RuntimeError; ``impl="torch"`` is),
         and one backward per forward: the backward scales the gradients computed in the forward in place and hands
         them to autograd (no second copy of the [V, H] weight gradient), so a second backward through a graph kept
-        with ``retain_graph=True`` raises RuntimeError.
+        with ``retain_graph=True`` raises RuntimeError. The logits' gradient is rounded before the upstream gradient
+        is known, so a loss scaler's factor does not reach it; in fp16 the mean's is computed at the sum's scale and
+        divided in the backward, so fp16 with a GradScaler keeps the unfused path's precision.
 
     Kernel: pipegoose/cross_entropy (pipegoose/kernels/csrc/cross_entropy.cu, this project, MIT), per chunk, between
     cuBLAS GEMMs (``torch.mm``). GPU tests: tests/kernels/test_linear_cross_entropy_cuda.py. On the H200, bf16, 8192
