@@ -1,6 +1,8 @@
 """A causal language model's head and loss in one (:func:`pipegoose.nn.fusion.functional.fused_linear_cross_entropy`),
 put on a transformers model by ``fuse(model, ops=[..., "linear_cross_entropy"])`` (not part of the default ops: on
-the H200's Llama-1.1B training step it saved 0.3 GiB of peak memory at 0.5% fewer tokens/s, session 51).
+the H200's Llama-1.1B training step it saved 0.5 GiB of peak memory at 0.1% fewer tokens/s, session 52). One backward
+per forward: a second backward through the loss's graph (``retain_graph=True``) raises RuntimeError; set
+``PIPEGOOSE_IMPL_FUSED_LINEAR_CROSS_ENTROPY=torch`` for code that needs one.
 
 transformers' causal LMs (Llama, Mistral, Qwen2/3, GPT-NeoX, GPT-2, OPT, Bloom and their copies) compute
 ``logits = self.lm_head(hidden_states)`` and then ``self.loss_function(logits, labels, vocab_size, **kwargs)``. On a
