@@ -335,6 +335,29 @@ def test_tuning_rule_skipped_where_the_timed_configuration_does_not_apply(tmp_pa
     assert (c.impl, c.source) == ("pipegoose", "builtin")
 
 
+def test_opt_in_implementations_run_only_when_named(tmp_path, monkeypatch):
+    """An opt_in implementation (a kernel not yet timed against the others) is passed over by the built-in order,
+    with the reason; an impl= argument, a PIPEGOOSE_IMPL_* variable or a tuning rule naming it runs it."""
+    dispatch.register(Implementation(OP, "pipegoose", "ours", lambda p: (p["ours"], "" if p["ours"] else "ours says no"),
+                                     opt_in=True))
+    c = dispatch.select(OP, problem())
+    assert (c.impl, c.source, c.fallback) == ("megatron", "builtin", False)
+    assert c.reasons["pipegoose"] == ("opt-in: runs when requested (impl='pipegoose' or "
+                                      "PIPEGOOSE_IMPL_FAKE_OP=pipegoose) or named by a tuning rule")
+    c = dispatch.select(OP, problem(ported=False))   # the only fused one left is opt-in: a fallback, as before
+    assert (c.impl, c.source, c.fallback) == ("torch", "fallback", True)
+    assert "opt-in" in c.reason
+    assert dispatch.explain(OP, torch.zeros(2, 3), ours=False).reasons["pipegoose"] == "ours says no"
+    c = dispatch.select(OP, problem(), impl="pipegoose")
+    assert (c.impl, c.source) == ("pipegoose", "argument")
+    monkeypatch.setenv("PIPEGOOSE_IMPL_FAKE_OP", "pipegoose")
+    assert (dispatch.select(OP, problem()).impl, dispatch.select(OP, problem()).source) == ("pipegoose", "env")
+    monkeypatch.delenv("PIPEGOOSE_IMPL_FAKE_OP")
+    write_table(tmp_path, table({"op": OP, "dtype": "float16", "impl": "pipegoose"}), monkeypatch)
+    c = dispatch.select(OP, problem())
+    assert (c.impl, c.source) == ("pipegoose", "tuning")
+
+
 def test_small_problems_run_the_native_reference(tmp_path, monkeypatch):
     """Below PIPEGOOSE_SMALL_NUMEL elements, where a fused implementation takes the input, a small_first reference
     runs (before the table and the built-in order); requests, fallbacks and references without small_first are
@@ -428,7 +451,8 @@ def test_real_ops_are_registered():
                       "softmax.masked": ["pipegoose", "megatron", "torch"],
                       "softmax.causal": ["pipegoose", "megatron", "torch"],
                       "layer_norm": ["pipegoose", "apex", "torch"], "rms_norm": ["pipegoose", "torch"],
-                      "adam": ["pipegoose", "torch_fused", "apex", "deepspeed", "torch"], "clip_grad_norm": ["apex", "torch"]}.items():
+                      "adam": ["pipegoose", "torch_fused", "apex", "deepspeed", "torch"],
+                      "clip_grad_norm": ["pipegoose", "apex", "torch"]}.items():
         assert list(dispatch.implementations(op)) == names
 
 

@@ -9,6 +9,7 @@ pipegoose.nn.fusion are exercised without a GPU. The real kernels are tested in 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import warnings
 
@@ -213,6 +214,23 @@ class FakeOps:
         self.calls.append("multi_tensor_scale")
         for s, d in zip(src, dst):
             d.copy_(s.float() * scale)
+
+    def multi_tensor_norm(self, tensors, norm_type):
+        # pipegoose::multi_tensor_norm (bindings/clip_grad_norm.cpp): one dtype, contiguous, distinct tensors; the
+        # total norm as a float32 scalar, accumulated in fp32
+        self.calls.append("multi_tensor_norm")
+        assert len({t.dtype for t in tensors}) == 1 and all(t.is_contiguous() for t in tensors)
+        assert len({t.data_ptr() for t in tensors}) == len(tensors)
+        assert isinstance(norm_type, float) and norm_type in (1.0, 2.0, math.inf)
+        return torch.linalg.vector_norm(torch.cat([t.float().reshape(-1) for t in tensors]), norm_type)
+
+    def multi_tensor_mul_(self, tensors, coef):
+        # pipegoose::multi_tensor_mul_: the coefficient is a float32 tensor read on the device (no host sync)
+        self.calls.append("multi_tensor_mul_")
+        assert isinstance(coef, torch.Tensor) and coef.dtype == torch.float32 and coef.numel() == 1
+        assert len({t.dtype for t in tensors}) == 1 and all(t.is_contiguous() for t in tensors)
+        for t in tensors:
+            t.copy_(t.float() * coef)
 
 
 class _EmulatedNormFunction(torch.autograd.Function):
@@ -441,6 +459,82 @@ def test_clip_glue(fake, dtype, impl, max_norm):
     for a, b in zip(p1, p2):
         torch.testing.assert_close(a.grad, b.grad, **TOLERANCES[dtype])
     assert ("multi_tensor_scale" in fake.calls) == (impl == "apex" and max_norm < 1)
+
+
+def _clip_params(dtypes, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    ps = []
+    for i, dt in enumerate(dtypes):
+        p = torch.nn.Parameter(torch.zeros(7 + 29 * i, dtype=dt))
+        p.grad = (torch.randn(p.shape, generator=g) * (i + 1) * scale).to(dt)
+        ps.append(p)
+    return ps
+
+
+def _clip64(grads, max_norm, norm_type):
+    """float64 clipping: (total norm, clipped gradients)."""
+    total = torch.linalg.vector_norm(torch.cat([g.double().reshape(-1) for g in grads]), norm_type)
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    return total, [g.double() * coef for g in grads]
+
+
+@pytest.mark.parametrize("dtypes", [[torch.float32] * 3, [torch.float16] * 2, [torch.bfloat16] * 4,
+                                    [torch.bfloat16, torch.float32, torch.bfloat16]])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("max_norm", [0.5, 1e4])
+def test_clip_glue_ours(fake, dtypes, norm_type, max_norm):
+    """Our kernels (impl='pipegoose'): one norm and one multiplication per (device, dtype) group, the groups' norms
+    combined in fp32, the coefficient passed as a float32 tensor (no host sync), the total in the promoted dtype as
+    torch returns it; every gradient within its dtype's tolerance of the float64 clipping."""
+    ps = _clip_params(dtypes)
+    grads0 = [p.grad.clone() for p in ps]
+    total = clip_grad_norm_(ps, max_norm, norm_type, impl="pipegoose")
+    groups = len(set(dtypes))
+    assert dispatch.stats()["clip_grad_norm"] == {"pipegoose": groups}
+    assert fake.calls.count("multi_tensor_norm") == fake.calls.count("multi_tensor_mul_") == groups
+    want_total, want = _clip64(grads0, max_norm, norm_type)
+    worst = max(dtypes, key=lambda d: torch.finfo(d).eps)   # the coarsest dtype taking part
+    assert total.dtype == torch.nn.utils.clip_grad_norm_(_clip_params(dtypes), max_norm, norm_type).dtype
+    torch.testing.assert_close(total.double(), want_total, **TOLERANCES[worst])
+    for p, w in zip(ps, want):
+        torch.testing.assert_close(p.grad.double(), w, **TOLERANCES[p.dtype])
+
+
+def test_clip_glue_ours_with_a_group_it_declines(fake):
+    """A group our kernel declines (a non-contiguous gradient) takes torch's path; both groups are scaled by the one
+    coefficient of the total norm."""
+    ps = _clip_params([torch.bfloat16, torch.bfloat16])
+    q = torch.nn.Parameter(torch.zeros(6, 5))
+    q.grad = torch.randn(5, 6).t()   # float32, not contiguous
+    grads0 = [p.grad.clone() for p in ps] + [q.grad.clone()]
+    with pytest.warns(UserWarning, match="impl='pipegoose' cannot run this input: a tensor is not contiguous"):
+        clip_grad_norm_(ps + [q], 0.5, impl="pipegoose")
+    assert dispatch.stats()["clip_grad_norm"] == {"pipegoose": 1, "torch": 1}
+    _, want = _clip64(grads0, 0.5, 2.0)
+    for g, w in zip([p.grad for p in ps] + [q.grad], want):
+        torch.testing.assert_close(g.double(), w, **TOLERANCES[g.dtype])
+
+
+def test_clip_ours_is_opt_in_and_declines_a_gradient_listed_twice(fake):
+    """Without a request our kernel does not run (opt-in until a GPU benchmark has timed it): bf16 takes torch's
+    path, fp32 the Apex copy, and explain says why. A gradient listed twice goes to torch's path, which counts and
+    scales it twice, as torch.nn.utils.clip_grad_norm_ does."""
+    ps = _clip_params([torch.bfloat16] * 2)
+    clip_grad_norm_(ps, 0.5)
+    assert dispatch.stats()["clip_grad_norm"] == {"torch": 1}
+    c = dispatch.explain("clip_grad_norm", [p.grad for p in ps], 2.0)
+    assert c.impl == "torch" and c.reasons["pipegoose"].startswith("opt-in: runs when requested (impl='pipegoose' or "
+                                                                   "PIPEGOOSE_IMPL_CLIP_GRAD_NORM=pipegoose)")
+    assert dispatch.explain("clip_grad_norm", [ps[0].grad.float()], 2.0).impl == "apex"
+    c = dispatch.explain("clip_grad_norm", [ps[0].grad, ps[0].grad], 2.0, impl="pipegoose")
+    assert c.impl == "torch" and "appears twice" in c.reasons["pipegoose"]
+    c = dispatch.explain("clip_grad_norm", [ps[0].grad], 3.0, impl="pipegoose")
+    assert c.impl == "torch" and "1, 2 and inf" in c.reasons["pipegoose"]
+    p1, p2 = _clip_params([torch.float32]), _clip_params([torch.float32])
+    with pytest.warns(UserWarning, match="appears twice"):
+        n1 = clip_grad_norm_([p1[0], p1[0]], 0.5, impl="pipegoose")
+    n2 = torch.nn.utils.clip_grad_norm_([p2[0], p2[0]], 0.5)
+    assert torch.equal(n1, n2) and torch.equal(p1[0].grad, p2[0].grad)
 
 
 @pytest.mark.parametrize("kw,err,msg", [

@@ -17,7 +17,9 @@ Choice, first that supports the input wins:
 3. the tuning table of the input's GPU (``pipegoose/nn/fusion/tuning/<slug>.json``, docs/architecture.md
    "Tuning tables"): the first rule whose op and dtype match, whose ``max_cols`` is not exceeded and whose
    implementation supports the input (rules whose ``pass`` matches the call, ``fwd`` or ``fwd+bwd``, first);
-4. the built-in order: ours, then PyTorch's fused kernels, then the ported copies, then ``torch``;
+4. the built-in order: ours, then PyTorch's fused kernels, then the ported copies, then ``torch``; an implementation
+   registered ``opt_in`` (a kernel not yet timed against the others on a GPU) is left out of it: it runs when a
+   request (1, 2) or a tuning rule (3) names it;
 5. before 3 and 4, small problems: when the input has fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements (default
    2**24; 0 turns this off), a fused implementation supports it, and the op's reference path is one native PyTorch
    op for it (``F.layer_norm``, ``F.rms_norm``: ``Implementation.small_first``), the reference runs (source
@@ -207,6 +209,9 @@ class Implementation:
             a tuning rule naming it does not apply, and the choice goes on to the next rule.
         small_first: (reference implementations) the op's reference path is one native PyTorch op, cheaper on the
             host than any fused path: problems below :func:`small_numel` elements run it (see "Small problems").
+        opt_in: left out of the built-in order (choice step 4): it runs only where a request (``impl=``,
+            ``PIPEGOOSE_IMPL_*``) or a tuning rule names it. For a kernel whose speed against the others has not been
+            measured yet: a default must come from a benchmark, not from being ours.
     """
 
     op: str
@@ -217,6 +222,7 @@ class Implementation:
     source: str = ""
     tuned_for: Callable[[Problem], bool] | None = None
     small_first: bool = False
+    opt_in: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in _KIND_ORDER:
@@ -864,6 +870,11 @@ def _automatic(op: str, problem: Problem, impls: Mapping[str, Implementation], r
 
     for name, im in impls.items():
         if im.kind == "reference":
+            continue
+        if im.opt_in:
+            if not reasons[name]:
+                reasons[name] = (f"opt-in: runs when requested (impl={name!r} or {_env_names(op)[0]}={name}) or "
+                                 "named by a tuning rule")
             continue
         if ok(name):
             return Choice(op, name, "builtin", False, reasons, "first supported implementation in built-in order")

@@ -3,7 +3,8 @@
 Kernels: Apex ``multi_tensor_adam`` / ``multi_tensor_l2norm`` / ``multi_tensor_scale`` (copies in ColossalAI
 0.5.0 ``extensions/csrc/kernel/cuda/multi_tensor_{adam,l2norm,scale}_kernel.cu``, Apache-2.0, Apex BSD-3 notice)
 and DeepSpeed 0.19.8 ``csrc/adam/multi_tensor_adam.cu`` (Apache-2.0), PyTorch's own fused Adam/AdamW kernels
-(``torch._fused_adamw_``) and ours (``pipegoose/kernels/csrc/multi_tensor_adam.cu``); see
+(``torch._fused_adamw_``) and ours (``pipegoose/kernels/csrc/multi_tensor_adam.cu``,
+``pipegoose/kernels/csrc/clip_grad_norm.cu``); see
 :mod:`pipegoose.nn.fusion.ops.multi_tensor` for each kernel's assumptions. The reference path is PyTorch's own
 (foreach) math.
 """
@@ -301,12 +302,19 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     at most ``max_norm``; return the total norm (before clipping) as a scalar tensor, on the first gradient's
     device, in the gradients' (promoted) dtype, as torch does.
 
-    Per (device, dtype) group (op ``clip_grad_norm``): ``apex`` computes the L2 norm with
-    ``multi_tensor_l2norm`` (fp32 accumulation) and scales with ``multi_tensor_scale`` (fp32/fp16 gradients,
-    ``norm_type=2``; one host sync reads the clip coefficient); otherwise ``torch._foreach_norm`` /
-    ``torch._foreach_mul_``. With no gradient: ``tensor(0.)``. Kernels: Apex's csrc/multi_tensor_l2norm_kernel.cu and
-    csrc/multi_tensor_scale_kernel.cu via ColossalAI 0.5.0 extensions/csrc/kernel/cuda/ (Apache-2.0). ``foreach`` is
-    taken for torch's signature and ignored (the paths above are multi-tensor already).
+    Per (device, dtype) group (op ``clip_grad_norm``; ``impl=`` or ``PIPEGOOSE_IMPL_CLIP_GRAD_NORM`` picks):
+    ``pipegoose`` computes the norm with ``pipegoose::multi_tensor_norm`` (fp32 accumulation, fp32, fp16 and bf16
+    gradients, ``norm_type`` 1, 2 or inf) and scales with ``pipegoose::multi_tensor_mul_``, which reads the
+    coefficient on the device (no host sync) and skips the pass when it is 1 (gradients within ``max_norm``); it is
+    opt-in until a GPU benchmark has timed it (kernel: pipegoose's pipegoose/kernels/csrc/clip_grad_norm.cu).
+    ``apex`` computes the L2 norm with ``multi_tensor_l2norm`` (fp32 accumulation) and scales with
+    ``multi_tensor_scale`` (fp32/fp16 gradients, ``norm_type=2``; one host sync reads the clip coefficient); kernels:
+    Apex's csrc/multi_tensor_l2norm_kernel.cu and csrc/multi_tensor_scale_kernel.cu via ColossalAI 0.5.0
+    extensions/csrc/kernel/cuda/ (Apache-2.0). Otherwise ``torch._foreach_norm`` / ``torch._foreach_mul_``. Where a
+    kernel's fp32 norm takes part, the clip coefficient ``min(1, max_norm / (total + 1e-6))`` is computed from the
+    fp32 total (torch computes it in the gradients' dtype: a bf16 coefficient for bf16 gradients). With no gradient:
+    ``tensor(0.)``. ``foreach`` is taken for torch's signature and ignored (the paths above are multi-tensor
+    already).
 
     Raises:
         TypeError: ``max_norm`` or ``norm_type`` is not a number (or a one-element tensor); ``foreach`` not None, True
@@ -332,11 +340,15 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         groups[(g.device, g.dtype)].append(g)
     first = grads[0].device
     norms: list[torch.Tensor] = []
+    ours: list[list[torch.Tensor]] = []
     fused: list[list[torch.Tensor]] = []
     plain: list[list[torch.Tensor]] = []
     for (dev, _), gs in groups.items():
         choice = dispatch.select(_mt.OP_CLIP, _mt.clip_problem(gs, norm_type), impl)
-        if choice.impl == "apex":
+        if choice.impl == "pipegoose":
+            norms.append(_mt.norm_ours(gs, norm_type))
+            ours.append(gs)
+        elif choice.impl == "apex":
             norms.append(_mt.l2norm_fused(gs))
             fused.append(gs)
         else:
@@ -346,17 +358,22 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
                 norms.extend(torch.linalg.vector_norm(g, norm_type) for g in gs)
             plain.append(gs)
     out_dtype = _result_dtype(g.dtype for g in grads)
-    if fused:  # accumulate in fp32 when a fused norm (fp32) takes part
-        total = torch.linalg.vector_norm(torch.stack([n.float().to(first) for n in norms]), norm_type).to(out_dtype)
+    if ours or fused:
+        # a kernel's norm (fp32) takes part: combine in fp32, and compute the coefficient from the fp32 total
+        total32 = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(
+            torch.stack([n.float().to(first) for n in norms]), norm_type)
+        total = total32.to(out_dtype)
     else:
-        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+        total32 = total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
         raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so "
                            f"it cannot be clipped. To disable this error and scale the gradients by the non-finite "
                            f"norm anyway, set `error_if_nonfinite=False`")
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coef = torch.clamp(max_norm / (total32 + 1e-6), max=1.0)
     for gs in plain:
         torch._foreach_mul_(gs, coef.to(gs[0].device))
+    for gs in ours:  # the kernel reads coef on the device and returns at once when it is 1: no host sync
+        _mt.mul_ours(gs, coef.to(gs[0].device))
     if fused:
         c = float(coef)  # host sync: the scale kernel takes a float
         if not c >= 1.0:  # 1.0 leaves the gradients unchanged; nan must still propagate as in torch

@@ -20,7 +20,12 @@ Ops (dispatch names) and implementations:
   equals torch.optim.AdamW's default path).
   ``torch`` - ``torch.optim.adam.adam`` (the functional math of torch.optim.Adam/AdamW; own ``torch._foreach``
   math when ``bias_correction=False``, which torch does not offer).
-* ``clip_grad_norm`` (one call per device and dtype): ``apex`` - ``multi_tensor_l2norm`` + ``multi_tensor_scale``
+* ``clip_grad_norm`` (one call per device and dtype): ``pipegoose`` - ours,
+  ``pipegoose/kernels/csrc/clip_grad_norm.cu`` (ops ``pipegoose::multi_tensor_norm`` and
+  ``pipegoose::multi_tensor_mul_``): fp32, fp16 and bf16; norm_type 1, 2 or inf; contiguous, distinct tensors; 64-bit
+  offsets; no host sync (the coefficient stays on the device, and the scaling pass returns at once when it is 1).
+  Registered ``opt_in`` (see :mod:`..dispatch`): it runs when requested or named by a tuning rule, until a GPU
+  benchmark has timed it against the others. ``apex`` - ``multi_tensor_l2norm`` + ``multi_tensor_scale``
   copies in ColossalAI 0.5.0 ``extensions/csrc/kernel/cuda/multi_tensor_{l2norm,scale}_kernel.cu``, Apache-2.0:
   fp32 and fp16 only (the copies dispatch no bf16), norm_type 2, contiguous, 32-bit sizes. ``torch`` -
   ``torch._foreach_norm`` / ``torch._foreach_mul_``.
@@ -28,6 +33,7 @@ Ops (dispatch names) and implementations:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -44,6 +50,8 @@ SRC_DS_ADAM = "deepspeed/multi_tensor_adam: DeepSpeed 0.19.8 csrc/adam/multi_ten
 SRC_OURS_ADAM = "pipegoose/multi_tensor_adam: pipegoose pipegoose/kernels/csrc/multi_tensor_adam.cu, MIT"
 SRC_TORCH_ADAM = (f"torch._fused_adamw_ / torch._fused_adam_: PyTorch {torch.__version__} "
                   "aten/src/ATen/native/cuda/FusedAdamWKernel.cu / FusedAdamKernel.cu, BSD-3-Clause")
+SRC_OURS_CLIP = ("pipegoose/clip_grad_norm: pipegoose pipegoose/kernels/csrc/clip_grad_norm.cu (multi_tensor_norm, "
+                 "multi_tensor_mul_), MIT")
 SRC_APEX_CLIP = ("apex/multi_tensor_l2norm + apex/multi_tensor_scale: Apex csrc/multi_tensor_{l2norm,scale}_kernel.cu "
                  "via ColossalAI 0.5.0 extensions/csrc/kernel/cuda/, Apache-2.0")
 
@@ -75,6 +83,10 @@ def clip_problem(grads: Sequence[torch.Tensor], norm_type: float) -> Problem:
     """The ``clip_grad_norm`` problem of one (device, dtype) group; ``cols`` is its element count."""
     facts = _tensors_facts([grads])
     facts["norm_type"] = float(norm_type)
+    # the same gradient twice (a parameter listed twice): in one launch of a multi-tensor kernel two blocks would read
+    # and write it at once (ours refuses any overlap); torch's path does with it what torch's clip_grad_norm_ does
+    ptrs = [g.data_ptr() for g in grads if g.numel()]
+    facts["distinct"] = len(set(ptrs)) == len(ptrs)
     return Problem(OP_CLIP, grads[0].dtype, grads[0].device, sum(g.numel() for g in grads), False, facts)
 
 
@@ -147,6 +159,21 @@ def _apex_clip_supports(p: Problem) -> tuple[bool, str]:
         return False, f"dtype {dtype_name(p.dtype)}: the copies dispatch float32 and float16 only"
     if p["max_numel"] > INT32_MAX:
         return False, f"a tensor of {p['max_numel']} elements: the copies keep 32-bit sizes"
+    if not p["distinct"]:
+        return False, "a gradient appears twice in the list (the kernel would scale it from two blocks at once)"
+    return True, ""
+
+
+def _pipegoose_clip_supports(p: Problem) -> tuple[bool, str]:
+    ok, why = _lists_ok(p)
+    if not ok:
+        return ok, why
+    if p["norm_type"] not in (1.0, 2.0, math.inf):
+        return False, f"norm_type {p['norm_type']}: the kernel computes the 1, 2 and inf norms"
+    if p.dtype not in FLOAT_DTYPES:
+        return False, f"dtype {dtype_name(p.dtype)} not supported (float32, float16, bfloat16)"
+    if not p["distinct"]:
+        return False, "a gradient appears twice in the list (the kernel would scale it from two blocks at once)"
     return True, ""
 
 
@@ -158,6 +185,8 @@ dispatch.register(Implementation(OP_ADAM, "deepspeed", "ported", _ds_adam_suppor
                                  ("deepspeed/multi_tensor_adam",), SRC_DS_ADAM))
 dispatch.register(Implementation(OP_ADAM, "torch_fused", "native", _torch_fused_adam_supports, (), SRC_TORCH_ADAM))
 dispatch.register(Implementation(OP_ADAM, "torch", "reference", lambda p: (True, ""), (), "torch.optim.adam.adam"))
+dispatch.register(Implementation(OP_CLIP, "pipegoose", "ours", _pipegoose_clip_supports, ("pipegoose/clip_grad_norm",),
+                                 SRC_OURS_CLIP, opt_in=True))
 dispatch.register(Implementation(OP_CLIP, "apex", "ported", _apex_clip_supports,
                                  ("apex/multi_tensor_l2norm", "apex/multi_tensor_scale"), SRC_APEX_CLIP))
 dispatch.register(Implementation(OP_CLIP, "torch", "reference", lambda p: (True, ""), (), "torch._foreach_norm"))
@@ -284,3 +313,15 @@ def scale_fused(grads: Sequence[torch.Tensor], scale: float) -> None:
     """grads *= scale in place with apex/multi_tensor_scale (src and dst the same lists, as Apex does)."""
     _ops("apex/multi_tensor_scale").multi_tensor_scale(CHUNK_SIZE, noop_flag(grads[0].device), list(grads),
                                                        list(grads), float(scale))
+
+
+def norm_ours(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The total ``norm_type`` norm (1, 2 or inf) of a (device, dtype) group as a float32 scalar tensor on its device,
+    with ``pipegoose::multi_tensor_norm`` (asynchronous: no host sync)."""
+    return _ops("pipegoose/clip_grad_norm").multi_tensor_norm(list(grads), float(norm_type))
+
+
+def mul_ours(grads: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
+    """grads *= coef in place with ``pipegoose::multi_tensor_mul_`` (``coef``: a float32 one-element tensor on the
+    grads' device; the kernel reads it there and does nothing when it is 1)."""
+    _ops("pipegoose/clip_grad_norm").multi_tensor_mul_(list(grads), coef)

@@ -1,0 +1,358 @@
+// Gradient clipping's two passes over many tensors, for fp32, fp16 and bf16: the total norm of a list of tensors
+// (L1, L2 or max), and the in-place multiplication by a coefficient that is read on the device. Written for
+// pipegoose; ops pipegoose::multi_tensor_norm and pipegoose::multi_tensor_mul_ (binding:
+// pipegoose/kernels/bindings/clip_grad_norm.cpp; schemas: docs/architecture.md "Op schemas").
+//
+// Both walk the tensors of a launch as one sequence of chunks (kThreads * kUnroll 16-byte vectors: 4096 fp32 or 8192
+// 16-bit elements; a tensor's last chunk may be shorter). The tensors' pointers, sizes and chunk count prefix sums
+// travel in the kernel's parameter block (Table, about 25 KB: CUDA 12.1+ takes up to 32764 bytes of parameters on
+// sm_70 and later), so there is no host-to-device copy and no host sync. A launch has a fixed number of blocks (the
+// resident blocks of all SMs, at most the chunk count); block b takes chunks b, b + grid, ... and finds each chunk's
+// tensor by a binary search over the prefix sums, from the tensor of its previous chunk on. A list of more than
+// kMaxTensors tensors takes several launches. A tensor whose pointer is not 16-byte aligned (a view at an odd offset
+// into a flat buffer) takes the scalar path, as does the tail of a tensor that is not a whole number of vectors.
+// Offsets are 64-bit.
+//
+// Norm (multi_tensor_norm): each thread accumulates |x| (L1), x * x (L2) or max |x| (inf; nan wins, as in torch) in
+// fp32, in kUnroll independent accumulators; the block combines them and writes one partial per block. One more
+// launch of one block combines the partials of every launch in fp64, in a fixed order, and writes the norm (the
+// square root for L2) as a float32 scalar. No atomics: the same input gives the same bits on the same GPU. As in
+// torch's _foreach_norm, squares accumulate in fp32: an element above about 1.8e19 in magnitude gives an infinite
+// L2 norm.
+// Scale (multi_tensor_mul_): every block reads the float32 coefficient first and returns when it is exactly 1
+// (x * 1 == x for every x, nan and inf included), so that a clipping step whose gradients are already within
+// max_norm reads and writes nothing. Otherwise each element becomes x * coef, computed in fp32 and rounded once to
+// the tensor's dtype (torch's _foreach_mul_ with a tensor computes in fp32 too). Loads and stores are streaming
+// (__ldcs / __stcs): each byte is touched once. The norm's loads are not: with gradients that fit in L2, the scale
+// pass that follows finds them there.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "pipegoose_check.h"
+#include "pipegoose_occupancy.h"
+
+namespace pipegoose {
+namespace {
+
+constexpr const char* kNormOp = "pipegoose::multi_tensor_norm";
+constexpr const char* kMulOp = "pipegoose::multi_tensor_mul_";
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;          // 16-byte vectors per thread and chunk
+constexpr int kFinalThreads = 512;  // the one block that combines the partials
+constexpr int kMaxTensors = 1024;   // tensors per launch: 1024 * 25 + 8 bytes of table
+template <typename T> constexpr int64_t kChunkElems = static_cast<int64_t>(kThreads) * kUnroll * (16 / sizeof(T));
+
+struct Table {
+  void* ptr[kMaxTensors];
+  int64_t numel[kMaxTensors];
+  int64_t chunk_start[kMaxTensors + 1];   // tensor i owns chunks [chunk_start[i], chunk_start[i + 1])
+  uint8_t aligned[kMaxTensors];           // 16-byte aligned pointer: vector path
+};
+
+enum NormKind : int { kL1 = 0, kL2 = 1, kMax = 2 };
+
+template <typename T> __device__ __forceinline__ float to_f(T x) { return static_cast<float>(x); }
+
+// max that keeps a nan from either side (fmaxf drops it)
+template <typename F> __device__ __forceinline__ F nan_max(F a, F b) { return (a > b || a != a) ? a : b; }
+
+template <int K> __device__ __forceinline__ float accumulate(float acc, float x) {
+  if constexpr (K == kL2) {
+    return fmaf(x, x, acc);
+  } else if constexpr (K == kL1) {
+    return acc + fabsf(x);
+  } else {
+    return nan_max(acc, fabsf(x));
+  }
+}
+
+template <int K, typename F> __device__ __forceinline__ F combine(F a, F b) {
+  if constexpr (K == kMax) {
+    return nan_max(a, b);
+  } else {
+    return a + b;
+  }
+}
+
+// The combination of v over the block (every thread passes its value; thread 0 gets the result). fp32 or fp64.
+template <int K, int kBlock, typename F> __device__ __forceinline__ F block_combine(F v) {
+  static_assert(kBlock % 32 == 0 && kBlock <= 1024, "whole warps");
+  __shared__ F warp_vals[kBlock / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = combine<K>(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_vals[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < kBlock / 32 ? warp_vals[lane] : F(0);   // 0 is the identity of +, and of max over |x| >= 0
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = combine<K>(v, __shfl_xor_sync(0xffffffffu, v, o));
+  }
+  return v;
+}
+
+// The tensor of chunk c: the last i >= from with chunk_start[i] <= c (chunks increase along a block's walk).
+__device__ __forceinline__ int find_tensor(const Table& table, int from, int n_tensors, int64_t c) {
+  int lo = from, hi = n_tensors - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (table.chunk_start[mid] <= c) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+template <typename T, int K>
+__global__ void __launch_bounds__(kThreads)
+    norm_kernel(const __grid_constant__ Table table, int n_tensors, int64_t n_chunks, float* __restrict__ partials) {
+  constexpr int V = 16 / sizeof(T);
+  float acc[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) acc[u] = 0.f;
+  int t = 0;
+  for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+    t = find_tensor(table, t, n_tensors, c);
+    const int64_t begin = (c - table.chunk_start[t]) * kChunkElems<T>;
+    const int64_t end = min(table.numel[t], begin + kChunkElems<T>);
+    const T* x = static_cast<const T*>(table.ptr[t]);
+    int64_t scalar_from = begin;
+    if (table.aligned[t]) {
+      const int64_t full_vecs = (end - begin) / V;
+      const float4* x4 = reinterpret_cast<const float4*>(x + begin);
+      float4 r[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t k = threadIdx.x + static_cast<int64_t>(u) * kThreads;
+        if (k < full_vecs) r[u] = x4[k];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t k = threadIdx.x + static_cast<int64_t>(u) * kThreads;
+        if (k < full_vecs) {
+          const T* e = reinterpret_cast<const T*>(&r[u]);
+#pragma unroll
+          for (int j = 0; j < V; ++j) acc[u] = accumulate<K>(acc[u], to_f<T>(e[j]));
+        }
+      }
+      scalar_from = begin + full_vecs * V;
+    }
+    for (int64_t i = scalar_from + threadIdx.x; i < end; i += kThreads) acc[0] = accumulate<K>(acc[0], to_f<T>(x[i]));
+  }
+  float a = acc[0];
+#pragma unroll
+  for (int u = 1; u < kUnroll; ++u) a = combine<K>(a, acc[u]);
+  a = block_combine<K, kThreads>(a);
+  if (threadIdx.x == 0) partials[blockIdx.x] = a;
+}
+
+template <int K>
+__global__ void __launch_bounds__(kFinalThreads)
+    finalize_kernel(const float* __restrict__ partials, int64_t n, float* __restrict__ out) {
+  double a = 0.0;
+  for (int64_t i = threadIdx.x; i < n; i += kFinalThreads) a = combine<K>(a, static_cast<double>(partials[i]));
+  a = block_combine<K, kFinalThreads>(a);
+  if (threadIdx.x == 0) out[0] = static_cast<float>(K == kL2 ? sqrt(a) : a);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    mul_kernel(const __grid_constant__ Table table, int n_tensors, int64_t n_chunks, const float* __restrict__ coef) {
+  const float s = *coef;
+  if (s == 1.f) return;   // x * 1 == x: nothing to read or write
+  constexpr int V = 16 / sizeof(T);
+  int t = 0;
+  for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+    t = find_tensor(table, t, n_tensors, c);
+    const int64_t begin = (c - table.chunk_start[t]) * kChunkElems<T>;
+    const int64_t end = min(table.numel[t], begin + kChunkElems<T>);
+    T* x = static_cast<T*>(table.ptr[t]);
+    int64_t scalar_from = begin;
+    if (table.aligned[t]) {
+      const int64_t full_vecs = (end - begin) / V;
+      float4* x4 = reinterpret_cast<float4*>(x + begin);
+      float4 r[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t k = threadIdx.x + static_cast<int64_t>(u) * kThreads;
+        if (k < full_vecs) r[u] = __ldcs(x4 + k);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t k = threadIdx.x + static_cast<int64_t>(u) * kThreads;
+        if (k < full_vecs) {
+          T* e = reinterpret_cast<T*>(&r[u]);
+#pragma unroll
+          for (int j = 0; j < V; ++j) e[j] = static_cast<T>(to_f<T>(e[j]) * s);
+          __stcs(x4 + k, r[u]);
+        }
+      }
+      scalar_from = begin + full_vecs * V;
+    }
+    for (int64_t i = scalar_from + threadIdx.x; i < end; i += kThreads) x[i] = static_cast<T>(to_f<T>(x[i]) * s);
+  }
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// The checks both ops make: a non-empty list of defined, contiguous CUDA tensors on one device, of one dtype among
+// float32, float16 and bfloat16, whose memory does not overlap (the multiplication would scale a shared element a
+// racy number of times; the norm would count it twice).
+void check_tensors(const char* op, at::TensorList tensors) {
+  PG_CHECK(!tensors.empty(), op, ": tensors must hold at least one tensor, got an empty list");
+  const at::Tensor& first = tensors[0];
+  PG_CHECK(first.defined(), op, ": tensors[0] is undefined");
+  const at::ScalarType dtype = first.scalar_type();
+  PG_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
+           ": tensors must be float32, float16 or bfloat16, got ", dtype, " for tensors[0]");
+  PG_CHECK(first.is_cuda(), op, ": tensors[0] must be a CUDA tensor, got device ", first.device());
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;   // [begin, end) bytes of the non-empty tensors, with index
+  std::vector<size_t> index;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& x = tensors[i];
+    PG_CHECK(x.defined(), op, ": tensors[", i, "] is undefined");
+    PG_CHECK(x.device() == first.device(), op, ": tensors[", i, "] is on ", x.device(), " but tensors[0] is on ",
+             first.device(), "; expected one CUDA device");
+    PG_CHECK(x.scalar_type() == dtype, op, ": tensors[", i, "] is ", x.scalar_type(), " but tensors[0] is ", dtype,
+             "; the kernel takes one dtype per list");
+    PG_CHECK(x.is_contiguous(), op, ": tensors[", i, "] must be contiguous, got strides ", x.strides(), " for sizes ",
+             x.sizes());
+    if (x.numel() == 0) continue;
+    const auto b = reinterpret_cast<uintptr_t>(x.data_ptr());
+    spans.emplace_back(b, b + static_cast<uintptr_t>(x.numel()) * x.element_size());
+    index.push_back(i);
+  }
+  std::vector<size_t> order(spans.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return spans[a].first < spans[b].first; });
+  for (size_t k = 1; k < order.size(); ++k) {
+    const size_t prev = order[k - 1], cur = order[k];
+    PG_CHECK(spans[cur].first >= spans[prev].second, op, ": tensors[", index[prev], "] and tensors[", index[cur],
+             "] overlap in memory; expected distinct tensors (pass each gradient once)");
+  }
+}
+
+// The launches of a list: each a table of at most kMaxTensors non-empty tensors and its chunk count.
+struct Launch {
+  Table table;
+  int count = 0;
+  int64_t chunks = 0;
+};
+
+std::vector<Launch> plan(at::TensorList tensors, int64_t elems_per_chunk) {
+  std::vector<Launch> launches(1);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const int64_t numel = tensors[i].numel();
+    if (numel == 0) continue;
+    if (launches.back().count == kMaxTensors) launches.emplace_back();
+    Launch& l = launches.back();
+    l.table.ptr[l.count] = tensors[i].data_ptr();
+    l.table.numel[l.count] = numel;
+    l.table.aligned[l.count] = aligned16(l.table.ptr[l.count]) ? 1 : 0;
+    l.table.chunk_start[l.count] = l.chunks;
+    l.chunks += (numel + elems_per_chunk - 1) / elems_per_chunk;
+    ++l.count;
+    l.table.chunk_start[l.count] = l.chunks;
+  }
+  if (launches.back().count == 0) launches.pop_back();
+  return launches;
+}
+
+int64_t grid_for(const void* kernel, int64_t chunks) {
+  const int64_t resident = static_cast<int64_t>(sm_count()) * occupancy(kernel, kThreads, 0);
+  return std::max<int64_t>(1, std::min(chunks, resident));
+}
+
+template <typename T, int K>
+void norm_launches(const std::vector<Launch>& launches, float* out, const at::Tensor& like, cudaStream_t stream) {
+  const void* kernel = reinterpret_cast<const void*>(&norm_kernel<T, K>);
+  std::vector<int64_t> grids;
+  int64_t n_partials = 0;
+  for (const Launch& l : launches) {
+    grids.push_back(grid_for(kernel, l.chunks));
+    n_partials += grids.back();
+  }
+  at::Tensor partials = at::empty({n_partials}, like.options().dtype(at::kFloat));
+  float* p = partials.data_ptr<float>();
+  for (size_t i = 0; i < launches.size(); ++i) {
+    norm_kernel<T, K><<<static_cast<unsigned>(grids[i]), kThreads, 0, stream>>>(launches[i].table, launches[i].count,
+                                                                                launches[i].chunks, p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    p += grids[i];
+  }
+  finalize_kernel<K><<<1, kFinalThreads, 0, stream>>>(partials.data_ptr<float>(), n_partials, out);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void norm_by_kind(int kind, const std::vector<Launch>& launches, float* out, const at::Tensor& like,
+                  cudaStream_t stream) {
+  if (kind == kL2) {
+    norm_launches<T, kL2>(launches, out, like, stream);
+  } else if (kind == kL1) {
+    norm_launches<T, kL1>(launches, out, like, stream);
+  } else {
+    norm_launches<T, kMax>(launches, out, like, stream);
+  }
+}
+
+}  // namespace
+
+at::Tensor multi_tensor_norm_cuda(at::TensorList tensors, double norm_type) {
+  check_tensors(kNormOp, tensors);
+  int kind = -1;
+  if (norm_type == 2.0) {
+    kind = kL2;
+  } else if (norm_type == 1.0) {
+    kind = kL1;
+  } else if (std::isinf(norm_type) && norm_type > 0) {
+    kind = kMax;
+  }
+  PG_CHECK(kind >= 0, kNormOp, ": norm_type must be 1, 2 or inf, got ", norm_type);
+  const at::Tensor& first = tensors[0];
+  c10::cuda::CUDAGuard guard(first.device());
+  at::Tensor out = at::empty({}, first.options().dtype(at::kFloat));
+  const at::ScalarType dtype = first.scalar_type();
+  const int64_t per_chunk = dtype == at::kFloat ? kChunkElems<float> : kChunkElems<at::Half>;
+  const std::vector<Launch> launches = plan(tensors, per_chunk);
+  if (launches.empty()) return out.zero_();   // only empty tensors: the norm is 0
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  by_dtype(dtype, [&](auto tag) {
+    norm_by_kind<decltype(tag)>(kind, launches, out.data_ptr<float>(), first, stream);
+  });
+  return out;
+}
+
+void multi_tensor_mul_cuda(at::TensorList tensors, const at::Tensor& coef) {
+  check_tensors(kMulOp, tensors);
+  const at::Tensor& first = tensors[0];
+  PG_CHECK(coef.defined() && coef.numel() == 1 && coef.scalar_type() == at::kFloat, kMulOp,
+           ": coef must be a float32 tensor of one element, got ",
+           coef.defined() ? c10::toString(coef.scalar_type()) : "an undefined tensor", " with ",
+           coef.defined() ? coef.numel() : 0, " elements");
+  PG_CHECK(coef.device() == first.device(), kMulOp, ": coef is on ", coef.device(), " but tensors[0] is on ",
+           first.device(), "; expected the tensors' device");
+  c10::cuda::CUDAGuard guard(first.device());
+  const at::ScalarType dtype = first.scalar_type();
+  const int64_t per_chunk = dtype == at::kFloat ? kChunkElems<float> : kChunkElems<at::Half>;
+  const std::vector<Launch> launches = plan(tensors, per_chunk);
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const float* c = coef.data_ptr<float>();
+  by_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const void* kernel = reinterpret_cast<const void*>(&mul_kernel<T>);
+    for (const Launch& l : launches) {
+      mul_kernel<T><<<static_cast<unsigned>(grid_for(kernel, l.chunks)), kThreads, 0, stream>>>(l.table, l.count,
+                                                                                                 l.chunks, c);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+}
+
+}  // namespace pipegoose
