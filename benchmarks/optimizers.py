@@ -14,8 +14,10 @@ Implementations:
   ``torch.ops.pipegoose.multi_tensor_adam`` / ``deepspeed_multi_tensor_adam`` ops (Apex via ColossalAI 0.5.0,
   DeepSpeed 0.19.8) called with chunk size 2048*32, mode 1 (AdamW).
 * clip_grad_norm: ``torch_foreach`` = ``torch.nn.utils.clip_grad_norm_(foreach=True)``; ``torch_loop`` =
-  ``foreach=False``; ``pipegoose`` = ``pipegoose.nn.fusion.optim.clip_grad_norm_``; ``apex`` = raw
-  ``multi_tensor_l2norm`` then ``multi_tensor_scale``. max_norm 1.0. Before each timed call (untimed, before the
+  ``foreach=False``; ``pipegoose`` = ``pipegoose.nn.fusion.optim.clip_grad_norm_(impl="pipegoose")`` (our kernels,
+  ops ``pipegoose::multi_tensor_norm`` and ``multi_tensor_mul_``); ``clip_grad_norm`` = ``clip_grad_norm_()`` (the
+  dispatcher's choice: what a user gets); ``apex`` = raw ``multi_tensor_l2norm`` then ``multi_tensor_scale``.
+  max_norm 1.0. Before each timed call (untimed, before the
   L2 flush) the gradients are multiplied by :data:`CLIP_RESCALE`, so that every timed call clips: a call on already
   clipped gradients finds the coefficient 1, and ours then skips the scaling pass (torch's multiplies by 1), which
   the byte count (a read for the norm, a read and a write for the scale) would not describe.
@@ -50,7 +52,7 @@ CHUNK = 2048 * 32
 # benchmark impl -> the dispatcher implementation it times (the tuning table's choices); others are comparisons
 TUNABLE = {"adamw": {"pipegoose": "pipegoose", "torch_fused": "torch_fused", "torch_foreach": "torch", "apex": "apex",
                      "deepspeed": "deepspeed"},
-           "clip_grad_norm": {"torch_foreach": "torch", "apex": "apex"}}
+           "clip_grad_norm": {"pipegoose": "pipegoose", "torch_foreach": "torch", "apex": "apex"}}
 
 
 def upgrade_row(m: Measurement) -> None:
@@ -58,11 +60,15 @@ def upgrade_row(m: Measurement) -> None:
     ``torch_fused`` or kernel of ours) up to date, in place, when a merge reads it: the implementation it timed is named
     (``torch_foreach`` -> ``torch``, ...), and the ``adamw`` row ``pipegoose``, which timed ``FusedAdam()``'s default of
     its day (the Apex copy), becomes ``fused_adam``: as ``pipegoose`` it would pass for our kernel and hide our kernel's
-    own row when a later run measured nothing there (a review). Other rows are left as they are."""
+    own row when a later run measured nothing there (a review). Likewise a ``clip_grad_norm`` row ``pipegoose`` written
+    before session 53 (``tunable`` null: ``clip_grad_norm_()``, the dispatcher's choice, before we had a kernel)
+    becomes ``clip_grad_norm``. Other rows are left as they are."""
     if m.op not in TUNABLE or m.tunable is not None:
         return
     if m.op == "adamw" and m.impl == "pipegoose":
         m.impl = "fused_adam"
+    elif m.op == "clip_grad_norm" and m.impl == "pipegoose":
+        m.impl = "clip_grad_norm"
     else:
         m.tunable = TUNABLE[m.op].get(m.impl)
 
@@ -196,15 +202,26 @@ def _torch_clip(foreach: bool) -> Callable:
     return build
 
 
-def _pipegoose_clip(grads: list[torch.Tensor]) -> Callable:
-    try:
-        from pipegoose.nn.fusion.optim import clip_grad_norm_
-    except Exception as e:
-        raise Unavailable(f"pipegoose.nn.fusion.optim not importable: {type(e).__name__}: {e}") from None
-    ps = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]   # clipping reads only .grad
-    for p, g in zip(ps, grads):
-        p.grad = g
-    return lambda: clip_grad_norm_(ps, 1.0)
+def _pipegoose_clip(impl: str | None) -> Callable:
+    """``clip_grad_norm_(impl=impl)``: None is the dispatcher's own choice (what a user gets); a named implementation
+    must be the one that runs (Unsupported, or Unavailable where its kernel did not load, otherwise)."""
+    def build(grads: list[torch.Tensor]) -> Callable:
+        try:
+            from pipegoose.nn.fusion import dispatch
+            from pipegoose.nn.fusion.optim import clip_grad_norm_
+        except Exception as e:
+            raise Unavailable(f"pipegoose.nn.fusion.optim not importable: {type(e).__name__}: {e}") from None
+        ps = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]   # clipping reads only .grad
+        for p, g in zip(ps, grads):
+            p.grad = g
+        if impl is not None:
+            choice = dispatch.choose("clip_grad_norm", dispatch.problem_of("clip_grad_norm", grads, 2.0), impl)
+            if choice.impl != impl:
+                why = choice.reasons.get(impl) or choice.unmet
+                raise (Unavailable if "unavailable" in why else Unsupported)(
+                    f"{impl} not taken (dispatcher would run {choice.impl}): {why}")
+        return lambda: clip_grad_norm_(ps, 1.0, impl=impl)
+    return build
 
 
 def _apex_clip(grads: list[torch.Tensor]) -> Callable:
@@ -226,8 +243,8 @@ def _apex_clip(grads: list[torch.Tensor]) -> Callable:
     return clip
 
 
-CLIP = {"torch_foreach": _torch_clip(True), "torch_loop": _torch_clip(False), "pipegoose": _pipegoose_clip,
-        "apex": _apex_clip}
+CLIP = {"torch_foreach": _torch_clip(True), "torch_loop": _torch_clip(False), "pipegoose": _pipegoose_clip("pipegoose"),
+        "clip_grad_norm": _pipegoose_clip(None), "apex": _apex_clip}
 
 
 def _check_adamw(build: Callable, params0: list[torch.Tensor], dtype: torch.dtype, tol: dict) -> tuple[str, float, str]:

@@ -4,6 +4,8 @@
     compute-sanitizer --tool racecheck --error-exitcode 99 python tools/sanitize_kernels.py norms
     compute-sanitizer --tool memcheck  --error-exitcode 99 python tools/sanitize_kernels.py softmax long
     compute-sanitizer --tool memcheck  --error-exitcode 99 python tools/sanitize_kernels.py adam
+    compute-sanitizer --tool memcheck  --error-exitcode 99 python tools/sanitize_kernels.py clip
+    compute-sanitizer --tool racecheck --error-exitcode 99 python tools/sanitize_kernels.py clip
     compute-sanitizer --tool memcheck  --error-exitcode 99 python tools/sanitize_kernels.py swiglu
     compute-sanitizer --tool memcheck  --error-exitcode 99 python tools/sanitize_kernels.py cross_entropy
     compute-sanitizer --tool racecheck --error-exitcode 99 python tools/sanitize_kernels.py cross_entropy
@@ -23,7 +25,9 @@ and without parameters and with a bias alone, fp32 parameters and fp32 grad_outp
 ``pipegoose/softmax`` (plain, padding-masked, causal; 1 to 40000 keys; one and three query rows, and whole causal
 matrices of 36 to 2056 keys: the row pairs of the forward and the backward) and ``pipegoose/multi_tensor_adam`` (one
 step, AdamW and L2, over tensors of 1 to 12289 elements (around both chunk sizes), more than one launch holds, empty
-ones, and views at odd offsets: the scalar path) and ``pipegoose/swiglu`` (forward and backward of 1 to 300007
+ones, and views at odd offsets: the scalar path) and ``pipegoose/clip_grad_norm`` (the 1, 2 and inf norms and the
+multiplication, by 0.5 and by 1, over the same kind of lists: 1 to 3 * 65536 + 5 elements, 1030 tensors (two launches
+of 1024), empty ones, views at odd offsets) and ``pipegoose/swiglu`` (forward and backward of 1 to 300007
 elements: whole vectors, tails, several blocks; views at odd offsets: the scalar path) and ``pipegoose/cross_entropy``
 (forward and backward over 1 to 151936 classes, the backward's long rows split over 2 to 8 blocks, rows at a stride
 that misaligns every other row, ignored and out-of-range targets, the reduced forward's mean and sum, and the
@@ -33,7 +37,8 @@ heads of 128 over 1024 positions, tables of one batch and of B, no query or no k
 no multiple of the vector, views at odd offsets, rows of D + 1 elements and a narrowed head dim (the scalar path),
 Llama's transposed projections and a fused qkv projection's heads) in fp32, fp16 and bf16, at sizes small enough for
 the sanitizers (seconds, not hours).
-The optional argument ``norms``, ``softmax``, ``adam``, ``swiglu``, ``cross_entropy`` or ``rope`` limits it to one family;
+The optional argument ``norms``, ``softmax``, ``adam``, ``clip``, ``swiglu``, ``cross_entropy`` or ``rope`` limits it to
+one family;
 ``norms`` followed by hidden sizes (of the list ``NORM_HIDDEN``) to those sizes, e.g. ``norms 16384 20000 32768 64000``
 for the wide rows' backward; ``softmax long`` adds the 16-bit causal forward of 16387 queries of 16384 keys (the staged
 kernel on rows of every length), a square causal matrix of 8200 keys (8196 in fp32: the backward's row pairs with
@@ -73,10 +78,10 @@ def main() -> int:
         if not set(hidden) <= set(NORM_HIDDEN):
             raise SystemExit(f"sanitize_kernels: norms: expected hidden sizes among {NORM_HIDDEN}, got "
                              f"{' '.join(sys.argv[2:])!r}")
-    elif which not in ("all", "norms", "softmax", "adam", "swiglu", "cross_entropy", "rope") or sys.argv[2:] not in (
-            [], ["long"] if which == "softmax" else []):
-        raise SystemExit(f"sanitize_kernels: expected 'norms' [HIDDEN ...], 'softmax' [long], 'adam', 'swiglu', "
-                         f"'cross_entropy', 'rope' or nothing, got "
+    elif which not in ("all", "norms", "softmax", "adam", "clip", "swiglu", "cross_entropy", "rope") or \
+            sys.argv[2:] not in ([], ["long"] if which == "softmax" else []):
+        raise SystemExit(f"sanitize_kernels: expected 'norms' [HIDDEN ...], 'softmax' [long], 'adam', 'clip', "
+                         f"'swiglu', 'cross_entropy', 'rope' or nothing, got "
                          f"{' '.join(sys.argv[1:])!r}")
     long_rows = sys.argv[2:] == ["long"]
     if not torch.cuda.is_available():
@@ -191,6 +196,19 @@ def main() -> int:
                 lists[k][k + 1] = torch.randn(sizes[k + 1] + 1, device="cuda", dtype=dt)[1:]
             for adam_w_mode in (True, False):
                 adam.adam_step(*lists, 1e-3, 0.9, 0.999, 1e-8, 3, adam_w_mode, True, 0.01)
+                calls += 1
+    if which in ("all", "clip"):
+        clip = load("pipegoose/clip_grad_norm")
+        # around the chunks (4096 fp32, 8192 16-bit elements) and the vector width; 1030 tensors: two launches
+        sizes = [1, 3, 4095, 4097, 8191, 8193, 3 * 65536 + 5, 0] + [5] * 1020 + [0] + [4096]
+        for dt in dtypes:
+            ts = [torch.randn(n, device="cuda", dtype=dt) for n in sizes]
+            ts[1], ts[4] = (torch.randn(sizes[k] + 1, device="cuda", dtype=dt)[1:] for k in (1, 4))   # misaligned
+            for norm_type in (2.0, 1.0, float("inf")):
+                clip.multi_tensor_norm(ts, norm_type)
+                calls += 1
+            for coef in (0.5, 1.0):
+                clip.multi_tensor_mul_(ts, torch.tensor(coef, device="cuda"))
                 calls += 1
     if which in ("all", "swiglu"):
         sw = load("pipegoose/swiglu")

@@ -685,6 +685,26 @@ def test_optimizer_benchmark_impls_name_implementations_of_the_dispatchers_ops()
         assert set(impls.values()) <= set(dispatch.implementations(RULE_OP.get(op, op))), op
     assert TUNABLE["adamw"]["pipegoose"] == "pipegoose" and TUNABLE["adamw"]["torch_foreach"] == "torch"
     assert "fused_adam" not in TUNABLE["adamw"]   # FusedAdam's own choice: a comparison, not an implementation
+    assert TUNABLE["clip_grad_norm"]["pipegoose"] == "pipegoose" and "clip_grad_norm" not in TUNABLE["clip_grad_norm"]
+
+
+def test_old_clip_rows_named_pipegoose_are_read_as_the_dispatchers_choice():
+    """Before session 53 the clip_grad_norm row ``pipegoose`` timed ``clip_grad_norm_()`` (the dispatcher's choice:
+    torch's foreach path or the Apex copy); from session 53 ``pipegoose`` is our kernel. An old row is read as
+    ``clip_grad_norm``, so that it cannot pass for our kernel; a new row is left as it is."""
+    from benchmarks.optimizers import upgrade_row
+
+    old = m(op="clip_grad_norm", impl="pipegoose", pas="step", cols=10**8, ms=1.0, tunable=None)
+    upgrade_row(old)
+    assert (old.impl, old.tunable) == ("clip_grad_norm", None)
+    upgrade_row(old)   # read again by a later merge: unchanged
+    assert (old.impl, old.tunable) == ("clip_grad_norm", None)
+    new = m(op="clip_grad_norm", impl="pipegoose", pas="step", cols=10**8, ms=1.0, tunable="pipegoose")
+    upgrade_row(new)
+    assert (new.impl, new.tunable) == ("pipegoose", "pipegoose")
+    foreach = m(op="clip_grad_norm", impl="torch_foreach", pas="step", cols=10**8, ms=1.0, tunable=None)
+    upgrade_row(foreach)
+    assert (foreach.impl, foreach.tunable) == ("torch_foreach", "torch")
 
 
 def test_summary_end_to_end_columns_line_up():

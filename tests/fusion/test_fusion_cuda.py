@@ -9,6 +9,7 @@ implementation ran: a test that would also pass on the PyTorch fallback is a def
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -690,6 +691,37 @@ def test_clip_grad_norm_vs_torch(dtype, impl):
     torch.testing.assert_close(n1.double(), n2.double(), **TOLERANCES[dtype])
     for a, b in zip(p1, p2):
         torch.testing.assert_close(a.grad, b.grad, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtypes", [[torch.bfloat16] * 4, [torch.float32] * 4, [torch.float16] * 4,
+                                    [torch.bfloat16, torch.float32, torch.bfloat16, torch.float32]])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+@pytest.mark.parametrize("max_norm", [1.0, 1e9])
+def test_clip_grad_norm_ours_vs_float64_without_a_host_sync(dtypes, norm_type, max_norm):
+    """clip_grad_norm_(impl="pipegoose"): the total norm and every clipped gradient against float64 (max_norm 1e9:
+    nothing is clipped, and the multiplication returns at once), with no synchronizing CUDA call (torch's sync debug
+    mode raises on one; the Apex path reads the coefficient on the host)."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.zeros(n, device=DEV, dtype=dt)) for n, dt in zip((3, 1000, 65537, 17), dtypes)]
+    for i, p in enumerate(ps):
+        p.grad = (torch.randn(p.shape, device=DEV) * (i + 1)).to(p.dtype)
+    g64 = [p.grad.double() for p in ps]
+    total64 = torch.linalg.vector_norm(torch.cat(g64), norm_type)
+    coef = min(1.0, max_norm / (float(total64) + 1e-6))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        total = clip_grad_norm_(ps, max_norm, norm_type, impl="pipegoose")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ran("clip_grad_norm", "pipegoose", calls=len(set(dtypes)))   # one call per dtype group
+    coarse = max(dtypes, key=lambda d: torch.finfo(d).eps)
+    assert total.dtype == functools.reduce(torch.promote_types, dtypes) and total.device == ps[0].device
+    torch.testing.assert_close(total.double(), total64, **TOLERANCES[coarse])
+    for p, g in zip(ps, g64):
+        torch.testing.assert_close(p.grad.double(), g * coef, **TOLERANCES[p.dtype])
+        if max_norm > 1e6:
+            assert torch.equal(p.grad, g.to(p.dtype)), "a coefficient of 1 must leave the gradients as they were"
 
 
 # --- double backward ---------------------------------------------------------------------------------------

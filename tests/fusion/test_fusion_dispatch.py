@@ -338,8 +338,8 @@ def test_tuning_rule_skipped_where_the_timed_configuration_does_not_apply(tmp_pa
 def test_opt_in_implementations_run_only_when_named(tmp_path, monkeypatch):
     """An opt_in implementation (a kernel not yet timed against the others) is passed over by the built-in order,
     with the reason; an impl= argument, a PIPEGOOSE_IMPL_* variable or a tuning rule naming it runs it."""
-    dispatch.register(Implementation(OP, "pipegoose", "ours", lambda p: (p["ours"], "" if p["ours"] else "ours says no"),
-                                     opt_in=True))
+    dispatch.register(Implementation(OP, "pipegoose", "ours",
+                                     lambda p: (p["ours"], "" if p["ours"] else "ours says no"), opt_in=True))
     c = dispatch.select(OP, problem())
     assert (c.impl, c.source, c.fallback) == ("megatron", "builtin", False)
     assert c.reasons["pipegoose"] == ("opt-in: runs when requested (impl='pipegoose' or "

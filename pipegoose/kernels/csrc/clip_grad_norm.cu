@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -230,10 +231,14 @@ void check_tensors(const char* op, at::TensorList tensors) {
   }
   std::vector<size_t> order(spans.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return spans[a].first < spans[b].first; });
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return std::tie(spans[a], a) < std::tie(spans[b], b); });
+  size_t reach = 0;   // the span ending last among those sorted so far
   for (size_t k = 1; k < order.size(); ++k) {
-    const size_t prev = order[k - 1], cur = order[k];
-    PG_CHECK(spans[cur].first >= spans[prev].second, op, ": tensors[", index[prev], "] and tensors[", index[cur],
+    if (spans[order[k - 1]].second > spans[order[reach]].second) reach = k - 1;
+    const size_t prev = order[reach], cur = order[k];
+    PG_CHECK(spans[cur].first >= spans[prev].second, op, ": tensors[", std::min(index[prev], index[cur]),
+             "] and tensors[", std::max(index[prev], index[cur]),
              "] overlap in memory; expected distinct tensors (pass each gradient once)");
   }
 }
