@@ -2,7 +2,8 @@
 ``pipegoose/kernels/csrc/clip_grad_norm.cu``) against float64: the 1, 2 and inf norms in fp32, fp16 and bf16, sizes
 around the chunks, more tensors than one launch takes, empty and misaligned tensors, nan and inf, 64-bit offsets; the
 multiplication against torch's fp32 product (bit for bit) and float64; the argument checks (a refused call changes
-nothing). Run on the GPU machine: ``python -m pytest -m cuda tests``."""
+nothing). The fakes are tested on the CPU (``test_clip_grad_norm_fakes.py``). Run on the GPU machine:
+``python -m pytest -m cuda tests``."""
 
 from __future__ import annotations
 
@@ -181,19 +182,3 @@ def test_refused_calls_name_the_argument_and_change_nothing(ops):
         ts, torch.ones(2, device=DEV)))
     refused(r"coef is on cpu but tensors\[0\] is on cuda", lambda: ops.multi_tensor_mul_(ts, one.cpu()))
 
-
-def test_fakes_refuse_what_the_kernels_refuse(ops):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        ts = [torch.empty(5, device=DEV), torch.empty(7, device=DEV)]
-        n = torch.ops.pipegoose.multi_tensor_norm(ts, 2.0)
-        assert n.shape == () and n.dtype == torch.float32 and n.device.type == "cuda"
-        assert torch.ops.pipegoose.multi_tensor_mul_(ts, torch.empty((), device=DEV)) is None
-        for bad, match in ((lambda: torch.ops.pipegoose.multi_tensor_norm(ts, 3.0), "norm_type must be 1, 2 or inf"),
-                           (lambda: torch.ops.pipegoose.multi_tensor_norm([ts[0], ts[1].half()], 2.0),
-                            r"tensors\[1\] is torch.float16"),
-                           (lambda: torch.ops.pipegoose.multi_tensor_mul_(ts, torch.empty(2, device=DEV)),
-                            "coef must be a float32 tensor of one element")):
-            with pytest.raises(RuntimeError, match=match):
-                bad()
