@@ -717,7 +717,8 @@ def test_clip_grad_norm_ours_vs_float64_without_a_host_sync(dtypes, norm_type, m
     ran("clip_grad_norm", "pipegoose", calls=len(set(dtypes)))   # one call per dtype group
     coarse = max(dtypes, key=lambda d: torch.finfo(d).eps)
     assert total.dtype == functools.reduce(torch.promote_types, dtypes) and total.device == ps[0].device
-    torch.testing.assert_close(total.double(), total64, **TOLERANCES[coarse])
+    # returned in the gradients' (promoted) dtype, as torch does: fp16's L1 norm here (~1.6e5) is inf in fp16
+    torch.testing.assert_close(total.double(), total64.to(total.dtype).double(), **TOLERANCES[coarse])
     for p, g in zip(ps, g64):
         torch.testing.assert_close(p.grad.double(), g * coef, **TOLERANCES[p.dtype])
         if max_norm > 1e6:

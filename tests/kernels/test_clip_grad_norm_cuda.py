@@ -181,4 +181,5 @@ def test_refused_calls_name_the_argument_and_change_nothing(ops):
     refused(r"coef must be a float32 tensor of one element, got Float with 2", lambda: ops.multi_tensor_mul_(
         ts, torch.ones(2, device=DEV)))
     refused(r"coef is on cpu but tensors\[0\] is on cuda", lambda: ops.multi_tensor_mul_(ts, one.cpu()))
+    refused(r"coef lies in tensors\[1\]", lambda: ops.multi_tensor_mul_(ts, ts[1][5:6]))
 

@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -50,6 +51,8 @@ constexpr int kUnroll = 4;          // 16-byte vectors per thread and chunk
 constexpr int kFinalThreads = 512;  // the one block that combines the partials
 constexpr int kMaxTensors = 1024;   // tensors per launch: 1024 * 25 + 8 bytes of table
 template <typename T> constexpr int64_t kChunkElems = static_cast<int64_t>(kThreads) * kUnroll * (16 / sizeof(T));
+// the chunk of a dtype: 4096 fp32, 8192 fp16 or bf16 elements
+int64_t chunk_elems(at::ScalarType dtype) { return dtype == at::kFloat ? kChunkElems<float> : kChunkElems<at::Half>; }
 
 struct Table {
   void* ptr[kMaxTensors];
@@ -62,8 +65,18 @@ enum NormKind : int { kL1 = 0, kL2 = 1, kMax = 2 };
 
 template <typename T> __device__ __forceinline__ float to_f(T x) { return static_cast<float>(x); }
 
-// max that keeps a nan from either side (fmaxf drops it)
-template <typename F> __device__ __forceinline__ F nan_max(F a, F b) { return (a > b || a != a) ? a : b; }
+// max that keeps a nan from either side (fmaxf drops it): one max.NaN instruction on sm_80 and later (the generic
+// form is four: two compares, an or and a select per element of the inf norm)
+template <typename F> __device__ __forceinline__ F nan_max(F a, F b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<F, float>) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+  }
+#endif
+  return (a > b || a != a) ? a : b;
+}
 
 template <int K> __device__ __forceinline__ float accumulate(float acc, float x) {
   if constexpr (K == kL2) {
@@ -84,6 +97,7 @@ template <int K, typename F> __device__ __forceinline__ F combine(F a, F b) {
 }
 
 // The combination of v over the block (every thread passes its value; thread 0 gets the result). fp32 or fp64.
+// Called once per kernel: a second call would need a __syncthreads() before its writes to warp_vals.
 template <int K, int kBlock, typename F> __device__ __forceinline__ F block_combine(F v) {
   static_assert(kBlock % 32 == 0 && kBlock <= 1024, "whole warps");
   __shared__ F warp_vals[kBlock / 32];
@@ -324,8 +338,7 @@ at::Tensor multi_tensor_norm_cuda(at::TensorList tensors, double norm_type) {
   c10::cuda::CUDAGuard guard(first.device());
   at::Tensor out = at::empty({}, first.options().dtype(at::kFloat));
   const at::ScalarType dtype = first.scalar_type();
-  const int64_t per_chunk = dtype == at::kFloat ? kChunkElems<float> : kChunkElems<at::Half>;
-  const std::vector<Launch> launches = plan(tensors, per_chunk);
+  const std::vector<Launch> launches = plan(tensors, chunk_elems(dtype));
   if (launches.empty()) return out.zero_();   // only empty tensors: the norm is 0
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   by_dtype(dtype, [&](auto tag) {
@@ -343,10 +356,16 @@ void multi_tensor_mul_cuda(at::TensorList tensors, const at::Tensor& coef) {
            coef.defined() ? coef.numel() : 0, " elements");
   PG_CHECK(coef.device() == first.device(), kMulOp, ": coef is on ", coef.device(), " but tensors[0] is on ",
            first.device(), "; expected the tensors' device");
+  const auto c_begin = reinterpret_cast<uintptr_t>(coef.data_ptr());
+  for (size_t i = 0; i < tensors.size(); ++i) {   // the kernel reads coef while it writes the tensors
+    const auto b = reinterpret_cast<uintptr_t>(tensors[i].data_ptr());
+    const auto e = b + static_cast<uintptr_t>(tensors[i].numel()) * tensors[i].element_size();
+    PG_CHECK(tensors[i].numel() == 0 || c_begin + sizeof(float) <= b || c_begin >= e, kMulOp, ": coef lies in tensors[",
+             i, "]; expected a tensor of its own (the kernel reads it while it scales the tensors)");
+  }
   c10::cuda::CUDAGuard guard(first.device());
   const at::ScalarType dtype = first.scalar_type();
-  const int64_t per_chunk = dtype == at::kFloat ? kChunkElems<float> : kChunkElems<at::Half>;
-  const std::vector<Launch> launches = plan(tensors, per_chunk);
+  const std::vector<Launch> launches = plan(tensors, chunk_elems(dtype));
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const float* c = coef.data_ptr<float>();
   by_dtype(dtype, [&](auto tag) {
