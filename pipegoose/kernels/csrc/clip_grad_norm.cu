@@ -158,7 +158,19 @@ __global__ void __launch_bounds__(kThreads)
       }
       scalar_from = begin + full_vecs * V;
     }
-    for (int64_t i = scalar_from + threadIdx.x; i < end; i += kThreads) acc[0] = accumulate<K>(acc[0], to_f<T>(x[i]));
+    // the scalar path (a misaligned tensor's chunk, a tensor's tail): kUnroll loads in flight, then the sums
+    for (int64_t i = scalar_from + threadIdx.x; i < end; i += kThreads * kUnroll) {
+      float v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t j = i + static_cast<int64_t>(u) * kThreads;
+        if (j < end) v[u] = to_f<T>(x[j]);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (i + static_cast<int64_t>(u) * kThreads < end) acc[u] = accumulate<K>(acc[u], v[u]);
+      }
+    }
   }
   float a = acc[0];
 #pragma unroll
@@ -210,7 +222,19 @@ __global__ void __launch_bounds__(kThreads)
       }
       scalar_from = begin + full_vecs * V;
     }
-    for (int64_t i = scalar_from + threadIdx.x; i < end; i += kThreads) x[i] = static_cast<T>(to_f<T>(x[i]) * s);
+    for (int64_t i = scalar_from + threadIdx.x; i < end; i += kThreads * kUnroll) {   // loads first, as above
+      T v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t j = i + static_cast<int64_t>(u) * kThreads;
+        if (j < end) v[u] = x[j];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t j = i + static_cast<int64_t>(u) * kThreads;
+        if (j < end) x[j] = static_cast<T>(to_f<T>(v[u]) * s);
+      }
+    }
   }
 }
 
