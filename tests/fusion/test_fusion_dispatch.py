@@ -356,6 +356,8 @@ def test_opt_in_implementations_run_only_when_named(tmp_path, monkeypatch):
     write_table(tmp_path, table({"op": OP, "dtype": "float16", "impl": "pipegoose"}), monkeypatch)
     c = dispatch.select(OP, problem())
     assert (c.impl, c.source) == ("pipegoose", "tuning")
+    with pytest.raises(ValueError, match="Implementation.opt_in: a reference implementation"):
+        Implementation(OP, "torch", "reference", lambda p: (True, ""), opt_in=True)
 
 
 def test_small_problems_run_the_native_reference(tmp_path, monkeypatch):

@@ -219,16 +219,24 @@ class FakeOps:
         # pipegoose::multi_tensor_norm (bindings/clip_grad_norm.cpp): one dtype, contiguous, distinct tensors; the
         # total norm as a float32 scalar, accumulated in fp32
         self.calls.append("multi_tensor_norm")
-        assert len({t.dtype for t in tensors}) == 1 and all(t.is_contiguous() for t in tensors)
-        assert len({t.data_ptr() for t in tensors}) == len(tensors)
+        self._clip_lists("multi_tensor_norm", tensors)
         assert isinstance(norm_type, float) and norm_type in (1.0, 2.0, math.inf)
         return torch.linalg.vector_norm(torch.cat([t.float().reshape(-1) for t in tensors]), norm_type)
+
+    @staticmethod
+    def _clip_lists(op, tensors):
+        # check_tensors of clip_grad_norm.cu: one dtype, contiguous, and no two non-empty tensors sharing memory
+        assert tensors and len({t.dtype for t in tensors}) == 1 and all(t.is_contiguous() for t in tensors)
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors if t.numel())
+        for (_, end), (begin, _) in zip(spans, spans[1:]):
+            if begin < end:
+                raise RuntimeError(f"pipegoose::{op}: tensors overlap in memory")
 
     def multi_tensor_mul_(self, tensors, coef):
         # pipegoose::multi_tensor_mul_: the coefficient is a float32 tensor read on the device (no host sync)
         self.calls.append("multi_tensor_mul_")
         assert isinstance(coef, torch.Tensor) and coef.dtype == torch.float32 and coef.numel() == 1
-        assert len({t.dtype for t in tensors}) == 1 and all(t.is_contiguous() for t in tensors)
+        self._clip_lists("multi_tensor_mul_", tensors)
         for t in tensors:
             t.copy_(t.float() * coef)
 
@@ -527,14 +535,79 @@ def test_clip_ours_is_opt_in_and_declines_a_gradient_listed_twice(fake):
                                                                    "PIPEGOOSE_IMPL_CLIP_GRAD_NORM=pipegoose)")
     assert dispatch.explain("clip_grad_norm", [ps[0].grad.float()], 2.0).impl == "apex"
     c = dispatch.explain("clip_grad_norm", [ps[0].grad, ps[0].grad], 2.0, impl="pipegoose")
-    assert c.impl == "torch" and "appears twice" in c.reasons["pipegoose"]
+    assert c.impl == "torch" and "listed twice" in c.reasons["pipegoose"]
     c = dispatch.explain("clip_grad_norm", [ps[0].grad], 3.0, impl="pipegoose")
     assert c.impl == "torch" and "1, 2 and inf" in c.reasons["pipegoose"]
     p1, p2 = _clip_params([torch.float32]), _clip_params([torch.float32])
-    with pytest.warns(UserWarning, match="appears twice"):
+    with pytest.warns(UserWarning, match="overlap in memory"):
         n1 = clip_grad_norm_([p1[0], p1[0]], 0.5, impl="pipegoose")
     n2 = torch.nn.utils.clip_grad_norm_([p2[0], p2[0]], 0.5)
     assert torch.equal(n1, n2) and torch.equal(p1[0].grad, p2[0].grad)
+
+
+def test_clip_glue_ours_empty_and_overlapping_gradients(fake):
+    """Empty gradients count 0 (only empty ones: a total of 0); gradients that share memory (views of one buffer)
+    are declined with the reason and take torch's path, which gives torch's result."""
+    ps = _clip_params([torch.bfloat16] * 3)
+    e = torch.nn.Parameter(torch.zeros(0, dtype=torch.bfloat16))
+    e.grad = torch.zeros(0, dtype=torch.bfloat16)
+    _, want = _clip64([p.grad for p in ps], 0.5, 2.0)
+    clip_grad_norm_(ps[:1] + [e] + ps[1:], 0.5, impl="pipegoose")
+    assert dispatch.stats()["clip_grad_norm"] == {"pipegoose": 1}
+    for p, w in zip(ps, want):
+        torch.testing.assert_close(p.grad.double(), w, **TOLERANCES[torch.bfloat16])
+    assert float(clip_grad_norm_([e], 0.5, impl="pipegoose")) == 0.0
+    buf = torch.randn(20)
+    views = []
+    for sl in (slice(0, 12), slice(8, 20)):
+        p = torch.nn.Parameter(torch.zeros(12))
+        p.grad = buf[sl]
+        views.append(p)
+    c = dispatch.explain("clip_grad_norm", [v.grad for v in views], 2.0, impl="pipegoose")
+    assert c.impl == "torch"
+    assert c.reasons["pipegoose"].startswith("gradients 0 and 1 of the group overlap in memory")
+    assert c.reasons["apex"] == c.reasons["pipegoose"]
+    ref = buf.clone()
+    want = torch.nn.utils.clip_grad_norm_([_param_with_grad(ref[0:12]), _param_with_grad(ref[8:20])], 0.5)
+    with pytest.warns(UserWarning, match="overlap in memory"):
+        got = clip_grad_norm_(views, 0.5, impl="pipegoose")
+    assert torch.equal(got, want) and torch.equal(buf, ref)
+
+
+def _param_with_grad(g):
+    p = torch.nn.Parameter(torch.zeros(g.shape, dtype=g.dtype))
+    p.grad = g
+    return p
+
+
+def test_clip_glue_ours_coefficient_from_the_fp32_total(fake):
+    """The coefficient comes from the fp32 total: bf16 gradients are scaled by exactly
+    clamp(max_norm / (total32 + 1e-6), max=1) (torch rounds the total to bf16 first, and the result differs here);
+    fp16 gradients whose norm exceeds 65504 are clipped to max_norm (torch zeroes them), the total returned being
+    inf as torch's; with an fp64 group the groups' norms combine in fp64 (an fp32 combination was off by 7e-10)."""
+    ps = _clip_params([torch.bfloat16] * 3, seed=3)
+    g0 = [p.grad.clone() for p in ps]
+    total32 = torch.linalg.vector_norm(torch.cat([g.float() for g in g0]))
+    total = clip_grad_norm_(ps, 0.37, impl="pipegoose")
+    coef32 = torch.clamp(0.37 / (total32 + 1e-6), max=1.0)
+    assert total.dtype == torch.bfloat16 and torch.equal(total, total32.bfloat16())
+    assert all(torch.equal(p.grad, (g.float() * coef32).bfloat16()) for p, g in zip(ps, g0))
+    coef16 = torch.clamp(0.37 / (total32.bfloat16() + 1e-6), max=1.0)
+    assert any(not torch.equal(p.grad, g * coef16) for p, g in zip(ps, g0)), "the test does not tell them apart"
+    big = [_param_with_grad(torch.full((4,), 60000.0, dtype=torch.float16)) for _ in range(2)]
+    total = clip_grad_norm_(big, 1.0, impl="pipegoose")
+    assert total.dtype == torch.float16 and total.isinf()
+    norm = torch.linalg.vector_norm(torch.cat([p.grad.double() for p in big]))
+    assert norm.item() == pytest.approx(1.0, rel=1e-3)
+    g64 = _param_with_grad(torch.full((1000,), 1 + 1e-12, dtype=torch.float64))
+    g32 = _param_with_grad(torch.full((10,), 1e-4))
+    want = torch.nn.utils.clip_grad_norm_([_param_with_grad(g64.grad.clone()), _param_with_grad(g32.grad.clone())], 1.0)
+    ref = g64.grad.clone() * min(1.0, 1.0 / (float(want) + 1e-6))
+    with pytest.warns(UserWarning, match="impl='pipegoose' cannot run this input: dtype float64"):
+        total = clip_grad_norm_([g64, g32], 1.0, impl="pipegoose")
+    assert dispatch.last_choice("clip_grad_norm").impl == "pipegoose"   # the fp32 group; fp64 ran torch's path
+    assert total.dtype == torch.float64 and abs(float(total) - float(want)) < 1e-12
+    assert (g64.grad - ref).abs().max().item() < 1e-15
 
 
 @pytest.mark.parametrize("kw,err,msg", [

@@ -227,6 +227,9 @@ class Implementation:
     def __post_init__(self) -> None:
         if self.kind not in _KIND_ORDER:
             raise ValueError(f"Implementation.kind: expected one of {sorted(_KIND_ORDER)}, got {self.kind!r}")
+        if self.opt_in and self.kind == "reference":
+            raise ValueError(f"Implementation.opt_in: a reference implementation ({self.op} {self.name}) is the "
+                             "fallback of every choice and cannot be opt-in")
 
 
 @dataclass(frozen=True)

@@ -310,11 +310,17 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     ``apex`` computes the L2 norm with ``multi_tensor_l2norm`` (fp32 accumulation) and scales with
     ``multi_tensor_scale`` (fp32/fp16 gradients, ``norm_type=2``; one host sync reads the clip coefficient); kernels:
     Apex's csrc/multi_tensor_l2norm_kernel.cu and csrc/multi_tensor_scale_kernel.cu via ColossalAI 0.5.0
-    extensions/csrc/kernel/cuda/ (Apache-2.0). Otherwise ``torch._foreach_norm`` / ``torch._foreach_mul_``. Where a
-    kernel's fp32 norm takes part, the clip coefficient ``min(1, max_norm / (total + 1e-6))`` is computed from the
-    fp32 total (torch computes it in the gradients' dtype: a bf16 coefficient for bf16 gradients). With no gradient:
+    extensions/csrc/kernel/cuda/ (Apache-2.0). Otherwise ``torch._foreach_norm`` / ``torch._foreach_mul_``. Both
+    kernels decline gradients whose memory overlaps (a parameter listed twice) and tensor subclasses (DTensor).
+
+    Where a kernel's fp32 norm takes part, the groups' norms are combined in fp32 (fp64 with fp64 gradients) and the
+    clip coefficient ``min(1, max_norm / (total + 1e-6))`` is computed from that total; the total returned is its
+    rounding to the gradients' dtype. torch computes the coefficient from the rounded total: a bf16 coefficient for
+    bf16 gradients, and for fp16 gradients whose norm exceeds 65504 (inf in fp16) a coefficient of 0, which zeroes
+    them; here they are clipped to ``max_norm`` (the total returned is inf, as torch's). With no gradient:
     ``tensor(0.)``. ``foreach`` is taken for torch's signature and ignored (the paths above are multi-tensor
-    already).
+    already). No host sync on the ``pipegoose`` path with a number for ``max_norm`` and ``error_if_nonfinite=False``
+    (reading a tensor ``max_norm`` and checking the total are syncs, as in torch).
 
     Raises:
         TypeError: ``max_norm`` or ``norm_type`` is not a number (or a one-element tensor); ``foreach`` not None, True
@@ -359,21 +365,23 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
             plain.append(gs)
     out_dtype = _result_dtype(g.dtype for g in grads)
     if ours or fused:
-        # a kernel's norm (fp32) takes part: combine in fp32, and compute the coefficient from the fp32 total
-        total32 = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(
-            torch.stack([n.float().to(first) for n in norms]), norm_type)
-        total = total32.to(out_dtype)
+        # a kernel's norm (fp32) takes part: combine in fp32 (fp64 where fp64 gradients take part), and compute the
+        # coefficient from that total, not from its rounding to a 16-bit dtype
+        acc = torch.promote_types(torch.float32, out_dtype)
+        total_acc = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(
+            torch.stack([n.to(first, acc) for n in norms]), norm_type)
+        total = total_acc.to(out_dtype)
     else:
-        total32 = total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+        total_acc = total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
         raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so "
                            f"it cannot be clipped. To disable this error and scale the gradients by the non-finite "
                            f"norm anyway, set `error_if_nonfinite=False`")
-    coef = torch.clamp(max_norm / (total32 + 1e-6), max=1.0)
+    coef = torch.clamp(max_norm / (total_acc + 1e-6), max=1.0)
     for gs in plain:
         torch._foreach_mul_(gs, coef.to(gs[0].device))
     for gs in ours:  # the kernel reads coef on the device and returns at once when it is 1: no host sync
-        _mt.mul_ours(gs, coef.to(gs[0].device))
+        _mt.mul_ours(gs, coef.to(gs[0].device, torch.float32))
     if fused:
         c = float(coef)  # host sync: the scale kernel takes a float
         if not c >= 1.0:  # 1.0 leaves the gradients unchanged; nan must still propagate as in torch
