@@ -32,6 +32,8 @@ rope                   bwd     read dq_embed, dk_embed, cos, sin; write dq, dk: 
 any op                 fwd+bwd the sum of fwd and bwd (each pass must touch its own tensors)
 adamw                  step    read g, p, m, v; write p, m, v:          ``7*P*s``
 clip_grad_norm         step    read g (norm), read g + write g (scale): ``3*P*s``
+clip_grad_norm         unclip- read g (norm); the gradients are within max_norm, nothing to scale: ``P*s``
+                       ped
 copy (reference)       --      read src, write dst:                     ``2*N*s``
 =====================  ======  ===========================================================================
 
@@ -45,9 +47,11 @@ from __future__ import annotations
 
 from typing import Mapping
 
-__all__ = ["PASSES", "DTYPE_SIZES", "op_bytes", "dtype_size"]
+__all__ = ["PASSES", "STEP_PASSES", "DTYPE_SIZES", "op_bytes", "dtype_size"]
 
 PASSES = ("fwd", "bwd", "fwd+bwd")
+# the optimizer ops' passes: one step; for clip_grad_norm also a step whose gradients are already within max_norm
+STEP_PASSES = ("step", "unclipped")
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 _STAT = 4  # fp32 mean / rstd per row
 
@@ -103,7 +107,7 @@ def _one_pass(op: str, pas: str, shape: Mapping[str, int], s: int) -> int:
         return 7 * p * s
     if op == "clip_grad_norm":
         (p,) = _need(shape, "params")
-        return 3 * p * s
+        return (3 if pas == "step" else 1) * p * s
     if op == "copy":
         (n,) = _need(shape, "numel")
         return 2 * n * s
@@ -113,7 +117,7 @@ def _one_pass(op: str, pas: str, shape: Mapping[str, int], s: int) -> int:
 
 def op_bytes(op: str, pas: str, shape: Mapping[str, int], dtype: str) -> int:
     """Minimum bytes read + written by ``op`` in pass ``pas`` (``fwd``, ``bwd``, ``fwd+bwd``; ``step`` for the
-    optimizer ops and ``copy``) on ``shape`` (a mapping: ``b, np, sq, sk`` for the softmaxes, ``rows, hidden`` for
+    optimizer ops and ``copy``; ``unclipped`` for clip_grad_norm) on ``shape`` (a mapping: ``b, np, sq, sk`` for the softmaxes, ``rows, hidden`` for
     the norms, ``rows, inter`` for swiglu, ``rows, vocab`` for cross_entropy, ``b, seq, hq, hk, d`` for rope, ``params``
     for adamw/clip_grad_norm, ``numel`` for copy) in ``dtype`` (name, e.g. ``"bfloat16"``).
 
@@ -121,7 +125,11 @@ def op_bytes(op: str, pas: str, shape: Mapping[str, int], dtype: str) -> int:
     The counts are tabulated in this module's docstring.
     """
     s = dtype_size(dtype)
-    if op in ("adamw", "clip_grad_norm", "copy"):
+    if op == "clip_grad_norm":
+        if pas not in STEP_PASSES:
+            raise ValueError(f"pas: clip_grad_norm has the passes {', '.join(map(repr, STEP_PASSES))}, got {pas!r}")
+        return _one_pass(op, pas, shape, s)
+    if op in ("adamw", "copy"):
         if pas != "step":
             raise ValueError(f"pas: {op} has the single pass 'step', got {pas!r}")
         return _one_pass(op, pas, shape, s)

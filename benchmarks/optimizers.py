@@ -17,10 +17,11 @@ Implementations:
   ``foreach=False``; ``pipegoose`` = ``pipegoose.nn.fusion.optim.clip_grad_norm_(impl="pipegoose")`` (our kernels,
   ops ``pipegoose::multi_tensor_norm`` and ``multi_tensor_mul_``); ``clip_grad_norm`` = ``clip_grad_norm_()`` (the
   dispatcher's choice: what a user gets); ``apex`` = raw ``multi_tensor_l2norm`` then ``multi_tensor_scale``.
-  max_norm 1.0. Before each timed call (untimed, before the
-  L2 flush) the gradients are multiplied by :data:`CLIP_RESCALE`, so that every timed call clips: a call on already
-  clipped gradients finds the coefficient 1, and ours then skips the scaling pass (torch's multiplies by 1), which
-  the byte count (a read for the norm, a read and a write for the scale) would not describe.
+  Two passes. ``step``: max_norm 1.0; before each timed call (untimed, before the L2 flush) the gradients are
+  multiplied by :data:`CLIP_RESCALE`, so that every timed call clips (a read for the norm, a read and a write for the
+  scale). ``unclipped``: max_norm :data:`UNCLIPPED_MAX_NORM`, above the gradients' norm, as in a step whose gradients
+  need no clipping: the minimum is the norm's read (``P*s``); ours then skips the scaling pass, torch's multiplies by
+  1, the raw Apex ops scale by 1 as Apex's ``clip_grad_norm_`` does. Only ``step`` rows give tuning rules.
 
 Correctness gate: three steps with fresh random gradients from random (non-zero) parameters, compared with a float64
 reference that rounds parameters and states to the storage dtype after every step (the same rounding as the
@@ -44,6 +45,7 @@ from .timing import Timer
 __all__ = ["OPT_SIZES", "TUNABLE", "make_params", "run_optimizers", "adamw_reference", "upgrade_row"]
 
 CLIP_RESCALE = 1000.0  # the clipped gradients' norm (~1) times this is far above max_norm 1.0
+UNCLIPPED_MAX_NORM = 1e9  # far above the norm of the unit-normal gradients of 1e9 parameters (~3.2e4)
 
 OPT_SIZES = {"full": [100_000_000, 300_000_000, 1_000_000_000], "quick": [100_000_000, 1_000_000_000],
              "dry": [60_000, 200_000]}
@@ -194,18 +196,18 @@ ADAMW = {"torch_fused": _torch_adamw("fused"), "torch_foreach": _torch_adamw("fo
 
 
 def _torch_clip(foreach: bool) -> Callable:
-    def build(grads: list[torch.Tensor]) -> Callable:
+    def build(grads: list[torch.Tensor], max_norm: float) -> Callable:
         ps = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]   # clipping reads only .grad
         for p, g in zip(ps, grads):
             p.grad = g
-        return lambda: torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=foreach)
+        return lambda: torch.nn.utils.clip_grad_norm_(ps, max_norm, foreach=foreach)
     return build
 
 
 def _pipegoose_clip(impl: str | None) -> Callable:
     """``clip_grad_norm_(impl=impl)``: None is the dispatcher's own choice (what a user gets); a named implementation
     must be the one that runs (Unsupported, or Unavailable where its kernel did not load, otherwise)."""
-    def build(grads: list[torch.Tensor]) -> Callable:
+    def build(grads: list[torch.Tensor], max_norm: float) -> Callable:
         try:
             from pipegoose.nn.fusion import dispatch
             from pipegoose.nn.fusion.optim import clip_grad_norm_
@@ -220,11 +222,11 @@ def _pipegoose_clip(impl: str | None) -> Callable:
                 why = choice.reasons.get(impl) or choice.unmet
                 raise (Unavailable if "unavailable" in why else Unsupported)(
                     f"{impl} not taken (dispatcher would run {choice.impl}): {why}")
-        return lambda: clip_grad_norm_(ps, 1.0, impl=impl)
+        return lambda: clip_grad_norm_(ps, max_norm, impl=impl)
     return build
 
 
-def _apex_clip(grads: list[torch.Tensor]) -> Callable:
+def _apex_clip(grads: list[torch.Tensor], max_norm: float) -> Callable:
     if grads[0].device.type != "cuda":
         raise Unavailable("multi_tensor_l2norm needs CUDA tensors (not built on a CPU run)")
     try:
@@ -237,7 +239,7 @@ def _apex_clip(grads: list[torch.Tensor]) -> Callable:
 
     def clip() -> torch.Tensor:
         norm, _ = l2(CHUNK, noop, grads, False)
-        coef = (1.0 / (norm + 1e-6)).clamp(max=1.0)
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         sc(CHUNK, noop, grads, grads, float(coef))   # the scale op takes a float: one host sync, as in Apex
         return norm
     return clip
@@ -265,11 +267,11 @@ def _check_adamw(build: Callable, params0: list[torch.Tensor], dtype: torch.dtyp
     return ("FAILED" if bad else "ok"), worst, "; ".join(bad)
 
 
-def _check_clip(build: Callable, grads0: list[torch.Tensor], tol: dict) -> tuple[str, float, str]:
+def _check_clip(build: Callable, grads0: list[torch.Tensor], tol: dict, max_norm: float) -> tuple[str, float, str]:
     grads = [g.clone() for g in grads0]
-    total = build(grads)()
+    total = build(grads, max_norm)()
     ref_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads0))
-    coef = min(1.0, 1.0 / (ref_norm + 1e-6))
+    coef = min(1.0, max_norm / (ref_norm + 1e-6))
     problems = []
     got = float(total)
     if not abs(got - ref_norm) <= tol["rtol"] * ref_norm + tol["atol"]:
@@ -294,14 +296,16 @@ def run_optimizers(dtypes: list[torch.dtype], mode: str, device: str, timer: Tim
             params0 = make_params(total, dtype, device, seed=1)
             n = sum(p.numel() for p in params0)
             shape = {"params": n, "tensors": len(params0)}
-            for op, table in (("adamw", ADAMW), ("clip_grad_norm", CLIP)):
+            for op, table, pas in (("adamw", ADAMW, "step"), ("clip_grad_norm", CLIP, "step"),
+                                   ("clip_grad_norm", CLIP, "unclipped")):
                 if op not in ops:
                     continue
-                nbytes = op_bytes(op, "step", shape, dtype_name(dtype))
+                nbytes = op_bytes(op, pas, shape, dtype_name(dtype))
+                max_norm = UNCLIPPED_MAX_NORM if pas == "unclipped" else 1.0
                 for name, build in table.items():
                     if impl_filter and name not in impl_filter:
                         continue
-                    base = dict(op=op, impl=name, dtype=dtype_name(dtype), pas="step", shape=shape, cols=n,
+                    base = dict(op=op, impl=name, dtype=dtype_name(dtype), pas=pas, shape=shape, cols=n,
                                 bytes=nbytes, tunable=TUNABLE[op].get(name))
                     if time.perf_counter() > deadline:
                         results.append(Measurement(**base, status="skipped", detail="time budget"))
@@ -311,12 +315,13 @@ def run_optimizers(dtypes: list[torch.dtype], mode: str, device: str, timer: Tim
                             status, err, detail = _check_adamw(build, params0, dtype, tol_table[dtype])
                         else:
                             grads0 = _randn_like(params0, seed=7)
-                            status, err, detail = _check_clip(build, grads0, tol_table[dtype])
+                            status, err, detail = _check_clip(build, grads0, tol_table[dtype], max_norm)
                     except Exception as e:  # noqa: BLE001
                         status, err, detail = classify(e), None, f"{type(e).__name__}: {str(e)[:300]}"
                     if status != "ok":
                         results.append(Measurement(**base, status=status, max_abs_err=err, detail=detail))
-                        log(f"  {op:15s} {dtype_name(dtype):8s} {n/1e6:7.1f}M {name:13s} {status}: {detail[:120]}")
+                        log(f"  {op:15s} {pas:9s} {dtype_name(dtype):8s} {n/1e6:7.1f}M {name:13s} {status}: "
+                            f"{detail[:120]}")
                         continue
                     try:
                         if op == "adamw":
@@ -325,15 +330,17 @@ def run_optimizers(dtypes: list[torch.dtype], mode: str, device: str, timer: Tim
                             t = timer.time(lambda _: step(grads))
                         else:
                             grads = _randn_like(params0, seed=3)
-                            clip = build(grads)
-                            t = timer.time(lambda _: clip(), setup=lambda: torch._foreach_mul_(grads, CLIP_RESCALE))
+                            clip = build(grads, max_norm)
+                            setup = (lambda: torch._foreach_mul_(grads, CLIP_RESCALE)) if pas == "step" else None
+                            t = timer.time(lambda _: clip(), setup=setup)
                     except Exception as e:  # noqa: BLE001
                         results.append(Measurement(**base, status="error", max_abs_err=err,
                                                    detail=f"timing: {type(e).__name__}: {str(e)[:300]}"))
                         continue
                     results.append(Measurement(**base, status="ok", max_abs_err=err,
                                                gbps=nbytes / (t["median_ms"] * 1e-3) / 1e9, **t))
-                    log(f"  {op:15s} {dtype_name(dtype):8s} {n/1e6:7.1f}M {name:13s} ok  {t['median_ms']:.3f} ms")
+                    log(f"  {op:15s} {pas:9s} {dtype_name(dtype):8s} {n/1e6:7.1f}M {name:13s} ok  "
+                        f"{t['median_ms']:.3f} ms")
                     del t
                     if device == "cuda":
                         torch.cuda.empty_cache()

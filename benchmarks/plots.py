@@ -6,6 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable
 
+from .byte_counts import STEP_PASSES
 from .common import Measurement
 
 __all__ = ["plot_all"]
@@ -49,7 +50,7 @@ def plot_all(measurements: Iterable[Measurement], out_dir: str | Path, copy_gbps
             if copy_gbps:
                 ax.axhline(copy_gbps, color="gray", linestyle="--", linewidth=1, label="D2D copy")
             ax.set_xscale("log", base=2)
-            ax.set_xlabel("parameters" if pas == "step" else "last-dim size (cols)")
+            ax.set_xlabel("parameters" if pas in STEP_PASSES else "last-dim size (cols)")
             ax.set_ylabel("effective bandwidth (GB/s)")
             ax.set_title(f"{op} {pas} {dt}")
             ax.grid(True, alpha=0.3)

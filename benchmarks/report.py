@@ -10,6 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
+from .byte_counts import STEP_PASSES
 from .common import Measurement
 
 __all__ = ["write_json", "load_json", "write_markdown", "summary_lines", "fill_pct"]
@@ -117,9 +118,10 @@ def write_markdown(path: str | Path, env: dict, config: dict, copy: dict | None,
         rows: dict[tuple[int, str], dict[str, Measurement]] = defaultdict(dict)
         for m in ms:
             rows[(m.cols, m.pas)][m.impl] = m
-        order = {"fwd": 0, "bwd": 1, "fwd+bwd": 2, "step": 3}
+        order = {"fwd": 0, "bwd": 1, "fwd+bwd": 2, "step": 3, "unclipped": 4}
         for (cols, pas) in sorted(rows, key=lambda k: (k[0], order.get(k[1], 9))):
-            label = (f"{cols / 1e6:.0f}M params" if cols >= 10**6 else f"{cols} params") if pas == "step" else str(cols)
+            label = ((f"{cols / 1e6:.0f}M params" if cols >= 10**6 else f"{cols} params") if pas in STEP_PASSES
+                     else str(cols))
             out.append(f"| {label} | {pas} | " + " | ".join(_cell(rows[(cols, pas)].get(i)) for i in impls) + " |")
         out.append("")
     bad = [m for m in measurements if m.status in ("FAILED", "error")]

@@ -72,6 +72,7 @@ def test_norm_counts_include_params_and_fp32_stats():
 def test_optimizer_and_copy_counts():
     assert op_bytes("adamw", "step", {"params": 10}, "float32") == 7 * 10 * 4
     assert op_bytes("clip_grad_norm", "step", {"params": 10}, "bfloat16") == 3 * 10 * 2
+    assert op_bytes("clip_grad_norm", "unclipped", {"params": 10}, "bfloat16") == 10 * 2   # the norm's read alone
     assert op_bytes("copy", "step", {"numel": 8}, "float32") == 64
 
 
@@ -82,6 +83,8 @@ def test_optimizer_and_copy_counts():
     (("softmax", "fwd", {"b": 0, "np": 1, "sq": 1, "sk": 1}, "float32"), ">= 1"),
     (("gelu", "fwd", {"rows": 1}, "float32"), "unknown op"),
     (("adamw", "fwd", {"params": 1}, "float32"), "single pass"),
+    (("adamw", "unclipped", {"params": 1}, "float32"), "single pass"),
+    (("clip_grad_norm", "fwd", {"params": 1}, "float32"), "clip_grad_norm has the passes 'step', 'unclipped'"),
 ])
 def test_bad_arguments_name_the_argument(args, match):
     with pytest.raises(ValueError, match=match):

@@ -688,6 +688,16 @@ def test_optimizer_benchmark_impls_name_implementations_of_the_dispatchers_ops()
     assert TUNABLE["clip_grad_norm"]["pipegoose"] == "pipegoose" and "clip_grad_norm" not in TUNABLE["clip_grad_norm"]
 
 
+def test_unclipped_clip_rows_give_no_tuning_rules():
+    """The ``unclipped`` pass (gradients already within max_norm: ours skips its scaling pass) is shown, not tuned
+    on: the rules come from ``step``, where every call clips."""
+    rows = [m(op="clip_grad_norm", impl="torch_foreach", pas="step", cols=10**8, ms=1.0, tunable="torch"),
+            m(op="clip_grad_norm", impl="pipegoose", pas="step", cols=10**8, ms=1.5),
+            m(op="clip_grad_norm", impl="pipegoose", pas="unclipped", cols=10**8, ms=0.1),
+            m(op="clip_grad_norm", impl="torch_foreach", pas="unclipped", cols=10**8, ms=1.0, tunable="torch")]
+    assert [(r["op"], r["pass"], r["impl"]) for r in tuning_rules(rows)] == [("clip_grad_norm", None, "torch")]
+
+
 def test_old_clip_rows_named_pipegoose_are_read_as_the_dispatchers_choice():
     """Before session 53 the clip_grad_norm row ``pipegoose`` timed ``clip_grad_norm_()`` (the dispatcher's choice:
     torch's foreach path or the Apex copy); from session 53 ``pipegoose`` is our kernel. An old row is read as
