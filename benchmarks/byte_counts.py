@@ -117,9 +117,9 @@ def _one_pass(op: str, pas: str, shape: Mapping[str, int], s: int) -> int:
 
 def op_bytes(op: str, pas: str, shape: Mapping[str, int], dtype: str) -> int:
     """Minimum bytes read + written by ``op`` in pass ``pas`` (``fwd``, ``bwd``, ``fwd+bwd``; ``step`` for the
-    optimizer ops and ``copy``; ``unclipped`` for clip_grad_norm) on ``shape`` (a mapping: ``b, np, sq, sk`` for the softmaxes, ``rows, hidden`` for
-    the norms, ``rows, inter`` for swiglu, ``rows, vocab`` for cross_entropy, ``b, seq, hq, hk, d`` for rope, ``params``
-    for adamw/clip_grad_norm, ``numel`` for copy) in ``dtype`` (name, e.g. ``"bfloat16"``).
+    optimizer ops and ``copy``; ``unclipped`` for clip_grad_norm) on ``shape`` (a mapping: ``b, np, sq, sk`` for the
+    softmaxes, ``rows, hidden`` for the norms, ``rows, inter`` for swiglu, ``rows, vocab`` for cross_entropy,
+    ``b, seq, hq, hk, d`` for rope, ``params`` for adamw/clip_grad_norm, ``numel`` for copy) in ``dtype`` (name, e.g. ``"bfloat16"``).
 
     Returns an int (bytes). Raises ValueError naming the argument on an unknown op, pass, dtype or a bad shape.
     The counts are tabulated in this module's docstring.

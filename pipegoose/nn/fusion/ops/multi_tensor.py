@@ -24,8 +24,8 @@ Ops (dispatch names) and implementations:
   ``pipegoose/kernels/csrc/clip_grad_norm.cu`` (ops ``pipegoose::multi_tensor_norm`` and
   ``pipegoose::multi_tensor_mul_``): fp32, fp16 and bf16; norm_type 1, 2 or inf; contiguous plain tensors whose
   memory does not overlap (as for ``apex``); 64-bit offsets; no host sync (the coefficient stays on the device, and
-  the scaling pass returns at once when it is 1). Registered ``opt_in`` (see :mod:`..dispatch`): it runs when requested or named by a tuning rule, until a GPU
-  benchmark has timed it against the others. ``apex`` - ``multi_tensor_l2norm`` + ``multi_tensor_scale``
+  the scaling pass returns at once when it is 1). Registered ``opt_in`` (see :mod:`..dispatch`): it runs when
+  requested or named by a tuning rule, until a GPU benchmark has timed it against the others. ``apex`` - ``multi_tensor_l2norm`` + ``multi_tensor_scale``
   copies in ColossalAI 0.5.0 ``extensions/csrc/kernel/cuda/multi_tensor_{l2norm,scale}_kernel.cu``, Apache-2.0:
   fp32 and fp16 only (the copies dispatch no bf16), norm_type 2, contiguous, 32-bit sizes, memory not overlapping
   (two blocks would scale a shared element at once). ``torch`` -
