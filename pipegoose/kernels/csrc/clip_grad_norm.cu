@@ -46,8 +46,21 @@ namespace {
 constexpr const char* kNormOp = "pipegoose::multi_tensor_norm";
 constexpr const char* kMulOp = "pipegoose::multi_tensor_mul_";
 
-constexpr int kThreads = 256;
-constexpr int kUnroll = 4;          // 16-byte vectors per thread and chunk
+// Benchmark experiments (the build without them is what ships; not yet timed on a GPU): -DPIPEGOOSE_CLIP_THREADS=N
+// threads per block, -DPIPEGOOSE_CLIP_UNROLL=U 16-byte vectors per thread and chunk, -DPIPEGOOSE_CLIP_MINB=B the
+// launch bounds' minimum blocks per SM (0: none; the norm kernel takes 38-40 registers, 6 blocks of 256 per SM).
+#ifndef PIPEGOOSE_CLIP_THREADS
+#define PIPEGOOSE_CLIP_THREADS 256
+#endif
+#ifndef PIPEGOOSE_CLIP_UNROLL
+#define PIPEGOOSE_CLIP_UNROLL 4
+#endif
+#ifndef PIPEGOOSE_CLIP_MINB
+#define PIPEGOOSE_CLIP_MINB 0
+#endif
+constexpr int kThreads = PIPEGOOSE_CLIP_THREADS;
+constexpr int kUnroll = PIPEGOOSE_CLIP_UNROLL;   // 16-byte vectors per thread and chunk
+constexpr int kMinBlocks = PIPEGOOSE_CLIP_MINB;
 constexpr int kFinalThreads = 512;  // the one block that combines the partials
 constexpr int kMaxTensors = 1024;   // tensors per launch: 1024 * 25 + 8 bytes of table
 template <typename T> constexpr int64_t kChunkElems = static_cast<int64_t>(kThreads) * kUnroll * (16 / sizeof(T));
@@ -125,7 +138,7 @@ __device__ __forceinline__ int find_tensor(const Table& table, int from, int n_t
 }
 
 template <typename T, int K>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
     norm_kernel(const __grid_constant__ Table table, int n_tensors, int64_t n_chunks, float* __restrict__ partials) {
   constexpr int V = 16 / sizeof(T);
   float acc[kUnroll];
@@ -189,7 +202,7 @@ __global__ void __launch_bounds__(kFinalThreads)
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
     mul_kernel(const __grid_constant__ Table table, int n_tensors, int64_t n_chunks, const float* __restrict__ coef) {
   const float s = *coef;
   if (s == 1.f) return;   // x * 1 == x: nothing to read or write
