@@ -27,7 +27,7 @@ def _check(op: str, tensors) -> torch.Tensor:
                                "CUDA device")
         if t.dtype != first.dtype:
             raise RuntimeError(f"{op}: tensors[{i}] is {t.dtype} but tensors[0] is {first.dtype}; the kernel takes "
-                               "one dtype per list")
+                               "one dtype for every tensor")
         if not t.is_contiguous():
             raise RuntimeError(f"{op}: tensors[{i}] must be contiguous, got strides {list(t.stride())} for sizes "
                                f"{list(t.shape)}")

@@ -5,11 +5,11 @@
 //
 // Both walk the tensors of a launch as one sequence of chunks (kThreads * kUnroll 16-byte vectors: 4096 fp32 or 8192
 // 16-bit elements; a tensor's last chunk may be shorter). The tensors' pointers, sizes and chunk count prefix sums
-// travel in the kernel's parameter block (Table, about 25 KB: CUDA 12.1+ takes up to 32764 bytes of parameters on
-// sm_70 and later), so there is no host-to-device copy and no host sync. A launch has a fixed number of blocks (the
-// resident blocks of all SMs, at most the chunk count); block b takes chunks b, b + grid, ... and finds each chunk's
-// tensor by a binary search over the prefix sums, from the tensor of its previous chunk on. A list of more than
-// kMaxTensors tensors takes several launches. A tensor whose pointer is not 16-byte aligned (a view at an odd offset
+// travel in the kernel's parameter block (Table, about 25 KB; pipegoose_multi_tensor.cuh), so there is no
+// host-to-device copy and no host sync. A launch has a fixed number of blocks (the resident blocks of all SMs, at most
+// the chunk count); block b takes chunks b, b + grid, ... and finds each chunk's tensor by a binary search over the
+// prefix sums, from the tensor of its previous chunk on (multi_tensor::find_tensor). A list of more than kMaxTensors
+// tensors takes several launches. A tensor whose pointer is not 16-byte aligned (a view at an odd offset
 // into a flat buffer) takes the scalar path, as does the tail of a tensor that is not a whole number of vectors.
 // Offsets are 64-bit.
 //
@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "pipegoose_check.h"
+#include "pipegoose_multi_tensor.cuh"
 #include "pipegoose_occupancy.h"
 
 namespace pipegoose {
@@ -67,12 +68,10 @@ template <typename T> constexpr int64_t kChunkElems = static_cast<int64_t>(kThre
 // the chunk of a dtype: 4096 fp32, 8192 fp16 or bf16 elements
 int64_t chunk_elems(at::ScalarType dtype) { return dtype == at::kFloat ? kChunkElems<float> : kChunkElems<at::Half>; }
 
-struct Table {
-  void* ptr[kMaxTensors];
-  int64_t numel[kMaxTensors];
-  int64_t chunk_start[kMaxTensors + 1];   // tensor i owns chunks [chunk_start[i], chunk_start[i + 1])
-  uint8_t aligned[kMaxTensors];           // 16-byte aligned pointer: vector path
-};
+// one list; blocks walk the chunks, so chunks are counted in int64
+using Table = multi_tensor::Table<1, kMaxTensors, int64_t>;
+static_assert(sizeof(Table) + sizeof(int) + sizeof(int64_t) + sizeof(void*) <= 32764,
+              "the kernels' parameters exceed 32764 bytes");
 
 enum NormKind : int { kL1 = 0, kL2 = 1, kMax = 2 };
 
@@ -127,16 +126,6 @@ template <int K, int kBlock, typename F> __device__ __forceinline__ F block_comb
   return v;
 }
 
-// The tensor of chunk c: the last i >= from with chunk_start[i] <= c (chunks increase along a block's walk).
-__device__ __forceinline__ int find_tensor(const Table& table, int from, int n_tensors, int64_t c) {
-  int lo = from, hi = n_tensors - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (table.chunk_start[mid] <= c) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
 template <typename T, int K>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     norm_kernel(const __grid_constant__ Table table, int n_tensors, int64_t n_chunks, float* __restrict__ partials) {
@@ -146,10 +135,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   for (int u = 0; u < kUnroll; ++u) acc[u] = 0.f;
   int t = 0;
   for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-    t = find_tensor(table, t, n_tensors, c);
+    t = multi_tensor::find_tensor(table, t, n_tensors, c);
     const int64_t begin = (c - table.chunk_start[t]) * kChunkElems<T>;
     const int64_t end = min(table.numel[t], begin + kChunkElems<T>);
-    const T* x = static_cast<const T*>(table.ptr[t]);
+    const T* x = static_cast<const T*>(table.ptr[0][t]);
     int64_t scalar_from = begin;
     if (table.aligned[t]) {
       const int64_t full_vecs = (end - begin) / V;
@@ -209,10 +198,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   constexpr int V = 16 / sizeof(T);
   int t = 0;
   for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-    t = find_tensor(table, t, n_tensors, c);
+    t = multi_tensor::find_tensor(table, t, n_tensors, c);
     const int64_t begin = (c - table.chunk_start[t]) * kChunkElems<T>;
     const int64_t end = min(table.numel[t], begin + kChunkElems<T>);
-    T* x = static_cast<T*>(table.ptr[t]);
+    T* x = static_cast<T*>(table.ptr[0][t]);
     int64_t scalar_from = begin;
     if (table.aligned[t]) {
       const int64_t full_vecs = (end - begin) / V;
@@ -251,30 +240,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   }
 }
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
 // The checks both ops make: a non-empty list of defined, contiguous CUDA tensors on one device, of one dtype among
 // float32, float16 and bfloat16, whose memory does not overlap (the multiplication would scale a shared element a
 // racy number of times; the norm would count it twice).
 void check_tensors(const char* op, at::TensorList tensors) {
   PG_CHECK(!tensors.empty(), op, ": tensors must hold at least one tensor, got an empty list");
   const at::Tensor& first = tensors[0];
-  PG_CHECK(first.defined(), op, ": tensors[0] is undefined");
-  const at::ScalarType dtype = first.scalar_type();
-  PG_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
-           ": tensors must be float32, float16 or bfloat16, got ", dtype, " for tensors[0]");
-  PG_CHECK(first.is_cuda(), op, ": tensors[0] must be a CUDA tensor, got device ", first.device());
+  multi_tensor::check_first(op, "tensors", first);
   std::vector<std::pair<uintptr_t, uintptr_t>> spans;   // [begin, end) bytes of the non-empty tensors, with index
   std::vector<size_t> index;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& x = tensors[i];
-    PG_CHECK(x.defined(), op, ": tensors[", i, "] is undefined");
-    PG_CHECK(x.device() == first.device(), op, ": tensors[", i, "] is on ", x.device(), " but tensors[0] is on ",
-             first.device(), "; expected one CUDA device");
-    PG_CHECK(x.scalar_type() == dtype, op, ": tensors[", i, "] is ", x.scalar_type(), " but tensors[0] is ", dtype,
-             "; the kernel takes one dtype per list");
-    PG_CHECK(x.is_contiguous(), op, ": tensors[", i, "] must be contiguous, got strides ", x.strides(), " for sizes ",
-             x.sizes());
+    multi_tensor::check_like_first(op, "tensors", i, x, "tensors", first);
     if (x.numel() == 0) continue;
     const auto b = reinterpret_cast<uintptr_t>(x.data_ptr());
     spans.emplace_back(b, b + static_cast<uintptr_t>(x.numel()) * x.element_size());
@@ -294,30 +271,10 @@ void check_tensors(const char* op, at::TensorList tensors) {
   }
 }
 
-// The launches of a list: each a table of at most kMaxTensors non-empty tensors and its chunk count.
-struct Launch {
-  Table table;
-  int count = 0;
-  int64_t chunks = 0;
-};
+using Launch = multi_tensor::Launch<Table>;
 
-std::vector<Launch> plan(at::TensorList tensors, int64_t elems_per_chunk) {
-  std::vector<Launch> launches(1);
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const int64_t numel = tensors[i].numel();
-    if (numel == 0) continue;
-    if (launches.back().count == kMaxTensors) launches.emplace_back();
-    Launch& l = launches.back();
-    l.table.ptr[l.count] = tensors[i].data_ptr();
-    l.table.numel[l.count] = numel;
-    l.table.aligned[l.count] = aligned16(l.table.ptr[l.count]) ? 1 : 0;
-    l.table.chunk_start[l.count] = l.chunks;
-    l.chunks += (numel + elems_per_chunk - 1) / elems_per_chunk;
-    ++l.count;
-    l.table.chunk_start[l.count] = l.chunks;
-  }
-  if (launches.back().count == 0) launches.pop_back();
-  return launches;
+std::vector<Launch> plan(const char* op, at::TensorList tensors, int64_t elems_per_chunk) {
+  return multi_tensor::plan<Table>(op, "tensors", {tensors}, elems_per_chunk);
 }
 
 int64_t grid_for(const void* kernel, int64_t chunks) {
@@ -375,7 +332,7 @@ at::Tensor multi_tensor_norm_cuda(at::TensorList tensors, double norm_type) {
   c10::cuda::CUDAGuard guard(first.device());
   at::Tensor out = at::empty({}, first.options().dtype(at::kFloat));
   const at::ScalarType dtype = first.scalar_type();
-  const std::vector<Launch> launches = plan(tensors, chunk_elems(dtype));
+  const std::vector<Launch> launches = plan(kNormOp, tensors, chunk_elems(dtype));
   if (launches.empty()) return out.zero_();   // only empty tensors: the norm is 0
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   by_dtype(dtype, [&](auto tag) {
@@ -402,7 +359,7 @@ void multi_tensor_mul_cuda(at::TensorList tensors, const at::Tensor& coef) {
   }
   c10::cuda::CUDAGuard guard(first.device());
   const at::ScalarType dtype = first.scalar_type();
-  const std::vector<Launch> launches = plan(tensors, chunk_elems(dtype));
+  const std::vector<Launch> launches = plan(kMulOp, tensors, chunk_elems(dtype));
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const float* c = coef.data_ptr<float>();
   by_dtype(dtype, [&](auto tag) {

@@ -2,11 +2,10 @@
 // pipegoose::adam_step (binding: pipegoose/kernels/bindings/adam_step.cpp; schema: docs/architecture.md "Op schemas").
 //
 // One launch updates many tensors: their pointers, sizes and the prefix sums of their chunk counts travel in the
-// kernel's parameter block (TensorTable, about 17 KB: CUDA 12.1+ takes up to 32764 bytes of parameters on sm_70 and
-// later), so no host-to-device copy is needed and the step stays asynchronous. A list longer than kMaxTensors
-// tensors takes several launches. Block b finds its tensor by a binary search over the prefix sums (every thread of
-// the block reads the same entries: constant-cache broadcasts) and updates one chunk (4096 fp32 or 2048 16-bit
-// elements).
+// kernel's parameter block (TensorTable, about 17 KB; pipegoose_multi_tensor.cuh), so no host-to-device copy is
+// needed and the step stays asynchronous. A list longer than kMaxTensors tensors takes several launches. Block b
+// finds its tensor by a binary search over the prefix sums (multi_tensor::find_tensor) and updates one chunk (4096
+// fp32 or 2048 16-bit elements).
 // Each thread loads all of its vectors of the four tensors (grad, param, exp_avg, exp_avg_sq) before it computes,
 // so that 4 * kUnroll loads are in flight per thread. A tensor whose four pointers are not all 16-byte aligned (a
 // view into a flat buffer at an odd offset) takes the scalar path, with the same math; the tail of a tensor that is
@@ -30,6 +29,7 @@
 #include <vector>
 
 #include "pipegoose_check.h"
+#include "pipegoose_multi_tensor.cuh"
 
 namespace pipegoose {
 namespace {
@@ -70,12 +70,8 @@ template <typename T> constexpr int kMinBlocks = sizeof(T) == 4 ? PIPEGOOSE_ADAM
 template <typename T> constexpr int64_t kChunkElems = static_cast<int64_t>(kThreads) * kUnroll<T> * (16 / sizeof(T));
 constexpr int kMaxTensors = 384;                      // tensors per launch: 384 * 45 + 4 bytes of table
 
-struct TensorTable {
-  void* ptr[4][kMaxTensors];      // grad, param, exp_avg, exp_avg_sq
-  int64_t numel[kMaxTensors];
-  int32_t chunk_start[kMaxTensors + 1];   // chunk count prefix sums: tensor i owns blocks [start[i], start[i+1])
-  uint8_t aligned[kMaxTensors];   // all four pointers 16-byte aligned: vector path
-};
+// lists grad, param, exp_avg, exp_avg_sq; block b updates chunk b, so chunks are counted in int32 (a grid size)
+using TensorTable = multi_tensor::Table<4, kMaxTensors, int32_t>;
 
 struct Hyper {
   float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, inv_bc2_sqrt, decay, weight_decay;
@@ -131,12 +127,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<T>)
     adam_kernel(const __grid_constant__ TensorTable table, const Hyper h, int n_tensors) {
   constexpr int V = 16 / sizeof(T);   // elements per 16-byte vector
   const int32_t block = static_cast<int32_t>(blockIdx.x);
-  int lo = 0, hi = n_tensors - 1;     // the last tensor whose chunk_start <= block
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (table.chunk_start[mid] <= block) lo = mid; else hi = mid - 1;
-  }
-  const int t = lo;
+  const int t = multi_tensor::find_tensor(table, 0, n_tensors, block);
   const int64_t numel = table.numel[t];
   const int64_t chunk = block - table.chunk_start[t];
   const int64_t begin = chunk * kChunkElems<T>;   // first element of this chunk
@@ -191,7 +182,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<T>)
   for (int64_t i = begin + full_vecs * V + threadIdx.x; i < end; i += kThreads) scalar_update(h, g, p, m, v, i);
 }
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+static_assert(sizeof(TensorTable) + sizeof(Hyper) + sizeof(int) <= 32764, "the kernel's parameters exceed 32764 bytes");
 
 const char* kListNames[4] = {"grads", "params", "exp_avgs", "exp_avg_sqs"};
 
@@ -216,30 +207,19 @@ void adam_step_cuda(at::TensorList grads, at::TensorList params, at::TensorList 
            step);
   if (n == 0) return;
   const at::Tensor& first = params[0];
-  const at::ScalarType dtype = first.scalar_type();
-  PG_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, kOp,
-           ": params must be float32, float16 or bfloat16, got ", dtype);
-  PG_CHECK(first.is_cuda(), kOp, ": params[0] must be a CUDA tensor, got device ", first.device());
+  const at::ScalarType dtype = multi_tensor::check_first(kOp, "params", first);
   for (int l = 0; l < 4; ++l) {
     for (size_t i = 0; i < n; ++i) {
       const at::Tensor& x = lists[l][i];
-      PG_CHECK(x.defined(), kOp, ": ", kListNames[l], "[", i, "] is undefined");
-      PG_CHECK(x.device() == first.device(), kOp, ": ", kListNames[l], "[", i, "] is on ", x.device(),
-               " but params[0] is on ", first.device(), "; expected one CUDA device");
-      PG_CHECK(x.scalar_type() == dtype, kOp, ": ", kListNames[l], "[", i, "] is ", x.scalar_type(),
-               " but params[0] is ", dtype, "; the kernel takes one dtype for every tensor of the four lists");
-      PG_CHECK(x.is_contiguous(), kOp, ": ", kListNames[l], "[", i, "] must be contiguous, got strides ",
-               x.strides(), " for sizes ", x.sizes());
+      multi_tensor::check_like_first(kOp, kListNames[l], i, x, "params", first);
       PG_CHECK(x.numel() == params[i].numel(), kOp, ": ", kListNames[l], "[", i, "] has ", x.numel(),
                " elements but params[", i, "] has ", params[i].numel());
     }
   }
+  // every launch planned before the first (a refused list leaves every tensor as it was)
   const int64_t elems_per_chunk = dtype == at::kFloat ? kChunkElems<float> : kChunkElems<at::Half>;
-  for (size_t i = 0; i < n; ++i) {   // before the first launch: a refused list leaves every tensor as it was
-    PG_CHECK((params[i].numel() + elems_per_chunk - 1) / elems_per_chunk <= INT32_MAX, kOp, ": params[", i,
-             "] has ", params[i].numel(), " elements, more than one launch covers (", elems_per_chunk,
-             " * (2^31 - 1))");
-  }
+  const auto launches = multi_tensor::plan<TensorTable>(kOp, "grads", {grads, params, exp_avgs, exp_avg_sqs},
+                                                        elems_per_chunk);
   const double bc1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
   const double bc2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
   PG_CHECK(bc1 > 0 && bc2 > 0, kOp, ": the bias corrections 1 - beta ** step are not positive (beta1 ", beta1,
@@ -258,42 +238,17 @@ void adam_step_cuda(at::TensorList grads, at::TensorList params, at::TensorList 
 
   c10::cuda::CUDAGuard guard(first.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  TensorTable table;
-  int count = 0;
-  int64_t chunks = 0;
-  auto launch = [&]() {
-    if (count == 0) return;
-    table.chunk_start[count] = static_cast<int32_t>(chunks);
-    const unsigned grid = static_cast<unsigned>(chunks);
+  for (const auto& l : launches) {   // a block per chunk
+    const unsigned grid = static_cast<unsigned>(l.chunks);
     if (dtype == at::kFloat) {
-      adam_kernel<float><<<grid, kThreads, 0, stream>>>(table, h, count);
+      adam_kernel<float><<<grid, kThreads, 0, stream>>>(l.table, h, l.count);
     } else if (dtype == at::kHalf) {
-      adam_kernel<at::Half><<<grid, kThreads, 0, stream>>>(table, h, count);
+      adam_kernel<at::Half><<<grid, kThreads, 0, stream>>>(l.table, h, l.count);
     } else {
-      adam_kernel<at::BFloat16><<<grid, kThreads, 0, stream>>>(table, h, count);
+      adam_kernel<at::BFloat16><<<grid, kThreads, 0, stream>>>(l.table, h, l.count);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    count = 0;
-    chunks = 0;
-  };
-  for (size_t i = 0; i < n; ++i) {
-    const int64_t numel = params[i].numel();
-    if (numel == 0) continue;
-    const int64_t c = (numel + elems_per_chunk - 1) / elems_per_chunk;
-    // a launch's chunk count must fit its int32 prefix sums and the grid (2^31 - 1 blocks)
-    if (count == kMaxTensors || chunks + c > INT32_MAX) launch();
-    bool ok = true;
-    for (int l = 0; l < 4; ++l) {
-      table.ptr[l][count] = lists[l][i].data_ptr();
-      ok = ok && aligned16(table.ptr[l][count]);
-    }
-    table.numel[count] = numel;
-    table.aligned[count] = ok ? 1 : 0;
-    table.chunk_start[count] = static_cast<int32_t>(chunks);
-    chunks += c;
-    ++count;
   }
-  launch();
 }
 
 }  // namespace pipegoose
