@@ -26,7 +26,7 @@ if command -v compute-sanitizer > /dev/null; then
   echo "memcheck rc=$? $(grep -E 'kernel calls|ERROR SUMMARY' "$out/memcheck.txt" | tr '\n' ' ')"
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 99 python3 tools/sanitize_kernels.py softmax long > "$out/memcheck_long.txt" 2>&1
   echo "memcheck softmax long rc=$? $(grep -E 'kernel calls|ERROR SUMMARY' "$out/memcheck_long.txt" | tr '\n' ' ')"
-  for fam in norms softmax cross_entropy; do
+  for fam in norms softmax cross_entropy clip; do
     timeout 300 compute-sanitizer --tool racecheck --error-exitcode 99 python3 tools/sanitize_kernels.py $fam > "$out/racecheck_$fam.txt" 2>&1
     echo "racecheck $fam rc=$? $(grep -E 'kernel calls|RACECHECK SUMMARY' "$out/racecheck_$fam.txt" | tr '\n' ' ')"
   done
