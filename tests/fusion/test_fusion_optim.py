@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -154,7 +155,10 @@ def _grads(dtypes, seed=0):
 
 
 @pytest.mark.parametrize("dtypes", [[torch.float32] * 3, [torch.float16, torch.float32, torch.bfloat16],
-                                    [torch.bfloat16] * 2])
+                                    [torch.bfloat16] * 2,
+                                    # torch takes the groups in its own order (not first appearance), and its
+                                    # total's last bit depends on it (a review: 1 ulp off with fp32 before fp16)
+                                    [torch.float32, torch.float16], [torch.float32, torch.bfloat16, torch.float16]])
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
 @pytest.mark.parametrize("max_norm", [0.5, 1e6])
 def test_clip_grad_norm_matches_torch(dtypes, norm_type, max_norm):
@@ -170,6 +174,61 @@ def test_clip_grad_norm_matches_torch(dtypes, norm_type, max_norm):
                                                         for p in p1]), norm_type)
         assert clipped.item() == pytest.approx(max_norm, rel=2e-2)
     assert set(dispatch.stats()["clip_grad_norm"]) == {"torch"}
+
+
+def test_clip_grad_norm_warns_for_an_empty_generator_as_torch():
+    """torch warns where ``parameters`` is a generator that yields nothing (model.parameters() used up before);
+    the warning points at the caller."""
+    for fn in (torch.nn.utils.clip_grad_norm_, clip_grad_norm_):
+        with pytest.warns(UserWarning, match="`parameters` is an empty generator, no gradient clipping will occur") \
+                as rec:
+            assert fn((p for p in []), 1.0).item() == 0.0
+        assert rec[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        clip_grad_norm_([], 1.0)   # a list: no warning, as torch
+
+
+def test_clip_grad_norm_checks_impl_on_every_call():
+    """A bad ``impl`` is a ValueError also where no parameter has a gradient (a review: it passed until the first
+    gradient)."""
+    p = torch.nn.Parameter(torch.ones(3))
+    for bad, err in (("bogus", ValueError), (3, TypeError)):
+        with pytest.raises(err, match="impl"):
+            clip_grad_norm_([p], 1.0, impl=bad)
+        with pytest.raises(err, match="impl"):
+            clip_grad_norm_([], 1.0, impl=bad)
+    assert clip_grad_norm_([p], 1.0, impl="Torch").item() == 0.0
+
+
+def test_explain_of_clip_checks_norm_type_as_clip_grad_norm_does():
+    g = torch.randn(4)
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = g.clone()
+    for bad, err, match in (("two", TypeError, "norm_type: expected a number, got 'two'"),
+                            (float("nan"), ValueError, "norm_type: expected a number .* got nan")):
+        with pytest.raises(err, match=match):
+            dispatch.explain("clip_grad_norm", [g], bad)
+        with pytest.raises(err, match=match):
+            clip_grad_norm_([p], 1.0, bad)
+    assert dispatch.explain("clip_grad_norm", [g], "inf").impl == "torch"
+
+
+def test_fused_adam_with_a_tensor_lr_matches_adamw_bit_for_bit():
+    """A 0-d tensor lr: torch's AdamW computes with it as a tensor; so does the reference path (a review: it took
+    float(lr), matching neither torch's tensor-lr nor its float-lr results)."""
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(1000))
+    b = torch.nn.Parameter(a.detach().clone())
+    oa = torch.optim.AdamW([a], lr=torch.tensor(1e-2))
+    ob = FusedAdam([b], lr=torch.tensor(1e-2), weight_decay=0.01)
+    for _ in range(5):
+        g = torch.randn(1000)
+        a.grad, b.grad = g.clone(), g.clone()
+        oa.step()
+        ob.step()
+    assert torch.equal(a, b)
+    assert torch.equal(oa.state[a]["exp_avg_sq"], ob.state[b]["exp_avg_sq"])
 
 
 def test_clip_grad_norm_edges():

@@ -12,8 +12,9 @@ and DeepSpeed 0.19.8 ``csrc/adam/multi_tensor_adam.cu`` (Apache-2.0), PyTorch's 
 from __future__ import annotations
 
 import functools
-import math
 import numbers
+import types
+import warnings
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
@@ -272,8 +273,9 @@ class FusedAdam(torch.optim.Optimizer):
                 steps = [self.state[p]["step"] for p in ps]
                 choice = dispatch.select(_mt.OP_ADAM, _mt.adam_problem(grads, ps, m, v, hp["bias_correction"]),
                                          group.get("impl"))
-                if choice.impl == "torch":
-                    _mt.adam_step_reference(grads, ps, m, v, steps, **hp)
+                if choice.impl == "torch":   # (a tensor lr as torch takes it: its math differs from a float's)
+                    lr = group["lr"] if torch.is_tensor(group["lr"]) and hp["bias_correction"] else hp["lr"]
+                    _mt.adam_step_reference(grads, ps, m, v, steps, **{**hp, "lr": lr})
                 else:
                     for s in steps:
                         s += 1
@@ -281,17 +283,21 @@ class FusedAdam(torch.optim.Optimizer):
         return loss
 
 
+def _groups(grads: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    """The gradients by (device, dtype), in the order torch's clip_grad_norm_ takes the groups (its total norm
+    stacks the groups' norms in that order, and vector_norm's result depends on it in the last bit)."""
+    try:
+        from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+    except ImportError:   # (a private helper: without it, first appearance)
+        groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for g in grads:
+            groups[(g.device, g.dtype)].append(g)
+        return dict(groups)
+    return {key: list(ts[0]) for key, (ts, _) in _group_tensors_by_device_and_dtype([grads]).items()}
+
+
 def _result_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
     return functools.reduce(torch.promote_types, dtypes)
-
-
-def _number(name: str, v) -> float:
-    """``float(v)`` for a number, a numeric string such as ``"inf"`` (as torch takes) or a one-element tensor; else a
-    TypeError naming the argument."""
-    try:
-        return float(v)
-    except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"{name}: expected a number, got {v!r}") from None
 
 
 @torch.no_grad()
@@ -331,19 +337,21 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     """
     if foreach is not None and not isinstance(foreach, bool):
         raise TypeError(f"foreach: expected None, True or False, got {foreach!r}")
+    dispatch.check_impl(_mt.OP_CLIP, impl)   # on every call, also those without a gradient (a review)
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
+    else:   # torch's warning for a used-up generator (model.parameters() consumed before)
+        is_generator = isinstance(parameters, types.GeneratorType)
+        parameters = list(parameters)
+        if is_generator and not parameters:
+            warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
     grads = [p.grad for p in parameters if p.grad is not None]
-    max_norm, norm_type = _number("max_norm", max_norm), _number("norm_type", norm_type)
+    max_norm, norm_type = _mt.number("max_norm", max_norm), _mt.check_norm_type(norm_type)
     if not max_norm >= 0:
         raise ValueError(f"max_norm: expected a number >= 0 (inf: no clipping), got {max_norm}")
-    if math.isnan(norm_type):
-        raise ValueError("norm_type: expected a number (inf for the max norm), got nan")
     if not grads:
         return torch.tensor(0.0)
-    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
-        groups[(g.device, g.dtype)].append(g)
+    groups = _groups(grads)
     first = grads[0].device
     norms: list[torch.Tensor] = []
     ours: list[list[torch.Tensor]] = []

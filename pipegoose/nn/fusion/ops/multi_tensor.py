@@ -235,9 +235,26 @@ def _explain_adam(grads, params, exp_avgs, exp_avg_sqs, bias_correction: bool = 
     return adam_problem(grads, params, exp_avgs, exp_avg_sqs, bias_correction)
 
 
+def number(name: str, v) -> float:
+    """``float(v)`` for a number, a numeric string such as ``"inf"`` (as torch takes) or a one-element tensor; else a
+    TypeError naming the argument."""
+    try:
+        return float(v)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{name}: expected a number, got {v!r}") from None
+
+
+def check_norm_type(norm_type: Any) -> float:
+    """``norm_type`` of clip_grad_norm_ as a float. Raises TypeError (not a number) or ValueError (nan), naming it."""
+    v = number("norm_type", norm_type)
+    if math.isnan(v):
+        raise ValueError("norm_type: expected a number (inf for the max norm), got nan")
+    return v
+
+
 def _explain_clip(grads, norm_type: float = 2.0) -> Problem:
     _tensor_lists(grads=grads)
-    return clip_problem(grads, norm_type)
+    return clip_problem(grads, check_norm_type(norm_type))   # clip_grad_norm_'s checks, with its messages
 
 
 # explain("adam", grads, params, exp_avgs, exp_avg_sqs[, bias_correction]) and explain("clip_grad_norm", grads
@@ -299,10 +316,11 @@ def adam_step_fused(impl: str, grads, params, exp_avgs, exp_avg_sqs, *, lr: floa
 
 
 @torch.no_grad()
-def adam_step_reference(grads, params, exp_avgs, exp_avg_sqs, steps: list[torch.Tensor], *, lr: float,
-                        beta1: float, beta2: float, eps: float, adam_w_mode: bool, bias_correction: bool,
-                        weight_decay: float) -> None:
-    """torch.optim.Adam(W)'s functional math; increments the ``steps`` tensors itself, as torch does."""
+def adam_step_reference(grads, params, exp_avgs, exp_avg_sqs, steps: list[torch.Tensor], *,
+                        lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, adam_w_mode: bool,
+                        bias_correction: bool, weight_decay: float) -> None:
+    """torch.optim.Adam(W)'s functional math; increments the ``steps`` tensors itself, as torch does. ``lr`` a 0-d
+    tensor only with ``bias_correction`` (torch's functional takes it, and computes with it as a tensor)."""
     grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, params)]
     if bias_correction:
         from torch.optim.adam import adam
