@@ -104,6 +104,30 @@ def test_parity_with_kernels(arch, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_gpt_neox_partial_rotary_on_the_kernel_parity(monkeypatch, dtype):
+    """GPT-NeoX with Pythia's partial rotary (a quarter of each head) and PIPEGOOSE_IMPL_ROPE=pipegoose (the kernel's
+    partial path is opt-in): the rope rows are fused, every layer's call ran the kernel (strict mode: no fallback),
+    and outputs and gradients agree with the unfused model as in test_parity_with_kernels."""
+    monkeypatch.setenv("PIPEGOOSE_IMPL_ROPE", "pipegoose")
+    dev = torch.device("cuda")
+    model = models.build("gpt_neox", "eager", hidden=128, heads=4).to(dev)   # head 32: 8 rotated values
+    assert model.config.rope_parameters["partial_rotary_factor"] == 0.25
+    model64 = copy.deepcopy(model).double()
+    model64.set_attn_implementation("sdpa")
+    model = model.to(dtype)
+    ids, mask = models.inputs(batch=4, seq=64, left_pad=(0, 5, 17, 63))
+    ids, mask = ids.to(dev), mask.to(dev)
+    weights = torch.randn(*ids.shape, 128, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(dev)
+    ref64 = _run(model64, ids, mask, weights)
+    unf = _run(model, ids, mask, weights)
+    fus, report, ran = _fused_run(model, ids, mask, weights)
+    rows = [r for r in report.rows if r.kind == "rope"]
+    assert rows and all(r.fused and r.forward == "pipegoose" for r in rows), rows
+    assert ran.get("rope") == {"pipegoose": model.config.num_hidden_layers}, ran
+    _assert_parity(fus, unf, ref64, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 def test_per_head_rms_norms_parity_with_kernels(dtype):
     """Qwen3's q_norm / k_norm (RMSNorm over head_dim) fused with the rest: our kernel runs on them (strict mode:
     no fallback), and outputs and gradients agree with the unfused model as in test_parity_with_kernels."""

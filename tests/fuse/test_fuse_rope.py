@@ -211,8 +211,9 @@ def test_a_forward_that_raises_leaves_no_count_behind():
 
 def test_gpt_neox_partial_rotary_runs_the_original():
     """GPT-NeoX's function handles partial rotary itself (partial_rotary_factor < 1, Pythia's default: cos narrower
-    than the head): the report says those modules are not fused, why, and their calls run the original function,
-    exactly; with a factor of 1 they are fused and run the op."""
+    than the head). The kernel's partial path is opt-in (and on the CPU it cannot run): the report says those modules
+    are not fused, and why, and their calls run the original function, exactly; with a factor of 1 they are fused and
+    run the op."""
     for pct, calls in ((0.25, 0), (1.0, 2)):
         cfg = models.config("gpt_neox", "eager")
         cfg.rope_parameters = {**cfg.rope_parameters, "partial_rotary_factor": pct}
@@ -223,7 +224,12 @@ def test_gpt_neox_partial_rotary_runs_the_original():
         rows = _rope_rows(report)
         assert len(rows) == 2 and all(r.fused == (pct == 1.0) for r in rows), rows
         if pct < 1:
-            assert all("partial rotary (factor 0.25)" in r.reason and not r.eligible for r in rows), rows
+            rotary = int(model.config.hidden_size // model.config.num_attention_heads * pct)
+            for r in rows:
+                assert not r.eligible and r.reason == (
+                    f"partial rotary (factor 0.25, {rotary} of each head's values): torch would run them: pipegoose: "
+                    "needs a CUDA tensor, got device cpu; the model's own code runs them (PIPEGOOSE_IMPL_ROPE=pipegoose, "
+                    "set before fuse, runs the kernel's path on a GPU)"), r.reason
         dispatch.reset_stats()
         h, g = _step(model, ids, mask)
         assert _rope_calls() == calls
@@ -231,6 +237,43 @@ def test_gpt_neox_partial_rotary_runs_the_original():
         for n in ref_g:
             torch.testing.assert_close(g[n], ref_g[n], rtol=1e-10, atol=1e-12)
         unfuse(model)
+
+
+def test_gpt_neox_partial_rotary_on_the_kernel_path(monkeypatch):
+    """Where the kernel's partial path would run (here: PIPEGOOSE_IMPL_ROPE=pipegoose, the kernel's ops replaced by a
+    CPU stand-in, its supports() asked as on a GPU), GPT-NeoX's attention modules are fused: the report names the
+    partial rotary and the implementation; each layer's call runs the kernel's forward op once and its backward op
+    once, on views of the rotated values; the model computes what it computed (fp32: the stand-in rounds once where
+    eager rounds each op); unfuse puts the function back. Without the request the opt-in reason is reported."""
+    from rope_stand_in import kernel_on_cpu
+
+    neox = pytest.importorskip("transformers.models.gpt_neox.modeling_gpt_neox")
+    model = models.build("gpt_neox", "eager")   # partial_rotary_factor 0.25, Pythia's default
+    assert model.config.rope_parameters["partial_rotary_factor"] == 0.25
+    ids, mask = models.inputs(left_pad=(0, 0, 0))
+    ref_h, ref_g = _step(model, ids, mask)
+    original = neox.apply_rotary_pos_emb
+    with kernel_on_cpu(monkeypatch, dispatch) as calls:
+        rows = _rope_rows(fuse(model, ops=["rope"], dry_run=True))
+        assert rows and all(not r.fused and "opt-in for this input: runs when requested (impl='pipegoose' or "
+                            "PIPEGOOSE_IMPL_ROPE=pipegoose)" in r.reason for r in rows), rows
+        monkeypatch.setenv("PIPEGOOSE_IMPL_ROPE", "pipegoose")
+        rows = _rope_rows(fuse(model, ops=["rope"]))
+        rotary = model.layers[0].attention.rotary_ndims if hasattr(model, "layers") else None
+        assert len(rows) == model.config.num_hidden_layers and all(r.fused for r in rows), rows
+        assert all(r.forward == "pipegoose" and "GPT-NeoX's partial rotary" in r.reason for r in rows), rows
+        dispatch.reset_stats()
+        h, g = _step(model, ids, mask)
+        assert dispatch.stats()["rope"] == {"pipegoose": model.config.num_hidden_layers}
+        names = [c[0] for c in calls]
+        assert names.count("rope_forward") == names.count("rope_backward") == model.config.num_hidden_layers
+        if rotary:
+            assert all(c[1].shape[-1] == rotary for c in calls)
+        unfuse(model)
+    assert neox.apply_rotary_pos_emb is original
+    torch.testing.assert_close(h, ref_h, rtol=1e-5, atol=1e-5)
+    for n in ref_g:
+        torch.testing.assert_close(g[n], ref_g[n], rtol=1e-4, atol=1e-5)
 
 
 def test_a_copy_of_a_fused_model_is_told_apart():

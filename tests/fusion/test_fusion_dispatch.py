@@ -358,6 +358,40 @@ def test_opt_in_implementations_run_only_when_named(tmp_path, monkeypatch):
     assert (c.impl, c.source) == ("pipegoose", "tuning")
     with pytest.raises(ValueError, match="Implementation.opt_in: a reference implementation"):
         Implementation(OP, "torch", "reference", lambda p: (True, ""), opt_in=True)
+    with pytest.raises(ValueError, match="Implementation.opt_in: a reference implementation"):
+        Implementation(OP, "torch", "reference", lambda p: (True, ""), opt_in=lambda p: False)
+
+
+def test_opt_in_where_it_could_not_run_gives_that_reason(tmp_path, monkeypatch):
+    """An opt-in implementation that does not support the input gets its supports() reason (asked on metadata
+    alone: no kernel is loaded), not the suggestion to request it (a review: strict mode's message said to request
+    it, and the request then failed for another reason)."""
+    loaded = []
+    monkeypatch.setattr(dispatch, "_load_kernel", lambda name: loaded.append(name))
+    dispatch.register(Implementation(OP, "pipegoose", "ours",
+                                     lambda p: (p["ours"], "" if p["ours"] else "ours says no"), ("k",),
+                                     opt_in=True))
+    c = dispatch.select(OP, problem(ours=False, ported=False))
+    assert (c.impl, c.fallback) == ("torch", True) and c.reasons["pipegoose"] == "ours says no"
+    assert loaded == []
+
+
+def test_opt_in_for_some_inputs(tmp_path, monkeypatch):
+    """``opt_in`` as a predicate: opt-in for the inputs it names (the reason says "for this input"; with
+    ``tuned_for`` excluding them, the rules do not name it and the reason says so), in the built-in order for the
+    others."""
+    dispatch.register(Implementation(OP, "pipegoose", "ours", lambda p: (True, ""),
+                                     opt_in=lambda p: p.get("partial", False),
+                                     tuned_for=lambda p: not p.get("partial", False)))
+    assert dispatch.select(OP, problem()).impl == "pipegoose"
+    c = dispatch.select(OP, problem(partial=True))
+    assert (c.impl, c.source) == ("megatron", "builtin")
+    assert c.reasons["pipegoose"] == ("opt-in for this input: runs when requested (impl='pipegoose' or "
+                                      "PIPEGOOSE_IMPL_FAKE_OP=pipegoose)")
+    write_table(tmp_path, table({"op": OP, "dtype": "float16", "impl": "pipegoose"}), monkeypatch)
+    assert dispatch.select(OP, problem()).source == "tuning"
+    assert dispatch.select(OP, problem(partial=True)).impl == "megatron"
+    assert dispatch.select(OP, problem(partial=True), impl="pipegoose").source == "argument"
 
 
 def test_small_problems_run_the_native_reference(tmp_path, monkeypatch):

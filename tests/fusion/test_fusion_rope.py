@@ -156,15 +156,168 @@ def test_what_the_kernel_does_not_take_follows_transformers(what, build):
 
 
 def test_shapes_that_do_not_broadcast_raise_as_transformers():
-    """Partial rotary's narrow tables (transformers splits q before calling) and a k of other positions: PyTorch's
-    broadcasting error on the reference path, as transformers' function raises it."""
+    """A k of other positions: PyTorch's broadcasting error on the reference path, as transformers' function raises
+    it."""
     q, k, cos, sin = _inputs()
-    for args in ((q, k, cos[..., :4], sin[..., :4]), (q, k[:, :, :3], cos, sin)):
-        with pytest.raises(RuntimeError) as want:
-            _hf()(*args)
-        with pytest.raises(RuntimeError) as got:
-            PF.apply_rotary_pos_emb(*args)
-        assert str(got.value) == str(want.value)
+    args = (q, k[:, :, :3], cos, sin)
+    with pytest.raises(RuntimeError) as want:
+        _hf()(*args)
+    with pytest.raises(RuntimeError) as got:
+        PF.apply_rotary_pos_emb(*args)
+    assert str(got.value) == str(want.value)
+
+
+# ------------------------------------------------------------------------------------------------ partial rotary
+def _neox():
+    """GPT-NeoX's apply_rotary_pos_emb: tables narrower than a head rotate that many values, the rest pass through."""
+    return pytest.importorskip("transformers.models.gpt_neox.modeling_gpt_neox").apply_rotary_pos_emb
+
+
+def _partial64(q, k, cos, sin, dq, dk, unsqueeze_dim=1):
+    """float64 partial rotary: the per-half formulas on the first R = cos.shape[-1] values, the rest (and their
+    gradients) passed through."""
+    r = cos.shape[-1]
+    rot = _ref64(q[..., :r], k[..., :r], cos, sin, dq[..., :r], dk[..., :r], unsqueeze_dim)
+    return tuple(torch.cat((a, x[..., r:].double()), -1) for a, x in zip(rot, (q, k, dq, dk)))
+
+
+PARTIAL_CASES = {
+    "pythia": dict(r=2),   # a quarter of each head
+    "half": dict(r=4),
+    "cos_per_sequence": dict(r=4, bc=2),
+    "grouped_heads_odd_sizes": dict(r=4, b=3, hq=3, hk=1, s=7),
+    "bshd": dict(r=4, bshd=True, unsqueeze_dim=2),
+    "tables_require_grad": dict(r=4, tables_grad=True, bc=2),
+    "promoted_tables": dict(r=4, table_dtype=torch.float32),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)
+@pytest.mark.parametrize("case", list(PARTIAL_CASES), ids=list(PARTIAL_CASES))
+def test_partial_rotary_reference_is_gpt_neox_bit_for_bit(dtype, case):
+    """Tables of R < D values a head: the reference path computes GPT-NeoX's function exactly (values and gradients,
+    those of cos and sin included; 16-bit q with fp32 tables promoted to fp32 as its torch.cat does), and it is the
+    float64 partial formula within the tolerance table; Llama's function raises for such tables."""
+    kw = dict(PARTIAL_CASES[case])
+    r, tables_grad, unsqueeze_dim = kw.pop("r"), kw.pop("tables_grad", False), kw.pop("unsqueeze_dim", 1)
+    if kw.get("table_dtype") and dtype not in (torch.float16, torch.bfloat16):
+        pytest.skip("promoted tables: 16-bit q and k")
+    q, k, cos, sin = _inputs(dtype=dtype, seed=len(case), **kw)
+    cos, sin = cos[..., :r].contiguous(), sin[..., :r].contiguous()
+    got, (dq, dk) = _fwd_bwd(PF.apply_rotary_pos_emb, q, k, cos, sin, tables_grad, unsqueeze_dim=unsqueeze_dim)
+    want, _ = _fwd_bwd(_neox(), q, k, cos, sin, tables_grad, unsqueeze_dim=unsqueeze_dim)
+    for name, a, b in zip(("q_embed", "k_embed", "grad_q", "grad_k", "grad_cos", "grad_sin"), got, want):
+        if b is None:
+            assert a is None, name
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{name} differs from GPT-NeoX's"
+    assert got[0].dtype == (torch.float32 if kw.get("table_dtype") else dtype)
+    ref = _partial64(q, k, cos, sin, dq, dk, unsqueeze_dim)
+    for name, a, w in zip(("q_embed", "k_embed", "grad_q", "grad_k"), got, ref):
+        t = tol(dtype, 2) if dtype != torch.float64 else dict(rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(a.double(), w, **t, msg=lambda m: f"{name}: {m}")
+    with pytest.raises(RuntimeError):
+        _hf()(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+
+def test_partial_rotary_is_opt_in_on_the_gpu(monkeypatch):
+    """On a GPU the kernel takes partial rotary (even R below D) but runs it only when requested: the tuning rules,
+    timed on whole heads, do not choose it, and the reason says how to ask; whole heads keep the rules' choice."""
+    table = dispatch.TuningTable.parse({"device": "Fake GPU", "rules": [
+        {"op": "rope", "dtype": "bfloat16", "pass": None, "max_cols": None, "impl": "pipegoose"}]})
+    monkeypatch.setattr(dispatch, "tuning_table", lambda device: table)
+    monkeypatch.setattr(dispatch, "kernel", lambda name: (object(), "") if name == "pipegoose/rope"
+                        else (None, f"{name}: unexpected"))
+    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "0")
+    q, k, cos, sin = _inputs(2, 4, 2, 5, 16, torch.bfloat16)
+    whole = _cuda_problem(q, k, cos, sin)
+    assert not whole["partial"]
+    assert (dispatch.choose("rope", whole).impl, dispatch.choose("rope", whole).source) == ("pipegoose", "tuning")
+    part = _cuda_problem(q, k, cos[..., :4], sin[..., :4])
+    assert part["partial"] and _supports()(part) == (True, "")
+    c = dispatch.choose("rope", part)
+    assert (c.impl, c.source, c.fallback) == ("torch", "fallback", True)
+    assert c.reasons["pipegoose"] == ("opt-in for this input: runs when requested (impl='pipegoose' or "
+                                      "PIPEGOOSE_IMPL_ROPE=pipegoose)")
+    assert (dispatch.choose("rope", part, impl="pipegoose").impl) == "pipegoose"
+    monkeypatch.setenv("PIPEGOOSE_IMPL_ROPE", "pipegoose")
+    assert (dispatch.choose("rope", part).impl, dispatch.choose("rope", part).source) == ("pipegoose", "env")
+    monkeypatch.delenv("PIPEGOOSE_IMPL_ROPE")
+    # where the kernel could not run anyway, that reason rather than a suggestion to request it
+    c = dispatch.choose("rope", replace(part, device=torch.device("cpu")))
+    assert c.reasons["pipegoose"] == "needs a CUDA tensor, got device cpu"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["pythia", "cos_per_sequence", "bshd", "promoted_tables", "fused_qkv"])
+def test_partial_rotary_on_the_kernel_path(monkeypatch, dtype, case):
+    """The kernel's partial path (_PartialRoPE) on a CPU stand-in of the kernel's ops (float64 math rounded once, its
+    shape checks and dtypes): one forward op on views of the rotated values (no copy) and one backward op; values and
+    gradients within the tolerance table of float64, the passed-through values and their gradients exact."""
+    from rope_stand_in import kernel_on_cpu
+
+    kw = {"pythia": dict(r=4, d=16), "cos_per_sequence": dict(r=4, bc=2), "bshd": dict(r=4, bshd=True),
+          "promoted_tables": dict(r=4, table_dtype=torch.float32), "fused_qkv": dict(r=4)}[case]
+    if kw.get("table_dtype") and dtype == torch.float32:
+        pytest.skip("promoted tables: 16-bit q and k")
+    r = kw.pop("r")
+    unsqueeze_dim = 2 if kw.get("bshd") else 1
+    q, k, cos, sin = _inputs(b=2, hq=4, hk=2, s=5, **{"d": 8, **kw}, dtype=dtype, seed=11)
+    if case == "fused_qkv":   # GPT-NeoX's q and k: chunks of a [B, H, S, 3D] projection (not dense)
+        qkv = torch.randn(2, 4, 5, 3 * q.shape[-1], generator=torch.Generator().manual_seed(5)).to(dtype)
+        q, k, _ = qkv.chunk(3, dim=-1)
+    cos, sin = cos[..., :r].contiguous(), sin[..., :r].contiguous()
+    # leaves of q's and k's strides (a clone of the fused projection's chunks would be dense)
+    q, k = (torch.empty_strided(t.shape, t.stride(), dtype=dtype).copy_(t).requires_grad_() for t in (q, k))
+    with kernel_on_cpu(monkeypatch, dispatch) as calls:
+        qe, ke = PF.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, impl="pipegoose")
+        assert dispatch.last_choice("rope").impl == "pipegoose"
+        g = torch.Generator().manual_seed(9)
+        dq, dk = (torch.randn(t.shape, generator=g).to(t.dtype) for t in (qe, ke))
+        torch.autograd.backward((qe, ke), (dq, dk))
+    got = (qe.detach(), ke.detach(), q.grad, k.grad)
+    assert [c[0] for c in calls] == ["rope_forward", "rope_backward"]
+    heads_first = q.transpose(1, 2) if unsqueeze_dim == 2 else q
+    for arg, x in zip(calls[0][1:], (heads_first, k.transpose(1, 2) if unsqueeze_dim == 2 else k)):
+        assert arg.shape == x.shape[:-1] + (r,) and arg.data_ptr() == x.data_ptr() and arg.stride() == x.stride(), \
+            "the kernel gets views of the rotated values, not copies"
+    want = _partial64(q, k, cos, sin, dq, dk, unsqueeze_dim)
+    out = torch.float32 if kw.get("table_dtype") else dtype
+    for name, a, w, like in zip(("q_embed", "k_embed", "grad_q", "grad_k"), got, want, (out, out, dtype, dtype)):
+        assert a.dtype == like and a.shape == w.shape, name
+        torch.testing.assert_close(a.double(), w, **tol(dtype, 1), msg=lambda m: f"{name}: {m}")
+        # (exact: a gradient of fp32 outputs rounded once to q's dtype, as autograd of the concatenation does)
+        assert torch.equal(a[..., r:], w[..., r:].to(a.dtype)), f"{name}: the passed-through values changed"
+
+
+def test_partial_rotary_kernel_path_gradients_and_unused_outputs(monkeypatch):
+    """_PartialRoPE in float64 on the stand-in: gradcheck and, through create_graph's PyTorch path, gradgradcheck;
+    an output left out of the loss gives its input no gradient (None, as the C++ autograd of whole heads), and the
+    backward op runs once, for the other side."""
+    from rope_stand_in import stand_in_ops
+
+    calls: list = []
+    ops = stand_in_ops(calls)
+    q, k, cos, sin = _inputs(2, 3, 1, 4, 8, torch.float64, seed=4)
+    cos, sin = cos[..., :4].contiguous(), sin[..., :4].contiguous()
+    q.requires_grad_()
+    k.requires_grad_()
+    for heads_dim in (1, 2):
+        qq, kk = (q, k) if heads_dim == 1 else (q.transpose(1, 2).detach().requires_grad_(),
+                                                k.transpose(1, 2).detach().requires_grad_())
+        fn = lambda a, b: R._PartialRoPE.apply(a, b, cos, sin, heads_dim, ops)   # noqa: E731
+        assert torch.autograd.gradcheck(fn, (qq, kk))
+        assert torch.autograd.gradgradcheck(fn, (qq, kk))
+    calls.clear()
+    qe, ke = R._PartialRoPE.apply(q, k, cos, sin, 1, ops)
+    qe.sum().backward()
+    assert q.grad is not None and k.grad is None
+    assert [c[0] for c in calls] == ["rope_forward", "rope_backward"] and calls[1][2].shape[1] == 0
+    q.grad = None
+    calls.clear()
+    qe, ke = R._PartialRoPE.apply(q, k, cos, sin, 1, ops)
+    ke.sum().backward()
+    assert q.grad is None and k.grad is not None and calls[1][1].shape[1] == 0
 
 
 def test_exported_from_the_package():
@@ -323,6 +476,9 @@ def test_kernel_takes_the_shapes_of_transformers_on_cuda(dtype):
         "no query heads": (q[:, :0], k, cos, sin, 1),
         "one position": (q[:, :, :1], k[:, :, :1], cos[:, :1], sin[:, :1], 1),
         "heads equal to positions": (q[:, :5], k, cos, sin, 1),
+        "partial rotary, 4 of 16 values": (q, k, cos[..., :4], sin[..., :4], 1),
+        "partial rotary, [B, S, H, D]": (q.transpose(1, 2), k.transpose(1, 2), cos[..., :8], sin[..., :8], 2),
+        "partial rotary, 2 of 16 values": (q, k, cos[..., :2], sin[..., :2], 1),
     }
     for what, (qq, kk, cc, ss, dim) in taken.items():
         assert supports(_cuda_problem(qq, kk, cc, ss, dim)) == (True, ""), what
@@ -365,14 +521,17 @@ DECLINED = [
      r"^k's shape \[1, 2, 5, 8\] differs from q's \[2, 4, 5, 8\] in batch, seq or head_dim$"),
     ("k_seq", lambda q, k, c, s: (q, k[:, :, :3], c, s, 1), r"^k's shape \[2, 2, 3, 8\] differs from q's"),
     ("k_head_dim", lambda q, k, c, s: (q, k[..., :6], c, s, 1), r"^k's shape \[2, 2, 5, 6\] differs"),
-    ("partial_rotary", lambda q, k, c, s: (q, k, c[..., :4], s[..., :4], 1),
-     r"^cos's shape \[1, 5, 4\] is not \[2 or 1, 5, 8\] \(partial rotary and other broadcasts run PyTorch's ops\)$"),
+    ("partial_rotary_odd", lambda q, k, c, s: (q, k, c[..., :3], s[..., :3], 1),
+     r"^3 rotated dims \(cos's last size\) is odd: rotate_half splits them in two$"),
+    ("wider_table", lambda q, k, c, s: (q[..., :6], k[..., :6], c, s, 1),
+     r"^cos's shape \[1, 5, 8\] is not \[2 or 1, 5, R\], R 6 or below it \(partial rotary\); other "
+     r"broadcasts run PyTorch's ops$"),
     ("longer_table", lambda q, k, c, s: (q[:, :, :3], k[:, :, :3], c, s, 1), r"^cos's shape \[1, 5, 8\] is not "
-                                                                             r"\[2 or 1, 3, 8\]"),
+                                                                             r"\[2 or 1, 3, R\], R 8 or below it"),
     ("cos_batch_3", lambda q, k, c, s: (q, k, c.expand(3, 5, 8), s.expand(3, 5, 8), 1),
-     r"^cos's shape \[3, 5, 8\] is not \[2 or 1, 5, 8\]"),
+     r"^cos's shape \[3, 5, 8\] is not \[2 or 1, 5, R\]"),
     ("q_batch_1_tables_2", lambda q, k, c, s: (q[:1], k[:1], c.expand(2, 5, 8), s.expand(2, 5, 8), 1),
-     r"^cos's shape \[2, 5, 8\] is not \[1 or 1, 5, 8\]"),
+     r"^cos's shape \[2, 5, 8\] is not \[1 or 1, 5, R\]"),
     ("bhsd_as_bshd", lambda q, k, c, s: (q, k, c, s, 2), r"^k's shape \[2, 2, 5, 8\] differs from q's|^cos's shape"),
     ("bshd_as_bhsd", lambda q, k, c, s: (q.transpose(1, 2), k.transpose(1, 2), c, s, 1),
      r"^k's shape \[2, 5, 2, 8\] differs from q's \[2, 5, 4, 8\]"),
@@ -430,7 +589,7 @@ def test_choice_on_cuda_of_empty_and_small_inputs(monkeypatch):
     with dispatch.strict():
         c = dispatch.select("rope", _cuda_problem(q[:, :, :0], k[:, :, :0], cos[:, :0], sin[:, :0]))
     assert (c.impl, c.source, c.fallback) == ("torch", "empty", False)
-    with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="partial rotary"):
+    with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="pipegoose: opt-in for this input"):
         dispatch.select("rope", _cuda_problem(q, k, cos[..., :4], sin[..., :4]))
     with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="cos or sin requires grad"):
         dispatch.select("rope", _cuda_problem(q, k, cos.clone().requires_grad_(), sin))

@@ -515,9 +515,86 @@ def test_functional_on_cuda_runs_the_kernel(ops, no_tuning_table, dtype):
         c.reasons["pipegoose"], c
     want = torch_formula(q, k2, cos, sin)
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
-    # partial rotary (cos narrower than D): PyTorch's broadcasting error, as transformers' function raises it
-    with pytest.raises(RuntimeError, match="must match the size"):
+    # partial rotary (cos narrower than D): the kernel's path is opt-in, so a fallback strict mode refuses, and the
+    # reference computes GPT-NeoX's partial rotary
+    with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="opt-in for this input"):
         apply(q, k, cos[..., :32], sin[..., :32])
+    got = apply(q, k, cos[..., :32], sin[..., :32])
+    want = partial64(q, k, cos[..., :32], sin[..., :32])
+    for name, a, w in zip(("q_embed", "k_embed"), got, want):
+        check(name, a, w, dtype)
+
+
+def partial64(q, k, cos, sin, dq=None, dk=None, unsqueeze_dim=1):
+    """GPT-NeoX's partial rotary in float64: ref64 on the first R = cos.shape[-1] values of each head, the rest (and,
+    with dq and dk, their gradients) passed through."""
+    r = cos.shape[-1]
+    if unsqueeze_dim == 2:   # [B, S, H, D]: as [B, H, S, D]
+        t = [None if x is None else x.transpose(1, 2) for x in (q, k, dq, dk)]
+        return tuple(x.transpose(1, 2) for x in partial64(*t[:2], cos, sin, *t[2:]))
+    rot = ref64(q[..., :r], k[..., :r], cos, sin, None if dq is None else dq[..., :r],
+                None if dk is None else dk[..., :r])
+    rest = (q, k) if dq is None else (q, k, dq, dk)
+    return tuple(torch.cat((a.to(x.device), x[..., r:].detach().double()), -1) for a, x in zip(rot, rest))
+
+
+# (B, Hq, Hk, S, D, R, Bc): R rotated values a head
+PARTIAL_CASES = [
+    (8, 16, 16, 256, 64, 16, 1),   # Pythia-410m: a quarter of each head (R/2 = 8: one 16-bit vector a half)
+    (2, 8, 2, 33, 128, 32, 2),     # grouped heads, a table per sequence
+    (3, 3, 1, 7, 64, 16, 3),       # odd sizes
+    (2, 4, 2, 9, 64, 6, 1),        # R/2 = 3: the scalar path
+    (2, 4, 2, 9, 80, 20, 1),       # R/2 = 10: fp32 vectors; 16-bit scalar path
+]
+
+
+def partial_id(c) -> str:
+    b, hq, hk, s, d, r, bc = c
+    return f"B{b}-Hq{hq}-Hk{hk}-S{s}-D{d}-R{r}-cos{bc}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", PARTIAL_CASES, ids=partial_id)
+@pytest.mark.parametrize("layout_", ["contiguous", "fused_qkv", "bshd", "fp32_tables"])
+def test_partial_rotary_kernel_path_matches_float64(ops, no_tuning_table, dtype, case, layout_):
+    """The kernel's partial path (impl='pipegoose'): the forward op on views of q's and k's first R values and one
+    concatenation, the backward likewise; values and gradients within the tolerance of GPT-NeoX's formula in float64,
+    the passed-through values exact; every element written (outputs poisoned first); no fallback (strict mode).
+    Layouts: contiguous [B, H, S, D]; GPT-NeoX's chunks of a fused qkv projection (not dense); [B, S, H, D]
+    (unsqueeze_dim=2); 16-bit q and k with fp32 tables (autocast: fp32 results, gradients in q's dtype)."""
+    if layout_ == "fp32_tables" and dtype == torch.float32:
+        pytest.skip("fp32 tables with 16-bit q and k")
+    apply, dispatch = _functional()
+    b, hq, hk, s, d, r, bc = case
+    gen = torch.Generator(device=DEV).manual_seed(seed_of("partial", dtype, case, layout_))
+    dim = 2 if layout_ == "bshd" else 1
+    if layout_ == "fused_qkv" and hq == hk:   # GPT-NeoX's: [B, H, S, 3D] chunked in the last dimension
+        qkv = torch.randn(b, s, hq, 3 * d, generator=gen, device=DEV).to(dtype).transpose(1, 2)
+        q, k, _ = qkv.chunk(3, dim=-1)
+    elif layout_ == "fused_qkv":   # a fused projection's heads
+        qkv = torch.randn(b, s, hq + 2 * hk, d, generator=gen, device=DEV).to(dtype).transpose(1, 2)
+        q, k = qkv[:, :hq], qkv[:, hq:hq + hk]
+    else:
+        q = torch.randn(b, hq, s, d, generator=gen, device=DEV).to(dtype)
+        k = torch.randn(b, hk, s, d, generator=gen, device=DEV).to(dtype)
+        if dim == 2:
+            q, k = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+    tab = torch.float32 if layout_ == "fp32_tables" else dtype
+    cos, sin = tables(bc, s, r, tab, seed_of("partial tables", case))
+    out = torch.float32 if layout_ == "fp32_tables" else dtype
+    dq = torch.randn(q.shape, generator=gen, device=DEV).to(out)
+    dk = torch.randn(k.shape, generator=gen, device=DEV).to(out)
+    qq, kk = q.detach().requires_grad_(), k.detach().requires_grad_()
+    poison((q.shape, out), (k.shape, out), (q.shape, dtype), (k.shape, dtype))
+    with dispatch.strict():
+        qe, ke = apply(qq, kk, cos, sin, dim, impl="pipegoose")
+        torch.autograd.backward((qe, ke), (dq, dk))
+    assert dispatch.last_choice("rope").impl == "pipegoose"
+    want = partial64(q, k, cos, sin, dq, dk, dim)
+    for name, got, w, dt in zip(("q_embed", "k_embed", "grad_q", "grad_k"), (qe, ke, qq.grad, kk.grad), want,
+                                (out, out, dtype, dtype)):
+        check(name, got, w, dt)
+        assert torch.equal(got[..., r:], w[..., r:].to(dt)), f"{name}: the passed-through values changed"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

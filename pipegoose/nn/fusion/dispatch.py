@@ -18,8 +18,8 @@ Choice, first that supports the input wins:
    "Tuning tables"): the first rule whose op and dtype match, whose ``max_cols`` is not exceeded and whose
    implementation supports the input (rules whose ``pass`` matches the call, ``fwd`` or ``fwd+bwd``, first);
 4. the built-in order: ours, then PyTorch's fused kernels, then the ported copies, then ``torch``; an implementation
-   registered ``opt_in`` (a kernel not yet timed against the others on a GPU) is left out of it: it runs when a
-   request (1, 2) or a tuning rule (3) names it;
+   registered ``opt_in`` (a kernel, or a path of one for some inputs, not yet timed against the others on a GPU) is
+   left out of it (for those inputs): it runs when a request (1, 2) or a tuning rule (3) names it;
 5. before 3 and 4, small problems: when the input has fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements (default
    2**24; 0 turns this off), a fused implementation supports it, and the op's reference path is one native PyTorch
    op for it (``F.layer_norm``, ``F.rms_norm``: ``Implementation.small_first``), the reference runs (source
@@ -211,7 +211,10 @@ class Implementation:
             host than any fused path: problems below :func:`small_numel` elements run it (see "Small problems").
         opt_in: left out of the built-in order (choice step 4): it runs only where a request (``impl=``,
             ``PIPEGOOSE_IMPL_*``) or a tuning rule names it. For a kernel whose speed against the others has not been
-            measured yet: a default must come from a benchmark, not from being ours.
+            measured yet: a default must come from a benchmark, not from being ours. True, or
+            ``opt_in(problem) -> bool`` for a path of the kernel that only some inputs take (rope's partial rotary:
+            the kernel on the rotated slices; pair it with ``tuned_for``, so that the rules timed on the other
+            inputs do not name it either).
     """
 
     op: str
@@ -222,12 +225,16 @@ class Implementation:
     source: str = ""
     tuned_for: Callable[[Problem], bool] | None = None
     small_first: bool = False
-    opt_in: bool = False
+    opt_in: bool | Callable[[Problem], bool] = False
+
+    def is_opt_in(self, problem: Problem) -> bool:
+        """Whether this implementation is opt-in for ``problem`` (see ``opt_in``)."""
+        return self.opt_in(problem) if callable(self.opt_in) else bool(self.opt_in)
 
     def __post_init__(self) -> None:
         if self.kind not in _KIND_ORDER:
             raise ValueError(f"Implementation.kind: expected one of {sorted(_KIND_ORDER)}, got {self.kind!r}")
-        if self.opt_in and self.kind == "reference":
+        if self.opt_in is not False and self.kind == "reference":
             raise ValueError(f"Implementation.opt_in: a reference implementation ({self.op} {self.name}) is the "
                              "fallback of every choice and cannot be opt-in")
 
@@ -874,10 +881,16 @@ def _automatic(op: str, problem: Problem, impls: Mapping[str, Implementation], r
     for name, im in impls.items():
         if im.kind == "reference":
             continue
-        if im.opt_in:
+        if im.is_opt_in(problem):
             if not reasons[name]:
-                reasons[name] = (f"opt-in: runs when requested (impl={name!r} or {_env_names(op)[0]}={name}) or "
-                                 "named by a tuning rule")
+                # where it could not run anyway, that reason (asked on metadata alone: no kernel is loaded for an
+                # implementation that is not going to run), not a suggestion to request it (a review: the reason
+                # said to request it, and the request failed for another reason)
+                good, why = im.supports(problem)
+                ruled = im.tuned_for is None or im.tuned_for(problem)
+                reasons[name] = (why or "not supported") if not good else (
+                    f"opt-in{' for this input' if callable(im.opt_in) else ''}: runs when requested "
+                    f"(impl={name!r} or {_env_names(op)[0]}={name})" + (" or named by a tuning rule" if ruled else ""))
             continue
         if ok(name):
             return Choice(op, name, "builtin", False, reasons, "first supported implementation in built-in order")

@@ -882,9 +882,10 @@ def _consider_swiglu(child, path, dry_run):
                      f"SwiGLU MLP ({probe.reason}), same projections" + _small_note(child)), new
 
 
-def _rope_probe_inputs(module: nn.Module):
+def _rope_probe_inputs(module: nn.Module, rotary: int | None = None):
     """The report's probe of an attention module's RoPE: q and k of its heads and head size (from the module, else its
-    config), one batch of positions enough that it is not a small problem; None where they cannot be told."""
+    config), one batch of positions enough that it is not a small problem, and tables of ``rotary`` values (None: the
+    head size); None where they cannot be told."""
     config = getattr(module, "config", None)
     heads = _config_value(config, "num_attention_heads")
     kv_heads = _config_value(config, "num_key_value_heads") or heads
@@ -895,9 +896,10 @@ def _rope_probe_inputs(module: nn.Module):
     if not all(isinstance(v, int) and v > 0 for v in (heads, kv_heads, dim)):
         return None
     seq = _probe_rows(((heads + kv_heads) * dim,))
+    r = rotary or dim
     return lambda d, t: (torch.empty(1, heads, seq, dim, device=d, dtype=t),
                          torch.empty(1, kv_heads, seq, dim, device=d, dtype=t),
-                         torch.empty(1, seq, dim, device=d, dtype=t), torch.empty(1, seq, dim, device=d, dtype=t))
+                         torch.empty(1, seq, r, device=d, dtype=t), torch.empty(1, seq, r, device=d, dtype=t))
 
 
 def _config_value(config, name: str):
@@ -909,26 +911,64 @@ def _config_value(config, name: str):
         return None
 
 
-def _rope_unused(module: nn.Module) -> str | None:
-    """Why an attention module that mentions ``apply_rotary_pos_emb`` would never call it in the plain form the op
-    takes (None: it would): partial rotary (a factor below 1 in its config: the function rotates part of the head,
-    its own code), or an interleaved rotation selected by the config (it calls another function)."""
+def _rotary_factor(module: nn.Module) -> tuple[float | None, int | None]:
+    """(the share of each head that ``module`` rotates, the rotated values a head) from the module (GPT-NeoX's
+    ``rotary_ndims`` against its head size) or its config (transformers 5 reads ``rope_parameters`` first: a
+    top-level ``partial_rotary_factor`` may be stale there); (None, None) where neither says."""
     config = getattr(module, "config", None)
     ndims = getattr(module, "rotary_ndims", None)   # what the module rotates (GPT-NeoX), against its head size
     head = getattr(module, "head_size", None) or getattr(module, "head_dim", None)
     if isinstance(ndims, int) and isinstance(head, int) and head > 0:
-        factor = ndims / head
-    else:   # transformers 5 reads rope_parameters first (a top-level partial_rotary_factor may be stale there)
-        params = _config_value(config, "rope_parameters")
-        factors = [params.get("partial_rotary_factor") if isinstance(params, dict) else None,
-                   _config_value(config, "partial_rotary_factor"), _config_value(config, "rotary_pct")]
-        factor = next((f for f in factors if isinstance(f, (int, float)) and not isinstance(f, bool)), None)
-    if factor is not None and factor < 1:
-        return (f"partial rotary (factor {factor}): its calls rotate part of each head, which the model's own code "
-                "does (the kernel rotates whole heads)")
+        return ndims / head, ndims
+    params = _config_value(config, "rope_parameters")
+    factors = [params.get("partial_rotary_factor") if isinstance(params, dict) else None,
+               _config_value(config, "partial_rotary_factor"), _config_value(config, "rotary_pct")]
+    factor = next((f for f in factors if isinstance(f, (int, float)) and not isinstance(f, bool)), None)
+    if factor is None:
+        return None, None
+    if not isinstance(head, int) or head <= 0:
+        heads, hidden = _config_value(config, "num_attention_heads"), _config_value(config, "hidden_size")
+        head = _config_value(config, "head_dim") or (hidden // heads if isinstance(heads, int) and heads > 0
+                                                     and isinstance(hidden, int) else None)
+    return factor, (int(head * factor) if isinstance(head, int) and head > 0 else None)
+
+
+def _rope_unused(module: nn.Module, found=None) -> str | None:
+    """Why an attention module that mentions ``apply_rotary_pos_emb`` would never call it in a form the op takes
+    (None: it would): an interleaved rotation selected by the config (it calls another function), or partial rotary
+    (a factor below 1 in its config) where the function does not compute GPT-NeoX's partial rotary (``found``, the
+    function's :class:`~pipegoose.nn.fusion.transformers.rope.Probe`, says whether it does), or where it does but the
+    dispatcher would not run the kernel's partial path for this module's shapes (opt-in until a GPU has timed it; on
+    other devices, the reason the kernel does not run): PyTorch's ops would then compute what the model's own code
+    computes, at more host time."""
+    config = getattr(module, "config", None)
     if _config_value(config, "rope_interleave") is True:
         return "rope_interleave=True: the model calls its interleaved RoPE function, not apply_rotary_pos_emb"
-    return None
+    factor, rotary = _rotary_factor(module)
+    if factor is None or factor >= 1:
+        return None
+    if found is None or not found.partial:
+        return (f"partial rotary (factor {factor}): its calls rotate part of each head, which the model's own code "
+                "does (its function does not compute GPT-NeoX's partial rotary, which the kernel's path does)")
+    why = "its shapes could not be told"
+    build = _rope_probe_inputs(module, rotary) if rotary and rotary % 2 == 0 else None
+    if build is not None:
+        try:
+            from . import dispatch
+
+            p = _first_param(module)
+            device = p.device if p is not None else torch.device("cpu")
+            dtype = p.dtype if p is not None and p.is_floating_point() else torch.float32
+            choice = dispatch.choose("rope", dispatch.problem_of("rope", *build(device, dtype)))
+            if choice.impl == "pipegoose":
+                return None
+            why = f"{choice.impl} would run them: pipegoose: {choice.reasons.get('pipegoose') or choice.reason}"
+        except Exception as e:  # noqa: BLE001 - the report must not fail because a dispatcher cannot describe it
+            why = f"the dispatcher could not describe them ({type(e).__name__}: {e})"
+    elif rotary:
+        why = f"{rotary} rotated values a head: odd"
+    return (f"partial rotary (factor {factor}, {rotary} of each head's values): {why}; the model's own code runs "
+            "them (PIPEGOOSE_IMPL_ROPE=pipegoose, set before fuse, runs the kernel's path on a GPU)")
 
 
 def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
@@ -948,20 +988,24 @@ def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
     found = _rope.probe(target.original, target.where)
     if not found.ok:
         return FusionRow(path, "rope", name, None, False, reason=found.why, eligible=False)
-    why = _rope_unused(child)
+    why = _rope_unused(child, found)
     if why is not None:
         return FusionRow(path, "rope", name, None, False, reason=why, eligible=False)
     why = _instance_override(child)
     if why is not None:
         return FusionRow(path, "rope", name, None, False, reason=why)
-    build = _rope_probe_inputs(child)
+    factor, rotary = _rotary_factor(child)
+    partial = factor is not None and factor < 1
+    build = _rope_probe_inputs(child, rotary if partial else None)
     fwd, bwd = _impls("rope", child, build) if build is not None else ("?", "?")
     if not dry_run:
-        rec = _rope.install(child, target, found.promotes)
+        rec = _rope.install(child, target, found.promotes, found.partial)
         state.rope_hooks.append((weakref.ref(child), rec))
+    what = (f"GPT-NeoX's partial rotary, {rotary} of each head's values (probed): its calls" if partial
+            else "the rotate-half RoPE (probed): its plain calls")
     return FusionRow(path, "rope", name, "rope hooks", True, fwd, bwd,
-                     f"{target.module_name.rsplit('.', 1)[-1]}.{_rope.NAME}, the rotate-half RoPE (probed): its plain "
-                     f"calls from this module run op rope" + _small_note(child))
+                     f"{target.module_name.rsplit('.', 1)[-1]}.{_rope.NAME}, {what} from this module run op rope"
+                     + _small_note(child))
 
 
 def _fuse_losses(model, dry_run, report, state) -> None:

@@ -13,6 +13,15 @@ the two differ by about one unit in the last place of the dtype, the kernel bein
 agree to about 1e-7 relative. The kernel saves cos and sin for the backward (as eager PyTorch does: the rotation is
 linear in q and k); cos and sin get no gradient from it, so a call where they require one runs PyTorch's ops.
 
+Partial rotary (GPT-NeoX / Pythia, Phi-3, GLM and the other models whose ``apply_rotary_pos_emb`` reads the rotated
+size from the tables): cos and sin of ``R < D`` values a head (R even) rotate ``q[..., :R]`` and ``k[..., :R]`` and
+pass the rest through, ``cat((rotated, x[..., R:]), -1)``, as those functions do (Llama's raises for such tables).
+The kernel's path for it (:class:`_PartialRoPE`) runs the kernel on the rotated slices (strided views, no copy) and
+one concatenation per tensor, forward and backward (transformers' eager code runs about 40 kernels for q and k, the
+backward of its slices among them, which write and add tensors of the whole head). It is opt-in until a GPU has
+timed it (``impl="pipegoose"`` or ``PIPEGOOSE_IMPL_ROPE=pipegoose``); the tuning rules, timed on whole heads, do not
+choose it.
+
 Implementations (op ``rope``): ``pipegoose`` (pipegoose/kernels/csrc/rope.cu, this project, MIT) and ``torch``
 (transformers' formula in PyTorch ops).
 """
@@ -59,8 +68,9 @@ def check_args(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: Any = 1) -> No
 def rope_problem(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  unsqueeze_dim: int = 1) -> Problem:
     """The dispatcher's description of one call (metadata only)."""
+    partial = q.dim() > 0 and cos.dim() > 0 and cos.shape[-1] < q.shape[-1]
     return Problem(OP, q.dtype, q.device, cols=q.shape[-1] if q.dim() else 1, needs_grad=needs_grad(q, k),
-                   extra=dict(shape=tuple(q.shape), k_shape=tuple(k.shape), cos_shape=tuple(cos.shape),
+                   extra=dict(shape=tuple(q.shape), k_shape=tuple(k.shape), cos_shape=tuple(cos.shape), partial=partial,
                               sin_shape=tuple(sin.shape), dtypes=(k.dtype, cos.dtype, sin.dtype),
                               unsqueeze_dim=unsqueeze_dim, numel=q.numel() + k.numel(),
                               table_grad=torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad),
@@ -77,10 +87,11 @@ def _heads_dim(p: Problem) -> int | None:
     return {1: 1, -3: 1, 2: 2, -2: 2}.get(p["unsqueeze_dim"])
 
 
-def shape_reason(q: tuple, k: tuple, c: tuple, s_shape: tuple, heads_dim: int = 1) -> str:
+def shape_reason(q: tuple, k: tuple, c: tuple, s_shape: tuple, heads_dim: int = 1, partial: bool = True) -> str:
     """Why the kernel does not take these shapes of q, k, cos and sin (q's heads at ``heads_dim``: 1 or 2), or "" when
-    it does: 4-d q and k of one batch, sequence and even head size, cos and sin [batch or 1, seq, head]. The one place
-    of these conditions (the dispatcher's ``supports`` and fuse's RoPE routing ask it)."""
+    it does: 4-d q and k of one batch, sequence and head size, cos and sin [batch or 1, seq, R], R the head size
+    (even), or with ``partial`` an even size below it (partial rotary). The one place of these conditions (the
+    dispatcher's ``supports`` and fuse's RoPE routing ask it)."""
     if len(q) != 4 or len(k) != 4 or len(c) != 3:
         return (f"q {list(q)}, k {list(k)}, cos {list(c)}: the kernel takes 4-d q and k and 3-d cos and sin "
                 "[batch or 1, seq, head_dim]")
@@ -89,11 +100,14 @@ def shape_reason(q: tuple, k: tuple, c: tuple, s_shape: tuple, heads_dim: int = 
     s = 3 - heads_dim   # seq's dim: 2 for [B, H, S, D], 1 for [B, S, H, D]
     if k[0] != q[0] or k[s] != q[s] or k[3] != q[3]:
         return f"k's shape {list(k)} differs from q's {list(q)} in batch, seq or head_dim"
-    if c[0] not in (1, q[0]) or c[1] != q[s] or c[2] != q[3]:
-        return (f"cos's shape {list(c)} is not [{q[0]} or 1, {q[s]}, {q[3]}] (partial rotary and other broadcasts run "
-                "PyTorch's ops)")
-    if q[3] % 2:
-        return f"head_dim {q[3]} is odd: rotate_half splits it in two"
+    if c[0] not in (1, q[0]) or c[1] != q[s] or not (c[2] == q[3] or (partial and 0 < c[2] < q[3])):
+        if partial:
+            return (f"cos's shape {list(c)} is not [{q[0]} or 1, {q[s]}, R], R {q[3]} or below it (partial rotary); "
+                    "other broadcasts run PyTorch's ops")
+        return f"cos's shape {list(c)} is not [{q[0]} or 1, {q[s]}, {q[3]}] (other broadcasts run PyTorch's ops)"
+    if c[2] % 2:
+        return (f"head_dim {q[3]} is odd: rotate_half splits it in two" if c[2] == q[3] else
+                f"{c[2]} rotated dims (cos's last size) is odd: rotate_half splits them in two")
     return ""
 
 
@@ -120,7 +134,17 @@ def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
     return True, ""
 
 
-dispatch.register(Implementation(OP, "pipegoose", "ours", _pipegoose_supports, ("pipegoose/rope",), SRC_PIPEGOOSE))
+def _whole_heads(p: Problem) -> bool:
+    return not p.get("partial", False)
+
+
+def _partial(p: Problem) -> bool:
+    return bool(p.get("partial", False))
+
+
+# partial rotary: opt-in, and out of the tuning rules (timed on whole heads), until a GPU has timed it
+dispatch.register(Implementation(OP, "pipegoose", "ours", _pipegoose_supports, ("pipegoose/rope",), SRC_PIPEGOOSE,
+                                 tuned_for=_whole_heads, opt_in=_partial))
 dispatch.register(Implementation(OP, "torch", "reference", lambda p: (True, ""), (),
                                  "PyTorch: q * cos + rotate_half(q) * sin (transformers' formula)"))
 dispatch.register_problem(OP, _explain)
@@ -134,20 +158,84 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """The PyTorch path: transformers' ``apply_rotary_pos_emb`` (broadcasting; the promoted dtype)."""
+    """The PyTorch path: transformers' ``apply_rotary_pos_emb`` (broadcasting; the promoted dtype); with tables of
+    fewer values than a head (partial rotary), GPT-NeoX's: the first ``cos.shape[-1]`` values of each head rotate,
+    the rest pass through."""
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
+    r = cos.shape[-1] if cos.dim() else 0
+    if q.dim() and 0 < r < q.shape[-1] and k.dim() and r < k.shape[-1]:
+        q_rot, q_pass = q[..., :r], q[..., r:]
+        k_rot, k_pass = k[..., :r], k[..., r:]
+        return (torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q_pass), dim=-1),
+                torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k_pass), dim=-1))
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def _rotate_back(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The transposed rotation of output gradients ``g`` [B, H, S, R] in PyTorch ops (differentiable):
+    ``g1 = dy1 c1 + dy2 s2``, ``g2 = dy2 c2 - dy1 s1``, in the dtype PyTorch promotes to."""
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    h = g.shape[-1] // 2
+    d1, d2 = g[..., :h], g[..., h:]
+    return torch.cat((d1 * c[..., :h] + d2 * s[..., h:], d2 * c[..., h:] - d1 * s[..., :h]), dim=-1)
+
+
+class _PartialRoPE(torch.autograd.Function):
+    """Partial rotary on the kernel: ``rope_forward`` on ``q[..., :R]`` and ``k[..., :R]`` (strided views: the kernel
+    takes any strides with a contiguous last dimension), then ``cat((rotated, x[..., R:]), -1)`` per tensor; the
+    backward likewise (``rope_backward`` on the gradients' first R values, the rest passed through, one
+    concatenation), where autograd through slices would write and add zero-filled tensors of the whole head. Dtypes
+    as the kernel's (16-bit q and k with fp32 tables: fp32 results, the concatenation promoting the passed values,
+    as transformers' ``torch.cat`` does; gradients in q's and k's dtypes). With ``create_graph=True`` the backward
+    rotates with PyTorch's ops instead, so that it can be differentiated again. cos and sin get no gradient (the
+    dispatcher does not choose the kernel where they require one)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, heads_dim, ops):
+        r = cos.shape[-1]
+        if heads_dim == 2:
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        qr, kr = ops.rope_forward(q[..., :r], k[..., :r], cos, sin)
+        qe, ke = torch.cat((qr, q[..., r:]), dim=-1), torch.cat((kr, k[..., r:]), dim=-1)
+        ctx.save_for_backward(cos, sin)
+        ctx.heads_dim, ctx.ops, ctx.dtype = heads_dim, ops, q.dtype   # (k's dtype is q's: the dispatcher checks)
+        ctx.set_materialize_grads(False)   # an output left out of the loss: no gradient for its input, no zeros
+        if heads_dim == 2:
+            qe, ke = qe.transpose(1, 2), ke.transpose(1, 2)
+        return qe, ke
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        cos, sin = ctx.saved_tensors
+        r, dtype = cos.shape[-1], ctx.dtype
+        if ctx.heads_dim == 2:
+            gq, gk = (None if g is None else g.transpose(1, 2) for g in (gq, gk))
+        given = [g for g in (gq, gk) if g is not None]
+        if not given:
+            return None, None, None, None, None, None
+        if torch.is_grad_enabled():   # create_graph=True: differentiable ops
+            rot = [None if g is None else _rotate_back(g[..., :r], cos, sin).to(dtype) for g in (gq, gk)]
+        else:   # one launch for both (an output left out: the other side with no heads)
+            a, b = (g[..., :r] if g is not None else given[0][:, :0, :, :r] for g in (gq, gk))
+            rot = list(ctx.ops.rope_backward(a, b, cos, sin, dtype=dtype))
+        grads = [None if g is None else torch.cat((x, g[..., r:].to(dtype)), dim=-1) for g, x in zip((gq, gk), rot)]
+        if ctx.heads_dim == 2:
+            grads = [None if g is None else g.transpose(1, 2) for g in grads]
+        return (grads[0] if ctx.needs_input_grad[0] else None, grads[1] if ctx.needs_input_grad[1] else None,
+                None, None, None, None)
 
 
 def _run_pipegoose(q, k, cos, sin, heads_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """pipegoose/rope through ``torch.ops.pipegoose.rope(q, k, cos, sin)`` (q and k as [B, H, S, D]: a [B, S, H, D]
     pair goes through as transposed views, and its results come back transposed): the forward kernel with its
     autograd formula in C++ (pipegoose/kernels/bindings/rope.cpp). A backward with ``create_graph=True`` rotates the
-    gradients back with PyTorch's ops (fp32, one rounding) instead."""
+    gradients back with PyTorch's ops (fp32, one rounding) instead. Partial rotary: :class:`_PartialRoPE`."""
     ops, why = dispatch.kernel("pipegoose/rope")
     if ops is None:
         raise RuntimeError(why)
+    if cos.shape[-1] < q.shape[-1]:
+        return _PartialRoPE.apply(q, k, cos, sin, heads_dim, ops)
     if heads_dim == 2:
         qe, ke = ops.rope.default(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return qe.transpose(1, 2), ke.transpose(1, 2)

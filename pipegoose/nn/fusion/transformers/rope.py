@@ -98,23 +98,29 @@ def target(module: nn.Module) -> Target | None:
 
 
 def _reference64(q, k, cos, sin):
-    half = q.shape[-1] // 2
+    """transformers' rotate-half RoPE; with tables of R < D values (partial rotary), GPT-NeoX's: the first R values
+    of each head rotate, the others pass through."""
+    r = cos.shape[-1]
+    half = r // 2
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
 
     def rot(x):
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        x, rest = x[..., :r], x[..., r:]
+        return torch.cat((x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s, rest), dim=-1)
 
-    return q * c + rot(q) * s, k * c + rot(k) * s
+    return rot(q), rot(k)
 
 
 @dataclass(frozen=True)
 class Probe:
     """What :func:`probe` found: ``ok`` (the rotate-half RoPE), ``why`` (when not), ``promotes`` (16-bit q and k with
-    fp32 tables give fp32 results, as the kernel's)."""
+    fp32 tables give fp32 results, as the kernel's), ``partial`` (tables of fewer values than a head rotate that many
+    and pass the rest through, as GPT-NeoX's function does; Llama's raises)."""
 
     ok: bool
     why: str = ""
     promotes: bool = False
+    partial: bool = False
 
 
 _probed: "weakref.WeakKeyDictionary[Any, Probe]" = weakref.WeakKeyDictionary()
@@ -164,17 +170,39 @@ def _probe(fn: Callable, where: str) -> Probe:
         promotes = all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in got)
     except Exception:   # noqa: BLE001 - then its mixed calls run its own code
         promotes = False
-    return Probe(True, "", promotes)
+    return Probe(True, "", promotes, _probe_partial(fn, g))
 
 
-def _takes(args: tuple, kwargs: dict, promotes: bool) -> bool:
+def _probe_partial(fn: Callable, g: torch.Generator) -> bool:
+    """Whether ``fn`` computes GPT-NeoX's partial rotary for tables of fewer values than a head (4 and 2 of 8, tables
+    of a batch and of one batch); False where it raises (Llama's: the shapes do not broadcast) or differs."""
+    try:
+        for b_tab, r in ((2, 4), (1, 2)):
+            q = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=g)
+            k = torch.randn(2, 1, 5, 8, dtype=torch.float64, generator=g)
+            cos = torch.randn(b_tab, 5, r, dtype=torch.float64, generator=g)
+            sin = torch.randn(b_tab, 5, r, dtype=torch.float64, generator=g)
+            with torch.no_grad():
+                got = fn(q, k, cos, sin)
+            want = _reference64(q, k, cos, sin)
+            if (not isinstance(got, (tuple, list)) or len(got) != 2
+                    or not all(isinstance(t, torch.Tensor) and t.shape == w.shape for t, w in zip(got, want))
+                    or not all(torch.allclose(t.double(), w, rtol=1e-12, atol=1e-12) for t, w in zip(got, want))):
+                return False
+    except Exception:   # noqa: BLE001 - then its partial calls run its own code
+        return False
+    return True
+
+
+def _takes(args: tuple, kwargs: dict, promotes: bool, partial: bool = False) -> bool:
     """Whether a call is the plain form the kernel takes (the dispatcher's ``rope`` problem with the kernel's shape and
-    dtype conditions), for which the op's paths compute what the probed function computes; anything else runs the
+    dtype conditions), for which the op's paths compute what the probed function computes (``partial``: it computes
+    GPT-NeoX's partial rotary, so calls with tables of fewer values than a head qualify); anything else runs the
     model's own code."""
     if len(args) != 4 or kwargs or not all(isinstance(t, torch.Tensor) for t in args):
         return False
     q, k, cos, sin = args
-    if shape_reason(tuple(q.shape), tuple(k.shape), tuple(cos.shape), tuple(sin.shape)):
+    if shape_reason(tuple(q.shape), tuple(k.shape), tuple(cos.shape), tuple(sin.shape), partial=partial):
         return False
     if k.dtype != q.dtype or sin.dtype != cos.dtype:
         return False
@@ -201,12 +229,12 @@ def _inside_fused_forward() -> bool:
     return False
 
 
-def _make_dispatching(fallback: Callable, promotes: bool) -> Callable:
+def _make_dispatching(fallback: Callable, promotes: bool, partial: bool = False) -> Callable:
     from ..functional import apply_rotary_pos_emb as fused_rope
 
     def apply_rotary_pos_emb(*args: Any, **kwargs: Any):
         if (not torch.compiler.is_compiling() and _inside_fused_forward()
-                and _takes(args, kwargs, promotes)):
+                and _takes(args, kwargs, promotes, partial)):
             return fused_rope(*args)
         return fallback(*args, **kwargs)
 
@@ -256,10 +284,10 @@ class Installed:
     replaced: Any = None
 
 
-def install(module: nn.Module, t: Target, promotes: bool) -> Installed:
+def install(module: nn.Module, t: Target, promotes: bool, partial: bool = False) -> Installed:
     """Route ``module``'s RoPE calls to our op: the dispatching function (put in place unless it is there already)
     and the module's two hooks. The caller has probed ``t.original`` (``promotes``: its result dtype for 16-bit q with
-    fp32 tables)."""
+    fp32 tables; ``partial``: it computes GPT-NeoX's partial rotary)."""
     current = t.namespace.get(NAME)
     dispatching = dispatching_of(current)
     holder = current if isinstance(current, nn.Module) else None
@@ -268,10 +296,10 @@ def install(module: nn.Module, t: Target, promotes: bool) -> Installed:
         if holder is not None:   # transformers' kernels wrapper: its forward, the object stays
             replaced = holder.__dict__.get("forward")
             fallback = replaced if replaced is not None else types.MethodType(type(holder).forward, holder)
-            dispatching = _make_dispatching(fallback, promotes)
+            dispatching = _make_dispatching(fallback, promotes, partial)
             holder.__dict__["forward"] = dispatching
         else:
-            dispatching = _make_dispatching(current, promotes)
+            dispatching = _make_dispatching(current, promotes, partial)
             t.namespace[NAME] = dispatching
     elif holder is not None:
         replaced = dispatching.__pipegoose_replaced__
