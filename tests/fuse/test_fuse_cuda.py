@@ -74,14 +74,13 @@ def _assert_parity(fus, unf, ref64, dtype):
         assert e_f <= 2 * e_u + t["atol"] * gs + t["rtol"] * gs, (n, e_f, e_u)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
-@pytest.mark.parametrize("arch", models.ARCHS)
-def test_parity_with_kernels(arch, dtype):
+def _parity_runs(model, dtype, hidden, sdpa_reference=True):
+    """The float64 reference (a copy of ``model``, an fp32 model on the GPU, with SDPA: eager casts fp64 scores to
+    fp32, where the fp64 mask value overflows to -inf and fully masked rows give NaN; ``sdpa_reference`` False: the
+    fp32 eager copy, for Bloom, which has no SDPA), then ``model`` in ``dtype`` unfused and fused (_fused_run), on
+    left-padded inputs: (ref64, unfused, fused, fuse's report, dispatch.stats() of the fused run)."""
     dev = torch.device("cuda")
-    model = models.build(arch, "eager", hidden=64, heads=4).to(dev)
-    # float64 reference with SDPA (eager casts fp64 scores to fp32, where the fp64 mask value overflows to -inf and
-    # fully masked rows give NaN). Bloom has no SDPA: its reference is the fp32 eager model.
-    if arch != "bloom":
+    if sdpa_reference:
         model64 = copy.deepcopy(model).double()
         model64.set_attn_implementation("sdpa")
     else:
@@ -89,11 +88,18 @@ def test_parity_with_kernels(arch, dtype):
     model = model.to(dtype)
     ids, mask = models.inputs(batch=4, seq=64, left_pad=(0, 5, 17, 63))
     ids, mask = ids.to(dev), mask.to(dev)
-    weights = torch.randn(*ids.shape, 64, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(dev)
-
+    weights = torch.randn(*ids.shape, hidden, generator=torch.Generator().manual_seed(5),
+                          dtype=torch.float64).to(dev)
     ref64 = _run(model64, ids, mask, weights)
     unf = _run(model, ids, mask, weights)
-    fus, report, ran = _fused_run(model, ids, mask, weights)
+    return (ref64, unf, *_fused_run(model, ids, mask, weights))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("arch", models.ARCHS)
+def test_parity_with_kernels(arch, dtype):
+    model = models.build(arch, "eager", hidden=64, heads=4).to(torch.device("cuda"))
+    ref64, unf, fus, report, ran = _parity_runs(model, dtype, 64, sdpa_reference=arch != "bloom")
     # the fused kernels ran, and nothing fell back to the reference path (strict mode)
     assert ran.get("layer_norm" if arch != "llama" else "rms_norm"), ran
     assert all(impl != "torch" for per_op in ran.values() for impl in per_op), ran
@@ -109,18 +115,9 @@ def test_gpt_neox_partial_rotary_on_the_kernel_parity(monkeypatch, dtype):
     partial path is opt-in): the rope rows are fused, every layer's call ran the kernel (strict mode: no fallback),
     and outputs and gradients agree with the unfused model as in test_parity_with_kernels."""
     monkeypatch.setenv("PIPEGOOSE_IMPL_ROPE", "pipegoose")
-    dev = torch.device("cuda")
-    model = models.build("gpt_neox", "eager", hidden=128, heads=4).to(dev)   # head 32: 8 rotated values
+    model = models.build("gpt_neox", "eager", hidden=128, heads=4).to(torch.device("cuda"))   # 8 of 32 rotated
     assert model.config.rope_parameters["partial_rotary_factor"] == 0.25
-    model64 = copy.deepcopy(model).double()
-    model64.set_attn_implementation("sdpa")
-    model = model.to(dtype)
-    ids, mask = models.inputs(batch=4, seq=64, left_pad=(0, 5, 17, 63))
-    ids, mask = ids.to(dev), mask.to(dev)
-    weights = torch.randn(*ids.shape, 128, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(dev)
-    ref64 = _run(model64, ids, mask, weights)
-    unf = _run(model, ids, mask, weights)
-    fus, report, ran = _fused_run(model, ids, mask, weights)
+    ref64, unf, fus, report, ran = _parity_runs(model, dtype, 128)
     rows = [r for r in report.rows if r.kind == "rope"]
     assert rows and all(r.fused and r.forward == "pipegoose" for r in rows), rows
     assert ran.get("rope") == {"pipegoose": model.config.num_hidden_layers}, ran
