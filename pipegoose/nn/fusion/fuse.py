@@ -967,8 +967,9 @@ def _rope_unused(module: nn.Module, found=None) -> str | None:
             why = f"the dispatcher could not describe them ({type(e).__name__}: {e})"
     elif rotary:
         why = f"{rotary} rotated values a head: odd"
-    return (f"partial rotary (factor {factor}, {rotary} of each head's values): {why}; the model's own code runs "
-            "them (PIPEGOOSE_IMPL_ROPE=pipegoose, set before fuse, runs the kernel's path on a GPU)")
+    hint = "" if "PIPEGOOSE_IMPL_ROPE" in why else (" (PIPEGOOSE_IMPL_ROPE=pipegoose, set before fuse, runs the "
+                                                     "kernel's path on a GPU)")
+    return f"partial rotary (factor {factor}, {rotary} of each head's values): {why}; the model's own code runs them{hint}"
 
 
 def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
