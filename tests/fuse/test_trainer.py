@@ -32,11 +32,11 @@ def _data():
     return [{"input_ids": r, "labels": r.clone()} for r in rows]
 
 
-def _train(model, out, optimizer, resume=None):
+def _train(model, out, optimizer, resume=None, cpu=True):
     """STEPS steps of Trainer (batch 2, lr 1e-3 with its linear decay, max_grad_norm 0.5: the gradients are
     clipped, a checkpoint every 2 steps): (the trainer, the logged losses)."""
     args = transformers.TrainingArguments(str(out), max_steps=STEPS, per_device_train_batch_size=2,
-                                          learning_rate=1e-3, max_grad_norm=0.5, report_to=[], use_cpu=True,
+                                          learning_rate=1e-3, max_grad_norm=0.5, report_to=[], use_cpu=cpu,
                                           logging_steps=1, save_strategy="steps", save_steps=2, seed=3, data_seed=3,
                                           dataloader_num_workers=0, disable_tqdm=True)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_data(),
@@ -79,3 +79,19 @@ def test_trainer_with_a_fused_model_and_fused_adam(base, tmp_path):
         torch.testing.assert_close(loaded(input_ids=ids).logits, fused_logits, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(model(input_ids=ids).logits, fused_logits, rtol=1e-5, atol=1e-6)
     unfuse(resumed)
+
+
+@pytest.mark.cuda
+def test_trainer_on_the_gpu_runs_our_kernels(base, tmp_path, no_tuning_table):
+    """On a GPU (fp32 model, our kernels forced past the small-problem rule and the tuning table): the fused model's
+    ops and FusedAdam run our kernels under Trainer, and the losses follow the unfused model's with AdamW."""
+    _, want = _train(copy.deepcopy(base).cuda(), tmp_path / "unfused", torch.optim.AdamW, cpu=False)
+    model = copy.deepcopy(base).cuda()
+    fuse(model)
+    dispatch.reset_stats()
+    _, got = _train(model, tmp_path / "fused", FusedAdam, cpu=False)
+    ran = dispatch.stats()
+    for op in ("rms_norm", "swiglu", "rope", "cross_entropy", "adam"):
+        assert ran.get(op, {}).get("pipegoose"), (op, ran)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=0)
+    unfuse(model)
