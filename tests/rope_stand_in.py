@@ -27,11 +27,11 @@ def _rotate(x, cos, sin, backward):
 
 
 def stand_in_ops(calls: list) -> SimpleNamespace:
-    """``rope_forward(q, k, cos, sin)`` and ``rope_backward(grad_q_embed, grad_k_embed, cos, sin, dtype=None)`` with
-    the kernel's checks that matter here (4-d q and k of one batch, seq and head size, cos and sin [batch or 1, seq,
-    head size], a last dimension of stride 1 or a copy) and dtypes (results in q's dtype, fp32 for 16-bit q with fp32
-    tables; the backward's in ``dtype`` or cos's), float64 math rounded once; each call appended to ``calls`` as
-    (name, q-like argument, k-like argument)."""
+    """``rope_forward(q, k, cos, sin)``, ``rope_backward(grad_q_embed, grad_k_embed, cos, sin, dtype=None)`` and the
+    autograd op ``rope.default`` over them, with the kernel's checks that matter here (4-d q and k of one batch, seq
+    and head size, cos and sin [batch or 1, seq, head size], a last dimension of stride 1 or a copy) and dtypes
+    (results in q's dtype, fp32 for 16-bit q with fp32 tables; the backward's in ``dtype`` or cos's), float64 math
+    rounded once; each call appended to ``calls`` as (name, q-like argument, k-like argument)."""
     def check(q, k, cos, sin):
         assert q.dim() == k.dim() == 4 and cos.dim() == 3 and sin.shape == cos.shape
         assert k.shape[0] == q.shape[0] and k.shape[2:] == q.shape[2:], (q.shape, k.shape)
@@ -53,7 +53,20 @@ def stand_in_ops(calls: list) -> SimpleNamespace:
         out = dtype or cos.dtype
         return _rotate(gq, cos, sin, True).to(out), _rotate(gk, cos, sin, True).to(out)
 
-    return SimpleNamespace(rope_forward=rope_forward, rope_backward=rope_backward)
+    class RoPE(torch.autograd.Function):   # the autograd op pipegoose::rope of whole heads, on the two above
+        @staticmethod
+        def forward(ctx, q, k, cos, sin):
+            ctx.save_for_backward(cos, sin)
+            ctx.dtype = q.dtype
+            return rope_forward(q, k, cos, sin)
+
+        @staticmethod
+        def backward(ctx, gq, gk):
+            cos, sin = ctx.saved_tensors
+            return (*rope_backward(gq, gk, cos, sin, dtype=ctx.dtype), None, None)
+
+    return SimpleNamespace(rope_forward=rope_forward, rope_backward=rope_backward,
+                           rope=SimpleNamespace(default=RoPE.apply))
 
 
 @contextlib.contextmanager

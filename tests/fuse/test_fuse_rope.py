@@ -276,6 +276,62 @@ def test_gpt_neox_partial_rotary_on_the_kernel_path(monkeypatch):
         torch.testing.assert_close(g[n], ref_g[n], rtol=1e-4, atol=1e-5)
 
 
+def test_partial_rotary_per_layer_type_is_told_apart():
+    """A config whose rope_parameters hold a factor per layer type (Laguna, MiMo-V2-Flash, ...): its partial layers
+    are skipped with the opt-in reason, as GPT-NeoX's, and strict mode runs the model (a review: the factor was not
+    read there, the rows were fused and the partial calls fell back to the reference, which strict mode refused)."""
+    from rope_stand_in import kernel_on_cpu
+
+    tr = pytest.importorskip("transformers")
+    if not hasattr(tr, "LagunaConfig"):
+        pytest.skip("transformers without Laguna")
+    cfg = tr.LagunaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=2,
+                          num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                          mlp_layer_types=["dense", "dense"], layer_types=["full_attention", "sliding_attention"])
+    assert cfg.rope_parameters["full_attention"]["partial_rotary_factor"] < 1
+    torch.manual_seed(0)
+    model = tr.AutoModel.from_config(cfg, attn_implementation="eager").eval()
+    ids = torch.randint(1, 64, (2, 7))
+    with torch.no_grad():
+        ref = model(input_ids=ids).last_hidden_state
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        with kernel_on_cpu(monkeypatch, dispatch):
+            rows = {r.path: r for r in _rope_rows(fuse(model, ops=["rope"]))}
+            full = rows["layers.0.self_attn"]
+            assert not full.fused and "partial rotary (factor 0.5" in full.reason and "opt-in" in full.reason, full
+            assert rows["layers.1.self_attn"].fused, rows   # the sliding layer rotates whole heads
+            dispatch.reset_stats()
+            with dispatch.strict(), torch.no_grad():
+                out = model(input_ids=ids).last_hidden_state
+            # (the sliding layer on the stand-in, which rounds once where eager rounds each op)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+            assert dispatch.stats()["rope"] == {"pipegoose": 1}
+            unfuse(model)
+    finally:
+        monkeypatch.undo()
+
+
+def test_partial_calls_from_a_module_not_routed_for_them_run_the_models_code():
+    """Partial-rotary calls reach our op only from the modules fuse routed them for: a GPT-NeoX fused with full
+    rotary whose tables are then made narrow (its rotary embedding replaced) runs the model's own code for them."""
+    cfg = models.config("gpt_neox", "eager")
+    cfg.rope_parameters = {**cfg.rope_parameters, "partial_rotary_factor": 1.0}
+    model = models.build("gpt_neox", "eager", cfg=cfg).double()
+    ids, mask = models.inputs(left_pad=(0, 0, 0))
+    assert all(r.fused for r in _rope_rows(fuse(model, ops=["rope"])))
+    narrow = models.config("gpt_neox", "eager")
+    narrow.rope_parameters = {**narrow.rope_parameters, "partial_rotary_factor": 0.5}
+    model.rotary_emb = type(model.rotary_emb)(narrow)
+    dispatch.reset_stats()
+    h, g = _step(model, ids, mask)
+    assert _rope_calls() == 0
+    unfuse(model)
+    ref_h, ref_g = _step(model, ids, mask)
+    torch.testing.assert_close(h, ref_h, rtol=0, atol=0)
+
+
 def test_a_copy_of_a_fused_model_is_told_apart():
     """deepcopy copies the hooks (the copy keeps running the op while the function is installed); unfuse of the copy
     says it has no record, and unfuse of the original still works."""

@@ -220,6 +220,19 @@ def test_partial_rotary_reference_is_gpt_neox_bit_for_bit(dtype, case):
         _hf()(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
 
+def test_tables_of_one_value_broadcast_and_heads_of_two_sizes_follow_transformers():
+    """Tables of one value a head broadcast over it, as in Llama's function (not partial rotary: a review found them
+    taken for it); a q wider than the tables with a k as wide as them: GPT-NeoX's function, per tensor."""
+    q, k, cos, sin = _inputs(d=8, dtype=torch.float64)
+    got = PF.apply_rotary_pos_emb(q, k, cos[..., :1], sin[..., :1])
+    want = _hf()(q, k, cos[..., :1], sin[..., :1])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not R.rope_problem(q, k, cos[..., :1], sin[..., :1])["partial"]
+    got = PF.apply_rotary_pos_emb(q, k[..., :4], cos[..., :4], sin[..., :4])
+    want = _neox()(q, k[..., :4], cos[..., :4], sin[..., :4])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_partial_rotary_is_opt_in_on_the_gpu(monkeypatch):
     """On a GPU the kernel takes partial rotary (even R below D) but runs it only when requested: the tuning rules,
     timed on whole heads, do not choose it, and the reason says how to ask; whole heads keep the rules' choice."""
@@ -282,6 +295,10 @@ def test_partial_rotary_on_the_kernel_path(monkeypatch, dtype, case):
         assert arg.shape == x.shape[:-1] + (r,) and arg.data_ptr() == x.data_ptr() and arg.stride() == x.stride(), \
             "the kernel gets views of the rotated values, not copies"
     want = _partial64(q, k, cos, sin, dq, dk, unsqueeze_dim)
+    # the layout of GPT-NeoX's function: its concatenation's, contiguous in the caller's layout ([B, S, H, D] too:
+    # a review found it transposed there, so that a .view(B, S, -1) failed)
+    hf = _neox()(q.detach(), k.detach(), cos, sin, unsqueeze_dim=unsqueeze_dim)
+    assert all(a.stride() == b.stride() and a.is_contiguous() for a, b in zip(got[:2], hf))
     out = torch.float32 if kw.get("table_dtype") else dtype
     for name, a, w, like in zip(("q_embed", "k_embed", "grad_q", "grad_k"), got, want, (out, out, dtype, dtype)):
         assert a.dtype == like and a.shape == w.shape, name

@@ -483,8 +483,8 @@ def _fwd_bwd(fn, q, k, cos, sin, dq, dk, **kw):
 def test_functional_on_cuda_runs_the_kernel(ops, no_tuning_table, dtype):
     """On CUDA (tuning table and small-problem rule set aside) apply_rotary_pos_emb runs pipegoose::rope: no fallback
     (strict mode passes), the ops' results bit for bit, float64 within the tolerance, outputs in the layout of Llama's
-    transposed projections; what the kernel does not take (partial rotary's narrow cos: an error in both paths; dtypes
-    that differ) is a fallback strict mode refuses."""
+    transposed projections; what the kernel does not take (dtypes that differ) and partial rotary (opt-in) are
+    fallbacks strict mode refuses; the reference's partial rotary is GPT-NeoX's."""
     apply, dispatch = _functional()
     b, hq, hk, s, d = 2, 8, 2, 33, 64
     gen = torch.Generator(device=DEV).manual_seed(seed_of("functional", dtype))
@@ -544,7 +544,8 @@ PARTIAL_CASES = [
     (2, 8, 2, 33, 128, 32, 2),     # grouped heads, a table per sequence
     (3, 3, 1, 7, 64, 16, 3),       # odd sizes
     (2, 4, 2, 9, 64, 6, 1),        # R/2 = 3: the scalar path
-    (2, 4, 2, 9, 80, 20, 1),       # R/2 = 10: fp32 vectors; 16-bit scalar path
+    (2, 4, 2, 9, 80, 8, 1),        # R/2 = 4: one fp32 vector a half; 16-bit: the scalar path
+    (2, 4, 2, 9, 80, 20, 1),       # R/2 = 10: the scalar path in every dtype
 ]
 
 
@@ -585,9 +586,13 @@ def test_partial_rotary_kernel_path_matches_float64(ops, no_tuning_table, dtype,
     dq = torch.randn(q.shape, generator=gen, device=DEV).to(out)
     dk = torch.randn(k.shape, generator=gen, device=DEV).to(out)
     qq, kk = q.detach().requires_grad_(), k.detach().requires_grad_()
-    poison((q.shape, out), (k.shape, out), (q.shape, dtype), (k.shape, dtype))
+    # the kernel's own outputs are the R-wide rotated values ([B, H, S, R]): blocks of their sizes poisoned before
+    # each op (the concatenations write every element of theirs anyway)
+    rot_q, rot_k = (b, hq, s, r), (b, hk, s, r)
+    poison((rot_q, out), (rot_k, out))
     with dispatch.strict():
         qe, ke = apply(qq, kk, cos, sin, dim, impl="pipegoose")
+        poison((rot_q, dtype), (rot_k, dtype))
         torch.autograd.backward((qe, ke), (dq, dk))
     assert dispatch.last_choice("rope").impl == "pipegoose"
     want = partial64(q, k, cos, sin, dq, dk, dim)

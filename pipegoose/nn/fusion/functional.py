@@ -365,17 +365,21 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          unsqueeze_dim: int = 1, *, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary position embedding of the query and key (op ``rope``): drop-in for transformers'
-    ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` of Llama, Mistral, Qwen2/Qwen3, GPT-NeoX (full rotary)
-    and their copies: ``q * cos + rotate_half(q) * sin`` and the same for ``k``, with
+    ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` of Llama, Mistral, Qwen2/Qwen3, GPT-NeoX and their
+    copies: ``q * cos + rotate_half(q) * sin`` and the same for ``k``, with
     ``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])`` and ``cos``, ``sin`` unsqueezed at ``unsqueeze_dim`` to
-    broadcast over the heads. Both in one kernel forward and one backward.
+    broadcast over the heads. Both in one kernel forward and one backward. Tables of R values a head, 1 < R < D
+    (partial rotary), rotate ``x[..., :R]`` and pass the rest through, as GPT-NeoX's function does (Llama's raises
+    for them); on the kernel (even R) that path is opt-in until a GPU has timed it: ``impl="pipegoose"`` or
+    ``PIPEGOOSE_IMPL_ROPE=pipegoose``.
 
     Args:
         q: [B, Hq, S, D] (``unsqueeze_dim=1``) or [B, S, Hq, D] (``unsqueeze_dim=2``), fp32/fp16/bf16 (the kernel;
             any strides, e.g. the transposed view of a projection) or fp64.
         k: the same layout with Hk heads (Hk may differ from Hq: grouped-query attention).
-        cos, sin: [B or 1, S, D], q's dtype, or fp32 with 16-bit q and k (autocast; the results are then fp32, as
-            PyTorch's promotion makes them): the rotation's tables (``LlamaRotaryEmbedding``'s output).
+        cos, sin: [B or 1, S, D] (or [B or 1, S, R], partial rotary), q's dtype, or fp32 with 16-bit q and k
+            (autocast; the results are then fp32, as PyTorch's promotion makes them): the rotation's tables
+            (``LlamaRotaryEmbedding``'s output).
         unsqueeze_dim: where cos and sin get the heads' dimension, as in transformers (1 or 2 on the kernel).
 
     Returns:
@@ -385,9 +389,9 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
         fp32 and rounds it once (eager PyTorch in 16-bit rounds three times: about one unit in the last place apart,
         the kernel the closer to exact); gradients for ``q`` and ``k`` likewise. It saves only ``cos`` and ``sin``.
         Other inputs run the PyTorch reference (a fallback with the reason): dtypes that differ, a cos or sin that
-        requires grad (the kernel gives them none), odd D, other ranks. Partial rotary (cos narrower than D) raises
-        PyTorch's broadcasting error there, as Llama's function does (GPT-NeoX's function splits the head itself, and
-        ``fuse`` leaves such models' RoPE to it).
+        requires grad (the kernel gives them none), odd D or R, other ranks. Partial rotary on the kernel: the
+        kernel on views of the rotated values and one concatenation per tensor (results contiguous, as GPT-NeoX's
+        function gives them).
 
     Kernel: pipegoose/rope (pipegoose/kernels/csrc/rope.cu, this project, MIT).
 

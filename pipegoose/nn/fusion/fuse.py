@@ -921,6 +921,15 @@ def _rotary_factor(module: nn.Module) -> tuple[float | None, int | None]:
     if isinstance(ndims, int) and isinstance(head, int) and head > 0:
         return ndims / head, ndims
     params = _config_value(config, "rope_parameters")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        # per layer type (Laguna, MiMo-V2-Flash, ...): this module's, else the smallest factor of any type
+        types, idx = _config_value(config, "layer_types"), getattr(module, "layer_idx", None)
+        if isinstance(types, (list, tuple)) and isinstance(idx, int) and 0 <= idx < len(types) and types[idx] in params:
+            params = params[types[idx]]
+        else:
+            fs = [v.get("partial_rotary_factor") for v in params.values()]
+            fs = [f for f in fs if isinstance(f, (int, float)) and not isinstance(f, bool)]
+            params = {"partial_rotary_factor": min(fs)} if fs else {}
     factors = [params.get("partial_rotary_factor") if isinstance(params, dict) else None,
                _config_value(config, "partial_rotary_factor"), _config_value(config, "rotary_pct")]
     factor = next((f for f in factors if isinstance(f, (int, float)) and not isinstance(f, bool)), None)
@@ -969,7 +978,8 @@ def _rope_unused(module: nn.Module, found=None) -> str | None:
         why = f"{rotary} rotated values a head: odd"
     hint = "" if "PIPEGOOSE_IMPL_ROPE" in why else (" (PIPEGOOSE_IMPL_ROPE=pipegoose, set before fuse, runs the "
                                                      "kernel's path on a GPU)")
-    return f"partial rotary (factor {factor}, {rotary} of each head's values): {why}; the model's own code runs them{hint}"
+    return (f"partial rotary (factor {factor}, {rotary} of each head's values): {why}; the model's own code runs "
+            f"them{hint}")
 
 
 def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
@@ -1000,7 +1010,7 @@ def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
     build = _rope_probe_inputs(child, rotary if partial else None)
     fwd, bwd = _impls("rope", child, build) if build is not None else ("?", "?")
     if not dry_run:
-        rec = _rope.install(child, target, found.promotes, found.partial)
+        rec = _rope.install(child, target, found.promotes, found.partial, route_partial=partial)
         state.rope_hooks.append((weakref.ref(child), rec))
     what = (f"GPT-NeoX's partial rotary, {rotary} of each head's values (probed): its calls" if partial
             else "the rotate-half RoPE (probed): its plain calls")

@@ -14,8 +14,9 @@ agree to about 1e-7 relative. The kernel saves cos and sin for the backward (as 
 linear in q and k); cos and sin get no gradient from it, so a call where they require one runs PyTorch's ops.
 
 Partial rotary (GPT-NeoX / Pythia, Phi-3, GLM and the other models whose ``apply_rotary_pos_emb`` reads the rotated
-size from the tables): cos and sin of ``R < D`` values a head (R even) rotate ``q[..., :R]`` and ``k[..., :R]`` and
-pass the rest through, ``cat((rotated, x[..., R:]), -1)``, as those functions do (Llama's raises for such tables).
+size from the tables): cos and sin of ``1 < R < D`` values a head rotate ``x[..., :R]`` of q and k and pass the rest
+through, ``cat((rotated, x[..., R:]), -1)``, as those functions do (Llama's raises for such tables; tables of one
+value a head broadcast over it, as in Llama's). The kernel takes even R.
 The kernel's path for it (:class:`_PartialRoPE`) runs the kernel on the rotated slices (strided views, no copy) and
 one concatenation per tensor, forward and backward (transformers' eager code runs about 40 kernels for q and k, the
 backward of its slices among them, which write and add tensors of the whole head). It is opt-in until a GPU has
@@ -68,7 +69,7 @@ def check_args(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: Any = 1) -> No
 def rope_problem(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  unsqueeze_dim: int = 1) -> Problem:
     """The dispatcher's description of one call (metadata only)."""
-    partial = q.dim() > 0 and cos.dim() > 0 and cos.shape[-1] < q.shape[-1]
+    partial = q.dim() > 0 and cos.dim() > 0 and 1 < cos.shape[-1] < q.shape[-1]
     return Problem(OP, q.dtype, q.device, cols=q.shape[-1] if q.dim() else 1, needs_grad=needs_grad(q, k),
                    extra=dict(shape=tuple(q.shape), k_shape=tuple(k.shape), cos_shape=tuple(cos.shape), partial=partial,
                               sin_shape=tuple(sin.shape), dtypes=(k.dtype, cos.dtype, sin.dtype),
@@ -100,7 +101,7 @@ def shape_reason(q: tuple, k: tuple, c: tuple, s_shape: tuple, heads_dim: int = 
     s = 3 - heads_dim   # seq's dim: 2 for [B, H, S, D], 1 for [B, S, H, D]
     if k[0] != q[0] or k[s] != q[s] or k[3] != q[3]:
         return f"k's shape {list(k)} differs from q's {list(q)} in batch, seq or head_dim"
-    if c[0] not in (1, q[0]) or c[1] != q[s] or not (c[2] == q[3] or (partial and 0 < c[2] < q[3])):
+    if c[0] not in (1, q[0]) or c[1] != q[s] or not (c[2] == q[3] or (partial and 1 < c[2] < q[3])):
         if partial:
             return (f"cos's shape {list(c)} is not [{q[0]} or 1, {q[s]}, R], R {q[3]} or below it (partial rotary); "
                     "other broadcasts run PyTorch's ops")
@@ -158,18 +159,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """The PyTorch path: transformers' ``apply_rotary_pos_emb`` (broadcasting; the promoted dtype); with tables of
-    fewer values than a head (partial rotary), GPT-NeoX's: the first ``cos.shape[-1]`` values of each head rotate,
-    the rest pass through."""
+    """The PyTorch path: transformers' ``apply_rotary_pos_emb`` (broadcasting; the promoted dtype); where the tables
+    hold fewer values than a head, but more than one (partial rotary), GPT-NeoX's: the first ``cos.shape[-1]`` values
+    of each head of that tensor rotate, the rest pass through."""
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
     r = cos.shape[-1] if cos.dim() else 0
-    if q.dim() and 0 < r < q.shape[-1] and k.dim() and r < k.shape[-1]:
-        q_rot, q_pass = q[..., :r], q[..., r:]
-        k_rot, k_pass = k[..., :r], k[..., r:]
-        return (torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q_pass), dim=-1),
-                torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k_pass), dim=-1))
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    def rotate(x):
+        if x.dim() and 1 < r < x.shape[-1]:
+            x_rot = x[..., :r]
+            return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x[..., r:]), dim=-1)
+        return x * cos + rotate_half(x) * sin
+
+    return rotate(q), rotate(k)
 
 
 def _rotate_back(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -194,34 +197,33 @@ class _PartialRoPE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, heads_dim, ops):
         r = cos.shape[-1]
+        qh, kh = (q.transpose(1, 2), k.transpose(1, 2)) if heads_dim == 2 else (q, k)   # the kernel's [B, H, S, D]
+        qr, kr = ops.rope_forward(qh[..., :r], kh[..., :r], cos, sin)
         if heads_dim == 2:
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-        qr, kr = ops.rope_forward(q[..., :r], k[..., :r], cos, sin)
+            qr, kr = qr.transpose(1, 2), kr.transpose(1, 2)
+        # (in the callers' layout: the concatenation's output is contiguous in it, as transformers' is)
         qe, ke = torch.cat((qr, q[..., r:]), dim=-1), torch.cat((kr, k[..., r:]), dim=-1)
         ctx.save_for_backward(cos, sin)
         ctx.heads_dim, ctx.ops, ctx.dtype = heads_dim, ops, q.dtype   # (k's dtype is q's: the dispatcher checks)
         ctx.set_materialize_grads(False)   # an output left out of the loss: no gradient for its input, no zeros
-        if heads_dim == 2:
-            qe, ke = qe.transpose(1, 2), ke.transpose(1, 2)
         return qe, ke
 
     @staticmethod
     def backward(ctx, gq, gk):
         cos, sin = ctx.saved_tensors
-        r, dtype = cos.shape[-1], ctx.dtype
-        if ctx.heads_dim == 2:
-            gq, gk = (None if g is None else g.transpose(1, 2) for g in (gq, gk))
+        r, dtype, t = cos.shape[-1], ctx.dtype, ctx.heads_dim == 2
         given = [g for g in (gq, gk) if g is not None]
         if not given:
             return None, None, None, None, None, None
+        heads = [None if g is None else (g.transpose(1, 2) if t else g)[..., :r] for g in (gq, gk)]   # [B, H, S, R]
         if torch.is_grad_enabled():   # create_graph=True: differentiable ops
-            rot = [None if g is None else _rotate_back(g[..., :r], cos, sin).to(dtype) for g in (gq, gk)]
+            rot = [None if h is None else _rotate_back(h, cos, sin).to(dtype) for h in heads]
         else:   # one launch for both (an output left out: the other side with no heads)
-            a, b = (g[..., :r] if g is not None else given[0][:, :0, :, :r] for g in (gq, gk))
-            rot = list(ctx.ops.rope_backward(a, b, cos, sin, dtype=dtype))
-        grads = [None if g is None else torch.cat((x, g[..., r:].to(dtype)), dim=-1) for g, x in zip((gq, gk), rot)]
-        if ctx.heads_dim == 2:
-            grads = [None if g is None else g.transpose(1, 2) for g in grads]
+            one = next(h for h in heads if h is not None)
+            rot = list(ctx.ops.rope_backward(*(h if h is not None else one[:, :0] for h in heads), cos, sin,
+                                             dtype=dtype))
+        grads = [None if g is None else torch.cat((x.transpose(1, 2) if t else x, g[..., r:].to(dtype)), dim=-1)
+                 for g, x in zip((gq, gk), rot)]
         return (grads[0] if ctx.needs_input_grad[0] else None, grads[1] if ctx.needs_input_grad[1] else None,
                 None, None, None, None)
 
@@ -234,7 +236,7 @@ def _run_pipegoose(q, k, cos, sin, heads_dim: int) -> tuple[torch.Tensor, torch.
     ops, why = dispatch.kernel("pipegoose/rope")
     if ops is None:
         raise RuntimeError(why)
-    if cos.shape[-1] < q.shape[-1]:
+    if 1 < cos.shape[-1] < q.shape[-1]:   # partial rotary (the dispatcher's supports: even R, k's head size q's)
         return _PartialRoPE.apply(q, k, cos, sin, heads_dim, ops)
     if heads_dim == 2:
         qe, ke = ops.rope.default(q.transpose(1, 2), k.transpose(1, 2), cos, sin)

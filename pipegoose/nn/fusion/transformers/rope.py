@@ -18,8 +18,10 @@ only for calls made inside a fused attention module's forward, and the model's o
   ``(q, k, cos, sin)`` form the kernel takes: 4-d q and k of one batch, sequence and even head size, cos and sin
   ``[batch or 1, seq, head]``, one dtype, or 16-bit q and k with fp32 tables where the model's function promotes its
   results to fp32 as PyTorch's ``q * cos`` does (the probe checks; OLMo's casts them back, so its mixed calls run its
-  own code). Any other call (another model of the same type that is not fused, partial rotary, extra arguments,
-  ``torch.compile`` tracing) goes to the model's own code, unchanged;
+  own code); and, from the modules that ``fuse`` routed them for (where the kernel's opt-in partial path would run
+  them), GPT-NeoX's partial rotary, where the probe found that the function computes it. Any other call (another
+  model of the same type that is not fused, partial rotary elsewhere, extra arguments, ``torch.compile`` tracing)
+  goes to the model's own code, unchanged;
 * before it is installed, the model's function is checked numerically (:func:`probe`: float64 CPU inputs against
   transformers' rotate-half formula, and the result dtype of 16-bit q with fp32 tables), so a model whose function
   computes something else (an interleaved rotation, a patch by another library) is reported as skipped instead;
@@ -52,6 +54,7 @@ _HALF = (torch.float16, torch.bfloat16)
 _FRAMES = 12   # how far up the callers the dispatching function looks for the fused forward's frame
 
 _active = threading.local()   # .stack: (weakref to a fused attention module, its forward's code) under way
+_partial_ok: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()   # modules whose partial-rotary calls fuse routes
 
 
 @dataclass
@@ -209,32 +212,33 @@ def _takes(args: tuple, kwargs: dict, promotes: bool, partial: bool = False) -> 
     return cos.dtype == q.dtype or (promotes and cos.dtype == torch.float32 and q.dtype in _HALF)
 
 
-def _inside_fused_forward() -> bool:
-    """Whether the innermost fused attention forward of this thread is among the callers (its frame, ``self`` the
-    module), within a few frames."""
+def _fused_caller() -> nn.Module | None:
+    """The innermost fused attention module of this thread, where its forward is among the callers (its frame,
+    ``self`` the module, within a few frames); else None."""
     stack = getattr(_active, "stack", None)
     if not stack:
-        return False
+        return None
     ref, code = stack[-1]
     module = ref()
-    if code is None:
-        return False
+    if code is None or module is None:
+        return None
     f = sys._getframe(2)
     for _ in range(_FRAMES):
         if f is None:
-            return False
+            return None
         if f.f_code is code and f.f_locals.get("self") is module:
-            return module is not None
+            return module
         f = f.f_back
-    return False
+    return None
 
 
 def _make_dispatching(fallback: Callable, promotes: bool, partial: bool = False) -> Callable:
     from ..functional import apply_rotary_pos_emb as fused_rope
 
     def apply_rotary_pos_emb(*args: Any, **kwargs: Any):
-        if (not torch.compiler.is_compiling() and _inside_fused_forward()
-                and _takes(args, kwargs, promotes, partial)):
+        module = None if torch.compiler.is_compiling() else _fused_caller()
+        # partial-rotary calls only from the modules fuse routed them for (where the kernel's path runs them)
+        if module is not None and _takes(args, kwargs, promotes, partial and module in _partial_ok):
             return fused_rope(*args)
         return fallback(*args, **kwargs)
 
@@ -284,10 +288,13 @@ class Installed:
     replaced: Any = None
 
 
-def install(module: nn.Module, t: Target, promotes: bool, partial: bool = False) -> Installed:
+def install(module: nn.Module, t: Target, promotes: bool, partial: bool = False,
+            route_partial: bool = False) -> Installed:
     """Route ``module``'s RoPE calls to our op: the dispatching function (put in place unless it is there already)
     and the module's two hooks. The caller has probed ``t.original`` (``promotes``: its result dtype for 16-bit q with
-    fp32 tables; ``partial``: it computes GPT-NeoX's partial rotary)."""
+    fp32 tables; ``partial``: it computes GPT-NeoX's partial rotary). ``route_partial``: this module's partial-rotary
+    calls go to our op too (fuse found that the kernel's path would run them); without it they run the model's
+    code."""
     current = t.namespace.get(NAME)
     dispatching = dispatching_of(current)
     holder = current if isinstance(current, nn.Module) else None
@@ -306,6 +313,8 @@ def install(module: nn.Module, t: Target, promotes: bool, partial: bool = False)
     if holder is not None and not hasattr(dispatching, "__pipegoose_replaced__"):
         dispatching.__pipegoose_replaced__ = replaced
     dispatching.__pipegoose_users__.add(module)
+    if route_partial:
+        _partial_ok.add(module)
     # (module-level functions: a fused model pickles, its hooks by reference)
     handles = (module.register_forward_pre_hook(_enter), module.register_forward_hook(_leave, always_call=True))
     return Installed(t.namespace, dispatching, handles, holder, replaced)
@@ -319,6 +328,7 @@ def uninstall(module: nn.Module | None, rec: Installed) -> None:
     users = rec.dispatching.__pipegoose_users__
     if module is not None:
         users.discard(module)
+        _partial_ok.discard(module)
     if len(users):
         return
     if rec.holder is not None:
