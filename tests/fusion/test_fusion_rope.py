@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from kernel_loading import load_or_skip
+from kernel_loading import calls_of, load_or_skip
 from tolerances import tol
 
 import pipegoose.nn.fusion as fusion
@@ -716,22 +716,6 @@ def _meta(*shape, dtype=torch.float32, requires_grad=False):
     return torch.empty(*shape, device="meta", dtype=dtype, requires_grad=requires_grad)
 
 
-def _calls_of(ops_to_log):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Log(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.name() in ops_to_log:
-                self.calls.append(func.name())
-            return func(*args, **(kwargs or {}))
-
-    return Log()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fake_impls_on_meta_tensors(dtype):
@@ -819,7 +803,7 @@ def test_autograd_gives_gradients_for_the_inputs_that_need_them(needs):
     qe, ke = torch.ops.pipegoose.rope(q, k, cos, sin)
     assert qe.requires_grad and ke.requires_grad and qe.grad_fn is ke.grad_fn
     assert "RoPEFunction" in qe.grad_fn.name()
-    with _calls_of({"pipegoose::rope_backward", "pipegoose::rope_forward"}) as log:
+    with calls_of({"pipegoose::rope_backward", "pipegoose::rope_forward"}) as log:
         torch.autograd.backward((qe, ke), (torch.empty_like(qe), torch.empty_like(ke)))
     assert log.calls == ["pipegoose::rope_backward"]
     for t, need in zip((q, k), needs):
@@ -837,7 +821,7 @@ def test_autograd_with_one_output_left_out_of_the_loss(used):
     cos, sin = _meta(1, 5, 8), _meta(1, 5, 8)
     qe, ke = torch.ops.pipegoose.rope(q, k, cos, sin)
     out, leaf = (qe, q) if used == "q_embed" else (ke, k)
-    with _calls_of({"pipegoose::rope_backward"}) as log:
+    with calls_of({"pipegoose::rope_backward"}) as log:
         out.backward(torch.empty_like(out))
     assert log.calls == ["pipegoose::rope_backward"]
     assert leaf.grad is not None and leaf.grad.shape == leaf.shape
@@ -877,7 +861,7 @@ def test_create_graph_differentiates_pytorch_ops_instead_of_the_backward_op():
     cos, sin = _meta(1, 5, 8), _meta(1, 5, 8)
     qe, ke = torch.ops.pipegoose.rope(q, k, cos, sin)
     dq, dk = torch.empty_like(qe).requires_grad_(), torch.empty_like(ke).requires_grad_()
-    with _calls_of({"pipegoose::rope_backward"}) as log:
+    with calls_of({"pipegoose::rope_backward"}) as log:
         gq, gk = torch.autograd.grad((qe, ke), (q, k), (dq, dk), create_graph=True)
     assert log.calls == []
     assert gq.requires_grad and gk.requires_grad and gq.shape == q.shape and gk.shape == k.shape

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from kernel_loading import load_or_skip
+from kernel_loading import calls_of, load_or_skip
 from tolerances import tol
 
 from pipegoose.nn.fusion import FusedSwiGLUMLP, dispatch
@@ -566,22 +566,6 @@ def _load_library():
     return load_or_skip("pipegoose/swiglu")
 
 
-def _calls_of(ops_to_log):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Log(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.name() in ops_to_log:
-                self.calls.append(func.name())
-            return func(*args, **(kwargs or {}))
-
-    return Log()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fake_impls_on_meta_tensors(dtype):
@@ -625,7 +609,7 @@ def test_autograd_gives_gradients_for_the_inputs_that_need_them(needs):
     u = torch.empty(8, 64, device="meta", dtype=torch.bfloat16, requires_grad=needs[1])
     y = torch.ops.pipegoose.swiglu(g, u)
     assert y.requires_grad and "SwiGLU" in type(y.grad_fn).__name__ + str(y.grad_fn.name())
-    with _calls_of({"pipegoose::swiglu_backward"}) as log:
+    with calls_of({"pipegoose::swiglu_backward"}) as log:
         y.backward(torch.empty_like(y))
     assert log.calls == ["pipegoose::swiglu_backward"]
     for t, need in zip((g, u), needs):
@@ -655,7 +639,7 @@ def test_create_graph_differentiates_the_reference_instead_of_the_backward_op():
     g = torch.empty(8, 64, device="meta", requires_grad=True)
     u = torch.empty(8, 64, device="meta", requires_grad=True)
     y = torch.ops.pipegoose.swiglu(g, u)
-    with _calls_of({"pipegoose::swiglu_backward"}) as log:
+    with calls_of({"pipegoose::swiglu_backward"}) as log:
         dg, du = torch.autograd.grad(y, (g, u), torch.empty_like(y), create_graph=True)
     assert log.calls == []
     assert dg.requires_grad and du.requires_grad and dg.shape == du.shape == (8, 64)
