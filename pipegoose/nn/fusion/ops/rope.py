@@ -217,7 +217,9 @@ class _PartialRoPE(torch.autograd.Function):
             return None, None, None, None, None, None
         heads = [None if g is None else (g.transpose(1, 2) if t else g)[..., :r] for g in (gq, gk)]   # [B, H, S, R]
         if torch.is_grad_enabled():   # create_graph=True: differentiable ops
-            rot = [None if h is None else _rotate_back(h, cos, sin).to(dtype) for h in heads]
+            up = torch.promote_types(torch.promote_types(cos.dtype, gq.dtype if gq is not None else gk.dtype),
+                                     torch.float32)   # fp32 at least, as the C++ autograd of whole heads
+            rot = [None if h is None else _rotate_back(h.to(up), cos.to(up), sin.to(up)).to(dtype) for h in heads]
         else:   # one launch for both (an output left out: the other side with no heads)
             one = next(h for h in heads if h is not None)
             rot = list(ctx.ops.rope_backward(*(h if h is not None else one[:, :0] for h in heads), cos, sin,
