@@ -1,0 +1,198 @@
+"""Partial rotary (GPT-NeoX / Pythia's RoPE over part of each head): forward, and forward + backward, time and
+effective bandwidth, in one run beside the copy bandwidth.
+
+    python -m benchmarks.rope_partial [--shapes 8x2048x16x64x16 ...] [--reps 30] [--impls a,b] [--out DIR]
+
+Shapes ``BxSxHxDxR``: batch, sequence, heads (q's and k's), head size, rotated values a head. q and k are GPT-NeoX's:
+chunks of one [B, H, S, 3D] projection (``qkv.view(B, S, H, 3D).transpose(1, 2).chunk(3, -1)``: not dense), cos and
+sin [1, S, R] (GPT-NeoX's rotary embedding: angles from positions, ``cat(freqs, freqs)``), all bf16.
+
+Implementations, each of ``(q_embed, k_embed) = apply_rotary_pos_emb(q, k, cos, sin)``:
+
+* ``pipegoose``: :func:`pipegoose.nn.fusion.functional.apply_rotary_pos_emb` with ``impl="pipegoose"`` (strict: the
+  kernel's partial path or an error), our RoPE kernel on views of the rotated values and one concatenation per tensor
+  each way (``pipegoose.nn.fusion.ops.rope._PartialRoPE``; opt-in in the dispatcher until this benchmark has run);
+* ``transformers``: GPT-NeoX's ``apply_rotary_pos_emb`` (``modeling_gpt_neox``), eager: what the model runs;
+* ``compile``: ``torch.compile`` of that function.
+
+Each implementation's results and gradients are first compared with ``transformers``' (within the dtype's tolerance
+of ``tests/tolerances.py``, scaled by 2 for eager's three roundings); one that differs is reported FAILED and not
+timed. Time: the median of the repetitions (CUDA events, the L2 cache flushed before each: ``benchmarks.timing``);
+the backward is timed with the forward (``fwd+bwd``). Effective bandwidth: the fewest bytes each pass must move (q and
+k read and their results written, cos and sin read; the backward the same for the gradients) over the median time,
+and its share of the device copy bandwidth measured in the same run. Writes ``rope_partial.json`` and ``.md`` (GPU,
+versions, date) into ``--out``. ``--device cpu`` is a dry run of the plumbing (small shapes, no flush; ``pipegoose``
+errors there: the kernel needs a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from benchmarks.common import environment, today, tolerances
+from benchmarks.timing import Timer
+
+# Pythia-410m (the end-to-end NeoX step's shape), Pythia-1.4b, Pythia-6.9b: a quarter of each head rotates
+SHAPES = ["8x2048x16x64x16", "4x2048x16x128x32", "2x2048x32x128x32"]
+DRY_SHAPES = ["2x16x4x16x4"]
+IMPLS = ("pipegoose", "transformers", "compile")
+PASSES = ("fwd", "fwd+bwd")
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int, int]:
+    """``BxSxHxDxR`` -> (B, S, H, D, R); R even and below D."""
+    try:
+        b, s, h, d, r = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BxSxHxDxR (batch x seq x heads x head size x rotated), got "
+                                         f"{text!r}") from None
+    if min(b, s, h, d, r) < 1 or r % 2 or not r < d:
+        raise argparse.ArgumentTypeError(f"expected positive sizes with R even and below D, got {text!r}")
+    return b, s, h, d, r
+
+
+def functions() -> dict[str, Callable | None]:
+    """name -> ``fn(q, k, cos, sin)`` returning ``(q_embed, k_embed)``."""
+    from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb as neox
+
+    from pipegoose.nn.fusion import dispatch
+    from pipegoose.nn.fusion.functional import apply_rotary_pos_emb
+
+    def ours(q, k, cos, sin):
+        with dispatch.strict():
+            return apply_rotary_pos_emb(q, k, cos, sin, impl="pipegoose")
+
+    return {"pipegoose": ours, "transformers": neox, "compile": torch.compile(neox, dynamic=False)}
+
+
+def inputs(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    """q, k (GPT-NeoX's chunks of a fused projection, requiring grad through it), cos, sin, and the output
+    gradients dq, dk."""
+    b, s, h, d, r = shape
+    g = torch.Generator(device=device).manual_seed(b + s + h + d + r)
+    qkv = torch.randn(b, s, h, 3 * d, device=device, generator=g).to(dtype).transpose(1, 2)
+    q, k, _ = qkv.chunk(3, dim=-1)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, r, 2, device=device, dtype=torch.float32) / r)
+    freqs = torch.arange(s, device=device, dtype=torch.float32)[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[None]
+    dq = torch.randn(q.shape, device=device, generator=g).to(dtype)
+    dk = torch.randn(k.shape, device=device, generator=g).to(dtype)
+    return dict(q=q.detach().requires_grad_(), k=k.detach().requires_grad_(), cos=emb.cos().to(dtype),
+                sin=emb.sin().to(dtype), dq=dq, dk=dk)
+
+
+def min_bytes(shape: tuple[int, ...], dtype: torch.dtype, passes: str) -> int:
+    """The fewest bytes a pass must move: q and k read and their results written (every value: the unrotated ones are
+    copied), cos and sin read; the backward the same for the gradients."""
+    b, s, h, d, r = shape
+    e = torch.empty((), dtype=dtype).element_size()
+    one = (2 * 2 * b * h * s * d + 2 * s * r) * e
+    return one if passes == "fwd" else 2 * one
+
+
+def run_pass(fn: Callable, inp: dict, passes: str) -> tuple:
+    q, k = inp["q"], inp["k"]
+    qe, ke = fn(q, k, inp["cos"], inp["sin"])
+    if passes == "fwd":
+        return qe, ke
+    gq, gk = torch.autograd.grad((qe, ke), (q, k), (inp["dq"], inp["dk"]))
+    return qe, ke, gq, gk
+
+
+def run_shape(shape: tuple[int, ...], fns: dict, timer: Timer, dtype: torch.dtype, device: str, copy_gbps: float,
+              impls: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+    """One row per implementation and pass; ``transformers`` is the correctness check of every row."""
+    inp = inputs(shape, dtype, device)
+    want = run_pass(fns["transformers"], inp, "fwd+bwd")
+    tol = tolerances()[dtype]
+    b, s, h, d, r = shape
+    rows = []
+    for name in IMPLS:
+        if impls is not None and name not in impls:
+            continue
+        base: dict[str, Any] = dict(impl=name, batch=b, seq=s, heads=h, head_dim=d, rotary=r,
+                                    dtype=str(dtype).removeprefix("torch."))
+        try:
+            got = run_pass(fns[name], inp, "fwd+bwd")
+            bad = [n for n, a, w in zip(("q_embed", "k_embed", "grad_q", "grad_k"), got, want)
+                   if a.shape != w.shape or not torch.allclose(a.float(), w.float(), rtol=2 * tol["rtol"],
+                                                               atol=2 * tol["atol"])]
+            del got
+            if bad:
+                rows += [dict(base, passes=p, status="FAILED", why=f"differs from GPT-NeoX's function: {bad}")
+                         for p in PASSES]
+                continue
+            for p in PASSES:
+                t = timer.time(lambda _, p=p: run_pass(fns[name], inp, p))
+                gbps = min_bytes(shape, dtype, p) / (t["median_ms"] * 1e-3) / 1e9
+                rows.append(dict(base, passes=p, status="ok", **t, gbps=gbps,
+                                 pct_copy=100 * gbps / copy_gbps if copy_gbps else None))
+        except Exception as e:  # noqa: BLE001 (one implementation's failure is a row, not the end of the run)
+            rows += [dict(base, passes=p, status="error", why=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                     for p in PASSES]
+    return rows
+
+
+def markdown(env: dict, rows: list[dict], copy_gbps: float) -> str:
+    lines = [f"# Partial rotary (GPT-NeoX's RoPE), bf16 ({env.get('gpu')}, {env.get('date')})", "",
+             f"torch {env.get('torch')}, CUDA {env.get('cuda_runtime')}, triton {env.get('triton')}, transformers "
+             f"{env.get('transformers')}, pipegoose {env.get('pipegoose_git')}. Device copy: {copy_gbps:.0f} GB/s. "
+             "Time: median ms (L2 flushed); GB/s of the fewest bytes the pass moves; % of that copy.", "",
+             "| B x S x H x D x R | pass | impl | ms | GB/s | % of copy | status |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        shape = f"{r['batch']}x{r['seq']}x{r['heads']}x{r['head_dim']}x{r['rotary']}"
+        if r["status"] == "ok":
+            pct = f"{r['pct_copy']:.1f}" if r.get("pct_copy") is not None else ""
+            lines.append(f"| {shape} | {r['passes']} | {r['impl']} | {r['median_ms']:.4f} | {r['gbps']:.0f} | {pct} "
+                         f"| ok |")
+        else:
+            lines.append(f"| {shape} | {r['passes']} | {r['impl']} | | | | {r['status']}: {r.get('why', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.rope_partial", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", type=parse_shape, nargs="+", default=None,
+                    help=f"BxSxHxDxR (default: {' '.join(SHAPES)}; on the CPU {' '.join(DRY_SHAPES)})")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--impls", default="", help=f"comma separated, of {', '.join(IMPLS)} (default: all)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the plumbing")
+    ap.add_argument("--out", type=Path, default=None, help="folder for rope_partial.json / .md")
+    args = ap.parse_args(argv)
+    if args.reps < 1:
+        ap.error(f"--reps: expected a positive number of repetitions, got {args.reps}")
+    impls = tuple(x.strip() for x in args.impls.split(",") if x.strip()) or None
+    if args.impls and impls is None:
+        ap.error(f"--impls: expected some of {', '.join(IMPLS)}, got {args.impls!r}")
+    unknown = [x for x in impls or () if x not in IMPLS]
+    if unknown:
+        ap.error(f"--impls: unknown {', '.join(unknown)}; expected some of {', '.join(IMPLS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("benchmarks.rope_partial: needs a CUDA GPU (--device cpu: a dry run)")
+    shapes = args.shapes or [parse_shape(s) for s in (SHAPES if args.device == "cuda" else DRY_SHAPES)]
+    env = environment(args.device)
+    timer = Timer(args.device, warmup=3, reps=args.reps, max_s=10.0)
+    copy_gbps = timer.copy_gbps() if args.device == "cuda" else 0.0
+    fns = functions()
+    rows = []
+    for shape in shapes:
+        rows += run_shape(shape, fns, timer, torch.bfloat16, args.device, copy_gbps, impls)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    md = markdown(env, rows, copy_gbps)
+    print(md)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "rope_partial.json").write_text(json.dumps(dict(environment=env, date=today(), copy_gbps=copy_gbps,
+                                                                    rows=rows), indent=1))
+        (args.out / "rope_partial.md").write_text(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""CPU: the partial-rotary benchmark's parsing, byte count, report, refusals, and a dry run of its plumbing with the
+kernel's ops replaced by a CPU stand-in (its numbers need a GPU: ``python -m benchmarks.rope_partial``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from benchmarks import rope_partial as B
+
+
+def test_parse_shape():
+    assert B.parse_shape("8x2048x16x64x16") == (8, 2048, 16, 64, 16)
+    for bad in ("8x2048x16x64", "8x2048x16x64x15", "8x2048x16x64x64", "0x1x1x4x2", "axbxcxdxe"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected"):
+            B.parse_shape(bad)
+
+
+def test_min_bytes_counts_every_value_of_q_and_k_and_the_tables():
+    # bf16: q and k (2 x 8 x 16 x 2048 x 64 values) read and written, cos and sin (2048 x 16) read
+    one = (2 * 2 * 8 * 16 * 2048 * 64 + 2 * 2048 * 16) * 2
+    assert B.min_bytes((8, 2048, 16, 64, 16), torch.bfloat16, "fwd") == one
+    assert B.min_bytes((8, 2048, 16, 64, 16), torch.bfloat16, "fwd+bwd") == 2 * one
+
+
+def test_markdown_names_the_gpu_the_copy_and_every_row():
+    env = dict(gpu="NVIDIA H200", date="2026-12-05", torch="2.11", cuda_runtime="13.0", triton="3.6",
+               transformers="5.17", pipegoose_git="abc")
+    rows = [dict(impl="pipegoose", batch=8, seq=2048, heads=16, head_dim=64, rotary=16, passes="fwd", status="ok",
+                 median_ms=0.05, gbps=3400.0, pct_copy=80.2),
+            dict(impl="compile", batch=8, seq=2048, heads=16, head_dim=64, rotary=16, passes="fwd+bwd",
+                 status="FAILED", why="differs")]
+    md = B.markdown(env, rows, 4240.0)
+    assert "NVIDIA H200" in md and "2026-12-05" in md and "Device copy: 4240 GB/s" in md
+    assert "| 8x2048x16x64x16 | fwd | pipegoose | 0.0500 | 3400 | 80.2 | ok |" in md
+    assert "| 8x2048x16x64x16 | fwd+bwd | compile | | | | FAILED: differs |" in md
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_refuses_without_a_gpu():
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        B.main(["--shapes", "2x16x4x16x4"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--reps", "0"], "--reps: expected a positive number of repetitions, got 0"),
+    (["--impls", ",,"], "--impls: expected some of pipegoose, "),
+    (["--impls", "pipegoose,liger"], "--impls: unknown liger"),
+])
+def test_argument_errors(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        B.main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_dry_run_on_the_cpu_with_the_kernel_stand_in(monkeypatch, tmp_path):
+    """--device cpu, the kernel's ops a CPU stand-in: every row ok (checked against GPT-NeoX's function first), the
+    kernel's partial path run (its forward and backward ops called), the results written."""
+    from rope_stand_in import kernel_on_cpu
+
+    from pipegoose.nn.fusion import dispatch
+
+    with kernel_on_cpu(monkeypatch, dispatch) as calls:
+        B.main(["--device", "cpu", "--reps", "1", "--impls", "pipegoose,transformers", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "rope_partial.json").read_text())["rows"]
+    assert [(r["impl"], r["passes"], r["status"]) for r in rows] == [
+        ("pipegoose", "fwd", "ok"), ("pipegoose", "fwd+bwd", "ok"), ("transformers", "fwd", "ok"),
+        ("transformers", "fwd+bwd", "ok")]
+    names = {c[0] for c in calls}
+    assert names == {"rope_forward", "rope_backward"}
+    assert "| 2x16x4x16x4 | fwd | pipegoose |" in (tmp_path / "rope_partial.md").read_text()
