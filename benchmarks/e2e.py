@@ -17,8 +17,8 @@ Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse
 ``pipegoose.nn.fusion.FusedAdam(lr, weight_decay=0.01)``, AdamW's defaults, in place of
 ``torch.optim.AdamW(fused=True)`` that every other variant steps with), ``fuse_sdpa_lce`` (``fuse_sdpa`` with
 ``linear_cross_entropy`` added to the ops: the LM head and loss in one, no [B, S, V] logits), ``fuse_sdpa_rope``
-(``fuse_sdpa`` with ``PIPEGOOSE_IMPL_ROPE=pipegoose``: the kernel's opt-in partial-rotary path for GPT-NeoX's
-quarter-head RoPE, which ``fuse_sdpa`` leaves to the model's code; for Llama the same as ``fuse_sdpa``),
+(``fuse_sdpa`` with ``PIPEGOOSE_IMPL_ROPE=pipegoose``: session 54's A/B of the kernel's partial-rotary path for
+GPT-NeoX's quarter-head RoPE, opt-in then, the default since: the same as ``fuse_sdpa`` now),
 ``compile_sdpa`` (``torch.compile(model)``, compile time in the warm-up, reported separately), ``liger``
 (``apply_liger_kernel_to_llama`` / ``_qwen3(model=...)`` with their defaults: rope, rms_norm, swiglu, fused linear
 cross-entropy) and ``liger_rmsnorm`` (only its RMSNorm: the like-for-like comparison with ours). Liger patches

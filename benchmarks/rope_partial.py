@@ -11,7 +11,7 @@ Implementations, each of ``(q_embed, k_embed) = apply_rotary_pos_emb(q, k, cos, 
 
 * ``pipegoose``: :func:`pipegoose.nn.fusion.functional.apply_rotary_pos_emb` with ``impl="pipegoose"`` (strict: the
   kernel's partial path or an error), our RoPE kernel on views of the rotated values and one concatenation per tensor
-  each way (``pipegoose.nn.fusion.ops.rope._PartialRoPE``; opt-in in the dispatcher until this benchmark has run);
+  each way (``pipegoose.nn.fusion.ops.rope._PartialRoPE``);
 * ``transformers``: GPT-NeoX's ``apply_rotary_pos_emb`` (``modeling_gpt_neox``), eager: what the model runs;
 * ``compile``: ``torch.compile`` of that function.
 

@@ -110,11 +110,10 @@ def test_parity_with_kernels(arch, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
-def test_gpt_neox_partial_rotary_on_the_kernel_parity(monkeypatch, dtype):
-    """GPT-NeoX with Pythia's partial rotary (a quarter of each head) and PIPEGOOSE_IMPL_ROPE=pipegoose (the kernel's
-    partial path is opt-in): the rope rows are fused, every layer's call ran the kernel (strict mode: no fallback),
-    and outputs and gradients agree with the unfused model as in test_parity_with_kernels."""
-    monkeypatch.setenv("PIPEGOOSE_IMPL_ROPE", "pipegoose")
+def test_gpt_neox_partial_rotary_on_the_kernel_parity(dtype):
+    """GPT-NeoX with Pythia's partial rotary (a quarter of each head): the rope rows are fused, every layer's call ran
+    the kernel's partial path (strict mode: no fallback), and outputs and gradients agree with the unfused model as in
+    test_parity_with_kernels."""
     model = models.build("gpt_neox", "eager", hidden=128, heads=4).to(torch.device("cuda"))   # 8 of 32 rotated
     assert model.config.rope_parameters["partial_rotary_factor"] == 0.25
     ref64, unf, fus, report, ran = _parity_runs(model, dtype, 128)

@@ -211,9 +211,8 @@ def test_a_forward_that_raises_leaves_no_count_behind():
 
 def test_gpt_neox_partial_rotary_runs_the_original():
     """GPT-NeoX's function handles partial rotary itself (partial_rotary_factor < 1, Pythia's default: cos narrower
-    than the head). The kernel's partial path is opt-in (and on the CPU it cannot run): the report says those modules
-    are not fused, and why, and their calls run the original function, exactly; with a factor of 1 they are fused and
-    run the op."""
+    than the head). On the CPU the kernel's partial path cannot run: the report says those modules are not fused, and
+    why, and their calls run the original function, exactly; with a factor of 1 they are fused and run the op."""
     for pct, calls in ((0.25, 0), (1.0, 2)):
         cfg = models.config("gpt_neox", "eager")
         cfg.rope_parameters = {**cfg.rope_parameters, "partial_rotary_factor": pct}
@@ -228,8 +227,7 @@ def test_gpt_neox_partial_rotary_runs_the_original():
             for r in rows:
                 assert not r.eligible and r.reason == (
                     f"partial rotary (factor 0.25, {rotary} of each head's values): torch would run them: pipegoose: "
-                    "needs a CUDA tensor, got device cpu; the model's own code runs them (PIPEGOOSE_IMPL_ROPE=pipegoose, "
-                    "set before fuse, runs the kernel's path on a GPU)"), r.reason
+                    "needs a CUDA tensor, got device cpu; the model's own code runs them"), r.reason
         dispatch.reset_stats()
         h, g = _step(model, ids, mask)
         assert _rope_calls() == calls
@@ -240,11 +238,11 @@ def test_gpt_neox_partial_rotary_runs_the_original():
 
 
 def test_gpt_neox_partial_rotary_on_the_kernel_path(monkeypatch):
-    """Where the kernel's partial path would run (here: PIPEGOOSE_IMPL_ROPE=pipegoose, the kernel's ops replaced by a
-    CPU stand-in, its supports() asked as on a GPU), GPT-NeoX's attention modules are fused: the report names the
-    partial rotary and the implementation; each layer's call runs the kernel's forward op once and its backward op
-    once, on views of the rotated values; the model computes what it computed (fp32: the stand-in rounds once where
-    eager rounds each op); unfuse puts the function back. Without the request the opt-in reason is reported."""
+    """Where the kernel's partial path runs (on a GPU; here the kernel's ops replaced by a CPU stand-in, its supports()
+    asked as on a GPU), GPT-NeoX's attention modules are fused: the report names the partial rotary and the
+    implementation; each layer's call runs the kernel's forward op once and its backward op once, on views of the
+    rotated values; the model computes what it computed (fp32: the stand-in rounds once where eager rounds each op);
+    unfuse puts the function back. PIPEGOOSE_IMPL_ROPE=torch keeps them to the model's code, with the reason."""
     from rope_stand_in import kernel_on_cpu
 
     neox = pytest.importorskip("transformers.models.gpt_neox.modeling_gpt_neox")
@@ -254,10 +252,10 @@ def test_gpt_neox_partial_rotary_on_the_kernel_path(monkeypatch):
     ref_h, ref_g = _step(model, ids, mask)
     original = neox.apply_rotary_pos_emb
     with kernel_on_cpu(monkeypatch, dispatch) as calls:
+        monkeypatch.setenv("PIPEGOOSE_IMPL_ROPE", "torch")
         rows = _rope_rows(fuse(model, ops=["rope"], dry_run=True))
-        assert rows and all(not r.fused and "opt-in for this input: runs when requested (impl='pipegoose' or "
-                            "PIPEGOOSE_IMPL_ROPE=pipegoose)" in r.reason for r in rows), rows
-        monkeypatch.setenv("PIPEGOOSE_IMPL_ROPE", "pipegoose")
+        assert rows and all(not r.fused and "torch would run them: pipegoose: " in r.reason for r in rows), rows
+        monkeypatch.delenv("PIPEGOOSE_IMPL_ROPE")
         rows = _rope_rows(fuse(model, ops=["rope"]))
         rotary = model.layers[0].attention.rotary_ndims if hasattr(model, "layers") else None
         assert len(rows) == model.config.num_hidden_layers and all(r.fused for r in rows), rows
@@ -277,9 +275,10 @@ def test_gpt_neox_partial_rotary_on_the_kernel_path(monkeypatch):
 
 
 def test_partial_rotary_per_layer_type_is_told_apart():
-    """A config whose rope_parameters hold a factor per layer type (Laguna, MiMo-V2-Flash, ...): its partial layers
-    are skipped with the opt-in reason, as GPT-NeoX's, and strict mode runs the model (a review: the factor was not
-    read there, the rows were fused and the partial calls fell back to the reference, which strict mode refused)."""
+    """A config whose rope_parameters hold a factor per layer type (Laguna, MiMo-V2-Flash, ...): each layer's own
+    factor is read (a review: it was not, the partial layers were taken for whole-head ones, and their partial calls,
+    not routed for, fell to the reference, which strict mode refused): the partial layer runs the kernel's partial path,
+    the whole-head one its plain path, and strict mode runs the model."""
     from rope_stand_in import kernel_on_cpu
 
     tr = pytest.importorskip("transformers")
@@ -299,15 +298,15 @@ def test_partial_rotary_per_layer_type_is_told_apart():
     try:
         with kernel_on_cpu(monkeypatch, dispatch):
             rows = {r.path: r for r in _rope_rows(fuse(model, ops=["rope"]))}
-            full = rows["layers.0.self_attn"]
-            assert not full.fused and "partial rotary (factor 0.5" in full.reason and "opt-in" in full.reason, full
+            part = rows["layers.0.self_attn"]
+            assert part.fused and "GPT-NeoX's partial rotary, 8 of each head's values" in part.reason, part
             assert rows["layers.1.self_attn"].fused, rows   # the sliding layer rotates whole heads
             dispatch.reset_stats()
             with dispatch.strict(), torch.no_grad():
                 out = model(input_ids=ids).last_hidden_state
-            # (the sliding layer on the stand-in, which rounds once where eager rounds each op)
+            # (on the stand-in, which rounds once where eager rounds each op)
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-            assert dispatch.stats()["rope"] == {"pipegoose": 1}
+            assert dispatch.stats()["rope"] == {"pipegoose": 2}
             unfuse(model)
     finally:
         monkeypatch.undo()

@@ -483,8 +483,8 @@ def _fwd_bwd(fn, q, k, cos, sin, dq, dk, **kw):
 def test_functional_on_cuda_runs_the_kernel(ops, no_tuning_table, dtype):
     """On CUDA (tuning table and small-problem rule set aside) apply_rotary_pos_emb runs pipegoose::rope: no fallback
     (strict mode passes), the ops' results bit for bit, float64 within the tolerance, outputs in the layout of Llama's
-    transposed projections; what the kernel does not take (dtypes that differ) and partial rotary (opt-in) are
-    fallbacks strict mode refuses; the reference's partial rotary is GPT-NeoX's."""
+    transposed projections; what the kernel does not take (dtypes that differ) is a fallback strict mode refuses;
+    partial rotary runs the kernel's partial path (GPT-NeoX's formula)."""
     apply, dispatch = _functional()
     b, hq, hk, s, d = 2, 8, 2, 33, 64
     gen = torch.Generator(device=DEV).manual_seed(seed_of("functional", dtype))
@@ -515,11 +515,10 @@ def test_functional_on_cuda_runs_the_kernel(ops, no_tuning_table, dtype):
         c.reasons["pipegoose"], c
     want = torch_formula(q, k2, cos, sin)
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
-    # partial rotary (cos narrower than D): the kernel's path is opt-in, so a fallback strict mode refuses, and the
-    # reference computes GPT-NeoX's partial rotary
-    with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="opt-in for this input"):
-        apply(q, k, cos[..., :32], sin[..., :32])
-    got = apply(q, k, cos[..., :32], sin[..., :32])
+    # partial rotary (cos narrower than D): the kernel's partial path, GPT-NeoX's formula
+    with dispatch.strict():
+        got = apply(q, k, cos[..., :32], sin[..., :32])
+    assert dispatch.last_choice("rope").impl == "pipegoose"
     want = partial64(q, k, cos[..., :32], sin[..., :32])
     for name, a, w in zip(("q_embed", "k_embed"), got, want):
         check(name, a, w, dtype)

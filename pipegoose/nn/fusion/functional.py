@@ -370,8 +370,7 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     ``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])`` and ``cos``, ``sin`` unsqueezed at ``unsqueeze_dim`` to
     broadcast over the heads. Both in one kernel forward and one backward. Tables of R values a head, 1 < R < D
     (partial rotary), rotate ``x[..., :R]`` and pass the rest through, as GPT-NeoX's function does (Llama's raises
-    for them); on the kernel (even R) that path is opt-in until a GPU has timed it: ``impl="pipegoose"`` or
-    ``PIPEGOOSE_IMPL_ROPE=pipegoose``.
+    for them); the kernel takes even R.
 
     Args:
         q: [B, Hq, S, D] (``unsqueeze_dim=1``) or [B, S, Hq, D] (``unsqueeze_dim=2``), fp32/fp16/bf16 (the kernel;

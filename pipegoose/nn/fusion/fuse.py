@@ -947,9 +947,8 @@ def _rope_unused(module: nn.Module, found=None) -> str | None:
     (None: it would): an interleaved rotation selected by the config (it calls another function), or partial rotary
     (a factor below 1 in its config) where the function does not compute GPT-NeoX's partial rotary (``found``, the
     function's :class:`~pipegoose.nn.fusion.transformers.rope.Probe`, says whether it does), or where it does but the
-    dispatcher would not run the kernel's partial path for this module's shapes (opt-in until a GPU has timed it; on
-    other devices, the reason the kernel does not run): PyTorch's ops would then compute what the model's own code
-    computes, at more host time."""
+    dispatcher would not run the kernel's partial path for this module's shapes (the reason the kernel does not run:
+    on the CPU, say): PyTorch's ops would then compute what the model's own code computes, at more host time."""
     config = getattr(module, "config", None)
     if _config_value(config, "rope_interleave") is True:
         return "rope_interleave=True: the model calls its interleaved RoPE function, not apply_rotary_pos_emb"
@@ -976,10 +975,7 @@ def _rope_unused(module: nn.Module, found=None) -> str | None:
             why = f"the dispatcher could not describe them ({type(e).__name__}: {e})"
     elif rotary:
         why = f"{rotary} rotated values a head: odd"
-    hint = "" if "PIPEGOOSE_IMPL_ROPE" in why else (" (PIPEGOOSE_IMPL_ROPE=pipegoose, set before fuse, runs the "
-                                                     "kernel's path on a GPU)")
-    return (f"partial rotary (factor {factor}, {rotary} of each head's values): {why}; the model's own code runs "
-            f"them{hint}")
+    return f"partial rotary (factor {factor}, {rotary} of each head's values): {why}; the model's own code runs them"
 
 
 def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:

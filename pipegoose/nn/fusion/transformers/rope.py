@@ -18,7 +18,7 @@ only for calls made inside a fused attention module's forward, and the model's o
   ``(q, k, cos, sin)`` form the kernel takes: 4-d q and k of one batch, sequence and even head size, cos and sin
   ``[batch or 1, seq, head]``, one dtype, or 16-bit q and k with fp32 tables where the model's function promotes its
   results to fp32 as PyTorch's ``q * cos`` does (the probe checks; OLMo's casts them back, so its mixed calls run its
-  own code); and, from the modules that ``fuse`` routed them for (where the kernel's opt-in partial path would run
+  own code); and, from the modules that ``fuse`` routed them for (where the kernel's partial path would run
   them), GPT-NeoX's partial rotary, where the probe found that the function computes it. Any other call (another
   model of the same type that is not fused, partial rotary elsewhere, extra arguments, ``torch.compile`` tracing)
   goes to the model's own code, unchanged;
