@@ -10,8 +10,8 @@ sin [1, S, R] (GPT-NeoX's rotary embedding: angles from positions, ``cat(freqs, 
 Implementations, each of ``(q_embed, k_embed) = apply_rotary_pos_emb(q, k, cos, sin)``:
 
 * ``pipegoose``: :func:`pipegoose.nn.fusion.functional.apply_rotary_pos_emb` with ``impl="pipegoose"`` (strict: the
-  kernel's partial path or an error), our RoPE kernel on views of the rotated values and one concatenation per tensor
-  each way (``pipegoose.nn.fusion.ops.rope._PartialRoPE``);
+  kernel's partial path or an error): our RoPE kernel, one launch each way (the rotated values rotated, the rest
+  copied);
 * ``transformers``: GPT-NeoX's ``apply_rotary_pos_emb`` (``modeling_gpt_neox``), eager: what the model runs;
 * ``compile``: ``torch.compile`` of that function.
 

@@ -1,6 +1,6 @@
-"""A stand-in on the CPU for the RoPE kernel's ops (``torch.ops.pipegoose.rope_forward`` / ``rope_backward``), for
-the CPU tests of the Python code around them (the partial-rotary path ``pipegoose.nn.fusion.ops.rope._PartialRoPE``
-and fuse's routing of GPT-NeoX's calls to it): :func:`stand_in_ops` gives the two ops, and :func:`kernel_on_cpu`
+"""A stand-in on the CPU for the RoPE kernel's ops (``torch.ops.pipegoose.rope_forward`` / ``rope_backward`` and the
+autograd op ``rope``), for the CPU tests of the Python code around them (the functional's kernel path, partial rotary
+included, and fuse's routing of GPT-NeoX's calls to it): :func:`stand_in_ops` gives the ops, and :func:`kernel_on_cpu`
 makes the dispatcher run the kernel's path on CPU tensors (its real ``supports`` asked as if they were on a GPU)."""
 
 from __future__ import annotations
@@ -14,36 +14,43 @@ import torch
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _rotate(x, cos, sin, backward):
-    """The kernel's per-half formulas in float64 (forward: y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2; backward, the
-    transposed rotation: g1 = d1 c1 + d2 s2, g2 = d2 c2 - d1 s1), cos and sin broadcast over the heads."""
+def _rotate(x, cos, sin, backward, out):
+    """The kernel's per-half formulas in float64 on the first R = cos.shape[-1] values of each head (forward:
+    y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2; backward, the transposed rotation: g1 = d1 c1 + d2 s2,
+    g2 = d2 c2 - d1 s1), cos and sin broadcast over the heads, the rest passed through; rounded once to ``out`` in
+    ``torch.empty_like``'s layout of x (the kernel's)."""
     c, s = cos.double().unsqueeze(1), sin.double().unsqueeze(1)
-    h = x.shape[-1] // 2
-    x1, x2 = x.double()[..., :h], x.double()[..., h:]
+    r = cos.shape[-1]
+    h = r // 2
+    x1, x2 = x.double()[..., :h], x.double()[..., h:r]
     c1, c2, s1, s2 = c[..., :h], c[..., h:], s[..., :h], s[..., h:]
     if backward:
-        return torch.cat((x1 * c1 + x2 * s2, x2 * c2 - x1 * s1), -1)
-    return torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2), -1)
+        y = torch.cat((x1 * c1 + x2 * s2, x2 * c2 - x1 * s1, x.double()[..., r:]), -1)
+    else:
+        y = torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2, x.double()[..., r:]), -1)
+    return torch.empty_like(x if x.stride(-1) == 1 else x.contiguous(), dtype=out).copy_(y)
 
 
 def stand_in_ops(calls: list) -> SimpleNamespace:
     """``rope_forward(q, k, cos, sin)``, ``rope_backward(grad_q_embed, grad_k_embed, cos, sin, dtype=None)`` and the
     autograd op ``rope.default`` over them, with the kernel's checks that matter here (4-d q and k of one batch, seq
-    and head size, cos and sin [batch or 1, seq, head size], a last dimension of stride 1 or a copy) and dtypes
-    (results in q's dtype, fp32 for 16-bit q with fp32 tables; the backward's in ``dtype`` or cos's), float64 math
-    rounded once; each call appended to ``calls`` as (name, q-like argument, k-like argument)."""
+    and head size, cos and sin [batch or 1, seq, R], R the head size or an even 2 <= R below it, a last dimension of
+    stride 1 or a copy), dtypes (results in q's dtype, fp32 for 16-bit q with fp32 tables; the backward's in ``dtype``
+    or cos's) and layouts (``torch.empty_like``'s), float64 math rounded once; each call appended to ``calls`` as
+    (name, q-like argument, k-like argument)."""
     def check(q, k, cos, sin):
         assert q.dim() == k.dim() == 4 and cos.dim() == 3 and sin.shape == cos.shape
         assert k.shape[0] == q.shape[0] and k.shape[2:] == q.shape[2:], (q.shape, k.shape)
-        assert cos.shape[0] in (1, q.shape[0]) and cos.shape[1:] == (q.shape[2], q.shape[3]), (q.shape, cos.shape)
-        assert q.shape[3] % 2 == 0
+        d, r = q.shape[3], cos.shape[2]
+        assert cos.shape[0] in (1, q.shape[0]) and cos.shape[1] == q.shape[2], (q.shape, cos.shape)
+        assert (r == d or 2 <= r < d) and r % 2 == 0, (q.shape, cos.shape)
 
     @torch.no_grad()   # like the real ops, which have no autograd formula
     def rope_forward(q, k, cos, sin):
         check(q, k, cos, sin)
         calls.append(("rope_forward", q, k))
         out = torch.float32 if cos.dtype == torch.float32 and q.dtype in _HALF else q.dtype
-        return _rotate(q, cos, sin, False).to(out), _rotate(k, cos, sin, False).to(out)
+        return _rotate(q, cos, sin, False, out), _rotate(k, cos, sin, False, out)
 
     @torch.no_grad()
     def rope_backward(gq, gk, cos, sin, dtype=None):
@@ -51,9 +58,9 @@ def stand_in_ops(calls: list) -> SimpleNamespace:
         calls.append(("rope_backward", gq, gk))
         gq, gk = gq.to(cos.dtype), gk.to(cos.dtype)
         out = dtype or cos.dtype
-        return _rotate(gq, cos, sin, True).to(out), _rotate(gk, cos, sin, True).to(out)
+        return _rotate(gq, cos, sin, True, out), _rotate(gk, cos, sin, True, out)
 
-    class RoPE(torch.autograd.Function):   # the autograd op pipegoose::rope of whole heads, on the two above
+    class RoPE(torch.autograd.Function):   # the autograd op pipegoose::rope, on the two above
         @staticmethod
         def forward(ctx, q, k, cos, sin):
             ctx.save_for_backward(cos, sin)

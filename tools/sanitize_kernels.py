@@ -286,6 +286,31 @@ def main() -> int:
                     rp.rope_forward(qq, kk, cos, sin)
                     rp.rope_backward(qq, kk, cos, sin)
                     calls += 2
+        # partial rotary (B, Hq, Hk, S, D, R, Bc): Pythia's quarter of a head (one 16-bit vector a half), R/2 and D - R
+        # no multiple of the vector (the scalar path), GPT-NeoX's chunks of a fused [B, S, H, 3D] projection, fp32
+        # tables with 16-bit q and k, and the misaligned views
+        for dt in dtypes:
+            for b, hq, hk, s, d, r, bc in ((2, 16, 16, 64, 64, 16, 1), (2, 4, 2, 9, 64, 6, 1), (2, 4, 2, 9, 80, 20, 2),
+                                           (3, 3, 1, 7, 128, 32, 3), (1, 2, 2, 5, 8, 2, 1)):
+                qkv = torch.randn(b, s, hq, 3 * d, device="cuda", dtype=dt).transpose(1, 2)
+                q, k = torch.randn(b, hq, s, d, device="cuda", dtype=dt), torch.randn(b, hk, s, d, device="cuda",
+                                                                                        dtype=dt)
+                for tdt in (dt,) if dt == torch.float32 else (dt, torch.float32):
+                    cos, sin = (torch.randn(bc, s, r, device="cuda", dtype=tdt) for _ in range(2))
+                    out = None if tdt == dt else dt
+                    rp.rope_forward(q, k, cos, sin)
+                    rp.rope_backward(q.to(tdt), k.to(tdt), cos, sin, out)
+                    calls += 2
+                    if hq == hk:
+                        qn, kn, _ = qkv.chunk(3, dim=-1)
+                        rp.rope_forward(qn, kn, cos, sin)
+                        rp.rope_backward(qn.to(tdt), kn.to(tdt), cos, sin, out)
+                        calls += 2
+                for view in (at_offset, in_longer_rows, narrowed):
+                    cos, sin = (torch.randn(bc, s, r, device="cuda", dtype=dt) for _ in range(2))
+                    rp.rope_forward(view(q), view(k), view(cos), view(sin))
+                    rp.rope_backward(view(q), view(k), view(cos), view(sin))
+                    calls += 2
     torch.cuda.synchronize()
     print(f"sanitize_kernels: {calls} kernel calls done")
     return 0

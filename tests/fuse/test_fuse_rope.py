@@ -240,8 +240,8 @@ def test_gpt_neox_partial_rotary_runs_the_original():
 def test_gpt_neox_partial_rotary_on_the_kernel_path(monkeypatch):
     """Where the kernel's partial path runs (on a GPU; here the kernel's ops replaced by a CPU stand-in, its supports()
     asked as on a GPU), GPT-NeoX's attention modules are fused: the report names the partial rotary and the
-    implementation; each layer's call runs the kernel's forward op once and its backward op once, on views of the
-    rotated values; the model computes what it computed (fp32: the stand-in rounds once where eager rounds each op);
+    implementation; each layer's call runs the kernel's forward op once and its backward op once, on whole heads (the
+    tables narrower: the kernel passes the rest through); the model computes what it computed (fp32: the stand-in rounds once where eager rounds each op);
     unfuse puts the function back. PIPEGOOSE_IMPL_ROPE=torch keeps them to the model's code, with the reason."""
     from rope_stand_in import kernel_on_cpu
 
@@ -265,8 +265,9 @@ def test_gpt_neox_partial_rotary_on_the_kernel_path(monkeypatch):
         assert dispatch.stats()["rope"] == {"pipegoose": model.config.num_hidden_layers}
         names = [c[0] for c in calls]
         assert names.count("rope_forward") == names.count("rope_backward") == model.config.num_hidden_layers
-        if rotary:
-            assert all(c[1].shape[-1] == rotary for c in calls)
+        head = model.config.hidden_size // model.config.num_attention_heads
+        assert rotary is None or rotary < head
+        assert all(c[1].shape[-1] == c[2].shape[-1] == head for c in calls)
         unfuse(model)
     assert neox.apply_rotary_pos_emb is original
     torch.testing.assert_close(h, ref_h, rtol=1e-5, atol=1e-5)

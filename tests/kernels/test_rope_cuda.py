@@ -30,6 +30,7 @@ import warnings
 import pytest
 import torch
 from kernel_helpers import poison, seed_of
+from kernel_loading import calls_of
 from tolerances import TOLERANCES, tol
 
 pytestmark = pytest.mark.cuda
@@ -115,15 +116,24 @@ def torch_formula(q, k, cos, sin, unsqueeze_dim=1):
     return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
 
 
+def formula(x, c, s):
+    """transformers' apply_rotary_pos_emb on one tensor, c and s unsqueezed over the heads; tables narrower than a
+    head (partial rotary): GPT-NeoX's, the first R = c.shape[-1] values rotated and the rest passed through."""
+    r = c.shape[-1]
+    if r < x.shape[-1]:
+        x_rot = x[..., :r]
+        return torch.cat((x_rot * c + rotate_half(x_rot) * s, x[..., r:]), dim=-1)
+    return x * c + rotate_half(x) * s
+
+
 def ref64(q, k, cos, sin, dq=None, dk=None, unsqueeze_dim=1):
-    """transformers' apply_rotary_pos_emb in float64 (on the inputs' device): (q_embed, k_embed), and with dq, dk also
-    (grad_q, grad_k) by float64 autograd."""
+    """transformers' apply_rotary_pos_emb in float64 (on the inputs' device; partial rotary: GPT-NeoX's, see
+    ``formula``): (q_embed, k_embed), and with dq, dk also (grad_q, grad_k) by float64 autograd."""
     q64 = q.detach().double().requires_grad_(dq is not None)
     k64 = k.detach().double().requires_grad_(dk is not None)
     c = cos.detach().double().unsqueeze(unsqueeze_dim)
     s = sin.detach().double().unsqueeze(unsqueeze_dim)
-    qe = q64 * c + rotate_half(q64) * s
-    ke = k64 * c + rotate_half(k64) * s
+    qe, ke = formula(q64, c, s), formula(k64, c, s)
     if dq is None:
         return qe.detach(), ke.detach()
     gq, gk = torch.autograd.grad((qe, ke), (q64, k64), (dq.double(), dk.double()))
@@ -217,10 +227,16 @@ def test_ops_match_float64(ops, dtype, case):
 
 
 def test_reference_of_these_tests_is_transformers(ops):
-    """(The float64 reference of this file is transformers' apply_rotary_pos_emb, bit for bit, on float64 inputs.)"""
+    """(The float64 reference of this file is transformers' apply_rotary_pos_emb, bit for bit, on float64 inputs:
+    Llama's for whole heads, GPT-NeoX's for partial rotary.)"""
     llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    neox = pytest.importorskip("transformers.models.gpt_neox.modeling_gpt_neox")
     q, k, cos, sin, _, _ = make(CASES[3], torch.float32, 7)
     want = llama.apply_rotary_pos_emb(q.double(), k.double(), cos.double(), sin.double())
+    got = ref64(q, k, cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    cos, sin = cos[..., :16], sin[..., :16]
+    want = neox.apply_rotary_pos_emb(q.double(), k.double(), cos.double(), sin.double())
     got = ref64(q, k, cos, sin)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
@@ -255,12 +271,15 @@ def test_autograd_op_matches_float64(ops, dtype, case, needs):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("used", ["q_embed", "k_embed"])
-def test_autograd_op_with_one_output_left_out_of_the_loss(ops, dtype, used):
-    """A loss of one output: the used side's gradient is right; the other input's derivative is zero. (A C++ autograd
-    Function fills an undefined output gradient with zeros by default, so the op may give a zero gradient where eager
-    PyTorch gives None: either is accepted, any other value is not.)"""
+@pytest.mark.parametrize("rotated", ["whole", "partial"])
+def test_autograd_op_with_one_output_left_out_of_the_loss(ops, dtype, used, rotated):
+    """A loss of one output (whole heads, and partial rotary): the used side's gradient is right; the other input's
+    derivative is zero. (A C++ autograd Function fills an undefined output gradient with zeros by default, so the op
+    may give a zero gradient where eager PyTorch gives None: either is accepted, any other value is not.)"""
     case = CASES[3]
     q, k, cos, sin, dq, dk = make(case, dtype, seed_of("unused", used, dtype))
+    if rotated == "partial":
+        cos, sin = cos[..., :16].contiguous(), sin[..., :16].contiguous()
     _, _, rgq, rgk = ref64(q, k, cos, sin, dq, dk)
     for how in ("backward", "autograd.grad"):
         qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
@@ -515,26 +534,16 @@ def test_functional_on_cuda_runs_the_kernel(ops, no_tuning_table, dtype):
         c.reasons["pipegoose"], c
     want = torch_formula(q, k2, cos, sin)
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
-    # partial rotary (cos narrower than D): the kernel's partial path, GPT-NeoX's formula
+    # partial rotary (cos narrower than D): the same kernel, GPT-NeoX's formula; the raw op's results bit for bit
+    cos, sin = cos[..., :32], sin[..., :32]
     with dispatch.strict():
-        got = apply(q, k, cos[..., :32], sin[..., :32])
+        qe, ke, gq, gk = _fwd_bwd(apply, q, k, cos, sin, dq, dk)
     assert dispatch.last_choice("rope").impl == "pipegoose"
-    want = partial64(q, k, cos[..., :32], sin[..., :32])
-    for name, a, w in zip(("q_embed", "k_embed"), got, want):
-        check(name, a, w, dtype)
-
-
-def partial64(q, k, cos, sin, dq=None, dk=None, unsqueeze_dim=1):
-    """GPT-NeoX's partial rotary in float64: ref64 on the first R = cos.shape[-1] values of each head, the rest (and,
-    with dq and dk, their gradients) passed through."""
-    r = cos.shape[-1]
-    if unsqueeze_dim == 2:   # [B, S, H, D]: as [B, H, S, D]
-        t = [None if x is None else x.transpose(1, 2) for x in (q, k, dq, dk)]
-        return tuple(x.transpose(1, 2) for x in partial64(*t[:2], cos, sin, *t[2:]))
-    rot = ref64(q[..., :r], k[..., :r], cos, sin, None if dq is None else dq[..., :r],
-                None if dk is None else dk[..., :r])
-    rest = (q, k) if dq is None else (q, k, dq, dk)
-    return tuple(torch.cat((a.to(x.device), x[..., r:].detach().double()), -1) for a, x in zip(rot, rest))
+    assert all(torch.equal(a, b) for a, b in zip((qe, ke), torch.ops.pipegoose.rope_forward(q, k, cos, sin)))
+    assert all(torch.equal(a, b) for a, b in zip((gq, gk), torch.ops.pipegoose.rope_backward(dq, dk, cos, sin)))
+    for name, got, w, like in zip(("q_embed", "k_embed", "grad_q", "grad_k"), (qe, ke, gq, gk),
+                                  ref64(q, k, cos, sin, dq, dk), (q, k, q, k)):
+        check(name, got, w, dtype, like)
 
 
 # (B, Hq, Hk, S, D, R, Bc): R rotated values a head
@@ -553,13 +562,58 @@ def partial_id(c) -> str:
     return f"B{b}-Hq{hq}-Hk{hk}-S{s}-D{d}-R{r}-cos{bc}"
 
 
+def make_partial(case, dtype, seed, table_dtype=None):
+    """make() of a PARTIAL_CASES case: q, k and the output gradients of head size D, cos and sin [Bc, S, R] (in
+    ``table_dtype``, default ``dtype``)."""
+    b, hq, hk, s, d, r, bc = case
+    q, k, _, _, dq, dk = make((b, hq, hk, s, d, bc), dtype, seed)
+    cos, sin = tables(bc, s, r, table_dtype or dtype, seed + 1)
+    return q, k, cos, sin, dq, dk
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", PARTIAL_CASES, ids=partial_id)
+def test_partial_rotary_ops_match_float64(ops, dtype, case):
+    """The raw ops with tables narrower than a head (partial rotary, one launch each way): GPT-NeoX's formula in
+    float64 within the tolerance, the passed-through values (and their gradients) exact, every element written
+    (outputs poisoned), the inputs unchanged, outputs in the inputs' layout; misaligned views (the scalar path) bit
+    for bit the vector path's; 16-bit q and k with fp32 tables: fp32 results, the passed-through values converted
+    exactly, gradients in q's dtype."""
+    r = case[5]
+    q, k, cos, sin, dq, dk = make_partial(case, dtype, seed_of("partial ops", case, dtype))
+    before = [t.clone() for t in (q, k, cos, sin, dq, dk)]
+    got = check_ops(ops, q, k, cos, sin, dq, dk, dtype)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, cos, sin, dq, dk), before)), "an input changed"
+    for name, a, x in zip(("q_embed", "k_embed", "grad_q", "grad_k"), got, (q, k, dq, dk)):
+        assert torch.equal(a[..., r:], x[..., r:]), f"{name}: the passed-through values changed"
+    views = {"offset": lambda t: _at_offset(t, 1), "row stride": lambda t: _row_strided(t, 1), "narrowed": _narrowed}
+    for kind, view in views.items():
+        moved = check_ops(ops, *(view(t) for t in (q, k, cos, sin, dq, dk)), dtype, what=f"{kind}: ",
+                          same_layout=False)
+        for name, a, b in zip(("q_embed", "k_embed", "grad_q", "grad_k"), moved, got):
+            assert torch.equal(a, b), f"{kind}: {name} differs from the vector path's"
+    if dtype == torch.float32:
+        return
+    cos32, sin32 = tables(case[6], case[3], r, torch.float32, seed_of("partial fp32 tables", case))
+    dq32, dk32 = dq.float() * 3, dk.float() * 3   # (values that 16-bit does not hold: the conversion rounds)
+    poison((q.shape, torch.float32), (k.shape, torch.float32))
+    qe, ke = ops.rope_forward(q, k, cos32, sin32)
+    poison((q.shape, dtype), (k.shape, dtype))
+    gq, gk = ops.rope_backward(dq32, dk32, cos32, sin32, dtype)
+    want = ref64(q, k, cos32, sin32, dq32, dk32)
+    for name, a, w, x, dt in zip(("q_embed", "k_embed", "grad_q", "grad_k"), (qe, ke, gq, gk), want,
+                                 (q, k, dq32, dk32), (torch.float32, torch.float32, dtype, dtype)):
+        check(name, a, w, dt)
+        assert torch.equal(a[..., r:], x[..., r:].to(dt)), f"fp32 tables: {name}: the passed-through values"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", PARTIAL_CASES, ids=partial_id)
 @pytest.mark.parametrize("layout_", ["contiguous", "fused_qkv", "bshd", "fp32_tables"])
 def test_partial_rotary_kernel_path_matches_float64(ops, no_tuning_table, dtype, case, layout_):
-    """The kernel's partial path (impl='pipegoose'): the forward op on views of q's and k's first R values and one
-    concatenation, the backward likewise; values and gradients within the tolerance of GPT-NeoX's formula in float64,
-    the passed-through values exact; every element written (outputs poisoned first); no fallback (strict mode).
+    """Partial rotary through the functional (impl='pipegoose'): one forward launch and one backward launch (the ops'
+    calls logged); values and gradients within the tolerance of GPT-NeoX's formula in float64, the passed-through
+    values exact; every element written (outputs poisoned first); no fallback (strict mode).
     Layouts: contiguous [B, H, S, D]; GPT-NeoX's chunks of a fused qkv projection (not dense); [B, S, H, D]
     (unsqueeze_dim=2); 16-bit q and k with fp32 tables (autocast: fp32 results, gradients in q's dtype)."""
     if layout_ == "fp32_tables" and dtype == torch.float32:
@@ -585,16 +639,14 @@ def test_partial_rotary_kernel_path_matches_float64(ops, no_tuning_table, dtype,
     dq = torch.randn(q.shape, generator=gen, device=DEV).to(out)
     dk = torch.randn(k.shape, generator=gen, device=DEV).to(out)
     qq, kk = q.detach().requires_grad_(), k.detach().requires_grad_()
-    # the kernel's own outputs are the R-wide rotated values ([B, H, S, R]): blocks of their sizes poisoned before
-    # each op (the concatenations write every element of theirs anyway)
-    rot_q, rot_k = (b, hq, s, r), (b, hk, s, r)
-    poison((rot_q, out), (rot_k, out))
-    with dispatch.strict():
+    poison((q.shape, out), (k.shape, out))
+    with dispatch.strict(), calls_of({"pipegoose::rope_forward", "pipegoose::rope_backward"}) as log:
         qe, ke = apply(qq, kk, cos, sin, dim, impl="pipegoose")
-        poison((rot_q, dtype), (rot_k, dtype))
+        poison((q.shape, dtype), (k.shape, dtype))
         torch.autograd.backward((qe, ke), (dq, dk))
     assert dispatch.last_choice("rope").impl == "pipegoose"
-    want = partial64(q, k, cos, sin, dq, dk, dim)
+    assert log.calls == ["pipegoose::rope_forward", "pipegoose::rope_backward"], log.calls
+    want = ref64(q, k, cos, sin, dq, dk, dim)
     for name, got, w, dt in zip(("q_embed", "k_embed", "grad_q", "grad_k"), (qe, ke, qq.grad, kk.grad), want,
                                 (out, out, dtype, dtype)):
         check(name, got, w, dt)
@@ -730,12 +782,16 @@ def test_functional_transforms_run_the_reference_on_cuda(ops, no_tuning_table):
 
 # ------------------------------------------------------------------------------------ double backward
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_double_backward(ops, dtype):
+@pytest.mark.parametrize("rotated", ["whole", "partial"])
+def test_double_backward(ops, dtype, rotated):
     """backward with create_graph=True (the gradients by PyTorch's ops in fp32, one rounding, differentiable again),
-    against float64 autograd of transformers' formula: (1) the derivative of <grad_q, v1> + <grad_k, v2> by the output
-    gradients (the forward rotation of v1, v2; none by q and k: the rotation is linear), and (2) of a loss that is not
-    linear, sum(w1 * q_embed**2) + sum(w2 * k_embed**2): first derivatives and the Hessian-vector product by q, k."""
+    against float64 autograd of transformers' formula (partial: GPT-NeoX's, a quarter of each head): (1) the
+    derivative of <grad_q, v1> + <grad_k, v2> by the output gradients (the forward rotation of v1, v2; none by q and
+    k: the rotation is linear), and (2) of a loss that is not linear, sum(w1 * q_embed**2) + sum(w2 * k_embed**2):
+    first derivatives and the Hessian-vector product by q, k."""
     q, k, cos, sin, dq, dk = make(CASES[3], dtype, seed_of("double", dtype))
+    if rotated == "partial":
+        cos, sin = cos[..., :16].contiguous(), sin[..., :16].contiguous()
     gen = torch.Generator(device=DEV).manual_seed(5)
     v1, w1 = (torch.randn(q.shape, generator=gen, device=DEV).to(dtype) for _ in range(2))
     v2, w2 = (torch.randn(k.shape, generator=gen, device=DEV).to(dtype) for _ in range(2))
@@ -751,7 +807,7 @@ def test_double_backward(ops, dtype):
     q64, k64 = q.double().requires_grad_(), k.double().requires_grad_()
     dq64, dk64 = dq.double().requires_grad_(), dk.double().requires_grad_()
     c, s = cos.double().unsqueeze(1), sin.double().unsqueeze(1)
-    qe64, ke64 = q64 * c + rotate_half(q64) * s, k64 * c + rotate_half(k64) * s
+    qe64, ke64 = formula(q64, c, s), formula(k64, c, s)
     gq64, gk64 = torch.autograd.grad((qe64, ke64), (q64, k64), (dq64, dk64), create_graph=True)
     second64 = torch.autograd.grad((gq64 * v1.double()).sum() + (gk64 * v2.double()).sum(), (dq64, dk64, q64, k64),
                                    allow_unused=True)
@@ -770,7 +826,7 @@ def test_double_backward(ops, dtype):
     gq, gk = torch.autograd.grad(loss, (qq, kk), create_graph=True)
     hq, hk = torch.autograd.grad((gq.float() * v1.float()).sum() + (gk.float() * v2.float()).sum(), (qq, kk))
     q64, k64 = q.double().requires_grad_(), k.double().requires_grad_()
-    qe64, ke64 = q64 * c + rotate_half(q64) * s, k64 * c + rotate_half(k64) * s
+    qe64, ke64 = formula(q64, c, s), formula(k64, c, s)
     loss64 = (w1.double() * qe64 ** 2).sum() + (w2.double() * ke64 ** 2).sum()
     gq64, gk64 = torch.autograd.grad(loss64, (q64, k64), create_graph=True)
     hq64, hk64 = torch.autograd.grad((gq64 * v1.double()).sum() + (gk64 * v2.double()).sum(), (q64, k64))
@@ -789,7 +845,9 @@ def test_double_backward(ops, dtype):
     ((2, 4, 5, 0), (2, 2, 5, 0), (2, 5, 0)),    # head dim 0
     ((2, 0, 5, 8), (2, 2, 5, 8), (1, 5, 8)),    # no query heads: the kernel rotates k alone
     ((2, 4, 5, 16), (2, 0, 5, 16), (2, 5, 16)),  # no key heads: q alone
-], ids=["S0", "B0", "D0", "Hq0", "Hk0"])
+    ((2, 4, 5, 16), (2, 0, 5, 16), (2, 5, 4)),   # no key heads, partial rotary
+    ((2, 4, 0, 16), (2, 2, 0, 16), (1, 0, 8)),   # no positions, partial rotary
+], ids=["S0", "B0", "D0", "Hq0", "Hk0", "Hk0-partial", "S0-partial"])
 def test_empty_tensors(ops, dtype, shapes):
     sq, sk, sc = shapes
     gen = torch.Generator(device=DEV).manual_seed(seed_of("empty", shapes))
@@ -855,7 +913,7 @@ def test_bad_arguments_name_the_argument(ops):
         (lambda: bwd(dq, dk, cos.half(), sin.half(), torch.bfloat16),
          r"rope_backward: dtype BFloat16 with cos of Half; expected cos's dtype, or float16 / bfloat16 with float32"),
         (lambda: fwd(q, k, cos[0], sin[0]), r"rope_forward: cos must have 3 dimensions \[batch or 1, seq, "
-                                            r"head_dim\], got shape \[5, 8\]"),
+                                            r"rotated dims\], got shape \[5, 8\]"),
         (lambda: fwd(q, k, cos, sin[..., :6]), r"rope_forward: sin has shape \[1, 5, 6\] but cos has \[1, 5, 8\]; "
                                                r"expected equal shapes"),
         (lambda: fwd(q[0], k, cos, sin), r"rope_forward: q must have 4 dimensions \[batch, heads, seq, head_dim\], "
@@ -866,8 +924,15 @@ def test_bad_arguments_name_the_argument(ops):
         (lambda: fwd(q, k[:, :, :4], cos, sin), r"k has shape \[2, 2, 4, 8\] but q has \[2, 4, 5, 8\]"),
         (lambda: fwd(q, k.transpose(1, 2), cos, sin), r"k has shape \[2, 5, 2, 8\] but q has"),   # [B, S, H, D]
         (lambda: fwd(q, k, cos[:, :4], sin[:, :4]), r"rope_forward: cos has shape \[1, 4, 8\] but q has "
-                                                    r"\[2, 4, 5, 8\]; expected \[2 or 1, 5, 8\]"),
-        (lambda: fwd(q, k, cos[..., :4], sin[..., :4]), r"cos has shape \[1, 5, 4\] but q has"),   # partial rotary
+                                                    r"\[2, 4, 5, 8\]; expected \[2 or 1, 5, R\], R the rotated "
+                                                    r"values a head: 8, or 2 to 7 \(partial rotary\)"),
+        # partial rotary: one value a head (the Python layer broadcasts it), an odd count, more than a head
+        (lambda: fwd(q, k, cos[..., :1], sin[..., :1]), r"cos has shape \[1, 5, 1\] but q has"),
+        (lambda: fwd(q, k, cos[..., :3], sin[..., :3]),
+         r"rope_forward: cos's last size \(the rotated values a head\) must be even, got 3"),
+        (lambda: bwd(dq, dk, cos[..., :5], sin[..., :5]), r"rope_backward: cos's last size .* must be even, got 5"),
+        (lambda: fwd(q, k, tables(1, 5, 10, torch.float32, 0)[0], tables(1, 5, 10, torch.float32, 0)[1]),
+         r"cos has shape \[1, 5, 10\] but q has"),
         (lambda: fwd(q, k, cos.expand(3, 5, 8), sin.expand(3, 5, 8)), r"cos has shape \[3, 5, 8\] but q has"),
         (lambda: fwd(q[..., :7], k[..., :7], cos[..., :7], sin[..., :7]),
          r"rope_forward: head_dim must be even \(two halves rotate\), got 7"),
@@ -923,6 +988,12 @@ def test_opcheck(ops, dtype):
     torch.library.opcheck(torch.ops.pipegoose.rope.default, (q, kk, cos, sin))
     torch.library.opcheck(torch.ops.pipegoose.rope.default, (qt.clone().requires_grad_(), kt, cos, sin))
     torch.library.opcheck(torch.ops.pipegoose.rope.default, (q, k, cos, sin))
+    # partial rotary (tables of 4 values a head of 16)
+    c4, s4 = cos[..., :4].contiguous(), sin[..., :4].contiguous()
+    torch.library.opcheck(torch.ops.pipegoose.rope_forward.default, (qt, kt, c4, s4))
+    torch.library.opcheck(torch.ops.pipegoose.rope_backward.default, (dq, dk, c4, s4))
+    torch.library.opcheck(torch.ops.pipegoose.rope.default, (qq, kk, c4, s4))
+    torch.library.opcheck(torch.ops.pipegoose.rope.default, (qq, k, c4, s4))
 
 
 # ----------------------------------------------------------------------------------------------- large shapes

@@ -4,8 +4,9 @@
 // rope (the op the Python layer calls): the forward kernel with its autograd formula in C++, registered for the
 // Autograd key (no Python in the backward, as for the norms: norm_autograd.h says why); below autograd (inference
 // mode) the forward alone. It saves cos and sin only (the rotation is linear in q and k): the backward rotates the
-// output gradients back. cos and sin get no gradient: with grad mode on, a cos or sin that requires grad is an error
-// (the Python layer sends those calls to PyTorch's ops).
+// output gradients back (with partial rotary, cos and sin narrower than a head, the rest passes through both ways).
+// cos and sin get no gradient: with grad mode on, a cos or sin that requires grad is an error (the Python layer sends
+// those calls to PyTorch's ops).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -36,13 +37,15 @@ using BackwardSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const 
                                                        const at::Tensor&, std::optional<at::ScalarType>);
 
 // The backward's numerics as PyTorch ops, differentiable (a backward with create_graph=True): the transposed rotation
-// of dy in fp32, rounded once to `dtype` (q's). g1 = dy1 * c1 + dy2 * s2, g2 = dy2 * c2 - dy1 * s1.
+// of dy's first R = cos.size(-1) values in fp32, g1 = dy1 * c1 + dy2 * s2, g2 = dy2 * c2 - dy1 * s1, the rest of each
+// head (partial rotary) passed through, rounded once to `dtype` (q's).
 at::Tensor rotate_back(const at::Tensor& dy, const at::Tensor& cos, const at::Tensor& sin, at::ScalarType dtype) {
-  const int64_t half = dy.size(-1) / 2;
+  const int64_t r = cos.size(-1), half = r / 2, rest = dy.size(-1) - r;
   const at::Tensor d = dy.to(at::kFloat), c = cos.to(at::kFloat).unsqueeze(1), s = sin.to(at::kFloat).unsqueeze(1);
-  const at::Tensor ds = d * s;
-  const at::Tensor rot = at::cat({ds.narrow(-1, half, half), -ds.narrow(-1, 0, half)}, -1);
-  return (d * c + rot).to(dtype);
+  const at::Tensor dr = d.narrow(-1, 0, r);
+  const at::Tensor ds = dr * s;
+  const at::Tensor rot = dr * c + at::cat({ds.narrow(-1, half, half), -ds.narrow(-1, 0, half)}, -1);
+  return (rest > 0 ? at::cat({rot, d.narrow(-1, r, rest)}, -1) : rot).to(dtype);
 }
 
 }  // namespace
@@ -77,9 +80,15 @@ struct RoPEFunction : public torch::autograd::Function<RoPEFunction> {
       return {want_q ? rotate_back(dq, cos, sin, dtype) : at::Tensor(),
               want_k ? rotate_back(dk, cos, sin, dtype) : at::Tensor(), at::Tensor(), at::Tensor()};
     }
-    // an output whose gradient is undefined (not used in the loss) rotates zeros: its input gets no gradient
-    if (!dq.defined()) dq = at::zeros(ctx->saved_data["q_sizes"].toIntVector(), cos.options());
-    if (!dk.defined()) dk = at::zeros(ctx->saved_data["k_sizes"].toIntVector(), cos.options());
+    // an output whose gradient is undefined (not used in the loss): that side goes to the kernel with no heads (no
+    // work), and its input gets no gradient
+    auto no_heads = [&](const char* key) {
+      std::vector<int64_t> sizes = ctx->saved_data[key].toIntVector();
+      sizes[1] = 0;
+      return at::empty(sizes, cos.options());
+    };
+    if (!dq.defined()) dq = no_heads("q_sizes");
+    if (!dk.defined()) dk = no_heads("k_sizes");
     static const auto op = na::op_handle<BackwardSig>("pipegoose::rope_backward");
     at::AutoDispatchBelowADInplaceOrView below;
     auto [gq, gk] = op.call(dq, dk, cos, sin, dtype);

@@ -2,10 +2,10 @@
 (pipegoose's rotary position embedding, ``pipegoose/kernels/csrc/rope.cu``).
 
 Shapes and dtypes, as the CUDA kernels return them: ``q`` ``[B, Hq, S, D]``, ``k`` ``[B, Hk, S, D]``, ``cos`` and
-``sin`` ``[B or 1, S, D]``, one dtype or 16-bit q and k with fp32 tables (autocast); each output has its input's
-shape, the promoted dtype (fp32 for fp32 tables; the backward: ``dtype``, default cos's) and the strides
-``torch.empty_like`` gives it (the input's where it is dense, else dense strides in the input's order of dimensions).
-Imported by the builder after the library is loaded."""
+``sin`` ``[B or 1, S, R]`` (R the rotated values a head: D, or an even 2 <= R < D, partial rotary), one dtype or
+16-bit q and k with fp32 tables (autocast); each output has its input's shape, the promoted dtype (fp32 for fp32
+tables; the backward: ``dtype``, default cos's) and the strides ``torch.empty_like`` gives it (the input's where it is
+dense, else dense strides in the input's order of dimensions). Imported by the builder after the library is loaded."""
 
 from __future__ import annotations
 
@@ -21,17 +21,20 @@ def _check(qn, q, kn, k, cos, sin) -> None:
         torch._check(t.device == cos.device, lambda: f"{name}: on {t.device}, expected cos's device {cos.device}")
     torch._check(q.dtype.is_floating_point and k.dtype.is_floating_point,
                  lambda: f"{qn} and {kn}: expected floating point tensors, got {q.dtype} and {k.dtype}")
-    torch._check(cos.dim() == 3, lambda: f"cos: expected 3 dimensions [batch or 1, seq, head_dim], got {cos.dim()}")
+    torch._check(cos.dim() == 3, lambda: f"cos: expected 3 dimensions [batch or 1, seq, rotated dims], got {cos.dim()}")
     torch._check(sin.shape == cos.shape,
                  lambda: f"sin: expected cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
     torch._check(q.dim() == 4, lambda: f"{qn}: expected 4 dimensions [batch, heads, seq, head_dim], got {q.dim()}")
     torch._check(k.dim() == 4, lambda: f"{kn}: expected 4 dimensions [batch, heads, seq, head_dim], got {k.dim()}")
     torch._check(k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2] and k.shape[3] == q.shape[3],
                  lambda: f"{kn}: shape {tuple(k.shape)} does not match {qn}'s {tuple(q.shape)} in batch, seq, head_dim")
-    torch._check(q.shape[3] % 2 == 0, lambda: f"{qn}: head_dim must be even, got {q.shape[3]}")
-    torch._check(cos.shape[1] == q.shape[2] and cos.shape[2] == q.shape[3]
+    d, r = q.shape[3], cos.shape[2]
+    torch._check(cos.shape[1] == q.shape[2] and (r == d or 2 <= r < d)
                  and (cos.shape[0] == 1 or cos.shape[0] == q.shape[0]),
-                 lambda: f"cos: shape {tuple(cos.shape)} is not [{q.shape[0]} or 1, {q.shape[2]}, {q.shape[3]}]")
+                 lambda: f"cos: shape {tuple(cos.shape)} is not [{q.shape[0]} or 1, {q.shape[2]}, R], R {d} or 2 to "
+                         f"{d - 1} (partial rotary)")
+    torch._check(r % 2 == 0, lambda: f"{qn}: head_dim must be even, got {d}" if r == d else
+                 f"cos: its last size (the rotated values a head) must be even, got {r}")
     torch._check(sin.dtype == cos.dtype, lambda: f"sin: dtype {sin.dtype}, expected cos's {cos.dtype}")
 
 

@@ -3,12 +3,14 @@
 // for fp32, fp16 and bf16 tensors with fp32 math. Written for pipegoose; ops pipegoose::rope_forward / rope_backward
 // / rope (binding: pipegoose/kernels/bindings/rope.cpp; schemas: docs/architecture.md "Op schemas").
 //
-// rope_forward(q [B, Hq, S, D], k [B, Hk, S, D], cos [Bc, S, D], sin [Bc, S, D]) -> (q_embed, k_embed), Bc 1 or B:
-//     x_embed = x * cos + rotate_half(x) * sin,   rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
-//   with cos and sin broadcast over the heads (transformers' cos.unsqueeze(1)), that is, per half of a head's D:
-//     y1 = x1 * c1 - x2 * s1,   y2 = x2 * c2 + x1 * s2
+// rope_forward(q [B, Hq, S, D], k [B, Hk, S, D], cos [Bc, S, R], sin [Bc, S, R]) -> (q_embed, k_embed), Bc 1 or B,
+// R the rotated values of a head: D, or an even 2 <= R < D (partial rotary, GPT-NeoX's: the rest pass through):
+//     x_embed = x * cos + rotate_half(x) * sin,   rotate_half(x) = cat(-x[..., R/2:R], x[..., :R/2])
+//   on x[..., :R], with cos and sin broadcast over the heads (transformers' cos.unsqueeze(1)), that is, per half of
+//   the rotated values:
+//     y1 = x1 * c1 - x2 * s1,   y2 = x2 * c2 + x1 * s2,   y[..., R:] = x[..., R:]
 // rope_backward(grad_q_embed, grad_k_embed, cos, sin, dtype=None) -> (grad_q, grad_k), the transposed rotation:
-//     g1 = dy1 * c1 + dy2 * s2,   g2 = dy2 * c2 - dy1 * s1
+//     g1 = dy1 * c1 + dy2 * s2,   g2 = dy2 * c2 - dy1 * s1,   g[..., R:] = dy[..., R:]
 // cos and sin are used as given (both halves read: no assumption that cos[:D/2] == cos[D/2:], as it is in Llama's
 // tables), and they get no gradient. Each value is computed in fp32 and rounded once to the dtype (eager PyTorch in
 // 16-bit rounds each product and the sum: three roundings; the kernel is the closer to exact).
@@ -18,16 +20,18 @@
 // dense (a query of Llama, a transposed [B, S, H, D] projection, gives a result of the same layout, as eager PyTorch's
 // product does), else dense strides in the input's order of dimensions. Dtypes: one for q, k, cos and sin (fp32, fp16,
 // bf16), or fp16 / bf16 q and k with fp32 cos and sin, as under autocast, whose results are fp32 (PyTorch's promotion
-// of q * cos); the backward converts the output gradients to cos's dtype and writes the input gradients in `dtype`
-// (q's; default cos's). D even. 64-bit offsets. Errors (RuntimeError naming the argument): not CUDA, devices differ,
-// dtypes not one of those pairs, ranks or sizes that do not match the shapes above.
+// of q * cos; the passed-through values are converted, as torch.cat promotes them); the backward converts the output
+// gradients to cos's dtype and writes the input gradients in `dtype` (q's; default cos's). R even. 64-bit offsets.
+// Errors (RuntimeError naming the argument): not CUDA, devices differ, dtypes not one of those pairs, ranks or sizes
+// that do not match the shapes above.
 //
-// Work: one thread per (token, head, vector of a half): it loads 16 bytes of each half of the head (8 16-bit or 4
-// fp32 values) and the matching vectors of cos and sin (the same for every head of a token: L1 hits), and stores 16
-// bytes of each half of the output. Consecutive threads take consecutive vectors of a head, then the next head:
-// a token's heads are contiguous in Llama's layout, so a warp reads and writes whole lines. Where a pointer or a
-// stride is not a multiple of 16 bytes, or D/2 not a multiple of the vector, the same kernel runs one element per
-// thread.
+// Work: one thread per (token, head, vector of a half): it loads 16 bytes of each half of the rotated values (8 16-bit
+// or 4 fp32 values) and the matching vectors of cos and sin (the same for every head of a token: L1 hits), and stores
+// 16 bytes of each half of the output; with partial rotary, one thread per vector of the passed-through values copies
+// it (one launch each way: the whole head read once and written once). Consecutive threads take consecutive vectors
+// of a head (the rotated ones, then those passed through), then the next head: a token's heads are contiguous in
+// Llama's layout, so a warp reads and writes whole lines. Where a pointer or a stride is not a multiple of 16 bytes,
+// or R/2 or D - R not a multiple of the vector, the same kernel runs one element per thread.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -65,8 +69,9 @@ struct Params {
   const void* sin;
   Strides q_in, q_res, k_in, k_res;
   int64_t cos_b, cos_s, sin_b, sin_s;  // batch stride 0 where cos / sin hold one batch
-  int64_t items;                      // B * S * (Hq + Hk) * vecs
-  int32_t seq, heads_q, heads, half, vecs;   // heads = Hq + Hk; vecs = vectors per half of a head
+  int64_t items;                      // B * S * (Hq + Hk) * (vecs + copies)
+  int32_t seq, heads_q, heads, half;   // heads = Hq + Hk; half = R / 2
+  int32_t vecs, copies;                // vectors per half of the rotated values; vectors passed through (D - R)
 };
 
 template <typename T, int V>
@@ -110,23 +115,34 @@ template <typename TI, typename TC, typename TO, int V, bool kBwd, typename I>
 __global__ void __launch_bounds__(kThreads) rope_kernel(const Params p) {
   const I item = static_cast<I>(blockIdx.x) * kThreads + threadIdx.x;
   if (item >= static_cast<I>(p.items)) return;
-  const I per_token = static_cast<I>(p.heads) * p.vecs;
+  const I per_head = static_cast<I>(p.vecs) + p.copies;
+  const I per_token = static_cast<I>(p.heads) * per_head;
   const I token = item / per_token;
   const I r = item - token * per_token;
   const I b = token / p.seq;
   const I s = token - b * p.seq;
-  I head = r / p.vecs;
-  const I e = (r - head * p.vecs) * V;   // first element of this vector within the half
+  I head = r / per_head;
+  const I w = r - head * per_head;   // this thread's vector of the head: rotated below vecs, else passed through
   const bool is_q = head < static_cast<I>(p.heads_q);
   if (!is_q) head -= p.heads_q;
   const Strides in = is_q ? p.q_in : p.k_in;
   const Strides res = is_q ? p.q_res : p.k_res;
+  // first element of this vector within the head: in the first half of the rotated values, or past them
+  const I e = w < static_cast<I>(p.vecs) ? w * V : 2 * static_cast<I>(p.half) + (w - p.vecs) * V;
   const TI* x = static_cast<const TI*>(is_q ? p.q : p.k) + (static_cast<int64_t>(b) * in.b +
                                                             static_cast<int64_t>(head) * in.h +
                                                             static_cast<int64_t>(s) * in.s + e);
   TO* y = static_cast<TO*>(is_q ? p.q_out : p.k_out) + (static_cast<int64_t>(b) * res.b +
                                                         static_cast<int64_t>(head) * res.h +
                                                         static_cast<int64_t>(s) * res.s + e);
+  if (w >= static_cast<I>(p.vecs)) {   // partial rotary: passed through (converted where TO is not TI)
+    const Vec<TI, V> a = load<TI, V>(x);
+    Vec<TO, V> o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) o.v[j] = from_f<TO>(to_f(a.v[j]));
+    store<TO, V>(y, o);
+    return;
+  }
   const TC* c = static_cast<const TC*>(p.cos) + (static_cast<int64_t>(b) * p.cos_b +
                                                  static_cast<int64_t>(s) * p.cos_s + e);
   const TC* n = static_cast<const TC*>(p.sin) + (static_cast<int64_t>(b) * p.sin_b +
@@ -174,7 +190,8 @@ void check_args(const char* op, const char* qn, const at::Tensor& q, const char*
   PG_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, op,
            ": cos must be float32, float16 or bfloat16, got ", dt);
   PG_CHECK(sin.scalar_type() == dt, op, ": sin is ", sin.scalar_type(), " but cos is ", dt, "; expected one dtype");
-  PG_CHECK(cos.dim() == 3, op, ": cos must have 3 dimensions [batch or 1, seq, head_dim], got shape ", cos.sizes());
+  PG_CHECK(cos.dim() == 3, op, ": cos must have 3 dimensions [batch or 1, seq, rotated dims], got shape ",
+           cos.sizes());
   PG_CHECK(sin.sizes() == cos.sizes(), op, ": sin has shape ", sin.sizes(), " but cos has ", cos.sizes(),
            "; expected equal shapes");
   PG_CHECK(q.dim() == 4, op, ": ", qn, " must have 4 dimensions [batch, heads, seq, head_dim], got shape ", q.sizes());
@@ -182,9 +199,12 @@ void check_args(const char* op, const char* qn, const at::Tensor& q, const char*
   const int64_t B = q.size(0), S = q.size(2), D = q.size(3);
   PG_CHECK(k.size(0) == B && k.size(2) == S && k.size(3) == D, op, ": ", kn, " has shape ", k.sizes(), " but ", qn,
            " has ", q.sizes(), "; expected the same batch, seq and head_dim");
-  PG_CHECK(cos.size(1) == S && cos.size(2) == D && (cos.size(0) == B || cos.size(0) == 1), op, ": cos has shape ",
-           cos.sizes(), " but ", qn, " has ", q.sizes(), "; expected [", B, " or 1, ", S, ", ", D, "]");
-  PG_CHECK(D % 2 == 0, op, ": head_dim must be even (two halves rotate), got ", D);
+  const int64_t R = cos.size(2);   // rotated values a head: D, or fewer (partial rotary)
+  PG_CHECK(cos.size(1) == S && (R == D || (R >= 2 && R < D)) && (cos.size(0) == B || cos.size(0) == 1), op,
+           ": cos has shape ", cos.sizes(), " but ", qn, " has ", q.sizes(), "; expected [", B, " or 1, ", S,
+           ", R], R the rotated values a head: ", D, ", or 2 to ", D - 1, " (partial rotary)");
+  PG_CHECK(R % 2 == 0, op, R == D ? ": head_dim must be even (two halves rotate), got "
+                                  : ": cos's last size (the rotated values a head) must be even, got ", R);
   PG_CHECK(S <= INT32_MAX && q.size(1) + k.size(1) <= INT32_MAX && D <= INT32_MAX, op, ": ", qn, " ", q.sizes(),
            " and ", kn, " ", k.sizes(), " have more heads, positions or head_dim than 2**31 - 1");
 }
@@ -235,8 +255,8 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
   constexpr int kV = 16 / kWidest;   // elements per vector: 16 bytes of the widest type
   // the vector path: every base pointer aligned to its vector, every stride and the half a multiple of the vector
   auto aligned = [](const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
-  bool vec = multiple(p.half, kV) && aligned(p.q, kV * sizeof(TI)) && aligned(p.k, kV * sizeof(TI)) &&
-             aligned(p.q_out, kV * sizeof(TO)) && aligned(p.k_out, kV * sizeof(TO)) &&
+  bool vec = multiple(p.half, kV) && multiple(p.copies, kV) && aligned(p.q, kV * sizeof(TI)) &&
+             aligned(p.k, kV * sizeof(TI)) && aligned(p.q_out, kV * sizeof(TO)) && aligned(p.k_out, kV * sizeof(TO)) &&
              aligned(p.cos, kV * sizeof(TC)) && aligned(p.sin, kV * sizeof(TC));
   const Strides strides[] = {p.q_in, p.q_res, p.k_in, p.k_res};
   for (const Strides& st : strides) {
@@ -245,8 +265,9 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
   vec = vec && multiple(p.cos_b, kV) && multiple(p.cos_s, kV) && multiple(p.sin_b, kV) && multiple(p.sin_s, kV);
   const int v = vec ? kV : 1;
   p.vecs = p.half / v;
+  p.copies /= v;
   const int64_t tokens = p.items;  // (set by the caller to B * S)
-  p.items = tokens * p.heads * p.vecs;
+  p.items = tokens * p.heads * (p.vecs + p.copies);
   if (p.items == 0) return;
   const int64_t blocks = (p.items + kThreads - 1) / kThreads;
   PG_CHECK(blocks <= INT32_MAX, op, ": ", p.items, " work items are more than one launch covers");
@@ -298,7 +319,8 @@ std::tuple<at::Tensor, at::Tensor> rotate(const char* op, const at::Tensor& x_in
   p.seq = static_cast<int32_t>(x.size(2));
   p.heads_q = static_cast<int32_t>(x.size(1));
   p.heads = static_cast<int32_t>(x.size(1) + y.size(1));
-  p.half = static_cast<int32_t>(x.size(3) / 2);
+  p.half = static_cast<int32_t>(cos.size(2) / 2);
+  p.copies = static_cast<int32_t>(x.size(3) - cos.size(2));   // elements passed through; launch() makes them vectors
   p.items = x.size(0) * x.size(2);  // tokens; launch() multiplies by the work per token
   if (p.half == 0) return {x_out, y_out};
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();

@@ -16,14 +16,15 @@ linear in q and k); cos and sin get no gradient from it, so a call where they re
 Partial rotary (GPT-NeoX / Pythia, Phi-3, GLM and the other models whose ``apply_rotary_pos_emb`` reads the rotated
 size from the tables): cos and sin of ``1 < R < D`` values a head rotate ``x[..., :R]`` of q and k and pass the rest
 through, ``cat((rotated, x[..., R:]), -1)``, as those functions do (Llama's raises for such tables; tables of one
-value a head broadcast over it, as in Llama's). The kernel takes even R.
-The kernel's path for it (:class:`_PartialRoPE`) runs the kernel on the rotated slices (strided views, no copy) and
-one concatenation per tensor, forward and backward (transformers' eager code runs about 40 kernels for q and k, the
-backward of its slices among them, which write and add tensors of the whole head). Measured on the H200 (session 54,
-``benchmarks.rope_partial``, bf16, Pythia-410m / 1.4b / 6.9b shapes): forward + backward 0.38-0.40 ms against eager's
-0.66-0.69 ms (``torch.compile``: 0.09 ms, one fused kernel); the GPT-NeoX ~405M training step 149.6k tokens/s against
-142.6k with the model's own RoPE. The built-in order chooses it; the tuning rules, timed on whole heads, do not speak
-for it (``tuned_for``).
+value a head broadcast over it, as in Llama's). The kernel takes even R: one launch each way rotates the first R
+values of each head and copies the rest (transformers' eager code runs about 40 kernels for q and k, the backward of
+its slices among them, which write and add tensors of the whole head). Its outputs are laid out as the whole-head
+kernel's (``torch.empty_like`` the input's: a dense input's strides, so a contiguous [B, S, H, D] pair stays so), not
+always as the concatenation's (contiguous). The built-in order chooses it; the tuning rules, timed on whole heads,
+do not speak for it (``tuned_for``). Measured on the H200 (``benchmarks.rope_partial``, bf16, Pythia-410m / 1.4b /
+6.9b shapes, forward + backward): session 54's path (the kernel on the rotated slices, one concatenation per tensor
+each way) 0.38-0.40 ms against eager's 0.66-0.69 ms and ``torch.compile``'s 0.09 ms; with it the GPT-NeoX ~405M
+training step ran 149.6k tokens/s against 142.6k with the model's own RoPE.
 
 Implementations (op ``rope``): ``pipegoose`` (pipegoose/kernels/csrc/rope.cu, this project, MIT) and ``torch``
 (transformers' formula in PyTorch ops).
@@ -173,71 +174,15 @@ def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     return rotate(q), rotate(k)
 
 
-def _rotate_back(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The transposed rotation of output gradients ``g`` [B, H, S, R] in PyTorch ops (differentiable):
-    ``g1 = dy1 c1 + dy2 s2``, ``g2 = dy2 c2 - dy1 s1``, in the dtype PyTorch promotes to."""
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    h = g.shape[-1] // 2
-    d1, d2 = g[..., :h], g[..., h:]
-    return torch.cat((d1 * c[..., :h] + d2 * s[..., h:], d2 * c[..., h:] - d1 * s[..., :h]), dim=-1)
-
-
-class _PartialRoPE(torch.autograd.Function):
-    """Partial rotary on the kernel: ``rope_forward`` on ``q[..., :R]`` and ``k[..., :R]`` (strided views: the kernel
-    takes any strides with a contiguous last dimension), then ``cat((rotated, x[..., R:]), -1)`` per tensor; the
-    backward likewise (``rope_backward`` on the gradients' first R values, the rest passed through, one
-    concatenation), where autograd through slices would write and add zero-filled tensors of the whole head. Dtypes
-    as the kernel's (16-bit q and k with fp32 tables: fp32 results, the concatenation promoting the passed values,
-    as transformers' ``torch.cat`` does; gradients in q's and k's dtypes). With ``create_graph=True`` the backward
-    rotates with PyTorch's ops instead, so that it can be differentiated again. cos and sin get no gradient (the
-    dispatcher does not choose the kernel where they require one)."""
-
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, heads_dim, ops):
-        r = cos.shape[-1]
-        qh, kh = (q.transpose(1, 2), k.transpose(1, 2)) if heads_dim == 2 else (q, k)   # the kernel's [B, H, S, D]
-        qr, kr = ops.rope_forward(qh[..., :r], kh[..., :r], cos, sin)
-        if heads_dim == 2:
-            qr, kr = qr.transpose(1, 2), kr.transpose(1, 2)
-        # (in the callers' layout: the concatenation's output is contiguous in it, as transformers' is)
-        qe, ke = torch.cat((qr, q[..., r:]), dim=-1), torch.cat((kr, k[..., r:]), dim=-1)
-        ctx.save_for_backward(cos, sin)
-        ctx.heads_dim, ctx.ops, ctx.dtype = heads_dim, ops, q.dtype   # (k's dtype is q's: the dispatcher checks)
-        ctx.set_materialize_grads(False)   # an output left out of the loss: no gradient for its input, no zeros
-        return qe, ke
-
-    @staticmethod
-    def backward(ctx, gq, gk):
-        cos, sin = ctx.saved_tensors
-        r, dtype, t = cos.shape[-1], ctx.dtype, ctx.heads_dim == 2
-        given = [g for g in (gq, gk) if g is not None]
-        if not given:
-            return None, None, None, None, None, None
-        heads = [None if g is None else (g.transpose(1, 2) if t else g)[..., :r] for g in (gq, gk)]   # [B, H, S, R]
-        if torch.is_grad_enabled():   # create_graph=True: differentiable ops
-            up = torch.promote_types(torch.promote_types(cos.dtype, gq.dtype if gq is not None else gk.dtype),
-                                     torch.float32)   # fp32 at least, as the C++ autograd of whole heads
-            rot = [None if h is None else _rotate_back(h.to(up), cos.to(up), sin.to(up)).to(dtype) for h in heads]
-        else:   # one launch for both (an output left out: the other side with no heads)
-            one = next(h for h in heads if h is not None)
-            rot = list(ctx.ops.rope_backward(*(h if h is not None else one[:, :0] for h in heads), cos, sin,
-                                             dtype=dtype))
-        grads = [None if g is None else torch.cat((x.transpose(1, 2) if t else x, g[..., r:].to(dtype)), dim=-1)
-                 for g, x in zip((gq, gk), rot)]
-        return (grads[0] if ctx.needs_input_grad[0] else None, grads[1] if ctx.needs_input_grad[1] else None,
-                None, None, None, None)
-
-
 def _run_pipegoose(q, k, cos, sin, heads_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """pipegoose/rope through ``torch.ops.pipegoose.rope(q, k, cos, sin)`` (q and k as [B, H, S, D]: a [B, S, H, D]
     pair goes through as transposed views, and its results come back transposed): the forward kernel with its
-    autograd formula in C++ (pipegoose/kernels/bindings/rope.cpp). A backward with ``create_graph=True`` rotates the
-    gradients back with PyTorch's ops (fp32, one rounding) instead. Partial rotary: :class:`_PartialRoPE`."""
+    autograd formula in C++ (pipegoose/kernels/bindings/rope.cpp), partial rotary included (cos and sin of R < D
+    values a head). A backward with ``create_graph=True`` rotates the gradients back with PyTorch's ops (fp32, one
+    rounding) instead."""
     ops, why = dispatch.kernel("pipegoose/rope")
     if ops is None:
         raise RuntimeError(why)
-    if 1 < cos.shape[-1] < q.shape[-1]:   # partial rotary (the dispatcher's supports: even R, k's head size q's)
-        return _PartialRoPE.apply(q, k, cos, sin, heads_dim, ops)
     if heads_dim == 2:
         qe, ke = ops.rope.default(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return qe.transpose(1, 2), ke.transpose(1, 2)
