@@ -59,6 +59,11 @@ constexpr const char* kMulOp = "pipegoose::multi_tensor_mul_";
 #ifndef PIPEGOOSE_CLIP_MINB
 #define PIPEGOOSE_CLIP_MINB 0
 #endif
+// -DPIPEGOOSE_CLIP_CONTIGUOUS=1: each block walks one contiguous range of chunks (the tensor of the next chunk: the
+// same or a later one, one table read a chunk) instead of chunks b, b + grid, ... (a binary search a chunk).
+#ifndef PIPEGOOSE_CLIP_CONTIGUOUS
+#define PIPEGOOSE_CLIP_CONTIGUOUS 0
+#endif
 constexpr int kThreads = PIPEGOOSE_CLIP_THREADS;
 constexpr int kUnroll = PIPEGOOSE_CLIP_UNROLL;   // 16-byte vectors per thread and chunk
 constexpr int kMinBlocks = PIPEGOOSE_CLIP_MINB;
@@ -74,6 +79,32 @@ static_assert(sizeof(Table) + sizeof(int) + sizeof(int64_t) + sizeof(void*) <= 3
               "the kernels' parameters exceed 32764 bytes");
 
 enum NormKind : int { kL1 = 0, kL2 = 1, kMax = 2 };
+
+// A block's walk over the chunks of a launch: chunks first, first + step, ... below stop.
+struct Walk {
+  int64_t first, stop, step;
+  int tensor;   // the tensor of the first chunk (PIPEGOOSE_CLIP_CONTIGUOUS), else 0: where the search starts
+};
+
+__device__ __forceinline__ Walk walk_of(const Table& table, int n_tensors, int64_t n_chunks) {
+#if PIPEGOOSE_CLIP_CONTIGUOUS
+  const int64_t per = n_chunks / gridDim.x, extra = n_chunks % gridDim.x, b = blockIdx.x;
+  const int64_t first = b * per + min(b, extra);
+  return {first, first + per + (b < extra ? 1 : 0), 1, multi_tensor::find_tensor(table, 0, n_tensors, first)};
+#else
+  return {static_cast<int64_t>(blockIdx.x), n_chunks, static_cast<int64_t>(gridDim.x), 0};
+#endif
+}
+
+// The tensor of chunk c, t the tensor of the block's previous chunk (or the walk's start).
+__device__ __forceinline__ int tensor_of(const Table& table, int t, int n_tensors, int64_t c) {
+#if PIPEGOOSE_CLIP_CONTIGUOUS
+  while (table.chunk_start[t + 1] <= c) ++t;   // (chunk_start[n_tensors] is the launch's chunk count: t stays below)
+  return t;
+#else
+  return multi_tensor::find_tensor(table, t, n_tensors, c);
+#endif
+}
 
 template <typename T> __device__ __forceinline__ float to_f(T x) { return static_cast<float>(x); }
 
@@ -133,9 +164,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   float acc[kUnroll];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) acc[u] = 0.f;
-  int t = 0;
-  for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-    t = multi_tensor::find_tensor(table, t, n_tensors, c);
+  const Walk w = walk_of(table, n_tensors, n_chunks);
+  int t = w.tensor;
+  for (int64_t c = w.first; c < w.stop; c += w.step) {
+    t = tensor_of(table, t, n_tensors, c);
     const int64_t begin = (c - table.chunk_start[t]) * kChunkElems<T>;
     const int64_t end = min(table.numel[t], begin + kChunkElems<T>);
     const T* x = static_cast<const T*>(table.ptr[0][t]);
@@ -196,9 +228,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   const float s = *coef;
   if (s == 1.f) return;   // x * 1 == x: nothing to read or write
   constexpr int V = 16 / sizeof(T);
-  int t = 0;
-  for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-    t = multi_tensor::find_tensor(table, t, n_tensors, c);
+  const Walk w = walk_of(table, n_tensors, n_chunks);
+  int t = w.tensor;
+  for (int64_t c = w.first; c < w.stop; c += w.step) {
+    t = tensor_of(table, t, n_tensors, c);
     const int64_t begin = (c - table.chunk_start[t]) * kChunkElems<T>;
     const int64_t end = min(table.numel[t], begin + kChunkElems<T>);
     T* x = static_cast<T*>(table.ptr[0][t]);
