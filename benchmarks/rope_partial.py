@@ -37,8 +37,9 @@ import torch
 from benchmarks.common import environment, today, tolerances
 from benchmarks.timing import Timer
 
-# Pythia-410m (the end-to-end NeoX step's shape), Pythia-1.4b, Pythia-6.9b: a quarter of each head rotates
-SHAPES = ["8x2048x16x64x16", "4x2048x16x128x32", "2x2048x32x128x32"]
+# Pythia-410m (the end-to-end NeoX step's shape), Pythia-1.4b, Pythia-6.9b, Pythia-2.8b (heads of 80, 20 rotated: the
+# kernel's vectors of 2 elements): a quarter of each head rotates
+SHAPES = ["8x2048x16x64x16", "4x2048x16x128x32", "2x2048x32x128x32", "4x2048x32x80x20"]
 DRY_SHAPES = ["2x16x4x16x4"]
 IMPLS = ("pipegoose", "transformers", "compile")
 PASSES = ("fwd", "fwd+bwd")

@@ -10,6 +10,7 @@ where nvcc is missing) and run the ops' fake impls and the C++ autograd formula 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import warnings
@@ -820,6 +821,88 @@ def test_an_output_left_out_of_the_loss_gives_its_input_no_gradient(used):
     out, other = (qe, k) if used == "q_embed" else (ke, q)
     out.backward(torch.empty_like(out))
     assert other.grad is None
+
+
+@contextlib.contextmanager
+def _ops_on_cpu():
+    """The built library's ops with CPU kernels: the stand-in's float64 math (tests/rope_stand_in.py) registered for
+    pipegoose::rope_forward, rope_backward and rope on the CPU key (removed afterwards), so that the C++ autograd of
+    pipegoose::rope (bindings/rope.cpp) runs on CPU tensors; yields the stand-in's log of calls (name, q-like, k-like
+    argument)."""
+    from rope_stand_in import stand_in_ops
+
+    _load_library()
+    calls: list = []
+    ops = stand_in_ops(calls)
+    lib = torch.library.Library("pipegoose", "IMPL")
+    try:
+        lib.impl("rope_forward", ops.rope_forward, "CPU")
+        lib.impl("rope_backward", ops.rope_backward, "CPU")
+        lib.impl("rope", ops.rope_forward, "CPU")   # below autograd the forward alone, as on CUDA
+        yield calls
+    finally:
+        lib._destroy()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("r", [8, 4, 2], ids=["whole", "half", "quarter"])
+def test_cpp_autograd_gradients_and_the_sides_it_skips(r):
+    """The C++ autograd of pipegoose::rope over CPU stand-ins of its kernels, whole heads and partial rotary (tables of
+    R of 8 values): gradcheck in float64; an output left out of the loss, or an input that needs no gradient, gives
+    that input None and sends that side to the backward op with no heads (no work); a loss of both, one backward
+    call with both sides whole."""
+    with _ops_on_cpu() as calls:
+        q, k, cos, sin = _inputs(2, 3, 1, 5, 8, torch.float64, seed=6)
+        cos, sin = cos[..., :r].contiguous(), sin[..., :r].contiguous()
+        q.requires_grad_()
+        k.requires_grad_()
+        assert torch.autograd.gradcheck(lambda a, b: torch.ops.pipegoose.rope(a, b, cos, sin), (q, k))
+        for used in (0, 1):
+            calls.clear()
+            q.grad = k.grad = None
+            torch.ops.pipegoose.rope(q, k, cos, sin)[used].sum().backward()
+            assert [c[0] for c in calls] == ["rope_forward", "rope_backward"]
+            assert calls[1][1].shape[1] == (3 if used == 0 else 0) and calls[1][2].shape[1] == (1 if used else 0)
+            got, other = (q.grad, k.grad) if used == 0 else (k.grad, q.grad)
+            want = torch.autograd.grad(_neox_or_llama(q, k, cos, sin)[used].sum(), (q, k)[used])[0]
+            assert other is None and torch.equal(got, want)
+        calls.clear()
+        qe, ke = torch.ops.pipegoose.rope(q, k.detach(), cos, sin)   # k needs no gradient
+        (qe.sum() + ke.sum()).backward()
+        assert calls[1][2].shape[1] == 0 and calls[1][1].shape[1] == 3
+
+
+def _neox_or_llama(q, k, cos, sin):
+    """transformers' function for these tables: GPT-NeoX's for partial rotary, Llama's for whole heads."""
+    if cos.shape[-1] < q.shape[-1]:
+        return _neox()(q, k, cos, sin)
+    return pytest.importorskip("transformers.models.llama.modeling_llama").apply_rotary_pos_emb(q, k, cos, sin)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("r", [8, 2], ids=["whole", "quarter"])
+def test_cpp_autograd_create_graph_with_partial_tables(r):
+    """create_graph=True (the C++ rotate_back: PyTorch's ops in fp32, the rest of each head passed through): the
+    gradient of a loss that is not linear and its Hessian-vector product, against transformers' function in float64
+    (fp32's rounding apart); mixed dtypes: bf16 q and k with fp32 tables give fp32 results and bf16 gradients."""
+    with _ops_on_cpu():
+        q, k, cos, sin = _inputs(2, 3, 1, 5, 8, torch.float64, seed=8)
+        cos, sin = cos[..., :r].contiguous(), sin[..., :r].contiguous()
+        v = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        got, want = [], []
+        for fn, out in ((torch.ops.pipegoose.rope, got), (_neox_or_llama, want)):
+            qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+            qe, ke = fn(qq, kk, cos, sin)
+            gq, gk = torch.autograd.grad((qe ** 2).sum() + (ke ** 3).sum(), (qq, kk), create_graph=True)
+            out += [gq, gk, *torch.autograd.grad((gq * v).sum() + gk.sum(), (qq, kk))]
+        for name, a, b in zip(("grad_q", "grad_k", "hvp_q", "hvp_k"), got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        qb, kb = q.bfloat16().requires_grad_(), k.bfloat16().requires_grad_()
+        qe, ke = torch.ops.pipegoose.rope(qb, kb, cos.float(), sin.float())
+        assert qe.dtype == ke.dtype == torch.float32
+        (qe.sum() + ke.sum()).backward()
+        assert qb.grad.dtype == kb.grad.dtype == torch.bfloat16
+        assert torch.equal(qb.grad[..., r:], torch.ones_like(qb.grad[..., r:]))
 
 
 @pytest.mark.slow

@@ -9,9 +9,9 @@ with cos and sin unsqueezed over the heads, and its gradients by float64 autogra
 ``tests/tolerances.py`` (the kernel rounds each value once). The tables are cos and sin of angles drawn per element, so
 that the two halves of a head see different values (Llama's tables repeat their first half: a kernel reading the wrong
 half of cos or sin would pass with them). Shapes: Llama's (grouped-query heads), D 128, odd sizes, head dims that are
-no multiple of the 16-byte vector (the scalar path), tables of one batch and of B; layouts: the transposed projection
-of Llama (outputs in the inputs' strides), a fused qkv projection's heads, last dimensions of stride 2 (copied),
-misaligned views (the scalar path, bit for bit the vector path's results), [B, S, H, D] (``unsqueeze_dim=2``);
+no multiple of the 16-byte vector (narrower vectors, down to the scalar path), tables of one batch and of B, partial
+rotary (tables of R < D values a head, GPT-NeoX's function); layouts: the transposed projection of Llama (outputs in
+the inputs' strides), a fused qkv projection's heads, last dimensions of stride 2 (copied), misaligned views (the scalar path, bit for bit the vector path's results), [B, S, H, D] (``unsqueeze_dim=2``);
 autograd with one input or one output left out, a double backward, cos and sin requiring grad (the functional's
 fallback, the op's error), argument errors, empty tensors, special values, a large shape and more than 2**31
 elements (64-bit offsets and item indices). The ops allocate their outputs: the caching allocator is left holding NaN
@@ -50,8 +50,8 @@ CASES = [
     (2, 4, 2, 9, 2, 1),       # D 2: halves of one element (scalar path)
     (2, 4, 2, 9, 6, 2),       # D 6, 10: halves of 3 and 5 elements (scalar path)
     (3, 3, 1, 7, 10, 1),
-    (2, 4, 2, 9, 8, 1),       # D 8: one fp32 vector per half; 16-bit: scalar path
-    (2, 4, 2, 9, 24, 2),      # D 24: halves of 12: three fp32 vectors; 16-bit: scalar path
+    (2, 4, 2, 9, 8, 1),       # D 8: one fp32 vector per half; 16-bit: one vector of 4 (8 bytes)
+    (2, 4, 2, 9, 24, 2),      # D 24: halves of 12: three fp32 vectors; 16-bit: three vectors of 4 (8 bytes)
     (2, 4, 4, 33, 16, 1),     # D 16: one 16-bit vector per half
     (1, 40, 7, 300, 128, 1),  # hundreds of blocks, the last one partial (Hk 7: no divisor of Hq, which is fine)
 ]
@@ -552,8 +552,9 @@ PARTIAL_CASES = [
     (2, 8, 2, 33, 128, 32, 2),     # grouped heads, a table per sequence
     (3, 3, 1, 7, 64, 16, 3),       # odd sizes
     (2, 4, 2, 9, 64, 6, 1),        # R/2 = 3: the scalar path
-    (2, 4, 2, 9, 80, 8, 1),        # R/2 = 4: one fp32 vector a half; 16-bit: the scalar path
-    (2, 4, 2, 9, 80, 20, 1),       # R/2 = 10: the scalar path in every dtype
+    (2, 4, 2, 9, 80, 8, 1),        # R/2 = 4: one fp32 vector a half; 16-bit: vectors of 4 (8 bytes)
+    (2, 4, 2, 9, 80, 20, 1),       # R/2 = 10 (Pythia-2.8b's head): vectors of 2 in every dtype
+    (2, 4, 2, 9, 96, 24, 1),       # R/2 = 12 (GPT-NeoX-20B's head): vectors of 4
 ]
 
 

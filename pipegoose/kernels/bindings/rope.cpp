@@ -80,15 +80,15 @@ struct RoPEFunction : public torch::autograd::Function<RoPEFunction> {
       return {want_q ? rotate_back(dq, cos, sin, dtype) : at::Tensor(),
               want_k ? rotate_back(dk, cos, sin, dtype) : at::Tensor(), at::Tensor(), at::Tensor()};
     }
-    // an output whose gradient is undefined (not used in the loss): that side goes to the kernel with no heads (no
-    // work), and its input gets no gradient
+    // a side whose input gets no gradient (its output not used in the loss, or its input not requiring one) goes to
+    // the kernel with no heads: no work
     auto no_heads = [&](const char* key) {
       std::vector<int64_t> sizes = ctx->saved_data[key].toIntVector();
       sizes[1] = 0;
       return at::empty(sizes, cos.options());
     };
-    if (!dq.defined()) dq = no_heads("q_sizes");
-    if (!dk.defined()) dk = no_heads("k_sizes");
+    if (!want_q) dq = no_heads("q_sizes");
+    if (!want_k) dk = no_heads("k_sizes");
     static const auto op = na::op_handle<BackwardSig>("pipegoose::rope_backward");
     at::AutoDispatchBelowADInplaceOrView below;
     auto [gq, gk] = op.call(dq, dk, cos, sin, dtype);

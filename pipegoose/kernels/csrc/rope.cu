@@ -11,7 +11,7 @@
 //     y1 = x1 * c1 - x2 * s1,   y2 = x2 * c2 + x1 * s2,   y[..., R:] = x[..., R:]
 // rope_backward(grad_q_embed, grad_k_embed, cos, sin, dtype=None) -> (grad_q, grad_k), the transposed rotation:
 //     g1 = dy1 * c1 + dy2 * s2,   g2 = dy2 * c2 - dy1 * s1,   g[..., R:] = dy[..., R:]
-// cos and sin are used as given (both halves read: no assumption that cos[:D/2] == cos[D/2:], as it is in Llama's
+// cos and sin are used as given (both halves read: no assumption that cos[:R/2] == cos[R/2:R], as it is in Llama's
 // tables), and they get no gradient. Each value is computed in fp32 and rounded once to the dtype (eager PyTorch in
 // 16-bit rounds each product and the sum: three roundings; the kernel is the closer to exact).
 //
@@ -31,7 +31,8 @@
 // it (one launch each way: the whole head read once and written once). Consecutive threads take consecutive vectors
 // of a head (the rotated ones, then those passed through), then the next head: a token's heads are contiguous in
 // Llama's layout, so a warp reads and writes whole lines. Where a pointer or a stride is not a multiple of 16 bytes,
-// or R/2 or D - R not a multiple of the vector, the same kernel runs one element per thread.
+// or R/2 or D - R not a multiple of the vector, the same kernel runs on the widest vector that fits (8, 4 or 2
+// bytes), down to one element per thread.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -79,8 +80,8 @@ struct alignas(sizeof(T) * V) Vec {
   T v[V];
 };
 
-// 16- and 8-byte vectors move as uint4 / uint2 (one 128- or 64-bit load or store); ro: through the read-only cache
-// (cos and sin).
+// 16-, 8- and 4-byte vectors move as uint4 / uint2 / uint32_t (one 128-, 64- or 32-bit load or store); ro: through the
+// read-only cache (cos and sin).
 template <typename T, int V, bool ro = false>
 __device__ __forceinline__ Vec<T, V> load(const T* p) {
   Vec<T, V> r;
@@ -89,6 +90,9 @@ __device__ __forceinline__ Vec<T, V> load(const T* p) {
     r = *reinterpret_cast<const Vec<T, V>*>(&u);
   } else if constexpr (V * sizeof(T) == 8) {
     const uint2 u = ro ? __ldg(reinterpret_cast<const uint2*>(p)) : *reinterpret_cast<const uint2*>(p);
+    r = *reinterpret_cast<const Vec<T, V>*>(&u);
+  } else if constexpr (V > 1 && V * sizeof(T) == 4) {
+    const uint32_t u = ro ? __ldg(reinterpret_cast<const unsigned int*>(p)) : *reinterpret_cast<const uint32_t*>(p);
     r = *reinterpret_cast<const Vec<T, V>*>(&u);
   } else {
 #pragma unroll
@@ -103,6 +107,8 @@ __device__ __forceinline__ void store(T* p, const Vec<T, V>& r) {
     *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&r);
   } else if constexpr (V * sizeof(T) == 8) {
     *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(&r);
+  } else if constexpr (V > 1 && V * sizeof(T) == 4) {
+    *reinterpret_cast<uint32_t*>(p) = *reinterpret_cast<const uint32_t*>(&r);
   } else {
 #pragma unroll
     for (int j = 0; j < V; ++j) p[j] = r.v[j];
@@ -174,7 +180,7 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const Params p) {
 const char* kFwd = "pipegoose::rope_forward";
 const char* kBwd = "pipegoose::rope_backward";
 
-// The rank and sizes of q-like tensors ([B, H, S, D]) and of cos / sin ([Bc, S, D]); the dtype and device of all.
+// The rank and sizes of q-like tensors ([B, H, S, D]) and of cos / sin ([Bc, S, R]); the dtype and device of all.
 void check_args(const char* op, const char* qn, const at::Tensor& q, const char* kn, const at::Tensor& k,
                 const at::Tensor& cos, const at::Tensor& sin) {
   PG_CHECK(q.defined() && k.defined() && cos.defined() && sin.defined(), op, ": ", qn, ", ", kn,
@@ -247,23 +253,44 @@ bool supported_types(c10::ScalarType ti, c10::ScalarType tc, c10::ScalarType to)
          (tc == ScalarType::Float && ((half(ti) && to == ScalarType::Float) || (ti == ScalarType::Float && half(to))));
 }
 
+// The launch at V elements a vector (V: the widest that launch() found to fit; a narrower instance where v is
+// narrower).
+template <typename TI, typename TC, typename TO, int V>
+void launch_width(const Params& p, int v, bool bwd, bool narrow, unsigned blocks, cudaStream_t stream) {
+  if constexpr (V > 1) {
+    if (v < V) return launch_width<TI, TC, TO, V / 2>(p, v, bwd, narrow, blocks, stream);
+  }
+  auto go = [&](auto kernel) {
+    kernel<<<blocks, kThreads, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (bwd) {
+    narrow ? go(rope_kernel<TI, TC, TO, V, true, uint32_t>) : go(rope_kernel<TI, TC, TO, V, true, int64_t>);
+  } else {
+    narrow ? go(rope_kernel<TI, TC, TO, V, false, uint32_t>) : go(rope_kernel<TI, TC, TO, V, false, int64_t>);
+  }
+}
+
 template <typename TI, typename TC, typename TO>
 void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
   Params p = p0;
   constexpr int kWidest = sizeof(TI) > sizeof(TC) ? (sizeof(TI) > sizeof(TO) ? sizeof(TI) : sizeof(TO))
                                                   : (sizeof(TC) > sizeof(TO) ? sizeof(TC) : sizeof(TO));
   constexpr int kV = 16 / kWidest;   // elements per vector: 16 bytes of the widest type
-  // the vector path: every base pointer aligned to its vector, every stride and the half a multiple of the vector
+  // the widest vector (kV, kV / 2, ..., 1 elements) that fits: every base pointer aligned to it, every stride, the
+  // half of the rotated values and the count passed through (D - R) a multiple of it (a head of 80 with 20 rotated,
+  // Pythia-2.8b's: 2 16-bit elements; a misaligned view: one)
   auto aligned = [](const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
-  bool vec = multiple(p.half, kV) && multiple(p.copies, kV) && aligned(p.q, kV * sizeof(TI)) &&
-             aligned(p.k, kV * sizeof(TI)) && aligned(p.q_out, kV * sizeof(TO)) && aligned(p.k_out, kV * sizeof(TO)) &&
-             aligned(p.cos, kV * sizeof(TC)) && aligned(p.sin, kV * sizeof(TC));
   const Strides strides[] = {p.q_in, p.q_res, p.k_in, p.k_res};
-  for (const Strides& st : strides) {
-    vec = vec && multiple(st.b, kV) && multiple(st.h, kV) && multiple(st.s, kV);
-  }
-  vec = vec && multiple(p.cos_b, kV) && multiple(p.cos_s, kV) && multiple(p.sin_b, kV) && multiple(p.sin_s, kV);
-  const int v = vec ? kV : 1;
+  auto fits = [&](int v) {
+    bool ok = multiple(p.half, v) && multiple(p.copies, v) && aligned(p.q, v * sizeof(TI)) &&
+              aligned(p.k, v * sizeof(TI)) && aligned(p.q_out, v * sizeof(TO)) && aligned(p.k_out, v * sizeof(TO)) &&
+              aligned(p.cos, v * sizeof(TC)) && aligned(p.sin, v * sizeof(TC));
+    for (const Strides& st : strides) ok = ok && multiple(st.b, v) && multiple(st.h, v) && multiple(st.s, v);
+    return ok && multiple(p.cos_b, v) && multiple(p.cos_s, v) && multiple(p.sin_b, v) && multiple(p.sin_s, v);
+  };
+  int v = kV;
+  while (v > 1 && !fits(v)) v /= 2;
   p.vecs = p.half / v;
   p.copies /= v;
   const int64_t tokens = p.items;  // (set by the caller to B * S)
@@ -271,24 +298,7 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
   if (p.items == 0) return;
   const int64_t blocks = (p.items + kThreads - 1) / kThreads;
   PG_CHECK(blocks <= INT32_MAX, op, ": ", p.items, " work items are more than one launch covers");
-  const bool narrow = p.items + kThreads <= INT32_MAX;
-  auto go = [&](auto kernel) {
-    kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  };
-  if (vec) {
-    if (bwd) {
-      narrow ? go(rope_kernel<TI, TC, TO, kV, true, uint32_t>) : go(rope_kernel<TI, TC, TO, kV, true, int64_t>);
-    } else {
-      narrow ? go(rope_kernel<TI, TC, TO, kV, false, uint32_t>) : go(rope_kernel<TI, TC, TO, kV, false, int64_t>);
-    }
-  } else {
-    if (bwd) {
-      narrow ? go(rope_kernel<TI, TC, TO, 1, true, uint32_t>) : go(rope_kernel<TI, TC, TO, 1, true, int64_t>);
-    } else {
-      narrow ? go(rope_kernel<TI, TC, TO, 1, false, uint32_t>) : go(rope_kernel<TI, TC, TO, 1, false, int64_t>);
-    }
-  }
+  launch_width<TI, TC, TO, kV>(p, v, bwd, p.items + kThreads <= INT32_MAX, static_cast<unsigned>(blocks), stream);
 }
 
 // Rotates x (q-like) and y (k-like, x's dtype) into new tensors of their layout and dtype `out`; bwd: the transposed

@@ -384,13 +384,13 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     Returns:
         ``(q_embed, k_embed)`` of q's and k's shapes and dtype; on the kernel path each has its input's strides where
         the input is dense (as eager PyTorch's product), else dense strides in its order of dimensions
-        (``torch.empty_like``). The kernel computes each value in
-        fp32 and rounds it once (eager PyTorch in 16-bit rounds three times: about one unit in the last place apart,
-        the kernel the closer to exact); gradients for ``q`` and ``k`` likewise. It saves only ``cos`` and ``sin``.
-        Other inputs run the PyTorch reference (a fallback with the reason): dtypes that differ, a cos or sin that
-        requires grad (the kernel gives them none), odd D or R, other ranks. Partial rotary on the kernel: the
-        kernel on views of the rotated values and one concatenation per tensor (results contiguous, as GPT-NeoX's
-        function gives them).
+        (``torch.empty_like``), partial rotary too (GPT-NeoX's ``torch.cat`` gives contiguous results; the chunks of
+        its fused projection are not dense, so ours are laid out [B, S, H, D] in memory). The kernel computes each
+        value in fp32 and rounds it once (eager PyTorch in 16-bit rounds three times: about one unit in the last
+        place apart, the kernel the closer to exact); gradients for ``q`` and ``k`` likewise. It saves only ``cos``
+        and ``sin``. Other inputs run the PyTorch reference (a fallback with the reason): dtypes that differ, a cos
+        or sin that requires grad (the kernel gives them none), odd D or R, other ranks. Partial rotary on the
+        kernel: one launch each way, the first R values of each head rotated and the rest copied.
 
     Kernel: pipegoose/rope (pipegoose/kernels/csrc/rope.cu, this project, MIT).
 
