@@ -11,10 +11,10 @@ that the two halves of a head see different values (Llama's tables repeat their 
 half of cos or sin would pass with them). Shapes: Llama's (grouped-query heads), D 128, odd sizes, head dims that are
 no multiple of the 16-byte vector (narrower vectors, down to the scalar path), tables of one batch and of B, partial
 rotary (tables of R < D values a head, GPT-NeoX's function); layouts: the transposed projection of Llama (outputs in
-the inputs' strides), a fused qkv projection's heads, last dimensions of stride 2 (copied), misaligned views (the scalar path, bit for bit the vector path's results), [B, S, H, D] (``unsqueeze_dim=2``);
-autograd with one input or one output left out, a double backward, cos and sin requiring grad (the functional's
-fallback, the op's error), argument errors, empty tensors, special values, a large shape and more than 2**31
-elements (64-bit offsets and item indices). The ops allocate their outputs: the caching allocator is left holding NaN
+the inputs' strides), a fused qkv projection's heads, last dimensions of stride 2 (copied), misaligned views (the
+scalar path, bit for bit the vector path's results), [B, S, H, D] (``unsqueeze_dim=2``); autograd with one input or
+one output left out, a double backward, cos and sin requiring grad (the functional's fallback, the op's error),
+argument errors, empty tensors, special values, a large shape and more than 2**31 elements (64-bit offsets and item indices). The ops allocate their outputs: the caching allocator is left holding NaN
 blocks of the outputs' sizes first (``poison``), and every element is checked finite, so an element a kernel does not
 write shows up.
 
