@@ -14,9 +14,9 @@ rotary (tables of R < D values a head, GPT-NeoX's function); layouts: the transp
 the inputs' strides), a fused qkv projection's heads, last dimensions of stride 2 (copied), misaligned views (the
 scalar path, bit for bit the vector path's results), [B, S, H, D] (``unsqueeze_dim=2``); autograd with one input or
 one output left out, a double backward, cos and sin requiring grad (the functional's fallback, the op's error),
-argument errors, empty tensors, special values, a large shape and more than 2**31 elements (64-bit offsets and item indices). The ops allocate their outputs: the caching allocator is left holding NaN
-blocks of the outputs' sizes first (``poison``), and every element is checked finite, so an element a kernel does not
-write shows up.
+argument errors, empty tensors, special values, a large shape and more than 2**31 elements (64-bit offsets and item
+indices). The ops allocate their outputs: the caching allocator is left holding NaN blocks of the outputs' sizes
+first (``poison``), and every element is checked finite, so an element a kernel does not write shows up.
 
 Run on the GPU machine: ``python -m pytest -m cuda tests/kernels/test_rope_cuda.py -q`` (builds the kernel on first
 use; ``python -m pipegoose.kernels build pipegoose/rope`` first saves time).
