@@ -370,7 +370,8 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     ``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])`` and ``cos``, ``sin`` unsqueezed at ``unsqueeze_dim`` to
     broadcast over the heads. Both in one kernel forward and one backward. Tables of R values a head, 1 < R < D
     (partial rotary), rotate ``x[..., :R]`` and pass the rest through, as GPT-NeoX's function does (Llama's raises
-    for them); the kernel takes even R.
+    for them); the kernel takes even R. Tables of one value a head (R = 1) broadcast over it, as in Llama's function
+    (GPT-NeoX's would rotate ``x[..., :1]`` alone).
 
     Args:
         q: [B, Hq, S, D] (``unsqueeze_dim=1``) or [B, S, Hq, D] (``unsqueeze_dim=2``), fp32/fp16/bf16 (the kernel;
@@ -382,7 +383,9 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
         unsqueeze_dim: where cos and sin get the heads' dimension, as in transformers (1 or 2 on the kernel).
 
     Returns:
-        ``(q_embed, k_embed)`` of q's and k's shapes and dtype; on the kernel path each has its input's strides where
+        ``(q_embed, k_embed)``: on the kernel path of q's and k's shapes and dtype (fp32 with fp32 tables and 16-bit
+        q and k); on PyTorch's path the shapes and dtypes its broadcasting and type promotion give, as transformers'
+        function (e.g. bf16 q with fp32 k: an fp32 ``q_embed``). On the kernel path each has its input's strides where
         the input is dense (as eager PyTorch's product), else dense strides in its order of dimensions
         (``torch.empty_like``), partial rotary too (GPT-NeoX's ``torch.cat`` gives contiguous results; the chunks of
         its fused projection are not dense, so ours are laid out [B, S, H, D] in memory). The kernel computes each
@@ -398,7 +401,8 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
         TypeError: a tensor argument not a floating point tensor of fp32/fp16/bf16/fp64; ``unsqueeze_dim`` not an int.
         ValueError: a tensor on another device than ``q``; ``impl`` naming no implementation of ``rope``
             (``pipegoose``, ``torch``).
-        RuntimeError: (PyTorch's path) shapes that do not broadcast.
+        RuntimeError: (PyTorch's path) shapes that do not broadcast (PyTorch's message, which names no argument).
+        IndexError: (PyTorch's path) ``unsqueeze_dim`` out of cos's range, or a 0-d cos or sin.
         FusionFallbackError: in strict mode, where the kernel cannot take the input.
     """
     return _rope.run(q, k, cos, sin, unsqueeze_dim, impl)
