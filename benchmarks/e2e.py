@@ -16,9 +16,9 @@ Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse
 (``pipegoose.nn.fusion.fuse(model)`` on that model), ``fuse_sdpa_adam`` (``fuse_sdpa`` with
 ``pipegoose.nn.fusion.FusedAdam(lr, weight_decay=0.01)``, AdamW's defaults, in place of
 ``torch.optim.AdamW(fused=True)`` that every other variant steps with), ``fuse_sdpa_lce`` (``fuse_sdpa`` with
-``linear_cross_entropy`` added to the ops: the LM head and loss in one, no [B, S, V] logits), ``fuse_sdpa_rope``
-(``fuse_sdpa`` with ``PIPEGOOSE_IMPL_ROPE=pipegoose``: session 54's A/B of the kernel's partial-rotary path for
-GPT-NeoX's quarter-head RoPE, opt-in then, the default since: the same as ``fuse_sdpa`` now),
+``linear_cross_entropy`` added to the ops: the LM head and loss in one, no [B, S, V] logits), ``fuse_sdpa_model_rope``
+(``fuse_sdpa`` with ``PIPEGOOSE_IMPL_ROPE=torch``: the model's own RoPE code, the A/B of our RoPE kernel; it replaces
+session 54's ``fuse_sdpa_rope``, the kernel's partial path when that was opt-in),
 ``compile_sdpa`` (``torch.compile(model)``, compile time in the warm-up, reported separately), ``liger``
 (``apply_liger_kernel_to_llama`` / ``_qwen3(model=...)`` with their defaults: rope, rms_norm, swiglu, fused linear
 cross-entropy) and ``liger_rmsnorm`` (only its RMSNorm: the like-for-like comparison with ours). Liger patches
@@ -60,7 +60,7 @@ MODELS = {
                                                       tie_word_embeddings=True)),
 }
 CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config"}
-VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_rope",
+VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_model_rope",
             "compile_sdpa", "liger_rmsnorm", "liger")
 # What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the
 # subprocess failed), unavailable (Liger-Kernel not installed), skipped (time budget, or no CUDA).
@@ -89,8 +89,8 @@ def _worker(model_name: str, variant: str, batch: int, seq: int, warmup: int, st
     if variant.startswith("fuse"):
         from pipegoose.nn.fusion.fuse import DEFAULT_OPS, fuse
 
-        if variant == "fuse_sdpa_rope":   # (this subprocess only) before fuse, which asks the dispatcher per module
-            os.environ["PIPEGOOSE_IMPL_ROPE"] = "pipegoose"
+        if variant == "fuse_sdpa_model_rope":   # (this subprocess only) before fuse, which asks the dispatcher
+            os.environ["PIPEGOOSE_IMPL_ROPE"] = "torch"
         # fuse_sdpa_lce: the default ops and the LM head with the loss in one (opt-in: ops=... linear_cross_entropy)
         report = fuse(model, ops=DEFAULT_OPS + ("linear_cross_entropy",) if variant == "fuse_sdpa_lce" else None)
         res["fuse_report"] = str(report)[:600]

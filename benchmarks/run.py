@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                                  "llama,neox)")
     ap.add_argument("--e2e-variants", default="",
                     help="default: all (sdpa, eager, fuse_sdpa, fuse_eager, fuse_sdpa_adam, fuse_sdpa_lce, "
-                         "fuse_sdpa_rope, compile_sdpa, liger_rmsnorm, liger)")
+                         "fuse_sdpa_model_rope, compile_sdpa, liger_rmsnorm, liger)")
     ap.add_argument("--e2e-batch", default="", help="e.g. llama=4,neox=8,qwen3=4")
     ap.add_argument("--e2e-budget-s", type=float, default=330.0)
     ap.add_argument("--build-cost", action="store_true", help="cold build of all kernels (-j --jobs), warm load")
