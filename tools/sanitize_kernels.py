@@ -291,7 +291,7 @@ def main() -> int:
         # tables with 16-bit q and k, and the misaligned views
         for dt in dtypes:
             for b, hq, hk, s, d, r, bc in ((2, 16, 16, 64, 64, 16, 1), (2, 4, 2, 9, 64, 6, 1), (2, 4, 2, 9, 80, 20, 2),
-                                           (3, 3, 1, 7, 128, 32, 3), (1, 2, 2, 5, 8, 2, 1)):
+                                           (3, 3, 1, 7, 128, 32, 3), (1, 2, 2, 5, 8, 2, 1), (2, 4, 2, 9, 88, 24, 1)):
                 qkv = torch.randn(b, s, hq, 3 * d, device="cuda", dtype=dt).transpose(1, 2)
                 q, k = torch.randn(b, hq, s, d, device="cuda", dtype=dt), torch.randn(b, hk, s, d, device="cuda",
                                                                                         dtype=dt)

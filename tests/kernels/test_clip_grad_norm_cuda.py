@@ -82,6 +82,25 @@ def test_norm_of_large_tensors(ops, dtype):
         torch.testing.assert_close(got.double(), _norm64(ts, norm_type), **TOLERANCES[torch.float32])
 
 
+# more chunks than the resident blocks of any GPU (each block walks a range of several chunks), in three launches,
+# with ranges that start inside a tensor, end inside another and cross empty ones and tensors of one short chunk:
+# 600 x (an empty tensor, 37 elements, 4 chunks and 3 elements, an empty tensor)
+MANY_CHUNKS = [0, 37, 4 * 8192 + 3, 0] * 600
+
+
+@pytest.mark.parametrize("dtype", ALL)
+def test_block_ranges_cross_empty_and_small_tensors(ops, dtype):
+    ts = _tensors(MANY_CHUNKS, dtype, seed=8)
+    for norm_type in NORMS:
+        got = _norm(ops, ts, norm_type)
+        torch.testing.assert_close(got.double(), _norm64(ts, norm_type), **TOLERANCES[torch.float32])
+    c = torch.tensor(0.37, device=DEV)
+    want = [(t.float() * c).to(dtype) for t in ts]
+    ops.multi_tensor_mul_(ts, c)
+    for i, (got, w) in enumerate(zip(ts, want)):
+        assert torch.equal(got, w), f"tensors[{i}] ({got.numel()} elements) differs from torch's fp32 product"
+
+
 @pytest.mark.parametrize("norm_type", NORMS)
 @pytest.mark.parametrize("bad", ["nan", "inf", "both"])
 def test_norm_propagates_nan_and_inf(ops, norm_type, bad):

@@ -553,8 +553,10 @@ PARTIAL_CASES = [
     (3, 3, 1, 7, 64, 16, 3),       # odd sizes
     (2, 4, 2, 9, 64, 6, 1),        # R/2 = 3: the scalar path
     (2, 4, 2, 9, 80, 8, 1),        # R/2 = 4: one fp32 vector a half; 16-bit: vectors of 4 (8 bytes)
-    (2, 4, 2, 9, 80, 20, 1),       # R/2 = 10 (Pythia-2.8b's head): vectors of 2 in every dtype
+    (2, 4, 2, 9, 80, 20, 1),       # R/2 = 10 (Pythia-2.8b's head): vectors of 2, 3 a thread passed through (fp32: 2)
     (2, 4, 2, 9, 96, 24, 1),       # R/2 = 12 (GPT-NeoX-20B's head): vectors of 4
+    (2, 4, 2, 9, 88, 24, 1),       # vectors of 4, 16 passed through: 2 a thread in 16-bit, 1 in fp32
+    (2, 4, 2, 9, 78, 2, 1),        # R/2 = 1: the scalar path, 76 values passed through, 4 a thread
 ]
 
 

@@ -27,12 +27,14 @@
 //
 // Work: one thread per (token, head, vector of a half): it loads 16 bytes of each half of the rotated values (8 16-bit
 // or 4 fp32 values) and the matching vectors of cos and sin (the same for every head of a token: L1 hits), and stores
-// 16 bytes of each half of the output; with partial rotary, one thread per vector of the passed-through values copies
-// it (one launch each way: the whole head read once and written once). Consecutive threads take consecutive vectors
-// of a head (the rotated ones, then those passed through), then the next head: a token's heads are contiguous in
-// Llama's layout, so a warp reads and writes whole lines. Where a pointer or a stride is not a multiple of 16 bytes,
-// or R/2 or D - R not a multiple of the vector, the same kernel runs on the widest vector that fits (8, 4 or 2
-// bytes), down to one element per thread.
+// 16 bytes of each half of the output; with partial rotary, one thread per group of vectors of the passed-through
+// values copies them (one launch each way: the whole head read once and written once). Consecutive threads take
+// consecutive vectors of a head (the rotated ones, then those passed through), then the next head: a token's heads are
+// contiguous in Llama's layout, so a warp reads and writes whole lines. Where a pointer or a stride is not a multiple
+// of 16 bytes, or R/2 or D - R not a multiple of the vector, the same kernel runs on the widest vector that fits (8, 4
+// or 2 bytes), down to one element per thread; a thread then passes through up to 16 bytes' worth of those vectors,
+// as many as divide their count (session 56: Pythia-2.8b's heads, 80 values and 20 rotated, ran at 38% of copy with
+// one vector of 4 bytes a thread, against 71-79% for heads whose halves take 16-byte vectors; H100).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -72,8 +74,16 @@ struct Params {
   int64_t cos_b, cos_s, sin_b, sin_s;  // batch stride 0 where cos / sin hold one batch
   int64_t items;                      // B * S * (Hq + Hk) * (vecs + copies)
   int32_t seq, heads_q, heads, half;   // heads = Hq + Hk; half = R / 2
-  int32_t vecs, copies;                // vectors per half of the rotated values; vectors passed through (D - R)
+  int32_t vecs;                        // vectors per half of the rotated values
+  int32_t copies, group;               // threads that pass a head's D - R last values through, vectors each
 };
+
+// The elements of a 16-byte vector of the widest of the three types: the widest vector of a launch.
+template <typename TI, typename TC, typename TO>
+constexpr int kWidestVec = 16 / static_cast<int>(sizeof(TI) > sizeof(TC) ? (sizeof(TI) > sizeof(TO) ? sizeof(TI)
+                                                                                                      : sizeof(TO))
+                                                                         : (sizeof(TC) > sizeof(TO) ? sizeof(TC)
+                                                                                                    : sizeof(TO)));
 
 template <typename T, int V>
 struct alignas(sizeof(T) * V) Vec {
@@ -133,8 +143,9 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const Params p) {
   if (!is_q) head -= p.heads_q;
   const Strides in = is_q ? p.q_in : p.k_in;
   const Strides res = is_q ? p.q_res : p.k_res;
-  // first element of this vector within the head: in the first half of the rotated values, or past them
-  const I e = w < static_cast<I>(p.vecs) ? w * V : 2 * static_cast<I>(p.half) + (w - p.vecs) * V;
+  // first element of this vector within the head: in the first half of the rotated values, or past them (the first
+  // of the thread's group of vectors passed through)
+  const I e = w < static_cast<I>(p.vecs) ? w * V : 2 * static_cast<I>(p.half) + (w - p.vecs) * p.group * V;
   const TI* x = static_cast<const TI*>(is_q ? p.q : p.k) + (static_cast<int64_t>(b) * in.b +
                                                             static_cast<int64_t>(head) * in.h +
                                                             static_cast<int64_t>(s) * in.s + e);
@@ -142,11 +153,22 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const Params p) {
                                                         static_cast<int64_t>(head) * res.h +
                                                         static_cast<int64_t>(s) * res.s + e);
   if (w >= static_cast<I>(p.vecs)) {   // partial rotary: passed through (converted where TO is not TI)
-    const Vec<TI, V> a = load<TI, V>(x);
-    Vec<TO, V> o;
+    // group vectors of V (up to 16 bytes of the widest type in all): every load in flight before the first store
+    constexpr int kGroup = kWidestVec<TI, TC, TO> / V;
+    Vec<TI, V> a[kGroup];
 #pragma unroll
-    for (int j = 0; j < V; ++j) o.v[j] = from_f<TO>(to_f(a.v[j]));
-    store<TO, V>(y, o);
+    for (int g = 0; g < kGroup; ++g) {
+      if (g < p.group) a[g] = load<TI, V>(x + g * V);
+    }
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      if (g < p.group) {
+        Vec<TO, V> o;
+#pragma unroll
+        for (int j = 0; j < V; ++j) o.v[j] = from_f<TO>(to_f(a[g].v[j]));
+        store<TO, V>(y + g * V, o);
+      }
+    }
     return;
   }
   const TC* c = static_cast<const TC*>(p.cos) + (static_cast<int64_t>(b) * p.cos_b +
@@ -274,9 +296,7 @@ void launch_width(const Params& p, int v, bool bwd, bool narrow, unsigned blocks
 template <typename TI, typename TC, typename TO>
 void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
   Params p = p0;
-  constexpr int kWidest = sizeof(TI) > sizeof(TC) ? (sizeof(TI) > sizeof(TO) ? sizeof(TI) : sizeof(TO))
-                                                  : (sizeof(TC) > sizeof(TO) ? sizeof(TC) : sizeof(TO));
-  constexpr int kV = 16 / kWidest;   // elements per vector: 16 bytes of the widest type
+  constexpr int kV = kWidestVec<TI, TC, TO>;   // elements per vector: 16 bytes of the widest type
   // the widest vector (kV, kV / 2, ..., 1 elements) that fits: every base pointer aligned to it, every stride, the
   // half of the rotated values and the count passed through (D - R) a multiple of it (a head of 80 with 20 rotated,
   // Pythia-2.8b's: 2 16-bit elements; a misaligned view: one)
@@ -293,6 +313,11 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
   while (v > 1 && !fits(v)) v /= 2;
   p.vecs = p.half / v;
   p.copies /= v;
+  // the vectors passed through go kV / v at a time, or as many as divide their count (Pythia-2.8b's 30 vectors of 2
+  // in 16-bit: 3 a thread), so that a narrow vector does not mean a narrow thread
+  p.group = kV / v;
+  while (p.copies % p.group != 0) --p.group;
+  p.copies /= p.group;
   const int64_t tokens = p.items;  // (set by the caller to B * S)
   p.items = tokens * p.heads * (p.vecs + p.copies);
   if (p.items == 0) return;
