@@ -229,6 +229,8 @@ def _pipegoose_clip(impl: str | None) -> Callable:
 def _apex_clip(grads: list[torch.Tensor], max_norm: float) -> Callable:
     if grads[0].device.type != "cuda":
         raise Unavailable("multi_tensor_l2norm needs CUDA tensors (not built on a CPU run)")
+    if grads[0].dtype not in (torch.float32, torch.float16):
+        raise Unsupported(f"the Apex copies take fp32 and fp16 gradients, not {grads[0].dtype}")
     try:
         from pipegoose import kernels
         l2 = kernels.load("apex/multi_tensor_l2norm").multi_tensor_l2norm

@@ -448,9 +448,12 @@ def test_fused_adam_mixed_buckets(fake):
     assert "one dtype" in dispatch.last_choice("adam").reasons["deepspeed"]
 
 
-@pytest.mark.parametrize("dtype,impl", [(torch.float32, "apex"), (torch.float16, "apex"), (torch.bfloat16, "torch")])
+# (dtype, impl= passed, the implementation that runs): without a request, ours
+@pytest.mark.parametrize("dtype,request_,impl", [(torch.float32, "apex", "apex"), (torch.float16, "apex", "apex"),
+                                                 (torch.bfloat16, "torch", "torch"), (torch.bfloat16, None, "pipegoose"),
+                                                 (torch.float16, None, "pipegoose")])
 @pytest.mark.parametrize("max_norm", [0.5, 1e4])
-def test_clip_glue(fake, dtype, impl, max_norm):
+def test_clip_glue(fake, dtype, request_, impl, max_norm):
     def params():
         torch.manual_seed(0)
         ps = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in (3, 100, 17)]
@@ -459,7 +462,7 @@ def test_clip_glue(fake, dtype, impl, max_norm):
         return ps
 
     p1, p2 = params(), params()
-    n1 = clip_grad_norm_(p1, max_norm)
+    n1 = clip_grad_norm_(p1, max_norm, impl=request_)
     n2 = torch.nn.utils.clip_grad_norm_(p2, max_norm)
     assert dispatch.stats()["clip_grad_norm"] == {impl: 1}
     assert n1.dtype == n2.dtype
@@ -523,17 +526,17 @@ def test_clip_glue_ours_with_a_group_it_declines(fake):
         torch.testing.assert_close(g.double(), w, **TOLERANCES[g.dtype])
 
 
-def test_clip_ours_is_opt_in_and_declines_a_gradient_listed_twice(fake):
-    """Without a request our kernel does not run (opt-in until a GPU benchmark has timed it): bf16 takes torch's
-    path, fp32 the Apex copy, and explain says why. A gradient listed twice goes to torch's path, which counts and
-    scales it twice, as torch.nn.utils.clip_grad_norm_ does."""
+def test_clip_ours_comes_first_and_declines_a_gradient_listed_twice(fake):
+    """Without a request or a tuning rule our kernel runs (first in the built-in order since session 56 timed it):
+    bf16, fp32 and the inf norm, which the Apex copy does not take. A gradient listed twice goes to torch's path,
+    which counts and scales it twice, as torch.nn.utils.clip_grad_norm_ does."""
     ps = _clip_params([torch.bfloat16] * 2)
     clip_grad_norm_(ps, 0.5)
-    assert dispatch.stats()["clip_grad_norm"] == {"torch": 1}
-    c = dispatch.explain("clip_grad_norm", [p.grad for p in ps], 2.0)
-    assert c.impl == "torch" and c.reasons["pipegoose"].startswith("opt-in: runs when requested (impl='pipegoose' or "
-                                                                   "PIPEGOOSE_IMPL_CLIP_GRAD_NORM=pipegoose)")
-    assert dispatch.explain("clip_grad_norm", [ps[0].grad.float()], 2.0).impl == "apex"
+    assert dispatch.stats()["clip_grad_norm"] == {"pipegoose": 1}
+    assert dispatch.explain("clip_grad_norm", [p.grad for p in ps], 2.0).impl == "pipegoose"
+    assert dispatch.explain("clip_grad_norm", [ps[0].grad.float()], 2.0).impl == "pipegoose"
+    assert dispatch.explain("clip_grad_norm", [ps[0].grad.half()], math.inf).impl == "pipegoose"
+    assert dispatch.explain("clip_grad_norm", [ps[0].grad.float()], 2.0, impl="apex").impl == "apex"
     c = dispatch.explain("clip_grad_norm", [ps[0].grad, ps[0].grad], 2.0, impl="pipegoose")
     assert c.impl == "torch" and "listed twice" in c.reasons["pipegoose"]
     c = dispatch.explain("clip_grad_norm", [ps[0].grad], 3.0, impl="pipegoose")

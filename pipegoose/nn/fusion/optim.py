@@ -311,8 +311,9 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     Per (device, dtype) group (op ``clip_grad_norm``; ``impl=`` or ``PIPEGOOSE_IMPL_CLIP_GRAD_NORM`` picks):
     ``pipegoose`` computes the norm with ``pipegoose::multi_tensor_norm`` (fp32 accumulation, fp32, fp16 and bf16
     gradients, ``norm_type`` 1, 2 or inf) and scales with ``pipegoose::multi_tensor_mul_``, which reads the
-    coefficient on the device (no host sync) and skips the pass when it is 1 (gradients within ``max_norm``); it is
-    opt-in until a GPU benchmark has timed it (kernel: pipegoose's pipegoose/kernels/csrc/clip_grad_norm.cu).
+    coefficient on the device (no host sync) and skips the pass when it is 1 (gradients within ``max_norm``); the
+    dispatcher's first choice where no tuning rule names another (kernel: pipegoose's
+    pipegoose/kernels/csrc/clip_grad_norm.cu).
     ``apex`` computes the L2 norm with ``multi_tensor_l2norm`` (fp32 accumulation) and scales with
     ``multi_tensor_scale`` (fp32/fp16 gradients, ``norm_type=2``; one host sync reads the clip coefficient); kernels:
     Apex's csrc/multi_tensor_l2norm_kernel.cu and csrc/multi_tensor_scale_kernel.cu via ColossalAI 0.5.0

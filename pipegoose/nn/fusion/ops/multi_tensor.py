@@ -24,9 +24,10 @@ Ops (dispatch names) and implementations:
   ``pipegoose/kernels/csrc/clip_grad_norm.cu`` (ops ``pipegoose::multi_tensor_norm`` and
   ``pipegoose::multi_tensor_mul_``): fp32, fp16 and bf16; norm_type 1, 2 or inf; contiguous plain tensors whose
   memory does not overlap (as for ``apex``); 64-bit offsets; no host sync (the coefficient stays on the device, and
-  the scaling pass returns at once when it is 1). Registered ``opt_in`` (see :mod:`..dispatch`): it runs when
-  requested or named by a tuning rule, until a GPU benchmark has timed it against the others. ``apex`` - ``multi_tensor_l2norm`` + ``multi_tensor_scale``
-  copies in ColossalAI 0.5.0 ``extensions/csrc/kernel/cuda/multi_tensor_{l2norm,scale}_kernel.cu``, Apache-2.0:
+  the scaling pass returns at once when it is 1). First in the built-in order: a clipping step on an H100 (session
+  56, ``benchmarks.optimizers``, 308M and 976M parameters) ran at 90% of copy in bf16 and 94% in fp32, against
+  ``torch._foreach_norm``'s 69% and 85% and the Apex copies' 82% (fp32). ``apex`` - ``multi_tensor_l2norm`` +
+  ``multi_tensor_scale`` copies in ColossalAI 0.5.0 ``extensions/csrc/kernel/cuda/multi_tensor_{l2norm,scale}_kernel.cu``, Apache-2.0:
   fp32 and fp16 only (the copies dispatch no bf16), norm_type 2, contiguous, 32-bit sizes, memory not overlapping
   (two blocks would scale a shared element at once). ``torch`` -
   ``torch._foreach_norm`` / ``torch._foreach_mul_``.
@@ -212,7 +213,7 @@ dispatch.register(Implementation(OP_ADAM, "deepspeed", "ported", _ds_adam_suppor
 dispatch.register(Implementation(OP_ADAM, "torch_fused", "native", _torch_fused_adam_supports, (), SRC_TORCH_ADAM))
 dispatch.register(Implementation(OP_ADAM, "torch", "reference", lambda p: (True, ""), (), "torch.optim.adam.adam"))
 dispatch.register(Implementation(OP_CLIP, "pipegoose", "ours", _pipegoose_clip_supports, ("pipegoose/clip_grad_norm",),
-                                 SRC_OURS_CLIP, opt_in=True))
+                                 SRC_OURS_CLIP))
 dispatch.register(Implementation(OP_CLIP, "apex", "ported", _apex_clip_supports,
                                  ("apex/multi_tensor_l2norm", "apex/multi_tensor_scale"), SRC_APEX_CLIP))
 dispatch.register(Implementation(OP_CLIP, "torch", "reference", lambda p: (True, ""), (), "torch._foreach_norm"))
