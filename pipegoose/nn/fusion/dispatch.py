@@ -212,9 +212,10 @@ class Implementation:
         opt_in: left out of the built-in order (choice step 4): it runs only where a request (``impl=``,
             ``PIPEGOOSE_IMPL_*``) or a tuning rule names it. For a kernel whose speed against the others has not been
             measured yet: a default must come from a benchmark, not from being ours. True, or
-            ``opt_in(problem) -> bool`` for a path of the kernel that only some inputs take (rope's partial rotary:
-            the kernel on the rotated slices; pair it with ``tuned_for``, so that the rules timed on the other
-            inputs do not name it either).
+            ``opt_in(problem) -> bool`` for a path of the kernel that only some inputs take (pair it with
+            ``tuned_for``, so that the rules timed on the other inputs do not name it either). No implementation is
+            registered opt-in now: our clipping kernel was until session 56 timed it, rope's partial rotary path on
+            slices until session 55 replaced it.
     """
 
     op: str
