@@ -91,9 +91,8 @@ struct Walk {
 
 __device__ __forceinline__ Walk walk_of(const Table& table, int n_tensors, int64_t n_chunks) {
 #if PIPEGOOSE_CLIP_CONTIGUOUS
-  const int64_t per = n_chunks / gridDim.x, extra = n_chunks % gridDim.x, b = blockIdx.x;
-  const int64_t first = b * per + min(b, extra);
-  return {first, first + per + (b < extra ? 1 : 0), 1, multi_tensor::find_tensor(table, 0, n_tensors, first)};
+  const multi_tensor::ChunkRange r = multi_tensor::chunk_range(n_chunks, gridDim.x, blockIdx.x);
+  return {r.first, r.stop, 1, multi_tensor::find_tensor(table, 0, n_tensors, r.first)};
 #else
   return {static_cast<int64_t>(blockIdx.x), n_chunks, static_cast<int64_t>(gridDim.x), 0};
 #endif
@@ -102,8 +101,7 @@ __device__ __forceinline__ Walk walk_of(const Table& table, int n_tensors, int64
 // The tensor of chunk c, t the tensor of the block's previous chunk (or the walk's start).
 __device__ __forceinline__ int tensor_of(const Table& table, int t, int n_tensors, int64_t c) {
 #if PIPEGOOSE_CLIP_CONTIGUOUS
-  while (table.chunk_start[t + 1] <= c) ++t;   // (chunk_start[n_tensors] is the launch's chunk count: t stays below)
-  return t;
+  return multi_tensor::next_tensor(table, t, c);
 #else
   return multi_tensor::find_tensor(table, t, n_tensors, c);
 #endif

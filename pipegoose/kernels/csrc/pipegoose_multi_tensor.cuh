@@ -58,6 +58,26 @@ PIPEGOOSE_MT_HD int find_tensor(const TableT& table, int from, int n_tensors, C 
   return lo;
 }
 
+// A block's contiguous range of chunks [first, stop) when `grid` blocks split a launch's n_chunks (grid <= n_chunks):
+// the first n_chunks % grid blocks take one chunk more (clip_grad_norm.cu).
+struct ChunkRange {
+  int64_t first, stop;
+};
+PIPEGOOSE_MT_HD ChunkRange chunk_range(int64_t n_chunks, int64_t grid, int64_t block) {
+  const int64_t per = n_chunks / grid, extra = n_chunks % grid;
+  const int64_t first = block * per + (block < extra ? block : extra);
+  return {first, first + per + (block < extra ? 1 : 0)};
+}
+
+// The tensor of chunk c on a contiguous walk, t the tensor of the walk's previous chunk (or of its first, from
+// find_tensor): t itself or a later one, one table read a tensor passed. c < chunk_start[n_tensors] keeps t below
+// n_tensors.
+template <typename TableT, typename C>
+PIPEGOOSE_MT_HD int next_tensor(const TableT& table, int t, C c) {
+  while (table.chunk_start[t + 1] <= c) ++t;
+  return t;
+}
+
 inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 // One launch: its table, how many tensors it holds and how many chunks they make.
