@@ -449,9 +449,9 @@ def test_fused_adam_mixed_buckets(fake):
 
 
 # (dtype, impl= passed, the implementation that runs): without a request, ours
-@pytest.mark.parametrize("dtype,request_,impl", [(torch.float32, "apex", "apex"), (torch.float16, "apex", "apex"),
-                                                 (torch.bfloat16, "torch", "torch"), (torch.bfloat16, None, "pipegoose"),
-                                                 (torch.float16, None, "pipegoose")])
+@pytest.mark.parametrize("dtype,request_,impl", [
+    (torch.float32, "apex", "apex"), (torch.float16, "apex", "apex"), (torch.bfloat16, "torch", "torch"),
+    (torch.bfloat16, None, "pipegoose"), (torch.float16, None, "pipegoose")])
 @pytest.mark.parametrize("max_norm", [0.5, 1e4])
 def test_clip_glue(fake, dtype, request_, impl, max_norm):
     def params():

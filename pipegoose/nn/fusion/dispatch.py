@@ -214,8 +214,8 @@ class Implementation:
             measured yet: a default must come from a benchmark, not from being ours. True, or
             ``opt_in(problem) -> bool`` for a path of the kernel that only some inputs take (pair it with
             ``tuned_for``, so that the rules timed on the other inputs do not name it either). No implementation is
-            registered opt-in now: our clipping kernel was until session 56 timed it, rope's partial rotary path on
-            slices until session 55 replaced it.
+            registered opt-in now (our clipping kernel was, until session 56 timed it; so was rope's partial rotary
+            path on slices, until session 55 replaced it).
     """
 
     op: str
