@@ -92,13 +92,20 @@ MANY_CHUNKS = [0, 37, 8 * 8192 + 3, 0] * 600
 
 @pytest.mark.parametrize("dtype", ALL)
 def test_block_ranges_cross_tensors(ops, dtype):
-    """Each tensor holds one small integer (1 to 7): the L1 norm is an exact integer in fp32 and fp64, so a chunk
-    skipped or counted twice, even one of 3 elements, changes it; the max norm finds the one 1000 (second launch);
-    the L2 norm and the multiplication (bit for bit torch's product) on random values."""
-    vals = [float(1 + i % 7) for i in range(len(MANY_CHUNKS))]
-    ts = [torch.full((n,), v, device=DEV, dtype=dtype) for n, v in zip(MANY_CHUNKS, vals)]
-    want = sum(n * v for n, v in zip(MANY_CHUNKS, vals))
-    assert float(_norm(ops, ts, 1.0)) == want, "the L1 norm of exact integers: a chunk missed or counted twice"
+    """Zeros but for a small integer (1 to 7) at the first element of every chunk and at each tensor's last: the L1
+    norm counts the chunks, exact in fp32 (the norm's dtype; under 2**24), so a chunk skipped or counted twice, even
+    a tensor of 3 elements, changes it; the max norm finds the one 1000 (second launch); the L2 norm and the
+    multiplication (bit for bit torch's product) on random values."""
+    chunk = 4096 if dtype == torch.float32 else 8192
+    ts = []
+    for i, n in enumerate(MANY_CHUNKS):
+        t = torch.zeros(n, device=DEV, dtype=dtype)
+        t[::chunk] = 1 + i % 7
+        t[-1:] = 1 + i % 7
+        ts.append(t)
+    want = sum(float(t.double().sum()) for t in ts)
+    assert want < 2**24
+    assert float(_norm(ops, ts, 1.0)) == want, "the L1 norm of the chunks' markers: a chunk missed or counted twice"
     ts[-3][-1] = 1000.0
     assert float(_norm(ops, ts, math.inf)) == 1000.0
     ts = _tensors(MANY_CHUNKS, dtype, seed=8)
