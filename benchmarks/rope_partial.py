@@ -2,6 +2,7 @@
 effective bandwidth, in one run beside the copy bandwidth.
 
     python -m benchmarks.rope_partial [--shapes 8x2048x16x64x16 ...] [--reps 30] [--impls a,b] [--out DIR]
+                                      [--raw | --defines=-DNAME=VALUE,...]
 
 Shapes ``BxSxHxDxR``: batch, sequence, heads (q's and k's), head size, rotated values a head. q and k are GPT-NeoX's:
 chunks of one [B, H, S, 3D] projection (``qkv.view(B, S, H, 3D).transpose(1, 2).chunk(3, -1)``: not dense), cos and
@@ -11,7 +12,12 @@ Implementations, each of ``(q_embed, k_embed) = apply_rotary_pos_emb(q, k, cos, 
 
 * ``pipegoose``: :func:`pipegoose.nn.fusion.functional.apply_rotary_pos_emb` with ``impl="pipegoose"`` (strict: the
   kernel's partial path or an error): our RoPE kernel, one launch each way (the rotated values rotated, the rest
-  copied);
+  copied); with ``--raw``, ``torch.ops.pipegoose.rope(q, k, cos, sin)`` called directly (the call the functional makes
+  for these inputs, without the dispatcher), and with ``--defines`` the same op of a build of ``pipegoose/rope`` with
+  those nvcc defines (``benchmarks.build_cost.builder_with_defines``: its own build key; a define that no file of the
+  kernel names is refused). An A/B of a build switch is two runs, ``--impls pipegoose --raw`` and ``--impls pipegoose
+  --defines=-DPIPEGOOSE_ROPE_COPY_BYTES=32`` (with ``=``: a value that starts with ``-`` is not an option), one
+  process each (two builds cannot register one op in one process);
 * ``transformers``: GPT-NeoX's ``apply_rotary_pos_emb`` (``modeling_gpt_neox``), eager: what the model runs;
 * ``compile``: ``torch.compile`` of that function.
 
@@ -57,8 +63,9 @@ def parse_shape(text: str) -> tuple[int, int, int, int, int]:
     return b, s, h, d, r
 
 
-def functions() -> dict[str, Callable | None]:
-    """name -> ``fn(q, k, cos, sin)`` returning ``(q_embed, k_embed)``."""
+def functions(raw_ops: Any = None) -> dict[str, Callable | None]:
+    """name -> ``fn(q, k, cos, sin)`` returning ``(q_embed, k_embed)``; ``raw_ops``: the loaded ops of a build of
+    pipegoose/rope, whose ``rope`` the ``pipegoose`` row then calls directly."""
     from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb as neox
 
     from pipegoose.nn.fusion import dispatch
@@ -67,6 +74,10 @@ def functions() -> dict[str, Callable | None]:
     def ours(q, k, cos, sin):
         with dispatch.strict():
             return apply_rotary_pos_emb(q, k, cos, sin, impl="pipegoose")
+
+    if raw_ops is not None:
+        def ours(q, k, cos, sin):   # noqa: F811 (the op itself)
+            return raw_ops.rope(q, k, cos, sin)
 
     return {"pipegoose": ours, "transformers": neox, "compile": torch.compile(neox, dynamic=False)}
 
@@ -144,6 +155,7 @@ def markdown(env: dict, rows: list[dict], copy_gbps: float) -> str:
              f"torch {env.get('torch')}, CUDA {env.get('cuda_runtime')}, triton {env.get('triton')}, transformers "
              f"{env.get('transformers')}, pipegoose {env.get('pipegoose_git')}. Device copy: {copy_gbps:.0f} GB/s. "
              "Time: median ms (L2 flushed); GB/s of the fewest bytes the pass moves; % of that copy.", "",
+             f"pipegoose rows: {env.get('rope_call', 'the functional (dispatcher, strict)')}.", "",
              "| B x S x H x D x R | pass | impl | ms | GB/s | % of copy | status |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         shape = f"{r['batch']}x{r['seq']}x{r['heads']}x{r['head_dim']}x{r['rotary']}"
@@ -165,7 +177,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--impls", default="", help=f"comma separated, of {', '.join(IMPLS)} (default: all)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the plumbing")
     ap.add_argument("--out", type=Path, default=None, help="folder for rope_partial.json / .md")
+    ap.add_argument("--raw", action="store_true", help="the pipegoose rows call torch.ops.pipegoose.rope directly")
+    ap.add_argument("--defines", default="", help="comma separated -DNAME[=VALUE], given as --defines=-D...: the "
+                                                  "pipegoose rows call the op of a build of pipegoose/rope with them "
+                                                  "(implies --raw)")
     args = ap.parse_args(argv)
+    defines = [d.strip() for d in args.defines.split(",") if d.strip()]
+    if (args.raw or defines) and args.device != "cuda":
+        ap.error("--raw / --defines: the op needs a CUDA GPU (the CPU dry run goes through the functional)")
+    if defines:
+        from .build_cost import check_defines
+        try:
+            check_defines(["pipegoose/rope"], defines)
+        except ValueError as e:
+            ap.error(f"--defines: {e}")
     if args.reps < 1:
         ap.error(f"--reps: expected a positive number of repetitions, got {args.reps}")
     impls = tuple(x.strip() for x in args.impls.split(",") if x.strip()) or None
@@ -178,9 +203,18 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("benchmarks.rope_partial: needs a CUDA GPU (--device cpu: a dry run)")
     shapes = args.shapes or [parse_shape(s) for s in (SHAPES if args.device == "cuda" else DRY_SHAPES)]
     env = environment(args.device)
+    raw_ops = None
+    if defines:
+        from .build_cost import builder_with_defines
+        raw_ops = builder_with_defines("pipegoose/rope", defines, None).load()
+        env["rope_call"] = f"torch.ops.pipegoose.rope of a build with {' '.join(defines)}"
+    elif args.raw:
+        from pipegoose.kernels import load
+        raw_ops = load("pipegoose/rope")
+        env["rope_call"] = "torch.ops.pipegoose.rope (the shipped build), called directly"
     timer = Timer(args.device, warmup=3, reps=args.reps, max_s=10.0)
     copy_gbps = timer.copy_gbps() if args.device == "cuda" else 0.0
-    fns = functions()
+    fns = functions(raw_ops)
     rows = []
     for shape in shapes:
         rows += run_shape(shape, fns, timer, torch.bfloat16, args.device, copy_gbps, impls)

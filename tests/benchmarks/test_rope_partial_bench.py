@@ -49,6 +49,12 @@ def test_refuses_without_a_gpu():
     (["--reps", "0"], "--reps: expected a positive number of repetitions, got 0"),
     (["--impls", ",,"], "--impls: expected some of pipegoose, "),
     (["--impls", "pipegoose,liger"], "--impls: unknown liger"),
+    (["--device", "cpu", "--raw"], "--raw / --defines: the op needs a CUDA GPU"),
+    (["--device", "cpu", "--defines=-DPIPEGOOSE_ROPE_COPY_BYTES=32"], "--raw / --defines: the op needs a CUDA GPU"),
+    (["--defines=-DPIPEGOOSE_ROPE_COPY_BYTE=32"],
+     "--defines: '-DPIPEGOOSE_ROPE_COPY_BYTE=32': PIPEGOOSE_ROPE_COPY_BYTE occurs in none of the files of "
+     "pipegoose/rope"),
+    (["--defines", "PIPEGOOSE_ROPE_COPY_BYTES=32"], "expected -DNAME or -DNAME=VALUE"),
 ])
 def test_argument_errors(capsys, argv, message):
     with pytest.raises(SystemExit):

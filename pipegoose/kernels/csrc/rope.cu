@@ -54,6 +54,14 @@ namespace {
 #define PIPEGOOSE_ROPE_THREADS 256
 #endif
 constexpr int kThreads = PIPEGOOSE_ROPE_THREADS;
+// Benchmark experiment, not yet timed: -DPIPEGOOSE_ROPE_COPY_BYTES=B (a multiple of 16) the most bytes of the widest
+// type that one thread passes through with partial rotary (default 16: one 16-byte vector, or several narrower ones).
+// 32 or 64 give a head of 64 with 16 rotated (Pythia's) 2 or 4 threads for its 48 passed-through values instead of 6.
+#ifndef PIPEGOOSE_ROPE_COPY_BYTES
+#define PIPEGOOSE_ROPE_COPY_BYTES 16
+#endif
+static_assert(PIPEGOOSE_ROPE_COPY_BYTES >= 16 && PIPEGOOSE_ROPE_COPY_BYTES % 16 == 0,
+              "PIPEGOOSE_ROPE_COPY_BYTES: a multiple of 16");
 
 template <typename T> __device__ __forceinline__ float to_f(T x) { return static_cast<float>(x); }
 template <typename T> __device__ __forceinline__ T from_f(float x) { return static_cast<T>(x); }
@@ -78,12 +86,17 @@ struct Params {
   int32_t copies, group;               // threads that pass a head's D - R last values through, vectors each
 };
 
-// The elements of a 16-byte vector of the widest of the three types: the widest vector of a launch.
+// The size of the widest of the three types; the elements of a 16-byte vector of it (the widest vector of a
+// launch), and the most elements one thread passes through (PIPEGOOSE_ROPE_COPY_BYTES of it).
 template <typename TI, typename TC, typename TO>
-constexpr int kWidestVec = 16 / static_cast<int>(sizeof(TI) > sizeof(TC) ? (sizeof(TI) > sizeof(TO) ? sizeof(TI)
-                                                                                                      : sizeof(TO))
-                                                                         : (sizeof(TC) > sizeof(TO) ? sizeof(TC)
-                                                                                                    : sizeof(TO)));
+constexpr int kWidestSize = static_cast<int>(sizeof(TI) > sizeof(TC) ? (sizeof(TI) > sizeof(TO) ? sizeof(TI)
+                                                                                                  : sizeof(TO))
+                                                                     : (sizeof(TC) > sizeof(TO) ? sizeof(TC)
+                                                                                                : sizeof(TO)));
+template <typename TI, typename TC, typename TO>
+constexpr int kWidestVec = 16 / kWidestSize<TI, TC, TO>;
+template <typename TI, typename TC, typename TO>
+constexpr int kCopyElems = PIPEGOOSE_ROPE_COPY_BYTES / kWidestSize<TI, TC, TO>;
 
 template <typename T, int V>
 struct alignas(sizeof(T) * V) Vec {
@@ -153,8 +166,9 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const Params p) {
                                                         static_cast<int64_t>(head) * res.h +
                                                         static_cast<int64_t>(s) * res.s + e);
   if (w >= static_cast<I>(p.vecs)) {   // partial rotary: passed through (converted where TO is not TI)
-    // group vectors of V (up to 16 bytes of the widest type in all): every load in flight before the first store
-    constexpr int kGroup = kWidestVec<TI, TC, TO> / V;
+    // group vectors of V (up to PIPEGOOSE_ROPE_COPY_BYTES of the widest type in all, default 16): every load in
+    // flight before the first store
+    constexpr int kGroup = kCopyElems<TI, TC, TO> / V;
     Vec<TI, V> a[kGroup];
 #pragma unroll
     for (int g = 0; g < kGroup; ++g) {
@@ -313,9 +327,9 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
   while (v > 1 && !fits(v)) v /= 2;
   p.vecs = p.half / v;
   p.copies /= v;
-  // the vectors passed through go kV / v at a time, or as many as divide their count (Pythia-2.8b's 30 vectors of 2
-  // in 16-bit: 3 a thread), so that a narrow vector does not mean a narrow thread
-  p.group = kV / v;
+  // the vectors passed through go kCopyElems / v at a time (16 bytes' worth by default), or as many as divide their
+  // count (Pythia-2.8b's 30 vectors of 2 in 16-bit: 3 a thread), so that a narrow vector does not mean a narrow thread
+  p.group = kCopyElems<TI, TC, TO> / v;
   while (p.copies % p.group != 0) --p.group;
   p.copies /= p.group;
   const int64_t tokens = p.items;  // (set by the caller to B * S)
