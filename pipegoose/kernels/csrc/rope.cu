@@ -33,8 +33,9 @@
 // contiguous in Llama's layout, so a warp reads and writes whole lines. Where a pointer or a stride is not a multiple
 // of 16 bytes, or R/2 or D - R not a multiple of the vector, the same kernel runs on the widest vector that fits (8, 4
 // or 2 bytes), down to one element per thread; a thread then passes through up to 16 bytes' worth of those vectors,
-// as many as divide their count (session 56: Pythia-2.8b's heads, 80 values and 20 rotated, ran at 38% of copy with
-// one vector of 4 bytes a thread, against 71-79% for heads whose halves take 16-byte vectors; H100).
+// as many as divide their count (session 56, H100, bf16 forward + backward: Pythia-2.8b's heads, 80 values and 20
+// rotated, ran at 38% of copy with one vector of 4 bytes a thread and at 66% with three, against 71-79% for heads
+// whose halves take 16-byte vectors).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
