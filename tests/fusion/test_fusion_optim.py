@@ -201,6 +201,29 @@ def test_clip_grad_norm_checks_impl_on_every_call():
     assert clip_grad_norm_([p], 1.0, impl="Torch").item() == 0.0
 
 
+@pytest.mark.parametrize("value", ["nope", "megatron", "torch,apex"])
+def test_clip_grad_norm_checks_its_variable_without_a_gradient(monkeypatch, value):
+    """A bad PIPEGOOSE_IMPL_CLIP_GRAD_NORM is the same ValueError with and without a gradient (a review: without one
+    the call returned tensor(0.) and said nothing)."""
+    monkeypatch.setenv("PIPEGOOSE_IMPL_CLIP_GRAD_NORM", value)
+    p = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match=f"PIPEGOOSE_IMPL_CLIP_GRAD_NORM='{value}': clip_grad_norm has no "):
+        clip_grad_norm_([p], 1.0)
+    p.grad = torch.ones(3)
+    with pytest.raises(ValueError, match=f"PIPEGOOSE_IMPL_CLIP_GRAD_NORM='{value}': clip_grad_norm has no "):
+        clip_grad_norm_([p], 1.0)
+
+
+def test_clip_grad_norm_of_empty_gradients_is_no_fallback_in_strict_mode():
+    """Gradients of no elements: the reference returns 0 (source ``empty``), which strict mode does not count as a
+    fallback (a review: it raised FusionFallbackError, where the README says an input of no elements is none)."""
+    p = torch.nn.Parameter(torch.zeros(0))
+    p.grad = torch.zeros(0)
+    with dispatch.strict():
+        total = clip_grad_norm_([p], 1.0)
+    assert total.item() == 0.0 and dispatch.last_choice("clip_grad_norm").source == "empty"
+
+
 def test_explain_of_clip_checks_norm_type_as_clip_grad_norm_does():
     g = torch.randn(4)
     p = torch.nn.Parameter(torch.zeros(4))
@@ -485,3 +508,8 @@ def test_explain_takes_one_buckets_lists_and_names_a_bad_argument():
         dispatch.explain("adam", g, g, g, g[:1])
     with pytest.raises(TypeError, match="grads: expected a list of tensors"):
         dispatch.explain("clip_grad_norm", g[0])
+    with pytest.raises(TypeError, match=r"grads\[1\] is NoneType: expected a list of tensors \(a parameter without a "
+                                        r"gradient: leave it out\)"):
+        dispatch.explain("clip_grad_norm", [g[0], None])
+    with pytest.raises(TypeError, match=r"params\[0\] is int: expected a list of tensors$"):
+        dispatch.explain("adam", g, [1, 2], g, g)

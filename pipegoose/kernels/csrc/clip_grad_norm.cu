@@ -50,9 +50,10 @@ namespace {
 constexpr const char* kNormOp = "pipegoose::multi_tensor_norm";
 constexpr const char* kMulOp = "pipegoose::multi_tensor_mul_";
 
-// Benchmark experiments (the build without them is what ships): -DPIPEGOOSE_CLIP_THREADS=N
-// threads per block, -DPIPEGOOSE_CLIP_UNROLL=U 16-byte vectors per thread and chunk, -DPIPEGOOSE_CLIP_MINB=B the
-// launch bounds' minimum blocks per SM (0: none; the norm kernel takes 38-40 registers, 6 blocks of 256 per SM).
+// Benchmark experiments (the build without them is what ships): -DPIPEGOOSE_CLIP_THREADS=N threads per block,
+// -DPIPEGOOSE_CLIP_UNROLL=U 16-byte vectors per thread and chunk, -DPIPEGOOSE_CLIP_MINB=B the launch bounds' minimum
+// blocks per SM (0: none; with the contiguous walk the norm kernel takes 37-38 registers and the scaling kernel 37-40,
+// ptxas for sm_90: 6 blocks of 256 per SM).
 #ifndef PIPEGOOSE_CLIP_THREADS
 #define PIPEGOOSE_CLIP_THREADS 256
 #endif

@@ -30,7 +30,8 @@ Choice, first that supports the input wins:
 6. before 5, an input of no elements (a problem whose ``numel`` is 0: a zero-size normalized_shape, an empty batch):
    the reference runs (source ``empty``, not a fallback: there is nothing for a kernel to compute); a request that
    named a kernel still warns that it could not run. (The fused modules' small-input shortcut counts such inputs as
-   ``small``; the optimizers' problems carry no ``numel``.)
+   ``small``; ``adam``'s problems carry no ``numel``; ``clip_grad_norm``'s do, so that a group of empty gradients is
+   ``empty``.)
 
 Ending on ``torch`` after a fused implementation was wanted is a *fallback*: the reason is recorded
 (:func:`explain`, :func:`last_choice`), logged at debug level on ``pipegoose.nn.fusion.dispatch``, and in strict
@@ -661,6 +662,17 @@ def _env_request(op: str) -> tuple[str | None, str]:
     return None, ""
 
 
+def check_op_env(op: str) -> None:
+    """Check ``op``'s ``PIPEGOOSE_IMPL_*`` variables as a call of the op would (for a call that returns before it
+    chooses, e.g. ``clip_grad_norm_`` without a gradient).
+
+    Raises:
+        KeyError: unknown op.
+        ValueError: the variable names no implementation of the op (named with its value and the implementations).
+    """
+    _checked_env_request(op, implementations(op))
+
+
 def _checked_env_request(op: str, impls: Mapping[str, Implementation]) -> tuple[str | None, str]:
     """:func:`_env_request`, with a ValueError naming the variable when its value is no implementation of ``op``."""
     env_impl, env_var = _env_request(op)
@@ -1063,7 +1075,10 @@ def explain(op: str, *inputs: Any, impl: str | None = None, **kwargs: Any) -> Ch
     ``explain("softmax.masked", x, mask, scale=0.125)``, ``explain("softmax.causal", x, 0.125)`` (as
     ``scaled_upper_triang_masked_softmax(x, scale)``), ``explain("layer_norm", x, (1024,), w, b)``; the optimizer ops
     take one bucket's lists (one tensor per parameter): ``explain("adam", grads, params, exp_avgs, exp_avg_sqs)``
-    (``bias_correction=False`` as a keyword) and ``explain("clip_grad_norm", grads, norm_type)``.
+    (``bias_correction=False`` as a keyword) and ``explain("clip_grad_norm", grads, norm_type)``, ``grads`` the
+    gradients of one (device, dtype) group (``clip_grad_norm_`` splits a model's gradients into such groups and asks
+    for each; a list that mixes dtypes is declined by the kernels, as one such group would be) and no None (a
+    parameter without a gradient: leave it out, as ``clip_grad_norm_`` does).
 
     Every implementation is asked, so the kernel of each one that takes the input is loaded (and, on a first run,
     built); :func:`choose` of :func:`problem_of` loads only what the choice needs.

@@ -351,6 +351,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     if not max_norm >= 0:
         raise ValueError(f"max_norm: expected a number >= 0 (inf: no clipping), got {max_norm}")
     if not grads:
+        dispatch.check_op_env(_mt.OP_CLIP)   # a bad PIPEGOOSE_IMPL_CLIP_GRAD_NORM is refused here too (a review)
         return torch.tensor(0.0)
     groups = _groups(grads)
     first = grads[0].device

@@ -83,8 +83,10 @@ def adam_problem(grads, params, exp_avgs, exp_avg_sqs, bias_correction: bool = T
 
 
 def clip_problem(grads: Sequence[torch.Tensor], norm_type: float) -> Problem:
-    """The ``clip_grad_norm`` problem of one (device, dtype) group; ``cols`` is its element count."""
+    """The ``clip_grad_norm`` problem of one (device, dtype) group; ``cols`` and the fact ``numel`` are its element
+    count (a group of empty gradients is the dispatcher's ``empty`` case: no fallback, in strict mode too)."""
     facts = _tensors_facts([grads])
+    facts["numel"] = sum(g.numel() for g in grads)
     facts["norm_type"] = float(norm_type)
     # tensor subclasses (DTensor: no storage of their own) cannot go to the kernels, which read the memory directly
     facts["plain"] = all(type(g) is torch.Tensor for g in grads)
@@ -218,6 +220,8 @@ dispatch.register(Implementation(OP_CLIP, "pipegoose", "ours", _pipegoose_clip_s
 dispatch.register(Implementation(OP_CLIP, "apex", "ported", _apex_clip_supports,
                                  ("apex/multi_tensor_l2norm", "apex/multi_tensor_scale"), SRC_APEX_CLIP))
 dispatch.register(Implementation(OP_CLIP, "torch", "reference", lambda p: (True, ""), (), "torch._foreach_norm"))
+
+
 def _tensor_lists(**lists: Any) -> None:
     """explain()'s checks of the optimizer ops' arguments: lists (or tuples) of tensors, not empty, of one length.
     (FusedAdam and clip_grad_norm_ build their lists themselves and call the problem builders directly.)"""
@@ -225,8 +229,12 @@ def _tensor_lists(**lists: Any) -> None:
     for name, lst in lists.items():
         if isinstance(lst, torch.Tensor) or not isinstance(lst, (list, tuple)):
             raise TypeError(f"{name}: expected a list of tensors (one per parameter), got {type(lst).__name__}")
-        if not lst or not all(isinstance(t, torch.Tensor) for t in lst):
+        if not lst:
             raise TypeError(f"{name}: expected a non-empty list of tensors")
+        bad = next((i for i, t in enumerate(lst) if not isinstance(t, torch.Tensor)), None)
+        if bad is not None:
+            hint = " (a parameter without a gradient: leave it out)" if lst[bad] is None else ""
+            raise TypeError(f"{name}[{bad}] is {type(lst[bad]).__name__}: expected a list of tensors{hint}")
         if n is not None and len(lst) != n:
             raise ValueError(f"{name}: {len(lst)} tensors, but grads has {n}; expected one per parameter")
         n = len(lst) if n is None else n
