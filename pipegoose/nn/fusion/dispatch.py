@@ -1077,8 +1077,8 @@ def explain(op: str, *inputs: Any, impl: str | None = None, **kwargs: Any) -> Ch
     take one bucket's lists (one tensor per parameter): ``explain("adam", grads, params, exp_avgs, exp_avg_sqs)``
     (``bias_correction=False`` as a keyword) and ``explain("clip_grad_norm", grads, norm_type)``, ``grads`` the
     gradients of one (device, dtype) group (``clip_grad_norm_`` splits a model's gradients into such groups and asks
-    for each; a list that mixes dtypes is declined by the kernels, as one such group would be) and no None (a
-    parameter without a gradient: leave it out, as ``clip_grad_norm_`` does).
+    for each; the kernels decline a list that mixes dtypes, which ``clip_grad_norm_`` never asks about) and no None
+    (a parameter without a gradient: leave it out, as ``clip_grad_norm_`` does).
 
     Every implementation is asked, so the kernel of each one that takes the input is loaded (and, on a first run,
     built); :func:`choose` of :func:`problem_of` loads only what the choice needs.
