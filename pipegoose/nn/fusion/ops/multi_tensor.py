@@ -86,12 +86,12 @@ def clip_problem(grads: Sequence[torch.Tensor], norm_type: float) -> Problem:
     """The ``clip_grad_norm`` problem of one (device, dtype) group; ``cols`` and the fact ``numel`` are its element
     count (a group of empty gradients is the dispatcher's ``empty`` case: no fallback, in strict mode too)."""
     facts = _tensors_facts([grads])
-    facts["numel"] = sum(g.numel() for g in grads)
+    facts["numel"] = numel = sum(g.numel() for g in grads)
     facts["norm_type"] = float(norm_type)
     # tensor subclasses (DTensor: no storage of their own) cannot go to the kernels, which read the memory directly
     facts["plain"] = all(type(g) is torch.Tensor for g in grads)
     facts["overlap"] = _overlap(grads) if facts["plain"] else None
-    return Problem(OP_CLIP, grads[0].dtype, grads[0].device, sum(g.numel() for g in grads), False, facts)
+    return Problem(OP_CLIP, grads[0].dtype, grads[0].device, numel, False, facts)
 
 
 def _overlap(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
