@@ -4,9 +4,10 @@ effective bandwidth, in one run beside the copy bandwidth.
     python -m benchmarks.rope_partial [--shapes 8x2048x16x64x16 ...] [--reps 30] [--impls a,b] [--out DIR]
                                       [--raw | --defines=-DNAME=VALUE,...]
 
-Shapes ``BxSxHxDxR``: batch, sequence, heads (q's and k's), head size, rotated values a head. q and k are GPT-NeoX's:
-chunks of one [B, H, S, 3D] projection (``qkv.view(B, S, H, 3D).transpose(1, 2).chunk(3, -1)``: not dense), cos and
-sin [1, S, R] (GPT-NeoX's rotary embedding: angles from positions, ``cat(freqs, freqs)``), all bf16.
+Shapes ``BxSxHxDxR``: batch, sequence, heads (q's and k's), head size, rotated values a head (R == D, whole heads:
+an A/B of the kernel's rotation path; ``benchmarks.run --only rope`` times those beside the peers). q and k are
+GPT-NeoX's: chunks of one [B, H, S, 3D] projection (``qkv.view(B, S, H, 3D).transpose(1, 2).chunk(3, -1)``: not
+dense), cos and sin [1, S, R] (GPT-NeoX's rotary embedding: angles from positions, ``cat(freqs, freqs)``), all bf16.
 
 Implementations, each of ``(q_embed, k_embed) = apply_rotary_pos_emb(q, k, cos, sin)``:
 
@@ -52,14 +53,14 @@ PASSES = ("fwd", "fwd+bwd")
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int, int]:
-    """``BxSxHxDxR`` -> (B, S, H, D, R); R even and below D."""
+    """``BxSxHxDxR`` -> (B, S, H, D, R); R even, at most D (R == D: whole heads, for an A/B of the rotation path)."""
     try:
         b, s, h, d, r = (int(x) for x in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected BxSxHxDxR (batch x seq x heads x head size x rotated), got "
                                          f"{text!r}") from None
-    if min(b, s, h, d, r) < 1 or r % 2 or not r < d:
-        raise argparse.ArgumentTypeError(f"expected positive sizes with R even and below D, got {text!r}")
+    if min(b, s, h, d, r) < 1 or r % 2 or r > d:
+        raise argparse.ArgumentTypeError(f"expected positive sizes with R even and at most D, got {text!r}")
     return b, s, h, d, r
 
 

@@ -14,7 +14,8 @@ from benchmarks import rope_partial as B
 
 def test_parse_shape():
     assert B.parse_shape("8x2048x16x64x16") == (8, 2048, 16, 64, 16)
-    for bad in ("8x2048x16x64", "8x2048x16x64x15", "8x2048x16x64x64", "0x1x1x4x2", "axbxcxdxe"):
+    assert B.parse_shape("8x2048x16x64x64") == (8, 2048, 16, 64, 64)   # whole heads
+    for bad in ("8x2048x16x64", "8x2048x16x64x15", "8x2048x16x64x66", "0x1x1x4x2", "axbxcxdxe"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected"):
             B.parse_shape(bad)
 

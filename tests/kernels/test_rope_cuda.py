@@ -546,17 +546,20 @@ def test_functional_on_cuda_runs_the_kernel(ops, no_tuning_table, dtype):
         check(name, got, w, dtype, like)
 
 
-# (B, Hq, Hk, S, D, R, Bc): R rotated values a head
+# (B, Hq, Hk, S, D, R, Bc): R rotated values a head. A thread passes through two 16-byte vectors, or as many narrower
+# ones as divide their count, up to 16 bytes (16-bit here)
 PARTIAL_CASES = [
-    (8, 16, 16, 256, 64, 16, 1),   # Pythia-410m: a quarter of each head (R/2 = 8: one 16-bit vector a half)
+    (8, 16, 16, 256, 64, 16, 1),   # Pythia-410m: a quarter of each head (R/2 = 8: one 16-bit vector a half; 6 vectors
+                                   # passed through, 2 a thread)
     (2, 8, 2, 33, 128, 32, 2),     # grouped heads, a table per sequence
     (3, 3, 1, 7, 64, 16, 3),       # odd sizes
     (2, 4, 2, 9, 64, 6, 1),        # R/2 = 3: the scalar path
     (2, 4, 2, 9, 80, 8, 1),        # R/2 = 4: one fp32 vector a half; 16-bit: vectors of 4 (8 bytes)
     (2, 4, 2, 9, 80, 20, 1),       # R/2 = 10 (Pythia-2.8b's head): vectors of 2, 3 a thread passed through (fp32: 2)
     (2, 4, 2, 9, 96, 24, 1),       # R/2 = 12 (GPT-NeoX-20B's head): vectors of 4
-    (2, 4, 2, 9, 88, 24, 1),       # vectors of 4, 16 passed through: 2 a thread in 16-bit, 1 in fp32
+    (2, 4, 2, 9, 88, 24, 1),       # vectors of 4, 16 passed through, 2 a thread (fp32's are 16 bytes wide)
     (2, 4, 2, 9, 78, 2, 1),        # R/2 = 1: the scalar path, 76 values passed through, 4 a thread
+    (2, 2, 1, 5, 520, 8, 1),       # 512 values passed through: 64 16-byte vectors, 32 threads a head
 ]
 
 

@@ -32,10 +32,10 @@
 // consecutive vectors of a head (the rotated ones, then those passed through), then the next head: a token's heads are
 // contiguous in Llama's layout, so a warp reads and writes whole lines. Where a pointer or a stride is not a multiple
 // of 16 bytes, or R/2 or D - R not a multiple of the vector, the same kernel runs on the widest vector that fits (8, 4
-// or 2 bytes), down to one element per thread; a thread then passes through up to 16 bytes' worth of those vectors,
-// as many as divide their count (session 56, H100, bf16 forward + backward: Pythia-2.8b's heads, 80 values and 20
-// rotated, ran at 38% of copy with one vector of 4 bytes a thread and at 66% with three, against 71-79% for heads
-// whose halves take 16-byte vectors).
+// or 2 bytes), down to one element per thread. A thread passes through two 16-byte vectors (session 57, H100, bf16
+// forward + backward, Pythia's heads of 64 and 128 values with a quarter rotated: 81-82% of copy, against 72-73% with
+// one), or up to 16 bytes' worth of narrower ones, as many as divide their count (session 56: Pythia-2.8b's heads, 80
+// values and 20 rotated, ran at 38% of copy with one vector of 4 bytes a thread and at 66% with three).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -55,11 +55,16 @@ namespace {
 #define PIPEGOOSE_ROPE_THREADS 256
 #endif
 constexpr int kThreads = PIPEGOOSE_ROPE_THREADS;
-// Benchmark experiment, not yet timed: -DPIPEGOOSE_ROPE_COPY_BYTES=B (a multiple of 16) the most bytes of the widest
-// type that one thread passes through with partial rotary (default 16: one 16-byte vector, or several narrower ones).
-// 32 or 64 give a head of 64 with 16 rotated (Pythia's) 2 or 4 threads for its 48 passed-through values instead of 6.
+// The most bytes that one thread passes through with partial rotary where the values move in 16-byte vectors (narrower
+// vectors: 16 bytes' worth). Benchmark experiment: -DPIPEGOOSE_ROPE_COPY_BYTES=B, a multiple of 16. Session 57, H100,
+// bf16 forward + backward, % of copy (benchmarks.rope_partial; torch.compile 83 and 78):
+//   heads of 64 and 128 values, a quarter rotated (16-byte vectors): 16 bytes 72-73, 32 bytes 81-82, 64 bytes 67-75;
+//   heads of 80 with 20 rotated (4-byte vectors): 16 bytes 66, 32 bytes 57, 64 bytes 32.
+// Slower in the same runs: a thread taking every n-th vector of its head rather than contiguous ones, in the widest
+// bitwise copy that fits (8 bytes for the heads of 80): 76 and 62 at 32 bytes; a rotating thread taking 2 or 4 vectors
+// of each half rather than one: whole heads of 64 values 89 -> 76 and 44, of 128 values 89 -> 82 and 65.
 #ifndef PIPEGOOSE_ROPE_COPY_BYTES
-#define PIPEGOOSE_ROPE_COPY_BYTES 16
+#define PIPEGOOSE_ROPE_COPY_BYTES 32
 #endif
 static_assert(PIPEGOOSE_ROPE_COPY_BYTES >= 16 && PIPEGOOSE_ROPE_COPY_BYTES % 16 == 0,
               "PIPEGOOSE_ROPE_COPY_BYTES: a multiple of 16");
@@ -88,7 +93,8 @@ struct Params {
 };
 
 // The size of the widest of the three types; the elements of a 16-byte vector of it (the widest vector of a
-// launch), and the most elements one thread passes through (PIPEGOOSE_ROPE_COPY_BYTES of it).
+// launch), and the most elements one thread passes through at v elements a vector (PIPEGOOSE_ROPE_COPY_BYTES of it
+// where v is that widest vector, else 16 bytes' worth).
 template <typename TI, typename TC, typename TO>
 constexpr int kWidestSize = static_cast<int>(sizeof(TI) > sizeof(TC) ? (sizeof(TI) > sizeof(TO) ? sizeof(TI)
                                                                                                   : sizeof(TO))
@@ -97,7 +103,9 @@ constexpr int kWidestSize = static_cast<int>(sizeof(TI) > sizeof(TC) ? (sizeof(T
 template <typename TI, typename TC, typename TO>
 constexpr int kWidestVec = 16 / kWidestSize<TI, TC, TO>;
 template <typename TI, typename TC, typename TO>
-constexpr int kCopyElems = PIPEGOOSE_ROPE_COPY_BYTES / kWidestSize<TI, TC, TO>;
+constexpr int copy_elems(int v) {
+  return (v == kWidestVec<TI, TC, TO> ? PIPEGOOSE_ROPE_COPY_BYTES : 16) / kWidestSize<TI, TC, TO>;
+}
 
 template <typename T, int V>
 struct alignas(sizeof(T) * V) Vec {
@@ -167,9 +175,8 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const Params p) {
                                                         static_cast<int64_t>(head) * res.h +
                                                         static_cast<int64_t>(s) * res.s + e);
   if (w >= static_cast<I>(p.vecs)) {   // partial rotary: passed through (converted where TO is not TI)
-    // group vectors of V (up to PIPEGOOSE_ROPE_COPY_BYTES of the widest type in all, default 16): every load in
-    // flight before the first store
-    constexpr int kGroup = kCopyElems<TI, TC, TO> / V;
+    // group vectors of V (up to copy_elems(V) elements in all): every load in flight before the first store
+    constexpr int kGroup = copy_elems<TI, TC, TO>(V) / V;
     Vec<TI, V> a[kGroup];
 #pragma unroll
     for (int g = 0; g < kGroup; ++g) {
@@ -328,9 +335,10 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
   while (v > 1 && !fits(v)) v /= 2;
   p.vecs = p.half / v;
   p.copies /= v;
-  // the vectors passed through go kCopyElems / v at a time (16 bytes' worth by default), or as many as divide their
-  // count (Pythia-2.8b's 30 vectors of 2 in 16-bit: 3 a thread), so that a narrow vector does not mean a narrow thread
-  p.group = kCopyElems<TI, TC, TO> / v;
+  // the vectors passed through go copy_elems(v) / v at a time (two 16-byte vectors; 16 bytes' worth of narrower
+  // ones), or as many as divide their count (Pythia-2.8b's 30 vectors of 2 in 16-bit: 3 a thread), so that a narrow
+  // vector does not mean a narrow thread
+  p.group = copy_elems<TI, TC, TO>(v) / v;
   while (p.copies % p.group != 0) --p.group;
   p.copies /= p.group;
   const int64_t tokens = p.items;  // (set by the caller to B * S)
