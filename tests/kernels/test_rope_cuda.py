@@ -54,6 +54,7 @@ CASES = [
     (2, 4, 2, 9, 24, 2),      # D 24: halves of 12: three fp32 vectors; 16-bit: three vectors of 4 (8 bytes)
     (2, 4, 4, 33, 16, 1),     # D 16: one 16-bit vector per half
     (1, 40, 7, 300, 128, 1),  # hundreds of blocks, the last one partial (Hk 7: no divisor of Hq, which is fine)
+    (2, 4, 2, 9, 18, 1),      # D 18: halves of 9 (scalar path): a thread rotates up to 8 narrow vectors, here 5 and 4
 ]
 AUTOGRAD_CASES = [CASES[0], CASES[3], CASES[8], CASES[11]]
 

@@ -62,7 +62,9 @@ constexpr int kThreads = PIPEGOOSE_ROPE_THREADS;
 //   heads of 80 with 20 rotated (4-byte vectors): 16 bytes 66, 32 bytes 57, 64 bytes 32.
 // Slower in the same runs: a thread taking every n-th vector of its head rather than contiguous ones, in the widest
 // bitwise copy that fits (8 bytes for the heads of 80): 76 and 62 at 32 bytes; a rotating thread taking 2 or 4 vectors
-// of each half rather than one: whole heads of 64 values 89 -> 76 and 44, of 128 values 89 -> 82 and 65.
+// of each half rather than one: whole heads of 64 values 89 -> 76 and 44, of 128 values 89 -> 82 and 65; and, where
+// the halves take narrower vectors, up to 16 or 32 bytes of them (the heads of 80: 3 + 2 or all 5 of a half's 4-byte
+// vectors in a thread): 66 -> 53 and 43.
 #ifndef PIPEGOOSE_ROPE_COPY_BYTES
 #define PIPEGOOSE_ROPE_COPY_BYTES 32
 #endif
