@@ -54,7 +54,7 @@ CASES = [
     (2, 4, 2, 9, 24, 2),      # D 24: halves of 12: three fp32 vectors; 16-bit: three vectors of 4 (8 bytes)
     (2, 4, 4, 33, 16, 1),     # D 16: one 16-bit vector per half
     (1, 40, 7, 300, 128, 1),  # hundreds of blocks, the last one partial (Hk 7: no divisor of Hq, which is fine)
-    (2, 4, 2, 9, 18, 1),      # D 18: halves of 9 (scalar path): a thread rotates up to 8 narrow vectors, here 5 and 4
+    (2, 4, 2, 9, 18, 1),      # D 18: halves of 9 (scalar path; a thread rotates one value of each half)
 ]
 AUTOGRAD_CASES = [CASES[0], CASES[3], CASES[8], CASES[11]]
 
@@ -560,7 +560,7 @@ PARTIAL_CASES = [
     (2, 4, 2, 9, 96, 24, 1),       # R/2 = 12 (GPT-NeoX-20B's head): vectors of 4
     (2, 4, 2, 9, 88, 24, 1),       # vectors of 4, 16 passed through, 2 a thread (fp32's are 16 bytes wide)
     (2, 4, 2, 9, 78, 2, 1),        # R/2 = 1: the scalar path, 76 values passed through, 4 a thread
-    (2, 2, 1, 5, 520, 8, 1),       # 512 values passed through: 64 16-byte vectors, 32 threads a head
+    (2, 2, 1, 5, 520, 8, 1),       # 512 values passed through in vectors of 4, 2 a thread: 64 threads a head
 ]
 
 
