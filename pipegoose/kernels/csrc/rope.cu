@@ -55,6 +55,14 @@ namespace {
 #define PIPEGOOSE_ROPE_THREADS 256
 #endif
 constexpr int kThreads = PIPEGOOSE_ROPE_THREADS;
+// Benchmark experiment, not yet timed (the build without it is what ships): -DPIPEGOOSE_ROPE_MIN_BLOCKS=N, the
+// resident blocks an SM that __launch_bounds__ asks the compiler to allow (8: at most 32 registers a thread, full
+// occupancy; the 16-bit kernels of 16-byte vectors take 40 without it, 6 blocks an SM).
+#ifdef PIPEGOOSE_ROPE_MIN_BLOCKS
+#define PIPEGOOSE_ROPE_BOUNDS __launch_bounds__(kThreads, PIPEGOOSE_ROPE_MIN_BLOCKS)
+#else
+#define PIPEGOOSE_ROPE_BOUNDS __launch_bounds__(kThreads)
+#endif
 // The most bytes that one thread passes through with partial rotary where the values move in 16-byte vectors (narrower
 // vectors: 16 bytes' worth). Benchmark experiment: -DPIPEGOOSE_ROPE_COPY_BYTES=B, a multiple of 16. Session 57, H100,
 // bf16 forward + backward, % of copy (benchmarks.rope_partial; torch.compile 83 and 78):
@@ -152,7 +160,7 @@ __device__ __forceinline__ void store(T* p, const Vec<T, V>& r) {
 // TI: the rotated tensors' element type (q, k; the output gradients), TC: cos and sin's, TO: the results'; kBwd: the
 // transposed rotation (the backward); I: the index type of the item arithmetic (32-bit where it fits).
 template <typename TI, typename TC, typename TO, int V, bool kBwd, typename I>
-__global__ void __launch_bounds__(kThreads) rope_kernel(const Params p) {
+__global__ void PIPEGOOSE_ROPE_BOUNDS rope_kernel(const Params p) {
   const I item = static_cast<I>(blockIdx.x) * kThreads + threadIdx.x;
   if (item >= static_cast<I>(p.items)) return;
   const I per_head = static_cast<I>(p.vecs) + p.copies;
