@@ -76,6 +76,11 @@ constexpr int kThreads = PIPEGOOSE_ROPE_THREADS;
 #ifndef PIPEGOOSE_ROPE_COPY_BYTES
 #define PIPEGOOSE_ROPE_COPY_BYTES 32
 #endif
+// Benchmark experiment, not yet timed (the build without it is what ships): -DPIPEGOOSE_ROPE_FLAT=1. Where partial
+// rotary's halves take vectors narrower than 16 bytes but the head itself is made of 16-byte chunks (Pythia-2.8b's 80
+// values with 20 rotated: halves of 10), rope_flat_kernel gives each thread one 16-byte chunk of a head, rotated
+// values or not: the chunk is loaded and stored whole, and a rotated value's partner, cos and sin come in scalar loads
+// (L1 hits: the partner lies in the same head, the tables are one row a token).
 static_assert(PIPEGOOSE_ROPE_COPY_BYTES >= 16 && PIPEGOOSE_ROPE_COPY_BYTES % 16 == 0,
               "PIPEGOOSE_ROPE_COPY_BYTES: a multiple of 16");
 
@@ -100,6 +105,9 @@ struct Params {
   int32_t seq, heads_q, heads, half;   // heads = Hq + Hk; half = R / 2
   int32_t vecs;                        // vectors per half of the rotated values
   int32_t copies, group;               // threads that pass a head's D - R last values through, vectors each
+#ifdef PIPEGOOSE_ROPE_FLAT
+  int32_t dim;                         // rope_flat_kernel: D, the values a head (vecs: its 16-byte chunks)
+#endif
 };
 
 // The size of the widest of the three types; the elements of a 16-byte vector of it (the widest vector of a
@@ -231,6 +239,62 @@ __global__ void PIPEGOOSE_ROPE_BOUNDS rope_kernel(const Params p) {
   store<TO, V>(y + p.half, y2);
 }
 
+#ifdef PIPEGOOSE_ROPE_FLAT
+// One thread per (token, head, chunk of V elements of the head; p.vecs chunks a head): the chunk loaded whole, each
+// value rotated (its partner at i -/+ R/2, cos and sin at i; the backward's sin at the partner's index) or passed
+// through, and the chunk stored whole. The same roundings as rope_kernel: its results bit for bit.
+template <typename TI, typename TC, typename TO, int V, bool kBwd, typename I>
+__global__ void PIPEGOOSE_ROPE_BOUNDS rope_flat_kernel(const Params p) {
+  const I item = static_cast<I>(blockIdx.x) * kThreads + threadIdx.x;
+  if (item >= static_cast<I>(p.items)) return;
+  const I per_token = static_cast<I>(p.heads) * p.vecs;
+  const I token = item / per_token;
+  const I r = item - token * per_token;
+  const I b = token / p.seq;
+  const I s = token - b * p.seq;
+  I head = r / p.vecs;
+  const int i0 = static_cast<int>(r - head * p.vecs) * V;   // the chunk's first value within the head
+  const bool is_q = head < static_cast<I>(p.heads_q);
+  if (!is_q) head -= p.heads_q;
+  const Strides in = is_q ? p.q_in : p.k_in;
+  const Strides res = is_q ? p.q_res : p.k_res;
+  const TI* x = static_cast<const TI*>(is_q ? p.q : p.k) + (static_cast<int64_t>(b) * in.b +
+                                                            static_cast<int64_t>(head) * in.h +
+                                                            static_cast<int64_t>(s) * in.s);
+  TO* y = static_cast<TO*>(is_q ? p.q_out : p.k_out) + (static_cast<int64_t>(b) * res.b +
+                                                        static_cast<int64_t>(head) * res.h +
+                                                        static_cast<int64_t>(s) * res.s);
+  const Vec<TI, V> a = load<TI, V>(x + i0);
+  Vec<TO, V> o;
+  const int rotated = 2 * p.half;
+  if (i0 >= rotated) {   // passed through
+#pragma unroll
+    for (int j = 0; j < V; ++j) o.v[j] = from_f<TO>(to_f(a.v[j]));
+  } else {
+    const TC* c = static_cast<const TC*>(p.cos) + (static_cast<int64_t>(b) * p.cos_b +
+                                                   static_cast<int64_t>(s) * p.cos_s);
+    const TC* n = static_cast<const TC*>(p.sin) + (static_cast<int64_t>(b) * p.sin_b +
+                                                   static_cast<int64_t>(s) * p.sin_s);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int i = i0 + j;
+      if (i >= rotated) {
+        o.v[j] = from_f<TO>(to_f(a.v[j]));
+        continue;
+      }
+      const bool first = i < p.half;
+      const int partner = first ? i + p.half : i - p.half;
+      const float xv = to_f(a.v[j]), xp = to_f(x[partner]), cv = to_f(c[i]);
+      const float sv = to_f(n[kBwd ? partner : i]);
+      // forward: y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2; backward: g1 = dy1 c1 + dy2 s2, g2 = dy2 c2 - dy1 s1
+      const bool minus = kBwd ? !first : first;
+      o.v[j] = from_f<TO>(__fmaf_rn(xv, cv, minus ? -__fmul_rn(xp, sv) : __fmul_rn(xp, sv)));
+    }
+  }
+  store<TO, V>(y + i0, o);
+}
+#endif
+
 const char* kFwd = "pipegoose::rope_forward";
 const char* kBwd = "pipegoose::rope_backward";
 
@@ -343,6 +407,38 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
   };
   int v = kV;
   while (v > 1 && !fits(v)) v /= 2;
+#ifdef PIPEGOOSE_ROPE_FLAT
+  // partial rotary whose halves take narrower vectors, on heads of whole 16-byte chunks: rope_flat_kernel
+  const int64_t dim = 2 * static_cast<int64_t>(p.half) + p.copies;
+  auto fits_flat = [&]() {
+    bool ok = multiple(dim, kV) && aligned(p.q, kV * sizeof(TI)) && aligned(p.k, kV * sizeof(TI)) &&
+              aligned(p.q_out, kV * sizeof(TO)) && aligned(p.k_out, kV * sizeof(TO));
+    for (const Strides& st : strides) ok = ok && multiple(st.b, kV) && multiple(st.h, kV) && multiple(st.s, kV);
+    return ok;
+  };
+  if (v < kV && p.copies > 0 && fits_flat()) {
+    p.dim = static_cast<int32_t>(dim);
+    p.vecs = static_cast<int32_t>(dim / kV);
+    p.copies = p.group = 0;
+    p.items *= static_cast<int64_t>(p.heads) * p.vecs;   // (p.items: B * S, set by the caller)
+    if (p.items == 0) return;
+    const int64_t blocks = (p.items + kThreads - 1) / kThreads;
+    PG_CHECK(blocks <= INT32_MAX, op, ": ", p.items, " work items are more than one launch covers");
+    const bool narrow = p.items + kThreads <= INT32_MAX;
+    auto go = [&](auto kernel) {
+      kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (bwd) {
+      narrow ? go(rope_flat_kernel<TI, TC, TO, kV, true, uint32_t>)
+             : go(rope_flat_kernel<TI, TC, TO, kV, true, int64_t>);
+    } else {
+      narrow ? go(rope_flat_kernel<TI, TC, TO, kV, false, uint32_t>)
+             : go(rope_flat_kernel<TI, TC, TO, kV, false, int64_t>);
+    }
+    return;
+  }
+#endif
   p.vecs = p.half / v;
   p.copies /= v;
   // the vectors passed through go copy_elems(v) / v at a time (two 16-byte vectors; 16 bytes' worth of narrower
