@@ -17,7 +17,7 @@ Implementations, each of ``(q_embed, k_embed) = apply_rotary_pos_emb(q, k, cos, 
   for these inputs, without the dispatcher), and with ``--defines`` the same op of a build of ``pipegoose/rope`` with
   those nvcc defines (``benchmarks.build_cost.builder_with_defines``: its own build key; a define that no file of the
   kernel names is refused). An A/B of a build switch is two runs, ``--impls pipegoose --raw`` and ``--impls pipegoose
-  --defines=-DPIPEGOOSE_ROPE_COPY_BYTES=32`` (with ``=``: a value that starts with ``-`` is not an option), one
+  --defines=-DPIPEGOOSE_ROPE_COPY_BYTES=16`` (with ``=``: a value that starts with ``-`` is not an option), one
   process each (two builds cannot register one op in one process);
 * ``transformers``: GPT-NeoX's ``apply_rotary_pos_emb`` (``modeling_gpt_neox``), eager: what the model runs;
 * ``compile``: ``torch.compile`` of that function.

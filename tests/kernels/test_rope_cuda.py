@@ -561,6 +561,8 @@ PARTIAL_CASES = [
     (2, 4, 2, 9, 88, 24, 1),       # vectors of 4, 16 passed through, 2 a thread (fp32's are 16 bytes wide)
     (2, 4, 2, 9, 78, 2, 1),        # R/2 = 1: the scalar path, 76 values passed through, 4 a thread
     (2, 2, 1, 5, 520, 8, 1),       # 512 values passed through in vectors of 4, 2 a thread: 64 threads a head
+    (2, 3, 1, 5, 72, 16, 1),       # 16-bit: 7 vectors of 16 bytes passed through, an odd count: 1 a thread
+    (2, 3, 1, 5, 76, 16, 1),       # fp32 (and 16-bit with fp32 tables): 15 vectors of 4, 1 a thread; 16-bit: 8 bytes
 ]
 
 

@@ -32,10 +32,11 @@
 // consecutive vectors of a head (the rotated ones, then those passed through), then the next head: a token's heads are
 // contiguous in Llama's layout, so a warp reads and writes whole lines. Where a pointer or a stride is not a multiple
 // of 16 bytes, or R/2 or D - R not a multiple of the vector, the same kernel runs on the widest vector that fits (8, 4
-// or 2 bytes), down to one element per thread. A thread passes through two 16-byte vectors (session 57, H100, bf16
-// forward + backward, Pythia's heads of 64 and 128 values with a quarter rotated: 81-82% of copy, against 72-73% with
-// one), or up to 16 bytes' worth of narrower ones, as many as divide their count (session 56: Pythia-2.8b's heads, 80
-// values and 20 rotated, ran at 38% of copy with one vector of 4 bytes a thread and at 66% with three).
+// or 2 bytes), down to one element per thread. A thread passes through two vectors of the widest width (16 bytes of
+// the widest type; one where their count is odd; session 57, H100, bf16 forward + backward, Pythia's heads of 64 and
+// 128 values with a quarter rotated: 81-82% of copy, against 72-73% with one), or up to 16 bytes' worth of narrower
+// ones, as many as divide their count (session 56: Pythia-2.8b's heads, 80 values and 20 rotated, ran at 38% of copy
+// with one vector of 4 bytes a thread and at 66% with three).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -68,9 +69,10 @@ constexpr int kThreads = PIPEGOOSE_ROPE_THREADS;
 // bf16 forward + backward, % of copy (benchmarks.rope_partial; torch.compile 83 and 78):
 //   heads of 64 and 128 values, a quarter rotated (16-byte vectors): 16 bytes 72-73, 32 bytes 81-82, 64 bytes 67-75;
 //   heads of 80 with 20 rotated (4-byte vectors): 16 bytes 66, 32 bytes 57, 64 bytes 32.
-// Slower in the same runs: a thread taking every n-th vector of its head rather than contiguous ones, in the widest
-// bitwise copy that fits (8 bytes for the heads of 80): 76 and 62 at 32 bytes; a rotating thread taking 2 or 4 vectors
-// of each half rather than one: whole heads of 64 values 89 -> 76 and 44, of 128 values 89 -> 82 and 65; and, where
+// Slower: a thread taking every n-th vector of its head rather than contiguous ones, in the widest bitwise copy that
+// fits (8 bytes for the heads of 80): 75-77 and 62 at 32 bytes (a later call than the numbers above, on the same GPU);
+// in runs beside the shipped rule, a rotating thread taking 2 or 4 vectors of each half rather than one: whole heads
+// of 64 values 89 -> 76 and 44, of 128 values 89 -> 82 and 65; and, where
 // the halves take narrower vectors, up to 16 or 32 bytes of them (the heads of 80: 3 + 2 or all 5 of a half's 4-byte
 // vectors in a thread): 66 -> 53 and 43.
 #ifndef PIPEGOOSE_ROPE_COPY_BYTES
@@ -441,7 +443,7 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
 #endif
   p.vecs = p.half / v;
   p.copies /= v;
-  // the vectors passed through go copy_elems(v) / v at a time (two 16-byte vectors; 16 bytes' worth of narrower
+  // the vectors passed through go copy_elems(v) / v at a time (two of the widest width; 16 bytes' worth of narrower
   // ones), or as many as divide their count (Pythia-2.8b's 30 vectors of 2 in 16-bit: 3 a thread), so that a narrow
   // vector does not mean a narrow thread
   p.group = copy_elems<TI, TC, TO>(v) / v;
