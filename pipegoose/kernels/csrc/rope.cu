@@ -72,9 +72,8 @@ constexpr int kThreads = PIPEGOOSE_ROPE_THREADS;
 // Slower: a thread taking every n-th vector of its head rather than contiguous ones, in the widest bitwise copy that
 // fits (8 bytes for the heads of 80): 75-77 and 62 at 32 bytes (a later call than the numbers above, on the same GPU);
 // in runs beside the shipped rule, a rotating thread taking 2 or 4 vectors of each half rather than one: whole heads
-// of 64 values 89 -> 76 and 44, of 128 values 89 -> 82 and 65; and, where
-// the halves take narrower vectors, up to 16 or 32 bytes of them (the heads of 80: 3 + 2 or all 5 of a half's 4-byte
-// vectors in a thread): 66 -> 53 and 43.
+// of 64 values 89 -> 76 and 44, of 128 values 89 -> 82 and 65; and, where the halves take narrower vectors, up to 16
+// or 32 bytes of them (the heads of 80: 3 + 2 or all 5 of a half's 4-byte vectors in a thread): 66 -> 53 and 43.
 #ifndef PIPEGOOSE_ROPE_COPY_BYTES
 #define PIPEGOOSE_ROPE_COPY_BYTES 32
 #endif
@@ -107,9 +106,6 @@ struct Params {
   int32_t seq, heads_q, heads, half;   // heads = Hq + Hk; half = R / 2
   int32_t vecs;                        // vectors per half of the rotated values
   int32_t copies, group;               // threads that pass a head's D - R last values through, vectors each
-#ifdef PIPEGOOSE_ROPE_FLAT
-  int32_t dim;                         // rope_flat_kernel: D, the values a head (vecs: its 16-byte chunks)
-#endif
 };
 
 // The size of the widest of the three types; the elements of a 16-byte vector of it (the widest vector of a
@@ -419,8 +415,7 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
     return ok;
   };
   if (v < kV && p.copies > 0 && fits_flat()) {
-    p.dim = static_cast<int32_t>(dim);
-    p.vecs = static_cast<int32_t>(dim / kV);
+    p.vecs = static_cast<int32_t>(dim / kV);   // the head's chunks
     p.copies = p.group = 0;
     p.items *= static_cast<int64_t>(p.heads) * p.vecs;   // (p.items: B * S, set by the caller)
     if (p.items == 0) return;
