@@ -287,11 +287,13 @@ def main() -> int:
                     rp.rope_backward(qq, kk, cos, sin)
                     calls += 2
         # partial rotary (B, Hq, Hk, S, D, R, Bc): Pythia's quarter of a head (one 16-bit vector a half), R/2 and D - R
-        # no multiple of the vector (the scalar path), GPT-NeoX's chunks of a fused [B, S, H, 3D] projection, fp32
-        # tables with 16-bit q and k, and the misaligned views
+        # no multiple of the vector (the scalar path), an odd count of the widest vectors passed through (D 72, R 16),
+        # GPT-NeoX's chunks of a fused [B, S, H, 3D] projection, fp32 tables with 16-bit q and k, and the misaligned
+        # views
         for dt in dtypes:
             for b, hq, hk, s, d, r, bc in ((2, 16, 16, 64, 64, 16, 1), (2, 4, 2, 9, 64, 6, 1), (2, 4, 2, 9, 80, 20, 2),
-                                           (3, 3, 1, 7, 128, 32, 3), (1, 2, 2, 5, 8, 2, 1), (2, 4, 2, 9, 88, 24, 1)):
+                                           (3, 3, 1, 7, 128, 32, 3), (1, 2, 2, 5, 8, 2, 1), (2, 4, 2, 9, 88, 24, 1),
+                                           (2, 3, 1, 5, 72, 16, 1)):
                 qkv = torch.randn(b, s, hq, 3 * d, device="cuda", dtype=dt).transpose(1, 2)
                 q, k = torch.randn(b, hq, s, d, device="cuda", dtype=dt), torch.randn(b, hk, s, d, device="cuda",
                                                                                         dtype=dt)
