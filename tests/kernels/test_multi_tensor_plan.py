@@ -9,8 +9,7 @@ small one that splits often. Checks, on lists of odd sizes with empty and misali
   16-byte aligned;
 * the walk of the chunks as each kernel does it (Adam: a block per chunk, searching from tensor 0; clipping: a fixed
   grid of blocks, each walking one contiguous range of chunks (``chunk_range``, ``next_tensor``; the ranges differ by
-  at most one chunk), or, as its ``-DPIPEGOOSE_CLIP_CONTIGUOUS=0`` build, chunks b, b + grid, ..., each search from
-  the tensor of the block's previous chunk) visits every chunk exactly once and finds the tensor that owns it.
+  at most one chunk)) visits every chunk exactly once and finds the tensor that owns it.
 
 Marked ``slow``: it compiles a C++ extension (about a minute on two cores)."""
 
@@ -81,7 +80,7 @@ def check_plan(launches, lists, elems, table):
     assert got == want
 
 
-def check_walk(walk, launches, grid, contiguous=False):
+def check_walk(walk, launches, grid):
     for j, l in enumerate(launches):
         steps = [w for w in walk if w[0] == j]
         assert sorted(c for _, _, c, _ in steps) == list(range(l["chunks"])), "every chunk exactly once"
@@ -89,10 +88,10 @@ def check_walk(walk, launches, grid, contiguous=False):
         per, extra = divmod(l["chunks"], g)
         firsts = [b * per + min(b, extra) for b in range(g + 1)]   # the contiguous ranges: sizes per + 1, then per
         for _, b, c, t in steps:
-            if contiguous:
-                assert firsts[b] <= c < firsts[b + 1], f"launch {j}: block {b} took chunk {c}"
+            if grid == 0:
+                assert c == b
             else:
-                assert c % g == b
+                assert firsts[b] <= c < firsts[b + 1], f"launch {j}: block {b} took chunk {c}"
             assert t == bisect.bisect_right(l["chunk_start"], c) - 1, f"launch {j}: chunk {c} found tensor {t}"
             assert l["chunk_start"][t] <= c < l["chunk_start"][t + 1]
 
@@ -114,13 +113,11 @@ def test_small_table_splits_and_walks(ext, elems):
     check_walk(ext.walk_small(lists, elems, 0), launches, 0)
     for grid in (1, 2, 5, 1000):
         check_walk(ext.walk_small(lists, elems, grid), launches, grid)
-        check_walk(ext.walk_small(lists, elems, grid, contiguous=True), launches, grid, contiguous=True)
 
 
 def test_only_empty_tensors_plan_no_launch(ext):
     assert ext.describe_clip(make_lists([0, 0], 1), 8) == []
     assert ext.walk_clip(make_lists([0], 1), 8, 3) == []
-    assert ext.walk_clip(make_lists([0], 1), 8, 3, contiguous=True) == []
 
 
 def test_adam_table_over_several_launches(ext):
@@ -144,7 +141,6 @@ def test_clip_table_walks_with_a_fixed_grid(ext, grid):
     assert [l["count"] for l in launches] == [1024, 1024, 2500 - 2048 - sizes.count(0)]
     check_plan(launches, lists, 8192, "clip")
     check_walk(ext.walk_clip(lists, 8192, grid), launches, grid)
-    check_walk(ext.walk_clip(lists, 8192, grid, contiguous=True), launches, grid, contiguous=True)
 
 
 def test_chunk_count_splits_launches_at_the_int32_limit(ext):

@@ -11,7 +11,7 @@
 // finds its first chunk's tensor by a binary search over the prefix sums (multi_tensor::find_tensor) and then steps
 // to the next tensor with one table read a chunk. (Blocks that took chunks b, b + grid, ..., with a binary search a
 // chunk, read at half the speed: the norm of 1e9 bf16 or fp32 gradients in 171 tensors at 1.43-1.46 TB/s against
-// 2.90-3.05 TB/s, on an H100, session 56; -DPIPEGOOSE_CLIP_CONTIGUOUS=0 builds that walk.) A list of more than
+// 2.90-3.05 TB/s, on an H100, session 56; that walk's switch is gone since session 57.) A list of more than
 // kMaxTensors tensors takes several launches. A tensor whose pointer is not 16-byte aligned (a view at an odd offset
 // into a flat buffer) takes the scalar path, as does the tail of a tensor that is not a whole number of vectors.
 // Offsets are 64-bit.
@@ -63,11 +63,6 @@ constexpr const char* kMulOp = "pipegoose::multi_tensor_mul_";
 #ifndef PIPEGOOSE_CLIP_MINB
 #define PIPEGOOSE_CLIP_MINB 0
 #endif
-// -DPIPEGOOSE_CLIP_CONTIGUOUS=0: block b walks chunks b, b + grid, ... (a binary search a chunk) instead of one
-// contiguous range of chunks (the tensor of the next chunk: the same or a later one, one table read a chunk).
-#ifndef PIPEGOOSE_CLIP_CONTIGUOUS
-#define PIPEGOOSE_CLIP_CONTIGUOUS 1
-#endif
 constexpr int kThreads = PIPEGOOSE_CLIP_THREADS;
 constexpr int kUnroll = PIPEGOOSE_CLIP_UNROLL;   // 16-byte vectors per thread and chunk
 constexpr int kMinBlocks = PIPEGOOSE_CLIP_MINB;
@@ -84,29 +79,6 @@ static_assert(sizeof(Table) + sizeof(int) + sizeof(int64_t) + sizeof(void*) <= 3
 
 enum NormKind : int { kL1 = 0, kL2 = 1, kMax = 2 };
 
-// A block's walk over the chunks of a launch: chunks first, first + step, ... below stop.
-struct Walk {
-  int64_t first, stop, step;
-  int tensor;   // the tensor of the first chunk (contiguous walk), else 0: where the search starts
-};
-
-__device__ __forceinline__ Walk walk_of(const Table& table, int n_tensors, int64_t n_chunks) {
-#if PIPEGOOSE_CLIP_CONTIGUOUS
-  const multi_tensor::ChunkRange r = multi_tensor::chunk_range(n_chunks, gridDim.x, blockIdx.x);
-  return {r.first, r.stop, 1, multi_tensor::find_tensor(table, 0, n_tensors, r.first)};
-#else
-  return {static_cast<int64_t>(blockIdx.x), n_chunks, static_cast<int64_t>(gridDim.x), 0};
-#endif
-}
-
-// The tensor of chunk c, t the tensor of the block's previous chunk (or the walk's start).
-__device__ __forceinline__ int tensor_of(const Table& table, int t, int n_tensors, int64_t c) {
-#if PIPEGOOSE_CLIP_CONTIGUOUS
-  return multi_tensor::next_tensor(table, t, c);
-#else
-  return multi_tensor::find_tensor(table, t, n_tensors, c);
-#endif
-}
 
 template <typename T> __device__ __forceinline__ float to_f(T x) { return static_cast<float>(x); }
 
@@ -166,10 +138,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   float acc[kUnroll];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) acc[u] = 0.f;
-  const Walk w = walk_of(table, n_tensors, n_chunks);
-  int t = w.tensor;
-  for (int64_t c = w.first; c < w.stop; c += w.step) {
-    t = tensor_of(table, t, n_tensors, c);
+  // the block's contiguous range of chunks: its first chunk's tensor by a search, each next one's by a table read
+  const multi_tensor::ChunkRange r = multi_tensor::chunk_range(n_chunks, gridDim.x, blockIdx.x);
+  int t = multi_tensor::find_tensor(table, 0, n_tensors, r.first);
+  for (int64_t c = r.first; c < r.stop; ++c) {
+    t = multi_tensor::next_tensor(table, t, c);
     const int64_t begin = (c - table.chunk_start[t]) * kChunkElems<T>;
     const int64_t end = min(table.numel[t], begin + kChunkElems<T>);
     const T* x = static_cast<const T*>(table.ptr[0][t]);
@@ -230,10 +203,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   const float s = *coef;
   if (s == 1.f) return;   // x * 1 == x: nothing to read or write
   constexpr int V = 16 / sizeof(T);
-  const Walk w = walk_of(table, n_tensors, n_chunks);
-  int t = w.tensor;
-  for (int64_t c = w.first; c < w.stop; c += w.step) {
-    t = tensor_of(table, t, n_tensors, c);
+  // the block's contiguous range of chunks: its first chunk's tensor by a search, each next one's by a table read
+  const multi_tensor::ChunkRange r = multi_tensor::chunk_range(n_chunks, gridDim.x, blockIdx.x);
+  int t = multi_tensor::find_tensor(table, 0, n_tensors, r.first);
+  for (int64_t c = r.first; c < r.stop; ++c) {
+    t = multi_tensor::next_tensor(table, t, c);
     const int64_t begin = (c - table.chunk_start[t]) * kChunkElems<T>;
     const int64_t end = min(table.numel[t], begin + kChunkElems<T>);
     T* x = static_cast<T*>(table.ptr[0][t]);

@@ -54,13 +54,11 @@ py::list describe(const std::vector<std::vector<at::Tensor>>& lists, int64_t ele
 
 // The chunk walk of every launch, as the kernels do it: (launch, block, chunk, tensor) for each chunk a block visits.
 // grid 0: a block per chunk, each searching from tensor 0 (multi_tensor_adam.cu: the chunk index is the block's,
-// of the table's chunk type); otherwise `grid` blocks (at most the chunks) and, contiguous (clip_grad_norm.cu's
-// default), block b walking its chunk_range, the first chunk's tensor by find_tensor and the next ones' by
-// next_tensor; else (its -DPIPEGOOSE_CLIP_CONTIGUOUS=0 build) block b taking chunks b, b + grid, ..., each search
-// starting at the tensor of the block's previous chunk (int64 chunks).
+// of the table's chunk type); otherwise `grid` blocks (at most the chunks), block b walking its chunk_range, the first
+// chunk's tensor by find_tensor and the next ones' by next_tensor (clip_grad_norm.cu, int64 chunks).
 template <typename TableT>
 std::vector<std::array<int64_t, 4>> walk(const std::vector<std::vector<at::Tensor>>& lists, int64_t elems_per_chunk,
-                                         int64_t grid, bool contiguous) {
+                                         int64_t grid) {
   std::vector<std::array<int64_t, 4>> out;
   const auto launches = plan_of<TableT>(lists, elems_per_chunk);
   for (size_t li = 0; li < launches.size(); ++li) {
@@ -73,21 +71,11 @@ std::vector<std::array<int64_t, 4>> walk(const std::vector<std::vector<at::Tenso
       continue;
     }
     const int64_t g = std::min(grid, l.chunks);
-    if (contiguous) {
-      for (int64_t b = 0; b < g; ++b) {
-        const mt::ChunkRange r = mt::chunk_range(l.chunks, g, b);
-        int t = mt::find_tensor(l.table, 0, l.count, static_cast<typename TableT::chunk_type>(r.first));
-        for (int64_t c = r.first; c < r.stop; ++c) {
-          t = mt::next_tensor(l.table, t, static_cast<typename TableT::chunk_type>(c));
-          out.push_back({static_cast<int64_t>(li), b, c, t});
-        }
-      }
-      continue;
-    }
     for (int64_t b = 0; b < g; ++b) {
-      int t = 0;
-      for (int64_t c = b; c < l.chunks; c += g) {
-        t = mt::find_tensor(l.table, t, l.count, c);
+      const mt::ChunkRange r = mt::chunk_range(l.chunks, g, b);
+      int t = mt::find_tensor(l.table, 0, l.count, static_cast<typename TableT::chunk_type>(r.first));
+      for (int64_t c = r.first; c < r.stop; ++c) {
+        t = mt::next_tensor(l.table, t, static_cast<typename TableT::chunk_type>(c));
         out.push_back({static_cast<int64_t>(li), b, c, t});
       }
     }
@@ -101,12 +89,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("describe_small", &describe<Small>);
   m.def("describe_adam", &describe<Adam>);
   m.def("describe_clip", &describe<Clip>);
-  m.def("walk_small", &walk<Small>, py::arg("lists"), py::arg("elems_per_chunk"), py::arg("grid"),
-        py::arg("contiguous") = false);
-  m.def("walk_adam", &walk<Adam>, py::arg("lists"), py::arg("elems_per_chunk"), py::arg("grid"),
-        py::arg("contiguous") = false);
-  m.def("walk_clip", &walk<Clip>, py::arg("lists"), py::arg("elems_per_chunk"), py::arg("grid"),
-        py::arg("contiguous") = false);
+  m.def("walk_small", &walk<Small>);
+  m.def("walk_adam", &walk<Adam>);
+  m.def("walk_clip", &walk<Clip>);
   m.attr("adam_table_bytes") = sizeof(Adam);
   m.attr("clip_table_bytes") = sizeof(Clip);
 }
