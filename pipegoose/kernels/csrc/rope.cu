@@ -372,14 +372,25 @@ bool supported_types(c10::ScalarType ti, c10::ScalarType tc, c10::ScalarType to)
 // The launch at V elements a vector (V: the widest that launch() found to fit; a narrower instance where v is
 // narrower).
 template <typename TI, typename TC, typename TO, int V>
-void launch_width(const Params& p, int v, bool bwd, bool narrow, unsigned blocks, cudaStream_t stream) {
+void launch_width(const Params& p, int v, bool bwd, bool narrow, bool flat, unsigned blocks, cudaStream_t stream) {
   if constexpr (V > 1) {
-    if (v < V) return launch_width<TI, TC, TO, V / 2>(p, v, bwd, narrow, blocks, stream);
+    if (v < V) return launch_width<TI, TC, TO, V / 2>(p, v, bwd, narrow, flat, blocks, stream);
   }
   auto go = [&](auto kernel) {
     kernel<<<blocks, kThreads, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
+#ifdef PIPEGOOSE_ROPE_FLAT
+  if (flat) {   // (launch() passes v = V = the widest vector)
+    if (bwd) {
+      narrow ? go(rope_flat_kernel<TI, TC, TO, V, true, uint32_t>) : go(rope_flat_kernel<TI, TC, TO, V, true, int64_t>);
+    } else {
+      narrow ? go(rope_flat_kernel<TI, TC, TO, V, false, uint32_t>)
+             : go(rope_flat_kernel<TI, TC, TO, V, false, int64_t>);
+    }
+    return;
+  }
+#endif
   if (bwd) {
     narrow ? go(rope_kernel<TI, TC, TO, V, true, uint32_t>) : go(rope_kernel<TI, TC, TO, V, true, int64_t>);
   } else {
@@ -405,51 +416,40 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
   };
   int v = kV;
   while (v > 1 && !fits(v)) v /= 2;
-#ifdef PIPEGOOSE_ROPE_FLAT
-  // partial rotary whose halves take narrower vectors, on heads of whole 16-byte chunks: rope_flat_kernel
+  // -DPIPEGOOSE_ROPE_FLAT: partial rotary whose halves take narrower vectors, on heads of whole 16-byte chunks, runs
+  // rope_flat_kernel (a thread a chunk of the head)
   const int64_t dim = 2 * static_cast<int64_t>(p.half) + p.copies;
+  bool flat = false;
+#ifdef PIPEGOOSE_ROPE_FLAT
   auto fits_flat = [&]() {
     bool ok = multiple(dim, kV) && aligned(p.q, kV * sizeof(TI)) && aligned(p.k, kV * sizeof(TI)) &&
               aligned(p.q_out, kV * sizeof(TO)) && aligned(p.k_out, kV * sizeof(TO));
     for (const Strides& st : strides) ok = ok && multiple(st.b, kV) && multiple(st.h, kV) && multiple(st.s, kV);
     return ok;
   };
-  if (v < kV && p.copies > 0 && fits_flat()) {
+  flat = v < kV && p.copies > 0 && fits_flat();
+#endif
+  if (flat) {
+    v = kV;
     p.vecs = static_cast<int32_t>(dim / kV);   // the head's chunks
     p.copies = p.group = 0;
-    p.items *= static_cast<int64_t>(p.heads) * p.vecs;   // (p.items: B * S, set by the caller)
-    if (p.items == 0) return;
-    const int64_t blocks = (p.items + kThreads - 1) / kThreads;
-    PG_CHECK(blocks <= INT32_MAX, op, ": ", p.items, " work items are more than one launch covers");
-    const bool narrow = p.items + kThreads <= INT32_MAX;
-    auto go = [&](auto kernel) {
-      kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (bwd) {
-      narrow ? go(rope_flat_kernel<TI, TC, TO, kV, true, uint32_t>)
-             : go(rope_flat_kernel<TI, TC, TO, kV, true, int64_t>);
-    } else {
-      narrow ? go(rope_flat_kernel<TI, TC, TO, kV, false, uint32_t>)
-             : go(rope_flat_kernel<TI, TC, TO, kV, false, int64_t>);
-    }
-    return;
+  } else {
+    p.vecs = p.half / v;
+    p.copies /= v;
+    // the vectors passed through go copy_elems(v) / v at a time (two of the widest width; 16 bytes' worth of
+    // narrower ones), or as many as divide their count (Pythia-2.8b's 30 vectors of 2 in 16-bit: 3 a thread), so
+    // that a narrow vector does not mean a narrow thread
+    p.group = copy_elems<TI, TC, TO>(v) / v;
+    while (p.copies % p.group != 0) --p.group;
+    p.copies /= p.group;
   }
-#endif
-  p.vecs = p.half / v;
-  p.copies /= v;
-  // the vectors passed through go copy_elems(v) / v at a time (two of the widest width; 16 bytes' worth of narrower
-  // ones), or as many as divide their count (Pythia-2.8b's 30 vectors of 2 in 16-bit: 3 a thread), so that a narrow
-  // vector does not mean a narrow thread
-  p.group = copy_elems<TI, TC, TO>(v) / v;
-  while (p.copies % p.group != 0) --p.group;
-  p.copies /= p.group;
   const int64_t tokens = p.items;  // (set by the caller to B * S)
   p.items = tokens * p.heads * (p.vecs + p.copies);
   if (p.items == 0) return;
   const int64_t blocks = (p.items + kThreads - 1) / kThreads;
   PG_CHECK(blocks <= INT32_MAX, op, ": ", p.items, " work items are more than one launch covers");
-  launch_width<TI, TC, TO, kV>(p, v, bwd, p.items + kThreads <= INT32_MAX, static_cast<unsigned>(blocks), stream);
+  launch_width<TI, TC, TO, kV>(p, v, bwd, p.items + kThreads <= INT32_MAX, flat, static_cast<unsigned>(blocks),
+                               stream);
 }
 
 // Rotates x (q-like) and y (k-like, x's dtype) into new tensors of their layout and dtype `out`; bwd: the transposed
