@@ -674,8 +674,12 @@ def test_every_adam_impl_against_float64(impl, dtype, adam_w_mode):
                                        msg=lambda e: f"{what}[{i}]: {e}")
 
 
-@pytest.mark.parametrize("dtype,impl", [(torch.float32, "apex"), (torch.float16, "apex"), (torch.bfloat16, "torch")])
-def test_clip_grad_norm_vs_torch(dtype, impl):
+@pytest.mark.parametrize("dtype,impl,expected", [(torch.float32, None, "pipegoose"), (torch.float16, None, "pipegoose"),
+                                                  (torch.bfloat16, None, "pipegoose"), (torch.float32, "apex", "apex"),
+                                                  (torch.float16, "apex", "apex"), (torch.bfloat16, "torch", "torch")])
+def test_clip_grad_norm_vs_torch(dtype, impl, expected):
+    """clip_grad_norm_ against torch.nn.utils.clip_grad_norm_: the default (without a tuning table, the built-in
+    order: our kernel first) and the Apex copies and torch by name."""
     def params():
         torch.manual_seed(0)
         ps = [torch.nn.Parameter(torch.zeros(n, device=DEV, dtype=dtype)) for n in (3, 1000, 65537, 17)]
@@ -684,9 +688,9 @@ def test_clip_grad_norm_vs_torch(dtype, impl):
         return ps
 
     p1, p2 = params(), params()
-    n1 = clip_grad_norm_(p1, 1.0)
+    n1 = clip_grad_norm_(p1, 1.0, impl=impl)
     n2 = torch.nn.utils.clip_grad_norm_(p2, 1.0)
-    ran("clip_grad_norm", impl)
+    ran("clip_grad_norm", expected)
     assert n1.dtype == n2.dtype and n1.device == n2.device
     torch.testing.assert_close(n1.double(), n2.double(), **TOLERANCES[dtype])
     for a, b in zip(p1, p2):
