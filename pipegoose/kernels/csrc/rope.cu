@@ -56,14 +56,6 @@ namespace {
 #define PIPEGOOSE_ROPE_THREADS 256
 #endif
 constexpr int kThreads = PIPEGOOSE_ROPE_THREADS;
-// Benchmark experiment, not yet timed (the build without it is what ships): -DPIPEGOOSE_ROPE_MIN_BLOCKS=N, the
-// resident blocks an SM that __launch_bounds__ asks the compiler to allow (8: at most 32 registers a thread, full
-// occupancy; the 16-bit kernels of 16-byte vectors take 40 without it, 6 blocks an SM).
-#ifdef PIPEGOOSE_ROPE_MIN_BLOCKS
-#define PIPEGOOSE_ROPE_BOUNDS __launch_bounds__(kThreads, PIPEGOOSE_ROPE_MIN_BLOCKS)
-#else
-#define PIPEGOOSE_ROPE_BOUNDS __launch_bounds__(kThreads)
-#endif
 // The most bytes that one thread passes through with partial rotary where the values move in 16-byte vectors (narrower
 // vectors: 16 bytes' worth). Benchmark experiment: -DPIPEGOOSE_ROPE_COPY_BYTES=B, a multiple of 16. Session 57, H100,
 // bf16 forward + backward, % of copy (benchmarks.rope_partial; torch.compile 83 and 78):
@@ -74,14 +66,15 @@ constexpr int kThreads = PIPEGOOSE_ROPE_THREADS;
 // in runs beside the shipped rule, a rotating thread taking 2 or 4 vectors of each half rather than one: whole heads
 // of 64 values 89 -> 76 and 44, of 128 values 89 -> 82 and 65; and, where the halves take narrower vectors, up to 16
 // or 32 bytes of them (the heads of 80: 3 + 2 or all 5 of a half's 4-byte vectors in a thread): 66 -> 53 and 43.
+// Also slower (session 58, H100, bf16 forward + backward, each in its own process beside the shipped build:
+// benchmarks/results/nvidia_h100_80gb_hbm3_2026-12-05/s58_rope_experiments_call1.md): __launch_bounds__(256, 8), at
+// most 32 registers a thread for full occupancy (the 16-bit kernels of 16-byte vectors take 40 without it; four
+// instances then spilled 8-16 bytes): quarter-rotated heads of 64 and 128 values 80-83 -> 66-73, whole heads 90-91 ->
+// 86-87; and, for the heads of 80 with 20 rotated, one thread a 16-byte chunk of the head, rotated or not, loaded and
+// stored whole with each rotated value's partner, cos and sin in scalar loads: 63 -> 52.
 #ifndef PIPEGOOSE_ROPE_COPY_BYTES
 #define PIPEGOOSE_ROPE_COPY_BYTES 32
 #endif
-// Benchmark experiment, not yet timed (the build without it is what ships): -DPIPEGOOSE_ROPE_FLAT=1. Where partial
-// rotary's halves take vectors narrower than 16 bytes but the head itself is made of 16-byte chunks (Pythia-2.8b's 80
-// values with 20 rotated: halves of 10), rope_flat_kernel gives each thread one 16-byte chunk of a head, rotated
-// values or not: the chunk is loaded and stored whole, and a rotated value's partner, cos and sin come in scalar loads
-// (L1 hits: the partner lies in the same head, the tables are one row a token).
 static_assert(PIPEGOOSE_ROPE_COPY_BYTES >= 16 && PIPEGOOSE_ROPE_COPY_BYTES % 16 == 0,
               "PIPEGOOSE_ROPE_COPY_BYTES: a multiple of 16");
 
@@ -166,7 +159,7 @@ __device__ __forceinline__ void store(T* p, const Vec<T, V>& r) {
 // TI: the rotated tensors' element type (q, k; the output gradients), TC: cos and sin's, TO: the results'; kBwd: the
 // transposed rotation (the backward); I: the index type of the item arithmetic (32-bit where it fits).
 template <typename TI, typename TC, typename TO, int V, bool kBwd, typename I>
-__global__ void PIPEGOOSE_ROPE_BOUNDS rope_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads) rope_kernel(const Params p) {
   const I item = static_cast<I>(blockIdx.x) * kThreads + threadIdx.x;
   if (item >= static_cast<I>(p.items)) return;
   const I per_head = static_cast<I>(p.vecs) + p.copies;
@@ -237,61 +230,6 @@ __global__ void PIPEGOOSE_ROPE_BOUNDS rope_kernel(const Params p) {
   store<TO, V>(y + p.half, y2);
 }
 
-#ifdef PIPEGOOSE_ROPE_FLAT
-// One thread per (token, head, chunk of V elements of the head; p.vecs chunks a head): the chunk loaded whole, each
-// value rotated (its partner at i -/+ R/2, cos and sin at i; the backward's sin at the partner's index) or passed
-// through, and the chunk stored whole. The same roundings as rope_kernel: its results bit for bit.
-template <typename TI, typename TC, typename TO, int V, bool kBwd, typename I>
-__global__ void PIPEGOOSE_ROPE_BOUNDS rope_flat_kernel(const Params p) {
-  const I item = static_cast<I>(blockIdx.x) * kThreads + threadIdx.x;
-  if (item >= static_cast<I>(p.items)) return;
-  const I per_token = static_cast<I>(p.heads) * p.vecs;
-  const I token = item / per_token;
-  const I r = item - token * per_token;
-  const I b = token / p.seq;
-  const I s = token - b * p.seq;
-  I head = r / p.vecs;
-  const int i0 = static_cast<int>(r - head * p.vecs) * V;   // the chunk's first value within the head
-  const bool is_q = head < static_cast<I>(p.heads_q);
-  if (!is_q) head -= p.heads_q;
-  const Strides in = is_q ? p.q_in : p.k_in;
-  const Strides res = is_q ? p.q_res : p.k_res;
-  const TI* x = static_cast<const TI*>(is_q ? p.q : p.k) + (static_cast<int64_t>(b) * in.b +
-                                                            static_cast<int64_t>(head) * in.h +
-                                                            static_cast<int64_t>(s) * in.s);
-  TO* y = static_cast<TO*>(is_q ? p.q_out : p.k_out) + (static_cast<int64_t>(b) * res.b +
-                                                        static_cast<int64_t>(head) * res.h +
-                                                        static_cast<int64_t>(s) * res.s);
-  const Vec<TI, V> a = load<TI, V>(x + i0);
-  Vec<TO, V> o;
-  const int rotated = 2 * p.half;
-  if (i0 >= rotated) {   // passed through
-#pragma unroll
-    for (int j = 0; j < V; ++j) o.v[j] = from_f<TO>(to_f(a.v[j]));
-  } else {
-    const TC* c = static_cast<const TC*>(p.cos) + (static_cast<int64_t>(b) * p.cos_b +
-                                                   static_cast<int64_t>(s) * p.cos_s);
-    const TC* n = static_cast<const TC*>(p.sin) + (static_cast<int64_t>(b) * p.sin_b +
-                                                   static_cast<int64_t>(s) * p.sin_s);
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const int i = i0 + j;
-      if (i >= rotated) {
-        o.v[j] = from_f<TO>(to_f(a.v[j]));
-        continue;
-      }
-      const bool first = i < p.half;
-      const int partner = first ? i + p.half : i - p.half;
-      const float xv = to_f(a.v[j]), xp = to_f(x[partner]), cv = to_f(c[i]);
-      const float sv = to_f(n[kBwd ? partner : i]);
-      // forward: y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2; backward: g1 = dy1 c1 + dy2 s2, g2 = dy2 c2 - dy1 s1
-      const bool minus = kBwd ? !first : first;
-      o.v[j] = from_f<TO>(__fmaf_rn(xv, cv, minus ? -__fmul_rn(xp, sv) : __fmul_rn(xp, sv)));
-    }
-  }
-  store<TO, V>(y + i0, o);
-}
-#endif
 
 const char* kFwd = "pipegoose::rope_forward";
 const char* kBwd = "pipegoose::rope_backward";
@@ -372,25 +310,14 @@ bool supported_types(c10::ScalarType ti, c10::ScalarType tc, c10::ScalarType to)
 // The launch at V elements a vector (V: the widest that launch() found to fit; a narrower instance where v is
 // narrower).
 template <typename TI, typename TC, typename TO, int V>
-void launch_width(const Params& p, int v, bool bwd, bool narrow, bool flat, unsigned blocks, cudaStream_t stream) {
+void launch_width(const Params& p, int v, bool bwd, bool narrow, unsigned blocks, cudaStream_t stream) {
   if constexpr (V > 1) {
-    if (v < V) return launch_width<TI, TC, TO, V / 2>(p, v, bwd, narrow, flat, blocks, stream);
+    if (v < V) return launch_width<TI, TC, TO, V / 2>(p, v, bwd, narrow, blocks, stream);
   }
   auto go = [&](auto kernel) {
     kernel<<<blocks, kThreads, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-#ifdef PIPEGOOSE_ROPE_FLAT
-  if (flat) {   // (launch() passes v = V = the widest vector)
-    if (bwd) {
-      narrow ? go(rope_flat_kernel<TI, TC, TO, V, true, uint32_t>) : go(rope_flat_kernel<TI, TC, TO, V, true, int64_t>);
-    } else {
-      narrow ? go(rope_flat_kernel<TI, TC, TO, V, false, uint32_t>)
-             : go(rope_flat_kernel<TI, TC, TO, V, false, int64_t>);
-    }
-    return;
-  }
-#endif
   if (bwd) {
     narrow ? go(rope_kernel<TI, TC, TO, V, true, uint32_t>) : go(rope_kernel<TI, TC, TO, V, true, int64_t>);
   } else {
@@ -416,40 +343,20 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
   };
   int v = kV;
   while (v > 1 && !fits(v)) v /= 2;
-  // -DPIPEGOOSE_ROPE_FLAT: partial rotary whose halves take narrower vectors, on heads of whole 16-byte chunks, runs
-  // rope_flat_kernel (a thread a chunk of the head)
-  const int64_t dim = 2 * static_cast<int64_t>(p.half) + p.copies;
-  bool flat = false;
-#ifdef PIPEGOOSE_ROPE_FLAT
-  auto fits_flat = [&]() {
-    bool ok = multiple(dim, kV) && aligned(p.q, kV * sizeof(TI)) && aligned(p.k, kV * sizeof(TI)) &&
-              aligned(p.q_out, kV * sizeof(TO)) && aligned(p.k_out, kV * sizeof(TO));
-    for (const Strides& st : strides) ok = ok && multiple(st.b, kV) && multiple(st.h, kV) && multiple(st.s, kV);
-    return ok;
-  };
-  flat = v < kV && p.copies > 0 && fits_flat();
-#endif
-  if (flat) {
-    v = kV;
-    p.vecs = static_cast<int32_t>(dim / kV);   // the head's chunks
-    p.copies = p.group = 0;
-  } else {
-    p.vecs = p.half / v;
-    p.copies /= v;
-    // the vectors passed through go copy_elems(v) / v at a time (two of the widest width; 16 bytes' worth of
-    // narrower ones), or as many as divide their count (Pythia-2.8b's 30 vectors of 2 in 16-bit: 3 a thread), so
-    // that a narrow vector does not mean a narrow thread
-    p.group = copy_elems<TI, TC, TO>(v) / v;
-    while (p.copies % p.group != 0) --p.group;
-    p.copies /= p.group;
-  }
+  p.vecs = p.half / v;
+  p.copies /= v;
+  // the vectors passed through go copy_elems(v) / v at a time (two of the widest width; 16 bytes' worth of narrower
+  // ones), or as many as divide their count (Pythia-2.8b's 30 vectors of 2 in 16-bit: 3 a thread), so that a narrow
+  // vector does not mean a narrow thread
+  p.group = copy_elems<TI, TC, TO>(v) / v;
+  while (p.copies % p.group != 0) --p.group;
+  p.copies /= p.group;
   const int64_t tokens = p.items;  // (set by the caller to B * S)
   p.items = tokens * p.heads * (p.vecs + p.copies);
   if (p.items == 0) return;
   const int64_t blocks = (p.items + kThreads - 1) / kThreads;
   PG_CHECK(blocks <= INT32_MAX, op, ": ", p.items, " work items are more than one launch covers");
-  launch_width<TI, TC, TO, kV>(p, v, bwd, p.items + kThreads <= INT32_MAX, flat, static_cast<unsigned>(blocks),
-                               stream);
+  launch_width<TI, TC, TO, kV>(p, v, bwd, p.items + kThreads <= INT32_MAX, static_cast<unsigned>(blocks), stream);
 }
 
 // Rotates x (q-like) and y (k-like, x's dtype) into new tensors of their layout and dtype `out`; bwd: the transposed
