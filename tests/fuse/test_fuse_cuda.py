@@ -123,6 +123,34 @@ def test_gpt_neox_partial_rotary_on_the_kernel_parity(dtype):
     _assert_parity(fus, unf, ref64, dtype)
 
 
+def test_gpt_neox_fused_on_the_cpu_runs_the_partial_rotary_kernel_on_the_gpu():
+    """A review: fuse(model) while the model is on the CPU (from_pretrained loads there; the Trainer moves it
+    afterwards) left Pythia's partial rotary unfused for good. Fused on the CPU and moved to the GPU, every layer's
+    call now runs the kernel's partial path (strict mode: no fallback), and outputs and gradients agree with the
+    unfused model as in test_parity_with_kernels (fp32)."""
+    model = models.build("gpt_neox", "eager", hidden=128, heads=4)   # 8 of 32 rotated, on the CPU
+    dev = torch.device("cuda")
+    model64 = copy.deepcopy(model).double().to(dev)
+    model64.set_attn_implementation("sdpa")
+    ids, mask = models.inputs(batch=4, seq=64, left_pad=(0, 0, 0, 0))
+    ids, mask = ids.to(dev), mask.to(dev)
+    weights = torch.randn(*ids.shape, 128, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(dev)
+    ref64 = _run(model64, ids, mask, weights)
+    report = fuse(model, ops=["rope"])
+    try:
+        rows = [r for r in report.rows if r.kind == "rope"]
+        assert rows and all(r.fused and r.forward == "the model's code" for r in rows), rows
+        model.to(dev)
+        dispatch.reset_stats()
+        with dispatch.strict():
+            fus = _run(model, ids, mask, weights)
+        assert dispatch.stats().get("rope") == {"pipegoose": model.config.num_hidden_layers}, dispatch.stats()
+    finally:
+        unfuse(model)
+    unf = _run(model, ids, mask, weights)
+    _assert_parity(fus, unf, ref64, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 def test_per_head_rms_norms_parity_with_kernels(dtype):
     """Qwen3's q_norm / k_norm (RMSNorm over head_dim) fused with the rest: our kernel runs on them (strict mode:

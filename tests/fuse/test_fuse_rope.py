@@ -211,8 +211,9 @@ def test_a_forward_that_raises_leaves_no_count_behind():
 
 def test_gpt_neox_partial_rotary_runs_the_original():
     """GPT-NeoX's function handles partial rotary itself (partial_rotary_factor < 1, Pythia's default: cos narrower
-    than the head). On the CPU the kernel's partial path cannot run: the report says those modules are not fused, and
-    why, and their calls run the original function, exactly; with a factor of 1 they are fused and run the op."""
+    than the head). On the CPU the kernel's partial path cannot run: the modules are fused (hooked: whether the kernel
+    takes a call is asked per call), the report says that their calls run the model's own code where the kernel does
+    not take them, and they do, exactly, without a call of the op; with a factor of 1 they run the op."""
     for pct, calls in ((0.25, 0), (1.0, 2)):
         cfg = models.config("gpt_neox", "eager")
         cfg.rope_parameters = {**cfg.rope_parameters, "partial_rotary_factor": pct}
@@ -221,13 +222,14 @@ def test_gpt_neox_partial_rotary_runs_the_original():
         ref_h, ref_g = _step(model, ids, mask)
         report = fuse(model, ops=["rope"])
         rows = _rope_rows(report)
-        assert len(rows) == 2 and all(r.fused == (pct == 1.0) for r in rows), rows
+        assert len(rows) == 2 and all(r.fused and r.eligible for r in rows), rows
         if pct < 1:
             rotary = int(model.config.hidden_size // model.config.num_attention_heads * pct)
             for r in rows:
-                assert not r.eligible and r.reason == (
-                    f"partial rotary (factor 0.25, {rotary} of each head's values): torch would run them: pipegoose: "
-                    "needs a CUDA tensor, got device cpu; the model's own code runs them"), r.reason
+                assert (r.forward, r.backward) == ("the model's code", "the model's code"), r
+                assert f"GPT-NeoX's partial rotary, {rotary} of each head's values (probed)" in r.reason, r.reason
+                assert "the model's own code where it does not" in r.reason, r.reason
+            assert "no: the model's code" in str(report)
         dispatch.reset_stats()
         h, g = _step(model, ids, mask)
         assert _rope_calls() == calls
@@ -237,12 +239,42 @@ def test_gpt_neox_partial_rotary_runs_the_original():
         unfuse(model)
 
 
+def test_gpt_neox_partial_rotary_fused_on_the_cpu_runs_the_kernel_once_it_can(monkeypatch):
+    """A review: fuse(model) on the CPU (from_pretrained loads there; the Trainer moves the model afterwards) used to
+    leave GPT-NeoX's partial rotary unfused for good, because fuse asked the dispatcher once, at the CPU. Now the same
+    fused model runs the kernel's path as soon as the dispatcher takes its calls (here the kernel's CPU stand-in, its
+    supports() asked as on a GPU), and the model's own code again when it no longer does."""
+    from rope_stand_in import kernel_on_cpu
+
+    model = models.build("gpt_neox", "eager")   # partial_rotary_factor 0.25
+    ids, mask = models.inputs(left_pad=(0, 0, 0))
+    ref_h, _ = _step(model, ids, mask)
+    rows = _rope_rows(fuse(model, ops=["rope"]))
+    assert rows and all(r.fused and r.forward == "the model's code" for r in rows), rows
+    layers = model.config.num_hidden_layers
+    with kernel_on_cpu(monkeypatch, dispatch) as calls:
+        dispatch.clear_choice_cache()
+        dispatch.reset_stats()
+        h, _ = _step(model, ids, mask)
+        assert dispatch.stats()["rope"] == {"pipegoose": layers}
+        names = [c[0] for c in calls]
+        assert names.count("rope_forward") == names.count("rope_backward") == layers
+    torch.testing.assert_close(h, ref_h, rtol=1e-5, atol=1e-5)
+    dispatch.clear_choice_cache()
+    dispatch.reset_stats()
+    h, _ = _step(model, ids, mask)
+    assert _rope_calls() == 0
+    torch.testing.assert_close(h, ref_h, rtol=0, atol=0)
+    unfuse(model)
+
+
 def test_gpt_neox_partial_rotary_on_the_kernel_path(monkeypatch):
     """Where the kernel's partial path runs (on a GPU; here the kernel's ops replaced by a CPU stand-in, its supports()
     asked as on a GPU), GPT-NeoX's attention modules are fused: the report names the partial rotary and the
     implementation; each layer's call runs the kernel's forward op once and its backward op once, on whole heads (the
     tables narrower: the kernel passes the rest through); the model computes what it computed (fp32: the stand-in rounds once where eager rounds each op);
-    unfuse puts the function back. PIPEGOOSE_IMPL_ROPE=torch keeps them to the model's code, with the reason."""
+    unfuse puts the function back. PIPEGOOSE_IMPL_ROPE=torch keeps their calls to the model's code (the report says
+    so), also when set after fuse."""
     from rope_stand_in import kernel_on_cpu
 
     neox = pytest.importorskip("transformers.models.gpt_neox.modeling_gpt_neox")
@@ -254,7 +286,7 @@ def test_gpt_neox_partial_rotary_on_the_kernel_path(monkeypatch):
     with kernel_on_cpu(monkeypatch, dispatch) as calls:
         monkeypatch.setenv("PIPEGOOSE_IMPL_ROPE", "torch")
         rows = _rope_rows(fuse(model, ops=["rope"], dry_run=True))
-        assert rows and all(not r.fused and "torch would run them: pipegoose: " in r.reason for r in rows), rows
+        assert rows and all(r.fused and r.forward == "the model's code" for r in rows), rows
         monkeypatch.delenv("PIPEGOOSE_IMPL_ROPE")
         rows = _rope_rows(fuse(model, ops=["rope"]))
         rotary = model.layers[0].attention.rotary_ndims if hasattr(model, "layers") else None
@@ -268,7 +300,14 @@ def test_gpt_neox_partial_rotary_on_the_kernel_path(monkeypatch):
         head = model.config.hidden_size // model.config.num_attention_heads
         assert rotary is None or rotary < head
         assert all(c[1].shape[-1] == c[2].shape[-1] == head for c in calls)
+        monkeypatch.setenv("PIPEGOOSE_IMPL_ROPE", "torch")
+        dispatch.reset_stats()
+        before = len(calls)
+        h_torch, _ = _step(model, ids, mask)
+        assert _rope_calls() == 0 and len(calls) == before
+        monkeypatch.delenv("PIPEGOOSE_IMPL_ROPE")
         unfuse(model)
+    torch.testing.assert_close(h_torch, ref_h, rtol=0, atol=0)
     assert neox.apply_rotary_pos_emb is original
     torch.testing.assert_close(h, ref_h, rtol=1e-5, atol=1e-5)
     for n in ref_g:
@@ -517,15 +556,18 @@ def test_per_layer_configs_do_not_stop_fuse():
 def test_gpt_neox_report_agrees_with_what_runs(kwargs):
     """transformers 5's GPT-NeoX reads rope_parameters, where a top-level partial_rotary_factor can be stale: the
     report read that one first and said fused for modules that rotate a quarter of each head (and skipped for ones
-    that rotate all of it). It now reads the module's rotary_ndims against its head size: a row is fused exactly
-    where the op runs."""
+    that rotate all of it). It now reads the module's rotary_ndims against its head size: a row names partial rotary
+    exactly where the module rotates part of each head, and its implementation is the model's code (on the CPU)
+    exactly where the op does not run."""
     cfg = transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                      num_attention_heads=4, **kwargs)
     model = transformers.GPTNeoXModel(cfg).double().eval()
     full = model.layers[0].attention.rotary_ndims == model.layers[0].attention.head_size
     report = fuse(model, ops=["rope"])
     rows = _rope_rows(report)
-    assert len(rows) == 2 and all(r.fused == full for r in rows), rows
+    assert len(rows) == 2 and all(r.fused for r in rows), rows
+    assert all(("GPT-NeoX's partial rotary" in r.reason) == (not full) for r in rows), rows
+    assert all((r.forward == "the model's code") == (not full) for r in rows), rows
     calls, _ = _calls_and_output(model, input_ids=torch.randint(0, 64, (1, 8)))
     assert calls == (2 if full else 0)
     unfuse(model)

@@ -14,8 +14,11 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   ``apply_rotary_pos_emb`` (Llama, Mistral, Qwen2, Qwen3, Gemma, GPT-NeoX with full rotary, ...), where that
   function is transformers' rotate-half RoPE (checked numerically): the module is not replaced but gets two hooks, and
   its plain calls run op ``rope`` (query and key in one kernel) through a dispatching function at that global name
-  (``pipegoose.nn.fusion.transformers.rope`` says how; the report's row has the module's path and kind ``rope``;
-  partial rotary and interleaved RoPE, which the config names, are reported as skipped);
+  (``pipegoose.nn.fusion.transformers.rope`` says how; the report's row has the module's path and kind ``rope``).
+  GPT-NeoX's partial rotary too, where the module's function computes it: each call runs the kernel where the
+  dispatcher chooses it (asked per call: a model fused on the CPU runs it once moved to a GPU), else the model's own
+  code. Interleaved RoPE and partial rotary that the function does not compute as GPT-NeoX's does, which the config
+  names, are reported as skipped;
 * the loss of a transformers language model whose forward calls ``self.loss_function`` and whose loss is
   transformers' ``ForCausalLMLoss`` or ``ForMaskedLMLoss``: the instance's ``loss_function`` is set to
   ``pipegoose.nn.fusion.transformers.loss.causal_lm_loss`` / ``masked_lm_loss`` (the same loss on our kernel, op
@@ -238,8 +241,9 @@ class FusionReport:
         """The report's first line: the model, the share of eligible fusions in place (rows: an attention module with
         a RoPE row and an attention row has two; rows fused before this call count as in place) and the modules they
         touch, and the rows the share does not count (``eligible`` False: kept attention, attention of a model without
-        a config, partial or interleaved RoPE, parametrized norms, norms the RMSNorm probe refused, SwiGLU the probe
-        refused, losses fuse() does not replace), by kind: the model's own code runs there."""
+        a config, interleaved RoPE or partial rotary that the kernel's path does not compute, parametrized norms,
+        norms the RMSNorm probe refused, SwiGLU the probe refused, losses fuse() does not replace), by kind: the
+        model's own code runs there."""
         would = "would be " if self.dry_run else ""
         title = f"pipegoose fusion of {self.model}{' (dry run)' if self.dry_run else ''}: "
         if self.eligible:
@@ -304,12 +308,15 @@ def _fold_path(path: str, width: int) -> list[str]:
     return lines
 
 
+_MODEL_CODE = "the model's code"   # what a partial-rotary call that the kernel does not take runs
+
+
 def _yes_no(fused: bool, impl: str) -> str:
     if not fused:
         return "no"
     if impl == "-":   # (no choice to show)
         return "yes"
-    if impl.startswith("torch") or impl == "?":
+    if impl.startswith("torch") or impl in ("?", _MODEL_CODE):
         return f"no: {impl}"
     return f"yes: {impl}"
 
@@ -946,9 +953,10 @@ def _rope_unused(module: nn.Module, found=None) -> str | None:
     """Why an attention module that mentions ``apply_rotary_pos_emb`` would never call it in a form the op takes
     (None: it would): an interleaved rotation selected by the config (it calls another function), or partial rotary
     (a factor below 1 in its config) where the function does not compute GPT-NeoX's partial rotary (``found``, the
-    function's :class:`~pipegoose.nn.fusion.transformers.rope.Probe`, says whether it does), or where it does but the
-    dispatcher would not run the kernel's partial path for this module's shapes (the reason the kernel does not run:
-    on the CPU, say): PyTorch's ops would then compute what the model's own code computes, at more host time."""
+    function's :class:`~pipegoose.nn.fusion.transformers.rope.Probe`, says whether it does) or where the rotated
+    values a head are odd. Nothing here depends on the module's device or dtype: whether the kernel takes a call is
+    asked per call (a model fused on the CPU runs the kernel once moved to a GPU; partial-rotary calls that the kernel
+    does not take run the model's own code)."""
     config = getattr(module, "config", None)
     if _config_value(config, "rope_interleave") is True:
         return "rope_interleave=True: the model calls its interleaved RoPE function, not apply_rotary_pos_emb"
@@ -958,24 +966,10 @@ def _rope_unused(module: nn.Module, found=None) -> str | None:
     if found is None or not found.partial:
         return (f"partial rotary (factor {factor}): its calls rotate part of each head, which the model's own code "
                 "does (its function does not compute GPT-NeoX's partial rotary, which the kernel's path does)")
-    why = "its shapes could not be told"
-    build = _rope_probe_inputs(module, rotary) if rotary and rotary % 2 == 0 else None
-    if build is not None:
-        try:
-            from . import dispatch
-
-            p = _first_param(module)
-            device = p.device if p is not None else torch.device("cpu")
-            dtype = p.dtype if p is not None and p.is_floating_point() else torch.float32
-            choice = dispatch.choose("rope", dispatch.problem_of("rope", *build(device, dtype)))
-            if choice.impl == "pipegoose":
-                return None
-            why = f"{choice.impl} would run them: pipegoose: {choice.reasons.get('pipegoose') or choice.reason}"
-        except Exception as e:  # noqa: BLE001 - the report must not fail because a dispatcher cannot describe it
-            why = f"the dispatcher could not describe them ({type(e).__name__}: {e})"
-    elif rotary:
-        why = f"{rotary} rotated values a head: odd"
-    return f"partial rotary (factor {factor}, {rotary} of each head's values): {why}; the model's own code runs them"
+    if rotary and rotary % 2:
+        return (f"partial rotary (factor {factor}, {rotary} of each head's values): {rotary} rotated values a head: "
+                "odd; the model's own code runs them")
+    return None
 
 
 def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
@@ -1005,14 +999,18 @@ def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
     partial = factor is not None and factor < 1
     build = _rope_probe_inputs(child, rotary if partial else None)
     fwd, bwd = _impls("rope", child, build) if build is not None else ("?", "?")
+    if partial and fwd != "?" and not fwd.startswith("pipegoose"):
+        fwd = bwd = _MODEL_CODE   # (not PyTorch's ops: such calls go to the model's function)
     if not dry_run:
         rec = _rope.install(child, target, found.promotes, found.partial, route_partial=partial)
         state.rope_hooks.append((weakref.ref(child), rec))
     what = (f"GPT-NeoX's partial rotary, {rotary} of each head's values (probed): its calls" if partial
             else "the rotate-half RoPE (probed): its plain calls")
+    where = (" where the dispatcher chooses the kernel (asked per call), the model's own code where it does not (on "
+             "the CPU, say)" if partial else "")
     return FusionRow(path, "rope", name, "rope hooks", True, fwd, bwd,
                      f"{target.module_name.rsplit('.', 1)[-1]}.{_rope.NAME}, {what} from this module run op rope"
-                     + _small_note(child))
+                     + where + _small_note(child))
 
 
 def _fuse_losses(model, dry_run, report, state) -> None:

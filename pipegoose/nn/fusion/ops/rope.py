@@ -204,6 +204,26 @@ def _signature(q, k, cos, sin, unsqueeze_dim) -> tuple | None:
     return sig
 
 
+def choice_of(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1,
+              impl: str | None = None) -> dispatch.Choice:
+    """The dispatcher's choice for these (plain, not nested) inputs, from the choice cache that :func:`run` fills;
+    nothing counted or run (fuse's RoPE routing asks it for partial-rotary calls, which run the model's own code
+    where the kernel does not take them).
+
+    Raises:
+        TypeError, ValueError: as :func:`check_args`; ``impl`` naming no implementation of ``rope``.
+    """
+    sig = _signature(q, k, cos, sin, unsqueeze_dim)
+    key = None if sig is None else dispatch.choice_key(OP, impl, sig)
+    choice = None if key is None else dispatch.cached_choice(key)
+    if choice is None:
+        check_args(q, k, cos, sin, unsqueeze_dim)
+        choice = dispatch.choose(OP, rope_problem(q, k, cos, sin, unsqueeze_dim), impl)
+        if key is not None:
+            dispatch.remember_choice(key, choice)
+    return choice
+
+
 def run(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
         impl: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`pipegoose.nn.fusion.functional.apply_rotary_pos_emb` behind the checks; runs the implementation the
@@ -219,15 +239,7 @@ def run(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         check_args(q, k, cos, sin, unsqueeze_dim)
         dispatch.record(nested_fallback(OP, impl))
         return rope_reference(q, k, cos, sin, unsqueeze_dim)
-    sig = _signature(q, k, cos, sin, unsqueeze_dim)
-    key = None if sig is None else dispatch.choice_key(OP, impl, sig)
-    choice = None if key is None else dispatch.cached_choice(key)
-    if choice is None:
-        check_args(q, k, cos, sin, unsqueeze_dim)
-        choice = dispatch.choose(OP, rope_problem(q, k, cos, sin, unsqueeze_dim), impl)
-        if key is not None:
-            dispatch.remember_choice(key, choice)
-    dispatch.record(choice)
+    choice = dispatch.record(choice_of(q, k, cos, sin, unsqueeze_dim, impl))
     if choice.impl == "pipegoose":
         heads_dim = 2 if unsqueeze_dim in (2, -2) else 1
         return call_without_autocast(q.device, _run_pipegoose, q, k, cos, sin, heads_dim)

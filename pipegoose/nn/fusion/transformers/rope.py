@@ -18,10 +18,12 @@ only for calls made inside a fused attention module's forward, and the model's o
   ``(q, k, cos, sin)`` form the kernel takes: 4-d q and k of one batch, sequence and even head size, cos and sin
   ``[batch or 1, seq, head]``, one dtype, or 16-bit q and k with fp32 tables where the model's function promotes its
   results to fp32 as PyTorch's ``q * cos`` does (the probe checks; OLMo's casts them back, so its mixed calls run its
-  own code); and, from the modules that ``fuse`` routed them for (where the kernel's partial path would run
-  them), GPT-NeoX's partial rotary, where the probe found that the function computes it. Any other call (another
-  model of the same type that is not fused, partial rotary elsewhere, extra arguments, ``torch.compile`` tracing)
-  goes to the model's own code, unchanged;
+  own code); and GPT-NeoX's partial rotary, from the modules that ``fuse`` routed it for (the probe found that
+  their function computes it), where the dispatcher chooses the kernel for the call (:func:`~pipegoose.nn.fusion.
+  ops.rope.choice_of`: asked per call, so that a model fused on the CPU and moved to a GPU afterwards runs it there;
+  PyTorch's ops, the op's reference path, would only cost more host time than the model's code). Any other call
+  (another model of the same type that is not fused, partial rotary that the kernel does not take, extra arguments,
+  ``torch.compile`` tracing) goes to the model's own code, unchanged;
 * before it is installed, the model's function is checked numerically (:func:`probe`: float64 CPU inputs against
   transformers' rotate-half formula, and the result dtype of 16-bit q with fp32 tables), so a model whose function
   computes something else (an interleaved rotation, a patch by another library) is reported as skipped instead;
@@ -46,7 +48,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..ops.rope import shape_reason
+from ..ops.rope import choice_of, shape_reason
 
 NAME = "apply_rotary_pos_emb"
 _FALLBACK_ATTR = "__pipegoose_rope_original__"   # on a dispatching function: the model's own code it falls back to
@@ -237,9 +239,11 @@ def _make_dispatching(fallback: Callable, promotes: bool, partial: bool = False)
 
     def apply_rotary_pos_emb(*args: Any, **kwargs: Any):
         module = None if torch.compiler.is_compiling() else _fused_caller()
-        # partial-rotary calls only from the modules fuse routed them for (where the kernel's path runs them)
+        # partial-rotary calls only from the modules fuse routed them for, and only where the kernel runs them
         if module is not None and _takes(args, kwargs, promotes, partial and module in _partial_ok):
-            return fused_rope(*args)
+            q, _, cos, _ = args
+            if cos.shape[-1] == q.shape[-1] or choice_of(*args).impl == "pipegoose":
+                return fused_rope(*args)
         return fallback(*args, **kwargs)
 
     functools.update_wrapper(apply_rotary_pos_emb, getattr(fallback, "__func__", fallback))
@@ -293,7 +297,7 @@ def install(module: nn.Module, t: Target, promotes: bool, partial: bool = False,
     """Route ``module``'s RoPE calls to our op: the dispatching function (put in place unless it is there already)
     and the module's two hooks. The caller has probed ``t.original`` (``promotes``: its result dtype for 16-bit q with
     fp32 tables; ``partial``: it computes GPT-NeoX's partial rotary). ``route_partial``: this module's partial-rotary
-    calls go to our op too (fuse found that the kernel's path would run them); without it they run the model's
+    calls go to our op too, each where the dispatcher chooses the kernel for it; without it they run the model's
     code."""
     current = t.namespace.get(NAME)
     dispatching = dispatching_of(current)
