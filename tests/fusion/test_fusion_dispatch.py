@@ -551,6 +551,17 @@ def test_explain_refuses_keywords_the_op_does_not_take():
     assert dispatch.explain("rms_norm", x, (8,), w, cast_before_weight=True).impl == "torch"  # a real keyword
 
 
+def test_explain_of_softmax_says_dim_or_scale_for_what_is_neither():
+    """A fresh-clone review: explain("softmax", x, "a") said "scale: expected a number", where the argument after x is
+    softmax(x, dim)'s dim or scaled_softmax(x, scale)'s scale; the message now names both."""
+    x = torch.randn(4, 8)
+    for bad in ("a", True, [1]):
+        with pytest.raises(TypeError, match=r"softmax\(x, dim\)'s dim \(an int\) or scaled_softmax\(x, scale\)'s "
+                                            r"scale \(a float\), got"):
+            dispatch.explain("softmax", x, bad)
+    assert dispatch.explain("softmax", x, -1).impl == dispatch.explain("softmax", x, dim=-1).impl
+
+
 def test_explain_takes_the_scale_of_the_plain_and_causal_functions():
     """explain("softmax.causal", x, 0.5) as scaled_upper_triang_masked_softmax(x, 0.5) is called (and "softmax" as
     scaled_softmax(x, 0.5)): the number after x is the scale, checked as the op checks it."""

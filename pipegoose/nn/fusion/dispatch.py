@@ -1086,8 +1086,10 @@ def explain(op: str, *inputs: Any, impl: str | None = None, **kwargs: Any) -> Ch
     Raises:
         KeyError: ``op`` is not a dispatcher op (the message names the closest one; ``attention`` says what to
             explain instead).
-        TypeError, ValueError: the arguments the op's functional would refuse, with its messages; ``impl`` naming
-            no implementation of ``op``.
+        TypeError, ValueError: the arguments that the op's own checks refuse, with the functional's messages;
+            ``impl`` naming no implementation of ``op``. Inputs that only PyTorch refuses, where the reference path
+            would run them (a float ``target`` of ``cross_entropy``, a target of another batch size, cos and sin that
+            do not broadcast over q), are described, not refused: explain runs nothing.
     """
     return choose(op, problem_of(op, *inputs, **kwargs), impl, check_all=True)
 

@@ -331,9 +331,12 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
 
     Raises:
         TypeError: ``max_norm`` or ``norm_type`` is not a number (or a one-element tensor); ``foreach`` not None, True
-            or False.
+            or False; ``impl`` not a str or None.
         ValueError: ``max_norm`` is negative or nan (torch would flip the gradients' signs or make them nan), or
-            ``norm_type`` is nan.
+            ``norm_type`` is nan; ``impl`` or ``PIPEGOOSE_IMPL_CLIP_GRAD_NORM`` naming no implementation of
+            ``clip_grad_norm``; another ``PIPEGOOSE_*`` variable with a value the dispatcher refuses
+            (``dispatch.check_env``: e.g. ``PIPEGOOSE_STRICT=2``).
+        FusionFallbackError: in strict mode (``dispatch.strict()``), where no kernel takes a group of gradients.
         RuntimeError: ``error_if_nonfinite`` and the total norm is nan/inf (gradients untouched).
     """
     if foreach is not None and not isinstance(foreach, bool):

@@ -72,6 +72,11 @@ def _explain_builder(op: str):
                                                    and not isinstance(args[0], bool))):
             return plain(x, *args, **kwargs)
         if op != OP_MASKED and args and not (args[0] is None or isinstance(args[0], torch.Tensor)):
+            if op == OP_PLAIN and (isinstance(args[0], bool) or not isinstance(args[0], numbers.Real)):
+                # (a review: "scale: expected a number" for a bad dim of softmax(x, dim))
+                raise TypeError(f"explain({op!r}, x, ...): the argument after x is softmax(x, dim)'s dim (an int) or "
+                                f"scaled_softmax(x, scale)'s scale (a float), got {args[0]!r} "
+                                f"({type(args[0]).__name__})")
             if not (op == OP_PLAIN and isinstance(args[0], int)):
                 if "scale" in kwargs or len(args) > 1:
                     raise TypeError(f"explain({op!r}, x, scale): scale given twice or extra arguments {args[1:]}")
