@@ -209,12 +209,18 @@ def test_a_forward_that_raises_leaves_no_count_behind():
     unfuse(model)
 
 
-def test_gpt_neox_partial_rotary_runs_the_original():
+def test_gpt_neox_partial_rotary_runs_the_original(monkeypatch):
     """GPT-NeoX's function handles partial rotary itself (partial_rotary_factor < 1, Pythia's default: cos narrower
     than the head). On the CPU the kernel's partial path cannot run: the modules are fused (hooked: whether the kernel
-    takes a call is asked per call), the report says that their calls run the model's own code where the kernel does
-    not take them, and they do, exactly, without a call of the op; with a factor of 1 they run the op."""
-    for pct, calls in ((0.25, 0), (1.0, 2)):
+    takes a call is asked per call), the report says that their calls run the model's own code here and why, and they
+    do, exactly (PyTorch's reference path never runs), each call recorded as the op's fallback (counted as torch;
+    strict mode refuses it, as it refuses whole-head calls on the CPU); with a factor of 1 they run the op."""
+    from pipegoose.nn.fusion.ops import rope as rope_ops
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("PyTorch's reference path ran for a partial-rotary call")
+
+    for pct in (0.25, 1.0):
         cfg = models.config("gpt_neox", "eager")
         cfg.rope_parameters = {**cfg.rope_parameters, "partial_rotary_factor": pct}
         model = models.build("gpt_neox", "eager", cfg=cfg).double()
@@ -226,16 +232,21 @@ def test_gpt_neox_partial_rotary_runs_the_original():
         if pct < 1:
             rotary = int(model.config.hidden_size // model.config.num_attention_heads * pct)
             for r in rows:
-                assert (r.forward, r.backward) == ("the model's code", "the model's code"), r
+                assert (r.forward, r.backward) == ("the model's code (fallback)",) * 2, r
                 assert f"GPT-NeoX's partial rotary, {rotary} of each head's values (probed)" in r.reason, r.reason
-                assert "the model's own code where it does not" in r.reason, r.reason
-            assert "no: the model's code" in str(report)
+                assert r.reason.endswith("here now the model's own code: pipegoose: needs a CUDA tensor, got device "
+                                         "cpu"), r.reason
+            assert "no: the model's code (fallback)" in str(report)
+            monkeypatch.setattr(rope_ops, "rope_reference", no_reference)
         dispatch.reset_stats()
         h, g = _step(model, ids, mask)
-        assert _rope_calls() == calls
+        assert dispatch.stats()["rope"] == {"torch": 2}
         torch.testing.assert_close(h, ref_h, rtol=1e-12, atol=1e-12)
         for n in ref_g:
             torch.testing.assert_close(g[n], ref_g[n], rtol=1e-10, atol=1e-12)
+        with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="rope: strict mode"):
+            _step(model, ids, mask)
+        monkeypatch.undo()
         unfuse(model)
 
 
@@ -250,7 +261,7 @@ def test_gpt_neox_partial_rotary_fused_on_the_cpu_runs_the_kernel_once_it_can(mo
     ids, mask = models.inputs(left_pad=(0, 0, 0))
     ref_h, _ = _step(model, ids, mask)
     rows = _rope_rows(fuse(model, ops=["rope"]))
-    assert rows and all(r.fused and r.forward == "the model's code" for r in rows), rows
+    assert rows and all(r.fused and r.forward == "the model's code (fallback)" for r in rows), rows
     layers = model.config.num_hidden_layers
     with kernel_on_cpu(monkeypatch, dispatch) as calls:
         dispatch.clear_choice_cache()
@@ -263,7 +274,7 @@ def test_gpt_neox_partial_rotary_fused_on_the_cpu_runs_the_kernel_once_it_can(mo
     dispatch.clear_choice_cache()
     dispatch.reset_stats()
     h, _ = _step(model, ids, mask)
-    assert _rope_calls() == 0
+    assert dispatch.stats()["rope"] == {"torch": layers}   # the model's own code, recorded as the op's fallback
     torch.testing.assert_close(h, ref_h, rtol=0, atol=0)
     unfuse(model)
 
@@ -286,7 +297,7 @@ def test_gpt_neox_partial_rotary_on_the_kernel_path(monkeypatch):
     with kernel_on_cpu(monkeypatch, dispatch) as calls:
         monkeypatch.setenv("PIPEGOOSE_IMPL_ROPE", "torch")
         rows = _rope_rows(fuse(model, ops=["rope"], dry_run=True))
-        assert rows and all(r.fused and r.forward == "the model's code" for r in rows), rows
+        assert rows and all(r.fused and r.forward == "the model's code" for r in rows), rows   # asked: no fallback
         monkeypatch.delenv("PIPEGOOSE_IMPL_ROPE")
         rows = _rope_rows(fuse(model, ops=["rope"]))
         rotary = model.layers[0].attention.rotary_ndims if hasattr(model, "layers") else None
@@ -304,7 +315,7 @@ def test_gpt_neox_partial_rotary_on_the_kernel_path(monkeypatch):
         dispatch.reset_stats()
         before = len(calls)
         h_torch, _ = _step(model, ids, mask)
-        assert _rope_calls() == 0 and len(calls) == before
+        assert dispatch.stats()["rope"] == {"torch": model.config.num_hidden_layers} and len(calls) == before
         monkeypatch.delenv("PIPEGOOSE_IMPL_ROPE")
         unfuse(model)
     torch.testing.assert_close(h_torch, ref_h, rtol=0, atol=0)
@@ -352,9 +363,13 @@ def test_partial_rotary_per_layer_type_is_told_apart():
         monkeypatch.undo()
 
 
-def test_partial_calls_from_a_module_not_routed_for_them_run_the_models_code():
-    """Partial-rotary calls reach our op only from the modules fuse routed them for: a GPT-NeoX fused with full
-    rotary whose tables are then made narrow (its rotary embedding replaced) runs the model's own code for them."""
+def test_partial_calls_from_a_module_fused_for_whole_heads_are_chosen_per_call(monkeypatch):
+    """A GPT-NeoX fused with full rotary whose tables are then made narrow (its rotary embedding replaced): its partial
+    calls are chosen per call as any fused module's (GPT-NeoX's function computes partial rotary, probed): on the CPU
+    the model's own code, exactly, recorded as the op's fallback; where the kernel takes them (its CPU stand-in), the
+    kernel. (Before session 58 only modules that fuse had found partial were routed; a copy of such a model lost that.)"""
+    from rope_stand_in import kernel_on_cpu
+
     cfg = models.config("gpt_neox", "eager")
     cfg.rope_parameters = {**cfg.rope_parameters, "partial_rotary_factor": 1.0}
     model = models.build("gpt_neox", "eager", cfg=cfg).double()
@@ -363,9 +378,16 @@ def test_partial_calls_from_a_module_not_routed_for_them_run_the_models_code():
     narrow = models.config("gpt_neox", "eager")
     narrow.rope_parameters = {**narrow.rope_parameters, "partial_rotary_factor": 0.5}
     model.rotary_emb = type(model.rotary_emb)(narrow)
+    layers = model.config.num_hidden_layers
     dispatch.reset_stats()
     h, g = _step(model, ids, mask)
-    assert _rope_calls() == 0
+    assert dispatch.stats()["rope"] == {"torch": layers}
+    with kernel_on_cpu(monkeypatch, dispatch) as calls:
+        dispatch.clear_choice_cache()
+        _step(copy.deepcopy(model).float(), ids, mask)   # a copy too (its hooks came with it), fp32 for the kernel
+        names = [c[0] for c in calls]
+        assert names.count("rope_forward") == names.count("rope_backward") == layers
+    dispatch.clear_choice_cache()
     unfuse(model)
     ref_h, ref_g = _step(model, ids, mask)
     torch.testing.assert_close(h, ref_h, rtol=0, atol=0)
@@ -567,7 +589,7 @@ def test_gpt_neox_report_agrees_with_what_runs(kwargs):
     rows = _rope_rows(report)
     assert len(rows) == 2 and all(r.fused for r in rows), rows
     assert all(("GPT-NeoX's partial rotary" in r.reason) == (not full) for r in rows), rows
-    assert all((r.forward == "the model's code") == (not full) for r in rows), rows
+    assert all((r.forward == "the model's code (fallback)") == (not full) for r in rows), rows
     calls, _ = _calls_and_output(model, input_ids=torch.randint(0, 64, (1, 8)))
-    assert calls == (2 if full else 0)
+    assert calls == 2   # (partial: the model's own code, recorded as the op's fallback)
     unfuse(model)

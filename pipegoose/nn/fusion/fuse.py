@@ -316,7 +316,7 @@ def _yes_no(fused: bool, impl: str) -> str:
         return "no"
     if impl == "-":   # (no choice to show)
         return "yes"
-    if impl.startswith("torch") or impl in ("?", _MODEL_CODE):
+    if impl.startswith(("torch", _MODEL_CODE)) or impl == "?":
         return f"no: {impl}"
     return f"yes: {impl}"
 
@@ -375,9 +375,9 @@ def _first_param(module: nn.Module) -> torch.Tensor | None:
     return next(iter(module.parameters()), None)
 
 
-def _impls(op: str, module: nn.Module, build_inputs, impl: str | None = None) -> tuple[str, str]:
-    """(forward, backward) implementation names the dispatcher would pick for this module's device and dtype (with the
-    module's own ``impl`` request, if any)."""
+def _choice(op: str, module: nn.Module, build_inputs, impl: str | None = None):
+    """The dispatcher's choice for this module's device and dtype (with the module's own ``impl`` request, if any), or
+    None where it cannot be told (a meta module, inputs the dispatcher cannot describe)."""
     try:
         from . import dispatch
 
@@ -385,17 +385,25 @@ def _impls(op: str, module: nn.Module, build_inputs, impl: str | None = None) ->
         device = p.device if p is not None else torch.device("cpu")
         dtype = p.dtype if p is not None and p.is_floating_point() else torch.float32
         if device.type == "meta":
-            return "?", "?"
+            return None
         args = build_inputs(device, dtype)
         # the choice alone (not explain's check of every implementation, which loads, and on a first run builds, the
         # kernels of implementations the choice does not need: the Apex and Megatron copies)
-        choice = dispatch.choose(op, dispatch.problem_of(op, *args), impl=impl)
-        name = choice.impl + (" (fallback)" if choice.fallback else "")
-        if op.startswith("softmax"):
-            name += f" @{_PROBE_SEQ}"
-        return name, name
+        return dispatch.choose(op, dispatch.problem_of(op, *args), impl=impl)
     except Exception:  # noqa: BLE001 - the report must not fail because a dispatcher cannot describe an input
+        return None
+
+
+def _impls(op: str, module: nn.Module, build_inputs, impl: str | None = None) -> tuple[str, str]:
+    """(forward, backward) implementation names the dispatcher would pick for this module's device and dtype (with the
+    module's own ``impl`` request, if any); "?" where that cannot be told."""
+    choice = _choice(op, module, build_inputs, impl)
+    if choice is None:
         return "?", "?"
+    name = choice.impl + (" (fallback)" if choice.fallback else "")
+    if op.startswith("softmax"):
+        name += f" @{_PROBE_SEQ}"
+    return name, name
 
 
 def _adopt(new: nn.Module, old: nn.Module) -> None:
@@ -953,10 +961,10 @@ def _rope_unused(module: nn.Module, found=None) -> str | None:
     """Why an attention module that mentions ``apply_rotary_pos_emb`` would never call it in a form the op takes
     (None: it would): an interleaved rotation selected by the config (it calls another function), or partial rotary
     (a factor below 1 in its config) where the function does not compute GPT-NeoX's partial rotary (``found``, the
-    function's :class:`~pipegoose.nn.fusion.transformers.rope.Probe`, says whether it does) or where the rotated
-    values a head are odd. Nothing here depends on the module's device or dtype: whether the kernel takes a call is
-    asked per call (a model fused on the CPU runs the kernel once moved to a GPU; partial-rotary calls that the kernel
-    does not take run the model's own code)."""
+    function's :class:`~pipegoose.nn.fusion.transformers.rope.Probe`, says whether it does). Nothing here depends on
+    the module's device, dtype or shapes: whether the kernel takes a call is asked per call (a model fused on the CPU
+    runs the kernel once moved to a GPU; partial-rotary calls that the kernel does not take, an odd number of rotated
+    values say, run the model's own code)."""
     config = getattr(module, "config", None)
     if _config_value(config, "rope_interleave") is True:
         return "rope_interleave=True: the model calls its interleaved RoPE function, not apply_rotary_pos_emb"
@@ -966,9 +974,6 @@ def _rope_unused(module: nn.Module, found=None) -> str | None:
     if found is None or not found.partial:
         return (f"partial rotary (factor {factor}): its calls rotate part of each head, which the model's own code "
                 "does (its function does not compute GPT-NeoX's partial rotary, which the kernel's path does)")
-    if rotary and rotary % 2:
-        return (f"partial rotary (factor {factor}, {rotary} of each head's values): {rotary} rotated values a head: "
-                "odd; the model's own code runs them")
     return None
 
 
@@ -997,17 +1002,25 @@ def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
         return FusionRow(path, "rope", name, None, False, reason=why)
     factor, rotary = _rotary_factor(child)
     partial = factor is not None and factor < 1
+    if partial and rotary:
+        # (an odd count: transformers' tables hold a cos and sin per frequency, twice, one value more; the function
+        # rotates as many values as they hold)
+        rotary += rotary % 2
     build = _rope_probe_inputs(child, rotary if partial else None)
-    fwd, bwd = _impls("rope", child, build) if build is not None else ("?", "?")
-    if partial and fwd != "?" and not fwd.startswith("pipegoose"):
-        fwd = bwd = _MODEL_CODE   # (not PyTorch's ops: such calls go to the model's function)
+    choice = _choice("rope", child, build) if build is not None else None
+    fwd = bwd = "?" if choice is None else choice.impl + (" (fallback)" if choice.fallback else "")
+    where = ""
+    if partial:
+        where = (" where the dispatcher chooses the kernel (asked per call), else the model's own code (what "
+                 "PyTorch's path computes, at less host time)")
+        if choice is not None and choice.impl != "pipegoose":
+            fwd = bwd = _MODEL_CODE + (" (fallback)" if choice.fallback else "")
+            where += f"; here now the model's own code: pipegoose: {choice.reasons.get('pipegoose') or choice.reason}"
     if not dry_run:
-        rec = _rope.install(child, target, found.promotes, found.partial, route_partial=partial)
+        rec = _rope.install(child, target, found.promotes, found.partial)
         state.rope_hooks.append((weakref.ref(child), rec))
     what = (f"GPT-NeoX's partial rotary, {rotary} of each head's values (probed): its calls" if partial
             else "the rotate-half RoPE (probed): its plain calls")
-    where = (" where the dispatcher chooses the kernel (asked per call), the model's own code where it does not (on "
-             "the CPU, say)" if partial else "")
     return FusionRow(path, "rope", name, "rope hooks", True, fwd, bwd,
                      f"{target.module_name.rsplit('.', 1)[-1]}.{_rope.NAME}, {what} from this module run op rope"
                      + where + _small_note(child))

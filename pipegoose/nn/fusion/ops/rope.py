@@ -207,8 +207,9 @@ def _signature(q, k, cos, sin, unsqueeze_dim) -> tuple | None:
 def choice_of(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1,
               impl: str | None = None) -> dispatch.Choice:
     """The dispatcher's choice for these (plain, not nested) inputs, from the choice cache that :func:`run` fills;
-    nothing counted or run (fuse's RoPE routing asks it for partial-rotary calls, which run the model's own code
-    where the kernel does not take them).
+    nothing counted or run (choosing may load the kernel, and build it on a first run, as :func:`dispatch.choose`
+    does). fuse's RoPE routing asks it for partial-rotary calls, which run the model's own code where the kernel does
+    not take them.
 
     Raises:
         TypeError, ValueError: as :func:`check_args`; ``impl`` naming no implementation of ``rope``.
@@ -239,7 +240,18 @@ def run(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         check_args(q, k, cos, sin, unsqueeze_dim)
         dispatch.record(nested_fallback(OP, impl))
         return rope_reference(q, k, cos, sin, unsqueeze_dim)
-    choice = dispatch.record(choice_of(q, k, cos, sin, unsqueeze_dim, impl))
+    return run_choice(choice_of(q, k, cos, sin, unsqueeze_dim, impl), q, k, cos, sin, unsqueeze_dim)
+
+
+def run_choice(choice: dispatch.Choice, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Record ``choice`` (:func:`choice_of`'s for these inputs: counted, warned, refused in strict mode where it is a
+    fallback) and run it: the kernel, or PyTorch's reference path.
+
+    Raises:
+        FusionFallbackError: in strict mode, where ``choice`` is a fallback to the reference path.
+    """
+    choice = dispatch.record(choice)
     if choice.impl == "pipegoose":
         heads_dim = 2 if unsqueeze_dim in (2, -2) else 1
         return call_without_autocast(q.device, _run_pipegoose, q, k, cos, sin, heads_dim)

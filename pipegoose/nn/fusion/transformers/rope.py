@@ -18,12 +18,13 @@ only for calls made inside a fused attention module's forward, and the model's o
   ``(q, k, cos, sin)`` form the kernel takes: 4-d q and k of one batch, sequence and even head size, cos and sin
   ``[batch or 1, seq, head]``, one dtype, or 16-bit q and k with fp32 tables where the model's function promotes its
   results to fp32 as PyTorch's ``q * cos`` does (the probe checks; OLMo's casts them back, so its mixed calls run its
-  own code); and GPT-NeoX's partial rotary, from the modules that ``fuse`` routed it for (the probe found that
-  their function computes it), where the dispatcher chooses the kernel for the call (:func:`~pipegoose.nn.fusion.
-  ops.rope.choice_of`: asked per call, so that a model fused on the CPU and moved to a GPU afterwards runs it there;
-  PyTorch's ops, the op's reference path, would only cost more host time than the model's code). Any other call
-  (another model of the same type that is not fused, partial rotary that the kernel does not take, extra arguments,
-  ``torch.compile`` tracing) goes to the model's own code, unchanged;
+  own code); and GPT-NeoX's partial rotary (cos and sin narrower than the head), where the probe found that the
+  function computes it: such a call runs the kernel where the dispatcher chooses it for the call
+  (:func:`~pipegoose.nn.fusion.ops.rope.choice_of`: asked per call, so that a model fused on the CPU and moved to a
+  GPU afterwards runs it there), else the model's own code, which computes what PyTorch's reference path would, at
+  less host time; that choice is recorded as the op's are (``dispatch.stats()`` counts it as ``torch``, strict mode
+  refuses a fallback, an unmet ``PIPEGOOSE_IMPL_ROPE`` request warns). Any other call (another model of the same
+  type that is not fused, extra arguments, ``torch.compile`` tracing) goes to the model's own code, unchanged;
 * before it is installed, the model's function is checked numerically (:func:`probe`: float64 CPU inputs against
   transformers' rotate-half formula, and the result dtype of 16-bit q with fp32 tables), so a model whose function
   computes something else (an interleaved rotation, a patch by another library) is reported as skipped instead;
@@ -48,7 +49,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..ops.rope import choice_of, shape_reason
+from .. import dispatch
+from ..ops.rope import choice_of, run_choice, shape_reason
 
 NAME = "apply_rotary_pos_emb"
 _FALLBACK_ATTR = "__pipegoose_rope_original__"   # on a dispatching function: the model's own code it falls back to
@@ -56,7 +58,6 @@ _HALF = (torch.float16, torch.bfloat16)
 _FRAMES = 12   # how far up the callers the dispatching function looks for the fused forward's frame
 
 _active = threading.local()   # .stack: (weakref to a fused attention module, its forward's code) under way
-_partial_ok: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()   # modules whose partial-rotary calls fuse routes
 
 
 @dataclass
@@ -239,11 +240,17 @@ def _make_dispatching(fallback: Callable, promotes: bool, partial: bool = False)
 
     def apply_rotary_pos_emb(*args: Any, **kwargs: Any):
         module = None if torch.compiler.is_compiling() else _fused_caller()
-        # partial-rotary calls only from the modules fuse routed them for, and only where the kernel runs them
-        if module is not None and _takes(args, kwargs, promotes, partial and module in _partial_ok):
-            q, _, cos, _ = args
-            if cos.shape[-1] == q.shape[-1] or choice_of(*args).impl == "pipegoose":
-                return fused_rope(*args)
+        if module is None or not _takes(args, kwargs, promotes, partial):
+            return fallback(*args, **kwargs)
+        q, _, cos, _ = args
+        if cos.shape[-1] == q.shape[-1]:
+            return fused_rope(*args)
+        # partial rotary: the kernel where the dispatcher chooses it for this call, else the model's own code (the
+        # choice recorded either way: counted, warned about, refused in strict mode where it is a fallback)
+        choice = choice_of(*args)
+        if choice.impl == "pipegoose":
+            return run_choice(choice, *args)
+        dispatch.record(choice)
         return fallback(*args, **kwargs)
 
     functools.update_wrapper(apply_rotary_pos_emb, getattr(fallback, "__func__", fallback))
@@ -292,13 +299,11 @@ class Installed:
     replaced: Any = None
 
 
-def install(module: nn.Module, t: Target, promotes: bool, partial: bool = False,
-            route_partial: bool = False) -> Installed:
+def install(module: nn.Module, t: Target, promotes: bool, partial: bool = False) -> Installed:
     """Route ``module``'s RoPE calls to our op: the dispatching function (put in place unless it is there already)
     and the module's two hooks. The caller has probed ``t.original`` (``promotes``: its result dtype for 16-bit q with
-    fp32 tables; ``partial``: it computes GPT-NeoX's partial rotary). ``route_partial``: this module's partial-rotary
-    calls go to our op too, each where the dispatcher chooses the kernel for it; without it they run the model's
-    code."""
+    fp32 tables; ``partial``: it computes GPT-NeoX's partial rotary, so that calls with narrower tables go to our op
+    too, each where the dispatcher chooses the kernel for it)."""
     current = t.namespace.get(NAME)
     dispatching = dispatching_of(current)
     holder = current if isinstance(current, nn.Module) else None
@@ -317,8 +322,6 @@ def install(module: nn.Module, t: Target, promotes: bool, partial: bool = False,
     if holder is not None and not hasattr(dispatching, "__pipegoose_replaced__"):
         dispatching.__pipegoose_replaced__ = replaced
     dispatching.__pipegoose_users__.add(module)
-    if route_partial:
-        _partial_ok.add(module)
     # (module-level functions: a fused model pickles, its hooks by reference)
     handles = (module.register_forward_pre_hook(_enter), module.register_forward_hook(_leave, always_call=True))
     return Installed(t.namespace, dispatching, handles, holder, replaced)
@@ -332,7 +335,6 @@ def uninstall(module: nn.Module | None, rec: Installed) -> None:
     users = rec.dispatching.__pipegoose_users__
     if module is not None:
         users.discard(module)
-        _partial_ok.discard(module)
     if len(users):
         return
     if rec.holder is not None:
