@@ -92,7 +92,9 @@ def cmd_add(a) -> int:
 
 def cmd_sync(a) -> int:
     r = _porter(a).sync(all_kernels=a.all)
-    done = [f"added {len(r['added'])} kernel(s)"]
+    # (a review: "added 0 kernel(s)" beside "vendored ..." on a fresh clone read as if nothing had been fetched)
+    added = f" ({', '.join(r['added'])})" if r["added"] else ""
+    done = [f"added {len(r['added'])} kernel(s) to kernels.lock{added}"]
     if r.get("vendored"):
         done.append(f"vendored {', '.join(r['vendored'])}")
     if r["restored"]:
