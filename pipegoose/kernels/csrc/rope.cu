@@ -36,7 +36,12 @@
 // the widest type; one where their count is odd; session 57, H100, bf16 forward + backward, Pythia's heads of 64 and
 // 128 values with a quarter rotated: 81-82% of copy, against 72-73% with one), or up to 16 bytes' worth of narrower
 // ones, as many as divide their count (session 56: Pythia-2.8b's heads, 80 values and 20 rotated, ran at 38% of copy
-// with one vector of 4 bytes a thread and at 66% with three).
+// with one vector of 4 bytes a thread and at 66% with three). Where the halves take vectors narrower than 16 bytes
+// and the heads move in 16-byte chunks (one dtype in and out; head size, pointers and head strides multiples of 16
+// bytes; a head at most 1 KiB), rope_staged_kernel runs instead: each warp stages a few whole heads in shared memory
+// (loaded and stored in 16-byte chunks), rotating them there (session 59, H100, bf16 forward + backward, % of copy:
+// Pythia-2.8b's heads of 80 with 20 rotated 65 -> 73, GPT-NeoX-20B's of 96 with 24 rotated 72 -> 75; torch.compile 78
+// and 88; staging the heads of 16-byte vectors too: 80-91 -> 67-70).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -44,6 +49,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 
 #include "pipegoose_check.h"
 
@@ -77,6 +83,23 @@ constexpr int kThreads = PIPEGOOSE_ROPE_THREADS;
 #endif
 static_assert(PIPEGOOSE_ROPE_COPY_BYTES >= 16 && PIPEGOOSE_ROPE_COPY_BYTES % 16 == 0,
               "PIPEGOOSE_ROPE_COPY_BYTES: a multiple of 16");
+// The staged kernel (rope_staged_kernel): where the halves of the rotated values take vectors narrower than 16 bytes
+// (Pythia-2.8b's heads of 80 values, 20 rotated: 4-byte vectors in 16-bit), a block loads whole heads into shared
+// memory in 16-byte chunks, rotates them there, and stores them in 16-byte chunks: every 32-byte sector read once and
+// written whole, where the per-vector kernel's narrow loads and stores touch each sector several times (ncu, session
+// 59, H100, bf16 forward of 4x2048x32 heads of 80: 18.0M L1-L2 sectors, 56% of them excess, L2 83% busy and DRAM 61%;
+// torch.compile's kernel 13.7M, DRAM 73%). Benchmark experiments: -DPIPEGOOSE_ROPE_STAGE=0 never stages (the
+// per-vector kernel everywhere), 2 stages wherever it fits (16-byte vectors too: slower, 80-91% of copy -> 67-70);
+// -DPIPEGOOSE_ROPE_STAGE_VECS=N 16-byte chunks a lane (a warp's tile: 32 * N chunks; 4: the heads of 80 73 -> 64).
+// Measurements: benchmarks/results/nvidia_h100_80gb_hbm3_2026-12-05/s59_rope_staged.md.
+#ifndef PIPEGOOSE_ROPE_STAGE
+#define PIPEGOOSE_ROPE_STAGE 1
+#endif
+#ifndef PIPEGOOSE_ROPE_STAGE_VECS
+#define PIPEGOOSE_ROPE_STAGE_VECS 2
+#endif
+constexpr int kStageVecs = PIPEGOOSE_ROPE_STAGE_VECS;
+static_assert(kStageVecs >= 1 && kStageVecs <= 8, "PIPEGOOSE_ROPE_STAGE_VECS: 1 to 8");
 
 template <typename T> __device__ __forceinline__ float to_f(T x) { return static_cast<float>(x); }
 template <typename T> __device__ __forceinline__ T from_f(float x) { return static_cast<T>(x); }
@@ -99,6 +122,7 @@ struct Params {
   int32_t seq, heads_q, heads, half;   // heads = Hq + Hk; half = R / 2
   int32_t vecs;                        // vectors per half of the rotated values
   int32_t copies, group;               // threads that pass a head's D - R last values through, vectors each
+  int32_t dim, chunks, rows_per_block;  // the staged kernel: D, 16-byte chunks a head, heads a warp (items: heads)
 };
 
 // The size of the widest of the three types; the elements of a 16-byte vector of it (the widest vector of a
@@ -156,6 +180,58 @@ __device__ __forceinline__ void store(T* p, const Vec<T, V>& r) {
   }
 }
 
+// Where one head of one token lives: its first element in the input and in the result (elements from the tensor's
+// start), its batch and position (the tables' row), and whether it is q's or k's. head counts q's heads, then k's.
+template <typename I>
+struct Head {
+  int64_t in, res;
+  I b, s;
+  bool is_q;
+};
+
+template <typename I>
+__device__ __forceinline__ Head<I> head_at(const Params& p, I token, I head) {
+  Head<I> h;
+  h.b = token / p.seq;
+  h.s = token - h.b * p.seq;
+  h.is_q = head < static_cast<I>(p.heads_q);
+  if (!h.is_q) head -= p.heads_q;
+  const Strides in = h.is_q ? p.q_in : p.k_in;
+  const Strides res = h.is_q ? p.q_res : p.k_res;
+  h.in = static_cast<int64_t>(h.b) * in.b + static_cast<int64_t>(head) * in.h + static_cast<int64_t>(h.s) * in.s;
+  h.res = static_cast<int64_t>(h.b) * res.b + static_cast<int64_t>(head) * res.h + static_cast<int64_t>(h.s) * res.s;
+  return h;
+}
+
+// The rotation of one vector of each half (x1 at element e of the head, x2 at e + R/2) with the tables' vectors at the
+// same elements of row (b, s); kBwd: the transposed rotation.
+template <typename TI, typename TC, typename TO, int V, bool kBwd, typename I>
+__device__ __forceinline__ void rotate_pair(const Params& p, I b, I s, int64_t e, const Vec<TI, V>& x1,
+                                            const Vec<TI, V>& x2, Vec<TO, V>& y1, Vec<TO, V>& y2) {
+  const TC* c = static_cast<const TC*>(p.cos) + (static_cast<int64_t>(b) * p.cos_b +
+                                                 static_cast<int64_t>(s) * p.cos_s + e);
+  const TC* n = static_cast<const TC*>(p.sin) + (static_cast<int64_t>(b) * p.sin_b +
+                                                 static_cast<int64_t>(s) * p.sin_s + e);
+  const Vec<TC, V> c1 = load<TC, V, true>(c);
+  const Vec<TC, V> c2 = load<TC, V, true>(c + p.half);
+  const Vec<TC, V> s1 = load<TC, V, true>(n);
+  const Vec<TC, V> s2 = load<TC, V, true>(n + p.half);
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const float a = to_f(x1.v[j]), d = to_f(x2.v[j]);
+    // one product rounded, then a fused multiply-add, spelled out so that every build and path (vector or scalar,
+    // staged or not) rounds alike (left to the compiler, the contraction differed between the two paths by an ulp in
+    // fp32)
+    if (kBwd) {
+      y1.v[j] = from_f<TO>(__fmaf_rn(a, to_f(c1.v[j]), __fmul_rn(d, to_f(s2.v[j]))));
+      y2.v[j] = from_f<TO>(__fmaf_rn(d, to_f(c2.v[j]), -__fmul_rn(a, to_f(s1.v[j]))));
+    } else {
+      y1.v[j] = from_f<TO>(__fmaf_rn(a, to_f(c1.v[j]), -__fmul_rn(d, to_f(s1.v[j]))));
+      y2.v[j] = from_f<TO>(__fmaf_rn(d, to_f(c2.v[j]), __fmul_rn(a, to_f(s2.v[j]))));
+    }
+  }
+}
+
 // TI: the rotated tensors' element type (q, k; the output gradients), TC: cos and sin's, TO: the results'; kBwd: the
 // transposed rotation (the backward); I: the index type of the item arithmetic (32-bit where it fits).
 template <typename TI, typename TC, typename TO, int V, bool kBwd, typename I>
@@ -166,23 +242,14 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const Params p) {
   const I per_token = static_cast<I>(p.heads) * per_head;
   const I token = item / per_token;
   const I r = item - token * per_token;
-  const I b = token / p.seq;
-  const I s = token - b * p.seq;
-  I head = r / per_head;
+  const I head = r / per_head;
   const I w = r - head * per_head;   // this thread's vector of the head: rotated below vecs, else passed through
-  const bool is_q = head < static_cast<I>(p.heads_q);
-  if (!is_q) head -= p.heads_q;
-  const Strides in = is_q ? p.q_in : p.k_in;
-  const Strides res = is_q ? p.q_res : p.k_res;
+  const Head<I> h = head_at<I>(p, token, head);
   // first element of this vector within the head: in the first half of the rotated values, or past them (the first
   // of the thread's group of vectors passed through)
   const I e = w < static_cast<I>(p.vecs) ? w * V : 2 * static_cast<I>(p.half) + (w - p.vecs) * p.group * V;
-  const TI* x = static_cast<const TI*>(is_q ? p.q : p.k) + (static_cast<int64_t>(b) * in.b +
-                                                            static_cast<int64_t>(head) * in.h +
-                                                            static_cast<int64_t>(s) * in.s + e);
-  TO* y = static_cast<TO*>(is_q ? p.q_out : p.k_out) + (static_cast<int64_t>(b) * res.b +
-                                                        static_cast<int64_t>(head) * res.h +
-                                                        static_cast<int64_t>(s) * res.s + e);
+  const TI* x = static_cast<const TI*>(h.is_q ? p.q : p.k) + (h.in + e);
+  TO* y = static_cast<TO*>(h.is_q ? p.q_out : p.k_out) + (h.res + e);
   if (w >= static_cast<I>(p.vecs)) {   // partial rotary: passed through (converted where TO is not TI)
     // group vectors of V (up to copy_elems(V) elements in all): every load in flight before the first store
     constexpr int kGroup = copy_elems<TI, TC, TO>(V) / V;
@@ -202,32 +269,66 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const Params p) {
     }
     return;
   }
-  const TC* c = static_cast<const TC*>(p.cos) + (static_cast<int64_t>(b) * p.cos_b +
-                                                 static_cast<int64_t>(s) * p.cos_s + e);
-  const TC* n = static_cast<const TC*>(p.sin) + (static_cast<int64_t>(b) * p.sin_b +
-                                                 static_cast<int64_t>(s) * p.sin_s + e);
   const Vec<TI, V> x1 = load<TI, V>(x);
   const Vec<TI, V> x2 = load<TI, V>(x + p.half);
-  const Vec<TC, V> c1 = load<TC, V, true>(c);
-  const Vec<TC, V> c2 = load<TC, V, true>(c + p.half);
-  const Vec<TC, V> s1 = load<TC, V, true>(n);
-  const Vec<TC, V> s2 = load<TC, V, true>(n + p.half);
   Vec<TO, V> y1, y2;
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    const float a = to_f(x1.v[j]), d = to_f(x2.v[j]);
-    // one product rounded, then a fused multiply-add, spelled out so that every build and path (vector or scalar)
-    // rounds alike (left to the compiler, the contraction differed between the two paths by an ulp in fp32)
-    if (kBwd) {
-      y1.v[j] = from_f<TO>(__fmaf_rn(a, to_f(c1.v[j]), __fmul_rn(d, to_f(s2.v[j]))));
-      y2.v[j] = from_f<TO>(__fmaf_rn(d, to_f(c2.v[j]), -__fmul_rn(a, to_f(s1.v[j]))));
-    } else {
-      y1.v[j] = from_f<TO>(__fmaf_rn(a, to_f(c1.v[j]), -__fmul_rn(d, to_f(s1.v[j]))));
-      y2.v[j] = from_f<TO>(__fmaf_rn(d, to_f(c2.v[j]), __fmul_rn(a, to_f(s2.v[j]))));
-    }
-  }
+  rotate_pair<TI, TC, TO, V, kBwd, I>(p, h.b, h.s, e, x1, x2, y1, y2);
   store<TO, V>(y, y1);
   store<TO, V>(y + p.half, y2);
+}
+
+// The staged kernel (one type T for q, k and the results; TC the tables'): each warp takes rows_per_block (here: a
+// warp's) heads of the items (token-major, q's heads then k's), from (blockIdx.x * warps + warp) * rows_per_block.
+// Each lane loads up to kStageVecs 16-byte chunks of those heads into the warp's part of shared memory (consecutive
+// lanes, consecutive chunks: whole sectors), the warp rotates the vectors of V elements there (one lane a vector of
+// the first half and its partner, as rope_kernel does), and each lane stores the chunks it loaded. Warps go on
+// independently (__syncwarp; session 59, H100: one tile a block between two __syncthreads ran Pythia-2.8b's heads at
+// 69% of copy, whole heads of 64 and 128 values at 58-61). Needs: D * sizeof(T) a multiple of 16 and at most a warp's
+// tile, every pointer and head stride a multiple of 16 bytes (launch() checks).
+template <typename T, typename TC, int V, bool kBwd, typename I>
+__global__ void __launch_bounds__(kThreads) rope_staged_kernel(const Params p) {
+  constexpr int kWarps = kThreads / 32;
+  constexpr int kChunk = 16 / sizeof(T);   // elements of a chunk
+  __shared__ uint4 tiles[kWarps][32 * kStageVecs];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const I first = (static_cast<I>(blockIdx.x) * kWarps + warp) * p.rows_per_block;
+  if (first >= static_cast<I>(p.items)) return;   // (the whole warp)
+  uint4* tile = tiles[warp];
+  const int rows = min(static_cast<I>(p.rows_per_block), static_cast<I>(p.items) - first);
+  const int chunks = rows * p.chunks;
+  T* out[kStageVecs];   // each loaded chunk's place in its result (nullptr: none)
+#pragma unroll
+  for (int i = 0; i < kStageVecs; ++i) {
+    const int c = lane + i * 32;
+    out[i] = nullptr;
+    if (c < chunks) {
+      const int row = c / p.chunks;
+      const int at = (c - row * p.chunks) * kChunk;
+      const I item = first + row;
+      const I token = item / p.heads;
+      const Head<I> h = head_at<I>(p, token, item - token * p.heads);
+      tile[c] = *reinterpret_cast<const uint4*>(static_cast<const T*>(h.is_q ? p.q : p.k) + (h.in + at));
+      out[i] = static_cast<T*>(h.is_q ? p.q_out : p.k_out) + (h.res + at);
+    }
+  }
+  __syncwarp();
+  T* sh = reinterpret_cast<T*>(tile);
+  for (int task = lane; task < rows * p.vecs; task += 32) {
+    const int row = task / p.vecs;
+    const int e = (task - row * p.vecs) * V;
+    const I token = (first + row) / p.heads;
+    const I b = token / p.seq;
+    T* x = sh + row * p.dim + e;
+    Vec<T, V> y1, y2;
+    rotate_pair<T, TC, T, V, kBwd, I>(p, b, token - b * p.seq, e, load<T, V>(x), load<T, V>(x + p.half), y1, y2);
+    store<T, V>(x, y1);
+    store<T, V>(x + p.half, y2);
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < kStageVecs; ++i) {
+    if (out[i] != nullptr) *reinterpret_cast<uint4*>(out[i]) = tile[lane + i * 32];
+  }
 }
 
 
@@ -308,16 +409,28 @@ bool supported_types(c10::ScalarType ti, c10::ScalarType tc, c10::ScalarType to)
 }
 
 // The launch at V elements a vector (V: the widest that launch() found to fit; a narrower instance where v is
-// narrower).
+// narrower); staged: rope_staged_kernel (TI == TO), else rope_kernel.
 template <typename TI, typename TC, typename TO, int V>
-void launch_width(const Params& p, int v, bool bwd, bool narrow, unsigned blocks, cudaStream_t stream) {
+void launch_width(const Params& p, int v, bool bwd, bool staged, bool narrow, unsigned blocks, cudaStream_t stream) {
   if constexpr (V > 1) {
-    if (v < V) return launch_width<TI, TC, TO, V / 2>(p, v, bwd, narrow, blocks, stream);
+    if (v < V) return launch_width<TI, TC, TO, V / 2>(p, v, bwd, staged, narrow, blocks, stream);
   }
   auto go = [&](auto kernel) {
     kernel<<<blocks, kThreads, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
+  // (staged instances only where launch() may stage: narrow vectors, unless PIPEGOOSE_ROPE_STAGE is 2)
+  if constexpr (std::is_same_v<TI, TO> && (PIPEGOOSE_ROPE_STAGE == 2 || V < kWidestVec<TI, TC, TO>)) {
+    if (staged) {
+      if (bwd) {
+        narrow ? go(rope_staged_kernel<TI, TC, V, true, uint32_t>) : go(rope_staged_kernel<TI, TC, V, true, int64_t>);
+      } else {
+        narrow ? go(rope_staged_kernel<TI, TC, V, false, uint32_t>)
+               : go(rope_staged_kernel<TI, TC, V, false, int64_t>);
+      }
+      return;
+    }
+  }
   if (bwd) {
     narrow ? go(rope_kernel<TI, TC, TO, V, true, uint32_t>) : go(rope_kernel<TI, TC, TO, V, true, int64_t>);
   } else {
@@ -334,29 +447,50 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
   // Pythia-2.8b's: 2 16-bit elements; a misaligned view: one)
   auto aligned = [](const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
   const Strides strides[] = {p.q_in, p.q_res, p.k_in, p.k_res};
-  auto fits = [&](int v) {
-    bool ok = multiple(p.half, v) && multiple(p.copies, v) && aligned(p.q, v * sizeof(TI)) &&
-              aligned(p.k, v * sizeof(TI)) && aligned(p.q_out, v * sizeof(TO)) && aligned(p.k_out, v * sizeof(TO)) &&
-              aligned(p.cos, v * sizeof(TC)) && aligned(p.sin, v * sizeof(TC));
+  auto strided_by = [&](int v) {
+    bool ok = true;
     for (const Strides& st : strides) ok = ok && multiple(st.b, v) && multiple(st.h, v) && multiple(st.s, v);
-    return ok && multiple(p.cos_b, v) && multiple(p.cos_s, v) && multiple(p.sin_b, v) && multiple(p.sin_s, v);
+    return ok;
+  };
+  auto fits = [&](int v) {
+    return multiple(p.half, v) && multiple(p.copies, v) && aligned(p.q, v * sizeof(TI)) &&
+           aligned(p.k, v * sizeof(TI)) && aligned(p.q_out, v * sizeof(TO)) && aligned(p.k_out, v * sizeof(TO)) &&
+           aligned(p.cos, v * sizeof(TC)) && aligned(p.sin, v * sizeof(TC)) && strided_by(v) &&
+           multiple(p.cos_b, v) && multiple(p.cos_s, v) && multiple(p.sin_b, v) && multiple(p.sin_s, v);
   };
   int v = kV;
   while (v > 1 && !fits(v)) v /= 2;
-  p.vecs = p.half / v;
-  p.copies /= v;
-  // the vectors passed through go copy_elems(v) / v at a time (two of the widest width; 16 bytes' worth of narrower
-  // ones), or as many as divide their count (Pythia-2.8b's 30 vectors of 2 in 16-bit: 3 a thread), so that a narrow
-  // vector does not mean a narrow thread
-  p.group = copy_elems<TI, TC, TO>(v) / v;
-  while (p.copies % p.group != 0) --p.group;
-  p.copies /= p.group;
   const int64_t tokens = p.items;  // (set by the caller to B * S)
-  p.items = tokens * p.heads * (p.vecs + p.copies);
+  p.vecs = p.half / v;
+  // staged (rope_staged_kernel) where the halves take vectors narrower than 16 bytes (PIPEGOOSE_ROPE_STAGE 1; 2: also
+  // 16-byte ones), one type in and out, and the heads move in 16-byte chunks that fit the tile: head sizes, pointers
+  // and head strides multiples of 16 bytes
+  p.dim = 2 * p.half + p.copies;
+  const int64_t row_bytes = static_cast<int64_t>(p.dim) * sizeof(TI);
+  const bool staged = (PIPEGOOSE_ROPE_STAGE == 2 || (PIPEGOOSE_ROPE_STAGE == 1 && v < kV)) &&
+                      std::is_same_v<TI, TO> && multiple(row_bytes, 16) && row_bytes <= 32 * kStageVecs * 16 &&
+                      aligned(p.q, 16) && aligned(p.k, 16) && aligned(p.q_out, 16) && aligned(p.k_out, 16) &&
+                      strided_by(16 / sizeof(TI));
+  if (staged) {
+    p.chunks = static_cast<int32_t>(row_bytes / 16);
+    p.rows_per_block = static_cast<int32_t>(32 * kStageVecs * 16 / row_bytes);   // heads a warp
+    p.items = tokens * p.heads;
+  } else {
+    p.copies /= v;
+    // the vectors passed through go copy_elems(v) / v at a time (two of the widest width; 16 bytes' worth of narrower
+    // ones), or as many as divide their count (Pythia-2.8b's 30 vectors of 2 in 16-bit: 3 a thread), so that a
+    // narrow vector does not mean a narrow thread
+    p.group = copy_elems<TI, TC, TO>(v) / v;
+    while (p.copies % p.group != 0) --p.group;
+    p.copies /= p.group;
+    p.items = tokens * p.heads * (p.vecs + p.copies);
+  }
   if (p.items == 0) return;
-  const int64_t blocks = (p.items + kThreads - 1) / kThreads;
+  const int64_t per_block = staged ? static_cast<int64_t>(p.rows_per_block) * (kThreads / 32) : kThreads;
+  const int64_t blocks = (p.items + per_block - 1) / per_block;
   PG_CHECK(blocks <= INT32_MAX, op, ": ", p.items, " work items are more than one launch covers");
-  launch_width<TI, TC, TO, kV>(p, v, bwd, p.items + kThreads <= INT32_MAX, static_cast<unsigned>(blocks), stream);
+  launch_width<TI, TC, TO, kV>(p, v, bwd, staged, p.items + per_block <= INT32_MAX, static_cast<unsigned>(blocks),
+                               stream);
 }
 
 // Rotates x (q-like) and y (k-like, x's dtype) into new tensors of their layout and dtype `out`; bwd: the transposed
