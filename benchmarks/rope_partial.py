@@ -44,9 +44,10 @@ import torch
 from benchmarks.common import environment, today, tolerances
 from benchmarks.timing import Timer
 
-# Pythia-410m (the end-to-end NeoX step's shape), Pythia-1.4b, Pythia-6.9b, Pythia-2.8b (heads of 80, 20 rotated: the
-# kernel's vectors of 2 elements): a quarter of each head rotates
-SHAPES = ["8x2048x16x64x16", "4x2048x16x128x32", "2x2048x32x128x32", "4x2048x32x80x20"]
+# Pythia-410m (the end-to-end NeoX step's shape), Pythia-1.4b, Pythia-6.9b, Pythia-2.8b (heads of 80, 20 rotated) and
+# GPT-NeoX-20B (heads of 96, 24 rotated; both with halves narrower than a 16-byte vector: the kernel's staged path): a
+# quarter of each head rotates
+SHAPES = ["8x2048x16x64x16", "4x2048x16x128x32", "2x2048x32x128x32", "4x2048x32x80x20", "2x2048x64x96x24"]
 DRY_SHAPES = ["2x16x4x16x4"]
 IMPLS = ("pipegoose", "transformers", "compile")
 PASSES = ("fwd", "fwd+bwd")

@@ -662,6 +662,58 @@ def test_partial_rotary_kernel_path_matches_float64(ops, no_tuning_table, dtype,
         assert torch.equal(got[..., r:], w[..., r:].to(dt)), f"{name}: the passed-through values changed"
 
 
+def _kernels_run(fn) -> set[str]:
+    """The names of the CUDA kernels that ``fn()`` launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d, r, where", [
+    (80, 20, "all"),      # Pythia-2.8b: halves of 10 values, narrower than a 16-byte vector in every dtype
+    (96, 24, "16-bit"),   # GPT-NeoX-20B: halves of 12 values (fp32: three 16-byte vectors)
+    (64, 16, "none"),     # Pythia-410m: halves of 8 values, one 16-bit vector of 16 bytes (fp32: two)
+    (128, 128, "none"),   # Llama's whole heads
+], ids=["80-20", "96-24", "64-16", "128-128"])
+def test_staged_kernel_runs_where_the_halves_take_narrow_vectors(ops, dtype, d, r, where):
+    """The launch rule, by the kernel names in a profile: rope_staged_kernel where the halves of the rotated values
+    take vectors narrower than 16 bytes and the heads move in 16-byte chunks, rope_kernel otherwise (halves of 16-byte
+    vectors; a view whose rows are no multiple of 16 bytes). Forward and backward, within the tolerance of float64;
+    the staged and the per-vector kernel's results bit for bit the same."""
+    staged = where == "all" or (where == "16-bit" and dtype != torch.float32)
+    q, k, cos, sin, dq, dk = make_partial((2, 8, 4, 37, d, r, 1), dtype, seed_of("staged", dtype, d, r))
+    got = {}
+
+    def run():
+        got["fwd"] = ops.rope_forward(q, k, cos, sin)
+        got["bwd"] = ops.rope_backward(dq, dk, cos, sin)
+
+    names = _kernels_run(run)
+    assert any("rope_staged_kernel" in n for n in names) == staged, names
+    assert any("rope_kernel" in n and "staged" not in n for n in names) == (not staged), names
+    want = ref64(q, k, cos, sin, dq, dk)
+    for name, a, w in zip(("q_embed", "k_embed", "grad_q", "grad_k"), (*got["fwd"], *got["bwd"]), want):
+        check(name, a, w, dtype)
+    # rows of D + 4 elements (16-bit: no multiple of 16 bytes, the per-vector kernel; fp32: still staged), bit for
+    # bit the results above
+    longer = [_row_strided(t, 4) for t in (q, k, dq, dk)]
+    moved = {}
+
+    def run_moved():
+        moved["fwd"] = ops.rope_forward(longer[0], longer[1], cos, sin)
+        moved["bwd"] = ops.rope_backward(longer[2], longer[3], cos, sin)
+
+    names = _kernels_run(run_moved)
+    assert any("rope_staged_kernel" in n for n in names) == (staged and dtype == torch.float32), names
+    for name, a, b in zip(("q_embed", "k_embed", "grad_q", "grad_k"), (*moved["fwd"], *moved["bwd"]),
+                          (*got["fwd"], *got["bwd"])):
+        assert torch.equal(a, b), f"rows of D + 4: {name} differs"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("unsqueeze_dim", [2, -2, 1, -3])
 def test_functional_layouts_of_unsqueeze_dim(ops, dtype, unsqueeze_dim):

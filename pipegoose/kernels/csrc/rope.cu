@@ -40,12 +40,13 @@
 // and the heads move in 16-byte chunks (one dtype in and out; head size, pointers and head strides multiples of 16
 // bytes; a head at most 1 KiB), rope_staged_kernel runs instead: each warp stages a few whole heads in shared memory
 // (loaded and stored in 16-byte chunks), rotating them there (session 59, H100, bf16 forward + backward, % of copy:
-// Pythia-2.8b's heads of 80 with 20 rotated 65 -> 73, GPT-NeoX-20B's of 96 with 24 rotated 72 -> 75; torch.compile 78
-// and 88; staging the heads of 16-byte vectors too: 80-91 -> 67-70).
+// Pythia-2.8b's heads of 80 with 20 rotated 65 -> 85, GPT-NeoX-20B's of 96 with 24 rotated 72 -> 89; torch.compile 78
+// and 87; staging the heads of 16-byte vectors too: 80-91 -> 67-70).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -203,19 +204,26 @@ __device__ __forceinline__ Head<I> head_at(const Params& p, I token, I head) {
   return h;
 }
 
-// The rotation of one vector of each half (x1 at element e of the head, x2 at e + R/2) with the tables' vectors at the
-// same elements of row (b, s); kBwd: the transposed rotation.
-template <typename TI, typename TC, typename TO, int V, bool kBwd, typename I>
-__device__ __forceinline__ void rotate_pair(const Params& p, I b, I s, int64_t e, const Vec<TI, V>& x1,
-                                            const Vec<TI, V>& x2, Vec<TO, V>& y1, Vec<TO, V>& y2) {
+// The tables' vectors of V elements at element e of row (b, s): cos and sin of each half of the rotated values.
+template <typename TC, int V>
+struct Tables {
+  Vec<TC, V> c1, c2, s1, s2;
+};
+
+template <typename TC, int V, typename I>
+__device__ __forceinline__ Tables<TC, V> tables_at(const Params& p, I b, I s, int64_t e) {
   const TC* c = static_cast<const TC*>(p.cos) + (static_cast<int64_t>(b) * p.cos_b +
                                                  static_cast<int64_t>(s) * p.cos_s + e);
   const TC* n = static_cast<const TC*>(p.sin) + (static_cast<int64_t>(b) * p.sin_b +
                                                  static_cast<int64_t>(s) * p.sin_s + e);
-  const Vec<TC, V> c1 = load<TC, V, true>(c);
-  const Vec<TC, V> c2 = load<TC, V, true>(c + p.half);
-  const Vec<TC, V> s1 = load<TC, V, true>(n);
-  const Vec<TC, V> s2 = load<TC, V, true>(n + p.half);
+  return {load<TC, V, true>(c), load<TC, V, true>(c + p.half), load<TC, V, true>(n), load<TC, V, true>(n + p.half)};
+}
+
+// The rotation of one vector of each half (x1 at element e of the head, x2 at e + R/2) with the tables' vectors at the
+// same elements; kBwd: the transposed rotation.
+template <typename TI, typename TC, typename TO, int V, bool kBwd>
+__device__ __forceinline__ void rotate_pair(const Tables<TC, V>& t, const Vec<TI, V>& x1, const Vec<TI, V>& x2,
+                                            Vec<TO, V>& y1, Vec<TO, V>& y2) {
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     const float a = to_f(x1.v[j]), d = to_f(x2.v[j]);
@@ -223,11 +231,11 @@ __device__ __forceinline__ void rotate_pair(const Params& p, I b, I s, int64_t e
     // staged or not) rounds alike (left to the compiler, the contraction differed between the two paths by an ulp in
     // fp32)
     if (kBwd) {
-      y1.v[j] = from_f<TO>(__fmaf_rn(a, to_f(c1.v[j]), __fmul_rn(d, to_f(s2.v[j]))));
-      y2.v[j] = from_f<TO>(__fmaf_rn(d, to_f(c2.v[j]), -__fmul_rn(a, to_f(s1.v[j]))));
+      y1.v[j] = from_f<TO>(__fmaf_rn(a, to_f(t.c1.v[j]), __fmul_rn(d, to_f(t.s2.v[j]))));
+      y2.v[j] = from_f<TO>(__fmaf_rn(d, to_f(t.c2.v[j]), -__fmul_rn(a, to_f(t.s1.v[j]))));
     } else {
-      y1.v[j] = from_f<TO>(__fmaf_rn(a, to_f(c1.v[j]), -__fmul_rn(d, to_f(s1.v[j]))));
-      y2.v[j] = from_f<TO>(__fmaf_rn(d, to_f(c2.v[j]), __fmul_rn(a, to_f(s2.v[j]))));
+      y1.v[j] = from_f<TO>(__fmaf_rn(a, to_f(t.c1.v[j]), -__fmul_rn(d, to_f(t.s1.v[j]))));
+      y2.v[j] = from_f<TO>(__fmaf_rn(d, to_f(t.c2.v[j]), __fmul_rn(a, to_f(t.s2.v[j]))));
     }
   }
 }
@@ -272,7 +280,7 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const Params p) {
   const Vec<TI, V> x1 = load<TI, V>(x);
   const Vec<TI, V> x2 = load<TI, V>(x + p.half);
   Vec<TO, V> y1, y2;
-  rotate_pair<TI, TC, TO, V, kBwd, I>(p, h.b, h.s, e, x1, x2, y1, y2);
+  rotate_pair<TI, TC, TO, V, kBwd>(tables_at<TC, V, I>(p, h.b, h.s, e), x1, x2, y1, y2);
   store<TO, V>(y, y1);
   store<TO, V>(y + p.half, y2);
 }
@@ -282,9 +290,11 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const Params p) {
 // Each lane loads up to kStageVecs 16-byte chunks of those heads into the warp's part of shared memory (consecutive
 // lanes, consecutive chunks: whole sectors), the warp rotates the vectors of V elements there (one lane a vector of
 // the first half and its partner, as rope_kernel does), and each lane stores the chunks it loaded. Warps go on
-// independently (__syncwarp; session 59, H100: one tile a block between two __syncthreads ran Pythia-2.8b's heads at
-// 69% of copy, whole heads of 64 and 128 values at 58-61). Needs: D * sizeof(T) a multiple of 16 and at most a warp's
-// tile, every pointer and head stride a multiple of 16 bytes (launch() checks).
+// independently (__syncwarp; session 59, H100, bf16 forward + backward: one tile a block between two __syncthreads
+// ran Pythia-2.8b's heads at 69% of copy; a loop of the warp's lanes over its vectors, each lane's vector and tables
+// found after the chunks loaded, at 73, and GPT-NeoX-20B's at 75, against 85 and 89). Needs: D * sizeof(T) a multiple
+// of 16 and at most a warp's tile, R/2 at most 32 vectors, every pointer and head stride a multiple of 16 bytes
+// (launch() checks).
 template <typename T, typename TC, int V, bool kBwd, typename I>
 __global__ void __launch_bounds__(kThreads) rope_staged_kernel(const Params p) {
   constexpr int kWarps = kThreads / 32;
@@ -296,6 +306,11 @@ __global__ void __launch_bounds__(kThreads) rope_staged_kernel(const Params p) {
   uint4* tile = tiles[warp];
   const int rows = min(static_cast<I>(p.rows_per_block), static_cast<I>(p.items) - first);
   const int chunks = rows * p.chunks;
+  // this lane's vector of the rotated values (rows * vecs <= 32: one a lane at most). Its tables load after the
+  // chunks: loaded before them (with the chunks in flight), Pythia-2.8b's heads ran at 82% of copy and GPT-NeoX-20B's
+  // at 76, against 85 and 89 (session 59, H100, bf16 forward + backward)
+  const int task_row = lane / p.vecs;
+  const int e = (lane - task_row * p.vecs) * V;
   T* out[kStageVecs];   // each loaded chunk's place in its result (nullptr: none)
 #pragma unroll
   for (int i = 0; i < kStageVecs; ++i) {
@@ -312,15 +327,13 @@ __global__ void __launch_bounds__(kThreads) rope_staged_kernel(const Params p) {
     }
   }
   __syncwarp();
-  T* sh = reinterpret_cast<T*>(tile);
-  for (int task = lane; task < rows * p.vecs; task += 32) {
-    const int row = task / p.vecs;
-    const int e = (task - row * p.vecs) * V;
-    const I token = (first + row) / p.heads;
+  if (task_row < rows) {
+    const I token = (first + task_row) / p.heads;
     const I b = token / p.seq;
-    T* x = sh + row * p.dim + e;
+    const Tables<TC, V> t = tables_at<TC, V, I>(p, b, token - b * p.seq, e);
+    T* x = reinterpret_cast<T*>(tile) + task_row * p.dim + e;
     Vec<T, V> y1, y2;
-    rotate_pair<T, TC, T, V, kBwd, I>(p, b, token - b * p.seq, e, load<T, V>(x), load<T, V>(x + p.half), y1, y2);
+    rotate_pair<T, TC, T, V, kBwd>(t, load<T, V>(x), load<T, V>(x + p.half), y1, y2);
     store<T, V>(x, y1);
     store<T, V>(x + p.half, y2);
   }
@@ -469,11 +482,13 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
   const int64_t row_bytes = static_cast<int64_t>(p.dim) * sizeof(TI);
   const bool staged = (PIPEGOOSE_ROPE_STAGE == 2 || (PIPEGOOSE_ROPE_STAGE == 1 && v < kV)) &&
                       std::is_same_v<TI, TO> && multiple(row_bytes, 16) && row_bytes <= 32 * kStageVecs * 16 &&
+                      p.vecs <= 32 &&
                       aligned(p.q, 16) && aligned(p.k, 16) && aligned(p.q_out, 16) && aligned(p.k_out, 16) &&
                       strided_by(16 / sizeof(TI));
   if (staged) {
     p.chunks = static_cast<int32_t>(row_bytes / 16);
-    p.rows_per_block = static_cast<int32_t>(32 * kStageVecs * 16 / row_bytes);   // heads a warp
+    // heads a warp: as many as the tile holds, at most one vector of the rotated values a lane
+    p.rows_per_block = static_cast<int32_t>(std::min<int64_t>(32 * kStageVecs * 16 / row_bytes, 32 / p.vecs));
     p.items = tokens * p.heads;
   } else {
     p.copies /= v;
