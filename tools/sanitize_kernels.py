@@ -256,9 +256,10 @@ def main() -> int:
         def narrowed(t):
             return torch.randn(*t.shape[:-1], t.shape[-1] + 2, device="cuda", dtype=t.dtype)[..., 1:t.shape[-1] + 1]
 
-        # (B, Hq, Hk, S, D, Bc): one element per half; head dims no multiple of the vector (6, 10; 24 in 16-bit: the
-        # scalar path); one 16-bit vector per half (16); Llama's shapes; a last block left partial (40 + 7 heads of
-        # 128 over 300 positions); no query heads, no key heads; a Llama-like layer over 1024 positions
+        # (B, Hq, Hk, S, D, Bc): one element per half; head dims no multiple of the vector (6, 10: the scalar path;
+        # 24 in 16-bit: 8-byte vectors, the staged kernel); one 16-bit vector per half (16); Llama's shapes; a last
+        # block left partial (40 + 7 heads of 128 over 300 positions); no query heads, no key heads; a Llama-like
+        # layer over 1024 positions
         shapes = ((1, 1, 1, 1, 2, 1), (3, 3, 1, 7, 6, 3), (3, 3, 1, 7, 10, 1), (2, 4, 2, 9, 24, 2),
                   (2, 4, 4, 33, 16, 1), (2, 32, 4, 33, 64, 2), (1, 40, 7, 300, 128, 1), (2, 0, 2, 5, 16, 1),
                   (2, 4, 0, 5, 16, 2), (2, 32, 8, 1024, 128, 1))

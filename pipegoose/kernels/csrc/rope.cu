@@ -36,12 +36,13 @@
 // the widest type; one where their count is odd; session 57, H100, bf16 forward + backward, Pythia's heads of 64 and
 // 128 values with a quarter rotated: 81-82% of copy, against 72-73% with one), or up to 16 bytes' worth of narrower
 // ones, as many as divide their count (session 56: Pythia-2.8b's heads, 80 values and 20 rotated, ran at 38% of copy
-// with one vector of 4 bytes a thread and at 66% with three). Where the halves take vectors narrower than 16 bytes
-// and the heads move in 16-byte chunks (one dtype in and out; head size, pointers and head strides multiples of 16
-// bytes; a head at most 1 KiB), rope_staged_kernel runs instead: each warp stages a few whole heads in shared memory
-// (loaded and stored in 16-byte chunks), rotating them there (session 59, H100, bf16 forward + backward, % of copy:
-// Pythia-2.8b's heads of 80 with 20 rotated 65 -> 85, GPT-NeoX-20B's of 96 with 24 rotated 72 -> 89; torch.compile 78
-// and 87; staging the heads of 16-byte vectors too: 80-91 -> 67-70).
+// with one vector of 4 bytes a thread and at 66% with three). Where the vectors are narrower than 16 bytes (the
+// halves of the rotated values, or the tables' alignment, allow no wider) and the heads move in 16-byte chunks (one
+// dtype in and out; head size, the four pointers of q, k and their results and every stride of them multiples of 16
+// bytes; a head at most 1 KiB; R/2 at most 32 vectors), rope_staged_kernel runs instead: each warp stages a few whole
+// heads in shared memory (loaded and stored in 16-byte chunks), rotating them there (session 59, H100, bf16 forward +
+// backward, % of copy: Pythia-2.8b's heads of 80 with 20 rotated 65 -> 85, GPT-NeoX-20B's of 96 with 24 rotated
+// 72 -> 89; torch.compile 78 and 88).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -63,6 +64,7 @@ namespace {
 #define PIPEGOOSE_ROPE_THREADS 256
 #endif
 constexpr int kThreads = PIPEGOOSE_ROPE_THREADS;
+static_assert(kThreads % 32 == 0 && kThreads >= 32, "PIPEGOOSE_ROPE_THREADS: whole warps (the staged kernel's tiles)");
 // The most bytes that one thread passes through with partial rotary where the values move in 16-byte vectors (narrower
 // vectors: 16 bytes' worth). Benchmark experiment: -DPIPEGOOSE_ROPE_COPY_BYTES=B, a multiple of 16. Session 57, H100,
 // bf16 forward + backward, % of copy (benchmarks.rope_partial; torch.compile 83 and 78):
@@ -85,14 +87,16 @@ constexpr int kThreads = PIPEGOOSE_ROPE_THREADS;
 static_assert(PIPEGOOSE_ROPE_COPY_BYTES >= 16 && PIPEGOOSE_ROPE_COPY_BYTES % 16 == 0,
               "PIPEGOOSE_ROPE_COPY_BYTES: a multiple of 16");
 // The staged kernel (rope_staged_kernel): where the halves of the rotated values take vectors narrower than 16 bytes
-// (Pythia-2.8b's heads of 80 values, 20 rotated: 4-byte vectors in 16-bit), a block loads whole heads into shared
+// (Pythia-2.8b's heads of 80 values, 20 rotated: 4-byte vectors in 16-bit), each warp loads whole heads into shared
 // memory in 16-byte chunks, rotates them there, and stores them in 16-byte chunks: every 32-byte sector read once and
 // written whole, where the per-vector kernel's narrow loads and stores touch each sector several times (ncu, session
 // 59, H100, bf16 forward of 4x2048x32 heads of 80: 18.0M L1-L2 sectors, 56% of them excess, L2 83% busy and DRAM 61%;
 // torch.compile's kernel 13.7M, DRAM 73%). Benchmark experiments: -DPIPEGOOSE_ROPE_STAGE=0 never stages (the
-// per-vector kernel everywhere), 2 stages wherever it fits (16-byte vectors too: slower, 80-91% of copy -> 67-70);
-// -DPIPEGOOSE_ROPE_STAGE_VECS=N 16-byte chunks a lane (a warp's tile: 32 * N chunks; 4: the heads of 80 73 -> 64).
-// Measurements: benchmarks/results/nvidia_h100_80gb_hbm3_2026-12-05/s59_rope_staged.md.
+// per-vector kernel everywhere), 2 stages wherever it fits (16-byte vectors too); -DPIPEGOOSE_ROPE_STAGE_VECS=N
+// 16-byte chunks a lane (a warp's tile: 32 * N chunks). Both measured only on an earlier form of the staged kernel (a
+// loop of the warp's lanes over its vectors, 73% of copy at the heads of 80 where the shipped form runs 85): staging
+// 16-byte vectors took the quarter-rotated and whole heads from 80-91% to 67-70, and 4 chunks a lane the heads of 80
+// from 73 to 64. Measurements: benchmarks/results/nvidia_h100_80gb_hbm3_2026-12-05/s59_rope_staged.md.
 #ifndef PIPEGOOSE_ROPE_STAGE
 #define PIPEGOOSE_ROPE_STAGE 1
 #endif
