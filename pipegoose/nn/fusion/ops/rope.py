@@ -21,10 +21,12 @@ values of each head and copies the rest (transformers' eager code runs about 40 
 its slices among them, which write and add tensors of the whole head). Its outputs are laid out as the whole-head
 kernel's (``torch.empty_like`` the input's: a dense input's strides, so a contiguous [B, S, H, D] pair stays so), not
 always as the concatenation's (contiguous). The built-in order chooses it; the tuning rules, timed on whole heads,
-do not speak for it (``tuned_for``). Measured on the H200 (``benchmarks.rope_partial``, bf16, Pythia-410m / 1.4b /
-6.9b shapes, forward + backward): session 54's path (the kernel on the rotated slices, one concatenation per tensor
-each way) 0.38-0.40 ms against eager's 0.66-0.69 ms and ``torch.compile``'s 0.09 ms; with it the GPT-NeoX ~405M
-training step ran 149.6k tokens/s against 142.6k with the model's own RoPE.
+do not speak for it (``tuned_for``). Measured on an H100 (``benchmarks.rope_partial``, bf16, forward + backward,
+share of the device copy, session 59): Pythia's quarter-rotated heads of 64 and 128 values 80-83% (``torch.compile``
+83-84, transformers' eager code 12-13), Pythia-2.8b's heads of 80 with 20 rotated 85.5 (compile 77.5) and
+GPT-NeoX-20B's of 96 with 24 rotated 89 (compile 88); heads whose rotated halves are no multiple of 16 bytes are
+staged whole through shared memory. The GPT-NeoX ~405M training step (session 56, H100): 143.0k tokens/s against
+132.7k with the model's own RoPE.
 
 Implementations (op ``rope``): ``pipegoose`` (pipegoose/kernels/csrc/rope.cu, this project, MIT) and ``torch``
 (transformers' formula in PyTorch ops).
