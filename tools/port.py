@@ -258,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     except (PortError, ManifestError) as e:
         err.print(f"error: {e}", style="red", markup=False)
         return 2
+    except BrokenPipeError:   # (below, in __main__)
+        raise
+    except OSError as e:   # a folder not writable, a file where a folder must be, ...: exit 1 means drift
+        where = f"{e.filename}: " if e.filename else ""
+        err.print(f"error: {where}{e.strerror or e}", style="red", markup=False)
+        return 2
     except KeyboardInterrupt:
         # A Ctrl-C can land before a change's commit point (it is rolled back: now, or by the next run if the
         # rollback itself was cut short) or after it (the change is in place): say which

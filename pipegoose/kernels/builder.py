@@ -302,6 +302,16 @@ class KernelBuilder:
         if set(entry.files) != set(k.files):
             stale.append(f"kernels.yaml's file list of {k.id} changed since it was vendored: "
                          f"python tools/port.py add {k.id}")
+        if entry.source != k.source:
+            stale.append(f"kernels.yaml takes {k.id} from {k.source}, but it was vendored from {entry.source}: "
+                         f"python tools/port.py add {k.id}")
+        msrc = self.manifest.sources[k.source]
+        if locked is not None and (locked.license != msrc.license
+                                   or set(locked.license_files) != set(msrc.license_files)):
+            stale.append(f"kernels.yaml's license of {k.source} ({msrc.license}; files "
+                         f"{', '.join(sorted(msrc.license_files)) or 'none'}) is not what was vendored "
+                         f"({locked.license}; {', '.join(sorted(locked.license_files)) or 'none'}): "
+                         f"python tools/port.py add {k.id}")
         base = self.manifest.vendor_dir(k.source)
         rel = base.relative_to(self.manifest.root)
         digests = digests or {}
@@ -361,10 +371,13 @@ class KernelBuilder:
     def preflight(self, create_cache: bool = True) -> list[toolchain.Check]:
         return toolchain.preflight(self.cache_dir, need_cuda=self.needs_cuda, create_cache=create_cache)
 
-    def _toolchain(self, create_cache: bool = True) -> dict[str, Any]:
+    def _toolchain(self, create_cache: bool = True, defer_cache: bool = False) -> dict[str, Any]:
         """Run the preflight checks and gather what the build key and the child build need (``create_cache=False``:
-        without making the cache folder, for :meth:`status`)."""
-        failed = [c for c in self.preflight(create_cache) if not c.ok]
+        without making the cache folder, for :meth:`status`). ``defer_cache``: a cache folder that cannot be written
+        is not raised here but kept in ``self._cache_problem`` (a build that finds its entry there only reads it)."""
+        checks = self.preflight(create_cache)
+        self._cache_problem = next((c for c in checks if defer_cache and c.name == "cache dir" and not c.ok), None)
+        failed = [c for c in checks if not c.ok and c is not self._cache_problem]
         if failed:
             lines = "; ".join(f"{c.name}: {c.detail}" + (f" -> {c.fix}" if c.fix else "") for c in failed)
             raise KernelUnavailableError(f"cannot build {self.kernel.id}: {lines}")
@@ -416,7 +429,7 @@ class KernelBuilder:
     def cached(self) -> BuildResult | None:
         """The cached build for the current inputs, or None (raises like :meth:`build` when unavailable)."""
         self._check_files()
-        return self._cached_for(self.key_inputs(self._toolchain()))
+        return self._cached_for(self.key_inputs(self._toolchain(defer_cache=True)))
 
     def _cached_for(self, inputs: dict[str, Any]) -> BuildResult | None:
         key = _cache.build_key(self.kernel.short_name, inputs)
@@ -443,13 +456,16 @@ class KernelBuilder:
         k = self.kernel
         self._check_files()
         self._check_object_names()
-        tc = self._toolchain()
+        tc = self._toolchain(defer_cache=True)
         inputs = self.key_inputs(tc)
         self._check_vendored(inputs["files"])
         key = _cache.build_key(k.short_name, inputs)
         entry = _cache.entry_dir(self.cache_dir, key)
         if not force and (info := _cache.is_complete(entry)):
             return BuildResult(k, key, entry, info, built=False, seconds=time.monotonic() - t0)
+        if self._cache_problem is not None:   # (a read-only cache that holds the build is only read: a review)
+            c = self._cache_problem
+            raise KernelUnavailableError(f"cannot build {k.id}: {c.name}: {c.detail}" + (f" -> {c.fix}" if c.fix else ""))
 
         def waiting(owner: dict) -> None:
             if on_wait is not None:

@@ -167,6 +167,23 @@ def nvcc_version(cuda_home: Path | None = None) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+def nvcc_gpu_archs(cuda_home: Path | None = None) -> frozenset[tuple[int, int]] | None:
+    """The compute capabilities ``<cuda_home>/bin/nvcc --list-gpu-arch`` names (``compute_90`` -> ``(9, 0)``,
+    ``compute_121`` -> ``(12, 1)``), or None where nvcc is absent or says nothing readable."""
+    home = cuda_home or find_cuda_home()
+    return None if home is None else _listed_gpu_archs(str(Path(home) / "bin" / "nvcc"))
+
+
+@functools.lru_cache(maxsize=8)
+def _listed_gpu_archs(nvcc: str) -> frozenset[tuple[int, int]] | None:
+    try:
+        out = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    got = frozenset((int(d[:-1]), int(d[-1])) for d in re.findall(r"\bcompute_(\d{2,3})\b", out))
+    return got or None
+
+
 def torch_cuda_version() -> tuple[int, int] | None:
     """``(major, minor)`` of the CUDA torch was built with, or None for a CPU-only torch."""
     import torch
@@ -285,6 +302,16 @@ def parse_arch_list(text: str) -> list[Arch]:
     return out
 
 
+def _distinct(archs: list[Arch]) -> list[Arch]:
+    """``archs`` sorted, each capability (and suffix) once, with PTX where any of its entries asked for it: "9.0;9.0"
+    and "9.0;8.0" build what "9.0" and "8.0;9.0" build, under the same build key."""
+    ptx: dict[tuple[int, int, str], bool] = {}
+    for a in archs:
+        key = (a.major, a.minor, a.suffix)
+        ptx[key] = ptx.get(key, False) or a.ptx
+    return [Arch(m, n, p, s) for (m, n, s), p in sorted(ptx.items())]
+
+
 def format_arch_list(archs: list[Arch]) -> str:
     return ";".join(str(a) for a in archs)
 
@@ -340,7 +367,7 @@ def arch_list(cuda: tuple[int, int] | None = None) -> tuple[list[Arch], str]:
     cuda = cuda or nvcc_version() or torch_cuda_version() or (13, 0)
     caps = visible_capabilities()
     env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
-    env_archs = parse_arch_list(env) if env else None
+    env_archs = _distinct(parse_arch_list(env)) if env else None
     if env_archs is not None:
         low = _MIN_ARCH.get(cuda[0])
         bad = [a for a in env_archs if low and (a.major, a.minor) < low]
@@ -348,6 +375,15 @@ def arch_list(cuda: tuple[int, int] | None = None) -> tuple[list[Arch], str]:
             raise ValueError(
                 f"TORCH_CUDA_ARCH_LIST={env!r} names {', '.join(a.sm for a in bad)}, which nvcc "
                 f"{cuda[0]}.{cuda[1]} cannot build (oldest: sm_{low[0]}{low[1]}); remove it from the list")
+        # and none nvcc does not know (99.0, or 10.1, which CUDA 13 calls 11.0): torch's ValueError in the build
+        # made a failed build, and a failed-build log, of a setting (a review)
+        known = nvcc_gpu_archs()
+        unknown = [a for a in env_archs if known and (a.major, a.minor) not in known]
+        if unknown:
+            raise ValueError(
+                f"TORCH_CUDA_ARCH_LIST={env!r} names {', '.join(a.sm for a in unknown)}, which nvcc "
+                f"{cuda[0]}.{cuda[1]} does not know (nvcc --list-gpu-arch: "
+                f"{', '.join(f'{a}.{b}' for a, b in sorted(known))}); remove it from the list")
     if caps:
         gpu = [Arch(a, b, ptx=(i == len(caps) - 1)) for i, (a, b) in enumerate(caps)]
         if env_archs is None:

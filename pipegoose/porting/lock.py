@@ -32,6 +32,7 @@ from ..kernels.manifest import _SOURCE_ID, safe_load_unique
 from .errors import PortError
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_KINDS = ("pypi", "git", "local")   # (kernels.yaml's fetch kinds)
 
 __all__ = ["Lock", "LockedSource", "LockedKernel", "LOCK_HEADER"]
 
@@ -83,6 +84,10 @@ class Lock:
                             "or re-run `port.py add`")
         if not isinstance(data, dict) or data.get("version") != LOCK_VERSION:
             raise PortError(f"{path.name}: version: expected {LOCK_VERSION}, got {data.get('version') if isinstance(data, dict) else data!r}")
+        unknown = sorted(str(k) for k in data if k not in ("version", "sources", "kernels"))
+        if unknown:
+            raise PortError(f"{path.name}: unknown key(s) {', '.join(unknown)}: expected version, sources and kernels; "
+                            "restore it from git or re-run `port.py add`")
         lock = cls(path)
         try:
             for sid, s in (data.get("sources") or {}).items():
@@ -96,6 +101,10 @@ class Lock:
             if not (isinstance(sid, str) and _SOURCE_ID.fullmatch(sid)):
                 raise PortError(f"{path.name}: sources: {sid!r}: expected a source id as kernels.yaml's (lowercase "
                                 "letters, digits, '_', '.', '-'); restore it from git or re-run `port.py add`")
+        for sid, s in lock.sources.items():
+            if s.kind not in _KINDS:
+                raise PortError(f"{path.name}: sources.{sid}.kind: expected one of {', '.join(_KINDS)}, got {s.kind!r}; "
+                                "restore it from git or re-run `port.py add`")
         for kid, k in lock.kernels.items():
             if k.source not in lock.sources:
                 raise PortError(f"{path.name}: kernels.{kid}.source: {k.source!r} has no entry under sources")
@@ -112,6 +121,16 @@ class Lock:
             if not (isinstance(h, str) and _SHA256.fullmatch(h)):
                 raise PortError(f"{path.name}: {where}[{f!r}]: expected a sha256 (64 lowercase hex digits), got "
                                 f"{h!r}; restore it from git or re-run `port.py add`")
+        # one file of a source, one hash: kernels sharing a header record it alike (a bad merge of two branches that
+        # each re-recorded it gave two; verify and sync checked one of them, the builder the other, and refused)
+        seen: dict[tuple[str, str], tuple[str, str]] = {}
+        for kid, k in sorted(lock.kernels.items()):
+            for f, h in k.files.items():
+                other = seen.setdefault((k.source, f), (kid, h))
+                if other[1] != h:
+                    raise PortError(f"{path.name}: kernels.{other[0]} and kernels.{kid} record {k.source}'s {f} with "
+                                    f"different sha256 ({other[1][:12]}…, {h[:12]}…): one of them is stale (a merge?); "
+                                    "restore kernels.lock from git, or record the file's sha256 in both")
         return lock
 
     def copy(self) -> "Lock":

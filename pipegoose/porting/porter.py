@@ -16,6 +16,7 @@ interrupted ``add``/``sync``/``remove``/``update`` leaves vendor/, LICENSES/ and
 from __future__ import annotations
 
 import contextlib
+import errno
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,8 +271,13 @@ class Porter:
         for f, h in sorted(files.items()):
             data = tree.read(f)
             if sha256_bytes(data) != h:
+                # (the archive itself was checked against the pin: the lock's record is what is wrong, not the
+                # download cache, which the message blamed; a review)
                 raise IntegrityError(f"{sid}: {f} from {tree.label} has sha256 {sha256_bytes(data)}, kernels.lock "
-                                     f"records {h} (the download cache may be corrupt: delete it and retry)")
+                                     f"records {h}: kernels.lock's record does not match the pinned source (edited "
+                                     f"by hand, or a merge?); restore kernels.lock from git, or re-record the file "
+                                     f"with `python tools/port.py add` of its kernels "
+                                     f"({', '.join(k for k in lock.kernels_of(sid) if f in lock.kernels[k].files)})")
             _write_staged(stage / f, data)
         lstage = tx.stage_dir(ldir)
         for f, h in sorted(lock.sources[sid].license_files.items()):
@@ -281,12 +287,35 @@ class Porter:
                                      f"kernels.lock records {h}")
             _write_staged(lstage / f, data)
 
-    def _check_pin(self, lock: Lock, sid: str) -> None:
+    def _check_pin(self, lock: Lock, sid: str, updating: bool = False) -> None:
+        """Raise PortError where kernels.lock's pin of ``sid`` is not kernels.yaml's; ``updating``: for ``update``,
+        which moves both and cannot start from a kernels.yaml edited by hand (the advice named update itself)."""
         s = lock.sources.get(sid)
         m = self.manifest.sources.get(sid)
         if s is not None and m is not None and dict(s.pin) != dict(m.pin):
+            if updating:
+                fields = ", ".join(f"{k}: {s.pin.get(k)!r} -> {m.pin.get(k)!r}" for k in sorted(set(s.pin) | set(m.pin))
+                                   if s.pin.get(k) != m.pin.get(k))
+                raise PortError(f"kernels.yaml's pin of {sid} was changed by hand ({fields}; kernels.lock records "
+                                f"{s.pin}): revert kernels.yaml (git checkout kernels.yaml), then run update, which "
+                                "writes both")
             raise PortError(f"kernels.lock records {sid} at {s.pin} but kernels.yaml pins {dict(m.pin)}; "
                             f"use `python tools/port.py update {sid} --to ...` (or revert kernels.yaml)")
+
+    def _record_differs(self, lock: Lock, sid: str) -> str:
+        """How kernels.lock's record of source ``sid`` differs from kernels.yaml beyond the pin (kind, license,
+        license files), or "" (also for a source kernels.yaml no longer has)."""
+        s, m = lock.sources.get(sid), self.manifest.sources.get(sid)
+        if s is None or m is None:
+            return ""
+        if s.kind != m.kind:
+            return f"kernels.lock fetches it by {s.kind}, kernels.yaml by {m.kind}"
+        if s.license != m.license:
+            return f"kernels.yaml license {m.license} != kernels.lock license {s.license}"
+        if set(s.license_files) != set(m.license_files):
+            return (f"kernels.yaml license files {', '.join(sorted(m.license_files)) or 'none'} != kernels.lock's "
+                    f"{', '.join(sorted(s.license_files)) or 'none'}")
+        return ""
 
     def _commit(self, old: Lock, new: Lock, trees: dict[str, SourceTree | None], extra=None) -> None:
         with Transaction(self.root) as tx:
@@ -308,7 +337,7 @@ class Porter:
         dropped = sorted(sid for sid in new.sources if not new.kernels_of(sid))
         for sid in dropped:
             del new.sources[sid]
-            self.log(f"dropped source {sid} from kernels.lock: no vendored kernel comes from it any more")
+            self.log(f"dropping source {sid} from kernels.lock: no vendored kernel comes from it any more")
         return dropped
 
     def _stage_dropped(self, tx: Transaction, sids: list[str]) -> None:
@@ -444,9 +473,17 @@ class Porter:
                 if set(k.files) != set(lk.files):
                     raise PortError(f"kernels.lock: {kid}: kernels.yaml's file list changed since it was vendored: "
                                     f"run `python tools/port.py add {kid}`")
+                if k.source != lk.source:
+                    raise PortError(f"kernels.lock: {kid}: recorded from source {lk.source}, but kernels.yaml takes it "
+                                    f"from {k.source}: run `python tools/port.py add {kid}` (or restore kernels.lock "
+                                    "from git)")
             for sid in lock.sources:
                 if lock.kernels_of(sid):  # (a source no locked kernel comes from is dropped below, pin or not)
                     self._check_pin(lock, sid)
+                    # (a license or license file declared since: sync said "already in place", a review)
+                    if why := self._record_differs(lock, sid):
+                        raise PortError(f"kernels.lock: sources.{sid}: {why}: run `python tools/port.py add "
+                                        f"{' '.join(lock.kernels_of(sid))}` to check and record it")
             new, trees = self._plan_add(lock, new_ids)
             dropped = self._drop_unused_sources(new)
             result = {"added": new_ids, "vendored": [], "restored": [], "ok": [], "differs": [], "dropped": dropped}
@@ -517,7 +554,21 @@ class Porter:
         """Recompute every hash recorded in kernels.lock. Returns the problems (empty = all good): files that
         differ, are missing or are extra (in vendor/<source>/ or LICENSES/<source>/ but not in the lock), and
         stale lock entries (kernel gone from kernels.yaml, pin or file list changed)."""
-        with self.locked() as lock:
+        with contextlib.ExitStack() as stack:
+            try:
+                lock = stack.enter_context(self.locked())
+            except OSError as e:
+                # a read-only checkout (or vendor/ not writable): no lock file can be made there. Reading needs none,
+                # unless an interrupted change waits to be finished, which needs writing (a fresh-clone review: a
+                # traceback, exit 1, which port.py documents as drift)
+                if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                    raise
+                pending = self.root / "vendor" / TXN_DIRNAME
+                if pending.is_dir() and any(pending.iterdir()):
+                    raise PortError(f"{self._show(pending)}: an interrupted change waits to be finished or rolled "
+                                    f"back, which needs write access ({e.filename}: {e.strerror})") from None
+                self.log(f"note: {e.filename}: {e.strerror}: verifying without the repository lock")
+                lock = Lock.load(self.lock_path)
             return self._verify(lock)
 
     def _verify(self, lock: Lock) -> list[Problem]:
@@ -526,6 +577,9 @@ class Porter:
             k = self.manifest.kernels.get(kid)
             if k is None:
                 probs.append(Problem("stale", kid, "in kernels.lock but not in kernels.yaml"))
+            elif k.source != lk.source:
+                probs.append(Problem("stale", kid, f"kernels.yaml takes it from {k.source}, kernels.lock from "
+                                     f"{lk.source}"))
             elif set(k.files) != set(lk.files):
                 plus = sorted(set(k.files) - set(lk.files))
                 minus = sorted(set(lk.files) - set(k.files))
@@ -541,10 +595,10 @@ class Porter:
                 probs.append(Problem("stale", f"sources.{sid}", "in kernels.lock but not in kernels.yaml"))
             elif dict(m.pin) != dict(s.pin):
                 probs.append(Problem("stale", f"sources.{sid}", f"kernels.lock pin {s.pin} != kernels.yaml pin {dict(m.pin)}"))
-            elif m.license != s.license:
-                probs.append(Problem("stale", f"sources.{sid}", f"kernels.yaml license {m.license} != kernels.lock "
-                                     f"license {s.license}: `python tools/port.py add` of its kernels checks the "
-                                     "source's license file against the declared one and records it"))
+            elif why := self._record_differs(lock, sid):
+                probs.append(Problem("stale", f"sources.{sid}", f"{why}: `python tools/port.py add` of its kernels "
+                                     "checks the source's license files against the declared license and records "
+                                     "them"))
             base, lic = self.vendor_dir(sid), self.license_dir(sid)
             checks = [(base, f, h) for f, h in lock.files_of_source(sid).items()]
             checks += [(lic, f, h) for f, h in s.license_files.items()]
@@ -610,8 +664,8 @@ class Porter:
                 out.append(KernelState(kid, sid, project, lic, pin, "declared"))
                 continue
             ls = lock.sources[sid]
-            if (k is None or src is None or set(k.files) != set(lk.files) or dict(src.pin) != dict(ls.pin)
-                    or src.license != ls.license):
+            if (k is None or src is None or k.source != lk.source or set(k.files) != set(lk.files)
+                    or dict(src.pin) != dict(ls.pin) or self._record_differs(lock, sid)):
                 out.append(KernelState(kid, sid, project, lic, pin, "stale", "kernels.yaml changed since it was locked"))
                 continue
             base, licd = self.vendor_dir(sid), self.license_dir(sid)

@@ -141,14 +141,16 @@ class Transaction:
 
     def __init__(self, root: Path):
         self.root = Path(root)
+        # made at the first staged change: a run that changes nothing writes nothing (a read-only checkout synced
+        # with nothing to do failed on this folder, a fresh-clone review)
         self.dir = self.root / "vendor" / TXN_DIRNAME / uuid.uuid4().hex[:12]
-        self.dir.mkdir(parents=True)
         self._ops: list[tuple[Path, Path | None]] = []  # (target, staged path or None = delete)
         self._n = 0
         self._live = False
         self.committed = False  # True once the commit point (the journal's committed flag) is on disk
 
     def _stage_path(self, name: str) -> Path:
+        self.dir.mkdir(parents=True, exist_ok=True)
         self._n += 1
         return self.dir / f"stage-{self._n}-{name}"
 
@@ -174,6 +176,10 @@ class Transaction:
         return t
 
     def commit(self) -> None:
+        if not self._ops:   # nothing staged: nothing to swap, nothing written
+            self.committed = True
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)   # (deletions alone stage no file)
         root = self.root.resolve()
         entries = []
         for i, (target, staged) in enumerate(self._ops):

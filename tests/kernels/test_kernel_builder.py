@@ -217,6 +217,23 @@ def test_unwritable_cache_dir(tiny, tmp_path):
     assert "cache dir" in str(e.value) and "PIPEGOOSE_CACHE_DIR" in str(e.value)
 
 
+def test_a_cache_that_cannot_be_written_still_serves_its_builds(tiny, monkeypatch):
+    """A fresh-clone review: a read-only cache holding the very build asked for was refused ("not writable") before
+    the builder looked in it. Reading a cached build needs no writing; compiling one does, and is still refused."""
+    manifest, op, cache_dir = tiny
+    first = KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir).build()
+    assert first.built
+    monkeypatch.setattr(toolchain, "_writable_check", lambda path, create=True: toolchain.Check(
+        "cache dir", False, f"{path}: not writable (Permission denied)", "give a writable folder"))
+    b = KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir)
+    again = b.build()
+    assert not again.built and again.entry == first.entry
+    assert b.cached() is not None and b.cached().entry == first.entry
+    with pytest.raises(KernelUnavailableError, match=r"cannot build test/tiny: cache dir: .*not writable \(Permission "
+                                                     r"denied\) -> give a writable folder"):
+        b.build(force=True)
+
+
 def test_find_cuda_home_resolves_wrapper_and_skips_header_less_dirs(tmp_path, monkeypatch):
     real = tmp_path / "cuda-13.0"
     (real / "bin").mkdir(parents=True)
@@ -286,6 +303,33 @@ def test_arch_lists(monkeypatch):
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "Hopper")
     with pytest.raises(ValueError, match="expected <major>.<minor>"):
         toolchain.arch_list((13, 0))
+
+
+def test_arch_list_refuses_what_nvcc_does_not_know_and_is_one_list_however_written(monkeypatch, tmp_path):
+    """A review: TORCH_CUDA_ARCH_LIST=99.0 (or 10.1, which CUDA 13 calls 11.0) passed the preflight and failed in
+    torch's build, leaving a failed-build log of a setting; "9.0;9.0" built the same library under a new key."""
+    monkeypatch.setattr(toolchain, "visible_capabilities", lambda: [])
+    known = frozenset({(7, 5), (8, 0), (8, 6), (9, 0), (10, 0), (11, 0), (12, 0)})
+    monkeypatch.setattr(toolchain, "nvcc_gpu_archs", lambda home=None: known)
+    for bad, named in (("99.0", "sm_990"), ("10.1", "sm_101"), ("9.0;9.9", "sm_99")):
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", bad)
+        with pytest.raises(ValueError, match=rf"names {named}, which nvcc 13.0 does not know \(nvcc --list-gpu-arch: "
+                                             r"7.5, 8.0, 8.6, 9.0, 10.0, 11.0, 12.0\)"):
+            toolchain.arch_list((13, 0))
+    for text in ("9.0;8.0+PTX;9.0", "8.0+PTX;9.0", "9.0 8.0+PTX 8.0"):
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", text)
+        archs, origin = toolchain.arch_list((13, 0))
+        assert (toolchain.format_arch_list(archs), origin) == ("8.0+PTX;9.0", "env"), text
+    # nvcc's own list, read from --list-gpu-arch (a toolkit that prints none: not checked)
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/bin/sh\nprintf 'compute_75\\ncompute_90\\ncompute_100\\ncompute_121\\n'\n")
+    nvcc.chmod(0o755)
+    monkeypatch.undo()
+    assert toolchain.nvcc_gpu_archs(tmp_path / "cuda") == {(7, 5), (9, 0), (10, 0), (12, 1)}
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.48'\n")
+    toolchain._listed_gpu_archs.cache_clear()
+    assert toolchain.nvcc_gpu_archs(tmp_path / "cuda") is None
 
 
 def test_arch_covers():
@@ -959,7 +1003,7 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
     (src / "kernel.h").write_text("// header\n")
     lock = Lock(root / "kernels.lock")
     lock.sources["upstream"] = LockedSource("pypi", {"name": "upstream", "version": "1.0", "sha256": "a" * 64},
-                                            "Apache-2.0", {})
+                                            "Apache-2.0", {"LICENSE": "b" * 64})
     lock.kernels["test/vendored"] = LockedKernel("upstream", {
         f: hashlib.sha256((src.parent / f).read_bytes()).hexdigest() for f in ("src/kernel.cu", "src/kernel.h")})
     (root / "kernels.lock").write_text(lock.dumps())
@@ -993,7 +1037,13 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
     for edited, says in ((text.replace('version: "1.0"', 'version: "0.9"'), "kernels.yaml pins upstream at "
                           "{'name': 'upstream', 'version': '0.9'"),
                          (text.replace("files: [src/kernel.cu, src/kernel.h]", "files: [src/kernel.cu]"),
-                          "kernels.yaml's file list of test/vendored changed since it was vendored")):
+                          "kernels.yaml's file list of test/vendored changed since it was vendored"),
+                         # (a license file declared since: port.py's verify and sync call it stale now, a review)
+                         (text.replace("license: Apache-2.0\n    license_files: [LICENSE]",
+                                       "license: Apache-2.0\n    license_files: [LICENSE, NOTICE]"),
+                          "kernels.yaml's license of upstream (Apache-2.0; files LICENSE, NOTICE) is not what was "
+                          "vendored (Apache-2.0; LICENSE)")):
+        assert edited != text
         manifest.write_text(edited)
         stale = KernelBuilder("test/vendored", manifest=manifest, cache_dir=cache_dir)
         assert says in stale.vendored_problems()[0], stale.vendored_problems()

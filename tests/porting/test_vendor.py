@@ -301,7 +301,7 @@ def test_a_source_no_kernel_comes_from_is_dropped(git_repo, tmp_path):
     assert repo.porter(log=lines.append).add(["alpha", "beta"]) == ["up/alpha", "up/beta"]
     lock = Lock.load(repo.root / "kernels.lock")
     assert sorted(lock.sources) == ["up2"] and {k.source for k in lock.kernels.values()} == {"up2"}
-    assert "dropped source up from kernels.lock: no vendored kernel comes from it any more" in lines
+    assert "dropping source up from kernels.lock: no vendored kernel comes from it any more" in lines
     assert not (repo.root / "vendor" / "up").exists() and not (repo.root / "LICENSES" / "up").exists()
     assert repo.porter().verify() == []
 
@@ -1176,3 +1176,145 @@ def test_a_missing_file_of_our_own_kernel_is_not_sent_to_sync(repo):
     notes = []  # sync's own note said only "re-record them with add", which fails on a missing file (a review)
     assert repo.porter(log=notes.append).sync()["differs"] == ["pipegoose"]
     assert any("restore missing or changed files from git" in n for n in notes), notes
+
+
+# --------------------------------------------------------------------------------------------------------- session 59
+# (a fresh-clone review that tried to break the porting tool: lock records that disagreed among themselves or with
+# kernels.yaml, read-only checkouts, messages that sent the user the wrong way)
+
+def test_a_lock_recording_one_shared_file_with_two_hashes_is_refused(git_repo):
+    """alpha and beta share csrc/common/util.h. A lock in which one of them records another sha256 for it (a bad
+    merge) passed verify and sync, which check one record, while the builder checked the other and refused; no
+    command mended it. Loading such a lock is an error that names both entries."""
+    repo = git_repo
+    repo.porter().add(["alpha", "beta"])
+    lock_path = repo.root / "kernels.lock"
+    data = yaml.safe_load(lock_path.read_text())
+    h = data["kernels"]["up/beta"]["files"]["csrc/common/util.h"]
+    data["kernels"]["up/beta"]["files"]["csrc/common/util.h"] = h[:-1] + ("0" if h[-1] != "0" else "1")
+    lock_path.write_text(yaml.safe_dump(data))
+    with pytest.raises(PortError, match=r"kernels.up/alpha and kernels.up/beta record up's csrc/common/util.h with "
+                                        r"different sha256"):
+        repo.porter().verify()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["sources"]["up"].update(kind="banana"), r"sources.up.kind: expected one of pypi, git, local, got "
+                                                         r"'banana'"),
+    (lambda d: d.update(extras={}), r"unknown key\(s\) extras: expected version, sources and kernels"),
+], ids=["kind", "top-level key"])
+def test_a_lock_with_an_unknown_kind_or_key_is_refused(git_repo, edit, message):
+    repo = git_repo
+    repo.porter().add(["alpha"])
+    lock_path = repo.root / "kernels.lock"
+    data = yaml.safe_load(lock_path.read_text())
+    edit(data)
+    lock_path.write_text(yaml.safe_dump(data))
+    with pytest.raises(PortError, match=message):
+        repo.porter().verify()
+
+
+def test_a_license_file_declared_since_is_stale_everywhere(sdist_repo):
+    """A license file added to kernels.yaml's license_files: verify, list and the builder's check passed it (only add
+    saw it), and sync said "already in place". Now verify and list call the lock stale, and sync refuses, naming add
+    (which vendors and records it: test_add_vendors_a_license_file_declared_since)."""
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+    manifest = repo.root / "kernels.yaml"
+    manifest.write_text(manifest.read_text().replace("license_files: [LICENSE]", "license_files: [LICENSE, NOTICE]"))
+    p = repo.porter()
+    probs = [(pr.kind, pr.path, pr.detail) for pr in p.verify()]
+    assert [(k, path) for k, path, _ in probs] == [("stale", "sources.up")], probs
+    assert "kernels.yaml license files LICENSE, NOTICE != kernels.lock's LICENSE" in probs[0][2]
+    assert {s.id: s.state for s in p.states()}["up/alpha"] == "stale"
+    with pytest.raises(PortError, match=r"sources.up: kernels.yaml license files .*: run `python tools/port.py add "
+                                        r"up/alpha`"):
+        p.sync()
+
+
+def test_a_kernel_whose_locked_source_is_not_kernels_yamls_is_stale(git_repo):
+    """A kernel's source changed in kernels.lock by hand: sync said "dropped source ..." (it had not) and then failed
+    on a file of the wrong source. Now verify and list call it stale, and sync refuses at once, naming add."""
+    repo = git_repo
+    repo.porter().add(["alpha"])
+    lock_path = repo.root / "kernels.lock"
+    data = yaml.safe_load(lock_path.read_text())
+    data["sources"]["up2"] = dict(data["sources"]["up"])
+    data["kernels"]["up/alpha"]["source"] = "up2"
+    lock_path.write_text(yaml.safe_dump(data))
+    lines = []
+    p = repo.porter(log=lines.append)
+    assert ("stale", "up/alpha", "kernels.yaml takes it from up, kernels.lock from up2") in [
+        (pr.kind, pr.path, pr.detail) for pr in p.verify()]
+    assert {s.id: s.state for s in p.states()}["up/alpha"] == "stale"
+    with pytest.raises(PortError, match=r"kernels.lock: up/alpha: recorded from source up2, but kernels.yaml takes it "
+                                        r"from up: run `python tools/port.py add up/alpha`"):
+        p.sync()
+    assert not [line for line in lines if "dropp" in line], lines
+
+
+def test_a_lock_hash_that_is_not_the_pinned_files_is_blamed_on_the_lock(sdist_repo):
+    """A file's sha256 edited in kernels.lock: sync blamed the download cache (delete it and retry), but the archive
+    was checked against the pin, so a new download brings the same bytes. The message names the lock and the way to
+    re-record the file."""
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+    lock_path = repo.root / "kernels.lock"
+    data = yaml.safe_load(lock_path.read_text())
+    f, h = next(iter(data["kernels"]["up/alpha"]["files"].items()))
+    data["kernels"]["up/alpha"]["files"][f] = h[:-1] + ("0" if h[-1] != "0" else "1")
+    lock_path.write_text(yaml.safe_dump(data))
+    with pytest.raises(IntegrityError, match=r"kernels.lock's record does not match the pinned source .*restore "
+                                             r"kernels.lock from git, or re-record the file with `python tools/port.py "
+                                             r"add` of its kernels \(up/alpha\)"):
+        repo.porter().sync()
+
+
+def test_sync_with_nothing_to_do_stages_nothing(sdist_repo, monkeypatch):
+    """A read-only checkout, in place: sync made vendor/.port-txn/<id> before knowing there was nothing to change,
+    and failed there. A transaction now makes its folder at the first staged change, and commits nothing as a
+    no-op."""
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+    made = []
+    real = txn_mod.Transaction._stage_path
+    monkeypatch.setattr(txn_mod.Transaction, "_stage_path", lambda self, name: made.append(name) or real(self, name))
+    result = repo.porter().sync()
+    assert result["ok"] == ["up"] and made == [], (result, made)
+    assert not (repo.root / "vendor" / ".port-txn").exists()
+    with txn_mod.Transaction(repo.root) as tx:
+        tx.commit()
+    assert tx.committed and not (repo.root / "vendor" / ".port-txn").exists()
+
+
+def test_verify_runs_where_no_lock_file_can_be_made(sdist_repo, monkeypatch):
+    """A read-only checkout: verify took the repository lock, whose file it could not make (a traceback, exit 1,
+    which means drift). It now verifies without the lock and says so, unless an interrupted change waits, which needs
+    writing."""
+    import errno
+
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+
+    def read_only(root, timeout=60.0):
+        raise PermissionError(errno.EACCES, "Permission denied", str(root / "vendor" / ".port.lock"))
+
+    monkeypatch.setattr(porter_mod, "repo_lock", read_only)
+    lines = []
+    assert repo.porter(log=lines.append).verify() == []
+    assert any("Permission denied: verifying without the repository lock" in line for line in lines), lines
+    p = repo.porter()
+    (repo.root / "vendor" / ".port-txn" / "abc").mkdir(parents=True)   # (after the Porter, which would recover it)
+    with pytest.raises(PortError, match=r"vendor/.port-txn: an interrupted change waits to be finished or rolled "
+                                        r"back, which needs write access"):
+        p.verify()
+
+
+def test_an_os_error_is_an_error_line_with_exit_2(sdist_repo):
+    """`vendor` a file: a FileExistsError traceback, exit 1 (documented as drift). Now an error line, exit 2."""
+    repo = sdist_repo
+    (repo.root / "vendor").write_text("not a folder")
+    r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "verify", "--root", str(repo.root)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and re.search(r"error: .*vendor.*File exists", r.stderr), r.stderr
