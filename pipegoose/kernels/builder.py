@@ -75,6 +75,9 @@ class KernelUnavailableError(KernelError):
     what to do."""
 
 
+_UNREADABLE_LOCK = "kernels.lock cannot be read"
+
+
 @dataclass
 class BuildResult:
     kernel: Kernel
@@ -282,12 +285,13 @@ class KernelBuilder:
             return [], []
         from pipegoose.porting.errors import PortError
         from pipegoose.porting.lock import Lock
+        from pipegoose.porting.porter import pin_changed_by_hand
 
         lock_path = self.manifest.root / "kernels.lock"
         try:
             lock = Lock.load(lock_path)
         except (PortError, OSError) as e:
-            return [], [f"{lock_path.name} cannot be read ({e})"]
+            return [], [f"{_UNREADABLE_LOCK} ({e})"]
         entry = lock.kernels.get(k.id)
         if entry is None:
             return [], [f"{lock_path.name} has no record of this kernel (vendor it with python tools/port.py add {k.id})"]
@@ -297,8 +301,7 @@ class KernelBuilder:
         locked = lock.sources.get(k.source)
         pin = dict(self.manifest.sources[k.source].pin)
         if locked is not None and dict(locked.pin) != pin:
-            stale.append(f"kernels.yaml pins {k.source} at {pin}, but the vendored files are {dict(locked.pin)} "
-                         f"({lock_path.name}): python tools/port.py update {k.source} --to ..., or revert kernels.yaml")
+            stale.append(pin_changed_by_hand(k.source, dict(locked.pin), pin))
         if set(entry.files) != set(k.files):
             stale.append(f"kernels.yaml's file list of {k.id} changed since it was vendored: "
                          f"python tools/port.py add {k.id}")
@@ -351,10 +354,13 @@ class KernelBuilder:
             return f"third-party code that is not what kernels.lock records (PIPEGOOSE_ALLOW_MODIFIED_VENDOR): {what}"
         # unavailable (as doctor says, and build's exit status 2), not a failed build: nothing was compiled. A changed
         # pin or file list (lines from kernels.yaml) names its own command: sync refuses those
-        files = any(not p.startswith("kernels.yaml") for p in problems)
+        files = any(not p.startswith(("kernels.yaml", _UNREADABLE_LOCK)) for p in problems)
         fix = ("restore them with python tools/port.py sync (python tools/port.py verify lists what differs), or build "
                "them as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1") if files else \
             "or build the vendored files as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1"
+        if any(p.startswith(_UNREADABLE_LOCK) for p in problems):   # (sync refuses such a lock too: a review)
+            fix = "restore kernels.lock from git, or build the vendored files as they are with " \
+                  "PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1"
         raise KernelUnavailableError(f"kernel {self.kernel.id}: the vendored files are not what tools/port.py recorded: "
                                      f"{what}; {fix}")
 
@@ -642,9 +648,11 @@ class KernelBuilder:
             return {**out, "state": "loaded", "detail": str(_LOADED[reg].library_path), "key": _LOADED[reg].build_key}
         try:  # as cached(), keeping the toolchain and inputs for the "not built" details
             self._check_files()
-            tc = self._toolchain(create_cache=False)  # a state makes no folder (doctor, list)
+            # a state makes no folder (doctor, list); a cache that cannot be written still serves what it holds
+            tc = self._toolchain(create_cache=False, defer_cache=True)
         except (KernelUnavailableError, KernelBuildError) as e:
             return {**out, "state": "unavailable", "detail": str(e)}
+        cache_problem = self._cache_problem
         inputs = self.key_inputs(tc)
         try:
             allowed = self._check_vendored(inputs["files"], building=False)
@@ -652,6 +660,10 @@ class KernelBuilder:
             return {**out, "state": "unavailable", "detail": str(e)}
         note = f" ({allowed})" if allowed else ""
         res = self._cached_for(inputs)
+        if res is None and cache_problem is not None:   # (build would refuse: doctor says so)
+            c = cache_problem
+            return {**out, "state": "unavailable",
+                    "detail": f"cannot build {k.id}: {c.name}: {c.detail}" + (f" -> {c.fix}" if c.fix else "")}
         if res is None:
             key = _cache.build_key(k.short_name, inputs)
             failed = self.cache_dir / "failed" / key / "build.log"

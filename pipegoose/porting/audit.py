@@ -356,7 +356,7 @@ def update(porter: Porter, name: str, to: str | None = None, latest: bool = Fals
     if to is not None and not allow_downgrade:
         _refuse_downgrade(sid, src, to, "--to")
     with porter.locked() as lock:
-        porter._check_pin(lock, sid, updating=True)
+        porter._check_pin(lock, sid)
         kids = lock.kernels_of(sid) + ([named] if named and named not in lock.kernels else [])
         if not kids:
             raise PortError(f"no kernel of {sid} is vendored; name one: `python tools/port.py update <kernel id> --to ...`")

@@ -123,15 +123,22 @@ class Lock:
                                 f"{h!r}; restore it from git or re-run `port.py add`")
         # one file of a source, one hash: kernels sharing a header record it alike (a bad merge of two branches that
         # each re-recorded it gave two; verify and sync checked one of them, the builder the other, and refused)
-        seen: dict[tuple[str, str], tuple[str, str]] = {}
-        for kid, k in sorted(lock.kernels.items()):
-            for f, h in k.files.items():
-                other = seen.setdefault((k.source, f), (kid, h))
-                if other[1] != h:
-                    raise PortError(f"{path.name}: kernels.{other[0]} and kernels.{kid} record {k.source}'s {f} with "
-                                    f"different sha256 ({other[1][:12]}…, {h[:12]}…): one of them is stale (a merge?); "
-                                    "restore kernels.lock from git, or record the file's sha256 in both")
+        if problem := lock.conflict():
+            raise PortError(f"{path.name}: {problem}; restore kernels.lock from git (then re-record a changed file with "
+                            "`python tools/port.py add` of the kernels that list it)")
         return lock
+
+    def conflict(self) -> str:
+        """The first file of a source that two kernel entries record with different sha256, said in words, or ""."""
+        seen: dict[tuple[str, str], tuple[str, str]] = {}
+        for kid, k in sorted(self.kernels.items()):
+            for f, h in k.files.items():
+                first, fh = seen.setdefault((k.source, f), (kid, h))
+                if fh != h:
+                    every = sorted(x for x, v in self.kernels.items() if v.source == k.source and f in v.files)
+                    return (f"{k.source}'s {f} is recorded with different sha256 by kernels {', '.join(every)} "
+                            f"({first}: {fh[:12]}…, {kid}: {h[:12]}…; a merge?)")
+        return ""
 
     def copy(self) -> "Lock":
         return copy.deepcopy(self)
@@ -147,7 +154,10 @@ class Lock:
         }
 
     def dumps(self) -> str:
-        """Deterministic text: same content, same bytes."""
+        """Deterministic text: same content, same bytes. Raises PortError for a lock that :meth:`load` would refuse
+        (a file of one source recorded with two hashes)."""
+        if problem := self.conflict():
+            raise PortError(f"not writing {self.path.name}: {problem}")
         return LOCK_HEADER + yaml.safe_dump(self.to_data(), sort_keys=True, default_flow_style=False, width=200)
 
     def kernels_of(self, source_id: str) -> list[str]:

@@ -87,6 +87,15 @@ def _write_staged(path: Path, data: bytes) -> None:
     path.write_bytes(data)
 
 
+def pin_changed_by_hand(sid: str, locked: dict, declared: dict) -> str:
+    """The advice for a kernels.yaml pin that is not kernels.lock's: ``update`` moves both, and cannot start from a
+    kernels.yaml edited by hand (sync and the builder sent users to update, which then refused)."""
+    fields = ", ".join(f"{k}: {locked.get(k)!r} -> {declared.get(k)!r}" for k in sorted(set(locked) | set(declared))
+                       if locked.get(k) != declared.get(k))
+    return (f"kernels.yaml pins {sid} otherwise than kernels.lock records ({fields}): revert kernels.yaml (git checkout "
+            f"kernels.yaml), then move both with `python tools/port.py update {sid} --to ...`")
+
+
 class Porter:
     """The porting operations over one repository root (the folder of ``kernels.yaml``).
 
@@ -109,9 +118,13 @@ class Porter:
             # read: a kill at the wrong moment could leave it moved aside, and no later run could load it to recover
             path = Path(manifest).expanduser().absolute() if manifest is not None else default_manifest_path()
             if (path.parent / "vendor" / TXN_DIRNAME).is_dir():
-                with repo_lock(path.parent, lock_timeout):
-                    for note in recover(path.parent):
-                        self.log(note)
+                try:
+                    with repo_lock(path.parent, lock_timeout):
+                        for note in recover(path.parent):
+                            self.log(note)
+                except OSError as e:   # read-only: the command says what it can do without (verify, sync)
+                    if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                        raise
             manifest = load_manifest(path)
         self.manifest = manifest
         self.root = self.manifest.root
@@ -287,20 +300,12 @@ class Porter:
                                      f"kernels.lock records {h}")
             _write_staged(lstage / f, data)
 
-    def _check_pin(self, lock: Lock, sid: str, updating: bool = False) -> None:
-        """Raise PortError where kernels.lock's pin of ``sid`` is not kernels.yaml's; ``updating``: for ``update``,
-        which moves both and cannot start from a kernels.yaml edited by hand (the advice named update itself)."""
+    def _check_pin(self, lock: Lock, sid: str) -> None:
+        """Raise PortError where kernels.lock's pin of ``sid`` is not kernels.yaml's (:func:`pin_changed_by_hand`)."""
         s = lock.sources.get(sid)
         m = self.manifest.sources.get(sid)
         if s is not None and m is not None and dict(s.pin) != dict(m.pin):
-            if updating:
-                fields = ", ".join(f"{k}: {s.pin.get(k)!r} -> {m.pin.get(k)!r}" for k in sorted(set(s.pin) | set(m.pin))
-                                   if s.pin.get(k) != m.pin.get(k))
-                raise PortError(f"kernels.yaml's pin of {sid} was changed by hand ({fields}; kernels.lock records "
-                                f"{s.pin}): revert kernels.yaml (git checkout kernels.yaml), then run update, which "
-                                "writes both")
-            raise PortError(f"kernels.lock records {sid} at {s.pin} but kernels.yaml pins {dict(m.pin)}; "
-                            f"use `python tools/port.py update {sid} --to ...` (or revert kernels.yaml)")
+            raise PortError(pin_changed_by_hand(sid, dict(s.pin), dict(m.pin)))
 
     def _record_differs(self, lock: Lock, sid: str) -> str:
         """How kernels.lock's record of source ``sid`` differs from kernels.yaml beyond the pin (kind, license,
@@ -444,6 +449,16 @@ class Porter:
             lic = self.check_license(src, tree)
             new.sources[src.id] = LockedSource(src.kind, dict(tree.pin), src.license, lic)
             new.kernels[kid] = self.lock_kernel(k, tree)
+            # a file other locked kernels of the source list too (a shared header of our own, changed and
+            # re-recorded through one of them): one hash for all, or the lock is refused (a review: `add` of one
+            # kernel after verify's advice left a lock no command would read)
+            for other, lk in sorted(new.kernels.items()):
+                if other != kid and lk.source == src.id:
+                    moved = sorted(f for f, h in new.kernels[kid].files.items() if lk.files.get(f, h) != h)
+                    for f in moved:
+                        lk.files[f] = new.kernels[kid].files[f]
+                    if moved:
+                        self.log(f"re-recorded {', '.join(moved)} for {other} too (it lists the same file)")
         return new, trees
 
     def sync(self, all_kernels: bool = False) -> dict[str, list[str]]:
@@ -460,7 +475,8 @@ class Porter:
         Raises PortError when the lock is empty (and not ``all_kernels``), when a lock entry no longer matches
         kernels.yaml (pin or file list changed: use ``add``/``update``), or on any fetch/integrity failure.
         """
-        with self.locked() as lock:
+        with contextlib.ExitStack() as stack:
+            lock, read_only = self._locked_or_read_only(stack, "checking")
             if not lock.kernels and not all_kernels:
                 raise PortError(f"{self.lock_path.name} has no kernels yet: run `python tools/port.py sync --all` "
                                 "or `python tools/port.py add <id>`")
@@ -506,6 +522,11 @@ class Porter:
                 self.log(self._getting(src, self.fetcher.offline))
                 trees[sid] = self.fetcher.tree(src, new.sources[sid].pin)
                 result["restored" if present else "vendored"].append(sid)
+            if read_only and (trees or dropped or new.to_data() != lock.to_data()):
+                work = ([f"vendor {', '.join(sorted(trees))}"] if trees else []) + \
+                       ([f"drop {', '.join(dropped)}"] if dropped else []) + \
+                       (["rewrite kernels.lock"] if new.to_data() != lock.to_data() else [])
+                raise PortError(f"sync has to {' and '.join(work)} here, which cannot be written ({read_only})")
             self._commit(lock, new, trees, extra=lambda tx: self._stage_dropped(tx, dropped))
             result["stray"] = self._stray_top_entries(new)
         return result
@@ -555,21 +576,27 @@ class Porter:
         differ, are missing or are extra (in vendor/<source>/ or LICENSES/<source>/ but not in the lock), and
         stale lock entries (kernel gone from kernels.yaml, pin or file list changed)."""
         with contextlib.ExitStack() as stack:
-            try:
-                lock = stack.enter_context(self.locked())
-            except OSError as e:
-                # a read-only checkout (or vendor/ not writable): no lock file can be made there. Reading needs none,
-                # unless an interrupted change waits to be finished, which needs writing (a fresh-clone review: a
-                # traceback, exit 1, which port.py documents as drift)
-                if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-                    raise
-                pending = self.root / "vendor" / TXN_DIRNAME
-                if pending.is_dir() and any(pending.iterdir()):
-                    raise PortError(f"{self._show(pending)}: an interrupted change waits to be finished or rolled "
-                                    f"back, which needs write access ({e.filename}: {e.strerror})") from None
-                self.log(f"note: {e.filename}: {e.strerror}: verifying without the repository lock")
-                lock = Lock.load(self.lock_path)
+            lock, _ = self._locked_or_read_only(stack, "verifying")
             return self._verify(lock)
+
+    def _locked_or_read_only(self, stack: contextlib.ExitStack, doing: str) -> tuple[Lock, str]:
+        """:meth:`locked` entered on ``stack``, and "" ; or, where no lock file can be made (a read-only checkout,
+        vendor/ not writable), kernels.lock read without the lock and why (a note logged). Reading needs no lock,
+        unless an interrupted change waits to be finished, which needs writing: PortError then. (A fresh-clone
+        review: verify and sync of a read-only checkout ended in a traceback, exit 1, which port.py documents as
+        drift.)"""
+        try:
+            return stack.enter_context(self.locked()), ""
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            why = f"{e.filename}: {e.strerror}"
+        pending = self.root / "vendor" / TXN_DIRNAME
+        if pending.is_dir() and any(pending.iterdir()):
+            raise PortError(f"{self._show(pending)}: an interrupted change waits to be finished or rolled back, which "
+                            f"needs write access ({why})")
+        self.log(f"note: {why}: {doing} without the repository lock")
+        return Lock.load(self.lock_path), why
 
     def _verify(self, lock: Lock) -> list[Problem]:
         probs: list[Problem] = []

@@ -229,6 +229,10 @@ def test_a_cache_that_cannot_be_written_still_serves_its_builds(tiny, monkeypatc
     again = b.build()
     assert not again.built and again.entry == first.entry
     assert b.cached() is not None and b.cached().entry == first.entry
+    assert b.status()["state"] == "cached", b.status()   # doctor as build (a re-test: it said "unavailable")
+    shutil.rmtree(first.entry)
+    st = b.status()
+    assert st["state"] == "unavailable" and "cache dir: " in st["detail"] and "not writable" in st["detail"], st
     with pytest.raises(KernelUnavailableError, match=r"cannot build test/tiny: cache dir: .*not writable \(Permission "
                                                      r"denied\) -> give a writable folder"):
         b.build(force=True)
@@ -1034,8 +1038,9 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
     # kernels.yaml changed since the files were vendored (a fresh-clone walkthrough: a new pin in kernels.yaml alone
     # was built from the old files without a word, where port.py's list said "stale" and sync refused)
     text = manifest.read_text()
-    for edited, says in ((text.replace('version: "1.0"', 'version: "0.9"'), "kernels.yaml pins upstream at "
-                          "{'name': 'upstream', 'version': '0.9'"),
+    for edited, says in ((text.replace('version: "1.0"', 'version: "0.9"'), "kernels.yaml pins upstream otherwise "
+                          "than kernels.lock records (version: '1.0' -> '0.9'): revert kernels.yaml (git checkout "
+                          "kernels.yaml), then move both with `python tools/port.py update upstream --to ...`"),
                          (text.replace("files: [src/kernel.cu, src/kernel.h]", "files: [src/kernel.cu]"),
                           "kernels.yaml's file list of test/vendored changed since it was vendored"),
                          # (a license file declared since: port.py's verify and sync call it stale now, a review)
@@ -1064,8 +1069,10 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
     assert "no record of this kernel" in b.vendored_problems()[0]
     (root / "kernels.lock").write_text("version: 2\n")
     assert "kernels.lock cannot be read" in b.vendored_problems()[0]
-    with pytest.raises(KernelUnavailableError, match="cannot be read"):
+    with pytest.raises(KernelUnavailableError, match="cannot be read") as e:
         b.build()
+    # (not sync, which refuses such a lock too: a re-test)
+    assert "restore kernels.lock from git" in str(e.value) and "port.py sync" not in str(e.value), e.value
     (root / "kernels.lock.away").replace(root / "kernels.lock")
     (src / "kernel.cu").write_text("// vendored, then changed\n")
     monkeypatch.setenv("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "2")   # a value of neither kind: named, not taken as "off"

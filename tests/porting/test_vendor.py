@@ -1193,8 +1193,8 @@ def test_a_lock_recording_one_shared_file_with_two_hashes_is_refused(git_repo):
     h = data["kernels"]["up/beta"]["files"]["csrc/common/util.h"]
     data["kernels"]["up/beta"]["files"]["csrc/common/util.h"] = h[:-1] + ("0" if h[-1] != "0" else "1")
     lock_path.write_text(yaml.safe_dump(data))
-    with pytest.raises(PortError, match=r"kernels.up/alpha and kernels.up/beta record up's csrc/common/util.h with "
-                                        r"different sha256"):
+    with pytest.raises(PortError, match=r"up's csrc/common/util.h is recorded with different sha256 by kernels "
+                                        r"up/alpha, up/beta .*restore kernels.lock from git"):
         repo.porter().verify()
 
 
@@ -1303,6 +1303,13 @@ def test_verify_runs_where_no_lock_file_can_be_made(sdist_repo, monkeypatch):
     lines = []
     assert repo.porter(log=lines.append).verify() == []
     assert any("Permission denied: verifying without the repository lock" in line for line in lines), lines
+    # sync: nothing to do is done; something to do is refused, saying what and why (a re-test: sync took the lock)
+    assert repo.porter().sync()["ok"] == ["up"]
+    vendored = next(p for p in (repo.root / "vendor" / "up").rglob("*") if p.is_file())
+    vendored.unlink()
+    with pytest.raises(PortError, match=r"sync has to vendor up here, which cannot be written \(.*\.port\.lock: "
+                                        r"Permission denied\)"):
+        repo.porter().sync()
     p = repo.porter()
     (repo.root / "vendor" / ".port-txn" / "abc").mkdir(parents=True)   # (after the Porter, which would recover it)
     with pytest.raises(PortError, match=r"vendor/.port-txn: an interrupted change waits to be finished or rolled "
@@ -1318,3 +1325,50 @@ def test_an_os_error_is_an_error_line_with_exit_2(sdist_repo):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert "Traceback" not in r.stderr and re.search(r"error: .*vendor.*File exists", r.stderr), r.stderr
+
+
+def test_add_of_one_kernel_re_records_a_shared_file_for_every_kernel_that_lists_it(repo):
+    """A re-test of the two-hash refusal: verify's advice for a changed file of our own ("re-record it with add of its
+    kernel"), followed for one of the kernels that share it, wrote a lock that every command then refused. add now
+    re-records the file for every locked kernel of the source that lists it, and says so."""
+    (repo.root / "pipegoose/kernels/csrc").mkdir(parents=True)
+    shared = repo.root / "pipegoose/kernels/csrc/check.h"
+    shared.write_text("// shared\n")
+    for name in ("one", "two"):
+        (repo.root / f"pipegoose/kernels/csrc/{name}.cu").write_text(f"int {name}_fwd(int x) {{ return x; }}\n")
+    repo.write_manifest(source_yaml("pipegoose", "local: {path: .}", license="MIT"),
+                        kernel_yaml("pipegoose/one", "pipegoose", ["pipegoose/kernels/csrc/one.cu",
+                                                                   "pipegoose/kernels/csrc/check.h"], "one_fwd",
+                                    "one_forward", include_dirs="[]")
+                        + kernel_yaml("pipegoose/two", "pipegoose", ["pipegoose/kernels/csrc/two.cu",
+                                                                     "pipegoose/kernels/csrc/check.h"], "two_fwd",
+                                      "two_forward", include_dirs="[]"))
+    repo.porter().add(["one", "two"])
+    shared.write_text("// shared, changed\n")
+    assert [pr.kind for pr in repo.porter().verify()] == ["differs"]
+    lines = []
+    repo.porter(log=lines.append).add(["pipegoose/one"])
+    assert "re-recorded pipegoose/kernels/csrc/check.h for pipegoose/two too (it lists the same file)" in lines, lines
+    lock = Lock.load(repo.root / "kernels.lock")   # (it loads: one hash)
+    assert lock.kernels["pipegoose/one"].files["pipegoose/kernels/csrc/check.h"] == \
+        lock.kernels["pipegoose/two"].files["pipegoose/kernels/csrc/check.h"]
+    assert repo.porter().verify() == []
+    # and a lock with two hashes is never written
+    lock.kernels["pipegoose/two"].files["pipegoose/kernels/csrc/check.h"] = "0" * 64
+    with pytest.raises(PortError, match=r"not writing kernels.lock: pipegoose's pipegoose/kernels/csrc/check.h is "
+                                        r"recorded with different sha256 by kernels pipegoose/one, pipegoose/two"):
+        lock.dumps()
+
+
+def test_a_pin_edited_in_kernels_yaml_is_answered_with_revert_then_update(sdist_repo):
+    """sync, the builder and update itself advised `update` for a pin edited in kernels.yaml by hand, which update
+    then refused: the advice is to revert kernels.yaml and move both with update."""
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+    manifest = repo.root / "kernels.yaml"
+    manifest.write_text(manifest.read_text().replace("version: '1.0'", "version: '1.1'").replace(
+        'version: "1.0"', 'version: "1.1"').replace("version: 1.0", "version: 1.1"))
+    with pytest.raises(PortError, match=r"kernels.yaml pins up otherwise than kernels.lock records \(version: '1.0' "
+                                        r"-> '1.1'\): revert kernels.yaml \(git checkout kernels.yaml\), then move "
+                                        r"both with `python tools/port.py update up --to ...`"):
+        repo.porter().sync()
