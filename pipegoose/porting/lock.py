@@ -87,7 +87,7 @@ class Lock:
         unknown = sorted(str(k) for k in data if k not in ("version", "sources", "kernels"))
         if unknown:
             raise PortError(f"{path.name}: unknown key(s) {', '.join(unknown)}: expected version, sources and kernels; "
-                            "restore it from git or re-run `port.py add`")
+                            "restore it from git")
         lock = cls(path)
         try:
             for sid, s in (data.get("sources") or {}).items():
@@ -104,7 +104,7 @@ class Lock:
         for sid, s in lock.sources.items():
             if s.kind not in _KINDS:
                 raise PortError(f"{path.name}: sources.{sid}.kind: expected one of {', '.join(_KINDS)}, got {s.kind!r}; "
-                                "restore it from git or re-run `port.py add`")
+                                "restore it from git")
         for kid, k in lock.kernels.items():
             if k.source not in lock.sources:
                 raise PortError(f"{path.name}: kernels.{kid}.source: {k.source!r} has no entry under sources")

@@ -624,8 +624,8 @@ class Porter:
                 probs.append(Problem("stale", f"sources.{sid}", f"kernels.lock pin {s.pin} != kernels.yaml pin {dict(m.pin)}"))
             elif why := self._record_differs(lock, sid):
                 probs.append(Problem("stale", f"sources.{sid}", f"{why}: `python tools/port.py add` of its kernels "
-                                     "checks the source's license files against the declared license and records "
-                                     "them"))
+                                     "checks the source against kernels.yaml (its license files against the declared "
+                                     "license) and records it"))
             base, lic = self.vendor_dir(sid), self.license_dir(sid)
             checks = [(base, f, h) for f, h in lock.files_of_source(sid).items()]
             checks += [(lic, f, h) for f, h in s.license_files.items()]
