@@ -354,13 +354,14 @@ class KernelBuilder:
             return f"third-party code that is not what kernels.lock records (PIPEGOOSE_ALLOW_MODIFIED_VENDOR): {what}"
         # unavailable (as doctor says, and build's exit status 2), not a failed build: nothing was compiled. A changed
         # pin or file list (lines from kernels.yaml) names its own command: sync refuses those
-        files = any(not p.startswith(("kernels.yaml", _UNREADABLE_LOCK)) for p in problems)
-        fix = ("restore them with python tools/port.py sync (python tools/port.py verify lists what differs), or build "
-               "them as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1") if files else \
-            "or build the vendored files as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1"
-        if any(p.startswith(_UNREADABLE_LOCK) for p in problems):   # (sync refuses such a lock too: a review)
+        if problems[0].startswith(_UNREADABLE_LOCK):   # (then the only line; sync refuses such a lock too: a review)
             fix = "restore kernels.lock from git, or build the vendored files as they are with " \
                   "PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1"
+        elif any(not p.startswith("kernels.yaml") for p in problems):
+            fix = ("restore them with python tools/port.py sync (python tools/port.py verify lists what differs), or "
+                   "build them as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1")
+        else:
+            fix = "or build the vendored files as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1"
         raise KernelUnavailableError(f"kernel {self.kernel.id}: the vendored files are not what tools/port.py recorded: "
                                      f"{what}; {fix}")
 
