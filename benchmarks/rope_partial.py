@@ -1,13 +1,14 @@
 """Partial rotary (GPT-NeoX / Pythia's RoPE over part of each head): forward, and forward + backward, time and
 effective bandwidth, in one run beside the copy bandwidth.
 
-    python -m benchmarks.rope_partial [--shapes 8x2048x16x64x16 ...] [--reps 30] [--impls a,b] [--out DIR]
-                                      [--raw | --defines=-DNAME=VALUE,...]
+    python -m benchmarks.rope_partial [--shapes 8x2048x16x64x16 ...] [--dtypes bf16,fp16,fp32] [--reps 30]
+                                      [--impls a,b] [--out DIR] [--raw | --defines=-DNAME=VALUE,...]
 
 Shapes ``BxSxHxDxR``: batch, sequence, heads (q's and k's), head size, rotated values a head (R == D, whole heads:
 an A/B of the kernel's rotation path; ``benchmarks.run --only rope`` times those beside the peers). q and k are
 GPT-NeoX's: chunks of one [B, H, S, 3D] projection (``qkv.view(B, S, H, 3D).transpose(1, 2).chunk(3, -1)``: not
-dense), cos and sin [1, S, R] (GPT-NeoX's rotary embedding: angles from positions, ``cat(freqs, freqs)``), all bf16.
+dense), cos and sin [1, S, R] (GPT-NeoX's rotary embedding: angles from positions, ``cat(freqs, freqs)``), all of one dtype (``--dtypes``, default bf16: the
+training dtype; fp32 and fp16 change the vector width of the rotated halves, so which kernel path runs).
 
 Implementations, each of ``(q_embed, k_embed) = apply_rotary_pos_emb(q, k, cos, sin)``:
 
@@ -51,6 +52,7 @@ SHAPES = ["8x2048x16x64x16", "4x2048x16x128x32", "2x2048x32x128x32", "4x2048x32x
 DRY_SHAPES = ["2x16x4x16x4"]
 IMPLS = ("pipegoose", "transformers", "compile")
 PASSES = ("fwd", "fwd+bwd")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int, int]:
@@ -153,20 +155,21 @@ def run_shape(shape: tuple[int, ...], fns: dict, timer: Timer, dtype: torch.dtyp
 
 
 def markdown(env: dict, rows: list[dict], copy_gbps: float) -> str:
-    lines = [f"# Partial rotary (GPT-NeoX's RoPE), bf16 ({env.get('gpu')}, {env.get('date')})", "",
+    dtypes = ", ".join(dict.fromkeys(r["dtype"] for r in rows)) or "no rows"
+    lines = [f"# Partial rotary (GPT-NeoX's RoPE), {dtypes} ({env.get('gpu')}, {env.get('date')})", "",
              f"torch {env.get('torch')}, CUDA {env.get('cuda_runtime')}, triton {env.get('triton')}, transformers "
              f"{env.get('transformers')}, pipegoose {env.get('pipegoose_git')}. Device copy: {copy_gbps:.0f} GB/s. "
              "Time: median ms (L2 flushed); GB/s of the fewest bytes the pass moves; % of that copy.", "",
              f"pipegoose rows: {env.get('rope_call', 'the functional (dispatcher, strict)')}.", "",
-             "| B x S x H x D x R | pass | impl | ms | GB/s | % of copy | status |", "|---|---|---|---|---|---|---|"]
+             "| B x S x H x D x R | dtype | pass | impl | ms | GB/s | % of copy | status |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        shape = f"{r['batch']}x{r['seq']}x{r['heads']}x{r['head_dim']}x{r['rotary']}"
+        head = f"| {r['batch']}x{r['seq']}x{r['heads']}x{r['head_dim']}x{r['rotary']} | {r['dtype']} | {r['passes']} "
         if r["status"] == "ok":
             pct = f"{r['pct_copy']:.1f}" if r.get("pct_copy") is not None else ""
-            lines.append(f"| {shape} | {r['passes']} | {r['impl']} | {r['median_ms']:.4f} | {r['gbps']:.0f} | {pct} "
-                         f"| ok |")
+            lines.append(f"{head}| {r['impl']} | {r['median_ms']:.4f} | {r['gbps']:.0f} | {pct} | ok |")
         else:
-            lines.append(f"| {shape} | {r['passes']} | {r['impl']} | | | | {r['status']}: {r.get('why', '')} |")
+            lines.append(f"{head}| {r['impl']} | | | | {r['status']}: {r.get('why', '')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -175,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", type=parse_shape, nargs="+", default=None,
                     help=f"BxSxHxDxR (default: {' '.join(SHAPES)}; on the CPU {' '.join(DRY_SHAPES)})")
+    ap.add_argument("--dtypes", default="bf16", help="comma separated, of bf16, fp16, fp32 (default: bf16)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--impls", default="", help=f"comma separated, of {', '.join(IMPLS)} (default: all)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the plumbing")
@@ -193,6 +197,9 @@ def main(argv: list[str] | None = None) -> None:
             check_defines(["pipegoose/rope"], defines)
         except ValueError as e:
             ap.error(f"--defines: {e}")
+    dtypes = [DTYPES.get(x.strip()) for x in args.dtypes.split(",") if x.strip()]
+    if not dtypes or None in dtypes:
+        ap.error(f"--dtypes: expected some of {', '.join(DTYPES)}, got {args.dtypes!r}")
     if args.reps < 1:
         ap.error(f"--reps: expected a positive number of repetitions, got {args.reps}")
     impls = tuple(x.strip() for x in args.impls.split(",") if x.strip()) or None
@@ -218,10 +225,11 @@ def main(argv: list[str] | None = None) -> None:
     copy_gbps = timer.copy_gbps() if args.device == "cuda" else 0.0
     fns = functions(raw_ops)
     rows = []
-    for shape in shapes:
-        rows += run_shape(shape, fns, timer, torch.bfloat16, args.device, copy_gbps, impls)
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+    for dtype in dict.fromkeys(dtypes):
+        for shape in shapes:
+            rows += run_shape(shape, fns, timer, dtype, args.device, copy_gbps, impls)
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
     md = markdown(env, rows, copy_gbps)
     print(md)
     if args.out is not None:

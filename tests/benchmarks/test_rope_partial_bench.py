@@ -30,14 +30,16 @@ def test_min_bytes_counts_every_value_of_q_and_k_and_the_tables():
 def test_markdown_names_the_gpu_the_copy_and_every_row():
     env = dict(gpu="NVIDIA H200", date="2026-12-05", torch="2.11", cuda_runtime="13.0", triton="3.6",
                transformers="5.17", pipegoose_git="abc")
-    rows = [dict(impl="pipegoose", batch=8, seq=2048, heads=16, head_dim=64, rotary=16, passes="fwd", status="ok",
+    rows = [dict(impl="pipegoose", batch=8, seq=2048, heads=16, head_dim=64, rotary=16, dtype="bfloat16", passes="fwd",
+                 status="ok",
                  median_ms=0.05, gbps=3400.0, pct_copy=80.2),
-            dict(impl="compile", batch=8, seq=2048, heads=16, head_dim=64, rotary=16, passes="fwd+bwd",
-                 status="FAILED", why="differs")]
+            dict(impl="compile", batch=8, seq=2048, heads=16, head_dim=64, rotary=16, dtype="bfloat16",
+                 passes="fwd+bwd", status="FAILED", why="differs")]
     md = B.markdown(env, rows, 4240.0)
     assert "NVIDIA H200" in md and "2026-12-05" in md and "Device copy: 4240 GB/s" in md
-    assert "| 8x2048x16x64x16 | fwd | pipegoose | 0.0500 | 3400 | 80.2 | ok |" in md
-    assert "| 8x2048x16x64x16 | fwd+bwd | compile | | | | FAILED: differs |" in md
+    assert md.startswith("# Partial rotary (GPT-NeoX's RoPE), bfloat16 (NVIDIA H200, 2026-12-05)")
+    assert "| 8x2048x16x64x16 | bfloat16 | fwd | pipegoose | 0.0500 | 3400 | 80.2 | ok |" in md
+    assert "| 8x2048x16x64x16 | bfloat16 | fwd+bwd | compile | | | | FAILED: differs |" in md
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
@@ -56,6 +58,8 @@ def test_refuses_without_a_gpu():
      "--defines: '-DPIPEGOOSE_ROPE_COPY_BYTE=32': PIPEGOOSE_ROPE_COPY_BYTE occurs in none of the files of "
      "pipegoose/rope"),
     (["--defines", "PIPEGOOSE_ROPE_COPY_BYTES=32"], "expected -DNAME or -DNAME=VALUE"),
+    (["--dtypes", "bf16,fp8"], "--dtypes: expected some of bf16, fp16, fp32, got 'bf16,fp8'"),
+    (["--dtypes", ","], "--dtypes: expected some of bf16, fp16, fp32"),
 ])
 def test_argument_errors(capsys, argv, message):
     with pytest.raises(SystemExit):
@@ -71,11 +75,14 @@ def test_dry_run_on_the_cpu_with_the_kernel_stand_in(monkeypatch, tmp_path):
     from pipegoose.nn.fusion import dispatch
 
     with kernel_on_cpu(monkeypatch, dispatch) as calls:
-        B.main(["--device", "cpu", "--reps", "1", "--impls", "pipegoose,transformers", "--out", str(tmp_path)])
+        B.main(["--device", "cpu", "--reps", "1", "--impls", "pipegoose,transformers", "--dtypes", "fp32,bf16",
+                "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "rope_partial.json").read_text())["rows"]
-    assert [(r["impl"], r["passes"], r["status"]) for r in rows] == [
-        ("pipegoose", "fwd", "ok"), ("pipegoose", "fwd+bwd", "ok"), ("transformers", "fwd", "ok"),
-        ("transformers", "fwd+bwd", "ok")]
+    assert [(r["dtype"], r["impl"], r["passes"], r["status"]) for r in rows] == [
+        (dt, impl, p, "ok") for dt in ("float32", "bfloat16") for impl in ("pipegoose", "transformers")
+        for p in ("fwd", "fwd+bwd")]
     names = {c[0] for c in calls}
     assert names == {"rope_forward", "rope_backward"}
-    assert "| 2x16x4x16x4 | fwd | pipegoose |" in (tmp_path / "rope_partial.md").read_text()
+    md = (tmp_path / "rope_partial.md").read_text()
+    assert md.startswith("# Partial rotary (GPT-NeoX's RoPE), float32, bfloat16 (")
+    assert "| 2x16x4x16x4 | float32 | fwd | pipegoose |" in md and "| 2x16x4x16x4 | bfloat16 | fwd | pipegoose |" in md
