@@ -307,6 +307,37 @@ class Porter:
         if s is not None and m is not None and dict(s.pin) != dict(m.pin):
             raise PortError(pin_changed_by_hand(sid, dict(s.pin), dict(m.pin)))
 
+    def _kernel_disagrees(self, kid: str, lk) -> str:
+        """How kernels.lock's entry ``lk`` of kernel ``kid`` disagrees with kernels.yaml (its source, its files), or
+        "". Either file may be the one that changed: the words name both (a review: ``list`` said "kernels.yaml
+        changed" of an edited kernels.lock)."""
+        k = self.manifest.kernels.get(kid)
+        if k is None:
+            return "in kernels.lock but not in kernels.yaml"
+        if k.source != lk.source:
+            return f"kernels.yaml takes it from {k.source}, kernels.lock from {lk.source}"
+        if set(k.files) != set(lk.files):
+            plus, minus = sorted(set(k.files) - set(lk.files)), sorted(set(lk.files) - set(k.files))
+            return ("kernels.yaml's files differ from kernels.lock's: "
+                    + ", ".join([f"+{f}" for f in plus] + [f"-{f}" for f in minus]))
+        return ""
+
+    def _source_disagrees(self, lock: Lock, sid: str) -> str:
+        """How kernels.lock's record of source ``sid`` disagrees with kernels.yaml (absent, pin, kind, license), or
+        ""."""
+        s, m = lock.sources[sid], self.manifest.sources.get(sid)
+        if m is None:
+            return "in kernels.lock but not in kernels.yaml"
+        if dict(m.pin) != dict(s.pin):
+            a, b = _short_pin(s.pin), _short_pin(m.pin)
+            if a == b:   # (the pins differ in a field the short form leaves out: the sha256)
+                a, b = str(dict(s.pin)), str(dict(m.pin))
+            return f"kernels.lock pin {a} != kernels.yaml pin {b}"
+        if why := self._record_differs(lock, sid):
+            return (f"{why}: `python tools/port.py add` of its kernels checks the source against kernels.yaml (its "
+                    "license files against the declared license) and records it")
+        return ""
+
     def _record_differs(self, lock: Lock, sid: str) -> str:
         """How kernels.lock's record of source ``sid`` differs from kernels.yaml beyond the pin (kind, license,
         license files), or "" (also for a source kernels.yaml no longer has)."""
@@ -601,31 +632,16 @@ class Porter:
     def _verify(self, lock: Lock) -> list[Problem]:
         probs: list[Problem] = []
         for kid, lk in sorted(lock.kernels.items()):
-            k = self.manifest.kernels.get(kid)
-            if k is None:
-                probs.append(Problem("stale", kid, "in kernels.lock but not in kernels.yaml"))
-            elif k.source != lk.source:
-                probs.append(Problem("stale", kid, f"kernels.yaml takes it from {k.source}, kernels.lock from "
-                                     f"{lk.source}"))
-            elif set(k.files) != set(lk.files):
-                plus = sorted(set(k.files) - set(lk.files))
-                minus = sorted(set(lk.files) - set(k.files))
-                probs.append(Problem("stale", kid, "kernels.yaml files changed: "
-                                     + ", ".join([f"+{f}" for f in plus] + [f"-{f}" for f in minus])))
+            if why := self._kernel_disagrees(kid, lk):
+                probs.append(Problem("stale", kid, why))
         used = {lk.source for lk in lock.kernels.values()}
         for sid, s in sorted(lock.sources.items()):
             m = self.manifest.sources.get(sid)
             if sid not in used:
                 probs.append(Problem("stale", f"sources.{sid}", "no kernel of kernels.lock comes from it: `python "
                                      "tools/port.py sync` drops it and its folders (or restore kernels.lock from git)"))
-            if m is None:
-                probs.append(Problem("stale", f"sources.{sid}", "in kernels.lock but not in kernels.yaml"))
-            elif dict(m.pin) != dict(s.pin):
-                probs.append(Problem("stale", f"sources.{sid}", f"kernels.lock pin {s.pin} != kernels.yaml pin {dict(m.pin)}"))
-            elif why := self._record_differs(lock, sid):
-                probs.append(Problem("stale", f"sources.{sid}", f"{why}: `python tools/port.py add` of its kernels "
-                                     "checks the source against kernels.yaml (its license files against the declared "
-                                     "license) and records it"))
+            if why := self._source_disagrees(lock, sid):
+                probs.append(Problem("stale", f"sources.{sid}", why))
             base, lic = self.vendor_dir(sid), self.license_dir(sid)
             checks = [(base, f, h) for f, h in lock.files_of_source(sid).items()]
             checks += [(lic, f, h) for f, h in s.license_files.items()]
@@ -675,7 +691,7 @@ class Porter:
         declared (not in kernels.lock), vendored (locked and present; hashes not checked), verified (hashes
         match), modified (a file or license file differs), missing (locked but files absent: run sync, or for
         this project's own files restore them from git), stale
-        (kernels.yaml changed since it was locked: pin or file list).
+        (kernels.yaml and kernels.lock disagree: source, pin, file list, license; the detail says which).
         """
         lock = Lock.load(self.lock_path)
         out = []
@@ -690,11 +706,11 @@ class Porter:
             if lk is None:
                 out.append(KernelState(kid, sid, project, lic, pin, "declared"))
                 continue
-            ls = lock.sources[sid]
-            if (k is None or src is None or k.source != lk.source or set(k.files) != set(lk.files)
-                    or dict(src.pin) != dict(ls.pin) or self._record_differs(lock, sid)):
-                out.append(KernelState(kid, sid, project, lic, pin, "stale", "kernels.yaml changed since it was locked"))
+            if why := self._kernel_disagrees(kid, lk) or self._source_disagrees(lock, lk.source):
+                out.append(KernelState(kid, sid, project, lic, pin, "stale", f"kernels.yaml and kernels.lock disagree: "
+                                       f"{why}"))
                 continue
+            ls = lock.sources[sid]
             base, licd = self.vendor_dir(sid), self.license_dir(sid)
             paths = [(base / f, h) for f, h in lk.files.items()] + [(licd / f, h) for f, h in ls.license_files.items()]
             absent = [p for p, _ in paths if not p.is_file()]

@@ -260,6 +260,8 @@ def test_verify_checks_the_license_and_the_lock_paths_and_hashes(git_repo):
     assert [(k, path) for k, path, _ in probs] == [("stale", "sources.up")], probs
     assert "kernels.yaml license MIT != kernels.lock license Apache-2.0" in probs[0][2]
     assert {s.id: s.state for s in p.states()} == {"up/alpha": "stale", "up/beta": "declared"}
+    assert p.states()[0].detail.startswith("kernels.yaml and kernels.lock disagree: kernels.yaml license MIT != "
+                                           "kernels.lock license Apache-2.0")
     yml.write_text(text)
 
     lock_path = repo.root / "kernels.lock"
@@ -1246,7 +1248,9 @@ def test_a_kernel_whose_locked_source_is_not_kernels_yamls_is_stale(git_repo):
     p = repo.porter(log=lines.append)
     assert ("stale", "up/alpha", "kernels.yaml takes it from up, kernels.lock from up2") in [
         (pr.kind, pr.path, pr.detail) for pr in p.verify()]
-    assert {s.id: s.state for s in p.states()}["up/alpha"] == "stale"
+    # list names what disagrees; it said "kernels.yaml changed since it was locked" of the edited lock
+    assert {s.id: (s.state, s.detail) for s in p.states()}["up/alpha"] == (
+        "stale", "kernels.yaml and kernels.lock disagree: kernels.yaml takes it from up, kernels.lock from up2")
     with pytest.raises(PortError, match=r"kernels.lock: up/alpha: recorded from source up2, but kernels.yaml takes it "
                                         r"from up: run `python tools/port.py add up/alpha`"):
         p.sync()
@@ -1372,3 +1376,24 @@ def test_a_pin_edited_in_kernels_yaml_is_answered_with_revert_then_update(sdist_
                                         r"-> '1.1'\): revert kernels.yaml \(git checkout kernels.yaml\), then move "
                                         r"both with `python tools/port.py update up --to ...`"):
         repo.porter().sync()
+
+
+def test_a_pin_edited_in_the_lock_is_named_by_verify_and_list(sdist_repo):
+    """Session 60: a version edited in kernels.lock showed in list as "kernels.yaml changed since it was locked", and
+    verify printed both pins whole (sha256 and all). Both now name the two short pins."""
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+    lock_path = repo.root / "kernels.lock"
+    data = yaml.safe_load(lock_path.read_text())
+    data["sources"]["up"]["pin"]["version"] = "0.9"
+    lock_path.write_text(yaml.safe_dump(data))
+    p = repo.porter()
+    want = "kernels.lock pin up==0.9 != kernels.yaml pin up==1.0"
+    assert ("stale", "sources.up", want) in [(pr.kind, pr.path, pr.detail) for pr in p.verify()]
+    assert {s.id: (s.state, s.detail) for s in p.states()}["up/alpha"] == (
+        "stale", f"kernels.yaml and kernels.lock disagree: {want}")
+    data["sources"]["up"]["pin"]["version"] = "1.0"
+    data["sources"]["up"]["pin"]["sha256"] = "0" * 64    # a field the short pin leaves out: both shown whole
+    lock_path.write_text(yaml.safe_dump(data))
+    detail = {pr.path: pr.detail for pr in repo.porter().verify()}["sources.up"]
+    assert detail.startswith("kernels.lock pin {") and "0" * 64 in detail, detail
