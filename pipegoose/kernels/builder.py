@@ -285,7 +285,7 @@ class KernelBuilder:
             return [], []
         from pipegoose.porting.errors import PortError
         from pipegoose.porting.lock import Lock
-        from pipegoose.porting.porter import pin_changed_by_hand
+        from pipegoose.porting.porter import pin_changed_by_hand, record_differs
 
         lock_path = self.manifest.root / "kernels.lock"
         try:
@@ -308,13 +308,8 @@ class KernelBuilder:
         if entry.source != k.source:
             stale.append(f"kernels.yaml takes {k.id} from {k.source}, but it was vendored from {entry.source}: "
                          f"python tools/port.py add {k.id}")
-        msrc = self.manifest.sources[k.source]
-        if locked is not None and (locked.license != msrc.license
-                                   or set(locked.license_files) != set(msrc.license_files)):
-            stale.append(f"kernels.yaml's license of {k.source} ({msrc.license}; files "
-                         f"{', '.join(sorted(msrc.license_files)) or 'none'}) is not what was vendored "
-                         f"({locked.license}; {', '.join(sorted(locked.license_files)) or 'none'}): "
-                         f"python tools/port.py add {k.id}")
+        if locked is not None and (why := record_differs(locked, self.manifest.sources[k.source])):
+            stale.append(f"kernels.yaml and kernels.lock disagree on {k.source}: {why}: python tools/port.py add {k.id}")
         base = self.manifest.vendor_dir(k.source)
         rel = base.relative_to(self.manifest.root)
         digests = digests or {}

@@ -96,6 +96,19 @@ def pin_changed_by_hand(sid: str, locked: dict, declared: dict) -> str:
             f"kernels.yaml), then move both with `python tools/port.py update {sid} --to ...`")
 
 
+def record_differs(locked, declared) -> str:
+    """How kernels.lock's record ``locked`` of a source differs from its kernels.yaml entry ``declared`` beyond the
+    pin (kind, license, license files), or "". One rule for port.py (verify, list, sync) and the builder."""
+    if locked.kind != declared.kind:
+        return f"kernels.lock fetches it by {locked.kind}, kernels.yaml by {declared.kind}"
+    if locked.license != declared.license:
+        return f"kernels.yaml license {declared.license} != kernels.lock license {locked.license}"
+    if set(locked.license_files) != set(declared.license_files):
+        return (f"kernels.yaml license files {', '.join(sorted(declared.license_files)) or 'none'} != kernels.lock's "
+                f"{', '.join(sorted(locked.license_files)) or 'none'}")
+    return ""
+
+
 class Porter:
     """The porting operations over one repository root (the folder of ``kernels.yaml``).
 
@@ -342,16 +355,7 @@ class Porter:
         """How kernels.lock's record of source ``sid`` differs from kernels.yaml beyond the pin (kind, license,
         license files), or "" (also for a source kernels.yaml no longer has)."""
         s, m = lock.sources.get(sid), self.manifest.sources.get(sid)
-        if s is None or m is None:
-            return ""
-        if s.kind != m.kind:
-            return f"kernels.lock fetches it by {s.kind}, kernels.yaml by {m.kind}"
-        if s.license != m.license:
-            return f"kernels.yaml license {m.license} != kernels.lock license {s.license}"
-        if set(s.license_files) != set(m.license_files):
-            return (f"kernels.yaml license files {', '.join(sorted(m.license_files)) or 'none'} != kernels.lock's "
-                    f"{', '.join(sorted(s.license_files)) or 'none'}")
-        return ""
+        return record_differs(s, m) if s is not None and m is not None else ""
 
     def _commit(self, old: Lock, new: Lock, trees: dict[str, SourceTree | None], extra=None) -> None:
         with Transaction(self.root) as tx:

@@ -1046,8 +1046,8 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
                          # (a license file declared since: port.py's verify and sync call it stale now, a review)
                          (text.replace("license: Apache-2.0\n    license_files: [LICENSE]",
                                        "license: Apache-2.0\n    license_files: [LICENSE, NOTICE]"),
-                          "kernels.yaml's license of upstream (Apache-2.0; files LICENSE, NOTICE) is not what was "
-                          "vendored (Apache-2.0; LICENSE)")):
+                          "kernels.yaml and kernels.lock disagree on upstream: kernels.yaml license files LICENSE, "
+                          "NOTICE != kernels.lock's LICENSE: python tools/port.py add test/vendored")):
         assert edited != text
         manifest.write_text(edited)
         stale = KernelBuilder("test/vendored", manifest=manifest, cache_dir=cache_dir)
@@ -1057,6 +1057,16 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
         assert "port.py sync" not in str(e.value), e.value  # sync refuses a changed pin or file list (a review)
         assert stale.status()["state"] == "unavailable"
     manifest.write_text(text)
+    assert b.vendored_problems() == []
+    # a lock that fetches the source by another kind than kernels.yaml (port.py's list and verify call it stale; the
+    # builder ignored the kind, session 59's gaps)
+    good_lock = (root / "kernels.lock").read_text()
+    lock.sources["upstream"] = LockedSource("git", dict(lock.sources["upstream"].pin), "Apache-2.0",
+                                            {"LICENSE": "b" * 64})
+    (root / "kernels.lock").write_text(lock.dumps())
+    assert b.vendored_problems() == ["kernels.yaml and kernels.lock disagree on upstream: kernels.lock fetches it by "
+                                     "git, kernels.yaml by pypi: python tools/port.py add test/vendored"]
+    (root / "kernels.lock").write_text(good_lock)
     assert b.vendored_problems() == []
     # a value of neither kind is an error on a clean tree too (session 32's walkthrough: it passed there)
     monkeypatch.setenv("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "2")
