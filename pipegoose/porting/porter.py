@@ -394,15 +394,22 @@ class Porter:
                         dropped: list[str]) -> None:
         """Stage vendor/<sid> without the files that kernels ``kids`` used under ``old`` and no kernel of ``sid``
         uses under ``new`` (kernels removed, or moved to another source), for each source ``sid`` that keeps
-        kernels; the other files stay as they are."""
+        kernels; the other files stay as they are. A kernel's files count under its source in ``old`` and under
+        its kernels.yaml source (where a source edited in kernels.lock by hand left them: ``remove`` of such a
+        kernel left them behind, for verify to call extra)."""
         kids = list(kids)
+
+        def came_from(k: str, sid: str) -> bool:
+            declared = self.manifest.kernels.get(k)
+            return old.kernels[k].source == sid or (declared is not None and declared.source == sid)
+
         for sid in sids:
             src = self.manifest.sources.get(sid)
             if sid in dropped or (src is not None and src.is_local):
                 continue
             vdir = self.root / "vendor" / sid
             keep = new.files_of_source(sid)
-            drop = {f for k in kids if k in old.kernels and old.kernels[k].source == sid
+            drop = {f for k in kids if k in old.kernels and came_from(k, sid)
                     for f in old.kernels[k].files} - set(keep)
             if not drop or not vdir.exists():
                 continue
@@ -592,7 +599,8 @@ class Porter:
             if not_locked:
                 raise PortError(f"not vendored (no kernels.lock entry): {', '.join(not_locked)}")
             new = lock.copy()
-            sids = sorted({lock.kernels[k].source for k in ids})
+            sids = sorted({lock.kernels[k].source for k in ids}
+                          | {self.manifest.kernels[k].source for k in ids if k in self.manifest.kernels})
             for kid in ids:
                 del new.kernels[kid]
             dropped = self._drop_unused_sources(new)  # (with its last kernel)

@@ -1397,3 +1397,23 @@ def test_a_pin_edited_in_the_lock_is_named_by_verify_and_list(sdist_repo):
     lock_path.write_text(yaml.safe_dump(data))
     detail = {pr.path: pr.detail for pr in repo.porter().verify()}["sources.up"]
     assert detail.startswith("kernels.lock pin {") and "0" * 64 in detail, detail
+
+
+def test_remove_of_a_kernel_whose_source_was_edited_in_the_lock_takes_its_files(git_repo):
+    """Session 59's gaps: a kernel's source edited in kernels.lock by hand, then ``remove``d: its files stayed in its
+    kernels.yaml source's folder (where add had put them), and verify called them extra. Now remove takes them too,
+    and keeps what another kernel of that source still records."""
+    repo = git_repo
+    repo.porter().add(["alpha", "beta"])
+    lock_path = repo.root / "kernels.lock"
+    data = yaml.safe_load(lock_path.read_text())
+    data["sources"]["up2"] = dict(data["sources"]["up"])
+    data["kernels"]["up/alpha"]["source"] = "up2"
+    lock_path.write_text(yaml.safe_dump(data))
+    shared = set(data["kernels"]["up/alpha"]["files"]) & set(data["kernels"]["up/beta"]["files"])
+    own = set(data["kernels"]["up/alpha"]["files"]) - shared
+    assert shared and own
+    repo.porter().remove(["up/alpha"])
+    assert repo.porter().verify() == []
+    vdir = repo.root / "vendor" / "up"
+    assert not any((vdir / f).exists() for f in own) and all((vdir / f).is_file() for f in shared)
