@@ -677,18 +677,23 @@ def _kernels_run(fn) -> set[str]:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d, r, where", [
-    (80, 20, "all"),      # Pythia-2.8b: halves of 10 values, narrower than a 16-byte vector in every dtype
-    (96, 24, "16-bit"),   # GPT-NeoX-20B: halves of 12 values (fp32: three 16-byte vectors)
-    (64, 16, "none"),     # Pythia-410m: halves of 8 values, one 16-bit vector of 16 bytes (fp32: two)
-    (128, 128, "none"),   # Llama's whole heads
-], ids=["80-20", "96-24", "64-16", "128-128"])
-def test_staged_kernel_runs_where_the_halves_take_narrow_vectors(ops, dtype, d, r, where):
+    # (kernel in 16-bit, in fp32)
+    (80, 20, ("staged", "staged")),   # Pythia-2.8b: halves of 10 values, narrower than a 16-byte vector in every dtype
+    (96, 24, ("staged", "lane")),     # GPT-NeoX-20B: halves of 12 values (fp32: three 16-byte vectors, 24 chunks)
+    (64, 16, ("lane", "lane")),       # Pythia-410m: halves of one 16-bit vector of 16 bytes (fp32: two)
+    (128, 32, ("lane", "lane")),      # Pythia-1.4b / 6.9b (fp32: 32 chunks of 16 bytes, a warp a head)
+    (256, 64, ("lane", "vector")),    # fp32: 64 chunks, more than a warp's lanes
+    (128, 128, ("vector", "vector")),  # Llama's whole heads
+], ids=["80-20", "96-24", "64-16", "128-32", "256-64", "128-128"])
+def test_kernel_by_launch_rule(ops, dtype, d, r, where):
     """The launch rule, by the kernel names in a profile: rope_staged_kernel where the halves of the rotated values
-    take vectors narrower than 16 bytes and the heads move in 16-byte chunks, rope_kernel otherwise (halves of 16-byte
-    vectors; a view whose rows are no multiple of 16 bytes). Forward and backward, within the tolerance of float64;
-    the staged and the per-vector kernel's results bit for bit the same."""
-    staged = where == "all" or (where == "16-bit" and dtype != torch.float32)
+    take vectors narrower than 16 bytes and the heads move in 16-byte chunks; rope_lane_kernel where the halves take
+    16-byte vectors, part of the head is passed through and a head is at most 32 chunks; rope_kernel otherwise (whole
+    heads, wider heads; a view whose rows are no multiple of 16 bytes). Forward and backward, within the tolerance of
+    float64; the staged, lane and per-vector kernels' results bit for bit the same."""
+    want_kernel = where[dtype == torch.float32]
     # 74 tokens of 8 + 3 heads: 814 heads, no multiple of the heads a warp stages (16-bit 80/20: 6, fp32: 3; 96/24: 5)
+    # nor of a lane kernel's warp tiles (64/16: 4 or 2 heads a tile, 2 tiles a warp)
     q, k, cos, sin, dq, dk = make_partial((2, 8, 3, 37, d, r, 1), dtype, seed_of("staged", dtype, d, r))
     got = {}
 
@@ -697,8 +702,9 @@ def test_staged_kernel_runs_where_the_halves_take_narrow_vectors(ops, dtype, d, 
         got["bwd"] = ops.rope_backward(dq, dk, cos, sin)
 
     names = _kernels_run(run)
-    assert any("rope_staged_kernel" in n for n in names) == staged, names
-    assert any("rope_kernel" in n and "staged" not in n for n in names) == (not staged), names
+    kinds = {"staged" if "rope_staged_kernel" in n else "lane" if "rope_lane_kernel" in n else "vector"
+             for n in names if "rope_" in n}
+    assert kinds == {want_kernel}, names
     want = ref64(q, k, cos, sin, dq, dk)
     for name, a, w in zip(("q_embed", "k_embed", "grad_q", "grad_k"), (*got["fwd"], *got["bwd"]), want):
         check(name, a, w, dtype)
@@ -712,7 +718,7 @@ def test_staged_kernel_runs_where_the_halves_take_narrow_vectors(ops, dtype, d, 
         moved["bwd"] = ops.rope_backward(longer[2], longer[3], cos, sin)
 
     names = _kernels_run(run_moved)
-    assert not any("rope_staged_kernel" in n for n in names), names
+    assert not any("rope_staged_kernel" in n or "rope_lane_kernel" in n for n in names), names
     for name, a, b in zip(("q_embed", "k_embed", "grad_q", "grad_k"), (*moved["fwd"], *moved["bwd"]),
                           (*got["fwd"], *got["bwd"])):
         assert torch.equal(a, b), f"rows of D + 1: {name} differs"

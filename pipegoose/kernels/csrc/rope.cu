@@ -105,6 +105,21 @@ static_assert(PIPEGOOSE_ROPE_COPY_BYTES >= 16 && PIPEGOOSE_ROPE_COPY_BYTES % 16 
 #endif
 constexpr int kStageVecs = PIPEGOOSE_ROPE_STAGE_VECS;
 static_assert(kStageVecs >= 1 && kStageVecs <= 8, "PIPEGOOSE_ROPE_STAGE_VECS: 1 to 8");
+// The lane kernel (rope_lane_kernel): where the halves of the rotated values take 16-byte vectors but the rotated
+// values are only part of the head (Pythia's heads of 64 and 128 values, a quarter rotated), one lane a 16-byte chunk
+// of the head, rotated or passed through, its partner vector in the other half taken from the partner lane with warp
+// shuffles: every load and store of a warp one run of whole sectors. The per-vector kernel's lanes there move 16 of
+// each 32 bytes an instruction (a rotating lane x1 and x2 of one sector, a copying lane two halves of sectors).
+// Benchmark experiments: -DPIPEGOOSE_ROPE_LANES=0 never (the per-vector kernel), 2 also for whole heads;
+// -DPIPEGOOSE_ROPE_LANE_TILES=N warp tiles a warp (N chunks a lane in flight).
+#ifndef PIPEGOOSE_ROPE_LANES
+#define PIPEGOOSE_ROPE_LANES 1
+#endif
+#ifndef PIPEGOOSE_ROPE_LANE_TILES
+#define PIPEGOOSE_ROPE_LANE_TILES 2
+#endif
+constexpr int kLaneTiles = PIPEGOOSE_ROPE_LANE_TILES;
+static_assert(kLaneTiles >= 1 && kLaneTiles <= 8, "PIPEGOOSE_ROPE_LANE_TILES: 1 to 8");
 
 template <typename T> __device__ __forceinline__ float to_f(T x) { return static_cast<float>(x); }
 template <typename T> __device__ __forceinline__ T from_f(float x) { return static_cast<T>(x); }
@@ -127,7 +142,8 @@ struct Params {
   int32_t seq, heads_q, heads, half;   // heads = Hq + Hk; half = R / 2
   int32_t vecs;                        // vectors per half of the rotated values
   int32_t copies, group;               // threads that pass a head's D - R last values through, vectors each
-  int32_t dim, chunks, rows_per_block;  // the staged kernel: D, 16-byte chunks a head, heads a warp (items: heads)
+  int32_t dim, chunks, rows_per_block;  // the staged and lane kernels: D, 16-byte chunks a head, heads a warp tile
+                                        // (items: heads)
 };
 
 // The size of the widest of the three types; the elements of a 16-byte vector of it (the widest vector of a
@@ -348,6 +364,76 @@ __global__ void __launch_bounds__(kThreads) rope_staged_kernel(const Params p) {
   }
 }
 
+// The lane kernel (one type T for q, k, the results and, then, the tables; V: 16 bytes of T): each warp takes
+// kLaneTiles tiles of rows_per_block (32 / chunks) heads, a lane a 16-byte chunk of one head (lanes past
+// rows_per_block * chunks idle). A lane of the first half of the rotated values gets its partner of the second half
+// from the lane vecs to its right (__shfl_sync of the four words), and the reverse; each lane loads the table vectors
+// of its own value (cos) and of the sine its formula takes (rotate_pair's, one half of it: bit for bit the same
+// results), the lanes past the rotated values store what they loaded. Every chunk's load is issued before the first
+// shuffle; all lanes take part in every shuffle (no early return). Needs: D * sizeof(T) a multiple of 16 and at most
+// 32 chunks, R/2 a multiple of V, every pointer and stride a multiple of 16 bytes (launch() checks).
+template <typename T, int V, bool kBwd, typename I>
+__global__ void __launch_bounds__(kThreads) rope_lane_kernel(const Params p) {
+  constexpr int kWarps = kThreads / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = lane / p.chunks;
+  const int c = lane - row * p.chunks;                     // this lane's chunk of its head
+  const bool rot = c < 2 * p.vecs, first = c < p.vecs;     // rotated; in the first half
+  // (an idle lane, past the warp tile's heads, takes its own words)
+  const int partner = !rot || row >= p.rows_per_block ? lane : first ? lane + p.vecs : lane - p.vecs;
+  const int ec = rot ? c * V : 0;                          // own element in the head (the cos vector's)
+  const int ep = rot ? (first ? ec + p.half : ec - p.half) : 0;   // the partner's element
+  const I tile0 = (static_cast<I>(blockIdx.x) * kWarps + warp) * kLaneTiles;
+  uint4 a[kLaneTiles];
+  T* out[kLaneTiles];
+  I bs[kLaneTiles][2];
+#pragma unroll
+  for (int i = 0; i < kLaneTiles; ++i) {
+    const I item = (tile0 + i) * static_cast<I>(p.rows_per_block) + row;
+    a[i] = make_uint4(0u, 0u, 0u, 0u);
+    out[i] = nullptr;
+    bs[i][0] = bs[i][1] = 0;
+    if (row < p.rows_per_block && item < static_cast<I>(p.items)) {
+      const I token = item / p.heads;
+      const Head<I> h = head_at<I>(p, token, item - token * p.heads);
+      a[i] = *reinterpret_cast<const uint4*>(static_cast<const T*>(h.is_q ? p.q : p.k) + (h.in + c * V));
+      out[i] = static_cast<T*>(h.is_q ? p.q_out : p.k_out) + (h.res + c * V);
+      bs[i][0] = h.b;
+      bs[i][1] = h.s;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kLaneTiles; ++i) {
+    uint4 o;
+    o.x = __shfl_sync(0xffffffffu, a[i].x, partner);
+    o.y = __shfl_sync(0xffffffffu, a[i].y, partner);
+    o.z = __shfl_sync(0xffffffffu, a[i].z, partner);
+    o.w = __shfl_sync(0xffffffffu, a[i].w, partner);
+    if (out[i] == nullptr) continue;
+    if (!rot) {
+      *reinterpret_cast<uint4*>(out[i]) = a[i];
+      continue;
+    }
+    // forward: y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2; backward: g1 = dy1 c1 + dy2 s2, g2 = dy2 c2 - dy1 s1: the
+    // own value times the cos at its element, and the partner's times the sine at the own element (forward) or at
+    // the partner's (backward), subtracted in the first half of the forward and the second of the backward
+    const int64_t tb = static_cast<int64_t>(bs[i][0]), ts = static_cast<int64_t>(bs[i][1]);
+    const T* cp = static_cast<const T*>(p.cos) + (tb * p.cos_b + ts * p.cos_s);
+    const T* sp = static_cast<const T*>(p.sin) + (tb * p.sin_b + ts * p.sin_s);
+    const Vec<T, V> cv = load<T, V, true>(cp + ec);
+    const Vec<T, V> sv = load<T, V, true>(sp + (kBwd ? ep : ec));
+    const bool minus = first != kBwd;
+    const Vec<T, V> own = *reinterpret_cast<const Vec<T, V>*>(&a[i]);
+    const Vec<T, V> other = *reinterpret_cast<const Vec<T, V>*>(&o);
+    Vec<T, V> y;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float m = __fmul_rn(to_f(other.v[j]), to_f(sv.v[j]));
+      y.v[j] = from_f<T>(__fmaf_rn(to_f(own.v[j]), to_f(cv.v[j]), minus ? -m : m));
+    }
+    store<T, V>(out[i], y);
+  }
+}
 
 const char* kFwd = "pipegoose::rope_forward";
 const char* kBwd = "pipegoose::rope_backward";
@@ -428,14 +514,27 @@ bool supported_types(c10::ScalarType ti, c10::ScalarType tc, c10::ScalarType to)
 // The launch at V elements a vector (V: the widest that launch() found to fit; a narrower instance where v is
 // narrower); staged: rope_staged_kernel (TI == TO), else rope_kernel.
 template <typename TI, typename TC, typename TO, int V>
-void launch_width(const Params& p, int v, bool bwd, bool staged, bool narrow, unsigned blocks, cudaStream_t stream) {
+void launch_width(const Params& p, int v, bool bwd, bool staged, bool laned, bool narrow, unsigned blocks,
+                  cudaStream_t stream) {
   if constexpr (V > 1) {
-    if (v < V) return launch_width<TI, TC, TO, V / 2>(p, v, bwd, staged, narrow, blocks, stream);
+    if (v < V) return launch_width<TI, TC, TO, V / 2>(p, v, bwd, staged, laned, narrow, blocks, stream);
   }
   auto go = [&](auto kernel) {
     kernel<<<blocks, kThreads, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
+  // (lane instances only at 16-byte vectors of one type, where launch() may take them)
+  if constexpr (std::is_same_v<TI, TO> && std::is_same_v<TI, TC> && PIPEGOOSE_ROPE_LANES != 0 &&
+                V == kWidestVec<TI, TC, TO>) {
+    if (laned) {
+      if (bwd) {
+        narrow ? go(rope_lane_kernel<TI, V, true, uint32_t>) : go(rope_lane_kernel<TI, V, true, int64_t>);
+      } else {
+        narrow ? go(rope_lane_kernel<TI, V, false, uint32_t>) : go(rope_lane_kernel<TI, V, false, int64_t>);
+      }
+      return;
+    }
+  }
   // (staged instances only where launch() may stage: narrow vectors, unless PIPEGOOSE_ROPE_STAGE is 2)
   if constexpr (std::is_same_v<TI, TO> && (PIPEGOOSE_ROPE_STAGE == 2 || V < kWidestVec<TI, TC, TO>)) {
     if (staged) {
@@ -489,10 +588,20 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
                       p.vecs <= 32 &&
                       aligned(p.q, 16) && aligned(p.k, 16) && aligned(p.q_out, 16) && aligned(p.k_out, 16) &&
                       strided_by(16 / sizeof(TI));
+  // the lane kernel (rope_lane_kernel) where the halves take 16-byte vectors of one type in and out (and then in the
+  // tables), the rotated values are part of the head (PIPEGOOSE_ROPE_LANES 1; 2: whole heads too), and a head is at
+  // most 32 chunks of 16 bytes (v == kV: pointers and strides are multiples of 16 bytes)
+  const bool laned = !staged && v == kV && std::is_same_v<TI, TO> && std::is_same_v<TI, TC> &&
+                     (PIPEGOOSE_ROPE_LANES == 2 || (PIPEGOOSE_ROPE_LANES == 1 && p.copies > 0)) &&
+                     multiple(row_bytes, 16) && row_bytes <= 32 * 16;
   if (staged) {
     p.chunks = static_cast<int32_t>(row_bytes / 16);
     // heads a warp: as many as the tile holds, at most one vector of the rotated values a lane
     p.rows_per_block = static_cast<int32_t>(std::min<int64_t>(32 * kStageVecs * 16 / row_bytes, 32 / p.vecs));
+    p.items = tokens * p.heads;
+  } else if (laned) {
+    p.chunks = static_cast<int32_t>(row_bytes / 16);
+    p.rows_per_block = 32 / p.chunks;   // heads a warp tile
     p.items = tokens * p.heads;
   } else {
     p.copies /= v;
@@ -505,11 +614,14 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
     p.items = tokens * p.heads * (p.vecs + p.copies);
   }
   if (p.items == 0) return;
-  const int64_t per_block = staged ? static_cast<int64_t>(p.rows_per_block) * (kThreads / 32) : kThreads;
+  const int64_t per_block = staged  ? static_cast<int64_t>(p.rows_per_block) * (kThreads / 32)
+                            : laned ? static_cast<int64_t>(p.rows_per_block) * (kThreads / 32) * kLaneTiles
+                                    : kThreads;
   const int64_t blocks = (p.items + per_block - 1) / per_block;
   PG_CHECK(blocks <= INT32_MAX, op, ": ", p.items, " work items are more than one launch covers");
-  launch_width<TI, TC, TO, kV>(p, v, bwd, staged, p.items + per_block <= INT32_MAX, static_cast<unsigned>(blocks),
-                               stream);
+  // (32-bit item arithmetic where the last block's items fit: the lane kernel's item index reaches blocks * per_block)
+  launch_width<TI, TC, TO, kV>(p, v, bwd, staged, laned, blocks * per_block <= INT32_MAX,
+                               static_cast<unsigned>(blocks), stream);
 }
 
 // Rotates x (q-like) and y (k-like, x's dtype) into new tensors of their layout and dtype `out`; bwd: the transposed
