@@ -42,7 +42,10 @@
 // bytes; a head at most 1 KiB; R/2 at most 32 vectors), rope_staged_kernel runs instead: each warp stages a few whole
 // heads in shared memory (loaded and stored in 16-byte chunks), rotating them there (session 59, H100, bf16 forward +
 // backward, % of copy: Pythia-2.8b's heads of 80 with 20 rotated 65 -> 85, GPT-NeoX-20B's of 96 with 24 rotated
-// 72 -> 89; torch.compile 78 and 88).
+// 72 -> 89; torch.compile 78 and 88). Where the halves take 16-byte vectors but only part of the head rotates, and a
+// head is 1 to 32 16-byte chunks dividing a warp (same conditions otherwise), rope_lane_kernel runs: a lane a chunk of
+// the head, the partner vector by warp shuffles (session 60, H100, bf16 forward + backward: Pythia's heads of 64 and
+// 128 with a quarter rotated 80-82 -> 88, torch.compile 84).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -110,16 +113,26 @@ static_assert(kStageVecs >= 1 && kStageVecs <= 8, "PIPEGOOSE_ROPE_STAGE_VECS: 1 
 // of the head, rotated or passed through, its partner vector in the other half taken from the partner lane with warp
 // shuffles: every load and store of a warp one run of whole sectors. The per-vector kernel's lanes there move 16 of
 // each 32 bytes an instruction (a rotating lane x1 and x2 of one sector, a copying lane two halves of sectors).
+// Session 60, H100, forward + backward, % of copy (benchmarks.rope_partial --raw, GPT-NeoX's layout; results beside
+// the summary of benchmarks/results/nvidia_h100_80gb_hbm3_2026-12-05): heads of 64 and 128 with a quarter rotated,
+// bf16 80.4 / 82.3 -> 88.1 / 88.0 (torch.compile 83.5 / 83.9), fp32 91.6 / 92.8 -> 95.5 / 95.0 (compile 94.9 / 96.4)
+// at 4 tiles a warp (2 tiles: 93.1 / 91.5; bf16 at 4 tiles 87.5 / 86.9, at 1 tile 84.6 / 84.4). Heads whose chunks
+// leave lanes idle ran slower than the per-vector kernel (fp32 heads of 96, 24 chunks: 94.0 -> 84.6, at 4 tiles 89.6),
+// and so did whole heads (-DPIPEGOOSE_ROPE_LANES=2: bf16 heads of 64 and 128 91.1 / 89.6 -> 89.4 / 88.4, fp32 94.4 /
+// 93.6 -> 93.3 / 89.8): the lane kernel takes heads of 1 to 32 chunks that divide a warp, rotated in part only.
 // Benchmark experiments: -DPIPEGOOSE_ROPE_LANES=0 never (the per-vector kernel), 2 also for whole heads;
-// -DPIPEGOOSE_ROPE_LANE_TILES=N warp tiles a warp (N chunks a lane in flight).
+// -DPIPEGOOSE_ROPE_LANE_TILES=N warp tiles a warp (N chunks a lane in flight; default 2 in 16-bit, 4 in fp32).
 #ifndef PIPEGOOSE_ROPE_LANES
 #define PIPEGOOSE_ROPE_LANES 1
 #endif
-#ifndef PIPEGOOSE_ROPE_LANE_TILES
-#define PIPEGOOSE_ROPE_LANE_TILES 2
+template <typename T>
+constexpr int lane_tiles() {
+#ifdef PIPEGOOSE_ROPE_LANE_TILES
+  return PIPEGOOSE_ROPE_LANE_TILES;
+#else
+  return sizeof(T) == 4 ? 4 : 2;
 #endif
-constexpr int kLaneTiles = PIPEGOOSE_ROPE_LANE_TILES;
-static_assert(kLaneTiles >= 1 && kLaneTiles <= 8, "PIPEGOOSE_ROPE_LANE_TILES: 1 to 8");
+}
 
 template <typename T> __device__ __forceinline__ float to_f(T x) { return static_cast<float>(x); }
 template <typename T> __device__ __forceinline__ T from_f(float x) { return static_cast<T>(x); }
@@ -365,16 +378,19 @@ __global__ void __launch_bounds__(kThreads) rope_staged_kernel(const Params p) {
 }
 
 // The lane kernel (one type T for q, k, the results and, then, the tables; V: 16 bytes of T): each warp takes
-// kLaneTiles tiles of rows_per_block (32 / chunks) heads, a lane a 16-byte chunk of one head (lanes past
-// rows_per_block * chunks idle). A lane of the first half of the rotated values gets its partner of the second half
-// from the lane vecs to its right (__shfl_sync of the four words), and the reverse; each lane loads the table vectors
-// of its own value (cos) and of the sine its formula takes (rotate_pair's, one half of it: bit for bit the same
-// results), the lanes past the rotated values store what they loaded. Every chunk's load is issued before the first
-// shuffle; all lanes take part in every shuffle (no early return). Needs: D * sizeof(T) a multiple of 16 and at most
-// 32 chunks, R/2 a multiple of V, every pointer and stride a multiple of 16 bytes (launch() checks).
+// kLaneTiles tiles of rows_per_block (32 / chunks) heads, a lane a 16-byte chunk of one head. A lane of the first
+// half of the rotated values gets its partner of the second half from the lane vecs to its right (__shfl_sync of the
+// four words), and the reverse; each lane loads the table vectors of its own value (cos) and of the sine its formula
+// takes (rotate_pair's, one half of it: bit for bit the same results), the lanes past the rotated values store what
+// they loaded. Every chunk's load is issued before the first
+// shuffle; all lanes take part in every shuffle (no early return). Needs: D * sizeof(T) 16 bytes times a divisor of 32
+// (1 to 32 chunks; the kernel itself idles the lanes past the tile's heads, slower where tried), R/2 a multiple of V,
+// every pointer and stride a multiple of 16 bytes (launch() checks).
 template <typename T, int V, bool kBwd, typename I>
 __global__ void __launch_bounds__(kThreads) rope_lane_kernel(const Params p) {
   constexpr int kWarps = kThreads / 32;
+  constexpr int kLaneTiles = lane_tiles<T>();
+  static_assert(kLaneTiles >= 1 && kLaneTiles <= 8, "PIPEGOOSE_ROPE_LANE_TILES: 1 to 8");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = lane / p.chunks;
   const int c = lane - row * p.chunks;                     // this lane's chunk of its head
@@ -589,11 +605,12 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
                       aligned(p.q, 16) && aligned(p.k, 16) && aligned(p.q_out, 16) && aligned(p.k_out, 16) &&
                       strided_by(16 / sizeof(TI));
   // the lane kernel (rope_lane_kernel) where the halves take 16-byte vectors of one type in and out (and then in the
-  // tables), the rotated values are part of the head (PIPEGOOSE_ROPE_LANES 1; 2: whole heads too), and a head is at
-  // most 32 chunks of 16 bytes (v == kV: pointers and strides are multiples of 16 bytes)
+  // tables), the rotated values are part of the head (PIPEGOOSE_ROPE_LANES 1; 2: whole heads too), and a head is 1,
+  // 2, 4, 8, 16 or 32 chunks of 16 bytes, no lane of a warp idle (v == kV: pointers and strides are multiples of 16
+  // bytes)
   const bool laned = !staged && v == kV && std::is_same_v<TI, TO> && std::is_same_v<TI, TC> &&
                      (PIPEGOOSE_ROPE_LANES == 2 || (PIPEGOOSE_ROPE_LANES == 1 && p.copies > 0)) &&
-                     multiple(row_bytes, 16) && row_bytes <= 32 * 16;
+                     multiple(row_bytes, 16) && row_bytes <= 32 * 16 && multiple(32, row_bytes / 16);
   if (staged) {
     p.chunks = static_cast<int32_t>(row_bytes / 16);
     // heads a warp: as many as the tile holds, at most one vector of the rotated values a lane
@@ -615,7 +632,7 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
   }
   if (p.items == 0) return;
   const int64_t per_block = staged  ? static_cast<int64_t>(p.rows_per_block) * (kThreads / 32)
-                            : laned ? static_cast<int64_t>(p.rows_per_block) * (kThreads / 32) * kLaneTiles
+                            : laned ? static_cast<int64_t>(p.rows_per_block) * (kThreads / 32) * lane_tiles<TI>()
                                     : kThreads;
   const int64_t blocks = (p.items + per_block - 1) / per_block;
   PG_CHECK(blocks <= INT32_MAX, op, ": ", p.items, " work items are more than one launch covers");
