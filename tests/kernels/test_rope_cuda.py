@@ -681,20 +681,20 @@ def _kernels_run(fn) -> set[str]:
     (80, 20, ("staged", "staged")),   # Pythia-2.8b: halves of 10 values, narrower than a 16-byte vector in every dtype
     (96, 24, ("staged", "vector")),   # GPT-NeoX-20B: halves of 12 values (fp32: three 16-byte vectors; 24 chunks
                                       # leave lanes of a warp idle)
-    (64, 16, ("lane", "lane")),       # Pythia-410m: halves of one 16-bit vector of 16 bytes (fp32: two)
-    (128, 32, ("lane", "lane")),      # Pythia-1.4b / 6.9b (fp32: 32 chunks of 16 bytes, a warp a head)
-    (256, 64, ("lane", "vector")),    # fp32: 64 chunks, more than a warp's lanes
+    (64, 16, ("lane", "vector")),     # Pythia-410m: halves of one 16-bit vector of 16 bytes (fp32: two; no lanes)
+    (128, 32, ("lane", "vector")),    # Pythia-1.4b / 6.9b
+    (256, 64, ("lane", "vector")),    # 32 chunks of 16 bytes in 16-bit, a warp a head
     (128, 128, ("vector", "vector")),  # Llama's whole heads
 ], ids=["80-20", "96-24", "64-16", "128-32", "256-64", "128-128"])
 def test_kernel_by_launch_rule(ops, dtype, d, r, where):
     """The launch rule, by the kernel names in a profile: rope_staged_kernel where the halves of the rotated values
     take vectors narrower than 16 bytes and the heads move in 16-byte chunks; rope_lane_kernel where the halves take
-    16-byte vectors, part of the head is passed through and a head is a divisor of 32 chunks; rope_kernel otherwise
-    (whole heads, wider heads or others; a view whose rows are no multiple of 16 bytes). Forward and backward, within the tolerance of
+    16-byte vectors, part of the head is passed through and a 16-bit head is a divisor of 32 chunks; rope_kernel
+    otherwise (whole heads, fp32, wider heads or others; a view whose rows are no multiple of 16 bytes). Forward and backward, within the tolerance of
     float64; the staged, lane and per-vector kernels' results bit for bit the same."""
     want_kernel = where[dtype == torch.float32]
     # 74 tokens of 8 + 3 heads: 814 heads, no multiple of the heads a warp stages (16-bit 80/20: 6, fp32: 3; 96/24: 5)
-    # nor of a lane kernel's warps (64/16: 4 heads a tile and 2 tiles a warp in 16-bit, 2 heads and 4 tiles in fp32)
+    # nor of a lane kernel's warps (16-bit 64/16: 4 heads a tile and 2 tiles a warp)
     q, k, cos, sin, dq, dk = make_partial((2, 8, 3, 37, d, r, 1), dtype, seed_of("staged", dtype, d, r))
     got = {}
 

@@ -43,9 +43,9 @@
 // heads in shared memory (loaded and stored in 16-byte chunks), rotating them there (session 59, H100, bf16 forward +
 // backward, % of copy: Pythia-2.8b's heads of 80 with 20 rotated 65 -> 85, GPT-NeoX-20B's of 96 with 24 rotated
 // 72 -> 89; torch.compile 78 and 88). Where the halves take 16-byte vectors but only part of the head rotates, and a
-// head is 1 to 32 16-byte chunks dividing a warp (same conditions otherwise), rope_lane_kernel runs: a lane a chunk of
+// 16-bit head is 1 to 32 16-byte chunks dividing a warp (same conditions otherwise), rope_lane_kernel runs: a lane a chunk of
 // the head, the partner vector by warp shuffles (session 60, H100, bf16 forward + backward: Pythia's heads of 64 and
-// 128 with a quarter rotated 80-82 -> 88, torch.compile 84).
+// 128 with a quarter rotated 80-82 -> 88, torch.compile 84; on the H200 70 -> 70-71; 16-bit only).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -113,26 +113,25 @@ static_assert(kStageVecs >= 1 && kStageVecs <= 8, "PIPEGOOSE_ROPE_STAGE_VECS: 1 
 // of the head, rotated or passed through, its partner vector in the other half taken from the partner lane with warp
 // shuffles: every load and store of a warp one run of whole sectors. The per-vector kernel's lanes there move 16 of
 // each 32 bytes an instruction (a rotating lane x1 and x2 of one sector, a copying lane two halves of sectors).
-// Session 60, H100, forward + backward, % of copy (benchmarks.rope_partial --raw, GPT-NeoX's layout; results beside
-// the summary of benchmarks/results/nvidia_h100_80gb_hbm3_2026-12-05): heads of 64 and 128 with a quarter rotated,
-// bf16 80.4 / 82.3 -> 88.1 / 88.0 (torch.compile 83.5 / 83.9), fp32 91.6 / 92.8 -> 95.5 / 95.0 (compile 94.9 / 96.4)
-// at 4 tiles a warp (2 tiles: 93.1 / 91.5; bf16 at 4 tiles 87.5 / 86.9, at 1 tile 84.6 / 84.4). Heads whose chunks
-// leave lanes idle ran slower than the per-vector kernel (fp32 heads of 96, 24 chunks: 94.0 -> 84.6, at 4 tiles 89.6),
-// and so did whole heads (-DPIPEGOOSE_ROPE_LANES=2: bf16 heads of 64 and 128 91.1 / 89.6 -> 89.4 / 88.4, fp32 94.4 /
-// 93.6 -> 93.3 / 89.8): the lane kernel takes heads of 1 to 32 chunks that divide a warp, rotated in part only.
-// Benchmark experiments: -DPIPEGOOSE_ROPE_LANES=0 never (the per-vector kernel), 2 also for whole heads;
-// -DPIPEGOOSE_ROPE_LANE_TILES=N warp tiles a warp (N chunks a lane in flight; default 2 in 16-bit, 4 in fp32).
+// Session 60, forward + backward, % of copy (benchmarks.rope_partial --raw, GPT-NeoX's layout; s60_rope_lane.md beside
+// the summary of benchmarks/results/nvidia_h100_80gb_hbm3_2026-12-05), heads of 64 and 128 with a quarter rotated:
+//   H100: bf16 80.4 / 82.3 -> 88.1 / 88.0 (torch.compile 83.5 / 83.9; 4 tiles a warp 87.5 / 86.9, 1 tile 84.6 /
+//         84.4); fp32 91.6 / 92.8 -> 93.1 / 91.5, at 4 tiles 95.5 / 95.0 (compile 94.9 / 96.4);
+//   H200 (4.1 TB/s of copy: at these sizes 16-bit runs near 70% whichever kernel, compile too): bf16 69.0 / 72.1 ->
+//         70.0 / 71.0, fp16 70.5 / 72.4 -> 74.1 / 72.7; fp32 at 4 tiles 86.6 / 88.8 -> 85.5 / 84.3.
+// So 16-bit only (fp32: the per-vector kernel). Heads whose chunks leave lanes idle ran slower than the per-vector
+// kernel (H100, fp32 heads of 96, 24 chunks: 94.0 -> 84.6), and so did whole heads (H100, -DPIPEGOOSE_ROPE_LANES=2:
+// bf16 heads of 64 and 128 91.1 / 89.6 -> 89.4 / 88.4): the lane kernel takes 16-bit heads of 1 to 32 chunks that
+// divide a warp, rotated in part only. Benchmark experiments: -DPIPEGOOSE_ROPE_LANES=0 never (the per-vector kernel),
+// 2 also for whole heads, 3 also for fp32; -DPIPEGOOSE_ROPE_LANE_TILES=N warp tiles a warp (N chunks a lane in flight).
 #ifndef PIPEGOOSE_ROPE_LANES
 #define PIPEGOOSE_ROPE_LANES 1
 #endif
-template <typename T>
-constexpr int lane_tiles() {
-#ifdef PIPEGOOSE_ROPE_LANE_TILES
-  return PIPEGOOSE_ROPE_LANE_TILES;
-#else
-  return sizeof(T) == 4 ? 4 : 2;
+#ifndef PIPEGOOSE_ROPE_LANE_TILES
+#define PIPEGOOSE_ROPE_LANE_TILES 2
 #endif
-}
+constexpr int kLaneTiles = PIPEGOOSE_ROPE_LANE_TILES;
+static_assert(kLaneTiles >= 1 && kLaneTiles <= 8, "PIPEGOOSE_ROPE_LANE_TILES: 1 to 8");
 
 template <typename T> __device__ __forceinline__ float to_f(T x) { return static_cast<float>(x); }
 template <typename T> __device__ __forceinline__ T from_f(float x) { return static_cast<T>(x); }
@@ -389,8 +388,6 @@ __global__ void __launch_bounds__(kThreads) rope_staged_kernel(const Params p) {
 template <typename T, int V, bool kBwd, typename I>
 __global__ void __launch_bounds__(kThreads) rope_lane_kernel(const Params p) {
   constexpr int kWarps = kThreads / 32;
-  constexpr int kLaneTiles = lane_tiles<T>();
-  static_assert(kLaneTiles >= 1 && kLaneTiles <= 8, "PIPEGOOSE_ROPE_LANE_TILES: 1 to 8");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = lane / p.chunks;
   const int c = lane - row * p.chunks;                     // this lane's chunk of its head
@@ -541,7 +538,7 @@ void launch_width(const Params& p, int v, bool bwd, bool staged, bool laned, boo
   };
   // (lane instances only at 16-byte vectors of one type, where launch() may take them)
   if constexpr (std::is_same_v<TI, TO> && std::is_same_v<TI, TC> && PIPEGOOSE_ROPE_LANES != 0 &&
-                V == kWidestVec<TI, TC, TO>) {
+                (sizeof(TI) == 2 || PIPEGOOSE_ROPE_LANES == 3) && V == kWidestVec<TI, TC, TO>) {
     if (laned) {
       if (bwd) {
         narrow ? go(rope_lane_kernel<TI, V, true, uint32_t>) : go(rope_lane_kernel<TI, V, true, int64_t>);
@@ -604,12 +601,13 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
                       p.vecs <= 32 &&
                       aligned(p.q, 16) && aligned(p.k, 16) && aligned(p.q_out, 16) && aligned(p.k_out, 16) &&
                       strided_by(16 / sizeof(TI));
-  // the lane kernel (rope_lane_kernel) where the halves take 16-byte vectors of one type in and out (and then in the
-  // tables), the rotated values are part of the head (PIPEGOOSE_ROPE_LANES 1; 2: whole heads too), and a head is 1,
-  // 2, 4, 8, 16 or 32 chunks of 16 bytes, no lane of a warp idle (v == kV: pointers and strides are multiples of 16
-  // bytes)
+  // the lane kernel (rope_lane_kernel) where the halves take 16-byte vectors of one 16-bit type in and out (and then
+  // in the tables), the rotated values are part of the head (PIPEGOOSE_ROPE_LANES 1; 2: whole heads too; 3: fp32
+  // too), and a head is 1, 2, 4, 8, 16 or 32 chunks of 16 bytes, no lane of a warp idle (v == kV: pointers and
+  // strides are multiples of 16 bytes)
   const bool laned = !staged && v == kV && std::is_same_v<TI, TO> && std::is_same_v<TI, TC> &&
-                     (PIPEGOOSE_ROPE_LANES == 2 || (PIPEGOOSE_ROPE_LANES == 1 && p.copies > 0)) &&
+                     (sizeof(TI) == 2 || PIPEGOOSE_ROPE_LANES == 3) &&
+                     (PIPEGOOSE_ROPE_LANES >= 2 || (PIPEGOOSE_ROPE_LANES == 1 && p.copies > 0)) &&
                      multiple(row_bytes, 16) && row_bytes <= 32 * 16 && multiple(32, row_bytes / 16);
   if (staged) {
     p.chunks = static_cast<int32_t>(row_bytes / 16);
@@ -632,7 +630,7 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
   }
   if (p.items == 0) return;
   const int64_t per_block = staged  ? static_cast<int64_t>(p.rows_per_block) * (kThreads / 32)
-                            : laned ? static_cast<int64_t>(p.rows_per_block) * (kThreads / 32) * lane_tiles<TI>()
+                            : laned ? static_cast<int64_t>(p.rows_per_block) * (kThreads / 32) * kLaneTiles
                                     : kThreads;
   const int64_t blocks = (p.items + per_block - 1) / per_block;
   PG_CHECK(blocks <= INT32_MAX, op, ": ", p.items, " work items are more than one launch covers");
