@@ -190,5 +190,16 @@ class Measurement:
 _FLOATS = ("median_ms", "p20_ms", "p80_ms", "gbps", "pct_of_copy", "max_abs_err")
 
 
+def raise_compile_limits(at_least: int = 1024) -> None:
+    """Raise dynamo's recompile limits to ``at_least``: a benchmark compiles one function for many shapes and dtypes
+    (``dynamic=False``), and past the default limit (8) dynamo runs the function eagerly, timing eager PyTorch under
+    the name of ``torch.compile`` (session 60: rope_partial's fp16 and fp32 compile rows at 9-19% of copy)."""
+    import torch._dynamo as dynamo
+
+    for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(dynamo.config, knob):
+            setattr(dynamo.config, knob, max(getattr(dynamo.config, knob), at_least))
+
+
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")

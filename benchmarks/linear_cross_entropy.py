@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import environment, today, tolerances
+from benchmarks.common import environment, raise_compile_limits, today, tolerances
 from benchmarks.timing import Timer
 
 # Llama-1.1B (TinyLlama), Llama-3-8B's head, Qwen2-0.5B's head, 8192 tokens each; Llama-1.1B at 16384 tokens
@@ -66,6 +66,7 @@ def losses(chunk_rows: list[int] = ()) -> dict[str, Callable | None]:
     def upcast(h, w, t):
         return F.cross_entropy(F.linear(h, w).float(), t)
 
+    raise_compile_limits()   # (one compiled function for every shape of the run)
     fns: dict[str, Callable | None] = {"pipegoose": ours, "pipegoose-ce": ours_ce, "transformers": upcast,
                                        "compile": torch.compile(upcast, dynamic=False), "liger": None}
     for r in chunk_rows:

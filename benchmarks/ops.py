@@ -75,7 +75,7 @@ import torch
 import torch.nn.functional as F
 
 from .byte_counts import op_bytes
-from .common import Measurement, dtype_name
+from .common import Measurement, dtype_name, raise_compile_limits
 from .timing import Timer
 
 __all__ = ["OPS", "SIZES", "make_case", "impls_for", "run_ops", "reference", "check_close", "Case"]
@@ -449,12 +449,7 @@ def _compile(case: Case) -> Callable:
     key = (case.op, case.dtype, tuple(case.shape.items()))
     fn = _COMPILED.get(key)
     if fn is None:
-        import torch._dynamo as dynamo
-
-        for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
-                     "accumulated_recompile_limit"):
-            if hasattr(dynamo.config, knob):
-                setattr(dynamo.config, knob, max(getattr(dynamo.config, knob), 1024))
+        raise_compile_limits()
         fn = _COMPILED[key] = torch.compile(base, dynamic=False)
     return fn
 

@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.common import environment, today, tolerances
+from benchmarks.common import environment, raise_compile_limits, today, tolerances
 from benchmarks.timing import Timer
 
 # Pythia-410m (the end-to-end NeoX step's shape), Pythia-1.4b, Pythia-6.9b, Pythia-2.8b (heads of 80, 20 rotated) and
@@ -83,6 +83,7 @@ def functions(raw_ops: Any = None) -> dict[str, Callable | None]:
         def ours(q, k, cos, sin):   # noqa: F811 (the op itself)
             return raw_ops.rope(q, k, cos, sin)
 
+    raise_compile_limits()   # (one compiled function for every shape and dtype of the run)
     return {"pipegoose": ours, "transformers": neox, "compile": torch.compile(neox, dynamic=False)}
 
 
