@@ -9,15 +9,18 @@ never feed the others.
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 import sys
 import textwrap
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from pipegoose.nn.fusion import FusedRMSNorm
 from pipegoose.nn.fusion.fuse import FusionReport, fuse, fused, fusion_report, is_fused, unfuse
 from pipegoose.nn.fusion.transformers import attention as attn_mod
 from tolerances import TOLERANCES, tol
@@ -614,6 +617,56 @@ def test_fuse_refuses_a_norm_whose_eps_the_fused_ops_refuse():
     assert [type(m) for m in model] == [nn.Linear, nn.LayerNorm, nn.RMSNorm] and not is_fused(model)
 
 
+class _LlamaStyleNorm(nn.Module):
+    """transformers' LlamaRMSNorm, written out (no transformers import): ``variance_epsilon``, two roundings."""
+
+    def __init__(self, n, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("eps, error, says", [
+    (-1e-6, ValueError, "variance_epsilon: expected a finite number >= 0, got -1e-06"),
+    (float("nan"), ValueError, "variance_epsilon: expected a finite number >= 0, got nan"),
+    ("1e-6", TypeError, "variance_epsilon: expected a number, got '1e-6' (str)"),
+])
+def test_fuse_refuses_a_transformers_style_norm_whose_eps_the_fused_ops_refuse(eps, error, says):
+    """A review (session 60): such a norm was skipped as having "no eps attribute" (it has one), not counted, and the
+    report's title still read 100%. Now fuse raises, naming the module's path, as for nn.RMSNorm's, and changes
+    nothing; FusedRMSNorm.from_module names the attribute and takes an eps= given instead (the probe had refused
+    first)."""
+    model = nn.Sequential(nn.Linear(4, 4), _LlamaStyleNorm(4, eps))
+    with pytest.raises(error, match=rf"^1 \(_LlamaStyleNorm\): {re.escape(says)}$"):
+        fuse(model)
+    with pytest.raises(error, match=rf"^1 \(_LlamaStyleNorm\): {re.escape(says)}$"):
+        fuse(model, dry_run=True)
+    assert [type(m) for m in model] == [nn.Linear, _LlamaStyleNorm] and not is_fused(model)
+    with pytest.raises(error, match=rf"^_LlamaStyleNorm.{re.escape(says)}; pass eps= to use another$"):
+        FusedRMSNorm.from_module(model[1])
+    assert FusedRMSNorm.from_module(model[1], eps=1e-5).eps == 1e-5
+
+
+@pytest.mark.parametrize("eps", [np.float32(1e-6), torch.tensor(1e-6), np.float64(0.0), 1])
+def test_fuse_takes_a_numpy_or_tensor_eps(eps):
+    """A review (session 60): numpy scalars and 0-d tensors, with which the module runs (and which nn.RMSNorm and
+    FusedRMSNorm take), counted as no eps attribute. Now the norm is fused with that value, and the fused model's
+    output is the original's."""
+    model = nn.Sequential(nn.Linear(4, 4), _LlamaStyleNorm(4, eps))
+    x = torch.randn(3, 4)
+    want = model(x)
+    report = fuse(model)
+    assert isinstance(model[1], FusedRMSNorm) and model[1].eps == float(eps), report
+    torch.testing.assert_close(model(x), want)
+    unfuse(model)
+    assert model[1].variance_epsilon is eps
+
+
 def test_module_docstring_says_what_unfuse_does_with_a_copy():
     """fuse.py's module docstring said that unfuse "returns False" on a copy of a fused model, where it raises (the
     test above); the docstring must say what the code does."""
@@ -787,6 +840,43 @@ def test_fusions_of_a_part_and_of_the_whole_are_reported_and_unfused_together(mo
         assert not is_fused(model)
     assert is_fused(model.h[0]) and n_fused(model) == 2
     assert unfuse(model) is True and n_fused(model) == 0
+
+
+def test_attention_fused_by_a_part_is_held_by_the_whole_and_its_unfuse_shows():
+    """A review (session 60): fuse(model.model), then fuse(model) of the causal LM, reported every attention module
+    fused here, "was 'eager'" (the outer config's), and swapped only the outer config, which then said pipegoose while,
+    after unfuse(model.model), every module ran eager; the outer report still counted the part's fusions. Now they are
+    held rows (the part's fuse() put them there), the outer config is left alone, and after the part's unfuse the
+    outer report says they were reverted; the outer's own fusion (the loss) stays."""
+    from transformers import AutoModelForCausalLM
+
+    from pipegoose.nn.fusion import dispatch
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(models.config("llama", "eager"), attn_implementation="eager").eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    fuse(model.model)
+    report = fuse(model)
+    attn = [r for r in report.rows if r.kind == "attention"]
+    assert attn and all(r.fused and "earlier fuse() of a part of this model" in r.reason for r in attn), attn
+    assert report.attention["chosen"] == report.attention["previous"] == "eager", report.attention
+    assert model.config._attn_implementation == "eager"
+    assert model.model.layers[0].self_attn.config._attn_implementation != "eager"
+    own = [r for r in report.rows if r.fused and "earlier fuse()" not in r.reason]
+    assert [r.kind for r in own] == ["cross_entropy"], own
+    unfuse(model.model)
+    assert model.model.layers[0].self_attn.config._attn_implementation == "eager"
+    rep = fusion_report(model)
+    assert rep is report and is_fused(model)
+    assert [r.kind for r in rep.rows if r.fused] == ["cross_entropy"], rep.rows
+    assert all("reverted since by an unfuse() of that part" in r.reason for r in rep.rows if not r.fused)
+    assert rep.covered == 1 and rep.eligible == len(rep.rows)
+    dispatch.reset_stats()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, want)
+    assert unfuse(model) is True and not is_fused(model)
 
 
 def test_modules_fused_before_show_what_they_run():

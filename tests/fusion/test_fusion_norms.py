@@ -278,7 +278,7 @@ def test_from_layer_norm_rejects_other_modules():
             super().__init__()
             self.weight = torch.nn.Parameter(torch.ones(8))
 
-    with pytest.raises(ValueError, match=r"^eps: NoEps has no 'variance_epsilon' or 'eps'; pass eps="):
+    with pytest.raises(ValueError, match=r"^eps: NoEps has no 'variance_epsilon', 'eps', 'epsilon'; pass eps="):
         FusedRMSNorm.from_module(NoEps(), verify=False)
     with pytest.raises(ValueError, match="does not pass the RMSNorm probe"):  # no forward to check
         FusedRMSNorm.from_module(NoEps(), eps=1e-6)

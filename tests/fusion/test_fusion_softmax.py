@@ -395,6 +395,43 @@ def test_scale_refuses_what_is_not_a_number(scale):
         PF.scaled_softmax(torch.randn(2, 2, 4, 4), scale)
 
 
+@pytest.mark.parametrize("op", ["plain", "masked", "causal"])
+def test_a_learnable_scale_gets_its_gradient(op):
+    """A review (session 60): a 0-d tensor scale that requires grad (a learnable temperature) was taken as a float, its
+    gradient lost without a word. Now the three softmaxes pass it the gradient of F.softmax(x * scale) (float64,
+    both gradients), and the module, which takes a constant as Megatron's does, refuses it."""
+    gen = torch.Generator().manual_seed(60)
+    x = torch.randn(2, 3, 5, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(2, 1, 5, 5, generator=gen) < 0.3
+    w = torch.randn(2, 3, 5, 5, generator=gen, dtype=torch.float64)
+    t = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+
+    def ours(x, t):
+        if op == "plain":
+            return PF.scaled_softmax(x, t)
+        if op == "masked":
+            return PF.scaled_masked_softmax(x, mask, t)
+        return PF.scaled_upper_triang_masked_softmax(x.flatten(0, 1), t).view_as(x)
+
+    def want(x, t):
+        s = x * t
+        if op == "masked":
+            s = s.masked_fill(mask, float("-inf"))
+        elif op == "causal":
+            s = s.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+        return F.softmax(s, -1)
+
+    got = torch.autograd.grad((ours(x, t) * w).sum(), (x, t))
+    ref = torch.autograd.grad((want(x, t) * w).sum(), (x, t))
+    assert got[1] is not None and float(ref[1].abs()) > 1e-3
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():   # no gradient wanted: the value, as before
+        torch.testing.assert_close(ours(x, t), want(x, t))
+    with pytest.raises(TypeError, match=r"^scale: a tensor that requires grad; FusedScaleMaskSoftmax takes a constant"):
+        FusedScaleMaskSoftmax(False, False, AttnMaskType.padding, True, None, True, t)
+
+
 def test_torch_func_transforms_through_the_softmaxes():
     """vmap / grad through the softmaxes (the inputs there have no storage: the fused paths decline them, and the
     reference path runs plain ops)."""

@@ -346,6 +346,9 @@ class _Fusion:
     new_config: object = None
     config_snapshot: dict = field(default_factory=dict)   # new_config's attributes as fuse() left them
     report: FusionReport | None = None
+    # rows of modules fused before this call (by a fuse() of a part): (row, path, weakref to the fused module, whether
+    # the module still runs fused), for fusion_report to tell when an unfuse() of that part has reverted them since
+    held: list = field(default_factory=list)
 
 
 _STATE: "weakref.WeakKeyDictionary[nn.Module, _Fusion]" = weakref.WeakKeyDictionary()
@@ -365,7 +368,28 @@ def fusion_report(model: nn.Module) -> FusionReport | None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     state = _STATE.get(model)
-    return None if state is None else state.report
+    if state is None:
+        return None
+    _refresh_held(model, state)
+    return state.report
+
+
+def _refresh_held(model: nn.Module, state: _Fusion) -> None:
+    """Mark the report's rows of modules that were fused before ``model``'s fuse() (by a fuse() of a part of it) and
+    have been reverted since (an unfuse() of that part) as not fused. (A review, session 60: after fuse(model.model),
+    fuse(model) and unfuse(model.model), the outer report still counted them.)"""
+    for row, path, ref, still in state.held:
+        module = ref()
+        if not row.fused:
+            continue
+        try:
+            in_place = module is not None and (row.kind in ("attention", "rope") or model.get_submodule(path) is module)
+        except AttributeError:
+            in_place = False
+        if not in_place or not still(module):
+            row.fused, row.replacement, row.forward, row.backward = False, None, "-", "-"
+            row.reason = ("fused by an earlier fuse() of a part of this model when this one ran, reverted since by an "
+                          "unfuse() of that part")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -543,6 +567,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                     report.rows.append(FusionRow(path, kind, type(child).__name__, type(child).__name__, True,
                                                  *_fused_impls(child), reason=_already_fused_reason(model, child)))
                     held.add(id(report.rows[-1]))
+                    state.held.append((report.rows[-1], path, weakref.ref(child), lambda m: True))
                     continue
                 row, new = _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm)
                 if row is None:
@@ -553,6 +578,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                             report.rows.append(row)
                             if row.fused and row.replacement is None:
                                 held.add(id(row))
+                                state.held.append((row, path, weakref.ref(child), _rope.hooked))
                         elif _rope.probe(target.original, target.where).ok and _rope_unused(child) is None:
                             report.not_requested["rope"] = report.not_requested.get("rope", 0) + 1
                         continue
@@ -579,7 +605,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
             for path, lm in _loss.language_models(model):
                 _fuse_lm_head(lm, path, _wrappers_of(model, path), dry_run, report, state)
         if "attention" in ops:
-            _fuse_attention(model, config, attention, dry_run, report, state)
+            _fuse_attention(model, config, attention, dry_run, report, state, held)
         elif matching.is_config(config):
             n = sum(1 for p, m in model.named_modules()
                     if p and matching.is_attention_module(m) and matching.attention_support(config, m)[0])
@@ -857,6 +883,10 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm):
     why = _instance_override(child)
     if why is not None:
         return FusionRow(path, "rms_norm", type(child).__name__, None, False, reason=why), None
+    if probe.eps_error is not None:   # an RMSNorm whose epsilon the fused ops refuse: as for nn.LayerNorm's (a review:
+        # it was skipped as having "no eps attribute", under a 100% title)
+        e = probe.eps_error
+        raise type(e)(f"{path} ({type(child).__name__}): {e}") from None
     new = None if dry_run else _build(path, child, FusedRMSNorm.from_module, child, probe.eps,
                                       output_in_weight_dtype=probe.output_in_weight_dtype,
                                       output_in_input_dtype=probe.output_in_input_dtype, verify=False)  # probed above
@@ -1093,10 +1123,19 @@ def _fuse_lm_head(model, path, wrappers, dry_run, report, state) -> None:
                                  reason))
 
 
-def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
+def _fuse_attention(model, config, attention, dry_run, report, state, held: set) -> None:
     from .transformers import attention as attn
 
     modules = [(p, m) for p, m in model.named_modules() if p and matching.is_attention_module(m)]
+
+    def runs_ours(m) -> bool:
+        own = m.__dict__.get("config")
+        return matching.is_config(own) and matching.get_attn_implementation(own) in attn.OUR_NAMES
+
+    # attention modules whose own config (not the model's) selects ours: fused by an earlier fuse() of a part of the
+    # model, which swapped their config (a review, session 60: after fuse(model.model), fuse(model) reported them
+    # fused here, "was 'eager'", and swapped only the outer config, which then said pipegoose for the model alone)
+    before = {id(m) for _, m in modules if m.__dict__.get("config") is not config and runs_ours(m)}
     if config is None or not matching.is_config(config):
         if modules:
             for p, m in modules:
@@ -1137,10 +1176,22 @@ def _fuse_attention(model, config, attention, dry_run, report, state) -> None:
                       f"attention is faster (pass attention='pipegoose' to force ours)")
     else:
         reason = f"kept {previous}: it fuses the whole attention (pass attention='pipegoose' to force ours)"
+    if modules and len(before) == len(modules) and chosen != previous:
+        chosen, reason = previous, ("every attention module runs pipegoose attention already, fused by an earlier "
+                                    "fuse() of a part of the model: the model's config is left as it is")
     report.attention = {"previous": previous, "chosen": chosen, "reason": reason}
 
     selected = chosen in attn.OUR_NAMES and chosen != previous
     for p, m in modules:
+        if id(m) in before:
+            impl = matching.get_attn_implementation(m.__dict__["config"])
+            fwd, bwd = _attention_impls(m, impl)
+            report.rows.append(FusionRow(p, "attention", type(m).__name__, f"'{impl}' attention function", True, fwd,
+                                         bwd, "fused by an earlier fuse() of a part of this model (its config selects "
+                                         "pipegoose attention): left as it is here; unfuse() of either reverts it"))
+            held.add(id(report.rows[-1]))
+            state.held.append((report.rows[-1], p, weakref.ref(m), runs_ours))
+            continue
         if selected:
             fwd, bwd = _attention_impls(m, chosen)
             report.rows.append(FusionRow(p, "attention", type(m).__name__, f"'{chosen}' attention function", True,

@@ -44,7 +44,8 @@ class FusedScaleMaskSoftmax(nn.Module):
             fill with ``-inf``. Either way a row whose keys are all masked gives zeros.
         softmax_in_fp32: with a 16-bit flag, the PyTorch path computes in fp32 (else in the scores' dtype); ``scale``
             needs it, as in Megatron.
-        scale: multiplier of the scores, or None (1.0); needs ``softmax_in_fp32`` (as in Megatron).
+        scale: multiplier of the scores, or None (1.0); needs ``softmax_in_fp32`` (as in Megatron). A constant: a
+            tensor that requires grad is refused (the functional ``scaled_masked_softmax`` passes a gradient to one).
 
     ``forward(input [b, np, sq, sk], mask [b or 1, np or 1, sq or 1, sk] bool (uint8: nonzero = masked) or None)``
     returns probabilities in the input's dtype, under CUDA autocast too: the fused kernels then run on the 16-bit
@@ -58,7 +59,7 @@ class FusedScaleMaskSoftmax(nn.Module):
 
     Raises:
         TypeError: a flag that is not a bool, a ``mask_func`` that is not callable (or None), an ``attn_mask_type``
-            that is not an :class:`AttnMaskType`, a ``scale`` that is not a number.
+            that is not an :class:`AttnMaskType`, a ``scale`` that is not a number or is a tensor that requires grad.
         ValueError: both fp16 and bf16 flags, or ``scale`` without ``softmax_in_fp32``, or a non-4-D input.
     """
 
@@ -87,6 +88,10 @@ class FusedScaleMaskSoftmax(nn.Module):
         self.scaled_masked_softmax_fusion = scaled_masked_softmax_fusion
         self.mask_func = mask_func
         self.softmax_in_fp32 = softmax_in_fp32
+        if isinstance(scale, torch.Tensor) and scale.requires_grad:   # (it was taken as a float, its gradient lost)
+            raise TypeError("scale: a tensor that requires grad; FusedScaleMaskSoftmax takes a constant scale, as "
+                            "Megatron's does (pipegoose.nn.fusion.scaled_masked_softmax(x, mask, scale) passes the "
+                            "gradient to a learnable one; scale.detach() takes its value)")
         self.scale = None if scale is None else _sm.check_scale(scale)
 
     def forward(self, input: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -486,7 +491,8 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         """A fused module sharing ``module.weight`` (same Parameter object).
 
         ``module``: ``torch.nn.RMSNorm`` (-> F.rms_norm numerics, its ``eps``) or a transformers Llama-style
-        RMSNorm (``weight`` + ``variance_epsilon`` or ``eps``; -> ``cast_before_weight=True``). ``eps`` overrides.
+        RMSNorm (``weight`` + ``variance_epsilon``, ``eps`` or ``epsilon``; -> ``cast_before_weight=True``). ``eps``
+        overrides (also an attribute the fused ops would refuse).
         ``output_in_weight_dtype``: the module is T5-style; ``output_in_input_dtype``: OLMo-2 style (one rounding,
         the output in the input's dtype; then ``cast_before_weight=False``). See the class. None (the default): as
         the probe below finds (False for ``torch.nn.RMSNorm`` and with ``verify=False``).
@@ -501,7 +507,10 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
             TypeError: ``module`` is not ``torch.nn.RMSNorm`` and does not have exactly one parameter of its own, a
                 ``weight`` of one or more dims (an ``nn.Linear``, with its bias, is refused), or it is a
                 ``torch.nn.LayerNorm`` (even without bias), ``GroupNorm`` or batch/instance norm.
-            ValueError: the module's epsilon is unknown (no ``variance_epsilon``/``eps``) and ``eps`` is not given;
+            TypeError / ValueError: ``eps`` is not given and the module's epsilon attribute holds no number / a
+                negative or non-finite one (the error names the attribute; numpy scalars and 0-d tensors are taken).
+            ValueError: the module's epsilon is unknown (no ``variance_epsilon`` / ``eps`` / ``epsilon``) and ``eps``
+                is not given;
                 with ``verify``, the probe finds another formula (the message gives its reason), or a rounding
                 other than an ``output_in_weight_dtype`` / ``output_in_input_dtype`` given says (it names the values).
         """
@@ -521,12 +530,17 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
             if not isinstance(w, nn.Parameter) or w.dim() < 1 or own != ["weight"]:
                 raise TypeError(f"module: expected torch.nn.RMSNorm or an RMSNorm-style module whose only parameter "
                                 f"is 'weight', got {type(module).__name__} with parameters {own}")
-            mod_eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+            from .transformers.matching import EPS_ATTRIBUTES, eps_of
+
             if verify:   # first: a module that is no RMSNorm (an nn.Linear without bias) is told so, not asked for eps
                 output_in_weight_dtype, output_in_input_dtype = _verify_rms_style(module, output_in_weight_dtype,
                                                                                   output_in_input_dtype)
-            if eps is None and mod_eps is None:
-                raise ValueError(f"eps: {type(module).__name__} has no 'variance_epsilon' or 'eps'; pass eps=")
+            eps_name, mod_eps, eps_error = eps_of(module)
+            if eps is None and eps_name is None:
+                raise ValueError(f"eps: {type(module).__name__} has no {', '.join(map(repr, EPS_ATTRIBUTES))}; "
+                                 f"pass eps=")
+            if eps is None and eps_error is not None:   # (a numpy or 0-d tensor value is taken: eps_value)
+                raise type(eps_error)(f"{type(module).__name__}.{eps_error}; pass eps= to use another")
             shape, cast = tuple(w.shape), not output_in_input_dtype
         output_in_weight_dtype, output_in_input_dtype = bool(output_in_weight_dtype), bool(output_in_input_dtype)
         new = cls(shape, eps=eps if eps is not None else mod_eps, elementwise_affine=False,

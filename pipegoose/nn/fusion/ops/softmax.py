@@ -427,6 +427,17 @@ def softmax_out_dtype(x: torch.Tensor) -> torch.dtype:
                               lambda d: F.softmax(torch.zeros(1, 2, dtype=d, device=dev), dim=-1), x.dtype)
 
 
+def fold_scale(x: torch.Tensor, scale: Any) -> tuple[torch.Tensor, float]:
+    """``(x, check_scale(scale))``; or, for a 0-d tensor ``scale`` that requires grad while grad mode is on (a
+    learnable temperature), ``(x * scale, 1.0)``: softmax(scale * x) with the gradient reaching ``scale`` through the
+    product, rounded once in ``x``'s dtype as ``F.softmax(x * scale)`` rounds it. (A review, session 60: the scale was
+    taken as a float, and its gradient silently lost.)"""
+    value = check_scale(scale)
+    if isinstance(scale, torch.Tensor) and scale.requires_grad and torch.is_grad_enabled():
+        return x * scale, 1.0
+    return x, value
+
+
 def check_scale(scale: Any) -> float:
     """``scale`` as a float: a Python int or float, a numpy integer or floating scalar, or a 0-d real tensor (what
     the norms take for ``eps``; not a bool). Raises TypeError for anything else, ValueError for a non-finite value."""

@@ -111,21 +111,36 @@ class RMSNormProbe:
     candidate: bool
     output_in_weight_dtype: bool = False   # T5 style: a half weight makes the output that dtype (see the probe)
     output_in_input_dtype: bool = False    # OLMo-2 style: one rounding, output in the input's dtype (see the probe)
+    # ok, but its epsilon is one the fused ops refuse (eps None): the TypeError / ValueError of eps_of, for fuse to
+    # raise naming the module (the formula was checked with a good epsilon in its place)
+    eps_error: Exception | None = None
 
 
 def eps_attribute(module: nn.Module) -> str | None:
-    """The name of the attribute that holds a norm's epsilon: the first of :data:`EPS_ATTRIBUTES` whose value is a
-    number >= 0 and finite (what the probe and ``FusedRMSNorm.from_module`` take), or None."""
+    """The name of the attribute that holds a norm's epsilon: the first of :data:`EPS_ATTRIBUTES` that the module has,
+    not None, or None. Whether its value is one the fused ops take (a finite number >= 0: a Python or numpy number, a
+    0-d tensor) is :func:`eps_of`'s to say. (Before session 60 a value other than a plain int or float, or a negative
+    or non-finite one, counted as no attribute: fuse skipped the norm as having "no eps attribute", where numpy and
+    tensor values are ones the module runs with, and a bad value deserved the error fuse documents.)"""
     for name in EPS_ATTRIBUTES:
-        value = getattr(module, name, None)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        if getattr(module, name, None) is not None:
             return name
     return None
 
 
-def _eps_of(module: nn.Module) -> float | None:
+def eps_of(module: nn.Module) -> tuple[str | None, float | None, Exception | None]:
+    """The module's epsilon attribute (:func:`eps_attribute`), its value as a float, and None; or the name, None and
+    the TypeError / ValueError that :func:`pipegoose.nn.fusion.ops._common.eps_value` raises for its value (a string,
+    a negative or non-finite number: the fused ops refuse it); (None, None, None) without one."""
+    from ..ops._common import eps_value
+
     name = eps_attribute(module)
-    return None if name is None else float(getattr(module, name))
+    if name is None:
+        return None, None, None
+    try:
+        return name, eps_value(getattr(module, name), name=name), None
+    except (TypeError, ValueError) as e:
+        return name, None, e
 
 
 def probe_rms_norm(module: nn.Module) -> RMSNormProbe:
@@ -152,7 +167,7 @@ def probe_rms_norm(module: nn.Module) -> RMSNormProbe:
                             "keys would change)", looks_like_norm)
     if weight.dim() != 1:
         return RMSNormProbe(False, None, f"parameter '{pname}' is {weight.dim()}-D", looks_like_norm)
-    looks_like_norm = looks_like_norm or _eps_of(module) is not None
+    looks_like_norm = looks_like_norm or eps_attribute(module) is not None
     extra = _extra_forward_arguments(type(module))
     if extra:
         # a gated norm (Bamba's, Mamba2's, GraniteMoeHybrid's RMSNormGated: forward(x, gate=None)): the probe's call
@@ -186,8 +201,8 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
     """The numerical part of :func:`probe_rms_norm`, for a leaf module with one 1-D parameter ``pname``."""
     if list(module.buffers(recurse=False)):
         return RMSNormProbe(False, None, "has buffers", looks_like_norm)
-    eps = _eps_of(module)
-    if eps is None:
+    eps_name, eps, bad_eps = eps_of(module)
+    if eps_name is None:
         return RMSNormProbe(False, None, f"no eps attribute ({', '.join(EPS_ATTRIBUTES)})", looks_like_norm)
 
     n = weight.numel()
@@ -200,6 +215,14 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
     # on the probe's CPU tensors (it may move them, or have effects), and fuse() leaves such modules alone anyway
     for name in ("forward", "_hf_hook", "_old_forward"):
         stand_in.__dict__.pop(name, None)
+    if bad_eps is not None:
+        # an epsilon the fused ops refuse: the formula is checked with a good one in its place, and an RMSNorm is
+        # reported with bad_eps, for fuse to raise it naming the module (as it does for nn.LayerNorm's) and for
+        # FusedRMSNorm.from_module to take an eps= given instead
+        if eps_name not in stand_in.__dict__:
+            return RMSNormProbe(False, None, f"{bad_eps} (not an instance attribute: the probe cannot try another)",
+                                looks_like_norm)
+        eps = stand_in.__dict__[eps_name] = 1e-6
     object.__setattr__(stand_in, "_parameters", {pname: nn.Parameter(w, requires_grad=False)})
     object.__setattr__(stand_in, "_buffers", {})
     object.__setattr__(stand_in, "_modules", {})
@@ -274,8 +297,8 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
             return RMSNormProbe(False, None, f"rounds once like F.rms_norm, but with bf16 input and an fp32 weight "
                                 f"it returns {mixed} (OLMo-2 style returns bfloat16; no FusedRMSNorm rule for it)",
                                 looks_like_norm)
-        return RMSNormProbe(True, eps, "probe output equals the formula; one rounding, output in the input's dtype "
-                            "(OLMo-2 style)", True, output_in_input_dtype=True)
+        return RMSNormProbe(True, None if bad_eps else eps, "probe output equals the formula; one rounding, output in "
+                            "the input's dtype (OLMo-2 style)", True, output_in_input_dtype=True, eps_error=bad_eps)
     # Mixed dtypes (fp32 input, bf16 weight): Llama-style norms return promote(weight, input) = fp32; T5-style ones
     # cast the normalised input to a half weight's dtype first and return bf16. FusedRMSNorm follows the module.
     object.__setattr__(stand_in, "_parameters", {pname: nn.Parameter(w.to(torch.bfloat16), requires_grad=False)})
@@ -289,8 +312,8 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
         return RMSNormProbe(False, None, f"with fp32 input and a bf16 weight it returns {mixed} (expected float32, "
                             f"Llama style, or bfloat16, T5 style)", looks_like_norm)
     t5 = mixed == torch.bfloat16
-    return RMSNormProbe(True, eps, "probe output equals the formula" + ("; output in a half weight's dtype (T5 style)"
-                                                                        if t5 else ""), True, t5)
+    return RMSNormProbe(True, None if bad_eps else eps, "probe output equals the formula"
+                        + ("; output in a half weight's dtype (T5 style)" if t5 else ""), True, t5, eps_error=bad_eps)
 
 
 # --------------------------------------------------------------------------------------------------------------------
