@@ -22,8 +22,8 @@ its slices among them, which write and add tensors of the whole head). Its outpu
 kernel's (``torch.empty_like`` the input's: a dense input's strides, so a contiguous [B, S, H, D] pair stays so), not
 always as the concatenation's (contiguous). The built-in order chooses it; the tuning rules, timed on whole heads,
 do not speak for it (``tuned_for``). Measured on an H100 (``benchmarks.rope_partial``, bf16, forward + backward,
-share of the device copy, sessions 59 and 60): Pythia's quarter-rotated heads of 64 and 128 values 88% (``torch.compile``
-83.5-84, transformers' eager code 12-13; 16-bit heads of 16-byte halves run a lane kernel, a lane a 16-byte chunk,
+share of the device copy, sessions 59 and 60): Pythia's quarter-rotated heads of 64 and 128 values 88%
+(``torch.compile`` 83.5-84, transformers' eager code 12-13; 16-bit heads of 16-byte halves run a lane kernel, a lane a 16-byte chunk,
 the partner by warp shuffles), Pythia-2.8b's heads of 80 with 20 rotated 85.5 (compile 77.5) and GPT-NeoX-20B's of 96
 with 24 rotated 89 (compile 88; heads whose rotated halves are no multiple of 16 bytes are staged whole through shared
 memory). On an H200 the 16-bit heads of 64 and 128 run near 70% of its copy, as compile's do; fp32 trails compile by
