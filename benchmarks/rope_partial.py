@@ -198,9 +198,11 @@ def main(argv: list[str] | None = None) -> None:
             check_defines(["pipegoose/rope"], defines)
         except ValueError as e:
             ap.error(f"--defines: {e}")
-    dtypes = [DTYPES.get(x.strip()) for x in args.dtypes.split(",") if x.strip()]
+    dtypes = [DTYPES.get(x.strip().lower()) for x in args.dtypes.split(",") if x.strip()]
     if not dtypes or None in dtypes:
         ap.error(f"--dtypes: expected some of {', '.join(DTYPES)}, got {args.dtypes!r}")
+    if len(set(dtypes)) != len(dtypes):
+        ap.error(f"--dtypes: {args.dtypes!r} names a dtype twice")
     if args.reps < 1:
         ap.error(f"--reps: expected a positive number of repetitions, got {args.reps}")
     impls = tuple(x.strip() for x in args.impls.split(",") if x.strip()) or None
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     copy_gbps = timer.copy_gbps() if args.device == "cuda" else 0.0
     fns = functions(raw_ops)
     rows = []
-    for dtype in dict.fromkeys(dtypes):
+    for dtype in dtypes:
         for shape in shapes:
             rows += run_shape(shape, fns, timer, dtype, args.device, copy_gbps, impls)
             if args.device == "cuda":

@@ -343,8 +343,17 @@ class Porter:
             return "in kernels.lock but not in kernels.yaml"
         if dict(m.pin) != dict(s.pin):
             a, b = _short_pin(s.pin), _short_pin(m.pin)
-            if a == b:   # (the pins differ in a field the short form leaves out: the sha256)
-                a, b = str(dict(s.pin)), str(dict(m.pin))
+            if a == b:   # (the pins differ in fields the short form leaves out, the sha256: those, hashes shortened)
+                def shown(x, y):
+                    if isinstance(x, str) and isinstance(y, str) and len(x) >= 40 and len(y) >= 40:
+                        n = _shown_digits(x, y)
+                        return f"{x[:n]}…", f"{y[:n]}…"
+                    return repr(x), repr(y)
+
+                fields = sorted(k for k in set(s.pin) | set(m.pin) if s.pin.get(k) != m.pin.get(k))
+                pairs = [(k, *shown(s.pin.get(k), m.pin.get(k))) for k in fields]
+                a = f"{a} ({', '.join(f'{k} {x}' for k, x, _ in pairs)})"
+                b = f"{b} ({', '.join(f'{k} {y}' for k, _, y in pairs)})"
             return f"kernels.lock pin {a} != kernels.yaml pin {b}"
         if why := self._record_differs(lock, sid):
             return (f"{why}: `python tools/port.py add` of its kernels checks the source against kernels.yaml (its "

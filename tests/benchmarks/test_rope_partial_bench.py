@@ -60,6 +60,7 @@ def test_refuses_without_a_gpu():
     (["--defines", "PIPEGOOSE_ROPE_COPY_BYTES=32"], "expected -DNAME or -DNAME=VALUE"),
     (["--dtypes", "bf16,fp8"], "--dtypes: expected some of bf16, fp16, fp32, got 'bf16,fp8'"),
     (["--dtypes", ","], "--dtypes: expected some of bf16, fp16, fp32"),
+    (["--dtypes", "fp32,FP32"], "--dtypes: 'fp32,FP32' names a dtype twice"),
 ])
 def test_argument_errors(capsys, argv, message):
     with pytest.raises(SystemExit):
@@ -75,7 +76,7 @@ def test_dry_run_on_the_cpu_with_the_kernel_stand_in(monkeypatch, tmp_path):
     from pipegoose.nn.fusion import dispatch
 
     with kernel_on_cpu(monkeypatch, dispatch) as calls:
-        B.main(["--device", "cpu", "--reps", "1", "--impls", "pipegoose,transformers", "--dtypes", "fp32,bf16",
+        B.main(["--device", "cpu", "--reps", "1", "--impls", "pipegoose,transformers", "--dtypes", "fp32,BF16",
                 "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "rope_partial.json").read_text())["rows"]
     assert [(r["dtype"], r["impl"], r["passes"], r["status"]) for r in rows] == [
@@ -94,6 +95,9 @@ def test_compile_is_not_capped_at_dynamos_recompile_limit(monkeypatch):
     import torch._dynamo as dynamo
 
     pytest.importorskip("transformers.models.gpt_neox.modeling_gpt_neox")
-    monkeypatch.setattr(dynamo.config, "recompile_limit", 8)
+    knobs = [k for k in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                         "accumulated_recompile_limit") if hasattr(dynamo.config, k)]
+    for k in knobs:   # (each put back after the test: raise_compile_limits sets them for the process)
+        monkeypatch.setattr(dynamo.config, k, 8)
     B.functions()
-    assert dynamo.config.recompile_limit >= 1024
+    assert dynamo.config.recompile_limit >= 1024 and all(getattr(dynamo.config, k) >= 1024 for k in knobs)

@@ -652,6 +652,23 @@ def test_fuse_refuses_a_transformers_style_norm_whose_eps_the_fused_ops_refuse(e
     assert FusedRMSNorm.from_module(model[1], eps=1e-5).eps == 1e-5
 
 
+def test_fuse_refuses_a_bad_eps_held_by_the_norms_class():
+    """A re-test (session 60): a bad eps as a class attribute was skipped ("not an instance attribute"), and
+    FusedRMSNorm.from_module(eps=...) refused the module. The probe now tries a good one on the instance."""
+    class ClassEps(_LlamaStyleNorm):
+        variance_epsilon = -1.0
+
+        def __init__(self, n):
+            super().__init__(n, None)
+            del self.variance_epsilon
+
+    model = nn.Sequential(nn.Linear(4, 4), ClassEps(4))
+    with pytest.raises(ValueError,
+                       match=r"^1 \(ClassEps\): variance_epsilon: expected a finite number >= 0, got -1.0$"):
+        fuse(model)
+    assert FusedRMSNorm.from_module(model[1], eps=1e-6).eps == 1e-6
+
+
 @pytest.mark.parametrize("eps", [np.float32(1e-6), torch.tensor(1e-6), np.float64(0.0), 1])
 def test_fuse_takes_a_numpy_or_tensor_eps(eps):
     """A review (session 60): numpy scalars and 0-d tensors, with which the module runs (and which nn.RMSNorm and
@@ -871,12 +888,32 @@ def test_attention_fused_by_a_part_is_held_by_the_whole_and_its_unfuse_shows():
     rep = fusion_report(model)
     assert rep is report and is_fused(model)
     assert [r.kind for r in rep.rows if r.fused] == ["cross_entropy"], rep.rows
-    assert all("reverted since by an unfuse() of that part" in r.reason for r in rep.rows if not r.fused)
+    assert all("reverted since by its unfuse()" in r.reason for r in rep.rows if not r.fused)
     assert rep.covered == 1 and rep.eligible == len(rep.rows)
     dispatch.reset_stats()
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, want)
-    assert unfuse(model) is True and not is_fused(model)
+    # the part fused again: the held rows are fused again (a re-test: they stayed "reverted", 1/12)
+    fuse(model.model)
+    rep = fusion_report(model)
+    assert rep.covered == rep.eligible == len(rep.rows), rep.rows
+    assert all("reverted" not in r.reason for r in rep.rows)
+    assert unfuse(model) is True and not is_fused(model) and not is_fused(model.model)
+    assert model.model.layers[0].self_attn.config._attn_implementation == "eager"
+    # the whole first, then the part: the part's attention rows are held too (they were the part's own, so that
+    # is_fused(part) said True and unfuse(part) "reverted" nothing); the part fused nothing itself
+    fuse(model)
+    part = fuse(model.model)
+    attn = [r for r in part.rows if r.kind == "attention"]
+    assert attn and all(r.fused and "earlier fuse() of an enclosing LlamaForCausalLM" in r.reason for r in attn)
+    assert not is_fused(model.model) and part.covered == part.eligible
+    assert unfuse(model) is True and model.model.layers[0].self_attn.config._attn_implementation == "eager"
+    # one attention module fused alone: its row (the model itself) says what it does (it reported nothing, while its
+    # config was swapped)
+    one = model.model.layers[0].self_attn
+    rows = [(r.path, r.kind, r.fused) for r in fuse(one).rows]
+    assert ("", "attention", True) in rows and one.config._attn_implementation != "eager", rows
+    assert unfuse(one) is True and one.config._attn_implementation == "eager"
 
 
 def test_modules_fused_before_show_what_they_run():

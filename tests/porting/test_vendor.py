@@ -1380,7 +1380,8 @@ def test_a_pin_edited_in_kernels_yaml_is_answered_with_revert_then_update(sdist_
 
 def test_a_pin_edited_in_the_lock_is_named_by_verify_and_list(sdist_repo):
     """Session 60: a version edited in kernels.lock showed in list as "kernels.yaml changed since it was locked", and
-    verify printed both pins whole (sha256 and all). Both now name the two short pins."""
+    verify printed both pins whole (sha256 and all). Both now name the two short pins, and where those agree the fields
+    that differ, hashes shortened."""
     repo = sdist_repo
     repo.porter().add(["alpha"])
     lock_path = repo.root / "kernels.lock"
@@ -1396,7 +1397,9 @@ def test_a_pin_edited_in_the_lock_is_named_by_verify_and_list(sdist_repo):
     data["sources"]["up"]["pin"]["sha256"] = "0" * 64    # a field the short pin leaves out: both shown whole
     lock_path.write_text(yaml.safe_dump(data))
     detail = {pr.path: pr.detail for pr in repo.porter().verify()}["sources.up"]
-    assert detail.startswith("kernels.lock pin {") and "0" * 64 in detail, detail
+    declared = yaml.safe_load((repo.root / "kernels.yaml").read_text())["sources"]["up"]["fetch"]["pypi"]["sha256"]
+    assert detail == f"kernels.lock pin up==1.0 (sha256 {'0' * 12}…) != kernels.yaml pin up==1.0 (sha256 " \
+                     f"{declared[:12]}…)", detail
 
 
 def test_remove_of_a_kernel_whose_source_was_edited_in_the_lock_takes_its_files(git_repo):

@@ -139,12 +139,14 @@ def scaled_masked_softmax(x: torch.Tensor, mask: torch.Tensor | None, scale: flo
         ValueError: ``x`` not 4-D, ``mask`` shape or device wrong, ``scale`` not finite.
     """
     _sm.check_input(x)
-    x, scale = _sm.fold_scale(x, scale)
+    _sm.check_scale(scale)
     if x.dim() != 4:
         raise ValueError(f"x: expected [b, np, sq, sk], got shape {list(x.shape)}")
+    if mask is not None:
+        mask = _sm.check_mask(mask, x)
+    x, scale = _sm.fold_scale(x, scale)   # (after the checks: a learnable scale multiplies a valid x only)
     if mask is None:
         return _sm.run(_sm.OP_PLAIN, x, None, scale, False, impl)
-    mask = _sm.check_mask(mask, x)
     return _sm.run(_sm.OP_MASKED, x, mask, scale, False, impl)
 
 
@@ -173,9 +175,10 @@ def scaled_upper_triang_masked_softmax(x: torch.Tensor, scale: float = 1.0, *,
         ``scale``.
     """
     _sm.check_input(x)
-    x, scale = _sm.fold_scale(x, scale)
+    _sm.check_scale(scale)
     if x.dim() != 3:
         raise ValueError(f"x: expected [attn_batches, sq, sk], got shape {list(x.shape)}")
+    x, scale = _sm.fold_scale(x, scale)
     return _sm.run(_sm.OP_CAUSAL, x, None, scale, True, impl)
 
 

@@ -70,7 +70,7 @@ import copy
 import math
 import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -346,8 +346,9 @@ class _Fusion:
     new_config: object = None
     config_snapshot: dict = field(default_factory=dict)   # new_config's attributes as fuse() left them
     report: FusionReport | None = None
-    # rows of modules fused before this call (by a fuse() of a part): (row, path, weakref to the fused module, whether
-    # the module still runs fused), for fusion_report to tell when an unfuse() of that part has reverted them since
+    # rows of modules fused before this call (by another fuse(): of a part, or of an enclosing model): (row, path,
+    # whether the module at that path runs fused, the row's fused values), for fusion_report to tell when an unfuse()
+    # has reverted them since, or a fuse() fused them again
     held: list = field(default_factory=list)
 
 
@@ -374,22 +375,29 @@ def fusion_report(model: nn.Module) -> FusionReport | None:
     return state.report
 
 
+def _hold(state: _Fusion, row: FusionRow, path: str, runs_fused: Callable[[nn.Module], bool]) -> None:
+    """Record ``row`` (a module fused by another fuse() call) for :func:`_refresh_held`."""
+    state.held.append((row, path, runs_fused, (row.replacement, row.forward, row.backward, row.reason)))
+
+
 def _refresh_held(model: nn.Module, state: _Fusion) -> None:
-    """Mark the report's rows of modules that were fused before ``model``'s fuse() (by a fuse() of a part of it) and
-    have been reverted since (an unfuse() of that part) as not fused. (A review, session 60: after fuse(model.model),
-    fuse(model) and unfuse(model.model), the outer report still counted them.)"""
-    for row, path, ref, still in state.held:
-        module = ref()
-        if not row.fused:
-            continue
+    """Bring the report's rows of modules fused by another fuse() call (of a part of ``model``, or of an enclosing
+    model) up to date: not fused where an unfuse() of that call has reverted them since, fused again (as reported
+    then) where a fuse() has fused them again. (Reviews, session 60: after fuse(model.model), fuse(model) and
+    unfuse(model.model) the outer report still counted them; and, once marked reverted, a second fuse(model.model)
+    left them so.)"""
+    for row, path, runs_fused, then in state.held:
         try:
-            in_place = module is not None and (row.kind in ("attention", "rope") or model.get_submodule(path) is module)
-        except AttributeError:
-            in_place = False
-        if not in_place or not still(module):
+            now = runs_fused(model.get_submodule(path))
+        except AttributeError:   # (the path is gone: a module deleted or renamed)
+            now = False
+        if now and not row.fused:
+            row.fused = True
+            row.replacement, row.forward, row.backward, row.reason = then
+        elif not now and row.fused:
             row.fused, row.replacement, row.forward, row.backward = False, None, "-", "-"
-            row.reason = ("fused by an earlier fuse() of a part of this model when this one ran, reverted since by an "
-                          "unfuse() of that part")
+            row.reason = ("fused by another fuse() call when this one ran (of a part of this model, or of an "
+                          "enclosing one), reverted since by its unfuse()")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -567,7 +575,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                     report.rows.append(FusionRow(path, kind, type(child).__name__, type(child).__name__, True,
                                                  *_fused_impls(child), reason=_already_fused_reason(model, child)))
                     held.add(id(report.rows[-1]))
-                    state.held.append((report.rows[-1], path, weakref.ref(child), lambda m: True))
+                    _hold(state, report.rows[-1], path, lambda m: isinstance(m, fused_types))
                     continue
                 row, new = _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm)
                 if row is None:
@@ -578,8 +586,9 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                             report.rows.append(row)
                             if row.fused and row.replacement is None:
                                 held.add(id(row))
-                                state.held.append((row, path, weakref.ref(child), _rope.hooked))
-                        elif _rope.probe(target.original, target.where).ok and _rope_unused(child) is None:
+                                _hold(state, row, path, _rope.hooked)
+                        elif (_rope.probe(target.original, target.where).ok and _rope_unused(child) is None
+                              and not _rope.hooked(child)):   # (hooked by another fuse(): not ours to count; a review)
                             report.not_requested["rope"] = report.not_requested.get("rope", 0) + 1
                         continue
                     kind = _norm_kind_left_out(child, ops)
@@ -608,7 +617,8 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
             _fuse_attention(model, config, attention, dry_run, report, state, held)
         elif matching.is_config(config):
             n = sum(1 for p, m in model.named_modules()
-                    if p and matching.is_attention_module(m) and matching.attention_support(config, m)[0])
+                    if matching.is_attention_module(m) and matching.attention_support(config, m)[0]
+                    and not _runs_our_attention(m))
             if n:
                 report.not_requested["attention"] = n
     except BaseException:
@@ -1123,19 +1133,29 @@ def _fuse_lm_head(model, path, wrappers, dry_run, report, state) -> None:
                                  reason))
 
 
+def _runs_our_attention(m: nn.Module) -> bool:
+    """Whether attention module ``m``'s own config selects our attention function."""
+    from .transformers import attention as attn
+
+    own = m.__dict__.get("config")
+    return matching.is_config(own) and matching.get_attn_implementation(own) in attn.OUR_NAMES
+
+
 def _fuse_attention(model, config, attention, dry_run, report, state, held: set) -> None:
     from .transformers import attention as attn
 
-    modules = [(p, m) for p, m in model.named_modules() if p and matching.is_attention_module(m)]
-
-    def runs_ours(m) -> bool:
-        own = m.__dict__.get("config")
-        return matching.is_config(own) and matching.get_attn_implementation(own) in attn.OUR_NAMES
-
-    # attention modules whose own config (not the model's) selects ours: fused by an earlier fuse() of a part of the
-    # model, which swapped their config (a review, session 60: after fuse(model.model), fuse(model) reported them
-    # fused here, "was 'eager'", and swapped only the outer config, which then said pipegoose for the model alone)
-    before = {id(m) for _, m in modules if m.__dict__.get("config") is not config and runs_ours(m)}
+    # (the model itself too: fuse() of one attention module swapped its config and reported nothing; a review)
+    modules = [(p, m) for p, m in model.named_modules() if matching.is_attention_module(m)]
+    runs_ours = _runs_our_attention
+    # attention modules whose own config selects ours, set by another fuse() call: of a part of the model (their
+    # config is not the model's; a review, session 60: after fuse(model.model), fuse(model) reported them fused here,
+    # "was 'eager'", and swapped only the outer config), or of an enclosing model (the model's config is that call's
+    # copy: fuse(model) then fuse(model.model) counted them as the part's own, and unfuse(model.model) "reverted" them
+    # without a change)
+    enclosing = next((root for root, st in list(_STATE.items()) if st.new_config is config and root is not model),
+                     None)
+    before = {id(m) for _, m in modules
+              if runs_ours(m) and (m.__dict__.get("config") is not config or enclosing is not None)}
     if config is None or not matching.is_config(config):
         if modules:
             for p, m in modules:
@@ -1177,8 +1197,8 @@ def _fuse_attention(model, config, attention, dry_run, report, state, held: set)
     else:
         reason = f"kept {previous}: it fuses the whole attention (pass attention='pipegoose' to force ours)"
     if modules and len(before) == len(modules) and chosen != previous:
-        chosen, reason = previous, ("every attention module runs pipegoose attention already, fused by an earlier "
-                                    "fuse() of a part of the model: the model's config is left as it is")
+        chosen, reason = previous, ("every attention module runs pipegoose attention already, fused by another fuse() "
+                                    "call: the model's config is left as it is")
     report.attention = {"previous": previous, "chosen": chosen, "reason": reason}
 
     selected = chosen in attn.OUR_NAMES and chosen != previous
@@ -1186,11 +1206,14 @@ def _fuse_attention(model, config, attention, dry_run, report, state, held: set)
         if id(m) in before:
             impl = matching.get_attn_implementation(m.__dict__["config"])
             fwd, bwd = _attention_impls(m, impl)
+            who = ((f"an enclosing {type(enclosing).__name__}", "unfuse() of that model reverts it")
+                   if enclosing is not None and m.__dict__.get("config") is config
+                   else ("a part of this model", "unfuse() of either reverts it"))
             report.rows.append(FusionRow(p, "attention", type(m).__name__, f"'{impl}' attention function", True, fwd,
-                                         bwd, "fused by an earlier fuse() of a part of this model (its config selects "
-                                         "pipegoose attention): left as it is here; unfuse() of either reverts it"))
+                                         bwd, f"fused by an earlier fuse() of {who[0]} (its config selects pipegoose "
+                                         f"attention): left as it is here; {who[1]}"))
             held.add(id(report.rows[-1]))
-            state.held.append((report.rows[-1], p, weakref.ref(m), runs_ours))
+            _hold(state, report.rows[-1], p, runs_ours)
             continue
         if selected:
             fwd, bwd = _attention_impls(m, chosen)

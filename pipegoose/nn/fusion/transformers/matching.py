@@ -219,8 +219,9 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
         # an epsilon the fused ops refuse: the formula is checked with a good one in its place, and an RMSNorm is
         # reported with bad_eps, for fuse to raise it naming the module (as it does for nn.LayerNorm's) and for
         # FusedRMSNorm.from_module to take an eps= given instead
-        if eps_name not in stand_in.__dict__:
-            return RMSNormProbe(False, None, f"{bad_eps} (not an instance attribute: the probe cannot try another)",
+        # (an instance attribute shadows a plain class attribute too; a property it does not: a review)
+        if hasattr(getattr(type(module), eps_name, None), "__set__"):
+            return RMSNormProbe(False, None, f"{bad_eps} (a property of its class: the probe cannot try another)",
                                 looks_like_norm)
         eps = stand_in.__dict__[eps_name] = 1e-6
     object.__setattr__(stand_in, "_parameters", {pname: nn.Parameter(w, requires_grad=False)})
