@@ -74,3 +74,18 @@ class Wrapper(torch.nn.Module):
 
     def forward(self, **kw):
         return self.base_model(**kw)
+
+
+class LlamaStyleRMSNorm(torch.nn.Module):
+    """transformers' LlamaRMSNorm, written out (no transformers import): ``weight``, ``variance_epsilon``, fp32
+    statistics, rounded to the input's dtype before the weight (two roundings)."""
+
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)

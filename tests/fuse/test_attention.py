@@ -11,6 +11,8 @@ from pipegoose.nn.fusion.transformers.attention import (additive_to_boolean_mask
 from pipegoose.nn.fusion.transformers.matching import probe_rms_norm
 from tolerances import tol
 
+from .models import LlamaStyleRMSNorm
+
 
 class _Mod(nn.Module):
     def __init__(self, causal):
@@ -241,16 +243,7 @@ def test_additive_to_boolean_mask():
         additive_to_boolean_mask(torch.tensor([[0, 1]]))
 
 
-class _LlamaStyle(nn.Module):
-    def __init__(self, n, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
-        self.variance_epsilon = eps
-
-    def forward(self, x):
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(x.dtype)
+_LlamaStyle = LlamaStyleRMSNorm
 
 
 class _GatedStyle(_LlamaStyle):

@@ -617,18 +617,8 @@ def test_fuse_refuses_a_norm_whose_eps_the_fused_ops_refuse():
     assert [type(m) for m in model] == [nn.Linear, nn.LayerNorm, nn.RMSNorm] and not is_fused(model)
 
 
-class _LlamaStyleNorm(nn.Module):
-    """transformers' LlamaRMSNorm, written out (no transformers import): ``variance_epsilon``, two roundings."""
-
-    def __init__(self, n, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
-        self.variance_epsilon = eps
-
-    def forward(self, x):
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(x.dtype)
+class _LlamaStyleNorm(models.LlamaStyleRMSNorm):
+    """(its own class name in the messages)"""
 
 
 @pytest.mark.parametrize("eps, error, says", [

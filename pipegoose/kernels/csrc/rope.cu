@@ -113,8 +113,9 @@ static_assert(kStageVecs >= 1 && kStageVecs <= 8, "PIPEGOOSE_ROPE_STAGE_VECS: 1 
 // of the head, rotated or passed through, its partner vector in the other half taken from the partner lane with warp
 // shuffles: every load and store of a warp one run of whole sectors. The per-vector kernel's lanes there move 16 of
 // each 32 bytes an instruction (a rotating lane x1 and x2 of one sector, a copying lane two halves of sectors).
-// Session 60, forward + backward, % of copy (benchmarks.rope_partial --raw, GPT-NeoX's layout; s60_rope_lane.md beside
-// the summary of benchmarks/results/nvidia_h100_80gb_hbm3_2026-12-05), heads of 64 and 128 with a quarter rotated:
+// Session 60, forward + backward, % of copy (benchmarks.rope_partial --raw, GPT-NeoX's layout; "Session 60" in
+// benchmarks/results/nvidia_h100_80gb_hbm3_2026-12-05/SUMMARY.md, the H200's run in ../nvidia_h200_2026-12-05), heads
+// of 64 and 128 with a quarter rotated:
 //   H100: bf16 80.4 / 82.3 -> 88.1 / 88.0 (torch.compile 83.5 / 83.9; 4 tiles a warp 87.5 / 86.9, 1 tile 84.6 /
 //         84.4); fp32 91.6 / 92.8 -> 93.1 / 91.5, at 4 tiles 95.5 / 95.0 (compile 94.9 / 96.4);
 //   H200 (4.1 TB/s of copy: at these sizes 16-bit runs near 70% whichever kernel, compile too): bf16 69.0 / 72.1 ->
