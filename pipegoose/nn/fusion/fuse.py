@@ -1146,7 +1146,6 @@ def _fuse_attention(model, config, attention, dry_run, report, state, held: set)
 
     # (the model itself too: fuse() of one attention module swapped its config and reported nothing; a review)
     modules = [(p, m) for p, m in model.named_modules() if matching.is_attention_module(m)]
-    runs_ours = _runs_our_attention
     # attention modules whose own config selects ours, set by another fuse() call: of a part of the model (their
     # config is not the model's; a review, session 60: after fuse(model.model), fuse(model) reported them fused here,
     # "was 'eager'", and swapped only the outer config), or of an enclosing model (the model's config is that call's
@@ -1155,7 +1154,7 @@ def _fuse_attention(model, config, attention, dry_run, report, state, held: set)
     enclosing = next((root for root, st in list(_STATE.items()) if st.new_config is config and root is not model),
                      None)
     before = {id(m) for _, m in modules
-              if runs_ours(m) and (m.__dict__.get("config") is not config or enclosing is not None)}
+              if _runs_our_attention(m) and (m.__dict__.get("config") is not config or enclosing is not None)}
     if config is None or not matching.is_config(config):
         if modules:
             for p, m in modules:
@@ -1213,7 +1212,7 @@ def _fuse_attention(model, config, attention, dry_run, report, state, held: set)
                                          bwd, f"fused by an earlier fuse() of {who[0]} (its config selects pipegoose "
                                          f"attention): left as it is here; {who[1]}"))
             held.add(id(report.rows[-1]))
-            _hold(state, report.rows[-1], p, runs_ours)
+            _hold(state, report.rows[-1], p, _runs_our_attention)
             continue
         if selected:
             fwd, bwd = _attention_impls(m, chosen)
