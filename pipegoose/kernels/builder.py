@@ -9,7 +9,9 @@ that every entry's op exists. See docs/architecture.md, "Kernel loading contract
 
 Builds run in a child process (``python -m pipegoose.kernels _worker``) whose whole output goes to a log, in a
 temp folder of the cache that is renamed into place only after the child has loaded the library and found every
-op (see :mod:`pipegoose.kernels.cache`). ``TORCH_CUDA_ARCH_LIST`` and ``CUDA_HOME`` are set for that child only.
+op (see :mod:`pipegoose.kernels.cache`). ``TORCH_CUDA_ARCH_LIST`` and ``CUDA_HOME`` are set for that child only; the
+arch list also goes to nvcc as ``-gencode`` flags written here (:func:`pipegoose.kernels.toolchain.gencode_flags`), in
+place of torch's, whose table lacks some architectures nvcc builds (8.8, 10.0f with torch 2.14).
 
 Example::
 
@@ -515,7 +517,9 @@ class KernelBuilder:
             "sources": [str(p) for p in self.source_paths()],
             "include_paths": [str(p) for p in self.include_paths()] + list(tc.get("cuda_includes", [])),
             "cflags": list(k.flags.get("cxx", ())),
-            "cuda_cflags": list(k.flags.get("nvcc", ())),
+            # (the -gencode flags of the arch list: ours, not torch's table, which lacks some nvcc builds)
+            "cuda_cflags": list(k.flags.get("nvcc", ()))
+            + (toolchain.gencode_flags(toolchain.parse_arch_list(tc["archs"])) if self.needs_cuda else []),
             "build_directory": str(tmp),
             "with_cuda": self.needs_cuda,
             "cuda_home": tc.get("cuda_home"),

@@ -312,6 +312,22 @@ def _distinct(archs: list[Arch]) -> list[Arch]:
     return [Arch(m, n, p, s) for (m, n, s), p in sorted(ptx.items())]
 
 
+def gencode_flags(archs: list[Arch]) -> list[str]:
+    """nvcc's ``-gencode`` flags for ``archs``, as ``torch.utils.cpp_extension`` writes them from
+    ``TORCH_CUDA_ARCH_LIST`` (each architecture's SASS, and its PTX where ``+PTX``), for every architecture nvcc
+    lists: torch's own table lacks some (torch 2.14: 8.8, and the family-specific ``f`` ones such as 10.0f), which it
+    refused with "Unknown CUDA arch" in the build after the preflight, checked against ``nvcc --list-gpu-arch``, had
+    passed them. The builder passes these flags; cpp_extension then adds none of its own (it leaves its arch flags
+    out where a flag given names an arch)."""
+    out = []
+    for a in archs:
+        cc = f"{a.major}{a.minor}{a.suffix}"
+        if a.ptx:
+            out.append(f"-gencode=arch=compute_{cc},code=compute_{cc}")
+        out.append(f"-gencode=arch=compute_{cc},code=sm_{cc}")
+    return out
+
+
 def format_arch_list(archs: list[Arch]) -> str:
     return ";".join(str(a) for a in archs)
 

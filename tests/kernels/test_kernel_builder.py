@@ -336,6 +336,43 @@ def test_arch_list_refuses_what_nvcc_does_not_know_and_is_one_list_however_writt
     assert toolchain.nvcc_gpu_archs(tmp_path / "cuda") is None
 
 
+def test_the_build_passes_gencode_flags_of_its_own_for_archs_torch_does_not_list(tiny, fake_toolkit, monkeypatch):
+    """Session 59's gaps: TORCH_CUDA_ARCH_LIST values that nvcc knows and torch's table does not (8.8; the family
+    ones, 10.0f) passed the preflight and failed in torch's build ("Unknown CUDA arch"). The builder now writes the
+    -gencode flags itself, as torch writes them, and cpp_extension adds none of its own beside them."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    import pipegoose.kernels.builder as builder_mod
+
+    parse = toolchain.parse_arch_list
+    assert toolchain.gencode_flags(parse("9.0")) == ["-gencode=arch=compute_90,code=sm_90"]
+    assert toolchain.gencode_flags(parse("8.8;9.0a;10.0f+PTX")) == [
+        "-gencode=arch=compute_88,code=sm_88", "-gencode=arch=compute_90a,code=sm_90a",
+        "-gencode=arch=compute_100f,code=compute_100f", "-gencode=arch=compute_100f,code=sm_100f"]
+    # what torch writes for the ones it knows (its private helper, which the build calls: a torch that changes how it
+    # spells them, or that adds its own flags beside ours, shows here)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0+PTX")
+    assert sorted(cpp_extension._get_cuda_arch_flags()) == sorted(toolchain.gencode_flags(parse("9.0+PTX")))
+    assert cpp_extension._get_cuda_arch_flags(toolchain.gencode_flags(parse("8.8"))) == []
+    # the worker's spec carries them, after the kernel's own nvcc flags
+    monkeypatch.setattr(toolchain, "nvcc_gpu_archs", lambda home=None: frozenset({(8, 8), (9, 0), (10, 0)}))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.8;10.0f")
+    manifest, _op, cache_dir = tiny
+    seen = {}
+
+    def worker(cmd, **kw):
+        seen.update(json.loads(Path(cmd[-1]).read_text()))
+        seen["env_archs"] = kw["env"]["TORCH_CUDA_ARCH_LIST"]
+        return 1
+
+    monkeypatch.setattr(builder_mod, "_run_worker", worker)
+    with pytest.raises(KernelBuildError):
+        KernelBuilder("test/cuda_one", manifest=manifest, cache_dir=cache_dir).build()
+    assert seen["cuda_cflags"] == ["-O3", "-gencode=arch=compute_88,code=sm_88",
+                                   "-gencode=arch=compute_100f,code=sm_100f"], seen
+    assert seen["env_archs"] == "8.8;10.0f"
+
+
 def test_arch_covers():
     parse = toolchain.parse_arch_list
     assert toolchain.arch_covers(parse("8.0"), (8, 6))  # SASS runs on a newer minor of one major
