@@ -78,6 +78,10 @@ class KernelUnavailableError(KernelError):
 
 
 _UNREADABLE_LOCK = "kernels.lock cannot be read"
+# Preflight checks that only compiling needs (not in a build's key): a cached build loads whatever they say.
+_COMPILE_ONLY_CHECKS = ("cache dir", "MAX_JOBS", "ninja")
+# Environment variables nvcc reads itself (flags added to every call, the host compiler): part of a build's key.
+_NVCC_ENV = ("NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN")
 
 
 @dataclass
@@ -377,10 +381,14 @@ class KernelBuilder:
 
     def _toolchain(self, create_cache: bool = True, defer_cache: bool = False) -> dict[str, Any]:
         """Run the preflight checks and gather what the build key and the child build need (``create_cache=False``:
-        without making the cache folder, for :meth:`status`). ``defer_cache``: a cache folder that cannot be written
-        is not raised here but kept in ``self._cache_problem`` (a build that finds its entry there only reads it)."""
+        without making the cache folder, for :meth:`status`). ``defer_cache``: a cache folder that cannot be written,
+        or another check that only compiling needs (``MAX_JOBS``, ninja), is not raised here but kept in
+        ``self._cache_problem`` (a build that finds its entry there only reads it)."""
         checks = self.preflight(create_cache)
-        self._cache_problem = next((c for c in checks if defer_cache and c.name == "cache dir" and not c.ok), None)
+        # (what only compiling needs, and no key takes, does not keep a cached build from loading: a review found
+        # MAX_JOBS=² turning every cached kernel unavailable, and the fused ops onto PyTorch)
+        self._cache_problem = next((c for c in checks if defer_cache and c.name in _COMPILE_ONLY_CHECKS
+                                    and not c.ok), None)
         failed = [c for c in checks if not c.ok and c is not self._cache_problem]
         if failed:
             lines = "; ".join(f"{c.name}: {c.detail}" + (f" -> {c.fix}" if c.fix else "") for c in failed)
@@ -404,6 +412,11 @@ class KernelBuilder:
                 "arch_origin": origin,
                 "cuda_includes": toolchain.cuda_extra_include_dirs(home),
             })
+            # what nvcc itself reads from the environment (the README's fix for a too-new host compiler sets
+            # NVCC_CCBIN): a build made with them is another build (a review: one was cached under the plain key)
+            nvcc_env = {n: os.environ[n] for n in _NVCC_ENV if os.environ.get(n)}
+            if nvcc_env:
+                tc["nvcc_env"] = nvcc_env
         return tc
 
     def key_inputs(self, tc: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -476,11 +489,14 @@ class KernelBuilder:
                 on_wait(owner)
             _log(f"{k.id}: waiting for the build by pid {owner.get('pid', '?')} on {owner.get('hostname', '?')}")
 
-        lock = _cache.BuildLock(self.cache_dir, key, on_wait=waiting)
+        lock = _cache.BuildLock(self.cache_dir, key, on_wait=waiting, stop=_stop_requested.is_set)
         try:
             lock.acquire()
         except _cache.LockTimeout as e:
             raise KernelBuildError(f"{k.id}: {e}") from None
+        except _cache.LockWaitStopped:   # (stop_workers: Ctrl-C of build while another process builds this key)
+            raise KernelBuildError(f"{k.id}: build stopped (interrupted) while waiting for another process's build "
+                                   "of it; nothing was cached", None) from None
         try:
             if lock.previous_owner:
                 po = lock.previous_owner
@@ -493,12 +509,19 @@ class KernelBuilder:
             tmp = _cache.new_tmp_dir(self.cache_dir, key)
             try:
                 lib = self._compile(tmp, tc)
+                # the inputs hashed again: a file edited while it compiled would be served under the key of the
+                # files as they were (a fresh-clone review, session 60: the cache then served the edited code after
+                # the edit was undone)
+                changed = sorted(n for n, v in self.key_inputs(tc).items() if inputs.get(n) != v)
+                if changed:
+                    raise KernelBuildError(f"{k.id}: its inputs changed while it compiled ({', '.join(changed)}); "
+                                           "nothing was cached: build again", None)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
             info = {
                 "kernel": k.id, "key": key, "library": lib.name, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "seconds": round(time.monotonic() - t0, 2), "archs": tc.get("archs"), "inputs": self.key_inputs(tc),
+                "seconds": round(time.monotonic() - t0, 2), "archs": tc.get("archs"), "inputs": inputs,
                 "library_bytes": lib.stat().st_size, "library_sha256": _cache.file_digest(lib),
             }
             entry = _cache.publish(tmp, self.cache_dir, key, info, replace=force)

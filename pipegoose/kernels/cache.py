@@ -151,6 +151,10 @@ class LockTimeout(TimeoutError):
     """The build lock stayed held by a live process for longer than the timeout."""
 
 
+class LockWaitStopped(Exception):
+    """The wait for a busy build lock was stopped (``stop()`` said so: Ctrl-C of ``build``)."""
+
+
 def env_lock_timeout() -> float:
     """``$PIPEGOOSE_BUILD_LOCK_TIMEOUT`` seconds (unset or empty: 3600; 0: do not wait). Raises ValueError, naming
     the variable, for a value that is not a number >= 0."""
@@ -177,17 +181,21 @@ class BuildLock:
     lock whose owner process is gone (same host and boot, pid gone or reused) is broken.
 
     Waiting is bounded: ``timeout`` seconds (default ``$PIPEGOOSE_BUILD_LOCK_TIMEOUT`` or 3600), after which
-    :class:`LockTimeout` names the owner. ``on_wait(owner)`` is called once when the lock is found busy.
+    :class:`LockTimeout` names the owner. ``on_wait(owner)`` is called once when the lock is found busy. ``stop()``,
+    asked about once a second while waiting, ends the wait with :class:`LockWaitStopped` when it says True (a
+    review: Ctrl-C of ``build`` waited for the other build to finish, up to the timeout).
     """
 
     def __init__(self, cache_dir: Path, key: str, *, timeout: float | None = None,
-                 on_wait: Callable[[dict], None] | None = None, soft: bool = False):
+                 on_wait: Callable[[dict], None] | None = None, soft: bool = False,
+                 stop: Callable[[], bool] | None = None):
         self.dir = Path(cache_dir) / "locks"
         self.key = key
         self.path = self.dir / f"{key}.lock"
         self.owner_path = self.dir / f"{key}.owner.json"
         self.timeout = float(timeout if timeout is not None else env_lock_timeout())
         self.on_wait = on_wait
+        self.stop = stop
         self.soft = soft
         self.previous_owner: dict | None = None  # set when a dead owner's unfinished build was taken over
         self._lock: filelock.BaseFileLock | None = None
@@ -221,6 +229,8 @@ class BuildLock:
                 if not told and self.on_wait is not None:
                     self.on_wait(owner)
                     told = True
+                if self.stop is not None and self.stop():
+                    raise LockWaitStopped(f"stopped while waiting for the build lock {self.path}") from None
                 if time.monotonic() >= deadline:
                     who = (f"pid {owner.get('pid')} on {owner.get('hostname')} ({owner.get('argv', '')})"
                            if owner else "an unknown process")

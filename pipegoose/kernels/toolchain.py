@@ -400,6 +400,13 @@ def arch_list(cuda: tuple[int, int] | None = None) -> tuple[list[Arch], str]:
                 f"TORCH_CUDA_ARCH_LIST={env!r} names {', '.join(a.sm for a in unknown)}, which nvcc "
                 f"{cuda[0]}.{cuda[1]} does not know (nvcc --list-gpu-arch: "
                 f"{', '.join(f'{a}.{b}' for a, b in sorted(known))}); remove it from the list")
+        # the suffixes exist from some architecture on: "a" (sm_90a) from 9.0, "f" (the family, sm_100f) from 10.0;
+        # nvcc --list-gpu-arch lists neither, and 8.0a failed in nvcc (a review)
+        odd = [a for a in env_archs if (a.suffix == "a" and a.major < 9) or (a.suffix == "f" and a.major < 10)]
+        if odd:
+            raise ValueError(
+                f"TORCH_CUDA_ARCH_LIST={env!r} names {', '.join(a.sm for a in odd)}: architecture-specific 'a' "
+                "variants exist from 9.0 (sm_90a), family 'f' ones from 10.0 (sm_100f); remove the suffix")
     if caps:
         gpu = [Arch(a, b, ptx=(i == len(caps) - 1)) for i, (a, b) in enumerate(caps)]
         if env_archs is None:

@@ -162,6 +162,75 @@ def test_a_stopped_build_is_no_failure_and_a_success_clears_one(tiny, monkeypatc
     assert not (cache_dir / "failed" / key).exists()
 
 
+def test_a_source_edited_while_it_compiles_is_not_cached(tiny, monkeypatch):
+    """A fresh-clone review (session 60): a source edited during the build was compiled and published under the key of
+    the source as it was; once the edit was undone, the cache served the edited code. Now the inputs are hashed again
+    after compiling, and a change leaves nothing cached."""
+    manifest, op, cache_dir = tiny
+    b = KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir)
+    src = manifest.parent / "csrc" / "tiny.cpp"
+    text = src.read_text()
+
+    def compiled_while_edited(self, tmp, tc):
+        src.write_text(text + "// edited while it compiled\n")
+        (tmp / "tiny.so").write_bytes(b"")
+        return tmp / "tiny.so"
+
+    monkeypatch.setattr(KernelBuilder, "_compile", compiled_while_edited)
+    with pytest.raises(KernelBuildError, match=r"^test/tiny: its inputs changed while it compiled \(files\); "
+                                               r"nothing was cached: build again$"):
+        b.build()
+    src.write_text(text)
+    assert b.cached() is None and not list(cache_dir.glob("tiny-*"))
+
+
+def test_nvccs_own_environment_variables_are_part_of_the_key(tiny, fake_toolkit, monkeypatch):
+    """A fresh-clone review (session 60): NVCC_APPEND_FLAGS=-G (and NVCC_PREPEND_FLAGS, NVCC_CCBIN, which the README
+    suggests for a too-new host compiler) changed what nvcc built but not the key: a debug build was cached, and then
+    served, under the plain key. A CUDA kernel's key now takes them; unset, the key is what it was."""
+    manifest, _op, cache_dir = tiny
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    for n in ("NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN"):
+        monkeypatch.delenv(n, raising=False)
+
+    def key():
+        return KernelBuilder("test/cuda_one", manifest=manifest, cache_dir=cache_dir).build_key()
+
+    plain = key()
+    assert "nvcc_env" not in KernelBuilder("test/cuda_one", manifest=manifest, cache_dir=cache_dir).key_inputs()
+    keys = {plain}
+    for n, v in (("NVCC_APPEND_FLAGS", "-G"), ("NVCC_PREPEND_FLAGS", "-lineinfo"), ("NVCC_CCBIN", "/usr/bin/g++-12")):
+        monkeypatch.setenv(n, v)
+        keys.add(key())
+        monkeypatch.delenv(n)
+    assert len(keys) == 4 and key() == plain
+    monkeypatch.setenv("NVCC_APPEND_FLAGS", "-G")   # not a C++ kernel's (nvcc does not build it)
+    tiny_key = KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir).build_key()
+    monkeypatch.delenv("NVCC_APPEND_FLAGS")
+    assert KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir).build_key() == tiny_key
+
+
+def test_a_bad_max_jobs_keeps_cached_builds_usable(tiny, monkeypatch):
+    """A fresh-clone review (session 60): MAX_JOBS=² (a value torch cannot read) made every cached kernel unavailable
+    (doctor, build, load), and the fused ops quietly ran PyTorch, though MAX_JOBS only matters when compiling. Now a
+    cached build is served, and only a build that must compile is refused, naming it."""
+    manifest, op, cache_dir = tiny
+    b = KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir)
+
+    def compiled(self, tmp, tc):
+        (tmp / "tiny.so").write_bytes(b"")
+        return tmp / "tiny.so"
+
+    monkeypatch.setattr(KernelBuilder, "_compile", compiled)
+    assert b.build().built
+    monkeypatch.setenv("MAX_JOBS", "\u00b2")
+    assert not b.build().built and b.cached() is not None and b.status()["state"] == "cached"
+    with pytest.raises(KernelUnavailableError, match=r"cannot build test/tiny: MAX_JOBS: '\u00b2'"):
+        b.build(force=True)
+    shutil.rmtree(b.cached().entry)
+    assert b.status()["state"] == "unavailable" and "MAX_JOBS" in b.status()["detail"]
+
+
 def test_key_ignores_unrelated_files(tiny):
     manifest, op, cache_dir = tiny
     b = KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir)
@@ -320,6 +389,10 @@ def test_arch_list_refuses_what_nvcc_does_not_know_and_is_one_list_however_writt
         with pytest.raises(ValueError, match=rf"names {named}, which nvcc 13.0 does not know \(nvcc --list-gpu-arch: "
                                              r"7.5, 8.0, 8.6, 9.0, 10.0, 11.0, 12.0\)"):
             toolchain.arch_list((13, 0))
+    for bad, named in (("8.0a", "sm_80a"), ("9.0f;9.0", "sm_90f")):   # (suffixes nvcc takes from 9.0 / 10.0 on)
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", bad)
+        with pytest.raises(ValueError, match=rf"names {named}: architecture-specific 'a' variants exist from 9.0"):
+            toolchain.arch_list((13, 0))
     for text in ("9.0;8.0+PTX;9.0", "8.0+PTX;9.0", "9.0 8.0+PTX 8.0"):
         monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", text)
         archs, origin = toolchain.arch_list((13, 0))
@@ -408,6 +481,29 @@ def _hold_lock(cache_dir: Path, key: str, soft: bool) -> subprocess.Popen:
                          stdout=subprocess.PIPE, text=True, env=_env(cache_dir))
     assert p.stdout.readline().strip() == "locked"
     return p
+
+
+def test_a_stop_ends_the_wait_for_another_build(tiny):
+    """A fresh-clone review (session 60): Ctrl-C of ``build`` while another process built the same key waited for that
+    build to end (up to PIPEGOOSE_BUILD_LOCK_TIMEOUT, an hour): the waiting thread never looked at the stop. Now
+    stop_workers' flag ends the wait within a second or so, and nothing is cached."""
+    import pipegoose.kernels.builder as builder_mod
+
+    manifest, op, cache_dir = tiny
+    b = KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir)
+    holder = _hold_lock(cache_dir, b.build_key(), soft=False)
+    builder_mod._stop_requested.set()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(KernelBuildError, match=r"^test/tiny: build stopped \(interrupted\) while waiting for "
+                                                   r"another process's build of it; nothing was cached$"):
+            b.build()
+        assert time.monotonic() - t0 < 10
+        assert b.cached() is None
+    finally:
+        builder_mod._stop_requested.clear()
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
 
 
 @pytest.mark.parametrize("soft", [False, True], ids=["flock", "softlock"])
