@@ -175,6 +175,7 @@ class KernelBuilder:
 
     Raises:
         TypeError: ``name`` not a str (at once).
+        ValueError: ``cache_dir`` blank (at once).
         ManifestError: ``manifest`` names no readable, valid manifest file (at once).
         KeyError: unknown name (the message lists close matches): from :meth:`from_name` at once, else from
             :meth:`build` / :meth:`load`.
@@ -195,6 +196,10 @@ class KernelBuilder:
         else:
             self.manifest = load_manifest(manifest)
         # absolute: the build worker runs in the build's temp folder, where a relative path would name another place
+        if cache_dir is not None and not str(os.fspath(cache_dir)).strip():
+            # (a blank one was the current folder, or a folder named by the spaces; the CLI and PIPEGOOSE_CACHE_DIR
+            # refuse or ignore blank values: a review)
+            raise ValueError(f"cache_dir: expected a folder path (or None: the default cache), got {cache_dir!r}")
         self.cache_dir = (Path(cache_dir).expanduser().absolute() if cache_dir is not None
                           else _cache.default_cache_dir())
         self.verbose = verbose
@@ -358,7 +363,8 @@ class KernelBuilder:
         if problems[0].startswith(_UNREADABLE_LOCK):   # (then the only line; sync refuses such a lock too: a review)
             fix = "restore kernels.lock from git, or build the vendored files as they are with " \
                   "PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1"
-        elif any(not p.startswith("kernels.yaml") for p in problems):
+        elif any("python tools/port.py" not in p for p in problems):   # (lines that name their own command: add,
+            # update; a kernel the lock does not record was sent to sync, which does not add it: a review)
             fix = ("restore them with python tools/port.py sync (python tools/port.py verify lists what differs), or "
                    "build them as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1")
         else:
@@ -466,8 +472,9 @@ class KernelBuilder:
 
         Raises:
             KeyError, KernelUnavailableError: as the class docstring says.
-            KernelBuildError: compiling or linking failed (the message shows the first errors and the log path), or
-                the wait for another process's build of the same key ran past ``PIPEGOOSE_BUILD_LOCK_TIMEOUT``.
+            KernelBuildError: compiling or linking failed (the message shows the first errors and the log path), the
+                wait for another process's build of the same key ran past ``PIPEGOOSE_BUILD_LOCK_TIMEOUT`` or was
+                stopped (Ctrl-C of ``build``), or the inputs changed while it compiled (nothing is cached then).
         """
         t0 = time.monotonic()
         k = self.kernel

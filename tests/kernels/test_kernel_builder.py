@@ -231,6 +231,15 @@ def test_a_bad_max_jobs_keeps_cached_builds_usable(tiny, monkeypatch):
     assert b.status()["state"] == "unavailable" and "MAX_JOBS" in b.status()["detail"]
 
 
+@pytest.mark.parametrize("blank", ["", "  "])
+def test_a_blank_cache_dir_is_refused(tiny, blank):
+    """A review (session 60): cache_dir='' was the current folder and '  ' a folder named by the spaces."""
+    manifest, _op, _cache_dir = tiny
+    with pytest.raises(ValueError, match=rf"^cache_dir: expected a folder path \(or None: the default cache\), got "
+                                         rf"{re.escape(repr(blank))}$"):
+        KernelBuilder("tiny", manifest=manifest, cache_dir=blank)
+
+
 def test_key_ignores_unrelated_files(tiny):
     manifest, op, cache_dir = tiny
     b = KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir)
@@ -1210,6 +1219,11 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
     monkeypatch.delenv("PIPEGOOSE_ALLOW_MODIFIED_VENDOR")
     (root / "kernels.lock").rename(root / "kernels.lock.away")
     assert "no record of this kernel" in b.vendored_problems()[0]
+    # its advice is add, not sync (which does not add a kernel; a review, session 60)
+    with pytest.raises(KernelUnavailableError, match=r"vendor it with python tools/port.py add test/vendored\); or "
+                                                     r"build the vendored files as they are") as e:
+        b.build()
+    assert "port.py sync" not in str(e.value), e.value
     (root / "kernels.lock").write_text("version: 2\n")
     assert "kernels.lock cannot be read" in b.vendored_problems()[0]
     with pytest.raises(KernelUnavailableError, match="cannot be read") as e:
