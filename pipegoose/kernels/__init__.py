@@ -12,7 +12,7 @@ from .manifest import Kernel, Manifest, ManifestError, ManifestNotFoundError, So
 
 # Names served lazily from ``builder`` (importing it imports torch).
 _BUILDER_NAMES = ("KernelBuilder", "KernelOps", "BuildResult", "load", "KernelError", "KernelBuildError",
-                  "KernelUnavailableError")
+                  "KernelBuildBusyError", "KernelUnavailableError")
 
 __all__ = ["Kernel", "Manifest", "ManifestError", "ManifestNotFoundError", "Source", "load_manifest", *_BUILDER_NAMES]
 

@@ -6,11 +6,12 @@
     python -m pipegoose.kernels clean [--dry-run]          remove the temp folders of killed builds (every key)
 
 Common options: ``--manifest PATH`` (default: the repository's kernels.yaml), ``--cache-dir DIR``.
-``build`` exit status: 0 all built (or cached); 1 a build failed; 2 none failed but some kernels are unavailable here
-(vendored files missing or changed, toolchain), each listed with the reason, as ``doctor`` says. ``doctor`` exit
-status: 0 every check passed and every kernel can be built or loaded; 1 a check failed (or, with ``--load``, a
-kernel failed to load); 2 none failed but some kernels are unavailable here (listed with the reason, e.g. vendored
-files missing or changed).
+Exit status, every subcommand: 0 success; 1 a failure (below); 2 a usage error (a bad option, an unknown kernel name,
+a missing or invalid ``--manifest``), as argparse's own; 3 none failed but some kernels are unavailable here (vendored
+files missing or changed, toolchain), each listed with the reason; 130 interrupted (Ctrl-C). ``build``: 1 a build
+failed, or was left ``busy`` (another process held its build lock past ``PIPEGOOSE_BUILD_LOCK_TIMEOUT``; nothing was
+attempted). ``doctor``: 0 every check passed and every kernel can be built or loaded; 1 a check failed (or, with
+``--load``, a kernel failed to load).
 ``doctor`` also counts those temp folders. ``clean`` removes only ``<key>.tmp-<pid>-<8 hex>`` folders whose pid is
 not a live process on this host, each under its key's build lock (a key being built is skipped); published builds,
 locks and failure logs stay (:func:`pipegoose.kernels.cache.clean_abandoned`).
@@ -146,7 +147,11 @@ def _doctor(args) -> int:
                       f"({_size(litter) / 2**20:.1f} MiB): remove them with python -m pipegoose.kernels clean")
     # as build's exit status: a kernel that cannot be built here is 2 (it was 0: a passing preflight hid a changed
     # vendored file from CI; session 35's walkthrough)
-    return 1 if bad or "error" in states else 2 if "unavailable" in states else 0
+    return 1 if bad or "error" in states else 3 if "unavailable" in states else 0
+
+
+# build's result colors (FAILED and anything unforeseen: red)
+_STATE_COLORS = {"built": "green", "cached": "green", "unavailable": "yellow", "busy": "yellow"}
 
 
 def _size(dirs) -> int:
@@ -182,7 +187,7 @@ def _build(args) -> int:
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from . import cache
-    from .builder import KernelBuildError, KernelUnavailableError, stop_workers
+    from .builder import KernelBuildBusyError, KernelBuildError, KernelUnavailableError, stop_workers
 
     if not args.all and not args.names:
         print("build: name kernels or pass --all", file=sys.stderr)
@@ -229,6 +234,8 @@ def _build(args) -> int:
                 return b, "built" if res.built else "cached", str(res.library_path), time.monotonic() - t0
             except KernelUnavailableError as e:
                 return b, "unavailable", str(e), time.monotonic() - t0
+            except KernelBuildBusyError as e:  # (it said FAILED: nothing had failed, nothing was attempted; a review)
+                return b, "busy", str(e), time.monotonic() - t0
             except KernelBuildError as e:
                 return b, "FAILED", str(e), time.monotonic() - t0
             except Exception as e:  # a bug must not hide the other kernels' results
@@ -240,7 +247,7 @@ def _build(args) -> int:
                 for f in as_completed(futs):
                     b, state, detail, secs = f.result()
                     results[b.kernel.id] = (state, detail, secs)
-                    color = {"built": "green", "cached": "green", "unavailable": "yellow"}.get(state, "red")
+                    color = _STATE_COLORS.get(state, "red")
                     progress.console.print(f"[{color}]{state:>11}[/] {b.kernel.id} ({secs:.1f} s)")
                     progress.advance(overall)
             except BaseException:  # Ctrl-C reaches this thread only: stop the queued builds and the running workers
@@ -254,15 +261,15 @@ def _build(args) -> int:
     rows = []
     for b in builders:
         state, detail, secs = results[b.kernel.id]
-        color = {"built": "green", "cached": "green", "unavailable": "yellow"}.get(state, "red")
+        color = _STATE_COLORS.get(state, "red")
         rows.append((b.kernel.id, Text(state, style=color), f"{secs:.1f}", detail))
     # kernel, result and seconds whole (at 40 columns rich folded them to 7 characters a line: "apex/mu|lti_ten")
     print_table(console, "build results", ("kernel", "result", "seconds", "detail"), rows, whole=(0, 1, 2),
                 head=(0, 1, 2))
     states = [r[0] for r in results.values()]
-    if "FAILED" in states:
+    if "FAILED" in states or "busy" in states:
         return 1
-    return 2 if "unavailable" in states else 0
+    return 3 if "unavailable" in states else 0
 
 
 

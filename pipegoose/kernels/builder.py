@@ -51,6 +51,7 @@ __all__ = [
     "KernelError",
     "KernelBuildError",
     "KernelUnavailableError",
+    "KernelBuildBusyError",
     "KernelOps",
     "KernelBuilder",
     "BuildResult",
@@ -70,6 +71,12 @@ class KernelBuildError(KernelError):
     def __init__(self, message: str, log_path: Path | None = None):
         super().__init__(message)
         self.log_path = log_path
+
+
+class KernelBuildBusyError(KernelBuildError):
+    """Another process held the kernel's build lock for longer than the wait allowed
+    (``$PIPEGOOSE_BUILD_LOCK_TIMEOUT`` seconds, default 3600; 0: no wait), or the wait was stopped. Nothing failed to
+    compile; the build was not attempted. ``log_path`` is None."""
 
 
 class KernelUnavailableError(KernelError):
@@ -358,7 +365,7 @@ class KernelBuilder:
                 warnings.warn(f"{self.kernel.id}: building third-party code that is not what kernels.lock records "
                               f"(PIPEGOOSE_ALLOW_MODIFIED_VENDOR): {what}", UserWarning, stacklevel=3)
             return f"third-party code that is not what kernels.lock records (PIPEGOOSE_ALLOW_MODIFIED_VENDOR): {what}"
-        # unavailable (as doctor says, and build's exit status 2), not a failed build: nothing was compiled. A changed
+        # unavailable (as doctor says, and build's exit status 3), not a failed build: nothing was compiled. A changed
         # pin or file list (lines from kernels.yaml) names its own command: sync refuses those
         if problems[0].startswith(_UNREADABLE_LOCK):   # (then the only line; sync refuses such a lock too: a review)
             fix = "restore kernels.lock from git, or build the vendored files as they are with " \
@@ -472,9 +479,10 @@ class KernelBuilder:
 
         Raises:
             KeyError, KernelUnavailableError: as the class docstring says.
-            KernelBuildError: compiling or linking failed (the message shows the first errors and the log path), the
-                wait for another process's build of the same key ran past ``PIPEGOOSE_BUILD_LOCK_TIMEOUT`` or was
-                stopped (Ctrl-C of ``build``), or the inputs changed while it compiled (nothing is cached then).
+            KernelBuildError: compiling or linking failed (the message shows the first errors and the log path), or
+                the inputs changed while it compiled (nothing is cached then).
+            KernelBuildBusyError (a KernelBuildError): the wait for another process's build of the same key ran past
+                ``PIPEGOOSE_BUILD_LOCK_TIMEOUT`` or was stopped (Ctrl-C of ``build``); nothing was attempted.
         """
         t0 = time.monotonic()
         k = self.kernel
@@ -500,9 +508,9 @@ class KernelBuilder:
         try:
             lock.acquire()
         except _cache.LockTimeout as e:
-            raise KernelBuildError(f"{k.id}: {e}") from None
+            raise KernelBuildBusyError(f"{k.id}: {e}") from None
         except _cache.LockWaitStopped:   # (stop_workers: Ctrl-C of build while another process builds this key)
-            raise KernelBuildError(f"{k.id}: build stopped (interrupted) while waiting for another process's build "
+            raise KernelBuildBusyError(f"{k.id}: build stopped (interrupted) while waiting for another process's build "
                                    "of it; nothing was cached", None) from None
         try:
             if lock.previous_owner:

@@ -19,7 +19,8 @@ import torch
 from kernel_helpers import write_manifest
 
 from pipegoose.kernels import cache, toolchain
-from pipegoose.kernels.builder import KernelBuildError, KernelBuilder, KernelUnavailableError, KernelError
+from pipegoose.kernels.builder import (KernelBuildBusyError, KernelBuildError, KernelBuilder, KernelError,
+                                       KernelUnavailableError)
 from pipegoose.kernels.manifest import ManifestError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -492,6 +493,30 @@ def _hold_lock(cache_dir: Path, key: str, soft: bool) -> subprocess.Popen:
     return p
 
 
+def test_cli_build_of_a_key_held_elsewhere_is_busy_not_failed(tiny, monkeypatch):
+    """A review (session 60): with PIPEGOOSE_BUILD_LOCK_TIMEOUT=0 and another process building the key, ``build`` said
+    FAILED, as for a compile error, though nothing had been attempted. Now the state is ``busy``, the API raises
+    KernelBuildBusyError (a KernelBuildError), the exit status stays 1 (not everything was built) and nothing is
+    cached."""
+    manifest, _op, cache_dir = tiny
+    b = KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir)
+    holder = _hold_lock(cache_dir, b.build_key(), soft=False)
+    try:
+        p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "build", "tiny"],
+                           capture_output=True, text=True, timeout=300,
+                           env={**_env(cache_dir), "PIPEGOOSE_BUILD_LOCK_TIMEOUT": "0"})
+        out = " ".join(p.stdout.replace("│", " ").split())
+        assert p.returncode == 1 and "busy test/tiny" in out and "FAILED" not in out, p.stdout + p.stderr
+        assert "is still held by" in out, out
+        monkeypatch.setenv("PIPEGOOSE_BUILD_LOCK_TIMEOUT", "0")
+        with pytest.raises(KernelBuildBusyError, match="is still held by"):
+            b.build()
+        assert b.cached() is None
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_stop_ends_the_wait_for_another_build(tiny):
     """A fresh-clone review (session 60): Ctrl-C of ``build`` while another process built the same key waited for that
     build to end (up to PIPEGOOSE_BUILD_LOCK_TIMEOUT, an hour): the waiting thread never looked at the stop. Now
@@ -504,7 +529,7 @@ def test_a_stop_ends_the_wait_for_another_build(tiny):
     builder_mod._stop_requested.set()
     try:
         t0 = time.monotonic()
-        with pytest.raises(KernelBuildError, match=r"^test/tiny: build stopped \(interrupted\) while waiting for "
+        with pytest.raises(KernelBuildBusyError, match=r"^test/tiny: build stopped \(interrupted\) while waiting for "
                                                    r"another process's build of it; nothing was cached$"):
             b.build()
         assert time.monotonic() - t0 < 10
@@ -799,7 +824,7 @@ def test_cli_build_reports_missing_and_doctor_runs(tiny):
     env = _env(cache_dir)
     p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "build",
                         "test/vendored", "-j", "2"], capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.returncode == 3, p.stdout + p.stderr
     # the state as doctor names it (it was "missing", for changed files too, which build called FAILED)
     assert "unavailable test/vendored" in p.stdout and "tools/port.py sync" in p.stdout.replace("\n", "").replace("│", "")
     p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "doctor"],
@@ -807,9 +832,9 @@ def test_cli_build_reports_missing_and_doctor_runs(tiny):
     assert "preflight" in p.stdout and "test/tiny" in p.stdout and "unavailable" in p.stdout, p.stdout + p.stderr
     # a misspelt variable is named (the build cache silently stayed the default one)
     assert "PIPEGOOSE_CACHE_DIRR: pipegoose reads no variable of that name" in " ".join(p.stdout.split()), p.stdout
-    # a kernel that cannot be built here is exit 2, as for build (it was 0: a passing preflight hid a missing or changed
-    # vendored file from CI; session 35's walkthrough); without it, 0
-    assert p.returncode == 2, p.stdout + p.stderr
+    # a kernel that cannot be built here is exit 3, as for build (it was 0: a passing preflight hid a missing or changed
+    # vendored file from CI; session 35's walkthrough; then 2, which is also argparse's usage error); without it, 0
+    assert p.returncode == 3, p.stdout + p.stderr
     env.pop("COLUMNS", None)
     p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(_without_vendored(manifest)),
                         "doctor"], capture_output=True, text=True, env=env, timeout=300)
@@ -866,7 +891,7 @@ def test_cli_build_results_fit_narrow_terminals(tiny, columns):
     p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "build",
                         "test/vendored"], capture_output=True, text=True,
                        env={**_env(cache_dir), "COLUMNS": str(columns)}, timeout=300)
-    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.returncode == 3, p.stdout + p.stderr
     results = p.stdout[p.stdout.index("build results"):]
     assert max(map(len, results.splitlines())) <= columns, results
     assert "test/vendored  unavailable" in results and "tools/port.py sync" in " ".join(results.split()), results
@@ -879,7 +904,7 @@ def test_cli_build_warns_about_a_max_jobs_torch_ignores(tiny, value, warned):
     p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "build",
                         "test/vendored"], capture_output=True, text=True,
                        env={**_env(cache_dir), "MAX_JOBS": value}, timeout=300)
-    assert p.returncode == 2, p.stdout + p.stderr  # (its files are not vendored: unavailable)
+    assert p.returncode == 3, p.stdout + p.stderr  # (its files are not vendored: unavailable)
     if warned:
         assert f"build: warning: MAX_JOBS='{value}'" in p.stderr or f"MAX_JOBS={value}" in p.stderr, p.stderr
         assert warned in p.stderr, p.stderr
@@ -997,7 +1022,7 @@ def test_cli_doctor_fits_narrow_terminals(tiny):
     for cols in ("40", "60"):
         p = subprocess.run(cli, capture_output=True, text=True, env={**_env(cache_dir), "COLUMNS": cols}, timeout=300)
         lines = p.stdout.splitlines()
-        assert p.returncode in (0, 2) and "…" not in p.stdout and "┃" not in p.stdout, p.stdout + p.stderr
+        assert p.returncode in (0, 3) and "…" not in p.stdout and "┃" not in p.stdout, p.stdout + p.stderr
         for name in ("TORCH_CUDA_ARCH_LIST", "PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "PIPEGOOSE_CACHE_DIR"):
             i = lines.index(name)
             assert lines[i + 1].startswith("    "), (name, p.stdout)
