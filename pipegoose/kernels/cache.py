@@ -321,6 +321,10 @@ def publish(tmp: Path, cache_dir: Path, key: str, info: Mapping[str, Any], *, re
     if not replace and is_complete(final):
         shutil.rmtree(tmp, ignore_errors=True)
         return final
+    if final.is_symlink() or (final.exists() and not final.is_dir()):
+        # a stray file or link at the key's name holds no build to keep: removed (moved aside, it was left behind
+        # under a temp-folder name that `clean`, which removes folders only, never removed; a review)
+        final.unlink()
     if final.exists():  # replaced, or an incomplete or damaged leftover
         # aside under a temp-folder name of this process, which `clean` removes should this process die now
         old = final.with_name(f"{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")

@@ -693,6 +693,25 @@ def test_relative_cache_dir_forced_rebuild_and_damaged_library(tiny, monkeypatch
     assert not [d for d in (tmp_path / "relcache").iterdir() if ".tmp-" in d.name]
 
 
+@pytest.mark.parametrize("stray", ["file", "link"])
+def test_publish_over_a_stray_file_at_the_key_leaves_nothing_behind(tmp_path, stray):
+    """A review: a file (or a link) where a key's entry belongs was moved aside under a temp-folder name and left
+    there; `clean` removes temp folders only, so it stayed for good. It holds no build: publish now removes it."""
+    key = "tiny-0123456789abcdef01234567"
+    final = cache.entry_dir(tmp_path, key)
+    if stray == "file":
+        final.write_text("not a build")
+    else:
+        (tmp_path / "elsewhere").mkdir()
+        final.symlink_to(tmp_path / "elsewhere")
+    tmp = cache.new_tmp_dir(tmp_path, key)
+    (tmp / "lib.so").write_bytes(b"x")
+    info = {"library": "lib.so", "library_bytes": 1, "library_sha256": cache.file_digest(tmp / "lib.so")}
+    assert cache.publish(tmp, tmp_path, key, info) == final
+    assert final.is_dir() and not final.is_symlink() and cache.is_complete(final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([key] + (["elsewhere"] if stray == "link" else []))
+
+
 @pytest.mark.parametrize("value", ["abc", "-5", "nan"])
 def test_bad_build_lock_timeout_names_the_variable(tmp_path, monkeypatch, value):
     """PIPEGOOSE_BUILD_LOCK_TIMEOUT=abc failed a build with a bare 'could not convert string to float' (session 34's
