@@ -279,22 +279,42 @@ def visible_capabilities() -> list[tuple[int, int]]:
         return []
 
 
-_ARCH_RE = re.compile(r"^(?:sm_|compute_)?(\d+)\.?(\d)([af]?)(\+PTX)?$", re.I)
+_ARCH_RE = re.compile(r"^(?:sm_)?(\d+)\.?(\d)([af]?)(\+PTX)?$", re.I)
+# The architecture names torch.utils.cpp_extension takes in TORCH_CUDA_ARCH_LIST (torch 2.11-2.14), as it expands them
+# (they were refused here: a list set for torch's own extension builds failed ours; a review). Case is ignored.
+NAMED_ARCHS = {
+    "kepler+tesla": "3.7", "kepler": "3.5+PTX", "maxwell+tegra": "5.3", "maxwell": "5.0;5.2+PTX",
+    "pascal": "6.0;6.1+PTX", "volta+tegra": "7.2", "volta": "7.0+PTX", "turing": "7.5+PTX", "ampere+tegra": "8.7",
+    "ampere": "8.0;8.6+PTX", "ada": "8.9+PTX", "hopper": "9.0+PTX", "blackwell+tegra": "11.0",
+    "blackwell": "10.0;10.3;12.0;12.1+PTX", "rubin": "10.7+PTX",
+}
 
 
 def parse_arch_list(text: str) -> list[Arch]:
-    """Parse a ``TORCH_CUDA_ARCH_LIST`` value (``"8.0;9.0+PTX"``, spaces or semicolons).
+    """Parse a ``TORCH_CUDA_ARCH_LIST`` value (``"8.0;9.0+PTX"``, spaces or semicolons; ``sm_90`` for ``9.0``; the
+    names torch takes, :data:`NAMED_ARCHS`, such as ``Hopper`` for ``9.0+PTX``). ``native`` is not a list: see
+    :func:`arch_list`.
 
     Raises:
-        ValueError: an entry is not ``<major>.<minor>[a|f][+PTX]`` (named ones like ``Hopper`` are not taken).
+        ValueError: an entry is none of those; ``compute_90`` (PTX alone, which torch does not build either) names
+            the list to write instead.
     """
     out: list[Arch] = []
     for tok in re.split(r"[;\s,]+", text.strip()):
         if not tok:
             continue
+        if tok.lower() in NAMED_ARCHS:
+            out += parse_arch_list(NAMED_ARCHS[tok.lower()])
+            continue
         m = _ARCH_RE.match(tok)
         if not m:
-            raise ValueError(f"TORCH_CUDA_ARCH_LIST entry {tok!r}: expected <major>.<minor>[+PTX], e.g. 9.0+PTX")
+            virt = re.fullmatch(r"compute_(\d+)(\d)([af]?)", tok, re.I)
+            if virt:  # (it was read as sm_90, SASS without the PTX it names: a review)
+                cc = f"{int(virt[1])}.{virt[2]}{virt[3].lower()}"
+                raise ValueError(f"TORCH_CUDA_ARCH_LIST entry {tok!r} names PTX alone, which is not built by itself; "
+                                 f"write {cc}+PTX (sm_{tok[8:]} code and its PTX) or {cc}")
+            raise ValueError(f"TORCH_CUDA_ARCH_LIST entry {tok!r}: expected <major>.<minor>[+PTX], e.g. 9.0+PTX, "
+                             f"or a name torch takes ({', '.join(sorted({k.split('+')[0].title() for k in NAMED_ARCHS}))})")
         major, minor = int(m.group(1)), int(m.group(2))
         out.append(Arch(major, minor, bool(m.group(4)), m.group(3).lower()))
     if not out:
@@ -374,7 +394,8 @@ def arch_list(cuda: tuple[int, int] | None = None) -> tuple[list[Arch], str]:
     """The architectures to build for and where they came from (``"gpu"``, ``"env"``, ``"default"``).
 
     Visible GPUs win (PTX added for the newest); an explicit ``TORCH_CUDA_ARCH_LIST`` is used when it covers every
-    visible GPU, and is extended with the missing GPUs otherwise. Architectures older than nvcc supports are
+    visible GPU, and is extended with the missing GPUs otherwise; ``native`` (as torch reads it) is the visible GPUs,
+    and an error without one. Architectures older than nvcc supports are
     rejected rather than passed on (``compute_70`` fails with CUDA 13).
 
     Raises:
@@ -383,6 +404,11 @@ def arch_list(cuda: tuple[int, int] | None = None) -> tuple[list[Arch], str]:
     cuda = cuda or nvcc_version() or torch_cuda_version() or (13, 0)
     caps = visible_capabilities()
     env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if env.lower() == "native":   # torch's word for the visible GPUs (it was refused as a malformed list; a review)
+        if not caps:
+            raise ValueError("TORCH_CUDA_ARCH_LIST='native' takes the architectures of the visible GPUs, and none is "
+                             "visible; name them (e.g. 9.0) or unset it to build for the default table")
+        env = ""
     env_archs = _distinct(parse_arch_list(env)) if env else None
     if env_archs is not None:
         low = _MIN_ARCH.get(cuda[0])

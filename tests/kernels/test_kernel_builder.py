@@ -383,9 +383,34 @@ def test_arch_lists(monkeypatch):
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.0;8.0")
     with pytest.raises(ValueError, match="sm_70.*cannot build"):
         toolchain.arch_list((13, 0))
-    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "Hopper")
-    with pytest.raises(ValueError, match="expected <major>.<minor>"):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "Hoper")
+    with pytest.raises(ValueError, match=r"entry 'Hoper': expected <major>.<minor>\[\+PTX\], e.g. 9.0\+PTX, or a name "
+                                         r"torch takes \(Ada, Ampere, Blackwell, Hopper,"):
         toolchain.arch_list((13, 0))
+
+
+def test_arch_list_takes_torchs_names_and_native_and_refuses_ptx_alone(monkeypatch):
+    """A review: TORCH_CUDA_ARCH_LIST=Hopper or =native, which torch's own extension builds take, were refused as
+    malformed; compute_90 (PTX alone) was read as sm_90, SASS without the PTX it names."""
+    monkeypatch.setattr(toolchain, "visible_capabilities", lambda: [])
+    monkeypatch.setattr(toolchain, "nvcc_gpu_archs", lambda home=None: None)
+    for text, want in (("Hopper", "9.0+PTX"), ("ampere;9.0", "8.0;8.6+PTX;9.0"), ("sm_90 ADA", "8.9+PTX;9.0"),
+                       ("Ampere+Tegra", "8.7")):
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", text)
+        assert toolchain.format_arch_list(toolchain.arch_list((13, 0))[0]) == want, text
+    for text, write in (("compute_90", "9.0"), ("8.0;compute_100a", "10.0a")):
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", text)
+        with pytest.raises(ValueError, match=rf"names PTX alone, which is not built by itself; write {write}\+PTX"):
+            toolchain.arch_list((13, 0))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "native")
+    with pytest.raises(ValueError, match="TORCH_CUDA_ARCH_LIST='native' takes the architectures of the visible GPUs, "
+                                         "and none is visible"):
+        toolchain.arch_list((13, 0))
+    monkeypatch.setattr(toolchain, "visible_capabilities", lambda: [(8, 0), (9, 0)])
+    for text in ("native", " Native "):
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", text)
+        archs, origin = toolchain.arch_list((13, 0))
+        assert (toolchain.format_arch_list(archs), origin) == ("8.0;9.0+PTX", "gpu"), text
 
 
 def test_arch_list_refuses_what_nvcc_does_not_know_and_is_one_list_however_written(monkeypatch, tmp_path):
