@@ -84,7 +84,6 @@ class KernelUnavailableError(KernelError):
     what to do."""
 
 
-_UNREADABLE_LOCK = "kernels.lock cannot be read"
 # Preflight checks that only compiling needs (not in a build's key): a cached build loads whatever they say.
 _COMPILE_ONLY_CHECKS = ("cache dir", "MAX_JOBS", "ninja")
 # Environment variables nvcc reads itself (flags added to every call, the host compiler): part of a build's key.
@@ -288,46 +287,46 @@ class KernelBuilder:
         header), a kernel the lock does not record, a lock that cannot be read, or a source pin or file list in
         kernels.yaml other than the lock's (the vendored files are the old ones). ``digests``: file -> sha256
         already computed (:meth:`key_inputs`' ``files``)."""
-        return self._vendor_state(digests)[1]
+        return [line for line, _advice in self._vendor_state(digests)[1]]
 
     def modified_files(self, digests: dict[str, str] | None = None) -> list[str]:
         """The vendored files of this kernel whose sha256 differs from ``kernels.lock``, relative to the source's folder
         (part of :meth:`vendored_problems`)."""
         return self._vendor_state(digests)[0]
 
-    def _vendor_state(self, digests: dict[str, str] | None) -> tuple[list[str], list[str]]:
+    def _vendor_state(self, digests: dict[str, str] | None) -> tuple[list[str], list[tuple[str, str]]]:
         """(the vendored files whose sha256 differs from ``kernels.lock``, relative to the source's folder; the lines
-        of :meth:`vendored_problems`)."""
+        of :meth:`vendored_problems`, each with the advice it takes: ``"lock"`` kernels.lock cannot be read, ``"own"``
+        the line names its own command (add, update), ``"sync"`` the files differ from what sync restores)."""
         k = self.kernel
         if self.manifest.sources[k.source].is_local:
             return [], []
         from pipegoose.porting.errors import PortError
         from pipegoose.porting.lock import Lock
-        from pipegoose.porting.porter import pin_changed_by_hand, record_differs
+        from pipegoose.porting.porter import kernel_disagrees, pin_changed_by_hand, record_differs
 
         lock_path = self.manifest.root / "kernels.lock"
         try:
             lock = Lock.load(lock_path)
         except (PortError, OSError) as e:
-            return [], [f"{_UNREADABLE_LOCK} ({e})"]
+            return [], [(f"kernels.lock cannot be read ({e})", "lock")]
         entry = lock.kernels.get(k.id)
         if entry is None:
-            return [], [f"{lock_path.name} has no record of this kernel (vendor it with python tools/port.py add {k.id})"]
-        # kernels.yaml changed since the files were vendored (a new pin or file list): the files are the old ones,
-        # which port.py's list and verify call stale and sync refuses; the builder built them without a word
+            return [], [(f"{lock_path.name} has no record of this kernel (vendor it with python tools/port.py add "
+                         f"{k.id})", "own")]
+        # kernels.yaml and kernels.lock disagree (a new pin or file list in either): the files are not what
+        # kernels.yaml declares, which port.py's list and verify call stale and sync refuses; the builder built them
+        # without a word. The words are port.py's (pipegoose.porting.porter), the advice the builder's.
         stale = []
         locked = lock.sources.get(k.source)
         pin = dict(self.manifest.sources[k.source].pin)
         if locked is not None and dict(locked.pin) != pin:
-            stale.append(pin_changed_by_hand(k.source, dict(locked.pin), pin))
-        if set(entry.files) != set(k.files):
-            stale.append(f"kernels.yaml's file list of {k.id} changed since it was vendored: "
-                         f"python tools/port.py add {k.id}")
-        if entry.source != k.source:
-            stale.append(f"kernels.yaml takes {k.id} from {k.source}, but it was vendored from {entry.source}: "
-                         f"python tools/port.py add {k.id}")
+            stale.append((pin_changed_by_hand(k.source, dict(locked.pin), pin), "own"))
+        if why := kernel_disagrees(k, entry):
+            stale.append((f"{k.id}: {why}: python tools/port.py add {k.id}", "own"))
         if locked is not None and (why := record_differs(locked, self.manifest.sources[k.source])):
-            stale.append(f"kernels.yaml and kernels.lock disagree on {k.source}: {why}: python tools/port.py add {k.id}")
+            stale.append((f"kernels.yaml and kernels.lock disagree on {k.source}: {why}: python tools/port.py add "
+                          f"{k.id}", "own"))
         base = self.manifest.vendor_dir(k.source)
         rel = base.relative_to(self.manifest.root)
         digests = digests or {}
@@ -341,9 +340,9 @@ class KernelBuilder:
         extra = sorted(str(p.relative_to(base)) for p in base.rglob("*")
                        if (p.is_file() or p.is_symlink()) and p.suffix in _HEADER_SUFFIXES
                        and str(p.relative_to(base)) not in recorded and any(p.is_relative_to(r) for r in roots))
-        return modified, (stale + [f"{rel / f} differs from {lock_path.name}" for f in modified]
-                          + [f"{rel / f} is not recorded in {lock_path.name} (it could shadow a recorded header)"
-                             for f in extra])
+        return modified, (stale + [(f"{rel / f} differs from {lock_path.name}", "sync") for f in modified]
+                          + [(f"{rel / f} is not recorded in {lock_path.name} (it could shadow a recorded header)",
+                              "sync") for f in extra])
 
     def _check_vendored(self, digests: dict[str, str], *, building: bool = True) -> str | None:
         """Refuse to build or load vendored files that are not exactly what ``kernels.lock`` records
@@ -353,7 +352,8 @@ class KernelBuilder:
         # vendored file differs (session 32's walkthrough: "2" passed doctor and build on a clean tree).
         raw = os.environ.get("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "")
         allow = _env.flag(raw)
-        problems = self.vendored_problems(digests)
+        tagged = self._vendor_state(digests)[1]
+        problems = [line for line, _advice in tagged]
         what = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
         if allow is None:
             raise KernelBuildError(f"PIPEGOOSE_ALLOW_MODIFIED_VENDOR={raw!r}: expected 1/true/yes/on or 0/false/no/off "
@@ -367,11 +367,12 @@ class KernelBuilder:
             return f"third-party code that is not what kernels.lock records (PIPEGOOSE_ALLOW_MODIFIED_VENDOR): {what}"
         # unavailable (as doctor says, and build's exit status 3), not a failed build: nothing was compiled. A changed
         # pin or file list (lines from kernels.yaml) names its own command: sync refuses those
-        if problems[0].startswith(_UNREADABLE_LOCK):   # (then the only line; sync refuses such a lock too: a review)
+        advice = {a for _line, a in tagged}
+        if "lock" in advice:   # (then the only line; sync refuses such a lock too: a review)
             fix = "restore kernels.lock from git, or build the vendored files as they are with " \
                   "PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1"
-        elif any("python tools/port.py" not in p for p in problems):   # (lines that name their own command: add,
-            # update; a kernel the lock does not record was sent to sync, which does not add it: a review)
+        elif "sync" in advice:   # (lines that name their own command, add or update, take none: a kernel the lock
+            # does not record was sent to sync, which does not add it: a review)
             fix = ("restore them with python tools/port.py sync (python tools/port.py verify lists what differs), or "
                    "build them as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1")
         else:

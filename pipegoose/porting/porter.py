@@ -109,6 +109,22 @@ def record_differs(locked, declared) -> str:
     return ""
 
 
+def kernel_disagrees(declared, locked) -> str:
+    """How kernels.lock's entry ``locked`` of a kernel disagrees with its kernels.yaml entry ``declared`` (None: not
+    there) in its source or its files, or "". Either file may be the one that changed: the words name both (a review:
+    ``list`` said "kernels.yaml changed" of an edited kernels.lock). One rule for port.py (list, verify) and the
+    builder."""
+    if declared is None:
+        return "in kernels.lock but not in kernels.yaml"
+    if declared.source != locked.source:
+        return f"kernels.yaml takes it from {declared.source}, kernels.lock from {locked.source}"
+    if set(declared.files) != set(locked.files):
+        plus, minus = sorted(set(declared.files) - set(locked.files)), sorted(set(locked.files) - set(declared.files))
+        return ("kernels.yaml's files differ from kernels.lock's: "
+                + ", ".join([f"+{f}" for f in plus] + [f"-{f}" for f in minus]))
+    return ""
+
+
 class Porter:
     """The porting operations over one repository root (the folder of ``kernels.yaml``).
 
@@ -321,19 +337,8 @@ class Porter:
             raise PortError(pin_changed_by_hand(sid, dict(s.pin), dict(m.pin)))
 
     def _kernel_disagrees(self, kid: str, lk) -> str:
-        """How kernels.lock's entry ``lk`` of kernel ``kid`` disagrees with kernels.yaml (its source, its files), or
-        "". Either file may be the one that changed: the words name both (a review: ``list`` said "kernels.yaml
-        changed" of an edited kernels.lock)."""
-        k = self.manifest.kernels.get(kid)
-        if k is None:
-            return "in kernels.lock but not in kernels.yaml"
-        if k.source != lk.source:
-            return f"kernels.yaml takes it from {k.source}, kernels.lock from {lk.source}"
-        if set(k.files) != set(lk.files):
-            plus, minus = sorted(set(k.files) - set(lk.files)), sorted(set(lk.files) - set(k.files))
-            return ("kernels.yaml's files differ from kernels.lock's: "
-                    + ", ".join([f"+{f}" for f in plus] + [f"-{f}" for f in minus]))
-        return ""
+        """:func:`kernel_disagrees` of kernel ``kid``'s kernels.yaml entry and its kernels.lock entry ``lk``."""
+        return kernel_disagrees(self.manifest.kernels.get(kid), lk)
 
     def _source_disagrees(self, lock: Lock, sid: str) -> str:
         """How kernels.lock's record of source ``sid`` disagrees with kernels.yaml (absent, pin, kind, license), or
