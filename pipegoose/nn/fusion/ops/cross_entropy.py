@@ -192,9 +192,9 @@ def run(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction
         TypeError, ValueError: as :func:`check_args`; ``impl`` naming no implementation of ``cross_entropy``.
         FusionFallbackError: in strict mode, where the kernel cannot take the input.
     """
+    ignore_index = check_args(logits, target, ignore_index, reduction)   # (under torch.compile too: a review)
     if dispatch.compile_passthrough(OP, impl):
         return cross_entropy_reference(logits, target, ignore_index, reduction)
-    ignore_index = check_args(logits, target, ignore_index, reduction)
     choice = dispatch.select(OP, cross_entropy_problem(logits, target), impl)
     if choice.impl == "pipegoose":
         return call_without_autocast(logits.device, _run_pipegoose, logits, target, ignore_index, reduction)

@@ -298,8 +298,11 @@ def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, bia
         TypeError, ValueError: as :func:`check_args`; ``impl`` naming no implementation of ``layer_norm``.
         FusionFallbackError: in strict mode, where no fused implementation can take the input.
     """
-    if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the op itself
-        return F.layer_norm(x, normalize_shape(normalized_shape), weight, bias, eps)
+    if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the op itself, after the checks of eager mode
+        # (traced once per graph; without them a negative eps gave NaN, a review)
+        shape = normalize_shape(normalized_shape)
+        eps_f = check_args(x, shape, weight, bias, eps)
+        return F.layer_norm(x, shape, weight, bias, eps_f)
     if getattr(x, "is_nested", False):
         shape, eps = normalize_shape(normalized_shape), eps_value(eps)  # the checks of a dense call
         dispatch.record(nested_fallback(OP, impl))

@@ -271,9 +271,9 @@ def run(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: 
         TypeError, ValueError: as :func:`check_args`; ``impl`` naming no implementation of the op.
         FusionFallbackError: in strict mode, where the fused path cannot take the input.
     """
+    ignore_index = check_args(hidden, weight, target, bias, ignore_index, reduction, chunk_rows)   # (compiled too)
     if dispatch.compile_passthrough(OP, impl):
         return reference(hidden, weight, target, bias, ignore_index, reduction)
-    ignore_index = check_args(hidden, weight, target, bias, ignore_index, reduction, chunk_rows)
     hidden, weight, bias = _compute_dtype(hidden, weight, bias)
     choice = dispatch.select(OP, problem(hidden, weight, target, bias), impl)
     if choice.impl == "pipegoose":

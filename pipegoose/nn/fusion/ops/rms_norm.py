@@ -243,8 +243,9 @@ def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, eps
         shape, eps = normalize_shape(normalized_shape), eps_value(eps, allow_none=True)  # the checks of a dense call
         dispatch.record(nested_fallback(OP, impl))
         return _pytorch_ops(x, shape, weight, eps, cast_before_weight, without_autocast=False)
-    if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the op itself
-        return _pytorch_ops(x, normalize_shape(normalized_shape), weight, eps, cast_before_weight,
+    if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the op itself, after the checks of eager mode
+        shape = normalize_shape(normalized_shape)
+        return _pytorch_ops(x, shape, weight, check_args(x, shape, weight, eps), cast_before_weight,
                             without_autocast=True)
     sig = _signature(x, normalized_shape, weight, eps, cast_before_weight)
     key = None if sig is None else dispatch.choice_key(OP, impl, sig)

@@ -238,7 +238,8 @@ def run(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         TypeError, ValueError: as :func:`check_args`; ``impl`` naming no implementation of ``rope``.
         FusionFallbackError: in strict mode, where the kernel cannot take the input.
     """
-    if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the ops itself
+    if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the ops itself, after eager mode's checks
+        check_args(q, k, cos, sin, unsqueeze_dim)
         return rope_reference(q, k, cos, sin, unsqueeze_dim)
     if any(getattr(t, "is_nested", False) for t in (q, k, cos, sin)):
         check_args(q, k, cos, sin, unsqueeze_dim)

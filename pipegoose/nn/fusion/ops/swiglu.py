@@ -124,7 +124,8 @@ def run(gate: torch.Tensor, up: torch.Tensor, impl: str | None) -> torch.Tensor:
         TypeError, ValueError: as :func:`check_args`; ``impl`` naming no implementation of ``swiglu``.
         FusionFallbackError: in strict mode, where the kernel cannot take the input.
     """
-    if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the two ops itself
+    if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the two ops itself, after eager mode's checks
+        check_args(gate, up)
         return swiglu_reference(gate, up)
     if getattr(gate, "is_nested", False) or getattr(up, "is_nested", False):
         check_args(gate, up)

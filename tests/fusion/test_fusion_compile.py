@@ -1,0 +1,72 @@
+"""Under ``torch.compile`` the op entry points emit PyTorch's reference ops (``dispatch.compile_passthrough``). A
+fresh-clone review (session 61): they did so before their argument checks, so a compiled call of bad input gave NaN or
+an unintended result where the eager call raised (``layer_norm(eps=-1)``: all NaN; ``fused_linear_cross_entropy(
+reduction="none")``: a loss per row). The checks now run first; they are traced into the graph, not a break of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+
+from pipegoose.nn import fusion
+import pipegoose.nn.fusion.functional as pf
+
+
+def _rope_args(q_dtype=torch.float32, k_dtype=torch.float32):
+    q, k = torch.randn(2, 3, 5, 8, dtype=q_dtype), torch.randn(2, 3, 5, 8).to(k_dtype)
+    return q, k, torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+
+
+H, W, T = torch.randn(6, 4), torch.randn(7, 4), torch.randint(0, 7, (6,))
+X = torch.randn(2, 8)
+# (name, a call on bad input, the error it raises in eager mode)
+BAD = [
+    ("layer_norm eps<0", lambda: pf.layer_norm(X, 8, eps=-1.0), (ValueError, "eps: expected a finite number >= 0")),
+    ("rms_norm eps nan", lambda: pf.rms_norm(X, 8, eps=float("nan")), (ValueError, "eps")),
+    ("layer_norm weight shape", lambda: pf.layer_norm(X, 8, weight=torch.ones(7)), (ValueError, "weight")),
+    ("lce reduction", lambda: pf.fused_linear_cross_entropy(H, W, T, reduction="none"), (ValueError, "reduction")),
+    ("lce chunk_rows", lambda: pf.fused_linear_cross_entropy(H, W, T, chunk_rows=-3), (ValueError, "chunk_rows")),
+    ("lce target size", lambda: pf.fused_linear_cross_entropy(H, W, T[:5]), (ValueError, "target")),
+    ("swiglu int up", lambda: pf.swiglu(X, torch.ones(2, 8, dtype=torch.int64)), (TypeError, "up")),
+    ("rope int k", lambda: pf.apply_rotary_pos_emb(*_rope_args(k_dtype=torch.int64)), (TypeError, "k")),
+    ("cross_entropy fp8", lambda: pf.cross_entropy(torch.randn(4, 7).to(torch.float8_e4m3fn), T[:4]),
+     (TypeError, "logits")),
+]
+
+
+@pytest.mark.parametrize("name, call, raised", BAD, ids=[b[0] for b in BAD])
+def test_a_compiled_call_of_bad_input_raises_as_the_eager_call(name, call, raised):
+    kind, says = raised
+    with pytest.raises(kind, match=says):
+        call()
+    dynamo.reset()
+    # (dynamo wraps an error raised while tracing in its own type, with the message kept)
+    with pytest.raises(Exception, match=says) as e:
+        torch.compile(call, backend="eager", fullgraph=True)()
+    assert isinstance(e.value, kind) or isinstance(e.value.__cause__, kind) or kind.__name__ in str(e.value), e.value
+
+
+GOOD = [
+    ("layer_norm", lambda x: pf.layer_norm(x, 8, torch.ones(8), torch.zeros(8), 1e-5)),
+    ("rms_norm", lambda x: pf.rms_norm(x, (8,), torch.rand(8), 1e-6)),
+    ("rms_norm llama", lambda x: pf.rms_norm(x, 8, torch.rand(8), None, cast_before_weight=True)),
+    ("swiglu", lambda x: pf.swiglu(x, x * 2)),
+    ("cross_entropy", lambda x: pf.cross_entropy(x, torch.tensor([1, 7]), reduction="sum")),
+    ("lce", lambda x: pf.fused_linear_cross_entropy(x, torch.randn(5, 8), torch.tensor([1, -100]))),
+    ("rope", lambda x: pf.apply_rotary_pos_emb(*_rope_args())[0] + x.sum()),
+]
+
+
+@pytest.mark.parametrize("name, f", GOOD, ids=[g[0] for g in GOOD])
+def test_the_checks_trace_into_one_graph(name, f):
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    dynamo.reset()
+    explained = dynamo.explain(f)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch.manual_seed(1)
+    want = f(x)
+    dynamo.reset()
+    torch.manual_seed(1)
+    torch.testing.assert_close(torch.compile(f, backend="eager", fullgraph=True)(x), want)
