@@ -395,17 +395,8 @@ def test_scale_refuses_what_is_not_a_number(scale):
         PF.scaled_softmax(torch.randn(2, 2, 4, 4), scale)
 
 
-@pytest.mark.parametrize("op", ["plain", "masked", "causal"])
-def test_a_learnable_scale_gets_its_gradient(op):
-    """A review (session 60): a 0-d tensor scale that requires grad (a learnable temperature) was taken as a float, its
-    gradient lost without a word. Now the three softmaxes pass it the gradient of F.softmax(x * scale) (float64,
-    both gradients), and the module, which takes a constant as Megatron's does, refuses it."""
-    gen = torch.Generator().manual_seed(60)
-    x = torch.randn(2, 3, 5, 5, generator=gen, dtype=torch.float64, requires_grad=True)
-    mask = torch.rand(2, 1, 5, 5, generator=gen) < 0.3
-    w = torch.randn(2, 3, 5, 5, generator=gen, dtype=torch.float64)
-    t = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
-
+def _scaled(op, mask):
+    """(ours, want): the scaled softmax ``op`` of [2, 3, 5, 5] inputs, and F.softmax(x * scale) masked alike."""
     def ours(x, t):
         if op == "plain":
             return PF.scaled_softmax(x, t)
@@ -421,6 +412,20 @@ def test_a_learnable_scale_gets_its_gradient(op):
             s = s.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
         return F.softmax(s, -1)
 
+    return ours, want
+
+
+@pytest.mark.parametrize("op", ["plain", "masked", "causal"])
+def test_a_learnable_scale_gets_its_gradient(op):
+    """A review (session 60): a 0-d tensor scale that requires grad (a learnable temperature) was taken as a float, its
+    gradient lost without a word. Now the three softmaxes pass it the gradient of F.softmax(x * scale) (float64,
+    both gradients), and the module, which takes a constant as Megatron's does, refuses it."""
+    gen = torch.Generator().manual_seed(60)
+    x = torch.randn(2, 3, 5, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(2, 1, 5, 5, generator=gen) < 0.3
+    w = torch.randn(2, 3, 5, 5, generator=gen, dtype=torch.float64)
+    t = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+    ours, want = _scaled(op, mask)
     got = torch.autograd.grad((ours(x, t) * w).sum(), (x, t))
     ref = torch.autograd.grad((want(x, t) * w).sum(), (x, t))
     assert got[1] is not None and float(ref[1].abs()) > 1e-3
@@ -430,6 +435,55 @@ def test_a_learnable_scale_gets_its_gradient(op):
         torch.testing.assert_close(ours(x, t), want(x, t))
     with pytest.raises(TypeError, match=r"^scale: a tensor that requires grad; FusedScaleMaskSoftmax takes a constant"):
         FusedScaleMaskSoftmax(False, False, AttnMaskType.padding, True, None, True, t)
+
+
+@pytest.mark.parametrize("op", ["plain", "masked", "causal"])
+def test_a_tensor_scale_keeps_its_forward_derivative_and_maps_under_vmap(op):
+    """A review (session 61): the scale's forward-mode derivative was lost (torch.func.jvp gave 0.0; a dual scale gave
+    no tangent), and vmap over the scale failed with "a 0-d tensor without a value". Now a scale of a transform, or a
+    dual one, multiplies x first, as a learnable one does (float64 against F.softmax(x * scale))."""
+    import torch.autograd.forward_ad as fwAD
+
+    gen = torch.Generator().manual_seed(61)
+    x = torch.randn(2, 3, 5, 5, generator=gen, dtype=torch.float64)
+    mask = torch.rand(2, 1, 5, 5, generator=gen) < 0.3
+    w = torch.randn(2, 3, 5, 5, generator=gen, dtype=torch.float64)
+    t, dt = torch.tensor(0.7, dtype=torch.float64), torch.tensor(1.3, dtype=torch.float64)
+    ours, want = _scaled(op, mask)
+    got = torch.func.jvp(lambda s: (ours(x, s) * w).sum(), (t,), (dt,))[1]
+    ref = torch.func.jvp(lambda s: (want(x, s) * w).sum(), (t,), (dt,))[1]
+    assert float(ref.abs()) > 1e-3
+    torch.testing.assert_close(got, ref)
+    with fwAD.dual_level():
+        tangent = fwAD.unpack_dual(ours(x, fwAD.make_dual(t, dt))).tangent
+        ref_tangent = fwAD.unpack_dual(want(x, fwAD.make_dual(t, dt))).tangent
+    assert tangent is not None
+    torch.testing.assert_close(tangent, ref_tangent)
+    scales = torch.tensor([0.5, 1.0, 2.5], dtype=torch.float64)
+    torch.testing.assert_close(torch.func.vmap(lambda s: ours(x, s))(scales), torch.stack([want(x, s) for s in scales]))
+    torch.testing.assert_close(torch.func.grad(lambda s: (ours(x, s) * w).sum())(t),
+                               torch.func.grad(lambda s: (want(x, s) * w).sum())(t))
+    with pytest.raises(ValueError, match="^scale: expected a finite number, got nan"):
+        with fwAD.dual_level():
+            ours(x, fwAD.make_dual(torch.tensor(float("nan"), dtype=torch.float64), dt))
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+def test_a_nested_tensor_through_the_scaled_softmax(layout):
+    """A review (session 61): scaled_softmax of a nested tensor crashed in the dispatcher ("NestedTensorImpl doesn't
+    support sizes"), where softmax and the norms run PyTorch's ops. Now it runs F.softmax(x * scale, -1) (a fallback,
+    counted); a mask or a causal mask with a nested x is refused, naming x."""
+    rows = [torch.randn(3, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)]
+    nt = torch.nested.nested_tensor(rows, layout=layout)
+    dispatch.reset_stats()
+    got = PF.scaled_softmax(nt, 0.5)
+    assert got.is_nested
+    for g, r in zip(got.unbind(), rows):
+        torch.testing.assert_close(g, F.softmax(r * 0.5, -1))
+    assert dispatch.stats() == {"softmax": {"torch": 1}}, dispatch.stats()
+    assert dispatch.last_choice("softmax").fallback
+    with pytest.raises(TypeError, match="^x: a nested tensor is taken without a mask only .*; a causal mask was given"):
+        PF.scaled_upper_triang_masked_softmax(nt, 0.5)
 
 
 def test_torch_func_transforms_through_the_softmaxes():

@@ -90,10 +90,10 @@ def scaled_softmax(x: torch.Tensor, scale: float = 1.0, *, impl: str | None = No
 
     Args:
         x: [..., sk] fp32/fp16/bf16 (fused: CUDA; the Megatron copy also needs [b, np, sq, sk] fp16/bf16); fp64
-            runs the reference path.
-        scale: a finite number (Python, numpy or a 0-d tensor; one that requires grad, a learnable temperature,
-            gets its gradient: ``x`` is multiplied by it first, as in ``F.softmax(x * scale)``, and the op runs with
-            scale 1).
+            runs the reference path, a nested tensor (either layout) ``F.softmax(x * scale, -1)``.
+        scale: a finite number (Python, numpy or a 0-d tensor; one that carries a derivative, a learnable
+            temperature that requires grad, a dual tensor or a ``torch.func`` transform's, keeps it: ``x`` is
+            multiplied by it first, as in ``F.softmax(x * scale)``, and the op runs with scale 1).
 
     Returns:
         Tensor like ``x`` (dtype fp32 under CUDA autocast).
@@ -121,9 +121,9 @@ def scaled_masked_softmax(x: torch.Tensor, mask: torch.Tensor | None, scale: flo
             broadcast; Megatron's kernel takes only np == 1, the others every shape), or None (=
             :func:`scaled_softmax`: the call is then op ``softmax``, counted and forced as that op, with
             ``PIPEGOOSE_IMPL_SOFTMAX``; ``PIPEGOOSE_IMPL_SOFTMAX_MASKED`` does not apply).
-        scale: a finite number (Python, numpy or a 0-d tensor; one that requires grad, a learnable temperature,
-            gets its gradient: ``x`` is multiplied by it first, as in ``F.softmax(x * scale)``, and the op runs with
-            scale 1).
+        scale: a finite number (Python, numpy or a 0-d tensor; one that carries a derivative, a learnable
+            temperature that requires grad, a dual tensor or a ``torch.func`` transform's, keeps it: ``x`` is
+            multiplied by it first, as in ``F.softmax(x * scale)``, and the op runs with scale 1).
 
     Returns:
         [b, np, sq, sk] in ``x``'s dtype (fp32 under CUDA autocast). A row whose keys are all masked gives zeros
@@ -139,7 +139,7 @@ def scaled_masked_softmax(x: torch.Tensor, mask: torch.Tensor | None, scale: flo
         ValueError: ``x`` not 4-D, ``mask`` shape or device wrong, ``scale`` not finite.
     """
     _sm.check_input(x)
-    _sm.check_scale(scale)
+    _sm.check_scale_type(scale)   # (its value: fold_scale)
     if x.dim() != 4:
         raise ValueError(f"x: expected [b, np, sq, sk], got shape {list(x.shape)}")
     if mask is not None:
@@ -157,9 +157,9 @@ def scaled_upper_triang_masked_softmax(x: torch.Tensor, scale: float = 1.0, *,
 
     Args:
         x: [attn_batches, sq, sk] fp32/fp16/bf16 (Megatron: sq == sk; fp64: the reference path).
-        scale: a finite number (Python, numpy or a 0-d tensor; one that requires grad, a learnable temperature,
-            gets its gradient: ``x`` is multiplied by it first, as in ``F.softmax(x * scale)``, and the op runs with
-            scale 1).
+        scale: a finite number (Python, numpy or a 0-d tensor; one that carries a derivative, a learnable
+            temperature that requires grad, a dual tensor or a ``torch.func`` transform's, keeps it: ``x`` is
+            multiplied by it first, as in ``F.softmax(x * scale)``, and the op runs with scale 1).
 
     Returns:
         [attn_batches, sq, sk] in ``x``'s dtype (fp32 under CUDA autocast); rows with no visible key (sq > sk)
@@ -175,7 +175,7 @@ def scaled_upper_triang_masked_softmax(x: torch.Tensor, scale: float = 1.0, *,
         ``scale``.
     """
     _sm.check_input(x)
-    _sm.check_scale(scale)
+    _sm.check_scale_type(scale)   # (its value: fold_scale)
     if x.dim() != 3:
         raise ValueError(f"x: expected [attn_batches, sq, sk], got shape {list(x.shape)}")
     x, scale = _sm.fold_scale(x, scale)

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, HALF_DTYPES, INT32_MAX, NO_STORAGE, autocast_state,
-                      call_without_autocast, check_input_dtype, dtype_name, has_storage, in_transform, manifest_limit,
-                      megatron_batches_per_block, needs_grad, nested_fallback, next_pow2, param_signature,
-                      representable, torch_result_dtype)
+                      call_without_autocast, check_input_dtype, dtype_name, has_storage, has_tangent, in_transform,
+                      manifest_limit, megatron_batches_per_block, needs_grad, nested_fallback, next_pow2,
+                      param_signature, representable, torch_result_dtype)
 
 OP_PLAIN, OP_MASKED, OP_CAUSAL = "softmax", "softmax.masked", "softmax.causal"
 
@@ -428,19 +428,30 @@ def softmax_out_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def fold_scale(x: torch.Tensor, scale: Any) -> tuple[torch.Tensor, float]:
-    """``(x, check_scale(scale))``; or, for a 0-d tensor ``scale`` that requires grad while grad mode is on (a
-    learnable temperature), ``(x * scale, 1.0)``: softmax(scale * x) with the gradient reaching ``scale`` through the
-    product, rounded once in ``x``'s dtype as ``F.softmax(x * scale)`` rounds it. (A review, session 60: the scale was
-    taken as a float, and its gradient silently lost.)"""
-    value = check_scale(scale)
-    if isinstance(scale, torch.Tensor) and scale.requires_grad and torch.is_grad_enabled():
+    """``(x, check_scale(scale))``; or, for a 0-d tensor ``scale`` that carries a derivative (it requires grad while
+    grad mode is on: a learnable temperature; a dual tensor of ``torch.autograd.forward_ad``; a tensor of a
+    ``torch.func`` transform: ``vmap``, ``jvp``, ``grad``), ``(x * scale, 1.0)``: softmax(scale * x) with the
+    derivative reaching ``scale`` through the product, rounded once in ``x``'s dtype as ``F.softmax(x * scale)``
+    rounds it. The value of a transform's tensor is not read (it has none to read: a batch under vmap).
+
+    (Reviews: session 60, the scale was taken as a float and its gradient silently lost; session 61, so was its
+    forward-mode derivative, and vmap over it failed with "a 0-d tensor without a value".)
+
+    Raises:
+        TypeError, ValueError: as :func:`check_scale`.
+    """
+    if isinstance(scale, torch.Tensor) and ((scale.requires_grad and torch.is_grad_enabled()) or in_transform(scale)
+                                            or has_tangent(scale)):
+        check_scale_type(scale)
+        if not in_transform(scale):
+            check_scale(scale)   # (its value: finite)
         return x * scale, 1.0
-    return x, value
+    return x, check_scale(scale)
 
 
-def check_scale(scale: Any) -> float:
-    """``scale`` as a float: a Python int or float, a numpy integer or floating scalar, or a 0-d real tensor (what
-    the norms take for ``eps``; not a bool). Raises TypeError for anything else, ValueError for a non-finite value."""
+def check_scale_type(scale: Any) -> None:
+    """Raise TypeError unless ``scale`` is a Python int or float, a numpy integer or floating scalar, or a 0-d real
+    tensor (what the norms take for ``eps``; not a bool). Its value is not read (:func:`check_scale` reads it)."""
     kind = getattr(getattr(scale, "dtype", None), "kind", None)  # numpy scalars: "i", "u" or "f"
     ok = ((isinstance(scale, (int, float)) and not isinstance(scale, bool))
           or (kind in ("i", "u", "f") and getattr(scale, "ndim", 1) == 0)
@@ -448,6 +459,12 @@ def check_scale(scale: Any) -> float:
               and scale.dtype != torch.bool))
     if not ok:
         raise TypeError(f"scale: expected a number, got {scale!r} ({type(scale).__name__})")
+
+
+def check_scale(scale: Any) -> float:
+    """``scale`` as a float (:func:`check_scale_type`'s kinds). Raises TypeError for anything else, ValueError for a
+    non-finite value."""
+    check_scale_type(scale)
     if isinstance(scale, torch.Tensor):
         try:
             scale = scale.detach().item()
@@ -526,7 +543,15 @@ def _choose(op: str, x: torch.Tensor, mask: torch.Tensor | None, scale: float, i
 
 def run(op: str, x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool,
         impl: str | None, exact: bool = False) -> torch.Tensor:
-    """Choose and run an implementation of a scaled (masked/causal) softmax over the last dim of ``x``."""
+    """Choose and run an implementation of a scaled (masked/causal) softmax over the last dim of ``x``. A nested
+    ``x`` runs PyTorch's ops (``F.softmax(x * scale, -1)``) where there is no mask and no causal mask, and is refused
+    otherwise (TypeError naming ``x``)."""
+    if getattr(x, "is_nested", False):   # (it crashed in the dispatcher: "NestedTensorImpl doesn't support sizes")
+        if mask is not None or causal:
+            raise TypeError(f"x: a nested tensor is taken without a mask only (scaled_softmax, or "
+                            f"scaled_masked_softmax with mask None); {'a causal' if causal else 'a'} mask was given")
+        dispatch.record(nested_fallback(op, impl))
+        return F.softmax(x if scale == 1.0 else x * scale, -1)
     if dispatch.compile_passthrough(op, impl):  # torch.compile fuses the reference itself
         kind, autocast_on, _ = autocast_state(x.device)
         if not autocast_on:
