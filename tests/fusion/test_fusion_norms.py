@@ -816,3 +816,21 @@ def test_module_errors_name_the_modules_argument():
         if mod is not t5:  # T5's rule promotes an integer input with its fp32 weight, as T5LayerNorm computes it
             with pytest.raises(TypeError, match=r"^input: expected a floating point"):
                 mod(torch.ones(2, 8, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("cls", ["FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm"])
+def test_torch_jit_trace_of_a_fused_norm_passes_its_check(cls, monkeypatch):
+    """A review (session 61): torch.jit.trace of a fused norm's first call failed its own check ("Graphs differed
+    across invocations", value names %input.1 against %input): the output-dtype probe, which runs once per dtype mix,
+    ran inside the trace. It now runs outside it, so the first call's graph is the later calls' graph."""
+    import pipegoose.nn.fusion as fusion
+    from pipegoose.nn.fusion.ops import _common
+
+    monkeypatch.setattr(_common, "_policy_cache", {})   # the probe's first run, as in a fresh process
+    m = getattr(fusion, cls)(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # (the tracer's warnings about the checks' Python values)
+        traced = torch.jit.trace(m, (torch.randn(4, 5),))
+    x = torch.randn(3, 5)
+    torch.testing.assert_close(traced(x), m(x))
+    assert _common._policy_cache, "the probe did not run in the trace"

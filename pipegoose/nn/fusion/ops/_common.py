@@ -48,11 +48,20 @@ def torch_result_dtype(key: str, device: torch.device, dtypes: tuple, probe: Cal
     hit = _policy_cache.get(k)
     if hit is not None:
         return hit
+    # outside a torch.jit.trace in progress: traced, the probe's tensors took value names the traced graph's own then
+    # could not have, so the first call's graph differed from a later (cached) one's and the trace check failed
+    # ("Graphs differed across invocations"; a review)
+    tracing = torch._C._get_tracing_state() if torch.jit.is_tracing() else None
+    if tracing is not None:
+        torch._C._set_tracing_state(None)
     try:
         with torch.no_grad():
             out = probe(*dtypes).dtype
     except (RuntimeError, TypeError, ValueError):
         out = default
+    finally:
+        if tracing is not None:
+            torch._C._set_tracing_state(tracing)
     with _policy_lock:
         _policy_cache[k] = out
     return out
