@@ -834,3 +834,17 @@ def test_torch_jit_trace_of_a_fused_norm_passes_its_check(cls, monkeypatch):
     x = torch.randn(3, 5)
     torch.testing.assert_close(traced(x), m(x))
     assert _common._policy_cache, "the probe did not run in the trace"
+
+
+@pytest.mark.parametrize("t5", [False, True], ids=["llama", "t5"])
+def test_fused_rmsnorm_refuses_integer_and_float8_input_in_every_mode(t5):
+    """A review (session 61): with output_in_weight_dtype (T5's numerics) an integer input was cast to fp32 and
+    normalised, where the other modes raise; a float8 one raised torch's "Promotion for Float8 Types is not
+    supported", naming no argument. Every mode now raises the same TypeError naming ``input``."""
+    from pipegoose.nn.fusion import FusedRMSNorm
+
+    m = FusedRMSNorm(5, eps=1e-6, output_in_weight_dtype=t5)
+    with pytest.raises(TypeError, match="^input: expected a floating point torch.Tensor, got int64$"):
+        m(torch.tensor([[1, 2, 3, 4, 5]]))
+    with pytest.raises(TypeError, match=r"^input: expected dtype float32, .* got float8_e4m3fn .* e\.g\. input\.to\("):
+        m(torch.randn(1, 5).to(torch.float8_e4m3fn))

@@ -266,7 +266,7 @@ def _as_input_error(e: Exception) -> Exception:
     """An error of the functional op about its ``x``, renamed for the module's argument ``input`` (as
     ``torch.nn.LayerNorm.forward(input)``); other errors as they are."""
     msg = str(e)
-    return type(e)("input" + msg[1:]) if msg.startswith("x:") else e
+    return type(e)("input" + msg[1:].replace("e.g. x.to(", "e.g. input.to(")) if msg.startswith("x:") else e
 
 
 def _ln_shape(normalized_shape: Any, name: str = "normalized_shape") -> tuple[int, ...]:
@@ -465,7 +465,9 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
 
     def _t5_forward(self, input: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
         # T5LayerNorm: the normalised input in fp32 (or fp64); with a half weight rounded to the weight's dtype and
-        # multiplied in it (two roundings), else multiplied by the weight as F.rms_norm does (one rounding)
+        # multiplied in it (two roundings), else multiplied by the weight as F.rms_norm does (one rounding).
+        # The input is checked before it is cast (an integer one was cast to fp32 and normalised; a review)
+        _common.check_float_tensor(input)
         if w is not None and w.dtype in _HALF:
             if input.dtype == w.dtype:  # LlamaRMSNorm's numerics are T5's here, in one kernel
                 return PF.rms_norm(input, self.normalized_shape, w, self.eps, cast_before_weight=True,

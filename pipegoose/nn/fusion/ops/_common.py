@@ -272,6 +272,15 @@ def dtype_name(dtype: torch.dtype | None) -> str:
     return "None" if dtype is None else str(dtype).replace("torch.", "")
 
 
+def check_float_tensor(x: Any, name: str = "x") -> None:
+    """TypeError naming ``name`` unless ``x`` is a floating point tensor of a dtype some path here takes
+    (:func:`check_input_dtype`): the first check of every op's tensor inputs."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"{name}: expected a floating point torch.Tensor, got "
+                        f"{dtype_name(x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    check_input_dtype(x, name)
+
+
 def check_input_dtype(x: torch.Tensor, name: str = "x") -> None:
     """TypeError naming ``name`` when the floating tensor ``x`` (an input or a parameter) has a dtype outside
     :data:`INPUT_DTYPES` (float8 and narrower formats: no kernel and no reference path here takes them)."""

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .. import dispatch
 from ..dispatch import Implementation, Problem
-from ._common import (INT32_MAX, all_have_storage, check_input_dtype, kernel_input_ok, call_without_autocast,
+from ._common import (INT32_MAX, all_have_storage, check_float_tensor, kernel_input_ok, call_without_autocast,
                       dtype_name, grads_through, has_tangent, int_value, needs_grad)
 
 OP = "cross_entropy"
@@ -39,10 +39,7 @@ def check_args(logits: Any, target: Any, ignore_index: Any, reduction: Any) -> i
             ``ignore_index`` not an integer (a Python or numpy one; not a bool).
         ValueError: ``reduction`` not ``mean``, ``sum`` or ``none``; ``target`` on another device than ``logits``.
     """
-    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
-        raise TypeError(f"logits: expected a floating point torch.Tensor, got "
-                        f"{dtype_name(logits.dtype) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
-    check_input_dtype(logits, "logits")
+    check_float_tensor(logits, "logits")
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target: expected a torch.Tensor of class indices, got {type(target).__name__}")
     ignore_index = int_value(ignore_index, "ignore_index")

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, HALF_DTYPES, INT32_MAX, all_have_storage, any_in_transform, autocast_state,
-                      kernel_input_ok, call_without_autocast, check_input_dtype, dtype_name, eps_value, grads_through,
-                      has_tangent, hidden_range, in_dual_level, needs_grad, nested_fallback, param_signature,
-                      shape_signature, torch_result_dtype)
+                      kernel_input_ok, call_without_autocast, check_float_tensor, check_input_dtype, dtype_name,
+                      eps_value, grads_through, has_tangent, hidden_range, in_dual_level, needs_grad, nested_fallback,
+                      param_signature, shape_signature, torch_result_dtype)
 
 OP = "layer_norm"
 SRC_PIPEGOOSE = "pipegoose/layer_norm: pipegoose/kernels/csrc/layer_norm.cu (pipegoose, MIT)"
@@ -68,10 +68,7 @@ def normalize_shape(normalized_shape: Any) -> tuple[int, ...]:
 
 def check_args(x: Any, shape: tuple[int, ...], weight: Any, bias: Any, eps: Any) -> float:
     """Check the arguments (errors name the argument); returns ``eps`` as a float."""
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"x: expected a floating point torch.Tensor, got "
-                        f"{dtype_name(x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__}")
-    check_input_dtype(x)
+    check_float_tensor(x)
     if x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape:
         raise ValueError(f"x: expected shape [*, {', '.join(map(str, shape))}] (normalized_shape={list(shape)}), "
                          f"got {list(x.shape)}")

@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..dispatch import Implementation, Problem
 from . import cross_entropy as _ce
-from ._common import (INT32_MAX, all_have_storage, autocast_state, call_without_autocast, check_input_dtype, dtype_name,
-                      has_tangent, int_value, kernel_input_ok, needs_grad)
+from ._common import (INT32_MAX, all_have_storage, autocast_state, call_without_autocast, check_float_tensor,
+                      dtype_name, has_tangent, int_value, kernel_input_ok, needs_grad)
 
 OP = "fused_linear_cross_entropy"
 SRC_PIPEGOOSE = ("pipegoose/cross_entropy: pipegoose/kernels/csrc/cross_entropy.cu (pipegoose, MIT), per chunk of "
@@ -61,10 +61,7 @@ def check_args(hidden: Any, weight: Any, target: Any, bias: Any, ignore_index: A
             ``hidden``; ``chunk_rows`` below 1.
     """
     for name, t in (("hidden", hidden), ("weight", weight)) + ((("bias", bias),) if bias is not None else ()):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            got = dtype_name(t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise TypeError(f"{name}: expected a floating point torch.Tensor, got {got}")
-        check_input_dtype(t, name)
+        check_float_tensor(t, name)
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target: expected a torch.Tensor of class indices, got {type(target).__name__}")
     ignore_index = int_value(ignore_index, "ignore_index")

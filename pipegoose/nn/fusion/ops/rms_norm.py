@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, kernel_input_ok, all_have_storage, any_in_transform, autocast_state,
-                      call_without_autocast, check_input_dtype, dtype_name, eps_value, has_tangent, in_dual_level,
-                      hidden_range, needs_grad, nested_fallback, param_signature, shape_signature, torch_result_dtype)
+                      call_without_autocast, check_float_tensor, check_input_dtype, dtype_name, eps_value, has_tangent,
+                      in_dual_level, hidden_range, needs_grad, nested_fallback, param_signature, shape_signature,
+                      torch_result_dtype)
 from .layer_norm import EMPTY_INPUT, normalize_shape
 
 OP = "rms_norm"
@@ -47,10 +48,7 @@ def check_args(x: Any, shape: tuple[int, ...], weight: Any, eps: Any) -> float |
         ValueError: ``x``'s trailing dims not ``shape``, ``weight`` not of ``shape`` or on another device, ``eps``
             negative or not finite.
     """
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"x: expected a floating point torch.Tensor, got "
-                        f"{dtype_name(x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__}")
-    check_input_dtype(x)
+    check_float_tensor(x)
     if x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape:
         raise ValueError(f"x: expected shape [*, {', '.join(map(str, shape))}] (normalized_shape={list(shape)}), "
                          f"got {list(x.shape)}")

@@ -42,7 +42,7 @@ import torch
 
 from .. import dispatch
 from ..dispatch import Implementation, Problem
-from ._common import (HALF_DTYPES, all_have_storage, any_in_transform, call_without_autocast, check_input_dtype,
+from ._common import (HALF_DTYPES, all_have_storage, any_in_transform, call_without_autocast, check_float_tensor,
                       dtype_name, has_tangent, in_dual_level, kernel_input_ok, needs_grad, nested_fallback)
 
 OP = "rope"
@@ -62,10 +62,7 @@ def check_args(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: Any = 1) -> No
         ValueError: a tensor on another device than ``q``.
     """
     for name, t in zip(_NAMES, (q, k, cos, sin)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name}: expected a floating point torch.Tensor, got "
-                            f"{dtype_name(t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__}")
-        check_input_dtype(t, name)
+        check_float_tensor(t, name)
         if t.device != q.device:
             raise ValueError(f"{name}: on {t.device}, expected q's device {q.device}")
     if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int):

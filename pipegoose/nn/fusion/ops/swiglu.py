@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (all_have_storage, kernel_input_ok, any_in_transform, call_without_autocast,
-                      check_input_dtype, dtype_name, has_tangent, in_dual_level, needs_grad, nested_fallback)
+                      check_float_tensor, dtype_name, has_tangent, in_dual_level, needs_grad, nested_fallback)
 
 OP = "swiglu"
 FORWARD_AD_SWIGLU = ("a dual tensor (torch.autograd.forward_ad): the SwiGLU kernel has no forward derivative (jvp); "
@@ -38,10 +38,7 @@ def check_args(gate: Any, up: Any) -> None:
         ValueError: ``up`` on another device than ``gate``, or of a shape that does not broadcast with it.
     """
     for name, t in (("gate", gate), ("up", up)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name}: expected a floating point torch.Tensor, got "
-                            f"{dtype_name(t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__}")
-        check_input_dtype(t, name)
+        check_float_tensor(t, name)
     if up.device != gate.device:
         raise ValueError(f"up: on {up.device}, expected gate's device {gate.device}")
     if gate.is_nested or up.is_nested:   # (a strided nested tensor has no .shape; PyTorch's ops check it)
