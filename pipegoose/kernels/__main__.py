@@ -145,7 +145,7 @@ def _doctor(args) -> int:
     if litter:
         console.print(f"[yellow]{len(litter)} temp folder(s) of killed builds[/] in {cache_dir} "
                       f"({_size(litter) / 2**20:.1f} MiB): remove them with python -m pipegoose.kernels clean")
-    # as build's exit status: a kernel that cannot be built here is 2 (it was 0: a passing preflight hid a changed
+    # as build's exit status: a kernel that cannot be built here is 3 (it was 0: a passing preflight hid a changed
     # vendored file from CI; session 35's walkthrough)
     return 1 if bad or "error" in states else 3 if "unavailable" in states else 0
 

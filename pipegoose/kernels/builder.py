@@ -511,8 +511,8 @@ class KernelBuilder:
         except _cache.LockTimeout as e:
             raise KernelBuildBusyError(f"{k.id}: {e}") from None
         except _cache.LockWaitStopped:   # (stop_workers: Ctrl-C of build while another process builds this key)
-            raise KernelBuildBusyError(f"{k.id}: build stopped (interrupted) while waiting for another process's build "
-                                   "of it; nothing was cached", None) from None
+            raise KernelBuildBusyError(f"{k.id}: build stopped (interrupted) while waiting for another process's "
+                                       "build of it; nothing was cached", None) from None
         try:
             if lock.previous_owner:
                 po = lock.previous_owner

@@ -313,8 +313,9 @@ def parse_arch_list(text: str) -> list[Arch]:
                 cc = f"{int(virt[1])}.{virt[2]}{virt[3].lower()}"
                 raise ValueError(f"TORCH_CUDA_ARCH_LIST entry {tok!r} names PTX alone, which is not built by itself; "
                                  f"write {cc}+PTX (sm_{tok[8:]} code and its PTX) or {cc}")
+            names = ", ".join(sorted({k.split("+")[0].title() for k in NAMED_ARCHS}))
             raise ValueError(f"TORCH_CUDA_ARCH_LIST entry {tok!r}: expected <major>.<minor>[+PTX], e.g. 9.0+PTX, "
-                             f"or a name torch takes ({', '.join(sorted({k.split('+')[0].title() for k in NAMED_ARCHS}))})")
+                             f"or a name torch takes ({names})")
         major, minor = int(m.group(1)), int(m.group(2))
         out.append(Arch(major, minor, bool(m.group(4)), m.group(3).lower()))
     if not out:

@@ -442,9 +442,10 @@ def fold_scale(x: torch.Tensor, scale: Any) -> tuple[torch.Tensor, float]:
     """
     if isinstance(scale, torch.Tensor) and ((scale.requires_grad and torch.is_grad_enabled()) or in_transform(scale)
                                             or has_tangent(scale)):
-        check_scale_type(scale)
-        if not in_transform(scale):
-            check_scale(scale)   # (its value: finite)
+        if in_transform(scale):
+            check_scale_type(scale)
+        else:
+            check_scale(scale)   # (its value too: finite)
         return x * scale, 1.0
     return x, check_scale(scale)
 
