@@ -384,9 +384,8 @@ __global__ void __launch_bounds__(kThreads) rope_staged_kernel(const Params p) {
 // takes (rotate_pair's, one half of it: bit for bit the same results), the lanes past the rotated values store what
 // they loaded. Every chunk's load is issued before the first
 // shuffle; all lanes take part in every shuffle (no early return). Needs: D * sizeof(T) 16 bytes times a divisor of 32
-// (1 to 32 chunks: every lane of a warp has a chunk of a head of its tile; heads that left lanes idle ran slower, and
-// the kernel no longer takes them), R/2 a multiple of V, every pointer and stride a multiple of 16 bytes (launch()
-// checks).
+// (1 to 32 chunks; the kernel itself idles the lanes past the tile's heads, slower where tried), R/2 a multiple of V,
+// every pointer and stride a multiple of 16 bytes (launch() checks).
 template <typename T, int V, bool kBwd, typename I>
 __global__ void __launch_bounds__(kThreads) rope_lane_kernel(const Params p) {
   constexpr int kWarps = kThreads / 32;
@@ -394,7 +393,8 @@ __global__ void __launch_bounds__(kThreads) rope_lane_kernel(const Params p) {
   const int row = lane / p.chunks;
   const int c = lane - row * p.chunks;                     // this lane's chunk of its head
   const bool rot = c < 2 * p.vecs, first = c < p.vecs;     // rotated; in the first half
-  const int partner = !rot ? lane : first ? lane + p.vecs : lane - p.vecs;
+  // (an idle lane, past the warp tile's heads, takes its own words)
+  const int partner = !rot || row >= p.rows_per_block ? lane : first ? lane + p.vecs : lane - p.vecs;
   const int ec = rot ? c * V : 0;                          // own element in the head (the cos vector's)
   const int ep = rot ? (first ? ec + p.half : ec - p.half) : 0;   // the partner's element
   const I tile0 = (static_cast<I>(blockIdx.x) * kWarps + warp) * kLaneTiles;
@@ -407,7 +407,7 @@ __global__ void __launch_bounds__(kThreads) rope_lane_kernel(const Params p) {
     a[i] = make_uint4(0u, 0u, 0u, 0u);
     out[i] = nullptr;
     bs[i][0] = bs[i][1] = 0;
-    if (item < static_cast<I>(p.items)) {
+    if (row < p.rows_per_block && item < static_cast<I>(p.items)) {
       const I token = item / p.heads;
       const Head<I> h = head_at<I>(p, token, item - token * p.heads);
       a[i] = *reinterpret_cast<const uint4*>(static_cast<const T*>(h.is_q ? p.q : p.k) + (h.in + c * V));
