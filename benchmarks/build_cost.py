@@ -227,6 +227,12 @@ if __name__ == "__main__":
         except Exception as e:  # noqa: BLE001 - reported to the parent
             r = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
         print(MARK + json.dumps(r), flush=True)
+    elif sys.argv[1:] in (["-h"], ["--help"]):   # (it was the usage error, exit 2: a walkthrough)
+        print("usage: python -m benchmarks.build_cost --worker KERNEL CACHE_DIR [-DFLAG ...]\n\n"
+              "The worker process of python -m benchmarks.run --build-cost / --specialise (run those instead): builds\n"
+              "KERNEL with the -D flags in a cold CACHE_DIR, checks and times it, and prints one JSON line.\n\n"
+              + __doc__.split("\n\n")[0])
     else:
-        print("usage: python -m benchmarks.build_cost --worker KERNEL CACHE_DIR [-DFLAG ...]", file=sys.stderr)
+        print("usage: python -m benchmarks.build_cost --worker KERNEL CACHE_DIR [-DFLAG ...] (the worker of "
+              "python -m benchmarks.run --build-cost / --specialise; --help says more)", file=sys.stderr)
         sys.exit(2)

@@ -763,3 +763,16 @@ def test_results_md_tells_optimizer_sizes_under_a_million_apart(tmp_path):
     md = write_markdown(tmp_path / "results.md", {"gpu": "cpu", "date": "2026-12-04T00:00:00+00:00"}, {}, copy,
                         ms).read_text()
     assert "| 63000 params |" in md and "| 200000 params |" in md and "| 100M params |" in md
+
+
+@pytest.mark.parametrize("module", ["run", "rope_partial", "linear_cross_entropy", "norm_raw", "softmax_raw",
+                                    "paired_steps", "overhead", "build_cost"])
+def test_every_benchmark_cli_answers_help(module):
+    """A walkthrough (session 61): `python -m benchmarks.build_cost --help` was its usage error, exit 2, where every
+    other benchmark CLI prints its help and exits 0."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--help"], capture_output=True, text=True,
+                       cwd=_bench_path.ROOT, timeout=120)
+    assert p.returncode == 0 and "usage:" in p.stdout, p.stdout + p.stderr
