@@ -5,6 +5,7 @@ reduction="none")``: a loss per row). The checks now run first; they are traced 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch._dynamo as dynamo
@@ -49,6 +50,7 @@ def test_a_compiled_call_of_bad_input_raises_as_the_eager_call(name, call, raise
 
 GOOD = [
     ("layer_norm", lambda x: pf.layer_norm(x, 8, torch.ones(8), torch.zeros(8), 1e-5)),
+
     ("rms_norm", lambda x: pf.rms_norm(x, (8,), torch.rand(8), 1e-6)),
     ("rms_norm llama", lambda x: pf.rms_norm(x, 8, torch.rand(8), None, cast_before_weight=True)),
     ("swiglu", lambda x: pf.swiglu(x, x * 2)),
@@ -70,3 +72,15 @@ def test_the_checks_trace_into_one_graph(name, f):
     dynamo.reset()
     torch.manual_seed(1)
     torch.testing.assert_close(torch.compile(f, backend="eager", fullgraph=True)(x), want)
+
+
+@pytest.mark.parametrize("f", [lambda x: pf.layer_norm(x, np.int64(8), torch.ones(8), torch.zeros(8), 1e-5),
+                               lambda x: pf.rms_norm(x, (np.int32(8),), torch.ones(8), 1e-6)],
+                         ids=["layer_norm", "rms_norm"])
+def test_a_numpy_integer_size_compiles(f):
+    """A numpy integer ``normalized_shape`` failed inside dynamo ("Can't unpack scalar tensors": dynamo makes numpy
+    scalars tensors, no numbers.Integral). It now compiles (dynamo breaks the graph where the size is read as an int)
+    and gives the eager result."""
+    x = torch.randn(2, 8)
+    dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, backend="eager")(x), f(x))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import operator
 from typing import Any, Sequence
 
@@ -45,18 +44,31 @@ SRC_APEX = ("apex/fused_layer_norm: Apex csrc/layer_norm_cuda_kernel.cu via Colo
 EMPTY_INPUT = "empty input, shape {}: no kernel runs, the reference path returns the empty result"
 
 
+def _int_size(s: Any) -> int:
+    """``s`` as an int by ``operator.index`` (numpy integers too); TypeError for a bool, a float, anything else."""
+    if isinstance(s, bool):
+        raise TypeError("a bool is not a size")
+    return operator.index(s)
+
+
 def normalize_shape(normalized_shape: Any) -> tuple[int, ...]:
     """``normalized_shape`` as a tuple of ints: an integer (numpy's too) or a sequence of them, each >= 0. A zero
     size is what F.layer_norm / F.rms_norm take (an empty result); it runs the reference path (the kernels'
     ``supports`` decline an empty input)."""
-    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):  # numpy's too
-        if normalized_shape < 0:
-            raise ValueError(f"normalized_shape: expected a size >= 0, got {normalized_shape}")
-        return (int(normalized_shape),)
+    if not isinstance(normalized_shape, (bool, str, bytes, torch.Tensor)):
+        try:   # an integer, numpy's too (by operator.index: under torch.compile a numpy integer is no numbers.Integral,
+            # and it failed inside dynamo, "Can't unpack scalar tensors"; a review)
+            size = operator.index(normalized_shape)
+        except TypeError:
+            size = None
+        if size is not None:
+            if size < 0:
+                raise ValueError(f"normalized_shape: expected a size >= 0, got {size}")
+            return (size,)
     if isinstance(normalized_shape, (str, bytes)) or not hasattr(normalized_shape, "__iter__"):
         raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {normalized_shape!r}")
-    try:
-        shape = tuple(operator.index(s) for s in normalized_shape)  # integers only: 8.5 is an error, not 8
+    try:   # integers only: 8.5 is an error, not 8, and so is True, not 1
+        shape = tuple(map(_int_size, normalized_shape))
     except TypeError:
         raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {normalized_shape!r}") from None
     if not shape:
