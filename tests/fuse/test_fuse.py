@@ -906,6 +906,28 @@ def test_attention_fused_by_a_part_is_held_by_the_whole_and_its_unfuse_shows():
     assert unfuse(one) is True and one.config._attn_implementation == "eager"
 
 
+def test_attention_and_rope_fused_by_a_part_are_held_whatever_ops_says():
+    """A review (session 60's gaps): after fuse(model.model), fuse(model, ops=[...]) without attention and rope left
+    the part's attention and RoPE rows out of its report (norms fused before were held rows whatever ops said). They
+    are held rows now, kept up to date by fusion_report, and not counted as "not asked for"."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(models.config("llama", "eager"), attn_implementation="eager").eval()
+    fuse(model.model)
+    report = fuse(model, ops=["cross_entropy"])
+    n_layers = len(model.model.layers)
+    for kind in ("attention", "rope"):
+        rows = [r for r in report.rows if r.kind == kind]
+        assert len(rows) == n_layers and all(r.fused and "earlier fuse() of" in r.reason for r in rows), rows
+        assert kind not in report.not_requested, report.not_requested
+    assert model.config._attn_implementation == "eager"
+    unfuse(model.model)
+    rep = fusion_report(model)
+    reverted = [r for r in rep.rows if r.kind in ("attention", "rope")]
+    assert reverted and all(not r.fused and "reverted since by its unfuse()" in r.reason for r in reverted), reverted
+    assert unfuse(model) is True and not is_fused(model)
+
+
 def test_modules_fused_before_show_what_they_run():
     """A review of session 41's fix: attention kept on ours (a copy of a fused model, fused again) read "yes (earlier
     fuse)" where the fallback runs, and a norm fused before with its own impl= request showed the dispatcher's default

@@ -581,14 +581,17 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                 if row is None:
                     target = _rope.target(child)
                     if target is not None:   # an attention module that applies RoPE: hooked, not replaced
-                        if "rope" in ops:
-                            row = _consider_rope(model, child, path, target, dry_run, state)
+                        # (hooked by another fuse(): held, whatever ops says, as a norm fused before is; with rope
+                        # left out of ops it was missing from the report, a review)
+                        row = _held_rope_row(model, child, path, target)
+                        if row is not None:
                             report.rows.append(row)
-                            if row.fused and row.replacement is None:
-                                held.add(id(row))
-                                _hold(state, row, path, _rope.hooked)
+                            held.add(id(row))
+                            _hold(state, row, path, _rope.hooked)
+                        elif "rope" in ops:
+                            report.rows.append(_consider_rope(model, child, path, target, dry_run, state))
                         elif (_rope.probe(target.original, target.where).ok and _rope_unused(child) is None
-                              and not _rope.hooked(child)):   # (hooked by another fuse(): not ours to count; a review)
+                              and not _rope.hooked(child)):   # (a copy of a hooked module: not ours to count)
                             report.not_requested["rope"] = report.not_requested.get("rope", 0) + 1
                         continue
                     kind = _norm_kind_left_out(child, ops)
@@ -616,9 +619,13 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
         if "attention" in ops:
             _fuse_attention(model, config, attention, dry_run, report, state, held)
         elif matching.is_config(config):
-            n = sum(1 for p, m in model.named_modules()
-                    if matching.is_attention_module(m) and matching.attention_support(config, m)[0]
-                    and not _runs_our_attention(m))
+            modules = [(p, m) for p, m in model.named_modules() if matching.is_attention_module(m)]
+            # (those fused by another fuse() call: held, as with attention in ops; they were missing, a review)
+            enclosing, before = _attention_fused_before(model, config, modules)
+            for p, m in modules:
+                if id(m) in before:
+                    _hold_attention(p, m, config, enclosing, report, state, held)
+            n = sum(1 for p, m in modules if matching.attention_support(config, m)[0] and not _runs_our_attention(m))
             if n:
                 report.not_requested["attention"] = n
     except BaseException:
@@ -1017,20 +1024,26 @@ def _rope_unused(module: nn.Module, found=None) -> str | None:
     return None
 
 
-def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
-    """The report's row for an attention module that applies RoPE through ``target`` (its modeling module's global
-    ``apply_rotary_pos_emb``), and the hooks that route its calls to our op (``transformers.rope.install``)."""
-    name = type(child).__name__
+def _held_rope_row(model, child, path, target) -> FusionRow | None:
+    """The report's row for an attention module whose RoPE another fuse() call hooked (of a part of ``model``, or of
+    a model holding it), or None when no call did."""
     installed = _rope.dispatching_of(target.current)
     users = installed.__pipegoose_users__ if installed is not None else ()
-    if child in users:
-        owner = next((r for r, st in list(_STATE.items())
-                      if any(ref() is child for ref, _ in st.rope_hooks)), None)
-        inside = next((p for p, m in model.named_modules() if m is owner), None) if owner is not None else None
-        why = (f"fused by an earlier fuse() of {inside} ({type(owner).__name__}): unfuse() of either reverts it"
-               if inside else "fused by an earlier fuse() of a model holding this module: unfuse() of that model "
-               "reverts it")
-        return FusionRow(path, "rope", name, None, True, "-", "-", reason=why)
+    if child not in users:
+        return None
+    owner = next((r for r, st in list(_STATE.items()) if any(ref() is child for ref, _ in st.rope_hooks)), None)
+    inside = next((p for p, m in model.named_modules() if m is owner), None) if owner is not None else None
+    why = (f"fused by an earlier fuse() of {inside} ({type(owner).__name__}): unfuse() of either reverts it"
+           if inside else "fused by an earlier fuse() of a model holding this module: unfuse() of that model "
+           "reverts it")
+    return FusionRow(path, "rope", type(child).__name__, None, True, "-", "-", reason=why)
+
+
+def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
+    """The report's row for an attention module that applies RoPE through ``target`` (its modeling module's global
+    ``apply_rotary_pos_emb``), not hooked by another fuse() call (:func:`_held_rope_row`), and the hooks that route
+    its calls to our op (``transformers.rope.install``)."""
+    name = type(child).__name__
     found = _rope.probe(target.original, target.where)
     if not found.ok:
         return FusionRow(path, "rope", name, None, False, reason=found.why, eligible=False)
@@ -1141,20 +1154,43 @@ def _runs_our_attention(m: nn.Module) -> bool:
     return matching.is_config(own) and matching.get_attn_implementation(own) in attn.OUR_NAMES
 
 
+def _attention_fused_before(model, config, modules) -> tuple[nn.Module | None, set[int]]:
+    """(the model whose fuse() call swapped ``config``, when it holds ``model``, or None; the ids of the attention
+    modules among ``modules`` fused by another fuse() call).
+
+    Those are the modules whose own config selects ours, set by another call: of a part of the model (their config is
+    not the model's; a review, session 60: after fuse(model.model), fuse(model) reported them fused here, "was
+    'eager'", and swapped only the outer config), or of an enclosing model (the model's config is that call's copy:
+    fuse(model) then fuse(model.model) counted them as the part's own, and unfuse(model.model) "reverted" them without
+    a change)."""
+    enclosing = next((root for root, st in list(_STATE.items()) if st.new_config is config and root is not model),
+                     None)
+    before = {id(m) for _, m in modules
+              if _runs_our_attention(m) and (m.__dict__.get("config") is not config or enclosing is not None)}
+    return enclosing, before
+
+
+def _hold_attention(path, m, config, enclosing, report, state, held: set) -> None:
+    """The report's held row for attention module ``m``, fused by another fuse() call (:func:`_attention_fused_before`),
+    whatever this call's ``ops`` and ``attention``."""
+    impl = matching.get_attn_implementation(m.__dict__["config"])
+    fwd, bwd = _attention_impls(m, impl)
+    who = ((f"an enclosing {type(enclosing).__name__}", "unfuse() of that model reverts it")
+           if enclosing is not None and m.__dict__.get("config") is config
+           else ("a part of this model", "unfuse() of either reverts it"))
+    report.rows.append(FusionRow(path, "attention", type(m).__name__, f"'{impl}' attention function", True, fwd, bwd,
+                                 f"fused by an earlier fuse() of {who[0]} (its config selects pipegoose attention): "
+                                 f"left as it is here; {who[1]}"))
+    held.add(id(report.rows[-1]))
+    _hold(state, report.rows[-1], path, _runs_our_attention)
+
+
 def _fuse_attention(model, config, attention, dry_run, report, state, held: set) -> None:
     from .transformers import attention as attn
 
     # (the model itself too: fuse() of one attention module swapped its config and reported nothing; a review)
     modules = [(p, m) for p, m in model.named_modules() if matching.is_attention_module(m)]
-    # attention modules whose own config selects ours, set by another fuse() call: of a part of the model (their
-    # config is not the model's; a review, session 60: after fuse(model.model), fuse(model) reported them fused here,
-    # "was 'eager'", and swapped only the outer config), or of an enclosing model (the model's config is that call's
-    # copy: fuse(model) then fuse(model.model) counted them as the part's own, and unfuse(model.model) "reverted" them
-    # without a change)
-    enclosing = next((root for root, st in list(_STATE.items()) if st.new_config is config and root is not model),
-                     None)
-    before = {id(m) for _, m in modules
-              if _runs_our_attention(m) and (m.__dict__.get("config") is not config or enclosing is not None)}
+    enclosing, before = _attention_fused_before(model, config, modules)
     if config is None or not matching.is_config(config):
         if modules:
             for p, m in modules:
@@ -1203,16 +1239,7 @@ def _fuse_attention(model, config, attention, dry_run, report, state, held: set)
     selected = chosen in attn.OUR_NAMES and chosen != previous
     for p, m in modules:
         if id(m) in before:
-            impl = matching.get_attn_implementation(m.__dict__["config"])
-            fwd, bwd = _attention_impls(m, impl)
-            who = ((f"an enclosing {type(enclosing).__name__}", "unfuse() of that model reverts it")
-                   if enclosing is not None and m.__dict__.get("config") is config
-                   else ("a part of this model", "unfuse() of either reverts it"))
-            report.rows.append(FusionRow(p, "attention", type(m).__name__, f"'{impl}' attention function", True, fwd,
-                                         bwd, f"fused by an earlier fuse() of {who[0]} (its config selects pipegoose "
-                                         f"attention): left as it is here; {who[1]}"))
-            held.add(id(report.rows[-1]))
-            _hold(state, report.rows[-1], p, _runs_our_attention)
+            _hold_attention(p, m, config, enclosing, report, state, held)
             continue
         if selected:
             fwd, bwd = _attention_impls(m, chosen)
