@@ -60,8 +60,11 @@ GOOD = [
 ]
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("name, f", GOOD, ids=[g[0] for g in GOOD])
-def test_the_checks_trace_into_one_graph(name, f):
+def test_the_checks_trace_into_one_graph(name, f, dynamic):
+    """(dynamic=True: a float eps or scale is symbolic there; the checks' float() and getattr broke the graph at every
+    norm, a review of the first version of these checks)"""
     torch.manual_seed(0)
     x = torch.randn(2, 8)
     dynamo.reset()
@@ -71,16 +74,69 @@ def test_the_checks_trace_into_one_graph(name, f):
     want = f(x)
     dynamo.reset()
     torch.manual_seed(1)
-    torch.testing.assert_close(torch.compile(f, backend="eager", fullgraph=True)(x), want)
+    torch.testing.assert_close(torch.compile(f, backend="eager", fullgraph=True, dynamic=dynamic)(x), want)
 
 
-@pytest.mark.parametrize("f", [lambda x: pf.layer_norm(x, np.int64(8), torch.ones(8), torch.zeros(8), 1e-5),
-                               lambda x: pf.rms_norm(x, (np.int32(8),), torch.ones(8), 1e-6)],
-                         ids=["layer_norm", "rms_norm"])
-def test_a_numpy_integer_size_compiles(f):
-    """A numpy integer ``normalized_shape`` failed inside dynamo ("Can't unpack scalar tensors": dynamo makes numpy
-    scalars tensors, no numbers.Integral). It now compiles (dynamo breaks the graph where the size is read as an int)
-    and gives the eager result."""
+EPS = [("layer_norm", lambda x, e: pf.layer_norm(x, 8, torch.ones(8), None, e)),
+       ("rms_norm", lambda x, e: pf.rms_norm(x, 8, None, e)),
+       ("scaled_softmax", lambda x, e: pf.scaled_softmax(x, e)),
+       ("scaled_masked_softmax", lambda x, e: pf.scaled_masked_softmax(x.view(1, 1, 2, 8), None, e))]
+
+
+@pytest.mark.parametrize("name, f", EPS, ids=[e[0] for e in EPS])
+def test_a_float_argument_compiles_to_one_graph_with_dynamic_shapes_and_is_still_checked(name, f):
+    """A review (session 61): under torch.compile(dynamic=True) a float eps or scale passed in is symbolic, and the
+    checks' getattr / float() / math.isfinite broke the graph (a fused Llama: 12 graphs, 14 breaks; fullgraph=True
+    raised). Now one graph; a bad value still raises (dynamo's error with fullgraph, the eager one without)."""
     x = torch.randn(2, 8)
+    dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, backend="eager", fullgraph=True, dynamic=True)(x, 0.25), f(x, 0.25))
+    for bad in (-1.0, float("nan"), float("inf")) if "softmax" not in name else (float("nan"), float("inf")):
+        dynamo.reset()
+        with pytest.raises(ValueError, match="expected a finite number"):
+            torch.compile(f, backend="eager", dynamic=True)(x, bad)
+
+
+def test_a_fused_llama_compiles_to_one_graph_with_dynamic_shapes():
+    """The review's case: fuse(model), then torch.compile(model, dynamic=True, fullgraph=True) of a tiny Llama (it
+    raised "Unsupported hasattr call" in the eps check)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=64,
+                                         attn_implementation="eager")).eval()
+    ids = torch.randint(0, 64, (2, 7))
+    fusion.fuse(model, attention="keep")
+    with torch.no_grad():
+        want = model(input_ids=ids, labels=ids).loss
+        dynamo.reset()
+        got = torch.compile(model, backend="eager", dynamic=True, fullgraph=True)(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(got, want)
+    fusion.unfuse(model)
+
+
+N8, N8_32 = np.int64(8), np.int32(8)   # (sizes from numpy, as a config read with numpy gives them)
+
+
+@pytest.mark.parametrize("f", [lambda x: pf.layer_norm(x, N8, torch.ones(8), torch.zeros(8), 1e-5),
+                               lambda x: pf.rms_norm(x, (N8,), torch.ones(8), 1e-6),
+                               lambda x: pf.layer_norm(x, [N8])],
+                         ids=["layer_norm", "rms_norm", "layer_norm list"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_numpy_integer_size_compiles(f, backend):
+    """A numpy integer ``normalized_shape`` failed inside dynamo ("Can't unpack scalar tensors": dynamo makes numpy
+    scalars tensors, no numbers.Integral), and the shape checks then guarded on a data-dependent value (a review).
+    It now compiles to one graph, the shapes left to PyTorch's op there, and gives the eager result."""
+    x = torch.randn(2, 8)
+    dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, backend=backend, fullgraph=True)(x), f(x))
+
+
+def test_a_numpy_int32_size_compiles_with_a_break():
+    """np.int32 sizes in a tuple: dynamo guards on the sign of the data-dependent size (one graph break; fullgraph=True
+    refuses them), and the result is the eager one."""
+    x = torch.randn(2, 8)
+    f = lambda t: pf.rms_norm(t, (N8_32,), torch.ones(8), 1e-6)   # noqa: E731
     dynamo.reset()
     torch.testing.assert_close(torch.compile(f, backend="eager")(x), f(x))

@@ -454,6 +454,7 @@ def test_module_fast_path_leaves_cpu_to_the_dispatcher():
     (dict(normalized_shape=4.0), TypeError, r"normalized_shape: expected an int or a sequence of ints"),
     (dict(normalized_shape=True), TypeError, r"normalized_shape: expected an int or a sequence of ints"),
     (dict(normalized_shape=(4, True)), TypeError, r"normalized_shape: expected an int or a sequence of ints"),
+    (dict(normalized_shape=[torch.tensor(True)]), TypeError, r"normalized_shape: expected an int or a sequence"),
     (dict(normalized_shape=4, eps=-1e-5), ValueError, r"eps: expected a finite number >= 0"),
     (dict(normalized_shape=4, eps=float("inf")), ValueError, r"eps: expected a finite number >= 0"),
     (dict(normalized_shape=4, eps="1e-5"), TypeError, r"eps: expected a number"),

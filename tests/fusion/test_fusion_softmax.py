@@ -484,6 +484,15 @@ def test_a_nested_tensor_through_the_scaled_softmax(layout):
     assert dispatch.last_choice("softmax").fallback
     with pytest.raises(TypeError, match="^x: a nested tensor is taken without a mask only .*; a causal mask was given"):
         PF.scaled_upper_triang_masked_softmax(nt, 0.5)
+    # (a re-test: a strided one of another rank, or with a mask, crashed in the functionals' shape checks first)
+    nt4 = torch.nested.nested_tensor([torch.randn(2, 3, 5), torch.randn(2, 4, 5)], layout=layout)
+    with pytest.raises(TypeError, match="^x: a nested tensor is taken without a mask only .*; a mask was given"):
+        PF.scaled_masked_softmax(nt4, torch.zeros(1, 1, 1, 5, dtype=torch.bool))
+    with pytest.raises(TypeError, match="^x: a nested tensor is taken without a mask only .*; a causal mask was given"):
+        PF.scaled_upper_triang_masked_softmax(nt4, 0.5)
+    got = PF.scaled_masked_softmax(nt4, None, 0.5)
+    for g, r in zip(got.unbind(), nt4.unbind()):
+        torch.testing.assert_close(g, F.softmax(r * 0.5, -1))
 
 
 def test_torch_func_transforms_through_the_softmaxes():

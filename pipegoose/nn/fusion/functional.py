@@ -93,7 +93,8 @@ def scaled_softmax(x: torch.Tensor, scale: float = 1.0, *, impl: str | None = No
             runs the reference path, a nested tensor (either layout) ``F.softmax(x * scale, -1)``.
         scale: a finite number (Python, numpy or a 0-d tensor; one that carries a derivative, a learnable
             temperature that requires grad, a dual tensor or a ``torch.func`` transform's, keeps it: ``x`` is
-            multiplied by it first, as in ``F.softmax(x * scale)``, and the op runs with scale 1).
+            multiplied by it first, as in ``F.softmax(x * scale)``, and the op runs with scale 1; a transform's
+            tensor has no value to check, so a non-finite one gives NaN there, as ``F.softmax(x * scale)`` does).
 
     Returns:
         Tensor like ``x`` (dtype fp32 under CUDA autocast).
@@ -116,14 +117,16 @@ def scaled_masked_softmax(x: torch.Tensor, mask: torch.Tensor | None, scale: flo
     """Megatron's scaled masked softmax: ``softmax(scale * x)`` over the last dim with ``mask`` True = masked.
 
     Args:
-        x: [b, np, sq, sk] fp32/fp16/bf16 (fp64: the reference path).
+        x: [b, np, sq, sk] fp32/fp16/bf16 (fp64: the reference path; a nested tensor, any rank, with ``mask``
+            None: ``F.softmax(x * scale, -1)``).
         mask: bool (or uint8, nonzero = masked) [b or 1, np or 1, sq or 1, sk] (any dim but sk may be 1 to
             broadcast; Megatron's kernel takes only np == 1, the others every shape), or None (=
             :func:`scaled_softmax`: the call is then op ``softmax``, counted and forced as that op, with
             ``PIPEGOOSE_IMPL_SOFTMAX``; ``PIPEGOOSE_IMPL_SOFTMAX_MASKED`` does not apply).
         scale: a finite number (Python, numpy or a 0-d tensor; one that carries a derivative, a learnable
             temperature that requires grad, a dual tensor or a ``torch.func`` transform's, keeps it: ``x`` is
-            multiplied by it first, as in ``F.softmax(x * scale)``, and the op runs with scale 1).
+            multiplied by it first, as in ``F.softmax(x * scale)``, and the op runs with scale 1; a transform's
+            tensor has no value to check, so a non-finite one gives NaN there, as ``F.softmax(x * scale)`` does).
 
     Returns:
         [b, np, sq, sk] in ``x``'s dtype (fp32 under CUDA autocast). A row whose keys are all masked gives zeros
@@ -135,11 +138,16 @@ def scaled_masked_softmax(x: torch.Tensor, mask: torch.Tensor | None, scale: flo
 
     Raises:
         TypeError: ``x`` not fp32/fp16/bf16/fp64 (float8 included), ``mask`` not bool/uint8, ``scale`` not a
-            number.
+            number, a nested ``x`` with a mask.
         ValueError: ``x`` not 4-D, ``mask`` shape or device wrong, ``scale`` not finite.
     """
     _sm.check_input(x)
     _sm.check_scale_type(scale)   # (its value: fold_scale)
+    if getattr(x, "is_nested", False):   # (before the shape checks, which a strided nested tensor fails in: a review)
+        if mask is not None:
+            raise _sm.nested_with_mask(False)
+        x, scale = _sm.fold_scale(x, scale)
+        return _sm.run(_sm.OP_PLAIN, x, None, scale, False, impl)
     if x.dim() != 4:
         raise ValueError(f"x: expected [b, np, sq, sk], got shape {list(x.shape)}")
     if mask is not None:
@@ -159,7 +167,8 @@ def scaled_upper_triang_masked_softmax(x: torch.Tensor, scale: float = 1.0, *,
         x: [attn_batches, sq, sk] fp32/fp16/bf16 (Megatron: sq == sk; fp64: the reference path).
         scale: a finite number (Python, numpy or a 0-d tensor; one that carries a derivative, a learnable
             temperature that requires grad, a dual tensor or a ``torch.func`` transform's, keeps it: ``x`` is
-            multiplied by it first, as in ``F.softmax(x * scale)``, and the op runs with scale 1).
+            multiplied by it first, as in ``F.softmax(x * scale)``, and the op runs with scale 1; a transform's
+            tensor has no value to check, so a non-finite one gives NaN there, as ``F.softmax(x * scale)`` does).
 
     Returns:
         [attn_batches, sq, sk] in ``x``'s dtype (fp32 under CUDA autocast); rows with no visible key (sq > sk)
@@ -171,11 +180,13 @@ def scaled_upper_triang_masked_softmax(x: torch.Tensor, scale: float = 1.0, *,
     <= 2048, attn_batches a multiple of batches_per_block; longer inputs go to another implementation).
 
     Raises:
-        TypeError: ``x`` not fp32/fp16/bf16/fp64 (float8 included). ValueError: ``x`` not 3-D, non-finite
-        ``scale``.
+        TypeError: ``x`` not fp32/fp16/bf16/fp64 (float8 included), or nested (no causal mask for those).
+        ValueError: ``x`` not 3-D, non-finite ``scale``.
     """
     _sm.check_input(x)
     _sm.check_scale_type(scale)   # (its value: fold_scale)
+    if getattr(x, "is_nested", False):
+        raise _sm.nested_with_mask(True)
     if x.dim() != 3:
         raise ValueError(f"x: expected [attn_batches, sq, sk], got shape {list(x.shape)}")
     x, scale = _sm.fold_scale(x, scale)

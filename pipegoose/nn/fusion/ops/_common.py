@@ -238,8 +238,14 @@ def eps_value(eps: Any, allow_none: bool = False, name: str = "eps") -> float | 
     of ours does."""
     if eps is None and allow_none:
         return None
+    if isinstance(eps, (bool, int, float)):
+        # first, and without float() or math.isfinite: under torch.compile(dynamic=True) a float is symbolic, and
+        # those (and the getattr below) broke the graph at every norm (a review of session 61's compile-path checks)
+        if not eps >= 0 or eps == math.inf:   # (NaN fails the first)
+            raise ValueError(f"{name}: expected a finite number >= 0{' or None' if allow_none else ''}, got {eps!r}")
+        return eps if torch.compiler.is_compiling() and not isinstance(eps, bool) else float(eps)
     kind = getattr(getattr(eps, "dtype", None), "kind", None)  # numpy scalars: "b", "i", "u" or "f"
-    ok = (isinstance(eps, (bool, int, float)) or (kind in ("b", "i", "u", "f") and getattr(eps, "ndim", 1) == 0)
+    ok = ((kind in ("b", "i", "u", "f") and getattr(eps, "ndim", 1) == 0)
           or (isinstance(eps, torch.Tensor) and eps.dim() == 0 and not eps.is_complex()))
     if not ok:
         raise TypeError(f"{name}: expected a number{' or None' if allow_none else ''}, got {eps!r} "

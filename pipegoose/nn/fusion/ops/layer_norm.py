@@ -46,7 +46,7 @@ EMPTY_INPUT = "empty input, shape {}: no kernel runs, the reference path returns
 
 def _int_size(s: Any) -> int:
     """``s`` as an int by ``operator.index`` (numpy integers too); TypeError for a bool, a float, anything else."""
-    if isinstance(s, bool):
+    if isinstance(s, bool) or (isinstance(s, torch.Tensor) and s.dtype == torch.bool):
         raise TypeError("a bool is not a size")
     return operator.index(s)
 
@@ -78,10 +78,13 @@ def normalize_shape(normalized_shape: Any) -> tuple[int, ...]:
     return shape
 
 
-def check_args(x: Any, shape: tuple[int, ...], weight: Any, bias: Any, eps: Any) -> float:
-    """Check the arguments (errors name the argument); returns ``eps`` as a float."""
+def check_args(x: Any, shape: tuple[int, ...], weight: Any, bias: Any, eps: Any, shapes: bool = True) -> float:
+    """Check the arguments (errors name the argument); returns ``eps`` as a float. ``shapes=False`` (under
+    ``torch.compile``: ``F.layer_norm`` checks them itself there) leaves out the checks of the shapes against
+    ``normalized_shape``, which guarded on a data-dependent value where a size came from numpy (dynamo makes it a
+    tensor) and failed the compile."""
     check_float_tensor(x)
-    if x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape:
+    if shapes and (x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape):
         raise ValueError(f"x: expected shape [*, {', '.join(map(str, shape))}] (normalized_shape={list(shape)}), "
                          f"got {list(x.shape)}")
     for name, p in (("weight", weight), ("bias", bias)):
@@ -91,7 +94,7 @@ def check_args(x: Any, shape: tuple[int, ...], weight: Any, bias: Any, eps: Any)
             raise TypeError(f"{name}: expected a floating point torch.Tensor or None, got "
                             f"{dtype_name(p.dtype) if isinstance(p, torch.Tensor) else type(p).__name__}")
         check_input_dtype(p, name)
-        if tuple(p.shape) != shape:
+        if shapes and tuple(p.shape) != shape:
             raise ValueError(f"{name}: expected shape {list(shape)} (normalized_shape), got {list(p.shape)}")
         if p.device != x.device:
             raise ValueError(f"{name}: on {p.device}, expected the input's device {x.device}")
@@ -310,7 +313,7 @@ def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, bia
     if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the op itself, after the checks of eager mode
         # (traced once per graph; without them a negative eps gave NaN, a review)
         shape = normalize_shape(normalized_shape)
-        eps_f = check_args(x, shape, weight, bias, eps)
+        eps_f = check_args(x, shape, weight, bias, eps, shapes=False)
         return F.layer_norm(x, shape, weight, bias, eps_f)
     if getattr(x, "is_nested", False):
         shape, eps = normalize_shape(normalized_shape), eps_value(eps)  # the checks of a dense call

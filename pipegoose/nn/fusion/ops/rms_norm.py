@@ -39,8 +39,9 @@ OP = "rms_norm"
 SRC_PIPEGOOSE = "pipegoose/rms_norm: pipegoose/kernels/csrc/rms_norm.cu (pipegoose, MIT)"
 
 
-def check_args(x: Any, shape: tuple[int, ...], weight: Any, eps: Any) -> float | None:
+def check_args(x: Any, shape: tuple[int, ...], weight: Any, eps: Any, shapes: bool = True) -> float | None:
     """Check the arguments (errors name the argument); returns ``eps`` as a float, or None for the default.
+    ``shapes=False``: not the shapes against ``shape`` (as :func:`pipegoose.nn.fusion.ops.layer_norm.check_args`).
 
     Raises:
         TypeError: ``x`` or ``weight`` not a floating point tensor (or of an unsupported dtype), ``eps`` not a
@@ -49,7 +50,7 @@ def check_args(x: Any, shape: tuple[int, ...], weight: Any, eps: Any) -> float |
             negative or not finite.
     """
     check_float_tensor(x)
-    if x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape:
+    if shapes and (x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape):
         raise ValueError(f"x: expected shape [*, {', '.join(map(str, shape))}] (normalized_shape={list(shape)}), "
                          f"got {list(x.shape)}")
     if weight is not None:
@@ -57,7 +58,7 @@ def check_args(x: Any, shape: tuple[int, ...], weight: Any, eps: Any) -> float |
             raise TypeError(f"weight: expected a floating point torch.Tensor or None, got "
                             f"{dtype_name(weight.dtype) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
         check_input_dtype(weight, "weight")
-        if tuple(weight.shape) != shape:
+        if shapes and tuple(weight.shape) != shape:
             raise ValueError(f"weight: expected shape {list(shape)} (normalized_shape), got {list(weight.shape)}")
         if weight.device != x.device:
             raise ValueError(f"weight: on {weight.device}, expected the input's device {x.device}")
@@ -243,7 +244,7 @@ def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, eps
         return _pytorch_ops(x, shape, weight, eps, cast_before_weight, without_autocast=False)
     if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the op itself, after the checks of eager mode
         shape = normalize_shape(normalized_shape)
-        return _pytorch_ops(x, shape, weight, check_args(x, shape, weight, eps), cast_before_weight,
+        return _pytorch_ops(x, shape, weight, check_args(x, shape, weight, eps, shapes=False), cast_before_weight,
                             without_autocast=True)
     sig = _signature(x, normalized_shape, weight, eps, cast_before_weight)
     key = None if sig is None else dispatch.choice_key(OP, impl, sig)

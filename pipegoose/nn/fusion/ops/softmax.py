@@ -453,6 +453,8 @@ def fold_scale(x: torch.Tensor, scale: Any) -> tuple[torch.Tensor, float]:
 def check_scale_type(scale: Any) -> None:
     """Raise TypeError unless ``scale`` is a Python int or float, a numpy integer or floating scalar, or a 0-d real
     tensor (what the norms take for ``eps``; not a bool). Its value is not read (:func:`check_scale` reads it)."""
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        return   # (first: the getattr below broke the graph of a symbolic float, torch.compile(dynamic=True))
     kind = getattr(getattr(scale, "dtype", None), "kind", None)  # numpy scalars: "i", "u" or "f"
     ok = ((isinstance(scale, (int, float)) and not isinstance(scale, bool))
           or (kind in ("i", "u", "f") and getattr(scale, "ndim", 1) == 0)
@@ -466,6 +468,12 @@ def check_scale(scale: Any) -> float:
     """``scale`` as a float (:func:`check_scale_type`'s kinds). Raises TypeError for anything else, ValueError for a
     non-finite value."""
     check_scale_type(scale)
+    if isinstance(scale, (int, float)):
+        # (without float() or math.isfinite: under torch.compile(dynamic=True) a float is symbolic, and they broke the
+        # graph)
+        if not -math.inf < scale < math.inf:   # (NaN fails it too)
+            raise ValueError(f"scale: expected a finite number, got {scale}")
+        return scale if torch.compiler.is_compiling() else float(scale)
     if isinstance(scale, torch.Tensor):
         try:
             scale = scale.detach().item()
@@ -476,6 +484,13 @@ def check_scale(scale: Any) -> float:
     if not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite number, got {scale}")
     return scale
+
+
+def nested_with_mask(causal: bool) -> TypeError:
+    """The error for a nested ``x`` given a mask (or the causal one): the scaled softmaxes take nested tensors without
+    a mask only (``F.softmax(x * scale, -1)``)."""
+    return TypeError(f"x: a nested tensor is taken without a mask only (scaled_softmax, or scaled_masked_softmax with "
+                     f"mask None); {'a causal' if causal else 'a'} mask was given")
 
 
 def check_input(x: Any, name: str = "x") -> None:
@@ -549,8 +564,7 @@ def run(op: str, x: torch.Tensor, mask: torch.Tensor | None, scale: float, causa
     otherwise (TypeError naming ``x``)."""
     if getattr(x, "is_nested", False):   # (it crashed in the dispatcher: "NestedTensorImpl doesn't support sizes")
         if mask is not None or causal:
-            raise TypeError(f"x: a nested tensor is taken without a mask only (scaled_softmax, or "
-                            f"scaled_masked_softmax with mask None); {'a causal' if causal else 'a'} mask was given")
+            raise nested_with_mask(causal)
         dispatch.record(nested_fallback(op, impl))
         return F.softmax(x if scale == 1.0 else x * scale, -1)
     if dispatch.compile_passthrough(op, impl):  # torch.compile fuses the reference itself
