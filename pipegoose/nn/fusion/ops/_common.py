@@ -235,7 +235,7 @@ def eps_value(eps: Any, allow_none: bool = False, name: str = "eps") -> float | 
     or float, a numpy bool, integer or floating scalar, a 0-d tensor (``None`` too when ``allow_none``). Raises
     TypeError naming ``name`` (``eps``; a module's ``variance_epsilon``) for anything else (a str, a 1-element tensor of
     more dimensions, a Decimal), ValueError for a negative or non-finite value, which PyTorch would take but no kernel
-    of ours does."""
+    of ours does. Under ``torch.compile`` a Python int or float comes back as given (it may be symbolic there)."""
     if eps is None and allow_none:
         return None
     if isinstance(eps, (bool, int, float)):
