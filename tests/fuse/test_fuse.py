@@ -919,6 +919,7 @@ def test_attention_and_rope_fused_by_a_part_are_held_whatever_ops_says():
     for kind in ("attention", "rope"):
         rows = [r for r in report.rows if r.kind == kind]
         assert len(rows) == n_layers and all(r.fused and "earlier fuse() of" in r.reason for r in rows), rows
+        assert all(r.replacement for r in rows), rows   # (a held rope row read "skipped" beside "yes")
         assert kind not in report.not_requested, report.not_requested
     assert model.config._attn_implementation == "eager"
     unfuse(model.model)

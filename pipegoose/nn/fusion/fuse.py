@@ -1036,7 +1036,8 @@ def _held_rope_row(model, child, path, target) -> FusionRow | None:
     why = (f"fused by an earlier fuse() of {inside} ({type(owner).__name__}): unfuse() of either reverts it"
            if inside else "fused by an earlier fuse() of a model holding this module: unfuse() of that model "
            "reverts it")
-    return FusionRow(path, "rope", type(child).__name__, None, True, "-", "-", reason=why)
+    # (replacement: the hooks, as for a module hooked now; None read "skipped" beside "fused: yes", a review)
+    return FusionRow(path, "rope", type(child).__name__, "rope hooks", True, "-", "-", reason=why)
 
 
 def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
