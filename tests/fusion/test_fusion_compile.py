@@ -5,6 +5,8 @@ reduction="none")``: a loss per row). The checks now run first; they are traced 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -151,3 +153,28 @@ def test_a_numpy_int32_size_compiles_with_a_break():
     f = lambda t: pf.rms_norm(t, (N8_32,), torch.ones(8), 1e-6)   # noqa: E731
     dynamo.reset()
     torch.testing.assert_close(torch.compile(f, backend="eager")(x), f(x))
+
+
+@pytest.mark.parametrize("name, f", EPS, ids=[e[0] for e in EPS])
+def test_a_compiled_graph_reused_for_a_bad_float_still_raises(name, f):
+    """A re-test (session 61): under dynamic=True a graph compiled for scale 0.5 was reused for scale inf (NaN out, no
+    error): a comparison with inf puts no guard on a symbolic float. The checks compare with the largest float."""
+    x = torch.randn(2, 8)
+    dynamo.reset()
+    g = torch.compile(f, backend="eager", dynamic=True)
+    g(x, 0.5)
+    g(x, 0.25)   # (the second call compiles the dynamic graph)
+    for bad in (math.inf, -math.inf, math.nan) + ((-1.0,) if "softmax" not in name else ()):
+        with pytest.raises(ValueError, match="expected a finite number"):
+            g(x, bad)
+
+
+def test_a_nested_tensor_compiles_to_one_graph():
+    """A re-test: the nested branch of the scaled softmaxes counted the call under the dispatcher's lock, which broke
+    the compiled graph (fullgraph=True: "Dynamo does not know how to enter a `RLock` context manager")."""
+    nt = torch.nested.nested_tensor([torch.randn(2, 3, 5), torch.randn(2, 4, 5)], layout=torch.jagged)
+    f = lambda t: pf.scaled_masked_softmax(t, None, 0.5)   # noqa: E731
+    dynamo.reset()
+    got = torch.compile(f, backend="eager", fullgraph=True)(nt)
+    for g, r in zip(got.unbind(), nt.unbind()):
+        torch.testing.assert_close(g, torch.softmax(r * 0.5, -1))

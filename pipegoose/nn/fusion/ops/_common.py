@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import sys
 import threading
 from typing import Any, Callable
 
@@ -241,7 +242,8 @@ def eps_value(eps: Any, allow_none: bool = False, name: str = "eps") -> float | 
     if isinstance(eps, (bool, int, float)):
         # first, and without float() or math.isfinite: under torch.compile(dynamic=True) a float is symbolic, and
         # those (and the getattr below) broke the graph at every norm (a review of session 61's compile-path checks)
-        if not eps >= 0 or eps == math.inf:   # (NaN fails the first)
+        # (inequalities: a compiled graph guards on them; eps == inf did not, and a graph reused for inf took it)
+        if eps != eps or not 0 <= eps <= sys.float_info.max:   # (NaN first: a symbolic one fails the comparison)
             raise ValueError(f"{name}: expected a finite number >= 0{' or None' if allow_none else ''}, got {eps!r}")
         return eps if torch.compiler.is_compiling() and not isinstance(eps, bool) else float(eps)
     kind = getattr(getattr(eps, "dtype", None), "kind", None)  # numpy scalars: "b", "i", "u" or "f"

@@ -25,6 +25,7 @@ import dataclasses
 import math
 import numbers
 import operator
+import sys
 from typing import Any
 
 import torch
@@ -471,7 +472,8 @@ def check_scale(scale: Any) -> float:
     if isinstance(scale, (int, float)):
         # (without float() or math.isfinite: under torch.compile(dynamic=True) a float is symbolic, and they broke the
         # graph)
-        if not -math.inf < scale < math.inf:   # (NaN fails it too)
+        # (<= the largest float: a compiled graph guards on that; on "< inf" it did not, and reused a graph for inf)
+        if scale != scale or not -sys.float_info.max <= scale <= sys.float_info.max:   # (NaN first, as for eps)
             raise ValueError(f"scale: expected a finite number, got {scale}")
         return scale if torch.compiler.is_compiling() else float(scale)
     if isinstance(scale, torch.Tensor):
@@ -565,7 +567,8 @@ def run(op: str, x: torch.Tensor, mask: torch.Tensor | None, scale: float, causa
     if getattr(x, "is_nested", False):   # (it crashed in the dispatcher: "NestedTensorImpl doesn't support sizes")
         if mask is not None or causal:
             raise nested_with_mask(causal)
-        dispatch.record(nested_fallback(op, impl))
+        if not torch.compiler.is_compiling():   # (the counters' lock broke the compiled graph: a review)
+            dispatch.record(nested_fallback(op, impl))
         return F.softmax(x if scale == 1.0 else x * scale, -1)
     if dispatch.compile_passthrough(op, impl):  # torch.compile fuses the reference itself
         kind, autocast_on, _ = autocast_state(x.device)
