@@ -231,6 +231,14 @@ def megatron_batches_per_block(sk: int) -> int:
     return (128 // warp) * (2 if p <= 128 else 1)
 
 
+def python_finite(v: int | float) -> bool:
+    """Whether the Python number ``v`` is finite, in the comparisons a compiled graph can hold: under
+    ``torch.compile(dynamic=True)`` a float argument is symbolic, and ``float()`` / ``math.isfinite`` broke the graph
+    (a fused Llama: 12 graphs), while ``v == inf`` put no guard on it (a graph compiled for 0.5 was reused for inf).
+    NaN is tested first (a symbolic NaN fails the ordered comparison)."""
+    return v == v and -sys.float_info.max <= v <= sys.float_info.max
+
+
 def eps_value(eps: Any, allow_none: bool = False, name: str = "eps") -> float | None:
     """``eps`` of a norm as a float, accepting what ``F.layer_norm`` / ``F.rms_norm`` accept for it: a Python bool, int
     or float, a numpy bool, integer or floating scalar, a 0-d tensor (``None`` too when ``allow_none``). Raises
@@ -239,11 +247,8 @@ def eps_value(eps: Any, allow_none: bool = False, name: str = "eps") -> float | 
     of ours does. Under ``torch.compile`` a Python int or float comes back as given (it may be symbolic there)."""
     if eps is None and allow_none:
         return None
-    if isinstance(eps, (bool, int, float)):
-        # first, and without float() or math.isfinite: under torch.compile(dynamic=True) a float is symbolic, and
-        # those (and the getattr below) broke the graph at every norm (a review of session 61's compile-path checks)
-        # (inequalities: a compiled graph guards on them; eps == inf did not, and a graph reused for inf took it)
-        if eps != eps or not 0 <= eps <= sys.float_info.max:   # (NaN first: a symbolic one fails the comparison)
+    if isinstance(eps, (bool, int, float)):   # (first: the getattr below broke a compiled graph, as python_finite says)
+        if not python_finite(eps) or not eps >= 0:
             raise ValueError(f"{name}: expected a finite number >= 0{' or None' if allow_none else ''}, got {eps!r}")
         return eps if torch.compiler.is_compiling() and not isinstance(eps, bool) else float(eps)
     kind = getattr(getattr(eps, "dtype", None), "kind", None)  # numpy scalars: "b", "i", "u" or "f"

@@ -25,7 +25,6 @@ import dataclasses
 import math
 import numbers
 import operator
-import sys
 from typing import Any
 
 import torch
@@ -36,7 +35,7 @@ from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, HALF_DTYPES, INT32_MAX, NO_STORAGE, autocast_state,
                       call_without_autocast, check_input_dtype, dtype_name, has_storage, has_tangent, in_transform,
                       manifest_limit, megatron_batches_per_block, needs_grad, nested_fallback, next_pow2,
-                      param_signature, representable, torch_result_dtype)
+                      param_signature, python_finite, representable, torch_result_dtype)
 
 OP_PLAIN, OP_MASKED, OP_CAUSAL = "softmax", "softmax.masked", "softmax.causal"
 
@@ -455,7 +454,7 @@ def check_scale_type(scale: Any) -> None:
     """Raise TypeError unless ``scale`` is a Python int or float, a numpy integer or floating scalar, or a 0-d real
     tensor (what the norms take for ``eps``; not a bool). Its value is not read (:func:`check_scale` reads it)."""
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        return   # (first: the getattr below broke the graph of a symbolic float, torch.compile(dynamic=True))
+        return   # (first: the getattr below broke a compiled graph, as python_finite says)
     kind = getattr(getattr(scale, "dtype", None), "kind", None)  # numpy scalars: "i", "u" or "f"
     ok = ((isinstance(scale, (int, float)) and not isinstance(scale, bool))
           or (kind in ("i", "u", "f") and getattr(scale, "ndim", 1) == 0)
@@ -470,10 +469,7 @@ def check_scale(scale: Any) -> float:
     non-finite value."""
     check_scale_type(scale)
     if isinstance(scale, (int, float)):
-        # (without float() or math.isfinite: under torch.compile(dynamic=True) a float is symbolic, and they broke the
-        # graph)
-        # (<= the largest float: a compiled graph guards on that; on "< inf" it did not, and reused a graph for inf)
-        if scale != scale or not -sys.float_info.max <= scale <= sys.float_info.max:   # (NaN first, as for eps)
+        if not python_finite(scale):
             raise ValueError(f"scale: expected a finite number, got {scale}")
         return scale if torch.compiler.is_compiling() else float(scale)
     if isinstance(scale, torch.Tensor):
