@@ -2069,3 +2069,71 @@ def test_a_copy_of_a_model_fused_for_its_loss_alone_says_so():
     assert not row.fused and "pipegoose's causal_lm_loss is set already" in row.reason, row
     assert unfuse(model)
 
+
+
+# --- review of session 61: fuse() and its probes leave torch's random state alone ---
+def _rng_states():
+    """torch's global random states: the CPU generator's, and each CUDA device's where CUDA is initialised."""
+    cuda = ([torch.cuda.get_rng_state(d) for d in range(torch.cuda.device_count())]
+            if torch.cuda.is_initialized() else [])
+    return [torch.get_rng_state(), *cuda]
+
+
+def _family(name: str) -> nn.Module:
+    """A tiny model of the family ``name``, eager attention (the probes of every kind run on it)."""
+    import transformers as tr
+
+    common = dict(vocab_size=97, attn_implementation="eager")
+    if name == "qwen3":
+        return tr.Qwen3ForCausalLM(tr.Qwen3Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                                  num_key_value_heads=2, head_dim=8, intermediate_size=64, **common))
+    if name == "gemma":
+        return tr.GemmaForCausalLM(tr.GemmaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                                  num_key_value_heads=1, head_dim=8, intermediate_size=64, **common))
+    if name == "t5":
+        return tr.T5ForConditionalGeneration(tr.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=4, d_kv=8,
+                                                         **common))
+    return models.build(name, "eager", layers=1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "gpt_neox", "bert", "t5", "opt", "bloom", "gemma"])
+def test_fuse_unfuse_and_the_report_leave_the_random_state_alone(family):
+    """A review: the SwiGLU probe built its nn.Linear stand-ins with their default initialisation, which drew from the
+    global generator, so fuse() of any Llama-style model changed torch's random state, with ops that have nothing to
+    fuse and in a dry run too (a seeded run then went otherwise once fused). Every kind's probes, in a dry run, fused,
+    reported and unfused: the CPU generator's state (and the CUDA devices', where initialised) is unchanged."""
+    model = _family(family)
+    torch.manual_seed(1)
+    for ops in [None, list(fuse_mod.OPS)] + [[op] for op in fuse_mod.OPS]:
+        for dry_run in (True, False):
+            before = _rng_states()
+            fuse(model, ops=ops, dry_run=dry_run)
+            fusion_report(model)
+            unfuse(model)
+            after = _rng_states()
+            assert all(torch.equal(a, b) for a, b in zip(before, after)), (family, ops, dry_run)
+    torch.manual_seed(1)
+    want = torch.rand(4)
+    torch.manual_seed(1)
+    fuse(model, ops=["layer_norm"], dry_run=True)   # the review's case: nothing to fuse, a dry run
+    assert torch.equal(torch.rand(4), want)
+
+
+def test_probes_that_run_a_module_drawing_random_numbers_leave_the_random_state_alone():
+    """The probes run the module's own forward (the SwiGLU probe in training mode too, to catch a dropout there; the
+    RMSNorm probe in the module's mode): a forward that draws (dropout) drew from the global generator during fuse."""
+    from pipegoose.nn.fusion.transformers.matching import probe_rms_norm, probe_swiglu_mlp
+
+    class DropoutNorm(models.LlamaStyleRMSNorm):
+        def forward(self, x):
+            return nn.functional.dropout(super().forward(x), 0.5, self.training)
+
+    torch.manual_seed(3)
+    for probe, module in ((probe_swiglu_mlp, _DropoutMLP()), (probe_rms_norm, DropoutNorm(8).train())):
+        before = torch.get_rng_state()
+        assert not probe(module).ok
+        assert torch.equal(torch.get_rng_state(), before), probe.__name__
+    model = nn.Sequential(_DropoutMLP(), DropoutNorm(8).train())
+    before = torch.get_rng_state()
+    fuse(model, dry_run=True)
+    assert torch.equal(torch.get_rng_state(), before)

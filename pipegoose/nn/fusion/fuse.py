@@ -519,6 +519,9 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
             reported as skipped, with that reason (Qwen3's, for one).
     Under ``torch.compile`` the replacements emit the PyTorch ops while the compiler traces them (one graph; the
     compiler fuses those ops itself; ``dispatch.compile_passthrough``); the fused kernels run in eager mode.
+    torch's random state (the CPU generator's, and the CUDA devices') is left as it was, a dry run included: the
+    probes draw their inputs from generators of their own and put back any draw of the module code they run
+    (``transformers.matching.rng_kept``).
 
     Returns:
         A :class:`FusionReport`.

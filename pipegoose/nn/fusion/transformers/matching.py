@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -45,6 +46,22 @@ ATTENTION_SKIP_REASONS = {
 }
 
 EPS_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon")
+
+
+def rng_kept(fn):
+    """``fn`` run with torch's global random state saved and put back afterwards: the CPU generator's, and each CUDA
+    device's where CUDA is initialised (it is not initialised for this). For the probes, which run a module's or a
+    function's own code (a forward in training mode may draw for a dropout), so that ``fuse``, ``fusion_report`` and a
+    dry run leave the random stream of the caller as it was. The probes' own inputs come from their own
+    ``torch.Generator``."""
+
+    @functools.wraps(fn)
+    def kept(*args, **kwargs):
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices):
+            return fn(*args, **kwargs)
+
+    return kept
 
 
 def model_type_of(config) -> str | None:
@@ -143,6 +160,7 @@ def eps_of(module: nn.Module) -> tuple[str | None, float | None, Exception | Non
         return name, None, e
 
 
+@rng_kept
 def probe_rms_norm(module: nn.Module) -> RMSNormProbe:
     """Check numerically whether ``module`` computes RMSNorm (see the module docstring), over whatever size its weight
     has: the model's hidden size, or a head's (Qwen3's ``q_norm`` / ``k_norm``) or a projection's.
@@ -333,6 +351,7 @@ class SwiGLUProbe:
     candidate: bool
 
 
+@rng_kept
 def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     """Check whether ``module`` computes ``down_proj(silu(gate_proj(x)) * up_proj(x))`` (see the module docstring).
 
@@ -375,7 +394,9 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     gen = torch.Generator().manual_seed(4321)
 
     def linear(n_in: int, n_out: int, like: nn.Module) -> nn.Linear:
-        lin = nn.Linear(n_in, n_out, bias=getattr(like, "bias", None) is not None)
+        # skip_init: nn.Linear's own initialisation drew from the global generator (fuse() changed torch's RNG state,
+        # a dry run too, a review of session 61); the weights come from gen alone
+        lin = torch.nn.utils.skip_init(nn.Linear, n_in, n_out, bias=getattr(like, "bias", None) is not None)
         with torch.no_grad():
             lin.weight.copy_(torch.randn(n_out, n_in, generator=gen) / math.sqrt(n_in))
             if lin.bias is not None:
@@ -425,4 +446,4 @@ def _b(lin: nn.Linear) -> torch.Tensor | None:
 
 __all__ = ["ATTENTION_MODEL_TYPES", "ATTENTION_SKIP_REASONS", "RMSNormProbe", "SwiGLUProbe", "attention_support",
            "get_attn_implementation", "is_attention_module", "is_config",
-           "model_type_of", "probe_rms_norm", "probe_swiglu_mlp", "set_attn_implementation"]
+           "model_type_of", "probe_rms_norm", "probe_swiglu_mlp", "rng_kept", "set_attn_implementation"]

@@ -51,6 +51,7 @@ from torch import nn
 
 from .. import dispatch
 from ..ops.rope import choice_of, run_choice, shape_reason
+from .matching import rng_kept
 
 NAME = "apply_rotary_pos_emb"
 _FALLBACK_ATTR = "__pipegoose_rope_original__"   # on a dispatching function: the model's own code it falls back to
@@ -150,6 +151,7 @@ def probe(fn: Callable, where: str = NAME) -> Probe:
     return result
 
 
+@rng_kept   # the model's function runs: the caller's random stream is left as it was
 def _probe(fn: Callable, where: str) -> Probe:
     g = torch.Generator().manual_seed(0)
     try:
