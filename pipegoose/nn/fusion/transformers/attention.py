@@ -9,6 +9,10 @@ patched):
     (``scaled_upper_triang_masked_softmax`` when the mask is absent or exactly causal, ``scaled_masked_softmax``
     otherwise), which dispatches to the fused kernels (Megatron-LM's ``scaled_masked_softmax`` /
     ``scaled_upper_triang_masked_softmax`` via ColossalAI 0.5.0, or pipegoose's ``softmax``) or to the reference path.
+    Where the scale is applied: on CUDA the softmax applies it in fp32 (the kernels' semantics; 16-bit results differ
+    from transformers' eager ones at the last bit); off CUDA (no kernel can run) ``Q K^T * scale`` is rounded to the
+    scores' dtype first, as transformers' eager functions do, and the softmax gets scale 1: the eager model's 16-bit
+    outputs bit for bit.
 ``"pipegoose_sdpa"``
     The same, except that for each call the GPU's tuning table (``pipegoose/nn/fusion/tuning/<slug>.json``, op
     ``"attention"``) decides between ours and transformers' ``sdpa`` function. Selected by ``fuse(attention="auto")``
@@ -396,6 +400,8 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
             repeated). fp32, fp16 or bf16 (the softmax's dtype rules apply; off GPU the reference path runs).
         attention_mask: see :func:`plan_mask`.
         scaling: softmax scale applied to ``Q K^T`` (default ``d ** -0.5``); OPT passes 1.0 (it scales Q itself).
+            In fp32 inside the softmax on CUDA; off CUDA in the scores' dtype before it, as transformers' eager
+            functions do (see the module docstring).
         dropout: attention-probability dropout, applied as ``torch.nn.functional.dropout`` when ``module.training``.
         kwargs: ``is_causal`` (overrides ``module.is_causal``), ``head_mask`` ([h], one value per head, or
             broadcastable to the probabilities [b, h, sq, sk], multiplied in as in transformers' eager path before
@@ -449,7 +455,14 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     plan = plan_mask(attention_mask, query_len=sq, key_len=sk, causal=bool(is_causal))
 
     scores = torch.matmul(query, key.transpose(-1, -2))
-    probs = _softmax(scores, plan, float(scaling)).to(value.dtype)
+    scale = float(scaling)
+    if not _common.on_kernel_device(scores):
+        # no kernel can run (CPU): the scores are scaled in their own dtype first, as transformers' eager functions
+        # do (matmul(q, k^T) * scaling), so that 16-bit results are the eager model's bit for bit; the softmax ops,
+        # kernels and reference alike, apply the scale in fp32 (a review of session 61: a bf16 Llama of head dim
+        # 128, whose scale is no power of 2, gave logits 0.006 off eager's on CPU)
+        scores, scale = scores * scale, 1.0
+    probs = _softmax(scores, plan, scale).to(value.dtype)
     if dropout:
         probs = F.dropout(probs, p=dropout, training=module.training)
     head_mask = kwargs.get("head_mask")
