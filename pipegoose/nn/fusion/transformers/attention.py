@@ -402,7 +402,9 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         scaling: softmax scale applied to ``Q K^T`` (default ``d ** -0.5``); OPT passes 1.0 (it scales Q itself).
             In fp32 inside the softmax on CUDA; off CUDA in the scores' dtype before it, as transformers' eager
             functions do (see the module docstring).
-        dropout: attention-probability dropout, applied as ``torch.nn.functional.dropout`` when ``module.training``.
+        dropout: attention-probability dropout, applied as ``torch.nn.functional.dropout`` when ``module.training``,
+            to the probabilities in ``value``'s dtype (the kernels' 16-bit output; under CPU autocast eager BERT,
+            Llama and GPT-NeoX drop fp32 probabilities: outputs differ at bf16 rounding there, see the README).
         kwargs: ``is_causal`` (overrides ``module.is_causal``), ``head_mask`` ([h], one value per head, or
             broadcastable to the probabilities [b, h, sq, sk], multiplied in as in transformers' eager path before
             version 5, whose eager path ignores it); others are ignored, except ``softcap``, ``s_aux``, ``sinks``
