@@ -68,6 +68,7 @@ def cmd_list(a) -> int:
 def cmd_add(a) -> int:
     p = _porter(a)
     before = {s.id: s for s in p.states()}
+    unrecorded = p.unrecorded()
     ids = p.add(a.ids)
     if ids:
         out.print(f"added {len(ids)} kernel(s): {', '.join(ids)}")
@@ -87,7 +88,22 @@ def cmd_add(a) -> int:
                       f"{', '.join(f'{kid} ({before[kid].modified})' for kid in edited)}", style="yellow", markup=False)
     else:
         out.print("nothing to add: every kernel named is already vendored at its pin and verifies")
+    _print_unrecorded(p, unrecorded)
     return 0
+
+
+def _print_unrecorded(p: Porter, before: dict[str, list[str]]) -> None:
+    """Name the files kernels.lock does not record (``before``: :meth:`Porter.unrecorded` before the change) that the
+    change removed, writing their source's folders whole, and those still there (a review: `add` deleted a user's own
+    vendor/<source>/my_patches/ without a word)."""
+    gone = [f for files in before.values() for f in files if not (p.root / f).exists()]
+    if gone:
+        out.print(f"removed files not recorded in kernels.lock, with their source's folders written as kernels.lock "
+                  f"records them: {', '.join(gone)}", style="yellow", markup=False)
+    left = [f for files in p.unrecorded().values() for f in files]
+    if left:
+        out.print(f"not recorded in kernels.lock, left in place (verify fails until they go; sync removes them): "
+                  f"{', '.join(left)}", style="yellow", markup=False)
 
 
 def cmd_sync(a) -> int:

@@ -287,13 +287,30 @@ class Porter:
                 return False
         # a file the lock does not record (verify's "extra") also sends an upstream source back to be vendored
         # afresh (our own files live in the repository, among others: not checked so)
-        if self._is_local(sid):
-            return True
-        for folder, known in ((base, lock.files_of_source(sid)), (lic, s.license_files)):
-            if folder.is_dir() and any((p.is_file() or p.is_symlink()) and p.relative_to(folder).as_posix() not in known
-                                       for p in folder.rglob("*")):
-                return False
-        return True
+        return not self._unrecorded(lock, sid)
+
+    def _unrecorded(self, lock: Lock, sid: str) -> list[Path]:
+        """The files (and links) under vendor/<sid>/ and LICENSES/<sid>/ that ``lock`` does not record for upstream
+        source ``sid`` (verify's "extra"), sorted; [] for this project's own source (its files live among others)
+        and for a source the lock does not have. Writing the source's folders (add, sync, update) removes them."""
+        if self._is_local(sid) or sid not in lock.sources:
+            return []
+        out: list[Path] = []
+        for folder, known in ((self.vendor_dir(sid), lock.files_of_source(sid)),
+                              (self.license_dir(sid), lock.sources[sid].license_files)):
+            if folder.is_dir():
+                out += [p for p in sorted(folder.rglob("*"))
+                        if (p.is_file() or p.is_symlink()) and p.relative_to(folder).as_posix() not in known]
+        return out
+
+    def unrecorded(self) -> dict[str, list[str]]:
+        """{source id: the files under its vendor/ and LICENSES/ folders that kernels.lock does not record, as
+        repository paths} for each upstream source of kernels.lock that has any. ``add`` and ``update`` remove them
+        when they write the source's folders, and ``tools/port.py`` names them (a review: ``add`` deleted a user's
+        own vendor/<source>/my_patches/ without a word)."""
+        lock = Lock.load(self.lock_path)
+        return {sid: [self._show(p) for p in extra] for sid in sorted(lock.sources)
+                if (extra := self._unrecorded(lock, sid))}
 
     def _stage_source(self, tx: Transaction, lock: Lock, sid: str, tree: SourceTree | None) -> None:
         """Stage vendor/<sid> and LICENSES/<sid> as exactly the files ``lock`` records for the source, read from
@@ -440,7 +457,10 @@ class Porter:
         """Vendor kernels (ids or aliases) at their manifest pin and record them in kernels.lock.
 
         A ported kernel already vendored at that pin, with the same files, whose files and license verify, is left
-        as it is (nothing fetched); our own kernels (a local source) are hashed again, which records an edit.
+        as it is (nothing fetched), and so is the rest of its source's folders; our own kernels (a local source) are
+        hashed again, which records an edit. A ported kernel added is written with its source's folders whole, as
+        kernels.lock records them: the other locked kernels' files are restored from the pin (local edits replaced)
+        and files kernels.lock does not record there are removed (:meth:`unrecorded`; ``tools/port.py`` names both).
         Returns the kernel ids added. Raises PortError (or a subclass) and changes nothing on any failure:
         unknown id (message lists close matches), fetch/network failure, archive sha256 mismatch, a file or
         license file missing in the source, a license not allowed, a header missing from ``files``.
@@ -471,7 +491,10 @@ class Porter:
 
     def _vendored_and_verified(self, lock: Lock, kid: str) -> bool:
         """Whether ported kernel ``kid`` is in kernels.lock at the manifest's pin with the manifest's files, and its
-        source's folders verify (:meth:`_source_verifies`)."""
+        files and its source's license files verify. The rest of the source's folders is not looked at: other
+        kernels' files and files kernels.lock does not record are not this kernel's, and ``add`` of it in place
+        leaves them as they are (it rewrote the source's folders for them: a user's own vendor/<source>/my_patches/
+        went, and add said "added" of a kernel that was there; a review)."""
         k = self.manifest.kernels[kid]
         src = self.manifest.sources[k.source]
         lk, ls = lock.kernels.get(kid), lock.sources.get(src.id)
@@ -481,7 +504,9 @@ class Porter:
             return False
         if ls.license != src.license or set(ls.license_files) != set(src.license_files):  # a license file declared
             return False
-        return self._source_verifies(lock, src.id)
+        base, lic = self.vendor_dir(src.id), self.license_dir(src.id)
+        return all((folder / f).is_file() and sha256_file(folder / f) == h
+                   for folder, files in ((base, lk.files), (lic, ls.license_files)) for f, h in files.items())
 
     @staticmethod
     def _getting(src, offline: bool = False) -> str:
@@ -715,12 +740,14 @@ class Porter:
         """The state of every kernel of the manifest (and of lock entries that left it):
 
         declared (not in kernels.lock), vendored (locked and present; hashes not checked), verified (hashes
-        match), modified (a file or license file differs), missing (locked but files absent: run sync, or for
+        match, and the source's folders hold no file kernels.lock does not record: verify passes for it), modified
+        (a file or license file differs, or the source's folders hold files kernels.lock does not record), missing (locked but files absent: run sync, or for
         this project's own files restore them from git), stale
         (kernels.yaml and kernels.lock disagree: source, pin, file list, license; the detail says which).
         """
         lock = Lock.load(self.lock_path)
         out = []
+        unrecorded: dict[str, list[Path]] = {}   # per source, looked up once
         for kid in list(self.manifest.kernels) + [k for k in sorted(lock.kernels) if k not in self.manifest.kernels]:
             k = self.manifest.kernels.get(kid)
             sid = k.source if k else lock.kernels[kid].source
@@ -760,6 +787,18 @@ class Porter:
                 out.append(KernelState(kid, sid, project, lic, pin, "vendored"))
                 continue
             bad = [p for p, h in paths if sha256_file(p) != h]
-            out.append(KernelState(kid, sid, project, lic, pin, "modified" if bad else "verified",
-                                   self._first_few(bad), self._first_few(bad)))
+            if bad:
+                out.append(KernelState(kid, sid, project, lic, pin, "modified", self._first_few(bad),
+                                       self._first_few(bad)))
+                continue
+            # files kernels.lock does not record in the source's folders fail verify ("extra"): not verified either
+            # (a review: `list` said verified where verify failed)
+            if sid not in unrecorded:
+                unrecorded[sid] = self._unrecorded(lock, sid)
+            if unrecorded[sid]:
+                out.append(KernelState(kid, sid, project, lic, pin, "modified", (
+                    f"its files verify, but its source's folders hold {len(unrecorded[sid])} file(s) not recorded in "
+                    f"kernels.lock ({self._first_few(unrecorded[sid])}): verify fails; sync removes them")))
+                continue
+            out.append(KernelState(kid, sid, project, lic, pin, "verified"))
         return out

@@ -370,6 +370,41 @@ def test_cli_add_names_the_local_edits_it_replaced(git_repo):
     assert "up/beta (vendor/up/csrc/kernels/beta.cu)" in r.stdout.replace("\n", " "), r.stdout
 
 
+def test_add_keeps_or_names_files_kernels_lock_does_not_record(git_repo):
+    """A review: `add` of a kernel in place rewrote its source's folder for a file kernels.lock does not record there
+    (a user's own vendor/<source>/my_patches/), deleted it without a word and said "added 1 kernel(s)"; `list` said
+    verified where verify failed with "extra"."""
+    repo = git_repo
+    repo.porter().add(["alpha", "beta"])
+    mine = repo.root / "vendor" / "up" / "my_patches" / "fix.patch"
+    mine.parent.mkdir()
+    mine.write_text("keep\n")
+    # list agrees with verify
+    assert [(pr.kind, pr.path) for pr in repo.porter().verify()] == [("extra", "vendor/up/my_patches/fix.patch")]
+    states = {s.id: s for s in repo.porter().states()}
+    assert {kid: s.state for kid, s in states.items()} == {"up/alpha": "modified", "up/beta": "modified"}
+    assert "vendor/up/my_patches/fix.patch" in states["up/alpha"].detail and not states["up/alpha"].modified
+    assert repo.porter().unrecorded() == {"up": ["vendor/up/my_patches/fix.patch"]}
+    # the kernel named is in place: nothing is added or removed, and the file is named as left in place
+    r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "--root", str(repo.root), "add", "alpha"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout.replace("\n", " ")
+    assert "nothing to add" in out and "added" not in out, r.stdout
+    assert "left in place" in out and "vendor/up/my_patches/fix.patch" in out, r.stdout
+    assert mine.read_text() == "keep\n"
+    # a kernel that has to be vendored again writes the folder whole: the file goes, and is named
+    (repo.root / "vendor" / "up" / "csrc/kernels/alpha.cu").unlink()
+    r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "--root", str(repo.root), "add", "alpha"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout.replace("\n", " ")
+    assert "added 1 kernel(s): up/alpha" in out and "removed files not recorded in kernels.lock" in out, r.stdout
+    assert "vendor/up/my_patches/fix.patch" in out and "left in place" not in out, r.stdout
+    assert not mine.exists() and repo.porter().verify() == []
+    assert {s.id: s.state for s in repo.porter().states()} == {"up/alpha": "verified", "up/beta": "verified"}
+
+
 def test_add_of_a_source_id_names_its_kernels(git_repo):
     """`port.py add colossalai` (a source id) answered "did you mean: causal_softmax" (session 34's walkthrough)."""
     with pytest.raises(PortError, match=r"^'up' is a source, not a kernel; its kernels: up/alpha, up/beta$"):
