@@ -198,13 +198,23 @@ def cmd_audit(a) -> int:
 
 
 def cmd_update(a) -> int:
-    report = update(_porter(a), a.id, to=a.to, latest=a.latest, force=a.force, allow_downgrade=a.allow_downgrade)
+    p = _porter(a)
+    # update writes the source's folders whole at the new pin, as add does: name the local edits it replaces and the
+    # files kernels.lock does not record that it removes (a review: they went without a word)
+    before = {s.id: s for s in p.states()}
+    unrecorded = p.unrecorded()
+    report = update(p, a.id, to=a.to, latest=a.latest, force=a.force, allow_downgrade=a.allow_downgrade)
     _print_audit(report, False)
     s = report.sources[0]
     if not report.updated:
         out.print(f"{s.source} is already at {short_pin(s.to_pin)}: nothing changed")
-    else:
-        out.print(f"updated {s.source}: {short_pin(s.from_pin)} -> {short_pin(s.to_pin)} (kernels.yaml and kernels.lock)")
+        return 0
+    out.print(f"updated {s.source}: {short_pin(s.from_pin)} -> {short_pin(s.to_pin)} (kernels.yaml and kernels.lock)")
+    edited = [kid for kid, st in before.items() if st.source == s.source and st.modified]
+    if edited:
+        out.print(f"replaced the local changes to these kernels' files, with the files at the new pin: "
+                  f"{', '.join(f'{kid} ({before[kid].modified})' for kid in edited)}", style="yellow", markup=False)
+    _print_unrecorded(p, {s.source: unrecorded.get(s.source, [])})
     return 0
 
 

@@ -339,7 +339,9 @@ def update(porter: Porter, name: str, to: str | None = None, latest: bool = Fals
            allow_downgrade: bool = False) -> AuditReport:
     """Move a source (named by source id or by one of its kernels) to a new pin: audit it, then re-vendor
     every locked kernel of the source (and the named kernel) at the new pin, rewrite the pin in kernels.yaml
-    and the lock, all in one transaction.
+    and the lock, all in one transaction. The source's folders are written whole at the new pin, as ``add`` writes
+    them: local edits to its vendored files are replaced and files kernels.lock does not record there are removed
+    (``tools/port.py update`` names both; :meth:`Porter.unrecorded` lists the latter beforehand).
 
     Raises PortError (nothing changed) when: the audit fails; a vendored file was removed or moved upstream
     (edit the kernel's ``files`` first); an entry symbol vanished or a license file changed (unless

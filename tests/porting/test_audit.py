@@ -175,6 +175,29 @@ def test_update_clean(repo):
     assert p.verify() == []
 
 
+def test_cli_update_names_the_local_edits_it_replaced_and_the_files_it_removed(repo):
+    """A review: `update` wrote the source's folders whole at the new pin and threw local edits to vendored files and
+    files kernels.lock does not record away without a word (`add` names the edits it replaces)."""
+    setup_sdist(repo)
+    publish_version(repo, "1.1", {**V1_FILES, "csrc/common/util.h": V1_FILES["csrc/common/util.h"] + "// v1.1\n"})
+    edited = repo.root / "vendor/up/csrc/kernels/beta.cu"
+    edited.write_text(edited.read_text() + "// a local edit\n")
+    mine = repo.root / "vendor/up/my_patches/fix.patch"
+    mine.parent.mkdir()
+    mine.write_text("keep\n")
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": repo.index_url, "PIP_EXTRA_INDEX_URL": "",
+           "PIP_FIND_LINKS": ""}
+    r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "update", "up", "--root", str(repo.root),
+                        "--cache", str(repo.cache), "--to", "1.1"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = " ".join(r.stdout.split())
+    assert "updated up: up 1.0 -> up 1.1" in out, r.stdout
+    assert "replaced the local changes to these kernels' files" in out and "up/beta (vendor/up/csrc/kernels/beta.cu)" \
+        in out and "up/alpha (" not in out, r.stdout
+    assert "removed files not recorded in kernels.lock" in out and "vendor/up/my_patches/fix.patch" in out, r.stdout
+    assert not mine.exists() and "a local edit" not in edited.read_text()
+
+
 def test_update_killed_with_kernels_yaml_moved_aside_is_recovered(repo, monkeypatch):
     """A walkthrough killed `update` (kill -9) at each rename of its transaction: at one of them kernels.yaml was
     moved aside, and every later port.py run failed with "kernels.yaml: manifest not found" (it loaded the manifest
