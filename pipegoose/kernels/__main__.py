@@ -7,7 +7,8 @@
 
 Common options: ``--manifest PATH`` (default: the repository's kernels.yaml), ``--cache-dir DIR``.
 Exit status, every subcommand: 0 success; 1 a failure (below); 2 a usage error (a bad option, an unknown kernel name,
-a missing or invalid ``--manifest``), as argparse's own; 3 none failed but some kernels are unavailable here (vendored
+a missing or invalid ``--manifest``; for ``build``, a ``PIPEGOOSE_BUILD_LOCK_TIMEOUT`` that is no number of seconds:
+nothing is built), as argparse's own; 3 none failed but some kernels are unavailable here (vendored
 files missing or changed, toolchain), each listed with the reason; 130 interrupted (Ctrl-C). ``build``: 1 a build
 failed, or was left ``busy`` (another process held its build lock past ``PIPEGOOSE_BUILD_LOCK_TIMEOUT``; nothing was
 attempted). ``doctor``: 0 every check passed and every kernel can be built or loaded; 1 a check failed (or, with
@@ -195,6 +196,11 @@ def _build(args) -> int:
     if args.all and args.names:  # the names were ignored: a typo started a build of every kernel
         print(f"build: --all builds every kernel; name kernels or pass --all, not both (got {' '.join(args.names)})",
               file=sys.stderr)
+        return 2
+    try:   # read where a build waits for another's lock: a bad value failed the uncached kernels only, mid-run,
+        cache.env_lock_timeout()   # and passed where every kernel was cached (a review); nothing is built with it
+    except ValueError as e:
+        print(f"build: {e} (fix the value, or unset it)", file=sys.stderr)
         return 2
     os.environ.setdefault("PIPEGOOSE_QUIET", "1")
     console = _console()

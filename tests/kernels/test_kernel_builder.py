@@ -956,6 +956,21 @@ def test_cli_build_warns_about_a_max_jobs_torch_ignores(tiny, value, warned):
         assert "MAX_JOBS" not in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize("value", ["abc", "-1"])
+def test_cli_build_refuses_a_bad_lock_timeout_before_building(tiny, value):
+    """A review: PIPEGOOSE_BUILD_LOCK_TIMEOUT=abc failed the uncached kernels mid-run (FAILED, a ValueError, exit 1)
+    and passed where every kernel was cached (exit 0, no word). Now a configuration error up front: exit 2, the
+    variable named, nothing built."""
+    manifest, _op, cache_dir = tiny
+    p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "build",
+                        "test/vendored", "test/tiny"], capture_output=True, text=True,
+                       env={**_env(cache_dir), "PIPEGOOSE_BUILD_LOCK_TIMEOUT": value}, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert f"build: PIPEGOOSE_BUILD_LOCK_TIMEOUT: expected a number of seconds >= 0, got '{value}'" in p.stderr, p.stderr
+    assert "building" not in p.stdout and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert not cache_dir.exists() or not any(cache_dir.iterdir())
+
+
 def test_cli_build_all_with_names_is_an_error(tmp_path):
     """`build --all nope` ignored the name and built every kernel (half an hour on 2 cores); --all and names
     exclude each other."""
