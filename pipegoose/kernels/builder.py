@@ -268,17 +268,31 @@ class KernelBuilder:
         src = self.manifest.sources[k.source]
         rel = [self._rel(p) for p in missing]
         vendored = [p for p in self.manifest.kernel_paths(k) if p != self.manifest.binding_path(k)]
+        # sync restores what kernels.lock records and adds no kernel: one the lock does not record is vendored by add
+        # alone (it was sent to sync too, which did nothing for it; a review)
+        fetch = (f"python tools/port.py add {k.id}" if self._unlocked() else
+                 f"python tools/port.py sync (or: python tools/port.py add {k.id})")
         if not src.is_local and not self.manifest.vendor_dir(k.source).exists() and set(vendored) <= set(missing):
             # nothing of the source vendored yet (a fresh clone): no file list, which says no more than this
             where = self._rel(self.manifest.vendor_dir(k.source))
-            raise KernelUnavailableError(f"kernel {k.id}: not vendored yet (no {where}/): python tools/port.py sync "
-                                         f"(or: python tools/port.py add {k.id})")
+            raise KernelUnavailableError(f"kernel {k.id}: not vendored yet (no {where}/): {fetch}")
         if src.is_local or all(p == self.manifest.binding_path(k) for p in missing):
             hint = "these files are part of this project: check out the complete repository"
         else:
-            hint = f"vendor them first: python tools/port.py sync (or: python tools/port.py add {k.id})"
+            hint = f"vendor them first: {fetch}"
         raise KernelUnavailableError(f"kernel {k.id}: missing {len(missing)} file(s): {', '.join(rel[:6])}"
                                      f"{' ...' if len(rel) > 6 else ''}; {hint}")
+
+    def _unlocked(self) -> bool:
+        """Whether ``kernels.lock`` can be read and has no record of this kernel (``tools/port.py sync`` does not vendor
+        it then: ``add`` does)."""
+        from pipegoose.porting.errors import PortError
+        from pipegoose.porting.lock import Lock
+
+        try:
+            return self.kernel.id not in Lock.load(self.manifest.root / "kernels.lock").kernels
+        except (PortError, OSError):   # (its own line says so, in vendored_problems)
+            return False
 
     def vendored_problems(self, digests: dict[str, str] | None = None) -> list[str]:
         """What keeps this kernel's vendored files from being the ones ``tools/port.py`` recorded in ``kernels.lock``,

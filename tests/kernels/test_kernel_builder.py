@@ -271,10 +271,23 @@ def test_cuda_major_mismatch_message(tiny, fake_toolkit, monkeypatch):
     assert "nvcc 12.4 but torch was built with CUDA 13.0" in msg and "major versions must match" in msg
 
 
+def _lock_vendored(manifest: Path) -> None:
+    """A kernels.lock beside ``manifest`` that records test/vendored (at the manifest's pin)."""
+    from pipegoose.porting.lock import Lock, LockedKernel, LockedSource
+
+    pin = {"name": "upstream", "version": "1.0", "sha256": "a" * 64}
+    lock = Lock(manifest.parent / "kernels.lock",
+                {"upstream": LockedSource("pypi", pin, "Apache-2.0", {"LICENSE": "b" * 64})},
+                {"test/vendored": LockedKernel("upstream", {"src/kernel.cu": "c" * 64, "src/kernel.h": "d" * 64})})
+    lock.path.write_text(lock.dumps())
+
+
 def test_missing_vendored_files_says_run_port_sync(tiny, fake_toolkit):
     """Nothing of the source vendored (a fresh clone): one short line (it listed every file, which doctor showed for
-    each kernel before the first sync); a source partly there: the missing files."""
+    each kernel before the first sync); a source partly there: the missing files. sync restores a kernel that
+    kernels.lock records; one it does not record is vendored by add alone (a review: sync was named for it too)."""
     manifest, op, cache_dir = tiny
+    _lock_vendored(manifest)
     with pytest.raises(KernelUnavailableError) as e:
         KernelBuilder("test/vendored", manifest=manifest, cache_dir=cache_dir).build()
     assert str(e.value) == ("kernel test/vendored: not vendored yet (no vendor/upstream/): python tools/port.py sync "
@@ -285,6 +298,17 @@ def test_missing_vendored_files_says_run_port_sync(tiny, fake_toolkit):
         KernelBuilder("test/vendored", manifest=manifest, cache_dir=cache_dir).build()
     assert "python tools/port.py sync" in str(e.value)
     assert "missing 2 file(s): vendor/upstream/src/kernel.cu, vendor/upstream/src/kernel.h;" in str(e.value)
+    # not in kernels.lock (declared in kernels.yaml only): add, not sync
+    (manifest.parent / "kernels.lock").unlink()
+    with pytest.raises(KernelUnavailableError) as e:
+        KernelBuilder("test/vendored", manifest=manifest, cache_dir=cache_dir).build()
+    assert str(e.value) == ("kernel test/vendored: missing 2 file(s): vendor/upstream/src/kernel.cu, "
+                            "vendor/upstream/src/kernel.h; vendor them first: python tools/port.py add test/vendored")
+    shutil.rmtree(manifest.parent / "vendor")
+    with pytest.raises(KernelUnavailableError) as e:
+        KernelBuilder("test/vendored", manifest=manifest, cache_dir=cache_dir).build()
+    assert str(e.value) == ("kernel test/vendored: not vendored yet (no vendor/upstream/): python tools/port.py add "
+                            "test/vendored")
 
 
 def test_unwritable_cache_dir(tiny, tmp_path):
@@ -870,7 +894,9 @@ def test_cli_build_reports_missing_and_doctor_runs(tiny):
                         "test/vendored", "-j", "2"], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 3, p.stdout + p.stderr
     # the state as doctor names it (it was "missing", for changed files too, which build called FAILED)
-    assert "unavailable test/vendored" in p.stdout and "tools/port.py sync" in p.stdout.replace("\n", "").replace("│", "")
+    # (no kernels.lock records it: add vendors it; sync adds no kernel)
+    assert "unavailable test/vendored" in p.stdout and "tools/port.py add test/vendored" in \
+        p.stdout.replace("\n", "").replace("│", "")
     p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "doctor"],
                        capture_output=True, text=True, env={**env, "PIPEGOOSE_CACHE_DIRR": "/elsewhere"}, timeout=300)
     assert "preflight" in p.stdout and "test/tiny" in p.stdout and "unavailable" in p.stdout, p.stdout + p.stderr
@@ -932,6 +958,7 @@ def test_cli_build_results_fit_narrow_terminals(tiny, columns):
     ("apex/mu|lti_ten|sor_sca|le") and its "unavailable" explanation to one fragment a line. Now the kernel, result and
     seconds stay whole (a list where the detail would not fit) and every line fits."""
     manifest, _op, cache_dir = tiny
+    _lock_vendored(manifest)   # (kernels.lock records it: the longer advice, sync's)
     p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "build",
                         "test/vendored"], capture_output=True, text=True,
                        env={**_env(cache_dir), "COLUMNS": str(columns)}, timeout=300)
