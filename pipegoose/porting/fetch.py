@@ -613,9 +613,13 @@ class Fetcher:
             if self.offline:
                 bad = self._cached_sdist(name, version, None)  # there, but not the pinned bytes
                 if bad is not None:
-                    raise FetchError(f"{label}: the download cache holds {bad} with sha256 {sha256_file(bad)}, "
-                                     f"kernels.yaml pins {want} (a partial or altered download); remove it and "
-                                     f"run without --offline, or put the pinned file there")
+                    # either may be wrong: the file (cut short, altered) or the pin (a sha256 edited by hand or
+                    # by a merge; a review: the message blamed the file alone)
+                    raise FetchError(f"{label}: the download cache holds {bad} with sha256 {sha256_file(bad)}, the "
+                                     f"pin (kernels.yaml, kernels.lock) says sha256 {want}: either the pin is wrong "
+                                     f"(edited by hand or by a merge: restore kernels.yaml and kernels.lock from git) "
+                                     f"or the file is (a partial or altered download: remove it and run without "
+                                     f"--offline, or put the pinned file there)")
                 # the same command without --offline on a machine with network fetches this very version (sync only
                 # fetches the pinned one, which is not always the one asked for here: update --to, audit --to)
                 raise FetchError(f"{label}: not in the download cache {self._pypi_dir(name)} and --offline was given "

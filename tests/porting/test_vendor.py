@@ -784,7 +784,8 @@ def test_audit_of_our_own_kernels_says_there_is_no_upstream(repo):
 
 def test_offline_with_an_altered_cached_sdist_names_the_file(sdist_repo):
     """A fresh-clone walkthrough truncated the cached sdist: `sync --offline` said it was "not in the download cache";
-    the message now names the file, both sha256 and what to do."""
+    the message now names the file, both sha256 and what to do. A review: it blamed the file alone ("a partial or
+    altered download; remove it"), where the pin may be what is wrong."""
     repo = sdist_repo
     repo.porter().add(["alpha"])
     cached = next((repo.cache / "pypi" / "up").glob("*.tar.gz"))
@@ -792,8 +793,18 @@ def test_offline_with_an_altered_cached_sdist_names_the_file(sdist_repo):
     cached.write_bytes(data[: len(data) // 2])  # a download cut short
     src = repo.porter().manifest.sources["up"]
     with pytest.raises(FetchError, match=rf"the download cache holds .*{re.escape(cached.name)} with sha256 .*"
-                                         rf"kernels.yaml pins {src.pin['sha256']}"):
+                                         rf"the pin \(kernels.yaml, kernels.lock\) says sha256 {src.pin['sha256']}: "
+                                         r"either the pin is wrong \(edited by hand or by a merge: restore kernels.yaml "
+                                         r"and kernels.lock from git\) or the file is \(a partial or altered download: "
+                                         r"remove it and run without --offline"):
         repo.porter(offline=True).fetcher.tree(src)
+    # the whole file, and a pin that is wrong: the same words (the file is not blamed alone)
+    cached.write_bytes(data)
+    text = (repo.root / "kernels.yaml").read_text()
+    (repo.root / "kernels.yaml").write_text(text.replace(src.pin["sha256"], "f" * 64))
+    with pytest.raises(FetchError, match=r"either the pin is wrong"):
+        repo.porter(offline=True).fetcher.tree(repo.porter().manifest.sources["up"])
+    (repo.root / "kernels.yaml").write_text(text)
     cached.unlink()
     with pytest.raises(FetchError, match=r"not in the download cache .* --offline was given \(run the same command "
                                          r"without --offline on a machine with network"):
