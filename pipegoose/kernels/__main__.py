@@ -7,7 +7,7 @@
 
 Common options: ``--manifest PATH`` (default: the repository's kernels.yaml), ``--cache-dir DIR``.
 Exit status, every subcommand: 0 success; 1 a failure (below); 2 a usage error (a bad option, an unknown kernel name,
-a missing or invalid ``--manifest``; for ``build``, a ``PIPEGOOSE_BUILD_LOCK_TIMEOUT`` that is no number of seconds:
+a missing or invalid ``--manifest``, a ``--cache-dir`` that is a file for ``clean``; for ``build``, a ``PIPEGOOSE_BUILD_LOCK_TIMEOUT`` that is no number of seconds:
 nothing is built), as argparse's own; 3 none failed but some kernels are unavailable here (vendored
 files missing or changed, toolchain), each listed with the reason; 130 interrupted (Ctrl-C). ``build``: 1 a build
 failed, or was left ``busy`` (another process held its build lock past ``PIPEGOOSE_BUILD_LOCK_TIMEOUT``; nothing was
@@ -26,6 +26,7 @@ import sys
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
 
 from .manifest import ManifestError
 
@@ -168,7 +169,16 @@ def _size(dirs) -> int:
 def _clean(args) -> int:
     from . import cache
 
-    cache_dir = cache.default_cache_dir() if args.cache_dir is None else args.cache_dir
+    if args.manifest is not None:   # clean reads no kernel, but a --manifest given is checked, as everywhere (exit 2:
+        from .manifest import load_manifest   # a missing one passed with exit 0; a review)
+
+        load_manifest(args.manifest)
+    cache_dir = cache.default_cache_dir() if args.cache_dir is None else Path(args.cache_dir)
+    if cache_dir.exists() and not cache_dir.is_dir():   # (it said "removed 0" and exit 0; a review)
+        where = "--cache-dir" if args.cache_dir is not None else "PIPEGOOSE_CACHE_DIR"
+        print(f"python -m pipegoose.kernels clean: {where} {cache_dir}: expected the build cache's folder, got a file",
+              file=sys.stderr)
+        return 2
     if args.dry_run:
         litter = cache.abandoned_tmp(cache_dir)
         for d in litter:

@@ -943,6 +943,33 @@ def test_cli_doctor_reports_and_clean_removes_killed_builds_temp_folders(tiny):
     assert not dead.exists() and live.is_dir()
 
 
+def test_cli_clean_checks_its_manifest_and_cache_dir(tmp_path):
+    """A review: `clean --manifest /nonexist` exited 0 (the docstring: every subcommand exits 2 for a missing or
+    invalid --manifest), and `clean --cache-dir <a file>` printed "removed 0" and exited 0."""
+    cli = [sys.executable, "-m", "pipegoose.kernels"]
+    env = _env(tmp_path / "cache")
+    for args in (["--manifest", str(tmp_path / "nope.yaml"), "clean"], ["clean", "--manifest", str(tmp_path / "nope.yaml")],
+                 ["clean", "--dry-run", "--manifest", str(tmp_path / "nope.yaml")]):
+        p = subprocess.run(cli + args, capture_output=True, text=True, env=env, timeout=300)
+        assert p.returncode == 2 and "manifest not found" in p.stderr and "nope.yaml" in p.stderr, p.stdout + p.stderr
+        assert "removed" not in p.stdout, p.stdout
+    a_file = tmp_path / "passwd"
+    a_file.write_text("root:x:0:0\n")
+    for extra in ([], ["--dry-run"]):
+        p = subprocess.run(cli + ["clean", "--cache-dir", str(a_file), *extra], capture_output=True, text=True, env=env,
+                           timeout=300)
+        assert p.returncode == 2, p.stdout + p.stderr
+        assert f"clean: --cache-dir {a_file}: expected the build cache's folder, got a file" in p.stderr, p.stderr
+        assert "removed" not in p.stdout, p.stdout
+    p = subprocess.run(cli + ["clean"], capture_output=True, text=True, env={**env, "PIPEGOOSE_CACHE_DIR": str(a_file)},
+                       timeout=300)
+    assert p.returncode == 2 and f"PIPEGOOSE_CACHE_DIR {a_file}: expected" in p.stderr, p.stdout + p.stderr
+    # a cache that is not there yet holds nothing to clean: 0, as before
+    p = subprocess.run(cli + ["clean", "--cache-dir", str(tmp_path / "none")], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert p.returncode == 0 and "removed 0 temp folder(s)" in p.stdout, p.stdout + p.stderr
+
+
 @pytest.mark.parametrize("jobs", ["0", "-3", "two"])
 def test_cli_build_jobs_must_be_a_positive_count(tmp_path, jobs):
     """-j 0 (or a negative count) was taken as 1 and started building; now an argparse error naming -j/--jobs."""
