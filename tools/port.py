@@ -10,7 +10,8 @@
     python tools/port.py update <id|source> (--to X | --latest) [--force] [--allow-downgrade]
 
 Options common to all: --root DIR (repository root: kernels.yaml, kernels.lock, vendor/, LICENSES/) or
---manifest FILE; --cache DIR (download cache; env PIPEGOOSE_PORT_CACHE); --offline.
+--manifest FILE (env PIPEGOOSE_MANIFEST; empty or blank: unset); --cache DIR (download cache; env PIPEGOOSE_PORT_CACHE);
+--offline.
 Exit codes: 0 success, 1 verification failure / drift, 2 error.
 """
 
@@ -46,8 +47,10 @@ _made: list[Porter] = []  # the Porters of this run: after a Ctrl-C, whether one
 def _porter(a: argparse.Namespace) -> Porter:
     if a.root and Path(a.root).exists() and not Path(a.root).is_dir():   # (a traceback: a walkthrough)
         raise PortError(f"--root {a.root}: expected the repository's folder (it holds kernels.yaml), got a file")
-    # (an empty PIPEGOOSE_MANIFEST is unset, as the other variables' empty values are)
-    manifest = a.manifest or (Path(a.root) / "kernels.yaml" if a.root else os.environ.get("PIPEGOOSE_MANIFEST") or None)
+    # (an empty or blank PIPEGOOSE_MANIFEST is unset, as the other path variables' are: blank gave "error:  : manifest
+    # not found", a review)
+    env = os.environ.get("PIPEGOOSE_MANIFEST", "")
+    manifest = a.manifest or (Path(a.root) / "kernels.yaml" if a.root else env if env.strip() else None)
     p = Porter(manifest, cache_dir=a.cache, offline=a.offline, log=lambda m: err.print(m, style="dim", markup=False))
     _made.append(p)
     return p

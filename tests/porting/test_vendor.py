@@ -1011,9 +1011,11 @@ def test_cli_list_shows_states(git_repo):
     assert "Apache-2.0" in lines["up/alpha"]
     # an empty PIPEGOOSE_MANIFEST is unset (it gave "error: .: cannot read the manifest: IsADirectoryError"; session
     # 34's walkthrough): the repository's kernels.yaml, from the repository's folder
-    r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "list"], capture_output=True, text=True,
-                       cwd=ROOT, env={**os.environ, "PIPEGOOSE_MANIFEST": ""})
-    assert r.returncode == 0 and "pipegoose/layer_norm" in r.stdout, r.stdout + r.stderr
+    # and so is a blank one (a review: "error:  : manifest not found"), as PIPEGOOSE_PORT_CACHE and PIPEGOOSE_CACHE_DIR
+    for blank in ("", " ", "\t "):
+        r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "list", "--quick"], capture_output=True,
+                           text=True, cwd=ROOT, env={**os.environ, "PIPEGOOSE_MANIFEST": blank})
+        assert r.returncode == 0 and "pipegoose/layer_norm" in r.stdout, repr(blank) + r.stdout + r.stderr
 
 
 def test_cli_list_fits_narrow_terminals(git_repo):
