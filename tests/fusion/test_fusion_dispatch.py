@@ -482,6 +482,24 @@ def test_malformed_table_file_is_ignored_with_a_warning(tmp_path, monkeypatch, c
     assert c.source == "builtin" and "ignoring tuning table" in caplog.text
 
 
+def test_a_table_file_that_is_not_utf8_is_ignored_once_with_a_warning(tmp_path, monkeypatch, caplog):
+    """A review: a byte that is not UTF-8 raised UnicodeDecodeError (neither JSONDecodeError nor TuningTableError)
+    out of every op call, and nothing was cached. Now: one warning naming the file, the table cached as None, the
+    built-in order."""
+    path = tmp_path / "fake_gpu_x_1.json"
+    path.write_bytes(b'{"device":"X","rules":[],"n":"\xff"}')
+    monkeypatch.setattr(dispatch, "_device_name", lambda device: "Fake GPU X-1")
+    dispatch.clear_tuning_cache()
+    with pytest.raises(TuningTableError, match=r"fake_gpu_x_1\.json: not UTF-8"):
+        TuningTable.load(path)
+    with caplog.at_level(logging.WARNING, logger="pipegoose.nn.fusion.dispatch"):
+        assert dispatch.select(OP, problem()).source == "builtin"
+        assert dispatch.select(OP, problem(cols=65)).source == "builtin"
+    warned = [r for r in caplog.records if "ignoring tuning table" in r.getMessage()]
+    assert len(warned) == 1 and "fake_gpu_x_1.json" in warned[0].getMessage()
+    assert dispatch._tables["Fake GPU X-1"] is None
+
+
 def test_real_ops_are_registered():
     for op, names in {"softmax": ["pipegoose", "megatron", "torch"],
                       "softmax.masked": ["pipegoose", "megatron", "torch"],

@@ -560,9 +560,18 @@ class TuningTable:
 
     @classmethod
     def load(cls, path: str | Path) -> "TuningTable":
+        """Read and :meth:`parse` the table at ``path`` (UTF-8 JSON).
+
+        Raises:
+            TuningTableError: the file is not UTF-8 (a stray byte made every op call raise a UnicodeDecodeError: a
+                review), not JSON, or not a table (:meth:`parse`).
+            OSError: it cannot be read.
+        """
         p = Path(path)
         try:
-            data = json.loads(p.read_text())
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise TuningTableError(f"{p}: not UTF-8 text (JSON is UTF-8): {e}") from None
         except json.JSONDecodeError as e:
             raise TuningTableError(f"{p}: not valid JSON: {e}") from None
         return cls.parse(data, str(p))
