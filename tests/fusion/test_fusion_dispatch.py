@@ -738,6 +738,14 @@ def test_impl_argument_is_case_insensitive_as_the_variables(monkeypatch):
         dispatch.check_impl(OP, b"torch")
 
 
+@pytest.mark.parametrize("impl", [None, "auto", "AUTO", "torch"])
+def test_check_impl_refuses_an_unknown_op_whatever_the_impl(impl):
+    """A review: check_impl("softmax.cuasal", None) and (..., "auto") returned without the unknown-op KeyError its
+    docstring promises (only a named impl looked the op up)."""
+    with pytest.raises(KeyError, match=r"unknown fused op 'softmax\.cuasal' \(did you mean 'softmax\.causal'\?\)"):
+        dispatch.check_impl("softmax.cuasal", impl)
+
+
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "softmax.masked"])
 def test_explain_describes_the_problem_the_call_chooses_on(op, monkeypatch):
     """Under CUDA autocast the ops cast x to the output dtype (fp32) and choose for that; explain() described the

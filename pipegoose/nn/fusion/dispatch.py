@@ -786,6 +786,8 @@ def check_impl(op: str, impl: Any) -> str | None:
         ValueError: ``impl`` names no implementation of the op (the message lists them), or is empty or blank
             (an empty ``PIPEGOOSE_IMPL_*`` variable is the same as an unset one; an empty argument is refused).
     """
+    if op not in _impls:
+        implementations(op)   # the unknown-op KeyError, also for None and "auto" (they returned without it: a review)
     if impl is None:
         return None
     if not isinstance(impl, str):
