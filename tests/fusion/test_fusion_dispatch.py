@@ -301,7 +301,7 @@ def test_device_slug():
 
 def test_tuning_rules_pick_by_op_dtype_and_max_cols(tmp_path, monkeypatch):
     write_table(tmp_path, table(
-        {"op": "other.op", "dtype": "float16", "impl": "torch"},
+        {"op": "layer_norm", "dtype": "float16", "impl": "torch"},   # another op's rule
         {"op": OP, "dtype": "bfloat16", "impl": "torch"},
         {"op": OP, "dtype": "float16", "max_cols": 128, "pass": "fwd+bwd", "impl": "megatron"},
         {"op": OP, "dtype": "float16", "max_cols": None, "pass": "fwd+bwd", "impl": "torch"},
@@ -467,10 +467,43 @@ def test_no_table_for_device_means_builtin(tmp_path, monkeypatch):
     ({"device": "X", "rules": [{"op": OP, "dtype": "float16", "impl": "torch", "max_cols": 0}]}, "max_cols"),
     ({"device": "X", "rules": [{"op": OP, "dtype": "float16", "impl": "torch", "pass": "bwd"}]}, r"\.pass"),
     ({"device": "X", "rules": [{"dtype": "float16", "impl": "torch"}]}, r"rules\[0\]\.op"),
+    # a review: typos were accepted (an unknown field ignored, any op, any impl of any op) and the rules skipped later
+    ({"device": "X", "rules": [{"op": OP, "dtype": "float16", "impl": "torch", "max_col": 64}]},
+     r"^t\.json: rules\[0\]\.max_col: unknown field \(did you mean 'max_cols'\?\); expected only op, dtype, pass, "
+     r"max_cols, impl$"),
+    ({"device": "X", "rules": [{"op": "softmax", "dtype": "float16", "impl": "torch"},
+                               {"op": "layernorm", "dtype": "float16", "impl": "torch"}]},
+     r"^t\.json: rules\[1\]\.op: unknown op 'layernorm' \(did you mean 'layer_norm'\?\); expected one of .*adam.*"
+     r"attention.*clip_grad_norm"),
+    ({"device": "X", "rules": [{"op": "layer_norm", "dtype": "float16", "impl": "sdpa"}]},
+     r"^t\.json: rules\[0\]\.impl: layer_norm has no implementation 'sdpa'; expected one of pipegoose, apex, torch$"),
+    ({"device": "X", "rules": [{"op": "rms_norm", "dtype": "float16", "impl": "megatron"}]},
+     r"rules\[0\]\.impl: rms_norm has no implementation 'megatron'"),
+    ({"device": "X", "rules": [{"op": "attention", "dtype": "float16", "impl": "torch"}]},
+     r"rules\[0\]\.impl: attention has no implementation 'torch'; expected one of pipegoose, sdpa, eager$"),
 ])
 def test_tuning_table_errors_name_the_field(bad, field):
     with pytest.raises(TuningTableError, match=field):
         TuningTable.parse(bad, "t.json")
+
+
+def test_tables_name_every_op_and_impl_that_reads_them():
+    """What the stricter parse must still take: each dispatcher op's implementations (the optimizer ops' too, which
+    register with the built-in ops), ``attention`` with pipegoose, sdpa and eager, an op registered at run time
+    (tests' fake op) and every committed table."""
+    from pathlib import Path
+
+    rules = [{"op": op, "dtype": "bfloat16", "pass": None, "max_cols": None, "impl": impl}
+             for op, impls in (("adam", ("pipegoose", "torch_fused", "apex", "deepspeed", "torch")),
+                               ("clip_grad_norm", ("pipegoose", "apex", "torch")), ("rope", ("pipegoose", "torch")),
+                               ("attention", ("pipegoose", "sdpa", "eager")), (OP, ("pipegoose", "megatron", "torch")))
+             for impl in impls]
+    assert len(TuningTable.parse({"device": "X", "rules": rules}).rules) == len(rules)
+    committed = sorted((Path(dispatch.__file__).parent / "tuning").glob("*.json"))
+    assert committed
+    for path in committed:
+        table = TuningTable.load(path)
+        assert table.rules and len(table.rules) == len(json.loads(path.read_text())["rules"]), path
 
 
 def test_malformed_table_file_is_ignored_with_a_warning(tmp_path, monkeypatch, caplog):

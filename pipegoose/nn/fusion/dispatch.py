@@ -496,6 +496,25 @@ def device_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
+_RULE_FIELDS = ("op", "dtype", "pass", "max_cols", "impl")
+# ops a table may name that are no op of the dispatcher, with the impls their reader tells apart: the attention function
+# (transformers/attention.py) reads the "attention" rules (pipegoose: our softmax path; sdpa, eager: not ours)
+_TABLE_ONLY_OPS = {"attention": ("pipegoose", "sdpa", "eager")}
+
+
+def _table_impls(op: str) -> tuple[str, ...] | None:
+    """The implementation names a tuning rule of ``op`` may name: the registered implementations of a dispatcher op
+    (the built-in ops are imported first: the optimizer ops register with them), those of :data:`_TABLE_ONLY_OPS`;
+    None for an op the table has no reader for."""
+    if op in _TABLE_ONLY_OPS:
+        return _TABLE_ONLY_OPS[op]
+    if op not in _impls:
+        _ensure_builtin_ops()
+    with _lock:
+        impls = _impls.get(op)
+        return tuple(impls) if impls else None
+
+
 @dataclass(frozen=True)
 class TuningRule:
     op: str
@@ -522,6 +541,13 @@ class TuningTable:
     def parse(cls, data: Any, path: str = "<memory>") -> "TuningTable":
         """Validate a tuning table (the JSON object of docs/architecture.md "Tuning tables").
 
+        A rule has the fields ``op``, ``dtype``, ``pass``, ``max_cols`` and ``impl`` and no others (a misspelt
+        ``max_col`` was ignored, and the rule covered every size); ``op`` is an op of the dispatcher (registered:
+        the built-in ops are imported) or ``attention`` (read by the attention function); ``impl`` is one of that
+        op's implementations (for ``attention``: ``pipegoose``, ``sdpa``, ``eager``). A rule naming an op or an impl
+        nothing reads was accepted and then skipped without a word (a review: ``layernorm``, ``sdpa`` for
+        ``layer_norm``).
+
         Raises:
             TuningTableError: naming the file, the rule index and the field.
         """
@@ -542,13 +568,24 @@ class TuningTable:
             w = f"rules[{i}]"
             if not isinstance(r, Mapping):
                 raise err(w, f"expected an object, got {r!r}")
+            unknown = [k for k in r if k not in _RULE_FIELDS]
+            if unknown:
+                close = difflib.get_close_matches(str(unknown[0]), _RULE_FIELDS, n=1, cutoff=0.6)
+                raise err(f"{w}.{unknown[0]}", "unknown field" + (f" (did you mean {close[0]!r}?)" if close else "")
+                          + f"; expected only {', '.join(_RULE_FIELDS)}")
             op, dt, impl = r.get("op"), r.get("dtype"), r.get("impl")
             if not isinstance(op, str) or not op:
                 raise err(f"{w}.op", f"expected an op name, got {op!r}")
+            impls = _table_impls(op)
+            if impls is None:
+                known = sorted({*_impls, *_TABLE_ONLY_OPS})
+                close = difflib.get_close_matches(op, known, n=1, cutoff=0.6)
+                raise err(f"{w}.op", f"unknown op {op!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                          + f"; expected one of {', '.join(known)}")
             if dt not in _DTYPE_NAMES:
                 raise err(f"{w}.dtype", f"expected one of {', '.join(_DTYPE_NAMES)}, got {dt!r}")
-            if impl not in IMPL_NAMES:
-                raise err(f"{w}.impl", f"expected one of {', '.join(IMPL_NAMES)}, got {impl!r}")
+            if impl not in impls:
+                raise err(f"{w}.impl", f"{op} has no implementation {impl!r}; expected one of {', '.join(impls)}")
             mc = r.get("max_cols")
             if mc is not None and (isinstance(mc, bool) or not isinstance(mc, int) or mc < 1):
                 raise err(f"{w}.max_cols", f"expected a positive integer or null, got {mc!r}")
@@ -604,6 +641,9 @@ def tuning_table(device: torch.device) -> TuningTable | None:
     table = _tables.get(name, _NOT_LOADED)   # read without the lock once loaded (attention asks on every call)
     if table is not _NOT_LOADED:
         return table
+    # the ops the table's rules are checked against (TuningTable.parse), imported before the lock is taken: their
+    # registration takes it
+    _ensure_builtin_ops()
     with _lock:
         if name in _tables:
             return _tables[name]
