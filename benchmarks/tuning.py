@@ -92,19 +92,28 @@ def table_inputs(measurements: Iterable[Measurement]) -> tuple[list[dict], set[t
 
 def read_rules(path: str | Path) -> list[dict]:
     """The rules of the tuning table at ``path`` ([] where there is none). Raises ValueError naming the file where it is
-    not a table (not JSON, not an object with a list of rule objects): a run would otherwise replace it and drop its
-    rules without a word, or crash after its results were written (a walkthrough)."""
+    not a table (not UTF-8 JSON, not an object with a list of rule objects): a run would otherwise replace it and drop
+    its rules without a word, or crash after its results were written (a walkthrough); and where the dispatcher would
+    refuse it (:meth:`pipegoose.nn.fusion.dispatch.TuningTable.parse`: a rule's dtype ``bf16``, an unknown field, op
+    or impl): its rules would be written back, and the dispatcher ignore the whole table (a review)."""
     p = Path(path)
     if not p.exists():
         return []
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ValueError(f"{p}: not a tuning table ({type(e).__name__}: {e}): mend or remove it") from None
     rules = data.get("rules") if isinstance(data, dict) else None
     if not isinstance(rules, list) or not all(isinstance(r, dict) for r in rules):
         raise ValueError(f"{p}: not a tuning table (expected an object whose 'rules' is a list of objects): mend or "
                          "remove it")
+    from pipegoose.nn.fusion.dispatch import TuningTable, TuningTableError
+
+    try:
+        TuningTable.parse(data, str(p))
+    except TuningTableError as e:
+        where = str(e).removeprefix(f"{p}: ")
+        raise ValueError(f"{p}: not a tuning table the dispatcher reads ({where}): mend or remove it") from None
     return rules
 
 

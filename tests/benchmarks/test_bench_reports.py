@@ -738,6 +738,40 @@ def test_a_run_refuses_a_tuning_table_that_is_not_one_before_measuring(tmp_path,
     assert "not a tuning table" in capsys.readouterr().err and not (tmp_path / "o").exists()
 
 
+def test_a_table_the_dispatcher_would_refuse_is_refused_before_measuring_and_never_written_back(tmp_path, monkeypatch,
+                                                                                               capsys):
+    """A review: read_rules checked the JSON's shape alone, so a kept rule of dtype ``bf16`` (or a misspelt field, an
+    unknown op or impl) was written back beside the new rules, and the dispatcher then ignored the whole table. The
+    check is the dispatcher's parse: a run refuses the table before measuring, the writer before writing."""
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "")
+    from benchmarks.run import main
+    from benchmarks.tuning import read_rules
+
+    bad_rules = ({"op": "layer_norm", "dtype": "bf16", "pass": "fwd", "max_cols": None, "impl": "torch"},
+                 {"op": "layer_norm", "dtype": "bfloat16", "pass": "fwd", "max_col": 1024, "impl": "torch"},
+                 {"op": "layer_norm", "dtype": "bfloat16", "pass": "fwd", "max_cols": None, "impl": "sdpa"})
+    for i, rule in enumerate(bad_rules):
+        t = tmp_path / f"t{i}"
+        t.mkdir()
+        table = t / "nvidia_h200.json"
+        table.write_text(json.dumps({"device": "NVIDIA H200", "rules": [rule]}))
+        before = table.read_bytes()
+        field = ("dtype", "max_col", "impl")[i]
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(table))}: not a tuning table the dispatcher reads "
+                                             rf"\(rules\[0\]\.{field}: .*\): mend or remove it$"):
+            read_rules(table)
+        with pytest.raises(ValueError, match=rf"rules\[0\]\.{field}"):
+            write_tuning_table("NVIDIA H200", "2026-12-04", "x", [m(op="layer_norm", pas="fwd")], t)
+        assert table.read_bytes() == before
+        (t / "cpu_x86_64_dry_run.json").write_text(json.dumps({"device": "cpu", "rules": [rule]}))
+        monkeypatch.setattr("benchmarks.run.environment", lambda device: {"gpu": "cpu x86_64 (dry run)",
+                                                                          "date": "2026-12-04T00:00:00+00:00"})
+        assert main(["--device", "cpu", "--dry-run", "--no-build", "--out", str(tmp_path / f"o{i}"),
+                     "--tuning-dir", str(t)]) == 2
+        err = capsys.readouterr().err
+        assert f"rules[0].{field}" in err and not (tmp_path / f"o{i}").exists(), err
+
+
 def test_report_only_reads_back_the_infinite_errors_a_run_writes(tmp_path, monkeypatch):
     """A FAILED row whose error is infinite (a clip, say) is written as "inf" (JSON has no infinity); the merge's
     checks refused it as "expected a number" (a review). It is read back as a float and kept."""
