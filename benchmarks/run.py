@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     ap.add_argument("--only", default="", help=f"ops, comma separated: {', '.join(OP_NAMES)} or groups "
                                                 f"{', '.join(GROUPS)}")
-    ap.add_argument("--impls", default="", help="impl names to run (default all)")
+    ap.add_argument("--impls", default="", help="impl names to run (default all); implies --no-tuning")
     ap.add_argument("--dtypes", default="bf16,fp16,fp32")
     ap.add_argument("--sizes", default="", help="last-dim sizes to keep of the mode's list, comma separated, each "
                                                 "one a size of every op run (default all; e.g. --only softmaxes "
@@ -126,6 +126,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         unknown = [i for i in _csv(a.impls) if i not in known]
         if unknown:
             ap.error(f"--impls: unknown {unknown}; expected some of {', '.join(known)}")
+        # Some impls alone must not rewrite the tuning table either: its rules come from a comparison of every
+        # dispatchable impl, and a run of one made it the winner of every size (a review: --impls torch_foreach
+        # replaced the faster torch_fused's adam rule with torch's). Merge the run with --report-only instead.
+        if a.tuning_dir:
+            ap.error("--impls: a run of some impls does not write a tuning table; merge it with --report-only "
+                     "instead (drop --tuning-dir)")
+        a.no_tuning = True
     if a.budget_s is not None and not a.budget_s > 0:
         ap.error(f"--budget-s: expected a number of seconds > 0, got {a.budget_s}")
     if a.jobs < 1:

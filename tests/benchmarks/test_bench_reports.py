@@ -738,6 +738,23 @@ def test_a_run_refuses_a_tuning_table_that_is_not_one_before_measuring(tmp_path,
     assert "not a tuning table" in capsys.readouterr().err and not (tmp_path / "o").exists()
 
 
+def test_a_run_of_some_impls_writes_no_tuning_table(tmp_path, monkeypatch, capsys):
+    """A review: ``--impls torch_foreach`` wrote the tuning table from a comparison of one impl, whose rule replaced the
+    faster torch_fused's. ``--impls`` implies ``--no-tuning`` (as ``--sizes`` does) and is refused with
+    ``--tuning-dir``."""
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "")
+    from benchmarks.run import main, parse_args
+
+    assert parse_args(["--impls", "torch_foreach"]).no_tuning and not parse_args([]).no_tuning
+    with pytest.raises(SystemExit):
+        parse_args(["--impls", "torch", "--tuning-dir", str(tmp_path / "t")])
+    assert "--impls: a run of some impls does not write a tuning table" in capsys.readouterr().err
+    # (a CPU dry run's table goes into its run folder: none there)
+    assert main(["--device", "cpu", "--dry-run", "--no-build", "--only", "adamw", "--dtypes", "fp32",
+                 "--impls", "torch_foreach", "--out", str(tmp_path / "o")]) == 0
+    assert list((tmp_path / "o").rglob("results.json")) and not list((tmp_path / "o").rglob("tuning"))
+
+
 def test_a_table_the_dispatcher_would_refuse_is_refused_before_measuring_and_never_written_back(tmp_path, monkeypatch,
                                                                                                capsys):
     """A review: read_rules checked the JSON's shape alone, so a kept rule of dtype ``bf16`` (or a misspelt field, an
