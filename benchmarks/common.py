@@ -130,7 +130,9 @@ def tolerances() -> dict:
 
 STATUSES = ("ok", "FAILED", "unsupported", "unavailable", "error", "skipped")
 # the statuses of rows that measured nothing (skipped for the budget; the impl did not load or build; it crashed or
-# could not be timed): a merge keeps an earlier measurement over them, the tuning table keeps the group's rules
+# could not be timed): a merge keeps an earlier measurement over them; a dispatchable impl's skipped or error row makes
+# its group's sweep incomplete, and the tuning table keeps the group's rules (an unavailable impl could not run on the
+# machine that measured: the others are compared without it; benchmarks/tuning.py)
 NO_RESULT = ("skipped", "unavailable", "error")
 
 

@@ -673,7 +673,10 @@ def run_ops(ops: list[str], dtypes: list[torch.dtype], mode: str, device: str, t
                 shape = shape_for(op, cols, device)
                 base = dict(op=op, dtype=dtype_name(dtype), shape=shape, cols=cols)
                 if time.perf_counter() > op_deadline:
-                    results += [Measurement(**base, impl=n, pas=p, status="skipped", detail="time budget")
+                    # (named with their dispatcher impl, as every other row: the tuning table keeps the rules of a
+                    # group whose dispatchable impls were skipped)
+                    results += [Measurement(**base, impl=n, pas=p, status="skipped", detail="time budget",
+                                            tunable=n if n in TUNABLE else None)
                                 for n in names for p in ("fwd", "bwd", "fwd+bwd")]
                     continue
                 case = make_case(op, dtype, cols, device, seed=cols)

@@ -268,7 +268,7 @@ class Run:
     def finish(self) -> None:
         from .plots import plot_all
         from .report import summary_lines
-        from .tuning import table_inputs, write_tuning_table
+        from .tuning import incomplete_groups, kept_lines, table_inputs, write_tuning_table
 
         self.complete = False
         self.write()
@@ -287,11 +287,14 @@ class Run:
             gpu = self.env["gpu"]
             path = write_tuning_table(gpu, self.env.get("date", today())[:10],
                                       str(results.relative_to(REPO_ROOT.resolve())) if in_repo else str(results),
-                                      self.measurements, tdir)
+                                      self.measurements, tdir, log=_log)
             self.complete = True   # (written: a broken pipe in the line below must not remove the merge)
             _log(f"tuning table: {path}" + ("" if in_repo or a.tuning_dir else " (the results are outside the "
                                             "repository: its table is not changed; --tuning-dir "
                                             "pipegoose/nn/fusion/tuning writes it)"))
+        elif not a.no_tuning:
+            for line in kept_lines(incomplete_groups(self.measurements)):   # (the table is not written: said why)
+                _log(line)
         self.complete = True   # (everything is written: what follows only prints)
         _log(f"results: {self.dir / 'results.json'}, {self.dir / 'results.md'}")
         _log("=" * 100)

@@ -9,10 +9,19 @@ not choices the dispatcher can make. The optimizers' rows take part too (``adamw
 Buckets: for each (op, dtype, pass) the measured sizes are sorted; each size's winner is the impl with the lowest
 median time; consecutive sizes with the same winner form one rule whose ``max_cols`` is the largest size in it; the
 last rule has ``max_cols: null`` (any larger size). A size where no dispatchable impl passed gives no rule of its
-own (the rule of the next larger size covers it, as it covers unmeasured sizes). Timings that are not a positive
-finite number are left out; a size that is not a positive integer is a ValueError. Rules
-are written for the passes the dispatcher tells apart, ``fwd`` (no grad needed) and ``fwd+bwd`` (training); the
-``bwd``-only timings stay in results.json.
+own (the rule of the next larger size covers it, as it covers unmeasured sizes); a size that is not a positive
+integer is a ValueError. Rules are written for the passes the dispatcher tells apart, ``fwd`` (no grad needed) and
+``fwd+bwd`` (training); the ``bwd``-only timings stay in results.json.
+
+Complete groups only: an (op, dtype, pass) group gives rules only where every row of a dispatchable impl has a
+result: ``ok`` with a time, ``FAILED`` (a wrong result: never chosen), ``unsupported`` (the impl declines the shape)
+or ``unavailable`` (it did not load or build on the machine that measured: the others are compared without it, as
+the dispatcher there would choose without it). A row ``skipped`` (the time budget; ``run_ops`` times ``pipegoose``
+last, so a budget running out mid-size leaves our kernel untimed there) or ``error`` (it crashed, or could not be
+timed), or an ``ok`` row whose time is not a positive finite number, makes the group *incomplete*: it gives no rules,
+and :func:`write_tuning_table` keeps the group's earlier rules (a review: an incomplete sweep made the impls timed at
+a size its winner, made the last measured bucket ``max_cols: null`` over the sizes the budget left out, and dropped
+the group's earlier rules). :func:`incomplete_groups` says which and why.
 """
 
 from __future__ import annotations
@@ -23,11 +32,12 @@ import os
 import tempfile
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .common import REPO_ROOT, Measurement, slug
 
-__all__ = ["tuning_rules", "table_inputs", "read_rules", "write_tuning_table", "DEFAULT_TUNING_DIR", "TUNING_OPS"]
+__all__ = ["tuning_rules", "incomplete_groups", "kept_lines", "table_inputs", "read_rules", "write_tuning_table",
+           "DEFAULT_TUNING_DIR", "TUNING_OPS"]
 
 DEFAULT_TUNING_DIR = REPO_ROOT / "pipegoose" / "nn" / "fusion" / "tuning"
 TUNING_OPS = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "swiglu", "cross_entropy",
@@ -46,27 +56,82 @@ def _rule_pass(m: Measurement) -> tuple[bool, str | None]:
     return m.pas in RULE_PASSES, m.pas
 
 
-def tuning_rules(measurements: Iterable[Measurement]) -> list[dict]:
-    """Rules (dicts with op, dtype, pass, max_cols, impl; the documented schema, nothing more) from measurements.
-    An optimizer's rules are for the dispatcher's op (``adamw`` -> ``adam``), with pass null and ``max_cols`` bounding
-    the parameter count of a bucket."""
+# a dispatchable impl's row of one of these statuses lacks a result the sweep could have had: its group is incomplete
+INCOMPLETE = ("skipped", "error")
+
+
+def _tunable(m: Measurement) -> str | None:
+    """The dispatcher impl ``m`` timed: ``m.tunable``; for an op row skipped for the time budget before its size was
+    set up, which runs before this fix wrote without one, the impl's own name where it is a dispatcher impl."""
+    if m.tunable or m.status != "skipped" or m.op in STEP_OPS:
+        return m.tunable
+    from .ops import TUNABLE
+
+    return m.impl if m.impl in TUNABLE else None
+
+
+def _timed(m: Measurement) -> bool:
+    """An ``ok`` row with a time that can be compared: a NaN would win every comparison it comes first in, a zero or
+    negative time every one."""
+    t = m.median_ms
+    return isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
+
+
+def _sweep(measurements: Iterable[Measurement]) -> tuple[dict[tuple, dict[int, tuple[float, str]]], dict[tuple, list]]:
+    """(fastest (time, impl) per group and size, the rows without a result per group): groups keyed (benchmark op,
+    dtype, rule pass)."""
     best: dict[tuple, dict[int, tuple[float, str]]] = defaultdict(dict)
+    missing: dict[tuple, list[Measurement]] = defaultdict(list)
     for m in measurements:
-        if m.status != "ok" or not m.tunable or m.op not in TUNING_OPS or m.median_ms is None:
+        if m.op not in TUNING_OPS:
             continue
         gives, pas = _rule_pass(m)
-        if not gives:
+        tunable = _tunable(m)
+        if not gives or not tunable:
+            continue
+        key = (m.op, m.dtype, pas)
+        if m.status in INCOMPLETE or (m.status == "ok" and not _timed(m)):
+            missing[key].append(m)
+            continue
+        if m.status != "ok":
             continue
         if isinstance(m.cols, bool) or not isinstance(m.cols, int) or m.cols < 1:
             raise ValueError(f"{m.op} {m.impl} {m.dtype} {m.pas}: cols: expected a size >= 1, got {m.cols!r}")
-        if not (isinstance(m.median_ms, (int, float)) and math.isfinite(m.median_ms) and m.median_ms > 0):
-            continue   # a NaN would win every comparison it comes first in, a zero or negative time every one
-        key = (m.op, m.dtype, pas)
         cur = best[key].get(m.cols)
         if cur is None or m.median_ms < cur[0]:
-            best[key][m.cols] = (m.median_ms, m.tunable)
+            best[key][m.cols] = (m.median_ms, tunable)
+    return best, missing
+
+
+def incomplete_groups(measurements: Iterable[Measurement]) -> dict[tuple, str]:
+    """The groups whose sweep is incomplete (see the module docstring), as the rules key them (op as the dispatcher
+    names it, dtype, pass), with why: the rows of dispatchable impls without a result (the first three, and how many
+    more)."""
+    out: dict[tuple, str] = {}
+    for (op, dtype, pas), rows in _sweep(measurements)[1].items():
+        said = [f"{m.impl} {m.pas} at {m.cols}: " + (f"{m.status} ({m.detail})" if m.detail else m.status)
+                if m.status != "ok" else f"{m.impl} {m.pas} at {m.cols}: no time ({m.median_ms!r})" for m in rows[:3]]
+        more = f" and {len(rows) - 3} more" if len(rows) > 3 else ""
+        out[(RULE_OP.get(op, op), dtype, pas)] = "; ".join(said) + more
+    return out
+
+
+def kept_lines(incomplete: dict[tuple, str]) -> list[str]:
+    """One line per incomplete group: its earlier rules are kept, and why."""
+    return [f"tuning table: {op} {dtype} {pas or 'any pass'}: earlier rules kept (the sweep is incomplete, no rules "
+            f"from it: {why})" for (op, dtype, pas), why in incomplete.items()]
+
+
+def tuning_rules(measurements: Iterable[Measurement]) -> list[dict]:
+    """Rules (dicts with op, dtype, pass, max_cols, impl; the documented schema, nothing more) from measurements,
+    for the complete groups only (see the module docstring; :func:`incomplete_groups` names the others).
+    An optimizer's rules are for the dispatcher's op (``adamw`` -> ``adam``), with pass null and ``max_cols`` bounding
+    the parameter count of a bucket."""
+    best, missing = _sweep(measurements)
     rules: list[dict] = []
     for (op, dtype, pas) in sorted(best, key=lambda k: (TUNING_OPS.index(k[0]), k[1], PASS_ORDER.get(k[2], 9))):
+        if (op, dtype, pas) in missing:
+            continue
         sizes = sorted(best[(op, dtype, pas)])
         buckets: list[list[int]] = []
         for c in sizes:
@@ -118,13 +183,15 @@ def read_rules(path: str | Path) -> list[dict]:
 
 
 def write_tuning_table(device_name: str, measured: str, benchmark: str, measurements: Iterable[Measurement],
-                       out_dir: str | Path | None = None) -> Path:
+                       out_dir: str | Path | None = None, log: Callable[[str], None] | None = print) -> Path:
     """Write ``<out_dir>/<slug(device_name)>.json`` (default dir: ``pipegoose/nn/fusion/tuning``) atomically.
 
     Rules of the (op, dtype, pass) groups timed now replace that device's earlier rules for those groups; the rules
-    of other groups (an earlier ``attention`` run, a dtype or pass this run did not time) are kept, less those
-    naming an impl that FAILED in their group now. (Keyed by op alone, a merge of one dtype's sweep dropped the op's
-    rules for the other dtypes: a walkthrough.)
+    of other groups (an earlier ``attention`` run, a dtype or pass this run did not time, a group whose sweep is
+    incomplete: :func:`incomplete_groups`, each said through ``log``) are kept, less those naming an impl that FAILED
+    in their group now. (Keyed by op alone, a merge of one dtype's sweep dropped the op's rules for the other dtypes:
+    a walkthrough.) An older rule without a pass goes with the rules of its op and dtype, unless a pass of them is
+    incomplete.
     ``measured``: date ``YYYY-MM-DD``; ``benchmark``: the repository-relative path of the results.json the rules come
     from. Returns the path written. Raises ValueError on an empty device name (see :func:`benchmarks.common.slug`) and
     where the file there is not a tuning table (:func:`read_rules`)."""
@@ -133,12 +200,14 @@ def write_tuning_table(device_name: str, measured: str, benchmark: str, measurem
     out = Path(out_dir) if out_dir is not None else DEFAULT_TUNING_DIR
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{slug(device_name)}.json"
+    incomplete = incomplete_groups(measurements)
     new_groups = {(r["op"], r["dtype"], r["pass"]) for r in rules}
     new_op_dtypes = {(op, dt) for op, dt, _ in new_groups}
 
     def stays(r: dict) -> bool:
         op, dt, ps, impl = r.get("op"), r.get("dtype"), r.get("pass"), r.get("impl")
-        if (op, dt, ps) in new_groups or (ps is None and (op, dt) in new_op_dtypes):
+        kept = (op, dt, ps) in incomplete or (ps is None and any((op, dt, p) in incomplete for p in RULE_PASSES))
+        if not kept and ((op, dt, ps) in new_groups or (ps is None and (op, dt) in new_op_dtypes)):
             return False   # replaced (a rule without a pass, from an older table, covers both passes)
         # an impl that gave a wrong result now loses its rules, though no impl of the group passed (a review: the
         # old rule, naming the impl that is now wrong, stayed)
@@ -155,4 +224,7 @@ def write_tuning_table(device_name: str, measured: str, benchmark: str, measurem
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if log is not None:
+        for line in kept_lines(incomplete):
+            log(line)
     return path

@@ -86,6 +86,100 @@ def test_tuning_table_file_is_valid_for_the_dispatcher(tmp_path):
     assert [r.impl for r in table.rules] == ["sdpa", "torch", "torch", "megatron", "pipegoose"]
 
 
+def _old_layer_norm_table(tmp_path):
+    (tmp_path / "nvidia_h200.json").write_text(json.dumps({"device": "NVIDIA H200", "rules": [
+        {"op": "layer_norm", "dtype": "bfloat16", "pass": "fwd+bwd", "max_cols": 1024, "impl": "torch"},
+        {"op": "layer_norm", "dtype": "bfloat16", "pass": "fwd+bwd", "max_cols": None, "impl": "pipegoose"},
+        {"op": "layer_norm", "dtype": "float16", "max_cols": None, "impl": "apex"}]}))
+
+
+def test_an_incomplete_sweep_keeps_the_groups_earlier_rules(tmp_path):
+    """A review: rows skipped (the budget ran out: pipegoose, timed last, "checked ok, not timed") or crashed were
+    dropped, so the impls timed at a size won it, the last measured bucket became ``max_cols: null`` over the sizes
+    the budget left out, and the group's earlier rules went. A group with a dispatchable impl's row without a result
+    now gives no rules, its earlier rules stay, and the writer says so; an unavailable impl (not built on the machine
+    that measured) or an unsupported shape does not make a group incomplete."""
+    from benchmarks.tuning import incomplete_groups
+
+    ln = dict(op="layer_norm", pas="fwd+bwd")
+    ms = [m(impl="torch", cols=512, ms=1.0, **ln), m(impl="pipegoose", cols=512, ms=1.2, **ln),
+          m(impl="torch", cols=1024, ms=2.0, **ln), m(impl="pipegoose", cols=1024, status="skipped", **ln),
+          m(impl="torch", cols=4096, status="skipped", **ln), m(impl="pipegoose", cols=4096, status="skipped", **ln)]
+    ms[3].detail = "time budget (checked ok, not timed)"
+    assert tuning_rules(ms) == []
+    assert incomplete_groups(ms) == {("layer_norm", "bfloat16", "fwd+bwd"): (
+        "pipegoose fwd+bwd at 1024: skipped (time budget (checked ok, not timed)); torch fwd+bwd at 4096: skipped; "
+        "pipegoose fwd+bwd at 4096: skipped")}
+    _old_layer_norm_table(tmp_path)
+    before = json.loads((tmp_path / "nvidia_h200.json").read_text())["rules"]
+    said = []
+    # fp16 complete (apex unavailable there, megatron-free op): its rules replace the old pass-less one only for fp16
+    fp16 = [m(impl="torch", cols=512, ms=1.0, dtype="float16", **ln), m(impl="pipegoose", cols=512, ms=0.5,
+                                                                        dtype="float16", **ln),
+            m(impl="apex", cols=512, status="unavailable", dtype="float16", **ln)]
+    path = write_tuning_table("NVIDIA H200", "2026-12-04", "x", ms + fp16, tmp_path, log=said.append)
+    rules = json.loads(path.read_text())["rules"]
+    assert rules == before[:2] + [{"op": "layer_norm", "dtype": "float16", "pass": "fwd+bwd", "max_cols": None,
+                                   "impl": "pipegoose"}]
+    assert said == ["tuning table: layer_norm bfloat16 fwd+bwd: earlier rules kept (the sweep is incomplete, no rules "
+                    "from it: " + incomplete_groups(ms)[("layer_norm", "bfloat16", "fwd+bwd")] + ")"]
+    # the same bad merge in tuning_rules alone: pipegoose fastest at 1024 and 16384 but skipped at 4096 gave
+    # pipegoose <= 1024, torch <= 4096, pipegoose null; an error row is no result either
+    for status in ("skipped", "error"):
+        gap = [m(impl="torch", cols=c, ms=2.0, **ln) for c in (1024, 4096, 16384)] + [
+            m(impl="pipegoose", cols=1024, ms=1.0, **ln), m(impl="pipegoose", cols=4096, status=status, **ln),
+            m(impl="pipegoose", cols=16384, ms=1.0, **ln)]
+        assert tuning_rules(gap) == [], status
+    # an incomplete pass keeps an old pass-less rule, which covers it, though the other pass is replaced
+    old_fp16 = [m(impl="torch", cols=512, ms=1.0, dtype="float16", op="layer_norm", pas="fwd"),
+                m(impl="pipegoose", cols=512, status="error", dtype="float16", op="layer_norm", pas="fwd")]
+    _old_layer_norm_table(tmp_path)
+    rules = json.loads(write_tuning_table("NVIDIA H200", "2026-12-04", "x", fp16 + old_fp16, tmp_path,
+                                          log=None).read_text())["rules"]
+    assert [(r["dtype"], r.get("pass"), r["impl"]) for r in rules] == [
+        ("bfloat16", "fwd+bwd", "torch"), ("bfloat16", "fwd+bwd", "pipegoose"), ("float16", None, "apex"),
+        ("float16", "fwd+bwd", "pipegoose")]
+
+
+def test_the_reviews_incomplete_sweep_repro_keeps_the_table(tmp_path, capsys):
+    """The review's repro, verbatim: the table it wrote held one rule, torch for every size."""
+    from benchmarks.tuning import write_tuning_table as write
+
+    d = tmp_path
+    (d / "nvidia_h200.json").write_text(json.dumps({"device": "NVIDIA H200", "rules": [
+        {"op": "layer_norm", "dtype": "bfloat16", "pass": "fwd+bwd", "max_cols": 1024, "impl": "torch"},
+        {"op": "layer_norm", "dtype": "bfloat16", "pass": "fwd+bwd", "max_cols": None, "impl": "pipegoose"}]}))
+
+    def M(i, c, ms, s="ok"):
+        return Measurement(op="layer_norm", impl=i, dtype="bfloat16", pas="fwd+bwd", shape={}, cols=c, status=s,
+                           median_ms=ms if s == "ok" else None, tunable=i)
+
+    ms = [M("torch", 512, 1.0), M("pipegoose", 512, 1.2), M("torch", 1024, 2.0), M("pipegoose", 1024, None, "skipped"),
+          M("torch", 4096, None, "skipped"), M("pipegoose", 4096, None, "skipped")]
+    rules = json.load(open(write("NVIDIA H200", "d", "x", ms, d)))["rules"]
+    assert [(r["max_cols"], r["impl"]) for r in rules] == [(1024, "torch"), (None, "pipegoose")]
+    assert "layer_norm bfloat16 fwd+bwd: earlier rules kept" in capsys.readouterr().out
+
+
+def test_rows_skipped_before_a_size_was_set_up_name_their_dispatcher_impl():
+    """``run_ops`` wrote the rows of a size the budget left out without ``tunable``: the tuning table could not tell
+    that a dispatchable impl went untimed. They carry it now, and rows of older runs without it are read by impl name
+    (an optimizer's are named by its benchmark already)."""
+    import torch
+
+    from benchmarks.ops import run_ops
+    from benchmarks.timing import Timer
+    from benchmarks.tuning import incomplete_groups
+
+    rows = run_ops(["layer_norm"], [torch.float32], "dry", "cpu", Timer("cpu", warmup=0, reps=1),
+                   {torch.float32: None}, None, deadline=0.0, log=lambda msg: None)
+    assert rows and {r.status for r in rows} == {"skipped"}
+    assert {(r.impl, r.tunable) for r in rows if r.impl in ("pipegoose", "apex", "torch", "compile")} == {
+        ("pipegoose", "pipegoose"), ("apex", "apex"), ("torch", "torch"), ("compile", None)}
+    for r in rows:
+        r.tunable = None   # as an older run wrote them
+    assert set(incomplete_groups(rows)) == {("layer_norm", "float32", "fwd"), ("layer_norm", "float32", "fwd+bwd")}
+
 def test_tuning_table_drops_the_rules_of_a_group_whose_impls_now_fail(tmp_path):
     """A review: the groups replaced were those this run made rules for, so where every dispatchable impl FAILED now,
     the old rule (naming the impl that is now wrong) stayed. An old rule naming an impl that FAILED in its group goes;
@@ -606,11 +700,15 @@ def test_report_only_keeps_each_rows_percent_of_its_own_runs_copy(tmp_path, monk
 
 def test_rules_leave_out_timings_that_are_no_time_and_refuse_bad_sizes():
     """A walkthrough: a NaN median won when it came first (every comparison with NaN is False), a zero or negative one
-    won outright, and a size that is not a number crashed the sort with a traceback."""
-    for bad in (float("nan"), 0.0, -1.0):
+    won outright, and a size that is not a number crashed the sort with a traceback. Such a time never wins; since
+    the review of incomplete sweeps it is a row without a result: its group gives no rules (the earlier ones stay)."""
+    from benchmarks.tuning import incomplete_groups
+
+    for bad in (float("nan"), 0.0, -1.0, None):
         ms = [m(impl="torch", cols=512, ms=0.5), m(impl="pipegoose", cols=512, ms=1.0)]
         ms[0].median_ms = bad
-        assert [r["impl"] for r in tuning_rules(ms)] == ["pipegoose"], bad
+        assert tuning_rules(ms) == [], bad
+        assert list(incomplete_groups(ms)) == [("softmax.causal", "bfloat16", "fwd+bwd")], bad
     with pytest.raises(ValueError, match="cols: expected a size >= 1, got 'big'"):
         tuning_rules([m(cols=512), m(cols="big")])
 
