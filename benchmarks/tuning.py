@@ -7,7 +7,9 @@ not choices the dispatcher can make. The optimizers' rows take part too (``adamw
 ``adam``; a ``step`` gives rules of pass null).
 
 Buckets: for each (op, dtype, pass) the measured sizes are sorted; each size's winner is the impl with the lowest
-median time; consecutive sizes with the same winner form one rule whose ``max_cols`` is the largest size in it; the
+median time (of equal times, the first in :data:`TIE_ORDER`, the dispatcher's built-in order: ours, PyTorch's fused
+kernels, the ported copies, torch; so a tie gives the choice the GPU would make without a table, whatever the rows'
+order); consecutive sizes with the same winner form one rule whose ``max_cols`` is the largest size in it; the
 last rule has ``max_cols: null`` (any larger size). A size where no dispatchable impl passed gives no rule of its
 own (the rule of the next larger size covers it, as it covers unmeasured sizes); a size that is not a positive
 integer is a ValueError. Rules are written for the passes the dispatcher tells apart, ``fwd`` (no grad needed) and
@@ -70,6 +72,15 @@ def _tunable(m: Measurement) -> str | None:
     return m.impl if m.impl in TUNABLE else None
 
 
+# a tie goes to the impl the dispatcher's built-in order takes first: ours, PyTorch's fused kernels, the ported
+# copies, torch (pipegoose/nn/fusion/dispatch.py); then attention's. It went to whichever row came first: a review
+TIE_ORDER = ("pipegoose", "torch_fused", "megatron", "apex", "deepspeed", "torch", "sdpa", "eager")
+
+
+def _tie_rank(impl: str) -> int:
+    return TIE_ORDER.index(impl) if impl in TIE_ORDER else len(TIE_ORDER)
+
+
 def _timed(m: Measurement) -> bool:
     """An ``ok`` row with a time that can be compared: a NaN would win every comparison it comes first in, a zero or
     negative time every one."""
@@ -98,7 +109,7 @@ def _sweep(measurements: Iterable[Measurement]) -> tuple[dict[tuple, dict[int, t
         if isinstance(m.cols, bool) or not isinstance(m.cols, int) or m.cols < 1:
             raise ValueError(f"{m.op} {m.impl} {m.dtype} {m.pas}: cols: expected a size >= 1, got {m.cols!r}")
         cur = best[key].get(m.cols)
-        if cur is None or m.median_ms < cur[0]:
+        if cur is None or (m.median_ms, _tie_rank(tunable)) < (cur[0], _tie_rank(cur[1])):
             best[key][m.cols] = (m.median_ms, tunable)
     return best, missing
 

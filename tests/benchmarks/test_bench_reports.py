@@ -48,6 +48,17 @@ def test_rules_pick_the_fastest_correct_impl_and_merge_buckets():
     ]
 
 
+def test_a_tie_goes_to_the_first_impl_of_the_dispatchers_built_in_order_whatever_the_rows_order():
+    """A review: of equal times the row that came first won (strict <), so the rule depended on the order of the
+    impls in results.json. A tie now goes to the impl the dispatcher's built-in order takes first."""
+    for rows in ([m(impl="torch", ms=1.0), m(impl="megatron", ms=1.0), m(impl="pipegoose", ms=1.0)],
+                 [m(impl="pipegoose", ms=1.0), m(impl="megatron", ms=1.0), m(impl="torch", ms=1.0)]):
+        assert [r["impl"] for r in tuning_rules(rows)] == ["pipegoose"]
+        assert [r["impl"] for r in tuning_rules(rows[:2] if rows[0].impl == "torch" else rows[1:])] == ["megatron"]
+    opt = [m(op="adamw", impl=i, pas="step", cols=10**8, ms=2.0) for i in ("apex", "torch", "torch_fused")]
+    assert [r["impl"] for r in tuning_rules(opt)] == ["torch_fused"]
+    assert [r["impl"] for r in tuning_rules([m(impl="torch", ms=0.9), m(impl="pipegoose", ms=1.0)])] == ["torch"]
+
 def test_rules_are_per_op_dtype_and_pass_and_skip_bwd_only():
     ms = [m(op="layer_norm", impl="apex", pas="fwd", cols=1024, ms=1), m(op="layer_norm", impl="pipegoose", pas="fwd",
                                                                            cols=1024, ms=2),
