@@ -325,6 +325,24 @@ def test_fused_scale_mask_softmax_runs_its_choice_once_on_the_scores_as_given(mo
     torch.testing.assert_close(y2, y)
 
 
+@pytest.mark.parametrize("kind", [AttnMaskType.causal, AttnMaskType.padding])
+def test_fused_scale_mask_softmax_forward_fused_softmax_keeps_the_padding_mask(kind):
+    """Megatron's public forward_fused_softmax, where the choice is the PyTorch path (a causal module given a padding
+    mask: no fused kernel takes both; any module on the CPU), ran the causal op with no mask: weight on masked keys
+    (a review). It gives forward's result: both masks applied, fully masked rows zero."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 3, 6, 6, generator=g).bfloat16()
+    mask = torch.rand(2, 1, 6, 6, generator=g) < 0.4
+    mask[0, 0, 2] = True   # a fully masked row
+    m = _module(kind, torch.bfloat16, scale=0.5)
+    causal = kind == AttnMaskType.causal
+    y = m.forward_fused_softmax(x, mask)
+    torch.testing.assert_close(y, m(x, mask))
+    torch.testing.assert_close(y.double(), ref64(x, mask, 0.5, causal=causal), **TOLERANCES[torch.bfloat16])
+    masked = mask | (torch.ones(6, 6, dtype=torch.bool).triu(1) if causal else False)
+    assert (y.masked_select(masked.expand_as(y)) == 0).all()
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 0, 8), (2, 3, 8, 0), (0, 3, 8, 8)])
 def test_fused_scale_mask_softmax_causal_empty_scores(shape):
     """A causal module given scores with no queries or no keys raised "cannot reshape tensor of 0 elements into shape
