@@ -99,7 +99,8 @@ def _print_unrecorded(p: Porter, before: dict[str, list[str]]) -> None:
     """Name the files kernels.lock does not record (``before``: :meth:`Porter.unrecorded` before the change) that the
     change removed, writing their source's folders whole, and those still there (a review: `add` deleted a user's own
     vendor/<source>/my_patches/ without a word)."""
-    gone = [f for files in before.values() for f in files if not (p.root / f).exists()]
+    # lexists: a dangling link left in place is still there (exists() follows it; a review)
+    gone = [f for files in before.values() for f in files if not os.path.lexists(p.root / f)]
     if gone:
         out.print(f"removed files not recorded in kernels.lock, with their source's folders written as kernels.lock "
                   f"records them: {', '.join(gone)}", style="yellow", markup=False)

@@ -731,8 +731,11 @@ class Porter:
         return ", ".join(self._show(p) for p in paths[:_ABSENT_SHOWN]) + (f", and {more} more" if more > 0 else "")
 
     def _show(self, p: Path) -> str:
+        """``p`` as a repository path. A link is named by its own path, not its target's: only its folder is
+        resolved (a review: vendor/deepspeed/link -> ../../README.md was shown as "README.md", a link to a recorded
+        file as that file, and a dangling link as an absolute path)."""
         try:
-            return p.resolve().relative_to(self.root.resolve()).as_posix()
+            return (p.parent.resolve() / p.name).relative_to(self.root.resolve()).as_posix()
         except ValueError:
             return str(p)
 

@@ -405,6 +405,40 @@ def test_add_keeps_or_names_files_kernels_lock_does_not_record(git_repo):
     assert {s.id: s.state for s in repo.porter().states()} == {"up/alpha": "verified", "up/beta": "verified"}
 
 
+def test_links_kernels_lock_does_not_record_are_named_by_their_own_path(git_repo):
+    """A review: a link under vendor/<source>/ was named by its target in list/add/update/verify ("README.md", a
+    recorded file, an absolute path for a dangling one); add of a kernel in place said "removed" of a dangling link it
+    left, and one that re-vendored removed a link to a recorded file without naming it."""
+    repo = git_repo
+    repo.porter().add(["alpha", "beta"])
+    (repo.root / "NOTES.md").write_text("notes\n")
+    up = repo.root / "vendor" / "up"
+    (up / "link").symlink_to("../../NOTES.md")
+    (up / "dangling").symlink_to("/nonexistent")
+    (up / "alias.cu").symlink_to("csrc/kernels/alpha.cu")
+    links = ["vendor/up/alias.cu", "vendor/up/dangling", "vendor/up/link"]
+    assert repo.porter().unrecorded() == {"up": links}
+    assert [(pr.kind, pr.path) for pr in repo.porter().verify()] == [("extra", f) for f in links]
+    detail = {s.id: s for s in repo.porter().states()}["up/alpha"].detail
+    assert all(f in detail for f in links) and "NOTES.md (" not in detail and "alpha.cu," not in detail, detail
+    cli = [sys.executable, str(ROOT / "tools/port.py"), "--root", str(repo.root), "add", "alpha"]
+    # in place: the links are left, and named so (none as removed)
+    r = subprocess.run(cli, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout.replace("\n", " ")
+    assert "nothing to add" in out and "removed" not in out, r.stdout
+    assert f"left in place (verify fails until they go; sync removes them): {', '.join(links)}" in out, r.stdout
+    assert all(os.path.lexists(repo.root / f) for f in links)
+    # vendored again: the links go, each named as removed
+    (up / "csrc/kernels/alpha.cu").unlink()
+    r = subprocess.run(cli, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout.replace("\n", " ")
+    assert f"records them: {', '.join(links)}" in out and "left in place" not in out, r.stdout
+    assert not any(os.path.lexists(repo.root / f) for f in links) and repo.porter().verify() == []
+    assert (repo.root / "NOTES.md").read_text() == "notes\n"
+
+
 def test_add_of_a_source_id_names_its_kernels(git_repo):
     """`port.py add colossalai` (a source id) answered "did you mean: causal_softmax" (session 34's walkthrough)."""
     with pytest.raises(PortError, match=r"^'up' is a source, not a kernel; its kernels: up/alpha, up/beta$"):
