@@ -742,11 +742,12 @@ class Porter:
     def states(self, check_hashes: bool = True) -> list[KernelState]:
         """The state of every kernel of the manifest (and of lock entries that left it):
 
-        declared (not in kernels.lock), vendored (locked and present; hashes not checked), verified (hashes
-        match, and the source's folders hold no file kernels.lock does not record: verify passes for it), modified
-        (a file or license file differs, or the source's folders hold files kernels.lock does not record), missing (locked but files absent: run sync, or for
-        this project's own files restore them from git), stale
-        (kernels.yaml and kernels.lock disagree: source, pin, file list, license; the detail says which).
+        declared (not in kernels.lock), vendored (locked and present; hashes not checked: ``check_hashes`` False),
+        verified (hashes match, and the source's folders hold no file kernels.lock does not record: verify passes for
+        it), modified (a file or license file differs, or the source's folders hold files kernels.lock does not
+        record; the latter is looked at with ``check_hashes`` False too), missing (locked but files absent: run sync,
+        or for this project's own files restore them from git), stale (kernels.yaml and kernels.lock disagree:
+        source, pin, file list, license; the detail says which).
         """
         lock = Lock.load(self.lock_path)
         out = []
@@ -786,22 +787,21 @@ class Porter:
                 out.append(KernelState(kid, sid, project, lic, pin, "missing", f"{what}{also}: {fix}",
                                        self._first_few(bad)))
                 continue
-            if not check_hashes:
-                out.append(KernelState(kid, sid, project, lic, pin, "vendored"))
-                continue
-            bad = [p for p, h in paths if sha256_file(p) != h]
+            bad = [p for p, h in paths if sha256_file(p) != h] if check_hashes else []
             if bad:
                 out.append(KernelState(kid, sid, project, lic, pin, "modified", self._first_few(bad),
                                        self._first_few(bad)))
                 continue
             # files kernels.lock does not record in the source's folders fail verify ("extra"): not verified either
-            # (a review: `list` said verified where verify failed)
+            # (a review: `list` said verified where verify failed). Looked at without hashes too: it hashes nothing
+            # (a review: `list --quick` said vendored of them, where the README says modified)
             if sid not in unrecorded:
                 unrecorded[sid] = self._unrecorded(lock, sid)
             if unrecorded[sid]:
+                files = "its files verify, but " if check_hashes else ""
                 out.append(KernelState(kid, sid, project, lic, pin, "modified", (
-                    f"its files verify, but its source's folders hold {len(unrecorded[sid])} file(s) not recorded in "
+                    f"{files}its source's folders hold {len(unrecorded[sid])} file(s) not recorded in "
                     f"kernels.lock ({self._first_few(unrecorded[sid])}): verify fails; sync removes them")))
                 continue
-            out.append(KernelState(kid, sid, project, lic, pin, "verified"))
+            out.append(KernelState(kid, sid, project, lic, pin, "verified" if check_hashes else "vendored"))
         return out

@@ -1052,6 +1052,27 @@ def test_cli_list_shows_states(git_repo):
         assert r.returncode == 0 and "pipegoose/layer_norm" in r.stdout, repr(blank) + r.stdout + r.stderr
 
 
+def test_list_quick_calls_a_source_with_unrecorded_files_modified(git_repo):
+    """A review: `list --quick` said vendored of every kernel of a source whose folder held a file kernels.lock does
+    not record, where the README says modified (verify fails on it); looking for one hashes nothing."""
+    repo = git_repo
+    repo.porter().add(["alpha", "beta"])
+    assert {s.id: s.state for s in repo.porter().states(check_hashes=False)} == {"up/alpha": "vendored",
+                                                                                  "up/beta": "vendored"}
+    mine = repo.root / "vendor" / "up" / "my_patches" / "p.diff"
+    mine.parent.mkdir()
+    mine.write_text("x\n")
+    states = {s.id: s for s in repo.porter().states(check_hashes=False)}
+    assert {kid: s.state for kid, s in states.items()} == {"up/alpha": "modified", "up/beta": "modified"}
+    assert states["up/alpha"].detail == ("its source's folders hold 1 file(s) not recorded in kernels.lock "
+                                         "(vendor/up/my_patches/p.diff): verify fails; sync removes them")
+    r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "list", "--quick", "--root", str(repo.root)],
+                       capture_output=True, text=True, env={**os.environ, "COLUMNS": "250"})
+    assert r.returncode == 0, r.stderr
+    lines = {ln.split("│")[1].strip(): ln for ln in r.stdout.splitlines() if ln.startswith("│")}
+    assert "modified" in lines["up/alpha"] and "vendor/up/my_patches/p.diff" in lines["up/alpha"], r.stdout
+
+
 def test_cli_list_fits_narrow_terminals(git_repo):
     """Session 39's walkthrough: at 60 columns `port.py list` folded the kernel ids mid-word inside the table. Where the
     table's short columns do not fit, it prints a line per kernel (id and state) and its source, license and detail
