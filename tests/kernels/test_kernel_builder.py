@@ -964,6 +964,18 @@ def test_cli_clean_checks_its_manifest_and_cache_dir(tmp_path):
     p = subprocess.run(cli + ["clean"], capture_output=True, text=True, env={**env, "PIPEGOOSE_CACHE_DIR": str(a_file)},
                        timeout=300)
     assert p.returncode == 2 and f"PIPEGOOSE_CACHE_DIR {a_file}: expected" in p.stderr, p.stdout + p.stderr
+    # and a path under a file (a review: "removed 0 temp folder(s)", exit 0)
+    under = a_file / "sub" / "cache"
+    for extra in ([], ["--dry-run"]):
+        p = subprocess.run(cli + ["clean", "--cache-dir", str(under), *extra], capture_output=True, text=True, env=env,
+                           timeout=300)
+        assert p.returncode == 2, p.stdout + p.stderr
+        assert (f"clean: --cache-dir {under}: expected the build cache's folder, got a path under the file {a_file}"
+                in p.stderr), p.stderr
+        assert "removed" not in p.stdout and "temp folder" not in p.stdout, p.stdout
+    p = subprocess.run(cli + ["clean"], capture_output=True, text=True, env={**env, "PIPEGOOSE_CACHE_DIR": str(under)},
+                       timeout=300)
+    assert p.returncode == 2 and f"PIPEGOOSE_CACHE_DIR {under}: expected" in p.stderr, p.stdout + p.stderr
     # a cache that is not there yet holds nothing to clean: 0, as before
     p = subprocess.run(cli + ["clean", "--cache-dir", str(tmp_path / "none")], capture_output=True, text=True, env=env,
                        timeout=300)
