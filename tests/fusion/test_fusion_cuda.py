@@ -313,6 +313,20 @@ def test_fused_scale_mask_softmax_module_uses_a_kernel(kind):
 
 
 @pytest.mark.parametrize("kind", [AttnMaskType.padding, AttnMaskType.causal])
+def test_fused_scale_mask_softmax_forward_fused_softmax_equals_forward(kind):
+    """Megatron's public forward_fused_softmax gives forward's result on the GPU, also where no fused kernel takes the
+    scores (a causal module given a padding mask: the PyTorch path, which had dropped the padding mask)."""
+    x = torch.randn(2, 4, 48, 48, device=DEV, dtype=torch.bfloat16) * 3
+    mask = torch.rand(2, 1, 48, 48, device=DEV) < 0.3
+    mask[1, 0, 5] = True   # a fully masked row
+    m = FusedScaleMaskSoftmax(False, True, kind, True, None, True, 0.125)
+    y = m.forward_fused_softmax(x, mask)
+    torch.testing.assert_close(y, m(x, mask))
+    torch.testing.assert_close(y.double(), softmax_ref64(x, mask, 0.125, kind == AttnMaskType.causal),
+                               **TOLERANCES[torch.bfloat16])
+
+
+@pytest.mark.parametrize("kind", [AttnMaskType.padding, AttnMaskType.causal])
 def test_fused_scale_mask_softmax_under_autocast_runs_the_16bit_kernel(kind):
     """Under CUDA autocast the module's fused path went through the functional op, which computes softmax in fp32
     there: a cast of the scores to fp32, an fp32 kernel and a cast of the probabilities back. It now runs the 16-bit
