@@ -130,9 +130,10 @@ def tolerances() -> dict:
 
 STATUSES = ("ok", "FAILED", "unsupported", "unavailable", "error", "skipped")
 # the statuses of rows that measured nothing (skipped for the budget; the impl did not load or build; it crashed or
-# could not be timed): a merge keeps an earlier measurement over them; a dispatchable impl's skipped or error row makes
-# its group's sweep incomplete, and the tuning table keeps the group's rules (an unavailable impl could not run on the
-# machine that measured: the others are compared without it; benchmarks/tuning.py)
+# could not be timed): a merge keeps an earlier measurement over them. In the tuning table (benchmarks/tuning.py) a
+# dispatchable impl's skipped row makes its group's sweep incomplete (the group keeps its earlier rules); an error row
+# rules the impl out as a FAILED one does (no contender at that size, its earlier rules in the group go); an
+# unavailable impl could not run on the machine that measured: the others are compared without it
 NO_RESULT = ("skipped", "unavailable", "error")
 
 

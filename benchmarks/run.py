@@ -279,7 +279,8 @@ class Run:
         except ImportError as e:
             _log(f"plots: skipped ({e}); pip install matplotlib")
         a = self.args
-        # (gated on a rule or a FAILED impl: a run whose every dispatchable impl FAILED must still drop their rules)
+        # (gated on a rule or a FAILED or errored impl: a run whose every dispatchable impl FAILED or crashed must still
+        # drop their rules)
         if not a.no_tuning and any(table_inputs(self.measurements)):
             results = (self.dir / "results.json").resolve()
             in_repo = results.is_relative_to(REPO_ROOT.resolve())

@@ -16,14 +16,17 @@ integer is a ValueError. Rules are written for the passes the dispatcher tells a
 ``fwd+bwd`` (training); the ``bwd``-only timings stay in results.json.
 
 Complete groups only: an (op, dtype, pass) group gives rules only where every row of a dispatchable impl has a
-result: ``ok`` with a time, ``FAILED`` (a wrong result: never chosen), ``unsupported`` (the impl declines the shape)
-or ``unavailable`` (it did not load or build on the machine that measured: the others are compared without it, as
-the dispatcher there would choose without it). A row ``skipped`` (the time budget; ``run_ops`` times ``pipegoose``
-last, so a budget running out mid-size leaves our kernel untimed there) or ``error`` (it crashed, or could not be
-timed), or an ``ok`` row whose time is not a positive finite number, makes the group *incomplete*: it gives no rules,
-and :func:`write_tuning_table` keeps the group's earlier rules (a review: an incomplete sweep made the impls timed at
-a size its winner, made the last measured bucket ``max_cols: null`` over the sizes the budget left out, and dropped
-the group's earlier rules). :func:`incomplete_groups` says which and why.
+result: ``ok`` with a time, ``FAILED`` (a wrong result), ``error`` (it crashed, ran out of memory, or could not be
+timed), ``unsupported`` (the impl declines the shape) or ``unavailable`` (it did not load or build on the machine that
+measured: the others are compared without it, as the dispatcher there would choose without it). An impl that FAILED
+or errored at a size is no contender there (never chosen), and :func:`write_tuning_table` drops the earlier rules
+naming it in its group (a review: a crashing kernel kept its old rules, so the GPU was still sent to it, where a
+FAILED one lost them). A row ``skipped`` (the time budget; ``run_ops`` times ``pipegoose`` last, so a budget running
+out mid-size leaves our kernel untimed there), or an ``ok`` row whose time is not a positive finite number, makes the
+group *incomplete*: it gives no rules, and :func:`write_tuning_table` keeps the group's earlier rules, less those
+naming an impl that FAILED or errored in it now (a review: an incomplete sweep made the impls timed at a size its
+winner, made the last measured bucket ``max_cols: null`` over the sizes the budget left out, and dropped the group's
+earlier rules). :func:`incomplete_groups` says which and why.
 """
 
 from __future__ import annotations
@@ -59,7 +62,11 @@ def _rule_pass(m: Measurement) -> tuple[bool, str | None]:
 
 
 # a dispatchable impl's row of one of these statuses lacks a result the sweep could have had: its group is incomplete
-INCOMPLETE = ("skipped", "error")
+INCOMPLETE = ("skipped",)
+# a dispatchable impl's row of one of these statuses rules it out: no contender at that size, and the earlier rules
+# naming it in its group go (an error, a crash or OOM, made its group incomplete, so a crashing kernel kept its rules
+# where a wrong one lost them: a review)
+RULED_OUT = ("FAILED", "error")
 
 
 def _tunable(m: Measurement) -> str | None:
@@ -158,11 +165,12 @@ def tuning_rules(measurements: Iterable[Measurement]) -> list[dict]:
 
 
 def table_inputs(measurements: Iterable[Measurement]) -> tuple[list[dict], set[tuple]]:
-    """What a run changes in a tuning table: its rules (:func:`tuning_rules`) and the dispatchable impls that FAILED,
-    as (op, dtype, pass, impl). Both empty: the run changes nothing (the table is not written)."""
+    """What a run changes in a tuning table: its rules (:func:`tuning_rules`) and the dispatchable impls that FAILED
+    or errored (:data:`RULED_OUT`), as (op, dtype, pass, impl). Both empty: the run changes nothing (the table is not
+    written)."""
     measurements = list(measurements)
     failed = {(RULE_OP.get(m.op, m.op), m.dtype, _rule_pass(m)[1], m.tunable) for m in measurements
-              if m.status == "FAILED" and m.tunable and m.op in TUNING_OPS and _rule_pass(m)[0]}
+              if m.status in RULED_OUT and m.tunable and m.op in TUNING_OPS and _rule_pass(m)[0]}
     return tuning_rules(measurements), failed
 
 
@@ -197,12 +205,12 @@ def write_tuning_table(device_name: str, measured: str, benchmark: str, measurem
                        out_dir: str | Path | None = None, log: Callable[[str], None] | None = print) -> Path:
     """Write ``<out_dir>/<slug(device_name)>.json`` (default dir: ``pipegoose/nn/fusion/tuning``) atomically.
 
-    Rules of the (op, dtype, pass) groups timed now replace that device's earlier rules for those groups; the rules
-    of other groups (an earlier ``attention`` run, a dtype or pass this run did not time, a group whose sweep is
-    incomplete: :func:`incomplete_groups`, each said through ``log``) are kept, less those naming an impl that FAILED
-    in their group now. (Keyed by op alone, a merge of one dtype's sweep dropped the op's rules for the other dtypes:
-    a walkthrough.) An older rule without a pass goes with the rules of its op and dtype, unless a pass of them is
-    incomplete.
+    Rules of the (op, dtype, pass) groups timed now replace that device's earlier rules for those groups; the rules of
+    other groups (an earlier ``attention`` run, a dtype or pass this run did not time, a group whose sweep is
+    incomplete: :func:`incomplete_groups`, each said through ``log``) are kept, less those naming an impl that FAILED or
+    errored (crashed, ran out of memory) in their group now. (Keyed by op alone, a merge of one dtype's sweep dropped
+    the op's rules for the other dtypes: a walkthrough.) An older rule without a pass goes with the rules of its op and
+    dtype, unless a pass of them is incomplete.
     ``measured``: date ``YYYY-MM-DD``; ``benchmark``: the repository-relative path of the results.json the rules come
     from. Returns the path written. Raises ValueError on an empty device name (see :func:`benchmarks.common.slug`) and
     where the file there is not a tuning table (:func:`read_rules`)."""
@@ -220,8 +228,9 @@ def write_tuning_table(device_name: str, measured: str, benchmark: str, measurem
         kept = (op, dt, ps) in incomplete or (ps is None and any((op, dt, p) in incomplete for p in RULE_PASSES))
         if not kept and ((op, dt, ps) in new_groups or (ps is None and (op, dt) in new_op_dtypes)):
             return False   # replaced (a rule without a pass, from an older table, covers both passes)
-        # an impl that gave a wrong result now loses its rules, though no impl of the group passed (a review: the
-        # old rule, naming the impl that is now wrong, stayed)
+        # an impl that gave a wrong result or crashed now loses its rules, though no impl of the group passed or the
+        # group is incomplete (reviews: the old rule, naming the impl that is now wrong, stayed; one naming an impl
+        # that now crashes stayed, its group being incomplete)
         return not any((op, dt, p, impl) in failed for p in ([ps] if ps else (None,) + RULE_PASSES))
 
     kept = [r for r in read_rules(path) if stays(r)]

@@ -135,15 +135,18 @@ def test_an_incomplete_sweep_keeps_the_groups_earlier_rules(tmp_path):
     assert said == ["tuning table: layer_norm bfloat16 fwd+bwd: earlier rules kept (the sweep is incomplete, no rules "
                     "from it: " + incomplete_groups(ms)[("layer_norm", "bfloat16", "fwd+bwd")] + ")"]
     # the same bad merge in tuning_rules alone: pipegoose fastest at 1024 and 16384 but skipped at 4096 gave
-    # pipegoose <= 1024, torch <= 4096, pipegoose null; an error row is no result either
-    for status in ("skipped", "error"):
-        gap = [m(impl="torch", cols=c, ms=2.0, **ln) for c in (1024, 4096, 16384)] + [
-            m(impl="pipegoose", cols=1024, ms=1.0, **ln), m(impl="pipegoose", cols=4096, status=status, **ln),
-            m(impl="pipegoose", cols=16384, ms=1.0, **ln)]
-        assert tuning_rules(gap) == [], status
+    # pipegoose <= 1024, torch <= 4096, pipegoose null
+    gap = [m(impl="torch", cols=c, ms=2.0, **ln) for c in (1024, 4096, 16384)] + [
+        m(impl="pipegoose", cols=1024, ms=1.0, **ln), m(impl="pipegoose", cols=4096, status="skipped", **ln),
+        m(impl="pipegoose", cols=16384, ms=1.0, **ln)]
+    assert tuning_rules(gap) == []
+    # an error row (a crash) is a result since a review: pipegoose is no contender at 4096, as where it FAILED
+    gap[4].status = "error"
+    assert [(r["max_cols"], r["impl"]) for r in tuning_rules(gap)] == [
+        (1024, "pipegoose"), (4096, "torch"), (None, "pipegoose")]
     # an incomplete pass keeps an old pass-less rule, which covers it, though the other pass is replaced
     old_fp16 = [m(impl="torch", cols=512, ms=1.0, dtype="float16", op="layer_norm", pas="fwd"),
-                m(impl="pipegoose", cols=512, status="error", dtype="float16", op="layer_norm", pas="fwd")]
+                m(impl="pipegoose", cols=512, status="skipped", dtype="float16", op="layer_norm", pas="fwd")]
     _old_layer_norm_table(tmp_path)
     rules = json.loads(write_tuning_table("NVIDIA H200", "2026-12-04", "x", fp16 + old_fp16, tmp_path,
                                           log=None).read_text())["rules"]
@@ -170,6 +173,47 @@ def test_the_reviews_incomplete_sweep_repro_keeps_the_table(tmp_path, capsys):
     rules = json.load(open(write("NVIDIA H200", "d", "x", ms, d)))["rules"]
     assert [(r["max_cols"], r["impl"]) for r in rules] == [(1024, "torch"), (None, "pipegoose")]
     assert "layer_norm bfloat16 fwd+bwd: earlier rules kept" in capsys.readouterr().out
+
+
+def test_an_impl_that_now_crashes_loses_its_rules_as_a_failed_one_does(tmp_path):
+    """A review: an ``error`` row (a crash or OOM) made its group incomplete, so the group's earlier rules stayed, and
+    the GPU was still sent to the kernel that now crashes (a FAILED one lost its rules). An error rules the impl out:
+    no contender at that size, its earlier rules in the group go; the group is complete and gives rules from the other
+    impls. Only a ``skipped`` row (the time budget) makes a group incomplete; there, too, the errored impl's earlier
+    rules go and the others' stay."""
+    from benchmarks.tuning import incomplete_groups
+
+    old = {"device": "GPU X", "rules": [
+        {"op": "rms_norm", "dtype": "bfloat16", "pass": "fwd+bwd", "max_cols": None, "impl": "pipegoose"}]}
+    (tmp_path / "gpu_x.json").write_text(json.dumps(old))
+    rn = dict(op="rms_norm", pas="fwd+bwd")
+    ms = [m(impl="torch", cols=c, ms=1.0, **rn) for c in (1024, 4096, 65536)] + [
+        m(impl="pipegoose", cols=c, ms=2.0, **rn) for c in (1024, 4096)] + [
+        m(impl="pipegoose", cols=65536, status="error", **rn)]
+    ms[-1].detail = "CUDA error: an illegal memory access"
+    assert incomplete_groups(ms) == {}
+    said = []
+    path = write_tuning_table("GPU X", "2026-12-06", "x", ms, tmp_path, log=said.append)
+    assert json.loads(path.read_text())["rules"] == [
+        {"op": "rms_norm", "dtype": "bfloat16", "pass": "fwd+bwd", "max_cols": None, "impl": "torch"}]
+    assert said == []
+    # pipegoose fastest where it ran, crashing at the largest size: the largest goes to torch
+    for x in ms[3:5]:
+        x.median_ms = 0.5
+    (tmp_path / "gpu_x.json").write_text(json.dumps(old))
+    got = json.loads(write_tuning_table("GPU X", "d", "x", ms, tmp_path, log=None).read_text())["rules"]
+    assert [(r["max_cols"], r["impl"]) for r in got] == [(4096, "pipegoose"), (None, "torch")]
+    # an incomplete group (torch skipped at a size) keeps its earlier rules, less the one naming the impl that crashed
+    old["rules"].insert(0, {"op": "rms_norm", "dtype": "bfloat16", "pass": "fwd+bwd", "max_cols": 512, "impl": "torch"})
+    (tmp_path / "gpu_x.json").write_text(json.dumps(old))
+    ms[2].status, ms[2].median_ms = "skipped", None
+    assert list(incomplete_groups(ms)) == [("rms_norm", "bfloat16", "fwd+bwd")]
+    got = json.loads(write_tuning_table("GPU X", "d", "x", ms, tmp_path, log=None).read_text())["rules"]
+    assert [(r["max_cols"], r["impl"]) for r in got] == [(512, "torch")]
+    # a run whose only news is the crash still writes the table (run.py writes it where table_inputs gives anything)
+    from benchmarks.tuning import table_inputs
+
+    assert table_inputs([ms[-1]]) == ([], {("rms_norm", "bfloat16", "fwd+bwd", "pipegoose")})
 
 
 def test_rows_skipped_before_a_size_was_set_up_name_their_dispatcher_impl():
