@@ -51,6 +51,8 @@ RULE_OP = {"adamw": "adam"}   # a benchmark op -> the dispatcher op its rules ar
 STEP_OPS = ("adamw", "clip_grad_norm")   # timed as one optimizer "step": their rules hold for any call (pass null)
 PASS_ORDER = {"fwd": 0, "fwd+bwd": 1}
 RULE_PASSES = ("fwd", "fwd+bwd")   # what the dispatcher distinguishes: inference forward, training step
+STEP_RULE_OPS = tuple(RULE_OP.get(op, op) for op in STEP_OPS)   # the rule ops whose rules are of pass null
+RULE_FIELDS = ("op", "dtype", "pass", "max_cols", "impl")   # a rule's fields, in the order written
 
 
 def _rule_pass(m: Measurement) -> tuple[bool, str | None]:
@@ -209,8 +211,10 @@ def write_tuning_table(device_name: str, measured: str, benchmark: str, measurem
     other groups (an earlier ``attention`` run, a dtype or pass this run did not time, a group whose sweep is
     incomplete: :func:`incomplete_groups`, each said through ``log``) are kept, less those naming an impl that FAILED or
     errored (crashed, ran out of memory) in their group now. (Keyed by op alone, a merge of one dtype's sweep dropped
-    the op's rules for the other dtypes: a walkthrough.) An older rule without a pass goes with the rules of its op and
-    dtype, unless a pass of them is incomplete.
+    the op's rules for the other dtypes: a walkthrough.) An older rule without a pass (of an op whose rules have one: it
+    covers both passes) goes with the new rules of its op and dtype, except for a pass whose group is incomplete: for
+    that pass it is kept, written as a rule of that pass (kept without one, it shadowed the new rules of the other pass:
+    the dispatcher reads a rule without a pass for both passes, in table order; a review).
     ``measured``: date ``YYYY-MM-DD``; ``benchmark``: the repository-relative path of the results.json the rules come
     from. Returns the path written. Raises ValueError on an empty device name (see :func:`benchmarks.common.slug`) and
     where the file there is not a tuning table (:func:`read_rules`)."""
@@ -223,17 +227,35 @@ def write_tuning_table(device_name: str, measured: str, benchmark: str, measurem
     new_groups = {(r["op"], r["dtype"], r["pass"]) for r in rules}
     new_op_dtypes = {(op, dt) for op, dt, _ in new_groups}
 
-    def stays(r: dict) -> bool:
-        op, dt, ps, impl = r.get("op"), r.get("dtype"), r.get("pass"), r.get("impl")
-        kept = (op, dt, ps) in incomplete or (ps is None and any((op, dt, p) in incomplete for p in RULE_PASSES))
-        if not kept and ((op, dt, ps) in new_groups or (ps is None and (op, dt) in new_op_dtypes)):
-            return False   # replaced (a rule without a pass, from an older table, covers both passes)
+    def stays(op: str, dt: str, p: str | None, impl: str, passless: bool) -> bool:
+        """Whether an earlier rule of ``impl`` stays for the group (op, dt, p); ``passless``: a rule without a pass
+        of an op whose rules have one (it covers both passes), asked per pass."""
         # an impl that gave a wrong result or crashed now loses its rules, though no impl of the group passed or the
         # group is incomplete (reviews: the old rule, naming the impl that is now wrong, stayed; one naming an impl
         # that now crashes stayed, its group being incomplete)
-        return not any((op, dt, p, impl) in failed for p in ([ps] if ps else (None,) + RULE_PASSES))
+        if (op, dt, p, impl) in failed:
+            return False
+        if (op, dt, p) in incomplete:
+            return True
+        # replaced: a rule without a pass, from an older table, goes with the new rules of its op and dtype
+        return (op, dt) not in new_op_dtypes if passless else (op, dt, p) not in new_groups
 
-    kept = [r for r in read_rules(path) if stays(r)]
+    kept: list[dict] = []
+    for r in read_rules(path):
+        op, dt, ps, impl = r.get("op"), r.get("dtype"), r.get("pass"), r.get("impl")
+        if ps is not None or op in STEP_RULE_OPS:
+            if stays(op, dt, ps, impl, False):
+                kept.append(r)
+            continue
+        passes = [p for p in RULE_PASSES if stays(op, dt, p, impl, True)]
+        if len(passes) == len(RULE_PASSES):
+            kept.append(r)
+        else:
+            # kept for some passes only (one incomplete, the other replaced): written as a rule of each, for the
+            # dispatcher reads a rule without a pass for both, in table order, so it shadowed the new rules of the
+            # other pass (a review: training calls still took the old impl)
+            kept += [{k: (p if k == "pass" else r.get(k)) for k in RULE_FIELDS} for p in passes]
+
     table = {"device": device_name, "measured": measured, "benchmark": benchmark, "rules": kept + rules}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=out)
     try:

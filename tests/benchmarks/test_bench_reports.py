@@ -144,14 +144,15 @@ def test_an_incomplete_sweep_keeps_the_groups_earlier_rules(tmp_path):
     gap[4].status = "error"
     assert [(r["max_cols"], r["impl"]) for r in tuning_rules(gap)] == [
         (1024, "pipegoose"), (4096, "torch"), (None, "pipegoose")]
-    # an incomplete pass keeps an old pass-less rule, which covers it, though the other pass is replaced
+    # an incomplete pass keeps an old pass-less rule, which covers it, though the other pass is replaced: written as a
+    # rule of the incomplete pass (kept without a pass, it shadowed the new fwd+bwd rules: a review)
     old_fp16 = [m(impl="torch", cols=512, ms=1.0, dtype="float16", op="layer_norm", pas="fwd"),
                 m(impl="pipegoose", cols=512, status="skipped", dtype="float16", op="layer_norm", pas="fwd")]
     _old_layer_norm_table(tmp_path)
     rules = json.loads(write_tuning_table("NVIDIA H200", "2026-12-04", "x", fp16 + old_fp16, tmp_path,
                                           log=None).read_text())["rules"]
     assert [(r["dtype"], r.get("pass"), r["impl"]) for r in rules] == [
-        ("bfloat16", "fwd+bwd", "torch"), ("bfloat16", "fwd+bwd", "pipegoose"), ("float16", None, "apex"),
+        ("bfloat16", "fwd+bwd", "torch"), ("bfloat16", "fwd+bwd", "pipegoose"), ("float16", "fwd", "apex"),
         ("float16", "fwd+bwd", "pipegoose")]
 
 
@@ -214,6 +215,49 @@ def test_an_impl_that_now_crashes_loses_its_rules_as_a_failed_one_does(tmp_path)
     from benchmarks.tuning import table_inputs
 
     assert table_inputs([ms[-1]]) == ([], {("rms_norm", "bfloat16", "fwd+bwd", "pipegoose")})
+
+
+def test_an_old_rule_without_a_pass_kept_for_an_incomplete_pass_does_not_shadow_the_other_pass(tmp_path):
+    """A review: with one pass incomplete, an older rule without a pass was kept, before the new rules of the other
+    pass; the dispatcher reads a rule without a pass for both passes, in table order, so training calls still took
+    the old impl. It is kept for the incomplete pass only, written as a rule of that pass."""
+    import torch
+
+    from pipegoose.nn.fusion.dispatch import Problem, TuningTable
+
+    old = {"device": "GPU X", "rules": [{"op": "rms_norm", "dtype": "bfloat16", "pass": None, "max_cols": None,
+                                         "impl": "torch"}]}
+    (tmp_path / "gpu_x.json").write_text(json.dumps(old))
+    ms = [m(op="rms_norm", pas="fwd+bwd", impl="torch", cols=c, ms=2.0) for c in (1024, 4096)] + [
+        m(op="rms_norm", pas="fwd+bwd", impl="pipegoose", cols=c, ms=1.0) for c in (1024, 4096)] + [
+        m(op="rms_norm", pas="fwd", impl="torch", cols=c, ms=2.0) for c in (1024, 4096)] + [
+        m(op="rms_norm", pas="fwd", impl="pipegoose", cols=1024, ms=1.0),
+        m(op="rms_norm", pas="fwd", impl="pipegoose", cols=4096, status="skipped")]
+    path = write_tuning_table("GPU X", "2026-12-06", "x", ms, tmp_path, log=None)
+    data = json.loads(path.read_text())
+    assert data["rules"] == [
+        {"op": "rms_norm", "dtype": "bfloat16", "pass": "fwd", "max_cols": None, "impl": "torch"},
+        {"op": "rms_norm", "dtype": "bfloat16", "pass": "fwd+bwd", "max_cols": None, "impl": "pipegoose"}]
+    table = TuningTable.parse(data, str(path))
+
+    def chosen(needs_grad, cols):   # the dispatcher takes the first candidate whose impl can run
+        problem = Problem("rms_norm", torch.bfloat16, torch.device("cuda", 0), cols, needs_grad, {})
+        return table.candidates(problem)[0].impl
+
+    for cols in (512, 4096, 65536):
+        assert chosen(True, cols) == "pipegoose" and chosen(False, cols) == "torch", cols
+
+    # the impl of the old rule wrong now in the incomplete pass: it goes there too; with both passes incomplete the
+    # old rule stays as it was
+    (tmp_path / "gpu_x.json").write_text(json.dumps(old))
+    ms[5].status = "FAILED"
+    assert json.loads(write_tuning_table("GPU X", "d", "x", ms, tmp_path, log=None).read_text())["rules"] == [
+        {"op": "rms_norm", "dtype": "bfloat16", "pass": "fwd+bwd", "max_cols": None, "impl": "pipegoose"}]
+    (tmp_path / "gpu_x.json").write_text(json.dumps(old))
+    ms[5].status = "ok"
+    ms[3].status, ms[3].median_ms = "skipped", None
+    assert json.loads(write_tuning_table("GPU X", "d", "x", ms, tmp_path, log=None).read_text())["rules"] == (
+        old["rules"])
 
 
 def test_rows_skipped_before_a_size_was_set_up_name_their_dispatcher_impl():
