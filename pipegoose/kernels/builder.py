@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import os
@@ -66,7 +67,9 @@ class KernelError(RuntimeError):
 
 
 class KernelBuildError(KernelError):
-    """Compiling or linking failed, or the built library did not load; ``log_path`` holds the full log."""
+    """Compiling or linking failed, the built library did not load, or the build cache folder disappeared or could
+    not be written during the build (an OSError: the message names the path and the errno text; the OSError is its
+    ``__cause__``); ``log_path`` holds the full log (None when there is none)."""
 
     def __init__(self, message: str, log_path: Path | None = None):
         super().__init__(message)
@@ -86,6 +89,8 @@ class KernelUnavailableError(KernelError):
 
 # Preflight checks that only compiling needs (not in a build's key): a cached build loads whatever they say.
 _COMPILE_ONLY_CHECKS = ("cache dir", "MAX_JOBS", "ninja")
+# The errnos of a write the cache folder refuses (full disk, quota, read-only file system, permissions).
+_CACHE_WRITE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM))
 # Environment variables nvcc reads itself (flags added to every call, the host compiler): part of a build's key.
 _NVCC_ENV = ("NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN")
 
@@ -188,8 +193,10 @@ class KernelBuilder:
         KernelUnavailableError: (from :meth:`build` / :meth:`load`) toolchain preflight failed, vendored files or
             the binding are missing, vendored files are not what kernels.lock records, the running GPU's architecture
             is not covered; the message says what to run.
-        KernelBuildError: (from :meth:`build` / :meth:`load`) compiling, linking or loading failed; the message
-            shows the first errors and the log path.
+        KernelBuildError: (from :meth:`build` / :meth:`load`) compiling, linking or loading failed (the message
+            shows the first errors and the log path), or the build cache folder disappeared or could not be written
+            during the build (removed, disk full, permission denied: the message names the path and the errno text).
+            No OSError of building or publishing escapes otherwise.
     """
 
     def __init__(self, name: str | None = None, *, manifest: Manifest | str | os.PathLike | None = None,
@@ -494,8 +501,11 @@ class KernelBuilder:
 
         Raises:
             KeyError, KernelUnavailableError: as the class docstring says.
-            KernelBuildError: compiling or linking failed (the message shows the first errors and the log path), or
-                the inputs changed while it compiled (nothing is cached then).
+            KernelBuildError: compiling or linking failed (the message shows the first errors and the log path), the
+                inputs changed while it compiled, or an OSError met taking the lock, compiling or publishing (the
+                cache folder removed during the build, a full disk, a folder that cannot be written: the message names
+                the path and the errno text); nothing is cached then, and no temp folder or empty failure record is
+                left.
             KernelBuildBusyError (a KernelBuildError): the wait for another process's build of the same key ran past
                 ``PIPEGOOSE_BUILD_LOCK_TIMEOUT`` or was stopped (Ctrl-C of ``build``); nothing was attempted.
         """
@@ -519,10 +529,21 @@ class KernelBuilder:
                 on_wait(owner)
             _log(f"{k.id}: waiting for the build by pid {owner.get('pid', '?')} on {owner.get('hostname', '?')}")
 
+        # Every OSError of the lock, the compile and the publishing (the cache folder removed meanwhile, a full disk,
+        # a folder that cannot be written) becomes a KernelBuildError here, in one place: a raw OSError escaped
+        # dispatch.kernel(), which falls back on KernelError only, into a fused model's first forward (a review).
+        try:
+            return self._build_locked(k, key, entry, tc, inputs, t0, force, waiting)
+        except OSError as e:
+            raise self._os_error(e) from e
+
+    def _build_locked(self, k: Kernel, key: str, entry: Path, tc: dict[str, Any], inputs: dict[str, Any], t0: float,
+                      force: bool, waiting: Callable[[dict], None]) -> BuildResult:
+        """:meth:`build`'s part under the key's lock: take the lock, compile into a temp folder, publish it."""
         lock = _cache.BuildLock(self.cache_dir, key, on_wait=waiting, stop=_stop_requested.is_set)
         try:
             lock.acquire()
-        except _cache.LockTimeout as e:
+        except _cache.LockTimeout as e:   # (a TimeoutError, an OSError: made a KernelError before build's wrapper)
             raise KernelBuildBusyError(f"{k.id}: {e}") from None
         except _cache.LockWaitStopped:   # (stop_workers: Ctrl-C of build while another process builds this key)
             raise KernelBuildBusyError(f"{k.id}: build stopped (interrupted) while waiting for another process's "
@@ -546,21 +567,42 @@ class KernelBuilder:
                 if changed:
                     raise KernelBuildError(f"{k.id}: its inputs changed while it compiled ({', '.join(changed)}); "
                                            "nothing was cached: build again", None)
+                info = {
+                    "kernel": k.id, "key": key, "library": lib.name, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    "seconds": round(time.monotonic() - t0, 2), "archs": tc.get("archs"), "inputs": inputs,
+                    "library_bytes": lib.stat().st_size, "library_sha256": _cache.file_digest(lib),
+                }
+                # (in the try: a publish that fails, say writing build.json on a full disk, left its temp folder)
+                entry = _cache.publish(tmp, self.cache_dir, key, info, replace=force)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-            info = {
-                "kernel": k.id, "key": key, "library": lib.name, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "seconds": round(time.monotonic() - t0, 2), "archs": tc.get("archs"), "inputs": inputs,
-                "library_bytes": lib.stat().st_size, "library_sha256": _cache.file_digest(lib),
-            }
-            entry = _cache.publish(tmp, self.cache_dir, key, info, replace=force)
             # an earlier failure of this key is no longer what doctor should report
             shutil.rmtree(self.cache_dir / "failed" / key, ignore_errors=True)
             return BuildResult(k, key, entry, _cache.is_complete(entry) or info, built=True,
                                seconds=time.monotonic() - t0)
         finally:
             lock.release()
+
+    def _os_error(self, e: OSError) -> KernelBuildError:
+        """The KernelBuildError of an OSError met while building or publishing: the path and the errno text, and
+        what to do."""
+        k = self.kernel
+        path = Path(os.fsdecode(e.filename)) if e.filename is not None else None
+        what = f"{e.strerror or e}" + (f": {path}" if path is not None else "")
+        in_cache = path is not None and path.absolute().is_relative_to(self.cache_dir)
+        if isinstance(e, FileNotFoundError) and (in_cache or not self.cache_dir.is_dir()):
+            return KernelBuildError(f"{k.id}: the build cache folder {self.cache_dir} (or part of it) disappeared "
+                                    f"during the build ({what}); nothing was cached: leave the folder in place while "
+                                    "a build runs, and build again", None)
+        # (a write to a full disk names no file: the cache folder is where the build writes)
+        if in_cache or (path is None and e.errno in _CACHE_WRITE_ERRNOS):
+            if path is None:
+                what += f": {self.cache_dir}"
+            return KernelBuildError(f"{k.id}: the build cache folder {self.cache_dir} could not be written during the "
+                                    f"build ({what}); nothing was cached: free disk space or fix the folder's "
+                                    "permissions (or set PIPEGOOSE_CACHE_DIR to another folder), and build again", None)
+        return KernelBuildError(f"{k.id}: building failed ({what}); nothing was cached", None)
 
     def _compile(self, tmp: Path, tc: dict[str, Any]) -> Path:
         k = self.kernel
@@ -608,11 +650,20 @@ class KernelBuilder:
             # which doctor would report as "last build failed" (a fresh-clone walkthrough)
             raise KernelBuildError(f"{k.id}: build stopped (interrupted); nothing was cached", None)
         if rc != 0 or not result:
+            # the log read first: a build whose temp folder was removed (the cache folder deleted meanwhile) raises
+            # FileNotFoundError here (build() says so) before failed/ is made, which mkdir(parents=True) would make
+            # again, cache folder and all, empty (a review)
+            text = log_path.read_bytes()
             failed = self.cache_dir / "failed" / tmp.name.split(".tmp-")[0]
-            failed.mkdir(parents=True, exist_ok=True)
+            failed.parent.mkdir(exist_ok=True)   # (not parents=True: a cache folder removed meanwhile stays removed)
+            failed.mkdir(exist_ok=True)
             kept = failed / "build.log"
-            shutil.copyfile(log_path, kept)
-            raise KernelBuildError(_failure_message(k.id, log_path.read_text(errors="replace"), kept, rc), kept)
+            try:
+                kept.write_bytes(text)
+            except BaseException:   # (a full disk: no empty or truncated failure record)
+                shutil.rmtree(failed, ignore_errors=True)
+                raise
+            raise KernelBuildError(_failure_message(k.id, text.decode(errors="replace"), kept, rc), kept)
         lib = Path(result["library"])
         # Keep the library and the log; the objects and ninja files are not needed to load it, and the worker's
         # spec.json / result.json name this temporary folder, which publishing renames (build.json is the record).

@@ -254,16 +254,29 @@ class BuildLock:
         return self
 
     def release(self) -> None:
+        """Marks the owner record released and releases the lock. Raises nothing when the lock's files are gone (the
+        cache folder removed during a build) or the record cannot be written (disk full): the lock is released all
+        the same, and the error that ended the build, if any, is the one that propagates (a review: a second
+        FileNotFoundError from here was chained to the build's own). An unmarked record reads, to the next holder,
+        as a build that did not finish: a log line, nothing more."""
         if self._lock is None:
             return
+        tmp = self.owner_path.with_suffix(f".{os.getpid()}.tmp")
         try:
             owner = self.read_owner() or {}
             owner["released"] = True
-            tmp = self.owner_path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(owner))
             os.replace(tmp, self.owner_path)
+        except OSError:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
         finally:
-            self._lock.release()
+            try:
+                self._lock.release()
+            except FileNotFoundError:   # (a soft lock's marker removed with the folder: nothing is held any more)
+                pass
             self._lock = None
 
     def __enter__(self) -> "BuildLock":

@@ -6,6 +6,7 @@ import json
 import logging
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -205,6 +206,42 @@ def test_kernel_load_failure_becomes_a_reason(monkeypatch):
     dispatch.select(OP, problem())
     assert calls == ["pipegoose/fake"]  # cached, not retried per call
     assert kernels is not None
+
+
+def test_a_cache_folder_removed_during_the_kernels_build_is_a_fallback(monkeypatch, tmp_path):
+    """A review: `rm -rf` of the build cache while a kernel built raised FileNotFoundError out of the builder, which
+    kernel() does not catch, into a fused model's first CUDA forward. The builder now raises a KernelBuildError: a
+    fallback with its reason. (The real builder and lock on a throw-away manifest; the compile step is simulated.)"""
+    import shutil
+    import uuid
+
+    import pipegoose.kernels.builder as builder_mod
+    from pipegoose.kernels.builder import KernelBuilder
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+    try:
+        from kernel_helpers import write_manifest
+    finally:
+        sys.path.pop(0)
+    manifest = write_manifest(tmp_path / "proj", f"tiny_{uuid.uuid4().hex[:10]}")
+    cache_dir = tmp_path / "cache"
+    monkeypatch.setenv("PIPEGOOSE_QUIET", "1")
+
+    def worker(cmd, *, env, cwd, log, echo):
+        shutil.rmtree(cache_dir)
+        return 1
+
+    monkeypatch.setattr(builder_mod, "_run_worker", worker)
+    monkeypatch.setattr(dispatch, "_load_kernel",
+                        lambda name: KernelBuilder(name, manifest=manifest, cache_dir=cache_dir).build())
+    dispatch.clear_kernel_cache()
+    dispatch.register(Implementation(OP, "pipegoose", "ours", lambda p: (True, ""), ("test/tiny",)))
+    c = dispatch.select(OP, problem())
+    assert c.impl == "megatron"
+    assert c.reasons["pipegoose"].startswith(
+        f"test/tiny unavailable: KernelBuildError: test/tiny: the build cache folder {cache_dir} (or part of it) "
+        "disappeared during the build"), c.reasons["pipegoose"]
+    assert not cache_dir.exists()
 
 
 def test_a_missing_manifest_makes_the_kernel_unavailable(monkeypatch, tmp_path):

@@ -185,6 +185,154 @@ def test_a_source_edited_while_it_compiles_is_not_cached(tiny, monkeypatch):
     assert b.cached() is None and not list(cache_dir.glob("tiny-*"))
 
 
+@pytest.mark.parametrize("rc", [1, 0], ids=["worker-failed", "worker-ok-no-result"])
+def test_a_cache_folder_removed_during_the_build_is_a_build_error(tiny, monkeypatch, rc):
+    """A review: `rm -rf` of the cache folder while a build ran raised FileNotFoundError (copying build.log from the
+    removed temp folder to failed/), chained with a second one from BuildLock.release (its owner record's folder gone),
+    and left an empty failed/<key>/ (the cache folder made again); dispatch.kernel() falls back on KernelError only,
+    so the OSError reached a fused model's forward. Now one KernelBuildError says so, and nothing is made again."""
+    import pipegoose.kernels.builder as builder_mod
+
+    manifest, op, cache_dir = tiny
+    b = KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir)
+
+    def worker(cmd, *, env, cwd, log, echo):
+        log.write(b"compiling\n")
+        log.flush()
+        shutil.rmtree(cache_dir)   # the folder removed while ninja runs: the build then fails, or finds no result
+        return rc
+
+    monkeypatch.setattr(builder_mod, "_run_worker", worker)
+    with pytest.raises(KernelBuildError, match=rf"^test/tiny: the build cache folder {re.escape(str(cache_dir))} "
+                                               r"\(or part of it\) disappeared during the build \(No such file or "
+                                               r"directory: .*build\.log\); nothing was cached: leave the folder in "
+                                               r"place while a build runs, and build again$") as ei:
+        b.build()
+    assert isinstance(ei.value.__cause__, FileNotFoundError) and ei.value.log_path is None
+    # no second error (the lock's release) in the chain, and nothing made again: no failed/, no cache folder at all
+    assert ei.value.__context__ is ei.value.__cause__ and ei.value.__cause__.__context__ is None
+    assert not cache_dir.exists()
+    # the next build finds the lock free and its record gone: it builds (a fake compile), no taking over
+    def compiled(self, tmp, tc):
+        (tmp / "tiny.so").write_bytes(b"")
+        return tmp / "tiny.so"
+
+    monkeypatch.setattr(KernelBuilder, "_compile", compiled)
+    cache_dir.mkdir()
+    assert b.build().built and not (cache_dir / "failed").exists()
+
+
+@pytest.mark.parametrize("soft", [False, True], ids=["flock", "softlock"])
+def test_build_lock_release_tolerates_its_files_gone(tmp_path, soft):
+    key = "tiny-0123456789abcdef01234567"
+    lock = cache.BuildLock(tmp_path / "c", key, timeout=5, soft=soft).acquire()
+    shutil.rmtree(tmp_path / "c")
+    lock.release()   # no FileNotFoundError
+    assert not (tmp_path / "c").exists()
+    again = cache.BuildLock(tmp_path / "c", key, timeout=5, soft=soft).acquire()   # free, nothing taken over
+    assert again.previous_owner is None
+    again.release()
+    assert (again.read_owner() or {}).get("released") is True
+
+
+def _full_disk(path) -> OSError:
+    import errno
+
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def test_os_errors_of_building_and_publishing_are_build_errors(tiny, monkeypatch):
+    """A review: any OSError of the build/publish path (disk full, permission denied on the cache folder) escaped the
+    builder raw, and dispatch.kernel() with it; each is now one KernelBuildError naming the path and the errno text,
+    leaving no temp folder, entry or failure record. A programming error is not wrapped."""
+    import errno
+
+    import pipegoose.kernels.builder as builder_mod
+
+    manifest, op, cache_dir = tiny
+    b = KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir)
+    key = b.build_key()
+    writable = (rf"^test/tiny: the build cache folder {re.escape(str(cache_dir))} could not be written during the "
+                r"build \({}: {}\); nothing was cached: free disk space or fix the folder's permissions \(or set "
+                r"PIPEGOOSE_CACHE_DIR to another folder\), and build again$")
+
+    def nothing_left() -> None:
+        # (locks/ stays, and failed/ as an empty folder: no record of this key in it)
+        assert not [p for p in cache_dir.iterdir() if p.name != "locks" and not (p.name == "failed" and
+                                                                                not any(p.iterdir()))]
+        assert b.status()["state"] == "not built"
+
+    def compiled(self, tmp, tc):
+        (tmp / "tiny.so").write_bytes(b"x")
+        return tmp / "tiny.so"
+
+    # publishing on a full disk: build.json half-written, then ENOSPC
+    def full_publish(tmp, cache_dir_, key_, info, **kw):
+        (tmp / cache.BUILD_INFO).write_text("{")
+        raise _full_disk(tmp / cache.BUILD_INFO)
+
+    with monkeypatch.context() as m:
+        m.setattr(KernelBuilder, "_compile", compiled)
+        m.setattr(cache, "publish", full_publish)
+        with pytest.raises(KernelBuildError, match=writable.format("No space left on device",
+                                                                   r".*\.tmp-.*build\.json")):
+            b.build()
+    nothing_left()
+
+    # the temp folder cannot be made: permission denied on the cache folder (root passes any chmod: simulated)
+    def denied(cache_dir_, key_):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(cache_dir_ / f"{key_}.tmp-1-deadbeef"))
+
+    with monkeypatch.context() as m:
+        m.setattr(cache, "new_tmp_dir", denied)
+        with pytest.raises(KernelBuildError, match=writable.format("Permission denied", r".*\.tmp-1-deadbeef")) as ei:
+            b.build()
+    assert isinstance(ei.value.__cause__, PermissionError)
+    nothing_left()
+
+    # a write to a full disk that names no file (the worker's output into build.log): the cache folder is named;
+    # another OSError of the build (a fork without memory) says so as it is
+    for err, match in ((OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+                        writable.format("No space left on device", re.escape(str(cache_dir)))),
+                       (OSError(errno.ENOMEM, os.strerror(errno.ENOMEM)),
+                        r"^test/tiny: building failed \(Cannot allocate memory\); nothing was cached$")):
+        def failing_worker(cmd, err=err, **kw):
+            raise err
+
+        with monkeypatch.context() as m:
+            m.setattr(builder_mod, "_run_worker", failing_worker)
+            with pytest.raises(KernelBuildError, match=match):
+                b.build()
+        nothing_left()
+
+    # a failed compile whose failure record cannot be written (disk full): no empty or truncated record
+    real_write_bytes = Path.write_bytes
+
+    def write_bytes(self, data):
+        if self.name == "build.log" and self.parent.parent.name == "failed":
+            real_write_bytes(self, data[:1])
+            raise _full_disk(self)
+        return real_write_bytes(self, data)
+
+    with monkeypatch.context() as m:
+        m.setattr(builder_mod, "_run_worker", lambda cmd, **kw: 1)
+        m.setattr(Path, "write_bytes", write_bytes)
+        with pytest.raises(KernelBuildError, match=writable.format(
+                "No space left on device", re.escape(str(cache_dir / "failed" / key / "build.log")))):
+            b.build()
+    assert not (cache_dir / "failed" / key).exists()
+    nothing_left()
+
+    # a programming error stays what it is (and its temp folder goes)
+    def broken(self, tmp, tc):
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(KernelBuilder, "_compile", broken)
+    with pytest.raises(TypeError, match="a bug"):
+        b.build()
+    nothing_left()
+
+
 def test_nvccs_own_environment_variables_are_part_of_the_key(tiny, fake_toolkit, monkeypatch):
     """A fresh-clone review (session 60): NVCC_APPEND_FLAGS=-G (and NVCC_PREPEND_FLAGS, NVCC_CCBIN, which the README
     suggests for a too-new host compiler) changed what nvcc built but not the key: a debug build was cached, and then
