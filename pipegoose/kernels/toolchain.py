@@ -7,7 +7,9 @@ Everything here is probed once per process (``functools.lru_cache``); tests monk
   by asking nvcc itself, ``nvcc --dryrun``). A folder counts as a toolkit only with ``bin/nvcc`` AND
   ``include/cuda_runtime.h`` (torch's own guess, ``/usr/local``, often lacks the headers).
 * :func:`cuda_extra_include_dirs` -- the pip CUDA wheels' include folders (``site-packages/nvidia/cu13/include``,
-  ``nvidia/*/include``) when the toolkit lacks ``cusparse.h``/``cublas_v2.h``, which torch's headers include.
+  ``nvidia/{cublas,cusparse,cusolver}/include``, ...) holding each header of :data:`TORCH_CUDA_HEADERS` (the CUDA
+  library headers torch's ``ATen/cuda/CUDAContextLight.h`` includes) that the toolkit lacks;
+  :func:`cuda_header_lookup` also says which of them are found nowhere (preflight's "CUDA headers" row).
 * :func:`arch_list` -- the ``TORCH_CUDA_ARCH_LIST`` to build for: ``$TORCH_CUDA_ARCH_LIST`` when set (with any
   visible GPU it does not cover added), else the visible GPUs (PTX for the newest), else a default table matching
   nvcc's major version. ``compute_70`` is never assumed.
@@ -35,6 +37,8 @@ __all__ = [
     "nvcc_version",
     "torch_cuda_version",
     "host_compiler",
+    "TORCH_CUDA_HEADERS",
+    "cuda_header_lookup",
     "cuda_extra_include_dirs",
     "visible_capabilities",
     "parse_arch_list",
@@ -55,6 +59,17 @@ _GCC_MAX = {11: 11, 12: 14, 13: 15}
 _CLANG_MAX = {11: 13, 12: 19, 13: 20}
 # Where a toolkit is looked for after $CUDA_HOME/$CUDA_PATH and before nvcc on PATH.
 DEFAULT_TOOLKITS = ("/usr/local/cuda",)
+# The CUDA library headers torch's ATen/cuda/CUDAContextLight.h (which CUDAContext.h includes) includes (torch 2.14;
+# cudss.h only in torch's own builds with USE_CUDSS), and the pip wheel of each ("nvidia-<name>", "-cu12" for CUDA 12).
+# A toolkit without the math libraries (a cuda-nvcc + cudart install, a slim container) lacks them; torch's CUDA 13
+# wheels put them in one nvidia/cu13/include, its CUDA 12 wheels in nvidia/cublas, nvidia/cusparse and
+# nvidia/cusolver/include (cusolverDn.h and cublasLt.h were not looked for: a review).
+TORCH_CUDA_HEADERS = {
+    "cusparse.h": "cusparse",
+    "cublas_v2.h": "cublas",
+    "cublasLt.h": "cublas",
+    "cusolverDn.h": "cusolver",
+}
 
 
 @dataclass(frozen=True)
@@ -195,24 +210,48 @@ def torch_cuda_version() -> tuple[int, int] | None:
     return int(major), int(minor)
 
 
-def cuda_extra_include_dirs(cuda_home: Path | None = None) -> list[str]:
-    """Include folders of the pip CUDA wheels, needed when the toolkit lacks headers torch's headers include.
-
-    Returns ``[]`` when ``<cuda_home>/include`` has both ``cusparse.h`` and ``cublas_v2.h``.
-    """
+def cuda_header_lookup(cuda_home: Path | None = None) -> tuple[list[str], list[str]]:
+    """``(folders, missing)`` for the headers of :data:`TORCH_CUDA_HEADERS` that ``<cuda_home>/include`` lacks:
+    ``folders`` the pip CUDA wheels' include folders (``<sys.path entry>/nvidia/*/include``) that hold them, the
+    first holding each, in search order (``sys.path``, then folder name) and each once; ``missing`` those found in
+    no such folder either, in :data:`TORCH_CUDA_HEADERS` order. Both are empty when the toolkit has every header
+    (no wheel folder is added then)."""
     home = cuda_home or find_cuda_home()
-    needed = ("cusparse.h", "cublas_v2.h")
-    if home is not None and all((Path(home) / "include" / h).is_file() for h in needed):
-        return []
-    found: list[str] = []
+    lacking = [h for h in TORCH_CUDA_HEADERS if home is None or not (Path(home) / "include" / h).is_file()]
+    folders: list[str] = []
     for base in sys.path:
+        if not lacking:
+            break
         nv = Path(base or ".") / "nvidia"
         if not nv.is_dir():
             continue
         for inc in sorted(nv.glob("*/include")):
-            if any((inc / h).is_file() for h in needed) and str(inc) not in found:
-                found.append(str(inc))
-    return found
+            has = [h for h in lacking if (inc / h).is_file()]
+            if has:
+                if str(inc) not in folders:
+                    folders.append(str(inc))
+                lacking = [h for h in lacking if h not in has]
+    return folders, lacking
+
+
+def cuda_extra_include_dirs(cuda_home: Path | None = None) -> list[str]:
+    """Include folders of the pip CUDA wheels holding the headers of :data:`TORCH_CUDA_HEADERS` (which torch's
+    ``ATen/cuda/CUDAContext.h`` includes) that the toolkit lacks: the folder of each such header (e.g.
+    ``nvidia/cublas/include``, ``nvidia/cusparse/include`` and ``nvidia/cusolver/include`` for CUDA 12 wheels),
+    each once, in a stable order (see :func:`cuda_header_lookup`, which also names the ones found nowhere).
+
+    Returns ``[]`` when ``<cuda_home>/include`` has all of them.
+    """
+    return cuda_header_lookup(cuda_home)[0]
+
+
+def _header_fix(missing: list[str], cuda_major: int | None) -> str:
+    """What to install for ``missing`` headers: the nvidia-* wheels holding them, for torch's CUDA major."""
+    suffix = f"-cu{cuda_major}" if cuda_major is not None and cuda_major < 13 else ""
+    wheels = list(dict.fromkeys(f"nvidia-{TORCH_CUDA_HEADERS[h]}{suffix}" for h in missing))
+    return (f"pip install {' '.join(wheels)} (the versions matching torch's CUDA"
+            + (f" {cuda_major}" if cuda_major is not None else "") + "), or install the full CUDA toolkit "
+            "(with cuBLAS, cuSPARSE and cuSOLVER) and point CUDA_HOME at it")
 
 
 # --------------------------------------------------------------------------------------------------- host
@@ -491,13 +530,19 @@ def preflight(cache_dir: Path | None = None, *, need_cuda: bool = True, create_c
                     f"install CUDA {tv[0]}.x and point CUDA_HOME at it, or a torch built for CUDA {nv[0]}"))
             else:
                 checks.append(Check("nvcc", True, f"{nv[0]}.{nv[1]} (torch CUDA {tv[0]}.{tv[1]})"))
-            extra = cuda_extra_include_dirs(home)
-            if extra:
-                checks.append(Check("CUDA headers", True, f"cusparse.h/cublas_v2.h from {', '.join(extra)}"))
-            elif not all((home / "include" / h).is_file() for h in ("cusparse.h", "cublas_v2.h")):
-                checks.append(Check("CUDA headers", False, f"{home}/include lacks cusparse.h or cublas_v2.h",
-                                    "pip install nvidia-cusparse and nvidia-cublas wheels matching torch, or "
-                                    "install the full CUDA toolkit"))
+            # every header torch's CUDAContext.h includes, in the toolkit or in a wheel folder added (the row read
+            # ok with cusolverDn.h nowhere: a review)
+            extra, missing = cuda_header_lookup(home)
+            if missing:
+                checks.append(Check(
+                    "CUDA headers", False,
+                    f"{', '.join(missing)} (included by torch's ATen/cuda/CUDAContext.h) not found: neither in "
+                    f"{home}/include nor in a pip CUDA wheel's nvidia/*/include"
+                    + (f" (added: {', '.join(extra)})" if extra else ""),
+                    _header_fix(missing, tv[0] if tv else nv[0] if nv else None)))
+            elif extra:
+                lacking = [h for h in TORCH_CUDA_HEADERS if not (home / "include" / h).is_file()]
+                checks.append(Check("CUDA headers", True, f"{', '.join(lacking)} from {', '.join(extra)}"))
         try:
             archs, origin = arch_list()
             checks.append(Check("arch list", True, f"{format_arch_list(archs)} (from {origin})"))

@@ -44,7 +44,7 @@ def fake_toolkit(tmp_path, monkeypatch):
     home = tmp_path / "cuda"
     (home / "bin").mkdir(parents=True)
     (home / "include").mkdir()
-    for h in ("cuda_runtime.h", "cusparse.h", "cublas_v2.h"):
+    for h in ("cuda_runtime.h", *toolchain.TORCH_CUDA_HEADERS):
         (home / "include" / h).write_text("")
     nvcc = home / "bin" / "nvcc"
     nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.48'\n")

@@ -521,12 +521,90 @@ def test_cuda_extra_include_dirs_found_when_toolkit_lacks_headers(tmp_path, monk
     site = tmp_path / "site"
     inc = site / "nvidia" / "cu13" / "include"
     inc.mkdir(parents=True)
-    (inc / "cusparse.h").write_text("")
+    for h in toolchain.TORCH_CUDA_HEADERS:
+        (inc / h).write_text("")
     monkeypatch.setattr(sys, "path", [str(site)])
     assert toolchain.cuda_extra_include_dirs(home) == [str(inc)]
-    for h in ("cusparse.h", "cublas_v2.h"):
+    for h in toolchain.TORCH_CUDA_HEADERS:
         (home / "include" / h).write_text("")
     assert toolchain.cuda_extra_include_dirs(home) == []
+
+
+def _wheel_site(root: Path, layout: dict[str, tuple[str, ...]]) -> Path:
+    """A fake site-packages: ``nvidia/<folder>/include/<header>`` for each folder and its headers."""
+    for folder, headers in layout.items():
+        inc = root / "nvidia" / folder / "include"
+        inc.mkdir(parents=True)
+        for h in headers:
+            (inc / h).write_text("")
+    return root
+
+
+_CU12_WHEELS = {"cublas": ("cublas_v2.h", "cublasLt.h", "cublas_api.h"), "cusparse": ("cusparse.h",),
+                "cusolver": ("cusolverDn.h", "cusolver_common.h"), "cuda_runtime": ("cuda_runtime_api.h",)}
+
+
+def test_torch_cuda_headers_are_those_torchs_cuda_context_includes():
+    """The one list the lookup and the check use: every CUDA library header torch's CUDAContextLight.h includes
+    unconditionally or for CUDA (cudss.h only in torch's own USE_CUDSS builds, hipsolver for ROCm)."""
+    assert {"cusparse.h", "cublas_v2.h", "cublasLt.h", "cusolverDn.h"} <= set(toolchain.TORCH_CUDA_HEADERS)
+    light = Path(torch.__file__).parent / "include" / "ATen" / "cuda" / "CUDAContextLight.h"
+    if not light.is_file():
+        pytest.skip("this torch ships no ATen/cuda headers")
+    included = set(re.findall(r"^\s*#\s*include\s*<(cu(?:blas|sparse|solver)\w*\.h)>", light.read_text(), re.M))
+    assert included <= set(toolchain.TORCH_CUDA_HEADERS), included
+
+
+def test_cuda_extra_include_dirs_cuda12_wheels_each_folder(tmp_path, monkeypatch):
+    """A review: CUDA 12 wheels put cuBLAS, cuSPARSE and cuSOLVER in separate folders, and only the folders with
+    cusparse.h or cublas_v2.h were added, so cusolverDn.h (included by ATen/cuda/CUDAContext.h) was not found."""
+    home = tmp_path / "cuda"
+    (home / "include").mkdir(parents=True)
+    (home / "include" / "cuda_runtime.h").write_text("")
+    site = _wheel_site(tmp_path / "site", _CU12_WHEELS)
+    other = _wheel_site(tmp_path / "other", {"cusolver": ("cusolverDn.h",)})  # later on sys.path: not used
+    monkeypatch.setattr(sys, "path", ["", str(site), str(other)])
+    want = [str(site / "nvidia" / f / "include") for f in ("cublas", "cusolver", "cusparse")]
+    assert toolchain.cuda_extra_include_dirs(home) == want
+    assert toolchain.cuda_header_lookup(home) == (want, [])
+    # the toolkit has some of them: only the folders of the others
+    for h in ("cublas_v2.h", "cublasLt.h", "cusparse.h"):
+        (home / "include" / h).write_text("")
+    assert toolchain.cuda_extra_include_dirs(home) == [str(site / "nvidia" / "cusolver" / "include")]
+    # all of them: no wheel folder (the toolkit's own headers are used)
+    (home / "include" / "cusolverDn.h").write_text("")
+    assert toolchain.cuda_header_lookup(home) == ([], [])
+
+
+def test_preflight_cuda_headers_fails_naming_missing_headers(fake_toolkit, tmp_path, monkeypatch):
+    """A review: with only nvidia/cusparse/include installed, doctor's "CUDA headers" row read ok though the build
+    failed on cublas_v2.h / cusolverDn.h."""
+    for h in toolchain.TORCH_CUDA_HEADERS:
+        (fake_toolkit / "include" / h).unlink()
+    site = _wheel_site(tmp_path / "site", {"cusparse": ("cusparse.h",)})
+    monkeypatch.setattr(sys, "path", [str(site)])
+    row, = [c for c in toolchain.preflight(None) if c.name == "CUDA headers"]
+    assert not row.ok, row
+    assert "cublas_v2.h, cublasLt.h, cusolverDn.h" in row.detail and "cusparse.h," not in row.detail, row
+    assert str(site / "nvidia" / "cusparse" / "include") in row.detail
+    assert "pip install nvidia-cublas nvidia-cusolver" in row.fix and "full CUDA toolkit" in row.fix, row
+    # torch built for CUDA 12: the -cu12 wheels
+    monkeypatch.setattr(toolchain, "torch_cuda_version", lambda: (12, 8))
+    row, = [c for c in toolchain.preflight(None) if c.name == "CUDA headers"]
+    assert "pip install nvidia-cublas-cu12 nvidia-cusolver-cu12" in row.fix, row
+    # every header in some wheel folder: ok, naming them and the folders
+    monkeypatch.setattr(sys, "path", [str(_wheel_site(tmp_path / "site12", _CU12_WHEELS))])
+    row, = [c for c in toolchain.preflight(None) if c.name == "CUDA headers"]
+    assert row.ok and "cusolverDn.h" in row.detail and "nvidia/cusolver/include" in row.detail, row
+    # the toolkit lacks only cusolverDn.h, and no wheel has it: failed, naming it alone
+    for h in ("cusparse.h", "cublas_v2.h", "cublasLt.h"):
+        (fake_toolkit / "include" / h).write_text("")
+    monkeypatch.setattr(sys, "path", [str(site)])
+    row, = [c for c in toolchain.preflight(None) if c.name == "CUDA headers"]
+    assert not row.ok and row.detail.startswith("cusolverDn.h (") and "pip install nvidia-cusolver-cu12 (" in row.fix
+    # all in the toolkit: no row
+    (fake_toolkit / "include" / "cusolverDn.h").write_text("")
+    assert not [c for c in toolchain.preflight(None) if c.name == "CUDA headers"]
 
 
 # ------------------------------------------------------------------------------------------------- archs
