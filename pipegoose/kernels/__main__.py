@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "clean":
             return _clean(args)
         return _build(args)
-    except KeyError as e:  # an unknown kernel name: the message lists close matches
+    except KeyError as e:  # an unknown kernel name: the message lists names like it (or says it is empty)
         print(f"python -m pipegoose.kernels {args.cmd}: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
     except ManifestError as e:  # --manifest: missing, unreadable or invalid (the message names the file)

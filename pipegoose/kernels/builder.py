@@ -220,7 +220,8 @@ class KernelBuilder:
     @classmethod
     def from_name(cls, name: str, **kwargs: Any) -> "KernelBuilder":
         """The builder of the kernel ``name`` (an id or alias of the manifest), checked now: an unknown name raises
-        KeyError listing close matches here rather than at :meth:`load`. ``kwargs``: as for the constructor."""
+        KeyError listing the names like it (those containing it, then close matches: :meth:`Manifest.suggest`), an
+        empty one KeyError saying so, here rather than at :meth:`load`. ``kwargs``: as for the constructor."""
         builder = cls(name, **kwargs)
         builder.kernel  # noqa: B018 - resolves the name (KeyError on an unknown one)
         return builder

@@ -65,6 +65,8 @@ ALLOWED_LICENSES = ("Apache-2.0", "BSD-3-Clause", "MIT", "BSD-2-Clause")
 # autograd: an op whose autograd formula (its backward) is registered with it, in C++
 ENTRY_ROLES = ("forward", "backward", "autograd", "optimizer", "reduction", "utility")
 DTYPES = ("float32", "float16", "bfloat16", "float64")
+# How many names an unknown kernel name's error suggests (Manifest.suggest).
+SUGGESTIONS = 6
 _KERNEL_ID = re.compile(r"^[a-z0-9][a-z0-9_.-]*/[a-z0-9][a-z0-9_.-]*$")
 _SOURCE_ID = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 _OP_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
@@ -214,20 +216,37 @@ class Manifest:
         return self.path.parent
 
     def resolve(self, name: str) -> Kernel:
-        """Return the kernel with id or alias ``name``; unknown names raise KeyError listing close matches."""
+        """Return the kernel with id or alias ``name``; an unknown name raises :class:`UnknownNameError` (a KeyError)
+        listing up to :data:`SUGGESTIONS` names (:meth:`suggest`), or the known kernels where none is alike; an empty
+        or blank name raises it saying so."""
         if name in self.kernels:
             return self.kernels[name]
         for k in self.kernels.values():
             if name in k.aliases:
                 return k
-        names = list(self.kernels) + [a for k in self.kernels.values() for a in k.aliases]
-        # difflib's default cutoff (0.6): at 0.4, "nothere" got "did you mean: rms_norm" (a walkthrough)
-        close = difflib.get_close_matches(name, names, n=5)
-        if not close:  # substring matches: "adam" -> "apex/multi_tensor_adam", ...
-            key = name.replace("_", "").lower()
-            close = [n for n in names if key in n.replace("_", "").lower()][:5]
+        if isinstance(name, str) and not name.strip():  # (it got "did you mean" the first five ids: a review)
+            raise UnknownNameError(f"no kernel name given ({name!r}): name a kernel id or alias of {self.path.name}, "
+                                   f"e.g. {next(iter(self.kernels), 'pipegoose/rms_norm')}")
+        close = self.suggest(name)
         hint = f"; did you mean: {', '.join(close)}" if close else f"; known kernels: {', '.join(self.kernels)}"
         raise UnknownNameError(f"unknown kernel {name!r} in {self.path.name}{hint}")
+
+    def suggest(self, name: str, n: int | None = None) -> list[str]:
+        """Ids and aliases like ``name``, at most ``n`` (default :data:`SUGGESTIONS`), each once: first those
+        containing it, or its last path part (case, ``_`` and ``-`` ignored: "adam" -> "fused_adam", ...,
+        "apex/multi_tensor_adam"; "foo/adam" likewise), shortest first; then difflib's close matches (cutoff 0.6),
+        closest first. Both are taken: a close match found first left the substring matches out ("adam" got only
+        "adam_step": a review)."""
+        names = list(self.kernels) + [a for k in self.kernels.values() for a in k.aliases]
+
+        def key(s: str) -> str:
+            return re.sub(r"[_\-\s]", "", s).lower()
+
+        keys = {key(p) for p in (name, name.strip().rstrip("/").rsplit("/", 1)[-1]) if key(p)}
+        contain = sorted((c for c in names if any(k in key(c) for k in keys)), key=len)  # stable: manifest order
+        # difflib's default cutoff (0.6): at 0.4, "nothere" got "did you mean: rms_norm" (a walkthrough)
+        close = difflib.get_close_matches(name, names, n=len(names))
+        return list(dict.fromkeys(contain + close))[:SUGGESTIONS if n is None else n]
 
     def source_of(self, kernel: Kernel | str) -> Source:
         k = self.resolve(kernel) if isinstance(kernel, str) else kernel

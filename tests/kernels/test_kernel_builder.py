@@ -1454,6 +1454,63 @@ def test_preflight_max_jobs(fake_toolkit, monkeypatch, value, state):
     assert not [c for c in toolchain.preflight(None) if c.name == "MAX_JOBS"]
 
 
+def _names_manifest(tmp_path, kernels: dict[str, tuple[str, ...]]):
+    from pipegoose.kernels.manifest import Kernel, Manifest
+
+    return Manifest(tmp_path / "kernels.yaml", {}, {
+        i: Kernel(i, "src", ("a.cu",), "b.cpp", (), ("float32",), False, aliases=a) for i, a in kernels.items()})
+
+
+def test_unknown_name_suggests_substring_and_close_matches(tmp_path):
+    """A review: "adam" got only "adam_step" (difflib found one, so the substring matches never ran), leaving out
+    fused_adam, multi_tensor_adam, ... apex/multi_tensor_adam; "" got the first five ids."""
+    from pipegoose.kernels.manifest import SUGGESTIONS, UnknownNameError
+
+    m = _names_manifest(tmp_path, {
+        "megatron/scaled_masked_softmax": ("scaled_masked_softmax",),
+        "apex/multi_tensor_adam": ("fused_adam", "multi_tensor_adam"),
+        "deepspeed/multi_tensor_adam": ("deepspeed_fused_adam",),
+        "pipegoose/rms_norm": ("rms_norm", "fused_rms_norm"),
+        "pipegoose/multi_tensor_adam": ("adam_step",),
+    })
+    with pytest.raises(UnknownNameError) as ei:
+        m.resolve("adam")
+    hint = str(ei.value).split("did you mean: ", 1)[1].split(", ")
+    assert {"adam_step", "fused_adam", "multi_tensor_adam", "deepspeed_fused_adam", "apex/multi_tensor_adam"} \
+        <= set(hint), hint
+    assert len(hint) == len(set(hint)) <= SUGGESTIONS == 6, hint
+    assert not [h for h in hint if "adam" not in h], hint
+    # the last path part, any case, - for _
+    assert "fused_adam" in m.suggest("foo/adam") and m.suggest("Fused-Adam")[0] == "fused_adam"
+    # typos still get close matches; unrelated names the known kernels
+    assert m.suggest("rms_nrom")[:2] == ["rms_norm", "fused_rms_norm"]
+    assert m.suggest("rmsnorm")[:2] == ["rms_norm", "fused_rms_norm"]
+    with pytest.raises(UnknownNameError, match="unknown kernel 'nothere' in kernels.yaml; known kernels: megatron/"):
+        m.resolve("nothere")
+    assert len(m.suggest("a")) == SUGGESTIONS and m.suggest("a", n=2) == m.suggest("a")[:2]
+    # an empty or blank name: its own error, no suggestions
+    for blank in ("", "  "):
+        with pytest.raises(UnknownNameError, match=re.escape(f"no kernel name given ({blank!r}): name a kernel id or "
+                                                             "alias of kernels.yaml")) as ei:
+            m.resolve(blank)
+        assert "did you mean" not in str(ei.value) and "known kernels" not in str(ei.value)
+
+
+def test_from_name_and_cli_unknown_and_empty_names(tiny):
+    """The repo's manifest: from_name("adam") names every adam kernel's names; the CLI's build with "" says the
+    name is empty (exit 2)."""
+    with pytest.raises(KeyError) as ei:
+        KernelBuilder.from_name("adam")
+    for n in ("fused_adam", "multi_tensor_adam", "deepspeed_fused_adam", "apex/multi_tensor_adam", "adam_step"):
+        assert n in str(ei.value), str(ei.value)
+    with pytest.raises(KeyError, match="no kernel name given"):
+        KernelBuilder.from_name("")
+    manifest, _op, cache_dir = tiny
+    p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "build", ""],
+                       capture_output=True, text=True, env=_env(cache_dir), timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "no kernel name given ('')" in p.stderr, p.stderr
+
+
 def test_from_name_checks_the_name_at_once(tiny):
     """KernelBuilder.from_name resolves the name when called: a typo raises KeyError with close matches there, not
     later at load(); a known alias or id gives the builder."""
