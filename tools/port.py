@@ -86,13 +86,18 @@ def cmd_add(a) -> int:
         edited = [kid for kid, s in rewritten.items() if s.modified]
         if back:
             out.print(f"restored with them, from the same source(s) as kernels.lock records them: {', '.join(back)}")
-        if edited:
-            out.print(f"replaced the local changes to these kernels' files, from the pinned source(s): "
-                      f"{', '.join(f'{kid} ({before[kid].modified})' for kid in edited)}", style="yellow", markup=False)
+        _print_replaced(edited, before, "from the pinned source(s)")
     else:
         out.print("nothing to add: every kernel named is already vendored at its pin and verifies")
     _print_unrecorded(p, unrecorded)
     return 0
+
+
+def _print_replaced(edited: list[str], before: dict, how: str) -> None:
+    """Name the kernels whose local edits a change replaced (``before``: their states before it)."""
+    if edited:
+        out.print(f"replaced the local changes to these kernels' files, {how}: "
+                  f"{', '.join(f'{kid} ({before[kid].modified})' for kid in edited)}", style="yellow", markup=False)
 
 
 def _print_unrecorded(p: Porter, before: dict[str, list[str]]) -> None:
@@ -215,9 +220,7 @@ def cmd_update(a) -> int:
         return 0
     out.print(f"updated {s.source}: {short_pin(s.from_pin)} -> {short_pin(s.to_pin)} (kernels.yaml and kernels.lock)")
     edited = [kid for kid, st in before.items() if st.source == s.source and st.modified]
-    if edited:
-        out.print(f"replaced the local changes to these kernels' files, with the files at the new pin: "
-                  f"{', '.join(f'{kid} ({before[kid].modified})' for kid in edited)}", style="yellow", markup=False)
+    _print_replaced(edited, before, "with the files at the new pin")
     _print_unrecorded(p, {s.source: unrecorded.get(s.source, [])})
     return 0
 

@@ -274,17 +274,15 @@ class Porter:
                                     f"{tree.label}: " + ", ".join(absent))
         return LockedKernel(k.source, files)
 
+    @staticmethod
+    def _files_match(folder: Path, files: dict[str, str]) -> bool:
+        """Whether every file of ``files`` ({path under ``folder``: sha256}) is there with that sha256."""
+        return all((folder / f).is_file() and sha256_file(folder / f) == h for f, h in files.items())
+
     def _source_verifies(self, lock: Lock, sid: str) -> bool:
-        base, lic = self.vendor_dir(sid), self.license_dir(sid)
-        s = lock.sources[sid]
-        for f, h in lock.files_of_source(sid).items():
-            p = base / f
-            if not p.is_file() or sha256_file(p) != h:
-                return False
-        for f, h in s.license_files.items():
-            p = lic / f
-            if not p.is_file() or sha256_file(p) != h:
-                return False
+        if not (self._files_match(self.vendor_dir(sid), lock.files_of_source(sid))
+                and self._files_match(self.license_dir(sid), lock.sources[sid].license_files)):
+            return False
         # a file the lock does not record (verify's "extra") also sends an upstream source back to be vendored
         # afresh (our own files live in the repository, among others: not checked so)
         return not self._unrecorded(lock, sid)
@@ -504,9 +502,8 @@ class Porter:
             return False
         if ls.license != src.license or set(ls.license_files) != set(src.license_files):  # a license file declared
             return False
-        base, lic = self.vendor_dir(src.id), self.license_dir(src.id)
-        return all((folder / f).is_file() and sha256_file(folder / f) == h
-                   for folder, files in ((base, lk.files), (lic, ls.license_files)) for f, h in files.items())
+        return (self._files_match(self.vendor_dir(src.id), lk.files)
+                and self._files_match(self.license_dir(src.id), ls.license_files))
 
     @staticmethod
     def _getting(src, offline: bool = False) -> str:
