@@ -448,6 +448,9 @@ class KernelBuilder:
                 "arch_origin": origin,
                 "cuda_includes": toolchain.cuda_extra_include_dirs(home),
             })
+            if tc["cuda_includes"]:
+                # searched after the toolkit's folders since session 63 (were -I, first): another build
+                tc["cuda_include_order"] = "idirafter"
             # what nvcc itself reads from the environment (the README's fix for a too-new host compiler sets
             # NVCC_CCBIN): a build made with them is another build (a review: one was cached under the plain key)
             nvcc_env = {n: os.environ[n] for n in _NVCC_ENV if os.environ.get(n)}
@@ -608,13 +611,15 @@ class KernelBuilder:
     def _compile(self, tmp: Path, tc: dict[str, Any]) -> Path:
         k = self.kernel
         log_path = tmp / "build.log"
+        # the wheel folders of the CUDA library headers the toolkit lacks: searched after the toolkit's own
+        inc_cflags, inc_cuda_cflags = toolchain.cuda_extra_include_flags(list(tc.get("cuda_includes", [])))
         spec = {
             "name": self.extension_name,
             "sources": [str(p) for p in self.source_paths()],
-            "include_paths": [str(p) for p in self.include_paths()] + list(tc.get("cuda_includes", [])),
-            "cflags": list(k.flags.get("cxx", ())),
+            "include_paths": [str(p) for p in self.include_paths()],
+            "cflags": list(k.flags.get("cxx", ())) + inc_cflags,
             # (the -gencode flags of the arch list: ours, not torch's table, which lacks some nvcc builds)
-            "cuda_cflags": list(k.flags.get("nvcc", ()))
+            "cuda_cflags": list(k.flags.get("nvcc", ())) + inc_cuda_cflags
             + (toolchain.gencode_flags(toolchain.parse_arch_list(tc["archs"])) if self.needs_cuda else []),
             "build_directory": str(tmp),
             "with_cuda": self.needs_cuda,

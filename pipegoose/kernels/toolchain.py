@@ -8,8 +8,8 @@ Everything here is probed once per process (``functools.lru_cache``); tests monk
   ``include/cuda_runtime.h`` (torch's own guess, ``/usr/local``, often lacks the headers).
 * :func:`cuda_extra_include_dirs` -- the pip CUDA wheels' include folders (``site-packages/nvidia/cu13/include``,
   ``nvidia/{cublas,cusparse,cusolver}/include``, ...) holding each header of :data:`TORCH_CUDA_HEADERS` (the CUDA
-  library headers torch's ``ATen/cuda/CUDAContextLight.h`` includes) that the toolkit lacks;
-  :func:`cuda_header_lookup` also says which of them are found nowhere (preflight's "CUDA headers" row).
+  library headers torch's ``ATen/cuda/CUDAContextLight.h`` includes) that the toolkit lacks, searched after the
+  toolkit's own folders (:func:`cuda_extra_include_flags`: ``-idirafter``); :func:`cuda_header_lookup` also says which of them are found nowhere (preflight's "CUDA headers" row).
 * :func:`arch_list` -- the ``TORCH_CUDA_ARCH_LIST`` to build for: ``$TORCH_CUDA_ARCH_LIST`` when set (with any
   visible GPU it does not cover added), else the visible GPUs (PTX for the newest), else a default table matching
   nvcc's major version. ``compute_70`` is never assumed.
@@ -40,6 +40,7 @@ __all__ = [
     "TORCH_CUDA_HEADERS",
     "cuda_header_lookup",
     "cuda_extra_include_dirs",
+    "cuda_extra_include_flags",
     "visible_capabilities",
     "parse_arch_list",
     "format_arch_list",
@@ -243,6 +244,22 @@ def cuda_extra_include_dirs(cuda_home: Path | None = None) -> list[str]:
     Returns ``[]`` when ``<cuda_home>/include`` has all of them.
     """
     return cuda_header_lookup(cuda_home)[0]
+
+
+def cuda_extra_include_flags(folders: list[str]) -> tuple[list[str], list[str]]:
+    """``(cflags, cuda_cflags)`` that search ``folders`` (from :func:`cuda_extra_include_dirs`) AFTER every other
+    include folder: ``-idirafter <folder>`` for the host compiler, the same through ``-Xcompiler`` for nvcc (which
+    has no such option of its own; its host-compiler preprocessing takes it). So the toolkit's own headers win and a
+    wheel folder supplies only what the toolkit lacks: ``nvidia/cu13/include`` holds a whole CUDA runtime's headers
+    too, and as a ``-I`` folder it came before the toolkit's, mixing header versions where the wheel's CUDA and
+    nvcc's differ (a review). nvcc splits ``-Xcompiler`` values at commas, so a folder whose path has a comma is
+    passed as ``-I`` (``cuda_cflags`` then holds ``-I<folder>``, searched first, as before)."""
+    cflags: list[str] = []
+    cuda_cflags: list[str] = []
+    for d in folders:
+        cflags += ["-idirafter", d]
+        cuda_cflags += [f"-I{d}"] if "," in d else ["-Xcompiler", "-idirafter", "-Xcompiler", d]
+    return cflags, cuda_cflags
 
 
 def _header_fix(missing: list[str], cuda_major: int | None) -> str:

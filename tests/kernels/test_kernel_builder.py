@@ -576,6 +576,40 @@ def test_cuda_extra_include_dirs_cuda12_wheels_each_folder(tmp_path, monkeypatch
     assert toolchain.cuda_header_lookup(home) == ([], [])
 
 
+def test_cuda_extra_include_flags_search_wheel_folders_last(tmp_path):
+    """A review: a wheel folder such as nvidia/cu13/include holds a whole CUDA runtime's headers, and as a -I
+    folder it came before the toolkit's, so with nvcc of another CUDA version than the wheel's a build mixed header
+    versions. The flags search it after every other folder (-idirafter), for g++ and, through -Xcompiler, nvcc; a
+    path with a comma (nvcc splits -Xcompiler values there) goes to nvcc as -I."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b,c")
+    assert toolchain.cuda_extra_include_flags([]) == ([], [])
+    cflags, cuda_cflags = toolchain.cuda_extra_include_flags([a, b])
+    assert cflags == ["-idirafter", a, "-idirafter", b]
+    assert cuda_cflags == ["-Xcompiler", "-idirafter", "-Xcompiler", a, f"-I{b}"]
+
+
+def test_cuda_extra_include_flags_toolkit_header_wins_under_nvcc(tmp_path):
+    """nvcc itself: a header the toolkit has comes from the toolkit though the wheel folder has one too (it failed
+    with the -I folders used before), and a header only the wheel folder has is found."""
+    home = toolchain.find_cuda_home()
+    if home is None:
+        pytest.skip("no CUDA toolkit (nvcc) on this machine")
+    wheel = tmp_path / "wheel"
+    wheel.mkdir()
+    (wheel / "cuda_runtime.h").write_text("#error the wheel's cuda_runtime.h was used\n")
+    (wheel / "pipegoose_wheel_only.h").write_text("#define PIPEGOOSE_WHEEL_ONLY 1\n")
+    src = tmp_path / "t.cu"
+    src.write_text("#include <cuda_runtime.h>\n#include <pipegoose_wheel_only.h>\n"
+                   "static_assert(PIPEGOOSE_WHEEL_ONLY == 1, \"\");\n__global__ void k() {}\n")
+    nvcc = str(Path(home) / "bin" / "nvcc")
+    flags = toolchain.cuda_extra_include_flags([str(wheel)])[1]
+    run = subprocess.run([nvcc, "-E", str(src), *flags], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    # the -I form the builder used before takes the wheel's header: the check above can fail
+    old = subprocess.run([nvcc, "-E", str(src), f"-I{wheel}"], capture_output=True, text=True, timeout=300)
+    assert old.returncode != 0 and "the wheel's cuda_runtime.h was used" in old.stderr
+
+
 def test_preflight_cuda_headers_fails_naming_missing_headers(fake_toolkit, tmp_path, monkeypatch):
     """A review: with only nvidia/cusparse/include installed, doctor's "CUDA headers" row read ok though the build
     failed on cublas_v2.h / cusolverDn.h."""
