@@ -513,3 +513,55 @@ def test_explain_takes_one_buckets_lists_and_names_a_bad_argument():
         dispatch.explain("clip_grad_norm", [g[0], None])
     with pytest.raises(TypeError, match=r"params\[0\] is int: expected a list of tensors$"):
         dispatch.explain("adam", g, [1, 2], g, g)
+
+
+def _sparse_embedding_params(seed=0):
+    torch.manual_seed(seed)
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    (emb(torch.tensor([1, 2])) * 10).sum().backward()
+    dense = torch.nn.Parameter(torch.zeros(4, 3))
+    dense.grad = torch.randn(4, 3, generator=torch.Generator().manual_seed(seed)) * 5
+    return [emb.weight, dense]
+
+
+@pytest.mark.parametrize("which", [slice(0, 1), slice(0, 2), slice(None, None, -1)], ids=["sparse", "mixed",
+                                                                                          "dense-first"])
+def test_clip_grad_norm_takes_sparse_gradients_as_torch(which):
+    """A sparse gradient (nn.Embedding(sparse=True)) crashed with "Cannot access data pointer of Tensor that doesn't
+    have storage" (the overlap check read every gradient's data pointer, also with impl="torch"; a review). Now its
+    group takes torch's path, whole, and the result is torch.nn.utils.clip_grad_norm_'s, alone or beside dense ones."""
+    for impl in (None, "torch"):
+        p1, p2 = _sparse_embedding_params()[which], _sparse_embedding_params()[which]
+        n1 = clip_grad_norm_(p1, 1.0, impl=impl)
+        n2 = torch.nn.utils.clip_grad_norm_(p2, 1.0)
+        assert torch.equal(n1, n2)
+        if which == slice(0, 1):
+            assert n1.item() == pytest.approx(24.4949, abs=1e-4)   # six gradients of 10
+        for a, b in zip(p1, p2):
+            assert a.grad.layout == b.grad.layout
+            assert torch.equal(a.grad.to_dense(), b.grad.to_dense())
+    assert set(dispatch.stats()["clip_grad_norm"]) == {"torch"}
+
+
+def test_sparse_gradients_are_a_fallback_with_their_reason():
+    """explain() of a sparse gradient crashed as clip_grad_norm_ did; now every kernel declines a group holding one
+    (any layout but strided), with that reason, as it declines other inputs it cannot take: a fallback, which strict
+    mode refuses (here on the CPU too)."""
+    from pipegoose.nn.fusion.ops import multi_tensor as mt
+
+    dense = torch.randn(4, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # torch: "Sparse CSR tensor support is in beta state"
+        csr = torch.randn(4, 3).to_sparse_csr()
+    for sparse in (torch.randn(4, 3).to_sparse(), csr):
+        c = dispatch.explain("clip_grad_norm", [sparse])
+        assert c.impl == "torch" and c.fallback
+        problem = mt.clip_problem([dense, sparse], 2.0)
+        on_gpu = dispatch.Problem(problem.op, problem.dtype, torch.device("cuda", 0), problem.cols, False,
+                                  problem.extra)
+        for name in ("pipegoose", "apex"):
+            ok, why = dispatch.implementations("clip_grad_norm")[name].supports(on_gpu)
+            assert not ok and why.startswith(f"a tensor has layout {sparse.layout} (a sparse gradient)"), why
+    ps = _sparse_embedding_params()
+    with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="clip_grad_norm: strict mode"):
+        clip_grad_norm_(ps, 1.0)

@@ -318,7 +318,10 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     ``multi_tensor_scale`` (fp32/fp16 gradients, ``norm_type=2``; one host sync reads the clip coefficient); kernels:
     Apex's csrc/multi_tensor_l2norm_kernel.cu and csrc/multi_tensor_scale_kernel.cu via ColossalAI 0.5.0
     extensions/csrc/kernel/cuda/ (Apache-2.0). Otherwise ``torch._foreach_norm`` / ``torch._foreach_mul_``. Both
-    kernels decline gradients whose memory overlaps (a parameter listed twice) and tensor subclasses (DTensor).
+    kernels decline gradients whose memory overlaps (a parameter listed twice), tensor subclasses (DTensor) and sparse
+    gradients (any layout but ``torch.strided``: ``nn.Embedding(sparse=True)``'s): such a group takes torch's path,
+    whole (its dense gradients too), as a fallback with that reason (counted; FusionFallbackError in strict mode), and
+    the result is torch.nn.utils.clip_grad_norm_'s.
 
     Where a kernel's fp32 norm takes part, the groups' norms are combined in fp32 (fp64 with fp64 gradients) and the
     clip coefficient ``min(1, max_norm / (total + 1e-6))`` is computed from that total; the total returned is its
@@ -336,7 +339,8 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
             ``norm_type`` is nan; ``impl`` or ``PIPEGOOSE_IMPL_CLIP_GRAD_NORM`` naming no implementation of
             ``clip_grad_norm``; another ``PIPEGOOSE_*`` variable with a value the dispatcher refuses
             (``dispatch.check_env``: e.g. ``PIPEGOOSE_STRICT=2``).
-        FusionFallbackError: in strict mode (``dispatch.strict()``), where no kernel takes a group of gradients.
+        FusionFallbackError: in strict mode (``dispatch.strict()``), where no kernel takes a group of gradients
+            (on the CPU, a sparse gradient, ...).
         RuntimeError: ``error_if_nonfinite`` and the total norm is nan/inf (gradients untouched).
     """
     if foreach is not None and not isinstance(foreach, bool):

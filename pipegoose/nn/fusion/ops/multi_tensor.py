@@ -32,6 +32,10 @@ Ops (dispatch names) and implementations:
   fp32 and fp16 only (the copies dispatch no bf16), norm_type 2, contiguous, 32-bit sizes, memory not overlapping
   (two blocks would scale a shared element at once). ``torch`` -
   ``torch._foreach_norm`` / ``torch._foreach_mul_``.
+
+Every kernel takes dense (strided) tensors only: a list holding a sparse tensor (any layout but ``torch.strided``, e.g.
+the gradient of ``nn.Embedding(sparse=True)``) is declined with that reason, and takes the ``torch`` path, a fallback
+(counted, and a FusionFallbackError in strict mode, as for any input no kernel takes).
 """
 
 from __future__ import annotations
@@ -65,9 +69,13 @@ _APEX_GP = {(torch.float32, torch.float32), (torch.float32, torch.float16), (tor
 
 
 def _tensors_facts(lists: Sequence[Sequence[torch.Tensor]]) -> dict:
+    """Metadata of the lists; ``layout`` is the first layout other than strided (a sparse gradient), else None: such
+    a tensor has no strides or data pointer to ask about (``is_contiguous`` raises for sparse CSR)."""
     flat = [t for lst in lists for t in lst]
+    layout = next((t.layout for t in flat if t.layout != torch.strided), None)
     return dict(n=len(lists[0]) if lists else 0,
-                contiguous=all(t.is_contiguous() for t in flat),
+                layout=layout,
+                contiguous=layout is None and all(t.is_contiguous() for t in flat),
                 same_device=len({t.device for t in flat}) <= 1,
                 max_numel=max((t.numel() for t in flat), default=0),
                 dtypes=tuple(lst[0].dtype if lst else None for lst in lists),
@@ -88,9 +96,10 @@ def clip_problem(grads: Sequence[torch.Tensor], norm_type: float) -> Problem:
     facts = _tensors_facts([grads])
     facts["numel"] = numel = sum(g.numel() for g in grads)
     facts["norm_type"] = float(norm_type)
-    # tensor subclasses (DTensor: no storage of their own) cannot go to the kernels, which read the memory directly
+    # tensor subclasses (DTensor: no storage of their own) cannot go to the kernels, which read the memory directly;
+    # nor sparse gradients (no data pointer to compare: the overlap check is for dense plain tensors only)
     facts["plain"] = all(type(g) is torch.Tensor for g in grads)
-    facts["overlap"] = _overlap(grads) if facts["plain"] else None
+    facts["overlap"] = _overlap(grads) if facts["plain"] and facts["layout"] is None else None
     return Problem(OP_CLIP, grads[0].dtype, grads[0].device, numel, False, facts)
 
 
@@ -129,6 +138,9 @@ def _lists_ok(p: Problem) -> tuple[bool, str]:
         return False, f"needs CUDA tensors, got device {p.device}"
     if p["n"] == 0:
         return False, "no tensors"
+    if p.get("layout") is not None:
+        return False, (f"a tensor has layout {p['layout']} (a sparse gradient): the kernels take dense (strided) "
+                       "tensors")
     if not p["same_device"]:
         return False, "tensors on several devices"
     if not p["uniform"]:
