@@ -565,3 +565,46 @@ def test_sparse_gradients_are_a_fallback_with_their_reason():
     ps = _sparse_embedding_params()
     with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="clip_grad_norm: strict mode"):
         clip_grad_norm_(ps, 1.0)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_fused_adam_with_tensor_betas_matches_adamw_bit_for_bit(weight_decay):
+    """Tensor betas were read as Python floats before the step on the reference path, 3e-8 off torch.optim.AdamW after
+    5 steps (which computes with them as tensors; a review). Now bit-equal, as for a tensor lr."""
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(50)) for _ in range(2)]
+    b = [torch.nn.Parameter(x.detach().clone()) for x in a]
+    betas = (torch.tensor(0.8), torch.tensor(0.95))
+    oa = torch.optim.AdamW(a, lr=0.01, betas=betas, weight_decay=weight_decay)
+    ob = FusedAdam(b, lr=0.01, betas=betas, weight_decay=weight_decay)
+    for _ in range(5):
+        for x, y in zip(a, b):
+            g = torch.randn(50)
+            x.grad, y.grad = g.clone(), g.clone()
+        oa.step()
+        ob.step()
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(oa.state[x][k], ob.state[y][k]), k
+    # one-element tensors are kept 0-d, as torch keeps them
+    g = FusedAdam(b, betas=(torch.tensor([0.8]), torch.tensor([0.9]))).param_groups[0]
+    assert [t.shape for t in g["betas"]] == [torch.Size([])] * 2
+
+
+def test_fused_adam_refuses_one_tensor_beta_as_torch():
+    """betas=(tensor, float) was taken; torch.optim.AdamW refuses it ("betas must be either both floats or both
+    Tensors"): so does FusedAdam, naming betas, in the constructor and in a param group (a review). A beta tensor of
+    several elements is the ValueError about betas (it was a bare RuntimeError of float())."""
+    p = torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match="betas must be either both floats or both Tensors"):
+        torch.optim.AdamW([p], betas=(torch.tensor(0.8), 0.95))
+    for betas in ((torch.tensor(0.8), 0.95), (0.8, torch.tensor(0.95))):
+        with pytest.raises(ValueError, match="betas: expected two numbers or two one-element tensors, not one of "
+                                             "each"):
+            FusedAdam([p], betas=betas)
+        with pytest.raises(ValueError, match="betas: expected two numbers or two one-element tensors"):
+            FusedAdam([{"params": [p], "betas": betas}])
+    with pytest.raises(ValueError, match=r"betas: expected two values in \[0, 1\)"):
+        FusedAdam([p], betas=(torch.tensor([0.8, 0.9]), torch.tensor(0.9)))
+    FusedAdam([p], betas=(0, 0.9))   # numbers of any kind, as before

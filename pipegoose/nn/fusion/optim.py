@@ -36,6 +36,10 @@ class FusedAdam(torch.optim.Optimizer):
     Args:
         params: iterable of parameters or of param groups (dicts).
         lr: learning rate (> 0 or 0). betas: (beta1, beta2) in [0, 1). eps: > 0 or 0, added to sqrt(v_hat).
+            ``lr`` and ``betas`` may be one-element tensors (the betas both or neither, as in torch.optim.AdamW; kept
+            as 0-d tensors): the reference path (``torch``) computes with them as tensors, as torch.optim.AdamW does,
+            with the same results (with ``bias_correction=True``; without it, which torch does not offer, and on the
+            kernel paths, they are read as Python floats: a host sync where such a tensor is on the GPU).
         weight_decay: >= 0, default 0.0 as Apex's and DeepSpeed's FusedAdam (torch.optim.AdamW's default is 0.01:
             pass it when replacing AdamW); decoupled (``p *= 1 - lr * wd``, AdamW) with ``adam_w_mode=True``
             (default), L2 (``g += wd * p``, torch.optim.Adam) otherwise.
@@ -70,7 +74,8 @@ class FusedAdam(torch.optim.Optimizer):
     Apex copy 1.45-1.46; the GPU's tuning table picks ours.
 
     Raises (when built, and from ``add_param_group`` for a group's own values):
-        ValueError: bad hyper-parameters (lr, eps, weight_decay not finite and >= 0; betas not in [0, 1)), an
+        ValueError: bad hyper-parameters (lr, eps, weight_decay not finite and >= 0; betas not in [0, 1), or one a
+        tensor and the other not), an
         ``impl`` that names no implementation of ``adam``, amsgrad, maximize, capturable or differentiable True,
         ``adam_w_mode`` and ``decoupled_weight_decay`` different. TypeError: complex or non-floating parameters, a
         hyper-parameter that is not a number, a switch that is not True or False, a sixth positional argument.
@@ -101,7 +106,9 @@ class FusedAdam(torch.optim.Optimizer):
                 raise ValueError(f"{name}: {name}=True is not supported by FusedAdam ({why})")
         decoupled = self._decoupled(flags)
         self._check_hyperparameters(dict(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay, impl=impl))
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adam_w_mode=decoupled,
+        # tensor betas as 0-d tensors, as torch.optim.Adam/AdamW keep them (its _to_scalar)
+        betas = tuple(b.squeeze() if torch.is_tensor(b) and b.dim() else b for b in betas)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=decoupled,
                         bias_correction=bias_correction, amsgrad=False, capturable=False, maximize=False,
                         foreach=foreach, differentiable=False, fused=fused, decoupled_weight_decay=decoupled,
                         impl=impl)
@@ -134,7 +141,8 @@ class FusedAdam(torch.optim.Optimizer):
     @staticmethod
     def _check_hyperparameters(group: dict) -> None:
         """The constructor's checks, for a param group too (``add_param_group``): ``lr``, ``eps``, ``weight_decay``
-        finite numbers >= 0 (a 0-d tensor too), ``betas`` two numbers in [0, 1), ``impl`` an implementation of
+        finite numbers >= 0 (a 0-d tensor too), ``betas`` two numbers or two one-element tensors in [0, 1), ``impl`` an
+        implementation of
         ``adam`` (or None / ``auto``), the switches True or False (:meth:`_check_flags`). TypeError or ValueError
         naming the argument."""
         FusedAdam._check_flags(group)
@@ -156,10 +164,13 @@ class FusedAdam(torch.optim.Optimizer):
         betas = group["betas"]
         try:
             ok = len(betas) == 2 and all(not isinstance(b, bool) and 0.0 <= float(b) < 1.0 for b in betas)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RuntimeError):   # (RuntimeError: float() of a tensor of several elements)
             ok = False
         if not ok:
             raise ValueError(f"betas: expected two values in [0, 1), got {betas!r}")
+        if torch.is_tensor(betas[0]) != torch.is_tensor(betas[1]):
+            # torch.optim.Adam/AdamW refuse it too ("betas must be either both floats or both Tensors")
+            raise ValueError(f"betas: expected two numbers or two one-element tensors, not one of each, got {betas!r}")
         dispatch.check_impl(_mt.OP_ADAM, group.get("impl"))
         FusedAdam._decoupled(group)
 
@@ -273,9 +284,13 @@ class FusedAdam(torch.optim.Optimizer):
                 steps = [self.state[p]["step"] for p in ps]
                 choice = dispatch.select(_mt.OP_ADAM, _mt.adam_problem(grads, ps, m, v, hp["bias_correction"]),
                                          group.get("impl"))
-                if choice.impl == "torch":   # (a tensor lr as torch takes it: its math differs from a float's)
-                    lr = group["lr"] if torch.is_tensor(group["lr"]) and hp["bias_correction"] else hp["lr"]
-                    _mt.adam_step_reference(grads, ps, m, v, steps, **{**hp, "lr": lr})
+                if choice.impl == "torch":   # (a tensor lr or betas as torch takes them: its math differs from a
+                    tensors = {}             # float's)
+                    if hp["bias_correction"] and torch.is_tensor(group["lr"]):
+                        tensors["lr"] = group["lr"]
+                    if hp["bias_correction"] and torch.is_tensor(beta1):
+                        tensors["beta1"], tensors["beta2"] = beta1, beta2
+                    _mt.adam_step_reference(grads, ps, m, v, steps, **{**hp, **tensors})
                 else:
                     for s in steps:
                         s += 1

@@ -339,10 +339,11 @@ def adam_step_fused(impl: str, grads, params, exp_avgs, exp_avg_sqs, *, lr: floa
 
 @torch.no_grad()
 def adam_step_reference(grads, params, exp_avgs, exp_avg_sqs, steps: list[torch.Tensor], *,
-                        lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, adam_w_mode: bool,
-                        bias_correction: bool, weight_decay: float) -> None:
-    """torch.optim.Adam(W)'s functional math; increments the ``steps`` tensors itself, as torch does. ``lr`` a 0-d
-    tensor only with ``bias_correction`` (torch's functional takes it, and computes with it as a tensor)."""
+                        lr: float | torch.Tensor, beta1: float | torch.Tensor, beta2: float | torch.Tensor,
+                        eps: float, adam_w_mode: bool, bias_correction: bool, weight_decay: float) -> None:
+    """torch.optim.Adam(W)'s functional math; increments the ``steps`` tensors itself, as torch does. ``lr``, and
+    ``beta1`` with ``beta2``, 0-d tensors only with ``bias_correction`` (torch's functional takes them, and computes
+    with them as tensors)."""
     grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, params)]
     if bias_correction:
         from torch.optim.adam import adam
