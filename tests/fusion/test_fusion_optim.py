@@ -608,3 +608,75 @@ def test_fused_adam_refuses_one_tensor_beta_as_torch():
     with pytest.raises(ValueError, match=r"betas: expected two values in \[0, 1\)"):
         FusedAdam([p], betas=(torch.tensor([0.8, 0.9]), torch.tensor(0.9)))
     FusedAdam([p], betas=(0, 0.9))   # numbers of any kind, as before
+
+
+def _snapshot(opt):
+    """Parameters and state, the state by the parameter's place (two optimizers compare)."""
+    ps = [p for g in opt.param_groups for p in g["params"]]
+    return ([p.detach().clone() for p in ps],
+            {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(ps) if p in opt.state})
+
+
+def _same(a, b):
+    (pa, sa), (pb, sb) = a, b
+    assert len(pa) == len(pb) and all(torch.equal(x, y) for x, y in zip(pa, pb))
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].keys() == sb[k].keys() and all(torch.equal(sa[k][n], sb[k][n]) for n in sa[k])
+
+
+def _two_groups(seed=0):
+    """Two groups: the first asks for torch (no fallback), the second falls back (a CPU tensor: no kernel takes it)."""
+    torch.manual_seed(seed)
+    a, b, c = (torch.nn.Parameter(torch.randn(n)) for n in (4, 5, 6))
+    opt = FusedAdam([{"params": [a], "impl": "torch"}, {"params": [b, c]}], lr=0.1, weight_decay=0.01)
+    return opt, (a, b, c)
+
+
+def _grads_for(ps, k):
+    g = torch.Generator().manual_seed(k)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+@pytest.mark.parametrize("steps_before", [0, 2])
+def test_fused_adam_step_refused_in_strict_mode_changes_nothing(steps_before):
+    """A step that failed in strict mode left the optimizer half-stepped: the first group was updated, the second's
+    parameters given state (a review). Now every bucket is chosen and the strict check made before anything changes:
+    after the FusionFallbackError parameters and state are exactly as before, nothing is counted, and the next step
+    (not strict) is the one step a fresh optimizer takes."""
+    opt, ps = _two_groups()
+    ref, rps = _two_groups()
+    for k in range(steps_before):
+        _grads_for(ps, k)
+        _grads_for(rps, k)
+        opt.step()
+        ref.step()
+    _grads_for(ps, 99)
+    _grads_for(rps, 99)
+    before = _snapshot(opt)
+    dispatch.reset_stats()
+    with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="adam: strict mode: would fall back"):
+        opt.step()
+    _same(_snapshot(opt), before)
+    assert len(opt.state) == (3 if steps_before else 0)
+    assert dispatch.stats().get("adam", {}) == {}
+    assert dispatch.last_choice("adam").fallback   # the refused choice, for explaining it
+    opt.step()
+    ref.step()
+    _same(_snapshot(opt), _snapshot(ref))
+    assert dispatch.stats()["adam"] == {"torch": 4}
+
+
+def test_fused_adam_sparse_gradient_in_a_later_group_changes_nothing():
+    """The sparse-gradient RuntimeError of a later group came after the earlier groups were stepped."""
+    a = torch.nn.Parameter(torch.randn(4))
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    a.grad = torch.randn(4)
+    opt = FusedAdam([{"params": [a]}, {"params": emb.parameters()}])
+    before = _snapshot(opt)
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        opt.step()
+    _same(_snapshot(opt), before)
+    assert len(opt.state) == 0

@@ -252,50 +252,81 @@ class FusedAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimizer step over every parameter with a gradient; returns ``closure()``'s loss (or None)."""
+        """One optimizer step over every parameter with a gradient; returns ``closure()``'s loss (or None).
+
+        Every bucket's implementation is chosen, and whatever makes the step fail is raised (the Raises of the class
+        docstring), before any parameter or state is changed: a step that raises leaves the optimizer as it was."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._check_loadable(self.param_groups)  # a group edited by hand after construction
+        plan, fresh = self._plan()
+        if dispatch.is_strict():
+            for *_, choice in plan:
+                if choice.fallback:
+                    dispatch.record(choice)   # FusionFallbackError, before anything changed (a review: earlier
+                                              # groups were stepped and later ones given state)
+        for p, st in fresh.items():
+            self.state[p].update(st)
+        for group, hp, ps, step, choice in plan:
+            grads = [p.grad for p in ps]
+            m = [self.state[p]["exp_avg"] for p in ps]
+            v = [self.state[p]["exp_avg_sq"] for p in ps]
+            steps = [self.state[p]["step"] for p in ps]
+            dispatch.record(choice)
+            if choice.impl == "torch":   # (a tensor lr or betas as torch takes them: its math differs from a float's)
+                tensors = {}
+                beta1, beta2 = group["betas"]
+                if hp["bias_correction"] and torch.is_tensor(group["lr"]):
+                    tensors["lr"] = group["lr"]
+                if hp["bias_correction"] and torch.is_tensor(beta1):
+                    tensors["beta1"], tensors["beta2"] = beta1, beta2
+                _mt.adam_step_reference(grads, ps, m, v, steps, **{**hp, **tensors})
+            else:
+                for s in steps:
+                    s += 1
+                _mt.adam_step_fused(choice.impl, grads, ps, m, v, step=step + 1, **hp)
+        return loss
+
+    def _plan(self) -> tuple[list[tuple[dict, dict, list, int, dispatch.Choice]], dict]:
+        """The buckets of a step, each (group, hyperparameters as floats, parameters, step count, choice), chosen
+        (``dispatch.choose``: not yet counted nor checked against strict mode), and the state of the parameters
+        stepped for the first time (not yet in ``self.state``). Changes nothing.
+
+        Raises:
+            RuntimeError: a sparse gradient. ValueError: what :func:`dispatch.choose` raises (a bad
+                ``PIPEGOOSE_IMPL_ADAM`` or ``PIPEGOOSE_STRICT``).
+        """
+        plan: list[tuple[dict, dict, list, int, dispatch.Choice]] = []
+        fresh: dict[torch.Tensor, dict] = {}
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             hp = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                       adam_w_mode=bool(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
                       weight_decay=float(group["weight_decay"]))
             buckets: dict[tuple, list] = defaultdict(list)
+            states: dict[torch.Tensor, dict] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("FusedAdam does not support sparse gradients")
-                st = self.state[p]
-                if len(st) == 0:
-                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if p.grad.layout != torch.strided:
+                    raise RuntimeError(f"FusedAdam does not support sparse gradients (a gradient of layout "
+                                       f"{p.grad.layout})")
+                st = self.state.get(p)   # (not self.state[p]: the defaultdict would add an entry)
+                if not st:
+                    st = fresh[p] = dict(step=torch.tensor(0.0, dtype=torch.float32),
+                                         exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                                         exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+                states[p] = st
                 key = (p.device, p.dtype, p.grad.dtype, st["exp_avg"].dtype, st["exp_avg_sq"].dtype,
                        int(st["step"].item()))
                 buckets[key].append(p)
             for key, ps in buckets.items():
-                grads = [p.grad for p in ps]
-                m = [self.state[p]["exp_avg"] for p in ps]
-                v = [self.state[p]["exp_avg_sq"] for p in ps]
-                steps = [self.state[p]["step"] for p in ps]
-                choice = dispatch.select(_mt.OP_ADAM, _mt.adam_problem(grads, ps, m, v, hp["bias_correction"]),
-                                         group.get("impl"))
-                if choice.impl == "torch":   # (a tensor lr or betas as torch takes them: its math differs from a
-                    tensors = {}             # float's)
-                    if hp["bias_correction"] and torch.is_tensor(group["lr"]):
-                        tensors["lr"] = group["lr"]
-                    if hp["bias_correction"] and torch.is_tensor(beta1):
-                        tensors["beta1"], tensors["beta2"] = beta1, beta2
-                    _mt.adam_step_reference(grads, ps, m, v, steps, **{**hp, **tensors})
-                else:
-                    for s in steps:
-                        s += 1
-                    _mt.adam_step_fused(choice.impl, grads, ps, m, v, step=key[-1] + 1, **hp)
-        return loss
+                problem = _mt.adam_problem([p.grad for p in ps], ps, [states[p]["exp_avg"] for p in ps],
+                                           [states[p]["exp_avg_sq"] for p in ps], hp["bias_correction"])
+                plan.append((group, hp, ps, key[-1], dispatch.choose(_mt.OP_ADAM, problem, group.get("impl"))))
+        return plan, fresh
 
 
 def _groups(grads: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
