@@ -680,3 +680,23 @@ def test_fused_adam_sparse_gradient_in_a_later_group_changes_nothing():
         opt.step()
     _same(_snapshot(opt), before)
     assert len(opt.state) == 0
+
+
+def test_fused_adam_of_empty_parameters_is_no_fallback_in_strict_mode():
+    """A parameter of no elements: FusedAdam raised FusionFallbackError in strict mode, where clip_grad_norm_ of the
+    same gradient (nothing to compute) is no fallback (a review). Now a bucket of empty parameters is the dispatcher's
+    ``empty`` case as well: the reference counts the step (as torch.optim.AdamW does), strict mode is satisfied. A
+    bucket with elements still falls back (here on the CPU)."""
+    z = torch.nn.Parameter(torch.zeros(0))
+    z.grad = torch.zeros(0)
+    opt = FusedAdam([z])
+    with dispatch.strict():
+        opt.step()
+    c = dispatch.last_choice("adam")
+    assert c.impl == "torch" and c.source == "empty" and not c.fallback
+    assert opt.state[z]["step"].item() == 1 and opt.state[z]["exp_avg"].shape == (0,)
+    assert dispatch.explain("adam", [z.grad], [z], [z.grad], [z.grad]).source == "empty"
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError):
+        FusedAdam([z, p]).step()

@@ -30,8 +30,8 @@ Choice, first that supports the input wins:
 6. before 5, an input of no elements (a problem whose ``numel`` is 0: a zero-size normalized_shape, an empty batch):
    the reference runs (source ``empty``, not a fallback: there is nothing for a kernel to compute); a request that
    named a kernel still warns that it could not run. (The fused modules' small-input shortcut counts such inputs as
-   ``small``; ``adam``'s problems carry no ``numel``; ``clip_grad_norm``'s do, so that a group of empty gradients is
-   ``empty``.)
+   ``small``; ``adam``'s and ``clip_grad_norm``'s problems carry one, so that a bucket of empty parameters or a group
+   of empty gradients is ``empty``.)
 
 Ending on ``torch`` after a fused implementation was wanted is a *fallback*: the reason is recorded
 (:func:`explain`, :func:`last_choice`), logged at debug level on ``pipegoose.nn.fusion.dispatch``, and in strict

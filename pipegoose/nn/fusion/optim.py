@@ -62,6 +62,9 @@ class FusedAdam(torch.optim.Optimizer):
     State per parameter: ``step`` (float32 scalar tensor on the CPU), ``exp_avg``, ``exp_avg_sq``, as
     torch.optim.AdamW keeps them, so state_dicts load both ways (param groups carry AdamW's keys too).
 
+    Parameters of no elements: a bucket of only such parameters takes the reference path, which counts their step as
+    torch does, and that is no fallback (strict mode takes it; dispatch source ``empty``), as for clip_grad_norm_.
+
     Kernels: ``pipegoose``: ours, pipegoose/kernels/csrc/multi_tensor_adam.cu (op ``pipegoose::adam_step``; one dtype
     for every list); ``torch_fused``: PyTorch's ``torch._fused_adamw_`` / ``torch._fused_adam_``
     (aten/src/ATen/native/cuda/FusedAdamWKernel.cu / FusedAdamKernel.cu of the installed torch, what

@@ -83,11 +83,13 @@ def _tensors_facts(lists: Sequence[Sequence[torch.Tensor]]) -> dict:
 
 
 def adam_problem(grads, params, exp_avgs, exp_avg_sqs, bias_correction: bool = True) -> Problem:
-    """The ``adam`` problem of one bucket. ``cols`` is the bucket's parameter count (the size the benchmarks time an
-    optimizer at, and the tuning rules' ``max_cols`` bound)."""
+    """The ``adam`` problem of one bucket. ``cols`` and the fact ``numel`` are the bucket's parameter count (the size
+    the benchmarks time an optimizer at, and the tuning rules' ``max_cols`` bound; a bucket of empty parameters is the
+    dispatcher's ``empty`` case: no fallback, in strict mode too, as for ``clip_grad_norm``)."""
     facts = _tensors_facts([grads, params, exp_avgs, exp_avg_sqs])
     facts["bias_correction"] = bool(bias_correction)
-    return Problem(OP_ADAM, params[0].dtype, params[0].device, sum(p.numel() for p in params), False, facts)
+    facts["numel"] = numel = sum(p.numel() for p in params)
+    return Problem(OP_ADAM, params[0].dtype, params[0].device, numel, False, facts)
 
 
 def clip_problem(grads: Sequence[torch.Tensor], norm_type: float) -> Problem:
