@@ -700,3 +700,20 @@ def test_fused_adam_of_empty_parameters_is_no_fallback_in_strict_mode():
     p.grad = torch.ones(2)
     with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError):
         FusedAdam([z, p]).step()
+
+
+@pytest.mark.parametrize("value", ["nope", "megatron", "torch,apex"])
+def test_fused_adam_checks_its_variable_without_a_gradient(monkeypatch, value):
+    """A bad PIPEGOOSE_IMPL_ADAM is the same ValueError with and without a gradient (a review: without one step()
+    returned and said nothing, as clip_grad_norm_ did before its fix)."""
+    monkeypatch.setenv("PIPEGOOSE_IMPL_ADAM", value)
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = FusedAdam([p])
+    with pytest.raises(ValueError, match=f"PIPEGOOSE_IMPL_ADAM='{value}': adam has no "):
+        opt.step()
+    p.grad = torch.ones(3)
+    with pytest.raises(ValueError, match=f"PIPEGOOSE_IMPL_ADAM='{value}': adam has no "):
+        opt.step()
+    assert torch.equal(p, torch.ones(3)) and len(opt.state) == 0
+    monkeypatch.setenv("PIPEGOOSE_IMPL_ADAM", "Torch")
+    FusedAdam([torch.nn.Parameter(torch.ones(3))]).step()   # a good one, without a gradient

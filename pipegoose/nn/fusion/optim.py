@@ -265,6 +265,8 @@ class FusedAdam(torch.optim.Optimizer):
                 loss = closure()
         self._check_loadable(self.param_groups)  # a group edited by hand after construction
         plan, fresh = self._plan()
+        if not plan:   # no gradient: nothing chose, so a bad PIPEGOOSE_IMPL_ADAM is refused here (a review)
+            dispatch.check_op_env(_mt.OP_ADAM)
         if dispatch.is_strict():
             for *_, choice in plan:
                 if choice.fallback:
