@@ -717,3 +717,22 @@ def test_fused_adam_checks_its_variable_without_a_gradient(monkeypatch, value):
     assert torch.equal(p, torch.ones(3)) and len(opt.state) == 0
     monkeypatch.setenv("PIPEGOOSE_IMPL_ADAM", "Torch")
     FusedAdam([torch.nn.Parameter(torch.ones(3))]).step()   # a good one, without a gradient
+
+
+def test_fused_adam_docstring_lists_what_step_raises(monkeypatch):
+    """FusedAdam's Raises listed only the RuntimeError of sparse gradients for step(), which also raises
+    FusionFallbackError in strict mode and ValueError for a bad PIPEGOOSE_IMPL_ADAM (a review): each is documented,
+    and raised."""
+    doc = " ".join(FusedAdam.__doc__.split())
+    step_doc = doc[doc.index("Raises (from ``step``"):]
+    for what in ("RuntimeError: a sparse gradient", "FusionFallbackError: in strict mode",
+                 "ValueError: ``PIPEGOOSE_IMPL_ADAM`` naming no implementation of ``adam``"):
+        assert what in step_doc, what
+    assert "FusionFallbackError" in FusedAdam.step.__doc__ and "PIPEGOOSE_IMPL_ADAM" in FusedAdam.step.__doc__
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError):
+        FusedAdam([p]).step()
+    monkeypatch.setenv("PIPEGOOSE_IMPL_ADAM", "bogus")
+    with pytest.raises(ValueError, match="PIPEGOOSE_IMPL_ADAM"):
+        FusedAdam([p]).step()

@@ -78,11 +78,18 @@ class FusedAdam(torch.optim.Optimizer):
 
     Raises (when built, and from ``add_param_group`` for a group's own values):
         ValueError: bad hyper-parameters (lr, eps, weight_decay not finite and >= 0; betas not in [0, 1), or one a
-        tensor and the other not), an
-        ``impl`` that names no implementation of ``adam``, amsgrad, maximize, capturable or differentiable True,
-        ``adam_w_mode`` and ``decoupled_weight_decay`` different. TypeError: complex or non-floating parameters, a
-        hyper-parameter that is not a number, a switch that is not True or False, a sixth positional argument.
-        RuntimeError (in step): sparse gradients.
+            tensor and the other not), an ``impl`` that names no implementation of ``adam``, amsgrad, maximize,
+            capturable or differentiable True, ``adam_w_mode`` and ``decoupled_weight_decay`` different.
+        TypeError: complex or non-floating parameters, a hyper-parameter that is not a number, a switch that is not
+            True or False, a sixth positional argument.
+
+    Raises (from ``step``, before any parameter or state is changed):
+        RuntimeError: a sparse gradient (any layout but ``torch.strided``).
+        FusionFallbackError: in strict mode (``dispatch.strict()``, ``PIPEGOOSE_STRICT=1``), where no kernel takes a
+            bucket of parameters (on the CPU, every bucket with elements; ``impl="torch"`` is no fallback).
+        ValueError: ``PIPEGOOSE_IMPL_ADAM`` naming no implementation of ``adam`` (also when no parameter has a
+            gradient), ``PIPEGOOSE_STRICT`` not a value :func:`dispatch.is_strict` takes; a group edited by hand
+            since (the checks above, TypeError for a value that is not a number).
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -257,8 +264,15 @@ class FusedAdam(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step over every parameter with a gradient; returns ``closure()``'s loss (or None).
 
-        Every bucket's implementation is chosen, and whatever makes the step fail is raised (the Raises of the class
-        docstring), before any parameter or state is changed: a step that raises leaves the optimizer as it was."""
+        Every bucket's implementation is chosen, and whatever makes the step fail is raised, before any parameter or
+        state is changed: a step that raises leaves the optimizer as it was.
+
+        Raises:
+            RuntimeError: a sparse gradient.
+            FusionFallbackError: strict mode, and no kernel takes a bucket.
+            ValueError: a bad ``PIPEGOOSE_IMPL_ADAM`` or ``PIPEGOOSE_STRICT``, or a group's bad hyperparameter
+                (TypeError for one that is not a number); see the class docstring.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
