@@ -151,10 +151,9 @@ class FusedAdam(torch.optim.Optimizer):
     @staticmethod
     def _check_hyperparameters(group: dict) -> None:
         """The constructor's checks, for a param group too (``add_param_group``): ``lr``, ``eps``, ``weight_decay``
-        finite numbers >= 0 (a 0-d tensor too), ``betas`` two numbers or two one-element tensors in [0, 1), ``impl`` an
-        implementation of
-        ``adam`` (or None / ``auto``), the switches True or False (:meth:`_check_flags`). TypeError or ValueError
-        naming the argument."""
+        finite numbers >= 0 (a 0-d tensor too), ``betas`` two numbers or two one-element tensors in [0, 1), ``impl``
+        an implementation of ``adam`` (or None / ``auto``), the switches True or False (:meth:`_check_flags`).
+        TypeError or ValueError naming the argument."""
         FusedAdam._check_flags(group)
         for name in ("lr", "eps", "weight_decay"):
             v = group[name]
@@ -405,7 +404,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
             ``clip_grad_norm``; another ``PIPEGOOSE_*`` variable with a value the dispatcher refuses
             (``dispatch.check_env``: e.g. ``PIPEGOOSE_STRICT=2``).
         FusionFallbackError: in strict mode (``dispatch.strict()``), where no kernel takes a group of gradients
-            (on the CPU, a sparse gradient, ...).
+            (every group with elements on the CPU; on a GPU, a group holding a sparse gradient, ...).
         RuntimeError: ``error_if_nonfinite`` and the total norm is nan/inf (gradients untouched).
     """
     if foreach is not None and not isinstance(foreach, bool):
