@@ -6,6 +6,8 @@ reduction="none")``: a loss per row). The checks now run first; they are traced 
 from __future__ import annotations
 
 import math
+import operator
+import types
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ import torch._dynamo as dynamo
 
 from pipegoose.nn import fusion
 import pipegoose.nn.fusion.functional as pf
+from pipegoose.nn.fusion.ops import _common, layer_norm as ln_ops, softmax as softmax_ops
 
 
 def _rope_args(q_dtype=torch.float32, k_dtype=torch.float32):
@@ -178,3 +181,88 @@ def test_a_nested_tensor_compiles_to_one_graph():
     got = torch.compile(f, backend="eager", fullgraph=True)(nt)
     for g, r in zip(got.unbind(), nt.unbind()):
         torch.testing.assert_close(g, torch.softmax(r * 0.5, -1))
+
+
+class _InternalError(Exception):
+    """Stands in for torch 2.11 dynamo's InternalTorchDynamoError: what a TypeError raised by operator.index inside a
+    traced function became there, which an ``except TypeError`` does not catch."""
+
+
+def _index_as_in_dynamo_2_11(value):
+    try:
+        return operator.index(value)
+    except TypeError as e:
+        raise _InternalError(str(e)) from None
+
+
+@pytest.fixture
+def index_as_in_dynamo_2_11(monkeypatch):
+    """``operator.index`` of the ops' helpers, raising a non-TypeError where it raises a TypeError (as under torch
+    2.11's dynamo): a helper that tells an integer from a shape by catching that TypeError fails here on torch 2.14 too
+    (the CI's), not only on the GPU machine's torch 2.11."""
+    shim = types.SimpleNamespace(index=_index_as_in_dynamo_2_11)
+    for module in (_common, ln_ops, softmax_ops):
+        monkeypatch.setattr(module, "operator", shim, raising=False)
+
+
+SHAPES = [(8, (8,)), ((8,), (8,)), ([8, 2], (8, 2)), (torch.Size([8, 2]), (8, 2)), (N8, (8,)), ((N8_32, 2), (8, 2)),
+          (np.uint8(8), (8,))]
+NOT_SHAPES = [8.5, "8", True, None, (8.5,), [True], (8, "2"), np.float64(8), np.True_, torch.tensor(8)]
+
+
+def test_a_shape_is_told_from_a_size_without_a_caught_type_error(index_as_in_dynamo_2_11):
+    """A review (torch 2.11, the GPU machine's): ``torch.compile`` of any FusedLayerNorm / FusedRMSNorm failed
+    ("InternalTorchDynamoError: TypeError: 'tuple' object cannot be interpreted as an integer"): normalize_shape tried
+    operator.index on the module's tuple shape and caught the TypeError, which dynamo 2.11 made an internal error. The
+    helpers tell sizes, shapes and bad values apart by type now; the eager errors are unchanged."""
+    for shape, want in SHAPES:
+        assert ln_ops.normalize_shape(shape) == want
+    for bad in NOT_SHAPES:
+        with pytest.raises(TypeError, match=r"^normalized_shape: expected an int or a sequence of ints, got"):
+            ln_ops.normalize_shape(bad)
+    for good in (3, -100, N8, np.int32(-1), np.uint8(3)):
+        assert _common.int_value(good, "ignore_index") == good
+    for bad, kind in ((3.0, "float"), (True, "bool"), (np.True_, "bool"), (np.float32(3), "float32"), ((3,), "tuple"),
+                      ("3", "str"), (None, "NoneType")):
+        with pytest.raises(TypeError, match=f"^ignore_index: expected an int, got {kind}$"):
+            _common.int_value(bad, "ignore_index")
+    for dim in (1, -1, N8 - 7):
+        torch.testing.assert_close(pf.softmax(X, dim), torch.softmax(X, int(dim)))
+    for bad, kind in ((1.0, "float"), (True, "bool"), ("1", "str")):
+        with pytest.raises(TypeError, match=f"^dim: expected an int, got {kind}$"):
+            pf.softmax(X, bad)
+
+
+@pytest.mark.parametrize("module", [fusion.FusedLayerNorm, fusion.FusedRMSNorm])
+@pytest.mark.parametrize("shape", [8, (8,), [8]], ids=["int", "tuple", "list"])
+def test_a_fused_norm_module_compiles_without_a_caught_type_error(module, shape, index_as_in_dynamo_2_11):
+    """The review's case, with operator.index raising as under torch 2.11's dynamo: the module (its shape stored as a
+    tuple) compiles to one graph and gives the eager result."""
+    m = module(shape)
+    x = torch.randn(2, 8)
+    dynamo.reset()
+    torch.testing.assert_close(torch.compile(m, backend="eager", fullgraph=True)(x), m(x))
+
+
+IGNORE = [("cross_entropy", lambda x, i: pf.cross_entropy(x, torch.tensor([1, 3, 0, 3]), ignore_index=i)),
+          ("lce", lambda x, i: pf.fused_linear_cross_entropy(x, torch.ones(7, 8) / 8, torch.tensor([1, 3]),
+                                                             ignore_index=i, chunk_rows=np.int64(1)))]
+
+
+@pytest.mark.parametrize("name, f", IGNORE, ids=[c[0] for c in IGNORE])
+@pytest.mark.parametrize("made", ["inside", "argument"])
+def test_a_numpy_ignore_index_compiles_to_one_graph(name, f, made):
+    """A review: a numpy ``ignore_index`` failed fullgraph=True ("Unsupported ndarray attribute access": the check read
+    its dtype's kind, which dynamo refuses for the numpy value it traces as a tensor) where F.cross_entropy compiles.
+    Now one graph, the eager result; a float or bool ignore_index is still the eager TypeError."""
+    x = torch.randn(2, 8) if name == "lce" else torch.randn(4, 7)
+    want = f(x, 3)
+    g = (lambda t: f(t, np.int64(3))) if made == "inside" else (lambda t: f(t, N8 - 5))
+    dynamo.reset()
+    torch.testing.assert_close(torch.compile(g, backend="eager", fullgraph=True)(x), want)
+    for bad, kind in ((np.float32(3), "float32"), (np.True_, "bool"), (3.0, "float"), (True, "bool")):
+        with pytest.raises(TypeError, match=f"^ignore_index: expected an int, got {kind}$"):
+            f(x, bad)
+        dynamo.reset()
+        with pytest.raises(TypeError, match="^ignore_index: expected an int, got "):
+            torch.compile(lambda t: f(t, bad), backend="eager")(x)

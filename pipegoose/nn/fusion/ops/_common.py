@@ -270,15 +270,64 @@ def eps_value(eps: Any, allow_none: bool = False, name: str = "eps") -> float | 
     return value
 
 
-def int_value(value: Any, name: str) -> int:
-    """``value`` as an int: a Python or numpy integer (``operator.index``), not a bool. Raises TypeError naming
-    ``name`` otherwise."""
-    try:
-        if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", "i") == "b":
-            raise TypeError
+_UNSIGNED = tuple(getattr(torch, f"uint{n}") for n in (8, 16, 32, 64) if hasattr(torch, f"uint{n}"))
+
+
+def numpy_kind(value: Any) -> str | None:
+    """The numpy dtype kind of a 0-d numpy value (a numpy scalar or 0-d array): ``"b"``, ``"i"``, ``"u"``, ``"f"`` or
+    ``"c"``; None for anything else, a numpy array of more dimensions included. Under ``torch.compile`` dynamo traces
+    numpy values as tensors and refuses their ``.dtype`` ("Unsupported ndarray attribute access": fullgraph=True
+    failed for a numpy ``ignore_index``, a review): there the kind is read from ``torch.as_tensor(value)``'s dtype."""
+    np = sys.modules.get("numpy")   # (not a dependency: without it imported, no value is numpy's)
+    if np is None or not isinstance(value, (np.generic, np.ndarray)) or value.ndim != 0:
+        return None
+    if not torch.compiler.is_compiling():
+        return value.dtype.kind
+    t = torch.as_tensor(value)
+    if t.dtype == torch.bool:
+        return "b"
+    return "c" if t.is_complex() else "f" if t.is_floating_point() else "u" if t.dtype in _UNSIGNED else "i"
+
+
+def integer_or_none(value: Any) -> Any:
+    """``value`` as an int where it is one integer, else None: a Python int as it is (a ``torch.SymInt`` too, under
+    ``torch.compile``), a 0-d numpy value of an integer dtype, a 0-d integer tensor or another object with
+    ``__index__`` by ``operator.index``; None for None, a bool (Python's, numpy's, a bool tensor), a float, a str and
+    any sequence (a tuple, list or ``torch.Size``: a shape).
+
+    The common kinds are told apart by type, not by ``operator.index`` in a try/except: under ``torch.compile``,
+    torch 2.11's dynamo turns the TypeError it raises for a tuple into an ``InternalTorchDynamoError``, which the except
+    did not catch, and every fused norm module (its ``normalized_shape`` a tuple) failed to compile (a review). Only
+    other objects go through ``operator.index`` and its TypeError."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, (int, torch.SymInt)):
+        return value
+    if isinstance(value, (float, complex, str, bytes, bytearray, tuple, list, dict, set, frozenset, range)):
+        return None
+    kind = numpy_kind(value)
+    if kind is not None:
+        if kind == "i" or (kind == "u" and not torch.compiler.is_compiling()):
+            # (.tolist(), a Python int: under torch.compile operator.index / int() of a numpy value made in the
+            # compiled function is a data-dependent .item(), which fullgraph=True refuses)
+            return value.tolist()
+        # (dynamo's tolist() takes signed integers only: an unsigned one made in the compiled function breaks the graph)
+        return operator.index(value) if kind == "u" else None
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bool:
+        return None
+    try:   # a 0-d integer tensor, a numpy array of more dimensions (an error), an object with __index__
         return operator.index(value)
     except TypeError:
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+        return None
+
+
+def int_value(value: Any, name: str) -> int:
+    """``value`` as an int: a Python or numpy integer, a 0-d integer tensor (:func:`integer_or_none`), not a bool.
+    Raises TypeError naming ``name`` otherwise."""
+    v = integer_or_none(value)
+    if v is None:
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    return v
 
 
 def dtype_name(dtype: torch.dtype | None) -> str:

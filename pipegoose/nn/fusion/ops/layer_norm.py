@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from typing import Any, Sequence
 
 import torch
@@ -33,8 +32,8 @@ from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, HALF_DTYPES, INT32_MAX, all_have_storage, any_in_transform, autocast_state,
                       kernel_input_ok, call_without_autocast, check_float_tensor, check_input_dtype, dtype_name,
-                      eps_value, grads_through, has_tangent, hidden_range, in_dual_level, needs_grad, nested_fallback,
-                      param_signature, shape_signature, torch_result_dtype)
+                      eps_value, grads_through, has_tangent, hidden_range, in_dual_level, integer_or_none, needs_grad,
+                      nested_fallback, param_signature, shape_signature, torch_result_dtype)
 
 OP = "layer_norm"
 SRC_PIPEGOOSE = "pipegoose/layer_norm: pipegoose/kernels/csrc/layer_norm.cu (pipegoose, MIT)"
@@ -44,33 +43,38 @@ SRC_APEX = ("apex/fused_layer_norm: Apex csrc/layer_norm_cuda_kernel.cu via Colo
 EMPTY_INPUT = "empty input, shape {}: no kernel runs, the reference path returns the empty result"
 
 
-def _int_size(s: Any) -> int:
-    """``s`` as an int by ``operator.index`` (numpy integers too); TypeError for a bool, a float, anything else."""
-    if isinstance(s, bool) or (isinstance(s, torch.Tensor) and s.dtype == torch.bool):
-        raise TypeError("a bool is not a size")
-    return operator.index(s)
+def _not_a_shape(normalized_shape: Any) -> TypeError:
+    # (built where it is raised: under torch.compile the repr of a numpy value in it breaks the graph)
+    return TypeError(f"normalized_shape: expected an int or a sequence of ints, got {normalized_shape!r}")
 
 
 def normalize_shape(normalized_shape: Any) -> tuple[int, ...]:
     """``normalized_shape`` as a tuple of ints: an integer (numpy's too) or a sequence of them, each >= 0. A zero
     size is what F.layer_norm / F.rms_norm take (an empty result); it runs the reference path (the kernels'
-    ``supports`` decline an empty input)."""
-    if not isinstance(normalized_shape, (bool, str, bytes, torch.Tensor)):
-        try:   # an integer, numpy's too (by operator.index: under torch.compile a numpy integer is no numbers.Integral,
-            # and it failed inside dynamo, "Can't unpack scalar tensors"; a review)
-            size = operator.index(normalized_shape)
+    ``supports`` decline an empty input).
+
+    Integers and sequences are told apart by type (:func:`~._common.integer_or_none`), with no TypeError raised and
+    caught for a tuple or a list: under torch.compile, torch 2.11's dynamo made that TypeError an internal error and
+    the fused norm modules (a tuple shape) did not compile (a review)."""
+    # not a tensor: a 0-d tensor is no size here (nor F.layer_norm's); a 1-d one is a sequence of sizes
+    size = None if isinstance(normalized_shape, torch.Tensor) else integer_or_none(normalized_shape)
+    if size is not None:
+        if size < 0:
+            raise ValueError(f"normalized_shape: expected a size >= 0, got {size}")
+        return (size,)
+    if isinstance(normalized_shape, (tuple, list)):   # torch.Size too: the common case, iterated as it is
+        items = normalized_shape
+    elif isinstance(normalized_shape, (bool, str, bytes)) or not hasattr(normalized_shape, "__iter__"):
+        raise _not_a_shape(normalized_shape)
+    else:
+        try:   # another iterable (a numpy array, a generator): iterating a 0-d array raises
+            items = tuple(normalized_shape)
         except TypeError:
-            size = None
-        if size is not None:
-            if size < 0:
-                raise ValueError(f"normalized_shape: expected a size >= 0, got {size}")
-            return (size,)
-    if isinstance(normalized_shape, (str, bytes)) or not hasattr(normalized_shape, "__iter__"):
-        raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {normalized_shape!r}")
-    try:   # integers only: 8.5 is an error, not 8, and so is True, not 1
-        shape = tuple(map(_int_size, normalized_shape))
-    except TypeError:
-        raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {normalized_shape!r}") from None
+            raise _not_a_shape(normalized_shape) from None
+    # integers only: 8.5 is an error, not 8, and so is True, not 1
+    shape = tuple(integer_or_none(d) for d in items)
+    if any(d is None for d in shape):
+        raise _not_a_shape(normalized_shape)
     if not shape:
         raise ValueError("normalized_shape: expected at least one dimension, got ()")
     if any(d < 0 for d in shape):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-import operator
 from typing import Any
 
 import torch
@@ -34,7 +33,7 @@ from .. import dispatch
 from ..dispatch import Implementation, Problem
 from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, HALF_DTYPES, INT32_MAX, NO_STORAGE, autocast_state,
                       call_without_autocast, check_input_dtype, dtype_name, has_storage, has_tangent, in_transform,
-                      manifest_limit, megatron_batches_per_block, needs_grad, nested_fallback, next_pow2,
+                      int_value, manifest_limit, megatron_batches_per_block, needs_grad, nested_fallback, next_pow2,
                       param_signature, python_finite, representable, torch_result_dtype)
 
 OP_PLAIN, OP_MASKED, OP_CAUSAL = "softmax", "softmax.masked", "softmax.causal"
@@ -102,7 +101,7 @@ def _explain_builder(op: str):
     def plain(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> Problem:
         # softmax(x, dim, dtype=dtype) (the F.softmax drop-in): exact, and fused only over the last dim (run_plain)
         check_input(x, "input")
-        dim = operator.index(dim)
+        dim = int_value(dim, "dim")   # (as run_plain checks it)
         nd = max(x.dim(), 1)
         if not -nd <= dim < nd:
             raise IndexError(f"dim: expected in [{-nd}, {nd - 1}], got {dim}")
@@ -595,12 +594,7 @@ def run_plain(x: torch.Tensor, dim: int, dtype: torch.dtype | None, impl: str | 
     if dtype is not None:
         x = x.to(dtype)
     nd = max(x.dim(), 1)
-    if isinstance(dim, bool):
-        raise TypeError("dim: expected an int, got bool")
-    try:
-        dim = operator.index(dim)  # int, numpy integers, 0-d integer tensors
-    except TypeError:
-        raise TypeError(f"dim: expected an int, got {type(dim).__name__}") from None
+    dim = int_value(dim, "dim")  # int, numpy integers, 0-d integer tensors; not a bool (told apart by type: a review)
     if not -nd <= dim < nd:
         raise IndexError(f"dim: expected in [{-nd}, {nd - 1}], got {dim}")
     if dispatch.compile_passthrough(OP_PLAIN, impl):
