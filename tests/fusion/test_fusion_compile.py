@@ -266,3 +266,74 @@ def test_a_numpy_ignore_index_compiles_to_one_graph(name, f, made):
         dynamo.reset()
         with pytest.raises(TypeError, match="^ignore_index: expected an int, got "):
             torch.compile(lambda t: f(t, bad), backend="eager")(x)
+
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+# (x, weight, bias) dtypes: the review's pairs first, then others the docs promise (parameters independent of x's)
+MIXED = [(F32, F16, F16), (F16, F64, F64), (F32, F64, F64), (F64, F32, F32), (BF16, F32, BF16), (F16, BF16, BF16),
+         (BF16, F32, F32), (F16, F32, None), (F32, None, BF16), (F64, F16, None), (BF16, BF16, F16), (F32, F32, F32)]
+
+
+def _mixed_args(xd, wd, bd, device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(4, 5, generator=g) * 3 + 1, torch.rand(5, generator=g) + 0.5, torch.randn(5, generator=g))
+    return (x.to(device, xd), None if wd is None else w.to(device, wd), None if bd is None else b.to(device, bd))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["", "cpu-autocast"])
+@pytest.mark.parametrize("dtypes", MIXED, ids=["-".join(str(d).replace("torch.", "") for d in m) for m in MIXED])
+def test_a_compiled_layer_norm_takes_mixed_parameter_dtypes_as_eager_mode(dtypes, autocast, backend):
+    """A review: under torch.compile layer_norm / mixed_fused_layer_norm passed the parameters to F.layer_norm as they
+    were, which refuses most mixes ("mixed dtype"), where eager mode's reference path upcasts them. The compiled call
+    now gives eager mode's values and dtype, in one graph (same-dtype parameters still go to F.layer_norm alone)."""
+    args = _mixed_args(*dtypes)
+    for f in (lambda a, w, b: pf.layer_norm(a, 5, w, b), lambda a, w, b: pf.mixed_fused_layer_norm(a, (5,), w, b)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            want = f(*args)
+            dynamo.reset()
+            got = torch.compile(f, backend=backend, fullgraph=True)(*args)
+        torch.testing.assert_close(got, want)   # (and its dtype)
+    dynamo.reset()
+    explained = dynamo.explain(f)(*args)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")   # (PyTorch's, as it takes the mix)
+@pytest.mark.parametrize("dtypes", [(F32, F16), (F16, F32), (BF16, F64), (F64, BF16)], ids=str)
+@pytest.mark.parametrize("cast_before_weight", [False, True])
+def test_a_compiled_rms_norm_takes_mixed_weight_dtypes_as_eager_mode(dtypes, cast_before_weight):
+    """rms_norm's compiled branch, checked for the same defect (F.rms_norm takes the mixes): eager mode's result."""
+    x, w, _ = _mixed_args(dtypes[0], dtypes[1], None)
+    f = lambda a, w_: pf.rms_norm(a, 5, w_, 1e-6, cast_before_weight=cast_before_weight)   # noqa: E731
+    dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, backend="aot_eager", fullgraph=True)(x, w), f(x, w))
+
+
+def test_a_compiled_fused_layer_norm_module_of_half_parameters_takes_fp32_input():
+    """The review's module case: torch.compile(FusedLayerNorm(5, dtype=torch.float16))(fp32 x) raised."""
+    m = fusion.FusedLayerNorm(5, dtype=torch.float16)
+    with torch.no_grad():
+        m.weight.uniform_(0.5, 1.5)
+        m.bias.normal_()
+    x = torch.randn(4, 5)
+    want = m(x)
+    assert want.dtype == torch.float32
+    dynamo.reset()
+    torch.testing.assert_close(torch.compile(m, backend="aot_eager", fullgraph=True)(x), want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("autocast", [False, True], ids=["", "cuda-autocast"])
+@pytest.mark.parametrize("dtypes", MIXED, ids=["-".join(str(d).replace("torch.", "") for d in m) for m in MIXED])
+def test_a_compiled_layer_norm_takes_mixed_parameter_dtypes_on_cuda(dtypes, autocast):
+    """The mixed parameter dtypes on CUDA, without and with CUDA autocast (fp32 output there unless a tensor is fp64:
+    the compiled branch's rule, traced_out_dtype, against eager mode's measured one; eager may run a kernel)."""
+    args = _mixed_args(*dtypes, device="cuda")
+    f = lambda a, w, b: pf.layer_norm(a, 5, w, b)   # noqa: E731
+    with torch.autocast("cuda", enabled=autocast):
+        want = f(*args)
+        dynamo.reset()
+        got = torch.compile(f, backend="aot_eager", fullgraph=True)(*args)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

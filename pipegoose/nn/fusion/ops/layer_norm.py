@@ -120,6 +120,16 @@ def out_dtype(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     return torch_result_dtype("layer_norm", dev, (x.dtype, wd, bd), probe, x.dtype)
 
 
+def traced_out_dtype(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.dtype:
+    """:func:`out_dtype` where torch.compile traces (the measured rule's cache, lock and caught probe error would break
+    the graph): fp32 under CUDA autocast (layer_norm is on its fp32 list: every tensor cast to fp32) unless a tensor is
+    fp64 (PyTorch then rejects the mix), else ``x.dtype`` (CPU autocast leaves layer_norm alone)."""
+    kind, autocast_on, _ = autocast_state(x.device)
+    if autocast_on and kind == "cuda" and all(t is None or t.dtype != torch.float64 for t in (x, weight, bias)):
+        return torch.float32
+    return x.dtype
+
+
 def layer_norm_problem(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | None,
                        bias: torch.Tensor | None, out: torch.dtype) -> Problem:
     h = math.prod(shape)
@@ -318,7 +328,12 @@ def run(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, bia
         # (traced once per graph; without them a negative eps gave NaN, a review)
         shape = normalize_shape(normalized_shape)
         eps_f = check_args(x, shape, weight, bias, eps, shapes=False)
-        return F.layer_norm(x, shape, weight, bias, eps_f)
+        if (weight is None or weight.dtype == x.dtype) and (bias is None or bias.dtype == x.dtype):
+            return F.layer_norm(x, shape, weight, bias, eps_f)   # (autocast, if on, casts as in eager mode)
+        # parameters of another dtype than x's: eager mode's reference path (F.layer_norm alone refused most of those
+        # mixes, "mixed dtype", a review)
+        return call_without_autocast(x.device, layer_norm_reference, x, shape, weight, bias, eps_f,
+                                     traced_out_dtype(x, weight, bias))
     if getattr(x, "is_nested", False):
         shape, eps = normalize_shape(normalized_shape), eps_value(eps)  # the checks of a dense call
         dispatch.record(nested_fallback(OP, impl))
