@@ -323,6 +323,18 @@ def test_a_compiled_fused_layer_norm_module_of_half_parameters_takes_fp32_input(
     torch.testing.assert_close(torch.compile(m, backend="aot_eager", fullgraph=True)(x), want)
 
 
+def test_a_compiled_linear_cross_entropy_casts_as_eager_mode_under_autocast():
+    """Another op's compiled branch with the same defect: fused_linear_cross_entropy casts hidden / weight / bias to
+    autocast's dtype in eager mode (fp64 weight too), while the compiled branch left that to autocast, which leaves a
+    fp64 weight alone ("expected m1 and m2 to have the same dtype"). The compiled call now casts as eager mode does."""
+    h, w, t = torch.randn(3, 8), torch.randn(5, 8, dtype=torch.float64), torch.tensor([1, 4, 0])
+    f = lambda a, b: pf.fused_linear_cross_entropy(a, b, t)   # noqa: E731
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = f(h, w)
+        dynamo.reset()
+        torch.testing.assert_close(torch.compile(f, backend="aot_eager", fullgraph=True)(h, w), want)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("autocast", [False, True], ids=["", "cuda-autocast"])
 @pytest.mark.parametrize("dtypes", MIXED, ids=["-".join(str(d).replace("torch.", "") for d in m) for m in MIXED])

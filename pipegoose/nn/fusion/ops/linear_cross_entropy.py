@@ -269,9 +269,9 @@ def run(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: 
         FusionFallbackError: in strict mode, where the fused path cannot take the input.
     """
     ignore_index = check_args(hidden, weight, target, bias, ignore_index, reduction, chunk_rows)   # (compiled too)
+    hidden, weight, bias = _compute_dtype(hidden, weight, bias)   # (compiled too: a fp64 weight under autocast failed)
     if dispatch.compile_passthrough(OP, impl):
-        return reference(hidden, weight, target, bias, ignore_index, reduction)
-    hidden, weight, bias = _compute_dtype(hidden, weight, bias)
+        return call_without_autocast(hidden.device, reference, hidden, weight, target, bias, ignore_index, reduction)
     choice = dispatch.select(OP, problem(hidden, weight, target, bias), impl)
     if choice.impl == "pipegoose":
         return call_without_autocast(hidden.device, _run_pipegoose, hidden, weight, target, bias, ignore_index,
