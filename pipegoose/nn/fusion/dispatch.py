@@ -1,9 +1,9 @@
 """One dispatcher for every fused op: implementations, ``supports()`` checks, choice, counters and strict mode.
 
-Each op (``softmax``, ``softmax.masked``, ``softmax.causal``, ``layer_norm``, ``rms_norm``, ``adam``,
-``clip_grad_norm``) has several :class:`Implementation` s: ours (``pipegoose``), fused kernels that ship in
-PyTorch (``torch_fused``: ``adam``'s ``torch._fused_adamw_``), ported registry copies (``megatron``, ``apex``,
-``deepspeed``) and the PyTorch reference (``torch``). Each declares
+Each op (``softmax``, ``softmax.masked``, ``softmax.causal``, ``layer_norm``, ``rms_norm``, ``swiglu``, ``rope``,
+``cross_entropy``, ``fused_linear_cross_entropy``, ``adam``, ``clip_grad_norm``) has several :class:`Implementation`
+s: ours (``pipegoose``), fused kernels that ship in PyTorch (``torch_fused``: ``adam``'s ``torch._fused_adamw_``),
+ported registry copies (``megatron``, ``apex``, ``deepspeed``) and the PyTorch reference (``torch``). Each declares
 ``supports(problem) -> (ok, reason)`` over a :class:`Problem` (shapes, dtypes, device, layout: metadata only, no
 kernel runs), and names the manifest kernel it needs; the kernel is loaded on first use
 (``pipegoose.kernels.load``) and a failed load becomes a reason (``"pipegoose/softmax unavailable: ..."``).
@@ -21,12 +21,15 @@ Choice, first that supports the input wins:
    registered ``opt_in`` (a kernel, or a path of one for some inputs, not yet timed against the others on a GPU) is
    left out of it (for those inputs): it runs when a request (1, 2) or a tuning rule (3) names it;
 5. before 3 and 4, small problems: when the input has fewer than ``PIPEGOOSE_SMALL_NUMEL`` elements (default
-   2**24; 0 turns this off), a fused implementation supports it, and the op's reference path is one native PyTorch
-   op for it (``F.layer_norm``, ``F.rms_norm``: ``Implementation.small_first``), the reference runs (source
-   ``small``, not a fallback; no kernel is loaded). At such sizes a step is bound by the host, and a fused op's
-   path (the Python dispatch above the op, the op's own host code) costs more host time than its kernel can save on
-   the GPU (fused MiniLM, BERT-base and GPT-2 small steps were slower than unfused ones on the H200; see
-   :data:`SMALL_NUMEL_DEFAULT`).
+   2**24; 0 turns this off), a fused implementation supports it, and the op's reference implementation is
+   registered ``small_first`` for it (``Implementation.small_first``, set for the ops ``layer_norm``
+   (``F.layer_norm``), ``rms_norm`` (``F.rms_norm``; its ``tuned_for`` limits it to the problems the reference runs
+   as that one op, not Llama's rounding or mixed dtypes) and ``swiglu`` (``F.silu(gate) * up``, two native ops)),
+   the reference runs (source ``small``, not a fallback; no kernel is loaded). At such sizes a step is bound by the
+   host, and a fused op's path (the Python dispatch above the op, the op's own host code) costs more host time than
+   its kernel can save on the GPU (MiniLM, BERT-base and GPT-2 small steps with their LayerNorms fused were slower
+   than unfused ones on the H200; see :data:`SMALL_NUMEL_DEFAULT`; no measurement of SwiGLU at these sizes is
+   recorded). No other op has the rule (RoPE's reference, transformers' formula, is ten kernels).
 6. before 5, an input of no elements (a problem whose ``numel`` is 0: a zero-size normalized_shape, an empty batch):
    the reference runs (source ``empty``, not a fallback: there is nothing for a kernel to compute); a request that
    named a kernel still warns that it could not run. (The fused modules' small-input shortcut counts such inputs as
@@ -208,8 +211,9 @@ class Implementation:
             in one configuration (rms_norm's ``torch`` as the single ``F.rms_norm`` kernel, say); where the
             implementation runs other code for a problem (Llama's rounding needs the multi-kernel eager formula),
             a tuning rule naming it does not apply, and the choice goes on to the next rule.
-        small_first: (reference implementations) the op's reference path is one native PyTorch op, cheaper on the
-            host than any fused path: problems below :func:`small_numel` elements run it (see "Small problems").
+        small_first: (reference implementations) the op's reference path is native PyTorch, cheaper on the host
+            than any fused path (``F.layer_norm``, ``F.rms_norm``, ``F.silu(gate) * up``): problems below
+            :func:`small_numel` elements run it (see "Small problems"; choice step 5).
         opt_in: left out of the built-in order (choice step 4): it runs only where a request (``impl=``,
             ``PIPEGOOSE_IMPL_*``) or a tuning rule names it. For a kernel whose speed against the others has not been
             measured yet: a default must come from a benchmark, not from being ours. True, or
@@ -1039,8 +1043,8 @@ def small_numel() -> int:
 
 
 def _small_problem(problem: Problem, impls: Mapping[str, Implementation]) -> tuple[str, str] | None:
-    """(reference name, reason) when the problem is below the small-problem size and the op's reference path is a
-    single native op for it (``small_first`` and ``tuned_for``); else None."""
+    """(reference name, reason) when the problem is below the small-problem size and the op's reference
+    implementation is registered ``small_first`` for it (``tuned_for``); else None."""
     n = problem.get("numel")
     limit = small_numel()
     if not limit or n is None or n >= limit:
