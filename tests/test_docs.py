@@ -65,7 +65,55 @@ def _fusion_ops() -> dict[str, dict]:
     return out
 
 
+# ----------------------------------------------------------------------------------------- environment variables
+
+
+@pytest.mark.parametrize("doc", [README, ARCH], ids=lambda p: p.name)
+def test_every_known_variable_has_a_row_in_the_environment_table(doc):
+    """Every name of ``pipegoose._env.KNOWN`` is in the first column of the document's "Environment variables" table
+    (``PIPEGOOSE_IMPL_*`` names through the ``PIPEGOOSE_IMPL_<OP>`` row), and the table names no variable pipegoose
+    does not read. docs/architecture.md lacked PIPEGOOSE_ALLOW_MODIFIED_VENDOR, PIPEGOOSE_MANIFEST,
+    PIPEGOOSE_PORT_CACHE and the seven PIPEGOOSE_NORM_* research switches (a review)."""
+    from pipegoose import _env
+
+    rows = _table_rows(_section(doc.read_text(encoding="utf-8"), "## Environment variables"))
+    first = " ".join(r[0] for r in rows)
+    named = set(_VAR.findall(first))
+    assert "PIPEGOOSE_IMPL_<OP>" in first, f"{doc.name}: no PIPEGOOSE_IMPL_<OP> row"
+    missing = sorted(n for n in _env.KNOWN if n not in named and not n.startswith("PIPEGOOSE_IMPL_"))
+    assert missing == [], f"{doc.name}'s environment table lacks {missing}"
+    unknown = sorted(n for n in named if n not in _env.KNOWN and not n.startswith("PIPEGOOSE_IMPL"))
+    assert unknown == [], f"{doc.name}'s environment table names variables pipegoose does not read: {unknown}"
+
+
+@pytest.mark.parametrize("doc", [README, ARCH], ids=lambda p: p.name)
+def test_the_impl_variable_row_names_every_implementation(doc):
+    """The ``PIPEGOOSE_IMPL_<OP>`` row lists every implementation name an op has (docs/architecture.md left out
+    ``torch_fused``, which ``PIPEGOOSE_IMPL_ADAM`` takes; a review), and ``auto``."""
+    rows = _table_rows(_section(doc.read_text(encoding="utf-8"), "## Environment variables"))
+    row = next(" ".join(r) for r in rows if "PIPEGOOSE_IMPL_<OP>" in r[0])
+    listed = set(_BACKTICKED.findall(row))
+    names = {name for impls in _fusion_ops().values() for name in impls} | {"auto"}
+    assert sorted(names - listed) == [], f"{doc.name}'s PIPEGOOSE_IMPL_<OP> row"
+
+
 # ------------------------------------------------------------------------------------------------ dispatcher
+
+
+def test_the_tuning_ops_list_is_what_the_table_parser_accepts():
+    """docs/architecture.md's tuning "Ops:" list is the ops ``TuningTable.parse`` accepts, each accepted (it left out
+    ``fused_linear_cross_entropy``; a review)."""
+    from pipegoose.nn.fusion import dispatch
+
+    text = _section(ARCH.read_text(encoding="utf-8"), "## Tuning tables (benchmarks -> dispatch)")
+    i = text.index("\nOps: ")
+    sentence = re.sub(r"\([^)]*\)", "", _sentence(text, i))   # ("(`max_cols` bounds the head dim)")
+    listed = set(_BACKTICKED.findall(sentence))
+    accepted = set(_fusion_ops()) | set(dispatch._TABLE_ONLY_OPS)
+    assert listed == accepted
+    for op in sorted(listed):
+        impl = "pipegoose"
+        dispatch.TuningTable.parse({"device": "X", "rules": [{"op": op, "dtype": "bfloat16", "impl": impl}]})
 
 
 def _small_first_ops() -> set[str]:
