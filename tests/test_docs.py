@@ -157,6 +157,80 @@ def test_the_dispatch_docstring_lists_every_op():
     assert sorted(set(_fusion_ops()) - named) == []
 
 
+# ---------------------------------------------------------------------------------------------------- kernels
+
+
+# each kernel of our own (source pipegoose in kernels.yaml) -> the words README's first paragraph names it by
+OWN_KERNEL_WORDS = {
+    "pipegoose/softmax": "softmax without length limits",
+    "pipegoose/layer_norm": "LayerNorm",
+    "pipegoose/rms_norm": "RMSNorm",
+    "pipegoose/swiglu": "SwiGLU",
+    "pipegoose/rope": "RoPE",
+    "pipegoose/cross_entropy": "cross-entropy",
+    "pipegoose/multi_tensor_adam": "multi-tensor Adam/AdamW step",
+    "pipegoose/clip_grad_norm": "gradient clipping",
+}
+
+
+def test_readme_opening_names_every_kernel_of_our_own():
+    """README.md's first paragraph lists the kernels of our own; it left out the gradient-clipping kernel (a review)."""
+    from pipegoose.kernels.manifest import load_manifest
+
+    manifest = load_manifest(REPO / "kernels.yaml")
+    ours = {k.id for k in manifest.kernels.values() if manifest.sources[k.source].is_local}
+    assert ours == set(OWN_KERNEL_WORDS), "a kernel of our own was added or removed: update OWN_KERNEL_WORDS and README"
+    text = README.read_text(encoding="utf-8")
+    opening = text[:text.index("\n\n", text.index("kernels of our own"))]
+    opening = " ".join(opening.split())
+    assert [k for k, w in OWN_KERNEL_WORDS.items() if w not in opening] == []
+
+
+def test_readme_names_the_entry_points_without_a_fake_implementation():
+    """README.md said every entry point has a fake implementation; ``scaled_masked_softmax_get_batch_per_block`` (ints
+    only) has none (a review). The sentence names exactly the manifest ops whose kernel's fake module registers none."""
+    from pipegoose.kernels.manifest import load_manifest
+
+    manifest = load_manifest(REPO / "kernels.yaml")
+    without, ops = set(), set()
+    for k in manifest.kernels.values():
+        fake = (REPO / Path(*k.fake.split("."))).with_suffix(".py").read_text(encoding="utf-8") if k.fake else ""
+        for op in k.ops:
+            ops.add(op)
+            if f'register_fake("pipegoose::{op}")' not in fake:
+                without.add(op)
+    assert without == {"scaled_masked_softmax_get_batch_per_block"}
+    text = README.read_text(encoding="utf-8")
+    sentence = " ".join(_sentence(text, text.index("Every entry point is a `torch.library` op")).split())
+    named = {t for t in _BACKTICKED.findall(sentence) if t in ops}
+    assert named == without, sentence
+
+
+def test_readme_states_the_default_architectures_of_cuda_13():
+    """README.md said that without a GPU the builder compiles every architecture the nvcc supports ("seven with CUDA
+    13"); it compiles a fixed table per CUDA major (a review): README quotes CUDA 13's."""
+    from pipegoose.kernels import toolchain
+
+    want = toolchain.format_arch_list(toolchain.default_arch_list((13, 0)))
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    assert text.count(f"`{want}`") >= 2, f"README does not quote {want} where it describes the default (twice)"
+    assert "every architecture the nvcc supports" not in text
+
+
+def test_readme_sdpa_range_is_the_training_tables():
+    """README.md gave the Llama SDPA baseline as 46.2-51.6k where session 51's row has 51.7k (a review): the range is
+    the H200 Llama rows' SDPA column."""
+    text = README.read_text(encoding="utf-8")
+    table = text[text.index("**Training steps**"):]
+    values = []
+    for cells in _table_rows(table):
+        if cells[0].startswith("Llama") and "H100" not in cells[0] and cells[1]:
+            values.append(float(cells[1].rstrip("k")))
+    m = re.search(r"\(Llama\s+([\d.]+)-([\d.]+)k\s+on\s+the\s+H200\)", text)
+    assert m, "README no longer states the SDPA range"
+    assert (float(m[1]), float(m[2])) == (min(values), max(values))
+
+
 # ------------------------------------------------------------------------------------------------ layer table
 
 # The layer table of docs/architecture.md as data: each layer's packages (the longest prefix wins), and what each may
