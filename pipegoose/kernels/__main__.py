@@ -304,6 +304,12 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
     return n
 
+
+# (pipegoose._env.user_cache_dir's order; the help said only "$PIPEGOOSE_CACHE_DIR or ~/.cache/...", a review)
+CACHE_DIR_HELP = ("build cache (default: $PIPEGOOSE_CACHE_DIR, else $XDG_CACHE_HOME/pipegoose/kernels, else "
+                  "~/.cache/pipegoose/kernels)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_worker"]:
@@ -315,15 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     from pipegoose._cli import path_arg
 
     p.add_argument("--manifest", default=None, type=path_arg, help="kernels.yaml to use (default: the repository's)")
-    p.add_argument("--cache-dir", default=None, type=path_arg,
-                   help="build cache (default: $PIPEGOOSE_CACHE_DIR or ~/.cache/...)")
+    p.add_argument("--cache-dir", default=None, type=path_arg, help=CACHE_DIR_HELP)
     # the same common options after the subcommand too (SUPPRESS: absent there keeps the value given before it)
     common = argparse.ArgumentParser(add_help=False)
     # (listed in each subcommand's help too: `doctor -h` did not show them; a fresh-clone check)
     common.add_argument("--manifest", default=argparse.SUPPRESS, type=path_arg,
                         help="kernels.yaml to use (default: the repository's)")
-    common.add_argument("--cache-dir", default=argparse.SUPPRESS, type=path_arg,
-                        help="build cache (default: $PIPEGOOSE_CACHE_DIR or ~/.cache/...)")
+    common.add_argument("--cache-dir", default=argparse.SUPPRESS, type=path_arg, help=CACHE_DIR_HELP)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("doctor", help="toolchain checks and each kernel's state", parents=[common])
     d.add_argument("--load", action="store_true", help="also load every cached kernel")

@@ -1380,6 +1380,18 @@ def test_cli_path_options_expand_the_home_folder_and_refuse_blanks(tiny, tmp_pat
     assert p.returncode == 0 and "doctor | build | clean" in p.stdout and "``" not in p.stdout, p.stdout
 
 
+def test_cli_cache_dir_help_names_every_default(tmp_path):
+    """`--cache-dir`'s help said "default: $PIPEGOOSE_CACHE_DIR or ~/.cache/...", where the builder also honours
+    $XDG_CACHE_HOME (pipegoose._env.user_cache_dir; a review): the help names the three, in the order they are taken,
+    before and after the subcommand."""
+    env = {**_env(tmp_path / "unused"), "COLUMNS": "300"}
+    want = "$PIPEGOOSE_CACHE_DIR, else $XDG_CACHE_HOME/pipegoose/kernels, else ~/.cache/pipegoose/kernels"
+    for args in (["--help"], ["doctor", "-h"], ["build", "-h"], ["clean", "-h"]):
+        p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", *args], capture_output=True, text=True, env=env,
+                           timeout=300)
+        assert p.returncode == 0 and want in " ".join(p.stdout.split()), (args, p.stdout)
+
+
 def test_cli_doctor_fails_on_a_bad_allow_modified_vendor(tiny):
     """PIPEGOOSE_ALLOW_MODIFIED_VENDOR=maybe made every kernel unavailable, but doctor exited 0 (session 33's
     walkthrough): it is now a failed preflight row naming the variable and the values it takes, and the exit code 1."""
