@@ -435,26 +435,98 @@ def _calls_and_output(model, *args, **kwargs):
     return _rope_calls(), out
 
 
-def test_a_function_that_casts_back_keeps_its_dtype():
-    """OLMo's apply_rotary_pos_emb casts its results to q's dtype, and its rotary tables stay fp32 in a bf16 model: the
-    op (fp32 results for bf16 q with fp32 tables, as Llama's function gives) would change the dtype and break the
-    attention. The probe finds out; those calls run OLMo's own code, and the fused bf16 model computes what it did."""
-    Olmo2Config = getattr(transformers, "Olmo2Config", None)
-    if Olmo2Config is None:
-        pytest.skip("this transformers has no OLMo2")
-    cfg = Olmo2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, vocab_size=97,
-                      pad_token_id=0, eos_token_id=1, bos_token_id=1)
+def _olmo(name: str, dtype=torch.bfloat16):
+    """A tiny OLMo (``name``: Olmo or Olmo2) in ``dtype`` (its rotary tables stay fp32), or a skip."""
+    cls = getattr(transformers, f"{name}Config", None)
+    if cls is None:
+        pytest.skip(f"this transformers has no {name}")
+    cfg = cls(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=97,
+              pad_token_id=0, eos_token_id=1, bos_token_id=1)
     torch.manual_seed(0)
-    model = transformers.AutoModel.from_config(cfg, attn_implementation="sdpa").to(torch.bfloat16).eval()
-    ids = torch.randint(2, 97, (2, 7))
+    return transformers.AutoModel.from_config(cfg, attn_implementation="eager").to(dtype).eval()
+
+
+@pytest.mark.parametrize("name", ["Olmo", "Olmo2"])
+def test_a_function_that_casts_back_keeps_its_dtype(name, monkeypatch):
+    """OLMo's apply_rotary_pos_emb casts its results to q's dtype, and its rotary tables stay fp32 in a bf16 model, so
+    every call of a bf16 OLMo is bf16 q with fp32 tables. A review: the probe found that it does not promote (as
+    Llama's does, and the op), and those calls ran OLMo's code uncounted: the report said fused, strict mode let them
+    through, the op never ran. Now the probe finds that the function computes them in fp32 and casts back: each call
+    runs the kernel where the dispatcher chooses it, its fp32 results cast to bf16 (the kernel rounds once where OLMo
+    rounds each op: within the op's rounding), else OLMo's own code, recorded as the op's fallback (counted; strict mode
+    refuses it on the CPU, as it refuses Llama's); the report says so."""
+    from rope_stand_in import kernel_on_cpu
+
+    model = _olmo(name)
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(2, 97, (2, 7), generator=torch.Generator().manual_seed(0))
     ref = model(input_ids=ids).last_hidden_state
-    report = fuse(model, ops=["rope"])
-    assert all(r.fused for r in _rope_rows(report)) and _rope_rows(report)
+    rows = _rope_rows(fuse(model, ops=["rope"]))
+    assert len(rows) == layers and all(r.fused for r in rows), rows
+    assert all(r.forward == "the model's code (fallback)" and "cast to q's dtype" in r.reason for r in rows), rows
     calls, out = _calls_and_output(model, input_ids=ids)
-    assert calls == 0 and out.last_hidden_state.dtype == torch.bfloat16
-    torch.testing.assert_close(out.last_hidden_state, ref, rtol=0, atol=0)
-    # Llama's function promotes (fp32 results), as the kernel: its mixed calls are the op's
+    assert calls == layers and dispatch.stats()["rope"] == {"torch": layers}
+    assert out.last_hidden_state.dtype == torch.bfloat16
+    torch.testing.assert_close(out.last_hidden_state, ref, rtol=0, atol=0)   # OLMo's own code
+    with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="rope: strict mode"):
+        model(input_ids=ids)
+    # where the kernel takes them (its CPU stand-in): bf16 q and k, fp32 tables in; bf16 out, as OLMo's
+    unfused = _olmo(name, torch.float32)
+    with torch.no_grad():
+        exact = unfused(input_ids=ids).last_hidden_state
+    with kernel_on_cpu(monkeypatch, dispatch) as kernel_calls:
+        dispatch.clear_choice_cache()
+        dispatch.reset_stats()
+        model.train()
+        out = model(input_ids=ids).last_hidden_state
+        assert dispatch.stats()["rope"] == {"pipegoose": layers}
+        out.float().square().sum().backward()
+        fwd = [c for c in kernel_calls if c[0] == "rope_forward"]
+        assert len(fwd) == layers and all(c[1].dtype == torch.bfloat16 for c in fwd)
+        assert sum(c[0] == "rope_backward" for c in kernel_calls) == layers
+    dispatch.clear_choice_cache()
+    assert out.dtype == torch.bfloat16
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters() if p.requires_grad)
+    # (bf16 against the fp32 model: as close as OLMo's own bf16 code is)
+    err, err_own = (out.float() - exact).abs().max(), (ref.float() - exact).abs().max()
+    assert err <= 2 * err_own + 1e-2, (err, err_own)
+    # Llama's function promotes (fp32 results), as the kernel: its mixed calls are the op's, as they are
     assert rope_mod.probe(ORIGINAL).promotes
+    unfuse(model)
+
+
+def test_calls_whose_dtypes_the_function_computes_otherwise_are_the_ops_fallback(monkeypatch):
+    """A fused module's call of the kernel's shapes whose dtypes the model's function computes otherwise than the op
+    (here, 16-bit q with fp32 tables under autocast, results of a third dtype) runs the model's own code, recorded as
+    the op's fallback with the reason (it ran uncounted, a review), also where the dispatcher would choose the kernel
+    (its CPU stand-in); strict mode refuses it."""
+    from rope_stand_in import kernel_on_cpu
+
+    def odd(q, k, cos, sin, unsqueeze_dim=1):
+        q_embed, k_embed = ORIGINAL(q, k, cos, sin, unsqueeze_dim)
+        mixed = q.dtype != cos.dtype
+        return (q_embed.half(), k_embed.half()) if mixed else (q_embed, k_embed)
+
+    ml.apply_rotary_pos_emb = odd
+    model = models.build("llama", "eager")
+    ids, mask = models.inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    assert all(r.fused for r in _rope_rows(fuse(model, ops=["rope"])))
+    with kernel_on_cpu(monkeypatch, dispatch) as calls:
+        dispatch.clear_choice_cache()
+        dispatch.reset_stats()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        assert dispatch.stats()["rope"] == {"torch": 2} and not calls
+        assert "computes bfloat16 q and k with float32 cos and sin otherwise than the op" in str(
+            dispatch.last_choice("rope"))
+        with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="otherwise than the op"):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(input_ids=ids, attention_mask=mask, use_cache=False)
+    dispatch.clear_choice_cache()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert rope_mod.probe(odd).kind(torch.bfloat16, torch.float32) is None
     unfuse(model)
 
 

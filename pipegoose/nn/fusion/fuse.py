@@ -17,8 +17,10 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   (``pipegoose.nn.fusion.transformers.rope`` says how; the report's row has the module's path and kind ``rope``).
   GPT-NeoX's partial rotary too, where the module's function computes it: each call runs the kernel where the
   dispatcher chooses it (asked per call: a model fused on the CPU runs it once moved to a GPU), else the model's own
-  code. Interleaved RoPE and partial rotary that the function does not compute as GPT-NeoX's does, which the config
-  names, are reported as skipped;
+  code. So do calls whose dtypes the function computes otherwise than the op's PyTorch path, within the dtype's
+  rounding (OLMo's: its fp32 tables in a bf16 model, its results cast back to bf16; the kernel's are cast as its
+  are); calls of dtypes it computes otherwise still run its code, as the op's fallback. Interleaved RoPE and partial
+  rotary that the function does not compute as GPT-NeoX's does, which the config names, are reported as skipped;
 * the loss of a transformers language model whose forward calls ``self.loss_function`` and whose loss is
   transformers' ``ForCausalLMLoss`` or ``ForMaskedLMLoss``: the instance's ``loss_function`` is set to
   ``pipegoose.nn.fusion.transformers.loss.causal_lm_loss`` / ``masked_lm_loss`` (the same loss on our kernel, op
@@ -1066,21 +1068,37 @@ def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
     build = _rope_probe_inputs(child, rotary if partial else None)
     choice = _choice("rope", child, build) if build is not None else None
     fwd = bwd = "?" if choice is None else choice.impl + (" (fallback)" if choice.fallback else "")
+    p = _first_param(child)
+    dtype = p.dtype if p is not None and p.is_floating_point() else torch.float32
+    kind = found.kind(dtype, dtype)
     where = ""
-    if partial:
-        where = (" where the dispatcher chooses the kernel (asked per call), else the model's own code (what "
-                 "PyTorch's path computes, at less host time)")
+    if kind is None:   # (the function computes this dtype otherwise than the op: its own code, the op's fallback)
+        fwd = bwd = _MODEL_CODE + " (fallback)"
+        where = (f"; here its {_dtype_name(dtype)} calls run the model's own code: its function computes them "
+                 "otherwise than the op (probed)")
+    elif partial or kind != _rope.EXACT:
+        where = (" where the dispatcher chooses the kernel (asked per call), else the model's own code (" +
+                 ("what PyTorch's path computes, at less host time)" if kind == _rope.EXACT else
+                  f"for {_dtype_name(dtype)} q its function computes, with fp32 or {_dtype_name(dtype)} tables, what "
+                  "PyTorch's path does not bit for bit: probed)"))
         if choice is not None and choice.impl != "pipegoose":
             fwd = bwd = _MODEL_CODE + (" (fallback)" if choice.fallback else "")
             where += f"; here now the model's own code: pipegoose: {choice.reasons.get('pipegoose') or choice.reason}"
+    if dtype in (torch.float16, torch.bfloat16) and found.kind(dtype, torch.float32) == _rope.CAST:
+        where += (f"; {_dtype_name(dtype)} q with fp32 tables: the kernel's fp32 results cast to q's dtype, as the "
+                  "function casts its own")
     if not dry_run:
-        rec = _rope.install(child, target, found.promotes, found.partial)
+        rec = _rope.install(child, target, found)
         state.rope_hooks.append((weakref.ref(child), rec))
     what = (f"GPT-NeoX's partial rotary, {rotary} of each head's values (probed): its calls" if partial
             else "the rotate-half RoPE (probed): its plain calls")
     return FusionRow(path, "rope", name, "rope hooks", True, fwd, bwd,
                      f"{target.module_name.rsplit('.', 1)[-1]}.{_rope.NAME}, {what} from this module run op rope"
                      + where + _small_note(child))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _fuse_losses(model, dry_run, report, state) -> None:

@@ -16,18 +16,25 @@ only for calls made inside a fused attention module's forward, and the model's o
   chooses) only when the innermost of them is really running (its forward's frame is among the callers: a forward
   left by ``KeyboardInterrupt``, which skips the hook, leaves nothing behind) and the call is the plain
   ``(q, k, cos, sin)`` form the kernel takes: 4-d q and k of one batch, sequence and even head size, cos and sin
-  ``[batch or 1, seq, head]``, one dtype, or 16-bit q and k with fp32 tables where the model's function promotes its
-  results to fp32 as PyTorch's ``q * cos`` does (the probe checks; OLMo's casts them back, so its mixed calls run its
-  own code); and GPT-NeoX's partial rotary (cos and sin narrower than the head), where the probe found that the
-  function computes it: such a call runs the kernel where the dispatcher chooses it for the call
-  (:func:`~pipegoose.nn.fusion.ops.rope.choice_of`: asked per call, so that a model fused on the CPU and moved to a
-  GPU afterwards runs it there), else the model's own code, which computes what PyTorch's reference path would, at
-  less host time; that choice is recorded as the op's are (``dispatch.stats()`` counts it as ``torch``, strict mode
+  ``[batch or 1, seq, head]``, one dtype, or 16-bit q and k with fp32 tables. Where the probe found that the model's
+  function computes such a call as the op's PyTorch path does, bit for bit (Llama's, in every dtype), it runs the op
+  (the kernel, or that path, as the dispatcher chooses). Where it computes it otherwise but within the dtype's
+  rounding (OLMo's: 16-bit q with fp32 tables computed in fp32 and cast back to q's dtype; its bf16 calls too, so
+  that a module's calls run one way whichever tables its rotary embedding gives), and for GPT-NeoX's partial rotary
+  (cos and sin narrower than the head, where the probe found that the function computes it), the call runs the
+  kernel where the dispatcher chooses it for the call (its fp32 results cast to q's dtype where the function casts
+  its own; :func:`~pipegoose.nn.fusion.ops.rope.choice_of`: asked per call, so that a model fused on the CPU and
+  moved to a GPU afterwards runs it there), else the model's own code (which computes what the function does, where
+  PyTorch's path would not, and at less host time); a call whose dtypes the function computes otherwise than the op
+  (off the formula's rounding, or results of another dtype) runs the model's own code as the op's fallback. Those
+  choices are recorded as the op's are (``dispatch.stats()`` counts the model's code as ``torch``, strict mode
   refuses a fallback, an unmet ``PIPEGOOSE_IMPL_ROPE`` request warns). Any other call (another model of the same
-  type that is not fused, extra arguments, ``torch.compile`` tracing) goes to the model's own code, unchanged;
+  type that is not fused, extra arguments, other shapes, ``torch.compile`` tracing) goes to the model's own code,
+  unchanged;
 * before it is installed, the model's function is checked numerically (:func:`probe`: float64 CPU inputs against
-  transformers' rotate-half formula, and the result dtype of 16-bit q with fp32 tables), so a model whose function
-  computes something else (an interleaved rotation, a patch by another library) is reported as skipped instead;
+  transformers' rotate-half formula, then the dtype and values of its results per call form against the op's), so a
+  model whose function computes something else (an interleaved rotation, a patch by another library) is reported as
+  skipped instead;
 * ``unfuse`` removes the hooks, and the global (or the wrapper's forward) is put back when the last fused module
   using it is unfused (a fused model that is garbage collected without ``unfuse`` leaves the dispatching function in
   place, passing every call through); a function that someone else put there meanwhile is left as it is.
@@ -37,6 +44,7 @@ This is the one global that ``fuse`` changes; other models, fused or not, comput
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import sys
@@ -50,7 +58,8 @@ import torch
 from torch import nn
 
 from .. import dispatch
-from ..ops.rope import choice_of, run_choice, shape_reason
+from ..ops._common import dtype_name
+from ..ops.rope import choice_of, rope_reference, run_choice, shape_reason
 from .matching import rng_kept
 
 NAME = "apply_rotary_pos_emb"
@@ -118,16 +127,33 @@ def _reference64(q, k, cos, sin):
     return rot(q), rot(k)
 
 
+EXACT, CLOSE, CAST = "exact", "close", "cast"   # what a probed function computes for one call form (Probe.forms)
+# the call forms probed: (q's and k's dtype, cos's and sin's dtype)
+_FORMS = ((torch.float64, torch.float64), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+          (torch.float16, torch.float16), (torch.bfloat16, torch.float32), (torch.float16, torch.float32))
+
+
 @dataclass(frozen=True)
 class Probe:
-    """What :func:`probe` found: ``ok`` (the rotate-half RoPE), ``why`` (when not), ``promotes`` (16-bit q and k with
-    fp32 tables give fp32 results, as the kernel's), ``partial`` (tables of fewer values than a head rotate that many
-    and pass the rest through, as GPT-NeoX's function does; Llama's raises)."""
+    """What :func:`probe` found: ``ok`` (the rotate-half RoPE), ``why`` (when not), ``forms`` (per call form, q's
+    dtype and the tables', what the function computes: see :meth:`kind`), ``promotes`` (16-bit q and k with fp32
+    tables give the op's fp32 results, as Llama's function does), ``partial`` (tables of fewer values than a head
+    rotate that many and pass the rest through, as GPT-NeoX's function does; Llama's raises)."""
 
     ok: bool
     why: str = ""
     promotes: bool = False
     partial: bool = False
+    forms: tuple = ()   # ((q dtype, table dtype), EXACT | CLOSE | CAST | None), for _FORMS
+
+    def kind(self, q_dtype: torch.dtype, table_dtype: torch.dtype) -> str | None:
+        """What the function computes for q (and k) of ``q_dtype`` with cos and sin of ``table_dtype``: ``EXACT``
+        (what the op's PyTorch path computes, bit for bit: the op runs it), ``CLOSE`` (the op's result dtype, values
+        within the dtype's rounding of the formula: the kernel where the dispatcher chooses it, else the function),
+        ``CAST`` (16-bit q with fp32 tables, results in q's dtype: the fp32 formula rounded to it, as OLMo's, ESM's
+        functions: the kernel's fp32 results cast to q's dtype, else the function), or None (another dtype, or values
+        off the formula: the function, as the op's fallback)."""
+        return dict(self.forms).get((q_dtype, table_dtype))
 
 
 _probed: "weakref.WeakKeyDictionary[Any, Probe]" = weakref.WeakKeyDictionary()
@@ -136,7 +162,8 @@ _probed: "weakref.WeakKeyDictionary[Any, Probe]" = weakref.WeakKeyDictionary()
 def probe(fn: Callable, where: str = NAME) -> Probe:
     """Whether ``fn(q, k, cos, sin)`` computes transformers' rotate-half RoPE. Checked on float64 CPU inputs
     (grouped-query shapes, cos and sin of a batch and of one batch, random tables rather than real cosines so that
-    both halves are told apart) against the formula; then on bf16 q and k with fp32 tables, for its result dtype.
+    both halves are told apart) against the formula; then, per call form (:data:`_FORMS`: one dtype for all, or
+    16-bit q and k with fp32 tables), the dtype and values of its results against the op's (:meth:`Probe.kind`).
     Cached per function (``where`` names it in the reason)."""
     try:
         return _probed[fn]
@@ -151,20 +178,80 @@ def probe(fn: Callable, where: str = NAME) -> Probe:
     return result
 
 
+def _pair_of(got, like) -> bool:
+    """Whether ``got`` is a pair of tensors of the shapes of ``like``'s."""
+    return (isinstance(got, (tuple, list)) and len(got) == 2
+            and all(isinstance(t, torch.Tensor) and t.shape == w.shape for t, w in zip(got, like)))
+
+
+def _within(got, args, dtype: torch.dtype) -> bool:
+    """Whether ``got`` is within ``dtype``'s rounding of the rotate-half formula of ``args`` (in float64): two units
+    of its epsilon relative to the products' sizes (eager code that rounds each op, or computes in fp32 and rounds
+    once, is; values of tables rounded to a 16-bit dtype first are too)."""
+    q, k, cos, sin = (t.double() for t in args)
+    want = _reference64(q, k, cos, sin)
+    c, s = cos.abs().unsqueeze(1), sin.abs().unsqueeze(1)
+    eps, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).tiny
+    for t, w, x in zip(got, want, (q, k)):
+        size = x.abs() * c + x.abs().roll(x.shape[-1] // 2, -1) * s   # |x| |cos| + |rotate_half(x)| |sin|
+        if not bool(((t.double() - w).abs() <= 2 * eps * size + tiny).all()):
+            return False
+    return True
+
+
+def _form_kind(fn: Callable, inputs: list, q_dtype: torch.dtype, table_dtype: torch.dtype) -> str | None:
+    """:meth:`Probe.kind` of one call form, from ``fn`` on ``inputs`` (float64 (q, k, cos, sin) tuples) cast to it."""
+    op_dtype = torch.float32 if q_dtype in _HALF and table_dtype == torch.float32 else q_dtype   # (the op's results)
+    kinds = set()
+    for q, k, cos, sin in inputs:
+        args = (q.to(q_dtype), k.to(q_dtype), cos.to(table_dtype), sin.to(table_dtype))
+        try:
+            with torch.no_grad():
+                got = fn(*args)
+        except Exception:   # noqa: BLE001 - then such calls run its own code
+            return None
+        if not _pair_of(got, args[:2]) or got[0].dtype != got[1].dtype:
+            return None
+        dt = got[0].dtype
+        if dt == op_dtype and all(torch.equal(t, r) for t, r in zip(got, rope_reference(*args))):
+            kinds.add(EXACT)
+        elif dt == op_dtype and _within(got, args, dt):
+            kinds.add(CLOSE)
+        elif dt == q_dtype != op_dtype and _within(got, args, dt):
+            kinds.add(CAST)
+        else:
+            return None
+    if kinds <= {EXACT, CLOSE}:
+        return EXACT if kinds == {EXACT} else CLOSE
+    return CAST if kinds == {CAST} else None
+
+
+def _forms(fn: Callable, inputs: list) -> tuple:
+    """:attr:`Probe.forms`. A 16-bit form of one dtype for all that the op's path computes exactly is taken as
+    ``CLOSE`` where the same q with fp32 tables is not ``EXACT`` (OLMo's: its fp32 tables, in a bf16 model): a module's
+    calls then run one way whichever tables its rotary embedding gives, as the report says from the module's dtype."""
+    forms = {form: _form_kind(fn, inputs, *form) for form in _FORMS}
+    for half in _HALF:
+        if forms[(half, half)] == EXACT and forms[(half, torch.float32)] != EXACT:
+            forms[(half, half)] = CLOSE
+    return tuple(forms.items())
+
+
 @rng_kept   # the model's function runs: the caller's random stream is left as it was
 def _probe(fn: Callable, where: str) -> Probe:
     g = torch.Generator().manual_seed(0)
+    inputs = []
     try:
         for b_tab in (2, 1):
             q = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=g)
             k = torch.randn(2, 1, 5, 8, dtype=torch.float64, generator=g)
             cos = torch.randn(b_tab, 5, 8, dtype=torch.float64, generator=g)
             sin = torch.randn(b_tab, 5, 8, dtype=torch.float64, generator=g)
+            inputs.append((q, k, cos, sin))
             with torch.no_grad():
                 got = fn(q, k, cos, sin)
             want = _reference64(q, k, cos, sin)
-            if (not isinstance(got, (tuple, list)) or len(got) != 2
-                    or not all(isinstance(t, torch.Tensor) and t.shape == w.shape for t, w in zip(got, want))):
+            if not _pair_of(got, want):
                 return Probe(False, f"{where}(q, k, cos, sin) does not return (q_embed, k_embed) of q's and k's "
                                     "shapes")
             if not all(torch.allclose(t.double(), w, rtol=1e-12, atol=1e-12) for t, w in zip(got, want)):
@@ -172,13 +259,9 @@ def _probe(fn: Callable, where: str) -> Probe:
                                     "that pipegoose's rope kernel computes")
     except Exception as e:   # noqa: BLE001 - any failure means "not the function we can replace"
         return Probe(False, f"{where}(q, k, cos, sin) failed on float64 CPU inputs: {type(e).__name__}: {e}")
-    try:   # autocast's pair: does the function promote to fp32 (as the kernel) or cast back (OLMo's)?
-        with torch.no_grad():
-            got = fn(q.bfloat16(), k.bfloat16(), cos.float(), sin.float())
-        promotes = all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in got)
-    except Exception:   # noqa: BLE001 - then its mixed calls run its own code
-        promotes = False
-    return Probe(True, "", promotes, _probe_partial(fn, g))
+    forms = _forms(fn, inputs)
+    promotes = dict(forms)[(torch.bfloat16, torch.float32)] == EXACT
+    return Probe(True, "", promotes, _probe_partial(fn, g), forms)
 
 
 def _probe_partial(fn: Callable, g: torch.Generator) -> bool:
@@ -202,19 +285,29 @@ def _probe_partial(fn: Callable, g: torch.Generator) -> bool:
     return True
 
 
-def _takes(args: tuple, kwargs: dict, promotes: bool, partial: bool = False) -> bool:
-    """Whether a call is the plain form the kernel takes (the dispatcher's ``rope`` problem with the kernel's shape and
-    dtype conditions), for which the op's paths compute what the probed function computes (``partial``: it computes
-    GPT-NeoX's partial rotary, so calls with tables of fewer values than a head qualify); anything else runs the
-    model's own code."""
+def _takes(args: tuple, kwargs: dict, found: Probe) -> tuple | None:
+    """A call in the plain form the kernel takes (the dispatcher's ``rope`` problem with the kernel's shape
+    conditions; k of q's dtype, sin of cos's): ``((q, k, cos, sin), kind)``, ``kind`` what the probed function
+    computes for its dtypes (:meth:`Probe.kind`; partial rotary where ``found.partial``: it computes GPT-NeoX's, so
+    calls with tables of fewer values than a head qualify); None for anything else, which runs the model's own code."""
     if len(args) != 4 or kwargs or not all(isinstance(t, torch.Tensor) for t in args):
-        return False
+        return None
     q, k, cos, sin = args
-    if shape_reason(tuple(q.shape), tuple(k.shape), tuple(cos.shape), tuple(sin.shape), partial=partial):
-        return False
+    if shape_reason(tuple(q.shape), tuple(k.shape), tuple(cos.shape), tuple(sin.shape), partial=found.partial):
+        return None
     if k.dtype != q.dtype or sin.dtype != cos.dtype:
-        return False
-    return cos.dtype == q.dtype or (promotes and cos.dtype == torch.float32 and q.dtype in _HALF)
+        return None
+    return args, found.kind(q.dtype, cos.dtype)
+
+
+def _declined(choice: dispatch.Choice, why: str) -> dispatch.Choice:
+    """``choice`` (the kernel) turned into the op's fallback for a call whose dtypes the model's function computes
+    otherwise than the op (``why``): the model's own code runs, counted as ``torch``; a request for the kernel
+    (``PIPEGOOSE_IMPL_ROPE``) is said to be unmet."""
+    unmet = (f"impl {choice.impl!r} ({choice.reason}) cannot run this call: {why}"
+             if choice.source in ("argument", "env") else choice.unmet)
+    return dataclasses.replace(choice, impl="torch", source="fallback", fallback=True,
+                               reasons={**choice.reasons, choice.impl: why}, reason=why, unmet=unmet)
 
 
 def _fused_caller() -> nn.Module | None:
@@ -237,21 +330,29 @@ def _fused_caller() -> nn.Module | None:
     return None
 
 
-def _make_dispatching(fallback: Callable, promotes: bool, partial: bool = False) -> Callable:
+def _make_dispatching(fallback: Callable, found: Probe, where: str = NAME) -> Callable:
     from ..functional import apply_rotary_pos_emb as fused_rope
 
     def apply_rotary_pos_emb(*args: Any, **kwargs: Any):
         module = None if torch.compiler.is_compiling() else _fused_caller()
-        if module is None or not _takes(args, kwargs, promotes, partial):
+        call = None if module is None else _takes(args, kwargs, found)
+        if call is None:
             return fallback(*args, **kwargs)
-        q, _, cos, _ = args
-        if cos.shape[-1] == q.shape[-1]:
-            return fused_rope(*args)
-        # partial rotary: the kernel where the dispatcher chooses it for this call, else the model's own code (the
-        # choice recorded either way: counted, warned about, refused in strict mode where it is a fallback)
-        choice = choice_of(*args)
+        (q, k, cos, sin), kind = call
+        if kind == EXACT and cos.shape[-1] == q.shape[-1]:   # the op's paths compute what the function does
+            return fused_rope(q, k, cos, sin)
+        # partial rotary, and dtypes that the op's PyTorch path computes otherwise than the function: the kernel where
+        # the dispatcher chooses it for this call (its results cast to q's dtype where the function casts them), else
+        # the model's own code (the choice recorded either way: counted, warned about, refused in strict mode where it
+        # is a fallback)
+        choice = choice_of(q, k, cos, sin)
         if choice.impl == "pipegoose":
-            return run_choice(choice, *args)
+            if kind is not None:
+                q_embed, k_embed = run_choice(choice, q, k, cos, sin)
+                return (q_embed.to(q.dtype), k_embed.to(k.dtype)) if kind == CAST else (q_embed, k_embed)
+            choice = _declined(choice, f"{where} computes {dtype_name(q.dtype)} q and k with "
+                                       f"{dtype_name(cos.dtype)} cos and sin otherwise than the op (probed): the "
+                                       "model's own code runs")
         dispatch.record(choice)
         return fallback(*args, **kwargs)
 
@@ -301,11 +402,11 @@ class Installed:
     replaced: Any = None
 
 
-def install(module: nn.Module, t: Target, promotes: bool, partial: bool = False) -> Installed:
+def install(module: nn.Module, t: Target, found: Probe) -> Installed:
     """Route ``module``'s RoPE calls to our op: the dispatching function (put in place unless it is there already)
-    and the module's two hooks. The caller has probed ``t.original`` (``promotes``: its result dtype for 16-bit q with
-    fp32 tables; ``partial``: it computes GPT-NeoX's partial rotary, so that calls with narrower tables go to our op
-    too, each where the dispatcher chooses the kernel for it)."""
+    and the module's two hooks. The caller has probed ``t.original`` (``found``: what it computes per call form, see
+    :meth:`Probe.kind`, and whether it computes GPT-NeoX's partial rotary, so that calls with narrower tables go to
+    our op too, each where the dispatcher chooses the kernel for it)."""
     current = t.namespace.get(NAME)
     dispatching = dispatching_of(current)
     holder = current if isinstance(current, nn.Module) else None
@@ -314,10 +415,10 @@ def install(module: nn.Module, t: Target, promotes: bool, partial: bool = False)
         if holder is not None:   # transformers' kernels wrapper: its forward, the object stays
             replaced = holder.__dict__.get("forward")
             fallback = replaced if replaced is not None else types.MethodType(type(holder).forward, holder)
-            dispatching = _make_dispatching(fallback, promotes, partial)
+            dispatching = _make_dispatching(fallback, found, t.where)
             holder.__dict__["forward"] = dispatching
         else:
-            dispatching = _make_dispatching(current, promotes, partial)
+            dispatching = _make_dispatching(current, found, t.where)
             t.namespace[NAME] = dispatching
     elif holder is not None:
         replaced = dispatching.__pipegoose_replaced__
