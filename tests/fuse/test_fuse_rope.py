@@ -583,6 +583,130 @@ def test_calls_the_kernel_would_not_take_run_the_models_code():
     assert here.apply_rotary_pos_emb is original
 
 
+def _masked_lm(model_type: str, dtype=torch.float32):
+    """A tiny ESM (rotary position embedding) or ModernBERT masked LM in ``dtype``, or a skip."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=64)
+    if model_type == "esm":
+        cfg = CONFIG_MAPPING["esm"](vocab_size=33, pad_token_id=1, mask_token_id=32, position_embedding_type="rotary",
+                                    **common)
+    else:
+        cfg = CONFIG_MAPPING["modernbert"](vocab_size=97, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                           cls_token_id=1, sep_token_id=2, **common)
+    torch.manual_seed(0)
+    return transformers.AutoModelForMaskedLM.from_config(cfg, attn_implementation="eager").to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model_type", ["esm", "modernbert"])
+def test_functions_that_compute_in_fp32_and_calls_with_unsqueeze_dim_are_fused(model_type, dtype, monkeypatch):
+    """ESM's and ModernBERT's apply_rotary_pos_emb compute rotate-half on q.float() and cast back, and their attention
+    calls it with unsqueeze_dim=1 as a keyword. A review: the probe fed float64 inputs, which q.float() rounds, and
+    skipped both as "does not compute the rotate-half RoPE"; and every call with a keyword ran the model's code. Now
+    the probe finds the formula to fp32's rounding (their float64 calls run their own code, as the op's fallback),
+    the keyword is taken: each attention's call is the op's (fp32: its PyTorch path, bit for bit; bf16: the kernel
+    where the dispatcher chooses it, else the model's own code), and the model computes what it did."""
+    from rope_stand_in import kernel_on_cpu
+
+    model = _masked_lm(model_type, dtype)
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(4, 30, (2, 8), generator=torch.Generator().manual_seed(0))
+    ref = model(input_ids=ids).logits
+    rows = _rope_rows(fuse(model, ops=["rope"]))
+    assert len(rows) == layers and all(r.fused and r.eligible for r in rows), rows
+    assert all("the rotate-half RoPE (probed)" in r.reason for r in rows), rows
+    calls, out = _calls_and_output(model, input_ids=ids)
+    assert dispatch.stats()["rope"] == {"torch": layers}
+    torch.testing.assert_close(out.logits, ref, rtol=0, atol=0)
+    with kernel_on_cpu(monkeypatch, dispatch) as kernel_calls:
+        dispatch.clear_choice_cache()
+        dispatch.reset_stats()
+        out = model(input_ids=ids).logits
+        assert dispatch.stats()["rope"] == {"pipegoose": layers} and len(kernel_calls) == layers
+    dispatch.clear_choice_cache()
+    # (the stand-in rounds once from float64, the model's code from fp32: as close as fp32 or bf16 rounding allows)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    unfuse(model)
+    model.double()
+    ref = model(input_ids=ids).logits
+    fuse(model, ops=["rope"])
+    calls, out = _calls_and_output(model, input_ids=ids)   # float64: the model's own code, as the op's fallback
+    assert dispatch.stats()["rope"] == {"torch": layers}
+    torch.testing.assert_close(out.logits, ref, rtol=0, atol=0)
+    unfuse(model)
+
+
+_BSHD_MODEL = """
+import torch
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):   # (transformers' older signature)
+    def rotate_half(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8, dtype=torch.float64)
+        self.how = how
+
+    def forward(self, q, k, cos, sin):
+        q = self.proj(q)
+        if self.how == "keywords":
+            q, k = apply_rotary_pos_emb(q, k, cos, sin, position_ids=torch.arange(q.shape[1]), unsqueeze_dim=2)
+        elif self.how == "positional":
+            q, k = apply_rotary_pos_emb(q, k, cos, sin, None, 2)
+        else:
+            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2, other=1)
+        return q.sum() + k.sum()
+"""
+
+
+def test_calls_with_the_keywords_the_function_takes_reach_the_op():
+    """A call that passes unsqueeze_dim (here 2: q and k [B, S, H, D]) and position_ids (unused, as in transformers'
+    older functions), by keyword or by position, is the op's, with that unsqueeze_dim; a keyword the function does not
+    take runs its own code (which raises, as unfused)."""
+    import types
+
+    mod = types.ModuleType("bshd_model")
+    exec(compile(_BSHD_MODEL, "bshd_model", "exec"), mod.__dict__)
+    original = mod.apply_rotary_pos_emb
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 6, 2, 8, dtype=torch.float64, generator=g)
+    k = torch.randn(1, 6, 1, 8, dtype=torch.float64, generator=g)
+    cos, sin = torch.randn(1, 6, 8, dtype=torch.float64), torch.randn(1, 6, 8, dtype=torch.float64)
+    for how in ("keywords", "positional", "unknown"):
+        attn = mod.Attention(how)
+        holder = torch.nn.ModuleDict({"attn": attn})
+        try:
+            assert [r.fused for r in _rope_rows(fuse(holder, ops=["rope"]))] == [True]
+            if how == "unknown":
+                dispatch.reset_stats()
+                with pytest.raises(TypeError, match="other"):
+                    attn(q, k, cos, sin)
+                assert _rope_calls() == 0
+                continue
+            want = original(attn.proj(q), k, cos, sin, unsqueeze_dim=2)
+            calls, out = _calls_and_output(attn, q, k, cos, sin)
+            assert calls == 1 and torch.equal(out, want[0].sum() + want[1].sum()), how
+            assert dispatch.last_choice("rope") is not None
+        finally:
+            unfuse(holder)
+        assert mod.apply_rotary_pos_emb is original
+    found = rope_mod.probe(original)
+    assert found.ok and found.unsqueeze and found.position_ids
+
+
 def test_models_pickle_while_a_model_is_fused():
     """transformers 5 keeps apply_rotary_pos_emb as a kernels wrapper module, which unpickling rebuilds from the
     global's type: a plain function put in its place broke torch.save / torch.load of every Llama while one was fused.

@@ -15,12 +15,15 @@ only for calls made inside a fused attention module's forward, and the model's o
   :func:`pipegoose.nn.fusion.functional.apply_rotary_pos_emb` (the kernel, or its reference path, as the dispatcher
   chooses) only when the innermost of them is really running (its forward's frame is among the callers: a forward
   left by ``KeyboardInterrupt``, which skips the hook, leaves nothing behind) and the call is the plain
-  ``(q, k, cos, sin)`` form the kernel takes: 4-d q and k of one batch, sequence and even head size, cos and sin
+  ``(q, k, cos, sin)`` form the kernel takes (with ``unsqueeze_dim`` 1 or 2 and an unused ``position_ids``, by
+  position or keyword, where the probe found that the function takes them as transformers' do: ESM's and ModernBERT's
+  attention pass ``unsqueeze_dim=1``): 4-d q and k of one batch, sequence and even head size, cos and sin
   ``[batch or 1, seq, head]``, one dtype, or 16-bit q and k with fp32 tables. Where the probe found that the model's
   function computes such a call as the op's PyTorch path does, bit for bit (Llama's, in every dtype), it runs the op
   (the kernel, or that path, as the dispatcher chooses). Where it computes it otherwise but within the dtype's
   rounding (OLMo's: 16-bit q with fp32 tables computed in fp32 and cast back to q's dtype; its bf16 calls too, so
-  that a module's calls run one way whichever tables its rotary embedding gives), and for GPT-NeoX's partial rotary
+  that a module's calls run one way whichever tables its rotary embedding gives; ESM's and ModernBERT's, which
+  compute on ``q.float()`` and cast back, in bf16 and fp16), and for GPT-NeoX's partial rotary
   (cos and sin narrower than the head, where the probe found that the function computes it), the call runs the
   kernel where the dispatcher chooses it for the call (its fp32 results cast to q's dtype where the function casts
   its own; :func:`~pipegoose.nn.fusion.ops.rope.choice_of`: asked per call, so that a model fused on the CPU and
@@ -32,7 +35,8 @@ only for calls made inside a fused attention module's forward, and the model's o
   type that is not fused, extra arguments, other shapes, ``torch.compile`` tracing) goes to the model's own code,
   unchanged;
 * before it is installed, the model's function is checked numerically (:func:`probe`: float64 CPU inputs against
-  transformers' rotate-half formula, then the dtype and values of its results per call form against the op's), so a
+  transformers' rotate-half formula, or fp32 ones for a function that computes in fp32; then the dtype and values of
+  its results per call form against the op's, and the keywords it takes), so a
   model whose function computes something else (an interleaved rotation, a patch by another library) is reported as
   skipped instead;
 * ``unfuse`` removes the hooks, and the global (or the wrapper's forward) is put back when the last fused module
@@ -138,13 +142,17 @@ class Probe:
     """What :func:`probe` found: ``ok`` (the rotate-half RoPE), ``why`` (when not), ``forms`` (per call form, q's
     dtype and the tables', what the function computes: see :meth:`kind`), ``promotes`` (16-bit q and k with fp32
     tables give the op's fp32 results, as Llama's function does), ``partial`` (tables of fewer values than a head
-    rotate that many and pass the rest through, as GPT-NeoX's function does; Llama's raises)."""
+    rotate that many and pass the rest through, as GPT-NeoX's function does; Llama's raises), ``unsqueeze`` and
+    ``position_ids`` (the keywords its calls may pass, as ESM's and ModernBERT's ``unsqueeze_dim=1``, that it takes
+    as transformers' functions do: checked on the probe's inputs)."""
 
     ok: bool
     why: str = ""
     promotes: bool = False
     partial: bool = False
     forms: tuple = ()   # ((q dtype, table dtype), EXACT | CLOSE | CAST | None), for _FORMS
+    unsqueeze: bool = False      # takes unsqueeze_dim (1 or -3: [B, H, S, D]; 2 or -2: [B, S, H, D]) as transformers'
+    position_ids: bool = False   # takes position_ids and leaves it unused (transformers' older signature)
 
     def kind(self, q_dtype: torch.dtype, table_dtype: torch.dtype) -> str | None:
         """What the function computes for q (and k) of ``q_dtype`` with cos and sin of ``table_dtype``: ``EXACT``
@@ -162,9 +170,11 @@ _probed: "weakref.WeakKeyDictionary[Any, Probe]" = weakref.WeakKeyDictionary()
 def probe(fn: Callable, where: str = NAME) -> Probe:
     """Whether ``fn(q, k, cos, sin)`` computes transformers' rotate-half RoPE. Checked on float64 CPU inputs
     (grouped-query shapes, cos and sin of a batch and of one batch, random tables rather than real cosines so that
-    both halves are told apart) against the formula; then, per call form (:data:`_FORMS`: one dtype for all, or
-    16-bit q and k with fp32 tables), the dtype and values of its results against the op's (:meth:`Probe.kind`).
-    Cached per function (``where`` names it in the reason)."""
+    both halves are told apart) against the formula (a function that computes in fp32, as ESM's and ModernBERT's
+    ``q.float()``, is off it and checked on fp32 inputs instead, to fp32's rounding); then, per call form
+    (:data:`_FORMS`: one dtype for all, or 16-bit q and k with fp32 tables), the dtype and values of its results
+    against the op's (:meth:`Probe.kind`), and the keywords ``unsqueeze_dim`` and ``position_ids`` where it has
+    them. Cached per function (``where`` names it in the reason)."""
     try:
         return _probed[fn]
     except (KeyError, TypeError):
@@ -241,6 +251,7 @@ def _forms(fn: Callable, inputs: list) -> tuple:
 def _probe(fn: Callable, where: str) -> Probe:
     g = torch.Generator().manual_seed(0)
     inputs = []
+    off64 = False
     try:
         for b_tab in (2, 1):
             q = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=g)
@@ -254,14 +265,61 @@ def _probe(fn: Callable, where: str) -> Probe:
             if not _pair_of(got, want):
                 return Probe(False, f"{where}(q, k, cos, sin) does not return (q_embed, k_embed) of q's and k's "
                                     "shapes")
-            if not all(torch.allclose(t.double(), w, rtol=1e-12, atol=1e-12) for t, w in zip(got, want)):
-                return Probe(False, f"{where} does not compute the rotate-half RoPE (x * cos + rotate_half(x) * sin) "
-                                    "that pipegoose's rope kernel computes")
+            off64 = off64 or not all(torch.allclose(t.double(), w, rtol=1e-12, atol=1e-12) for t, w in zip(got, want))
     except Exception as e:   # noqa: BLE001 - any failure means "not the function we can replace"
         return Probe(False, f"{where}(q, k, cos, sin) failed on float64 CPU inputs: {type(e).__name__}: {e}")
     forms = _forms(fn, inputs)
+    # (off float64's formula, but on fp32's: a function that computes in fp32, as ESM's and ModernBERT's, whose
+    # q.float() rounds float64 inputs; its float64 calls run its own code, as the op's fallback)
+    if off64 and dict(forms)[(torch.float32, torch.float32)] not in (EXACT, CLOSE):
+        return Probe(False, f"{where} does not compute the rotate-half RoPE (x * cos + rotate_half(x) * sin) that "
+                            "pipegoose's rope kernel computes")
     promotes = dict(forms)[(torch.bfloat16, torch.float32)] == EXACT
-    return Probe(True, "", promotes, _probe_partial(fn, g), forms)
+    return Probe(True, "", promotes, _probe_partial(fn, g), forms, *_keywords(fn, inputs[0]))
+
+
+def _params(fn: Callable) -> inspect.Signature | None:
+    """``fn``'s signature (a module's: its forward's), where its first four parameters take q, k, cos and sin by
+    position; else None (its calls with keywords or more arguments run its own code)."""
+    if isinstance(fn, nn.Module):
+        fn = fn.forward
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    first = list(sig.parameters.values())[:4]
+    if len(first) < 4 or any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in first):
+        return None
+    return sig
+
+
+def _keywords(fn: Callable, args: tuple) -> tuple[bool, bool]:
+    """(:attr:`Probe.unsqueeze`, :attr:`Probe.position_ids`): whether ``fn`` has those parameters and computes with
+    them what transformers' functions do, on ``args`` (float64 q, k, cos, sin): ``unsqueeze_dim`` 1 and -3 as its
+    default, 2 and -2 the same for q and k laid out [B, S, H, D]; ``position_ids`` left unused."""
+    sig = _params(fn)
+    if sig is None:
+        return False, False
+    q, k, cos, sin = args
+
+    def same(got, want):
+        return _pair_of(got, want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+    unsqueeze = position_ids = False
+    try:
+        with torch.no_grad():
+            base = fn(q, k, cos, sin)
+            if "unsqueeze_dim" in sig.parameters:
+                qt, kt = q.transpose(1, 2), k.transpose(1, 2)
+                unsqueeze = (all(same(fn(q, k, cos, sin, unsqueeze_dim=d), base) for d in (1, -3))
+                             and all(same(tuple(t.transpose(1, 2) for t in fn(qt, kt, cos, sin, unsqueeze_dim=d)),
+                                          base) for d in (2, -2)))
+            if "position_ids" in sig.parameters:
+                pos = torch.arange(q.shape[2]).flip(0).expand(q.shape[0], -1)
+                position_ids = same(fn(q, k, cos, sin, position_ids=pos), base)
+    except Exception:   # noqa: BLE001 - then calls with that keyword run its own code
+        pass
+    return unsqueeze, position_ids
 
 
 def _probe_partial(fn: Callable, g: torch.Generator) -> bool:
@@ -285,19 +343,45 @@ def _probe_partial(fn: Callable, g: torch.Generator) -> bool:
     return True
 
 
-def _takes(args: tuple, kwargs: dict, found: Probe) -> tuple | None:
-    """A call in the plain form the kernel takes (the dispatcher's ``rope`` problem with the kernel's shape
-    conditions; k of q's dtype, sin of cos's): ``((q, k, cos, sin), kind)``, ``kind`` what the probed function
+_HEADS = {1: 1, -3: 1, 2: 2, -2: 2}   # unsqueeze_dim -> where q's heads are (1: [B, H, S, D], 2: [B, S, H, D])
+
+
+def _takes(args: tuple, kwargs: dict, found: Probe, sig: inspect.Signature | None) -> tuple | None:
+    """A call in a form the kernel takes (the dispatcher's ``rope`` problem with the kernel's shape conditions; k of
+    q's dtype, sin of cos's): ``((q, k, cos, sin), unsqueeze_dim, kind)``, ``kind`` what the probed function
     computes for its dtypes (:meth:`Probe.kind`; partial rotary where ``found.partial``: it computes GPT-NeoX's, so
-    calls with tables of fewer values than a head qualify); None for anything else, which runs the model's own code."""
-    if len(args) != 4 or kwargs or not all(isinstance(t, torch.Tensor) for t in args):
+    calls with tables of fewer values than a head qualify). Besides the four tensors, the call may pass (by position
+    or keyword, as ``sig``, the function's signature, binds them) ``unsqueeze_dim`` (1, 2, -3 or -2, where the probe
+    found transformers' meaning) and ``position_ids`` (None, or anything where the probe found it unused, as in
+    transformers' older functions). None for anything else, which runs the model's own code."""
+    unsqueeze_dim = 1
+    if kwargs or len(args) != 4:
+        if sig is None:
+            return None
+        try:
+            bound = sig.bind(*args, **kwargs).arguments
+        except TypeError:
+            return None
+        names = list(sig.parameters)[:4]
+        if not all(n in bound for n in names):
+            return None
+        for name, value in bound.items():
+            if name in names or (name == "position_ids" and (value is None or found.position_ids)):
+                continue
+            if name == "unsqueeze_dim" and found.unsqueeze and type(value) is int and value in _HEADS:
+                unsqueeze_dim = value
+                continue
+            return None
+        args = tuple(bound[n] for n in names)
+    if not all(isinstance(t, torch.Tensor) for t in args):
         return None
     q, k, cos, sin = args
-    if shape_reason(tuple(q.shape), tuple(k.shape), tuple(cos.shape), tuple(sin.shape), partial=found.partial):
+    if shape_reason(tuple(q.shape), tuple(k.shape), tuple(cos.shape), tuple(sin.shape), _HEADS[unsqueeze_dim],
+                    partial=found.partial):
         return None
     if k.dtype != q.dtype or sin.dtype != cos.dtype:
         return None
-    return args, found.kind(q.dtype, cos.dtype)
+    return args, unsqueeze_dim, found.kind(q.dtype, cos.dtype)
 
 
 def _declined(choice: dispatch.Choice, why: str) -> dispatch.Choice:
@@ -333,22 +417,24 @@ def _fused_caller() -> nn.Module | None:
 def _make_dispatching(fallback: Callable, found: Probe, where: str = NAME) -> Callable:
     from ..functional import apply_rotary_pos_emb as fused_rope
 
+    sig = _params(fallback)
+
     def apply_rotary_pos_emb(*args: Any, **kwargs: Any):
         module = None if torch.compiler.is_compiling() else _fused_caller()
-        call = None if module is None else _takes(args, kwargs, found)
+        call = None if module is None else _takes(args, kwargs, found, sig)
         if call is None:
             return fallback(*args, **kwargs)
-        (q, k, cos, sin), kind = call
+        (q, k, cos, sin), unsqueeze_dim, kind = call
         if kind == EXACT and cos.shape[-1] == q.shape[-1]:   # the op's paths compute what the function does
-            return fused_rope(q, k, cos, sin)
+            return fused_rope(q, k, cos, sin, unsqueeze_dim)
         # partial rotary, and dtypes that the op's PyTorch path computes otherwise than the function: the kernel where
         # the dispatcher chooses it for this call (its results cast to q's dtype where the function casts them), else
         # the model's own code (the choice recorded either way: counted, warned about, refused in strict mode where it
         # is a fallback)
-        choice = choice_of(q, k, cos, sin)
+        choice = choice_of(q, k, cos, sin, unsqueeze_dim)
         if choice.impl == "pipegoose":
             if kind is not None:
-                q_embed, k_embed = run_choice(choice, q, k, cos, sin)
+                q_embed, k_embed = run_choice(choice, q, k, cos, sin, unsqueeze_dim)
                 return (q_embed.to(q.dtype), k_embed.to(k.dtype)) if kind == CAST else (q_embed, k_embed)
             choice = _declined(choice, f"{where} computes {dtype_name(q.dtype)} q and k with "
                                        f"{dtype_name(cos.dtype)} cos and sin otherwise than the op (probed): the "
