@@ -707,6 +707,103 @@ def test_calls_with_the_keywords_the_function_takes_reach_the_op():
     assert found.ok and found.unsqueeze and found.position_ids
 
 
+def _causal_lm(model_type: str, **extra):
+    """A tiny causal LM of ``model_type`` (fp32, eager attention), or a skip."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
+    cfg = CONFIG_MAPPING[model_type](vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("model_type", ["phi", "stablelm"])
+def test_modules_that_rotate_part_of_each_head_themselves_are_fused(model_type, monkeypatch):
+    """Phi's and StableLM's attention rotate part of each head (partial_rotary_factor < 1) by slicing q and k
+    themselves and calling apply_rotary_pos_emb(q_rot, k_rot, cos, sin) with tables of that width: the plain
+    whole-width form. A review: fuse decided from the config's factor alone and skipped them ("its calls rotate part of
+    each head ... its function does not compute GPT-NeoX's partial rotary"). Their function raises for tables narrower
+    than the q it gets (probed), so the calls that run are whole-width ones: fused, the report says so, each call is
+    the op's (on the kernel's CPU stand-in: q and k of the rotated width), the model computes what it did."""
+    from rope_stand_in import kernel_on_cpu
+
+    model = _causal_lm(model_type, partial_rotary_factor=0.5)
+    layers = model.config.num_hidden_layers
+    attn = next(m for m in model.modules() if hasattr(m, "rotary_ndims"))
+    rotary = attn.rotary_ndims
+    assert 0 < rotary < attn.head_dim
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        logits = m(input_ids=ids).logits
+        logits.square().mean().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    ref, ref_g = step(model)
+    rows = _rope_rows(fuse(model, ops=["rope"]))
+    assert len(rows) == layers and all(r.fused and r.eligible for r in rows), rows
+    assert all(f"its plain calls, on the {rotary} values of each head that it rotates" in r.reason for r in rows), rows
+    dispatch.reset_stats()
+    out, g = step(model)
+    assert dispatch.stats()["rope"] == {"torch": layers}   # (the op's PyTorch path: the CPU)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert g.keys() == ref_g.keys() and all(torch.equal(g[n], ref_g[n]) for n in g)
+    with kernel_on_cpu(monkeypatch, dispatch) as calls:
+        dispatch.clear_choice_cache()
+        dispatch.reset_stats()
+        out, _ = step(model)
+        assert dispatch.stats()["rope"] == {"pipegoose": layers}
+        fwd = [c for c in calls if c[0] == "rope_forward"]
+        assert len(fwd) == layers and all(c[1].shape[-1] == rotary for c in fwd)
+    dispatch.clear_choice_cache()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    unfuse(model)
+
+
+def test_partial_rotary_that_the_function_computes_otherwise_is_skipped():
+    """A function that takes tables narrower than a head and computes something else than GPT-NeoX's partial rotary
+    with them (here it rotates the last values of each head): a partial-rotary module's calls would not be the op's,
+    so it is skipped, with that reason."""
+    neox = pytest.importorskip("transformers.models.gpt_neox.modeling_gpt_neox")
+    original = neox.apply_rotary_pos_emb
+
+    def rotates_the_last(q, k, cos, sin, unsqueeze_dim=1):
+        keep = q.shape[-1] - cos.shape[-1]
+        qe, ke = original(q[..., keep:], k[..., keep:], cos, sin, unsqueeze_dim)
+        return torch.cat((q[..., :keep], qe), -1), torch.cat((k[..., :keep], ke), -1)
+
+    model = models.build("gpt_neox", "eager")   # partial_rotary_factor 0.25
+    try:
+        neox.apply_rotary_pos_emb = rotates_the_last
+        found = rope_mod.probe(rotates_the_last)
+        assert found.ok and not found.partial and not found.narrow_raises
+        rows = _rope_rows(fuse(model, ops=["rope"]))
+        assert rows and all(not r.fused and not r.eligible for r in rows), rows
+        assert all("does not compute GPT-NeoX's partial rotary" in r.reason for r in rows), rows
+        assert not is_fused(model)
+    finally:
+        neox.apply_rotary_pos_emb = original
+
+
+@pytest.mark.parametrize("model_type", ["gpt_neox", "phi3", "phi"])
+def test_partial_rotary_modules_left_out_of_ops_are_counted(model_type):
+    """The report's "not in ops" count of rope modules: a review found GPT-NeoX's and Phi-3's partial-rotary modules
+    left out of it (the check did not have the probe's finding), though ops=["rope"] fuses them. Now it counts
+    exactly the modules that ops=["rope"] would fuse."""
+    if model_type == "gpt_neox":
+        model = models.build("gpt_neox", "eager")   # partial_rotary_factor 0.25
+    else:
+        model = _causal_lm(model_type, partial_rotary_factor=0.5)
+    fused_rows = [r for r in _rope_rows(fuse(model, ops=["rope"], dry_run=True)) if r.fused]
+    assert len(fused_rows) == model.config.num_hidden_layers
+    report = fuse(model, ops=["layer_norm"], dry_run=True)
+    assert report.not_requested.get("rope") == len(fused_rows), report.not_requested
+
+
 def test_models_pickle_while_a_model_is_fused():
     """transformers 5 keeps apply_rotary_pos_emb as a kernels wrapper module, which unpickling rebuilds from the
     global's type: a plain function put in its place broke torch.save / torch.load of every Llama while one was fused.

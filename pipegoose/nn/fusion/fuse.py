@@ -19,8 +19,11 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   dispatcher chooses it (asked per call: a model fused on the CPU runs it once moved to a GPU), else the model's own
   code. So do calls whose dtypes the function computes otherwise than the op's PyTorch path, within the dtype's
   rounding (OLMo's: its fp32 tables in a bf16 model, its results cast back to bf16; the kernel's are cast as its
-  are); calls of dtypes it computes otherwise still run its code, as the op's fallback. Interleaved RoPE and partial
-  rotary that the function does not compute as GPT-NeoX's does, which the config names, are reported as skipped;
+  are); calls of dtypes it computes otherwise still run its code, as the op's fallback. Modules that rotate part of
+  each head by passing the rotated values alone, with tables of that width (Phi's, StableLM's: their function raises
+  for narrower tables), make plain whole-width calls and are fused so. Interleaved RoPE and partial rotary with
+  narrower tables that the function computes otherwise than GPT-NeoX's do, which the config names, are reported as
+  skipped;
 * the loss of a transformers language model whose forward calls ``self.loss_function`` and whose loss is
   transformers' ``ForCausalLMLoss`` or ``ForMaskedLMLoss``: the instance's ``loss_function`` is set to
   ``pipegoose.nn.fusion.transformers.loss.causal_lm_loss`` / ``masked_lm_loss`` (the same loss on our kernel, op
@@ -243,9 +246,9 @@ class FusionReport:
         """The report's first line: the model, the share of eligible fusions in place (rows: an attention module with
         a RoPE row and an attention row has two; rows fused before this call count as in place) and the modules they
         touch, and the rows the share does not count (``eligible`` False: kept attention, attention of a model without
-        a config, interleaved RoPE or partial rotary that the kernel's path does not compute, parametrized norms,
-        norms the RMSNorm probe refused, SwiGLU the probe refused, losses fuse() does not replace), by kind: the
-        model's own code runs there."""
+        a config, interleaved RoPE or partial rotary that the function computes otherwise than the kernel's path,
+        parametrized norms, norms the RMSNorm probe refused, SwiGLU the probe refused, losses fuse() does not
+        replace), by kind: the model's own code runs there."""
         would = "would be " if self.dry_run else ""
         title = f"pipegoose fusion of {self.model}{' (dry run)' if self.dry_run else ''}: "
         if self.eligible:
@@ -595,8 +598,10 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                             _hold(state, row, path, _rope.hooked)
                         elif "rope" in ops:
                             report.rows.append(_consider_rope(model, child, path, target, dry_run, state))
-                        elif (_rope.probe(target.original, target.where).ok and _rope_unused(child) is None
-                              and not _rope.hooked(child)):   # (a copy of a hooked module: not ours to count)
+                        # (a copy of a hooked module: not ours to count; _rope_unused with what the probe found:
+                        # without it partial-rotary modules that ops=["rope"] fuses were left out, a review)
+                        elif (_rope_found(target).ok and not _rope.hooked(child)
+                              and _rope_unused(child, _rope_found(target)) is None):
                             report.not_requested["rope"] = report.not_requested.get("rope", 0) + 1
                         continue
                     kind = _norm_kind_left_out(child, ops)
@@ -949,14 +954,14 @@ def _consider_swiglu(child, path, dry_run):
                      f"SwiGLU MLP ({probe.reason}), same projections" + _small_note(child)), new
 
 
-def _rope_probe_inputs(module: nn.Module, rotary: int | None = None):
-    """The report's probe of an attention module's RoPE: q and k of its heads and head size (from the module, else its
-    config), one batch of positions enough that it is not a small problem, and tables of ``rotary`` values (None: the
-    head size); None where they cannot be told."""
+def _rope_probe_inputs(module: nn.Module, rotary: int | None = None, head: int | None = None):
+    """The report's probe of an attention module's RoPE: q and k of its heads and head size (``head``, else from the
+    module, else its config), one batch of positions enough that it is not a small problem, and tables of ``rotary``
+    values (None: the head size); None where they cannot be told."""
     config = getattr(module, "config", None)
     heads = _config_value(config, "num_attention_heads")
     kv_heads = _config_value(config, "num_key_value_heads") or heads
-    dim = getattr(module, "head_dim", None) or _config_value(config, "head_dim")
+    dim = head or getattr(module, "head_dim", None) or _config_value(config, "head_dim")
     hidden = _config_value(config, "hidden_size")
     if not dim and isinstance(heads, int) and heads > 0 and isinstance(hidden, int):
         dim = hidden // heads
@@ -1009,24 +1014,32 @@ def _rotary_factor(module: nn.Module) -> tuple[float | None, int | None]:
     return factor, (int(head * factor) if isinstance(head, int) and head > 0 else None)
 
 
-def _rope_unused(module: nn.Module, found=None) -> str | None:
+def _rope_unused(module: nn.Module, found) -> str | None:
     """Why an attention module that mentions ``apply_rotary_pos_emb`` would never call it in a form the op takes
     (None: it would): an interleaved rotation selected by the config (it calls another function), or partial rotary
-    (a factor below 1 in its config) where the function does not compute GPT-NeoX's partial rotary (``found``, the
-    function's :class:`~pipegoose.nn.fusion.transformers.rope.Probe`, says whether it does). Nothing here depends on
-    the module's device, dtype or shapes: whether the kernel takes a call is asked per call (a model fused on the CPU
-    runs the kernel once moved to a GPU; partial-rotary calls that the kernel does not take, an odd number of rotated
-    values say, run the model's own code)."""
+    (a factor below 1) where its function (``found``, the function's
+    :class:`~pipegoose.nn.fusion.transformers.rope.Probe`) takes tables narrower than a head and computes them
+    otherwise than GPT-NeoX's partial rotary. Partial rotary is no reason where the function computes GPT-NeoX's
+    (GPT-NeoX's, Phi-3's: calls with narrower tables run the kernel's partial path) or raises for narrower tables
+    (Llama's): a module whose calls run then passes it the rotated part of each head alone, with tables of that width
+    (Phi's and StableLM's ``q[..., :rotary_ndims]``), the plain whole-width form. Nothing here depends on the module's
+    device, dtype or shapes: whether the kernel takes a call is asked per call (a model fused on the CPU runs the
+    kernel once moved to a GPU; calls that the kernel does not take, an odd number of rotated values say, run the
+    model's own code)."""
     config = getattr(module, "config", None)
     if _config_value(config, "rope_interleave") is True:
         return "rope_interleave=True: the model calls its interleaved RoPE function, not apply_rotary_pos_emb"
     factor, rotary = _rotary_factor(module)
-    if factor is None or factor >= 1:
+    if factor is None or factor >= 1 or found.partial or found.narrow_raises:
         return None
-    if found is None or not found.partial:
-        return (f"partial rotary (factor {factor}): its calls rotate part of each head, which the model's own code "
-                "does (its function does not compute GPT-NeoX's partial rotary, which the kernel's path does)")
-    return None
+    return (f"partial rotary (factor {factor}): its function takes tables narrower than a head but does not compute "
+            "GPT-NeoX's partial rotary with them (probed), which the kernel's path computes: its calls run the "
+            "model's own code")
+
+
+def _rope_found(target):
+    """What :func:`~pipegoose.nn.fusion.transformers.rope.probe` finds of ``target``'s function (cached)."""
+    return _rope.probe(target.original, target.where)
 
 
 def _held_rope_row(model, child, path, target) -> FusionRow | None:
@@ -1060,12 +1073,15 @@ def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
     if why is not None:
         return FusionRow(path, "rope", name, None, False, reason=why)
     factor, rotary = _rotary_factor(child)
-    partial = factor is not None and factor < 1
+    # partial rotary: GPT-NeoX's (whole heads and narrower tables; the function computes it), or the module's own
+    # slicing (its function raises for narrower tables: the calls that run pass the rotated values alone, Phi's)
+    partial = factor is not None and factor < 1 and found.partial
+    sliced = factor is not None and factor < 1 and not found.partial and bool(rotary)
     if partial and rotary:
         # (an odd count: transformers' tables hold a cos and sin per frequency, twice, one value more; the function
         # rotates as many values as they hold)
         rotary += rotary % 2
-    build = _rope_probe_inputs(child, rotary if partial else None)
+    build = _rope_probe_inputs(child, rotary if partial else None, rotary if sliced else None)
     choice = _choice("rope", child, build) if build is not None else None
     fwd = bwd = "?" if choice is None else choice.impl + (" (fallback)" if choice.fallback else "")
     p = _first_param(child)
@@ -1091,6 +1107,9 @@ def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
         rec = _rope.install(child, target, found)
         state.rope_hooks.append((weakref.ref(child), rec))
     what = (f"GPT-NeoX's partial rotary, {rotary} of each head's values (probed): its calls" if partial
+            else f"the rotate-half RoPE (probed): its plain calls, on the {rotary} values of each head that it rotates "
+                 f"(partial rotary, factor {factor}: it passes them alone, with tables of that width; its function "
+                 "raises for narrower tables)," if sliced
             else "the rotate-half RoPE (probed): its plain calls")
     return FusionRow(path, "rope", name, "rope hooks", True, fwd, bwd,
                      f"{target.module_name.rsplit('.', 1)[-1]}.{_rope.NAME}, {what} from this module run op rope"

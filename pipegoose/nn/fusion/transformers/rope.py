@@ -142,7 +142,9 @@ class Probe:
     """What :func:`probe` found: ``ok`` (the rotate-half RoPE), ``why`` (when not), ``forms`` (per call form, q's
     dtype and the tables', what the function computes: see :meth:`kind`), ``promotes`` (16-bit q and k with fp32
     tables give the op's fp32 results, as Llama's function does), ``partial`` (tables of fewer values than a head
-    rotate that many and pass the rest through, as GPT-NeoX's function does; Llama's raises), ``unsqueeze`` and
+    rotate that many and pass the rest through, as GPT-NeoX's function does), ``narrow_raises`` (it raises for such
+    tables instead, as Llama's and Phi's: the shapes do not broadcast; so a module with partial rotary that calls it,
+    Phi's, StableLM's, passes it the rotated part of each head alone with tables of that width), ``unsqueeze`` and
     ``position_ids`` (the keywords its calls may pass, as ESM's and ModernBERT's ``unsqueeze_dim=1``, that it takes
     as transformers' functions do: checked on the probe's inputs)."""
 
@@ -153,6 +155,7 @@ class Probe:
     forms: tuple = ()   # ((q dtype, table dtype), EXACT | CLOSE | CAST | None), for _FORMS
     unsqueeze: bool = False      # takes unsqueeze_dim (1 or -3: [B, H, S, D]; 2 or -2: [B, S, H, D]) as transformers'
     position_ids: bool = False   # takes position_ids and leaves it unused (transformers' older signature)
+    narrow_raises: bool = False  # raises for tables of fewer values than a head (Llama's, Phi's)
 
     def kind(self, q_dtype: torch.dtype, table_dtype: torch.dtype) -> str | None:
         """What the function computes for q (and k) of ``q_dtype`` with cos and sin of ``table_dtype``: ``EXACT``
@@ -275,7 +278,8 @@ def _probe(fn: Callable, where: str) -> Probe:
         return Probe(False, f"{where} does not compute the rotate-half RoPE (x * cos + rotate_half(x) * sin) that "
                             "pipegoose's rope kernel computes")
     promotes = dict(forms)[(torch.bfloat16, torch.float32)] == EXACT
-    return Probe(True, "", promotes, _probe_partial(fn, g), forms, *_keywords(fn, inputs[0]))
+    partial, narrow_raises = _probe_partial(fn, g)
+    return Probe(True, "", promotes, partial, forms, *_keywords(fn, inputs[0]), narrow_raises)
 
 
 def _params(fn: Callable) -> inspect.Signature | None:
@@ -322,9 +326,10 @@ def _keywords(fn: Callable, args: tuple) -> tuple[bool, bool]:
     return unsqueeze, position_ids
 
 
-def _probe_partial(fn: Callable, g: torch.Generator) -> bool:
-    """Whether ``fn`` computes GPT-NeoX's partial rotary for tables of fewer values than a head (4 and 2 of 8, tables
-    of a batch and of one batch); False where it raises (Llama's: the shapes do not broadcast) or differs."""
+def _probe_partial(fn: Callable, g: torch.Generator) -> tuple[bool, bool]:
+    """(:attr:`Probe.partial`, :attr:`Probe.narrow_raises`): whether ``fn`` computes GPT-NeoX's partial rotary for
+    tables of fewer values than a head (4 and 2 of 8, tables of a batch and of one batch), and whether it raises for
+    them instead (Llama's: the shapes do not broadcast); (False, False) where it returns something else."""
     try:
         for b_tab, r in ((2, 4), (1, 2)):
             q = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=g)
@@ -334,13 +339,12 @@ def _probe_partial(fn: Callable, g: torch.Generator) -> bool:
             with torch.no_grad():
                 got = fn(q, k, cos, sin)
             want = _reference64(q, k, cos, sin)
-            if (not isinstance(got, (tuple, list)) or len(got) != 2
-                    or not all(isinstance(t, torch.Tensor) and t.shape == w.shape for t, w in zip(got, want))
+            if (not _pair_of(got, want)
                     or not all(torch.allclose(t.double(), w, rtol=1e-12, atol=1e-12) for t, w in zip(got, want))):
-                return False
-    except Exception:   # noqa: BLE001 - then its partial calls run its own code
-        return False
-    return True
+                return False, False
+    except Exception:   # noqa: BLE001 - then no call with narrower tables runs, fused or not
+        return False, True
+    return True, False
 
 
 _HEADS = {1: 1, -3: 1, 2: 2, -2: 2}   # unsqueeze_dim -> where q's heads are (1: [B, H, S, D], 2: [B, S, H, D])
