@@ -151,6 +151,51 @@ def test_gpt_neox_fused_on_the_cpu_runs_the_partial_rotary_kernel_on_the_gpu():
     _assert_parity(fus, unf, ref64, torch.float32)
 
 
+def _rope_model(model_type: str):
+    """A small model whose RoPE fuse() routes since a review: OLMo-2 (fp32 tables in a bf16 model, results cast back
+    by its function), ESM (rotate-half in fp32 on q.float(), called with unsqueeze_dim=1) and Phi (a quarter of each
+    head rotated, sliced by the module); or a skip."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
+    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=128)
+    if model_type == "esm":
+        cfg = CONFIG_MAPPING["esm"](vocab_size=33, pad_token_id=1, mask_token_id=32, position_embedding_type="rotary",
+                                    **common)
+    else:
+        extra = dict(partial_rotary_factor=0.25) if model_type == "phi" else {}
+        cfg = CONFIG_MAPPING[model_type](vocab_size=97, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                                         eos_token_id=2, **common, **extra)
+    torch.manual_seed(0)
+    return transformers.AutoModel.from_config(cfg, attn_implementation="eager")
+
+
+@pytest.mark.parametrize("model_type, dtype", [("olmo2", torch.bfloat16), ("esm", torch.bfloat16),
+                                               ("esm", torch.float32), ("phi", torch.float32),
+                                               ("phi", torch.bfloat16)])
+def test_rope_of_olmo_esm_and_phi_runs_the_kernel(model_type, dtype):
+    """Every attention's RoPE call of a fused OLMo-2 (bf16 q with fp32 tables: the kernel's fp32 results cast back to
+    bf16, as OLMo's function casts its own), ESM (unsqueeze_dim=1 by keyword; its function computes in fp32) and Phi
+    (the module's slice of each head) runs the kernel (strict mode: no fallback), and outputs and gradients agree with
+    the unfused model as in test_parity_with_kernels."""
+    dev = torch.device("cuda")
+    model = _rope_model(model_type).to(dev)
+    ids = torch.randint(4, 30, (4, 64), generator=torch.Generator().manual_seed(0)).to(dev)
+    mask = torch.ones_like(ids)
+    weights = torch.randn(*ids.shape, 128, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(dev)
+    ref64 = _run(copy.deepcopy(model).double(), ids, mask, weights)
+    model.to(dtype)
+    unf = _run(model, ids, mask, weights)
+    fus, report, ran = _fused_run(model, ids, mask, weights, ops=["rope"])
+    rows = [r for r in report.rows if r.kind == "rope"]
+    assert len(rows) == model.config.num_hidden_layers and all(r.fused and r.forward == "pipegoose" for r in rows)
+    assert ran.get("rope") == {"pipegoose": model.config.num_hidden_layers}, ran
+    _assert_parity(fus, unf, ref64, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 def test_per_head_rms_norms_parity_with_kernels(dtype):
     """Qwen3's q_norm / k_norm (RMSNorm over head_dim) fused with the rest: our kernel runs on them (strict mode:
