@@ -164,7 +164,11 @@ class Probe:
         ``CAST`` (16-bit q with fp32 tables, results in q's dtype: the fp32 formula rounded to it, as OLMo's, ESM's
         functions: the kernel's fp32 results cast to q's dtype, else the function), or None (another dtype, or values
         off the formula: the function, as the op's fallback)."""
-        return dict(self.forms).get((q_dtype, table_dtype))
+        return self._kinds.get((q_dtype, table_dtype))
+
+    @functools.cached_property
+    def _kinds(self) -> dict:   # (asked per call)
+        return dict(self.forms)
 
 
 _probed: "weakref.WeakKeyDictionary[Any, Probe]" = weakref.WeakKeyDictionary()
