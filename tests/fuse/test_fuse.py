@@ -2066,8 +2066,57 @@ def test_a_copy_of_a_model_fused_for_its_loss_alone_says_so():
     with pytest.raises(RuntimeError, match="holds fused modules"):
         unfuse(twin)
     (row,) = _ce_rows(fuse(twin, dry_run=True))
-    assert not row.fused and "pipegoose's causal_lm_loss is set already" in row.reason, row
+    # (a review, session 63: this row said fused=False, not eligible, "not counted: 1 cross_entropy left to the
+    # model's own code", while the copy runs causal_lm_loss; as the norms a copy holds, it is fused, and unfuse() of
+    # the copy does not remove it)
+    assert row.fused and row.eligible and row.replacement == "causal_lm_loss", row
+    assert "pipegoose's causal_lm_loss is set already" in row.reason and "copy of a fused model" in row.reason, row
+    assert "unfuse() will not remove it" in row.reason, row
+    report = fuse(twin, ops=["cross_entropy"])
+    assert "cross_entropy" not in report._title() and report.covered == report.eligible == 1, report._title()
+    assert not is_fused(twin)        # its loss row is held: this call fused nothing of its own
     assert unfuse(model)
+
+
+def test_a_loss_fused_by_another_fuse_call_is_held():
+    """A review (session 63): with the model inside a wrapper, fuse(wrapper) then fuse(model), or the other way round,
+    reported the loss that the first call set as not fused, not eligible ("a copy of a fused model keeps it ... left as
+    it is"; "not counted: 1 cross_entropy left to the model's own code") while causal_lm_loss ran. It is a held row
+    now, as a norm fused before is: fused, naming the fuse() call that set it, whatever ops says, and fusion_report
+    says when that call's unfuse() has removed it."""
+    from pipegoose.nn.fusion.transformers.loss import causal_lm_loss
+
+    lm = _lm("gpt2")
+    wrap = models.Wrapper(lm)
+    fuse(wrap, ops=["cross_entropy", "layer_norm"])
+    for ops in (["cross_entropy", "layer_norm"], ["layer_norm"]):
+        report = fuse(lm, ops=ops)
+        (row,) = _ce_rows(report)
+        assert (row.path, row.fused, row.eligible, row.replacement) == ("", True, True, "causal_lm_loss"), row
+        assert "earlier fuse() of an enclosing Wrapper" in row.reason and "unfuse() of that model" in row.reason, row
+        assert row.forward != "-" and "cross_entropy" not in report._title(), report._title()
+        assert "cross_entropy" not in report.not_requested
+        assert not is_fused(lm)
+    assert lm.__dict__["_loss_function"] is causal_lm_loss
+    assert unfuse(wrap) and "_loss_function" not in lm.__dict__
+    # the model first (its loss alone), then the wrapper: the wrapper's row names the part
+    fuse(lm, ops=["cross_entropy"])
+    report = fuse(wrap, ops=["cross_entropy"])
+    (row,) = _ce_rows(report)
+    assert (row.path, row.fused, row.eligible) == ("base_model", True, True), row
+    assert "earlier fuse() of base_model (GPT2LMHeadModel)" in row.reason, row
+    assert "unfuse() of either reverts it" in row.reason, row
+    assert report.covered == report.eligible == 1 and not is_fused(wrap)
+    # one that records something of its own: its report follows the part's unfuse
+    report = fuse(wrap, ops=["cross_entropy", "layer_norm"])
+    assert is_fused(wrap)
+    unfuse(lm)
+    (row,) = _ce_rows(fusion_report(wrap))
+    assert not row.fused and "reverted since by its unfuse()" in row.reason, row
+    fuse(lm, ops=["cross_entropy"])
+    (row,) = _ce_rows(fusion_report(wrap))
+    assert row.fused and "earlier fuse() of base_model" in row.reason, row
+    assert unfuse(wrap) and "_loss_function" not in lm.__dict__ and not is_fused(lm)
 
 
 

@@ -617,12 +617,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                     parent._modules[name] = new
                     state.swaps.append((weakref.ref(parent), name, weakref.ref(new)))
 
-        if "cross_entropy" in ops:
-            _fuse_losses(model, dry_run, report, state)
-        else:
-            n = sum(1 for _, m in _loss.language_models(model) if _loss.loss_support(m)[0] is not None)
-            if n:
-                report.not_requested["cross_entropy"] = n
+        _fuse_losses(model, ops, dry_run, report, state, held)
         if "linear_cross_entropy" in ops:
             for path, lm in _loss.language_models(model):
                 _fuse_lm_head(lm, path, _wrappers_of(model, path), dry_run, report, state)
@@ -688,19 +683,24 @@ def _fused_impls(module: nn.Module) -> tuple[str, str]:
 
 def _already_fused_reason(model: nn.Module, module: nn.Module) -> str:
     """Why fuse() leaves ``module`` (a fused module found in ``model``) as it is, and what reverts it."""
-    for root, st in list(_STATE.items()):
-        if any(new() is module for _, _, new in st.swaps):
-            inside = next((p for p, m in model.named_modules() if m is root), None)
-            if inside:
-                return (f"fused by an earlier fuse() of {inside} ({type(root).__name__}): not replaced here; "
-                        "unfuse() of either reverts it")
-            if any(m is model for m in root.modules()):
-                return (f"fused by an earlier fuse() of an enclosing {type(root).__name__}: not replaced here; "
-                        "unfuse() of that model reverts it")
-            return (f"fused by an earlier fuse() of another model that shares this module ({type(root).__name__}): "
-                    "not replaced here; unfuse() of that model reverts it")
-    return ("already fused before this call (a copy of a fused model, or built with it): not replaced here, and "
-            "unfuse() will not revert it")
+    root = next((r for r, st in list(_STATE.items()) if any(new() is module for _, _, new in st.swaps)), None)
+    if root is None:
+        return ("already fused before this call (a copy of a fused model, or built with it): not replaced here, and "
+                "unfuse() will not revert it")
+    return _earlier_fuse_reason(model, root, "not replaced here")
+
+
+def _earlier_fuse_reason(model: nn.Module, root: nn.Module, kept: str) -> str:
+    """The reason of a held row: fused by the fuse() call of ``root`` (a part of ``model``, a model holding it, or
+    another model sharing the module), ``kept`` by this call of ``model``, and what reverts it."""
+    inside = next((p for p, m in model.named_modules() if m is root), None)
+    if inside:
+        return f"fused by an earlier fuse() of {inside} ({type(root).__name__}): {kept}; unfuse() of either reverts it"
+    if any(m is model for m in root.modules()):
+        return (f"fused by an earlier fuse() of an enclosing {type(root).__name__}: {kept}; unfuse() of that model "
+                "reverts it")
+    return (f"fused by an earlier fuse() of another model that shares this module ({type(root).__name__}): {kept}; "
+            "unfuse() of that model reverts it")
 
 
 def _bare_norm_kind(model: nn.Module) -> str | None:
@@ -1120,27 +1120,63 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _fuse_losses(model, dry_run, report, state) -> None:
+def _fuse_losses(model, ops, dry_run, report, state, held: set) -> None:
     """The report's rows for the losses of ``model`` and of the language models inside it (a wrapper's: PEFT's
-    ``PeftModel``, a training module holding the model), and the swaps (each one's ``loss_function``, per instance)."""
+    ``PeftModel``, a training module holding the model), and the swaps (each one's ``loss_function``, per instance);
+    with ``cross_entropy`` left out of ``ops``, the count of those it would replace (``not_requested``). A loss of
+    ours set before this call is a held row whatever ``ops`` says (:func:`_hold_loss`)."""
     for path, lm in _loss.language_models(model):
-        _fuse_loss(lm, path, dry_run, report, state)
+        support = _loss.loss_support(lm)
+        name, _, candidate, _ = support
+        if candidate and name is None and _loss.ours_is_set(lm):
+            _hold_loss(model, lm, path, report, state, held)
+        elif "cross_entropy" in ops:
+            _fuse_loss(lm, path, support, dry_run, report, state)
+        elif name is not None:
+            report.not_requested["cross_entropy"] = report.not_requested.get("cross_entropy", 0) + 1
 
 
-def _fuse_loss(model, path, dry_run, report, state) -> None:
-    """The report's row for one language model's loss, and the swap (``model.loss_function``, this instance)."""
-    name, reason, candidate, original = _loss.loss_support(model)
+def _loss_impls(model: nn.Module) -> tuple[str, str]:
+    """The report's implementation columns of a language model's loss on our cross-entropy (the dispatcher's choice
+    for a probe of its vocabulary's width; "?" where its config names none)."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if not (isinstance(vocab, int) and vocab > 0):
+        return "?", "?"
+    rows = _probe_rows((vocab,))
+    return _impls("cross_entropy", model, lambda d, t: (torch.empty(rows, vocab, device=d, dtype=t),
+                                                         torch.zeros(rows, dtype=torch.long, device=d)))
+
+
+def _hold_loss(root, model, path, report, state, held: set) -> None:
+    """The report's held row for language model ``model`` (at ``path`` in ``root``, the model passed to fuse()),
+    whose loss function is one of ours already: set by another fuse() call (of a part of ``root``, of a model holding
+    it, of another model sharing it), or, where no live call did, copied with a fused model (or set by hand), which
+    no unfuse() removes. Both run our loss: fused, eligible, as a norm fused before is. (A review, session 63: the row
+    said fused=False, not eligible, "a copy of a fused model keeps it", for a loss that fuse() of a wrapper had set.)"""
+    fn = model.__dict__["_loss_function"]
+    name = fn.__name__
+    owner = next((r for r, st in list(_STATE.items())
+                  if any(ref() is model and f is fn for ref, f in st.loss_swaps)), None)
+    if owner is not None:
+        reason = _earlier_fuse_reason(root, owner, f"its loss_function is pipegoose's {name}, left as it is here")
+    else:
+        reason = (f"pipegoose's {name} is set already, by no fuse() call in this process (a copy of a fused model "
+                  "keeps it, or it was set by hand): left as it is, and unfuse() will not remove it")
+    report.rows.append(FusionRow(path, "cross_entropy", name, name, True, *_loss_impls(model), reason=reason))
+    held.add(id(report.rows[-1]))
+    _hold(state, report.rows[-1], path, _loss.ours_is_set)
+
+
+def _fuse_loss(model, path, support, dry_run, report, state) -> None:
+    """The report's row for one language model's loss (``support``: :func:`~.transformers.loss.loss_support` of
+    it), and the swap (``model.loss_function``, this instance)."""
+    name, reason, candidate, original = support
     if not candidate:
         return
     if name is None:
         report.rows.append(FusionRow(path, "cross_entropy", original, None, False, reason=reason, eligible=False))
         return
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    fwd = bwd = "?"
-    if isinstance(vocab, int) and vocab > 0:
-        rows = _probe_rows((vocab,))
-        fwd, bwd = _impls("cross_entropy", model, lambda d, t: (torch.empty(rows, vocab, device=d, dtype=t),
-                                                                 torch.zeros(rows, dtype=torch.long, device=d)))
+    fwd, bwd = _loss_impls(model)
     if not dry_run:
         fn = _loss.FUNCTIONS[name]
         model.__dict__["_loss_function"] = fn     # transformers' loss_function property returns it

@@ -127,9 +127,8 @@ def loss_support(model: nn.Module) -> tuple[str | None, str, bool, str]:
                       "replace per instance"), True, "its own loss"
     if "_loss_function" in model.__dict__:
         name = getattr(model.__dict__["_loss_function"], "__name__", "loss_function")
-        if ours_is_set(model):
-            return None, (f"pipegoose's {name} is set already (a copy of a fused model keeps it; unfuse the original "
-                          "before copying): left as it is"), True, name
+        if ours_is_set(model):   # (fuse() reports it as a held row, fused, naming the call that set it)
+            return None, f"pipegoose's {name} is set already: left as it is", True, name
         return (None, "a loss function is already set on this model (model.loss_function = ...): left as it is",
                 True, name)
     try:
