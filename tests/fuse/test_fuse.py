@@ -867,7 +867,8 @@ def test_attention_fused_by_a_part_is_held_by_the_whole_and_its_unfuse_shows():
     fuse(model.model)
     report = fuse(model)
     attn = [r for r in report.rows if r.kind == "attention"]
-    assert attn and all(r.fused and "earlier fuse() of a part of this model" in r.reason for r in attn), attn
+    # (the part named, as for the norms and RoPE it fused: "a part of this model" until session 63's review)
+    assert attn and all(r.fused and "earlier fuse() of model (LlamaModel)" in r.reason for r in attn), attn
     assert report.attention["chosen"] == report.attention["previous"] == "eager", report.attention
     assert model.config._attn_implementation == "eager"
     assert model.model.layers[0].self_attn.config._attn_implementation != "eager"
@@ -904,6 +905,91 @@ def test_attention_fused_by_a_part_is_held_by_the_whole_and_its_unfuse_shows():
     rows = [(r.path, r.kind, r.fused) for r in fuse(one).rows]
     assert ("", "attention", True) in rows and one.config._attn_implementation != "eager", rows
     assert unfuse(one) is True and one.config._attn_implementation == "eager"
+
+
+def test_attention_of_models_inside_a_wrapper_is_fused_through_their_own_config():
+    """A review (session 63): fuse() of a wrapper (a training module holding the model, nn.DataParallel) read the
+    wrapper's config, None, so the attention of the model inside stayed eager, its rows said "model has no
+    transformers config" (not counted: the title said 100%), while the loss inside was fused. Each transformers model
+    inside a wrapper is fused through its own config now (the outermost: a causal LM's base model shares its config),
+    and unfuse() puts the original config back."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(models.config("llama", "eager"), attn_implementation="eager").eval()
+    ids = torch.randint(0, lm.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        want = lm(input_ids=ids).logits
+    config = lm.config
+    direct = fuse(lm, dry_run=True)
+    for wrap, prefix in ((models.Wrapper(lm), "base_model"), (nn.DataParallel(lm), "module")):
+        report = fuse(wrap)
+        rows = [r for r in report.rows if r.kind == "attention"]
+        assert len(rows) == len(lm.model.layers), report.rows
+        assert all(r.fused and r.eligible and r.path.startswith(f"{prefix}.model.layers.")
+                   and "AttentionInterface, was 'eager'" in r.reason for r in rows), rows
+        assert report.attention["previous"] == "eager" and report.attention["chosen"] == "pipegoose", report.attention
+        assert "not counted" not in report._title(), report._title()
+        assert report.covered == report.eligible == direct.covered, (report._title(), direct._title())
+        # the causal LM's config and its base model's (the same object) are one copy, selecting ours
+        assert lm.config is not config and lm.model.config is lm.config
+        assert lm.model.layers[0].self_attn.config is lm.config and lm.config._attn_implementation == "pipegoose"
+        assert config._attn_implementation == "eager"
+        with torch.no_grad():
+            torch.testing.assert_close(wrap(input_ids=ids).logits, want, **tol(torch.float32, 10))
+        assert unfuse(wrap) is True and not is_fused(wrap)
+        assert lm.config is config and lm.model.config is config and lm.model.layers[1].self_attn.config is config
+        assert config._attn_implementation == "eager"
+    # attention modules outside every transformers model in the wrapper: left alone, saying why
+    holder = nn.ModuleDict({"lm": lm, "extra": type(lm.model.layers[0].self_attn)(copy.deepcopy(config), 0)})
+    report = fuse(holder, ops=["attention"], dry_run=True)
+    (row,) = [r for r in report.rows if r.path == "extra"]
+    assert not row.fused and not row.eligible and "outside the transformers models in this model (lm)" in row.reason
+    # two models in one wrapper, on different implementations: each through its own config, the choice per model
+    other = AutoModelForCausalLM.from_config(models.config("gpt2", "sdpa"), attn_implementation="sdpa").eval()
+    pair = nn.ModuleDict({"student": lm, "teacher": other})
+    report = fuse(pair, ops=["attention"], attention="pipegoose")
+    assert len(report.fused_rows("attention")) == len(lm.model.layers) + len(other.transformer.h), report.rows
+    assert report.attention["previous"] == "student: eager; teacher: sdpa", report.attention
+    assert report.attention["chosen"] == "pipegoose", report.attention
+    assert lm.config._attn_implementation == other.config._attn_implementation == "pipegoose"
+    assert lm.config is not other.config
+    assert unfuse(pair) and lm.config is config and other.config._attn_implementation == "sdpa"
+
+
+def test_attention_fused_by_another_fuse_call_is_held_inside_a_wrapper():
+    """A review (session 63): after fuse(model), fuse(Wrapper(model)) reported the model's attention fused=False,
+    "model has no transformers config", although it ran ours. It is held now, naming the call that fused it, as when
+    the outer object has a config (and the other way round: the wrapper first)."""
+    lm = _lm("gpt2")
+    wrap = models.Wrapper(lm)
+    config = lm.config
+    fuse(lm)
+    report = fuse(wrap)
+    rows = [r for r in report.rows if r.kind == "attention"]
+    assert len(rows) == 2 and all(r.fused and r.eligible for r in rows), rows
+    assert all("earlier fuse() of base_model (GPT2LMHeadModel)" in r.reason and "unfuse() of either reverts it"
+               in r.reason for r in rows), rows
+    assert report.covered == report.eligible and "not counted" not in report._title(), report._title()
+    assert not is_fused(wrap)                          # everything held: nothing of its own
+    assert unfuse(lm) and lm.config is config and lm.transformer.h[0].attn.config is config
+    fuse(wrap)
+    for ops in (None, ["layer_norm"]):
+        report = fuse(lm, ops=ops)
+        rows = [r for r in report.rows if r.kind == "attention"]
+        assert len(rows) == 2 and all(r.fused and "earlier fuse() of an enclosing Wrapper" in r.reason
+                                      for r in rows), rows
+        assert not is_fused(lm)
+    # a wrapper that fuses something of its own (a norm beside the model) follows the model's unfuse
+    holder = nn.ModuleDict({"lm": lm, "norm": nn.LayerNorm(4)})
+    assert unfuse(wrap) and lm.config is config
+    fuse(lm, ops=["attention"])
+    fuse(holder, ops=["attention", "layer_norm"])
+    assert is_fused(holder)
+    unfuse(lm)
+    rows = [r for r in fusion_report(holder).rows if r.kind == "attention"]
+    assert rows and all(not r.fused and "reverted since by its unfuse()" in r.reason for r in rows), rows
+    assert unfuse(holder) and type(holder["norm"]) is nn.LayerNorm and lm.config is config
 
 
 def test_attention_and_rope_fused_by_a_part_are_held_whatever_ops_says():

@@ -39,7 +39,13 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   its attention does not go through the interface. The copy keeps other models that share the config object
   unchanged; while fused, change the configuration through ``model.config`` (the copy): a reference to the config
   object taken before ``fuse`` no longer reaches the model. ``unfuse`` carries the copy's changes back to the
-  original config and leaves alone the attributes the copy did not change.
+  original config and leaves alone the attributes the copy did not change. A module without a transformers config
+  of its own (a wrapper: a training module holding the model, ``nn.DataParallel``) has the attention of each
+  transformers model inside it fused so, through that model's config (the outermost ``PreTrainedModel``: a causal
+  LM's base model shares its config), each with a copy of its own.
+
+Rows of what another ``fuse()`` call fused (of a part of the model, of a model or wrapper holding it) are reported as
+held: fused, naming that call, whatever ``ops`` says; this call leaves them as they are and records nothing for them.
 
 Skipped, with the reason in the report: LayerNorm subclasses with their own forward, norms whose forward is set on
 the instance (accelerate's ``device_map`` / offloading hooks, patches: a fused module would bypass it), norms whose
@@ -146,7 +152,9 @@ class FusionReport:
     Attributes:
         rows: one :class:`FusionRow` per (module, kind) considered.
         attention: ``{"previous": ..., "chosen": ..., "reason": ...}`` (the model's attention implementation
-            before and after, and why).
+            before and after, and why; for a wrapper, that of the transformers model inside it; of several that
+            differ in a value, that value names each: ``"student: eager; teacher: sdpa"``); empty when no
+            transformers config governs attention.
         dry_run: True when nothing was changed.
         model: class name of the model.
         not_requested: ``{kind: count}`` of modules that ``fuse`` would have considered for a kind left out of
@@ -347,9 +355,9 @@ class _Fusion:
     loss_swaps: list = field(default_factory=list)       # (weakref to model, the loss function set on it)
     head_swaps: list = field(default_factory=list)       # (weakref to model, lm_head.install's hook handles)
     rope_hooks: list = field(default_factory=list)       # (weakref to attention module, transformers.rope.Installed)
-    config_swaps: list = field(default_factory=list)     # (weakref to module, old_config)
-    new_config: object = None
-    config_snapshot: dict = field(default_factory=dict)   # new_config's attributes as fuse() left them
+    # (weakref to module, old_config, new_config, new_config's attributes as fuse() left them): one new_config per
+    # transformers model whose attention was fused (the model's own; in a wrapper, each model inside it)
+    config_swaps: list = field(default_factory=list)
     report: FusionReport | None = None
     # rows of modules fused before this call (by another fuse(): of a part, or of an enclosing model): (row, path,
     # whether the module at that path runs fused, the row's fused values), for fusion_report to tell when an unfuse()
@@ -552,7 +560,6 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
 
     dispatch.check_env()
 
-    config = getattr(model, "config", None)
     report = FusionReport(dry_run=dry_run, model=type(model).__name__)
     state = _Fusion(report=report)
     replaced: dict[int, nn.Module] = {}       # id(old) -> new (a shared module is replaced once, everywhere)
@@ -621,18 +628,23 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
         if "linear_cross_entropy" in ops:
             for path, lm in _loss.language_models(model):
                 _fuse_lm_head(lm, path, _wrappers_of(model, path), dry_run, report, state)
+        owners, stray = _attention_owners(model)
         if "attention" in ops:
-            _fuse_attention(model, config, attention, dry_run, report, state, held)
-        elif matching.is_config(config):
-            modules = [(p, m) for p, m in model.named_modules() if matching.is_attention_module(m)]
-            # (those fused by another fuse() call: held, as with attention in ops; they were missing, a review)
-            enclosing, before = _attention_fused_before(model, config, modules)
-            for p, m in modules:
-                if id(m) in before:
-                    _hold_attention(p, m, config, enclosing, report, state, held)
-            n = sum(1 for p, m in modules if matching.attention_support(config, m)[0] and not _runs_our_attention(m))
-            if n:
-                report.not_requested["attention"] = n
+            _fuse_attention(model, owners, stray, attention, dry_run, report, state, held)
+        else:
+            for _, _, config, modules in owners:
+                # (those fused by another fuse() call: held, as with attention in ops; they were missing, a review)
+                before = _attention_fused_before(config, modules)
+                for p, m in modules:
+                    if id(m) in before:
+                        _hold_attention(model, p, m, report, state, held)
+                n = sum(1 for p, m in modules
+                        if matching.attention_support(config, m)[0] and not _runs_our_attention(m))
+                if n:
+                    report.not_requested["attention"] = report.not_requested.get("attention", 0) + n
+            for p, m in stray:
+                if _runs_our_attention(m):
+                    _hold_attention(model, p, m, report, state, held)
     except BaseException:
         _undo(state)
         raise
@@ -1231,52 +1243,122 @@ def _runs_our_attention(m: nn.Module) -> bool:
     return matching.is_config(own) and matching.get_attn_implementation(own) in attn.OUR_NAMES
 
 
-def _attention_fused_before(model, config, modules) -> tuple[nn.Module | None, set[int]]:
-    """(the model whose fuse() call swapped ``config``, when it holds ``model``, or None; the ids of the attention
-    modules among ``modules`` fused by another fuse() call).
+def _attention_owners(model: nn.Module):
+    """(owners, stray): the models whose config selects the attention of the attention modules inside them, each as
+    (path, module, config, [(path, attention module), ...]) (paths from ``model``), and the attention modules of
+    ``model`` that none governs.
+
+    The owner is ``model`` itself where it has a transformers config (its attention modules follow it, whatever
+    holds them: one attention module fused alone is its own owner); else the outermost transformers ``PreTrainedModel``
+    inside it that has one (a training module holding the model, ``nn.DataParallel``, two models in one wrapper; a
+    base model inside a ``*ForCausalLM`` shares the latter's config and is governed by it, as when the causal LM is
+    fused alone). (A review, session 63: fuse() of a wrapper took the wrapper's own config, None, so the attention of
+    the model inside it was skipped as "model has no transformers config" and the title said "100%", while its loss,
+    found inside wrappers, was fused.)"""
+    def attention_modules(root, root_path):
+        # (root itself too: fuse() of one attention module swapped its config and reported nothing; a review)
+        return [(f"{root_path}.{p}" if root_path and p else root_path or p, m) for p, m in root.named_modules()
+                if matching.is_attention_module(m)]
+
+    config = getattr(model, "config", None)
+    if matching.is_config(config):
+        return [("", model, config, attention_modules(model, ""))], []
+    owners = []
+    for path, m in model.named_modules():
+        if not path or any(path.startswith(f"{p}.") for p, *_ in owners):
+            continue
+        own = getattr(m, "config", None)
+        if matching.is_pretrained_model(m) and matching.is_config(own):
+            owners.append((path, m, own, attention_modules(m, path)))
+    governed: set[int] = set()
+    for *_, modules in owners:   # (a module two models share: the first one's)
+        modules[:] = [(p, m) for p, m in modules if id(m) not in governed]
+        governed.update(id(m) for _, m in modules)
+    stray = [(p, m) for p, m in attention_modules(model, "") if id(m) not in governed]
+    return owners, stray
+
+
+def _runs_our_attention(m: nn.Module) -> bool:
+    """Whether attention module ``m``'s own config selects our attention function."""
+    from .transformers import attention as attn
+
+    own = m.__dict__.get("config")
+    return matching.is_config(own) and matching.get_attn_implementation(own) in attn.OUR_NAMES
+
+
+def _config_swapped_by(m: nn.Module) -> nn.Module | None:
+    """The model whose (live) fuse() call swapped the config of module ``m``, or None."""
+    return next((root for root, st in list(_STATE.items())
+                 if any(ref() is m for ref, *_ in st.config_swaps)), None)
+
+
+def _attention_fused_before(config, modules) -> set[int]:
+    """The ids of the attention modules among ``modules`` (those a model with ``config`` governs) fused by another
+    fuse() call.
 
     Those are the modules whose own config selects ours, set by another call: of a part of the model (their config is
     not the model's; a review, session 60: after fuse(model.model), fuse(model) reported them fused here, "was
-    'eager'", and swapped only the outer config), or of an enclosing model (the model's config is that call's copy:
-    fuse(model) then fuse(model.model) counted them as the part's own, and unfuse(model.model) "reverted" them without
-    a change)."""
-    enclosing = next((root for root, st in list(_STATE.items()) if st.new_config is config and root is not model),
-                     None)
-    before = {id(m) for _, m in modules
-              if _runs_our_attention(m) and (m.__dict__.get("config") is not config or enclosing is not None)}
-    return enclosing, before
+    'eager'", and swapped only the outer config), or of a model holding it, or of the model itself inside a wrapper
+    fused now (the model's config is that call's copy: fuse(model) then fuse(model.model) counted them as the part's
+    own, and unfuse(model.model) "reverted" them without a change)."""
+    swapped = any(any(new is config for _, _, new, _ in st.config_swaps) for st in list(_STATE.values()))
+    return {id(m) for _, m in modules
+            if _runs_our_attention(m) and (m.__dict__.get("config") is not config or swapped)}
 
 
-def _hold_attention(path, m, config, enclosing, report, state, held: set) -> None:
-    """The report's held row for attention module ``m``, fused by another fuse() call (:func:`_attention_fused_before`),
-    whatever this call's ``ops`` and ``attention``."""
+def _hold_attention(model, path, m, report, state, held: set) -> None:
+    """The report's held row for attention module ``m`` (at ``path`` in ``model``, the model passed to fuse()), whose
+    own config selects our attention already: fused by another fuse() call (:func:`_attention_fused_before`), named,
+    whatever this call's ``ops`` and ``attention``; or configured so before this call, by no fuse() in this process
+    (a copy of a model fused in parts, say), which no unfuse() reverts."""
     impl = matching.get_attn_implementation(m.__dict__["config"])
     fwd, bwd = _attention_impls(m, impl)
-    who = ((f"an enclosing {type(enclosing).__name__}", "unfuse() of that model reverts it")
-           if enclosing is not None and m.__dict__.get("config") is config
-           else ("a part of this model", "unfuse() of either reverts it"))
+    root = _config_swapped_by(m)
+    if root is not None:
+        reason = _earlier_fuse_reason(model, root, "its config selects pipegoose attention, left as it is here")
+    else:
+        reason = ("its config selects pipegoose attention already, set by no fuse() call in this process (a copy of "
+                  "a fused model, or configured so): left as it is, and unfuse() will not revert it")
     report.rows.append(FusionRow(path, "attention", type(m).__name__, f"'{impl}' attention function", True, fwd, bwd,
-                                 f"fused by an earlier fuse() of {who[0]} (its config selects pipegoose attention): "
-                                 f"left as it is here; {who[1]}"))
+                                 reason))
     held.add(id(report.rows[-1]))
     _hold(state, report.rows[-1], path, _runs_our_attention)
 
 
-def _fuse_attention(model, config, attention, dry_run, report, state, held: set) -> None:
+def _fuse_attention(model, owners, stray, attention, dry_run, report, state, held: set) -> None:
+    """The attention of each owner (:func:`_attention_owners`) through its config (:func:`_fuse_attention_of`), and the
+    report's rows of the attention modules no config governs; ``report.attention`` says what was chosen (for several
+    owners that chose otherwise, each value names them: ``"inner_a: eager; inner_b: sdpa"``)."""
+    choices = []
+    for path, owner, config, modules in owners:
+        choices.append((path, _fuse_attention_of(model, owner, config, modules, attention, dry_run, report, state,
+                                                 held)))
+    for p, m in stray:
+        if _runs_our_attention(m):   # (configured so, or by another fuse() call: it runs ours)
+            _hold_attention(model, p, m, report, state, held)
+        else:
+            why = ("model has no transformers config" if not owners else
+                   "outside the transformers models in this model (" + ", ".join(p for p, *_ in owners) +
+                   "): no config of theirs selects its attention")
+            report.rows.append(FusionRow(p, "attention", type(m).__name__, None, False, reason=why, eligible=False))
+    if len(choices) == 1:
+        report.attention = choices[0][1]
+    elif choices:
+        report.attention = {key: (choices[0][1][key] if len({c[key] for _, c in choices}) == 1 else
+                                  "; ".join(f"{p}: {c[key]}" for p, c in choices))
+                            for key in ("previous", "chosen", "reason")}
+
+
+def _fuse_attention_of(model, owner, config, modules, attention, dry_run, report, state, held: set) -> dict:
+    """The attention of ``owner`` (``model`` itself, or a transformers model inside it) whose transformers ``config``
+    governs ``modules`` ((path from ``model``, attention module)): the report's rows, the config swap; returns the
+    choice (``{"previous", "chosen", "reason"}``)."""
     from .transformers import attention as attn
 
-    # (the model itself too: fuse() of one attention module swapped its config and reported nothing; a review)
-    modules = [(p, m) for p, m in model.named_modules() if matching.is_attention_module(m)]
-    enclosing, before = _attention_fused_before(model, config, modules)
-    if config is None or not matching.is_config(config):
-        if modules:
-            for p, m in modules:
-                report.rows.append(FusionRow(p, "attention", type(m).__name__, None, False,
-                                             reason="model has no transformers config", eligible=False))
-        return
+    before = _attention_fused_before(config, modules)
     previous = matching.get_attn_implementation(config)
     supported, why = matching.attention_support(config)
-    p0 = _first_param(model)
+    p0 = _first_param(owner)
     device = p0.device if p0 is not None else torch.device("cpu")
     dtype = p0.dtype if p0 is not None else None
 
@@ -1311,12 +1393,12 @@ def _fuse_attention(model, config, attention, dry_run, report, state, held: set)
     if modules and len(before) == len(modules) and chosen != previous:
         chosen, reason = previous, ("every attention module runs pipegoose attention already, fused by another fuse() "
                                     "call: the model's config is left as it is")
-    report.attention = {"previous": previous, "chosen": chosen, "reason": reason}
+    choice = {"previous": previous, "chosen": chosen, "reason": reason}
 
     selected = chosen in attn.OUR_NAMES and chosen != previous
     for p, m in modules:
         if id(m) in before:
-            _hold_attention(p, m, config, enclosing, report, state, held)
+            _hold_attention(model, p, m, report, state, held)
             continue
         if selected:
             fwd, bwd = _attention_impls(m, chosen)
@@ -1331,18 +1413,18 @@ def _fuse_attention(model, config, attention, dry_run, report, state, held: set)
                                          f"'{chosen}' attention function" if ours else None, ours, fwd, bwd,
                                          reason=reason, eligible=ours))
     if not selected or dry_run:
-        return
+        return choice
 
     attn.register()
     new_config = copy.copy(config)
     # a str that registers our attention again when the model is unpickled in another process (AttentionName)
     matching.set_attn_implementation(new_config, attn.AttentionName(chosen))
-    state.new_config = new_config
-    state.config_snapshot = dict(new_config.__dict__)
-    for module in model.modules():
+    snapshot = dict(new_config.__dict__)
+    for module in owner.modules():   # (the owner's: another model in the same wrapper gets its own copy)
         if module.__dict__.get("config") is config:
-            state.config_swaps.append((weakref.ref(module), config))
+            state.config_swaps.append((weakref.ref(module), config, new_config, snapshot))
             module.__dict__["config"] = new_config
+    return choice
 
 
 _PROBE_SEQ = 128
@@ -1407,13 +1489,12 @@ def _attention_probe(module: nn.Module):
 def _undo(state: _Fusion) -> list[str]:
     """Put back every swapped module and config; returns the paths that could not be restored (changed since)."""
     problems = []
-    for module_ref, old_config in reversed(state.config_swaps):
+    for module_ref, old_config, new_config, snapshot in reversed(state.config_swaps):
         module = module_ref()
         if module is None:  # no longer part of anything (collected): nothing to restore in it
             continue
-        new_config = module.__dict__.get("config")
-        if new_config is state.new_config:
-            _sync_config_back(new_config, old_config, state.config_snapshot)
+        if module.__dict__.get("config") is new_config:
+            _sync_config_back(new_config, old_config, snapshot)
             module.__dict__["config"] = old_config
         else:
             problems.append(f"{type(module).__name__}.config was replaced after fuse()")

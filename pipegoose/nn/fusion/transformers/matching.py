@@ -114,6 +114,15 @@ def is_config(obj) -> bool:
     return isinstance(obj, PretrainedConfig)
 
 
+def is_pretrained_model(obj) -> bool:
+    """Whether ``obj`` is a transformers ``PreTrainedModel`` (False where transformers is not importable)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(obj, PreTrainedModel)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # RMSNorm probe
 # --------------------------------------------------------------------------------------------------------------------
