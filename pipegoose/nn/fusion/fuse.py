@@ -1278,14 +1278,6 @@ def _attention_owners(model: nn.Module):
     return owners, stray
 
 
-def _runs_our_attention(m: nn.Module) -> bool:
-    """Whether attention module ``m``'s own config selects our attention function."""
-    from .transformers import attention as attn
-
-    own = m.__dict__.get("config")
-    return matching.is_config(own) and matching.get_attn_implementation(own) in attn.OUR_NAMES
-
-
 def _config_swapped_by(m: nn.Module) -> nn.Module | None:
     """The model whose (live) fuse() call swapped the config of module ``m``, or None."""
     return next((root for root, st in list(_STATE.items())
