@@ -45,6 +45,27 @@ def config(arch: str, attn: str = "eager", hidden: int = 32, layers: int = 2, he
     return cfg
 
 
+def rope_config(model_type: str, hidden: int = 32, heads: int = 4, max_positions: int = 64, **extra):
+    """A tiny config (2 layers) of one of the RoPE models fuse() routes since session 63's review: ``esm`` (rotary
+    position embeddings), ``modernbert``, or a decoder such as ``olmo2`` or ``phi`` (``extra``: e.g.
+    ``partial_rotary_factor``); a pytest skip where this transformers lacks the model."""
+    import pytest
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
+    common = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=heads,
+                  max_position_embeddings=max_positions, **extra)
+    if model_type == "esm":
+        return CONFIG_MAPPING["esm"](vocab_size=33, pad_token_id=1, mask_token_id=32,
+                                     position_embedding_type="rotary", **common)
+    if model_type == "modernbert":
+        return CONFIG_MAPPING["modernbert"](vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                            cls_token_id=1, sep_token_id=2, **common)
+    return CONFIG_MAPPING[model_type](vocab_size=VOCAB, num_key_value_heads=max(1, heads // 2), pad_token_id=0,
+                                      bos_token_id=1, eos_token_id=2, **common)
+
+
 def build(arch: str, attn: str = "eager", seed: int = 0, cfg=None, **kw):
     """A base model (AutoModel) of ``arch``, in eval mode, from a fixed seed."""
     from transformers import AutoModel

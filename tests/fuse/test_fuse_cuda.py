@@ -156,19 +156,8 @@ def _rope_model(model_type: str):
     by its function), ESM (rotate-half in fp32 on q.float(), called with unsqueeze_dim=1) and Phi (a quarter of each
     head rotated, sliced by the module); or a skip."""
     transformers = pytest.importorskip("transformers")
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    if model_type not in CONFIG_MAPPING:
-        pytest.skip(f"this transformers has no {model_type}")
-    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=128)
-    if model_type == "esm":
-        cfg = CONFIG_MAPPING["esm"](vocab_size=33, pad_token_id=1, mask_token_id=32, position_embedding_type="rotary",
-                                    **common)
-    else:
-        extra = dict(partial_rotary_factor=0.25) if model_type == "phi" else {}
-        cfg = CONFIG_MAPPING[model_type](vocab_size=97, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
-                                         eos_token_id=2, **common, **extra)
+    extra = dict(partial_rotary_factor=0.25) if model_type == "phi" else {}
+    cfg = models.rope_config(model_type, hidden=128, max_positions=128, **extra)
     torch.manual_seed(0)
     return transformers.AutoModel.from_config(cfg, attn_implementation="eager")
 

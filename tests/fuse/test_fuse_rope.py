@@ -585,18 +585,7 @@ def test_calls_the_kernel_would_not_take_run_the_models_code():
 
 def _masked_lm(model_type: str, dtype=torch.float32):
     """A tiny ESM (rotary position embedding) or ModernBERT masked LM in ``dtype``, or a skip."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    if model_type not in CONFIG_MAPPING:
-        pytest.skip(f"this transformers has no {model_type}")
-    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=64)
-    if model_type == "esm":
-        cfg = CONFIG_MAPPING["esm"](vocab_size=33, pad_token_id=1, mask_token_id=32, position_embedding_type="rotary",
-                                    **common)
-    else:
-        cfg = CONFIG_MAPPING["modernbert"](vocab_size=97, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                           cls_token_id=1, sep_token_id=2, **common)
+    cfg = models.rope_config(model_type)
     torch.manual_seed(0)
     return transformers.AutoModelForMaskedLM.from_config(cfg, attn_implementation="eager").to(dtype).eval()
 
