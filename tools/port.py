@@ -72,9 +72,22 @@ def cmd_add(a) -> int:
     p = _porter(a)
     before = {s.id: s for s in p.states()}
     unrecorded = p.unrecorded()
-    ids = p.add(a.ids)
+    o = p.add_outcome(a.ids)
+    ids = o["added"] + list(o["re-recorded"]) + o["re-vendored"]
+    # only a kernel new to kernels.lock is "added" (a review: our own kernel whose record matched its files, and a
+    # ported one re-vendored over an edit, were "added" too)
+    if o["added"]:
+        out.print(f"added {len(o['added'])} kernel(s): {', '.join(o['added'])}")
+    if o["re-recorded"]:
+        what = [f"{kid} ({', '.join(fs)})" for kid, fs in o["re-recorded"].items()]
+        out.print(f"re-recorded {len(what)} kernel(s) of this project in kernels.lock (what changed since it recorded "
+                  f"them): {', '.join(what)}", markup=False)
+    if o["re-vendored"]:
+        out.print(f"re-vendored {len(o['re-vendored'])} kernel(s) already in kernels.lock, from the pinned source(s): "
+                  f"{', '.join(o['re-vendored'])}", markup=False)
+    if ids and o["in_place"]:
+        out.print(f"already in place: {', '.join(o['in_place'])}", markup=False)
     if ids:
-        out.print(f"added {len(ids)} kernel(s): {', '.join(ids)}")
         # a source's folder is written whole, with the other kernels kernels.lock holds of it: say so (a walkthrough:
         # `add fused_layernorm` in a fresh clone wrote six kernels' files and named one), and name the local edits
         # of those kernels' files that it replaced (a review: they went without a word)
@@ -88,7 +101,8 @@ def cmd_add(a) -> int:
             out.print(f"restored with them, from the same source(s) as kernels.lock records them: {', '.join(back)}")
         _print_replaced(edited, before, "from the pinned source(s)")
     else:
-        out.print("nothing to add: every kernel named is already vendored at its pin and verifies")
+        out.print("nothing to add: every kernel named is already in place (vendored at its pin, or this project's own "
+                  "with kernels.lock recording its files as they are) and verifies")
     _print_unrecorded(p, unrecorded)
     return 0
 

@@ -109,6 +109,21 @@ def record_differs(locked, declared) -> str:
     return ""
 
 
+def _record_changes(old, new, kid: str) -> list[str]:
+    """The paths whose record kernel ``kid`` has otherwise in lock ``new`` than in lock ``old`` (its files, added,
+    dropped or re-hashed, then its source's license files), plus ``"license"``, ``"pin"`` or ``"source"`` where those
+    changed."""
+    ok, nk = old.kernels[kid], new.kernels[kid]
+    files = sorted(f for f in set(ok.files) | set(nk.files) if ok.files.get(f) != nk.files.get(f))
+    os_, ns = old.sources.get(ok.source), new.sources.get(nk.source)
+    if ok.source != nk.source or os_ is None or ns is None:
+        return files + ["source"]
+    lic = sorted(f for f in set(os_.license_files) | set(ns.license_files)
+                 if os_.license_files.get(f) != ns.license_files.get(f))
+    return files + lic + (["license"] if os_.license != ns.license else []) + \
+        (["pin"] if dict(os_.pin) != dict(ns.pin) or os_.kind != ns.kind else [])
+
+
 def kernel_disagrees(declared, locked) -> str:
     """How kernels.lock's entry ``locked`` of a kernel disagrees with its kernels.yaml entry ``declared`` (None: not
     there) in its source or its files, or "". Either file may be the one that changed: the words name both (a review:
@@ -456,19 +471,47 @@ class Porter:
 
         A ported kernel already vendored at that pin, with the same files, whose files and license verify, is left
         as it is (nothing fetched), and so is the rest of its source's folders; our own kernels (a local source) are
-        hashed again, which records an edit. A ported kernel added is written with its source's folders whole, as
-        kernels.lock records them: the other locked kernels' files are restored from the pin (local edits replaced)
-        and files kernels.lock does not record there are removed (:meth:`unrecorded`; ``tools/port.py`` names both).
-        Returns the kernel ids added. Raises PortError (or a subclass) and changes nothing on any failure:
-        unknown id (message lists close matches), fetch/network failure, archive sha256 mismatch, a file or
-        license file missing in the source, a license not allowed, a header missing from ``files``.
+        hashed again, which records an edit (a kernel of ours whose record already matches its files is left as it
+        is). A ported kernel added is written with its source's folders whole, as kernels.lock records them: the
+        other locked kernels' files are restored from the pin (local edits replaced) and files kernels.lock does not
+        record there are removed (:meth:`unrecorded`; ``tools/port.py`` names both).
+        Returns the kernel ids added, re-recorded or re-vendored (:meth:`add_outcome` tells which). Raises PortError
+        (or a subclass) and changes nothing on any failure: unknown id (message lists close matches), fetch/network
+        failure, archive sha256 mismatch, a file or license file missing in the source, a license not allowed, a
+        header missing from ``files``.
         """
+        o = self.add_outcome(names)
+        return o["added"] + list(o["re-recorded"]) + o["re-vendored"]
+
+    def add_outcome(self, names: Iterable[str]) -> dict:
+        """:meth:`add`, telling what it did to each kernel named (a review: `add` of our own kernel whose record
+        matched its files, or of a ported kernel already in kernels.lock whose file was edited, said "added").
+
+        Returns ``{"added": [ids new to kernels.lock], "re-recorded": {id: [paths whose record changed]} (our own
+        kernels whose files changed since kernels.lock recorded them; license files too), "re-vendored": [ported ids
+        already in kernels.lock, written again from the pin], "in_place": [ids left as they are]}``; raises as
+        :meth:`add` does."""
+        out: dict = {"added": [], "re-recorded": {}, "re-vendored": [], "in_place": []}
         with self.locked() as lock:
-            ids = self._resolve_ids(names)
-            in_place = [kid for kid in ids if self._vendored_and_verified(lock, kid)]
-            ids = [kid for kid in ids if kid not in in_place]
+            named = self._resolve_ids(names)
+            in_place = [kid for kid in named if self._vendored_and_verified(lock, kid)]
+            ids = [kid for kid in named if kid not in in_place]
             if ids:
                 new, trees = self._plan_add(lock, ids)
+                for kid in ids:
+                    sid = new.kernels[kid].source
+                    if kid not in lock.kernels:
+                        out["added"].append(kid)
+                    elif not self.manifest.sources[sid].is_local:
+                        out["re-vendored"].append(kid)
+                    else:
+                        changed = _record_changes(lock, new, kid)
+                        if changed:
+                            out["re-recorded"][kid] = changed
+                        else:
+                            in_place.append(kid)
+                ids = [kid for kid in ids if kid not in in_place]
+            if ids:
                 dropped = self._drop_unused_sources(new)
                 # kernels that kernels.yaml moved to another source leave their old source's folder (which keeps
                 # its other kernels' files)
@@ -480,12 +523,19 @@ class Porter:
                     self._stage_departed(tx, lock, new, moved, left, dropped)
 
                 self._commit(lock, new, trees, extra=stage)
-        for kid in in_place:
-            self.log(f"{kid} is already vendored at {self.manifest.sources[self.manifest.kernels[kid].source].describe_pin()}"
-                     " and verifies: nothing fetched")
+        out["in_place"] = [kid for kid in named if kid in in_place]
+        for kid in out["in_place"]:
+            src = self.manifest.sources[self.manifest.kernels[kid].source]
+            self.log(f"{kid} is this project's own ({src.describe_pin()}) and kernels.lock records its files as they "
+                     "are: nothing changed" if src.is_local else
+                     f"{kid} is already vendored at {src.describe_pin()} and verifies: nothing fetched")
         for kid in ids:
-            self.log(f"added {kid} ({self.manifest.sources[self.manifest.kernels[kid].source].describe_pin()})")
-        return ids
+            pin = self.manifest.sources[self.manifest.kernels[kid].source].describe_pin()
+            if kid in out["re-recorded"]:
+                self.log(f"re-recorded {kid} ({pin}): {', '.join(out['re-recorded'][kid])}")
+            else:
+                self.log(f"{'re-vendored' if kid in out['re-vendored'] else 'added'} {kid} ({pin})")
+        return out
 
     def _vendored_and_verified(self, lock: Lock, kid: str) -> bool:
         """Whether ported kernel ``kid`` is in kernels.lock at the manifest's pin with the manifest's files, and its

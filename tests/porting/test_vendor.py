@@ -340,7 +340,9 @@ def test_cli_add_names_the_kernels_restored_with_it(git_repo):
     r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "--root", str(repo.root), "add", "alpha"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "added 1 kernel(s): up/alpha" in r.stdout and "restored with them" in r.stdout and "up/beta" in r.stdout
+    # (a review: up/alpha was in kernels.lock already: it is re-vendored, not "added")
+    assert "re-vendored 1 kernel(s) already in kernels.lock, from the pinned source(s): up/alpha" in r.stdout
+    assert "restored with them" in r.stdout and "up/beta" in r.stdout and "added" not in r.stdout, r.stdout
 
 
 def test_cli_add_names_the_local_edits_it_replaced(git_repo):
@@ -399,7 +401,8 @@ def test_add_keeps_or_names_files_kernels_lock_does_not_record(git_repo):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout.replace("\n", " ")
-    assert "added 1 kernel(s): up/alpha" in out and "removed files not recorded in kernels.lock" in out, r.stdout
+    assert "re-vendored 1 kernel(s)" in out and "up/alpha" in out, r.stdout
+    assert "removed files not recorded in kernels.lock" in out, r.stdout
     assert "vendor/up/my_patches/fix.patch" in out and "left in place" not in out, r.stdout
     assert not mine.exists() and repo.porter().verify() == []
     assert {s.id: s.state for s in repo.porter().states()} == {"up/alpha": "verified", "up/beta": "verified"}
@@ -920,6 +923,56 @@ def test_a_kill_while_the_journal_is_rewritten_leaves_the_previous_one(sdist_rep
     notes = []
     assert repo.porter(log=notes.append).verify() == [] and repo.snapshot() == before
     assert any("rolled back interrupted transaction" in n for n in notes), notes
+
+
+def test_cli_add_says_added_only_of_a_kernel_new_to_the_lock(git_repo):
+    """A review: `port.py add` of our own kernel whose kernels.lock record matched its files said "added 1 kernel(s)"
+    (and logged "added ... (local:.)") with kernels.lock unchanged, where a ported kernel in place gets "nothing to
+    add"; and `add` of a ported kernel already in kernels.lock whose vendored file was edited said "added" where it
+    re-vendored it. Now: in place, "nothing to add"; our own kernel's files changed, "re-recorded" with the files;
+    a ported kernel written again, "re-vendored"; "added" only of a kernel new to kernels.lock."""
+    repo = git_repo
+
+    def said_added(r):   # (the word: the test's folder, in the pin of the source, holds "_added_")
+        return re.search(r"\badded\b", r.stdout + r.stderr)
+
+    cu = declare_our_own_kernel(repo)
+    src = source_yaml("up", f"git: {{url: '{repo.upstream.working_tree_dir}', commit: {repo.upstream.head.commit.hexsha}}}")
+    repo.write_manifest(source_yaml("pipegoose", "local: {path: .}", license="MIT") + src,   # and a ported kernel
+                        kernel_yaml("pipegoose/ours", "pipegoose", ["pipegoose/kernels/csrc/ours.cu"], "ours_fwd",
+                                    "ours_forward", include_dirs="[]") + K_ALPHA)
+    cli = [sys.executable, str(ROOT / "tools/port.py"), "--root", str(repo.root), "add"]
+    r = subprocess.run(cli + ["ours", "alpha"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "added 2 kernel(s): pipegoose/ours, up/alpha" in r.stdout, r.stdout
+    lock = (repo.root / "kernels.lock").read_bytes()
+    # both in place
+    r = subprocess.run(cli + ["ours", "alpha"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "nothing to add" in r.stdout and not said_added(r), r.stdout + r.stderr
+    assert "pipegoose/ours is this project's own (local:.) and kernels.lock records its files as they are" in \
+        " ".join(r.stderr.split()), r.stderr
+    assert (repo.root / "kernels.lock").read_bytes() == lock
+    assert repo.porter().add_outcome(["ours"]) == {"added": [], "re-recorded": {}, "re-vendored": [],
+                                                    "in_place": ["pipegoose/ours"]}
+    # our own file changed: re-recorded, naming it; the other kernel named stays in place
+    cu.write_text("int ours_fwd(int x) { return x + 1; }\n")
+    r = subprocess.run(cli + ["ours", "alpha"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = " ".join(r.stdout.split())
+    assert "re-recorded 1 kernel(s) of this project in kernels.lock (what changed since it recorded them): " \
+           "pipegoose/ours (pipegoose/kernels/csrc/ours.cu)" in out, out
+    assert "already in place: up/alpha" in out and not said_added(r), r.stdout + r.stderr
+    assert (repo.root / "kernels.lock").read_bytes() != lock and repo.porter().verify() == []
+    # a ported kernel's vendored file edited: re-vendored (the edit it replaced is named), not added
+    edited = repo.root / "vendor/up/csrc/kernels/alpha.cu"
+    edited.write_text(edited.read_text() + "// a local edit\n")
+    r = subprocess.run(cli + ["alpha"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = " ".join(r.stdout.split())
+    assert "re-vendored 1 kernel(s) already in kernels.lock, from the pinned source(s): up/alpha" in out, out
+    assert "replaced the local changes" in out and not said_added(r), r.stdout + r.stderr
+    assert repo.porter().verify() == []
 
 
 def test_local_source_is_hashed_in_place(repo):
