@@ -369,3 +369,25 @@ def test_the_layer_table_names_what_each_layer_may_import():
                 if file not in text:
                     missing.append(f"{layer}: {name} only in {file}")
     assert missing == []
+
+
+def test_the_raw_ops_are_said_to_take_cuda_tensors_only():
+    """A review ran the README's KernelBuilder snippet on CPU tensors and met torch's "Could not run
+    'pipegoose::...' with arguments from the 'CPU' backend": the snippet uses CUDA tensors, and the README, the
+    docstring and the repr of the loaded ops (KernelOps) say the raw ops take CUDA tensors only and that the
+    functional API has the CPU reference path."""
+    from pipegoose.kernels.builder import KernelOps
+    from pipegoose.kernels.manifest import load_manifest
+
+    building = _section(README.read_text(encoding="utf-8"), "## Building: `pipegoose.kernels`")
+    snippet = building[building.index("```python"):building.index("```", building.index("```python") + 3)]
+    assert "fused_layer_norm_affine_forward(x, " in snippet and 'device="cuda"' in snippet, snippet
+    told = " ".join(building.split())
+    assert "The raw ops take CUDA tensors only (meta tensors work through the fake implementations" in told, told
+    assert "the functional API (`pipegoose.nn.fusion.functional`" in told and "CPU reference path" in told, told
+    doc = " ".join(KernelOps.__doc__.split())
+    assert "The raw ops take CUDA tensors only (meta tensors work through the fake implementations" in doc, doc
+    assert "pipegoose.nn.fusion.functional" in doc and "CPU reference path" in doc, doc
+    kernel = load_manifest(REPO / "kernels.yaml").kernels["apex/fused_layer_norm"]
+    shown = repr(KernelOps(kernel, Path("/x/lib.so"), "key", {op: None for op in kernel.ops}, built=False))
+    assert "CUDA tensors only" in shown and "pipegoose.nn.fusion.functional" in shown, shown

@@ -16,7 +16,7 @@ place of torch's, whose table lacks some architectures nvcc builds (8.8, 10.0f w
 Example::
 
     ops = KernelBuilder.from_name("fused_layernorm").load()     # alias -> apex/fused_layer_norm
-    y, mean, invvar = ops.fused_layer_norm_affine_forward(x, [h], w, b, 1e-5)
+    y, mean, invvar = ops.fused_layer_norm_affine_forward(x, [h], w, b, 1e-5)   # CUDA tensors (KernelOps)
 
     class FusedLayerNormBuilder(KernelBuilder):
         def absolute_name(self):
@@ -112,6 +112,10 @@ class BuildResult:
 class KernelOps:
     """The loaded ops of one kernel: attribute ``<op>`` is ``torch.ops.pipegoose.<op>`` for each manifest entry.
 
+    The raw ops take CUDA tensors only (meta tensors work through the fake implementations; CPU tensors get torch's
+    "Could not run 'pipegoose::...' with arguments from the 'CPU' backend"); the functional API
+    (:mod:`pipegoose.nn.fusion.functional`) is the one with a CPU reference path.
+
     Also ``.kernel`` (the manifest :class:`~pipegoose.kernels.manifest.Kernel`), ``.library_path``,
     ``.build_key`` and ``.built`` (True when this process compiled it rather than taking it from the cache).
     """
@@ -138,7 +142,9 @@ class KernelOps:
         return tuple(self._ops)
 
     def __repr__(self) -> str:
-        return f"KernelOps({self.kernel.id}, ops=[{', '.join(self._ops)}], library={self.library_path})"
+        # (a review: the README's snippet, run on CPU tensors, met torch's "Could not run ... 'CPU' backend")
+        return (f"KernelOps({self.kernel.id}, ops=[{', '.join(self._ops)}], library={self.library_path}; "
+                f"CUDA tensors only, pipegoose.nn.fusion.functional has the CPU reference path)")
 
 
 _LOADED: dict[tuple[str, str], KernelOps] = {}
