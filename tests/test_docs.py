@@ -391,3 +391,15 @@ def test_the_raw_ops_are_said_to_take_cuda_tensors_only():
     kernel = load_manifest(REPO / "kernels.yaml").kernels["apex/fused_layer_norm"]
     shown = repr(KernelOps(kernel, Path("/x/lib.so"), "key", {op: None for op in kernel.ops}, built=False))
     assert "CUDA tensors only" in shown and "pipegoose.nn.fusion.functional" in shown, shown
+
+
+def test_the_readme_gives_one_duration_for_the_quick_test_run():
+    """A review: `pytest -m "not slow and not network"` ran "in minutes" in one paragraph of the README and took
+    "5.5-16 minutes" in the next. Every sentence naming that run with a duration gives the same one."""
+    text = README.read_text(encoding="utf-8")
+    said = []
+    for m in re.finditer(r'-m\s+"not\s+slow\s+and\s+not\s+network"`', text):
+        after = " ".join(text[m.end():].split())
+        after = after[:re.search(r"\.(\s|$)", after).start()]   # the rest of its sentence
+        said += re.findall(r"in minutes|[0-9.]+-[0-9.]+ minutes", after)[:1]
+    assert len(said) >= 2 and set(said) == {"5.5-16 minutes"}, said
