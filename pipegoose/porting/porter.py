@@ -480,15 +480,18 @@ class Porter:
         failure, archive sha256 mismatch, a file or license file missing in the source, a license not allowed, a
         header missing from ``files``.
         """
+        names = list(names)
         o = self.add_outcome(names)
-        return o["added"] + list(o["re-recorded"]) + o["re-vendored"]
+        done = set(o["added"]) | set(o["re-recorded"]) | set(o["re-vendored"])
+        return [kid for kid in self._resolve_ids(names) if kid in done]   # (in the order named)
 
     def add_outcome(self, names: Iterable[str]) -> dict:
         """:meth:`add`, telling what it did to each kernel named (a review: `add` of our own kernel whose record
         matched its files, or of a ported kernel already in kernels.lock whose file was edited, said "added").
 
         Returns ``{"added": [ids new to kernels.lock], "re-recorded": {id: [paths whose record changed]} (our own
-        kernels whose files changed since kernels.lock recorded them; license files too), "re-vendored": [ported ids
+        kernels whose files changed since kernels.lock recorded them; license files too, and "license", "pin" or
+        "source" where those changed), "re-vendored": [ported ids
         already in kernels.lock, written again from the pin], "in_place": [ids left as they are]}``; raises as
         :meth:`add` does."""
         out: dict = {"added": [], "re-recorded": {}, "re-vendored": [], "in_place": []}
