@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -345,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         from .builder import quiet
 
         quiet()
+    restore = _on_sigterm_raise() if args.cmd == "build" else None
     try:
         if args.cmd == "doctor":
             return _doctor(args)
@@ -357,11 +360,36 @@ def main(argv: list[str] | None = None) -> int:
     except ManifestError as e:  # --manifest: missing, unreadable or invalid (the message names the file)
         print(f"python -m pipegoose.kernels {args.cmd}: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (builds are cached only once complete)
-        print(f"python -m pipegoose.kernels {args.cmd}: interrupted; a kernel whose build had not finished is not "
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: a line, not a traceback (builds are cached only once complete)
+        how = "terminated (SIGTERM)" if isinstance(e, _Terminated) else "interrupted"
+        print(f"python -m pipegoose.kernels {args.cmd}: {how}; a kernel whose build had not finished is not "
               "cached (its temp folder, if one is left, is removed by: python -m pipegoose.kernels clean)",
               file=sys.stderr)
-        return 130
+        return 128 + signal.SIGTERM if isinstance(e, _Terminated) else 130
+    finally:
+        if restore is not None:
+            restore()
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM during ``build`` (a job scheduler's stop, ``timeout``, ``kill``): handled as Ctrl-C is (the queued
+    builds cancelled, the running workers stopped, one line), with exit status 143. It used to end the process at once
+    with status 143 and no word, the workers left to notice their parent was gone."""
+
+
+def _on_sigterm_raise():
+    """Make SIGTERM raise :class:`_Terminated` in the main thread; returns a function that puts back the handler it
+    replaced, or None where signals cannot be set here (not the main thread, as when ``main`` is called from a
+    test's thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    # (None: a handler set outside Python; the default is the nearest we can put back)
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 if __name__ == "__main__":

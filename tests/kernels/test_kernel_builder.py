@@ -826,6 +826,34 @@ def test_cli_build_of_a_key_held_elsewhere_is_busy_not_failed(tiny, monkeypatch)
         holder.wait()
 
 
+def test_cli_build_sigterm_is_a_line_and_stops_the_build(tiny):
+    """A review (session 62): ``build`` killed by SIGTERM (``timeout``, a job scheduler) ended with status 143 and no
+    word, its workers left to notice that their parent was gone. Now SIGTERM is handled as Ctrl-C is: the running
+    builds are stopped (here one waiting for another process's build of its key), one line says what is left, no
+    traceback, exit status 143, nothing cached."""
+    manifest, _op, cache_dir = tiny
+    b = KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir)
+    holder = _hold_lock(cache_dir, b.build_key(), soft=False)
+    p = None
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "build", "tiny"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(cache_dir))
+        t0 = time.monotonic()
+        while "waiting" not in p.stdout.readline():   # the CLI's line once the build waits for the held lock
+            assert p.poll() is None and time.monotonic() - t0 < 120, "build did not reach the held lock"
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 143, (p.returncode, out, err)
+        assert "build: terminated (SIGTERM)" in err and "pipegoose.kernels clean" in err, err
+        assert "Traceback" not in err, err
+        assert b.cached() is None
+    finally:
+        if p is not None and p.poll() is None:
+            p.kill()
+        holder.kill()
+        holder.wait()
+
+
 def test_a_stop_ends_the_wait_for_another_build(tiny):
     """A fresh-clone review (session 60): Ctrl-C of ``build`` while another process built the same key waited for that
     build to end (up to PIPEGOOSE_BUILD_LOCK_TIMEOUT, an hour): the waiting thread never looked at the stop. Now
