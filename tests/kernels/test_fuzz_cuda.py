@@ -21,6 +21,7 @@ Reproduce a failure: its message names the case's draw; ``PIPEGOOSE_FUZZ_SEED=<n
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -420,3 +421,112 @@ def test_fused_linear_cross_entropy(case):
         assert not (got.isnan() & ~want.isnan()).any(), f"{name}: NaN where the reference has none; case {what}"
         torch.testing.assert_close(got, want, atol=t["atol"] + slack, rtol=t["rtol"], equal_nan=every_row_ignored,
                                    msg=lambda m: f"{name} vs float64 (slack {slack:.3g}), case {what}: {m}")
+
+
+# --- FusedAdam and clip_grad_norm_ -----------------------------------------------------------------------------
+
+def param_shapes(r: random.Random) -> list:
+    """1-300 parameters of 0 to 2**18 elements (odd sizes, empty ones, 1-3 dims), at most MAX_NUMEL in all."""
+    shapes, total = [], 0
+    for _ in range(log_int(r, 1, 300)):
+        n = 0 if shapes and r.random() < 0.03 else log_int(r, 1, 1 << 18)   # (the first one not empty)
+        if total + n > MAX_NUMEL:
+            break
+        total += n
+        dims = r.choice((1, 1, 2, 3))
+        shape = [n]
+        for _ in range(dims - 1):   # split n into factors where it has them
+            f = next((d for d in (2, 3, 4, 8) if shape[0] % d == 0 and shape[0] > d), 1)
+            shape = [shape[0] // f, f, *shape[1:]]
+        shapes.append(tuple(shape))
+    return shapes
+
+
+@pytest.mark.parametrize("case", range(CASES))
+def test_fused_adam(case):
+    from adam_reference import adam_state, adam_step64
+
+    from pipegoose.nn.fusion import FusedAdam
+
+    r = draw("adam", case)
+    shapes = param_shapes(r)
+    dtypes = [r.choice(DTYPES) for _ in shapes] if r.random() < 0.5 else [r.choice(DTYPES)] * len(shapes)
+    lr = math.exp(r.uniform(math.log(1e-3), math.log(0.3)))
+    betas = (0.9, 0.999) if r.random() < 0.5 else (round(r.uniform(0.8, 0.95), 3), round(r.uniform(0.95, 0.9999), 4))
+    eps = r.choice((1e-8, 1e-6))
+    wd = r.choice((0.0, 0.01, 0.1))
+    w_mode = r.random() < 0.7
+    bias_correction = r.random() < 0.8
+    steps_before = r.choice((0, 1, 6, 999))
+    what = [f"seed {SEED}", f"{len(shapes)} params", f"dtypes {sorted({str(d) for d in dtypes})}", f"lr {lr:.3g}",
+            f"betas {betas}", f"eps {eps}", f"weight_decay {wd}", f"adam_w_mode {w_mode}",
+            f"bias_correction {bias_correction}", f"steps before {steps_before}"]
+    seed = r.getrandbits(31)
+    params, wants = [], []
+    for i, (shape, dt) in enumerate(zip(shapes, dtypes)):
+        (p,), (g,), (m,), (v,) = adam_state([shape], dt, DEV, seed=seed + i)
+        p = torch.nn.Parameter(p)
+        p.grad = g
+        params.append((p, m, v))
+        wants.append(adam_step64(p.detach(), g, m, v, steps_before + 1 if bias_correction else None, lr, betas, eps,
+                                 wd, w_mode))
+    opt = FusedAdam([p for p, _, _ in params], lr=lr, betas=betas, eps=eps, weight_decay=wd, adam_w_mode=w_mode,
+                    bias_correction=bias_correction, impl="pipegoose")
+    for p, m, v in params:   # a run already under way: its moments and step count
+        opt.state[p] = dict(step=torch.tensor(float(steps_before)), exp_avg=m, exp_avg_sq=v)
+    opt.step()
+    torch.cuda.synchronize()
+    if any(p.numel() for p, _, _ in params):
+        ran_kernel("adam")
+    for i, ((p, _, _), want) in enumerate(zip(params, wants)):
+        st = opt.state[p]
+        assert float(st["step"]) == steps_before + 1, (float(st["step"]), what)
+        for name, got, ref in zip(("param", "exp_avg", "exp_avg_sq"), (p.detach(), st["exp_avg"], st["exp_avg_sq"]),
+                                  want):
+            close(f"{name}[{i}] {tuple(got.shape)}", got, ref.to(DEV), what, dtype=p.dtype)
+
+
+@pytest.mark.parametrize("case", range(CASES))
+def test_clip_grad_norm(case):
+    from pipegoose.nn.fusion import clip_grad_norm_
+
+    r = draw("clip_grad_norm", case)
+    shapes = param_shapes(r)
+    dtypes = [r.choice(DTYPES) for _ in shapes] if r.random() < 0.5 else [r.choice(DTYPES)] * len(shapes)
+    norm_type = r.choice((1.0, 2.0, 2.0, float("inf")))
+    if math.isinf(norm_type):   # (torch's inf norm of an empty gradient raises: "does not have an identity")
+        shapes = [s for s in shapes if math.prod(s) > 0]
+    g = gen(r)
+    params = []
+    for shape, dt in zip(shapes, dtypes):
+        p = torch.nn.Parameter(torch.zeros(shape, device=DEV, dtype=dt))
+        p.grad = randn(shape, g, dt, scale=r.choice((1e-3, 1.0, 30.0)))
+        params.append(p)
+    # an fp16 group's norm past fp16's range is inf in torch (it takes each dtype group's norm in that dtype): that
+    # overflow is tested elsewhere (test_fusion_cuda.py); here the fp16 groups stay within range
+    half = [p for p in params if p.dtype == torch.float16]
+    if half:
+        n16 = float(torch.linalg.vector_norm(torch.cat([p.grad.double().flatten() for p in half]), norm_type))
+        if n16 > 3e4:
+            for p in half:
+                p.grad = (p.grad.double() * (3e4 / n16)).to(torch.float16)
+    g64 = [p.grad.double() for p in params]
+    total64 = torch.linalg.vector_norm(torch.cat([t.flatten() for t in g64]), norm_type) if g64 else None
+    # max_norm around the total: clipped or not (an inf norm of fp16 gradients stays within fp16's range)
+    max_norm = float(total64) * r.choice((0.1, 0.9, 1.1, 1e9)) if total64 is not None else 1.0
+    what = [f"seed {SEED}", f"{len(shapes)} params", f"dtypes {sorted({str(d) for d in dtypes})}",
+            f"norm_type {norm_type}", f"max_norm {max_norm:.4g}", f"total {float(total64):.4g}"]
+    total = clip_grad_norm_(params, max_norm, norm_type, impl="pipegoose")
+    torch.cuda.synchronize()
+    if any(p.numel() for p in params):
+        ran_kernel("clip_grad_norm")
+    coarse = max(dtypes, key=lambda d: TOLERANCES[d]["rtol"])
+    want_dtype = functools.reduce(torch.promote_types, dtypes)
+    assert total.dtype == want_dtype, (total.dtype, what)
+    close("total norm", total, total64, what, dtype=coarse)
+    coef = min(1.0, max_norm / (float(total64) + 1e-6))
+    for i, (p, want) in enumerate(zip(params, g64)):
+        # clipped: the coefficient comes from the total, whose precision is the coarsest dtype's (torch's too: it
+        # takes each dtype group's norm in that dtype)
+        close(f"grad[{i}] {tuple(p.shape)}", p.grad, want * coef, what,
+              dtype=p.dtype if coef == 1.0 else min_precision(p.dtype, coarse))
