@@ -15,7 +15,8 @@ the specialised ones, odd key lengths, frozen parameters with mixed dtypes, stri
   fused linear cross-entropy: chunkings from 1 row to all, bias or not.
 
 Reproduce a failure: its message names the case's draw; ``PIPEGOOSE_FUZZ_SEED=<n>`` (default 0) draws other cases and
-``PIPEGOOSE_FUZZ_CASES=<n>`` (default 24) sets how many per op, e.g.
+``PIPEGOOSE_FUZZ_CASES=<n>`` (default 24) sets how many per op, ``PIPEGOOSE_FUZZ_MAX_NUMEL=<n>`` (default 2**22) the
+elements of a case's largest tensor, e.g.
 ``PIPEGOOSE_FUZZ_SEED=7 python -m pytest -m cuda tests/kernels/test_fuzz_cuda.py``.
 """
 
@@ -42,7 +43,8 @@ DEV = "cuda"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SEED = int(os.environ.get("PIPEGOOSE_FUZZ_SEED", "0"))
 CASES = int(os.environ.get("PIPEGOOSE_FUZZ_CASES", "24"))
-MAX_NUMEL = 1 << 22   # elements of a case's largest tensor (each case stays well under a second)
+# elements of a case's largest tensor (2**22 by default: each case well under a second)
+MAX_NUMEL = int(os.environ.get("PIPEGOOSE_FUZZ_MAX_NUMEL", str(1 << 22)))
 
 
 @pytest.fixture(autouse=True)
