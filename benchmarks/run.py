@@ -135,6 +135,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.no_tuning = True
     if a.budget_s is not None and not a.budget_s > 0:
         ap.error(f"--budget-s: expected a number of seconds > 0, got {a.budget_s}")
+    # (nan passed, and min(limit, nan) in run_e2e is the limit: nan took the stage's bound away; a review)
+    if not a.e2e_budget_s > 0:
+        ap.error(f"--e2e-budget-s: expected a number of seconds > 0, got {a.e2e_budget_s}")
     if a.jobs < 1:
         ap.error(f"--jobs: expected an integer >= 1, got {a.jobs}")
     if a.device == "cpu" and not a.dry_run and not a.report_only:

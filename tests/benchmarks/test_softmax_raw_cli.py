@@ -116,6 +116,10 @@ def test_importing_run_leaves_strict_mode_alone():
     (["--e2e", "--e2e-batch", "qwen3=0"], "got 'qwen3=0'"),
     (["--e2e-models", "neox", "--e2e-batch", "neox=2"], "--e2e-models, --e2e-batch: only with --e2e"),
     (["--e2e-budget-s", "60"], "--e2e-budget-s: only with --e2e"),
+    (["--e2e", "--e2e-budget-s", "nan"], "--e2e-budget-s: expected a number of seconds > 0, got nan"),
+    (["--e2e", "--e2e-budget-s", "-5"], "--e2e-budget-s: expected a number of seconds > 0, got -5.0"),
+    (["--e2e", "--e2e-budget-s", "0"], "--e2e-budget-s: expected a number of seconds > 0, got 0.0"),
+    (["--budget-s", "nan"], "--budget-s: expected a number of seconds > 0, got nan"),
 ])
 def test_run_refuses_arguments_that_run_nothing(capsys, argv, expect):
     """A walkthrough: each of these ran nothing (or a run of skipped rows), exited 0 and replaced the day's results."""
