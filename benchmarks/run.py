@@ -101,6 +101,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"{', '.join(ignored)}: not with --report-only, which merges results and writes the reports "
                      "(only --out, --tuning-dir, --no-tuning and --overwrite go with it; the merged runs name their "
                      "device)")
+    if a.no_ops and not a.report_only:
+        # The op benchmarks' options with --no-ops were ignored without a word, as the end-to-end options were
+        # without --e2e (a review). (--quick, --dry-run and --device also shape the other stages, --jobs the
+        # --build-cost build; --no-build's build is the op benchmarks' alone: there is nothing it could change.)
+        ignored = [f"--{k.replace('_', '-')}" for k in ("only", "impls", "dtypes", "sizes", "budget_s", "no_compile")
+                   if getattr(a, k) != ap.get_default(k)]
+        if ignored:
+            ap.error(f"{', '.join(ignored)}: not with --no-ops, which skips the op and optimizer benchmarks")
     ops: list[str] = []
     if a.only.strip() and not _csv(a.only):
         ap.error(f"--only: expected op names, comma separated, got {a.only!r}")
@@ -126,6 +134,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         unknown = [i for i in _csv(a.impls) if i not in known]
         if unknown:
             ap.error(f"--impls: unknown {unknown}; expected some of {', '.join(known)}")
+        # an impl that none of the ops run has measured nothing, without a word (a review: --only softmax --impls
+        # torch_fused wrote a run of 0 measurements)
+        from .ops import OPS, impls_for
+
+        have = {i for o in a.ops for i in (impls_for(o) if o in OPS else ADAMW if o == "adamw" else CLIP)}
+        absent = [i for i in _csv(a.impls) if i not in have]
+        if absent:
+            ap.error(f"--impls: {absent} implement none of the ops run ({', '.join(a.ops)}); expected some of "
+                     f"{', '.join(i for i in known if i in have)}")
         # Some impls alone must not rewrite the tuning table either: its rules come from a comparison of every
         # dispatchable impl, and a run of one made it the winner of every size (a review: --impls torch_foreach
         # replaced the faster torch_fused's adam rule with torch's). Merge the run with --report-only instead.
@@ -152,8 +169,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.size_filter:
         from .ops import OPS, sizes_for
 
-        if a.report_only or a.no_ops:
-            ap.error("--sizes: only for the op benchmarks (not with --report-only or --no-ops)")
+        if a.report_only:
+            ap.error("--sizes: only for the op benchmarks (not with --report-only)")
         sized = [o for o in a.ops if o in OPS]
         if not sized or len(sized) != len(a.ops):
             ap.error(f"--sizes: every op run must be a sized op ({', '.join(OPS)}); got {', '.join(a.ops)} "

@@ -64,7 +64,7 @@ def test_run_sizes_filter(capsys):
             (["--only", "softmax,layer_norm", "--sizes", "64,512"], "--sizes: [64] not among the full sizes of softmax"),
             (["--only", "softmax,adamw", "--sizes", "512"], "every op run must be a sized op"),
             (["--sizes", "512"], "every op run must be a sized op"),
-            (["--only", "softmax", "--sizes", "512", "--no-ops"], "not with --report-only or --no-ops"),
+            (["--only", "softmax", "--sizes", "512", "--no-ops"], "--only, --sizes: not with --no-ops"),
             (["--only", "softmax", "--sizes", "512", "--tuning-dir", "t"], "does not write a tuning table")):
         with pytest.raises(SystemExit):
             bench_run.parse_args(argv)
@@ -120,6 +120,16 @@ def test_importing_run_leaves_strict_mode_alone():
     (["--e2e", "--e2e-budget-s", "-5"], "--e2e-budget-s: expected a number of seconds > 0, got -5.0"),
     (["--e2e", "--e2e-budget-s", "0"], "--e2e-budget-s: expected a number of seconds > 0, got 0.0"),
     (["--budget-s", "nan"], "--budget-s: expected a number of seconds > 0, got nan"),
+    # the op benchmarks' options with --no-ops, which skips them (a review: ignored without a word)
+    (["--no-ops", "--e2e", "--only", "softmax"], "--only: not with --no-ops"),
+    (["--no-ops", "--e2e", "--dtypes", "bf16", "--budget-s", "60"], "--dtypes, --budget-s: not with --no-ops"),
+    (["--no-ops", "--build-cost", "--impls", "pipegoose"], "--impls: not with --no-ops"),
+    (["--no-ops", "--e2e", "--no-compile"], "--no-compile: not with --no-ops"),
+    # an impl that none of the ops run has (a review: a run of 0 measurements, exit 0)
+    (["--only", "softmax", "--impls", "torch_fused"], "--impls: ['torch_fused'] implement none of the ops run "
+                                                      "(softmax); expected some of eager, native, compile, liger, "
+                                                      "torch, megatron, pipegoose"),
+    (["--only", "adamw,layer_norm", "--impls", "pipegoose,torch_loop,megatron"], "--impls: ['torch_loop', 'megatron']"),
 ])
 def test_run_refuses_arguments_that_run_nothing(capsys, argv, expect):
     """A walkthrough: each of these ran nothing (or a run of skipped rows), exited 0 and replaced the day's results."""
