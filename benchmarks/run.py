@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--overwrite", action="store_true", help="replace the results of an earlier run of the day in "
                                                              "the same --out folder (refused without it)")
     ap.add_argument("--report-only", nargs="+", default=None, metavar="DIR",
-                    help="merge these run folders' results.json (later wins) and rewrite the reports")
+                    help="merge these run folders' results.json (the newer run wins) and rewrite the reports")
     a = ap.parse_args(argv)
     if a.no_tuning and a.tuning_dir:
         ap.error("--tuning-dir: not with --no-tuning, which writes no tuning table")
@@ -428,10 +428,10 @@ def report_only(args: argparse.Namespace) -> int:
     ms: dict[tuple, Measurement] = {}
     commands: list[str] = []
     e2e: dict[tuple, dict] = {}
-    hidden: list[str] = []  # later rows of a crash or a hang that an earlier measurement outlives, runs out of order
-    last_date: tuple | None = None  # the newest run so far: (time, path)
+    hidden: list[str] = []  # later rows of a crash or a hang that an earlier measurement outlives, the merge order
+    loaded: list[tuple] = []   # (time in UTC, argument index, path, data, measurements) of each run
     gpu = None
-    for d in args.report_only:
+    for i, d in enumerate(args.report_only):
         p = Path(d) / "results.json" if Path(d).is_dir() else Path(d)
         try:
             data, measurements = load_json(p)
@@ -443,16 +443,15 @@ def report_only(args: argparse.Namespace) -> int:
             raise SystemExit(f"--report-only: {p} was measured on {env['gpu']}, the runs before it on {gpu}: "
                              "results of different GPUs are not merged")
         gpu = env["gpu"]
-        # later arguments win: say so where a run is older than one before it (a walkthrough: newest first let an
-        # older run replace a newer one without a word)
-        when = _run_time(env.get("date"))
-        if when and last_date and when < last_date[0]:
-            # (the dates as written, and in UTC: a run of 2026-12-03 at +05:00 can be the older)
-            hidden.append(f"{p} (run {env['date']}, {when:%Y-%m-%d %H:%M} UTC) is older than {last_date[1]} "
-                          f"({last_date[0]:%Y-%m-%d %H:%M} UTC), which comes before it: its rows replace that run's "
-                          "(later arguments win)")
-        if when and (not last_date or when >= last_date[0]):
-            last_date = (when, p)
+        loaded.append((_run_time(env["date"]), i, p, data, measurements))   # (_check_run: a date it reads)
+    # Runs merge in order of their dates in UTC, of equal dates in the order given: the newer measurement wins. (Later
+    # arguments won, and an older run given last replaced a newer one's rows, with a note: a review. Compared as text,
+    # 2026-12-03T01:00+05:00 came after 2026-12-02T23:00+00:00, which is later: an earlier review.)
+    loaded.sort(key=lambda r: (r[0], r[1]))
+    if [r[1] for r in loaded] != sorted(r[1] for r in loaded):
+        hidden.append("the runs were merged in order of their dates in UTC, the newer winning, not as given: "
+                      + ", ".join(f"{p} ({when:%Y-%m-%d %H:%M} UTC)" for when, _, p, _, _ in loaded))
+    for _, _, p, data, measurements in loaded:
         cmd = (data.get("config") or {}).get("command")
         for c in ([cmd] if isinstance(cmd, str) else cmd or []):
             if c not in commands:

@@ -538,10 +538,17 @@ def test_report_only_refuses_what_it_would_ignore_or_lose(tmp_path, monkeypatch,
     with pytest.raises(SystemExit, match="exists: pass another --out, or --overwrite"):
         main(["--report-only", new, "--out", str(out), "--no-tuning"])
     assert len(load_json(out / "nvidia_h200_2026-12-02" / "results.json")[0]["e2e"]) == 2
-    # newest first: the older run's rows win, and the merge says so
+    # newest first: the runs merge in order of their dates all the same, the newer winning (a review: the later
+    # argument won, the older run's rows replacing the newer one's), and the merge says it reordered them
     capsys.readouterr()
     assert main(["--report-only", new, old, "--out", str(tmp_path / "reversed"), "--no-tuning"]) == 0
-    assert "old/results.json (run 2026-12-01T01:00:00+00:00, 2026-12-01 01:00 UTC) is older than" in capsys.readouterr().out
+    assert (f"note: the runs were merged in order of their dates in UTC, the newer winning, not as given: "
+            f"{old}/results.json (2026-12-01 01:00 UTC), {new}/results.json (2026-12-02 01:00 UTC)"
+            in capsys.readouterr().out)
+    data, _ = load_json(tmp_path / "reversed" / "nvidia_h200_2026-12-02" / "results.json")
+    assert {r["variant"]: (r["status"], r.get("tokens_per_s"), r["run"]) for r in data["e2e"]} == {
+        "sdpa": ("ok", 90.0, "2026-12-02"), "eager": ("timeout", None, "2026-12-02")}
+    assert data["config"]["command"].startswith("old ; new ; ")   # the runs' commands, oldest first
     # the options of a run are refused with it (argparse's usage error, exit 2)
     for extra in (["--quick"], ["--only", "softmax"], ["--dtypes", "fp32"], ["--e2e"], ["--budget-s", "9"],
                   ["--device", "cpu"]):
@@ -601,16 +608,25 @@ def test_report_only_review_findings(tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     assert main(["--report-only", a, b, "--out", str(out), "--no-tuning"]) == 0
     said = capsys.readouterr().out
-    assert ("b/results.json (run 2026-12-03T01:00:00+05:00, 2026-12-02 20:00 UTC) is older than" in said
-            and "(2026-12-02 23:00 UTC)" in said)
-    assert "e2e llama eager: the 2026-12-02 row's error (CUDA error) is replaced by run 2026-12-03's skipped" in said
-    assert "1024: the 2026-12-02 row's error is replaced by run 2026-12-03's skipped" in said
+    # b is merged first, a (the newer in UTC) after it: a's crash is the later row, kept over b's skipped
+    assert f"not as given: {b}/results.json (2026-12-02 20:00 UTC), {a}/results.json (2026-12-02 23:00 UTC)" in said
+    assert "is replaced by" not in said
     assert re.search(r"e2e llama +sdpa +ok +5 tok/s \(run 2026-12-02\)", said)
     md = next(out.glob("*/results.md")).read_text()
     assert "None" not in md
-    # given the other way round (the newer last): no note of an older run
+    data, back = load_json(next(out.glob("*/results.json")))
+    assert {x.cols: x.status for x in back} == {512: "ok", 1024: "error"}
+    assert {r["variant"]: r["status"] for r in data["e2e"]} == {"sdpa": "ok", "eager": "error"}
+    assert data["environment"]["date"] == "2026-12-02T23:00:00+00:00"   # dated by its newest run
+    # given in date order: no note; a later skipped row replacing an earlier crash is said
     assert main(["--report-only", b, a, "--out", str(tmp_path / "out2"), "--no-tuning"]) == 0
-    assert "is older than" not in capsys.readouterr().out
+    assert "not as given" not in capsys.readouterr().out
+    c = run("c", "2026-12-03T01:00:00+00:00", [{"model": "llama", "variant": "eager", "status": "skipped"}],
+            [m(cols=1024, status="skipped")])
+    assert main(["--report-only", a, c, "--out", str(tmp_path / "out2c"), "--no-tuning"]) == 0
+    said = capsys.readouterr().out
+    assert "e2e llama eager: the 2026-12-02 row's error (CUDA error) is replaced by run 2026-12-03's skipped" in said
+    assert "1024: the 2026-12-02 row's error is replaced by run 2026-12-03's skipped" in said
     # a row the tuning table refuses: a clear error before anything is written
     bad = run("bad", "2026-12-04T01:00:00+00:00", [], [m(cols=0)])
     with pytest.raises(SystemExit, match="cols: expected a size >= 1, got 0"):
@@ -634,7 +650,7 @@ def test_report_only_review_findings(tmp_path, monkeypatch, capsys):
     # a "Z" date is UTC (Python 3.10's fromisoformat does not read it)
     z = run("z", "2026-12-01T00:00:00Z", [])
     assert main(["--report-only", a, z, "--out", str(tmp_path / "z_out"), "--no-tuning"]) == 0
-    assert "z/results.json (run 2026-12-01T00:00:00Z, 2026-12-01 00:00 UTC) is older" in capsys.readouterr().out
+    assert f"not as given: {z}/results.json (2026-12-01 00:00 UTC), {a}/results.json" in capsys.readouterr().out
     # a run whose only dispatchable rows FAILED drops the old rule naming the impl (it was kept: the table was written
     # only where some row was ok)
     tdir = tmp_path / "tuning"
