@@ -13,9 +13,19 @@ from typing import Any, Iterable
 from .byte_counts import STEP_PASSES
 from .common import Measurement
 
-__all__ = ["write_json", "load_json", "write_markdown", "summary_lines", "fill_pct"]
+__all__ = ["write_json", "load_json", "write_markdown", "summary_lines", "fill_pct", "RUN_KEYS", "run_entry"]
 
 SCHEMA = 1
+# what a merge (--report-only) records of each run it merges, in results.json's "runs" (the environment of a merge is
+# its newest run's: rows of other runs were labelled with its versions, a review)
+RUN_KEYS = ("date", "torch", "cuda_runtime", "triton", "transformers", "liger_kernel", "python", "driver",
+            "pipegoose_git")
+
+
+def run_entry(env: dict, results: str) -> dict:
+    """One run of a merge: ``run`` (the label its rows carry: the date's day), the ``RUN_KEYS`` of its environment
+    ``env`` and the ``results`` file it was read from."""
+    return {"run": str(env.get("date") or "")[:10], **{k: env.get(k) for k in RUN_KEYS}, "results": results}
 
 
 def fill_pct(measurements: Iterable[Measurement], copy_gbps: float | None) -> None:
@@ -90,15 +100,31 @@ def _env_table(env: dict, copy: dict | None) -> list[str]:
     return lines
 
 
+def _runs_table(runs: list[dict]) -> list[str]:
+    """A merge's runs, oldest first: a line each with its date and the versions in which the runs differ."""
+    differ = [k for k in RUN_KEYS[1:] if len({str(r.get(k)) for r in runs}) > 1]
+    if not differ:
+        return [f"Merged from {len(runs)} runs of the same versions (the environment above is the newest run's), "
+                "of " + ", ".join(str(r.get("date")) for r in runs) + ".", ""]
+    return [f"Merged from {len(runs)} runs; the environment above is the newest run's. Each row of results.json and "
+            "of the end-to-end table names its run (the date's day); the runs differ in:", "",
+            "| run | date | " + " | ".join(differ) + " |", "|---|---|" + "---|" * len(differ),
+            *(f"| {r.get('run')} | {r.get('date')} | " + " | ".join(str(r.get(k)) for k in differ) + " |"
+              for r in runs), ""]
+
+
 def write_markdown(path: str | Path, env: dict, config: dict, copy: dict | None, measurements: list[Measurement],
                    e2e: list[dict] | None = None, build_cost: dict | None = None,
-                   specialise: dict | None = None) -> Path:
-    """results.md: environment, then per op and dtype a table (rows: size x pass, columns: impls, cells: effective
-    GB/s and % of the copy bandwidth, or the status), failures with their reasons, then e2e / build sections."""
+                   specialise: dict | None = None, runs: list[dict] | None = None) -> Path:
+    """results.md: environment (a merge's: of its newest run, then each of its ``runs`` where their versions
+    differ), then per op and dtype a table (rows: size x pass, columns: impls, cells: effective GB/s and % of the copy
+    bandwidth, or the status), failures with their reasons, then e2e / build sections."""
     out = [f"# pipegoose benchmarks: {env.get('gpu')} ({env.get('date', '')[:10]})", "",
            "Effective bandwidth in GB/s (minimum bytes of the op / median time, see benchmarks/README.md) and, in "
            "parentheses, % of the device-to-device copy bandwidth measured in the same run. `FAILED` = wrong "
            "result against the float64 reference (not timed).", "", *_env_table(env, copy), ""]
+    if runs and len(runs) > 1:
+        out += _runs_table(runs)
     # a merge (--report-only) records every run's command, " ; "-joined: one line of them outgrew the page, so a
     # merge's list goes to the end of the file, one command per line
     commands = [c for c in str(config.get("command", "")).split(" ; ") if c]

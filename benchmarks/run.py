@@ -29,6 +29,7 @@ from pathlib import Path
 from pipegoose._cli import path_arg
 
 from .common import NO_RESULT, REPO_ROOT, Measurement, environment, slug, today, tolerances
+from .report import RUN_KEYS
 from .tuning import DEFAULT_TUNING_DIR
 
 OP_NAMES = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "swiglu", "cross_entropy",
@@ -260,6 +261,7 @@ class Run:
         self.args, self.env = args, env
         self.measurements: list[Measurement] = []
         self.sections: dict = {"copy": None, "e2e": None, "build_cost": None, "specialise": None, "build": None}
+        self.runs: list[dict] | None = None   # a merge's runs (report.run_entry), oldest first
         name = slug(env["gpu"]) if args.device == "cuda" else "cpu_dry_run"
         self.dir = Path(args.out) / f"{name}_{today()}"
         self.config = {"command": "python -m benchmarks.run " + " ".join(sys.argv[1:]), "mode": args.mode,
@@ -272,9 +274,11 @@ class Run:
         copy = self.sections.get("copy")
         fill_pct(self.measurements, copy["gbps"] if copy else None)
         write_json(self.dir / "results.json", self.env, self.config, copy, self.measurements,
-                   {k: v for k, v in self.sections.items() if k != "copy"})
+                   {**{k: v for k, v in self.sections.items() if k != "copy"},
+                    **({"runs": self.runs} if self.runs else {})})
         write_markdown(self.dir / "results.md", self.env, self.config, copy, self.measurements,
-                       self.sections.get("e2e"), self.sections.get("build_cost"), self.sections.get("specialise"))
+                       self.sections.get("e2e"), self.sections.get("build_cost"), self.sections.get("specialise"),
+                       self.runs)
 
     def tuning_dir(self) -> Path:
         """Where this run's tuning table goes: ``--tuning-dir``; else the repository's table for results the
@@ -389,6 +393,11 @@ def _check_run(data: dict, measurements: list[Measurement]) -> None:
         raise ValueError(f"copy: expected a mapping with the numbers gbps, bytes and median_ms, got {copy!r}")
     if not isinstance(data.get("config") or {}, dict):
         raise ValueError(f"config: expected a mapping, got {data['config']!r}")
+    if not isinstance(data.get("runs") or [], list):
+        raise ValueError(f"runs: expected a list of the merged runs, got {data['runs']!r}")
+    for i, r in enumerate(data.get("runs") or []):
+        if not isinstance(r, dict) or not isinstance(r.get("date"), str) or _run_time(r["date"]) is None:
+            raise ValueError(f"runs[{i}]: expected a mapping with an ISO 8601 date, got {r!r}")
     for i, m in enumerate(measurements):
         where = f"measurements[{i}]"
         for k in ("op", "impl", "dtype", "pas"):
@@ -421,10 +430,11 @@ def _check_run(data: dict, measurements: list[Measurement]) -> None:
 
 def report_only(args: argparse.Namespace) -> int:
     from .optimizers import upgrade_row
-    from .report import load_json
+    from .report import load_json, run_entry
     from .tuning import read_rules
 
     merged: dict = {}
+    runs: dict[tuple, dict] = {}   # every run merged (those of a merged file too), by its date and versions
     ms: dict[tuple, Measurement] = {}
     commands: list[str] = []
     e2e: dict[tuple, dict] = {}
@@ -452,6 +462,9 @@ def report_only(args: argparse.Namespace) -> int:
         hidden.append("the runs were merged in order of their dates in UTC, the newer winning, not as given: "
                       + ", ".join(f"{p} ({when:%Y-%m-%d %H:%M} UTC)" for when, _, p, _, _ in loaded))
     for _, _, p, data, measurements in loaded:
+        # each run's date and versions (the merged environment is the newest run's alone; a review)
+        for r in data.get("runs") or [run_entry(data["environment"], str(p))]:
+            runs.setdefault(tuple(str(r.get(k)) for k in RUN_KEYS), r)
         cmd = (data.get("config") or {}).get("command")
         for c in ([cmd] if isinstance(cmd, str) else cmd or []):
             if c not in commands:
@@ -483,7 +496,7 @@ def report_only(args: argparse.Namespace) -> int:
                         if later not in (kept.get("detail") or ""):  # (a merge of a merge says it once)
                             kept["detail"] = "; ".join(x for x in (kept.get("detail"), later) if x)
                         hidden.append(f"e2e {key[0]} {key[1]}: {later}; the {kept.get('run')} row is kept")
-            elif k != "measurements" and v is not None:
+            elif k not in ("measurements", "runs") and v is not None:
                 merged[k] = v
         run_copy = (data.get("copy") or {}).get("gbps")
         for m in measurements:
@@ -518,6 +531,7 @@ def report_only(args: argparse.Namespace) -> int:
     # every run merged here (each measurement keeps the last run that measured it), then this merge
     run.config["command"] = " ; ".join(commands + ["python -m benchmarks.run " + " ".join(sys.argv[1:])])
     run.measurements = list(ms.values())
+    run.runs = sorted(runs.values(), key=lambda r: _run_time(r.get("date")))
     for k in run.sections:
         run.sections[k] = merged.get(k)
     if env.get("date"):

@@ -1040,3 +1040,61 @@ def test_every_benchmark_cli_answers_help(module):
     p = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--help"], capture_output=True, text=True,
                        cwd=_bench_path.ROOT, timeout=120)
     assert p.returncode == 0 and "usage:" in p.stdout, p.stdout + p.stderr
+
+
+def test_report_only_records_each_merged_runs_environment(tmp_path, monkeypatch, capsys):
+    """A review: a merge kept only one run's environment (torch, triton, transformers, Liger, git versions, date), so
+    rows measured under other versions were labelled with the wrong ones. Each run's date and versions are now in
+    results.json's "runs" and, where they differ, in results.md; the merge's environment is its newest run's."""
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "")
+    from benchmarks.run import main
+
+    copy = {"bytes": 2 * 2**30, "gbps": 4000.0, "median_ms": 0.5}
+
+    def run(name, date, torch_version, rows):
+        d = tmp_path / name
+        d.mkdir()
+        fill_pct(rows, copy["gbps"])
+        env = {"gpu": "NVIDIA H200", "date": date, "device": "cuda", "torch": torch_version, "triton": "3.5.0",
+               "pipegoose_git": f"git-{name}"}
+        write_json(d / "results.json", env, {"command": name}, copy, rows)
+        return str(d)
+
+    new = run("new", "2026-12-02T01:00:00+00:00", "2.10.0", [m(cols=1024, ms=0.5)])
+    old = run("old", "2026-11-20T01:00:00+00:00", "2.9.0", [m(cols=512)])
+    out = tmp_path / "out"
+    assert main(["--report-only", new, old, "--out", str(out), "--no-tuning"]) == 0
+    folder = out / "nvidia_h200_2026-12-02"   # the newest run's date, whatever the order of the arguments
+    data, back = load_json(folder / "results.json")
+    assert data["environment"]["date"] == "2026-12-02T01:00:00+00:00" and data["environment"]["torch"] == "2.10.0"
+    assert [(r["run"], r["date"], r["torch"], r["triton"], r["pipegoose_git"], r["results"]) for r in data["runs"]] == [
+        ("2026-11-20", "2026-11-20T01:00:00+00:00", "2.9.0", "3.5.0", "git-old", f"{old}/results.json"),
+        ("2026-12-02", "2026-12-02T01:00:00+00:00", "2.10.0", "3.5.0", "git-new", f"{new}/results.json")]
+    # each row's run names its entry of "runs"
+    by_run = {r["run"]: r for r in data["runs"]}
+    assert {x.cols: by_run[x.extra["run"]]["torch"] for x in back} == {512: "2.9.0", 1024: "2.10.0"}
+    md = (folder / "results.md").read_text()
+    assert "# pipegoose benchmarks: NVIDIA H200 (2026-12-02)" in md
+    assert "| run | date | torch | pipegoose_git |" in md   # the versions that differ (triton does not)
+    assert "| 2026-11-20 | 2026-11-20T01:00:00+00:00 | 2.9.0 | git-old |" in md
+    assert "| 2026-12-02 | 2026-12-02T01:00:00+00:00 | 2.10.0 | git-new |" in md
+    # merged again with a newer run (and one of its runs again): every run once, the newest the environment
+    newer = run("newer", "2026-12-05T01:00:00+00:00", "2.10.0", [m(cols=2048)])
+    assert main(["--report-only", str(folder), old, newer, "--out", str(tmp_path / "again"), "--no-tuning"]) == 0
+    data, _ = load_json(tmp_path / "again" / "nvidia_h200_2026-12-05" / "results.json")
+    assert [r["pipegoose_git"] for r in data["runs"]] == ["git-old", "git-new", "git-newer"]
+    assert data["environment"]["pipegoose_git"] == "git-newer"
+    # runs of the same versions: one line says so
+    same = run("same", "2026-12-06T01:00:00+00:00", "2.10.0", [m(cols=4096)])
+    data = json.loads((Path(same) / "results.json").read_text())
+    data["environment"]["pipegoose_git"] = "git-newer"
+    (Path(same) / "results.json").write_text(json.dumps(data))
+    assert main(["--report-only", newer, same, "--out", str(tmp_path / "same_out"), "--no-tuning"]) == 0
+    md = (tmp_path / "same_out" / "nvidia_h200_2026-12-06" / "results.md").read_text()
+    assert "Merged from 2 runs of the same versions" in md and "| run | date |" not in md
+    # a "runs" that is not a list of dated runs: a clear error before anything is written
+    data["runs"] = [{"date": "yesterday"}]
+    (Path(same) / "results.json").write_text(json.dumps(data))
+    with pytest.raises(SystemExit, match=r"runs\[0\]: expected a mapping with an ISO 8601 date"):
+        main(["--report-only", same, "--out", str(tmp_path / "bad_out"), "--no-tuning"])
+    assert not (tmp_path / "bad_out").exists()
