@@ -231,6 +231,8 @@ def summary_lines(measurements: list[Measurement], copy: dict | None, e2e: list[
         tps = f"{r['tokens_per_s']:.0f} tok/s" if r.get("tokens_per_s") else str(r.get("detail") or "")[:80]
         mem = f", peak {r['peak_mem_gib']:.1f} GiB" if r.get("peak_mem_gib") else ""
         run = f" (run {r['run']})" if r.get("run") else ""
+        # a measured row's note too (e.g. "loss not compared: no ok sdpa run (sdpa oom)")
+        note = f" [{str(r['detail'])[:100]}]" if r.get("tokens_per_s") and r.get("detail") else ""
         # (the variant column as wide as the longest variant name: liger_rmsnorm's rows stood a column out)
-        lines.append(f"e2e {r['model']:6s} {r['variant']:{width}s} {r['status']:8s} {tps}{mem}{run}")
+        lines.append(f"e2e {r['model']:6s} {r['variant']:{width}s} {r['status']:8s} {tps}{mem}{run}{note}")
     return lines
