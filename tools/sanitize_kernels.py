@@ -21,7 +21,8 @@ memory; 32000 and 64000 columns leave their last stride partial), the wide rows'
 the first 32768 values of a row in registers, the rest in shared memory, LayerNorm's on a grid of one block per SM that
 walks 300 rows; 65544: the two-read kernel), the specialised backward sizes, the wide rows' backward (a thread block
 cluster per row on sm_90 and newer, the two-kernel path with fp32 grad_output of a 16-bit input and before sm_90), with
-and without parameters and with a bias alone, fp32 parameters and fp32 grad_output with a 16-bit input) and of
+and without parameters, with a weight or a bias alone and with frozen ones (``weight_grad`` / ``bias_grad`` false: both,
+either; ``LN_PARAM_CASES``, ``RMS_PARAM_CASES``), fp32 parameters and fp32 grad_output with a 16-bit input) and of
 ``pipegoose/softmax`` (plain, padding-masked, causal; 1 to 40000 keys; one and three query rows, and whole causal
 matrices of 36 to 2056 keys: the row pairs of the forward and the backward) and ``pipegoose/multi_tensor_adam`` (one
 step, AdamW and L2, over tensors of 1 to 12289 elements (around both chunk sizes), more than one launch holds, empty
@@ -61,6 +62,14 @@ NORM_HIDDEN = (1, 7, 32, 64, 96, 100, 128, 200, 264, 448, 576, 768, 896, 960, 10
 NORM_MANY_ROWS = (200, 264, 576, 768, 896, 960, 1000, 1152, 1160, 1280, 1536, 1600, 2304, 2312, 2560, 3000, 3072,
                   3584, 3840, 4096, 4608, 5120, 6144, 7168)
 SOFTMAX_KEYS = (1, 5, 127, 1000, 2048, 4097, 16384, 32768, 40000)
+# The parameters of the norms' calls on 3 rows (more rows: weight and bias, both gradients). LayerNorm: (weight given,
+# bias given, weight_grad, bias_grad): both, none, each alone, and frozen parameters (a *_grad flag false: that gradient
+# is not computed), both or one of the two, and each alone frozen; a flag of an absent parameter says nothing, so it is
+# left true there. RMSNorm: (weight given, weight_grad). (A review: the frozen cases were never launched.)
+LN_PARAM_CASES = ((True, True, True, True), (False, False, True, True), (False, True, True, True),
+                  (True, False, True, True), (True, True, False, False), (True, True, False, True),
+                  (True, True, True, False), (True, False, False, True), (False, True, True, False))
+RMS_PARAM_CASES = ((True, True), (False, True), (True, False))
 
 
 def main() -> int:
@@ -121,14 +130,16 @@ def main() -> int:
                         dy = torch.randn_like(x)
                         w = torch.randn(h, device="cuda", dtype=pdt)
                         b = torch.randn(h, device="cuda", dtype=pdt)
-                        for ww, bb in ((w, b), (None, None), (None, b)) if rows == 3 else ((w, b),):
+                        few = rows == 3
+                        for has_w, has_b, w_grad, b_grad in LN_PARAM_CASES if few else ((True, True, True, True),):
+                            ww, bb = w if has_w else None, b if has_b else None
                             _, mean, rstd = ln.layer_norm_forward(x, ww, bb, 1e-5, None)
-                            ln.layer_norm_backward(dy, x, ww, bb, mean, rstd)
+                            ln.layer_norm_backward(dy, x, ww, bb, mean, rstd, w_grad, b_grad)
                             calls += 2
-                            if bb is not None and ww is None:
-                                continue  # RMSNorm has no bias
+                        for has_w, w_grad in RMS_PARAM_CASES if few else ((True, True),):   # (no bias)
+                            ww = w if has_w else None
                             _, r = rms.rms_norm_forward(x, ww, 1e-5, None)
-                            rms.rms_norm_backward(dy, x, ww, r)
+                            rms.rms_norm_backward(dy, x, ww, r, w_grad)
                             calls += 2
                         if dt != torch.float32 and rows != 5000:
                             # fp32 grad_output with a 16-bit input (autocast): the plans of norm_bwd_kernel that the

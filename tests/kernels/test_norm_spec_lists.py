@@ -89,3 +89,37 @@ def test_sanitizer_reaches_every_specialised_width(lists):
     # the specialised kernels walk several rows per row group only with enough rows
     assert extra <= set(mod.NORM_MANY_ROWS)
     assert set(mod.NORM_MANY_ROWS) <= set(mod.NORM_HIDDEN)
+
+
+def _sanitizer_module():
+    spec = importlib.util.spec_from_file_location("sanitize_kernels", ROOT / "tools" / "sanitize_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sanitizer_runs_the_norms_backward_with_frozen_parameters():
+    """A review: the parameter cases (w, b), (None, None), (None, b) never reached the backward with a weight but no
+    weight gradient wanted (weight_grad / bias_grad false: a frozen parameter), nor LayerNorm with one of its two
+    parameter gradients wanted, nor a weight alone."""
+    mod = _sanitizer_module()
+    ln = set(mod.LN_PARAM_CASES)   # (weight given, bias given, weight_grad, bias_grad)
+    assert {(True, True, True, True), (False, False, True, True), (False, True, True, True)} <= ln   # as before
+    assert {(True, True, False, False), (True, True, False, True), (True, True, True, False)} <= ln  # frozen
+    assert {(True, False, True, True), (True, False, False, True), (False, True, True, False)} <= ln  # one alone
+    assert len(ln) == len(mod.LN_PARAM_CASES)
+    assert set(mod.RMS_PARAM_CASES) == {(True, True), (False, True), (True, False)}
+
+
+def test_sanitizer_checks_its_arguments_before_the_gpu():
+    """The tool runs under compute-sanitizer on a GPU; its arguments are checked first (on a CPU too)."""
+    import subprocess
+    import sys
+
+    tool = str(ROOT / "tools" / "sanitize_kernels.py")
+    for argv, code, said in ((["norms", "5"], 1, "norms: expected hidden sizes among"),
+                             (["norms", "x"], 1, "norms: expected hidden sizes (integers), got 'x'"),
+                             (["adam", "long"], 1, "expected 'norms' [HIDDEN ...], 'softmax' [long]"),
+                             (["--help"], 0, "LN_PARAM_CASES")):
+        p = subprocess.run([sys.executable, tool, *argv], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert p.returncode == code and said in p.stdout + p.stderr, (argv, p.returncode, p.stderr[-500:])
