@@ -5,6 +5,7 @@ kernels' GPU tests (SwiGLU, RoPE)."""
 
 from __future__ import annotations
 
+import gc
 import math
 import textwrap
 import zlib
@@ -107,3 +108,18 @@ def poison(*like, device: str = "cuda") -> None:
                          dtype=torch.uint8, device=device) for s, d in like]
     torch.cuda.synchronize()
     del blocks
+
+
+def require_free_gpu_memory(gib: float, device: str = "cuda") -> None:
+    """Skip the calling test unless ``gib`` GiB of GPU memory are free. The blocks that earlier tests of the same process
+    left in PyTorch's caching allocator (tens of GiB after a full ``pytest -m cuda`` run) are released first: without
+    that, ``mem_get_info`` counts them as used and a large test skips on a GPU that has the room."""
+    import pytest
+    import torch
+
+    gc.collect()                 # (tensors kept alive only by reference cycles: their blocks go back to the allocator)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()     # (the allocator's unused cached blocks go back to the driver)
+    free, _ = torch.cuda.mem_get_info(device)
+    if free < gib * 2**30:
+        pytest.skip(f"needs {gib:g} GiB of free GPU memory, {free / 2**30:.1f} GiB free")

@@ -29,7 +29,7 @@ import warnings
 
 import pytest
 import torch
-from kernel_helpers import poison, seed_of
+from kernel_helpers import poison, require_free_gpu_memory, seed_of
 from kernel_loading import calls_of
 from tolerances import TOLERANCES, tol
 
@@ -1100,9 +1100,7 @@ def test_more_than_2_31_elements(ops):
     offsets past 2**31 on the vector path, and on the scalar path (q and k at offset 1) more than 2**31 work items (the
     64-bit item index); against float64 on the positions at the start, around element 2**31 and at the end, and
     finite everywhere (written), forward and backward."""
-    free, _ = torch.cuda.mem_get_info()
-    if free < 60 * 2**30:
-        pytest.skip(f"needs 60 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    require_free_gpu_memory(60)
     dtype = torch.bfloat16
     s, d = 2**31 // 128 + 3, 128
     n = s * d

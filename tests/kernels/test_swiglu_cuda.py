@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import poison, seed_of
+from kernel_helpers import poison, require_free_gpu_memory, seed_of
 from tolerances import TOLERANCES, tol
 
 pytestmark = pytest.mark.cuda
@@ -422,9 +422,7 @@ def test_more_than_2_31_elements(ops):
     """bf16 tensors of 2**31 + 27 elements (4.3 GB each): the elements past 2**31, the vector path's last whole
     vectors and its tail, and the scalar path (views at offset 1) over the same range, against float64 on slices at
     the start, around 2**31 and at the end, and finite everywhere (written)."""
-    free, _ = torch.cuda.mem_get_info()
-    if free < 30 * 2**30:
-        pytest.skip(f"needs 30 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    require_free_gpu_memory(30)
     n = 2**31 + 27
     dtype = torch.bfloat16
     gen = torch.Generator(device=DEV).manual_seed(21)
