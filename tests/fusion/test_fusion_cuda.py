@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from adam_reference import adam_state, adam_step64
-from tolerances import TOLERANCES, tol
+from tolerances import DOUBLE_BACKWARD_GRAD_SCALE, DOUBLE_BACKWARD_HVP_SCALE, TOLERANCES, tol
 
 from pipegoose.nn.fusion import FusedAdam, clip_grad_norm_, dispatch
 from pipegoose.nn.fusion import functional as PF
@@ -767,9 +767,13 @@ def _grad_and_hvp(fn, inputs, seed):
     ins = [t.detach().clone().requires_grad_(True) for t in inputs]
     y = fn(*ins)
     v = torch.randn(y.shape, generator=g, device=DEV)
-    grads = torch.autograd.grad((y.float() * v).sum(), ins, create_graph=True)
+
+    def wide(t):  # fp32, or float64 for the float64 reference (the same v and u: drawn in fp32 from the same seed)
+        return t.to(torch.promote_types(t.dtype, torch.float32))
+
+    grads = torch.autograd.grad((wide(y) * v).sum(), ins, create_graph=True)
     u = [torch.randn(t.shape, generator=g, device=DEV) for t in ins]
-    hvp = torch.autograd.grad(sum((gr.float() * uu).sum() for gr, uu in zip(grads, u)), ins, allow_unused=True)
+    hvp = torch.autograd.grad(sum((wide(gr) * uu).sum() for gr, uu in zip(grads, u)), ins, allow_unused=True)
     torch.cuda.synchronize()
     return [gr.detach() for gr in grads], [torch.zeros_like(t) if h is None else h for t, h in zip(ins, hvp)]
 
@@ -822,9 +826,10 @@ DOUBLE_BACKWARD = {  # name: (op, impl, fn(impl), input shapes and dtypes, dtype
 
 @pytest.mark.parametrize("case", list(DOUBLE_BACKWARD))
 def test_double_backward_every_fused_function(case, recwarn):
-    """create_graph=True through a fused Function, then a backward through the gradients: the same first and second
-    derivatives as the PyTorch reference path, and no "autograd kernel was not registered" warning (the backward
-    kernels are not differentiable; with them the second backward lost its terms)."""
+    """create_graph=True through a fused Function, then a backward through the gradients: first and second
+    derivatives against the PyTorch reference path run in float64 on the same (rounded) inputs, and the same as the
+    reference path in the same dtype; no "autograd kernel was not registered" warning (the backward kernels are not
+    differentiable; with them the second backward lost its terms)."""
     op, impl, make, specs, dtype = DOUBLE_BACKWARD[case]
     g = torch.Generator(device=DEV).manual_seed(7)
     inputs = [torch.randn(shape, generator=g, device=DEV).to(dt) for shape, dt in specs]
@@ -832,9 +837,16 @@ def test_double_backward_every_fused_function(case, recwarn):
     ran(op, impl)
     assert not [w for w in recwarn if "autograd kernel was not registered" in str(w.message)]
     ref_grads, ref_hvp = _grad_and_hvp(make("torch"), inputs, 11)
-    for a, b in zip(grads + hvp, ref_grads + ref_hvp):
-        assert a.dtype == b.dtype
-        torch.testing.assert_close(a.float(), b.float(), **tol(dtype, 2))
+    grads64, hvp64 = _grad_and_hvp(make("torch"), [t.double() for t in inputs], 11)
+    n = len(inputs)
+    for i, (a, b, c) in enumerate(zip(grads + hvp, ref_grads + ref_hvp, grads64 + hvp64)):
+        what = f"{'grad' if i < n else 'hvp'} of input {i % n}"
+        assert a.dtype == b.dtype, what
+        assert c.dtype == torch.float64, what
+        assert torch.isfinite(a).all(), what
+        torch.testing.assert_close(a.float(), b.float(), **tol(dtype, 2), msg=lambda m: f"{what} vs {dtype}: {m}")
+        scale = DOUBLE_BACKWARD_GRAD_SCALE if i < n else DOUBLE_BACKWARD_HVP_SCALE
+        torch.testing.assert_close(a.double(), c, **tol(dtype, scale), msg=lambda m: f"{what} vs float64: {m}")
 
 
 # --- fresh process: first call of the causal path with a fresh kernel build (ColossalAI#3092 class) -------------
