@@ -853,23 +853,34 @@ def test_double_backward_every_fused_function(case, recwarn):
 
 @pytest.mark.slow
 def test_causal_first_call_in_fresh_process_with_fresh_build(tmp_path):
+    # (the tolerances from the table: tests/ on the child's sys.path; a random output gradient: with dy = 1 the
+    # softmax's input gradient is 0 whatever the probabilities)
     code = textwrap.dedent("""
+        import sys
         import torch
+        sys.path.insert(0, TESTS_DIR)
+        from tolerances import TOLERANCES
         from pipegoose.nn.fusion import dispatch
         from pipegoose.nn.fusion import functional as PF
-        x = torch.randn(48, 24, 24, device="cuda", dtype=torch.float16, requires_grad=True)
+        g = torch.Generator(device="cuda").manual_seed(48)
+        x = torch.randn(48, 24, 24, generator=g, device="cuda", dtype=torch.float16, requires_grad=True)
+        dy = torch.randn(48, 24, 24, generator=g, device="cuda", dtype=torch.float16)
         with dispatch.strict():
             y = PF.scaled_upper_triang_masked_softmax(x, 0.125, impl="megatron")
-            y.backward(torch.ones_like(y))
+            y.backward(dy)
         assert dispatch.stats() == {"softmax.causal": {"megatron": 1}}, dispatch.stats()
         ops, why = dispatch.kernel("megatron/scaled_upper_triang_masked_softmax")
         assert ops is not None and ops.built, ("expected a fresh build in this process", why)
         s = x.detach().double() * 0.125
         ref = torch.softmax(s.masked_fill(torch.ones(24, 24, dtype=torch.bool, device="cuda").triu(1), float("-inf")), -1)
-        torch.testing.assert_close(y.detach().double(), ref, atol=2e-3, rtol=2e-3)
+        t = TOLERANCES[torch.float16]
+        torch.testing.assert_close(y.detach().double(), ref, **t)
         assert not x.grad.isnan().any()
+        dy64 = dy.double()
+        want = 0.125 * ref * (dy64 - (dy64 * ref).sum(-1, keepdim=True))   # softmax_bwd_ref64
+        torch.testing.assert_close(x.grad.double(), want, atol=t["atol"] * 4, rtol=t["rtol"])   # as check_softmax
         print("FRESH-OK")
-    """)
+    """).replace("TESTS_DIR", repr(str(REPO / "tests")))
     env = dict(os.environ, PIPEGOOSE_CACHE_DIR=str(tmp_path / "cache"))
     env.pop("PIPEGOOSE_IMPL_SOFTMAX_CAUSAL", None)
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
