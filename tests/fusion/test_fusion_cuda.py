@@ -354,13 +354,23 @@ def test_fused_scale_mask_softmax_under_autocast_runs_the_16bit_kernel(kind):
 
 
 def test_plain_softmax_fused_fp32_is_allclose_to_F_softmax():
-    x = torch.randn(64, 1000, device=DEV) * 5
+    """The fused fp32 path of the drop-in softmax: within torch.allclose's defaults of F.softmax (its documented
+    promise), and against float64 forward and backward at the fp32 tolerances of the table; a row of all -inf is NaN
+    as F.softmax's is."""
+    g = torch.Generator(device=DEV).manual_seed(64)
+    x = torch.randn(64, 1000, generator=g, device=DEV) * 5
     x[3] = float("-inf")
-    y = PF.softmax(x, -1)
+    dy = torch.randn(64, 1000, generator=g, device=DEV)
+    y, dx = run_softmax(lambda t: PF.softmax(t, -1), x, dy)   # (NaN-poisoned before the forward and the backward)
     ran("softmax", "pipegoose")
+    rows = torch.arange(64, device=DEV) != 3
     ref = F.softmax(x, -1)
-    assert torch.allclose(y[torch.arange(64) != 3], ref[torch.arange(64) != 3])
+    assert torch.allclose(y[rows], ref[rows])
     assert y[3].isnan().all() and ref[3].isnan().all()
+    assert not y[rows].isnan().any() and not dx[rows].isnan().any(), "unwritten (NaN-poisoned) elements"
+    y64 = softmax_ref64(x[rows], None, 1.0, False)
+    torch.testing.assert_close(y[rows].double(), y64, **TOLERANCES[torch.float32])
+    torch.testing.assert_close(dx[rows].double(), softmax_bwd_ref64(y64, dy[rows], 1.0), **TOLERANCES[torch.float32])
     PF.softmax(x.half(), -1)
     assert dispatch.stats()["softmax"] == {"pipegoose": 1, "torch": 1}
 
