@@ -147,12 +147,20 @@ def test_causal_softmax_every_impl(impl, dtype, shape, megatron_ok):
     check_softmax(y, dx, x, dy, None, 0.5, True, dtype)
 
 
+SCALED_CASES = [((2, 4, 32, 96), True),
+                ((3, 5, 7, 13), False),      # odd: sq not a multiple of batches_per_block, sk odd
+                ((2, 3, 16, 130), False)]    # sk % 4 != 0 with 4-wide vector accesses
+
+
 @pytest.mark.parametrize("impl", ["pipegoose", "megatron", "torch"])
-@pytest.mark.parametrize("dtype", HALF)
-def test_scaled_softmax_every_impl(impl, dtype):
-    shape = (2, 4, 32, 96)
-    x = torch.randn(shape, device=DEV).to(dtype)
-    dy = torch.randn(shape, device=DEV).to(dtype)
+@pytest.mark.parametrize("dtype", ALL)
+@pytest.mark.parametrize("shape,megatron_ok", SCALED_CASES)
+def test_scaled_softmax_every_impl(impl, dtype, shape, megatron_ok):
+    if impl == "megatron" and (dtype == torch.float32 or not megatron_ok):
+        pytest.skip("the Megatron copy does not take this input (routing is tested separately)")
+    g = torch.Generator(device=DEV).manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g, device=DEV).to(dtype)
+    dy = torch.randn(shape, generator=g, device=DEV).to(dtype)
     y, dx = run_softmax(lambda t: PF.scaled_softmax(t, 2.0, impl=impl), x, dy)
     ran("softmax", impl)
     check_softmax(y, dx, x, dy, None, 2.0, False, dtype)
@@ -606,17 +614,36 @@ def test_rms_norm_every_impl(impl, xdt, wdt, cast_before_weight, shape):
 
 
 def test_rms_norm_llama_module_fused():
+    """FusedRMSNorm from transformers' LlamaRMSNorm (fp32 weight, bf16 input: the normalized value rounded to bf16,
+    then multiplied by the weight in fp32): the same output as Llama's module, and output and gradients (input and
+    weight) against float64 autograd on the same inputs, NaN-poisoned before the forward and the backward."""
     llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    g = torch.Generator(device=DEV).manual_seed(2048)
     m = llama.LlamaRMSNorm(2048, eps=1e-6).to(DEV)
     with torch.no_grad():
-        m.weight.normal_()
+        m.weight.normal_(generator=g)
     f = FusedRMSNorm.from_module(m)
-    x = torch.randn(4, 16, 2048, device=DEV, dtype=torch.bfloat16)
-    want, got = m(x), f(x)
+    x = torch.randn(4, 16, 2048, generator=g, device=DEV, dtype=torch.bfloat16)
+    dy = torch.randn(4, 16, 2048, generator=g, device=DEV)   # (the output is fp32)
+    with torch.no_grad():
+        want = m(x)
+    xr = x.clone().requires_grad_(True)
+    poison(torch.empty(x.shape, dtype=torch.float32, device="meta"), x)   # (the output: fp32, x's shape)
+    got = f(xr)
     ran("rms_norm", "pipegoose")
     assert got.dtype == want.dtype == torch.float32
     # the kernel's normalized value is rounded to bf16 as Llama's is; at most one bf16 ulp apart there
-    torch.testing.assert_close(got, want, **TOLERANCES[torch.bfloat16])
+    torch.testing.assert_close(got.detach(), want, **TOLERANCES[torch.bfloat16])
+    poison(x, m.weight)
+    got.backward(dy)
+    assert m.weight.grad is f.weight.grad and f.weight.grad.dtype == torch.float32
+
+    def ref(a, c):   # Llama's formula in float64 (no rounding of the normalized value)
+        return a / torch.sqrt((a * a).mean(-1, keepdim=True) + 1e-6) * c
+
+    y64, g64s = run_with_grads(ref, [x.double(), m.weight.detach().double()], dy.double())
+    # (the same bounds as the other RMSNorm tests: the output 2 bf16 roundings, dx 4, the weight gradient 16)
+    check_norm(got.detach(), [xr.grad, f.weight.grad], y64, g64s, torch.bfloat16)
 
 
 # --- optimizer ------------------------------------------------------------------------------------------------
