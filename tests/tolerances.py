@@ -38,3 +38,13 @@ DOUBLE_BACKWARD_HVP_SCALE = 8
 # through the updates. A fused op that is wrong moves the losses by far more (or stops the run from training, which
 # the test checks separately).
 TRAIN_LOSS_RTOL = 0.03
+
+# fp32 results checked against the same fp32 values obtained another way, not against float64: tighter than one
+# rounding, because nothing is rounded to a lower precision in between (tests/kernels/test_cross_entropy_cuda.py).
+# The same row code compiled into two kernels (lse of cross_entropy_forward and of cross_entropy_forward_reduced):
+# equal but for a possibly different instruction schedule (an FMA contracted or not): a unit or two in the last place.
+FP32_SAME_CODE = dict(atol=0.0, rtol=2.0 ** -22)
+# A reduction of fp32 terms accumulated in float64 and rounded once (cross_entropy_forward_reduced's sum or mean of
+# the rows' losses), against the same fp32 terms summed in float64 on the host: the final rounding (and the mean's
+# division) only, a few fp32 units in the last place (1e-6 is about 8 of them); the atol covers sums near 0.
+FP32_FLOAT64_SUM = dict(atol=1e-6, rtol=1e-6)
