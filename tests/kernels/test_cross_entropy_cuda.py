@@ -296,7 +296,8 @@ def test_reduced_forward_edges(ops, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 def test_backward_takes_grad_loss_at_any_stride(ops, dtype):
     """grad_loss as one value expanded to every row (stride 0: a reduced loss's gradient), as every other element of
-    a longer tensor (stride 2), and in bf16 (converted): the gradient of the same values given contiguous."""
+    a longer tensor (stride 2), and in bf16 (converted): each against the float64 reference with those grad_loss
+    values, and the gradient of the same values given contiguous."""
     n, v = 37, 50257
     x = logits_of(n, v, dtype, seed=46)
     t = targets_of(n, v, seed=47)
@@ -306,10 +307,9 @@ def test_backward_takes_grad_loss_at_any_stride(ops, dtype):
     for name, g in (("stride 0", one.expand(n)), ("stride 2", longer[::2]), ("bf16", longer[:n].bfloat16())):
         poison(n * v * x.element_size())
         got = ops.cross_entropy_backward(g, x, t, lse, -100)
+        check(got, ref64(x, t, -100, g)[2], f"{name} vs float64", **TOLERANCES[dtype])   # (g as given: bf16 exact)
         want = ops.cross_entropy_backward(g.float().contiguous(), x, t, lse, -100)
         assert torch.equal(got, want), name
-    check(ops.cross_entropy_backward(one.expand(n), x, t, lse, -100), ref64(x, t, -100, one.expand(n).cpu())[2],
-          "stride 0 vs float64", **TOLERANCES[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
