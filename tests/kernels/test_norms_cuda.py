@@ -780,6 +780,7 @@ def test_non_contiguous_input(ln, rms):
     check_rms_norm(rms, xs, w[:1024], dys)
     xt = x[:, :96].t()  # [96, 96], last dim strided
     check_layer_norm(ln, xt, w[:96], b[:96], dy[:96, :96])
+    check_rms_norm(rms, xt, w[:96], dy[:96, :96])
 
 
 def test_misaligned_parameters_take_the_scalar_path(ln, rms):
