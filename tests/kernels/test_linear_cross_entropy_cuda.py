@@ -94,6 +94,27 @@ def close(got, want, dtype, scale, what, floor=0.0):
     assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
+def close64(got, ref, dtype, scale, what):
+    """Per element against the float64 reference: ``torch.testing.assert_close(got, ref, **tol(dtype, scale))`` on
+    both divided by max|ref|, i.e. |got - ref| <= scale * (atol * max|ref| + rtol * |ref|) everywhere (NaN fails: an
+    element not written). The table's atol is for values of order 1; these gradients are means over hundreds of rows
+    (of order 1e-3), where the bare atol would pass anything: it is taken relative to the largest element, as in
+    ``close``, and rtol per element."""
+    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
+    assert got.shape == ref.shape, (what, got.shape, ref.shape)
+    m = ref.abs().max().item()
+    m = m if m > 0 else 1.0
+    torch.testing.assert_close(got / m, ref / m, **tol(dtype, scale),
+                               msg=lambda e: f"{what} vs float64 (both divided by max|ref| = {m:.3g}): {e}")
+
+
+def float64_of(hidden, weight, bias, target, upstream=None, **kw):
+    """The unfused expression in float64 on the CPU, from the same (rounded) inputs: (loss, grads of hidden, weight,
+    bias), as in test_matches_unfused_and_float64."""
+    return loss_and_grads(unfused, *(None if t is None else t.detach().cpu().double() for t in (hidden, weight, bias)),
+                          target.cpu(), None if upstream is None else upstream.cpu().double(), **kw)
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("shape", [(1, 64, 1000), (257, 128, 32000), (1031, 256, 50257)], ids=str)
@@ -131,7 +152,9 @@ def test_matches_unfused_and_float64(dtype, shape, reduction, bias, dispatch):
 @pytest.mark.parametrize("chunk_rows", [1, 7, 100, 4096])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_chunkings(dtype, chunk_rows, dispatch):
-    """One row per chunk, chunks that do not divide N, one chunk for every row: the same loss and gradients."""
+    """One row per chunk, chunks that do not divide N, one chunk for every row: the same loss and gradients as the
+    unfused path, and against float64 per element (the weight's gradient, rounded once per chunk in its dtype, with
+    the tolerance widened by the number of chunks: ``weight_scale``)."""
     from pipegoose.nn.fusion import fused_linear_cross_entropy
 
     n, h, v = 333, 64, 5000
@@ -143,16 +166,23 @@ def test_chunkings(dtype, chunk_rows, dispatch):
     chunks = -(-n // min(n, chunk_rows))
     for name, a, w, k in zip(("hidden", "weight", "bias"), got[1:], want[1:], (2, weight_scale(chunks), 2)):
         close(a, w, dtype, k, f"{name}, {chunk_rows} rows per chunk")
+    ref = float64_of(hidden, weight, b, target)
+    torch.testing.assert_close(got[0].double().cpu(), ref[0], **TOLERANCES[dtype])
+    # hidden: the logits' gradient rounded to the dtype, then a GEMM rounded once; the bias: summed in fp32, rounded
+    # once; the weight: one rounding per chunk (weight_scale)
+    for name, a, r, k in zip(("hidden", "weight", "bias"), got[1:], ref[1:], (2, weight_scale(chunks), 2)):
+        assert a.dtype == dtype, name
+        close64(a, r, dtype, k, f"{name}, {chunk_rows} rows per chunk")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 def test_edges(dtype, dispatch):
-    """Every row ignored: mean NaN, sum 0, gradients zeros (written). ignore_index 5 (a valid class). A target out
-    of range: a NaN loss."""
+    """Every row ignored: mean NaN, sum 0, gradients zeros (written). ignore_index 5 (a valid class), with a bias:
+    against the unfused path and float64. A target out of range: a NaN loss."""
     from pipegoose.nn.fusion import fused_linear_cross_entropy
 
     n, h, v = 40, 64, 1000
-    hidden, weight, b, target = inputs(n, h, v, dtype, seed=4)
+    hidden, weight, b, target = inputs(n, h, v, dtype, seed=4, bias=True)
     none = torch.full((n,), -100, device=DEV)
     loss, gh, gw, _ = loss_and_grads(fused_linear_cross_entropy, hidden, weight, None, none)
     assert torch.isnan(loss) and torch.equal(gh, torch.zeros_like(gh)) and torch.equal(gw, torch.zeros_like(gw))
@@ -161,10 +191,17 @@ def test_edges(dtype, dispatch):
     t5 = target.clone()
     t5[(t5 == 5) | (t5 == -100)] = 6   # (-100 is a class index out of range once ignore_index is 5)
     t5[::3] = 5
-    got = loss_and_grads(fused_linear_cross_entropy, hidden, weight, None, t5, ignore_index=5)
-    want = loss_and_grads(unfused, hidden, weight, None, t5, ignore_index=5)
+    got = loss_and_grads(fused_linear_cross_entropy, hidden, weight, b, t5, ignore_index=5)
+    assert dispatch.last_choice(OP).impl == "pipegoose"
+    want = loss_and_grads(unfused, hidden, weight, b, t5, ignore_index=5)
     torch.testing.assert_close(got[0], want[0], **tol(dtype, 0.1 if dtype != torch.float32 else 1))
     close(got[1], want[1], dtype, 2, "ignore_index 5: hidden")
+    ref = float64_of(hidden, weight, b, t5, ignore_index=5)
+    torch.testing.assert_close(got[0].double().cpu(), ref[0], **TOLERANCES[dtype])
+    for name, a, r, k in zip(("hidden", "weight", "bias"), got[1:], ref[1:],
+                             (2, weight_scale(chunks_of(n, v, h)), 2)):   # (as in test_chunkings)
+        assert a.dtype == dtype, name
+        close64(a, r, dtype, k, f"ignore_index 5: {name}")
     bad = target.clone()
     bad[3] = v
     assert torch.isnan(fused_linear_cross_entropy(hidden, weight, bad, impl="pipegoose"))
@@ -184,9 +221,13 @@ def test_model_layouts_autocast_and_tied_weights(dispatch):
     assert dispatch.last_choice(OP).impl == "pipegoose"
     assert got[1].dtype == got[2].dtype == torch.float32
     torch.testing.assert_close(got[0], want[0], **tol(torch.bfloat16, 0.1))
-    for name, a, w in zip(("hidden", "weight"), got[1:3], want[1:3]):
+    # float64 from the inputs as autocast multiplies them: hidden and weight rounded to bf16
+    ref = float64_of(hidden.bfloat16(), weight.bfloat16(), None, target)
+    torch.testing.assert_close(got[0].double().cpu(), ref[0], **TOLERANCES[torch.bfloat16])
+    for name, a, w, r in zip(("hidden", "weight"), got[1:3], want[1:3], ref[1:3]):
         scale = 2 if name == "hidden" else weight_scale(chunks_of(b * s, v, h))
         close(a, w, torch.bfloat16, scale, f"autocast: {name}")
+        close64(a, r, torch.bfloat16, scale, f"autocast: {name}")
     # tied: the embedding's lookup and the output projection share one weight
     emb = torch.nn.Embedding(v, h, device=DEV, dtype=torch.bfloat16)
     ids = torch.randint(0, v, (b, s), device=DEV)
@@ -195,7 +236,12 @@ def test_model_layouts_autocast_and_tied_weights(dispatch):
         emb.zero_grad()
         fn(emb(ids) * 2, emb.weight, target).backward()
         grads.append(emb.weight.grad.clone())
+    assert dispatch.last_choice(OP).impl == "pipegoose"   # (the fused call's: the unfused one does not dispatch)
     close(grads[0], grads[1], torch.bfloat16, weight_scale(chunks_of(b * s, v, h)), "tied weight")
+    e64 = emb.weight.detach().cpu().double().requires_grad_(True)
+    unfused(e64[ids.cpu()] * 2, e64, target.cpu()).backward()
+    # two roundings more than the projection's gradient: the lookup's gradient, and the sum of the two
+    close64(grads[0], e64.grad, torch.bfloat16, weight_scale(chunks_of(b * s, v, h)) + 2, "tied weight")
 
 
 def test_peak_memory_against_unfused(dispatch):
