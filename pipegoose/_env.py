@@ -44,6 +44,10 @@ KNOWN: dict[str, str] = {
     "PIPEGOOSE_NORM_BWD_CL_SIZE": "the norm kernels, experiment builds (blocks per cluster)",
     "PIPEGOOSE_NORM_BWD_CL_THREADS": "the norm kernels, experiment builds (full or slab: the cluster blocks' threads)",
     "PIPEGOOSE_NORM_BWD_CL_EXCHANGE": "the norm kernels, experiment builds (barrier or mbar)",
+    # read by the GPU tests only (tests/kernels/test_fuzz_cuda.py: its random draws)
+    "PIPEGOOSE_FUZZ_SEED": "tests/kernels/test_fuzz_cuda.py (the draws' seed)",
+    "PIPEGOOSE_FUZZ_CASES": "tests/kernels/test_fuzz_cuda.py (cases per op)",
+    "PIPEGOOSE_FUZZ_MAX_NUMEL": "tests/kernels/test_fuzz_cuda.py (elements of a case's largest tensor)",
 }
 
 
