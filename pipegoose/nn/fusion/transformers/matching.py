@@ -13,8 +13,12 @@
   child than an activation ``act_fn``, no parameter or buffer of its own, a forward that takes the input alone, and,
   run on CPU in fp32 with small random ``torch.nn.Linear`` stand-ins for the three projections, gives
   ``down_proj(silu(gate_proj(x)) * up_proj(x))``, in training mode and in eval mode (a dropout that runs only in
-  training is caught either way). Gemma's GELU MLP, MLPs with dropout and MLPs whose ``act_fn`` has hooks (which the
-  fused module would not run) are reported as not SwiGLU, with the reason; fused ``gate_up_proj`` MLPs (Phi-3) have no
+  training is caught either way). The probe's input gives gate and up of either sign beyond +-50 as well as small
+  ones, and ``act_fn`` is checked on [-6, 6] and out to +-100, so that a clamp (``swiglu_limit``) or another bend the
+  formula lacks shows. Gemma's GELU MLP, MLPs with dropout and MLPs whose ``act_fn`` has hooks (which the fused module
+  would not run) are reported as not SwiGLU, with the reason; so are clamped SwiGLU MLPs (DeepseekV4, Glm5Next,
+  Step3p7, BailingHybrid), refused up front where the module names its limit (``swiglu_limit``, ``limit``: not None)
+  or its forward reads a config's ``swiglu_limit``/``swiglu_limits*``. Fused ``gate_up_proj`` MLPs (Phi-3) have no
   ``gate_proj`` and are no candidates (no row).
 """
 
@@ -368,11 +372,16 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     small random fp32 ``torch.nn.Linear`` modules on CPU and whose ``act_fn`` is ``torch.nn.SiLU()`` (once the
     module's own is found to compute SiLU, through its ``forward`` directly), is, through ``forward`` directly, in
     training and in eval mode: no hook of the module or its children fires, and its projections, which may be large or
-    on a GPU, are not touched. Never raises.
+    on a GPU, are not touched. The input has small rows and rows whose gate and up reach beyond +-``PROBE_FAR`` (50)
+    on each side (:func:`_swiglu_probe_input`), so a clamp of gate or up at a plausible limit changes the output; a
+    module naming a clamp limit is refused before that (:func:`_swiglu_clamp`). Never raises.
     """
     children = dict(module.named_children())
     if not all(isinstance(children.get(n), nn.Module) for n in SWIGLU_PROJECTIONS):
         return SwiGLUProbe(False, "", False)
+    clamp = _swiglu_clamp(module)
+    if clamp is not None:
+        return SwiGLUProbe(False, clamp, True)
     other = [n for n in children if n not in SWIGLU_PROJECTIONS and n != "act_fn"]
     if other:
         return SwiGLUProbe(False, f"has submodules besides the projections and act_fn ({', '.join(other)}): not the "
@@ -388,7 +397,8 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
         if act._forward_hooks or act._forward_pre_hooks or getattr(act, "_forward_hooks_with_kwargs", None):
             return SwiGLUProbe(False, "act_fn has forward hooks, which FusedSwiGLUMLP (one kernel for the activation "
                                "and the product) would not run", True)
-        t = torch.linspace(-6.0, 6.0, 25)
+        # the curve near 0 and far out on either side (a clamp past 6, or any other bend, shows)
+        t = torch.cat([torch.linspace(-6.0, 6.0, 25), torch.tensor(ACT_FAR)])
         try:
             with torch.no_grad():
                 # its forward, not __call__ (no hook fires); a copy of t: nn.SiLU(inplace=True) must not change it
@@ -423,7 +433,7 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     object.__setattr__(stand_in, "_buffers", {})
     silu = {"act_fn": nn.SiLU()} if act is not None else {}
     object.__setattr__(stand_in, "_modules", {**children, **stand, **silu})
-    x = torch.randn(2, 3, hidden, generator=gen) * 2.0
+    x = _swiglu_probe_input(stand, gen)
     ys = []
     for training in (True, False):   # a forward that reads self.training (functional dropout) differs in one
         stand_in.__dict__["training"] = training
@@ -439,14 +449,98 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
         u = torch.nn.functional.linear(xd, stand["up_proj"].weight.double(), _b(stand["up_proj"]))
         ref = torch.nn.functional.linear(torch.nn.functional.silu(g) * u, stand["down_proj"].weight.double(),
                                          _b(stand["down_proj"]))
+        # fp32 rounding of the stand-in's products: relative to the sum of the magnitudes each output adds up (its
+        # elements reach 1e4 on the large rows and may cancel to near 0)
+        scale = torch.nn.functional.linear((torch.nn.functional.silu(g) * u).abs(),
+                                           stand["down_proj"].weight.double().abs())
+        if stand["down_proj"].bias is not None:
+            scale = scale + stand["down_proj"].bias.double().abs()
     for mode, y in zip(("training", "eval"), ys):
         if not isinstance(y, torch.Tensor) or y.shape != ref.shape:
             return SwiGLUProbe(False, f"probe output ({mode} mode) is not a tensor of the input's shape", True)
-        if not torch.allclose(y.double(), ref, atol=1e-5, rtol=1e-4):
+        if not bool(((y.double() - ref).abs() <= 1e-5 + 1e-4 * scale).all()):
             err = (y.double() - ref).abs().max().item()
             return SwiGLUProbe(False, f"output ({mode} mode) differs from down_proj(silu(gate_proj(x)) * up_proj(x)) "
                                f"(max abs diff {err:.3g})", True)
     return SwiGLUProbe(True, "probe output equals down_proj(silu(gate_proj(x)) * up_proj(x))", True)
+
+
+# where the act_fn check looks besides [-6, 6]: far enough that a clamp of the gate at any plausible limit shows, and
+# |x| <= 100 keeps silu(x) * x far from fp32's range
+ACT_FAR = [-100.0, -60.0, -30.0, -15.0, -10.0, -8.0, 8.0, 10.0, 15.0, 30.0, 60.0, 100.0]
+# what the probe's input gives gate and up at least, on each side, somewhere (beyond any plausible swiglu_limit)
+PROBE_FAR = 50.0
+
+
+def _swiglu_probe_input(stand: dict, gen: torch.Generator) -> torch.Tensor:
+    """The probe's input [4, 3, hidden]: rows 0-1 small (gate and up within a few units, the curve near 0), rows 2-3
+    scaled so that gate and up, from the stand-in projections, each reach +-2 * PROBE_FAR on their weaker side (with
+    the probe's generator, gate and up span about -240..150 with biases, -150..150 without): a clamp of gate, up or
+    the activation at any plausible limit, of either sign, changes the output (a review: the probe's gate stayed below
+    ~5, so DeepseekV4's clamp at swiglu_limit=10 passed). Deterministic: from ``gen`` alone. fp32: |silu(g) * u| stays
+    below 1e4."""
+    hidden = stand["gate_proj"].in_features
+    small = torch.randn(2, 3, hidden, generator=gen) * 2.0
+    big = torch.randn(2, 3, hidden, generator=gen)
+    with torch.no_grad():
+        lo = float("inf")
+        for name in ("gate_proj", "up_proj"):
+            v = torch.nn.functional.linear(big, stand[name].weight)    # bias aside: it is small (0.1 scale)
+            lo = min(lo, float(v.max()), float(-v.min()))
+    big = big * (2.0 * PROBE_FAR / max(lo, 1e-3))     # the weaker side of gate and up at 2 * PROBE_FAR
+    return torch.cat([small, big])
+
+
+# a module's attributes naming a clamp of gate and up (DeepseekV4MLP: limit; Glm5NextTextMLP: swiglu_limit; Step3p7MLP,
+# BailingHybridMLP: limit, None where the layer's limit is off)
+CLAMP_ATTRIBUTES = ("swiglu_limit", "limit", "swiglu_limits", "swiglu_limits_shared", "clamp_limit", "clip_limit")
+# a config's (read by a forward whose source mentions a limit or a clamp): DeepseekV4, Glm5Next, HY-V4 (experts only:
+# HYV4MLP does not read it), Step3p7 and BailingHybrid (per-layer lists, 0 for off)
+CONFIG_CLAMP_ATTRIBUTES = ("swiglu_limit", "swiglu_limits", "swiglu_limits_shared")
+
+
+def _limit_set(value: Any) -> bool:
+    """Whether a limit value clamps: not None; a list or tuple (per layer) with an entry neither None nor 0."""
+    if value is None or isinstance(value, bool) and not value:
+        return False
+    if isinstance(value, (list, tuple)):
+        return any(v is not None and v != 0 for v in value)
+    return True
+
+
+def _swiglu_clamp(module: nn.Module) -> str | None:
+    """Why ``module`` is refused up front as a clamped SwiGLU (``gate.clamp(max=limit)``, ``up.clamp(-limit,
+    limit)``, before or after the activation), or None. The probe's large activations show a clamp at a plausible
+    limit; this names the reason, and catches one past what the probe reaches. Its own attribute decides where it has
+    one (None: the layer's clamp is off, as Step3p7MLP's with a zero limit); else a config limit its forward's source
+    reads (a limit, a clamp), or any where that source cannot be read."""
+    own = module.__dict__
+    named = [n for n in CLAMP_ATTRIBUTES if n in own]
+    for name in named:
+        if _limit_set(own[name]):
+            return f"clamps gate and up at {name}={own[name]!r}: not plain SwiGLU"
+    if named:
+        return None
+    config = own.get("config")
+    if config is None:
+        return None
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        source = None
+    for name in CONFIG_CLAMP_ATTRIBUTES:
+        try:
+            value = getattr(config, name, None)
+        except Exception:  # noqa: BLE001 - a config attribute that raises is not a limit we can read
+            continue
+        if not _limit_set(value):
+            continue
+        if source is None:
+            return (f"its config sets {name}={value!r} (a clamp of gate and up) and its forward's source cannot be "
+                    "read: not vouched for as plain SwiGLU")
+        if any(tok in source for tok in ("limit", "clamp", "clip")):
+            return f"clamps gate and up at config.{name}={value!r}: not plain SwiGLU"
+    return None
 
 
 def _b(lin: nn.Linear) -> torch.Tensor | None:
