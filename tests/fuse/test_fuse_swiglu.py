@@ -3,7 +3,8 @@
 * clamped SwiGLU (``swiglu_limit``: DeepseekV4, Glm5Next, Step3p7, BailingHybrid): the probe ran inputs whose gate
   stayed below ~5, so a clamp at 7 or 10 never showed, and fuse() put an unclamped FusedSwiGLUMLP in their place
   (silently wrong results for activations past the limit). Now they are skipped with the reason, or, where the clamp
-  is off (a zero limit), fused with results equal to the module's, large activations included.
+  is off (a zero limit), fused with results equal to the module's, large activations included;
+* gate and up in one ``gate_up_proj`` (Phi-3, GLM): no row at all, so the report said nothing of the MLP.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pipegoose.nn.fusion import fuse, unfuse
 from pipegoose.nn.fusion.fuse import is_fused
 from pipegoose.nn.fusion.modules import FusedSwiGLUMLP
 from pipegoose.nn.fusion.transformers.matching import probe_swiglu_mlp
+
+from . import models
 
 HIDDEN, INTER = 32, 64
 
@@ -239,3 +242,38 @@ def test_an_mlp_clamping_at_its_config_limit_is_refused_up_front():
     probe = probe_swiglu_mlp(_ConfigLimited(1e6))
     assert not probe.ok and "clamps gate and up at config.swiglu_limit=1000000.0: not plain SwiGLU" in probe.reason, \
         probe
+
+
+# ------------------------------------------------------------------------------------ gate and up in one projection
+@pytest.mark.parametrize("model_type", ["phi3", "glm"])
+def test_a_gate_up_proj_mlp_gets_a_skipped_row_with_the_reason(model_type):
+    """A review: Phi3MLP / GlmMLP (one gate_up_proj, then SiLU on one half times the other) had no row at all, so a dry
+    run of the model said 100% with no word of its MLPs. Each now has a skipped swiglu row with the reason; like every
+    MLP the probe refuses it is not eligible (the share counts only layouts fuse() takes), and nothing changes."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = models.rope_config(model_type)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    mlps = {p: m for p, m in model.named_modules() if type(m).__name__.endswith("MLP")}
+    assert len(mlps) == 2 and all(hasattr(m, "gate_up_proj") for m in mlps.values()), mlps
+    for m in mlps.values():
+        probe = probe_swiglu_mlp(m)
+        assert probe.candidate and not probe.ok and "gate and up in one gate_up_proj: not fused" in probe.reason
+    with pytest.raises(TypeError, match="without gate_proj, up_proj"):
+        FusedSwiGLUMLP.from_module(next(iter(mlps.values())))
+
+    for kw in ({}, {"ops": ["swiglu"]}):
+        report = fuse(model, dry_run=True, **kw)
+        rows = [r for r in report.rows if r.kind == "swiglu"]
+        assert sorted(r.path for r in rows) == sorted(mlps), report.rows
+        for r in rows:
+            assert (r.original, r.replacement, r.fused, r.eligible) == (type(mlps[r.path]).__name__, None, False,
+                                                                         False), r
+            assert "gate and up in one gate_up_proj: not fused" in r.reason, r.reason
+        assert "gate_up_proj" in str(report)
+        assert "swiglu" not in report.not_requested
+    # left out of ops: not counted as not requested (fuse() would not take it either)
+    report = fuse(model, dry_run=True, ops=["rms_norm"])
+    assert "swiglu" not in report.not_requested and not [r for r in report.rows if r.kind == "swiglu"]
+    assert not is_fused(model) and all(dict(model.named_modules())[p] is m for p, m in mlps.items())

@@ -494,8 +494,8 @@ def test_probe_of_modules_without_the_projections():
     ("llama", "LlamaMLP", True), ("mistral", "MistralMLP", True), ("qwen2", "Qwen2MLP", True),
     ("qwen3", "Qwen3MLP", True), ("gemma", "GemmaMLP", False), ("phi3", "Phi3MLP", None)])
 def test_probe_of_transformers_mlps(module, cls, ok):
-    """Llama's MLP and its copies pass; Gemma's GELU MLP is refused with the reason; Phi-3's fused gate_up_proj is no
-    candidate."""
+    """Llama's MLP and its copies pass; Gemma's GELU MLP is refused with the reason; Phi-3's fused gate_up_proj is a
+    candidate (a row in the report) refused with the reason."""
     mod = pytest.importorskip(f"transformers.models.{module}.modeling_{module}")
     import transformers
 
@@ -504,7 +504,7 @@ def test_probe_of_transformers_mlps(module, cls, ok):
     mlp = getattr(mod, cls)(cfg)
     probe = probe_swiglu_mlp(mlp)
     if ok is None:
-        assert not probe.candidate and not probe.ok
+        assert probe.candidate and not probe.ok and "gate and up in one gate_up_proj: not fused" in probe.reason
         return
     assert probe.candidate and probe.ok is ok, probe
     if ok:

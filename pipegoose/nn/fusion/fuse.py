@@ -10,7 +10,8 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
 * every module that computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``, found by a numerical probe
   (``transformers.matching.probe_swiglu_mlp``: transformers' ``LlamaMLP`` and its copies in Mistral, Qwen2, Qwen3, ...)
   -> ``FusedSwiGLUMLP`` (the same projection modules; the activation and product in one kernel, op ``swiglu``);
-  clamped SwiGLU (``swiglu_limit``) and other activations get a skipped row, not eligible;
+  clamped SwiGLU (``swiglu_limit``), other activations and ``gate_up_proj`` MLPs (Phi-3) get a skipped row, not
+  eligible;
 * the rotary position embedding of every attention module whose forward calls its modeling module's
   ``apply_rotary_pos_emb`` (Llama, Mistral, Qwen2, Qwen3, Gemma, GPT-NeoX with full rotary, ...), where that
   function is transformers' rotate-half RoPE (checked numerically): the module is not replaced but gets two hooks, and

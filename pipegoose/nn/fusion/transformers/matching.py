@@ -18,8 +18,8 @@
   formula lacks shows. Gemma's GELU MLP, MLPs with dropout and MLPs whose ``act_fn`` has hooks (which the fused module
   would not run) are reported as not SwiGLU, with the reason; so are clamped SwiGLU MLPs (DeepseekV4, Glm5Next,
   Step3p7, BailingHybrid), refused up front where the module names its limit (``swiglu_limit``, ``limit``: not None)
-  or its forward reads a config's ``swiglu_limit``/``swiglu_limits*``. Fused ``gate_up_proj`` MLPs (Phi-3) have no
-  ``gate_proj`` and are no candidates (no row).
+  or its forward reads a config's ``swiglu_limit``/``swiglu_limits*``. MLPs with gate and up in one ``gate_up_proj``
+  (Phi-3, GLM) are candidates refused with that reason (a row in the report, not fused).
 """
 
 from __future__ import annotations
@@ -352,12 +352,13 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
 # SwiGLU MLP probe
 # --------------------------------------------------------------------------------------------------------------------
 SWIGLU_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+GATE_UP_PROJECTIONS = ("gate_up_proj", "down_proj")   # Phi-3, GLM: gate and up in one projection
 
 
 @dataclass(frozen=True)
 class SwiGLUProbe:
     """Result of :func:`probe_swiglu_mlp`: ``ok``, or not with the ``reason``; ``candidate`` says whether the module
-    has the three projections (worth a row in the report)."""
+    has the three projections, or ``gate_up_proj`` and ``down_proj`` (worth a row in the report)."""
 
     ok: bool
     reason: str
@@ -374,10 +375,16 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     training and in eval mode: no hook of the module or its children fires, and its projections, which may be large or
     on a GPU, are not touched. The input has small rows and rows whose gate and up reach beyond +-``PROBE_FAR`` (50)
     on each side (:func:`_swiglu_probe_input`), so a clamp of gate or up at a plausible limit changes the output; a
-    module naming a clamp limit is refused before that (:func:`_swiglu_clamp`). Never raises.
+    module naming a clamp limit is refused before that (:func:`_swiglu_clamp`). A module with ``gate_up_proj`` and
+    ``down_proj`` (Phi-3, GLM: gate and up in one projection) is a candidate, refused with that reason. Never raises.
     """
     children = dict(module.named_children())
     if not all(isinstance(children.get(n), nn.Module) for n in SWIGLU_PROJECTIONS):
+        if all(isinstance(children.get(n), nn.Module) for n in GATE_UP_PROJECTIONS):
+            # Phi-3, GLM: a gated MLP whose gate and up come out of one projection (a row, not a candidate for the
+            # fused module, which holds the projections it was given)
+            return SwiGLUProbe(False, "gate and up in one gate_up_proj: not fused (FusedSwiGLUMLP takes separate "
+                               "gate_proj and up_proj)", True)
         return SwiGLUProbe(False, "", False)
     clamp = _swiglu_clamp(module)
     if clamp is not None:
