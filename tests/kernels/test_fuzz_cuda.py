@@ -14,6 +14,11 @@ the specialised ones, odd key lengths, frozen parameters with mixed dtypes, stri
   every reduction, strided rows; RoPE: head dims 2-256, whole or partial rotary, both layouts, GQA, fp32 tables;
   fused linear cross-entropy: chunkings from 1 row to all, bias or not.
 
+The ported copies run the same draws (``impl="megatron"`` for the softmaxes, ``"apex"`` for LayerNorm and the
+clipping, ``"apex"`` and ``"deepspeed"`` for Adam): where a copy does not take a draw, the dispatcher runs another
+kernel, which is then the one checked; where it claims a draw, its result must hold against float64 (so a copy's
+``supports()`` that lets through an input the copy gets wrong fails here).
+
 Reproduce a failure: its message names the case's draw; ``PIPEGOOSE_FUZZ_SEED=<n>`` (default 0) draws other cases and
 ``PIPEGOOSE_FUZZ_CASES=<n>`` (default 24) sets how many per op, ``PIPEGOOSE_FUZZ_MAX_NUMEL=<n>`` (default 2**22) the
 elements of a case's largest tensor, e.g.
@@ -98,10 +103,29 @@ def strided_rows(t: torch.Tensor, r: random.Random, what: list,
     return t
 
 
-def ran_kernel(op: str) -> None:
-    """The op's counters: our kernel ran (strict mode already refused a fallback), and nothing else did."""
+def ran_kernel(op: str, impl: str = "pipegoose", what: list | None = None) -> None:
+    """The op's counters: the kernel of ``impl`` ran, and nothing else did (strict mode already refused a fallback to
+    the reference). A ported copy (``megatron``, ``apex``, ``deepspeed``) that does not take the draw is passed over
+    by the dispatcher with a warning, for another kernel: then that one must have run, and ``what`` names it (the
+    draw is checked against float64 all the same, so the copy's ``supports()`` is tested too: a draw it claims but
+    gets wrong fails)."""
     got = dispatch.stats().get(op, {})
-    assert set(got) == {"pipegoose"}, f"{op}: expected our kernel, dispatcher counted {got}"
+    if impl == "pipegoose":
+        assert set(got) == {"pipegoose"}, f"{op}: expected our kernel, dispatcher counted {got}"
+        return
+    assert len(got) == 1 and "torch" not in got, f"{op}: expected one fused kernel, dispatcher counted {got}"
+    if what is not None:
+        what.append(f"ran {next(iter(got))}")
+
+
+@pytest.fixture
+def quiet_routing():
+    """The warning of a forced ported copy that cannot take a draw (the dispatcher then runs another kernel)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"impl='(megatron|apex|deepspeed)' cannot run this input")
+        yield
 
 
 def grads(fn, inputs, upstream):
@@ -157,9 +181,10 @@ def softmax_ref(x, mask, scale, causal):
     return torch.where(mask.all(-1, keepdim=True), torch.zeros_like(y), y)   # fully masked rows: zeros
 
 
+@pytest.mark.parametrize("impl", ["pipegoose", "megatron"])
 @pytest.mark.parametrize("kind", ["plain", "masked", "causal"])
 @pytest.mark.parametrize("case", range(CASES))
-def test_softmax(kind, case):
+def test_softmax(kind, case, impl, quiet_routing):
     r = draw(f"softmax.{kind}", case)
     dtype = r.choice(DTYPES)
     sk = width(r, 1, 40000)
@@ -170,7 +195,7 @@ def test_softmax(kind, case):
         sq = log_int(r, 1, max(1, min(128, MAX_NUMEL // sk)))
         b = log_int(r, 1, 3)
         shape = (b, log_int(r, 1, max(1, min(8, MAX_NUMEL // (b * sq * sk)))), sq, sk)
-    scale = r.choice((1.0, 0.125, round(r.uniform(0.05, 2.0), 3)))
+    scale = r.choice((1.0, 0.125, 0.5, round(r.uniform(0.05, 2.0), 3)))
     g = gen(r)
     what = [f"seed {SEED}", kind, str(dtype), f"shape {shape}", f"scale {scale}"]
     x = strided_rows(randn(shape, g, dtype, scale=r.choice((1.0, 4.0, 16.0))), r, what)
@@ -183,12 +208,12 @@ def test_softmax(kind, case):
         if mshape[2] > 1 and r.random() < 0.5:
             mask[..., r.randrange(mshape[2]), :] = True   # a fully masked row
         what.append(f"mask {mshape}")
-    fn = {"plain": lambda t: PF.scaled_softmax(t, scale, impl="pipegoose"),
-          "masked": lambda t: PF.scaled_masked_softmax(t, mask, scale, impl="pipegoose"),
-          "causal": lambda t: PF.scaled_upper_triang_masked_softmax(t, scale, impl="pipegoose")}[kind]
+    fn = {"plain": lambda t: PF.scaled_softmax(t, scale, impl=impl),
+          "masked": lambda t: PF.scaled_masked_softmax(t, mask, scale, impl=impl),
+          "causal": lambda t: PF.scaled_upper_triang_masked_softmax(t, scale, impl=impl)}[kind]
     x.requires_grad_(True)
     y, (dx,) = grads(fn, [x], dy)
-    ran_kernel({"plain": "softmax", "masked": "softmax.masked", "causal": "softmax.causal"}[kind])
+    ran_kernel({"plain": "softmax", "masked": "softmax.masked", "causal": "softmax.causal"}[kind], impl, what)
     assert y.dtype == dtype
     y64, (dx64,) = ref_grads(lambda t: softmax_ref(t, mask, scale, kind == "causal"), [x], dy)
     close("y", y.detach(), y64.detach(), what, dtype=dtype)
@@ -209,9 +234,9 @@ def rms_norm_ref(x, shape, w, eps):
     return x * torch.rsqrt((x * x).mean(dims, keepdim=True) + eps) * (1 if w is None else w)
 
 
-@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("op,impl", [("layer_norm", "pipegoose"), ("layer_norm", "apex"), ("rms_norm", "pipegoose")])
 @pytest.mark.parametrize("case", range(CASES))
-def test_norm(op, case):
+def test_norm(op, impl, case, quiet_routing):
     r = draw(op, case)
     xdt = r.choice(DTYPES)
     h = width(r, 1, 65536)
@@ -235,12 +260,12 @@ def test_norm(op, case):
     what += [f"w grad {w is not None and w.requires_grad}", f"b grad {b is not None and b.requires_grad}"]
     dy = randn(shape, g)
     if op == "layer_norm":
-        y, gs = grads(lambda a, c, d: PF.layer_norm(a, nshape, c, d, eps, impl="pipegoose"), [x, w, b], dy)
+        y, gs = grads(lambda a, c, d: PF.layer_norm(a, nshape, c, d, eps, impl=impl), [x, w, b], dy)
         y64, g64 = ref_grads(lambda a, c, d: layer_norm_ref(a, nshape, c, d, eps), [x, w, b], dy.to(y.dtype))
     else:
         y, gs = grads(lambda a, c: PF.rms_norm(a, nshape, c, eps, impl="pipegoose"), [x, w], dy)
         y64, g64 = ref_grads(lambda a, c: rms_norm_ref(a, nshape, c, eps), [x, w], dy.to(y.dtype))
-    ran_kernel(op)
+    ran_kernel(op, impl, what)
     assert y.dtype == (torch.float32 if xdt == torch.float32 else xdt), (y.dtype, what)
     low = xdt   # (parameters of another dtype are exact inputs: the math is fp32 either way)
     close("y", y.detach(), y64.detach(), what, dtype=low, scale=2)
@@ -455,8 +480,9 @@ def param_shapes(r: random.Random) -> list:
     return shapes
 
 
+@pytest.mark.parametrize("impl", ["pipegoose", "apex", "deepspeed"])
 @pytest.mark.parametrize("case", range(CASES))
-def test_fused_adam(case):
+def test_fused_adam(case, impl, quiet_routing):
     from adam_reference import adam_state, adam_step64
 
     from pipegoose.nn.fusion import FusedAdam
@@ -484,13 +510,15 @@ def test_fused_adam(case):
         wants.append(adam_step64(p.detach(), g, m, v, steps_before + 1 if bias_correction else None, lr, betas, eps,
                                  wd, w_mode))
     opt = FusedAdam([p for p, _, _ in params], lr=lr, betas=betas, eps=eps, weight_decay=wd, adam_w_mode=w_mode,
-                    bias_correction=bias_correction, impl="pipegoose")
+                    bias_correction=bias_correction, impl=impl)
     for p, m, v in params:   # a run already under way: its moments and step count
         opt.state[p] = dict(step=torch.tensor(float(steps_before)), exp_avg=m, exp_avg_sq=v)
     opt.step()
     torch.cuda.synchronize()
     if any(p.numel() for p, _, _ in params):
-        ran_kernel("adam")
+        got = dispatch.stats().get("adam", {})   # (one call per bucket: the copies may take some buckets only)
+        assert got and "torch" not in got, f"adam: expected fused kernels, dispatcher counted {got}; case {what}"
+        what.append(f"ran {got}")
     for i, ((p, _, _), want) in enumerate(zip(params, wants)):
         st = opt.state[p]
         assert float(st["step"]) == steps_before + 1, (float(st["step"]), what)
@@ -499,8 +527,9 @@ def test_fused_adam(case):
             close(f"{name}[{i}] {tuple(got.shape)}", got, ref.to(DEV), what, dtype=p.dtype)
 
 
+@pytest.mark.parametrize("impl", ["pipegoose", "apex"])
 @pytest.mark.parametrize("case", range(CASES))
-def test_clip_grad_norm(case):
+def test_clip_grad_norm(case, impl, quiet_routing):
     from pipegoose.nn.fusion import clip_grad_norm_
 
     r = draw("clip_grad_norm", case)
@@ -529,10 +558,12 @@ def test_clip_grad_norm(case):
     max_norm = float(total64) * r.choice((0.1, 0.9, 1.1, 1e9)) if total64 is not None else 1.0
     what = [f"seed {SEED}", f"{len(shapes)} params", f"dtypes {sorted({str(d) for d in dtypes})}",
             f"norm_type {norm_type}", f"max_norm {max_norm:.4g}", f"total {float(total64):.4g}"]
-    total = clip_grad_norm_(params, max_norm, norm_type, impl="pipegoose")
+    total = clip_grad_norm_(params, max_norm, norm_type, impl=impl)
     torch.cuda.synchronize()
     if any(p.numel() for p in params):
-        ran_kernel("clip_grad_norm")
+        got = dispatch.stats().get("clip_grad_norm", {})   # (one call per dtype group)
+        assert got and "torch" not in got, f"clip_grad_norm: expected fused kernels, counted {got}; case {what}"
+        what.append(f"ran {got}")
     coarse = max(dtypes, key=lambda d: TOLERANCES[d]["rtol"])
     want_dtype = functools.reduce(torch.promote_types, dtypes)
     assert total.dtype == want_dtype, (total.dtype, what)
