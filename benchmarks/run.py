@@ -428,6 +428,28 @@ def _check_run(data: dict, measurements: list[Measurement]) -> None:
     _check_e2e_rows(data.get("e2e") or [])
 
 
+def _older_row(when: datetime | None, kept_when: datetime | None, no_result: bool, kept_no_result: bool) -> bool:
+    """Whether a row measured at ``when`` (its run's date in UTC) is older than the row already merged for its key
+    (``kept_when``) and so does not replace it (a review: a merged file sorts by its newest run, so its older rows
+    came after a separately given run of a date between, and replaced that run's newer rows). Unknown dates compare as
+    nothing (the merge order decides). A measurement of an older run still replaces a newer row that measured nothing
+    (as a later one does)."""
+    if when is None or kept_when is None:
+        return False
+    return when < kept_when and not (kept_no_result and not no_result)
+
+
+def _row_times(data: dict, file_time: datetime | None) -> dict:
+    """A merged file's run labels (its rows' ``run``: the day) -> that run's date in UTC, from its ``runs`` (of two
+    runs of one label, the later); a row without a label, or whose label is not there, takes ``file_time``."""
+    times: dict = {}
+    for r in data.get("runs") or []:
+        t = _run_time(r.get("date")) if isinstance(r, dict) else None
+        if t is not None and (r["run"] not in times or t > times[r["run"]]):
+            times[r["run"]] = t
+    return times
+
+
 def report_only(args: argparse.Namespace) -> int:
     from .optimizers import upgrade_row
     from .report import load_json, run_entry
@@ -461,7 +483,9 @@ def report_only(args: argparse.Namespace) -> int:
     if [r[1] for r in loaded] != sorted(r[1] for r in loaded):
         hidden.append("the runs were merged in order of their dates in UTC, the newer winning, not as given: "
                       + ", ".join(f"{p} ({when:%Y-%m-%d %H:%M} UTC)" for when, _, p, _, _ in loaded))
-    for _, _, p, data, measurements in loaded:
+    row_time: dict = {}   # (kind, key) -> the UTC date of the run of the row merged for it
+    for file_time, _, p, data, measurements in loaded:
+        label_times = _row_times(data, file_time)
         # each run's date and versions (the merged environment is the newest run's alone; a review)
         for r in data.get("runs") or [run_entry(data["environment"], str(p))]:
             runs.setdefault(tuple(str(r.get(k)) for k in RUN_KEYS), r)
@@ -480,6 +504,11 @@ def report_only(args: argparse.Namespace) -> int:
                 for row in v:
                     key = (row.get("model"), row.get("variant"))
                     row_run = row.get("run") or run_date
+                    when = label_times.get(row.get("run"), file_time)
+                    if key in e2e and _older_row(when, row_time.get(("e2e", key)),
+                                                 row.get("status") in _E2E_NO_RESULT,
+                                                 e2e[key].get("status") in _E2E_NO_RESULT):
+                        continue
                     if (row.get("status") not in _E2E_NO_RESULT or key not in e2e
                             or e2e[key].get("status") in _E2E_NO_RESULT):   # (of two attempts, the later)
                         before = e2e.get(key)
@@ -490,6 +519,7 @@ def report_only(args: argparse.Namespace) -> int:
                                           + (f" ({before['detail']})" if before.get("detail") else "")
                                           + f" is replaced by run {row_run}'s {row['status']}")
                         e2e[key] = {**row, "run": row_run}
+                        row_time[("e2e", key)] = when
                     elif row.get("status") in ("timeout", "error") and e2e[key].get("status") not in _E2E_NO_RESULT:
                         later = f"run {row_run}: {row['status']}" + (f" ({row['detail']})" if row.get("detail") else "")
                         kept = e2e[key]
@@ -510,6 +540,10 @@ def report_only(args: argparse.Namespace) -> int:
                     m.extra["copy_gbps"] = implied or run_copy
             upgrade_row(m)   # optimizer rows from before their impls were named (renames an old row, so first)
             key = (m.op, m.impl, m.dtype, m.pas, m.cols)
+            when = label_times.get((m.extra or {}).get("run"), file_time)
+            if key in ms and _older_row(when, row_time.get(("op", key)), m.status in NO_RESULT,
+                                        ms[key].status in NO_RESULT):
+                continue
             # a row that measured nothing (skipped; unavailable: the impl did not load or build; error: it crashed or
             # could not be timed) never hides a measured one: it would take the impl out of the tuning table's
             # choices for that size. FAILED (a wrong result) and unsupported (the impl declines the shape) do replace.
@@ -519,6 +553,7 @@ def report_only(args: argparse.Namespace) -> int:
                     hidden.append(f"{m.impl}/{m.op}/{m.dtype}/{m.pas}/{m.cols}: the {ms[key].extra.get('run')} row's "
                                   f"error{was} is replaced by run {m.extra['run']}'s {m.status}")
                 ms[key] = m
+                row_time[("op", key)] = when
             elif m.status == "error" and ms[key].status not in NO_RESULT:
                 hidden.append(f"{m.impl}/{m.op}/{m.dtype}/{m.pas}/{m.cols}: run {m.extra['run']}: error "
                               f"({(m.detail or '')[:120]}); the {ms[key].extra.get('run')} row is kept")

@@ -1084,6 +1084,16 @@ def test_report_only_records_each_merged_runs_environment(tmp_path, monkeypatch,
     data, _ = load_json(tmp_path / "again" / "nvidia_h200_2026-12-05" / "results.json")
     assert [r["pipegoose_git"] for r in data["runs"]] == ["git-old", "git-new", "git-newer"]
     assert data["environment"]["pipegoose_git"] == "git-newer"
+    # A review: a merged file sorts by its newest run, so its older rows came after a separately given run of a day
+    # between, and replaced that run's newer rows. Merge (2026-11-20 and 2026-12-02) with 2026-11-25's row of the
+    # same key as the 2026-11-20 one: 2026-11-25's measurement wins, whatever the order.
+    mid = run("mid", "2026-11-25T01:00:00+00:00", "2.9.5", [m(cols=512, ms=0.25)])
+    for order in ((str(folder), mid), (mid, str(folder))):
+        dest = tmp_path / f"mid_{order[0] == mid}"
+        assert main(["--report-only", *order, "--out", str(dest), "--no-tuning"]) == 0
+        _, rows = load_json(dest / "nvidia_h200_2026-12-02" / "results.json")
+        row = next(x for x in rows if x.cols == 512)
+        assert (row.extra["run"], row.median_ms) == ("2026-11-25", 0.25), order
     # runs of the same versions: one line says so
     same = run("same", "2026-12-06T01:00:00+00:00", "2.10.0", [m(cols=4096)])
     data = json.loads((Path(same) / "results.json").read_text())

@@ -124,20 +124,24 @@ def quiet_routing():
     import warnings
 
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"impl='(megatron|apex|deepspeed)' cannot run this input")
+        # (the message begins with the op's name: "layer_norm: impl='apex' cannot run this input: ...")
+        warnings.filterwarnings("ignore", message=r".*impl='(megatron|apex|deepspeed)' cannot run this input")
         yield
 
 
 def grads(fn, inputs, upstream):
     """``fn(*inputs)``'s output and the gradients of the inputs that require grad (None for the others), with the
-    outputs' and gradients' memory poisoned before the forward and the backward."""
+    outputs' and gradients' memory poisoned before the forward and the backward: NaN blocks of the inputs' sizes
+    (the gradients') and of the upstream gradients' (the outputs' shapes, in the outputs' dtype or a wider one: the
+    losses in fp32, RoPE's fp32 results of 16-bit q and k)."""
     # (detach: new leaves on the same memory, strides kept; clone() would make padded rows contiguous)
     leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in inputs]
-    poison(*[(t.shape, t.dtype) for t in inputs if t is not None])
-    out = fn(*leaves)
-    poison(*[(t.shape, t.dtype) for t in inputs if t is not None])
-    outs = out if isinstance(out, tuple) else (out,)
     ups = upstream if isinstance(upstream, tuple) else (upstream,)
+    sizes = [(t.shape, t.dtype) for t in (*inputs, *ups) if t is not None]
+    poison(*sizes)
+    out = fn(*leaves)
+    poison(*sizes)
+    outs = out if isinstance(out, tuple) else (out,)
     torch.autograd.backward([o for o in outs], [u.to(o.dtype) for o, u in zip(outs, ups)])
     torch.cuda.synchronize()
     return out, [None if t is None or not t.requires_grad else t.grad for t in leaves]
@@ -266,7 +270,7 @@ def test_norm(op, impl, case, quiet_routing):
         y, gs = grads(lambda a, c: PF.rms_norm(a, nshape, c, eps, impl="pipegoose"), [x, w], dy)
         y64, g64 = ref_grads(lambda a, c: rms_norm_ref(a, nshape, c, eps), [x, w], dy.to(y.dtype))
     ran_kernel(op, impl, what)
-    assert y.dtype == (torch.float32 if xdt == torch.float32 else xdt), (y.dtype, what)
+    assert y.dtype == xdt, (y.dtype, what)   # (also with parameters of another dtype, as torch.nn.LayerNorm)
     low = xdt   # (parameters of another dtype are exact inputs: the math is fp32 either way)
     close("y", y.detach(), y64.detach(), what, dtype=low, scale=2)
     # dx = rstd * (dy * w - mean(dy * w) - ...): fp32's rounding of the row's means is multiplied by rstd, which a
@@ -480,6 +484,14 @@ def param_shapes(r: random.Random) -> list:
     return shapes
 
 
+def param_dtypes(r: random.Random, shapes: list) -> list:
+    """One dtype for all, or one each; an empty tensor takes the first one's (never empty): a dtype group of empty
+    tensors only is no kernel's work (the dispatcher runs the reference there, source ``empty``, not a fallback)."""
+    one = r.random() < 0.5
+    first = r.choice(DTYPES)
+    return [first if one or i == 0 or math.prod(s) == 0 else r.choice(DTYPES) for i, s in enumerate(shapes)]
+
+
 @pytest.mark.parametrize("impl", ["pipegoose", "apex", "deepspeed"])
 @pytest.mark.parametrize("case", range(CASES))
 def test_fused_adam(case, impl, quiet_routing):
@@ -489,7 +501,7 @@ def test_fused_adam(case, impl, quiet_routing):
 
     r = draw("adam", case)
     shapes = param_shapes(r)
-    dtypes = [r.choice(DTYPES) for _ in shapes] if r.random() < 0.5 else [r.choice(DTYPES)] * len(shapes)
+    dtypes = param_dtypes(r, shapes)
     lr = math.exp(r.uniform(math.log(1e-3), math.log(0.3)))
     betas = (0.9, 0.999) if r.random() < 0.5 else (round(r.uniform(0.8, 0.95), 3), round(r.uniform(0.95, 0.9999), 4))
     eps = r.choice((1e-8, 1e-6))
@@ -524,7 +536,12 @@ def test_fused_adam(case, impl, quiet_routing):
         assert float(st["step"]) == steps_before + 1, (float(st["step"]), what)
         for name, got, ref in zip(("param", "exp_avg", "exp_avg_sq"), (p.detach(), st["exp_avg"], st["exp_avg_sq"]),
                                   want):
-            close(f"{name}[{i}] {tuple(got.shape)}", got, ref.to(DEV), what, dtype=p.dtype)
+            # the Apex and DeepSpeed copies are built with --use_fast_math, as upstream builds them (approximate
+            # square root and division): an fp32 parameter whose update cancels most of it was 1.19e-5 off where the
+            # table allowed 1.10e-5 (seed 4, case 12, 2**26 elements); ours, on exact fp32 math, within it
+            fast_math = impl != "pipegoose" and "pipegoose" not in dispatch.stats().get("adam", {})
+            close(f"{name}[{i}] {tuple(got.shape)}", got, ref.to(DEV), what, dtype=p.dtype,
+                  scale=4 if fast_math and name == "param" else 1)
 
 
 @pytest.mark.parametrize("impl", ["pipegoose", "apex"])
@@ -533,11 +550,11 @@ def test_clip_grad_norm(case, impl, quiet_routing):
     from pipegoose.nn.fusion import clip_grad_norm_
 
     r = draw("clip_grad_norm", case)
-    shapes = param_shapes(r)
-    dtypes = [r.choice(DTYPES) for _ in shapes] if r.random() < 0.5 else [r.choice(DTYPES)] * len(shapes)
     norm_type = r.choice((1.0, 2.0, 2.0, float("inf")))
+    shapes = param_shapes(r)
     if math.isinf(norm_type):   # (torch's inf norm of an empty gradient raises: "does not have an identity")
         shapes = [s for s in shapes if math.prod(s) > 0]
+    dtypes = param_dtypes(r, shapes)
     g = gen(r)
     params = []
     for shape, dt in zip(shapes, dtypes):
