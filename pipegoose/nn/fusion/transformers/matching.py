@@ -383,8 +383,10 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
         if all(isinstance(children.get(n), nn.Module) for n in GATE_UP_PROJECTIONS):
             # Phi-3, GLM: a gated MLP whose gate and up come out of one projection (a row, not a candidate for the
             # fused module, which holds the projections it was given)
+            # (its activation and formula are not probed: Zamba2's GELU, MiniMax-M3's clamped variant have this
+            # layout too, so the reason names the layout alone; a review)
             return SwiGLUProbe(False, "gate and up in one gate_up_proj: not fused (FusedSwiGLUMLP takes separate "
-                               "gate_proj and up_proj)", True)
+                               "gate_proj and up_proj; this layout's activation is not checked)", True)
         return SwiGLUProbe(False, "", False)
     clamp = _swiglu_clamp(module)
     if clamp is not None:
