@@ -25,10 +25,10 @@ from . import models
 HIDDEN, INTER = 32, 64
 
 
-def _cls(module: str, name: str):
-    """transformers.models.<module>.modeling_<module>.<name>, or a pytest skip where this transformers lacks it."""
+def _from(module: str, kind: str, name: str):
+    """transformers.models.<module>.<kind>_<module>.<name>, or a pytest skip where this transformers lacks it."""
     try:
-        mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+        mod = importlib.import_module(f"transformers.models.{module}.{kind}_{module}")
     except ImportError:
         pytest.skip(f"this transformers has no {module}")
     if not hasattr(mod, name):
@@ -36,14 +36,12 @@ def _cls(module: str, name: str):
     return getattr(mod, name)
 
 
+def _cls(module: str, name: str):
+    return _from(module, "modeling", name)
+
+
 def _config(module: str, cls: str, **kw):
-    try:
-        mod = importlib.import_module(f"transformers.models.{module}.configuration_{module}")
-    except ImportError:
-        pytest.skip(f"this transformers has no {module}")
-    if not hasattr(mod, cls):
-        pytest.skip(f"this transformers has no {cls}")
-    return getattr(mod, cls)(**kw)
+    return _from(module, "configuration", cls)(**kw)
 
 
 def _deepseek_v4(limit=10.0):

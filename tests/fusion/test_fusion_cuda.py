@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from adam_reference import adam_state, adam_step64
+from softmax_reference import softmax_ref
 from tolerances import DOUBLE_BACKWARD_GRAD_SCALE, DOUBLE_BACKWARD_HVP_SCALE, TOLERANCES, tol
 
 from pipegoose.nn.fusion import FusedAdam, clip_grad_norm_, dispatch
@@ -61,16 +62,7 @@ def ran(op: str, impl: str, calls: int = 1) -> None:
 # --- softmax -------------------------------------------------------------------------------------------------
 
 def softmax_ref64(x, mask, scale, causal):
-    s = x.double() * scale
-    masked = mask
-    if causal:
-        sq, sk = x.shape[-2], x.shape[-1]
-        cm = torch.ones(sq, sk, dtype=torch.bool, device=x.device).triu(sk - sq + 1)
-        masked = cm if masked is None else masked | cm
-    if masked is None:
-        return torch.softmax(s, -1)
-    y = torch.softmax(s.masked_fill(masked, float("-inf")), -1)
-    return torch.where(masked.all(-1, keepdim=True), torch.zeros_like(y), y)
+    return softmax_ref(x.double(), mask, scale, causal)
 
 
 def softmax_bwd_ref64(y64, dy, scale):

@@ -36,6 +36,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_helpers import poison
+from softmax_reference import softmax_ref
 from tolerances import TOLERANCES, tol
 
 from pipegoose.nn.fusion import dispatch
@@ -172,18 +173,6 @@ def close(name: str, got: torch.Tensor, want: torch.Tensor, what: list, *, dtype
 
 
 # --- softmax -----------------------------------------------------------------------------------------------------
-
-def softmax_ref(x, mask, scale, causal):
-    s = x * scale
-    if causal:
-        sq, sk = x.shape[-2], x.shape[-1]
-        cm = torch.ones(sq, sk, dtype=torch.bool, device=x.device).triu(sk - sq + 1)
-        mask = cm if mask is None else mask | cm
-    if mask is None:
-        return torch.softmax(s, -1)
-    y = torch.softmax(s.masked_fill(mask, float("-inf")), -1)
-    return torch.where(mask.all(-1, keepdim=True), torch.zeros_like(y), y)   # fully masked rows: zeros
-
 
 @pytest.mark.parametrize("impl", ["pipegoose", "megatron"])
 @pytest.mark.parametrize("kind", ["plain", "masked", "causal"])
