@@ -439,14 +439,14 @@ def _older_row(when: datetime | None, kept_when: datetime | None, no_result: boo
     return when < kept_when and not (kept_no_result and not no_result)
 
 
-def _row_times(data: dict, file_time: datetime | None) -> dict:
+def _row_times(data: dict) -> dict:
     """A merged file's run labels (its rows' ``run``: the day) -> that run's date in UTC, from its ``runs`` (of two
-    runs of one label, the later); a row without a label, or whose label is not there, takes ``file_time``."""
+    runs of one label, the later); a row whose label is not there takes its file's date (the caller's default)."""
     times: dict = {}
     for r in data.get("runs") or []:
-        t = _run_time(r.get("date")) if isinstance(r, dict) else None
-        if t is not None and (r["run"] not in times or t > times[r["run"]]):
-            times[r["run"]] = t
+        label, t = r.get("run"), _run_time(r.get("date"))   # (_check_run: a mapping with a date)
+        if label is not None and t is not None and (label not in times or t > times[label]):
+            times[label] = t
     return times
 
 
@@ -485,7 +485,7 @@ def report_only(args: argparse.Namespace) -> int:
                       + ", ".join(f"{p} ({when:%Y-%m-%d %H:%M} UTC)" for when, _, p, _, _ in loaded))
     row_time: dict = {}   # (kind, key) -> the UTC date of the run of the row merged for it
     for file_time, _, p, data, measurements in loaded:
-        label_times = _row_times(data, file_time)
+        label_times = _row_times(data)
         # each run's date and versions (the merged environment is the newest run's alone; a review)
         for r in data.get("runs") or [run_entry(data["environment"], str(p))]:
             runs.setdefault(tuple(str(r.get(k)) for k in RUN_KEYS), r)
