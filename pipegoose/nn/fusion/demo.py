@@ -432,7 +432,10 @@ def main(argv: list[str] | None = None) -> int:
         unfuse(model)
 
     tol = PARITY_TOLERANCE[dtype]
-    console.print(f"implementations that ran (dispatch.stats): {ran or 'none (nothing went through the dispatcher)'}")
+    console.print(f"implementations that ran (dispatch.stats): {ran or 'none (nothing went through the dispatcher)'}"
+                  # (a walkthrough: GPT-NeoX's rope rows said "the model's own code" where the counts said torch)
+                  + (" (rope's 'torch': the model's own code or PyTorch's path)" if "torch" in ran.get("rope", {})
+                     else ""))
     small = dispatch.last_choice("layer_norm") or dispatch.last_choice("rms_norm")
     if gpu is not None and ran and all(impl in ("torch", "sdpa") for per in ran.values() for impl in per):
         console.print(f"[yellow]No fused kernel ran: every input here is below PIPEGOOSE_SMALL_NUMEL="
@@ -440,18 +443,24 @@ def main(argv: list[str] | None = None) -> int:
                       f"are faster (set PIPEGOOSE_SMALL_NUMEL=0 to run the fused kernels anyway).[/yellow]"
                       if small is None or small.source == "small" else
                       "[yellow]No fused kernel ran (see the report for why).[/yellow]")
-    console.print(f"loss: unfused {unfused_out[1].item():.6f}, fused {out[1].item():.6f}"
+    console.print(f"loss (in-batch contrastive, of the mean-pooled embeddings): unfused {unfused_out[1].item():.6f}, "
+                  f"fused {out[1].item():.6f}"
                   + (f", float64 {ref64[1].item():.6f}" if ref64 is not None else ""))
     fused_err = errors(ref64 if ref64 is not None else unfused_out, out)
     unfused_err = errors(ref64, unfused_out) if ref64 is not None else None
     rows = parity(fused_err, unfused_err, tol)
+    # the embeddings and the loss always (a walkthrough: the README names them, and only gradient rows showed),
+    # then the worst gradient rows
+    whole, grads = rows[:2], rows[2:]
     if ref64 is not None:
         console.print("relative error against the float64 model (gradients: max abs diff / max(max abs grad, 1e-3 x "
-                      "the largest grad)), fused | unfused; the worst rows by fused/unfused:")
-        shown = sorted(rows, key=lambda r: (r[3], -(r[1] / max(r[2], 1e-30))))[:7]
+                      "the largest grad)), fused | unfused; the embeddings, the loss and the worst gradients by "
+                      "fused/unfused:")
+        shown = whole + sorted(grads, key=lambda r: (r[3], -(r[1] / max(r[2], 1e-30))))[:7]
     else:
-        console.print(f"no float64 reference ({why_no_ref64}): fused against unfused (relative), the worst rows:")
-        shown = sorted(rows, key=lambda r: (r[3], -r[1]))[:7]
+        console.print(f"no float64 reference ({why_no_ref64}): fused against unfused (relative), the embeddings, the "
+                      "loss and the worst gradients:")
+        shown = whole + sorted(grads, key=lambda r: (r[3], -r[1]))[:7]
     for name, f, u, ok in shown:
         console.print(f"  {name}: {f:.3g}" + (f" | {u:.3g}" if u is not None else "") + ("" if ok else "  [red]X[/red]"))
     if timing is not None:
