@@ -111,10 +111,11 @@ def ran_kernel(op: str, impl: str = "pipegoose", what: list | None = None) -> No
     draw is checked against float64 all the same, so the copy's ``supports()`` is tested too: a draw it claims but
     gets wrong fails)."""
     got = dispatch.stats().get(op, {})
+    case = f"; case {what}" if what is not None else ""
     if impl == "pipegoose":
-        assert set(got) == {"pipegoose"}, f"{op}: expected our kernel, dispatcher counted {got}"
+        assert set(got) == {"pipegoose"}, f"{op}: expected our kernel, dispatcher counted {got}{case}"
         return
-    assert len(got) == 1 and "torch" not in got, f"{op}: expected one fused kernel, dispatcher counted {got}"
+    assert len(got) == 1 and "torch" not in got, f"{op}: expected one fused kernel, dispatcher counted {got}{case}"
     if what is not None:
         what.append(f"ran {next(iter(got))}")
 
@@ -301,7 +302,7 @@ def test_swiglu(case):
     up = strided_rows(randn(shape, g, dtype), r, what).requires_grad_(True)
     dy = randn(shape, g, dtype)
     y, (dg, du) = grads(lambda a, c: PF.swiglu(a, c, impl="pipegoose"), [gate, up], dy)
-    ran_kernel("swiglu")
+    ran_kernel("swiglu", what=what)
     y64, (dg64, du64) = ref_grads(lambda a, c: F.silu(a) * c, [gate, up], dy)
     close("y", y.detach(), y64.detach(), what, dtype=dtype)
     close("dgate", dg, dg64, what, dtype=dtype, scale=2)
@@ -330,7 +331,7 @@ def test_cross_entropy(case):
     up = randn((n,), g) if reduction == "none" else randn((), g)
     loss, (dl,) = grads(lambda t: PF.cross_entropy(t, target, ignore_index=ignore_index, reduction=reduction,
                                                     impl="pipegoose"), [logits], up)
-    ran_kernel("cross_entropy")
+    ran_kernel("cross_entropy", what=what)
     assert loss.dtype == torch.float32
     loss64, (dl64,) = ref_grads(lambda t: F.cross_entropy(t, target, ignore_index=ignore_index, reduction=reduction),
                                 [logits], up)
@@ -387,7 +388,7 @@ def test_rope(case):
     up = (randn(q.shape, g, out_dtype), randn(k.shape, g, out_dtype))
     (qe, ke), (dq, dk, _, _) = grads(lambda a, b, c, s: PF.apply_rotary_pos_emb(a, b, c, s, dim, impl="pipegoose"),
                                      [q, k, cos, sin], up)
-    ran_kernel("rope")
+    ran_kernel("rope", what=what)
     assert qe.dtype == ke.dtype == out_dtype, (qe.dtype, ke.dtype, what)
     (qe64, ke64), (dq64, dk64, _, _) = ref_grads(lambda a, b, c, s: rope_ref(a, b, c, s, dim), [q, k, cos, sin], up)
     low = min_precision(dtype, tables)
@@ -423,7 +424,7 @@ def test_fused_linear_cross_entropy(case):
     up = randn((), g)
     loss, gs = grads(lambda a, c, d: PF.fused_linear_cross_entropy(a, c, target, d, reduction=reduction,
                                                                    chunk_rows=chunk, impl="pipegoose"), [h, w, b], up)
-    ran_kernel("fused_linear_cross_entropy")
+    ran_kernel("fused_linear_cross_entropy", what=what)
 
     def unfused(a, c, d):
         return F.cross_entropy(F.linear(a, c, d).float() if a.dtype != torch.float64 else F.linear(a, c, d), target,
