@@ -298,11 +298,19 @@ def float64_reference(model, batch) -> tuple[tuple | None, str]:
     -inf and fully masked rows (left padding) become NaN."""
     import copy
 
+    from transformers.utils import logging as hf_logging
+
     model64 = copy.deepcopy(model).to(torch.float64)
+    # (quietly: a model that cannot switch, Bloom's, logged a transformers warning into the demo's output that read as
+    # a fault of fuse(); a walkthrough)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
         model64.set_attn_implementation("sdpa")
     except (ValueError, AttributeError, ImportError):
         pass
+    finally:
+        hf_logging.set_verbosity(verbosity)
     try:
         ref = step(model64, batch)
     finally:
