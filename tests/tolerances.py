@@ -48,3 +48,14 @@ FP32_SAME_CODE = dict(atol=0.0, rtol=2.0 ** -22)
 # the rows' losses), against the same fp32 terms summed in float64 on the host: the final rounding (and the mean's
 # division) only, a few fp32 units in the last place (1e-6 is about 8 of them); the atol covers sums near 0.
 FP32_FLOAT64_SUM = dict(atol=1e-6, rtol=1e-6)
+
+# The fused linear cross-entropy's weight gradient, accumulated over ``chunks`` GEMMs in its dtype (one rounding per
+# chunk, where the unfused path rounds once): the table's tolerance times this scale, relative to the gradient's
+# largest value (tests/kernels/test_linear_cross_entropy_cuda.py, tests/kernels/test_fuzz_cuda.py).
+
+
+def weight_scale(chunks: int) -> float:
+    """The tolerance scale of the weight's gradient accumulated over ``chunks`` GEMMs in its dtype: one rounding
+    (about 1/8 of the table's rtol, 8 units in the last place) per chunk, beside the unfused path's one, and 2 for
+    the rest."""
+    return 2 + chunks / 8

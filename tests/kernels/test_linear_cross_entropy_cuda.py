@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tolerances import TOLERANCES, tol
+from tolerances import TOLERANCES, tol, weight_scale
 
 from pipegoose.nn.fusion.ops.linear_cross_entropy import default_chunk_rows
 
@@ -71,13 +71,6 @@ def loss_and_grads(fn, hidden, weight, bias, target, upstream=None, **kw):
 def chunks_of(n: int, v: int, h: int) -> int:
     """The default chunking's number of chunks."""
     return -(-n // default_chunk_rows(n, v, h))
-
-
-def weight_scale(chunks: int) -> float:
-    """The tolerance scale of the weight's gradient, accumulated over ``chunks`` GEMMs in its dtype: one rounding
-    (about 1/8 of the table's rtol, 8 units in the last place) per chunk, beside the unfused path's one, and 2 for
-    the rest."""
-    return 2 + chunks / 8
 
 
 def max_error(got, want) -> float:
