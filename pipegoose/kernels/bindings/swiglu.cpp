@@ -4,6 +4,8 @@
 // swiglu (the op the Python layer calls): the forward kernel with its autograd formula in C++, registered for the
 // Autograd key (no Python in the backward, as for the norms: norm_autograd.h says why); below autograd (inference
 // mode) the forward alone. It saves gate and up, not the product: the backward recomputes sigmoid(gate).
+// silu_and_mul (gate and up as the two halves of x's last dimension): the same, saving x; its backward returns the
+// gradient of x in one tensor.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -15,6 +17,8 @@ namespace pipegoose {
 at::Tensor swiglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up);
 std::tuple<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate,
                                                         const at::Tensor& up);
+at::Tensor silu_and_mul_forward_cuda(const at::Tensor& x);
+at::Tensor silu_and_mul_backward_cuda(const at::Tensor& grad_output, const at::Tensor& x);
 }  // namespace pipegoose
 
 namespace {
@@ -25,11 +29,20 @@ using torch::autograd::variable_list;
 
 using ForwardSig = at::Tensor(const at::Tensor&, const at::Tensor&);
 using BackwardSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using PackedForwardSig = at::Tensor(const at::Tensor&);
+using PackedBackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&);
 
 // The kernel's numerics as PyTorch ops: silu(gate) * up in fp32, rounded once to gate's dtype (the Python reference,
 // swiglu_reference in pipegoose/nn/fusion/ops/swiglu.py). Differentiable (used for a double backward).
 at::Tensor reference(const at::Tensor& gate, const at::Tensor& up) {
   return (at::silu(gate.to(at::kFloat)) * up.to(at::kFloat)).to(gate.scalar_type());
+}
+
+// silu_and_mul's numerics as PyTorch ops: the reference above of x's two halves (silu_and_mul_reference in
+// pipegoose/nn/fusion/ops/swiglu.py).
+at::Tensor packed_reference(const at::Tensor& x) {
+  const auto halves = x.chunk(2, -1);
+  return reference(halves[0], halves[1]);
 }
 
 }  // namespace
@@ -62,6 +75,30 @@ struct SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
   }
 };
 
+// The autograd formula of pipegoose::silu_and_mul (graph node torch::autograd::CppNode<pipegoose::SiluAndMulFunction>).
+struct SiluAndMulFunction : public torch::autograd::Function<SiluAndMulFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x) {
+    static const auto op = na::op_handle<PackedForwardSig>("pipegoose::silu_and_mul_forward");
+    at::AutoDispatchBelowADInplaceOrView below;
+    at::Tensor y = op.call(x);
+    ctx->save_for_backward({x});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& dy = grads[0];
+    if (!dy.defined()) return {at::Tensor()};
+    if (at::GradMode::is_enabled()) {  // create_graph=True: a gradient that is differentiable again
+      return na::grads_through([&] { return packed_reference(x); }, {x}, {ctx->needs_input_grad(0)}, dy);
+    }
+    static const auto op = na::op_handle<PackedBackwardSig>("pipegoose::silu_and_mul_backward");
+    at::AutoDispatchBelowADInplaceOrView below;
+    return {op.call(dy, x)};
+  }
+};
+
 }  // namespace pipegoose
 
 namespace {
@@ -70,18 +107,29 @@ at::Tensor swiglu_autograd(const at::Tensor& gate, const at::Tensor& up) {
   return pipegoose::SwiGLUFunction::apply(gate, up);
 }
 
+at::Tensor silu_and_mul_autograd(const at::Tensor& x) { return pipegoose::SiluAndMulFunction::apply(x); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pipegoose, m) {
   m.def("swiglu_forward(Tensor gate, Tensor up) -> Tensor");
   m.def("swiglu_backward(Tensor grad_output, Tensor gate, Tensor up) -> (Tensor grad_gate, Tensor grad_up)");
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
+  m.def("silu_and_mul_forward(Tensor x) -> Tensor");
+  m.def("silu_and_mul_backward(Tensor grad_output, Tensor x) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pipegoose, CUDA, m) {
   m.impl("swiglu_forward", &pipegoose::swiglu_forward_cuda);
   m.impl("swiglu_backward", &pipegoose::swiglu_backward_cuda);
   m.impl("swiglu", &pipegoose::swiglu_forward_cuda);
+  m.impl("silu_and_mul_forward", &pipegoose::silu_and_mul_forward_cuda);
+  m.impl("silu_and_mul_backward", &pipegoose::silu_and_mul_backward_cuda);
+  m.impl("silu_and_mul", &pipegoose::silu_and_mul_forward_cuda);
 }
 
-TORCH_LIBRARY_IMPL(pipegoose, Autograd, m) { m.impl("swiglu", &swiglu_autograd); }
+TORCH_LIBRARY_IMPL(pipegoose, Autograd, m) {
+  m.impl("swiglu", &swiglu_autograd);
+  m.impl("silu_and_mul", &silu_and_mul_autograd);
+}

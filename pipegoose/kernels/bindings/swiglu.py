@@ -1,9 +1,11 @@
-"""Fake (meta) impls of ``pipegoose::swiglu_forward``, ``pipegoose::swiglu_backward`` and ``pipegoose::swiglu``
-(pipegoose's SwiGLU activation, ``pipegoose/kernels/csrc/swiglu.cu``).
+"""Fake (meta) impls of ``pipegoose::swiglu_forward``, ``pipegoose::swiglu_backward``, ``pipegoose::swiglu`` and
+``pipegoose::silu_and_mul_forward``, ``pipegoose::silu_and_mul_backward``, ``pipegoose::silu_and_mul`` (pipegoose's
+SwiGLU activation, ``pipegoose/kernels/csrc/swiglu.cu``).
 
 Shapes and dtypes, as the CUDA kernels return them: ``gate`` and ``up`` of one shape and dtype; forward -> ``out``
-(contiguous, gate's shape and dtype); backward -> ``grad_gate`` and ``grad_up`` (the same). Imported by the builder
-after the library is loaded."""
+(contiguous, gate's shape and dtype); backward -> ``grad_gate`` and ``grad_up`` (the same). ``silu_and_mul``: ``x``
+``[..., 2d]`` -> ``out`` ``[..., d]``; backward(``grad_output`` ``[..., d]``, ``x``) -> ``grad_x`` ``[..., 2d]``
+(contiguous, x's dtype). Imported by the builder after the library is loaded."""
 
 from __future__ import annotations
 
@@ -35,3 +37,28 @@ def _backward_fake(grad_output, gate, up):
 def _fake(gate, up):
     _pair(gate, up)
     return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+
+
+def _half_shape(x: torch.Tensor) -> tuple:
+    torch._check(x.dim() >= 1, lambda: "x: expected at least one dimension (gate and up are the halves of the last)")
+    torch._check(x.shape[-1] % 2 == 0, lambda: f"x: expected an even last dimension, got {x.shape[-1]}")
+    return (*x.shape[:-1], x.shape[-1] // 2)
+
+
+@torch.library.register_fake("pipegoose::silu_and_mul_forward")
+def _packed_forward_fake(x):
+    return torch.empty(_half_shape(x), dtype=x.dtype, device=x.device)
+
+
+@torch.library.register_fake("pipegoose::silu_and_mul_backward")
+def _packed_backward_fake(grad_output, x):
+    half = _half_shape(x)
+    torch._check(tuple(grad_output.shape) == half,
+                 lambda: f"grad_output: expected shape {half} (x's with the last dimension halved), got "
+                 f"{tuple(grad_output.shape)}")
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.register_fake("pipegoose::silu_and_mul")
+def _packed_fake(x):
+    return torch.empty(_half_shape(x), dtype=x.dtype, device=x.device)

@@ -1,6 +1,7 @@
 // SwiGLU's gated activation, silu(gate) * up, forward and backward, for fp32, fp16 and bf16 tensors with fp32 math.
-// Written for pipegoose; ops pipegoose::swiglu_forward / swiglu_backward / swiglu (binding:
-// pipegoose/kernels/bindings/swiglu.cpp; schemas: docs/architecture.md "Op schemas").
+// Written for pipegoose; ops pipegoose::swiglu_forward / swiglu_backward / swiglu and, for gate and up in one tensor,
+// pipegoose::silu_and_mul_forward / silu_and_mul_backward / silu_and_mul (binding: pipegoose/kernels/bindings/swiglu.cpp;
+// schemas: docs/architecture.md "Op schemas").
 //
 // swiglu_forward(gate [*], up [*]) -> out [*]:  out = gate * sigmoid(gate) * up
 // swiglu_backward(grad_output [*], gate, up) -> (grad_gate, grad_up):
@@ -17,12 +18,27 @@
 // whole vector is done by block 0. A thread loads all its vectors before it computes (kUnroll per tensor).
 // sigmoid through __expf and a correctly rounded reciprocal: relative error about 1e-6 (|gate| < 88), well inside fp32's
 // test tolerance; exp(-gate) overflows to inf for gate < -88 and gives sigmoid 0, as expf does.
+//
+// silu_and_mul (vLLM's name for it; the MLP of Phi-3 and GLM, whose gate_up_proj puts gate and up in one output):
+// silu_and_mul_forward(x [..., 2d]) -> out [..., d]:  out = silu(x[..., :d]) * x[..., d:]
+// silu_and_mul_backward(grad_output [..., d], x [..., 2d]) -> grad_x [..., 2d]  (grad_gate in the first half of each
+//     row, grad_up in the second: the gradient of the packed tensor, so autograd concatenates nothing)
+// The same math per value as above. x's rows may lie at any stride (the output of a linear layer sliced, a row of a
+// wider tensor) provided its leading dimensions flatten to one row index with a stride and its last dimension is
+// contiguous; otherwise it is copied to a contiguous tensor first. grad_output likewise. Outputs are contiguous.
+// Rows of d values go to blocks of kThreads threads as tx threads along a row (16-byte vectors where d, the row
+// strides and every pointer allow; one value per thread otherwise) by ty = kThreads / tx rows, each thread loading
+// kUnroll rows before it computes; gridDim.y (at most 65535) steps over the rows. Errors (RuntimeError naming the
+// argument): not CUDA, devices differ, dtype not fp32/fp16/bf16, x of no dimension or an odd last dimension,
+// grad_output not of x's shape with the last dimension halved.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 #include "pipegoose_check.h"
 
@@ -162,7 +178,178 @@ void check_pair(const char* op, const at::Tensor& gate, const at::Tensor& up) {
            "; expected equal shapes (no broadcasting)");
 }
 
+// ---------------------------------------------------------------------------------------------------------------------
+// silu_and_mul: gate and up as the two halves of each row of x
+// ---------------------------------------------------------------------------------------------------------------------
+
+// V values of T, read and written as one access (16 bytes where V = 16 / sizeof(T)).
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Pack {
+  T v[V];
+};
+
+// A [rows, d]-shaped view: base pointer and row stride in elements (the last dimension is contiguous).
+template <typename T>
+struct Rows {
+  T* p;
+  int64_t stride;
+};
+
+// Forward (kBackward false): y[r, c] = silu(x[r, c]) * x[r, c + d].
+// Backward: (dx[r, c], dx[r, c + d]) = swiglu's (grad_gate, grad_up) of (dy[r, c], x[r, c], x[r, c + d]).
+// c is a column in units of V values; threads (threadIdx.x, threadIdx.y) of block (bx, by) take column
+// bx * blockDim.x + threadIdx.x of rows r0 + k * blockDim.y + threadIdx.y, k < kUnroll, for r0 stepping from
+// by * blockDim.y * kUnroll by gridDim.y * blockDim.y * kUnroll.
+template <typename T, int V, bool kBackward>
+__global__ void __launch_bounds__(kThreads)
+    silu_and_mul_kernel(Rows<const T> x, Rows<const T> dy, Rows<T> out, int64_t rows, int64_t d_vec, int64_t d) {
+  using P = Pack<T, V>;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= d_vec) return;
+  const int64_t col = c * V;
+  const int64_t row_step = static_cast<int64_t>(blockDim.y) * kUnroll;
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * row_step; r0 < rows;
+       r0 += static_cast<int64_t>(gridDim.y) * row_step) {
+    P g[kUnroll], u[kUnroll], dv[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int64_t r = r0 + static_cast<int64_t>(k) * blockDim.y + threadIdx.y;
+      if (r < rows) {
+        const T* xr = x.p + r * x.stride + col;
+        g[k] = *reinterpret_cast<const P*>(xr);
+        u[k] = *reinterpret_cast<const P*>(xr + d);
+        if constexpr (kBackward) dv[k] = *reinterpret_cast<const P*>(dy.p + r * dy.stride + col);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int64_t r = r0 + static_cast<int64_t>(k) * blockDim.y + threadIdx.y;
+      if (r < rows) {
+        T* orow = out.p + r * out.stride + col;
+        if constexpr (kBackward) {
+          P dg, du;
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            float a, b;
+            bwd_math(to_f<T>(dv[k].v[e]), to_f<T>(g[k].v[e]), to_f<T>(u[k].v[e]), a, b);
+            dg.v[e] = from_f<T>(a);
+            du.v[e] = from_f<T>(b);
+          }
+          *reinterpret_cast<P*>(orow) = dg;
+          *reinterpret_cast<P*>(orow + d) = du;
+        } else {
+          P y;
+#pragma unroll
+          for (int e = 0; e < V; ++e) y.v[e] = from_f<T>(fwd_math(to_f<T>(g[k].v[e]), to_f<T>(u[k].v[e])));
+          *reinterpret_cast<P*>(orow) = y;
+        }
+      }
+    }
+  }
+}
+
+const char* kSamFwd = "pipegoose::silu_and_mul_forward";
+const char* kSamBwd = "pipegoose::silu_and_mul_backward";
+
+void check_packed(const char* op, const at::Tensor& x) {
+  PG_CHECK(x.defined(), op, ": x must be a defined tensor");
+  PG_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor, got device ", x.device());
+  const auto dt = x.scalar_type();
+  PG_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, op,
+           ": x must be float32, float16 or bfloat16, got ", dt);
+  PG_CHECK(x.dim() >= 1, op, ": x must have at least one dimension (gate and up are the halves of the last)");
+  PG_CHECK(x.size(-1) % 2 == 0, op, ": x's last dimension must be even (gate and up are its two halves), got ",
+           x.size(-1));
+}
+
+// t as [rows, cols] with a contiguous last dimension: a view where its leading dimensions flatten to one row stride
+// (reshape's view), else a contiguous copy.
+at::Tensor as_rows(const at::Tensor& t, int64_t cols) {
+  at::Tensor r = t.reshape({-1, cols});
+  return cols > 1 && r.stride(1) != 1 ? r.contiguous() : r;
+}
+
+// The launch over rows x d values (V values a thread along a row).
+template <typename T, int V, bool kBackward>
+void launch_silu_and_mul(Rows<const T> x, Rows<const T> dy, Rows<T> out, int64_t rows, int64_t d,
+                         cudaStream_t stream) {
+  const int64_t d_vec = d / V;
+  int tx = 1;
+  while (tx < kThreads && tx < d_vec) tx *= 2;
+  const int ty = kThreads / tx;
+  const int64_t gx = (d_vec + tx - 1) / tx;
+  const int64_t row_step = static_cast<int64_t>(ty) * kUnroll;
+  const int64_t gy = std::min<int64_t>((rows + row_step - 1) / row_step, 65535);
+  PG_CHECK(gx <= INT32_MAX, kBackward ? kSamBwd : kSamFwd, ": rows of ", d, " values are more than one launch covers");
+  silu_and_mul_kernel<T, V, kBackward><<<dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
+                                         dim3(tx, ty), 0, stream>>>(x, dy, out, rows, d_vec, d);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Vectors of 16 bytes where d, every row stride and every pointer are multiples of them.
+template <typename T, bool kBackward>
+void dispatch_silu_and_mul(Rows<const T> x, Rows<const T> dy, Rows<T> out, int64_t rows, int64_t d,
+                           cudaStream_t stream) {
+  constexpr int V = 16 / sizeof(T);
+  bool vec = d % V == 0 && aligned16(x.p) && aligned16(out.p) && (rows <= 1 || (x.stride % V == 0 &&
+                                                                                   out.stride % V == 0));
+  if (kBackward) vec = vec && aligned16(dy.p) && (rows <= 1 || dy.stride % V == 0);
+  if (vec) {
+    launch_silu_and_mul<T, V, kBackward>(x, dy, out, rows, d, stream);
+  } else {
+    launch_silu_and_mul<T, 1, kBackward>(x, dy, out, rows, d, stream);
+  }
+}
+
 }  // namespace
+
+at::Tensor silu_and_mul_forward_cuda(const at::Tensor& x_in) {
+  check_packed(kSamFwd, x_in);
+  const int64_t d = x_in.size(-1) / 2;
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = d;
+  at::Tensor out = at::empty(shape, x_in.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return out;
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = as_rows(x_in, 2 * d);
+  const int64_t rows = x.size(0);
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  by_dtype(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    dispatch_silu_and_mul<scalar_t, false>({x.const_data_ptr<scalar_t>(), x.stride(0)}, {nullptr, 0},
+                                           {out.mutable_data_ptr<scalar_t>(), d}, rows, d, stream);
+  });
+  return out;
+}
+
+at::Tensor silu_and_mul_backward_cuda(const at::Tensor& grad_output, const at::Tensor& x_in) {
+  check_packed(kSamBwd, x_in);
+  PG_CHECK(grad_output.defined(), kSamBwd, ": grad_output must be a defined tensor");
+  PG_CHECK(grad_output.device() == x_in.device(), kSamBwd, ": grad_output is on ", grad_output.device(),
+           " but x is on ", x_in.device());
+  PG_CHECK(at::isFloatingType(grad_output.scalar_type()), kSamBwd,
+           ": grad_output must be a floating point tensor, got ", grad_output.scalar_type());
+  const int64_t d = x_in.size(-1) / 2;
+  std::vector<int64_t> expect(x_in.sizes().begin(), x_in.sizes().end());
+  expect.back() = d;
+  PG_CHECK(grad_output.sizes() == c10::IntArrayRef(expect), kSamBwd, ": grad_output has shape ", grad_output.sizes(),
+           " but x has ", x_in.sizes(), "; expected x's shape with the last dimension halved, ",
+           c10::IntArrayRef(expect));
+  at::Tensor dx = at::empty(x_in.sizes(), x_in.options().memory_format(at::MemoryFormat::Contiguous));
+  if (dx.numel() == 0) return dx;
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = as_rows(x_in, 2 * d);
+  const at::Tensor dy = as_rows(grad_output.to(x_in.scalar_type()), d);
+  const int64_t rows = x.size(0);
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  by_dtype(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    dispatch_silu_and_mul<scalar_t, true>({x.const_data_ptr<scalar_t>(), x.stride(0)},
+                                          {dy.const_data_ptr<scalar_t>(), dy.stride(0)},
+                                          {dx.mutable_data_ptr<scalar_t>(), 2 * d}, rows, d, stream);
+  });
+  return dx;
+}
 
 at::Tensor swiglu_forward_cuda(const at::Tensor& gate_in, const at::Tensor& up_in) {
   check_pair(kFwd, gate_in, up_in);

@@ -10,7 +10,7 @@ from .dispatch import FusionFallbackError
 from .fuse import FusionReport, fuse, fused, fusion_report, is_fused, unfuse
 from .functional import (apply_rotary_pos_emb, cross_entropy, fused_linear_cross_entropy, layer_norm,
                          mixed_fused_layer_norm, rms_norm, scaled_masked_softmax, scaled_softmax,
-                         scaled_upper_triang_masked_softmax, softmax, swiglu)
+                         scaled_upper_triang_masked_softmax, silu_and_mul, softmax, swiglu)
 from .modules import (AttnMaskType, FusedLayerNorm, FusedLinearCrossEntropyLoss, FusedRMSNorm, FusedScaleMaskSoftmax,
                       FusedSwiGLUMLP, MixedFusedLayerNorm)
 from .optim import FusedAdam, clip_grad_norm_
@@ -26,6 +26,7 @@ __all__ = [
     "mixed_fused_layer_norm",
     "rms_norm",
     "swiglu",
+    "silu_and_mul",
     "cross_entropy",
     "fused_linear_cross_entropy",
     "apply_rotary_pos_emb",

@@ -43,8 +43,8 @@ from .ops import softmax as _sm
 from .ops import swiglu as _swiglu
 
 __all__ = ["softmax", "scaled_softmax", "scaled_masked_softmax", "scaled_upper_triang_masked_softmax",
-           "layer_norm", "mixed_fused_layer_norm", "rms_norm", "swiglu", "cross_entropy", "fused_linear_cross_entropy",
-           "apply_rotary_pos_emb"]
+           "layer_norm", "mixed_fused_layer_norm", "rms_norm", "swiglu", "silu_and_mul", "cross_entropy",
+           "fused_linear_cross_entropy", "apply_rotary_pos_emb"]
 
 
 def softmax(input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3, dtype: torch.dtype | None = None, *,
@@ -288,6 +288,32 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> 
         FusionFallbackError: in strict mode, where the kernel cannot take the input.
     """
     return _swiglu.run(gate, up, impl)
+
+
+def silu_and_mul(x: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
+    """SwiGLU's gated activation of gate and up packed in one tensor (op ``swiglu.packed``; vLLM's name):
+    ``gate, up = x.chunk(2, dim=-1); F.silu(gate) * up`` in one kernel forward and one backward. In an MLP whose gate
+    and up come out of one projection (Phi-3, GLM): ``down_proj(silu_and_mul(gate_up_proj(x)))``.
+
+    Args:
+        x: ``[..., 2 * d]`` (gate the first ``d`` values of each row, up the last ``d``), fp32, fp16, bf16 (the
+            kernel) or fp64. The kernel reads rows at any stride (a slice of a wider tensor) where the leading
+            dimensions flatten to one row stride and the last dimension is contiguous; another layout is copied first.
+
+    Returns:
+        Tensor ``[..., d]`` of ``x``'s dtype (contiguous from the kernel). Each value is computed in fp32 and rounded
+        once, as :func:`swiglu`'s; the gradient of ``x`` is one contiguous tensor (eager PyTorch concatenates the
+        halves' gradients). It saves ``x`` for the backward.
+
+    Kernel: pipegoose/swiglu (pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
+
+    Raises:
+        TypeError: ``x`` not a floating point tensor of fp32/fp16/bf16/fp64.
+        ValueError: ``x`` of no dimension or with an odd last dimension; ``impl`` naming no implementation of
+            ``swiglu.packed`` (``pipegoose``, ``torch``).
+        FusionFallbackError: in strict mode, where the kernel cannot take the input.
+    """
+    return _swiglu.run_packed(x, impl)
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: int = -100, reduction: str = "mean",

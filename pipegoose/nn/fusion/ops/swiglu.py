@@ -10,6 +10,15 @@ closer to exact; in fp32 they agree to about 1e-6 relative. The kernel saves ``g
 
 Implementations (op ``swiglu``): ``pipegoose`` (pipegoose/kernels/csrc/swiglu.cu, this project, MIT) and ``torch``
 (``F.silu(gate) * up``).
+
+Op ``swiglu.packed`` (:func:`pipegoose.nn.fusion.functional.silu_and_mul`, vLLM's name): the same activation of gate
+and up as the two halves of one tensor's last dimension, ``silu(x[..., :d]) * x[..., d:]``, as Phi-3's and GLM's MLPs
+compute it after their ``gate_up_proj``. The kernel reads the halves where they lie (rows at any stride) and returns the
+gradient of ``x`` as one tensor; eager PyTorch runs ``chunk``, ``silu`` and the product, and its backward
+concatenates the two halves' gradients (one more read and write of ``x``'s size). Same numerics as ``swiglu``. It
+saves ``x`` for the backward (eager PyTorch saves ``gate``'s ``silu`` besides: one tensor of the intermediate size per
+layer). Implementations: ``pipegoose`` and ``torch``; ``PIPEGOOSE_IMPL_SWIGLU_PACKED``, then ``PIPEGOOSE_IMPL_SWIGLU``
+(the family), choose one.
 """
 
 from __future__ import annotations
@@ -140,3 +149,114 @@ def run(gate: torch.Tensor, up: torch.Tensor, impl: str | None) -> torch.Tensor:
     if choice.impl == "pipegoose":
         return call_without_autocast(gate.device, _run_pipegoose, gate, up)
     return swiglu_reference(gate, up)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# swiglu.packed: gate and up as the halves of x's last dimension (silu_and_mul)
+# --------------------------------------------------------------------------------------------------------------------
+PACKED_OP = "swiglu.packed"
+
+
+def check_packed_args(x: Any) -> None:
+    """Check ``x`` of :func:`pipegoose.nn.fusion.functional.silu_and_mul` (errors name the argument).
+
+    Raises:
+        TypeError: ``x`` not a floating point tensor, or of a dtype no path here takes (float8).
+        ValueError: ``x`` of no dimension, or with an odd last dimension.
+    """
+    check_float_tensor(x, "x")
+    if x.is_nested:   # (a strided nested tensor has no .shape; the reference's chunk checks it)
+        return
+    if x.dim() == 0:
+        raise ValueError("x: expected at least one dimension (gate and up are the two halves of the last), got a "
+                         "0-dim tensor")
+    if x.shape[-1] % 2:
+        raise ValueError(f"x: expected an even last dimension (gate and up are its two halves), got shape "
+                         f"{list(x.shape)}")
+
+
+def packed_problem(x: torch.Tensor) -> Problem:
+    """The dispatcher's description of one call of ``swiglu.packed`` (metadata only); ``cols`` is ``d``, half of
+    the last dimension (the size of gate and of the output)."""
+    return Problem(PACKED_OP, x.dtype, x.device, cols=x.shape[-1] // 2, needs_grad=needs_grad(x),
+                   extra=dict(shape=tuple(x.shape), numel=x.numel(), storage=all_have_storage(x),
+                              forward_ad=has_tangent(x)))
+
+
+def _explain_packed(x):
+    check_packed_args(x)
+    return packed_problem(x)
+
+
+def _pipegoose_packed_supports(p: Problem) -> tuple[bool, str]:
+    ok, why = kernel_input_ok(p, FORWARD_AD_SWIGLU, "x")
+    if not ok:
+        return ok, why
+    if p["numel"] == 0:
+        return False, "an empty input"
+    return True, ""
+
+
+dispatch.register(Implementation(PACKED_OP, "pipegoose", "ours", _pipegoose_packed_supports, ("pipegoose/swiglu",),
+                                 SRC_PIPEGOOSE))
+dispatch.register(Implementation(PACKED_OP, "torch", "reference", lambda p: (True, ""), (),
+                                 "PyTorch: gate, up = x.chunk(2, -1); F.silu(gate) * up", small_first=True))
+dispatch.register_problem(PACKED_OP, _explain_packed)
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """The PyTorch path: ``gate, up = x.chunk(2, dim=-1); F.silu(gate) * up`` (what Phi-3's MLP runs)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _run_pipegoose_packed(x: torch.Tensor) -> torch.Tensor:
+    """pipegoose/swiglu through ``torch.ops.pipegoose.silu_and_mul(x)``: the forward kernel with its autograd
+    formula in C++ (pipegoose/kernels/bindings/swiglu.cpp); a backward with ``create_graph=True`` differentiates the
+    PyTorch formula of the kernel's numerics instead."""
+    ops, why = dispatch.kernel("pipegoose/swiglu")
+    if ops is None:
+        raise RuntimeError(why)
+    return ops.silu_and_mul.default(x)
+
+
+def _packed_signature(x: Any) -> tuple | None:
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        if any_in_transform(x) or in_dual_level():
+            return None
+        sig = (type(x), x.dtype, x.device, x.shape, x.requires_grad, torch.is_grad_enabled())
+        hash(sig)
+    except (AttributeError, TypeError):
+        return None
+    return sig
+
+
+def run_packed(x: torch.Tensor, impl: str | None) -> torch.Tensor:
+    """:func:`pipegoose.nn.fusion.functional.silu_and_mul` behind the checks; runs the implementation the dispatcher
+    chooses (``impl``: a forced one or None).
+
+    Raises:
+        TypeError, ValueError: as :func:`check_packed_args`; ``impl`` naming no implementation of ``swiglu.packed``.
+        FusionFallbackError: in strict mode, where the kernel cannot take the input.
+    """
+    if dispatch.compile_passthrough(PACKED_OP, impl):  # torch.compile fuses the ops itself, after eager's checks
+        check_packed_args(x)
+        return silu_and_mul_reference(x)
+    if getattr(x, "is_nested", False):
+        check_packed_args(x)
+        dispatch.record(nested_fallback(PACKED_OP, impl))
+        return silu_and_mul_reference(x)
+    sig = _packed_signature(x)
+    key = None if sig is None else dispatch.choice_key(PACKED_OP, impl, sig)
+    choice = None if key is None else dispatch.cached_choice(key)
+    if choice is None:
+        check_packed_args(x)
+        choice = dispatch.choose(PACKED_OP, packed_problem(x), impl)
+        if key is not None:
+            dispatch.remember_choice(key, choice)
+    dispatch.record(choice)
+    if choice.impl == "pipegoose":
+        return call_without_autocast(x.device, _run_pipegoose_packed, x)
+    return silu_and_mul_reference(x)
