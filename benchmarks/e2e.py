@@ -1,4 +1,5 @@
-"""End-to-end: one training step (forward, backward, AdamW) of Llama-, GPT-NeoX- and Qwen3-like models, bf16, seq 2048.
+"""End-to-end: one training step (forward, backward, AdamW) of Llama-, GPT-NeoX-, Qwen3- and Phi-3-like models, bf16,
+seq 2048.
 
 Models (random init from a config, no weights downloaded):
 
@@ -11,6 +12,9 @@ Models (random init from a config, no weights downloaded):
   ``k_norm``: 128 columns, 16 and 8 rows per token). Not in ``benchmarks.run``'s default ``--e2e-models``. ``fuse``
   replaces its norms only: its attention is not among the model types verified with the pipegoose attention
   function, so ``fuse_eager`` is eager attention with fused norms (Llama's also moves attention).
+* ``phi3``: Phi-3-mini's layer shape (hidden 3072, 32 heads, MLP 8192 with gate and up in one ``gate_up_proj``, q, k
+  and v in one ``qkv_proj``, vocab 32064) with 8 of its 32 layers, ~1.1B params, batch 4: the MLP's activation runs
+  ``silu_and_mul`` (op ``swiglu.packed``) once fused. Not in ``benchmarks.run``'s default ``--e2e-models``.
 
 Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
 (``pipegoose.nn.fusion.fuse(model)`` on that model), ``fuse_sdpa_adam`` (``fuse_sdpa`` with
@@ -20,8 +24,8 @@ Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse
 (``fuse_sdpa`` with ``PIPEGOOSE_IMPL_ROPE=torch``: the model's own RoPE code, the A/B of our RoPE kernel; it replaces
 session 54's ``fuse_sdpa_rope``, the kernel's partial path when that was opt-in),
 ``compile_sdpa`` (``torch.compile(model)``, compile time in the warm-up, reported separately), ``liger``
-(``apply_liger_kernel_to_llama`` / ``_qwen3(model=...)`` with their defaults: rope, rms_norm, swiglu, fused linear
-cross-entropy) and ``liger_rmsnorm`` (only its RMSNorm: the like-for-like comparison with ours). Liger patches
+(``apply_liger_kernel_to_llama`` / ``_qwen3`` / ``_phi3(model=...)`` with their defaults: rope, rms_norm, swiglu,
+fused linear cross-entropy) and ``liger_rmsnorm`` (only its RMSNorm: the like-for-like comparison with ours). Liger patches
 transformers globally, so every variant runs in its own subprocess (fresh memory, and nothing leaks into the next),
 under a time limit.
 
@@ -60,14 +64,18 @@ MODELS = {
                                                       num_key_value_heads=8, head_dim=128, vocab_size=151936,
                                                       max_position_embeddings=2048, rms_norm_eps=1e-6,
                                                       tie_word_embeddings=True)),
+    "phi3": dict(arch="phi3", batch=4, config=dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=8,
+                                                    num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
+                                                    max_position_embeddings=4096, rms_norm_eps=1e-5,
+                                                    pad_token_id=32000, bos_token_id=1, eos_token_id=32000)),
 }
-CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config"}
+CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config", "phi3": "Phi3Config"}
 VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_model_rope",
             "compile_sdpa", "liger_rmsnorm", "liger")
 # What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the
 # subprocess failed), unavailable (Liger-Kernel not installed), skipped (time budget, or no CUDA).
 STATUSES = ("ok", "FAILED", "oom", "timeout", "error", "unavailable", "skipped")
-LIGER_ONLY = {"liger": ("llama", "qwen3"), "liger_rmsnorm": ("llama", "qwen3")}
+LIGER_ONLY = {"liger": ("llama", "qwen3", "phi3"), "liger_rmsnorm": ("llama", "qwen3", "phi3")}
 MARK = "E2E_RESULT "
 LOSS_RTOL = 0.02
 
