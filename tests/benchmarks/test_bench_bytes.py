@@ -40,6 +40,22 @@ def test_swiglu_reads_two_writes_one_forward_reads_three_writes_two_backward():
         op_bytes("swiglu", "fwd", {"rows": r, "hidden": i}, "bfloat16")
 
 
+def test_packed_swiglu_reads_x_writes_y_forward_reads_dy_and_x_writes_dx_backward():
+    """swiglu.packed (silu_and_mul): x [rows, 2 * inter] holds gate and up, dx [rows, 2 * inter] their gradients (one
+    tensor): the bytes of swiglu at the same shape, whatever an impl moves besides (eager's concatenation)."""
+    r, d = 16384, 5632
+    shape = {"rows": r, "inter": d}
+    x, y = r * 2 * d, r * d                  # elements of x (and of dx); of y (and of dy)
+    assert op_bytes("swiglu.packed", "fwd", shape, "bfloat16") == (x + y) * 2                       # read x, write y
+    assert op_bytes("swiglu.packed", "bwd", shape, "float32") == (y + x + x) * 4             # read dy, x; write dx
+    assert op_bytes("swiglu.packed", "fwd+bwd", shape, "float16") == (x + y + y + x + x) * 2 == 8 * y * 2
+    for pas in ("fwd", "bwd", "fwd+bwd"):
+        for dt in ("bfloat16", "float16", "float32"):
+            assert op_bytes("swiglu.packed", pas, shape, dt) == op_bytes("swiglu", pas, shape, dt)
+    with pytest.raises(ValueError, match="inter"):
+        op_bytes("swiglu.packed", "fwd", {"rows": r, "hidden": d}, "bfloat16")
+
+
 def test_cross_entropy_reads_the_logits_once_forward_and_writes_their_gradient_backward():
     r, v = 4194, 32000
     n = r * v
