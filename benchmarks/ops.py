@@ -1,5 +1,5 @@
-"""Op benchmarks: softmax (plain, padding-masked, causal), LayerNorm, RMSNorm, SwiGLU, cross-entropy, RoPE; every
-impl checked, then timed.
+"""Op benchmarks: softmax (plain, padding-masked, causal), LayerNorm, RMSNorm, SwiGLU (of two tensors, and packed in
+one), cross-entropy, RoPE; every impl checked, then timed.
 
 Ops and their definitions (what the float64 reference computes; ``x`` is the benchmark input in its dtype):
 
@@ -11,6 +11,9 @@ Ops and their definitions (what the float64 reference computes; ``x`` is the ben
 * ``rms_norm``: ``y = x * rsqrt(mean(x^2) + eps) * w``, eps 1e-6.
 * ``swiglu``: ``y = silu(gate) * up`` elementwise, ``gate`` and ``up`` of ``[rows, inter]`` (``inter``: an MLP's
   intermediate size, the op's size axis).
+* ``swiglu.packed``: the same of gate and up as the two halves of one contiguous ``x [rows, 2 * inter]`` (what Phi-3's
+  and GLM's ``gate_up_proj``, a Linear, produce): ``gate, up = x.chunk(2, -1)``, ``y [rows, inter]``; its gradient is
+  ``dx [rows, 2 * inter]``. The same sizes and rows as ``swiglu`` (the size axis ``inter``, the dispatcher's cols).
 * ``cross_entropy``: ``loss = mean over the rows not ignored of (logsumexp(x_i) - x_i[t_i])``, logits ``[rows, vocab]``
   (``vocab``: the size axis), int64 targets, 1 in 16 rows ``ignore_index`` (-100); the loss in fp32.
 * ``rope``: ``(q_embed, k_embed) = (q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)``, cos and sin
@@ -29,19 +32,23 @@ Implementations (``impl`` in results.json):
 * ``eager``: the Python code transformers runs: softmax = ``(x * scale + additive_mask).softmax(-1,
   dtype=float32).to(dtype)`` (additive mask in the input dtype, 0 or the dtype's minimum); RMSNorm = LlamaRMSNorm's
   forward (fp32 variance, ``weight * x.to(input_dtype)``); SwiGLU = LlamaMLP's ``act_fn(gate) * up`` =
-  ``F.silu(gate) * up``; cross-entropy = transformers' loss, ``F.cross_entropy(logits.float(), target)``; RoPE =
-  ``apply_rotary_pos_emb`` of ``transformers.models.llama.modeling_llama``. LayerNorm has no separate eager path:
-  transformers calls ``nn.LayerNorm`` = ``native``.
+  ``F.silu(gate) * up``; packed SwiGLU = Phi3MLP's ``gate, up = x.chunk(2, -1)`` then ``up * act_fn(gate)`` (the same
+  product; its backward ends in autograd's concatenation of the halves' gradients into ``dx``); cross-entropy =
+  transformers' loss, ``F.cross_entropy(logits.float(), target)``; RoPE = ``apply_rotary_pos_emb`` of
+  ``transformers.models.llama.modeling_llama``. LayerNorm has no separate eager path: transformers calls
+  ``nn.LayerNorm`` = ``native``.
 * ``native``: the best single PyTorch op: ``F.softmax`` (for masked/causal: ``masked_fill(-inf)`` then
   ``F.softmax`` in the input dtype), ``F.layer_norm``, ``F.rms_norm``, ``F.cross_entropy`` in the input dtype (its
-  loss in that dtype); none for SwiGLU (two ops: ``eager``) and RoPE (PyTorch has no rotary op).
+  loss in that dtype); none for the SwiGLUs (two ops: ``eager``) and RoPE (PyTorch has no rotary op).
 * ``compile``: ``torch.compile(dynamic=False)`` of the eager code (of ``F.layer_norm`` for LayerNorm, of the
   dispatcher's reference ``pipegoose.nn.fusion.ops.rope.rope_reference`` for RoPE: transformers' formula); its
   compile time is recorded in ``extra.compile_s`` and is not part of the timings.
 * ``liger``: Liger-Kernel's functional op where it has one (``liger_softmax``, ``liger_layer_norm``,
   ``liger_rms_norm(in_place=False)``, ``liger_swiglu`` = ``LigerSiLUMulFunction``, whose backward writes into the
-  saved gate and up, which are the inputs: run_ops restores them after it), ``liger_cross_entropy`` (its forward
-  writes the gradient into the logits, restored likewise; its backward only scales it), ``liger_rotary_pos_emb``
+  saved gate and up, which are the inputs: run_ops restores them after it; for ``swiglu.packed`` the same Function of
+  ``x.chunk(2, -1)``, as Liger's ``LigerPhi3SwiGLUMLP`` calls it: it copies the two halves, which are not contiguous,
+  and writes its gradients into those copies; autograd concatenates them into ``dx``), ``liger_cross_entropy`` (its
+  forward writes the gradient into the logits, restored likewise; its backward only scales it), ``liger_rotary_pos_emb``
   (``liger_kernel.transformers.rope``: in Llama's layout its forward rotates q and k in place and returns views of
   them, and its backward rotates the incoming gradients in place; run_ops restores the inputs and the gradients
   after it; it reads only the first half of cos and sin, which equals the second in LlamaRotaryEmbedding's tables),
@@ -50,9 +57,10 @@ Implementations (``impl`` in results.json):
   kernel, the Megatron-LM/Apex copies from ColossalAI 0.5.0, the dispatcher's reference path): ``scaled_softmax(x,
   1.0)`` (op ``softmax``: ``functional.softmax`` keeps fp16/bf16 on F.softmax), ``scaled_masked_softmax``,
   ``scaled_upper_triang_masked_softmax`` (on the ``[b*np, sq, sk]`` view), ``layer_norm``, ``rms_norm``, ``swiglu``,
-  ``cross_entropy``, ``apply_rotary_pos_emb`` (op ``rope``). Run with ``PIPEGOOSE_STRICT=1``, and after the checked
-  call the dispatcher's ``last_choice`` must name the requested impl: an input the impl refuses is reported
-  ``unsupported``, never timed under the wrong name. These are the names the tuning table may choose.
+  ``silu_and_mul`` (op ``swiglu.packed``), ``cross_entropy``, ``apply_rotary_pos_emb`` (op ``rope``). Run with
+  ``PIPEGOOSE_STRICT=1``, and after the checked call the dispatcher's ``last_choice`` must name the requested impl: an
+  input the impl refuses is reported ``unsupported``, never timed under the wrong name. These are the names the
+  tuning table may choose.
 
 Correctness gate: on the benchmark inputs each impl's forward output and every input gradient are compared with a
 float64 reference (kept in fp32) elementwise: ``|out - ref| <= atol * max|ref| + rtol * |ref|`` with ``atol``,
@@ -80,7 +88,9 @@ from .timing import Timer
 
 __all__ = ["OPS", "SIZES", "make_case", "impls_for", "run_ops", "reference", "check_close", "Case"]
 
-OPS = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "swiglu", "cross_entropy", "rope")
+OPS = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "swiglu", "swiglu.packed",
+       "cross_entropy", "rope")
+SWIGLUS = ("swiglu", "swiglu.packed")   # one size list and shape: swiglu.packed's x is gate and up side by side
 TUNABLE = ("pipegoose", "megatron", "apex", "torch")
 IMPL_ORDER = ("eager", "native", "compile", "liger", "torch", "megatron", "apex", "pipegoose")
 SCALE = 0.125
@@ -92,7 +102,7 @@ SIZES = {
     "norm": {"full": [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536], "quick": [1024, 4096, 16384],
              "dry": [32, 128]},
     # intermediate sizes of SwiGLU MLPs: Qwen3-0.6B 3072, TinyLlama / Llama-1.1B 5632, Llama-2-7B 11008,
-    # Llama-3-8B / Mistral-7B 14336, Llama-3-70B 28672
+    # Llama-3-8B / Mistral-7B 14336, Llama-3-70B 28672 (swiglu.packed too: Phi-3-mini's 8192 lies among them)
     "swiglu": {"full": [1408, 3072, 5632, 11008, 14336, 28672], "quick": [5632], "dry": [16, 64]},
     # vocabularies: Llama-2 / TinyLlama 32000, GPT-NeoX / Pythia 50304, Llama-3 128256, Qwen2/Qwen3 151936
     "cross_entropy": {"full": [32000, 50304, 128256, 151936], "quick": [32000], "dry": [16, 100]},
@@ -111,14 +121,15 @@ MIN_ROWS = {"cuda": 16384, "cpu": 16}
 
 
 def sizes_for(op: str, mode: str) -> list[int]:
-    return SIZES["softmax" if op.startswith("softmax") else op if op in ("swiglu", "cross_entropy", "rope")
-                 else "norm"][mode]
+    return SIZES["softmax" if op.startswith("softmax") else "swiglu" if op in SWIGLUS
+                 else op if op in ("cross_entropy", "rope") else "norm"][mode]
 
 
 def shape_for(op: str, cols: int, device: str) -> dict[str, int]:
     """Benchmark shape for an op at last-dim size ``cols``: the softmaxes get ``[b, np, sq=sk, sk]`` with
     ``b*np*sq*sk`` >= the target element count where possible; the norms ``[rows >= 16384, hidden]``; swiglu
-    ``[rows >= 16384, inter]``; rope ``b, seq, hq, hk, d`` (``d = cols``: ``ROPE_TOKENS``, ``ROPE_HEADS``)."""
+    ``[rows >= 16384, inter]`` (swiglu.packed the same rows, its x ``[rows, 2 * inter]``); rope ``b, seq, hq, hk,
+    d`` (``d = cols``: ``ROPE_TOKENS``, ``ROPE_HEADS``)."""
     target = TARGET_ELEMS[device]
     if op.startswith("softmax"):
         per_head = cols * cols
@@ -126,7 +137,7 @@ def shape_for(op: str, cols: int, device: str) -> dict[str, int]:
         if per_head * heads <= target:
             return {"b": max(1, target // (per_head * heads)), "np": heads, "sq": cols, "sk": cols}
         return {"b": 1, "np": max(1, target // per_head), "sq": cols, "sk": cols}
-    if op == "swiglu":
+    if op in SWIGLUS:
         return {"rows": max(MIN_ROWS[device], target // cols), "inter": cols}
     if op == "cross_entropy":   # 128M logits (256 MB in bf16): 4194 rows of 32000, 883 of 151936
         return {"rows": max(16, 2 * target // cols), "vocab": cols}
@@ -189,6 +200,11 @@ def make_case(op: str, dtype: torch.dtype, cols: int, device: str, seed: int = 0
         g = (randn(rows, inter) * 2).requires_grad_()
         u = randn(rows, inter).requires_grad_()
         return Case(op, dtype, shape, cols, {"g": g, "u": u}, ["g", "u"], randn(rows, inter))
+    if op == "swiglu.packed":   # one contiguous [rows, 2 * inter] (a Linear's output), gate scaled as swiglu's
+        rows, inter = shape["rows"], shape["inter"]
+        x = randn(rows, 2 * inter)
+        x[:, :inter] *= 2
+        return Case(op, dtype, shape, cols, {"x": x.requires_grad_()}, ["x"], randn(rows, inter))
     if op == "cross_entropy":
         rows, vocab = shape["rows"], shape["vocab"]
         x = (randn(rows, vocab) * 2).requires_grad_()
@@ -255,17 +271,8 @@ def reference(case: Case, chunk_elems: int = 1 << 25) -> dict[str, torch.Tensor]
                 y[bi, hs] = ys.float()
                 dx[bi, hs] = dxs.float()
         return {"y": y, "dx": dx}
-    if op == "swiglu":
-        g, u = inp["g"].detach(), inp["u"].detach()
-        y = torch.empty(g.shape, dtype=torch.float32, device=g.device)
-        dg, du = torch.empty_like(y), torch.empty_like(y)
-        for rs in _chunks(g.shape[0], chunk_elems // g.shape[1]):
-            gs, us, dys = g[rs].double(), u[rs].double(), case.dy[rs].double()
-            sig = torch.sigmoid(gs)
-            y[rs] = (gs * sig * us).float()
-            du[rs] = (dys * gs * sig).float()
-            dg[rs] = (dys * us * sig * (1 + gs * (1 - sig))).float()
-        return {"y": y, "dg": dg, "du": du}
+    if op in SWIGLUS:
+        return _swiglu_reference(case, chunk_elems)
     if op == "cross_entropy":
         x, t = inp["x"].detach(), inp["t"]
         keep = t != CE_IGNORE
@@ -311,6 +318,31 @@ def reference(case: Case, chunk_elems: int = 1 << 25) -> dict[str, torch.Tensor]
     if op == "layer_norm":
         out["db"] = db.float()
     return out
+
+
+def _swiglu_reference(case: Case, chunk_elems: int) -> dict[str, torch.Tensor]:
+    """SwiGLU in float64: ``y = g sig(g) u``, ``du = dy g sig(g)``, ``dg = dy u sig(g) (1 + g (1 - sig(g)))``; for
+    swiglu.packed of the halves of ``x``, its gradient ``dx`` the two halves' side by side."""
+    inp = case.inputs
+    if case.op == "swiglu.packed":
+        x = inp["x"].detach()
+        g, u = x.chunk(2, dim=-1)
+        dx = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        dg, du = dx.chunk(2, dim=-1)   # views: written through, they fill dx
+        grads = {"dx": dx}
+    else:
+        g, u = inp["g"].detach(), inp["u"].detach()
+        dg = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+        du = torch.empty_like(dg)
+        grads = {"dg": dg, "du": du}
+    y = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+    for rs in _chunks(g.shape[0], chunk_elems // g.shape[1]):
+        gs, us, dys = g[rs].double(), u[rs].double(), case.dy[rs].double()
+        sig = torch.sigmoid(gs)
+        y[rs] = (gs * sig * us).float()
+        du[rs] = (dys * gs * sig).float()
+        dg[rs] = (dys * us * sig * (1 + gs * (1 - sig))).float()
+    return {"y": y, **grads}
 
 
 def _rope_reference(case: Case, chunk_elems: int) -> dict[str, torch.Tensor]:
@@ -400,6 +432,8 @@ def _eager(case: Case) -> Callable:
         return llama_rms_norm
     if op == "swiglu":
         return lambda i: F.silu(i["g"]) * i["u"]   # LlamaMLP: act_fn(gate_proj(x)) * up_proj(x)
+    if op == "swiglu.packed":
+        return _phi3_silu_and_mul
     if op == "cross_entropy":   # transformers' ForCausalLMLoss: the logits upcast, then F.cross_entropy
         return lambda i: F.cross_entropy(i["x"].float(), i["t"], ignore_index=CE_IGNORE)
     if op == "rope":   # LlamaAttention: apply_rotary_pos_emb(query_states, key_states, cos, sin)
@@ -411,13 +445,20 @@ def _eager(case: Case) -> Callable:
     raise Unsupported("transformers calls nn.LayerNorm (= native) for LayerNorm")
 
 
+def _phi3_silu_and_mul(i: dict) -> torch.Tensor:
+    """Phi3MLP's activation of its gate_up_proj output: ``gate, up_states = x.chunk(2, dim=-1)`` then ``up_states *
+    act_fn(gate)`` (``F.silu``); autograd's backward of ``chunk`` concatenates the halves' gradients into ``dx``."""
+    gate, up = i["x"].chunk(2, dim=-1)
+    return up * F.silu(gate)
+
+
 def _native(case: Case) -> Callable:
     op = case.op
     if op == "softmax":
         return lambda i: F.softmax(i["x"], dim=-1)
     if op in ("softmax.masked", "softmax.causal"):
         return lambda i: F.softmax((i["x"] * SCALE).masked_fill(i["mask"], float("-inf")), dim=-1)
-    if op == "swiglu":
+    if op in SWIGLUS:
         raise Unsupported("PyTorch has no single op for silu(gate) * up (eager runs two)")
     if op == "rope":
         raise Unsupported("PyTorch has no rotary embedding op (eager runs the formula)")
@@ -467,14 +508,19 @@ def _liger(case: Case) -> Callable:
     if op == "rms_norm":
         # in_place=False: the default writes dx into dy, which would corrupt the repeated backward timing
         return lambda i: LF.liger_rms_norm(i["x"], i["w"], RMS_EPS, in_place=False)
-    if op == "swiglu":
+    if op in SWIGLUS:
         try:
             from liger_kernel.ops.swiglu import LigerSiLUMulFunction
         except Exception as e:  # noqa: BLE001
             raise Unavailable(f"liger_kernel.ops.swiglu not importable: {e}") from None
         # its backward writes dgate and dup into the saved gate and up, which are the inputs themselves: run_ops
-        # restores the inputs after this impl (clobbers_inputs)
-        fn = lambda i: LigerSiLUMulFunction.apply(i["g"], i["u"])  # noqa: E731
+        # restores the inputs after this impl (clobbers_inputs). Packed: as Liger's Phi-3 MLP (LigerPhi3SwiGLUMLP)
+        # calls it, on x.chunk(2, -1); its ensure_contiguous copies the two strided halves and its backward writes
+        # into those copies, not x (a version taking the halves as they are would write into x: restored all the same)
+        if op == "swiglu":
+            fn = lambda i: LigerSiLUMulFunction.apply(i["g"], i["u"])  # noqa: E731
+        else:
+            fn = lambda i: LigerSiLUMulFunction.apply(*i["x"].chunk(2, dim=-1))  # noqa: E731
         fn.clobbers_inputs = True
         return fn
     if op == "cross_entropy":
@@ -524,6 +570,8 @@ def _ours(impl: str) -> Callable[[Case], Callable]:
             fn = lambda i: PF.layer_norm(i["x"], (hid,), i["w"], i["b"], LN_EPS, impl=impl)  # noqa: E731
         elif op == "swiglu":
             fn = lambda i: PF.swiglu(i["g"], i["u"], impl=impl)  # noqa: E731
+        elif op == "swiglu.packed":
+            fn = lambda i: PF.silu_and_mul(i["x"], impl=impl)  # noqa: E731
         elif op == "cross_entropy":
             fn = lambda i: PF.cross_entropy(i["x"], i["t"], ignore_index=CE_IGNORE, impl=impl)  # noqa: E731
         elif op == "rope":
@@ -566,11 +614,11 @@ def impls_for(op: str) -> list[str]:
         names.remove("eager")
     if op in ("softmax.masked", "softmax.causal"):
         names.remove("liger")
-    if op.startswith("softmax") or op in ("rms_norm", "swiglu", "cross_entropy", "rope"):
+    if op.startswith("softmax") or op in ("rms_norm", *SWIGLUS, "cross_entropy", "rope"):
         names.remove("apex")      # Apex: only LayerNorm is ported
-    if op in ("layer_norm", "rms_norm", "swiglu", "cross_entropy", "rope"):
+    if op in ("layer_norm", "rms_norm", *SWIGLUS, "cross_entropy", "rope"):
         names.remove("megatron")  # Megatron-LM: only the softmax kernels
-    if op in ("swiglu", "rope"):
+    if op in (*SWIGLUS, "rope"):
         names.remove("native")    # no single PyTorch op
     return names
 

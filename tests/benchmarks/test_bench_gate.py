@@ -1,10 +1,13 @@
 """The correctness gate of the op benchmarks: a wrong implementation is reported FAILED and never timed (CPU)."""
 
 import math
+import sys
+import types
 
 import _bench_path  # noqa: F401
 import pytest
 import torch
+import torch.nn.functional as F
 
 from benchmarks import ops
 from pipegoose.nn.fusion.ops.rope import rope_reference
@@ -31,7 +34,7 @@ def test_reference_matches_torch_on_fp32(op, size):
     case = ops.make_case(op, torch.float32, ops.sizes_for(op, "dry")[size], "cpu")
     ref = ops.reference(case)
     # (PyTorch has no single op for SwiGLU or RoPE: their eager code, transformers')
-    fn = ops.IMPLS["eager" if op in ("swiglu", "rope") else "native"](case)
+    fn = ops.IMPLS["eager" if op in ("swiglu", "swiglu.packed", "rope") else "native"](case)
     y = fn(case.inputs)
     ys = y if isinstance(y, tuple) else (y,)
     assert set(ref) == {*case.outs, *(f"d{n}" for n in case.wrt)} and len(ys) == len(case.outs)
@@ -61,6 +64,156 @@ def test_rope_case_has_llamas_layout_and_tables():
     assert ops.shape_for("rope", 64, "cuda") == {"b": 4, "seq": 2048, "hq": 32, "hk": 4, "d": 64}
     assert all(ops.shape_for("rope", c, "cuda")["d"] == c for c in ops.sizes_for("rope", "full"))
     assert ops.impls_for("rope") == ["eager", "compile", "liger", "torch", "pipegoose"]
+
+
+def test_packed_swiglu_case_is_one_contiguous_x_at_swiglus_sizes_and_rows():
+    """swiglu.packed runs where swiglu runs (the same sizes, rows and dtypes: side by side in one run), on one contiguous
+    x [rows, 2 * inter] as a Linear makes it; its reference is swiglu's of x's halves, its gradient the halves' side by
+    side in one dx."""
+    for mode in ("full", "quick", "dry"):
+        assert ops.sizes_for("swiglu.packed", mode) == ops.sizes_for("swiglu", mode)
+        for dev in ("cuda", "cpu"):
+            assert all(ops.shape_for("swiglu.packed", c, dev) == ops.shape_for("swiglu", c, dev)
+                       for c in ops.sizes_for("swiglu", mode))
+    assert ops.sizes_for("swiglu.packed", "full") == [1408, 3072, 5632, 11008, 14336, 28672]
+    assert ops.shape_for("swiglu.packed", 5632, "cuda") == {"rows": 16384, "inter": 5632}
+    assert ops.impls_for("swiglu.packed") == ops.impls_for("swiglu") == ["eager", "compile", "liger", "torch",
+                                                                          "pipegoose"]
+    case = ops.make_case("swiglu.packed", torch.bfloat16, 64, "cpu")
+    rows = case.shape["rows"]
+    x = case.inputs["x"]
+    assert set(case.inputs) == {"x"} and case.wrt == ["x"] and case.outs == ("y",) and case.cols == 64
+    assert x.shape == (rows, 128) and x.is_contiguous() and x.is_leaf and x.requires_grad and x.dtype == torch.bfloat16
+    assert case.dy.shape == (rows, 64) and case.dy.dtype == torch.bfloat16
+    ref = ops.reference(case)
+    assert set(ref) == {"y", "dx"} and ref["y"].shape == (rows, 64) and ref["dx"].shape == (rows, 128)
+    gate, up = x.detach().chunk(2, dim=-1)
+    assert gate.abs().max() > 1.5 * up.abs().max()   # (the gate scaled by 2, as swiglu's)
+    two = ops.Case("swiglu", torch.bfloat16, case.shape, 64, {"g": gate.contiguous(), "u": up.contiguous()},
+                   ["g", "u"], case.dy)
+    ref2 = ops.reference(two, chunk_elems=640)   # (rows in chunks, too)
+    assert torch.equal(ref["y"], ref2["y"])
+    assert torch.equal(ref["dx"], torch.cat((ref2["dg"], ref2["du"]), dim=-1))
+
+
+def test_packed_swiglus_eager_impl_is_phi3s_and_the_dispatchers_reference():
+    """eager: Phi3MLP's chunk then ``up * silu(gate)``, whose backward concatenates the halves' gradients: to the bit
+    the dispatcher's ``torch`` reference, ``silu_and_mul_reference`` (F.silu(gate) * up)."""
+    from pipegoose.nn.fusion.ops.swiglu import silu_and_mul_reference
+
+    case = ops.make_case("swiglu.packed", torch.bfloat16, 64, "cpu")
+    x = case.inputs["x"]
+    y = ops.IMPLS["eager"](case)(case.inputs)
+    (dx,) = torch.autograd.grad(y, x, case.dy)
+    y2 = silu_and_mul_reference(x)
+    (dx2,) = torch.autograd.grad(y2, x, case.dy)
+    assert torch.equal(y, y2) and torch.equal(dx, dx2) and dx.shape == x.shape
+
+
+def test_packed_swiglu_impl_of_the_wrong_halves_is_failed():
+    case = ops.make_case("swiglu.packed", torch.float32, 16, "cpu")
+    case.ref = ops.reference(case)
+    tol = tolerances()[torch.float32]
+    assert ops.check_impl(ops.IMPLS["eager"](case), case, tol)[0] == "ok"
+
+    def swapped(i):   # gate and up the other way round: the right shapes and dtypes, wrong values and gradient
+        up, gate = i["x"].chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    status, _, detail = ops.check_impl(swapped, case, tol)
+    assert status == "FAILED" and "y:" in detail and "dx:" in detail
+
+
+class _LigerSiLUMul(torch.autograd.Function):
+    """Liger-Kernel's LigerSiLUMulFunction (0.8.5) in PyTorch, for the CPU (its kernels are Triton): ``ensure_contiguous``
+    copies a strided gate and up, the forward rounds silu(gate) to the dtype before the product, and the backward
+    writes dgate and dup into the saved gate and up and returns those. Records the arguments it is given."""
+
+    given: list = []
+
+    @staticmethod
+    def forward(ctx, a, b):
+        _LigerSiLUMul.given.append((a.shape, a.stride(), b.data_ptr() - a.data_ptr(), a.element_size()))
+        a, b = a.contiguous(), b.contiguous()
+        ctx.save_for_backward(a, b)
+        return F.silu(a.float()).to(b.dtype) * b
+
+    @staticmethod
+    def backward(ctx, dc):
+        a, b = ctx.saved_tensors
+        sig = torch.sigmoid(a.float())
+        silu = a.float() * sig
+        db = dc.float() * silu
+        da = dc.float() * (silu * (1 - sig) + sig) * b.float()
+        a.copy_(da)
+        b.copy_(db)
+        return a, b
+
+
+def _fake_liger(monkeypatch, silu_mul) -> None:
+    """liger_kernel's modules that benchmarks.ops imports, with ``silu_mul`` as its LigerSiLUMulFunction."""
+    mods = {n: types.ModuleType(n) for n in ("liger_kernel", "liger_kernel.transformers",
+                                             "liger_kernel.transformers.functional", "liger_kernel.ops",
+                                             "liger_kernel.ops.swiglu")}
+    mods["liger_kernel"].transformers = mods["liger_kernel.transformers"]
+    mods["liger_kernel.transformers"].functional = mods["liger_kernel.transformers.functional"]
+    mods["liger_kernel"].ops = mods["liger_kernel.ops"]
+    mods["liger_kernel.ops"].swiglu = mods["liger_kernel.ops.swiglu"]
+    mods["liger_kernel.ops.swiglu"].LigerSiLUMulFunction = silu_mul
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+def test_packed_swiglus_liger_impl_is_liger_silu_mul_of_xs_two_halves(monkeypatch):
+    """liger: LigerSiLUMulFunction of x.chunk(2, -1), as Liger's LigerPhi3SwiGLUMLP calls it: the two strided halves of
+    x itself (gate first), checked and timed like the others; x is put back after it, as after swiglu's."""
+    _fake_liger(monkeypatch, _LigerSiLUMul)
+    monkeypatch.setattr(_LigerSiLUMul, "given", [])
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "1")   # (what run_ops sets for torch's row; put back after the test)
+    case = ops.make_case("swiglu.packed", torch.float32, 16, "cpu")
+    fn = ops.IMPLS["liger"](case)
+    assert fn.clobbers_inputs
+    res = ops.run_ops(["swiglu.packed"], [torch.float32, torch.bfloat16], "dry", "cpu", Timer("cpu", warmup=0, reps=2),
+                      tolerances(), ["liger", "torch"], deadline=1e18, log=lambda s: None)
+    assert res and {(m.impl, m.status) for m in res} == {("liger", "ok"), ("torch", "ok")}
+    assert {(m.dtype, m.cols) for m in res} == {(d, c) for d in ("float32", "bfloat16") for c in (16, 64)}
+    assert _LigerSiLUMul.given
+    for shape, stride, offset, size in _LigerSiLUMul.given:   # gate then up: x's halves, not copies of them
+        rows, d = shape
+        assert stride == (2 * d, 1) and offset == d * size
+    monkeypatch.delitem(sys.modules, "liger_kernel.ops.swiglu")
+    monkeypatch.setitem(sys.modules, "liger_kernel.ops.swiglu", None)   # (an install without it)
+    with pytest.raises(ops.Unavailable, match="liger_kernel.ops.swiglu not importable"):
+        ops.IMPLS["liger"](case)
+
+
+def test_packed_swiglus_impls_of_ours_call_silu_and_mul_with_x_and_the_impl(monkeypatch):
+    """pipegoose and torch: ``silu_and_mul(x, impl=...)`` (op swiglu.packed), the dispatcher's choice verified after the
+    checked call; on the CPU the kernel is declined (``unsupported``), never timed under its name."""
+    from pipegoose.nn.fusion import functional as PF
+
+    seen = []
+    real = PF.silu_and_mul
+
+    def spy(x, *, impl=None):
+        seen.append((x, impl))
+        return real(x, impl=impl)
+
+    monkeypatch.setattr(PF, "silu_and_mul", spy)
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "1")
+    case = ops.make_case("swiglu.packed", torch.float32, 16, "cpu")
+    case.ref = ops.reference(case)
+    tol = tolerances()[torch.float32]
+    for impl in ("torch", "pipegoose"):
+        fn = ops.IMPLS[impl](case)
+        assert fn.expect == ("swiglu.packed", impl)
+        if impl == "torch":
+            assert ops.check_impl(fn, case, tol)[0] == "ok"
+        else:
+            with pytest.raises(Exception) as e:
+                ops.check_impl(fn, case, tol)
+            assert ops.classify(e.value) == "unsupported" and "swiglu.packed" in str(e.value)
+    assert [(x is case.inputs["x"], impl) for x, impl in seen] == [(True, "torch"), (True, "pipegoose")]
 
 
 def test_rope_impl_with_one_output_or_wrong_rotation_is_failed():

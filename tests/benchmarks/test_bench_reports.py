@@ -968,6 +968,74 @@ def test_a_run_of_some_impls_writes_no_tuning_table(tmp_path, monkeypatch, capsy
     assert list((tmp_path / "o").rglob("results.json")) and not list((tmp_path / "o").rglob("tuning"))
 
 
+def test_the_packed_swiglu_is_chosen_on_the_command_line_and_timed_beside_swiglu(tmp_path, monkeypatch, capsys):
+    """``--only swiglu,swiglu.packed`` runs both SwiGLUs in one run (the sizes, dtypes and impls of each), every row with
+    its op's minimum bytes, GB/s and % of copy, and the tuning table gets the rules of both, which the dispatcher
+    reads; the default run has the packed one too, and ``--sizes`` and ``--impls`` take it."""
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "1")   # (as a run sets it; monkeypatched, it goes after the test)
+    from benchmarks.byte_counts import op_bytes
+    from benchmarks.ops import shape_for
+    from benchmarks.run import main, parse_args
+    from benchmarks.tuning import TUNING_OPS
+    from pipegoose.nn.fusion.dispatch import TuningTable
+
+    assert "swiglu.packed" in TUNING_OPS
+    a = parse_args(["--only", "swiglu,swiglu.packed", "--dtypes", "bf16"])
+    assert a.ops == ["swiglu", "swiglu.packed"] and a.dtype_names == ["bfloat16"] and a.mode == "full"
+    assert not a.no_tuning and a.size_filter is None and not a.no_ops
+    assert parse_args(["--only", "swiglu.packed"]).ops == ["swiglu.packed"]
+    assert "swiglu.packed" in parse_args([]).ops
+    a = parse_args(["--only", "swiglu,swiglu.packed", "--sizes", "5632,28672"])
+    assert a.size_filter == [5632, 28672] and a.no_tuning
+    assert parse_args(["--only", "swiglu.packed", "--impls", "liger,compile,eager"]).no_tuning
+    for argv, said in ((["--only", "swiglu.pack"], "--only: unknown op 'swiglu.pack'"),
+                       (["--only", "swiglu.packed", "--impls", "native"], "implement none of the ops run"),
+                       (["--only", "swiglu.packed", "--sizes", "8192"], "not among the full sizes of swiglu.packed")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert said in capsys.readouterr().err, argv
+    assert main(["--device", "cpu", "--dry-run", "--no-build", "--only", "swiglu,swiglu.packed", "--dtypes",
+                 "fp32,bf16", "--out", str(tmp_path / "o")]) == 0
+    run = next((tmp_path / "o").glob("cpu_dry_run_*"))
+    data, rows = load_json(run / "results.json")
+    assert data["config"]["ops"] == ["swiglu", "swiglu.packed"]
+    packed = [r for r in rows if r.op == "swiglu.packed"]
+    want = {(i, d, p, c) for i in ("eager", "liger", "torch", "pipegoose") for d in ("float32", "bfloat16")
+            for p in ("fwd", "bwd", "fwd+bwd") for c in (16, 64)}   # (no compile on the CPU)
+    assert {(r.impl, r.dtype, r.pas, r.cols) for r in packed} == want
+    assert {(r.impl, r.dtype, r.pas, r.cols) for r in rows if r.op == "swiglu"} == want
+    ok = [r for r in packed if r.status == "ok"]
+    assert {r.impl for r in ok} == {"eager", "torch"}   # (pipegoose: no kernel on the CPU; liger: not installed)
+    for r in ok:
+        assert r.shape == shape_for("swiglu", r.cols, "cpu") and set(r.shape) == {"rows", "inter"}
+        assert r.bytes == op_bytes("swiglu.packed", r.pas, r.shape, r.dtype) == op_bytes("swiglu", r.pas, r.shape,
+                                                                                          r.dtype)
+        assert r.gbps == pytest.approx(r.bytes / (r.median_ms * 1e-3) / 1e9)
+        assert r.pct_of_copy == pytest.approx(100 * r.gbps / data["copy"]["gbps"])
+    assert "## swiglu.packed — bfloat16" in (run / "results.md").read_text()
+    (table,) = (run / "tuning").glob("*.json")
+    rules = json.loads(table.read_text())["rules"]
+    assert {(r["op"], r["dtype"], r["pass"]) for r in rules} == {
+        (op, d, p) for op in ("swiglu", "swiglu.packed") for d in ("float32", "bfloat16") for p in ("fwd", "fwd+bwd")}
+    assert [r.op for r in TuningTable.load(table).rules].count("swiglu.packed") == 4
+
+
+def test_the_benchmarks_time_every_op_the_tuning_table_takes_but_the_linear_loss():
+    """docs/architecture.md "Tuning tables": benchmarks/ writes rules for every op a table may name but
+    ``fused_linear_cross_entropy`` (``TUNING_OPS``; it left out ``swiglu.packed``, an op of the dispatcher since
+    silu_and_mul came). Each such op of the dispatcher is an op of the sweep, or an optimizer's."""
+    from benchmarks.ops import OPS
+    from benchmarks.tuning import RULE_OP, STEP_OPS, TUNING_OPS
+    from pipegoose.nn.fusion import dispatch
+
+    dispatch._ensure_builtin_ops()
+    ours = {op for op in dispatch._impls   # (not the ops other tests register)
+            if all(im.supports.__module__.startswith("pipegoose.") for im in dispatch.implementations(op).values())}
+    table_ops = ours | set(dispatch._TABLE_ONLY_OPS)
+    assert {RULE_OP.get(op, op) for op in TUNING_OPS} == table_ops - {"fused_linear_cross_entropy"}
+    assert set(TUNING_OPS) - {"attention"} == set(OPS) | set(STEP_OPS)
+
+
 def test_a_table_the_dispatcher_would_refuse_is_refused_before_measuring_and_never_written_back(tmp_path, monkeypatch,
                                                                                                capsys):
     """A review: read_rules checked the JSON's shape alone, so a kept rule of dtype ``bf16`` (or a misspelt field, an
