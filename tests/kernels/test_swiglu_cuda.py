@@ -10,6 +10,13 @@ PyTorch's silu), empty tensors, the argument checks, ``torch.library.opcheck`` a
 their outputs: the caching allocator is left holding NaN blocks of the outputs' sizes first (``poison``), and every
 element is checked finite, so an element a kernel does not write shows up.
 
+The same for gate and up packed in one tensor, ``pipegoose::silu_and_mul_forward(x [..., 2d]) -> [..., d]``,
+``silu_and_mul_backward(grad_output, x) -> grad_x [..., 2d]`` and the autograd op ``pipegoose::silu_and_mul``: d from
+1 to 28673 (the 16-byte vectors where d allows them, one value a thread otherwise: which kernel ran is read from a
+profile), 1-d to 4-d x, rows of a wider tensor (aligned or not), copied layouts, rows at stride 0, rows past one pass
+of the grid (gridDim.y's loop), grad_output of other layouts and dtypes, empty x, the argument checks, opcheck, a
+double backward, 2**31 and more elements; every result also bit for bit that of the two-tensor ops on the halves.
+
 Run on the GPU machine: ``python -m pytest -m cuda tests/kernels/test_swiglu_cuda.py -q`` (builds the kernel on first
 use; ``python -m pipegoose.kernels build pipegoose/swiglu`` first saves time).
 """
@@ -17,10 +24,12 @@ use; ``python -m pipegoose.kernels build pipegoose/swiglu`` first saves time).
 from __future__ import annotations
 
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import poison, require_free_gpu_memory, seed_of
+from kernel_helpers import poison, require_free_gpu_memory, seed_of, silu_and_mul_launch
 from tolerances import TOLERANCES, tol
 
 pytestmark = pytest.mark.cuda
@@ -52,14 +61,14 @@ def make(shape, dtype, seed, scale=2.0):
     return g, u, dy
 
 
-def ref64(g, u, dy=None):
-    """float64 on the CPU: out, or (out, grad_gate, grad_up) with ``dy``."""
-    g64, u64 = g.detach().cpu().double(), u.detach().cpu().double()
+def ref64(g, u, dy=None, device="cpu"):
+    """float64 on the CPU (or ``device``): out, or (out, grad_gate, grad_up) with ``dy``."""
+    g64, u64 = g.detach().to(device, torch.float64), u.detach().to(device, torch.float64)
     s = torch.sigmoid(g64)
     y = g64 * s * u64
     if dy is None:
         return y
-    d = dy.detach().cpu().double()
+    d = dy.detach().to(device, torch.float64)
     return y, d * u64 * s * (1 + g64 * (1 - s)), d * g64 * s
 
 
@@ -67,11 +76,12 @@ def check(name, got, want, dtype, shape=None):
     """Shape, dtype, device, layout; every element finite (a NaN: not written); assert_close with TOLERANCES[dtype]."""
     shape = want.shape if shape is None else torch.Size(shape)
     assert got.shape == shape, f"{name}: shape {tuple(got.shape)} != {tuple(shape)}"
-    assert got.dtype == dtype and got.device.type == "cuda", f"{name}: {got.dtype} on {got.device}"
+    assert got.dtype == dtype and got.device.type == torch.device(DEV).type, f"{name}: {got.dtype} on {got.device}"
     assert got.is_contiguous(), f"{name}: not contiguous (strides {got.stride()})"
     bad = int((~torch.isfinite(got)).sum())
     assert bad == 0, f"{name}: {bad} element(s) not finite (not written, or a value the reference does not have)"
-    torch.testing.assert_close(got.double().cpu(), want, **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(got.to(want.device, torch.float64), want, **TOLERANCES[dtype],
+                               msg=lambda m: f"{name}: {m}")
 
 
 def run_ops(ops, g, u, dy):
@@ -447,3 +457,434 @@ def test_more_than_2_31_elements(ops):
             check(f"{what} grad_gate[{s.start}:{s.stop}]", dg[s], rdg, dtype)
             check(f"{what} grad_up[{s.start}:{s.stop}]", du[s], rdu, dtype)
         del dg, du
+
+
+# ===================================================================================== silu_and_mul: x packed
+# pipegoose::silu_and_mul_forward(x [..., 2d]) -> out [..., d] = silu(x[..., :d]) * x[..., d:];
+# silu_and_mul_backward(grad_output [..., d], x) -> grad_x [..., 2d] (grad_gate in each row's first half, grad_up in
+# its second); the autograd op pipegoose::silu_and_mul.
+def make_packed(shape, dtype, seed, scale=2.0):
+    """x of ``shape`` [..., 2d] (``make``'s gate in each row's first d values, its up in the last d) and grad_output
+    [..., d], on the GPU in ``dtype``."""
+    *lead, two_d = shape
+    g, u, dy = make((*lead, two_d // 2), dtype, seed, scale)
+    return torch.cat((g, u), -1), dy
+
+
+def ref64_packed(x, dy=None, device="cpu"):
+    """float64 (on the CPU, or ``device``) of x's halves: out, or (out, grad_x) with ``dy``."""
+    d = x.shape[-1] // 2
+    got = ref64(x[..., :d], x[..., d:], dy, device)
+    if dy is None:
+        return got
+    y, dg, du = got
+    return y, torch.cat((dg, du), -1)
+
+
+def half_shape(x):
+    return (*x.shape[:-1], x.shape[-1] // 2)
+
+
+def run_packed(ops, x, dy):
+    """Forward and backward through the ops, outputs poisoned first."""
+    poison((half_shape(x), x.dtype))
+    y = ops.silu_and_mul_forward(x)
+    poison((x.shape, x.dtype))
+    dx = ops.silu_and_mul_backward(dy, x)
+    return y, dx
+
+
+def check_packed(ops, x, dy, dtype, what=""):
+    y, dx = run_packed(ops, x, dy)
+    ry, rdx = ref64_packed(x, dy)
+    check(f"{what}out", y, ry, dtype, half_shape(x))
+    check(f"{what}grad_x", dx, rdx, dtype, x.shape)
+    return y, dx
+
+
+def vector_width(dtype):
+    """Values in one of the kernels' 16-byte vectors: 4 fp32, 8 16-bit."""
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+def packed_widths(fn) -> list[int]:
+    """The values per access (the template argument V: 1 for the scalar kernel, 4 or 8 for the 16-byte vectors) of the
+    silu_and_mul kernels that ``fn()`` launches, in launch order (torch.profiler's kernel names:
+    ``silu_and_mul_kernel<T, V, backward>``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # demangled ("silu_and_mul_kernel<c10::Half, 8, true>(...)") or, should a profiler leave it so, mangled
+    # ("silu_and_mul_kernelIN3c104HalfELi8ELb1EE...")
+    found = (re.search(r"silu_and_mul_kernel(?:<[^,<>]+,\s*(\d+)\s*,|I(?:f|N3c10\d+\w+?E)Li(\d+)E)", n) for n in names)
+    widths = [int(m.group(1) or m.group(2)) for m in found if m]
+    assert widths, f"no silu_and_mul kernel among the launches: {names}"
+    return widths
+
+
+# d = 1 (one value a half), odd d (7, 9, 1001, 28673: the scalar kernel), d a multiple of 4 but not of 8 (12: fp32's
+# vectors, 16-bit's scalar kernel), multiples of 8 (8, 64, 704, 1000, 28672: vectors in every dtype); a 1-d x (one
+# row); 3-d and 4-d x; a Llama-2-70B MLP's rows (d = 28672: a row over 14 blocks of 256 threads in 16-bit), 4101 rows of
+# TinyLlama's intermediate size / 8 (two rows a block, the last block partial)
+PACKED_SHAPES = [(2,), (5, 2), (3, 14), (4, 18), (7, 24), (33, 16), (17, 2000), (2, 3, 2002), (2, 3, 4, 128),
+                 (16,), (2 * 1001,), (3, 2 * 28672), (2, 2 * 28673), (4101, 2 * 704)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", PACKED_SHAPES, ids=str)
+def test_packed_ops_match_float64(ops, dtype, shape):
+    """silu_and_mul_forward / _backward against float64, every element written; the inputs left as they were; the
+    same values, bit for bit, as swiglu_forward / swiglu_backward of the two halves (the same math per value)."""
+    x, dy = make_packed(shape, dtype, seed_of("packed", shape, dtype))
+    before = [t.clone() for t in (x, dy)]
+    y, dx = check_packed(ops, x, dy, dtype)
+    assert all(torch.equal(a, b) for a, b in zip((x, dy), before)), "an input changed"
+    d = shape[-1] // 2
+    g, u = x[..., :d].contiguous(), x[..., d:].contiguous()
+    assert torch.equal(y, ops.swiglu_forward(g, u)), "out differs from swiglu_forward of the halves"
+    dg, du = ops.swiglu_backward(dy, g, u)
+    assert torch.equal(dx[..., :d], dg) and torch.equal(dx[..., d:], du), \
+        "grad_x differs from swiglu_backward of the halves"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [1, 2, 4, 7, 8, 12, 16, 1000, 1001], ids=str)
+def test_packed_vector_kernel_where_d_allows(ops, dtype, d):
+    """A contiguous x takes the kernel of 16-byte vectors where d is a multiple of their values (4 fp32, 8 16-bit), and
+    the scalar kernel (one value a thread) otherwise, forward and backward; both within float64's tolerance."""
+    x, dy = make_packed((9, 2 * d), dtype, seed_of("packed width", d, dtype))
+    got = {}
+
+    def run():
+        got["y"], got["dx"] = run_packed(ops, x, dy)
+
+    want = vector_width(dtype) if d % vector_width(dtype) == 0 else 1
+    assert packed_widths(run) == [want, want]
+    ry, rdx = ref64_packed(x, dy)
+    check("out", got["y"], ry, dtype)
+    check("grad_x", got["dx"], rdx, dtype)
+
+
+def _in_wider_rows(x, offset, extra):
+    """x's values [..., 2d] in the rows of a wider buffer, from column ``offset``, ``extra`` columns after them."""
+    wide = torch.full((*x.shape[:-1], offset + x.shape[-1] + extra), float("nan"), dtype=x.dtype, device=DEV)
+    wide[..., offset:offset + x.shape[-1]] = x
+    return wide[..., offset:offset + x.shape[-1]]
+
+
+# name -> (a view of x [R, 2d], or of its values in another shape; whether the kernel reads it in place (else the op
+# copies it to a contiguous tensor first); whether its pointer and row stride allow 16-byte vectors where d does)
+PACKED_LAYOUTS = {
+    "rows of a wider tensor from column 3": (lambda x: _in_wider_rows(x, 3, 5), True, False),   # misaligned
+    "rows of a wider tensor from column 8": (lambda x: _in_wider_rows(x, 8, 8), True, True),    # aligned, strided
+    "rows of 2d + 1 values": (lambda x: _in_wider_rows(x, 0, 1), True, False),   # aligned first row, odd stride
+    "torch.cat of the halves": (lambda x: torch.cat(x.chunk(2, -1), -1), True, True),
+    "one row expanded (row stride 0)": (lambda x: x[:1].expand(x.shape), True, True),
+    "3-d slice of wider rows (leading dims flatten)":
+        (lambda x: _in_wider_rows(x.reshape(3, -1, x.shape[-1]), 8, 8), True, True),
+    "3-d narrowed in a leading dim (no single row stride)":
+        (lambda x: _in_wider_rows(x.reshape(3, -1, x.shape[-1]), 8, 8)[:, 1:], False, True),
+    "transposed (last dim not contiguous)": (lambda x: x.t().contiguous().t(), False, True),
+    "strided last dim": (lambda x: x.repeat_interleave(2, -1)[..., ::2], False, True),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [1000, 1001], ids=str)
+@pytest.mark.parametrize("layout", list(PACKED_LAYOUTS))
+def test_packed_layouts(ops, dtype, d, layout):
+    """x in other layouts: read in place at its row stride (vectors where d, the pointer and the stride allow; the
+    scalar kernel otherwise) or copied to a contiguous tensor first (then vectors where d allows). Outputs contiguous,
+    against float64, and bit for bit the results of x.contiguous(); the autograd op gives the same."""
+    make_view, in_place, aligned = PACKED_LAYOUTS[layout]
+    base, _ = make_packed((36, 2 * d), dtype, seed_of("packed layout", d, dtype))
+    x = make_view(base)
+    assert not x.is_contiguous() or layout == "torch.cat of the halves", layout
+    _, dy = make_packed(x.shape, dtype, seed_of("packed layout dy", d, dtype))
+    got = {}
+
+    def run():
+        got["y"], got["dx"] = run_packed(ops, x, dy)
+
+    v = vector_width(dtype)
+    want = v if d % v == 0 and (aligned or not in_place) else 1
+    assert packed_widths(run) == [want, want], layout
+    ry, rdx = ref64_packed(x, dy)
+    check("out", got["y"], ry, dtype, half_shape(x))
+    check("grad_x", got["dx"], rdx, dtype, x.shape)
+    xc = x.contiguous()
+    assert torch.equal(got["y"], ops.silu_and_mul_forward(xc)), f"{layout}: out differs from x.contiguous()'s"
+    assert torch.equal(got["dx"], ops.silu_and_mul_backward(dy, xc)), f"{layout}: grad_x differs"
+    xx = x.detach().requires_grad_()   # (a view's detach: a leaf of the same layout)
+    yy = torch.ops.pipegoose.silu_and_mul(xx)
+    yy.backward(dy)
+    assert torch.equal(yy.detach(), got["y"]) and torch.equal(xx.grad, got["dx"]), f"{layout}: autograd op differs"
+
+
+# name -> a view of grad_output [R, d] (or of its values in another dtype), and whether it allows 16-byte vectors
+PACKED_GRAD_LAYOUTS = {
+    "at element offset 1": (lambda t: _at_offset(t, 1), False),   # misaligned: the backward's scalar kernel
+    "rows of d + 8 values": (lambda t: _in_wider_rows(t, 0, 8), True),
+    "rows of d + 1 values": (lambda t: _in_wider_rows(t, 0, 1), False),
+    "transposed": (lambda t: t.t().contiguous().t(), True),   # copied
+    "one row expanded (row stride 0)": (lambda t: t[:1].expand(t.shape), True),
+    "float32 (16-bit x), float16 (fp32 x)": (lambda t: t.to(torch.float16 if t.dtype == torch.float32 else
+                                                              torch.float32), True),   # converted: a new tensor
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", list(PACKED_GRAD_LAYOUTS))
+def test_packed_grad_output_layouts_and_dtypes(ops, dtype, layout):
+    """grad_output read in place at its row stride (stride 0 too), copied or converted to x's dtype first: grad_x
+    (x's dtype, contiguous) bit for bit that of grad_output converted to x's dtype and made contiguous, against
+    float64; the kernel of 16-byte vectors where grad_output's pointer and stride allow them too."""
+    x, dy0 = make_packed((36, 2 * 1000), dtype, seed_of("packed grad layout", dtype))
+    make_view, aligned = PACKED_GRAD_LAYOUTS[layout]
+    dy = make_view(dy0)
+    got = {}
+
+    def run():
+        poison((x.shape, dtype))
+        got["dx"] = ops.silu_and_mul_backward(dy, x)
+
+    assert packed_widths(run) == [vector_width(dtype) if aligned else 1], layout
+    dyc = dy.to(dtype).contiguous()
+    assert torch.equal(got["dx"], ops.silu_and_mul_backward(dyc, x)), layout
+    _, rdx = ref64_packed(x, dyc)
+    check("grad_x", got["dx"], rdx, dtype, x.shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(2,), (3, 14), (2, 3, 2002), (4101, 2 * 704), (3, 2 * 28672)], ids=str)
+def test_packed_autograd_op_matches_float64(ops, dtype, shape):
+    """torch.ops.pipegoose.silu_and_mul with .backward(): the forward kernel and the backward kernel's gradient (of x,
+    one tensor), the very results of the ops; its graph node is the C++ Function."""
+    x, dy = make_packed(shape, dtype, seed_of("packed autograd", shape, dtype))
+    xx = x.clone().requires_grad_()
+    poison((dy.shape, dtype))
+    y = torch.ops.pipegoose.silu_and_mul(xx)
+    assert y.requires_grad and "SiluAndMul" in type(y.grad_fn).__name__ + str(y.grad_fn.name())
+    poison((x.shape, dtype))
+    y.backward(dy)
+    ry, rdx = ref64_packed(x, dy)
+    check("out", y.detach(), ry, dtype, dy.shape)
+    check("grad_x", xx.grad, rdx, dtype, x.shape)
+    assert torch.equal(y.detach(), ops.silu_and_mul_forward(x))
+    assert torch.equal(xx.grad, ops.silu_and_mul_backward(dy, x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [1, 129], ids=str)
+def test_packed_autograd_op_with_a_broadcast_output_gradient(ops, dtype, d):
+    """y.sum().backward(): the output gradient is an expanded scalar (stride 0 in every dim: read in place at row
+    stride 0 for d = 1, copied otherwise)."""
+    x, _ = make_packed((37, 2 * d), dtype, seed_of("packed sum", d, dtype))
+    xx = x.clone().requires_grad_()
+    torch.ops.pipegoose.silu_and_mul(xx).sum().backward()
+    _, rdx = ref64_packed(x, torch.ones(37, d, device=DEV, dtype=dtype))
+    check("grad_x", xx.grad, rdx, dtype)
+
+
+def test_packed_autograd_op_without_grad_and_in_inference_mode(ops):
+    x, _ = make_packed((5, 602), torch.bfloat16, seed_of("packed inference"))
+    want = ops.silu_and_mul_forward(x)
+    with torch.inference_mode():
+        y = torch.ops.pipegoose.silu_and_mul(x)
+    assert y.grad_fn is None and torch.equal(y, want)
+    xx = x.clone().requires_grad_()
+    with torch.no_grad():
+        y = torch.ops.pipegoose.silu_and_mul(xx)
+    assert not y.requires_grad and torch.equal(y, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", ["vector", 1, 129], ids=str)
+def test_packed_rows_past_one_pass_of_the_grid(ops, dtype, d):
+    """More rows than one pass of the grid covers (gridDim.y is capped at 65535; each block then loops over the rows,
+    kernel_helpers.silu_and_mul_launch): rows of one vector (ty = 256 rows a block), of one value (the scalar kernel,
+    ty = 256) and of 129 values (the scalar kernel, 256 threads along a row, ty = 1), two whole blocks and 3 rows past
+    the pass. Every element written, against float64 (on the GPU, in slices of rows), forward and backward."""
+    require_free_gpu_memory(8)
+    v = vector_width(dtype)
+    d = v if d == "vector" else d
+    width = v if d % v == 0 else 1
+    step, grid_y = silu_and_mul_launch(d // width)
+    rows = step * grid_y + 2 * step + 3
+    x, dy = make_packed((rows, 2 * d), dtype, seed_of("packed rows", d, dtype))
+    got = {}
+
+    def run():
+        got["y"], got["dx"] = run_packed(ops, x, dy)
+
+    assert packed_widths(run) == [width, width]
+    y, dx = got["y"], got["dx"]
+    for name, t in (("out", y), ("grad_x", dx)):
+        assert t.is_contiguous() and bool(torch.isfinite(t).all()), f"{name}: not written everywhere ({rows} rows)"
+    chunk = 1 << 21
+    for start in range(0, rows, chunk):
+        s = slice(start, start + chunk)
+        ry, rdx = ref64_packed(x[s], dy[s], device=DEV)
+        check(f"out[{start}:]", y[s], ry, dtype)
+        check(f"grad_x[{start}:]", dx[s], rdx, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(0,), (0, 8), (3, 0), (0, 0), (2, 0, 6), (2, 3, 0)], ids=str)
+def test_packed_empty_tensors(ops, dtype, shape):
+    x = torch.empty(shape, device=DEV, dtype=dtype)
+    half = half_shape(x)
+    y = ops.silu_and_mul_forward(x)
+    assert y.shape == half and y.dtype == dtype and y.device == x.device
+    dx = ops.silu_and_mul_backward(torch.empty(half, device=DEV, dtype=dtype), x)
+    assert dx.shape == shape and dx.dtype == dtype and dx.device == x.device
+    xx = x.clone().requires_grad_()
+    y = torch.ops.pipegoose.silu_and_mul(xx)
+    y.backward(torch.empty_like(y))
+    assert y.shape == half and xx.grad.shape == shape
+    torch.cuda.synchronize()
+
+
+def test_packed_inf_and_nan_as_torch_silu(ops):
+    """fp32: the special gates, ups and output gradients (every combination) give what PyTorch's silu(gate) * up gives
+    (and its gradients), in one row (the scalar kernel) and in rows of 8 (the vector kernel)."""
+    g, u, dy = _special_grid(torch.float32)
+    want = _torch_fp32(g, u, dy)
+    n = g.numel()
+    y, dx = ops.silu_and_mul_forward(torch.cat((g, u))), ops.silu_and_mul_backward(dy, torch.cat((g, u)))
+    for name, a, b in zip(("out", "grad_gate", "grad_up"), (y, dx[:n], dx[n:]), want):
+        _same_as_torch(f"one row: {name}", a, b)
+    pad = -n % 8   # (ordinary values to a whole number of rows of 8)
+    g8, u8, dy8 = (torch.cat((t, torch.ones(pad, device=DEV))).reshape(-1, 8) for t in (g, u, dy))
+    x8 = torch.cat((g8, u8), -1)
+    y, dx = ops.silu_and_mul_forward(x8), ops.silu_and_mul_backward(dy8, x8)
+    for name, a, b in zip(("out", "grad_gate", "grad_up"), (y, dx[:, :8], dx[:, 8:]), want):
+        _same_as_torch(f"rows of 8: {name}", a.reshape(-1)[:n], b)
+
+
+def test_packed_bad_arguments_name_the_argument(ops):
+    x, dy = make_packed((4, 6), torch.float32, seed_of("packed bad"))
+    fwd, bwd, op = ops.silu_and_mul_forward, ops.silu_and_mul_backward, torch.ops.pipegoose.silu_and_mul
+    cases = [
+        (lambda: fwd(x[:, :5]), r"silu_and_mul_forward: x's last dimension must be even \(gate and up are its two "
+                                r"halves\), got 5"),
+        (lambda: fwd(x[0, 0]), r"silu_and_mul_forward: x must have at least one dimension"),
+        (lambda: fwd(x.int()), r"silu_and_mul_forward: x must be float32, float16 or bfloat16, got Int"),
+        (lambda: fwd(x.double()), r"silu_and_mul_forward: x must be float32, float16 or bfloat16, got Double"),
+        (lambda: bwd(dy[:, :2], x), r"silu_and_mul_backward: grad_output has shape \[4, 2\] but x has \[4, 6\]; "
+                                    r"expected x's shape with the last dimension halved, \[4, 3\]"),
+        (lambda: bwd(x, x), r"grad_output has shape \[4, 6\] but x has \[4, 6\]"),        # x's shape: refused
+        (lambda: bwd(dy.reshape(12), x), r"grad_output has shape \[12\] but x has \[4, 6\]"),   # same numel
+        (lambda: bwd(dy[:1], x), r"grad_output has shape \[1, 3\] but x has \[4, 6\]"),   # broadcastable: refused
+        (lambda: bwd(dy.cpu(), x), r"silu_and_mul_backward: grad_output is on cpu but x is on cuda:\d+"),
+        (lambda: bwd(dy.int(), x), r"silu_and_mul_backward: grad_output must be a floating point tensor, got Int"),
+        (lambda: bwd(dy, x.cpu()), r"silu_and_mul_backward: x must be a CUDA tensor, got device cpu"),
+        (lambda: bwd(dy[:, :2], x[:, :5]), r"silu_and_mul_backward: x's last dimension must be even"),
+        (lambda: bwd(dy[0, 0], x[0, 0]), r"silu_and_mul_backward: x must have at least one dimension"),
+        (lambda: bwd(dy, x.half().int()), r"silu_and_mul_backward: x must be float32, float16 or bfloat16, got Int"),
+        (lambda: op(x[:, :5]), r"silu_and_mul_forward: x's last dimension must be even"),
+        (lambda: op(x.clone().requires_grad_()[:, :5]), r"x's last dimension must be even"),
+        (lambda: op(x[0, 0].clone().requires_grad_()), r"x must have at least one dimension"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+    # no CUDA tensor at all: no kernel of ours runs (the ops have none for the CPU); PyTorch says so, naming the op
+    with pytest.raises(NotImplementedError, match=r"pipegoose::silu_and_mul_forward.*CPU"):
+        fwd(x.cpu())
+    with pytest.raises(NotImplementedError, match=r"pipegoose::silu_and_mul_backward.*CPU"):
+        bwd(dy.cpu(), x.cpu())
+
+
+@pytest.mark.skipif("torch.cuda.device_count() < 2", reason="needs two GPUs")
+def test_packed_second_gpu(ops):
+    """x on cuda:1 while cuda:0 is current: the launch on its device (results right); a grad_output on another device
+    is an error naming it."""
+    x, dy = (t.to("cuda:1") for t in make_packed((5, 2 * 4096), torch.bfloat16, seed_of("packed gpu1")))
+    with torch.cuda.device(0):
+        y, dx = ops.silu_and_mul_forward(x), ops.silu_and_mul_backward(dy, x)
+    assert y.device == dx.device == torch.device("cuda", 1)
+    ry, rdx = ref64_packed(x, dy)
+    check("out", y, ry, torch.bfloat16)
+    check("grad_x", dx, rdx, torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"grad_output is on cuda:0 but x is on cuda:1"):
+        ops.silu_and_mul_backward(dy.to("cuda:0"), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_packed_opcheck(ops, dtype):
+    x, dy = make_packed((2, 3, 34), dtype, seed_of("packed opcheck", dtype))
+    fwd, bwd = torch.ops.pipegoose.silu_and_mul_forward.default, torch.ops.pipegoose.silu_and_mul_backward.default
+    torch.library.opcheck(fwd, (x,))
+    torch.library.opcheck(fwd, (x[..., 1:33],))          # rows of a wider tensor, misaligned: read in place
+    torch.library.opcheck(fwd, (x.transpose(0, 1),))     # leading dims that do not flatten: copied
+    torch.library.opcheck(bwd, (dy, x))
+    torch.library.opcheck(bwd, (dy.transpose(0, 1), x.transpose(0, 1)))
+    torch.library.opcheck(bwd, (dy.float(), x))          # grad_output of another dtype
+    # the op with its autograd formula (a C++ Function), with an input that needs a gradient and without
+    torch.library.opcheck(torch.ops.pipegoose.silu_and_mul.default, (x.clone().requires_grad_(),))
+    torch.library.opcheck(torch.ops.pipegoose.silu_and_mul.default, (x,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_packed_double_backward(ops, dtype):
+    """backward with create_graph=True: the first derivative as the float64 formula's, and differentiable again: the
+    second derivative (of <grad_x, v>) equals that of the float64 reference by autograd."""
+    x, dy = make_packed((64, 2 * 129), dtype, seed_of("packed double", dtype))
+    v = torch.randn(x.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(5)).to(dtype)
+    xx = x.clone().requires_grad_()
+    y = torch.ops.pipegoose.silu_and_mul(xx)
+    (dx,) = torch.autograd.grad(y, (xx,), dy, create_graph=True)
+    assert dx.requires_grad
+    (ddx,) = torch.autograd.grad((dx.float() * v.float()).sum(), (xx,))
+
+    x64 = x.cpu().double().requires_grad_()
+    g64, u64 = x64.chunk(2, -1)
+    (dx64,) = torch.autograd.grad(F.silu(g64) * u64, (x64,), dy.cpu().double(), create_graph=True)
+    (ddx64,) = torch.autograd.grad((dx64 * v.cpu().double()).sum(), (x64,))
+    _, rdx = ref64_packed(x, dy)
+    torch.testing.assert_close(dx64.detach(), rdx)   # (the reference's two forms agree)
+    check("grad_x", dx.detach(), dx64.detach(), dtype)
+    assert ddx.dtype == dtype and torch.isfinite(ddx).all(), "grad_x of grad"
+    torch.testing.assert_close(ddx.double().cpu(), ddx64, **tol(dtype, 2), msg=lambda m: f"grad_x of grad: {m}")
+
+
+def test_packed_more_than_2_31_elements(ops):
+    """bf16 x of 2**21 + 5 rows of 2 x 1024 values (2**32 + 10240 elements, 8.6 GB), out of 2**31 + 5120: offsets past
+    2**31 in x, out, grad_output and grad_x; the vector kernel (x aligned) and the scalar one (x at element offset 1:
+    256 threads along a row, the rows in gridDim.y's loop), against float64 on rows at the start, around element
+    2**31 of x and of out, and at the end, and finite everywhere (written)."""
+    require_free_gpu_memory(40)
+    d, rows = 1024, 2**21 + 5
+    n = rows * 2 * d
+    dtype = torch.bfloat16
+    gen = torch.Generator(device=DEV).manual_seed(22)
+    x_buf = torch.randn(n + 1, generator=gen, device=DEV, dtype=dtype) * 2
+    dy = torch.randn(rows, d, generator=gen, device=DEV, dtype=dtype)
+    x_cross, y_cross = 2**31 // (2 * d), 2**31 // d   # the rows where x's and out's offsets pass 2**31
+    pieces = [slice(0, 3), slice(x_cross - 2, x_cross + 2), slice(y_cross - 2, y_cross + 2), slice(rows - 3, rows)]
+
+    for what, x, width in (("aligned", x_buf[:n].view(rows, 2 * d), 8), ("misaligned", x_buf[1:].view(rows, 2 * d),
+                                                                          1)):
+        assert (x.data_ptr() % 16 != 0) == (what == "misaligned")
+        got = {}
+
+        def forward():
+            poison(((rows, d), dtype))
+            got["y"] = ops.silu_and_mul_forward(x)
+
+        assert packed_widths(forward) == [width], what
+        y = got.pop("y")
+        assert y.shape == (rows, d) and bool(torch.isfinite(y).all()), f"{what}: out not written everywhere"
+        for s in pieces:
+            check(f"{what} out[{s.start}:{s.stop}]", y[s], ref64_packed(x[s]), dtype)
+        del y
+        poison(((rows, 2 * d), dtype))
+        dx = ops.silu_and_mul_backward(dy, x)
+        assert dx.shape == (rows, 2 * d) and bool(torch.isfinite(dx).all()), f"{what}: grad_x not written everywhere"
+        for s in pieces:
+            check(f"{what} grad_x[{s.start}:{s.stop}]", dx[s], ref64_packed(x[s], dy[s])[1], dtype)
+        del dx
