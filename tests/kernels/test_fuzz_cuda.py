@@ -10,7 +10,8 @@ the specialised ones, odd key lengths, frozen parameters with mixed dtypes, stri
 * softmax (plain, padding-masked with broadcast masks and fully masked rows, causal with sq <= sk): 1-40000 keys;
 * LayerNorm and RMSNorm: 1-65536 columns, one or two normalised dims, parameters of the input's dtype or another,
   weight and bias present or not and frozen or not, strided rows, large means;
-* SwiGLU: any shape, contiguous or strided; cross-entropy: 2-160000 classes, ignored rows (a share of 0 to all),
+* SwiGLU: any shape, contiguous or strided; silu_and_mul (gate and up packed in x [..., 2d]): d 1-30000, 1-d to
+  4-d x, rows of wider tensors at random column offsets, transposed, narrowed and broadcast rows; cross-entropy: 2-160000 classes, ignored rows (a share of 0 to all),
   every reduction, strided rows; RoPE: head dims 2-256, whole or partial rotary, both layouts, GQA, fp32 tables;
   fused linear cross-entropy: chunkings from 1 row to all, bias or not.
 
@@ -307,6 +308,55 @@ def test_swiglu(case):
     close("y", y.detach(), y64.detach(), what, dtype=dtype)
     close("dgate", dg, dg64, what, dtype=dtype, scale=2)
     close("dup", du, du64, what, dtype=dtype, scale=2)
+
+
+def packed_layout(x: torch.Tensor, r: random.Random, what: list) -> torch.Tensor:
+    """``x`` [..., 2d] itself or a view of its values that silu_and_mul reads in place or copies: in the rows of a
+    wider buffer from a random column (odd ones misalign it: the scalar kernel; multiples of 8 with padding of a
+    multiple of 8 keep 16-byte vectors), transposed (copied), the last rows of a taller tensor (in place, from row 1,
+    where x has no leading dims; else its leading dims do not flatten to one row stride: copied), or one row
+    broadcast (row stride 0). Appends the layout to ``what``."""
+    kind = r.choice(("contiguous", "wider rows", "wider rows", "transposed", "narrowed", "broadcast row"))
+    if kind == "wider rows":
+        offset, extra = r.choice((0, 1, 3, 8, r.randrange(64))), r.choice((0, 1, 8, 61))
+        what.append(f"in rows of {offset} + 2d + {extra} from column {offset}")
+        wide = torch.full((*x.shape[:-1], offset + x.shape[-1] + extra), float("nan"), dtype=x.dtype, device=DEV)
+        wide[..., offset:offset + x.shape[-1]] = x
+        return wide[..., offset:offset + x.shape[-1]]
+    if kind == "transposed" and x.dim() >= 2:
+        what.append(kind)
+        return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if kind == "narrowed" and x.dim() >= 2:
+        what.append("rows 1: of a taller tensor")
+        taller = torch.full((*x.shape[:-2], x.shape[-2] + 1, x.shape[-1]), float("nan"), dtype=x.dtype, device=DEV)
+        taller[..., 1:, :] = x
+        return taller[..., 1:, :]
+    if kind == "broadcast row" and x.dim() >= 2:
+        what.append(kind)
+        return x[..., :1, :].expand(x.shape)
+    what.append("contiguous")
+    return x
+
+
+@pytest.mark.parametrize("case", range(CASES))
+def test_silu_and_mul(case):
+    r = draw("swiglu.packed", case)
+    dtype = r.choice(DTYPES)
+    d = width(r, 1, 30000)
+    lead = tuple(log_int(r, 1, 64) for _ in range(r.randint(0, 2)))
+    rows = max(1, min(MAX_NUMEL // (2 * d * max(1, math.prod(lead))), log_int(r, 1, 4096)))
+    half = (d,) if r.random() < 0.1 else (*lead, rows, d)   # (a 1-d x: one row)
+    g = gen(r)
+    what = [f"seed {SEED}", str(dtype), f"x {(*half[:-1], 2 * d)}"]
+    gate, up = randn(half, g, dtype, scale=r.choice((1.0, 4.0, 30.0))), randn(half, g, dtype)
+    x = packed_layout(torch.cat((gate, up), -1), r, what).requires_grad_(True)
+    dy = randn(half, g, dtype)
+    y, (dx,) = grads(lambda a: PF.silu_and_mul(a, impl="pipegoose"), [x], dy)
+    ran_kernel("swiglu.packed", what=what)
+    assert y.dtype == dtype and y.shape == dy.shape, (y.dtype, tuple(y.shape), what)
+    y64, (dx64,) = ref_grads(lambda a: F.silu(a[..., :d]) * a[..., d:], [x], dy)
+    close("y", y.detach(), y64.detach(), what, dtype=dtype)
+    close("dx", dx, dx64, what, dtype=dtype, scale=2)
 
 
 # --- cross-entropy ------------------------------------------------------------------------------------------------
