@@ -1,7 +1,9 @@
 """CPU: SwiGLU's gated activation ``silu(gate) * up`` (op ``swiglu``): the functional's reference path against
 ``F.silu(gate) * up`` (bit for bit) and float64, its argument checks, the dispatcher's reasons for the kernel
 (``_pipegoose_supports`` on hand-made CUDA problems; no GPU needed), strict mode, ``FusedSwiGLUMLP`` and the SwiGLU
-probe of ``fuse``.
+probe of ``fuse``. The same for ``silu_and_mul`` (op ``swiglu.packed``: gate and up the two halves of x's last
+dimension), with its ``PIPEGOOSE_IMPL_SWIGLU_PACKED`` / ``PIPEGOOSE_IMPL_SWIGLU`` variables, nested tensors and the
+choice cache.
 
 The tests marked ``slow`` load the kernel library (a first run compiles it: minutes; they skip, with the reason,
 where nvcc is missing) and run the ops' fake impls and the C++ autograd formula on meta tensors.
@@ -653,3 +655,537 @@ def test_no_warnings_on_the_plain_cpu_call():
         warnings.simplefilter("error")
         PF.swiglu(gate, up)
         FusedSwiGLUMLP.from_module(_MLP())(torch.randn(2, 8))
+
+
+# ============================================================================ silu_and_mul (op swiglu.packed)
+PACKED = "swiglu.packed"
+
+
+def _packed(shape, dtype, seed=0):
+    """x of ``shape`` [..., 2d]: _inputs' gate (N(0, 9)) in each row's first d values, its up in the last d."""
+    *lead, two_d = shape
+    gate, up = _inputs((*lead, two_d // 2), dtype, seed)
+    return torch.cat((gate, up), -1)
+
+
+def _chunked(x):
+    """What Phi-3's MLP runs: gate, up = x.chunk(2, dim=-1); F.silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _fwd_bwd_x(fn, x, dy):
+    x = x.detach().clone().requires_grad_(True)
+    y = fn(x)
+    y.backward(dy.to(y.dtype))
+    return y.detach(), x.grad
+
+
+def _dy_of(x, seed=9):
+    return torch.randn((*x.shape[:-1], x.shape[-1] // 2), generator=torch.Generator().manual_seed(seed)).to(x.dtype)
+
+
+@pytest.fixture
+def packed_env(monkeypatch):
+    """The variables the op reads, unset (the user's own set aside)."""
+    for var in ("PIPEGOOSE_IMPL_SWIGLU_PACKED", "PIPEGOOSE_IMPL_SWIGLU", "PIPEGOOSE_STRICT", "PIPEGOOSE_SMALL_NUMEL"):
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+@pytest.mark.parametrize("shape", [(3, 7, 34), (2,), (2, 1030), (2, 3, 4, 6), (5, 0), (0, 6)])
+def test_silu_and_mul_reference_path_is_chunk_silu_mul_bit_for_bit(dtype, shape):
+    """On the CPU silu_and_mul runs x.chunk(2, -1), F.silu and the product: output and gradient equal PyTorch's
+    exactly, of x's dtype and shapes [..., d] and [..., 2d], counted as the torch path (a fallback; an empty x is
+    none)."""
+    x = _packed(shape, dtype, seed=len(shape))
+    dy = _dy_of(x)
+    y, dx = _fwd_bwd_x(PF.silu_and_mul, x, dy)
+    want, want_dx = _fwd_bwd_x(_chunked, x, dy)
+    assert y.dtype == dx.dtype == dtype
+    assert y.shape == (*shape[:-1], shape[-1] // 2) and dx.shape == shape
+    assert torch.equal(y, want) and torch.equal(dx, want_dx)
+    assert dispatch.stats()[PACKED] == {"torch": 1}
+    assert dispatch.last_choice(PACKED).source == ("empty" if x.numel() == 0 else "fallback")
+    assert dispatch.stats().get("swiglu", {}) == {}   # (its own op, not swiglu's)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_reference_path_against_float64(dtype):
+    """The path against the float64 formulas of the halves (grad_x: grad_gate in each row's first half, grad_up in
+    its second), within the tolerance table (16-bit eager rounds silu(gate) and then the product: scale 2)."""
+    x = _packed((4, 9, 2 * 257), dtype, seed=3)
+    dy = _dy_of(x, seed=4)
+    y, dx = _fwd_bwd_x(PF.silu_and_mul, x, dy)
+    y64, dg64, du64 = _ref64(x[..., :257], x[..., 257:], dy)
+    scale = 1 if dtype == torch.float32 else 2
+    for name, got, want in (("out", y, y64), ("grad_x", dx, torch.cat((dg64, du64), -1))):
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got.double(), want, **tol(dtype, scale), msg=lambda m: f"{name}: {m}")
+
+
+def test_silu_and_mul_argument_errors_name_x():
+    x = _packed((3, 6), torch.float32)
+    cases = [
+        (1.0, TypeError, r"^x: expected a floating point torch.Tensor, got float$"),
+        ([1.0, 2.0], TypeError, r"^x: expected a floating point torch.Tensor, got list$"),
+        (x.int(), TypeError, r"^x: expected a floating point torch.Tensor, got int32$"),
+        (x.bool(), TypeError, r"^x: expected a floating point torch.Tensor, got bool$"),
+        (x.to(torch.complex64), TypeError, r"^x: "),
+        (x[0, 0], ValueError, r"^x: expected at least one dimension \(gate and up are the two halves of the last\), "
+                              r"got a 0-dim tensor$"),
+        (x[:, :5], ValueError, r"^x: expected an even last dimension \(gate and up are its two halves\), got shape "
+                               r"\[3, 5\]$"),
+        (torch.randn(7), ValueError, r"^x: expected an even last dimension .*got shape \[7\]$"),
+        (torch.randn(2, 3, 1), ValueError, r"^x: expected an even last dimension .*got shape \[2, 3, 1\]$"),
+    ]
+    if hasattr(torch, "float8_e4m3fn"):
+        cases.append((x.to(torch.float8_e4m3fn), TypeError, r"^x: expected dtype .*got float8_e4m3fn"))
+    for arg, err, match in cases:
+        with pytest.raises(err, match=match):
+            PF.silu_and_mul(arg)
+        with pytest.raises(err, match=match):   # explain refuses what the op refuses, with its message
+            dispatch.explain(PACKED, arg)
+        with pytest.raises(err, match=match):   # so does a call that asks for an implementation
+            PF.silu_and_mul(arg, impl="torch")
+    # a refused call is not counted
+    assert dispatch.stats().get(PACKED, {}) == {}
+
+
+def test_silu_and_mul_argument_errors_after_a_cached_choice():
+    """A valid call's choice is cached; a call with other metadata is checked again (an odd last dimension or an int
+    x after an even float one must still raise)."""
+    x = _packed((3, 6), torch.float32)
+    PF.silu_and_mul(x)
+    PF.silu_and_mul(x)
+    with pytest.raises(ValueError, match="^x: expected an even last dimension"):
+        PF.silu_and_mul(x[:, :5])
+    with pytest.raises(TypeError, match="^x: "):
+        PF.silu_and_mul(x.int())
+    assert dispatch.stats()[PACKED] == {"torch": 2}
+
+
+def test_silu_and_mul_impl_argument(packed_env):
+    x = _packed((3, 6), torch.float32)
+    with pytest.warns(UserWarning, match=r"swiglu.packed: impl='pipegoose' cannot run this input: needs a CUDA "
+                                         r"tensor, got device cpu"):
+        y = PF.silu_and_mul(x, impl="pipegoose")
+    assert torch.equal(y, _chunked(x))
+    assert dispatch.last_choice(PACKED).impl == "torch"
+    with pytest.raises(ValueError, match=r"^impl: swiglu.packed has no implementation 'fused'; expected one of "
+                                         r"pipegoose, torch or 'auto' \(any case\)$"):
+        PF.silu_and_mul(x, impl="fused")
+    with pytest.raises(ValueError, match=r"^impl: swiglu.packed has no implementation 'megatron'"):
+        PF.silu_and_mul(x, impl="megatron")   # (swiglu's implementations are named, not every op's)
+    with pytest.raises(TypeError, match="^impl: expected an implementation name"):
+        PF.silu_and_mul(x, impl=1)
+    with pytest.raises(ValueError, match="^impl: an empty name"):
+        PF.silu_and_mul(x, impl="")
+    assert torch.equal(PF.silu_and_mul(x, impl=" Torch "), _chunked(x))   # any case, as PIPEGOOSE_IMPL_*
+    c = dispatch.last_choice(PACKED)
+    assert (c.impl, c.source, c.fallback) == ("torch", "argument", False)
+    assert torch.equal(PF.silu_and_mul(x, impl="AUTO"), _chunked(x))
+    assert dispatch.last_choice(PACKED).source == "fallback"
+    with pytest.raises(TypeError, match="takes 1 positional argument"):   # impl is keyword-only
+        PF.silu_and_mul(x, "torch")
+
+
+def test_silu_and_mul_impl_variables_own_and_family(packed_env):
+    """PIPEGOOSE_IMPL_SWIGLU_PACKED, else the family's PIPEGOOSE_IMPL_SWIGLU (which covers swiglu too), choose the
+    implementation (source "env", the variable named); auto in the op's own variable overrides the family's; a
+    name the op does not have is a ValueError naming the variable that holds it, at the call and from check_env."""
+    x = _packed((3, 6), torch.float32)
+    want = _chunked(x)
+
+    def run():
+        y = PF.silu_and_mul(x)
+        assert torch.equal(y, want)
+        return dispatch.last_choice(PACKED)
+
+    packed_env.setenv("PIPEGOOSE_IMPL_SWIGLU_PACKED", "Torch")
+    c = run()
+    assert (c.impl, c.source, c.fallback, c.reason) == ("torch", "env", False,
+                                                        "requested by PIPEGOOSE_IMPL_SWIGLU_PACKED")
+    packed_env.delenv("PIPEGOOSE_IMPL_SWIGLU_PACKED")
+    packed_env.setenv("PIPEGOOSE_IMPL_SWIGLU", "torch")
+    c = run()
+    assert (c.impl, c.source, c.reason) == ("torch", "env", "requested by PIPEGOOSE_IMPL_SWIGLU")
+    assert PF.swiglu(*x.chunk(2, -1)) is not None and dispatch.last_choice("swiglu").source == "env"   # both ops
+    # the op's own variable first
+    packed_env.setenv("PIPEGOOSE_IMPL_SWIGLU", "pipegoose")
+    packed_env.setenv("PIPEGOOSE_IMPL_SWIGLU_PACKED", "torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # (the family's pipegoose, which cannot run here, is not asked)
+        c = run()
+    assert (c.source, c.reason) == ("env", "requested by PIPEGOOSE_IMPL_SWIGLU_PACKED")
+    # the family's request of an implementation that cannot run the input: said, then the choice without it
+    packed_env.delenv("PIPEGOOSE_IMPL_SWIGLU_PACKED")
+    with pytest.warns(UserWarning, match=r"swiglu.packed: PIPEGOOSE_IMPL_SWIGLU='pipegoose' cannot run this input: "
+                                         r"needs a CUDA tensor"):
+        c = run()
+    assert (c.impl, c.source, c.fallback) == ("torch", "fallback", True)
+    # a name no SwiGLU op has
+    packed_env.setenv("PIPEGOOSE_IMPL_SWIGLU", "apex")
+    with pytest.raises(ValueError, match=r"^PIPEGOOSE_IMPL_SWIGLU='apex': swiglu.packed has no implementation "
+                                         r"'apex'; expected one of pipegoose, torch or 'auto'$"):
+        PF.silu_and_mul(x)
+    with pytest.raises(ValueError, match=r"^PIPEGOOSE_IMPL_SWIGLU="):
+        dispatch.check_env()
+    # auto in the op's own variable: no request (the family's bad value is not read for this op; swiglu still is)
+    packed_env.setenv("PIPEGOOSE_IMPL_SWIGLU_PACKED", "auto")
+    assert run().source == "fallback"
+    with pytest.raises(ValueError, match=r"^PIPEGOOSE_IMPL_SWIGLU='apex': swiglu has no implementation 'apex'"):
+        PF.swiglu(*x.chunk(2, -1))
+    packed_env.delenv("PIPEGOOSE_IMPL_SWIGLU")
+    packed_env.setenv("PIPEGOOSE_IMPL_SWIGLU_PACKED", "deepspeed")
+    with pytest.raises(ValueError, match=r"^PIPEGOOSE_IMPL_SWIGLU_PACKED='deepspeed': swiglu.packed has no "
+                                         r"implementation 'deepspeed'"):
+        PF.silu_and_mul(x)
+    with pytest.raises(ValueError, match=r"^PIPEGOOSE_IMPL_SWIGLU_PACKED='deepspeed'"):
+        dispatch.check_env()
+    assert dispatch.stats()[PACKED] == {"torch": 5}   # (the refused calls are not counted)
+
+
+def test_silu_and_mul_impl_variable_is_known(packed_env):
+    """PIPEGOOSE_IMPL_SWIGLU_PACKED names an op: no "no fused op of that name" warning."""
+    packed_env.setenv("PIPEGOOSE_IMPL_SWIGLU_PACKED", "torch")
+    packed_env.setattr(dispatch, "_env_checked", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        unknown = dispatch.warn_unknown_env()
+    assert "PIPEGOOSE_IMPL_SWIGLU_PACKED" not in unknown
+    assert not [w for w in caught if "PIPEGOOSE_IMPL_SWIGLU_PACKED" in str(w.message)]
+
+
+def test_silu_and_mul_strict_mode_raises_on_the_cpu_fallback(packed_env):
+    """Off CUDA the kernel cannot run, so the PyTorch path is a fallback, which strict mode refuses (the context and
+    PIPEGOOSE_STRICT); an empty x and an explicit impl='torch' are no fallback."""
+    x = _packed((3, 6), torch.float32)
+    with dispatch.strict():
+        with pytest.raises(dispatch.FusionFallbackError, match=r"^swiglu.packed: strict mode: would fall back to "
+                                                               r"torch: .*needs a CUDA tensor, got device cpu"):
+            PF.silu_and_mul(x)
+        assert PF.silu_and_mul(x[:0]).shape == (0, 3)
+        assert dispatch.last_choice(PACKED).source == "empty"
+        assert torch.equal(PF.silu_and_mul(x, impl="torch"), _chunked(x))
+        assert dispatch.last_choice(PACKED).source == "argument"
+    packed_env.setenv("PIPEGOOSE_STRICT", "1")
+    with pytest.raises(dispatch.FusionFallbackError, match="^swiglu.packed: strict mode"):
+        PF.silu_and_mul(x)
+    packed_env.setenv("PIPEGOOSE_STRICT", "0")
+    assert torch.equal(PF.silu_and_mul(x), _chunked(x))   # out of strict mode the same call runs
+    assert dispatch.stats()[PACKED] == {"torch": 3}
+
+
+@pytest.mark.parametrize("layout", ["jagged", "strided"])
+def test_silu_and_mul_nested_tensors_run_the_reference(layout):
+    """A nested tensor goes to PyTorch's ops (a fallback, counted; strict mode refuses it), as eager PyTorch's chunk,
+    silu and product would run it: its result where PyTorch takes the layout (jagged), its error where it does not."""
+    g = torch.Generator().manual_seed(8)
+    parts = [torch.randn(2, 8, generator=g), torch.randn(3, 8, generator=g)]
+    if layout == "jagged":
+        x = torch.nested.nested_tensor_from_jagged(torch.cat(parts), torch.tensor([0, 2, 5]))
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # ("the PyTorch API of nested tensors is in prototype stage")
+            x = torch.nested.nested_tensor(parts)
+    try:
+        want = _chunked(x)
+    except RuntimeError as e:   # (torch 2.14: "NestedTensor must be contiguous to get buffer." for the strided layout)
+        with pytest.raises(type(e), match=re.escape(str(e))):
+            PF.silu_and_mul(x)
+    else:
+        y = PF.silu_and_mul(x)
+        assert y.is_nested
+        for got, w, part in zip(y.unbind(), want.unbind(), parts):
+            assert torch.equal(got, w) and torch.equal(got, F.silu(part[:, :4]) * part[:, 4:])
+    c = dispatch.last_choice(PACKED)
+    assert c.fallback and "nested tensor" in c.reason
+    with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="nested tensor"):
+        PF.silu_and_mul(x)
+    with pytest.raises(ValueError, match="^impl: swiglu.packed has no implementation 'apex'"):
+        PF.silu_and_mul(x, impl="apex")
+
+
+def test_silu_and_mul_vmap_and_forward_ad_run_the_reference():
+    x = _packed((4, 6, 10), torch.float32, seed=2)
+    assert torch.equal(torch.func.vmap(PF.silu_and_mul)(x), _chunked(x))
+    tangent = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    _, jvp = torch.func.jvp(PF.silu_and_mul, (x,), (tangent,))
+    _, want = torch.func.jvp(_chunked, (x,), (tangent,))
+    assert torch.equal(jvp, want)
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(x, tangent)
+        _, t = torch.autograd.forward_ad.unpack_dual(PF.silu_and_mul(dual))
+    assert torch.equal(t, want)
+
+
+@pytest.fixture
+def chooses(monkeypatch):
+    """Counts the calls of dispatch.choose (the slow path of a call; a cached choice skips it)."""
+    calls = []
+    real = dispatch.choose
+
+    def counting(op, problem, impl=None, check_all=False):
+        calls.append(op)
+        return real(op, problem, impl, check_all)
+
+    monkeypatch.setattr(dispatch, "choose", counting)
+    return calls
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "requires_grad", "grad_mode", "impl", "own_variable",
+                                    "family_variable", "small_numel"])
+def test_silu_and_mul_choice_cache(chooses, packed_env, change):
+    """A repeated call chooses once and is counted every time; a call whose choice could differ (x's shape, dtype or
+    requires_grad, grad mode, the impl argument, the op's variables, its family's, PIPEGOOSE_SMALL_NUMEL) chooses
+    again."""
+    x = _packed((3, 6), torch.float32).requires_grad_()
+    for _ in range(3):
+        PF.silu_and_mul(x)
+    assert chooses == [PACKED] and dispatch.stats()[PACKED] == {"torch": 3}
+    impl = None
+    if change == "shape":
+        x = _packed((4, 6), torch.float32)
+    elif change == "dtype":
+        x = x.detach().double()
+    elif change == "requires_grad":
+        x = x.detach()
+    elif change == "impl":
+        impl = "torch"
+    elif change == "own_variable":
+        packed_env.setenv("PIPEGOOSE_IMPL_SWIGLU_PACKED", "torch")
+    elif change == "family_variable":
+        packed_env.setenv("PIPEGOOSE_IMPL_SWIGLU", "torch")
+    elif change == "small_numel":
+        packed_env.setenv("PIPEGOOSE_SMALL_NUMEL", "0")
+    with torch.set_grad_enabled(change != "grad_mode"):
+        PF.silu_and_mul(x, impl=impl)
+    assert chooses == [PACKED, PACKED], change
+    assert dispatch.stats()[PACKED] == {"torch": 4}
+    if change in ("impl", "own_variable", "family_variable"):
+        assert dispatch.last_choice(PACKED).source == ("argument" if change == "impl" else "env")
+
+
+def _packed_cuda_problem(x):
+    """The problem of x as if it were on a GPU (metadata only: the CPU tensor describes it)."""
+    return replace(S.packed_problem(x), device=CUDA)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_kernel_takes_every_layout_on_cuda(dtype):
+    supports = dispatch.implementations(PACKED)["pipegoose"].supports
+    x = _packed((2, 3, 22), dtype)
+    for what, t in (("contiguous", x), ("1-d", x[0, 0]), ("rows of a wider tensor", x[..., 1:21]),
+                    ("transposed (copied)", x.transpose(0, 1)), ("expanded", x[:1].expand(5, 3, 22))):
+        assert supports(_packed_cuda_problem(t)) == (True, ""), what
+    assert supports(S.packed_problem(x)) == (False, "needs a CUDA tensor, got device cpu")
+
+
+@pytest.mark.parametrize("what,build,reason", [
+    ("float64", lambda x: x.double(), r"^x dtype float64 not supported \(float32, float16, bfloat16\)$"),
+    ("empty rows", lambda x: x[:0], r"^an empty input$"),
+    ("empty halves", lambda x: x[:, :0], r"^an empty input$"),
+], ids=["float64", "empty_rows", "empty_halves"])
+def test_silu_and_mul_kernel_declines_on_cuda_with_the_reason(what, build, reason):
+    supports = dispatch.implementations(PACKED)["pipegoose"].supports
+    ok, why = supports(_packed_cuda_problem(build(_packed((3, 6), torch.float32))))
+    assert not ok, what
+    assert re.search(reason, why), (what, why)
+
+
+def test_silu_and_mul_kernel_declines_tensors_without_storage_and_dual_tensors():
+    supports = dispatch.implementations(PACKED)["pipegoose"].supports
+    p = _packed_cuda_problem(_packed((3, 6), torch.float32))
+    assert supports(replace(p, extra={**p.extra, "storage": False})) == (False, NO_STORAGE)
+    assert supports(replace(p, extra={**p.extra, "forward_ad": True})) == (False, FORWARD_AD_SWIGLU)
+
+
+def test_silu_and_mul_problem_describes_the_call():
+    """cols is d (half of x's last dimension, the width of gate, up and the output); numel counts x's elements."""
+    x = _packed((2, 3, 22), torch.bfloat16)
+    p = S.packed_problem(x.requires_grad_())
+    assert (p.op, p.dtype, p.device, p.cols, p.needs_grad) == (PACKED, torch.bfloat16, torch.device("cpu"), 11, True)
+    assert p["shape"] == (2, 3, 22) and p["numel"] == 132
+    assert p["storage"] is True and p["forward_ad"] is False
+    assert not S.packed_problem(x.detach()).needs_grad
+    p1 = S.packed_problem(x.detach()[0, 0])
+    assert p1.cols == 11 and p1["numel"] == 22 and p1["shape"] == (22,)
+    assert dispatch.problem_of(PACKED, x) == p
+
+
+def test_silu_and_mul_choice_on_cuda_of_empty_and_small_inputs_loads_no_kernel(monkeypatch):
+    """On a GPU an empty x runs the reference (source "empty", no fallback) and an x of fewer than
+    PIPEGOOSE_SMALL_NUMEL elements (x's, not the output's half) the native ops (source "small", the kernel named as
+    one that takes it), on metadata alone: no kernel is loaded (or built) for them. From that size on (with the kernel
+    loadable: a stand-in here) the kernel is the built-in choice; where it cannot load, the reference runs with the
+    load error as the reason (a fallback)."""
+    def no_kernel(name):
+        raise AssertionError(f"loaded {name}")
+
+    monkeypatch.setattr(dispatch, "kernel", no_kernel)
+    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "1000")
+    with dispatch.strict():
+        c = dispatch.select(PACKED, _packed_cuda_problem(_packed((4, 0), torch.bfloat16)))
+        assert (c.impl, c.source, c.fallback) == ("torch", "empty", False)
+        c = dispatch.select(PACKED, _packed_cuda_problem(_packed((10, 98), torch.bfloat16)))   # 980 elements
+        assert (c.impl, c.source, c.fallback) == ("torch", "small", False)
+        assert "fused paths that take it: pipegoose" in c.reason
+        # a small x the kernel does not take (float64) is a real fallback, also when small
+        with pytest.raises(dispatch.FusionFallbackError, match="float64 not supported"):
+            dispatch.select(PACKED, _packed_cuda_problem(_packed((10, 98), torch.float64)))
+    # 1000 elements (an output of 500): not small
+    monkeypatch.setattr(dispatch, "kernel", lambda name: (object(), "") if name == "pipegoose/swiglu"
+                        else (None, f"{name}: unexpected"))
+    c = dispatch.choose(PACKED, _packed_cuda_problem(_packed((10, 100), torch.bfloat16)))
+    assert (c.impl, c.source, c.fallback) == ("pipegoose", "builtin", False)
+    monkeypatch.setattr(dispatch, "kernel", lambda name: (None, f"{name} unavailable: nvcc missing"))
+    c = dispatch.choose(PACKED, _packed_cuda_problem(_packed((10, 100), torch.bfloat16)))
+    assert (c.impl, c.fallback) == ("torch", True) and "pipegoose/swiglu unavailable: nvcc missing" in c.reason
+
+
+def test_silu_and_mul_no_warnings_on_the_plain_cpu_call():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PF.silu_and_mul(_packed((3, 6), torch.float32))
+
+
+# ------------------------------------------------------------------------------------------------ on a GPU
+@pytest.fixture
+def no_impl_env(monkeypatch):
+    for var in ("PIPEGOOSE_IMPL_SWIGLU_PACKED", "PIPEGOOSE_IMPL_SWIGLU", "PIPEGOOSE_STRICT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_and_mul_on_cuda_runs_the_kernel(no_tuning_table, no_impl_env, dtype):
+    """On CUDA (tuning table and small-problem rule set aside) silu_and_mul runs pipegoose::silu_and_mul: no fallback
+    (strict mode passes), counted once as pipegoose, the ops' results bit for bit, the float64 formulas within the
+    tolerance table; a float64 x is a fallback strict mode refuses; impl='torch' is eager PyTorch's result."""
+    x = _packed((4, 2 * 1001), dtype, seed=13).cuda()
+    dy = _dy_of(x, seed=14).cuda()
+    with dispatch.strict():
+        y, dx = _fwd_bwd_x(PF.silu_and_mul, x, dy)
+    c = dispatch.last_choice(PACKED)
+    assert (c.impl, c.fallback) == ("pipegoose", False), c
+    assert dispatch.stats()[PACKED] == {"pipegoose": 1}
+    assert torch.equal(y, torch.ops.pipegoose.silu_and_mul_forward(x))
+    assert torch.equal(dx, torch.ops.pipegoose.silu_and_mul_backward(dy, x))
+    y64, dg64, du64 = _ref64(x[:, :1001].cpu(), x[:, 1001:].cpu(), dy.cpu())
+    for name, got, want in (("out", y, y64), ("grad_x", dx, torch.cat((dg64, du64), -1))):
+        torch.testing.assert_close(got.double().cpu(), want, **tol(dtype), msg=lambda m: f"{name}: {m}")
+    with dispatch.strict(), pytest.raises(dispatch.FusionFallbackError, match="x dtype float64 not supported"):
+        PF.silu_and_mul(x.double())
+    y_t, dx_t = _fwd_bwd_x(lambda t: PF.silu_and_mul(t, impl="torch"), x, dy)
+    want, want_dx = _fwd_bwd_x(_chunked, x, dy)
+    assert torch.equal(y_t, want) and torch.equal(dx_t, want_dx)
+    assert dispatch.stats()[PACKED] == {"pipegoose": 1, "torch": 1}
+
+
+@pytest.mark.cuda
+def test_silu_and_mul_on_cuda_below_and_above_the_small_size(no_tuning_table, no_impl_env, monkeypatch):
+    """PIPEGOOSE_SMALL_NUMEL on CUDA counts x's elements: below it the native ops run (counted as torch, source
+    "small", no fallback: strict mode passes), from it on the kernel (counted as pipegoose); the same at the default
+    size, 2**24, without the variable."""
+    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "1000")
+    cases = [((1, 998), "torch", "small"), ((1, 1000), "pipegoose", "builtin"), ((10, 100), "pipegoose", "builtin")]
+    with dispatch.strict():
+        for shape, impl, source in cases:
+            dispatch.reset_stats()
+            x = _packed(shape, torch.bfloat16).cuda()
+            assert torch.equal(PF.silu_and_mul(x).cpu(), _chunked(x).cpu()) or impl == "pipegoose"
+            assert dispatch.stats()[PACKED] == {impl: 1}, shape
+            assert dispatch.last_choice(PACKED).source == source, shape
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
+    dispatch.reset_stats()
+    cols = 2048
+    rows = dispatch.SMALL_NUMEL_DEFAULT // cols
+    with dispatch.strict():
+        PF.silu_and_mul(torch.randn(rows - 1, cols, device="cuda", dtype=torch.bfloat16))
+        assert dispatch.last_choice(PACKED).source == "small"
+        PF.silu_and_mul(torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16))
+        assert dispatch.last_choice(PACKED).impl == "pipegoose"
+    assert dispatch.stats()[PACKED] == {"torch": 1, "pipegoose": 1}
+
+
+# ----------------------------------------------------------------------- fake impls and C++ autograd (meta; slow)
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_fake_impls_on_meta_tensors(dtype):
+    _load_library()
+    ops = torch.ops.pipegoose
+    for shape in ((3, 5, 14), (8,), (2, 3, 4, 6), (0, 6), (4, 0)):
+        x = torch.empty(shape, device="meta", dtype=dtype)
+        half = (*shape[:-1], shape[-1] // 2)
+        for y in (ops.silu_and_mul_forward(x), ops.silu_and_mul(x)):
+            assert y.device.type == "meta" and y.shape == half and y.dtype == dtype and y.is_contiguous(), shape
+        dx = ops.silu_and_mul_backward(torch.empty(half, device="meta", dtype=dtype), x)
+        assert dx.shape == shape and dx.dtype == dtype and dx.is_contiguous(), shape
+    # non-contiguous x: contiguous outputs of x's shape with the last dimension halved, as the kernels return them
+    xt = torch.empty(14, 5, 3, device="meta", dtype=dtype).transpose(0, 2)
+    assert ops.silu_and_mul_forward(xt).shape == (3, 5, 7) and ops.silu_and_mul_forward(xt).is_contiguous()
+    dx = ops.silu_and_mul_backward(torch.empty(3, 5, 7, device="meta", dtype=torch.float32), xt)
+    assert dx.shape == (3, 5, 14) and dx.dtype == dtype and dx.is_contiguous()   # (grad_output's dtype: x's)
+
+
+@pytest.mark.slow
+def test_silu_and_mul_fake_impls_refuse_what_the_kernels_refuse():
+    _load_library()
+    ops = torch.ops.pipegoose
+    x = torch.empty(4, 6, device="meta")
+    with pytest.raises(RuntimeError, match=r"x: expected an even last dimension, got 5"):
+        ops.silu_and_mul_forward(torch.empty(4, 5, device="meta"))
+    with pytest.raises(RuntimeError, match=r"x: expected at least one dimension"):
+        ops.silu_and_mul_forward(torch.empty((), device="meta"))
+    with pytest.raises(RuntimeError, match=r"grad_output: expected shape \(4, 3\) \(x's with the last dimension "
+                                           r"halved\), got \(4, 6\)"):
+        ops.silu_and_mul_backward(x, x)
+    with pytest.raises(RuntimeError, match=r"grad_output: expected shape \(4, 3\) .*got \(12,\)"):
+        ops.silu_and_mul_backward(torch.empty(12, device="meta"), x)
+    with pytest.raises(RuntimeError, match=r"x: expected an even last dimension, got 7"):
+        ops.silu_and_mul_backward(torch.empty(4, 3, device="meta"), torch.empty(4, 7, device="meta"))
+    with pytest.raises(RuntimeError, match=r"x: expected an even last dimension, got 3"):
+        ops.silu_and_mul(torch.empty(4, 3, device="meta", requires_grad=True))
+
+
+@pytest.mark.slow
+def test_silu_and_mul_autograd_calls_the_backward_op_once():
+    """The C++ autograd formula: one call of the backward op, a gradient of x's shape and dtype."""
+    _load_library()
+    x = torch.empty(8, 128, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    y = torch.ops.pipegoose.silu_and_mul(x)
+    assert y.shape == (8, 64) and y.requires_grad
+    assert "SiluAndMul" in type(y.grad_fn).__name__ + str(y.grad_fn.name())
+    with calls_of({"pipegoose::silu_and_mul_backward", "pipegoose::swiglu_backward"}) as log:
+        y.backward(torch.empty_like(y))
+    assert log.calls == ["pipegoose::silu_and_mul_backward"]
+    assert x.grad.shape == x.shape and x.grad.dtype == x.dtype and x.grad.device.type == "meta"
+
+
+@pytest.mark.slow
+def test_silu_and_mul_autograd_without_grad_and_in_inference_mode():
+    _load_library()
+    x = torch.empty(8, 128, device="meta", requires_grad=True)
+    with torch.no_grad():
+        assert not torch.ops.pipegoose.silu_and_mul(x).requires_grad
+    with torch.inference_mode():
+        y = torch.ops.pipegoose.silu_and_mul(x)
+    assert y.grad_fn is None and y.shape == (8, 64)
+    assert not torch.ops.pipegoose.silu_and_mul(x.detach()).requires_grad
+
+
+@pytest.mark.slow
+def test_silu_and_mul_create_graph_differentiates_the_reference_instead_of_the_backward_op():
+    """backward with create_graph=True: a gradient that is differentiable again (a graph of PyTorch ops on the saved
+    x), without the backward op (which has no derivative)."""
+    _load_library()
+    x = torch.empty(8, 128, device="meta", requires_grad=True)
+    y = torch.ops.pipegoose.silu_and_mul(x)
+    with calls_of({"pipegoose::silu_and_mul_backward"}) as log:
+        (dx,) = torch.autograd.grad(y, (x,), torch.empty_like(y), create_graph=True)
+    assert log.calls == []
+    assert dx.requires_grad and dx.shape == (8, 128)
+    (ddx,) = torch.autograd.grad(dx.sum(), (x,))
+    assert ddx.shape == (8, 128)
