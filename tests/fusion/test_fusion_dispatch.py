@@ -575,6 +575,7 @@ def test_real_ops_are_registered():
                       "softmax.masked": ["pipegoose", "megatron", "torch"],
                       "softmax.causal": ["pipegoose", "megatron", "torch"],
                       "layer_norm": ["pipegoose", "apex", "torch"], "rms_norm": ["pipegoose", "torch"],
+                      "swiglu": ["pipegoose", "torch"], "swiglu.packed": ["pipegoose", "torch"],
                       "adam": ["pipegoose", "torch_fused", "apex", "deepspeed", "torch"],
                       "clip_grad_norm": ["pipegoose", "apex", "torch"]}.items():
         assert list(dispatch.implementations(op)) == names
@@ -703,6 +704,7 @@ def test_check_env_names_the_bad_variable(monkeypatch):
     for var, value, expect in (("PIPEGOOSE_IMPL_LAYER_NORM", "megatron", "layer_norm has no implementation 'megatron'"),
                                ("PIPEGOOSE_IMPL_SOFTMAX", "apex", "softmax has no implementation 'apex'"),
                                ("PIPEGOOSE_IMPL_SOFTMAX_CAUSAL", "nope", "softmax.causal has no implementation"),
+                               ("PIPEGOOSE_IMPL_SWIGLU_PACKED", "apex", "swiglu.packed has no implementation 'apex'"),
                                ("PIPEGOOSE_SMALL_NUMEL", "-3", "PIPEGOOSE_SMALL_NUMEL='-3'"),
                                ("PIPEGOOSE_STRICT", "maybe", "PIPEGOOSE_STRICT='maybe'"),
                                ("PIPEGOOSE_IMPL_ATTENTION", "bogus", "expected 'pipegoose'")):
