@@ -29,7 +29,10 @@ step, AdamW and L2, over tensors of 1 to 12289 elements (around both chunk sizes
 ones, and views at odd offsets: the scalar path) and ``pipegoose/clip_grad_norm`` (the 1, 2 and inf norms and the
 multiplication, by 0.5 and by 1, over the same kind of lists: 1 to 3 * 65536 + 5 elements, 1030 tensors (two launches
 of 1024), empty ones, views at odd offsets) and ``pipegoose/swiglu`` (forward and backward of 1 to 300007
-elements: whole vectors, tails, several blocks; views at odd offsets: the scalar path) and ``pipegoose/cross_entropy``
+elements: whole vectors, tails, several blocks; views at odd offsets: the scalar path; silu_and_mul's forward and
+backward over ``SILU_AND_MUL_CASES``: d of 1 to 28673 values, the vector and the scalar kernel, rows of a wider tensor
+from an aligned and a misaligned column, rows of an odd stride, more rows than one pass of the grid (its loop over
+rows), and x and grad_output expanded from one row (row stride 0)) and ``pipegoose/cross_entropy``
 (forward and backward over 1 to 151936 classes, the backward's long rows split over 2 to 8 blocks, rows at a stride
 that misaligns every other row, ignored and out-of-range targets, the reduced forward's mean and sum, and the
 backward's grad_loss at stride 0) and ``pipegoose/rope`` (forward and backward of q
@@ -70,6 +73,15 @@ LN_PARAM_CASES = ((True, True, True, True), (False, False, True, True), (False, 
                   (True, False, True, True), (True, True, False, False), (True, True, False, True),
                   (True, True, True, False), (True, False, False, True), (False, True, True, False))
 RMS_PARAM_CASES = ((True, True), (False, True), (True, False))
+# silu_and_mul's calls (rows, d, column offset, extra columns): x [rows, 2d] in rows of offset + 2d + extra values from
+# column ``offset`` (0, 0: contiguous). One row of one value a half; odd d (the scalar kernel); one vector a half (8);
+# rows of d = 1000 (vectors) and 1001 (scalar); a Llama-2-70B MLP row (28672: a row over several blocks) and an odd one;
+# rows of a wider tensor from column 3 (misaligned: scalar) and 8 (aligned, strided: vectors); rows of 2d + 1 values
+# (an odd row stride: scalar); 131075 rows of 129 values (256 threads along a row, one row a block: more rows than one
+# pass of the grid of 65535 blocks covers, so the blocks loop; tests/kernels/test_norm_spec_lists.py checks it against
+# swiglu.cu's launch plan).
+SILU_AND_MUL_CASES = ((1, 1, 0, 0), (3, 7, 0, 0), (5, 8, 0, 0), (37, 1000, 0, 0), (37, 1001, 0, 0), (3, 28672, 0, 0),
+                      (2, 28673, 0, 0), (37, 1000, 3, 5), (37, 1000, 8, 8), (37, 1000, 0, 1), (131075, 129, 0, 0))
 
 
 def main() -> int:
@@ -233,6 +245,18 @@ def main() -> int:
                 sw.swiglu_forward(g1, u1)
                 sw.swiglu_backward(dy1, g1, u1)
                 calls += 4
+            for rows, d, offset, extra in SILU_AND_MUL_CASES:
+                x = torch.randn(rows, offset + 2 * d + extra, device="cuda", dtype=dt)[:, offset:offset + 2 * d]
+                dy = torch.randn(rows, d, device="cuda", dtype=dt)
+                sw.silu_and_mul_forward(x)
+                sw.silu_and_mul_backward(dy, x)
+                calls += 2
+            # x and grad_output of one row expanded over 37 (row stride 0: read in place, vectors)
+            x = torch.randn(1, 2000, device="cuda", dtype=dt).expand(37, 2000)
+            dy = torch.randn(1, 1000, device="cuda", dtype=dt).expand(37, 1000)
+            sw.silu_and_mul_forward(x)
+            sw.silu_and_mul_backward(dy, x)
+            calls += 2
     if which in ("all", "cross_entropy"):
         ce = load("pipegoose/cross_entropy")
         for dt in dtypes:

@@ -1,6 +1,7 @@
 """The norm backward's specialised widths, written in ``norm_kernels.cuh`` (``Sizes<...>`` lists), in the GPU tests
 (``kernel_helpers.NORM_SPEC_*``) and in the sanitizer run (``tools/sanitize_kernels.py``): the same lists (CPU only;
-the GPU test ``test_backward_specialisations_are_taken_where_listed`` checks which kernel each width runs)."""
+the GPU test ``test_backward_specialisations_are_taken_where_listed`` checks which kernel each width runs). The
+sanitizer's other case lists: the norms' parameter cases, silu_and_mul's launch paths."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from kernel_helpers import (NORM_PCACHE16_LN, NORM_PCACHE16_RMS, NORM_PCACHE32_LN, NORM_PCACHE32_RMS, NORM_SPEC_EXTRA,
-                            NORM_SPEC_HIDDEN)
+                            NORM_SPEC_HIDDEN, silu_and_mul_launch)
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = ROOT / "pipegoose" / "kernels" / "csrc" / "norm_kernels.cuh"
@@ -109,6 +110,35 @@ def test_sanitizer_runs_the_norms_backward_with_frozen_parameters():
     assert {(True, False, True, True), (True, False, False, True), (False, True, True, False)} <= ln  # one alone
     assert len(ln) == len(mod.LN_PARAM_CASES)
     assert set(mod.RMS_PARAM_CASES) == {(True, True), (False, True), (True, False)}
+
+
+def test_sanitizer_runs_silu_and_mul_on_every_launch_path():
+    """SILU_AND_MUL_CASES (rows, d, column offset, extra columns; 16-byte vectors of 4 fp32 or 8 16-bit values) reach
+    each path of silu_and_mul's launch in every dtype: the vector kernel (d a multiple of 8, x aligned, contiguous or in
+    rows of a multiple of 8 values) and the scalar one for odd d, for a misaligned x (an odd column) and for an odd row
+    stride of an aligned x; one row and several; a row longer than one block of threads; and more rows than one pass
+    of the grid covers (swiglu.cu's launch plan, read by kernel_helpers.silu_and_mul_launch), in the scalar kernel."""
+    cases = _sanitizer_module().SILU_AND_MUL_CASES
+
+    def vectors(rows, d, offset, extra, v):   # (dispatch_silu_and_mul's rule)
+        return d % v == 0 and offset % v == 0 and (rows <= 1 or (2 * d + offset + extra) % v == 0)
+
+    for v in (4, 8):
+        paths = {vectors(*case, v) for case in cases}
+        assert paths == {True, False}, v
+        assert any(vectors(*c, v) and (c[2], c[3]) != (0, 0) for c in cases), "no strided x on the vector kernel"
+    assert any(offset % 2 and d % 8 == 0 for _, d, offset, _ in cases), "no misaligned x of a d the vectors take"
+    assert any(offset == 0 and d % 8 == 0 and (2 * d + extra) % 2 and rows > 1 for rows, d, offset, extra in cases), \
+        "no aligned x of an odd row stride"
+    assert any(d % 2 for _, d, _, _ in cases) and any(rows == 1 for rows, _, _, _ in cases)
+    assert any(d // 8 > 256 for _, d, _, _ in cases), "no row over several blocks of 256 threads"
+
+    def one_pass(d):   # (the scalar kernel: a thread a value)
+        step, grid_y = silu_and_mul_launch(d)
+        return step * grid_y
+
+    assert any(rows > one_pass(d) and d % 4 for rows, d, _, _ in cases), \
+        "no case of more rows than one pass of the grid covers"
 
 
 def test_sanitizer_checks_its_arguments_before_the_gpu():
