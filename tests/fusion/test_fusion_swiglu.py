@@ -803,6 +803,13 @@ def test_silu_and_mul_impl_variables_own_and_family(packed_env):
         assert torch.equal(y, want)
         return dispatch.last_choice(PACKED)
 
+    def refused(var, value):
+        with pytest.raises(ValueError, match=rf"^{var}='{value}': swiglu.packed has no implementation '{value}'; "
+                                             r"expected one of pipegoose, torch or 'auto'$"):
+            PF.silu_and_mul(x)
+        with pytest.raises(ValueError, match=rf"^{var}="):
+            dispatch.check_env()
+
     packed_env.setenv("PIPEGOOSE_IMPL_SWIGLU_PACKED", "Torch")
     c = run()
     assert (c.impl, c.source, c.fallback, c.reason) == ("torch", "env", False,
@@ -827,11 +834,7 @@ def test_silu_and_mul_impl_variables_own_and_family(packed_env):
     assert (c.impl, c.source, c.fallback) == ("torch", "fallback", True)
     # a name no SwiGLU op has
     packed_env.setenv("PIPEGOOSE_IMPL_SWIGLU", "apex")
-    with pytest.raises(ValueError, match=r"^PIPEGOOSE_IMPL_SWIGLU='apex': swiglu.packed has no implementation "
-                                         r"'apex'; expected one of pipegoose, torch or 'auto'$"):
-        PF.silu_and_mul(x)
-    with pytest.raises(ValueError, match=r"^PIPEGOOSE_IMPL_SWIGLU="):
-        dispatch.check_env()
+    refused("PIPEGOOSE_IMPL_SWIGLU", "apex")
     # auto in the op's own variable: no request (the family's bad value is not read for this op; swiglu still is)
     packed_env.setenv("PIPEGOOSE_IMPL_SWIGLU_PACKED", "auto")
     assert run().source == "fallback"
@@ -839,11 +842,7 @@ def test_silu_and_mul_impl_variables_own_and_family(packed_env):
         PF.swiglu(*x.chunk(2, -1))
     packed_env.delenv("PIPEGOOSE_IMPL_SWIGLU")
     packed_env.setenv("PIPEGOOSE_IMPL_SWIGLU_PACKED", "deepspeed")
-    with pytest.raises(ValueError, match=r"^PIPEGOOSE_IMPL_SWIGLU_PACKED='deepspeed': swiglu.packed has no "
-                                         r"implementation 'deepspeed'"):
-        PF.silu_and_mul(x)
-    with pytest.raises(ValueError, match=r"^PIPEGOOSE_IMPL_SWIGLU_PACKED='deepspeed'"):
-        dispatch.check_env()
+    refused("PIPEGOOSE_IMPL_SWIGLU_PACKED", "deepspeed")
     assert dispatch.stats()[PACKED] == {"torch": 5}   # (the refused calls are not counted)
 
 
@@ -1136,19 +1135,20 @@ def test_silu_and_mul_fake_impls_refuse_what_the_kernels_refuse():
     _load_library()
     ops = torch.ops.pipegoose
     x = torch.empty(4, 6, device="meta")
-    with pytest.raises(RuntimeError, match=r"x: expected an even last dimension, got 5"):
-        ops.silu_and_mul_forward(torch.empty(4, 5, device="meta"))
-    with pytest.raises(RuntimeError, match=r"x: expected at least one dimension"):
-        ops.silu_and_mul_forward(torch.empty((), device="meta"))
-    with pytest.raises(RuntimeError, match=r"grad_output: expected shape \(4, 3\) \(x's with the last dimension "
-                                           r"halved\), got \(4, 6\)"):
-        ops.silu_and_mul_backward(x, x)
-    with pytest.raises(RuntimeError, match=r"grad_output: expected shape \(4, 3\) .*got \(12,\)"):
-        ops.silu_and_mul_backward(torch.empty(12, device="meta"), x)
-    with pytest.raises(RuntimeError, match=r"x: expected an even last dimension, got 7"):
-        ops.silu_and_mul_backward(torch.empty(4, 3, device="meta"), torch.empty(4, 7, device="meta"))
-    with pytest.raises(RuntimeError, match=r"x: expected an even last dimension, got 3"):
-        ops.silu_and_mul(torch.empty(4, 3, device="meta", requires_grad=True))
+
+    def meta(*shape):
+        return torch.empty(shape, device="meta")
+
+    cases = [(lambda: ops.silu_and_mul_forward(meta(4, 5)), r"x: expected an even last dimension, got 5"),
+             (lambda: ops.silu_and_mul_forward(meta()), r"x: expected at least one dimension"),
+             (lambda: ops.silu_and_mul_backward(x, x),
+              r"grad_output: expected shape \(4, 3\) \(x's with the last dimension halved\), got \(4, 6\)"),
+             (lambda: ops.silu_and_mul_backward(meta(12), x), r"grad_output: expected shape \(4, 3\) .*got \(12,\)"),
+             (lambda: ops.silu_and_mul_backward(meta(4, 3), meta(4, 7)), r"x: expected an even last dimension, got 7"),
+             (lambda: ops.silu_and_mul(meta(4, 3).requires_grad_()), r"x: expected an even last dimension, got 3")]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()
 
 
 @pytest.mark.slow

@@ -81,6 +81,13 @@ def width(r: random.Random, lo: int, hi: int) -> int:
     return n if r.random() < 0.5 else min(hi, max(lo, (n + 7) // 8 * 8))
 
 
+def lead_and_rows(r: random.Random, row_numel: int) -> tuple:
+    """0 to 2 leading dims (1-64 each) and a row count (1-4096), of at most MAX_NUMEL elements in rows of
+    ``row_numel``."""
+    lead = tuple(log_int(r, 1, 64) for _ in range(r.randint(0, 2)))
+    return (*lead, max(1, min(MAX_NUMEL // (row_numel * max(1, math.prod(lead))), log_int(r, 1, 4096))))
+
+
 def gen(r: random.Random) -> torch.Generator:
     return torch.Generator(device=DEV).manual_seed(r.getrandbits(62))
 
@@ -294,9 +301,7 @@ def test_swiglu(case):
     r = draw("swiglu", case)
     dtype = r.choice(DTYPES)
     last = width(r, 1, 30000)
-    lead = tuple(log_int(r, 1, 64) for _ in range(r.randint(0, 2)))
-    rows = max(1, min(MAX_NUMEL // (last * max(1, math.prod(lead))), log_int(r, 1, 4096)))
-    shape = (*lead, rows, last)
+    shape = (*lead_and_rows(r, last), last)
     g = gen(r)
     what = [f"seed {SEED}", str(dtype), f"shape {shape}"]
     gate = strided_rows(randn(shape, g, dtype, scale=r.choice((1.0, 4.0, 30.0))), r, what).requires_grad_(True)
@@ -343,9 +348,8 @@ def test_silu_and_mul(case):
     r = draw("swiglu.packed", case)
     dtype = r.choice(DTYPES)
     d = width(r, 1, 30000)
-    lead = tuple(log_int(r, 1, 64) for _ in range(r.randint(0, 2)))
-    rows = max(1, min(MAX_NUMEL // (2 * d * max(1, math.prod(lead))), log_int(r, 1, 4096)))
-    half = (d,) if r.random() < 0.1 else (*lead, rows, d)   # (a 1-d x: one row)
+    rows = lead_and_rows(r, 2 * d)
+    half = (d,) if r.random() < 0.1 else (*rows, d)   # (a 1-d x: one row)
     g = gen(r)
     what = [f"seed {SEED}", str(dtype), f"x {(*half[:-1], 2 * d)}"]
     gate, up = randn(half, g, dtype, scale=r.choice((1.0, 4.0, 30.0))), randn(half, g, dtype)
