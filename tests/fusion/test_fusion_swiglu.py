@@ -907,6 +907,19 @@ def test_silu_and_mul_nested_tensors_run_the_reference(layout):
         PF.silu_and_mul(x, impl="apex")
 
 
+@pytest.mark.parametrize("layout", ["jagged", "strided"])
+def test_silu_and_mul_nested_tensor_with_an_odd_last_dimension_is_refused_naming_x(layout):
+    """A nested tensor's regular last dimension is checked as a dense one's: odd, a ValueError naming x (before, the
+    jagged layout reached PyTorch's product and its size mismatch, a review)."""
+    parts = [torch.randn(2, 5), torch.randn(3, 5)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        x = (torch.nested.nested_tensor_from_jagged(torch.cat(parts), torch.tensor([0, 2, 5])) if layout == "jagged"
+             else torch.nested.nested_tensor(parts))
+    with pytest.raises(ValueError, match=r"^x: expected an even last dimension .* last dimension is 5"):
+        PF.silu_and_mul(x)
+
+
 def test_silu_and_mul_vmap_and_forward_ad_run_the_reference():
     x = _packed((4, 6, 10), torch.float32, seed=2)
     assert torch.equal(torch.func.vmap(PF.silu_and_mul)(x), _chunked(x))

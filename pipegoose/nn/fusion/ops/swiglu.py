@@ -165,7 +165,14 @@ def check_packed_args(x: Any) -> None:
         ValueError: ``x`` of no dimension, or with an odd last dimension.
     """
     check_float_tensor(x, "x")
-    if x.is_nested:   # (a strided nested tensor has no .shape; the reference's chunk checks it)
+    if x.is_nested:   # (no .shape; a regular last dimension has a size, checked as a dense one's)
+        try:
+            last = x.size(-1)
+        except RuntimeError:   # a ragged last dimension: the reference's chunk says what is wrong
+            return
+        if isinstance(last, int) and last % 2:
+            raise ValueError(f"x: expected an even last dimension (gate and up are its two halves), got a nested "
+                             f"tensor whose last dimension is {last}")
         return
     if x.dim() == 0:
         raise ValueError("x: expected at least one dimension (gate and up are the two halves of the last), got a "
