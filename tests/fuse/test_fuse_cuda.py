@@ -70,11 +70,12 @@ def _assert_parity(fus, unf, ref64, dtype):
         assert e_f <= 2 * e_u + t["atol"] * gs + t["rtol"] * gs, (n, e_f, e_u)
 
 
-def _parity_runs(model, dtype, hidden, sdpa_reference=True):
+def _parity_runs(model, dtype, hidden, sdpa_reference=True, left_pad=(0, 5, 17, 63), **fuse_kw):
     """The float64 reference (a copy of ``model``, an fp32 model on the GPU, with SDPA: eager casts fp64 scores to
     fp32, where the fp64 mask value overflows to -inf and fully masked rows give NaN; ``sdpa_reference`` False: the
-    fp32 eager copy, for Bloom, which has no SDPA), then ``model`` in ``dtype`` unfused and fused (_fused_run), on
-    left-padded inputs: (ref64, unfused, fused, fuse's report, dispatch.stats() of the fused run)."""
+    fp32 eager copy, for Bloom, which has no SDPA), then ``model`` in ``dtype`` unfused and fused (_fused_run, with
+    ``fuse_kw``), on inputs of 4 rows of 64 tokens, ``left_pad`` of them padded on the left: (ref64, unfused, fused,
+    fuse's report, dispatch.stats() of the fused run)."""
     dev = torch.device("cuda")
     if sdpa_reference:
         model64 = copy.deepcopy(model).double()
@@ -82,13 +83,13 @@ def _parity_runs(model, dtype, hidden, sdpa_reference=True):
     else:
         model64 = copy.deepcopy(model).float()
     model = model.to(dtype)
-    ids, mask = models.inputs(batch=4, seq=64, left_pad=(0, 5, 17, 63))
+    ids, mask = models.inputs(batch=4, seq=64, left_pad=left_pad)
     ids, mask = ids.to(dev), mask.to(dev)
     weights = torch.randn(*ids.shape, hidden, generator=torch.Generator().manual_seed(5),
                           dtype=torch.float64).to(dev)
     ref64 = _run(model64, ids, mask, weights)
     unf = _run(model, ids, mask, weights)
-    return (ref64, unf, *_fused_run(model, ids, mask, weights))
+    return (ref64, unf, *_fused_run(model, ids, mask, weights, **fuse_kw))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
@@ -192,19 +193,31 @@ def test_per_head_rms_norms_parity_with_kernels(dtype):
                                    attn_implementation="sdpa")
     torch.manual_seed(0)
     model = transformers.Qwen3Model(cfg).to(dev)
-    model64 = copy.deepcopy(model).double()
-    model = model.to(dtype)
     # no padding: SDPA's rows without a key (its own, unfused here) are not what this test is about
-    ids, mask = models.inputs(batch=4, seq=64, left_pad=(0, 0, 0, 0))
-    ids, mask = ids.to(dev), mask.to(dev)
-    weights = torch.randn(*ids.shape, 64, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(dev)
-    ref64 = _run(model64, ids, mask, weights)
-    unf = _run(model, ids, mask, weights)
-    fus, report, ran = _fused_run(model, ids, mask, weights, ops=["rms_norm"])
+    ref64, unf, fus, report, ran = _parity_runs(model, dtype, 64, left_pad=(0, 0, 0, 0), ops=["rms_norm"])
     rows = {r.path: r for r in report.rows}
     assert rows["layers.0.self_attn.q_norm"].fused and rows["layers.1.self_attn.k_norm"].fused, report
     # 2 layers x (input, post-attention, q, k) + the final norm: 9 forwards, all ours
     assert ran.get("rms_norm") == {"pipegoose": 9}, ran
+    _assert_parity(fus, unf, ref64, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_phi3_gate_up_mlps_parity_with_kernels(dtype):
+    """Phi-3's MLPs (gate and up in one gate_up_proj) fused as FusedGateUpSwiGLUMLP: every layer's call runs
+    pipegoose::silu_and_mul (op swiglu.packed; strict mode: no fallback), and outputs and gradients agree with the
+    unfused model as in test_parity_with_kernels."""
+    transformers = pytest.importorskip("transformers")
+    dev = torch.device("cuda")
+    cfg = models.rope_config("phi3", hidden=64, max_positions=128)   # (a skip where transformers lacks Phi-3)
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(cfg, attn_implementation="sdpa").to(dev)
+    # no padding: SDPA's rows without a key (its own, unfused here) are not what this test is about
+    ref64, unf, fus, report, ran = _parity_runs(model, dtype, 64, left_pad=(0, 0, 0, 0), ops=["swiglu"])
+    rows = report.fused_rows("swiglu")
+    assert len(rows) == cfg.num_hidden_layers, report.rows
+    assert all(r.replacement == "FusedGateUpSwiGLUMLP" and r.forward == "pipegoose" for r in rows), rows
+    assert ran.get("swiglu.packed") == {"pipegoose": cfg.num_hidden_layers} and "swiglu" not in ran, ran
     _assert_parity(fus, unf, ref64, dtype)
 
 

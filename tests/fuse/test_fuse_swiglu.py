@@ -4,7 +4,9 @@
   stayed below ~5, so a clamp at 7 or 10 never showed, and fuse() put an unclamped FusedSwiGLUMLP in their place
   (silently wrong results for activations past the limit). Now they are skipped with the reason, or, where the clamp
   is off (a zero limit), fused with results equal to the module's, large activations included;
-* gate and up in one ``gate_up_proj`` (Phi-3, GLM): no row at all, so the report said nothing of the MLP.
+* gate and up in one ``gate_up_proj`` (Phi-3, GLM): no row at all, so the report said nothing of the MLP; then a
+  skipped row; now fused (``FusedGateUpSwiGLUMLP``, op ``swiglu.packed``) after the same probe, and refused with the
+  reason where it is not plain SwiGLU (Zamba2's GELU MLP, MiniMax-M3's clamped one, other submodules, ...).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch import nn
 
 from pipegoose.nn.fusion import fuse, unfuse
 from pipegoose.nn.fusion.fuse import is_fused
-from pipegoose.nn.fusion.modules import FusedSwiGLUMLP
+from pipegoose.nn.fusion.modules import FusedGateUpSwiGLUMLP, FusedSwiGLUMLP
 from pipegoose.nn.fusion.transformers.matching import probe_swiglu_mlp
 
 from . import models
@@ -91,6 +93,25 @@ def _large_input(seed=0, rows=4):
     return torch.randn(rows, 5, HIDDEN, generator=torch.Generator().manual_seed(seed)) * 40.0
 
 
+def _skipped_row(mlp, fused_cls=FusedGateUpSwiGLUMLP):
+    """fuse() of a holder of ``mlp`` (ops swiglu) on activations past any clamp: the single row, which must be a
+    skipped, not eligible swiglu row, shown in the report; the holder keeps ``mlp`` and computes what it computed (in
+    eval mode: no dropout draws); ``fused_cls.from_module`` refuses it. Returns the row and the report's text."""
+    holder = nn.Sequential(mlp).eval()
+    x = _large_input()
+    with torch.no_grad():
+        ref = holder(x)
+        report = fuse(holder, ops=["swiglu"])
+        out = holder(x)
+    (row,) = report.rows
+    assert (row.kind, row.original, row.replacement, row.fused, row.eligible) == (
+        "swiglu", type(mlp).__name__, None, False, False), row
+    assert holder[0] is mlp and not is_fused(holder) and torch.equal(out, ref)
+    with pytest.raises(ValueError, match=r"does not pass the SwiGLU probe: "):
+        fused_cls.from_module(mlp)
+    return row, str(report)
+
+
 @pytest.mark.parametrize("name", list(CLAMPED))
 def test_clamped_swiglu_mlps_of_transformers_are_skipped_with_the_reason(name):
     """A review: DeepseekV4MLP (swiglu_limit 10) passed the probe, whose gate stayed below ~5, and fused, gave 2.7 off
@@ -105,20 +126,9 @@ def test_clamped_swiglu_mlps_of_transformers_are_skipped_with_the_reason(name):
     assert f"clamps gate and up at {limit}: not plain SwiGLU" in probe.reason, probe.reason
     with pytest.raises(ValueError, match="not plain SwiGLU"):
         FusedSwiGLUMLP.from_module(mlp)
-
-    holder = nn.Sequential(mlp)
-    x = _large_input()
-    with torch.no_grad():
-        ref = holder(x)
-        report = fuse(holder, ops=["swiglu"])
-        out = holder(x)
-    (row,) = report.rows
-    assert (row.kind, row.original, row.replacement, row.fused, row.eligible) == (
-        "swiglu", type(mlp).__name__, None, False, False), row
+    row, text = _skipped_row(mlp, FusedSwiGLUMLP)
     assert "not plain SwiGLU" in row.reason and limit in row.reason, row.reason
-    assert row.reason in str(report)
-    assert holder[0] is mlp and not is_fused(holder)
-    assert torch.equal(out, ref)
+    assert row.reason in text
 
 
 @pytest.mark.parametrize("name", ["step3p7", "bailing_hybrid"])
@@ -177,6 +187,26 @@ class _HardClamp(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x).clamp(max=self.c)) * self.up_proj(x).clamp(-self.c, self.c))
 
 
+class _GateUpHardClamp(nn.Module):
+    """_HardClamp with gate and up in one gate_up_proj."""
+
+    def __init__(self, limit, after_act=False):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = nn.Linear(8, 24), nn.Linear(12, 8)
+        self.activation_fn = nn.SiLU()
+        self.c, self.after_act = limit, after_act
+
+    def _bound(self):
+        return self.c
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        c = self._bound()
+        if self.after_act:
+            return self.down_proj(self.activation_fn(gate).clamp(max=c) * up.clamp(-c, c))
+        return self.down_proj(self.activation_fn(gate.clamp(max=c)) * up.clamp(-c, c))
+
+
 class _ClampedSiLU(nn.Module):
     def __init__(self, limit):
         super().__init__()
@@ -201,21 +231,30 @@ class _UpOnlyClamp(nn.Module):
 @pytest.mark.parametrize("limit", [6.0, 10.0, 20.0, 40.0])
 @pytest.mark.parametrize("after_act", [False, True], ids=["clamp_then_silu", "silu_then_clamp"])
 def test_the_probe_reaches_activations_past_any_plausible_clamp(limit, after_act):
-    """The probe's gate and up reach tens of either sign: a clamp at 6..40 that no attribute names changes its output."""
+    """The probe's gate and up reach tens of either sign: a clamp at 6..40 that no attribute names changes its output,
+    gate and up in one gate_up_proj too."""
     probe = probe_swiglu_mlp(_HardClamp(limit, after_act))
     assert probe.candidate and not probe.ok and "differs from down_proj(silu(gate_proj(x)) * up_proj(x))" in \
         probe.reason, probe
+    probe = probe_swiglu_mlp(_GateUpHardClamp(limit, after_act))
+    assert probe.candidate and probe.packed and not probe.ok and "differs from down_proj(silu(gate) * up) with gate, up" \
+        " = gate_up_proj(x).chunk(2, -1)" in probe.reason, probe
     probe = probe_swiglu_mlp(_UpOnlyClamp())
     assert not probe.ok and "differs" in probe.reason, probe
 
 
 @pytest.mark.parametrize("limit", [8.0, 30.0])
 def test_an_act_fn_that_clamps_past_six_is_not_silu(limit):
-    """The act_fn check ran inputs in [-6, 6] only: a SiLU of a clamped input passed it."""
+    """The act_fn check ran inputs in [-6, 6] only: a SiLU of a clamped input passed it (Phi-3's activation_fn is
+    checked so too)."""
     mlp = _HardClamp(1e9)
     mlp.act_fn = _ClampedSiLU(limit)
     probe = probe_swiglu_mlp(mlp)
     assert not probe.ok and "act_fn (_ClampedSiLU) is not SiLU" in probe.reason, probe
+    mlp = _GateUpHardClamp(1e9)
+    mlp.activation_fn = _ClampedSiLU(limit)
+    probe = probe_swiglu_mlp(mlp)
+    assert not probe.ok and "activation_fn (_ClampedSiLU) is not SiLU" in probe.reason, probe
 
 
 class _ConfigLimited(nn.Module):
@@ -234,44 +273,231 @@ class _ConfigLimited(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x).clamp(max=lim)) * self.up_proj(x).clamp(-lim, lim))
 
 
-def test_an_mlp_clamping_at_its_config_limit_is_refused_up_front():
+class _GateUpConfigLimited(_GateUpHardClamp):
+    """_ConfigLimited with gate and up in one gate_up_proj (its forward's source names the clamp)."""
+
+    def __init__(self, limit):
+        super().__init__(None)
+        import types
+
+        self.config = types.SimpleNamespace(swiglu_limit=limit)
+
+    def _bound(self):
+        return self.config.swiglu_limit
+
+
+@pytest.mark.parametrize("make", [_ConfigLimited, _GateUpConfigLimited])
+def test_an_mlp_clamping_at_its_config_limit_is_refused_up_front(make):
     """A limit no plausible activation reaches (1e6): the probe's output cannot show it; the config's swiglu_limit,
     which the forward reads, does."""
-    probe = probe_swiglu_mlp(_ConfigLimited(1e6))
+    probe = probe_swiglu_mlp(make(1e6))
     assert not probe.ok and "clamps gate and up at config.swiglu_limit=1000000.0: not plain SwiGLU" in probe.reason, \
         probe
 
 
 # ------------------------------------------------------------------------------------ gate and up in one projection
-@pytest.mark.parametrize("model_type", ["phi3", "glm"])
-def test_a_gate_up_proj_mlp_gets_a_skipped_row_with_the_reason(model_type):
-    """A review: Phi3MLP / GlmMLP (one gate_up_proj, then SiLU on one half times the other) had no row at all, so a dry
-    run of the model said 100% with no word of its MLPs. Each now has a skipped swiglu row with the reason; like every
-    MLP the probe refuses it is not eligible (the share counts only layouts fuse() takes), and nothing changes."""
+GATE_UP_TYPES = ["phi3", "glm", "glm4"]   # Phi3MLP (Phi-3, Phi-4-mini), GlmMLP, Glm4MLP
+
+
+def _gate_up_lm(model_type: str, dtype=torch.float32, **extra):
+    """A tiny causal LM of ``model_type`` (transformers' own classes, 2 layers; a skip where this transformers lacks
+    it) and its MLPs by path."""
     from transformers import AutoModelForCausalLM
 
-    cfg = models.rope_config(model_type)
+    cfg = models.rope_config(model_type, **extra)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval().to(dtype)
     mlps = {p: m for p, m in model.named_modules() if type(m).__name__.endswith("MLP")}
     assert len(mlps) == 2 and all(hasattr(m, "gate_up_proj") for m in mlps.values()), mlps
-    for m in mlps.values():
-        probe = probe_swiglu_mlp(m)
-        assert probe.candidate and not probe.ok and "gate and up in one gate_up_proj: not fused" in probe.reason
-    with pytest.raises(TypeError, match="without gate_proj, up_proj"):
-        FusedSwiGLUMLP.from_module(next(iter(mlps.values())))
+    return model, mlps
 
-    for kw in ({}, {"ops": ["swiglu"]}):
-        report = fuse(model, dry_run=True, **kw)
-        rows = [r for r in report.rows if r.kind == "swiglu"]
-        assert sorted(r.path for r in rows) == sorted(mlps), report.rows
-        for r in rows:
-            assert (r.original, r.replacement, r.fused, r.eligible) == (type(mlps[r.path]).__name__, None, False,
-                                                                         False), r
-            assert "gate and up in one gate_up_proj: not fused" in r.reason, r.reason
-        assert "gate_up_proj" in str(report)
-        assert "swiglu" not in report.not_requested
-    # left out of ops: not counted as not requested (fuse() would not take it either)
-    report = fuse(model, dry_run=True, ops=["rms_norm"])
-    assert "swiglu" not in report.not_requested and not [r for r in report.rows if r.kind == "swiglu"]
+
+def _lm_step(model, seed=3):
+    """Forward and backward of the causal-LM loss on random ids: (logits, loss, gradients by name)."""
+    ids = torch.randint(3, models.VOCAB, (2, 9), generator=torch.Generator().manual_seed(seed))
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("model_type", GATE_UP_TYPES)
+def test_a_gate_up_proj_mlp_is_fused_exactly_and_unfused(model_type, dtype):
+    """Phi3MLP / GlmMLP / Glm4MLP (one gate_up_proj, then SiLU of the first half times the second) had a skipped row;
+    now fuse() puts a FusedGateUpSwiGLUMLP in their place: the same children (activation_fn too, held, not called),
+    paths, Parameters and state_dict keys; a row of kind swiglu, fused and eligible, whose columns are op
+    swiglu.packed's choice; on the CPU the reference path (silu_and_mul through the dispatcher, one call a layer) gives
+    the unfused model's logits, loss and gradients bit for bit; unfuse() puts the very same modules back."""
+    from pipegoose.nn.fusion import dispatch
+
+    model, mlps = _gate_up_lm(model_type, dtype)
+    before = dict(model.named_modules())
+    params = [(n, id(p)) for n, p in model.named_parameters()]
+    sd = model.state_dict()
+    ref = _lm_step(model)
+
+    report = fuse(model, ops=["swiglu"])
+    rows = [r for r in report.rows if r.kind == "swiglu"]
+    assert sorted(r.path for r in rows) == sorted(mlps) and report.fused_rows("swiglu") == rows, report.rows
+    for r in rows:
+        assert (r.original, r.replacement, r.fused, r.eligible) == (type(mlps[r.path]).__name__,
+                                                                     "FusedGateUpSwiGLUMLP", True, True), r
+        assert "same projections; op swiglu.packed" in r.reason and "gate_up_proj(x).chunk(2, -1)" in r.reason, r
+        # the CPU: op swiglu.packed's kernel cannot run there (the report says what runs)
+        assert (r.forward, r.backward) == ("torch (fallback)", "torch (fallback)"), r
+    assert report.covered == report.eligible == 2 and "swiglu" not in report.not_requested
+    after = dict(model.named_modules())
+    assert list(after) == list(before)
+    for p, mlp in mlps.items():
+        fused = after[p]
+        assert type(fused) is FusedGateUpSwiGLUMLP and fused is not mlp and not fused.training
+        assert [(n, id(c)) for n, c in fused.named_children()] == [(n, id(c)) for n, c in mlp.named_children()]
+        assert fused.activation_fn is mlp.activation_fn
+    assert [(n, id(p)) for n, p in model.named_parameters()] == params
+    new_sd = model.state_dict()
+    assert list(new_sd) == list(sd) and all(new_sd[k] is sd[k] or torch.equal(new_sd[k], sd[k]) for k in sd)
+
+    dispatch.reset_stats()
+    out = _lm_step(model)
+    stats = dispatch.stats()
+    assert stats["swiglu.packed"] == {"torch": 2} and "swiglu" not in stats, stats
+    assert out[0].dtype == dtype
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    assert out[2].keys() == ref[2].keys() and any(".mlp.gate_up_proj." in n for n in ref[2])
+    assert all(torch.equal(out[2][n], ref[2][n]) for n in ref[2])
+
+    assert unfuse(model) and not is_fused(model)
+    after = dict(model.named_modules())
+    assert list(after) == list(before) and all(after[p] is m for p, m in before.items())
+    again = _lm_step(model)
+    assert torch.equal(again[0], ref[0]) and all(torch.equal(again[2][n], ref[2][n]) for n in ref[2])
+
+
+def test_a_phi3_model_fused_whole_counts_its_mlps():
+    """fuse(model) with every default kind: the MLPs are fused and counted in the share (they were "not counted"),
+    next to the norms and RoPE; a dry run says the same and changes nothing; ops without swiglu counts them as not
+    requested."""
+    model, mlps = _gate_up_lm("phi3")
+    dry = fuse(model, dry_run=True)
     assert not is_fused(model) and all(dict(model.named_modules())[p] is m for p, m in mlps.items())
+    report = fuse(model)
+    try:
+        for rep in (dry, report):
+            rows = rep.fused_rows("swiglu")
+            assert sorted(r.path for r in rows) == sorted(mlps) and all(r.eligible for r in rows), rep.rows
+            assert rep.covered == rep.eligible and rep.fused_rows("rms_norm"), rep.rows
+            assert "swiglu left to the model's own code" not in str(rep).splitlines()[0], str(rep)
+        assert all(type(dict(model.named_modules())[p]) is FusedGateUpSwiGLUMLP for p in mlps)
+    finally:
+        assert unfuse(model)
+    assert all(dict(model.named_modules())[p] is m for p, m in mlps.items())
+    report = fuse(model, dry_run=True, ops=["rms_norm"])
+    assert report.not_requested.get("swiglu") == 2 and not report.fused_rows("swiglu")
+
+
+def test_the_gate_up_rows_show_op_swiglu_packed_and_its_impl_variables(monkeypatch):
+    """The report's columns of a gate_up_proj MLP are op swiglu.packed's choice, which PIPEGOOSE_IMPL_SWIGLU_PACKED
+    (or the family's PIPEGOOSE_IMPL_SWIGLU) forces; a Llama MLP's are op swiglu's, which the packed op's variable does
+    not touch. A FusedGateUpSwiGLUMLP(impl=...) fused before shows its own request."""
+    from pipegoose.nn.fusion import FusedGateUpSwiGLUMLP as Exported
+    from pipegoose.nn.fusion import dispatch
+
+    assert Exported is FusedGateUpSwiGLUMLP
+    phi3, _ = _gate_up_lm("phi3")
+    llama = models.build("llama", "eager")
+
+    def columns(model):
+        return {(r.forward, r.backward) for r in fuse(model, dry_run=True, ops=["swiglu"]).rows}
+
+    assert columns(phi3) == columns(llama) == {("torch (fallback)", "torch (fallback)")}
+    monkeypatch.setenv("PIPEGOOSE_IMPL_SWIGLU_PACKED", "torch")
+    assert columns(phi3) == {("torch", "torch")} and columns(llama) == {("torch (fallback)", "torch (fallback)")}
+    monkeypatch.setenv("PIPEGOOSE_IMPL_SWIGLU_PACKED", "auto")    # the op's own auto overrides the family's
+    monkeypatch.setenv("PIPEGOOSE_IMPL_SWIGLU", "torch")
+    assert columns(phi3) == {("torch (fallback)", "torch (fallback)")} and columns(llama) == {("torch", "torch")}
+    monkeypatch.delenv("PIPEGOOSE_IMPL_SWIGLU_PACKED")
+    assert columns(phi3) == columns(llama) == {("torch", "torch")}
+    monkeypatch.setenv("PIPEGOOSE_IMPL_SWIGLU_PACKED", "triton")   # (fuse() checks the variables up front)
+    with pytest.raises(ValueError, match="PIPEGOOSE_IMPL_SWIGLU_PACKED"):
+        fuse(phi3, ops=["swiglu"])
+    assert not is_fused(phi3)
+    monkeypatch.delenv("PIPEGOOSE_IMPL_SWIGLU_PACKED")
+    monkeypatch.delenv("PIPEGOOSE_IMPL_SWIGLU")
+
+    mlp = phi3.model.layers[0].mlp
+    holder = nn.Sequential(FusedGateUpSwiGLUMLP.from_module(mlp, impl="torch"))
+    (row,) = fuse(holder, ops=["swiglu"]).rows
+    assert (row.kind, row.replacement, row.fused, row.forward) == ("swiglu", "FusedGateUpSwiGLUMLP", True, "torch")
+    assert "already fused before this call" in row.reason, row
+
+
+@pytest.mark.parametrize("impl", ["torch", "Torch", " pipegoose ", "auto", None])
+def test_impl_forcing_takes_the_names_of_op_swiglu_packed(impl):
+    mlp = _gate_up_lm("phi3")[1]["model.layers.0.mlp"]
+    fused = FusedGateUpSwiGLUMLP.from_module(mlp, impl=impl)
+    assert fused.impl == impl and (f"impl={impl!r}" in repr(fused)) == (impl is not None)
+    x = torch.randn(2, 5, 32)
+    if impl is not None and impl.strip() == "pipegoose":   # on the CPU: skipped with the reason, the reference runs
+        with pytest.warns(UserWarning, match="pipegoose"):
+            y = fused(x)
+    else:
+        y = fused(x)
+    assert torch.equal(y, mlp(x))
+
+
+def test_impl_forcing_refuses_a_name_the_op_does_not_have():
+    mlp = _gate_up_lm("phi3")[1]["model.layers.0.mlp"]
+    with pytest.raises(ValueError, match=r"^impl: swiglu.packed has no implementation 'triton'"):
+        FusedGateUpSwiGLUMLP.from_module(mlp, impl="triton")
+    with pytest.raises(ValueError, match=r"^impl: swiglu.packed has no implementation 'megatron'"):
+        FusedGateUpSwiGLUMLP(mlp.gate_up_proj, mlp.down_proj, impl="megatron")
+    with pytest.raises(TypeError, match="impl"):
+        FusedGateUpSwiGLUMLP(mlp.gate_up_proj, mlp.down_proj, impl=3)
+
+
+def test_a_phi3_mlp_of_another_activation_is_skipped_with_the_reason():
+    """Phi3MLP with hidden_act="gelu" (transformers' own class): not SwiGLU, with the reason."""
+    model, mlps = _gate_up_lm("phi3", hidden_act="gelu")
+    row, _ = _skipped_row(mlps["model.layers.0.mlp"])
+    assert "activation_fn (GELUActivation) is not SiLU" in row.reason, row.reason
+
+
+def test_zamba2s_gate_up_mlp_is_skipped_with_the_reason():
+    """Zamba2MLP (gate_up_proj and down_proj around GELU, with per-layer adapters and a layer_idx argument)."""
+    cls = _cls("zamba2", "Zamba2MLP")
+    cfg = _config("zamba2", "Zamba2Config", hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=4)
+    assert cfg.hidden_act == "gelu"
+    mlp = cls(cfg, num_fwd_mem_blocks=2, block_id=0)
+    probe = probe_swiglu_mlp(mlp)
+    assert probe.candidate and probe.packed and not probe.ok, probe
+    assert "besides the projections and activation_fn or act_fn (gate_up_proj_adapter_list)" in probe.reason, probe
+    holder = nn.Sequential(mlp)
+    (row,) = fuse(holder, dry_run=True, ops=["swiglu"]).rows
+    assert not row.fused and not row.eligible and row.reason == probe.reason
+    # (its activation, GELUActivation, alone: test_a_phi3_mlp_of_another_activation_is_skipped_with_the_reason)
+
+
+def test_minimax_m3s_clamped_gate_up_mlp_is_skipped_with_the_reason():
+    """MiniMax-M3's dense MLP: gate_up_proj, gate and up clamped at swiglu_limit (7), a scaled sigmoid and (up + 1)."""
+    cls = _cls("minimax_m3_vl", "MiniMaxM3VLDenseMLP")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cfg = CONFIG_MAPPING["minimax_m3_vl_text"](hidden_size=HIDDEN, dense_intermediate_size=INTER)
+    row, text = _skipped_row(cls(cfg))
+    assert "clamps gate and up at swiglu_limit=" in row.reason and "not plain SwiGLU" in row.reason, row.reason
+    assert row.reason in text
+
+
+def test_an_extra_submodule_on_a_phi3_mlp_is_skipped_with_the_reason():
+    model, mlps = _gate_up_lm("phi3")
+    odd = mlps["model.layers.0.mlp"]
+    odd.dropout = nn.Dropout(0.1)
+    report = fuse(model, ops=["swiglu"])
+    rows = {r.path: r for r in report.rows if r.kind == "swiglu"}
+    assert not rows["model.layers.0.mlp"].fused and not rows["model.layers.0.mlp"].eligible
+    assert "besides the projections and activation_fn or act_fn (dropout)" in rows["model.layers.0.mlp"].reason
+    assert rows["model.layers.1.mlp"].fused and model.model.layers[0].mlp is odd
+    assert type(model.model.layers[1].mlp) is FusedGateUpSwiGLUMLP
+    assert unfuse(model) and model.model.layers[1].mlp is mlps["model.layers.1.mlp"]

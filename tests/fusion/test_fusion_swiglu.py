@@ -1,9 +1,9 @@
 """CPU: SwiGLU's gated activation ``silu(gate) * up`` (op ``swiglu``): the functional's reference path against
 ``F.silu(gate) * up`` (bit for bit) and float64, its argument checks, the dispatcher's reasons for the kernel
-(``_pipegoose_supports`` on hand-made CUDA problems; no GPU needed), strict mode, ``FusedSwiGLUMLP`` and the SwiGLU
-probe of ``fuse``. The same for ``silu_and_mul`` (op ``swiglu.packed``: gate and up the two halves of x's last
-dimension), with its ``PIPEGOOSE_IMPL_SWIGLU_PACKED`` / ``PIPEGOOSE_IMPL_SWIGLU`` variables, nested tensors and the
-choice cache.
+(``_pipegoose_supports`` on hand-made CUDA problems; no GPU needed), strict mode, ``FusedSwiGLUMLP``,
+``FusedGateUpSwiGLUMLP`` (gate and up in one ``gate_up_proj``, op ``swiglu.packed``) and the SwiGLU probe of ``fuse``.
+The same for ``silu_and_mul`` (op ``swiglu.packed``: gate and up the two halves of x's last dimension), with its
+``PIPEGOOSE_IMPL_SWIGLU_PACKED`` / ``PIPEGOOSE_IMPL_SWIGLU`` variables, nested tensors and the choice cache.
 
 The tests marked ``slow`` load the kernel library (a first run compiles it: minutes; they skip, with the reason,
 where nvcc is missing) and run the ops' fake impls and the C++ autograd formula on meta tensors.
@@ -22,7 +22,7 @@ from torch import nn
 from kernel_loading import calls_of, load_or_skip
 from tolerances import tol
 
-from pipegoose.nn.fusion import FusedSwiGLUMLP, dispatch
+from pipegoose.nn.fusion import FusedGateUpSwiGLUMLP, FusedSwiGLUMLP, dispatch
 from pipegoose.nn.fusion import functional as PF
 from pipegoose.nn.fusion.ops import swiglu as S
 from pipegoose.nn.fusion.ops._common import NO_STORAGE
@@ -340,12 +340,37 @@ class _MLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+class _GateUpMLP(nn.Module):
+    """transformers' Phi3MLP, written out (its activation as Phi-3 names it, or under another name)."""
+
+    def __init__(self, hidden=8, inter=12, bias=False, act=None, act_name="activation_fn"):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.act_name = act_name
+        setattr(self, act_name, act if act is not None else nn.SiLU())
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * getattr(self, self.act_name)(gate))
+
+
+# the two layouts: (the MLP written out, its fused module, the op it runs, its projections' parameters without bias)
+LAYOUTS = {"gate_proj_up_proj": (_MLP, FusedSwiGLUMLP, "swiglu", 3),
+           "gate_up_proj": (_GateUpMLP, FusedGateUpSwiGLUMLP, "swiglu.packed", 2)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_mlp_from_module_is_a_drop_in(bias, dtype):
+def test_fused_mlp_from_module_is_a_drop_in(layout, bias, dtype):
+    """The same children (the activation too, held, not called), Parameters, state_dict keys and training flag; on
+    the CPU the reference path (through the dispatcher, op swiglu or swiglu.packed) gives the MLP's output and
+    gradients bit for bit."""
+    make, cls, op, n_weights = LAYOUTS[layout]
     torch.manual_seed(0)
-    mlp = _MLP(bias=bias).to(dtype).eval()
-    fused = FusedSwiGLUMLP.from_module(mlp)
+    mlp = make(bias=bias).to(dtype).eval()
+    fused = cls.from_module(mlp)
     assert [(n, id(m)) for n, m in fused.named_children()] == [(n, id(m)) for n, m in mlp.named_children()]
     assert list(fused.state_dict()) == list(mlp.state_dict())
     assert [id(p) for p in fused.parameters()] == [id(p) for p in mlp.parameters()]
@@ -354,12 +379,13 @@ def test_fused_mlp_from_module_is_a_drop_in(bias, dtype):
     dy = torch.randn(2, 3, 8, dtype=dtype)
     want = mlp(x)
     want_dx, *want_grads = torch.autograd.grad(want, [x, *mlp.parameters()], dy)
+    dispatch.reset_stats()
     got = fused(x)
     dx, *grads = torch.autograd.grad(got, [x, *fused.parameters()], dy)
     assert torch.equal(got, want) and torch.equal(dx, want_dx)
-    assert len(grads) == len(want_grads) == (6 if bias else 3)
+    assert len(grads) == len(want_grads) == n_weights * (2 if bias else 1)
     assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
-    assert dispatch.stats()["swiglu"] == {"torch": 1}   # (the fused module's call; the original calls act_fn)
+    assert dispatch.stats() == {op: {"torch": 1}}   # (the fused module's call; the original calls its activation)
 
 
 def test_fused_mlp_keeps_the_training_flag_and_the_children_theirs():
@@ -404,6 +430,67 @@ def test_from_module_refuses_what_is_not_a_swiglu_mlp():
     assert torch.equal(fused(x), gelu.down_proj(F.silu(gelu.gate_proj(x)) * gelu.up_proj(x)))
 
 
+def test_fused_gate_up_mlp_constructor_checks():
+    lin = nn.Linear(4, 4)
+    with pytest.raises(TypeError, match=r"^down_proj: expected a torch.nn.Module, got function"):
+        FusedGateUpSwiGLUMLP(lin, F.relu)
+    with pytest.raises(ValueError, match=r"impl: swiglu.packed has no implementation 'triton'"):
+        FusedGateUpSwiGLUMLP(lin, lin, impl="triton")
+    with pytest.raises(TypeError, match="impl"):
+        FusedGateUpSwiGLUMLP(lin, lin, impl=3)
+    m = FusedGateUpSwiGLUMLP(nn.Linear(4, 12), nn.Linear(6, 4), impl="torch")
+    assert "impl='torch'" in repr(m) and [n for n, _ in m.named_children()] == ["gate_up_proj", "down_proj"]
+    x = torch.randn(3, 4)
+    gate, up = m.gate_up_proj(x).chunk(2, dim=-1)
+    assert torch.equal(m(x), m.down_proj(F.silu(gate) * up))
+    with pytest.raises(ValueError, match=r"^x: expected an even last dimension"):
+        FusedGateUpSwiGLUMLP(nn.Linear(4, 11), nn.Linear(6, 4))(x)
+
+
+def test_gate_up_from_module_refuses_what_is_not_a_gate_up_swiglu_mlp():
+    with pytest.raises(TypeError, match=r"^mlp: expected a module with submodules gate_up_proj and down_proj, got "
+                                        r"_MLP without gate_up_proj$"):
+        FusedGateUpSwiGLUMLP.from_module(_MLP())
+    with pytest.raises(TypeError, match=r"^mlp: expected a module with submodules gate_proj, up_proj and down_proj, "
+                                        r"got _GateUpMLP without gate_proj, up_proj$"):
+        FusedSwiGLUMLP.from_module(_GateUpMLP())
+    gelu = _GateUpMLP(act=nn.GELU())
+    with pytest.raises(ValueError, match=r"^mlp: _GateUpMLP does not pass the SwiGLU probe: activation_fn \(GELU\) "
+                                         r"is not SiLU"):
+        FusedGateUpSwiGLUMLP.from_module(gelu)
+    # verify=False takes it as it is (the caller's word): the fused module then computes SwiGLU, not GELU
+    fused = FusedGateUpSwiGLUMLP.from_module(gelu, verify=False)
+    x = torch.randn(2, 8)
+    gate, up = gelu.gate_up_proj(x).chunk(2, dim=-1)
+    assert torch.equal(fused(x), gelu.down_proj(F.silu(gate) * up))
+
+
+@pytest.mark.parametrize("act_name", ["activation_fn", "act_fn"])
+def test_an_activation_replaced_or_hooked_while_fused_is_run_as_the_mlp_would(act_name):
+    """As FusedSwiGLUMLP with act_fn: the activation the probe vouched for (Phi-3's activation_fn, or act_fn) is held,
+    not called; one replaced, or given a forward hook, while fused is run by the formula of the original MLP (no
+    kernel); a module under the other name, which the MLP does not call, is not."""
+    mlp = _GateUpMLP(act_name=act_name)
+    fused = FusedGateUpSwiGLUMLP.from_module(mlp)
+    assert fused._act_name == act_name and getattr(fused, act_name) is getattr(mlp, act_name)
+    x = torch.randn(3, 8)
+    gate, up = fused.gate_up_proj(x).chunk(2, dim=-1)
+    probed = getattr(fused, act_name)
+    setattr(fused, act_name, nn.GELU())
+    dispatch.reset_stats()
+    assert torch.equal(fused(x), fused.down_proj(up * F.gelu(gate)))
+    assert "swiglu.packed" not in dispatch.stats()
+    setattr(fused, act_name, probed)
+    seen = []
+    handle = probed.register_forward_hook(lambda *a: seen.append(1))
+    fused(x)
+    assert seen == [1] and "swiglu.packed" not in dispatch.stats()
+    handle.remove()
+    setattr(fused, "act_fn" if act_name == "activation_fn" else "activation_fn", nn.GELU())
+    assert torch.equal(fused(x), fused.down_proj(F.silu(gate) * up))
+    assert dispatch.stats()["swiglu.packed"] == {"torch": 1}
+
+
 # ------------------------------------------------------------------------------------------------ the probe
 class _Swapped(_MLP):
     def forward(self, x):   # silu of the up projection: a gated MLP with the roles exchanged
@@ -424,7 +511,61 @@ class _NoActFn(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class _WithDropout(_MLP):
+class _NoActFnGateUp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = nn.Linear(8, 24), nn.Linear(12, 8)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class _UpFirst(_GateUpMLP):
+    """Phi-4-multimodal's audio MLP order: up the first half, gate the second."""
+
+    def forward(self, x):
+        up, gate = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * self.activation_fn(gate))
+
+
+class _TwoActivations(_GateUpMLP):
+    def __init__(self):
+        super().__init__()
+        self.act_fn = nn.SiLU()
+
+
+@pytest.mark.parametrize("make,ok,reason", [
+    (lambda: _MLP(), True, "probe output equals down_proj(silu(gate_proj(x)) * up_proj(x))"),
+    (lambda: _MLP(bias=True), True, "probe output equals"),
+    (lambda: _MLP(act=nn.SiLU(inplace=True)), True, "probe output equals"),
+    (lambda: _NoActFn(), True, "probe output equals"),
+    (lambda: _MLP(act=nn.GELU()), False, "act_fn (GELU) is not SiLU"),
+    (lambda: _MLP(act=nn.ReLU()), False, "act_fn (ReLU) is not SiLU"),
+    (lambda: _Swapped(), False, "output (training mode) differs from down_proj(silu(gate_proj(x)) * up_proj(x))"),
+    (lambda: _Scaled(), False, "output (training mode) differs"),
+    (lambda: _GateUpMLP(), True,
+     "probe output equals down_proj(silu(gate) * up) with gate, up = gate_up_proj(x).chunk(2, -1)"),
+    (lambda: _GateUpMLP(bias=True, act_name="act_fn"), True, "probe output equals"),
+    (lambda: _GateUpMLP(act=nn.SiLU(inplace=True)), True, "probe output equals"),
+    (lambda: _NoActFnGateUp(), True, "probe output equals"),
+    (lambda: _GateUpMLP(act=nn.GELU()), False, "activation_fn (GELU) is not SiLU"),
+    (lambda: _GateUpMLP(act=nn.ReLU(), act_name="act_fn"), False, "act_fn (ReLU) is not SiLU"),
+    (lambda: _UpFirst(), False, "output (training mode) differs from down_proj(silu(gate) * up) with gate, up"),
+    (lambda: _TwoActivations(), False, "has two activations (activation_fn, act_fn): not the plain SwiGLU MLP"),
+], ids=["llama", "bias", "inplace_silu", "functional_silu", "gelu", "relu", "swapped", "scaled", "phi3",
+        "phi3_bias_act_fn", "phi3_inplace_silu", "phi3_functional_silu", "phi3_gelu", "phi3_relu_act_fn", "up_first",
+        "two_activations"])
+def test_probe(make, ok, reason):
+    mlp = make()
+    probe = probe_swiglu_mlp(mlp)
+    assert probe.candidate and probe.ok is ok and reason in probe.reason, probe
+    assert probe.packed is hasattr(mlp, "gate_up_proj")
+
+
+class _WithDropout:
+    """A dropout submodule after the MLP (a mixin over either layout)."""
+
     def __init__(self):
         super().__init__()
         self.dropout = nn.Dropout(0.1)
@@ -433,7 +574,12 @@ class _WithDropout(_MLP):
         return self.dropout(super().forward(x))
 
 
-class _WithScale(_MLP):
+class _FunctionalDropout:
+    def forward(self, x):
+        return F.dropout(super().forward(x), 0.1, self.training)
+
+
+class _WithScale:
     def __init__(self):
         super().__init__()
         self.scale = nn.Parameter(torch.ones(()))
@@ -442,35 +588,34 @@ class _WithScale(_MLP):
         return super().forward(x) * self.scale
 
 
-class _TakesMore(_MLP):
+class _TakesMore:
     def forward(self, x, residual):
         return super().forward(x) + residual
 
 
-class _Raises(_MLP):
+class _Raises:
     def forward(self, x):
         raise RuntimeError("boom")
 
 
-@pytest.mark.parametrize("make,ok,reason", [
-    (lambda: _MLP(), True, "probe output equals"),
-    (lambda: _MLP(bias=True), True, "probe output equals"),
-    (lambda: _MLP(act=nn.SiLU(inplace=True)), True, "probe output equals"),
-    (lambda: _NoActFn(), True, "probe output equals"),
-    (lambda: _MLP(act=nn.GELU()), False, "act_fn (GELU) is not SiLU"),
-    (lambda: _MLP(act=nn.ReLU()), False, "act_fn (ReLU) is not SiLU"),
-    (lambda: _Swapped(), False, "output (training mode) differs from down_proj(silu(gate_proj(x)) * up_proj(x))"),
-    (lambda: _Scaled(), False, "output (training mode) differs"),
-    (lambda: _WithDropout(), False, "has submodules besides the projections and act_fn (dropout)"),
-    (lambda: _WithScale(), False, "has parameters or buffers of its own"),
-    (lambda: _TakesMore(), False, "forward takes more than the input (residual)"),
-    (lambda: _Raises(), False, "probe forward (training mode) failed: RuntimeError: boom"),
-], ids=["llama", "bias", "inplace_silu", "functional_silu", "gelu", "relu", "swapped", "scaled", "dropout",
-        "own_parameter", "more_arguments", "raises"])
-def test_probe(make, ok, reason):
-    mlp = make()
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("mixin,reason", [
+    (_WithDropout, "has submodules besides the projections and {acts} (dropout): not the plain SwiGLU MLP"),
+    (_FunctionalDropout, "output (training mode) differs from"),
+    (_WithScale, "has parameters or buffers of its own"),
+    (_TakesMore, "forward takes more than the input (residual): {fused} takes the input alone"),
+    (_Raises, "probe forward (training mode) failed: RuntimeError: boom"),
+], ids=["dropout", "functional_dropout", "own_parameter", "more_arguments", "raises"])
+def test_probe_refuses_more_than_the_plain_mlp(layout, mixin, reason):
+    """Either layout: what the fused module would not run (a submodule, a parameter, an argument, a dropout in
+    training mode, a forward that fails) is refused with the reason, and from_module refuses it too."""
+    make, cls, _, _ = LAYOUTS[layout]
+    mlp = type(f"{mixin.__name__}{make.__name__}", (mixin, make), {})()
     probe = probe_swiglu_mlp(mlp)
-    assert probe.candidate and probe.ok is ok and reason in probe.reason, probe
+    acts = "activation_fn or act_fn" if cls is FusedGateUpSwiGLUMLP else "act_fn"
+    assert probe.candidate and not probe.ok and reason.format(acts=acts, fused=cls.__name__) in probe.reason, probe
+    with pytest.raises(ValueError, match="does not pass the SwiGLU probe"):
+        cls.from_module(mlp)
 
 
 def test_probe_does_not_run_or_touch_the_module():
@@ -494,10 +639,11 @@ def test_probe_of_modules_without_the_projections():
 
 @pytest.mark.parametrize("module,cls,ok", [
     ("llama", "LlamaMLP", True), ("mistral", "MistralMLP", True), ("qwen2", "Qwen2MLP", True),
-    ("qwen3", "Qwen3MLP", True), ("gemma", "GemmaMLP", False), ("phi3", "Phi3MLP", None)])
+    ("qwen3", "Qwen3MLP", True), ("gemma", "GemmaMLP", False), ("phi3", "Phi3MLP", True), ("glm", "GlmMLP", True),
+    ("glm4", "Glm4MLP", True)])
 def test_probe_of_transformers_mlps(module, cls, ok):
-    """Llama's MLP and its copies pass; Gemma's GELU MLP is refused with the reason; Phi-3's fused gate_up_proj is a
-    candidate (a row in the report) refused with the reason."""
+    """Llama's MLP and its copies pass; Gemma's GELU MLP is refused with the reason; Phi-3's and GLM's, gate and up in
+    one gate_up_proj, pass as that layout (FusedGateUpSwiGLUMLP; they were refused for the layout alone)."""
     mod = pytest.importorskip(f"transformers.models.{module}.modeling_{module}")
     import transformers
 
@@ -505,18 +651,16 @@ def test_probe_of_transformers_mlps(module, cls, ok):
     cfg = cfg_cls(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
     mlp = getattr(mod, cls)(cfg)
     probe = probe_swiglu_mlp(mlp)
-    if ok is None:
-        assert probe.candidate and not probe.ok and "gate and up in one gate_up_proj: not fused" in probe.reason
-        return
-    assert probe.candidate and probe.ok is ok, probe
+    assert probe.candidate and probe.ok is ok and probe.packed is hasattr(mlp, "gate_up_proj"), probe
+    fused_cls = FusedGateUpSwiGLUMLP if probe.packed else FusedSwiGLUMLP
     if ok:
-        fused = FusedSwiGLUMLP.from_module(mlp)
+        fused = fused_cls.from_module(mlp)
         x = torch.randn(2, 5, 32)
         assert torch.equal(fused(x), mlp(x))
     else:
         assert "is not SiLU" in probe.reason
         with pytest.raises(ValueError, match="is not SiLU"):
-            FusedSwiGLUMLP.from_module(mlp)
+            fused_cls.from_module(mlp)
 
 
 # ------------------------------------------------------------------------------------------------ on a GPU
@@ -543,11 +687,15 @@ def test_functional_on_cuda_runs_the_kernel(no_tuning_table, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fused_mlp_on_cuda_matches_the_mlp(no_tuning_table, dtype):
+def test_fused_mlp_on_cuda_matches_the_mlp(no_tuning_table, dtype, layout):
+    """FusedSwiGLUMLP runs pipegoose::swiglu, FusedGateUpSwiGLUMLP pipegoose::silu_and_mul on the halves of
+    gate_up_proj's output (op swiglu.packed); no fallback (strict mode)."""
+    make, cls, op, _ = LAYOUTS[layout]
     torch.manual_seed(1)
-    mlp = _MLP(hidden=64, inter=176).to("cuda", dtype)
-    fused = FusedSwiGLUMLP.from_module(mlp)
+    mlp = make(hidden=64, inter=176).to("cuda", dtype)
+    fused = cls.from_module(mlp)
     x = torch.randn(3, 7, 64, device="cuda", dtype=dtype, requires_grad=True)
     dy = torch.randn(3, 7, 64, device="cuda", dtype=dtype)
     want = mlp(x)
@@ -555,7 +703,7 @@ def test_fused_mlp_on_cuda_matches_the_mlp(no_tuning_table, dtype):
     with dispatch.strict():
         got = fused(x)
         grads = torch.autograd.grad(got, [x, *fused.parameters()], dy)
-    assert dispatch.last_choice("swiglu").impl == "pipegoose"
+    assert dispatch.last_choice(op).impl == "pipegoose"
     # eager rounds silu(gate) before the product in 16-bit, the kernel once: a unit in the last place apart, summed
     # over the 176 columns of down_proj
     torch.testing.assert_close(got, want, **tol(dtype, 4))

@@ -11,8 +11,8 @@ from .fuse import FusionReport, fuse, fused, fusion_report, is_fused, unfuse
 from .functional import (apply_rotary_pos_emb, cross_entropy, fused_linear_cross_entropy, layer_norm,
                          mixed_fused_layer_norm, rms_norm, scaled_masked_softmax, scaled_softmax,
                          scaled_upper_triang_masked_softmax, silu_and_mul, softmax, swiglu)
-from .modules import (AttnMaskType, FusedLayerNorm, FusedLinearCrossEntropyLoss, FusedRMSNorm, FusedScaleMaskSoftmax,
-                      FusedSwiGLUMLP, MixedFusedLayerNorm)
+from .modules import (AttnMaskType, FusedGateUpSwiGLUMLP, FusedLayerNorm, FusedLinearCrossEntropyLoss, FusedRMSNorm,
+                      FusedScaleMaskSoftmax, FusedSwiGLUMLP, MixedFusedLayerNorm)
 from .optim import FusedAdam, clip_grad_norm_
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "MixedFusedLayerNorm",
     "FusedRMSNorm",
     "FusedSwiGLUMLP",
+    "FusedGateUpSwiGLUMLP",
     "FusedLinearCrossEntropyLoss",
     "FusedAdam",
     "clip_grad_norm_",

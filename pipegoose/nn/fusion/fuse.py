@@ -9,9 +9,13 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   ``FusedRMSNorm`` (same ``weight``);
 * every module that computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``, found by a numerical probe
   (``transformers.matching.probe_swiglu_mlp``: transformers' ``LlamaMLP`` and its copies in Mistral, Qwen2, Qwen3, ...)
-  -> ``FusedSwiGLUMLP`` (the same projection modules; the activation and product in one kernel, op ``swiglu``);
-  clamped SwiGLU (``swiglu_limit``), other activations and ``gate_up_proj`` MLPs (Phi-3) get a skipped row, not
-  eligible;
+  -> ``FusedSwiGLUMLP`` (the same projection modules; the activation and product in one kernel, op ``swiglu``), and
+  every module that computes it with gate and up in one projection, ``down_proj(silu(gate) * up)`` of ``gate, up =
+  gate_up_proj(x).chunk(2, -1)`` (the same probe: transformers' ``Phi3MLP``, Phi-3 and Phi-4-mini, and ``GlmMLP`` /
+  ``Glm4MLP``) -> ``FusedGateUpSwiGLUMLP`` (the same modules; op ``swiglu.packed``, whose implementation the row's
+  columns show, ``PIPEGOOSE_IMPL_SWIGLU_PACKED`` or ``PIPEGOOSE_IMPL_SWIGLU`` forces); both are kind ``swiglu``.
+  Clamped SwiGLU (``swiglu_limit``), other activations (Gemma's, Zamba2's GELU) and MLPs with more inside get a skipped
+  row, not eligible;
 * the rotary position embedding of every attention module whose forward calls its modeling module's
   ``apply_rotary_pos_emb`` (Llama, Mistral, Qwen2, Qwen3, Gemma, GPT-NeoX with full rotary, ...), where that
   function is transformers' rotate-half RoPE (checked numerically): the module is not replaced but gets two hooks, and
@@ -558,7 +562,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     if model in _STATE:
         raise RuntimeError(f"model: this {type(model).__name__} is already fused; call unfuse(model) first")
     from . import dispatch
-    from .modules import FusedRMSNorm, FusedSwiGLUMLP, MixedFusedLayerNorm
+    from .modules import FusedGateUpSwiGLUMLP, FusedRMSNorm, FusedSwiGLUMLP, MixedFusedLayerNorm
 
     dispatch.check_env()
 
@@ -566,7 +570,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     state = _Fusion(report=report)
     replaced: dict[int, nn.Module] = {}       # id(old) -> new (a shared module is replaced once, everywhere)
     seen: set[int] = set()
-    fused_types = (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP)
+    fused_types = (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP, FusedGateUpSwiGLUMLP)
     # the parametrization objects of parametrized modules (a _WeightNorm, say): not modules of the model's computation
     internal = {id(m) for mod in model.modules() if parametrize.is_parametrized(mod)
                 for m in mod.parametrizations.modules()}
@@ -588,7 +592,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                 seen.add(id(child))
                 if isinstance(child, fused_types):  # put there before this call
                     kind = ("rms_norm" if isinstance(child, FusedRMSNorm) else
-                            "swiglu" if isinstance(child, FusedSwiGLUMLP) else "layer_norm")
+                            "swiglu" if isinstance(child, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP)) else "layer_norm")
                     report.rows.append(FusionRow(path, kind, type(child).__name__, type(child).__name__, True,
                                                  *_fused_impls(child), reason=_already_fused_reason(model, child)))
                     held.add(id(report.rows[-1]))
@@ -681,11 +685,11 @@ def _norm_kind_left_out(child: nn.Module, ops: tuple) -> str | None:
 def _fused_impls(module: nn.Module) -> tuple[str, str]:
     """(forward, backward) for a norm fused before this call, as :func:`_consider` gives them for a new one: what the
     dispatcher picks for it (the report showed "yes" there, also where the fallback runs; a walkthrough)."""
-    from .modules import FusedRMSNorm, FusedSwiGLUMLP
+    from .modules import FusedGateUpSwiGLUMLP, FusedRMSNorm, FusedSwiGLUMLP
 
     impl = getattr(module, "impl", None)   # a request made on the module (FusedRMSNorm(impl="torch"), say)
-    if isinstance(module, FusedSwiGLUMLP):
-        return _impls("swiglu", module, _swiglu_probe_inputs(module), impl)
+    if isinstance(module, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP)):
+        return _swiglu_impls(module, isinstance(module, FusedGateUpSwiGLUMLP), impl)
     shape = tuple(module.normalized_shape)
     if isinstance(module, FusedRMSNorm):
         return _impls("rms_norm", module, lambda d, t: (
@@ -940,19 +944,25 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm):
                      f"RMSNorm ({probe.reason}), eps={probe.eps}{_small_note(child)}"), new
 
 
-def _swiglu_probe_inputs(mlp: nn.Module):
-    """The report's probe of a SwiGLU MLP's activation: gate and up of the intermediate size (``gate_proj``'s
-    ``out_features``, else its weight's first dim), rows enough that it is not a small problem."""
-    proj = getattr(mlp, "gate_proj", None)
-    inter = getattr(proj, "out_features", None) or getattr(getattr(proj, "weight", None), "shape", (1,))[0]
-    rows = _probe_rows((int(inter),))
-    return lambda d, t: (torch.empty(rows, int(inter), device=d, dtype=t), torch.empty(rows, int(inter), device=d,
-                                                                                       dtype=t))
+def _swiglu_impls(mlp: nn.Module, packed: bool, impl: str | None = None) -> tuple[str, str]:
+    """(forward, backward) of a SwiGLU MLP's activation, as :func:`_impls` gives them: op ``swiglu`` for gate and up
+    of the intermediate size (``gate_proj``'s ``out_features``, else its weight's first dim), or, ``packed`` (gate and
+    up in one ``gate_up_proj``), op ``swiglu.packed`` for one input of twice that (``gate_up_proj``'s); rows enough
+    that it is not a small problem."""
+    proj = getattr(mlp, "gate_up_proj" if packed else "gate_proj", None)
+    width = int(getattr(proj, "out_features", None) or getattr(getattr(proj, "weight", None), "shape", (1,))[0])
+    rows = _probe_rows((width,))
+    if packed:
+        return _impls("swiglu.packed", mlp, lambda d, t: (torch.empty(rows, width, device=d, dtype=t),), impl)
+    return _impls("swiglu", mlp, lambda d, t: (torch.empty(rows, width, device=d, dtype=t),
+                                               torch.empty(rows, width, device=d, dtype=t)), impl)
 
 
 def _consider_swiglu(child, path, dry_run):
-    """(row, replacement or None) for a module with SwiGLU's projections; None when it has none (not a candidate)."""
-    from .modules import FusedSwiGLUMLP
+    """(row, replacement or None) for a module with SwiGLU's projections (``gate_proj``, ``up_proj`` and
+    ``down_proj``: ``FusedSwiGLUMLP``; ``gate_up_proj`` and ``down_proj``: ``FusedGateUpSwiGLUMLP``); None when it has
+    neither (not a candidate)."""
+    from .modules import FusedGateUpSwiGLUMLP, FusedSwiGLUMLP
 
     probe = matching.probe_swiglu_mlp(child)
     if not probe.candidate:
@@ -962,10 +972,12 @@ def _consider_swiglu(child, path, dry_run):
     why = _instance_override(child)
     if why is not None:
         return FusionRow(path, "swiglu", type(child).__name__, None, False, reason=why), None
-    new = None if dry_run else _build(path, child, FusedSwiGLUMLP.from_module, child, verify=False)  # probed above
-    fwd, bwd = _impls("swiglu", child, _swiglu_probe_inputs(child))
-    return FusionRow(path, "swiglu", type(child).__name__, "FusedSwiGLUMLP", True, fwd, bwd,
-                     f"SwiGLU MLP ({probe.reason}), same projections" + _small_note(child)), new
+    cls = FusedGateUpSwiGLUMLP if probe.packed else FusedSwiGLUMLP
+    new = None if dry_run else _build(path, child, cls.from_module, child, verify=False)  # probed above
+    fwd, bwd = _swiglu_impls(child, probe.packed)
+    return FusionRow(path, "swiglu", type(child).__name__, cls.__name__, True, fwd, bwd,
+                     f"SwiGLU MLP ({probe.reason}), same projections" + ("; op swiglu.packed" if probe.packed else "")
+                     + _small_note(child)), new
 
 
 def _rope_probe_inputs(module: nn.Module, rotary: int | None = None, head: int | None = None):
@@ -1599,10 +1611,11 @@ def _unfuse(model: nn.Module, keep: Iterable[nn.Module] = (), quiet: bool = Fals
     if state is None and not parts and quiet:
         return False  # fused(): its fuse() recorded nothing, so there is nothing of its own to undo
     if state is None and not parts:
-        from .modules import FusedRMSNorm, FusedSwiGLUMLP, MixedFusedLayerNorm
+        from .modules import FusedGateUpSwiGLUMLP, FusedRMSNorm, FusedSwiGLUMLP, MixedFusedLayerNorm
 
         found = [p or "<model>" for p, m in model.named_modules()
-                 if isinstance(m, (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP)) or _loss.ours_is_set(m)
+                 if isinstance(m, (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP, FusedGateUpSwiGLUMLP))
+                 or _loss.ours_is_set(m)
                  or _rope.hooked(m)]
         if found:
             raise RuntimeError(

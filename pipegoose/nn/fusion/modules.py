@@ -1,6 +1,7 @@
 """Modules over the fused ops: Megatron's ``FusedScaleMaskSoftmax``, Apex/Megatron's ``MixedFusedLayerNorm`` /
 ``FusedLayerNorm`` (drop-ins for ``torch.nn.LayerNorm``), ``FusedRMSNorm`` (drop-in for ``torch.nn.RMSNorm``
-and transformers' Llama-style RMSNorm), ``FusedSwiGLUMLP`` (for transformers' Llama-style MLP) and
+and transformers' Llama-style RMSNorm), ``FusedSwiGLUMLP`` (for transformers' Llama-style MLP),
+``FusedGateUpSwiGLUMLP`` (for Phi-3's and GLM's MLP: gate and up in one ``gate_up_proj``) and
 ``FusedLinearCrossEntropyLoss`` (a language model's output projection and loss in one). Kernel sources:
 see :mod:`pipegoose.nn.fusion.functional`."""
 
@@ -23,7 +24,7 @@ from .ops._common import megatron_batches_per_block
 from .ops.layer_norm import normalize_shape
 
 __all__ = ["AttnMaskType", "FusedScaleMaskSoftmax", "MixedFusedLayerNorm", "FusedLayerNorm", "FusedRMSNorm",
-           "FusedSwiGLUMLP", "FusedLinearCrossEntropyLoss"]
+           "FusedSwiGLUMLP", "FusedGateUpSwiGLUMLP", "FusedLinearCrossEntropyLoss"]
 
 
 class AttnMaskType(enum.Enum):
@@ -558,10 +559,68 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         return new
 
 
-class FusedSwiGLUMLP(_DropsFuseRecord, nn.Module):
+class _FusedSwiGLUBase(_DropsFuseRecord, nn.Module):
+    """What the fused SwiGLU MLPs share: their projections (``_PROJECTIONS``, checked and held in that order), the op
+    whose ``impl`` they take (``_OP``), the activation module of the MLP they were built from (``_act_name``, one of
+    ``_ACTIVATIONS``; held, not called, unless replaced or hooked since), and :meth:`_from_mlp`."""
+
+    _PROJECTIONS: tuple[str, ...] = ()
+    _ACTIVATIONS: tuple[str, ...] = ()
+    _OP = ""
+    _act_name: str | None = None   # the MLP's activation attribute (from_module sets the one the MLP has)
+
+    def _hold(self, projections: Sequence[Any], impl: str | None) -> None:
+        for name, m in zip(self._PROJECTIONS, projections):
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"{name}: expected a torch.nn.Module, got {type(m).__name__}")
+        dispatch.check_impl(self._OP, impl)
+        for name, m in zip(self._PROJECTIONS, projections):
+            setattr(self, name, m)
+        self.impl = impl
+
+    def _changed_activation(self) -> nn.Module | None:
+        """The MLP's activation module where it was replaced, or given forward hooks, since the probe vouched for
+        it (the fused module then runs it, as the original MLP would), else None."""
+        act = self._modules.get(self._act_name) if self._act_name is not None else None
+        if act is not None and (act is not self.__dict__.get("_probed_act") or act._forward_hooks
+                                or act._forward_pre_hooks):
+            return act
+        return None
+
+    def extra_repr(self) -> str:
+        return f"impl={self.impl!r}" if self.impl is not None else ""
+
+    @classmethod
+    def _from_mlp(cls, mlp: nn.Module, impl: str | None, verify: bool):
+        """:meth:`from_module` of either class (see there)."""
+        from .transformers.matching import probe_swiglu_mlp
+
+        children = dict(mlp.named_children()) if isinstance(mlp, nn.Module) else {}
+        missing = [n for n in cls._PROJECTIONS if not isinstance(children.get(n), nn.Module)]
+        if missing:
+            names = ", ".join(cls._PROJECTIONS[:-1]) + " and " + cls._PROJECTIONS[-1]
+            raise TypeError(f"mlp: expected a module with submodules {names}, got {type(mlp).__name__} without "
+                            f"{', '.join(missing)}")
+        if verify:
+            probe = probe_swiglu_mlp(mlp)
+            if not probe.ok:
+                raise ValueError(f"mlp: {type(mlp).__name__} does not pass the SwiGLU probe: {probe.reason}; "
+                                 "verify=False skips this check")
+        new = cls(*(children[n] for n in cls._PROJECTIONS), impl=impl)
+        new._modules = dict(mlp._modules)   # every child, in the original's order
+        # the activation the probe found to be SiLU (not a submodule of its own: an attribute state_dict does not see)
+        act_name = next((n for n in cls._ACTIVATIONS if isinstance(mlp._modules.get(n), nn.Module)), None)
+        new.__dict__["_act_name"] = act_name   # (None: the MLP has none; an activation added while fused is not run)
+        new.__dict__["_probed_act"] = mlp._modules.get(act_name) if act_name is not None else None
+        new.training = mlp.training
+        return new
+
+
+class FusedSwiGLUMLP(_FusedSwiGLUBase):
     """The SwiGLU MLP ``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the activation and product in one kernel
     (:func:`pipegoose.nn.fusion.functional.swiglu`): what ``fuse`` puts in place of transformers' ``LlamaMLP`` and
-    its copies (Mistral, Qwen2, Qwen3, ...).
+    its copies (Mistral, Qwen2, Qwen3, ...). :class:`FusedGateUpSwiGLUMLP` is the same for gate and up in one
+    projection (Phi-3, GLM).
 
     Args:
         gate_proj, up_proj: modules mapping ``[..., hidden]`` to ``[..., intermediate]`` (``torch.nn.Linear`` in
@@ -582,28 +641,22 @@ class FusedSwiGLUMLP(_DropsFuseRecord, nn.Module):
         ValueError: ``impl`` naming no implementation of ``swiglu``.
     """
 
+    _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+    _ACTIVATIONS = ("act_fn",)
+    _OP = "swiglu"
+    _act_name = "act_fn"
+
     def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, *,
                  impl: str | None = None) -> None:
         super().__init__()
-        for name, m in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
-            if not isinstance(m, nn.Module):
-                raise TypeError(f"{name}: expected a torch.nn.Module, got {type(m).__name__}")
-        dispatch.check_impl("swiglu", impl)
-        self.gate_proj = gate_proj
-        self.up_proj = up_proj
-        self.down_proj = down_proj
-        self.impl = impl
+        self._hold((gate_proj, up_proj, down_proj), impl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = self._modules.get("act_fn")
-        if act is not None and (act is not self.__dict__.get("_probed_act") or act._forward_hooks
-                                or act._forward_pre_hooks):
+        act = self._changed_activation()
+        if act is not None:
             # an act_fn replaced or hooked since the probe vouched for it: run it, as the original MLP would
             return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(PF.swiglu(self.gate_proj(x), self.up_proj(x), impl=self.impl))
-
-    def extra_repr(self) -> str:
-        return f"impl={self.impl!r}" if self.impl is not None else ""
 
     @classmethod
     def from_module(cls, mlp: nn.Module, *, impl: str | None = None, verify: bool = True) -> "FusedSwiGLUMLP":
@@ -619,24 +672,76 @@ class FusedSwiGLUMLP(_DropsFuseRecord, nn.Module):
             TypeError: ``mlp`` lacks a ``gate_proj``, ``up_proj`` or ``down_proj`` submodule.
             ValueError: with ``verify``, the probe finds another computation (the message gives its reason).
         """
-        from .transformers.matching import SWIGLU_PROJECTIONS, probe_swiglu_mlp
+        return cls._from_mlp(mlp, impl, verify)
 
-        children = dict(mlp.named_children()) if isinstance(mlp, nn.Module) else {}
-        missing = [n for n in SWIGLU_PROJECTIONS if not isinstance(children.get(n), nn.Module)]
-        if missing:
-            raise TypeError(f"mlp: expected a module with submodules gate_proj, up_proj and down_proj, got "
-                            f"{type(mlp).__name__} without {', '.join(missing)}")
-        if verify:
-            probe = probe_swiglu_mlp(mlp)
-            if not probe.ok:
-                raise ValueError(f"mlp: {type(mlp).__name__} does not pass the SwiGLU probe: {probe.reason}; "
-                                 "verify=False skips this check")
-        new = cls(children["gate_proj"], children["up_proj"], children["down_proj"], impl=impl)
-        new._modules = dict(mlp._modules)   # every child, in the original's order
-        # the act_fn the probe found to be SiLU (not a submodule of its own: an attribute state_dict does not see)
-        new.__dict__["_probed_act"] = mlp._modules.get("act_fn")
-        new.training = mlp.training
-        return new
+
+class FusedGateUpSwiGLUMLP(_FusedSwiGLUBase):
+    """The SwiGLU MLP with gate and up in one projection, ``down_proj(silu(gate) * up)`` of ``gate, up =
+    gate_up_proj(x).chunk(2, dim=-1)``, with the activation and product in one kernel
+    (:func:`pipegoose.nn.fusion.functional.silu_and_mul`, op ``swiglu.packed``): what ``fuse`` puts in place of
+    transformers' ``Phi3MLP`` (Phi-3, Phi-4-mini) and ``GlmMLP`` / ``Glm4MLP`` (GLM).
+
+    Args:
+        gate_up_proj: a module mapping ``[..., hidden]`` to ``[..., 2 * intermediate]``, gate the first half of the
+            last dimension and up the second (``torch.nn.Linear`` in transformers' models; any module works), held
+            as it is: the same object, so parameters, optimizers and ``state_dict`` keys (``gate_up_proj.weight``,
+            ...) are unchanged.
+        down_proj: ``[..., intermediate]`` -> ``[..., hidden]``.
+        impl: force an implementation of op ``swiglu.packed`` (``pipegoose``, ``torch``; any case), default auto
+            (``PIPEGOOSE_IMPL_SWIGLU_PACKED``, then ``PIPEGOOSE_IMPL_SWIGLU``, choose one for the process).
+
+    ``forward(x [..., hidden])`` -> ``[..., hidden]``, in the projections' result dtype: fp32, fp16 or bf16 take the
+    kernel (fp64 the reference). The activation runs our kernel where the dispatcher chooses it (CUDA, at least
+    ``PIPEGOOSE_SMALL_NUMEL`` elements of ``gate_up_proj``'s output), reading the two halves where they lie and
+    returning their gradient as one tensor, else ``gate, up = h.chunk(2, -1); F.silu(gate) * up``; the kernel computes
+    each value in fp32 and rounds it once (eager PyTorch in 16-bit rounds ``silu(gate)`` first: about one unit in the
+    last place apart). Built by :meth:`from_module`, it keeps the MLP's activation (``activation_fn``, Phi-3's and
+    GLM's name, or ``act_fn``) without calling it; one replaced, or given forward hooks, while fused is called as the
+    original MLP would (``down_proj(up * activation_fn(gate))``, no kernel). Kernel: pipegoose/swiglu
+    (pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
+
+    Raises (when constructed):
+        TypeError: a projection that is not a ``torch.nn.Module``; ``impl`` not a str or None.
+        ValueError: ``impl`` naming no implementation of ``swiglu.packed``.
+    Raises (forward): ValueError where ``gate_up_proj``'s output has an odd last dimension (no two halves).
+    """
+
+    _PROJECTIONS = ("gate_up_proj", "down_proj")
+    _ACTIVATIONS = ("activation_fn", "act_fn")
+    _OP = "swiglu.packed"
+    _act_name = "activation_fn"
+
+    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module, *, impl: str | None = None) -> None:
+        super().__init__()
+        self._hold((gate_up_proj, down_proj), impl)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = self._changed_activation()
+        if act is not None:
+            # an activation replaced or hooked since the probe vouched for it: run it, as the original MLP would
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(up * act(gate))
+        return self.down_proj(PF.silu_and_mul(self.gate_up_proj(x), impl=self.impl))
+
+    @classmethod
+    def from_module(cls, mlp: nn.Module, *, impl: str | None = None, verify: bool = True) -> "FusedGateUpSwiGLUMLP":
+        """A fused module holding ``mlp``'s children, the same objects in the same order (its activation too, which
+        it does not call: ``named_modules()`` and ``state_dict`` keys are unchanged), and its training flag.
+
+        ``verify`` (default True): ``mlp`` must pass the probe that ``fuse`` runs
+        (``transformers.matching.probe_swiglu_mlp``: its forward, with small random projections on CPU, against
+        ``down_proj(silu(gate) * up)`` of ``gate, up = gate_up_proj(x).chunk(2, -1)``, gate and up past +-50, in
+        training and eval mode), so that a ``gate_up_proj`` MLP of another activation (Zamba2's GELU), a clamped one
+        (``swiglu_limit``: MiniMax-M3's), one with up as the first half or with other submodules, parameters or
+        forward arguments is refused instead of silently replaced. ``verify=False`` takes the module on the caller's
+        word.
+
+        Raises:
+            TypeError: ``mlp`` lacks a ``gate_up_proj`` or ``down_proj`` submodule.
+            ValueError: with ``verify``, the probe finds another computation (the message gives its reason);
+                ``impl`` naming no implementation of ``swiglu.packed``.
+        """
+        return cls._from_mlp(mlp, impl, verify)
 
 
 class FusedLinearCrossEntropyLoss(nn.Module):

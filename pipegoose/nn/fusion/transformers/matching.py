@@ -9,17 +9,21 @@
 * Attention: the model types whose attention goes through transformers' ``AttentionInterface`` and whose math
   our attention function reproduces (:data:`ATTENTION_MODEL_TYPES`); others are reported with the reason.
 * SwiGLU MLP: found by what a module computes, as RMSNorm is. A candidate has children named ``gate_proj``,
-  ``up_proj`` and ``down_proj`` (Llama, Mistral, Qwen2/Qwen3 and their copies); it is accepted when it has no other
-  child than an activation ``act_fn``, no parameter or buffer of its own, a forward that takes the input alone, and,
-  run on CPU in fp32 with small random ``torch.nn.Linear`` stand-ins for the three projections, gives
-  ``down_proj(silu(gate_proj(x)) * up_proj(x))``, in training mode and in eval mode (a dropout that runs only in
-  training is caught either way). The probe's input gives gate and up of either sign beyond +-50 as well as small
-  ones, and ``act_fn`` is checked on [-6, 6] and out to +-100, so that a clamp (``swiglu_limit``) or another bend the
-  formula lacks shows. Gemma's GELU MLP, MLPs with dropout and MLPs whose ``act_fn`` has hooks (which the fused module
-  would not run) are reported as not SwiGLU, with the reason; so are clamped SwiGLU MLPs (DeepseekV4, Glm5Next,
-  Step3p7, BailingHybrid), refused up front where the module names its limit (``swiglu_limit``, ``limit``: not None)
-  or its forward reads a config's ``swiglu_limit``/``swiglu_limits*``. MLPs with gate and up in one ``gate_up_proj``
-  (Phi-3, GLM) are candidates refused with that reason (a row in the report, not fused).
+  ``up_proj`` and ``down_proj`` (Llama, Mistral, Qwen2/Qwen3 and their copies), or ``gate_up_proj`` and
+  ``down_proj`` (gate and up in one projection: Phi-3, Phi-4-mini, GLM, GLM-4); it is accepted when it has no other
+  child than an activation (``act_fn``; in the second layout ``activation_fn`` or ``act_fn``, one of them), no
+  parameter or buffer of its own, a forward that takes the input alone, and, run on CPU in fp32 with small random
+  ``torch.nn.Linear`` stand-ins for the projections, gives ``down_proj(silu(gate_proj(x)) * up_proj(x))``, or
+  ``down_proj(silu(gate) * up)`` of ``gate, up = gate_up_proj(x).chunk(2, -1)`` (gate the first half), in training
+  mode and in eval mode (a dropout that runs only in training is caught either way). The probe's input gives gate and
+  up of either sign beyond +-50 as well as small ones, and the activation is checked on [-6, 6] and out to +-100, so
+  that a clamp (``swiglu_limit``) or another bend the formula lacks shows. Gemma's GELU MLP, MLPs with dropout and
+  MLPs whose activation has hooks (which the fused module would not run) are reported as not SwiGLU, with the reason;
+  so are clamped SwiGLU MLPs (DeepseekV4, Glm5Next, Step3p7, BailingHybrid, MiniMax-M3's ``gate_up_proj`` MLP),
+  refused up front where the module names its limit (``swiglu_limit``, ``limit``: not None) or its forward reads a
+  config's ``swiglu_limit``/``swiglu_limits*``, and ``gate_up_proj`` MLPs of another kind (Zamba2's, with GELU, an
+  adapter submodule and a ``layer_idx`` argument; Phi-4-multimodal's audio MLP, with a norm and dropout inside and up
+  as the first half).
 """
 
 from __future__ import annotations
@@ -353,71 +357,96 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
 # --------------------------------------------------------------------------------------------------------------------
 SWIGLU_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 GATE_UP_PROJECTIONS = ("gate_up_proj", "down_proj")   # Phi-3, GLM: gate and up in one projection
+# the names the activation module of each layout may have (the fused module keeps it, not called): Llama's act_fn;
+# Phi-3's and GLM's activation_fn, or act_fn (Zamba2's, Phi-4-multimodal's audio MLP)
+SWIGLU_ACTIVATIONS = ("act_fn",)
+GATE_UP_ACTIVATIONS = ("activation_fn", "act_fn")
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A SwiGLU MLP layout the probe knows: its projections (``down_proj`` last), the names its activation module may
+    have, the fused module that takes it (for the reasons) and the formula it must compute."""
+
+    projections: tuple[str, ...]
+    activations: tuple[str, ...]
+    fused: str
+    formula: str
+
+
+_SEPARATE = _Layout(SWIGLU_PROJECTIONS, SWIGLU_ACTIVATIONS, "FusedSwiGLUMLP",
+                    "down_proj(silu(gate_proj(x)) * up_proj(x))")
+_PACKED = _Layout(GATE_UP_PROJECTIONS, GATE_UP_ACTIVATIONS, "FusedGateUpSwiGLUMLP",
+                  "down_proj(silu(gate) * up) with gate, up = gate_up_proj(x).chunk(2, -1)")
+
+
+def _swiglu_layout(children: dict) -> _Layout | None:
+    """The layout whose projections ``children`` (a module's, by name) hold: gate_proj, up_proj and down_proj first
+    (a module holding these and a gate_up_proj too is probed as that layout, and refused for the extra submodule), then
+    gate_up_proj and down_proj; None for neither."""
+    for layout in (_SEPARATE, _PACKED):
+        if all(isinstance(children.get(n), nn.Module) for n in layout.projections):
+            return layout
+    return None
 
 
 @dataclass(frozen=True)
 class SwiGLUProbe:
     """Result of :func:`probe_swiglu_mlp`: ``ok``, or not with the ``reason``; ``candidate`` says whether the module
-    has the three projections, or ``gate_up_proj`` and ``down_proj`` (worth a row in the report)."""
+    has the three projections, or ``gate_up_proj`` and ``down_proj`` (worth a row in the report); ``packed`` that it
+    has the second layout (gate and up in one ``gate_up_proj``: ``FusedGateUpSwiGLUMLP``, op ``swiglu.packed``)."""
 
     ok: bool
     reason: str
     candidate: bool
+    packed: bool = False
 
 
 @rng_kept
 def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
-    """Check whether ``module`` computes ``down_proj(silu(gate_proj(x)) * up_proj(x))`` (see the module docstring).
+    """Check whether ``module`` computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``, or, with gate and up in one
+    projection (Phi-3, GLM), ``down_proj(silu(gate) * up)`` of ``gate, up = gate_up_proj(x).chunk(2, -1)`` (gate the
+    first half; see the module docstring).
 
-    The module itself is not run: a shallow stand-in sharing its class and attributes, whose three projections are
-    small random fp32 ``torch.nn.Linear`` modules on CPU and whose ``act_fn`` is ``torch.nn.SiLU()`` (once the
+    The module itself is not run: a shallow stand-in sharing its class and attributes, whose projections are small
+    random fp32 ``torch.nn.Linear`` modules on CPU (``gate_up_proj``: hidden -> 2 * intermediate) and whose activation
+    (``act_fn``; in the ``gate_up_proj`` layout ``activation_fn`` or ``act_fn``) is ``torch.nn.SiLU()`` (once the
     module's own is found to compute SiLU, through its ``forward`` directly), is, through ``forward`` directly, in
     training and in eval mode: no hook of the module or its children fires, and its projections, which may be large or
     on a GPU, are not touched. The input has small rows and rows whose gate and up reach beyond +-``PROBE_FAR`` (50)
     on each side (:func:`_swiglu_probe_input`), so a clamp of gate or up at a plausible limit changes the output; a
-    module naming a clamp limit is refused before that (:func:`_swiglu_clamp`). A module with ``gate_up_proj`` and
-    ``down_proj`` (Phi-3, GLM: gate and up in one projection) is a candidate, refused with that reason. Never raises.
+    module naming a clamp limit is refused before that (:func:`_swiglu_clamp`): MiniMax-M3's clamped ``gate_up_proj``
+    MLP, say. Never raises.
     """
     children = dict(module.named_children())
-    if not all(isinstance(children.get(n), nn.Module) for n in SWIGLU_PROJECTIONS):
-        if all(isinstance(children.get(n), nn.Module) for n in GATE_UP_PROJECTIONS):
-            # Phi-3, GLM: a gated MLP whose gate and up come out of one projection (a row, not a candidate for the
-            # fused module, which holds the projections it was given)
-            # (its activation and formula are not probed: Zamba2's GELU, MiniMax-M3's clamped variant have this
-            # layout too, so the reason names the layout alone; a review)
-            return SwiGLUProbe(False, "gate and up in one gate_up_proj: not fused (FusedSwiGLUMLP takes separate "
-                               "gate_proj and up_proj; this layout's activation is not checked)", True)
+    layout = _swiglu_layout(children)
+    if layout is None:
         return SwiGLUProbe(False, "", False)
+    packed = layout is _PACKED
+
+    def refused(reason: str) -> SwiGLUProbe:
+        return SwiGLUProbe(False, reason, True, packed)
+
     clamp = _swiglu_clamp(module)
     if clamp is not None:
-        return SwiGLUProbe(False, clamp, True)
-    other = [n for n in children if n not in SWIGLU_PROJECTIONS and n != "act_fn"]
+        return refused(clamp)
+    other = [n for n in children if n not in layout.projections and n not in layout.activations]
     if other:
-        return SwiGLUProbe(False, f"has submodules besides the projections and act_fn ({', '.join(other)}): not the "
-                           "plain SwiGLU MLP", True)
+        return refused(f"has submodules besides the projections and {' or '.join(layout.activations)} "
+                       f"({', '.join(other)}): not the plain SwiGLU MLP")
+    acts = [n for n in layout.activations if n in children]
+    if len(acts) > 1:
+        return refused(f"has two activations ({', '.join(acts)}): not the plain SwiGLU MLP")
     if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
-        return SwiGLUProbe(False, "has parameters or buffers of its own: not the plain SwiGLU MLP", True)
+        return refused("has parameters or buffers of its own: not the plain SwiGLU MLP")
     extra = _extra_forward_arguments(type(module))
     if extra:
-        return SwiGLUProbe(False, f"forward takes more than the input ({', '.join(extra)}): FusedSwiGLUMLP takes the "
-                           "input alone", True)
-    act = children.get("act_fn")
-    if act is not None:
-        if act._forward_hooks or act._forward_pre_hooks or getattr(act, "_forward_hooks_with_kwargs", None):
-            return SwiGLUProbe(False, "act_fn has forward hooks, which FusedSwiGLUMLP (one kernel for the activation "
-                               "and the product) would not run", True)
-        # the curve near 0 and far out on either side (a clamp past 6, or any other bend, shows)
-        t = torch.cat([torch.linspace(-6.0, 6.0, 25), torch.tensor(ACT_FAR)])
-        try:
-            with torch.no_grad():
-                # its forward, not __call__ (no hook fires); a copy of t: nn.SiLU(inplace=True) must not change it
-                a = type(act).forward(act, t.clone())
-        except Exception as exc:  # noqa: BLE001
-            return SwiGLUProbe(False, f"probe of act_fn failed: {type(exc).__name__}: {exc}", True)
-        if not isinstance(a, torch.Tensor) or a.shape != t.shape or not torch.allclose(
-                a.double(), torch.nn.functional.silu(t.double()), atol=1e-6, rtol=1e-5):
-            return SwiGLUProbe(False, f"act_fn ({type(act).__name__}) is not SiLU: a gated MLP of another activation "
-                               "(GeGLU, say), which the SwiGLU kernel does not compute", True)
+        return refused(f"forward takes more than the input ({', '.join(extra)}): {layout.fused} takes the input "
+                       "alone")
+    if acts:
+        why = _not_silu(children[acts[0]], acts[0], layout.fused)
+        if why is not None:
+            return refused(why)
     hidden, inter = 8, 12
     gen = torch.Generator().manual_seed(4321)
 
@@ -431,18 +460,25 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
                 lin.bias.copy_(torch.randn(n_out, generator=gen) * 0.1)
         return lin
 
-    stand = {"gate_proj": linear(hidden, inter, children["gate_proj"]),
-             "up_proj": linear(hidden, inter, children["up_proj"]),
-             "down_proj": linear(inter, hidden, children["down_proj"])}
+    widths = {"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "gate_up_proj": (hidden, 2 * inter),
+              "down_proj": (inter, hidden)}
+    stand = {n: linear(*widths[n], children[n]) for n in layout.projections}
+    if packed:   # gate and up: the halves of gate_up_proj's rows (and bias)
+        gate_up = stand["gate_up_proj"]
+        biases = (None, None) if gate_up.bias is None else gate_up.bias.chunk(2)
+        (gate_w, up_w), (gate_b, up_b) = gate_up.weight.chunk(2), biases
+    else:
+        gate_w, gate_b, up_w, up_b = (stand["gate_proj"].weight, stand["gate_proj"].bias, stand["up_proj"].weight,
+                                      stand["up_proj"].bias)
     stand_in = object.__new__(type(module))
     stand_in.__dict__.update(module.__dict__)
     for name in ("forward", "_hf_hook", "_old_forward"):
         stand_in.__dict__.pop(name, None)
     object.__setattr__(stand_in, "_parameters", {})
     object.__setattr__(stand_in, "_buffers", {})
-    silu = {"act_fn": nn.SiLU()} if act is not None else {}
+    silu = {acts[0]: nn.SiLU()} if acts else {}
     object.__setattr__(stand_in, "_modules", {**children, **stand, **silu})
-    x = _swiglu_probe_input(stand, gen)
+    x = _swiglu_probe_input(gate_w, up_w, gen)
     ys = []
     for training in (True, False):   # a forward that reads self.training (functional dropout) differs in one
         stand_in.__dict__["training"] = training
@@ -450,28 +486,47 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
             with torch.no_grad():
                 ys.append(stand_in.forward(x))
         except Exception as exc:  # noqa: BLE001 - a forward we cannot run we cannot vouch for
-            return SwiGLUProbe(False, f"probe forward ({'training' if training else 'eval'} mode) failed: "
-                               f"{type(exc).__name__}: {exc}", True)
+            return refused(f"probe forward ({'training' if training else 'eval'} mode) failed: "
+                           f"{type(exc).__name__}: {exc}")
     with torch.no_grad():
-        xd = x.double()
-        g = torch.nn.functional.linear(xd, stand["gate_proj"].weight.double(), _b(stand["gate_proj"]))
-        u = torch.nn.functional.linear(xd, stand["up_proj"].weight.double(), _b(stand["up_proj"]))
-        ref = torch.nn.functional.linear(torch.nn.functional.silu(g) * u, stand["down_proj"].weight.double(),
-                                         _b(stand["down_proj"]))
+        F = torch.nn.functional
+        xd, down = x.double(), stand["down_proj"]
+        h = F.silu(F.linear(xd, gate_w.double(), _double(gate_b))) * F.linear(xd, up_w.double(), _double(up_b))
+        ref = F.linear(h, down.weight.double(), _double(down.bias))
         # fp32 rounding of the stand-in's products: relative to the sum of the magnitudes each output adds up (its
         # elements reach 1e4 on the large rows and may cancel to near 0)
-        scale = torch.nn.functional.linear((torch.nn.functional.silu(g) * u).abs(),
-                                           stand["down_proj"].weight.double().abs())
-        if stand["down_proj"].bias is not None:
-            scale = scale + stand["down_proj"].bias.double().abs()
+        scale = F.linear(h.abs(), down.weight.double().abs())
+        if down.bias is not None:
+            scale = scale + down.bias.double().abs()
     for mode, y in zip(("training", "eval"), ys):
         if not isinstance(y, torch.Tensor) or y.shape != ref.shape:
-            return SwiGLUProbe(False, f"probe output ({mode} mode) is not a tensor of the input's shape", True)
+            return refused(f"probe output ({mode} mode) is not a tensor of the input's shape")
         if not bool(((y.double() - ref).abs() <= 1e-5 + 1e-4 * scale).all()):
             err = (y.double() - ref).abs().max().item()
-            return SwiGLUProbe(False, f"output ({mode} mode) differs from down_proj(silu(gate_proj(x)) * up_proj(x)) "
-                               f"(max abs diff {err:.3g})", True)
-    return SwiGLUProbe(True, "probe output equals down_proj(silu(gate_proj(x)) * up_proj(x))", True)
+            return refused(f"output ({mode} mode) differs from {layout.formula} (max abs diff {err:.3g})")
+    return SwiGLUProbe(True, f"probe output equals {layout.formula}", True, packed)
+
+
+def _not_silu(act: nn.Module, name: str, fused: str) -> str | None:
+    """Why the activation module ``act`` (the MLP's attribute ``name``) is not one the fused module ``fused`` may
+    keep without calling it, or None: forward hooks (which the fused module would not run), or not SiLU, checked
+    through its ``forward`` (no hook fires) near 0 and far out on either side (a clamp past 6, or any other bend,
+    shows)."""
+    if act._forward_hooks or act._forward_pre_hooks or getattr(act, "_forward_hooks_with_kwargs", None):
+        return (f"{name} has forward hooks, which {fused} (one kernel for the activation and the product) would not "
+                "run")
+    t = torch.cat([torch.linspace(-6.0, 6.0, 25), torch.tensor(ACT_FAR)])
+    try:
+        with torch.no_grad():
+            # its forward, not __call__ (no hook fires); a copy of t: nn.SiLU(inplace=True) must not change it
+            a = type(act).forward(act, t.clone())
+    except Exception as exc:  # noqa: BLE001
+        return f"probe of {name} failed: {type(exc).__name__}: {exc}"
+    if not isinstance(a, torch.Tensor) or a.shape != t.shape or not torch.allclose(
+            a.double(), torch.nn.functional.silu(t.double()), atol=1e-6, rtol=1e-5):
+        return (f"{name} ({type(act).__name__}) is not SiLU: a gated MLP of another activation (GeGLU, say), which "
+                "the SwiGLU kernel does not compute")
+    return None
 
 
 # where the act_fn check looks besides [-6, 6]: far enough that a clamp of the gate at any plausible limit shows, and
@@ -481,20 +536,21 @@ ACT_FAR = [-100.0, -60.0, -30.0, -15.0, -10.0, -8.0, 8.0, 10.0, 15.0, 30.0, 60.0
 PROBE_FAR = 50.0
 
 
-def _swiglu_probe_input(stand: dict, gen: torch.Generator) -> torch.Tensor:
-    """The probe's input [4, 3, hidden]: rows 0-1 small (gate and up within a few units, the curve near 0), rows 2-3
+def _swiglu_probe_input(gate_w: torch.Tensor, up_w: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """The probe's input [4, 3, hidden] for the stand-in's gate and up weights (``gate_up_proj``'s halves in that
+    layout): rows 0-1 small (gate and up within a few units, the curve near 0), rows 2-3
     scaled so that gate and up, from the stand-in projections, each reach +-2 * PROBE_FAR on their weaker side (with
     the probe's generator, gate and up span about -240..150 with biases, -150..150 without): a clamp of gate, up or
     the activation at any plausible limit, of either sign, changes the output (a review: the probe's gate stayed below
     ~5, so DeepseekV4's clamp at swiglu_limit=10 passed). Deterministic: from ``gen`` alone. fp32: |silu(g) * u| stays
     below 1e4."""
-    hidden = stand["gate_proj"].in_features
+    hidden = gate_w.shape[1]
     small = torch.randn(2, 3, hidden, generator=gen) * 2.0
     big = torch.randn(2, 3, hidden, generator=gen)
     with torch.no_grad():
         lo = float("inf")
-        for name in ("gate_proj", "up_proj"):
-            v = torch.nn.functional.linear(big, stand[name].weight)    # bias aside: it is small (0.1 scale)
+        for w in (gate_w, up_w):
+            v = torch.nn.functional.linear(big, w)    # bias aside: it is small (0.1 scale)
             lo = min(lo, float(v.max()), float(-v.min()))
     big = big * (2.0 * PROBE_FAR / max(lo, 1e-3))     # the weaker side of gate and up at 2 * PROBE_FAR
     return torch.cat([small, big])
@@ -552,8 +608,8 @@ def _swiglu_clamp(module: nn.Module) -> str | None:
     return None
 
 
-def _b(lin: nn.Linear) -> torch.Tensor | None:
-    return None if lin.bias is None else lin.bias.double()
+def _double(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.double()
 
 
 __all__ = ["ATTENTION_MODEL_TYPES", "ATTENTION_SKIP_REASONS", "RMSNormProbe", "SwiGLUProbe", "attention_support",
