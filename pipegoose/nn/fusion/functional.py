@@ -293,7 +293,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> 
 def silu_and_mul(x: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
     """SwiGLU's gated activation of gate and up packed in one tensor (op ``swiglu.packed``; vLLM's name):
     ``gate, up = x.chunk(2, dim=-1); F.silu(gate) * up`` in one kernel forward and one backward. In an MLP whose gate
-    and up come out of one projection (Phi-3, GLM): ``down_proj(silu_and_mul(gate_up_proj(x)))``.
+    and up come out of one projection (Phi-3, GLM): ``down_proj(silu_and_mul(gate_up_proj(x)))``, what
+    :class:`~pipegoose.nn.fusion.modules.FusedGateUpSwiGLUMLP` runs.
 
     Args:
         x: ``[..., 2 * d]`` (gate the first ``d`` values of each row, up the last ``d``), fp32, fp16, bf16 (the

@@ -13,7 +13,8 @@ Implementations (op ``swiglu``): ``pipegoose`` (pipegoose/kernels/csrc/swiglu.cu
 
 Op ``swiglu.packed`` (:func:`pipegoose.nn.fusion.functional.silu_and_mul`, vLLM's name): the same activation of gate
 and up as the two halves of one tensor's last dimension, ``silu(x[..., :d]) * x[..., d:]``, as Phi-3's and GLM's MLPs
-compute it after their ``gate_up_proj``. The kernel reads the halves where they lie (rows at any stride) and returns the
+compute it after their ``gate_up_proj`` (``fuse`` puts :class:`~pipegoose.nn.fusion.modules.FusedGateUpSwiGLUMLP`, on
+this op, in their place). The kernel reads the halves where they lie (rows at any stride) and returns the
 gradient of ``x`` as one tensor; eager PyTorch runs ``chunk``, ``silu`` and the product, and its backward
 concatenates the two halves' gradients (one more read and write of ``x``'s size). Same numerics as ``swiglu``. It
 saves ``x`` for the backward (eager PyTorch saves ``gate``'s ``silu`` besides: one tensor of the intermediate size per
