@@ -1,4 +1,5 @@
-"""The main job on CPU: the real pretrained all-MiniLM-L6-v2 (offline), and a small random Llama."""
+"""The main job on CPU: the real pretrained all-MiniLM-L6-v2 (offline), and small random Llama, Phi-3, ...
+models."""
 
 from __future__ import annotations
 
@@ -21,6 +22,15 @@ def test_demo_config_name_cpu(capsys):
     assert demo.main(["--model", "llama", "--device", "cpu", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "FusedRMSNorm" in out and "PASS" in out
+
+
+def test_demo_phi3_cpu(capsys):
+    """The small random Phi-3: its MLPs, gate and up in one gate_up_proj, are
+    fused (FusedGateUpSwiGLUMLP; one swiglu.packed call a layer), with its norms and RoPE; parity holds."""
+    assert demo.main(["--model", "phi3", "--device", "cpu", "--steps", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())   # (the console wraps at a blank)
+    assert "Phi3Model" in out and "FusedGateUpSwiGLUMLP" in out and "FusedRMSNorm" in out and "PASS" in out, out
+    assert "'swiglu.packed': {'torch': 4}" in out, out
 
 
 @pytest.mark.parametrize("columns", [60, 100])
