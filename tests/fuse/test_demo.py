@@ -25,8 +25,8 @@ def test_demo_config_name_cpu(capsys):
 
 
 def test_demo_phi3_cpu(capsys):
-    """The small random Phi-3: its MLPs, gate and up in one gate_up_proj, are
-    fused (FusedGateUpSwiGLUMLP; one swiglu.packed call a layer), with its norms and RoPE; parity holds."""
+    """The small random Phi-3: its MLPs, gate and up in one gate_up_proj, are fused (FusedGateUpSwiGLUMLP; one
+    swiglu.packed call a layer), with its norms and RoPE; parity holds."""
     assert demo.main(["--model", "phi3", "--device", "cpu", "--steps", "1"]) == 0
     out = " ".join(capsys.readouterr().out.split())   # (the console wraps at a blank)
     assert "Phi3Model" in out and "FusedGateUpSwiGLUMLP" in out and "FusedRMSNorm" in out and "PASS" in out, out

@@ -375,6 +375,20 @@ def test_a_gate_up_proj_mlp_is_fused_exactly_and_unfused(model_type, dtype):
     assert torch.equal(again[0], ref[0]) and all(torch.equal(again[2][n], ref[2][n]) for n in ref[2])
 
 
+def test_a_copy_of_a_model_with_fused_gate_up_mlps_cannot_be_unfused_and_says_why():
+    import copy
+
+    model, mlps = _gate_up_lm("phi3")
+    fuse(model, ops=["swiglu"])
+    twin = copy.deepcopy(model)
+    assert "_pipegoose_original" not in twin.model.layers[0].mlp.__dict__
+    with pytest.raises(RuntimeError, match=r"holds fused modules \(model\.layers\.0\.mlp and 1 more\).*copy of a "
+                                           r"fused model"):
+        unfuse(twin)
+    assert type(twin.model.layers[0].mlp) is FusedGateUpSwiGLUMLP     # nothing changed
+    assert unfuse(model) and model.model.layers[0].mlp is mlps["model.layers.0.mlp"]
+
+
 def test_a_phi3_model_fused_whole_counts_its_mlps():
     """fuse(model) with every default kind: the MLPs are fused and counted in the share (they were "not counted"),
     next to the norms and RoPE; a dry run says the same and changes nothing; ops without swiglu counts them as not
