@@ -31,8 +31,8 @@ multiplication, by 0.5 and by 1, over the same kind of lists: 1 to 3 * 65536 + 5
 of 1024), empty ones, views at odd offsets) and ``pipegoose/swiglu`` (forward and backward of 1 to 300007
 elements: whole vectors, tails, several blocks; views at odd offsets: the scalar path; silu_and_mul's forward and
 backward over ``SILU_AND_MUL_CASES``: d of 1 to 28673 values, the vector and the scalar kernel, rows of a wider tensor
-from an aligned and a misaligned column, rows of an odd stride, more rows than one pass of the grid (its loop over
-rows), and x and grad_output expanded from one row (row stride 0)) and ``pipegoose/cross_entropy``
+from an aligned and a misaligned column, rows of an odd stride, many rows (66050 blocks), and x and grad_output
+expanded from one row (row stride 0)) and ``pipegoose/cross_entropy``
 (forward and backward over 1 to 151936 classes, the backward's long rows split over 2 to 8 blocks, rows at a stride
 that misaligns every other row, ignored and out-of-range targets, the reduced forward's mean and sum, and the
 backward's grad_loss at stride 0) and ``pipegoose/rope`` (forward and backward of q
@@ -77,9 +77,8 @@ RMS_PARAM_CASES = ((True, True), (False, True), (True, False))
 # column ``offset`` (0, 0: contiguous). One row of one value a half; odd d (the scalar kernel); one vector a half (8);
 # rows of d = 1000 (vectors) and 1001 (scalar); a Llama-2-70B MLP row (28672: a row over several blocks) and an odd one;
 # rows of a wider tensor from column 3 (misaligned: scalar) and 8 (aligned, strided: vectors); rows of 2d + 1 values
-# (an odd row stride: scalar); 131075 rows of 129 values (256 threads along a row, one row a block: more rows than one
-# pass of the grid of 65535 blocks covers, so the blocks loop; tests/kernels/test_norm_spec_lists.py checks it against
-# swiglu.cu's launch plan).
+# (an odd row stride: scalar); 131075 rows of 129 values (the scalar kernel over 66050 blocks, the last one partial;
+# tests/kernels/test_norm_spec_lists.py checks that the cases reach these paths).
 SILU_AND_MUL_CASES = ((1, 1, 0, 0), (3, 7, 0, 0), (5, 8, 0, 0), (37, 1000, 0, 0), (37, 1001, 0, 0), (3, 28672, 0, 0),
                       (2, 28673, 0, 0), (37, 1000, 3, 5), (37, 1000, 8, 8), (37, 1000, 0, 1), (131075, 129, 0, 0))
 

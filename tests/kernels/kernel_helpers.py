@@ -1,14 +1,12 @@
 """Helpers of the kernel tests: a throw-away manifest with tiny kernels (builder tests); the norm backward's
 specialised widths (NORM_SPEC_*: GPU tests; all three checked against norm_kernels.cuh by
 tests/kernels/test_norm_spec_lists.py); a stable seed per test key and the allocator poisoning of the elementwise
-kernels' GPU tests (SwiGLU, RoPE); silu_and_mul's launch geometry, read from swiglu.cu (its GPU tests and the
-sanitizer's cases of rows past one pass of the grid)."""
+kernels' GPU tests (SwiGLU, RoPE)."""
 
 from __future__ import annotations
 
 import gc
 import math
-import re
 import textwrap
 import zlib
 from pathlib import Path
@@ -125,28 +123,3 @@ def require_free_gpu_memory(gib: float, device: str = "cuda") -> None:
     free, _ = torch.cuda.mem_get_info(device)
     if free < gib * 2**30:
         pytest.skip(f"needs {gib:g} GiB of free GPU memory, {free / 2**30:.1f} GiB free")
-
-
-SWIGLU_CU = Path(__file__).resolve().parents[2] / "pipegoose" / "kernels" / "csrc" / "swiglu.cu"
-
-
-def silu_and_mul_launch(d_vec: int) -> tuple[int, int]:
-    """(rows one block takes per step, the most blocks along the rows) of silu_and_mul's launch over rows of ``d_vec``
-    vectors (values where a thread takes one at a time), as ``launch_silu_and_mul`` in pipegoose/kernels/csrc/swiglu.cu
-    plans it: tx threads along a row (the power of two from 1 that reaches ``d_vec`` or kThreads), ty = kThreads / tx
-    rows, kUnroll rows per thread, gridDim.y at most 65535 (the rows past step * 65535 are taken by the blocks' loop).
-    The constants are read from the source, so that a case of rows past one pass of the grid stays one when kThreads,
-    kUnroll or the cap change."""
-    src = SWIGLU_CU.read_text(encoding="utf-8")
-    found = {name: re.search(pattern, src) for name, pattern in (
-        ("threads", r"#define PIPEGOOSE_SWIGLU_THREADS (\d+)\n"),
-        ("unroll", r"#define PIPEGOOSE_SWIGLU_UNROLL (\d+)\n"),
-        ("grid_y", r"std::min<int64_t>\(\(rows \+ row_step - 1\) / row_step, (\d+)\)"),
-        ("tx_rule", r"while \(tx < kThreads && tx < d_vec\) tx \*= 2;\s+const int ty = kThreads / tx;"))}
-    missing = [name for name, m in found.items() if m is None]
-    assert not missing, f"{SWIGLU_CU}: silu_and_mul's launch plan is not as this helper reads it ({', '.join(missing)})"
-    threads, unroll, grid_y = (int(found[k].group(1)) for k in ("threads", "unroll", "grid_y"))
-    tx = 1
-    while tx < threads and tx < d_vec:
-        tx *= 2
-    return threads // tx * unroll, grid_y

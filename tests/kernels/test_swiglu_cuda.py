@@ -13,9 +13,9 @@ element is checked finite, so an element a kernel does not write shows up.
 The same for gate and up packed in one tensor, ``pipegoose::silu_and_mul_forward(x [..., 2d]) -> [..., d]``,
 ``silu_and_mul_backward(grad_output, x) -> grad_x [..., 2d]`` and the autograd op ``pipegoose::silu_and_mul``: d from
 1 to 28673 (the 16-byte vectors where d allows them, one value a thread otherwise: which kernel ran is read from a
-profile), 1-d to 4-d x, rows of a wider tensor (aligned or not), copied layouts, rows at stride 0, rows past one pass
-of the grid (gridDim.y's loop), grad_output of other layouts and dtypes, empty x, the argument checks, opcheck, a
-double backward, 2**31 and more elements; every result also bit for bit that of the two-tensor ops on the halves.
+profile), 1-d to 4-d x, rows of a wider tensor (aligned or not), copied layouts, rows at stride 0, many rows, 2**32
+and more vectors or values (the kernel's 64-bit indices), grad_output of other layouts and dtypes, empty x, the
+argument checks, opcheck, a double backward, 2**31 and more elements; every result also bit for bit that of the two-tensor ops on the halves.
 
 Run on the GPU machine: ``python -m pytest -m cuda tests/kernels/test_swiglu_cuda.py -q`` (builds the kernel on first
 use; ``python -m pipegoose.kernels build pipegoose/swiglu`` first saves time).
@@ -29,7 +29,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import poison, require_free_gpu_memory, seed_of, silu_and_mul_launch
+from kernel_helpers import poison, require_free_gpu_memory, seed_of
 from tolerances import TOLERANCES, tol
 
 pytestmark = pytest.mark.cuda
@@ -507,22 +507,41 @@ def vector_width(dtype):
     return 16 // torch.empty((), dtype=dtype).element_size()
 
 
-def packed_widths(fn) -> list[int]:
-    """The values per access (the template argument V: 1 for the scalar kernel, 4 or 8 for the 16-byte vectors) of the
-    silu_and_mul kernels that ``fn()`` launches, in launch order (torch.profiler's kernel names:
-    ``silu_and_mul_kernel<T, V, backward>``)."""
+def _packed_kernels(fn) -> list[str]:
+    """The names of the silu_and_mul kernels that ``fn()`` launches, in launch order (torch.profiler's)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    # demangled ("silu_and_mul_kernel<c10::Half, 8, true>(...)") or, should a profiler leave it so, mangled
-    # ("silu_and_mul_kernelIN3c104HalfELi8ELb1EE...")
-    found = (re.search(r"silu_and_mul_kernel(?:<[^,<>]+,\s*(\d+)\s*,|I(?:f|N3c10\d+\w+?E)Li(\d+)E)", n) for n in names)
-    widths = [int(m.group(1) or m.group(2)) for m in found if m]
-    assert widths, f"no silu_and_mul kernel among the launches: {names}"
-    return widths
+    found = [n for n in names if "silu_and_mul_kernel" in n]
+    assert found, f"no silu_and_mul kernel among the launches: {names}"
+    return found
+
+
+def packed_launches(fn) -> list[tuple[int, bool]]:
+    """(values per access, 64-bit indices) of each silu_and_mul kernel that ``fn()`` launches, in launch order: the
+    template arguments V (1 for the scalar kernel, 4 or 8 for the 16-byte vectors) and ``wide`` of
+    ``silu_and_mul_kernel<T, V, backward, wide>`` in torch.profiler's kernel names."""
+    names = _packed_kernels(fn)
+    # demangled ("silu_and_mul_kernel<c10::Half, 8, true, false>(...)") or, should a profiler leave it so, mangled
+    # ("silu_and_mul_kernelIN3c104HalfELi8ELb1ELb0EEv...")
+    found = [re.search(r"silu_and_mul_kernel(?:<[^,<>]+,\s*(\d+)\s*,\s*(?:true|false)\s*,\s*(true|false)\s*>"
+                       r"|I(?:f|N3c10\d+\w+?E)Li(\d+)ELb[01]ELb([01])EE)", n) for n in names]
+    assert all(found), f"a silu_and_mul kernel name this test does not read: {names}"
+    return [(int(m.group(1) or m.group(3)), (m.group(2) or m.group(4)) in ("true", "1")) for m in found]
+
+
+def packed_widths(fn) -> list[int]:
+    """The values per access (V) of the silu_and_mul kernels that ``fn()`` launches (:func:`packed_launches`)."""
+    return [width for width, _ in packed_launches(fn)]
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Every element of ``t`` finite, checked 2**28 elements at a time (no bool tensor of t's size)."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + 2**28]).all()) for i in range(0, flat.numel(), 2**28))
 
 
 # d = 1 (one value a half), odd d (7, 9, 1001, 28673: the scalar kernel), d a multiple of 4 but not of 8 (12: fp32's
@@ -703,24 +722,22 @@ def test_packed_autograd_op_without_grad_and_in_inference_mode(ops):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d", ["vector", 1, 129], ids=str)
-def test_packed_rows_past_one_pass_of_the_grid(ops, dtype, d):
-    """More rows than one pass of the grid covers (gridDim.y is capped at 65535; each block then loops over the rows,
-    kernel_helpers.silu_and_mul_launch): rows of one vector (ty = 256 rows a block), of one value (the scalar kernel,
-    ty = 256) and of 129 values (the scalar kernel, 256 threads along a row, ty = 1), two whole blocks and 3 rows past
-    the pass. Every element written, against float64 (on the GPU, in slices of rows), forward and backward."""
+def test_packed_many_rows(ops, dtype, d):
+    """786435 rows of one vector, of one value (the scalar kernel) and of 129 values (the scalar kernel, rows across
+    blocks of 256 threads): thousands of blocks, the last one partial, 32-bit indices. Every element written, against
+    float64 (on the GPU, in slices of rows), forward and backward."""
     require_free_gpu_memory(8)
     v = vector_width(dtype)
     d = v if d == "vector" else d
     width = v if d % v == 0 else 1
-    step, grid_y = silu_and_mul_launch(d // width)
-    rows = step * grid_y + 2 * step + 3
+    rows = 3 * 2**18 + 3
     x, dy = make_packed((rows, 2 * d), dtype, seed_of("packed rows", d, dtype))
     got = {}
 
     def run():
         got["y"], got["dx"] = run_packed(ops, x, dy)
 
-    assert packed_widths(run) == [width, width]
+    assert packed_launches(run) == [(width, False), (width, False)]
     y, dx = got["y"], got["dx"]
     for name, t in (("out", y), ("grad_x", dx)):
         assert t.is_contiguous() and bool(torch.isfinite(t).all()), f"{name}: not written everywhere ({rows} rows)"
@@ -730,6 +747,49 @@ def test_packed_rows_past_one_pass_of_the_grid(ops, dtype, d):
         ry, rdx = ref64_packed(x[s], dy[s], device=DEV)
         check(f"out[{start}:]", y[s], ry, dtype)
         check(f"grad_x[{start}:]", dx[s], rdx, dtype)
+
+
+@pytest.mark.parametrize("case", ["one row of 2**31 + 3 values", "2**32 + 4101 values in rows of 1025"])
+def test_packed_64_bit_vector_indices(ops, case):
+    """The kernel's 64-bit indices (its ``wide`` instantiation), taken where a row has more than 2**31 vectors or the
+    output 2**32 or more: bf16, the scalar kernel (odd d: a thread a value), one row of 2**31 + 3 values (x 8.6 GB) and
+    2**22 + 5 rows of 1025 values (4,299,166,725 values; x 17.2 GB). Forward and backward: finite everywhere (every
+    element written over poisoned memory), against float64 at the start, around output element 2**32 and at the end."""
+    dtype = torch.bfloat16
+    if case.startswith("one row"):
+        require_free_gpu_memory(26)
+        rows, d = 1, 2**31 + 3
+        pieces = [(0, slice(0, 4096)), (0, slice(d - 4096, d))]
+    else:
+        require_free_gpu_memory(44)
+        rows, d = 2**22 + 5, 1025
+        r32 = 2**32 // d   # the row holding output element 2**32
+        pieces = [(r, slice(0, d)) for r in (0, r32 - 1, r32, r32 + 1, rows - 1)]
+    gen = torch.Generator(device=DEV).manual_seed(31)
+    x = torch.randn(rows, 2 * d, generator=gen, device=DEV, dtype=dtype) * 2
+    got = {}
+
+    def forward():
+        poison(((rows, d), dtype))
+        got["y"] = ops.silu_and_mul_forward(x)
+
+    assert packed_launches(forward) == [(1, True)]
+    y = got.pop("y")
+    assert y.shape == (rows, d) and all_finite(y), f"{case}: out not written everywhere"
+    for r, cols in pieces:
+        xs = torch.cat((x[r, cols], x[r, d + cols.start:d + cols.stop]))[None]
+        check(f"{case}: out[{r}, {cols.start}:{cols.stop}]", y[r, cols][None], ref64_packed(xs), dtype)
+    del y
+    dy = torch.randn(rows, d, generator=gen, device=DEV, dtype=dtype)
+    poison(((rows, 2 * d), dtype))
+    dx = ops.silu_and_mul_backward(dy, x)
+    assert dx.shape == (rows, 2 * d) and all_finite(dx), f"{case}: grad_x not written everywhere"
+    for r, cols in pieces:
+        xs = torch.cat((x[r, cols], x[r, d + cols.start:d + cols.stop]))[None]
+        _, want = ref64_packed(xs, dy[r, cols][None])
+        got_dx = torch.cat((dx[r, cols], dx[r, d + cols.start:d + cols.stop]))[None]
+        check(f"{case}: grad_x[{r}, {cols.start}:{cols.stop}]", got_dx, want, dtype)
+    del dx
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -855,7 +915,7 @@ def test_packed_double_backward(ops, dtype):
 def test_packed_more_than_2_31_elements(ops):
     """bf16 x of 2**21 + 5 rows of 2 x 1024 values (2**32 + 10240 elements, 8.6 GB), out of 2**31 + 5120: offsets past
     2**31 in x, out, grad_output and grad_x; the vector kernel (x aligned) and the scalar one (x at element offset 1:
-    256 threads along a row, the rows in gridDim.y's loop), against float64 on rows at the start, around element
+    a thread a value), against float64 on rows at the start, around element
     2**31 of x and of out, and at the end, and finite everywhere (written)."""
     require_free_gpu_memory(40)
     d, rows = 1024, 2**21 + 5

@@ -26,9 +26,9 @@
 // The same math per value as above. x's rows may lie at any stride (the output of a linear layer sliced, a row of a
 // wider tensor) provided its leading dimensions flatten to one row index with a stride and its last dimension is
 // contiguous; otherwise it is copied to a contiguous tensor first. grad_output likewise. Outputs are contiguous.
-// Rows of d values go to blocks of kThreads threads as tx threads along a row (16-byte vectors where d, the row
-// strides and every pointer allow; one value per thread otherwise) by ty = kThreads / tx rows, each thread loading
-// kUnroll rows before it computes; gridDim.y (at most 65535) steps over the rows. Errors (RuntimeError naming the
+// One thread per 16-byte vector of the output's rows (where d, the row strides and every pointer allow; one value per
+// thread otherwise), kThreads a block, its row and column from its index by a division (32-bit multiply-and-shift
+// below 2^32 vectors, 64-bit beyond). Errors (RuntimeError naming the
 // argument): not CUDA, devices differ, dtype not fp32/fp16/bf16, x of no dimension or an odd last dimension,
 // grad_output not of x's shape with the last dimension halved.
 #include <ATen/ATen.h>
@@ -195,56 +195,70 @@ struct Rows {
   int64_t stride;
 };
 
+// Unsigned 32-bit division by a divisor fixed for a launch, as a multiply and a shift (Granlund and Montgomery's
+// round-up multiplier): with shift = ceil(log2(div)) and mul = floor(2^32 * (2^shift - div) / div) + 1,
+// n / div = (umulhi(n, mul) + n) >> shift (the sum in 64 bits), exact for every n < 2^32 and 1 <= div <= 2^31.
+struct DivU32 {
+  uint32_t div, mul, shift;
+};
+
+DivU32 make_div(uint32_t div) {
+  uint32_t shift = 0;
+  while ((uint64_t{1} << shift) < div) ++shift;
+  const uint64_t mul = ((uint64_t{1} << 32) * ((uint64_t{1} << shift) - div)) / div + 1;
+  return {div, static_cast<uint32_t>(mul), shift};
+}
+
+__device__ __forceinline__ uint32_t divide(uint32_t n, DivU32 f) {
+  return static_cast<uint32_t>((static_cast<uint64_t>(__umulhi(n, f.mul)) + n) >> f.shift);
+}
+
 // Forward (kBackward false): y[r, c] = silu(x[r, c]) * x[r, c + d].
 // Backward: (dx[r, c], dx[r, c + d]) = swiglu's (grad_gate, grad_up) of (dy[r, c], x[r, c], x[r, c + d]).
-// c is a column in units of V values; threads (threadIdx.x, threadIdx.y) of block (bx, by) take column
-// bx * blockDim.x + threadIdx.x of rows r0 + k * blockDim.y + threadIdx.y, k < kUnroll, for r0 stepping from
-// by * blockDim.y * kUnroll by gridDim.y * blockDim.y * kUnroll.
-template <typename T, int V, bool kBackward>
+// Thread i of the grid takes vector i of the output's rows x d_vec vectors (V values each): row i / d_vec, column
+// i % d_vec, so every lane has work but the last block's tail (a launch of 2D blocks, tx along a row and ty rows,
+// left lanes idle where d_vec is not a multiple of tx: 69-88% of copy backward on the H100 at intermediate sizes
+// 1408-5632, against 100-103% for this one, session 65). kWide: 64-bit vector indices and division, where the
+// vectors are 2^32 or more (or d_vec more than 2^31); else 32-bit ones and DivU32.
+template <typename T, int V, bool kBackward, bool kWide>
 __global__ void __launch_bounds__(kThreads)
-    silu_and_mul_kernel(Rows<const T> x, Rows<const T> dy, Rows<T> out, int64_t rows, int64_t d_vec, int64_t d) {
+    silu_and_mul_kernel(Rows<const T> x, Rows<const T> dy, Rows<T> out, int64_t total, DivU32 f, int64_t d_vec,
+                        int64_t d) {
   using P = Pack<T, V>;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= d_vec) return;
-  const int64_t col = c * V;
-  const int64_t row_step = static_cast<int64_t>(blockDim.y) * kUnroll;
-  for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * row_step; r0 < rows;
-       r0 += static_cast<int64_t>(gridDim.y) * row_step) {
-    P g[kUnroll], u[kUnroll], dv[kUnroll];
+  int64_t row, col;
+  if constexpr (kWide) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+    if (i >= total) return;
+    row = i / d_vec;
+    col = (i - row * d_vec) * V;
+  } else {
+    const uint32_t i = blockIdx.x * static_cast<uint32_t>(kThreads) + threadIdx.x;
+    if (i >= static_cast<uint32_t>(total)) return;
+    const uint32_t r = divide(i, f);
+    row = r;
+    col = static_cast<int64_t>(i - r * f.div) * V;
+  }
+  const T* xr = x.p + row * x.stride + col;
+  const P g = *reinterpret_cast<const P*>(xr);
+  const P u = *reinterpret_cast<const P*>(xr + d);
+  T* orow = out.p + row * out.stride + col;
+  if constexpr (kBackward) {
+    const P dv = *reinterpret_cast<const P*>(dy.p + row * dy.stride + col);
+    P dg, du;
 #pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      const int64_t r = r0 + static_cast<int64_t>(k) * blockDim.y + threadIdx.y;
-      if (r < rows) {
-        const T* xr = x.p + r * x.stride + col;
-        g[k] = *reinterpret_cast<const P*>(xr);
-        u[k] = *reinterpret_cast<const P*>(xr + d);
-        if constexpr (kBackward) dv[k] = *reinterpret_cast<const P*>(dy.p + r * dy.stride + col);
-      }
+    for (int e = 0; e < V; ++e) {
+      float a, b;
+      bwd_math(to_f<T>(dv.v[e]), to_f<T>(g.v[e]), to_f<T>(u.v[e]), a, b);
+      dg.v[e] = from_f<T>(a);
+      du.v[e] = from_f<T>(b);
     }
+    *reinterpret_cast<P*>(orow) = dg;
+    *reinterpret_cast<P*>(orow + d) = du;
+  } else {
+    P y;
 #pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      const int64_t r = r0 + static_cast<int64_t>(k) * blockDim.y + threadIdx.y;
-      if (r < rows) {
-        T* orow = out.p + r * out.stride + col;
-        if constexpr (kBackward) {
-          P dg, du;
-#pragma unroll
-          for (int e = 0; e < V; ++e) {
-            float a, b;
-            bwd_math(to_f<T>(dv[k].v[e]), to_f<T>(g[k].v[e]), to_f<T>(u[k].v[e]), a, b);
-            dg.v[e] = from_f<T>(a);
-            du.v[e] = from_f<T>(b);
-          }
-          *reinterpret_cast<P*>(orow) = dg;
-          *reinterpret_cast<P*>(orow + d) = du;
-        } else {
-          P y;
-#pragma unroll
-          for (int e = 0; e < V; ++e) y.v[e] = from_f<T>(fwd_math(to_f<T>(g[k].v[e]), to_f<T>(u[k].v[e])));
-          *reinterpret_cast<P*>(orow) = y;
-        }
-      }
-    }
+    for (int e = 0; e < V; ++e) y.v[e] = from_f<T>(fwd_math(to_f<T>(g.v[e]), to_f<T>(u.v[e])));
+    *reinterpret_cast<P*>(orow) = y;
   }
 }
 
@@ -269,20 +283,24 @@ at::Tensor as_rows(const at::Tensor& t, int64_t cols) {
   return cols > 1 && r.stride(1) != 1 ? r.contiguous() : r;
 }
 
-// The launch over rows x d values (V values a thread along a row).
+// The launch over rows x d values: one thread for each V of them (a vector, or a value), kThreads a block.
 template <typename T, int V, bool kBackward>
 void launch_silu_and_mul(Rows<const T> x, Rows<const T> dy, Rows<T> out, int64_t rows, int64_t d,
                          cudaStream_t stream) {
   const int64_t d_vec = d / V;
-  int tx = 1;
-  while (tx < kThreads && tx < d_vec) tx *= 2;
-  const int ty = kThreads / tx;
-  const int64_t gx = (d_vec + tx - 1) / tx;
-  const int64_t row_step = static_cast<int64_t>(ty) * kUnroll;
-  const int64_t gy = std::min<int64_t>((rows + row_step - 1) / row_step, 65535);
-  PG_CHECK(gx <= INT32_MAX, kBackward ? kSamBwd : kSamFwd, ": rows of ", d, " values are more than one launch covers");
-  silu_and_mul_kernel<T, V, kBackward><<<dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
-                                         dim3(tx, ty), 0, stream>>>(x, dy, out, rows, d_vec, d);
+  const int64_t total = rows * d_vec;
+  const int64_t blocks = (total + kThreads - 1) / kThreads;
+  PG_CHECK(blocks <= INT32_MAX, kBackward ? kSamBwd : kSamFwd, ": ", rows, " rows of ", d,
+           " values are more than one launch covers");
+  // (32-bit indices where every thread's index, the last block's idle ones too, is below 2^32)
+  const bool wide = blocks * kThreads > static_cast<int64_t>(UINT32_MAX) || d_vec > (int64_t{1} << 31);
+  const DivU32 f = wide ? DivU32{0, 0, 0} : make_div(static_cast<uint32_t>(d_vec));
+  const dim3 grid(static_cast<unsigned>(blocks));
+  if (wide) {
+    silu_and_mul_kernel<T, V, kBackward, true><<<grid, kThreads, 0, stream>>>(x, dy, out, total, f, d_vec, d);
+  } else {
+    silu_and_mul_kernel<T, V, kBackward, false><<<grid, kThreads, 0, stream>>>(x, dy, out, total, f, d_vec, d);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
