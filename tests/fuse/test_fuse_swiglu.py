@@ -515,3 +515,49 @@ def test_an_extra_submodule_on_a_phi3_mlp_is_skipped_with_the_reason():
     assert rows["model.layers.1.mlp"].fused and model.model.layers[0].mlp is odd
     assert type(model.model.layers[1].mlp) is FusedGateUpSwiGLUMLP
     assert unfuse(model) and model.model.layers[1].mlp is mlps["model.layers.1.mlp"]
+
+
+class _FunctionActMLP(nn.Module):
+    """A SwiGLU MLP whose activation is a function attribute (``self.act_fn = F.silu``), not a submodule."""
+
+    def __init__(self, packed: bool, hidden: int = 16, inter: int = 24):
+        super().__init__()
+        self.packed = packed
+        if packed:
+            self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+            self.activation_fn = torch.nn.functional.silu
+        else:
+            self.gate_proj = nn.Linear(hidden, inter, bias=False)
+            self.up_proj = nn.Linear(hidden, inter, bias=False)
+            self.act_fn = torch.nn.functional.silu
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        if self.packed:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(up * self.activation_fn(gate))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["gate_proj", "gate_up_proj"])
+@pytest.mark.parametrize("replacement", ["module", "function"])
+def test_a_function_activation_replaced_while_fused_is_run_and_carried_back(packed, replacement):
+    """An MLP holding its activation as a function attribute is fused; an activation assigned over it while fused (a
+    module, or another function) is run as the MLP's forward would run it, and unfuse() hands it back to the MLP, so
+    fused and unfused agree before and after (before, the fused module ran SiLU regardless and unfuse then switched
+    to the new activation; a review)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_FunctionActMLP(packed))
+    x = torch.randn(3, 16)
+    want = model(x)
+    report = fuse(model, ops=["swiglu"])
+    assert [r.fused for r in report.rows] == [True]
+    torch.testing.assert_close(model(x), want)
+    name = "activation_fn" if packed else "act_fn"
+    new_act = nn.GELU() if replacement == "module" else torch.nn.functional.gelu
+    setattr(model[0], name, new_act)
+    fused_out = model(x)
+    assert not torch.allclose(fused_out, want), "the replaced activation did not run"
+    unfuse(model)
+    assert getattr(model[0], name) is new_act
+    torch.testing.assert_close(model(x), fused_out, rtol=0, atol=0)

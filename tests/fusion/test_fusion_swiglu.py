@@ -1306,7 +1306,16 @@ def test_silu_and_mul_fake_impls_refuse_what_the_kernels_refuse():
               r"grad_output: expected shape \(4, 3\) \(x's with the last dimension halved\), got \(4, 6\)"),
              (lambda: ops.silu_and_mul_backward(meta(12), x), r"grad_output: expected shape \(4, 3\) .*got \(12,\)"),
              (lambda: ops.silu_and_mul_backward(meta(4, 3), meta(4, 7)), r"x: expected an even last dimension, got 7"),
-             (lambda: ops.silu_and_mul(meta(4, 3).requires_grad_()), r"x: expected an even last dimension, got 3")]
+             (lambda: ops.silu_and_mul(meta(4, 3).requires_grad_()), r"x: expected an even last dimension, got 3"),
+             # the kernels' dtype and device checks (a review: the fakes returned a tensor for these)
+             (lambda: ops.silu_and_mul_forward(meta(4, 6).double()), r"x: expected float32, float16 or bfloat16"),
+             (lambda: ops.silu_and_mul_forward(meta(4, 6).int()), r"x: expected float32, float16 or bfloat16"),
+             (lambda: ops.silu_and_mul_backward(meta(4, 3).int(), x), r"grad_output: expected a floating point"),
+             (lambda: ops.silu_and_mul_backward(torch.empty(4, 3), x), r"grad_output: on cpu, expected x's device"),
+             (lambda: ops.swiglu_forward(meta(4, 6).double(), meta(4, 6).double()),
+              r"gate: expected float32, float16 or bfloat16"),
+             (lambda: ops.swiglu_backward(meta(4, 6).int(), meta(4, 6), meta(4, 6)),
+              r"grad_output: expected a floating point")]
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):
             call()

@@ -15,7 +15,8 @@ The same for gate and up packed in one tensor, ``pipegoose::silu_and_mul_forward
 1 to 28673 (the 16-byte vectors where d allows them, one value a thread otherwise: which kernel ran is read from a
 profile), 1-d to 4-d x, rows of a wider tensor (aligned or not), copied layouts, rows at stride 0, many rows, 2**32
 and more vectors or values (the kernel's 64-bit indices), grad_output of other layouts and dtypes, empty x, the
-argument checks, opcheck, a double backward, 2**31 and more elements; every result also bit for bit that of the two-tensor ops on the halves.
+argument checks, opcheck, a double backward, 2**31 and more elements; every result also bit for bit that of the
+two-tensor ops on the halves.
 
 Run on the GPU machine: ``python -m pytest -m cuda tests/kernels/test_swiglu_cuda.py -q`` (builds the kernel on first
 use; ``python -m pipegoose.kernels build pipegoose/swiglu`` first saves time).
@@ -749,22 +750,29 @@ def test_packed_many_rows(ops, dtype, d):
         check(f"grad_x[{start}:]", dx[s], rdx, dtype)
 
 
-@pytest.mark.parametrize("case", ["one row of 2**31 + 3 values", "2**32 + 4101 values in rows of 1025"])
-def test_packed_64_bit_vector_indices(ops, case):
+@pytest.mark.parametrize("case", ["one row of 2**31 + 3 values", "2**32 + 4101 values in rows of 1025",
+                                  "2**32 - 4191235 values in rows of 1023"])
+def test_packed_vector_indices_near_and_past_2_32(ops, case):
     """The kernel's 64-bit indices (its ``wide`` instantiation), taken where a row has more than 2**31 vectors or the
-    output 2**32 or more: bf16, the scalar kernel (odd d: a thread a value), one row of 2**31 + 3 values (x 8.6 GB) and
-    2**22 + 5 rows of 1025 values (4,299,166,725 values; x 17.2 GB). Forward and backward: finite everywhere (every
-    element written over poisoned memory), against float64 at the start, around output element 2**32 and at the end."""
+    threads 2**32 or more, and its 32-bit ones just below that (the multiply-and-shift division of indices past 2**31):
+    bf16, the scalar kernel (odd d: a thread a value): one row of 2**31 + 3 values (x 8.6 GB; wide), 2**22 + 5 rows
+    of 1025 values (4,299,166,725 values, x 17.2 GB; wide) and 2**22 + 3 rows of 1023 values (4,290,776,061 values,
+    the last block's threads still below 2**32; 32-bit). Forward and backward: finite everywhere (every element
+    written over poisoned memory), against float64 at the start, around output element 2**31 (and 2**32) and at the
+    end."""
     dtype = torch.bfloat16
     if case.startswith("one row"):
         require_free_gpu_memory(26)
-        rows, d = 1, 2**31 + 3
-        pieces = [(0, slice(0, 4096)), (0, slice(d - 4096, d))]
+        rows, d, wide = 1, 2**31 + 3, True
+        pieces = [(0, slice(0, 4096)), (0, slice(2**31 - 2048, 2**31 + 2048)), (0, slice(d - 4096, d))]
     else:
         require_free_gpu_memory(44)
-        rows, d = 2**22 + 5, 1025
-        r32 = 2**32 // d   # the row holding output element 2**32
-        pieces = [(r, slice(0, d)) for r in (0, r32 - 1, r32, r32 + 1, rows - 1)]
+        rows, d, wide = (2**22 + 5, 1025, True) if "1025" in case else (2**22 + 3, 1023, False)
+        marks = (2**31 // d, 2**32 // d)   # the rows holding output elements 2**31 and 2**32
+        pieces = [(r, slice(0, d)) for r in sorted({0, *(m + k for m in marks for k in (-1, 0, 1)), rows - 1})
+                  if r < rows]
+    # (the kernel's rule, the scalar kernel's threads a value each: 32-bit where the last block's stay below 2**32)
+    assert (-(-rows * d // 256) * 256 > 2**32 - 1 or d > 2**31) == wide
     gen = torch.Generator(device=DEV).manual_seed(31)
     x = torch.randn(rows, 2 * d, generator=gen, device=DEV, dtype=dtype) * 2
     got = {}
@@ -773,7 +781,7 @@ def test_packed_64_bit_vector_indices(ops, case):
         poison(((rows, d), dtype))
         got["y"] = ops.silu_and_mul_forward(x)
 
-    assert packed_launches(forward) == [(1, True)]
+    assert packed_launches(forward) == [(1, wide)]
     y = got.pop("y")
     assert y.shape == (rows, d) and all_finite(y), f"{case}: out not written everywhere"
     for r, cols in pieces:

@@ -12,7 +12,23 @@ from __future__ import annotations
 import torch
 
 
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _kernel_dtype(t: torch.Tensor, name: str) -> None:
+    torch._check(t.dtype in _KERNEL_DTYPES, lambda: f"{name}: expected float32, float16 or bfloat16, got {t.dtype}")
+
+
+def _grad_output(grad_output: torch.Tensor, like: torch.Tensor, name: str) -> None:
+    torch._check(grad_output.dtype.is_floating_point,
+                 lambda: f"grad_output: expected a floating point tensor, got {grad_output.dtype}")
+    torch._check(grad_output.device == like.device,
+                 lambda: f"grad_output: on {grad_output.device}, expected {name}'s device {like.device}")
+
+
 def _pair(gate: torch.Tensor, up: torch.Tensor) -> None:
+    _kernel_dtype(gate, "gate")
+    torch._check(gate.device == up.device, lambda: f"up: on {up.device}, expected gate's device {gate.device}")
     torch._check(gate.shape == up.shape,
                  lambda: f"up: expected gate's shape {tuple(gate.shape)}, got {tuple(up.shape)}")
     torch._check(gate.dtype == up.dtype, lambda: f"up: expected gate's dtype {gate.dtype}, got {up.dtype}")
@@ -27,6 +43,7 @@ def _forward_fake(gate, up):
 @torch.library.register_fake("pipegoose::swiglu_backward")
 def _backward_fake(grad_output, gate, up):
     _pair(gate, up)
+    _grad_output(grad_output, gate, "gate")
     torch._check(grad_output.shape == gate.shape,
                  lambda: f"grad_output: expected gate's shape {tuple(gate.shape)}, got {tuple(grad_output.shape)}")
     return (torch.empty(gate.shape, dtype=gate.dtype, device=gate.device),
@@ -40,6 +57,7 @@ def _fake(gate, up):
 
 
 def _half_shape(x: torch.Tensor) -> tuple:
+    _kernel_dtype(x, "x")
     torch._check(x.dim() >= 1, lambda: "x: expected at least one dimension (gate and up are the halves of the last)")
     torch._check(x.shape[-1] % 2 == 0, lambda: f"x: expected an even last dimension, got {x.shape[-1]}")
     return (*x.shape[:-1], x.shape[-1] // 2)
@@ -53,6 +71,7 @@ def _packed_forward_fake(x):
 @torch.library.register_fake("pipegoose::silu_and_mul_backward")
 def _packed_backward_fake(grad_output, x):
     half = _half_shape(x)
+    _grad_output(grad_output, x, "x")
     torch._check(tuple(grad_output.shape) == half,
                  lambda: f"grad_output: expected shape {half} (x's with the last dimension halved), got "
                  f"{tuple(grad_output.shape)}")

@@ -217,8 +217,8 @@ __device__ __forceinline__ uint32_t divide(uint32_t n, DivU32 f) {
 // Backward: (dx[r, c], dx[r, c + d]) = swiglu's (grad_gate, grad_up) of (dy[r, c], x[r, c], x[r, c + d]).
 // Thread i of the grid takes vector i of the output's rows x d_vec vectors (V values each): row i / d_vec, column
 // i % d_vec, so every lane has work but the last block's tail (a launch of 2D blocks, tx along a row and ty rows,
-// left lanes idle where d_vec is not a multiple of tx: 69-88% of copy backward on the H100 at intermediate sizes
-// 1408-5632, against 100-103% for this one, session 65). kWide: 64-bit vector indices and division, where the
+// left lanes idle where d_vec is not a multiple of tx: 69-87% of copy backward on the H100 at intermediate sizes
+// 1408-5632 in session 65's bf16 sweep, against 99-102% for this one). kWide: 64-bit vector indices and division, where the
 // vectors are 2^32 or more (or d_vec more than 2^31); else 32-bit ones and DivU32.
 template <typename T, int V, bool kBackward, bool kWide>
 __global__ void __launch_bounds__(kThreads)

@@ -14,8 +14,8 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   gate_up_proj(x).chunk(2, -1)`` (the same probe: transformers' ``Phi3MLP``, Phi-3 and Phi-4-mini, and ``GlmMLP`` /
   ``Glm4MLP``) -> ``FusedGateUpSwiGLUMLP`` (the same modules; op ``swiglu.packed``, whose implementation the row's
   columns show, ``PIPEGOOSE_IMPL_SWIGLU_PACKED`` or ``PIPEGOOSE_IMPL_SWIGLU`` forces); both are kind ``swiglu``.
-  Clamped SwiGLU (``swiglu_limit``), other activations (Gemma's, Zamba2's GELU) and MLPs with more inside get a skipped
-  row, not eligible;
+  Clamped SwiGLU (``swiglu_limit``), other activations (Gemma's GELU) and MLPs with more inside (Zamba2's adapters)
+  get a skipped row, not eligible;
 * the rotary position embedding of every attention module whose forward calls its modeling module's
   ``apply_rotary_pos_emb`` (Llama, Mistral, Qwen2, Qwen3, Gemma, GPT-NeoX with full rotary, ...), where that
   function is transformers' rotate-half RoPE (checked numerically): the module is not replaced but gets two hooks, and

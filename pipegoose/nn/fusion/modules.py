@@ -578,12 +578,19 @@ class _FusedSwiGLUBase(_DropsFuseRecord, nn.Module):
             setattr(self, name, m)
         self.impl = impl
 
-    def _changed_activation(self) -> nn.Module | None:
-        """The MLP's activation module where it was replaced, or given forward hooks, since the probe vouched for
-        it (the fused module then runs it, as the original MLP would), else None."""
-        act = self._modules.get(self._act_name) if self._act_name is not None else None
-        if act is not None and (act is not self.__dict__.get("_probed_act") or act._forward_hooks
-                                or act._forward_pre_hooks):
+    def _changed_activation(self) -> Any:
+        """The MLP's activation (a module, or a function attribute such as ``F.silu``) where it was replaced, or
+        given forward hooks, since the probe vouched for it (the fused module then runs it, as the original MLP
+        would), else None."""
+        name = self._act_name
+        if name is None:
+            return None
+        act = self._modules[name] if name in self._modules else self.__dict__.get(name)
+        if act is None:
+            return None
+        if act is not self.__dict__.get("_probed_act"):
+            return act
+        if isinstance(act, nn.Module) and (act._forward_hooks or act._forward_pre_hooks):
             return act
         return None
 
@@ -608,10 +615,14 @@ class _FusedSwiGLUBase(_DropsFuseRecord, nn.Module):
                                  "verify=False skips this check")
         new = cls(*(children[n] for n in cls._PROJECTIONS), impl=impl)
         new._modules = dict(mlp._modules)   # every child, in the original's order
-        # the activation the probe found to be SiLU (not a submodule of its own: an attribute state_dict does not see)
-        act_name = next((n for n in cls._ACTIVATIONS if isinstance(mlp._modules.get(n), nn.Module)), None)
+        # the activation the probe found to be SiLU (not a submodule of its own: an attribute state_dict does not see):
+        # a submodule, or a function attribute (``self.act_fn = F.silu``; fuse() carries it over with the MLP's other
+        # attributes, and back at unfuse), so that one assigned while fused is run as the MLP's forward would run it
+        # (before, only a submodule was watched: a module assigned over a function attribute was ignored; a review)
+        act_name = next((n for n in cls._ACTIVATIONS if n in mlp._modules or n in mlp.__dict__), None)
         new.__dict__["_act_name"] = act_name   # (None: the MLP has none; an activation added while fused is not run)
-        new.__dict__["_probed_act"] = mlp._modules.get(act_name) if act_name is not None else None
+        new.__dict__["_probed_act"] = (None if act_name is None else mlp._modules[act_name] if act_name in mlp._modules
+                                       else mlp.__dict__[act_name])
         new.training = mlp.training
         return new
 

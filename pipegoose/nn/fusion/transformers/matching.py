@@ -483,7 +483,9 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     for training in (True, False):   # a forward that reads self.training (functional dropout) differs in one
         stand_in.__dict__["training"] = training
         try:
-            with torch.no_grad():
+            # training mode with gradients on, as training runs it (a forward that branches on is_grad_enabled()
+            # differs in one; a review), eval mode without
+            with torch.set_grad_enabled(training):
                 ys.append(stand_in.forward(x))
         except Exception as exc:  # noqa: BLE001 - a forward we cannot run we cannot vouch for
             return refused(f"probe forward ({'training' if training else 'eval'} mode) failed: "
