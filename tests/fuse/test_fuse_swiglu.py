@@ -561,3 +561,14 @@ def test_a_function_activation_replaced_while_fused_is_run_and_carried_back(pack
     unfuse(model)
     assert getattr(model[0], name) is new_act
     torch.testing.assert_close(model(x), fused_out, rtol=0, atol=0)
+
+
+def test_a_gate_up_proj_of_odd_width_while_fused_names_gate_up_proj():
+    """A gate_up_proj that returns an odd width while fused (replaced by the user) is a ValueError naming
+    gate_up_proj and the input's shape, not silu_and_mul's "x" (a walkthrough)."""
+    model = nn.Sequential(_FunctionActMLP(packed=True))
+    fuse(model, ops=["swiglu"])
+    model[0].gate_up_proj = nn.Linear(16, 49, bias=False)
+    with pytest.raises(ValueError, match=r"^gate_up_proj: returned shape \[2, 5, 49\], expected an even last "
+                                         r"dimension .* input of shape \[2, 5, 16\]"):
+        model(torch.randn(2, 5, 16))

@@ -732,7 +732,11 @@ class FusedGateUpSwiGLUMLP(_FusedSwiGLUBase):
             # an activation replaced or hooked since the probe vouched for it: run it, as the original MLP would
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(up * act(gate))
-        return self.down_proj(PF.silu_and_mul(self.gate_up_proj(x), impl=self.impl))
+        h = self.gate_up_proj(x)
+        if isinstance(h, torch.Tensor) and not h.is_nested and h.dim() and h.shape[-1] % 2:   # (silu_and_mul's error would name "x")
+            raise ValueError(f"gate_up_proj: returned shape {list(h.shape)}, expected an even last dimension (gate "
+                             f"and up are its two halves) for the input of shape {list(x.shape)}")
+        return self.down_proj(PF.silu_and_mul(h, impl=self.impl))
 
     @classmethod
     def from_module(cls, mlp: nn.Module, *, impl: str | None = None, verify: bool = True) -> "FusedGateUpSwiGLUMLP":
