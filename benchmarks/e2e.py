@@ -25,8 +25,8 @@ Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse
 session 54's ``fuse_sdpa_rope``, the kernel's partial path when that was opt-in),
 ``compile_sdpa`` (``torch.compile(model)``, compile time in the warm-up, reported separately), ``liger``
 (``apply_liger_kernel_to_llama`` / ``_qwen3`` / ``_phi3(model=...)`` with their defaults: rope, rms_norm, swiglu,
-fused linear cross-entropy) and ``liger_rmsnorm`` (only its RMSNorm: the like-for-like comparison with ours). Liger patches
-transformers globally, so every variant runs in its own subprocess (fresh memory, and nothing leaks into the next),
+fused linear cross-entropy) and ``liger_rmsnorm`` (only its RMSNorm: the like-for-like comparison with ours). Liger
+patches transformers globally, so every variant runs in its own subprocess (fresh memory, and nothing leaks into the next),
 under a time limit.
 
 Measured: tokens/s = batch * seq * steps / wall time of ``steps`` steps after ``warmup`` steps (CUDA synchronised),

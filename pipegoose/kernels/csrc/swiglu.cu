@@ -1,7 +1,7 @@
 // SwiGLU's gated activation, silu(gate) * up, forward and backward, for fp32, fp16 and bf16 tensors with fp32 math.
 // Written for pipegoose; ops pipegoose::swiglu_forward / swiglu_backward / swiglu and, for gate and up in one tensor,
-// pipegoose::silu_and_mul_forward / silu_and_mul_backward / silu_and_mul (binding: pipegoose/kernels/bindings/swiglu.cpp;
-// schemas: docs/architecture.md "Op schemas").
+// pipegoose::silu_and_mul_forward / silu_and_mul_backward / silu_and_mul (binding:
+// pipegoose/kernels/bindings/swiglu.cpp; schemas: docs/architecture.md "Op schemas").
 //
 // swiglu_forward(gate [*], up [*]) -> out [*]:  out = gate * sigmoid(gate) * up
 // swiglu_backward(grad_output [*], gate, up) -> (grad_gate, grad_up):
@@ -218,8 +218,8 @@ __device__ __forceinline__ uint32_t divide(uint32_t n, DivU32 f) {
 // Thread i of the grid takes vector i of the output's rows x d_vec vectors (V values each): row i / d_vec, column
 // i % d_vec, so every lane has work but the last block's tail (a launch of 2D blocks, tx along a row and ty rows,
 // left lanes idle where d_vec is not a multiple of tx: 69-87% of copy backward on the H100 at intermediate sizes
-// 1408-5632 in session 65's bf16 sweep, against 99-102% for this one). kWide: 64-bit vector indices and division, where the
-// vectors are 2^32 or more (or d_vec more than 2^31); else 32-bit ones and DivU32.
+// 1408-5632 in session 65's bf16 sweep, against 99-102% for this one). kWide: 64-bit vector indices and division,
+// where the threads are 2^32 or more (or d_vec more than 2^31); else 32-bit ones and DivU32.
 template <typename T, int V, bool kBackward, bool kWide>
 __global__ void __launch_bounds__(kThreads)
     silu_and_mul_kernel(Rows<const T> x, Rows<const T> dy, Rows<T> out, int64_t total, DivU32 f, int64_t d_vec,

@@ -733,7 +733,8 @@ class FusedGateUpSwiGLUMLP(_FusedSwiGLUBase):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(up * act(gate))
         h = self.gate_up_proj(x)
-        if isinstance(h, torch.Tensor) and not h.is_nested and h.dim() and h.shape[-1] % 2:   # (silu_and_mul's error would name "x")
+        # (silu_and_mul's error would name "x", which the caller never passed)
+        if isinstance(h, torch.Tensor) and not h.is_nested and h.dim() and h.shape[-1] % 2:
             raise ValueError(f"gate_up_proj: returned shape {list(h.shape)}, expected an even last dimension (gate "
                              f"and up are its two halves) for the input of shape {list(x.shape)}")
         return self.down_proj(PF.silu_and_mul(h, impl=self.impl))
