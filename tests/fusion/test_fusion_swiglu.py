@@ -443,7 +443,7 @@ def test_fused_gate_up_mlp_constructor_checks():
     x = torch.randn(3, 4)
     gate, up = m.gate_up_proj(x).chunk(2, dim=-1)
     assert torch.equal(m(x), m.down_proj(F.silu(gate) * up))
-    with pytest.raises(ValueError, match=r"^x: expected an even last dimension"):
+    with pytest.raises(ValueError, match=r"^gate_up_proj: returned shape \[3, 11\], expected an even last dimension"):
         FusedGateUpSwiGLUMLP(nn.Linear(4, 11), nn.Linear(6, 4))(x)
 
 
