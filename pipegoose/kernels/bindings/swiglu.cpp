@@ -6,9 +6,12 @@
 // mode) the forward alone. It saves gate and up, not the product: the backward recomputes sigmoid(gate).
 // silu_and_mul (gate and up as the two halves of x's last dimension): the same, saving x; its backward returns the
 // gradient of x in one tensor.
+// geglu (GELU for SiLU, Gemma's MLP; approximate "tanh" or "none" as F.gelu): as swiglu, saving gate, up and the
+// approximation.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <string>
 #include <tuple>
 
 #include "norm_autograd.h"
@@ -19,6 +22,9 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor& grad_o
                                                         const at::Tensor& up);
 at::Tensor silu_and_mul_forward_cuda(const at::Tensor& x);
 at::Tensor silu_and_mul_backward_cuda(const at::Tensor& grad_output, const at::Tensor& x);
+at::Tensor geglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up, c10::string_view approximate);
+std::tuple<at::Tensor, at::Tensor> geglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate,
+                                                       const at::Tensor& up, c10::string_view approximate);
 }  // namespace pipegoose
 
 namespace {
@@ -31,6 +37,9 @@ using ForwardSig = at::Tensor(const at::Tensor&, const at::Tensor&);
 using BackwardSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using PackedForwardSig = at::Tensor(const at::Tensor&);
 using PackedBackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&);
+using GegluForwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view);
+using GegluBackwardSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                            c10::string_view);
 
 // The kernel's numerics as PyTorch ops: silu(gate) * up in fp32, rounded once to gate's dtype (the Python reference,
 // swiglu_reference in pipegoose/nn/fusion/ops/swiglu.py). Differentiable (used for a double backward).
@@ -43,6 +52,12 @@ at::Tensor reference(const at::Tensor& gate, const at::Tensor& up) {
 at::Tensor packed_reference(const at::Tensor& x) {
   const auto halves = x.chunk(2, -1);
   return reference(halves[0], halves[1]);
+}
+
+// geglu's numerics as PyTorch ops: gelu(gate, approximate) * up in fp32, rounded once to gate's dtype (the Python
+// reference of op geglu's kernel numerics). Differentiable (used for a double backward).
+at::Tensor geglu_reference(const at::Tensor& gate, const at::Tensor& up, c10::string_view approximate) {
+  return (at::gelu(gate.to(at::kFloat), approximate) * up.to(at::kFloat)).to(gate.scalar_type());
 }
 
 }  // namespace
@@ -99,6 +114,36 @@ struct SiluAndMulFunction : public torch::autograd::Function<SiluAndMulFunction>
   }
 };
 
+// The autograd formula of pipegoose::geglu (graph node torch::autograd::CppNode<pipegoose::GeGLUFunction>).
+struct GeGLUFunction : public torch::autograd::Function<GeGLUFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up,
+                            c10::string_view approximate) {
+    static const auto op = na::op_handle<GegluForwardSig>("pipegoose::geglu_forward");
+    at::AutoDispatchBelowADInplaceOrView below;
+    at::Tensor y = op.call(gate, up, approximate);   // (checks approximate before anything is saved)
+    ctx->save_for_backward({gate, up});
+    ctx->saved_data["approximate"] = std::string(approximate);
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &g = saved[0], &u = saved[1];
+    const std::string approximate = ctx->saved_data["approximate"].toStringRef();
+    const at::Tensor& dy = grads[0];
+    if (!dy.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    if (at::GradMode::is_enabled()) {  // create_graph=True: gradients that are differentiable again
+      auto gs = na::grads_through([&] { return geglu_reference(g, u, approximate); }, {g, u},
+                                  {ctx->needs_input_grad(0), ctx->needs_input_grad(1)}, dy);
+      return {gs[0], gs[1], at::Tensor()};
+    }
+    static const auto op = na::op_handle<GegluBackwardSig>("pipegoose::geglu_backward");
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [dg, du] = op.call(dy, g, u, approximate);
+    return {ctx->needs_input_grad(0) ? dg : at::Tensor(), ctx->needs_input_grad(1) ? du : at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace pipegoose
 
 namespace {
@@ -109,6 +154,10 @@ at::Tensor swiglu_autograd(const at::Tensor& gate, const at::Tensor& up) {
 
 at::Tensor silu_and_mul_autograd(const at::Tensor& x) { return pipegoose::SiluAndMulFunction::apply(x); }
 
+at::Tensor geglu_autograd(const at::Tensor& gate, const at::Tensor& up, c10::string_view approximate) {
+  return pipegoose::GeGLUFunction::apply(gate, up, approximate);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pipegoose, m) {
@@ -118,6 +167,10 @@ TORCH_LIBRARY_FRAGMENT(pipegoose, m) {
   m.def("silu_and_mul_forward(Tensor x) -> Tensor");
   m.def("silu_and_mul_backward(Tensor grad_output, Tensor x) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("geglu_forward(Tensor gate, Tensor up, str approximate='tanh') -> Tensor");
+  m.def("geglu_backward(Tensor grad_output, Tensor gate, Tensor up, str approximate='tanh') -> "
+        "(Tensor grad_gate, Tensor grad_up)");
+  m.def("geglu(Tensor gate, Tensor up, str approximate='tanh') -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pipegoose, CUDA, m) {
@@ -127,9 +180,13 @@ TORCH_LIBRARY_IMPL(pipegoose, CUDA, m) {
   m.impl("silu_and_mul_forward", &pipegoose::silu_and_mul_forward_cuda);
   m.impl("silu_and_mul_backward", &pipegoose::silu_and_mul_backward_cuda);
   m.impl("silu_and_mul", &pipegoose::silu_and_mul_forward_cuda);
+  m.impl("geglu_forward", &pipegoose::geglu_forward_cuda);
+  m.impl("geglu_backward", &pipegoose::geglu_backward_cuda);
+  m.impl("geglu", &pipegoose::geglu_forward_cuda);
 }
 
 TORCH_LIBRARY_IMPL(pipegoose, Autograd, m) {
   m.impl("swiglu", &swiglu_autograd);
   m.impl("silu_and_mul", &silu_and_mul_autograd);
+  m.impl("geglu", &geglu_autograd);
 }

@@ -1,11 +1,14 @@
-"""Fake (meta) impls of ``pipegoose::swiglu_forward``, ``pipegoose::swiglu_backward``, ``pipegoose::swiglu`` and
-``pipegoose::silu_and_mul_forward``, ``pipegoose::silu_and_mul_backward``, ``pipegoose::silu_and_mul`` (pipegoose's
-SwiGLU activation, ``pipegoose/kernels/csrc/swiglu.cu``).
+"""Fake (meta) impls of ``pipegoose::swiglu_forward``, ``pipegoose::swiglu_backward``, ``pipegoose::swiglu``,
+``pipegoose::silu_and_mul_forward``, ``pipegoose::silu_and_mul_backward``, ``pipegoose::silu_and_mul`` and
+``pipegoose::geglu_forward``, ``pipegoose::geglu_backward``, ``pipegoose::geglu`` (pipegoose's SwiGLU and GeGLU
+activations, ``pipegoose/kernels/csrc/swiglu.cu``).
 
 Shapes and dtypes, as the CUDA kernels return them: ``gate`` and ``up`` of one shape and dtype; forward -> ``out``
 (contiguous, gate's shape and dtype); backward -> ``grad_gate`` and ``grad_up`` (the same). ``silu_and_mul``: ``x``
 ``[..., 2d]`` -> ``out`` ``[..., d]``; backward(``grad_output`` ``[..., d]``, ``x``) -> ``grad_x`` ``[..., 2d]``
-(contiguous, x's dtype). Imported by the builder after the library is loaded."""
+(contiguous, x's dtype). ``geglu``: as ``swiglu``, with ``approximate`` ``"tanh"`` or ``"none"`` (another string:
+the check fails naming ``approximate``, as the kernels' RuntimeError does). Imported by the
+builder after the library is loaded."""
 
 from __future__ import annotations
 
@@ -81,3 +84,28 @@ def _packed_backward_fake(grad_output, x):
 @torch.library.register_fake("pipegoose::silu_and_mul")
 def _packed_fake(x):
     return torch.empty(_half_shape(x), dtype=x.dtype, device=x.device)
+
+
+def _approximate(approximate: str) -> None:
+    torch._check(approximate in ("tanh", "none"),
+                 lambda: f"approximate: expected 'tanh' or 'none', got {approximate!r}")
+
+
+@torch.library.register_fake("pipegoose::geglu_forward")
+def _geglu_forward_fake(gate, up, approximate="tanh"):
+    _pair(gate, up)
+    _approximate(approximate)
+    return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+
+
+@torch.library.register_fake("pipegoose::geglu_backward")
+def _geglu_backward_fake(grad_output, gate, up, approximate="tanh"):
+    _backward_fake(grad_output, gate, up)
+    _approximate(approximate)
+    return (torch.empty(gate.shape, dtype=gate.dtype, device=gate.device),
+            torch.empty(gate.shape, dtype=gate.dtype, device=gate.device))
+
+
+@torch.library.register_fake("pipegoose::geglu")
+def _geglu_fake(gate, up, approximate="tanh"):
+    return _geglu_forward_fake(gate, up, approximate)

@@ -31,12 +31,23 @@
 // below 2^32 vectors, 64-bit beyond). Errors (RuntimeError naming the
 // argument): not CUDA, devices differ, dtype not fp32/fp16/bf16, x of no dimension or an odd last dimension,
 // grad_output not of x's shape with the last dimension halved.
+//
+// GeGLU (the gated MLP of Gemma, Gemma-2 and Gemma-3: down_proj(gelu(gate_proj(x)) * up_proj(x))), as the pair above
+// with GELU for SiLU: ops pipegoose::geglu_forward / geglu_backward / geglu, each with a string `approximate`, "tanh"
+// (GELU's tanh approximation, transformers' gelu_pytorch_tanh: Gemma's default) or "none" (erf GELU), as F.gelu takes:
+// geglu_forward(gate [*], up [*], approximate) -> out [*]:  out = gelu(gate) * up
+// geglu_backward(grad_output [*], gate, up, approximate) -> (grad_gate, grad_up):
+//     grad_up = grad_output * gelu(gate);  grad_gate = grad_output * up * gelu'(gate)
+// with torch's gelu and gelu_backward formulas (tanh: 0.5 g (1 + tanh(k (g + 0.044715 g^3))), k = sqrt(2 / pi);
+// none: 0.5 g (1 + erf(g / sqrt(2)))), through the accurate tanhf / erff / expf, in fp32 and rounded once as above.
+// The same launch, layouts and errors as swiglu's, and a RuntimeError naming approximate for another string.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -72,23 +83,68 @@ template <typename T> __device__ __forceinline__ T from_f(float x) { return stat
 
 __device__ __forceinline__ float sigmoid(float g) { return __frcp_rn(1.f + __expf(-g)); }
 
-__device__ __forceinline__ float fwd_math(float g, float u) { return g * sigmoid(g) * u; }
+// The gate's activations: value(g), and value and derivative together (the backward needs both).
+struct Silu {
+  __device__ __forceinline__ static float value(float g) { return g * sigmoid(g); }
+  __device__ __forceinline__ static void both(float g, float& a, float& da) {
+    const float s = sigmoid(g);
+    a = g * s;
+    da = s * (1.f + g * (1.f - s));
+  }
+};
 
+// GELU's tanh approximation, torch's formulas (gelu and gelu_backward with approximate="tanh"), in fp32.
+struct GeluTanh {
+  static constexpr float kBeta = 0.7978845608028654f;   // sqrt(2 / pi)
+  static constexpr float kKappa = 0.044715f;
+  __device__ __forceinline__ static float value(float g) {
+    const float t = tanhf(kBeta * (g + kKappa * g * g * g));
+    return 0.5f * g * (1.f + t);
+  }
+  __device__ __forceinline__ static void both(float g, float& a, float& da) {
+    const float g2 = g * g;
+    const float t = tanhf(kBeta * (g + kKappa * g2 * g));
+    a = 0.5f * g * (1.f + t);
+    da = 0.5f * (1.f + t) + 0.5f * g * ((1.f - t * t) * (kBeta * (1.f + 3.f * kKappa * g2)));
+  }
+};
+
+// GELU (erf), torch's formulas (approximate="none"), in fp32.
+struct GeluErf {
+  static constexpr float kSqrt1_2 = 0.7071067811865476f;     // 1 / sqrt(2)
+  static constexpr float kInvSqrt2Pi = 0.3989422804014327f;  // 1 / sqrt(2 pi)
+  __device__ __forceinline__ static float value(float g) { return 0.5f * g * (1.f + erff(g * kSqrt1_2)); }
+  __device__ __forceinline__ static void both(float g, float& a, float& da) {
+    const float cdf = 0.5f * (1.f + erff(g * kSqrt1_2));
+    a = g * cdf;
+    da = cdf + g * (kInvSqrt2Pi * expf(-0.5f * g * g));
+  }
+};
+
+template <typename Act>
+__device__ __forceinline__ float fwd_math(float g, float u) { return Act::value(g) * u; }
+
+template <typename Act>
 __device__ __forceinline__ void bwd_math(float dy, float g, float u, float& dg, float& du) {
-  const float s = sigmoid(g);
-  du = dy * (g * s);   // silu(g) first, as torch: dy * g can overflow where silu(g) is 0 (g near -3e38)
-  dg = dy * u * (s * (1.f + g * (1.f - s)));
+  float a, da;
+  Act::both(g, a, da);
+  du = dy * a;   // act(g) first, as torch: dy * g can overflow where silu(g) is 0 (g near -3e38)
+  dg = dy * u * da;
 }
 
-// The forward and the backward: silu(gate) * up of (gate, up); and (grad_gate, grad_up) of (grad_output, gate, up).
+// The forward and the backward: act(gate) * up of (gate, up); and (grad_gate, grad_up) of (grad_output, gate, up).
+template <typename Act>
 struct Fwd {
   static constexpr int kIn = 2, kOut = 1;
-  __device__ __forceinline__ static void apply(const float (&x)[2], float (&y)[1]) { y[0] = fwd_math(x[0], x[1]); }
+  __device__ __forceinline__ static void apply(const float (&x)[2], float (&y)[1]) {
+    y[0] = fwd_math<Act>(x[0], x[1]);
+  }
 };
+template <typename Act>
 struct Bwd {
   static constexpr int kIn = 3, kOut = 2;
   __device__ __forceinline__ static void apply(const float (&x)[3], float (&y)[2]) {
-    bwd_math(x[0], x[1], x[2], y[0], y[1]);
+    bwd_math<Act>(x[0], x[1], x[2], y[0], y[1]);
   }
 };
 
@@ -248,7 +304,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       float a, b;
-      bwd_math(to_f<T>(dv.v[e]), to_f<T>(g.v[e]), to_f<T>(u.v[e]), a, b);
+      bwd_math<Silu>(to_f<T>(dv.v[e]), to_f<T>(g.v[e]), to_f<T>(u.v[e]), a, b);
       dg.v[e] = from_f<T>(a);
       du.v[e] = from_f<T>(b);
     }
@@ -257,7 +313,7 @@ __global__ void __launch_bounds__(kThreads)
   } else {
     P y;
 #pragma unroll
-    for (int e = 0; e < V; ++e) y.v[e] = from_f<T>(fwd_math(to_f<T>(g.v[e]), to_f<T>(u.v[e])));
+    for (int e = 0; e < V; ++e) y.v[e] = from_f<T>(fwd_math<Silu>(to_f<T>(g.v[e]), to_f<T>(u.v[e])));
     *reinterpret_cast<P*>(orow) = y;
   }
 }
@@ -369,8 +425,12 @@ at::Tensor silu_and_mul_backward_cuda(const at::Tensor& grad_output, const at::T
   return dx;
 }
 
-at::Tensor swiglu_forward_cuda(const at::Tensor& gate_in, const at::Tensor& up_in) {
-  check_pair(kFwd, gate_in, up_in);
+namespace {
+
+// swiglu's and geglu's entry points, for the activation Act (op: the op's name, for the errors).
+template <typename Act>
+at::Tensor pair_forward(const char* op, const at::Tensor& gate_in, const at::Tensor& up_in) {
+  check_pair(op, gate_in, up_in);
   const at::Tensor gate = gate_in.contiguous(), up = up_in.contiguous();
   at::Tensor out = at::empty(gate.sizes(), gate.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t n = gate.numel();
@@ -382,22 +442,23 @@ at::Tensor swiglu_forward_cuda(const at::Tensor& gate_in, const at::Tensor& up_i
     const scalar_t* g = gate.const_data_ptr<scalar_t>();
     const scalar_t* u = up.const_data_ptr<scalar_t>();
     scalar_t* y = out.mutable_data_ptr<scalar_t>();
-    const Launch l = plan(n, 16 / sizeof(scalar_t), aligned16(g) && aligned16(u) && aligned16(y), kFwd);
-    swiglu_kernel<scalar_t, Fwd><<<l.grid, kThreads, 0, stream>>>(g, u, nullptr, y, nullptr, l.n_vec, n);
+    const Launch l = plan(n, 16 / sizeof(scalar_t), aligned16(g) && aligned16(u) && aligned16(y), op);
+    swiglu_kernel<scalar_t, Fwd<Act>><<<l.grid, kThreads, 0, stream>>>(g, u, nullptr, y, nullptr, l.n_vec, n);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate_in,
-                                                        const at::Tensor& up_in) {
-  check_pair(kBwd, gate_in, up_in);
-  PG_CHECK(grad_output.defined(), kBwd, ": grad_output must be a defined tensor");
-  PG_CHECK(grad_output.device() == gate_in.device(), kBwd, ": grad_output is on ", grad_output.device(),
+template <typename Act>
+std::tuple<at::Tensor, at::Tensor> pair_backward(const char* op, const at::Tensor& grad_output,
+                                                 const at::Tensor& gate_in, const at::Tensor& up_in) {
+  check_pair(op, gate_in, up_in);
+  PG_CHECK(grad_output.defined(), op, ": grad_output must be a defined tensor");
+  PG_CHECK(grad_output.device() == gate_in.device(), op, ": grad_output is on ", grad_output.device(),
            " but gate is on ", gate_in.device());
-  PG_CHECK(grad_output.sizes() == gate_in.sizes(), kBwd, ": grad_output has shape ", grad_output.sizes(),
+  PG_CHECK(grad_output.sizes() == gate_in.sizes(), op, ": grad_output has shape ", grad_output.sizes(),
            " but gate has ", gate_in.sizes(), "; expected equal shapes");
-  PG_CHECK(at::isFloatingType(grad_output.scalar_type()), kBwd, ": grad_output must be a floating point tensor, got ",
+  PG_CHECK(at::isFloatingType(grad_output.scalar_type()), op, ": grad_output must be a floating point tensor, got ",
            grad_output.scalar_type());
   const at::Tensor gate = gate_in.contiguous(), up = up_in.contiguous();
   const at::Tensor dy = grad_output.to(gate.scalar_type()).contiguous();
@@ -415,11 +476,43 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor& grad_o
     scalar_t* pdg = dg.mutable_data_ptr<scalar_t>();
     scalar_t* pdu = du.mutable_data_ptr<scalar_t>();
     const bool aligned = aligned16(pdy) && aligned16(g) && aligned16(u) && aligned16(pdg) && aligned16(pdu);
-    const Launch l = plan(n, 16 / sizeof(scalar_t), aligned, kBwd);
-    swiglu_kernel<scalar_t, Bwd><<<l.grid, kThreads, 0, stream>>>(pdy, g, u, pdg, pdu, l.n_vec, n);
+    const Launch l = plan(n, 16 / sizeof(scalar_t), aligned, op);
+    swiglu_kernel<scalar_t, Bwd<Act>><<<l.grid, kThreads, 0, stream>>>(pdy, g, u, pdg, pdu, l.n_vec, n);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {dg, du};
+}
+
+const char* kGegluFwd = "pipegoose::geglu_forward";
+const char* kGegluBwd = "pipegoose::geglu_backward";
+
+// F.gelu's approximate: true for "tanh", false for "none"; a RuntimeError naming approximate for another string.
+bool gelu_tanh(const char* op, c10::string_view approximate) {
+  PG_CHECK(approximate == "tanh" || approximate == "none", op, ": approximate must be \"tanh\" or \"none\", got \"",
+           std::string(approximate), "\"");
+  return approximate == "tanh";
+}
+
+}  // namespace
+
+at::Tensor swiglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up) {
+  return pair_forward<Silu>(kFwd, gate, up);
+}
+
+std::tuple<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate,
+                                                        const at::Tensor& up) {
+  return pair_backward<Silu>(kBwd, grad_output, gate, up);
+}
+
+at::Tensor geglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up, c10::string_view approximate) {
+  return gelu_tanh(kGegluFwd, approximate) ? pair_forward<GeluTanh>(kGegluFwd, gate, up)
+                                           : pair_forward<GeluErf>(kGegluFwd, gate, up);
+}
+
+std::tuple<at::Tensor, at::Tensor> geglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate,
+                                                       const at::Tensor& up, c10::string_view approximate) {
+  return gelu_tanh(kGegluBwd, approximate) ? pair_backward<GeluTanh>(kGegluBwd, grad_output, gate, up)
+                                           : pair_backward<GeluErf>(kGegluBwd, grad_output, gate, up);
 }
 
 }  // namespace pipegoose
