@@ -93,19 +93,22 @@ struct Silu {
   }
 };
 
-// GELU's tanh approximation, torch's formulas (gelu and gelu_backward with approximate="tanh"), in fp32.
+// GELU's tanh approximation (F.gelu(approximate="tanh"), transformers' gelu_pytorch_tanh and gelu_new), in fp32:
+// 0.5 g (1 + tanh(y)) with y = k (g + 0.044715 g^3), k = sqrt(2 / pi), computed as g * sigmoid(2 y) (the same function:
+// 1 + tanh(y) = 2 sigmoid(2 y)), which keeps its relative accuracy where 1 + tanh(y) cancels (g below about -3, where
+// torch's 0.5 g (1 + tanhf(y)) loses every digit of values near 1e-7), and costs one exp. Derivative:
+// s + g * 2 s (1 - s) * k (1 + 3 * 0.044715 g^2), s = sigmoid(2 y); g^2 capped at 1e30 (the factor it sits in is 0
+// past |g| of about 10), so a finite gate past 1.8e19 gives 0 there, not 0 * inf = NaN.
 struct GeluTanh {
-  static constexpr float kBeta = 0.7978845608028654f;   // sqrt(2 / pi)
+  static constexpr float kTwoBeta = 1.5957691216057308f;   // 2 sqrt(2 / pi)
+  static constexpr float kBeta = 0.7978845608028654f;      // sqrt(2 / pi)
   static constexpr float kKappa = 0.044715f;
-  __device__ __forceinline__ static float value(float g) {
-    const float t = tanhf(kBeta * (g + kKappa * g * g * g));
-    return 0.5f * g * (1.f + t);
-  }
+  __device__ __forceinline__ static float value(float g) { return g * sigmoid(kTwoBeta * (g + kKappa * g * g * g)); }
   __device__ __forceinline__ static void both(float g, float& a, float& da) {
     const float g2 = g * g;
-    const float t = tanhf(kBeta * (g + kKappa * g2 * g));
-    a = 0.5f * g * (1.f + t);
-    da = 0.5f * (1.f + t) + 0.5f * g * ((1.f - t * t) * (kBeta * (1.f + 3.f * kKappa * g2)));
+    const float s = sigmoid(kTwoBeta * (g + kKappa * g2 * g));
+    a = g * s;
+    da = s + g * (2.f * s * (1.f - s)) * (kBeta * (1.f + 3.f * kKappa * fminf(g2, 1e30f)));
   }
 };
 
