@@ -1,0 +1,304 @@
+"""GPU: ``pipegoose::geglu_forward`` / ``geglu_backward`` and the autograd op ``pipegoose::geglu`` (ours, GELU for
+SiLU on the SwiGLU kernel's launch: ``pipegoose/kernels/csrc/swiglu.cu``, binding
+``pipegoose/kernels/bindings/swiglu.cpp``) against float64 on the CPU, from the same (already rounded) inputs:
+
+    out = gelu(g) * u,  grad_gate = dy * u * gelu'(g),  grad_up = dy * gelu(g),
+
+gelu and its derivative being PyTorch's float64 ``F.gelu(g, approximate=...)`` and its autograd derivative, for
+``approximate`` "tanh" (Gemma's ``gelu_pytorch_tanh``) and "none" (erf), with the per-dtype tolerances of
+``tests/tolerances.py``: sizes around the vector width and large ones, non-contiguous inputs, misaligned views (the
+scalar path, bit for bit the vector path's results), large gates (where the tanh form cancels and where g**2 leaves
+fp32's range), infinite and NaN inputs, empty tensors, the argument checks (``approximate`` another string),
+``torch.library.opcheck`` and a double backward. Outputs are poisoned first (``poison``) and every element is checked
+finite. The launch, layouts and 64-bit offsets are the SwiGLU ops' (tests/kernels/test_swiglu_cuda.py runs them past
+2**31 elements); only the activation differs.
+
+Run on the GPU machine: ``python -m pytest -m cuda tests/kernels/test_geglu_cuda.py -q``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_helpers import poison, seed_of
+from tolerances import TOLERANCES, tol
+
+pytestmark = pytest.mark.cuda
+
+DEV = "cuda"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+APPROX = ["tanh", "none"]
+# one element (0-d, 1-d); around the vector width (8 16-bit or 4 fp32 values); odd; one block's vectors and one past
+# them; a Gemma-2B MLP's activation (intermediate size 16384) over 256 tokens
+SHAPES = [(), (1,), (7,), (8,), (9,), (3, 5, 1001), (4096,), (4097,), (1_000_003,), (256, 16384)]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from pipegoose.kernels import load
+
+    return load("pipegoose/swiglu")
+
+
+def make(shape, dtype, seed, scale=3.0):
+    """gate (N(0, scale^2): both tails of GELU), up and grad_output, on the GPU in ``dtype``."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    g = (torch.randn(shape, generator=gen, device=DEV) * scale).to(dtype)
+    u = torch.randn(shape, generator=gen, device=DEV).to(dtype)
+    dy = torch.randn(shape, generator=gen, device=DEV).to(dtype)
+    return g, u, dy
+
+
+def ref64(g, u, dy, approximate):
+    """float64 on the CPU: (out, grad_gate, grad_up)."""
+    g64 = g.detach().cpu().double().requires_grad_()
+    a = F.gelu(g64, approximate=approximate)
+    (da,) = torch.autograd.grad(a.sum(), g64)
+    a = a.detach()
+    u64, d64 = u.detach().cpu().double(), dy.detach().cpu().double()
+    return a * u64, d64 * u64 * da, d64 * a
+
+
+def check(name, got, want, dtype, shape):
+    assert got.shape == torch.Size(shape), f"{name}: shape {tuple(got.shape)} != {tuple(shape)}"
+    assert got.dtype == dtype and got.device.type == "cuda", f"{name}: {got.dtype} on {got.device}"
+    assert got.is_contiguous(), f"{name}: not contiguous"
+    bad = int((~torch.isfinite(got)).sum())
+    assert bad == 0, f"{name}: {bad} element(s) not finite (not written, or a value the reference does not have)"
+    torch.testing.assert_close(got.cpu().double(), want, **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
+
+
+def run_ops(ops, g, u, dy, approximate):
+    poison((g.shape, g.dtype))
+    y = ops.geglu_forward(g, u, approximate)
+    poison((g.shape, g.dtype), (g.shape, g.dtype))
+    dg, du = ops.geglu_backward(dy, g, u, approximate)
+    return y, dg, du
+
+
+def check_ops(ops, g, u, dy, dtype, approximate, what=""):
+    got = run_ops(ops, g, u, dy, approximate)
+    for name, a, b in zip(("out", "grad_gate", "grad_up"), got, ref64(g, u, dy, approximate)):
+        check(f"{what}{approximate} {name}", a, b, dtype, g.shape)
+    return got
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_ops_match_float64(ops, dtype, shape, approximate):
+    g, u, dy = make(shape, dtype, seed_of(shape, dtype, approximate))
+    before = [t.clone() for t in (g, u, dy)]
+    check_ops(ops, g, u, dy, dtype, approximate)
+    assert all(torch.equal(a, b) for a, b in zip((g, u, dy), before)), "an input changed"
+
+
+def test_the_default_is_the_tanh_approximation_and_differs_from_erf(ops):
+    """The schema's default approximate is "tanh" (Gemma's); "tanh" and "none" give different results (the two
+    curves differ by up to about 5e-4 near |g| = 2, far above fp32's rounding)."""
+    g, u, dy = make((4097,), torch.float32, seed_of("default"))
+    assert torch.equal(torch.ops.pipegoose.geglu_forward(g, u), ops.geglu_forward(g, u, "tanh"))
+    assert torch.equal(torch.ops.pipegoose.geglu(g, u), ops.geglu_forward(g, u, "tanh"))
+    assert all(torch.equal(a, b) for a, b in zip(torch.ops.pipegoose.geglu_backward(dy, g, u),
+                                                 ops.geglu_backward(dy, g, u, "tanh")))
+    diff = (ops.geglu_forward(g, torch.ones_like(u), "tanh") - ops.geglu_forward(g, torch.ones_like(u), "none"))
+    assert diff.abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)], ids=["both", "gate", "up"])
+def test_autograd_op_matches_float64(ops, dtype, needs, approximate):
+    """torch.ops.pipegoose.geglu with .backward(): the forward kernel's result and the backward kernel's gradients
+    for the inputs that require them (None for the other), bit for bit those of the ops."""
+    shape = (3, 5, 1001)
+    g, u, dy = make(shape, dtype, seed_of("autograd", dtype, approximate))
+    gg, uu = g.clone().requires_grad_(needs[0]), u.clone().requires_grad_(needs[1])
+    poison((g.shape, dtype))
+    y = torch.ops.pipegoose.geglu(gg, uu, approximate)
+    assert y.requires_grad and y.grad_fn is not None
+    poison((g.shape, dtype), (g.shape, dtype))
+    y.backward(dy)
+    ry, rdg, rdu = ref64(g, u, dy, approximate)
+    check("out", y.detach(), ry, dtype, shape)
+    dg, du = ops.geglu_backward(dy, g, u, approximate)
+    for name, t, need, want, kernel in (("grad_gate", gg, needs[0], rdg, dg), ("grad_up", uu, needs[1], rdu, du)):
+        if need:
+            check(name, t.grad, want, dtype, shape)
+            assert torch.equal(t.grad, kernel), f"{name}: not the backward kernel's result"
+        else:
+            assert t.grad is None, f"{name}: a gradient for an input that does not require one"
+    assert torch.equal(y.detach(), ops.geglu_forward(g, u, approximate))
+
+
+def test_autograd_op_without_grad_in_inference_mode_and_with_a_broadcast_gradient(ops):
+    g, u, _ = make((37, 129), torch.bfloat16, seed_of("inference"))
+    want = ops.geglu_forward(g, u, "tanh")
+    with torch.inference_mode():
+        y = torch.ops.pipegoose.geglu(g, u, "tanh")
+    assert y.grad_fn is None and torch.equal(y, want)
+    gg, uu = g.clone().requires_grad_(), u.clone().requires_grad_()
+    torch.ops.pipegoose.geglu(gg, uu, "tanh").sum().backward()   # grad_output: an expanded scalar (stride 0)
+    _, rdg, rdu = ref64(g, u, torch.ones_like(g), "tanh")
+    check("grad_gate", gg.grad, rdg, torch.bfloat16, g.shape)
+    check("grad_up", uu.grad, rdu, torch.bfloat16, g.shape)
+
+
+# ------------------------------------------------------------------------------------------ memory layouts
+def _at_offset(t: torch.Tensor, k: int) -> torch.Tensor:
+    """The same values, a view at element offset ``k`` of a larger buffer (not 16-byte aligned for odd ``k``)."""
+    buf = torch.empty(t.numel() + k, dtype=t.dtype, device=DEV)
+    buf[k:] = t.reshape(-1)
+    return buf[k:].view(t.shape)
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_non_contiguous_and_misaligned_inputs(ops, dtype, approximate):
+    """Transposed and strided views (copied by the ops) and views at odd element offsets (the scalar kernel): right
+    against float64, and bit for bit the results of contiguous, aligned inputs."""
+    base_g, base_u, base_dy = make((64, 2 * 1001), dtype, seed_of("layouts", dtype, approximate))
+    for name, view in (("transposed", lambda t: t.t()), ("strided", lambda t: t[:, ::2])):
+        g, u, dy = view(base_g), view(base_u), view(base_dy)
+        got = check_ops(ops, g, u, dy, dtype, approximate, what=f"{name}: ")
+        want = run_ops(ops, g.contiguous(), u.contiguous(), dy.contiguous(), approximate)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), name
+    g, u, dy = (t.reshape(-1)[:3 * 4096 + 5].contiguous() for t in (base_g, base_u, base_dy))
+    aligned = run_ops(ops, g, u, dy, approximate)
+    gm, um, dym = _at_offset(g, 1), _at_offset(u, 3), _at_offset(dy, 1)
+    assert gm.data_ptr() % 16 and um.data_ptr() % 16
+    got = check_ops(ops, gm, um, dym, dtype, approximate, what="misaligned: ")
+    for name, a, b in zip(("out", "grad_gate", "grad_up"), got, aligned):
+        assert torch.equal(a, b), f"misaligned: {name} differs from the vector path's"
+
+
+# ----------------------------------------------------------------------------------- large and special values
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_gates(ops, dtype, approximate):
+    """Gates of +-3 to +-10 (where torch's 0.5 g (1 + tanh) cancels: ours keeps the tiny values' relative accuracy,
+    well inside the tolerance either way), +-100, +-1e4 and, in fp32 and bf16, +-1e13, +-1e20 (g**2 past fp32's
+    range: the derivative must stay finite) and +-3e38, among ordinary ones: finite results as float64 gives them;
+    up and grad_output within [-1, 1], so that no true result overflows."""
+    n = 3 * 4096 + 7
+    g, u, dy = make((n,), dtype, seed_of("large", dtype, approximate))
+    u, dy = u.clamp(-1, 1), dy.clamp(-1, 1)
+    values = [3.0, -3.0, 5.0, -5.0, 8.0, -8.0, 10.0, -10.0, 100.0, -100.0, 1e4, -1e4]
+    if dtype != torch.float16:
+        values += [1e13, -1e13, 1e20, -1e20, 3e38, -3e38]
+    specials = torch.tensor(values, device=DEV)
+    g[::3] = specials.repeat(n // (3 * len(values)) + 1)[:len(range(0, n, 3))].to(dtype)
+    y, dg, du = check_ops(ops, g, u, dy, dtype, approximate)
+    # the limits, exactly: gelu(g) = g and gelu'(g) = 1 for large g; 0 (out, grad_up, grad_gate) for large -g
+    big, small = g >= 1e4, g <= -1e4
+    assert big.any() and small.any()
+    gb, ub, dyb = g[big].float(), u[big].float(), dy[big].float()
+    torch.testing.assert_close(y[big].float(), (gb * ub).to(dtype).float(), rtol=0, atol=0)
+    torch.testing.assert_close(dg[big].float(), (dyb * ub).to(dtype).float(), rtol=0, atol=0)
+    assert (y[small] == 0).all() and (dg[small] == 0).all() and (du[small] == 0).all()
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+def test_inf_and_nan(ops, approximate):
+    """fp32: a NaN gate, up or grad_output gives NaN wherever it enters (out: gate or up; grad_up: gate or
+    grad_output; grad_gate: any); +inf gates give out = up * inf (gelu(inf) = inf) as PyTorch's F.gelu(g) * u does,
+    -inf gates NaN as PyTorch's (-inf * 0); finite inputs finite results. Through the ops and the autograd op alike."""
+    gates = [float("-inf"), float("inf"), float("nan"), 0.0, -0.0, 1.0, -1.0, 3.0, -3.0, 100.0, -100.0]
+    ups = [1.0, -2.5, 0.0, float("nan")]
+    dys = [1.5, -0.75, float("nan")]
+    g, u, d = (t.reshape(-1).to(DEV) for t in torch.meshgrid(torch.tensor(gates), torch.tensor(ups),
+                                                              torch.tensor(dys), indexing="ij"))
+    y, dg, du = ops.geglu_forward(g, u, approximate), *ops.geglu_backward(d, g, u, approximate)
+    gn, un, dn = torch.isnan(g), torch.isnan(u), torch.isnan(d)
+    assert torch.equal(torch.isnan(y) & ~torch.isinf(g), (gn | un) & ~torch.isinf(g))
+    assert torch.isnan(du[gn | dn]).all() and torch.isnan(dg[gn | un | dn]).all()
+    finite = torch.isfinite(g) & torch.isfinite(u) & torch.isfinite(d)
+    assert torch.isfinite(y[finite]).all() and torch.isfinite(dg[finite]).all() and torch.isfinite(du[finite]).all()
+    torch_y = F.gelu(g, approximate=approximate) * u
+    pos_inf = torch.isposinf(g) & ~un
+    assert torch.equal(y[pos_inf].nan_to_num(), torch_y[pos_inf].nan_to_num())
+    assert torch.isnan(y[torch.isneginf(g)]).all() and torch.isnan(torch_y[torch.isneginf(g)]).all()
+    gg, uu = g.clone().requires_grad_(), u.clone().requires_grad_()
+    yy = torch.ops.pipegoose.geglu(gg, uu, approximate)
+    yy.backward(d)
+    for name, a, b in (("out", yy.detach(), y), ("grad_gate", gg.grad, dg), ("grad_up", uu.grad, du)):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan()), name
+
+
+# -------------------------------------------------------------------------------------------- edges, errors
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(0,), (0, 5), (3, 0, 7)], ids=str)
+def test_empty_tensors(ops, dtype, shape):
+    g = torch.empty(shape, device=DEV, dtype=dtype)
+    y = ops.geglu_forward(g, g.clone(), "tanh")
+    assert y.shape == shape and y.dtype == dtype
+    dg, du = ops.geglu_backward(g, g, g.clone(), "none")
+    assert dg.shape == du.shape == shape and dg.dtype == du.dtype == dtype
+    gg, uu = g.clone().requires_grad_(), g.clone().requires_grad_()
+    y = torch.ops.pipegoose.geglu(gg, uu, "tanh")
+    y.backward(torch.empty_like(y))
+    assert y.shape == gg.grad.shape == uu.grad.shape == shape
+
+
+def test_bad_arguments_name_the_argument(ops):
+    g, u, dy = make((4, 6), torch.float32, seed_of("bad"))
+    fwd, bwd = ops.geglu_forward, ops.geglu_backward
+    cases = [
+        (lambda: fwd(g, u, "tan"), r'geglu_forward: approximate must be "tanh" or "none", got "tan"'),
+        (lambda: fwd(g, u, "Tanh"), r'approximate must be "tanh" or "none", got "Tanh"'),
+        (lambda: fwd(g, u, ""), r'approximate must be "tanh" or "none", got ""'),
+        (lambda: bwd(dy, g, u, "erf"), r'geglu_backward: approximate must be "tanh" or "none", got "erf"'),
+        (lambda: torch.ops.pipegoose.geglu(g.clone().requires_grad_(), u, "erf"),
+         r'geglu_forward: approximate must be "tanh" or "none"'),
+        (lambda: fwd(g.cpu(), u, "tanh"), r"geglu_forward: gate must be a CUDA tensor, got device cpu"),
+        (lambda: fwd(g, u.half(), "tanh"), r"geglu_forward: up is Half but gate is Float; expected one dtype"),
+        (lambda: fwd(g.double(), u.double(), "none"), r"geglu_forward: gate must be float32, float16 or bfloat16"),
+        (lambda: fwd(g, u[:, :5], "tanh"), r"geglu_forward: up has shape \[4, 5\] but gate has \[4, 6\]"),
+        (lambda: bwd(dy[:, :5], g, u, "tanh"), r"geglu_backward: grad_output has shape \[4, 5\] but gate has"),
+        (lambda: bwd(dy.int(), g, u, "tanh"), r"geglu_backward: grad_output must be a floating point tensor"),
+        (lambda: bwd(dy, g, u.bfloat16(), "none"), r"geglu_backward: up is BFloat16 but gate is Float"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_opcheck(ops, dtype, approximate):
+    g, u, dy = make((2, 3, 17), dtype, seed_of("opcheck", dtype, approximate))
+    torch.library.opcheck(torch.ops.pipegoose.geglu_forward.default, (g, u, approximate))
+    torch.library.opcheck(torch.ops.pipegoose.geglu_forward.default, (g.transpose(0, 2), u.transpose(0, 2),
+                                                                      approximate))
+    torch.library.opcheck(torch.ops.pipegoose.geglu_backward.default, (dy, g, u, approximate))
+    gg, uu = g.clone().requires_grad_(), u.clone().requires_grad_()
+    for args in ((gg, uu), (gg, u), (g, uu), (g, u)):
+        torch.library.opcheck(torch.ops.pipegoose.geglu.default, (*args, approximate))
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_double_backward(ops, dtype, approximate):
+    """backward with create_graph=True: first derivatives as float64's, and differentiable again: the second
+    derivatives (of <grad_gate, v1> + <grad_up, v2>) equal those of float64 by autograd."""
+    g, u, dy = make((64, 129), dtype, seed_of("double", dtype, approximate))
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    v1 = torch.randn(64, 129, device=DEV, generator=gen).to(dtype)
+    v2 = torch.randn(64, 129, device=DEV, generator=gen).to(dtype)
+    gg, uu = g.clone().requires_grad_(), u.clone().requires_grad_()
+    y = torch.ops.pipegoose.geglu(gg, uu, approximate)
+    dg, du = torch.autograd.grad(y, (gg, uu), dy, create_graph=True)
+    assert dg.requires_grad and du.requires_grad
+    ddg, ddu = torch.autograd.grad((dg.float() * v1.float()).sum() + (du.float() * v2.float()).sum(), (gg, uu))
+
+    g64, u64 = g.cpu().double().requires_grad_(), u.cpu().double().requires_grad_()
+    y64 = F.gelu(g64, approximate=approximate) * u64
+    dg64, du64 = torch.autograd.grad(y64, (g64, u64), dy.cpu().double(), create_graph=True)
+    ddg64, ddu64 = torch.autograd.grad((dg64 * v1.cpu().double()).sum() + (du64 * v2.cpu().double()).sum(),
+                                       (g64, u64))
+    check("grad_gate", dg.detach(), dg64.detach(), dtype, g.shape)
+    check("grad_up", du.detach(), du64.detach(), dtype, g.shape)
+    for name, a, b in (("grad_gate of grad", ddg, ddg64), ("grad_up of grad", ddu, ddu64)):
+        assert a.dtype == dtype and torch.isfinite(a).all(), name
+        torch.testing.assert_close(a.double().cpu(), b, **tol(dtype, 2), msg=lambda m: f"{name}: {m}")
