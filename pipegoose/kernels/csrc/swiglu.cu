@@ -16,8 +16,8 @@
 // The data is read and written once, in 16-byte vectors (4 fp32 or 8 16-bit values) where every pointer is 16-byte
 // aligned (a view at an odd element offset takes the scalar kernel, with the same math); the tail that is not a
 // whole vector is done by block 0. A thread loads all its vectors before it computes (kUnroll per tensor).
-// sigmoid through __expf and a correctly rounded reciprocal: relative error about 1e-6 (|gate| < 88), well inside fp32's
-// test tolerance; exp(-gate) overflows to inf for gate < -88 and gives sigmoid 0, as expf does.
+// sigmoid through __expf and a correctly rounded reciprocal: relative error about 1e-6 (|gate| < 88), well inside
+// fp32's test tolerance; exp(-gate) overflows to inf for gate < -88 and gives sigmoid 0, as expf does.
 //
 // silu_and_mul (vLLM's name for it; the MLP of Phi-3 and GLM, whose gate_up_proj puts gate and up in one output):
 // silu_and_mul_forward(x [..., 2d]) -> out [..., d]:  out = silu(x[..., :d]) * x[..., d:]
