@@ -9,8 +9,8 @@ input, ``R`` = rows, ``H`` = hidden size (last dim), ``T`` = elements of the low
 of the causal score matrices = ``B * sq*(sq+1)/2`` for ``B`` = batch*heads, ``M`` = elements of the boolean mask
 (1 byte each, at its stored broadcast shape ``[b, 1, sq, sk]``), ``P`` = parameters; for RoPE ``Q = b*seq*hq*d`` and
 ``K = b*seq*hk*d`` = elements of q and k, ``C = b*seq*d`` = elements of each of cos and sin (``[b, seq, d]``). For
-swiglu and swiglu.packed ``N = rows*inter`` = elements of the output (of gate, of up): swiglu.packed's input ``x`` is
-``[rows, 2*inter]`` (gate and up as its halves), ``2*N`` elements.
+swiglu, swiglu.packed and geglu ``N = rows*inter`` = elements of the output (of gate, of up): swiglu.packed's input
+``x`` is ``[rows, 2*inter]`` (gate and up as its halves), ``2*N`` elements.
 
 =====================  ======  ===========================================================================
 op                     pass    bytes counted
@@ -29,6 +29,8 @@ swiglu                 fwd     read gate, up; write y:                  ``3*N*s`
 swiglu                 bwd     read dy, gate, up; write dgate, dup:     ``5*N*s``
 swiglu.packed          fwd     read x (gate and up), write y:           ``3*N*s``
 swiglu.packed          bwd     read dy, x; write dx (dgate and dup):    ``5*N*s``
+geglu                  fwd     read gate, up; write y:                  ``3*N*s``
+geglu                  bwd     read dy, gate, up; write dgate, dup:     ``5*N*s``
 cross_entropy          fwd     read logits, target (int64); write lse (fp32): ``N*s + R*8 + R*4``
 cross_entropy          bwd     read logits, target, lse; write dlogits: ``2*N*s + R*8 + R*4``
 rope                   fwd     read q, k, cos, sin; write q_embed, k_embed: ``2*(Q+K)*s + 2*C*s``
@@ -47,6 +49,8 @@ causal softmax the masked upper triangle of the input need not be read (every im
 zeros of the output's upper triangle must be written. swiglu.packed is charged the bytes of swiglu: ``x`` holds
 gate and up, and its gradient ``dx`` dgate and dup, written once as one tensor (eager PyTorch's backward
 concatenates the halves' gradients, one more read and write of ``x``'s size, which its effective bandwidth shows).
+geglu is charged the bytes of swiglu too: only the activation differs (its tanh costs arithmetic, not bytes; an impl
+that saves ``gelu(gate)`` for the backward, as eager PyTorch does, moves more).
 """
 
 from __future__ import annotations
@@ -99,7 +103,7 @@ def _one_pass(op: str, pas: str, shape: Mapping[str, int], s: int) -> int:
         if op == "layer_norm":
             return (2 * n * s + 2 * hid * s + 2 * r * _STAT) if pas == "fwd" else (3 * n * s + 3 * hid * s + 2 * r * _STAT)
         return (2 * n * s + hid * s + r * _STAT) if pas == "fwd" else (3 * n * s + 2 * hid * s + r * _STAT)
-    if op in ("swiglu", "swiglu.packed"):   # (packed: x [rows, 2*inter] is gate and up, dx dgate and dup)
+    if op in ("swiglu", "swiglu.packed", "geglu"):   # (packed: x [rows, 2*inter] is gate and up, dx dgate and dup)
         r, inter = _need(shape, "rows", "inter")
         return (3 if pas == "fwd" else 5) * r * inter * s
     if op == "cross_entropy":
@@ -118,15 +122,15 @@ def _one_pass(op: str, pas: str, shape: Mapping[str, int], s: int) -> int:
         (n,) = _need(shape, "numel")
         return 2 * n * s
     raise ValueError(f"op: unknown op {op!r}; expected softmax, softmax.masked, softmax.causal, layer_norm, "
-                     "rms_norm, swiglu, swiglu.packed, cross_entropy, rope, adamw, clip_grad_norm or copy")
+                     "rms_norm, swiglu, swiglu.packed, geglu, cross_entropy, rope, adamw, clip_grad_norm or copy")
 
 
 def op_bytes(op: str, pas: str, shape: Mapping[str, int], dtype: str) -> int:
     """Minimum bytes read + written by ``op`` in pass ``pas`` (``fwd``, ``bwd``, ``fwd+bwd``; ``step`` for the
     optimizer ops and ``copy``; ``unclipped`` for clip_grad_norm) on ``shape`` (a mapping: ``b, np, sq, sk`` for the
-    softmaxes, ``rows, hidden`` for the norms, ``rows, inter`` for swiglu and swiglu.packed (whose ``x`` is ``[rows,
-    2*inter]``), ``rows, vocab`` for cross_entropy, ``b, seq, hq, hk, d`` for rope, ``params`` for adamw/clip_grad_norm,
-    ``numel`` for copy) in ``dtype`` (name, e.g. ``"bfloat16"``).
+    softmaxes, ``rows, hidden`` for the norms, ``rows, inter`` for swiglu, swiglu.packed (whose ``x`` is ``[rows,
+    2*inter]``) and geglu, ``rows, vocab`` for cross_entropy, ``b, seq, hq, hk, d`` for rope, ``params`` for
+    adamw/clip_grad_norm, ``numel`` for copy) in ``dtype`` (name, e.g. ``"bfloat16"``).
 
     Returns an int (bytes). Raises ValueError naming the argument on an unknown op, pass, dtype or a bad shape.
     The counts are tabulated in this module's docstring.

@@ -1,5 +1,5 @@
 """Op benchmarks: softmax (plain, padding-masked, causal), LayerNorm, RMSNorm, SwiGLU (of two tensors, and packed in
-one), cross-entropy, RoPE; every impl checked, then timed.
+one), GeGLU, cross-entropy, RoPE; every impl checked, then timed.
 
 Ops and their definitions (what the float64 reference computes; ``x`` is the benchmark input in its dtype):
 
@@ -14,6 +14,9 @@ Ops and their definitions (what the float64 reference computes; ``x`` is the ben
 * ``swiglu.packed``: the same of gate and up as the two halves of one contiguous ``x [rows, 2 * inter]`` (what Phi-3's
   and GLM's ``gate_up_proj``, a Linear, produce): ``gate, up = x.chunk(2, -1)``, ``y [rows, inter]``; its gradient is
   ``dx [rows, 2 * inter]``. The same sizes and rows as ``swiglu`` (the size axis ``inter``, the dispatcher's cols).
+* ``geglu``: ``y = gelu_tanh(gate) * up`` elementwise, ``gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715
+  g^3)))`` (GELU's tanh approximation, ``F.gelu(approximate="tanh")``: Gemma's ``gelu_pytorch_tanh``), ``gate`` and
+  ``up`` of ``[rows, inter]``: the sizes, rows and inputs of ``swiglu``.
 * ``cross_entropy``: ``loss = mean over the rows not ignored of (logsumexp(x_i) - x_i[t_i])``, logits ``[rows, vocab]``
   (``vocab``: the size axis), int64 targets, 1 in 16 rows ``ignore_index`` (-100); the loss in fp32.
 * ``rope``: ``(q_embed, k_embed) = (q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)``, cos and sin
@@ -33,13 +36,15 @@ Implementations (``impl`` in results.json):
   dtype=float32).to(dtype)`` (additive mask in the input dtype, 0 or the dtype's minimum); RMSNorm = LlamaRMSNorm's
   forward (fp32 variance, ``weight * x.to(input_dtype)``); SwiGLU = LlamaMLP's ``act_fn(gate) * up`` =
   ``F.silu(gate) * up``; packed SwiGLU = Phi3MLP's ``gate, up = x.chunk(2, -1)`` then ``up * act_fn(gate)`` (the same
-  product; its backward ends in autograd's concatenation of the halves' gradients into ``dx``); cross-entropy =
+  product; its backward ends in autograd's concatenation of the halves' gradients into ``dx``); GeGLU = GemmaMLP's
+  ``act_fn(gate) * up`` with ``act_fn = ACT2FN["gelu_pytorch_tanh"]`` (``F.gelu(gate, approximate="tanh")``, then the
+  product); cross-entropy =
   transformers' loss, ``F.cross_entropy(logits.float(), target)``; RoPE = ``apply_rotary_pos_emb`` of
   ``transformers.models.llama.modeling_llama``. LayerNorm has no separate eager path: transformers calls
   ``nn.LayerNorm`` = ``native``.
 * ``native``: the best single PyTorch op: ``F.softmax`` (for masked/causal: ``masked_fill(-inf)`` then
   ``F.softmax`` in the input dtype), ``F.layer_norm``, ``F.rms_norm``, ``F.cross_entropy`` in the input dtype (its
-  loss in that dtype); none for the SwiGLUs (two ops: ``eager``) and RoPE (PyTorch has no rotary op).
+  loss in that dtype); none for the SwiGLUs and GeGLU (two ops: ``eager``) and RoPE (PyTorch has no rotary op).
 * ``compile``: ``torch.compile(dynamic=False)`` of the eager code (of ``F.layer_norm`` for LayerNorm, of the
   dispatcher's reference ``pipegoose.nn.fusion.ops.rope.rope_reference`` for RoPE: transformers' formula); its
   compile time is recorded in ``extra.compile_s`` and is not part of the timings.
@@ -47,7 +52,9 @@ Implementations (``impl`` in results.json):
   ``liger_rms_norm(in_place=False)``, ``liger_swiglu`` = ``LigerSiLUMulFunction``, whose backward writes into the
   saved gate and up, which are the inputs: run_ops restores them after it; for ``swiglu.packed`` the same Function of
   ``x.chunk(2, -1)``, as Liger's ``LigerPhi3SwiGLUMLP`` calls it: it copies the two halves, which are not contiguous,
-  and writes its gradients into those copies; autograd concatenates them into ``dx``), ``liger_cross_entropy`` (its
+  and writes its gradients into those copies; autograd concatenates them into ``dx``), ``LigerGELUMulFunction``
+  (``liger_kernel.ops.geglu``, the tanh approximation, what its ``LigerGEGLUMLP`` for Gemma runs; its backward writes
+  into the saved gate and up, the inputs, as the SwiGLU's: restored likewise), ``liger_cross_entropy`` (its
   forward writes the gradient into the logits, restored likewise; its backward only scales it), ``liger_rotary_pos_emb``
   (``liger_kernel.transformers.rope``: in Llama's layout its forward rotates q and k in place and returns views of
   them, and its backward rotates the incoming gradients in place; run_ops restores the inputs and the gradients
@@ -57,7 +64,9 @@ Implementations (``impl`` in results.json):
   kernel, the Megatron-LM/Apex copies from ColossalAI 0.5.0, the dispatcher's reference path): ``scaled_softmax(x,
   1.0)`` (op ``softmax``: ``functional.softmax`` keeps fp16/bf16 on F.softmax), ``scaled_masked_softmax``,
   ``scaled_upper_triang_masked_softmax`` (on the ``[b*np, sq, sk]`` view), ``layer_norm``, ``rms_norm``, ``swiglu``,
-  ``silu_and_mul`` (op ``swiglu.packed``), ``cross_entropy``, ``apply_rotary_pos_emb`` (op ``rope``). Run with
+  ``silu_and_mul`` (op ``swiglu.packed``), ``geglu(gate, up, approximate="tanh")``, ``cross_entropy``,
+  ``apply_rotary_pos_emb`` (op ``rope``); a functional without ``geglu`` (a checkout before the op) is reported
+  ``unavailable``. Run with
   ``PIPEGOOSE_STRICT=1``, and after the checked call the dispatcher's ``last_choice`` must name the requested impl: an
   input the impl refuses is reported ``unsupported``, never timed under the wrong name. These are the names the
   tuning table may choose.
@@ -88,9 +97,11 @@ from .timing import Timer
 
 __all__ = ["OPS", "SIZES", "make_case", "impls_for", "run_ops", "reference", "check_close", "Case"]
 
-OPS = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "swiglu", "swiglu.packed",
+OPS = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "swiglu", "swiglu.packed", "geglu",
        "cross_entropy", "rope")
 SWIGLUS = ("swiglu", "swiglu.packed")   # one size list and shape: swiglu.packed's x is gate and up side by side
+GATED = (*SWIGLUS, "geglu")   # the gated activations: swiglu's sizes and rows (geglu's gate and up as swiglu's)
+GELU_APPROX = "tanh"   # Gemma's hidden_act "gelu_pytorch_tanh"
 TUNABLE = ("pipegoose", "megatron", "apex", "torch")
 IMPL_ORDER = ("eager", "native", "compile", "liger", "torch", "megatron", "apex", "pipegoose")
 SCALE = 0.125
@@ -102,7 +113,8 @@ SIZES = {
     "norm": {"full": [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536], "quick": [1024, 4096, 16384],
              "dry": [32, 128]},
     # intermediate sizes of SwiGLU MLPs: Qwen3-0.6B 3072, TinyLlama / Llama-1.1B 5632, Llama-2-7B 11008,
-    # Llama-3-8B / Mistral-7B 14336, Llama-3-70B 28672 (swiglu.packed too: Phi-3-mini's 8192 lies among them)
+    # Llama-3-8B / Mistral-7B 14336, Llama-3-70B 28672 (swiglu.packed too: Phi-3-mini's 8192 lies among them; geglu
+    # too, side by side with swiglu: Gemma-2B's 16384 and Gemma-7B's 24576 lie among them)
     "swiglu": {"full": [1408, 3072, 5632, 11008, 14336, 28672], "quick": [5632], "dry": [16, 64]},
     # vocabularies: Llama-2 / TinyLlama 32000, GPT-NeoX / Pythia 50304, Llama-3 128256, Qwen2/Qwen3 151936
     "cross_entropy": {"full": [32000, 50304, 128256, 151936], "quick": [32000], "dry": [16, 100]},
@@ -121,14 +133,14 @@ MIN_ROWS = {"cuda": 16384, "cpu": 16}
 
 
 def sizes_for(op: str, mode: str) -> list[int]:
-    return SIZES["softmax" if op.startswith("softmax") else "swiglu" if op in SWIGLUS
+    return SIZES["softmax" if op.startswith("softmax") else "swiglu" if op in GATED
                  else op if op in ("cross_entropy", "rope") else "norm"][mode]
 
 
 def shape_for(op: str, cols: int, device: str) -> dict[str, int]:
     """Benchmark shape for an op at last-dim size ``cols``: the softmaxes get ``[b, np, sq=sk, sk]`` with
-    ``b*np*sq*sk`` >= the target element count where possible; the norms ``[rows >= 16384, hidden]``; swiglu
-    ``[rows >= 16384, inter]`` (swiglu.packed the same rows, its x ``[rows, 2 * inter]``); rope ``b, seq, hq, hk,
+    ``b*np*sq*sk`` >= the target element count where possible; the norms ``[rows >= 16384, hidden]``; swiglu and
+    geglu ``[rows >= 16384, inter]`` (swiglu.packed the same rows, its x ``[rows, 2 * inter]``); rope ``b, seq, hq, hk,
     d`` (``d = cols``: ``ROPE_TOKENS``, ``ROPE_HEADS``)."""
     target = TARGET_ELEMS[device]
     if op.startswith("softmax"):
@@ -137,7 +149,7 @@ def shape_for(op: str, cols: int, device: str) -> dict[str, int]:
         if per_head * heads <= target:
             return {"b": max(1, target // (per_head * heads)), "np": heads, "sq": cols, "sk": cols}
         return {"b": 1, "np": max(1, target // per_head), "sq": cols, "sk": cols}
-    if op in SWIGLUS:
+    if op in GATED:
         return {"rows": max(MIN_ROWS[device], target // cols), "inter": cols}
     if op == "cross_entropy":   # 128M logits (256 MB in bf16): 4194 rows of 32000, 883 of 151936
         return {"rows": max(16, 2 * target // cols), "vocab": cols}
@@ -195,7 +207,7 @@ def make_case(op: str, dtype: torch.dtype, cols: int, device: str, seed: int = 0
             inputs["additive_mask"] = torch.zeros(1, 1, sq, sk, dtype=dtype, device=device).masked_fill_(
                 inputs["mask"], torch.finfo(dtype).min)
         return Case(op, dtype, shape, cols, inputs, ["x"], randn(b, h, sq, sk))
-    if op == "swiglu":
+    if op in ("swiglu", "geglu"):   # (the gate scaled by 2: both curves' bends, and GELU's negative dip, are hit)
         rows, inter = shape["rows"], shape["inter"]
         g = (randn(rows, inter) * 2).requires_grad_()
         u = randn(rows, inter).requires_grad_()
@@ -273,6 +285,8 @@ def reference(case: Case, chunk_elems: int = 1 << 25) -> dict[str, torch.Tensor]
         return {"y": y, "dx": dx}
     if op in SWIGLUS:
         return _swiglu_reference(case, chunk_elems)
+    if op == "geglu":
+        return _geglu_reference(case, chunk_elems)
     if op == "cross_entropy":
         x, t = inp["x"].detach(), inp["t"]
         keep = t != CE_IGNORE
@@ -343,6 +357,25 @@ def _swiglu_reference(case: Case, chunk_elems: int) -> dict[str, torch.Tensor]:
         du[rs] = (dys * gs * sig).float()
         dg[rs] = (dys * us * sig * (1 + gs * (1 - sig))).float()
     return {"y": y, **grads}
+
+
+def _geglu_reference(case: Case, chunk_elems: int) -> dict[str, torch.Tensor]:
+    """GeGLU (GELU's tanh approximation) in float64, written out: with ``c = sqrt(2 / pi)``, ``t = tanh(c (g + 0.044715
+    g^3))``: ``y = 0.5 g (1 + t) u``, ``du = dy 0.5 g (1 + t)``, ``dg = dy u (0.5 (1 + t) + 0.5 g (1 - t^2) c (1 + 3 *
+    0.044715 g^2))``."""
+    inp = case.inputs
+    g, u = inp["g"].detach(), inp["u"].detach()
+    y = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+    dg, du = torch.empty_like(y), torch.empty_like(y)
+    c = math.sqrt(2.0 / math.pi)
+    for rs in _chunks(g.shape[0], chunk_elems // g.shape[1]):
+        gs, us, dys = g[rs].double(), u[rs].double(), case.dy[rs].double()
+        t = torch.tanh(c * (gs + 0.044715 * gs ** 3))
+        act = 0.5 * gs * (1 + t)
+        y[rs] = (act * us).float()
+        du[rs] = (dys * act).float()
+        dg[rs] = (dys * us * (0.5 * (1 + t) + 0.5 * gs * (1 - t * t) * c * (1 + 3 * 0.044715 * gs * gs))).float()
+    return {"y": y, "dg": dg, "du": du}
 
 
 def _rope_reference(case: Case, chunk_elems: int) -> dict[str, torch.Tensor]:
@@ -434,6 +467,13 @@ def _eager(case: Case) -> Callable:
         return lambda i: F.silu(i["g"]) * i["u"]   # LlamaMLP: act_fn(gate_proj(x)) * up_proj(x)
     if op == "swiglu.packed":
         return _phi3_silu_and_mul
+    if op == "geglu":   # GemmaMLP: act_fn(gate_proj(x)) * up_proj(x), act_fn = ACT2FN[config.hidden_act]
+        try:
+            from transformers.activations import ACT2FN
+        except Exception as e:  # noqa: BLE001 - not installed, or a version without it
+            raise Unavailable(f"transformers' ACT2FN not importable: {e}") from None
+        act = ACT2FN["gelu_pytorch_tanh"]
+        return lambda i: act(i["g"]) * i["u"]
     if op == "cross_entropy":   # transformers' ForCausalLMLoss: the logits upcast, then F.cross_entropy
         return lambda i: F.cross_entropy(i["x"].float(), i["t"], ignore_index=CE_IGNORE)
     if op == "rope":   # LlamaAttention: apply_rotary_pos_emb(query_states, key_states, cos, sin)
@@ -460,6 +500,8 @@ def _native(case: Case) -> Callable:
         return lambda i: F.softmax((i["x"] * SCALE).masked_fill(i["mask"], float("-inf")), dim=-1)
     if op in SWIGLUS:
         raise Unsupported("PyTorch has no single op for silu(gate) * up (eager runs two)")
+    if op == "geglu":
+        raise Unsupported("PyTorch has no single op for gelu(gate) * up (eager runs two)")
     if op == "rope":
         raise Unsupported("PyTorch has no rotary embedding op (eager runs the formula)")
     if op == "cross_entropy":
@@ -523,6 +565,16 @@ def _liger(case: Case) -> Callable:
             fn = lambda i: LigerSiLUMulFunction.apply(*i["x"].chunk(2, dim=-1))  # noqa: E731
         fn.clobbers_inputs = True
         return fn
+    if op == "geglu":
+        try:
+            from liger_kernel.ops.geglu import LigerGELUMulFunction
+        except Exception as e:  # noqa: BLE001
+            raise Unavailable(f"liger_kernel.ops.geglu not importable: {e}") from None
+        # (its kernels compute GELU's tanh approximation only, Gemma's.) Its backward writes dgate and dup into the
+        # saved gate and up, which are the inputs (contiguous: ensure_contiguous copies nothing): run_ops restores them
+        fn = lambda i: LigerGELUMulFunction.apply(i["g"], i["u"])  # noqa: E731
+        fn.clobbers_inputs = True
+        return fn
     if op == "cross_entropy":
         # its forward writes the logits' gradient into the logits (the input itself): run_ops restores them
         fn = lambda i: LF.liger_cross_entropy(i["x"], i["t"], ignore_index=CE_IGNORE)  # noqa: E731
@@ -572,6 +624,10 @@ def _ours(impl: str) -> Callable[[Case], Callable]:
             fn = lambda i: PF.swiglu(i["g"], i["u"], impl=impl)  # noqa: E731
         elif op == "swiglu.packed":
             fn = lambda i: PF.silu_and_mul(i["x"], impl=impl)  # noqa: E731
+        elif op == "geglu":
+            if not hasattr(PF, "geglu"):   # (a checkout from before the GeGLU op)
+                raise Unavailable("pipegoose.nn.fusion.functional has no geglu")
+            fn = lambda i: PF.geglu(i["g"], i["u"], approximate=GELU_APPROX, impl=impl)  # noqa: E731
         elif op == "cross_entropy":
             fn = lambda i: PF.cross_entropy(i["x"], i["t"], ignore_index=CE_IGNORE, impl=impl)  # noqa: E731
         elif op == "rope":
@@ -614,11 +670,11 @@ def impls_for(op: str) -> list[str]:
         names.remove("eager")
     if op in ("softmax.masked", "softmax.causal"):
         names.remove("liger")
-    if op.startswith("softmax") or op in ("rms_norm", *SWIGLUS, "cross_entropy", "rope"):
+    if op.startswith("softmax") or op in ("rms_norm", *GATED, "cross_entropy", "rope"):
         names.remove("apex")      # Apex: only LayerNorm is ported
-    if op in ("layer_norm", "rms_norm", *SWIGLUS, "cross_entropy", "rope"):
+    if op in ("layer_norm", "rms_norm", *GATED, "cross_entropy", "rope"):
         names.remove("megatron")  # Megatron-LM: only the softmax kernels
-    if op in (*SWIGLUS, "rope"):
+    if op in (*GATED, "rope"):
         names.remove("native")    # no single PyTorch op
     return names
 

@@ -6,6 +6,7 @@
     python -m benchmarks.run --no-ops --e2e                             end-to-end training steps (< ~6 min)
     python -m benchmarks.run --no-ops --e2e --e2e-models qwen3 --e2e-variants sdpa,fuse_sdpa   the Qwen3 step
     python -m benchmarks.run --no-ops --e2e --e2e-models phi3 --e2e-variants sdpa,fuse_sdpa,liger   the Phi-3 step
+    python -m benchmarks.run --only swiglu,geglu --dtypes bf16                 the two gated activations, side by side
     python -m benchmarks.run --no-ops --build-cost --specialise         cold build / warm load / specialised builds
     python -m benchmarks.run --device cpu --dry-run --out /tmp/bench    the whole pipeline on tiny CPU inputs
     python -m benchmarks.run --report-only DIR [DIR ...] --out OUT      merge results.json files, redo md/plots/table
@@ -33,7 +34,7 @@ from .common import NO_RESULT, REPO_ROOT, Measurement, environment, slug, today,
 from .report import RUN_KEYS
 from .tuning import DEFAULT_TUNING_DIR
 
-OP_NAMES = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "swiglu", "swiglu.packed",
+OP_NAMES = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "swiglu", "swiglu.packed", "geglu",
             "cross_entropy", "rope", "adamw", "clip_grad_norm")
 GROUPS = {"softmaxes": ["softmax", "softmax.masked", "softmax.causal"], "norms": ["layer_norm", "rms_norm"],
           "optim": ["adamw", "clip_grad_norm"]}
