@@ -56,6 +56,22 @@ def test_packed_swiglu_reads_x_writes_y_forward_reads_dy_and_x_writes_dx_backwar
         op_bytes("swiglu.packed", "fwd", {"rows": r, "hidden": d}, "bfloat16")
 
 
+def test_geglu_is_charged_swiglus_bytes():
+    """geglu: read gate and up, write y (forward); read dy, gate, up, write dgate and dup (backward): the bytes of swiglu
+    at the same shape (only the activation differs: arithmetic, not bytes)."""
+    r, i = 16384, 16384                   # Gemma-2B's intermediate size
+    n = r * i
+    shape = {"rows": r, "inter": i}
+    assert op_bytes("geglu", "fwd", shape, "bfloat16") == 3 * n * 2
+    assert op_bytes("geglu", "bwd", shape, "float32") == 5 * n * 4
+    assert op_bytes("geglu", "fwd+bwd", shape, "float16") == 8 * n * 2
+    for pas in ("fwd", "bwd", "fwd+bwd"):
+        for dt in ("bfloat16", "float16", "float32"):
+            assert op_bytes("geglu", pas, shape, dt) == op_bytes("swiglu", pas, shape, dt)
+    with pytest.raises(ValueError, match="inter"):
+        op_bytes("geglu", "fwd", {"rows": r, "hidden": i}, "bfloat16")
+
+
 def test_cross_entropy_reads_the_logits_once_forward_and_writes_their_gradient_backward():
     r, v = 4194, 32000
     n = r * v

@@ -33,8 +33,8 @@ def test_check_close_flags_nan_and_off_elements():
 def test_reference_matches_torch_on_fp32(op, size):
     case = ops.make_case(op, torch.float32, ops.sizes_for(op, "dry")[size], "cpu")
     ref = ops.reference(case)
-    # (PyTorch has no single op for SwiGLU or RoPE: their eager code, transformers')
-    fn = ops.IMPLS["eager" if op in ("swiglu", "swiglu.packed", "rope") else "native"](case)
+    # (PyTorch has no single op for SwiGLU, GeGLU or RoPE: their eager code, transformers')
+    fn = ops.IMPLS["eager" if op in ("swiglu", "swiglu.packed", "geglu", "rope") else "native"](case)
     y = fn(case.inputs)
     ys = y if isinstance(y, tuple) else (y,)
     assert set(ref) == {*case.outs, *(f"d{n}" for n in case.wrt)} and len(ys) == len(case.outs)
@@ -214,6 +214,164 @@ def test_packed_swiglus_impls_of_ours_call_silu_and_mul_with_x_and_the_impl(monk
                 ops.check_impl(fn, case, tol)
             assert ops.classify(e.value) == "unsupported" and "swiglu.packed" in str(e.value)
     assert [(x is case.inputs["x"], impl) for x, impl in seen] == [(True, "torch"), (True, "pipegoose")]
+
+
+def test_geglu_case_is_swiglus_at_swiglus_sizes_and_rows():
+    """geglu runs where swiglu runs (the same sizes, rows and dtypes: side by side in one run), on two [rows, inter]
+    tensors gate and up; the impls are swiglu's (no native op, no Megatron or Apex copy)."""
+    for mode in ("full", "quick", "dry"):
+        assert ops.sizes_for("geglu", mode) == ops.sizes_for("swiglu", mode)
+        for dev in ("cuda", "cpu"):
+            assert all(ops.shape_for("geglu", c, dev) == ops.shape_for("swiglu", c, dev)
+                       for c in ops.sizes_for("swiglu", mode))
+    assert ops.shape_for("geglu", 5632, "cuda") == {"rows": 16384, "inter": 5632}
+    assert ops.impls_for("geglu") == ["eager", "compile", "liger", "torch", "pipegoose"]
+    case = ops.make_case("geglu", torch.bfloat16, 64, "cpu")
+    rows = case.shape["rows"]
+    g, u = case.inputs["g"], case.inputs["u"]
+    assert set(case.inputs) == {"g", "u"} and case.wrt == ["g", "u"] and case.outs == ("y",) and case.cols == 64
+    for t in (g, u):
+        assert t.shape == (rows, 64) and t.is_contiguous() and t.is_leaf and t.requires_grad
+        assert t.dtype == torch.bfloat16
+    assert case.dy.shape == (rows, 64) and case.dy.dtype == torch.bfloat16
+    assert g.abs().max() > 1.5 * u.abs().max()   # (the gate scaled by 2, as swiglu's)
+    assert (g < -1).any() and (g > 3).any()      # (GELU's dip and its linear part are both hit)
+    with pytest.raises(ValueError, match="op: expected one of .*geglu"):
+        ops.make_case("gelu", torch.float32, 16, "cpu")
+
+
+@pytest.mark.parametrize("chunk", [1 << 25, 640])
+def test_geglu_reference_is_float64_autograd_of_gelu_tanh_times_up(chunk):
+    """The written-out float64 formula (in chunks of rows, too) against autograd of ``F.gelu(g, approximate="tanh") *
+    u`` in float64: the same values and gradients to rounding."""
+    case = ops.make_case("geglu", torch.bfloat16, 16, "cpu")
+    ref = ops.reference(case, chunk_elems=chunk)
+    assert set(ref) == {"y", "dg", "du"} and all(t.dtype == torch.float32 for t in ref.values())
+    g = case.inputs["g"].detach().double().requires_grad_()
+    u = case.inputs["u"].detach().double().requires_grad_()
+    y = F.gelu(g, approximate="tanh") * u
+    dg, du = torch.autograd.grad(y, (g, u), case.dy.double())
+    for name, want in (("y", y), ("dg", dg), ("du", du)):
+        torch.testing.assert_close(ref[name], want.float(), atol=1e-6, rtol=1e-6)
+
+
+def test_geglus_eager_impl_is_gemmas_activation_times_up():
+    """eager: GemmaMLP's ``act_fn(gate) * up`` with ``ACT2FN["gelu_pytorch_tanh"]``: to the bit ``F.gelu(gate,
+    approximate="tanh") * up``, and its gradients."""
+    case = ops.make_case("geglu", torch.bfloat16, 64, "cpu")
+    g, u = case.inputs["g"], case.inputs["u"]
+    y = ops.IMPLS["eager"](case)(case.inputs)
+    grads = torch.autograd.grad(y, (g, u), case.dy)
+    y2 = F.gelu(g, approximate="tanh") * u
+    grads2 = torch.autograd.grad(y2, (g, u), case.dy)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y2)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads2))
+    assert not torch.equal(y, F.gelu(g) * u)   # (the exact GELU differs: the approximation is what is run)
+
+
+def test_geglu_impl_of_the_exact_gelu_or_of_silu_is_failed():
+    """The gate tells GELU's tanh approximation (Gemma's) from the exact, erf GELU, and from SiLU (SwiGLU's)."""
+    case = ops.make_case("geglu", torch.float32, 16, "cpu")
+    case.ref = ops.reference(case)
+    tol = tolerances()[torch.float32]
+    assert ops.check_impl(ops.IMPLS["eager"](case), case, tol)[0] == "ok"
+    for wrong in (lambda i: F.gelu(i["g"]) * i["u"], lambda i: F.silu(i["g"]) * i["u"]):
+        status, _, detail = ops.check_impl(wrong, case, tol)
+        assert status == "FAILED" and all(f"{n}:" in detail for n in ("y", "dg", "du"))
+
+
+class _LigerGELUMul(torch.autograd.Function):
+    """Liger-Kernel's LigerGELUMulFunction (0.8.5) in PyTorch, for the CPU (its kernels are Triton): the forward rounds
+    gelu_tanh(gate) to the dtype before the product, and the backward writes dgate and dup into the saved gate and up
+    (the inputs) and returns those. Records the tensors it is given."""
+
+    given: list = []
+
+    @staticmethod
+    def forward(ctx, a, b):
+        _LigerGELUMul.given.append((a.data_ptr(), b.data_ptr()))
+        ctx.save_for_backward(a, b)
+        return F.gelu(a.float(), approximate="tanh").to(b.dtype) * b
+
+    @staticmethod
+    def backward(ctx, dc):
+        a, b = ctx.saved_tensors
+        with torch.enable_grad():
+            a32 = a.detach().float().requires_grad_()
+            act = F.gelu(a32, approximate="tanh")
+            (dact,) = torch.autograd.grad(act, a32, torch.ones_like(act))
+        db = dc.float() * act.detach()
+        da = dc.float() * b.float() * dact
+        a.copy_(da)
+        b.copy_(db)
+        return a, b
+
+
+def test_geglus_liger_impl_is_liger_gelu_mul_of_gate_and_up(monkeypatch):
+    """liger: LigerGELUMulFunction of the case's gate and up themselves, checked and timed like the others; it writes
+    into them in its backward, so they are put back before the next impl (torch's row would FAIL otherwise)."""
+    _fake_liger(monkeypatch, _LigerSiLUMul)
+    monkeypatch.setitem(sys.modules, "liger_kernel.ops.geglu", types.ModuleType("liger_kernel.ops.geglu"))
+    sys.modules["liger_kernel.ops.geglu"].LigerGELUMulFunction = _LigerGELUMul
+    monkeypatch.setattr(_LigerGELUMul, "given", [])
+    case = ops.make_case("geglu", torch.float32, 16, "cpu")
+    fn = ops.IMPLS["liger"](case)
+    assert fn.clobbers_inputs
+    fn(case.inputs)
+    assert _LigerGELUMul.given == [(case.inputs["g"].data_ptr(), case.inputs["u"].data_ptr())]
+    # the row after liger's (torch's, here the eager code) sees gate and up put back: corrupted, it would FAIL
+    monkeypatch.setitem(ops.IMPLS, "torch", ops.IMPLS["eager"])
+    res = ops.run_ops(["geglu"], [torch.float32, torch.bfloat16], "dry", "cpu", Timer("cpu", warmup=0, reps=2),
+                      tolerances(), ["liger", "torch"], deadline=1e18, log=lambda s: None)
+    assert res and {(m.impl, m.status) for m in res} == {("liger", "ok"), ("torch", "ok")}
+    assert {(m.dtype, m.cols) for m in res} == {(d, c) for d in ("float32", "bfloat16") for c in (16, 64)}
+    monkeypatch.setitem(sys.modules, "liger_kernel.ops.geglu", None)   # (an install without it)
+    with pytest.raises(ops.Unavailable, match="liger_kernel.ops.geglu not importable"):
+        ops.IMPLS["liger"](case)
+
+
+def test_geglus_impls_of_ours_call_functional_geglu_with_gate_up_tanh_and_the_impl(monkeypatch):
+    """pipegoose and torch: ``geglu(gate, up, approximate="tanh", impl=...)`` (op geglu; the dispatcher's choice is
+    verified after the checked call, fn.expect); a functional without ``geglu`` (a checkout before the op) makes them
+    ``unavailable``, never an error."""
+    from pipegoose.nn.fusion import functional as PF
+
+    seen = []
+
+    def spy(gate, up, approximate="tanh", *, impl=None):
+        seen.append((gate, up, approximate, impl))
+        return F.gelu(gate, approximate=approximate) * up
+
+    monkeypatch.setattr(PF, "geglu", spy, raising=False)
+    case = ops.make_case("geglu", torch.float32, 16, "cpu")
+    for impl in ("torch", "pipegoose"):
+        fn = ops.IMPLS[impl](case)
+        assert fn.expect == ("geglu", impl)
+        assert torch.equal(fn(case.inputs), F.gelu(case.inputs["g"], approximate="tanh") * case.inputs["u"])
+    assert [(g is case.inputs["g"], u is case.inputs["u"], a, i) for g, u, a, i in seen] == [
+        (True, True, "tanh", "torch"), (True, True, "tanh", "pipegoose")]
+    monkeypatch.delattr(PF, "geglu")
+    for impl in ("torch", "pipegoose"):
+        with pytest.raises(ops.Unavailable, match="functional has no geglu") as e:
+            ops.IMPLS[impl](case)
+        assert ops.classify(e.value) == "unavailable"
+
+
+def test_geglus_torch_impl_is_ok_and_our_kernel_declined_on_the_cpu(monkeypatch):
+    """With the GeGLU op merged: the dispatcher's torch path passes the gate and runs as asked; our kernel is declined on
+    the CPU (``unsupported``), never timed under its name."""
+    from pipegoose.nn.fusion import functional as PF
+
+    if not hasattr(PF, "geglu"):
+        pytest.skip("pipegoose.nn.fusion.functional has no geglu yet (the GeGLU op is not merged)")
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "1")
+    case = ops.make_case("geglu", torch.float32, 16, "cpu")
+    case.ref = ops.reference(case)
+    tol = tolerances()[torch.float32]
+    assert ops.check_impl(ops.IMPLS["torch"](case), case, tol)[0] == "ok"
+    with pytest.raises(Exception) as e:
+        ops.check_impl(ops.IMPLS["pipegoose"](case), case, tol)
+    assert ops.classify(e.value) == "unsupported" and "geglu" in str(e.value)
 
 
 def test_rope_impl_with_one_output_or_wrong_rotation_is_failed():
