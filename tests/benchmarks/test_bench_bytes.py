@@ -57,8 +57,8 @@ def test_packed_swiglu_reads_x_writes_y_forward_reads_dy_and_x_writes_dx_backwar
 
 
 def test_geglu_is_charged_swiglus_bytes():
-    """geglu: read gate and up, write y (forward); read dy, gate, up, write dgate and dup (backward): the bytes of swiglu
-    at the same shape (only the activation differs: arithmetic, not bytes)."""
+    """geglu: read gate and up, write y (forward); read dy, gate, up, write dgate and dup (backward): the bytes of
+    swiglu at the same shape (only the activation differs: arithmetic, not bytes)."""
     r, i = 16384, 16384                   # Gemma-2B's intermediate size
     n = r * i
     shape = {"rows": r, "inter": i}

@@ -281,9 +281,9 @@ def test_geglu_impl_of_the_exact_gelu_or_of_silu_is_failed():
 
 
 class _LigerGELUMul(torch.autograd.Function):
-    """Liger-Kernel's LigerGELUMulFunction (0.8.5) in PyTorch, for the CPU (its kernels are Triton): the forward rounds
-    gelu_tanh(gate) to the dtype before the product, and the backward writes dgate and dup into the saved gate and up
-    (the inputs) and returns those. Records the tensors it is given."""
+    """Liger-Kernel's LigerGELUMulFunction (0.8.5) in PyTorch, for the CPU (its kernels are Triton): the forward
+    rounds gelu_tanh(gate) to the dtype before the product, and the backward writes dgate and dup into the saved gate
+    and up (the inputs) and returns those. Records the tensors it is given."""
 
     given: list = []
 
@@ -358,8 +358,8 @@ def test_geglus_impls_of_ours_call_functional_geglu_with_gate_up_tanh_and_the_im
 
 
 def test_geglus_torch_impl_is_ok_and_our_kernel_declined_on_the_cpu(monkeypatch):
-    """With the GeGLU op merged: the dispatcher's torch path passes the gate and runs as asked; our kernel is declined on
-    the CPU (``unsupported``), never timed under its name."""
+    """With the GeGLU op merged: the dispatcher's torch path passes the gate and runs as asked; our kernel is declined
+    on the CPU (``unsupported``), never timed under its name."""
     from pipegoose.nn.fusion import functional as PF
 
     if not hasattr(PF, "geglu"):
