@@ -1,5 +1,5 @@
-"""End-to-end: one training step (forward, backward, AdamW) of Llama-, GPT-NeoX-, Qwen3- and Phi-3-like models, bf16,
-seq 2048.
+"""End-to-end: one training step (forward, backward, AdamW) of Llama-, GPT-NeoX-, Qwen3-, Phi-3- and Gemma-like models,
+bf16, seq 2048.
 
 Models (random init from a config, no weights downloaded):
 
@@ -15,6 +15,14 @@ Models (random init from a config, no weights downloaded):
 * ``phi3``: Phi-3-mini's layer shape (hidden 3072, 32 heads, MLP 8192 with gate and up in one ``gate_up_proj``, q, k
   and v in one ``qkv_proj``, vocab 32064) with 8 of its 32 layers, ~1.1B params, batch 4: the MLP's activation runs
   ``silu_and_mul`` (op ``swiglu.packed``) once fused. Not in ``benchmarks.run``'s default ``--e2e-models``.
+* ``gemma``: Gemma-2B's layer shape (hidden 2048, 8 heads of 256, 1 KV head, MLP 16384 of GELU's tanh approximation,
+  ``gelu_pytorch_tanh``, vocab 256000, tied embeddings, RMSNorms ``x * (1 + weight)``) with 6 of its 18 layers,
+  ~1.18B params (the tied embedding 524M of them), batch 4: once fused, its MLPs run ``geglu`` (``FusedGeGLUMLP``)
+  and its norms Gemma's RMSNorm. The logits, ``[8192, 256000]``, are 4.2 GB in bf16 and the loss's fp32 copies 8.4
+  GB each: the sdpa step's peak was estimated at ~41 GiB (weights, gradients and AdamW states 8.8 GiB, the 1.1 MB
+  per token that the layers save for the backward, measured on the CPU: 8.4 GiB, three fp32 logits-sized tensors
+  at the loss's backward: 23.4 GiB), under 60 GiB of an 80 GB card. Not in ``benchmarks.run``'s default
+  ``--e2e-models``.
 
 Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
 (``pipegoose.nn.fusion.fuse(model)`` on that model), ``fuse_sdpa_adam`` (``fuse_sdpa`` with
@@ -24,8 +32,9 @@ Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse
 (``fuse_sdpa`` with ``PIPEGOOSE_IMPL_ROPE=torch``: the model's own RoPE code, the A/B of our RoPE kernel; it replaces
 session 54's ``fuse_sdpa_rope``, the kernel's partial path when that was opt-in),
 ``compile_sdpa`` (``torch.compile(model)``, compile time in the warm-up, reported separately), ``liger``
-(``apply_liger_kernel_to_llama`` / ``_qwen3`` / ``_phi3(model=...)`` with their defaults: rope, rms_norm, swiglu,
-fused linear cross-entropy) and ``liger_rmsnorm`` (only its RMSNorm: the like-for-like comparison with ours). Liger
+(``apply_liger_kernel_to_llama`` / ``_qwen3`` / ``_phi3`` / ``_gemma(model=...)`` with their defaults: rope,
+rms_norm, swiglu (Gemma: geglu), fused linear cross-entropy) and ``liger_rmsnorm`` (only its RMSNorm, Gemma's
+``LigerRMSNormForGemma`` for Gemma: the like-for-like comparison with ours). Liger
 patches transformers globally, so every variant runs in its own subprocess (fresh memory, and nothing leaks into the next),
 under a time limit.
 
@@ -48,7 +57,7 @@ import sys
 import time
 from typing import Callable
 
-__all__ = ["MODELS", "VARIANTS", "run_e2e"]
+__all__ = ["MODELS", "VARIANTS", "run_e2e", "apply_liger"]
 
 MODELS = {
     "llama": dict(arch="llama", batch=4, config=dict(hidden_size=2048, intermediate_size=5632,
@@ -68,14 +77,25 @@ MODELS = {
                                                     num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
                                                     max_position_embeddings=4096, rms_norm_eps=1e-5,
                                                     pad_token_id=32000, bos_token_id=1, eos_token_id=32000)),
+    # (hidden_act is what GemmaMLP reads in transformers 5; hidden_activation, Gemma's own name for it, what 4.x read)
+    "gemma": dict(arch="gemma", batch=4, config=dict(hidden_size=2048, intermediate_size=16384, num_hidden_layers=6,
+                                                      num_attention_heads=8, num_key_value_heads=1, head_dim=256,
+                                                      vocab_size=256000, hidden_act="gelu_pytorch_tanh",
+                                                      hidden_activation="gelu_pytorch_tanh",
+                                                      max_position_embeddings=8192, rms_norm_eps=1e-6,
+                                                      tie_word_embeddings=True, pad_token_id=0, bos_token_id=2,
+                                                      eos_token_id=1)),
 }
-CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config", "phi3": "Phi3Config"}
+CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config", "phi3": "Phi3Config",
+           "gemma": "GemmaConfig"}
 VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_model_rope",
             "compile_sdpa", "liger_rmsnorm", "liger")
 # What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the
 # subprocess failed), unavailable (Liger-Kernel not installed), skipped (time budget, or no CUDA).
 STATUSES = ("ok", "FAILED", "oom", "timeout", "error", "unavailable", "skipped")
-LIGER_ONLY = {"liger": ("llama", "qwen3", "phi3"), "liger_rmsnorm": ("llama", "qwen3", "phi3")}
+LIGER_ONLY = {"liger": ("llama", "qwen3", "phi3", "gemma"), "liger_rmsnorm": ("llama", "qwen3", "phi3", "gemma")}
+# the keyword of Liger's apply_liger_kernel_to_<arch> that patches the MLP (Gemma's MLP is a GeGLU: geglu=)
+LIGER_MLP_ARG = {"gemma": "geglu"}
 MARK = "E2E_RESULT "
 LOSS_RTOL = 0.02
 
@@ -107,12 +127,7 @@ def _worker(model_name: str, variant: str, batch: int, seq: int, warmup: int, st
     elif variant.startswith("liger"):
         import liger_kernel.transformers as liger
 
-        apply = getattr(liger, f"apply_liger_kernel_to_{spec['arch']}")
-        if variant == "liger":
-            apply(model=model)
-        else:
-            apply(rope=False, cross_entropy=False, fused_linear_cross_entropy=False, rms_norm=True, swiglu=False,
-                  model=model)
+        apply_liger(liger, spec["arch"], variant, model)
     step_model = torch.compile(model) if variant == "compile_sdpa" else model
     res["setup_s"] = round(time.perf_counter() - t0, 2)
     if variant == "fuse_sdpa_adam":
@@ -148,6 +163,21 @@ def _worker(model_name: str, variant: str, batch: int, seq: int, warmup: int, st
     if not all(map(lambda x: x == x and abs(x) != float("inf"), losses)):
         res.update(status="FAILED", detail=f"non-finite loss: {losses}")
     return res
+
+
+def apply_liger(liger, arch: str, variant: str, model) -> None:
+    """Liger-Kernel's ``apply_liger_kernel_to_<arch>`` (of the module ``liger``, ``liger_kernel.transformers``) on
+    ``model``: with its defaults for ``liger``; for ``liger_rmsnorm`` its RMSNorm alone (rope, the losses and the MLP
+    off: the MLP's switch is ``swiglu=``, Gemma's ``geglu=``, :data:`LIGER_MLP_ARG`). Raises ValueError naming the
+    variant for any other; Liger's TypeError where its function lacks a switch."""
+    apply = getattr(liger, f"apply_liger_kernel_to_{arch}")
+    if variant == "liger":
+        apply(model=model)
+    elif variant == "liger_rmsnorm":
+        mlp = {LIGER_MLP_ARG.get(arch, "swiglu"): False}
+        apply(rope=False, cross_entropy=False, fused_linear_cross_entropy=False, rms_norm=True, model=model, **mlp)
+    else:
+        raise ValueError(f"variant: expected liger or liger_rmsnorm, got {variant!r}")
 
 
 def _not_compared(r: dict, why: str) -> None:

@@ -6,6 +6,7 @@
     python -m benchmarks.run --no-ops --e2e                             end-to-end training steps (< ~6 min)
     python -m benchmarks.run --no-ops --e2e --e2e-models qwen3 --e2e-variants sdpa,fuse_sdpa   the Qwen3 step
     python -m benchmarks.run --no-ops --e2e --e2e-models phi3 --e2e-variants sdpa,fuse_sdpa,liger   the Phi-3 step
+    python -m benchmarks.run --no-ops --e2e --e2e-models gemma --e2e-variants sdpa,fuse_sdpa,liger  the Gemma step
     python -m benchmarks.run --only swiglu,geglu --dtypes bf16                 the two gated activations, side by side
     python -m benchmarks.run --no-ops --build-cost --specialise         cold build / warm load / specialised builds
     python -m benchmarks.run --device cpu --dry-run --out /tmp/bench    the whole pipeline on tiny CPU inputs
@@ -67,12 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="time budget of the op + optimizer benchmarks (default 200 quick, 420 full)")
     ap.add_argument("--e2e", action="store_true", help="end-to-end training steps (subprocess per config)")
-    ap.add_argument("--e2e-models", default="llama,neox", help="comma separated: llama, neox, qwen3, phi3 "
+    ap.add_argument("--e2e-models", default="llama,neox", help="comma separated: llama, neox, qwen3, phi3, gemma "
                                                                  "(default llama,neox)")
     ap.add_argument("--e2e-variants", default="",
                     help="default: all (sdpa, eager, fuse_sdpa, fuse_eager, fuse_sdpa_adam, fuse_sdpa_lce, "
                          "fuse_sdpa_model_rope, compile_sdpa, liger_rmsnorm, liger)")
-    ap.add_argument("--e2e-batch", default="", help="e.g. llama=4,neox=8,qwen3=4,phi3=4")
+    ap.add_argument("--e2e-batch", default="", help="e.g. llama=4,neox=8,qwen3=4,phi3=4,gemma=4")
     ap.add_argument("--e2e-budget-s", type=float, default=330.0)
     ap.add_argument("--build-cost", action="store_true", help="cold build of all kernels (-j --jobs), warm load")
     ap.add_argument("--specialise", action="store_true", help="specialised vs generic builds (if a switch exists)")

@@ -1,0 +1,131 @@
+"""The end-to-end model table (benchmarks/e2e.py's MODELS): each config builds, and a tiny copy of it trains a step on
+the CPU; Gemma's entry is Gemma-2B's layer shape; Liger's patch is called with the switches its function has (CPU)."""
+
+import math
+
+import _bench_path  # noqa: F401
+import pytest
+import torch
+import torch.nn.functional as F
+
+from benchmarks import e2e
+
+transformers = pytest.importorskip("transformers")
+
+# the sizes of a tiny copy of a model (the model's own layout: heads, KV heads, gate_up_proj, rotary_pct, ties)
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=128, max_position_embeddings=64)
+
+
+def _config(name: str, **over):
+    spec = e2e.MODELS[name]
+    return getattr(transformers, e2e.CONFIGS[spec["arch"]])(**{**spec["config"], **over})
+
+
+def _tiny(name: str):
+    cfg = dict(e2e.MODELS[name]["config"])
+    heads, kv = cfg.get("num_attention_heads", 4), cfg.get("num_key_value_heads", cfg.get("num_attention_heads", 4))
+    over = {**TINY, "num_attention_heads": 4, "num_key_value_heads": max(1, 4 * kv // heads)}
+    if "head_dim" in cfg:
+        over["head_dim"] = 16
+    for k in ("pad_token_id", "bos_token_id", "eos_token_id"):   # (ids inside the tiny vocab)
+        if k in cfg:
+            over[k] = min(cfg[k], 127)
+    return _config(name, **over)
+
+
+@pytest.mark.parametrize("name", list(e2e.MODELS))
+def test_every_model_builds_its_config_and_a_tiny_copy_trains_a_step_on_the_cpu(name):
+    spec = e2e.MODELS[name]
+    assert spec["arch"] in e2e.CONFIGS and spec["batch"] >= 1
+    cfg = _config(name)
+    assert type(cfg).__name__ == e2e.CONFIGS[spec["arch"]] and cfg.model_type == spec["arch"]
+    for k, v in spec["config"].items():
+        if k == "rotary_pct" and not hasattr(cfg, k):   # (transformers 5 keeps it in rope_parameters)
+            assert cfg.rope_parameters["partial_rotary_factor"] == v
+        else:
+            assert getattr(cfg, k) == v, k
+    tiny = _tiny(name)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny, attn_implementation="sdpa").train()
+    ids = torch.randint(0, tiny.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    got = loss.item()
+    assert math.isfinite(got) and abs(got - math.log(tiny.vocab_size)) < 1.0   # (random init: ~ln V)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+
+
+def test_gemma_is_gemma_2bs_layer_shape_with_6_of_its_18_layers():
+    """hidden 2048, MLP 16384 of GELU's tanh approximation, 8 heads of 256, 1 KV head, vocab 256000 (tied), eps 1e-6,
+    batch 4 x seq 2048: ~1.18B parameters (524M of them the embedding), counted on the meta device."""
+    spec = e2e.MODELS["gemma"]
+    assert spec["arch"] == "gemma" and spec["batch"] == 4 and e2e.CONFIGS["gemma"] == "GemmaConfig"
+    cfg = _config("gemma")
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (2048, 16384, 6)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (8, 1, 256)
+    assert cfg.vocab_size == 256000 and cfg.rms_norm_eps == 1e-6 and cfg.tie_word_embeddings
+    assert cfg.hidden_act == "gelu_pytorch_tanh"
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    h, i, v, q, kv = 2048, 16384, 256000, 8 * 256, 1 * 256
+    layer = 2 * h * q + 2 * h * kv + 3 * h * i + 2 * h   # q, o; k, v; gate, up, down; two norms
+    want = v * h + 6 * layer + h                         # the tied embedding, the layers, the final norm
+    got = sum(p.numel() for p in model.parameters())
+    assert got == want and 1.15e9 < got < 1.2e9
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_gemmas_mlp_runs_gelu_tanh_of_gate_times_up_and_its_norm_1_plus_weight():
+    """What ``fuse`` is to replace in the Gemma step: the MLP's activation is ``gelu_pytorch_tanh`` (op geglu's
+    ``F.gelu(gate, approximate="tanh") * up``) and the norms scale by ``1 + weight``."""
+    tiny = _tiny("gemma")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(3, tiny.hidden_size)
+    want = mlp.down_proj(F.gelu(mlp.gate_proj(x), approximate="tanh") * mlp.up_proj(x))
+    torch.testing.assert_close(mlp(x), want, atol=0, rtol=0)
+    norm = model.model.layers[0].input_layernorm
+    with torch.no_grad():
+        norm.weight.normal_()
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * (1 + norm.weight)
+    torch.testing.assert_close(norm(x), y)
+
+
+def test_gemma_is_liger_patched_and_not_a_default_model():
+    from benchmarks.run import parse_args
+
+    assert "gemma" in e2e.LIGER_ONLY["liger"] and "gemma" in e2e.LIGER_ONLY["liger_rmsnorm"]
+    assert parse_args(["--e2e"]).e2e_models == "llama,neox"   # (not in the default run: opt in, as phi3)
+    a = parse_args(["--e2e", "--e2e-models", "gemma", "--e2e-batch", "gemma=2"])
+    assert a.batch == {"gemma": 2}
+
+
+class _FakeLiger:
+    """``liger_kernel.transformers`` with the signatures of Liger-Kernel 0.8.5's ``apply_liger_kernel_to_llama`` and
+    ``apply_liger_kernel_to_gemma`` (Gemma's MLP switch is ``geglu``: a ``swiglu=`` is a TypeError, as there)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def apply_liger_kernel_to_llama(self, rope=True, cross_entropy=False, fused_linear_cross_entropy=True,
+                                    rms_norm=True, swiglu=True, model=None):
+        self.calls.append(("llama", dict(rope=rope, cross_entropy=cross_entropy, flce=fused_linear_cross_entropy,
+                                         rms_norm=rms_norm, mlp=swiglu, model=model)))
+
+    def apply_liger_kernel_to_gemma(self, rope=True, cross_entropy=False, fused_linear_cross_entropy=True,
+                                    rms_norm=True, geglu=True, model=None):
+        self.calls.append(("gemma", dict(rope=rope, cross_entropy=cross_entropy, flce=fused_linear_cross_entropy,
+                                         rms_norm=rms_norm, mlp=geglu, model=model)))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_liger_variants_call_its_apply_with_its_defaults_or_its_rmsnorm_alone(arch):
+    liger, model = _FakeLiger(), object()
+    e2e.apply_liger(liger, arch, "liger", model)
+    e2e.apply_liger(liger, arch, "liger_rmsnorm", model)
+    defaults = dict(rope=True, cross_entropy=False, flce=True, rms_norm=True, mlp=True, model=model)
+    alone = dict(rope=False, cross_entropy=False, flce=False, rms_norm=True, mlp=False, model=model)
+    assert liger.calls == [(arch, defaults), (arch, alone)]
+    with pytest.raises(ValueError, match="variant: expected liger or liger_rmsnorm, got 'sdpa'"):
+        e2e.apply_liger(liger, arch, "sdpa", model)
