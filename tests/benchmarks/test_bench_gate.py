@@ -343,6 +343,7 @@ def test_geglus_impls_of_ours_call_functional_geglu_with_gate_up_tanh_and_the_im
         return F.gelu(gate, approximate=approximate) * up
 
     monkeypatch.setattr(PF, "geglu", spy, raising=False)
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "1")   # (the builders set it by default: put back after the test)
     case = ops.make_case("geglu", torch.float32, 16, "cpu")
     for impl in ("torch", "pipegoose"):
         fn = ops.IMPLS[impl](case)
