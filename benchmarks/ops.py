@@ -38,10 +38,9 @@ Implementations (``impl`` in results.json):
   ``F.silu(gate) * up``; packed SwiGLU = Phi3MLP's ``gate, up = x.chunk(2, -1)`` then ``up * act_fn(gate)`` (the same
   product; its backward ends in autograd's concatenation of the halves' gradients into ``dx``); GeGLU = GemmaMLP's
   ``act_fn(gate) * up`` with ``act_fn = ACT2FN["gelu_pytorch_tanh"]`` (``F.gelu(gate, approximate="tanh")``, then the
-  product); cross-entropy =
-  transformers' loss, ``F.cross_entropy(logits.float(), target)``; RoPE = ``apply_rotary_pos_emb`` of
-  ``transformers.models.llama.modeling_llama``. LayerNorm has no separate eager path: transformers calls
-  ``nn.LayerNorm`` = ``native``.
+  product); cross-entropy = transformers' loss, ``F.cross_entropy(logits.float(), target)``; RoPE =
+  ``apply_rotary_pos_emb`` of ``transformers.models.llama.modeling_llama``. LayerNorm has no separate eager path:
+  transformers calls ``nn.LayerNorm`` = ``native``.
 * ``native``: the best single PyTorch op: ``F.softmax`` (for masked/causal: ``masked_fill(-inf)`` then
   ``F.softmax`` in the input dtype), ``F.layer_norm``, ``F.rms_norm``, ``F.cross_entropy`` in the input dtype (its
   loss in that dtype); none for the SwiGLUs and GeGLU (two ops: ``eager``) and RoPE (PyTorch has no rotary op).
@@ -66,10 +65,9 @@ Implementations (``impl`` in results.json):
   ``scaled_upper_triang_masked_softmax`` (on the ``[b*np, sq, sk]`` view), ``layer_norm``, ``rms_norm``, ``swiglu``,
   ``silu_and_mul`` (op ``swiglu.packed``), ``geglu(gate, up, approximate="tanh")``, ``cross_entropy``,
   ``apply_rotary_pos_emb`` (op ``rope``); a functional without ``geglu`` (a checkout before the op) is reported
-  ``unavailable``. Run with
-  ``PIPEGOOSE_STRICT=1``, and after the checked call the dispatcher's ``last_choice`` must name the requested impl: an
-  input the impl refuses is reported ``unsupported``, never timed under the wrong name. These are the names the
-  tuning table may choose.
+  ``unavailable``. Run with ``PIPEGOOSE_STRICT=1``, and after the checked call the dispatcher's ``last_choice`` must
+  name the requested impl: an input the impl refuses is reported ``unsupported``, never timed under the wrong name.
+  These are the names the tuning table may choose.
 
 Correctness gate: on the benchmark inputs each impl's forward output and every input gradient are compared with a
 float64 reference (kept in fp32) elementwise: ``|out - ref| <= atol * max|ref| + rtol * |ref|`` with ``atol``,
