@@ -294,33 +294,39 @@ def test_from_layer_norm_rejects_other_modules():
         FusedRMSNorm.from_module(torch.nn.Linear(8, 8, bias=False))
 
 
-class _OnePlusWeightRMSNorm(torch.nn.Module):
-    """Gemma's formula: x * rsqrt(mean(x^2) + eps) * (1 + weight), with an RMSNorm's parameter and eps."""
+class _OffsetWeightRMSNorm(torch.nn.Module):
+    """Gemma's formula with another offset: x * rsqrt(mean(x^2) + eps) * (offset + weight), with an RMSNorm's
+    parameter and eps (offset 1.0: Gemma's)."""
 
-    def __init__(self, n: int, eps: float = 1e-6):
+    def __init__(self, n: int, eps: float = 1e-6, offset: float = 2.0):
         super().__init__()
         self.eps = eps
+        self.offset = offset
         self.weight = torch.nn.Parameter(torch.zeros(n))
 
     def forward(self, x):
         h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return (h * (self.offset + self.weight.float())).to(x.dtype)
 
 
 def test_rms_norm_from_module_refuses_another_formula():
     """FusedRMSNorm.from_module(GemmaRMSNorm) returned a module whose output differed by up to 2.55 from the original,
     without a word (a fresh-clone walkthrough; fuse() skipped such norms by its probe). from_module now runs that
     probe: another formula is a ValueError with the probe's reason, verify=False takes the module on the caller's
-    word."""
-    m = _OnePlusWeightRMSNorm(16)
+    word. Gemma's own (1 + weight) is a formula FusedRMSNorm computes since (weight_offset=1.0); (2 + weight) is not."""
+    m = _OffsetWeightRMSNorm(16)
     with torch.no_grad():
         m.weight.normal_()
     with pytest.raises(ValueError, match="does not pass the RMSNorm probe: output differs from the RMSNorm formula"):
         FusedRMSNorm.from_module(m)
     assert FusedRMSNorm.from_module(m, verify=False).weight is m.weight
     gemma = pytest.importorskip("transformers.models.gemma.modeling_gemma")
-    with pytest.raises(ValueError, match="does not pass the RMSNorm probe"):
-        FusedRMSNorm.from_module(gemma.GemmaRMSNorm(16))
+    f = FusedRMSNorm.from_module(gemma.GemmaRMSNorm(16))
+    assert f.weight_offset == 1.0 and f.output_in_input_dtype and not f.cast_before_weight
+    # Gemma's formula, given the wrong offset: refused, naming it
+    with pytest.raises(ValueError, match=r"computes x_normed \* \(1.0 \+ weight\): pass weight_offset=1.0 or leave "
+                                         r"it None \(got 2.0\)"):
+        FusedRMSNorm.from_module(_OffsetWeightRMSNorm(16, offset=1.0), weight_offset=2.0)
 
 
 def test_rms_norm_from_module_checks_the_rounding_flags():

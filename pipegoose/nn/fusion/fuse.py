@@ -6,7 +6,9 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
 
 * every ``torch.nn.LayerNorm`` -> ``MixedFusedLayerNorm`` (same ``weight``/``bias`` Parameter objects);
 * every module that computes RMSNorm, found by a numerical probe (``transformers.matching.probe_rms_norm``) ->
-  ``FusedRMSNorm`` (same ``weight``);
+  ``FusedRMSNorm`` (same ``weight``), Gemma's ``x_normed * (1 + weight)`` (``GemmaRMSNorm`` of Gemma, Gemma 2 and
+  Gemma 3, its per-head ``q_norm`` / ``k_norm`` too, and copies such as Qwen3-Next's) with ``weight_offset=1.0``
+  (the row's reason says "Gemma style");
 * every module that computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``, found by a numerical probe
   (``transformers.matching.probe_swiglu_mlp``: transformers' ``LlamaMLP`` and its copies in Mistral, Qwen2, Qwen3, ...)
   -> ``FusedSwiGLUMLP`` (the same projection modules; the activation and product in one kernel, op ``swiglu``), and
@@ -693,8 +695,9 @@ def _fused_impls(module: nn.Module) -> tuple[str, str]:
     shape = tuple(module.normalized_shape)
     if isinstance(module, FusedRMSNorm):
         return _impls("rms_norm", module, lambda d, t: (
-            torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, module.weight, module.eps,
-            module.cast_before_weight), impl)
+            torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape,
+            _op_weight(module.weight, getattr(module, "weight_offset", 0.0)), module.eps, module.cast_before_weight),
+            impl)
     return _impls("layer_norm", module, lambda d, t: (
         torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, module.weight, module.bias), impl)
 
@@ -934,14 +937,27 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm):
         raise type(e)(f"{path} ({type(child).__name__}): {e}") from None
     new = None if dry_run else _build(path, child, FusedRMSNorm.from_module, child, probe.eps,
                                       output_in_weight_dtype=probe.output_in_weight_dtype,
-                                      output_in_input_dtype=probe.output_in_input_dtype, verify=False)  # probed above
+                                      output_in_input_dtype=probe.output_in_input_dtype,
+                                      weight_offset=probe.weight_offset, verify=False)  # probed above
     weight = getattr(child, "weight", None)   # None: torch.nn.RMSNorm(elementwise_affine=False)
     shape = tuple(child.normalized_shape) if isinstance(child, nn.RMSNorm) else (weight.numel(),)
     cast = not isinstance(child, nn.RMSNorm) and not probe.output_in_input_dtype
     fwd, bwd = _impls("rms_norm", child, lambda d, t: (
-        torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, weight, probe.eps, cast))
+        torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, _op_weight(weight, probe.weight_offset),
+        probe.eps, cast))
+    offset = f", weight_offset={probe.weight_offset}" if probe.weight_offset else ""
     return FusionRow(path, "rms_norm", type(child).__name__, "FusedRMSNorm", True, fwd, bwd,
-                     f"RMSNorm ({probe.reason}), eps={probe.eps}{_small_note(child)}"), new
+                     f"RMSNorm ({probe.reason}), eps={probe.eps}{offset}{_small_note(child)}"), new
+
+
+def _op_weight(weight: torch.Tensor | None, offset: float) -> torch.Tensor | None:
+    """The weight a FusedRMSNorm with ``weight_offset`` ``offset`` hands op ``rms_norm`` (for the dispatcher's
+    choice in the report): ``weight`` itself, or with an offset an empty fp32 tensor like it (fp64 for an fp64 one),
+    as its forward passes ``weight.float() + offset``."""
+    if not offset or weight is None:
+        return weight
+    return torch.empty(weight.shape, device=weight.device,
+                       dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32)
 
 
 def _swiglu_impls(mlp: nn.Module, packed: bool, impl: str | None = None) -> tuple[str, str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+import numbers
 from typing import Any, Callable, Sequence
 
 import torch
@@ -382,6 +383,14 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         output_in_input_dtype: OLMo-2's rule (``Olmo2RMSNorm`` and others: ``(weight * x_normed_fp32).to(input
             dtype)``): ``torch.nn.RMSNorm`` numerics (one rounding), the output in the input's dtype whatever the
             weight's; needs ``cast_before_weight=False`` and ``output_in_weight_dtype=False``.
+        weight_offset: a number added to the weight (default 0.0): the output is ``normalised(x) * (weight_offset +
+            weight)``, Gemma's rule with 1.0 (``GemmaRMSNorm``: ``(x_normed_fp32 * (1.0 + weight.float())).to(input
+            dtype)``; its weight starts at zeros): the op takes the fp32 tensor ``weight.float() + weight_offset``
+            (fp64 for an fp64 weight) and computes ``torch.nn.RMSNorm``'s numerics with it (one rounding), the output
+            in the input's dtype; autograd carries the gradient back through the sum to ``weight``, in its dtype.
+            Nonzero needs ``output_in_input_dtype=True`` and a weight (``elementwise_affine``), which starts at ``1 -
+            weight_offset`` (zeros for Gemma's; ``reset_parameters`` too). For fp64 input the statistics are fp64,
+            where Gemma's module computes them in fp32.
         device, dtype: of the weight.
         impl: force an implementation (``pipegoose``, ``torch``; any case), default auto.
 
@@ -393,16 +402,18 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         TypeError: both or neither of ``normalized_shape`` / ``hidden_size``; the one given not an integer or a
             sequence of them; ``eps`` not a number or None (a bool, int, float, numpy scalar or 0-d tensor, as
             :func:`~pipegoose.nn.fusion.functional.rms_norm` takes); ``cast_before_weight``,
-            ``output_in_weight_dtype`` or ``output_in_input_dtype`` not a bool; ``impl`` not a str or None.
+            ``output_in_weight_dtype`` or ``output_in_input_dtype`` not a bool; ``impl`` not a str or None;
+            ``weight_offset`` not a real number (a bool is not one).
         ValueError: a negative size or no dimension, ``eps`` negative or not finite, ``impl`` naming no
             implementation of ``rms_norm``; ``output_in_input_dtype`` with ``cast_before_weight`` or
-            ``output_in_weight_dtype``.
+            ``output_in_weight_dtype``; ``weight_offset`` not finite, or nonzero without ``output_in_input_dtype``
+            or with ``elementwise_affine=False``.
     """
 
     def __init__(self, normalized_shape: int | Sequence[int] | None = None, eps: float | None = None,
                  elementwise_affine: bool = True, *, hidden_size: int | None = None, cast_before_weight: bool = False,
-                 output_in_weight_dtype: bool = False, output_in_input_dtype: bool = False, device=None, dtype=None,
-                 impl: str | None = None) -> None:
+                 output_in_weight_dtype: bool = False, output_in_input_dtype: bool = False, weight_offset: float = 0.0,
+                 device=None, dtype=None, impl: str | None = None) -> None:
         super().__init__()
         self.output_in_weight_dtype = output_in_weight_dtype
         if (normalized_shape is None) == (hidden_size is None):
@@ -421,13 +432,20 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
             raise ValueError("output_in_input_dtype: expected cast_before_weight=False and "
                              "output_in_weight_dtype=False with it (OLMo-2's rule is torch.nn.RMSNorm's numerics)")
         self.output_in_input_dtype = output_in_input_dtype
+        self.weight_offset = _weight_offset(weight_offset)
+        if self.weight_offset and not output_in_input_dtype:
+            raise ValueError(f"weight_offset: {self.weight_offset} needs output_in_input_dtype=True (Gemma's rule: "
+                             "fp32 math, one rounding to the input's dtype)")
+        if self.weight_offset and not elementwise_affine:
+            raise ValueError(f"weight_offset: {self.weight_offset} needs a weight (elementwise_affine=True)")
         _check_module_args("rms_norm", eps, impl, allow_none_eps=True)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.cast_before_weight = cast_before_weight
         self.impl = impl
-        if elementwise_affine:
-            self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
+        if elementwise_affine:   # the identity scale: weight_offset + weight = 1 (Gemma's weight starts at zeros)
+            self.weight = nn.Parameter(torch.full(self.normalized_shape, 1.0 - self.weight_offset, device=device,
+                                                  dtype=dtype))
         else:
             self.register_parameter("weight", None)
 
@@ -444,10 +462,13 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
 
     def reset_parameters(self) -> None:
         if self.weight is not None:
-            nn.init.ones_(self.weight)
+            nn.init.constant_(self.weight, 1.0 - getattr(self, "weight_offset", 0.0))
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         w = self.weight  # once: a module attribute lookup costs ~0.6 us of host time
+        # (getattr: a module pickled before the field existed has none)
+        if getattr(self, "weight_offset", 0.0) and w is not None:
+            return self._offset_forward(input, w)
         if self.output_in_weight_dtype:
             try:
                 return self._t5_forward(input, w)
@@ -467,6 +488,23 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         if getattr(self, "output_in_input_dtype", False) and y.dtype != input.dtype:
             return y.to(input.dtype)  # under autocast F.rms_norm's rule can give fp32; OLMo-2's is the input's
         return y
+
+    def _offset_forward(self, input: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # Gemma: normalised(x) * (offset + weight) in fp32, rounded once to the input's dtype. The op takes input and
+        # weight of independent dtypes (so does its kernel), so it gets the fp32 sum as its weight and does the rest
+        # in one pass; the sum is a weight-sized op whose backward hands the weight's gradient back in its dtype.
+        # (An fp64 weight stays fp64: rounding it to fp32 would lose what the caller keeps it for)
+        wo = (w if w.dtype == torch.float64 else w.float()) + self.weight_offset
+        shape = self.normalized_shape
+        if _small_native("rms_norm", self.impl, input, shape, self.eps) and wo.dtype == input.dtype:
+            dispatch.record(_SMALL_CHOICE["rms_norm"])  # see FusedLayerNorm.forward
+            return torch.rms_norm(input, shape, wo, self.eps)
+        try:
+            y = PF.rms_norm(input, shape, wo, self.eps, cast_before_weight=False, impl=self.impl)
+        except (TypeError, ValueError) as e:
+            raise _as_input_error(e) from None
+        # F.rms_norm's rule gives the input's dtype here, but fp32 under autocast where PyTorch lists rms_norm
+        return y if y.dtype == input.dtype else y.to(input.dtype)
 
     def _t5_forward(self, input: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
         # T5LayerNorm: the normalised input in fp32 (or fp64); with a half weight rounded to the weight's dtype and
@@ -489,26 +527,29 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
                 f"cast_before_weight={self.cast_before_weight}"
                 + (", output_in_weight_dtype=True" if self.output_in_weight_dtype else "")
-                + (", output_in_input_dtype=True" if getattr(self, "output_in_input_dtype", False) else ""))
+                + (", output_in_input_dtype=True" if getattr(self, "output_in_input_dtype", False) else "")
+                + (f", weight_offset={self.weight_offset}" if getattr(self, "weight_offset", 0.0) else ""))
 
     @classmethod
     def from_module(cls, module: nn.Module, eps: float | None = None, *, impl: str | None = None,
                     output_in_weight_dtype: bool | None = None, output_in_input_dtype: bool | None = None,
-                    verify: bool = True) -> "FusedRMSNorm":
+                    weight_offset: float | None = None, verify: bool = True) -> "FusedRMSNorm":
         """A fused module sharing ``module.weight`` (same Parameter object).
 
         ``module``: ``torch.nn.RMSNorm`` (-> F.rms_norm numerics, its ``eps``) or a transformers Llama-style
         RMSNorm (``weight`` + ``variance_epsilon``, ``eps`` or ``epsilon``; -> ``cast_before_weight=True``). ``eps``
         overrides (also an attribute the fused ops would refuse).
         ``output_in_weight_dtype``: the module is T5-style; ``output_in_input_dtype``: OLMo-2 style (one rounding,
-        the output in the input's dtype; then ``cast_before_weight=False``). See the class. None (the default): as
-        the probe below finds (False for ``torch.nn.RMSNorm`` and with ``verify=False``).
+        the output in the input's dtype; then ``cast_before_weight=False``); ``weight_offset`` 1.0: Gemma style
+        (``x_normed * (1 + weight)``, ``GemmaRMSNorm`` and its copies: Gemma's rounding, so ``output_in_input_dtype``
+        too unless given). See the class. None (the default): as the probe below finds (False / 0.0 for
+        ``torch.nn.RMSNorm`` and with ``verify=False``).
         ``verify`` (default True): a module other than ``torch.nn.RMSNorm`` must pass the probe that ``fuse`` runs
         (``transformers.matching.probe_rms_norm``: its forward on random CPU inputs against the RMSNorm formula with
-        its eps attribute, a 1-D weight, no buffers), so that a norm of another formula (Gemma's ``x * (1 + weight)``,
-        say) is refused instead of silently replaced; a flag given that contradicts the rounding it finds is refused
-        too. ``verify=False`` takes the module on the caller's word (a module without a runnable forward, or one whose
-        eps lives under another name).
+        its eps attribute, or Gemma's with ``(1 + weight)``, a 1-D weight, no buffers), so that a norm of another
+        formula (``x * (2 + weight)``, say, or Gemma's with another rounding) is refused instead of silently
+        replaced; a flag or offset given that contradicts what it finds is refused too. ``verify=False`` takes the
+        module on the caller's word (a module without a runnable forward, or one whose eps lives under another name).
 
         Raises:
             TypeError: ``module`` is not ``torch.nn.RMSNorm`` and does not have exactly one parameter of its own, a
@@ -516,10 +557,13 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
                 ``torch.nn.LayerNorm`` (even without bias), ``GroupNorm`` or batch/instance norm.
             TypeError / ValueError: ``eps`` is not given and the module's epsilon attribute holds no number / a
                 negative or non-finite one (the error names the attribute; numpy scalars and 0-d tensors are taken).
+            TypeError / ValueError: ``weight_offset`` as the class refuses it (and nonzero with
+                ``output_in_input_dtype=False``).
             ValueError: the module's epsilon is unknown (no ``variance_epsilon`` / ``eps`` / ``epsilon``) and ``eps``
                 is not given;
-                with ``verify``, the probe finds another formula (the message gives its reason), or a rounding
-                other than an ``output_in_weight_dtype`` / ``output_in_input_dtype`` given says (it names the values).
+                with ``verify``, the probe finds another formula (the message gives its reason), or a rounding or
+                offset other than an ``output_in_weight_dtype`` / ``output_in_input_dtype`` / ``weight_offset`` given
+                says (it names the values); a nonzero ``weight_offset`` for ``torch.nn.RMSNorm``.
         """
         if not isinstance(module, nn.Module):
             raise TypeError(f"module: expected torch.nn.RMSNorm or an RMSNorm-style torch.nn.Module, got "
@@ -530,7 +574,12 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
             raise TypeError(f"module: expected torch.nn.RMSNorm or an RMSNorm-style module, got "
                             f"{type(module).__name__}, which subtracts the mean (a LayerNorm: "
                             f"FusedLayerNorm.from_layer_norm)")
+        if weight_offset is not None:
+            weight_offset = _weight_offset(weight_offset)
         if isinstance(module, nn.RMSNorm):
+            if verify and weight_offset:
+                raise ValueError(f"weight_offset: torch.nn.RMSNorm computes x_normed * weight (offset 0.0), got "
+                                 f"{weight_offset}; verify=False takes it")
             shape, cast, mod_eps = tuple(module.normalized_shape), False, module.eps
         else:
             own = [n for n, _ in module.named_parameters(recurse=False)]
@@ -540,8 +589,10 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
             from .transformers.matching import EPS_ATTRIBUTES, eps_of
 
             if verify:   # first: a module that is no RMSNorm (an nn.Linear without bias) is told so, not asked for eps
-                output_in_weight_dtype, output_in_input_dtype = _verify_rms_style(module, output_in_weight_dtype,
-                                                                                  output_in_input_dtype)
+                output_in_weight_dtype, output_in_input_dtype, weight_offset = _verify_rms_style(
+                    module, output_in_weight_dtype, output_in_input_dtype, weight_offset)
+            if weight_offset and output_in_input_dtype is None:   # Gemma's rounding goes with its offset
+                output_in_input_dtype = True
             eps_name, mod_eps, eps_error = eps_of(module)
             if eps is None and eps_name is None:
                 raise ValueError(f"eps: {type(module).__name__} has no {', '.join(map(repr, EPS_ATTRIBUTES))}; "
@@ -550,11 +601,18 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
                 raise type(eps_error)(f"{type(module).__name__}.{eps_error}; pass eps= to use another")
             shape, cast = tuple(w.shape), not output_in_input_dtype
         output_in_weight_dtype, output_in_input_dtype = bool(output_in_weight_dtype), bool(output_in_input_dtype)
+        weight_offset = weight_offset or 0.0
+        # built without a weight (the module's is shared, not copied), and without the offset, which the class refuses
+        # without a weight: both set below (the offset's checks against the flags first)
+        if weight_offset and not output_in_input_dtype:
+            raise ValueError(f"weight_offset: {weight_offset} needs output_in_input_dtype=True (Gemma's rule: fp32 "
+                             "math, one rounding to the input's dtype)")
         new = cls(shape, eps=eps if eps is not None else mod_eps, elementwise_affine=False,
                   output_in_weight_dtype=output_in_weight_dtype, output_in_input_dtype=output_in_input_dtype,
                   cast_before_weight=cast, impl=impl)
         new.elementwise_affine = w is not None
         new.weight = w
+        new.weight_offset = weight_offset
         new.train(module.training)
         return new
 
@@ -805,22 +863,42 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         return ", ".join(parts)
 
 
-def _verify_rms_style(module: nn.Module, output_in_weight_dtype: bool | None,
-                      output_in_input_dtype: bool | None) -> tuple[bool, bool]:
-    """FusedRMSNorm.from_module's check (``verify``): the two rounding flags (each None: as the probe finds), or
-    ValueError when ``module`` fails fuse's RMSNorm probe or a flag given contradicts what it finds."""
+def _weight_offset(value: Any) -> float:
+    """FusedRMSNorm's ``weight_offset`` as a float: a real number (a Python or numpy one; not a bool, not a tensor,
+    which would be a learnable offset taken as a constant), finite.
+
+    Raises:
+        TypeError: not a real number. ValueError: not finite.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"weight_offset: expected a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"weight_offset: expected a finite number, got {value}")
+    return value
+
+
+def _verify_rms_style(module: nn.Module, output_in_weight_dtype: bool | None, output_in_input_dtype: bool | None,
+                      weight_offset: float | None = None) -> tuple[bool, bool, float]:
+    """FusedRMSNorm.from_module's check (``verify``): the two rounding flags and the weight offset (each None: as
+    the probe finds), or ValueError when ``module`` fails fuse's RMSNorm probe or a value given contradicts what it
+    finds."""
     from .transformers.matching import probe_rms_norm
 
     name = type(module).__name__
     probe = probe_rms_norm(module)
     if not probe.ok:
         raise ValueError(f"module: {name} does not pass the RMSNorm probe: {probe.reason}. FusedRMSNorm computes "
-                         "x * rsqrt(mean(x^2) + eps) * weight; verify=False skips this check, for a module known to "
-                         "compute that whose probe cannot run (its outputs would otherwise differ from the module's)")
+                         "x * rsqrt(mean(x^2) + eps) * (weight_offset + weight); verify=False skips this check, for a "
+                         "module known to compute that whose probe cannot run (its outputs would otherwise differ from "
+                         "the module's)")
     found = (probe.output_in_weight_dtype, probe.output_in_input_dtype)
     given = (output_in_weight_dtype, output_in_input_dtype)
     if any(g is not None and bool(g) != f for g, f in zip(given, found)):
         raise ValueError(f"module: {name} rounds its output as FusedRMSNorm with output_in_weight_dtype={found[0]}, "
                          f"output_in_input_dtype={found[1]} does: pass those or leave them None (got "
                          f"{given[0]}, {given[1]}), or verify=False")
-    return found
+    if weight_offset is not None and weight_offset != probe.weight_offset:
+        raise ValueError(f"module: {name} computes x_normed * ({probe.weight_offset} + weight): pass "
+                         f"weight_offset={probe.weight_offset} or leave it None (got {weight_offset}), or verify=False")
+    return (*found, probe.weight_offset)

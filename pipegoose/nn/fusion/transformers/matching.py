@@ -4,8 +4,12 @@
 * RMSNorm: found by what a module computes, not by its class name. A candidate has no children, exactly one
   parameter (1-D, of any size: the hidden size, a head's, a projection's), no buffers and an ``eps``-like attribute
   (``variance_epsilon``, ``eps`` or ``epsilon``); it is accepted when, run on CPU in fp32 on a small random input with
-  a random weight, its forward equals ``x * rsqrt(mean(x^2, -1) + eps) * weight`` (float64 reference). This finds the
-  Llama, Mistral, Qwen2/Qwen3 and T5 styles and rejects Gemma's ``(1 + weight)`` style and mean-subtracting norms.
+  a random weight, its forward equals ``x * rsqrt(mean(x^2, -1) + eps) * weight`` (float64 reference), or Gemma's
+  ``x * rsqrt(mean(x^2, -1) + eps) * (1 + weight)`` (``RMSNormProbe.weight_offset`` 1.0: GemmaRMSNorm of Gemma,
+  Gemma 2 and Gemma 3, their per-head ``q_norm`` / ``k_norm`` too, and its copies such as Qwen3-Next's), the latter
+  only where it rounds as Gemma's does (fp32 math, one rounding to the input's dtype). This finds the Llama, Mistral,
+  Qwen2/Qwen3, OLMo-2, T5 and Gemma styles and rejects mean-subtracting norms, other offsets (``2 + weight``) and a
+  ``(1 + weight)`` norm of another rounding.
 * Attention: the model types whose attention goes through transformers' ``AttentionInterface`` and whose math
   our attention function reproduces (:data:`ATTENTION_MODEL_TYPES`); others are reported with the reason.
 * SwiGLU MLP: found by what a module computes, as RMSNorm is. A candidate has children named ``gate_proj``,
@@ -145,6 +149,9 @@ class RMSNormProbe:
     candidate: bool
     output_in_weight_dtype: bool = False   # T5 style: a half weight makes the output that dtype (see the probe)
     output_in_input_dtype: bool = False    # OLMo-2 style: one rounding, output in the input's dtype (see the probe)
+    # Gemma style: the output is normalised(x) * (weight_offset + weight), weight_offset 1.0 (see the probe); with
+    # output_in_input_dtype (Gemma's rounding), 0.0 for every other style
+    weight_offset: float = 0.0
     # ok, but its epsilon is one the fused ops refuse (eps None): the TypeError / ValueError of eps_of, for fuse to
     # raise naming the module (the formula was checked with a good epsilon in its place)
     eps_error: Exception | None = None
@@ -280,11 +287,18 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
         return RMSNormProbe(False, None, f"its weight of {n} element(s) broadcasts over rows of another width: "
                             "FusedRMSNorm normalizes over the weight's size only", looks_like_norm)
     xd = x.double()
-    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
-    if not torch.allclose(y.double(), ref, atol=1e-5, rtol=1e-4):
-        err = (y.double() - ref).abs().max().item()
-        return RMSNormProbe(False, None, f"output differs from the RMSNorm formula (max abs diff {err:.3g})",
-                            looks_like_norm)
+    normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+    # the weight as it scales the output: w itself, or Gemma's (1 + w) (GemmaRMSNorm's weight starts at zeros). The
+    # probe's w (0.5..1.5) keeps the two apart: (1 + w) / w is at least 1.67. Another offset (2 + w, say) matches
+    # neither and is refused.
+    for offset in (0.0, 1.0):
+        ref = normed * (w.double() + offset)
+        if torch.allclose(y.double(), ref, atol=1e-5, rtol=1e-4):
+            break
+    else:
+        err = (y.double() - normed * w.double()).abs().max().item()
+        return RMSNormProbe(False, None, f"output differs from the RMSNorm formula (max abs diff {err:.3g}), and from "
+                            "Gemma's x * rsqrt(mean(x^2) + eps) * (1 + weight)", looks_like_norm)
     # eps: the input above (mean square ~1.3) barely sees it. A norm that adds eps elsewhere (outside the square root)
     # or whose forward uses another value than its eps attribute agrees there and differs on inputs whose mean square
     # is near eps, where FusedRMSNorm (which takes the attribute) would then be silently wrong.
@@ -295,7 +309,7 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
         if isinstance(ys, RMSNormProbe):
             return ys
         xsd = xs.double()
-        ref_s = xsd * torch.rsqrt(xsd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+        ref_s = xsd * torch.rsqrt(xsd.pow(2).mean(-1, keepdim=True) + eps) * (w.double() + offset)
         if (not isinstance(ys, torch.Tensor) or ys.shape != x.shape
                 or not torch.allclose(ys.double(), ref_s, atol=1e-5, rtol=1e-3)):
             err = (ys.double() - ref_s).abs().max().item() if isinstance(ys, torch.Tensor) and \
@@ -303,6 +317,8 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
             return RMSNormProbe(False, None, f"output differs from the RMSNorm formula with eps={eps:g} (its "
                                 f"eps attribute) on inputs whose mean square is {mean_square:.3g} (max abs diff "
                                 f"{err:.3g}): eps is used otherwise", looks_like_norm)
+    if offset:
+        return _gemma_rounding(stand_in, pname, x, w, eps, bad_eps, looks_like_norm)
     # Rounding (bf16 input and weight): Llama-style norms round the normalised input to the input's dtype, then
     # multiply by the weight in that dtype (two roundings), which FusedRMSNorm(cast_before_weight=True) reproduces;
     # OLMo-2-style norms (Olmo2RMSNorm, GptOssRMSNorm, Gemma3nRMSNorm, ...: 26 classes of transformers 5.24) multiply
@@ -350,6 +366,60 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
     t5 = mixed == torch.bfloat16
     return RMSNormProbe(True, None if bad_eps else eps, "probe output equals the formula"
                         + ("; output in a half weight's dtype (T5 style)" if t5 else ""), True, t5, eps_error=bad_eps)
+
+
+def _gemma_rounding(stand_in: nn.Module, pname: str, x: torch.Tensor, w: torch.Tensor, eps: float,
+                    bad_eps: Exception | None, looks_like_norm: bool) -> RMSNormProbe:
+    """The rounding part of :func:`_probe_rms_norm` for a module that computes ``normalised(x) * (1 + weight)`` in
+    fp32 (``x`` [2, 3, n] and ``w`` [n], fp32, the probe's): accepted (``weight_offset`` 1.0, ``output_in_input_dtype``)
+    where it rounds as GemmaRMSNorm does, ``(normalised(x.float()) * (1.0 + weight.float())).type_as(x)``: fp32 math,
+    one rounding to the input's dtype, whatever the weight's, which is what FusedRMSNorm computes with the op's fp32
+    weight ``weight.float() + 1``. Checked with bf16 input and weight (against ``1 + w`` summed in bf16, and against
+    the normalised input rounded to bf16 before the product, Llama's rounding: such a norm is refused, as FusedRMSNorm
+    would round it otherwise), bf16 input with an fp32 weight (a bf16 output, one rounding) and fp32 input with a bf16
+    weight (an fp32 output, ``1 + w`` in fp32)."""
+
+    def run(xi: torch.Tensor, wi: torch.Tensor, what: str) -> torch.Tensor | RMSNormProbe:
+        object.__setattr__(stand_in, "_parameters", {pname: nn.Parameter(wi, requires_grad=False)})
+        y = _forward_or_failure(stand_in, xi, what, looks_like_norm)
+        if isinstance(y, torch.Tensor) and (y.shape != x.shape or y.dtype != xi.dtype):
+            return RMSNormProbe(False, None, f"computes Gemma's (1 + weight) formula, but {what} its output is not a "
+                                f"{xi.dtype} tensor of the input's shape (Gemma's is in the input's dtype)",
+                                looks_like_norm)
+        return y
+
+    x16, w16 = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    x32 = x16.float()
+    h = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    for xi, wi, what in ((x16, w16, "with bf16 input and weight"), (x16, w, "with bf16 input and an fp32 weight")):
+        y = run(xi, wi, what)
+        if isinstance(y, RMSNormProbe):
+            return y
+        once = (h * (1.0 + wi.float())).to(torch.bfloat16)
+        # the roundings FusedRMSNorm does not reproduce: 1 + w summed in bf16, and Llama's normalised input rounded
+        # to bf16 before the product (in bf16 with a bf16 weight)
+        others = [(h * (1 + wi).float()).to(torch.bfloat16), (1 + wi) * h.to(torch.bfloat16)]
+        off = int((y != once).sum())
+        closest = min(int((y != o.to(torch.bfloat16)).sum()) for o in others)
+        # Gemma's own module gives `once` bit for bit (the same fp32 ops); a few flips are left for a forward that
+        # computes the same in other fp32 ops
+        if off > max(1, y.numel() // 64) or (off and off >= closest):
+            return RMSNormProbe(False, None, f"computes Gemma's (1 + weight) formula, but {what} its output differs "
+                                f"from Gemma's rounding (fp32 math, one rounding to the input's dtype) in {off} of "
+                                f"{y.numel()} elements: FusedRMSNorm would round it otherwise", looks_like_norm)
+    y = run(x, w16, "with fp32 input and a bf16 weight")
+    if isinstance(y, RMSNormProbe):
+        return y
+    xd = x.double()
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * (w16.double() + 1.0)
+    if not torch.allclose(y.double(), ref, atol=1e-6, rtol=1e-5):
+        err = (y.double() - ref).abs().max().item()
+        return RMSNormProbe(False, None, "computes Gemma's (1 + weight) formula, but with fp32 input and a bf16 weight "
+                            f"its output differs from it in fp32 (max abs diff {err:.3g}; 1 + weight rounded to the "
+                            "weight's dtype?): FusedRMSNorm would round it otherwise", looks_like_norm)
+    return RMSNormProbe(True, None if bad_eps else eps, "probe output equals the formula with (1 + weight); one "
+                        "rounding, output in the input's dtype (Gemma style)", True, output_in_input_dtype=True,
+                        weight_offset=1.0, eps_error=bad_eps)
 
 
 # --------------------------------------------------------------------------------------------------------------------
