@@ -43,7 +43,7 @@ from .ops import softmax as _sm
 from .ops import swiglu as _swiglu
 
 __all__ = ["softmax", "scaled_softmax", "scaled_masked_softmax", "scaled_upper_triang_masked_softmax",
-           "layer_norm", "mixed_fused_layer_norm", "rms_norm", "swiglu", "silu_and_mul", "cross_entropy",
+           "layer_norm", "mixed_fused_layer_norm", "rms_norm", "swiglu", "silu_and_mul", "geglu", "cross_entropy",
            "fused_linear_cross_entropy", "apply_rotary_pos_emb"]
 
 
@@ -315,6 +315,36 @@ def silu_and_mul(x: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
         FusionFallbackError: in strict mode, where the kernel cannot take the input.
     """
     return _swiglu.run_packed(x, impl)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *, impl: str | None = None) -> torch.Tensor:
+    """GeGLU's gated activation ``gelu(gate) * up``, elementwise (op ``geglu``): ``F.gelu(gate,
+    approximate=approximate) * up`` in one kernel forward and one backward. In an MLP (Gemma's):
+    ``down_proj(geglu(gate_proj(x), up_proj(x)))``, what :class:`~pipegoose.nn.fusion.modules.FusedGeGLUMLP` runs.
+
+    Args:
+        gate, up: as :func:`swiglu`'s: tensors of one shape (any) and dtype, fp32, fp16, bf16 (the kernel) or fp64;
+            shapes that broadcast or differing dtypes run the PyTorch reference (a fallback with the reason).
+        approximate: ``"tanh"`` (default: GELU's tanh approximation, transformers' ``gelu_pytorch_tanh``, which
+            Gemma uses; ``gelu_new`` and ``gelu_fast`` compute it too) or ``"none"`` (exact GELU, ``0.5 * x * (1 +
+            erf(x / sqrt(2)))``: transformers' ``gelu``), as ``F.gelu`` takes it.
+
+    Returns:
+        Tensor of ``gate``'s shape and dtype (the broadcast shape and promoted dtype on the reference path, as
+        ``F.gelu(gate, approximate=approximate) * up``). The kernel computes each value in fp32 and rounds it once
+        (eager PyTorch in 16-bit rounds ``gelu(gate)`` first: about one unit in the last place apart); gradients for
+        ``gate`` and ``up`` likewise. It saves ``gate`` and ``up`` for the backward.
+
+    Kernel: pipegoose/swiglu (``pipegoose::geglu``; pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
+
+    Raises:
+        TypeError: ``gate`` or ``up`` not a floating point tensor of fp32/fp16/bf16/fp64; ``approximate`` not a str.
+        ValueError: ``up`` on another device than ``gate``, or of a shape that does not broadcast with it;
+            ``approximate`` neither ``"none"`` nor ``"tanh"``; ``impl`` naming no implementation of ``geglu``
+            (``pipegoose``, ``torch``).
+        FusionFallbackError: in strict mode, where the kernel cannot take the input.
+    """
+    return _swiglu.run_geglu(gate, up, approximate, impl)
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: int = -100, reduction: str = "mean",

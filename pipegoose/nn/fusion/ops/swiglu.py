@@ -20,6 +20,15 @@ concatenates the two halves' gradients (one more read and write of ``x``'s size)
 saves ``x`` for the backward (eager PyTorch saves ``gate``'s ``silu`` besides: one tensor of the intermediate size per
 layer). Implementations: ``pipegoose`` and ``torch``; ``PIPEGOOSE_IMPL_SWIGLU_PACKED``, then ``PIPEGOOSE_IMPL_SWIGLU``
 (the family), choose one.
+
+Op ``geglu`` (:func:`pipegoose.nn.fusion.functional.geglu`): GeGLU's gated activation ``gelu(gate) * up``, GELU with
+the tanh approximation (``approximate="tanh"``, ``F.gelu``'s name: transformers' ``gelu_pytorch_tanh``, ``gelu_new``,
+``gelu_fast``) or exact (``"none"``: the erf form, transformers' ``gelu``): Gemma's MLP,
+``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (``fuse`` puts :class:`~pipegoose.nn.fusion.modules.FusedGeGLUMLP`
+in its place). The same kernel library (``pipegoose::geglu``, pipegoose/swiglu), the same contract and numerics as
+``swiglu`` (GELU and the product in fp32, one rounding; eager PyTorch in 16-bit rounds ``gelu(gate)`` first), the same
+small-problem rule. Implementations: ``pipegoose`` and ``torch`` (``F.gelu(gate, approximate=approximate) * up``);
+``PIPEGOOSE_IMPL_GEGLU`` chooses one (an op of its own, not of the ``swiglu`` family).
 """
 
 from __future__ import annotations
@@ -59,13 +68,14 @@ def check_args(gate: Any, up: Any) -> None:
         raise ValueError(f"up: shape {list(up.shape)} does not broadcast with gate's {list(gate.shape)}") from None
 
 
-def swiglu_problem(gate: torch.Tensor, up: torch.Tensor) -> Problem:
-    """The dispatcher's description of one call (metadata only)."""
-    return Problem(OP, gate.dtype, gate.device, cols=gate.shape[-1] if gate.dim() else 1,
+def swiglu_problem(gate: torch.Tensor, up: torch.Tensor, op: str = OP, **extra: Any) -> Problem:
+    """The dispatcher's description of one call (metadata only); ``op`` ``geglu`` (:func:`geglu_problem`) with its
+    ``approximate`` in ``extra``."""
+    return Problem(op, gate.dtype, gate.device, cols=gate.shape[-1] if gate.dim() else 1,
                    needs_grad=needs_grad(gate, up),
                    extra=dict(shape=tuple(gate.shape), up_shape=tuple(up.shape), up_dtype=up.dtype,
                               numel=max(gate.numel(), up.numel()), storage=all_have_storage(gate, up),
-                              forward_ad=has_tangent(gate, up)))
+                              forward_ad=has_tangent(gate, up), **extra))
 
 
 def _explain(gate, up):
@@ -73,20 +83,26 @@ def _explain(gate, up):
     return swiglu_problem(gate, up)
 
 
-def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
-    ok, why = kernel_input_ok(p, FORWARD_AD_SWIGLU, "gate")
-    if not ok:
-        return ok, why
-    if p["up_dtype"] != p.dtype:
-        return False, f"up is {dtype_name(p['up_dtype'])} and gate {dtype_name(p.dtype)}: the kernel takes one dtype"
-    if p["up_shape"] != p["shape"]:
-        return False, (f"up's shape {list(p['up_shape'])} differs from gate's {list(p['shape'])}: the kernel does not "
-                       "broadcast")
-    if p["numel"] == 0:
-        return False, "an empty input"
-    return True, ""
+def _supports(forward_ad: str):
+    """The kernel's ``supports`` of ``swiglu`` and ``geglu`` (one contract; ``forward_ad``: the reason for a dual
+    tensor, naming the op's kernel)."""
+    def supports(p: Problem) -> tuple[bool, str]:
+        ok, why = kernel_input_ok(p, forward_ad, "gate")
+        if not ok:
+            return ok, why
+        if p["up_dtype"] != p.dtype:
+            return False, (f"up is {dtype_name(p['up_dtype'])} and gate {dtype_name(p.dtype)}: the kernel takes one "
+                           "dtype")
+        if p["up_shape"] != p["shape"]:
+            return False, (f"up's shape {list(p['up_shape'])} differs from gate's {list(p['shape'])}: the kernel does "
+                           "not broadcast")
+        if p["numel"] == 0:
+            return False, "an empty input"
+        return True, ""
+    return supports
 
 
+_pipegoose_supports = _supports(FORWARD_AD_SWIGLU)
 dispatch.register(Implementation(OP, "pipegoose", "ours", _pipegoose_supports, ("pipegoose/swiglu",),
                                  SRC_PIPEGOOSE))
 dispatch.register(Implementation(OP, "torch", "reference", lambda p: (True, ""), (),
@@ -109,14 +125,14 @@ def _run_pipegoose(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return ops.swiglu.default(gate, up)
 
 
-def _signature(gate: Any, up: Any) -> tuple | None:
+def _signature(gate: Any, up: Any, *extra: Any) -> tuple | None:
     if torch.compiler.is_compiling():
         return None
     try:
         if any_in_transform(gate, up) or in_dual_level():
             return None
         sig = (type(gate), gate.dtype, gate.device, gate.shape, gate.requires_grad, type(up), up.dtype, up.device,
-               up.shape, up.requires_grad, torch.is_grad_enabled())
+               up.shape, up.requires_grad, torch.is_grad_enabled(), *extra)
         hash(sig)
     except (AttributeError, TypeError):
         return None
@@ -131,25 +147,31 @@ def run(gate: torch.Tensor, up: torch.Tensor, impl: str | None) -> torch.Tensor:
         TypeError, ValueError: as :func:`check_args`; ``impl`` naming no implementation of ``swiglu``.
         FusionFallbackError: in strict mode, where the kernel cannot take the input.
     """
-    if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the two ops itself, after eager mode's checks
-        check_args(gate, up)
-        return swiglu_reference(gate, up)
+    return _run(OP, gate, up, impl)
+
+
+def _run(op: str, gate: torch.Tensor, up: torch.Tensor, impl: str | None, *extra: Any) -> torch.Tensor:
+    """:func:`run` of op ``swiglu`` or ``geglu`` (``extra``: the op's further arguments, ``approximate``)."""
+    check, problem, reference, ours = _GATED[op]
+    if dispatch.compile_passthrough(op, impl):  # torch.compile fuses the two ops itself, after eager mode's checks
+        check(gate, up, *extra)
+        return reference(gate, up, *extra)
     if getattr(gate, "is_nested", False) or getattr(up, "is_nested", False):
-        check_args(gate, up)
-        dispatch.record(nested_fallback(OP, impl))
-        return swiglu_reference(gate, up)
-    sig = _signature(gate, up)
-    key = None if sig is None else dispatch.choice_key(OP, impl, sig)
+        check(gate, up, *extra)
+        dispatch.record(nested_fallback(op, impl))
+        return reference(gate, up, *extra)
+    sig = _signature(gate, up, *extra)
+    key = None if sig is None else dispatch.choice_key(op, impl, sig)
     choice = None if key is None else dispatch.cached_choice(key)
     if choice is None:
-        check_args(gate, up)
-        choice = dispatch.choose(OP, swiglu_problem(gate, up), impl)
+        check(gate, up, *extra)
+        choice = dispatch.choose(op, problem(gate, up, *extra), impl)
         if key is not None:
             dispatch.remember_choice(key, choice)
     dispatch.record(choice)
     if choice.impl == "pipegoose":
-        return call_without_autocast(gate.device, _run_pipegoose, gate, up)
-    return swiglu_reference(gate, up)
+        return call_without_autocast(gate.device, ours, gate, up, *extra)
+    return reference(gate, up, *extra)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -268,3 +290,83 @@ def run_packed(x: torch.Tensor, impl: str | None) -> torch.Tensor:
     if choice.impl == "pipegoose":
         return call_without_autocast(x.device, _run_pipegoose_packed, x)
     return silu_and_mul_reference(x)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# geglu: gelu(gate) * up (Gemma's MLP), exact or with the tanh approximation
+# --------------------------------------------------------------------------------------------------------------------
+GEGLU_OP = "geglu"
+APPROXIMATIONS = ("none", "tanh")
+FORWARD_AD_GEGLU = ("a dual tensor (torch.autograd.forward_ad): the GeGLU kernel has no forward derivative (jvp); "
+                    "PyTorch's ops have")
+
+
+def check_approximate(approximate: Any) -> str:
+    """``approximate`` of GeGLU as ``F.gelu`` takes it: ``"none"`` (exact, erf) or ``"tanh"``. Returns it.
+
+    Raises:
+        TypeError: not a str. ValueError: another str (both name ``approximate``).
+    """
+    if not isinstance(approximate, str):
+        raise TypeError(f"approximate: expected 'none' or 'tanh' (str), got {type(approximate).__name__}")
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(f"approximate: expected 'none' (exact GELU, erf) or 'tanh' (GELU's tanh approximation), "
+                         f"got {approximate!r}")
+    return approximate
+
+
+def check_geglu_args(gate: Any, up: Any, approximate: Any) -> None:
+    """Check the arguments of :func:`pipegoose.nn.fusion.functional.geglu` (errors name the argument).
+
+    Raises:
+        TypeError, ValueError: as :func:`check_args`, then as :func:`check_approximate`.
+    """
+    check_args(gate, up)
+    check_approximate(approximate)
+
+
+def geglu_problem(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> Problem:
+    """The dispatcher's description of one call of ``geglu`` (metadata only; ``approximate`` in ``extra``)."""
+    return swiglu_problem(gate, up, GEGLU_OP, approximate=approximate)
+
+
+def _explain_geglu(gate, up, approximate="tanh"):
+    check_geglu_args(gate, up, approximate)
+    return geglu_problem(gate, up, approximate)
+
+
+dispatch.register(Implementation(GEGLU_OP, "pipegoose", "ours", _supports(FORWARD_AD_GEGLU), ("pipegoose/swiglu",),
+                                 SRC_PIPEGOOSE))
+dispatch.register(Implementation(GEGLU_OP, "torch", "reference", lambda p: (True, ""), (),
+                                 "PyTorch: F.gelu(gate, approximate=approximate) * up", small_first=True))
+dispatch.register_problem(GEGLU_OP, _explain_geglu)
+
+
+def geglu_reference(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """The PyTorch path: ``F.gelu(gate, approximate=approximate) * up`` (broadcasting; the promoted dtype)."""
+    return F.gelu(gate, approximate=approximate) * up
+
+
+def _run_pipegoose_geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> torch.Tensor:
+    """pipegoose/swiglu through ``torch.ops.pipegoose.geglu(gate, up, approximate)``: the forward kernel with its
+    autograd formula in C++ (pipegoose/kernels/bindings/swiglu.cpp), as :func:`_run_pipegoose`."""
+    ops, why = dispatch.kernel("pipegoose/swiglu")
+    if ops is None:
+        raise RuntimeError(why)
+    return ops.geglu.default(gate, up, approximate)
+
+
+def run_geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str, impl: str | None) -> torch.Tensor:
+    """:func:`pipegoose.nn.fusion.functional.geglu` behind the checks; runs the implementation the dispatcher
+    chooses (``impl``: a forced one or None). The choice cache's signature holds ``approximate``.
+
+    Raises:
+        TypeError, ValueError: as :func:`check_geglu_args`; ``impl`` naming no implementation of ``geglu``.
+        FusionFallbackError: in strict mode, where the kernel cannot take the input.
+    """
+    return _run(GEGLU_OP, gate, up, impl, approximate)
+
+
+# op -> (check, problem, reference, our path) of the two-input gated ops (:func:`_run`)
+_GATED = {OP: (check_args, swiglu_problem, swiglu_reference, _run_pipegoose),
+          GEGLU_OP: (check_geglu_args, geglu_problem, geglu_reference, _run_pipegoose_geglu)}
