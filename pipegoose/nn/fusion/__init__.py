@@ -8,11 +8,11 @@ built or loaded until the first CUDA call that wants it, and transformers is imp
 from . import dispatch
 from .dispatch import FusionFallbackError
 from .fuse import FusionReport, fuse, fused, fusion_report, is_fused, unfuse
-from .functional import (apply_rotary_pos_emb, cross_entropy, fused_linear_cross_entropy, layer_norm,
+from .functional import (apply_rotary_pos_emb, cross_entropy, fused_linear_cross_entropy, geglu, layer_norm,
                          mixed_fused_layer_norm, rms_norm, scaled_masked_softmax, scaled_softmax,
                          scaled_upper_triang_masked_softmax, silu_and_mul, softmax, swiglu)
-from .modules import (AttnMaskType, FusedGateUpSwiGLUMLP, FusedLayerNorm, FusedLinearCrossEntropyLoss, FusedRMSNorm,
-                      FusedScaleMaskSoftmax, FusedSwiGLUMLP, MixedFusedLayerNorm)
+from .modules import (AttnMaskType, FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedLayerNorm, FusedLinearCrossEntropyLoss,
+                      FusedRMSNorm, FusedScaleMaskSoftmax, FusedSwiGLUMLP, MixedFusedLayerNorm)
 from .optim import FusedAdam, clip_grad_norm_
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "rms_norm",
     "swiglu",
     "silu_and_mul",
+    "geglu",
     "cross_entropy",
     "fused_linear_cross_entropy",
     "apply_rotary_pos_emb",
@@ -37,6 +38,7 @@ __all__ = [
     "FusedRMSNorm",
     "FusedSwiGLUMLP",
     "FusedGateUpSwiGLUMLP",
+    "FusedGeGLUMLP",
     "FusedLinearCrossEntropyLoss",
     "FusedAdam",
     "clip_grad_norm_",

@@ -1,8 +1,8 @@
 """Modules over the fused ops: Megatron's ``FusedScaleMaskSoftmax``, Apex/Megatron's ``MixedFusedLayerNorm`` /
 ``FusedLayerNorm`` (drop-ins for ``torch.nn.LayerNorm``), ``FusedRMSNorm`` (drop-in for ``torch.nn.RMSNorm``
 and transformers' Llama-style RMSNorm), ``FusedSwiGLUMLP`` (for transformers' Llama-style MLP),
-``FusedGateUpSwiGLUMLP`` (for Phi-3's and GLM's MLP: gate and up in one ``gate_up_proj``) and
-``FusedLinearCrossEntropyLoss`` (a language model's output projection and loss in one). Kernel sources:
+``FusedGateUpSwiGLUMLP`` (for Phi-3's and GLM's MLP: gate and up in one ``gate_up_proj``), ``FusedGeGLUMLP`` (for
+Gemma's MLP: GELU instead of SiLU) and ``FusedLinearCrossEntropyLoss`` (a language model's output projection and loss in one). Kernel sources:
 see :mod:`pipegoose.nn.fusion.functional`."""
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from torch import nn
 from . import dispatch
 from . import functional as PF
 from .ops import softmax as _sm
+from .ops import swiglu as _swiglu
 from .ops import _common
 from .ops._common import megatron_batches_per_block
 from .ops.layer_norm import normalize_shape
 
 __all__ = ["AttnMaskType", "FusedScaleMaskSoftmax", "MixedFusedLayerNorm", "FusedLayerNorm", "FusedRMSNorm",
-           "FusedSwiGLUMLP", "FusedGateUpSwiGLUMLP", "FusedLinearCrossEntropyLoss"]
+           "FusedSwiGLUMLP", "FusedGateUpSwiGLUMLP", "FusedGeGLUMLP", "FusedLinearCrossEntropyLoss"]
 
 
 class AttnMaskType(enum.Enum):
@@ -618,13 +619,16 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
 
 
 class _FusedSwiGLUBase(_DropsFuseRecord, nn.Module):
-    """What the fused SwiGLU MLPs share: their projections (``_PROJECTIONS``, checked and held in that order), the op
-    whose ``impl`` they take (``_OP``), the activation module of the MLP they were built from (``_act_name``, one of
-    ``_ACTIVATIONS``; held, not called, unless replaced or hooked since), and :meth:`_from_mlp`."""
+    """What the fused gated MLPs (SwiGLU, GeGLU) share: their projections (``_PROJECTIONS``, checked and held in that
+    order), the op whose ``impl`` they take (``_OP``), the activation module of the MLP they were built from
+    (``_act_name``, one of ``_ACTIVATIONS``; held, not called, unless replaced or hooked since), the probe's
+    activations they compute (``_KINDS``, keys of ``transformers.matching.ACTIVATION_FORMULAS``) and
+    :meth:`_from_mlp`."""
 
     _PROJECTIONS: tuple[str, ...] = ()
     _ACTIVATIONS: tuple[str, ...] = ()
     _OP = ""
+    _KINDS: tuple[str, ...] = ("silu",)
     _act_name: str | None = None   # the MLP's activation attribute (from_module sets the one the MLP has)
 
     def _hold(self, projections: Sequence[Any], impl: str | None) -> None:
@@ -656,8 +660,14 @@ class _FusedSwiGLUBase(_DropsFuseRecord, nn.Module):
         return f"impl={self.impl!r}" if self.impl is not None else ""
 
     @classmethod
-    def _from_mlp(cls, mlp: nn.Module, impl: str | None, verify: bool):
-        """:meth:`from_module` of either class (see there)."""
+    def _probed(cls, probe: Any, kwargs: dict) -> dict:
+        """The constructor's further keywords (``kwargs``, the caller's), given what the probe found (FusedGeGLUMLP:
+        ``approximate``); ValueError where the caller's contradict it."""
+        return kwargs
+
+    @classmethod
+    def _from_mlp(cls, mlp: nn.Module, impl: str | None, verify: bool, **kwargs: Any):
+        """:meth:`from_module` of each class (see there); ``kwargs``: the constructor's further keywords."""
         from .transformers.matching import probe_swiglu_mlp
 
         children = dict(mlp.named_children()) if isinstance(mlp, nn.Module) else {}
@@ -668,12 +678,23 @@ class _FusedSwiGLUBase(_DropsFuseRecord, nn.Module):
                             f"{', '.join(missing)}")
         if verify:
             probe = probe_swiglu_mlp(mlp)
-            if not probe.ok:
-                raise ValueError(f"mlp: {type(mlp).__name__} does not pass the SwiGLU probe: {probe.reason}; "
-                                 "verify=False skips this check")
-        new = cls(*(children[n] for n in cls._PROJECTIONS), impl=impl)
+            gated = "SwiGLU" if "silu" in cls._KINDS else "GeGLU"
+            why = probe.reason if not probe.ok else None
+            if why is None and probe.activation not in cls._KINDS:
+                # (the probe names the activation module alike for both; the other class takes it)
+                act = next((getattr(mlp, n) for n in cls._ACTIVATIONS if n in mlp._modules or n in mlp.__dict__),
+                           None)
+                named = "its forward (no act_fn)" if act is None else f"{cls._act_name} ({type(act).__name__})"
+                why = (f"{named} is not SiLU but GELU (approximate={probe.approximate!r}): a GeGLU MLP, which "
+                       "FusedGeGLUMLP.from_module takes" if probe.approximate is not None else
+                       f"{named} computes SiLU, not GELU: a SwiGLU MLP, which FusedSwiGLUMLP.from_module takes")
+            if why is not None:
+                raise ValueError(f"mlp: {type(mlp).__name__} does not pass the {gated} probe: {why}; verify=False "
+                                 "skips this check")
+            kwargs = cls._probed(probe, kwargs)
+        new = cls(*(children[n] for n in cls._PROJECTIONS), impl=impl, **kwargs)
         new._modules = dict(mlp._modules)   # every child, in the original's order
-        # the activation the probe found to be SiLU (not a submodule of its own: an attribute state_dict does not see):
+        # the activation the probe found to be SiLU (or GELU; not a submodule of its own: an attribute state_dict does not see):
         # a submodule, or a function attribute (``self.act_fn = F.silu``; fuse() carries it over with the MLP's other
         # attributes, and back at unfuse), so that one assigned while fused is run as the MLP's forward would run it
         # (before, only a submodule was watched: a module assigned over a function attribute was ignored; a review)
@@ -816,6 +837,89 @@ class FusedGateUpSwiGLUMLP(_FusedSwiGLUBase):
                 ``impl`` naming no implementation of ``swiglu.packed``.
         """
         return cls._from_mlp(mlp, impl, verify)
+
+
+class FusedGeGLUMLP(_FusedSwiGLUBase):
+    """The GeGLU MLP ``down_proj(gelu(gate_proj(x)) * up_proj(x))`` with the activation and product in one kernel
+    (:func:`pipegoose.nn.fusion.functional.geglu`, op ``geglu``): what ``fuse`` puts in place of transformers'
+    ``GemmaMLP``, ``Gemma2MLP`` and ``Gemma3MLP`` (and of any Llama-style MLP whose ``act_fn`` is GELU).
+    :class:`FusedSwiGLUMLP` is the same with SiLU.
+
+    Args:
+        gate_proj, up_proj, down_proj: as :class:`FusedSwiGLUMLP`'s (held as they are: parameters, optimizers and
+            ``state_dict`` keys are unchanged).
+        approximate: GELU's form, as ``F.gelu`` takes it: ``"tanh"`` (default; transformers' ``gelu_pytorch_tanh``,
+            ``gelu_new``, ``gelu_fast``: Gemma's) or ``"none"`` (exact, erf: transformers' ``gelu``).
+        impl: force an implementation of op ``geglu`` (``pipegoose``, ``torch``; any case), default auto
+            (``PIPEGOOSE_IMPL_GEGLU`` chooses one for the process).
+
+    ``forward(x [..., hidden])`` -> ``[..., hidden]``. The activation runs our kernel where the dispatcher chooses it
+    (CUDA, gate and up of one shape and dtype, at least ``PIPEGOOSE_SMALL_NUMEL`` elements), else ``F.gelu(gate,
+    approximate=approximate) * up``; the kernel computes each value in fp32 and rounds it once (eager PyTorch in 16-bit
+    rounds ``gelu(gate)`` first: about one unit in the last place apart). Built by :meth:`from_module`, it keeps the
+    MLP's ``act_fn`` without calling it; an ``act_fn`` replaced, or given forward hooks, while fused is called as the
+    original MLP would (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, no kernel). Kernel: pipegoose/swiglu
+    (``pipegoose::geglu``; pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
+
+    Raises (when constructed):
+        TypeError: a projection that is not a ``torch.nn.Module``; ``approximate`` or ``impl`` not a str (``impl``:
+            or None).
+        ValueError: ``approximate`` neither ``"none"`` nor ``"tanh"``; ``impl`` naming no implementation of
+            ``geglu``.
+    """
+
+    _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+    _ACTIVATIONS = ("act_fn",)
+    _OP = "geglu"
+    _KINDS = ("gelu_tanh", "gelu")
+    _act_name = "act_fn"
+
+    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, *, approximate: str = "tanh",
+                 impl: str | None = None) -> None:
+        super().__init__()
+        self.approximate = _swiglu.check_approximate(approximate)
+        self._hold((gate_proj, up_proj, down_proj), impl)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = self._changed_activation()
+        if act is not None:
+            # an act_fn replaced or hooked since the probe vouched for it: run it, as the original MLP would
+            return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(PF.geglu(self.gate_proj(x), self.up_proj(x), self.approximate, impl=self.impl))
+
+    def extra_repr(self) -> str:
+        return ", ".join([f"approximate={self.approximate!r}"] + ([f"impl={self.impl!r}"] if self.impl is not None
+                                                                 else []))
+
+    @classmethod
+    def _probed(cls, probe: Any, kwargs: dict) -> dict:
+        given = kwargs.get("approximate")
+        if given is not None and given != probe.approximate:
+            raise ValueError(f"approximate: {given!r}, but the MLP's act_fn computes GELU with approximate="
+                             f"{probe.approximate!r}: pass that or None, or verify=False")
+        return {**kwargs, "approximate": probe.approximate}
+
+    @classmethod
+    def from_module(cls, mlp: nn.Module, *, approximate: str | None = None, impl: str | None = None,
+                    verify: bool = True) -> "FusedGeGLUMLP":
+        """A fused module holding ``mlp``'s children, the same objects in the same order (its ``act_fn`` too, which
+        it does not call: ``named_modules()`` and ``state_dict`` keys are unchanged), and its training flag.
+
+        ``verify`` (default True): ``mlp`` must pass the probe that ``fuse`` runs
+        (``transformers.matching.probe_swiglu_mlp``: its ``act_fn`` against float64 SiLU and GELU, then its forward,
+        with small random projections on CPU, against ``down_proj(gelu(gate_proj(x)) * up_proj(x))``) and its
+        activation must be GELU, whose form gives ``approximate`` (``approximate``, where given, must agree). So a
+        SwiGLU MLP, or one of another activation (QuickGELU, a clipped GELU), is refused instead of silently
+        replaced. ``verify=False`` takes the module on the caller's word, with ``approximate`` (None: ``"tanh"``).
+
+        Raises:
+            TypeError: ``mlp`` lacks a ``gate_proj``, ``up_proj`` or ``down_proj`` submodule.
+            ValueError: with ``verify``, the probe finds another computation (the message gives its reason), or an
+                ``approximate`` other than its GELU's; ``approximate`` or ``impl`` that the constructor refuses.
+        """
+        if not verify and approximate is None:
+            approximate = "tanh"
+        return cls._from_mlp(mlp, impl, verify, approximate=approximate)
 
 
 class FusedLinearCrossEntropyLoss(nn.Module):

@@ -12,17 +12,23 @@
   ``(1 + weight)`` norm of another rounding.
 * Attention: the model types whose attention goes through transformers' ``AttentionInterface`` and whose math
   our attention function reproduces (:data:`ATTENTION_MODEL_TYPES`); others are reported with the reason.
-* SwiGLU MLP: found by what a module computes, as RMSNorm is. A candidate has children named ``gate_proj``,
-  ``up_proj`` and ``down_proj`` (Llama, Mistral, Qwen2/Qwen3 and their copies), or ``gate_up_proj`` and
-  ``down_proj`` (gate and up in one projection: Phi-3, Phi-4-mini, GLM, GLM-4); it is accepted when it has no other
-  child than an activation (``act_fn``; in the second layout ``activation_fn`` or ``act_fn``, one of them), no
-  parameter or buffer of its own, a forward that takes the input alone, and, run on CPU in fp32 with small random
-  ``torch.nn.Linear`` stand-ins for the projections, gives ``down_proj(silu(gate_proj(x)) * up_proj(x))``, or
-  ``down_proj(silu(gate) * up)`` of ``gate, up = gate_up_proj(x).chunk(2, -1)`` (gate the first half), in training
-  mode and in eval mode (a dropout that runs only in training is caught either way). The probe's input gives gate and
-  up of either sign beyond +-50 as well as small ones, and the activation is checked on [-6, 6] and out to +-100, so
-  that a clamp (``swiglu_limit``) or another bend the formula lacks shows. Gemma's GELU MLP, MLPs with dropout and
-  MLPs whose activation has hooks (which the fused module would not run) are reported as not SwiGLU, with the reason;
+* SwiGLU and GeGLU MLPs: found by what a module computes, as RMSNorm is. A candidate has children named
+  ``gate_proj``, ``up_proj`` and ``down_proj`` (Llama, Mistral, Qwen2/Qwen3 and their copies; Gemma, Gemma 2, Gemma
+  3), or ``gate_up_proj`` and ``down_proj`` (gate and up in one projection: Phi-3, Phi-4-mini, GLM, GLM-4); it is
+  accepted when it has no other child than an activation (``act_fn``; in the second layout ``activation_fn`` or
+  ``act_fn``, one of them), no parameter or buffer of its own, a forward that takes the input alone, and, run on CPU
+  in fp32 with small random ``torch.nn.Linear`` stand-ins for the projections, gives ``down_proj(act(gate_proj(x)) *
+  up_proj(x))``, or ``down_proj(silu(gate) * up)`` of ``gate, up = gate_up_proj(x).chunk(2, -1)`` (gate the first
+  half), in training mode and in eval mode (a dropout that runs only in training is caught either way). ``act`` is
+  what the activation module computes (:data:`ACTIVATION_FORMULAS`, checked against float64 on [-6, 6] and out to
+  +-100): SiLU (a SwiGLU MLP: ``FusedSwiGLUMLP``), GELU with the tanh approximation (transformers'
+  ``gelu_pytorch_tanh``, ``gelu_new``, ``gelu_fast``: Gemma's) or exact GELU (``gelu``) (a GeGLU MLP:
+  ``FusedGeGLUMLP``); a module without an activation child is probed for SiLU. The ``gate_up_proj`` layout is SiLU
+  only (no fused module computes GELU of a packed projection: such an MLP is refused, with that reason). The probe's
+  input gives gate and up of either sign beyond +-50 as well as small ones, so that a clamp (``swiglu_limit``) or
+  another bend the formula lacks shows. MLPs of another activation (QuickGELU, ReLU, a clipped GELU), MLPs with
+  dropout and MLPs whose activation has hooks (which the fused module would not run) are reported as not fused, with
+  the reason;
   so are clamped SwiGLU MLPs (DeepseekV4, Glm5Next, Step3p7, BailingHybrid, MiniMax-M3's ``gate_up_proj`` MLP),
   refused up front where the module names its limit (``swiglu_limit``, ``limit``: not None) or its forward reads a
   config's ``swiglu_limit``/``swiglu_limits*``, and ``gate_up_proj`` MLPs of another kind (Zamba2's, with GELU, an
@@ -433,21 +439,35 @@ SWIGLU_ACTIVATIONS = ("act_fn",)
 GATE_UP_ACTIVATIONS = ("activation_fn", "act_fn")
 
 
+# the activations the probe tells apart (SwiGLUProbe.activation) -> the float64 formula the activation module must
+# compute (atol 1e-6, rtol 1e-5: exact GELU and its tanh approximation differ by up to 4.4e-4 on the probe's points,
+# transformers' gelu_new / gelu_fast compute the tanh one within 2.5e-7 in fp32)
+ACTIVATION_FORMULAS = {
+    "silu": torch.nn.functional.silu,
+    "gelu_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
+    "gelu": torch.nn.functional.gelu,
+}
+# a GeGLU activation -> F.gelu's ``approximate`` (FusedGeGLUMLP's, op geglu's)
+GELU_APPROXIMATE = {"gelu_tanh": "tanh", "gelu": "none"}
+
+
 @dataclass(frozen=True)
 class _Layout:
-    """A SwiGLU MLP layout the probe knows: its projections (``down_proj`` last), the names its activation module may
-    have, the fused module that takes it (for the reasons) and the formula it must compute."""
+    """A gated MLP layout the probe knows: its projections (``down_proj`` last), the names its activation module may
+    have, the fused module that takes it with each activation (for the reasons; an activation it lacks is refused)
+    and the formula it must compute (``{act}``: the activation's name)."""
 
     projections: tuple[str, ...]
     activations: tuple[str, ...]
-    fused: str
+    fused: dict[str, str]
     formula: str
 
 
-_SEPARATE = _Layout(SWIGLU_PROJECTIONS, SWIGLU_ACTIVATIONS, "FusedSwiGLUMLP",
-                    "down_proj(silu(gate_proj(x)) * up_proj(x))")
-_PACKED = _Layout(GATE_UP_PROJECTIONS, GATE_UP_ACTIVATIONS, "FusedGateUpSwiGLUMLP",
-                  "down_proj(silu(gate) * up) with gate, up = gate_up_proj(x).chunk(2, -1)")
+_SEPARATE = _Layout(SWIGLU_PROJECTIONS, SWIGLU_ACTIVATIONS,
+                    {"silu": "FusedSwiGLUMLP", "gelu_tanh": "FusedGeGLUMLP", "gelu": "FusedGeGLUMLP"},
+                    "down_proj({act}(gate_proj(x)) * up_proj(x))")
+_PACKED = _Layout(GATE_UP_PROJECTIONS, GATE_UP_ACTIVATIONS, {"silu": "FusedGateUpSwiGLUMLP"},
+                  "down_proj({act}(gate) * up) with gate, up = gate_up_proj(x).chunk(2, -1)")
 
 
 def _swiglu_layout(children: dict) -> _Layout | None:
@@ -464,24 +484,35 @@ def _swiglu_layout(children: dict) -> _Layout | None:
 class SwiGLUProbe:
     """Result of :func:`probe_swiglu_mlp`: ``ok``, or not with the ``reason``; ``candidate`` says whether the module
     has the three projections, or ``gate_up_proj`` and ``down_proj`` (worth a row in the report); ``packed`` that it
-    has the second layout (gate and up in one ``gate_up_proj``: ``FusedGateUpSwiGLUMLP``, op ``swiglu.packed``)."""
+    has the second layout (gate and up in one ``gate_up_proj``: ``FusedGateUpSwiGLUMLP``, op ``swiglu.packed``);
+    ``activation`` what its activation module computes (a key of :data:`ACTIVATION_FORMULAS`): ``silu`` (SwiGLU,
+    also where the probe stopped before looking at it), ``gelu_tanh`` or ``gelu`` (GeGLU: ``FusedGeGLUMLP``, op
+    ``geglu``, with :attr:`approximate`)."""
 
     ok: bool
     reason: str
     candidate: bool
     packed: bool = False
+    activation: str = "silu"
+
+    @property
+    def approximate(self) -> str | None:
+        """``F.gelu``'s ``approximate`` of a GeGLU MLP (``tanh`` or ``none``); None for SiLU."""
+        return GELU_APPROXIMATE.get(self.activation)
 
 
 @rng_kept
 def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
-    """Check whether ``module`` computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``, or, with gate and up in one
-    projection (Phi-3, GLM), ``down_proj(silu(gate) * up)`` of ``gate, up = gate_up_proj(x).chunk(2, -1)`` (gate the
-    first half; see the module docstring).
+    """Check whether ``module`` computes ``down_proj(act(gate_proj(x)) * up_proj(x))`` with ``act`` SiLU (SwiGLU) or
+    GELU, exact or with the tanh approximation (GeGLU: Gemma's MLP; ``activation`` says which), or, with gate and up
+    in one projection (Phi-3, GLM), ``down_proj(silu(gate) * up)`` of ``gate, up = gate_up_proj(x).chunk(2, -1)``
+    (gate the first half; see the module docstring).
 
     The module itself is not run: a shallow stand-in sharing its class and attributes, whose projections are small
     random fp32 ``torch.nn.Linear`` modules on CPU (``gate_up_proj``: hidden -> 2 * intermediate) and whose activation
-    (``act_fn``; in the ``gate_up_proj`` layout ``activation_fn`` or ``act_fn``) is ``torch.nn.SiLU()`` (once the
-    module's own is found to compute SiLU, through its ``forward`` directly), is, through ``forward`` directly, in
+    (``act_fn``; in the ``gate_up_proj`` layout ``activation_fn`` or ``act_fn``) is ``torch.nn.SiLU()`` or
+    ``torch.nn.GELU(approximate=...)`` (once the module's own is found to compute that, through its ``forward``
+    directly), is, through ``forward`` directly, in
     training and in eval mode: no hook of the module or its children fires, and its projections, which may be large or
     on a GPU, are not touched. The input has small rows and rows whose gate and up reach beyond +-``PROBE_FAR`` (50)
     on each side (:func:`_swiglu_probe_input`), so a clamp of gate or up at a plausible limit changes the output; a
@@ -493,9 +524,10 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     if layout is None:
         return SwiGLUProbe(False, "", False)
     packed = layout is _PACKED
+    kind = "silu"   # (the activation, once known: refusals after that name the GeGLU kind for the report's row)
 
     def refused(reason: str) -> SwiGLUProbe:
-        return SwiGLUProbe(False, reason, True, packed)
+        return SwiGLUProbe(False, reason, True, packed, kind)
 
     clamp = _swiglu_clamp(module)
     if clamp is not None:
@@ -507,16 +539,18 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     acts = [n for n in layout.activations if n in children]
     if len(acts) > 1:
         return refused(f"has two activations ({', '.join(acts)}): not the plain SwiGLU MLP")
+    act_why = None
+    if acts:
+        found, act_why = _activation_kind(children[acts[0]], acts[0], layout)
+        kind = found or kind
+    fused = layout.fused.get(kind, layout.fused["silu"])
     if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
-        return refused("has parameters or buffers of its own: not the plain SwiGLU MLP")
+        return refused(f"has parameters or buffers of its own: not the plain {_GATED_NAME[kind]} MLP")
     extra = _extra_forward_arguments(type(module))
     if extra:
-        return refused(f"forward takes more than the input ({', '.join(extra)}): {layout.fused} takes the input "
-                       "alone")
-    if acts:
-        why = _not_silu(children[acts[0]], acts[0], layout.fused)
-        if why is not None:
-            return refused(why)
+        return refused(f"forward takes more than the input ({', '.join(extra)}): {fused} takes the input alone")
+    if act_why is not None:
+        return refused(act_why)
     hidden, inter = 8, 12
     gen = torch.Generator().manual_seed(4321)
 
@@ -546,8 +580,8 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
         stand_in.__dict__.pop(name, None)
     object.__setattr__(stand_in, "_parameters", {})
     object.__setattr__(stand_in, "_buffers", {})
-    silu = {acts[0]: nn.SiLU()} if acts else {}
-    object.__setattr__(stand_in, "_modules", {**children, **stand, **silu})
+    act = {acts[0]: nn.SiLU() if kind == "silu" else nn.GELU(approximate=GELU_APPROXIMATE[kind])} if acts else {}
+    object.__setattr__(stand_in, "_modules", {**children, **stand, **act})
     x = _swiglu_probe_input(gate_w, up_w, gen)
     ys = []
     for training in (True, False):   # a forward that reads self.training (functional dropout) differs in one
@@ -563,42 +597,56 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     with torch.no_grad():
         F = torch.nn.functional
         xd, down = x.double(), stand["down_proj"]
-        h = F.silu(F.linear(xd, gate_w.double(), _double(gate_b))) * F.linear(xd, up_w.double(), _double(up_b))
+        h = (ACTIVATION_FORMULAS[kind](F.linear(xd, gate_w.double(), _double(gate_b)))
+             * F.linear(xd, up_w.double(), _double(up_b)))
         ref = F.linear(h, down.weight.double(), _double(down.bias))
         # fp32 rounding of the stand-in's products: relative to the sum of the magnitudes each output adds up (its
         # elements reach 1e4 on the large rows and may cancel to near 0)
         scale = F.linear(h.abs(), down.weight.double().abs())
         if down.bias is not None:
             scale = scale + down.bias.double().abs()
+    formula = layout.formula.format(act=kind)
     for mode, y in zip(("training", "eval"), ys):
         if not isinstance(y, torch.Tensor) or y.shape != ref.shape:
             return refused(f"probe output ({mode} mode) is not a tensor of the input's shape")
         if not bool(((y.double() - ref).abs() <= 1e-5 + 1e-4 * scale).all()):
             err = (y.double() - ref).abs().max().item()
-            return refused(f"output ({mode} mode) differs from {layout.formula} (max abs diff {err:.3g})")
-    return SwiGLUProbe(True, f"probe output equals {layout.formula}", True, packed)
+            return refused(f"output ({mode} mode) differs from {formula} (max abs diff {err:.3g})")
+    return SwiGLUProbe(True, f"probe output equals {formula}", True, packed, kind)
 
 
-def _not_silu(act: nn.Module, name: str, fused: str) -> str | None:
-    """Why the activation module ``act`` (the MLP's attribute ``name``) is not one the fused module ``fused`` may
-    keep without calling it, or None: forward hooks (which the fused module would not run), or not SiLU, checked
-    through its ``forward`` (no hook fires) near 0 and far out on either side (a clamp past 6, or any other bend,
-    shows)."""
-    if act._forward_hooks or act._forward_pre_hooks or getattr(act, "_forward_hooks_with_kwargs", None):
-        return (f"{name} has forward hooks, which {fused} (one kernel for the activation and the product) would not "
-                "run")
+# an activation -> the gated MLP it makes (the reasons' words)
+_GATED_NAME = {"silu": "SwiGLU", "gelu_tanh": "GeGLU", "gelu": "GeGLU"}
+
+
+def _activation_kind(act: nn.Module, name: str, layout: _Layout) -> tuple[str | None, str | None]:
+    """(what the activation module ``act``, the MLP's attribute ``name``, computes: a key of
+    :data:`ACTIVATION_FORMULAS`, or None; why the MLP is refused for it, or None). Checked through its ``forward``
+    (no hook fires) near 0 and far out on either side (a clamp past 6, or any other bend, shows). Refused: forward
+    hooks (which the fused module would not run), another activation, a GELU in a layout no fused module takes GELU
+    in (``gate_up_proj``)."""
     t = torch.cat([torch.linspace(-6.0, 6.0, 25), torch.tensor(ACT_FAR)])
     try:
         with torch.no_grad():
             # its forward, not __call__ (no hook fires); a copy of t: nn.SiLU(inplace=True) must not change it
             a = type(act).forward(act, t.clone())
     except Exception as exc:  # noqa: BLE001
-        return f"probe of {name} failed: {type(exc).__name__}: {exc}"
-    if not isinstance(a, torch.Tensor) or a.shape != t.shape or not torch.allclose(
-            a.double(), torch.nn.functional.silu(t.double()), atol=1e-6, rtol=1e-5):
-        return (f"{name} ({type(act).__name__}) is not SiLU: a gated MLP of another activation (GeGLU, say), which "
-                "the SwiGLU kernel does not compute")
-    return None
+        return None, f"probe of {name} failed: {type(exc).__name__}: {exc}"
+    kind = None
+    if isinstance(a, torch.Tensor) and a.shape == t.shape:
+        kind = next((k for k, f in ACTIVATION_FORMULAS.items()
+                     if torch.allclose(a.double(), f(t.double()), atol=1e-6, rtol=1e-5)), None)
+    if kind is None:
+        return None, (f"{name} ({type(act).__name__}) is not SiLU or GELU (exact or tanh): a gated MLP of another "
+                      "activation, which neither the SwiGLU nor the GeGLU kernel computes")
+    if kind not in layout.fused:
+        return kind, (f"{name} ({type(act).__name__}) is not SiLU but GELU (approximate="
+                      f"{GELU_APPROXIMATE[kind]!r}): a GeGLU MLP with gate and up in one gate_up_proj, for which there "
+                      f"is no fused module ({layout.fused['silu']} computes SiLU)")
+    if act._forward_hooks or act._forward_pre_hooks or getattr(act, "_forward_hooks_with_kwargs", None):
+        return kind, (f"{name} has forward hooks, which {layout.fused[kind]} (one kernel for the activation and the "
+                      "product) would not run")
+    return kind, None
 
 
 # where the act_fn check looks besides [-6, 6]: far enough that a clamp of the gate at any plausible limit shows, and
@@ -684,6 +732,7 @@ def _double(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.double()
 
 
-__all__ = ["ATTENTION_MODEL_TYPES", "ATTENTION_SKIP_REASONS", "RMSNormProbe", "SwiGLUProbe", "attention_support",
+__all__ = ["ACTIVATION_FORMULAS", "ATTENTION_MODEL_TYPES", "ATTENTION_SKIP_REASONS", "GELU_APPROXIMATE", "RMSNormProbe",
+           "SwiGLUProbe", "attention_support",
            "get_attn_implementation", "is_attention_module", "is_config",
            "model_type_of", "probe_rms_norm", "probe_swiglu_mlp", "rng_kept", "set_attn_implementation"]
