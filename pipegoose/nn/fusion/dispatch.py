@@ -1,7 +1,7 @@
 """One dispatcher for every fused op: implementations, ``supports()`` checks, choice, counters and strict mode.
 
 Each op (``softmax``, ``softmax.masked``, ``softmax.causal``, ``layer_norm``, ``rms_norm``, ``swiglu``,
-``swiglu.packed``, ``rope``, ``cross_entropy``, ``fused_linear_cross_entropy``, ``adam``,
+``swiglu.packed``, ``geglu``, ``rope``, ``cross_entropy``, ``fused_linear_cross_entropy``, ``adam``,
 ``clip_grad_norm``) has several :class:`Implementation` s: ours (``pipegoose``), fused kernels that ship in PyTorch
 (``torch_fused``: ``adam``'s ``torch._fused_adamw_``),
 ported registry copies (``megatron``, ``apex``, ``deepspeed``) and the PyTorch reference (``torch``). Each declares
@@ -25,8 +25,9 @@ Choice, first that supports the input wins:
    2**24; 0 turns this off), a fused implementation supports it, and the op's reference implementation is
    registered ``small_first`` for it (``Implementation.small_first``, set for the ops ``layer_norm``
    (``F.layer_norm``), ``rms_norm`` (``F.rms_norm``; its ``tuned_for`` limits it to the problems the reference runs
-   as that one op, not Llama's rounding or mixed dtypes), ``swiglu`` (``F.silu(gate) * up``, two native ops) and
-   ``swiglu.packed`` (the same of ``x.chunk(2, -1)``; ``x``'s elements count)),
+   as that one op, not Llama's rounding or mixed dtypes), ``swiglu`` (``F.silu(gate) * up``, two native ops),
+   ``swiglu.packed`` (the same of ``x.chunk(2, -1)``; ``x``'s elements count) and ``geglu`` (``F.gelu(gate,
+   approximate=approximate) * up``)),
    the reference runs (source ``small``, not a fallback; no kernel is loaded). At such sizes a step is bound by the
    host, and a fused op's path (the Python dispatch above the op, the op's own host code) costs more host time than
    its kernel can save on the GPU (MiniLM, BERT-base and GPT-2 small steps with their LayerNorms fused were slower

@@ -1,6 +1,6 @@
-"""``fuse(model)``: swap a constructed model's LayerNorms, RMSNorms, SwiGLU MLPs, rotary position embedding,
-language-model loss and attention softmax for the fused ones, per instance, with an exact undo (``unfuse``) and a
-report of what was done (``FusionReport``).
+"""``fuse(model)``: swap a constructed model's LayerNorms, RMSNorms, SwiGLU and GeGLU MLPs, rotary position
+embedding, language-model loss and attention softmax for the fused ones, per instance, with an exact undo
+(``unfuse``) and a report of what was done (``FusionReport``).
 
 What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``):
 
@@ -15,9 +15,13 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   every module that computes it with gate and up in one projection, ``down_proj(silu(gate) * up)`` of ``gate, up =
   gate_up_proj(x).chunk(2, -1)`` (the same probe: transformers' ``Phi3MLP``, Phi-3 and Phi-4-mini, and ``GlmMLP`` /
   ``Glm4MLP``) -> ``FusedGateUpSwiGLUMLP`` (the same modules; op ``swiglu.packed``, whose implementation the row's
-  columns show, ``PIPEGOOSE_IMPL_SWIGLU_PACKED`` or ``PIPEGOOSE_IMPL_SWIGLU`` forces); both are kind ``swiglu``.
-  Clamped SwiGLU (``swiglu_limit``), other activations (Gemma's GELU) and MLPs with more inside (Zamba2's adapters)
-  get a skipped row, not eligible;
+  columns show, ``PIPEGOOSE_IMPL_SWIGLU_PACKED`` or ``PIPEGOOSE_IMPL_SWIGLU`` forces); both are kind ``swiglu``;
+* every module that computes ``down_proj(gelu(gate_proj(x)) * up_proj(x))``, GELU exact or with the tanh
+  approximation (the same probe, which tells the activation: transformers' ``GemmaMLP``, ``Gemma2MLP``,
+  ``Gemma3MLP``) -> ``FusedGeGLUMLP`` (the same modules; op ``geglu`` with the probe's ``approximate``), kind
+  ``geglu``. Clamped SwiGLU (``swiglu_limit``), other activations (QuickGELU, ReLU), GELU with gate and up in one
+  ``gate_up_proj`` (no fused module computes it; a ``swiglu`` row) and MLPs with more inside (Zamba2's adapters) get
+  a skipped row, not eligible;
 * the rotary position embedding of every attention module whose forward calls its modeling module's
   ``apply_rotary_pos_emb`` (Llama, Mistral, Qwen2, Qwen3, Gemma, GPT-NeoX with full rotary, ...), where that
   function is transformers' rotate-half RoPE (checked numerically): the module is not replaced but gets two hooks, and
@@ -101,7 +105,7 @@ from .transformers import loss as _loss
 from .transformers import matching
 from .transformers import rope as _rope
 
-OPS = ("layer_norm", "rms_norm", "swiglu", "rope", "cross_entropy", "attention", "linear_cross_entropy")
+OPS = ("layer_norm", "rms_norm", "swiglu", "geglu", "rope", "cross_entropy", "attention", "linear_cross_entropy")
 # what ops=None fuses: all but linear_cross_entropy (the LM head and loss in one: opt-in, it saved memory but not
 # time on the H200's Llama-1.1B step, session 51)
 DEFAULT_OPS = OPS[:-1]
@@ -124,7 +128,8 @@ class FusionRow:
 
     Attributes:
         path: dotted module path in the model (``""`` for the model itself).
-        kind: ``layer_norm``, ``rms_norm``, ``swiglu``, ``rope`` (an attention module's rotary embedding),
+        kind: ``layer_norm``, ``rms_norm``, ``swiglu``, ``geglu`` (a GeGLU MLP: Gemma's), ``rope`` (an attention
+            module's rotary embedding),
             ``cross_entropy`` (the model's loss), ``linear_cross_entropy`` (a causal LM's head and loss in one) or
             ``attention``.
         original: class name of the module found.
@@ -516,14 +521,14 @@ def _parse_attention(attention: Any) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool = False,
          attention: str = "auto") -> FusionReport:
-    """Replace ``model``'s LayerNorms, RMSNorms, SwiGLU MLPs, rotary position embedding, language-model loss and
-    attention softmax by fused ones, on this instance only.
+    """Replace ``model``'s LayerNorms, RMSNorms, SwiGLU and GeGLU MLPs, rotary position embedding, language-model loss
+    and attention softmax by fused ones, on this instance only.
 
     Args:
         model: a constructed ``torch.nn.Module`` (typically a transformers ``PreTrainedModel``, e.g. from
             ``from_pretrained``), on any device and dtype. Modules whose parameters are on CPU run the reference
             paths (the dispatcher picks fused kernels on CUDA).
-        ops: subset of ``("layer_norm", "rms_norm", "swiglu", "rope", "cross_entropy", "attention",
+        ops: subset of ``("layer_norm", "rms_norm", "swiglu", "geglu", "rope", "cross_entropy", "attention",
             "linear_cross_entropy")`` (a name or an iterable of names; case and surrounding blanks ignored, as in
             ``impl=``); None = all but ``linear_cross_entropy``, which is opt-in: a causal LM's head and loss in one
             (:mod:`pipegoose.nn.fusion.transformers.lm_head`; in training with labels the output's ``logits`` is
@@ -564,7 +569,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     if model in _STATE:
         raise RuntimeError(f"model: this {type(model).__name__} is already fused; call unfuse(model) first")
     from . import dispatch
-    from .modules import FusedGateUpSwiGLUMLP, FusedRMSNorm, FusedSwiGLUMLP, MixedFusedLayerNorm
+    from .modules import FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedRMSNorm, FusedSwiGLUMLP, MixedFusedLayerNorm
 
     dispatch.check_env()
 
@@ -572,7 +577,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     state = _Fusion(report=report)
     replaced: dict[int, nn.Module] = {}       # id(old) -> new (a shared module is replaced once, everywhere)
     seen: set[int] = set()
-    fused_types = (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP, FusedGateUpSwiGLUMLP)
+    fused_types = (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP, FusedGateUpSwiGLUMLP, FusedGeGLUMLP)
     # the parametrization objects of parametrized modules (a _WeightNorm, say): not modules of the model's computation
     internal = {id(m) for mod in model.modules() if parametrize.is_parametrized(mod)
                 for m in mod.parametrizations.modules()}
@@ -594,7 +599,8 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                 seen.add(id(child))
                 if isinstance(child, fused_types):  # put there before this call
                     kind = ("rms_norm" if isinstance(child, FusedRMSNorm) else
-                            "swiglu" if isinstance(child, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP)) else "layer_norm")
+                            "swiglu" if isinstance(child, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP)) else
+                            "geglu" if isinstance(child, FusedGeGLUMLP) else "layer_norm")
                     report.rows.append(FusionRow(path, kind, type(child).__name__, type(child).__name__, True,
                                                  *_fused_impls(child), reason=_already_fused_reason(model, child)))
                     held.add(id(report.rows[-1]))
@@ -677,8 +683,10 @@ def _norm_kind_left_out(child: nn.Module, ops: tuple) -> str | None:
     eligible (for the report's ``not_requested``; classification only: no dispatcher choice, no kernel loaded)."""
     if isinstance(child, nn.LayerNorm):
         return "layer_norm" if "layer_norm" not in ops else None
-    if "swiglu" not in ops and matching.probe_swiglu_mlp(child).ok:
-        return "swiglu"
+    if "swiglu" not in ops or "geglu" not in ops:
+        probe = matching.probe_swiglu_mlp(child)
+        if probe.ok and _mlp_kind(probe) not in ops:
+            return _mlp_kind(probe)
     if "rms_norm" in ops or any(True for _ in child.children()):
         return None
     return "rms_norm" if matching.probe_rms_norm(child).ok else None
@@ -687,11 +695,12 @@ def _norm_kind_left_out(child: nn.Module, ops: tuple) -> str | None:
 def _fused_impls(module: nn.Module) -> tuple[str, str]:
     """(forward, backward) for a norm fused before this call, as :func:`_consider` gives them for a new one: what the
     dispatcher picks for it (the report showed "yes" there, also where the fallback runs; a walkthrough)."""
-    from .modules import FusedGateUpSwiGLUMLP, FusedRMSNorm, FusedSwiGLUMLP
+    from .modules import FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedRMSNorm, FusedSwiGLUMLP
 
     impl = getattr(module, "impl", None)   # a request made on the module (FusedRMSNorm(impl="torch"), say)
-    if isinstance(module, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP)):
-        return _swiglu_impls(module, isinstance(module, FusedGateUpSwiGLUMLP), impl)
+    if isinstance(module, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP, FusedGeGLUMLP)):
+        return _swiglu_impls(module, isinstance(module, FusedGateUpSwiGLUMLP), impl,
+                             getattr(module, "approximate", None))
     shape = tuple(module.normalized_shape)
     if isinstance(module, FusedRMSNorm):
         return _impls("rms_norm", module, lambda d, t: (
@@ -905,8 +914,8 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm):
             torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, child.weight, child.bias))
         return FusionRow(path, "layer_norm", type(child).__name__, "MixedFusedLayerNorm", True, fwd, bwd,
                          "torch.nn.LayerNorm, same parameters" + _small_note(child)), new
-    if "swiglu" in ops:
-        found = _consider_swiglu(child, path, dry_run)
+    if "swiglu" in ops or "geglu" in ops:
+        found = _consider_swiglu(child, path, ops, dry_run)
         if found is not None:
             return found
     if "rms_norm" not in ops:
@@ -960,40 +969,54 @@ def _op_weight(weight: torch.Tensor | None, offset: float) -> torch.Tensor | Non
                        dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32)
 
 
-def _swiglu_impls(mlp: nn.Module, packed: bool, impl: str | None = None) -> tuple[str, str]:
-    """(forward, backward) of a SwiGLU MLP's activation, as :func:`_impls` gives them: op ``swiglu`` for gate and up
-    of the intermediate size (``gate_proj``'s ``out_features``, else its weight's first dim), or, ``packed`` (gate and
-    up in one ``gate_up_proj``), op ``swiglu.packed`` for one input of twice that (``gate_up_proj``'s); rows enough
-    that it is not a small problem."""
+def _swiglu_impls(mlp: nn.Module, packed: bool, impl: str | None = None,
+                  approximate: str | None = None) -> tuple[str, str]:
+    """(forward, backward) of a SwiGLU or GeGLU MLP's activation, as :func:`_impls` gives them: op ``swiglu`` (or,
+    with GELU's ``approximate``, ``geglu``) for gate and up of the intermediate size (``gate_proj``'s
+    ``out_features``, else its weight's first dim), or, ``packed`` (gate and up in one ``gate_up_proj``), op
+    ``swiglu.packed`` for one input of twice that (``gate_up_proj``'s); rows enough that it is not a small problem."""
     proj = getattr(mlp, "gate_up_proj" if packed else "gate_proj", None)
     width = int(getattr(proj, "out_features", None) or getattr(getattr(proj, "weight", None), "shape", (1,))[0])
     rows = _probe_rows((width,))
     if packed:
         return _impls("swiglu.packed", mlp, lambda d, t: (torch.empty(rows, width, device=d, dtype=t),), impl)
-    return _impls("swiglu", mlp, lambda d, t: (torch.empty(rows, width, device=d, dtype=t),
-                                               torch.empty(rows, width, device=d, dtype=t)), impl)
+    op, more = ("swiglu", ()) if approximate is None else ("geglu", (approximate,))
+    return _impls(op, mlp, lambda d, t: (torch.empty(rows, width, device=d, dtype=t),
+                                         torch.empty(rows, width, device=d, dtype=t), *more), impl)
 
 
-def _consider_swiglu(child, path, dry_run):
+def _mlp_kind(probe: matching.SwiGLUProbe) -> str:
+    """The report's kind of a gated MLP the probe looked at: ``geglu`` for GELU with gate and up apart (what
+    ``FusedGeGLUMLP`` takes), else ``swiglu`` (a ``gate_up_proj`` MLP of GELU too: refused, no fused module for it)."""
+    return "geglu" if probe.approximate is not None and not probe.packed else "swiglu"
+
+
+def _consider_swiglu(child, path, ops, dry_run):
     """(row, replacement or None) for a module with SwiGLU's projections (``gate_proj``, ``up_proj`` and
-    ``down_proj``: ``FusedSwiGLUMLP``; ``gate_up_proj`` and ``down_proj``: ``FusedGateUpSwiGLUMLP``); None when it has
-    neither (not a candidate)."""
-    from .modules import FusedGateUpSwiGLUMLP, FusedSwiGLUMLP
+    ``down_proj``: ``FusedSwiGLUMLP``, or with GELU ``FusedGeGLUMLP``; ``gate_up_proj`` and ``down_proj``:
+    ``FusedGateUpSwiGLUMLP``); None when it has neither (not a candidate) or is of a kind (``swiglu``, ``geglu``) left
+    out of ``ops``."""
+    from .modules import FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedSwiGLUMLP
 
     probe = matching.probe_swiglu_mlp(child)
-    if not probe.candidate:
+    kind = _mlp_kind(probe)
+    if not probe.candidate or kind not in ops:
         return None
     if not probe.ok:
-        return FusionRow(path, "swiglu", type(child).__name__, None, False, reason=probe.reason, eligible=False), None
+        return FusionRow(path, kind, type(child).__name__, None, False, reason=probe.reason, eligible=False), None
     why = _instance_override(child)
     if why is not None:
-        return FusionRow(path, "swiglu", type(child).__name__, None, False, reason=why), None
-    cls = FusedGateUpSwiGLUMLP if probe.packed else FusedSwiGLUMLP
-    new = None if dry_run else _build(path, child, cls.from_module, child, verify=False)  # probed above
-    fwd, bwd = _swiglu_impls(child, probe.packed)
-    return FusionRow(path, "swiglu", type(child).__name__, cls.__name__, True, fwd, bwd,
-                     f"SwiGLU MLP ({probe.reason}), same projections" + ("; op swiglu.packed" if probe.packed else "")
-                     + _small_note(child)), new
+        return FusionRow(path, kind, type(child).__name__, None, False, reason=why), None
+    if kind == "geglu":
+        cls, more, what = FusedGeGLUMLP, dict(approximate=probe.approximate), "GeGLU MLP"
+    else:
+        cls, more, what = FusedGateUpSwiGLUMLP if probe.packed else FusedSwiGLUMLP, {}, "SwiGLU MLP"
+    new = None if dry_run else _build(path, child, cls.from_module, child, verify=False, **more)  # probed above
+    fwd, bwd = _swiglu_impls(child, probe.packed, approximate=probe.approximate if kind == "geglu" else None)
+    note = ("; op swiglu.packed" if probe.packed else
+            f"; op geglu, approximate={probe.approximate!r}" if kind == "geglu" else "")
+    return FusionRow(path, kind, type(child).__name__, cls.__name__, True, fwd, bwd,
+                     f"{what} ({probe.reason}), same projections{note}" + _small_note(child)), new
 
 
 def _rope_probe_inputs(module: nn.Module, rotary: int | None = None, head: int | None = None):
@@ -1627,10 +1650,11 @@ def _unfuse(model: nn.Module, keep: Iterable[nn.Module] = (), quiet: bool = Fals
     if state is None and not parts and quiet:
         return False  # fused(): its fuse() recorded nothing, so there is nothing of its own to undo
     if state is None and not parts:
-        from .modules import FusedGateUpSwiGLUMLP, FusedRMSNorm, FusedSwiGLUMLP, MixedFusedLayerNorm
+        from .modules import FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedRMSNorm, FusedSwiGLUMLP, MixedFusedLayerNorm
 
         found = [p or "<model>" for p, m in model.named_modules()
-                 if isinstance(m, (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP, FusedGateUpSwiGLUMLP))
+                 if isinstance(m, (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP, FusedGateUpSwiGLUMLP,
+                                   FusedGeGLUMLP))
                  or _loss.ours_is_set(m)
                  or _rope.hooked(m)]
         if found:

@@ -2,8 +2,8 @@
 ``FusedLayerNorm`` (drop-ins for ``torch.nn.LayerNorm``), ``FusedRMSNorm`` (drop-in for ``torch.nn.RMSNorm``
 and transformers' Llama-style RMSNorm), ``FusedSwiGLUMLP`` (for transformers' Llama-style MLP),
 ``FusedGateUpSwiGLUMLP`` (for Phi-3's and GLM's MLP: gate and up in one ``gate_up_proj``), ``FusedGeGLUMLP`` (for
-Gemma's MLP: GELU instead of SiLU) and ``FusedLinearCrossEntropyLoss`` (a language model's output projection and loss in one). Kernel sources:
-see :mod:`pipegoose.nn.fusion.functional`."""
+Gemma's MLP: GELU instead of SiLU) and ``FusedLinearCrossEntropyLoss`` (a language model's output projection and
+loss in one). Kernel sources: see :mod:`pipegoose.nn.fusion.functional`."""
 
 from __future__ import annotations
 
@@ -694,9 +694,10 @@ class _FusedSwiGLUBase(_DropsFuseRecord, nn.Module):
             kwargs = cls._probed(probe, kwargs)
         new = cls(*(children[n] for n in cls._PROJECTIONS), impl=impl, **kwargs)
         new._modules = dict(mlp._modules)   # every child, in the original's order
-        # the activation the probe found to be SiLU (or GELU; not a submodule of its own: an attribute state_dict does not see):
-        # a submodule, or a function attribute (``self.act_fn = F.silu``; fuse() carries it over with the MLP's other
-        # attributes, and back at unfuse), so that one assigned while fused is run as the MLP's forward would run it
+        # the activation the probe found to be SiLU or GELU (not a submodule of its own: an attribute state_dict does
+        # not see): a submodule, or a function attribute (``self.act_fn = F.silu``; fuse() carries it over with the
+        # MLP's other attributes, and back at unfuse), so that one assigned while fused is run as the MLP's forward
+        # would run it
         # (before, only a submodule was watched: a module assigned over a function attribute was ignored; a review)
         act_name = next((n for n in cls._ACTIVATIONS if n in mlp._modules or n in mlp.__dict__), None)
         new.__dict__["_act_name"] = act_name   # (None: the MLP has none; an activation added while fused is not run)
