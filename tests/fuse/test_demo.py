@@ -33,6 +33,15 @@ def test_demo_phi3_cpu(capsys):
     assert "'swiglu.packed': {'torch': 4}" in out, out
 
 
+def test_demo_gemma_cpu(capsys):
+    """The small random Gemma: its GeGLU MLPs (GELU with the tanh approximation) are fused (FusedGeGLUMLP; one geglu
+    call a layer, approximate 'tanh'), with its RoPE; parity holds. (Its (1 + weight) RMSNorms: skipped for now.)"""
+    assert demo.main(["--model", "gemma", "--device", "cpu", "--steps", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())   # (the console wraps at a blank)
+    assert "GemmaModel" in out and "FusedGeGLUMLP" in out and "approximate='tanh'" in out and "PASS" in out, out
+    assert "'geglu': {'torch': 4}" in out, out
+
+
 @pytest.mark.parametrize("columns", [60, 100])
 def test_demo_output_fits_the_terminal(capsys, monkeypatch, columns):
     """Every line of the main job's output (the fuse report too) fits COLUMNS and none is padded: it was 200 columns

@@ -540,8 +540,8 @@ class _TwoActivations(_GateUpMLP):
     (lambda: _MLP(bias=True), True, "probe output equals"),
     (lambda: _MLP(act=nn.SiLU(inplace=True)), True, "probe output equals"),
     (lambda: _NoActFn(), True, "probe output equals"),
-    (lambda: _MLP(act=nn.GELU()), False, "act_fn (GELU) is not SiLU"),
-    (lambda: _MLP(act=nn.ReLU()), False, "act_fn (ReLU) is not SiLU"),
+    (lambda: _MLP(act=nn.GELU()), True, "probe output equals down_proj(gelu(gate_proj(x)) * up_proj(x))"),   # GeGLU
+    (lambda: _MLP(act=nn.ReLU()), False, "act_fn (ReLU) is not SiLU or GELU"),
     (lambda: _Swapped(), False, "output (training mode) differs from down_proj(silu(gate_proj(x)) * up_proj(x))"),
     (lambda: _Scaled(), False, "output (training mode) differs"),
     (lambda: _GateUpMLP(), True,
@@ -639,11 +639,11 @@ def test_probe_of_modules_without_the_projections():
 
 @pytest.mark.parametrize("module,cls,ok", [
     ("llama", "LlamaMLP", True), ("mistral", "MistralMLP", True), ("qwen2", "Qwen2MLP", True),
-    ("qwen3", "Qwen3MLP", True), ("gemma", "GemmaMLP", False), ("phi3", "Phi3MLP", True), ("glm", "GlmMLP", True),
-    ("glm4", "Glm4MLP", True)])
+    ("qwen3", "Qwen3MLP", True), ("phi3", "Phi3MLP", True), ("glm", "GlmMLP", True), ("glm4", "Glm4MLP", True)])
 def test_probe_of_transformers_mlps(module, cls, ok):
-    """Llama's MLP and its copies pass; Gemma's GELU MLP is refused with the reason; Phi-3's and GLM's, gate and up in
-    one gate_up_proj, pass as that layout (FusedGateUpSwiGLUMLP; they were refused for the layout alone)."""
+    """Llama's MLP and its copies pass; Phi-3's and GLM's, gate and up in one gate_up_proj, pass as that layout
+    (FusedGateUpSwiGLUMLP; they were refused for the layout alone). (Gemma's GELU MLP passes as GeGLU:
+    tests/fuse/test_fuse_geglu.py.)"""
     mod = pytest.importorskip(f"transformers.models.{module}.modeling_{module}")
     import transformers
 

