@@ -1708,9 +1708,9 @@ def test_dry_run_of_the_swiglu_mlps_changes_nothing():
 
 
 def test_a_gated_mlp_of_another_activation_is_skipped_with_the_reason():
-    """Gemma-style MLP (gate_proj / up_proj / down_proj around GELU): not SwiGLU, reported as such and left alone;
-    the rest of the model is fused."""
-    cfg = models.config("llama", "eager", hidden_act="gelu_pytorch_tanh")
+    """A gated MLP (gate_proj / up_proj / down_proj) around QuickGELU: neither SwiGLU nor GeGLU, reported as such and
+    left alone; the rest of the model is fused. (Gemma's GELU MLP is fused since: tests/fuse/test_fuse_geglu.py.)"""
+    cfg = models.config("llama", "eager", hidden_act="quick_gelu")
     model = models.build("llama", cfg=cfg)
     mlps = [layer.mlp for layer in model.layers]
     report = fuse(model)

@@ -524,7 +524,11 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     if layout is None:
         return SwiGLUProbe(False, "", False)
     packed = layout is _PACKED
-    kind = "silu"   # (the activation, once known: refusals after that name the GeGLU kind for the report's row)
+    acts = [n for n in layout.activations if n in children]
+    # the activation first (its module's forward alone, cheap), so that every refusal below names the MLP's kind (a
+    # GeGLU MLP's row is the report's geglu row); its own refusal comes last, as before
+    kind, act_why = _activation_kind(children[acts[0]], acts[0], layout) if acts else ("silu", None)
+    kind = kind or "silu"
 
     def refused(reason: str) -> SwiGLUProbe:
         return SwiGLUProbe(False, reason, True, packed, kind)
@@ -532,20 +536,16 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     clamp = _swiglu_clamp(module)
     if clamp is not None:
         return refused(clamp)
+    gated = _GATED_NAME[kind]
     other = [n for n in children if n not in layout.projections and n not in layout.activations]
     if other:
         return refused(f"has submodules besides the projections and {' or '.join(layout.activations)} "
-                       f"({', '.join(other)}): not the plain SwiGLU MLP")
-    acts = [n for n in layout.activations if n in children]
+                       f"({', '.join(other)}): not the plain {gated} MLP")
     if len(acts) > 1:
-        return refused(f"has two activations ({', '.join(acts)}): not the plain SwiGLU MLP")
-    act_why = None
-    if acts:
-        found, act_why = _activation_kind(children[acts[0]], acts[0], layout)
-        kind = found or kind
+        return refused(f"has two activations ({', '.join(acts)}): not the plain {gated} MLP")
     fused = layout.fused.get(kind, layout.fused["silu"])
     if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
-        return refused(f"has parameters or buffers of its own: not the plain {_GATED_NAME[kind]} MLP")
+        return refused(f"has parameters or buffers of its own: not the plain {gated} MLP")
     extra = _extra_forward_arguments(type(module))
     if extra:
         return refused(f"forward takes more than the input ({', '.join(extra)}): {fused} takes the input alone")

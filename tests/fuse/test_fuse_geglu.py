@@ -1,0 +1,266 @@
+"""fuse() and the gated-MLP probe on GeGLU MLPs (``down_proj(gelu(gate_proj(x)) * up_proj(x))``: transformers'
+``GemmaMLP``, ``Gemma2MLP``, ``Gemma3MLP``), with transformers' own classes (tiny random configs, CPU): the probe
+tells the activation (GELU with the tanh approximation: ``gelu_pytorch_tanh``, ``gelu_new``, ``gelu_fast``; exact
+GELU: ``gelu``) and refuses others (QuickGELU, ReLU, GELU in one ``gate_up_proj``); fuse() puts ``FusedGeGLUMLP``
+(op ``geglu``, kind ``geglu``) in their place, with the model's loss and gradients unchanged, and unfuse() restores
+the MLPs. SwiGLU and GeGLU are not mixed up either way.
+"""
+
+from __future__ import annotations
+
+import torch
+import pytest
+from torch import nn
+
+from pipegoose.nn.fusion import dispatch, fuse, unfuse
+from pipegoose.nn.fusion.fuse import DEFAULT_OPS, OPS, is_fused
+from pipegoose.nn.fusion.modules import FusedGeGLUMLP, FusedSwiGLUMLP
+from pipegoose.nn.fusion.transformers.matching import probe_swiglu_mlp
+
+from . import models
+
+tr = pytest.importorskip("transformers")
+
+HIDDEN, INTER = 32, 64
+# transformers' activation name -> what the probe finds
+GELUS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}
+
+
+def _gemma(hidden_act="gelu_pytorch_tanh", layers=2, seed=0):
+    """A tiny GemmaForCausalLM whose MLPs' act_fn is ``ACT2FN[hidden_act]`` (set on the modules: GemmaConfig turns a
+    hidden_act of "gelu", its legacy value, into gelu_pytorch_tanh)."""
+    from transformers.activations import ACT2FN
+
+    torch.manual_seed(seed)
+    model = tr.GemmaForCausalLM(tr.GemmaConfig(vocab_size=97, hidden_size=HIDDEN, num_hidden_layers=layers,
+                                               num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                                               intermediate_size=INTER, attn_implementation="eager"))
+    for mlp in _mlps(model):
+        mlp.act_fn = ACT2FN[hidden_act]
+    return model
+
+
+def _gemma3(layers=2, seed=0):
+    torch.manual_seed(seed)
+    return tr.Gemma3ForCausalLM(tr.Gemma3TextConfig(vocab_size=97, hidden_size=HIDDEN, num_hidden_layers=layers,
+                                                    num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                                                    intermediate_size=INTER, attn_implementation="eager"))
+
+
+def _mlps(model):
+    return [layer.mlp for layer in model.model.layers]
+
+
+def _batch(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 97, (2, 9), generator=g)
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+
+
+def _loss_and_grads(model):
+    model.zero_grad(set_to_none=True)
+    loss = model(**_batch()).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# ------------------------------------------------------------------------------------------------------- the probe
+@pytest.mark.parametrize("act", list(GELUS))
+def test_the_probe_takes_gemmas_mlp_with_each_gelu(act):
+    """GemmaMLP with gelu_pytorch_tanh (Gemma's), gelu_new and gelu_fast (the tanh form within fp32 rounding) and gelu
+    (exact): a GeGLU MLP, with its approximation; FusedGeGLUMLP.from_module computes the MLP's output."""
+    mlp = _mlps(_gemma(act, layers=1))[0]
+    probe = probe_swiglu_mlp(mlp)
+    assert probe.ok and probe.candidate and not probe.packed, probe
+    assert probe.activation == GELUS[act] and probe.approximate == ("none" if act == "gelu" else "tanh")
+    assert probe.reason == f"probe output equals down_proj({GELUS[act]}(gate_proj(x)) * up_proj(x))"
+    fused = FusedGeGLUMLP.from_module(mlp)
+    assert fused.approximate == probe.approximate
+    x = torch.randn(2, 5, HIDDEN) * 3
+    want = mlp(x)
+    if act in ("gelu_pytorch_tanh", "gelu"):   # (the same F.gelu on the CPU: bit for bit)
+        assert torch.equal(fused(x), want)
+    torch.testing.assert_close(fused(x), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("module,cls,cfg", [("gemma2", "Gemma2MLP", "Gemma2Config"),
+                                            ("gemma3", "Gemma3MLP", "Gemma3TextConfig")])
+def test_the_probe_takes_gemma2s_and_gemma3s_mlps(module, cls, cfg):
+    mod = pytest.importorskip(f"transformers.models.{module}.modeling_{module}")
+    mlp = getattr(mod, cls)(getattr(tr, cfg)(hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=4,
+                                             num_key_value_heads=1, head_dim=8))
+    probe = probe_swiglu_mlp(mlp)
+    assert probe.ok and probe.activation == "gelu_tanh", probe
+    x = torch.randn(2, 5, HIDDEN)
+    assert torch.equal(FusedGeGLUMLP.from_module(mlp)(x), mlp(x))
+
+
+@pytest.mark.parametrize("act,name", [("quick_gelu", "QuickGELUActivation"), ("relu", "ReLU"),
+                                      ("gelu_10", "ClippedGELUActivation")])
+def test_the_probe_refuses_a_gated_mlp_of_another_activation(act, name):
+    """QuickGELU, ReLU and a GELU clipped at 10 are neither SiLU nor GELU: refused with the reason, by the probe, by
+    both fused modules and by fuse() (a skipped, not eligible row; the MLP is kept)."""
+    model = _gemma(act, layers=1)
+    mlp = _mlps(model)[0]
+    probe = probe_swiglu_mlp(mlp)
+    assert probe.candidate and not probe.ok, probe
+    assert f"act_fn ({name}) is not SiLU or GELU (exact or tanh)" in probe.reason, probe
+    for cls in (FusedGeGLUMLP, FusedSwiGLUMLP):
+        with pytest.raises(ValueError, match=r"does not pass the (GeGLU|SwiGLU) probe: act_fn .* is not SiLU or GELU"):
+            cls.from_module(mlp)
+    report = fuse(model)
+    (row,) = [r for r in report.rows if r.path == "model.layers.0.mlp"]
+    assert not row.fused and not row.eligible and row.replacement is None and row.reason == probe.reason
+    assert _mlps(model)[0] is mlp
+    assert unfuse(model)
+
+
+def test_swiglu_and_geglu_are_not_mixed_up():
+    """A Llama MLP (SiLU) is SwiGLU, kind swiglu, FusedSwiGLUMLP; a Gemma MLP GeGLU, kind geglu, FusedGeGLUMLP; each
+    fused module refuses the other's MLP, naming the right one."""
+    llama = models.build("llama", "eager")
+    gemma = _gemma()
+    llama_mlp, gemma_mlp = llama.layers[0].mlp, _mlps(gemma)[0]
+    assert probe_swiglu_mlp(llama_mlp).activation == "silu" and probe_swiglu_mlp(llama_mlp).approximate is None
+    with pytest.raises(ValueError, match=r"^mlp: LlamaMLP does not pass the GeGLU probe: act_fn \(\w+\) computes SiLU, "
+                                         r"not GELU: a SwiGLU MLP, which FusedSwiGLUMLP.from_module takes"):
+        FusedGeGLUMLP.from_module(llama_mlp)
+    with pytest.raises(ValueError, match=r"^mlp: GemmaMLP does not pass the SwiGLU probe: act_fn \(GELUTanh\) is not "
+                                         r"SiLU but GELU \(approximate='tanh'\): a GeGLU MLP, which FusedGeGLUMLP"):
+        FusedSwiGLUMLP.from_module(gemma_mlp)
+    for model, kind, cls, other in ((llama, "swiglu", FusedSwiGLUMLP, "geglu"),
+                                    (gemma, "geglu", FusedGeGLUMLP, "swiglu")):
+        report = fuse(model)
+        rows = [r for r in report.rows if r.kind in ("swiglu", "geglu")]
+        assert len(rows) == 2 and {r.kind for r in rows} == {kind}, rows
+        assert all(r.fused and r.replacement == cls.__name__ for r in rows), rows
+        assert all(type(m) is cls for m in model.modules() if isinstance(m, (FusedSwiGLUMLP, FusedGeGLUMLP)))
+        assert unfuse(model)
+
+
+def test_a_geglu_mlp_with_gate_and_up_in_one_projection_is_refused_with_the_reason():
+    """Phi3MLP (gate_up_proj) with GELU: no fused module computes GELU of a packed projection; a skipped swiglu row
+    saying so, the MLP kept."""
+    torch.manual_seed(0)
+    model = tr.Phi3ForCausalLM(tr.Phi3Config(vocab_size=97, hidden_size=HIDDEN, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2, intermediate_size=INTER,
+                                             hidden_act="gelu_pytorch_tanh", pad_token_id=None,
+                                             attn_implementation="eager"))
+    mlp = model.model.layers[0].mlp
+    probe = probe_swiglu_mlp(mlp)
+    assert probe.packed and not probe.ok and probe.activation == "gelu_tanh", probe
+    assert ("activation_fn (GELUTanh) is not SiLU but GELU (approximate='tanh'): a GeGLU MLP with gate and up in one "
+            "gate_up_proj, for which there is no fused module (FusedGateUpSwiGLUMLP computes SiLU)") in probe.reason
+    report = fuse(model)
+    (row,) = [r for r in report.rows if r.path == "model.layers.0.mlp"]
+    assert (row.kind, row.fused, row.eligible, row.reason) == ("swiglu", False, False, probe.reason)
+    assert model.model.layers[0].mlp is mlp
+    assert unfuse(model)
+
+
+# ------------------------------------------------------------------------------------------------------- fuse()
+@pytest.mark.parametrize("build", [_gemma, _gemma3], ids=["gemma", "gemma3"])
+def test_fuse_gemma_keeps_loss_gradients_and_state_dict_in_fp32(build):
+    """fuse() of a tiny Gemma / Gemma 3 (text) causal LM: every MLP becomes a FusedGeGLUMLP (kind geglu, op geglu,
+    approximate 'tanh') over the same modules; loss and every gradient equal the unfused model's (fp32, tight: the CPU
+    runs the reference path, F.gelu(gate, approximate='tanh') * up, one geglu call per layer); state_dict keys and
+    tensors unchanged; unfuse() puts the same MLP objects back."""
+    model = build()
+    mlps = _mlps(model)
+    keys = list(model.state_dict())
+    loss0, grads0 = _loss_and_grads(model)
+    report = fuse(model)
+    rows = [r for r in report.rows if r.kind == "geglu"]
+    assert [r.path for r in rows] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    for r, mlp in zip(rows, mlps):
+        assert r.fused and r.eligible and r.replacement == "FusedGeGLUMLP" and r.original == type(mlp).__name__
+        assert "op geglu, approximate='tanh'" in r.reason and (r.forward, r.backward) == ("torch (fallback)",) * 2
+    fused = _mlps(model)
+    assert all(type(f) is FusedGeGLUMLP and f.approximate == "tanh" for f in fused)
+    assert all(f.gate_proj is m.gate_proj and f.down_proj is m.down_proj for f, m in zip(fused, mlps))
+    assert list(model.state_dict()) == keys
+    dispatch.reset_stats()
+    loss1, grads1 = _loss_and_grads(model)
+    assert dispatch.stats()["geglu"] == {"torch": 2}
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-7)
+    assert grads1.keys() == grads0.keys()
+    for n in grads0:
+        torch.testing.assert_close(grads1[n], grads0[n], rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
+    assert unfuse(model) and not is_fused(model)
+    assert _mlps(model) == mlps and list(model.state_dict()) == keys
+
+
+@pytest.mark.parametrize("build", [_gemma, _gemma3], ids=["gemma", "gemma3"])
+def test_fuse_gemma_in_bf16(build):
+    """The same in bf16 (loose: a bf16 model's loss and gradients, fused against unfused)."""
+    model = build().to(torch.bfloat16)
+    loss0, grads0 = _loss_and_grads(model)
+    fuse(model)
+    assert all(type(m) is FusedGeGLUMLP for m in _mlps(model))
+    loss1, grads1 = _loss_and_grads(model)
+    torch.testing.assert_close(loss1.float(), loss0.float(), rtol=2e-2, atol=2e-2)
+    for n in grads0:
+        torch.testing.assert_close(grads1[n].float(), grads0[n].float(), rtol=5e-2, atol=5e-3,
+                                   msg=lambda m: f"{n}: {m}")
+    assert unfuse(model)
+
+
+def test_an_exact_gelu_gemma_is_fused_with_approximate_none():
+    model = _gemma("gelu")
+    loss0, _ = _loss_and_grads(model)
+    report = fuse(model)
+    assert all("approximate='none'" in r.reason for r in report.fused_rows("geglu"))
+    assert all(m.approximate == "none" for m in _mlps(model))
+    loss1, _ = _loss_and_grads(model)
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-7)
+    assert unfuse(model)
+
+
+def test_ops_choose_geglu_apart_from_swiglu():
+    """geglu is a kind of its own, in the default: ops=["swiglu"] leaves Gemma's MLPs (counted as not requested),
+    ops=["geglu"] fuses them and leaves a Llama's SwiGLU MLPs; a dry run changes nothing."""
+    assert "geglu" in OPS and "geglu" in DEFAULT_OPS
+    gemma = _gemma()
+    mlps = _mlps(gemma)
+    report = fuse(gemma, ops=["swiglu"])
+    assert not [r for r in report.rows if r.kind in ("swiglu", "geglu")]
+    assert report.not_requested["geglu"] == 2 and "swiglu" not in report.not_requested
+    assert _mlps(gemma) == mlps and not is_fused(gemma)
+    note = " ".join(str(report).split())
+    assert "2 geglu" in note and "all of layer_norm, rms_norm, swiglu, geglu, rope" in note, note
+    report = fuse(gemma, ops=["geglu"], dry_run=True)
+    assert len(report.fused_rows("geglu")) == 2 and _mlps(gemma) == mlps and not is_fused(gemma)
+    report = fuse(gemma, ops="GeGLU")   # (any case, as the other kinds)
+    assert len(report.fused_rows("geglu")) == 2 and all(type(m) is FusedGeGLUMLP for m in _mlps(gemma))
+    assert unfuse(gemma) and _mlps(gemma) == mlps
+    llama = models.build("llama", "eager")
+    report = fuse(llama, ops=["geglu"])
+    assert report.not_requested["swiglu"] == 2 and "geglu" not in report.not_requested
+    assert not report.rows and not is_fused(llama)
+    assert all(type(layer.mlp).__name__ == "LlamaMLP" for layer in llama.layers)
+
+
+def test_a_geglu_mlp_fused_before_is_held():
+    """A Gemma layer fused on its own, then the model: the layer's MLP is a held geglu row (the earlier call's), and
+    unfuse() of the model reverts both."""
+    model = _gemma()
+    mlps = _mlps(model)
+    fuse(model.model.layers[0])
+    report = fuse(model)
+    rows = {r.path: r for r in report.rows if r.kind == "geglu"}
+    assert rows["model.layers.0.mlp"].fused and "fused by an earlier fuse()" in rows["model.layers.0.mlp"].reason
+    assert rows["model.layers.0.mlp"].forward == "torch (fallback)"
+    assert rows["model.layers.1.mlp"].fused and rows["model.layers.1.mlp"].replacement == "FusedGeGLUMLP"
+    assert unfuse(model) and _mlps(model) == mlps
+
+
+def test_an_mlp_with_an_extra_child_is_skipped_with_the_reason():
+    model = _gemma()
+    odd = _mlps(model)[0]
+    odd.dropout = nn.Dropout(0.1)
+    report = fuse(model, ops=["geglu"])
+    rows = {r.path: r for r in report.rows if r.kind in ("geglu", "swiglu")}
+    assert not rows["model.layers.0.mlp"].fused
+    assert "besides the projections and act_fn (dropout)" in rows["model.layers.0.mlp"].reason
+    assert rows["model.layers.1.mlp"].fused and rows["model.layers.1.mlp"].kind == "geglu"
+    assert _mlps(model)[0] is odd and unfuse(model)
