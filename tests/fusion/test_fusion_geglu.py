@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from tolerances import tol
+# (the SwiGLU tests' inputs, autograd helper and written-out Llama-style MLP serve GeGLU alike)
+from test_fusion_swiglu import CUDA, DTYPES, _fwd_bwd, _inputs, _MLP as _SwiGLUMLP
 
 from pipegoose.nn.fusion import FusedGeGLUMLP, FusedSwiGLUMLP, dispatch
 from pipegoose.nn.fusion import functional as PF
@@ -22,24 +24,7 @@ from pipegoose.nn.fusion.ops import swiglu as S
 from pipegoose.nn.fusion.ops._common import NO_STORAGE
 from pipegoose.nn.fusion.ops.swiglu import FORWARD_AD_GEGLU
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 APPROX = ["tanh", "none"]
-CUDA = torch.device("cuda", 0)   # a device object: no GPU needed to describe a problem on it
-
-
-def _inputs(shape, dtype, seed=0, up_shape=None, up_dtype=None):
-    g = torch.Generator().manual_seed(seed)
-    gate = (torch.randn(shape, generator=g) * 3).to(dtype)
-    up = torch.randn(shape if up_shape is None else up_shape, generator=g).to(up_dtype or dtype)
-    return gate, up
-
-
-def _fwd_bwd(fn, gate, up, dy):
-    gate = gate.detach().clone().requires_grad_(True)
-    up = up.detach().clone().requires_grad_(True)
-    y = fn(gate, up)
-    y.backward(dy.to(y.dtype))
-    return y.detach(), gate.grad, up.grad
 
 
 def _ref64(gate, up, dy, approximate):
@@ -265,16 +250,7 @@ def test_choice_on_cuda_of_empty_and_small_inputs_loads_no_kernel(monkeypatch):
             dispatch.select("geglu", _cuda_problem(gate, up[:1]))
 
 
-def test_choice_on_cuda_picks_the_kernel_where_it_loads(monkeypatch):
-    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "0")
-    gate, up = _inputs((3, 5), torch.float16)
-    monkeypatch.setattr(dispatch, "kernel", lambda name: (object(), "") if name == "pipegoose/swiglu"
-                        else (None, f"{name}: unexpected"))
-    c = dispatch.choose("geglu", _cuda_problem(gate, up))
-    assert (c.impl, c.source, c.fallback) == ("pipegoose", "builtin", False)
-    monkeypatch.setattr(dispatch, "kernel", lambda name: (None, f"{name} unavailable: nvcc missing"))
-    c = dispatch.choose("geglu", _cuda_problem(gate, up))
-    assert (c.impl, c.fallback) == ("torch", True) and "pipegoose/swiglu unavailable: nvcc missing" in c.reason
+# (the choice where the kernel loads, and where it does not: test_fusion_swiglu.py, parametrized over geglu)
 
 
 def test_vmap_and_forward_ad_run_the_reference():
@@ -287,18 +263,9 @@ def test_vmap_and_forward_ad_run_the_reference():
 
 
 # ------------------------------------------------------------------------------------------------ FusedGeGLUMLP
-class _MLP(nn.Module):
-    """transformers' GemmaMLP, written out (any activation module as act_fn)."""
-
-    def __init__(self, hidden=8, inter=12, act=None, bias=False):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
-        self.act_fn = nn.GELU(approximate="tanh") if act is None else act
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+def _MLP(hidden=8, inter=12, act=None, bias=False):
+    """transformers' GemmaMLP, written out: the Llama-style MLP with GELU (tanh) as act_fn, or ``act``."""
+    return _SwiGLUMLP(hidden, inter, bias, nn.GELU(approximate="tanh") if act is None else act)
 
 
 @pytest.mark.parametrize("approximate", APPROX)

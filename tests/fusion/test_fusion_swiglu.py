@@ -278,17 +278,21 @@ def test_choice_on_cuda_of_empty_and_small_inputs_loads_no_kernel(monkeypatch):
         dispatch.select("swiglu", _cuda_problem(gate, up[:1]))
 
 
-def test_choice_on_cuda_picks_the_kernel_where_it_loads(monkeypatch):
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+def test_choice_on_cuda_picks_the_kernel_where_it_loads(monkeypatch, op):
     """Above the small size, on CUDA, with the kernel loadable (a stand-in here), the kernel is the built-in choice;
-    where it cannot load, the reference runs with the load error as the reason (a fallback)."""
+    where it cannot load, the reference runs with the load error as the reason (a fallback). (geglu: the same kernel
+    library, pipegoose/swiglu.)"""
     monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "0")
     gate, up = _inputs((3, 5), torch.float16)
+    extra = {"approximate": "tanh"} if op == "geglu" else {}
+    problem = replace(S.swiglu_problem(gate, up, op, **extra), device=CUDA)
     monkeypatch.setattr(dispatch, "kernel", lambda name: (object(), "") if name == "pipegoose/swiglu"
                         else (None, f"{name}: unexpected"))
-    c = dispatch.choose("swiglu", _cuda_problem(gate, up))
+    c = dispatch.choose(op, problem)
     assert (c.impl, c.source, c.fallback) == ("pipegoose", "builtin", False)
     monkeypatch.setattr(dispatch, "kernel", lambda name: (None, f"{name} unavailable: nvcc missing"))
-    c = dispatch.choose("swiglu", _cuda_problem(gate, up))
+    c = dispatch.choose(op, problem)
     assert (c.impl, c.fallback) == ("torch", True) and "pipegoose/swiglu unavailable: nvcc missing" in c.reason
 
 

@@ -659,6 +659,15 @@ class _FusedSwiGLUBase(_DropsFuseRecord, nn.Module):
     def extra_repr(self) -> str:
         return f"impl={self.impl!r}" if self.impl is not None else ""
 
+    def _gate_up_apart(self, x: torch.Tensor, op: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        """The forward of the MLPs with ``gate_proj`` and ``up_proj`` apart: ``down_proj(op(gate_proj(x),
+        up_proj(x), *args))`` (``op``: the functional, ``swiglu`` or ``geglu``), or, where the MLP's activation was
+        replaced or hooked since the probe vouched for it, that activation, run as the original MLP would."""
+        act = self._changed_activation()
+        if act is not None:
+            return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(op(self.gate_proj(x), self.up_proj(x), *args, impl=self.impl))
+
     @classmethod
     def _probed(cls, probe: Any, kwargs: dict) -> dict:
         """The constructor's further keywords (``kwargs``, the caller's), given what the probe found (FusedGeGLUMLP:
@@ -743,11 +752,7 @@ class FusedSwiGLUMLP(_FusedSwiGLUBase):
         self._hold((gate_proj, up_proj, down_proj), impl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = self._changed_activation()
-        if act is not None:
-            # an act_fn replaced or hooked since the probe vouched for it: run it, as the original MLP would
-            return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(PF.swiglu(self.gate_proj(x), self.up_proj(x), impl=self.impl))
+        return self._gate_up_apart(x, PF.swiglu)
 
     @classmethod
     def from_module(cls, mlp: nn.Module, *, impl: str | None = None, verify: bool = True) -> "FusedSwiGLUMLP":
@@ -882,11 +887,7 @@ class FusedGeGLUMLP(_FusedSwiGLUBase):
         self._hold((gate_proj, up_proj, down_proj), impl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = self._changed_activation()
-        if act is not None:
-            # an act_fn replaced or hooked since the probe vouched for it: run it, as the original MLP would
-            return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(PF.geglu(self.gate_proj(x), self.up_proj(x), self.approximate, impl=self.impl))
+        return self._gate_up_apart(x, PF.geglu, self.approximate)
 
     def extra_repr(self) -> str:
         return ", ".join([f"approximate={self.approximate!r}"] + ([f"impl={self.impl!r}"] if self.impl is not None
