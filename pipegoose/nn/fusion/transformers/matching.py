@@ -512,12 +512,11 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     random fp32 ``torch.nn.Linear`` modules on CPU (``gate_up_proj``: hidden -> 2 * intermediate) and whose activation
     (``act_fn``; in the ``gate_up_proj`` layout ``activation_fn`` or ``act_fn``) is ``torch.nn.SiLU()`` or
     ``torch.nn.GELU(approximate=...)`` (once the module's own is found to compute that, through its ``forward``
-    directly), is, through ``forward`` directly, in
-    training and in eval mode: no hook of the module or its children fires, and its projections, which may be large or
-    on a GPU, are not touched. The input has small rows and rows whose gate and up reach beyond +-``PROBE_FAR`` (50)
-    on each side (:func:`_swiglu_probe_input`), so a clamp of gate or up at a plausible limit changes the output; a
-    module naming a clamp limit is refused before that (:func:`_swiglu_clamp`): MiniMax-M3's clamped ``gate_up_proj``
-    MLP, say. Never raises.
+    directly), is, through ``forward`` directly, in training and in eval mode: no hook of the module or its children
+    fires, and its projections, which may be large or on a GPU, are not touched. The input has small rows and rows
+    whose gate and up reach beyond +-``PROBE_FAR`` (50) on each side (:func:`_swiglu_probe_input`), so a clamp of gate
+    or up at a plausible limit changes the output; a module naming a clamp limit is refused before that
+    (:func:`_swiglu_clamp`): MiniMax-M3's clamped ``gate_up_proj`` MLP, say. Never raises.
     """
     children = dict(module.named_children())
     layout = _swiglu_layout(children)
