@@ -12,7 +12,8 @@ from .functional import (apply_rotary_pos_emb, cross_entropy, fused_linear_cross
                          mixed_fused_layer_norm, rms_norm, scaled_masked_softmax, scaled_softmax,
                          scaled_upper_triang_masked_softmax, silu_and_mul, softmax, swiglu)
 from .modules import (AttnMaskType, FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedLayerNorm, FusedLinearCrossEntropyLoss,
-                      FusedRMSNorm, FusedScaleMaskSoftmax, FusedSwiGLUMLP, MixedFusedLayerNorm)
+                      FusedRMSNorm, FusedScaleMaskSoftmax, FusedSwiGLUMLP, FusedT5DenseGatedActDense,
+                      MixedFusedLayerNorm)
 from .optim import FusedAdam, clip_grad_norm_
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "FusedSwiGLUMLP",
     "FusedGateUpSwiGLUMLP",
     "FusedGeGLUMLP",
+    "FusedT5DenseGatedActDense",
     "FusedLinearCrossEntropyLoss",
     "FusedAdam",
     "clip_grad_norm_",

@@ -569,7 +569,8 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     if model in _STATE:
         raise RuntimeError(f"model: this {type(model).__name__} is already fused; call unfuse(model) first")
     from . import dispatch
-    from .modules import FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedRMSNorm, FusedSwiGLUMLP, MixedFusedLayerNorm
+    from .modules import (FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedRMSNorm, FusedSwiGLUMLP, FusedT5DenseGatedActDense,
+                          MixedFusedLayerNorm)
 
     dispatch.check_env()
 
@@ -577,7 +578,8 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     state = _Fusion(report=report)
     replaced: dict[int, nn.Module] = {}       # id(old) -> new (a shared module is replaced once, everywhere)
     seen: set[int] = set()
-    fused_types = (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP, FusedGateUpSwiGLUMLP, FusedGeGLUMLP)
+    fused_types = (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP, FusedGateUpSwiGLUMLP, FusedGeGLUMLP,
+                   FusedT5DenseGatedActDense)
     # the parametrization objects of parametrized modules (a _WeightNorm, say): not modules of the model's computation
     internal = {id(m) for mod in model.modules() if parametrize.is_parametrized(mod)
                 for m in mod.parametrizations.modules()}
@@ -600,7 +602,9 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                 if isinstance(child, fused_types):  # put there before this call
                     kind = ("rms_norm" if isinstance(child, FusedRMSNorm) else
                             "swiglu" if isinstance(child, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP)) else
-                            "geglu" if isinstance(child, FusedGeGLUMLP) else "layer_norm")
+                            "geglu" if isinstance(child, FusedGeGLUMLP) else
+                            # (T5's: the kind of the op it runs)
+                            _gated_kind(child) if isinstance(child, FusedT5DenseGatedActDense) else "layer_norm")
                     report.rows.append(FusionRow(path, kind, type(child).__name__, type(child).__name__, True,
                                                  *_fused_impls(child), reason=_already_fused_reason(model, child)))
                     held.add(id(report.rows[-1]))
@@ -695,12 +699,12 @@ def _norm_kind_left_out(child: nn.Module, ops: tuple) -> str | None:
 def _fused_impls(module: nn.Module) -> tuple[str, str]:
     """(forward, backward) for a norm fused before this call, as :func:`_consider` gives them for a new one: what the
     dispatcher picks for it (the report showed "yes" there, also where the fallback runs; a walkthrough)."""
-    from .modules import FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedRMSNorm, FusedSwiGLUMLP
+    from .modules import FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedRMSNorm, FusedSwiGLUMLP, FusedT5DenseGatedActDense
 
     impl = getattr(module, "impl", None)   # a request made on the module (FusedRMSNorm(impl="torch"), say)
-    if isinstance(module, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP, FusedGeGLUMLP)):
+    if isinstance(module, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedT5DenseGatedActDense)):
         return _swiglu_impls(module, isinstance(module, FusedGateUpSwiGLUMLP), impl,
-                             getattr(module, "approximate", None))
+                             getattr(module, "approximate", None), module._PROJECTIONS[0])
     shape = tuple(module.normalized_shape)
     if isinstance(module, FusedRMSNorm):
         return _impls("rms_norm", module, lambda d, t: (
@@ -970,12 +974,13 @@ def _op_weight(weight: torch.Tensor | None, offset: float) -> torch.Tensor | Non
 
 
 def _swiglu_impls(mlp: nn.Module, packed: bool, impl: str | None = None,
-                  approximate: str | None = None) -> tuple[str, str]:
+                  approximate: str | None = None, gate: str = "gate_proj") -> tuple[str, str]:
     """(forward, backward) of a SwiGLU or GeGLU MLP's activation, as :func:`_impls` gives them: op ``swiglu`` (or,
-    with GELU's ``approximate``, ``geglu``) for gate and up of the intermediate size (``gate_proj``'s
-    ``out_features``, else its weight's first dim), or, ``packed`` (gate and up in one ``gate_up_proj``), op
-    ``swiglu.packed`` for one input of twice that (``gate_up_proj``'s); rows enough that it is not a small problem."""
-    proj = getattr(mlp, "gate_up_proj" if packed else "gate_proj", None)
+    with GELU's ``approximate``, ``geglu``) for gate and up of the intermediate size (the gate projection's, ``gate``:
+    ``gate_proj``, T5's ``wi_0``; its ``out_features``, else its weight's first dim), or, ``packed`` (gate and up in
+    one ``gate_up_proj``), op ``swiglu.packed`` for one input of twice that (``gate_up_proj``'s); rows enough that it
+    is not a small problem."""
+    proj = getattr(mlp, "gate_up_proj" if packed else gate, None)
     width = int(getattr(proj, "out_features", None) or getattr(getattr(proj, "weight", None), "shape", (1,))[0])
     rows = _probe_rows((width,))
     if packed:
@@ -983,6 +988,11 @@ def _swiglu_impls(mlp: nn.Module, packed: bool, impl: str | None = None,
     op, more = ("swiglu", ()) if approximate is None else ("geglu", (approximate,))
     return _impls(op, mlp, lambda d, t: (torch.empty(rows, width, device=d, dtype=t),
                                          torch.empty(rows, width, device=d, dtype=t), *more), impl)
+
+
+def _gated_kind(module: nn.Module) -> str:
+    """The report's kind of a fused T5 gated MLP: ``geglu`` where it runs op geglu (GELU), else ``swiglu``."""
+    return "swiglu" if getattr(module, "approximate", None) is None else "geglu"
 
 
 def _mlp_kind(probe: matching.SwiGLUProbe) -> str:
@@ -994,9 +1004,10 @@ def _mlp_kind(probe: matching.SwiGLUProbe) -> str:
 def _consider_swiglu(child, path, ops, dry_run):
     """(row, replacement or None) for a module with SwiGLU's projections (``gate_proj``, ``up_proj`` and
     ``down_proj``: ``FusedSwiGLUMLP``, or with GELU ``FusedGeGLUMLP``; ``gate_up_proj`` and ``down_proj``:
-    ``FusedGateUpSwiGLUMLP``); None when it has neither (not a candidate) or is of a kind (``swiglu``, ``geglu``) left
-    out of ``ops``."""
-    from .modules import FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedSwiGLUMLP
+    ``FusedGateUpSwiGLUMLP``; T5's ``wi_0``, ``wi_1`` and ``wo``: ``FusedT5DenseGatedActDense``, op ``swiglu`` or
+    ``geglu`` by its activation); None when it has none of them (not a candidate) or is of a kind (``swiglu``,
+    ``geglu``) left out of ``ops``. The row's reason names the layout."""
+    from .modules import FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedSwiGLUMLP, FusedT5DenseGatedActDense
 
     probe = matching.probe_swiglu_mlp(child)
     kind = _mlp_kind(probe)
@@ -1007,16 +1018,24 @@ def _consider_swiglu(child, path, ops, dry_run):
     why = _instance_override(child)
     if why is not None:
         return FusionRow(path, kind, type(child).__name__, None, False, reason=why), None
-    if kind == "geglu":
-        cls, more, what = FusedGeGLUMLP, dict(approximate=probe.approximate), "GeGLU MLP"
+    t5 = probe.layout == "/".join(FusedT5DenseGatedActDense._PROJECTIONS)
+    what = ("T5 gated MLP, " if t5 else "") + ("GeGLU MLP" if kind == "geglu" else "SwiGLU MLP")
+    if t5:
+        cls, more = FusedT5DenseGatedActDense, dict(activation=probe.activation, cast_to_wo=probe.down_cast)
+    elif kind == "geglu":
+        cls, more = FusedGeGLUMLP, dict(approximate=probe.approximate)
     else:
-        cls, more, what = FusedGateUpSwiGLUMLP if probe.packed else FusedSwiGLUMLP, {}, "SwiGLU MLP"
+        cls, more = FusedGateUpSwiGLUMLP if probe.packed else FusedSwiGLUMLP, {}
     new = None if dry_run else _build(path, child, cls.from_module, child, verify=False, **more)  # probed above
-    fwd, bwd = _swiglu_impls(child, probe.packed, approximate=probe.approximate if kind == "geglu" else None)
+    fwd, bwd = _swiglu_impls(child, probe.packed, approximate=probe.approximate if kind == "geglu" else None,
+                             gate=probe.layout.split("/")[0])
     note = ("; op swiglu.packed" if probe.packed else
             f"; op geglu, approximate={probe.approximate!r}" if kind == "geglu" else "")
+    layout = f" ({probe.layout})" if t5 else ""   # (the other layouts' reasons as before: their formula names them)
+    if t5:
+        note += "; dropout kept" + ("" if probe.down_cast else "; no cast to wo's dtype (LongT5's forward has none)")
     return FusionRow(path, kind, type(child).__name__, cls.__name__, True, fwd, bwd,
-                     f"{what} ({probe.reason}), same projections{note}" + _small_note(child)), new
+                     f"{what} ({probe.reason}), same projections{layout}{note}" + _small_note(child)), new
 
 
 def _rope_probe_inputs(module: nn.Module, rotary: int | None = None, head: int | None = None):
@@ -1650,11 +1669,12 @@ def _unfuse(model: nn.Module, keep: Iterable[nn.Module] = (), quiet: bool = Fals
     if state is None and not parts and quiet:
         return False  # fused(): its fuse() recorded nothing, so there is nothing of its own to undo
     if state is None and not parts:
-        from .modules import FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedRMSNorm, FusedSwiGLUMLP, MixedFusedLayerNorm
+        from .modules import (FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedRMSNorm, FusedSwiGLUMLP,
+                              FusedT5DenseGatedActDense, MixedFusedLayerNorm)
 
         found = [p or "<model>" for p, m in model.named_modules()
                  if isinstance(m, (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP, FusedGateUpSwiGLUMLP,
-                                   FusedGeGLUMLP))
+                                   FusedGeGLUMLP, FusedT5DenseGatedActDense))
                  or _loss.ours_is_set(m)
                  or _rope.hooked(m)]
         if found:

@@ -2,7 +2,8 @@
 ``FusedLayerNorm`` (drop-ins for ``torch.nn.LayerNorm``), ``FusedRMSNorm`` (drop-in for ``torch.nn.RMSNorm``
 and transformers' Llama-style RMSNorm), ``FusedSwiGLUMLP`` (for transformers' Llama-style MLP),
 ``FusedGateUpSwiGLUMLP`` (for Phi-3's and GLM's MLP: gate and up in one ``gate_up_proj``), ``FusedGeGLUMLP`` (for
-Gemma's MLP: GELU instead of SiLU) and ``FusedLinearCrossEntropyLoss`` (a language model's output projection and
+Gemma's MLP: GELU instead of SiLU), ``FusedT5DenseGatedActDense`` (for T5 v1.1's gated MLP: Flan-T5, mT5, UMT5) and
+``FusedLinearCrossEntropyLoss`` (a language model's output projection and
 loss in one). Kernel sources: see :mod:`pipegoose.nn.fusion.functional`."""
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from .ops._common import megatron_batches_per_block
 from .ops.layer_norm import normalize_shape
 
 __all__ = ["AttnMaskType", "FusedScaleMaskSoftmax", "MixedFusedLayerNorm", "FusedLayerNorm", "FusedRMSNorm",
-           "FusedSwiGLUMLP", "FusedGateUpSwiGLUMLP", "FusedGeGLUMLP", "FusedLinearCrossEntropyLoss"]
+           "FusedSwiGLUMLP", "FusedGateUpSwiGLUMLP", "FusedGeGLUMLP", "FusedT5DenseGatedActDense",
+           "FusedLinearCrossEntropyLoss"]
 
 
 class AttnMaskType(enum.Enum):
@@ -629,6 +631,7 @@ class _FusedSwiGLUBase(_DropsFuseRecord, nn.Module):
     _ACTIVATIONS: tuple[str, ...] = ()
     _OP = ""
     _KINDS: tuple[str, ...] = ("silu",)
+    _PROBE_NAME: str | None = None   # the probe's name in from_module's error (None: SwiGLU or GeGLU by _KINDS)
     _act_name: str | None = None   # the MLP's activation attribute (from_module sets the one the MLP has)
 
     def _hold(self, projections: Sequence[Any], impl: str | None) -> None:
@@ -687,7 +690,7 @@ class _FusedSwiGLUBase(_DropsFuseRecord, nn.Module):
                             f"{', '.join(missing)}")
         if verify:
             probe = probe_swiglu_mlp(mlp)
-            gated = "SwiGLU" if "silu" in cls._KINDS else "GeGLU"
+            gated = cls._PROBE_NAME or ("SwiGLU" if "silu" in cls._KINDS else "GeGLU")
             why = probe.reason if not probe.ok else None
             if why is None and probe.activation not in cls._KINDS:
                 # (the probe names the activation module alike for both; the other class takes it)
@@ -922,6 +925,138 @@ class FusedGeGLUMLP(_FusedSwiGLUBase):
         if not verify and approximate is None:
             approximate = "tanh"
         return cls._from_mlp(mlp, impl, verify, approximate=approximate)
+
+
+class FusedT5DenseGatedActDense(_FusedSwiGLUBase):
+    """T5 v1.1's gated MLP (transformers' ``T5DenseGatedActDense``: T5 v1.1, Flan-T5, mT5; ``UMT5DenseGatedActDense``,
+    ``LongT5DenseGatedActDense`` and the other copies), ``wo(dropout(act(wi_0(x)) * wi_1(x)))`` with ``act`` SiLU or
+    GELU (exact, or the tanh approximation: ``gelu_new``, Flan-T5's and mT5's), with the activation and product in one
+    kernel (:func:`pipegoose.nn.fusion.functional.swiglu`, op ``swiglu``, for SiLU; :func:`~pipegoose.nn.fusion.
+    functional.geglu`, op ``geglu``, for GELU): what ``fuse`` puts in place of those modules.
+
+    Args:
+        wi_0, wi_1: modules mapping ``[..., d_model]`` to ``[..., d_ff]``, gate and up (``torch.nn.Linear`` in
+            transformers' models; any module works), held as they are: the same objects, so parameters, optimizers
+            and ``state_dict`` keys (``wi_0.weight``, ...) are unchanged.
+        wo: ``[..., d_ff]`` -> ``[..., d_model]``.
+        dropout: the module applied to the product before ``wo`` (the MLP's ``torch.nn.Dropout``, called as it is:
+            in training it draws its mask from torch's generator where the MLP would, so a seeded run drops the same
+            elements fused or not), or None (none).
+        activation: ``"silu"``, ``"gelu_tanh"`` (default) or ``"gelu"`` (the probe's names: keys of
+            ``transformers.matching.ACTIVATION_FORMULAS``); SiLU runs op ``swiglu``, GELU op ``geglu`` with
+            :attr:`approximate` ``"tanh"`` or ``"none"``.
+        cast_to_wo: apply T5's rule before ``wo`` (default True): the product is cast to ``wo.weight``'s dtype where
+            ``wo.weight`` is a tensor of another dtype and not int8 (an fp32 ``wo`` in a bf16 model: transformers'
+            ``_keep_in_fp32_modules``). False for LongT5's copy, which does not cast.
+        impl: force an implementation of the op (``pipegoose``, ``torch``; any case), default auto
+            (``PIPEGOOSE_IMPL_SWIGLU`` or ``PIPEGOOSE_IMPL_GEGLU`` chooses one for the process).
+
+    ``forward(x [..., d_model])`` -> ``[..., d_model]``, in ``wo``'s result dtype. The activation runs our kernel where
+    the dispatcher chooses it (CUDA, gate and up of one shape and dtype, at least ``PIPEGOOSE_SMALL_NUMEL`` elements),
+    else ``F.silu(gate) * up`` or ``F.gelu(gate, approximate=approximate) * up``; the kernel computes each value in
+    fp32 and rounds it once (eager PyTorch in 16-bit rounds the activation first: about one unit in the last place
+    apart). Built by :meth:`from_module`, it keeps the MLP's ``act`` without calling it; an ``act`` replaced, or given
+    forward hooks, while fused is called as the original MLP would (``act(wi_0(x)) * wi_1(x)``, no kernel), then the
+    dropout, the cast and ``wo`` as above. Kernel: pipegoose/swiglu (``pipegoose::swiglu``, ``pipegoose::geglu``;
+    pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
+
+    Raises (when constructed):
+        TypeError: ``wi_0``, ``wi_1``, ``wo`` or a ``dropout`` (not None) that is not a ``torch.nn.Module``;
+            ``activation`` not a str, ``cast_to_wo`` not a bool, ``impl`` not a str or None.
+        ValueError: ``activation`` none of ``"silu"``, ``"gelu_tanh"``, ``"gelu"``; ``impl`` naming no
+            implementation of the op.
+    """
+
+    _PROJECTIONS = ("wi_0", "wi_1", "wo")
+    _ACTIVATIONS = ("act",)
+    _KINDS = ("silu", "gelu_tanh", "gelu")
+    _PROBE_NAME = "T5 gated MLP"
+    _act_name = "act"
+
+    def __init__(self, wi_0: nn.Module, wi_1: nn.Module, wo: nn.Module, dropout: nn.Module | None = None, *,
+                 activation: str = "gelu_tanh", cast_to_wo: bool = True, impl: str | None = None) -> None:
+        super().__init__()
+        if not isinstance(activation, str):
+            raise TypeError(f"activation: expected a str, got {type(activation).__name__}")
+        if activation not in self._KINDS:
+            raise ValueError(f"activation: expected one of {', '.join(map(repr, self._KINDS))}, got {activation!r}")
+        if not isinstance(cast_to_wo, bool):
+            raise TypeError(f"cast_to_wo: expected a bool, got {type(cast_to_wo).__name__}")
+        if dropout is not None and not isinstance(dropout, nn.Module):
+            raise TypeError(f"dropout: expected a torch.nn.Module or None, got {type(dropout).__name__}")
+        self.activation = activation
+        self.approximate = {"gelu_tanh": "tanh", "gelu": "none"}.get(activation)   # F.gelu's; None for SiLU
+        self._OP = "swiglu" if self.approximate is None else "geglu"   # (the instance's: _hold checks impl for it)
+        self.cast_to_wo = cast_to_wo
+        self._hold((wi_0, wi_1, wo), impl)
+        self.dropout = dropout
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        act = self._changed_activation()
+        if act is not None:
+            # an activation replaced or hooked since the probe vouched for it: run it, as the original MLP would
+            h = act(self.wi_0(hidden_states)) * self.wi_1(hidden_states)
+        elif self.approximate is None:
+            h = PF.swiglu(self.wi_0(hidden_states), self.wi_1(hidden_states), impl=self.impl)
+        else:
+            h = PF.geglu(self.wi_0(hidden_states), self.wi_1(hidden_states), self.approximate, impl=self.impl)
+        if self.dropout is not None:
+            h = self.dropout(h)
+        if self.cast_to_wo:
+            # T5's rule, as its forward has it (an fp32 wo kept in a 16-bit model; int8 weights left to wo)
+            w = self.wo.weight
+            if isinstance(w, torch.Tensor) and h.dtype != w.dtype and w.dtype != torch.int8:
+                h = h.to(w.dtype)
+        return self.wo(h)
+
+    def extra_repr(self) -> str:
+        return ", ".join([f"activation={self.activation!r}"] + ([] if self.cast_to_wo else ["cast_to_wo=False"])
+                         + ([f"impl={self.impl!r}"] if self.impl is not None else []))
+
+    @classmethod
+    def _probed(cls, probe: Any, kwargs: dict) -> dict:
+        if probe.layout != "/".join(cls._PROJECTIONS):   # (a module holding gate_proj, up_proj and down_proj too)
+            raise ValueError(f"mlp: probed as a {probe.layout} MLP, not T5's wi_0/wi_1/wo; verify=False skips this "
+                             "check")
+        given = kwargs.get("activation")
+        if given is not None and given != probe.activation:
+            raise ValueError(f"activation: {given!r}, but the MLP's act computes {probe.activation!r}: pass that or "
+                             "None, or verify=False")
+        cast = kwargs.get("cast_to_wo")
+        if cast is not None and cast != probe.down_cast:
+            does = "casts" if probe.down_cast else "does not cast"
+            raise ValueError(f"cast_to_wo: {cast!r}, but the MLP's forward {does} the product to wo.weight's dtype: "
+                             f"pass {probe.down_cast} or None, or verify=False")
+        return {**kwargs, "activation": probe.activation, "cast_to_wo": probe.down_cast}
+
+    @classmethod
+    def from_module(cls, mlp: nn.Module, *, activation: str | None = None, cast_to_wo: bool | None = None,
+                    impl: str | None = None, verify: bool = True) -> "FusedT5DenseGatedActDense":
+        """A fused module holding ``mlp``'s children, the same objects in the same order (``wi_0``, ``wi_1``, ``wo``,
+        ``dropout`` and ``act``, which it does not call: ``named_modules()`` and ``state_dict`` keys are unchanged),
+        and its training flag.
+
+        ``verify`` (default True): ``mlp`` must pass the probe that ``fuse`` runs
+        (``transformers.matching.probe_swiglu_mlp``: its ``act`` against float64 SiLU and GELU, then its forward, with
+        small random projections on CPU and its dropout replaced by a fixed mask, against ``wo(dropout(act(wi_0(x)) *
+        wi_1(x)))`` in training and eval mode, then with an fp64 ``wo`` for the cast rule), which gives
+        ``activation`` and ``cast_to_wo`` (each, where given, must agree). So an MLP of another activation
+        (ReLU, QuickGELU), with other submodules, parameters or forward arguments, or whose forward draws randomness
+        of its own or calls its dropout elsewhere, is refused instead of silently replaced. ``verify=False`` takes the
+        module on the caller's word, with ``activation`` (None: ``"gelu_tanh"``) and ``cast_to_wo`` (None: True,
+        T5's cast).
+
+        Raises:
+            TypeError: ``mlp`` lacks a ``wi_0``, ``wi_1`` or ``wo`` submodule.
+            ValueError: with ``verify``, the probe finds another computation (the message gives its reason), or an
+                ``activation`` other than its ``act``'s, a ``cast_to_wo`` other than its forward's;
+                ``activation``, ``cast_to_wo`` or ``impl`` that the constructor refuses.
+        """
+        if not verify:
+            activation = "gelu_tanh" if activation is None else activation
+            cast_to_wo = True if cast_to_wo is None else cast_to_wo
+        return cls._from_mlp(mlp, impl, verify, activation=activation, cast_to_wo=cast_to_wo,
+                             dropout=mlp._modules.get("dropout") if isinstance(mlp, nn.Module) else None)
 
 
 class FusedLinearCrossEntropyLoss(nn.Module):

@@ -38,6 +38,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import math
@@ -437,6 +438,10 @@ GATE_UP_PROJECTIONS = ("gate_up_proj", "down_proj")   # Phi-3, GLM: gate and up 
 # Phi-3's and GLM's activation_fn, or act_fn (Zamba2's, Phi-4-multimodal's audio MLP)
 SWIGLU_ACTIVATIONS = ("act_fn",)
 GATE_UP_ACTIVATIONS = ("activation_fn", "act_fn")
+# T5 v1.1's gated MLP (T5DenseGatedActDense; Flan-T5, mT5, UMT5, LongT5, Pop2Piano, UDOP, Pix2Struct's and Kosmos-2.5's
+# copies): gate wi_0, up wi_1, down wo, its activation act and an nn.Dropout between the product and wo
+T5_PROJECTIONS = ("wi_0", "wi_1", "wo")
+T5_ACTIVATIONS = ("act",)
 
 
 # the activations the probe tells apart (SwiGLUProbe.activation) -> the float64 formula the activation module must
@@ -461,6 +466,14 @@ class _Layout:
     activations: tuple[str, ...]
     fused: dict[str, str]
     formula: str
+    # the name of the one torch.nn.Dropout child the layout may have (the fused module keeps it and calls it on the
+    # product, before the last projection), or None: no dropout child is taken
+    dropout: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The projections' names, as the report gives the layout (``wi_0/wi_1/wo``)."""
+        return "/".join(self.projections)
 
 
 _SEPARATE = _Layout(SWIGLU_PROJECTIONS, SWIGLU_ACTIVATIONS,
@@ -468,13 +481,15 @@ _SEPARATE = _Layout(SWIGLU_PROJECTIONS, SWIGLU_ACTIVATIONS,
                     "down_proj({act}(gate_proj(x)) * up_proj(x))")
 _PACKED = _Layout(GATE_UP_PROJECTIONS, GATE_UP_ACTIVATIONS, {"silu": "FusedGateUpSwiGLUMLP"},
                   "down_proj({act}(gate) * up) with gate, up = gate_up_proj(x).chunk(2, -1)")
+_T5 = _Layout(T5_PROJECTIONS, T5_ACTIVATIONS, dict.fromkeys(ACTIVATION_FORMULAS, "FusedT5DenseGatedActDense"),
+              "wo(dropout({act}(wi_0(x)) * wi_1(x)))", dropout="dropout")
 
 
 def _swiglu_layout(children: dict) -> _Layout | None:
     """The layout whose projections ``children`` (a module's, by name) hold: gate_proj, up_proj and down_proj first
     (a module holding these and a gate_up_proj too is probed as that layout, and refused for the extra submodule), then
-    gate_up_proj and down_proj; None for neither."""
-    for layout in (_SEPARATE, _PACKED):
+    gate_up_proj and down_proj, then T5's wi_0, wi_1 and wo; None for none of them."""
+    for layout in (_SEPARATE, _PACKED, _T5):
         if all(isinstance(children.get(n), nn.Module) for n in layout.projections):
             return layout
     return None
@@ -487,13 +502,18 @@ class SwiGLUProbe:
     has the second layout (gate and up in one ``gate_up_proj``: ``FusedGateUpSwiGLUMLP``, op ``swiglu.packed``);
     ``activation`` what its activation module computes (a key of :data:`ACTIVATION_FORMULAS`): ``silu`` (SwiGLU,
     also where the probe stopped before looking at it), ``gelu_tanh`` or ``gelu`` (GeGLU: ``FusedGeGLUMLP``, op
-    ``geglu``, with :attr:`approximate`)."""
+    ``geglu``, with :attr:`approximate`); ``layout`` the projections' names of its layout (``gate_proj/up_proj/
+    down_proj``, ``gate_up_proj/down_proj`` or T5's ``wi_0/wi_1/wo``: ``FusedT5DenseGatedActDense``, op ``swiglu`` or
+    ``geglu`` by the activation; ``""`` for no candidate); ``down_cast``, for an accepted T5 MLP, that its forward
+    casts the product to ``wo.weight``'s dtype where they differ (T5's rule: False for LongT5's copy, which does not)."""
 
     ok: bool
     reason: str
     candidate: bool
     packed: bool = False
     activation: str = "silu"
+    layout: str = ""
+    down_cast: bool = False
 
     @property
     def approximate(self) -> str | None:
@@ -530,16 +550,22 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     kind = kind or "silu"
 
     def refused(reason: str) -> SwiGLUProbe:
-        return SwiGLUProbe(False, reason, True, packed, kind)
+        return SwiGLUProbe(False, reason, True, packed, kind, layout.name)
 
     clamp = _swiglu_clamp(module)
     if clamp is not None:
         return refused(clamp)
     gated = _GATED_NAME[kind]
-    other = [n for n in children if n not in layout.projections and n not in layout.activations]
+    # the layout's dropout: a torch.nn.Dropout of its own class's computation (the fused module calls it where the MLP
+    # does, which the probe checks below); a subclass with its own forward is another submodule
+    drop = layout.dropout if (isinstance(children.get(layout.dropout), nn.Dropout)
+                              and type(children[layout.dropout]).forward is nn.Dropout.forward) else None
+    other = [n for n in children if n not in layout.projections and n not in layout.activations and n != drop]
     if other:
-        return refused(f"has submodules besides the projections and {' or '.join(layout.activations)} "
-                       f"({', '.join(other)}): not the plain {gated} MLP")
+        also = f", {' or '.join(layout.activations)} and {layout.dropout} (a torch.nn.Dropout)" if layout.dropout \
+            else f" and {' or '.join(layout.activations)}"
+        return refused(f"has submodules besides the projections{also} ({', '.join(other)}): not the plain {gated} "
+                       "MLP")
     if len(acts) > 1:
         return refused(f"has two activations ({', '.join(acts)}): not the plain {gated} MLP")
     fused = layout.fused.get(kind, layout.fused["silu"])
@@ -563,16 +589,16 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
                 lin.bias.copy_(torch.randn(n_out, generator=gen) * 0.1)
         return lin
 
-    widths = {"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "gate_up_proj": (hidden, 2 * inter),
-              "down_proj": (inter, hidden)}
-    stand = {n: linear(*widths[n], children[n]) for n in layout.projections}
+    # (gate, up, down) or (gate_up, down), by position: the layouts name them differently
+    widths = [(hidden, 2 * inter), (inter, hidden)] if packed else [(hidden, inter), (hidden, inter), (inter, hidden)]
+    stand = {n: linear(*w, children[n]) for n, w in zip(layout.projections, widths)}
     if packed:   # gate and up: the halves of gate_up_proj's rows (and bias)
         gate_up = stand["gate_up_proj"]
         biases = (None, None) if gate_up.bias is None else gate_up.bias.chunk(2)
         (gate_w, up_w), (gate_b, up_b) = gate_up.weight.chunk(2), biases
     else:
-        gate_w, gate_b, up_w, up_b = (stand["gate_proj"].weight, stand["gate_proj"].bias, stand["up_proj"].weight,
-                                      stand["up_proj"].bias)
+        gate, up = (stand[n] for n in layout.projections[:2])
+        gate_w, gate_b, up_w, up_b = gate.weight, gate.bias, up.weight, up.bias
     stand_in = object.__new__(type(module))
     stand_in.__dict__.update(module.__dict__)
     for name in ("forward", "_hf_hook", "_old_forward"):
@@ -580,8 +606,14 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     object.__setattr__(stand_in, "_parameters", {})
     object.__setattr__(stand_in, "_buffers", {})
     act = {acts[0]: nn.SiLU() if kind == "silu" else nn.GELU(approximate=GELU_APPROXIMATE[kind])} if acts else {}
-    object.__setattr__(stand_in, "_modules", {**children, **stand, **act})
     x = _swiglu_probe_input(gate_w, up_w, gen)
+    # the dropout: a stand-in that scales the product by a fixed mask (zeros and 1 / 0.7, as a dropout's draw) in
+    # both modes, so the output shows that the forward calls it once, on act(gate) * up, before the last projection,
+    # where the fused module calls the MLP's own (an identity in its place would not tell whether, or where, the
+    # forward calls it). Randomness of the forward's own (a functional dropout) still shows in training mode.
+    mask = (torch.rand(*x.shape[:-1], inter, generator=gen) > 0.3) / 0.7 if drop else None
+    dropped = {drop: _MaskDropout(mask)} if drop else {}
+    object.__setattr__(stand_in, "_modules", {**children, **stand, **act, **dropped})
     ys = []
     for training in (True, False):   # a forward that reads self.training (functional dropout) differs in one
         stand_in.__dict__["training"] = training
@@ -593,11 +625,18 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
         except Exception as exc:  # noqa: BLE001 - a forward we cannot run we cannot vouch for
             return refused(f"probe forward ({'training' if training else 'eval'} mode) failed: "
                            f"{type(exc).__name__}: {exc}")
+        if drop and dropped[drop].calls != 1:
+            return refused(f"its forward ({'training' if training else 'eval'} mode) calls {drop} "
+                           f"{dropped[drop].calls} times: {layout.fused[kind]} calls it once, on the product")
+        if drop:
+            dropped[drop].calls = 0
     with torch.no_grad():
         F = torch.nn.functional
-        xd, down = x.double(), stand["down_proj"]
+        xd, down = x.double(), stand[layout.projections[-1]]
         h = (ACTIVATION_FORMULAS[kind](F.linear(xd, gate_w.double(), _double(gate_b)))
              * F.linear(xd, up_w.double(), _double(up_b)))
+        if mask is not None:
+            h = h * mask.double()
         ref = F.linear(h, down.weight.double(), _double(down.bias))
         # fp32 rounding of the stand-in's products: relative to the sum of the magnitudes each output adds up (its
         # elements reach 1e4 on the large rows and may cancel to near 0)
@@ -611,7 +650,43 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
         if not bool(((y.double() - ref).abs() <= 1e-5 + 1e-4 * scale).all()):
             err = (y.double() - ref).abs().max().item()
             return refused(f"output ({mode} mode) differs from {formula} (max abs diff {err:.3g})")
-    return SwiGLUProbe(True, f"probe output equals {formula}", True, packed, kind)
+    down_cast = False
+    if drop:
+        # T5's rule: the product cast to wo.weight's dtype where they differ (an fp32 wo in a bf16 model, transformers'
+        # _keep_in_fp32_modules); LongT5's copy does without (F.linear then raises for the mixed dtypes)
+        down64 = copy.deepcopy(down).double()
+        stand_in._modules[layout.projections[-1]] = down64
+        stand_in.__dict__["training"] = False
+        try:
+            with torch.no_grad():
+                y64 = stand_in.forward(x)
+        except Exception:  # noqa: BLE001 - what F.linear raises for an fp32 input and an fp64 weight: no cast
+            y64 = None
+        if y64 is not None:
+            if not isinstance(y64, torch.Tensor) or y64.dtype != torch.float64 or y64.shape != ref.shape:
+                return refused(f"with an fp64 {layout.projections[-1]} and fp32 input its output is "
+                               f"{getattr(y64, 'dtype', type(y64).__name__)}: neither T5's cast of the product to "
+                               f"{layout.projections[-1]}.weight's dtype nor none")
+            down_cast = True
+    return SwiGLUProbe(True, f"probe output equals {formula}", True, packed, kind, layout.name, down_cast)
+
+
+class _MaskDropout(nn.Module):
+    """The probe's stand-in for a T5 MLP's dropout: ``input * mask`` (``mask``: fixed, of the product's shape, zeros
+    and 1 / 0.7), counting its calls; ValueError for an input of another shape (the forward drops out something
+    else than the product)."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        super().__init__()
+        self.mask = mask
+        self.calls = 0
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if not isinstance(input, torch.Tensor) or input.shape != self.mask.shape:
+            raise ValueError(f"dropout called on {getattr(input, 'shape', type(input).__name__)}, not on the product "
+                             f"of shape {tuple(self.mask.shape)}")
+        return input * self.mask
 
 
 # an activation -> the gated MLP it makes (the reasons' words)
