@@ -19,9 +19,16 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
 * every module that computes ``down_proj(gelu(gate_proj(x)) * up_proj(x))``, GELU exact or with the tanh
   approximation (the same probe, which tells the activation: transformers' ``GemmaMLP``, ``Gemma2MLP``,
   ``Gemma3MLP``) -> ``FusedGeGLUMLP`` (the same modules; op ``geglu`` with the probe's ``approximate``), kind
-  ``geglu``. Clamped SwiGLU (``swiglu_limit``), other activations (QuickGELU, ReLU), GELU with gate and up in one
-  ``gate_up_proj`` (no fused module computes it; a ``swiglu`` row) and MLPs with more inside (Zamba2's adapters) get
-  a skipped row, not eligible;
+  ``geglu``;
+* every module that computes T5 v1.1's gated MLP ``wo(dropout(act(wi_0(x)) * wi_1(x)))`` with ``act`` SiLU or GELU
+  (the same probe, layout ``wi_0/wi_1/wo``: transformers' ``T5DenseGatedActDense`` of T5 v1.1, Flan-T5 and mT5,
+  ``UMT5DenseGatedActDense``, ``LongT5DenseGatedActDense`` and the other copies) -> ``FusedT5DenseGatedActDense``
+  (the same modules, its ``dropout`` called where T5 calls it and T5's cast of the product to ``wo.weight``'s dtype
+  where the MLP's forward has it; op ``geglu``, kind ``geglu`` for GELU, op and kind ``swiglu`` for SiLU; the row's
+  reason names the layout). Clamped SwiGLU (``swiglu_limit``), other activations (QuickGELU, ReLU), GELU with gate
+  and up in one ``gate_up_proj`` (no fused module computes it; a ``swiglu`` row) and MLPs with more inside (Zamba2's
+  adapters) get a skipped row, not eligible; the original T5's ``T5DenseActDense`` (ReLU, not gated) is no
+  candidate;
 * the rotary position embedding of every attention module whose forward calls its modeling module's
   ``apply_rotary_pos_emb`` (Llama, Mistral, Qwen2, Qwen3, Gemma, GPT-NeoX with full rotary, ...), where that
   function is transformers' rotate-half RoPE (checked numerically): the module is not replaced but gets two hooks, and
@@ -128,10 +135,10 @@ class FusionRow:
 
     Attributes:
         path: dotted module path in the model (``""`` for the model itself).
-        kind: ``layer_norm``, ``rms_norm``, ``swiglu``, ``geglu`` (a GeGLU MLP: Gemma's), ``rope`` (an attention
-            module's rotary embedding),
-            ``cross_entropy`` (the model's loss), ``linear_cross_entropy`` (a causal LM's head and loss in one) or
-            ``attention``.
+        kind: ``layer_norm``, ``rms_norm``, ``swiglu`` (a SwiGLU MLP: Llama's; T5's gated MLP with SiLU), ``geglu``
+            (a GeGLU MLP: Gemma's; T5's gated MLP with GELU, Flan-T5's), ``rope`` (an attention module's rotary
+            embedding), ``cross_entropy`` (the model's loss), ``linear_cross_entropy`` (a causal LM's head and loss
+            in one) or ``attention``.
         original: class name of the module found.
         replacement: class name (or attention function) put in its place; None when skipped.
         fused: whether it was (or, in a dry run, would be) replaced.

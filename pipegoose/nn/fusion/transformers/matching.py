@@ -24,11 +24,19 @@
   +-100): SiLU (a SwiGLU MLP: ``FusedSwiGLUMLP``), GELU with the tanh approximation (transformers'
   ``gelu_pytorch_tanh``, ``gelu_new``, ``gelu_fast``: Gemma's) or exact GELU (``gelu``) (a GeGLU MLP:
   ``FusedGeGLUMLP``); a module without an activation child is probed for SiLU. The ``gate_up_proj`` layout is SiLU
-  only (no fused module computes GELU of a packed projection: such an MLP is refused, with that reason). The probe's
+  only (no fused module computes GELU of a packed projection: such an MLP is refused, with that reason). A third
+  layout is T5 v1.1's gated MLP (``T5DenseGatedActDense`` of T5 v1.1, Flan-T5 and mT5, UMT5's, LongT5's and the other
+  copies): children ``wi_0`` (gate), ``wi_1`` (up) and ``wo`` (down), its activation ``act`` and one
+  ``torch.nn.Dropout`` named ``dropout``, accepted when it gives ``wo(dropout(act(wi_0(x)) * wi_1(x)))`` with SiLU or
+  GELU (``FusedT5DenseGatedActDense``, which calls the MLP's own dropout there). The probe puts a fixed mask in the
+  dropout's place (zeros and 1 / 0.7, counting its calls), so the output shows that the forward calls it once, on
+  the product; randomness of the forward's own still shows in training mode. A last run with an fp64 ``wo`` tells
+  whether the forward casts the product to ``wo.weight``'s dtype (T5's rule, for an fp32 ``wo`` in a 16-bit model)
+  or not (LongT5's copy). The probe's
   input gives gate and up of either sign beyond +-50 as well as small ones, so that a clamp (``swiglu_limit``) or
   another bend the formula lacks shows. MLPs of another activation (QuickGELU, ReLU, a clipped GELU), MLPs with
-  dropout and MLPs whose activation has hooks (which the fused module would not run) are reported as not fused, with
-  the reason;
+  dropout (but T5's, in its place) and MLPs whose activation has hooks (which the fused module would not run) are
+  reported as not fused, with the reason;
   so are clamped SwiGLU MLPs (DeepseekV4, Glm5Next, Step3p7, BailingHybrid, MiniMax-M3's ``gate_up_proj`` MLP),
   refused up front where the module names its limit (``swiglu_limit``, ``limit``: not None) or its forward reads a
   config's ``swiglu_limit``/``swiglu_limits*``, and ``gate_up_proj`` MLPs of another kind (Zamba2's, with GELU, an
@@ -505,7 +513,8 @@ class SwiGLUProbe:
     ``geglu``, with :attr:`approximate`); ``layout`` the projections' names of its layout (``gate_proj/up_proj/
     down_proj``, ``gate_up_proj/down_proj`` or T5's ``wi_0/wi_1/wo``: ``FusedT5DenseGatedActDense``, op ``swiglu`` or
     ``geglu`` by the activation; ``""`` for no candidate); ``down_cast``, for an accepted T5 MLP, that its forward
-    casts the product to ``wo.weight``'s dtype where they differ (T5's rule: False for LongT5's copy, which does not)."""
+    casts the product to ``wo.weight``'s dtype where they differ (T5's rule: False for LongT5's copy, which does
+    not)."""
 
     ok: bool
     reason: str
@@ -526,11 +535,13 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     """Check whether ``module`` computes ``down_proj(act(gate_proj(x)) * up_proj(x))`` with ``act`` SiLU (SwiGLU) or
     GELU, exact or with the tanh approximation (GeGLU: Gemma's MLP; ``activation`` says which), or, with gate and up
     in one projection (Phi-3, GLM), ``down_proj(silu(gate) * up)`` of ``gate, up = gate_up_proj(x).chunk(2, -1)``
-    (gate the first half; see the module docstring).
+    (gate the first half), or T5's ``wo(dropout(act(wi_0(x)) * wi_1(x)))`` with its dropout (see the module
+    docstring; ``down_cast`` says whether its forward casts the product to ``wo.weight``'s dtype).
 
     The module itself is not run: a shallow stand-in sharing its class and attributes, whose projections are small
-    random fp32 ``torch.nn.Linear`` modules on CPU (``gate_up_proj``: hidden -> 2 * intermediate) and whose activation
-    (``act_fn``; in the ``gate_up_proj`` layout ``activation_fn`` or ``act_fn``) is ``torch.nn.SiLU()`` or
+    random fp32 ``torch.nn.Linear`` modules on CPU (``gate_up_proj``: hidden -> 2 * intermediate), whose dropout (T5's
+    layout) is a fixed mask that counts its calls, and whose activation (``act_fn``; in the ``gate_up_proj`` layout
+    ``activation_fn`` or ``act_fn``; T5's ``act``) is ``torch.nn.SiLU()`` or
     ``torch.nn.GELU(approximate=...)`` (once the module's own is found to compute that, through its ``forward``
     directly), is, through ``forward`` directly, in training and in eval mode: no hook of the module or its children
     fires, and its projections, which may be large or on a GPU, are not touched. The input has small rows and rows
