@@ -662,7 +662,7 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
             err = (y.double() - ref).abs().max().item()
             return refused(f"output ({mode} mode) differs from {formula} (max abs diff {err:.3g})")
     down_cast = False
-    if drop:
+    if layout.dropout:   # (T5's layout, with its dropout or without)
         # T5's rule: the product cast to wo.weight's dtype where they differ (an fp32 wo in a bf16 model, transformers'
         # _keep_in_fp32_modules); LongT5's copy does without (F.linear then raises for the mixed dtypes)
         down64 = copy.deepcopy(down).double()
