@@ -264,3 +264,69 @@ def test_an_mlp_with_an_extra_child_is_skipped_with_the_reason():
     assert "besides the projections and act_fn (dropout)" in rows["model.layers.0.mlp"].reason
     assert rows["model.layers.1.mlp"].fused and rows["model.layers.1.mlp"].kind == "geglu"
     assert _mlps(model)[0] is odd and unfuse(model)
+
+
+# ------------------------------------------------------------------------------------- review fixes (session 66)
+class _FnMLP(nn.Module):
+    """A gated MLP whose activation is a plain function attribute (``self.act_fn = F.gelu``), no submodule."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.gate_proj = nn.Linear(HIDDEN, INTER, bias=False)
+        self.up_proj = nn.Linear(HIDDEN, INTER, bias=False)
+        self.down_proj = nn.Linear(INTER, HIDDEN, bias=False)
+        self.act_fn = act
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_an_activation_that_differs_in_training_mode_is_refused_in_either_mode(training):
+    """An act_fn with a dropout inside (GELU, then Dropout): checked in one mode only, it passed in eval mode (where
+    from_pretrained leaves a model), and the fused module, which does not call it, then dropped its dropout in
+    training. It is checked in both modes now, and its modes (and its submodules') are left as they were."""
+    model = _gemma()
+    mlp = _mlps(model)[0]
+    mlp.act_fn = nn.Sequential(nn.GELU(approximate="tanh"), nn.Dropout(0.5))
+    model.train(training)
+    probe = probe_swiglu_mlp(mlp)
+    assert not probe.ok and "act_fn" in probe.reason and "not SiLU or GELU" in probe.reason
+    assert all(m.training == training for m in mlp.act_fn.modules())
+    report = fuse(model)
+    assert not isinstance(_mlps(model)[0], FusedGeGLUMLP) and isinstance(_mlps(model)[1], FusedGeGLUMLP)
+    assert any(not r.fused and "act_fn" in r.reason for r in report.rows if r.kind in ("geglu", "swiglu"))
+    unfuse(model)
+
+
+@pytest.mark.parametrize("act, kind", [(torch.nn.functional.gelu, "gelu"),
+                                       (lambda t: torch.nn.functional.gelu(t, approximate="tanh"), "gelu_tanh"),
+                                       (torch.nn.functional.silu, "silu")], ids=["F.gelu", "tanh lambda", "F.silu"])
+def test_an_activation_held_as_a_function_attribute_is_classified(act, kind):
+    """``self.act_fn = F.gelu`` (no submodule): a GeGLU MLP, fused as one with the function's approximation (it was
+    taken for SiLU and refused as a SwiGLU MLP that differs from the formula); F.silu stays SwiGLU."""
+    torch.manual_seed(0)
+    mlp = _FnMLP(act)
+    probe = probe_swiglu_mlp(mlp)
+    assert probe.ok and probe.activation == kind, probe.reason
+    cls = FusedSwiGLUMLP if kind == "silu" else FusedGeGLUMLP
+    fused = cls.from_module(mlp)
+    x = torch.randn(2, 3, HIDDEN)
+    torch.testing.assert_close(fused(x), mlp(x), rtol=1e-5, atol=1e-6)
+    root = nn.Sequential(_FnMLP(act))
+    report = fuse(root)
+    assert [(r.kind, r.fused) for r in report.rows] == [("swiglu" if kind == "silu" else "geglu", True)]
+    unfuse(root)
+
+
+def test_a_function_attribute_of_another_activation_is_refused_with_its_reason():
+    probe = probe_swiglu_mlp(_FnMLP(torch.relu))
+    assert not probe.ok and "act_fn (builtin_function_or_method) is not SiLU or GELU" in probe.reason
+
+
+@pytest.mark.parametrize("approximate, error", [(1, TypeError), ("bad", ValueError), ("", ValueError)])
+def test_from_module_checks_approximate_before_comparing_it(approximate, error):
+    """A bad approximate is the constructor's TypeError / ValueError, with verify on too (it was a ValueError saying
+    that the MLP's GELU differs)."""
+    with pytest.raises(error, match=r"approximate: expected 'none'"):
+        FusedGeGLUMLP.from_module(_mlps(_gemma())[0], approximate=approximate)

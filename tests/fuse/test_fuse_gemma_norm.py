@@ -444,3 +444,17 @@ def test_gemma_norms_parity_with_kernels(family, dtype):
     # one forward per norm module (Gemma: 2 per layer + the final norm; Gemma 3: 6 per layer + the final norm)
     assert ran.get("rms_norm") == {"pipegoose": len(paths)}, ran
     _assert_parity(fus, unf, ref64, dtype)
+
+
+def test_from_module_refuses_an_offset_for_a_norm_without_a_weight():
+    """verify=False with weight_offset for a norm without a weight: refused as the constructor refuses it (it was
+    accepted, and the forward ignored the offset; a review)."""
+    with pytest.raises(ValueError, match=r"weight_offset: 2.0 needs a weight \(RMSNorm has none\)"):
+        FusedRMSNorm.from_module(torch.nn.RMSNorm(8, elementwise_affine=False), verify=False, weight_offset=2.0,
+                                 output_in_input_dtype=True)
+
+
+@pytest.mark.parametrize("offset", [1e300, -1e39])
+def test_an_offset_past_fp32s_range_is_a_value_error(offset):
+    with pytest.raises(ValueError, match=r"weight_offset: expected a finite number within fp32's range"):
+        FusedRMSNorm(8, weight_offset=offset, output_in_input_dtype=True)

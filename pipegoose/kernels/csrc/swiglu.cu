@@ -38,8 +38,10 @@
 // geglu_forward(gate [*], up [*], approximate) -> out [*]:  out = gelu(gate) * up
 // geglu_backward(grad_output [*], gate, up, approximate) -> (grad_gate, grad_up):
 //     grad_up = grad_output * gelu(gate);  grad_gate = grad_output * up * gelu'(gate)
-// with torch's gelu and gelu_backward formulas (tanh: 0.5 g (1 + tanh(k (g + 0.044715 g^3))), k = sqrt(2 / pi);
-// none: 0.5 g (1 + erf(g / sqrt(2)))), through the accurate tanhf / erff / expf, in fp32 and rounded once as above.
+// with the functions of torch's gelu and gelu_backward (tanh: 0.5 g (1 + tanh(k (g + 0.044715 g^3))), k =
+// sqrt(2 / pi), computed as g * sigmoid(2 k (g + 0.044715 g^3)); none: 0.5 g (1 + erf(g / sqrt(2))), computed as
+// 0.5 g erfc(-g / sqrt(2))): the same values where torch's are accurate, and no cancellation for negative gates (see
+// GeluTanh and GeluErf), in fp32 and rounded once as above.
 // The same launch, layouts and errors as swiglu's, and a RuntimeError naming approximate for another string.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -97,8 +99,10 @@ struct Silu {
 // 0.5 g (1 + tanh(y)) with y = k (g + 0.044715 g^3), k = sqrt(2 / pi), computed as g * sigmoid(2 y) (the same function:
 // 1 + tanh(y) = 2 sigmoid(2 y)), which keeps its relative accuracy where 1 + tanh(y) cancels (g below about -3, where
 // torch's 0.5 g (1 + tanhf(y)) loses every digit of values near 1e-7), and costs one exp. Derivative:
-// s + g * 2 s (1 - s) * k (1 + 3 * 0.044715 g^2), s = sigmoid(2 y); g^2 capped at 1e30 (the factor it sits in is 0
-// past |g| of about 10), so a finite gate past 1.8e19 gives 0 there, not 0 * inf = NaN.
+// s + g * 2 s (1 - s) * k (1 + 3 * 0.044715 g^2), s = sigmoid(2 y) = 1 / (1 + e), e = exp(-2 y), and 1 - s as e * s
+// (1 - s itself cancels once s rounds to 1, g of about 4.5 to 9: 16 units in the last place off; a review); g^2
+// capped at 1e30 (the factor it sits in is 0 past |g| of about 10), so a finite gate past 1.8e19 gives 0 there, not
+// 0 * inf = NaN.
 struct GeluTanh {
   static constexpr float kTwoBeta = 1.5957691216057308f;   // 2 sqrt(2 / pi)
   static constexpr float kBeta = 0.7978845608028654f;      // sqrt(2 / pi)
@@ -106,19 +110,23 @@ struct GeluTanh {
   __device__ __forceinline__ static float value(float g) { return g * sigmoid(kTwoBeta * (g + kKappa * g * g * g)); }
   __device__ __forceinline__ static void both(float g, float& a, float& da) {
     const float g2 = g * g;
-    const float s = sigmoid(kTwoBeta * (g + kKappa * g2 * g));
+    const float e = __expf(-kTwoBeta * (g + kKappa * g2 * g));
+    const float s = __frcp_rn(1.f + e);
+    const float one_minus_s = isinf(e) ? 1.f : e * s;   // (e = inf: s = 0, and e * s would be NaN)
     a = g * s;
-    da = s + g * (2.f * s * (1.f - s)) * (kBeta * (1.f + 3.f * kKappa * fminf(g2, 1e30f)));
+    da = s + g * (2.f * s * one_minus_s) * (kBeta * (1.f + 3.f * kKappa * fminf(g2, 1e30f)));
   }
 };
 
-// GELU (erf), torch's formulas (approximate="none"), in fp32.
+// GELU (erf; F.gelu's approximate="none"), in fp32: g * Phi(g) with Phi(g) = 0.5 (1 + erf(g / sqrt(2))) computed as
+// 0.5 erfc(-g / sqrt(2)), the same function, accurate where 1 + erf cancels (g below about -3, where torch's form
+// loses the digits of values near 1e-7; a review); derivative Phi(g) + g exp(-g^2 / 2) / sqrt(2 pi), torch's.
 struct GeluErf {
   static constexpr float kSqrt1_2 = 0.7071067811865476f;     // 1 / sqrt(2)
   static constexpr float kInvSqrt2Pi = 0.3989422804014327f;  // 1 / sqrt(2 pi)
-  __device__ __forceinline__ static float value(float g) { return 0.5f * g * (1.f + erff(g * kSqrt1_2)); }
+  __device__ __forceinline__ static float value(float g) { return 0.5f * g * erfcf(-g * kSqrt1_2); }
   __device__ __forceinline__ static void both(float g, float& a, float& da) {
-    const float cdf = 0.5f * (1.f + erff(g * kSqrt1_2));
+    const float cdf = 0.5f * erfcf(-g * kSqrt1_2);
     a = g * cdf;
     da = cdf + g * (kInvSqrt2Pi * expf(-0.5f * g * g));
   }

@@ -13,7 +13,8 @@ layers).
 position embedding (op ``rope``); on ``phi3`` its MLPs with gate and up in one ``gate_up_proj`` (op
 ``swiglu.packed``), its RMSNorms and RoPE, while its attention is kept (Phi-3 is not among the model types verified
 with our attention function); on ``gemma`` its GeGLU MLPs (GELU with the tanh approximation: ``FusedGeGLUMLP``, op
-``geglu``) and RoPE, while its attention is kept and its ``(1 + weight)`` RMSNorms are reported as skipped.
+``geglu``), its ``(1 + weight)`` RMSNorms (``FusedRMSNorm(weight_offset=1.0)``) and RoPE, while its attention is
+kept.
 
 Steps: load, run the unfused model on a handful of sentences (mean-pooled embeddings, an in-batch contrastive loss
 over paraphrase pairs, gradients), run a float64 copy of it as the reference, fuse the same instance, run again,

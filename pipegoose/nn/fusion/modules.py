@@ -561,7 +561,7 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
             TypeError / ValueError: ``eps`` is not given and the module's epsilon attribute holds no number / a
                 negative or non-finite one (the error names the attribute; numpy scalars and 0-d tensors are taken).
             TypeError / ValueError: ``weight_offset`` as the class refuses it (and nonzero with
-                ``output_in_input_dtype=False``).
+                ``output_in_input_dtype=False``, or for a module without a weight).
             ValueError: the module's epsilon is unknown (no ``variance_epsilon`` / ``eps`` / ``epsilon``) and ``eps``
                 is not given;
                 with ``verify``, the probe finds another formula (the message gives its reason), or a rounding or
@@ -610,6 +610,8 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         if weight_offset and not output_in_input_dtype:
             raise ValueError(f"weight_offset: {weight_offset} needs output_in_input_dtype=True (Gemma's rule: fp32 "
                              "math, one rounding to the input's dtype)")
+        if weight_offset and w is None:   # (as the constructor: the forward would ignore it; a review)
+            raise ValueError(f"weight_offset: {weight_offset} needs a weight ({type(module).__name__} has none)")
         new = cls(shape, eps=eps if eps is not None else mod_eps, elementwise_affine=False,
                   output_in_weight_dtype=output_in_weight_dtype, output_in_input_dtype=output_in_input_dtype,
                   cast_before_weight=cast, impl=impl)
@@ -899,6 +901,8 @@ class FusedGeGLUMLP(_FusedSwiGLUBase):
     @classmethod
     def _probed(cls, probe: Any, kwargs: dict) -> dict:
         given = kwargs.get("approximate")
+        if given is not None:   # (a bad value is the constructor's TypeError / ValueError, not a mismatch; a review)
+            _swiglu.check_approximate(given)
         if given is not None and given != probe.approximate:
             raise ValueError(f"approximate: {given!r}, but the MLP's act_fn computes GELU with approximate="
                              f"{probe.approximate!r}: pass that or None, or verify=False")
@@ -1114,8 +1118,9 @@ def _weight_offset(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"weight_offset: expected a real number, got {type(value).__name__}")
     value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"weight_offset: expected a finite number, got {value}")
+    # (fp32's range: the op adds it to the fp32 weight, and the constructor's initial weight is 1 - offset in fp32)
+    if not math.isfinite(value) or abs(value) > torch.finfo(torch.float32).max:
+        raise ValueError(f"weight_offset: expected a finite number within fp32's range, got {value}")
     return value
 
 

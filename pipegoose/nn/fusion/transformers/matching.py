@@ -556,8 +556,17 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     packed = layout is _PACKED
     acts = [n for n in layout.activations if n in children]
     # the activation first (its module's forward alone, cheap), so that every refusal below names the MLP's kind (a
-    # GeGLU MLP's row is the report's geglu row); its own refusal comes last, as before
-    kind, act_why = _activation_kind(children[acts[0]], acts[0], layout) if acts else ("silu", None)
+    # GeGLU MLP's row is the report's geglu row); its own refusal comes last, as before. One held as a plain function
+    # attribute (``self.act_fn = F.gelu``: no submodule) is classified too (the stand-in calls it as it is); before, it
+    # was taken for SiLU, so a GELU one was refused as a SwiGLU MLP that differs from the formula (a review)
+    fn_acts = [n for n in layout.activations if not acts and callable(module.__dict__.get(n))
+               and not isinstance(module.__dict__.get(n), nn.Module)]
+    if acts:
+        kind, act_why = _activation_kind(children[acts[0]], acts[0], layout)
+    elif fn_acts:
+        kind, act_why = _activation_kind(module.__dict__[fn_acts[0]], fn_acts[0], layout)
+    else:
+        kind, act_why = "silu", None
     kind = kind or "silu"
 
     def refused(reason: str) -> SwiGLUProbe:
@@ -704,23 +713,39 @@ class _MaskDropout(nn.Module):
 _GATED_NAME = {"silu": "SwiGLU", "gelu_tanh": "GeGLU", "gelu": "GeGLU"}
 
 
-def _activation_kind(act: nn.Module, name: str, layout: _Layout) -> tuple[str | None, str | None]:
-    """(what the activation module ``act``, the MLP's attribute ``name``, computes: a key of
-    :data:`ACTIVATION_FORMULAS`, or None; why the MLP is refused for it, or None). Checked through its ``forward``
-    (no hook fires) near 0 and far out on either side (a clamp past 6, or any other bend, shows). Refused: forward
-    hooks (which the fused module would not run), another activation, a GELU in a layout no fused module takes GELU
-    in (``gate_up_proj``)."""
+def _activation_kind(act: Any, name: str, layout: _Layout) -> tuple[str | None, str | None]:
+    """(what the activation ``act``, the MLP's attribute ``name``, computes: a key of :data:`ACTIVATION_FORMULAS`,
+    or None; why the MLP is refused for it, or None). A module is checked through its ``forward`` (no hook fires), in
+    training and in eval mode (its own and its submodules' flags set for the call and put back: an activation that
+    behaves otherwise in one mode, a dropout inside say, was checked in the mode it happened to be in, and the fused
+    module, which does not call it, then dropped that behaviour in the other; a review); a plain function (a function
+    attribute, ``F.gelu``) is called. Near 0 and far out on either side (a clamp past 6, or any other bend, shows).
+    Refused: forward hooks (which the fused module would not run), another activation, a GELU in a layout no fused
+    module takes GELU in (``gate_up_proj``)."""
     t = torch.cat([torch.linspace(-6.0, 6.0, 25), torch.tensor(ACT_FAR)])
+    outs = []
     try:
         with torch.no_grad():
-            # its forward, not __call__ (no hook fires); a copy of t: nn.SiLU(inplace=True) must not change it
-            a = type(act).forward(act, t.clone())
+            if isinstance(act, nn.Module):
+                flags = [(m, m.training) for m in act.modules()]
+                try:
+                    for mode in (True, False):
+                        for m, _ in flags:
+                            m.training = mode
+                        # its forward, not __call__ (no hook fires); a copy of t: nn.SiLU(inplace=True) must not
+                        # change it
+                        outs.append(type(act).forward(act, t.clone()))
+                finally:
+                    for m, was in flags:
+                        m.training = was
+            else:
+                outs.append(act(t.clone()))
     except Exception as exc:  # noqa: BLE001
         return None, f"probe of {name} failed: {type(exc).__name__}: {exc}"
     kind = None
-    if isinstance(a, torch.Tensor) and a.shape == t.shape:
+    if all(isinstance(a, torch.Tensor) and a.shape == t.shape for a in outs):
         kind = next((k for k, f in ACTIVATION_FORMULAS.items()
-                     if torch.allclose(a.double(), f(t.double()), atol=1e-6, rtol=1e-5)), None)
+                     if all(torch.allclose(a.double(), f(t.double()), atol=1e-6, rtol=1e-5) for a in outs)), None)
     if kind is None:
         return None, (f"{name} ({type(act).__name__}) is not SiLU or GELU (exact or tanh): a gated MLP of another "
                       "activation, which neither the SwiGLU nor the GeGLU kernel computes")
@@ -728,7 +753,8 @@ def _activation_kind(act: nn.Module, name: str, layout: _Layout) -> tuple[str | 
         return kind, (f"{name} ({type(act).__name__}) is not SiLU but GELU (approximate="
                       f"{GELU_APPROXIMATE[kind]!r}): a GeGLU MLP with gate and up in one gate_up_proj, for which there "
                       f"is no fused module ({layout.fused['silu']} computes SiLU)")
-    if act._forward_hooks or act._forward_pre_hooks or getattr(act, "_forward_hooks_with_kwargs", None):
+    if isinstance(act, nn.Module) and (act._forward_hooks or act._forward_pre_hooks
+                                       or getattr(act, "_forward_hooks_with_kwargs", None)):
         return kind, (f"{name} has forward hooks, which {layout.fused[kind]} (one kernel for the activation and the "
                       "product) would not run")
     return kind, None
