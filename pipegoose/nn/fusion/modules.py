@@ -3,8 +3,8 @@
 and transformers' Llama-style RMSNorm), ``FusedSwiGLUMLP`` (for transformers' Llama-style MLP),
 ``FusedGateUpSwiGLUMLP`` (for Phi-3's and GLM's MLP: gate and up in one ``gate_up_proj``), ``FusedGeGLUMLP`` (for
 Gemma's MLP: GELU instead of SiLU), ``FusedT5DenseGatedActDense`` (for T5 v1.1's gated MLP: Flan-T5, mT5, UMT5) and
-``FusedLinearCrossEntropyLoss`` (a language model's output projection and
-loss in one). Kernel sources: see :mod:`pipegoose.nn.fusion.functional`."""
+``FusedLinearCrossEntropyLoss`` (a language model's output projection and loss in one). Kernel sources: see
+:mod:`pipegoose.nn.fusion.functional`."""
 
 from __future__ import annotations
 
