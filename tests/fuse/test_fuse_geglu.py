@@ -330,3 +330,17 @@ def test_from_module_checks_approximate_before_comparing_it(approximate, error):
     that the MLP's GELU differs)."""
     with pytest.raises(error, match=r"approximate: expected 'none'"):
         FusedGeGLUMLP.from_module(_mlps(_gemma())[0], approximate=approximate)
+
+
+def test_a_backward_hook_on_gemmas_act_fn_is_refused_or_run():
+    """The same for FusedGeGLUMLP: refused with a backward hook on act_fn; one added after fuse fires."""
+    calls = []
+    model = _gemma()
+    mlp = _mlps(model)[0]
+    mlp.act_fn.register_full_backward_hook(lambda *a: calls.append(1))
+    assert not probe_swiglu_mlp(mlp).ok
+    fused = FusedGeGLUMLP.from_module(_mlps(_gemma())[1])
+    fused.act_fn.register_full_backward_hook(lambda *a: calls.append(1))
+    x = torch.randn(2, 3, HIDDEN, requires_grad=True)
+    fused(x).sum().backward()
+    assert calls == [1]

@@ -254,7 +254,7 @@ def test_the_probe_refuses_other_children_parameters_and_hooks():
     assert "has parameters or buffers of its own" in probe_swiglu_mlp(mlp).reason
     mlp = _mlp()
     mlp.act.register_forward_hook(lambda *a: None)
-    assert "act has forward hooks, which FusedT5DenseGatedActDense" in probe_swiglu_mlp(mlp).reason
+    assert "act has forward or backward hooks, which FusedT5DenseGatedActDense" in probe_swiglu_mlp(mlp).reason
 
 
 # -------------------------------------------------------------------------------------------------- the module
@@ -573,3 +573,39 @@ def test_fuse_t5_on_cuda_matches_the_unfused_model(no_tuning_table, kind):
     torch.testing.assert_close(loss1, loss0, rtol=2e-2, atol=2e-2)
     _close_in_bf16(grads1, grads0)
     assert unfuse(model)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(activation=5), TypeError, r"activation: expected a str, got int"),
+    (dict(activation="gelu_fast"), ValueError, r"activation: expected one of"),
+    (dict(cast_to_wo="yes"), TypeError, r"cast_to_wo: expected a bool, got str"),
+    (dict(cast_to_wo=1), TypeError, r"cast_to_wo: expected a bool, got int"),
+])
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
+def test_from_module_checks_its_arguments_as_the_constructor_does(kwargs, error, match, verify):
+    """Bad values are the constructor's TypeError / ValueError with verify on too (they were a mismatch ValueError,
+    and cast_to_wo=1 passed; a review)."""
+    with pytest.raises(error, match=match):
+        FusedT5DenseGatedActDense.from_module(_mlp(), verify=verify, **kwargs)
+
+
+@pytest.mark.parametrize("hook", ["register_full_backward_hook", "register_full_backward_pre_hook"])
+def test_backward_hooks_on_act_fire_or_refuse(hook):
+    """A backward hook on act: before fuse, the probe refuses the MLP (the fused module would not run act); added
+    after fuse, the fused module runs act as T5 does, and the hook fires (it was dropped silently; a review)."""
+    calls = []
+
+    def record(*args):
+        calls.append(1)
+
+    mlp = _mlp()
+    getattr(mlp.act, hook)(record)
+    probe = probe_swiglu_mlp(mlp)
+    assert not probe.ok and "forward or backward hooks" in probe.reason
+    mlp = _mlp()
+    fused = FusedT5DenseGatedActDense.from_module(mlp)
+    handle = getattr(mlp.act, hook)(record)
+    x = torch.randn(2, 3, mlp.wi_0.in_features, requires_grad=True)
+    fused.eval()(x).sum().backward()
+    assert calls, "the backward hook did not fire"
+    handle.remove()

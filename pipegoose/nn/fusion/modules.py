@@ -647,8 +647,8 @@ class _FusedSwiGLUBase(_DropsFuseRecord, nn.Module):
 
     def _changed_activation(self) -> Any:
         """The MLP's activation (a module, or a function attribute such as ``F.silu``) where it was replaced, or
-        given forward hooks, since the probe vouched for it (the fused module then runs it, as the original MLP
-        would), else None."""
+        given forward or backward hooks, since the probe vouched for it (the fused module then runs it, as the
+        original MLP would, and its hooks fire), else None."""
         name = self._act_name
         if name is None:
             return None
@@ -657,7 +657,7 @@ class _FusedSwiGLUBase(_DropsFuseRecord, nn.Module):
             return None
         if act is not self.__dict__.get("_probed_act"):
             return act
-        if isinstance(act, nn.Module) and (act._forward_hooks or act._forward_pre_hooks):
+        if isinstance(act, nn.Module) and _common.has_module_hooks(act):
             return act
         return None
 
@@ -737,7 +737,7 @@ class FusedSwiGLUMLP(_FusedSwiGLUBase):
     ``forward(x [..., hidden])`` -> ``[..., hidden]``. The activation runs our kernel where the dispatcher chooses it
     (CUDA, gate and up of one shape and dtype, at least ``PIPEGOOSE_SMALL_NUMEL`` elements), else
     ``F.silu(gate) * up``. Built by :meth:`from_module`, it keeps the MLP's ``act_fn`` without calling it; an
-    ``act_fn`` replaced, or given forward hooks, while fused is called as the original MLP would
+    ``act_fn`` replaced, or given forward or backward hooks, while fused is called as the original MLP would
     (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, no kernel). Kernel: pipegoose/swiglu
     (pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
 
@@ -797,8 +797,8 @@ class FusedGateUpSwiGLUMLP(_FusedSwiGLUBase):
     returning their gradient as one tensor, else ``gate, up = h.chunk(2, -1); F.silu(gate) * up``; the kernel computes
     each value in fp32 and rounds it once (eager PyTorch in 16-bit rounds ``silu(gate)`` first: about one unit in the
     last place apart). Built by :meth:`from_module`, it keeps the MLP's activation (``activation_fn``, Phi-3's and
-    GLM's name, or ``act_fn``) without calling it; one replaced, or given forward hooks, while fused is called as the
-    original MLP would (``down_proj(up * activation_fn(gate))``, no kernel). Kernel: pipegoose/swiglu
+    GLM's name, or ``act_fn``) without calling it; one replaced, or given forward or backward hooks, while fused is
+    called as the original MLP would (``down_proj(up * activation_fn(gate))``, no kernel). Kernel: pipegoose/swiglu
     (pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
 
     Raises (when constructed):
@@ -868,9 +868,9 @@ class FusedGeGLUMLP(_FusedSwiGLUBase):
     (CUDA, gate and up of one shape and dtype, at least ``PIPEGOOSE_SMALL_NUMEL`` elements), else ``F.gelu(gate,
     approximate=approximate) * up``; the kernel computes each value in fp32 and rounds it once (eager PyTorch in 16-bit
     rounds ``gelu(gate)`` first: about one unit in the last place apart). Built by :meth:`from_module`, it keeps the
-    MLP's ``act_fn`` without calling it; an ``act_fn`` replaced, or given forward hooks, while fused is called as the
-    original MLP would (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, no kernel). Kernel: pipegoose/swiglu
-    (``pipegoose::geglu``; pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
+    MLP's ``act_fn`` without calling it; an ``act_fn`` replaced, or given forward or backward hooks, while fused is
+    called as the original MLP would (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, no kernel). Kernel:
+    pipegoose/swiglu (``pipegoose::geglu``; pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
 
     Raises (when constructed):
         TypeError: a projection that is not a ``torch.nn.Module``; ``approximate`` or ``impl`` not a str (``impl``:
@@ -960,9 +960,9 @@ class FusedT5DenseGatedActDense(_FusedSwiGLUBase):
     else ``F.silu(gate) * up`` or ``F.gelu(gate, approximate=approximate) * up``; the kernel computes each value in
     fp32 and rounds it once (eager PyTorch in 16-bit rounds the activation first: about one unit in the last place
     apart). Built by :meth:`from_module`, it keeps the MLP's ``act`` without calling it; an ``act`` replaced, or given
-    forward hooks, while fused is called as the original MLP would (``act(wi_0(x)) * wi_1(x)``, no kernel), then the
-    dropout, the cast and ``wo`` as above. Kernel: pipegoose/swiglu (``pipegoose::swiglu``, ``pipegoose::geglu``;
-    pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
+    forward or backward hooks, while fused is called as the original MLP would (``act(wi_0(x)) * wi_1(x)``, no
+    kernel), then the dropout, the cast and ``wo`` as above. Kernel: pipegoose/swiglu (``pipegoose::swiglu``,
+    ``pipegoose::geglu``; pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
 
     Raises (when constructed):
         TypeError: ``wi_0``, ``wi_1``, ``wo`` or a ``dropout`` (not None) that is not a ``torch.nn.Module``;
@@ -980,12 +980,7 @@ class FusedT5DenseGatedActDense(_FusedSwiGLUBase):
     def __init__(self, wi_0: nn.Module, wi_1: nn.Module, wo: nn.Module, dropout: nn.Module | None = None, *,
                  activation: str = "gelu_tanh", cast_to_wo: bool = True, impl: str | None = None) -> None:
         super().__init__()
-        if not isinstance(activation, str):
-            raise TypeError(f"activation: expected a str, got {type(activation).__name__}")
-        if activation not in self._KINDS:
-            raise ValueError(f"activation: expected one of {', '.join(map(repr, self._KINDS))}, got {activation!r}")
-        if not isinstance(cast_to_wo, bool):
-            raise TypeError(f"cast_to_wo: expected a bool, got {type(cast_to_wo).__name__}")
+        self._check_args(activation, cast_to_wo, given=True)
         if dropout is not None and not isinstance(dropout, nn.Module):
             raise TypeError(f"dropout: expected a torch.nn.Module or None, got {type(dropout).__name__}")
         self.activation = activation
@@ -1018,7 +1013,20 @@ class FusedT5DenseGatedActDense(_FusedSwiGLUBase):
                          + ([f"impl={self.impl!r}"] if self.impl is not None else []))
 
     @classmethod
+    def _check_args(cls, activation: Any, cast_to_wo: Any, given: bool = False) -> None:
+        """The constructor's checks of ``activation`` and ``cast_to_wo`` (``given`` False: None is "not given", as
+        ``from_module`` takes it; the constructor refuses None)."""
+        if (given or activation is not None) and not isinstance(activation, str):
+            raise TypeError(f"activation: expected a str, got {type(activation).__name__}")
+        if activation is not None and activation not in cls._KINDS:
+            raise ValueError(f"activation: expected one of {', '.join(map(repr, cls._KINDS))}, got {activation!r}")
+        if (given or cast_to_wo is not None) and not isinstance(cast_to_wo, bool):
+            raise TypeError(f"cast_to_wo: expected a bool, got {type(cast_to_wo).__name__}")
+
+    @classmethod
     def _probed(cls, probe: Any, kwargs: dict) -> dict:
+        # (bad values are the constructor's TypeError / ValueError first, not a mismatch with the probe; a review)
+        cls._check_args(kwargs.get("activation"), kwargs.get("cast_to_wo"))
         if probe.layout != "/".join(cls._PROJECTIONS):   # (a module holding gate_proj, up_proj and down_proj too)
             raise ValueError(f"mlp: probed as a {probe.layout} MLP, not T5's wi_0/wi_1/wo; verify=False skips this "
                              "check")

@@ -373,3 +373,11 @@ def representable(value: float, dtype: torch.dtype) -> bool:
     """Whether ``value`` survives a round trip through ``dtype`` unchanged (fp32 first: kernels take float)."""
     v32 = float(torch.tensor(value, dtype=torch.float32))
     return v32 == value and float(torch.tensor(value, dtype=dtype)) == value
+
+
+def has_module_hooks(m: torch.nn.Module) -> bool:
+    """Whether ``m`` has forward, forward-pre, backward or backward-pre hooks of its own (a fused MLP does not call
+    its activation: hooks on it would not fire, so an activation with any is run as the MLP would, or refused by the
+    probe; backward hooks were not looked at before, and were silently dropped: a review)."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or getattr(m, "_forward_hooks_with_kwargs", None)
+                or m._backward_hooks or m._backward_pre_hooks)

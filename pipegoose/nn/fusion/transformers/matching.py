@@ -56,6 +56,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..ops._common import has_module_hooks
+
 # model_type -> note. These call ALL_ATTENTION_FUNCTIONS with (module, q, k, v, mask, scaling=..., dropout=...)
 # and compute softmax(scaling * q k^T + mask) v (with repeat_kv for GQA in Llama).
 ATTENTION_MODEL_TYPES = {
@@ -720,8 +722,8 @@ def _activation_kind(act: Any, name: str, layout: _Layout) -> tuple[str | None, 
     behaves otherwise in one mode, a dropout inside say, was checked in the mode it happened to be in, and the fused
     module, which does not call it, then dropped that behaviour in the other; a review); a plain function (a function
     attribute, ``F.gelu``) is called. Near 0 and far out on either side (a clamp past 6, or any other bend, shows).
-    Refused: forward hooks (which the fused module would not run), another activation, a GELU in a layout no fused
-    module takes GELU in (``gate_up_proj``)."""
+    Refused: forward or backward hooks (which the fused module would not run), another activation, a GELU in a
+    layout no fused module takes GELU in (``gate_up_proj``)."""
     t = torch.cat([torch.linspace(-6.0, 6.0, 25), torch.tensor(ACT_FAR)])
     outs = []
     try:
@@ -753,10 +755,9 @@ def _activation_kind(act: Any, name: str, layout: _Layout) -> tuple[str | None, 
         return kind, (f"{name} ({type(act).__name__}) is not SiLU but GELU (approximate="
                       f"{GELU_APPROXIMATE[kind]!r}): a GeGLU MLP with gate and up in one gate_up_proj, for which there "
                       f"is no fused module ({layout.fused['silu']} computes SiLU)")
-    if isinstance(act, nn.Module) and (act._forward_hooks or act._forward_pre_hooks
-                                       or getattr(act, "_forward_hooks_with_kwargs", None)):
-        return kind, (f"{name} has forward hooks, which {layout.fused[kind]} (one kernel for the activation and the "
-                      "product) would not run")
+    if isinstance(act, nn.Module) and has_module_hooks(act):
+        return kind, (f"{name} has forward or backward hooks, which {layout.fused[kind]} (one kernel for the "
+                      "activation and the product) would not run")
     return kind, None
 
 
