@@ -553,8 +553,9 @@ def test_fuse_t5_on_cuda_matches_the_unfused_model(no_tuning_table, kind):
 
     def run():
         kept = []
-        handles = [m.dropout.register_forward_hook(lambda mod, i, o: kept.append(o.detach() != 0))
-                   for m in _mlps(model)]
+        # (known, kept) per dropout call, as _same_masks reads them (a first GPU run: this hook appended the kept
+        # mask alone, which _same_masks unpacked along the batch)
+        handles = [m.dropout.register_forward_hook(_record_mask(kept)) for m in _mlps(model)]
         model.zero_grad(set_to_none=True)
         torch.manual_seed(5)
         loss = model(**batch).loss
