@@ -82,6 +82,76 @@ def test_training_with_labels_gives_the_same_loss_without_logits(arch):
     _same(_run(model), ref)
 
 
+# the verified types beyond models' five, built from their configs (tiny, no dropout; pad/bos/eos in the vocabulary)
+OTHER_TYPES = tuple(t for t in lm_head.LLAMA_LIKE if t not in CAUSAL)
+
+
+def _lm_of_type(model_type, seed=0):
+    import transformers as tr
+
+    if model_type not in tr.CONFIG_MAPPING:
+        pytest.skip(f"transformers {tr.__version__} has no model type {model_type!r}")
+    cfg = tr.AutoConfig.for_model(model_type, vocab_size=97, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    for name in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attention_probs_dropout_prob"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, 0.0)
+    torch.manual_seed(seed)
+    return tr.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").train()
+
+
+@pytest.mark.parametrize("model_type", OTHER_TYPES)
+def test_the_other_verified_types_give_the_same_loss_and_gradients(model_type):
+    """Gemma, Phi-3 and the other types whose forward is Llama's (lm_head.LLAMA_LIKE; Gemma's and Phi-3's were
+    refused before): fused, training with labels gives the unfused loss and gradients bit for bit (CPU: the reference
+    path), logits None; unfuse gives the model back."""
+    model = _lm_of_type(model_type)
+    ref = _run(model)
+    (row,) = _rows(fuse(model, ops=[KIND]))
+    assert row.fused and row.eligible, row
+    got = _run(model)
+    assert got[0].logits is None
+    _same(got, ref)
+    assert unfuse(model) and not lm_head.is_installed(model)
+    _same(_run(model), ref)
+
+
+def _forward_code(cls):
+    """``cls.forward``'s parameters' names and the code of its body without the docstring: the dump of their syntax
+    trees (no line numbers, blanks, comments or annotations: GLM-4's return annotation differs from Llama's)."""
+    import ast
+    import inspect
+    import textwrap
+
+    (fn,) = ast.parse(textwrap.dedent(inspect.getsource(cls.forward))).body
+    if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(getattr(fn.body[0], "value", None), ast.Constant):
+        fn.body = fn.body[1:]
+    args = fn.args
+    names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs] + [
+        f"*{a.arg}" for a in (args.vararg, args.kwarg) if a is not None]
+    return names, [ast.dump(stmt) for stmt in fn.body]
+
+
+def test_the_llama_like_types_forward_is_llamas_in_this_transformers():
+    """lm_head.LLAMA_LIKE says these models' causal-LM forward is LlamaForCausalLM's, which does nothing with the
+    labels and the logits but the head and self.loss_function: checked against the installed transformers, so a
+    release that changes one (a soft-cap, an auxiliary loss) fails here before a fused model computes another loss."""
+    import transformers as tr
+
+    want = _forward_code(tr.LlamaForCausalLM)
+    checked = []
+    for model_type in lm_head.LLAMA_LIKE:
+        if model_type not in tr.CONFIG_MAPPING:
+            continue   # (an older transformers: the type cannot be built, so it cannot be fused either)
+        cls = tr.MODEL_FOR_CAUSAL_LM_MAPPING[tr.CONFIG_MAPPING[model_type]]
+        assert _forward_code(cls) == want, f"{model_type}: {cls.__name__}.forward is not LlamaForCausalLM's"
+        checked.append(model_type)
+    assert {"gemma", "phi3", "mistral", "qwen2"} <= set(checked)
+    # and the check can fail: a forward that post-processes the logits differs
+    assert _forward_code(tr.Gemma2ForCausalLM) != want
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_loss_arguments_as_transformers(arch):
     """num_items_in_batch (the sum divided by it), shift_labels given, another ignore_index: as the unfused model."""

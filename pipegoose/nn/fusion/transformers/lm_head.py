@@ -4,7 +4,8 @@ the H200's Llama-1.1B training step it saved 0.5 GiB of peak memory at 0.1% fewe
 per forward: a second backward through the loss's graph (``retain_graph=True``) raises RuntimeError; set
 ``PIPEGOOSE_IMPL_FUSED_LINEAR_CROSS_ENTROPY=torch`` for code that needs one.
 
-transformers' causal LMs (Llama, Mistral, Qwen2/3, GPT-NeoX, GPT-2, OPT, Bloom and their copies) compute
+transformers' causal LMs (Llama, Mistral, Qwen2/3, Gemma, Phi, Phi-3, OLMo 1-3, StarCoder2, GLM, GLM-4, SmolLM3,
+Helium, GPT-NeoX, GPT-2, OPT, Bloom and their copies) compute
 ``logits = self.lm_head(hidden_states)`` and then ``self.loss_function(logits, labels, vocab_size, **kwargs)``. On a
 fused model (this instance: a forward pre-hook and a forward hook, which ``unfuse`` removes; the model's ``forward``
 and its signature are untouched), a call in training mode with ``labels`` runs the model's forward without them, with
@@ -53,8 +54,12 @@ from . import loss as _loss
 NAME = "fused_linear_cross_entropy"
 # config.model_type of the causal LMs whose forward (transformers 5.25) is: base model, hidden states sliced by
 # logits_to_keep, logits = lm_head(hidden), loss = self.loss_function(logits, labels, vocab_size, **kwargs), nothing
-# else done with the labels or the logits
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt2", "opt", "bloom")
+# else done with the labels or the logits. LLAMA_LIKE: those whose forward is, docstring aside, LlamaForCausalLM's
+# code token for token (tests/fuse/test_fuse_lm_head.py compares them with the installed transformers); the others
+# were read one by one
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "phi", "olmo", "olmo2", "olmo3", "starcoder2",
+              "glm", "glm4", "smollm3", "helium")
+MODEL_TYPES = LLAMA_LIKE + ("gpt_neox", "gpt2", "opt", "bloom")
 _warned: set[tuple[str, str]] = set()   # (model class, kind of fallback) warned about
 
 
@@ -276,4 +281,4 @@ def is_installed(model: nn.Module) -> bool:
     return any(h is _pre_hook for h in model._forward_pre_hooks.values())
 
 
-__all__ = ["MODEL_TYPES", "causal_lm_head_loss", "head_of", "install", "uninstall", "is_installed", "support"]
+__all__ = ["LLAMA_LIKE", "MODEL_TYPES", "causal_lm_head_loss", "head_of", "install", "uninstall", "is_installed", "support"]
