@@ -344,3 +344,61 @@ def test_a_backward_hook_on_gemmas_act_fn_is_refused_or_run():
     x = torch.randn(2, 3, HIDDEN, requires_grad=True)
     fused(x).sum().backward()
     assert calls == [1]
+
+
+@pytest.mark.parametrize("where", ["default_bf16", "cpu_autocast", "meta_device"])
+def test_the_probes_compute_as_outside_the_callers_dtype_autocast_and_device(where):
+    """A review: under ``torch.set_default_dtype(torch.bfloat16)`` (Lightning's bf16-true init) or CPU autocast the
+    gated-MLP probe's stand-in computed in bf16 and refused Gemma's MLPs ("act_fn is not SiLU or GELU", or "output
+    differs"), reported as kind swiglu; inside ``torch.device("meta")`` the RMSNorm probe raised. The probes now run
+    in fp32 on the CPU outside autocast (matching.probe_isolated): every module is fused as outside, and the fused
+    model computes the unfused one's logits."""
+    import contextlib
+
+    model = _gemma()
+    ids = _batch()["input_ids"]
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    old = torch.get_default_dtype()
+    ctx = {"cpu_autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+           "meta_device": lambda: torch.device("meta")}.get(where, contextlib.nullcontext)
+    try:
+        if where == "default_bf16":
+            torch.set_default_dtype(torch.bfloat16)
+        with ctx():
+            report = fuse(model)
+    finally:
+        torch.set_default_dtype(old)
+    rows = {r.path: r for r in report.rows}
+    for i in range(2):
+        row = rows[f"model.layers.{i}.mlp"]
+        assert (row.kind, row.fused) == ("geglu", True), row
+        assert rows[f"model.layers.{i}.input_layernorm"].fused
+    assert isinstance(model.model.layers[0].mlp, FusedGeGLUMLP)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, want)
+    assert unfuse(model)
+
+
+def test_fuse_inside_init_empty_weights_says_so_and_changes_nothing(monkeypatch):
+    """A review: inside accelerate's ``init_empty_weights`` (it patches ``nn.Module.register_parameter`` so that each
+    parameter registered is replaced by a meta copy) fuse raised "FusedRMSNorm built from GemmaRMSNorm does not reuse
+    its parameters (['weight'] -> ['weight'])". Now it says why before changing anything; a dry run still reports.
+    The patch is made here as accelerate makes it (the test does not need accelerate)."""
+    model = _gemma()
+    before = {n: type(m) for n, m in model.named_modules()}
+    register = nn.Module.register_parameter
+
+    def to_meta(self, name, param):
+        register(self, name, param)
+        if param is not None:
+            self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    monkeypatch.setattr(nn.Module, "register_parameter", to_meta)
+    with pytest.raises(RuntimeError, match=r"init_empty_weights.*call fuse\(model\) outside it"):
+        fuse(model)
+    assert {n: type(m) for n, m in model.named_modules()} == before and not is_fused(model)
+    assert any(r.kind == "geglu" for r in fuse(model, dry_run=True).rows)
+    monkeypatch.undo()
+    assert fuse(model).rows and isinstance(model.model.layers[0].mlp, FusedGeGLUMLP)
+    assert unfuse(model)

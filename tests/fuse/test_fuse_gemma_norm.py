@@ -458,3 +458,32 @@ def test_from_module_refuses_an_offset_for_a_norm_without_a_weight():
 def test_an_offset_past_fp32s_range_is_a_value_error(offset):
     with pytest.raises(ValueError, match=r"weight_offset: expected a finite number within fp32's range"):
         FusedRMSNorm(8, weight_offset=offset, output_in_input_dtype=True)
+
+
+@pytest.mark.parametrize("value, error, match", [
+    (float("nan"), ValueError, r"weight_offset: expected a finite number"),
+    (float("inf"), ValueError, r"weight_offset: expected a finite number"),
+    ("abc", TypeError, r"weight_offset: expected a real number, got str"),
+    (True, TypeError, r"weight_offset: expected a real number, got bool"),
+])
+def test_weight_offset_set_after_construction_is_checked_as_the_constructor_checks_it(value, error, match):
+    """A review: ``norm.weight_offset = nan`` after construction gave NaN outputs without an error ("abc" a TypeError
+    naming no argument); it is a checked property now, and the norm keeps its offset when refused."""
+    norm = FusedRMSNorm(8, eps=1e-6, output_in_input_dtype=True, weight_offset=1.0)
+    with pytest.raises(error, match=match):
+        norm.weight_offset = value
+    assert norm.weight_offset == 1.0
+    norm.weight_offset = 0.5
+    x = torch.randn(3, 8, dtype=torch.float64)
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (0.5 + norm.weight.detach().double())
+    torch.testing.assert_close(norm(x), want)
+
+
+def test_a_nonzero_offset_set_after_construction_needs_gemmas_rounding_and_a_weight():
+    with pytest.raises(ValueError, match=r"^weight_offset: 1.0 needs output_in_input_dtype=True"):
+        FusedRMSNorm(8).weight_offset = 1.0
+    with pytest.raises(ValueError, match=r"^weight_offset: 1.0 needs a weight"):
+        FusedRMSNorm(8, elementwise_affine=False, output_in_input_dtype=True).weight_offset = 1.0
+    norm = FusedRMSNorm(8)
+    norm.weight_offset = 0.0   # (zero needs neither)
+    assert norm.weight_offset == 0.0 and "weight_offset" not in repr(norm)

@@ -479,6 +479,16 @@ def _adopt(new: nn.Module, old: nn.Module) -> None:
     new.training = old.training   # the module's own flag: an MLP's children are the original's, left as they are
 
 
+def _registration_replaces_parameters() -> bool:
+    """Whether registering a parameter on a module now stores another one (accelerate's ``init_empty_weights``
+    patches ``nn.Module.register_parameter`` to store a meta copy): then no fused module can take over the parameters
+    of the module it replaces (a review: fuse raised "does not reuse its parameters (['weight'] -> ['weight'])")."""
+    p = nn.Parameter(torch.empty(0, device="cpu"), requires_grad=False)
+    m = nn.Module()
+    m.register_parameter("w", p)
+    return m._parameters.get("w") is not p
+
+
 def _check_same_params(new: nn.Module, old: nn.Module) -> None:
     old_p = dict(old.named_parameters(recurse=False))
     new_p = dict(new.named_parameters(recurse=False))
@@ -554,7 +564,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     compiler fuses those ops itself; ``dispatch.compile_passthrough``); the fused kernels run in eager mode.
     torch's random state (the CPU generator's, and the CUDA devices') is left as it was, a dry run included: the
     probes draw their inputs from generators of their own and put back any draw of the module code they run
-    (``transformers.matching.rng_kept``).
+    (``transformers.matching.probe_isolated``, which also runs them outside CPU autocast and any default device).
 
     Returns:
         A :class:`FusionReport`.
@@ -565,7 +575,8 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
             value the dispatcher refuses (``dispatch.check_env``: e.g. ``PIPEGOOSE_STRICT=2``, which the fused norms'
             small path never reads, so that it would otherwise pass unnoticed). Nothing is changed then.
         RuntimeError: ``model`` is already fused (call :func:`unfuse` first), or a replacement would not reuse
-            the parameters of the module it replaces.
+            the parameters of the module it replaces (inside accelerate's ``init_empty_weights``, which replaces
+            every parameter registered, this is said before anything is done; fuse a model built there outside it).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -580,6 +591,10 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                           MixedFusedLayerNorm)
 
     dispatch.check_env()
+    if not dry_run and _registration_replaces_parameters():
+        raise RuntimeError("fuse: a parameter registered on a module now is replaced by another (accelerate's "
+                           "init_empty_weights, or another patch of torch.nn.Module.register_parameter, is active), so "
+                           "the fused modules could not share the model's parameters; call fuse(model) outside it")
 
     report = FusionReport(dry_run=dry_run, model=type(model).__name__)
     state = _Fusion(report=report)

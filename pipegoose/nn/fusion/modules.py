@@ -435,12 +435,8 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
             raise ValueError("output_in_input_dtype: expected cast_before_weight=False and "
                              "output_in_weight_dtype=False with it (OLMo-2's rule is torch.nn.RMSNorm's numerics)")
         self.output_in_input_dtype = output_in_input_dtype
-        self.weight_offset = _weight_offset(weight_offset)
-        if self.weight_offset and not output_in_input_dtype:
-            raise ValueError(f"weight_offset: {self.weight_offset} needs output_in_input_dtype=True (Gemma's rule: "
-                             "fp32 math, one rounding to the input's dtype)")
-        if self.weight_offset and not elementwise_affine:
-            raise ValueError(f"weight_offset: {self.weight_offset} needs a weight (elementwise_affine=True)")
+        self._weight_offset = _weight_offset(weight_offset)
+        _check_offset_rule(self._weight_offset, output_in_input_dtype, elementwise_affine)
         _check_module_args("rms_norm", eps, impl, allow_none_eps=True)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
@@ -463,9 +459,22 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         _common.eps_value(value, allow_none=True, name="variance_epsilon")
         self.eps = value
 
+    @property
+    def weight_offset(self) -> float:
+        """The number added to the weight (see the class); set, it is checked as the constructor checks it (a
+        review: a NaN set after construction gave NaN outputs without an error)."""
+        d = self.__dict__   # (a module pickled before this property keeps the value as a plain field)
+        return d.get("_weight_offset", d.get("weight_offset", 0.0))
+
+    @weight_offset.setter
+    def weight_offset(self, value: float) -> None:
+        value = _weight_offset(value)
+        _check_offset_rule(value, getattr(self, "output_in_input_dtype", False), self.weight is not None)
+        self._weight_offset = value
+
     def reset_parameters(self) -> None:
         if self.weight is not None:
-            nn.init.constant_(self.weight, 1.0 - getattr(self, "weight_offset", 0.0))
+            nn.init.constant_(self.weight, 1.0 - self.weight_offset)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         w = self.weight  # once: a module attribute lookup costs ~0.6 us of host time
@@ -1130,6 +1139,19 @@ def _weight_offset(value: Any) -> float:
     if not math.isfinite(value) or abs(value) > torch.finfo(torch.float32).max:
         raise ValueError(f"weight_offset: expected a finite number within fp32's range, got {value}")
     return value
+
+
+def _check_offset_rule(offset: float, output_in_input_dtype: bool, has_weight: bool) -> None:
+    """FusedRMSNorm's rule for a nonzero ``weight_offset``: Gemma's rounding (``output_in_input_dtype``) and a weight.
+
+    Raises:
+        ValueError: ``offset`` nonzero without them.
+    """
+    if offset and not output_in_input_dtype:
+        raise ValueError(f"weight_offset: {offset} needs output_in_input_dtype=True (Gemma's rule: fp32 math, one "
+                         "rounding to the input's dtype)")
+    if offset and not has_weight:
+        raise ValueError(f"weight_offset: {offset} needs a weight (elementwise_affine=True)")
 
 
 def _verify_rms_style(module: nn.Module, output_in_weight_dtype: bool | None, output_in_input_dtype: bool | None,

@@ -77,20 +77,24 @@ ATTENTION_SKIP_REASONS = {
 EPS_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon")
 
 
-def rng_kept(fn):
-    """``fn`` run with torch's global random state saved and put back afterwards: the CPU generator's, and each CUDA
-    device's where CUDA is initialised (it is not initialised for this). For the probes, which run a module's or a
-    function's own code (a forward in training mode may draw for a dropout), so that ``fuse``, ``fusion_report`` and a
-    dry run leave the random stream of the caller as it was. The probes' own inputs come from their own
-    ``torch.Generator``."""
+def probe_isolated(fn):
+    """``fn`` (a probe) run apart from the caller's global torch state: torch's global random state saved and put back
+    afterwards (the CPU generator's, and each CUDA device's where CUDA is initialised; it is not initialised for this),
+    so that ``fuse``, ``fusion_report`` and a dry run leave the caller's random stream as it was (a probe runs a
+    module's or a function's own code, and a forward in training mode may draw for a dropout); CPU autocast off and
+    the CPU as the default device (``torch.device`` as a context), so that a probe called inside
+    ``torch.autocast("cpu")``, ``with torch.device("meta")`` or accelerate's ``init_empty_weights`` computes as outside
+    them (a review: under CPU autocast the gated-MLP probe's stand-in ran its GEMMs in bf16 and refused every gated
+    MLP as a mismatch; on the meta device the RMSNorm probe raised). The probes' own inputs come from their own
+    ``torch.Generator``, in their own dtypes, whatever ``torch.get_default_dtype()`` is."""
 
     @functools.wraps(fn)
-    def kept(*args, **kwargs):
+    def isolated(*args, **kwargs):
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), torch.autocast("cpu", enabled=False), torch.device("cpu"):
             return fn(*args, **kwargs)
 
-    return kept
+    return isolated
 
 
 def model_type_of(config) -> str | None:
@@ -201,7 +205,7 @@ def eps_of(module: nn.Module) -> tuple[str | None, float | None, Exception | Non
         return name, None, e
 
 
-@rng_kept
+@probe_isolated
 def probe_rms_norm(module: nn.Module) -> RMSNormProbe:
     """Check numerically whether ``module`` computes RMSNorm (see the module docstring), over whatever size its weight
     has: the model's hidden size, or a head's (Qwen3's ``q_norm`` / ``k_norm``) or a projection's.
@@ -532,7 +536,7 @@ class SwiGLUProbe:
         return GELU_APPROXIMATE.get(self.activation)
 
 
-@rng_kept
+@probe_isolated
 def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     """Check whether ``module`` computes ``down_proj(act(gate_proj(x)) * up_proj(x))`` with ``act`` SiLU (SwiGLU) or
     GELU, exact or with the tanh approximation (GeGLU: Gemma's MLP; ``activation`` says which), or, with gate and up
@@ -604,11 +608,12 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     def linear(n_in: int, n_out: int, like: nn.Module) -> nn.Linear:
         # skip_init: nn.Linear's own initialisation drew from the global generator (fuse() changed torch's RNG state,
         # a dry run too, a review of session 61); the weights come from gen alone
-        lin = torch.nn.utils.skip_init(nn.Linear, n_in, n_out, bias=getattr(like, "bias", None) is not None)
+        lin = torch.nn.utils.skip_init(nn.Linear, n_in, n_out, bias=getattr(like, "bias", None) is not None,
+                                       dtype=torch.float32)
         with torch.no_grad():
-            lin.weight.copy_(torch.randn(n_out, n_in, generator=gen) / math.sqrt(n_in))
+            lin.weight.copy_(torch.randn(n_out, n_in, generator=gen, dtype=torch.float32) / math.sqrt(n_in))
             if lin.bias is not None:
-                lin.bias.copy_(torch.randn(n_out, generator=gen) * 0.1)
+                lin.bias.copy_(torch.randn(n_out, generator=gen, dtype=torch.float32) * 0.1)
         return lin
 
     # (gate, up, down) or (gate_up, down), by position: the layouts name them differently
@@ -633,7 +638,7 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     # both modes, so the output shows that the forward calls it once, on act(gate) * up, before the last projection,
     # where the fused module calls the MLP's own (an identity in its place would not tell whether, or where, the
     # forward calls it). Randomness of the forward's own (a functional dropout) still shows in training mode.
-    mask = (torch.rand(*x.shape[:-1], inter, generator=gen) > 0.3) / 0.7 if drop else None
+    mask = (torch.rand(*x.shape[:-1], inter, generator=gen, dtype=torch.float32) > 0.3) / 0.7 if drop else None
     dropped = {drop: _MaskDropout(mask)} if drop else {}
     object.__setattr__(stand_in, "_modules", {**children, **stand, **act, **dropped})
     ys = []
@@ -724,7 +729,7 @@ def _activation_kind(act: Any, name: str, layout: _Layout) -> tuple[str | None, 
     attribute, ``F.gelu``) is called. Near 0 and far out on either side (a clamp past 6, or any other bend, shows).
     Refused: forward or backward hooks (which the fused module would not run), another activation, a GELU in a
     layout no fused module takes GELU in (``gate_up_proj``)."""
-    t = torch.cat([torch.linspace(-6.0, 6.0, 25), torch.tensor(ACT_FAR)])
+    t = torch.cat([torch.linspace(-6.0, 6.0, 25, dtype=torch.float32), torch.tensor(ACT_FAR, dtype=torch.float32)])
     outs = []
     try:
         with torch.no_grad():
@@ -777,8 +782,8 @@ def _swiglu_probe_input(gate_w: torch.Tensor, up_w: torch.Tensor, gen: torch.Gen
     ~5, so DeepseekV4's clamp at swiglu_limit=10 passed). Deterministic: from ``gen`` alone. fp32: |silu(g) * u| stays
     below 1e4."""
     hidden = gate_w.shape[1]
-    small = torch.randn(2, 3, hidden, generator=gen) * 2.0
-    big = torch.randn(2, 3, hidden, generator=gen)
+    small = torch.randn(2, 3, hidden, generator=gen, dtype=torch.float32) * 2.0
+    big = torch.randn(2, 3, hidden, generator=gen, dtype=torch.float32)
     with torch.no_grad():
         lo = float("inf")
         for w in (gate_w, up_w):
@@ -847,4 +852,4 @@ def _double(t: torch.Tensor | None) -> torch.Tensor | None:
 __all__ = ["ACTIVATION_FORMULAS", "ATTENTION_MODEL_TYPES", "ATTENTION_SKIP_REASONS", "GELU_APPROXIMATE", "RMSNormProbe",
            "SwiGLUProbe", "attention_support",
            "get_attn_implementation", "is_attention_module", "is_config",
-           "model_type_of", "probe_rms_norm", "probe_swiglu_mlp", "rng_kept", "set_attn_implementation"]
+           "model_type_of", "probe_rms_norm", "probe_swiglu_mlp", "probe_isolated", "set_attn_implementation"]

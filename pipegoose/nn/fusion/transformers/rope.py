@@ -64,7 +64,7 @@ from torch import nn
 from .. import dispatch
 from ..ops._common import dtype_name
 from ..ops.rope import choice_of, rope_reference, run_choice, shape_reason
-from .matching import rng_kept
+from .matching import probe_isolated
 
 NAME = "apply_rotary_pos_emb"
 _FALLBACK_ATTR = "__pipegoose_rope_original__"   # on a dispatching function: the model's own code it falls back to
@@ -254,7 +254,7 @@ def _forms(fn: Callable, inputs: list) -> tuple:
     return tuple(forms.items())
 
 
-@rng_kept   # the model's function runs: the caller's random stream is left as it was
+@probe_isolated   # the model's function runs: the caller's random stream is left as it was
 def _probe(fn: Callable, where: str) -> Probe:
     g = torch.Generator().manual_seed(0)
     inputs = []
