@@ -395,10 +395,21 @@ def test_fuse_inside_init_empty_weights_says_so_and_changes_nothing(monkeypatch)
             self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
     monkeypatch.setattr(nn.Module, "register_parameter", to_meta)
-    with pytest.raises(RuntimeError, match=r"init_empty_weights.*call fuse\(model\) outside it"):
+    with pytest.raises(RuntimeError, match=r"init_empty_weights.*fused norms \(layer_norm, rms_norm\).*"
+                                           r"call fuse\(model\) outside it, or leave them out of ops"):
         fuse(model)
     assert {n: type(m) for n, m in model.named_modules()} == before and not is_fused(model)
     assert any(r.kind == "geglu" for r in fuse(model, dry_run=True).rows)
+    # the kinds without parameters of their own fuse there as outside (a review: all were refused)
+    ids = _batch()["input_ids"]
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    report = fuse(model, ops=["geglu", "rope", "cross_entropy"])
+    assert isinstance(model.model.layers[0].mlp, FusedGeGLUMLP) and report.rows
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, want)
+    assert unfuse(model)
     monkeypatch.undo()
     assert fuse(model).rows and isinstance(model.model.layers[0].mlp, FusedGeGLUMLP)
     assert unfuse(model)

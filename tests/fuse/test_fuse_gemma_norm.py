@@ -487,3 +487,26 @@ def test_a_nonzero_offset_set_after_construction_needs_gemmas_rounding_and_a_wei
     norm = FusedRMSNorm(8)
     norm.weight_offset = 0.0   # (zero needs neither)
     assert norm.weight_offset == 0.0 and "weight_offset" not in repr(norm)
+
+
+def test_the_offset_rule_is_checked_again_at_the_forward():
+    """A review: the flag or the weight changed after the offset was set (``output_in_input_dtype = False``, ``weight
+    = None``) left a state the constructor refuses, and the forward then ignored the offset silently."""
+    x = torch.randn(2, 8)
+    norm = FusedRMSNorm(8, eps=1e-6, output_in_input_dtype=True, weight_offset=1.0)
+    norm.output_in_input_dtype = False
+    with pytest.raises(ValueError, match=r"^weight_offset: 1.0 needs output_in_input_dtype=True"):
+        norm(x)
+    norm = FusedRMSNorm(8, eps=1e-6, output_in_input_dtype=True, weight_offset=1.0)
+    norm.weight = None
+    with pytest.raises(ValueError, match=r"^weight_offset: 1.0 needs a weight"):
+        norm(x)
+
+
+def test_the_offset_is_stored_under_its_own_name_for_pickles_of_either_version():
+    """The property keeps the value in the instance's ``__dict__`` as ``weight_offset``, where the module kept it
+    before the property: a pickle of either version reads the same offset in the other."""
+    norm = FusedRMSNorm(8, eps=1e-6, output_in_input_dtype=True, weight_offset=1.0)
+    assert norm.__dict__["weight_offset"] == 1.0 and "_weight_offset" not in norm.__dict__
+    state = pickle.loads(pickle.dumps(norm)).__dict__
+    assert state["weight_offset"] == 1.0

@@ -118,19 +118,28 @@ def test_the_other_verified_types_give_the_same_loss_and_gradients(model_type):
 
 
 def _forward_code(cls):
-    """``cls.forward``'s parameters' names and the code of its body without the docstring: the dump of their syntax
-    trees (no line numbers, blanks, comments or annotations: GLM-4's return annotation differs from Llama's)."""
-    import ast
+    """``cls.forward``'s code as :func:`_code_of` reads it."""
     import inspect
+
+    return _code_of(inspect.getsource(cls.forward))
+
+
+def _code_of(src):
+    """A function's decorators, parameters' names and defaults and the code of its body without the docstring, from
+    its source ``src``: the dump of their syntax trees (no line numbers, blanks, comments or annotations: GLM-4's
+    return annotation differs from Llama's; a review: a decorator that post-processes the logits, or another default,
+    passed when only the body was compared)."""
+    import ast
     import textwrap
 
-    (fn,) = ast.parse(textwrap.dedent(inspect.getsource(cls.forward))).body
+    (fn,) = ast.parse(textwrap.dedent(src)).body
     if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(getattr(fn.body[0], "value", None), ast.Constant):
         fn.body = fn.body[1:]
     args = fn.args
     names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs] + [
         f"*{a.arg}" for a in (args.vararg, args.kwarg) if a is not None]
-    return names, [ast.dump(stmt) for stmt in fn.body]
+    defaults = [ast.dump(d) for d in args.defaults + [d for d in args.kw_defaults if d is not None]]
+    return [ast.dump(d) for d in fn.decorator_list], names, defaults, [ast.dump(stmt) for stmt in fn.body]
 
 
 def test_the_llama_like_types_forward_is_llamas_in_this_transformers():
@@ -148,8 +157,45 @@ def test_the_llama_like_types_forward_is_llamas_in_this_transformers():
         assert _forward_code(cls) == want, f"{model_type}: {cls.__name__}.forward is not LlamaForCausalLM's"
         checked.append(model_type)
     assert {"gemma", "phi3", "mistral", "qwen2"} <= set(checked)
-    # and the check can fail: a forward that post-processes the logits differs
+    # and the check can fail: a forward that post-processes the logits differs, and so does Llama's with another
+    # decorator (a soft-cap put around it, say) or another default
     assert _forward_code(tr.Gemma2ForCausalLM) != want
+    import inspect
+
+    import textwrap
+
+    src = textwrap.dedent(inspect.getsource(tr.LlamaForCausalLM.forward))
+    assert _code_of(src) == want
+    changed = ["@softcap\n" + src, src.replace("logits_to_keep: int | torch.Tensor = 0", "logits_to_keep: int = 1")]
+    assert all(c != src for c in changed)
+    assert all(_code_of(c) != want for c in changed)
+
+
+def test_a_verified_type_whose_class_overrides_forward_is_skipped():
+    """A review: the type was read from config.model_type alone, so a subclass (or remote code) of a verified type
+    whose forward post-processes the logits would have been fused, its loss then computed without that. A subclass
+    that keeps transformers' forward is taken."""
+    import transformers as tr
+
+    class Capped(tr.LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):   # the logits soft-capped before the loss
+            out = super().forward(input_ids=input_ids, **kwargs)
+            out.logits = 30.0 * torch.tanh(out.logits / 30.0)
+            if labels is not None:
+                out.loss = self.loss_function(logits=out.logits, labels=labels, vocab_size=self.config.vocab_size)
+            return out
+
+    class Plain(tr.LlamaForCausalLM):
+        pass
+
+    cfg = models.config("llama", "eager")
+    torch.manual_seed(0)
+    (row,) = _rows(fuse(Capped(cfg), ops=[KIND], dry_run=True))
+    assert not row.fused and not row.eligible
+    assert "Capped.forward is not LlamaForCausalLM.forward" in row.reason, row.reason
+    torch.manual_seed(0)
+    (row,) = _rows(fuse(Plain(cfg), ops=[KIND], dry_run=True))
+    assert row.fused, row.reason
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

@@ -576,7 +576,8 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
             small path never reads, so that it would otherwise pass unnoticed). Nothing is changed then.
         RuntimeError: ``model`` is already fused (call :func:`unfuse` first), or a replacement would not reuse
             the parameters of the module it replaces (inside accelerate's ``init_empty_weights``, which replaces
-            every parameter registered, this is said before anything is done; fuse a model built there outside it).
+            every parameter registered, this is said before anything is done where ``ops`` has a norm kind, whose
+            fused modules take over the norm's weight; the other kinds hold no parameters of their own).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -591,10 +592,12 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                           MixedFusedLayerNorm)
 
     dispatch.check_env()
-    if not dry_run and _registration_replaces_parameters():
-        raise RuntimeError("fuse: a parameter registered on a module now is replaced by another (accelerate's "
-                           "init_empty_weights, or another patch of torch.nn.Module.register_parameter, is active), so "
-                           "the fused modules could not share the model's parameters; call fuse(model) outside it")
+    norms = [k for k in ("layer_norm", "rms_norm") if k in ops]   # the kinds whose fused modules hold parameters
+    if not dry_run and norms and _registration_replaces_parameters():
+        raise RuntimeError(f"fuse: a parameter registered on a module now is replaced by another (accelerate's "
+                           f"init_empty_weights, or another patch of torch.nn.Module.register_parameter, is active), "
+                           f"so the fused norms ({', '.join(norms)}) could not share the model's parameters; call "
+                           f"fuse(model) outside it, or leave them out of ops")
 
     report = FusionReport(dry_run=dry_run, model=type(model).__name__)
     state = _Fusion(report=report)

@@ -435,8 +435,9 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
             raise ValueError("output_in_input_dtype: expected cast_before_weight=False and "
                              "output_in_weight_dtype=False with it (OLMo-2's rule is torch.nn.RMSNorm's numerics)")
         self.output_in_input_dtype = output_in_input_dtype
-        self._weight_offset = _weight_offset(weight_offset)
-        _check_offset_rule(self._weight_offset, output_in_input_dtype, elementwise_affine)
+        offset = _weight_offset(weight_offset)
+        _check_offset_rule(offset, output_in_input_dtype, elementwise_affine)
+        self.__dict__["weight_offset"] = offset   # (the property's storage; see weight_offset)
         _check_module_args("rms_norm", eps, impl, allow_none_eps=True)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
@@ -462,15 +463,16 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
     @property
     def weight_offset(self) -> float:
         """The number added to the weight (see the class); set, it is checked as the constructor checks it (a
-        review: a NaN set after construction gave NaN outputs without an error)."""
-        d = self.__dict__   # (a module pickled before this property keeps the value as a plain field)
-        return d.get("_weight_offset", d.get("weight_offset", 0.0))
+        review: a NaN set after construction gave NaN outputs without an error), and a nonzero one is checked again
+        against ``output_in_input_dtype`` and the weight at each forward. Stored in the instance's ``__dict__`` under
+        its own name, as before it was a property, so pickles read the same in either version."""
+        return self.__dict__.get("weight_offset", 0.0)
 
     @weight_offset.setter
     def weight_offset(self, value: float) -> None:
         value = _weight_offset(value)
         _check_offset_rule(value, getattr(self, "output_in_input_dtype", False), self.weight is not None)
-        self._weight_offset = value
+        self.__dict__["weight_offset"] = value
 
     def reset_parameters(self) -> None:
         if self.weight is not None:
@@ -479,7 +481,10 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         w = self.weight  # once: a module attribute lookup costs ~0.6 us of host time
         # (getattr: a module pickled before the field existed has none)
-        if getattr(self, "weight_offset", 0.0) and w is not None:
+        offset = self.__dict__.get("weight_offset", 0.0)
+        if offset:
+            # (the rule again: output_in_input_dtype or the weight changed after the offset was set; a review)
+            _check_offset_rule(offset, self.output_in_input_dtype, w is not None)
             return self._offset_forward(input, w)
         if self.output_in_weight_dtype:
             try:

@@ -82,7 +82,8 @@ def head_of(model: nn.Module) -> nn.Linear | None:
 
 def support(model: nn.Module) -> tuple[bool, str]:
     """(whether ``fuse`` can put the fused head and loss on ``model``, the reason): a transformers causal LM of a
-    verified type (:data:`MODEL_TYPES`, not encoder-decoder) whose forward calls ``self.loss_function``, whose loss is
+    verified type (:data:`MODEL_TYPES`, not encoder-decoder; its class's ``forward`` the one of transformers'
+    causal-LM class for its config) whose forward calls ``self.loss_function``, whose loss is
     the causal-LM cross-entropy (transformers' or ours), with a plain ``nn.Linear`` head and no logit post-processing
     in its config."""
     name, reason, candidate, original = _loss.loss_support(model)
@@ -94,6 +95,9 @@ def support(model: nn.Module) -> tuple[bool, str]:
     if model_type not in MODEL_TYPES or getattr(config, "is_encoder_decoder", False):
         return False, (f"model type {model_type!r}: not one whose forward is verified to compute "
                        f"CE(lm_head(hidden)) alone ({', '.join(MODEL_TYPES)})")
+    mismatch = _forward_not_verified(model, config)
+    if mismatch is not None:
+        return False, mismatch
     if name != "causal_lm_loss" and not ours:
         return False, f"its loss is {original or 'not transformers causal-LM loss'}: {reason}"
     if head_of(model) is None:
@@ -113,6 +117,24 @@ def support(model: nn.Module) -> tuple[bool, str]:
                        "the original before copying): left as they are")
     return True, (f"lm_head + {original} -> {NAME} (in training with labels: no [B, S, V] logits; output.logits is "
                   "None then)")
+
+
+def _forward_not_verified(model: nn.Module, config: Any) -> str | None:
+    """None where ``model``'s class runs the ``forward`` of transformers' causal-LM class for its config (that class,
+    or a subclass that does not override ``forward``): the code :data:`MODEL_TYPES` vouches for; else why not (a
+    review: the type was taken from ``config.model_type`` alone, so remote code or a subclass keeping a verified
+    type but computing more in its forward would have been fused)."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except Exception:  # noqa: BLE001 - no causal-LM class of transformers' for this config (remote code, say)
+        return (f"{type(config).__name__} has no causal-LM class in transformers' auto mapping: its forward is not "
+                "one that was verified")
+    if getattr(type(model), "forward", None) is not getattr(cls, "forward", None):
+        return (f"{type(model).__name__}.forward is not {cls.__name__}.forward (a subclass or remote code that "
+                "overrides it): not the forward that was verified")
+    return None
 
 
 def _bind(module: nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments | None:
