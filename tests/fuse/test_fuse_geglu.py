@@ -383,8 +383,9 @@ def test_the_probes_compute_as_outside_the_callers_dtype_autocast_and_device(whe
 def test_fuse_inside_init_empty_weights_says_so_and_changes_nothing(monkeypatch):
     """A review: inside accelerate's ``init_empty_weights`` (it patches ``nn.Module.register_parameter`` so that each
     parameter registered is replaced by a meta copy) fuse raised "FusedRMSNorm built from GemmaRMSNorm does not reuse
-    its parameters (['weight'] -> ['weight'])". Now it says why before changing anything; a dry run still reports.
-    The patch is made here as accelerate makes it (the test does not need accelerate)."""
+    its parameters (['weight'] -> ['weight'])". Now, with a norm kind in ops, it says why before changing anything;
+    a dry run still reports, and the kinds without parameters of their own fuse there. The patch is made here as
+    accelerate makes it (the test does not need accelerate)."""
     model = _gemma()
     before = {n: type(m) for n, m in model.named_modules()}
     register = nn.Module.register_parameter

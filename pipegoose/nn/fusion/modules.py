@@ -480,7 +480,7 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         w = self.weight  # once: a module attribute lookup costs ~0.6 us of host time
-        # (getattr: a module pickled before the field existed has none)
+        # (the property's storage read directly; a module pickled before the field existed has none: 0.0)
         offset = self.__dict__.get("weight_offset", 0.0)
         if offset:
             # (the rule again: output_in_input_dtype or the weight changed after the offset was set; a review)

@@ -54,9 +54,10 @@ from . import loss as _loss
 NAME = "fused_linear_cross_entropy"
 # config.model_type of the causal LMs whose forward (transformers 5.25) is: base model, hidden states sliced by
 # logits_to_keep, logits = lm_head(hidden), loss = self.loss_function(logits, labels, vocab_size, **kwargs), nothing
-# else done with the labels or the logits. LLAMA_LIKE: those whose forward is, docstring aside, LlamaForCausalLM's
-# code token for token (tests/fuse/test_fuse_lm_head.py compares them with the installed transformers); the others
-# were read one by one
+# else done with the labels or the logits. LLAMA_LIKE: those whose forward is LlamaForCausalLM's code, docstring and
+# annotations aside: decorators, parameters, defaults and statements (tests/fuse/test_fuse_lm_head.py compares them
+# with the installed transformers; support() also checks that the model's class runs that forward); the others were
+# read one by one
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "phi", "olmo", "olmo2", "olmo3", "starcoder2",
               "glm", "glm4", "smollm3", "helium")
 MODEL_TYPES = LLAMA_LIKE + ("gpt_neox", "gpt2", "opt", "bloom")
@@ -303,4 +304,5 @@ def is_installed(model: nn.Module) -> bool:
     return any(h is _pre_hook for h in model._forward_pre_hooks.values())
 
 
-__all__ = ["LLAMA_LIKE", "MODEL_TYPES", "causal_lm_head_loss", "head_of", "install", "uninstall", "is_installed", "support"]
+__all__ = ["LLAMA_LIKE", "MODEL_TYPES", "causal_lm_head_loss", "head_of", "install", "uninstall", "is_installed",
+           "support"]
