@@ -107,6 +107,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .modules import ORIGINAL_ATTR as _ORIGINAL
+from .transformers import experts as _experts
 from .transformers import lm_head as _lm_head
 from .transformers import loss as _loss
 from .transformers import matching
@@ -375,6 +376,8 @@ class _Fusion:
     loss_swaps: list = field(default_factory=list)       # (weakref to model, the loss function set on it)
     head_swaps: list = field(default_factory=list)       # (weakref to model, lm_head.install's hook handles)
     rope_hooks: list = field(default_factory=list)       # (weakref to attention module, transformers.rope.Installed)
+    # (weakref to a MoE experts module, weakref to the transformers.experts.FusedExpertsGate set on it)
+    experts_gates: list = field(default_factory=list)
     # (weakref to module, old_config, new_config, new_config's attributes as fuse() left them): one new_config per
     # transformers model whose attention was fused (the model's own; in a wrapper, each model inside it)
     config_swaps: list = field(default_factory=list)
@@ -635,6 +638,11 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                     held.add(id(report.rows[-1]))
                     _hold(state, report.rows[-1], path, lambda m: isinstance(m, fused_types))
                     continue
+                if _experts.candidate(child):   # a MoE layer's experts: their gate hooked, the module kept
+                    row = _consider_experts(model, child, path, ops, dry_run, state, held)
+                    if row is not None:
+                        report.rows.append(row)
+                    continue
                 row, new = _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm)
                 if row is None:
                     target = _rope.target(child)
@@ -702,6 +710,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     order = {p: i for i, (p, _) in enumerate(model.named_modules(remove_duplicate=False))}
     report.rows.sort(key=lambda r: order.get(r.path, len(order)))
     if not dry_run and (state.swaps or state.config_swaps or state.loss_swaps or state.rope_hooks or state.head_swaps
+                        or state.experts_gates
                         or any(r.fused and id(r) not in held for r in report.rows)):
         _STATE[model] = state  # a call that fused nothing leaves no record: fuse() may be called again
     return report
@@ -1061,6 +1070,54 @@ def _consider_swiglu(child, path, ops, dry_run):
         note += "; dropout kept" + ("" if probe.down_cast else "; no cast to wo's dtype (LongT5's forward has none)")
     return FusionRow(path, kind, type(child).__name__, cls.__name__, True, fwd, bwd,
                      f"{what} ({probe.reason}), same projections{layout}{note}" + _small_note(child)), new
+
+
+def _consider_experts(model, child, path, ops, dry_run, state, held: set) -> FusionRow | None:
+    """The report's row (kind ``swiglu``) for a MoE layer's experts module of transformers' experts interface
+    (:mod:`~pipegoose.nn.fusion.transformers.experts`), whose gate ``fuse`` routes to op ``swiglu.packed``: held
+    where another fuse() call (or a copy of a fused model) put the gate there; None where ``swiglu`` is left out of
+    ``ops`` (counted as not requested where it would be fused)."""
+    name = type(child).__name__
+    if _experts.hooked(child):
+        owner = next((r for r, st in list(_STATE.items())
+                      if any(ref() is child for ref, _ in st.experts_gates)), None)
+        why = (_earlier_fuse_reason(model, owner, "kept") if owner is not None else
+               "already fused before this call (a copy of a fused model): kept here, and unfuse() will not revert it")
+        row = FusionRow(path, "swiglu", name, "FusedExpertsGate", True, "-", "-", reason=why)
+        held.add(id(row))
+        _hold(state, row, path, _experts.hooked)
+        return row
+    found = _experts.probe(child)
+    if "swiglu" not in ops:
+        if found.ok:
+            state.report.not_requested["swiglu"] = state.report.not_requested.get("swiglu", 0) + 1
+        return None
+    if not found.ok:
+        return FusionRow(path, "swiglu", name, None, False, reason=found.reason, eligible=False)
+    if "_apply_gate" in child.__dict__:
+        return FusionRow(path, "swiglu", name, None, False, reason=(
+            "an _apply_gate set on the instance (a patch): the fused gate would take its place"))
+    if "forward" in child.__dict__:
+        return FusionRow(path, "swiglu", name, None, False, reason=(
+            "a forward set on the instance (a patch), which may not call _apply_gate: not vouched for"))
+    impl = _experts.implementation(child)
+    width = _experts.gate_width(child)
+    if impl == "eager":
+        fwd = bwd = _MODEL_CODE
+        where = ("; its config's experts implementation is 'eager' (transformers' loop, which computes act_fn(gate) * "
+                 "up itself): the fused gate runs once another is set (grouped_mm, batched_mm: "
+                 "model.set_experts_implementation)")
+    else:
+        rows = _probe_rows((width or 2,))
+        fwd, bwd = _impls("swiglu.packed", child, lambda d, t: (torch.empty(rows, width or 2, device=d, dtype=t),))
+        where = f"; experts implementation {impl!r}" if impl else ""
+    if not dry_run:
+        gate = _experts.install(child, found.act)
+        state.experts_gates.append((weakref.ref(child), weakref.ref(gate)))
+    return FusionRow(path, "swiglu", name, "FusedExpertsGate", True, fwd, bwd,
+                     "MoE experts' gate (" + found.reason.removeprefix("probe: ") + "): the packed gate_up_proj output "
+                     "of the routed tokens runs op swiglu.packed (the instance's _apply_gate; weights and forward "
+                     "unchanged)" + where + _small_note(child))
 
 
 def _rope_probe_inputs(module: nn.Module, rotary: int | None = None, head: int | None = None):
@@ -1589,6 +1646,10 @@ def _undo(state: _Fusion) -> list[str]:
             problems.append(f"{type(module).__name__}.config was replaced after fuse()")
     for module_ref, rec in reversed(state.rope_hooks):
         _rope.uninstall(module_ref(), rec)
+    for module_ref, gate_ref in reversed(state.experts_gates):
+        module = module_ref()
+        if not _experts.uninstall(module, gate_ref()):
+            problems.append(f"{type(module).__name__}._apply_gate was replaced after fuse()")
     for model_ref, handles in reversed(state.head_swaps):
         _lm_head.uninstall(model_ref(), handles)
     for model_ref, fn in reversed(state.loss_swaps):
@@ -1621,6 +1682,7 @@ def _undo(state: _Fusion) -> list[str]:
     state.loss_swaps.clear()
     state.head_swaps.clear()
     state.rope_hooks.clear()
+    state.experts_gates.clear()
     return problems
 
 
@@ -1701,7 +1763,7 @@ def _unfuse(model: nn.Module, keep: Iterable[nn.Module] = (), quiet: bool = Fals
                  if isinstance(m, (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP, FusedGateUpSwiGLUMLP,
                                    FusedGeGLUMLP, FusedT5DenseGatedActDense))
                  or _loss.ours_is_set(m)
-                 or _rope.hooked(m)]
+                 or _rope.hooked(m) or _experts.hooked(m)]
         if found:
             raise RuntimeError(
                 f"unfuse: this {type(model).__name__} holds fused modules ({found[0]}"

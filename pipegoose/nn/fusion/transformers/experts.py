@@ -1,0 +1,193 @@
+"""The gated activation of transformers' mixture-of-experts layers on our kernel (op ``swiglu.packed``), for
+``fuse(model)``.
+
+transformers 5 holds a MoE layer's experts in one module with 3-d weights (``gate_up_proj`` ``[experts, 2 * inter,
+hidden]``, ``down_proj``), of a class decorated with ``transformers.integrations.moe.use_experts_implementation``
+(Mixtral's, Qwen2-MoE's, Qwen3-MoE's, OLMoE's, DeepSeek-V3's and some eighty other models'). The config's
+``_experts_implementation`` says how the experts run: ``grouped_mm`` (the default where torch has it), ``batched_mm``,
+``deepgemm`` or the FP8 ones compute each routed token's ``gate_up_proj`` output, ``[tokens * top_k, 2 * inter]``, and
+pass it to the module's ``_apply_gate``; transformers' default one is ``gate, up = gate_up_out.chunk(2, -1);
+act_fn(gate) * up``: with SiLU, what op ``swiglu.packed`` (:func:`~pipegoose.nn.fusion.functional.silu_and_mul`)
+computes in one kernel forward and one backward (eager PyTorch: SiLU, the product, and in the backward the halves'
+gradients concatenated). ``eager``, the class's own loop over the experts, computes the product inline and never
+calls ``_apply_gate``.
+
+``fuse`` sets a :class:`FusedExpertsGate` as the instance's ``_apply_gate`` (an instance attribute, which Python finds
+before the class's method); ``unfuse`` deletes it. The module's class, parameters, ``forward`` and ``state_dict`` are
+unchanged. Before that, :func:`probe` checks that the module has a gate (``has_gate``), that its ``act_fn`` is SiLU
+(through its forward, near 0 and out to +-100, in training and eval mode) without hooks, that no clamp limit is set
+(GPT-OSS's ``limit``), and that the class's ``_apply_gate`` computes ``silu(gate) * up`` of the two halves: it is run
+on fp32 CPU rows whose gate and up reach +-100, against the float64 formula (a class with its own gate, clamped,
+interleaved or scaled, differs and is refused with the reason).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import functional as PF
+from ..ops import _common
+from . import matching
+
+# what the probe's rows reach, besides [-6, 6] (a clamp at any plausible limit shows)
+_FAR = (-100.0, -60.0, -30.0, -15.0, -10.0, -8.0, 8.0, 10.0, 15.0, 30.0, 60.0, 100.0)
+ACT = "act_fn"
+
+
+def candidate(module: nn.Module) -> bool:
+    """Whether ``module`` is an experts module of transformers' experts interface (the attributes that
+    ``use_experts_implementation`` sets, ``has_gate`` and ``is_concatenated``, and a class ``_apply_gate``)."""
+    own = module.__dict__
+    return "has_gate" in own and "is_concatenated" in own and callable(getattr(type(module), "_apply_gate", None))
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Result of :func:`probe`: ``ok``, or not with the ``reason``; ``act`` the ``act_fn`` object vouched for."""
+
+    ok: bool
+    reason: str
+    act: Any = None
+
+
+def _act_of(module: nn.Module) -> Any:
+    return module._modules[ACT] if ACT in module._modules else module.__dict__.get(ACT)
+
+
+@matching.probe_isolated
+def probe(module: nn.Module) -> Probe:
+    """Check that ``module`` (a :func:`candidate`) computes its gate as ``silu(gate) * up`` of the packed projection
+    output's halves (see the module docstring). Never raises."""
+    name = type(module).__name__
+    if not module.__dict__.get("has_gate"):
+        return Probe(False, f"{name} has no gate (has_gate False: act_fn of up_proj's output alone), no gated "
+                            "activation to fuse")
+    act = _act_of(module)
+    if act is None:
+        return Probe(False, f"{name} has no {ACT}: not transformers' default gate")
+    if isinstance(act, nn.Module) and _common.has_module_hooks(act):
+        return Probe(False, f"{ACT} has forward or backward hooks, which the fused gate (one kernel for the "
+                            "activation and the product) would not run")
+    kind, why = matching._activation_kind(act, ACT, matching._SEPARATE)
+    if why is not None:
+        return Probe(False, why)
+    if kind != "silu":
+        return Probe(False, f"{ACT} ({type(act).__name__}) is GELU (approximate={matching.GELU_APPROXIMATE[kind]!r}), "
+                            "not SiLU: no kernel computes GELU of gate and up in one tensor (op swiglu.packed "
+                            "computes SiLU)")
+    clamp = matching._swiglu_clamp(module)
+    if clamp is not None:
+        return Probe(False, clamp)
+    # the class's _apply_gate on a shallow stand-in (the module's attributes, no parameters or buffers: a gate that
+    # reads a weight is not transformers' default one), in training and eval mode
+    stand_in = object.__new__(type(module))
+    stand_in.__dict__.update(module.__dict__)
+    stand_in.__dict__.pop("_apply_gate", None)
+    object.__setattr__(stand_in, "_parameters", {})
+    object.__setattr__(stand_in, "_buffers", {})
+    object.__setattr__(stand_in, "_modules", dict(module._modules))
+    gen = torch.Generator().manual_seed(2468)
+    inter = 40
+    line = torch.cat([torch.linspace(-6.0, 6.0, inter - len(_FAR)), torch.tensor(_FAR)])
+    gate = torch.stack([line, line.flip(0), torch.randn(inter, generator=gen) * 3.0])
+    up = torch.stack([torch.randn(inter, generator=gen) * 2.0, line, line.flip(0)])
+    x = torch.cat([gate, up], dim=-1).to(torch.float32)
+    g64, u64 = x.double().chunk(2, dim=-1)
+    ref = g64 * torch.sigmoid(g64) * u64
+    for training in (True, False):
+        stand_in.__dict__["training"] = training
+        try:
+            with torch.set_grad_enabled(training):
+                y = type(module)._apply_gate(stand_in, x.clone())
+        except Exception as exc:  # noqa: BLE001 - a gate we cannot run we cannot vouch for
+            return Probe(False, f"probe of {name}._apply_gate ({'training' if training else 'eval'} mode) failed: "
+                                f"{type(exc).__name__}: {exc}")
+        if not isinstance(y, torch.Tensor) or y.shape != ref.shape:
+            return Probe(False, f"{name}._apply_gate returned {getattr(y, 'shape', type(y).__name__)} for rows of "
+                                f"{2 * inter} values, not [rows, {inter}]: not silu(gate) * up of the two halves")
+        if not bool(((y.double() - ref).abs() <= 1e-6 + 1e-5 * ref.abs()).all()):
+            err = (y.double() - ref).abs().max().item()
+            return Probe(False, f"{name}._apply_gate differs from silu(gate) * up of the halves of gate_up_proj's "
+                                f"output (max abs diff {err:.3g}): a gate of its own")
+    return Probe(True, "probe: _apply_gate equals silu(gate) * up of the halves", act)
+
+
+class FusedExpertsGate:
+    """The ``_apply_gate`` that ``fuse`` sets on a transformers experts module: ``silu_and_mul(gate_up_out)`` (op
+    ``swiglu.packed``) where the module's ``act_fn`` is still the one :func:`probe` vouched for and has no hooks,
+    else the class's own ``_apply_gate`` (what the unfused module runs: an activation replaced or hooked since is
+    run, and its hooks fire).
+
+    Called by transformers' experts implementations with ``gate_up_out`` ``[rows, 2 * inter]`` (gate the first
+    ``inter`` values of each row), fp32, fp16 or bf16; returns ``[rows, inter]`` of its dtype. Kernel:
+    pipegoose/swiglu (pipegoose/kernels/csrc/swiglu.cu, this project, MIT); on the CPU, or where the dispatcher does
+    not choose it, PyTorch's ``F.silu(gate) * up``. Raises what :func:`~pipegoose.nn.fusion.functional.silu_and_mul`
+    raises (ValueError for an odd last dimension).
+
+    It holds the module (a reference cycle through the module's ``__dict__``, collected with it), so that copies
+    (``copy.deepcopy``, pickling) hold a gate of their own module.
+    """
+
+    def __init__(self, module: nn.Module, act: Any, impl: str | None = None) -> None:
+        self.module = module
+        self.probed_act = act
+        self.impl = impl
+
+    def __call__(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        module = self.module
+        act = _act_of(module)
+        if act is not self.probed_act or (isinstance(act, nn.Module) and _common.has_module_hooks(act)):
+            return type(module)._apply_gate(module, gate_up_out)
+        return PF.silu_and_mul(gate_up_out, impl=self.impl)
+
+    def __repr__(self) -> str:
+        return f"FusedExpertsGate(op='swiglu.packed', impl={self.impl!r})"
+
+
+def hooked(module: nn.Module) -> bool:
+    """Whether ``module`` runs a :class:`FusedExpertsGate` (set by ``fuse``, or held by a copy of a fused model)."""
+    return isinstance(module.__dict__.get("_apply_gate"), FusedExpertsGate)
+
+
+def install(module: nn.Module, act: Any) -> FusedExpertsGate:
+    """Set a :class:`FusedExpertsGate` as ``module``'s ``_apply_gate``; returns it."""
+    gate = FusedExpertsGate(module, act)
+    module.__dict__["_apply_gate"] = gate
+    return gate
+
+
+def uninstall(module: nn.Module | None, gate: FusedExpertsGate | None) -> bool:
+    """Delete ``gate`` from ``module`` (nothing where the module was collected); False where another ``_apply_gate``
+    was set on it since (it is left in place)."""
+    if module is None:
+        return True
+    if gate is not None and module.__dict__.get("_apply_gate") is gate:
+        del module.__dict__["_apply_gate"]
+        return True
+    return False
+
+
+def implementation(module: nn.Module) -> str | None:
+    """The experts implementation the module's config names (``grouped_mm``, ``eager`` ...), or None."""
+    try:
+        return getattr(module.__dict__.get("config"), "_experts_implementation", None)
+    except Exception:  # noqa: BLE001 - a config that raises names none
+        return None
+
+
+def gate_width(module: nn.Module) -> int | None:
+    """The packed projection's output width, ``2 * inter`` (``gate_up_proj`` ``[experts, 2 * inter, hidden]``, or
+    transposed ``[experts, hidden, 2 * inter]``), or None."""
+    w = getattr(module, "gate_up_proj", None)
+    shape = getattr(w, "shape", None)
+    if shape is None or len(shape) != 3:
+        return None
+    return int(shape[2] if module.__dict__.get("is_transposed") else shape[1])
+
+
+__all__ = ["FusedExpertsGate", "Probe", "candidate", "gate_width", "hooked", "implementation", "install", "probe",
+           "uninstall"]
