@@ -1,5 +1,5 @@
-"""End-to-end: one training step (forward, backward, AdamW) of Llama-, GPT-NeoX-, Qwen3-, Phi-3- and Gemma-like models,
-bf16, seq 2048.
+"""End-to-end: one training step (forward, backward, AdamW) of Llama-, GPT-NeoX-, Qwen3-, Phi-3-, Gemma- and
+Qwen3-MoE-like models, bf16, seq 2048.
 
 Models (random init from a config, no weights downloaded):
 
@@ -23,6 +23,12 @@ Models (random init from a config, no weights downloaded):
   per token that the layers save for the backward, measured on the CPU: 8.4 GiB, three fp32 logits-sized tensors
   at the loss's backward: 23.4 GiB), under 60 GiB of an 80 GB card. Not in ``benchmarks.run``'s default
   ``--e2e-models``.
+* ``qwen3_moe``: Qwen3-30B-A3B's layer shape (hidden 2048, 32 heads of 128, 4 KV heads, 128 experts of 768 with 8
+  routed per token, vocab 151936) with 4 of its 48 layers, ~3.1B params (2.4B in the experts), batch 4; the experts run
+  transformers' default ``grouped_mm`` implementation, whose gate (``act_fn(gate) * up`` of the routed tokens'
+  ``gate_up_proj`` output, ``[65536, 1536]`` a layer) runs op ``swiglu.packed`` once fused (``FusedExpertsGate``).
+  Liger-Kernel's patch (``apply_liger_kernel_to_qwen3_moe``) replaces the experts with its own (``LigerExperts``).
+  Not in ``benchmarks.run``'s default ``--e2e-models``.
 
 Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
 (``pipegoose.nn.fusion.fuse(model)`` on that model), ``fuse_sdpa_adam`` (``fuse_sdpa`` with
@@ -85,15 +91,23 @@ MODELS = {
                                                       max_position_embeddings=8192, rms_norm_eps=1e-6,
                                                       tie_word_embeddings=True, pad_token_id=0, bos_token_id=2,
                                                       eos_token_id=1)),
+    "qwen3_moe": dict(arch="qwen3_moe", batch=4, config=dict(hidden_size=2048, intermediate_size=6144,
+                                                              moe_intermediate_size=768, num_experts=128,
+                                                              num_experts_per_tok=8, num_hidden_layers=4,
+                                                              num_attention_heads=32, num_key_value_heads=4,
+                                                              head_dim=128, vocab_size=151936, norm_topk_prob=True,
+                                                              max_position_embeddings=4096, rms_norm_eps=1e-6,
+                                                              tie_word_embeddings=False)),
 }
 CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config", "phi3": "Phi3Config",
-           "gemma": "GemmaConfig"}
+           "gemma": "GemmaConfig", "qwen3_moe": "Qwen3MoeConfig"}
 VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_model_rope",
             "compile_sdpa", "liger_rmsnorm", "liger")
 # What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the
 # subprocess failed), unavailable (Liger-Kernel not installed), skipped (time budget, or no CUDA).
 STATUSES = ("ok", "FAILED", "oom", "timeout", "error", "unavailable", "skipped")
-LIGER_ONLY = {"liger": ("llama", "qwen3", "phi3", "gemma"), "liger_rmsnorm": ("llama", "qwen3", "phi3", "gemma")}
+LIGER_ONLY = {"liger": ("llama", "qwen3", "phi3", "gemma", "qwen3_moe"),
+              "liger_rmsnorm": ("llama", "qwen3", "phi3", "gemma", "qwen3_moe")}
 # the keyword of Liger's apply_liger_kernel_to_<arch> that patches the MLP (Gemma's MLP is a GeGLU: geglu=)
 LIGER_MLP_ARG = {"gemma": "geglu"}
 MARK = "E2E_RESULT "

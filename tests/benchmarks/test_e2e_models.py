@@ -1,5 +1,6 @@
 """The end-to-end model table (benchmarks/e2e.py's MODELS): each config builds, and a tiny copy of it trains a step on
-the CPU; Gemma's entry is Gemma-2B's layer shape; Liger's patch is called with the switches its function has (CPU)."""
+the CPU; Gemma's entry is Gemma-2B's layer shape, Qwen3-MoE's Qwen3-30B-A3B's; Liger's patch is called with the switches
+its function has (CPU)."""
 
 import math
 
@@ -27,6 +28,8 @@ def _tiny(name: str):
     over = {**TINY, "num_attention_heads": 4, "num_key_value_heads": max(1, 4 * kv // heads)}
     if "head_dim" in cfg:
         over["head_dim"] = 16
+    if "num_experts" in cfg:   # (a MoE's experts: 4 of 32, 2 routed per token)
+        over.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     for k in ("pad_token_id", "bos_token_id", "eos_token_id"):   # (ids inside the tiny vocab)
         if k in cfg:
             over[k] = min(cfg[k], 127)
@@ -90,6 +93,38 @@ def test_gemmas_mlp_runs_gelu_tanh_of_gate_times_up_and_its_norm_1_plus_weight()
         norm.weight.normal_()
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * (1 + norm.weight)
     torch.testing.assert_close(norm(x), y)
+
+
+def test_qwen3_moe_is_qwen3_30b_a3bs_layer_shape_with_4_of_its_48_layers_and_fuse_hooks_its_experts_gate():
+    """hidden 2048, 32 heads of 128, 4 KV heads, 128 experts of 768 (8 routed per token), vocab 151936 (untied),
+    every layer sparse: ~3.1B parameters (2.4B in the experts), counted on the meta device; the experts run the
+    grouped_mm implementation, and fuse() sets its gate (``FusedExpertsGate``) on a tiny copy's experts, with the
+    unfused step's loss."""
+    from pipegoose.nn.fusion import fuse
+
+    spec = e2e.MODELS["qwen3_moe"]
+    assert spec["arch"] == "qwen3_moe" and spec["batch"] == 4 and e2e.CONFIGS["qwen3_moe"] == "Qwen3MoeConfig"
+    cfg = _config("qwen3_moe")
+    assert (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok) == (2048, 768, 128, 8)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers) == (32, 4, 128, 4)
+    assert cfg.vocab_size == 151936 and not cfg.tie_word_embeddings and not cfg.mlp_only_layers
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    h, e, i, v = 2048, 128, 768, 151936
+    layer = 2 * h * 32 * 128 + 2 * h * 4 * 128 + e * 3 * h * i + h * e + 2 * h + 2 * 128   # attn, experts, router,
+    want = 2 * v * h + 4 * layer + h                                                      # norms, q/k norms
+    got = sum(p.numel() for p in model.parameters())
+    assert got == want and 3.0e9 < got < 3.2e9
+    assert model.config._experts_implementation == "grouped_mm"
+    tiny = _tiny("qwen3_moe")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny).train()
+    ids = torch.randint(0, tiny.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    want_loss = model(input_ids=ids, labels=ids).loss
+    report = fuse(model)
+    rows = [r for r in report.rows if r.path.endswith("mlp.experts")]
+    assert len(rows) == 2 and all(r.fused and r.replacement == "FusedExpertsGate" for r in rows)
+    assert torch.equal(model(input_ids=ids, labels=ids).loss, want_loss)
 
 
 def test_gemma_is_liger_patched_and_not_a_default_model():

@@ -110,11 +110,11 @@ def test_importing_run_leaves_strict_mode_alone():
     (["--budget-s", "-5"], "--budget-s: expected a number of seconds > 0"),
     (["--jobs", "0"], "--jobs: expected an integer >= 1"),
     (["--e2e", "--e2e-models", "qwen"], "--e2e-models: unknown ['qwen']; expected some of llama, neox, qwen3, phi3, "
-                                        "gemma"),
+                                        "gemma, qwen3_moe"),
     (["--e2e", "--e2e-models", ","], "--e2e-models: unknown []"),
     (["--e2e", "--e2e-variants", "sdpa,fused_eager"], "--e2e-variants: unknown ['fused_eager']"),
     (["--e2e", "--e2e-batch", "qwen=4"], "--e2e-batch: expected MODEL=N with MODEL one of llama, neox, qwen3, phi3, "
-                                         "gemma"),
+                                         "gemma, qwen3_moe"),
     (["--e2e", "--e2e-batch", "qwen3=0"], "got 'qwen3=0'"),
     (["--e2e-models", "neox", "--e2e-batch", "neox=2"], "--e2e-models, --e2e-batch: only with --e2e"),
     (["--e2e-budget-s", "60"], "--e2e-budget-s: only with --e2e"),
