@@ -136,7 +136,8 @@ class FusionRow:
 
     Attributes:
         path: dotted module path in the model (``""`` for the model itself).
-        kind: ``layer_norm``, ``rms_norm``, ``swiglu`` (a SwiGLU MLP: Llama's; T5's gated MLP with SiLU), ``geglu``
+        kind: ``layer_norm``, ``rms_norm``, ``swiglu`` (a SwiGLU MLP: Llama's; T5's gated MLP with SiLU; a MoE
+            layer's experts module, whose gate runs op ``swiglu.packed``: replacement ``FusedExpertsGate``), ``geglu``
             (a GeGLU MLP: Gemma's; T5's gated MLP with GELU, Flan-T5's), ``rope`` (an attention module's rotary
             embedding), ``cross_entropy`` (the model's loss), ``linear_cross_entropy`` (a causal LM's head and loss
             in one) or ``attention``.
@@ -541,8 +542,9 @@ def _parse_attention(attention: Any) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool = False,
          attention: str = "auto") -> FusionReport:
-    """Replace ``model``'s LayerNorms, RMSNorms, SwiGLU and GeGLU MLPs, rotary position embedding, language-model loss
-    and attention softmax by fused ones, on this instance only.
+    """Replace ``model``'s LayerNorms, RMSNorms, SwiGLU and GeGLU MLPs, the gate of its MoE experts (transformers'
+    experts modules: :mod:`~pipegoose.nn.fusion.transformers.experts`), rotary position embedding, language-model
+    loss and attention softmax by fused ones, on this instance only.
 
     Args:
         model: a constructed ``torch.nn.Module`` (typically a transformers ``PreTrainedModel``, e.g. from
