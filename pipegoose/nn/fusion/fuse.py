@@ -1104,15 +1104,24 @@ def _consider_experts(model, child, path, ops, dry_run, state, held: set) -> Fus
             "a forward set on the instance (a patch), which may not call _apply_gate: not vouched for"))
     impl = _experts.implementation(child)
     width = _experts.gate_width(child)
-    if impl == "eager":
+    if not _experts.runs_gate(child, impl):
         fwd = bwd = _MODEL_CODE
-        where = ("; its config's experts implementation is 'eager' (transformers' loop, which computes act_fn(gate) * "
-                 "up itself): the fused gate runs once another is set (grouped_mm, batched_mm: "
-                 "model.set_experts_implementation)")
+        if impl in _experts.OWN_ACTIVATION:
+            what = f"is {impl!r} (a kernel that computes the activation itself, never calling _apply_gate)"
+        elif impl == "eager":
+            what = "is 'eager' (transformers' loop, which computes act_fn(gate) * up itself)"
+        else:
+            what = ("names none (a module outside a transformers model: transformers runs the class's loop, which "
+                    "computes act_fn(gate) * up itself)")
+        where = (f"; its config's experts implementation {what}: the fused gate runs once another is set (grouped_mm, "
+                 "batched_mm: model.set_experts_implementation, or the config's _experts_implementation)")
     else:
         rows = _probe_rows((width or 2,))
         fwd, bwd = _impls("swiglu.packed", child, lambda d, t: (torch.empty(rows, width or 2, device=d, dtype=t),))
         where = f"; experts implementation {impl!r}" if impl else ""
+        if impl in (None, "eager"):   # a class whose own loop calls _apply_gate (Step3p7's)
+            where = (f"; experts implementation {repr(impl) if impl else 'none'} (the class's own forward, which "
+                     "calls _apply_gate)")
     if not dry_run:
         gate = _experts.install(child, found.act)
         state.experts_gates.append((weakref.ref(child), weakref.ref(gate)))

@@ -179,6 +179,24 @@ def implementation(module: nn.Module) -> str | None:
         return None
 
 
+# transformers' experts implementations whose kernel computes the activation itself (from the config's hidden_act),
+# never calling the module's _apply_gate
+OWN_ACTIVATION = frozenset({"sonicmoe", "deepgemm_megamoe"})
+
+
+def runs_gate(module: nn.Module, impl: str | None) -> bool:
+    """Whether the experts implementation ``impl`` (:func:`implementation`) calls the module's ``_apply_gate``: not
+    :data:`OWN_ACTIVATION`'s; ``eager`` and None (a module built outside a model, whose config names none: transformers
+    then runs the class's own forward too) only where the class's own forward calls it (GPT-OSS's, Step3p7's; Mixtral's
+    loop computes ``act_fn(gate) * up`` inline)."""
+    if impl in OWN_ACTIVATION:
+        return False
+    if impl not in (None, "eager"):
+        return True
+    own = getattr(type(module).forward, "__wrapped__", None)   # use_experts_implementation wraps the class's forward
+    return "_apply_gate" in getattr(getattr(own, "__code__", None), "co_names", ())
+
+
 def gate_width(module: nn.Module) -> int | None:
     """The packed projection's output width, ``2 * inter`` (``gate_up_proj`` ``[experts, 2 * inter, hidden]``, or
     transposed ``[experts, hidden, 2 * inter]``), or None."""
@@ -189,5 +207,5 @@ def gate_width(module: nn.Module) -> int | None:
     return int(shape[2] if module.__dict__.get("is_transposed") else shape[1])
 
 
-__all__ = ["FusedExpertsGate", "Probe", "candidate", "gate_width", "hooked", "implementation", "install", "probe",
-           "uninstall"]
+__all__ = ["OWN_ACTIVATION", "FusedExpertsGate", "Probe", "candidate", "gate_width", "hooked", "implementation",
+           "install", "probe", "runs_gate", "uninstall"]
