@@ -565,6 +565,26 @@ def test_a_layer_fused_first_is_held_by_the_model_and_reverted_with_it():
     assert not is_fused(model.model.layers[0]) and not is_fused(model)
 
 
+def test_an_experts_module_fused_on_its_own_gets_its_gate_and_is_held_by_the_model():
+    """fuse(experts) itself (the root of the call: fuse() replaces modules in their parents, but the gate is set on
+    the instance, so the root takes it too): one row with path "", the gate set, the model's results; then fuse(model)
+    holds that row, and unfuse(model) reverts both calls."""
+    model = _model()
+    ref = _step(model)
+    first, second = _experts(model)
+    report = fuse(first, ops=["swiglu"])
+    assert [(r.path, r.kind, r.fused, r.replacement) for r in report.rows] == [("", "swiglu", True, "FusedExpertsGate")]
+    assert experts_mod.hooked(first) and not experts_mod.hooked(second) and is_fused(first)
+    row0, row1 = _rows(fuse(model, ops=["swiglu"]), model)
+    assert row0.fused and "fused by an earlier fuse() of model.layers.0.mlp.experts" in row0.reason, row0
+    assert row1.fused and "op swiglu.packed" in row1.reason, row1
+    got, calls = _counted_step(model)
+    assert calls == LAYERS
+    _assert_equal(got, ref)
+    assert unfuse(model) is True
+    assert not experts_mod.hooked(first) and not experts_mod.hooked(second) and not is_fused(first)
+
+
 def test_a_gate_replaced_by_the_user_after_fuse_is_left_and_named():
     """The user sets their own _apply_gate on layer 1's experts after fuse(): unfuse() restores the rest (layer 0's
     gate deleted) and raises naming _apply_gate; theirs stays."""

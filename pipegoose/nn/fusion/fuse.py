@@ -677,6 +677,10 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                     parent._modules[name] = new
                     state.swaps.append((weakref.ref(parent), name, weakref.ref(new)))
 
+        if _experts.candidate(model):   # the model itself a MoE experts module: its gate is set on it as on any
+            row = _consider_experts(model, model, "", ops, dry_run, state, held)
+            if row is not None:
+                report.rows.append(row)
         _fuse_losses(model, ops, dry_run, report, state, held)
         if "linear_cross_entropy" in ops:
             for path, lm in _loss.language_models(model):
