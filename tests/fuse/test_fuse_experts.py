@@ -21,9 +21,11 @@ halves). fuse() probes each such module and sets a ``FusedExpertsGate`` (op ``sw
 from __future__ import annotations
 
 import copy
+import gc
 import importlib
 import io
 import re
+import weakref
 
 import pytest
 import torch
@@ -601,6 +603,57 @@ def test_a_gate_replaced_by_the_user_after_fuse_is_left_and_named():
         unfuse(model)
     assert second.__dict__["_apply_gate"] is mine and "_apply_gate" not in first.__dict__
     assert not is_fused(model)
+
+
+def test_a_deleted_fused_model_frees_its_experts_without_the_cycle_collector():
+    """A review: the gate held its module strongly (module.__dict__["_apply_gate"].module is the module), a reference
+    cycle, so ``del model`` freed every experts module (in a MoE model most of the weights, and their gradients) only
+    when Python's cycle collector next ran: ``del model; torch.cuda.empty_cache()`` gave back none of it. As an unfused
+    model's, the experts are freed at once now (the gate holds a weak reference; copies still hold their own module:
+    test_a_copy_of_a_fused_model_holds_its_own_gate)."""
+    model = _model()
+    fuse(model, ops=["swiglu"])
+    _step(model)
+    refs = [weakref.ref(e) for e in _experts(model)] + [weakref.ref(e.gate_up_proj) for e in _experts(model)]
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        del model
+        alive = [r() for r in refs if r() is not None]
+        assert not alive, f"{len(alive)} of the experts modules and weights kept alive by a reference cycle"
+    finally:
+        if was:
+            gc.enable()
+
+
+@pytest.mark.parametrize("change", ["class", "class_gate"])
+def test_a_gate_of_its_own_given_after_fuse_runs(change):
+    """A review: the class's gate changed after fuse() (the module's class set to a subclass with a gate of its own,
+    or the class's _apply_gate replaced), which the probe never saw: the fused gate still ran silu(gate) * up and the
+    new gate was ignored (a silently different loss). Now the fused gate runs the class's gate where it is no longer
+    the one probed; results bit for bit those of an unfused model changed alike, the op not called."""
+    model = _model()
+    twin = copy.deepcopy(model)
+    fuse(model, ops=["swiglu"])
+    if change == "class":
+        for m in (model, twin):
+            for e in _experts(m):
+                e.__class__ = _Doubled
+        ref = _step(twin)
+        got, calls = _counted_step(model)
+    else:
+        cls = type(_experts(model)[0])
+        saved = cls.__dict__["_apply_gate"]
+        cls._apply_gate = _Doubled._apply_gate
+        try:
+            ref = _step(twin)
+            got, calls = _counted_step(model)
+        finally:
+            cls._apply_gate = saved
+    assert calls == 0
+    _assert_equal(got, ref)
+    assert unfuse(model)
 
 
 # ------------------------------------------------------------------------------------------------ on a GPU

@@ -23,6 +23,7 @@ interleaved or scaled, differs and is refused with the reason).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,9 +119,10 @@ def probe(module: nn.Module) -> Probe:
 
 class FusedExpertsGate:
     """The ``_apply_gate`` that ``fuse`` sets on a transformers experts module: ``silu_and_mul(gate_up_out)`` (op
-    ``swiglu.packed``) where the module's ``act_fn`` is still the one :func:`probe` vouched for and has no hooks,
-    else the class's own ``_apply_gate`` (what the unfused module runs: an activation replaced or hooked since is
-    run, and its hooks fire).
+    ``swiglu.packed``) where the module's ``act_fn`` is still the one :func:`probe` vouched for and has no hooks, and
+    its class's ``_apply_gate`` is still the one probed, else the class's own ``_apply_gate`` (what the unfused module
+    runs: an activation replaced or hooked since is run, and its hooks fire; a gate of its own given to the class since,
+    or a class of another gate set on the module, runs).
 
     Called by transformers' experts implementations with ``gate_up_out`` ``[rows, 2 * inter]`` (gate the first
     ``inter`` values of each row), fp32, fp16 or bf16; returns ``[rows, inter]`` of its dtype. Kernel:
@@ -128,21 +130,34 @@ class FusedExpertsGate:
     not choose it, PyTorch's ``F.silu(gate) * up``. Raises what :func:`~pipegoose.nn.fusion.functional.silu_and_mul`
     raises (ValueError for an odd last dimension).
 
-    It holds the module (a reference cycle through the module's ``__dict__``, collected with it), so that copies
-    (``copy.deepcopy``, pickling) hold a gate of their own module.
+    It holds its module by a weak reference (the module holds it: a strong one made a reference cycle, and a deleted
+    model's experts were freed only by Python's cycle collector, a review); a copy (``copy.deepcopy``, pickling) is
+    rebuilt on the copy's module and ``act_fn`` (:meth:`__reduce__`).
     """
 
     def __init__(self, module: nn.Module, act: Any, impl: str | None = None) -> None:
-        self.module = module
+        self._module = weakref.ref(module)
         self.probed_act = act
+        self.probed_gate = getattr(type(module), "_apply_gate", None)
         self.impl = impl
 
+    @property
+    def module(self) -> nn.Module | None:
+        """The experts module whose gate this is (None once it is collected)."""
+        return self._module()
+
     def __call__(self, gate_up_out: torch.Tensor) -> torch.Tensor:
-        module = self.module
+        module = self._module()
         act = _act_of(module)
-        if act is not self.probed_act or (isinstance(act, nn.Module) and _common.has_module_hooks(act)):
-            return type(module)._apply_gate(module, gate_up_out)
+        gate = type(module)._apply_gate
+        if (act is not self.probed_act or gate is not self.probed_gate
+                or (isinstance(act, nn.Module) and _common.has_module_hooks(act))):
+            return gate(module, gate_up_out)
         return PF.silu_and_mul(gate_up_out, impl=self.impl)
+
+    def __reduce__(self):
+        # (copies: the copy's module and act_fn, found in the copy's memo; the class's gate as the copy finds it)
+        return (FusedExpertsGate, (self._module(), self.probed_act, self.impl))
 
     def __repr__(self) -> str:
         return f"FusedExpertsGate(op='swiglu.packed', impl={self.impl!r})"
