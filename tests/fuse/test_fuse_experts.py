@@ -410,6 +410,79 @@ def test_an_apply_gate_set_on_the_instance_is_refused_and_kept():
     assert unfuse(model) and first.__dict__["_apply_gate"] is mine
 
 
+def test_a_forward_set_on_the_instance_is_refused_unless_it_is_accelerates_hook():
+    """A forward set on the instance (a patch, another library's wrapper) may not call _apply_gate: refused with the
+    reason, eligible, and not counted as not requested when swiglu is left out; accelerate's hook (add_hook_to_module:
+    _hf_hook and _old_forward, the class's forward) calls it as before: fused, the gate runs, the model's results."""
+    model = _model()
+    first, second = _experts(model)
+    first.forward = first.forward   # (a bound method set on the instance: the same computation, not vouched for)
+    assert fuse(model, ops=["rms_norm"]).not_requested.get("swiglu") == LAYERS - 1
+    assert unfuse(model)
+    row0, row1 = _rows(fuse(model, ops=["swiglu"]), model)
+    assert not row0.fused and row0.eligible and "a forward set on the instance" in row0.reason, row0
+    assert row1.fused and not experts_mod.hooked(first) and experts_mod.hooked(second)
+    assert unfuse(model)
+    del first.forward
+    accelerate_hooks = pytest.importorskip("accelerate.hooks")
+    ref = _step(model)
+    accelerate_hooks.add_hook_to_module(first, accelerate_hooks.ModelHook())
+    assert "forward" in first.__dict__ and "_hf_hook" in first.__dict__
+    rows = _rows(fuse(model, ops=["swiglu"]), model)
+    assert all(r.fused for r in rows) and experts_mod.hooked(first), rows
+    got, calls = _counted_step(model)
+    assert calls == LAYERS
+    _assert_equal(got, ref)
+    assert unfuse(model)
+
+
+def test_a_subclass_with_a_forward_of_its_own_is_reported_as_the_models_code():
+    """A subclass overriding forward (no experts implementation dispatched) that computes the product inline: under
+    grouped_mm the row says the model's code (before, op swiglu.packed, which never ran: a review), and no call runs
+    the op; one whose own forward calls _apply_gate reports the op, which runs."""
+    model = _model()
+    first, _ = _experts(model)
+    base = type(first)
+
+    class Inline(base):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            out = torch.zeros_like(hidden_states)
+            for t in range(hidden_states.shape[0]):
+                for k in range(top_k_index.shape[1]):
+                    e = int(top_k_index[t, k])
+                    gate, up = nn.functional.linear(hidden_states[t], self.gate_up_proj[e]).chunk(2, dim=-1)
+                    h = nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e])
+                    out[t] = out[t] + h * top_k_weights[t, k]
+            return out
+
+    class Gated(Inline):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            out = torch.zeros_like(hidden_states)
+            for t in range(hidden_states.shape[0]):
+                for k in range(top_k_index.shape[1]):
+                    e = int(top_k_index[t, k])
+                    h = self._apply_gate(nn.functional.linear(hidden_states[t:t + 1], self.gate_up_proj[e]))
+                    out[t] = out[t] + nn.functional.linear(h[0], self.down_proj[e]) * top_k_weights[t, k]
+            return out
+
+    assert model.config._experts_implementation == "grouped_mm"
+    for cls, runs in ((Inline, False), (Gated, True)):
+        first.__class__ = cls
+        ref = _step(model)
+        row0, _ = _rows(fuse(model, ops=["swiglu"]), model)
+        assert row0.fused and experts_mod.hooked(first), row0
+        if runs:
+            assert row0.forward != "the model's code" and "op swiglu.packed" in row0.reason, row0
+        else:
+            assert (row0.forward, row0.backward) == ("the model's code",) * 2, row0
+        got, calls = _counted_step(model)
+        # (layer 1: one call; Gated's layer one per routed token, Inline's none)
+        assert calls > LAYERS - 1 if runs else calls == LAYERS - 1, (cls.__name__, calls)
+        _assert_equal(got, ref)
+        assert unfuse(model)
+    first.__class__ = base
+
+
 def test_gpt_oss_experts_are_refused():
     """GPT-OSS's experts have a gate of their own (interleaved halves, sigmoid(alpha * gate), (up + 1), a clamp) and
     no act_fn: refused ("no act_fn"); given a SiLU act_fn, still refused, for the clamp (limit 7.0)."""

@@ -1094,18 +1094,21 @@ def _consider_experts(model, child, path, ops, dry_run, state, held: set) -> Fus
         _hold(state, row, path, _experts.hooked)
         return row
     found = _experts.probe(child)
+    patched = None
+    if "_apply_gate" in child.__dict__:
+        patched = "an _apply_gate set on the instance (a patch): the fused gate would take its place"
+    elif "forward" in child.__dict__ and not ("_hf_hook" in child.__dict__ and "_old_forward" in child.__dict__):
+        # (accelerate's hook calls the class's forward, _old_forward, which calls _apply_gate as before: taken)
+        patched = ("a forward set on the instance (a patch, or a wrapper of another library), which fuse cannot "
+                   "vouch calls _apply_gate")
     if "swiglu" not in ops:
-        if found.ok:
+        if found.ok and patched is None:
             state.report.not_requested["swiglu"] = state.report.not_requested.get("swiglu", 0) + 1
         return None
     if not found.ok:
         return FusionRow(path, "swiglu", name, None, False, reason=found.reason, eligible=False)
-    if "_apply_gate" in child.__dict__:
-        return FusionRow(path, "swiglu", name, None, False, reason=(
-            "an _apply_gate set on the instance (a patch): the fused gate would take its place"))
-    if "forward" in child.__dict__:
-        return FusionRow(path, "swiglu", name, None, False, reason=(
-            "a forward set on the instance (a patch), which may not call _apply_gate: not vouched for"))
+    if patched is not None:
+        return FusionRow(path, "swiglu", name, None, False, reason=patched)
     impl = _experts.implementation(child)
     width = _experts.gate_width(child)
     if not _experts.runs_gate(child, impl):

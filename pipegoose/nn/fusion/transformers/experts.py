@@ -203,12 +203,16 @@ def runs_gate(module: nn.Module, impl: str | None) -> bool:
     """Whether the experts implementation ``impl`` (:func:`implementation`) calls the module's ``_apply_gate``: not
     :data:`OWN_ACTIVATION`'s; ``eager`` and None (a module built outside a model, whose config names none: transformers
     then runs the class's own forward too) only where the class's own forward calls it (GPT-OSS's, Step3p7's; Mixtral's
-    loop computes ``act_fn(gate) * up`` inline)."""
+    loop computes ``act_fn(gate) * up`` inline). A class whose ``forward`` is its own (a subclass overriding the
+    interface's wrapper: no implementation is dispatched) runs the gate only where that forward calls it."""
+    forward = type(module).forward
+    own = getattr(forward, "__wrapped__", None)   # use_experts_implementation wraps the class's forward
+    if own is None:
+        return "_apply_gate" in getattr(getattr(forward, "__code__", None), "co_names", ())
     if impl in OWN_ACTIVATION:
         return False
     if impl not in (None, "eager"):
         return True
-    own = getattr(type(module).forward, "__wrapped__", None)   # use_experts_implementation wraps the class's forward
     return "_apply_gate" in getattr(getattr(own, "__code__", None), "co_names", ())
 
 
