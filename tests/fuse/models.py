@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+
+import pytest
 import torch
 
 VOCAB = 97
@@ -110,3 +113,15 @@ class LlamaStyleRMSNorm(torch.nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * h.to(x.dtype)
+
+
+def transformers_attr(module: str, kind: str, name: str):
+    """transformers.models.<module>.<kind>_<module>.<name> (kind: ``modeling`` or ``configuration``), or a pytest skip
+    where this transformers lacks it."""
+    try:
+        mod = importlib.import_module(f"transformers.models.{module}.{kind}_{module}")
+    except ImportError:
+        pytest.skip(f"this transformers has no {module}")
+    if not hasattr(mod, name):
+        pytest.skip(f"this transformers has no {name}")
+    return getattr(mod, name)

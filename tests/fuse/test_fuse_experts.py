@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import importlib
 import io
 import re
 import weakref
@@ -36,6 +35,8 @@ from pipegoose.nn.fusion.fuse import is_fused
 from pipegoose.nn.fusion.transformers import experts as experts_mod
 from pipegoose.nn.fusion.transformers.experts import FusedExpertsGate
 from tolerances import TOLERANCES, tol
+
+from . import models
 
 tr = pytest.importorskip("transformers")
 moe = pytest.importorskip("transformers.integrations.moe")
@@ -73,15 +74,7 @@ def _deterministic(request):
         torch.use_deterministic_algorithms(was)
 
 
-def _from(module: str, kind: str, name: str):
-    """transformers.models.<module>.<kind>_<module>.<name>, or a pytest skip where this transformers lacks it."""
-    try:
-        mod = importlib.import_module(f"transformers.models.{module}.{kind}_{module}")
-    except ImportError:
-        pytest.skip(f"this transformers has no {module}")
-    if not hasattr(mod, name):
-        pytest.skip(f"this transformers has no {name}")
-    return getattr(mod, name)
+_from = models.transformers_attr
 
 
 def _config(model_type: str = "mixtral", **extra):

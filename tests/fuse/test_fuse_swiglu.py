@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
@@ -27,15 +26,7 @@ from . import models
 HIDDEN, INTER = 32, 64
 
 
-def _from(module: str, kind: str, name: str):
-    """transformers.models.<module>.<kind>_<module>.<name>, or a pytest skip where this transformers lacks it."""
-    try:
-        mod = importlib.import_module(f"transformers.models.{module}.{kind}_{module}")
-    except ImportError:
-        pytest.skip(f"this transformers has no {module}")
-    if not hasattr(mod, name):
-        pytest.skip(f"this transformers has no {name}")
-    return getattr(mod, name)
+_from = models.transformers_attr
 
 
 def _cls(module: str, name: str):
