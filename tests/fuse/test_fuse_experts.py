@@ -298,6 +298,91 @@ def test_a_class_whose_own_loop_calls_the_gate_runs_it_in_eager():
         assert unfuse(holder)
 
 
+# ------------------------------------------------------------------------------------------------ GELU experts
+def _gemma4_config(**extra):
+    """A tiny Gemma 4 text config with its MoE block (4 experts of 48, 2 per token; GELU's tanh approximation, the
+    config's default hidden_activation); a skip where this transformers lacks Gemma 4."""
+    if "gemma4_text" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no gemma4_text")
+    kw = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+              vocab_size=VOCAB, max_position_embeddings=64, intermediate_size=64, enable_moe_block=True, num_experts=4,
+              top_k_experts=2, moe_intermediate_size=48, vocab_size_per_layer_input=VOCAB,
+              hidden_size_per_layer_input=8, layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
+              bos_token_id=1, eos_token_id=2)
+    kw.update(extra)
+    return tr.AutoConfig.for_model("gemma4_text", **kw)
+
+
+def _geglu_calls() -> int:
+    return sum(dispatch.stats().get("geglu.packed", {}).values())
+
+
+@pytest.mark.parametrize("activation", ["gelu_pytorch_tanh", "gelu"])
+def test_gemma4_gelu_experts_are_fused_exact_and_unfused(activation):
+    """Gemma 4's experts (GELU: its default gelu_pytorch_tanh, and exact GELU) get a geglu row (FusedExpertsGate,
+    op geglu.packed with the activation's approximate); loss and every gradient equal the unfused model's bit for
+    bit (ops=["geglu"]: the dense GeGLU MLPs and these gates, whose CPU reference is transformers' formula); the op
+    ran once per layer; unfuse() restores the class's gate."""
+    model = _model(cfg=_gemma4_config(hidden_activation=activation))
+    experts = _experts(model)
+    assert [type(e).__name__ for e in experts] == ["Gemma4TextExperts"] * LAYERS
+    dispatch.reset_stats()
+    ref = _step(model)
+    assert _geglu_calls() == 0
+    report = fuse(model, ops=["geglu"])
+    approximate = "tanh" if activation == "gelu_pytorch_tanh" else "none"
+    for r in _rows(report, model):
+        assert (r.kind, r.replacement, r.fused, r.eligible) == ("geglu", "FusedExpertsGate", True, True), r
+        assert f"gelu(gate, approximate={approximate!r}) * up" in r.reason and "op geglu.packed" in r.reason, r
+    for e in experts:
+        gate = e.__dict__["_apply_gate"]
+        assert isinstance(gate, FusedExpertsGate) and gate.approximate == approximate and gate.op == "geglu.packed"
+        assert repr(gate) == f"FusedExpertsGate(op='geglu.packed', approximate={approximate!r}, impl=None)"
+    dispatch.reset_stats()
+    got = _step(model)
+    assert _geglu_calls() == LAYERS and _gate_calls() == 0, dispatch.stats()
+    _assert_equal(got, ref)
+    clone = copy.deepcopy(model)   # (a copy's gate: GELU's too)
+    assert all(e.__dict__["_apply_gate"].approximate == approximate for e in _experts(clone))
+    assert unfuse(model)
+    assert all("_apply_gate" not in e.__dict__ for e in experts)
+    dispatch.reset_stats()
+    _assert_equal(_step(model), ref)
+    assert _geglu_calls() == 0
+
+
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "gelu", "gelu_new"])
+def test_a_mixtral_given_gelu_experts_gets_a_geglu_gate_and_swiglu_in_ops_leaves_it(act):
+    """The kind follows the activation, not the model: Mixtral's layer 0 given a GELU act_fn gets a geglu row (op
+    geglu.packed) next to layer 1's swiglu one, with the results unchanged; ops=["swiglu"] leaves the GELU experts
+    (counted under not_requested geglu) and ops=["geglu"] the SiLU ones. gelu_new (transformers' own formula of the
+    tanh approximation, not F.gelu's) agrees within fp32's tolerance, the others bit for bit."""
+    model = _model()
+    first, second = _experts(model)
+    first.act_fn = ACT2FN[act]
+    ref = _step(model)
+    report = fuse(model)
+    row0, row1 = _rows(report, model)
+    assert (row0.kind, row0.fused, row1.kind, row1.fused) == ("geglu", True, "swiglu", True), (row0, row1)
+    dispatch.reset_stats()
+    got = _step(model)
+    if act == "gelu_new":
+        torch.testing.assert_close(got[0], ref[0], **tol(torch.float32))
+        for n, g in ref[1].items():
+            torch.testing.assert_close(got[1][n], g, **tol(torch.float32), msg=lambda m: f"grad of {n}: {m}")
+    else:
+        _assert_equal(got, ref)
+    assert (_geglu_calls(), _gate_calls()) == (1, 1), dispatch.stats()
+    assert unfuse(model)
+    for ops, kept, left in ((["swiglu"], second, "geglu"), (["geglu"], first, "swiglu")):
+        report = fuse(model, ops=ops)
+        rows = _rows(report, model)
+        assert [r.path for r in rows] == [_paths(model)[0 if kept is first else 1]], rows
+        assert report.not_requested.get(left) == 1, report.not_requested
+        assert experts_mod.hooked(kept) and not experts_mod.hooked(first if kept is second else second)
+        assert unfuse(model)
+
+
 # ------------------------------------------------------------------------------------------------ refusals
 class _Clamped(mixtral.MixtralExperts):
     def _apply_gate(self, gate_up):
@@ -329,9 +414,6 @@ def _hooked_silu(e):
 
 
 REFUSALS = {
-    "gelu_tanh": (lambda e: setattr(e, "act_fn", ACT2FN["gelu_pytorch_tanh"]),
-                  r"act_fn \(GELUTanh\) is GELU \(approximate='tanh'\), not SiLU"),
-    "gelu": (lambda e: setattr(e, "act_fn", nn.GELU()), r"act_fn \(GELU\) is GELU \(approximate='none'\), not SiLU"),
     "relu": (lambda e: setattr(e, "act_fn", nn.ReLU()), r"act_fn \(ReLU\) is not SiLU or GELU"),
     "hooked_act": (_hooked_silu, r"act_fn has forward or backward hooks"),
     "clamped": (lambda e: setattr(e, "__class__", _Clamped), r"_Clamped\._apply_gate differs .*: a gate of its own"),
@@ -808,5 +890,48 @@ def test_mixtral_fp32_on_cuda_runs_the_kernel(no_tuning_table):
         assert fus[1].keys() == unf[1].keys()
         for n, g in unf[1].items():
             torch.testing.assert_close(fus[1][n], g, **tol(torch.float32, 4), msg=lambda m: f"grad of {n}: {m}")
+    finally:
+        unfuse(model)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("activation", ["gelu_pytorch_tanh", "gelu"])
+def test_gemma4_bf16_on_cuda_runs_the_gelu_kernel(no_tuning_table, activation):
+    """Gemma 4's GELU experts in bf16 on CUDA (grouped_mm, training mode, each token routed to all 4 experts): the
+    rows say pipegoose, each layer's gate runs pipegoose::gelu_and_mul (strict mode); loss and gradients within
+    twice the unfused run's error from an fp32 (eager experts) reference plus bf16's tolerance; the gate itself
+    within a bf16 unit of float64's value (one rounding) and no farther than transformers' bf16 gate."""
+    dev = torch.device("cuda")
+    model = _model(cfg=_gemma4_config(hidden_size=64, moe_intermediate_size=128, top_k_experts=4,
+                                      hidden_activation=activation))
+    ref_model = copy.deepcopy(model).to(dev)
+    ref_model.set_experts_implementation("eager")
+    ref = _step(ref_model)
+    model = model.to(dev, torch.bfloat16)
+    assert model.config._experts_implementation == "grouped_mm"
+    unf = _step(model)
+    report = fuse(model, ops=["geglu"])
+    rows = _rows(report, model)
+    assert len(rows) == LAYERS and all(r.fused and r.forward == "pipegoose" for r in rows), rows
+    dispatch.reset_stats()
+    try:
+        with dispatch.strict():
+            fus = _step(model)
+        ran = dispatch.stats()
+        assert ran.get("geglu.packed") == {"pipegoose": LAYERS}, ran
+        _parity(fus, unf, ref, torch.bfloat16)
+
+        approximate = "tanh" if activation == "gelu_pytorch_tanh" else "none"
+        e = _experts(model)[0]
+        g = torch.Generator(device="cpu").manual_seed(7)
+        x = (torch.randn(512, 2 * 128, generator=g) * 4.0).to(dev, torch.bfloat16)
+        g64, u64 = x.double().chunk(2, dim=-1)
+        want = torch.nn.functional.gelu(g64, approximate=approximate) * u64
+        with torch.no_grad(), dispatch.strict():
+            got = e._apply_gate(x)
+            eager = type(e)._apply_gate(e, x)
+        err, err_eager = (got.double() - want).abs(), (eager.double() - want).abs()
+        assert bool((err <= (2.0 ** -8 + 2.0 ** -20) * want.abs() + 1e-30).all()), err.max().item()
+        assert err.max().item() <= err_eager.max().item(), (err.max().item(), err_eager.max().item())
     finally:
         unfuse(model)

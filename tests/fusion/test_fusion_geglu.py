@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from kernel_loading import load_or_skip
 from tolerances import tol
 # (the SwiGLU tests' inputs, autograd helper and written-out Llama-style MLP serve GeGLU alike)
 from test_fusion_swiglu import CUDA, DTYPES, _fwd_bwd, _inputs, _MLP as _SwiGLUMLP
@@ -399,3 +400,167 @@ def test_fused_mlp_on_cuda_matches_the_mlp(no_tuning_table, dtype, approximate):
     torch.testing.assert_close(got, want, **tol(dtype, 4))
     for a, b in zip(grads, want_grads):
         torch.testing.assert_close(a, b, **tol(dtype, 8))
+
+
+# ===================================================================== gelu_and_mul: op geglu.packed (x packed)
+GPACKED = "geglu.packed"
+
+
+def _packed(shape, dtype, seed=0):
+    """x [..., 2d]: _inputs' gate in each row's first d values, its up in the last d."""
+    *lead, two_d = shape
+    gate, up = _inputs((*lead, two_d // 2), dtype, seed)
+    return torch.cat((gate, up), -1)
+
+
+def _gelu_and_mul_torch(x, approximate):
+    gate, up = x.chunk(2, -1)
+    return F.gelu(gate, approximate=approximate) * up
+
+
+@pytest.fixture
+def gpacked_env(monkeypatch):
+    """The variables the op reads, unset."""
+    for var in ("PIPEGOOSE_IMPL_GEGLU_PACKED", "PIPEGOOSE_IMPL_GEGLU", "PIPEGOOSE_IMPL_SWIGLU_PACKED",
+                "PIPEGOOSE_IMPL_SWIGLU", "PIPEGOOSE_STRICT", "PIPEGOOSE_SMALL_NUMEL"):
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def _grad_of_x(fn, x, dy):
+    xx = x.detach().clone().requires_grad_()
+    y = fn(xx)
+    y.backward(dy)
+    return y.detach(), xx.grad
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+@pytest.mark.parametrize("shape", [(3, 7, 34), (2,), (2, 1032), (5, 0), (0, 4)])
+def test_gelu_and_mul_reference_path_is_torch_bit_for_bit(dtype, shape, approximate, gpacked_env):
+    """On the CPU gelu_and_mul runs chunk, F.gelu and the product: output and x's gradient equal PyTorch's exactly,
+    counted under geglu.packed (not geglu, not swiglu.packed) as a fallback (an empty input: no fallback)."""
+    x = _packed(shape, dtype, seed=len(shape))
+    dy = torch.randn((*shape[:-1], shape[-1] // 2), generator=torch.Generator().manual_seed(9)).to(dtype)
+    y, dx = _grad_of_x(lambda t: PF.gelu_and_mul(t, approximate), x, dy)
+    want_y, want_dx = _grad_of_x(lambda t: _gelu_and_mul_torch(t, approximate), x, dy)
+    assert y.dtype == dx.dtype == dtype and y.shape == dy.shape and dx.shape == x.shape
+    assert torch.equal(y, want_y) and torch.equal(dx, want_dx)
+    assert dispatch.stats() == {GPACKED: {"torch": 1}}
+    assert dispatch.last_choice(GPACKED).source == ("empty" if x.numel() == 0 else "fallback")
+
+
+def test_gelu_and_mul_default_and_the_two_forms():
+    x = _packed((4, 18), torch.float32, seed=1)
+    assert torch.equal(PF.gelu_and_mul(x), _gelu_and_mul_torch(x, "tanh"))
+    assert not torch.equal(PF.gelu_and_mul(x, "none"), PF.gelu_and_mul(x, "tanh"))
+    assert torch.equal(PF.gelu_and_mul(x, "none"), PF.geglu(*x.chunk(2, -1), "none"))
+
+
+def test_gelu_and_mul_argument_errors_name_the_argument(gpacked_env):
+    x = _packed((3, 6), torch.float32)
+    cases = [
+        ((1.0, "tanh"), TypeError, r"^x: expected a floating point torch.Tensor, got float"),
+        ((x.long(), "tanh"), TypeError, r"^x: expected a floating point torch.Tensor, got int64"),
+        ((x[:, :5], "tanh"), ValueError, r"^x: expected an even last dimension \(gate and up are its two halves\), "
+                                         r"got shape \[3, 5\]"),
+        ((x[0, 0], "none"), ValueError, r"^x: expected at least one dimension"),
+        ((x, "exact"), ValueError, r"^approximate: expected 'none' \(exact GELU, erf\) or 'tanh' .*got 'exact'"),
+        ((x, None), TypeError, r"^approximate: expected 'none' or 'tanh' \(str\), got NoneType"),
+    ]
+    for args, err, match in cases:
+        with pytest.raises(err, match=match):
+            PF.gelu_and_mul(*args)
+        with pytest.raises(err, match=match):
+            dispatch.explain(GPACKED, *args)
+    assert dispatch.stats().get(GPACKED, {}) == {}
+    PF.gelu_and_mul(x, "tanh")
+    PF.gelu_and_mul(x, "tanh")   # (a cached choice)
+    with pytest.raises(ValueError, match="^approximate: "):
+        PF.gelu_and_mul(x, "erf")
+    assert S._packed_signature(x, "tanh") != S._packed_signature(x, "none")
+    for approximate in ("none", "tanh", "none"):
+        assert torch.equal(PF.gelu_and_mul(x, approximate), _gelu_and_mul_torch(x, approximate))
+    assert dispatch.stats()[GPACKED] == {"torch": 5}
+
+
+def test_gelu_and_mul_registration_variables_and_strict_mode(gpacked_env):
+    """Its implementations, pipegoose (kernel pipegoose/swiglu) and torch (small_first); PIPEGOOSE_IMPL_GEGLU_PACKED,
+    then the geglu family's PIPEGOOSE_IMPL_GEGLU (the SwiGLU variables do not reach it); strict mode refuses the CPU
+    fallback."""
+    impls = dispatch.implementations(GPACKED)
+    assert list(impls) == ["pipegoose", "torch"]
+    assert impls["pipegoose"].kernels == ("pipegoose/swiglu",) and impls["torch"].small_first
+    assert dispatch._env_names(GPACKED) == ("PIPEGOOSE_IMPL_GEGLU_PACKED", "PIPEGOOSE_IMPL_GEGLU")
+    x = _packed((3, 6), torch.float32)
+    gpacked_env.setenv("PIPEGOOSE_IMPL_SWIGLU_PACKED", "torch")
+    PF.gelu_and_mul(x)
+    assert dispatch.last_choice(GPACKED).source == "fallback"
+    gpacked_env.setenv("PIPEGOOSE_IMPL_GEGLU", "torch")
+    PF.gelu_and_mul(x)
+    assert dispatch.last_choice(GPACKED).source == "env"
+    gpacked_env.setenv("PIPEGOOSE_IMPL_GEGLU_PACKED", "pipegoose")
+    with pytest.warns(UserWarning, match=r"PIPEGOOSE_IMPL_GEGLU_PACKED='pipegoose' cannot run this input"):
+        PF.gelu_and_mul(x)
+    gpacked_env.setenv("PIPEGOOSE_IMPL_GEGLU_PACKED", "apex")
+    with pytest.raises(ValueError, match=r"PIPEGOOSE_IMPL_GEGLU_PACKED.*geglu.packed has no implementation 'apex'"):
+        PF.gelu_and_mul(x)
+    gpacked_env.delenv("PIPEGOOSE_IMPL_GEGLU_PACKED")
+    gpacked_env.delenv("PIPEGOOSE_IMPL_GEGLU")
+    with dispatch.strict():
+        with pytest.raises(dispatch.FusionFallbackError, match=r"geglu.packed: strict mode.*needs a CUDA tensor"):
+            PF.gelu_and_mul(x)
+        assert torch.equal(PF.gelu_and_mul(x, impl="torch"), _gelu_and_mul_torch(x, "tanh"))
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+def test_gelu_and_mul_kernel_supports_on_cuda(approximate):
+    """The kernel's supports() of a CUDA problem: fp32/fp16/bf16 taken, approximate in the problem; empty, fp64 and
+    dual tensors declined with the reason."""
+    supports = dispatch.implementations(GPACKED)["pipegoose"].supports
+    for dtype in DTYPES:
+        p = replace(S.geglu_packed_problem(_packed((2, 3, 22), dtype), approximate), device=CUDA)
+        assert p["approximate"] == approximate and p.cols == 11
+        assert supports(p) == (True, "")
+    p = replace(S.geglu_packed_problem(_packed((0, 22), torch.float32), approximate), device=CUDA)
+    assert supports(p) == (False, "an empty input")
+    p = replace(S.geglu_packed_problem(_packed((2, 22), torch.float64), approximate), device=CUDA)
+    assert not supports(p)[0]
+    p = replace(p, dtype=torch.float32, extra={**p.extra, "forward_ad": True})
+    assert supports(p) == (False, FORWARD_AD_GEGLU)
+
+
+@pytest.mark.slow
+def test_gelu_and_mul_fake_impls_on_meta_tensors():
+    load_or_skip("pipegoose/swiglu")
+    ops = torch.ops.pipegoose
+    x = torch.empty(3, 5, 14, device="meta", dtype=torch.bfloat16)
+    for y in (ops.gelu_and_mul_forward(x, "none"), ops.gelu_and_mul(x), ops.gelu_and_mul(x, "tanh")):
+        assert y.device.type == "meta" and y.shape == (3, 5, 7) and y.dtype == torch.bfloat16
+    dx = ops.gelu_and_mul_backward(torch.empty(3, 5, 7, device="meta"), x, "tanh")
+    assert dx.shape == x.shape and dx.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match=r"approximate: expected 'tanh' or 'none', got 'erf'"):
+        ops.gelu_and_mul_forward(x, "erf")
+    with pytest.raises(RuntimeError, match=r"x: expected an even last dimension, got 5"):
+        ops.gelu_and_mul_forward(torch.empty(4, 5, device="meta"), "tanh")
+    with pytest.raises(RuntimeError, match=r"grad_output: expected shape \(3, 5, 7\)"):
+        ops.gelu_and_mul_backward(torch.empty(3, 5, 14, device="meta"), x, "none")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_and_mul_on_cuda_runs_the_kernel(no_tuning_table, dtype, approximate, gpacked_env):
+    """On CUDA (tuning table and small-problem rule set aside) gelu_and_mul runs pipegoose::gelu_and_mul (strict
+    mode), the raw ops' results bit for bit, float64's within the tolerance table."""
+    x = _packed((4, 2 * 1001), dtype, seed=11).cuda()
+    dy = torch.randn(4, 1001, generator=torch.Generator().manual_seed(12)).to(dtype).cuda()
+    with dispatch.strict():
+        y, dx = _grad_of_x(lambda t: PF.gelu_and_mul(t, approximate), x, dy)
+    c = dispatch.last_choice(GPACKED)
+    assert (c.impl, c.fallback) == ("pipegoose", False), c
+    assert torch.equal(y, torch.ops.pipegoose.gelu_and_mul_forward(x, approximate))
+    assert torch.equal(dx, torch.ops.pipegoose.gelu_and_mul_backward(dy, x, approximate))
+    y64, dx64 = _grad_of_x(lambda t: _gelu_and_mul_torch(t, approximate), x.cpu().double(), dy.cpu().double())
+    torch.testing.assert_close(y.double().cpu(), y64, **tol(dtype))
+    torch.testing.assert_close(dx.double().cpu(), dx64, **tol(dtype))

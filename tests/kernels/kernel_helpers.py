@@ -1,12 +1,14 @@
 """Helpers of the kernel tests: a throw-away manifest with tiny kernels (builder tests); the norm backward's
 specialised widths (NORM_SPEC_*: GPU tests; all three checked against norm_kernels.cuh by
 tests/kernels/test_norm_spec_lists.py); a stable seed per test key and the allocator poisoning of the elementwise
-kernels' GPU tests (SwiGLU, RoPE)."""
+kernels' GPU tests (SwiGLU, RoPE); the launches of the packed gated kernels (silu_and_mul, gelu_and_mul) from
+the profiler."""
 
 from __future__ import annotations
 
 import gc
 import math
+import re
 import textwrap
 import zlib
 from pathlib import Path
@@ -123,3 +125,40 @@ def require_free_gpu_memory(gib: float, device: str = "cuda") -> None:
     free, _ = torch.cuda.mem_get_info(device)
     if free < gib * 2**30:
         pytest.skip(f"needs {gib:g} GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+
+
+def _packed_kernels(fn) -> list[str]:
+    """The names of the packed kernels (``act_and_mul_kernel``: silu_and_mul's, gelu_and_mul's) that ``fn()``
+    launches, in launch order (torch.profiler's)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    found = [n for n in names if "act_and_mul_kernel" in n]
+    assert found, f"no act_and_mul kernel among the launches: {names}"
+    return found
+
+
+def packed_launches(fn, act: str = "Silu") -> list[tuple[int, bool]]:
+    """(values per access, 64-bit indices) of each packed kernel that ``fn()`` launches, in launch order: the
+    template arguments V (1 for the scalar kernel, 4 or 8 for the 16-byte vectors) and ``wide`` of
+    ``act_and_mul_kernel<Act, T, V, backward, wide>`` in torch.profiler's kernel names; each launch's activation
+    must be ``act`` (``Silu``, ``GeluTanh``, ``GeluErf``)."""
+    names = _packed_kernels(fn)
+    # demangled ("act_and_mul_kernel<pipegoose::(anonymous namespace)::Silu, c10::Half, 8, true, false>(...)") or,
+    # should a profiler leave it so, mangled ("..._118act_and_mul_kernelINS0_4SiluEN3c104HalfELi8ELb1ELb0EEEv...")
+    found = [re.search(r"act_and_mul_kernel[^,]*?(Silu|GeluTanh|GeluErf)[^,]*?"
+                       r"(?:,[^,<>]+,\s*(\d+)\s*,\s*(?:true|false)\s*,\s*(true|false)\s*>|.*?Li(\d+)ELb[01]ELb([01])E)",
+                       n) for n in names]
+    assert all(found), f"an act_and_mul kernel name this test does not read: {names}"
+    acts = [m.group(1) for m in found]
+    assert all(a == act for a in acts), f"activations {acts} launched, expected {act}: {names}"
+    return [(int(m.group(2) or m.group(4)), (m.group(3) or m.group(5)) in ("true", "1")) for m in found]
+
+
+def packed_widths(fn, act: str = "Silu") -> list[int]:
+    """The values per access (V) of the packed kernels that ``fn()`` launches (:func:`packed_launches`)."""
+    return [width for width, _ in packed_launches(fn, act)]

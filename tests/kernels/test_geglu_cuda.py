@@ -13,6 +13,11 @@ fp32's range), infinite and NaN inputs, empty tensors, the argument checks (``ap
 finite. The launch, layouts and 64-bit offsets are the SwiGLU ops' (tests/kernels/test_swiglu_cuda.py runs them past
 2**31 elements); only the activation differs.
 
+``pipegoose::gelu_and_mul_forward(x [..., 2d], approximate)`` / ``gelu_and_mul_backward`` and the autograd op
+``pipegoose::gelu_and_mul`` (gate and up as the halves of x's last dimension: Gemma 4's MoE experts' gate), at the end:
+against float64, bit for bit geglu's results of the two halves (the same math per value), the activation's kernel
+launched (the profiler's kernel names), rows at other strides, the autograd op, errors, opcheck, a double backward.
+
 Run on the GPU machine: ``python -m pytest -m cuda tests/kernels/test_geglu_cuda.py -q``.
 """
 
@@ -21,7 +26,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import poison, seed_of
+from kernel_helpers import packed_launches, packed_widths, poison, seed_of
 from tolerances import TOLERANCES, tol
 
 pytestmark = pytest.mark.cuda
@@ -302,3 +307,232 @@ def test_double_backward(ops, dtype, approximate):
     for name, a, b in (("grad_gate of grad", ddg, ddg64), ("grad_up of grad", ddu, ddu64)):
         assert a.dtype == dtype and torch.isfinite(a).all(), name
         torch.testing.assert_close(a.double().cpu(), b, **tol(dtype, 2), msg=lambda m: f"{name}: {m}")
+
+
+# ===================================================================================== gelu_and_mul: x packed
+# pipegoose::gelu_and_mul_forward(x [..., 2d], approximate) -> out [..., d] = gelu(x[..., :d]) * x[..., d:];
+# gelu_and_mul_backward(grad_output [..., d], x, approximate) -> grad_x [..., 2d]; the autograd op
+# pipegoose::gelu_and_mul. The launch is silu_and_mul's (tests/kernels/test_swiglu_cuda.py: layouts, many rows,
+# 64-bit indices); the activation is geglu's.
+KERNEL_ACT = {"tanh": "GeluTanh", "none": "GeluErf"}
+# d = 1, odd d (the scalar kernel), d a multiple of 4 but not 8 (fp32's vectors only), multiples of 8; Gemma 4
+# 26B-A4B's experts (moe_intermediate_size 704) over 4101 routed rows; 3-d x
+PACKED_SHAPES = [(2,), (5, 2), (3, 14), (7, 24), (17, 2000), (2, 3, 2002), (4101, 2 * 704), (3, 2 * 2113)]
+
+
+def make_packed(shape, dtype, seed):
+    """x [..., 2d] (make's gate in each row's first d values, its up in the last d) and grad_output [..., d]."""
+    *lead, two_d = shape
+    g, u, dy = make((*lead, two_d // 2), dtype, seed)
+    return torch.cat((g, u), -1), dy
+
+
+def ref64_packed(x, dy, approximate):
+    """float64 on the CPU of x's halves: (out, grad_x)."""
+    d = x.shape[-1] // 2
+    y, dg, du = ref64(x[..., :d], x[..., d:], dy, approximate)
+    return y, torch.cat((dg, du), -1)
+
+
+def run_packed(ops, x, dy, approximate):
+    poison((dy.shape, x.dtype))
+    y = ops.gelu_and_mul_forward(x, approximate)
+    poison((x.shape, x.dtype))
+    dx = ops.gelu_and_mul_backward(dy, x, approximate)
+    return y, dx
+
+
+def vector_width(dtype):
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", PACKED_SHAPES, ids=str)
+def test_packed_ops_match_float64(ops, dtype, shape, approximate):
+    """gelu_and_mul_forward / _backward against float64, every element written, the inputs left as they were; the
+    kernel of approximate's activation, of 16-byte vectors where d allows; bit for bit geglu_forward / _backward of
+    the two halves."""
+    x, dy = make_packed(shape, dtype, seed_of("gelu_and_mul", shape, dtype, approximate))
+    before = (x.clone(), dy.clone())
+    got = {}
+
+    def run():
+        got["y"], got["dx"] = run_packed(ops, x, dy, approximate)
+
+    d = shape[-1] // 2
+    v = vector_width(dtype)
+    width = v if d % v == 0 else 1
+    assert packed_launches(run, KERNEL_ACT[approximate]) == [(width, False), (width, False)]
+    ry, rdx = ref64_packed(x, dy, approximate)
+    check(f"{approximate} out", got["y"], ry, dtype, dy.shape)
+    check(f"{approximate} grad_x", got["dx"], rdx, dtype, x.shape)
+    assert torch.equal(x, before[0]) and torch.equal(dy, before[1]), "an input changed"
+    g, u = (t.contiguous() for t in x.chunk(2, -1))
+    assert torch.equal(got["y"], ops.geglu_forward(g, u, approximate)), "out differs from geglu's"
+    dg, du = ops.geglu_backward(dy, g, u, approximate)
+    assert torch.equal(got["dx"], torch.cat((dg, du), -1)), "grad_x differs from geglu's"
+
+
+def _in_wider_rows(x, offset, extra):
+    wide = torch.full((*x.shape[:-1], offset + x.shape[-1] + extra), float("nan"), dtype=x.dtype, device=DEV)
+    wide[..., offset:offset + x.shape[-1]] = x
+    return wide[..., offset:offset + x.shape[-1]]
+
+
+# name -> (a view of x [R, 2d]; whether the kernel reads 16-byte vectors of it)
+PACKED_LAYOUTS = {
+    "rows of a wider tensor from column 3": (lambda x: _in_wider_rows(x, 3, 5), False),   # misaligned: scalar
+    "rows of a wider tensor from column 8": (lambda x: _in_wider_rows(x, 8, 8), True),    # aligned, strided
+    "transposed (last dim not contiguous)": (lambda x: x.t().contiguous().t(), True),     # copied
+}
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", list(PACKED_LAYOUTS))
+def test_packed_layouts(ops, dtype, layout, approximate):
+    """x in other layouts: against float64 and bit for bit the results of x.contiguous(); the autograd op gives the
+    same."""
+    make_view, aligned = PACKED_LAYOUTS[layout]
+    base, dy = make_packed((36, 2 * 1000), dtype, seed_of("gelu_and_mul layout", dtype, approximate))
+    x = make_view(base)
+    assert not x.is_contiguous()
+    got = {}
+
+    def run():
+        got["y"], got["dx"] = run_packed(ops, x, dy, approximate)
+
+    want = vector_width(dtype) if aligned else 1
+    assert packed_widths(run, KERNEL_ACT[approximate]) == [want, want], layout
+    ry, rdx = ref64_packed(x, dy, approximate)
+    check("out", got["y"], ry, dtype, dy.shape)
+    check("grad_x", got["dx"], rdx, dtype, x.shape)
+    xc = x.contiguous()
+    assert torch.equal(got["y"], ops.gelu_and_mul_forward(xc, approximate)), layout
+    assert torch.equal(got["dx"], ops.gelu_and_mul_backward(dy, xc, approximate)), layout
+    xx = x.detach().requires_grad_()
+    yy = torch.ops.pipegoose.gelu_and_mul(xx, approximate)
+    yy.backward(dy)
+    assert torch.equal(yy.detach(), got["y"]) and torch.equal(xx.grad, got["dx"]), f"{layout}: autograd op differs"
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_packed_autograd_op(ops, dtype, approximate):
+    """torch.ops.pipegoose.gelu_and_mul with .backward(): the ops' very results, its graph node the C++ Function;
+    the schema's default approximate is "tanh"; no graph under inference mode; a broadcast output gradient."""
+    x, dy = make_packed((4101, 2 * 704), dtype, seed_of("gelu_and_mul autograd", dtype, approximate))
+    xx = x.clone().requires_grad_()
+    y = torch.ops.pipegoose.gelu_and_mul(xx, approximate)
+    assert y.requires_grad and "GeluAndMul" in type(y.grad_fn).__name__ + str(y.grad_fn.name())
+    y.backward(dy)
+    assert torch.equal(y.detach(), ops.gelu_and_mul_forward(x, approximate))
+    assert torch.equal(xx.grad, ops.gelu_and_mul_backward(dy, x, approximate))
+    ry, rdx = ref64_packed(x, dy, approximate)
+    check("out", y.detach(), ry, dtype, dy.shape)
+    check("grad_x", xx.grad, rdx, dtype, x.shape)
+    if approximate == "tanh":
+        assert torch.equal(torch.ops.pipegoose.gelu_and_mul(x), y.detach())
+        assert torch.equal(torch.ops.pipegoose.gelu_and_mul_forward(x), y.detach())
+        assert torch.equal(torch.ops.pipegoose.gelu_and_mul_backward(dy, x), xx.grad)
+    with torch.inference_mode():
+        yi = torch.ops.pipegoose.gelu_and_mul(x, approximate)
+    assert yi.grad_fn is None and torch.equal(yi, y.detach())
+    xs = x[:37].clone().requires_grad_()
+    torch.ops.pipegoose.gelu_and_mul(xs, approximate).sum().backward()   # grad_output: an expanded scalar
+    _, rdx = ref64_packed(x[:37], torch.ones_like(dy[:37]), approximate)
+    check("grad_x of sum()", xs.grad, rdx, dtype, xs.shape)
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+def test_packed_special_values_as_geglu(ops, approximate):
+    """Large, infinite and NaN gates, ups and output gradients (fp32 and bf16): bit for bit (NaN where NaN) geglu's
+    results of the two halves, which test_large_gates and test_inf_and_nan check against float64 and PyTorch."""
+    gates = [float("-inf"), float("inf"), float("nan"), 0.0, -0.0, 1.0, -3.0, 5.0, -10.0, 100.0, -1e4, 1e20, -3e38]
+    ups = [1.0, -2.5, 0.0, float("nan")]
+    dys = [1.5, -0.75, float("nan")]
+    g, u, d = (t.reshape(-1, 8).to(DEV) for t in torch.meshgrid(torch.tensor(gates), torch.tensor(ups),
+                                                                 torch.tensor(dys[:2] * 4), indexing="ij"))
+    d = d.clone()
+    d[::3, ::5] = float("nan")
+    for dtype in (torch.float32, torch.bfloat16):
+        gt, ut, dt = g.to(dtype), u.to(dtype), d.to(dtype)
+        x = torch.cat((gt, ut), -1)
+        y, dx = ops.gelu_and_mul_forward(x, approximate), ops.gelu_and_mul_backward(dt, x, approximate)
+        wy = ops.geglu_forward(gt, ut, approximate)
+        wdg, wdu = ops.geglu_backward(dt, gt, ut, approximate)
+        for name, a, b in (("out", y, wy), ("grad_x", dx, torch.cat((wdg, wdu), -1))):
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), (dtype, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(0,), (0, 8), (3, 0), (2, 0, 6)], ids=str)
+def test_packed_empty_tensors(ops, dtype, shape):
+    x = torch.empty(shape, device=DEV, dtype=dtype)
+    half = (*shape[:-1], shape[-1] // 2)
+    y = ops.gelu_and_mul_forward(x, "none")
+    assert y.shape == half and y.dtype == dtype
+    dx = ops.gelu_and_mul_backward(torch.empty(half, device=DEV, dtype=dtype), x, "tanh")
+    assert dx.shape == shape and dx.dtype == dtype
+    xx = x.clone().requires_grad_()
+    y = torch.ops.pipegoose.gelu_and_mul(xx, "tanh")
+    y.backward(torch.empty_like(y))
+    assert y.shape == half and xx.grad.shape == shape
+
+
+def test_packed_bad_arguments_name_the_argument(ops):
+    x, dy = make_packed((4, 6), torch.float32, seed_of("gelu_and_mul bad"))
+    fwd, bwd, op = ops.gelu_and_mul_forward, ops.gelu_and_mul_backward, torch.ops.pipegoose.gelu_and_mul
+    cases = [
+        (lambda: fwd(x, "tan"), r'gelu_and_mul_forward: approximate must be "tanh" or "none", got "tan"'),
+        (lambda: bwd(dy, x, "erf"), r'gelu_and_mul_backward: approximate must be "tanh" or "none", got "erf"'),
+        (lambda: op(x.clone().requires_grad_(), "Tanh"), r'gelu_and_mul_forward: approximate must be "tanh"'),
+        (lambda: fwd(x[:, :5], "tanh"), r"gelu_and_mul_forward: x's last dimension must be even \(gate and up are "
+                                        r"its two halves\), got 5"),
+        (lambda: fwd(x[0, 0], "none"), r"gelu_and_mul_forward: x must have at least one dimension"),
+        (lambda: fwd(x.double(), "none"), r"gelu_and_mul_forward: x must be float32, float16 or bfloat16, got Double"),
+        (lambda: bwd(dy[:, :2], x, "tanh"), r"gelu_and_mul_backward: grad_output has shape \[4, 2\] but x has "
+                                            r"\[4, 6\]; expected x's shape with the last dimension halved, \[4, 3\]"),
+        (lambda: bwd(dy.cpu(), x, "tanh"), r"gelu_and_mul_backward: grad_output is on cpu but x is on cuda"),
+        (lambda: bwd(dy.int(), x, "none"), r"gelu_and_mul_backward: grad_output must be a floating point tensor"),
+        (lambda: bwd(dy, x.cpu(), "none"), r"gelu_and_mul_backward: x must be a CUDA tensor, got device cpu"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_packed_opcheck(ops, dtype, approximate):
+    x, dy = make_packed((2, 3, 34), dtype, seed_of("gelu_and_mul opcheck", dtype, approximate))
+    fwd, bwd = torch.ops.pipegoose.gelu_and_mul_forward.default, torch.ops.pipegoose.gelu_and_mul_backward.default
+    torch.library.opcheck(fwd, (x, approximate))
+    torch.library.opcheck(fwd, (x[..., 1:33], approximate))        # rows of a wider tensor, misaligned
+    torch.library.opcheck(fwd, (x.transpose(0, 1), approximate))   # leading dims that do not flatten: copied
+    torch.library.opcheck(bwd, (dy, x, approximate))
+    torch.library.opcheck(bwd, (dy.float(), x, approximate))       # grad_output of another dtype
+    torch.library.opcheck(torch.ops.pipegoose.gelu_and_mul.default, (x.clone().requires_grad_(), approximate))
+    torch.library.opcheck(torch.ops.pipegoose.gelu_and_mul.default, (x, approximate))
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_packed_double_backward(ops, dtype, approximate):
+    """backward with create_graph=True: grad_x as float64's, and differentiable again: the second derivative (of
+    <grad_x, v>) equals float64's by autograd."""
+    x, dy = make_packed((64, 2 * 129), dtype, seed_of("gelu_and_mul double", dtype, approximate))
+    v = torch.randn(x.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(9)).to(dtype)
+    xx = x.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(torch.ops.pipegoose.gelu_and_mul(xx, approximate), xx, dy, create_graph=True)
+    assert dx.requires_grad
+    (ddx,) = torch.autograd.grad((dx.float() * v.float()).sum(), xx)
+    x64 = x.cpu().double().requires_grad_()
+    g64, u64 = x64.chunk(2, -1)
+    (dx64,) = torch.autograd.grad(F.gelu(g64, approximate=approximate) * u64, x64, dy.cpu().double(),
+                                  create_graph=True)
+    (ddx64,) = torch.autograd.grad((dx64 * v.cpu().double()).sum(), x64)
+    check("grad_x", dx.detach(), dx64.detach(), dtype, x.shape)
+    assert ddx.dtype == dtype and torch.isfinite(ddx).all()
+    torch.testing.assert_close(ddx.double().cpu(), ddx64, **tol(dtype, 2), msg=lambda m: f"grad of grad_x: {m}")

@@ -25,12 +25,11 @@ use; ``python -m pipegoose.kernels build pipegoose/swiglu`` first saves time).
 from __future__ import annotations
 
 
-import re
 
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import poison, require_free_gpu_memory, seed_of
+from kernel_helpers import packed_launches, packed_widths, poison, require_free_gpu_memory, seed_of
 from tolerances import TOLERANCES, tol
 
 pytestmark = pytest.mark.cuda
@@ -506,37 +505,6 @@ def check_packed(ops, x, dy, dtype, what=""):
 def vector_width(dtype):
     """Values in one of the kernels' 16-byte vectors: 4 fp32, 8 16-bit."""
     return 16 // torch.empty((), dtype=dtype).element_size()
-
-
-def _packed_kernels(fn) -> list[str]:
-    """The names of the silu_and_mul kernels that ``fn()`` launches, in launch order (torch.profiler's)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    found = [n for n in names if "silu_and_mul_kernel" in n]
-    assert found, f"no silu_and_mul kernel among the launches: {names}"
-    return found
-
-
-def packed_launches(fn) -> list[tuple[int, bool]]:
-    """(values per access, 64-bit indices) of each silu_and_mul kernel that ``fn()`` launches, in launch order: the
-    template arguments V (1 for the scalar kernel, 4 or 8 for the 16-byte vectors) and ``wide`` of
-    ``silu_and_mul_kernel<T, V, backward, wide>`` in torch.profiler's kernel names."""
-    names = _packed_kernels(fn)
-    # demangled ("silu_and_mul_kernel<c10::Half, 8, true, false>(...)") or, should a profiler leave it so, mangled
-    # ("silu_and_mul_kernelIN3c104HalfELi8ELb1ELb0EEv...")
-    found = [re.search(r"silu_and_mul_kernel(?:<[^,<>]+,\s*(\d+)\s*,\s*(?:true|false)\s*,\s*(true|false)\s*>"
-                       r"|I(?:f|N3c10\d+\w+?E)Li(\d+)ELb[01]ELb([01])EE)", n) for n in names]
-    assert all(found), f"a silu_and_mul kernel name this test does not read: {names}"
-    return [(int(m.group(1) or m.group(3)), (m.group(2) or m.group(4)) in ("true", "1")) for m in found]
-
-
-def packed_widths(fn) -> list[int]:
-    """The values per access (V) of the silu_and_mul kernels that ``fn()`` launches (:func:`packed_launches`)."""
-    return [width for width, _ in packed_launches(fn)]
 
 
 def all_finite(t: torch.Tensor) -> bool:

@@ -8,6 +8,8 @@
 // gradient of x in one tensor.
 // geglu (GELU for SiLU, Gemma's MLP; approximate "tanh" or "none" as F.gelu): as swiglu, saving gate, up and the
 // approximation.
+// gelu_and_mul (geglu's activation, gate and up as the two halves of x; Gemma 4's MoE experts): as silu_and_mul,
+// saving x and the approximation.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -25,6 +27,9 @@ at::Tensor silu_and_mul_backward_cuda(const at::Tensor& grad_output, const at::T
 at::Tensor geglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up, c10::string_view approximate);
 std::tuple<at::Tensor, at::Tensor> geglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate,
                                                        const at::Tensor& up, c10::string_view approximate);
+at::Tensor gelu_and_mul_forward_cuda(const at::Tensor& x, c10::string_view approximate);
+at::Tensor gelu_and_mul_backward_cuda(const at::Tensor& grad_output, const at::Tensor& x,
+                                      c10::string_view approximate);
 }  // namespace pipegoose
 
 namespace {
@@ -40,6 +45,8 @@ using PackedBackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&);
 using GegluForwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view);
 using GegluBackwardSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                             c10::string_view);
+using GeluPackedForwardSig = at::Tensor(const at::Tensor&, c10::string_view);
+using GeluPackedBackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view);
 
 // The kernel's numerics as PyTorch ops: silu(gate) * up in fp32, rounded once to gate's dtype (the Python reference,
 // swiglu_reference in pipegoose/nn/fusion/ops/swiglu.py). Differentiable (used for a double backward).
@@ -58,6 +65,12 @@ at::Tensor packed_reference(const at::Tensor& x) {
 // reference of op geglu's kernel numerics). Differentiable (used for a double backward).
 at::Tensor geglu_reference(const at::Tensor& gate, const at::Tensor& up, c10::string_view approximate) {
   return (at::gelu(gate.to(at::kFloat), approximate) * up.to(at::kFloat)).to(gate.scalar_type());
+}
+
+// gelu_and_mul's numerics as PyTorch ops: geglu's reference of x's two halves.
+at::Tensor gelu_packed_reference(const at::Tensor& x, c10::string_view approximate) {
+  const auto halves = x.chunk(2, -1);
+  return geglu_reference(halves[0], halves[1], approximate);
 }
 
 }  // namespace
@@ -144,6 +157,34 @@ struct GeGLUFunction : public torch::autograd::Function<GeGLUFunction> {
   }
 };
 
+// The autograd formula of pipegoose::gelu_and_mul (graph node torch::autograd::CppNode<pipegoose::GeluAndMulFunction>).
+struct GeluAndMulFunction : public torch::autograd::Function<GeluAndMulFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::string_view approximate) {
+    static const auto op = na::op_handle<GeluPackedForwardSig>("pipegoose::gelu_and_mul_forward");
+    at::AutoDispatchBelowADInplaceOrView below;
+    at::Tensor y = op.call(x, approximate);   // (checks approximate before anything is saved)
+    ctx->save_for_backward({x});
+    ctx->saved_data["approximate"] = std::string(approximate);
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const std::string approximate = ctx->saved_data["approximate"].toStringRef();
+    const at::Tensor& dy = grads[0];
+    if (!dy.defined()) return {at::Tensor(), at::Tensor()};
+    if (at::GradMode::is_enabled()) {  // create_graph=True: a gradient that is differentiable again
+      auto gs = na::grads_through([&] { return gelu_packed_reference(x, approximate); }, {x},
+                                  {ctx->needs_input_grad(0)}, dy);
+      return {gs[0], at::Tensor()};
+    }
+    static const auto op = na::op_handle<GeluPackedBackwardSig>("pipegoose::gelu_and_mul_backward");
+    at::AutoDispatchBelowADInplaceOrView below;
+    return {op.call(dy, x, approximate), at::Tensor()};
+  }
+};
+
 }  // namespace pipegoose
 
 namespace {
@@ -156,6 +197,10 @@ at::Tensor silu_and_mul_autograd(const at::Tensor& x) { return pipegoose::SiluAn
 
 at::Tensor geglu_autograd(const at::Tensor& gate, const at::Tensor& up, c10::string_view approximate) {
   return pipegoose::GeGLUFunction::apply(gate, up, approximate);
+}
+
+at::Tensor gelu_and_mul_autograd(const at::Tensor& x, c10::string_view approximate) {
+  return pipegoose::GeluAndMulFunction::apply(x, approximate);
 }
 
 }  // namespace
@@ -171,6 +216,9 @@ TORCH_LIBRARY_FRAGMENT(pipegoose, m) {
   m.def("geglu_backward(Tensor grad_output, Tensor gate, Tensor up, str approximate='tanh') -> "
         "(Tensor grad_gate, Tensor grad_up)");
   m.def("geglu(Tensor gate, Tensor up, str approximate='tanh') -> Tensor");
+  m.def("gelu_and_mul_forward(Tensor x, str approximate='tanh') -> Tensor");
+  m.def("gelu_and_mul_backward(Tensor grad_output, Tensor x, str approximate='tanh') -> Tensor");
+  m.def("gelu_and_mul(Tensor x, str approximate='tanh') -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pipegoose, CUDA, m) {
@@ -183,10 +231,14 @@ TORCH_LIBRARY_IMPL(pipegoose, CUDA, m) {
   m.impl("geglu_forward", &pipegoose::geglu_forward_cuda);
   m.impl("geglu_backward", &pipegoose::geglu_backward_cuda);
   m.impl("geglu", &pipegoose::geglu_forward_cuda);
+  m.impl("gelu_and_mul_forward", &pipegoose::gelu_and_mul_forward_cuda);
+  m.impl("gelu_and_mul_backward", &pipegoose::gelu_and_mul_backward_cuda);
+  m.impl("gelu_and_mul", &pipegoose::gelu_and_mul_forward_cuda);
 }
 
 TORCH_LIBRARY_IMPL(pipegoose, Autograd, m) {
   m.impl("swiglu", &swiglu_autograd);
   m.impl("silu_and_mul", &silu_and_mul_autograd);
   m.impl("geglu", &geglu_autograd);
+  m.impl("gelu_and_mul", &gelu_and_mul_autograd);
 }

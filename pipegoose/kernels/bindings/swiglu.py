@@ -1,13 +1,15 @@
 """Fake (meta) impls of ``pipegoose::swiglu_forward``, ``pipegoose::swiglu_backward``, ``pipegoose::swiglu``,
 ``pipegoose::silu_and_mul_forward``, ``pipegoose::silu_and_mul_backward``, ``pipegoose::silu_and_mul`` and
-``pipegoose::geglu_forward``, ``pipegoose::geglu_backward``, ``pipegoose::geglu`` (pipegoose's SwiGLU and GeGLU
-activations, ``pipegoose/kernels/csrc/swiglu.cu``).
+``pipegoose::geglu_forward``, ``pipegoose::geglu_backward``, ``pipegoose::geglu``,
+``pipegoose::gelu_and_mul_forward``, ``pipegoose::gelu_and_mul_backward``, ``pipegoose::gelu_and_mul`` (pipegoose's
+SwiGLU and GeGLU activations, ``pipegoose/kernels/csrc/swiglu.cu``).
 
 Shapes and dtypes, as the CUDA kernels return them: ``gate`` and ``up`` of one shape and dtype; forward -> ``out``
 (contiguous, gate's shape and dtype); backward -> ``grad_gate`` and ``grad_up`` (the same). ``silu_and_mul``: ``x``
 ``[..., 2d]`` -> ``out`` ``[..., d]``; backward(``grad_output`` ``[..., d]``, ``x``) -> ``grad_x`` ``[..., 2d]``
 (contiguous, x's dtype). ``geglu``: as ``swiglu``, with ``approximate`` ``"tanh"`` or ``"none"`` (another string:
-the check fails naming ``approximate``, as the kernels' RuntimeError does). Imported by the
+the check fails naming ``approximate``, as the kernels' RuntimeError does); ``gelu_and_mul``: as ``silu_and_mul``,
+with ``approximate``. Imported by the
 builder after the library is loaded."""
 
 from __future__ import annotations
@@ -109,3 +111,20 @@ def _geglu_backward_fake(grad_output, gate, up, approximate="tanh"):
 @torch.library.register_fake("pipegoose::geglu")
 def _geglu_fake(gate, up, approximate="tanh"):
     return _geglu_forward_fake(gate, up, approximate)
+
+
+@torch.library.register_fake("pipegoose::gelu_and_mul_forward")
+def _gelu_packed_forward_fake(x, approximate="tanh"):
+    _approximate(approximate)
+    return _packed_forward_fake(x)
+
+
+@torch.library.register_fake("pipegoose::gelu_and_mul_backward")
+def _gelu_packed_backward_fake(grad_output, x, approximate="tanh"):
+    _approximate(approximate)
+    return _packed_backward_fake(grad_output, x)
+
+
+@torch.library.register_fake("pipegoose::gelu_and_mul")
+def _gelu_packed_fake(x, approximate="tanh"):
+    return _gelu_packed_forward_fake(x, approximate)

@@ -1,7 +1,7 @@
 // SwiGLU's gated activation, silu(gate) * up, forward and backward, for fp32, fp16 and bf16 tensors with fp32 math.
 // Written for pipegoose; ops pipegoose::swiglu_forward / swiglu_backward / swiglu and, for gate and up in one tensor,
-// pipegoose::silu_and_mul_forward / silu_and_mul_backward / silu_and_mul (binding:
-// pipegoose/kernels/bindings/swiglu.cpp; schemas: docs/architecture.md "Op schemas").
+// pipegoose::silu_and_mul_forward / silu_and_mul_backward / silu_and_mul; GeGLU's the same, geglu_* and
+// gelu_and_mul_* (binding: pipegoose/kernels/bindings/swiglu.cpp; schemas: docs/architecture.md "Op schemas").
 //
 // swiglu_forward(gate [*], up [*]) -> out [*]:  out = gate * sigmoid(gate) * up
 // swiglu_backward(grad_output [*], gate, up) -> (grad_gate, grad_up):
@@ -43,6 +43,12 @@
 // 0.5 g erfc(-g / sqrt(2))): the same values where torch's are accurate, and no cancellation for negative gates (see
 // GeluTanh and GeluErf), in fp32 and rounded once as above.
 // The same launch, layouts and errors as swiglu's, and a RuntimeError naming approximate for another string.
+//
+// gelu_and_mul (vLLM's gelu_and_mul and gelu_tanh_and_mul in one op; the gate of Gemma 4's MoE experts, whose
+// gate_up_proj puts gate and up in one output): silu_and_mul with GeGLU's activation and math per value,
+// gelu_and_mul_forward(x [..., 2d], approximate) -> out [..., d]:  out = gelu(x[..., :d]) * x[..., d:]
+// gelu_and_mul_backward(grad_output [..., d], x [..., 2d], approximate) -> grad_x [..., 2d]
+// The same launch, layouts and errors as silu_and_mul's, and a RuntimeError naming approximate for another string.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -280,16 +286,17 @@ __device__ __forceinline__ uint32_t divide(uint32_t n, DivU32 f) {
   return static_cast<uint32_t>((static_cast<uint64_t>(__umulhi(n, f.mul)) + n) >> f.shift);
 }
 
-// Forward (kBackward false): y[r, c] = silu(x[r, c]) * x[r, c + d].
-// Backward: (dx[r, c], dx[r, c + d]) = swiglu's (grad_gate, grad_up) of (dy[r, c], x[r, c], x[r, c + d]).
+// Forward (kBackward false): y[r, c] = act(x[r, c]) * x[r, c + d].
+// Backward: (dx[r, c], dx[r, c + d]) = swiglu's (geglu's, for a GELU) (grad_gate, grad_up) of (dy[r, c], x[r, c],
+// x[r, c + d]).
 // Thread i of the grid takes vector i of the output's rows x d_vec vectors (V values each): row i / d_vec, column
 // i % d_vec, so every lane has work but the last block's tail (a launch of 2D blocks, tx along a row and ty rows,
 // left lanes idle where d_vec is not a multiple of tx: 69-87% of copy backward on the H100 at intermediate sizes
 // 1408-5632 in session 65's bf16 sweep, against 99-102% for this one). kWide: 64-bit vector indices and division,
 // where the threads are 2^32 or more (or d_vec more than 2^31); else 32-bit ones and DivU32.
-template <typename T, int V, bool kBackward, bool kWide>
+template <typename Act, typename T, int V, bool kBackward, bool kWide>
 __global__ void __launch_bounds__(kThreads)
-    silu_and_mul_kernel(Rows<const T> x, Rows<const T> dy, Rows<T> out, int64_t total, DivU32 f, int64_t d_vec,
+    act_and_mul_kernel(Rows<const T> x, Rows<const T> dy, Rows<T> out, int64_t total, DivU32 f, int64_t d_vec,
                         int64_t d) {
   using P = Pack<T, V>;
   int64_t row, col;
@@ -315,7 +322,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       float a, b;
-      bwd_math<Silu>(to_f<T>(dv.v[e]), to_f<T>(g.v[e]), to_f<T>(u.v[e]), a, b);
+      bwd_math<Act>(to_f<T>(dv.v[e]), to_f<T>(g.v[e]), to_f<T>(u.v[e]), a, b);
       dg.v[e] = from_f<T>(a);
       du.v[e] = from_f<T>(b);
     }
@@ -324,13 +331,15 @@ __global__ void __launch_bounds__(kThreads)
   } else {
     P y;
 #pragma unroll
-    for (int e = 0; e < V; ++e) y.v[e] = from_f<T>(fwd_math<Silu>(to_f<T>(g.v[e]), to_f<T>(u.v[e])));
+    for (int e = 0; e < V; ++e) y.v[e] = from_f<T>(fwd_math<Act>(to_f<T>(g.v[e]), to_f<T>(u.v[e])));
     *reinterpret_cast<P*>(orow) = y;
   }
 }
 
 const char* kSamFwd = "pipegoose::silu_and_mul_forward";
 const char* kSamBwd = "pipegoose::silu_and_mul_backward";
+const char* kGamFwd = "pipegoose::gelu_and_mul_forward";
+const char* kGamBwd = "pipegoose::gelu_and_mul_backward";
 
 void check_packed(const char* op, const at::Tensor& x) {
   PG_CHECK(x.defined(), op, ": x must be a defined tensor");
@@ -350,46 +359,46 @@ at::Tensor as_rows(const at::Tensor& t, int64_t cols) {
   return cols > 1 && r.stride(1) != 1 ? r.contiguous() : r;
 }
 
-// The launch over rows x d values: one thread for each V of them (a vector, or a value), kThreads a block.
-template <typename T, int V, bool kBackward>
-void launch_silu_and_mul(Rows<const T> x, Rows<const T> dy, Rows<T> out, int64_t rows, int64_t d,
-                         cudaStream_t stream) {
+// The launch over rows x d values: one thread for each V of them (a vector, or a value), kThreads a block (op: the
+// op's name, for the error).
+template <typename Act, typename T, int V, bool kBackward>
+void launch_act_and_mul(const char* op, Rows<const T> x, Rows<const T> dy, Rows<T> out, int64_t rows, int64_t d,
+                        cudaStream_t stream) {
   const int64_t d_vec = d / V;
   const int64_t total = rows * d_vec;
   const int64_t blocks = (total + kThreads - 1) / kThreads;
-  PG_CHECK(blocks <= INT32_MAX, kBackward ? kSamBwd : kSamFwd, ": ", rows, " rows of ", d,
-           " values are more than one launch covers");
+  PG_CHECK(blocks <= INT32_MAX, op, ": ", rows, " rows of ", d, " values are more than one launch covers");
   // (32-bit indices where every thread's index, the last block's idle ones too, is below 2^32)
   const bool wide = blocks * kThreads > static_cast<int64_t>(UINT32_MAX) || d_vec > (int64_t{1} << 31);
   const DivU32 f = wide ? DivU32{0, 0, 0} : make_div(static_cast<uint32_t>(d_vec));
   const dim3 grid(static_cast<unsigned>(blocks));
   if (wide) {
-    silu_and_mul_kernel<T, V, kBackward, true><<<grid, kThreads, 0, stream>>>(x, dy, out, total, f, d_vec, d);
+    act_and_mul_kernel<Act, T, V, kBackward, true><<<grid, kThreads, 0, stream>>>(x, dy, out, total, f, d_vec, d);
   } else {
-    silu_and_mul_kernel<T, V, kBackward, false><<<grid, kThreads, 0, stream>>>(x, dy, out, total, f, d_vec, d);
+    act_and_mul_kernel<Act, T, V, kBackward, false><<<grid, kThreads, 0, stream>>>(x, dy, out, total, f, d_vec, d);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // Vectors of 16 bytes where d, every row stride and every pointer are multiples of them.
-template <typename T, bool kBackward>
-void dispatch_silu_and_mul(Rows<const T> x, Rows<const T> dy, Rows<T> out, int64_t rows, int64_t d,
-                           cudaStream_t stream) {
+template <typename Act, typename T, bool kBackward>
+void dispatch_act_and_mul(const char* op, Rows<const T> x, Rows<const T> dy, Rows<T> out, int64_t rows, int64_t d,
+                          cudaStream_t stream) {
   constexpr int V = 16 / sizeof(T);
   bool vec = d % V == 0 && aligned16(x.p) && aligned16(out.p) && (rows <= 1 || (x.stride % V == 0 &&
                                                                                    out.stride % V == 0));
   if (kBackward) vec = vec && aligned16(dy.p) && (rows <= 1 || dy.stride % V == 0);
   if (vec) {
-    launch_silu_and_mul<T, V, kBackward>(x, dy, out, rows, d, stream);
+    launch_act_and_mul<Act, T, V, kBackward>(op, x, dy, out, rows, d, stream);
   } else {
-    launch_silu_and_mul<T, 1, kBackward>(x, dy, out, rows, d, stream);
+    launch_act_and_mul<Act, T, 1, kBackward>(op, x, dy, out, rows, d, stream);
   }
 }
 
-}  // namespace
-
-at::Tensor silu_and_mul_forward_cuda(const at::Tensor& x_in) {
-  check_packed(kSamFwd, x_in);
+// silu_and_mul's and gelu_and_mul's entry points, for the activation Act (fwd, bwd: the ops' names, for the errors).
+template <typename Act>
+at::Tensor packed_forward(const char* fwd, const at::Tensor& x_in) {
+  check_packed(fwd, x_in);
   const int64_t d = x_in.size(-1) / 2;
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = d;
@@ -401,23 +410,24 @@ at::Tensor silu_and_mul_forward_cuda(const at::Tensor& x_in) {
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   by_dtype(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    dispatch_silu_and_mul<scalar_t, false>({x.const_data_ptr<scalar_t>(), x.stride(0)}, {nullptr, 0},
-                                           {out.mutable_data_ptr<scalar_t>(), d}, rows, d, stream);
+    dispatch_act_and_mul<Act, scalar_t, false>(fwd, {x.const_data_ptr<scalar_t>(), x.stride(0)}, {nullptr, 0},
+                                               {out.mutable_data_ptr<scalar_t>(), d}, rows, d, stream);
   });
   return out;
 }
 
-at::Tensor silu_and_mul_backward_cuda(const at::Tensor& grad_output, const at::Tensor& x_in) {
-  check_packed(kSamBwd, x_in);
-  PG_CHECK(grad_output.defined(), kSamBwd, ": grad_output must be a defined tensor");
-  PG_CHECK(grad_output.device() == x_in.device(), kSamBwd, ": grad_output is on ", grad_output.device(),
+template <typename Act>
+at::Tensor packed_backward(const char* bwd, const at::Tensor& grad_output, const at::Tensor& x_in) {
+  check_packed(bwd, x_in);
+  PG_CHECK(grad_output.defined(), bwd, ": grad_output must be a defined tensor");
+  PG_CHECK(grad_output.device() == x_in.device(), bwd, ": grad_output is on ", grad_output.device(),
            " but x is on ", x_in.device());
-  PG_CHECK(at::isFloatingType(grad_output.scalar_type()), kSamBwd,
+  PG_CHECK(at::isFloatingType(grad_output.scalar_type()), bwd,
            ": grad_output must be a floating point tensor, got ", grad_output.scalar_type());
   const int64_t d = x_in.size(-1) / 2;
   std::vector<int64_t> expect(x_in.sizes().begin(), x_in.sizes().end());
   expect.back() = d;
-  PG_CHECK(grad_output.sizes() == c10::IntArrayRef(expect), kSamBwd, ": grad_output has shape ", grad_output.sizes(),
+  PG_CHECK(grad_output.sizes() == c10::IntArrayRef(expect), bwd, ": grad_output has shape ", grad_output.sizes(),
            " but x has ", x_in.sizes(), "; expected x's shape with the last dimension halved, ",
            c10::IntArrayRef(expect));
   at::Tensor dx = at::empty(x_in.sizes(), x_in.options().memory_format(at::MemoryFormat::Contiguous));
@@ -429,11 +439,36 @@ at::Tensor silu_and_mul_backward_cuda(const at::Tensor& grad_output, const at::T
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   by_dtype(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    dispatch_silu_and_mul<scalar_t, true>({x.const_data_ptr<scalar_t>(), x.stride(0)},
-                                          {dy.const_data_ptr<scalar_t>(), dy.stride(0)},
-                                          {dx.mutable_data_ptr<scalar_t>(), 2 * d}, rows, d, stream);
+    dispatch_act_and_mul<Act, scalar_t, true>(bwd, {x.const_data_ptr<scalar_t>(), x.stride(0)},
+                                              {dy.const_data_ptr<scalar_t>(), dy.stride(0)},
+                                              {dx.mutable_data_ptr<scalar_t>(), 2 * d}, rows, d, stream);
   });
   return dx;
+}
+
+// F.gelu's approximate: true for "tanh", false for "none"; a RuntimeError naming approximate for another string.
+bool gelu_tanh(const char* op, c10::string_view approximate) {
+  PG_CHECK(approximate == "tanh" || approximate == "none", op, ": approximate must be \"tanh\" or \"none\", got \"",
+           std::string(approximate), "\"");
+  return approximate == "tanh";
+}
+
+}  // namespace
+
+at::Tensor silu_and_mul_forward_cuda(const at::Tensor& x) { return packed_forward<Silu>(kSamFwd, x); }
+
+at::Tensor silu_and_mul_backward_cuda(const at::Tensor& grad_output, const at::Tensor& x) {
+  return packed_backward<Silu>(kSamBwd, grad_output, x);
+}
+
+at::Tensor gelu_and_mul_forward_cuda(const at::Tensor& x, c10::string_view approximate) {
+  return gelu_tanh(kGamFwd, approximate) ? packed_forward<GeluTanh>(kGamFwd, x) : packed_forward<GeluErf>(kGamFwd, x);
+}
+
+at::Tensor gelu_and_mul_backward_cuda(const at::Tensor& grad_output, const at::Tensor& x,
+                                      c10::string_view approximate) {
+  return gelu_tanh(kGamBwd, approximate) ? packed_backward<GeluTanh>(kGamBwd, grad_output, x)
+                                         : packed_backward<GeluErf>(kGamBwd, grad_output, x);
 }
 
 namespace {
@@ -496,13 +531,6 @@ std::tuple<at::Tensor, at::Tensor> pair_backward(const char* op, const at::Tenso
 
 const char* kGegluFwd = "pipegoose::geglu_forward";
 const char* kGegluBwd = "pipegoose::geglu_backward";
-
-// F.gelu's approximate: true for "tanh", false for "none"; a RuntimeError naming approximate for another string.
-bool gelu_tanh(const char* op, c10::string_view approximate) {
-  PG_CHECK(approximate == "tanh" || approximate == "none", op, ": approximate must be \"tanh\" or \"none\", got \"",
-           std::string(approximate), "\"");
-  return approximate == "tanh";
-}
 
 }  // namespace
 

@@ -8,8 +8,8 @@ built or loaded until the first CUDA call that wants it, and transformers is imp
 from . import dispatch
 from .dispatch import FusionFallbackError
 from .fuse import FusionReport, fuse, fused, fusion_report, is_fused, unfuse
-from .functional import (apply_rotary_pos_emb, cross_entropy, fused_linear_cross_entropy, geglu, layer_norm,
-                         mixed_fused_layer_norm, rms_norm, scaled_masked_softmax, scaled_softmax,
+from .functional import (apply_rotary_pos_emb, cross_entropy, fused_linear_cross_entropy, geglu, gelu_and_mul,
+                         layer_norm, mixed_fused_layer_norm, rms_norm, scaled_masked_softmax, scaled_softmax,
                          scaled_upper_triang_masked_softmax, silu_and_mul, softmax, swiglu)
 from .modules import (AttnMaskType, FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedLayerNorm, FusedLinearCrossEntropyLoss,
                       FusedRMSNorm, FusedScaleMaskSoftmax, FusedSwiGLUMLP, FusedT5DenseGatedActDense,
@@ -29,6 +29,7 @@ __all__ = [
     "swiglu",
     "silu_and_mul",
     "geglu",
+    "gelu_and_mul",
     "cross_entropy",
     "fused_linear_cross_entropy",
     "apply_rotary_pos_emb",

@@ -43,7 +43,7 @@ from .ops import softmax as _sm
 from .ops import swiglu as _swiglu
 
 __all__ = ["softmax", "scaled_softmax", "scaled_masked_softmax", "scaled_upper_triang_masked_softmax",
-           "layer_norm", "mixed_fused_layer_norm", "rms_norm", "swiglu", "silu_and_mul", "geglu", "cross_entropy",
+           "layer_norm", "mixed_fused_layer_norm", "rms_norm", "swiglu", "silu_and_mul", "geglu", "gelu_and_mul", "cross_entropy",
            "fused_linear_cross_entropy", "apply_rotary_pos_emb"]
 
 
@@ -345,6 +345,33 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *, im
         FusionFallbackError: in strict mode, where the kernel cannot take the input.
     """
     return _swiglu.run_geglu(gate, up, approximate, impl)
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh", *, impl: str | None = None) -> torch.Tensor:
+    """GeGLU's gated activation of gate and up packed in one tensor (op ``geglu.packed``; vLLM's ``gelu_and_mul`` and
+    ``gelu_tanh_and_mul``): ``gate, up = x.chunk(2, dim=-1); F.gelu(gate, approximate=approximate) * up`` in one
+    kernel forward and one backward. ``fuse`` sets it as the gate of Gemma 4's MoE experts, whose ``gate_up_proj``
+    puts gate and up in one output.
+
+    Args:
+        x: ``[..., 2 * d]`` (gate the first ``d`` values of each row, up the last ``d``), fp32, fp16, bf16 (the
+            kernel) or fp64, at any row stride as :func:`silu_and_mul`'s.
+        approximate: ``"tanh"`` (default, transformers' ``gelu_pytorch_tanh``) or ``"none"`` (exact, erf GELU), as
+            :func:`geglu`'s.
+
+    Returns:
+        Tensor ``[..., d]`` of ``x``'s dtype (contiguous from the kernel). Each value is computed in fp32 and rounded
+        once, as :func:`geglu`'s; the gradient of ``x`` is one contiguous tensor. It saves ``x`` for the backward.
+
+    Kernel: pipegoose/swiglu (``pipegoose::gelu_and_mul``; pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
+
+    Raises:
+        TypeError: ``x`` not a floating point tensor of fp32/fp16/bf16/fp64; ``approximate`` not a str.
+        ValueError: ``x`` of no dimension or with an odd last dimension; ``approximate`` neither ``"none"`` nor
+            ``"tanh"``; ``impl`` naming no implementation of ``geglu.packed`` (``pipegoose``, ``torch``).
+        FusionFallbackError: in strict mode, where the kernel cannot take the input.
+    """
+    return _swiglu.run_geglu_packed(x, approximate, impl)
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: int = -100, reduction: str = "mean",

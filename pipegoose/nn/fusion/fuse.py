@@ -1079,17 +1079,18 @@ def _consider_swiglu(child, path, ops, dry_run):
 
 
 def _consider_experts(model, child, path, ops, dry_run, state, held: set) -> FusionRow | None:
-    """The report's row (kind ``swiglu``) for a MoE layer's experts module of transformers' experts interface
-    (:mod:`~pipegoose.nn.fusion.transformers.experts`), whose gate ``fuse`` routes to op ``swiglu.packed``: held
-    where another fuse() call (or a copy of a fused model) put the gate there; None where ``swiglu`` is left out of
-    ``ops`` (counted as not requested where it would be fused)."""
+    """The report's row (kind ``swiglu``, or ``geglu`` for GELU experts) for a MoE layer's experts module of
+    transformers' experts interface (:mod:`~pipegoose.nn.fusion.transformers.experts`), whose gate ``fuse`` routes to
+    op ``swiglu.packed`` (``geglu.packed``): held where another fuse() call (or a copy of a fused model) put the gate
+    there; None where its kind is left out of ``ops`` (counted as not requested where it would be fused)."""
     name = type(child).__name__
     if _experts.hooked(child):
         owner = next((r for r, st in list(_STATE.items())
                       if any(ref() is child for ref, _ in st.experts_gates)), None)
         why = (_earlier_fuse_reason(model, owner, "kept") if owner is not None else
                "already fused before this call (a copy of a fused model): kept here, and unfuse() will not revert it")
-        row = FusionRow(path, "swiglu", name, "FusedExpertsGate", True, "-", "-", reason=why)
+        kind = "swiglu" if child.__dict__["_apply_gate"].approximate is None else "geglu"
+        row = FusionRow(path, kind, name, "FusedExpertsGate", True, "-", "-", reason=why)
         held.add(id(row))
         _hold(state, row, path, _experts.hooked)
         return row
@@ -1101,14 +1102,15 @@ def _consider_experts(model, child, path, ops, dry_run, state, held: set) -> Fus
         # (accelerate's hook calls the class's forward, _old_forward, which calls _apply_gate as before: taken)
         patched = ("a forward set on the instance (a patch, or a wrapper of another library), which fuse cannot "
                    "vouch calls _apply_gate")
-    if "swiglu" not in ops:
+    kind = found.kind
+    if kind not in ops:
         if found.ok and patched is None:
-            state.report.not_requested["swiglu"] = state.report.not_requested.get("swiglu", 0) + 1
+            state.report.not_requested[kind] = state.report.not_requested.get(kind, 0) + 1
         return None
     if not found.ok:
-        return FusionRow(path, "swiglu", name, None, False, reason=found.reason, eligible=False)
+        return FusionRow(path, kind, name, None, False, reason=found.reason, eligible=False)
     if patched is not None:
-        return FusionRow(path, "swiglu", name, None, False, reason=patched)
+        return FusionRow(path, kind, name, None, False, reason=patched)
     impl = _experts.implementation(child)
     width = _experts.gate_width(child)
     if not _experts.runs_gate(child, impl):
@@ -1124,17 +1126,18 @@ def _consider_experts(model, child, path, ops, dry_run, state, held: set) -> Fus
                  "batched_mm: model.set_experts_implementation, or the config's _experts_implementation)")
     else:
         rows = _probe_rows((width or 2,))
-        fwd, bwd = _impls("swiglu.packed", child, lambda d, t: (torch.empty(rows, width or 2, device=d, dtype=t),))
+        extra = () if found.approximate is None else (found.approximate,)
+        fwd, bwd = _impls(found.op, child, lambda d, t: (torch.empty(rows, width or 2, device=d, dtype=t), *extra))
         where = f"; experts implementation {impl!r}" if impl else ""
         if impl in (None, "eager"):   # a class whose own loop calls _apply_gate (Step3p7's)
             where = (f"; experts implementation {repr(impl) if impl else 'none'} (the class's own forward, which "
                      "calls _apply_gate)")
     if not dry_run:
-        gate = _experts.install(child, found.act)
+        gate = _experts.install(child, found.act, found.approximate)
         state.experts_gates.append((weakref.ref(child), weakref.ref(gate)))
-    return FusionRow(path, "swiglu", name, "FusedExpertsGate", True, fwd, bwd,
+    return FusionRow(path, kind, name, "FusedExpertsGate", True, fwd, bwd,
                      "MoE experts' gate (" + found.reason.removeprefix("probe: ") + "): the packed gate_up_proj output "
-                     "of the routed tokens runs op swiglu.packed (the instance's _apply_gate; weights and forward "
+                     f"of the routed tokens runs op {found.op} (the instance's _apply_gate; weights and forward "
                      "unchanged)" + where + _small_note(child))
 
 

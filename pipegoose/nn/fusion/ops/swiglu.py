@@ -29,6 +29,13 @@ in its place). The same kernel library (``pipegoose::geglu``, pipegoose/swiglu),
 ``swiglu`` (GELU and the product in fp32, one rounding; eager PyTorch in 16-bit rounds ``gelu(gate)`` first), the same
 small-problem rule. Implementations: ``pipegoose`` and ``torch`` (``F.gelu(gate, approximate=approximate) * up``);
 ``PIPEGOOSE_IMPL_GEGLU`` chooses one (an op of its own, not of the ``swiglu`` family).
+
+Op ``geglu.packed`` (:func:`pipegoose.nn.fusion.functional.gelu_and_mul`; vLLM's ``gelu_and_mul`` and
+``gelu_tanh_and_mul``): ``geglu`` of gate and up as the two halves of one tensor's last dimension, as ``swiglu.packed``
+is ``swiglu``'s: the gate of Gemma 4's MoE experts (``fuse`` sets it as their ``_apply_gate``). The same kernel
+library, layouts and numerics. Implementations: ``pipegoose`` and ``torch`` (``F.gelu(gate,
+approximate=approximate) * up`` of ``x.chunk(2, -1)``); ``PIPEGOOSE_IMPL_GEGLU_PACKED``, then ``PIPEGOOSE_IMPL_GEGLU``
+(the family), choose one.
 """
 
 from __future__ import annotations
@@ -205,12 +212,13 @@ def check_packed_args(x: Any) -> None:
                          f"{list(x.shape)}")
 
 
-def packed_problem(x: torch.Tensor) -> Problem:
+def packed_problem(x: torch.Tensor, op: str = PACKED_OP, **extra: Any) -> Problem:
     """The dispatcher's description of one call of ``swiglu.packed`` (metadata only); ``cols`` is ``d``, half of
-    the last dimension (the size of gate and of the output)."""
-    return Problem(PACKED_OP, x.dtype, x.device, cols=x.shape[-1] // 2, needs_grad=needs_grad(x),
+    the last dimension (the size of gate and of the output). ``op`` ``geglu.packed`` (:func:`geglu_packed_problem`)
+    with its ``approximate`` in ``extra``."""
+    return Problem(op, x.dtype, x.device, cols=x.shape[-1] // 2, needs_grad=needs_grad(x),
                    extra=dict(shape=tuple(x.shape), numel=x.numel(), storage=all_have_storage(x),
-                              forward_ad=has_tangent(x)))
+                              forward_ad=has_tangent(x), **extra))
 
 
 def _explain_packed(x):
@@ -218,15 +226,20 @@ def _explain_packed(x):
     return packed_problem(x)
 
 
-def _pipegoose_packed_supports(p: Problem) -> tuple[bool, str]:
-    ok, why = kernel_input_ok(p, FORWARD_AD_SWIGLU, "x")
-    if not ok:
-        return ok, why
-    if p["numel"] == 0:
-        return False, "an empty input"
-    return True, ""
+def _packed_supports(forward_ad: str):
+    """The kernel's ``supports`` of ``swiglu.packed`` and ``geglu.packed`` (``forward_ad``: the reason for a dual
+    tensor, naming the op's kernel)."""
+    def supports(p: Problem) -> tuple[bool, str]:
+        ok, why = kernel_input_ok(p, forward_ad, "x")
+        if not ok:
+            return ok, why
+        if p["numel"] == 0:
+            return False, "an empty input"
+        return True, ""
+    return supports
 
 
+_pipegoose_packed_supports = _packed_supports(FORWARD_AD_SWIGLU)
 dispatch.register(Implementation(PACKED_OP, "pipegoose", "ours", _pipegoose_packed_supports, ("pipegoose/swiglu",),
                                  SRC_PIPEGOOSE))
 dispatch.register(Implementation(PACKED_OP, "torch", "reference", lambda p: (True, ""), (),
@@ -250,13 +263,13 @@ def _run_pipegoose_packed(x: torch.Tensor) -> torch.Tensor:
     return ops.silu_and_mul.default(x)
 
 
-def _packed_signature(x: Any) -> tuple | None:
+def _packed_signature(x: Any, *extra: Any) -> tuple | None:
     if torch.compiler.is_compiling():
         return None
     try:
         if any_in_transform(x) or in_dual_level():
             return None
-        sig = (type(x), x.dtype, x.device, x.shape, x.requires_grad, torch.is_grad_enabled())
+        sig = (type(x), x.dtype, x.device, x.shape, x.requires_grad, torch.is_grad_enabled(), *extra)
         hash(sig)
     except (AttributeError, TypeError):
         return None
@@ -271,25 +284,32 @@ def run_packed(x: torch.Tensor, impl: str | None) -> torch.Tensor:
         TypeError, ValueError: as :func:`check_packed_args`; ``impl`` naming no implementation of ``swiglu.packed``.
         FusionFallbackError: in strict mode, where the kernel cannot take the input.
     """
-    if dispatch.compile_passthrough(PACKED_OP, impl):  # torch.compile fuses the ops itself, after eager's checks
-        check_packed_args(x)
-        return silu_and_mul_reference(x)
+    return _run_packed(PACKED_OP, x, impl)
+
+
+def _run_packed(op: str, x: torch.Tensor, impl: str | None, *extra: Any) -> torch.Tensor:
+    """:func:`run_packed` of op ``swiglu.packed`` or ``geglu.packed`` (``extra``: the op's further arguments,
+    ``approximate``)."""
+    check, problem, reference, ours = _PACKED[op]
+    if dispatch.compile_passthrough(op, impl):  # torch.compile fuses the ops itself, after eager's checks
+        check(x, *extra)
+        return reference(x, *extra)
     if getattr(x, "is_nested", False):
-        check_packed_args(x)
-        dispatch.record(nested_fallback(PACKED_OP, impl))
-        return silu_and_mul_reference(x)
-    sig = _packed_signature(x)
-    key = None if sig is None else dispatch.choice_key(PACKED_OP, impl, sig)
+        check(x, *extra)
+        dispatch.record(nested_fallback(op, impl))
+        return reference(x, *extra)
+    sig = _packed_signature(x, *extra)
+    key = None if sig is None else dispatch.choice_key(op, impl, sig)
     choice = None if key is None else dispatch.cached_choice(key)
     if choice is None:
-        check_packed_args(x)
-        choice = dispatch.choose(PACKED_OP, packed_problem(x), impl)
+        check(x, *extra)
+        choice = dispatch.choose(op, problem(x, *extra), impl)
         if key is not None:
             dispatch.remember_choice(key, choice)
     dispatch.record(choice)
     if choice.impl == "pipegoose":
-        return call_without_autocast(x.device, _run_pipegoose_packed, x)
-    return silu_and_mul_reference(x)
+        return call_without_autocast(x.device, ours, x, *extra)
+    return reference(x, *extra)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -370,3 +390,72 @@ def run_geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str, impl: str 
 # op -> (check, problem, reference, our path) of the two-input gated ops (:func:`_run`)
 _GATED = {OP: (check_args, swiglu_problem, swiglu_reference, _run_pipegoose),
           GEGLU_OP: (check_geglu_args, geglu_problem, geglu_reference, _run_pipegoose_geglu)}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# geglu.packed: geglu of the halves of x's last dimension (gelu_and_mul: Gemma 4's MoE experts)
+# --------------------------------------------------------------------------------------------------------------------
+GEGLU_PACKED_OP = "geglu.packed"
+
+
+def check_geglu_packed_args(x: Any, approximate: Any) -> None:
+    """Check the arguments of :func:`pipegoose.nn.fusion.functional.gelu_and_mul` (errors name the argument).
+
+    Raises:
+        TypeError, ValueError: as :func:`check_packed_args`, then as :func:`check_approximate`.
+    """
+    check_packed_args(x)
+    check_approximate(approximate)
+
+
+def geglu_packed_problem(x: torch.Tensor, approximate: str) -> Problem:
+    """The dispatcher's description of one call of ``geglu.packed`` (metadata only; ``approximate`` in
+    ``extra``)."""
+    return packed_problem(x, GEGLU_PACKED_OP, approximate=approximate)
+
+
+def _explain_geglu_packed(x, approximate="tanh"):
+    check_geglu_packed_args(x, approximate)
+    return geglu_packed_problem(x, approximate)
+
+
+dispatch.register(Implementation(GEGLU_PACKED_OP, "pipegoose", "ours", _packed_supports(FORWARD_AD_GEGLU),
+                                 ("pipegoose/swiglu",), SRC_PIPEGOOSE))
+dispatch.register(Implementation(GEGLU_PACKED_OP, "torch", "reference", lambda p: (True, ""), (),
+                                 "PyTorch: gate, up = x.chunk(2, -1); F.gelu(gate, approximate=approximate) * up",
+                                 small_first=True))
+dispatch.register_problem(GEGLU_PACKED_OP, _explain_geglu_packed)
+
+
+def gelu_and_mul_reference(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """The PyTorch path: ``gate, up = x.chunk(2, dim=-1); F.gelu(gate, approximate=approximate) * up`` (what
+    Gemma 4's experts run)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate=approximate) * up
+
+
+def _run_pipegoose_geglu_packed(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    """pipegoose/swiglu through ``torch.ops.pipegoose.gelu_and_mul(x, approximate)``, as
+    :func:`_run_pipegoose_packed`."""
+    ops, why = dispatch.kernel("pipegoose/swiglu")
+    if ops is None:
+        raise RuntimeError(why)
+    return ops.gelu_and_mul.default(x, approximate)
+
+
+def run_geglu_packed(x: torch.Tensor, approximate: str, impl: str | None) -> torch.Tensor:
+    """:func:`pipegoose.nn.fusion.functional.gelu_and_mul` behind the checks; runs the implementation the
+    dispatcher chooses (``impl``: a forced one or None). The choice cache's signature holds ``approximate``.
+
+    Raises:
+        TypeError, ValueError: as :func:`check_geglu_packed_args`; ``impl`` naming no implementation of
+            ``geglu.packed``.
+        FusionFallbackError: in strict mode, where the kernel cannot take the input.
+    """
+    return _run_packed(GEGLU_PACKED_OP, x, impl, approximate)
+
+
+# op -> (check, problem, reference, our path) of the packed gated ops (:func:`_run_packed`)
+_PACKED = {PACKED_OP: (check_packed_args, packed_problem, silu_and_mul_reference, _run_pipegoose_packed),
+           GEGLU_PACKED_OP: (check_geglu_packed_args, geglu_packed_problem, gelu_and_mul_reference,
+                             _run_pipegoose_geglu_packed)}

@@ -1,5 +1,5 @@
-"""The gated activation of transformers' mixture-of-experts layers on our kernel (op ``swiglu.packed``), for
-``fuse(model)``.
+"""The gated activation of transformers' mixture-of-experts layers on our kernels (op ``swiglu.packed``, or
+``geglu.packed`` for GELU experts), for ``fuse(model)``.
 
 transformers 5 holds a MoE layer's experts in one module with 3-d weights (``gate_up_proj`` ``[experts, 2 * inter,
 hidden]``, ``down_proj``), of a class decorated with ``transformers.integrations.moe.use_experts_implementation``
@@ -9,16 +9,17 @@ hidden]``, ``down_proj``), of a class decorated with ``transformers.integrations
 pass it to the module's ``_apply_gate``; transformers' default one is ``gate, up = gate_up_out.chunk(2, -1);
 act_fn(gate) * up``: with SiLU, what op ``swiglu.packed`` (:func:`~pipegoose.nn.fusion.functional.silu_and_mul`)
 computes in one kernel forward and one backward (eager PyTorch: SiLU, the product, and in the backward the halves'
-gradients concatenated). ``eager``, the class's own loop over the experts, computes the product inline and never
-calls ``_apply_gate``.
+gradients concatenated); with GELU (Gemma 4's experts: ``gelu_pytorch_tanh``), what op ``geglu.packed``
+(:func:`~pipegoose.nn.fusion.functional.gelu_and_mul`) computes, exact or tanh-approximated. ``eager``, the class's
+own loop over the experts, computes the product inline and never calls ``_apply_gate``.
 
 ``fuse`` sets a :class:`FusedExpertsGate` as the instance's ``_apply_gate`` (an instance attribute, which Python finds
 before the class's method); ``unfuse`` deletes it. The module's class, parameters, ``forward`` and ``state_dict`` are
 unchanged. Before that, :func:`probe` checks that the module has a gate (``has_gate``), that its ``act_fn`` is SiLU
-(through its forward, near 0 and out to +-100, in training and eval mode) without hooks, that no clamp limit is set
-(GPT-OSS's ``limit``), and that the class's ``_apply_gate`` computes ``silu(gate) * up`` of the two halves: it is run
-on fp32 CPU rows whose gate and up reach +-100, against the float64 formula (a class with its own gate, clamped,
-interleaved or scaled, differs and is refused with the reason).
+or GELU (exact or tanh; through its forward, near 0 and out to +-100, in training and eval mode) without hooks, that
+no clamp limit is set (GPT-OSS's ``limit``), and that the class's ``_apply_gate`` computes ``act(gate) * up`` of the
+two halves: it is run on fp32 CPU rows whose gate and up reach +-100, against the float64 formula (a class with its
+own gate, clamped, interleaved or scaled, differs and is refused with the reason).
 """
 
 from __future__ import annotations
@@ -48,11 +49,33 @@ def candidate(module: nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class Probe:
-    """Result of :func:`probe`: ``ok``, or not with the ``reason``; ``act`` the ``act_fn`` object vouched for."""
+    """Result of :func:`probe`: ``ok``, or not with the ``reason``; ``act`` the ``act_fn`` object vouched for;
+    ``approximate`` None for SiLU (op ``swiglu.packed``), else GELU's ``"tanh"`` or ``"none"`` (op
+    ``geglu.packed``)."""
 
     ok: bool
     reason: str
     act: Any = None
+    approximate: str | None = None
+
+    @property
+    def op(self) -> str:
+        """The op the fused gate runs: ``swiglu.packed`` or ``geglu.packed``."""
+        return op_of(self.approximate)
+
+    @property
+    def kind(self) -> str:
+        """The report's kind (and ``fuse``'s ``ops`` name) of the gate: ``swiglu`` or ``geglu``."""
+        return "swiglu" if self.approximate is None else "geglu"
+
+
+def op_of(approximate: str | None) -> str:
+    """The op of a gate of SiLU (``approximate`` None: ``swiglu.packed``) or GELU (``geglu.packed``)."""
+    return "swiglu.packed" if approximate is None else "geglu.packed"
+
+
+def _activation(g: torch.Tensor, approximate: str | None) -> torch.Tensor:
+    return g * torch.sigmoid(g) if approximate is None else torch.nn.functional.gelu(g, approximate=approximate)
 
 
 def _act_of(module: nn.Module) -> Any:
@@ -61,8 +84,8 @@ def _act_of(module: nn.Module) -> Any:
 
 @matching.probe_isolated
 def probe(module: nn.Module) -> Probe:
-    """Check that ``module`` (a :func:`candidate`) computes its gate as ``silu(gate) * up`` of the packed projection
-    output's halves (see the module docstring). Never raises."""
+    """Check that ``module`` (a :func:`candidate`) computes its gate as ``act(gate) * up`` of the packed projection
+    output's halves, ``act`` SiLU or GELU (see the module docstring). Never raises."""
     name = type(module).__name__
     if not module.__dict__.get("has_gate"):
         return Probe(False, f"{name} has no gate (has_gate False: act_fn of up_proj's output alone), no gated "
@@ -76,13 +99,11 @@ def probe(module: nn.Module) -> Probe:
     kind, why = matching._activation_kind(act, ACT, matching._SEPARATE)
     if why is not None:
         return Probe(False, why)
-    if kind != "silu":
-        return Probe(False, f"{ACT} ({type(act).__name__}) is GELU (approximate={matching.GELU_APPROXIMATE[kind]!r}), "
-                            "not SiLU: no kernel computes GELU of gate and up in one tensor (op swiglu.packed "
-                            "computes SiLU)")
+    approximate = matching.GELU_APPROXIMATE.get(kind)
+    formula = "silu(gate) * up" if approximate is None else f"gelu(gate, approximate={approximate!r}) * up"
     clamp = matching._swiglu_clamp(module)
     if clamp is not None:
-        return Probe(False, clamp)
+        return Probe(False, clamp, approximate=approximate)
     # the class's _apply_gate on a shallow stand-in (the module's attributes, no parameters or buffers: a gate that
     # reads a weight is not transformers' default one), in training and eval mode
     stand_in = object.__new__(type(module))
@@ -98,7 +119,11 @@ def probe(module: nn.Module) -> Probe:
     up = torch.stack([torch.randn(inter, generator=gen) * 2.0, line, line.flip(0)])
     x = torch.cat([gate, up], dim=-1).to(torch.float32)
     g64, u64 = x.double().chunk(2, dim=-1)
-    ref = g64 * torch.sigmoid(g64) * u64
+    act64 = _activation(g64, approximate)
+    ref = act64 * u64
+    # (the activation's fp32 error, within what matching's check of act_fn accepted, 1e-6 + 1e-5 |act|, times |up|,
+    # plus the product's rounding: transformers' fp32 GELUTanh is 7.6e-6 off float64 here, up reaching 100)
+    bound = (1e-6 + 1e-5 * act64.abs()) * u64.abs() + 1e-6 + 1e-5 * ref.abs()
     for training in (True, False):
         stand_in.__dict__["training"] = training
         try:
@@ -106,20 +131,22 @@ def probe(module: nn.Module) -> Probe:
                 y = type(module)._apply_gate(stand_in, x.clone())
         except Exception as exc:  # noqa: BLE001 - a gate we cannot run we cannot vouch for
             return Probe(False, f"probe of {name}._apply_gate ({'training' if training else 'eval'} mode) failed: "
-                                f"{type(exc).__name__}: {exc}")
+                                f"{type(exc).__name__}: {exc}", approximate=approximate)
         if not isinstance(y, torch.Tensor) or y.shape != ref.shape:
             return Probe(False, f"{name}._apply_gate returned {getattr(y, 'shape', type(y).__name__)} for rows of "
-                                f"{2 * inter} values, not [rows, {inter}]: not silu(gate) * up of the two halves")
-        if not bool(((y.double() - ref).abs() <= 1e-6 + 1e-5 * ref.abs()).all()):
+                                f"{2 * inter} values, not [rows, {inter}]: not {formula} of the two halves",
+                         approximate=approximate)
+        if not bool(((y.double() - ref).abs() <= bound).all()):
             err = (y.double() - ref).abs().max().item()
-            return Probe(False, f"{name}._apply_gate differs from silu(gate) * up of the halves of gate_up_proj's "
-                                f"output (max abs diff {err:.3g}): a gate of its own")
-    return Probe(True, "probe: _apply_gate equals silu(gate) * up of the halves", act)
+            return Probe(False, f"{name}._apply_gate differs from {formula} of the halves of gate_up_proj's "
+                                f"output (max abs diff {err:.3g}): a gate of its own", approximate=approximate)
+    return Probe(True, f"probe: _apply_gate equals {formula} of the halves", act, approximate)
 
 
 class FusedExpertsGate:
     """The ``_apply_gate`` that ``fuse`` sets on a transformers experts module: ``silu_and_mul(gate_up_out)`` (op
-    ``swiglu.packed``) where the module's ``act_fn`` is still the one :func:`probe` vouched for and has no hooks, and
+    ``swiglu.packed``), or for a GELU ``act_fn`` ``gelu_and_mul(gate_up_out, approximate)`` (op ``geglu.packed``),
+    where the module's ``act_fn`` is still the one :func:`probe` vouched for and has no hooks, and
     its class's ``_apply_gate`` is still the one probed, else the class's own ``_apply_gate`` (what the unfused module
     runs: an activation replaced or hooked since is run, and its hooks fire; a gate of its own given to the class since,
     or a class of another gate set on the module, runs).
@@ -127,19 +154,26 @@ class FusedExpertsGate:
     Called by transformers' experts implementations with ``gate_up_out`` ``[rows, 2 * inter]`` (gate the first
     ``inter`` values of each row), fp32, fp16 or bf16; returns ``[rows, inter]`` of its dtype. Kernel:
     pipegoose/swiglu (pipegoose/kernels/csrc/swiglu.cu, this project, MIT); on the CPU, or where the dispatcher does
-    not choose it, PyTorch's ``F.silu(gate) * up``. Raises what :func:`~pipegoose.nn.fusion.functional.silu_and_mul`
-    raises (ValueError for an odd last dimension); RuntimeError where its module was collected.
+    not choose it, PyTorch's ``F.silu(gate) * up`` (``F.gelu(gate, approximate=approximate) * up``). Raises what
+    :func:`~pipegoose.nn.fusion.functional.silu_and_mul` raises (ValueError for an odd last dimension); RuntimeError
+    where its module was collected.
 
     It holds its module by a weak reference (the module holds it: a strong one made a reference cycle, and a deleted
     model's experts were freed only by Python's cycle collector, a review); a copy (``copy.deepcopy``, pickling) is
     rebuilt on the copy's module and ``act_fn`` (:meth:`__reduce__`).
     """
 
-    def __init__(self, module: nn.Module, act: Any, impl: str | None = None) -> None:
+    def __init__(self, module: nn.Module, act: Any, impl: str | None = None, approximate: str | None = None) -> None:
         self._module = weakref.ref(module)
         self.probed_act = act
         self.probed_gate = getattr(type(module), "_apply_gate", None)
         self.impl = impl
+        self.approximate = approximate
+
+    @property
+    def op(self) -> str:
+        """The op it runs: ``swiglu.packed`` (SiLU) or ``geglu.packed`` (GELU)."""
+        return op_of(self.approximate)
 
     @property
     def module(self) -> nn.Module | None:
@@ -156,14 +190,17 @@ class FusedExpertsGate:
         if (act is not self.probed_act or gate is not self.probed_gate
                 or (isinstance(act, nn.Module) and _common.has_module_hooks(act))):
             return gate(module, gate_up_out)
-        return PF.silu_and_mul(gate_up_out, impl=self.impl)
+        if self.approximate is None:
+            return PF.silu_and_mul(gate_up_out, impl=self.impl)
+        return PF.gelu_and_mul(gate_up_out, self.approximate, impl=self.impl)
 
     def __reduce__(self):
         # (copies: the copy's module and act_fn, found in the copy's memo; the class's gate as the copy finds it)
-        return (FusedExpertsGate, (self._module(), self.probed_act, self.impl))
+        return (FusedExpertsGate, (self._module(), self.probed_act, self.impl, self.approximate))
 
     def __repr__(self) -> str:
-        return f"FusedExpertsGate(op='swiglu.packed', impl={self.impl!r})"
+        extra = "" if self.approximate is None else f", approximate={self.approximate!r}"
+        return f"FusedExpertsGate(op={self.op!r}{extra}, impl={self.impl!r})"
 
 
 def hooked(module: nn.Module) -> bool:
@@ -171,9 +208,10 @@ def hooked(module: nn.Module) -> bool:
     return isinstance(module.__dict__.get("_apply_gate"), FusedExpertsGate)
 
 
-def install(module: nn.Module, act: Any) -> FusedExpertsGate:
-    """Set a :class:`FusedExpertsGate` as ``module``'s ``_apply_gate``; returns it."""
-    gate = FusedExpertsGate(module, act)
+def install(module: nn.Module, act: Any, approximate: str | None = None) -> FusedExpertsGate:
+    """Set a :class:`FusedExpertsGate` as ``module``'s ``_apply_gate`` (``approximate``: None for SiLU, else GELU's,
+    :attr:`Probe.approximate`); returns it."""
+    gate = FusedExpertsGate(module, act, approximate=approximate)
     module.__dict__["_apply_gate"] = gate
     return gate
 
@@ -230,4 +268,4 @@ def gate_width(module: nn.Module) -> int | None:
 
 
 __all__ = ["OWN_ACTIVATION", "FusedExpertsGate", "Probe", "candidate", "gate_width", "hooked", "implementation",
-           "install", "probe", "runs_gate", "uninstall"]
+           "install", "op_of", "probe", "runs_gate", "uninstall"]
