@@ -31,6 +31,7 @@ swiglu.packed          fwd     read x (gate and up), write y:           ``3*N*s`
 swiglu.packed          bwd     read dy, x; write dx (dgate and dup):    ``5*N*s``
 geglu                  fwd     read gate, up; write y:                  ``3*N*s``
 geglu                  bwd     read dy, gate, up; write dgate, dup:     ``5*N*s``
+geglu.packed           fwd/bwd as swiglu.packed
 cross_entropy          fwd     read logits, target (int64); write lse (fp32): ``N*s + R*8 + R*4``
 cross_entropy          bwd     read logits, target, lse; write dlogits: ``2*N*s + R*8 + R*4``
 rope                   fwd     read q, k, cos, sin; write q_embed, k_embed: ``2*(Q+K)*s + 2*C*s``
@@ -103,7 +104,7 @@ def _one_pass(op: str, pas: str, shape: Mapping[str, int], s: int) -> int:
         if op == "layer_norm":
             return (2 * n * s + 2 * hid * s + 2 * r * _STAT) if pas == "fwd" else (3 * n * s + 3 * hid * s + 2 * r * _STAT)
         return (2 * n * s + hid * s + r * _STAT) if pas == "fwd" else (3 * n * s + 2 * hid * s + r * _STAT)
-    if op in ("swiglu", "swiglu.packed", "geglu"):   # (packed: x [rows, 2*inter] is gate and up, dx dgate and dup)
+    if op in ("swiglu", "swiglu.packed", "geglu", "geglu.packed"):   # (packed: x [rows, 2*inter] is gate and up, dx dgate and dup)
         r, inter = _need(shape, "rows", "inter")
         return (3 if pas == "fwd" else 5) * r * inter * s
     if op == "cross_entropy":
@@ -122,7 +123,8 @@ def _one_pass(op: str, pas: str, shape: Mapping[str, int], s: int) -> int:
         (n,) = _need(shape, "numel")
         return 2 * n * s
     raise ValueError(f"op: unknown op {op!r}; expected softmax, softmax.masked, softmax.causal, layer_norm, "
-                     "rms_norm, swiglu, swiglu.packed, geglu, cross_entropy, rope, adamw, clip_grad_norm or copy")
+                     "rms_norm, swiglu, swiglu.packed, geglu, geglu.packed, cross_entropy, rope, adamw, "
+                     "clip_grad_norm or copy")
 
 
 def op_bytes(op: str, pas: str, shape: Mapping[str, int], dtype: str) -> int:

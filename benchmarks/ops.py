@@ -17,6 +17,9 @@ Ops and their definitions (what the float64 reference computes; ``x`` is the ben
 * ``geglu``: ``y = gelu_tanh(gate) * up`` elementwise, ``gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715
   g^3)))`` (GELU's tanh approximation, ``F.gelu(approximate="tanh")``: Gemma's ``gelu_pytorch_tanh``), ``gate`` and
   ``up`` of ``[rows, inter]``: the sizes, rows and inputs of ``swiglu``.
+* ``geglu.packed``: ``geglu`` of gate and up as the two halves of one contiguous ``x [rows, 2 * inter]``, as
+  ``swiglu.packed`` is ``swiglu``'s (what Gemma 4's MoE experts' gate computes of the routed tokens' ``gate_up_proj``
+  output).
 * ``cross_entropy``: ``loss = mean over the rows not ignored of (logsumexp(x_i) - x_i[t_i])``, logits ``[rows, vocab]``
   (``vocab``: the size axis), int64 targets, 1 in 16 rows ``ignore_index`` (-100); the loss in fp32.
 * ``rope``: ``(q_embed, k_embed) = (q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)``, cos and sin
@@ -63,7 +66,8 @@ Implementations (``impl`` in results.json):
   kernel, the Megatron-LM/Apex copies from ColossalAI 0.5.0, the dispatcher's reference path): ``scaled_softmax(x,
   1.0)`` (op ``softmax``: ``functional.softmax`` keeps fp16/bf16 on F.softmax), ``scaled_masked_softmax``,
   ``scaled_upper_triang_masked_softmax`` (on the ``[b*np, sq, sk]`` view), ``layer_norm``, ``rms_norm``, ``swiglu``,
-  ``silu_and_mul`` (op ``swiglu.packed``), ``geglu(gate, up, approximate="tanh")``, ``cross_entropy``,
+  ``silu_and_mul`` (op ``swiglu.packed``), ``geglu(gate, up, approximate="tanh")``, ``gelu_and_mul(x, "tanh")``
+  (op ``geglu.packed``), ``cross_entropy``,
   ``apply_rotary_pos_emb`` (op ``rope``); a functional without ``geglu`` (a checkout before the op) is reported
   ``unavailable``. Run with ``PIPEGOOSE_STRICT=1``, and after the checked call the dispatcher's ``last_choice`` must
   name the requested impl: an input the impl refuses is reported ``unsupported``, never timed under the wrong name.
@@ -96,9 +100,11 @@ from .timing import Timer
 __all__ = ["OPS", "SIZES", "make_case", "impls_for", "run_ops", "reference", "check_close", "Case"]
 
 OPS = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "swiglu", "swiglu.packed", "geglu",
-       "cross_entropy", "rope")
+       "geglu.packed", "cross_entropy", "rope")
 SWIGLUS = ("swiglu", "swiglu.packed")   # one size list and shape: swiglu.packed's x is gate and up side by side
-GATED = (*SWIGLUS, "geglu")   # the gated activations: swiglu's sizes and rows (geglu's gate and up as swiglu's)
+GEGLUS = ("geglu", "geglu.packed")
+PACKED = ("swiglu.packed", "geglu.packed")   # x [rows, 2 * inter]: gate and up side by side
+GATED = (*SWIGLUS, *GEGLUS)   # the gated activations: swiglu's sizes and rows (geglu's gate and up as swiglu's)
 GELU_APPROX = "tanh"   # Gemma's hidden_act "gelu_pytorch_tanh"
 TUNABLE = ("pipegoose", "megatron", "apex", "torch")
 IMPL_ORDER = ("eager", "native", "compile", "liger", "torch", "megatron", "apex", "pipegoose")
@@ -210,7 +216,7 @@ def make_case(op: str, dtype: torch.dtype, cols: int, device: str, seed: int = 0
         g = (randn(rows, inter) * 2).requires_grad_()
         u = randn(rows, inter).requires_grad_()
         return Case(op, dtype, shape, cols, {"g": g, "u": u}, ["g", "u"], randn(rows, inter))
-    if op == "swiglu.packed":   # one contiguous [rows, 2 * inter] (a Linear's output), gate scaled as swiglu's
+    if op in PACKED:   # one contiguous [rows, 2 * inter] (a Linear's output), gate scaled as swiglu's
         rows, inter = shape["rows"], shape["inter"]
         x = randn(rows, 2 * inter)
         x[:, :inter] *= 2
@@ -283,7 +289,7 @@ def reference(case: Case, chunk_elems: int = 1 << 25) -> dict[str, torch.Tensor]
         return {"y": y, "dx": dx}
     if op in SWIGLUS:
         return _swiglu_reference(case, chunk_elems)
-    if op == "geglu":
+    if op in GEGLUS:
         return _geglu_reference(case, chunk_elems)
     if op == "cross_entropy":
         x, t = inp["x"].detach(), inp["t"]
@@ -362,9 +368,18 @@ def _geglu_reference(case: Case, chunk_elems: int) -> dict[str, torch.Tensor]:
     g^3))``: ``y = 0.5 g (1 + t) u``, ``du = dy 0.5 g (1 + t)``, ``dg = dy u (0.5 (1 + t) + 0.5 g (1 - t^2) c (1 + 3 *
     0.044715 g^2))``."""
     inp = case.inputs
-    g, u = inp["g"].detach(), inp["u"].detach()
+    if case.op == "geglu.packed":   # (of the halves of x; dx the halves' gradients side by side, as swiglu.packed's)
+        x = inp["x"].detach()
+        g, u = x.chunk(2, dim=-1)
+        dx = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        dg, du = dx.chunk(2, dim=-1)
+        grads = {"dx": dx}
+    else:
+        g, u = inp["g"].detach(), inp["u"].detach()
+        dg = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+        du = torch.empty_like(dg)
+        grads = {"dg": dg, "du": du}
     y = torch.empty(g.shape, dtype=torch.float32, device=g.device)
-    dg, du = torch.empty_like(y), torch.empty_like(y)
     c = math.sqrt(2.0 / math.pi)
     for rs in _chunks(g.shape[0], chunk_elems // g.shape[1]):
         gs, us, dys = g[rs].double(), u[rs].double(), case.dy[rs].double()
@@ -373,7 +388,7 @@ def _geglu_reference(case: Case, chunk_elems: int) -> dict[str, torch.Tensor]:
         y[rs] = (act * us).float()
         du[rs] = (dys * act).float()
         dg[rs] = (dys * us * (0.5 * (1 + t) + 0.5 * gs * (1 - t * t) * c * (1 + 3 * 0.044715 * gs * gs))).float()
-    return {"y": y, "dg": dg, "du": du}
+    return {"y": y, **grads}
 
 
 def _rope_reference(case: Case, chunk_elems: int) -> dict[str, torch.Tensor]:
@@ -465,12 +480,14 @@ def _eager(case: Case) -> Callable:
         return lambda i: F.silu(i["g"]) * i["u"]   # LlamaMLP: act_fn(gate_proj(x)) * up_proj(x)
     if op == "swiglu.packed":
         return _phi3_silu_and_mul
-    if op == "geglu":   # GemmaMLP: act_fn(gate_proj(x)) * up_proj(x), act_fn = ACT2FN[config.hidden_act]
+    if op in GEGLUS:   # GemmaMLP: act_fn(gate_proj(x)) * up_proj(x), act_fn = ACT2FN[config.hidden_act]
         try:
             from transformers.activations import ACT2FN
         except Exception as e:  # noqa: BLE001 - not installed, or a version without it
             raise Unavailable(f"transformers' ACT2FN not importable: {e}") from None
         act = ACT2FN["gelu_pytorch_tanh"]
+        if op == "geglu.packed":   # transformers' default experts gate (Gemma 4): gate, up = x.chunk(2, -1)
+            return lambda i: (lambda gate, up: act(gate) * up)(*i["x"].chunk(2, dim=-1))
         return lambda i: act(i["g"]) * i["u"]
     if op == "cross_entropy":   # transformers' ForCausalLMLoss: the logits upcast, then F.cross_entropy
         return lambda i: F.cross_entropy(i["x"].float(), i["t"], ignore_index=CE_IGNORE)
@@ -498,7 +515,7 @@ def _native(case: Case) -> Callable:
         return lambda i: F.softmax((i["x"] * SCALE).masked_fill(i["mask"], float("-inf")), dim=-1)
     if op in SWIGLUS:
         raise Unsupported("PyTorch has no single op for silu(gate) * up (eager runs two)")
-    if op == "geglu":
+    if op in GEGLUS:
         raise Unsupported("PyTorch has no single op for gelu(gate) * up (eager runs two)")
     if op == "rope":
         raise Unsupported("PyTorch has no rotary embedding op (eager runs the formula)")
@@ -563,14 +580,18 @@ def _liger(case: Case) -> Callable:
             fn = lambda i: LigerSiLUMulFunction.apply(*i["x"].chunk(2, dim=-1))  # noqa: E731
         fn.clobbers_inputs = True
         return fn
-    if op == "geglu":
+    if op in GEGLUS:
         try:
             from liger_kernel.ops.geglu import LigerGELUMulFunction
         except Exception as e:  # noqa: BLE001
             raise Unavailable(f"liger_kernel.ops.geglu not importable: {e}") from None
         # (its kernels compute GELU's tanh approximation only, Gemma's.) Its backward writes dgate and dup into the
-        # saved gate and up, which are the inputs (contiguous: ensure_contiguous copies nothing): run_ops restores them
-        fn = lambda i: LigerGELUMulFunction.apply(i["g"], i["u"])  # noqa: E731
+        # saved gate and up, which are the inputs (contiguous: ensure_contiguous copies nothing): run_ops restores
+        # them. Packed: the Function of x.chunk(2, -1), as for swiglu.packed (Liger has no packed GeGLU)
+        if op == "geglu":
+            fn = lambda i: LigerGELUMulFunction.apply(i["g"], i["u"])  # noqa: E731
+        else:
+            fn = lambda i: LigerGELUMulFunction.apply(*i["x"].chunk(2, dim=-1))  # noqa: E731
         fn.clobbers_inputs = True
         return fn
     if op == "cross_entropy":
@@ -626,6 +647,10 @@ def _ours(impl: str) -> Callable[[Case], Callable]:
             if not hasattr(PF, "geglu"):   # (a checkout from before the GeGLU op)
                 raise Unavailable("pipegoose.nn.fusion.functional has no geglu")
             fn = lambda i: PF.geglu(i["g"], i["u"], approximate=GELU_APPROX, impl=impl)  # noqa: E731
+        elif op == "geglu.packed":
+            if not hasattr(PF, "gelu_and_mul"):   # (a checkout from before the op)
+                raise Unavailable("pipegoose.nn.fusion.functional has no gelu_and_mul")
+            fn = lambda i: PF.gelu_and_mul(i["x"], GELU_APPROX, impl=impl)  # noqa: E731
         elif op == "cross_entropy":
             fn = lambda i: PF.cross_entropy(i["x"], i["t"], ignore_index=CE_IGNORE, impl=impl)  # noqa: E731
         elif op == "rope":

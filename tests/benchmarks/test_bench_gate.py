@@ -34,7 +34,7 @@ def test_reference_matches_torch_on_fp32(op, size):
     case = ops.make_case(op, torch.float32, ops.sizes_for(op, "dry")[size], "cpu")
     ref = ops.reference(case)
     # (PyTorch has no single op for SwiGLU, GeGLU or RoPE: their eager code, transformers')
-    fn = ops.IMPLS["eager" if op in ("swiglu", "swiglu.packed", "geglu", "rope") else "native"](case)
+    fn = ops.IMPLS["eager" if op in (*ops.GATED, "rope") else "native"](case)
     y = fn(case.inputs)
     ys = y if isinstance(y, tuple) else (y,)
     assert set(ref) == {*case.outs, *(f"d{n}" for n in case.wrt)} and len(ys) == len(case.outs)
