@@ -1,7 +1,7 @@
 """One dispatcher for every fused op: implementations, ``supports()`` checks, choice, counters and strict mode.
 
 Each op (``softmax``, ``softmax.masked``, ``softmax.causal``, ``layer_norm``, ``rms_norm``, ``swiglu``,
-``swiglu.packed``, ``geglu``, ``rope``, ``cross_entropy``, ``fused_linear_cross_entropy``, ``adam``,
+``swiglu.packed``, ``geglu``, ``geglu.packed``, ``rope``, ``cross_entropy``, ``fused_linear_cross_entropy``, ``adam``,
 ``clip_grad_norm``) has several :class:`Implementation` s: ours (``pipegoose``), fused kernels that ship in PyTorch
 (``torch_fused``: ``adam``'s ``torch._fused_adamw_``),
 ported registry copies (``megatron``, ``apex``, ``deepspeed``) and the PyTorch reference (``torch``). Each declares
@@ -14,7 +14,7 @@ Choice, first that supports the input wins:
 1. the explicit ``impl=`` argument of the call (case and surrounding blanks ignored, as in the variables);
 2. the environment: ``PIPEGOOSE_IMPL_<OP>`` (``.`` -> ``_``, e.g. ``PIPEGOOSE_IMPL_SOFTMAX_CAUSAL``), then the
    family's ``PIPEGOOSE_IMPL_<FAMILY>`` (``PIPEGOOSE_IMPL_SOFTMAX`` covers the three softmax ops,
-   ``PIPEGOOSE_IMPL_SWIGLU`` both SwiGLU ops); ``auto`` = none (in the op's own variable it overrides the family's);
+   ``PIPEGOOSE_IMPL_SWIGLU`` both SwiGLU ops, ``PIPEGOOSE_IMPL_GEGLU`` both GeGLU ops); ``auto`` = none (in the op's own variable it overrides the family's);
 3. the tuning table of the input's GPU (``pipegoose/nn/fusion/tuning/<slug>.json``, docs/architecture.md
    "Tuning tables"): the first rule whose op and dtype match, whose ``max_cols`` is not exceeded and whose
    implementation supports the input (rules whose ``pass`` matches the call, ``fwd`` or ``fwd+bwd``, first);
@@ -26,8 +26,8 @@ Choice, first that supports the input wins:
    registered ``small_first`` for it (``Implementation.small_first``, set for the ops ``layer_norm``
    (``F.layer_norm``), ``rms_norm`` (``F.rms_norm``; its ``tuned_for`` limits it to the problems the reference runs
    as that one op, not Llama's rounding or mixed dtypes), ``swiglu`` (``F.silu(gate) * up``, two native ops),
-   ``swiglu.packed`` (the same of ``x.chunk(2, -1)``; ``x``'s elements count) and ``geglu`` (``F.gelu(gate,
-   approximate=approximate) * up``)),
+   ``swiglu.packed`` (the same of ``x.chunk(2, -1)``; ``x``'s elements count), ``geglu`` (``F.gelu(gate,
+   approximate=approximate) * up``) and ``geglu.packed`` (the same of ``x.chunk(2, -1)``)),
    the reference runs (source ``small``, not a fallback; no kernel is loaded). At such sizes a step is bound by the
    host, and a fused op's path (the Python dispatch above the op, the op's own host code) costs more host time than
    its kernel can save on the GPU (MiniLM, BERT-base and GPT-2 small steps with their LayerNorms fused were slower
