@@ -10,8 +10,8 @@ the specialised ones, odd key lengths, frozen parameters with mixed dtypes, stri
 * softmax (plain, padding-masked with broadcast masks and fully masked rows, causal with sq <= sk): 1-40000 keys;
 * LayerNorm and RMSNorm: 1-65536 columns, one or two normalised dims, parameters of the input's dtype or another,
   weight and bias present or not and frozen or not, strided rows, large means;
-* SwiGLU: any shape, contiguous or strided; silu_and_mul (gate and up packed in x [..., 2d]): d 1-30000, 1-d to
-  4-d x, rows of wider tensors at random column offsets, transposed, narrowed and broadcast rows; cross-entropy:
+* SwiGLU: any shape, contiguous or strided; silu_and_mul and gelu_and_mul (gate and up packed in x [..., 2d]): d
+  1-30000, 1-d to 4-d x, rows of wider tensors at random column offsets, transposed, narrowed and broadcast rows; cross-entropy:
   2-160000 classes, ignored rows (a share of 0 to all), every reduction, strided rows; RoPE: head dims 2-256, whole or partial rotary, both layouts, GQA, fp32 tables;
   fused linear cross-entropy: chunkings from 1 row to all, bias or not.
 
@@ -359,6 +359,28 @@ def test_silu_and_mul(case):
     ran_kernel("swiglu.packed", what=what)
     assert y.dtype == dtype and y.shape == dy.shape, (y.dtype, tuple(y.shape), what)
     y64, (dx64,) = ref_grads(lambda a: F.silu(a[..., :d]) * a[..., d:], [x], dy)
+    close("y", y.detach(), y64.detach(), what, dtype=dtype)
+    close("dx", dx, dx64, what, dtype=dtype, scale=2)
+
+
+@pytest.mark.parametrize("case", range(CASES))
+def test_gelu_and_mul(case):
+    """gelu_and_mul (op geglu.packed): the layouts and sizes of test_silu_and_mul, either approximation."""
+    r = draw("geglu.packed", case)
+    dtype = r.choice(DTYPES)
+    approximate = r.choice(("tanh", "none"))
+    d = width(r, 1, 30000)
+    rows = lead_and_rows(r, 2 * d)
+    half = (d,) if r.random() < 0.1 else (*rows, d)
+    g = gen(r)
+    what = [f"seed {SEED}", str(dtype), approximate, f"x {(*half[:-1], 2 * d)}"]
+    gate, up = randn(half, g, dtype, scale=r.choice((1.0, 4.0, 30.0))), randn(half, g, dtype)
+    x = packed_layout(torch.cat((gate, up), -1), r, what).requires_grad_(True)
+    dy = randn(half, g, dtype)
+    y, (dx,) = grads(lambda a: PF.gelu_and_mul(a, approximate, impl="pipegoose"), [x], dy)
+    ran_kernel("geglu.packed", what=what)
+    assert y.dtype == dtype and y.shape == dy.shape, (y.dtype, tuple(y.shape), what)
+    y64, (dx64,) = ref_grads(lambda a: F.gelu(a[..., :d], approximate=approximate) * a[..., d:], [x], dy)
     close("y", y.detach(), y64.detach(), what, dtype=dtype)
     close("dx", dx, dx64, what, dtype=dtype, scale=2)
 

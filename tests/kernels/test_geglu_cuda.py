@@ -315,8 +315,8 @@ def test_double_backward(ops, dtype, approximate):
 # pipegoose::gelu_and_mul. The launch is silu_and_mul's (tests/kernels/test_swiglu_cuda.py: layouts, many rows,
 # 64-bit indices); the activation is geglu's.
 KERNEL_ACT = {"tanh": "GeluTanh", "none": "GeluErf"}
-# d = 1, odd d (the scalar kernel), d a multiple of 4 but not 8 (fp32's vectors only), multiples of 8; Gemma 4
-# 26B-A4B's experts (moe_intermediate_size 704) over 4101 routed rows; 3-d x
+# d = 1, odd d (the scalar kernel), d a multiple of 4 but not 8 (fp32's vectors only), multiples of 8; a MoE
+# expert's intermediate size (704) over 4101 routed rows; 3-d x
 PACKED_SHAPES = [(2,), (5, 2), (3, 14), (7, 24), (17, 2000), (2, 3, 2002), (4101, 2 * 704), (3, 2 * 2113)]
 
 
