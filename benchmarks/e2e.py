@@ -29,6 +29,12 @@ Models (random init from a config, no weights downloaded):
   ``gate_up_proj`` output, ``[65536, 1536]`` a layer) runs op ``swiglu.packed`` once fused (``FusedExpertsGate``).
   Liger-Kernel's patch (``apply_liger_kernel_to_qwen3_moe``) replaces the experts with its own (``LigerExperts``).
   Not in ``benchmarks.run``'s default ``--e2e-models``.
+* ``gemma4_moe``: a Gemma 4 text model with its MoE block (``Gemma4ForCausalLM``, ``enable_moe_block``), of this
+  project's choosing, not a released model's shape: ``qwen3_moe``'s experts (128 of 768, 8 routed per token) and
+  hidden size 2048 in 4 layers (3 sliding-window, the last full), 8 heads of 256, 4 KV heads, a dense GeGLU MLP of 2048
+  beside the experts in each layer, Gemma's vocabulary of 262144 (tied), no per-layer inputs; ~3.07B params (2.4B in
+  the experts), batch 4. Its experts' gate is GeGLU's (``gelu_pytorch_tanh``): op ``geglu.packed`` once fused. Not in
+  ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
 
 Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
 (``pipegoose.nn.fusion.fuse(model)`` on that model), ``fuse_sdpa_adam`` (``fuse_sdpa`` with
@@ -98,9 +104,18 @@ MODELS = {
                                                               head_dim=128, vocab_size=151936, norm_topk_prob=True,
                                                               max_position_embeddings=4096, rms_norm_eps=1e-6,
                                                               tie_word_embeddings=False)),
+    "gemma4_moe": dict(arch="gemma4_text", batch=4, config=dict(hidden_size=2048, intermediate_size=2048,
+                                                                 enable_moe_block=True, moe_intermediate_size=768,
+                                                                 num_experts=128, top_k_experts=8,
+                                                                 num_hidden_layers=4, num_attention_heads=8,
+                                                                 num_key_value_heads=4, head_dim=256,
+                                                                 vocab_size=262144, hidden_size_per_layer_input=0,
+                                                                 hidden_activation="gelu_pytorch_tanh",
+                                                                 max_position_embeddings=4096, rms_norm_eps=1e-6,
+                                                                 tie_word_embeddings=True)),
 }
 CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config", "phi3": "Phi3Config",
-           "gemma": "GemmaConfig", "qwen3_moe": "Qwen3MoeConfig"}
+           "gemma": "GemmaConfig", "qwen3_moe": "Qwen3MoeConfig", "gemma4_text": "Gemma4TextConfig"}
 VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_model_rope",
             "compile_sdpa", "liger_rmsnorm", "liger")
 # What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the

@@ -8,6 +8,7 @@
     python -m benchmarks.run --no-ops --e2e --e2e-models phi3 --e2e-variants sdpa,fuse_sdpa,liger   the Phi-3 step
     python -m benchmarks.run --no-ops --e2e --e2e-models gemma --e2e-variants sdpa,fuse_sdpa,liger  the Gemma step
     python -m benchmarks.run --no-ops --e2e --e2e-models qwen3_moe --e2e-variants sdpa,fuse_sdpa,liger   a MoE step
+    python -m benchmarks.run --no-ops --e2e --e2e-models gemma4_moe --e2e-variants sdpa,fuse_sdpa   a GELU MoE step
     python -m benchmarks.run --only swiglu,geglu --dtypes bf16                 the two gated activations, side by side
     python -m benchmarks.run --no-ops --build-cost --specialise         cold build / warm load / specialised builds
     python -m benchmarks.run --device cpu --dry-run --out /tmp/bench    the whole pipeline on tiny CPU inputs
@@ -70,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="time budget of the op + optimizer benchmarks (default 200 quick, 420 full)")
     ap.add_argument("--e2e", action="store_true", help="end-to-end training steps (subprocess per config)")
     ap.add_argument("--e2e-models", default="llama,neox", help="comma separated: llama, neox, qwen3, phi3, gemma, "
-                                                                 "qwen3_moe (default llama,neox)")
+                                                                 "qwen3_moe, gemma4_moe (default llama,neox)")
     ap.add_argument("--e2e-variants", default="",
                     help="default: all (sdpa, eager, fuse_sdpa, fuse_eager, fuse_sdpa_adam, fuse_sdpa_lce, "
                          "fuse_sdpa_model_rope, compile_sdpa, liger_rmsnorm, liger)")
