@@ -383,6 +383,52 @@ def test_a_mixtral_given_gelu_experts_gets_a_geglu_gate_and_swiglu_in_ops_leaves
         assert unfuse(model)
 
 
+def test_a_hooked_gelu_act_fn_is_refused_under_geglu():
+    """A GELU act_fn with a hook: the experts row is refused under kind geglu (with the hooks' reason), where
+    ops=["geglu"] reports it and ops=["swiglu"] leaves it out (a review: it was reported as swiglu)."""
+    model = _model(cfg=_gemma4_config())
+    for e in _experts(model):
+        e.act_fn.register_forward_hook(lambda *args: None)
+    for ops, want in ((None, 2), (["geglu"], 2), (["swiglu"], 0)):
+        rows = _rows(fuse(model, ops=ops, dry_run=True), model)
+        assert len(rows) == want, (ops, rows)
+        for r in rows:
+            assert (r.kind, r.fused) == ("geglu", False) and "act_fn has forward or backward hooks" in r.reason, r
+
+
+@pytest.mark.parametrize("how", ["GELUTanh.act", "nn.GELU.approximate"])
+def test_an_act_fn_changed_in_place_after_fuse_runs_the_class_gate(how):
+    """An attribute of the probed act_fn changed after fuse (GELUTanh's act, nn.GELU's approximate: the erf form
+    for the tanh one): the gate runs the class's own (the new activation), not the kernel of the probed one; a copy
+    of the model made after the change does the same; set back, the fused gate runs again (a review: the change was
+    ignored, 2.5e-3 off)."""
+    model = _model(cfg=_gemma4_config())
+    if how == "nn.GELU.approximate":
+        for e in _experts(model):
+            e.act_fn = nn.GELU(approximate="tanh")
+    fuse(model, ops=["geglu"])
+    e = _experts(model)[0]
+    x = torch.randn(5, 2 * 48, generator=torch.Generator().manual_seed(3)) * 3
+    before = e._apply_gate(x)
+    if how == "GELUTanh.act":
+        old, e.act_fn.act = e.act_fn.act, torch.nn.functional.gelu
+    else:
+        old, e.act_fn.approximate = e.act_fn.approximate, "none"
+    want = type(e)._apply_gate(e, x)
+    assert not torch.allclose(want, before, rtol=0, atol=1e-4)   # (the two GELUs differ)
+    dispatch.reset_stats()
+    assert torch.equal(e._apply_gate(x), want) and _geglu_calls() == 0
+    clone = copy.deepcopy(model)
+    ce = _experts(clone)[0]
+    assert torch.equal(ce._apply_gate(x), want) and _geglu_calls() == 0
+    if how == "GELUTanh.act":
+        e.act_fn.act = old
+    else:
+        e.act_fn.approximate = old
+    assert torch.equal(e._apply_gate(x), before) and _geglu_calls() == 1
+    assert unfuse(model)
+
+
 # ------------------------------------------------------------------------------------------------ refusals
 class _Clamped(mixtral.MixtralExperts):
     def _apply_gate(self, gate_up):

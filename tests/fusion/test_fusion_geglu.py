@@ -7,6 +7,7 @@ checks, ``impl=`` and ``PIPEGOOSE_IMPL_GEGLU``, the counters and the choice cach
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import replace
 
@@ -345,6 +346,30 @@ def test_an_activation_replaced_or_hooked_while_fused_is_run_as_the_mlp_would():
     fused.act_fn = nn.ReLU()
     assert torch.equal(fused(x), fused.down_proj(F.relu(fused.gate_proj(x)) * fused.up_proj(x)))
     assert dispatch.stats()["geglu"] == {"torch": 1}   # (neither ran the op)
+
+
+@pytest.mark.parametrize("how", ["GELUTanh.act", "nn.GELU.approximate"])
+def test_an_activation_changed_in_place_while_fused_is_run_as_the_mlp_would(how):
+    """An attribute of the probed activation changed while fused (transformers' GELUTanh.act, nn.GELU's
+    approximate: the erf form for the tanh one) is another activation: the fused module runs it as the MLP would (a
+    review: the change was ignored, 3.5e-4 off), in a copy made after the change too; set back, the op runs again."""
+    from transformers.activations import ACT2FN
+
+    mlp = _MLP()
+    mlp.act_fn = ACT2FN["gelu_pytorch_tanh"] if how == "GELUTanh.act" else nn.GELU(approximate="tanh")
+    fused = FusedGeGLUMLP.from_module(mlp)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2)) * 3
+    before = fused(x)
+    name = "act" if how == "GELUTanh.act" else "approximate"
+    old = getattr(fused.act_fn, name)
+    setattr(fused.act_fn, name, F.gelu if how == "GELUTanh.act" else "none")
+    dispatch.reset_stats()
+    want = fused.down_proj(F.gelu(fused.gate_proj(x)) * fused.up_proj(x))
+    assert not torch.allclose(want, before, rtol=0, atol=1e-6)
+    assert torch.equal(fused(x), want) and torch.equal(copy.deepcopy(fused)(x), want)
+    assert dispatch.stats().get("geglu", {}) == {}
+    setattr(fused.act_fn, name, old)
+    assert torch.equal(fused(x), before) and dispatch.stats()["geglu"] == {"torch": 1}
 
 
 def test_fused_mlp_keeps_the_training_flag():

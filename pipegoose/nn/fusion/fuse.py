@@ -137,8 +137,9 @@ class FusionRow:
     Attributes:
         path: dotted module path in the model (``""`` for the model itself).
         kind: ``layer_norm``, ``rms_norm``, ``swiglu`` (a SwiGLU MLP: Llama's; T5's gated MLP with SiLU; a MoE
-            layer's experts module, whose gate runs op ``swiglu.packed``: replacement ``FusedExpertsGate``), ``geglu``
-            (a GeGLU MLP: Gemma's; T5's gated MLP with GELU, Flan-T5's), ``rope`` (an attention module's rotary
+            layer's experts module of SiLU, whose gate runs op ``swiglu.packed``: replacement ``FusedExpertsGate``),
+            ``geglu`` (a GeGLU MLP: Gemma's; T5's gated MLP with GELU, Flan-T5's; a MoE layer's experts module of
+            GELU, Gemma 4's, whose gate runs op ``geglu.packed``), ``rope`` (an attention module's rotary
             embedding), ``cross_entropy`` (the model's loss), ``linear_cross_entropy`` (a causal LM's head and loss
             in one) or ``attention``.
         original: class name of the module found.

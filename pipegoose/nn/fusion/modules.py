@@ -660,9 +660,10 @@ class _FusedSwiGLUBase(_DropsFuseRecord, nn.Module):
         self.impl = impl
 
     def _changed_activation(self) -> Any:
-        """The MLP's activation (a module, or a function attribute such as ``F.silu``) where it was replaced, or
-        given forward or backward hooks, since the probe vouched for it (the fused module then runs it, as the
-        original MLP would, and its hooks fire), else None."""
+        """The MLP's activation (a module, or a function attribute such as ``F.silu``) where it was replaced, given
+        forward or backward hooks, or an attribute of its changed (``approximate``: ``_common.act_state``) since the
+        probe vouched for it (the fused module then runs it, as the original MLP would, and its hooks fire), else
+        None."""
         name = self._act_name
         if name is None:
             return None
@@ -672,6 +673,9 @@ class _FusedSwiGLUBase(_DropsFuseRecord, nn.Module):
         if act is not self.__dict__.get("_probed_act"):
             return act
         if isinstance(act, nn.Module) and _common.has_module_hooks(act):
+            return act
+        state = self.__dict__.get("_probed_state")   # (None in a module pickled before it was kept)
+        if state is not None and not _common.same_act_state(_common.act_state(act), state):
             return act
         return None
 
@@ -731,6 +735,7 @@ class _FusedSwiGLUBase(_DropsFuseRecord, nn.Module):
         new.__dict__["_act_name"] = act_name   # (None: the MLP has none; an activation added while fused is not run)
         new.__dict__["_probed_act"] = (None if act_name is None else mlp._modules[act_name] if act_name in mlp._modules
                                        else mlp.__dict__[act_name])
+        new.__dict__["_probed_state"] = _common.act_state(new.__dict__["_probed_act"])
         new.training = mlp.training
         return new
 

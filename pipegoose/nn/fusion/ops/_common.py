@@ -381,3 +381,20 @@ def has_module_hooks(m: torch.nn.Module) -> bool:
     probe; backward hooks were not looked at before, and were silently dropped: a review)."""
     return bool(m._forward_hooks or m._forward_pre_hooks or getattr(m, "_forward_hooks_with_kwargs", None)
                 or m._backward_hooks or m._backward_pre_hooks)
+
+
+def act_state(act: Any) -> dict[str, Any]:
+    """What an activation module computes with besides its class: its public attributes (``nn.GELU``'s
+    ``approximate``, transformers' ``GELUTanh.act``, ``nn.SiLU``'s ``inplace``; not ``training`` or the hook
+    dictionaries), the objects themselves; empty for a function. A fused module or gate keeps the probed activation's
+    and runs the activation itself where :func:`same_act_state` says it changed (an ``approximate`` set on it after
+    the probe counts as another activation; a review)."""
+    if not isinstance(act, torch.nn.Module):
+        return {}
+    return {k: v for k, v in act.__dict__.items() if not k.startswith("_") and k != "training"}
+
+
+def same_act_state(now: dict[str, Any], then: dict[str, Any]) -> bool:
+    """Whether :func:`act_state` ``now`` holds the very objects of ``then`` (identity: an attribute assigned since is
+    a change, even to an equal value; copies made through one memo, deepcopy or pickle, keep identities)."""
+    return now.keys() == then.keys() and all(now[k] is v for k, v in then.items())

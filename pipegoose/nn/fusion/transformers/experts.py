@@ -93,16 +93,20 @@ def probe(module: nn.Module) -> Probe:
     act = _act_of(module)
     if act is None:
         return Probe(False, f"{name} has no {ACT}: not transformers' default gate")
+    # (the activation's kind first: a refused GELU gate is reported under geglu, where ops=["geglu"] finds it; a
+    # review: a hooked GELU act_fn was reported as swiglu)
+    kind, why = matching._activation_kind(act, ACT, matching._SEPARATE)
+    approximate = matching.GELU_APPROXIMATE.get(kind)
     if isinstance(act, nn.Module) and _common.has_module_hooks(act):
         return Probe(False, f"{ACT} has forward or backward hooks, which the fused gate (one kernel for the "
-                            "activation and the product) would not run")
-    kind, why = matching._activation_kind(act, ACT, matching._SEPARATE)
+                            "activation and the product) would not run", approximate=approximate)
     if why is not None:
-        return Probe(False, why)
-    approximate = matching.GELU_APPROXIMATE.get(kind)
+        return Probe(False, why, approximate=approximate)
     formula = "silu(gate) * up" if approximate is None else f"gelu(gate, approximate={approximate!r}) * up"
     clamp = matching._swiglu_clamp(module)
     if clamp is not None:
+        if approximate is not None:
+            clamp = clamp.replace("not plain SwiGLU", "not plain GeGLU")
         return Probe(False, clamp, approximate=approximate)
     # the class's _apply_gate on a shallow stand-in (the module's attributes, no parameters or buffers: a gate that
     # reads a weight is not transformers' default one), in training and eval mode
@@ -143,10 +147,12 @@ def probe(module: nn.Module) -> Probe:
     return Probe(True, f"probe: _apply_gate equals {formula} of the halves", act, approximate)
 
 
+
 class FusedExpertsGate:
     """The ``_apply_gate`` that ``fuse`` sets on a transformers experts module: ``silu_and_mul(gate_up_out)`` (op
     ``swiglu.packed``), or for a GELU ``act_fn`` ``gelu_and_mul(gate_up_out, approximate)`` (op ``geglu.packed``),
-    where the module's ``act_fn`` is still the one :func:`probe` vouched for and has no hooks, and
+    where the module's ``act_fn`` is still the one :func:`probe` vouched for, in the state it had (``act_state``:
+    an ``approximate`` set on it since counts as another activation; a review) and without hooks, and
     its class's ``_apply_gate`` is still the one probed, else the class's own ``_apply_gate`` (what the unfused module
     runs: an activation replaced or hooked since is run, and its hooks fire; a gate of its own given to the class since,
     or a class of another gate set on the module, runs).
@@ -163,9 +169,11 @@ class FusedExpertsGate:
     rebuilt on the copy's module and ``act_fn`` (:meth:`__reduce__`).
     """
 
-    def __init__(self, module: nn.Module, act: Any, impl: str | None = None, approximate: str | None = None) -> None:
+    def __init__(self, module: nn.Module, act: Any, impl: str | None = None, approximate: str | None = None,
+                 probed_state: dict[str, Any] | None = None) -> None:
         self._module = weakref.ref(module)
         self.probed_act = act
+        self.probed_state = _common.act_state(act) if probed_state is None else probed_state
         self.probed_gate = getattr(type(module), "_apply_gate", None)
         self.impl = impl
         self.approximate = approximate
@@ -188,15 +196,18 @@ class FusedExpertsGate:
         act = _act_of(module)
         gate = type(module)._apply_gate
         if (act is not self.probed_act or gate is not self.probed_gate
-                or (isinstance(act, nn.Module) and _common.has_module_hooks(act))):
+                or (isinstance(act, nn.Module) and _common.has_module_hooks(act))
+                or not _common.same_act_state(_common.act_state(act), self.probed_state)):
             return gate(module, gate_up_out)
         if self.approximate is None:
             return PF.silu_and_mul(gate_up_out, impl=self.impl)
         return PF.gelu_and_mul(gate_up_out, self.approximate, impl=self.impl)
 
     def __reduce__(self):
-        # (copies: the copy's module and act_fn, found in the copy's memo; the class's gate as the copy finds it)
-        return (FusedExpertsGate, (self._module(), self.probed_act, self.impl, self.approximate))
+        # (copies: the copy's module and act_fn, found in the copy's memo; the class's gate as the copy finds it; the
+        # probed state through the same memo: attributes unchanged since the probe stay the copy's own, one changed
+        # is another object in the copy too, which then runs the class's gate as the original does)
+        return (FusedExpertsGate, (self._module(), self.probed_act, self.impl, self.approximate, self.probed_state))
 
     def __repr__(self) -> str:
         extra = "" if self.approximate is None else f", approximate={self.approximate!r}"
