@@ -575,9 +575,13 @@ def test_gelu_and_mul_fake_impls_on_meta_tensors():
 @pytest.mark.cuda
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gelu_and_mul_on_cuda_runs_the_kernel(no_tuning_table, dtype, approximate, gpacked_env):
+def test_gelu_and_mul_on_cuda_runs_the_kernel(no_tuning_table, dtype, approximate, monkeypatch):
     """On CUDA (tuning table and small-problem rule set aside) gelu_and_mul runs pipegoose::gelu_and_mul (strict
-    mode), the raw ops' results bit for bit, float64's within the tolerance table."""
+    mode), the raw ops' results bit for bit, float64's within the tolerance table. (The implementation variables
+    unset here, not through gpacked_env, which unsets PIPEGOOSE_SMALL_NUMEL too: no_tuning_table's 0 was lost, and
+    the small-problem rule ran torch on the GPU, session 69.)"""
+    for var in ("PIPEGOOSE_IMPL_GEGLU_PACKED", "PIPEGOOSE_IMPL_GEGLU", "PIPEGOOSE_STRICT"):
+        monkeypatch.delenv(var, raising=False)
     x = _packed((4, 2 * 1001), dtype, seed=11).cuda()
     dy = torch.randn(4, 1001, generator=torch.Generator().manual_seed(12)).to(dtype).cuda()
     with dispatch.strict():
