@@ -876,6 +876,48 @@ def _parity(fus, unf, ref, dtype):
         assert e_f <= 2 * e_u + t["atol"] * gs + t["rtol"] * gs, (n, e_f, e_u)
 
 
+def _bf16_on_cuda(model, kind: str, act64) -> tuple:
+    """The bf16 CUDA check of a fp32 CPU MoE model whose experts run grouped_mm (training mode): an fp32 copy with
+    eager experts is the reference; the model in bf16 is run unfused, then fused with ops=[kind]: the rows say
+    pipegoose, each layer's gate runs the kernel of op <kind>.packed (strict mode), and loss and gradients are within
+    twice the unfused run's error from the reference plus bf16's tolerance. The gate itself, on rows of N(0, 16) gates
+    and ups: within a bf16 unit (2**-8 relative) of float64's ``act64(gate) * up`` (the kernel computes in fp32 and
+    rounds once) and no farther than transformers' bf16 gate (which rounds twice). Returns (fused, unfused) runs;
+    the model is unfused again."""
+    dev = torch.device("cuda")
+    op = f"{kind}.packed"
+    ref_model = copy.deepcopy(model).to(dev)
+    ref_model.set_experts_implementation("eager")
+    ref = _step(ref_model)
+    model = model.to(dev, torch.bfloat16)
+    assert model.config._experts_implementation == "grouped_mm"
+    unf = _step(model)
+    rows = _rows(fuse(model, ops=[kind]), model)
+    assert len(rows) == LAYERS and all(r.fused and r.forward == "pipegoose" for r in rows), rows
+    dispatch.reset_stats()
+    try:
+        with dispatch.strict():
+            fus = _step(model)
+        ran = dispatch.stats()
+        assert ran.get(op) == {"pipegoose": LAYERS}, ran
+        _parity(fus, unf, ref, torch.bfloat16)
+
+        e = _experts(model)[0]
+        g = torch.Generator(device="cpu").manual_seed(7)
+        x = (torch.randn(512, e.gate_up_proj.shape[1], generator=g) * 4.0).to(dev, torch.bfloat16)
+        g64, u64 = x.double().chunk(2, dim=-1)
+        want = act64(g64) * u64
+        with torch.no_grad(), dispatch.strict():
+            got = e._apply_gate(x)
+            eager = type(e)._apply_gate(e, x)
+        err, err_eager = (got.double() - want).abs(), (eager.double() - want).abs()
+        assert bool((err <= (2.0 ** -8 + 2.0 ** -20) * want.abs() + 1e-30).all()), err.max().item()
+        assert err.max().item() <= err_eager.max().item(), (err.max().item(), err_eager.max().item())
+        return fus, unf
+    finally:
+        unfuse(model)
+
+
 @pytest.mark.cuda
 def test_mixtral_bf16_on_cuda_runs_the_kernel(no_tuning_table):
     """bf16 on CUDA (grouped_mm, training mode): the rows say pipegoose, each layer's gate runs pipegoose::silu_and_mul
@@ -883,39 +925,8 @@ def test_mixtral_bf16_on_cuda_runs_the_kernel(no_tuning_table):
     (eager experts) reference plus bf16's tolerance (atol = rtol = 1.6e-2), and within 2e-2 (relative) of the unfused
     loss. The gate itself: the kernel computes in fp32 and rounds once (error within a bf16 unit, 2**-8 relative, of
     the float64 value), transformers' bf16 gate rounds twice (SiLU, then the product): no larger than its error."""
-    dev = torch.device("cuda")
-    model = _cuda_mixtral()
-    ref_model = copy.deepcopy(model).to(dev)
-    ref_model.set_experts_implementation("eager")
-    ref = _step(ref_model)
-    model = model.to(dev, torch.bfloat16)
-    assert model.config._experts_implementation == "grouped_mm"
-    unf = _step(model)
-    report = fuse(model, ops=["swiglu"])
-    rows = _rows(report, model)
-    assert len(rows) == LAYERS and all(r.fused and r.forward == "pipegoose" for r in rows), rows
-    dispatch.reset_stats()
-    try:
-        with dispatch.strict():
-            fus = _step(model)
-        ran = dispatch.stats()
-        assert ran.get("swiglu.packed") == {"pipegoose": LAYERS}, ran
-        _parity(fus, unf, ref, torch.bfloat16)
-        torch.testing.assert_close(fus[0].float(), unf[0].float(), rtol=2e-2, atol=0.0)
-
-        e = _experts(model)[0]
-        g = torch.Generator(device="cpu").manual_seed(7)
-        x = (torch.randn(512, 2 * 128, generator=g) * 4.0).to(dev, torch.bfloat16)
-        g64, u64 = x.double().chunk(2, dim=-1)
-        want = g64 * torch.sigmoid(g64) * u64
-        with torch.no_grad(), dispatch.strict():
-            got = e._apply_gate(x)
-            eager = type(e)._apply_gate(e, x)
-        err, err_eager = (got.double() - want).abs(), (eager.double() - want).abs()
-        assert bool((err <= (2.0 ** -8 + 2.0 ** -20) * want.abs() + 1e-30).all()), err.max().item()
-        assert err.max().item() <= err_eager.max().item(), (err.max().item(), err_eager.max().item())
-    finally:
-        unfuse(model)
+    fus, unf = _bf16_on_cuda(_cuda_mixtral(), "swiglu", lambda g64: g64 * torch.sigmoid(g64))
+    torch.testing.assert_close(fus[0].float(), unf[0].float(), rtol=2e-2, atol=0.0)
 
 
 @pytest.mark.cuda
@@ -951,41 +962,12 @@ def test_gemma4_bf16_on_cuda_runs_the_gelu_kernel(no_tuning_table, activation):
     value without cancellation: g * sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3)) and 0.5 g erfc(-g / sqrt(2)) (F.gelu's
     0.5 g (1 + tanh) and 0.5 g (1 + erf) round to 0 in float64 for gates below about -6 and -8, where the kernel's
     fp32 value is right: the test failed there on the H100, session 69)."""
-    dev = torch.device("cuda")
     model = _model(cfg=_gemma4_config(hidden_size=64, moe_intermediate_size=128, top_k_experts=4,
                                       hidden_activation=activation))
-    ref_model = copy.deepcopy(model).to(dev)
-    ref_model.set_experts_implementation("eager")
-    ref = _step(ref_model)
-    model = model.to(dev, torch.bfloat16)
-    assert model.config._experts_implementation == "grouped_mm"
-    unf = _step(model)
-    report = fuse(model, ops=["geglu"])
-    rows = _rows(report, model)
-    assert len(rows) == LAYERS and all(r.fused and r.forward == "pipegoose" for r in rows), rows
-    dispatch.reset_stats()
-    try:
-        with dispatch.strict():
-            fus = _step(model)
-        ran = dispatch.stats()
-        assert ran.get("geglu.packed") == {"pipegoose": LAYERS}, ran
-        _parity(fus, unf, ref, torch.bfloat16)
-
-        approximate = "tanh" if activation == "gelu_pytorch_tanh" else "none"
-        e = _experts(model)[0]
-        g = torch.Generator(device="cpu").manual_seed(7)
-        x = (torch.randn(512, 2 * 128, generator=g) * 4.0).to(dev, torch.bfloat16)
-        g64, u64 = x.double().chunk(2, dim=-1)
-        if approximate == "tanh":
-            act64 = g64 * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (g64 + 0.044715 * g64 ** 3))
-        else:
-            act64 = 0.5 * g64 * torch.special.erfc(-g64 / math.sqrt(2))
-        want = act64 * u64
-        with torch.no_grad(), dispatch.strict():
-            got = e._apply_gate(x)
-            eager = type(e)._apply_gate(e, x)
-        err, err_eager = (got.double() - want).abs(), (eager.double() - want).abs()
-        assert bool((err <= (2.0 ** -8 + 2.0 ** -20) * want.abs() + 1e-30).all()), err.max().item()
-        assert err.max().item() <= err_eager.max().item(), (err.max().item(), err_eager.max().item())
-    finally:
-        unfuse(model)
+    if activation == "gelu_pytorch_tanh":
+        def act64(g64):
+            return g64 * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (g64 + 0.044715 * g64 ** 3))
+    else:
+        def act64(g64):
+            return 0.5 * g64 * torch.special.erfc(-g64 / math.sqrt(2))
+    _bf16_on_cuda(model, "geglu", act64)
