@@ -338,11 +338,11 @@ def reference(case: Case, chunk_elems: int = 1 << 25) -> dict[str, torch.Tensor]
     return out
 
 
-def _swiglu_reference(case: Case, chunk_elems: int) -> dict[str, torch.Tensor]:
-    """SwiGLU in float64: ``y = g sig(g) u``, ``du = dy g sig(g)``, ``dg = dy u sig(g) (1 + g (1 - sig(g)))``; for
-    swiglu.packed of the halves of ``x``, its gradient ``dx`` the two halves' side by side."""
+def _gated_buffers(case: Case) -> tuple:
+    """(gate, up, y, dgate, dup, the gradients by name) of a gated op's case: gate and up its inputs, or the halves of
+    ``x`` for a packed op, whose gradient ``dx`` the fp32 views dgate and dup fill side by side."""
     inp = case.inputs
-    if case.op == "swiglu.packed":
+    if case.op in PACKED:
         x = inp["x"].detach()
         g, u = x.chunk(2, dim=-1)
         dx = torch.empty(x.shape, dtype=torch.float32, device=x.device)
@@ -353,7 +353,13 @@ def _swiglu_reference(case: Case, chunk_elems: int) -> dict[str, torch.Tensor]:
         dg = torch.empty(g.shape, dtype=torch.float32, device=g.device)
         du = torch.empty_like(dg)
         grads = {"dg": dg, "du": du}
-    y = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+    return g, u, torch.empty(g.shape, dtype=torch.float32, device=g.device), dg, du, grads
+
+
+def _swiglu_reference(case: Case, chunk_elems: int) -> dict[str, torch.Tensor]:
+    """SwiGLU in float64: ``y = g sig(g) u``, ``du = dy g sig(g)``, ``dg = dy u sig(g) (1 + g (1 - sig(g)))``; for
+    swiglu.packed of the halves of ``x``, its gradient ``dx`` the two halves' side by side."""
+    g, u, y, dg, du, grads = _gated_buffers(case)
     for rs in _chunks(g.shape[0], chunk_elems // g.shape[1]):
         gs, us, dys = g[rs].double(), u[rs].double(), case.dy[rs].double()
         sig = torch.sigmoid(gs)
@@ -366,20 +372,8 @@ def _swiglu_reference(case: Case, chunk_elems: int) -> dict[str, torch.Tensor]:
 def _geglu_reference(case: Case, chunk_elems: int) -> dict[str, torch.Tensor]:
     """GeGLU (GELU's tanh approximation) in float64, written out: with ``c = sqrt(2 / pi)``, ``t = tanh(c (g + 0.044715
     g^3))``: ``y = 0.5 g (1 + t) u``, ``du = dy 0.5 g (1 + t)``, ``dg = dy u (0.5 (1 + t) + 0.5 g (1 - t^2) c (1 + 3 *
-    0.044715 g^2))``."""
-    inp = case.inputs
-    if case.op == "geglu.packed":   # (of the halves of x; dx the halves' gradients side by side, as swiglu.packed's)
-        x = inp["x"].detach()
-        g, u = x.chunk(2, dim=-1)
-        dx = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        dg, du = dx.chunk(2, dim=-1)
-        grads = {"dx": dx}
-    else:
-        g, u = inp["g"].detach(), inp["u"].detach()
-        dg = torch.empty(g.shape, dtype=torch.float32, device=g.device)
-        du = torch.empty_like(dg)
-        grads = {"dg": dg, "du": du}
-    y = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+    0.044715 g^2))``; for geglu.packed of the halves of ``x``, as swiglu.packed's."""
+    g, u, y, dg, du, grads = _gated_buffers(case)
     c = math.sqrt(2.0 / math.pi)
     for rs in _chunks(g.shape[0], chunk_elems // g.shape[1]):
         gs, us, dys = g[rs].double(), u[rs].double(), case.dy[rs].double()
