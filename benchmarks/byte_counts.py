@@ -104,7 +104,7 @@ def _one_pass(op: str, pas: str, shape: Mapping[str, int], s: int) -> int:
         if op == "layer_norm":
             return (2 * n * s + 2 * hid * s + 2 * r * _STAT) if pas == "fwd" else (3 * n * s + 3 * hid * s + 2 * r * _STAT)
         return (2 * n * s + hid * s + r * _STAT) if pas == "fwd" else (3 * n * s + 2 * hid * s + r * _STAT)
-    if op in ("swiglu", "swiglu.packed", "geglu", "geglu.packed"):   # (packed: x [rows, 2*inter] is gate and up, dx dgate and dup)
+    if op in ("swiglu", "swiglu.packed", "geglu", "geglu.packed"):   # (packed: x [rows, 2*inter] is gate and up)
         r, inter = _need(shape, "rows", "inter")
         return (3 if pas == "fwd" else 5) * r * inter * s
     if op == "cross_entropy":

@@ -11,8 +11,9 @@ the specialised ones, odd key lengths, frozen parameters with mixed dtypes, stri
 * LayerNorm and RMSNorm: 1-65536 columns, one or two normalised dims, parameters of the input's dtype or another,
   weight and bias present or not and frozen or not, strided rows, large means;
 * SwiGLU: any shape, contiguous or strided; silu_and_mul and gelu_and_mul (gate and up packed in x [..., 2d]): d
-  1-30000, 1-d to 4-d x, rows of wider tensors at random column offsets, transposed, narrowed and broadcast rows; cross-entropy:
-  2-160000 classes, ignored rows (a share of 0 to all), every reduction, strided rows; RoPE: head dims 2-256, whole or partial rotary, both layouts, GQA, fp32 tables;
+  1-30000, 1-d to 4-d x, rows of wider tensors at random column offsets, transposed, narrowed and broadcast rows;
+  cross-entropy: 2-160000 classes, ignored rows (a share of 0 to all), every reduction, strided rows; RoPE: head dims
+  2-256, whole or partial rotary, both layouts, GQA, fp32 tables;
   fused linear cross-entropy: chunkings from 1 row to all, bias or not.
 
 The ported copies run the same draws (``impl="megatron"`` for the softmaxes, ``"apex"`` for LayerNorm and the

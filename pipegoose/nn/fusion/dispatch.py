@@ -14,7 +14,8 @@ Choice, first that supports the input wins:
 1. the explicit ``impl=`` argument of the call (case and surrounding blanks ignored, as in the variables);
 2. the environment: ``PIPEGOOSE_IMPL_<OP>`` (``.`` -> ``_``, e.g. ``PIPEGOOSE_IMPL_SOFTMAX_CAUSAL``), then the
    family's ``PIPEGOOSE_IMPL_<FAMILY>`` (``PIPEGOOSE_IMPL_SOFTMAX`` covers the three softmax ops,
-   ``PIPEGOOSE_IMPL_SWIGLU`` both SwiGLU ops, ``PIPEGOOSE_IMPL_GEGLU`` both GeGLU ops); ``auto`` = none (in the op's own variable it overrides the family's);
+   ``PIPEGOOSE_IMPL_SWIGLU`` both SwiGLU ops, ``PIPEGOOSE_IMPL_GEGLU`` both GeGLU ops); ``auto`` = none (in the op's
+   own variable it overrides the family's);
 3. the tuning table of the input's GPU (``pipegoose/nn/fusion/tuning/<slug>.json``, docs/architecture.md
    "Tuning tables"): the first rule whose op and dtype match, whose ``max_cols`` is not exceeded and whose
    implementation supports the input (rules whose ``pass`` matches the call, ``fwd`` or ``fwd+bwd``, first);

@@ -43,8 +43,8 @@ from .ops import softmax as _sm
 from .ops import swiglu as _swiglu
 
 __all__ = ["softmax", "scaled_softmax", "scaled_masked_softmax", "scaled_upper_triang_masked_softmax",
-           "layer_norm", "mixed_fused_layer_norm", "rms_norm", "swiglu", "silu_and_mul", "geglu", "gelu_and_mul", "cross_entropy",
-           "fused_linear_cross_entropy", "apply_rotary_pos_emb"]
+           "layer_norm", "mixed_fused_layer_norm", "rms_norm", "swiglu", "silu_and_mul", "geglu", "gelu_and_mul",
+           "cross_entropy", "fused_linear_cross_entropy", "apply_rotary_pos_emb"]
 
 
 def softmax(input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3, dtype: torch.dtype | None = None, *,

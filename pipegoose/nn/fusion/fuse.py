@@ -1090,7 +1090,7 @@ def _consider_experts(model, child, path, ops, dry_run, state, held: set) -> Fus
                       if any(ref() is child for ref, _ in st.experts_gates)), None)
         why = (_earlier_fuse_reason(model, owner, "kept") if owner is not None else
                "already fused before this call (a copy of a fused model): kept here, and unfuse() will not revert it")
-        kind = "swiglu" if child.__dict__["_apply_gate"].approximate is None else "geglu"
+        kind = "swiglu" if getattr(child.__dict__["_apply_gate"], "approximate", None) is None else "geglu"
         row = FusionRow(path, kind, name, "FusedExpertsGate", True, "-", "-", reason=why)
         held.add(id(row))
         _hold(state, row, path, _experts.hooked)
