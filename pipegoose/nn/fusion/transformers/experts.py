@@ -147,7 +147,6 @@ def probe(module: nn.Module) -> Probe:
     return Probe(True, f"probe: _apply_gate equals {formula} of the halves", act, approximate)
 
 
-
 class FusedExpertsGate:
     """The ``_apply_gate`` that ``fuse`` sets on a transformers experts module: ``silu_and_mul(gate_up_out)`` (op
     ``swiglu.packed``), or for a GELU ``act_fn`` ``gelu_and_mul(gate_up_out, approximate)`` (op ``geglu.packed``),
