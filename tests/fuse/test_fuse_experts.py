@@ -794,10 +794,22 @@ def test_a_gate_replaced_by_the_user_after_fuse_is_left_and_named():
         return gate * up
 
     second._apply_gate = mine
-    with pytest.raises(RuntimeError, match=r"MixtralExperts\._apply_gate was replaced after fuse\(\)"):
+    with pytest.raises(RuntimeError, match=r"MixtralExperts\._apply_gate \(at 'model\.layers\.1\.mlp\.experts'\) "
+                                           r"was replaced after fuse\(\)"):
         unfuse(model)
     assert second.__dict__["_apply_gate"] is mine and "_apply_gate" not in first.__dict__
     assert not is_fused(model)
+
+
+def test_a_gate_deleted_by_the_user_after_fuse_is_already_unfused():
+    """The user deletes layer 0's fused gate after fuse() (the class's gate runs again): unfuse() has nothing to
+    restore there and succeeds (a walkthrough: it raised that the gate "was replaced")."""
+    model = _model()
+    fuse(model, ops=["swiglu"])
+    first, second = _experts(model)
+    del first._apply_gate
+    assert unfuse(model) is True
+    assert "_apply_gate" not in first.__dict__ and "_apply_gate" not in second.__dict__ and not is_fused(model)
 
 
 def test_a_deleted_fused_model_frees_its_experts_without_the_cycle_collector():

@@ -139,8 +139,8 @@ def test_swiglu_and_geglu_are_not_mixed_up():
 
 
 def test_a_geglu_mlp_with_gate_and_up_in_one_projection_is_refused_with_the_reason():
-    """Phi3MLP (gate_up_proj) with GELU: no fused module computes GELU of a packed projection; a skipped swiglu row
-    saying so, the MLP kept."""
+    """Phi3MLP (gate_up_proj) with GELU: no fused module takes a GeGLU MLP of a packed projection; a skipped geglu row
+    saying so (geglu, as GELU MoE experts are: ops=["geglu"] lists it), the MLP kept."""
     torch.manual_seed(0)
     model = tr.Phi3ForCausalLM(tr.Phi3Config(vocab_size=97, hidden_size=HIDDEN, num_hidden_layers=1,
                                              num_attention_heads=4, num_key_value_heads=2, intermediate_size=INTER,
@@ -153,9 +153,11 @@ def test_a_geglu_mlp_with_gate_and_up_in_one_projection_is_refused_with_the_reas
             "gate_up_proj, for which there is no fused module (FusedGateUpSwiGLUMLP computes SiLU)") in probe.reason
     report = fuse(model)
     (row,) = [r for r in report.rows if r.path == "model.layers.0.mlp"]
-    assert (row.kind, row.fused, row.eligible, row.reason) == ("swiglu", False, False, probe.reason)
+    assert (row.kind, row.fused, row.eligible, row.reason) == ("geglu", False, False, probe.reason)
     assert model.model.layers[0].mlp is mlp
     assert unfuse(model)
+    assert [r.path for r in fuse(model, ops=["geglu"], dry_run=True).rows] == ["model.layers.0.mlp"]
+    assert "model.layers.0.mlp" not in [r.path for r in fuse(model, ops=["swiglu"], dry_run=True).rows]
 
 
 # ------------------------------------------------------------------------------------------------------- fuse()

@@ -166,8 +166,9 @@ def test_a_function_replaced_while_fused_is_left_alone():
 
 
 def test_a_function_that_is_not_the_rotate_half_rope_is_skipped():
-    """The probe refuses a function that computes another rotation (the interleaved form of GPT-J) or fails on
-    float64 CPU inputs (a GPU-only patch): rows skipped, not eligible, with the reason; no hooks, no global change."""
+    """The probe refuses a function that computes another rotation (the interleaved form of GPT-J), fails on float64
+    CPU inputs (a GPU-only patch) or rotates one tensor a call (Gemma 4's form): rows skipped, not eligible, with the
+    reason; no hooks, no global change."""
     def interleaved(q, k, cos, sin, unsqueeze_dim=1):
         def rot(x):
             x1, x2 = x[..., ::2], x[..., 1::2]
@@ -178,8 +179,13 @@ def test_a_function_that_is_not_the_rotate_half_rope_is_skipped():
     def gpu_only(q, k, cos, sin, unsqueeze_dim=1):
         raise RuntimeError("expected a CUDA tensor")
 
+    def one_tensor(x, cos, sin, unsqueeze_dim=1):   # (Gemma 4's form: one tensor a call)
+        return x * cos.unsqueeze(unsqueeze_dim) + x * sin.unsqueeze(unsqueeze_dim)
+
     for fn, why in ((interleaved, "does not compute the rotate-half RoPE"),
-                    (gpu_only, "failed on float64 CPU inputs: RuntimeError: expected a CUDA")):
+                    (gpu_only, "failed on float64 CPU inputs: RuntimeError: expected a CUDA"),
+                    (one_tensor, "apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim) rotates one tensor a call, not q "
+                                 "and k")):
         ml.apply_rotary_pos_emb = fn
         model = models.build("llama", "eager")
         report = fuse(model, ops=["rope"])

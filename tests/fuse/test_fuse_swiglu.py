@@ -84,19 +84,20 @@ def _large_input(seed=0, rows=4):
     return torch.randn(rows, 5, HIDDEN, generator=torch.Generator().manual_seed(seed)) * 40.0
 
 
-def _skipped_row(mlp, fused_cls=FusedGateUpSwiGLUMLP):
-    """fuse() of a holder of ``mlp`` (ops swiglu) on activations past any clamp: the single row, which must be a
-    skipped, not eligible swiglu row, shown in the report; the holder keeps ``mlp`` and computes what it computed (in
-    eval mode: no dropout draws); ``fused_cls.from_module`` refuses it. Returns the row and the report's text."""
+def _skipped_row(mlp, fused_cls=FusedGateUpSwiGLUMLP, kind="swiglu"):
+    """fuse() of a holder of ``mlp`` (ops ``kind``: geglu for a GELU MLP) on activations past any clamp: the single
+    row, which must be a skipped, not eligible row of that kind, shown in the report; the holder keeps ``mlp`` and
+    computes what it computed (in eval mode: no dropout draws); ``fused_cls.from_module`` refuses it. Returns the row
+    and the report's text."""
     holder = nn.Sequential(mlp).eval()
     x = _large_input()
     with torch.no_grad():
         ref = holder(x)
-        report = fuse(holder, ops=["swiglu"])
+        report = fuse(holder, ops=[kind])
         out = holder(x)
     (row,) = report.rows
     assert (row.kind, row.original, row.replacement, row.fused, row.eligible) == (
-        "swiglu", type(mlp).__name__, None, False, False), row
+        kind, type(mlp).__name__, None, False, False), row
     assert holder[0] is mlp and not is_fused(holder) and torch.equal(out, ref)
     with pytest.raises(ValueError, match=r"does not pass the SwiGLU probe: "):
         fused_cls.from_module(mlp)
@@ -463,9 +464,10 @@ def test_impl_forcing_refuses_a_name_the_op_does_not_have():
 
 
 def test_a_phi3_mlp_of_another_activation_is_skipped_with_the_reason():
-    """Phi3MLP with hidden_act="gelu" (transformers' own class): not SwiGLU, with the reason."""
+    """Phi3MLP with hidden_act="gelu" (transformers' own class): not SwiGLU, with the reason, in a row of kind geglu
+    (GELU: where ops=["geglu"] lists it)."""
     model, mlps = _gate_up_lm("phi3", hidden_act="gelu")
-    row, _ = _skipped_row(mlps["model.layers.0.mlp"])
+    row, _ = _skipped_row(mlps["model.layers.0.mlp"], kind="geglu")
     assert "activation_fn (GELUActivation) is not SiLU" in row.reason, row.reason
 
 
@@ -479,7 +481,7 @@ def test_zamba2s_gate_up_mlp_is_skipped_with_the_reason():
     assert probe.candidate and probe.packed and not probe.ok, probe
     assert "besides the projections and activation_fn or act_fn (gate_up_proj_adapter_list)" in probe.reason, probe
     holder = nn.Sequential(mlp)
-    (row,) = fuse(holder, dry_run=True, ops=["swiglu"]).rows
+    (row,) = fuse(holder, dry_run=True, ops=["geglu"]).rows   # (GELU: kind geglu)
     assert not row.fused and not row.eligible and row.reason == probe.reason
     # (its activation, GELUActivation, alone: test_a_phi3_mlp_of_another_activation_is_skipped_with_the_reason)
 

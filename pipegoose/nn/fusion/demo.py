@@ -128,7 +128,8 @@ def small_config(name: str, attn: str):
         return tr.Gemma4TextConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
                                    num_key_value_heads=heads // 2, head_dim=h // heads, intermediate_size=3 * h,
                                    enable_moe_block=True, moe_intermediate_size=h // 2, num_experts=8,
-                                   top_k_experts=2, hidden_size_per_layer_input=0, **common)
+                                   top_k_experts=2, hidden_size_per_layer_input=0,
+                                   layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"], **common)
     if os.path.exists(os.path.expanduser(name)):   # (a walkthrough: a file was called "a path that does not exist")
         raise ValueError(f"--model: {name!r} is not a folder; expected a local model folder (config.json and weights) "
                          f"or one of {', '.join(CONFIG_NAMES)}")

@@ -1037,9 +1037,10 @@ def _gated_kind(module: nn.Module) -> str:
 
 
 def _mlp_kind(probe: matching.SwiGLUProbe) -> str:
-    """The report's kind of a gated MLP the probe looked at: ``geglu`` for GELU with gate and up apart (what
-    ``FusedGeGLUMLP`` takes), else ``swiglu`` (a ``gate_up_proj`` MLP of GELU too: refused, no fused module for it)."""
-    return "geglu" if probe.approximate is not None and not probe.packed else "swiglu"
+    """The report's kind of a gated MLP the probe looked at: ``geglu`` for GELU (what ``FusedGeGLUMLP`` takes with
+    gate and up apart; a ``gate_up_proj`` MLP of GELU is refused, no fused module takes it, but reported under
+    ``geglu`` too, as GELU MoE experts are), else ``swiglu``."""
+    return "geglu" if probe.approximate is not None else "swiglu"
 
 
 def _consider_swiglu(child, path, ops, dry_run):
@@ -1087,7 +1088,7 @@ def _consider_experts(model, child, path, ops, dry_run, state, held: set) -> Fus
     name = type(child).__name__
     if _experts.hooked(child):
         owner = next((r for r, st in list(_STATE.items())
-                      if any(ref() is child for ref, _ in st.experts_gates)), None)
+                      if any(ref() is child for ref, *_ in st.experts_gates)), None)
         why = (_earlier_fuse_reason(model, owner, "kept") if owner is not None else
                "already fused before this call (a copy of a fused model): kept here, and unfuse() will not revert it")
         kind = "swiglu" if getattr(child.__dict__["_apply_gate"], "approximate", None) is None else "geglu"
@@ -1135,7 +1136,7 @@ def _consider_experts(model, child, path, ops, dry_run, state, held: set) -> Fus
                      "calls _apply_gate)")
     if not dry_run:
         gate = _experts.install(child, found.act, found.approximate)
-        state.experts_gates.append((weakref.ref(child), weakref.ref(gate)))
+        state.experts_gates.append((weakref.ref(child), weakref.ref(gate), path))
     return FusionRow(path, kind, name, "FusedExpertsGate", True, fwd, bwd,
                      "MoE experts' gate (" + found.reason.removeprefix("probe: ") + "): the packed gate_up_proj output "
                      f"of the routed tokens runs op {found.op} (the instance's _apply_gate; weights and forward "
@@ -1668,10 +1669,11 @@ def _undo(state: _Fusion) -> list[str]:
             problems.append(f"{type(module).__name__}.config was replaced after fuse()")
     for module_ref, rec in reversed(state.rope_hooks):
         _rope.uninstall(module_ref(), rec)
-    for module_ref, gate_ref in reversed(state.experts_gates):
+    for module_ref, gate_ref, path in reversed(state.experts_gates):
         module = module_ref()
         if not _experts.uninstall(module, gate_ref()):
-            problems.append(f"{type(module).__name__}._apply_gate was replaced after fuse()")
+            where = f" (at {path!r})" if path else ""
+            problems.append(f"{type(module).__name__}._apply_gate{where} was replaced after fuse()")
     for model_ref, handles in reversed(state.head_swaps):
         _lm_head.uninstall(model_ref(), handles)
     for model_ref, fn in reversed(state.loss_swaps):

@@ -160,8 +160,9 @@ class FusedExpertsGate:
     ``inter`` values of each row), fp32, fp16 or bf16; returns ``[rows, inter]`` of its dtype. Kernel:
     pipegoose/swiglu (pipegoose/kernels/csrc/swiglu.cu, this project, MIT); on the CPU, or where the dispatcher does
     not choose it, PyTorch's ``F.silu(gate) * up`` (``F.gelu(gate, approximate=approximate) * up``). Raises what
-    :func:`~pipegoose.nn.fusion.functional.silu_and_mul` raises (ValueError for an odd last dimension); RuntimeError
-    where its module was collected.
+    :func:`~pipegoose.nn.fusion.functional.silu_and_mul` (:func:`~pipegoose.nn.fusion.functional.gelu_and_mul`)
+    raises (ValueError for an odd last dimension, naming ``x``, the op's argument); RuntimeError where its module was
+    collected.
 
     It holds its module by a weak reference (the module holds it: a strong one made a reference cycle, and a deleted
     model's experts were freed only by Python's cycle collector, a review); a copy (``copy.deepcopy``, pickling) is
@@ -227,9 +228,10 @@ def install(module: nn.Module, act: Any, approximate: str | None = None) -> Fuse
 
 
 def uninstall(module: nn.Module | None, gate: FusedExpertsGate | None) -> bool:
-    """Delete ``gate`` from ``module`` (nothing where the module was collected); False where another ``_apply_gate``
-    was set on it since (it is left in place)."""
-    if module is None:
+    """Delete ``gate`` from ``module`` (nothing where the module was collected, or where the instance has no
+    ``_apply_gate`` left: deleted since, the class's runs already; a walkthrough: unfuse raised there); False where
+    another ``_apply_gate`` was set on it since (it is left in place)."""
+    if module is None or "_apply_gate" not in module.__dict__:
         return True
     if gate is not None and module.__dict__.get("_apply_gate") is gate:
         del module.__dict__["_apply_gate"]

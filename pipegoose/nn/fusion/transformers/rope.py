@@ -256,6 +256,10 @@ def _forms(fn: Callable, inputs: list) -> tuple:
 
 @probe_isolated   # the model's function runs: the caller's random stream is left as it was
 def _probe(fn: Callable, where: str) -> Probe:
+    one = _one_tensor_form(fn)
+    if one is not None:   # (a walkthrough: Gemma 4's was reported as a TypeError of its unsqueeze)
+        return Probe(False, f"{where}({one}) rotates one tensor a call, not q and k as the (q, k, cos, sin) form that "
+                            "pipegoose's rope kernel takes")
     g = torch.Generator().manual_seed(0)
     inputs = []
     off64 = False
@@ -284,6 +288,16 @@ def _probe(fn: Callable, where: str) -> Probe:
     promotes = dict(forms)[(torch.bfloat16, torch.float32)] == EXACT
     partial, narrow_raises = _probe_partial(fn, g)
     return Probe(True, "", promotes, partial, forms, *_keywords(fn, inputs[0]), narrow_raises)
+
+
+def _one_tensor_form(fn: Callable) -> str | None:
+    """The parameters of ``fn`` (a module's: its forward's), where it takes one tensor and then the tables (Gemma 4's
+    and Gemma 3n's ``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim)``, ``(tensor, sin, cos)``); else None."""
+    try:
+        names = list(inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return ", ".join(names) if len(names) >= 3 and names[1] in ("cos", "sin") else None
 
 
 def _params(fn: Callable) -> inspect.Signature | None:
