@@ -31,7 +31,7 @@ multiplication, by 0.5 and by 1, over the same kind of lists: 1 to 3 * 65536 + 5
 of 1024), empty ones, views at odd offsets) and ``pipegoose/swiglu`` (forward and backward of 1 to 300007
 elements: whole vectors, tails, several blocks; views at odd offsets: the scalar path; geglu's, tanh and erf, over
 the same; silu_and_mul's forward and
-backward over ``SILU_AND_MUL_CASES``: d of 1 to 28673 values, the vector and the scalar kernel, rows of a wider tensor
+backward, and gelu_and_mul's (tanh and erf), over ``SILU_AND_MUL_CASES``: d of 1 to 28673 values, the vector and the scalar kernel, rows of a wider tensor
 from an aligned and a misaligned column, rows of an odd stride, many rows (66050 blocks), and x and grad_output
 expanded from one row (row stride 0)) and ``pipegoose/cross_entropy``
 (forward and backward over 1 to 151936 classes, the backward's long rows split over 2 to 8 blocks, rows at a stride
@@ -257,6 +257,11 @@ def main() -> int:
                 sw.silu_and_mul_forward(x)
                 sw.silu_and_mul_backward(dy, x)
                 calls += 2
+                # gelu_and_mul: the same launch with GELU (tanh and erf)
+                for approximate in ("tanh", "none"):
+                    sw.gelu_and_mul_forward(x, approximate)
+                    sw.gelu_and_mul_backward(dy, x, approximate)
+                    calls += 2
             # x and grad_output of one row expanded over 37 (row stride 0: read in place, vectors)
             x = torch.randn(1, 2000, device="cuda", dtype=dt).expand(37, 2000)
             dy = torch.randn(1, 1000, device="cuda", dtype=dt).expand(37, 1000)
