@@ -74,10 +74,6 @@ def op_of(approximate: str | None) -> str:
     return "swiglu.packed" if approximate is None else "geglu.packed"
 
 
-def _activation(g: torch.Tensor, approximate: str | None) -> torch.Tensor:
-    return g * torch.sigmoid(g) if approximate is None else torch.nn.functional.gelu(g, approximate=approximate)
-
-
 def _act_of(module: nn.Module) -> Any:
     return module._modules[ACT] if ACT in module._modules else module.__dict__.get(ACT)
 
@@ -123,7 +119,7 @@ def probe(module: nn.Module) -> Probe:
     up = torch.stack([torch.randn(inter, generator=gen) * 2.0, line, line.flip(0)])
     x = torch.cat([gate, up], dim=-1).to(torch.float32)
     g64, u64 = x.double().chunk(2, dim=-1)
-    act64 = _activation(g64, approximate)
+    act64 = matching.ACTIVATION_FORMULAS[kind](g64)   # (the formula act_fn was just checked against)
     ref = act64 * u64
     # (the activation's fp32 error, within what matching's check of act_fn accepted, 1e-6 + 1e-5 |act|, times |up|,
     # plus the product's rounding: transformers' fp32 GELUTanh is 7.6e-6 off float64 here, up reaching 100)
