@@ -35,6 +35,11 @@ Models (random init from a config, no weights downloaded):
   beside the experts in each layer, Gemma's vocabulary of 262144 (tied), no per-layer inputs; ~3.07B params (2.4B in
   the experts), batch 4. Its experts' gate is GeGLU's (``gelu_pytorch_tanh``): op ``geglu.packed`` once fused. Not in
   ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
+* ``olmo``: OLMo-1B's shape (``OlmoForCausalLM``: hidden 2048, 16 layers, 16 heads, SwiGLU MLP 8192, vocab 50304,
+  tied embeddings), ~1.18B params, batch 4. Its norms are ``OlmoLayerNorm``: LayerNorm without weight or bias, in fp32
+  with the result cast back (``MixedFusedLayerNorm(elementwise_affine=False, output_in_input_dtype=True)`` once
+  fused, since session 70). Not in ``benchmarks.run``'s default ``--e2e-models``; no Liger variant (Liger-Kernel
+  patches OLMo 2, not OLMo).
 
 Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
 (``pipegoose.nn.fusion.fuse(model)`` on that model), ``fuse_sdpa_adam`` (``fuse_sdpa`` with
@@ -113,9 +118,14 @@ MODELS = {
                                                                  hidden_activation="gelu_pytorch_tanh",
                                                                  max_position_embeddings=4096, rms_norm_eps=1e-6,
                                                                  tie_word_embeddings=True)),
+    "olmo": dict(arch="olmo", batch=4, config=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                                    num_attention_heads=16, num_key_value_heads=16, vocab_size=50304,
+                                                    max_position_embeddings=2048, tie_word_embeddings=True,
+                                                    pad_token_id=1, eos_token_id=50279)),
 }
 CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config", "phi3": "Phi3Config",
-           "gemma": "GemmaConfig", "qwen3_moe": "Qwen3MoeConfig", "gemma4_text": "Gemma4TextConfig"}
+           "gemma": "GemmaConfig", "qwen3_moe": "Qwen3MoeConfig", "gemma4_text": "Gemma4TextConfig",
+           "olmo": "OlmoConfig"}
 VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_model_rope",
             "compile_sdpa", "liger_rmsnorm", "liger")
 # What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the

@@ -1600,9 +1600,10 @@ def test_unfuse_carries_back_only_what_changed_on_the_replacement():
     assert unfuse(model) and norm.eps == 1e-3 and norm.variance_epsilon is None
 
 
-def test_a_parameter_free_layer_norm_is_not_called_an_rmsnorm():
+def test_a_parameter_free_layer_norm_is_fused_as_a_layer_norm():
     """OLMo's LayerNorm has no parameters; fuse's report said "0 parameters (an RMSNorm has one weight)", as if it were
-    a broken RMSNorm (a fresh-clone walkthrough). It now says what the module is not."""
+    a broken RMSNorm (a fresh-clone walkthrough), then (session 69) that it was neither. Since session 70 the probe of
+    norms without parameters finds a LayerNorm, and fuse replaces it (tests/fuse/test_fuse_weightless_norm.py)."""
 
     class ParameterFreeLayerNorm(torch.nn.Module):
         def __init__(self, n):
@@ -1615,8 +1616,8 @@ def test_a_parameter_free_layer_norm_is_not_called_an_rmsnorm():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), ParameterFreeLayerNorm(8))
     report = fuse(model, dry_run=True)
     row = next(r for r in report.rows if r.original == "ParameterFreeLayerNorm")
-    assert not row.fused and row.reason.startswith("0 parameters of its own: not an RMSNorm (one weight), and not a "
-                                                   "torch.nn.LayerNorm"), row
+    assert row.fused and row.kind == "layer_norm" and row.reason.startswith(
+        "LayerNorm without parameters over 8 values, eps=1e-05 (eps)"), row
 
 
 # ------------------------------------------------------------------------------------------------- SwiGLU MLPs

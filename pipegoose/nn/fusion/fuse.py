@@ -9,6 +9,11 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   ``FusedRMSNorm`` (same ``weight``), Gemma's ``x_normed * (1 + weight)`` (``GemmaRMSNorm`` of Gemma, Gemma 2 and
   Gemma 3, its per-head ``q_norm`` / ``k_norm`` too, and copies such as Qwen3-Next's) with ``weight_offset=1.0``
   (the row's reason says "Gemma style");
+* every norm without parameters that computes RMSNorm or LayerNorm over the last dimension in fp32 with one rounding
+  to the input's dtype, found by a numerical probe (``transformers.matching.probe_weightless_norm``, which reads an
+  epsilon written in the forward from its output): Gemma 4's ``v_norm`` and its router's ``norm``
+  (``Gemma4RMSNorm(with_scale=False)``) -> ``FusedRMSNorm`` over the last dimension of each input, OLMo's
+  ``OlmoLayerNorm`` -> ``MixedFusedLayerNorm(elementwise_affine=False, output_in_input_dtype=True)``;
 * every module that computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``, found by a numerical probe
   (``transformers.matching.probe_swiglu_mlp``: transformers' ``LlamaMLP`` and its copies in Mistral, Qwen2, Qwen3, ...)
   -> ``FusedSwiGLUMLP`` (the same projection modules; the activation and product in one kernel, op ``swiglu``), and
@@ -308,6 +313,9 @@ class FusionReport:
         if any(f" @{_PROBE_SEQ}" in impl for r in self.rows if r.fused for impl in (r.forward, r.backward)):
             notes.append(f"@{_PROBE_SEQ}: the choice for a sequence length of {_PROBE_SEQ}; the dispatcher chooses "
                          "again for each input shape at run time (dispatch.stats() counts what ran)")
+        if any(f" @{_PROBE_WIDTH} wide" in impl for r in self.rows if r.fused for impl in (r.forward, r.backward)):
+            notes.append(f"@{_PROBE_WIDTH} wide: the choice for rows of {_PROBE_WIDTH} values (a norm of rows of any "
+                         "width); the dispatcher chooses again for each input shape at run time")
         if self.not_requested:
             found = ", ".join(f"{n} {kind}" for kind, n in sorted(self.not_requested.items()))
             notes.append(f"not in ops: {found} module(s) of a kind not asked for (ops= names the kinds to fuse; all "
@@ -445,13 +453,16 @@ def _first_param(module: nn.Module) -> torch.Tensor | None:
     return next(iter(module.parameters()), None)
 
 
-def _choice(op: str, module: nn.Module, build_inputs, impl: str | None = None):
+def _choice(op: str, module: nn.Module, build_inputs, impl: str | None = None, like: torch.Tensor | None = None):
     """The dispatcher's choice for this module's device and dtype (with the module's own ``impl`` request, if any), or
-    None where it cannot be told (a meta module, inputs the dispatcher cannot describe)."""
+    None where it cannot be told (a meta module, inputs the dispatcher cannot describe). A module without parameters
+    (a weightless norm) takes the device and dtype of ``like`` (the model's first parameter)."""
     try:
         from . import dispatch
 
         p = _first_param(module)
+        if p is None:
+            p = like
         device = p.device if p is not None else torch.device("cpu")
         dtype = p.dtype if p is not None and p.is_floating_point() else torch.float32
         if device.type == "meta":
@@ -464,15 +475,19 @@ def _choice(op: str, module: nn.Module, build_inputs, impl: str | None = None):
         return None
 
 
-def _impls(op: str, module: nn.Module, build_inputs, impl: str | None = None) -> tuple[str, str]:
+def _impls(op: str, module: nn.Module, build_inputs, impl: str | None = None, like: torch.Tensor | None = None,
+           any_width: bool = False) -> tuple[str, str]:
     """(forward, backward) implementation names the dispatcher would pick for this module's device and dtype (with the
-    module's own ``impl`` request, if any); "?" where that cannot be told."""
-    choice = _choice(op, module, build_inputs, impl)
+    module's own ``impl`` request, if any; ``like``: see :func:`_choice`); "?" where that cannot be told.
+    ``any_width``: a norm of rows of any width, whose choice is told for rows of :data:`_PROBE_WIDTH`."""
+    choice = _choice(op, module, build_inputs, impl, like)
     if choice is None:
         return "?", "?"
     name = choice.impl + (" (fallback)" if choice.fallback else "")
     if op.startswith("softmax"):
         name += f" @{_PROBE_SEQ}"
+    if any_width:
+        name += f" @{_PROBE_WIDTH} wide"
     return name, name
 
 
@@ -616,6 +631,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                 for m in mod.parametrizations.modules()}
 
     held: set[int] = set()          # rows of modules fused before this call: no record of this call for them
+    like = _first_param(model)      # the device and dtype of the report's choice for modules without parameters
     try:
         for parent_path, parent in list(model.named_modules()):
             for name, child in list(parent._modules.items()):
@@ -637,7 +653,8 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                             # (T5's: the kind of the op it runs)
                             _gated_kind(child) if isinstance(child, FusedT5DenseGatedActDense) else "layer_norm")
                     report.rows.append(FusionRow(path, kind, type(child).__name__, type(child).__name__, True,
-                                                 *_fused_impls(child), reason=_already_fused_reason(model, child)))
+                                                 *_fused_impls(child, like),
+                                                 reason=_already_fused_reason(model, child)))
                     held.add(id(report.rows[-1]))
                     _hold(state, report.rows[-1], path, lambda m: isinstance(m, fused_types))
                     continue
@@ -646,7 +663,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                     if row is not None:
                         report.rows.append(row)
                     continue
-                row, new = _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm)
+                row, new = _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like)
                 if row is None:
                     target = _rope.target(child)
                     if target is not None:   # an attention module that applies RoPE: hooked, not replaced
@@ -710,7 +727,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     kind = _bare_norm_kind(model) if not isinstance(model, fused_types) else None
     if kind in ops:
         # fuse() replaces submodules in their parents; the model itself has none to be replaced in
-        use = "FusedRMSNorm.from_module(model)" if kind == "rms_norm" else "MixedFusedLayerNorm.from_layer_norm(model)"
+        use = "FusedRMSNorm.from_module(model)" if kind == "rms_norm" else "MixedFusedLayerNorm.from_module(model)"
         report.rows.append(FusionRow("", kind, type(model).__name__, None, False, reason=(
             f"the model itself is the norm: fuse() replaces submodules in their parent; use {use} instead, or fuse a "
             "module that holds it")))
@@ -728,6 +745,9 @@ def _norm_kind_left_out(child: nn.Module, ops: tuple) -> str | None:
     eligible (for the report's ``not_requested``; classification only: no dispatcher choice, no kernel loaded)."""
     if isinstance(child, nn.LayerNorm):
         return "layer_norm" if "layer_norm" not in ops else None
+    if _weightless_leaf(child):
+        probe = matching.probe_weightless_norm(child)   # (a norm without parameters: OLMo's, Gemma 4's v_norm)
+        return probe.kind if probe.ok and probe.kind not in ops else None
     if "swiglu" not in ops or "geglu" not in ops:
         probe = matching.probe_swiglu_mlp(child)
         if probe.ok and _mlp_kind(probe) not in ops:
@@ -737,7 +757,7 @@ def _norm_kind_left_out(child: nn.Module, ops: tuple) -> str | None:
     return "rms_norm" if matching.probe_rms_norm(child).ok else None
 
 
-def _fused_impls(module: nn.Module) -> tuple[str, str]:
+def _fused_impls(module: nn.Module, like: torch.Tensor | None = None) -> tuple[str, str]:
     """(forward, backward) for a norm fused before this call, as :func:`_consider` gives them for a new one: what the
     dispatcher picks for it (the report showed "yes" there, also where the fallback runs; a walkthrough)."""
     from .modules import FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedRMSNorm, FusedSwiGLUMLP, FusedT5DenseGatedActDense
@@ -746,14 +766,15 @@ def _fused_impls(module: nn.Module) -> tuple[str, str]:
     if isinstance(module, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedT5DenseGatedActDense)):
         return _swiglu_impls(module, isinstance(module, FusedGateUpSwiGLUMLP), impl,
                              getattr(module, "approximate", None), module._PROJECTIONS[0])
-    shape = tuple(module.normalized_shape)
+    any_width = module.normalized_shape is None   # a FusedRMSNorm of the last dimension
+    shape = (_PROBE_WIDTH,) if any_width else tuple(module.normalized_shape)
     if isinstance(module, FusedRMSNorm):
         return _impls("rms_norm", module, lambda d, t: (
             torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape,
             _op_weight(module.weight, getattr(module, "weight_offset", 0.0)), module.eps, module.cast_before_weight),
-            impl)
+            impl, like, any_width)
     return _impls("layer_norm", module, lambda d, t: (
-        torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, module.weight, module.bias), impl)
+        torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, module.weight, module.bias), impl, like)
 
 
 def _already_fused_reason(model: nn.Module, module: nn.Module) -> str:
@@ -780,13 +801,17 @@ def _earlier_fuse_reason(model: nn.Module, root: nn.Module, kept: str) -> str:
 
 def _bare_norm_kind(model: nn.Module) -> str | None:
     """``layer_norm`` / ``rms_norm`` when ``model`` itself is a norm fuse() would replace inside a parent (a
-    ``torch.nn.LayerNorm``, ``torch.nn.RMSNorm``, or a module the RMSNorm probe accepts), else None."""
+    ``torch.nn.LayerNorm``, ``torch.nn.RMSNorm``, or a module the RMSNorm probe or the probe of norms without
+    parameters accepts), else None."""
     if isinstance(model, nn.LayerNorm):
         return "layer_norm"
     if isinstance(model, nn.RMSNorm):
         return "rms_norm"
-    if any(True for _ in model.children()) or not any(True for _ in model.parameters(recurse=False)):
+    if any(True for _ in model.children()):
         return None
+    if not any(True for _ in model.parameters(recurse=False)):
+        probe = matching.probe_weightless_norm(model)
+        return probe.kind if probe.ok else None
     return "rms_norm" if matching.probe_rms_norm(model).ok else None
 
 
@@ -942,8 +967,9 @@ def _computed_params(child: nn.Module) -> str | None:
     return None
 
 
-def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm):
-    """(row, replacement or None) for one module; (None, None) when it is not a candidate."""
+def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like=None):
+    """(row, replacement or None) for one module; (None, None) when it is not a candidate. ``like``: the model's first
+    parameter (the device and dtype of the report's choice for a norm without parameters)."""
     if isinstance(child, nn.LayerNorm):
         if "layer_norm" not in ops:
             return None, None
@@ -963,6 +989,8 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm):
         found = _consider_swiglu(child, path, ops, dry_run)
         if found is not None:
             return found
+    if _weightless_leaf(child):
+        return _consider_weightless(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like)
     if "rms_norm" not in ops:
         return None, None
     # torch.nn.RMSNorm, and parametrized norms (their parametrizations are children, which the probe takes for "not a
@@ -1002,6 +1030,51 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm):
     offset = f", weight_offset={probe.weight_offset}" if probe.weight_offset else ""
     return FusionRow(path, "rms_norm", type(child).__name__, "FusedRMSNorm", True, fwd, bwd,
                      f"RMSNorm ({probe.reason}), eps={probe.eps}{offset}{_small_note(child)}"), new
+
+
+def _weightless_leaf(child: nn.Module) -> bool:
+    """A leaf module without parameters, other than ``torch.nn.RMSNorm(elementwise_affine=False)`` (whose path is the
+    RMSNorm probe's): the probe of norms without parameters decides whether it is one."""
+    return (not isinstance(child, nn.RMSNorm) and not any(True for _ in child.parameters())
+            and not any(True for _ in child.children()))
+
+
+def _consider_weightless(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like):
+    """:func:`_consider` for a leaf module without parameters: a norm that the weightless probe accepts
+    (``matching.probe_weightless_norm``: Gemma 4's ``Gemma4RMSNorm(with_scale=False)``, OLMo's ``OlmoLayerNorm``) ->
+    ``FusedRMSNorm`` (of the last dimension where the module takes rows of any width) or ``MixedFusedLayerNorm``,
+    without weight, the output in the input's dtype; a norm-like one it refuses gets a skipped row (kind
+    ``layer_norm`` where the probe found that formula, else ``rms_norm``), not eligible."""
+    probe = matching.probe_weightless_norm(child)
+    if not probe.candidate:
+        return None, None
+    kind = probe.kind or "rms_norm"
+    if kind not in ops:
+        return None, None
+    if not probe.ok:
+        return FusionRow(path, kind, type(child).__name__, None, False, reason=probe.reason, eligible=False), None
+    why = _instance_override(child)
+    if why is not None:
+        return FusionRow(path, kind, type(child).__name__, None, False, reason=why), None
+    width = (probe.width,) if probe.width else None
+    shape = width or (_PROBE_WIDTH,)
+    if kind == "layer_norm":
+        new = None if dry_run else _build(path, child, MixedFusedLayerNorm, width, eps=probe.eps,
+                                          elementwise_affine=False, output_in_input_dtype=True)
+        fwd, bwd = _impls("layer_norm", child, lambda d, t: (
+            torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, None, None), like=like)
+        replacement = "MixedFusedLayerNorm"
+    else:
+        new = None if dry_run else _build(path, child, FusedRMSNorm, width, eps=probe.eps, elementwise_affine=False,
+                                          output_in_input_dtype=True)
+        fwd, bwd = _impls("rms_norm", child, lambda d, t: (
+            torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, None, probe.eps, False),
+            like=like, any_width=width is None)
+        replacement = "FusedRMSNorm"
+    if new is not None:
+        new.train(child.training)
+    return FusionRow(path, kind, type(child).__name__, replacement, True, fwd, bwd,
+                     f"{probe.reason}{_small_note(child, like)}"), new
 
 
 def _op_weight(weight: torch.Tensor | None, offset: float) -> torch.Tensor | None:
@@ -1597,6 +1670,7 @@ def _fuse_attention_of(model, owner, config, modules, attention, dry_run, report
 
 
 _PROBE_SEQ = 128
+_PROBE_WIDTH = 1024   # the report's rows for a norm of rows of any width (Gemma 4's v_norm)
 _PROBE_MAX_NUMEL = 1 << 24   # the report's probe inputs stay this small (64 MiB in fp32) whatever the settings
 
 
@@ -1611,13 +1685,16 @@ def _probe_rows(shape: tuple[int, ...]) -> int:
     return max(2, min(-(-dispatch.small_numel() // h), -(-_PROBE_MAX_NUMEL // h)))
 
 
-def _small_note(module: nn.Module) -> str:
-    """The small-problem rule, for the reason column: only where it applies (fused kernels run on CUDA)."""
+def _small_note(module: nn.Module, like: torch.Tensor | None = None) -> str:
+    """The small-problem rule, for the reason column: only where it applies (fused kernels run on CUDA). ``like``:
+    see :func:`_choice`."""
     from . import dispatch
 
     from .ops import _common
 
     p = _first_param(module)
+    if p is None:
+        p = like
     if p is None or not _common.on_kernel_device(p):
         return ""
     n = dispatch.small_numel()

@@ -278,6 +278,17 @@ def _as_input_error(e: Exception) -> Exception:
     return type(e)("input" + msg[1:].replace("e.g. x.to(", "e.g. input.to(")) if msg.startswith("x:") else e
 
 
+def _last_dim(input: Any) -> tuple[int]:
+    """The normalized shape of a norm over the last dimension of ``input`` (a FusedRMSNorm built without one):
+    ``(input.shape[-1],)``. TypeError where ``input`` is not a tensor, ValueError where it is 0-d."""
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input: expected a torch.Tensor, got {type(input).__name__}")
+    if input.dim() < 1:
+        raise ValueError("input: expected a tensor of at least 1 dimension (a norm without normalized_shape "
+                         "normalizes the last one), got a 0-d tensor")
+    return (input.shape[-1],)
+
+
 def _ln_shape(normalized_shape: Any, name: str = "normalized_shape") -> tuple[int, ...]:
     """A module's normalized shape as a tuple of ints: an integer of any kind (a numpy one too, as torch.nn.LayerNorm
     takes) or a sequence of them, each >= 0, as the functional ops check it (a bool is not a size). TypeError or
@@ -303,14 +314,16 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
     dtype than the input (e.g. fp32 weights with bf16 activations), output dtype as ``nn.LayerNorm``'s.
 
     Args: as ``torch.nn.LayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None,
-    dtype=None)``; ``impl``: force an implementation (``pipegoose``, ``apex``, ``torch``), default auto.
+    dtype=None)``; ``impl``: force an implementation (``pipegoose``, ``apex``, ``torch``), default auto;
+    ``output_in_input_dtype`` (default False): the output in the input's dtype, under CUDA autocast too, where
+    ``torch.nn.LayerNorm``'s is fp32 (OLMo's ``OlmoLayerNorm``, which normalizes in fp32 and casts back).
     ``normalized_shape``: an integer or a sequence of integers, each >= 0 (stored as a tuple of ints; a 0, as
     ``nn.LayerNorm`` takes it, gives empty outputs). ``eps``: what :func:`~pipegoose.nn.fusion.functional.layer_norm`
     takes (a bool, int, float, numpy scalar or 0-d tensor, finite and >= 0).
 
     Raises (when constructed, not at the first forward):
         TypeError: ``normalized_shape`` not an integer or a sequence of them, ``eps`` not a number, ``impl`` not a
-            str or None.
+            str or None, ``output_in_input_dtype`` not a bool.
         ValueError: a negative size or no dimension, ``eps`` negative or not finite, ``impl`` naming no
             implementation of ``layer_norm`` (names are read in any case, as ``PIPEGOOSE_IMPL_*`` values are).
 
@@ -322,12 +335,17 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
     """
 
     def __init__(self, normalized_shape: int | Sequence[int], eps: float = 1e-5, elementwise_affine: bool = True,
-                 bias: bool = True, device=None, dtype=None, *, impl: str | None = None) -> None:
+                 bias: bool = True, device=None, dtype=None, *, impl: str | None = None,
+                 output_in_input_dtype: bool = False) -> None:
         shape = _ln_shape(normalized_shape)
         _check_module_args("layer_norm", eps, impl)
+        if not isinstance(output_in_input_dtype, bool):
+            raise TypeError(f"output_in_input_dtype: expected a bool, got {type(output_in_input_dtype).__name__}")
         super().__init__(shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias,
                          device=device, dtype=dtype)
         self.impl = impl
+        if output_in_input_dtype:   # (absent: False; so a module pickled before the flag existed reads the same)
+            self.output_in_input_dtype = True
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias  # once each: a module attribute lookup costs ~0.6 us of host time
@@ -338,11 +356,70 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
             dispatch.record(_SMALL_CHOICE["layer_norm"])
             # the ATen op F.layer_norm calls (it handles __torch_function__ itself; its last argument, cudnn_enable, is
             # unused): F.layer_norm's Python layer costs ~0.5 us more per call
-            return torch.layer_norm(input, self.normalized_shape, w, b, self.eps, True)
-        try:
-            return PF.layer_norm(input, self.normalized_shape, w, b, self.eps, impl=self.impl)
-        except (TypeError, ValueError) as e:
-            raise _as_input_error(e) from None
+            y = torch.layer_norm(input, self.normalized_shape, w, b, self.eps, True)
+        else:
+            try:
+                y = PF.layer_norm(input, self.normalized_shape, w, b, self.eps, impl=self.impl)
+            except (TypeError, ValueError) as e:
+                raise _as_input_error(e) from None
+        if y.dtype != input.dtype and self.__dict__.get("output_in_input_dtype", False):
+            return y.to(input.dtype)   # under autocast F.layer_norm's rule gives fp32; OLMo's is the input's
+        return y
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", output_in_input_dtype=True"
+                                       if self.__dict__.get("output_in_input_dtype", False) else "")
+
+    @classmethod
+    def from_module(cls, module: nn.Module, *, impl: str | None = None, verify: bool = True) -> "FusedLayerNorm":
+        """A fused module for ``module``: a ``torch.nn.LayerNorm`` (:meth:`from_layer_norm`: its parameter objects
+        shared), or a LayerNorm without parameters such as OLMo's ``OlmoLayerNorm`` (``F.layer_norm`` of the input in
+        fp32 without weight and bias, cast back to the input's dtype): ``elementwise_affine=False``,
+        ``output_in_input_dtype=True``, the width and epsilon that ``transformers.matching.probe_weightless_norm``
+        finds (OLMo's epsilon, a literal in its forward, is read from its output).
+
+        ``verify`` (default True) runs that probe; ``verify=False`` takes the module's ``normalized_shape`` (one
+        size) and its epsilon attribute (``variance_epsilon``, ``eps``, ``epsilon``) on the caller's word.
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.Module``, or has parameters and is not a ``torch.nn.LayerNorm``, or
+                does not look like a norm (no ``norm`` in its class name and no epsilon attribute).
+            ValueError: the probe refuses it (its reason is given: an RMSNorm, a norm of rows of any width, another
+                rounding); with ``verify=False``, no ``normalized_shape`` of one size or no epsilon attribute.
+            What the constructor raises for the epsilon and ``impl``.
+        """
+        if isinstance(module, nn.LayerNorm):
+            return cls.from_layer_norm(module, impl=impl)
+        if not isinstance(module, nn.Module) or any(True for _ in module.parameters()):
+            raise TypeError(f"module: expected a torch.nn.LayerNorm or a LayerNorm without parameters, got "
+                            f"{type(module).__name__}" + (" with parameters" if isinstance(module, nn.Module) else ""))
+        from .transformers.matching import eps_of, probe_weightless_norm
+
+        name = type(module).__name__
+        if verify:
+            probe = probe_weightless_norm(module)
+            if not probe.candidate:
+                raise TypeError(f"module: expected a torch.nn.LayerNorm or a LayerNorm without parameters (a norm's "
+                                f"name or epsilon attribute), got {name}")
+            if not probe.ok or probe.kind != "layer_norm":
+                why = probe.reason if not probe.ok else "it computes RMSNorm (FusedRMSNorm.from_module)"
+                raise ValueError(f"module: {name} does not pass the probe of norms without parameters: {why}; "
+                                 "verify=False takes the module on the caller's word")
+            shape, eps = (probe.width,), probe.eps
+        else:
+            shape = getattr(module, "normalized_shape", None)
+            if isinstance(shape, int) and not isinstance(shape, bool):
+                shape = (shape,)
+            if not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 1:
+                raise ValueError(f"module: {name} has no normalized_shape of one size (got {shape!r})")
+            eps_name, eps, eps_error = eps_of(module)
+            if eps_error is not None:
+                raise type(eps_error)(f"{name}.{eps_error}")
+            if eps_name is None:
+                raise ValueError(f"module: {name} has no epsilon attribute; verify=True reads it from its output")
+        new = cls(shape, eps=eps, elementwise_affine=False, impl=impl, output_in_input_dtype=True)
+        new.train(module.training)
+        return new
 
     @classmethod
     def from_layer_norm(cls, module: nn.LayerNorm, *, impl: str | None = None) -> "FusedLayerNorm":
@@ -373,7 +450,9 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
     """RMSNorm module over :func:`pipegoose.nn.fusion.functional.rms_norm`.
 
     Args:
-        normalized_shape (or ``hidden_size``): int or shape of the trailing dims.
+        normalized_shape (or ``hidden_size``): int or shape of the trailing dims. Neither, with
+            ``elementwise_affine=False``: the last dimension of each input, whatever its size (the weightless norms of
+            transformers that store no width: Gemma 4's ``v_norm``, ``Gemma4RMSNorm(with_scale=False)``).
         eps: None -> F.rms_norm's default (fp32 machine epsilon for fp16/bf16/fp32 input), as torch.nn.RMSNorm.
         elementwise_affine: learnable ``weight`` (ones) if True.
         cast_before_weight: False: ``torch.nn.RMSNorm`` numerics; True: transformers' LlamaRMSNorm numerics
@@ -397,12 +476,13 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         device, dtype: of the weight.
         impl: force an implementation (``pipegoose``, ``torch``; any case), default auto.
 
-    ``forward(input [..., *normalized_shape])`` returns a tensor of the input's shape (dtype: by the rounding flags
-    above). Parameters/state_dict: ``weight`` (as torch.nn.RMSNorm and LlamaRMSNorm). Kernel: pipegoose/rms_norm (MIT;
+    ``forward(input [..., *normalized_shape])`` (without ``normalized_shape``: ``input [..., d]``, any ``d``, at least
+    one dimension) returns a tensor of the input's shape (dtype: by the rounding flags above). Parameters/state_dict: ``weight`` (as torch.nn.RMSNorm and LlamaRMSNorm). Kernel: pipegoose/rms_norm (MIT;
     this repository's pipegoose/kernels/csrc/rms_norm.cu and norm_kernels.cuh).
 
     Raises (when constructed, not at the first forward):
-        TypeError: both or neither of ``normalized_shape`` / ``hidden_size``; the one given not an integer or a
+        TypeError: both of ``normalized_shape`` / ``hidden_size``, or neither with ``elementwise_affine=True``; the one
+            given not an integer or a
             sequence of them; ``eps`` not a number or None (a bool, int, float, numpy scalar or 0-d tensor, as
             :func:`~pipegoose.nn.fusion.functional.rms_norm` takes); ``cast_before_weight``,
             ``output_in_weight_dtype`` or ``output_in_input_dtype`` not a bool; ``impl`` not a str or None;
@@ -419,9 +499,12 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
                  device=None, dtype=None, impl: str | None = None) -> None:
         super().__init__()
         self.output_in_weight_dtype = output_in_weight_dtype
-        if (normalized_shape is None) == (hidden_size is None):
-            raise TypeError("normalized_shape / hidden_size: give exactly one")
-        if normalized_shape is not None:
+        if normalized_shape is None and hidden_size is None and elementwise_affine is False:
+            self.normalized_shape = None   # the last dimension of each input (see the class)
+        elif (normalized_shape is None) == (hidden_size is None):
+            raise TypeError("normalized_shape / hidden_size: give exactly one (or neither with "
+                            "elementwise_affine=False: the last dimension of each input)")
+        elif normalized_shape is not None:
             self.normalized_shape = _ln_shape(normalized_shape)
         else:
             self.normalized_shape = _ln_shape(hidden_size, "hidden_size")
@@ -480,25 +563,28 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         w = self.weight  # once: a module attribute lookup costs ~0.6 us of host time
+        shape = self.normalized_shape
+        if shape is None:   # the last dimension of each input
+            shape = _last_dim(input)
         # (the property's storage read directly; a module pickled before the field existed has none: 0.0)
         offset = self.__dict__.get("weight_offset", 0.0)
         if offset:
             # (the rule again: output_in_input_dtype or the weight changed after the offset was set; a review)
             _check_offset_rule(offset, self.output_in_input_dtype, w is not None)
-            return self._offset_forward(input, w)
+            return self._offset_forward(input, w, shape)
         if self.output_in_weight_dtype:
             try:
-                return self._t5_forward(input, w)
+                return self._t5_forward(input, w, shape)
             except (TypeError, ValueError) as e:
                 raise _as_input_error(e) from None
         if (not self.cast_before_weight
-                and _small_native("rms_norm", self.impl, input, self.normalized_shape, self.eps)
+                and _small_native("rms_norm", self.impl, input, shape, self.eps)
                 and (w is None or w.dtype == input.dtype)):
             dispatch.record(_SMALL_CHOICE["rms_norm"])  # see FusedLayerNorm.forward
-            y = torch.rms_norm(input, self.normalized_shape, w, self.eps)
+            y = torch.rms_norm(input, shape, w, self.eps)
         else:
             try:
-                y = PF.rms_norm(input, self.normalized_shape, w, self.eps, cast_before_weight=self.cast_before_weight,
+                y = PF.rms_norm(input, shape, w, self.eps, cast_before_weight=self.cast_before_weight,
                                 impl=self.impl)
             except (TypeError, ValueError) as e:
                 raise _as_input_error(e) from None
@@ -506,13 +592,12 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
             return y.to(input.dtype)  # under autocast F.rms_norm's rule can give fp32; OLMo-2's is the input's
         return y
 
-    def _offset_forward(self, input: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _offset_forward(self, input: torch.Tensor, w: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         # Gemma: normalised(x) * (offset + weight) in fp32, rounded once to the input's dtype. The op takes input and
         # weight of independent dtypes (so does its kernel), so it gets the fp32 sum as its weight and does the rest
         # in one pass; the sum is a weight-sized op whose backward hands the weight's gradient back in its dtype.
         # (An fp64 weight stays fp64: rounding it to fp32 would lose what the caller keeps it for)
         wo = (w if w.dtype == torch.float64 else w.float()) + self.weight_offset
-        shape = self.normalized_shape
         if _small_native("rms_norm", self.impl, input, shape, self.eps) and wo.dtype == input.dtype:
             dispatch.record(_SMALL_CHOICE["rms_norm"])  # see FusedLayerNorm.forward
             return torch.rms_norm(input, shape, wo, self.eps)
@@ -523,22 +608,22 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         # F.rms_norm's rule gives the input's dtype here, but fp32 under autocast where PyTorch lists rms_norm
         return y if y.dtype == input.dtype else y.to(input.dtype)
 
-    def _t5_forward(self, input: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    def _t5_forward(self, input: torch.Tensor, w: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
         # T5LayerNorm: the normalised input in fp32 (or fp64); with a half weight rounded to the weight's dtype and
         # multiplied in it (two roundings), else multiplied by the weight as F.rms_norm does (one rounding).
         # The input is checked before it is cast (an integer one was cast to fp32 and normalised; a review)
         _common.check_float_tensor(input)
         if w is not None and w.dtype in _HALF:
             if input.dtype == w.dtype:  # LlamaRMSNorm's numerics are T5's here, in one kernel
-                return PF.rms_norm(input, self.normalized_shape, w, self.eps, cast_before_weight=True,
+                return PF.rms_norm(input, shape, w, self.eps, cast_before_weight=True,
                                    impl=self.impl)
             h = PF.rms_norm(input if input.dtype in (torch.float32, torch.float64) else input.float(),
-                            self.normalized_shape, None, self.eps, cast_before_weight=False, impl=self.impl)
+                            shape, None, self.eps, cast_before_weight=False, impl=self.impl)
             return w * h.to(w.dtype)
         if w is not None and w.dtype != input.dtype:  # fp32 weight: T5 returns promote(input, weight)
             dt = torch.promote_types(input.dtype, w.dtype)
             input = input.to(dt)
-        return PF.rms_norm(input, self.normalized_shape, w, self.eps, cast_before_weight=False, impl=self.impl)
+        return PF.rms_norm(input, shape, w, self.eps, cast_before_weight=False, impl=self.impl)
 
     def extra_repr(self) -> str:
         return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
@@ -598,6 +683,9 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
                 raise ValueError(f"weight_offset: torch.nn.RMSNorm computes x_normed * weight (offset 0.0), got "
                                  f"{weight_offset}; verify=False takes it")
             shape, cast, mod_eps = tuple(module.normalized_shape), False, module.eps
+        elif not any(True for _ in module.parameters()):
+            shape, mod_eps, output_in_input_dtype = _weightless_rms_style(module, eps, verify, output_in_input_dtype)
+            cast = False
         else:
             own = [n for n, _ in module.named_parameters(recurse=False)]
             if not isinstance(w, nn.Parameter) or w.dim() < 1 or own != ["weight"]:
@@ -1162,6 +1250,45 @@ def _check_offset_rule(offset: float, output_in_input_dtype: bool, has_weight: b
                          "rounding to the input's dtype)")
     if offset and not has_weight:
         raise ValueError(f"weight_offset: {offset} needs a weight (elementwise_affine=True)")
+
+
+def _weightless_rms_style(module: nn.Module, eps: float | None, verify: bool,
+                          output_in_input_dtype: bool | None) -> tuple[tuple[int, ...] | None, float | None, bool]:
+    """FusedRMSNorm.from_module for a module without parameters (Gemma 4's ``Gemma4RMSNorm(with_scale=False)``):
+    its normalized shape (None: the last dimension of each input), epsilon and ``output_in_input_dtype`` (True unless
+    given: the fused module returns the input's dtype, under autocast too). With ``verify`` the module must pass
+    ``transformers.matching.probe_weightless_norm`` as an RMSNorm (which also reads an epsilon it does not name);
+    without, the width is its ``normalized_shape`` where it has one of one size, and the epsilon its attribute or
+    ``eps``. TypeError for a module that does not look like a norm (no ``norm`` in its class name and no epsilon
+    attribute), ValueError where the probe refuses it or no epsilon is known."""
+    from .transformers.matching import EPS_ATTRIBUTES, eps_of, probe_weightless_norm
+
+    name = type(module).__name__
+    if isinstance(getattr(module, "weight", None), torch.Tensor):   # (set by a hook: the fused module would drop it)
+        raise TypeError(f"module: {name}'s 'weight' is a plain tensor, not a Parameter: the fused module shares "
+                        "Parameters")
+    if output_in_input_dtype is None:
+        output_in_input_dtype = True
+    eps_name, mod_eps, eps_error = eps_of(module)
+    if verify:
+        probe = probe_weightless_norm(module)
+        if not probe.candidate:
+            raise TypeError(f"module: expected torch.nn.RMSNorm or an RMSNorm-style module (one 'weight', or none and "
+                            f"a norm's name or epsilon attribute), got {name} without parameters")
+        if not probe.ok or probe.kind != "rms_norm":
+            why = probe.reason if not probe.ok else "it computes LayerNorm (x - mean) * rsqrt(var + eps)"
+            raise ValueError(f"module: {name} does not pass the probe of norms without parameters: {why}; "
+                             "verify=False takes the module on the caller's word")
+        return ((probe.width,) if probe.width else None), probe.eps, output_in_input_dtype
+    if eps is None and eps_name is None:
+        raise ValueError(f"eps: {name} has no {', '.join(map(repr, EPS_ATTRIBUTES))}; pass eps=")
+    if eps is None and eps_error is not None:
+        raise type(eps_error)(f"{name}.{eps_error}; pass eps= to use another")
+    shape = getattr(module, "normalized_shape", None)
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    ok = isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1
+    return (_ln_shape(shape) if ok else None), mod_eps, output_in_input_dtype
 
 
 def _verify_rms_style(module: nn.Module, output_in_weight_dtype: bool | None, output_in_input_dtype: bool | None,

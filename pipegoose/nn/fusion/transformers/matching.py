@@ -444,6 +444,186 @@ def _gemma_rounding(stand_in: nn.Module, pname: str, x: torch.Tensor, w: torch.T
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# Norms without parameters
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WeightlessNormProbe:
+    """Result of :func:`probe_weightless_norm`: ``ok`` with the ``kind`` (``rms_norm`` or ``layer_norm``), ``eps``
+    and ``width`` (the size of the last dimension it normalizes; None: rows of any width), or not ``ok`` with the
+    ``reason`` (``kind`` then the kind it looked like, where the probe got that far, else None). ``eps_attr`` names
+    the attribute ``eps`` was read from, None where the probe measured it (OLMo's LayerNorm has its 1e-5 in its
+    forward). ``candidate``: whether the module looked like a norm at all (worth a row in the report)."""
+
+    ok: bool
+    kind: str | None
+    eps: float | None
+    width: int | None
+    reason: str
+    candidate: bool
+    eps_attr: str | None = None
+
+
+# the scales (mean square, or variance) at which the probe reads an epsilon that the module does not name from its
+# output: the first at which it shows (more than 1e-3 of the scale) is used; below the last, eps is taken as 0
+_EPS_SCALES = (1e-8, 1e-16, 1e-24)
+
+
+def _weightless_ref(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
+    """The float64 formula of a norm of ``kind`` without parameters over the last dimension of ``x``."""
+    xd = x.double()
+    if kind == "layer_norm":
+        xd = xd - xd.mean(-1, keepdim=True)
+    return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _proportional(y: torch.Tensor, x: torch.Tensor, kind: str) -> bool:
+    """Whether each row of ``y`` is a positive multiple of the row of ``x`` (centred for a LayerNorm), whatever the
+    multiple: the formula of ``kind`` up to its epsilon, which the probe checks afterwards."""
+    c = x.double() - x.double().mean(-1, keepdim=True) if kind == "layer_norm" else x.double()
+    yd = y.double()
+    s = (yd * c).sum(-1, keepdim=True) / c.pow(2).sum(-1, keepdim=True)
+    return bool((s > 0).all()) and torch.allclose(yd, s * c, atol=1e-5, rtol=1e-4)
+
+
+def _measured_eps(stand_in: nn.Module, x: torch.Tensor, kind: str) -> float | None:
+    """The epsilon ``stand_in`` (a norm of ``kind`` without parameters) adds to the mean square (the variance),
+    read from its fp32 output on ``x`` scaled down to the statistics :data:`_EPS_SCALES`: the output is ``c /
+    sqrt(v + eps)`` (``c`` the input, centred for a LayerNorm; ``v`` its statistic), so the least-squares scale ``s``
+    of the output on ``c`` gives ``eps = 1 / s**2 - v``, to about 1e-6 of eps where eps is far above ``v``. It is
+    rounded to three significant digits where that is within 1e-4 of it (1e-05, 1e-06) and kept as read otherwise
+    (torch's fp32 machine epsilon, say); the formula with it is checked afterwards. None where a forward fails."""
+    c = x.double() - x.double().mean(-1, keepdim=True) if kind == "layer_norm" else x.double()
+    for v in _EPS_SCALES:
+        xs = (x.double() * math.sqrt(v) / c.pow(2).mean(-1, keepdim=True).sqrt()).float()
+        try:
+            with torch.no_grad():
+                y = stand_in.forward(xs)
+        except Exception:  # noqa: BLE001 - the caller reports a failed forward
+            return None
+        if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+            return None
+        cs = xs.double() - xs.double().mean(-1, keepdim=True) if kind == "layer_norm" else xs.double()
+        vs = cs.pow(2).mean(-1)
+        s = (y.double() * cs).sum(-1) / cs.pow(2).sum(-1)
+        eps = float((1.0 / s.pow(2) - vs).median())
+        if eps > 1e-3 * v:
+            rounded = float(f"{eps:.3g}")
+            return rounded if abs(rounded - eps) <= 1e-4 * eps else eps
+    return 0.0
+
+
+@probe_isolated
+def probe_weightless_norm(module: nn.Module) -> WeightlessNormProbe:
+    """Check numerically whether ``module``, a leaf module without parameters or buffers whose class name says
+    ``norm`` (or that has an epsilon attribute, :data:`EPS_ATTRIBUTES`), computes RMSNorm (``x * rsqrt(mean(x^2) + eps)``: Gemma 4's ``v_norm`` and its router's ``norm``,
+    ``Gemma4RMSNorm(with_scale=False)``) or LayerNorm (``(x - mean) * rsqrt(var + eps)``: OLMo's ``OlmoLayerNorm``)
+    over its last dimension, in fp32 with one rounding to the input's dtype (the output in the input's dtype, as both
+    return it).
+
+    ``eps`` is the module's epsilon attribute (:data:`EPS_ATTRIBUTES`) where it has one, else read from its output
+    (OLMo's 1e-5 is a literal in its forward: :func:`_measured_eps`); either way the formula with it is then checked on
+    inputs whose statistic is near eps. ``width``: the module's ``normalized_shape`` (one size) where it has one and
+    refuses rows of another width, else None: the module normalizes rows of any width (Gemma 4's stores none).
+
+    The module itself is not run: a shallow stand-in sharing its class and attributes is, through ``forward``, on
+    fp32 and bf16 CPU inputs (so its hooks do not fire). Never raises: a forward that fails means "not a norm".
+    """
+    candidate = "norm" in type(module).__name__.lower() or eps_attribute(module) is not None
+    if (not candidate or any(True for _ in module.children())
+            or isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase))):
+        return WeightlessNormProbe(False, None, None, None, "not a leaf norm of its own class", False)
+    if list(module.parameters(recurse=False)) or list(module.buffers(recurse=False)):
+        return WeightlessNormProbe(False, None, None, None, "has parameters or buffers", candidate)
+    extra = _extra_forward_arguments(type(module))
+    if extra:
+        return WeightlessNormProbe(False, None, None, None, f"forward takes more than the input ({', '.join(extra)}): "
+                                   "the fused norms take the input alone", candidate)
+
+    def refuse(reason: str, kind: str | None = None) -> WeightlessNormProbe:
+        return WeightlessNormProbe(False, kind, None, None, reason, candidate)
+
+    shape = getattr(module, "normalized_shape", None)
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    width = None
+    if isinstance(shape, (tuple, list, torch.Size)):
+        if len(shape) != 1 or not isinstance(shape[0], int) or isinstance(shape[0], bool) or shape[0] < 2:
+            return refuse(f"normalized_shape is {tuple(shape)}: the probe takes one size of 2 or more")
+        width = int(shape[0])
+    n = width or 24
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(2, 3, n, generator=gen, dtype=torch.float32) + 0.5   # nonzero mean: LayerNorm and RMSNorm differ
+    stand_in = object.__new__(type(module))
+    stand_in.__dict__.update(module.__dict__)
+    for attr in ("forward", "_hf_hook", "_old_forward"):   # the class's computation (see _probe_rms_norm)
+        stand_in.__dict__.pop(attr, None)
+    y = _forward_or_failure(stand_in, x, "", candidate)
+    if isinstance(y, RMSNormProbe):
+        return refuse(y.reason)
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != x.dtype:
+        return refuse("probe output is not a tensor of the input's shape and dtype")
+    kind = next((k for k in ("rms_norm", "layer_norm") if _proportional(y, x, k)), None)
+    if kind is None:
+        return refuse("output is neither x * rsqrt(mean(x^2) + eps) (RMSNorm) nor (x - mean) * rsqrt(var + eps) "
+                      "(LayerNorm) over the last dimension")
+    eps_name, eps, bad_eps = eps_of(module)
+    if bad_eps is not None:
+        return refuse(f"{bad_eps}", kind)
+    if eps_name is None:
+        eps = _measured_eps(stand_in, x, kind)
+        if eps is None:
+            return refuse("probe forward on a small input failed", kind)
+    where = f"its {eps_name}" if eps_name else "read from its output"
+    if not torch.allclose(y.double(), _weightless_ref(x, kind, eps), atol=1e-5, rtol=1e-4):
+        err = (y.double() - _weightless_ref(x, kind, eps)).abs().max().item()
+        return refuse(f"output differs from the formula with eps={eps:g} ({where}; max abs diff {err:.3g})", kind)
+    # eps at work: inputs whose statistic is near eps (see _probe_rms_norm)
+    c = x - x.mean(-1, keepdim=True) if kind == "layer_norm" else x
+    for stat in ((eps, 0.1 * eps) if eps > 0 else (1e-6, 1e-12, 1e-18)):
+        xs = x * torch.sqrt(stat / c.pow(2).mean(-1, keepdim=True))
+        ys = _forward_or_failure(stand_in, xs, "on a small input", candidate)
+        if isinstance(ys, RMSNormProbe):
+            return refuse(ys.reason, kind)
+        if (not isinstance(ys, torch.Tensor) or ys.shape != x.shape
+                or not torch.allclose(ys.double(), _weightless_ref(xs, kind, eps), atol=1e-5, rtol=1e-3)):
+            return refuse(f"output differs from the formula with eps={eps:g} ({where}) on inputs whose statistic is "
+                          f"{stat:.3g}: eps is used otherwise", kind)
+    # the width: rows of another one are refused by a module of one width, and normalized over by one of any
+    x2 = torch.randn(2, n + 5, generator=gen, dtype=torch.float32) + 0.5
+    try:
+        with torch.no_grad():
+            y2 = stand_in.forward(x2)
+    except Exception:  # noqa: BLE001 - a module of one width
+        if width is None:
+            return refuse(f"refuses rows of {n + 5} values and names no width (normalized_shape)", kind)
+    else:
+        if not isinstance(y2, torch.Tensor) or y2.shape != x2.shape or not torch.allclose(
+                y2.double(), _weightless_ref(x2, kind, eps), atol=1e-5, rtol=1e-4):
+            return refuse(f"on rows of {n + 5} values its output is not the formula over the last dimension", kind)
+        width = None
+    if kind == "layer_norm" and width is None:
+        return refuse("normalizes rows of any width: FusedLayerNorm takes one (normalized_shape)", kind)
+    # the rounding: fp32 math, one rounding to the input's dtype, the output in it
+    x16 = x.to(torch.bfloat16)
+    y16 = _forward_or_failure(stand_in, x16, "in bf16", candidate)
+    if isinstance(y16, RMSNormProbe):
+        return refuse(y16.reason, kind)
+    if not isinstance(y16, torch.Tensor) or y16.shape != x.shape or y16.dtype != torch.bfloat16:
+        return refuse("with a bf16 input its output is not a bf16 tensor of the input's shape (the fused norms "
+                      "return the input's dtype)", kind)
+    once = _weightless_ref(x16, kind, eps).to(torch.bfloat16)
+    off = int((y16 != once).sum())
+    if off > max(1, y16.numel() // 64):
+        return refuse(f"with a bf16 input its output differs from the fp32 formula rounded once to bf16 in {off} of "
+                      f"{y16.numel()} elements: the fused norms would round it otherwise", kind)
+    what = "RMSNorm" if kind == "rms_norm" else "LayerNorm"
+    read = f"eps={eps:g} ({eps_name})" if eps_name else f"eps={eps:g} (read from its output)"
+    over = f"over {width} values" if width else "over the last dimension of any width"
+    return WeightlessNormProbe(True, kind, eps, width, f"{what} without parameters {over}, {read}; one rounding, "
+                               "output in the input's dtype", True, eps_name)
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # SwiGLU MLP probe
 # --------------------------------------------------------------------------------------------------------------------
 SWIGLU_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

@@ -1,0 +1,380 @@
+"""Norms without parameters: OLMo's ``OlmoLayerNorm`` (``F.layer_norm`` of the input in fp32, no weight or bias, eps
+1e-5 written in its forward) and Gemma 4's ``Gemma4RMSNorm(with_scale=False)`` (its attention's ``v_norm`` and its
+router's ``norm``: no width stored). ``transformers.matching.probe_weightless_norm`` tells them apart and reads their
+epsilon; ``fuse`` replaces them with ``MixedFusedLayerNorm(elementwise_affine=False, output_in_input_dtype=True)`` and
+``FusedRMSNorm`` over the last dimension of each input. The CPU tests compare with the modules themselves (the fused
+modules' CPU path is PyTorch's op); the ``cuda`` tests run the kernels against float64.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers as tr
+from torch import nn
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from pipegoose.nn.fusion import dispatch
+from pipegoose.nn.fusion.fuse import fuse, unfuse
+from pipegoose.nn.fusion.modules import FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm
+from pipegoose.nn.fusion.transformers.matching import probe_weightless_norm
+from tolerances import TOLERANCES, tol
+
+from . import models
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+# ------------------------------------------------------------------------------------------ modules of the tests
+class LiteralEpsRMSNorm(nn.Module):
+    """An RMSNorm without parameters whose epsilon is a literal of its forward (none as an attribute)."""
+
+    def __init__(self, eps):
+        super().__init__()
+        self._e = eps   # (not an epsilon attribute's name: the probe must read it from the output)
+
+    def forward(self, x):
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self._e)).type_as(x)
+
+
+class AttrLayerNorm(nn.Module):
+    """OLMo's LayerNorm with its width and epsilon as attributes; ``used`` the epsilon its forward adds."""
+
+    def __init__(self, n, eps=1e-5, used=None):
+        super().__init__()
+        self.normalized_shape, self.eps, self.used = (n,), eps, eps if used is None else used
+
+    def forward(self, x):
+        return nn.functional.layer_norm(x.float(), self.normalized_shape, None, None, self.used).to(x.dtype)
+
+
+class AnyWidthLayerNorm(nn.Module):
+    def forward(self, x):
+        return nn.functional.layer_norm(x.float(), x.shape[-1:], None, None, 1e-5).to(x.dtype)
+
+
+class UnbiasedNorm(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.normalized_shape = (n,)
+
+    def forward(self, x):
+        h = x.float()
+        return ((h - h.mean(-1, keepdim=True)) / torch.sqrt(h.var(-1, keepdim=True) + 1e-5)).to(x.dtype)
+
+
+class Fp32OutRMSNorm(nn.Module):
+    variance_epsilon = 1e-6
+
+    def forward(self, x):
+        h = x.float()
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+
+class HalfMathRMSNorm(nn.Module):
+    variance_epsilon = 1e-6
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+
+class GatedNorm(nn.Module):
+    eps = 1e-6
+
+    def forward(self, x, gate=None):
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class BufferNorm(nn.Module):
+    eps = 1e-6
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x):
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale).to(x.dtype)
+
+
+def _olmo(layers=2, hidden=64):
+    if "olmo" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no olmo")
+    torch.manual_seed(0)
+    cfg = tr.OlmoConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
+                        num_hidden_layers=layers, vocab_size=models.VOCAB, max_position_embeddings=64,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return tr.OlmoForCausalLM(cfg).eval()
+
+
+def _gemma4(hidden=32, head_dim=8):
+    if "gemma4_text" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no gemma4_text")
+    torch.manual_seed(0)
+    cfg = tr.AutoConfig.for_model(
+        "gemma4_text", hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=head_dim, vocab_size=models.VOCAB, max_position_embeddings=64, intermediate_size=2 * hidden,
+        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=48,
+        vocab_size_per_layer_input=models.VOCAB, hidden_size_per_layer_input=8,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return tr.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _weightless(model):
+    return {p: m for p, m in model.named_modules() if type(m).__name__ in ("OlmoLayerNorm", "Gemma4RMSNorm")
+            and not any(True for _ in m.parameters())}
+
+
+def _step(model, dtype=torch.float32, device="cpu"):
+    ids = torch.randint(3, models.VOCAB, (2, 12), generator=torch.Generator().manual_seed(4)).to(device)
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# ------------------------------------------------------------------------------------------------------ probe
+@pytest.mark.parametrize("eps", [1e-5, 1e-6, 1e-12, 0.0, torch.finfo(torch.float32).eps])
+def test_probe_reads_an_epsilon_written_in_the_forward(eps):
+    """The epsilon a forward adds without naming it is read from its output (to three significant digits where it has
+    no more, else as read, torch's fp32 machine epsilon say), and the formula with it is checked."""
+    p = probe_weightless_norm(LiteralEpsRMSNorm(eps))
+    assert p.ok and p.kind == "rms_norm" and p.width is None and p.eps_attr is None, p
+    assert p.eps == pytest.approx(eps, rel=1e-5, abs=1e-30), p
+    if eps in (1e-5, 1e-6, 1e-12, 0.0):
+        assert p.eps == eps
+    assert "read from its output" in p.reason
+
+
+def test_probe_of_transformers_modules():
+    olmo = tr.models.olmo.modeling_olmo.OlmoLayerNorm(48)
+    p = probe_weightless_norm(olmo)
+    assert (p.ok, p.kind, p.eps, p.width, p.eps_attr) == (True, "layer_norm", 1e-5, 48, None), p
+    if "gemma4_text" in CONFIG_MAPPING:
+        g = tr.models.gemma4.modeling_gemma4.Gemma4RMSNorm(16, eps=1e-6, with_scale=False)
+        p = probe_weightless_norm(g)
+        assert (p.ok, p.kind, p.eps, p.width, p.eps_attr) == (True, "rms_norm", 1e-6, None, "variance_epsilon"), p
+        assert "of any width" in p.reason
+        # the same class with its weight is the RMSNorm probe's, not this one's
+        assert not probe_weightless_norm(tr.models.gemma4.modeling_gemma4.Gemma4RMSNorm(16)).ok
+
+
+@pytest.mark.parametrize("module, kind, reason", [
+    (AttrLayerNorm(16, eps=1e-5, used=1e-6), "layer_norm", "eps is used otherwise"),
+    (UnbiasedNorm(16), "layer_norm", "output differs from the formula with eps=1e-05 (read from its output; max abs"),
+    (AnyWidthLayerNorm(), "layer_norm", "FusedLayerNorm takes one"),
+    (Fp32OutRMSNorm(), "rms_norm", "not a bf16 tensor"),
+    (HalfMathRMSNorm(), "rms_norm", "rounded once to bf16"),
+    (GatedNorm(), None, "forward takes more than the input (gate)"),
+    (BufferNorm(), None, "has parameters or buffers"),
+], ids=["eps-used-otherwise", "unbiased-variance", "layernorm-of-any-width", "fp32-output", "bf16-math", "gated",
+        "buffer"])
+def test_probe_refuses_what_the_fused_norms_would_compute_otherwise(module, kind, reason):
+    p = probe_weightless_norm(module)
+    assert not p.ok and p.candidate and p.kind == kind and reason in p.reason, p
+
+
+def test_probe_leaves_modules_that_are_not_norms():
+    for m in (nn.ReLU(), nn.Dropout(0.1), nn.Identity()):
+        p = probe_weightless_norm(m)
+        assert not p.ok and not p.candidate, (m, p)
+
+
+# ---------------------------------------------------------------------------------------------------- modules
+@pytest.mark.parametrize("shape", [(7,), (3, 64), (2, 5, 17), (4, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rms_norm_of_the_last_dimension(shape, dtype):
+    """FusedRMSNorm() without a shape and weight normalizes the last dimension of each input, whatever its size."""
+    f = FusedRMSNorm(eps=1e-6, elementwise_affine=False)
+    assert f.normalized_shape is None and f.weight is None
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    torch.testing.assert_close(f(x), torch.rms_norm(x, x.shape[-1:], None, 1e-6), rtol=0, atol=0)
+
+
+def test_fused_rms_norm_without_a_shape_errors():
+    with pytest.raises(TypeError, match=r"^normalized_shape / hidden_size: give exactly one \(or neither with "
+                                        r"elementwise_affine=False"):
+        FusedRMSNorm(eps=1e-6)
+    f = FusedRMSNorm(eps=1e-6, elementwise_affine=False)
+    with pytest.raises(ValueError, match=r"^input: expected a tensor of at least 1 dimension"):
+        f(torch.tensor(1.0))
+    with pytest.raises(TypeError, match=r"^input: expected a torch.Tensor, got list"):
+        f([1.0, 2.0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_from_module_of_weightless_norms_equals_them(dtype):
+    """FusedRMSNorm.from_module (Gemma 4's v_norm) and MixedFusedLayerNorm.from_module (OLMo's) give the module's
+    output, bit for bit on the CPU, in its dtype, under CPU autocast too."""
+    mods = [(tr.models.olmo.modeling_olmo.OlmoLayerNorm(40), MixedFusedLayerNorm, (3, 5, 40))]
+    if "gemma4_text" in CONFIG_MAPPING:
+        g = tr.models.gemma4.modeling_gemma4.Gemma4RMSNorm(8, eps=1e-6, with_scale=False)
+        mods += [(g, FusedRMSNorm, (3, 5, 8)), (g, FusedRMSNorm, (4, 33))]
+    for m, cls, shape in mods:
+        f = cls.from_module(m)
+        assert f.weight is None and f.output_in_input_dtype and not list(f.parameters())
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+        torch.testing.assert_close(f(x), m(x), rtol=0, atol=0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert f(x).dtype == m(x).dtype == dtype
+    olmo = FusedLayerNorm.from_module(tr.models.olmo.modeling_olmo.OlmoLayerNorm(40))
+    assert repr(olmo) == "FusedLayerNorm((40,), eps=1e-05, elementwise_affine=False, bias=False, " \
+                         "output_in_input_dtype=True)"
+
+
+def test_from_module_errors():
+    olmo = tr.models.olmo.modeling_olmo.OlmoLayerNorm(8)
+    with pytest.raises(ValueError, match=r"^module: OlmoLayerNorm does not pass the probe of norms without "
+                                         r"parameters: it computes LayerNorm"):
+        FusedRMSNorm.from_module(olmo)
+    with pytest.raises(ValueError, match=r"it computes RMSNorm \(FusedRMSNorm.from_module\)"):
+        FusedLayerNorm.from_module(LiteralEpsRMSNorm(1e-6))
+    with pytest.raises(ValueError, match=r"output differs from the formula with eps=1e-05 \(its eps; max abs diff"):
+        FusedLayerNorm.from_module(AttrLayerNorm(8, used=1e-3))
+    for bad in (nn.ReLU(), nn.Linear(4, 4)):
+        with pytest.raises(TypeError, match=r"^module: expected a torch.nn.LayerNorm or a LayerNorm without"):
+            FusedLayerNorm.from_module(bad)
+    with pytest.raises(TypeError, match=r"^module: expected torch.nn.RMSNorm or an RMSNorm-style"):
+        FusedRMSNorm.from_module(nn.ReLU())
+    # verify=False: the module's attributes, on the caller's word
+    f = FusedLayerNorm.from_module(AttrLayerNorm(8, eps=1e-3, used=1e-6), verify=False)
+    assert (f.normalized_shape, f.eps) == ((8,), 1e-3)
+    with pytest.raises(ValueError, match=r"^module: OlmoLayerNorm has no epsilon attribute"):
+        FusedLayerNorm.from_module(olmo, verify=False)
+    with pytest.raises(ValueError, match=r"^eps: LiteralEpsRMSNorm has no 'variance_epsilon', 'eps', 'epsilon'; "
+                                         r"pass eps="):
+        FusedRMSNorm.from_module(LiteralEpsRMSNorm(1e-6), verify=False)
+    assert FusedRMSNorm.from_module(LiteralEpsRMSNorm(1e-6), eps=1e-6, verify=False).eps == 1e-6
+
+
+# ------------------------------------------------------------------------------------------------------- fuse
+def test_fuse_olmo_norms_as_layer_norms():
+    """Every OlmoLayerNorm of an OLMo model is fused (kind layer_norm, MixedFusedLayerNorm of the hidden size, eps
+    1e-5 read from its output); loss and gradients equal the unfused model's; state_dict keys unchanged; unfuse
+    restores the modules; ops without layer_norm leaves them (counted under not_requested)."""
+    model = _olmo()
+    norms = _weightless(model)
+    assert len(norms) == 5
+    keys = set(model.state_dict())
+    ref = _step(model)
+    report = fuse(model)
+    rows = [r for r in report.rows if r.path in norms]
+    assert len(rows) == 5 and all((r.kind, r.replacement, r.fused, r.eligible) == (
+        "layer_norm", "MixedFusedLayerNorm", True, True) for r in rows), rows
+    assert all("LayerNorm without parameters over 64 values, eps=1e-05 (read from its output)" in r.reason
+               for r in rows), rows
+    fused = dict(model.named_modules())
+    for p in norms:
+        m = fused[p]
+        assert isinstance(m, MixedFusedLayerNorm) and m.eps == 1e-5 and m.normalized_shape == (64,), m
+    assert set(model.state_dict()) == keys
+    got = _step(model)
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+    for n, g in ref[1].items():
+        torch.testing.assert_close(got[1][n], g, rtol=0, atol=0)
+    clone = copy.deepcopy(model)
+    assert unfuse(model)
+    assert all(dict(model.named_modules())[p] is m for p, m in norms.items())
+    torch.testing.assert_close(_step(clone)[0], ref[0], rtol=0, atol=0)
+    report = fuse(model, ops=["rms_norm", "swiglu"], dry_run=True)
+    assert not [r for r in report.rows if r.path in norms] and report.not_requested.get("layer_norm") == 5, report
+
+
+def test_fuse_gemma4_weightless_rms_norms():
+    """Gemma 4's v_norm and router norm (Gemma4RMSNorm(with_scale=False)) are fused as FusedRMSNorm of the last
+    dimension (its report choice told at 1024 wide, with the note); loss and gradients equal the unfused model's;
+    unfuse restores them."""
+    model = _gemma4()
+    norms = _weightless(model)
+    assert sorted(p.rsplit(".", 2)[-2] + "." + p.rsplit(".", 1)[-1] for p in norms) == \
+        ["router.norm"] * 2 + ["self_attn.v_norm"] * 2
+    ref = _step(model)
+    report = fuse(model)
+    rows = [r for r in report.rows if r.path in norms]
+    assert len(rows) == 4 and all((r.kind, r.replacement, r.fused) == ("rms_norm", "FusedRMSNorm", True)
+                                  for r in rows), rows
+    assert all(r.forward.endswith("@1024 wide") and "of any width, eps=1e-06 (variance_epsilon)" in r.reason
+               for r in rows), rows
+    assert any(n.startswith("@1024 wide: the choice for rows of 1024 values") for n in report._notes())
+    fused = dict(model.named_modules())
+    assert all(isinstance(fused[p], FusedRMSNorm) and fused[p].normalized_shape is None for p in norms)
+    got = _step(model)
+    # (forward bit for bit; the backward is torch.rms_norm's, not autograd through Gemma's ops: fp32 rounding apart)
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+    for n, g in ref[1].items():
+        torch.testing.assert_close(got[1][n], g, **tol(torch.float32), msg=lambda m: f"grad of {n}: {m}")
+    assert unfuse(model)
+    assert all(dict(model.named_modules())[p] is m for p, m in norms.items())
+
+
+def test_a_weightless_norm_with_an_instance_forward_is_left():
+    """A norm whose forward was set on the instance (a patch) is left, with the reason, as a weighted one is."""
+    model = _olmo(layers=1)
+    norm = model.model.norm
+    norm.forward = lambda x: x
+    row = next(r for r in fuse(model, dry_run=True).rows if r.path == "model.norm")
+    assert not row.fused and row.kind == "layer_norm", row
+
+
+def test_fuse_of_a_bare_weightless_norm_names_from_module():
+    report = fuse(tr.models.olmo.modeling_olmo.OlmoLayerNorm(8), dry_run=True)
+    row = report.rows[-1]
+    assert row.kind == "layer_norm" and "MixedFusedLayerNorm.from_module(model)" in row.reason, report.rows
+
+
+# ------------------------------------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("shape", [(4, 64, 8, 256), (3, 7, 1), (5, 4097), (2, 3, 1000)],
+                         ids=["gemma4-v_norm", "width-1", "width-4097", "width-1000"])
+def test_weightless_rms_norm_on_cuda_against_float64(no_tuning_table, dtype, shape):
+    """FusedRMSNorm of the last dimension on the kernel (strict mode: no fallback), forward and backward against
+    float64, on non-contiguous input (a transposed view), outputs in the input's dtype."""
+    f = FusedRMSNorm(eps=1e-6, elementwise_affine=False, output_in_input_dtype=True, impl="pipegoose")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    base = torch.randn(*shape[:-2], shape[-1], shape[-2], device="cuda", generator=g)
+    x = base.transpose(-1, -2).to(dtype).requires_grad_()   # (non-contiguous)
+    dy = torch.randn(x.shape, device="cuda", generator=g).to(dtype)
+    dispatch.reset_stats()
+    with dispatch.strict():
+        y = f(x)
+        y.backward(dy)
+    assert dispatch.stats().get("rms_norm") == {"pipegoose": 1}, dispatch.stats()
+    x64 = x.detach().double().requires_grad_()
+    y64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    y64.backward(dy.double())
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.double(), y64, **TOLERANCES[dtype])
+    torch.testing.assert_close(x.grad.double(), x64.grad, **tol(dtype, 2))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_fused_olmo_on_cuda_runs_the_kernel(no_tuning_table, dtype):
+    """A fused OLMo model on CUDA in each dtype: every layer_norm call ran pipegoose's kernel (strict mode), and
+    loss and gradients are within twice the unfused model's error from a float64 copy plus the dtype's tolerance."""
+    model = _olmo(hidden=128).cuda()
+    model64 = copy.deepcopy(model).double()
+    ref = _step(model64, device="cuda")
+    model = model.to(dtype)
+    unf = _step(model, device="cuda")
+    fuse(model, ops=["layer_norm"])
+    try:
+        dispatch.reset_stats()
+        with dispatch.strict():
+            fus = _step(model, device="cuda")
+        assert dispatch.stats().get("layer_norm") == {"pipegoose": 5}, dispatch.stats()
+    finally:
+        unfuse(model)
+    t = TOLERANCES[dtype]
+    e_f, e_u = (fus[0].double() - ref[0]).abs().item(), (unf[0].double() - ref[0]).abs().item()
+    assert e_f <= 2 * e_u + t["atol"] + t["rtol"] * ref[0].abs().item(), (e_f, e_u)
+    for n, g64 in ref[1].items():
+        gs = g64.norm().item()
+        e_f = (fus[1][n].double() - g64).norm().item()
+        e_u = (unf[1][n].double() - g64).norm().item()
+        assert e_f <= 2 * e_u + (t["atol"] + t["rtol"]) * gs, (n, e_f, e_u)
