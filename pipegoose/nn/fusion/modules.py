@@ -477,7 +477,8 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         impl: force an implementation (``pipegoose``, ``torch``; any case), default auto.
 
     ``forward(input [..., *normalized_shape])`` (without ``normalized_shape``: ``input [..., d]``, any ``d``, at least
-    one dimension) returns a tensor of the input's shape (dtype: by the rounding flags above). Parameters/state_dict: ``weight`` (as torch.nn.RMSNorm and LlamaRMSNorm). Kernel: pipegoose/rms_norm (MIT;
+    one dimension) returns a tensor of the input's shape (dtype: by the rounding flags above). Parameters/state_dict:
+    ``weight`` (as torch.nn.RMSNorm and LlamaRMSNorm). Kernel: pipegoose/rms_norm (MIT;
     this repository's pipegoose/kernels/csrc/rms_norm.cu and norm_kernels.cuh).
 
     Raises (when constructed, not at the first forward):

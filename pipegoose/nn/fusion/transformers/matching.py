@@ -515,7 +515,8 @@ def _measured_eps(stand_in: nn.Module, x: torch.Tensor, kind: str) -> float | No
 @probe_isolated
 def probe_weightless_norm(module: nn.Module) -> WeightlessNormProbe:
     """Check numerically whether ``module``, a leaf module without parameters or buffers whose class name says
-    ``norm`` (or that has an epsilon attribute, :data:`EPS_ATTRIBUTES`), computes RMSNorm (``x * rsqrt(mean(x^2) + eps)``: Gemma 4's ``v_norm`` and its router's ``norm``,
+    ``norm`` (or that has an epsilon attribute, :data:`EPS_ATTRIBUTES`), computes RMSNorm (``x * rsqrt(mean(x^2) +
+    eps)``: Gemma 4's ``v_norm`` and its router's ``norm``,
     ``Gemma4RMSNorm(with_scale=False)``) or LayerNorm (``(x - mean) * rsqrt(var + eps)``: OLMo's ``OlmoLayerNorm``)
     over its last dimension, in fp32 with one rounding to the input's dtype (the output in the input's dtype, as both
     return it).
