@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import transformers as tr
@@ -101,6 +102,101 @@ class BufferNorm(nn.Module):
         return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale).to(x.dtype)
 
 
+class UnitNorm(nn.Module):
+    """nGPT's / QK-L2's normalization: F.normalize (a clamp of the norm at 1e-12), no epsilon to read."""
+
+    def forward(self, x):
+        return (nn.functional.normalize(x.float(), dim=-1) * x.shape[-1] ** 0.5).to(x.dtype)
+
+
+class AutocastDtypeLayerNorm(nn.Module):
+    """MPT's low-precision LayerNorm without parameters: under autocast it normalizes in autocast's dtype."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.normalized_shape, self.eps = (n,), 1e-5
+
+    def forward(self, x):
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        with torch.autocast(x.device.type, enabled=False):
+            return nn.functional.layer_norm(x, self.normalized_shape, None, None, self.eps)
+
+
+class PlainLayerNorm(nn.Module):
+    """F.layer_norm of the input as it comes (no cast): fp32 out under CUDA autocast, as F.layer_norm."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.normalized_shape, self.eps = (n,), 1e-5
+
+    def forward(self, x):
+        return nn.functional.layer_norm(x, self.normalized_shape, None, None, self.eps)
+
+
+class DetachedStatNorm(nn.Module):
+    eps = 1e-6
+
+    def forward(self, x):
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).detach() + self.eps)).to(x.dtype)
+
+
+class Fp16MathNorm(nn.Module):
+    eps = 1e-6
+
+    def forward(self, x):
+        h = x if x.dtype == torch.float16 else x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class ClampedNorm(nn.Module):
+    eps = 1e-6
+
+    def forward(self, x):
+        h = x.float().clamp(-100, 100)
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class DropoutNorm(nn.Module):
+    eps = 1e-6
+
+    def forward(self, x):
+        h = x.float()
+        return nn.functional.dropout(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps), 0.5,
+                                     self.training).to(x.dtype)
+
+
+class Dim2Norm(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.normalized_shape, self.eps = (n,), 1e-6
+
+    def forward(self, x):
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(2, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class CountingNorm(nn.Module):
+    eps = 1e-6
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(tuple(x.shape))
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class SafeLog(nn.Module):
+    eps = 1e-6
+
+    def forward(self, x):
+        return torch.log(x.abs() + self.eps)
+
+
 def _olmo(layers=2, hidden=64):
     if "olmo" not in CONFIG_MAPPING:
         pytest.skip("this transformers has no olmo")
@@ -164,18 +260,82 @@ def test_probe_of_transformers_modules():
 
 
 @pytest.mark.parametrize("module, kind, reason", [
-    (AttrLayerNorm(16, eps=1e-5, used=1e-6), "layer_norm", "eps is used otherwise"),
-    (UnbiasedNorm(16), "layer_norm", "output differs from the formula with eps=1e-05 (read from its output; max abs"),
+    (AttrLayerNorm(16, eps=1e-5, used=1e-6), "layer_norm", "output differs from the formula with eps=1e-05 (its eps)"),
+    (UnbiasedNorm(16), "layer_norm", "output differs from the formula with eps=1e-05 (read from its output) on a "
+                                     "random input"),
     (AnyWidthLayerNorm(), "layer_norm", "FusedLayerNorm takes one"),
-    (Fp32OutRMSNorm(), "rms_norm", "not a bf16 tensor"),
+    (Fp32OutRMSNorm(), "rms_norm", "with a bf16 input its output is not a bf16 tensor"),
     (HalfMathRMSNorm(), "rms_norm", "rounded once to bf16"),
+    (Fp16MathNorm(), "rms_norm", "rounded once to fp16"),
     (GatedNorm(), None, "forward takes more than the input (gate)"),
     (BufferNorm(), None, "has parameters or buffers"),
-], ids=["eps-used-otherwise", "unbiased-variance", "layernorm-of-any-width", "fp32-output", "bf16-math", "gated",
-        "buffer"])
+    # (the review of session 70: each was accepted, and the fused module computed otherwise)
+    (UnitNorm(), "rms_norm", "eps=0 (read from its output) on rows of zeros"),
+    (LiteralEpsRMSNorm(1e-30), "rms_norm", "eps=0 (read from its output) on rows of zeros"),
+    (AutocastDtypeLayerNorm(16), "layer_norm", "under autocast (bf16) it returns torch.bfloat16 for an fp32 input"),
+    (DetachedStatNorm(), "rms_norm", "the gradient of its input differs"),
+    (ClampedNorm(), "rms_norm", "on inputs whose statistic is 1e+06"),
+    (DropoutNorm().eval(), "rms_norm", "in training mode on 4-d rows"),
+    (Dim2Norm(16), "rms_norm", "in eval mode on 4-d rows"),
+], ids=["eps-used-otherwise", "unbiased-variance", "layernorm-of-any-width", "fp32-output", "bf16-math", "fp16-math",
+        "gated", "buffer", "F.normalize", "eps-1e-30", "autocast-dtype", "detached-statistic", "clamp",
+        "dropout-in-training", "over-dim-2"])
 def test_probe_refuses_what_the_fused_norms_would_compute_otherwise(module, kind, reason):
     p = probe_weightless_norm(module)
     assert not p.ok and p.candidate and p.kind == kind and reason in p.reason, p
+
+
+def test_probe_accepts_what_the_fused_norms_compute():
+    """F.layer_norm without a cast back: fused with output_in_input_dtype=False (fp32 under CUDA autocast, as the
+    module); a numpy width; a LayerNorm that names its width and normalizes rows of any (fused at its width); an
+    epsilon attribute the fused ops refuse: ok, with the error for fuse to raise."""
+    p = probe_weightless_norm(PlainLayerNorm(16))
+    assert p.ok and p.kind == "layer_norm" and not p.output_in_input_dtype and p.width == 16, p
+    assert p.reason.endswith("one rounding, fp32 under autocast, as F.layer_norm")
+    olmo = tr.models.olmo.modeling_olmo.OlmoLayerNorm(np.int64(16))
+    assert probe_weightless_norm(olmo).width == 16
+
+    class NamedWidthAnyRowsNorm(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.normalized_shape = (n,)
+
+        def forward(self, x):
+            return nn.functional.layer_norm(x.float(), x.shape[-1:], None, None, 1e-5).to(x.dtype)
+
+    p = probe_weightless_norm(NamedWidthAnyRowsNorm(16))
+    assert p.ok and p.width == 16 and p.eps == 1e-5, p
+
+    class BadEpsNorm(nn.Module):
+        variance_epsilon = -1.0
+
+        def forward(self, x):
+            h = x.float()
+            return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
+
+    p = probe_weightless_norm(BadEpsNorm())
+    assert p.ok and p.eps is None and "variance_epsilon" in str(p.eps_error), p
+    model = nn.Sequential(nn.Linear(8, 8), BadEpsNorm())
+    with pytest.raises(ValueError, match=r"^1 \(BadEpsNorm\): variance_epsilon: expected"):
+        fuse(model)
+    assert type(model[1]) is BadEpsNorm   # (nothing changed)
+    assert FusedRMSNorm.from_module(BadEpsNorm(), eps=1e-6).eps == 1e-6
+
+
+def test_probe_leaves_the_module_as_it_was():
+    """The probe runs a stand-in whose lists and dicts are copies: a forward that appends to one leaves the module's
+    (a review: five entries after a dry run)."""
+    m = CountingNorm()
+    assert probe_weightless_norm(m).ok and m.seen == []
+    fuse(nn.Sequential(nn.Linear(8, 8), m), dry_run=True)
+    assert m.seen == []
+
+
+def test_a_parameterless_module_that_is_no_norm_gets_no_row():
+    """A module with an eps attribute that computes no norm and whose name says none: no row (a review: SafeLog got
+    an rms_norm row, counted in the title)."""
+    report = fuse(nn.Sequential(nn.Linear(8, 8), SafeLog()), dry_run=True)
+    assert not report.rows, report.rows
 
 
 def test_probe_leaves_modules_that_are_not_norms():
@@ -228,12 +388,17 @@ def test_from_module_of_weightless_norms_equals_them(dtype):
 
 def test_from_module_errors():
     olmo = tr.models.olmo.modeling_olmo.OlmoLayerNorm(8)
-    with pytest.raises(ValueError, match=r"^module: OlmoLayerNorm does not pass the probe of norms without "
-                                         r"parameters: it computes LayerNorm"):
+    with pytest.raises(ValueError, match=r"^module: OlmoLayerNorm computes LayerNorm without parameters; use "
+                                         r"FusedLayerNorm.from_module"):
         FusedRMSNorm.from_module(olmo)
-    with pytest.raises(ValueError, match=r"it computes RMSNorm \(FusedRMSNorm.from_module\)"):
+    with pytest.raises(ValueError, match=r"computes RMSNorm without parameters; use FusedRMSNorm.from_module"):
         FusedLayerNorm.from_module(LiteralEpsRMSNorm(1e-6))
-    with pytest.raises(ValueError, match=r"output differs from the formula with eps=1e-05 \(its eps; max abs diff"):
+    with pytest.raises(ValueError, match=r"^output_in_weight_dtype: LiteralEpsRMSNorm has no weight"):
+        FusedRMSNorm.from_module(LiteralEpsRMSNorm(1e-6), output_in_weight_dtype=True)
+    with pytest.raises(ValueError, match=r"^output_in_input_dtype: PlainLayerNorm returns fp32 under autocast"):
+        FusedLayerNorm.from_module(PlainLayerNorm(8), output_in_input_dtype=True)
+    assert not FusedLayerNorm.from_module(PlainLayerNorm(8)).__dict__.get("output_in_input_dtype", False)
+    with pytest.raises(ValueError, match=r"output differs from the formula with eps=1e-05 \(its eps\) on a random"):
         FusedLayerNorm.from_module(AttrLayerNorm(8, used=1e-3))
     for bad in (nn.ReLU(), nn.Linear(4, 4)):
         with pytest.raises(TypeError, match=r"^module: expected a torch.nn.LayerNorm or a LayerNorm without"):
@@ -243,8 +408,10 @@ def test_from_module_errors():
     # verify=False: the module's attributes, on the caller's word
     f = FusedLayerNorm.from_module(AttrLayerNorm(8, eps=1e-3, used=1e-6), verify=False)
     assert (f.normalized_shape, f.eps) == ((8,), 1e-3)
-    with pytest.raises(ValueError, match=r"^module: OlmoLayerNorm has no epsilon attribute"):
+    with pytest.raises(ValueError, match=r"^eps: OlmoLayerNorm has no 'variance_epsilon', 'eps', 'epsilon'; pass "
+                                         r"eps="):
         FusedLayerNorm.from_module(olmo, verify=False)
+    assert FusedLayerNorm.from_module(olmo, eps=1e-5, verify=False).eps == 1e-5
     with pytest.raises(ValueError, match=r"^eps: LiteralEpsRMSNorm has no 'variance_epsilon', 'eps', 'epsilon'; "
                                          r"pass eps="):
         FusedRMSNorm.from_module(LiteralEpsRMSNorm(1e-6), verify=False)
@@ -297,7 +464,7 @@ def test_fuse_gemma4_weightless_rms_norms():
     rows = [r for r in report.rows if r.path in norms]
     assert len(rows) == 4 and all((r.kind, r.replacement, r.fused) == ("rms_norm", "FusedRMSNorm", True)
                                   for r in rows), rows
-    assert all(r.forward.endswith("@1024 wide") and "of any width, eps=1e-06 (variance_epsilon)" in r.reason
+    assert all(r.forward.endswith("@1024 wide") and "of any width, eps=1e-06 (its variance_epsilon)" in r.reason
                for r in rows), rows
     assert any(n.startswith("@1024 wide: the choice for rows of 1024 values") for n in report._notes())
     fused = dict(model.named_modules())

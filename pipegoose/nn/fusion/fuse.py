@@ -1056,17 +1056,20 @@ def _consider_weightless(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRM
     why = _instance_override(child)
     if why is not None:
         return FusionRow(path, kind, type(child).__name__, None, False, reason=why), None
+    if probe.eps_error is not None:   # an epsilon the fused ops refuse: raised, as for a norm with a weight
+        e = probe.eps_error
+        raise type(e)(f"{path} ({type(child).__name__}): {e}") from None
     width = (probe.width,) if probe.width else None
     shape = width or (_PROBE_WIDTH,)
     if kind == "layer_norm":
         new = None if dry_run else _build(path, child, MixedFusedLayerNorm, width, eps=probe.eps,
-                                          elementwise_affine=False, output_in_input_dtype=True)
+                                          elementwise_affine=False, output_in_input_dtype=probe.output_in_input_dtype)
         fwd, bwd = _impls("layer_norm", child, lambda d, t: (
             torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, None, None), like=like)
         replacement = "MixedFusedLayerNorm"
     else:
         new = None if dry_run else _build(path, child, FusedRMSNorm, width, eps=probe.eps, elementwise_affine=False,
-                                          output_in_input_dtype=True)
+                                          output_in_input_dtype=probe.output_in_input_dtype)
         fwd, bwd = _impls("rms_norm", child, lambda d, t: (
             torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, None, probe.eps, False),
             like=like, any_width=width is None)

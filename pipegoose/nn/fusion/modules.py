@@ -371,53 +371,40 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
                                        if self.__dict__.get("output_in_input_dtype", False) else "")
 
     @classmethod
-    def from_module(cls, module: nn.Module, *, impl: str | None = None, verify: bool = True) -> "FusedLayerNorm":
+    def from_module(cls, module: nn.Module, *, eps: float | None = None, impl: str | None = None,
+                    output_in_input_dtype: bool | None = None, verify: bool = True) -> "FusedLayerNorm":
         """A fused module for ``module``: a ``torch.nn.LayerNorm`` (:meth:`from_layer_norm`: its parameter objects
-        shared), or a LayerNorm without parameters such as OLMo's ``OlmoLayerNorm`` (``F.layer_norm`` of the input in
-        fp32 without weight and bias, cast back to the input's dtype): ``elementwise_affine=False``,
-        ``output_in_input_dtype=True``, the width and epsilon that ``transformers.matching.probe_weightless_norm``
-        finds (OLMo's epsilon, a literal in its forward, is read from its output).
+        shared; ``eps`` and ``output_in_input_dtype`` must not be given), or a LayerNorm without parameters such as
+        OLMo's ``OlmoLayerNorm`` (``F.layer_norm`` of the input in fp32 without weight and bias, cast back to the
+        input's dtype): ``elementwise_affine=False``, with the width, epsilon and ``output_in_input_dtype`` that
+        ``transformers.matching.probe_weightless_norm`` finds (OLMo's epsilon, a literal in its forward, is read from
+        its output; a module that returns ``F.layer_norm``'s fp32 under CUDA autocast gets
+        ``output_in_input_dtype=False``). ``eps`` overrides the epsilon (also an attribute the fused ops refuse).
 
         ``verify`` (default True) runs that probe; ``verify=False`` takes the module's ``normalized_shape`` (one
-        size) and its epsilon attribute (``variance_epsilon``, ``eps``, ``epsilon``) on the caller's word.
+        size), its epsilon attribute (``variance_epsilon``, ``eps``, ``epsilon``) or ``eps``, and
+        ``output_in_input_dtype`` (default True) on the caller's word.
 
         Raises:
             TypeError: ``module`` is not an ``nn.Module``, or has parameters and is not a ``torch.nn.LayerNorm``, or
-                does not look like a norm (no ``norm`` in its class name and no epsilon attribute).
-            ValueError: the probe refuses it (its reason is given: an RMSNorm, a norm of rows of any width, another
-                rounding); with ``verify=False``, no ``normalized_shape`` of one size or no epsilon attribute.
-            What the constructor raises for the epsilon and ``impl``.
+                does not look like a norm (no ``norm`` in its class name and no epsilon attribute);
+                ``output_in_input_dtype`` not a bool or None.
+            ValueError: the probe refuses it (its reason is given: a norm of rows of any width that names none,
+                another rounding) or finds an RMSNorm (use ``FusedRMSNorm.from_module``) or another
+                ``output_in_input_dtype`` than the one given; with ``verify=False``, no ``normalized_shape`` of one
+                size, or no epsilon attribute and no ``eps``; ``eps`` or ``output_in_input_dtype`` given for a
+                ``torch.nn.LayerNorm``.
+            What the constructor raises for the epsilon (the attribute's, named) and ``impl``.
         """
         if isinstance(module, nn.LayerNorm):
+            if eps is not None or output_in_input_dtype is not None:
+                raise ValueError("eps / output_in_input_dtype: a torch.nn.LayerNorm's are its own (from_layer_norm)")
             return cls.from_layer_norm(module, impl=impl)
         if not isinstance(module, nn.Module) or any(True for _ in module.parameters()):
             raise TypeError(f"module: expected a torch.nn.LayerNorm or a LayerNorm without parameters, got "
                             f"{type(module).__name__}" + (" with parameters" if isinstance(module, nn.Module) else ""))
-        from .transformers.matching import eps_of, probe_weightless_norm
-
-        name = type(module).__name__
-        if verify:
-            probe = probe_weightless_norm(module)
-            if not probe.candidate:
-                raise TypeError(f"module: expected a torch.nn.LayerNorm or a LayerNorm without parameters (a norm's "
-                                f"name or epsilon attribute), got {name}")
-            if not probe.ok or probe.kind != "layer_norm":
-                why = probe.reason if not probe.ok else "it computes RMSNorm (FusedRMSNorm.from_module)"
-                raise ValueError(f"module: {name} does not pass the probe of norms without parameters: {why}; "
-                                 "verify=False takes the module on the caller's word")
-            shape, eps = (probe.width,), probe.eps
-        else:
-            shape = getattr(module, "normalized_shape", None)
-            if isinstance(shape, int) and not isinstance(shape, bool):
-                shape = (shape,)
-            if not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 1:
-                raise ValueError(f"module: {name} has no normalized_shape of one size (got {shape!r})")
-            eps_name, eps, eps_error = eps_of(module)
-            if eps_error is not None:
-                raise type(eps_error)(f"{name}.{eps_error}")
-            if eps_name is None:
-                raise ValueError(f"module: {name} has no epsilon attribute; verify=True reads it from its output")
-        new = cls(shape, eps=eps, elementwise_affine=False, impl=impl, output_in_input_dtype=True)
+        shape, eps, in_dtype = _weightless_style(module, "layer_norm", eps, verify, output_in_input_dtype)
+        new = cls(shape, eps=eps, elementwise_affine=False, impl=impl, output_in_input_dtype=in_dtype)
         new.train(module.training)
         return new
 
@@ -500,7 +487,7 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
                  device=None, dtype=None, impl: str | None = None) -> None:
         super().__init__()
         self.output_in_weight_dtype = output_in_weight_dtype
-        if normalized_shape is None and hidden_size is None and elementwise_affine is False:
+        if normalized_shape is None and hidden_size is None and not elementwise_affine:
             self.normalized_shape = None   # the last dimension of each input (see the class)
         elif (normalized_shape is None) == (hidden_size is None):
             raise TypeError("normalized_shape / hidden_size: give exactly one (or neither with "
@@ -685,8 +672,11 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
                                  f"{weight_offset}; verify=False takes it")
             shape, cast, mod_eps = tuple(module.normalized_shape), False, module.eps
         elif not any(True for _ in module.parameters()):
-            shape, mod_eps, output_in_input_dtype = _weightless_rms_style(module, eps, verify, output_in_input_dtype)
-            cast = False
+            if output_in_weight_dtype:
+                raise ValueError(f"output_in_weight_dtype: {type(module).__name__} has no weight")
+            shape, eps, output_in_input_dtype = _weightless_style(module, "rms_norm", eps, verify,
+                                                                  output_in_input_dtype)
+            mod_eps, cast = eps, False
         else:
             own = [n for n, _ in module.named_parameters(recurse=False)]
             if not isinstance(w, nn.Parameter) or w.dim() < 1 or own != ["weight"]:
@@ -1253,43 +1243,59 @@ def _check_offset_rule(offset: float, output_in_input_dtype: bool, has_weight: b
         raise ValueError(f"weight_offset: {offset} needs a weight (elementwise_affine=True)")
 
 
-def _weightless_rms_style(module: nn.Module, eps: float | None, verify: bool,
-                          output_in_input_dtype: bool | None) -> tuple[tuple[int, ...] | None, float | None, bool]:
-    """FusedRMSNorm.from_module for a module without parameters (Gemma 4's ``Gemma4RMSNorm(with_scale=False)``):
-    its normalized shape (None: the last dimension of each input), epsilon and ``output_in_input_dtype`` (True unless
-    given: the fused module returns the input's dtype, under autocast too). With ``verify`` the module must pass
-    ``transformers.matching.probe_weightless_norm`` as an RMSNorm (which also reads an epsilon it does not name);
-    without, the width is its ``normalized_shape`` where it has one of one size, and the epsilon its attribute or
-    ``eps``. TypeError for a module that does not look like a norm (no ``norm`` in its class name and no epsilon
-    attribute), ValueError where the probe refuses it or no epsilon is known."""
-    from .transformers.matching import EPS_ATTRIBUTES, eps_of, probe_weightless_norm
+def _weightless_style(module: nn.Module, kind: str, eps: float | None, verify: bool,
+                      output_in_input_dtype: bool | None) -> tuple[tuple[int, ...] | None, float | None, bool]:
+    """``from_module`` of FusedRMSNorm (``kind`` ``rms_norm``) or FusedLayerNorm (``layer_norm``) for a module without
+    parameters (Gemma 4's ``Gemma4RMSNorm(with_scale=False)``, OLMo's ``OlmoLayerNorm``): its normalized shape (None:
+    the last dimension of each input, an RMSNorm's only), epsilon (``eps`` where given) and
+    ``output_in_input_dtype``. With ``verify`` the module must pass ``transformers.matching.probe_weightless_norm``
+    as a norm of ``kind`` (which also reads an epsilon the module does not name, and whether it casts back to the
+    input's dtype under autocast); without, the width is its ``normalized_shape`` where it names one size, the epsilon
+    its attribute or ``eps``, and ``output_in_input_dtype`` True unless given. TypeError for a module that does not
+    look like a norm (no ``norm`` in its class name and no epsilon attribute) or holds a plain tensor ``weight``;
+    ValueError where the probe refuses it, finds the other kind, or finds another ``output_in_input_dtype`` than the
+    one given, or where no epsilon is known."""
+    from .transformers.matching import EPS_ATTRIBUTES, _width_of, eps_of, probe_weightless_norm
 
     name = type(module).__name__
+    expected = ("torch.nn.RMSNorm or an RMSNorm-style module (one 'weight', or none and a norm's name or epsilon "
+                "attribute)" if kind == "rms_norm" else
+                "a torch.nn.LayerNorm or a LayerNorm without parameters (a norm's name or epsilon attribute)")
     if isinstance(getattr(module, "weight", None), torch.Tensor):   # (set by a hook: the fused module would drop it)
         raise TypeError(f"module: {name}'s 'weight' is a plain tensor, not a Parameter: the fused module shares "
                         "Parameters")
-    if output_in_input_dtype is None:
-        output_in_input_dtype = True
-    eps_name, mod_eps, eps_error = eps_of(module)
+    if output_in_input_dtype is not None and not isinstance(output_in_input_dtype, bool):
+        raise TypeError(f"output_in_input_dtype: expected a bool or None, got {type(output_in_input_dtype).__name__}")
     if verify:
         probe = probe_weightless_norm(module)
         if not probe.candidate:
-            raise TypeError(f"module: expected torch.nn.RMSNorm or an RMSNorm-style module (one 'weight', or none and "
-                            f"a norm's name or epsilon attribute), got {name} without parameters")
-        if not probe.ok or probe.kind != "rms_norm":
-            why = probe.reason if not probe.ok else "it computes LayerNorm (x - mean) * rsqrt(var + eps)"
-            raise ValueError(f"module: {name} does not pass the probe of norms without parameters: {why}; "
+            raise TypeError(f"module: expected {expected}, got {name} without parameters")
+        if probe.ok and probe.kind != kind:
+            other = ("FusedLayerNorm.from_module: it subtracts the mean" if kind == "rms_norm" else
+                     "FusedRMSNorm.from_module: it does not subtract the mean")
+            raise ValueError(f"module: {name} computes {'LayerNorm' if kind == 'rms_norm' else 'RMSNorm'} without "
+                             f"parameters; use {other}")
+        if not probe.ok:
+            raise ValueError(f"module: {name} does not pass the probe of norms without parameters: {probe.reason}; "
                              "verify=False takes the module on the caller's word")
-        return ((probe.width,) if probe.width else None), probe.eps, output_in_input_dtype
-    if eps is None and eps_name is None:
-        raise ValueError(f"eps: {name} has no {', '.join(map(repr, EPS_ATTRIBUTES))}; pass eps=")
+        if output_in_input_dtype is not None and output_in_input_dtype != probe.output_in_input_dtype:
+            raise ValueError(f"output_in_input_dtype: {name} returns "
+                             f"{'the input dtype' if probe.output_in_input_dtype else 'fp32'} under autocast "
+                             f"(output_in_input_dtype={probe.output_in_input_dtype}), got {output_in_input_dtype}; "
+                             "verify=False takes it")
+        width, found, eps_error, in_dtype = probe.width, probe.eps, probe.eps_error, probe.output_in_input_dtype
+    else:
+        width = _width_of(module)
+        if isinstance(width, str) or (width is None and kind == "layer_norm"):
+            raise ValueError(f"module: {name} has no normalized_shape of one size (got "
+                             f"{getattr(module, 'normalized_shape', None)!r}): FusedLayerNorm takes one")
+        eps_name, found, eps_error = eps_of(module)
+        if eps is None and eps_name is None:
+            raise ValueError(f"eps: {name} has no {', '.join(map(repr, EPS_ATTRIBUTES))}; pass eps=")
+        in_dtype = True if output_in_input_dtype is None else output_in_input_dtype
     if eps is None and eps_error is not None:
         raise type(eps_error)(f"{name}.{eps_error}; pass eps= to use another")
-    shape = getattr(module, "normalized_shape", None)
-    if isinstance(shape, int) and not isinstance(shape, bool):
-        shape = (shape,)
-    ok = isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1
-    return (_ln_shape(shape) if ok else None), mod_eps, output_in_input_dtype
+    return ((width,) if width else None), (eps if eps is not None else found), in_dtype
 
 
 def _verify_rms_style(module: nn.Module, output_in_weight_dtype: bool | None, output_in_input_dtype: bool | None,

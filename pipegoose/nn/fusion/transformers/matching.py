@@ -50,6 +50,7 @@ import copy
 import functools
 import inspect
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -452,7 +453,11 @@ class WeightlessNormProbe:
     and ``width`` (the size of the last dimension it normalizes; None: rows of any width), or not ``ok`` with the
     ``reason`` (``kind`` then the kind it looked like, where the probe got that far, else None). ``eps_attr`` names
     the attribute ``eps`` was read from, None where the probe measured it (OLMo's LayerNorm has its 1e-5 in its
-    forward). ``candidate``: whether the module looked like a norm at all (worth a row in the report)."""
+    forward). ``candidate``: whether the module looked like a norm at all (worth a row in the report).
+    ``output_in_input_dtype``: the module returns a 16-bit input's dtype under CUDA autocast too (it casts back, as
+    OLMo's and Gemma 4's do), else the fp32 that ``F.layer_norm`` / ``F.rms_norm`` give there. ``eps_error``: ok,
+    but its epsilon attribute holds a value the fused ops refuse (``eps`` None; the formula was checked with 1e-6 in
+    its place): the error, for fuse to raise naming the module, as for an RMSNorm with a weight."""
 
     ok: bool
     kind: str | None
@@ -461,6 +466,8 @@ class WeightlessNormProbe:
     reason: str
     candidate: bool
     eps_attr: str | None = None
+    output_in_input_dtype: bool = True
+    eps_error: Exception | None = None
 
 
 # the scales (mean square, or variance) at which the probe reads an epsilon that the module does not name from its
@@ -512,24 +519,80 @@ def _measured_eps(stand_in: nn.Module, x: torch.Tensor, kind: str) -> float | No
     return 0.0
 
 
+def _stand_in(module: nn.Module) -> nn.Module:
+    """A shallow stand-in for a probe: ``module``'s class, its instance attributes (lists, dicts and sets copied, so
+    that a forward appending to one leaves the module as it was: a review), without a forward set on the instance
+    (accelerate's hooks, a patch: that one must not run on the probe's CPU tensors)."""
+    stand_in = object.__new__(type(module))
+    stand_in.__dict__.update({k: copy.copy(v) if type(v) in (list, dict, set) or isinstance(v, dict) else v
+                              for k, v in module.__dict__.items()})
+    for name in ("forward", "_hf_hook", "_old_forward"):
+        stand_in.__dict__.pop(name, None)
+    return stand_in
+
+
+class _CudaAutocastNorms(torch.overrides.TorchFunctionMode):
+    """CUDA autocast's rule for the norm ops, on the CPU (whose autocast leaves them in a 16-bit input's dtype): the
+    16-bit tensors given to ``layer_norm``, ``rms_norm`` and ``group_norm`` while CPU autocast is on are cast to fp32
+    first, so that they return fp32, as under ``torch.autocast("cuda")``. The probe of norms without parameters runs
+    the module under it to learn whether it casts back to the input's dtype (OLMo's, Gemma 4's) or returns what the op
+    gives there."""
+
+    FUNCS = frozenset({torch.nn.functional.layer_norm, torch.layer_norm, torch.nn.functional.rms_norm,
+                       torch.rms_norm, torch.nn.functional.group_norm, torch.group_norm})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FUNCS and torch.is_autocast_enabled("cpu"):   # (not in a region that turns autocast off)
+            def up(a):
+                return a.float() if isinstance(a, torch.Tensor) and a.dtype in (torch.float16, torch.bfloat16) else a
+            args, kwargs = tuple(up(a) for a in args), {k: up(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+def _width_of(module: nn.Module) -> int | None | str:
+    """The width a module's ``normalized_shape`` names (an int, a numpy integer, or a sequence of one), None without
+    one, or the refusal's reason for another shape."""
+    shape = getattr(module, "normalized_shape", None)
+    if shape is None:
+        return None
+    if not isinstance(shape, (tuple, list, torch.Size)):
+        shape = (shape,)
+    try:
+        sizes = [operator.index(d) for d in shape if not isinstance(d, bool)]
+    except TypeError:
+        sizes = []
+    if len(sizes) != 1 or len(shape) != 1 or sizes[0] < 2:
+        return f"normalized_shape is {shape!r}: the probe takes one size of 2 or more"
+    return sizes[0]
+
+
 @probe_isolated
 def probe_weightless_norm(module: nn.Module) -> WeightlessNormProbe:
     """Check numerically whether ``module``, a leaf module without parameters or buffers whose class name says
     ``norm`` (or that has an epsilon attribute, :data:`EPS_ATTRIBUTES`), computes RMSNorm (``x * rsqrt(mean(x^2) +
-    eps)``: Gemma 4's ``v_norm`` and its router's ``norm``,
-    ``Gemma4RMSNorm(with_scale=False)``) or LayerNorm (``(x - mean) * rsqrt(var + eps)``: OLMo's ``OlmoLayerNorm``)
-    over its last dimension, in fp32 with one rounding to the input's dtype (the output in the input's dtype, as both
-    return it).
+    eps)``: Gemma 4's ``v_norm`` and its router's ``norm``, ``Gemma4RMSNorm(with_scale=False)``) or LayerNorm (``(x -
+    mean) * rsqrt(var + eps)``: OLMo's ``OlmoLayerNorm``) over its last dimension, in fp32 with one rounding to the
+    input's dtype, as the fused norms compute it.
 
-    ``eps`` is the module's epsilon attribute (:data:`EPS_ATTRIBUTES`) where it has one, else read from its output
-    (OLMo's 1e-5 is a literal in its forward: :func:`_measured_eps`); either way the formula with it is then checked on
-    inputs whose statistic is near eps. ``width``: the module's ``normalized_shape`` (one size) where it has one and
-    refuses rows of another width, else None: the module normalizes rows of any width (Gemma 4's stores none).
+    ``eps`` is the module's epsilon attribute where it has one, else read from its output (OLMo's 1e-5 is a literal
+    in its forward: :func:`_measured_eps`). The checks, each against the float64 formula: fp32 rows of statistic ~1
+    (to 1e-5 relative), 1e6, eps and 0.1 eps (without an eps, 1e-6 to 1e-18), rows of zeros (zeros out, or NaN with
+    an epsilon of 0, as the fused norms give: a clamp or an epsilon too small to read differs there), 4-d rows in the
+    other training mode (a dropout or a reshape shows), the input's gradient (a statistic detached from the graph
+    shows), rows of another width (refused by a module of one width, ``normalized_shape``; else the width is None:
+    rows of any width, Gemma 4's, for an RMSNorm), bf16 and fp16 inputs (the output in their dtype, the fp32 formula
+    rounded once) and the output's dtype under CUDA autocast's rule for the norm ops (:class:`_CudaAutocastNorms`:
+    ``output_in_input_dtype``).
 
-    The module itself is not run: a shallow stand-in sharing its class and attributes is, through ``forward``, on
-    fp32 and bf16 CPU inputs (so its hooks do not fire). Never raises: a forward that fails means "not a norm".
+    The module itself is not run: a stand-in sharing its class and attributes is (:func:`_stand_in`), through
+    ``forward``, on CPU inputs (so its hooks do not fire). Never raises: a forward that fails means "not a norm".
+    fp64 inputs are not probed: the fused norms compute them in fp64, where OLMo's and Gemma 4's modules round to
+    fp32.
     """
-    candidate = "norm" in type(module).__name__.lower() or eps_attribute(module) is not None
+    name = type(module).__name__
+    named = "norm" in name.lower()
+    candidate = named or eps_attribute(module) is not None
     if (not candidate or any(True for _ in module.children())
             or isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase))):
         return WeightlessNormProbe(False, None, None, None, "not a leaf norm of its own class", False)
@@ -541,24 +604,22 @@ def probe_weightless_norm(module: nn.Module) -> WeightlessNormProbe:
                                    "the fused norms take the input alone", candidate)
 
     def refuse(reason: str, kind: str | None = None) -> WeightlessNormProbe:
-        return WeightlessNormProbe(False, kind, None, None, reason, candidate)
+        # (a module that computes no norm and whose name does not say one: no row, however it holds an eps)
+        return WeightlessNormProbe(False, kind, None, None, reason, candidate if kind or named else False)
 
-    shape = getattr(module, "normalized_shape", None)
-    if isinstance(shape, int) and not isinstance(shape, bool):
-        shape = (shape,)
-    width = None
-    if isinstance(shape, (tuple, list, torch.Size)):
-        if len(shape) != 1 or not isinstance(shape[0], int) or isinstance(shape[0], bool) or shape[0] < 2:
-            return refuse(f"normalized_shape is {tuple(shape)}: the probe takes one size of 2 or more")
-        width = int(shape[0])
+    width = _width_of(module)
+    if isinstance(width, str):
+        return refuse(width)
+    stand_in = _stand_in(module)
+    eps_name, eps, bad_eps = eps_of(module)
+    if bad_eps is not None:   # checked with a good epsilon in its place; fuse raises the error (see _probe_rms_norm)
+        if hasattr(getattr(type(module), eps_name, None), "__set__"):
+            return refuse(f"{bad_eps} (a property of its class: the probe cannot try another)")
+        eps = stand_in.__dict__[eps_name] = 1e-6
     n = width or 24
     gen = torch.Generator().manual_seed(1234)
     x = torch.randn(2, 3, n, generator=gen, dtype=torch.float32) + 0.5   # nonzero mean: LayerNorm and RMSNorm differ
-    stand_in = object.__new__(type(module))
-    stand_in.__dict__.update(module.__dict__)
-    for attr in ("forward", "_hf_hook", "_old_forward"):   # the class's computation (see _probe_rms_norm)
-        stand_in.__dict__.pop(attr, None)
-    y = _forward_or_failure(stand_in, x, "", candidate)
+    y = _forward_or_failure(stand_in, x, "on a random input", candidate)
     if isinstance(y, RMSNormProbe):
         return refuse(y.reason)
     if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != x.dtype:
@@ -567,28 +628,64 @@ def probe_weightless_norm(module: nn.Module) -> WeightlessNormProbe:
     if kind is None:
         return refuse("output is neither x * rsqrt(mean(x^2) + eps) (RMSNorm) nor (x - mean) * rsqrt(var + eps) "
                       "(LayerNorm) over the last dimension")
-    eps_name, eps, bad_eps = eps_of(module)
-    if bad_eps is not None:
-        return refuse(f"{bad_eps}", kind)
     if eps_name is None:
         eps = _measured_eps(stand_in, x, kind)
         if eps is None:
             return refuse("probe forward on a small input failed", kind)
     where = f"its {eps_name}" if eps_name else "read from its output"
-    if not torch.allclose(y.double(), _weightless_ref(x, kind, eps), atol=1e-5, rtol=1e-4):
-        err = (y.double() - _weightless_ref(x, kind, eps)).abs().max().item()
-        return refuse(f"output differs from the formula with eps={eps:g} ({where}; max abs diff {err:.3g})", kind)
-    # eps at work: inputs whose statistic is near eps (see _probe_rms_norm)
+
+    def differs(xi: torch.Tensor, what: str, atol: float = 1e-5, rtol: float = 1e-4, mode: bool | None = None):
+        """None where the stand-in's fp32 output on ``xi`` (in training mode ``mode``, None: the module's) is the
+        formula; else the refusal."""
+        if mode is not None:
+            object.__setattr__(stand_in, "training", mode)
+        try:
+            yi = _forward_or_failure(stand_in, xi, what, candidate)
+        finally:
+            object.__setattr__(stand_in, "training", module.training)
+        if isinstance(yi, RMSNormProbe):
+            return refuse(yi.reason, kind)
+        ref = _weightless_ref(xi, kind, eps)
+        if (not isinstance(yi, torch.Tensor) or yi.shape != xi.shape
+                or not torch.allclose(yi.double(), ref, atol=atol, rtol=rtol, equal_nan=True)):
+            err = ((yi.double() - ref).abs().max().item() if isinstance(yi, torch.Tensor) and yi.shape == xi.shape
+                   else float("nan"))
+            return refuse(f"output differs from the formula with eps={eps:g} ({where}) {what} (max abs diff "
+                          f"{err:.3g})", kind)
+        return None
+
+    bad = differs(x, "on a random input", atol=1e-6, rtol=1e-5)
+    if bad:
+        return bad
+    # eps at work (see _probe_rms_norm), large rows (a clamp shows), and zero rows: zeros out, NaN with eps 0
     c = x - x.mean(-1, keepdim=True) if kind == "layer_norm" else x
-    for stat in ((eps, 0.1 * eps) if eps > 0 else (1e-6, 1e-12, 1e-18)):
-        xs = x * torch.sqrt(stat / c.pow(2).mean(-1, keepdim=True))
-        ys = _forward_or_failure(stand_in, xs, "on a small input", candidate)
-        if isinstance(ys, RMSNormProbe):
-            return refuse(ys.reason, kind)
-        if (not isinstance(ys, torch.Tensor) or ys.shape != x.shape
-                or not torch.allclose(ys.double(), _weightless_ref(xs, kind, eps), atol=1e-5, rtol=1e-3)):
-            return refuse(f"output differs from the formula with eps={eps:g} ({where}) on inputs whose statistic is "
-                          f"{stat:.3g}: eps is used otherwise", kind)
+    for stat in (1e6,) + ((eps, 0.1 * eps) if eps > 0 else (1e-6, 1e-12, 1e-18)):
+        bad = differs(x * torch.sqrt(stat / c.pow(2).mean(-1, keepdim=True)),
+                      f"on inputs whose statistic is {stat:.3g}", rtol=1e-3)
+        if bad:
+            return bad
+    bad = differs(torch.zeros_like(x), "on rows of zeros")
+    if bad:
+        return bad
+    # the other training mode, on 4-d rows (a dropout in training, a norm over another dimension)
+    x4 = torch.randn(2, 1, 3, n, generator=gen, dtype=torch.float32) + 0.5
+    bad = differs(x4, f"in {'eval' if module.training else 'training'} mode on 4-d rows", mode=not module.training)
+    if bad:
+        return bad
+    # the gradient of the input (a statistic detached from the graph, a custom backward)
+    xg = x.clone().requires_grad_()
+    dy = torch.randn(x.shape, generator=gen, dtype=torch.float32)
+    try:
+        with torch.enable_grad():
+            stand_in.forward(xg).backward(dy)
+    except Exception as exc:  # noqa: BLE001
+        return refuse(f"probe backward failed: {type(exc).__name__}: {exc}", kind)
+    xd = x.double().requires_grad_()
+    with torch.enable_grad():
+        _weightless_ref(xd, kind, eps).backward(dy.double())
+    if xg.grad is None or not torch.allclose(xg.grad.double(), xd.grad, atol=1e-5, rtol=1e-4):
+        err = (xg.grad.double() - xd.grad).abs().max().item() if xg.grad is not None else float("nan")
+        return refuse(f"the gradient of its input differs from the formula's (max abs diff {err:.3g})", kind)
     # the width: rows of another one are refused by a module of one width, and normalized over by one of any
     x2 = torch.randn(2, n + 5, generator=gen, dtype=torch.float32) + 0.5
     try:
@@ -601,27 +698,43 @@ def probe_weightless_norm(module: nn.Module) -> WeightlessNormProbe:
         if not isinstance(y2, torch.Tensor) or y2.shape != x2.shape or not torch.allclose(
                 y2.double(), _weightless_ref(x2, kind, eps), atol=1e-5, rtol=1e-4):
             return refuse(f"on rows of {n + 5} values its output is not the formula over the last dimension", kind)
-        width = None
+        if kind == "rms_norm":
+            width = None   # (a LayerNorm keeps the width it names: FusedLayerNorm takes one, and the model's is it)
     if kind == "layer_norm" and width is None:
-        return refuse("normalizes rows of any width: FusedLayerNorm takes one (normalized_shape)", kind)
-    # the rounding: fp32 math, one rounding to the input's dtype, the output in it
-    x16 = x.to(torch.bfloat16)
-    y16 = _forward_or_failure(stand_in, x16, "in bf16", candidate)
-    if isinstance(y16, RMSNormProbe):
-        return refuse(y16.reason, kind)
-    if not isinstance(y16, torch.Tensor) or y16.shape != x.shape or y16.dtype != torch.bfloat16:
-        return refuse("with a bf16 input its output is not a bf16 tensor of the input's shape (the fused norms "
-                      "return the input's dtype)", kind)
-    once = _weightless_ref(x16, kind, eps).to(torch.bfloat16)
-    off = int((y16 != once).sum())
-    if off > max(1, y16.numel() // 64):
-        return refuse(f"with a bf16 input its output differs from the fp32 formula rounded once to bf16 in {off} of "
-                      f"{y16.numel()} elements: the fused norms would round it otherwise", kind)
+        return refuse("normalizes rows of any width and names none (normalized_shape): FusedLayerNorm takes one",
+                      kind)
+    # the rounding: fp32 math, one rounding to a 16-bit input's dtype, the output in it
+    for dt, short in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        xh = x.to(dt)
+        yh = _forward_or_failure(stand_in, xh, f"in {short}", candidate)
+        if isinstance(yh, RMSNormProbe):
+            return refuse(yh.reason, kind)
+        if not isinstance(yh, torch.Tensor) or yh.shape != x.shape or yh.dtype != dt:
+            return refuse(f"with a {short} input its output is not a {short} tensor of the input's shape (the fused "
+                          "norms return the input's dtype)", kind)
+        once = _weightless_ref(xh, kind, eps).to(dt)
+        off = int((yh != once).sum())
+        if off > max(1, yh.numel() // 64):
+            return refuse(f"with a {short} input its output differs from the fp32 formula rounded once to {short} in "
+                          f"{off} of {yh.numel()} elements: the fused norms would round it otherwise", kind)
+    # the output's dtype under autocast (CUDA's rule for the norm ops): the input's (it casts back), or fp32
+    dtypes = []
+    for xi in (x, x.to(torch.bfloat16)):
+        try:
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), _CudaAutocastNorms():
+                dtypes.append(stand_in.forward(xi).dtype)
+        except Exception as exc:  # noqa: BLE001
+            return refuse(f"probe forward under autocast failed: {type(exc).__name__}: {exc}", kind)
+    if dtypes[0] != torch.float32 or dtypes[1] not in (torch.bfloat16, torch.float32):
+        return refuse(f"under autocast (bf16) it returns {dtypes[0]} for an fp32 input and {dtypes[1]} for a bf16 one "
+                      "(the fused norms: the input's dtype, or fp32 as F.layer_norm / F.rms_norm)", kind)
+    in_dtype = dtypes[1] == torch.bfloat16
     what = "RMSNorm" if kind == "rms_norm" else "LayerNorm"
-    read = f"eps={eps:g} ({eps_name})" if eps_name else f"eps={eps:g} (read from its output)"
     over = f"over {width} values" if width else "over the last dimension of any width"
-    return WeightlessNormProbe(True, kind, eps, width, f"{what} without parameters {over}, {read}; one rounding, "
-                               "output in the input's dtype", True, eps_name)
+    cast = "output in the input's dtype" if in_dtype else "fp32 under autocast, as F." + kind
+    return WeightlessNormProbe(True, kind, None if bad_eps else eps, width,
+                               f"{what} without parameters {over}, eps={eps:g} ({where}); one rounding, {cast}",
+                               True, eps_name, in_dtype, bad_eps)
 
 
 # --------------------------------------------------------------------------------------------------------------------
