@@ -206,6 +206,18 @@ def eps_of(module: nn.Module) -> tuple[str | None, float | None, Exception | Non
         return name, None, e
 
 
+def _stand_in(module: nn.Module) -> nn.Module:
+    """A shallow stand-in for a probe: ``module``'s class, its instance attributes (lists, dicts and sets copied, so
+    that a forward appending to one leaves the module as it was: a review), without a forward set on the instance
+    (accelerate's hooks, a patch: that one must not run on the probe's CPU tensors)."""
+    stand_in = object.__new__(type(module))
+    stand_in.__dict__.update({k: copy.copy(v) if isinstance(v, (list, dict, set)) else v
+                              for k, v in module.__dict__.items()})
+    for name in ("forward", "_hf_hook", "_old_forward"):
+        stand_in.__dict__.pop(name, None)
+    return stand_in
+
+
 @probe_isolated
 def probe_rms_norm(module: nn.Module) -> RMSNormProbe:
     """Check numerically whether ``module`` computes RMSNorm (see the module docstring), over whatever size its weight
@@ -273,12 +285,8 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
     gen = torch.Generator().manual_seed(1234)
     w = torch.rand(n, generator=gen, dtype=torch.float32) + 0.5
     x = torch.randn(2, 3, n, generator=gen, dtype=torch.float32) + 0.5   # nonzero mean: rejects mean-subtracting norms
-    stand_in = object.__new__(type(module))
-    stand_in.__dict__.update(module.__dict__)
-    # the class's computation, not a forward set on the instance (accelerate's hooks, a patch): that one must not run
-    # on the probe's CPU tensors (it may move them, or have effects), and fuse() leaves such modules alone anyway
-    for name in ("forward", "_hf_hook", "_old_forward"):
-        stand_in.__dict__.pop(name, None)
+    # (the class's computation, not a forward set on the instance: fuse() leaves such modules alone anyway)
+    stand_in = _stand_in(module)
     if bad_eps is not None:
         # an epsilon the fused ops refuse: the formula is checked with a good one in its place, and an RMSNorm is
         # reported with bad_eps, for fuse to raise it naming the module (as it does for nn.LayerNorm's) and for
@@ -517,18 +525,6 @@ def _measured_eps(stand_in: nn.Module, x: torch.Tensor, kind: str) -> float | No
             rounded = float(f"{eps:.3g}")
             return rounded if abs(rounded - eps) <= 1e-4 * eps else eps
     return 0.0
-
-
-def _stand_in(module: nn.Module) -> nn.Module:
-    """A shallow stand-in for a probe: ``module``'s class, its instance attributes (lists, dicts and sets copied, so
-    that a forward appending to one leaves the module as it was: a review), without a forward set on the instance
-    (accelerate's hooks, a patch: that one must not run on the probe's CPU tensors)."""
-    stand_in = object.__new__(type(module))
-    stand_in.__dict__.update({k: copy.copy(v) if type(v) in (list, dict, set) or isinstance(v, dict) else v
-                              for k, v in module.__dict__.items()})
-    for name in ("forward", "_hf_hook", "_old_forward"):
-        stand_in.__dict__.pop(name, None)
-    return stand_in
 
 
 class _CudaAutocastNorms(torch.overrides.TorchFunctionMode):
@@ -920,10 +916,7 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     else:
         gate, up = (stand[n] for n in layout.projections[:2])
         gate_w, gate_b, up_w, up_b = gate.weight, gate.bias, up.weight, up.bias
-    stand_in = object.__new__(type(module))
-    stand_in.__dict__.update(module.__dict__)
-    for name in ("forward", "_hf_hook", "_old_forward"):
-        stand_in.__dict__.pop(name, None)
+    stand_in = _stand_in(module)
     object.__setattr__(stand_in, "_parameters", {})
     object.__setattr__(stand_in, "_buffers", {})
     act = {acts[0]: nn.SiLU() if kind == "silu" else nn.GELU(approximate=GELU_APPROXIMATE[kind])} if acts else {}
