@@ -1,5 +1,5 @@
-"""End-to-end: one training step (forward, backward, AdamW) of Llama-, GPT-NeoX-, Qwen3-, Phi-3-, Gemma- and
-Qwen3-MoE-like models, bf16, seq 2048.
+"""End-to-end: one training step (forward, backward, AdamW) of Llama-, GPT-NeoX-, Qwen3-, Phi-3-, Gemma-,
+Qwen3-MoE-, Gemma 4 MoE- and OLMo-like models, bf16, seq 2048.
 
 Models (random init from a config, no weights downloaded):
 

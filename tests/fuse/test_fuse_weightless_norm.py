@@ -333,9 +333,56 @@ def test_probe_leaves_the_module_as_it_was():
 
 def test_a_parameterless_module_that_is_no_norm_gets_no_row():
     """A module with an eps attribute that computes no norm and whose name says none: no row (a review: SafeLog got
-    an rms_norm row, counted in the title)."""
-    report = fuse(nn.Sequential(nn.Linear(8, 8), SafeLog()), dry_run=True)
-    assert not report.rows, report.rows
+    an rms_norm row, counted in the title; a walkthrough: so did x * 2, which passes the proportionality check)."""
+
+    class Twice(nn.Module):
+        eps = 1e-6
+
+        def forward(self, x):
+            return x * 2
+
+    for m in (SafeLog(), Twice()):
+        report = fuse(nn.Sequential(nn.Linear(8, 8), m), dry_run=True)
+        assert not report.rows, report.rows
+
+
+def test_walkthrough_fixes_of_the_modules():
+    """On the CPU, 16-bit inputs of OLMo's and Gemma 4's norms: the fused module computes in fp32 and rounds once, as
+    the module does (PyTorch's 16-bit CPU backward is less exact), so input gradients equal the module's; the flag
+    exists on every FusedLayerNorm and takes a bool; the argument checks name the argument; an epsilon changed on a
+    fused OLMo norm warns at unfuse, having nothing to go back to."""
+    mods = [(tr.models.olmo.modeling_olmo.OlmoLayerNorm(256), FusedLayerNorm)]
+    if "gemma4_text" in CONFIG_MAPPING:
+        mods.append((tr.models.gemma4.modeling_gemma4.Gemma4RMSNorm(256, eps=1e-6, with_scale=False), FusedRMSNorm))
+    for m, cls in mods:
+        f = cls.from_module(m)
+        for dt in (torch.bfloat16, torch.float16):
+            x = (torch.randn(8, 256, generator=torch.Generator().manual_seed(1)) * 2 + 0.5).to(dt)
+            g = torch.randn(8, 256, generator=torch.Generator().manual_seed(2)).to(dt)
+            xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+            m(xa).backward(g)
+            f(xb).backward(g)
+            torch.testing.assert_close(xb.grad, xa.grad, **tol(dt, 0.05))
+    assert FusedLayerNorm(8).output_in_input_dtype is False
+    assert FusedLayerNorm.from_layer_norm(nn.LayerNorm(8)).output_in_input_dtype is False
+    with pytest.raises(TypeError, match=r"^output_in_input_dtype: expected a bool, got str"):
+        FusedLayerNorm(8).output_in_input_dtype = "yes"
+    with pytest.raises(TypeError, match=r"^elementwise_affine: expected a bool, got str"):
+        FusedRMSNorm(8, elementwise_affine="no")
+    with pytest.raises(TypeError, match=r"got torch.nn.RMSNorm, which does not subtract the mean: use "
+                                        r"FusedRMSNorm.from_module"):
+        FusedLayerNorm.from_module(nn.RMSNorm(8, elementwise_affine=False))
+    with pytest.raises(TypeError, match=r"got GroupNorm, whose statistics are per group"):
+        FusedLayerNorm.from_module(nn.GroupNorm(1, 8, affine=False))
+    with pytest.raises(ValueError, match=r"^module: BufferNorm has buffers \(scale\), which the fused module"):
+        FusedRMSNorm.from_module(BufferNorm(), verify=False)
+    assert FusedLayerNorm.from_module(tr.models.olmo.modeling_olmo.OlmoLayerNorm(8), 1e-3, verify=False).eps == 1e-3
+    model = _olmo(layers=1)
+    fuse(model)
+    model.model.norm.eps = 1e-3
+    with pytest.warns(UserWarning, match=r"unfuse: the eps set on the fused replacement of the OlmoLayerNorm \(0.001\) "
+                                         r"is not carried back"):
+        unfuse(model)
 
 
 def test_probe_leaves_modules_that_are_not_norms():

@@ -103,6 +103,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import warnings
 import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -916,6 +917,11 @@ def _carry_back(new: nn.Module, rec: _Replaced) -> None:
     eps = new.__dict__.get("eps", _MISSING)
     if rec.eps_attr is not None and eps is not _MISSING and eps is not rec.eps:
         setattr(old, rec.eps_attr, eps)
+    elif rec.eps_attr is None and eps is not _MISSING and eps is not rec.eps:
+        # (OLMo's LayerNorm writes its epsilon in its forward: there is nothing to carry the new one back to)
+        warnings.warn(f"unfuse: the eps set on the fused replacement of the {type(old).__name__} ({eps!r}) is not "
+                      f"carried back: {type(old).__name__} has no epsilon attribute (its forward uses its own)",
+                      stacklevel=3)
     _carry_parametrizations_back(new, old)
 
 

@@ -344,11 +344,28 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
         super().__init__(shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias,
                          device=device, dtype=dtype)
         self.impl = impl
-        if output_in_input_dtype:   # (absent: False; so a module pickled before the flag existed reads the same)
-            self.output_in_input_dtype = True
+        self.output_in_input_dtype = output_in_input_dtype
+
+    @property
+    def output_in_input_dtype(self) -> bool:
+        """The output in the input's dtype, under CUDA autocast too (see the class). Stored in the instance's
+        ``__dict__`` (False where absent: a module pickled before the flag existed, or built by
+        :meth:`from_layer_norm`); set, it must be a bool."""
+        return self.__dict__.get("output_in_input_dtype", False)
+
+    @output_in_input_dtype.setter
+    def output_in_input_dtype(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"output_in_input_dtype: expected a bool, got {type(value).__name__}")
+        self.__dict__["output_in_input_dtype"] = value
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias  # once each: a module attribute lookup costs ~0.6 us of host time
+        if (w is None and b is None and self.__dict__.get("output_in_input_dtype", False)
+                and isinstance(input, torch.Tensor) and input.dtype in _HALF and not _common.on_kernel_device(input)):
+            # off the kernels' devices (the CPU) the op is PyTorch's, whose 16-bit backward is less exact than the fp32
+            # one: OLMo's own computation there (fp32, one rounding), as the kernels compute it (a walkthrough)
+            return self.forward(input.float()).to(input.dtype)
         if (_small_native("layer_norm", self.impl, input, self.normalized_shape, self.eps)
                 and (w is None or w.dtype == input.dtype) and (b is None or b.dtype == input.dtype)):
             # What the dispatcher would choose (the small-problem rule), without its per-call cost: at these sizes
@@ -371,7 +388,7 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
                                        if self.__dict__.get("output_in_input_dtype", False) else "")
 
     @classmethod
-    def from_module(cls, module: nn.Module, *, eps: float | None = None, impl: str | None = None,
+    def from_module(cls, module: nn.Module, eps: float | None = None, *, impl: str | None = None,
                     output_in_input_dtype: bool | None = None, verify: bool = True) -> "FusedLayerNorm":
         """A fused module for ``module``: a ``torch.nn.LayerNorm`` (:meth:`from_layer_norm`: its parameter objects
         shared; ``eps`` and ``output_in_input_dtype`` must not be given), or a LayerNorm without parameters such as
@@ -387,8 +404,8 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
 
         Raises:
             TypeError: ``module`` is not an ``nn.Module``, or has parameters and is not a ``torch.nn.LayerNorm``, or
-                does not look like a norm (no ``norm`` in its class name and no epsilon attribute);
-                ``output_in_input_dtype`` not a bool or None.
+                is a ``torch.nn.RMSNorm``, ``GroupNorm`` or batch / instance norm, or does not look like a norm (no
+                ``norm`` in its class name and no epsilon attribute); ``output_in_input_dtype`` not a bool or None.
             ValueError: the probe refuses it (its reason is given: a norm of rows of any width that names none,
                 another rounding) or finds an RMSNorm (use ``FusedRMSNorm.from_module``) or another
                 ``output_in_input_dtype`` than the one given; with ``verify=False``, no ``normalized_shape`` of one
@@ -400,6 +417,12 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
             if eps is not None or output_in_input_dtype is not None:
                 raise ValueError("eps / output_in_input_dtype: a torch.nn.LayerNorm's are its own (from_layer_norm)")
             return cls.from_layer_norm(module, impl=impl)
+        if isinstance(module, nn.RMSNorm):
+            raise TypeError("module: expected a torch.nn.LayerNorm or a LayerNorm without parameters, got "
+                            "torch.nn.RMSNorm, which does not subtract the mean: use FusedRMSNorm.from_module")
+        if isinstance(module, (nn.GroupNorm, nn.modules.batchnorm._NormBase)):
+            raise TypeError(f"module: expected a torch.nn.LayerNorm or a LayerNorm without parameters, got "
+                            f"{type(module).__name__}, whose statistics are per group / over the batch")
         if not isinstance(module, nn.Module) or any(True for _ in module.parameters()):
             raise TypeError(f"module: expected a torch.nn.LayerNorm or a LayerNorm without parameters, got "
                             f"{type(module).__name__}" + (" with parameters" if isinstance(module, nn.Module) else ""))
@@ -469,8 +492,8 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
     this repository's pipegoose/kernels/csrc/rms_norm.cu and norm_kernels.cuh).
 
     Raises (when constructed, not at the first forward):
-        TypeError: both of ``normalized_shape`` / ``hidden_size``, or neither with ``elementwise_affine=True``; the one
-            given not an integer or a
+        TypeError: both of ``normalized_shape`` / ``hidden_size``, or neither with ``elementwise_affine=True``;
+            ``elementwise_affine`` not a bool; the one given not an integer or a
             sequence of them; ``eps`` not a number or None (a bool, int, float, numpy scalar or 0-d tensor, as
             :func:`~pipegoose.nn.fusion.functional.rms_norm` takes); ``cast_before_weight``,
             ``output_in_weight_dtype`` or ``output_in_input_dtype`` not a bool; ``impl`` not a str or None;
@@ -487,6 +510,8 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
                  device=None, dtype=None, impl: str | None = None) -> None:
         super().__init__()
         self.output_in_weight_dtype = output_in_weight_dtype
+        if not isinstance(elementwise_affine, bool):
+            raise TypeError(f"elementwise_affine: expected a bool, got {type(elementwise_affine).__name__}")
         if normalized_shape is None and hidden_size is None and not elementwise_affine:
             self.normalized_shape = None   # the last dimension of each input (see the class)
         elif (normalized_shape is None) == (hidden_size is None):
@@ -554,6 +579,11 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         shape = self.normalized_shape
         if shape is None:   # the last dimension of each input
             shape = _last_dim(input)
+        if (w is None and getattr(self, "output_in_input_dtype", False) and isinstance(input, torch.Tensor)
+                and input.dtype in _HALF and not _common.on_kernel_device(input)):
+            # off the kernels' devices the op is PyTorch's, whose 16-bit backward is less exact than the fp32 one:
+            # Gemma 4's own computation there (fp32, one rounding), as the kernels compute it (see FusedLayerNorm)
+            return self.forward(input.float()).to(input.dtype)
         # (the property's storage read directly; a module pickled before the field existed has none: 0.0)
         offset = self.__dict__.get("weight_offset", 0.0)
         if offset:
@@ -641,10 +671,20 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         replaced; a flag or offset given that contradicts what it finds is refused too. ``verify=False`` takes the
         module on the caller's word (a module without a runnable forward, or one whose eps lives under another name).
 
+        A module without parameters (Gemma 4's ``Gemma4RMSNorm(with_scale=False)``, its ``v_norm`` and router norm)
+        gives a module without weight: with ``verify``, of the width, epsilon and ``output_in_input_dtype`` that
+        ``transformers.matching.probe_weightless_norm`` finds (width None, the last dimension of each input, where
+        the module takes rows of any width; an epsilon the forward writes is read from its output); with
+        ``verify=False``, its ``normalized_shape`` where it names one size (else None), its epsilon attribute or
+        ``eps``, and ``output_in_input_dtype`` True unless given. ``output_in_weight_dtype`` and ``weight_offset``
+        need a weight.
+
         Raises:
             TypeError: ``module`` is not ``torch.nn.RMSNorm`` and does not have exactly one parameter of its own, a
-                ``weight`` of one or more dims (an ``nn.Linear``, with its bias, is refused), or it is a
-                ``torch.nn.LayerNorm`` (even without bias), ``GroupNorm`` or batch/instance norm.
+                ``weight`` of one or more dims (an ``nn.Linear``, with its bias, is refused), nor none (a module
+                without parameters that does not look like a norm: no ``norm`` in its class name and no epsilon
+                attribute; or one holding a plain tensor ``weight``), or it is a ``torch.nn.LayerNorm`` (even
+                without bias), ``GroupNorm`` or batch/instance norm.
             TypeError / ValueError: ``eps`` is not given and the module's epsilon attribute holds no number / a
                 negative or non-finite one (the error names the attribute; numpy scalars and 0-d tensors are taken).
             TypeError / ValueError: ``weight_offset`` as the class refuses it (and nonzero with
@@ -653,7 +693,9 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
                 is not given;
                 with ``verify``, the probe finds another formula (the message gives its reason), or a rounding or
                 offset other than an ``output_in_weight_dtype`` / ``output_in_input_dtype`` / ``weight_offset`` given
-                says (it names the values); a nonzero ``weight_offset`` for ``torch.nn.RMSNorm``.
+                says (it names the values); a nonzero ``weight_offset`` for ``torch.nn.RMSNorm``; for a module without
+                parameters: the probe of norms without parameters refuses it (its reason) or finds a LayerNorm (use
+                ``FusedLayerNorm.from_module``), ``output_in_weight_dtype`` given, buffers with ``verify=False``.
         """
         if not isinstance(module, nn.Module):
             raise TypeError(f"module: expected torch.nn.RMSNorm or an RMSNorm-style torch.nn.Module, got "
@@ -1285,6 +1327,9 @@ def _weightless_style(module: nn.Module, kind: str, eps: float | None, verify: b
                              "verify=False takes it")
         width, found, eps_error, in_dtype = probe.width, probe.eps, probe.eps_error, probe.output_in_input_dtype
     else:
+        if list(module.buffers(recurse=False)):
+            raise ValueError(f"module: {name} has buffers ({', '.join(n for n, _ in module.named_buffers())}), which "
+                             "the fused module would drop")
         width = _width_of(module)
         if isinstance(width, str) or (width is None and kind == "layer_norm"):
             raise ValueError(f"module: {name} has no normalized_shape of one size (got "
