@@ -592,3 +592,25 @@ def test_fused_olmo_on_cuda_runs_the_kernel(no_tuning_table, dtype):
         e_f = (fus[1][n].double() - g64).norm().item()
         e_u = (unf[1][n].double() - g64).norm().item()
         assert e_f <= 2 * e_u + (t["atol"] + t["rtol"]) * gs, (n, e_f, e_u)
+
+
+def test_the_rms_norm_probe_runs_the_other_training_mode_too():
+    """An RMSNorm with a weight and a dropout in training only, probed in eval mode: refused (the probe of norms with
+    a weight ran the module's current mode only; found by session 70's review of the weightless probe)."""
+    from pipegoose.nn.fusion.transformers.matching import probe_rms_norm
+
+    class DropoutRMSNorm(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.weight, self.variance_epsilon = nn.Parameter(torch.ones(n)), 1e-6
+
+        def forward(self, x):
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return self.weight * nn.functional.dropout(h, 0.5, self.training).to(x.dtype)
+
+    for m in (DropoutRMSNorm(16).eval(), DropoutRMSNorm(16).train()):
+        p = probe_rms_norm(m)
+        assert not p.ok and "mode differs from that in its current mode (a dropout?)" in p.reason, p
+    assert probe_rms_norm(models.LlamaStyleRMSNorm(16).train()).ok
+

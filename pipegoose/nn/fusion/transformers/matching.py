@@ -306,6 +306,18 @@ def _probe_rms_norm(module: nn.Module, pname: str, weight: torch.Tensor, looks_l
         return RMSNormProbe(False, None, f"probe forward failed: {type(exc).__name__}: {exc}", looks_like_norm)
     if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.device != x.device:
         return RMSNormProbe(False, None, "probe output has another shape or device", looks_like_norm)
+    # the other training mode gives the same (a dropout in training only; session 70's review of the weightless probe)
+    other = "eval" if module.training else "training"
+    object.__setattr__(stand_in, "training", not module.training)
+    try:
+        y_other = _forward_or_failure(stand_in, x, f"in {other} mode", looks_like_norm)
+    finally:
+        object.__setattr__(stand_in, "training", module.training)
+    if isinstance(y_other, RMSNormProbe):
+        return y_other
+    if not isinstance(y_other, torch.Tensor) or y_other.shape != y.shape or not torch.equal(y_other, y):
+        return RMSNormProbe(False, None, f"its output in {other} mode differs from that in its current mode (a "
+                            "dropout?): FusedRMSNorm computes the same in both", looks_like_norm)
     # a weight that broadcasts (one element over rows of any width): FusedRMSNorm normalizes over the weight's size
     # only, so a module that also runs on other widths is not one it can stand in for
     try:
