@@ -448,7 +448,7 @@ def test_from_module_errors():
     with pytest.raises(ValueError, match=r"output differs from the formula with eps=1e-05 \(its eps\) on a random"):
         FusedLayerNorm.from_module(AttrLayerNorm(8, used=1e-3))
     for bad in (nn.ReLU(), nn.Linear(4, 4)):
-        with pytest.raises(TypeError, match=r"^module: expected a torch.nn.LayerNorm or a LayerNorm without"):
+        with pytest.raises(TypeError, match=r"^module: expected a torch.nn.LayerNorm or a LayerNorm-style module"):
             FusedLayerNorm.from_module(bad)
     with pytest.raises(TypeError, match=r"^module: expected torch.nn.RMSNorm or an RMSNorm-style"):
         FusedRMSNorm.from_module(nn.ReLU())
@@ -614,3 +614,136 @@ def test_the_rms_norm_probe_runs_the_other_training_mode_too():
         assert not p.ok and "mode differs from that in its current mode (a dropout?)" in p.reason, p
     assert probe_rms_norm(models.LlamaStyleRMSNorm(16).train()).ok
 
+
+
+# ------------------------------------------------------------------------------- LayerNorms of their own class
+def _cohere(qk_norm=False, hidden=64):
+    if "cohere" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no cohere")
+    torch.manual_seed(0)
+    cfg = tr.CohereConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
+                          num_key_value_heads=2, num_hidden_layers=2, vocab_size=models.VOCAB,
+                          max_position_embeddings=64, use_qk_norm=qk_norm, pad_token_id=0, bos_token_id=1,
+                          eos_token_id=2)
+    model = tr.CohereForCausalLM(cfg).eval()
+    for m in model.modules():   # (weights off 1, so that a dropped weight shows)
+        if type(m).__name__ == "CohereLayerNorm":
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+    return model
+
+
+class BiasLayerNorm(nn.Module):
+    """Cohere's LayerNorm with a bias too: fp32 math, one rounding to the input's dtype."""
+
+    def __init__(self, n, eps=1e-5):
+        super().__init__()
+        self.weight, self.bias, self.eps = nn.Parameter(torch.ones(n)), nn.Parameter(torch.zeros(n)), eps
+
+    def forward(self, x):
+        return nn.functional.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(),
+                                        self.eps).to(x.dtype)
+
+
+class HalfLayerNorm(BiasLayerNorm):
+    """The same with the parameters cast to the input's dtype: an fp32 weight rounded to bf16 first, another
+    rounding."""
+
+    def forward(self, x):
+        return nn.functional.layer_norm(x, x.shape[-1:], self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
+
+
+def test_layer_norm_probe_of_modules_with_a_weight():
+    """probe_layer_norm_module accepts Cohere's and Cohere 2's LayerNorm and one with a bias; Cohere's per-head q/k
+    norms (a 2-D weight, each head normalized over its own values), RMSNorms (Llama's, T5's "LayerNorm") and a
+    LayerNorm of another rounding are not (the RMSNorm ones are no candidate: the RMSNorm probe reports them)."""
+    from pipegoose.nn.fusion.transformers.matching import probe_layer_norm_module
+
+    cohere = tr.models.cohere.modeling_cohere
+    for m in (cohere.CohereLayerNorm(32, eps=1e-5), BiasLayerNorm(32)):
+        p = probe_layer_norm_module(m)
+        assert p.ok and p.eps == 1e-5 and p.output_in_input_dtype, p
+    p = probe_layer_norm_module(cohere.CohereLayerNorm((4, 8), eps=1e-5))
+    assert not p.ok and not p.candidate and "its weight is (4, 8)" in p.reason, p
+    for m in (models.LlamaStyleRMSNorm(32), tr.models.t5.modeling_t5.T5LayerNorm(32)):
+        p = probe_layer_norm_module(m)
+        assert not p.ok and not p.candidate, p
+    p = probe_layer_norm_module(HalfLayerNorm(32))
+    assert not p.ok and p.candidate and "with bf16 input and fp32 parameters its output differs" in p.reason, p
+
+
+def test_fuse_cohere_layer_norms():
+    """Every CohereLayerNorm of a Cohere model is fused (kind layer_norm, MixedFusedLayerNorm sharing its weight,
+    eps its variance_epsilon); loss and gradients equal the unfused model's within fp32 rounding, under CPU autocast
+    too; state_dict keys unchanged; unfuse restores them. With use_qk_norm, the per-head q/k norms are skipped with
+    the reason (kind rms_norm, as before)."""
+    model = _cohere()
+    norms = {p: m for p, m in model.named_modules() if type(m).__name__ == "CohereLayerNorm"}
+    assert len(norms) == 3
+    keys = set(model.state_dict())
+    ref = _step(model)
+    report = fuse(model)
+    rows = [r for r in report.rows if r.path in norms]
+    assert len(rows) == 3 and all((r.kind, r.replacement, r.fused) == ("layer_norm", "MixedFusedLayerNorm", True)
+                                  for r in rows), rows
+    assert all(r.reason.startswith("LayerNorm of a weight over 64 values, eps=1e-05 (its variance_epsilon)")
+               for r in rows), rows
+    fused = dict(model.named_modules())
+    for p, m in norms.items():
+        assert isinstance(fused[p], MixedFusedLayerNorm) and fused[p].weight is m.weight and fused[p].bias is None
+    assert set(model.state_dict()) == keys
+    got = _step(model)
+    torch.testing.assert_close(got[0], ref[0], **tol(torch.float32))
+    for n, g in ref[1].items():
+        torch.testing.assert_close(got[1][n], g, **tol(torch.float32), msg=lambda m: f"grad of {n}: {m}")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused_loss = _step(model)[0]
+    assert unfuse(model)
+    assert all(dict(model.named_modules())[p] is m for p, m in norms.items())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(_step(model)[0], fused_loss, **tol(torch.bfloat16))
+    qk = _cohere(qk_norm=True)
+    rows = [r for r in fuse(qk, dry_run=True).rows if r.path.endswith(("q_norm", "k_norm"))]
+    assert len(rows) == 4 and all(not r.fused and "is 2-D" in r.reason for r in rows), rows
+
+
+def test_from_module_of_a_layer_norm_module():
+    m = BiasLayerNorm(16)
+    nn.init.uniform_(m.weight, 0.5, 1.5)
+    nn.init.normal_(m.bias)
+    f = FusedLayerNorm.from_module(m)
+    assert f.weight is m.weight and f.bias is m.bias and f.eps == 1e-5 and f.output_in_input_dtype
+    for dt in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 16, generator=torch.Generator().manual_seed(5)).to(dt)
+        torch.testing.assert_close(f(x), m(x), **tol(dt, 0.1))
+    with pytest.raises(ValueError, match=r"^module: HalfLayerNorm does not pass the LayerNorm probe: with bf16"):
+        FusedLayerNorm.from_module(HalfLayerNorm(16))
+    assert FusedLayerNorm.from_module(HalfLayerNorm(16), verify=False).weight is not None
+    with pytest.raises(TypeError, match=r"^module: expected a torch.nn.LayerNorm or a LayerNorm-style module \(a 1-D"):
+        FusedLayerNorm.from_module(tr.models.cohere.modeling_cohere.CohereLayerNorm((4, 8)))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_fused_cohere_on_cuda_runs_the_kernel(no_tuning_table, dtype):
+    """A fused Cohere model on CUDA in each dtype: every layer_norm call ran pipegoose's kernel (strict mode), loss
+    and gradients within twice the unfused model's error from a float64 copy plus the dtype's tolerance."""
+    model = _cohere(hidden=128).cuda()
+    ref = _step(copy.deepcopy(model).double(), device="cuda")
+    model = model.to(dtype)
+    unf = _step(model, device="cuda")
+    fuse(model, ops=["layer_norm"])
+    try:
+        dispatch.reset_stats()
+        with dispatch.strict():
+            fus = _step(model, device="cuda")
+        assert dispatch.stats().get("layer_norm") == {"pipegoose": 3}, dispatch.stats()
+    finally:
+        unfuse(model)
+    t = TOLERANCES[dtype]
+    e_f, e_u = (fus[0].double() - ref[0]).abs().item(), (unf[0].double() - ref[0]).abs().item()
+    assert e_f <= 2 * e_u + t["atol"] + t["rtol"] * ref[0].abs().item(), (e_f, e_u)
+    for n, g64 in ref[1].items():
+        gs = g64.norm().item()
+        e_f = (fus[1][n].double() - g64).norm().item()
+        e_u = (unf[1][n].double() - g64).norm().item()
+        assert e_f <= 2 * e_u + (t["atol"] + t["rtol"]) * gs, (n, e_f, e_u)

@@ -14,6 +14,10 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   epsilon written in the forward from its output): Gemma 4's ``v_norm`` and its router's ``norm``
   (``Gemma4RMSNorm(with_scale=False)``) -> ``FusedRMSNorm`` over the last dimension of each input, OLMo's
   ``OlmoLayerNorm`` -> ``MixedFusedLayerNorm(elementwise_affine=False, output_in_input_dtype=True)``;
+* every LayerNorm of a class of its own with a 1-D ``weight`` (and maybe a ``bias``) that computes LayerNorm in fp32
+  with one rounding to the input's dtype, found by a numerical probe (``transformers.matching.probe_layer_norm_module``,
+  run where the RMSNorm probe would refuse it): Cohere's and Cohere 2's ``CohereLayerNorm`` -> ``MixedFusedLayerNorm``
+  sharing its parameters, kind ``layer_norm``;
 * every module that computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``, found by a numerical probe
   (``transformers.matching.probe_swiglu_mlp``: transformers' ``LlamaMLP`` and its copies in Mistral, Qwen2, Qwen3, ...)
   -> ``FusedSwiGLUMLP`` (the same projection modules; the activation and product in one kernel, op ``swiglu``), and
@@ -749,6 +753,8 @@ def _norm_kind_left_out(child: nn.Module, ops: tuple) -> str | None:
     if _weightless_leaf(child):
         probe = matching.probe_weightless_norm(child)   # (a norm without parameters: OLMo's, Gemma 4's v_norm)
         return probe.kind if probe.ok and probe.kind not in ops else None
+    if _layer_norm_module_leaf(child) and matching.probe_layer_norm_module(child).ok:   # (Cohere's)
+        return "layer_norm" if "layer_norm" not in ops else None
     if "swiglu" not in ops or "geglu" not in ops:
         probe = matching.probe_swiglu_mlp(child)
         if probe.ok and _mlp_kind(probe) not in ops:
@@ -813,6 +819,8 @@ def _bare_norm_kind(model: nn.Module) -> str | None:
     if not any(True for _ in model.parameters(recurse=False)):
         probe = matching.probe_weightless_norm(model)
         return probe.kind if probe.ok else None
+    if _layer_norm_module_leaf(model) and matching.probe_layer_norm_module(model).ok:
+        return "layer_norm"
     return "rms_norm" if matching.probe_rms_norm(model).ok else None
 
 
@@ -997,6 +1005,10 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like
             return found
     if _weightless_leaf(child):
         return _consider_weightless(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like)
+    if _layer_norm_module_leaf(child):
+        probe = matching.probe_layer_norm_module(child)
+        if probe.ok or probe.candidate:   # (else an RMSNorm, or no norm: the RMSNorm probe's to tell)
+            return _consider_layer_norm_module(child, path, ops, dry_run, MixedFusedLayerNorm, probe)
     if "rms_norm" not in ops:
         return None, None
     # torch.nn.RMSNorm, and parametrized norms (their parametrizations are children, which the probe takes for "not a
@@ -1043,6 +1055,40 @@ def _weightless_leaf(child: nn.Module) -> bool:
     RMSNorm probe's): the probe of norms without parameters decides whether it is one."""
     return (not isinstance(child, nn.RMSNorm) and not any(True for _ in child.parameters())
             and not any(True for _ in child.children()))
+
+
+def _layer_norm_module_leaf(child: nn.Module) -> bool:
+    """A leaf module of a ``weight`` and maybe a ``bias``, not one of torch's norms nor parametrized: the LayerNorm
+    probe (``matching.probe_layer_norm_module``) decides whether it is a LayerNorm of its own class (Cohere's)."""
+    names = [n for n, _ in child.named_parameters(recurse=False)]
+    return ("weight" in names and set(names) <= {"weight", "bias"} and not any(True for _ in child.children())
+            and not isinstance(child, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase))
+            and not parametrize.is_parametrized(child))
+
+
+def _consider_layer_norm_module(child, path, ops, dry_run, MixedFusedLayerNorm, probe):
+    """:func:`_consider` for a LayerNorm module of its own class (``probe``: ``matching.probe_layer_norm_module``'s,
+    ok or a candidate): ``MixedFusedLayerNorm`` sharing its ``weight`` (and ``bias``), kind ``layer_norm``; one the
+    probe refuses after it computed LayerNorm's formula gets a skipped row, not eligible."""
+    if "layer_norm" not in ops:
+        return None, None
+    name = type(child).__name__
+    if not probe.ok:
+        return FusionRow(path, "layer_norm", name, None, False, reason=probe.reason, eligible=False), None
+    why = _instance_override(child)
+    if why is not None:
+        return FusionRow(path, "layer_norm", name, None, False, reason=why), None
+    if probe.eps_error is not None:   # an epsilon the fused ops refuse: raised, as for the other norms
+        e = probe.eps_error
+        raise type(e)(f"{path} ({name}): {e}") from None
+    new = None if dry_run else _build(path, child, MixedFusedLayerNorm.from_module, child, probe.eps, verify=False,
+                                      output_in_input_dtype=probe.output_in_input_dtype)
+    w, b = child.weight, getattr(child, "bias", None)
+    shape = tuple(w.shape)
+    fwd, bwd = _impls("layer_norm", child, lambda d, t: (
+        torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, w, b))
+    return FusionRow(path, "layer_norm", name, "MixedFusedLayerNorm", True, fwd, bwd,
+                     f"{probe.reason}, same parameters{_small_note(child)}"), new
 
 
 def _consider_weightless(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like):

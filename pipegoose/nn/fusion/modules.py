@@ -361,10 +361,11 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias  # once each: a module attribute lookup costs ~0.6 us of host time
-        if (w is None and b is None and self.__dict__.get("output_in_input_dtype", False)
-                and isinstance(input, torch.Tensor) and input.dtype in _HALF and not _common.on_kernel_device(input)):
+        if (self.__dict__.get("output_in_input_dtype", False) and isinstance(input, torch.Tensor)
+                and input.dtype in _HALF and not _common.on_kernel_device(input)):
             # off the kernels' devices (the CPU) the op is PyTorch's, whose 16-bit backward is less exact than the fp32
-            # one: OLMo's own computation there (fp32, one rounding), as the kernels compute it (a walkthrough)
+            # one: OLMo's and Cohere's own computation there (fp32, one rounding), as the kernels compute it (a
+            # walkthrough)
             return self.forward(input.float()).to(input.dtype)
         if (_small_native("layer_norm", self.impl, input, self.normalized_shape, self.eps)
                 and (w is None or w.dtype == input.dtype) and (b is None or b.dtype == input.dtype)):
@@ -391,7 +392,10 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
     def from_module(cls, module: nn.Module, eps: float | None = None, *, impl: str | None = None,
                     output_in_input_dtype: bool | None = None, verify: bool = True) -> "FusedLayerNorm":
         """A fused module for ``module``: a ``torch.nn.LayerNorm`` (:meth:`from_layer_norm`: its parameter objects
-        shared; ``eps`` and ``output_in_input_dtype`` must not be given), or a LayerNorm without parameters such as
+        shared; ``eps`` and ``output_in_input_dtype`` must not be given); a LayerNorm module of its own class with a
+        1-D ``weight`` and maybe a ``bias`` (Cohere's ``CohereLayerNorm``: fp32 math, one rounding to the input's
+        dtype), its Parameter objects shared, its epsilon attribute (or ``eps``), checked with ``verify`` by
+        ``transformers.matching.probe_layer_norm_module``; or a LayerNorm without parameters such as
         OLMo's ``OlmoLayerNorm`` (``F.layer_norm`` of the input in fp32 without weight and bias, cast back to the
         input's dtype): ``elementwise_affine=False``, with the width, epsilon and ``output_in_input_dtype`` that
         ``transformers.matching.probe_weightless_norm`` finds (OLMo's epsilon, a literal in its forward, is read from
@@ -403,11 +407,12 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
         ``output_in_input_dtype`` (default True) on the caller's word.
 
         Raises:
-            TypeError: ``module`` is not an ``nn.Module``, or has parameters and is not a ``torch.nn.LayerNorm``, or
-                is a ``torch.nn.RMSNorm``, ``GroupNorm`` or batch / instance norm, or does not look like a norm (no
-                ``norm`` in its class name and no epsilon attribute); ``output_in_input_dtype`` not a bool or None.
+            TypeError: ``module`` is not an ``nn.Module``, or has parameters other than a 1-D ``weight`` and maybe a
+                ``bias`` of its size (or children), or is a ``torch.nn.RMSNorm``, ``GroupNorm`` or batch / instance
+                norm, or, without parameters, does not look like a norm (no ``norm`` in its class name and no epsilon
+                attribute); ``output_in_input_dtype`` not a bool or None.
             ValueError: the probe refuses it (its reason is given: a norm of rows of any width that names none,
-                another rounding) or finds an RMSNorm (use ``FusedRMSNorm.from_module``) or another
+                another formula or rounding) or finds an RMSNorm (use ``FusedRMSNorm.from_module``) or another
                 ``output_in_input_dtype`` than the one given; with ``verify=False``, no ``normalized_shape`` of one
                 size, or no epsilon attribute and no ``eps``; ``eps`` or ``output_in_input_dtype`` given for a
                 ``torch.nn.LayerNorm``.
@@ -418,16 +423,62 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
                 raise ValueError("eps / output_in_input_dtype: a torch.nn.LayerNorm's are its own (from_layer_norm)")
             return cls.from_layer_norm(module, impl=impl)
         if isinstance(module, nn.RMSNorm):
-            raise TypeError("module: expected a torch.nn.LayerNorm or a LayerNorm without parameters, got "
+            raise TypeError("module: expected a torch.nn.LayerNorm or a LayerNorm-style module, got "
                             "torch.nn.RMSNorm, which does not subtract the mean: use FusedRMSNorm.from_module")
         if isinstance(module, (nn.GroupNorm, nn.modules.batchnorm._NormBase)):
-            raise TypeError(f"module: expected a torch.nn.LayerNorm or a LayerNorm without parameters, got "
+            raise TypeError(f"module: expected a torch.nn.LayerNorm or a LayerNorm-style module, got "
                             f"{type(module).__name__}, whose statistics are per group / over the batch")
-        if not isinstance(module, nn.Module) or any(True for _ in module.parameters()):
-            raise TypeError(f"module: expected a torch.nn.LayerNorm or a LayerNorm without parameters, got "
-                            f"{type(module).__name__}" + (" with parameters" if isinstance(module, nn.Module) else ""))
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module: expected a torch.nn.LayerNorm or a LayerNorm-style module, got "
+                            f"{type(module).__name__}")
+        if any(True for _ in module.parameters()):
+            return cls._from_layer_norm_module(module, eps, impl, output_in_input_dtype, verify)
         shape, eps, in_dtype = _weightless_style(module, "layer_norm", eps, verify, output_in_input_dtype)
         new = cls(shape, eps=eps, elementwise_affine=False, impl=impl, output_in_input_dtype=in_dtype)
+        new.train(module.training)
+        return new
+
+    @classmethod
+    def _from_layer_norm_module(cls, module: nn.Module, eps: float | None, impl: str | None,
+                                output_in_input_dtype: bool | None, verify: bool) -> "FusedLayerNorm":
+        """:meth:`from_module` for a LayerNorm module of its own class, with a ``weight`` and maybe a ``bias``
+        (Cohere's ``CohereLayerNorm``): the same Parameter objects, its epsilon attribute (or ``eps``), and with
+        ``verify`` what ``transformers.matching.probe_layer_norm_module`` finds."""
+        from .transformers.matching import EPS_ATTRIBUTES, eps_of, probe_layer_norm_module
+
+        name = type(module).__name__
+        own = dict(module.named_parameters(recurse=False))
+        w, b = own.get("weight"), own.get("bias")
+        if (set(own) - {"weight", "bias"} or w is None or w.dim() != 1 or any(True for _ in module.children())
+                or (b is not None and b.shape != w.shape)):
+            raise TypeError(f"module: expected a torch.nn.LayerNorm or a LayerNorm-style module (a 1-D 'weight' and "
+                            f"maybe a 'bias' of its size, or no parameters), got {name} with parameters "
+                            f"{[(n, tuple(p.shape)) for n, p in module.named_parameters()]}")
+        if output_in_input_dtype is not None and not isinstance(output_in_input_dtype, bool):
+            raise TypeError(f"output_in_input_dtype: expected a bool or None, got "
+                            f"{type(output_in_input_dtype).__name__}")
+        eps_name, found, eps_error = eps_of(module)
+        in_dtype = True if output_in_input_dtype is None else output_in_input_dtype
+        if verify:
+            probe = probe_layer_norm_module(module)
+            if not probe.ok:
+                raise ValueError(f"module: {name} does not pass the LayerNorm probe: {probe.reason}; verify=False "
+                                 "takes the module on the caller's word")
+            if output_in_input_dtype is not None and output_in_input_dtype != probe.output_in_input_dtype:
+                raise ValueError(f"output_in_input_dtype: {name} returns "
+                                 f"{'the input dtype' if probe.output_in_input_dtype else 'fp32'} under autocast, got "
+                                 f"{output_in_input_dtype}; verify=False takes it")
+            in_dtype = probe.output_in_input_dtype
+        if eps is None and eps_name is None:
+            raise ValueError(f"eps: {name} has no {', '.join(map(repr, EPS_ATTRIBUTES))}; pass eps=")
+        if eps is None and eps_error is not None:
+            raise type(eps_error)(f"{name}.{eps_error}; pass eps= to use another")
+        new = cls(tuple(w.shape), eps=eps if eps is not None else found, elementwise_affine=False, bias=False,
+                  impl=impl, output_in_input_dtype=in_dtype)
+        new.elementwise_affine = True
+        new.weight = w   # the same Parameter objects
+        if b is not None:
+            new.bias = b
         new.train(module.training)
         return new
 
@@ -1302,7 +1353,8 @@ def _weightless_style(module: nn.Module, kind: str, eps: float | None, verify: b
     name = type(module).__name__
     expected = ("torch.nn.RMSNorm or an RMSNorm-style module (one 'weight', or none and a norm's name or epsilon "
                 "attribute)" if kind == "rms_norm" else
-                "a torch.nn.LayerNorm or a LayerNorm without parameters (a norm's name or epsilon attribute)")
+                "a torch.nn.LayerNorm or a LayerNorm-style module (without parameters: a norm's name or epsilon "
+                "attribute)")
     if isinstance(getattr(module, "weight", None), torch.Tensor):   # (set by a hook: the fused module would drop it)
         raise TypeError(f"module: {name}'s 'weight' is a plain tensor, not a Parameter: the fused module shares "
                         "Parameters")

@@ -10,6 +10,9 @@
   only where it rounds as Gemma's does (fp32 math, one rounding to the input's dtype). This finds the Llama, Mistral,
   Qwen2/Qwen3, OLMo-2, T5 and Gemma styles and rejects mean-subtracting norms, other offsets (``2 + weight``) and a
   ``(1 + weight)`` norm of another rounding.
+* Norms without parameters (:func:`probe_weightless_norm`: OLMo's LayerNorm, Gemma 4's ``v_norm`` and router norm)
+  and LayerNorms of a class of their own with a weight (:func:`probe_layer_norm_module`: Cohere's), found by what they
+  compute as RMSNorm is.
 * Attention: the model types whose attention goes through transformers' ``AttentionInterface`` and whose math
   our attention function reproduces (:data:`ATTENTION_MODEL_TYPES`); others are reported with the reason.
 * SwiGLU and GeGLU MLPs: found by what a module computes, as RMSNorm is. A candidate has children named
@@ -744,6 +747,188 @@ def probe_weightless_norm(module: nn.Module) -> WeightlessNormProbe:
     return WeightlessNormProbe(True, kind, None if bad_eps else eps, width,
                                f"{what} without parameters {over}, eps={eps:g} ({where}); one rounding, {cast}",
                                True, eps_name, in_dtype, bad_eps)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# LayerNorm modules of their own class (Cohere's)
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerNormProbe:
+    """Result of :func:`probe_layer_norm_module`: ``ok`` with ``eps`` and ``output_in_input_dtype`` (see
+    :class:`WeightlessNormProbe`), or not ``ok`` with the ``reason``. ``candidate``: it computed LayerNorm's formula
+    with its epsilon on the probe's first input, so a refusal is worth a row of kind ``layer_norm`` in the report
+    (else the module is the RMSNorm probe's to report: T5's ``T5LayerNorm`` is an RMSNorm). ``eps_error``: as
+    :class:`WeightlessNormProbe`'s."""
+
+    ok: bool
+    eps: float | None
+    reason: str
+    candidate: bool
+    output_in_input_dtype: bool = True
+    eps_error: Exception | None = None
+
+
+def _layer_norm_ref(x: torch.Tensor, eps: float, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = _weightless_ref(x, "layer_norm", eps) * w.double()
+    return y if b is None else y + b.double()
+
+
+@probe_isolated
+def probe_layer_norm_module(module: nn.Module) -> LayerNormProbe:
+    """Check numerically whether ``module``, a leaf module other than ``torch.nn.LayerNorm`` whose parameters are a
+    1-D ``weight`` and optionally a ``bias`` of its size, computes LayerNorm ``(x - mean) * rsqrt(var + eps) * weight
+    (+ bias)`` over its last dimension in fp32 with one rounding, the output in the input's dtype whatever the
+    parameters' (Cohere's ``CohereLayerNorm``, Cohere 2's; their per-head q/k norms, of a 2-D weight, are not one),
+    with ``eps`` its epsilon attribute (:data:`EPS_ATTRIBUTES`).
+
+    The checks mirror :func:`probe_weightless_norm`'s, with a random fp32 weight (0.5-1.5) and bias in a stand-in:
+    float64 formula at statistics ~1, 1e6, eps and 0.1 eps and on rows of zeros; the other training mode on 4-d rows;
+    the gradients of input, weight and bias; rows of another width refused (the weight does not broadcast); bf16 input
+    with bf16 parameters and with fp32 ones (a bf16 output, the fp32 formula rounded once), fp32 input with bf16
+    parameters (an fp32 output); the output's dtype under CUDA autocast's rule for the norm ops. Run only where
+    :func:`probe_rms_norm` refuses the module; never raises."""
+    params = dict(module.named_parameters(recurse=False))
+    w0 = params.get("weight")
+    if (isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase))
+            or any(True for _ in module.children()) or w0 is None or not set(params) <= {"weight", "bias"}):
+        return LayerNormProbe(False, None, "not a leaf module of a weight (and bias)", False)
+
+    def refuse(reason: str, candidate: bool = False) -> LayerNormProbe:
+        return LayerNormProbe(False, None, reason, candidate)
+
+    if w0.dim() != 1 or ("bias" in params and params["bias"].shape != w0.shape):
+        return refuse(f"its weight is {tuple(w0.shape)}"
+                      + (f" and its bias {tuple(params['bias'].shape)}" if "bias" in params else "")
+                      + ": FusedLayerNorm's are 1-D, of the normalized size")
+    if list(module.buffers(recurse=False)):
+        return refuse("has buffers")
+    extra = _extra_forward_arguments(type(module))
+    if extra:
+        return refuse(f"forward takes more than the input ({', '.join(extra)})")
+    eps_name, eps, bad_eps = eps_of(module)
+    if eps_name is None:
+        return refuse(f"no eps attribute ({', '.join(EPS_ATTRIBUTES)})")
+    stand_in = _stand_in(module)
+    if bad_eps is not None:
+        if hasattr(getattr(type(module), eps_name, None), "__set__"):
+            return refuse(f"{bad_eps} (a property of its class: the probe cannot try another)")
+        eps = stand_in.__dict__[eps_name] = 1e-6
+    n = w0.numel()
+    gen = torch.Generator().manual_seed(1234)
+    w = torch.rand(n, generator=gen, dtype=torch.float32) + 0.5
+    b = torch.randn(n, generator=gen, dtype=torch.float32) if "bias" in params else None
+
+    def use(wi: torch.Tensor, bi: torch.Tensor | None, grad: bool = False) -> tuple[nn.Parameter, nn.Parameter | None]:
+        pw = nn.Parameter(wi.clone(), requires_grad=grad)
+        pb = None if bi is None else nn.Parameter(bi.clone(), requires_grad=grad)
+        object.__setattr__(stand_in, "_parameters", {"weight": pw, **({"bias": pb} if pb is not None else {})})
+        return pw, pb
+
+    use(w, b)
+    x = torch.randn(2, 3, n, generator=gen, dtype=torch.float32) + 0.5
+    y = _forward_or_failure(stand_in, x, "on a random input", False)
+    if isinstance(y, RMSNormProbe):
+        return refuse(y.reason)
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != x.dtype:
+        return refuse("probe output is not a tensor of the input's shape and dtype")
+    if not torch.allclose(y.double(), _layer_norm_ref(x, eps, w, b), atol=1e-4, rtol=1e-3):
+        return refuse("output is not (x - mean) * rsqrt(var + eps) * weight" + (" + bias" if b is not None else ""))
+    where = f"its {eps_name}"
+
+    def differs(xi: torch.Tensor, what: str, atol: float = 1e-5, rtol: float = 1e-4, mode: bool | None = None):
+        if mode is not None:
+            object.__setattr__(stand_in, "training", mode)
+        try:
+            yi = _forward_or_failure(stand_in, xi, what, True)
+        finally:
+            object.__setattr__(stand_in, "training", module.training)
+        if isinstance(yi, RMSNormProbe):
+            return refuse(yi.reason, True)
+        ref = _layer_norm_ref(xi, eps, w, b)
+        if (not isinstance(yi, torch.Tensor) or yi.shape != xi.shape
+                or not torch.allclose(yi.double(), ref, atol=atol, rtol=rtol)):
+            err = ((yi.double() - ref).abs().max().item() if isinstance(yi, torch.Tensor) and yi.shape == xi.shape
+                   else float("nan"))
+            return refuse(f"output differs from LayerNorm's formula with eps={eps:g} ({where}) {what} (max abs diff "
+                          f"{err:.3g})", True)
+        return None
+
+    bad = differs(x, "on a random input", atol=1e-6, rtol=1e-5)
+    c = x - x.mean(-1, keepdim=True)
+    for stat in (1e6, eps, 0.1 * eps) if eps > 0 else (1e6, 1e-6, 1e-12):
+        bad = bad or differs(x * torch.sqrt(stat / c.pow(2).mean(-1, keepdim=True)),
+                             f"on inputs whose variance is {stat:.3g}", rtol=1e-3)
+    if eps > 0:   # (with eps 0 a row of zeros is 0/0 for the module and the fused norm alike)
+        bad = bad or differs(torch.zeros_like(x), "on rows of zeros")
+    x4 = torch.randn(2, 1, 3, n, generator=gen, dtype=torch.float32) + 0.5
+    bad = bad or differs(x4, f"in {'eval' if module.training else 'training'} mode on 4-d rows",
+                         mode=not module.training)
+    if bad:
+        return bad
+    # gradients of the input and the parameters
+    pw, pb = use(w, b, grad=True)
+    xg = x.clone().requires_grad_()
+    dy = torch.randn(x.shape, generator=gen, dtype=torch.float32)
+    try:
+        with torch.enable_grad():
+            stand_in.forward(xg).backward(dy)
+    except Exception as exc:  # noqa: BLE001
+        return refuse(f"probe backward failed: {type(exc).__name__}: {exc}", True)
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    bd = None if b is None else b.double().requires_grad_()
+    with torch.enable_grad():
+        _layer_norm_ref(xd, eps, wd, bd).backward(dy.double())
+    for got, want, what in ((xg.grad, xd.grad, "input"), (pw.grad, wd.grad, "weight"),
+                            (None if pb is None else pb.grad, None if bd is None else bd.grad, "bias")):
+        if want is None:
+            continue
+        if got is None or not torch.allclose(got.double(), want, atol=1e-5, rtol=1e-4):
+            return refuse(f"the gradient of its {what} differs from the formula's", True)
+    use(w, b)
+    try:
+        with torch.no_grad():
+            stand_in.forward(torch.randn(2, n + 1, generator=gen, dtype=torch.float32))
+    except Exception:  # noqa: BLE001 - the expected outcome: the weight does not fit the wider rows
+        pass
+    else:
+        return refuse(f"its weight of {n} elements broadcasts over rows of another width", True)
+    # roundings and dtypes: fp32 math, one rounding to the input's dtype, whatever the parameters'
+    x16 = x.to(torch.bfloat16)
+    for xi, wi, bi, what in ((x16, w.bfloat16(), None if b is None else b.bfloat16(), "bf16 input and parameters"),
+                             (x16, w, b, "bf16 input and fp32 parameters"),
+                             (x, w.bfloat16(), None if b is None else b.bfloat16(), "fp32 input and bf16 parameters")):
+        use(wi, bi)
+        yi = _forward_or_failure(stand_in, xi, f"with {what}", True)
+        if isinstance(yi, RMSNormProbe):
+            return refuse(yi.reason, True)
+        if not isinstance(yi, torch.Tensor) or yi.shape != x.shape or yi.dtype != xi.dtype:
+            return refuse(f"with {what} its output is not in the input's dtype (the fused norm's)", True)
+        ref = _layer_norm_ref(xi, eps, wi, bi)
+        if xi.dtype == torch.float32:   # (fp32 math: the formula to fp32's accuracy)
+            if not torch.allclose(yi.double(), ref, atol=1e-5, rtol=1e-4):
+                return refuse(f"with {what} its output differs from the formula (the parameters rounded to bf16?)",
+                              True)
+            continue
+        off = int((yi != ref.to(xi.dtype)).sum())
+        if off > max(1, yi.numel() // 64):
+            return refuse(f"with {what} its output differs from the fp32 formula rounded once in {off} of "
+                          f"{yi.numel()} elements: the fused norm would round it otherwise", True)
+    use(w, b)
+    dtypes = []
+    for xi in (x, x16):
+        try:
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), _CudaAutocastNorms():
+                dtypes.append(stand_in.forward(xi).dtype)
+        except Exception as exc:  # noqa: BLE001
+            return refuse(f"probe forward under autocast failed: {type(exc).__name__}: {exc}", True)
+    if dtypes[0] != torch.float32 or dtypes[1] not in (torch.bfloat16, torch.float32):
+        return refuse(f"under autocast (bf16) it returns {dtypes[0]} for an fp32 input and {dtypes[1]} for a bf16 one",
+                      True)
+    in_dtype = dtypes[1] == torch.bfloat16
+    cast = "output in the input's dtype" if in_dtype else "fp32 under autocast, as F.layer_norm"
+    params_of = "a weight and bias" if b is not None else "a weight"
+    return LayerNormProbe(True, None if bad_eps else eps, f"LayerNorm of {params_of} "
+                          f"over {n} values, eps={eps:g} ({where}); one rounding, {cast}", True, in_dtype, bad_eps)
 
 
 # --------------------------------------------------------------------------------------------------------------------
