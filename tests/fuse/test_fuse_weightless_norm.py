@@ -718,7 +718,7 @@ def test_from_module_of_a_layer_norm_module():
     with pytest.raises(ValueError, match=r"^module: HalfLayerNorm does not pass the LayerNorm probe: with bf16"):
         FusedLayerNorm.from_module(HalfLayerNorm(16))
     assert FusedLayerNorm.from_module(HalfLayerNorm(16), verify=False).weight is not None
-    with pytest.raises(TypeError, match=r"^module: expected a torch.nn.LayerNorm or a LayerNorm-style module \(a 1-D"):
+    with pytest.raises(TypeError, match=r"^module: expected a torch.nn.LayerNorm or a LayerNorm-style module \(a leaf of a 1-D"):
         FusedLayerNorm.from_module(tr.models.cohere.modeling_cohere.CohereLayerNorm((4, 8)))
 
 
@@ -726,7 +726,8 @@ def test_from_module_of_a_layer_norm_module():
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 def test_fused_cohere_on_cuda_runs_the_kernel(no_tuning_table, dtype):
     """A fused Cohere model on CUDA in each dtype: every layer_norm call ran pipegoose's kernel (strict mode), loss
-    and gradients within twice the unfused model's error from a float64 copy plus the dtype's tolerance."""
+    and gradients within twice the unfused model's error from a float64 copy plus the dtype's tolerance. (The copy's
+    CohereLayerNorms compute in fp32, which they cast to: the reference is float64 elsewhere.)"""
     model = _cohere(hidden=128).cuda()
     ref = _step(copy.deepcopy(model).double(), device="cuda")
     model = model.to(dtype)
@@ -747,3 +748,54 @@ def test_fused_cohere_on_cuda_runs_the_kernel(no_tuning_table, dtype):
         e_f = (fus[1][n].double() - g64).norm().item()
         e_u = (unf[1][n].double() - g64).norm().item()
         assert e_f <= 2 * e_u + (t["atol"] + t["rtol"]) * gs, (n, e_f, e_u)
+
+
+def test_layer_norm_module_review_fixes():
+    """A review of the LayerNorm probe: a fused Cohere norm reads and writes variance_epsilon (carried back by
+    unfuse); a module that computes fp16 otherwise is refused (the probe tried bf16 only); a bias registered as None
+    (nn.LayerNorm(bias=False)'s idiom) is accepted; from_module of the other kind names the right one."""
+    from pipegoose.nn.fusion.transformers.matching import probe_layer_norm_module
+
+    model = _cohere()
+    orig = model.model.norm
+    fuse(model)
+    fused = model.model.norm
+    assert fused.variance_epsilon == 1e-5
+    fused.variance_epsilon = 1e-2
+    assert fused.eps == 1e-2
+    with pytest.raises(ValueError, match=r"^variance_epsilon: expected"):
+        fused.variance_epsilon = -1.0
+    assert unfuse(model) and orig.variance_epsilon == 1e-2
+
+    class Fp16NativeLayerNorm(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.weight, self.eps = nn.Parameter(torch.ones(n)), 1e-5
+
+        def forward(self, x):
+            if x.dtype == torch.float16:
+                return nn.functional.layer_norm(x, x.shape[-1:], self.weight.half(), None, self.eps)
+            return nn.functional.layer_norm(x.float(), x.shape[-1:], self.weight.float(), None, self.eps).to(x.dtype)
+
+    p = probe_layer_norm_module(Fp16NativeLayerNorm(32))
+    assert not p.ok and p.candidate and "with fp16 input and fp32 parameters its output differs" in p.reason, p
+
+    class NoBiasLayerNorm(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.weight, self.eps = nn.Parameter(torch.ones(n)), 1e-5
+            self.register_parameter("bias", None)
+
+        def forward(self, x):
+            b = None if self.bias is None else self.bias.float()
+            return nn.functional.layer_norm(x.float(), x.shape[-1:], self.weight.float(), b, self.eps).to(x.dtype)
+
+    assert probe_layer_norm_module(NoBiasLayerNorm(32)).ok
+    f = FusedLayerNorm.from_module(NoBiasLayerNorm(32))
+    assert f.bias is None and f.weight is not None
+    with pytest.raises(ValueError, match=r"^module: LlamaStyleRMSNorm computes RMSNorm \(it does not subtract the "
+                                         r"mean\); use FusedRMSNorm.from_module"):
+        FusedLayerNorm.from_module(models.LlamaStyleRMSNorm(16))
+    with pytest.raises(ValueError, match=r"^module: CohereLayerNorm computes LayerNorm \(it subtracts the mean\); use "
+                                         r"FusedLayerNorm.from_module"):
+        FusedRMSNorm.from_module(tr.models.cohere.modeling_cohere.CohereLayerNorm(16))

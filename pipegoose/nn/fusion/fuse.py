@@ -16,8 +16,8 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   ``OlmoLayerNorm`` -> ``MixedFusedLayerNorm(elementwise_affine=False, output_in_input_dtype=True)``;
 * every LayerNorm of a class of its own with a 1-D ``weight`` (and maybe a ``bias``) that computes LayerNorm in fp32
   with one rounding to the input's dtype, found by a numerical probe (``transformers.matching.probe_layer_norm_module``,
-  run where the RMSNorm probe would refuse it): Cohere's and Cohere 2's ``CohereLayerNorm`` -> ``MixedFusedLayerNorm``
-  sharing its parameters, kind ``layer_norm``;
+  asked before the RMSNorm probe, whose answer stands unless the module computed LayerNorm's formula): Cohere's and
+  Cohere 2's ``CohereLayerNorm`` -> ``MixedFusedLayerNorm`` sharing its parameters, kind ``layer_norm``;
 * every module that computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``, found by a numerical probe
   (``transformers.matching.probe_swiglu_mlp``: transformers' ``LlamaMLP`` and its copies in Mistral, Qwen2, Qwen3, ...)
   -> ``FusedSwiGLUMLP`` (the same projection modules; the activation and product in one kernel, op ``swiglu``), and

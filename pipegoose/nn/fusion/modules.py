@@ -347,6 +347,18 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
         self.output_in_input_dtype = output_in_input_dtype
 
     @property
+    def variance_epsilon(self) -> float:
+        """``eps`` under transformers' name for it, read and written (Cohere's LayerNorm's ``variance_epsilon``, set by
+        model code on a fused one, would otherwise be an attribute that nothing reads: a review; as
+        :class:`FusedRMSNorm`'s)."""
+        return self.eps
+
+    @variance_epsilon.setter
+    def variance_epsilon(self, value: float) -> None:
+        _common.eps_value(value, name="variance_epsilon")
+        self.eps = value
+
+    @property
     def output_in_input_dtype(self) -> bool:
         """The output in the input's dtype, under CUDA autocast too (see the class). Stored in the instance's
         ``__dict__`` (False where absent: a module pickled before the flag existed, or built by
@@ -444,16 +456,18 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
         """:meth:`from_module` for a LayerNorm module of its own class, with a ``weight`` and maybe a ``bias``
         (Cohere's ``CohereLayerNorm``): the same Parameter objects, its epsilon attribute (or ``eps``), and with
         ``verify`` what ``transformers.matching.probe_layer_norm_module`` finds."""
-        from .transformers.matching import EPS_ATTRIBUTES, eps_of, probe_layer_norm_module
+        from .transformers.matching import EPS_ATTRIBUTES, eps_of, probe_layer_norm_module, probe_rms_norm
 
         name = type(module).__name__
         own = dict(module.named_parameters(recurse=False))
         w, b = own.get("weight"), own.get("bias")
         if (set(own) - {"weight", "bias"} or w is None or w.dim() != 1 or any(True for _ in module.children())
                 or (b is not None and b.shape != w.shape)):
-            raise TypeError(f"module: expected a torch.nn.LayerNorm or a LayerNorm-style module (a 1-D 'weight' and "
-                            f"maybe a 'bias' of its size, or no parameters), got {name} with parameters "
-                            f"{[(n, tuple(p.shape)) for n, p in module.named_parameters()]}")
+            children = [n for n, _ in module.named_children()]
+            raise TypeError(f"module: expected a torch.nn.LayerNorm or a LayerNorm-style module (a leaf of a 1-D "
+                            f"'weight' and maybe a 'bias' of its size, or of no parameters), got {name} with "
+                            f"parameters {[(n, tuple(p.shape)) for n, p in module.named_parameters()]}"
+                            + (f" and children {children}" if children else ""))
         if output_in_input_dtype is not None and not isinstance(output_in_input_dtype, bool):
             raise TypeError(f"output_in_input_dtype: expected a bool or None, got "
                             f"{type(output_in_input_dtype).__name__}")
@@ -461,6 +475,9 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
         in_dtype = True if output_in_input_dtype is None else output_in_input_dtype
         if verify:
             probe = probe_layer_norm_module(module)
+            if not probe.ok and not probe.candidate and probe_rms_norm(module).ok:
+                raise ValueError(f"module: {name} computes RMSNorm (it does not subtract the mean); use "
+                                 "FusedRMSNorm.from_module")
             if not probe.ok:
                 raise ValueError(f"module: {name} does not pass the LayerNorm probe: {probe.reason}; verify=False "
                                  "takes the module on the caller's word")
@@ -1400,10 +1417,12 @@ def _verify_rms_style(module: nn.Module, output_in_weight_dtype: bool | None, ou
     """FusedRMSNorm.from_module's check (``verify``): the two rounding flags and the weight offset (each None: as
     the probe finds), or ValueError when ``module`` fails fuse's RMSNorm probe or a value given contradicts what it
     finds."""
-    from .transformers.matching import probe_rms_norm
+    from .transformers.matching import probe_layer_norm_module, probe_rms_norm
 
     name = type(module).__name__
     probe = probe_rms_norm(module)
+    if not probe.ok and probe_layer_norm_module(module).ok:
+        raise ValueError(f"module: {name} computes LayerNorm (it subtracts the mean); use FusedLayerNorm.from_module")
     if not probe.ok:
         raise ValueError(f"module: {name} does not pass the RMSNorm probe: {probe.reason}. FusedRMSNorm computes "
                          "x * rsqrt(mean(x^2) + eps) * (weight_offset + weight); verify=False skips this check, for a "

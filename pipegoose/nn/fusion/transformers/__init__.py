@@ -4,8 +4,9 @@ transformers."""
 
 from .attention import (ATTENTION_NAME, ATTENTION_SDPA_NAME, MaskPlan, additive_to_boolean_mask,
                         pipegoose_attention_forward, plan_mask, register)
-from .matching import ATTENTION_MODEL_TYPES, ATTENTION_SKIP_REASONS, probe_rms_norm, probe_weightless_norm
+from .matching import (ATTENTION_MODEL_TYPES, ATTENTION_SKIP_REASONS, probe_layer_norm_module, probe_rms_norm,
+                       probe_weightless_norm)
 
 __all__ = ["ATTENTION_NAME", "ATTENTION_SDPA_NAME", "ATTENTION_MODEL_TYPES", "ATTENTION_SKIP_REASONS", "MaskPlan",
-           "additive_to_boolean_mask", "pipegoose_attention_forward", "plan_mask", "probe_rms_norm",
-           "probe_weightless_norm", "register"]
+           "additive_to_boolean_mask", "pipegoose_attention_forward", "plan_mask", "probe_layer_norm_module",
+           "probe_rms_norm", "probe_weightless_norm", "register"]

@@ -785,8 +785,9 @@ def probe_layer_norm_module(module: nn.Module) -> LayerNormProbe:
     float64 formula at statistics ~1, 1e6, eps and 0.1 eps and on rows of zeros; the other training mode on 4-d rows;
     the gradients of input, weight and bias; rows of another width refused (the weight does not broadcast); bf16 input
     with bf16 parameters and with fp32 ones (a bf16 output, the fp32 formula rounded once), fp32 input with bf16
-    parameters (an fp32 output); the output's dtype under CUDA autocast's rule for the norm ops. Run only where
-    :func:`probe_rms_norm` refuses the module; never raises."""
+    parameters (an fp32 output), fp16 input likewise; the output's dtype under CUDA autocast's rule for the norm ops.
+    ``fuse`` asks it before :func:`probe_rms_norm`, whose answer stands where this one's ``candidate`` is False (T5's
+    ``T5LayerNorm``, an RMSNorm); never raises."""
     params = dict(module.named_parameters(recurse=False))
     w0 = params.get("weight")
     if (isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase))
@@ -817,11 +818,13 @@ def probe_layer_norm_module(module: nn.Module) -> LayerNormProbe:
     gen = torch.Generator().manual_seed(1234)
     w = torch.rand(n, generator=gen, dtype=torch.float32) + 0.5
     b = torch.randn(n, generator=gen, dtype=torch.float32) if "bias" in params else None
+    slots = list(module._parameters)   # (a bias registered as None, nn.LayerNorm(bias=False)'s idiom, stays None)
 
     def use(wi: torch.Tensor, bi: torch.Tensor | None, grad: bool = False) -> tuple[nn.Parameter, nn.Parameter | None]:
         pw = nn.Parameter(wi.clone(), requires_grad=grad)
         pb = None if bi is None else nn.Parameter(bi.clone(), requires_grad=grad)
-        object.__setattr__(stand_in, "_parameters", {"weight": pw, **({"bias": pb} if pb is not None else {})})
+        object.__setattr__(stand_in, "_parameters", {k: pw if k == "weight" else pb if k == "bias" else None
+                                                     for k in slots})
         return pw, pb
 
     use(w, b)
@@ -894,8 +897,11 @@ def probe_layer_norm_module(module: nn.Module) -> LayerNormProbe:
         return refuse(f"its weight of {n} elements broadcasts over rows of another width", True)
     # roundings and dtypes: fp32 math, one rounding to the input's dtype, whatever the parameters'
     x16 = x.to(torch.bfloat16)
+    xh = x.to(torch.float16)
     for xi, wi, bi, what in ((x16, w.bfloat16(), None if b is None else b.bfloat16(), "bf16 input and parameters"),
                              (x16, w, b, "bf16 input and fp32 parameters"),
+                             (xh, w.half(), None if b is None else b.half(), "fp16 input and parameters"),
+                             (xh, w, b, "fp16 input and fp32 parameters"),
                              (x, w.bfloat16(), None if b is None else b.bfloat16(), "fp32 input and bf16 parameters")):
         use(wi, bi)
         yi = _forward_or_failure(stand_in, xi, f"with {what}", True)
@@ -1337,4 +1343,5 @@ def _double(t: torch.Tensor | None) -> torch.Tensor | None:
 __all__ = ["ACTIVATION_FORMULAS", "ATTENTION_MODEL_TYPES", "ATTENTION_SKIP_REASONS", "GELU_APPROXIMATE", "RMSNormProbe",
            "SwiGLUProbe", "attention_support",
            "get_attn_implementation", "is_attention_module", "is_config",
-           "model_type_of", "probe_rms_norm", "probe_swiglu_mlp", "probe_isolated", "set_attn_implementation"]
+           "model_type_of", "probe_rms_norm", "probe_swiglu_mlp", "probe_isolated", "set_attn_implementation",
+           "LayerNormProbe", "WeightlessNormProbe", "probe_layer_norm_module", "probe_weightless_norm"]
