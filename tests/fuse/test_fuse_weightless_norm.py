@@ -233,6 +233,36 @@ def _step(model, dtype=torch.float32, device="cpu"):
     return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _layer_norm_model_on_cuda(model, dtype, calls):
+    """``model`` (on CUDA, fp32) in ``dtype``, unfused and fused with ``ops=["layer_norm"]`` (strict mode: ``calls``
+    layer_norm calls, each on pipegoose's kernel), against a float64 copy: :func:`_assert_near_float64`."""
+    ref = _step(copy.deepcopy(model).double(), device="cuda")
+    model = model.to(dtype)
+    unf = _step(model, device="cuda")
+    fuse(model, ops=["layer_norm"])
+    try:
+        dispatch.reset_stats()
+        with dispatch.strict():
+            fus = _step(model, device="cuda")
+        assert dispatch.stats().get("layer_norm") == {"pipegoose": calls}, dispatch.stats()
+    finally:
+        unfuse(model)
+    _assert_near_float64(fus, unf, ref, dtype)
+
+
+def _assert_near_float64(fus, unf, ref, dtype):
+    """The fused run's loss and gradients (``_step``'s) within twice the unfused run's error from the float64 run's,
+    plus the dtype's tolerance (gradients: the L2 norm of each parameter's error, as tests/fuse/test_fuse_cuda.py)."""
+    t = TOLERANCES[dtype]
+    e_f, e_u = (fus[0].double() - ref[0]).abs().item(), (unf[0].double() - ref[0]).abs().item()
+    assert e_f <= 2 * e_u + t["atol"] + t["rtol"] * ref[0].abs().item(), (e_f, e_u)
+    for n, g64 in ref[1].items():
+        gs = g64.norm().item()
+        e_f = (fus[1][n].double() - g64).norm().item()
+        e_u = (unf[1][n].double() - g64).norm().item()
+        assert e_f <= 2 * e_u + (t["atol"] + t["rtol"]) * gs, (n, e_f, e_u)
+
+
 # ------------------------------------------------------------------------------------------------------ probe
 @pytest.mark.parametrize("eps", [1e-5, 1e-6, 1e-12, 0.0, torch.finfo(torch.float32).eps])
 def test_probe_reads_an_epsilon_written_in_the_forward(eps):
@@ -264,7 +294,7 @@ def test_probe_of_transformers_modules():
     (UnbiasedNorm(16), "layer_norm", "output differs from the formula with eps=1e-05 (read from its output) on a "
                                      "random input"),
     (AnyWidthLayerNorm(), "layer_norm", "FusedLayerNorm takes one"),
-    (Fp32OutRMSNorm(), "rms_norm", "with a bf16 input its output is not a bf16 tensor"),
+    (Fp32OutRMSNorm(), "rms_norm", "with bf16 input its output is not a bf16 tensor"),
     (HalfMathRMSNorm(), "rms_norm", "rounded once to bf16"),
     (Fp16MathNorm(), "rms_norm", "rounded once to fp16"),
     (GatedNorm(), None, "forward takes more than the input (gate)"),
@@ -571,27 +601,7 @@ def test_weightless_rms_norm_on_cuda_against_float64(no_tuning_table, dtype, sha
 def test_fused_olmo_on_cuda_runs_the_kernel(no_tuning_table, dtype):
     """A fused OLMo model on CUDA in each dtype: every layer_norm call ran pipegoose's kernel (strict mode), and
     loss and gradients are within twice the unfused model's error from a float64 copy plus the dtype's tolerance."""
-    model = _olmo(hidden=128).cuda()
-    model64 = copy.deepcopy(model).double()
-    ref = _step(model64, device="cuda")
-    model = model.to(dtype)
-    unf = _step(model, device="cuda")
-    fuse(model, ops=["layer_norm"])
-    try:
-        dispatch.reset_stats()
-        with dispatch.strict():
-            fus = _step(model, device="cuda")
-        assert dispatch.stats().get("layer_norm") == {"pipegoose": 5}, dispatch.stats()
-    finally:
-        unfuse(model)
-    t = TOLERANCES[dtype]
-    e_f, e_u = (fus[0].double() - ref[0]).abs().item(), (unf[0].double() - ref[0]).abs().item()
-    assert e_f <= 2 * e_u + t["atol"] + t["rtol"] * ref[0].abs().item(), (e_f, e_u)
-    for n, g64 in ref[1].items():
-        gs = g64.norm().item()
-        e_f = (fus[1][n].double() - g64).norm().item()
-        e_u = (unf[1][n].double() - g64).norm().item()
-        assert e_f <= 2 * e_u + (t["atol"] + t["rtol"]) * gs, (n, e_f, e_u)
+    _layer_norm_model_on_cuda(_olmo(hidden=128).cuda(), dtype, calls=5)
 
 
 def test_the_rms_norm_probe_runs_the_other_training_mode_too():
@@ -718,7 +728,8 @@ def test_from_module_of_a_layer_norm_module():
     with pytest.raises(ValueError, match=r"^module: HalfLayerNorm does not pass the LayerNorm probe: with bf16"):
         FusedLayerNorm.from_module(HalfLayerNorm(16))
     assert FusedLayerNorm.from_module(HalfLayerNorm(16), verify=False).weight is not None
-    with pytest.raises(TypeError, match=r"^module: expected a torch.nn.LayerNorm or a LayerNorm-style module \(a leaf of a 1-D"):
+    with pytest.raises(TypeError, match=r"^module: expected a torch.nn.LayerNorm or a LayerNorm-style module \(a leaf "
+                                        r"of a 1-D"):
         FusedLayerNorm.from_module(tr.models.cohere.modeling_cohere.CohereLayerNorm((4, 8)))
 
 
@@ -728,26 +739,7 @@ def test_fused_cohere_on_cuda_runs_the_kernel(no_tuning_table, dtype):
     """A fused Cohere model on CUDA in each dtype: every layer_norm call ran pipegoose's kernel (strict mode), loss
     and gradients within twice the unfused model's error from a float64 copy plus the dtype's tolerance. (The copy's
     CohereLayerNorms compute in fp32, which they cast to: the reference is float64 elsewhere.)"""
-    model = _cohere(hidden=128).cuda()
-    ref = _step(copy.deepcopy(model).double(), device="cuda")
-    model = model.to(dtype)
-    unf = _step(model, device="cuda")
-    fuse(model, ops=["layer_norm"])
-    try:
-        dispatch.reset_stats()
-        with dispatch.strict():
-            fus = _step(model, device="cuda")
-        assert dispatch.stats().get("layer_norm") == {"pipegoose": 3}, dispatch.stats()
-    finally:
-        unfuse(model)
-    t = TOLERANCES[dtype]
-    e_f, e_u = (fus[0].double() - ref[0]).abs().item(), (unf[0].double() - ref[0]).abs().item()
-    assert e_f <= 2 * e_u + t["atol"] + t["rtol"] * ref[0].abs().item(), (e_f, e_u)
-    for n, g64 in ref[1].items():
-        gs = g64.norm().item()
-        e_f = (fus[1][n].double() - g64).norm().item()
-        e_u = (unf[1][n].double() - g64).norm().item()
-        assert e_f <= 2 * e_u + (t["atol"] + t["rtol"]) * gs, (n, e_f, e_u)
+    _layer_norm_model_on_cuda(_cohere(hidden=128).cuda(), dtype, calls=3)
 
 
 def test_layer_norm_module_review_fixes():

@@ -481,10 +481,7 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
             if not probe.ok:
                 raise ValueError(f"module: {name} does not pass the LayerNorm probe: {probe.reason}; verify=False "
                                  "takes the module on the caller's word")
-            if output_in_input_dtype is not None and output_in_input_dtype != probe.output_in_input_dtype:
-                raise ValueError(f"output_in_input_dtype: {name} returns "
-                                 f"{'the input dtype' if probe.output_in_input_dtype else 'fp32'} under autocast, got "
-                                 f"{output_in_input_dtype}; verify=False takes it")
+            _check_found_dtype_rule(name, output_in_input_dtype, probe.output_in_input_dtype)
             in_dtype = probe.output_in_input_dtype
         if eps is None and eps_name is None:
             raise ValueError(f"eps: {name} has no {', '.join(map(repr, EPS_ATTRIBUTES))}; pass eps=")
@@ -1353,6 +1350,13 @@ def _check_offset_rule(offset: float, output_in_input_dtype: bool, has_weight: b
         raise ValueError(f"weight_offset: {offset} needs a weight (elementwise_affine=True)")
 
 
+def _check_found_dtype_rule(name: str, given: bool | None, found: bool) -> None:
+    """ValueError where an ``output_in_input_dtype`` given contradicts what a probe found for module class ``name``."""
+    if given is not None and given != found:
+        raise ValueError(f"output_in_input_dtype: {name} returns {'the input dtype' if found else 'fp32'} under "
+                         f"autocast (output_in_input_dtype={found}), got {given}; verify=False takes it")
+
+
 def _weightless_style(module: nn.Module, kind: str, eps: float | None, verify: bool,
                       output_in_input_dtype: bool | None) -> tuple[tuple[int, ...] | None, float | None, bool]:
     """``from_module`` of FusedRMSNorm (``kind`` ``rms_norm``) or FusedLayerNorm (``layer_norm``) for a module without
@@ -1389,11 +1393,7 @@ def _weightless_style(module: nn.Module, kind: str, eps: float | None, verify: b
         if not probe.ok:
             raise ValueError(f"module: {name} does not pass the probe of norms without parameters: {probe.reason}; "
                              "verify=False takes the module on the caller's word")
-        if output_in_input_dtype is not None and output_in_input_dtype != probe.output_in_input_dtype:
-            raise ValueError(f"output_in_input_dtype: {name} returns "
-                             f"{'the input dtype' if probe.output_in_input_dtype else 'fp32'} under autocast "
-                             f"(output_in_input_dtype={probe.output_in_input_dtype}), got {output_in_input_dtype}; "
-                             "verify=False takes it")
+        _check_found_dtype_rule(name, output_in_input_dtype, probe.output_in_input_dtype)
         width, found, eps_error, in_dtype = probe.width, probe.eps, probe.eps_error, probe.output_in_input_dtype
     else:
         if list(module.buffers(recurse=False)):

@@ -561,6 +561,56 @@ class _CudaAutocastNorms(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _stand_in_differs(stand_in: nn.Module, module: nn.Module, xi: torch.Tensor, what: str, ref: torch.Tensor,
+                      atol: float, rtol: float, mode: bool | None, candidate: bool) -> str | None:
+    """A norm probe's check of the stand-in's fp32 output on ``xi`` (in training mode ``mode``; None: the module's)
+    against the float64 ``ref`` (NaN where ``ref`` has NaN): None where it agrees, else the reason (the forward's
+    failure, or the largest difference, in words that follow "output differs from the formula ...")."""
+    if mode is not None:
+        object.__setattr__(stand_in, "training", mode)
+    try:
+        yi = _forward_or_failure(stand_in, xi, what, candidate)
+    finally:
+        object.__setattr__(stand_in, "training", module.training)
+    if isinstance(yi, RMSNormProbe):
+        return yi.reason
+    if (not isinstance(yi, torch.Tensor) or yi.shape != xi.shape
+            or not torch.allclose(yi.double(), ref, atol=atol, rtol=rtol, equal_nan=True)):
+        err = ((yi.double() - ref).abs().max().item() if isinstance(yi, torch.Tensor) and yi.shape == xi.shape
+               else float("nan"))
+        return f"{what} (max abs diff {err:.3g})"
+    return None
+
+
+def _stand_in_backward(stand_in: nn.Module, x: torch.Tensor, gen: torch.Generator):
+    """A norm probe's backward: the stand-in's forward on a copy of ``x`` that requires grad, back from a random
+    gradient of ``gen``: (that copy, holding its gradient, and the gradient), or (the failure's reason, None)."""
+    xg = x.clone().requires_grad_()
+    dy = torch.randn(x.shape, generator=gen, dtype=torch.float32)
+    try:
+        with torch.enable_grad():
+            stand_in.forward(xg).backward(dy)
+    except Exception as exc:  # noqa: BLE001
+        return f"probe backward failed: {type(exc).__name__}: {exc}", None
+    return xg, dy
+
+
+def _autocast_dtypes(stand_in: nn.Module, x: torch.Tensor) -> list[torch.dtype] | str:
+    """The stand-in's output dtypes for fp32 ``x`` and its bf16 copy under CPU autocast (bf16) with CUDA autocast's
+    rule for the norm ops (:class:`_CudaAutocastNorms`), or the failure's reason."""
+    dtypes = []
+    for xi in (x, x.to(torch.bfloat16)):
+        try:
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), _CudaAutocastNorms():
+                dtypes.append(stand_in.forward(xi).dtype)
+        except Exception as exc:  # noqa: BLE001
+            return f"probe forward under autocast failed: {type(exc).__name__}: {exc}"
+    if dtypes[0] != torch.float32 or dtypes[1] not in (torch.bfloat16, torch.float32):
+        return (f"under autocast (bf16) it returns {dtypes[0]} for an fp32 input and {dtypes[1]} for a bf16 one (the "
+                "fused norms: the input's dtype, or fp32 as F.layer_norm / F.rms_norm)")
+    return dtypes
+
+
 def _width_of(module: nn.Module) -> int | None | str:
     """The width a module's ``normalized_shape`` names (an int, a numpy integer, or a sequence of one), None without
     one, or the refusal's reason for another shape."""
@@ -647,24 +697,10 @@ def probe_weightless_norm(module: nn.Module) -> WeightlessNormProbe:
     where = f"its {eps_name}" if eps_name else "read from its output"
 
     def differs(xi: torch.Tensor, what: str, atol: float = 1e-5, rtol: float = 1e-4, mode: bool | None = None):
-        """None where the stand-in's fp32 output on ``xi`` (in training mode ``mode``, None: the module's) is the
-        formula; else the refusal."""
-        if mode is not None:
-            object.__setattr__(stand_in, "training", mode)
-        try:
-            yi = _forward_or_failure(stand_in, xi, what, candidate)
-        finally:
-            object.__setattr__(stand_in, "training", module.training)
-        if isinstance(yi, RMSNormProbe):
-            return refuse(yi.reason, kind)
-        ref = _weightless_ref(xi, kind, eps)
-        if (not isinstance(yi, torch.Tensor) or yi.shape != xi.shape
-                or not torch.allclose(yi.double(), ref, atol=atol, rtol=rtol, equal_nan=True)):
-            err = ((yi.double() - ref).abs().max().item() if isinstance(yi, torch.Tensor) and yi.shape == xi.shape
-                   else float("nan"))
-            return refuse(f"output differs from the formula with eps={eps:g} ({where}) {what} (max abs diff "
-                          f"{err:.3g})", kind)
-        return None
+        why = _stand_in_differs(stand_in, module, xi, what, _weightless_ref(xi, kind, eps), atol, rtol, mode,
+                                candidate)
+        return why and refuse(why if why.startswith("probe ") else
+                              f"output differs from the formula with eps={eps:g} ({where}) {why}", kind)
 
     bad = differs(x, "on a random input", atol=1e-6, rtol=1e-5)
     if bad:
@@ -685,13 +721,9 @@ def probe_weightless_norm(module: nn.Module) -> WeightlessNormProbe:
     if bad:
         return bad
     # the gradient of the input (a statistic detached from the graph, a custom backward)
-    xg = x.clone().requires_grad_()
-    dy = torch.randn(x.shape, generator=gen, dtype=torch.float32)
-    try:
-        with torch.enable_grad():
-            stand_in.forward(xg).backward(dy)
-    except Exception as exc:  # noqa: BLE001
-        return refuse(f"probe backward failed: {type(exc).__name__}: {exc}", kind)
+    xg, dy = _stand_in_backward(stand_in, x, gen)
+    if isinstance(xg, str):
+        return refuse(xg, kind)
     xd = x.double().requires_grad_()
     with torch.enable_grad():
         _weightless_ref(xd, kind, eps).backward(dy.double())
@@ -722,24 +754,17 @@ def probe_weightless_norm(module: nn.Module) -> WeightlessNormProbe:
         if isinstance(yh, RMSNormProbe):
             return refuse(yh.reason, kind)
         if not isinstance(yh, torch.Tensor) or yh.shape != x.shape or yh.dtype != dt:
-            return refuse(f"with a {short} input its output is not a {short} tensor of the input's shape (the fused "
+            return refuse(f"with {short} input its output is not a {short} tensor of the input's shape (the fused "
                           "norms return the input's dtype)", kind)
         once = _weightless_ref(xh, kind, eps).to(dt)
         off = int((yh != once).sum())
         if off > max(1, yh.numel() // 64):
-            return refuse(f"with a {short} input its output differs from the fp32 formula rounded once to {short} in "
+            return refuse(f"with {short} input its output differs from the fp32 formula rounded once to {short} in "
                           f"{off} of {yh.numel()} elements: the fused norms would round it otherwise", kind)
     # the output's dtype under autocast (CUDA's rule for the norm ops): the input's (it casts back), or fp32
-    dtypes = []
-    for xi in (x, x.to(torch.bfloat16)):
-        try:
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), _CudaAutocastNorms():
-                dtypes.append(stand_in.forward(xi).dtype)
-        except Exception as exc:  # noqa: BLE001
-            return refuse(f"probe forward under autocast failed: {type(exc).__name__}: {exc}", kind)
-    if dtypes[0] != torch.float32 or dtypes[1] not in (torch.bfloat16, torch.float32):
-        return refuse(f"under autocast (bf16) it returns {dtypes[0]} for an fp32 input and {dtypes[1]} for a bf16 one "
-                      "(the fused norms: the input's dtype, or fp32 as F.layer_norm / F.rms_norm)", kind)
+    dtypes = _autocast_dtypes(stand_in, x)
+    if isinstance(dtypes, str):
+        return refuse(dtypes, kind)
     in_dtype = dtypes[1] == torch.bfloat16
     what = "RMSNorm" if kind == "rms_norm" else "LayerNorm"
     over = f"over {width} values" if width else "over the last dimension of any width"
@@ -839,22 +864,9 @@ def probe_layer_norm_module(module: nn.Module) -> LayerNormProbe:
     where = f"its {eps_name}"
 
     def differs(xi: torch.Tensor, what: str, atol: float = 1e-5, rtol: float = 1e-4, mode: bool | None = None):
-        if mode is not None:
-            object.__setattr__(stand_in, "training", mode)
-        try:
-            yi = _forward_or_failure(stand_in, xi, what, True)
-        finally:
-            object.__setattr__(stand_in, "training", module.training)
-        if isinstance(yi, RMSNormProbe):
-            return refuse(yi.reason, True)
-        ref = _layer_norm_ref(xi, eps, w, b)
-        if (not isinstance(yi, torch.Tensor) or yi.shape != xi.shape
-                or not torch.allclose(yi.double(), ref, atol=atol, rtol=rtol)):
-            err = ((yi.double() - ref).abs().max().item() if isinstance(yi, torch.Tensor) and yi.shape == xi.shape
-                   else float("nan"))
-            return refuse(f"output differs from LayerNorm's formula with eps={eps:g} ({where}) {what} (max abs diff "
-                          f"{err:.3g})", True)
-        return None
+        why = _stand_in_differs(stand_in, module, xi, what, _layer_norm_ref(xi, eps, w, b), atol, rtol, mode, True)
+        return why and refuse(why if why.startswith("probe ") else
+                              f"output differs from LayerNorm's formula with eps={eps:g} ({where}) {why}", True)
 
     bad = differs(x, "on a random input", atol=1e-6, rtol=1e-5)
     c = x - x.mean(-1, keepdim=True)
@@ -870,13 +882,9 @@ def probe_layer_norm_module(module: nn.Module) -> LayerNormProbe:
         return bad
     # gradients of the input and the parameters
     pw, pb = use(w, b, grad=True)
-    xg = x.clone().requires_grad_()
-    dy = torch.randn(x.shape, generator=gen, dtype=torch.float32)
-    try:
-        with torch.enable_grad():
-            stand_in.forward(xg).backward(dy)
-    except Exception as exc:  # noqa: BLE001
-        return refuse(f"probe backward failed: {type(exc).__name__}: {exc}", True)
+    xg, dy = _stand_in_backward(stand_in, x, gen)
+    if isinstance(xg, str):
+        return refuse(xg, True)
     xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
     bd = None if b is None else b.double().requires_grad_()
     with torch.enable_grad():
@@ -920,16 +928,9 @@ def probe_layer_norm_module(module: nn.Module) -> LayerNormProbe:
             return refuse(f"with {what} its output differs from the fp32 formula rounded once in {off} of "
                           f"{yi.numel()} elements: the fused norm would round it otherwise", True)
     use(w, b)
-    dtypes = []
-    for xi in (x, x16):
-        try:
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), _CudaAutocastNorms():
-                dtypes.append(stand_in.forward(xi).dtype)
-        except Exception as exc:  # noqa: BLE001
-            return refuse(f"probe forward under autocast failed: {type(exc).__name__}: {exc}", True)
-    if dtypes[0] != torch.float32 or dtypes[1] not in (torch.bfloat16, torch.float32):
-        return refuse(f"under autocast (bf16) it returns {dtypes[0]} for an fp32 input and {dtypes[1]} for a bf16 one",
-                      True)
+    dtypes = _autocast_dtypes(stand_in, x)
+    if isinstance(dtypes, str):
+        return refuse(dtypes, True)
     in_dtype = dtypes[1] == torch.bfloat16
     cast = "output in the input's dtype" if in_dtype else "fp32 under autocast, as F.layer_norm"
     params_of = "a weight and bias" if b is not None else "a weight"
