@@ -456,7 +456,7 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
         """:meth:`from_module` for a LayerNorm module of its own class, with a ``weight`` and maybe a ``bias``
         (Cohere's ``CohereLayerNorm``): the same Parameter objects, its epsilon attribute (or ``eps``), and with
         ``verify`` what ``transformers.matching.probe_layer_norm_module`` finds."""
-        from .transformers.matching import EPS_ATTRIBUTES, eps_of, probe_layer_norm_module, probe_rms_norm
+        from .transformers.matching import probe_layer_norm_module, probe_rms_norm
 
         name = type(module).__name__
         own = dict(module.named_parameters(recurse=False))
@@ -471,7 +471,6 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
         if output_in_input_dtype is not None and not isinstance(output_in_input_dtype, bool):
             raise TypeError(f"output_in_input_dtype: expected a bool or None, got "
                             f"{type(output_in_input_dtype).__name__}")
-        eps_name, found, eps_error = eps_of(module)
         in_dtype = True if output_in_input_dtype is None else output_in_input_dtype
         if verify:
             probe = probe_layer_norm_module(module)
@@ -483,11 +482,7 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
                                  "takes the module on the caller's word")
             _check_found_dtype_rule(name, output_in_input_dtype, probe.output_in_input_dtype)
             in_dtype = probe.output_in_input_dtype
-        if eps is None and eps_name is None:
-            raise ValueError(f"eps: {name} has no {', '.join(map(repr, EPS_ATTRIBUTES))}; pass eps=")
-        if eps is None and eps_error is not None:
-            raise type(eps_error)(f"{name}.{eps_error}; pass eps= to use another")
-        new = cls(tuple(w.shape), eps=eps if eps is not None else found, elementwise_affine=False, bias=False,
+        new = cls(tuple(w.shape), eps=_module_eps(module, eps), elementwise_affine=False, bias=False,
                   impl=impl, output_in_input_dtype=in_dtype)
         new.elementwise_affine = True
         new.weight = w   # the same Parameter objects
@@ -789,19 +784,12 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
             if not isinstance(w, nn.Parameter) or w.dim() < 1 or own != ["weight"]:
                 raise TypeError(f"module: expected torch.nn.RMSNorm or an RMSNorm-style module whose only parameter "
                                 f"is 'weight', got {type(module).__name__} with parameters {own}")
-            from .transformers.matching import EPS_ATTRIBUTES, eps_of
-
             if verify:   # first: a module that is no RMSNorm (an nn.Linear without bias) is told so, not asked for eps
                 output_in_weight_dtype, output_in_input_dtype, weight_offset = _verify_rms_style(
                     module, output_in_weight_dtype, output_in_input_dtype, weight_offset)
             if weight_offset and output_in_input_dtype is None:   # Gemma's rounding goes with its offset
                 output_in_input_dtype = True
-            eps_name, mod_eps, eps_error = eps_of(module)
-            if eps is None and eps_name is None:
-                raise ValueError(f"eps: {type(module).__name__} has no {', '.join(map(repr, EPS_ATTRIBUTES))}; "
-                                 f"pass eps=")
-            if eps is None and eps_error is not None:   # (a numpy or 0-d tensor value is taken: eps_value)
-                raise type(eps_error)(f"{type(module).__name__}.{eps_error}; pass eps= to use another")
+            mod_eps = _module_eps(module, eps)   # (a numpy or 0-d tensor value is taken: eps_value)
             shape, cast = tuple(w.shape), not output_in_input_dtype
         output_in_weight_dtype, output_in_input_dtype = bool(output_in_weight_dtype), bool(output_in_input_dtype)
         weight_offset = weight_offset or 0.0
@@ -1350,6 +1338,23 @@ def _check_offset_rule(offset: float, output_in_input_dtype: bool, has_weight: b
         raise ValueError(f"weight_offset: {offset} needs a weight (elementwise_affine=True)")
 
 
+def _module_eps(module: nn.Module, eps: float | None) -> float:
+    """``eps`` where given, else the value of ``module``'s epsilon attribute (``transformers.matching.eps_of``):
+    ValueError naming the attributes where it has none, the attribute's TypeError / ValueError where the fused ops
+    refuse its value (both say to pass ``eps=``)."""
+    if eps is not None:
+        return eps
+    from .transformers.matching import EPS_ATTRIBUTES, eps_of
+
+    name = type(module).__name__
+    eps_name, value, error = eps_of(module)
+    if eps_name is None:
+        raise ValueError(f"eps: {name} has no {', '.join(map(repr, EPS_ATTRIBUTES))}; pass eps=")
+    if error is not None:
+        raise type(error)(f"{name}.{error}; pass eps= to use another")
+    return value
+
+
 def _check_found_dtype_rule(name: str, given: bool | None, found: bool) -> None:
     """ValueError where an ``output_in_input_dtype`` given contradicts what a probe found for module class ``name``."""
     if given is not None and given != found:
@@ -1369,7 +1374,7 @@ def _weightless_style(module: nn.Module, kind: str, eps: float | None, verify: b
     look like a norm (no ``norm`` in its class name and no epsilon attribute) or holds a plain tensor ``weight``;
     ValueError where the probe refuses it, finds the other kind, or finds another ``output_in_input_dtype`` than the
     one given, or where no epsilon is known."""
-    from .transformers.matching import EPS_ATTRIBUTES, _width_of, eps_of, probe_weightless_norm
+    from .transformers.matching import _width_of, probe_weightless_norm
 
     name = type(module).__name__
     expected = ("torch.nn.RMSNorm or an RMSNorm-style module (one 'weight', or none and a norm's name or epsilon "
@@ -1394,7 +1399,9 @@ def _weightless_style(module: nn.Module, kind: str, eps: float | None, verify: b
             raise ValueError(f"module: {name} does not pass the probe of norms without parameters: {probe.reason}; "
                              "verify=False takes the module on the caller's word")
         _check_found_dtype_rule(name, output_in_input_dtype, probe.output_in_input_dtype)
-        width, found, eps_error, in_dtype = probe.width, probe.eps, probe.eps_error, probe.output_in_input_dtype
+        width, found, in_dtype = probe.width, probe.eps, probe.output_in_input_dtype
+        if eps is None and probe.eps_error is not None:
+            raise type(probe.eps_error)(f"{name}.{probe.eps_error}; pass eps= to use another")
     else:
         if list(module.buffers(recurse=False)):
             raise ValueError(f"module: {name} has buffers ({', '.join(n for n, _ in module.named_buffers())}), which "
@@ -1403,12 +1410,8 @@ def _weightless_style(module: nn.Module, kind: str, eps: float | None, verify: b
         if isinstance(width, str) or (width is None and kind == "layer_norm"):
             raise ValueError(f"module: {name} has no normalized_shape of one size (got "
                              f"{getattr(module, 'normalized_shape', None)!r}): FusedLayerNorm takes one")
-        eps_name, found, eps_error = eps_of(module)
-        if eps is None and eps_name is None:
-            raise ValueError(f"eps: {name} has no {', '.join(map(repr, EPS_ATTRIBUTES))}; pass eps=")
+        found = _module_eps(module, eps)
         in_dtype = True if output_in_input_dtype is None else output_in_input_dtype
-    if eps is None and eps_error is not None:
-        raise type(eps_error)(f"{name}.{eps_error}; pass eps= to use another")
     return ((width,) if width else None), (eps if eps is not None else found), in_dtype
 
 
