@@ -1096,8 +1096,7 @@ def _consider_weightless(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRM
     (``matching.probe_weightless_norm``: Gemma 4's ``Gemma4RMSNorm(with_scale=False)``, OLMo's ``OlmoLayerNorm``) ->
     ``FusedRMSNorm`` (of the last dimension where the module takes rows of any width) or ``MixedFusedLayerNorm``,
     without weight, the output's dtype under autocast as the probe found the module's; a norm-like one it refuses
-    gets a skipped row (kind
-    ``layer_norm`` where the probe found that formula, else ``rms_norm``), not eligible."""
+    gets a skipped row (kind ``layer_norm`` where the probe found that formula, else ``rms_norm``), not eligible."""
     probe = matching.probe_weightless_norm(child)
     if not probe.candidate:
         return None, None
