@@ -40,6 +40,12 @@ Models (random init from a config, no weights downloaded):
   with the result cast back (``MixedFusedLayerNorm(elementwise_affine=False, output_in_input_dtype=True)`` once
   fused, since session 70). Not in ``benchmarks.run``'s default ``--e2e-models``; no Liger variant (Liger-Kernel
   patches OLMo 2, not OLMo).
+* ``cohere``: Command-R's layer (``CohereForCausalLM``: attention and MLP in parallel after one ``CohereLayerNorm``,
+  a LayerNorm with a weight and no bias, in fp32 with the result cast back; logits scaled by 0.0625) at this
+  project's size: hidden 2048, 12 layers, 16 heads, 4 KV heads, SwiGLU MLP 5632, Command-R's vocabulary of 256000
+  (tied), ~1.07B params, batch 4. Once fused its norms run ``MixedFusedLayerNorm`` (since session 70) and its MLPs
+  ``swiglu``; its RoPE, interleaved, stays the model's. Not in ``benchmarks.run``'s default ``--e2e-models``; no Liger
+  variant.
 
 Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
 (``pipegoose.nn.fusion.fuse(model)`` on that model), ``fuse_sdpa_adam`` (``fuse_sdpa`` with
@@ -122,10 +128,14 @@ MODELS = {
                                                     num_attention_heads=16, num_key_value_heads=16, vocab_size=50304,
                                                     max_position_embeddings=2048, tie_word_embeddings=True,
                                                     pad_token_id=1, eos_token_id=50279)),
+    "cohere": dict(arch="cohere", batch=4, config=dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=12,
+                                                        num_attention_heads=16, num_key_value_heads=4,
+                                                        vocab_size=256000, logit_scale=0.0625, layer_norm_eps=1e-5,
+                                                        max_position_embeddings=4096, tie_word_embeddings=True)),
 }
 CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config", "phi3": "Phi3Config",
            "gemma": "GemmaConfig", "qwen3_moe": "Qwen3MoeConfig", "gemma4_text": "Gemma4TextConfig",
-           "olmo": "OlmoConfig"}
+           "olmo": "OlmoConfig", "cohere": "CohereConfig"}
 VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_model_rope",
             "compile_sdpa", "liger_rmsnorm", "liger")
 # What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the
