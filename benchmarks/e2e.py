@@ -44,8 +44,13 @@ Models (random init from a config, no weights downloaded):
   a LayerNorm with a weight and no bias, in fp32 with the result cast back; logits scaled by 0.0625) at this
   project's size: hidden 2048, 12 layers, 16 heads, 4 KV heads, SwiGLU MLP 5632, Command-R's vocabulary of 256000
   (tied), ~1.07B params, batch 4. Once fused its norms run ``MixedFusedLayerNorm`` (since session 70) and its MLPs
-  ``swiglu``; its RoPE, interleaved, stays the model's. Not in ``benchmarks.run``'s default ``--e2e-models``; no Liger
-  variant.
+  ``swiglu`` and, since session 71, its RoPE (interleaved: pairs of neighbours) op ``rope`` with
+  ``interleaved=True``. Not in ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
+* ``glm4``: GLM-4's layer (``Glm4ForCausalLM``: 16 heads of 128, 2 KV heads, half of each head rotated by its
+  interleaved RoPE, the MLP's gate and up in one ``gate_up_proj``, norms after attention and MLP too) at this
+  project's size: hidden 2048, 16 layers, MLP 5632, GLM-4's vocabulary of 151552 (untied), ~1.32B params, batch 4.
+  Once fused: RMSNorms, ``swiglu.packed``, and op ``rope`` (interleaved, partial rotary) since session 71. Not in
+  ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
 
 Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
 (``pipegoose.nn.fusion.fuse(model)`` on that model), ``fuse_sdpa_adam`` (``fuse_sdpa`` with
@@ -132,10 +137,14 @@ MODELS = {
                                                         num_attention_heads=16, num_key_value_heads=4,
                                                         vocab_size=256000, logit_scale=0.0625, layer_norm_eps=1e-5,
                                                         max_position_embeddings=4096, tie_word_embeddings=True)),
+    "glm4": dict(arch="glm4", batch=4, config=dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                                                    num_attention_heads=16, num_key_value_heads=2, head_dim=128,
+                                                    vocab_size=151552, max_position_embeddings=4096,
+                                                    rms_norm_eps=1e-5, tie_word_embeddings=False)),
 }
 CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config", "phi3": "Phi3Config",
            "gemma": "GemmaConfig", "qwen3_moe": "Qwen3MoeConfig", "gemma4_text": "Gemma4TextConfig",
-           "olmo": "OlmoConfig", "cohere": "CohereConfig"}
+           "olmo": "OlmoConfig", "cohere": "CohereConfig", "glm4": "Glm4Config"}
 VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_model_rope",
             "compile_sdpa", "liger_rmsnorm", "liger")
 # What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the

@@ -11,6 +11,7 @@ import torch
 
 from pipegoose.nn.fusion import dispatch
 from pipegoose.nn.fusion.fuse import fuse, fused, is_fused, unfuse
+from pipegoose.nn.fusion.ops import rope as rope_ops
 from pipegoose.nn.fusion.transformers import rope as rope_mod
 
 from . import models
@@ -166,15 +167,17 @@ def test_a_function_replaced_while_fused_is_left_alone():
 
 
 def test_a_function_that_is_not_the_rotate_half_rope_is_skipped():
-    """The probe refuses a function that computes another rotation (the interleaved form of GPT-J), fails on float64
-    CPU inputs (a GPU-only patch) or rotates one tensor a call (Gemma 4's form): rows skipped, not eligible, with the
-    reason; no hooks, no global change."""
-    def interleaved(q, k, cos, sin, unsqueeze_dim=1):
-        def rot(x):
-            x1, x2 = x[..., ::2], x[..., 1::2]
-            return torch.stack((-x2, x1), dim=-1).flatten(-2)
+    """The probe refuses a function that computes another rotation (the transposed one: sin of the other sign, in
+    both the rotate-half and the interleaved form), fails on float64 CPU inputs (a GPU-only patch) or rotates one
+    tensor a call (Gemma 4's form): rows skipped, not eligible, with the reason; no hooks, no global change. (The
+    interleaved rotation itself, GPT-J's, Cohere's, is fused since session 71: test_fuse_rope_interleaved.py.)"""
+    def transposed(q, k, cos, sin, unsqueeze_dim=1):
         c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-        return q * c + rot(q) * s, k * c + rot(k) * s
+        return q * c - rope_ops.rotate_half(q) * s, k * c - rope_ops.rotate_half(k) * s
+
+    def transposed_pairs(q, k, cos, sin, unsqueeze_dim=1):
+        c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * c - rope_ops.rotate_half(q, True) * s, k * c - rope_ops.rotate_half(k, True) * s
 
     def gpu_only(q, k, cos, sin, unsqueeze_dim=1):
         raise RuntimeError("expected a CUDA tensor")
@@ -182,7 +185,8 @@ def test_a_function_that_is_not_the_rotate_half_rope_is_skipped():
     def one_tensor(x, cos, sin, unsqueeze_dim=1):   # (Gemma 4's form: one tensor a call)
         return x * cos.unsqueeze(unsqueeze_dim) + x * sin.unsqueeze(unsqueeze_dim)
 
-    for fn, why in ((interleaved, "does not compute the rotate-half RoPE"),
+    for fn, why in ((transposed, "does not compute the rotate-half RoPE"),
+                    (transposed_pairs, "nor its interleaved form"),
                     (gpu_only, "failed on float64 CPU inputs: RuntimeError: expected a CUDA"),
                     (one_tensor, "apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim) rotates one tensor a call, not q "
                                  "and k")):
@@ -221,8 +225,6 @@ def test_gpt_neox_partial_rotary_runs_the_original(monkeypatch):
     takes a call is asked per call), the report says that their calls run the model's own code here and why, and they
     do, exactly (PyTorch's reference path never runs), each call recorded as the op's fallback (counted as torch;
     strict mode refuses it, as it refuses whole-head calls on the CPU); with a factor of 1 they run the op."""
-    from pipegoose.nn.fusion.ops import rope as rope_ops
-
     def no_reference(*args, **kwargs):
         raise AssertionError("PyTorch's reference path ran for a partial-rotary call")
 

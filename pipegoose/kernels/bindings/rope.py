@@ -5,7 +5,8 @@ Shapes and dtypes, as the CUDA kernels return them: ``q`` ``[B, Hq, S, D]``, ``k
 ``sin`` ``[B or 1, S, R]`` (R the rotated values a head: D, or an even 2 <= R < D, partial rotary), one dtype or
 16-bit q and k with fp32 tables (autocast); each output has its input's shape, the promoted dtype (fp32 for fp32
 tables; the backward: ``dtype``, default cos's) and the strides ``torch.empty_like`` gives it (the input's where it is
-dense, else dense strides in the input's order of dimensions). Imported by the builder after the library is loaded."""
+dense, else dense strides in the input's order of dimensions); ``interleaved`` (the rotation of neighbouring pairs)
+changes no shape, dtype or stride. Imported by the builder after the library is loaded."""
 
 from __future__ import annotations
 
@@ -63,21 +64,21 @@ def _like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @torch.library.register_fake("pipegoose::rope_forward")
-def _forward_fake(q, k, cos, sin):
+def _forward_fake(q, k, cos, sin, interleaved=False):
     _check("q", q, "k", k, cos, sin)
     out = _forward_dtype(q, k, cos)
     return _like(q, out), _like(k, out)
 
 
 @torch.library.register_fake("pipegoose::rope_backward")
-def _backward_fake(grad_q_embed, grad_k_embed, cos, sin, dtype=None):
+def _backward_fake(grad_q_embed, grad_k_embed, cos, sin, dtype=None, interleaved=False):
     _check("grad_q_embed", grad_q_embed, "grad_k_embed", grad_k_embed, cos, sin)
     out = _backward_dtype(cos, dtype)
     return _like(grad_q_embed, out), _like(grad_k_embed, out)
 
 
 @torch.library.register_fake("pipegoose::rope")
-def _fake(q, k, cos, sin):
+def _fake(q, k, cos, sin, interleaved=False):
     _check("q", q, "k", k, cos, sin)
     out = _forward_dtype(q, k, cos)
     return _like(q, out), _like(k, out)

@@ -11,6 +11,12 @@
 //     y1 = x1 * c1 - x2 * s1,   y2 = x2 * c2 + x1 * s2,   y[..., R:] = x[..., R:]
 // rope_backward(grad_q_embed, grad_k_embed, cos, sin, dtype=None) -> (grad_q, grad_k), the transposed rotation:
 //     g1 = dy1 * c1 + dy2 * s2,   g2 = dy2 * c2 - dy1 * s1,   g[..., R:] = dy[..., R:]
+// interleaved=True: the rotation of GPT-J, Cohere and GLM (transformers' rotate_half of x[..., ::2] and x[..., 1::2]),
+// pairs of neighbours on x[..., :R]:
+//     y[2i] = x[2i] c[2i] - x[2i+1] s[2i],   y[2i+1] = x[2i+1] c[2i+1] + x[2i] s[2i+1]
+//   backward: g[2i] = dy[2i] c[2i] + dy[2i+1] s[2i+1],   g[2i+1] = dy[2i+1] c[2i+1] - dy[2i] s[2i]
+//   (the tables as given, per value: Cohere's repeat each frequency twice, cos[2i] == cos[2i+1]; GLM's function makes
+//   them so from its rotate-half tables before the call).
 // cos and sin are used as given (both halves read: no assumption that cos[:R/2] == cos[R/2:R], as it is in Llama's
 // tables), and they get no gradient. Each value is computed in fp32 and rounded once to the dtype (eager PyTorch in
 // 16-bit rounds each product and the sum: three roundings; the kernel is the closer to exact).
@@ -25,7 +31,9 @@
 // Errors (RuntimeError naming the argument): not CUDA, devices differ, dtypes not one of those pairs, ranks or sizes
 // that do not match the shapes above.
 //
-// Work: one thread per (token, head, vector of a half): it loads 16 bytes of each half of the rotated values (8 16-bit
+// Work (interleaved: one thread per (token, head, vector of the rotated values), whole pairs in each vector, or one
+// value with its partner where no two load as one; the vectors passed through as below; never staged or laned).
+// Rotate-half: one thread per (token, head, vector of a half): it loads 16 bytes of each half of the rotated values (8 16-bit
 // or 4 fp32 values) and the matching vectors of cos and sin (the same for every head of a token: L1 hits), and stores
 // 16 bytes of each half of the output; with partial rotary, one thread per group of vectors of the passed-through
 // values copies them (one launch each way: the whole head read once and written once). Consecutive threads take
@@ -157,6 +165,7 @@ struct Params {
   int32_t copies, group;               // threads that pass a head's D - R last values through, vectors each
   int32_t dim, chunks, rows_per_block;  // the staged and lane kernels: D, 16-byte chunks a head, heads a warp tile
                                         // (items: heads)
+  bool interleaved;                     // pairs (2i, 2i + 1) rotate (vecs: vectors of all R rotated values)
 };
 
 // The size of the widest of the three types; the elements of a 16-byte vector of it (the widest vector of a
@@ -273,9 +282,45 @@ __device__ __forceinline__ void rotate_pair(const Tables<TC, V>& t, const Vec<TI
   }
 }
 
+// The interleaved rotation (GPT-J's, Cohere's, GLM's: pairs of neighbours (x[2i], x[2i + 1]) rotate) of the V values
+// at element e of the head (e even; x, y and the tables' rows c, n already at e), forward:
+//     y[2i] = x[2i] c[2i] - x[2i+1] s[2i],   y[2i+1] = x[2i+1] c[2i+1] + x[2i] s[2i+1],
+// backward (the transposed rotation):
+//     g[2i] = dy[2i] c[2i] + dy[2i+1] s[2i+1],   g[2i+1] = dy[2i+1] c[2i+1] - dy[2i] s[2i],
+// each value one product rounded then a fused multiply-add, as rotate_pair. With V = 1 (a misaligned view, or an odd
+// head size: no two values load as one) a thread computes its own value, loading its partner and, in the backward, the
+// partner's sine as scalars (each value then read twice: the narrow path only).
+template <typename TI, typename TC, typename TO, int V, bool kBwd>
+__device__ __forceinline__ void rotate_interleaved(const TI* x, const TC* c, const TC* n, int64_t e, TO* y) {
+  const Vec<TI, V> xv = load<TI, V>(x);
+  const Vec<TC, V> cv = load<TC, V, true>(c), sv = load<TC, V, true>(n);
+  Vec<TO, V> yv;
+  if constexpr (V == 1) {
+    const bool even = (e & 1) == 0;
+    const int to = even ? 1 : -1;   // the partner's offset
+    const float m = __fmul_rn(to_f(x[to]), to_f(kBwd ? n[to] : sv.v[0]));
+    yv.v[0] = from_f<TO>(__fmaf_rn(to_f(xv.v[0]), to_f(cv.v[0]), even != kBwd ? -m : m));
+  } else {
+    static_assert(V % 2 == 0, "whole pairs a vector");
+#pragma unroll
+    for (int j = 0; j < V; j += 2) {
+      const float a = to_f(xv.v[j]), d = to_f(xv.v[j + 1]);
+      if (kBwd) {
+        yv.v[j] = from_f<TO>(__fmaf_rn(a, to_f(cv.v[j]), __fmul_rn(d, to_f(sv.v[j + 1]))));
+        yv.v[j + 1] = from_f<TO>(__fmaf_rn(d, to_f(cv.v[j + 1]), -__fmul_rn(a, to_f(sv.v[j]))));
+      } else {
+        yv.v[j] = from_f<TO>(__fmaf_rn(a, to_f(cv.v[j]), -__fmul_rn(d, to_f(sv.v[j]))));
+        yv.v[j + 1] = from_f<TO>(__fmaf_rn(d, to_f(cv.v[j + 1]), __fmul_rn(a, to_f(sv.v[j + 1]))));
+      }
+    }
+  }
+  store<TO, V>(y, yv);
+}
+
 // TI: the rotated tensors' element type (q, k; the output gradients), TC: cos and sin's, TO: the results'; kBwd: the
-// transposed rotation (the backward); I: the index type of the item arithmetic (32-bit where it fits).
-template <typename TI, typename TC, typename TO, int V, bool kBwd, typename I>
+// transposed rotation (the backward); I: the index type of the item arithmetic (32-bit where it fits); kInter: the
+// interleaved rotation (rotate_interleaved: a thread a vector of the R rotated values, vecs of them), else rotate-half.
+template <typename TI, typename TC, typename TO, int V, bool kBwd, typename I, bool kInter = false>
 __global__ void __launch_bounds__(kThreads) rope_kernel(const Params p) {
   const I item = static_cast<I>(blockIdx.x) * kThreads + threadIdx.x;
   if (item >= static_cast<I>(p.items)) return;
@@ -308,6 +353,13 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const Params p) {
         store<TO, V>(y + g * V, o);
       }
     }
+    return;
+  }
+  if constexpr (kInter) {
+    const int64_t t = static_cast<int64_t>(h.b) * p.cos_b + static_cast<int64_t>(h.s) * p.cos_s + e;
+    const int64_t u = static_cast<int64_t>(h.b) * p.sin_b + static_cast<int64_t>(h.s) * p.sin_s + e;
+    rotate_interleaved<TI, TC, TO, V, kBwd>(x, static_cast<const TC*>(p.cos) + t, static_cast<const TC*>(p.sin) + u,
+                                            e, y);
     return;
   }
   const Vec<TI, V> x1 = load<TI, V>(x);
@@ -561,6 +613,16 @@ void launch_width(const Params& p, int v, bool bwd, bool staged, bool laned, boo
       return;
     }
   }
+  if (p.interleaved) {
+    if (bwd) {
+      narrow ? go(rope_kernel<TI, TC, TO, V, true, uint32_t, true>)
+             : go(rope_kernel<TI, TC, TO, V, true, int64_t, true>);
+    } else {
+      narrow ? go(rope_kernel<TI, TC, TO, V, false, uint32_t, true>)
+             : go(rope_kernel<TI, TC, TO, V, false, int64_t, true>);
+    }
+    return;
+  }
   if (bwd) {
     narrow ? go(rope_kernel<TI, TC, TO, V, true, uint32_t>) : go(rope_kernel<TI, TC, TO, V, true, int64_t>);
   } else {
@@ -582,8 +644,8 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
     for (const Strides& st : strides) ok = ok && multiple(st.b, v) && multiple(st.h, v) && multiple(st.s, v);
     return ok;
   };
-  auto fits = [&](int v) {
-    return multiple(p.half, v) && multiple(p.copies, v) && aligned(p.q, v * sizeof(TI)) &&
+  auto fits = [&](int v) {   // (interleaved: vectors of whole pairs, or one value; the R rotated values in vectors)
+    return multiple(p.interleaved ? 2 * p.half : p.half, v) && multiple(p.copies, v) && aligned(p.q, v * sizeof(TI)) &&
            aligned(p.k, v * sizeof(TI)) && aligned(p.q_out, v * sizeof(TO)) && aligned(p.k_out, v * sizeof(TO)) &&
            aligned(p.cos, v * sizeof(TC)) && aligned(p.sin, v * sizeof(TC)) && strided_by(v) &&
            multiple(p.cos_b, v) && multiple(p.cos_s, v) && multiple(p.sin_b, v) && multiple(p.sin_s, v);
@@ -591,13 +653,13 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
   int v = kV;
   while (v > 1 && !fits(v)) v /= 2;
   const int64_t tokens = p.items;  // (set by the caller to B * S)
-  p.vecs = p.half / v;
+  p.vecs = (p.interleaved ? 2 * p.half : p.half) / v;
   // staged (rope_staged_kernel) where the halves take vectors narrower than 16 bytes (PIPEGOOSE_ROPE_STAGE 1; 2: also
   // 16-byte ones), one type in and out, and the heads move in 16-byte chunks that fit the tile: head sizes, pointers
   // and head strides multiples of 16 bytes
   p.dim = 2 * p.half + p.copies;
   const int64_t row_bytes = static_cast<int64_t>(p.dim) * sizeof(TI);
-  const bool staged = (PIPEGOOSE_ROPE_STAGE == 2 || (PIPEGOOSE_ROPE_STAGE == 1 && v < kV)) &&
+  const bool staged = !p.interleaved && (PIPEGOOSE_ROPE_STAGE == 2 || (PIPEGOOSE_ROPE_STAGE == 1 && v < kV)) &&
                       std::is_same_v<TI, TO> && multiple(row_bytes, 16) && row_bytes <= 32 * kStageVecs * 16 &&
                       p.vecs <= 32 &&
                       aligned(p.q, 16) && aligned(p.k, 16) && aligned(p.q_out, 16) && aligned(p.k_out, 16) &&
@@ -606,7 +668,7 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
   // in the tables), the rotated values are part of the head (PIPEGOOSE_ROPE_LANES 1; 2: whole heads too; 3: fp32
   // too), and a head is 1, 2, 4, 8, 16 or 32 chunks of 16 bytes, no lane of a warp idle (v == kV: pointers and
   // strides are multiples of 16 bytes)
-  const bool laned = !staged && v == kV && std::is_same_v<TI, TO> && std::is_same_v<TI, TC> &&
+  const bool laned = !staged && !p.interleaved && v == kV && std::is_same_v<TI, TO> && std::is_same_v<TI, TC> &&
                      (sizeof(TI) == 2 || PIPEGOOSE_ROPE_LANES == 3) &&
                      (PIPEGOOSE_ROPE_LANES >= 2 || (PIPEGOOSE_ROPE_LANES == 1 && p.copies > 0)) &&
                      multiple(row_bytes, 16) && row_bytes <= 32 * 16 && multiple(32, row_bytes / 16);
@@ -644,7 +706,7 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
 // rotation.
 std::tuple<at::Tensor, at::Tensor> rotate(const char* op, const at::Tensor& x_in, const at::Tensor& y_in,
                                           const at::Tensor& cos_in, const at::Tensor& sin_in, c10::ScalarType out,
-                                          bool bwd) {
+                                          bool bwd, bool interleaved) {
   const at::Tensor x = last_dim_contiguous(x_in), y = last_dim_contiguous(y_in);
   const at::Tensor cos = last_dim_contiguous(cos_in), sin = last_dim_contiguous(sin_in);
   at::Tensor x_out = at::empty_like(x, x.options().dtype(out)), y_out = at::empty_like(y, y.options().dtype(out));
@@ -671,6 +733,7 @@ std::tuple<at::Tensor, at::Tensor> rotate(const char* op, const at::Tensor& x_in
   p.half = static_cast<int32_t>(cos.size(2) / 2);
   p.copies = static_cast<int32_t>(x.size(3) - cos.size(2));   // elements passed through; launch() makes them vectors
   p.items = x.size(0) * x.size(2);  // tokens; launch() multiplies by the work per token
+  p.interleaved = interleaved;
   if (p.half == 0) return {x_out, y_out};
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   by_types(x.scalar_type(), cos.scalar_type(), out, [&](auto ti, auto tc, auto to) {
@@ -682,19 +745,19 @@ std::tuple<at::Tensor, at::Tensor> rotate(const char* op, const at::Tensor& x_in
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> rope_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
-                                                     const at::Tensor& sin) {
+                                                     const at::Tensor& sin, bool interleaved) {
   check_args(kFwd, "q", q, "k", k, cos, sin);
   const auto dt = q.scalar_type(), tab = cos.scalar_type();
   PG_CHECK(k.scalar_type() == dt, kFwd, ": k is ", k.scalar_type(), " but q is ", dt, "; expected one dtype");
   const auto out = tab == at::kFloat ? at::kFloat : dt;   // PyTorch's promotion of q * cos
   PG_CHECK(supported_types(dt, tab, out), kFwd, ": q is ", dt, " and cos ", tab,
            "; expected one dtype, or float16 / bfloat16 q and k with float32 cos and sin (autocast)");
-  return rotate(kFwd, q, k, cos, sin, out, /*bwd=*/false);
+  return rotate(kFwd, q, k, cos, sin, out, /*bwd=*/false, interleaved);
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_backward_cuda(const at::Tensor& grad_q_embed, const at::Tensor& grad_k_embed,
                                                       const at::Tensor& cos, const at::Tensor& sin,
-                                                      std::optional<at::ScalarType> dtype) {
+                                                      std::optional<at::ScalarType> dtype, bool interleaved) {
   check_args(kBwd, "grad_q_embed", grad_q_embed, "grad_k_embed", grad_k_embed, cos, sin);
   PG_CHECK(at::isFloatingType(grad_q_embed.scalar_type()) && at::isFloatingType(grad_k_embed.scalar_type()), kBwd,
            ": grad_q_embed and grad_k_embed must be floating point tensors, got ", grad_q_embed.scalar_type(), " and ",
@@ -702,7 +765,7 @@ std::tuple<at::Tensor, at::Tensor> rope_backward_cuda(const at::Tensor& grad_q_e
   const auto tab = cos.scalar_type(), out = dtype.value_or(tab);
   PG_CHECK(supported_types(tab, tab, out), kBwd, ": dtype ", out, " with cos of ", tab,
            "; expected cos's dtype, or float16 / bfloat16 with float32 cos and sin (autocast)");
-  return rotate(kBwd, grad_q_embed.to(tab), grad_k_embed.to(tab), cos, sin, out, /*bwd=*/true);
+  return rotate(kBwd, grad_q_embed.to(tab), grad_k_embed.to(tab), cos, sin, out, /*bwd=*/true, interleaved);
 }
 
 }  // namespace pipegoose

@@ -470,7 +470,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
 
 
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         unsqueeze_dim: int = 1, *, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         unsqueeze_dim: int = 1, *, interleaved: bool = False,
+                         impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary position embedding of the query and key (op ``rope``): drop-in for transformers'
     ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` of Llama, Mistral, Qwen2/Qwen3, GPT-NeoX and their
     copies: ``q * cos + rotate_half(q) * sin`` and the same for ``k``, with
@@ -488,6 +489,10 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
             (autocast; the results are then fp32, as PyTorch's promotion makes them): the rotation's tables
             (``LlamaRotaryEmbedding``'s output).
         unsqueeze_dim: where cos and sin get the heads' dimension, as in transformers (1 or 2 on the kernel).
+        interleaved: (default False) the rotation of neighbouring pairs, GPT-J's, Cohere's and GLM's
+            ``rotate_half(x) = stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)``, with the tables as given
+            (Cohere's ``[B, S, D]`` tables repeat each frequency twice; GLM's function interleaves its own tables
+            before the call, which the caller then does); partial rotary (GLM's) as above, in pairs.
 
     Returns:
         ``(q_embed, k_embed)``: on the kernel path of q's and k's shapes and dtype (fp32 with fp32 tables and 16-bit
@@ -505,11 +510,12 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     Kernel: pipegoose/rope (pipegoose/kernels/csrc/rope.cu, this project, MIT).
 
     Raises:
-        TypeError: a tensor argument not a floating point tensor of fp32/fp16/bf16/fp64; ``unsqueeze_dim`` not an int.
+        TypeError: a tensor argument not a floating point tensor of fp32/fp16/bf16/fp64; ``unsqueeze_dim`` not an int;
+            ``interleaved`` not a bool.
         ValueError: a tensor on another device than ``q``; ``impl`` naming no implementation of ``rope``
             (``pipegoose``, ``torch``).
         RuntimeError: (PyTorch's path) shapes that do not broadcast (PyTorch's message, which names no argument).
         IndexError: (PyTorch's path) ``unsqueeze_dim`` out of cos's range, or a 0-d cos or sin.
         FusionFallbackError: in strict mode, where the kernel cannot take the input.
     """
-    return _rope.run(q, k, cos, sin, unsqueeze_dim, impl)
+    return _rope.run(q, k, cos, sin, unsqueeze_dim, impl, interleaved)

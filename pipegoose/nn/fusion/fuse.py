@@ -1271,10 +1271,11 @@ def _consider_experts(model, child, path, ops, dry_run, state, held: set) -> Fus
                      "unchanged)" + where + _small_note(child))
 
 
-def _rope_probe_inputs(module: nn.Module, rotary: int | None = None, head: int | None = None):
+def _rope_probe_inputs(module: nn.Module, rotary: int | None = None, head: int | None = None,
+                       interleaved: bool = False):
     """The report's probe of an attention module's RoPE: q and k of its heads and head size (``head``, else from the
     module, else its config), one batch of positions enough that it is not a small problem, and tables of ``rotary``
-    values (None: the head size); None where they cannot be told."""
+    values (None: the head size), for the op's rotation (``interleaved`` or not); None where they cannot be told."""
     config = getattr(module, "config", None)
     heads = _config_value(config, "num_attention_heads")
     kv_heads = _config_value(config, "num_key_value_heads") or heads
@@ -1288,7 +1289,8 @@ def _rope_probe_inputs(module: nn.Module, rotary: int | None = None, head: int |
     r = rotary or dim
     return lambda d, t: (torch.empty(1, heads, seq, dim, device=d, dtype=t),
                          torch.empty(1, kv_heads, seq, dim, device=d, dtype=t),
-                         torch.empty(1, seq, r, device=d, dtype=t), torch.empty(1, seq, r, device=d, dtype=t))
+                         torch.empty(1, seq, r, device=d, dtype=t), torch.empty(1, seq, r, device=d, dtype=t), 1,
+                         interleaved)
 
 
 def _config_value(config, name: str):
@@ -1398,7 +1400,7 @@ def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
         # (an odd count: transformers' tables hold a cos and sin per frequency, twice, one value more; the function
         # rotates as many values as they hold)
         rotary += rotary % 2
-    build = _rope_probe_inputs(child, rotary if partial else None, rotary if sliced else None)
+    build = _rope_probe_inputs(child, rotary if partial else None, rotary if sliced else None, found.interleaved)
     choice = _choice("rope", child, build) if build is not None else None
     fwd = bwd = "?" if choice is None else choice.impl + (" (fallback)" if choice.fallback else "")
     p = _first_param(child)
@@ -1423,11 +1425,13 @@ def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
     if not dry_run:
         rec = _rope.install(child, target, found)
         state.rope_hooks.append((weakref.ref(child), rec))
-    what = (f"GPT-NeoX's partial rotary, {rotary} of each head's values (probed): its calls" if partial
-            else f"the rotate-half RoPE (probed): its plain calls, on the {rotary} values of each head that it rotates "
+    style = _rope.STYLE_WORDS[found.style]
+    whose = f"{style}, GLM's" if found.interleaved else "GPT-NeoX's"
+    what = (f"{whose} partial rotary, {rotary} of each head's values (probed): its calls" if partial
+            else f"{style} (probed): its plain calls, on the {rotary} values of each head that it rotates "
                  f"(partial rotary, factor {factor}: it passes them alone, with tables of that width; its function "
                  "raises for narrower tables)," if sliced
-            else "the rotate-half RoPE (probed): its plain calls")
+            else f"{style} (probed): its plain calls")
     return FusionRow(path, "rope", name, "rope hooks", True, fwd, bwd,
                      f"{target.module_name.rsplit('.', 1)[-1]}.{_rope.NAME}, {what} from this module run op rope"
                      + where + _small_note(child))

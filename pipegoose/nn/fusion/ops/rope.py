@@ -30,6 +30,12 @@ memory). On an H200 the 16-bit heads of 64 and 128 run near 70% of its copy, as 
 2-6 points on the H100. The GPT-NeoX ~405M training step (session 56, H100): 143.0k tokens/s against
 132.7k with the model's own RoPE.
 
+Interleaved RoPE (``interleaved=True``: GPT-J's, Cohere's, GLM's, Helium's and ERNIE 4.5's functions, whose
+``rotate_half`` pairs neighbours, ``stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)``): the same kernel, a thread a
+vector of whole pairs; the tables as given (Cohere's repeat each frequency twice; GLM's function makes its own so
+before the rotation, and fuse's routing does the same), partial rotary as above (GLM's: the first R values of each
+head in pairs, the rest passed through).
+
 Implementations (op ``rope``): ``pipegoose`` (pipegoose/kernels/csrc/rope.cu, this project, MIT) and ``torch``
 (transformers' formula in PyTorch ops).
 """
@@ -52,13 +58,13 @@ SRC_PIPEGOOSE = "pipegoose/rope: pipegoose/kernels/csrc/rope.cu (pipegoose, MIT)
 _NAMES = ("q", "k", "cos", "sin")
 
 
-def check_args(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: Any = 1) -> None:
+def check_args(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: Any = 1, interleaved: Any = False) -> None:
     """Check the arguments (errors name the argument). Shapes are left to the paths: the kernel's ``supports`` says
     which it takes, and PyTorch's broadcasting raises for the rest.
 
     Raises:
         TypeError: ``q``, ``k``, ``cos`` or ``sin`` not a floating point tensor, or of a dtype no path here takes
-            (float8); ``unsqueeze_dim`` not an int.
+            (float8); ``unsqueeze_dim`` not an int; ``interleaved`` not a bool.
         ValueError: a tensor on another device than ``q``.
     """
     for name, t in zip(_NAMES, (q, k, cos, sin)):
@@ -68,23 +74,26 @@ def check_args(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: Any = 1) -> No
     if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int):
         raise TypeError(f"unsqueeze_dim: expected an int (the heads' dimension of q once cos is unsqueezed), got "
                         f"{type(unsqueeze_dim).__name__}")
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved: expected a bool (the rotation of neighbouring pairs), got "
+                        f"{type(interleaved).__name__}")
 
 
 def rope_problem(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 unsqueeze_dim: int = 1) -> Problem:
+                 unsqueeze_dim: int = 1, interleaved: bool = False) -> Problem:
     """The dispatcher's description of one call (metadata only)."""
     partial = q.dim() > 0 and cos.dim() > 0 and 1 < cos.shape[-1] < q.shape[-1]
     return Problem(OP, q.dtype, q.device, cols=q.shape[-1] if q.dim() else 1, needs_grad=needs_grad(q, k),
                    extra=dict(shape=tuple(q.shape), k_shape=tuple(k.shape), cos_shape=tuple(cos.shape), partial=partial,
                               sin_shape=tuple(sin.shape), dtypes=(k.dtype, cos.dtype, sin.dtype),
-                              unsqueeze_dim=unsqueeze_dim, numel=q.numel() + k.numel(),
+                              unsqueeze_dim=unsqueeze_dim, numel=q.numel() + k.numel(), interleaved=interleaved,
                               table_grad=torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad),
                               storage=all_have_storage(q, k, cos, sin), forward_ad=has_tangent(q, k, cos, sin)))
 
 
-def _explain(q, k, cos, sin, unsqueeze_dim=1):
-    check_args(q, k, cos, sin, unsqueeze_dim)
-    return rope_problem(q, k, cos, sin, unsqueeze_dim)
+def _explain(q, k, cos, sin, unsqueeze_dim=1, interleaved=False):
+    check_args(q, k, cos, sin, unsqueeze_dim, interleaved)
+    return rope_problem(q, k, cos, sin, unsqueeze_dim, interleaved)
 
 
 def _heads_dim(p: Problem) -> int | None:
@@ -92,7 +101,8 @@ def _heads_dim(p: Problem) -> int | None:
     return {1: 1, -3: 1, 2: 2, -2: 2}.get(p["unsqueeze_dim"])
 
 
-def shape_reason(q: tuple, k: tuple, c: tuple, s_shape: tuple, heads_dim: int = 1, partial: bool = True) -> str:
+def shape_reason(q: tuple, k: tuple, c: tuple, s_shape: tuple, heads_dim: int = 1, partial: bool = True,
+                 interleaved: bool = False) -> str:
     """Why the kernel does not take these shapes of q, k, cos and sin (q's heads at ``heads_dim``: 1 or 2), or "" when
     it does: 4-d q and k of one batch, sequence and head size, cos and sin [batch or 1, seq, R], R the head size
     (even), or with ``partial`` an even size below it (partial rotary). The one place of these conditions (the
@@ -111,6 +121,9 @@ def shape_reason(q: tuple, k: tuple, c: tuple, s_shape: tuple, heads_dim: int = 
                     "other broadcasts run PyTorch's ops")
         return f"cos's shape {list(c)} is not [{q[0]} or 1, {q[s]}, {q[3]}] (other broadcasts run PyTorch's ops)"
     if c[2] % 2:
+        if interleaved:
+            return (f"head_dim {q[3]} is odd: pairs of neighbours rotate" if c[2] == q[3] else
+                    f"{c[2]} rotated dims (cos's last size) is odd: pairs of neighbours rotate")
         return (f"head_dim {q[3]} is odd: rotate_half splits it in two" if c[2] == q[3] else
                 f"{c[2]} rotated dims (cos's last size) is odd: rotate_half splits them in two")
     return ""
@@ -131,7 +144,8 @@ def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
     h = _heads_dim(p)
     if h is None:
         return False, f"unsqueeze_dim={p['unsqueeze_dim']}: the kernel takes 1 ([B, H, S, D]) or 2 ([B, S, H, D])"
-    why = shape_reason(p["shape"], p["k_shape"], p["cos_shape"], p["sin_shape"], h)
+    why = shape_reason(p["shape"], p["k_shape"], p["cos_shape"], p["sin_shape"], h,
+                       interleaved=p.get("interleaved", False))
     if why:
         return False, why
     if p["numel"] == 0:
@@ -140,10 +154,11 @@ def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
 
 
 def _whole_heads(p: Problem) -> bool:
-    return not p.get("partial", False)
+    return not p.get("partial", False) and not p.get("interleaved", False)
 
 
-# partial rotary: out of the tuning rules (timed on whole heads); the built-in order takes it (session 54's NeoX step)
+# partial rotary and the interleaved rotation: out of the tuning rules (timed on whole heads, rotate-half); the built-in
+# order takes them (session 54's NeoX step)
 dispatch.register(Implementation(OP, "pipegoose", "ours", _pipegoose_supports, ("pipegoose/rope",), SRC_PIPEGOOSE,
                                  tuned_for=_whole_heads))
 dispatch.register(Implementation(OP, "torch", "reference", lambda p: (True, ""), (),
@@ -151,17 +166,21 @@ dispatch.register(Implementation(OP, "torch", "reference", lambda p: (True, ""),
 dispatch.register_problem(OP, _explain)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``cat(-x[..., D/2:], x[..., :D/2])`` (transformers' ``rotate_half``)."""
+def rotate_half(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """``cat(-x[..., D/2:], x[..., :D/2])`` (transformers' ``rotate_half``); ``interleaved``: the pairs of neighbours,
+    ``stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)`` (Cohere's and GLM's ``rotate_half``)."""
+    if interleaved:
+        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                   unsqueeze_dim: int = 1, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The PyTorch path: transformers' ``apply_rotary_pos_emb`` (broadcasting; the promoted dtype); where the tables
     hold fewer values than a head, but more than one (partial rotary), GPT-NeoX's: the first ``cos.shape[-1]`` values
-    of each head of that tensor rotate, the rest pass through."""
+    of each head of that tensor rotate, the rest pass through. ``interleaved``: the rotation of neighbouring pairs
+    (:func:`rotate_half`'s), partial rotary as GLM's (the tables as given)."""
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
     r = cos.shape[-1] if cos.dim() else 0
@@ -169,14 +188,14 @@ def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     def rotate(x):
         if x.dim() and 1 < r < x.shape[-1]:
             x_rot = x[..., :r]
-            return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x[..., r:]), dim=-1)
-        return x * cos + rotate_half(x) * sin
+            return torch.cat((x_rot * cos + rotate_half(x_rot, interleaved) * sin, x[..., r:]), dim=-1)
+        return x * cos + rotate_half(x, interleaved) * sin
 
     return rotate(q), rotate(k)
 
 
-def _run_pipegoose(q, k, cos, sin, heads_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """pipegoose/rope through ``torch.ops.pipegoose.rope(q, k, cos, sin)`` (q and k as [B, H, S, D]: a [B, S, H, D]
+def _run_pipegoose(q, k, cos, sin, heads_dim: int, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """pipegoose/rope through ``torch.ops.pipegoose.rope(q, k, cos, sin, interleaved)`` (q and k as [B, H, S, D]: a [B, S, H, D]
     pair goes through as transposed views, and its results come back transposed): the forward kernel with its
     autograd formula in C++ (pipegoose/kernels/bindings/rope.cpp), partial rotary included (cos and sin of R < D
     values a head). A backward with ``create_graph=True`` rotates the gradients back with PyTorch's ops (fp32, one
@@ -185,19 +204,19 @@ def _run_pipegoose(q, k, cos, sin, heads_dim: int) -> tuple[torch.Tensor, torch.
     if ops is None:
         raise RuntimeError(why)
     if heads_dim == 2:
-        qe, ke = ops.rope.default(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        qe, ke = ops.rope.default(q.transpose(1, 2), k.transpose(1, 2), cos, sin, interleaved)
         return qe.transpose(1, 2), ke.transpose(1, 2)
-    return ops.rope.default(q, k, cos, sin)
+    return ops.rope.default(q, k, cos, sin, interleaved)
 
 
-def _signature(q, k, cos, sin, unsqueeze_dim) -> tuple | None:
+def _signature(q, k, cos, sin, unsqueeze_dim, interleaved=False) -> tuple | None:
     if torch.compiler.is_compiling():
         return None
     try:
         if any_in_transform(q, k, cos, sin) or in_dual_level():
             return None
         # (the type too: True, 1.0 and numpy.int64(1) equal 1, and check_args refuses them)
-        sig = (type(unsqueeze_dim), unsqueeze_dim, torch.is_grad_enabled()) + tuple(
+        sig = (type(unsqueeze_dim), unsqueeze_dim, type(interleaved), interleaved, torch.is_grad_enabled()) + tuple(
             (type(t), t.dtype, t.device, t.shape, t.requires_grad) for t in (q, k, cos, sin))
         hash(sig)
     except (AttributeError, TypeError):
@@ -206,7 +225,7 @@ def _signature(q, k, cos, sin, unsqueeze_dim) -> tuple | None:
 
 
 def choice_of(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1,
-              impl: str | None = None) -> dispatch.Choice:
+              impl: str | None = None, interleaved: bool = False) -> dispatch.Choice:
     """The dispatcher's choice for these (plain, not nested) inputs, from the choice cache that :func:`run` fills;
     nothing counted or run (choosing may load the kernel, and build it on a first run, as :func:`dispatch.choose`
     does). fuse's RoPE routing asks it for partial-rotary calls, which run the model's own code where the kernel does
@@ -215,19 +234,19 @@ def choice_of(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     Raises:
         TypeError, ValueError: as :func:`check_args`; ``impl`` naming no implementation of ``rope``.
     """
-    sig = _signature(q, k, cos, sin, unsqueeze_dim)
+    sig = _signature(q, k, cos, sin, unsqueeze_dim, interleaved)
     key = None if sig is None else dispatch.choice_key(OP, impl, sig)
     choice = None if key is None else dispatch.cached_choice(key)
     if choice is None:
-        check_args(q, k, cos, sin, unsqueeze_dim)
-        choice = dispatch.choose(OP, rope_problem(q, k, cos, sin, unsqueeze_dim), impl)
+        check_args(q, k, cos, sin, unsqueeze_dim, interleaved)
+        choice = dispatch.choose(OP, rope_problem(q, k, cos, sin, unsqueeze_dim, interleaved), impl)
         if key is not None:
             dispatch.remember_choice(key, choice)
     return choice
 
 
 def run(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
-        impl: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        impl: str | None, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`pipegoose.nn.fusion.functional.apply_rotary_pos_emb` behind the checks; runs the implementation the
     dispatcher chooses (``impl``: a forced one or None).
 
@@ -236,17 +255,18 @@ def run(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         FusionFallbackError: in strict mode, where the kernel cannot take the input.
     """
     if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the ops itself, after eager mode's checks
-        check_args(q, k, cos, sin, unsqueeze_dim)
-        return rope_reference(q, k, cos, sin, unsqueeze_dim)
+        check_args(q, k, cos, sin, unsqueeze_dim, interleaved)
+        return rope_reference(q, k, cos, sin, unsqueeze_dim, interleaved)
     if any(getattr(t, "is_nested", False) for t in (q, k, cos, sin)):
-        check_args(q, k, cos, sin, unsqueeze_dim)
+        check_args(q, k, cos, sin, unsqueeze_dim, interleaved)
         dispatch.record(nested_fallback(OP, impl))
-        return rope_reference(q, k, cos, sin, unsqueeze_dim)
-    return run_choice(choice_of(q, k, cos, sin, unsqueeze_dim, impl), q, k, cos, sin, unsqueeze_dim)
+        return rope_reference(q, k, cos, sin, unsqueeze_dim, interleaved)
+    return run_choice(choice_of(q, k, cos, sin, unsqueeze_dim, impl, interleaved), q, k, cos, sin, unsqueeze_dim,
+                      interleaved)
 
 
 def run_choice(choice: dispatch.Choice, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+               unsqueeze_dim: int = 1, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Record ``choice`` (:func:`choice_of`'s for these inputs: counted, warned, refused in strict mode where it is a
     fallback) and run it: the kernel, or PyTorch's reference path.
 
@@ -256,5 +276,5 @@ def run_choice(choice: dispatch.Choice, q: torch.Tensor, k: torch.Tensor, cos: t
     choice = dispatch.record(choice)
     if choice.impl == "pipegoose":
         heads_dim = 2 if unsqueeze_dim in (2, -2) else 1
-        return call_without_autocast(q.device, _run_pipegoose, q, k, cos, sin, heads_dim)
-    return rope_reference(q, k, cos, sin, unsqueeze_dim)
+        return call_without_autocast(q.device, _run_pipegoose, q, k, cos, sin, heads_dim, interleaved)
+    return rope_reference(q, k, cos, sin, unsqueeze_dim, interleaved)

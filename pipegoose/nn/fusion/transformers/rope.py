@@ -117,18 +117,32 @@ def target(module: nn.Module) -> Target | None:
     return Target(namespace.get("__name__", "?"), namespace, current, original)
 
 
-def _reference64(q, k, cos, sin):
-    """transformers' rotate-half RoPE; with tables of R < D values (partial rotary), GPT-NeoX's: the first R values
-    of each head rotate, the others pass through."""
-    r = cos.shape[-1]
-    half = r // 2
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+# The rotations a probed function may compute (Probe.style): transformers' rotate-half RoPE (Llama's, GPT-NeoX's and
+# their copies); the interleaved one on the tables as given (pairs of neighbours rotate: Cohere's, with tables that
+# repeat each frequency twice); the interleaved one on tables that the function makes from the first half of those it
+# is given, each value twice (``cos[..., :R/2].repeat_interleave(2, -1)``: GLM's, GLM-4's, Helium's, ERNIE 4.5's,
+# whose rotary embeddings give rotate-half tables).
+ROTATE_HALF, INTERLEAVED, INTERLEAVED_FIRST_HALF = "rotate_half", "interleaved", "interleaved_first_half"
+STYLES = (ROTATE_HALF, INTERLEAVED, INTERLEAVED_FIRST_HALF)
+STYLE_WORDS = {ROTATE_HALF: "the rotate-half RoPE",
+                INTERLEAVED: "the interleaved RoPE (pairs of neighbours rotate; the tables as given)",
+                INTERLEAVED_FIRST_HALF: "the interleaved RoPE of the tables' first half, each value twice (GLM's)"}
 
-    def rot(x):
-        x, rest = x[..., :r], x[..., r:]
-        return torch.cat((x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s, rest), dim=-1)
 
-    return rot(q), rot(k)
+def kernel_tables(cos: torch.Tensor, sin: torch.Tensor, style: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables that op ``rope`` takes for a call of ``style`` given ``cos`` and ``sin`` (the same tensors, but for
+    :data:`INTERLEAVED_FIRST_HALF`: the first half of each, each value twice, as GLM's function makes them)."""
+    if style == INTERLEAVED_FIRST_HALF:
+        half = cos.shape[-1] // 2
+        return cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1)
+    return cos, sin
+
+
+def _reference64(q, k, cos, sin, style: str = ROTATE_HALF):
+    """transformers' rotate-half RoPE, or the interleaved one of ``style``; with tables of R < D values (partial
+    rotary), GPT-NeoX's (GLM's, interleaved): the first R values of each head rotate, the others pass through."""
+    cos, sin = kernel_tables(cos, sin, style)
+    return rope_reference(q, k, cos, sin, 1, interleaved=style != ROTATE_HALF)
 
 
 EXACT, CLOSE, CAST = "exact", "close", "cast"   # what a probed function computes for one call form (Probe.forms)
@@ -146,7 +160,9 @@ class Probe:
     tables instead, as Llama's and Phi's: the shapes do not broadcast; so a module with partial rotary that calls it,
     Phi's, StableLM's, passes it the rotated part of each head alone with tables of that width), ``unsqueeze`` and
     ``position_ids`` (the keywords its calls may pass, as ESM's and ModernBERT's ``unsqueeze_dim=1``, that it takes
-    as transformers' functions do: checked on the probe's inputs)."""
+    as transformers' functions do: checked on the probe's inputs), ``style`` (the rotation: :data:`ROTATE_HALF`,
+    :data:`INTERLEAVED` or :data:`INTERLEAVED_FIRST_HALF`; the op runs the interleaved ones on the tables
+    :func:`kernel_tables` gives)."""
 
     ok: bool
     why: str = ""
@@ -156,6 +172,12 @@ class Probe:
     unsqueeze: bool = False      # takes unsqueeze_dim (1 or -3: [B, H, S, D]; 2 or -2: [B, S, H, D]) as transformers'
     position_ids: bool = False   # takes position_ids and leaves it unused (transformers' older signature)
     narrow_raises: bool = False  # raises for tables of fewer values than a head (Llama's, Phi's)
+    style: str = ROTATE_HALF     # the rotation it computes (STYLES)
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether the op runs its calls with ``interleaved=True``."""
+        return self.style != ROTATE_HALF
 
     def kind(self, q_dtype: torch.dtype, table_dtype: torch.dtype) -> str | None:
         """What the function computes for q (and k) of ``q_dtype`` with cos and sin of ``table_dtype``: ``EXACT``
@@ -175,10 +197,11 @@ _probed: "weakref.WeakKeyDictionary[Any, Probe]" = weakref.WeakKeyDictionary()
 
 
 def probe(fn: Callable, where: str = NAME) -> Probe:
-    """Whether ``fn(q, k, cos, sin)`` computes transformers' rotate-half RoPE. Checked on float64 CPU inputs
-    (grouped-query shapes, cos and sin of a batch and of one batch, random tables rather than real cosines so that
-    both halves are told apart) against the formula (a function that computes in fp32, as ESM's and ModernBERT's
-    ``q.float()``, is off it and checked on fp32 inputs instead, to fp32's rounding); then, per call form
+    """Whether ``fn(q, k, cos, sin)`` computes transformers' rotate-half RoPE, or an interleaved one (:data:`STYLES`:
+    Cohere's, GLM's). Checked on float64 CPU inputs (grouped-query shapes, cos and sin of a batch and of one batch,
+    random tables rather than real cosines so that both halves are told apart) against each formula (a function that
+    computes in fp32, as ESM's, ModernBERT's and Cohere's ``q.float()``, is off it and checked on fp32 inputs instead,
+    to fp32's rounding); then, per call form
     (:data:`_FORMS`: one dtype for all, or 16-bit q and k with fp32 tables), the dtype and values of its results
     against the op's (:meth:`Probe.kind`), and the keywords ``unsqueeze_dim`` and ``position_ids`` where it has
     them. Cached per function (``where`` names it in the reason)."""
@@ -201,23 +224,33 @@ def _pair_of(got, like) -> bool:
             and all(isinstance(t, torch.Tensor) and t.shape == w.shape for t, w in zip(got, like)))
 
 
-def _within(got, args, dtype: torch.dtype) -> bool:
-    """Whether ``got`` is within ``dtype``'s rounding of the rotate-half formula of ``args`` (in float64): two units
+def _partner(x: torch.Tensor, style: str) -> torch.Tensor:
+    """Each value's partner in the rotation of whole heads: the other half's (rotate-half), or its neighbour's."""
+    if style == ROTATE_HALF:
+        return x.roll(x.shape[-1] // 2, -1)
+    return x.unflatten(-1, (x.shape[-1] // 2, 2)).flip(-1).flatten(-2)
+
+
+def _within(got, args, dtype: torch.dtype, style: str = ROTATE_HALF) -> bool:
+    """Whether ``got`` is within ``dtype``'s rounding of the formula of ``style`` on ``args`` (in float64): two units
     of its epsilon relative to the products' sizes (eager code that rounds each op, or computes in fp32 and rounds
     once, is; values of tables rounded to a 16-bit dtype first are too)."""
     q, k, cos, sin = (t.double() for t in args)
-    want = _reference64(q, k, cos, sin)
+    want = _reference64(q, k, cos, sin, style)
+    cos, sin = kernel_tables(cos, sin, style)
     c, s = cos.abs().unsqueeze(1), sin.abs().unsqueeze(1)
     eps, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).tiny
     for t, w, x in zip(got, want, (q, k)):
-        size = x.abs() * c + x.abs().roll(x.shape[-1] // 2, -1) * s   # |x| |cos| + |rotate_half(x)| |sin|
+        size = x.abs() * c + _partner(x.abs(), style) * s   # |x| |cos| + |rotate_half(x)| |sin|
         if not bool(((t.double() - w).abs() <= 2 * eps * size + tiny).all()):
             return False
     return True
 
 
-def _form_kind(fn: Callable, inputs: list, q_dtype: torch.dtype, table_dtype: torch.dtype) -> str | None:
-    """:meth:`Probe.kind` of one call form, from ``fn`` on ``inputs`` (float64 (q, k, cos, sin) tuples) cast to it."""
+def _form_kind(fn: Callable, inputs: list, q_dtype: torch.dtype, table_dtype: torch.dtype,
+               style: str = ROTATE_HALF) -> str | None:
+    """:meth:`Probe.kind` of one call form, from ``fn`` on ``inputs`` (float64 (q, k, cos, sin) tuples) cast to it,
+    against the op on the tables of ``style`` (:func:`kernel_tables`)."""
     op_dtype = torch.float32 if q_dtype in _HALF and table_dtype == torch.float32 else q_dtype   # (the op's results)
     kinds = set()
     for q, k, cos, sin in inputs:
@@ -230,11 +263,12 @@ def _form_kind(fn: Callable, inputs: list, q_dtype: torch.dtype, table_dtype: to
         if not _pair_of(got, args[:2]) or got[0].dtype != got[1].dtype:
             return None
         dt = got[0].dtype
-        if dt == op_dtype and all(torch.equal(t, r) for t, r in zip(got, rope_reference(*args))):
+        ours = rope_reference(*args[:2], *kernel_tables(*args[2:], style), 1, style != ROTATE_HALF)
+        if dt == op_dtype and all(torch.equal(t, r) for t, r in zip(got, ours)):
             kinds.add(EXACT)
-        elif dt == op_dtype and _within(got, args, dt):
+        elif dt == op_dtype and _within(got, args, dt, style):
             kinds.add(CLOSE)
-        elif dt == q_dtype != op_dtype and _within(got, args, dt):
+        elif dt == q_dtype != op_dtype and _within(got, args, dt, style):
             kinds.add(CAST)
         else:
             return None
@@ -243,11 +277,11 @@ def _form_kind(fn: Callable, inputs: list, q_dtype: torch.dtype, table_dtype: to
     return CAST if kinds == {CAST} else None
 
 
-def _forms(fn: Callable, inputs: list) -> tuple:
+def _forms(fn: Callable, inputs: list, style: str = ROTATE_HALF) -> tuple:
     """:attr:`Probe.forms`. A 16-bit form of one dtype for all that the op's path computes exactly is taken as
     ``CLOSE`` where the same q with fp32 tables is not ``EXACT`` (OLMo's: its fp32 tables, in a bf16 model): a module's
     calls then run one way whichever tables its rotary embedding gives, as the report says from the module's dtype."""
-    forms = {form: _form_kind(fn, inputs, *form) for form in _FORMS}
+    forms = {form: _form_kind(fn, inputs, *form, style) for form in _FORMS}
     for half in _HALF:
         if forms[(half, half)] == EXACT and forms[(half, torch.float32)] != EXACT:
             forms[(half, half)] = CLOSE
@@ -261,8 +295,7 @@ def _probe(fn: Callable, where: str) -> Probe:
         return Probe(False, f"{where}({one}) rotates one tensor a call, not q and k as the (q, k, cos, sin) form that "
                             "pipegoose's rope kernel takes")
     g = torch.Generator().manual_seed(0)
-    inputs = []
-    off64 = False
+    inputs, outputs = [], []
     try:
         for b_tab in (2, 1):
             q = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=g)
@@ -272,22 +305,33 @@ def _probe(fn: Callable, where: str) -> Probe:
             inputs.append((q, k, cos, sin))
             with torch.no_grad():
                 got = fn(q, k, cos, sin)
-            want = _reference64(q, k, cos, sin)
-            if not _pair_of(got, want):
+            if not _pair_of(got, (q, k)):
                 return Probe(False, f"{where}(q, k, cos, sin) does not return (q_embed, k_embed) of q's and k's "
                                     "shapes")
-            off64 = off64 or not all(torch.allclose(t.double(), w, rtol=1e-12, atol=1e-12) for t, w in zip(got, want))
+            outputs.append(got)
     except Exception as e:   # noqa: BLE001 - any failure means "not the function we can replace"
         return Probe(False, f"{where}(q, k, cos, sin) failed on float64 CPU inputs: {type(e).__name__}: {e}")
-    forms = _forms(fn, inputs)
-    # (off float64's formula, but on fp32's: a function that computes in fp32, as ESM's and ModernBERT's, whose
-    # q.float() rounds float64 inputs; its float64 calls run its own code, as the op's fallback)
-    if off64 and dict(forms)[(torch.float32, torch.float32)] not in (EXACT, CLOSE):
-        return Probe(False, f"{where} does not compute the rotate-half RoPE (x * cos + rotate_half(x) * sin) that "
-                            "pipegoose's rope kernel computes")
+
+    def on64(style):
+        return all(torch.allclose(t.double(), w, rtol=1e-12, atol=1e-12)
+                   for args, got in zip(inputs, outputs) for t, w in zip(got, _reference64(*args, style)))
+
+    style = next((st for st in STYLES if on64(st)), None)
+    if style is not None:
+        forms = _forms(fn, inputs, style)
+    else:
+        # (off float64's formulas, but on fp32's: a function that computes in fp32, as ESM's, ModernBERT's and
+        # Cohere's, whose q.float() rounds float64 inputs; its float64 calls run its own code, as the op's fallback)
+        for style in STYLES:
+            forms = _forms(fn, inputs, style)
+            if dict(forms)[(torch.float32, torch.float32)] in (EXACT, CLOSE):
+                break
+        else:
+            return Probe(False, f"{where} does not compute the rotate-half RoPE (x * cos + rotate_half(x) * sin), nor "
+                                "its interleaved form (pairs of neighbours), that pipegoose's rope kernel computes")
     promotes = dict(forms)[(torch.bfloat16, torch.float32)] == EXACT
-    partial, narrow_raises = _probe_partial(fn, g)
-    return Probe(True, "", promotes, partial, forms, *_keywords(fn, inputs[0]), narrow_raises)
+    partial, narrow_raises = _probe_partial(fn, g, style)
+    return Probe(True, "", promotes, partial, forms, *_keywords(fn, inputs[0]), narrow_raises, style)
 
 
 def _one_tensor_form(fn: Callable) -> str | None:
@@ -344,10 +388,11 @@ def _keywords(fn: Callable, args: tuple) -> tuple[bool, bool]:
     return unsqueeze, position_ids
 
 
-def _probe_partial(fn: Callable, g: torch.Generator) -> tuple[bool, bool]:
-    """(:attr:`Probe.partial`, :attr:`Probe.narrow_raises`): whether ``fn`` computes GPT-NeoX's partial rotary for
-    tables of fewer values than a head (4 and 2 of 8, tables of a batch and of one batch), and whether it raises for
-    them instead (Llama's: the shapes do not broadcast); (False, False) where it returns something else."""
+def _probe_partial(fn: Callable, g: torch.Generator, style: str = ROTATE_HALF) -> tuple[bool, bool]:
+    """(:attr:`Probe.partial`, :attr:`Probe.narrow_raises`): whether ``fn`` computes GPT-NeoX's partial rotary (GLM's,
+    for its ``style``) for tables of fewer values than a head (4 and 2 of 8, tables of a batch and of one batch), and
+    whether it raises for them instead (Llama's: the shapes do not broadcast); (False, False) where it returns
+    something else."""
     try:
         for b_tab, r in ((2, 4), (1, 2)):
             q = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=g)
@@ -356,7 +401,7 @@ def _probe_partial(fn: Callable, g: torch.Generator) -> tuple[bool, bool]:
             sin = torch.randn(b_tab, 5, r, dtype=torch.float64, generator=g)
             with torch.no_grad():
                 got = fn(q, k, cos, sin)
-            want = _reference64(q, k, cos, sin)
+            want = _reference64(q, k, cos, sin, style)
             if (not _pair_of(got, want)
                     or not all(torch.allclose(t.double(), w, rtol=1e-12, atol=1e-12) for t, w in zip(got, want))):
                 return False, False
@@ -399,7 +444,7 @@ def _takes(args: tuple, kwargs: dict, found: Probe, sig: inspect.Signature | Non
         return None
     q, k, cos, sin = args
     if shape_reason(tuple(q.shape), tuple(k.shape), tuple(cos.shape), tuple(sin.shape), _HEADS[unsqueeze_dim],
-                    partial=found.partial):
+                    partial=found.partial, interleaved=found.interleaved):
         return None
     if k.dtype != q.dtype or sin.dtype != cos.dtype:
         return None
@@ -447,16 +492,18 @@ def _make_dispatching(fallback: Callable, found: Probe, where: str = NAME) -> Ca
         if call is None:
             return fallback(*args, **kwargs)
         (q, k, cos, sin), unsqueeze_dim, kind = call
+        cos, sin = kernel_tables(cos, sin, found.style)   # (GLM's: the first half of each, each value twice)
+        inter = found.interleaved
         if kind == EXACT and cos.shape[-1] == q.shape[-1]:   # the op's paths compute what the function does
-            return fused_rope(q, k, cos, sin, unsqueeze_dim)
+            return fused_rope(q, k, cos, sin, unsqueeze_dim, interleaved=inter)
         # partial rotary, and dtypes that the op's PyTorch path computes otherwise than the function: the kernel where
         # the dispatcher chooses it for this call (its results cast to q's dtype where the function casts them), else
         # the model's own code (the choice recorded either way: counted, warned about, refused in strict mode where it
         # is a fallback)
-        choice = choice_of(q, k, cos, sin, unsqueeze_dim)
+        choice = choice_of(q, k, cos, sin, unsqueeze_dim, interleaved=inter)
         if choice.impl == "pipegoose":
             if kind is not None:
-                q_embed, k_embed = run_choice(choice, q, k, cos, sin, unsqueeze_dim)
+                q_embed, k_embed = run_choice(choice, q, k, cos, sin, unsqueeze_dim, inter)
                 return (q_embed.to(q.dtype), k_embed.to(k.dtype)) if kind == CAST else (q_embed, k_embed)
             choice = _declined(choice, f"{where} computes {dtype_name(q.dtype)} q and k with "
                                        f"{dtype_name(cos.dtype)} cos and sin otherwise than the op (probed): the "
