@@ -195,9 +195,9 @@ def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
 
 
 def _run_pipegoose(q, k, cos, sin, heads_dim: int, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """pipegoose/rope through ``torch.ops.pipegoose.rope(q, k, cos, sin, interleaved)`` (q and k as [B, H, S, D]: a [B, S, H, D]
-    pair goes through as transposed views, and its results come back transposed): the forward kernel with its
-    autograd formula in C++ (pipegoose/kernels/bindings/rope.cpp), partial rotary included (cos and sin of R < D
+    """pipegoose/rope through ``torch.ops.pipegoose.rope(q, k, cos, sin, interleaved)`` (q and k as [B, H, S, D]: a
+    [B, S, H, D] pair goes through as transposed views, and its results come back transposed): the forward kernel with
+    its autograd formula in C++ (pipegoose/kernels/bindings/rope.cpp), partial rotary included (cos and sin of R < D
     values a head). A backward with ``create_graph=True`` rotates the gradients back with PyTorch's ops (fp32, one
     rounding) instead."""
     ops, why = dispatch.kernel("pipegoose/rope")
