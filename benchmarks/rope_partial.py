@@ -3,12 +3,22 @@ effective bandwidth, in one run beside the copy bandwidth.
 
     python -m benchmarks.rope_partial [--shapes 8x2048x16x64x16 ...] [--dtypes bf16,fp16,fp32] [--reps 30]
                                       [--impls a,b] [--out DIR] [--raw | --defines=-DNAME=VALUE,...]
+                                      [--style neox|cohere|glm]
 
 Shapes ``BxSxHxDxR``: batch, sequence, heads (q's and k's), head size, rotated values a head (R == D, whole heads:
 an A/B of the kernel's rotation path; ``benchmarks.run --only rope`` times those beside the peers). q and k are
 GPT-NeoX's: chunks of one [B, H, S, 3D] projection (``qkv.view(B, S, H, 3D).transpose(1, 2).chunk(3, -1)``: not
 dense), cos and sin [1, S, R] (GPT-NeoX's rotary embedding: angles from positions, ``cat(freqs, freqs)``), all of one dtype (``--dtypes``, default bf16: the
 training dtype; fp32 and fp16 change the vector width of the rotated halves, so which kernel path runs).
+
+``--style`` (default ``neox``) picks the model whose RoPE is timed: ``neox`` as above; ``cohere``, Cohere's
+interleaved RoPE (pairs of neighbours rotate; its function computes in fp32 and casts back) on Llama-layout q and k
+(views of separate [B, S, H * D] projections) with Cohere's tables (each frequency twice, ``repeat_interleave``);
+``glm``, GLM-4's (the interleaved RoPE of the first half of rotate-half tables, the first R values of each head; its
+function builds those tables each call, as our routing does before the op) on the same layout. Default shapes per
+style: Cohere's heads of 128 whole, GLM-4's of 128 half-rotated. The ``pipegoose`` row of an interleaved style calls
+``apply_rotary_pos_emb(..., interleaved=True)`` (GLM: on ``transformers.rope.kernel_tables``' tables, built in the
+timed call as fuse's routing builds them).
 
 Implementations, each of ``(q_embed, k_embed) = apply_rotary_pos_emb(q, k, cos, sin)``:
 
@@ -49,6 +59,9 @@ from benchmarks.timing import Timer
 # GPT-NeoX-20B (heads of 96, 24 rotated; both with halves narrower than a 16-byte vector: the kernel's staged path): a
 # quarter of each head rotates
 SHAPES = ["8x2048x16x64x16", "4x2048x16x128x32", "2x2048x32x128x32", "4x2048x32x80x20", "2x2048x64x96x24"]
+# Cohere-style models (heads of 128, whole: Command-R 7B's 32 heads, and 16) and GLM-4's (heads of 128, half rotated)
+STYLE_SHAPES = {"neox": SHAPES, "cohere": ["4x2048x32x128x128", "4x2048x16x128x128", "8x2048x16x64x64"],
+                "glm": ["4x2048x32x128x64", "4x2048x16x128x64"]}
 DRY_SHAPES = ["2x16x4x16x4"]
 IMPLS = ("pipegoose", "transformers", "compile")
 PASSES = ("fwd", "fwd+bwd")
@@ -67,36 +80,48 @@ def parse_shape(text: str) -> tuple[int, int, int, int, int]:
     return b, s, h, d, r
 
 
-def functions(raw_ops: Any = None) -> dict[str, Callable | None]:
+def functions(raw_ops: Any = None, style: str = "neox") -> dict[str, Callable | None]:
     """name -> ``fn(q, k, cos, sin)`` returning ``(q_embed, k_embed)``; ``raw_ops``: the loaded ops of a build of
     pipegoose/rope, whose ``rope`` the ``pipegoose`` row then calls directly."""
-    from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb as neox
+    import importlib
 
     from pipegoose.nn.fusion import dispatch
     from pipegoose.nn.fusion.functional import apply_rotary_pos_emb
+    from pipegoose.nn.fusion.transformers.rope import INTERLEAVED_FIRST_HALF, kernel_tables
+
+    module = {"neox": "gpt_neox", "cohere": "cohere", "glm": "glm4"}[style]
+    theirs = importlib.import_module(f"transformers.models.{module}.modeling_{module}").apply_rotary_pos_emb
+    inter = style != "neox"
+
+    def tables(cos, sin):   # (GLM's: the first half of each, each value twice, as its function and our routing do)
+        return kernel_tables(cos, sin, INTERLEAVED_FIRST_HALF) if style == "glm" else (cos, sin)
 
     def ours(q, k, cos, sin):
         with dispatch.strict():
-            return apply_rotary_pos_emb(q, k, cos, sin, impl="pipegoose")
+            return apply_rotary_pos_emb(q, k, *tables(cos, sin), interleaved=inter, impl="pipegoose")
 
     if raw_ops is not None:
         def ours(q, k, cos, sin):   # noqa: F811 (the op itself)
-            return raw_ops.rope(q, k, cos, sin)
+            return raw_ops.rope(q, k, *tables(cos, sin), inter)
 
     raise_compile_limits()   # (one compiled function for every shape and dtype of the run)
-    return {"pipegoose": ours, "transformers": neox, "compile": torch.compile(neox, dynamic=False)}
+    return {"pipegoose": ours, "transformers": theirs, "compile": torch.compile(theirs, dynamic=False)}
 
 
-def inputs(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
-    """q, k (GPT-NeoX's chunks of a fused projection, requiring grad through it), cos, sin, and the output
-    gradients dq, dk."""
+def inputs(shape: tuple[int, ...], dtype: torch.dtype, device: str, style: str = "neox") -> dict[str, torch.Tensor]:
+    """q, k (GPT-NeoX's chunks of a fused projection; for the interleaved styles Llama's layout, views of separate
+    projections), cos, sin (Cohere's: each frequency twice), and the output gradients dq, dk."""
     b, s, h, d, r = shape
     g = torch.Generator(device=device).manual_seed(b + s + h + d + r)
-    qkv = torch.randn(b, s, h, 3 * d, device=device, generator=g).to(dtype).transpose(1, 2)
-    q, k, _ = qkv.chunk(3, dim=-1)
+    if style == "neox":
+        qkv = torch.randn(b, s, h, 3 * d, device=device, generator=g).to(dtype).transpose(1, 2)
+        q, k, _ = qkv.chunk(3, dim=-1)
+    else:
+        q, k = (torch.randn(b, s, h * d, device=device, generator=g).to(dtype).view(b, s, h, d).transpose(1, 2)
+                for _ in range(2))
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, r, 2, device=device, dtype=torch.float32) / r)
     freqs = torch.arange(s, device=device, dtype=torch.float32)[:, None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)[None]
+    emb = (freqs.repeat_interleave(2, dim=-1) if style == "cohere" else torch.cat((freqs, freqs), dim=-1))[None]
     dq = torch.randn(q.shape, device=device, generator=g).to(dtype)
     dk = torch.randn(k.shape, device=device, generator=g).to(dtype)
     return dict(q=q.detach().requires_grad_(), k=k.detach().requires_grad_(), cos=emb.cos().to(dtype),
@@ -122,9 +147,9 @@ def run_pass(fn: Callable, inp: dict, passes: str) -> tuple:
 
 
 def run_shape(shape: tuple[int, ...], fns: dict, timer: Timer, dtype: torch.dtype, device: str, copy_gbps: float,
-              impls: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+              impls: tuple[str, ...] | None = None, style: str = "neox") -> list[dict[str, Any]]:
     """One row per implementation and pass; ``transformers`` is the correctness check of every row."""
-    inp = inputs(shape, dtype, device)
+    inp = inputs(shape, dtype, device, style)
     want = run_pass(fns["transformers"], inp, "fwd+bwd")
     tol = tolerances()[dtype]
     b, s, h, d, r = shape
@@ -132,7 +157,7 @@ def run_shape(shape: tuple[int, ...], fns: dict, timer: Timer, dtype: torch.dtyp
     for name in IMPLS:
         if impls is not None and name not in impls:
             continue
-        base: dict[str, Any] = dict(impl=name, batch=b, seq=s, heads=h, head_dim=d, rotary=r,
+        base: dict[str, Any] = dict(impl=name, style=style, batch=b, seq=s, heads=h, head_dim=d, rotary=r,
                                     dtype=str(dtype).removeprefix("torch."))
         try:
             got = run_pass(fns[name], inp, "fwd+bwd")
@@ -141,7 +166,7 @@ def run_shape(shape: tuple[int, ...], fns: dict, timer: Timer, dtype: torch.dtyp
                                                                atol=2 * tol["atol"])]
             del got
             if bad:
-                rows += [dict(base, passes=p, status="FAILED", why=f"differs from GPT-NeoX's function: {bad}")
+                rows += [dict(base, passes=p, status="FAILED", why=f"differs from the model's function: {bad}")
                          for p in PASSES]
                 continue
             for p in PASSES:
@@ -157,7 +182,10 @@ def run_shape(shape: tuple[int, ...], fns: dict, timer: Timer, dtype: torch.dtyp
 
 def markdown(env: dict, rows: list[dict], copy_gbps: float) -> str:
     dtypes = ", ".join(dict.fromkeys(r["dtype"] for r in rows)) or "no rows"
-    lines = [f"# Partial rotary (GPT-NeoX's RoPE), {dtypes} ({env.get('gpu')}, {env.get('date')})", "",
+    style = rows[0].get("style", "neox") if rows else "neox"
+    what = {"neox": "Partial rotary (GPT-NeoX's RoPE)", "cohere": "Interleaved RoPE (Cohere's)",
+            "glm": "Interleaved partial rotary (GLM-4's RoPE)"}[style]
+    lines = [f"# {what}, {dtypes} ({env.get('gpu')}, {env.get('date')})", "",
              f"torch {env.get('torch')}, CUDA {env.get('cuda_runtime')}, triton {env.get('triton')}, transformers "
              f"{env.get('transformers')}, pipegoose {env.get('pipegoose_git')}. Device copy: {copy_gbps:.0f} GB/s. "
              "Time: median ms (L2 flushed); GB/s of the fewest bytes the pass moves; % of that copy.", "",
@@ -178,7 +206,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.rope_partial", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", type=parse_shape, nargs="+", default=None,
-                    help=f"BxSxHxDxR (default: {' '.join(SHAPES)}; on the CPU {' '.join(DRY_SHAPES)})")
+                    help=f"BxSxHxDxR (default: the style's, neox {' '.join(SHAPES)}; on the CPU "
+                         f"{' '.join(DRY_SHAPES)})")
+    ap.add_argument("--style", choices=tuple(STYLE_SHAPES), default="neox",
+                    help="whose RoPE: neox (rotate-half, partial), cohere (interleaved), glm (interleaved, partial)")
     ap.add_argument("--dtypes", default="bf16", help="comma separated, of bf16, fp16, fp32 (default: bf16)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--impls", default="", help=f"comma separated, of {', '.join(IMPLS)} (default: all)")
@@ -213,7 +244,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--impls: unknown {', '.join(unknown)}; expected some of {', '.join(IMPLS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks.rope_partial: needs a CUDA GPU (--device cpu: a dry run)")
-    shapes = args.shapes or [parse_shape(s) for s in (SHAPES if args.device == "cuda" else DRY_SHAPES)]
+    dry = ["2x16x4x16x16"] if args.style == "cohere" else DRY_SHAPES   # (Cohere's function rotates whole heads)
+    shapes = args.shapes or [parse_shape(s) for s in (STYLE_SHAPES[args.style] if args.device == "cuda" else dry)]
     env = environment(args.device)
     raw_ops = None
     if defines:
@@ -226,20 +258,21 @@ def main(argv: list[str] | None = None) -> None:
         env["rope_call"] = "torch.ops.pipegoose.rope (the shipped build), called directly"
     timer = Timer(args.device, warmup=3, reps=args.reps, max_s=10.0)
     copy_gbps = timer.copy_gbps() if args.device == "cuda" else 0.0
-    fns = functions(raw_ops)
+    fns = functions(raw_ops, args.style)
     rows = []
     for dtype in dtypes:
         for shape in shapes:
-            rows += run_shape(shape, fns, timer, dtype, args.device, copy_gbps, impls)
+            rows += run_shape(shape, fns, timer, dtype, args.device, copy_gbps, impls, args.style)
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     md = markdown(env, rows, copy_gbps)
     print(md)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "rope_partial.json").write_text(json.dumps(dict(environment=env, date=today(), copy_gbps=copy_gbps,
-                                                                    rows=rows), indent=1))
-        (args.out / "rope_partial.md").write_text(md)
+        name = "rope_partial" if args.style == "neox" else f"rope_{args.style}"
+        (args.out / f"{name}.json").write_text(json.dumps(dict(environment=env, date=today(), copy_gbps=copy_gbps,
+                                                               rows=rows), indent=1))
+        (args.out / f"{name}.md").write_text(md)
 
 
 if __name__ == "__main__":

@@ -89,6 +89,27 @@ def test_dry_run_on_the_cpu_with_the_kernel_stand_in(monkeypatch, tmp_path):
     assert "| 2x16x4x16x4 | float32 | fwd | pipegoose |" in md and "| 2x16x4x16x4 | bfloat16 | fwd | pipegoose |" in md
 
 
+@pytest.mark.parametrize("style, title", [("cohere", "# Interleaved RoPE (Cohere's), bfloat16 ("),
+                                          ("glm", "# Interleaved partial rotary (GLM-4's RoPE), bfloat16 (")])
+def test_interleaved_styles_dry_run(monkeypatch, tmp_path, style, title):
+    """--style cohere / glm on the CPU with the kernel's stand-in: every row ok against the model's own function
+    (Cohere's, GLM-4's), the op called with interleaved=True (GLM's on the tables its function builds), the results
+    in rope_<style>.json / .md."""
+    from rope_stand_in import kernel_on_cpu
+
+    from pipegoose.nn.fusion import dispatch
+
+    pytest.importorskip(f"transformers.models.{'glm4' if style == 'glm' else style}")
+    with kernel_on_cpu(monkeypatch, dispatch) as calls:
+        B.main(["--device", "cpu", "--style", style, "--reps", "1", "--impls", "pipegoose,transformers",
+                "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / f"rope_{style}.json").read_text())["rows"]
+    assert rows and all(r["status"] == "ok" and r["style"] == style for r in rows), rows
+    assert {c[0] for c in calls} == {"rope_forward", "rope_backward"}
+    assert all(c[-1] == "interleaved" for c in calls)
+    assert (tmp_path / f"rope_{style}.md").read_text().startswith(title)
+
+
 def test_compile_is_not_capped_at_dynamos_recompile_limit(monkeypatch):
     """Session 60: one compiled function timed over 15 shapes and dtypes passed dynamo's recompile limit (8), after
     which it ran eagerly under the name of torch.compile (fp16 and fp32 rows at 9-19% of copy on the H200)."""
