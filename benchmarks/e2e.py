@@ -140,7 +140,8 @@ MODELS = {
     "glm4": dict(arch="glm4", batch=4, config=dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                                                     num_attention_heads=16, num_key_value_heads=2, head_dim=128,
                                                     vocab_size=151552, max_position_embeddings=4096,
-                                                    rms_norm_eps=1e-5, tie_word_embeddings=False)),
+                                                    rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                                    pad_token_id=151329, eos_token_id=151329)),
 }
 CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config", "phi3": "Phi3Config",
            "gemma": "GemmaConfig", "qwen3_moe": "Qwen3MoeConfig", "gemma4_text": "Gemma4TextConfig",
