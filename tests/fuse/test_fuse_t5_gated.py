@@ -401,8 +401,12 @@ def test_fuse_keeps_loss_gradients_and_dropout_masks_in_training(kind):
     assert _same_masks(kept1, kept0)
     torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-7)
     assert grads1.keys() == grads0.keys()
-    for n in grads0:
-        torch.testing.assert_close(grads1[n], grads0[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    for n in grads0:   # (fp32 rounding relative to the gradient's scale: an element that cancels to near zero is
+        # off by more than its own rtol: with torch 2.14.1 on the CPU mT5's EncDecAttention.q gradient was 1.3e-6 off
+        # on an element of 0.0087, the tensor's largest 1.84)
+        scale = float(grads0[n].abs().max())
+        torch.testing.assert_close(grads1[n], grads0[n], rtol=1e-5, atol=max(1e-6, 1e-5 * scale),
+                                   msg=lambda m: f"{n}: {m}")
     assert unfuse(model) and not is_fused(model)
     assert _mlps(model) == mlps and list(model.state_dict()) == keys
     loss2, grads2, _ = _loss_grads_and_masks(model)
