@@ -40,7 +40,8 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   candidate;
 * the rotary position embedding of every attention module whose forward calls its modeling module's
   ``apply_rotary_pos_emb`` (Llama, Mistral, Qwen2, Qwen3, Gemma, GPT-NeoX with full rotary, ...), where that
-  function is transformers' rotate-half RoPE (checked numerically): the module is not replaced but gets two hooks, and
+  function is transformers' rotate-half RoPE, or an interleaved one (pairs of neighbours: Cohere's, GLM's, since
+  session 71; checked numerically): the module is not replaced but gets two hooks, and
   its plain calls run op ``rope`` (query and key in one kernel) through a dispatching function at that global name
   (``pipegoose.nn.fusion.transformers.rope`` says how; the report's row has the module's path and kind ``rope``).
   GPT-NeoX's partial rotary too, where the module's function computes it: each call runs the kernel where the
@@ -1426,8 +1427,8 @@ def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
         rec = _rope.install(child, target, found)
         state.rope_hooks.append((weakref.ref(child), rec))
     style = _rope.STYLE_WORDS[found.style]
-    whose = f"{style}, GLM's" if found.interleaved else "GPT-NeoX's"
-    what = (f"{whose} partial rotary, {rotary} of each head's values (probed): its calls" if partial
+    whose = f"{style}, partial rotary as GLM's" if found.interleaved else "GPT-NeoX's partial rotary"
+    what = (f"{whose}, {rotary} of each head's values (probed): its calls" if partial
             else f"{style} (probed): its plain calls, on the {rotary} values of each head that it rotates "
                  f"(partial rotary, factor {factor}: it passes them alone, with tables of that width; its function "
                  "raises for narrower tables)," if sliced

@@ -35,10 +35,12 @@ only for calls made inside a fused attention module's forward, and the model's o
   type that is not fused, extra arguments, other shapes, ``torch.compile`` tracing) goes to the model's own code,
   unchanged;
 * before it is installed, the model's function is checked numerically (:func:`probe`: float64 CPU inputs against
-  transformers' rotate-half formula, or fp32 ones for a function that computes in fp32; then the dtype and values of
-  its results per call form against the op's, and the keywords it takes), so a
-  model whose function computes something else (an interleaved rotation, a patch by another library) is reported as
-  skipped instead;
+  transformers' rotate-half formula or one of the interleaved rotations, :data:`STYLES` (Cohere's on its tables as
+  given; GLM's on the first half of its tables, each value twice), or fp32 ones for a function that computes in fp32;
+  then the dtype and values of its results per call form against the op's, and the keywords it takes), so a model
+  whose function computes something else (another rotation, a patch by another library) is reported as skipped
+  instead; calls of an interleaved function run the op with ``interleaved=True``, on the tables
+  :func:`kernel_tables` gives;
 * ``unfuse`` removes the hooks, and the global (or the wrapper's forward) is put back when the last fused module
   using it is unfused (a fused model that is garbage collected without ``unfuse`` leaves the dispatching function in
   place, passing every call through); a function that someone else put there meanwhile is left as it is.
@@ -153,7 +155,7 @@ _FORMS = ((torch.float64, torch.float64), (torch.float32, torch.float32), (torch
 
 @dataclass(frozen=True)
 class Probe:
-    """What :func:`probe` found: ``ok`` (the rotate-half RoPE), ``why`` (when not), ``forms`` (per call form, q's
+    """What :func:`probe` found: ``ok`` (the rotate-half RoPE, or an interleaved one: ``style``), ``why`` (when not), ``forms`` (per call form, q's
     dtype and the tables', what the function computes: see :meth:`kind`), ``promotes`` (16-bit q and k with fp32
     tables give the op's fp32 results, as Llama's function does), ``partial`` (tables of fewer values than a head
     rotate that many and pass the rest through, as GPT-NeoX's function does), ``narrow_raises`` (it raises for such
