@@ -127,8 +127,8 @@ def target(module: nn.Module) -> Target | None:
 ROTATE_HALF, INTERLEAVED, INTERLEAVED_FIRST_HALF = "rotate_half", "interleaved", "interleaved_first_half"
 STYLES = (ROTATE_HALF, INTERLEAVED, INTERLEAVED_FIRST_HALF)
 STYLE_WORDS = {ROTATE_HALF: "the rotate-half RoPE",
-                INTERLEAVED: "the interleaved RoPE (pairs of neighbours rotate; the tables as given)",
-                INTERLEAVED_FIRST_HALF: "the interleaved RoPE of the tables' first half, each value twice (GLM's)"}
+               INTERLEAVED: "the interleaved RoPE (pairs of neighbours rotate; the tables as given)",
+               INTERLEAVED_FIRST_HALF: "the interleaved RoPE of the tables' first half, each value twice (GLM's)"}
 
 
 def kernel_tables(cos: torch.Tensor, sin: torch.Tensor, style: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,16 +155,16 @@ _FORMS = ((torch.float64, torch.float64), (torch.float32, torch.float32), (torch
 
 @dataclass(frozen=True)
 class Probe:
-    """What :func:`probe` found: ``ok`` (the rotate-half RoPE, or an interleaved one: ``style``), ``why`` (when not), ``forms`` (per call form, q's
-    dtype and the tables', what the function computes: see :meth:`kind`), ``promotes`` (16-bit q and k with fp32
-    tables give the op's fp32 results, as Llama's function does), ``partial`` (tables of fewer values than a head
-    rotate that many and pass the rest through, as GPT-NeoX's function does), ``narrow_raises`` (it raises for such
-    tables instead, as Llama's and Phi's: the shapes do not broadcast; so a module with partial rotary that calls it,
-    Phi's, StableLM's, passes it the rotated part of each head alone with tables of that width), ``unsqueeze`` and
-    ``position_ids`` (the keywords its calls may pass, as ESM's and ModernBERT's ``unsqueeze_dim=1``, that it takes
-    as transformers' functions do: checked on the probe's inputs), ``style`` (the rotation: :data:`ROTATE_HALF`,
-    :data:`INTERLEAVED` or :data:`INTERLEAVED_FIRST_HALF`; the op runs the interleaved ones on the tables
-    :func:`kernel_tables` gives)."""
+    """What :func:`probe` found: ``ok`` (the rotate-half RoPE, or an interleaved one: ``style``), ``why`` (when not),
+    ``forms`` (per call form, q's dtype and the tables', what the function computes: see :meth:`kind`), ``promotes``
+    (16-bit q and k with fp32 tables give the op's fp32 results, as Llama's function does), ``partial`` (tables of
+    fewer values than a head rotate that many and pass the rest through, as GPT-NeoX's function does),
+    ``narrow_raises`` (it raises for such tables instead, as Llama's and Phi's: the shapes do not broadcast; so a
+    module with partial rotary that calls it, Phi's, StableLM's, passes it the rotated part of each head alone with
+    tables of that width), ``unsqueeze`` and ``position_ids`` (the keywords its calls may pass, as ESM's and
+    ModernBERT's ``unsqueeze_dim=1``, that it takes as transformers' functions do: checked on the probe's inputs),
+    ``style`` (the rotation: :data:`ROTATE_HALF`, :data:`INTERLEAVED` or :data:`INTERLEAVED_FIRST_HALF`; the op runs
+    the interleaved ones on the tables :func:`kernel_tables` gives)."""
 
     ok: bool
     why: str = ""
