@@ -33,27 +33,27 @@
 //
 // Work (interleaved: one thread per (token, head, vector of the rotated values), whole pairs in each vector, or one
 // value with its partner where no two load as one; the vectors passed through as below; never staged or laned).
-// Rotate-half: one thread per (token, head, vector of a half): it loads 16 bytes of each half of the rotated values (8 16-bit
-// or 4 fp32 values) and the matching vectors of cos and sin (the same for every head of a token: L1 hits), and stores
-// 16 bytes of each half of the output; with partial rotary, one thread per group of vectors of the passed-through
-// values copies them (one launch each way: the whole head read once and written once). Consecutive threads take
-// consecutive vectors of a head (the rotated ones, then those passed through), then the next head: a token's heads are
-// contiguous in Llama's layout, so a warp reads and writes whole lines. Where a pointer or a stride is not a multiple
-// of 16 bytes, or R/2 or D - R not a multiple of the vector, the same kernel runs on the widest vector that fits (8, 4
-// or 2 bytes), down to one element per thread. A thread passes through two vectors of the widest width (16 bytes of
-// the widest type; one where their count is odd; session 57, H100, bf16 forward + backward, Pythia's heads of 64 and
-// 128 values with a quarter rotated: 81-82% of copy, against 72-73% with one), or up to 16 bytes' worth of narrower
-// ones, as many as divide their count (session 56: Pythia-2.8b's heads, 80 values and 20 rotated, ran at 38% of copy
-// with one vector of 4 bytes a thread and at 66% with three). Where the vectors are narrower than 16 bytes (the
-// halves of the rotated values, or the tables' alignment, allow no wider) and the heads move in 16-byte chunks (one
-// dtype in and out; head size, the four pointers of q, k and their results and every stride of them multiples of 16
-// bytes; a head at most 1 KiB; R/2 at most 32 vectors), rope_staged_kernel runs instead: each warp stages a few whole
-// heads in shared memory (loaded and stored in 16-byte chunks), rotating them there (session 59, H100, bf16 forward +
-// backward, % of copy: Pythia-2.8b's heads of 80 with 20 rotated 65 -> 85, GPT-NeoX-20B's of 96 with 24 rotated
-// 72 -> 89; torch.compile 78 and 88). Where the halves take 16-byte vectors but only part of the head rotates, and a
-// 16-bit head is 1 to 32 16-byte chunks dividing a warp (same conditions otherwise), rope_lane_kernel runs: a lane a chunk of
-// the head, the partner vector by warp shuffles (session 60, H100, bf16 forward + backward: Pythia's heads of 64 and
-// 128 with a quarter rotated 80-82 -> 88, torch.compile 84; on the H200 70 -> 70-71; 16-bit only).
+// Rotate-half: one thread per (token, head, vector of a half): it loads 16 bytes of each half of the rotated values (8
+// 16-bit or 4 fp32 values) and the matching vectors of cos and sin (the same for every head of a token: L1 hits), and
+// stores 16 bytes of each half of the output; with partial rotary, one thread per group of vectors of the
+// passed-through values copies them (one launch each way: the whole head read once and written once). Consecutive
+// threads take consecutive vectors of a head (the rotated ones, then those passed through), then the next head: a
+// token's heads are contiguous in Llama's layout, so a warp reads and writes whole lines. Where a pointer or a stride
+// is not a multiple of 16 bytes, or R/2 or D - R not a multiple of the vector, the same kernel runs on the widest
+// vector that fits (8, 4 or 2 bytes), down to one element per thread. A thread passes through two vectors of the widest
+// width (16 bytes of the widest type; one where their count is odd; session 57, H100, bf16 forward + backward, Pythia's
+// heads of 64 and 128 values with a quarter rotated: 81-82% of copy, against 72-73% with one), or up to 16 bytes' worth
+// of narrower ones, as many as divide their count (session 56: Pythia-2.8b's heads, 80 values and 20 rotated, ran at
+// 38% of copy with one vector of 4 bytes a thread and at 66% with three). Where the vectors are narrower than 16 bytes
+// (the halves of the rotated values, or the tables' alignment, allow no wider) and the heads move in 16-byte chunks
+// (one dtype in and out; head size, the four pointers of q, k and their results and every stride of them multiples of
+// 16 bytes; a head at most 1 KiB; R/2 at most 32 vectors), rope_staged_kernel runs instead: each warp stages a few
+// whole heads in shared memory (loaded and stored in 16-byte chunks), rotating them there (session 59, H100, bf16
+// forward + backward, % of copy: Pythia-2.8b's heads of 80 with 20 rotated 65 -> 85, GPT-NeoX-20B's of 96 with 24
+// rotated 72 -> 89; torch.compile 78 and 88). Where the halves take 16-byte vectors but only part of the head rotates,
+// and a 16-bit head is 1 to 32 16-byte chunks dividing a warp (same conditions otherwise), rope_lane_kernel runs: a
+// lane a chunk of the head, the partner vector by warp shuffles (session 60, H100, bf16 forward + backward: Pythia's
+// heads of 64 and 128 with a quarter rotated 80-82 -> 88, torch.compile 84; on the H200 70 -> 70-71; 16-bit only).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -645,10 +645,11 @@ void launch(const Params& p0, bool bwd, cudaStream_t stream, const char* op) {
     return ok;
   };
   auto fits = [&](int v) {   // (interleaved: vectors of whole pairs, or one value; the R rotated values in vectors)
-    return multiple(p.interleaved ? 2 * p.half : p.half, v) && multiple(p.copies, v) && aligned(p.q, v * sizeof(TI)) &&
-           aligned(p.k, v * sizeof(TI)) && aligned(p.q_out, v * sizeof(TO)) && aligned(p.k_out, v * sizeof(TO)) &&
-           aligned(p.cos, v * sizeof(TC)) && aligned(p.sin, v * sizeof(TC)) && strided_by(v) &&
-           multiple(p.cos_b, v) && multiple(p.cos_s, v) && multiple(p.sin_b, v) && multiple(p.sin_s, v);
+    return multiple(p.interleaved ? 2 * p.half : p.half, v) && multiple(p.copies, v) &&
+           aligned(p.q, v * sizeof(TI)) && aligned(p.k, v * sizeof(TI)) && aligned(p.q_out, v * sizeof(TO)) &&
+           aligned(p.k_out, v * sizeof(TO)) && aligned(p.cos, v * sizeof(TC)) && aligned(p.sin, v * sizeof(TC)) &&
+           strided_by(v) && multiple(p.cos_b, v) && multiple(p.cos_s, v) && multiple(p.sin_b, v) &&
+           multiple(p.sin_s, v);
   };
   int v = kV;
   while (v > 1 && !fits(v)) v /= 2;
