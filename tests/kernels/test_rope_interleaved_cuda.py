@@ -20,11 +20,11 @@ Run on the GPU machine: ``python -m pytest -m cuda tests/kernels/test_rope_inter
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from kernel_helpers import poison, seed_of
+# (the rotate-half tests' kernel fixture, their per-test counter reset and their tables: angles drawn per element)
+from test_rope_cuda import _fresh_stats, ops, tables  # noqa: F401
 from tolerances import TOLERANCES, tol
 
 pytestmark = pytest.mark.cuda
@@ -49,27 +49,6 @@ CASES = [
 def case_id(c) -> str:
     b, hq, hk, s, d, r, bc = c
     return f"B{b}-Hq{hq}-Hk{hk}-S{s}-D{d}-R{r}-cos{bc}"
-
-
-@pytest.fixture(scope="module")
-def ops():
-    from pipegoose.kernels import load
-
-    return load("pipegoose/rope")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_stats():
-    from pipegoose.nn.fusion import dispatch
-
-    dispatch.reset_stats()
-    yield
-
-
-def tables(bc, s, r, dtype, seed):
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    theta = torch.rand(bc, s, r, generator=gen, device=DEV) * (2 * math.pi)
-    return theta.cos().to(dtype), theta.sin().to(dtype)
 
 
 def make(case, dtype, seed, table_dtype=None):
