@@ -565,3 +565,42 @@ def test_a_gate_up_proj_of_odd_width_while_fused_names_gate_up_proj():
     with pytest.raises(ValueError, match=r"^gate_up_proj: returned shape \[2, 5, 49\], expected an even last "
                                          r"dimension .* input of shape \[2, 5, 16\]"):
         model(torch.randn(2, 5, 16))
+
+
+def test_llama4s_mlps_with_activation_fn_are_fused_and_unfused():
+    """Llama 4's ``Llama4TextMLP`` (its shared expert, and its dense layers') names its activation ``activation_fn``
+    (session 71's survey: it was refused for "submodules besides the projections and act_fn"): fused as a SwiGLU MLP
+    that keeps that activation, the logits exactly the unfused model's (CPU: PyTorch's path); an ``activation_fn``
+    replaced while fused is run, as the MLP's forward would; unfuse puts the MLPs back."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "llama4_text" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no llama4_text")
+    import transformers
+
+    cfg = CONFIG_MAPPING["llama4_text"](hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                        vocab_size=97, num_local_experts=2, interleave_moe_layer_step=2,
+                                        pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    mlps = {p: m for p, m in model.named_modules() if type(m).__name__ == "Llama4TextMLP"}
+    assert len(mlps) == 2 and all("activation_fn" in m._modules or "activation_fn" in m.__dict__
+                                  for m in mlps.values()), mlps   # (a dense layer's MLP and a shared expert)
+    assert probe_swiglu_mlp(next(iter(mlps.values()))).ok
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    ref = model(input_ids=ids).logits
+    rows = {r.path: r for r in fuse(model, ops=["swiglu"]).rows if r.kind == "swiglu"}
+    assert set(rows) == set(mlps) and all(r.fused and r.replacement == "FusedSwiGLUMLP" for r in rows.values()), rows
+    fused = dict(model.named_modules())
+    assert all(type(fused[p]) is FusedSwiGLUMLP and fused[p]._act_name == "activation_fn" for p in mlps)
+    torch.testing.assert_close(model(input_ids=ids).logits, ref, rtol=0, atol=0)
+    path = next(iter(mlps))
+    gelu = nn.GELU()
+    fused[path].activation_fn = gelu
+    x = torch.randn(3, 32)
+    want = fused[path].down_proj(gelu(fused[path].gate_proj(x)) * fused[path].up_proj(x))
+    torch.testing.assert_close(fused[path](x), want, rtol=0, atol=0)
+    assert unfuse(model)
+    back = dict(model.named_modules())
+    assert all(back[p] is m for p, m in mlps.items())

@@ -616,7 +616,7 @@ def test_probe_refuses_more_than_the_plain_mlp(layout, mixin, reason):
     make, cls, _, _ = LAYOUTS[layout]
     mlp = type(f"{mixin.__name__}{make.__name__}", (mixin, make), {})()
     probe = probe_swiglu_mlp(mlp)
-    acts = "activation_fn or act_fn" if cls is FusedGateUpSwiGLUMLP else "act_fn"
+    acts = "activation_fn or act_fn" if cls is FusedGateUpSwiGLUMLP else "act_fn or activation_fn"
     assert probe.candidate and not probe.ok and reason.format(acts=acts, fused=cls.__name__) in probe.reason, probe
     with pytest.raises(ValueError, match="does not pass the SwiGLU probe"):
         cls.from_module(mlp)

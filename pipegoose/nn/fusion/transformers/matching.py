@@ -18,8 +18,8 @@
 * SwiGLU and GeGLU MLPs: found by what a module computes, as RMSNorm is. A candidate has children named
   ``gate_proj``, ``up_proj`` and ``down_proj`` (Llama, Mistral, Qwen2/Qwen3 and their copies; Gemma, Gemma 2, Gemma
   3), or ``gate_up_proj`` and ``down_proj`` (gate and up in one projection: Phi-3, Phi-4-mini, GLM, GLM-4); it is
-  accepted when it has no other child than an activation (``act_fn``; in the second layout ``activation_fn`` or
-  ``act_fn``, one of them), no parameter or buffer of its own, a forward that takes the input alone, and, run on CPU
+  accepted when it has no other child than an activation (``act_fn``, or Llama 4's ``activation_fn``; in the second
+  layout ``activation_fn`` or ``act_fn``; one of them), no parameter or buffer of its own, a forward that takes the input alone, and, run on CPU
   in fp32 with small random ``torch.nn.Linear`` stand-ins for the projections, gives ``down_proj(act(gate_proj(x)) *
   up_proj(x))``, or ``down_proj(silu(gate) * up)`` of ``gate, up = gate_up_proj(x).chunk(2, -1)`` (gate the first
   half), in training mode and in eval mode (a dropout that runs only in training is caught either way). ``act`` is
@@ -943,9 +943,10 @@ def probe_layer_norm_module(module: nn.Module) -> LayerNormProbe:
 # --------------------------------------------------------------------------------------------------------------------
 SWIGLU_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 GATE_UP_PROJECTIONS = ("gate_up_proj", "down_proj")   # Phi-3, GLM: gate and up in one projection
-# the names the activation module of each layout may have (the fused module keeps it, not called): Llama's act_fn;
-# Phi-3's and GLM's activation_fn, or act_fn (Zamba2's, Phi-4-multimodal's audio MLP)
-SWIGLU_ACTIVATIONS = ("act_fn",)
+# the names the activation module of each layout may have (the fused module keeps it, not called): Llama's act_fn, or
+# activation_fn (Llama 4's Llama4TextMLP, its shared expert too; session 71's survey); Phi-3's and GLM's
+# activation_fn, or act_fn (Zamba2's, Phi-4-multimodal's audio MLP)
+SWIGLU_ACTIVATIONS = ("act_fn", "activation_fn")
 GATE_UP_ACTIVATIONS = ("activation_fn", "act_fn")
 # T5 v1.1's gated MLP (T5DenseGatedActDense; Flan-T5, mT5, UMT5, LongT5, Pop2Piano, UDOP, Pix2Struct's and Kosmos-2.5's
 # copies): gate wi_0, up wi_1, down wo, its activation act and an nn.Dropout between the product and wo
