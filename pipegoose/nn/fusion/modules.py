@@ -930,8 +930,8 @@ class FusedSwiGLUMLP(_FusedSwiGLUBase):
     ``forward(x [..., hidden])`` -> ``[..., hidden]``. The activation runs our kernel where the dispatcher chooses it
     (CUDA, gate and up of one shape and dtype, at least ``PIPEGOOSE_SMALL_NUMEL`` elements), else
     ``F.silu(gate) * up``. Built by :meth:`from_module`, it keeps the MLP's ``act_fn`` (Llama 4's ``activation_fn``)
-    without calling it; an ``act_fn`` replaced, or given forward or backward hooks, while fused is called as the original MLP would
-    (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, no kernel). Kernel: pipegoose/swiglu
+    without calling it; an ``act_fn`` replaced, or given forward or backward hooks, while fused is called as the
+    original MLP would (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, no kernel). Kernel: pipegoose/swiglu
     (pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
 
     Raises (when constructed):

@@ -19,15 +19,15 @@
   ``gate_proj``, ``up_proj`` and ``down_proj`` (Llama, Mistral, Qwen2/Qwen3 and their copies; Gemma, Gemma 2, Gemma
   3), or ``gate_up_proj`` and ``down_proj`` (gate and up in one projection: Phi-3, Phi-4-mini, GLM, GLM-4); it is
   accepted when it has no other child than an activation (``act_fn``, or Llama 4's ``activation_fn``; in the second
-  layout ``activation_fn`` or ``act_fn``; one of them), no parameter or buffer of its own, a forward that takes the input alone, and, run on CPU
-  in fp32 with small random ``torch.nn.Linear`` stand-ins for the projections, gives ``down_proj(act(gate_proj(x)) *
-  up_proj(x))``, or ``down_proj(silu(gate) * up)`` of ``gate, up = gate_up_proj(x).chunk(2, -1)`` (gate the first
-  half), in training mode and in eval mode (a dropout that runs only in training is caught either way). ``act`` is
-  what the activation module computes (:data:`ACTIVATION_FORMULAS`, checked against float64 on [-6, 6] and out to
-  +-100): SiLU (a SwiGLU MLP: ``FusedSwiGLUMLP``), GELU with the tanh approximation (transformers'
-  ``gelu_pytorch_tanh``, ``gelu_new``, ``gelu_fast``: Gemma's) or exact GELU (``gelu``) (a GeGLU MLP:
-  ``FusedGeGLUMLP``); a module without an activation child is probed for SiLU. The ``gate_up_proj`` layout is SiLU
-  only (no fused module computes GELU of a packed projection: such an MLP is refused, with that reason). A third
+  layout ``activation_fn`` or ``act_fn``; one of them), no parameter or buffer of its own, a forward that takes the
+  input alone, and, run on CPU in fp32 with small random ``torch.nn.Linear`` stand-ins for the projections, gives
+  ``down_proj(act(gate_proj(x)) * up_proj(x))``, or ``down_proj(silu(gate) * up)`` of ``gate, up =
+  gate_up_proj(x).chunk(2, -1)`` (gate the first half), in training mode and in eval mode (a dropout that runs only in
+  training is caught either way). ``act`` is what the activation module computes (:data:`ACTIVATION_FORMULAS`, checked
+  against float64 on [-6, 6] and out to +-100): SiLU (a SwiGLU MLP: ``FusedSwiGLUMLP``), GELU with the tanh
+  approximation (transformers' ``gelu_pytorch_tanh``, ``gelu_new``, ``gelu_fast``: Gemma's) or exact GELU (``gelu``) (a
+  GeGLU MLP: ``FusedGeGLUMLP``); a module without an activation child is probed for SiLU. The ``gate_up_proj`` layout is
+  SiLU only (no fused module computes GELU of a packed projection: such an MLP is refused, with that reason). A third
   layout is T5 v1.1's gated MLP (``T5DenseGatedActDense`` of T5 v1.1, Flan-T5 and mT5, UMT5's, LongT5's and the other
   copies): children ``wi_0`` (gate), ``wi_1`` (up) and ``wo`` (down), its activation ``act`` and one
   ``torch.nn.Dropout`` named ``dropout``, accepted when it gives ``wo(dropout(act(wi_0(x)) * wi_1(x)))`` with SiLU or
