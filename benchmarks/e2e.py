@@ -51,6 +51,14 @@ Models (random init from a config, no weights downloaded):
   project's size: hidden 2048, 16 layers, MLP 5632, GLM-4's vocabulary of 151552 (untied), ~1.32B params, batch 4.
   Once fused: RMSNorms, ``swiglu.packed``, and op ``rope`` (interleaved, partial rotary) since session 71. Not in
   ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
+* ``gpt2``: GPT-2 large's width (hidden 1280, 20 heads, MLP 5120 of ``gelu_new``, learned positions, vocab 50257,
+  tied) in 24 of its 36 layers, positions up to 2048, ~530M params, batch 4. Once fused: LayerNorms and, since
+  session 72, its activation (``NewGELUActivation``: eight elementwise ops each way) op ``gelu``. Not in
+  ``benchmarks.run``'s default ``--e2e-models``; no Liger variant (Liger-Kernel has no GPT-2 patch).
+* ``phi``: Phi-1.5's shape (``PhiForCausalLM``: hidden 2048, 24 layers, 32 heads, half of each head rotated, MLP 8192
+  of ``gelu_new``, attention and MLP in parallel after one LayerNorm, vocab 51200), ~1.4B params, batch 4. Once fused:
+  LayerNorms, RoPE and, since session 72, op ``gelu``. Not in ``benchmarks.run``'s default ``--e2e-models``; no
+  Liger variant.
 
 Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
 (``pipegoose.nn.fusion.fuse(model)`` on that model), ``fuse_sdpa_adam`` (``fuse_sdpa`` with
@@ -142,10 +150,18 @@ MODELS = {
                                                     vocab_size=151552, max_position_embeddings=4096,
                                                     rms_norm_eps=1e-5, tie_word_embeddings=False,
                                                     pad_token_id=151329, eos_token_id=151329)),
+    # (session 72: the MLPs without a gate, whose gelu_new fuse runs as op gelu)
+    "gpt2": dict(arch="gpt2", batch=4, config=dict(n_embd=1280, n_layer=24, n_head=20, n_positions=2048,
+                                                    vocab_size=50257, activation_function="gelu_new")),
+    "phi": dict(arch="phi", batch=4, config=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                                                  num_attention_heads=32, partial_rotary_factor=0.5,
+                                                  vocab_size=51200, max_position_embeddings=2048,
+                                                  hidden_act="gelu_new")),
 }
 CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config", "phi3": "Phi3Config",
            "gemma": "GemmaConfig", "qwen3_moe": "Qwen3MoeConfig", "gemma4_text": "Gemma4TextConfig",
-           "olmo": "OlmoConfig", "cohere": "CohereConfig", "glm4": "Glm4Config"}
+           "olmo": "OlmoConfig", "cohere": "CohereConfig", "glm4": "Glm4Config", "gpt2": "GPT2Config",
+           "phi": "PhiConfig"}
 VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_model_rope",
             "compile_sdpa", "liger_rmsnorm", "liger")
 # What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the

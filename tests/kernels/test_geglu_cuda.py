@@ -18,6 +18,10 @@ finite. The launch, layouts and 64-bit offsets are the SwiGLU ops' (tests/kernel
 against float64, bit for bit geglu's results of the two halves (the same math per value), the activation's kernel
 launched (the profiler's kernel names), rows at other strides, the autograd op, errors, opcheck, a double backward.
 
+``pipegoose::gelu_forward(x, approximate)`` / ``gelu_backward`` and the autograd op ``pipegoose::gelu`` (GELU alone,
+the MLPs without a gate), last: against float64, bit for bit geglu's activation, layouts, large values, errors,
+opcheck, a double backward.
+
 Run on the GPU machine: ``python -m pytest -m cuda tests/kernels/test_geglu_cuda.py -q``.
 """
 
@@ -536,3 +540,152 @@ def test_packed_double_backward(ops, dtype, approximate):
     check("grad_x", dx.detach(), dx64.detach(), dtype, x.shape)
     assert ddx.dtype == dtype and torch.isfinite(ddx).all()
     torch.testing.assert_close(ddx.double().cpu(), ddx64, **tol(dtype, 2), msg=lambda m: f"grad of grad_x: {m}")
+
+
+# ============================================================================================ gelu: GELU alone
+# pipegoose::gelu_forward(x, approximate) -> gelu(x); gelu_backward(grad_output, x, approximate) -> grad_output *
+# gelu'(x); the autograd op pipegoose::gelu (default approximate "none", as F.gelu). The launch is swiglu's with one
+# input (tests/kernels/test_swiglu_cuda.py: sizes, layouts); the activation is geglu's.
+def ref64_gelu(x, dy, approximate):
+    """float64 on the CPU: (out, grad_x)."""
+    x64 = x.detach().cpu().double().requires_grad_()
+    y = F.gelu(x64, approximate=approximate)
+    (dx,) = torch.autograd.grad(y, x64, dy.detach().cpu().double())
+    return y.detach(), dx
+
+
+def check_gelu_ops(ops, x, dy, dtype, approximate, what=""):
+    poison((x.shape, dtype))
+    y = ops.gelu_forward(x, approximate)
+    poison((x.shape, dtype))
+    dx = ops.gelu_backward(dy, x, approximate)
+    for name, a, b in zip(("out", "grad_x"), (y, dx), ref64_gelu(x, dy, approximate)):
+        check(f"{what}gelu {approximate} {name}", a, b, dtype, x.shape)
+    return y, dx
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_gelu_ops_match_float64(ops, dtype, shape, approximate):
+    x, _, dy = make(shape, dtype, seed_of("gelu", shape, dtype, approximate))
+    before = [t.clone() for t in (x, dy)]
+    check_gelu_ops(ops, x, dy, dtype, approximate)
+    assert all(torch.equal(a, b) for a, b in zip((x, dy), before)), "an input changed"
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_is_geglus_activation_and_agrees_with_f_gelu(ops, dtype, approximate):
+    """gelu(x) bit for bit geglu(x, 1) (one activation code, one rounding); against F.gelu (PyTorch's kernel, fp32
+    math, one rounding) within the dtype's tolerance, forward and backward."""
+    x, _, dy = make((5, 4099), dtype, seed_of("gelu-geglu", dtype, approximate))
+    y = ops.gelu_forward(x, approximate)
+    assert torch.equal(y, ops.geglu_forward(x, torch.ones_like(x), approximate))
+    xx = x.clone().requires_grad_()
+    want = F.gelu(xx, approximate=approximate)
+    want.backward(dy)
+    torch.testing.assert_close(y, want.detach(), **tol(dtype, 2))
+    torch.testing.assert_close(ops.gelu_backward(dy, x, approximate), xx.grad, **tol(dtype, 2))
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_non_contiguous_misaligned_and_large_inputs(ops, dtype, approximate):
+    """Transposed and strided views (copied) and a view at an odd element offset (the scalar kernel): right against
+    float64 and bit for bit the contiguous, aligned results; inputs of +-3 to +-1e4 (and, but in fp16, past fp32's
+    square range): finite, the limits gelu(x) = x and 0 exactly."""
+    base, _, base_dy = make((64, 2 * 1001), dtype, seed_of("gelu-layouts", dtype, approximate))
+    for name, view in (("transposed", lambda t: t.t()), ("strided", lambda t: t[:, ::2])):
+        got = check_gelu_ops(ops, view(base), view(base_dy), dtype, approximate, what=f"{name}: ")
+        want = (ops.gelu_forward(view(base).contiguous(), approximate),
+                ops.gelu_backward(view(base_dy).contiguous(), view(base).contiguous(), approximate))
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), name
+    x, dy = (t.reshape(-1)[:3 * 4096 + 5].contiguous() for t in (base, base_dy))
+    values = [3.0, -3.0, 8.0, -8.0, 10.0, -10.0, 100.0, -100.0, 1e4, -1e4]
+    if dtype != torch.float16:
+        values += [1e20, -1e20, 3e38, -3e38]
+    x[::3] = torch.tensor(values, device=DEV).repeat(len(range(0, x.numel(), 3)) // len(values) + 1)[
+        :len(range(0, x.numel(), 3))].to(dtype)
+    dy = dy.clamp(-1, 1)
+    aligned = check_gelu_ops(ops, x, dy, dtype, approximate)
+    xm, dym = _at_offset(x, 1), _at_offset(dy, 3)
+    assert xm.data_ptr() % 16 and dym.data_ptr() % 16
+    got = check_gelu_ops(ops, xm, dym, dtype, approximate, what="misaligned: ")
+    assert all(torch.equal(a, b) for a, b in zip(got, aligned)), "misaligned: differs from the vector path's"
+    y, dx = aligned
+    big, small = x >= 1e4, x <= -1e4
+    assert torch.equal(y[big], x[big]) and torch.equal(dx[big], dy[big])
+    assert (y[small] == 0).all() and (dx[small] == 0).all()
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_autograd_op(ops, dtype, approximate):
+    """torch.ops.pipegoose.gelu: the forward kernel's result, the backward kernel's gradient (a broadcast scalar
+    gradient too); no graph in inference mode; the schema's default is "none" (F.gelu's)."""
+    x, _, dy = make((3, 5, 1001), dtype, seed_of("gelu-autograd", dtype, approximate))
+    xx = x.clone().requires_grad_()
+    poison((x.shape, dtype))
+    y = torch.ops.pipegoose.gelu(xx, approximate)
+    poison((x.shape, dtype))
+    y.backward(dy)
+    ry, rdx = ref64_gelu(x, dy, approximate)
+    check("out", y.detach(), ry, dtype, x.shape)
+    check("grad_x", xx.grad, rdx, dtype, x.shape)
+    assert torch.equal(y.detach(), ops.gelu_forward(x, approximate))
+    assert torch.equal(xx.grad, ops.gelu_backward(dy, x, approximate))
+    xs = x.clone().requires_grad_()
+    torch.ops.pipegoose.gelu(xs, approximate).sum().backward()   # grad_output: an expanded scalar (stride 0)
+    assert torch.equal(xs.grad, ops.gelu_backward(torch.ones_like(x), x, approximate))
+    with torch.inference_mode():
+        yi = torch.ops.pipegoose.gelu(x, approximate)
+    assert yi.grad_fn is None and torch.equal(yi, y.detach())
+    if approximate == "none":
+        assert torch.equal(torch.ops.pipegoose.gelu(x), y.detach())
+        assert torch.equal(torch.ops.pipegoose.gelu_forward(x), y.detach())
+
+
+def test_gelu_empty_tensors_and_bad_arguments(ops):
+    for shape in [(0,), (3, 0, 7)]:
+        e = torch.empty(shape, device=DEV, dtype=torch.bfloat16)
+        assert ops.gelu_forward(e, "tanh").shape == shape and ops.gelu_backward(e, e, "none").shape == shape
+    x, _, dy = make((4, 6), torch.float32, seed_of("gelu-bad"))
+    fwd, bwd = ops.gelu_forward, ops.gelu_backward
+    cases = [
+        (lambda: fwd(x, "tan"), r'gelu_forward: approximate must be "tanh" or "none", got "tan"'),
+        (lambda: bwd(dy, x, "erf"), r'gelu_backward: approximate must be "tanh" or "none", got "erf"'),
+        (lambda: torch.ops.pipegoose.gelu(x.clone().requires_grad_(), "erf"), r"gelu_forward: approximate must be"),
+        (lambda: fwd(x.cpu(), "tanh"), r"gelu_forward: x must be a CUDA tensor, got device cpu"),
+        (lambda: fwd(x.double(), "none"), r"gelu_forward: x must be float32, float16 or bfloat16"),
+        (lambda: bwd(dy[:, :5], x, "tanh"), r"gelu_backward: grad_output has shape \[4, 5\] but x has \[4, 6\]"),
+        (lambda: bwd(dy.int(), x, "tanh"), r"gelu_backward: grad_output must be a floating point tensor"),
+        (lambda: bwd(dy.cpu(), x, "tanh"), r"gelu_backward: grad_output is on cpu but x is on cuda"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gelu_opcheck_and_double_backward(ops, dtype, approximate):
+    x, _, dy = make((2, 3, 17), dtype, seed_of("gelu-opcheck", dtype, approximate))
+    torch.library.opcheck(torch.ops.pipegoose.gelu_forward.default, (x, approximate))
+    torch.library.opcheck(torch.ops.pipegoose.gelu_forward.default, (x.transpose(0, 2), approximate))
+    torch.library.opcheck(torch.ops.pipegoose.gelu_backward.default, (dy, x, approximate))
+    torch.library.opcheck(torch.ops.pipegoose.gelu.default, (x.clone().requires_grad_(), approximate))
+    torch.library.opcheck(torch.ops.pipegoose.gelu.default, (x, approximate))
+    # create_graph=True: the gradient is differentiable again; second derivatives as float64's
+    x, _, dy = make((64, 129), dtype, seed_of("gelu-double", dtype, approximate))
+    v = torch.randn(64, 129, device=DEV, generator=torch.Generator(device=DEV).manual_seed(5)).to(dtype)
+    xx = x.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(torch.ops.pipegoose.gelu(xx, approximate), xx, dy, create_graph=True)
+    assert dx.requires_grad
+    (ddx,) = torch.autograd.grad((dx.float() * v.float()).sum(), xx)
+    x64 = x.cpu().double().requires_grad_()
+    (dx64,) = torch.autograd.grad(F.gelu(x64, approximate=approximate), x64, dy.cpu().double(), create_graph=True)
+    (ddx64,) = torch.autograd.grad((dx64 * v.cpu().double()).sum(), x64)
+    check("grad_x", dx.detach(), dx64.detach(), dtype, x.shape)
+    assert ddx.dtype == dtype and torch.isfinite(ddx).all()
+    torch.testing.assert_close(ddx.double().cpu(), ddx64, **tol(dtype, 2))

@@ -10,6 +10,8 @@
 // approximation.
 // gelu_and_mul (geglu's activation, gate and up as the two halves of x; Gemma 4's MoE experts): as silu_and_mul,
 // saving x and the approximation.
+// gelu (GELU alone: the MLPs without a gate, GPT-2's gelu_new, Bloom's BloomGelu): the forward kernel, saving x and
+// the approximation (as F.gelu's autograd does).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -30,6 +32,8 @@ std::tuple<at::Tensor, at::Tensor> geglu_backward_cuda(const at::Tensor& grad_ou
 at::Tensor gelu_and_mul_forward_cuda(const at::Tensor& x, c10::string_view approximate);
 at::Tensor gelu_and_mul_backward_cuda(const at::Tensor& grad_output, const at::Tensor& x,
                                       c10::string_view approximate);
+at::Tensor gelu_forward_cuda(const at::Tensor& x, c10::string_view approximate);
+at::Tensor gelu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& x, c10::string_view approximate);
 }  // namespace pipegoose
 
 namespace {
@@ -65,6 +69,12 @@ at::Tensor packed_reference(const at::Tensor& x) {
 // reference of op geglu's kernel numerics). Differentiable (used for a double backward).
 at::Tensor geglu_reference(const at::Tensor& gate, const at::Tensor& up, c10::string_view approximate) {
   return (at::gelu(gate.to(at::kFloat), approximate) * up.to(at::kFloat)).to(gate.scalar_type());
+}
+
+// gelu's numerics as PyTorch ops: gelu(x, approximate) in fp32, rounded once to x's dtype (the Python reference of
+// op gelu's kernel numerics). Differentiable (used for a double backward).
+at::Tensor gelu_reference(const at::Tensor& x, c10::string_view approximate) {
+  return at::gelu(x.to(at::kFloat), approximate).to(x.scalar_type());
 }
 
 // gelu_and_mul's numerics as PyTorch ops: geglu's reference of x's two halves.
@@ -185,9 +195,41 @@ struct GeluAndMulFunction : public torch::autograd::Function<GeluAndMulFunction>
   }
 };
 
+// The autograd formula of pipegoose::gelu (graph node torch::autograd::CppNode<pipegoose::GeluFunction>).
+struct GeluFunction : public torch::autograd::Function<GeluFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::string_view approximate) {
+    static const auto op = na::op_handle<GeluPackedForwardSig>("pipegoose::gelu_forward");
+    at::AutoDispatchBelowADInplaceOrView below;
+    at::Tensor y = op.call(x, approximate);   // (checks approximate before anything is saved)
+    ctx->save_for_backward({x});
+    ctx->saved_data["approximate"] = std::string(approximate);
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const std::string approximate = ctx->saved_data["approximate"].toStringRef();
+    const at::Tensor& dy = grads[0];
+    if (!dy.defined()) return {at::Tensor(), at::Tensor()};
+    if (at::GradMode::is_enabled()) {  // create_graph=True: a gradient that is differentiable again
+      auto gs = na::grads_through([&] { return gelu_reference(x, approximate); }, {x}, {ctx->needs_input_grad(0)},
+                                  dy);
+      return {gs[0], at::Tensor()};
+    }
+    static const auto op = na::op_handle<GeluPackedBackwardSig>("pipegoose::gelu_backward");
+    at::AutoDispatchBelowADInplaceOrView below;
+    return {op.call(dy, x, approximate), at::Tensor()};
+  }
+};
+
 }  // namespace pipegoose
 
 namespace {
+
+at::Tensor gelu_autograd(const at::Tensor& x, c10::string_view approximate) {
+  return pipegoose::GeluFunction::apply(x, approximate);
+}
 
 at::Tensor swiglu_autograd(const at::Tensor& gate, const at::Tensor& up) {
   return pipegoose::SwiGLUFunction::apply(gate, up);
@@ -219,6 +261,9 @@ TORCH_LIBRARY_FRAGMENT(pipegoose, m) {
   m.def("gelu_and_mul_forward(Tensor x, str approximate='tanh') -> Tensor");
   m.def("gelu_and_mul_backward(Tensor grad_output, Tensor x, str approximate='tanh') -> Tensor");
   m.def("gelu_and_mul(Tensor x, str approximate='tanh') -> Tensor");
+  m.def("gelu_forward(Tensor x, str approximate='none') -> Tensor");
+  m.def("gelu_backward(Tensor grad_output, Tensor x, str approximate='none') -> Tensor");
+  m.def("gelu(Tensor x, str approximate='none') -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pipegoose, CUDA, m) {
@@ -234,6 +279,9 @@ TORCH_LIBRARY_IMPL(pipegoose, CUDA, m) {
   m.impl("gelu_and_mul_forward", &pipegoose::gelu_and_mul_forward_cuda);
   m.impl("gelu_and_mul_backward", &pipegoose::gelu_and_mul_backward_cuda);
   m.impl("gelu_and_mul", &pipegoose::gelu_and_mul_forward_cuda);
+  m.impl("gelu_forward", &pipegoose::gelu_forward_cuda);
+  m.impl("gelu_backward", &pipegoose::gelu_backward_cuda);
+  m.impl("gelu", &pipegoose::gelu_forward_cuda);
 }
 
 TORCH_LIBRARY_IMPL(pipegoose, Autograd, m) {
@@ -241,4 +289,5 @@ TORCH_LIBRARY_IMPL(pipegoose, Autograd, m) {
   m.impl("silu_and_mul", &silu_and_mul_autograd);
   m.impl("geglu", &geglu_autograd);
   m.impl("gelu_and_mul", &gelu_and_mul_autograd);
+  m.impl("gelu", &gelu_autograd);
 }

@@ -1,15 +1,17 @@
 """Fake (meta) impls of ``pipegoose::swiglu_forward``, ``pipegoose::swiglu_backward``, ``pipegoose::swiglu``,
 ``pipegoose::silu_and_mul_forward``, ``pipegoose::silu_and_mul_backward``, ``pipegoose::silu_and_mul`` and
 ``pipegoose::geglu_forward``, ``pipegoose::geglu_backward``, ``pipegoose::geglu``,
-``pipegoose::gelu_and_mul_forward``, ``pipegoose::gelu_and_mul_backward``, ``pipegoose::gelu_and_mul`` (pipegoose's
-SwiGLU and GeGLU activations, ``pipegoose/kernels/csrc/swiglu.cu``).
+``pipegoose::gelu_and_mul_forward``, ``pipegoose::gelu_and_mul_backward``, ``pipegoose::gelu_and_mul`` and
+``pipegoose::gelu_forward``, ``pipegoose::gelu_backward``, ``pipegoose::gelu`` (pipegoose's SwiGLU, GeGLU and GELU
+activations, ``pipegoose/kernels/csrc/swiglu.cu``).
 
 Shapes and dtypes, as the CUDA kernels return them: ``gate`` and ``up`` of one shape and dtype; forward -> ``out``
 (contiguous, gate's shape and dtype); backward -> ``grad_gate`` and ``grad_up`` (the same). ``silu_and_mul``: ``x``
 ``[..., 2d]`` -> ``out`` ``[..., d]``; backward(``grad_output`` ``[..., d]``, ``x``) -> ``grad_x`` ``[..., 2d]``
 (contiguous, x's dtype). ``geglu``: as ``swiglu``, with ``approximate`` ``"tanh"`` or ``"none"`` (another string:
 the check fails naming ``approximate``, as the kernels' RuntimeError does); ``gelu_and_mul``: as ``silu_and_mul``,
-with ``approximate``. Imported by the
+with ``approximate``. ``gelu``: ``x`` -> ``out`` (contiguous, x's shape and dtype); backward(``grad_output`` of x's
+shape, ``x``) -> ``grad_x`` (the same), with ``approximate`` (default ``"none"``, as ``F.gelu``). Imported by the
 builder after the library is loaded."""
 
 from __future__ import annotations
@@ -128,3 +130,25 @@ def _gelu_packed_backward_fake(grad_output, x, approximate="tanh"):
 @torch.library.register_fake("pipegoose::gelu_and_mul")
 def _gelu_packed_fake(x, approximate="tanh"):
     return _gelu_packed_forward_fake(x, approximate)
+
+
+@torch.library.register_fake("pipegoose::gelu_forward")
+def _gelu_forward_fake(x, approximate="none"):
+    _kernel_dtype(x, "x")
+    _approximate(approximate)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.register_fake("pipegoose::gelu_backward")
+def _gelu_backward_fake(grad_output, x, approximate="none"):
+    _kernel_dtype(x, "x")
+    _approximate(approximate)
+    _grad_output(grad_output, x, "x")
+    torch._check(grad_output.shape == x.shape,
+                 lambda: f"grad_output: expected x's shape {tuple(x.shape)}, got {tuple(grad_output.shape)}")
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.register_fake("pipegoose::gelu")
+def _gelu_fake(x, approximate="none"):
+    return _gelu_forward_fake(x, approximate)

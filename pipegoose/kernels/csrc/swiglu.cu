@@ -1,7 +1,8 @@
 // SwiGLU's gated activation, silu(gate) * up, forward and backward, for fp32, fp16 and bf16 tensors with fp32 math.
 // Written for pipegoose; ops pipegoose::swiglu_forward / swiglu_backward / swiglu and, for gate and up in one tensor,
 // pipegoose::silu_and_mul_forward / silu_and_mul_backward / silu_and_mul; GeGLU's the same, geglu_* and
-// gelu_and_mul_* (binding: pipegoose/kernels/bindings/swiglu.cpp; schemas: docs/architecture.md "Op schemas").
+// gelu_and_mul_*; GELU alone, gelu_forward / gelu_backward / gelu (binding: pipegoose/kernels/bindings/swiglu.cpp;
+// schemas: docs/architecture.md "Op schemas").
 //
 // swiglu_forward(gate [*], up [*]) -> out [*]:  out = gate * sigmoid(gate) * up
 // swiglu_backward(grad_output [*], gate, up) -> (grad_gate, grad_up):
@@ -49,6 +50,16 @@
 // gelu_and_mul_forward(x [..., 2d], approximate) -> out [..., d]:  out = gelu(x[..., :d]) * x[..., d:]
 // gelu_and_mul_backward(grad_output [..., d], x [..., 2d], approximate) -> grad_x [..., 2d]
 // The same launch, layouts and errors as silu_and_mul's, and a RuntimeError naming approximate for another string.
+//
+// gelu (GELU alone, the activation of the MLPs without a gate: GPT-2's, GPT-J's, Phi's, CodeGen's gelu_new, Bloom's
+// BloomGelu, which transformers compute as several elementwise ops; F.gelu's function): ops pipegoose::gelu_forward /
+// gelu_backward / gelu, with approximate as geglu's:
+// gelu_forward(x [*], approximate) -> out [*]:  out = gelu(x)
+// gelu_backward(grad_output [*], x, approximate) -> grad_x [*]:  grad_x = grad_output * gelu'(x)
+// GeGLU's GELU per value (GeluTanh, GeluErf) in fp32, rounded once; swiglu's launch (16-byte vectors, kUnroll per
+// thread, the scalar kernel for a view at an odd element offset), contiguous copies of non-contiguous inputs,
+// contiguous outputs. Errors (RuntimeError naming the argument): not CUDA, devices differ, dtype not fp32/fp16/bf16,
+// grad_output of another shape or not floating point, approximate another string.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -148,6 +159,22 @@ __device__ __forceinline__ void bwd_math(float dy, float g, float u, float& dg, 
   du = dy * a;   // act(g) first, as torch: dy * g can overflow where silu(g) is 0 (g near -3e38)
   dg = dy * u * da;
 }
+
+// The plain activation (op gelu): act(x) of (x); and grad_x = grad_output * act'(x) of (grad_output, x).
+template <typename Act>
+struct ActFwd {
+  static constexpr int kIn = 1, kOut = 1;
+  __device__ __forceinline__ static void apply(const float (&x)[1], float (&y)[1]) { y[0] = Act::value(x[0]); }
+};
+template <typename Act>
+struct ActBwd {
+  static constexpr int kIn = 2, kOut = 1;
+  __device__ __forceinline__ static void apply(const float (&x)[2], float (&y)[1]) {
+    float a, da;
+    Act::both(x[1], a, da);
+    y[0] = x[0] * da;
+  }
+};
 
 // The forward and the backward: act(gate) * up of (gate, up); and (grad_gate, grad_up) of (grad_output, gate, up).
 template <typename Act>
@@ -533,6 +560,83 @@ const char* kGegluFwd = "pipegoose::geglu_forward";
 const char* kGegluBwd = "pipegoose::geglu_backward";
 
 }  // namespace
+
+namespace {
+
+const char* kGeluFwd = "pipegoose::gelu_forward";
+const char* kGeluBwd = "pipegoose::gelu_backward";
+
+void check_one(const char* op, const at::Tensor& x) {
+  PG_CHECK(x.defined(), op, ": x must be a defined tensor");
+  PG_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor, got device ", x.device());
+  const auto dt = x.scalar_type();
+  PG_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, op,
+           ": x must be float32, float16 or bfloat16, got ", dt);
+}
+
+// gelu's entry points, for the activation Act (op: the op's name, for the errors).
+template <typename Act>
+at::Tensor unary_forward(const char* op, const at::Tensor& x_in) {
+  check_one(op, x_in);
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t n = x.numel();
+  if (n == 0) return out;
+  c10::cuda::CUDAGuard guard(x.device());
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  by_dtype(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* px = x.const_data_ptr<scalar_t>();
+    scalar_t* y = out.mutable_data_ptr<scalar_t>();
+    const Launch l = plan(n, 16 / sizeof(scalar_t), aligned16(px) && aligned16(y), op);
+    swiglu_kernel<scalar_t, ActFwd<Act>><<<l.grid, kThreads, 0, stream>>>(px, nullptr, nullptr, y, nullptr, l.n_vec,
+                                                                          n);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+template <typename Act>
+at::Tensor unary_backward(const char* op, const at::Tensor& grad_output, const at::Tensor& x_in) {
+  check_one(op, x_in);
+  PG_CHECK(grad_output.defined(), op, ": grad_output must be a defined tensor");
+  PG_CHECK(grad_output.device() == x_in.device(), op, ": grad_output is on ", grad_output.device(), " but x is on ",
+           x_in.device());
+  PG_CHECK(grad_output.sizes() == x_in.sizes(), op, ": grad_output has shape ", grad_output.sizes(), " but x has ",
+           x_in.sizes(), "; expected equal shapes");
+  PG_CHECK(at::isFloatingType(grad_output.scalar_type()), op, ": grad_output must be a floating point tensor, got ",
+           grad_output.scalar_type());
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor dy = grad_output.to(x.scalar_type()).contiguous();
+  at::Tensor dx = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t n = x.numel();
+  if (n == 0) return dx;
+  c10::cuda::CUDAGuard guard(x.device());
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  by_dtype(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* pdy = dy.const_data_ptr<scalar_t>();
+    const scalar_t* px = x.const_data_ptr<scalar_t>();
+    scalar_t* pdx = dx.mutable_data_ptr<scalar_t>();
+    const Launch l = plan(n, 16 / sizeof(scalar_t), aligned16(pdy) && aligned16(px) && aligned16(pdx), op);
+    swiglu_kernel<scalar_t, ActBwd<Act>><<<l.grid, kThreads, 0, stream>>>(pdy, px, nullptr, pdx, nullptr, l.n_vec,
+                                                                          n);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return dx;
+}
+
+}  // namespace
+
+at::Tensor gelu_forward_cuda(const at::Tensor& x, c10::string_view approximate) {
+  return gelu_tanh(kGeluFwd, approximate) ? unary_forward<GeluTanh>(kGeluFwd, x)
+                                          : unary_forward<GeluErf>(kGeluFwd, x);
+}
+
+at::Tensor gelu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& x, c10::string_view approximate) {
+  return gelu_tanh(kGeluBwd, approximate) ? unary_backward<GeluTanh>(kGeluBwd, grad_output, x)
+                                          : unary_backward<GeluErf>(kGeluBwd, grad_output, x);
+}
 
 at::Tensor swiglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up) {
   return pair_forward<Silu>(kFwd, gate, up);

@@ -8,10 +8,10 @@ built or loaded until the first CUDA call that wants it, and transformers is imp
 from . import dispatch
 from .dispatch import FusionFallbackError
 from .fuse import FusionReport, fuse, fused, fusion_report, is_fused, unfuse
-from .functional import (apply_rotary_pos_emb, cross_entropy, fused_linear_cross_entropy, geglu, gelu_and_mul,
+from .functional import (apply_rotary_pos_emb, cross_entropy, fused_linear_cross_entropy, geglu, gelu, gelu_and_mul,
                          layer_norm, mixed_fused_layer_norm, rms_norm, scaled_masked_softmax, scaled_softmax,
                          scaled_upper_triang_masked_softmax, silu_and_mul, softmax, swiglu)
-from .modules import (AttnMaskType, FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedLayerNorm, FusedLinearCrossEntropyLoss,
+from .modules import (AttnMaskType, FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedGELU, FusedLayerNorm, FusedLinearCrossEntropyLoss,
                       FusedRMSNorm, FusedScaleMaskSoftmax, FusedSwiGLUMLP, FusedT5DenseGatedActDense,
                       MixedFusedLayerNorm)
 from .optim import FusedAdam, clip_grad_norm_
@@ -30,6 +30,7 @@ __all__ = [
     "silu_and_mul",
     "geglu",
     "gelu_and_mul",
+    "gelu",
     "cross_entropy",
     "fused_linear_cross_entropy",
     "apply_rotary_pos_emb",
@@ -38,6 +39,7 @@ __all__ = [
     "FusedLayerNorm",
     "MixedFusedLayerNorm",
     "FusedRMSNorm",
+    "FusedGELU",
     "FusedSwiGLUMLP",
     "FusedGateUpSwiGLUMLP",
     "FusedGeGLUMLP",

@@ -38,6 +38,13 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   and up in one ``gate_up_proj`` (no fused module computes it; a ``swiglu`` row) and MLPs with more inside (Zamba2's
   adapters) get a skipped row, not eligible; the original T5's ``T5DenseActDense`` (ReLU, not gated) is no
   candidate;
+* every GELU activation module of an MLP without a gate (``fc2(act(fc1(x)))``), found by its class name (``gelu`` in
+  it: a leaf without parameters or buffers) and a numerical probe (``transformers.matching.probe_gelu``: its forward
+  against exact and tanh GELU): transformers' ``NewGELUActivation`` (``gelu_new``: GPT-2, GPT-J, Phi, CodeGen),
+  ``FastGELUActivation``, ``GELUActivation``, ``GELUTanh``, Bloom's ``BloomGelu``, ``torch.nn.GELU`` ->
+  ``FusedGELU`` (op ``gelu``, the probe's ``approximate``), kind ``gelu`` (since session 72). Those of gated MLPs
+  and MoE experts fused by the same call are left alone (the fused module keeps but does not call them);
+  ``QuickGELUActivation`` and other functions named so get a skipped row, not eligible;
 * the rotary position embedding of every attention module whose forward calls its modeling module's
   ``apply_rotary_pos_emb`` (Llama, Mistral, Qwen2, Qwen3, Gemma, GPT-NeoX with full rotary, ...), where that
   function is transformers' rotate-half RoPE, or an interleaved one (pairs of neighbours: Cohere's, GLM's, since
@@ -124,7 +131,8 @@ from .transformers import loss as _loss
 from .transformers import matching
 from .transformers import rope as _rope
 
-OPS = ("layer_norm", "rms_norm", "swiglu", "geglu", "rope", "cross_entropy", "attention", "linear_cross_entropy")
+OPS = ("layer_norm", "rms_norm", "swiglu", "geglu", "gelu", "rope", "cross_entropy", "attention",
+       "linear_cross_entropy")
 # what ops=None fuses: all but linear_cross_entropy (the LM head and loss in one: opt-in, it saved memory but not
 # time on the H200's Llama-1.1B step, session 51)
 DEFAULT_OPS = OPS[:-1]
@@ -321,7 +329,7 @@ class FusionReport:
                          "again for each input shape at run time (dispatch.stats() counts what ran)")
         if any(f" @{_PROBE_WIDTH} wide" in impl for r in self.rows if r.fused for impl in (r.forward, r.backward)):
             notes.append(f"@{_PROBE_WIDTH} wide: the choice for rows of {_PROBE_WIDTH} values (a norm of rows of any "
-                         "width); the dispatcher chooses again for each input shape at run time")
+                         "width, an activation); the dispatcher chooses again for each input shape at run time")
         if self.not_requested:
             found = ", ".join(f"{n} {kind}" for kind, n in sorted(self.not_requested.items()))
             notes.append(f"not in ops: {found} module(s) of a kind not asked for (ops= names the kinds to fuse; all "
@@ -485,7 +493,8 @@ def _impls(op: str, module: nn.Module, build_inputs, impl: str | None = None, li
            any_width: bool = False) -> tuple[str, str]:
     """(forward, backward) implementation names the dispatcher would pick for this module's device and dtype (with the
     module's own ``impl`` request, if any; ``like``: see :func:`_choice`); "?" where that cannot be told.
-    ``any_width``: a norm of rows of any width, whose choice is told for rows of :data:`_PROBE_WIDTH`."""
+    ``any_width``: a norm of rows of any width (or an activation), whose choice is told for rows of
+    :data:`_PROBE_WIDTH`."""
     choice = _choice(op, module, build_inputs, impl, like)
     if choice is None:
         return "?", "?"
@@ -564,7 +573,7 @@ def _parse_attention(attention: Any) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool = False,
          attention: str = "auto") -> FusionReport:
-    """Replace ``model``'s LayerNorms, RMSNorms, SwiGLU and GeGLU MLPs, the gate of its MoE experts (transformers'
+    """Replace ``model``'s LayerNorms, RMSNorms, SwiGLU and GeGLU MLPs, GELU activations, the gate of its MoE experts (transformers'
     experts modules: :mod:`~pipegoose.nn.fusion.transformers.experts`), rotary position embedding, language-model
     loss and attention softmax by fused ones, on this instance only.
 
@@ -572,8 +581,8 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
         model: a constructed ``torch.nn.Module`` (typically a transformers ``PreTrainedModel``, e.g. from
             ``from_pretrained``), on any device and dtype. Modules whose parameters are on CPU run the reference
             paths (the dispatcher picks fused kernels on CUDA).
-        ops: subset of ``("layer_norm", "rms_norm", "swiglu", "geglu", "rope", "cross_entropy", "attention",
-            "linear_cross_entropy")`` (a name or an iterable of names; case and surrounding blanks ignored, as in
+        ops: subset of ``("layer_norm", "rms_norm", "swiglu", "geglu", "gelu", "rope", "cross_entropy",
+            "attention", "linear_cross_entropy")`` (a name or an iterable of names; case and surrounding blanks ignored, as in
             ``impl=``); None = all but ``linear_cross_entropy``, which is opt-in: a causal LM's head and loss in one
             (:mod:`pipegoose.nn.fusion.transformers.lm_head`; in training with labels the output's ``logits`` is
             None; on the H200's Llama-1.1B step 0.5 GiB less peak memory at 0.1% fewer tokens/s, session 52; one
@@ -615,8 +624,8 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     if model in _STATE:
         raise RuntimeError(f"model: this {type(model).__name__} is already fused; call unfuse(model) first")
     from . import dispatch
-    from .modules import (FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedRMSNorm, FusedSwiGLUMLP, FusedT5DenseGatedActDense,
-                          MixedFusedLayerNorm)
+    from .modules import (FusedGateUpSwiGLUMLP, FusedGELU, FusedGeGLUMLP, FusedRMSNorm, FusedSwiGLUMLP,
+                          FusedT5DenseGatedActDense, MixedFusedLayerNorm)
 
     dispatch.check_env()
     norms = [k for k in ("layer_norm", "rms_norm") if k in ops]   # the kinds whose fused modules hold parameters
@@ -631,7 +640,11 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     replaced: dict[int, nn.Module] = {}       # id(old) -> new (a shared module is replaced once, everywhere)
     seen: set[int] = set()
     fused_types = (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP, FusedGateUpSwiGLUMLP, FusedGeGLUMLP,
-                   FusedT5DenseGatedActDense)
+                   FusedT5DenseGatedActDense, FusedGELU)
+    # the gated MLPs and MoE experts fused by this call (or, in a dry run, that would be): their activation module is
+    # kept but not called, so it is no GELU of its own to replace (a replaced one would be taken for an activation
+    # assigned since, and the MLP would run it instead of its kernel)
+    absorbed: set[int] = set()
     # the parametrization objects of parametrized modules (a _WeightNorm, say): not modules of the model's computation
     internal = {id(m) for mod in model.modules() if parametrize.is_parametrized(mod)
                 for m in mod.parametrizations.modules()}
@@ -654,6 +667,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                 seen.add(id(child))
                 if isinstance(child, fused_types):  # put there before this call
                     kind = ("rms_norm" if isinstance(child, FusedRMSNorm) else
+                            "gelu" if isinstance(child, FusedGELU) else
                             "swiglu" if isinstance(child, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP)) else
                             "geglu" if isinstance(child, FusedGeGLUMLP) else
                             # (T5's: the kind of the op it runs)
@@ -665,11 +679,23 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                     _hold(state, report.rows[-1], path, lambda m: isinstance(m, fused_types))
                     continue
                 if _experts.candidate(child):   # a MoE layer's experts: their gate hooked, the module kept
+                    absorbed.add(id(child))
                     row = _consider_experts(model, child, path, ops, dry_run, state, held)
                     if row is not None:
                         report.rows.append(row)
                     continue
-                row, new = _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like)
+                if matching.gelu_candidate(child):
+                    if id(parent) in absorbed or isinstance(parent, fused_types):
+                        continue
+                    if "gelu" not in ops:
+                        if matching.probe_gelu(child).ok:
+                            report.not_requested["gelu"] = report.not_requested.get("gelu", 0) + 1
+                        continue
+                    row, new = _consider_gelu(child, path, ops, dry_run, like)
+                else:
+                    row, new = _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like)
+                    if row is not None and row.fused and row.kind in ("swiglu", "geglu"):
+                        absorbed.add(id(child))
                 if row is None:
                     target = _rope.target(child)
                     if target is not None:   # an attention module that applies RoPE: hooked, not replaced
@@ -768,9 +794,12 @@ def _norm_kind_left_out(child: nn.Module, ops: tuple) -> str | None:
 def _fused_impls(module: nn.Module, like: torch.Tensor | None = None) -> tuple[str, str]:
     """(forward, backward) for a norm fused before this call, as :func:`_consider` gives them for a new one: what the
     dispatcher picks for it (the report showed "yes" there, also where the fallback runs; a walkthrough)."""
-    from .modules import FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedRMSNorm, FusedSwiGLUMLP, FusedT5DenseGatedActDense
+    from .modules import (FusedGateUpSwiGLUMLP, FusedGELU, FusedGeGLUMLP, FusedRMSNorm, FusedSwiGLUMLP,
+                          FusedT5DenseGatedActDense)
 
     impl = getattr(module, "impl", None)   # a request made on the module (FusedRMSNorm(impl="torch"), say)
+    if isinstance(module, FusedGELU):
+        return _gelu_impls(module, module.approximate, impl, like)
     if isinstance(module, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedT5DenseGatedActDense)):
         return _swiglu_impls(module, isinstance(module, FusedGateUpSwiGLUMLP), impl,
                              getattr(module, "approximate", None), module._PROJECTIONS[0])
@@ -1049,6 +1078,34 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like
     offset = f", weight_offset={probe.weight_offset}" if probe.weight_offset else ""
     return FusionRow(path, "rms_norm", type(child).__name__, "FusedRMSNorm", True, fwd, bwd,
                      f"RMSNorm ({probe.reason}), eps={probe.eps}{offset}{_small_note(child)}"), new
+
+
+def _consider_gelu(child, path, ops, dry_run, like):
+    """(row, replacement or None) for a GELU activation module (``matching.gelu_candidate``): ``FusedGELU`` with the
+    probe's ``approximate`` where the probe passes it, a skipped row with the probe's reason where not (``gelu`` in
+    ``ops``)."""
+    from .modules import FusedGELU
+
+    probe = matching.probe_gelu(child)
+    if not probe.ok:
+        return FusionRow(path, "gelu", type(child).__name__, None, False, reason=probe.reason, eligible=False), None
+    why = _instance_override(child)
+    if why is not None:
+        return FusionRow(path, "gelu", type(child).__name__, None, False, reason=why), None
+    new = None if dry_run else _build(path, child, FusedGELU.from_module, child, approximate=probe.approximate,
+                                      verify=False)  # probed above
+    fwd, bwd = _gelu_impls(child, probe.approximate, like=like)
+    return FusionRow(path, "gelu", type(child).__name__, "FusedGELU", True, fwd, bwd,
+                     f"{probe.reason}; op gelu, approximate={probe.approximate!r}" + _small_note(child, like)), new
+
+
+def _gelu_impls(module: nn.Module, approximate: str, impl: str | None = None,
+                like: torch.Tensor | None = None) -> tuple[str, str]:
+    """(forward, backward) of a GELU activation, as :func:`_impls` gives them: op ``gelu`` for rows of
+    :data:`_PROBE_WIDTH` (an activation has no width of its own), enough that it is not a small problem."""
+    rows = _probe_rows((_PROBE_WIDTH,))
+    return _impls("gelu", module, lambda d, t: (torch.empty(rows, _PROBE_WIDTH, device=d, dtype=t), approximate),
+                  impl, like, any_width=True)
 
 
 def _weightless_leaf(child: nn.Module) -> bool:

@@ -1264,6 +1264,81 @@ class FusedT5DenseGatedActDense(_FusedSwiGLUBase):
                              dropout=mlp._modules.get("dropout") if isinstance(mlp, nn.Module) else None)
 
 
+class FusedGELU(_DropsFuseRecord, nn.Module):
+    """GELU in one kernel forward and one backward (:func:`pipegoose.nn.fusion.functional.gelu`, op ``gelu``): what
+    ``fuse`` puts in place of the activation modules of the MLPs without a gate that compute GELU, ``fc2(act(fc1(x)))``:
+    transformers' ``NewGELUActivation`` (``gelu_new``: GPT-2, GPT-J, Phi, CodeGen), ``FastGELUActivation``,
+    ``GELUActivation``, ``AccurateGELUActivation``, ``GELUTanh``, Bloom's ``BloomGelu`` and ``torch.nn.GELU``. Several
+    of those run GELU as four to eight elementwise ops forward, more backward, saving a tensor of the input's size for
+    each; this runs one kernel each way and saves the input alone.
+
+    Args:
+        approximate: ``"none"`` (default, exact GELU, erf) or ``"tanh"`` (the tanh approximation), as ``F.gelu``.
+        impl: force an implementation of op ``gelu`` (``pipegoose``, ``torch``: ``F.gelu``; any case), default auto.
+
+    ``forward(input [*])`` -> ``[*]``, in ``input``'s dtype: fp32, fp16 or bf16 take the kernel on CUDA (at least
+    ``PIPEGOOSE_SMALL_NUMEL`` elements), fp64 and the rest ``F.gelu``. Under autocast too the output keeps the
+    input's dtype (as ``F.gelu``'s; ``NewGELUActivation`` under CUDA autocast returns fp32 for a 16-bit input, its
+    ``torch.pow`` being an fp32 op there: the values agree, rounded once to the input's dtype, which the next
+    ``Linear`` under autocast casts to anyway). Kernel: pipegoose/swiglu (pipegoose/kernels/csrc/swiglu.cu, this
+    project, MIT).
+
+    Raises (when constructed):
+        TypeError: ``approximate`` not a str; ``impl`` not a str or None.
+        ValueError: ``approximate`` neither ``"none"`` nor ``"tanh"``; ``impl`` naming no implementation of ``gelu``.
+    """
+
+    def __init__(self, approximate: str = "none", *, impl: str | None = None) -> None:
+        super().__init__()
+        self.approximate = _swiglu.check_approximate(approximate)
+        dispatch.check_impl(_swiglu.GELU_OP, impl)
+        self.impl = impl
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return PF.gelu(input, self.approximate, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}" + (f", impl={self.impl!r}" if self.impl is not None else "")
+
+    @classmethod
+    def from_module(cls, act: nn.Module, *, approximate: str | None = None, impl: str | None = None,
+                    verify: bool = True) -> "FusedGELU":
+        """The fused module for the activation module ``act``, in its training mode.
+
+        ``verify`` (default True): ``act`` must pass the probe that ``fuse`` runs (``transformers.matching.
+        probe_gelu``: a leaf module without parameters or buffers, whose forward on CPU, in training and eval mode,
+        computes GELU, exact or tanh, within 1e-6 of the float64 formula near 0 and far out, and that has no hooks);
+        the probe tells ``approximate``. ``verify=False`` takes ``approximate`` from the argument, else from ``act``'s
+        attribute of that name (``torch.nn.GELU``'s).
+
+        Raises:
+            TypeError: ``act`` not a module; with ``verify=False``, no ``approximate`` given or found.
+            ValueError: with ``verify``, the probe refuses ``act`` (the message gives its reason), or
+                ``approximate`` other than the probe's; ``approximate`` or ``impl`` that the constructor refuses.
+        """
+        from .transformers.matching import probe_gelu
+
+        if not isinstance(act, nn.Module):
+            raise TypeError(f"act: expected a torch.nn.Module, got {type(act).__name__}")
+        if verify:
+            probe = probe_gelu(act)
+            if not probe.ok:
+                raise ValueError(f"act: {type(act).__name__} does not pass the GELU probe: {probe.reason}; "
+                                 "verify=False skips this check")
+            if approximate is not None and approximate != probe.approximate:
+                raise ValueError(f"approximate: {approximate!r}, but {type(act).__name__} computes GELU with "
+                                 f"approximate={probe.approximate!r}")
+            approximate = probe.approximate
+        elif approximate is None:
+            approximate = getattr(act, "approximate", None)
+            if approximate is None:
+                raise TypeError(f"approximate: required with verify=False ({type(act).__name__} has no attribute "
+                                "approximate)")
+        new = cls(approximate, impl=impl)
+        new.training = act.training
+        return new
+
+
 class FusedLinearCrossEntropyLoss(nn.Module):
     """A language model's output projection and loss in one (:func:`pipegoose.nn.fusion.functional.
     fused_linear_cross_entropy`): ``F.cross_entropy(F.linear(hidden, weight, bias).float(), target)`` computed chunk

@@ -459,3 +459,106 @@ def run_geglu_packed(x: torch.Tensor, approximate: str, impl: str | None) -> tor
 _PACKED = {PACKED_OP: (check_packed_args, packed_problem, silu_and_mul_reference, _run_pipegoose_packed),
            GEGLU_PACKED_OP: (check_geglu_packed_args, geglu_packed_problem, gelu_and_mul_reference,
                              _run_pipegoose_geglu_packed)}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# gelu: GELU alone (the MLPs without a gate), exact or with the tanh approximation
+# --------------------------------------------------------------------------------------------------------------------
+GELU_OP = "gelu"
+FORWARD_AD_GELU = ("a dual tensor (torch.autograd.forward_ad): the GELU kernel has no forward derivative (jvp); "
+                   "PyTorch's F.gelu has")
+
+
+def check_gelu_args(x: Any, approximate: Any) -> None:
+    """Check the arguments of :func:`pipegoose.nn.fusion.functional.gelu` (errors name the argument).
+
+    Raises:
+        TypeError: ``x`` not a floating point tensor, or of a dtype no path here takes (float8); ``approximate`` not
+            a str. ValueError: ``approximate`` neither ``"none"`` nor ``"tanh"``.
+    """
+    check_float_tensor(x, "x")
+    check_approximate(approximate)
+
+
+def gelu_problem(x: torch.Tensor, approximate: str) -> Problem:
+    """The dispatcher's description of one call of ``gelu`` (metadata only; ``approximate`` in ``extra``)."""
+    return Problem(GELU_OP, x.dtype, x.device, cols=x.shape[-1] if x.dim() else 1, needs_grad=needs_grad(x),
+                   extra=dict(shape=tuple(x.shape), numel=x.numel(), storage=all_have_storage(x),
+                              forward_ad=has_tangent(x), approximate=approximate))
+
+
+def _explain_gelu(x, approximate="none"):
+    check_gelu_args(x, approximate)
+    return gelu_problem(x, approximate)
+
+
+def _gelu_supports(p: Problem) -> tuple[bool, str]:
+    ok, why = kernel_input_ok(p, FORWARD_AD_GELU, "x")
+    if not ok:
+        return ok, why
+    if p["numel"] == 0:
+        return False, "an empty input"
+    return True, ""
+
+
+dispatch.register(Implementation(GELU_OP, "pipegoose", "ours", _gelu_supports, ("pipegoose/swiglu",),
+                                 SRC_PIPEGOOSE))
+dispatch.register(Implementation(GELU_OP, "torch", "reference", lambda p: (True, ""), (),
+                                 "PyTorch: F.gelu(x, approximate=approximate)", small_first=True))
+dispatch.register_problem(GELU_OP, _explain_gelu)
+
+
+def gelu_reference(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """The PyTorch path: ``F.gelu(x, approximate=approximate)`` (one kernel of PyTorch's, fp32 math in 16-bit)."""
+    return F.gelu(x, approximate=approximate)
+
+
+def _run_pipegoose_gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    """pipegoose/swiglu through ``torch.ops.pipegoose.gelu(x, approximate)``: the forward kernel with its autograd
+    formula in C++ (pipegoose/kernels/bindings/swiglu.cpp), as :func:`_run_pipegoose`."""
+    ops, why = dispatch.kernel("pipegoose/swiglu")
+    if ops is None:
+        raise RuntimeError(why)
+    return ops.gelu.default(x, approximate)
+
+
+def _gelu_signature(x: Any, approximate: Any) -> tuple | None:
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        if any_in_transform(x) or in_dual_level():
+            return None
+        sig = (type(x), x.dtype, x.device, x.shape, x.requires_grad, torch.is_grad_enabled(), approximate)
+        hash(sig)
+    except (AttributeError, TypeError):
+        return None
+    return sig
+
+
+def run_gelu(x: torch.Tensor, approximate: str, impl: str | None) -> torch.Tensor:
+    """:func:`pipegoose.nn.fusion.functional.gelu` behind the checks; runs the implementation the dispatcher chooses
+    (``impl``: a forced one or None). The choice cache's signature holds ``approximate``.
+
+    Raises:
+        TypeError, ValueError: as :func:`check_gelu_args`; ``impl`` naming no implementation of ``gelu``.
+        FusionFallbackError: in strict mode, where the kernel cannot take the input.
+    """
+    if dispatch.compile_passthrough(GELU_OP, impl):  # torch.compile traces F.gelu, after eager mode's checks
+        check_gelu_args(x, approximate)
+        return gelu_reference(x, approximate)
+    if getattr(x, "is_nested", False):
+        check_gelu_args(x, approximate)
+        dispatch.record(nested_fallback(GELU_OP, impl))
+        return gelu_reference(x, approximate)
+    sig = _gelu_signature(x, approximate)
+    key = None if sig is None else dispatch.choice_key(GELU_OP, impl, sig)
+    choice = None if key is None else dispatch.cached_choice(key)
+    if choice is None:
+        check_gelu_args(x, approximate)
+        choice = dispatch.choose(GELU_OP, gelu_problem(x, approximate), impl)
+        if key is not None:
+            dispatch.remember_choice(key, choice)
+    dispatch.record(choice)
+    if choice.impl == "pipegoose":
+        return call_without_autocast(x.device, _run_pipegoose_gelu, x, approximate)
+    return gelu_reference(x, approximate)

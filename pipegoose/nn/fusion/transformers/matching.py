@@ -1209,6 +1209,84 @@ class _MaskDropout(nn.Module):
         return input * self.mask
 
 
+def activation_formula(act: Any) -> str | None:
+    """What the activation ``act`` computes: the key of :data:`ACTIVATION_FORMULAS` whose float64 formula it matches
+    (atol 1e-6, rtol 1e-5) near 0 and far out on either side (``ACT_FAR``: a clamp past 6, or any other bend,
+    shows), or None. A module is checked through its ``forward`` (no hook fires), in training and in eval mode (its
+    own and its submodules' flags set for the call and put back); a plain function (``F.gelu``) is called. An
+    exception of the activation propagates."""
+    t = torch.cat([torch.linspace(-6.0, 6.0, 25, dtype=torch.float32), torch.tensor(ACT_FAR, dtype=torch.float32)])
+    outs = []
+    with torch.no_grad():
+        if isinstance(act, nn.Module):
+            flags = [(m, m.training) for m in act.modules()]
+            try:
+                for mode in (True, False):
+                    for m, _ in flags:
+                        m.training = mode
+                    # its forward, not __call__ (no hook fires); a copy of t: nn.SiLU(inplace=True) must not change it
+                    outs.append(type(act).forward(act, t.clone()))
+            finally:
+                for m, was in flags:
+                    m.training = was
+        else:
+            outs.append(act(t.clone()))
+    if not all(isinstance(a, torch.Tensor) and a.shape == t.shape for a in outs):
+        return None
+    return next((k for k, f in ACTIVATION_FORMULAS.items()
+                 if all(torch.allclose(a.double(), f(t.double()), atol=1e-6, rtol=1e-5) for a in outs)), None)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# GELU activation probe (the MLPs without a gate)
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GeluProbe:
+    """What :func:`probe_gelu` found: ``candidate`` (a leaf module without parameters or buffers whose class name
+    says GELU), ``ok`` (it computes GELU and nothing else), ``approximate`` (F.gelu's: ``"none"`` or ``"tanh"``,
+    where ok) and ``reason`` (what it computes, or why it is refused)."""
+
+    candidate: bool
+    ok: bool
+    approximate: str | None
+    reason: str
+
+
+def gelu_candidate(module: nn.Module) -> bool:
+    """A leaf module without parameters or buffers whose class name has ``gelu`` in it (any case): transformers'
+    ``NewGELUActivation``, ``GELUActivation``, ``FastGELUActivation``, ``GELUTanh``, ``AccurateGELUActivation``,
+    ``QuickGELUActivation``, Bloom's ``BloomGelu``, ``torch.nn.GELU``; the probe tells which compute GELU."""
+    return ("gelu" in type(module).__name__.lower() and not any(True for _ in module.children())
+            and not any(True for _ in module.parameters()) and not any(True for _ in module.buffers()))
+
+
+def probe_gelu(module: nn.Module) -> GeluProbe:
+    """Whether ``module``, a :func:`gelu_candidate`, computes GELU, exact (erf) or with the tanh approximation, as
+    ``F.gelu(x, approximate=...)`` does (:func:`activation_formula`: its forward on CPU in fp32, training and eval
+    mode, against the float64 formulas), with no forward or backward hooks (the fused module would not run them)
+    and no forward arguments beyond the input."""
+    name = type(module).__name__
+    if not gelu_candidate(module):
+        return GeluProbe(False, False, None, f"{name} is not a GELU activation module (a leaf without parameters)")
+    extra = _extra_forward_arguments(type(module))
+    if extra:
+        return GeluProbe(True, False, None, f"its forward takes more than the input ({', '.join(extra)})")
+    try:
+        kind = probe_isolated(activation_formula)(module)
+    except Exception as exc:  # noqa: BLE001
+        return GeluProbe(True, False, None, f"probe failed: {type(exc).__name__}: {exc}")
+    if kind not in GELU_APPROXIMATE:
+        what = "SiLU" if kind == "silu" else "another function"
+        return GeluProbe(True, False, None, f"computes {what}, not GELU (exact or tanh; QuickGELU's x * sigmoid(1.702 "
+                                            "x) is not it)")
+    if has_module_hooks(module):
+        return GeluProbe(True, False, GELU_APPROXIMATE[kind], "has forward or backward hooks, which FusedGELU (one "
+                                                              "kernel) would not run")
+    approximate = GELU_APPROXIMATE[kind]
+    what = "GELU, tanh approximation" if approximate == "tanh" else "GELU, exact (erf)"
+    return GeluProbe(True, True, approximate, what)
+
+
 # an activation -> the gated MLP it makes (the reasons' words)
 _GATED_NAME = {"silu": "SwiGLU", "gelu_tanh": "GeGLU", "gelu": "GeGLU"}
 
@@ -1222,30 +1300,10 @@ def _activation_kind(act: Any, name: str, layout: _Layout) -> tuple[str | None, 
     attribute, ``F.gelu``) is called. Near 0 and far out on either side (a clamp past 6, or any other bend, shows).
     Refused: forward or backward hooks (which the fused module would not run), another activation, a GELU in a
     layout no fused module takes GELU in (``gate_up_proj``)."""
-    t = torch.cat([torch.linspace(-6.0, 6.0, 25, dtype=torch.float32), torch.tensor(ACT_FAR, dtype=torch.float32)])
-    outs = []
     try:
-        with torch.no_grad():
-            if isinstance(act, nn.Module):
-                flags = [(m, m.training) for m in act.modules()]
-                try:
-                    for mode in (True, False):
-                        for m, _ in flags:
-                            m.training = mode
-                        # its forward, not __call__ (no hook fires); a copy of t: nn.SiLU(inplace=True) must not
-                        # change it
-                        outs.append(type(act).forward(act, t.clone()))
-                finally:
-                    for m, was in flags:
-                        m.training = was
-            else:
-                outs.append(act(t.clone()))
+        kind = activation_formula(act)
     except Exception as exc:  # noqa: BLE001
         return None, f"probe of {name} failed: {type(exc).__name__}: {exc}"
-    kind = None
-    if all(isinstance(a, torch.Tensor) and a.shape == t.shape for a in outs):
-        kind = next((k for k, f in ACTIVATION_FORMULAS.items()
-                     if all(torch.allclose(a.double(), f(t.double()), atol=1e-6, rtol=1e-5) for a in outs)), None)
     if kind is None:
         return None, (f"{name} ({type(act).__name__}) is not SiLU or GELU (exact or tanh): a gated MLP of another "
                       "activation, which neither the SwiGLU nor the GeGLU kernel computes")
