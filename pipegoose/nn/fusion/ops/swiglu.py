@@ -36,6 +36,13 @@ is ``swiglu``'s: the gate of Gemma 4's MoE experts (``fuse`` sets it as their ``
 library, layouts and numerics. Implementations: ``pipegoose`` and ``torch`` (``F.gelu(gate,
 approximate=approximate) * up`` of ``x.chunk(2, -1)``); ``PIPEGOOSE_IMPL_GEGLU_PACKED``, then ``PIPEGOOSE_IMPL_GEGLU``
 (the family), choose one.
+
+Op ``gelu`` (:func:`pipegoose.nn.fusion.functional.gelu`): GELU alone, ``F.gelu(x, approximate=approximate)``, the
+activation of the MLPs without a gate (``fc2(gelu(fc1(x)))``; ``fuse`` puts :class:`~pipegoose.nn.fusion.modules.
+FusedGELU` in place of transformers' GELU activation modules: ``gelu_new``, GPT-2's, runs eight elementwise ops
+forward). The same kernel library (``pipegoose::gelu``), geglu's activation per value (fp32 math, one rounding, as
+``F.gelu``'s), swiglu's launch with one input. Implementations: ``pipegoose`` and ``torch`` (``F.gelu``, one native
+kernel each way); ``PIPEGOOSE_IMPL_GELU`` chooses one; the small-problem rule as geglu's.
 """
 
 from __future__ import annotations
