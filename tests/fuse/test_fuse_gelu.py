@@ -63,9 +63,9 @@ def test_the_default_is_exact_gelu_as_f_gelus():
 
 def test_argument_errors_name_the_argument():
     x = _x()
-    with pytest.raises(TypeError, match=r"^x: "):
+    with pytest.raises(TypeError, match=r"^input: "):
         PF.gelu([1.0, 2.0])
-    with pytest.raises(TypeError, match=r"^x: "):
+    with pytest.raises(TypeError, match=r"^input: "):
         PF.gelu(torch.arange(4))
     with pytest.raises(ValueError, match=r"approximate: expected 'none' \(exact GELU, erf\) or 'tanh'.*'erf'"):
         PF.gelu(x, "erf")
@@ -151,10 +151,7 @@ def test_the_probe_refuses_other_functions_and_hooked_modules():
     assert "more than the input" in matching.probe_gelu(GELUWithScale()).reason
     hooked = A.NewGELUActivation()
     hooked.register_forward_hook(lambda *a: None)
-    probe = matching.probe_gelu(hooked)
-    assert not probe.ok and "hooks" in probe.reason
-    with pytest.raises(ValueError, match=r"act: NewGELUActivation does not pass the GELU probe: has forward"):
-        FusedGELU.from_module(hooked)
+    assert matching.probe_gelu(hooked).ok   # (fuse hands the hooks to the replacement)
 
 
 def test_the_probe_leaves_the_random_state_and_training_flags_as_they_were():
@@ -250,15 +247,30 @@ def test_dry_run_ops_and_the_count_of_gelu_left_out():
     assert _mlp_act(model) is act
 
 
-def test_a_hooked_or_quick_gelu_is_skipped_with_the_reason():
+def test_a_hooked_gelu_keeps_its_hooks_and_a_quick_gelu_is_skipped_with_the_reason():
     model = models.build("gpt2", "eager")
-    model.h[0].mlp.act.register_forward_hook(lambda *a: None)
+    seen = []
+    handle = model.h[0].mlp.act.register_forward_hook(lambda m, i, o: seen.append(type(m).__name__))
     model.h[1].mlp.act = A.QuickGELUActivation()
-    report = fuse(model, ops=["gelu"], dry_run=True)
+    report = fuse(model, ops=["gelu"])
     rows = {r.path: r for r in report.rows}
-    assert not rows["h.0.mlp.act"].fused and "hooks" in rows["h.0.mlp.act"].reason
+    assert rows["h.0.mlp.act"].fused
     assert not rows["h.1.mlp.act"].fused and "not GELU" in rows["h.1.mlp.act"].reason
     assert not rows["h.1.mlp.act"].eligible
+    with torch.no_grad():
+        model(input_ids=models.inputs()[0])
+    assert seen == ["FusedGELU"]
+    handle.remove()   # (the handle still removes it: the dictionaries are shared)
+    with torch.no_grad():
+        model(input_ids=models.inputs()[0])
+    assert seen == ["FusedGELU"]
+    unfuse(model)
+    assert not model.h[0].mlp.act._forward_hooks
+
+
+def test_functional_takes_f_gelus_argument_names():
+    x = _x()
+    assert torch.equal(PF.gelu(input=x, approximate="tanh"), F.gelu(input=x, approximate="tanh"))
 
 
 def _gemma():
@@ -311,3 +323,76 @@ def test_a_model_whose_gelu_is_shared_by_its_mlps_is_replaced_once():
     assert _mlp_act(model, 0) is _mlp_act(model, 1) and isinstance(_mlp_act(model, 0), FusedGELU)
     unfuse(model)
     assert _mlp_act(model, 0) is shared and _mlp_act(model, 1) is shared
+
+
+def _mixtral_gelu():
+    cfg = transformers.MixtralConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, intermediate_size=64, vocab_size=100, num_local_experts=4,
+                                     num_experts_per_tok=2, hidden_act="gelu")
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(cfg).eval()
+
+
+def test_a_shared_activation_is_not_swapped_into_fused_experts_or_mlps():
+    """An activation module that a fused gated module keeps (not calls) and another module shares: the fused
+    module's stays its own (swapped in, it would be taken for an activation assigned since, and its kernel would no
+    longer run); the other user's is fused."""
+    model = _mixtral_gelu()
+    experts = model.model.layers[0].mlp.experts
+    act = experts.act_fn
+    model.extra_act = act   # (a plain user of the same object, after the experts in named_modules' order)
+    report = fuse(model)
+    assert experts.act_fn is act, report
+    assert isinstance(model.extra_act, FusedGELU) and [r.path for r in report.rows if r.kind == "gelu"] == [
+        "extra_act"]
+    unfuse(model)
+    assert model.extra_act is act and experts.act_fn is act
+    gemma = _gemma()
+    shared = gemma.layers[0].mlp.act_fn
+    gemma.layers[1].mlp.act_fn = shared
+    gemma.head_act = shared
+    fuse(gemma)
+    assert all(isinstance(layer.mlp, FusedGeGLUMLP) and layer.mlp.act_fn is shared for layer in gemma.layers)
+    assert all(layer.mlp._changed_activation() is None for layer in gemma.layers)
+    assert isinstance(gemma.head_act, FusedGELU)
+    unfuse(gemma)
+    assert gemma.head_act is shared
+
+
+def test_the_experts_activation_is_fused_where_the_experts_are_not():
+    """ops=["gelu"]: the experts keep their own gate (transformers' act_fn(gate) * up), whose act_fn runs op gelu."""
+    model = _mixtral_gelu()
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    report = fuse(model, ops=["gelu"])
+    assert [r.path for r in report.rows] == ["model.layers.0.mlp.experts.act_fn"], report
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    unfuse(model)
+
+
+def test_a_gated_mlp_whose_activation_an_earlier_fuse_replaced_is_skipped_and_unfuse_restores_everything():
+    model = _gemma()
+    act0 = model.layers[0].mlp.act_fn
+    fuse(model, ops=["gelu"])
+    assert isinstance(model.layers[0].mlp.act_fn, FusedGELU)
+    report = fuse(model.layers[0], ops=["geglu"])
+    row = next(r for r in report.rows if r.kind == "geglu")
+    assert not row.fused and "FusedGELU of an earlier fuse()" in row.reason, row
+    unfuse(model)
+    assert model.layers[0].mlp.act_fn is act0 and not isinstance(model.layers[1].mlp.act_fn, FusedGELU)
+
+
+def test_not_requested_counts_a_gated_mlps_activation_once_and_a_fused_copy_refuses_unfuse():
+    report = fuse(_gemma(), ops=["layer_norm"], dry_run=True)
+    assert report.not_requested.get("geglu") == 2 and "gelu" not in report.not_requested, report.not_requested
+    import copy
+
+    model = models.build("gpt2", "eager")
+    fuse(model, ops=["gelu"])
+    with pytest.raises(RuntimeError, match=r"holds fused modules \(h.0.mlp.act and 1 more\) but fuse\(\) has no "
+                                           r"record"):
+        unfuse(copy.deepcopy(model))
+    unfuse(model)

@@ -347,34 +347,34 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *, im
     return _swiglu.run_geglu(gate, up, approximate, impl)
 
 
-def gelu(x: torch.Tensor, approximate: str = "none", *, impl: str | None = None) -> torch.Tensor:
-    """Drop-in for ``torch.nn.functional.gelu(x, approximate=approximate)`` (op ``gelu``): GELU alone, the
+def gelu(input: torch.Tensor, approximate: str = "none", *, impl: str | None = None) -> torch.Tensor:
+    """Drop-in for ``torch.nn.functional.gelu(input, approximate=approximate)`` (op ``gelu``; the same arguments): GELU alone, the
     activation of the MLPs without a gate (``fc2(gelu(fc1(x)))``: GPT-2's, GPT-J's, Phi's, CodeGen's ``gelu_new`` and
     Bloom's ``BloomGelu``, which transformers compute as several elementwise ops, forward and backward; ``fuse``
     puts :class:`~pipegoose.nn.fusion.modules.FusedGELU` in their place).
 
     Args:
-        x: a tensor of any shape (non-contiguous ones are copied first), fp32, fp16, bf16 (the kernel) or fp64.
+        input: a tensor of any shape (non-contiguous ones are copied first), fp32, fp16, bf16 (the kernel) or fp64.
         approximate: ``"none"`` (default, exact GELU ``0.5 * x * (1 + erf(x / sqrt(2)))``: transformers' ``gelu``)
             or ``"tanh"`` (the tanh approximation: ``gelu_new``, ``gelu_fast``, ``gelu_pytorch_tanh``), as
             ``F.gelu`` takes it.
 
     Returns:
-        Tensor of ``x``'s shape and dtype (contiguous from the kernel). The kernel computes each value in fp32 and
-        rounds it once, as ``F.gelu`` does (agreeing to about one unit in the last place; for ``x`` below about -3
-        the kernel's form keeps the relative accuracy that ``0.5 * x * (1 + tanh(...))`` loses); the gradient
-        likewise. It saves ``x`` for the backward, as ``F.gelu`` does (transformers' ``gelu_new`` saves four tensors
-        of ``x``'s size).
+        Tensor of ``input``'s shape and dtype (contiguous from the kernel). The kernel computes each value in fp32 and
+        rounds it once, as ``F.gelu`` does (agreeing to about one unit in the last place; below about -3 the
+        kernel's form keeps the relative accuracy that ``0.5 * x * (1 + tanh(...))`` loses); the gradient likewise.
+        It saves ``input`` for the backward, as ``F.gelu`` does (transformers' ``gelu_new`` saves four tensors of
+        its size).
 
     Kernel: pipegoose/swiglu (``pipegoose::gelu``; pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
 
     Raises:
-        TypeError: ``x`` not a floating point tensor of fp32/fp16/bf16/fp64; ``approximate`` not a str.
+        TypeError: ``input`` not a floating point tensor of fp32/fp16/bf16/fp64; ``approximate`` not a str.
         ValueError: ``approximate`` neither ``"none"`` nor ``"tanh"``; ``impl`` naming no implementation of
             ``gelu`` (``pipegoose``, ``torch``).
         FusionFallbackError: in strict mode, where the kernel cannot take the input.
     """
-    return _swiglu.run_gelu(x, approximate, impl)
+    return _swiglu.run_gelu(input, approximate, impl)
 
 
 def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh", *, impl: str | None = None) -> torch.Tensor:

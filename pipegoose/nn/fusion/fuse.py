@@ -38,13 +38,16 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   and up in one ``gate_up_proj`` (no fused module computes it; a ``swiglu`` row) and MLPs with more inside (Zamba2's
   adapters) get a skipped row, not eligible; the original T5's ``T5DenseActDense`` (ReLU, not gated) is no
   candidate;
-* every GELU activation module of an MLP without a gate (``fc2(act(fc1(x)))``), found by its class name (``gelu`` in
-  it: a leaf without parameters or buffers) and a numerical probe (``transformers.matching.probe_gelu``: its forward
-  against exact and tanh GELU): transformers' ``NewGELUActivation`` (``gelu_new``: GPT-2, GPT-J, Phi, CodeGen),
-  ``FastGELUActivation``, ``GELUActivation``, ``GELUTanh``, Bloom's ``BloomGelu``, ``torch.nn.GELU`` ->
-  ``FusedGELU`` (op ``gelu``, the probe's ``approximate``), kind ``gelu`` (since session 72). Those of gated MLPs
-  and MoE experts fused by the same call are left alone (the fused module keeps but does not call them);
-  ``QuickGELUActivation`` and other functions named so get a skipped row, not eligible;
+* every GELU activation module (the MLPs without a gate, ``fc2(act(fc1(x)))``, and wherever else a model holds one:
+  a head's ``transform_act_fn``), found by its class name (``gelu`` in it: a leaf without parameters or buffers) and
+  a numerical probe (``transformers.matching.probe_gelu``: its forward against exact and tanh GELU):
+  transformers' ``NewGELUActivation`` (``gelu_new``: GPT-2, GPT-J, Phi, CodeGen), ``FastGELUActivation``,
+  ``GELUActivation``, ``GELUTanh``, Bloom's ``BloomGelu``, ``torch.nn.GELU`` -> ``FusedGELU`` (op ``gelu``, the
+  probe's ``approximate``; the module's hooks kept, as for the norms), kind ``gelu`` (since session 72). Those of
+  gated MLPs and MoE experts fused by this call or an earlier one are left alone (the fused module keeps but does
+  not call them), also where another module shares them; ``QuickGELUActivation``, a clipped GELU and other
+  functions named so get a skipped row, not eligible. A gated MLP whose activation an earlier ``fuse()`` replaced
+  by a ``FusedGELU`` is skipped with that reason (unfuse first);
 * the rotary position embedding of every attention module whose forward calls its modeling module's
   ``apply_rotary_pos_emb`` (Llama, Mistral, Qwen2, Qwen3, Gemma, GPT-NeoX with full rotary, ...), where that
   function is transformers' rotate-half RoPE, or an interleaved one (pairs of neighbours: Cohere's, GLM's, since
@@ -624,8 +627,8 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     if model in _STATE:
         raise RuntimeError(f"model: this {type(model).__name__} is already fused; call unfuse(model) first")
     from . import dispatch
-    from .modules import (FusedGateUpSwiGLUMLP, FusedGELU, FusedGeGLUMLP, FusedRMSNorm, FusedSwiGLUMLP,
-                          FusedT5DenseGatedActDense, MixedFusedLayerNorm)
+    from .modules import (FusedGateUpSwiGLUMLP, FusedGELU, FusedGeGLUMLP, FusedModernBertMLP, FusedRMSNorm,
+                          FusedSwiGLUMLP, FusedT5DenseGatedActDense, MixedFusedLayerNorm)
 
     dispatch.check_env()
     norms = [k for k in ("layer_norm", "rms_norm") if k in ops]   # the kinds whose fused modules hold parameters
@@ -640,11 +643,12 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     replaced: dict[int, nn.Module] = {}       # id(old) -> new (a shared module is replaced once, everywhere)
     seen: set[int] = set()
     fused_types = (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP, FusedGateUpSwiGLUMLP, FusedGeGLUMLP,
-                   FusedT5DenseGatedActDense, FusedGELU)
+                   FusedT5DenseGatedActDense, FusedModernBertMLP, FusedGELU)
     # the gated MLPs and MoE experts fused by this call (or, in a dry run, that would be): their activation module is
     # kept but not called, so it is no GELU of its own to replace (a replaced one would be taken for an activation
-    # assigned since, and the MLP would run it instead of its kernel)
+    # assigned since, and the MLP would run it instead of its kernel); also those fused before (fused_types)
     absorbed: set[int] = set()
+    gated_left_out: set[int] = set()   # gated MLPs counted under a kind left out of ops (their act: not counted again)
     # the parametrization objects of parametrized modules (a _WeightNorm, say): not modules of the model's computation
     internal = {id(m) for mod in model.modules() if parametrize.is_parametrized(mod)
                 for m in mod.parametrizations.modules()}
@@ -657,6 +661,10 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                 if child is None:
                     continue
                 path = f"{parent_path}.{name}" if parent_path else name
+                if matching.gelu_candidate(child) and (id(parent) in absorbed or isinstance(parent, fused_types)):
+                    # the activation of a fused gated MLP: left as it is, whether or not another module shares it
+                    # (first seen here, it is not marked seen: a later plain user of it is fused; a review)
+                    continue
                 if id(child) in replaced:                       # second occurrence of a shared module
                     if not dry_run:
                         parent._modules[name] = replaced[id(child)]
@@ -670,8 +678,9 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                             "gelu" if isinstance(child, FusedGELU) else
                             "swiglu" if isinstance(child, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP)) else
                             "geglu" if isinstance(child, FusedGeGLUMLP) else
-                            # (T5's: the kind of the op it runs)
-                            _gated_kind(child) if isinstance(child, FusedT5DenseGatedActDense) else "layer_norm")
+                            # (T5's, ModernBERT's: the kind of the op it runs)
+                            _gated_kind(child) if isinstance(child, (FusedT5DenseGatedActDense, FusedModernBertMLP))
+                            else "layer_norm")
                     report.rows.append(FusionRow(path, kind, type(child).__name__, type(child).__name__, True,
                                                  *_fused_impls(child, like),
                                                  reason=_already_fused_reason(model, child)))
@@ -679,16 +688,15 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                     _hold(state, report.rows[-1], path, lambda m: isinstance(m, fused_types))
                     continue
                 if _experts.candidate(child):   # a MoE layer's experts: their gate hooked, the module kept
-                    absorbed.add(id(child))
                     row = _consider_experts(model, child, path, ops, dry_run, state, held)
                     if row is not None:
                         report.rows.append(row)
+                        if row.fused:
+                            absorbed.add(id(child))
                     continue
                 if matching.gelu_candidate(child):
-                    if id(parent) in absorbed or isinstance(parent, fused_types):
-                        continue
                     if "gelu" not in ops:
-                        if matching.probe_gelu(child).ok:
+                        if matching.probe_gelu(child).ok and id(parent) not in gated_left_out:
                             report.not_requested["gelu"] = report.not_requested.get("gelu", 0) + 1
                         continue
                     row, new = _consider_gelu(child, path, ops, dry_run, like)
@@ -717,6 +725,8 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                     kind = _norm_kind_left_out(child, ops)
                     if kind is not None:
                         report.not_requested[kind] = report.not_requested.get(kind, 0) + 1
+                        if kind in ("swiglu", "geglu"):
+                            gated_left_out.add(id(child))
                     continue
                 report.rows.append(row)
                 if new is not None:
@@ -794,14 +804,15 @@ def _norm_kind_left_out(child: nn.Module, ops: tuple) -> str | None:
 def _fused_impls(module: nn.Module, like: torch.Tensor | None = None) -> tuple[str, str]:
     """(forward, backward) for a norm fused before this call, as :func:`_consider` gives them for a new one: what the
     dispatcher picks for it (the report showed "yes" there, also where the fallback runs; a walkthrough)."""
-    from .modules import (FusedGateUpSwiGLUMLP, FusedGELU, FusedGeGLUMLP, FusedRMSNorm, FusedSwiGLUMLP,
-                          FusedT5DenseGatedActDense)
+    from .modules import (FusedGateUpSwiGLUMLP, FusedGELU, FusedGeGLUMLP, FusedModernBertMLP, FusedRMSNorm,
+                          FusedSwiGLUMLP, FusedT5DenseGatedActDense)
 
     impl = getattr(module, "impl", None)   # a request made on the module (FusedRMSNorm(impl="torch"), say)
     if isinstance(module, FusedGELU):
         return _gelu_impls(module, module.approximate, impl, like)
-    if isinstance(module, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedT5DenseGatedActDense)):
-        return _swiglu_impls(module, isinstance(module, FusedGateUpSwiGLUMLP), impl,
+    if isinstance(module, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedT5DenseGatedActDense,
+                           FusedModernBertMLP)):
+        return _swiglu_impls(module, isinstance(module, (FusedGateUpSwiGLUMLP, FusedModernBertMLP)), impl,
                              getattr(module, "approximate", None), module._PROJECTIONS[0])
     any_width = module.normalized_shape is None   # a FusedRMSNorm of the last dimension
     shape = (_PROBE_WIDTH,) if any_width else tuple(module.normalized_shape)
@@ -1205,13 +1216,14 @@ def _swiglu_impls(mlp: nn.Module, packed: bool, impl: str | None = None,
     """(forward, backward) of a SwiGLU or GeGLU MLP's activation, as :func:`_impls` gives them: op ``swiglu`` (or,
     with GELU's ``approximate``, ``geglu``) for gate and up of the intermediate size (the gate projection's, ``gate``:
     ``gate_proj``, T5's ``wi_0``; its ``out_features``, else its weight's first dim), or, ``packed`` (gate and up in
-    one ``gate_up_proj``), op ``swiglu.packed`` for one input of twice that (``gate_up_proj``'s); rows enough that it
-    is not a small problem."""
-    proj = getattr(mlp, "gate_up_proj" if packed else gate, None)
+    one projection, ``gate``: ``gate_up_proj``, ModernBERT's ``Wi``), op ``swiglu.packed`` (``geglu.packed``) for
+    one input of twice that (that projection's); rows enough that it is not a small problem."""
+    proj = getattr(mlp, gate, None)
     width = int(getattr(proj, "out_features", None) or getattr(getattr(proj, "weight", None), "shape", (1,))[0])
     rows = _probe_rows((width,))
     if packed:
-        return _impls("swiglu.packed", mlp, lambda d, t: (torch.empty(rows, width, device=d, dtype=t),), impl)
+        op, more = ("swiglu.packed", ()) if approximate is None else ("geglu.packed", (approximate,))
+        return _impls(op, mlp, lambda d, t: (torch.empty(rows, width, device=d, dtype=t), *more), impl)
     op, more = ("swiglu", ()) if approximate is None else ("geglu", (approximate,))
     return _impls(op, mlp, lambda d, t: (torch.empty(rows, width, device=d, dtype=t),
                                          torch.empty(rows, width, device=d, dtype=t), *more), impl)
@@ -1235,7 +1247,8 @@ def _consider_swiglu(child, path, ops, dry_run):
     ``FusedGateUpSwiGLUMLP``; T5's ``wi_0``, ``wi_1`` and ``wo``: ``FusedT5DenseGatedActDense``, op ``swiglu`` or
     ``geglu`` by its activation); None when it has none of them (not a candidate) or is of a kind (``swiglu``,
     ``geglu``) left out of ``ops``. The row's reason names the layout."""
-    from .modules import FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedSwiGLUMLP, FusedT5DenseGatedActDense
+    from .modules import (FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedModernBertMLP, FusedSwiGLUMLP,
+                          FusedT5DenseGatedActDense)
 
     probe = matching.probe_swiglu_mlp(child)
     kind = _mlp_kind(probe)
@@ -1244,12 +1257,23 @@ def _consider_swiglu(child, path, ops, dry_run):
     if not probe.ok:
         return FusionRow(path, kind, type(child).__name__, None, False, reason=probe.reason, eligible=False), None
     why = _instance_override(child)
+    if why is None:
+        from .modules import FusedGELU
+
+        held_act = next((n for n, m in child.named_children() if isinstance(m, FusedGELU)), None)
+        if held_act is not None:   # (fused again here, unfuse could not put the GELU back in place; a review)
+            why = (f"its activation {held_act} is a FusedGELU of an earlier fuse(): unfuse that model first, then fuse "
+                   "the MLP with its own activation")
     if why is not None:
         return FusionRow(path, kind, type(child).__name__, None, False, reason=why), None
     t5 = probe.layout == "/".join(FusedT5DenseGatedActDense._PROJECTIONS)
-    what = ("T5 gated MLP, " if t5 else "") + ("GeGLU MLP" if kind == "geglu" else "SwiGLU MLP")
+    modernbert = probe.layout == "/".join(FusedModernBertMLP._PROJECTIONS)
+    what = (("T5 gated MLP, " if t5 else "ModernBERT MLP, " if modernbert else "")
+            + ("GeGLU MLP" if kind == "geglu" else "SwiGLU MLP"))
     if t5:
         cls, more = FusedT5DenseGatedActDense, dict(activation=probe.activation, cast_to_wo=probe.down_cast)
+    elif modernbert:
+        cls, more = FusedModernBertMLP, dict(activation=probe.activation)
     elif kind == "geglu":
         cls, more = FusedGeGLUMLP, dict(approximate=probe.approximate)
     else:
@@ -1257,9 +1281,12 @@ def _consider_swiglu(child, path, ops, dry_run):
     new = None if dry_run else _build(path, child, cls.from_module, child, verify=False, **more)  # probed above
     fwd, bwd = _swiglu_impls(child, probe.packed, approximate=probe.approximate if kind == "geglu" else None,
                              gate=probe.layout.split("/")[0])
-    note = ("; op swiglu.packed" if probe.packed else
+    note = (f"; op geglu.packed, approximate={probe.approximate!r}" if probe.packed and kind == "geglu" else
+            "; op swiglu.packed" if probe.packed else
             f"; op geglu, approximate={probe.approximate!r}" if kind == "geglu" else "")
-    layout = f" ({probe.layout})" if t5 else ""   # (the other layouts' reasons as before: their formula names them)
+    layout = f" ({probe.layout})" if t5 or modernbert else ""   # (the other layouts' reasons as before: their formula names them)
+    if modernbert:
+        note += "; dropout kept"
     if t5:
         note += "; dropout kept" + ("" if probe.down_cast else "; no cast to wo's dtype (LongT5's forward has none)")
     return FusionRow(path, kind, type(child).__name__, cls.__name__, True, fwd, bwd,
@@ -1974,12 +2001,12 @@ def _unfuse(model: nn.Module, keep: Iterable[nn.Module] = (), quiet: bool = Fals
     if state is None and not parts and quiet:
         return False  # fused(): its fuse() recorded nothing, so there is nothing of its own to undo
     if state is None and not parts:
-        from .modules import (FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedRMSNorm, FusedSwiGLUMLP,
-                              FusedT5DenseGatedActDense, MixedFusedLayerNorm)
+        from .modules import (FusedGateUpSwiGLUMLP, FusedGELU, FusedGeGLUMLP, FusedModernBertMLP, FusedRMSNorm,
+                              FusedSwiGLUMLP, FusedT5DenseGatedActDense, MixedFusedLayerNorm)
 
         found = [p or "<model>" for p, m in model.named_modules()
                  if isinstance(m, (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP, FusedGateUpSwiGLUMLP,
-                                   FusedGeGLUMLP, FusedT5DenseGatedActDense))
+                                   FusedGeGLUMLP, FusedT5DenseGatedActDense, FusedModernBertMLP, FusedGELU))
                  or _loss.ours_is_set(m)
                  or _rope.hooked(m) or _experts.hooked(m)]
         if found:

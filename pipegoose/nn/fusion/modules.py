@@ -1264,6 +1264,127 @@ class FusedT5DenseGatedActDense(_FusedSwiGLUBase):
                              dropout=mlp._modules.get("dropout") if isinstance(mlp, nn.Module) else None)
 
 
+class FusedModernBertMLP(_FusedSwiGLUBase):
+    """ModernBERT's gated MLP (transformers' ``ModernBertMLP`` and ``ModernBertDecoderMLP``), ``Wo(drop(act(input) *
+    gate))`` of ``input, gate = Wi(x).chunk(2, dim=-1)``, with the activation and product in one kernel that reads the
+    two halves of ``Wi``'s output where they lie (:func:`pipegoose.nn.fusion.functional.gelu_and_mul`, op
+    ``geglu.packed``, for GELU, ModernBERT's default ``gelu``; :func:`~pipegoose.nn.fusion.functional.silu_and_mul`,
+    op ``swiglu.packed``, for SiLU): what ``fuse`` puts in place of those modules.
+
+    Args:
+        Wi: a module mapping ``[..., hidden]`` to ``[..., 2 * intermediate]``, the activated half first
+            (``torch.nn.Linear`` in transformers' models; any module works), held as it is: the same object, so
+            parameters, optimizers and ``state_dict`` keys (``Wi.weight``, ...) are unchanged.
+        Wo: ``[..., intermediate]`` -> ``[..., hidden]``.
+        drop: the module applied to the product before ``Wo`` (the MLP's ``torch.nn.Dropout``, called as it is: in
+            training it draws its mask where the MLP would, so a seeded run drops the same elements fused or not), or
+            None (none).
+        activation: ``"gelu"`` (default, exact GELU), ``"gelu_tanh"`` or ``"silu"`` (keys of
+            ``transformers.matching.ACTIVATION_FORMULAS``).
+        impl: force an implementation of the op (``pipegoose``, ``torch``; any case), default auto.
+
+    ``forward(x [..., hidden])`` -> ``[..., hidden]``. The activation runs our kernel where the dispatcher chooses it
+    (CUDA, fp32/fp16/bf16, at least ``PIPEGOOSE_SMALL_NUMEL`` elements of ``Wi``'s output), returning the gradient of
+    ``Wi``'s output as one tensor, else ``input, gate = h.chunk(2, -1); act(input) * gate`` in PyTorch; the kernel
+    computes each value in fp32 and rounds it once (eager PyTorch in 16-bit rounds the activation first: about one
+    unit in the last place apart). Built by :meth:`from_module`, it keeps the MLP's ``act`` without calling it; an
+    ``act`` replaced, or given forward or backward hooks, while fused is called as the original MLP would. Kernel:
+    pipegoose/swiglu (``pipegoose::gelu_and_mul``, ``pipegoose::silu_and_mul``; pipegoose/kernels/csrc/swiglu.cu,
+    this project, MIT).
+
+    Raises (when constructed):
+        TypeError: ``Wi``, ``Wo`` or a ``drop`` (not None) that is not a ``torch.nn.Module``; ``activation`` not a
+            str, ``impl`` not a str or None.
+        ValueError: ``activation`` none of ``"gelu"``, ``"gelu_tanh"``, ``"silu"``; ``impl`` naming no
+            implementation of the op.
+    Raises (forward): ValueError where ``Wi``'s output has an odd last dimension (no two halves).
+    """
+
+    _PROJECTIONS = ("Wi", "Wo")
+    _ACTIVATIONS = ("act",)
+    _KINDS = ("silu", "gelu_tanh", "gelu")
+    _PROBE_NAME = "ModernBERT MLP"
+    _act_name = "act"
+
+    def __init__(self, Wi: nn.Module, Wo: nn.Module, drop: nn.Module | None = None, *,  # noqa: N803 (its names)
+                 activation: str = "gelu", impl: str | None = None) -> None:
+        super().__init__()
+        self._check_activation(activation, given=True)
+        if drop is not None and not isinstance(drop, nn.Module):
+            raise TypeError(f"drop: expected a torch.nn.Module or None, got {type(drop).__name__}")
+        self.activation = activation
+        self.approximate = {"gelu_tanh": "tanh", "gelu": "none"}.get(activation)   # F.gelu's; None for SiLU
+        self._OP = "swiglu.packed" if self.approximate is None else "geglu.packed"   # (_hold checks impl for it)
+        self._hold((Wi, Wo), impl)
+        self.drop = drop
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        act = self._changed_activation()
+        if act is not None:
+            # an activation replaced or hooked since the probe vouched for it: run it, as the original MLP would
+            input, gate = self.Wi(hidden_states).chunk(2, dim=-1)
+            h = act(input) * gate
+        else:
+            h = self.Wi(hidden_states)
+            # (the op's error would name "x", which the caller never passed)
+            if isinstance(h, torch.Tensor) and not h.is_nested and h.dim() and h.shape[-1] % 2:
+                raise ValueError(f"Wi: returned shape {list(h.shape)}, expected an even last dimension (input and "
+                                 f"gate are its two halves) for the input of shape {list(hidden_states.shape)}")
+            h = (PF.silu_and_mul(h, impl=self.impl) if self.approximate is None
+                 else PF.gelu_and_mul(h, self.approximate, impl=self.impl))
+        if self.drop is not None:
+            h = self.drop(h)
+        return self.Wo(h)
+
+    def extra_repr(self) -> str:
+        return ", ".join([f"activation={self.activation!r}"] + ([f"impl={self.impl!r}"] if self.impl is not None
+                                                                 else []))
+
+    @classmethod
+    def _check_activation(cls, activation: Any, given: bool = False) -> None:
+        if (given or activation is not None) and not isinstance(activation, str):
+            raise TypeError(f"activation: expected a str, got {type(activation).__name__}")
+        if activation is not None and activation not in cls._KINDS:
+            raise ValueError(f"activation: expected one of {', '.join(map(repr, cls._KINDS))}, got {activation!r}")
+
+    @classmethod
+    def _probed(cls, probe: Any, kwargs: dict) -> dict:
+        cls._check_activation(kwargs.get("activation"))
+        if probe.layout != "/".join(cls._PROJECTIONS):
+            raise ValueError(f"mlp: probed as a {probe.layout} MLP, not ModernBERT's Wi/Wo; verify=False skips this "
+                             "check")
+        given = kwargs.get("activation")
+        if given is not None and given != probe.activation:
+            raise ValueError(f"activation: {given!r}, but the MLP's act computes {probe.activation!r}: pass that or "
+                             "None, or verify=False")
+        return {**kwargs, "activation": probe.activation}
+
+    @classmethod
+    def from_module(cls, mlp: nn.Module, *, activation: str | None = None, impl: str | None = None,
+                    verify: bool = True) -> "FusedModernBertMLP":
+        """A fused module holding ``mlp``'s children, the same objects in the same order (``Wi``, ``act``, which it
+        does not call, ``drop`` and ``Wo``: ``named_modules()`` and ``state_dict`` keys are unchanged), and its
+        training flag.
+
+        ``verify`` (default True): ``mlp`` must pass the probe that ``fuse`` runs
+        (``transformers.matching.probe_swiglu_mlp``: its ``act`` against float64 SiLU and GELU, then its forward,
+        with small random projections on CPU and its dropout replaced by a fixed mask, against ``Wo(drop(act(input)
+        * gate))`` in training and eval mode), which gives ``activation`` (where given, it must agree): an MLP of
+        another activation, with other submodules, parameters or forward arguments, or whose forward draws
+        randomness of its own or calls its dropout elsewhere, is refused instead of silently replaced.
+        ``verify=False`` takes the module on the caller's word, with ``activation`` (None: ``"gelu"``).
+
+        Raises:
+            TypeError: ``mlp`` lacks a ``Wi`` or ``Wo`` submodule.
+            ValueError: with ``verify``, the probe finds another computation (the message gives its reason), or an
+                ``activation`` other than its ``act``'s; ``activation`` or ``impl`` that the constructor refuses.
+        """
+        if not verify:
+            activation = "gelu" if activation is None else activation
+        return cls._from_mlp(mlp, impl, verify, activation=activation,
+                             drop=mlp._modules.get("drop") if isinstance(mlp, nn.Module) else None)
+
+
 class FusedGELU(_DropsFuseRecord, nn.Module):
     """GELU in one kernel forward and one backward (:func:`pipegoose.nn.fusion.functional.gelu`, op ``gelu``): what
     ``fuse`` puts in place of the activation modules of the MLPs without a gate that compute GELU, ``fc2(act(fc1(x)))``:
@@ -1307,8 +1428,8 @@ class FusedGELU(_DropsFuseRecord, nn.Module):
 
         ``verify`` (default True): ``act`` must pass the probe that ``fuse`` runs (``transformers.matching.
         probe_gelu``: a leaf module without parameters or buffers, whose forward on CPU, in training and eval mode,
-        computes GELU, exact or tanh, within 1e-6 of the float64 formula near 0 and far out, and that has no hooks);
-        the probe tells ``approximate``. ``verify=False`` takes ``approximate`` from the argument, else from ``act``'s
+        computes GELU, exact or tanh, within 1e-6 of the float64 formula near 0 and far out); the probe tells
+        ``approximate``. ``act``'s hooks are not carried over (``fuse`` hands them to the replacement). ``verify=False`` takes ``approximate`` from the argument, else from ``act``'s
         attribute of that name (``torch.nn.GELU``'s).
 
         Raises:

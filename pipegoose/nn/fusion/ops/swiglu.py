@@ -480,10 +480,11 @@ def check_gelu_args(x: Any, approximate: Any) -> None:
     """Check the arguments of :func:`pipegoose.nn.fusion.functional.gelu` (errors name the argument).
 
     Raises:
-        TypeError: ``x`` not a floating point tensor, or of a dtype no path here takes (float8); ``approximate`` not
-            a str. ValueError: ``approximate`` neither ``"none"`` nor ``"tanh"``.
+        TypeError: ``x`` (the functional's ``input``, the name the errors give) not a floating point tensor, or of a
+            dtype no path here takes (float8); ``approximate`` not a str. ValueError: ``approximate`` neither
+            ``"none"`` nor ``"tanh"``.
     """
-    check_float_tensor(x, "x")
+    check_float_tensor(x, "input")
     check_approximate(approximate)
 
 
@@ -500,7 +501,7 @@ def _explain_gelu(x, approximate="none"):
 
 
 def _gelu_supports(p: Problem) -> tuple[bool, str]:
-    ok, why = kernel_input_ok(p, FORWARD_AD_GELU, "x")
+    ok, why = kernel_input_ok(p, FORWARD_AD_GELU, "input")
     if not ok:
         return ok, why
     if p["numel"] == 0:

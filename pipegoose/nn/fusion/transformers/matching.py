@@ -952,6 +952,10 @@ GATE_UP_ACTIVATIONS = ("activation_fn", "act_fn")
 # copies): gate wi_0, up wi_1, down wo, its activation act and an nn.Dropout between the product and wo
 T5_PROJECTIONS = ("wi_0", "wi_1", "wo")
 T5_ACTIVATIONS = ("act",)
+# ModernBERT's MLP (ModernBertMLP, ModernBertDecoderMLP): gate and up in one Wi, the activated half first (its
+# "input"), then an nn.Dropout (drop) of the product before Wo; GELU (exact) by default
+MODERNBERT_PROJECTIONS = ("Wi", "Wo")
+MODERNBERT_ACTIVATIONS = ("act",)
 
 
 # the activations the probe tells apart (SwiGLUProbe.activation) -> the float64 formula the activation module must
@@ -993,13 +997,16 @@ _PACKED = _Layout(GATE_UP_PROJECTIONS, GATE_UP_ACTIVATIONS, {"silu": "FusedGateU
                   "down_proj({act}(gate) * up) with gate, up = gate_up_proj(x).chunk(2, -1)")
 _T5 = _Layout(T5_PROJECTIONS, T5_ACTIVATIONS, dict.fromkeys(ACTIVATION_FORMULAS, "FusedT5DenseGatedActDense"),
               "wo(dropout({act}(wi_0(x)) * wi_1(x)))", dropout="dropout")
+_MODERNBERT = _Layout(MODERNBERT_PROJECTIONS, MODERNBERT_ACTIVATIONS,
+                      dict.fromkeys(ACTIVATION_FORMULAS, "FusedModernBertMLP"),
+                      "Wo(drop({act}(input) * gate)) with input, gate = Wi(x).chunk(2, -1)", dropout="drop")
 
 
 def _swiglu_layout(children: dict) -> _Layout | None:
     """The layout whose projections ``children`` (a module's, by name) hold: gate_proj, up_proj and down_proj first
     (a module holding these and a gate_up_proj too is probed as that layout, and refused for the extra submodule), then
-    gate_up_proj and down_proj, then T5's wi_0, wi_1 and wo; None for none of them."""
-    for layout in (_SEPARATE, _PACKED, _T5):
+    gate_up_proj and down_proj, then T5's wi_0, wi_1 and wo, then ModernBERT's Wi and Wo; None for none of them."""
+    for layout in (_SEPARATE, _PACKED, _T5, _MODERNBERT):
         if all(isinstance(children.get(n), nn.Module) for n in layout.projections):
             return layout
     return None
@@ -1055,7 +1062,7 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     layout = _swiglu_layout(children)
     if layout is None:
         return SwiGLUProbe(False, "", False)
-    packed = layout is _PACKED
+    packed = len(layout.projections) == 2   # (gate and up in one projection: gate_up_proj's layout, ModernBERT's)
     acts = [n for n in layout.activations if n in children]
     # the activation first (its module's forward alone, cheap), so that every refusal below names the MLP's kind (a
     # GeGLU MLP's row is the report's geglu row); its own refusal comes last, as before. One held as a plain function
@@ -1115,8 +1122,8 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     # (gate, up, down) or (gate_up, down), by position: the layouts name them differently
     widths = [(hidden, 2 * inter), (inter, hidden)] if packed else [(hidden, inter), (hidden, inter), (inter, hidden)]
     stand = {n: linear(*w, children[n]) for n, w in zip(layout.projections, widths)}
-    if packed:   # gate and up: the halves of gate_up_proj's rows (and bias)
-        gate_up = stand["gate_up_proj"]
+    if packed:   # gate and up: the halves of gate_up_proj's (Wi's) rows (and bias)
+        gate_up = stand[layout.projections[0]]
         biases = (None, None) if gate_up.bias is None else gate_up.bias.chunk(2)
         (gate_w, up_w), (gate_b, up_b) = gate_up.weight.chunk(2), biases
     else:
@@ -1171,7 +1178,7 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
             err = (y.double() - ref).abs().max().item()
             return refused(f"output ({mode} mode) differs from {formula} (max abs diff {err:.3g})")
     down_cast = False
-    if layout.dropout:   # (T5's layout, with its dropout or without)
+    if layout is _T5:   # (with its dropout or without)
         # T5's rule: the product cast to wo.weight's dtype where they differ (an fp32 wo in a bf16 model, transformers'
         # _keep_in_fp32_modules); LongT5's copy does without (F.linear then raises for the mixed dtypes)
         down64 = copy.deepcopy(down).double()
@@ -1262,9 +1269,9 @@ def gelu_candidate(module: nn.Module) -> bool:
 
 def probe_gelu(module: nn.Module) -> GeluProbe:
     """Whether ``module``, a :func:`gelu_candidate`, computes GELU, exact (erf) or with the tanh approximation, as
-    ``F.gelu(x, approximate=...)`` does (:func:`activation_formula`: its forward on CPU in fp32, training and eval
-    mode, against the float64 formulas), with no forward or backward hooks (the fused module would not run them)
-    and no forward arguments beyond the input."""
+    ``F.gelu(x, approximate=...)`` does (:func:`activation_formula`: its forward, called directly, so no hook fires,
+    on CPU in fp32, training and eval mode, against the float64 formulas), with no forward arguments beyond the
+    input. Hooks do not refuse it: ``fuse`` hands them to the replacement (as it does a norm's)."""
     name = type(module).__name__
     if not gelu_candidate(module):
         return GeluProbe(False, False, None, f"{name} is not a GELU activation module (a leaf without parameters)")
@@ -1276,12 +1283,8 @@ def probe_gelu(module: nn.Module) -> GeluProbe:
     except Exception as exc:  # noqa: BLE001
         return GeluProbe(True, False, None, f"probe failed: {type(exc).__name__}: {exc}")
     if kind not in GELU_APPROXIMATE:
-        what = "SiLU" if kind == "silu" else "another function"
-        return GeluProbe(True, False, None, f"computes {what}, not GELU (exact or tanh; QuickGELU's x * sigmoid(1.702 "
-                                            "x) is not it)")
-    if has_module_hooks(module):
-        return GeluProbe(True, False, GELU_APPROXIMATE[kind], "has forward or backward hooks, which FusedGELU (one "
-                                                              "kernel) would not run")
+        what = "SiLU" if kind == "silu" else "another function (QuickGELU's, a clipped GELU, ...)"
+        return GeluProbe(True, False, None, f"computes {what}, not GELU (exact or tanh)")
     approximate = GELU_APPROXIMATE[kind]
     what = "GELU, tanh approximation" if approximate == "tanh" else "GELU, exact (erf)"
     return GeluProbe(True, True, approximate, what)
