@@ -38,6 +38,10 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   and up in one ``gate_up_proj`` (no fused module computes it; a ``swiglu`` row) and MLPs with more inside (Zamba2's
   adapters) get a skipped row, not eligible; the original T5's ``T5DenseActDense`` (ReLU, not gated) is no
   candidate;
+* every module that computes ModernBERT's MLP ``Wo(drop(act(input) * gate))`` of ``input, gate = Wi(x).chunk(2,
+  -1)`` (the same probe, layout ``Wi/Wo``: ``ModernBertMLP``, ``ModernBertDecoderMLP``) -> ``FusedModernBertMLP`` (the
+  same modules, its dropout called where the MLP calls it; op ``geglu.packed`` for GELU, its default, kind ``geglu``;
+  ``swiglu.packed`` for SiLU, kind ``swiglu``; since session 72);
 * every GELU activation module (the MLPs without a gate, ``fc2(act(fc1(x)))``, and wherever else a model holds one:
   a head's ``transform_act_fn``), found by its class name (``gelu`` in it: a leaf without parameters or buffers) and
   a numerical probe (``transformers.matching.probe_gelu``: its forward against exact and tanh GELU):

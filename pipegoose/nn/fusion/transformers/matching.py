@@ -1020,8 +1020,9 @@ class SwiGLUProbe:
     ``activation`` what its activation module computes (a key of :data:`ACTIVATION_FORMULAS`): ``silu`` (SwiGLU,
     also where the probe stopped before looking at it), ``gelu_tanh`` or ``gelu`` (GeGLU: ``FusedGeGLUMLP``, op
     ``geglu``, with :attr:`approximate`); ``layout`` the projections' names of its layout (``gate_proj/up_proj/
-    down_proj``, ``gate_up_proj/down_proj`` or T5's ``wi_0/wi_1/wo``: ``FusedT5DenseGatedActDense``, op ``swiglu`` or
-    ``geglu`` by the activation; ``""`` for no candidate); ``down_cast``, for an accepted T5 MLP, that its forward
+    down_proj``, ``gate_up_proj/down_proj``, T5's ``wi_0/wi_1/wo``: ``FusedT5DenseGatedActDense``, op ``swiglu`` or
+    ``geglu`` by the activation, or ModernBERT's ``Wi/Wo``, packed too: ``FusedModernBertMLP``, op ``swiglu.packed``
+    or ``geglu.packed``; ``""`` for no candidate); ``down_cast``, for an accepted T5 MLP, that its forward
     casts the product to ``wo.weight``'s dtype where they differ (T5's rule: False for LongT5's copy, which does
     not)."""
 
@@ -1045,7 +1046,8 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     GELU, exact or with the tanh approximation (GeGLU: Gemma's MLP; ``activation`` says which), or, with gate and up
     in one projection (Phi-3, GLM), ``down_proj(silu(gate) * up)`` of ``gate, up = gate_up_proj(x).chunk(2, -1)``
     (gate the first half), or T5's ``wo(dropout(act(wi_0(x)) * wi_1(x)))`` with its dropout (see the module
-    docstring; ``down_cast`` says whether its forward casts the product to ``wo.weight``'s dtype).
+    docstring; ``down_cast`` says whether its forward casts the product to ``wo.weight``'s dtype), or ModernBERT's
+    ``Wo(drop(act(input) * gate))`` of ``input, gate = Wi(x).chunk(2, -1)`` with its dropout.
 
     The module itself is not run: a shallow stand-in sharing its class and attributes, whose projections are small
     random fp32 ``torch.nn.Linear`` modules on CPU (``gate_up_proj``: hidden -> 2 * intermediate), whose dropout (T5's
