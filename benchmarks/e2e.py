@@ -59,6 +59,11 @@ Models (random init from a config, no weights downloaded):
   of ``gelu_new``, attention and MLP in parallel after one LayerNorm, vocab 51200), ~1.4B params, batch 4. Once fused:
   LayerNorms, RoPE and, since session 72, op ``gelu``. Not in ``benchmarks.run``'s default ``--e2e-models``; no
   Liger variant.
+* ``modernbert_decoder``: ModernBERT-large's shape as a decoder (``ModernBertDecoderForCausalLM``: hidden 1024, 28
+  layers, 16 heads, MLP 2624 of exact GELU with gate and up in one ``Wi``, every third layer global attention and the
+  others a 128-token window, LayerNorms without bias, vocab 50368, tied), ~396M params, batch 8. Once fused (session
+  72): its MLPs ``FusedModernBertMLP`` (op ``geglu.packed``), LayerNorms, RoPE. Not in ``benchmarks.run``'s default
+  ``--e2e-models``; no Liger variant.
 
 Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
 (``pipegoose.nn.fusion.fuse(model)`` on that model), ``fuse_sdpa_adam`` (``fuse_sdpa`` with
@@ -157,11 +162,15 @@ MODELS = {
                                                   num_attention_heads=32, partial_rotary_factor=0.5,
                                                   vocab_size=51200, max_position_embeddings=2048,
                                                   hidden_act="gelu_new")),
+    # (session 72: ModernBERT's Wi/Wo MLP, FusedModernBertMLP on geglu.packed)
+    "modernbert_decoder": dict(arch="modernbert-decoder", batch=8,
+                               config=dict(hidden_size=1024, intermediate_size=2624, num_hidden_layers=28,
+                                           num_attention_heads=16, vocab_size=50368, max_position_embeddings=8192)),
 }
 CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config", "phi3": "Phi3Config",
            "gemma": "GemmaConfig", "qwen3_moe": "Qwen3MoeConfig", "gemma4_text": "Gemma4TextConfig",
            "olmo": "OlmoConfig", "cohere": "CohereConfig", "glm4": "Glm4Config", "gpt2": "GPT2Config",
-           "phi": "PhiConfig"}
+           "phi": "PhiConfig", "modernbert-decoder": "ModernBertDecoderConfig"}
 VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_model_rope",
             "compile_sdpa", "liger_rmsnorm", "liger")
 # What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the
