@@ -167,10 +167,13 @@ struct GeGLUFunction : public torch::autograd::Function<GeGLUFunction> {
   }
 };
 
-// The autograd formula of pipegoose::gelu_and_mul (graph node torch::autograd::CppNode<pipegoose::GeluAndMulFunction>).
-struct GeluAndMulFunction : public torch::autograd::Function<GeluAndMulFunction> {
+// The autograd formula of the ops of one input and an approximation, gelu_and_mul and gelu (graph nodes
+// torch::autograd::CppNode<pipegoose::GeluAndMulFunction>, CppNode<pipegoose::GeluFunction>): Derived names its
+// forward and backward ops (kForward, kBackward) and its PyTorch reference (reference, for a double backward).
+template <typename Derived>
+struct OneInputGeluFunction : public torch::autograd::Function<Derived> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::string_view approximate) {
-    static const auto op = na::op_handle<GeluPackedForwardSig>("pipegoose::gelu_and_mul_forward");
+    static const auto op = na::op_handle<GeluPackedForwardSig>(Derived::kForward);
     at::AutoDispatchBelowADInplaceOrView below;
     at::Tensor y = op.call(x, approximate);   // (checks approximate before anything is saved)
     ctx->save_for_backward({x});
@@ -185,42 +188,26 @@ struct GeluAndMulFunction : public torch::autograd::Function<GeluAndMulFunction>
     const at::Tensor& dy = grads[0];
     if (!dy.defined()) return {at::Tensor(), at::Tensor()};
     if (at::GradMode::is_enabled()) {  // create_graph=True: a gradient that is differentiable again
-      auto gs = na::grads_through([&] { return gelu_packed_reference(x, approximate); }, {x},
+      auto gs = na::grads_through([&] { return Derived::reference(x, approximate); }, {x},
                                   {ctx->needs_input_grad(0)}, dy);
       return {gs[0], at::Tensor()};
     }
-    static const auto op = na::op_handle<GeluPackedBackwardSig>("pipegoose::gelu_and_mul_backward");
+    static const auto op = na::op_handle<GeluPackedBackwardSig>(Derived::kBackward);
     at::AutoDispatchBelowADInplaceOrView below;
     return {op.call(dy, x, approximate), at::Tensor()};
   }
 };
 
-// The autograd formula of pipegoose::gelu (graph node torch::autograd::CppNode<pipegoose::GeluFunction>).
-struct GeluFunction : public torch::autograd::Function<GeluFunction> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::string_view approximate) {
-    static const auto op = na::op_handle<GeluPackedForwardSig>("pipegoose::gelu_forward");
-    at::AutoDispatchBelowADInplaceOrView below;
-    at::Tensor y = op.call(x, approximate);   // (checks approximate before anything is saved)
-    ctx->save_for_backward({x});
-    ctx->saved_data["approximate"] = std::string(approximate);
-    return y;
-  }
+struct GeluAndMulFunction : public OneInputGeluFunction<GeluAndMulFunction> {
+  static constexpr const char* kForward = "pipegoose::gelu_and_mul_forward";
+  static constexpr const char* kBackward = "pipegoose::gelu_and_mul_backward";
+  static at::Tensor reference(const at::Tensor& x, c10::string_view a) { return gelu_packed_reference(x, a); }
+};
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& x = saved[0];
-    const std::string approximate = ctx->saved_data["approximate"].toStringRef();
-    const at::Tensor& dy = grads[0];
-    if (!dy.defined()) return {at::Tensor(), at::Tensor()};
-    if (at::GradMode::is_enabled()) {  // create_graph=True: a gradient that is differentiable again
-      auto gs = na::grads_through([&] { return gelu_reference(x, approximate); }, {x}, {ctx->needs_input_grad(0)},
-                                  dy);
-      return {gs[0], at::Tensor()};
-    }
-    static const auto op = na::op_handle<GeluPackedBackwardSig>("pipegoose::gelu_backward");
-    at::AutoDispatchBelowADInplaceOrView below;
-    return {op.call(dy, x, approximate), at::Tensor()};
-  }
+struct GeluFunction : public OneInputGeluFunction<GeluFunction> {
+  static constexpr const char* kForward = "pipegoose::gelu_forward";
+  static constexpr const char* kBackward = "pipegoose::gelu_backward";
+  static at::Tensor reference(const at::Tensor& x, c10::string_view a) { return gelu_reference(x, a); }
 };
 
 }  // namespace pipegoose

@@ -872,6 +872,20 @@ class _FusedSwiGLUBase(_DropsFuseRecord, nn.Module):
         return kwargs
 
     @classmethod
+    def _probed_activation(cls, probe: Any, kwargs: dict, whose: str) -> dict:
+        """``kwargs`` with the probe's ``activation``, for the classes that take one (T5's, ModernBERT's MLP):
+        ValueError where the probe found another layout (a module holding gate_proj, up_proj and down_proj too) or
+        the caller's ``activation`` contradicts it (``whose``: the layout's owner, for the message)."""
+        if probe.layout != "/".join(cls._PROJECTIONS):
+            raise ValueError(f"mlp: probed as a {probe.layout} MLP, not {whose} {'/'.join(cls._PROJECTIONS)}; "
+                             "verify=False skips this check")
+        given = kwargs.get("activation")
+        if given is not None and given != probe.activation:
+            raise ValueError(f"activation: {given!r}, but the MLP's act computes {probe.activation!r}: pass that or "
+                             "None, or verify=False")
+        return {**kwargs, "activation": probe.activation}
+
+    @classmethod
     def _from_mlp(cls, mlp: nn.Module, impl: str | None, verify: bool, **kwargs: Any):
         """:meth:`from_module` of each class (see there); ``kwargs``: the constructor's further keywords."""
         from .transformers.matching import probe_swiglu_mlp
@@ -1220,19 +1234,13 @@ class FusedT5DenseGatedActDense(_FusedSwiGLUBase):
     def _probed(cls, probe: Any, kwargs: dict) -> dict:
         # (bad values are the constructor's TypeError / ValueError first, not a mismatch with the probe; a review)
         cls._check_args(kwargs.get("activation"), kwargs.get("cast_to_wo"))
-        if probe.layout != "/".join(cls._PROJECTIONS):   # (a module holding gate_proj, up_proj and down_proj too)
-            raise ValueError(f"mlp: probed as a {probe.layout} MLP, not T5's wi_0/wi_1/wo; verify=False skips this "
-                             "check")
-        given = kwargs.get("activation")
-        if given is not None and given != probe.activation:
-            raise ValueError(f"activation: {given!r}, but the MLP's act computes {probe.activation!r}: pass that or "
-                             "None, or verify=False")
+        kwargs = cls._probed_activation(probe, kwargs, "T5's")
         cast = kwargs.get("cast_to_wo")
         if cast is not None and cast != probe.down_cast:
             does = "casts" if probe.down_cast else "does not cast"
             raise ValueError(f"cast_to_wo: {cast!r}, but the MLP's forward {does} the product to wo.weight's dtype: "
                              f"pass {probe.down_cast} or None, or verify=False")
-        return {**kwargs, "activation": probe.activation, "cast_to_wo": probe.down_cast}
+        return {**kwargs, "cast_to_wo": probe.down_cast}
 
     @classmethod
     def from_module(cls, mlp: nn.Module, *, activation: str | None = None, cast_to_wo: bool | None = None,
@@ -1350,14 +1358,7 @@ class FusedModernBertMLP(_FusedSwiGLUBase):
     @classmethod
     def _probed(cls, probe: Any, kwargs: dict) -> dict:
         cls._check_activation(kwargs.get("activation"))
-        if probe.layout != "/".join(cls._PROJECTIONS):
-            raise ValueError(f"mlp: probed as a {probe.layout} MLP, not ModernBERT's Wi/Wo; verify=False skips this "
-                             "check")
-        given = kwargs.get("activation")
-        if given is not None and given != probe.activation:
-            raise ValueError(f"activation: {given!r}, but the MLP's act computes {probe.activation!r}: pass that or "
-                             "None, or verify=False")
-        return {**kwargs, "activation": probe.activation}
+        return cls._probed_activation(probe, kwargs, "ModernBERT's")
 
     @classmethod
     def from_module(cls, mlp: nn.Module, *, activation: str | None = None, impl: str | None = None,
