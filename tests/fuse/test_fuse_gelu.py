@@ -396,3 +396,16 @@ def test_not_requested_counts_a_gated_mlps_activation_once_and_a_fused_copy_refu
                                            r"record"):
         unfuse(copy.deepcopy(model))
     unfuse(model)
+
+
+def test_a_gelu_fused_by_an_earlier_call_is_held():
+    model = models.build("gpt2", "eager")
+    act = _mlp_act(model)
+    fuse(model.h[0], ops=["gelu"])
+    report = fuse(model, ops=["gelu", "layer_norm"])
+    row = next(r for r in report.rows if r.path == "h.0.mlp.act")
+    assert row.fused and row.kind == "gelu" and row.replacement == "FusedGELU" and "earlier fuse()" in row.reason
+    assert "@1024 wide" in row.forward, row
+    assert isinstance(_mlp_act(model, 1), FusedGELU)
+    unfuse(model)
+    assert _mlp_act(model) is act and not isinstance(_mlp_act(model, 1), FusedGELU)
