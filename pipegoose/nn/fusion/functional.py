@@ -43,8 +43,8 @@ from .ops import softmax as _sm
 from .ops import swiglu as _swiglu
 
 __all__ = ["softmax", "scaled_softmax", "scaled_masked_softmax", "scaled_upper_triang_masked_softmax",
-           "layer_norm", "mixed_fused_layer_norm", "rms_norm", "swiglu", "silu_and_mul", "geglu", "gelu_and_mul", "gelu",
-           "cross_entropy", "fused_linear_cross_entropy", "apply_rotary_pos_emb"]
+           "layer_norm", "mixed_fused_layer_norm", "rms_norm", "swiglu", "silu_and_mul", "geglu", "gelu_and_mul",
+           "gelu", "cross_entropy", "fused_linear_cross_entropy", "apply_rotary_pos_emb"]
 
 
 def softmax(input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3, dtype: torch.dtype | None = None, *,
@@ -348,10 +348,10 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *, im
 
 
 def gelu(input: torch.Tensor, approximate: str = "none", *, impl: str | None = None) -> torch.Tensor:
-    """Drop-in for ``torch.nn.functional.gelu(input, approximate=approximate)`` (op ``gelu``; the same arguments): GELU alone, the
-    activation of the MLPs without a gate (``fc2(gelu(fc1(x)))``: GPT-2's, GPT-J's, Phi's, CodeGen's ``gelu_new`` and
-    Bloom's ``BloomGelu``, which transformers compute as several elementwise ops, forward and backward; ``fuse``
-    puts :class:`~pipegoose.nn.fusion.modules.FusedGELU` in their place).
+    """Drop-in for ``torch.nn.functional.gelu(input, approximate=approximate)`` (op ``gelu``; the same arguments):
+    GELU alone, the activation of the MLPs without a gate (``fc2(gelu(fc1(x)))``: GPT-2's, GPT-J's, Phi's,
+    CodeGen's ``gelu_new`` and Bloom's ``BloomGelu``, which transformers compute as several elementwise ops, forward
+    and backward; ``fuse`` puts :class:`~pipegoose.nn.fusion.modules.FusedGELU` in their place).
 
     Args:
         input: a tensor of any shape (non-contiguous ones are copied first), fp32, fp16, bf16 (the kernel) or fp64.

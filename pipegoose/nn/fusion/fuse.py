@@ -580,20 +580,20 @@ def _parse_attention(attention: Any) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool = False,
          attention: str = "auto") -> FusionReport:
-    """Replace ``model``'s LayerNorms, RMSNorms, SwiGLU and GeGLU MLPs, GELU activations, the gate of its MoE experts (transformers'
-    experts modules: :mod:`~pipegoose.nn.fusion.transformers.experts`), rotary position embedding, language-model
-    loss and attention softmax by fused ones, on this instance only.
+    """Replace ``model``'s LayerNorms, RMSNorms, SwiGLU and GeGLU MLPs, GELU activations, the gate of its MoE experts
+    (transformers' experts modules: :mod:`~pipegoose.nn.fusion.transformers.experts`), rotary position embedding,
+    language-model loss and attention softmax by fused ones, on this instance only.
 
     Args:
         model: a constructed ``torch.nn.Module`` (typically a transformers ``PreTrainedModel``, e.g. from
             ``from_pretrained``), on any device and dtype. Modules whose parameters are on CPU run the reference
             paths (the dispatcher picks fused kernels on CUDA).
         ops: subset of ``("layer_norm", "rms_norm", "swiglu", "geglu", "gelu", "rope", "cross_entropy",
-            "attention", "linear_cross_entropy")`` (a name or an iterable of names; case and surrounding blanks ignored, as in
-            ``impl=``); None = all but ``linear_cross_entropy``, which is opt-in: a causal LM's head and loss in one
-            (:mod:`pipegoose.nn.fusion.transformers.lm_head`; in training with labels the output's ``logits`` is
-            None; on the H200's Llama-1.1B step 0.5 GiB less peak memory at 0.1% fewer tokens/s, session 52; one
-            backward per forward: a second backward through a retained graph raises RuntimeError).
+            "attention", "linear_cross_entropy")`` (a name or an iterable of names; case and surrounding blanks
+            ignored, as in ``impl=``); None = all but ``linear_cross_entropy``, which is opt-in: a causal LM's head
+            and loss in one (:mod:`pipegoose.nn.fusion.transformers.lm_head`; in training with labels the output's
+            ``logits`` is None; on the H200's Llama-1.1B step 0.5 GiB less peak memory at 0.1% fewer tokens/s,
+            session 52; one backward per forward: a second backward through a retained graph raises RuntimeError).
         dry_run: only report what would be done; the model is not touched.
             A call that fuses nothing (no module of ``ops`` in the model) leaves no record either: ``is_fused``
             stays False, and ``fuse`` may be called again, e.g. with other ``ops``.
@@ -1288,11 +1288,12 @@ def _consider_swiglu(child, path, ops, dry_run):
     note = (f"; op geglu.packed, approximate={probe.approximate!r}" if probe.packed and kind == "geglu" else
             "; op swiglu.packed" if probe.packed else
             f"; op geglu, approximate={probe.approximate!r}" if kind == "geglu" else "")
-    layout = f" ({probe.layout})" if t5 or modernbert else ""   # (the other layouts' reasons as before: their formula names them)
-    if modernbert:
+    # (the other layouts' reasons as before: their formula names them)
+    layout = f" ({probe.layout})" if t5 or modernbert else ""
+    if t5 or modernbert:
         note += "; dropout kept"
-    if t5:
-        note += "; dropout kept" + ("" if probe.down_cast else "; no cast to wo's dtype (LongT5's forward has none)")
+    if t5 and not probe.down_cast:
+        note += "; no cast to wo's dtype (LongT5's forward has none)"
     return FusionRow(path, kind, type(child).__name__, cls.__name__, True, fwd, bwd,
                      f"{what} ({probe.reason}), same projections{layout}{note}" + _small_note(child)), new
 

@@ -1430,8 +1430,9 @@ class FusedGELU(_DropsFuseRecord, nn.Module):
         ``verify`` (default True): ``act`` must pass the probe that ``fuse`` runs (``transformers.matching.
         probe_gelu``: a leaf module without parameters or buffers, whose forward on CPU, in training and eval mode,
         computes GELU, exact or tanh, within 1e-6 of the float64 formula near 0 and far out); the probe tells
-        ``approximate``. ``act``'s hooks are not carried over (``fuse`` hands them to the replacement). ``verify=False`` takes ``approximate`` from the argument, else from ``act``'s
-        attribute of that name (``torch.nn.GELU``'s).
+        ``approximate``. ``act``'s hooks are not carried over (``fuse`` hands them to the replacement).
+        ``verify=False`` takes ``approximate`` from the argument, else from ``act``'s attribute of that name
+        (``torch.nn.GELU``'s).
 
         Raises:
             TypeError: ``act`` not a module; with ``verify=False``, no ``approximate`` given or found.
