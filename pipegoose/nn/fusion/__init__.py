@@ -11,7 +11,7 @@ from .fuse import FusionReport, fuse, fused, fusion_report, is_fused, unfuse
 from .functional import (apply_rotary_pos_emb, cross_entropy, fused_linear_cross_entropy, geglu, gelu, gelu_and_mul,
                          layer_norm, mixed_fused_layer_norm, rms_norm, scaled_masked_softmax, scaled_softmax,
                          scaled_upper_triang_masked_softmax, silu_and_mul, softmax, swiglu)
-from .modules import (AttnMaskType, FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedGELU, FusedLayerNorm,
+from .modules import (AttnMaskType, FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedGELU, FusedGraniteMLP, FusedLayerNorm,
                       FusedLinearCrossEntropyLoss, FusedModernBertMLP, FusedRMSNorm, FusedScaleMaskSoftmax,
                       FusedSwiGLUMLP, FusedT5DenseGatedActDense, MixedFusedLayerNorm)
 from .optim import FusedAdam, clip_grad_norm_
@@ -41,6 +41,7 @@ __all__ = [
     "FusedRMSNorm",
     "FusedGELU",
     "FusedModernBertMLP",
+    "FusedGraniteMLP",
     "FusedSwiGLUMLP",
     "FusedGateUpSwiGLUMLP",
     "FusedGeGLUMLP",

@@ -38,6 +38,9 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   and up in one ``gate_up_proj`` (no fused module computes it; a ``swiglu`` row) and MLPs with more inside (Zamba2's
   adapters) get a skipped row, not eligible; the original T5's ``T5DenseActDense`` (ReLU, not gated) is no
   candidate;
+* every module that computes Granite's shared MLP ``output_linear(silu(gate) * up)`` of ``gate, up =
+  input_linear(x).chunk(2, -1)`` (the same probe, layout ``input_linear/output_linear``: ``GraniteMoeSharedMLP``,
+  ``GraniteMoeHybridMLP``, Granite 4.0's) -> ``FusedGraniteMLP`` (op ``swiglu.packed``, kind ``swiglu``; session 72);
 * every module that computes ModernBERT's MLP ``Wo(drop(act(input) * gate))`` of ``input, gate = Wi(x).chunk(2,
   -1)`` (the same probe, layout ``Wi/Wo``: ``ModernBertMLP``, ``ModernBertDecoderMLP``) -> ``FusedModernBertMLP`` (the
   same modules, its dropout called where the MLP calls it; op ``geglu.packed`` for GELU, its default, kind ``geglu``;
@@ -1249,9 +1252,10 @@ def _consider_swiglu(child, path, ops, dry_run):
     """(row, replacement or None) for a module with SwiGLU's projections (``gate_proj``, ``up_proj`` and
     ``down_proj``: ``FusedSwiGLUMLP``, or with GELU ``FusedGeGLUMLP``; ``gate_up_proj`` and ``down_proj``:
     ``FusedGateUpSwiGLUMLP``; T5's ``wi_0``, ``wi_1`` and ``wo``: ``FusedT5DenseGatedActDense``, op ``swiglu`` or
-    ``geglu`` by its activation); None when it has none of them (not a candidate) or is of a kind (``swiglu``,
+    ``geglu`` by its activation; ModernBERT's ``Wi`` and ``Wo``: ``FusedModernBertMLP``; Granite's ``input_linear``
+    and ``output_linear``: ``FusedGraniteMLP``); None when it has none of them (not a candidate) or is of a kind (``swiglu``,
     ``geglu``) left out of ``ops``. The row's reason names the layout."""
-    from .modules import (FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedModernBertMLP, FusedSwiGLUMLP,
+    from .modules import (FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedGraniteMLP, FusedModernBertMLP, FusedSwiGLUMLP,
                           FusedT5DenseGatedActDense)
 
     probe = matching.probe_swiglu_mlp(child)
@@ -1280,6 +1284,8 @@ def _consider_swiglu(child, path, ops, dry_run):
         cls, more = FusedModernBertMLP, dict(activation=probe.activation)
     elif kind == "geglu":
         cls, more = FusedGeGLUMLP, dict(approximate=probe.approximate)
+    elif probe.layout == "/".join(FusedGraniteMLP._PROJECTIONS):
+        cls, more = FusedGraniteMLP, {}
     else:
         cls, more = FusedGateUpSwiGLUMLP if probe.packed else FusedSwiGLUMLP, {}
     new = None if dry_run else _build(path, child, cls.from_module, child, verify=False, **more)  # probed above

@@ -1024,17 +1024,18 @@ class FusedGateUpSwiGLUMLP(_FusedSwiGLUBase):
         self._hold((gate_up_proj, down_proj), impl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed, down = (getattr(self, n) for n in self._PROJECTIONS)   # (gate_up_proj, down_proj; Granite's names)
         act = self._changed_activation()
         if act is not None:
             # an activation replaced or hooked since the probe vouched for it: run it, as the original MLP would
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(up * act(gate))
-        h = self.gate_up_proj(x)
+            gate, up = packed(x).chunk(2, dim=-1)
+            return down(act(gate) * up)
+        h = packed(x)
         # (silu_and_mul's error would name "x", which the caller never passed)
         if isinstance(h, torch.Tensor) and not h.is_nested and h.dim() and h.shape[-1] % 2:
-            raise ValueError(f"gate_up_proj: returned shape {list(h.shape)}, expected an even last dimension (gate "
-                             f"and up are its two halves) for the input of shape {list(x.shape)}")
-        return self.down_proj(PF.silu_and_mul(h, impl=self.impl))
+            raise ValueError(f"{self._PROJECTIONS[0]}: returned shape {list(h.shape)}, expected an even last "
+                             f"dimension (gate and up are its two halves) for the input of shape {list(x.shape)}")
+        return down(PF.silu_and_mul(h, impl=self.impl))
 
     @classmethod
     def from_module(cls, mlp: nn.Module, *, impl: str | None = None, verify: bool = True) -> "FusedGateUpSwiGLUMLP":
@@ -1053,6 +1054,45 @@ class FusedGateUpSwiGLUMLP(_FusedSwiGLUBase):
             TypeError: ``mlp`` lacks a ``gate_up_proj`` or ``down_proj`` submodule.
             ValueError: with ``verify``, the probe finds another computation (the message gives its reason);
                 ``impl`` naming no implementation of ``swiglu.packed``.
+        """
+        return cls._from_mlp(mlp, impl, verify)
+
+
+class FusedGraniteMLP(FusedGateUpSwiGLUMLP):
+    """Granite's gated MLP (transformers' ``GraniteMoeSharedMLP`` and ``GraniteMoeHybridMLP``: the shared MLP of
+    Granite 3 MoE-shared and Granite 4.0 models), ``output_linear(activation(gate) * up)`` of ``gate, up =
+    input_linear(x).chunk(2, dim=-1)``: :class:`FusedGateUpSwiGLUMLP` under Granite's names, on the same kernel
+    (:func:`pipegoose.nn.fusion.functional.silu_and_mul`, op ``swiglu.packed``), what ``fuse`` puts in place of
+    those modules where their activation is SiLU (Granite's ``hidden_act``).
+
+    Args:
+        input_linear: ``[..., hidden]`` -> ``[..., 2 * intermediate]``, gate the first half (held as it is: the same
+            object, so parameters, optimizers and ``state_dict`` keys are unchanged).
+        output_linear: ``[..., intermediate]`` -> ``[..., hidden]``.
+        impl: as :class:`FusedGateUpSwiGLUMLP`'s.
+
+    ``forward`` as :class:`FusedGateUpSwiGLUMLP`'s; its ``activation`` is kept, not called, unless replaced or
+    hooked while fused. Kernel: pipegoose/swiglu (pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
+
+    Raises (when constructed): as :class:`FusedGateUpSwiGLUMLP`'s. Raises (forward): ValueError where
+    ``input_linear``'s output has an odd last dimension.
+    """
+
+    _PROJECTIONS = ("input_linear", "output_linear")
+    _ACTIVATIONS = ("activation",)
+    _act_name = "activation"
+
+    def __init__(self, input_linear: nn.Module, output_linear: nn.Module, *, impl: str | None = None) -> None:
+        super().__init__(input_linear, output_linear, impl=impl)
+
+    @classmethod
+    def from_module(cls, mlp: nn.Module, *, impl: str | None = None, verify: bool = True) -> "FusedGraniteMLP":
+        """As :meth:`FusedGateUpSwiGLUMLP.from_module`, for an MLP with ``input_linear``, ``output_linear`` and
+        ``activation`` (the probe's layout ``input_linear/output_linear``).
+
+        Raises:
+            TypeError: ``mlp`` lacks an ``input_linear`` or ``output_linear`` submodule.
+            ValueError: with ``verify``, the probe finds another computation (the message gives its reason).
         """
         return cls._from_mlp(mlp, impl, verify)
 

@@ -956,6 +956,10 @@ T5_ACTIVATIONS = ("act",)
 # "input"), then an nn.Dropout (drop) of the product before Wo; GELU (exact) by default
 MODERNBERT_PROJECTIONS = ("Wi", "Wo")
 MODERNBERT_ACTIVATIONS = ("act",)
+# Granite's shared MLP (GraniteMoeSharedMLP, GraniteMoeHybridMLP: Granite 4.0): gate_up_proj's layout under the names
+# input_linear / output_linear, its activation "activation"
+GRANITE_PROJECTIONS = ("input_linear", "output_linear")
+GRANITE_ACTIVATIONS = ("activation",)
 
 
 # the activations the probe tells apart (SwiGLUProbe.activation) -> the float64 formula the activation module must
@@ -997,6 +1001,8 @@ _PACKED = _Layout(GATE_UP_PROJECTIONS, GATE_UP_ACTIVATIONS, {"silu": "FusedGateU
                   "down_proj({act}(gate) * up) with gate, up = gate_up_proj(x).chunk(2, -1)")
 _T5 = _Layout(T5_PROJECTIONS, T5_ACTIVATIONS, dict.fromkeys(ACTIVATION_FORMULAS, "FusedT5DenseGatedActDense"),
               "wo(dropout({act}(wi_0(x)) * wi_1(x)))", dropout="dropout")
+_GRANITE = _Layout(GRANITE_PROJECTIONS, GRANITE_ACTIVATIONS, {"silu": "FusedGraniteMLP"},
+                   "output_linear({act}(gate) * up) with gate, up = input_linear(x).chunk(2, -1)")
 _MODERNBERT = _Layout(MODERNBERT_PROJECTIONS, MODERNBERT_ACTIVATIONS,
                       dict.fromkeys(ACTIVATION_FORMULAS, "FusedModernBertMLP"),
                       "Wo(drop({act}(input) * gate)) with input, gate = Wi(x).chunk(2, -1)", dropout="drop")
@@ -1005,8 +1011,9 @@ _MODERNBERT = _Layout(MODERNBERT_PROJECTIONS, MODERNBERT_ACTIVATIONS,
 def _swiglu_layout(children: dict) -> _Layout | None:
     """The layout whose projections ``children`` (a module's, by name) hold: gate_proj, up_proj and down_proj first
     (a module holding these and a gate_up_proj too is probed as that layout, and refused for the extra submodule), then
-    gate_up_proj and down_proj, then T5's wi_0, wi_1 and wo, then ModernBERT's Wi and Wo; None for none of them."""
-    for layout in (_SEPARATE, _PACKED, _T5, _MODERNBERT):
+    gate_up_proj and down_proj, then T5's wi_0, wi_1 and wo, then ModernBERT's Wi and Wo, then Granite's input_linear
+    and output_linear; None for none of them."""
+    for layout in (_SEPARATE, _PACKED, _T5, _MODERNBERT, _GRANITE):
         if all(isinstance(children.get(n), nn.Module) for n in layout.projections):
             return layout
     return None
@@ -1021,8 +1028,9 @@ class SwiGLUProbe:
     also where the probe stopped before looking at it), ``gelu_tanh`` or ``gelu`` (GeGLU: ``FusedGeGLUMLP``, op
     ``geglu``, with :attr:`approximate`); ``layout`` the projections' names of its layout (``gate_proj/up_proj/
     down_proj``, ``gate_up_proj/down_proj``, T5's ``wi_0/wi_1/wo``: ``FusedT5DenseGatedActDense``, op ``swiglu`` or
-    ``geglu`` by the activation, or ModernBERT's ``Wi/Wo``, packed too: ``FusedModernBertMLP``, op ``swiglu.packed``
-    or ``geglu.packed``; ``""`` for no candidate); ``down_cast``, for an accepted T5 MLP, that its forward
+    ``geglu`` by the activation, ModernBERT's ``Wi/Wo``, packed too: ``FusedModernBertMLP``, op ``swiglu.packed``
+    or ``geglu.packed``, or Granite's ``input_linear/output_linear``, packed SiLU: ``FusedGraniteMLP``; ``""`` for
+    no candidate); ``down_cast``, for an accepted T5 MLP, that its forward
     casts the product to ``wo.weight``'s dtype where they differ (T5's rule: False for LongT5's copy, which does
     not)."""
 
@@ -1314,8 +1322,8 @@ def _activation_kind(act: Any, name: str, layout: _Layout) -> tuple[str | None, 
                       "activation, which neither the SwiGLU nor the GeGLU kernel computes")
     if kind not in layout.fused:
         return kind, (f"{name} ({type(act).__name__}) is not SiLU but GELU (approximate="
-                      f"{GELU_APPROXIMATE[kind]!r}): a GeGLU MLP with gate and up in one gate_up_proj, for which there "
-                      f"is no fused module ({layout.fused['silu']} computes SiLU)")
+                      f"{GELU_APPROXIMATE[kind]!r}): a GeGLU MLP with gate and up in one {layout.projections[0]}, for "
+                      f"which there is no fused module ({layout.fused['silu']} computes SiLU)")
     if isinstance(act, nn.Module) and has_module_hooks(act):
         return kind, (f"{name} has forward or backward hooks, which {layout.fused[kind]} (one kernel for the "
                       "activation and the product) would not run")

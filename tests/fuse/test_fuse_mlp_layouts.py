@@ -1,8 +1,10 @@
-"""ModernBERT's gated MLP (``Wo(drop(act(input) * gate))`` of ``input, gate = Wi(x).chunk(2, -1)``:
+"""Gated MLPs under other names. ModernBERT's (``Wo(drop(act(input) * gate))`` of ``input, gate = Wi(x).chunk(2, -1)``:
 ``ModernBertMLP``, ``ModernBertDecoderMLP``) and :class:`FusedModernBertMLP` (op ``geglu.packed`` for GELU, its
 default, ``swiglu.packed`` for SiLU): the probe's layout, fuse's rows, the model's output and gradients unchanged on
 the CPU (the reference path, the dropout drawn where the MLP draws it), unfuse, the module's checks; on a GPU
-(``-m cuda``) the kernel runs and matches the MLP."""
+(``-m cuda``) the kernel runs and matches the MLP. Granite's shared MLP (``output_linear(silu(gate) * up)`` of
+``input_linear(x).chunk(2, -1)``: ``GraniteMoeSharedMLP``, ``GraniteMoeHybridMLP``) and :class:`FusedGraniteMLP`
+(op ``swiglu.packed``), last."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipegoose.nn.fusion import FusedGELU, FusedModernBertMLP, dispatch
+from pipegoose.nn.fusion import FusedGateUpSwiGLUMLP, FusedGELU, FusedGraniteMLP, FusedModernBertMLP, dispatch
 from pipegoose.nn.fusion.fuse import fuse, unfuse
 from pipegoose.nn.fusion.transformers import matching
 from tolerances import tol
@@ -162,3 +164,61 @@ def test_on_cuda_the_kernel_runs_and_matches_the_mlp(dtype):
     torch.testing.assert_close(got, want, **tol(dtype, 4))
     for a, b in zip(grads, want_grads):
         torch.testing.assert_close(a, b, **tol(dtype, 8))
+
+
+# ================================================================================================= Granite
+def _granite(kind="granitemoehybrid", act="silu"):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if kind not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {kind}")
+    kw = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, shared_intermediate_size=40, num_local_experts=4, num_experts_per_tok=2,
+              pad_token_id=0, hidden_act=act)
+    if kind == "granitemoehybrid":
+        kw.update(layer_types=["attention", "attention"], mamba_n_heads=4, mamba_d_head=16)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(CONFIG_MAPPING[kind](**kw)).eval()
+
+
+@pytest.mark.parametrize("kind", ["granitemoehybrid", "granitemoeshared"])
+def test_fuse_replaces_granites_shared_mlps_and_unfuse_puts_them_back(kind):
+    model = _granite(kind)
+    mlps = [layer.shared_mlp for layer in model.model.layers]
+    keys = list(model.state_dict())
+    ids = _ids()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    report = fuse(model)
+    rows = [r for r in report.rows if r.replacement == "FusedGraniteMLP"]
+    assert [r.path for r in rows] == [f"model.layers.{i}.shared_mlp" for i in range(2)], report
+    assert rows[0].kind == "swiglu" and "op swiglu.packed" in rows[0].reason, rows[0]
+    fused = [layer.shared_mlp for layer in model.model.layers]
+    assert all(type(m) is FusedGraniteMLP and isinstance(m, FusedGateUpSwiGLUMLP) for m in fused)
+    assert [m.activation for m in fused] == [m.activation for m in mlps] and list(model.state_dict()) == keys
+    dispatch.reset_stats()
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+    assert dispatch.stats()["swiglu.packed"].get("torch", 0) >= 2
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert unfuse(model) and [layer.shared_mlp for layer in model.model.layers] == mlps
+
+
+def test_granites_gelu_mlp_is_refused_and_the_module_checks():
+    model = _granite(act="gelu")
+    report = fuse(model, ops=["swiglu", "geglu"], dry_run=True)
+    row = next(r for r in report.rows if r.path == "model.layers.0.shared_mlp")
+    assert not row.fused and "GeGLU MLP with gate and up in one input_linear" in row.reason, row
+    mlp = _granite().model.layers[0].shared_mlp
+    fused = FusedGraniteMLP.from_module(mlp)
+    x = torch.randn(2, 5, 32)
+    torch.testing.assert_close(fused(x), mlp(x))
+    calls = []
+    mlp.activation.register_forward_hook(lambda *a: calls.append(1))
+    fused(x)
+    assert calls == [1]   # (hooked since: run as the MLP would)
+    odd = FusedGraniteMLP(nn.Linear(4, 7), nn.Linear(3, 4))
+    with pytest.raises(ValueError, match=r"input_linear: returned shape \[2, 7\], expected an even last dimension"):
+        odd(torch.randn(2, 4))
+    with pytest.raises(TypeError, match=r"mlp: expected a module with submodules input_linear and output_linear"):
+        FusedGraniteMLP.from_module(nn.Sequential(nn.Linear(4, 4)))
