@@ -107,6 +107,9 @@ def _one_pass(op: str, pas: str, shape: Mapping[str, int], s: int) -> int:
     if op in ("swiglu", "swiglu.packed", "geglu", "geglu.packed"):   # (packed: x [rows, 2*inter] is gate and up)
         r, inter = _need(shape, "rows", "inter")
         return (3 if pas == "fwd" else 5) * r * inter * s
+    if op == "gelu":   # x read, y written; the backward reads dy and x, writes dx
+        r, inter = _need(shape, "rows", "inter")
+        return (2 if pas == "fwd" else 3) * r * inter * s
     if op == "cross_entropy":
         r, vocab = _need(shape, "rows", "vocab")
         return (1 if pas == "fwd" else 2) * r * vocab * s + r * 8 + r * _STAT
@@ -123,7 +126,7 @@ def _one_pass(op: str, pas: str, shape: Mapping[str, int], s: int) -> int:
         (n,) = _need(shape, "numel")
         return 2 * n * s
     raise ValueError(f"op: unknown op {op!r}; expected softmax, softmax.masked, softmax.causal, layer_norm, "
-                     "rms_norm, swiglu, swiglu.packed, geglu, geglu.packed, cross_entropy, rope, adamw, "
+                     "rms_norm, swiglu, swiglu.packed, geglu, geglu.packed, gelu, cross_entropy, rope, adamw, "
                      "clip_grad_norm or copy")
 
 

@@ -158,14 +158,15 @@ MODELS = {
     # (session 72: the MLPs without a gate, whose gelu_new fuse runs as op gelu)
     "gpt2": dict(arch="gpt2", batch=4, config=dict(n_embd=1280, n_layer=24, n_head=20, n_positions=2048,
                                                     vocab_size=50257, activation_function="gelu_new")),
+    # (half of each head rotated: PhiConfig's default, in its rope_parameters since transformers 5)
     "phi": dict(arch="phi", batch=4, config=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
-                                                  num_attention_heads=32, partial_rotary_factor=0.5,
-                                                  vocab_size=51200, max_position_embeddings=2048,
-                                                  hidden_act="gelu_new")),
+                                                  num_attention_heads=32, vocab_size=51200,
+                                                  max_position_embeddings=2048, hidden_act="gelu_new")),
     # (session 72: ModernBERT's Wi/Wo MLP, FusedModernBertMLP on geglu.packed)
     "modernbert_decoder": dict(arch="modernbert-decoder", batch=8,
                                config=dict(hidden_size=1024, intermediate_size=2624, num_hidden_layers=28,
-                                           num_attention_heads=16, vocab_size=50368, max_position_embeddings=8192)),
+                                           num_attention_heads=16, vocab_size=50368, max_position_embeddings=8192,
+                                           pad_token_id=50283, bos_token_id=50281, eos_token_id=50282)),
 }
 CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config", "phi3": "Phi3Config",
            "gemma": "GemmaConfig", "qwen3_moe": "Qwen3MoeConfig", "gemma4_text": "Gemma4TextConfig",

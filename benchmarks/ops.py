@@ -1,5 +1,5 @@
 """Op benchmarks: softmax (plain, padding-masked, causal), LayerNorm, RMSNorm, SwiGLU (of two tensors, and packed in
-one), GeGLU, cross-entropy, RoPE; every impl checked, then timed.
+one), GeGLU, GELU alone, cross-entropy, RoPE; every impl checked, then timed.
 
 Ops and their definitions (what the float64 reference computes; ``x`` is the benchmark input in its dtype):
 
@@ -20,6 +20,8 @@ Ops and their definitions (what the float64 reference computes; ``x`` is the ben
 * ``geglu.packed``: ``geglu`` of gate and up as the two halves of one contiguous ``x [rows, 2 * inter]``, as
   ``swiglu.packed`` is ``swiglu``'s (what Gemma 4's MoE experts' gate computes of the routed tokens' ``gate_up_proj``
   output).
+* ``gelu``: ``y = gelu_tanh(x)`` elementwise of ``x [rows, inter]`` (GELU alone, the activation of the MLPs without a
+  gate: GPT-2's ``gelu_new``): ``swiglu``'s sizes and rows, ``x`` as its gate.
 * ``cross_entropy``: ``loss = mean over the rows not ignored of (logsumexp(x_i) - x_i[t_i])``, logits ``[rows, vocab]``
   (``vocab``: the size axis), int64 targets, 1 in 16 rows ``ignore_index`` (-100); the loss in fp32.
 * ``rope``: ``(q_embed, k_embed) = (q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)``, cos and sin
@@ -41,12 +43,14 @@ Implementations (``impl`` in results.json):
   ``F.silu(gate) * up``; packed SwiGLU = Phi3MLP's ``gate, up = x.chunk(2, -1)`` then ``up * act_fn(gate)`` (the same
   product; its backward ends in autograd's concatenation of the halves' gradients into ``dx``); GeGLU = GemmaMLP's
   ``act_fn(gate) * up`` with ``act_fn = ACT2FN["gelu_pytorch_tanh"]`` (``F.gelu(gate, approximate="tanh")``, then the
-  product); cross-entropy = transformers' loss, ``F.cross_entropy(logits.float(), target)``; RoPE =
+  product); GELU alone = GPT-2's ``NewGELUActivation`` (``ACT2FN["gelu_new"]``: eight elementwise ops forward);
+  cross-entropy = transformers' loss, ``F.cross_entropy(logits.float(), target)``; RoPE =
   ``apply_rotary_pos_emb`` of ``transformers.models.llama.modeling_llama``. LayerNorm has no separate eager path:
   transformers calls ``nn.LayerNorm`` = ``native``.
 * ``native``: the best single PyTorch op: ``F.softmax`` (for masked/causal: ``masked_fill(-inf)`` then
   ``F.softmax`` in the input dtype), ``F.layer_norm``, ``F.rms_norm``, ``F.cross_entropy`` in the input dtype (its
-  loss in that dtype); none for the SwiGLUs and GeGLU (two ops: ``eager``) and RoPE (PyTorch has no rotary op).
+  loss in that dtype), ``F.gelu(x, approximate="tanh")`` for ``gelu``; none for the SwiGLUs and GeGLU (two ops:
+  ``eager``) and RoPE (PyTorch has no rotary op).
 * ``compile``: ``torch.compile(dynamic=False)`` of the eager code (of ``F.layer_norm`` for LayerNorm, of the
   dispatcher's reference ``pipegoose.nn.fusion.ops.rope.rope_reference`` for RoPE: transformers' formula); its
   compile time is recorded in ``extra.compile_s`` and is not part of the timings.
@@ -67,7 +71,7 @@ Implementations (``impl`` in results.json):
   1.0)`` (op ``softmax``: ``functional.softmax`` keeps fp16/bf16 on F.softmax), ``scaled_masked_softmax``,
   ``scaled_upper_triang_masked_softmax`` (on the ``[b*np, sq, sk]`` view), ``layer_norm``, ``rms_norm``, ``swiglu``,
   ``silu_and_mul`` (op ``swiglu.packed``), ``geglu(gate, up, approximate="tanh")``, ``gelu_and_mul(x, "tanh")``
-  (op ``geglu.packed``), ``cross_entropy``,
+  (op ``geglu.packed``), ``gelu(x, "tanh")``, ``cross_entropy``,
   ``apply_rotary_pos_emb`` (op ``rope``); a functional without ``geglu`` (a checkout before the op) is reported
   ``unavailable``. Run with ``PIPEGOOSE_STRICT=1``, and after the checked call the dispatcher's ``last_choice`` must
   name the requested impl: an input the impl refuses is reported ``unsupported``, never timed under the wrong name.
@@ -100,11 +104,12 @@ from .timing import Timer
 __all__ = ["OPS", "SIZES", "make_case", "impls_for", "run_ops", "reference", "check_close", "Case"]
 
 OPS = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "swiglu", "swiglu.packed", "geglu",
-       "geglu.packed", "cross_entropy", "rope")
+       "geglu.packed", "gelu", "cross_entropy", "rope")
 SWIGLUS = ("swiglu", "swiglu.packed")   # one size list and shape: swiglu.packed's x is gate and up side by side
 GEGLUS = ("geglu", "geglu.packed")
 PACKED = ("swiglu.packed", "geglu.packed")   # x [rows, 2 * inter]: gate and up side by side
 GATED = (*SWIGLUS, *GEGLUS)   # the gated activations: swiglu's sizes and rows (geglu's gate and up as swiglu's)
+ELEMENTWISE = (*GATED, "gelu")   # swiglu's sizes and rows (gelu: x as swiglu's gate)
 GELU_APPROX = "tanh"   # Gemma's hidden_act "gelu_pytorch_tanh"
 TUNABLE = ("pipegoose", "megatron", "apex", "torch")
 IMPL_ORDER = ("eager", "native", "compile", "liger", "torch", "megatron", "apex", "pipegoose")
@@ -137,7 +142,7 @@ MIN_ROWS = {"cuda": 16384, "cpu": 16}
 
 
 def sizes_for(op: str, mode: str) -> list[int]:
-    return SIZES["softmax" if op.startswith("softmax") else "swiglu" if op in GATED
+    return SIZES["softmax" if op.startswith("softmax") else "swiglu" if op in ELEMENTWISE
                  else op if op in ("cross_entropy", "rope") else "norm"][mode]
 
 
@@ -153,7 +158,7 @@ def shape_for(op: str, cols: int, device: str) -> dict[str, int]:
         if per_head * heads <= target:
             return {"b": max(1, target // (per_head * heads)), "np": heads, "sq": cols, "sk": cols}
         return {"b": 1, "np": max(1, target // per_head), "sq": cols, "sk": cols}
-    if op in GATED:
+    if op in ELEMENTWISE:
         return {"rows": max(MIN_ROWS[device], target // cols), "inter": cols}
     if op == "cross_entropy":   # 128M logits (256 MB in bf16): 4194 rows of 32000, 883 of 151936
         return {"rows": max(16, 2 * target // cols), "vocab": cols}
@@ -216,6 +221,10 @@ def make_case(op: str, dtype: torch.dtype, cols: int, device: str, seed: int = 0
         g = (randn(rows, inter) * 2).requires_grad_()
         u = randn(rows, inter).requires_grad_()
         return Case(op, dtype, shape, cols, {"g": g, "u": u}, ["g", "u"], randn(rows, inter))
+    if op == "gelu":   # x as swiglu's gate
+        rows, inter = shape["rows"], shape["inter"]
+        return Case(op, dtype, shape, cols, {"x": (randn(rows, inter) * 2).requires_grad_()}, ["x"],
+                    randn(rows, inter))
     if op in PACKED:   # one contiguous [rows, 2 * inter] (a Linear's output), gate scaled as swiglu's
         rows, inter = shape["rows"], shape["inter"]
         x = randn(rows, 2 * inter)
@@ -291,6 +300,8 @@ def reference(case: Case, chunk_elems: int = 1 << 25) -> dict[str, torch.Tensor]
         return _swiglu_reference(case, chunk_elems)
     if op in GEGLUS:
         return _geglu_reference(case, chunk_elems)
+    if op == "gelu":
+        return _gelu_reference(case, chunk_elems)
     if op == "cross_entropy":
         x, t = inp["x"].detach(), inp["t"]
         keep = t != CE_IGNORE
@@ -383,6 +394,21 @@ def _geglu_reference(case: Case, chunk_elems: int) -> dict[str, torch.Tensor]:
         du[rs] = (dys * act).float()
         dg[rs] = (dys * us * (0.5 * (1 + t) + 0.5 * gs * (1 - t * t) * c * (1 + 3 * 0.044715 * gs * gs))).float()
     return {"y": y, **grads}
+
+
+def _gelu_reference(case: Case, chunk_elems: int) -> dict[str, torch.Tensor]:
+    """GELU's tanh approximation alone in float64, as geglu's with ``u = 1``: ``y = 0.5 x (1 + t)``, ``dx = dy (0.5 (1
+    + t) + 0.5 x (1 - t^2) c (1 + 3 * 0.044715 x^2))``."""
+    x = case.inputs["x"].detach()
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    dx = torch.empty_like(y)
+    c = math.sqrt(2.0 / math.pi)
+    for rs in _chunks(x.shape[0], chunk_elems // x.shape[1]):
+        xs, dys = x[rs].double(), case.dy[rs].double()
+        t = torch.tanh(c * (xs + 0.044715 * xs ** 3))
+        y[rs] = (0.5 * xs * (1 + t)).float()
+        dx[rs] = (dys * (0.5 * (1 + t) + 0.5 * xs * (1 - t * t) * c * (1 + 3 * 0.044715 * xs * xs))).float()
+    return {"y": y, "dx": dx}
 
 
 def _rope_reference(case: Case, chunk_elems: int) -> dict[str, torch.Tensor]:
@@ -483,6 +509,13 @@ def _eager(case: Case) -> Callable:
         if op == "geglu.packed":   # transformers' default experts gate (Gemma 4): gate, up = x.chunk(2, -1)
             return lambda i: (lambda gate, up: act(gate) * up)(*i["x"].chunk(2, dim=-1))
         return lambda i: act(i["g"]) * i["u"]
+    if op == "gelu":   # GPT2MLP: act(c_fc(x)), act = ACT2FN["gelu_new"] (NewGELUActivation)
+        try:
+            from transformers.activations import ACT2FN
+        except Exception as e:  # noqa: BLE001 - not installed, or a version without it
+            raise Unavailable(f"transformers' ACT2FN not importable: {e}") from None
+        act = ACT2FN["gelu_new"]
+        return lambda i: act(i["x"])
     if op == "cross_entropy":   # transformers' ForCausalLMLoss: the logits upcast, then F.cross_entropy
         return lambda i: F.cross_entropy(i["x"].float(), i["t"], ignore_index=CE_IGNORE)
     if op == "rope":   # LlamaAttention: apply_rotary_pos_emb(query_states, key_states, cos, sin)
@@ -511,6 +544,8 @@ def _native(case: Case) -> Callable:
         raise Unsupported("PyTorch has no single op for silu(gate) * up (eager runs two)")
     if op in GEGLUS:
         raise Unsupported("PyTorch has no single op for gelu(gate) * up (eager runs two)")
+    if op == "gelu":
+        return lambda i: F.gelu(i["x"], approximate=GELU_APPROX)
     if op == "rope":
         raise Unsupported("PyTorch has no rotary embedding op (eager runs the formula)")
     if op == "cross_entropy":
@@ -588,6 +623,8 @@ def _liger(case: Case) -> Callable:
             fn = lambda i: LigerGELUMulFunction.apply(*i["x"].chunk(2, dim=-1))  # noqa: E731
         fn.clobbers_inputs = True
         return fn
+    if op == "gelu":
+        raise Unsupported("Liger-Kernel has no GELU alone (only GELU times up, LigerGELUMulFunction)")
     if op == "cross_entropy":
         # its forward writes the logits' gradient into the logits (the input itself): run_ops restores them
         fn = lambda i: LF.liger_cross_entropy(i["x"], i["t"], ignore_index=CE_IGNORE)  # noqa: E731
@@ -645,6 +682,10 @@ def _ours(impl: str) -> Callable[[Case], Callable]:
             if not hasattr(PF, "gelu_and_mul"):   # (a checkout from before the op)
                 raise Unavailable("pipegoose.nn.fusion.functional has no gelu_and_mul")
             fn = lambda i: PF.gelu_and_mul(i["x"], GELU_APPROX, impl=impl)  # noqa: E731
+        elif op == "gelu":
+            if not hasattr(PF, "gelu"):   # (a checkout from before the op)
+                raise Unavailable("pipegoose.nn.fusion.functional has no gelu")
+            fn = lambda i: PF.gelu(i["x"], GELU_APPROX, impl=impl)  # noqa: E731
         elif op == "cross_entropy":
             fn = lambda i: PF.cross_entropy(i["x"], i["t"], ignore_index=CE_IGNORE, impl=impl)  # noqa: E731
         elif op == "rope":
@@ -685,11 +726,11 @@ def impls_for(op: str) -> list[str]:
     names = list(IMPL_ORDER)
     if op == "layer_norm":
         names.remove("eager")
-    if op in ("softmax.masked", "softmax.causal"):
-        names.remove("liger")
-    if op.startswith("softmax") or op in ("rms_norm", *GATED, "cross_entropy", "rope"):
+    if op in ("softmax.masked", "softmax.causal", "gelu"):
+        names.remove("liger")     # (Liger-Kernel: no masked or causal softmax, no GELU alone)
+    if op.startswith("softmax") or op in ("rms_norm", *ELEMENTWISE, "cross_entropy", "rope"):
         names.remove("apex")      # Apex: only LayerNorm is ported
-    if op in ("layer_norm", "rms_norm", *GATED, "cross_entropy", "rope"):
+    if op in ("layer_norm", "rms_norm", *ELEMENTWISE, "cross_entropy", "rope"):
         names.remove("megatron")  # Megatron-LM: only the softmax kernels
     if op in (*GATED, "rope"):
         names.remove("native")    # no single PyTorch op

@@ -38,7 +38,7 @@ from .report import RUN_KEYS
 from .tuning import DEFAULT_TUNING_DIR
 
 OP_NAMES = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "swiglu", "swiglu.packed", "geglu",
-            "geglu.packed", "cross_entropy", "rope", "adamw", "clip_grad_norm")
+            "geglu.packed", "gelu", "cross_entropy", "rope", "adamw", "clip_grad_norm")
 GROUPS = {"softmaxes": ["softmax", "softmax.masked", "softmax.causal"], "norms": ["layer_norm", "rms_norm"],
           "optim": ["adamw", "clip_grad_norm"]}
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16",

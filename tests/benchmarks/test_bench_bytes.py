@@ -113,7 +113,7 @@ def test_optimizer_and_copy_counts():
     (("softmax", "fwd", {"b": 1, "np": 1, "sq": 1, "sk": 1}, "int8"), "dtype"),
     (("softmax", "fwd", {"b": 1, "np": 1, "sq": 1}, "float32"), "missing"),
     (("softmax", "fwd", {"b": 0, "np": 1, "sq": 1, "sk": 1}, "float32"), ">= 1"),
-    (("gelu", "fwd", {"rows": 1}, "float32"), "unknown op"),
+    (("silu", "fwd", {"rows": 1}, "float32"), "unknown op"),
     (("adamw", "fwd", {"params": 1}, "float32"), "single pass"),
     (("adamw", "unclipped", {"params": 1}, "float32"), "single pass"),
     (("clip_grad_norm", "fwd", {"params": 1}, "float32"), "clip_grad_norm has the passes 'step', 'unclipped'"),

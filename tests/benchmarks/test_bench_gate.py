@@ -237,7 +237,7 @@ def test_geglu_case_is_swiglus_at_swiglus_sizes_and_rows():
     assert g.abs().max() > 1.5 * u.abs().max()   # (the gate scaled by 2, as swiglu's)
     assert (g < -1).any() and (g > 3).any()      # (GELU's dip and its linear part are both hit)
     with pytest.raises(ValueError, match="op: expected one of .*geglu"):
-        ops.make_case("gelu", torch.float32, 16, "cpu")
+        ops.make_case("gelu_new", torch.float32, 16, "cpu")
 
 
 @pytest.mark.parametrize("chunk", [1 << 25, 640])
@@ -475,3 +475,24 @@ def test_sizes_keeps_only_the_sizes_asked_for():
     assert res and {m.cols for m in res} == {128}
     every = ops.run_ops(["rms_norm"], [torch.float32], "dry", "cpu", timer, tolerances(), ["native"], **kw)
     assert {m.cols for m in every} == set(ops.SIZES["norm"]["dry"])
+
+
+def test_gelu_case_and_reference_are_gelu_new_at_swiglus_sizes_and_rows():
+    """gelu (GELU alone, GPT-2's gelu_new): x as swiglu's gate, swiglu's sizes; the float64 reference is F.gelu's
+    tanh approximation and its derivative; eager is transformers' NewGELUActivation, native F.gelu."""
+    from benchmarks import ops
+
+    assert ops.sizes_for("gelu", "full") == ops.sizes_for("swiglu", "full")
+    case = ops.make_case("gelu", torch.float32, 16, "cpu")
+    x = case.inputs["x"]
+    assert list(case.inputs) == ["x"] and case.wrt == ["x"] and x.shape == case.dy.shape
+    assert x.shape == (ops.shape_for("swiglu", 16, "cpu")["rows"], 16)
+    ref = ops.reference(case)
+    x64 = x.detach().double().requires_grad_()
+    y64 = torch.nn.functional.gelu(x64, approximate="tanh")
+    (dx64,) = torch.autograd.grad(y64, x64, case.dy.double())
+    torch.testing.assert_close(ref["y"].double(), y64.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ref["dx"].double(), dx64, rtol=1e-6, atol=1e-7)
+    for impl in ("eager", "native"):
+        fn = ops.IMPLS[impl](case)
+        torch.testing.assert_close(fn(case.inputs).double(), y64.detach(), rtol=1e-5, atol=1e-6)

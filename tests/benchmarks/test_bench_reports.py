@@ -1036,7 +1036,7 @@ def test_geglu_runs_beside_swiglu_through_the_cli_with_swiglus_bytes(tmp_path, m
     assert a.ops == ["swiglu", "geglu"] and a.dtype_names == ["bfloat16"] and not a.no_tuning
     assert "geglu" in parse_args([]).ops
     assert parse_args(["--only", "geglu", "--sizes", "14336"]).size_filter == [14336]
-    for argv, said in ((["--only", "gelu"], "--only: unknown op 'gelu'"),
+    for argv, said in ((["--only", "gelu_new"], "--only: unknown op 'gelu_new'"),
                        (["--only", "geglu", "--impls", "native"], "implement none of the ops run"),
                        (["--only", "geglu", "--sizes", "8192"], "not among the full sizes of geglu")):
         with pytest.raises(SystemExit):
