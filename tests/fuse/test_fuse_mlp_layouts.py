@@ -4,7 +4,8 @@ default, ``swiglu.packed`` for SiLU): the probe's layout, fuse's rows, the model
 the CPU (the reference path, the dropout drawn where the MLP draws it), unfuse, the module's checks; on a GPU
 (``-m cuda``) the kernel runs and matches the MLP. Granite's shared MLP (``output_linear(silu(gate) * up)`` of
 ``input_linear(x).chunk(2, -1)``: ``GraniteMoeSharedMLP``, ``GraniteMoeHybridMLP``) and :class:`FusedGraniteMLP`
-(op ``swiglu.packed``), last."""
+(op ``swiglu.packed``), then LFM2's (``w2(silu(w1(x)) * w3(x))``: ``Lfm2MLP``) and :class:`FusedLfm2MLP` (op
+``swiglu``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipegoose.nn.fusion import FusedGateUpSwiGLUMLP, FusedGELU, FusedGraniteMLP, FusedModernBertMLP, dispatch
+from pipegoose.nn.fusion import (FusedGateUpSwiGLUMLP, FusedGELU, FusedGraniteMLP, FusedLfm2MLP, FusedModernBertMLP,
+                                 FusedSwiGLUMLP, dispatch)
 from pipegoose.nn.fusion.fuse import fuse, unfuse
 from pipegoose.nn.fusion.transformers import matching
 from tolerances import tol
@@ -222,3 +224,58 @@ def test_granites_gelu_mlp_is_refused_and_the_module_checks():
         odd(torch.randn(2, 4))
     with pytest.raises(TypeError, match=r"mlp: expected a module with submodules input_linear and output_linear"):
         FusedGraniteMLP.from_module(nn.Sequential(nn.Linear(4, 4)))
+
+
+# ================================================================================================= LFM2
+def _lfm2(kind="lfm2"):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if kind not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {kind}")
+    kw = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, pad_token_id=0, layer_types=["full_attention", "conv"])
+    if kind == "lfm2_moe":
+        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_dense_layers=1)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(CONFIG_MAPPING[kind](**kw)).eval()
+
+
+@pytest.mark.parametrize("kind", ["lfm2", "lfm2_moe"])
+def test_fuse_replaces_lfm2s_mlps_and_unfuse_puts_them_back(kind):
+    model = _lfm2(kind)
+    before = {p: m for p, m in model.named_modules() if type(m).__name__.endswith("MLP")}
+    keys = list(model.state_dict())
+    ids = _ids()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    report = fuse(model)
+    rows = [r for r in report.rows if r.replacement == "FusedLfm2MLP"]
+    assert rows and [r.path for r in rows] == list(before), report
+    assert all(r.kind == "swiglu" and "w2(silu(w1(x)) * w3(x))" in r.reason for r in rows), rows
+    fused = dict(model.named_modules())
+    assert all(type(fused[p]) is FusedLfm2MLP and isinstance(fused[p], FusedSwiGLUMLP) for p in before)
+    assert list(model.state_dict()) == keys
+    dispatch.reset_stats()
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+    assert dispatch.stats()["swiglu"].get("torch", 0) == len(before)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert unfuse(model)
+    assert all(dict(model.named_modules())[p] is m for p, m in before.items())
+
+
+def test_an_lfm2_style_mlp_of_another_activation_is_refused():
+    class GeluW(nn.Module):   # the names, GELU inline: not SwiGLU
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w3, self.w2 = nn.Linear(8, 12), nn.Linear(8, 12), nn.Linear(12, 8)
+
+        def forward(self, x):
+            return self.w2(torch.nn.functional.gelu(self.w1(x)) * self.w3(x))
+
+    probe = matching.probe_swiglu_mlp(GeluW())
+    assert probe.candidate and not probe.ok and "differs from w2(silu(w1(x)) * w3(x))" in probe.reason, probe
+    with pytest.raises(ValueError, match=r"mlp: GeluW does not pass the SwiGLU probe"):
+        FusedLfm2MLP.from_module(GeluW())
+    with pytest.raises(TypeError, match=r"mlp: expected a module with submodules w1, w3 and w2"):
+        FusedLfm2MLP.from_module(nn.Sequential(nn.Linear(4, 4)))

@@ -12,8 +12,8 @@ from .functional import (apply_rotary_pos_emb, cross_entropy, fused_linear_cross
                          layer_norm, mixed_fused_layer_norm, rms_norm, scaled_masked_softmax, scaled_softmax,
                          scaled_upper_triang_masked_softmax, silu_and_mul, softmax, swiglu)
 from .modules import (AttnMaskType, FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedGELU, FusedGraniteMLP, FusedLayerNorm,
-                      FusedLinearCrossEntropyLoss, FusedModernBertMLP, FusedRMSNorm, FusedScaleMaskSoftmax,
-                      FusedSwiGLUMLP, FusedT5DenseGatedActDense, MixedFusedLayerNorm)
+                      FusedLfm2MLP, FusedLinearCrossEntropyLoss, FusedModernBertMLP, FusedRMSNorm,
+                      FusedScaleMaskSoftmax, FusedSwiGLUMLP, FusedT5DenseGatedActDense, MixedFusedLayerNorm)
 from .optim import FusedAdam, clip_grad_norm_
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "FusedGELU",
     "FusedModernBertMLP",
     "FusedGraniteMLP",
+    "FusedLfm2MLP",
     "FusedSwiGLUMLP",
     "FusedGateUpSwiGLUMLP",
     "FusedGeGLUMLP",

@@ -40,7 +40,8 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   candidate;
 * every module that computes Granite's shared MLP ``output_linear(silu(gate) * up)`` of ``gate, up =
   input_linear(x).chunk(2, -1)`` (the same probe, layout ``input_linear/output_linear``: ``GraniteMoeSharedMLP``,
-  ``GraniteMoeHybridMLP``, Granite 4.0's) -> ``FusedGraniteMLP`` (op ``swiglu.packed``, kind ``swiglu``; session 72);
+  ``GraniteMoeHybridMLP``, Granite 4.0's) -> ``FusedGraniteMLP`` (op ``swiglu.packed``, kind ``swiglu``; session 72),
+  and LFM2's ``w2(silu(w1(x)) * w3(x))`` (layout ``w1/w3/w2``: ``Lfm2MLP``) -> ``FusedLfm2MLP`` (op ``swiglu``);
 * every module that computes ModernBERT's MLP ``Wo(drop(act(input) * gate))`` of ``input, gate = Wi(x).chunk(2,
   -1)`` (the same probe, layout ``Wi/Wo``: ``ModernBertMLP``, ``ModernBertDecoderMLP``) -> ``FusedModernBertMLP`` (the
   same modules, its dropout called where the MLP calls it; op ``geglu.packed`` for GELU, its default, kind ``geglu``;
@@ -1253,10 +1254,10 @@ def _consider_swiglu(child, path, ops, dry_run):
     ``down_proj``: ``FusedSwiGLUMLP``, or with GELU ``FusedGeGLUMLP``; ``gate_up_proj`` and ``down_proj``:
     ``FusedGateUpSwiGLUMLP``; T5's ``wi_0``, ``wi_1`` and ``wo``: ``FusedT5DenseGatedActDense``, op ``swiglu`` or
     ``geglu`` by its activation; ModernBERT's ``Wi`` and ``Wo``: ``FusedModernBertMLP``; Granite's ``input_linear``
-    and ``output_linear``: ``FusedGraniteMLP``); None when it has none of them (not a candidate) or is of a kind (``swiglu``,
+    and ``output_linear``: ``FusedGraniteMLP``; LFM2's ``w1``, ``w3`` and ``w2``: ``FusedLfm2MLP``); None when it has none of them (not a candidate) or is of a kind (``swiglu``,
     ``geglu``) left out of ``ops``. The row's reason names the layout."""
-    from .modules import (FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedGraniteMLP, FusedModernBertMLP, FusedSwiGLUMLP,
-                          FusedT5DenseGatedActDense)
+    from .modules import (FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedGraniteMLP, FusedLfm2MLP, FusedModernBertMLP,
+                          FusedSwiGLUMLP, FusedT5DenseGatedActDense)
 
     probe = matching.probe_swiglu_mlp(child)
     kind = _mlp_kind(probe)
@@ -1286,6 +1287,8 @@ def _consider_swiglu(child, path, ops, dry_run):
         cls, more = FusedGeGLUMLP, dict(approximate=probe.approximate)
     elif probe.layout == "/".join(FusedGraniteMLP._PROJECTIONS):
         cls, more = FusedGraniteMLP, {}
+    elif probe.layout == "/".join(FusedLfm2MLP._PROJECTIONS):
+        cls, more = FusedLfm2MLP, {}
     else:
         cls, more = FusedGateUpSwiGLUMLP if probe.packed else FusedSwiGLUMLP, {}
     new = None if dry_run else _build(path, child, cls.from_module, child, verify=False, **more)  # probed above

@@ -860,10 +860,11 @@ class _FusedSwiGLUBase(_DropsFuseRecord, nn.Module):
         """The forward of the MLPs with ``gate_proj`` and ``up_proj`` apart: ``down_proj(op(gate_proj(x),
         up_proj(x), *args))`` (``op``: the functional, ``swiglu`` or ``geglu``), or, where the MLP's activation was
         replaced or hooked since the probe vouched for it, that activation, run as the original MLP would."""
+        gate, up, down = (getattr(self, n) for n in self._PROJECTIONS)   # (gate_proj, up_proj, down_proj; LFM2's names)
         act = self._changed_activation()
         if act is not None:
-            return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(op(self.gate_proj(x), self.up_proj(x), *args, impl=self.impl))
+            return down(act(gate(x)) * up(x))
+        return down(op(gate(x), up(x), *args, impl=self.impl))
 
     @classmethod
     def _probed(cls, probe: Any, kwargs: dict) -> dict:
@@ -978,6 +979,42 @@ class FusedSwiGLUMLP(_FusedSwiGLUBase):
 
         Raises:
             TypeError: ``mlp`` lacks a ``gate_proj``, ``up_proj`` or ``down_proj`` submodule.
+            ValueError: with ``verify``, the probe finds another computation (the message gives its reason).
+        """
+        return cls._from_mlp(mlp, impl, verify)
+
+
+class FusedLfm2MLP(FusedSwiGLUMLP):
+    """LFM2's SwiGLU MLP (transformers' ``Lfm2MLP``, and the copies of LFM2-MoE's dense layers and LFM3),
+    ``w2(silu(w1(x)) * w3(x))``: :class:`FusedSwiGLUMLP` under LFM2's names (``w1`` the gate, ``w3`` up, ``w2`` down;
+    its forward calls ``F.silu`` itself, no activation module), on the same kernel (op ``swiglu``): what ``fuse`` puts
+    in place of those modules.
+
+    Args:
+        w1, w3: ``[..., hidden]`` -> ``[..., intermediate]``, gate and up (held as they are: the same objects, so
+            parameters, optimizers and ``state_dict`` keys are unchanged).
+        w2: ``[..., intermediate]`` -> ``[..., hidden]``.
+        impl: as :class:`FusedSwiGLUMLP`'s.
+
+    ``forward`` as :class:`FusedSwiGLUMLP`'s. Kernel: pipegoose/swiglu (pipegoose/kernels/csrc/swiglu.cu, this
+    project, MIT).
+
+    Raises (when constructed): as :class:`FusedSwiGLUMLP`'s.
+    """
+
+    _PROJECTIONS = ("w1", "w3", "w2")
+    _ACTIVATIONS = ("act_fn",)
+
+    def __init__(self, w1: nn.Module, w3: nn.Module, w2: nn.Module, *, impl: str | None = None) -> None:
+        super().__init__(w1, w3, w2, impl=impl)
+
+    @classmethod
+    def from_module(cls, mlp: nn.Module, *, impl: str | None = None, verify: bool = True) -> "FusedLfm2MLP":
+        """As :meth:`FusedSwiGLUMLP.from_module`, for an MLP with ``w1``, ``w3`` and ``w2`` (the probe's layout
+        ``w1/w3/w2``).
+
+        Raises:
+            TypeError: ``mlp`` lacks a ``w1``, ``w3`` or ``w2`` submodule.
             ValueError: with ``verify``, the probe finds another computation (the message gives its reason).
         """
         return cls._from_mlp(mlp, impl, verify)

@@ -960,6 +960,9 @@ MODERNBERT_ACTIVATIONS = ("act",)
 # input_linear / output_linear, its activation "activation"
 GRANITE_PROJECTIONS = ("input_linear", "output_linear")
 GRANITE_ACTIVATIONS = ("activation",)
+# LFM2's MLP (Lfm2MLP; LFM2-MoE's dense layers, LFM3): gate w1, up w3, down w2, F.silu in its forward (no module)
+LFM2_PROJECTIONS = ("w1", "w3", "w2")
+LFM2_ACTIVATIONS = ("act_fn",)
 
 
 # the activations the probe tells apart (SwiGLUProbe.activation) -> the float64 formula the activation module must
@@ -1001,6 +1004,7 @@ _PACKED = _Layout(GATE_UP_PROJECTIONS, GATE_UP_ACTIVATIONS, {"silu": "FusedGateU
                   "down_proj({act}(gate) * up) with gate, up = gate_up_proj(x).chunk(2, -1)")
 _T5 = _Layout(T5_PROJECTIONS, T5_ACTIVATIONS, dict.fromkeys(ACTIVATION_FORMULAS, "FusedT5DenseGatedActDense"),
               "wo(dropout({act}(wi_0(x)) * wi_1(x)))", dropout="dropout")
+_LFM2 = _Layout(LFM2_PROJECTIONS, LFM2_ACTIVATIONS, {"silu": "FusedLfm2MLP"}, "w2({act}(w1(x)) * w3(x))")
 _GRANITE = _Layout(GRANITE_PROJECTIONS, GRANITE_ACTIVATIONS, {"silu": "FusedGraniteMLP"},
                    "output_linear({act}(gate) * up) with gate, up = input_linear(x).chunk(2, -1)")
 _MODERNBERT = _Layout(MODERNBERT_PROJECTIONS, MODERNBERT_ACTIVATIONS,
@@ -1012,8 +1016,8 @@ def _swiglu_layout(children: dict) -> _Layout | None:
     """The layout whose projections ``children`` (a module's, by name) hold: gate_proj, up_proj and down_proj first
     (a module holding these and a gate_up_proj too is probed as that layout, and refused for the extra submodule), then
     gate_up_proj and down_proj, then T5's wi_0, wi_1 and wo, then ModernBERT's Wi and Wo, then Granite's input_linear
-    and output_linear; None for none of them."""
-    for layout in (_SEPARATE, _PACKED, _T5, _MODERNBERT, _GRANITE):
+    and output_linear, then LFM2's w1, w3 and w2; None for none of them."""
+    for layout in (_SEPARATE, _PACKED, _T5, _MODERNBERT, _GRANITE, _LFM2):
         if all(isinstance(children.get(n), nn.Module) for n in layout.projections):
             return layout
     return None
@@ -1029,8 +1033,8 @@ class SwiGLUProbe:
     ``geglu``, with :attr:`approximate`); ``layout`` the projections' names of its layout (``gate_proj/up_proj/
     down_proj``, ``gate_up_proj/down_proj``, T5's ``wi_0/wi_1/wo``: ``FusedT5DenseGatedActDense``, op ``swiglu`` or
     ``geglu`` by the activation, ModernBERT's ``Wi/Wo``, packed too: ``FusedModernBertMLP``, op ``swiglu.packed``
-    or ``geglu.packed``, or Granite's ``input_linear/output_linear``, packed SiLU: ``FusedGraniteMLP``; ``""`` for
-    no candidate); ``down_cast``, for an accepted T5 MLP, that its forward
+    or ``geglu.packed``, Granite's ``input_linear/output_linear``, packed SiLU: ``FusedGraniteMLP``, or LFM2's
+    ``w1/w3/w2``: ``FusedLfm2MLP``; ``""`` for no candidate); ``down_cast``, for an accepted T5 MLP, that its forward
     casts the product to ``wo.weight``'s dtype where they differ (T5's rule: False for LongT5's copy, which does
     not)."""
 
