@@ -1254,8 +1254,9 @@ def _consider_swiglu(child, path, ops, dry_run):
     ``down_proj``: ``FusedSwiGLUMLP``, or with GELU ``FusedGeGLUMLP``; ``gate_up_proj`` and ``down_proj``:
     ``FusedGateUpSwiGLUMLP``; T5's ``wi_0``, ``wi_1`` and ``wo``: ``FusedT5DenseGatedActDense``, op ``swiglu`` or
     ``geglu`` by its activation; ModernBERT's ``Wi`` and ``Wo``: ``FusedModernBertMLP``; Granite's ``input_linear``
-    and ``output_linear``: ``FusedGraniteMLP``; LFM2's ``w1``, ``w3`` and ``w2``: ``FusedLfm2MLP``); None when it has none of them (not a candidate) or is of a kind (``swiglu``,
-    ``geglu``) left out of ``ops``. The row's reason names the layout."""
+    and ``output_linear``: ``FusedGraniteMLP``; LFM2's ``w1``, ``w3`` and ``w2``: ``FusedLfm2MLP``); None when it has
+    none of them (not a candidate) or is of a kind (``swiglu``, ``geglu``) left out of ``ops``. The row's reason names
+    the layout."""
     from .modules import (FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedGraniteMLP, FusedLfm2MLP, FusedModernBertMLP,
                           FusedSwiGLUMLP, FusedT5DenseGatedActDense)
 
