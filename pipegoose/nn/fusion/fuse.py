@@ -1115,7 +1115,8 @@ def _consider_gelu(child, path, ops, dry_run, like):
                                       verify=False)  # probed above
     fwd, bwd = _gelu_impls(child, probe.approximate, like=like)
     return FusionRow(path, "gelu", type(child).__name__, "FusedGELU", True, fwd, bwd,
-                     f"{probe.reason}; op gelu, approximate={probe.approximate!r}" + _small_note(child, like)), new
+                     f"{probe.reason}; op gelu, approximate={probe.approximate!r}: one kernel each way, ours or "
+                     "F.gelu as the dispatcher chooses" + _small_note(child, like)), new
 
 
 def _gelu_impls(module: nn.Module, approximate: str, impl: str | None = None,
