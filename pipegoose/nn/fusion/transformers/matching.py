@@ -1076,7 +1076,7 @@ def probe_swiglu_mlp(module: nn.Module) -> SwiGLUProbe:
     layout = _swiglu_layout(children)
     if layout is None:
         return SwiGLUProbe(False, "", False)
-    packed = len(layout.projections) == 2   # (gate and up in one projection: gate_up_proj's layout, ModernBERT's)
+    packed = len(layout.projections) == 2   # (gate and up in one projection: gate_up_proj's, ModernBERT's, Granite's)
     acts = [n for n in layout.activations if n in children]
     # the activation first (its module's forward alone, cheap), so that every refusal below names the MLP's kind (a
     # GeGLU MLP's row is the report's geglu row); its own refusal comes last, as before. One held as a plain function
@@ -1421,4 +1421,5 @@ __all__ = ["ACTIVATION_FORMULAS", "ATTENTION_MODEL_TYPES", "ATTENTION_SKIP_REASO
            "SwiGLUProbe", "attention_support",
            "get_attn_implementation", "is_attention_module", "is_config",
            "model_type_of", "probe_rms_norm", "probe_swiglu_mlp", "probe_isolated", "set_attn_implementation",
-           "LayerNormProbe", "WeightlessNormProbe", "probe_layer_norm_module", "probe_weightless_norm"]
+           "LayerNormProbe", "WeightlessNormProbe", "probe_layer_norm_module", "probe_weightless_norm", "GeluProbe",
+           "activation_formula", "gelu_candidate", "probe_gelu"]
