@@ -23,9 +23,10 @@ Each implementation's result and gradient are first compared with float64's (the
 repetitions (CUDA events, the L2 cache flushed before each: ``benchmarks.timing``); the backward is timed with the
 forward (``fwd+bwd``). Effective bandwidth: the fewest bytes each pass must move (forward: x read, y written;
 backward: the output's gradient and x read, x's gradient written) over the median time, and its share of the
-device copy bandwidth measured in the same run. Peak memory of a forward kept for backward (``saved MiB``: what
-autograd holds between the two, over the input's own size) is given for each. Writes ``gelu.json`` and ``.md`` (GPU,
-versions, date) into ``--out``. ``--device cpu`` is a dry run of the plumbing (small shapes, no flush;
+device copy bandwidth measured in the same run. The memory a forward keeps for its backward (``saved MiB``: what
+autograd holds between the two, beyond the input itself) is given for each. Writes ``gelu.json`` and ``.md`` (GPU,
+versions, date; ``gelu_bloom.*``, ``gelu_exact.*`` for the other ``--act``) into ``--out``. ``--device cpu`` is a
+dry run of the plumbing (small shapes, no flush, no copy bandwidth: its GB/s and % columns mean nothing there;
 ``pipegoose`` errors there: the kernel needs a GPU).
 """
 
@@ -164,7 +165,7 @@ def markdown(env: dict, rows: list[dict], copy_gbps: float, act: str) -> str:
         head = f"| {r['rows']}x{r['cols']} | {r['dtype']} | {r['passes']} | {r['impl']} "
         if r["status"] == "ok":
             pct = f"{r['pct_copy']:.1f}" if r.get("pct_copy") is not None else ""
-            lines.append(f"{head}| {r['median_ms']:.4f} | {r['gbps']:.0f} | {pct} | {r['saved_mib']:.0f} | ok |")
+            lines.append(f"{head}| {r['median_ms']:.4f} | {r['gbps']:.0f} | {pct} | {r['saved_mib']:.1f} | ok |")
         else:
             lines.append(f"{head}| | | | | {r['status']}: {r.get('why', '')} |")
     return "\n".join(lines) + "\n"
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     print(md)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = "gelu" if args.act == "gelu_new" else f"gelu_{args.act}"
+        stem = {"gelu_new": "gelu", "bloom": "gelu_bloom", "gelu": "gelu_exact"}[args.act]
         (args.out / f"{stem}.json").write_text(json.dumps(dict(environment=env, date=today(), copy_gbps=copy_gbps,
                                                                act=args.act, rows=rows), indent=1))
         (args.out / f"{stem}.md").write_text(md)

@@ -409,3 +409,22 @@ def test_a_gelu_fused_by_an_earlier_call_is_held():
     assert isinstance(_mlp_act(model, 1), FusedGELU)
     unfuse(model)
     assert _mlp_act(model) is act and not isinstance(_mlp_act(model, 1), FusedGELU)
+
+
+def test_from_module_takes_a_gelu_of_any_name_and_checks_approximate_first():
+    class Act(nn.Module):   # (fuse() looks only at classes named for GELU; from_module at the module given)
+        def forward(self, x):
+            return F.gelu(x)
+
+    assert FusedGELU.from_module(Act()).approximate == "none"
+    assert not matching.probe_gelu(Act()).candidate and "class name" in matching.probe_gelu(Act()).reason
+    assert matching.probe_gelu(Act(), by_name=False).ok
+    with pytest.raises(ValueError, match=r"approximate: expected 'none' \(exact GELU, erf\) or 'tanh'"):
+        FusedGELU.from_module(A.NewGELUActivation(), approximate="erf")
+    with pytest.raises(ValueError, match=r"act: Sequential does not pass the GELU probe: Sequential is not a leaf"):
+        FusedGELU.from_module(nn.Sequential(nn.GELU()))
+
+
+def test_the_gelu_of_experts_left_out_of_ops_is_not_counted_again():
+    report = fuse(_mixtral_gelu(), ops=["rms_norm"], dry_run=True)
+    assert report.not_requested.get("geglu") == 1 and "gelu" not in report.not_requested, report.not_requested

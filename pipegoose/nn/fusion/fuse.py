@@ -696,11 +696,14 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                     _hold(state, report.rows[-1], path, lambda m: isinstance(m, fused_types))
                     continue
                 if _experts.candidate(child):   # a MoE layer's experts: their gate hooked, the module kept
+                    counted = sum(report.not_requested.values())
                     row = _consider_experts(model, child, path, ops, dry_run, state, held)
                     if row is not None:
                         report.rows.append(row)
                         if row.fused:
                             absorbed.add(id(child))
+                    elif sum(report.not_requested.values()) > counted:   # (counted under its kind: its act not again)
+                        gated_left_out.add(id(child))
                     continue
                 if matching.gelu_candidate(child):
                     if "gelu" not in ops:

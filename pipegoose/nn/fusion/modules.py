@@ -1505,9 +1505,9 @@ class FusedGELU(_DropsFuseRecord, nn.Module):
         """The fused module for the activation module ``act``, in its training mode.
 
         ``verify`` (default True): ``act`` must pass the probe that ``fuse`` runs (``transformers.matching.
-        probe_gelu``: a leaf module without parameters or buffers, whose forward on CPU, in training and eval mode,
-        computes GELU, exact or tanh, within 1e-6 of the float64 formula near 0 and far out); the probe tells
-        ``approximate``. ``act``'s hooks are not carried over (``fuse`` hands them to the replacement).
+        probe_gelu``, less fuse's rule that the class's name has "gelu" in it: a leaf module without parameters or
+        buffers, whose forward on CPU, in training and eval mode, computes GELU, exact or tanh, within 1e-6 of the
+        float64 formula near 0 and far out); the probe tells ``approximate``. ``act``'s hooks are not carried over (``fuse`` hands them to the replacement).
         ``verify=False`` takes ``approximate`` from the argument, else from ``act``'s attribute of that name
         (``torch.nn.GELU``'s).
 
@@ -1520,8 +1520,10 @@ class FusedGELU(_DropsFuseRecord, nn.Module):
 
         if not isinstance(act, nn.Module):
             raise TypeError(f"act: expected a torch.nn.Module, got {type(act).__name__}")
+        if approximate is not None:
+            _swiglu.check_approximate(approximate)
         if verify:
-            probe = probe_gelu(act)
+            probe = probe_gelu(act, by_name=False)
             if not probe.ok:
                 raise ValueError(f"act: {type(act).__name__} does not pass the GELU probe: {probe.reason}; "
                                  "verify=False skips this check")

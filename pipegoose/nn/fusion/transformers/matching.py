@@ -1281,14 +1281,21 @@ def gelu_candidate(module: nn.Module) -> bool:
             and not any(True for _ in module.parameters()) and not any(True for _ in module.buffers()))
 
 
-def probe_gelu(module: nn.Module) -> GeluProbe:
-    """Whether ``module``, a :func:`gelu_candidate`, computes GELU, exact (erf) or with the tanh approximation, as
-    ``F.gelu(x, approximate=...)`` does (:func:`activation_formula`: its forward, called directly, so no hook fires,
-    on CPU in fp32, training and eval mode, against the float64 formulas), with no forward arguments beyond the
-    input. Hooks do not refuse it: ``fuse`` hands them to the replacement (as it does a norm's)."""
+def probe_gelu(module: nn.Module, *, by_name: bool = True) -> GeluProbe:
+    """Whether ``module``, a :func:`gelu_candidate` (``by_name`` False: any leaf module without parameters or
+    buffers, whatever its class's name: ``FusedGELU.from_module``'s, where the caller chose the module), computes
+    GELU, exact (erf) or with the tanh approximation, as ``F.gelu(x, approximate=...)`` does
+    (:func:`activation_formula`: its forward, called directly, so no hook fires, on CPU in fp32, training and eval
+    mode, against the float64 formulas), with no forward arguments beyond the input. Hooks do not refuse it: ``fuse``
+    hands them to the replacement (as it does a norm's)."""
     name = type(module).__name__
-    if not gelu_candidate(module):
-        return GeluProbe(False, False, None, f"{name} is not a GELU activation module (a leaf without parameters)")
+    leaf = (not any(True for _ in module.children()) and not any(True for _ in module.parameters())
+            and not any(True for _ in module.buffers()))
+    if not leaf:
+        return GeluProbe(False, False, None, f"{name} is not a leaf module without parameters or buffers")
+    if by_name and not gelu_candidate(module):
+        return GeluProbe(False, False, None, f"{name}: fuse() looks at activation modules whose class name has "
+                                             "\"gelu\" in it")
     extra = _extra_forward_arguments(type(module))
     if extra:
         return GeluProbe(True, False, None, f"its forward takes more than the input ({', '.join(extra)})")
