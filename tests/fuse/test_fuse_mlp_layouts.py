@@ -279,3 +279,26 @@ def test_an_lfm2_style_mlp_of_another_activation_is_refused():
         FusedLfm2MLP.from_module(GeluW())
     with pytest.raises(TypeError, match=r"mlp: expected a module with submodules w1, w3 and w2"):
         FusedLfm2MLP.from_module(nn.Sequential(nn.Linear(4, 4)))
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("no_tuning_table")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("which", ["granite", "lfm2"])
+def test_granites_and_lfm2s_fused_mlps_run_the_kernel_on_cuda(which, dtype):
+    mlp = (_granite().model.layers[0].shared_mlp if which == "granite" else _lfm2().model.layers[0].feed_forward)
+    mlp = mlp.to("cuda", dtype)
+    cls, op = (FusedGraniteMLP, "swiglu.packed") if which == "granite" else (FusedLfm2MLP, "swiglu")
+    fused = cls.from_module(copy.deepcopy(mlp))
+    x = torch.randn(3, 7, 32, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(3, 7, 32, device="cuda", dtype=dtype)
+    want = mlp(x)
+    want_grads = torch.autograd.grad(want, [x, *mlp.parameters()], dy)
+    dispatch.reset_stats()
+    with dispatch.strict():
+        got = fused(x)
+        grads = torch.autograd.grad(got, [x, *fused.parameters()], dy)
+    assert dispatch.stats()[op] == {"pipegoose": 1}
+    torch.testing.assert_close(got, want, **tol(dtype, 4))
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, **tol(dtype, 8))
