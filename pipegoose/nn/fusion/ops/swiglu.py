@@ -233,11 +233,12 @@ def _explain_packed(x):
     return packed_problem(x)
 
 
-def _packed_supports(forward_ad: str):
-    """The kernel's ``supports`` of ``swiglu.packed`` and ``geglu.packed`` (``forward_ad``: the reason for a dual
-    tensor, naming the op's kernel)."""
+def _packed_supports(forward_ad: str, what: str = "x"):
+    """The kernel's ``supports`` of the one-input ops, ``swiglu.packed``, ``geglu.packed`` and ``gelu``
+    (``forward_ad``: the reason for a dual tensor, naming the op's kernel; ``what``: the input's name in the
+    reasons)."""
     def supports(p: Problem) -> tuple[bool, str]:
-        ok, why = kernel_input_ok(p, forward_ad, "x")
+        ok, why = kernel_input_ok(p, forward_ad, what)
         if not ok:
             return ok, why
         if p["numel"] == 0:
@@ -295,8 +296,8 @@ def run_packed(x: torch.Tensor, impl: str | None) -> torch.Tensor:
 
 
 def _run_packed(op: str, x: torch.Tensor, impl: str | None, *extra: Any) -> torch.Tensor:
-    """:func:`run_packed` of op ``swiglu.packed`` or ``geglu.packed`` (``extra``: the op's further arguments,
-    ``approximate``)."""
+    """:func:`run_packed` of the one-input ops, ``swiglu.packed``, ``geglu.packed`` and ``gelu`` (``extra``: the op's
+    further arguments, ``approximate``)."""
     check, problem, reference, ours = _PACKED[op]
     if dispatch.compile_passthrough(op, impl):  # torch.compile fuses the ops itself, after eager's checks
         check(x, *extra)
@@ -462,7 +463,7 @@ def run_geglu_packed(x: torch.Tensor, approximate: str, impl: str | None) -> tor
     return _run_packed(GEGLU_PACKED_OP, x, impl, approximate)
 
 
-# op -> (check, problem, reference, our path) of the packed gated ops (:func:`_run_packed`)
+# op -> (check, problem, reference, our path) of the one-input ops (:func:`_run_packed`; gelu added below)
 _PACKED = {PACKED_OP: (check_packed_args, packed_problem, silu_and_mul_reference, _run_pipegoose_packed),
            GEGLU_PACKED_OP: (check_geglu_packed_args, geglu_packed_problem, gelu_and_mul_reference,
                              _run_pipegoose_geglu_packed)}
@@ -500,17 +501,8 @@ def _explain_gelu(x, approximate="none"):
     return gelu_problem(x, approximate)
 
 
-def _gelu_supports(p: Problem) -> tuple[bool, str]:
-    ok, why = kernel_input_ok(p, FORWARD_AD_GELU, "input")
-    if not ok:
-        return ok, why
-    if p["numel"] == 0:
-        return False, "an empty input"
-    return True, ""
-
-
-dispatch.register(Implementation(GELU_OP, "pipegoose", "ours", _gelu_supports, ("pipegoose/swiglu",),
-                                 SRC_PIPEGOOSE))
+dispatch.register(Implementation(GELU_OP, "pipegoose", "ours", _packed_supports(FORWARD_AD_GELU, "input"),
+                                 ("pipegoose/swiglu",), SRC_PIPEGOOSE))
 dispatch.register(Implementation(GELU_OP, "torch", "reference", lambda p: (True, ""), (),
                                  "PyTorch: F.gelu(x, approximate=approximate)", small_first=True))
 dispatch.register_problem(GELU_OP, _explain_gelu)
@@ -530,19 +522,6 @@ def _run_pipegoose_gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
     return ops.gelu.default(x, approximate)
 
 
-def _gelu_signature(x: Any, approximate: Any) -> tuple | None:
-    if torch.compiler.is_compiling():
-        return None
-    try:
-        if any_in_transform(x) or in_dual_level():
-            return None
-        sig = (type(x), x.dtype, x.device, x.shape, x.requires_grad, torch.is_grad_enabled(), approximate)
-        hash(sig)
-    except (AttributeError, TypeError):
-        return None
-    return sig
-
-
 def run_gelu(x: torch.Tensor, approximate: str, impl: str | None) -> torch.Tensor:
     """:func:`pipegoose.nn.fusion.functional.gelu` behind the checks; runs the implementation the dispatcher chooses
     (``impl``: a forced one or None). The choice cache's signature holds ``approximate``.
@@ -551,22 +530,7 @@ def run_gelu(x: torch.Tensor, approximate: str, impl: str | None) -> torch.Tenso
         TypeError, ValueError: as :func:`check_gelu_args`; ``impl`` naming no implementation of ``gelu``.
         FusionFallbackError: in strict mode, where the kernel cannot take the input.
     """
-    if dispatch.compile_passthrough(GELU_OP, impl):  # torch.compile traces F.gelu, after eager mode's checks
-        check_gelu_args(x, approximate)
-        return gelu_reference(x, approximate)
-    if getattr(x, "is_nested", False):
-        check_gelu_args(x, approximate)
-        dispatch.record(nested_fallback(GELU_OP, impl))
-        return gelu_reference(x, approximate)
-    sig = _gelu_signature(x, approximate)
-    key = None if sig is None else dispatch.choice_key(GELU_OP, impl, sig)
-    choice = None if key is None else dispatch.cached_choice(key)
-    if choice is None:
-        check_gelu_args(x, approximate)
-        choice = dispatch.choose(GELU_OP, gelu_problem(x, approximate), impl)
-        if key is not None:
-            dispatch.remember_choice(key, choice)
-    dispatch.record(choice)
-    if choice.impl == "pipegoose":
-        return call_without_autocast(x.device, _run_pipegoose_gelu, x, approximate)
-    return gelu_reference(x, approximate)
+    return _run_packed(GELU_OP, x, impl, approximate)
+
+
+_PACKED[GELU_OP] = (check_gelu_args, gelu_problem, gelu_reference, _run_pipegoose_gelu)
