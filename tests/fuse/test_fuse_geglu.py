@@ -229,7 +229,7 @@ def test_ops_choose_geglu_apart_from_swiglu():
     assert report.not_requested["geglu"] == 2 and "swiglu" not in report.not_requested
     assert _mlps(gemma) == mlps and not is_fused(gemma)
     note = " ".join(str(report).split())
-    assert "2 geglu" in note and "all of layer_norm, rms_norm, swiglu, geglu, gelu, rope" in note, note
+    assert "2 geglu" in note and "all of layer_norm, rms_norm, swiglu, geglu, gelu, squared_relu, rope" in note, note
     report = fuse(gemma, ops=["geglu"], dry_run=True)
     assert len(report.fused_rows("geglu")) == 2 and _mlps(gemma) == mlps and not is_fused(gemma)
     report = fuse(gemma, ops="GeGLU")   # (any case, as the other kinds)

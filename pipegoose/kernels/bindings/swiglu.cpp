@@ -12,6 +12,8 @@
 // saving x and the approximation.
 // gelu (GELU alone: the MLPs without a gate, GPT-2's gelu_new, Bloom's BloomGelu): the forward kernel, saving x and
 // the approximation (as F.gelu's autograd does).
+// squared_relu (relu(x)^2 alone: transformers' relu2, Nemotron's, Persimmon's, Arcee's MLPs): as silu_and_mul, saving
+// x (eager PyTorch saves relu(x), of the same size).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -34,6 +36,8 @@ at::Tensor gelu_and_mul_backward_cuda(const at::Tensor& grad_output, const at::T
                                       c10::string_view approximate);
 at::Tensor gelu_forward_cuda(const at::Tensor& x, c10::string_view approximate);
 at::Tensor gelu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& x, c10::string_view approximate);
+at::Tensor squared_relu_forward_cuda(const at::Tensor& x);
+at::Tensor squared_relu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& x);
 }  // namespace pipegoose
 
 namespace {
@@ -64,6 +68,10 @@ at::Tensor packed_reference(const at::Tensor& x) {
   const auto halves = x.chunk(2, -1);
   return reference(halves[0], halves[1]);
 }
+
+// squared_relu's numerics as PyTorch ops: relu(x) squared in x's dtype (one rounding, as the kernel's; the Python
+// reference, squared_relu_reference). Differentiable (used for a double backward).
+at::Tensor squared_relu_reference(const at::Tensor& x) { return at::square(at::relu(x)); }
 
 // geglu's numerics as PyTorch ops: gelu(gate, approximate) * up in fp32, rounded once to gate's dtype (the Python
 // reference of op geglu's kernel numerics). Differentiable (used for a double backward).
@@ -113,10 +121,13 @@ struct SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
   }
 };
 
-// The autograd formula of pipegoose::silu_and_mul (graph node torch::autograd::CppNode<pipegoose::SiluAndMulFunction>).
-struct SiluAndMulFunction : public torch::autograd::Function<SiluAndMulFunction> {
+// The autograd formula of the ops of one input and no other argument, silu_and_mul and squared_relu (graph nodes
+// torch::autograd::CppNode<pipegoose::SiluAndMulFunction>, CppNode<pipegoose::SquaredReluFunction>): Derived names its
+// forward and backward ops (kForward, kBackward) and its PyTorch reference (reference, for a double backward).
+template <typename Derived>
+struct OneInputFunction : public torch::autograd::Function<Derived> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x) {
-    static const auto op = na::op_handle<PackedForwardSig>("pipegoose::silu_and_mul_forward");
+    static const auto op = na::op_handle<PackedForwardSig>(Derived::kForward);
     at::AutoDispatchBelowADInplaceOrView below;
     at::Tensor y = op.call(x);
     ctx->save_for_backward({x});
@@ -129,12 +140,24 @@ struct SiluAndMulFunction : public torch::autograd::Function<SiluAndMulFunction>
     const at::Tensor& dy = grads[0];
     if (!dy.defined()) return {at::Tensor()};
     if (at::GradMode::is_enabled()) {  // create_graph=True: a gradient that is differentiable again
-      return na::grads_through([&] { return packed_reference(x); }, {x}, {ctx->needs_input_grad(0)}, dy);
+      return na::grads_through([&] { return Derived::reference(x); }, {x}, {ctx->needs_input_grad(0)}, dy);
     }
-    static const auto op = na::op_handle<PackedBackwardSig>("pipegoose::silu_and_mul_backward");
+    static const auto op = na::op_handle<PackedBackwardSig>(Derived::kBackward);
     at::AutoDispatchBelowADInplaceOrView below;
     return {op.call(dy, x)};
   }
+};
+
+struct SiluAndMulFunction : public OneInputFunction<SiluAndMulFunction> {
+  static constexpr const char* kForward = "pipegoose::silu_and_mul_forward";
+  static constexpr const char* kBackward = "pipegoose::silu_and_mul_backward";
+  static at::Tensor reference(const at::Tensor& x) { return packed_reference(x); }
+};
+
+struct SquaredReluFunction : public OneInputFunction<SquaredReluFunction> {
+  static constexpr const char* kForward = "pipegoose::squared_relu_forward";
+  static constexpr const char* kBackward = "pipegoose::squared_relu_backward";
+  static at::Tensor reference(const at::Tensor& x) { return squared_relu_reference(x); }
 };
 
 // The autograd formula of pipegoose::geglu (graph node torch::autograd::CppNode<pipegoose::GeGLUFunction>).
@@ -224,6 +247,8 @@ at::Tensor swiglu_autograd(const at::Tensor& gate, const at::Tensor& up) {
 
 at::Tensor silu_and_mul_autograd(const at::Tensor& x) { return pipegoose::SiluAndMulFunction::apply(x); }
 
+at::Tensor squared_relu_autograd(const at::Tensor& x) { return pipegoose::SquaredReluFunction::apply(x); }
+
 at::Tensor geglu_autograd(const at::Tensor& gate, const at::Tensor& up, c10::string_view approximate) {
   return pipegoose::GeGLUFunction::apply(gate, up, approximate);
 }
@@ -251,6 +276,9 @@ TORCH_LIBRARY_FRAGMENT(pipegoose, m) {
   m.def("gelu_forward(Tensor x, str approximate='none') -> Tensor");
   m.def("gelu_backward(Tensor grad_output, Tensor x, str approximate='none') -> Tensor");
   m.def("gelu(Tensor x, str approximate='none') -> Tensor");
+  m.def("squared_relu_forward(Tensor x) -> Tensor");
+  m.def("squared_relu_backward(Tensor grad_output, Tensor x) -> Tensor");
+  m.def("squared_relu(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pipegoose, CUDA, m) {
@@ -269,6 +297,9 @@ TORCH_LIBRARY_IMPL(pipegoose, CUDA, m) {
   m.impl("gelu_forward", &pipegoose::gelu_forward_cuda);
   m.impl("gelu_backward", &pipegoose::gelu_backward_cuda);
   m.impl("gelu", &pipegoose::gelu_forward_cuda);
+  m.impl("squared_relu_forward", &pipegoose::squared_relu_forward_cuda);
+  m.impl("squared_relu_backward", &pipegoose::squared_relu_backward_cuda);
+  m.impl("squared_relu", &pipegoose::squared_relu_forward_cuda);
 }
 
 TORCH_LIBRARY_IMPL(pipegoose, Autograd, m) {
@@ -277,4 +308,5 @@ TORCH_LIBRARY_IMPL(pipegoose, Autograd, m) {
   m.impl("geglu", &geglu_autograd);
   m.impl("gelu_and_mul", &gelu_and_mul_autograd);
   m.impl("gelu", &gelu_autograd);
+  m.impl("squared_relu", &squared_relu_autograd);
 }

@@ -2,7 +2,8 @@
 ``pipegoose::silu_and_mul_forward``, ``pipegoose::silu_and_mul_backward``, ``pipegoose::silu_and_mul`` and
 ``pipegoose::geglu_forward``, ``pipegoose::geglu_backward``, ``pipegoose::geglu``,
 ``pipegoose::gelu_and_mul_forward``, ``pipegoose::gelu_and_mul_backward``, ``pipegoose::gelu_and_mul`` and
-``pipegoose::gelu_forward``, ``pipegoose::gelu_backward``, ``pipegoose::gelu`` (pipegoose's SwiGLU, GeGLU and GELU
+``pipegoose::gelu_forward``, ``pipegoose::gelu_backward``, ``pipegoose::gelu`` and ``pipegoose::squared_relu_forward``,
+``pipegoose::squared_relu_backward``, ``pipegoose::squared_relu`` (pipegoose's SwiGLU, GeGLU, GELU and squared ReLU
 activations, ``pipegoose/kernels/csrc/swiglu.cu``).
 
 Shapes and dtypes, as the CUDA kernels return them: ``gate`` and ``up`` of one shape and dtype; forward -> ``out``
@@ -11,8 +12,8 @@ Shapes and dtypes, as the CUDA kernels return them: ``gate`` and ``up`` of one s
 (contiguous, x's dtype). ``geglu``: as ``swiglu``, with ``approximate`` ``"tanh"`` or ``"none"`` (another string:
 the check fails naming ``approximate``, as the kernels' RuntimeError does); ``gelu_and_mul``: as ``silu_and_mul``,
 with ``approximate``. ``gelu``: ``x`` -> ``out`` (contiguous, x's shape and dtype); backward(``grad_output`` of x's
-shape, ``x``) -> ``grad_x`` (the same), with ``approximate`` (default ``"none"``, as ``F.gelu``). Imported by the
-builder after the library is loaded."""
+shape, ``x``) -> ``grad_x`` (the same), with ``approximate`` (default ``"none"``, as ``F.gelu``). ``squared_relu``: as
+``gelu`` without ``approximate``. Imported by the builder after the library is loaded."""
 
 from __future__ import annotations
 
@@ -134,21 +135,36 @@ def _gelu_packed_fake(x, approximate="tanh"):
 
 @torch.library.register_fake("pipegoose::gelu_forward")
 def _gelu_forward_fake(x, approximate="none"):
-    _kernel_dtype(x, "x")
     _approximate(approximate)
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return _squared_relu_forward_fake(x)
 
 
 @torch.library.register_fake("pipegoose::gelu_backward")
 def _gelu_backward_fake(grad_output, x, approximate="none"):
-    _kernel_dtype(x, "x")
     _approximate(approximate)
+    return _squared_relu_backward_fake(grad_output, x)
+
+
+@torch.library.register_fake("pipegoose::gelu")
+def _gelu_fake(x, approximate="none"):
+    return _gelu_forward_fake(x, approximate)
+
+
+@torch.library.register_fake("pipegoose::squared_relu_forward")
+def _squared_relu_forward_fake(x):
+    _kernel_dtype(x, "x")
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.register_fake("pipegoose::squared_relu_backward")
+def _squared_relu_backward_fake(grad_output, x):
+    _kernel_dtype(x, "x")
     _grad_output(grad_output, x, "x")
     torch._check(grad_output.shape == x.shape,
                  lambda: f"grad_output: expected x's shape {tuple(x.shape)}, got {tuple(grad_output.shape)}")
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-@torch.library.register_fake("pipegoose::gelu")
-def _gelu_fake(x, approximate="none"):
-    return _gelu_forward_fake(x, approximate)
+@torch.library.register_fake("pipegoose::squared_relu")
+def _squared_relu_fake(x):
+    return _squared_relu_forward_fake(x)

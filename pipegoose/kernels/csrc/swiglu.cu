@@ -1,8 +1,9 @@
 // SwiGLU's gated activation, silu(gate) * up, forward and backward, for fp32, fp16 and bf16 tensors with fp32 math.
 // Written for pipegoose; ops pipegoose::swiglu_forward / swiglu_backward / swiglu and, for gate and up in one tensor,
 // pipegoose::silu_and_mul_forward / silu_and_mul_backward / silu_and_mul; GeGLU's the same, geglu_* and
-// gelu_and_mul_*; GELU alone, gelu_forward / gelu_backward / gelu (binding: pipegoose/kernels/bindings/swiglu.cpp;
-// schemas: docs/architecture.md "Op schemas").
+// gelu_and_mul_*; GELU alone, gelu_forward / gelu_backward / gelu; squared ReLU, squared_relu_forward /
+// squared_relu_backward / squared_relu (binding: pipegoose/kernels/bindings/swiglu.cpp; schemas: docs/architecture.md
+// "Op schemas").
 //
 // swiglu_forward(gate [*], up [*]) -> out [*]:  out = gate * sigmoid(gate) * up
 // swiglu_backward(grad_output [*], gate, up) -> (grad_gate, grad_up):
@@ -60,6 +61,17 @@
 // thread, the scalar kernel for a view at an odd element offset), contiguous copies of non-contiguous inputs,
 // contiguous outputs. Errors (RuntimeError naming the argument): not CUDA, devices differ, dtype not fp32/fp16/bf16,
 // grad_output of another shape or not floating point, approximate another string.
+//
+// squared_relu (Primer's squared ReLU, relu(x)^2: transformers' relu2, ReLUSquaredActivation, the activation of the
+// MLPs without a gate of Nemotron, Nemotron-H, Persimmon, Arcee, Jais2, NanoChat; transformers compute it as relu
+// then square, two kernels forward, three backward): ops pipegoose::squared_relu_forward / squared_relu_backward /
+// squared_relu, gelu's launch, layouts and errors without approximate:
+// squared_relu_forward(x [*]) -> out [*]:  out = relu(x)^2
+// squared_relu_backward(grad_output [*], x) -> grad_x [*]:  grad_x = grad_output * 2 relu(x) where x > 0, else 0
+// In fp32, rounded once: the same bits as eager PyTorch's relu, square and their backward (each a product of two
+// values of the dtype rounded once), NaN in x giving NaN as torch.relu does, and 0 where x <= 0 whatever grad_output
+// holds (threshold_backward's; grad_output * 0 would be NaN for an infinite one). One exception: fp16 x past 32752,
+// where eager rounds 2 x to fp16 (inf) before the product and the kernel does not (x^2 is inf there already).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -149,6 +161,29 @@ struct GeluErf {
   }
 };
 
+// Squared ReLU, relu(g)^2, derivative 2 relu(g); relu(NaN) is NaN (torch.relu's). grad: the backward's grad_x of
+// (grad_output, g), 0 where g <= 0 (threshold_backward zeroes an infinite grad_output there too).
+struct SquaredRelu {
+  __device__ __forceinline__ static float relu(float g) { return g > 0.f || g != g ? g : 0.f; }
+  __device__ __forceinline__ static float value(float g) {
+    const float r = relu(g);
+    return r * r;
+  }
+  __device__ __forceinline__ static float grad(float dy, float g) {
+    return g > 0.f || g != g ? dy * (2.f * g) : 0.f;
+  }
+};
+
+// grad_x = grad_output * act'(g) of the plain activation (op gelu's GELUs; squared ReLU has its own, above).
+template <typename Act>
+__device__ __forceinline__ float act_grad(float dy, float g) {
+  float a, da;
+  Act::both(g, a, da);
+  return dy * da;
+}
+template <>
+__device__ __forceinline__ float act_grad<SquaredRelu>(float dy, float g) { return SquaredRelu::grad(dy, g); }
+
 template <typename Act>
 __device__ __forceinline__ float fwd_math(float g, float u) { return Act::value(g) * u; }
 
@@ -160,7 +195,8 @@ __device__ __forceinline__ void bwd_math(float dy, float g, float u, float& dg, 
   dg = dy * u * da;
 }
 
-// The plain activation (op gelu): act(x) of (x); and grad_x = grad_output * act'(x) of (grad_output, x).
+// The plain activation (ops gelu, squared_relu): act(x) of (x); and grad_x = grad_output * act'(x) of
+// (grad_output, x).
 template <typename Act>
 struct ActFwd {
   static constexpr int kIn = 1, kOut = 1;
@@ -170,9 +206,7 @@ template <typename Act>
 struct ActBwd {
   static constexpr int kIn = 2, kOut = 1;
   __device__ __forceinline__ static void apply(const float (&x)[2], float (&y)[1]) {
-    float a, da;
-    Act::both(x[1], a, da);
-    y[0] = x[0] * da;
+    y[0] = act_grad<Act>(x[0], x[1]);
   }
 };
 
@@ -565,6 +599,8 @@ namespace {
 
 const char* kGeluFwd = "pipegoose::gelu_forward";
 const char* kGeluBwd = "pipegoose::gelu_backward";
+const char* kSquaredReluFwd = "pipegoose::squared_relu_forward";
+const char* kSquaredReluBwd = "pipegoose::squared_relu_backward";
 
 void check_one(const char* op, const at::Tensor& x) {
   PG_CHECK(x.defined(), op, ": x must be a defined tensor");
@@ -574,7 +610,7 @@ void check_one(const char* op, const at::Tensor& x) {
            ": x must be float32, float16 or bfloat16, got ", dt);
 }
 
-// gelu's entry points, for the activation Act (op: the op's name, for the errors).
+// The plain activations' entry points (gelu, squared_relu), for the activation Act (op: the op's name, for the errors).
 template <typename Act>
 at::Tensor unary_forward(const char* op, const at::Tensor& x_in) {
   check_one(op, x_in);
@@ -636,6 +672,12 @@ at::Tensor gelu_forward_cuda(const at::Tensor& x, c10::string_view approximate) 
 at::Tensor gelu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& x, c10::string_view approximate) {
   return gelu_tanh(kGeluBwd, approximate) ? unary_backward<GeluTanh>(kGeluBwd, grad_output, x)
                                           : unary_backward<GeluErf>(kGeluBwd, grad_output, x);
+}
+
+at::Tensor squared_relu_forward_cuda(const at::Tensor& x) { return unary_forward<SquaredRelu>(kSquaredReluFwd, x); }
+
+at::Tensor squared_relu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& x) {
+  return unary_backward<SquaredRelu>(kSquaredReluBwd, grad_output, x);
 }
 
 at::Tensor swiglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up) {

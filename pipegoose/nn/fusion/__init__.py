@@ -10,10 +10,11 @@ from .dispatch import FusionFallbackError
 from .fuse import FusionReport, fuse, fused, fusion_report, is_fused, unfuse
 from .functional import (apply_rotary_pos_emb, cross_entropy, fused_linear_cross_entropy, geglu, gelu, gelu_and_mul,
                          layer_norm, mixed_fused_layer_norm, rms_norm, scaled_masked_softmax, scaled_softmax,
-                         scaled_upper_triang_masked_softmax, silu_and_mul, softmax, swiglu)
+                         scaled_upper_triang_masked_softmax, silu_and_mul, softmax, squared_relu, swiglu)
 from .modules import (AttnMaskType, FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedGELU, FusedGraniteMLP, FusedLayerNorm,
                       FusedLfm2MLP, FusedLinearCrossEntropyLoss, FusedModernBertMLP, FusedRMSNorm,
-                      FusedScaleMaskSoftmax, FusedSwiGLUMLP, FusedT5DenseGatedActDense, MixedFusedLayerNorm)
+                      FusedScaleMaskSoftmax, FusedSquaredReLU, FusedSwiGLUMLP, FusedT5DenseGatedActDense,
+                      MixedFusedLayerNorm)
 from .optim import FusedAdam, clip_grad_norm_
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "geglu",
     "gelu_and_mul",
     "gelu",
+    "squared_relu",
     "cross_entropy",
     "fused_linear_cross_entropy",
     "apply_rotary_pos_emb",
@@ -40,6 +42,7 @@ __all__ = [
     "MixedFusedLayerNorm",
     "FusedRMSNorm",
     "FusedGELU",
+    "FusedSquaredReLU",
     "FusedModernBertMLP",
     "FusedGraniteMLP",
     "FusedLfm2MLP",

@@ -44,7 +44,7 @@ from .ops import swiglu as _swiglu
 
 __all__ = ["softmax", "scaled_softmax", "scaled_masked_softmax", "scaled_upper_triang_masked_softmax",
            "layer_norm", "mixed_fused_layer_norm", "rms_norm", "swiglu", "silu_and_mul", "geglu", "gelu_and_mul",
-           "gelu", "cross_entropy", "fused_linear_cross_entropy", "apply_rotary_pos_emb"]
+           "gelu", "squared_relu", "cross_entropy", "fused_linear_cross_entropy", "apply_rotary_pos_emb"]
 
 
 def softmax(input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3, dtype: torch.dtype | None = None, *,
@@ -375,6 +375,34 @@ def gelu(input: torch.Tensor, approximate: str = "none", *, impl: str | None = N
         FusionFallbackError: in strict mode, where the kernel cannot take the input.
     """
     return _swiglu.run_gelu(input, approximate, impl)
+
+
+def squared_relu(input: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
+    """Primer's squared ReLU ``torch.square(F.relu(input))`` in one kernel forward and one backward (op
+    ``squared_relu``): transformers' ``relu2`` (``ReLUSquaredActivation``), the activation of the MLPs without a gate
+    of Nemotron, Nemotron-H, Persimmon, Arcee, Jais2 and NanoChat, which it runs as two kernels forward and three
+    backward (``fuse`` puts :class:`~pipegoose.nn.fusion.modules.FusedSquaredReLU` in its place).
+
+    Args:
+        input: a tensor of any shape (non-contiguous ones are copied first), fp32, fp16, bf16 (the kernel) or fp64.
+
+    Returns:
+        Tensor of ``input``'s shape and dtype (contiguous from the kernel), the same values as
+        ``torch.square(F.relu(input))`` bit for bit (each the product of two values of the dtype, computed in fp32
+        and rounded once, as PyTorch's); NaN stays NaN (``F.relu``'s). The gradient ``2 * relu(input) *
+        grad_output`` likewise, 0 where ``input <= 0`` (also for an infinite ``grad_output``, as PyTorch's), but for
+        fp16 inputs past 32752 (where the output is inf already), for which PyTorch rounds ``2 * input`` to inf
+        first and the kernel does not. It saves ``input`` for the backward (PyTorch saves ``relu(input)``, of the
+        same size).
+
+    Kernel: pipegoose/swiglu (``pipegoose::squared_relu``; pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
+
+    Raises:
+        TypeError: ``input`` not a floating point tensor of fp32/fp16/bf16/fp64.
+        ValueError: ``impl`` naming no implementation of ``squared_relu`` (``pipegoose``, ``torch``).
+        FusionFallbackError: in strict mode, where the kernel cannot take the input.
+    """
+    return _swiglu.run_squared_relu(input, impl)
 
 
 def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh", *, impl: str | None = None) -> torch.Tensor:

@@ -56,6 +56,12 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   not call them), also where another module shares them; ``QuickGELUActivation``, a clipped GELU and other
   functions named so get a skipped row, not eligible. A gated MLP whose activation an earlier ``fuse()`` replaced
   by a ``FusedGELU`` is skipped with that reason (unfuse first);
+* every squared ReLU activation module (``relu(x)^2``: transformers' ``ReLUSquaredActivation``, ``relu2``, of the MLPs
+  without a gate of Nemotron, Nemotron-H, Persimmon, Arcee, Jais2, NanoChat), found by its class name (``relu`` with
+  ``square`` or ``relu2`` in it: a leaf without parameters or buffers) and a numerical probe
+  (``transformers.matching.probe_squared_relu``) -> ``FusedSquaredReLU`` (op ``squared_relu``; hooks kept), kind
+  ``squared_relu`` (since session 73); a function named so that computes another (a clipped one) gets a skipped row,
+  not eligible;
 * the rotary position embedding of every attention module whose forward calls its modeling module's
   ``apply_rotary_pos_emb`` (Llama, Mistral, Qwen2, Qwen3, Gemma, GPT-NeoX with full rotary, ...), where that
   function is transformers' rotate-half RoPE, or an interleaved one (pairs of neighbours: Cohere's, GLM's, since
@@ -142,7 +148,7 @@ from .transformers import loss as _loss
 from .transformers import matching
 from .transformers import rope as _rope
 
-OPS = ("layer_norm", "rms_norm", "swiglu", "geglu", "gelu", "rope", "cross_entropy", "attention",
+OPS = ("layer_norm", "rms_norm", "swiglu", "geglu", "gelu", "squared_relu", "rope", "cross_entropy", "attention",
        "linear_cross_entropy")
 # what ops=None fuses: all but linear_cross_entropy (the LM head and loss in one: opt-in, it saved memory but not
 # time on the H200's Llama-1.1B step, session 51)
@@ -169,7 +175,8 @@ class FusionRow:
         kind: ``layer_norm``, ``rms_norm``, ``swiglu`` (a SwiGLU MLP: Llama's; T5's gated MLP with SiLU; a MoE
             layer's experts module of SiLU, whose gate runs op ``swiglu.packed``: replacement ``FusedExpertsGate``),
             ``geglu`` (a GeGLU MLP: Gemma's; T5's gated MLP with GELU, Flan-T5's; a MoE layer's experts module of
-            GELU, Gemma 4's, whose gate runs op ``geglu.packed``), ``rope`` (an attention module's rotary
+            GELU, Gemma 4's, whose gate runs op ``geglu.packed``), ``gelu`` (a GELU activation module: GPT-2's),
+            ``squared_relu`` (a squared ReLU activation module: Nemotron's), ``rope`` (an attention module's rotary
             embedding), ``cross_entropy`` (the model's loss), ``linear_cross_entropy`` (a causal LM's head and loss
             in one) or ``attention``.
         original: class name of the module found.
@@ -584,7 +591,8 @@ def _parse_attention(attention: Any) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool = False,
          attention: str = "auto") -> FusionReport:
-    """Replace ``model``'s LayerNorms, RMSNorms, SwiGLU and GeGLU MLPs, GELU activations, the gate of its MoE experts
+    """Replace ``model``'s LayerNorms, RMSNorms, SwiGLU and GeGLU MLPs, GELU and squared ReLU activations, the gate of
+    its MoE experts
     (transformers' experts modules: :mod:`~pipegoose.nn.fusion.transformers.experts`), rotary position embedding,
     language-model loss and attention softmax by fused ones, on this instance only.
 
@@ -592,10 +600,10 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
         model: a constructed ``torch.nn.Module`` (typically a transformers ``PreTrainedModel``, e.g. from
             ``from_pretrained``), on any device and dtype. Modules whose parameters are on CPU run the reference
             paths (the dispatcher picks fused kernels on CUDA).
-        ops: subset of ``("layer_norm", "rms_norm", "swiglu", "geglu", "gelu", "rope", "cross_entropy",
-            "attention", "linear_cross_entropy")`` (a name or an iterable of names; case and surrounding blanks
-            ignored, as in ``impl=``); None = all but ``linear_cross_entropy``, which is opt-in: a causal LM's head
-            and loss in one (:mod:`pipegoose.nn.fusion.transformers.lm_head`; in training with labels the output's
+        ops: subset of ``("layer_norm", "rms_norm", "swiglu", "geglu", "gelu", "squared_relu", "rope",
+            "cross_entropy", "attention", "linear_cross_entropy")`` (a name or an iterable of names; case and
+            surrounding blanks ignored, as in ``impl=``); None = all but ``linear_cross_entropy``, which is opt-in: a
+            causal LM's head and loss in one (:mod:`pipegoose.nn.fusion.transformers.lm_head`; in training with labels the output's
             ``logits`` is None; on the H200's Llama-1.1B step 0.5 GiB less peak memory at 0.1% fewer tokens/s,
             session 52; one backward per forward: a second backward through a retained graph raises RuntimeError).
         dry_run: only report what would be done; the model is not touched.
@@ -636,7 +644,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
         raise RuntimeError(f"model: this {type(model).__name__} is already fused; call unfuse(model) first")
     from . import dispatch
     from .modules import (FusedGateUpSwiGLUMLP, FusedGELU, FusedGeGLUMLP, FusedModernBertMLP, FusedRMSNorm,
-                          FusedSwiGLUMLP, FusedT5DenseGatedActDense, MixedFusedLayerNorm)
+                          FusedSquaredReLU, FusedSwiGLUMLP, FusedT5DenseGatedActDense, MixedFusedLayerNorm)
 
     dispatch.check_env()
     norms = [k for k in ("layer_norm", "rms_norm") if k in ops]   # the kinds whose fused modules hold parameters
@@ -650,11 +658,11 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     state = _Fusion(report=report)
     replaced: dict[int, nn.Module] = {}       # id(old) -> new (a shared module is replaced once, everywhere)
     seen: set[int] = set()
-    fused_types = (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP, FusedGateUpSwiGLUMLP, FusedGeGLUMLP,
-                   FusedT5DenseGatedActDense, FusedModernBertMLP, FusedGELU)
+    fused_types = _fused_module_types()
     # the gated MLPs and MoE experts fused by this call (or, in a dry run, that would be): their activation module is
-    # kept but not called, so it is no GELU of its own to replace (a replaced one would be taken for an activation
-    # assigned since, and the MLP would run it instead of its kernel); also those fused before (fused_types)
+    # kept but not called, so it is no activation (GELU, squared ReLU) of its own to replace (a replaced one would be
+    # taken for an activation assigned since, and the MLP would run it instead of its kernel); also those fused before
+    # (fused_types)
     absorbed: set[int] = set()
     gated_left_out: set[int] = set()   # gated MLPs counted under a kind left out of ops (their act: not counted again)
     # the parametrization objects of parametrized modules (a _WeightNorm, say): not modules of the model's computation
@@ -669,7 +677,8 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                 if child is None:
                     continue
                 path = f"{parent_path}.{name}" if parent_path else name
-                if matching.gelu_candidate(child) and (id(parent) in absorbed or isinstance(parent, fused_types)):
+                act_kind = _activation_candidate(child)   # "gelu", "squared_relu" (by class name) or None
+                if act_kind is not None and (id(parent) in absorbed or isinstance(parent, fused_types)):
                     # the activation of a fused gated MLP: left as it is, whether or not another module shares it
                     # (first seen here, it is not marked seen: a later plain user of it is fused; a review)
                     continue
@@ -684,6 +693,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                 if isinstance(child, fused_types):  # put there before this call
                     kind = ("rms_norm" if isinstance(child, FusedRMSNorm) else
                             "gelu" if isinstance(child, FusedGELU) else
+                            "squared_relu" if isinstance(child, FusedSquaredReLU) else
                             "swiglu" if isinstance(child, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP)) else
                             "geglu" if isinstance(child, FusedGeGLUMLP) else
                             # (T5's, ModernBERT's: the kind of the op it runs)
@@ -705,12 +715,12 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                     elif sum(report.not_requested.values()) > counted:   # (counted under its kind: its act not again)
                         gated_left_out.add(id(child))
                     continue
-                if matching.gelu_candidate(child):
-                    if "gelu" not in ops:
-                        if matching.probe_gelu(child).ok and id(parent) not in gated_left_out:
-                            report.not_requested["gelu"] = report.not_requested.get("gelu", 0) + 1
+                if act_kind is not None:
+                    if act_kind not in ops:
+                        if _ACTIVATIONS[act_kind].probe(child).ok and id(parent) not in gated_left_out:
+                            report.not_requested[act_kind] = report.not_requested.get(act_kind, 0) + 1
                         continue
-                    row, new = _consider_gelu(child, path, ops, dry_run, like)
+                    row, new = _consider_activation(act_kind, child, path, dry_run, like)
                 else:
                     row, new = _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like)
                     if row is not None and row.fused and row.kind in ("swiglu", "geglu"):
@@ -816,11 +826,13 @@ def _fused_impls(module: nn.Module, like: torch.Tensor | None = None) -> tuple[s
     """(forward, backward) for a norm fused before this call, as :func:`_consider` gives them for a new one: what the
     dispatcher picks for it (the report showed "yes" there, also where the fallback runs; a walkthrough)."""
     from .modules import (FusedGateUpSwiGLUMLP, FusedGELU, FusedGeGLUMLP, FusedModernBertMLP, FusedRMSNorm,
-                          FusedSwiGLUMLP, FusedT5DenseGatedActDense)
+                          FusedSquaredReLU, FusedSwiGLUMLP, FusedT5DenseGatedActDense)
 
     impl = getattr(module, "impl", None)   # a request made on the module (FusedRMSNorm(impl="torch"), say)
     if isinstance(module, FusedGELU):
-        return _gelu_impls(module, module.approximate, impl, like)
+        return _activation_impls("gelu", module, (module.approximate,), impl, like)
+    if isinstance(module, FusedSquaredReLU):
+        return _activation_impls("squared_relu", module, (), impl, like)
     if isinstance(module, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedT5DenseGatedActDense,
                            FusedModernBertMLP)):
         return _swiglu_impls(module, isinstance(module, (FusedGateUpSwiGLUMLP, FusedModernBertMLP)), impl,
@@ -1102,32 +1114,62 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like
                      f"RMSNorm ({probe.reason}), eps={probe.eps}{offset}{_small_note(child)}"), new
 
 
-def _consider_gelu(child, path, ops, dry_run, like):
-    """(row, replacement or None) for a GELU activation module (``matching.gelu_candidate``): ``FusedGELU`` with the
-    probe's ``approximate`` where the probe passes it, a skipped row with the probe's reason where not (``gelu`` in
-    ``ops``)."""
-    from .modules import FusedGELU
+@dataclass(frozen=True)
+class _Activation:
+    """How ``fuse`` treats one kind of activation module: its probe (``transformers.matching``), the fused module's
+    name, and the row's words."""
 
-    probe = matching.probe_gelu(child)
+    probe: Callable[[nn.Module], "matching.GeluProbe"]
+    replacement: str
+    formula: str   # the row's reason after the probe's: the op and what runs
+
+
+_ACTIVATIONS = {
+    "gelu": _Activation(matching.probe_gelu, "FusedGELU", "op gelu, approximate={a!r}: one kernel each way, ours or "
+                                                          "F.gelu as the dispatcher chooses"),
+    "squared_relu": _Activation(matching.probe_squared_relu, "FusedSquaredReLU",
+                                "op squared_relu: one kernel each way where ours runs (transformers' relu and square: "
+                                "two forward, three backward), the same values"),
+}
+
+
+def _activation_candidate(module: nn.Module) -> str | None:
+    """The kind of activation module ``module``'s class name says (``gelu``: :func:`matching.gelu_candidate`;
+    ``squared_relu``: :func:`matching.squared_relu_candidate`), or None."""
+    if matching.gelu_candidate(module):
+        return "gelu"
+    return "squared_relu" if matching.squared_relu_candidate(module) else None
+
+
+def _consider_activation(kind: str, child: nn.Module, path: str, dry_run: bool, like):
+    """(row, replacement or None) for an activation module of ``kind`` (:func:`_activation_candidate`; ``kind`` in
+    ``ops``): ``FusedGELU`` with the probe's ``approximate``, or ``FusedSquaredReLU``, where the probe passes it, a
+    skipped row with the probe's reason where not."""
+    from . import modules
+
+    act = _ACTIVATIONS[kind]
+    probe = act.probe(child)
     if not probe.ok:
-        return FusionRow(path, "gelu", type(child).__name__, None, False, reason=probe.reason, eligible=False), None
+        return FusionRow(path, kind, type(child).__name__, None, False, reason=probe.reason, eligible=False), None
     why = _instance_override(child)
     if why is not None:
-        return FusionRow(path, "gelu", type(child).__name__, None, False, reason=why), None
-    new = None if dry_run else _build(path, child, FusedGELU.from_module, child, approximate=probe.approximate,
+        return FusionRow(path, kind, type(child).__name__, None, False, reason=why), None
+    args = (probe.approximate,) if kind == "gelu" else ()
+    kwargs = dict(approximate=probe.approximate) if kind == "gelu" else {}
+    new = None if dry_run else _build(path, child, getattr(modules, act.replacement).from_module, child, **kwargs,
                                       verify=False)  # probed above
-    fwd, bwd = _gelu_impls(child, probe.approximate, like=like)
-    return FusionRow(path, "gelu", type(child).__name__, "FusedGELU", True, fwd, bwd,
-                     f"{probe.reason}; op gelu, approximate={probe.approximate!r}: one kernel each way, ours or "
-                     "F.gelu as the dispatcher chooses" + _small_note(child, like)), new
+    fwd, bwd = _activation_impls(kind, child, args, like=like)
+    return FusionRow(path, kind, type(child).__name__, act.replacement, True, fwd, bwd,
+                     f"{probe.reason}; {act.formula.format(a=probe.approximate)}" + _small_note(child, like)), new
 
 
-def _gelu_impls(module: nn.Module, approximate: str, impl: str | None = None,
-                like: torch.Tensor | None = None) -> tuple[str, str]:
-    """(forward, backward) of a GELU activation, as :func:`_impls` gives them: op ``gelu`` for rows of
-    :data:`_PROBE_WIDTH` (an activation has no width of its own), enough that it is not a small problem."""
+def _activation_impls(op: str, module: nn.Module, args: tuple, impl: str | None = None,
+                      like: torch.Tensor | None = None) -> tuple[str, str]:
+    """(forward, backward) of an activation module, as :func:`_impls` gives them: op ``op`` (``gelu``,
+    ``squared_relu``; ``args``: its arguments after the input) for rows of :data:`_PROBE_WIDTH` (an activation has no
+    width of its own), enough that it is not a small problem."""
     rows = _probe_rows((_PROBE_WIDTH,))
-    return _impls("gelu", module, lambda d, t: (torch.empty(rows, _PROBE_WIDTH, device=d, dtype=t), approximate),
+    return _impls(op, module, lambda d, t: (torch.empty(rows, _PROBE_WIDTH, device=d, dtype=t), *args),
                   impl, like, any_width=True)
 
 
@@ -2005,6 +2047,15 @@ def unfuse(model: nn.Module) -> bool:
     return _unfuse(model)
 
 
+def _fused_module_types() -> tuple[type, ...]:
+    """The classes ``fuse`` puts in place of a model's modules (a module of one of them in a model was fused before,
+    by this record or another)."""
+    from . import modules as m
+
+    return (m.MixedFusedLayerNorm, m.FusedRMSNorm, m.FusedSwiGLUMLP, m.FusedGateUpSwiGLUMLP, m.FusedGeGLUMLP,
+            m.FusedT5DenseGatedActDense, m.FusedModernBertMLP, m.FusedGELU, m.FusedSquaredReLU)
+
+
 def _fused_parts(model: nn.Module) -> list[nn.Module]:
     """The parts of ``model`` (not itself) fused by their own fuse() calls."""
     return [m for p, m in model.named_modules() if p and m in _STATE]
@@ -2020,12 +2071,8 @@ def _unfuse(model: nn.Module, keep: Iterable[nn.Module] = (), quiet: bool = Fals
     if state is None and not parts and quiet:
         return False  # fused(): its fuse() recorded nothing, so there is nothing of its own to undo
     if state is None and not parts:
-        from .modules import (FusedGateUpSwiGLUMLP, FusedGELU, FusedGeGLUMLP, FusedModernBertMLP, FusedRMSNorm,
-                              FusedSwiGLUMLP, FusedT5DenseGatedActDense, MixedFusedLayerNorm)
-
         found = [p or "<model>" for p, m in model.named_modules()
-                 if isinstance(m, (MixedFusedLayerNorm, FusedRMSNorm, FusedSwiGLUMLP, FusedGateUpSwiGLUMLP,
-                                   FusedGeGLUMLP, FusedT5DenseGatedActDense, FusedModernBertMLP, FusedGELU))
+                 if isinstance(m, _fused_module_types())
                  or _loss.ours_is_set(m)
                  or _rope.hooked(m) or _experts.hooked(m)]
         if found:

@@ -28,6 +28,7 @@ from .ops.layer_norm import normalize_shape
 
 __all__ = ["AttnMaskType", "FusedScaleMaskSoftmax", "MixedFusedLayerNorm", "FusedLayerNorm", "FusedRMSNorm",
            "FusedSwiGLUMLP", "FusedGateUpSwiGLUMLP", "FusedGeGLUMLP", "FusedT5DenseGatedActDense",
+           "FusedGELU", "FusedSquaredReLU", "FusedModernBertMLP", "FusedGraniteMLP", "FusedLfm2MLP",
            "FusedLinearCrossEntropyLoss"]
 
 
@@ -1537,6 +1538,63 @@ class FusedGELU(_DropsFuseRecord, nn.Module):
                 raise TypeError(f"approximate: required with verify=False ({type(act).__name__} has no attribute "
                                 "approximate)")
         new = cls(approximate, impl=impl)
+        new.training = act.training
+        return new
+
+
+class FusedSquaredReLU(_DropsFuseRecord, nn.Module):
+    """Squared ReLU, ``relu(x)^2``, in one kernel forward and one backward (:func:`pipegoose.nn.fusion.functional.
+    squared_relu`, op ``squared_relu``): what ``fuse`` puts in place of transformers' ``ReLUSquaredActivation``
+    (``relu2``: the MLPs without a gate of Nemotron, Nemotron-H, Persimmon, Arcee, Jais2, NanoChat), which runs ``relu``
+    and ``square``, two kernels forward and three backward. The same values bit for bit, the same saved tensor size.
+
+    Args:
+        impl: force an implementation of op ``squared_relu`` (``pipegoose``, ``torch``: ``torch.square(F.relu(x))``;
+            any case), default auto.
+
+    ``forward(input [*])`` -> ``[*]``, in ``input``'s dtype: fp32, fp16 or bf16 take the kernel on CUDA (at least
+    ``PIPEGOOSE_SMALL_NUMEL`` elements), fp64 and the rest PyTorch's ops. Kernel: pipegoose/swiglu
+    (pipegoose/kernels/csrc/swiglu.cu, this project, MIT).
+
+    Raises (when constructed):
+        TypeError: ``impl`` not a str or None. ValueError: ``impl`` naming no implementation of ``squared_relu``.
+    """
+
+    def __init__(self, *, impl: str | None = None) -> None:
+        super().__init__()
+        dispatch.check_impl(_swiglu.SQUARED_RELU_OP, impl)
+        self.impl = impl
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return PF.squared_relu(input, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        return f"impl={self.impl!r}" if self.impl is not None else ""
+
+    @classmethod
+    def from_module(cls, act: nn.Module, *, impl: str | None = None, verify: bool = True) -> "FusedSquaredReLU":
+        """The fused module for the activation module ``act``, in its training mode.
+
+        ``verify`` (default True): ``act`` must pass the probe that ``fuse`` runs (``transformers.matching.
+        probe_squared_relu``, less fuse's rule on the class's name: a leaf module without parameters or buffers whose
+        forward on CPU, in training and eval mode, computes ``relu(x)^2`` within 1e-6 of the float64 formula near 0 and
+        far out). ``act``'s hooks are not carried over (``fuse`` hands them to the replacement).
+
+        Raises:
+            TypeError: ``act`` not a module; ``impl`` as the constructor.
+            ValueError: with ``verify``, the probe refuses ``act`` (the message gives its reason); ``impl`` as the
+                constructor.
+        """
+        from .transformers.matching import probe_squared_relu
+
+        if not isinstance(act, nn.Module):
+            raise TypeError(f"act: expected a torch.nn.Module, got {type(act).__name__}")
+        if verify:
+            probe = probe_squared_relu(act, by_name=False)
+            if not probe.ok:
+                raise ValueError(f"act: {type(act).__name__} does not pass the squared ReLU probe: {probe.reason}; "
+                                 "verify=False skips this check")
+        new = cls(impl=impl)
         new.training = act.training
         return new
 

@@ -43,6 +43,16 @@ FusedGELU` in place of transformers' GELU activation modules: ``gelu_new``, GPT-
 forward). The same kernel library (``pipegoose::gelu``), geglu's activation per value (fp32 math, one rounding, as
 ``F.gelu``'s), swiglu's launch with one input. Implementations: ``pipegoose`` and ``torch`` (``F.gelu``, one native
 kernel each way); ``PIPEGOOSE_IMPL_GELU`` chooses one; the small-problem rule as geglu's.
+
+Op ``squared_relu`` (:func:`pipegoose.nn.fusion.functional.squared_relu`): Primer's squared ReLU ``relu(x)^2`` alone,
+transformers' ``relu2`` (``ReLUSquaredActivation``: the MLPs without a gate of Nemotron, Nemotron-H, Persimmon,
+Arcee, Jais2, NanoChat; ``fuse`` puts :class:`~pipegoose.nn.fusion.modules.FusedSquaredReLU` in its place). Eager
+PyTorch runs ``relu`` then ``square``, two kernels forward and three backward; the kernel (``pipegoose::squared_relu``,
+the same library and launch as ``gelu``) runs one each way, with the same values bit for bit (each a product of two
+values of the dtype, rounded once; the one exception: the gradient of fp16 inputs past 32752, where eager's ``2 * x``
+overflows first) and the same saved tensor's size (``x``; eager saves ``relu(x)``).
+Implementations: ``pipegoose`` and ``torch`` (``torch.square(F.relu(x))``); ``PIPEGOOSE_IMPL_SQUARED_RELU`` chooses
+one; the small-problem rule as geglu's.
 """
 
 from __future__ import annotations
@@ -234,7 +244,7 @@ def _explain_packed(x):
 
 
 def _packed_supports(forward_ad: str, what: str = "x"):
-    """The kernel's ``supports`` of the one-input ops, ``swiglu.packed``, ``geglu.packed`` and ``gelu``
+    """The kernel's ``supports`` of the one-input ops, ``swiglu.packed``, ``geglu.packed``, ``gelu``, ``squared_relu``
     (``forward_ad``: the reason for a dual tensor, naming the op's kernel; ``what``: the input's name in the
     reasons)."""
     def supports(p: Problem) -> tuple[bool, str]:
@@ -296,8 +306,8 @@ def run_packed(x: torch.Tensor, impl: str | None) -> torch.Tensor:
 
 
 def _run_packed(op: str, x: torch.Tensor, impl: str | None, *extra: Any) -> torch.Tensor:
-    """:func:`run_packed` of the one-input ops, ``swiglu.packed``, ``geglu.packed`` and ``gelu`` (``extra``: the op's
-    further arguments, ``approximate``)."""
+    """:func:`run_packed` of the one-input ops, ``swiglu.packed``, ``geglu.packed``, ``gelu`` and ``squared_relu``
+    (``extra``: the op's further arguments, ``approximate``)."""
     check, problem, reference, ours = _PACKED[op]
     if dispatch.compile_passthrough(op, impl):  # torch.compile fuses the ops itself, after eager's checks
         check(x, *extra)
@@ -463,7 +473,7 @@ def run_geglu_packed(x: torch.Tensor, approximate: str, impl: str | None) -> tor
     return _run_packed(GEGLU_PACKED_OP, x, impl, approximate)
 
 
-# op -> (check, problem, reference, our path) of the one-input ops (:func:`_run_packed`; gelu added below)
+# op -> (check, problem, reference, our path) of the one-input ops (:func:`_run_packed`; gelu, squared_relu below)
 _PACKED = {PACKED_OP: (check_packed_args, packed_problem, silu_and_mul_reference, _run_pipegoose_packed),
            GEGLU_PACKED_OP: (check_geglu_packed_args, geglu_packed_problem, gelu_and_mul_reference,
                              _run_pipegoose_geglu_packed)}
@@ -534,3 +544,73 @@ def run_gelu(x: torch.Tensor, approximate: str, impl: str | None) -> torch.Tenso
 
 
 _PACKED[GELU_OP] = (check_gelu_args, gelu_problem, gelu_reference, _run_pipegoose_gelu)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# squared_relu: relu(x)^2 alone (transformers' relu2: Nemotron's, Persimmon's, Arcee's MLPs without a gate)
+# --------------------------------------------------------------------------------------------------------------------
+SQUARED_RELU_OP = "squared_relu"
+FORWARD_AD_SQUARED_RELU = ("a dual tensor (torch.autograd.forward_ad): the squared ReLU kernel has no forward "
+                           "derivative (jvp); PyTorch's ops have")
+
+
+def check_squared_relu_args(x: Any) -> None:
+    """Check ``x`` of :func:`pipegoose.nn.fusion.functional.squared_relu` (errors name the argument).
+
+    Raises:
+        TypeError: ``x`` (the functional's ``input``, the name the errors give) not a floating point tensor, or of a
+            dtype no path here takes (float8).
+    """
+    check_float_tensor(x, "input")
+
+
+def squared_relu_problem(x: torch.Tensor) -> Problem:
+    """The dispatcher's description of one call of ``squared_relu`` (metadata only)."""
+    return Problem(SQUARED_RELU_OP, x.dtype, x.device, cols=x.shape[-1] if x.dim() else 1, needs_grad=needs_grad(x),
+                   extra=dict(shape=tuple(x.shape), numel=x.numel(), storage=all_have_storage(x),
+                              forward_ad=has_tangent(x)))
+
+
+def _explain_squared_relu(x):
+    check_squared_relu_args(x)
+    return squared_relu_problem(x)
+
+
+dispatch.register(Implementation(SQUARED_RELU_OP, "pipegoose", "ours",
+                                 _packed_supports(FORWARD_AD_SQUARED_RELU, "input"), ("pipegoose/swiglu",),
+                                 SRC_PIPEGOOSE))
+dispatch.register(Implementation(SQUARED_RELU_OP, "torch", "reference", lambda p: (True, ""), (),
+                                 "PyTorch: torch.square(F.relu(x)) (transformers' ReLUSquaredActivation)",
+                                 small_first=True))
+dispatch.register_problem(SQUARED_RELU_OP, _explain_squared_relu)
+
+
+def squared_relu_reference(x: torch.Tensor) -> torch.Tensor:
+    """The PyTorch path: ``torch.square(F.relu(x))``, what transformers' ``ReLUSquaredActivation`` runs (two kernels
+    forward, saving ``relu(x)``; the kernel's values bit for bit)."""
+    return torch.square(F.relu(x))
+
+
+def _run_pipegoose_squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """pipegoose/swiglu through ``torch.ops.pipegoose.squared_relu(x)``: the forward kernel with its autograd formula
+    in C++ (pipegoose/kernels/bindings/swiglu.cpp), as :func:`_run_pipegoose`."""
+    ops, why = dispatch.kernel("pipegoose/swiglu")
+    if ops is None:
+        raise RuntimeError(why)
+    return ops.squared_relu.default(x)
+
+
+def run_squared_relu(x: torch.Tensor, impl: str | None) -> torch.Tensor:
+    """:func:`pipegoose.nn.fusion.functional.squared_relu` behind the checks; runs the implementation the dispatcher
+    chooses (``impl``: a forced one or None).
+
+    Raises:
+        TypeError: as :func:`check_squared_relu_args`. ValueError: ``impl`` naming no implementation of
+            ``squared_relu``.
+        FusionFallbackError: in strict mode, where the kernel cannot take the input.
+    """
+    return _run_packed(SQUARED_RELU_OP, x, impl)
+
+
+_PACKED[SQUARED_RELU_OP] = (check_squared_relu_args, squared_relu_problem, squared_relu_reference,
+                            _run_pipegoose_squared_relu)

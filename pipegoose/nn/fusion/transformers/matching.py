@@ -1230,12 +1230,13 @@ class _MaskDropout(nn.Module):
         return input * self.mask
 
 
-def activation_formula(act: Any) -> str | None:
-    """What the activation ``act`` computes: the key of :data:`ACTIVATION_FORMULAS` whose float64 formula it matches
-    (atol 1e-6, rtol 1e-5) near 0 and far out on either side (``ACT_FAR``: a clamp past 6, or any other bend,
-    shows), or None. A module is checked through its ``forward`` (no hook fires), in training and in eval mode (its
-    own and its submodules' flags set for the call and put back); a plain function (``F.gelu``) is called. An
-    exception of the activation propagates."""
+def activation_formula(act: Any, formulas: dict | None = None) -> str | None:
+    """What the activation ``act`` computes: the key of ``formulas`` (default :data:`ACTIVATION_FORMULAS`; the
+    squared ReLU probe's, :data:`SQUARED_RELU_FORMULA`) whose float64 formula it matches (atol 1e-6, rtol 1e-5) near
+    0 and far out on either side (``ACT_FAR``: a clamp past 6, or any other bend, shows), or None. A module is
+    checked through its ``forward`` (no hook fires), in training and in eval mode (its own and its submodules' flags
+    set for the call and put back); a plain function (``F.gelu``) is called. An exception of the activation
+    propagates."""
     t = torch.cat([torch.linspace(-6.0, 6.0, 25, dtype=torch.float32), torch.tensor(ACT_FAR, dtype=torch.float32)])
     outs = []
     with torch.no_grad():
@@ -1254,7 +1255,7 @@ def activation_formula(act: Any) -> str | None:
             outs.append(act(t.clone()))
     if not all(isinstance(a, torch.Tensor) and a.shape == t.shape for a in outs):
         return None
-    return next((k for k, f in ACTIVATION_FORMULAS.items()
+    return next((k for k, f in (ACTIVATION_FORMULAS if formulas is None else formulas).items()
                  if all(torch.allclose(a.double(), f(t.double()), atol=1e-6, rtol=1e-5) for a in outs)), None)
 
 
@@ -1263,9 +1264,10 @@ def activation_formula(act: Any) -> str | None:
 # --------------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GeluProbe:
-    """What :func:`probe_gelu` found: ``candidate`` (a leaf module without parameters or buffers whose class name
-    says GELU), ``ok`` (it computes GELU and nothing else), ``approximate`` (F.gelu's: ``"none"`` or ``"tanh"``,
-    where ok) and ``reason`` (what it computes, or why it is refused)."""
+    """What :func:`probe_gelu` (and :func:`probe_squared_relu`) found: ``candidate`` (a leaf module without parameters
+    or buffers whose class name says GELU, or squared ReLU), ``ok`` (it computes that function and nothing else),
+    ``approximate`` (F.gelu's: ``"none"`` or ``"tanh"``, where a GELU is ok; None for squared ReLU) and ``reason``
+    (what it computes, or why it is refused)."""
 
     candidate: bool
     ok: bool
@@ -1273,12 +1275,47 @@ class GeluProbe:
     reason: str
 
 
+def _leaf_without_state(module: nn.Module) -> bool:
+    return (not any(True for _ in module.children()) and not any(True for _ in module.parameters())
+            and not any(True for _ in module.buffers()))
+
+
 def gelu_candidate(module: nn.Module) -> bool:
     """A leaf module without parameters or buffers whose class name has ``gelu`` in it (any case): transformers'
     ``NewGELUActivation``, ``GELUActivation``, ``FastGELUActivation``, ``GELUTanh``, ``AccurateGELUActivation``,
     ``QuickGELUActivation``, Bloom's ``BloomGelu``, ``torch.nn.GELU``; the probe tells which compute GELU."""
-    return ("gelu" in type(module).__name__.lower() and not any(True for _ in module.children())
-            and not any(True for _ in module.parameters()) and not any(True for _ in module.buffers()))
+    return "gelu" in type(module).__name__.lower() and _leaf_without_state(module)
+
+
+def squared_relu_candidate(module: nn.Module) -> bool:
+    """A leaf module without parameters or buffers whose class name says squared ReLU (any case: ``relu`` with
+    ``square`` or ``relu2`` in it): transformers' ``ReLUSquaredActivation`` (``relu2``), a ``SquaredReLU``; the
+    probe tells whether it computes ``relu(x)^2``."""
+    name = type(module).__name__.lower()
+    return "relu" in name and ("square" in name or "relu2" in name) and _leaf_without_state(module)
+
+
+# the function squared ReLU's probe checks (activation_formula's formulas)
+SQUARED_RELU_FORMULA = {"relu2": lambda x: torch.square(torch.relu(x))}
+
+
+def _probe_leaf_activation(module: nn.Module, by_name: bool, candidate: Any, rule: str,
+                           formulas: dict | None) -> tuple[GeluProbe | None, str | None]:
+    """The probe shared by :func:`probe_gelu` and :func:`probe_squared_relu`: (a refusal, None) or (None, the key of
+    ``formulas`` that ``module``'s forward computes, or None for none of them)."""
+    name = type(module).__name__
+    if not _leaf_without_state(module):
+        return GeluProbe(False, False, None, f"{name} is not a leaf module without parameters or buffers"), None
+    if by_name and not candidate(module):
+        return (GeluProbe(False, False, None, f"{name}: fuse() looks at activation modules whose class name {rule}"),
+                None)
+    extra = _extra_forward_arguments(type(module))
+    if extra:
+        return GeluProbe(True, False, None, f"its forward takes more than the input ({', '.join(extra)})"), None
+    try:
+        return None, probe_isolated(activation_formula)(module, formulas)
+    except Exception as exc:  # noqa: BLE001
+        return GeluProbe(True, False, None, f"probe failed: {type(exc).__name__}: {exc}"), None
 
 
 def probe_gelu(module: nn.Module, *, by_name: bool = True) -> GeluProbe:
@@ -1288,27 +1325,30 @@ def probe_gelu(module: nn.Module, *, by_name: bool = True) -> GeluProbe:
     (:func:`activation_formula`: its forward, called directly, so no hook fires, on CPU in fp32, training and eval
     mode, against the float64 formulas), with no forward arguments beyond the input. Hooks do not refuse it: ``fuse``
     hands them to the replacement (as it does a norm's)."""
-    name = type(module).__name__
-    leaf = (not any(True for _ in module.children()) and not any(True for _ in module.parameters())
-            and not any(True for _ in module.buffers()))
-    if not leaf:
-        return GeluProbe(False, False, None, f"{name} is not a leaf module without parameters or buffers")
-    if by_name and not gelu_candidate(module):
-        return GeluProbe(False, False, None, f"{name}: fuse() looks at activation modules whose class name has "
-                                             "\"gelu\" in it")
-    extra = _extra_forward_arguments(type(module))
-    if extra:
-        return GeluProbe(True, False, None, f"its forward takes more than the input ({', '.join(extra)})")
-    try:
-        kind = probe_isolated(activation_formula)(module)
-    except Exception as exc:  # noqa: BLE001
-        return GeluProbe(True, False, None, f"probe failed: {type(exc).__name__}: {exc}")
+    refused, kind = _probe_leaf_activation(module, by_name, gelu_candidate, 'has "gelu" in it', None)
+    if refused is not None:
+        return refused
     if kind not in GELU_APPROXIMATE:
         what = "SiLU" if kind == "silu" else "another function (QuickGELU's, a clipped GELU, ...)"
         return GeluProbe(True, False, None, f"computes {what}, not GELU (exact or tanh)")
     approximate = GELU_APPROXIMATE[kind]
     what = "GELU, tanh approximation" if approximate == "tanh" else "GELU, exact (erf)"
     return GeluProbe(True, True, approximate, what)
+
+
+def probe_squared_relu(module: nn.Module, *, by_name: bool = True) -> GeluProbe:
+    """Whether ``module``, a :func:`squared_relu_candidate` (``by_name`` False: any leaf module without parameters or
+    buffers: ``FusedSquaredReLU.from_module``'s), computes ``relu(x)^2`` (transformers' ``ReLUSquaredActivation``),
+    checked as :func:`probe_gelu` checks GELU (its forward on CPU in fp32, training and eval mode, against the float64
+    formula near 0 and far out), with no forward arguments beyond the input. Hooks do not refuse it. ``approximate``
+    is None."""
+    refused, kind = _probe_leaf_activation(module, by_name, squared_relu_candidate,
+                                           'says squared ReLU ("relu" with "square" or "relu2")', SQUARED_RELU_FORMULA)
+    if refused is not None:
+        return refused
+    if kind is None:
+        return GeluProbe(True, False, None, "computes another function than relu(x)^2 (a clipped or scaled one, ...)")
+    return GeluProbe(True, True, None, "squared ReLU, relu(x)^2")
 
 
 # an activation -> the gated MLP it makes (the reasons' words)
@@ -1429,4 +1469,5 @@ __all__ = ["ACTIVATION_FORMULAS", "ATTENTION_MODEL_TYPES", "ATTENTION_SKIP_REASO
            "get_attn_implementation", "is_attention_module", "is_config",
            "model_type_of", "probe_rms_norm", "probe_swiglu_mlp", "probe_isolated", "set_attn_implementation",
            "LayerNormProbe", "WeightlessNormProbe", "probe_layer_norm_module", "probe_weightless_norm", "GeluProbe",
-           "activation_formula", "gelu_candidate", "probe_gelu"]
+           "activation_formula", "gelu_candidate", "probe_gelu", "SQUARED_RELU_FORMULA", "squared_relu_candidate",
+           "probe_squared_relu"]
