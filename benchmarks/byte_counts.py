@@ -10,7 +10,8 @@ of the causal score matrices = ``B * sq*(sq+1)/2`` for ``B`` = batch*heads, ``M`
 (1 byte each, at its stored broadcast shape ``[b, 1, sq, sk]``), ``P`` = parameters; for RoPE ``Q = b*seq*hq*d`` and
 ``K = b*seq*hk*d`` = elements of q and k, ``C = b*seq*d`` = elements of each of cos and sin (``[b, seq, d]``). For
 swiglu, swiglu.packed and geglu ``N = rows*inter`` = elements of the output (of gate, of up): swiglu.packed's input
-``x`` is ``[rows, 2*inter]`` (gate and up as its halves), ``2*N`` elements.
+``x`` is ``[rows, 2*inter]`` (gate and up as its halves), ``2*N`` elements; for gelu and squared_relu ``N = rows*inter``
+= elements of ``x`` (and of ``y``).
 
 =====================  ======  ===========================================================================
 op                     pass    bytes counted
@@ -32,6 +33,9 @@ swiglu.packed          bwd     read dy, x; write dx (dgate and dup):    ``5*N*s`
 geglu                  fwd     read gate, up; write y:                  ``3*N*s``
 geglu                  bwd     read dy, gate, up; write dgate, dup:     ``5*N*s``
 geglu.packed           fwd/bwd as swiglu.packed
+gelu                   fwd     read x; write y:                         ``2*N*s``
+gelu                   bwd     read dy, x; write dx:                    ``3*N*s``
+squared_relu           fwd/bwd as gelu
 cross_entropy          fwd     read logits, target (int64); write lse (fp32): ``N*s + R*8 + R*4``
 cross_entropy          bwd     read logits, target, lse; write dlogits: ``2*N*s + R*8 + R*4``
 rope                   fwd     read q, k, cos, sin; write q_embed, k_embed: ``2*(Q+K)*s + 2*C*s``
@@ -107,7 +111,7 @@ def _one_pass(op: str, pas: str, shape: Mapping[str, int], s: int) -> int:
     if op in ("swiglu", "swiglu.packed", "geglu", "geglu.packed"):   # (packed: x [rows, 2*inter] is gate and up)
         r, inter = _need(shape, "rows", "inter")
         return (3 if pas == "fwd" else 5) * r * inter * s
-    if op == "gelu":   # x read, y written; the backward reads dy and x, writes dx
+    if op in ("gelu", "squared_relu"):   # x read, y written; the backward reads dy and x, writes dx
         r, inter = _need(shape, "rows", "inter")
         return (2 if pas == "fwd" else 3) * r * inter * s
     if op == "cross_entropy":
@@ -126,8 +130,8 @@ def _one_pass(op: str, pas: str, shape: Mapping[str, int], s: int) -> int:
         (n,) = _need(shape, "numel")
         return 2 * n * s
     raise ValueError(f"op: unknown op {op!r}; expected softmax, softmax.masked, softmax.causal, layer_norm, "
-                     "rms_norm, swiglu, swiglu.packed, geglu, geglu.packed, gelu, cross_entropy, rope, adamw, "
-                     "clip_grad_norm or copy")
+                     "rms_norm, swiglu, swiglu.packed, geglu, geglu.packed, gelu, squared_relu, cross_entropy, rope, "
+                     "adamw, clip_grad_norm or copy")
 
 
 def op_bytes(op: str, pas: str, shape: Mapping[str, int], dtype: str) -> int:

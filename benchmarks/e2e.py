@@ -64,6 +64,16 @@ Models (random init from a config, no weights downloaded):
   others a 128-token window, LayerNorms without bias, vocab 50368, tied), ~396M params, batch 8. Once fused (session
   72): its MLPs ``FusedModernBertMLP`` (op ``geglu.packed``), LayerNorms, RoPE. Not in ``benchmarks.run``'s default
   ``--e2e-models``; no Liger variant.
+* ``arcee``: Arcee AFM's layer (``ArceeForCausalLM``: Llama's with an MLP without a gate,
+  ``down_proj(relu2(up_proj(x)))`` of squared ReLU) at this project's size: hidden 2048, 16 layers, 16 heads, 4 KV
+  heads, MLP 8192, AFM's vocabulary of 128004 (untied), ~1.23B params, batch 4. Once fused (session 73): RMSNorms, RoPE and its activation
+  (``ReLUSquaredActivation``: relu then square, two kernels forward, three backward) op ``squared_relu``. Not in
+  ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
+* ``nemotron``: Nemotron's layer (``NemotronForCausalLM``: squared ReLU MLP without a gate, half of each head rotated,
+  ``NemotronLayerNorm1P``: LayerNorm of ``weight + 1``) at this project's size: hidden 2048, 12 layers, 16 heads, 8
+  KV heads, MLP 8192, Nemotron's vocabulary of 256000 (untied), ~1.60B params, batch 4. Once fused (session 73): op
+  ``squared_relu``, RoPE; its LayerNorm1P runs its own code (``fuse`` skips it: a LayerNorm subclass with its own
+  forward). Not in ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
 
 Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
 (``pipegoose.nn.fusion.fuse(model)`` on that model), ``fuse_sdpa_adam`` (``fuse_sdpa`` with
@@ -167,11 +177,24 @@ MODELS = {
                                config=dict(hidden_size=1024, intermediate_size=2624, num_hidden_layers=28,
                                            num_attention_heads=16, vocab_size=50368, max_position_embeddings=8192,
                                            pad_token_id=50283, bos_token_id=50281, eos_token_id=50282)),
+    # (session 73: the MLPs of squared ReLU, relu2, whose ReLUSquaredActivation fuse runs as op squared_relu)
+    "arcee": dict(arch="arcee", batch=4, config=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                                      num_attention_heads=16, num_key_value_heads=4, vocab_size=128004,
+                                                      max_position_embeddings=4096, rms_norm_eps=1e-5,
+                                                      hidden_act="relu2", tie_word_embeddings=False,
+                                                      pad_token_id=0, bos_token_id=128000, eos_token_id=128001)),
+    "nemotron": dict(arch="nemotron", batch=4, config=dict(hidden_size=2048, intermediate_size=8192,
+                                                            num_hidden_layers=12, num_attention_heads=16,
+                                                            num_key_value_heads=8, vocab_size=256000,
+                                                            max_position_embeddings=4096, hidden_act="relu2",
+                                                            tie_word_embeddings=False, pad_token_id=0,
+                                                            bos_token_id=2, eos_token_id=3)),
 }
 CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config", "phi3": "Phi3Config",
            "gemma": "GemmaConfig", "qwen3_moe": "Qwen3MoeConfig", "gemma4_text": "Gemma4TextConfig",
            "olmo": "OlmoConfig", "cohere": "CohereConfig", "glm4": "Glm4Config", "gpt2": "GPT2Config",
-           "phi": "PhiConfig", "modernbert-decoder": "ModernBertDecoderConfig"}
+           "phi": "PhiConfig", "modernbert-decoder": "ModernBertDecoderConfig", "arcee": "ArceeConfig",
+           "nemotron": "NemotronConfig"}
 VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_model_rope",
             "compile_sdpa", "liger_rmsnorm", "liger")
 # What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the

@@ -1,5 +1,5 @@
 """Op benchmarks: softmax (plain, padding-masked, causal), LayerNorm, RMSNorm, SwiGLU (of two tensors, and packed in
-one), GeGLU, GELU alone, cross-entropy, RoPE; every impl checked, then timed.
+one), GeGLU, GELU alone, squared ReLU alone, cross-entropy, RoPE; every impl checked, then timed.
 
 Ops and their definitions (what the float64 reference computes; ``x`` is the benchmark input in its dtype):
 
@@ -22,6 +22,9 @@ Ops and their definitions (what the float64 reference computes; ``x`` is the ben
   output).
 * ``gelu``: ``y = gelu_tanh(x)`` elementwise of ``x [rows, inter]`` (GELU alone, the activation of the MLPs without a
   gate: GPT-2's ``gelu_new``): ``swiglu``'s sizes and rows, ``x`` as its gate.
+* ``squared_relu``: ``y = relu(x)^2`` elementwise of ``x [rows, inter]`` (Primer's squared ReLU alone, the activation
+  of the MLPs without a gate of Nemotron, Persimmon and Arcee: transformers' ``relu2``), ``dx = dy * 2 relu(x)``:
+  ``gelu``'s sizes, rows and ``x``.
 * ``cross_entropy``: ``loss = mean over the rows not ignored of (logsumexp(x_i) - x_i[t_i])``, logits ``[rows, vocab]``
   (``vocab``: the size axis), int64 targets, 1 in 16 rows ``ignore_index`` (-100); the loss in fp32.
 * ``rope``: ``(q_embed, k_embed) = (q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)``, cos and sin
@@ -44,13 +47,14 @@ Implementations (``impl`` in results.json):
   product; its backward ends in autograd's concatenation of the halves' gradients into ``dx``); GeGLU = GemmaMLP's
   ``act_fn(gate) * up`` with ``act_fn = ACT2FN["gelu_pytorch_tanh"]`` (``F.gelu(gate, approximate="tanh")``, then the
   product); GELU alone = GPT-2's ``NewGELUActivation`` (``ACT2FN["gelu_new"]``: eight elementwise ops forward);
+  squared ReLU alone = ``ReLUSquaredActivation`` (``ACT2FN["relu2"]``: ``F.relu`` then ``torch.square``);
   cross-entropy = transformers' loss, ``F.cross_entropy(logits.float(), target)``; RoPE =
   ``apply_rotary_pos_emb`` of ``transformers.models.llama.modeling_llama``. LayerNorm has no separate eager path:
   transformers calls ``nn.LayerNorm`` = ``native``.
 * ``native``: the best single PyTorch op: ``F.softmax`` (for masked/causal: ``masked_fill(-inf)`` then
   ``F.softmax`` in the input dtype), ``F.layer_norm``, ``F.rms_norm``, ``F.cross_entropy`` in the input dtype (its
-  loss in that dtype), ``F.gelu(x, approximate="tanh")`` for ``gelu``; none for the SwiGLUs and GeGLU (two ops:
-  ``eager``) and RoPE (PyTorch has no rotary op).
+  loss in that dtype), ``F.gelu(x, approximate="tanh")`` for ``gelu``; none for the SwiGLUs, GeGLU and the squared
+  ReLU (two ops: ``eager``) and RoPE (PyTorch has no rotary op).
 * ``compile``: ``torch.compile(dynamic=False)`` of the eager code (of ``F.layer_norm`` for LayerNorm, of the
   dispatcher's reference ``pipegoose.nn.fusion.ops.rope.rope_reference`` for RoPE: transformers' formula); its
   compile time is recorded in ``extra.compile_s`` and is not part of the timings.
@@ -71,8 +75,8 @@ Implementations (``impl`` in results.json):
   1.0)`` (op ``softmax``: ``functional.softmax`` keeps fp16/bf16 on F.softmax), ``scaled_masked_softmax``,
   ``scaled_upper_triang_masked_softmax`` (on the ``[b*np, sq, sk]`` view), ``layer_norm``, ``rms_norm``, ``swiglu``,
   ``silu_and_mul`` (op ``swiglu.packed``), ``geglu(gate, up, approximate="tanh")``, ``gelu_and_mul(x, "tanh")``
-  (op ``geglu.packed``), ``gelu(x, "tanh")``, ``cross_entropy``,
-  ``apply_rotary_pos_emb`` (op ``rope``); a functional without ``geglu`` (a checkout before the op) is reported
+  (op ``geglu.packed``), ``gelu(x, "tanh")``, ``squared_relu(x)``, ``cross_entropy``, ``apply_rotary_pos_emb``
+  (op ``rope``); a functional without ``geglu`` or ``squared_relu`` (a checkout before the op) is reported
   ``unavailable``. Run with ``PIPEGOOSE_STRICT=1``, and after the checked call the dispatcher's ``last_choice`` must
   name the requested impl: an input the impl refuses is reported ``unsupported``, never timed under the wrong name.
   These are the names the tuning table may choose.
@@ -104,12 +108,12 @@ from .timing import Timer
 __all__ = ["OPS", "SIZES", "make_case", "impls_for", "run_ops", "reference", "check_close", "Case"]
 
 OPS = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "swiglu", "swiglu.packed", "geglu",
-       "geglu.packed", "gelu", "cross_entropy", "rope")
+       "geglu.packed", "gelu", "squared_relu", "cross_entropy", "rope")
 SWIGLUS = ("swiglu", "swiglu.packed")   # one size list and shape: swiglu.packed's x is gate and up side by side
 GEGLUS = ("geglu", "geglu.packed")
 PACKED = ("swiglu.packed", "geglu.packed")   # x [rows, 2 * inter]: gate and up side by side
 GATED = (*SWIGLUS, *GEGLUS)   # the gated activations: swiglu's sizes and rows (geglu's gate and up as swiglu's)
-ELEMENTWISE = (*GATED, "gelu")   # swiglu's sizes and rows (gelu: x as swiglu's gate)
+ELEMENTWISE = (*GATED, "gelu", "squared_relu")   # swiglu's sizes and rows (gelu, squared_relu: x as swiglu's gate)
 GELU_APPROX = "tanh"   # Gemma's hidden_act "gelu_pytorch_tanh"
 TUNABLE = ("pipegoose", "megatron", "apex", "torch")
 IMPL_ORDER = ("eager", "native", "compile", "liger", "torch", "megatron", "apex", "pipegoose")
@@ -221,7 +225,7 @@ def make_case(op: str, dtype: torch.dtype, cols: int, device: str, seed: int = 0
         g = (randn(rows, inter) * 2).requires_grad_()
         u = randn(rows, inter).requires_grad_()
         return Case(op, dtype, shape, cols, {"g": g, "u": u}, ["g", "u"], randn(rows, inter))
-    if op == "gelu":   # x as swiglu's gate
+    if op in ("gelu", "squared_relu"):   # x as swiglu's gate (both bends hit: GELU's dip, relu's kink at 0)
         rows, inter = shape["rows"], shape["inter"]
         return Case(op, dtype, shape, cols, {"x": (randn(rows, inter) * 2).requires_grad_()}, ["x"],
                     randn(rows, inter))
@@ -302,6 +306,8 @@ def reference(case: Case, chunk_elems: int = 1 << 25) -> dict[str, torch.Tensor]
         return _geglu_reference(case, chunk_elems)
     if op == "gelu":
         return _gelu_reference(case, chunk_elems)
+    if op == "squared_relu":
+        return _squared_relu_reference(case, chunk_elems)
     if op == "cross_entropy":
         x, t = inp["x"].detach(), inp["t"]
         keep = t != CE_IGNORE
@@ -411,6 +417,18 @@ def _gelu_reference(case: Case, chunk_elems: int) -> dict[str, torch.Tensor]:
     return {"y": y, "dx": dx}
 
 
+def _squared_relu_reference(case: Case, chunk_elems: int) -> dict[str, torch.Tensor]:
+    """The squared ReLU alone in float64: ``y = relu(x)^2``, ``dx = dy * 2 relu(x)`` (0 where ``x <= 0``)."""
+    x = case.inputs["x"].detach()
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    dx = torch.empty_like(y)
+    for rs in _chunks(x.shape[0], chunk_elems // x.shape[1]):
+        r = x[rs].double().clamp(min=0)
+        y[rs] = (r * r).float()
+        dx[rs] = (case.dy[rs].double() * 2 * r).float()
+    return {"y": y, "dx": dx}
+
+
 def _rope_reference(case: Case, chunk_elems: int) -> dict[str, torch.Tensor]:
     """RoPE per half of the head dim, in float64: ``y1 = x1 c1 - x2 s1``, ``y2 = x2 c2 + x1 s2``; the gradient is the
     transposed rotation, ``g1 = dy1 c1 + dy2 s2``, ``g2 = dy2 c2 - dy1 s1`` (written out, not via rotate_half)."""
@@ -516,6 +534,16 @@ def _eager(case: Case) -> Callable:
             raise Unavailable(f"transformers' ACT2FN not importable: {e}") from None
         act = ACT2FN["gelu_new"]
         return lambda i: act(i["x"])
+    if op == "squared_relu":   # NemotronMLP: down_proj(act_fn(up_proj(x))), act_fn = ACT2FN["relu2"]
+        try:
+            from transformers.activations import ACT2FN
+        except Exception as e:  # noqa: BLE001 - not installed, or a version without it
+            raise Unavailable(f"transformers' ACT2FN not importable: {e}") from None
+        try:
+            act = ACT2FN["relu2"]   # ReLUSquaredActivation: torch.square(F.relu(x))
+        except KeyError:   # (a transformers before it)
+            raise Unavailable("transformers' ACT2FN has no relu2") from None
+        return lambda i: act(i["x"])
     if op == "cross_entropy":   # transformers' ForCausalLMLoss: the logits upcast, then F.cross_entropy
         return lambda i: F.cross_entropy(i["x"].float(), i["t"], ignore_index=CE_IGNORE)
     if op == "rope":   # LlamaAttention: apply_rotary_pos_emb(query_states, key_states, cos, sin)
@@ -546,6 +574,8 @@ def _native(case: Case) -> Callable:
         raise Unsupported("PyTorch has no single op for gelu(gate) * up (eager runs two)")
     if op == "gelu":
         return lambda i: F.gelu(i["x"], approximate=GELU_APPROX)
+    if op == "squared_relu":
+        raise Unsupported("PyTorch has no single op for relu(x)^2: eager runs relu then square")
     if op == "rope":
         raise Unsupported("PyTorch has no rotary embedding op (eager runs the formula)")
     if op == "cross_entropy":
@@ -625,6 +655,8 @@ def _liger(case: Case) -> Callable:
         return fn
     if op == "gelu":
         raise Unsupported("Liger-Kernel has no GELU alone (only GELU times up, LigerGELUMulFunction)")
+    if op == "squared_relu":
+        raise Unsupported("Liger-Kernel has no squared ReLU")
     if op == "cross_entropy":
         # its forward writes the logits' gradient into the logits (the input itself): run_ops restores them
         fn = lambda i: LF.liger_cross_entropy(i["x"], i["t"], ignore_index=CE_IGNORE)  # noqa: E731
@@ -686,6 +718,10 @@ def _ours(impl: str) -> Callable[[Case], Callable]:
             if not hasattr(PF, "gelu"):   # (a checkout from before the op)
                 raise Unavailable("pipegoose.nn.fusion.functional has no gelu")
             fn = lambda i: PF.gelu(i["x"], GELU_APPROX, impl=impl)  # noqa: E731
+        elif op == "squared_relu":
+            if not hasattr(PF, "squared_relu"):   # (a checkout from before the op)
+                raise Unavailable("pipegoose.nn.fusion.functional has no squared_relu")
+            fn = lambda i: PF.squared_relu(i["x"], impl=impl)  # noqa: E731
         elif op == "cross_entropy":
             fn = lambda i: PF.cross_entropy(i["x"], i["t"], ignore_index=CE_IGNORE, impl=impl)  # noqa: E731
         elif op == "rope":
@@ -726,13 +762,13 @@ def impls_for(op: str) -> list[str]:
     names = list(IMPL_ORDER)
     if op == "layer_norm":
         names.remove("eager")
-    if op in ("softmax.masked", "softmax.causal", "gelu"):
-        names.remove("liger")     # (Liger-Kernel: no masked or causal softmax, no GELU alone)
+    if op in ("softmax.masked", "softmax.causal", "gelu", "squared_relu"):
+        names.remove("liger")     # (Liger-Kernel: no masked or causal softmax, no GELU or squared ReLU alone)
     if op.startswith("softmax") or op in ("rms_norm", *ELEMENTWISE, "cross_entropy", "rope"):
         names.remove("apex")      # Apex: only LayerNorm is ported
     if op in ("layer_norm", "rms_norm", *ELEMENTWISE, "cross_entropy", "rope"):
         names.remove("megatron")  # Megatron-LM: only the softmax kernels
-    if op in (*GATED, "rope"):
+    if op in (*GATED, "squared_relu", "rope"):
         names.remove("native")    # no single PyTorch op
     return names
 

@@ -38,7 +38,7 @@ from .report import RUN_KEYS
 from .tuning import DEFAULT_TUNING_DIR
 
 OP_NAMES = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "swiglu", "swiglu.packed", "geglu",
-            "geglu.packed", "gelu", "cross_entropy", "rope", "adamw", "clip_grad_norm")
+            "geglu.packed", "gelu", "squared_relu", "cross_entropy", "rope", "adamw", "clip_grad_norm")
 GROUPS = {"softmaxes": ["softmax", "softmax.masked", "softmax.causal"], "norms": ["layer_norm", "rms_norm"],
           "optim": ["adamw", "clip_grad_norm"]}
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16",
@@ -72,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--e2e", action="store_true", help="end-to-end training steps (subprocess per config)")
     ap.add_argument("--e2e-models", default="llama,neox", help="comma separated: llama, neox, qwen3, phi3, gemma, "
                                                                  "qwen3_moe, gemma4_moe, olmo, cohere, glm4, gpt2, "
-                                                                 "phi, modernbert_decoder (default llama,neox)")
+                                                                 "phi, modernbert_decoder, arcee, nemotron "
+                                                                 "(default llama,neox)")
     ap.add_argument("--e2e-variants", default="",
                     help="default: all (sdpa, eager, fuse_sdpa, fuse_eager, fuse_sdpa_adam, fuse_sdpa_lce, "
                          "fuse_sdpa_model_rope, compile_sdpa, liger_rmsnorm, liger)")

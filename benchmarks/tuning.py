@@ -46,7 +46,8 @@ __all__ = ["tuning_rules", "incomplete_groups", "kept_lines", "table_inputs", "r
 
 DEFAULT_TUNING_DIR = REPO_ROOT / "pipegoose" / "nn" / "fusion" / "tuning"
 TUNING_OPS = ("softmax", "softmax.masked", "softmax.causal", "layer_norm", "rms_norm", "swiglu", "swiglu.packed",
-              "geglu", "geglu.packed", "gelu", "cross_entropy", "rope", "attention", "adamw", "clip_grad_norm")
+              "geglu", "geglu.packed", "gelu", "squared_relu", "cross_entropy", "rope", "attention", "adamw",
+              "clip_grad_norm")
 RULE_OP = {"adamw": "adam"}   # a benchmark op -> the dispatcher op its rules are for (AdamW is timed; the op is adam)
 STEP_OPS = ("adamw", "clip_grad_norm")   # timed as one optimizer "step": their rules hold for any call (pass null)
 PASS_ORDER = {"fwd": 0, "fwd+bwd": 1}

@@ -92,6 +92,21 @@ def test_rope_reads_and_writes_q_and_k_once_and_reads_cos_and_sin_once_each_pass
         op_bytes("rope", "fwd", {"b": 4, "seq": 2048, "hq": 32, "d": 64}, "bfloat16")
 
 
+
+@pytest.mark.parametrize("op", ["gelu", "squared_relu"])
+def test_one_input_activations_read_x_write_y_forward_read_dy_and_x_write_dx_backward(op):
+    """gelu and squared_relu (an activation alone, of x [rows, inter]): read x, write y (forward); read dy and x, write
+    dx (backward): 2 and 3 tensors of x's size, whatever an impl saves besides (eager's relu(x) for the square)."""
+    r, i = 4096, 5632
+    n = r * i
+    shape = {"rows": r, "inter": i}
+    assert op_bytes(op, "fwd", shape, "bfloat16") == 2 * n * 2
+    assert op_bytes(op, "bwd", shape, "float32") == 3 * n * 4
+    assert op_bytes(op, "fwd+bwd", shape, "float16") == 5 * n * 2
+    assert op_bytes(op, "fwd", shape, "float32") < op_bytes("swiglu", "fwd", shape, "float32")   # (one input, not two)
+    with pytest.raises(ValueError, match="missing"):
+        op_bytes(op, "fwd", {"rows": r, "hidden": i}, "bfloat16")
+
 def test_norm_counts_include_params_and_fp32_stats():
     r, h = 16384, 1000
     n = r * h
@@ -114,6 +129,7 @@ def test_optimizer_and_copy_counts():
     (("softmax", "fwd", {"b": 1, "np": 1, "sq": 1}, "float32"), "missing"),
     (("softmax", "fwd", {"b": 0, "np": 1, "sq": 1, "sk": 1}, "float32"), ">= 1"),
     (("silu", "fwd", {"rows": 1}, "float32"), "unknown op"),
+    (("relu2", "fwd", {"rows": 1, "inter": 1}, "float32"), "unknown op .*gelu, squared_relu, cross_entropy"),
     (("adamw", "fwd", {"params": 1}, "float32"), "single pass"),
     (("adamw", "unclipped", {"params": 1}, "float32"), "single pass"),
     (("clip_grad_norm", "fwd", {"params": 1}, "float32"), "clip_grad_norm has the passes 'step', 'unclipped'"),

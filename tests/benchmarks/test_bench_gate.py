@@ -33,8 +33,8 @@ def test_check_close_flags_nan_and_off_elements():
 def test_reference_matches_torch_on_fp32(op, size):
     case = ops.make_case(op, torch.float32, ops.sizes_for(op, "dry")[size], "cpu")
     ref = ops.reference(case)
-    # (PyTorch has no single op for SwiGLU, GeGLU or RoPE: their eager code, transformers')
-    fn = ops.IMPLS["eager" if op in (*ops.GATED, "rope") else "native"](case)
+    # (PyTorch has no single op for SwiGLU, GeGLU, the squared ReLU or RoPE: their eager code, transformers')
+    fn = ops.IMPLS["eager" if op in (*ops.GATED, "squared_relu", "rope") else "native"](case)
     y = fn(case.inputs)
     ys = y if isinstance(y, tuple) else (y,)
     assert set(ref) == {*case.outs, *(f"d{n}" for n in case.wrt)} and len(ys) == len(case.outs)
@@ -496,3 +496,102 @@ def test_gelu_case_and_reference_are_gelu_new_at_swiglus_sizes_and_rows():
     for impl in ("eager", "native"):
         fn = ops.IMPLS[impl](case)
         torch.testing.assert_close(fn(case.inputs).double(), y64.detach(), rtol=1e-5, atol=1e-6)
+
+
+
+@pytest.mark.parametrize("chunk", [1 << 25, 48])
+def test_squared_relu_case_and_reference_are_relu2_at_gelus_sizes_rows_and_x(chunk):
+    """squared_relu (transformers' relu2, Nemotron's MLP activation): gelu's x, sizes and rows; the float64 reference
+    (in chunks of rows, too) is autograd of torch.square(F.relu(x)): 0, and a gradient of 0, where x <= 0; eager is
+    transformers' ReLUSquaredActivation."""
+    assert ops.sizes_for("squared_relu", "full") == ops.sizes_for("gelu", "full") == ops.sizes_for("swiglu", "full")
+    assert ops.shape_for("squared_relu", 64, "cpu") == ops.shape_for("gelu", 64, "cpu")
+    case = ops.make_case("squared_relu", torch.float32, 16, "cpu")
+    x = case.inputs["x"]
+    assert list(case.inputs) == ["x"] and case.wrt == ["x"] and case.outs == ("y",) and x.shape == case.dy.shape
+    assert x.shape == (ops.shape_for("swiglu", 16, "cpu")["rows"], 16) and x.is_leaf and x.requires_grad
+    assert torch.equal(x, ops.make_case("gelu", torch.float32, 16, "cpu").inputs["x"])   # (gelu's x)
+    assert (x < -1).any() and (x > 2).any()   # (the kink at 0 and the parabola both hit)
+    ref = ops.reference(case, chunk_elems=chunk)
+    assert set(ref) == {"y", "dx"} and ref["y"].dtype == ref["dx"].dtype == torch.float32
+    x64 = x.detach().double().requires_grad_()
+    y64 = torch.square(F.relu(x64))
+    (dx64,) = torch.autograd.grad(y64, x64, case.dy.double())
+    torch.testing.assert_close(ref["y"].double(), y64.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ref["dx"].double(), dx64, rtol=1e-6, atol=1e-7)
+    neg = x.detach() <= 0
+    assert neg.any() and not ref["y"][neg].any() and not ref["dx"][neg].any()
+    y = ops.IMPLS["eager"](case)(case.inputs)
+    assert torch.equal(y, torch.square(F.relu(x)))
+    (dx,) = torch.autograd.grad(y, x, case.dy)
+    torch.testing.assert_close(dx, ref["dx"], rtol=1e-5, atol=1e-6)
+
+
+def test_squared_relu_has_no_native_or_liger_impl_and_its_list_is_gelus_without_native(monkeypatch):
+    """PyTorch has no single op for relu(x)^2 (eager runs two), Liger-Kernel no squared ReLU, Apex and Megatron none:
+    squared_relu's impls are gelu's but native, and native / liger say why if asked all the same."""
+    assert ops.impls_for("squared_relu") == ["eager", "compile", "torch", "pipegoose"]
+    assert ops.impls_for("gelu") == ["eager", "native", "compile", "torch", "pipegoose"]
+    assert ops.IMPL_ORDER.index("native") < ops.IMPL_ORDER.index("compile")   # (so the lists above are in order)
+    case = ops.make_case("squared_relu", torch.float32, 16, "cpu")
+    with pytest.raises(ops.Unsupported, match=r"no single op for relu\(x\)\^2: eager runs relu then square") as e:
+        ops.IMPLS["native"](case)
+    assert ops.classify(e.value) == "unsupported"
+    _fake_liger(monkeypatch, _LigerSiLUMul)   # (liger_kernel importable, so the op itself is what is refused)
+    with pytest.raises(ops.Unsupported, match="Liger-Kernel has no squared ReLU"):
+        ops.IMPLS["liger"](case)
+
+
+def test_squared_relu_impl_of_relu_alone_or_of_an_unclipped_square_is_failed():
+    """The gate tells relu(x)^2 from relu(x) (the square forgotten) and from x^2 (negative side squared too)."""
+    case = ops.make_case("squared_relu", torch.float32, 16, "cpu")
+    case.ref = ops.reference(case)
+    tol = tolerances()[torch.float32]
+    assert ops.check_impl(ops.IMPLS["eager"](case), case, tol)[0] == "ok"
+    for wrong in (lambda i: F.relu(i["x"]), lambda i: torch.square(i["x"])):
+        status, _, detail = ops.check_impl(wrong, case, tol)
+        assert status == "FAILED" and all(f"{n}:" in detail for n in ("y", "dx"))
+
+
+def test_squared_relus_impls_of_ours_call_functional_squared_relu_with_x_and_the_impl(monkeypatch):
+    """pipegoose and torch: ``squared_relu(x, impl=...)`` (op squared_relu; the dispatcher's choice is verified after
+    the checked call, fn.expect); a functional without ``squared_relu`` (a checkout before the op) makes them
+    ``unavailable``, never an error."""
+    from pipegoose.nn.fusion import functional as PF
+
+    seen = []
+
+    def spy(x, *, impl=None):
+        seen.append((x, impl))
+        return torch.square(F.relu(x))
+
+    monkeypatch.setattr(PF, "squared_relu", spy, raising=False)
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "1")   # (the builders set it by default: put back after the test)
+    case = ops.make_case("squared_relu", torch.float32, 16, "cpu")
+    for impl in ("torch", "pipegoose"):
+        fn = ops.IMPLS[impl](case)
+        assert fn.expect == ("squared_relu", impl)
+        assert torch.equal(fn(case.inputs), torch.square(F.relu(case.inputs["x"])))
+    assert [(x is case.inputs["x"], i) for x, i in seen] == [(True, "torch"), (True, "pipegoose")]
+    monkeypatch.delattr(PF, "squared_relu")
+    for impl in ("torch", "pipegoose"):
+        with pytest.raises(ops.Unavailable, match="functional has no squared_relu") as e:
+            ops.IMPLS[impl](case)
+        assert ops.classify(e.value) == "unavailable"
+
+
+def test_squared_relus_torch_impl_is_ok_and_our_kernel_declined_on_the_cpu(monkeypatch):
+    """The dispatcher's torch path passes the gate and runs as asked; our kernel is declined on the CPU
+    (``unsupported``), never timed under its name."""
+    from pipegoose.nn.fusion import functional as PF
+
+    if not hasattr(PF, "squared_relu"):
+        pytest.skip("pipegoose.nn.fusion.functional has no squared_relu yet (the op is not merged)")
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "1")
+    case = ops.make_case("squared_relu", torch.float32, 16, "cpu")
+    case.ref = ops.reference(case)
+    tol = tolerances()[torch.float32]
+    assert ops.check_impl(ops.IMPLS["torch"](case), case, tol)[0] == "ok"
+    with pytest.raises(Exception) as e:
+        ops.check_impl(ops.IMPLS["pipegoose"](case), case, tol)
+    assert ops.classify(e.value) == "unsupported" and "squared_relu" in str(e.value)

@@ -1228,3 +1228,46 @@ def test_report_only_records_each_merged_runs_environment(tmp_path, monkeypatch,
     with pytest.raises(SystemExit, match=r"runs\[0\]: expected a mapping with an ISO 8601 date"):
         main(["--report-only", same, "--out", str(tmp_path / "bad_out"), "--no-tuning"])
     assert not (tmp_path / "bad_out").exists()
+
+
+def test_squared_relu_runs_through_the_cli_with_gelus_bytes_and_impls(tmp_path, monkeypatch, capsys):
+    """``--only squared_relu`` selects the squared-ReLU sweep (relu2 alone); a CPU dry run writes its rows (eager,
+    torch, pipegoose: no native, Liger, Apex or Megatron; gelu's shapes and bytes), its results.md section and, where
+    the dispatcher has the op, its tuning rules (its torch path is timed on the CPU; our kernel is declined there)."""
+    monkeypatch.setenv("PIPEGOOSE_STRICT", "1")   # (as a run sets it; monkeypatched, it goes after the test)
+    from benchmarks.byte_counts import op_bytes
+    from benchmarks.ops import shape_for
+    from benchmarks.run import OP_NAMES, main, parse_args
+    from benchmarks.tuning import TUNING_OPS
+    from pipegoose.nn.fusion import functional as PF
+
+    assert "squared_relu" in TUNING_OPS and OP_NAMES.index("squared_relu") == OP_NAMES.index("gelu") + 1
+    assert parse_args(["--only", "squared_relu"]).ops == ["squared_relu"]
+    assert parse_args(["--only", "gelu,squared_relu"]).ops == ["gelu", "squared_relu"]
+    assert "squared_relu" in parse_args([]).ops
+    for argv, said in ((["--only", "relu2"], "--only: unknown op 'relu2'"),
+                       (["--only", "squared_relu", "--impls", "native,liger"], "implement none of the ops run")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert said in capsys.readouterr().err, argv
+    assert main(["--device", "cpu", "--dry-run", "--no-build", "--no-compile", "--only", "squared_relu", "--dtypes",
+                 "fp32", "--out", str(tmp_path / "o")]) == 0
+    run = next((tmp_path / "o").glob("cpu_dry_run_*"))
+    data, rows = load_json(run / "results.json")
+    assert data["config"]["ops"] == ["squared_relu"] and {r.op for r in rows} == {"squared_relu"}
+    assert {(r.impl, r.dtype, r.pas, r.cols) for r in rows} == {
+        (i, "float32", p, c) for i in ("eager", "torch", "pipegoose") for p in ("fwd", "bwd", "fwd+bwd")
+        for c in (16, 64)}   # (no compile: --no-compile)
+    merged = hasattr(PF, "squared_relu")
+    ok = [r for r in rows if r.status == "ok"]
+    assert {r.impl for r in ok} == ({"eager", "torch"} if merged else {"eager"})
+    assert {r.status for r in rows if r.impl == "pipegoose"} == ({"unsupported"} if merged else {"unavailable"})
+    for r in ok:
+        assert r.shape == shape_for("gelu", r.cols, "cpu") and set(r.shape) == {"rows", "inter"}
+        assert r.bytes == op_bytes("squared_relu", r.pas, r.shape, r.dtype) == op_bytes("gelu", r.pas, r.shape,
+                                                                                          r.dtype)
+    assert "## squared_relu — float32" in (run / "results.md").read_text()
+    (table,) = (run / "tuning").glob("*.json")
+    rules = json.loads(table.read_text())["rules"]
+    assert {(r["op"], r["pass"]) for r in rules} == (
+        {("squared_relu", "fwd"), ("squared_relu", "fwd+bwd")} if merged else set())
