@@ -1,11 +1,10 @@
 """One dispatcher for every fused op: implementations, ``supports()`` checks, choice, counters and strict mode.
 
 Each op (``softmax``, ``softmax.masked``, ``softmax.causal``, ``layer_norm``, ``rms_norm``, ``swiglu``,
-``swiglu.packed``, ``geglu``, ``geglu.packed``, ``gelu``, ``rope``, ``cross_entropy``, ``fused_linear_cross_entropy``,
-``adam``,
-``clip_grad_norm``) has several :class:`Implementation` s: ours (``pipegoose``), fused kernels that ship in PyTorch
-(``torch_fused``: ``adam``'s ``torch._fused_adamw_``),
-ported registry copies (``megatron``, ``apex``, ``deepspeed``) and the PyTorch reference (``torch``). Each declares
+``swiglu.packed``, ``geglu``, ``geglu.packed``, ``gelu``, ``squared_relu``, ``rope``, ``cross_entropy``,
+``fused_linear_cross_entropy``, ``adam``, ``clip_grad_norm``) has several :class:`Implementation` s: ours
+(``pipegoose``), fused kernels that ship in PyTorch (``torch_fused``: ``adam``'s ``torch._fused_adamw_``), ported
+registry copies (``megatron``, ``apex``, ``deepspeed``) and the PyTorch reference (``torch``). Each declares
 ``supports(problem) -> (ok, reason)`` over a :class:`Problem` (shapes, dtypes, device, layout: metadata only, no
 kernel runs), and names the manifest kernel it needs; the kernel is loaded on first use
 (``pipegoose.kernels.load``) and a failed load becomes a reason (``"pipegoose/softmax unavailable: ..."``).
@@ -29,7 +28,8 @@ Choice, first that supports the input wins:
    (``F.layer_norm``), ``rms_norm`` (``F.rms_norm``; its ``tuned_for`` limits it to the problems the reference runs
    as that one op, not Llama's rounding or mixed dtypes), ``swiglu`` (``F.silu(gate) * up``, two native ops),
    ``swiglu.packed`` (the same of ``x.chunk(2, -1)``; ``x``'s elements count), ``geglu`` (``F.gelu(gate,
-   approximate=approximate) * up``), ``geglu.packed`` (the same of ``x.chunk(2, -1)``) and ``gelu`` (``F.gelu``)),
+   approximate=approximate) * up``), ``geglu.packed`` (the same of ``x.chunk(2, -1)``), ``gelu`` (``F.gelu``) and
+   ``squared_relu`` (``torch.square(F.relu(x))``)),
    the reference runs (source ``small``, not a fallback; no kernel is loaded). At such sizes a step is bound by the
    host, and a fused op's path (the Python dispatch above the op, the op's own host code) costs more host time than
    its kernel can save on the GPU (MiniLM, BERT-base and GPT-2 small steps with their LayerNorms fused were slower
