@@ -1,8 +1,8 @@
 """Squared ReLU alone (op ``squared_relu``, :func:`pipegoose.nn.fusion.functional.squared_relu`,
 :class:`FusedSquaredReLU`) and ``fuse(model)`` replacing transformers' ``ReLUSquaredActivation`` (``relu2``: the MLPs
 without a gate of Arcee, Nemotron, Persimmon), on the CPU: the reference path, argument errors, dispatch, the probe,
-the report, unfuse. The kernel itself: tests/kernels/test_geglu_cuda.py (``-k squared_relu``); on a GPU,
-tests/fuse/test_fuse_cuda.py."""
+the report, unfuse. The kernel itself: tests/kernels/test_squared_relu_cuda.py; on a GPU, fused models: the last test
+here."""
 
 from __future__ import annotations
 
@@ -291,7 +291,7 @@ def test_on_cuda_a_fused_model_runs_the_kernel_with_the_models_values(model_type
     backward), the loss is the unfused model's bit for bit (the kernel's values are eager PyTorch's; the rest of the
     model runs the same code, eager attention) and every gradient within the dtype's rounding (other kernels of the
     backward may sum in another order from run to run)."""
-    model = _model(model_type, "eager", hidden_size=64, intermediate_size=176).to("cuda", dtype).train()
+    model = _model(model_type, "eager", hidden=64).to("cuda", dtype).train()
     ref = copy.deepcopy(model)
     ids = models.inputs()[0].cuda()
     loss_ref = ref(input_ids=ids, labels=ids).loss

@@ -171,9 +171,10 @@ def test_squared_relu_autograd_op(ops, dtype):
     assert yi.grad_fn is None and torch.equal(yi, y.detach())
 
 
+@pytest.mark.usefixtures("no_tuning_table")
 def test_squared_relu_through_the_functional_and_the_module():
     """functional.squared_relu and FusedSquaredReLU on CUDA run the kernel (dispatch.stats), in strict mode, with
-    transformers' ReLUSquaredActivation's values and gradient bit for bit."""
+    transformers' ReLUSquaredActivation's values and gradient bit for bit (the small-problem rule set aside)."""
     from pipegoose.nn.fusion import FusedSquaredReLU, dispatch
     from pipegoose.nn.fusion import functional as PF
 
