@@ -133,31 +133,14 @@ def _gelu_packed_fake(x, approximate="tanh"):
     return _gelu_packed_forward_fake(x, approximate)
 
 
-@torch.library.register_fake("pipegoose::gelu_forward")
-def _gelu_forward_fake(x, approximate="none"):
-    _approximate(approximate)
-    return _squared_relu_forward_fake(x)
-
-
-@torch.library.register_fake("pipegoose::gelu_backward")
-def _gelu_backward_fake(grad_output, x, approximate="none"):
-    _approximate(approximate)
-    return _squared_relu_backward_fake(grad_output, x)
-
-
-@torch.library.register_fake("pipegoose::gelu")
-def _gelu_fake(x, approximate="none"):
-    return _gelu_forward_fake(x, approximate)
-
-
-@torch.library.register_fake("pipegoose::squared_relu_forward")
-def _squared_relu_forward_fake(x):
+def _unary_forward_fake(x):
+    """gelu_forward's and squared_relu_forward's output: x's shape and dtype, contiguous."""
     _kernel_dtype(x, "x")
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-@torch.library.register_fake("pipegoose::squared_relu_backward")
-def _squared_relu_backward_fake(grad_output, x):
+def _unary_backward_fake(grad_output, x):
+    """gelu_backward's and squared_relu_backward's grad_x: x's shape and dtype, contiguous."""
     _kernel_dtype(x, "x")
     _grad_output(grad_output, x, "x")
     torch._check(grad_output.shape == x.shape,
@@ -165,6 +148,23 @@ def _squared_relu_backward_fake(grad_output, x):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-@torch.library.register_fake("pipegoose::squared_relu")
-def _squared_relu_fake(x):
-    return _squared_relu_forward_fake(x)
+@torch.library.register_fake("pipegoose::gelu_forward")
+def _gelu_forward_fake(x, approximate="none"):
+    _approximate(approximate)
+    return _unary_forward_fake(x)
+
+
+@torch.library.register_fake("pipegoose::gelu_backward")
+def _gelu_backward_fake(grad_output, x, approximate="none"):
+    _approximate(approximate)
+    return _unary_backward_fake(grad_output, x)
+
+
+@torch.library.register_fake("pipegoose::gelu")
+def _gelu_fake(x, approximate="none"):
+    return _gelu_forward_fake(x, approximate)
+
+
+torch.library.register_fake("pipegoose::squared_relu_forward")(_unary_forward_fake)
+torch.library.register_fake("pipegoose::squared_relu_backward")(_unary_backward_fake)
+torch.library.register_fake("pipegoose::squared_relu")(_unary_forward_fake)

@@ -592,9 +592,8 @@ def _parse_attention(attention: Any) -> str:
 def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool = False,
          attention: str = "auto") -> FusionReport:
     """Replace ``model``'s LayerNorms, RMSNorms, SwiGLU and GeGLU MLPs, GELU and squared ReLU activations, the gate of
-    its MoE experts
-    (transformers' experts modules: :mod:`~pipegoose.nn.fusion.transformers.experts`), rotary position embedding,
-    language-model loss and attention softmax by fused ones, on this instance only.
+    its MoE experts (transformers' experts modules: :mod:`~pipegoose.nn.fusion.transformers.experts`), rotary position
+    embedding, language-model loss and attention softmax by fused ones, on this instance only.
 
     Args:
         model: a constructed ``torch.nn.Module`` (typically a transformers ``PreTrainedModel``, e.g. from
@@ -603,9 +602,10 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
         ops: subset of ``("layer_norm", "rms_norm", "swiglu", "geglu", "gelu", "squared_relu", "rope",
             "cross_entropy", "attention", "linear_cross_entropy")`` (a name or an iterable of names; case and
             surrounding blanks ignored, as in ``impl=``); None = all but ``linear_cross_entropy``, which is opt-in: a
-            causal LM's head and loss in one (:mod:`pipegoose.nn.fusion.transformers.lm_head`; in training with labels the output's
-            ``logits`` is None; on the H200's Llama-1.1B step 0.5 GiB less peak memory at 0.1% fewer tokens/s,
-            session 52; one backward per forward: a second backward through a retained graph raises RuntimeError).
+            causal LM's head and loss in one (:mod:`pipegoose.nn.fusion.transformers.lm_head`; in training with
+            labels the output's ``logits`` is None; on the H200's Llama-1.1B step 0.5 GiB less peak memory at 0.1%
+            fewer tokens/s, session 52; one backward per forward: a second backward through a retained graph raises
+            RuntimeError).
         dry_run: only report what would be done; the model is not touched.
             A call that fuses nothing (no module of ``ops`` in the model) leaves no record either: ``is_fused``
             stays False, and ``fuse`` may be called again, e.g. with other ``ops``.
@@ -692,8 +692,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                 seen.add(id(child))
                 if isinstance(child, fused_types):  # put there before this call
                     kind = ("rms_norm" if isinstance(child, FusedRMSNorm) else
-                            "gelu" if isinstance(child, FusedGELU) else
-                            "squared_relu" if isinstance(child, FusedSquaredReLU) else
+                            _fused_activation_kind(child) if isinstance(child, (FusedGELU, FusedSquaredReLU)) else
                             "swiglu" if isinstance(child, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP)) else
                             "geglu" if isinstance(child, FusedGeGLUMLP) else
                             # (T5's, ModernBERT's: the kind of the op it runs)
@@ -825,14 +824,14 @@ def _norm_kind_left_out(child: nn.Module, ops: tuple) -> str | None:
 def _fused_impls(module: nn.Module, like: torch.Tensor | None = None) -> tuple[str, str]:
     """(forward, backward) for a norm fused before this call, as :func:`_consider` gives them for a new one: what the
     dispatcher picks for it (the report showed "yes" there, also where the fallback runs; a walkthrough)."""
-    from .modules import (FusedGateUpSwiGLUMLP, FusedGELU, FusedGeGLUMLP, FusedModernBertMLP, FusedRMSNorm,
-                          FusedSquaredReLU, FusedSwiGLUMLP, FusedT5DenseGatedActDense)
+    from .modules import (FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedModernBertMLP, FusedRMSNorm, FusedSwiGLUMLP,
+                          FusedT5DenseGatedActDense)
 
     impl = getattr(module, "impl", None)   # a request made on the module (FusedRMSNorm(impl="torch"), say)
-    if isinstance(module, FusedGELU):
-        return _activation_impls("gelu", module, (module.approximate,), impl, like)
-    if isinstance(module, FusedSquaredReLU):
-        return _activation_impls("squared_relu", module, (), impl, like)
+    act_kind = _fused_activation_kind(module)
+    if act_kind is not None:
+        args = _ACTIVATIONS[act_kind].op_args(getattr(module, "approximate", None))
+        return _activation_impls(act_kind, module, args, impl, like)
     if isinstance(module, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedT5DenseGatedActDense,
                            FusedModernBertMLP)):
         return _swiglu_impls(module, isinstance(module, (FusedGateUpSwiGLUMLP, FusedModernBertMLP)), impl,
@@ -1116,21 +1115,38 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like
 
 @dataclass(frozen=True)
 class _Activation:
-    """How ``fuse`` treats one kind of activation module: its probe (``transformers.matching``), the fused module's
-    name, and the row's words."""
+    """How ``fuse`` treats one kind of activation module (the kind is also its op's name): its probe
+    (``transformers.matching``), the fused module's class name in ``modules``, whether the op takes the probe's
+    ``approximate`` after the input (GELU's), and the row's words after the probe's reason."""
 
-    probe: Callable[[nn.Module], "matching.GeluProbe"]
+    probe: Callable[[nn.Module], "matching.ActivationProbe"]
     replacement: str
-    formula: str   # the row's reason after the probe's: the op and what runs
+    takes_approximate: bool
+    words: str   # ({a}: the probe's approximate)
+
+    def op_args(self, approximate: str | None) -> tuple:
+        """The op's arguments after the input."""
+        return (approximate,) if self.takes_approximate else ()
+
+    def fused_class(self) -> type:
+        from . import modules
+
+        return getattr(modules, self.replacement)
 
 
 _ACTIVATIONS = {
-    "gelu": _Activation(matching.probe_gelu, "FusedGELU", "op gelu, approximate={a!r}: one kernel each way, ours or "
-                                                          "F.gelu as the dispatcher chooses"),
-    "squared_relu": _Activation(matching.probe_squared_relu, "FusedSquaredReLU",
+    "gelu": _Activation(matching.probe_gelu, "FusedGELU", True, "op gelu, approximate={a!r}: one kernel each way, "
+                                                                "ours or F.gelu as the dispatcher chooses"),
+    "squared_relu": _Activation(matching.probe_squared_relu, "FusedSquaredReLU", False,
                                 "op squared_relu: one kernel each way where ours runs (transformers' relu and square: "
                                 "two forward, three backward), the same values"),
 }
+
+
+def _fused_activation_kind(module: nn.Module) -> str | None:
+    """The kind of a fused activation module (``FusedGELU``: ``gelu``, ``FusedSquaredReLU``: ``squared_relu``), or
+    None."""
+    return next((k for k, a in _ACTIVATIONS.items() if isinstance(module, a.fused_class())), None)
 
 
 def _activation_candidate(module: nn.Module) -> str | None:
@@ -1145,8 +1161,6 @@ def _consider_activation(kind: str, child: nn.Module, path: str, dry_run: bool, 
     """(row, replacement or None) for an activation module of ``kind`` (:func:`_activation_candidate`; ``kind`` in
     ``ops``): ``FusedGELU`` with the probe's ``approximate``, or ``FusedSquaredReLU``, where the probe passes it, a
     skipped row with the probe's reason where not."""
-    from . import modules
-
     act = _ACTIVATIONS[kind]
     probe = act.probe(child)
     if not probe.ok:
@@ -1154,13 +1168,12 @@ def _consider_activation(kind: str, child: nn.Module, path: str, dry_run: bool, 
     why = _instance_override(child)
     if why is not None:
         return FusionRow(path, kind, type(child).__name__, None, False, reason=why), None
-    args = (probe.approximate,) if kind == "gelu" else ()
-    kwargs = dict(approximate=probe.approximate) if kind == "gelu" else {}
-    new = None if dry_run else _build(path, child, getattr(modules, act.replacement).from_module, child, **kwargs,
+    kwargs = dict(approximate=probe.approximate) if act.takes_approximate else {}
+    new = None if dry_run else _build(path, child, act.fused_class().from_module, child, **kwargs,
                                       verify=False)  # probed above
-    fwd, bwd = _activation_impls(kind, child, args, like=like)
+    fwd, bwd = _activation_impls(kind, child, act.op_args(probe.approximate), like=like)
     return FusionRow(path, kind, type(child).__name__, act.replacement, True, fwd, bwd,
-                     f"{probe.reason}; {act.formula.format(a=probe.approximate)}" + _small_note(child, like)), new
+                     f"{probe.reason}; {act.words.format(a=probe.approximate)}" + _small_note(child, like)), new
 
 
 def _activation_impls(op: str, module: nn.Module, args: tuple, impl: str | None = None,

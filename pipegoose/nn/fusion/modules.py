@@ -1507,10 +1507,10 @@ class FusedGELU(_DropsFuseRecord, nn.Module):
 
         ``verify`` (default True): ``act`` must pass the probe that ``fuse`` runs (``transformers.matching.
         probe_gelu``, less fuse's rule that the class's name has "gelu" in it: a leaf module without parameters or
-        buffers, whose forward on CPU, in training and eval mode, computes GELU, exact or tanh, within 1e-6 of the
-        float64 formula near 0 and far out); the probe tells ``approximate``. ``act``'s hooks are not carried over (``fuse`` hands them to the replacement).
-        ``verify=False`` takes ``approximate`` from the argument, else from ``act``'s attribute of that name
-        (``torch.nn.GELU``'s).
+        buffers, whose forward on CPU, in training and eval mode, computes GELU, exact or tanh, as the float64 formula
+        within atol 1e-6 and rtol 1e-5, near 0 and out to +-100); the probe tells ``approximate``. ``act``'s hooks
+        are not carried over (``fuse`` hands them to the replacement). ``verify=False`` takes ``approximate`` from
+        the argument, else from ``act``'s attribute of that name (``torch.nn.GELU``'s).
 
         Raises:
             TypeError: ``act`` not a module; with ``verify=False``, no ``approximate`` given or found.
@@ -1577,8 +1577,9 @@ class FusedSquaredReLU(_DropsFuseRecord, nn.Module):
 
         ``verify`` (default True): ``act`` must pass the probe that ``fuse`` runs (``transformers.matching.
         probe_squared_relu``, less fuse's rule on the class's name: a leaf module without parameters or buffers whose
-        forward on CPU, in training and eval mode, computes ``relu(x)^2`` within 1e-6 of the float64 formula near 0 and
-        far out). ``act``'s hooks are not carried over (``fuse`` hands them to the replacement).
+        forward on CPU, in training and eval mode, computes ``relu(x)^2`` as the float64 formula within atol 1e-6 and
+        rtol 1e-5, near 0 and out to +-100). ``act``'s hooks are not carried over (``fuse`` hands them to the
+        replacement).
 
         Raises:
             TypeError: ``act`` not a module; ``impl`` as the constructor.

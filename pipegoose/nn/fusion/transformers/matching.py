@@ -1232,8 +1232,8 @@ class _MaskDropout(nn.Module):
 
 def activation_formula(act: Any, formulas: dict | None = None) -> str | None:
     """What the activation ``act`` computes: the key of ``formulas`` (default :data:`ACTIVATION_FORMULAS`; the
-    squared ReLU probe's, :data:`SQUARED_RELU_FORMULA`) whose float64 formula it matches (atol 1e-6, rtol 1e-5) near
-    0 and far out on either side (``ACT_FAR``: a clamp past 6, or any other bend, shows), or None. A module is
+    squared ReLU probe's, :data:`SQUARED_RELU_FORMULAS`) whose float64 formula it matches (atol 1e-6, rtol 1e-5)
+    near 0 and far out on either side (``ACT_FAR``: a clamp past 6, or any other bend, shows), or None. A module is
     checked through its ``forward`` (no hook fires), in training and in eval mode (its own and its submodules' flags
     set for the call and put back); a plain function (``F.gelu``) is called. An exception of the activation
     propagates."""
@@ -1263,8 +1263,8 @@ def activation_formula(act: Any, formulas: dict | None = None) -> str | None:
 # GELU activation probe (the MLPs without a gate)
 # --------------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class GeluProbe:
-    """What :func:`probe_gelu` (and :func:`probe_squared_relu`) found: ``candidate`` (a leaf module without parameters
+class ActivationProbe:
+    """What :func:`probe_gelu` and :func:`probe_squared_relu` found: ``candidate`` (a leaf module without parameters
     or buffers whose class name says GELU, or squared ReLU), ``ok`` (it computes that function and nothing else),
     ``approximate`` (F.gelu's: ``"none"`` or ``"tanh"``, where a GELU is ok; None for squared ReLU) and ``reason``
     (what it computes, or why it is refused)."""
@@ -1273,6 +1273,9 @@ class GeluProbe:
     ok: bool
     approximate: str | None
     reason: str
+
+
+GeluProbe = ActivationProbe   # (its name before op squared_relu shared it, session 73)
 
 
 def _leaf_without_state(module: nn.Module) -> bool:
@@ -1296,29 +1299,30 @@ def squared_relu_candidate(module: nn.Module) -> bool:
 
 
 # the function squared ReLU's probe checks (activation_formula's formulas)
-SQUARED_RELU_FORMULA = {"relu2": lambda x: torch.square(torch.relu(x))}
+SQUARED_RELU_FORMULAS = {"relu2": lambda x: torch.square(torch.relu(x))}
 
 
 def _probe_leaf_activation(module: nn.Module, by_name: bool, candidate: Any, rule: str,
-                           formulas: dict | None) -> tuple[GeluProbe | None, str | None]:
+                           formulas: dict | None) -> tuple[ActivationProbe | None, str | None]:
     """The probe shared by :func:`probe_gelu` and :func:`probe_squared_relu`: (a refusal, None) or (None, the key of
     ``formulas`` that ``module``'s forward computes, or None for none of them)."""
     name = type(module).__name__
     if not _leaf_without_state(module):
-        return GeluProbe(False, False, None, f"{name} is not a leaf module without parameters or buffers"), None
-    if by_name and not candidate(module):
-        return (GeluProbe(False, False, None, f"{name}: fuse() looks at activation modules whose class name {rule}"),
-                None)
-    extra = _extra_forward_arguments(type(module))
-    if extra:
-        return GeluProbe(True, False, None, f"its forward takes more than the input ({', '.join(extra)})"), None
-    try:
-        return None, probe_isolated(activation_formula)(module, formulas)
-    except Exception as exc:  # noqa: BLE001
-        return GeluProbe(True, False, None, f"probe failed: {type(exc).__name__}: {exc}"), None
+        why, looked_at = f"{name} is not a leaf module without parameters or buffers", False
+    elif by_name and not candidate(module):
+        why, looked_at = f"{name}: fuse() looks at activation modules whose class name {rule}", False
+    elif _extra_forward_arguments(type(module)):
+        why = f"its forward takes more than the input ({', '.join(_extra_forward_arguments(type(module)))})"
+        looked_at = True
+    else:
+        try:
+            return None, probe_isolated(activation_formula)(module, formulas)
+        except Exception as exc:  # noqa: BLE001
+            why, looked_at = f"probe failed: {type(exc).__name__}: {exc}", True
+    return ActivationProbe(looked_at, False, None, why), None
 
 
-def probe_gelu(module: nn.Module, *, by_name: bool = True) -> GeluProbe:
+def probe_gelu(module: nn.Module, *, by_name: bool = True) -> ActivationProbe:
     """Whether ``module``, a :func:`gelu_candidate` (``by_name`` False: any leaf module without parameters or
     buffers, whatever its class's name: ``FusedGELU.from_module``'s, where the caller chose the module), computes
     GELU, exact (erf) or with the tanh approximation, as ``F.gelu(x, approximate=...)`` does
@@ -1330,25 +1334,27 @@ def probe_gelu(module: nn.Module, *, by_name: bool = True) -> GeluProbe:
         return refused
     if kind not in GELU_APPROXIMATE:
         what = "SiLU" if kind == "silu" else "another function (QuickGELU's, a clipped GELU, ...)"
-        return GeluProbe(True, False, None, f"computes {what}, not GELU (exact or tanh)")
+        return ActivationProbe(True, False, None, f"computes {what}, not GELU (exact or tanh)")
     approximate = GELU_APPROXIMATE[kind]
     what = "GELU, tanh approximation" if approximate == "tanh" else "GELU, exact (erf)"
-    return GeluProbe(True, True, approximate, what)
+    return ActivationProbe(True, True, approximate, what)
 
 
-def probe_squared_relu(module: nn.Module, *, by_name: bool = True) -> GeluProbe:
+def probe_squared_relu(module: nn.Module, *, by_name: bool = True) -> ActivationProbe:
     """Whether ``module``, a :func:`squared_relu_candidate` (``by_name`` False: any leaf module without parameters or
     buffers: ``FusedSquaredReLU.from_module``'s), computes ``relu(x)^2`` (transformers' ``ReLUSquaredActivation``),
     checked as :func:`probe_gelu` checks GELU (its forward on CPU in fp32, training and eval mode, against the float64
     formula near 0 and far out), with no forward arguments beyond the input. Hooks do not refuse it. ``approximate``
     is None."""
     refused, kind = _probe_leaf_activation(module, by_name, squared_relu_candidate,
-                                           'says squared ReLU ("relu" with "square" or "relu2")', SQUARED_RELU_FORMULA)
+                                           'says squared ReLU ("relu" with "square" or "relu2")',
+                                           SQUARED_RELU_FORMULAS)
     if refused is not None:
         return refused
     if kind is None:
-        return GeluProbe(True, False, None, "computes another function than relu(x)^2 (a clipped or scaled one, ...)")
-    return GeluProbe(True, True, None, "squared ReLU, relu(x)^2")
+        return ActivationProbe(True, False, None,
+                               "computes another function than relu(x)^2 (a clipped or scaled one, ...)")
+    return ActivationProbe(True, True, None, "squared ReLU, relu(x)^2")
 
 
 # an activation -> the gated MLP it makes (the reasons' words)
@@ -1469,5 +1475,5 @@ __all__ = ["ACTIVATION_FORMULAS", "ATTENTION_MODEL_TYPES", "ATTENTION_SKIP_REASO
            "get_attn_implementation", "is_attention_module", "is_config",
            "model_type_of", "probe_rms_norm", "probe_swiglu_mlp", "probe_isolated", "set_attn_implementation",
            "LayerNormProbe", "WeightlessNormProbe", "probe_layer_norm_module", "probe_weightless_norm", "GeluProbe",
-           "activation_formula", "gelu_candidate", "probe_gelu", "SQUARED_RELU_FORMULA", "squared_relu_candidate",
-           "probe_squared_relu"]
+           "ActivationProbe", "activation_formula", "gelu_candidate", "probe_gelu", "SQUARED_RELU_FORMULAS",
+           "squared_relu_candidate", "probe_squared_relu"]
