@@ -72,8 +72,8 @@ Models (random init from a config, no weights downloaded):
 * ``nemotron``: Nemotron's layer (``NemotronForCausalLM``: squared ReLU MLP without a gate, half of each head rotated,
   ``NemotronLayerNorm1P``: LayerNorm of ``weight + 1``) at this project's size: hidden 2048, 12 layers, 16 heads, 8
   KV heads, MLP 8192, Nemotron's vocabulary of 256000 (untied), ~1.60B params, batch 4. Once fused (session 73): op
-  ``squared_relu``, RoPE; its LayerNorm1P runs its own code (``fuse`` skips it: a LayerNorm subclass with its own
-  forward). Not in ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
+  ``squared_relu``, RoPE, the loss and its LayerNorm1Ps (``MixedFusedLayerNorm(apply_layernorm_1p=True)``). Not in
+  ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
 
 Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
 (``pipegoose.nn.fusion.fuse(model)`` on that model), ``fuse_sdpa_adam`` (``fuse_sdpa`` with

@@ -18,6 +18,10 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   with one rounding to the input's dtype, found by a numerical probe (``transformers.matching.probe_layer_norm_module``,
   asked before the RMSNorm probe, whose answer stands unless the module computed LayerNorm's formula): Cohere's and
   Cohere 2's ``CohereLayerNorm`` -> ``MixedFusedLayerNorm`` sharing its parameters, kind ``layer_norm``;
+* Nemotron's ``NemotronLayerNorm1P`` (a ``torch.nn.LayerNorm`` subclass of ``F.layer_norm(x, shape, weight + 1,
+  bias, eps)``, found by its class name, ``LayerNorm1P``, and a numerical probe: ``transformers.matching.
+  probe_layer_norm_1p``) -> ``MixedFusedLayerNorm(apply_layernorm_1p=True)`` sharing its parameters (the scale's sum
+  and the autocast rule as its own), kind ``layer_norm`` (since session 73);
 * every module that computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``, found by a numerical probe
   (``transformers.matching.probe_swiglu_mlp``: transformers' ``LlamaMLP`` and its copies in Mistral, Qwen2, Qwen3, ...)
   -> ``FusedSwiGLUMLP`` (the same projection modules; the activation and product in one kernel, op ``swiglu``), and
@@ -100,7 +104,7 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
 Rows of what another ``fuse()`` call fused (of a part of the model, of a model or wrapper holding it) are reported as
 held: fused, naming that call, whatever ``ops`` says; this call leaves them as they are and records nothing for them.
 
-Skipped, with the reason in the report: LayerNorm subclasses with their own forward, norms whose forward is set on
+Skipped, with the reason in the report: LayerNorm subclasses with their own forward (but LayerNorm1P), norms whose forward is set on
 the instance (accelerate's ``device_map`` / offloading hooks, patches: a fused module would bypass it), norms whose
 weight or bias is computed rather than a Parameter of their own (``torch.nn.utils.parametrize``, the hook-based
 ``torch.nn.utils.weight_norm``), whose Parameters a fused module cannot share, gated RMSNorms (``forward(x, gate)``:
@@ -1050,18 +1054,28 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like
     if isinstance(child, nn.LayerNorm):
         if "layer_norm" not in ops:
             return None, None
-        if type(child).forward is not nn.LayerNorm.forward:
+        own_forward = type(child).forward is not nn.LayerNorm.forward
+        if own_forward and not matching.layer_norm_1p_candidate(child):
             return FusionRow(path, "layer_norm", type(child).__name__, None, False,
                              reason="LayerNorm subclass with its own forward"), None
+        if own_forward:   # Nemotron's LayerNorm1P (weight + 1), where the probe finds that formula
+            probe = matching.probe_layer_norm_1p(child)
+            if not probe.ok:
+                return FusionRow(path, "layer_norm", type(child).__name__, None, False, reason=probe.reason,
+                                 eligible=False), None
         why = _instance_override(child) or _computed_params(child)
         if why is not None:
             return FusionRow(path, "layer_norm", type(child).__name__, None, False, reason=why), None
         new = None if dry_run else _build(path, child, MixedFusedLayerNorm.from_layer_norm, child)
+        if new is not None and own_forward:
+            new.apply_layernorm_1p = True   # (probed above)
         shape = tuple(child.normalized_shape)
         fwd, bwd = _impls("layer_norm", child, lambda d, t: (
             torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, child.weight, child.bias))
+        what = ("LayerNorm of weight + 1 (probed), same parameters: MixedFusedLayerNorm(apply_layernorm_1p=True)"
+                if own_forward else "torch.nn.LayerNorm, same parameters")
         return FusionRow(path, "layer_norm", type(child).__name__, "MixedFusedLayerNorm", True, fwd, bwd,
-                         "torch.nn.LayerNorm, same parameters" + _small_note(child)), new
+                         what + _small_note(child)), new
     if "swiglu" in ops or "geglu" in ops:
         found = _consider_swiglu(child, path, ops, dry_run)
         if found is not None:

@@ -237,6 +237,7 @@ _SMALL_CHOICE = {op: dispatch.Choice(op, "torch", "small", False, {}, f"input be
 
 
 _HALF = (torch.float16, torch.bfloat16)
+_AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)   # (autocast's cast leaves float64 alone)
 
 
 def _small_native(op: str, impl: str | None, input: Any, shape: tuple[int, ...], eps: Any) -> bool:
@@ -318,15 +319,21 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
     dtype=None)``; ``impl``: force an implementation (``pipegoose``, ``apex``, ``torch``), default auto;
     ``output_in_input_dtype`` (default False): the output in the input's dtype, under CUDA autocast too, where
     ``torch.nn.LayerNorm``'s is fp32 (OLMo's ``OlmoLayerNorm``, which normalizes in fp32 and casts back).
+    ``apply_layernorm_1p`` (default False; Megatron-LM's name): the norm's scale is ``weight + 1`` (the weight starts
+    at zeros), the sum computed in the weight's dtype at each forward, and where CUDA autocast is on, the input, that
+    scale and the bias cast to the autocast dtype first (autocast's own cast), the norm run with autocast off
+    (Nemotron's ``NemotronLayerNorm1P``, exactly); needs a weight (``elementwise_affine``) and
+    ``output_in_input_dtype=False``.
     ``normalized_shape``: an integer or a sequence of integers, each >= 0 (stored as a tuple of ints; a 0, as
     ``nn.LayerNorm`` takes it, gives empty outputs). ``eps``: what :func:`~pipegoose.nn.fusion.functional.layer_norm`
     takes (a bool, int, float, numpy scalar or 0-d tensor, finite and >= 0).
 
     Raises (when constructed, not at the first forward):
         TypeError: ``normalized_shape`` not an integer or a sequence of them, ``eps`` not a number, ``impl`` not a
-            str or None, ``output_in_input_dtype`` not a bool.
+            str or None, ``output_in_input_dtype`` or ``apply_layernorm_1p`` not a bool.
         ValueError: a negative size or no dimension, ``eps`` negative or not finite, ``impl`` naming no
-            implementation of ``layer_norm`` (names are read in any case, as ``PIPEGOOSE_IMPL_*`` values are).
+            implementation of ``layer_norm`` (names are read in any case, as ``PIPEGOOSE_IMPL_*`` values are);
+            ``apply_layernorm_1p`` without a weight or with ``output_in_input_dtype``.
 
     ``forward(input [..., *normalized_shape])`` returns a tensor of the input's shape.
 
@@ -337,15 +344,19 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
 
     def __init__(self, normalized_shape: int | Sequence[int], eps: float = 1e-5, elementwise_affine: bool = True,
                  bias: bool = True, device=None, dtype=None, *, impl: str | None = None,
-                 output_in_input_dtype: bool = False) -> None:
+                 output_in_input_dtype: bool = False, apply_layernorm_1p: bool = False) -> None:
         shape = _ln_shape(normalized_shape)
         _check_module_args("layer_norm", eps, impl)
         if not isinstance(output_in_input_dtype, bool):
             raise TypeError(f"output_in_input_dtype: expected a bool, got {type(output_in_input_dtype).__name__}")
+        _check_1p(apply_layernorm_1p, elementwise_affine, output_in_input_dtype)
         super().__init__(shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias,
                          device=device, dtype=dtype)
         self.impl = impl
         self.output_in_input_dtype = output_in_input_dtype
+        if apply_layernorm_1p:
+            self.__dict__["apply_layernorm_1p"] = True
+            nn.init.zeros_(self.weight)   # the identity scale: weight + 1 = 1
 
     @property
     def variance_epsilon(self) -> float:
@@ -372,14 +383,45 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
             raise TypeError(f"output_in_input_dtype: expected a bool, got {type(value).__name__}")
         self.__dict__["output_in_input_dtype"] = value
 
+    @property
+    def apply_layernorm_1p(self) -> bool:
+        """The scale is ``weight + 1`` (see the class). Stored in the instance's ``__dict__`` (False where absent: a
+        module pickled before the flag existed); set, it must be a bool, with a weight and without
+        ``output_in_input_dtype``."""
+        return self.__dict__.get("apply_layernorm_1p", False)
+
+    @apply_layernorm_1p.setter
+    def apply_layernorm_1p(self, value: bool) -> None:
+        _check_1p(value, self.weight is not None, self.output_in_input_dtype)
+        self.__dict__["apply_layernorm_1p"] = value
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.__dict__.get("apply_layernorm_1p", False):
+            nn.init.zeros_(self.weight)
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias  # once each: a module attribute lookup costs ~0.6 us of host time
+        if self.__dict__.get("apply_layernorm_1p", False) and isinstance(input, torch.Tensor):
+            if w is None or self.output_in_input_dtype:
+                _check_1p(True, w is not None, self.output_in_input_dtype)   # (changed after the flag was set)
+            w = w + 1.0   # (in the weight's dtype, as NemotronLayerNorm1P; the gradient flows to the weight)
+            device = input.device.type
+            if torch.is_autocast_enabled():   # its rule (CUDA autocast's flag, as it reads it): autocast's cast
+                dt = torch.get_autocast_dtype(device)
+                input, w, b = (t.to(dt) if t is not None and t.device.type == device and t.dtype in _AUTOCAST_CASTS
+                               else t for t in (input, w, b))
+            with torch.autocast(device, enabled=False):
+                return self._norm(input, w, b)
         if (self.__dict__.get("output_in_input_dtype", False) and isinstance(input, torch.Tensor)
                 and input.dtype in _HALF and not _common.on_kernel_device(input)):
             # off the kernels' devices (the CPU) the op is PyTorch's, whose 16-bit backward is less exact than the fp32
             # one: OLMo's and Cohere's own computation there (fp32, one rounding), as the kernels compute it (a
             # walkthrough)
             return self.forward(input.float()).to(input.dtype)
+        return self._norm(input, w, b)
+
+    def _norm(self, input: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
         if (_small_native("layer_norm", self.impl, input, self.normalized_shape, self.eps)
                 and (w is None or w.dtype == input.dtype) and (b is None or b.dtype == input.dtype)):
             # What the dispatcher would choose (the small-problem rule), without its per-call cost: at these sizes
@@ -398,14 +440,17 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
         return y
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + (", output_in_input_dtype=True"
-                                       if self.__dict__.get("output_in_input_dtype", False) else "")
+        return (super().extra_repr()
+                + (", output_in_input_dtype=True" if self.__dict__.get("output_in_input_dtype", False) else "")
+                + (", apply_layernorm_1p=True" if self.__dict__.get("apply_layernorm_1p", False) else ""))
 
     @classmethod
     def from_module(cls, module: nn.Module, eps: float | None = None, *, impl: str | None = None,
                     output_in_input_dtype: bool | None = None, verify: bool = True) -> "FusedLayerNorm":
         """A fused module for ``module``: a ``torch.nn.LayerNorm`` (:meth:`from_layer_norm`: its parameter objects
-        shared; ``eps`` and ``output_in_input_dtype`` must not be given); a LayerNorm module of its own class with a
+        shared; ``eps`` and ``output_in_input_dtype`` must not be given; a subclass with a forward of its own, with
+        ``verify``, only where ``transformers.matching.probe_layer_norm_1p`` finds Nemotron's LayerNorm1P:
+        ``apply_layernorm_1p=True``); a LayerNorm module of its own class with a
         1-D ``weight`` and maybe a ``bias`` (Cohere's ``CohereLayerNorm``: fp32 math, one rounding to the input's
         dtype), its Parameter objects shared, its epsilon attribute (or ``eps``), checked with ``verify`` by
         ``transformers.matching.probe_layer_norm_module``; or a LayerNorm without parameters such as
@@ -424,7 +469,8 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
                 ``bias`` of its size (or children), or is a ``torch.nn.RMSNorm``, ``GroupNorm`` or batch / instance
                 norm, or, without parameters, does not look like a norm (no ``norm`` in its class name and no epsilon
                 attribute); ``output_in_input_dtype`` not a bool or None.
-            ValueError: the probe refuses it (its reason is given: a norm of rows of any width that names none,
+            ValueError: a ``torch.nn.LayerNorm`` subclass with a forward of its own that is not LayerNorm1P (with
+                ``verify``); the probe refuses it (its reason is given: a norm of rows of any width that names none,
                 another formula or rounding) or finds an RMSNorm (use ``FusedRMSNorm.from_module``) or another
                 ``output_in_input_dtype`` than the one given; with ``verify=False``, no ``normalized_shape`` of one
                 size, or no epsilon attribute and no ``eps``; ``eps`` or ``output_in_input_dtype`` given for a
@@ -434,6 +480,17 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
         if isinstance(module, nn.LayerNorm):
             if eps is not None or output_in_input_dtype is not None:
                 raise ValueError("eps / output_in_input_dtype: a torch.nn.LayerNorm's are its own (from_layer_norm)")
+            if verify and type(module).forward is not nn.LayerNorm.forward:   # a subclass computing its own
+                from .transformers.matching import probe_layer_norm_1p
+
+                probe = probe_layer_norm_1p(module)
+                if not probe.ok:
+                    raise ValueError(f"module: {type(module).__name__} is a torch.nn.LayerNorm subclass with a forward "
+                                     f"of its own, and not one that FusedLayerNorm computes: {probe.reason}; "
+                                     "verify=False takes it as a plain LayerNorm")
+                new = cls.from_layer_norm(module, impl=impl)
+                new.apply_layernorm_1p = True
+                return new
             return cls.from_layer_norm(module, impl=impl)
         if isinstance(module, nn.RMSNorm):
             raise TypeError("module: expected a torch.nn.LayerNorm or a LayerNorm-style module, got "
@@ -510,6 +567,16 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
         new.impl = impl
         new.train(module.training)
         return new
+
+
+def _check_1p(apply_layernorm_1p: Any, has_weight: bool, output_in_input_dtype: bool) -> None:
+    if not isinstance(apply_layernorm_1p, bool):
+        raise TypeError(f"apply_layernorm_1p: expected a bool, got {type(apply_layernorm_1p).__name__}")
+    if apply_layernorm_1p and not has_weight:
+        raise ValueError("apply_layernorm_1p: the scale weight + 1 needs a weight (elementwise_affine=True)")
+    if apply_layernorm_1p and output_in_input_dtype:
+        raise ValueError("apply_layernorm_1p: expected output_in_input_dtype=False with it (Nemotron's LayerNorm1P "
+                         "runs in the autocast dtype under autocast)")
 
 
 class MixedFusedLayerNorm(FusedLayerNorm):

@@ -793,6 +793,63 @@ class LayerNormProbe:
     eps_error: Exception | None = None
 
 
+def layer_norm_1p_candidate(module: nn.Module) -> bool:
+    """A ``torch.nn.LayerNorm`` subclass with a forward of its own and a weight, whose class name says LayerNorm1P
+    (``layernorm1p`` in it, any case: Nemotron's ``NemotronLayerNorm1P``, Megatron-LM's LayerNorm of ``weight +
+    1``)."""
+    return (isinstance(module, nn.LayerNorm) and type(module).forward is not nn.LayerNorm.forward
+            and "layernorm1p" in type(module).__name__.lower() and module.weight is not None)
+
+
+@probe_isolated
+def probe_layer_norm_1p(module: nn.Module) -> LayerNormProbe:
+    """Whether ``module``, a :func:`layer_norm_1p_candidate`, computes ``F.layer_norm(x, normalized_shape, weight + 1,
+    bias, eps)`` with its own ``eps`` (``FusedLayerNorm(apply_layernorm_1p=True)``'s formula): its forward, called
+    directly on a copy with a random weight (-0.5 to 0.5) and bias, on CPU, in fp32 against the float64 formula (rows
+    of statistics ~1 and ~1e3, training and eval mode) and in bf16 with bf16 parameters (a bf16 output: the scale's
+    sum in bf16, as the fused module's). Its rule under autocast is the class's (the input and parameters cast to the
+    autocast dtype), which this CPU probe does not see: the class's name stands for it. Never raises."""
+    import copy
+
+    name = type(module).__name__
+    if not layer_norm_1p_candidate(module):
+        return LayerNormProbe(False, None, f"{name} is not a LayerNorm subclass named LayerNorm1P with a weight", False)
+    extra = _extra_forward_arguments(type(module))
+    if extra:
+        return LayerNormProbe(False, None, f"its forward takes more than the input ({', '.join(extra)})", True)
+    shape, eps = tuple(module.normalized_shape), module.eps
+    if len(shape) != 1 or not isinstance(eps, (int, float)):
+        return LayerNormProbe(False, None, f"normalized_shape {shape} and eps {eps!r}: one dimension and a number "
+                                           "expected", True)
+    try:
+        with torch.no_grad():
+            stand_in = copy.deepcopy(module).float()
+            g = torch.Generator().manual_seed(0)
+            stand_in.weight.copy_(torch.rand(shape, generator=g) - 0.5)
+            if stand_in.bias is not None:
+                stand_in.bias.copy_(torch.randn(shape, generator=g))
+            x = torch.cat([torch.randn(4, *shape, generator=g), 1e3 + 30 * torch.randn(4, *shape, generator=g)])
+            w, b = stand_in.weight + 1.0, stand_in.bias
+            want = _layer_norm_ref(x.double(), eps, w, b)
+            for mode in (True, False):
+                stand_in.train(mode)
+                got = type(stand_in).forward(stand_in, x.clone())
+                if not (isinstance(got, torch.Tensor) and got.shape == x.shape
+                        and torch.allclose(got.double(), want, atol=1e-4, rtol=1e-4)):
+                    return LayerNormProbe(False, None, "does not compute LayerNorm of weight + 1 (fp32, against "
+                                                       "float64)", True)
+            half = stand_in.to(torch.bfloat16)
+            xb = x[:4].to(torch.bfloat16)
+            got = type(half).forward(half, xb)
+            ref = torch.nn.functional.layer_norm(xb, shape, half.weight + 1.0, half.bias, eps)
+            if got.dtype != torch.bfloat16 or not torch.equal(got, ref):
+                return LayerNormProbe(False, None, "in bf16 it does not return F.layer_norm of the bf16 weight + 1",
+                                      True)
+    except Exception as exc:  # noqa: BLE001
+        return LayerNormProbe(False, None, f"probe failed: {type(exc).__name__}: {exc}", True)
+    return LayerNormProbe(True, float(eps), "LayerNorm of weight + 1 (LayerNorm1P)", True, output_in_input_dtype=False)
+
+
 def _layer_norm_ref(x: torch.Tensor, eps: float, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     y = _weightless_ref(x, "layer_norm", eps) * w.double()
     return y if b is None else y + b.double()
@@ -1476,4 +1533,4 @@ __all__ = ["ACTIVATION_FORMULAS", "ATTENTION_MODEL_TYPES", "ATTENTION_SKIP_REASO
            "model_type_of", "probe_rms_norm", "probe_swiglu_mlp", "probe_isolated", "set_attn_implementation",
            "LayerNormProbe", "WeightlessNormProbe", "probe_layer_norm_module", "probe_weightless_norm", "GeluProbe",
            "ActivationProbe", "activation_formula", "gelu_candidate", "probe_gelu", "SQUARED_RELU_FORMULAS",
-           "squared_relu_candidate", "probe_squared_relu"]
+           "squared_relu_candidate", "probe_squared_relu", "layer_norm_1p_candidate", "probe_layer_norm_1p"]
