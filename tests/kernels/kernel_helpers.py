@@ -112,6 +112,31 @@ def poison(*like, device: str = "cuda") -> None:
     del blocks
 
 
+def at_offset(t, k: int):
+    """The same values as ``t``, a view at element offset ``k`` of a larger buffer on its device (not 16-byte aligned
+    for odd ``k``: the kernels' scalar paths)."""
+    import torch
+
+    buf = torch.empty(t.numel() + k, dtype=t.dtype, device=t.device)
+    buf[k:] = t.reshape(-1)
+    return buf[k:].view(t.shape)
+
+
+def check_elementwise(name: str, got, want, dtype, shape) -> None:
+    """An elementwise kernel's output ``got`` against the float64 CPU reference ``want``: ``shape``, ``dtype``, on
+    CUDA, contiguous, every element finite (an element not written reads back as a poisoned NaN), within the dtype's
+    tolerance (tests/tolerances.py)."""
+    import torch
+    from tolerances import TOLERANCES
+
+    assert got.shape == torch.Size(shape), f"{name}: shape {tuple(got.shape)} != {tuple(shape)}"
+    assert got.dtype == dtype and got.device.type == "cuda", f"{name}: {got.dtype} on {got.device}"
+    assert got.is_contiguous(), f"{name}: not contiguous"
+    bad = int((~torch.isfinite(got)).sum())
+    assert bad == 0, f"{name}: {bad} element(s) not finite (not written, or a value the reference does not have)"
+    torch.testing.assert_close(got.cpu().double(), want, **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
+
+
 def require_free_gpu_memory(gib: float, device: str = "cuda") -> None:
     """Skip the calling test unless ``gib`` GiB of GPU memory are free. The blocks that earlier tests of the same process
     left in PyTorch's caching allocator (tens of GiB after a full ``pytest -m cuda`` run) are released first: without

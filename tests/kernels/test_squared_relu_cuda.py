@@ -20,8 +20,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_helpers import at_offset as _at_offset
+from kernel_helpers import check_elementwise as check
 from kernel_helpers import poison, seed_of
-from tolerances import TOLERANCES, tol
+from tolerances import tol
 
 pytestmark = pytest.mark.cuda
 
@@ -67,15 +69,6 @@ def same_bits(name, got, want):
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")
 
 
-def check(name, got, want, dtype, shape):
-    assert got.shape == torch.Size(shape), f"{name}: shape {tuple(got.shape)} != {tuple(shape)}"
-    assert got.dtype == dtype and got.device.type == "cuda", f"{name}: {got.dtype} on {got.device}"
-    assert got.is_contiguous(), f"{name}: not contiguous"
-    bad = int((~torch.isfinite(got)).sum())
-    assert bad == 0, f"{name}: {bad} element(s) not finite (not written, or a value the reference does not have)"
-    torch.testing.assert_close(got.cpu().double(), want, **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
-
-
 def run_ops(ops, x, dy, what=""):
     """Both kernels on poisoned outputs, checked against float64 and bit for bit against eager PyTorch."""
     poison((x.shape, x.dtype))
@@ -86,13 +79,6 @@ def run_ops(ops, x, dy, what=""):
         check(f"{what}{name}", got, want64, x.dtype, x.shape)
         same_bits(f"{what}{name} (eager)", got, want)
     return y, dx
-
-
-def _at_offset(t: torch.Tensor, k: int) -> torch.Tensor:
-    """The same values, a view at element offset ``k`` of a larger buffer (not 16-byte aligned for odd ``k``)."""
-    buf = torch.empty(t.numel() + k, dtype=t.dtype, device=DEV)
-    buf[k:] = t.reshape(-1)
-    return buf[k:].view(t.shape)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
