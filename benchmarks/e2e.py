@@ -66,9 +66,9 @@ Models (random init from a config, no weights downloaded):
   ``--e2e-models``; no Liger variant.
 * ``arcee``: Arcee AFM's layer (``ArceeForCausalLM``: Llama's with an MLP without a gate,
   ``down_proj(relu2(up_proj(x)))`` of squared ReLU) at this project's size: hidden 2048, 16 layers, 16 heads, 4 KV
-  heads, MLP 8192, AFM's vocabulary of 128004 (untied), ~1.23B params, batch 4. Once fused (session 73): RMSNorms, RoPE and its activation
-  (``ReLUSquaredActivation``: relu then square, two kernels forward, three backward) op ``squared_relu``. Not in
-  ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
+  heads, MLP 8192, AFM's vocabulary of 128004 (untied), ~1.23B params, batch 4. Once fused (session 73): RMSNorms,
+  RoPE and its activation (``ReLUSquaredActivation``: relu then square, two kernels forward, three backward) op
+  ``squared_relu``. Not in ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
 * ``nemotron``: Nemotron's layer (``NemotronForCausalLM``: squared ReLU MLP without a gate, half of each head rotated,
   ``NemotronLayerNorm1P``: LayerNorm of ``weight + 1``) at this project's size: hidden 2048, 12 layers, 16 heads, 8
   KV heads, MLP 8192, Nemotron's vocabulary of 256000 (untied), ~1.60B params, batch 4. Once fused (session 73): op

@@ -104,11 +104,11 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
 Rows of what another ``fuse()`` call fused (of a part of the model, of a model or wrapper holding it) are reported as
 held: fused, naming that call, whatever ``ops`` says; this call leaves them as they are and records nothing for them.
 
-Skipped, with the reason in the report: LayerNorm subclasses with their own forward (but LayerNorm1P), norms whose forward is set on
-the instance (accelerate's ``device_map`` / offloading hooks, patches: a fused module would bypass it), norms whose
-weight or bias is computed rather than a Parameter of their own (``torch.nn.utils.parametrize``, the hook-based
-``torch.nn.utils.weight_norm``), whose Parameters a fused module cannot share, gated RMSNorms (``forward(x, gate)``:
-Bamba's, Mamba2's) and RMSNorms whose weight broadcasts over other widths. RMSNorms are fused over whatever size
+Skipped, with the reason in the report: LayerNorm subclasses with their own forward (but LayerNorm1P), norms whose
+forward is set on the instance (accelerate's ``device_map`` / offloading hooks, patches: a fused module would bypass
+it), norms whose weight or bias is computed rather than a Parameter of their own (``torch.nn.utils.parametrize``,
+the hook-based ``torch.nn.utils.weight_norm``), whose Parameters a fused module cannot share, gated RMSNorms
+(``forward(x, gate)``: Bamba's, Mamba2's) and RMSNorms whose weight broadcasts over other widths. RMSNorms are fused over whatever size
 they normalize: the hidden size, a head's (Qwen3's ``q_norm`` / ``k_norm`` over ``head_dim``) or a projection's.
 
 One module global changes, nothing else of transformers or torch: a modeling module's ``apply_rotary_pos_emb`` while a

@@ -1613,7 +1613,8 @@ class FusedSquaredReLU(_DropsFuseRecord, nn.Module):
     """Squared ReLU, ``relu(x)^2``, in one kernel forward and one backward (:func:`pipegoose.nn.fusion.functional.
     squared_relu`, op ``squared_relu``): what ``fuse`` puts in place of transformers' ``ReLUSquaredActivation``
     (``relu2``: the MLPs without a gate of Nemotron, Nemotron-H, Persimmon, Arcee, Jais2, NanoChat), which runs ``relu``
-    and ``square``, two kernels forward and three backward. The same values bit for bit, the same saved tensor size.
+    and ``square``, two kernels forward and three backward. The same values bit for bit (the one exception:
+    :func:`~pipegoose.nn.fusion.functional.squared_relu` says it), the same saved tensor size.
 
     Args:
         impl: force an implementation of op ``squared_relu`` (``pipegoose``, ``torch``: ``torch.square(F.relu(x))``;
