@@ -108,8 +108,9 @@ Skipped, with the reason in the report: LayerNorm subclasses with their own forw
 forward is set on the instance (accelerate's ``device_map`` / offloading hooks, patches: a fused module would bypass
 it), norms whose weight or bias is computed rather than a Parameter of their own (``torch.nn.utils.parametrize``,
 the hook-based ``torch.nn.utils.weight_norm``), whose Parameters a fused module cannot share, gated RMSNorms
-(``forward(x, gate)``: Bamba's, Mamba2's) and RMSNorms whose weight broadcasts over other widths. RMSNorms are fused over whatever size
-they normalize: the hidden size, a head's (Qwen3's ``q_norm`` / ``k_norm`` over ``head_dim``) or a projection's.
+(``forward(x, gate)``: Bamba's, Mamba2's) and RMSNorms whose weight broadcasts over other widths. RMSNorms are fused
+over whatever size they normalize: the hidden size, a head's (Qwen3's ``q_norm`` / ``k_norm`` over ``head_dim``) or
+a projection's.
 
 One module global changes, nothing else of transformers or torch: a modeling module's ``apply_rotary_pos_emb`` while a
 module of it is fused for ``rope`` (or, where it is transformers 5's ``kernels`` wrapper module, that wrapper's
