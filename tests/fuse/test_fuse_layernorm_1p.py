@@ -91,6 +91,26 @@ def test_cpu_autocast_is_left_alone_as_nemotrons():
     assert y.dtype == want.dtype == torch.float32 and torch.equal(y, want)
 
 
+def test_flags_carried_checked_at_once_and_the_meta_device():
+    """A review's cases: from_module of our own modules (their rules carried over), verify=False on a class named
+    LayerNorm1P, the output_in_input_dtype setter, reset_parameters without a weight, a module on the meta device."""
+    assert not FusedLayerNorm.from_module(FusedLayerNorm(16)).apply_layernorm_1p
+    assert MixedFusedLayerNorm.from_module(FusedLayerNorm(16, apply_layernorm_1p=True)).apply_layernorm_1p
+    assert FusedLayerNorm.from_module(FusedLayerNorm(16, output_in_input_dtype=True)).output_in_input_dtype
+    assert FusedLayerNorm.from_module(_ln1p(), verify=False).apply_layernorm_1p
+    m = FusedLayerNorm(16, apply_layernorm_1p=True)
+    with pytest.raises(ValueError, match=r"apply_layernorm_1p: expected output_in_input_dtype=False"):
+        m.output_in_input_dtype = True
+    assert not m.output_in_input_dtype
+    m.apply_layernorm_1p = False
+    m.weight, m.elementwise_affine = None, False
+    m.reset_parameters()
+    meta = FusedLayerNorm(16, apply_layernorm_1p=True, device="meta")
+    assert meta(torch.empty(2, 16, device="meta")).shape == (2, 16)
+    probe = matching.probe_layer_norm_1p(LayerNorm1P(16, device="meta"))
+    assert probe.ok, probe
+
+
 # ------------------------------------------------------------------------------------------------- the probe
 def test_the_probe_takes_layer_norm_1p_and_refuses_the_rest():
     probe = matching.probe_layer_norm_1p(_ln1p())
@@ -157,6 +177,16 @@ def test_fuse_replaces_nemotrons_layer_norm_1p_and_unfuse_puts_it_back():
     assert torch.equal(got, want)
     assert unfuse(model)
     assert all(dict(model.named_modules())[n] is m for n, m in norms.items())
+
+
+def test_a_model_on_the_meta_device_is_fused():
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(models.rope_config("nemotron"))
+    report = fuse(model, ops=["layer_norm"])
+    assert [r.fused for r in report.rows] == [True] * 5, report
+    unfuse(model)
 
 
 def test_a_layer_norm_1p_of_another_formula_is_a_skipped_row():

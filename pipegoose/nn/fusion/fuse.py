@@ -1059,14 +1059,14 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like
         if own_forward and not matching.layer_norm_1p_candidate(child):
             return FusionRow(path, "layer_norm", type(child).__name__, None, False,
                              reason="LayerNorm subclass with its own forward"), None
+        why = _instance_override(child) or _computed_params(child)
+        if why is not None:
+            return FusionRow(path, "layer_norm", type(child).__name__, None, False, reason=why), None
         if own_forward:   # Nemotron's LayerNorm1P (weight + 1), where the probe finds that formula
             probe = matching.probe_layer_norm_1p(child)
             if not probe.ok:
                 return FusionRow(path, "layer_norm", type(child).__name__, None, False, reason=probe.reason,
                                  eligible=False), None
-        why = _instance_override(child) or _computed_params(child)
-        if why is not None:
-            return FusionRow(path, "layer_norm", type(child).__name__, None, False, reason=why), None
         new = None if dry_run else _build(path, child, MixedFusedLayerNorm.from_layer_norm, child)
         if new is not None and own_forward:
             new.apply_layernorm_1p = True   # (probed above)

@@ -381,6 +381,8 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
     def output_in_input_dtype(self, value: bool) -> None:
         if not isinstance(value, bool):
             raise TypeError(f"output_in_input_dtype: expected a bool, got {type(value).__name__}")
+        if value and self.__dict__.get("apply_layernorm_1p", False):
+            _check_1p(True, True, value)
         self.__dict__["output_in_input_dtype"] = value
 
     @property
@@ -397,7 +399,7 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
-        if self.__dict__.get("apply_layernorm_1p", False):
+        if self.__dict__.get("apply_layernorm_1p", False) and self.weight is not None:
             nn.init.zeros_(self.weight)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -411,8 +413,10 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
                 dt = torch.get_autocast_dtype(device)
                 input, w, b = (t.to(dt) if t is not None and t.device.type == device and t.dtype in _AUTOCAST_CASTS
                                else t for t in (input, w, b))
-            with torch.autocast(device, enabled=False):
-                return self._norm(input, w, b)
+            if device != "meta" and torch.is_autocast_enabled(device):   # (transformers' maybe_autocast)
+                with torch.autocast(device, enabled=False):
+                    return self._norm(input, w, b)
+            return self._norm(input, w, b)
         if (self.__dict__.get("output_in_input_dtype", False) and isinstance(input, torch.Tensor)
                 and input.dtype in _HALF and not _common.on_kernel_device(input)):
             # off the kernels' devices (the CPU) the op is PyTorch's, whose 16-bit backward is less exact than the fp32
@@ -450,7 +454,8 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
         """A fused module for ``module``: a ``torch.nn.LayerNorm`` (:meth:`from_layer_norm`: its parameter objects
         shared; ``eps`` and ``output_in_input_dtype`` must not be given; a subclass with a forward of its own, with
         ``verify``, only where ``transformers.matching.probe_layer_norm_1p`` finds Nemotron's LayerNorm1P:
-        ``apply_layernorm_1p=True``); a LayerNorm module of its own class with a
+        ``apply_layernorm_1p=True``; with ``verify=False`` that where its class's name says LayerNorm1P, else a plain
+        LayerNorm; a ``FusedLayerNorm``: its rules too); a LayerNorm module of its own class with a
         1-D ``weight`` and maybe a ``bias`` (Cohere's ``CohereLayerNorm``: fp32 math, one rounding to the input's
         dtype), its Parameter objects shared, its epsilon attribute (or ``eps``), checked with ``verify`` by
         ``transformers.matching.probe_layer_norm_module``; or a LayerNorm without parameters such as
@@ -480,16 +485,19 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
         if isinstance(module, nn.LayerNorm):
             if eps is not None or output_in_input_dtype is not None:
                 raise ValueError("eps / output_in_input_dtype: a torch.nn.LayerNorm's are its own (from_layer_norm)")
-            if verify and type(module).forward is not nn.LayerNorm.forward:   # a subclass computing its own
-                from .transformers.matching import probe_layer_norm_1p
+            if type(module).forward is not nn.LayerNorm.forward and not isinstance(module, FusedLayerNorm):
+                from .transformers.matching import layer_norm_1p_candidate, probe_layer_norm_1p
 
-                probe = probe_layer_norm_1p(module)
-                if not probe.ok:
+                # a subclass computing its own: with verify, only LayerNorm1P (probed); without, LayerNorm1P where
+                # its class's name says so, else a plain LayerNorm on the caller's word
+                probe = probe_layer_norm_1p(module) if verify else None
+                if probe is not None and not probe.ok:
                     raise ValueError(f"module: {type(module).__name__} is a torch.nn.LayerNorm subclass with a forward "
                                      f"of its own, and not one that FusedLayerNorm computes: {probe.reason}; "
-                                     "verify=False takes it as a plain LayerNorm")
+                                     "verify=False takes it on the caller's word (LayerNorm1P where its class's name "
+                                     "says so, else a plain LayerNorm)")
                 new = cls.from_layer_norm(module, impl=impl)
-                new.apply_layernorm_1p = True
+                new.apply_layernorm_1p = probe is not None or layer_norm_1p_candidate(module)
                 return new
             return cls.from_layer_norm(module, impl=impl)
         if isinstance(module, nn.RMSNorm):
@@ -565,6 +573,9 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
         new.register_parameter("weight", module.weight)  # the same Parameter objects (or None)
         new.register_parameter("bias", module.bias)
         new.impl = impl
+        if isinstance(module, FusedLayerNorm):   # (its rules, which a plain LayerNorm lacks, carried over)
+            new.output_in_input_dtype = module.output_in_input_dtype
+            new.apply_layernorm_1p = module.apply_layernorm_1p
         new.train(module.training)
         return new
 

@@ -823,7 +823,8 @@ def probe_layer_norm_1p(module: nn.Module) -> LayerNormProbe:
                                            "expected", True)
     try:
         with torch.no_grad():
-            stand_in = copy.deepcopy(module).float()
+            # (on the CPU, whatever device the module is on: the meta device included; its values are set below)
+            stand_in = copy.deepcopy(module).to_empty(device="cpu").float()
             g = torch.Generator().manual_seed(0)
             stand_in.weight.copy_(torch.rand(shape, generator=g) - 0.5)
             if stand_in.bias is not None:
