@@ -30,8 +30,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_helpers import check_elementwise as check
 from kernel_helpers import packed_launches, packed_widths, poison, seed_of
-from tolerances import TOLERANCES, tol
+from tolerances import tol
 
 pytestmark = pytest.mark.cuda
 
@@ -67,15 +68,6 @@ def ref64(g, u, dy, approximate):
     a = a.detach()
     u64, d64 = u.detach().cpu().double(), dy.detach().cpu().double()
     return a * u64, d64 * u64 * da, d64 * a
-
-
-def check(name, got, want, dtype, shape):
-    assert got.shape == torch.Size(shape), f"{name}: shape {tuple(got.shape)} != {tuple(shape)}"
-    assert got.dtype == dtype and got.device.type == "cuda", f"{name}: {got.dtype} on {got.device}"
-    assert got.is_contiguous(), f"{name}: not contiguous"
-    bad = int((~torch.isfinite(got)).sum())
-    assert bad == 0, f"{name}: {bad} element(s) not finite (not written, or a value the reference does not have)"
-    torch.testing.assert_close(got.cpu().double(), want, **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
 
 
 def run_ops(ops, g, u, dy, approximate):
