@@ -29,11 +29,11 @@ step, AdamW and L2, over tensors of 1 to 12289 elements (around both chunk sizes
 ones, and views at odd offsets: the scalar path) and ``pipegoose/clip_grad_norm`` (the 1, 2 and inf norms and the
 multiplication, by 0.5 and by 1, over the same kind of lists: 1 to 3 * 65536 + 5 elements, 1030 tensors (two launches
 of 1024), empty ones, views at odd offsets) and ``pipegoose/swiglu`` (forward and backward of 1 to 300007
-elements: whole vectors, tails, several blocks; views at odd offsets: the scalar path; geglu's, tanh and erf, over
-the same; silu_and_mul's forward and
-backward, and gelu_and_mul's (tanh and erf), over ``SILU_AND_MUL_CASES``: d of 1 to 28673 values, the vector and the scalar kernel, rows of a wider tensor
-from an aligned and a misaligned column, rows of an odd stride, many rows (66050 blocks), and x and grad_output
-expanded from one row (row stride 0)) and ``pipegoose/cross_entropy``
+elements: whole vectors, tails, several blocks; views at odd offsets: the scalar path; geglu's and gelu's, tanh and
+erf, and squared_relu's over the same; silu_and_mul's forward and backward, and gelu_and_mul's (tanh and erf), over
+``SILU_AND_MUL_CASES``: d of 1 to 28673 values, the vector and the scalar kernel, rows of a wider tensor from an
+aligned and a misaligned column, rows of an odd stride, many rows (66050 blocks), and x and grad_output expanded from
+one row (row stride 0)) and ``pipegoose/cross_entropy``
 (forward and backward over 1 to 151936 classes, the backward's long rows split over 2 to 8 blocks, rows at a stride
 that misaligns every other row, ignored and out-of-range targets, the reduced forward's mean and sum, and the
 backward's grad_loss at stride 0) and ``pipegoose/rope`` (forward and backward of q
@@ -245,12 +245,19 @@ def main() -> int:
                 sw.swiglu_forward(g1, u1)
                 sw.swiglu_backward(dy1, g1, u1)
                 calls += 4
-                # geglu: the same launch with GELU (tanh and erf), aligned and at offset 1
+                # geglu: the same launch with GELU (tanh and erf), aligned and at offset 1; and that launch with one
+                # input: gelu (tanh and erf) and squared_relu
                 for approximate in ("tanh", "none"):
                     for a, b, c in ((g, u, dy), (g1, u1, dy1)):
                         sw.geglu_forward(a, b, approximate)
                         sw.geglu_backward(c, a, b, approximate)
-                        calls += 2
+                        sw.gelu_forward(a, approximate)
+                        sw.gelu_backward(c, a, approximate)
+                        calls += 4
+                for a, c in ((g, dy), (g1, dy1)):
+                    sw.squared_relu_forward(a)
+                    sw.squared_relu_backward(c, a)
+                    calls += 2
             for rows, d, offset, extra in SILU_AND_MUL_CASES:
                 x = torch.randn(rows, offset + 2 * d + extra, device="cuda", dtype=dt)[:, offset:offset + 2 * d]
                 dy = torch.randn(rows, d, device="cuda", dtype=dt)
