@@ -189,6 +189,19 @@ def test_a_model_on_the_meta_device_is_fused():
     unfuse(model)
 
 
+def test_not_requested_counts_the_layer_norm_1ps_and_not_other_subclasses():
+    class ScaledLayerNorm(nn.LayerNorm):   # a forward of its own: never fused, so not counted as left out
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = _nemotron()
+    report = fuse(model, ops=["squared_relu"], dry_run=True)
+    assert report.not_requested.get("layer_norm") == 5, report.not_requested
+    model.model.norm = ScaledLayerNorm(model.config.hidden_size)
+    report = fuse(model, ops=["squared_relu"], dry_run=True)
+    assert report.not_requested.get("layer_norm") == 4, report.not_requested
+
+
 def test_a_layer_norm_1p_of_another_formula_is_a_skipped_row():
     class OtherLayerNorm1P(nn.LayerNorm):
         def forward(self, x):

@@ -811,7 +811,13 @@ def _norm_kind_left_out(child: nn.Module, ops: tuple) -> str | None:
     """The kind of norm ``child`` is, where that kind is left out of ``ops`` and fuse() would have counted it as
     eligible (for the report's ``not_requested``; classification only: no dispatcher choice, no kernel loaded)."""
     if isinstance(child, nn.LayerNorm):
-        return "layer_norm" if "layer_norm" not in ops else None
+        if "layer_norm" in ops:
+            return None
+        if type(child).forward is nn.LayerNorm.forward:
+            return "layer_norm"
+        # a subclass computing its own: eligible only as LayerNorm1P (a review: every subclass was counted)
+        ok = matching.layer_norm_1p_candidate(child) and matching.probe_layer_norm_1p(child).ok
+        return "layer_norm" if ok else None
     if _weightless_leaf(child):
         probe = matching.probe_weightless_norm(child)   # (a norm without parameters: OLMo's, Gemma 4's v_norm)
         return probe.kind if probe.ok and probe.kind not in ops else None
