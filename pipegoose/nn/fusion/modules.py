@@ -405,8 +405,9 @@ class FusedLayerNorm(_DropsFuseRecord, nn.LayerNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias  # once each: a module attribute lookup costs ~0.6 us of host time
         if self.__dict__.get("apply_layernorm_1p", False) and isinstance(input, torch.Tensor):
-            if w is None or self.output_in_input_dtype:
-                _check_1p(True, w is not None, self.output_in_input_dtype)   # (changed after the flag was set)
+            in_dtype = self.__dict__.get("output_in_input_dtype", False)
+            if w is None or in_dtype:
+                _check_1p(True, w is not None, in_dtype)   # (changed after the flag was set)
             w = w + 1.0   # (in the weight's dtype, as NemotronLayerNorm1P; the gradient flows to the weight)
             device = input.device.type
             if torch.is_autocast_enabled():   # its rule (CUDA autocast's flag, as it reads it): autocast's cast

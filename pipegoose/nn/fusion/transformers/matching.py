@@ -1365,13 +1365,13 @@ def _probe_leaf_activation(module: nn.Module, by_name: bool, candidate: Any, rul
     """The probe shared by :func:`probe_gelu` and :func:`probe_squared_relu`: (a refusal, None) or (None, the key of
     ``formulas`` that ``module``'s forward computes, or None for none of them)."""
     name = type(module).__name__
+    extra = _extra_forward_arguments(type(module))
     if not _leaf_without_state(module):
         why, looked_at = f"{name} is not a leaf module without parameters or buffers", False
     elif by_name and not candidate(module):
         why, looked_at = f"{name}: fuse() looks at activation modules whose class name {rule}", False
-    elif _extra_forward_arguments(type(module)):
-        why = f"its forward takes more than the input ({', '.join(_extra_forward_arguments(type(module)))})"
-        looked_at = True
+    elif extra:
+        why, looked_at = f"its forward takes more than the input ({', '.join(extra)})", True
     else:
         try:
             return None, probe_isolated(activation_formula)(module, formulas)
