@@ -499,11 +499,17 @@ def check_gelu_args(x: Any, approximate: Any) -> None:
     check_approximate(approximate)
 
 
+def _elementwise_problem(op: str, x: torch.Tensor, **extra: Any) -> Problem:
+    """The dispatcher's description of one call of a one-input elementwise op (``gelu``, ``squared_relu``; metadata
+    only; ``extra``: the op's further arguments)."""
+    return Problem(op, x.dtype, x.device, cols=x.shape[-1] if x.dim() else 1, needs_grad=needs_grad(x),
+                   extra=dict(shape=tuple(x.shape), numel=x.numel(), storage=all_have_storage(x),
+                              forward_ad=has_tangent(x), **extra))
+
+
 def gelu_problem(x: torch.Tensor, approximate: str) -> Problem:
     """The dispatcher's description of one call of ``gelu`` (metadata only; ``approximate`` in ``extra``)."""
-    return Problem(GELU_OP, x.dtype, x.device, cols=x.shape[-1] if x.dim() else 1, needs_grad=needs_grad(x),
-                   extra=dict(shape=tuple(x.shape), numel=x.numel(), storage=all_have_storage(x),
-                              forward_ad=has_tangent(x), approximate=approximate))
+    return _elementwise_problem(GELU_OP, x, approximate=approximate)
 
 
 def _explain_gelu(x, approximate="none"):
@@ -566,9 +572,7 @@ def check_squared_relu_args(x: Any) -> None:
 
 def squared_relu_problem(x: torch.Tensor) -> Problem:
     """The dispatcher's description of one call of ``squared_relu`` (metadata only)."""
-    return Problem(SQUARED_RELU_OP, x.dtype, x.device, cols=x.shape[-1] if x.dim() else 1, needs_grad=needs_grad(x),
-                   extra=dict(shape=tuple(x.shape), numel=x.numel(), storage=all_have_storage(x),
-                              forward_ad=has_tangent(x)))
+    return _elementwise_problem(SQUARED_RELU_OP, x)
 
 
 def _explain_squared_relu(x):
