@@ -74,6 +74,12 @@ Models (random init from a config, no weights downloaded):
   KV heads, MLP 8192, Nemotron's vocabulary of 256000 (untied), ~1.60B params, batch 4. Once fused (session 73): op
   ``squared_relu``, RoPE, the loss and its LayerNorm1Ps (``MixedFusedLayerNorm(apply_layernorm_1p=True)``). Not in
   ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
+* ``bloom``: BLOOM-560M's shape (``BloomForCausalLM``: hidden 1024, 24 layers, 16 heads, ALiBi, MLP 4096 of
+  ``BloomGelu``, vocab 250880, tied), ~559M params, batch 2 (its eager attention saves ~1.5 GiB of scores a layer at
+  batch 2). transformers has no SDPA path for Bloom: every variant loads it with eager attention (the ``sdpa`` row is
+  that baseline, its ``attn_implementation`` says so). Once fused (session 74): its attention ``FusedBloomAttention``
+  (ALiBi and the mask as one bias on our attention function), LayerNorms, ``gelu``, the loss. Not in
+  ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
 
 Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
 (``pipegoose.nn.fusion.fuse(model)`` on that model), ``fuse_sdpa_adam`` (``fuse_sdpa`` with
@@ -189,12 +195,16 @@ MODELS = {
                                                             max_position_embeddings=4096, hidden_act="relu2",
                                                             tie_word_embeddings=False, pad_token_id=0,
                                                             bos_token_id=2, eos_token_id=3)),
+    # (session 74: ALiBi attention, FusedBloomAttention; eager only in transformers: "attn" forces it for every variant)
+    "bloom": dict(arch="bloom", batch=2, attn="eager", config=dict(hidden_size=1024, n_layer=24, n_head=16,
+                                                                    vocab_size=250880, bos_token_id=1, eos_token_id=2,
+                                                                    pad_token_id=3)),
 }
 CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config", "phi3": "Phi3Config",
            "gemma": "GemmaConfig", "qwen3_moe": "Qwen3MoeConfig", "gemma4_text": "Gemma4TextConfig",
            "olmo": "OlmoConfig", "cohere": "CohereConfig", "glm4": "Glm4Config", "gpt2": "GPT2Config",
            "phi": "PhiConfig", "modernbert-decoder": "ModernBertDecoderConfig", "arcee": "ArceeConfig",
-           "nemotron": "NemotronConfig"}
+           "nemotron": "NemotronConfig", "bloom": "BloomConfig"}
 VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_model_rope",
             "compile_sdpa", "liger_rmsnorm", "liger")
 # What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the
@@ -217,7 +227,9 @@ def _worker(model_name: str, variant: str, batch: int, seq: int, warmup: int, st
     if variant.startswith("liger") and importlib.util.find_spec("liger_kernel") is None:
         return {**res, "status": "unavailable", "detail": "liger_kernel is not importable"}
     cfg = getattr(transformers, CONFIGS[spec["arch"]])(**spec["config"])
-    attn = "eager" if variant in ("eager", "fuse_eager") else "sdpa"
+    # (a model whose only attention in transformers is eager, Bloom's: every variant loads it so)
+    attn = spec.get("attn") or ("eager" if variant in ("eager", "fuse_eager") else "sdpa")
+    res["attn_implementation"] = attn
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with torch.device("cuda"):

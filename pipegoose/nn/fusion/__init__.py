@@ -16,6 +16,7 @@ from .modules import (AttnMaskType, FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedGE
                       FusedScaleMaskSoftmax, FusedSquaredReLU, FusedSwiGLUMLP, FusedT5DenseGatedActDense,
                       MixedFusedLayerNorm)
 from .optim import FusedAdam, clip_grad_norm_
+from .transformers.bloom import FusedBloomAttention
 
 __all__ = [
     "dispatch",
@@ -51,6 +52,7 @@ __all__ = [
     "FusedGeGLUMLP",
     "FusedT5DenseGatedActDense",
     "FusedLinearCrossEntropyLoss",
+    "FusedBloomAttention",
     "FusedAdam",
     "clip_grad_norm_",
     "fuse",

@@ -92,14 +92,18 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   None then);
 * the attention softmax of BERT, GPT-2, GPT-NeoX, Llama and OPT models: the model's modules are pointed at a copy of
   its config whose ``_attn_implementation`` is ``"pipegoose"`` (our function in transformers' ``AttentionInterface``)
-  or ``"pipegoose_sdpa"`` (ours where the GPU's tuning table says so, SDPA otherwise). Bloom is reported as skipped:
-  its attention does not go through the interface. The copy keeps other models that share the config object
-  unchanged; while fused, change the configuration through ``model.config`` (the copy): a reference to the config
-  object taken before ``fuse`` no longer reaches the model. ``unfuse`` carries the copy's changes back to the
+  or ``"pipegoose_sdpa"`` (ours where the GPU's tuning table says so, SDPA otherwise). The copy keeps other models
+  that share the config object unchanged; while fused, change the configuration through ``model.config`` (the
+  copy): a reference to the config object taken before ``fuse`` no longer reaches the model. ``unfuse`` carries the copy's changes back to the
   original config and leaves alone the attributes the copy did not change. A module without a transformers config
   of its own (a wrapper: a training module holding the model, ``nn.DataParallel``) has the attention of each
   transformers model inside it fused so, through that model's config (the outermost ``PreTrainedModel``: a causal
-  LM's base model shares its config), each with a copy of its own.
+  LM's base model shares its config), each with a copy of its own;
+* Bloom's attention (``BloomAttention``: ALiBi; it does not go through the interface), whose class's forward computes
+  Bloom's formula (``transformers.bloom.probe_bloom_attention``) -> ``FusedBloomAttention`` (the same projection and
+  dropout modules; ALiBi and the mask as one bias, built once per forward pass, on our attention function: SDPA on
+  CUDA, the fused masked softmax where the tuning table or ``PIPEGOOSE_IMPL_ATTENTION`` asks), kind ``attention``
+  (since session 74); ``attention="keep"`` leaves it.
 
 Rows of what another ``fuse()`` call fused (of a part of the model, of a model or wrapper holding it) are reported as
 held: fused, naming that call, whatever ``ops`` says; this call leaves them as they are and records nothing for them.
@@ -147,6 +151,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .modules import ORIGINAL_ATTR as _ORIGINAL
+from .transformers import bloom as _bloom
 from .transformers import experts as _experts
 from .transformers import lm_head as _lm_head
 from .transformers import loss as _loss
@@ -618,7 +623,8 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
             tuning table, op ``"attention"``, names ``pipegoose`` for its dtype, and then ours is used per call
             where the table says so; flash/flex attention is kept), ``"pipegoose"`` (ours whatever the model ran)
             or ``"keep"`` (do not touch attention); any case. Either way ours replaces only the attention of model
-            types verified with it (``transformers.matching.ATTENTION_MODEL_TYPES``); the others' attention is
+            types verified with it (``transformers.matching.ATTENTION_MODEL_TYPES``) and Bloom's (eager only in
+            transformers: ``FusedBloomAttention`` under ``"auto"`` and ``"pipegoose"``); the others' attention is
             reported as skipped, with that reason (Qwen3's, for one).
     Under ``torch.compile`` the replacements emit the PyTorch ops while the compiler traces them (one graph; the
     compiler fuses those ops itself; ``dispatch.compile_passthrough``); the fused kernels run in eager mode.
@@ -697,6 +703,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                 seen.add(id(child))
                 if isinstance(child, fused_types):  # put there before this call
                     kind = ("rms_norm" if isinstance(child, FusedRMSNorm) else
+                            "attention" if isinstance(child, _bloom.FusedBloomAttention) else
                             _fused_activation_kind(child) if isinstance(child, (FusedGELU, FusedSquaredReLU)) else
                             "swiglu" if isinstance(child, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP)) else
                             "geglu" if isinstance(child, FusedGeGLUMLP) else
@@ -725,6 +732,12 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                             report.not_requested[act_kind] = report.not_requested.get(act_kind, 0) + 1
                         continue
                     row, new = _consider_activation(act_kind, child, path, dry_run, like)
+                elif _bloom.candidate(child):
+                    if "attention" not in ops:
+                        if _bloom.probe_bloom_attention(child).ok:
+                            report.not_requested["attention"] = report.not_requested.get("attention", 0) + 1
+                        continue
+                    row, new = _consider_bloom_attention(child, path, attention, dry_run)
                 else:
                     row, new = _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like)
                     if row is not None and row.fused and row.kind in ("swiglu", "geglu"):
@@ -838,6 +851,8 @@ def _fused_impls(module: nn.Module, like: torch.Tensor | None = None) -> tuple[s
     from .modules import (FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedModernBertMLP, FusedRMSNorm, FusedSwiGLUMLP,
                           FusedT5DenseGatedActDense)
 
+    if isinstance(module, _bloom.FusedBloomAttention):
+        return _attention_impls(module, "pipegoose")
     impl = getattr(module, "impl", None)   # a request made on the module (FusedRMSNorm(impl="torch"), say)
     act_kind = _fused_activation_kind(module)
     if act_kind is not None:
@@ -1195,6 +1210,27 @@ def _consider_activation(kind: str, child: nn.Module, path: str, dry_run: bool, 
     fwd, bwd = _activation_impls(kind, child, act.op_args(probe.approximate), like=like)
     return FusionRow(path, kind, type(child).__name__, act.replacement, True, fwd, bwd,
                      f"{probe.reason}; {act.words.format(a=probe.approximate)}" + _small_note(child, like)), new
+
+
+def _consider_bloom_attention(child: nn.Module, path: str, attention: str, dry_run: bool):
+    """(row, replacement or None) for a Bloom attention module (:func:`_bloom.candidate`; ``attention`` in ``ops``):
+    ``FusedBloomAttention`` where its probe passes and ``attention`` is not ``"keep"``, a skipped row with the reason
+    where not."""
+    name = type(child).__name__
+    if attention == "keep":
+        return FusionRow(path, "attention", name, None, False, reason="attention='keep'", eligible=False), None
+    probe = _bloom.probe_bloom_attention(child)
+    if not probe.ok:
+        return FusionRow(path, "attention", name, None, False, reason=probe.reason, eligible=False), None
+    why = _instance_override(child)
+    if why is not None:
+        return FusionRow(path, "attention", name, None, False, reason=why), None
+    new = None if dry_run else _build(path, child, _bloom.FusedBloomAttention.from_module, child, verify=False)
+    fwd, bwd = _attention_impls(child, "pipegoose")
+    return FusionRow(path, "attention", name, "FusedBloomAttention", True, fwd, bwd,
+                     f"{probe.reason}: ALiBi and the mask as one bias (once per forward pass), on pipegoose "
+                     "attention: SDPA with that bias on CUDA (no scores materialised), the fused masked softmax "
+                     "where the tuning table or PIPEGOOSE_IMPL_ATTENTION asks; fully masked rows give zeros"), new
 
 
 def _activation_impls(op: str, module: nn.Module, args: tuple, impl: str | None = None,
@@ -1746,8 +1782,10 @@ def _attention_owners(model: nn.Module):
     found inside wrappers, was fused.)"""
     def attention_modules(root, root_path):
         # (root itself too: fuse() of one attention module swapped its config and reported nothing; a review)
+        # (Bloom's are replaced as modules, by the main loop: no config of theirs is swapped)
         return [(f"{root_path}.{p}" if root_path and p else root_path or p, m) for p, m in root.named_modules()
-                if matching.is_attention_module(m)]
+                if matching.is_attention_module(m) and not _bloom.candidate(m)
+                and not isinstance(m, _bloom.FusedBloomAttention)]
 
     config = getattr(model, "config", None)
     if matching.is_config(config):
@@ -2087,7 +2125,8 @@ def _fused_module_types() -> tuple[type, ...]:
     from . import modules as m
 
     return (m.MixedFusedLayerNorm, m.FusedRMSNorm, m.FusedSwiGLUMLP, m.FusedGateUpSwiGLUMLP, m.FusedGeGLUMLP,
-            m.FusedT5DenseGatedActDense, m.FusedModernBertMLP, m.FusedGELU, m.FusedSquaredReLU)
+            m.FusedT5DenseGatedActDense, m.FusedModernBertMLP, m.FusedGELU, m.FusedSquaredReLU,
+            _bloom.FusedBloomAttention)
 
 
 def _fused_parts(model: nn.Module) -> list[nn.Module]:

@@ -74,8 +74,9 @@ ATTENTION_MODEL_TYPES = {
 
 # model_type -> why its attention is not fused.
 ATTENTION_SKIP_REASONS = {
-    "bloom": ("BloomAttention adds ALiBi with baddbmm and takes its softmax inline; it does not call "
-              "transformers' AttentionInterface, so fusing it would need patching transformers' class"),
+    "bloom": ("BloomAttention adds ALiBi with baddbmm and takes its softmax inline, not through transformers' "
+              "AttentionInterface: the config is left as it is, and fuse replaces the modules themselves "
+              "(FusedBloomAttention, rows of kind attention)"),
 }
 
 EPS_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon")

@@ -1,0 +1,334 @@
+"""Bloom's attention (``BloomAttention``: ALiBi) on pipegoose's attention function: :class:`FusedBloomAttention`.
+
+transformers' ``BloomAttention`` does not call the ``AttentionInterface`` (Bloom loads with eager attention only) and
+takes its softmax inline, per layer::
+
+    scores = alibi.baddbmm(Q, K^T, beta=beta, alpha=inv_norm_factor)    # [b * h, sq, sk], the model's dtype
+    probs = softmax(scores + attention_mask, dim=-1, dtype=float32).to(dtype)
+    context = dropout(probs) @ V
+
+so each layer writes the scores, the masked scores, fp32 probabilities and their 16-bit copy, and saves the last two
+for the backward ([b, h, sq, sk] each: 6 bytes per score saved in bf16).
+
+:class:`FusedBloomAttention` takes the same parameters (the module's ``query_key_value``, ``dense`` and
+``attention_dropout``, shared) and computes the same attention with ALiBi and the mask folded into one additive bias,
+``beta * alibi + attention_mask`` (:func:`alibi_bias`: ``[1 or b, h, sq, sk]``, built once per forward pass and
+shared by every layer), handed to :func:`pipegoose.nn.fusion.transformers.attention.pipegoose_attention_forward` as a
+float mask: on CUDA ``torch.nn.functional.scaled_dot_product_attention`` with that bias (no scores materialised), or,
+where the GPU's tuning table or ``PIPEGOOSE_IMPL_ATTENTION=pipegoose`` asks for it and when attention weights are
+asked for (``output_attentions=True``), the fused masked softmax; off CUDA the reference path.
+
+Where the result differs from transformers' eager Bloom:
+
+* the scores are not rounded to the model's 16-bit dtype before the softmax on the SDPA path (SDPA keeps them in
+  fp32): 16-bit outputs differ at rounding level, closer to a float64 reference than eager's;
+* a query row whose keys are all masked (a padded position under left padding) gives zeros and zero gradients, as on
+  every path of pipegoose attention; eager Bloom gives it weights over its masked keys (its output is the padding's,
+  which a loss ignores);
+* attention dropout (``config.attention_dropout``, 0 in released Bloom configs) is drawn by SDPA (same ``p``, other
+  random numbers than eager's ``nn.Dropout``);
+* the attention weights returned are ``None`` on the SDPA path (transformers' Bloom returns them always, and its
+  model keeps them only under ``output_attentions=True``, where ours returns them too).
+
+Source: this project (MIT); the formula is transformers' ``BloomAttention`` (models/bloom/modeling_bloom.py,
+transformers 5.17 to 5.25, the versions it was checked with), which :func:`probe_bloom_attention` checks numerically
+on each module before ``fuse`` replaces it.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import attention as _attention
+from .matching import probe_isolated
+
+# The attributes FusedBloomAttention reads from the module it replaces (Bloom's names), and the children it shares.
+_ATTRIBUTES = ("num_heads", "head_dim", "hidden_size", "inv_norm_factor", "beta", "hidden_dropout")
+_CHILDREN = ("query_key_value", "dense", "attention_dropout")
+# The arguments of BloomAttention.forward that FusedBloomAttention.forward takes, by name (BloomBlock passes them so).
+_FORWARD_ARGS = ("hidden_states", "residual", "alibi", "attention_mask", "layer_past", "use_cache",
+                 "output_attentions")
+
+
+def candidate(module: nn.Module) -> bool:
+    """A module that looks like transformers' ``BloomAttention``: class name ending in ``BloomAttention`` (its copies
+    keep the name), children ``query_key_value`` and ``dense`` (``torch.nn.Linear``) and ``attention_dropout``
+    (``torch.nn.Dropout``), no parameter of its own. Not a :class:`FusedBloomAttention`."""
+    if isinstance(module, FusedBloomAttention) or not type(module).__name__.endswith("BloomAttention"):
+        return False
+    kids = module._modules
+    return (isinstance(kids.get("query_key_value"), nn.Linear) and isinstance(kids.get("dense"), nn.Linear)
+            and isinstance(kids.get("attention_dropout"), nn.Dropout)
+            and not any(True for _ in module.parameters(recurse=False)))
+
+
+@dataclass(frozen=True)
+class BloomAttentionProbe:
+    """Result of :func:`probe_bloom_attention`: ``ok``, or not with the ``reason``."""
+
+    ok: bool
+    reason: str
+
+
+_PROBE_HEADS, _PROBE_HEAD_DIM, _PROBE_BATCH, _PROBE_SEQ = 2, 4, 2, 5
+
+
+def _reference(stand_in: nn.Module, hidden: torch.Tensor, residual: torch.Tensor, alibi: torch.Tensor,
+               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bloom's attention formula in float64 (output, probabilities) for the probe's stand-in."""
+    b, s, _ = hidden.shape
+    h, d = _PROBE_HEADS, _PROBE_HEAD_DIM
+    w, bias = stand_in.query_key_value.weight.double(), stand_in.query_key_value.bias.double()
+    qkv = F.linear(hidden.double(), w, bias).view(b, s, h, 3, d)
+    q, k, v = (qkv[..., i, :].transpose(1, 2) for i in range(3))
+    scores = (stand_in.inv_norm_factor * q @ k.transpose(-1, -2) + stand_in.beta * alibi.double().view(b, h, 1, s)
+              + mask.double())
+    probs = torch.softmax(scores, dim=-1)
+    context = (probs @ v).transpose(1, 2).reshape(b, s, h * d)
+    out = F.linear(context, stand_in.dense.weight.double(), stand_in.dense.bias.double()) + residual.double()
+    return out, probs
+
+
+def _probe_inputs(g: torch.Generator):
+    """(hidden, residual, alibi, additive mask) of the probe, fp32: a general per-head bias (not Bloom's slopes: any
+    bias must pass through), a causal mask with the last key of the second sequence padded (no query row without a
+    key: those differ by design, see the module docstring)."""
+    b, s, h = _PROBE_BATCH, _PROBE_SEQ, _PROBE_HEADS
+    hidden = torch.randn(b, s, h * _PROBE_HEAD_DIM, generator=g)
+    residual = torch.randn(b, s, h * _PROBE_HEAD_DIM, generator=g)
+    alibi = 2 * torch.randn(b * h, 1, s, generator=g)
+    masked = torch.ones(s, s, dtype=torch.bool).triu(1).expand(b, 1, s, s).clone()
+    masked[1, :, :, -1] = True
+    masked[1, :, -1, 0] = False   # (the last query of the second sequence keeps its first key: no row all masked)
+    mask = torch.zeros(b, 1, s, s).masked_fill(masked, torch.finfo(torch.float32).min)
+    return hidden, residual, alibi, mask
+
+
+def _stand_in(module: nn.Module, g: torch.Generator) -> nn.Module:
+    """A small CPU copy of ``module`` that runs its class's code: its attributes (``inv_norm_factor``, ``beta``
+    kept), 2 heads of 4, random ``torch.nn.Linear`` projections, no dropout; the module itself is not touched."""
+    stand_in = copy.copy(module)
+    stand_in.__dict__ = dict(module.__dict__)
+    for slot in ("_parameters", "_buffers", "_modules"):
+        stand_in.__dict__[slot] = dict(module.__dict__[slot])
+    width = _PROBE_HEADS * _PROBE_HEAD_DIM
+    stand_in.__dict__.update(num_heads=_PROBE_HEADS, head_dim=_PROBE_HEAD_DIM, hidden_size=width, split_size=width,
+                             hidden_dropout=0.0, pretraining_tp=1)
+    qkv, dense = nn.Linear(width, 3 * width), nn.Linear(width, width)
+    with torch.no_grad():
+        for p in (*qkv.parameters(), *dense.parameters()):
+            p.copy_(torch.randn(p.shape, generator=g) / 2)
+    stand_in._modules.update(query_key_value=qkv, dense=dense, attention_dropout=nn.Dropout(0.0))
+    return stand_in
+
+
+@probe_isolated
+def probe_bloom_attention(module: nn.Module) -> BloomAttentionProbe:
+    """Whether ``module`` (a :func:`candidate`) computes Bloom's ALiBi attention, the formula of
+    :class:`FusedBloomAttention`: its class's forward, run on a small stand-in (:func:`_stand_in`) on the CPU in fp32
+    with a general per-head bias for ``alibi`` and a causal mask with padding, in training and eval mode, must return
+    ``(output, attention probabilities)`` equal to the float64 formula (``softmax(inv_norm_factor * Q K^T + beta *
+    alibi + mask) V``, then ``dense``, plus the residual) within 1e-4. Refused before that: a class whose forward
+    takes other arguments than Bloom's, a module with ``pretraining_tp > 1`` and ``slow_but_exact`` (its dense
+    projection runs in slices), an attribute of Bloom's missing. Never raises."""
+    name = type(module).__name__
+    if not candidate(module):
+        return BloomAttentionProbe(False, f"{name} is not a BloomAttention (query_key_value, dense, "
+                                          "attention_dropout)")
+    missing = [a for a in _ATTRIBUTES + ("layer_idx",) if a not in module.__dict__]
+    if missing:
+        return BloomAttentionProbe(False, f"{name} lacks Bloom's attribute(s) {', '.join(missing)}")
+    if getattr(module, "pretraining_tp", 1) > 1 and getattr(module, "slow_but_exact", False):
+        return BloomAttentionProbe(False, "pretraining_tp > 1 with slow_but_exact: its dense projection runs in "
+                                          "slices, which FusedBloomAttention does not")
+    try:
+        params = list(inspect.signature(type(module).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        params = []
+    if params[:len(_FORWARD_ARGS)] != list(_FORWARD_ARGS):
+        return BloomAttentionProbe(False, f"its forward's arguments ({', '.join(params)}) are not Bloom's "
+                                          f"({', '.join(_FORWARD_ARGS)})")
+    if not (isinstance(module.hidden_dropout, (int, float)) and 0 <= module.hidden_dropout <= 1):
+        return BloomAttentionProbe(False, f"hidden_dropout {module.hidden_dropout!r}: a probability expected")
+    try:
+        g = torch.Generator().manual_seed(0)
+        stand_in = _stand_in(module, g)
+        hidden, residual, alibi, mask = _probe_inputs(g)
+        want_out, want_probs = _reference(stand_in, hidden, residual, alibi, mask)
+        for mode in (True, False):
+            stand_in.training = mode
+            with torch.no_grad():
+                got = type(module).forward(stand_in, hidden, residual, alibi, mask, layer_past=None,
+                                           use_cache=False, output_attentions=True)
+            if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], torch.Tensor)
+                    and isinstance(got[1], torch.Tensor) and got[0].shape == want_out.shape
+                    and got[1].shape == want_probs.shape):
+                return BloomAttentionProbe(False, "its forward does not return (output, attention probabilities) "
+                                                  "of Bloom's shapes")
+            if not (torch.allclose(got[0].double(), want_out, rtol=1e-4, atol=1e-4)
+                    and torch.allclose(got[1].double(), want_probs, rtol=1e-4, atol=1e-5)):
+                return BloomAttentionProbe(False, "does not compute Bloom's ALiBi attention (softmax(inv_norm_factor "
+                                                  "* Q K^T + beta * alibi + mask) V, dense, plus the residual; fp32 "
+                                                  "against float64)")
+    except Exception as e:  # noqa: BLE001 - a probe never raises: the module is left unfused, with the reason
+        return BloomAttentionProbe(False, f"its forward raised on the probe's inputs: {type(e).__name__}: {e}")
+    return BloomAttentionProbe(True, "Bloom's ALiBi attention (probed)")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The bias
+# --------------------------------------------------------------------------------------------------------------------
+_bias_cache: dict = {}   # one entry: every layer of a forward pass gets the same alibi and mask tensors
+
+
+def alibi_bias(alibi: torch.Tensor, attention_mask: torch.Tensor | None, *, batch: int, heads: int,
+               query_len: int, key_len: int, beta: float = 1.0) -> torch.Tensor:
+    """``beta * alibi + attention_mask`` as one additive attention bias.
+
+    Args:
+        alibi: ``[batch * heads, 1, key_len]`` (Bloom's ``build_alibi_tensor``: per head, a slope times each key's
+            position), floating point.
+        attention_mask: an additive float mask (0, or the dtype's minimum for masked keys) or a bool one (True =
+            attend), ``[batch or 1, 1 or heads, query_len or 1, >= key_len]`` (extra trailing keys are cut off), or
+            None.
+        batch, heads, query_len, key_len: the attention's sizes.
+        beta: the factor of ``alibi`` (Bloom's ``beta``, 1.0).
+    Returns:
+        ``[batch or 1, heads, query_len or 1, key_len]`` in the dtype ``alibi + attention_mask`` promotes to (a bool
+        mask: ``alibi``'s, masked keys at its minimum). The batch dimension is 1 where the bias is the same for every
+        sequence (Bloom without padding: its alibi and causal mask repeat per sequence), found with one comparison on
+        the device. Built once per pair of tensors (identity and version counters; not cached where
+        :func:`pipegoose.nn.fusion.transformers.attention._cacheable` says so, e.g. under ``torch.compile``, where
+        the batch dimension stays).
+    Raises:
+        ValueError: ``alibi`` or ``attention_mask`` of a shape that does not fit the sizes.
+        TypeError: ``alibi`` not floating point; ``attention_mask`` neither bool nor floating point.
+    """
+    if not alibi.is_floating_point():
+        raise TypeError(f"alibi: expected a floating-point tensor, got dtype {alibi.dtype}")
+    if alibi.dim() != 3 or alibi.shape[0] != batch * heads or alibi.shape[1] != 1 or alibi.shape[2] not in (1, key_len):
+        raise ValueError(f"alibi: expected shape [{batch * heads} (batch * heads), 1, {key_len} or 1], got "
+                         f"{tuple(alibi.shape)}")
+    mask = None
+    if attention_mask is not None:
+        if attention_mask.dtype != torch.bool and not attention_mask.is_floating_point():
+            raise TypeError(f"attention_mask: expected a bool or floating-point mask, got dtype {attention_mask.dtype}")
+        mask = _attention._fit_mask(attention_mask, query_len, key_len, batch, heads)
+    cacheable = _attention._cacheable(alibi) and (attention_mask is None or _attention._cacheable(attention_mask))
+    if not cacheable:
+        return _combine(alibi, mask, batch, heads, beta, dedupe=False)
+    key = (id(alibi), alibi._version, None if attention_mask is None else id(attention_mask),
+           None if attention_mask is None else attention_mask._version, batch, heads, query_len, key_len, beta)
+    hit = _bias_cache.get("entry")
+    if (hit is not None and hit[0] == key and hit[1]() is alibi
+            and (attention_mask is None or hit[2]() is attention_mask)):
+        return hit[3]
+    bias = _combine(alibi, mask, batch, heads, beta, dedupe=True)
+    _bias_cache["entry"] = (key, weakref.ref(alibi), None if attention_mask is None else weakref.ref(attention_mask),
+                            bias)
+    return bias
+
+
+def _same_per_sequence(t: torch.Tensor) -> bool:
+    """Whether ``t`` ([b, ...]) holds the same values for every index of its first dimension (one sync)."""
+    return t.shape[0] == 1 or t.stride(0) == 0 or torch.equal(t, t[:1].expand_as(t))
+
+
+def _combine(alibi, mask, batch, heads, beta, dedupe):
+    a = alibi.view(batch, heads, 1, alibi.shape[-1])
+    if beta != 1.0:
+        a = a * beta
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros((), dtype=alibi.dtype, device=mask.device).masked_fill(~mask, torch.finfo(alibi.dtype).min)
+    if dedupe and batch > 1 and _same_per_sequence(a) and (mask is None or _same_per_sequence(mask)):
+        a = a[:1]
+        mask = None if mask is None else mask[:1]
+    return a if mask is None else a + mask
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The module
+# --------------------------------------------------------------------------------------------------------------------
+class FusedBloomAttention(nn.Module):
+    """Bloom's attention (``BloomAttention``, ALiBi) on pipegoose's attention function (see the module docstring).
+
+    Holds the replaced module's ``query_key_value`` (``nn.Linear(hidden, 3 * hidden)``, Bloom's interleaved
+    ``[heads, 3, head_dim]`` layout), ``dense`` and ``attention_dropout`` (the same modules: ``state_dict`` keys and
+    parameters unchanged) and its ``num_heads``, ``head_dim``, ``hidden_size``, ``inv_norm_factor``, ``beta``,
+    ``hidden_dropout`` and ``layer_idx``.
+
+    ``forward(hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+    output_attentions=False)``, as ``BloomAttention``'s (``BloomBlock`` calls it so):
+
+    * hidden_states, residual: ``[b, sq, hidden]``, fp32, fp16 or bf16 (CUDA autocast as in the model);
+    * alibi: ``[b * heads, 1, sk]``; attention_mask: ``[b, 1, sq, sk]`` additive (transformers' eager mask), bool
+      (True = attend) or None (see :func:`alibi_bias`);
+    * layer_past: a transformers ``Cache`` (``update(key, value, layer_idx)``), or None;
+    * returns ``(output [b, sq, hidden], attention weights [b, heads, sq, sk] or None)``: ``dense(attention) ``
+      with ``hidden_dropout`` (in training) plus ``residual``; the weights where the softmax path ran (always under
+      ``output_attentions=True``), None on the SDPA path.
+
+    Raises (forward): ``ValueError`` / ``TypeError`` for an ``alibi`` or ``attention_mask`` that does not fit
+    (:func:`alibi_bias`), what ``pipegoose_attention_forward`` raises (``PIPEGOOSE_IMPL_ATTENTION`` values).
+    """
+
+    def __init__(self, *, query_key_value: nn.Linear, dense: nn.Linear, attention_dropout: nn.Dropout,
+                 num_heads: int, head_dim: int, hidden_size: int, inv_norm_factor: float, beta: float = 1.0,
+                 hidden_dropout: float = 0.0, layer_idx: int | None = None):
+        super().__init__()
+        if num_heads * head_dim != hidden_size:
+            raise ValueError(f"num_heads: {num_heads} heads of head_dim {head_dim} do not make hidden_size "
+                             f"{hidden_size}")
+        if query_key_value.out_features != 3 * hidden_size or dense.in_features != hidden_size:
+            raise ValueError(f"query_key_value: expected {hidden_size} -> {3 * hidden_size} and dense {hidden_size} "
+                             f"-> any, got {query_key_value.in_features} -> {query_key_value.out_features} and "
+                             f"{dense.in_features} -> {dense.out_features}")
+        self.query_key_value = query_key_value
+        self.dense = dense
+        self.attention_dropout = attention_dropout
+        self.num_heads, self.head_dim, self.hidden_size = num_heads, head_dim, hidden_size
+        self.inv_norm_factor, self.beta, self.hidden_dropout = inv_norm_factor, beta, hidden_dropout
+        self.layer_idx = layer_idx
+
+    @classmethod
+    def from_module(cls, attention: nn.Module, verify: bool = True) -> FusedBloomAttention:
+        """A :class:`FusedBloomAttention` sharing ``attention``'s (a ``BloomAttention``) children and attributes.
+
+        Raises:
+            ValueError: ``verify`` and :func:`probe_bloom_attention` refuses the module (the reason).
+        """
+        if verify:
+            probe = probe_bloom_attention(attention)
+            if not probe.ok:
+                raise ValueError(f"attention: {type(attention).__name__}: {probe.reason}")
+        return cls(**{k: getattr(attention, k) for k in _CHILDREN + _ATTRIBUTES + ("layer_idx",)})
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, head_dim={self.head_dim}, beta={self.beta}"
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor, alibi: torch.Tensor,
+                attention_mask: torch.Tensor | None, layer_past=None, use_cache: bool = False,
+                output_attentions: bool = False, **kwargs):
+        b, sq, _ = hidden_states.shape
+        h, d = self.num_heads, self.head_dim
+        qkv = self.query_key_value(hidden_states).view(b, sq, h, 3, d)
+        query, key, value = (qkv[..., i, :].transpose(1, 2) for i in range(3))   # [b, h, s, d] views, as Bloom's
+        if layer_past is not None:
+            key, value = layer_past.update(key, value, self.layer_idx)
+        sk = key.shape[2]
+        bias = alibi_bias(alibi, attention_mask, batch=b, heads=h, query_len=sq, key_len=sk, beta=self.beta)
+        out, weights = _attention.pipegoose_attention_forward(
+            self, query, key, value, bias, scaling=self.inv_norm_factor, dropout=self.attention_dropout.p,
+            is_causal=False, output_attentions=output_attentions)
+        output = self.dense(out.reshape(b, sq, h * d))
+        return F.dropout(output, p=self.hidden_dropout, training=self.training) + residual, weights
+
+
+__all__ = ["FusedBloomAttention", "BloomAttentionProbe", "alibi_bias", "candidate", "probe_bloom_attention"]

@@ -1,0 +1,390 @@
+"""Bloom's attention (``BloomAttention``: ALiBi) on pipegoose's attention function: ``FusedBloomAttention``, the bias
+``alibi_bias``, the probe ``probe_bloom_attention`` and ``fuse(model)`` replacing the modules; against a float64
+reference and the unfused model on the CPU (both paths: the softmax path, and the SDPA path with CUDA pretended), and,
+marked ``cuda``, on a GPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipegoose.nn.fusion import FusedBloomAttention, dispatch
+from pipegoose.nn.fusion.fuse import fuse, unfuse
+from pipegoose.nn.fusion.ops import _common
+from pipegoose.nn.fusion.transformers import bloom
+from tolerances import tol
+
+from . import models
+
+BloomAttention = models.transformers_attr("bloom", "modeling", "BloomAttention")
+build_alibi_tensor = models.transformers_attr("bloom", "modeling", "build_alibi_tensor")
+
+
+def _attention(hidden=64, heads=4, seed=0, dtype=torch.float32, device="cpu"):
+    torch.manual_seed(seed)
+    return BloomAttention(models.config("bloom", hidden=hidden, heads=heads), layer_idx=0).to(device, dtype)
+
+
+def _lm(dtype=torch.float32, device="cpu", **kw):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(models.config("bloom", **kw)).to(device, dtype)
+
+
+def _masks(batch, seq, left_pad, dtype, device="cpu"):
+    """(2-D padding mask, Bloom's alibi [b * h, 1, s] for 4 heads, transformers' additive causal mask [b, 1, s, s],
+    masked [b, 1, s, s] bool): left padding ``left_pad[i]`` in row i (its first queries have no key)."""
+    mask2d = torch.ones(batch, seq, dtype=torch.long, device=device)
+    for i, p in enumerate(left_pad):
+        mask2d[i, :p] = 0
+    alibi = build_alibi_tensor(mask2d, 4, dtype)
+    j = torch.arange(seq, device=device)
+    masked = (j[None, :] > j[:, None])[None, None] | (mask2d[:, None, None, :] == 0)
+    additive = torch.zeros(masked.shape, dtype=dtype, device=device).masked_fill(masked, torch.finfo(dtype).min)
+    return mask2d, alibi, additive, masked
+
+
+def _reference(att, hidden, residual, alibi, masked):
+    """float64 Bloom attention; rows without a key give zeros (as every path of ours)."""
+    b, s, _ = hidden.shape
+    h, d = att.num_heads, att.head_dim
+    qkv = F.linear(hidden.double(), att.query_key_value.weight.double(), att.query_key_value.bias.double())
+    q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, h, 3, d).unbind(3))
+    scores = att.inv_norm_factor * q @ k.transpose(-1, -2) + alibi.double().view(b, h, 1, -1)
+    probs = torch.softmax(scores.masked_fill(masked, float("-inf")), -1).nan_to_num(0.0)
+    ctx = (probs @ v).transpose(1, 2).reshape(b, s, h * d)
+    return F.linear(ctx, att.dense.weight.double(), att.dense.bias.double()) + residual.double(), probs
+
+
+def _pretend_cuda(monkeypatch):
+    """The SDPA path of pipegoose attention (CUDA only) on the CPU: scores above PIPEGOOSE_SMALL_NUMEL run SDPA."""
+    monkeypatch.setattr(_common, "on_kernel_device", lambda t: True)
+    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "1")
+
+
+# ------------------------------------------------------------------------------------------------ the module
+@pytest.mark.parametrize("path", ["softmax", "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("left_pad", [(0, 0, 0), (0, 3, 6)], ids=["causal", "left_padded"])
+def test_matches_float64_forward_and_backward(monkeypatch, path, dtype, left_pad):
+    """Outputs and gradients (hidden states, residual, both projections) against float64, on either path; rows
+    without a key (left padding) give zeros and no gradient; the attention weights only on the softmax path."""
+    if path == "sdpa":
+        _pretend_cuda(monkeypatch)
+    att = _attention(dtype=dtype)
+    fused = FusedBloomAttention.from_module(att)
+    g = torch.Generator().manual_seed(3)
+    b, s = 3, 9
+    hidden = torch.randn(b, s, 64, generator=g).to(dtype).requires_grad_()
+    residual = torch.randn(b, s, 64, generator=g).to(dtype).requires_grad_()
+    _, alibi, additive, masked = _masks(b, s, left_pad, dtype)
+    dispatch.reset_stats()
+    out, weights = fused(hidden, residual, alibi, additive)
+    assert dispatch.stats()["attention"] == {"sdpa": 1} if path == "sdpa" else "attention" not in dispatch.stats()
+    ref, ref_probs = _reference(att, hidden, residual, alibi, masked)
+    assert out.dtype == dtype and out.shape == (b, s, 64)
+    torch.testing.assert_close(out.double(), ref, **tol(dtype, 4))
+    if path == "sdpa":
+        assert weights is None
+    else:
+        torch.testing.assert_close(weights.double(), ref_probs, **tol(dtype, 4))
+    go = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    params = [att.query_key_value.weight, att.dense.weight]
+    grads = torch.autograd.grad(out, [hidden, residual, *params], go.to(dtype))
+    ref_in = [t.detach().double().requires_grad_() for t in (hidden, residual)]
+    att64 = copy.deepcopy(att).double()
+    ref_out = _reference(att64, *ref_in, alibi, masked)[0]
+    want = torch.autograd.grad(ref_out, [*ref_in, att64.query_key_value.weight, att64.dense.weight], go)
+    for name, a, w in zip(("hidden", "residual", "qkv weight", "dense weight"), grads, want):
+        torch.testing.assert_close(a.double(), w, **tol(dtype, 16), msg=lambda m: f"grad {name}: {m}")
+    if left_pad[2]:
+        # row 2's first 6 queries have no key: the attention gives zeros, so their output is dense's bias + residual
+        want_rows = (att.dense.bias.double() + residual[2, :6].double())
+        torch.testing.assert_close(out[2, :6].double(), want_rows, **tol(dtype, 2))
+
+
+def test_fp32_equals_bloom_eager_on_the_cpu_softmax_path():
+    """On the CPU (reference path) in fp32, padding on the right (no row without a key): the module's values and
+    attention weights are BloomAttention's own within fp32 rounding (its baddbmm rounds ALiBi and the scaled scores
+    in one operation, ours in two), in training and eval mode."""
+    att = _attention()
+    fused = FusedBloomAttention.from_module(att)
+    g = torch.Generator().manual_seed(5)
+    hidden, residual = torch.randn(2, 7, 64, generator=g), torch.randn(2, 7, 64, generator=g)
+    mask2d = torch.ones(2, 7, dtype=torch.long)
+    mask2d[1, -2:] = 0
+    alibi = build_alibi_tensor(mask2d, 4, torch.float32)
+    j = torch.arange(7)
+    masked = (j[None, :] > j[:, None])[None, None] | (mask2d[:, None, None, :] == 0)
+    additive = torch.zeros(masked.shape).masked_fill(masked, torch.finfo(torch.float32).min)
+    for mode in (True, False):
+        att.train(mode)
+        fused.train(mode)
+        want = att(hidden, residual, alibi, additive, output_attentions=True)
+        got = fused(hidden, residual, alibi, additive, output_attentions=True)
+        torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(got[1], want[1], atol=1e-7, rtol=1e-6)
+
+
+def test_the_constructor_refuses_sizes_that_do_not_fit():
+    att = _attention()
+    kw = {k: getattr(att, k) for k in bloom._CHILDREN + bloom._ATTRIBUTES}
+    with pytest.raises(ValueError, match=r"num_heads: 5 heads of head_dim 16 do not make hidden_size 64"):
+        FusedBloomAttention(**{**kw, "num_heads": 5})
+    with pytest.raises(ValueError, match=r"query_key_value: expected 64 -> 192"):
+        FusedBloomAttention(**{**kw, "query_key_value": torch.nn.Linear(64, 64)})
+    fused = FusedBloomAttention.from_module(att)
+    assert fused.query_key_value is att.query_key_value and fused.dense is att.dense
+    assert "num_heads=4, head_dim=16" in repr(fused)
+
+
+def test_bad_alibi_and_masks_name_the_argument():
+    fused = FusedBloomAttention.from_module(_attention())
+    x = torch.randn(2, 5, 64)
+    _, alibi, additive, _ = _masks(2, 5, (0, 0), torch.float32)
+    with pytest.raises(ValueError, match=r"alibi: expected shape \[8 \(batch \* heads\), 1, 5 or 1\], got \(4, 1, 5\)"):
+        fused(x, x, alibi[:4], additive)
+    with pytest.raises(ValueError, match=r"attention_mask: expected shape"):
+        fused(x, x, alibi, additive[..., :3])
+    with pytest.raises(TypeError, match=r"attention_mask: expected a bool or floating-point mask, got dtype "
+                                        r"torch.int64"):
+        fused(x, x, alibi, additive.long())
+    with pytest.raises(TypeError, match=r"alibi: expected a floating-point tensor"):
+        fused(x, x, alibi.long(), additive)
+
+
+# ------------------------------------------------------------------------------------------------ the bias
+def test_alibi_bias_is_built_once_and_per_sequence_only_where_sequences_differ():
+    _, alibi, additive, _ = _masks(3, 6, (0, 0, 0), torch.float32)
+    bias = bloom.alibi_bias(alibi, additive, batch=3, heads=4, query_len=6, key_len=6)
+    assert bias.shape == (1, 4, 6, 6)   # Bloom without padding: the same for every sequence
+    torch.testing.assert_close(bias.expand(3, 4, 6, 6), alibi.view(3, 4, 1, 6) + additive)
+    assert bloom.alibi_bias(alibi, additive, batch=3, heads=4, query_len=6, key_len=6) is bias   # (cached)
+    additive[0, 0, 5, 0] = torch.finfo(torch.float32).min                # in place: a new bias, per sequence now
+    again = bloom.alibi_bias(alibi, additive, batch=3, heads=4, query_len=6, key_len=6)
+    assert again is not bias and again.shape == (3, 4, 6, 6)
+    torch.testing.assert_close(again, alibi.view(3, 4, 1, 6) + additive)
+    _, alibi_p, additive_p, _ = _masks(3, 6, (0, 2, 0), torch.float32)
+    assert bloom.alibi_bias(alibi_p, additive_p, batch=3, heads=4, query_len=6, key_len=6).shape == (3, 4, 6, 6)
+    assert bloom.alibi_bias(alibi_p, None, batch=3, heads=4, query_len=6, key_len=6).shape == (3, 4, 1, 6)
+    attend = additive_p == 0                                               # bool, True = attend
+    from_bool = bloom.alibi_bias(alibi_p, attend, batch=3, heads=4, query_len=6, key_len=6, beta=0.5)
+    want = (0.5 * alibi_p.view(3, 4, 1, 6)).masked_fill(~attend, torch.finfo(torch.float32).min)
+    torch.testing.assert_close(from_bool, want)
+    with torch.inference_mode():   # (not cacheable there: computed per call, the same values)
+        a = bloom.alibi_bias(alibi, additive, batch=3, heads=4, query_len=6, key_len=6)
+        assert a.shape == (3, 4, 6, 6) and bloom.alibi_bias(alibi, additive, batch=3, heads=4, query_len=6,
+                                                            key_len=6) is not a
+
+
+# ------------------------------------------------------------------------------------------------ the probe
+class _DoubledAlibiBloomAttention(BloomAttention):
+    """A BloomAttention that adds twice the ALiBi bias: another formula, which the probe must refuse."""
+
+    def forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+                output_attentions=False, **kwargs):
+        return super().forward(hidden_states, residual, 2 * alibi, attention_mask, layer_past, use_cache,
+                               output_attentions)
+
+
+class _OtherArgumentsBloomAttention(BloomAttention):
+    def forward(self, hidden_states, alibi, attention_mask, residual=None, **kwargs):
+        return super().forward(hidden_states, residual, alibi, attention_mask)
+
+
+def test_the_probe_accepts_bloom_and_refuses_other_formulas():
+    att = _attention()
+    assert bloom.probe_bloom_attention(att).ok and bloom.candidate(att)
+    cfg = models.config("bloom", hidden=64, heads=4)
+    doubled = bloom.probe_bloom_attention(_DoubledAlibiBloomAttention(cfg, 0))
+    assert "does not compute Bloom's ALiBi attention" in doubled.reason
+    assert "are not Bloom's" in bloom.probe_bloom_attention(_OtherArgumentsBloomAttention(cfg, 0)).reason
+    tp = _attention()
+    tp.pretraining_tp, tp.slow_but_exact = 2, True
+    assert "pretraining_tp > 1 with slow_but_exact" in bloom.probe_bloom_attention(tp).reason
+    assert not bloom.candidate(FusedBloomAttention.from_module(att)) and not bloom.candidate(torch.nn.Linear(2, 2))
+    meta = _attention(device="meta")   # (the probe's stand-in is its own: a meta module is probed on the CPU)
+    assert bloom.probe_bloom_attention(meta).ok
+    state = torch.random.get_rng_state()
+    bloom.probe_bloom_attention(att)
+    assert torch.equal(torch.random.get_rng_state(), state)   # (the caller's random stream untouched)
+
+
+# ------------------------------------------------------------------------------------------------ fuse
+def test_fuse_replaces_bloom_attention_and_unfuse_puts_it_back():
+    lm = _lm()
+    ref = copy.deepcopy(lm)
+    keys = list(lm.state_dict())
+    hook_calls = []
+    lm.transformer.h[0].self_attention.register_forward_hook(lambda *a: hook_calls.append(1))
+    report = fuse(lm)
+    rows = [r for r in report.rows if r.kind == "attention"]
+    assert [r.path for r in rows] == ["transformer.h.0.self_attention", "transformer.h.1.self_attention"]
+    assert all(r.fused and r.replacement == "FusedBloomAttention" and r.eligible for r in rows)
+    assert isinstance(lm.transformer.h[1].self_attention, FusedBloomAttention)
+    assert list(lm.state_dict()) == keys
+    assert report.attention["chosen"] == "eager" and "FusedBloomAttention" in report.attention["reason"]
+    ids, mask = models.inputs(left_pad=(0, 0, 0))
+    mask[1, -3:] = 0   # padding on the right: no row without a key, so eager's values everywhere
+    out = lm(input_ids=ids, attention_mask=mask, labels=ids)
+    want = ref(input_ids=ids, attention_mask=mask, labels=ids)
+    assert hook_calls == [1]
+    torch.testing.assert_close(out.logits, want.logits, atol=1e-5, rtol=1e-5)
+    out.loss.backward()
+    want.loss.backward()
+    for (name, p), q in zip(lm.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert unfuse(lm)
+    assert type(lm.transformer.h[0].self_attention).__name__ == "BloomAttention"
+    assert list(lm.state_dict()) == keys
+
+
+def test_left_padding_gives_zeros_where_eager_gives_weights_and_the_rest_is_eager():
+    """Left padding: the queries of padded positions have no key; ours gives their attention zeros (eager: weights
+    over masked keys). The positions that are not padding get eager's values."""
+    lm = _lm()
+    ref = copy.deepcopy(lm)
+    fuse(lm, ops=["attention"])
+    ids, mask = models.inputs()   # left padding 0 / 4 / 2
+    got, want = lm(input_ids=ids, attention_mask=mask).logits, ref(input_ids=ids, attention_mask=mask).logits
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(got).all()
+
+
+def test_generation_with_the_cache_gives_eager_tokens():
+    lm = _lm().eval()
+    ref = copy.deepcopy(lm)
+    fuse(lm)
+    ids = models.inputs(batch=2, left_pad=(0, 0))[0]
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(lm.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+def test_output_attentions_returns_eager_weights():
+    lm = _lm()
+    ref = copy.deepcopy(lm)
+    fuse(lm)
+    ids = models.inputs(left_pad=(0, 0, 0))[0]
+    got = lm(input_ids=ids, output_attentions=True).attentions
+    want = ref(input_ids=ids, output_attentions=True).attentions
+    assert len(got) == len(want) == 2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_kinds_keep_dry_run_and_refusals_in_the_report():
+    lm = _lm()
+    left = fuse(lm, ops=["layer_norm"])
+    assert left.not_requested["attention"] == 2 and not any(r.kind == "attention" for r in left.rows)
+    unfuse(lm)
+    kept = fuse(lm, attention="keep")
+    rows = [r for r in kept.rows if r.kind == "attention"]
+    assert len(rows) == 2 and not any(r.fused or r.eligible for r in rows) and rows[0].reason == "attention='keep'"
+    assert type(lm.transformer.h[0].self_attention).__name__ == "BloomAttention"
+    unfuse(lm)
+    dry = fuse(lm, dry_run=True)
+    assert sum(r.fused for r in dry.rows if r.kind == "attention") == 2
+    assert type(lm.transformer.h[0].self_attention).__name__ == "BloomAttention"
+    lm.transformer.h[0].self_attention.pretraining_tp, lm.transformer.h[0].self_attention.slow_but_exact = 2, True
+    lm.transformer.h[1].self_attention.forward = lm.transformer.h[1].self_attention.forward   # (on the instance)
+    report = fuse(lm)
+    r0, r1 = [r for r in report.rows if r.kind == "attention"]
+    assert not r0.fused and not r0.eligible and "pretraining_tp" in r0.reason
+    assert not r1.fused and "a forward set on the instance" in r1.reason
+    unfuse(lm)
+
+
+def test_a_second_fuse_holds_the_fused_attention():
+    lm = _lm()
+    fuse(lm.transformer)
+    report = fuse(lm)
+    rows = [r for r in report.rows if r.kind == "attention"]
+    assert len(rows) == 2 and all(r.fused and "earlier fuse() of transformer" in r.reason for r in rows)
+    unfuse(lm.transformer)
+    assert type(lm.transformer.h[0].self_attention).__name__ == "BloomAttention"
+
+
+# ------------------------------------------------------------------------------------------------ on a GPU
+@pytest.mark.cuda
+@pytest.mark.usefixtures("no_tuning_table")
+@pytest.mark.parametrize("path", ["softmax", "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_on_cuda_matches_float64(monkeypatch, path, dtype):
+    """16 heads of 64, 301 odd positions, left padding (rows without a key): our fused masked softmax (strict) or SDPA
+    with the bias; outputs and gradients against float64, zeros where a query has no key."""
+    if path == "sdpa":
+        monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "1")
+        monkeypatch.delenv("PIPEGOOSE_IMPL_ATTENTION", raising=False)
+    att = _attention(hidden=1024, heads=16, dtype=dtype, device="cuda")
+    fused = FusedBloomAttention.from_module(att)
+    b, s = 2, 301
+    g = torch.Generator(device="cuda").manual_seed(11)
+    hidden = torch.randn(b, s, 1024, generator=g, device="cuda").to(dtype).requires_grad_()
+    residual = torch.randn(b, s, 1024, generator=g, device="cuda").to(dtype)
+    mask2d = torch.ones(b, s, dtype=torch.long, device="cuda")
+    mask2d[1, :37] = 0
+    alibi = build_alibi_tensor(mask2d, 16, dtype)
+    j = torch.arange(s, device="cuda")
+    masked = (j[None, :] > j[:, None])[None, None] | (mask2d[:, None, None, :] == 0)
+    additive = torch.zeros(masked.shape, dtype=dtype, device="cuda").masked_fill(masked, torch.finfo(dtype).min)
+    poison = torch.full((b, s, 1024), float("nan"), device="cuda", dtype=dtype)
+    dispatch.reset_stats()
+    with dispatch.strict() if path == "softmax" else _no_context():
+        out, _ = fused(hidden, residual, alibi, additive)
+        go = torch.randn(out.shape, generator=g, device="cuda").to(dtype)
+        (grad,) = torch.autograd.grad(out, hidden, go)
+    poison.copy_(out)
+    assert torch.isfinite(poison).all() and torch.isfinite(grad).all()
+    stats = dispatch.stats()
+    assert (stats["attention"] == {"sdpa": 1}) if path == "sdpa" else (stats["softmax.masked"] == {"pipegoose": 1})
+    hd = hidden.detach().double().requires_grad_()
+    ref, _ = _reference(copy.deepcopy(att).double(), hd, residual, alibi, masked)
+    (ref_grad,) = torch.autograd.grad(ref, hd, go.double())
+    torch.testing.assert_close(out.double(), ref, **tol(dtype, 8))
+    torch.testing.assert_close(grad.double(), ref_grad, **tol(dtype, 16))
+    torch.testing.assert_close(out[1, :37].double(), att.dense.bias.double() + residual[1, :37].double(),
+                               **tol(dtype, 2))
+
+
+class _no_context:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("no_tuning_table")
+def test_on_cuda_a_fused_bf16_model_trains_as_the_eager_one(monkeypatch):
+    """A Bloom LM in bf16 on the GPU, fused with the default rules (SDPA for the attention): the losses of a few
+    AdamW steps within the training tolerance of the unfused model's, the attention on SDPA."""
+    from tolerances import TRAIN_LOSS_RTOL
+
+    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "1")
+    lm = _lm(dtype=torch.bfloat16, device="cuda", hidden=256, heads=4).train()
+    ref = copy.deepcopy(lm)
+    fuse(lm)
+    ids = torch.randint(1, models.VOCAB, (4, 128), device="cuda", generator=torch.Generator(device="cuda")
+                        .manual_seed(0))
+    losses = {}
+    for name, m in (("fused", lm), ("eager", ref)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        losses[name] = []
+        dispatch.reset_stats()
+        for _ in range(5):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[name].append(loss.item())
+        if name == "fused":
+            assert dispatch.stats()["attention"] == {"sdpa": 10}
+    for a, b in zip(losses["fused"], losses["eager"]):
+        assert abs(a - b) <= TRAIN_LOSS_RTOL * abs(b), losses
+    assert losses["fused"][-1] < losses["fused"][0]
