@@ -58,8 +58,10 @@ def test_every_model_builds_its_config_and_a_tiny_copy_trains_a_step_on_the_cpu(
         else:
             assert _attr(cfg, k) == v, k
     tiny = _tiny(name)
+    assert tiny.num_hidden_layers <= 2 and tiny.hidden_size <= 64, (tiny.num_hidden_layers, tiny.hidden_size)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny, attn_implementation="sdpa").train()
+    # (the attention the benchmark loads: SDPA, or eager for a model that has no other, Bloom)
+    model = transformers.AutoModelForCausalLM.from_config(tiny, attn_implementation=spec.get("attn", "sdpa")).train()
     ids = torch.randint(0, tiny.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
