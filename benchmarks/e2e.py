@@ -75,8 +75,8 @@ Models (random init from a config, no weights downloaded):
   ``squared_relu``, RoPE, the loss and its LayerNorm1Ps (``MixedFusedLayerNorm(apply_layernorm_1p=True)``). Not in
   ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
 * ``bloom``: BLOOM-560M's shape (``BloomForCausalLM``: hidden 1024, 24 layers, 16 heads, ALiBi, MLP 4096 of
-  ``BloomGelu``, vocab 250880, tied), ~559M params, batch 2 (its eager attention saves ~1.5 GiB of scores a layer at
-  batch 2). transformers has no SDPA path for Bloom: every variant loads it with eager attention (the ``sdpa`` row is
+  ``BloomGelu``, vocab 250880, tied), ~559M params, batch 2 (its eager attention saves 6 bytes a score, ~0.75 GiB a
+  layer at batch 2). transformers has no SDPA path for Bloom: every variant loads it with eager attention (the ``sdpa`` row is
   that baseline, its ``attn_implementation`` says so). Once fused (session 74): its attention ``FusedBloomAttention``
   (ALiBi and the mask as one bias on our attention function), LayerNorms, ``gelu``, the loss. Not in
   ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.

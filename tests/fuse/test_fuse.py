@@ -42,9 +42,9 @@ def softmax_calls(monkeypatch):
     calls = []
     real = attn_mod._softmax
 
-    def spy(scores, plan, scale):
+    def spy(scores, plan, scale, bias=None):
         calls.append(plan.kind)
-        return real(scores, plan, scale)
+        return real(scores, plan, scale, bias)
 
     monkeypatch.setattr(attn_mod, "_softmax", spy)
     return calls

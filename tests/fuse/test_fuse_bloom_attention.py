@@ -107,6 +107,36 @@ def test_matches_float64_forward_and_backward(monkeypatch, path, dtype, left_pad
         torch.testing.assert_close(out[2, :6].double(), want_rows, **tol(dtype, 2))
 
 
+def test_off_cuda_sdpa_runs_unless_the_variables_ask_for_the_softmax_path(monkeypatch):
+    """Off CUDA no kernel of ours runs, and the softmax's reference path made a CPU forward 2.3x slower than eager
+    Bloom's: SDPA runs there (counted as attention/sdpa; the report says so), with float64's values; rows without a
+    key give zeros. PIPEGOOSE_SMALL_NUMEL=0 or PIPEGOOSE_IMPL_ATTENTION=pipegoose: the softmax path; so does a call
+    that asks for the attention weights."""
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")   # (tests/fuse sets it to 0)
+    att = _attention()
+    fused = FusedBloomAttention.from_module(att)
+    g = torch.Generator().manual_seed(8)
+    hidden, residual = torch.randn(3, 9, 64, generator=g), torch.randn(3, 9, 64, generator=g)
+    _, alibi, additive, masked = _masks(3, 9, (0, 3, 6), torch.float32)
+    want = _reference(att, hidden, residual, alibi, masked)[0]
+    for env, path in (({}, "sdpa"), ({"PIPEGOOSE_IMPL_ATTENTION": "pipegoose"}, "softmax"),
+                      ({"PIPEGOOSE_SMALL_NUMEL": "0"}, "softmax")):
+        with monkeypatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            dispatch.reset_stats()
+            out, weights = fused(hidden, residual, alibi, additive)
+            assert (dispatch.stats().get("attention") == {"sdpa": 1}) == (path == "sdpa"), (env, dispatch.stats())
+            assert (weights is None) == (path == "sdpa")
+            torch.testing.assert_close(out.double(), want, **tol(torch.float32, 4))
+            lm = _lm()
+            row = next(r for r in fuse(lm, dry_run=True).rows if r.kind == "attention")
+            assert (row.forward == "sdpa @128") == (path == "sdpa"), (env, row)
+    dispatch.reset_stats()
+    assert fused(hidden, residual, alibi, additive, output_attentions=True)[1] is not None
+    assert "attention" not in dispatch.stats()
+
+
 def test_fp32_equals_bloom_eager_on_the_cpu_softmax_path():
     """On the CPU (reference path) in fp32, padding on the right (no row without a key): the module's values and
     attention weights are BloomAttention's own within fp32 rounding (its baddbmm rounds ALiBi and the scaled scores
@@ -135,8 +165,18 @@ def test_the_constructor_refuses_sizes_that_do_not_fit():
     kw = {k: getattr(att, k) for k in bloom._CHILDREN + bloom._ATTRIBUTES}
     with pytest.raises(ValueError, match=r"num_heads: 5 heads of head_dim 16 do not make hidden_size 64"):
         FusedBloomAttention(**{**kw, "num_heads": 5})
-    with pytest.raises(ValueError, match=r"query_key_value: expected 64 -> 192"):
+    with pytest.raises(ValueError, match=r"query_key_value: expected 64 -> 192 features, got 64 -> 64"):
         FusedBloomAttention(**{**kw, "query_key_value": torch.nn.Linear(64, 64)})
+    with pytest.raises(ValueError, match=r"query_key_value: expected 64 -> 192 features, got 32 -> 192"):
+        FusedBloomAttention(**{**kw, "query_key_value": torch.nn.Linear(32, 192)})
+    with pytest.raises(ValueError, match=r"dense: expected 64 input features, got 32"):
+        FusedBloomAttention(**{**kw, "dense": torch.nn.Linear(32, 64)})
+    with pytest.raises(TypeError, match=r"query_key_value: expected a torch.nn.Linear, got Identity"):
+        FusedBloomAttention(**{**kw, "query_key_value": torch.nn.Identity()})
+    with pytest.raises(ValueError, match=r"hidden_dropout: expected a probability in \[0, 1\], got 2.0"):
+        FusedBloomAttention(**{**kw, "hidden_dropout": 2.0})
+    with pytest.raises(TypeError, match=r"attention: expected a BloomAttention, got Linear"):
+        FusedBloomAttention.from_module(torch.nn.Linear(2, 2))
     fused = FusedBloomAttention.from_module(att)
     assert fused.query_key_value is att.query_key_value and fused.dense is att.dense
     assert "num_heads=4, head_dim=16" in repr(fused)
@@ -146,8 +186,11 @@ def test_bad_alibi_and_masks_name_the_argument():
     fused = FusedBloomAttention.from_module(_attention())
     x = torch.randn(2, 5, 64)
     _, alibi, additive, _ = _masks(2, 5, (0, 0), torch.float32)
-    with pytest.raises(ValueError, match=r"alibi: expected shape \[8 \(batch \* heads\), 1, 5 or 1\], got \(4, 1, 5\)"):
+    with pytest.raises(ValueError, match=r"alibi: expected shape \[8 \(batch \* heads\), 1, 5 \(keys\)\], "
+                                         r"got \(4, 1, 5\)"):
         fused(x, x, alibi[:4], additive)
+    with pytest.raises(ValueError, match=r"alibi: expected shape .*, got \(8, 1, 1\)"):
+        fused(x, x, alibi[..., :1], None)
     with pytest.raises(ValueError, match=r"attention_mask: expected shape"):
         fused(x, x, alibi, additive[..., :3])
     with pytest.raises(TypeError, match=r"attention_mask: expected a bool or floating-point mask, got dtype "
@@ -181,6 +224,42 @@ def test_alibi_bias_is_built_once_and_per_sequence_only_where_sequences_differ()
                                                             key_len=6) is not a
 
 
+def test_nothing_derived_from_the_mask_outlives_the_forward_pass(monkeypatch):
+    """The one-entry caches (the bias; the SDPA path's copy of it; the mask's plan) drop their entry when the tensor
+    it was derived from is freed: after the forward pass nothing of the [b, h, sq, sk] size stays held (a review:
+    after unfuse and del model, 256-512 MiB of it stayed cached)."""
+    import gc
+
+    from pipegoose.nn.fusion.transformers import attention as A
+
+    for path in ("softmax", "sdpa"):
+        if path == "sdpa":
+            _pretend_cuda(monkeypatch)
+        lm = _lm().eval()
+        fuse(lm)
+        ids, mask = models.inputs()
+        with torch.no_grad():
+            lm(input_ids=ids, attention_mask=mask)
+        gc.collect()
+        assert "entry" not in bloom._bias_cache and "entry" not in A._plan_cache, path
+        assert "entry" not in A._sdpa_mask_cache, path
+
+
+def test_on_the_meta_device_and_under_fake_tensors():
+    """A fused model runs on the meta device and under FakeTensorMode, as the eager one (the check for a bias that
+    is the same per sequence compares values: skipped there)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    lm = _lm()
+    fuse(lm)
+    meta = copy.deepcopy(lm).to("meta")
+    ids = torch.ones(2, 8, dtype=torch.long, device="meta")
+    assert meta(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.shape == (2, 8, models.VOCAB)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        ids = torch.ones(2, 8, dtype=torch.long)
+        assert lm(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.shape == (2, 8, models.VOCAB)
+
+
 # ------------------------------------------------------------------------------------------------ the probe
 class _DoubledAlibiBloomAttention(BloomAttention):
     """A BloomAttention that adds twice the ALiBi bias: another formula, which the probe must refuse."""
@@ -189,6 +268,15 @@ class _DoubledAlibiBloomAttention(BloomAttention):
                 output_attentions=False, **kwargs):
         return super().forward(hidden_states, residual, 2 * alibi, attention_mask, layer_past, use_cache,
                                output_attentions)
+
+
+class _OtherWithoutWeightsBloomAttention(BloomAttention):
+    """Bloom's formula where the attention weights are asked for, another one (ALiBi left out) where not."""
+
+    def forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+                output_attentions=False, **kwargs):
+        return super().forward(hidden_states, residual, alibi if output_attentions else 0 * alibi, attention_mask,
+                               layer_past, use_cache, output_attentions)
 
 
 class _OtherArgumentsBloomAttention(BloomAttention):
@@ -203,6 +291,13 @@ def test_the_probe_accepts_bloom_and_refuses_other_formulas():
     doubled = bloom.probe_bloom_attention(_DoubledAlibiBloomAttention(cfg, 0))
     assert "does not compute Bloom's ALiBi attention" in doubled.reason
     assert "are not Bloom's" in bloom.probe_bloom_attention(_OtherArgumentsBloomAttention(cfg, 0)).reason
+    other = bloom.probe_bloom_attention(_OtherWithoutWeightsBloomAttention(cfg, 0))
+    assert "does not compute Bloom's ALiBi attention" in other.reason
+    wrapped = _attention()
+    wrapped.query_key_value = torch.nn.Sequential(wrapped.query_key_value)   # (a LoRA-style wrapper, say)
+    assert bloom.candidate(wrapped)
+    reason = bloom.probe_bloom_attention(wrapped).reason
+    assert reason.startswith("query_key_value is Sequential, not a torch.nn.Linear"), reason
     tp = _attention()
     tp.pretraining_tp, tp.slow_but_exact = 2, True
     assert "pretraining_tp > 1 with slow_but_exact" in bloom.probe_bloom_attention(tp).reason
@@ -297,6 +392,25 @@ def test_kinds_keep_dry_run_and_refusals_in_the_report():
     assert not r0.fused and not r0.eligible and "pretraining_tp" in r0.reason
     assert not r1.fused and "a forward set on the instance" in r1.reason
     unfuse(lm)
+
+
+def test_unfuse_hands_back_attributes_changed_while_fused_and_a_wrapped_module_is_a_skipped_row():
+    lm = _lm()
+    fuse(lm)
+    fa = lm.transformer.h[0].self_attention
+    fa.hidden_dropout, fa.beta, fa.split_size = 0.25, 0.5, 7
+    unfuse(lm)
+    att = lm.transformer.h[0].self_attention
+    assert (att.hidden_dropout, att.beta, att.split_size) == (0.25, 0.5, 7)
+    att.query_key_value = torch.nn.Sequential(att.query_key_value)
+    report = fuse(lm)
+    row = next(r for r in report.rows if r.path == "transformer.h.0.self_attention")
+    assert not row.fused and not row.eligible and "not Bloom's layout" in row.reason
+    assert "AttentionInterface" in report.attention["reason"] and "where fuse finds" in report.attention["reason"]
+    unfuse(lm)
+    alone = fuse(lm.transformer.h[1].self_attention)
+    assert [(r.kind, r.fused) for r in alone.rows] == [("attention", False)]
+    assert "use FusedBloomAttention.from_module(model)" in alone.rows[0].reason
 
 
 def test_a_second_fuse_holds_the_fused_attention():

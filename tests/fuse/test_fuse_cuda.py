@@ -104,7 +104,10 @@ def test_parity_with_kernels(arch, dtype):
     assert bool(ran.get("gelu")) == (arch in ("bert", "gpt2", "gpt_neox", "bloom")), ran
     if arch != "bloom":
         assert report.attention["chosen"] == "pipegoose"
-        assert ran.get("softmax.masked"), ran
+    else:   # (Bloom's ALiBi attention: FusedBloomAttention, the same softmax kernel with the bias, since session 74)
+        rows = [r for r in report.rows if r.kind == "attention"]
+        assert rows and all(r.replacement == "FusedBloomAttention" for r in rows), report
+    assert ran.get("softmax.masked"), ran
     _assert_parity(fus, unf, ref64, dtype)
 
 

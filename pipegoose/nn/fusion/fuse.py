@@ -94,16 +94,16 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   its config whose ``_attn_implementation`` is ``"pipegoose"`` (our function in transformers' ``AttentionInterface``)
   or ``"pipegoose_sdpa"`` (ours where the GPU's tuning table says so, SDPA otherwise). The copy keeps other models
   that share the config object unchanged; while fused, change the configuration through ``model.config`` (the
-  copy): a reference to the config object taken before ``fuse`` no longer reaches the model. ``unfuse`` carries the copy's changes back to the
-  original config and leaves alone the attributes the copy did not change. A module without a transformers config
-  of its own (a wrapper: a training module holding the model, ``nn.DataParallel``) has the attention of each
-  transformers model inside it fused so, through that model's config (the outermost ``PreTrainedModel``: a causal
-  LM's base model shares its config), each with a copy of its own;
+  copy): a reference to the config object taken before ``fuse`` no longer reaches the model. ``unfuse`` carries the
+  copy's changes back to the original config and leaves alone the attributes the copy did not change. A module
+  without a transformers config of its own (a wrapper: a training module holding the model, ``nn.DataParallel``)
+  has the attention of each transformers model inside it fused so, through that model's config (the outermost
+  ``PreTrainedModel``: a causal LM's base model shares its config), each with a copy of its own;
 * Bloom's attention (``BloomAttention``: ALiBi; it does not go through the interface), whose class's forward computes
   Bloom's formula (``transformers.bloom.probe_bloom_attention``) -> ``FusedBloomAttention`` (the same projection and
-  dropout modules; ALiBi and the mask as one bias, built once per forward pass, on our attention function: SDPA on
-  CUDA, the fused masked softmax where the tuning table or ``PIPEGOOSE_IMPL_ATTENTION`` asks), kind ``attention``
-  (since session 74); ``attention="keep"`` leaves it.
+  dropout modules; ALiBi and the mask as one bias, built once per forward pass, on our attention function: SDPA with
+  the bias, on CUDA and off it, the fused masked softmax where the tuning table or ``PIPEGOOSE_IMPL_ATTENTION`` asks
+  and for attention weights), kind ``attention`` (since session 74); ``attention="keep"`` leaves it.
 
 Rows of what another ``fuse()`` call fused (of a part of the model, of a model or wrapper holding it) are reported as
 held: fused, naming that call, whatever ``ops`` says; this call leaves them as they are and records nothing for them.
@@ -804,6 +804,10 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
         _undo(state)
         raise
 
+    if "attention" in ops and _bloom.candidate(model):
+        report.rows.append(FusionRow("", "attention", type(model).__name__, None, False, reason=(
+            "the model itself is Bloom's attention: fuse() replaces submodules in their parent; use "
+            "FusedBloomAttention.from_module(model) instead, or fuse a module that holds it")))
     kind = _bare_norm_kind(model) if not isinstance(model, fused_types) else None
     if kind in ops:
         # fuse() replaces submodules in their parents; the model itself has none to be replaced in
@@ -852,7 +856,7 @@ def _fused_impls(module: nn.Module, like: torch.Tensor | None = None) -> tuple[s
                           FusedT5DenseGatedActDense)
 
     if isinstance(module, _bloom.FusedBloomAttention):
-        return _attention_impls(module, "pipegoose")
+        return _bloom_attention_impls(module)
     impl = getattr(module, "impl", None)   # a request made on the module (FusedRMSNorm(impl="torch"), say)
     act_kind = _fused_activation_kind(module)
     if act_kind is not None:
@@ -1226,11 +1230,27 @@ def _consider_bloom_attention(child: nn.Module, path: str, attention: str, dry_r
     if why is not None:
         return FusionRow(path, "attention", name, None, False, reason=why), None
     new = None if dry_run else _build(path, child, _bloom.FusedBloomAttention.from_module, child, verify=False)
-    fwd, bwd = _attention_impls(child, "pipegoose")
+    if new is not None:
+        # Bloom's attributes, the same objects, carried by the caller (_carry_attrs) rather than held as the new
+        # module's own, so that unfuse hands what was changed on the fused module back (a review: hidden_dropout set
+        # while fused was lost)
+        for key in _bloom.CARRIED:
+            del new.__dict__[key]
+    fwd, bwd = _bloom_attention_impls(child)
     return FusionRow(path, "attention", name, "FusedBloomAttention", True, fwd, bwd,
                      f"{probe.reason}: ALiBi and the mask as one bias (once per forward pass), on pipegoose "
-                     "attention: SDPA with that bias on CUDA (no scores materialised), the fused masked softmax "
+                     "attention: SDPA with that bias (no scores materialised; off CUDA too), the fused masked softmax "
                      "where the tuning table or PIPEGOOSE_IMPL_ATTENTION asks; fully masked rows give zeros"), new
+
+
+def _bloom_attention_impls(module: nn.Module) -> tuple[str, str]:
+    """The report's implementation columns of a Bloom attention module (``FusedBloomAttention``): ``sdpa @128`` where
+    it runs SDPA for the probe's scores (on CUDA as :func:`_attention_impls` says; off CUDA unless the variables ask
+    for the softmax path), else the softmax op's choice."""
+    p = _first_param(module)
+    if p is not None and p.device.type != "meta" and _bloom.runs_sdpa(p.device, p.dtype, _PROBE_SEQ):
+        return f"sdpa @{_PROBE_SEQ}", f"sdpa @{_PROBE_SEQ}"
+    return _attention_impls(module, "pipegoose")
 
 
 def _activation_impls(op: str, module: nn.Module, args: tuple, impl: str | None = None,

@@ -58,12 +58,13 @@ class MaskPlan:
 
     kind: ``"none"`` (no key masked), ``"causal"`` (key j masked for query i when j > i, top-left aligned as SDPA's
     ``is_causal``), ``"masked"`` (``mask`` is bool, True = masked, broadcastable to ``[b, h, sq, sk]``) or ``"bias"``
-    (``bias`` is a float tensor added to the scaled scores).
+    (the mask is a float tensor added to the scaled scores; ``mask`` says which of its keys are masked: at or below
+    half its dtype's minimum). The plan holds nothing of the mask tensor itself, so that a cached plan does not keep
+    it alive (:func:`_mask_cached`).
     """
 
     kind: str
-    mask: torch.Tensor | None = None
-    bias: torch.Tensor | None = None
+    mask: torch.Tensor | None = None   # "masked"; for "bias", its keys at or below half the dtype's minimum
 
 
 def additive_to_boolean_mask(mask: torch.Tensor) -> torch.Tensor | None:
@@ -133,7 +134,9 @@ def _cacheable(mask: torch.Tensor) -> bool:
 
 def _mask_cached(store: dict, attention_mask: torch.Tensor, extra: tuple, compute):
     """``compute()``, from the one-entry cache ``store`` when its entry is for this mask tensor (identity, version
-    counter and ``extra``), and stored there; without the cache where :func:`_cacheable` says so."""
+    counter and ``extra``), and stored there; without the cache where :func:`_cacheable` says so. The entry goes when
+    the mask tensor is freed (:func:`drop_with`), so that what was derived from it is not held past the forward pass
+    (a review, session 74: Bloom's [b, h, sq, sk] bias and its SDPA copy stayed cached after the model was gone)."""
     if not _cacheable(attention_mask):
         return compute()
     key = (id(attention_mask), attention_mask._version, *extra)
@@ -142,7 +145,18 @@ def _mask_cached(store: dict, attention_mask: torch.Tensor, extra: tuple, comput
         return hit[2]
     result = compute()
     store["entry"] = (key, weakref.ref(attention_mask), result)
+    drop_with(store, store["entry"], attention_mask)
     return result
+
+
+def drop_with(store: dict, entry: tuple, *tensors: torch.Tensor) -> None:
+    """Remove ``entry`` from the one-entry cache ``store`` (if it is still there) when any of ``tensors`` is freed."""
+    def drop():
+        if store.get("entry") is entry:
+            del store["entry"]
+
+    for t in tensors:
+        weakref.finalize(t, drop)
 
 
 def plan_mask(attention_mask: torch.Tensor | None, *, query_len: int, key_len: int, causal: bool) -> MaskPlan:
@@ -170,13 +184,31 @@ def plan_mask(attention_mask: torch.Tensor | None, *, query_len: int, key_len: i
                         lambda: _classify(m, query_len, key_len))
 
 
+def _no_values(t: torch.Tensor) -> bool:
+    """A tensor whose values cannot be read: on the meta device, or a fake tensor (``FakeTensorMode``)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t.is_meta or isinstance(t, FakeTensor)
+
+
 def _classify(m: torch.Tensor, query_len: int, key_len: int) -> MaskPlan:
-    """:func:`plan_mask` of the fitted mask ``m`` (uncached)."""
+    """:func:`plan_mask` of the fitted mask ``m`` (uncached). A mask without values to read (:func:`_no_values`) is
+    planned from its dtype alone (bool: ``"masked"``; float: ``"bias"``), which computes the same attention: a fused
+    model ran on the meta device and under ``FakeTensorMode`` only where its attention was kept (a review, session
+    74)."""
+    if _no_values(m):
+        if m.dtype == torch.bool:
+            return MaskPlan("masked", mask=~m)
+        if not m.is_floating_point():
+            raise TypeError(f"attention_mask: expected a bool or floating-point mask, got dtype {m.dtype}")
+        return MaskPlan("bias", mask=m <= torch.finfo(m.dtype).min / 2)
     if m.dtype == torch.bool:
         plan = MaskPlan("masked", mask=~m)
     elif m.is_floating_point():
         masked = additive_to_boolean_mask(m)
-        plan = MaskPlan("bias", bias=m) if masked is None else MaskPlan("masked", mask=masked)
+        # (a bias: its masked keys, at or below half the dtype's minimum, found once here, not per layer)
+        plan = (MaskPlan("bias", mask=m <= torch.finfo(m.dtype).min / 2) if masked is None
+                else MaskPlan("masked", mask=masked))
     else:
         raise TypeError(f"attention_mask: expected a bool or floating-point mask, got dtype {m.dtype}")
 
@@ -229,7 +261,9 @@ def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
 
 
-def _softmax(scores: torch.Tensor, plan: MaskPlan, scale: float) -> torch.Tensor:
+def _softmax(scores: torch.Tensor, plan: MaskPlan, scale: float, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The probabilities of ``scores`` [b, h, sq, sk] under ``plan``; ``bias``: the fitted float mask of a
+    ``"bias"`` plan, added to the scaled scores."""
     from pipegoose.nn.fusion import functional as PF
 
     b, h, sq, sk = scores.shape
@@ -241,9 +275,8 @@ def _softmax(scores: torch.Tensor, plan: MaskPlan, scale: float) -> torch.Tensor
     if plan.kind == "masked":
         return PF.scaled_masked_softmax(scores, plan.mask, scale)
     if plan.kind == "bias":
-        biased = scores * scale + plan.bias.to(scores.dtype)
-        masked = plan.bias <= torch.finfo(plan.bias.dtype).min / 2
-        return PF.scaled_masked_softmax(biased, masked, 1.0)
+        biased = scores * scale + bias.to(scores.dtype)
+        return PF.scaled_masked_softmax(biased, plan.mask, 1.0)
     return PF.scaled_masked_softmax(scores, None, scale)
 
 
@@ -464,7 +497,8 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         # kernels and reference alike, apply the scale in fp32 (a review of session 61: a bf16 Llama of head dim
         # 128, whose scale is no power of 2, gave logits 0.006 off eager's on CPU)
         scores, scale = scores * scale, 1.0
-    probs = _softmax(scores, plan, scale).to(value.dtype)
+    bias = _fit_mask(attention_mask, sq, sk) if plan.kind == "bias" else None
+    probs = _softmax(scores, plan, scale, bias).to(value.dtype)
     if dropout:
         probs = F.dropout(probs, p=dropout, training=module.training)
     head_mask = kwargs.get("head_mask")

@@ -13,18 +13,22 @@ for the backward ([b, h, sq, sk] each: 6 bytes per score saved in bf16).
 :class:`FusedBloomAttention` takes the same parameters (the module's ``query_key_value``, ``dense`` and
 ``attention_dropout``, shared) and computes the same attention with ALiBi and the mask folded into one additive bias,
 ``beta * alibi + attention_mask`` (:func:`alibi_bias`: ``[1 or b, h, sq, sk]``, built once per forward pass and
-shared by every layer), handed to :func:`pipegoose.nn.fusion.transformers.attention.pipegoose_attention_forward` as a
+shared by every layer; per layer under ``torch.inference_mode`` and ``torch.compile``, where tensors are not cached),
+handed to :func:`pipegoose.nn.fusion.transformers.attention.pipegoose_attention_forward` as a
 float mask: on CUDA ``torch.nn.functional.scaled_dot_product_attention`` with that bias (no scores materialised), or,
 where the GPU's tuning table or ``PIPEGOOSE_IMPL_ATTENTION=pipegoose`` asks for it and when attention weights are
-asked for (``output_attentions=True``), the fused masked softmax; off CUDA the reference path.
+asked for (``output_attentions=True``), the fused masked softmax. Off CUDA, where no kernel of ours runs, SDPA too
+(the softmax's reference path made a CPU forward 2.3x slower than eager Bloom's); the softmax path (its reference)
+with ``PIPEGOOSE_SMALL_NUMEL=0``, ``PIPEGOOSE_IMPL_ATTENTION=pipegoose`` or ``output_attentions=True``.
 
 Where the result differs from transformers' eager Bloom:
 
 * the scores are not rounded to the model's 16-bit dtype before the softmax on the SDPA path (SDPA keeps them in
   fp32): 16-bit outputs differ at rounding level, closer to a float64 reference than eager's;
 * a query row whose keys are all masked (a padded position under left padding) gives zeros and zero gradients, as on
-  every path of pipegoose attention; eager Bloom gives it weights over its masked keys (its output is the padding's,
-  which a loss ignores);
+  every path of pipegoose attention; eager Bloom gives it weights over its masked keys. Its output is the padding's;
+  but with transformers' causal shift the last padded position predicts the first real token, so a loss whose label
+  there is not -100 differs slightly from eager's (both values of that position are arbitrary: it sees no token);
 * attention dropout (``config.attention_dropout``, 0 in released Bloom configs) is drawn by SDPA (same ``p``, other
   random numbers than eager's ``nn.Dropout``);
 * the attention weights returned are ``None`` on the SDPA path (transformers' Bloom returns them always, and its
@@ -46,27 +50,49 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import dispatch
 from . import attention as _attention
 from .matching import probe_isolated
 
 # The attributes FusedBloomAttention reads from the module it replaces (Bloom's names), and the children it shares.
 _ATTRIBUTES = ("num_heads", "head_dim", "hidden_size", "inv_norm_factor", "beta", "hidden_dropout")
 _CHILDREN = ("query_key_value", "dense", "attention_dropout")
+# The attributes fuse carries over from the replaced module as it does a module's other attributes (unfuse hands
+# changes made while fused back): all but the sizes, which the fused module holds as its own.
+CARRIED = ("inv_norm_factor", "beta", "hidden_dropout", "layer_idx")
 # The arguments of BloomAttention.forward that FusedBloomAttention.forward takes, by name (BloomBlock passes them so).
 _FORWARD_ARGS = ("hidden_states", "residual", "alibi", "attention_mask", "layer_past", "use_cache",
                  "output_attentions")
 
 
 def candidate(module: nn.Module) -> bool:
-    """A module that looks like transformers' ``BloomAttention``: class name ending in ``BloomAttention`` (its copies
-    keep the name), children ``query_key_value`` and ``dense`` (``torch.nn.Linear``) and ``attention_dropout``
-    (``torch.nn.Dropout``), no parameter of its own. Not a :class:`FusedBloomAttention`."""
-    if isinstance(module, FusedBloomAttention) or not type(module).__name__.endswith("BloomAttention"):
-        return False
+    """A module whose class name ends in ``BloomAttention`` (transformers' and its copies), not a
+    :class:`FusedBloomAttention`: ``fuse`` reports each, fused where :func:`probe_bloom_attention` finds Bloom's
+    layout and formula, skipped with the probe's reason where not."""
+    return not isinstance(module, FusedBloomAttention) and type(module).__name__.endswith("BloomAttention")
+
+
+def _layout_problem(module: nn.Module) -> str | None:
+    """Why ``module`` does not have Bloom's layout (None: it has): children ``query_key_value`` and ``dense``
+    (``torch.nn.Linear``, hidden -> 3 x hidden and hidden -> any) and ``attention_dropout`` (``torch.nn.Dropout``),
+    no parameter of its own, Bloom's attributes (``num_heads`` x ``head_dim`` = ``hidden_size``)."""
     kids = module._modules
-    return (isinstance(kids.get("query_key_value"), nn.Linear) and isinstance(kids.get("dense"), nn.Linear)
-            and isinstance(kids.get("attention_dropout"), nn.Dropout)
-            and not any(True for _ in module.parameters(recurse=False)))
+    for name, kind in (("query_key_value", nn.Linear), ("dense", nn.Linear), ("attention_dropout", nn.Dropout)):
+        if not isinstance(kids.get(name), kind):
+            return (f"{name} is {type(kids.get(name)).__name__}, not a torch.nn.{kind.__name__}: not Bloom's layout "
+                    "(a wrapped projection, say)")
+    if any(True for _ in module.parameters(recurse=False)):
+        return "it holds parameters of its own: not Bloom's layout"
+    missing = [a for a in _ATTRIBUTES + ("layer_idx",) if a not in module.__dict__]
+    if missing:
+        return f"it lacks Bloom's attribute(s) {', '.join(missing)}"
+    h, d, width = module.num_heads, module.head_dim, module.hidden_size
+    qkv, dense = kids["query_key_value"], kids["dense"]
+    if not (isinstance(h, int) and isinstance(d, int) and h * d == width and qkv.in_features == width
+            and qkv.out_features == 3 * width and dense.in_features == width):
+        return (f"num_heads {h} x head_dim {d}, hidden_size {width}, query_key_value {qkv.in_features} -> "
+                f"{qkv.out_features}, dense {dense.in_features} -> {dense.out_features}: not Bloom's sizes")
+    return None
 
 
 @dataclass(frozen=True)
@@ -133,18 +159,20 @@ def _stand_in(module: nn.Module, g: torch.Generator) -> nn.Module:
 def probe_bloom_attention(module: nn.Module) -> BloomAttentionProbe:
     """Whether ``module`` (a :func:`candidate`) computes Bloom's ALiBi attention, the formula of
     :class:`FusedBloomAttention`: its class's forward, run on a small stand-in (:func:`_stand_in`) on the CPU in fp32
-    with a general per-head bias for ``alibi`` and a causal mask with padding, in training and eval mode, must return
-    ``(output, attention probabilities)`` equal to the float64 formula (``softmax(inv_norm_factor * Q K^T + beta *
-    alibi + mask) V``, then ``dense``, plus the residual) within 1e-4. Refused before that: a class whose forward
-    takes other arguments than Bloom's, a module with ``pretraining_tp > 1`` and ``slow_but_exact`` (its dense
-    projection runs in slices), an attribute of Bloom's missing. Never raises."""
+    with a general per-head bias for ``alibi`` and a causal mask with padding, in training and eval mode with
+    ``output_attentions=True`` and in training mode without, must return ``(output, attention probabilities)`` (the
+    output alone is compared where they are not asked for) equal to the float64 formula
+    (``softmax(inv_norm_factor * Q K^T + beta * alibi + mask) V``, then ``dense``, plus the residual) within 1e-4.
+    Refused before that: a class whose forward takes other arguments than Bloom's, a module with ``pretraining_tp >
+    1`` and ``slow_but_exact`` (its dense projection runs in slices), a module without Bloom's layout
+    (:func:`_layout_problem`: a wrapped projection, say).
+    Never raises."""
     name = type(module).__name__
     if not candidate(module):
-        return BloomAttentionProbe(False, f"{name} is not a BloomAttention (query_key_value, dense, "
-                                          "attention_dropout)")
-    missing = [a for a in _ATTRIBUTES + ("layer_idx",) if a not in module.__dict__]
-    if missing:
-        return BloomAttentionProbe(False, f"{name} lacks Bloom's attribute(s) {', '.join(missing)}")
+        return BloomAttentionProbe(False, f"{name} is not a BloomAttention (by its class name)")
+    problem = _layout_problem(module)
+    if problem is not None:
+        return BloomAttentionProbe(False, problem)
     if getattr(module, "pretraining_tp", 1) > 1 and getattr(module, "slow_but_exact", False):
         return BloomAttentionProbe(False, "pretraining_tp > 1 with slow_but_exact: its dense projection runs in "
                                           "slices, which FusedBloomAttention does not")
@@ -162,11 +190,13 @@ def probe_bloom_attention(module: nn.Module) -> BloomAttentionProbe:
         stand_in = _stand_in(module, g)
         hidden, residual, alibi, mask = _probe_inputs(g)
         want_out, want_probs = _reference(stand_in, hidden, residual, alibi, mask)
-        for mode in (True, False):
+        for mode, weights in ((True, True), (False, True), (True, False)):
             stand_in.training = mode
             with torch.no_grad():
                 got = type(module).forward(stand_in, hidden, residual, alibi, mask, layer_past=None,
-                                           use_cache=False, output_attentions=True)
+                                           use_cache=False, output_attentions=weights)
+            if not weights:   # (Bloom returns them whatever output_attentions says; the output is what counts)
+                got = (got[0], want_probs) if isinstance(got, tuple) and len(got) == 2 else got
             if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], torch.Tensor)
                     and isinstance(got[1], torch.Tensor) and got[0].shape == want_out.shape
                     and got[1].shape == want_probs.shape):
@@ -204,17 +234,18 @@ def alibi_bias(alibi: torch.Tensor, attention_mask: torch.Tensor | None, *, batc
         ``[batch or 1, heads, query_len or 1, key_len]`` in the dtype ``alibi + attention_mask`` promotes to (a bool
         mask: ``alibi``'s, masked keys at its minimum). The batch dimension is 1 where the bias is the same for every
         sequence (Bloom without padding: its alibi and causal mask repeat per sequence), found with one comparison on
-        the device. Built once per pair of tensors (identity and version counters; not cached where
-        :func:`pipegoose.nn.fusion.transformers.attention._cacheable` says so, e.g. under ``torch.compile``, where
-        the batch dimension stays).
+        the device (not on the meta device or for fake tensors). Built once per pair of tensors (identity and version
+        counters; the entry goes when either tensor is freed; not cached where
+        :func:`pipegoose.nn.fusion.transformers.attention._cacheable` says so, under ``torch.inference_mode`` and
+        ``torch.compile``, where the batch dimension stays).
     Raises:
         ValueError: ``alibi`` or ``attention_mask`` of a shape that does not fit the sizes.
         TypeError: ``alibi`` not floating point; ``attention_mask`` neither bool nor floating point.
     """
     if not alibi.is_floating_point():
         raise TypeError(f"alibi: expected a floating-point tensor, got dtype {alibi.dtype}")
-    if alibi.dim() != 3 or alibi.shape[0] != batch * heads or alibi.shape[1] != 1 or alibi.shape[2] not in (1, key_len):
-        raise ValueError(f"alibi: expected shape [{batch * heads} (batch * heads), 1, {key_len} or 1], got "
+    if alibi.dim() != 3 or alibi.shape[0] != batch * heads or alibi.shape[1] != 1 or alibi.shape[2] != key_len:
+        raise ValueError(f"alibi: expected shape [{batch * heads} (batch * heads), 1, {key_len} (keys)], got "
                          f"{tuple(alibi.shape)}")
     mask = None
     if attention_mask is not None:
@@ -230,10 +261,13 @@ def alibi_bias(alibi: torch.Tensor, attention_mask: torch.Tensor | None, *, batc
     if (hit is not None and hit[0] == key and hit[1]() is alibi
             and (attention_mask is None or hit[2]() is attention_mask)):
         return hit[3]
-    bias = _combine(alibi, mask, batch, heads, beta, dedupe=True)
+    bias = _combine(alibi, mask, batch, heads, beta, dedupe=not _attention._no_values(alibi))
     _bias_cache["entry"] = (key, weakref.ref(alibi), None if attention_mask is None else weakref.ref(attention_mask),
                             bias)
+    _attention.drop_with(_bias_cache, _bias_cache["entry"], alibi,
+                         *(() if attention_mask is None else (attention_mask,)))
     return bias
+
 
 
 def _same_per_sequence(t: torch.Tensor) -> bool:
@@ -251,6 +285,26 @@ def _combine(alibi, mask, batch, heads, beta, dedupe):
         a = a[:1]
         mask = None if mask is None else mask[:1]
     return a if mask is None else a + mask
+
+
+def _off_cuda_sdpa(device: torch.device, dtype: torch.dtype, key_len: int) -> bool:
+    """Whether, off CUDA, the attention runs SDPA rather than the softmax's reference path: unless
+    ``PIPEGOOSE_SMALL_NUMEL=0`` or ``PIPEGOOSE_IMPL_ATTENTION=pipegoose``."""
+    return dispatch.small_numel() != 0 and not _attention._ours_asked_for(device, dtype, key_len)
+
+
+def runs_sdpa(device: torch.device, dtype: torch.dtype, key_len: int) -> bool:
+    """Whether :class:`FusedBloomAttention` runs SDPA for scores of at least ``PIPEGOOSE_SMALL_NUMEL`` elements on
+    ``device`` in ``dtype`` at this key length, attention weights not asked for (the report's column)."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return _off_cuda_sdpa(device, dtype, key_len)
+    return _attention.runs_sdpa(device, dtype, key_len)
+
+
+_OFF_CUDA_SDPA = dispatch.Choice(
+    "attention", "sdpa", "builtin", False, {},
+    "off CUDA no kernel of ours runs: SDPA with the ALiBi bias, faster there than the softmax's reference path "
+    "(PIPEGOOSE_SMALL_NUMEL=0 or PIPEGOOSE_IMPL_ATTENTION=pipegoose: the softmax path)")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -271,25 +325,34 @@ class FusedBloomAttention(nn.Module):
     * alibi: ``[b * heads, 1, sk]``; attention_mask: ``[b, 1, sq, sk]`` additive (transformers' eager mask), bool
       (True = attend) or None (see :func:`alibi_bias`);
     * layer_past: a transformers ``Cache`` (``update(key, value, layer_idx)``), or None;
-    * returns ``(output [b, sq, hidden], attention weights [b, heads, sq, sk] or None)``: ``dense(attention) ``
+    * returns ``(output [b, sq, hidden], attention weights [b, heads, sq, sk] or None)``: ``dense(attention)``
       with ``hidden_dropout`` (in training) plus ``residual``; the weights where the softmax path ran (always under
       ``output_attentions=True``), None on the SDPA path.
 
-    Raises (forward): ``ValueError`` / ``TypeError`` for an ``alibi`` or ``attention_mask`` that does not fit
-    (:func:`alibi_bias`), what ``pipegoose_attention_forward`` raises (``PIPEGOOSE_IMPL_ATTENTION`` values).
+    Raises: the constructor, ``TypeError`` for projections that are not ``torch.nn.Linear`` or a dropout that is not
+    ``torch.nn.Dropout``, ``ValueError`` naming the argument for sizes that do not fit or a ``hidden_dropout``
+    outside [0, 1]; ``forward``, ``ValueError`` / ``TypeError`` for an ``alibi`` or ``attention_mask`` that does not
+    fit (:func:`alibi_bias`), what ``pipegoose_attention_forward`` raises (``PIPEGOOSE_IMPL_ATTENTION`` values).
     """
 
     def __init__(self, *, query_key_value: nn.Linear, dense: nn.Linear, attention_dropout: nn.Dropout,
                  num_heads: int, head_dim: int, hidden_size: int, inv_norm_factor: float, beta: float = 1.0,
                  hidden_dropout: float = 0.0, layer_idx: int | None = None):
         super().__init__()
+        for name, value, kind in (("query_key_value", query_key_value, nn.Linear), ("dense", dense, nn.Linear),
+                                  ("attention_dropout", attention_dropout, nn.Dropout)):
+            if not isinstance(value, kind):
+                raise TypeError(f"{name}: expected a torch.nn.{kind.__name__}, got {type(value).__name__}")
         if num_heads * head_dim != hidden_size:
             raise ValueError(f"num_heads: {num_heads} heads of head_dim {head_dim} do not make hidden_size "
                              f"{hidden_size}")
-        if query_key_value.out_features != 3 * hidden_size or dense.in_features != hidden_size:
-            raise ValueError(f"query_key_value: expected {hidden_size} -> {3 * hidden_size} and dense {hidden_size} "
-                             f"-> any, got {query_key_value.in_features} -> {query_key_value.out_features} and "
-                             f"{dense.in_features} -> {dense.out_features}")
+        if query_key_value.in_features != hidden_size or query_key_value.out_features != 3 * hidden_size:
+            raise ValueError(f"query_key_value: expected {hidden_size} -> {3 * hidden_size} features, got "
+                             f"{query_key_value.in_features} -> {query_key_value.out_features}")
+        if dense.in_features != hidden_size:
+            raise ValueError(f"dense: expected {hidden_size} input features, got {dense.in_features}")
+        if not (isinstance(hidden_dropout, (int, float)) and 0 <= hidden_dropout <= 1):
+            raise ValueError(f"hidden_dropout: expected a probability in [0, 1], got {hidden_dropout!r}")
         self.query_key_value = query_key_value
         self.dense = dense
         self.attention_dropout = attention_dropout
@@ -302,8 +365,11 @@ class FusedBloomAttention(nn.Module):
         """A :class:`FusedBloomAttention` sharing ``attention``'s (a ``BloomAttention``) children and attributes.
 
         Raises:
+            TypeError: ``attention`` is not a ``BloomAttention`` (:func:`candidate`: by its class name).
             ValueError: ``verify`` and :func:`probe_bloom_attention` refuses the module (the reason).
         """
+        if not candidate(attention):
+            raise TypeError(f"attention: expected a BloomAttention, got {type(attention).__name__}")
         if verify:
             probe = probe_bloom_attention(attention)
             if not probe.ok:
@@ -324,9 +390,16 @@ class FusedBloomAttention(nn.Module):
             key, value = layer_past.update(key, value, self.layer_idx)
         sk = key.shape[2]
         bias = alibi_bias(alibi, attention_mask, batch=b, heads=h, query_len=sq, key_len=sk, beta=self.beta)
-        out, weights = _attention.pipegoose_attention_forward(
-            self, query, key, value, bias, scaling=self.inv_norm_factor, dropout=self.attention_dropout.p,
-            is_causal=False, output_attentions=output_attentions)
+        dropout = self.attention_dropout.p
+        off_cuda = not _attention._common.on_kernel_device(query)
+        if not output_attentions and off_cuda and _off_cuda_sdpa(query.device, query.dtype, sk):
+            if not torch.compiler.is_compiling():
+                dispatch.record(_OFF_CUDA_SDPA)   # (off CUDA: SDPA, not the softmax's reference path)
+            out, weights = _attention._small_sdpa(self, query, key, value, bias, self.inv_norm_factor, dropout, False)
+        else:
+            out, weights = _attention.pipegoose_attention_forward(
+                self, query, key, value, bias, scaling=self.inv_norm_factor, dropout=dropout, is_causal=False,
+                output_attentions=output_attentions)
         output = self.dense(out.reshape(b, sq, h * d))
         return F.dropout(output, p=self.hidden_dropout, training=self.training) + residual, weights
 

@@ -75,8 +75,8 @@ ATTENTION_MODEL_TYPES = {
 # model_type -> why its attention is not fused.
 ATTENTION_SKIP_REASONS = {
     "bloom": ("BloomAttention adds ALiBi with baddbmm and takes its softmax inline, not through transformers' "
-              "AttentionInterface: the config is left as it is, and fuse replaces the modules themselves "
-              "(FusedBloomAttention, rows of kind attention)"),
+              "AttentionInterface: the config is left as it is; each module has a row of kind attention of its own "
+              "(FusedBloomAttention where fuse finds Bloom's formula)"),
 }
 
 EPS_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon")
