@@ -269,13 +269,14 @@ def alibi_bias(alibi: torch.Tensor, attention_mask: torch.Tensor | None, *, batc
     return bias
 
 
-
 def _same_per_sequence(t: torch.Tensor) -> bool:
     """Whether ``t`` ([b, ...]) holds the same values for every index of its first dimension (one sync)."""
     return t.shape[0] == 1 or t.stride(0) == 0 or torch.equal(t, t[:1].expand_as(t))
 
 
 def _combine(alibi, mask, batch, heads, beta, dedupe):
+    """:func:`alibi_bias`'s sum of ``beta * alibi`` and the fitted ``mask`` (uncached); ``dedupe``: batch 1 where
+    every sequence has the same bias."""
     a = alibi.view(batch, heads, 1, alibi.shape[-1])
     if beta != 1.0:
         a = a * beta
