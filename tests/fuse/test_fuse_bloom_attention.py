@@ -245,6 +245,31 @@ def test_nothing_derived_from_the_mask_outlives_the_forward_pass(monkeypatch):
         assert "entry" not in A._sdpa_mask_cache, path
 
 
+def test_the_caches_keep_one_entry_and_no_finalizer_of_a_replaced_one():
+    """A second review: the finalizers that drop a cache entry held the entry, so an entry holding a view of its
+    tensor (the bias of a call without mask is a view of alibi) kept it alive for ever, and each miss on a mask that
+    stays alive (changed in place) left a finalizer holding the superseded plan."""
+    import gc
+
+    from pipegoose.nn.fusion.transformers import attention as A
+
+    for _ in range(20):
+        bloom.alibi_bias(torch.randn(8, 1, 16), None, batch=2, heads=4, query_len=1, key_len=16)
+    gc.collect()
+    assert sum(isinstance(o, torch.Tensor) and o.shape == (8, 1, 16) for o in gc.get_objects()) <= 1
+    m = torch.zeros(2, 1, 16, 16)
+    m[..., 0] = -1.0   # (a bias, not 0 / min: a "bias" plan)
+    for _ in range(20):
+        m.add_(0.0)    # (in place: a new version, a miss)
+        A.plan_mask(m, query_len=16, key_len=16, causal=True)
+    gc.collect()
+    assert sum(isinstance(o, A.MaskPlan) for o in gc.get_objects()) == 1
+    assert len(A._plan_cache["finalizers"]) == 1
+    del m
+    gc.collect()
+    assert "entry" not in A._plan_cache
+
+
 def test_on_the_meta_device_and_under_fake_tensors():
     """A fused model runs on the meta device and under FakeTensorMode, as the eager one (the check for a bias that
     is the same per sequence compares values: skipped there)."""

@@ -447,8 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"model: {what}; device {device}{f' ({gpu})' if gpu else ''}; dtype {str(dtype)[6:]}; "
                   f"batch {tuple(batch['input_ids'].shape)}; attention {model.config._attn_implementation}")
     if gpu is None:
-        console.print("[yellow]No GPU: the fused model runs the PyTorch reference paths here; the parity below is "
-                      "theirs, and no timing is taken.[/yellow]")
+        console.print("[yellow]No GPU: the fused model runs the PyTorch reference paths here (and Bloom's attention "
+                      "PyTorch's SDPA); the parity below is theirs, and no timing is taken.[/yellow]")
 
     torch.manual_seed(0)
     unfused_out = step(model, batch)

@@ -135,7 +135,7 @@ def _cacheable(mask: torch.Tensor) -> bool:
 def _mask_cached(store: dict, attention_mask: torch.Tensor, extra: tuple, compute):
     """``compute()``, from the one-entry cache ``store`` when its entry is for this mask tensor (identity, version
     counter and ``extra``), and stored there; without the cache where :func:`_cacheable` says so. The entry goes when
-    the mask tensor is freed (:func:`drop_with`), so that what was derived from it is not held past the forward pass
+    the mask tensor is freed (:func:`put_entry`), so that what was derived from it is not held past the forward pass
     (a review, session 74: Bloom's [b, h, sq, sk] bias and its SDPA copy stayed cached after the model was gone)."""
     if not _cacheable(attention_mask):
         return compute()
@@ -144,19 +144,26 @@ def _mask_cached(store: dict, attention_mask: torch.Tensor, extra: tuple, comput
     if hit is not None and hit[0] == key and hit[1]() is attention_mask:
         return hit[2]
     result = compute()
-    store["entry"] = (key, weakref.ref(attention_mask), result)
-    drop_with(store, store["entry"], attention_mask)
+    put_entry(store, (key, weakref.ref(attention_mask), result), attention_mask)
     return result
 
 
-def drop_with(store: dict, entry: tuple, *tensors: torch.Tensor) -> None:
-    """Remove ``entry`` from the one-entry cache ``store`` (if it is still there) when any of ``tensors`` is freed."""
-    def drop():
-        if store.get("entry") is entry:
-            del store["entry"]
+def put_entry(store: dict, entry: tuple, *tensors: torch.Tensor) -> None:
+    """Make ``entry`` the one entry of the cache ``store``, removed again when any of ``tensors`` is freed. The
+    finalizers hold a token, not the entry (an entry holding a view of its tensor kept it alive for ever), and those
+    of the entry replaced are detached (each miss on a tensor that stays alive left one, with the superseded result:
+    a second review, session 74)."""
+    for f in store.pop("finalizers", ()):
+        f.detach()
+    token = object()
 
-    for t in tensors:
-        weakref.finalize(t, drop)
+    def drop():
+        if store.get("token") is token:
+            store.pop("entry", None)
+            store.pop("finalizers", None)
+
+    store["entry"], store["token"] = entry, token
+    store["finalizers"] = [weakref.finalize(t, drop) for t in tensors]
 
 
 def plan_mask(attention_mask: torch.Tensor | None, *, query_len: int, key_len: int, causal: bool) -> MaskPlan:

@@ -18,8 +18,9 @@ handed to :func:`pipegoose.nn.fusion.transformers.attention.pipegoose_attention_
 float mask: on CUDA ``torch.nn.functional.scaled_dot_product_attention`` with that bias (no scores materialised), or,
 where the GPU's tuning table or ``PIPEGOOSE_IMPL_ATTENTION=pipegoose`` asks for it and when attention weights are
 asked for (``output_attentions=True``), the fused masked softmax. Off CUDA, where no kernel of ours runs, SDPA too
-(the softmax's reference path made a CPU forward 2.3x slower than eager Bloom's); the softmax path (its reference)
-with ``PIPEGOOSE_SMALL_NUMEL=0``, ``PIPEGOOSE_IMPL_ATTENTION=pipegoose`` or ``output_attentions=True``.
+(the softmax's reference path made a CPU forward 2.3x slower than eager Bloom's; PyTorch's own op, counted as op
+``attention``, impl ``sdpa``: no fallback, so strict mode lets it run); the softmax path (its reference) with
+``PIPEGOOSE_SMALL_NUMEL=0``, ``PIPEGOOSE_IMPL_ATTENTION=pipegoose`` or ``output_attentions=True``.
 
 Where the result differs from transformers' eager Bloom:
 
@@ -262,10 +263,8 @@ def alibi_bias(alibi: torch.Tensor, attention_mask: torch.Tensor | None, *, batc
             and (attention_mask is None or hit[2]() is attention_mask)):
         return hit[3]
     bias = _combine(alibi, mask, batch, heads, beta, dedupe=not _attention._no_values(alibi))
-    _bias_cache["entry"] = (key, weakref.ref(alibi), None if attention_mask is None else weakref.ref(attention_mask),
-                            bias)
-    _attention.drop_with(_bias_cache, _bias_cache["entry"], alibi,
-                         *(() if attention_mask is None else (attention_mask,)))
+    entry = (key, weakref.ref(alibi), None if attention_mask is None else weakref.ref(attention_mask), bias)
+    _attention.put_entry(_bias_cache, entry, alibi, *(() if attention_mask is None else (attention_mask,)))
     return bias
 
 
