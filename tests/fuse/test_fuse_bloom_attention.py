@@ -5,6 +5,7 @@ marked ``cuda``, on a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -376,7 +377,10 @@ def test_left_padding_gives_zeros_where_eager_gives_weights_and_the_rest_is_eage
     assert torch.isfinite(got).all()
 
 
-def test_generation_with_the_cache_gives_eager_tokens():
+@pytest.mark.parametrize("path", ["softmax", "cpu_sdpa"])
+def test_generation_with_the_cache_gives_eager_tokens(monkeypatch, path):
+    if path == "cpu_sdpa":   # (the CPU's default: SDPA; tests/fuse sets PIPEGOOSE_SMALL_NUMEL=0, the softmax path)
+        monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
     lm = _lm().eval()
     ref = copy.deepcopy(lm)
     fuse(lm)
@@ -473,7 +477,7 @@ def test_on_cuda_matches_float64(monkeypatch, path, dtype):
     additive = torch.zeros(masked.shape, dtype=dtype, device="cuda").masked_fill(masked, torch.finfo(dtype).min)
     poison = torch.full((b, s, 1024), float("nan"), device="cuda", dtype=dtype)
     dispatch.reset_stats()
-    with dispatch.strict() if path == "softmax" else _no_context():
+    with dispatch.strict() if path == "softmax" else contextlib.nullcontext():
         out, _ = fused(hidden, residual, alibi, additive)
         go = torch.randn(out.shape, generator=g, device="cuda").to(dtype)
         (grad,) = torch.autograd.grad(out, hidden, go)
@@ -488,14 +492,6 @@ def test_on_cuda_matches_float64(monkeypatch, path, dtype):
     torch.testing.assert_close(grad.double(), ref_grad, **tol(dtype, 16))
     torch.testing.assert_close(out[1, :37].double(), att.dense.bias.double() + residual[1, :37].double(),
                                **tol(dtype, 2))
-
-
-class _no_context:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 @pytest.mark.cuda
