@@ -80,6 +80,7 @@ Models (random init from a config, no weights downloaded):
   that baseline, its ``attn_implementation`` says so). Once fused (session 74): its attention ``FusedBloomAttention``
   (ALiBi and the mask as one bias on our attention function), LayerNorms, ``gelu``, the loss. Not in
   ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
+* ``bloom_1b7``: BLOOM-1B7's shape (``bloom``'s with hidden 2048: 16 heads of 128), ~1.72B params, batch 2.
 
 Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
 (``pipegoose.nn.fusion.fuse(model)`` on that model), ``fuse_sdpa_adam`` (``fuse_sdpa`` with
@@ -199,6 +200,9 @@ MODELS = {
     "bloom": dict(arch="bloom", batch=2, attn="eager", config=dict(hidden_size=1024, n_layer=24, n_head=16,
                                                                     vocab_size=250880, bos_token_id=1, eos_token_id=2,
                                                                     pad_token_id=3)),
+    "bloom_1b7": dict(arch="bloom", batch=2, attn="eager", config=dict(hidden_size=2048, n_layer=24, n_head=16,
+                                                                        vocab_size=250880, bos_token_id=1,
+                                                                        eos_token_id=2, pad_token_id=3)),
 }
 CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config", "phi3": "Phi3Config",
            "gemma": "GemmaConfig", "qwen3_moe": "Qwen3MoeConfig", "gemma4_text": "Gemma4TextConfig",
