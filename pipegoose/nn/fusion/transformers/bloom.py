@@ -25,7 +25,11 @@ asked for (``output_attentions=True``), the fused masked softmax. Off CUDA, wher
 Where the result differs from transformers' eager Bloom:
 
 * the scores are not rounded to the model's 16-bit dtype before the softmax on the SDPA path (SDPA keeps them in
-  fp32): 16-bit outputs differ at rounding level, closer to a float64 reference than eager's;
+  fp32): 16-bit outputs differ at rounding level, closer to a float64 reference than eager's. Over training steps
+  the difference can grow: a BLOOM-1B7-shaped bf16 run on one repeated batch (session 74, H100) had the same first
+  loss and a last loss 16% below eager's after 11 steps; which run drifts is not yet settled
+  (``benchmarks/bloom_drift.py``; on the CPU, at a small size, the fused losses stayed nearer fp32's). Pass
+  ``attention="keep"`` to ``fuse`` for eager Bloom's exact trajectory;
 * a query row whose keys are all masked (a padded position under left padding) gives zeros and zero gradients, as on
   every path of pipegoose attention; eager Bloom gives it weights over its masked keys. Its output is the padding's;
   but with transformers' causal shift the last padded position predicts the first real token, so a loss whose label
