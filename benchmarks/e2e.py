@@ -76,10 +76,10 @@ Models (random init from a config, no weights downloaded):
   ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
 * ``bloom``: BLOOM-560M's shape (``BloomForCausalLM``: hidden 1024, 24 layers, 16 heads, ALiBi, MLP 4096 of
   ``BloomGelu``, vocab 250880, tied), ~559M params, batch 2 (its eager attention saves 6 bytes a score, ~0.75 GiB a
-  layer at batch 2). transformers has no SDPA path for Bloom: every variant loads it with eager attention (the ``sdpa`` row is
-  that baseline, its ``attn_implementation`` says so). Once fused (session 74): its attention ``FusedBloomAttention``
-  (ALiBi and the mask as one bias on our attention function), LayerNorms, ``gelu``, the loss. Not in
-  ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
+  layer at batch 2). transformers has no SDPA path for Bloom: every variant loads it with eager attention (the
+  ``sdpa`` row is that baseline, its ``attn_implementation`` says so). Once fused (session 74): its attention
+  ``FusedBloomAttention`` (ALiBi and the mask as one bias on our attention function), LayerNorms, ``gelu``, the loss.
+  Not in ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
 * ``bloom_1b7``: BLOOM-1B7's shape (``bloom``'s with hidden 2048: 16 heads of 128), ~1.72B params, batch 2.
 
 Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
