@@ -203,21 +203,17 @@ def _classify(m: torch.Tensor, query_len: int, key_len: int) -> MaskPlan:
     planned from its dtype alone (bool: ``"masked"``; float: ``"bias"``), which computes the same attention: a fused
     model ran on the meta device and under ``FakeTensorMode`` only where its attention was kept (a review, session
     74)."""
-    if _no_values(m):
-        if m.dtype == torch.bool:
-            return MaskPlan("masked", mask=~m)
-        if not m.is_floating_point():
-            raise TypeError(f"attention_mask: expected a bool or floating-point mask, got dtype {m.dtype}")
-        return MaskPlan("bias", mask=m <= torch.finfo(m.dtype).min / 2)
     if m.dtype == torch.bool:
         plan = MaskPlan("masked", mask=~m)
     elif m.is_floating_point():
-        masked = additive_to_boolean_mask(m)
+        masked = None if _no_values(m) else additive_to_boolean_mask(m)
         # (a bias: its masked keys, at or below half the dtype's minimum, found once here, not per layer)
         plan = (MaskPlan("bias", mask=m <= torch.finfo(m.dtype).min / 2) if masked is None
                 else MaskPlan("masked", mask=masked))
     else:
         raise TypeError(f"attention_mask: expected a bool or floating-point mask, got dtype {m.dtype}")
+    if _no_values(m):
+        return plan
 
     if plan.kind == "masked":
         masked = plan.mask
