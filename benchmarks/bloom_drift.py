@@ -7,8 +7,8 @@ Why: on the H100 (session 74) the fused BLOOM-1B7-shaped step (``benchmarks.e2e`
 repeated batch faster than eager Bloom in bf16 (last loss 0.837 against 1.002, the e2e gate's 2% exceeded), while the
 BLOOM-560M-shaped one stayed within 1.3%. Eager Bloom rounds ``alpha * Q K^T + alibi`` to bf16 before its softmax,
 where ALiBi's terms reach ``slope * position`` (bf16's spacing is 8 at 1024-2047); the fused attention adds the same
-bf16 ALiBi to fp32 scores (SDPA). This runs the same AdamW steps on one batch from one initialisation three ways, eager
-in fp32 (the reference), eager in bf16 and ``fuse(model)`` in bf16, and prints each run's losses and its distance from
+bf16 ALiBi to fp32 scores (SDPA). This runs the same AdamW steps on one batch from one initialisation in the ways of
+``RUNS``, and prints each run's losses and its distance from
 the reference's.
 """
 
@@ -16,8 +16,17 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
+import gc
+import json
+import os
 
 import torch
+
+#: the runs, each from the same initialisation: eager Bloom in fp32 (the reference) and in bf16, ``fuse(model)`` in
+#: bf16 with its default attention (SDPA with the ALiBi bias) and with the fused masked softmax
+#: (``PIPEGOOSE_IMPL_ATTENTION=pipegoose``: bf16 scores, as eager's)
+RUNS = ("eager_fp32", "eager_bf16", "fused_bf16", "fused_softmax_bf16")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +40,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--steps", type=int, default=11)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--runs", default=",".join(RUNS),
+                    help=f"comma-separated, run in this order (default all): {', '.join(RUNS)}")
+    ap.add_argument("--out", help="also write the losses here as JSON")
     a = ap.parse_args(argv)
+    runs_asked = [r.strip() for r in a.runs.split(",") if r.strip()]
+    unknown = sorted(set(runs_asked) - set(RUNS))
+    if unknown:
+        ap.error(f"--runs: unknown {unknown}; expected some of {list(RUNS)}")
+    if "eager_fp32" not in runs_asked:
+        ap.error("--runs: eager_fp32 is the reference and must be one of the runs")
 
     import transformers
 
@@ -39,29 +57,55 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     cfg = transformers.BloomConfig(hidden_size=a.hidden, n_layer=a.layers, n_head=a.heads, vocab_size=a.vocab)
-    with torch.device(a.device):
+    with torch.device(a.device):   # initialised where it runs (fast on a GPU), kept on the CPU between runs
         base = transformers.AutoModelForCausalLM.from_config(cfg).train()
+    base = base.cpu()
     ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(1)).to(a.device)
 
-    def run(model) -> list[float]:
+    def run(name: str) -> list[float] | str:
+        model = copy.deepcopy(base).to(a.device, torch.float32 if name == "eager_fp32" else torch.bfloat16)
+        if name.startswith("fused"):
+            fuse(model)
+        env = {"fused_softmax_bf16": "pipegoose"}.get(name)
+        before = os.environ.get("PIPEGOOSE_IMPL_ATTENTION")
+        if env:
+            os.environ["PIPEGOOSE_IMPL_ATTENTION"] = env
         opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
-        losses = []
-        for _ in range(a.steps):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
+        losses: list[float] = []
+        try:
+            for _ in range(a.steps):
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(float(loss.detach()))
+        except torch.OutOfMemoryError:
+            return f"out of memory after {len(losses)} steps"
+        finally:
+            if env:
+                if before is None:
+                    os.environ.pop("PIPEGOOSE_IMPL_ATTENTION")
+                else:
+                    os.environ["PIPEGOOSE_IMPL_ATTENTION"] = before
+            del model, opt
+            gc.collect()
+            if a.device.startswith("cuda"):
+                torch.cuda.empty_cache()
         return losses
 
-    fused = copy.deepcopy(base).bfloat16()
-    fuse(fused)
-    runs = {"eager fp32": run(copy.deepcopy(base)), "eager bf16": run(copy.deepcopy(base).bfloat16()),
-            "fused bf16": run(fused)}
-    ref = runs["eager fp32"]
+    runs = {name: run(name) for name in runs_asked}
+    ref = runs["eager_fp32"]
     for name, losses in runs.items():
+        if isinstance(losses, str) or isinstance(ref, str):
+            print(f"{name:18s} {losses if isinstance(losses, str) else ' '.join(f'{x:.4f}' for x in losses)}")
+            continue
         gap = max(abs(x - r) for x, r in zip(losses, ref))
-        print(f"{name:11s} " + " ".join(f"{x:.4f}" for x in losses) + f"   max |loss - fp32's| {gap:.4f}")
+        print(f"{name:18s} " + " ".join(f"{x:.4f}" for x in losses) + f"   max |loss - fp32's| {gap:.4f}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"args": vars(a), "torch": torch.__version__, "transformers": transformers.__version__,
+                       "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
+                       "date": datetime.date.today().isoformat(), "losses": runs}, f, indent=1)
     return 0
 
 
