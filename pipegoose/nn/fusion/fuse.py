@@ -1247,8 +1247,10 @@ def _bloom_attention_impls(module: nn.Module) -> tuple[str, str]:
     """The report's implementation columns of a Bloom attention module (``FusedBloomAttention``): ``sdpa @128`` where
     it runs SDPA for the probe's scores (on CUDA as :func:`_attention_impls` says; off CUDA unless the variables ask
     for the softmax path), else the softmax op's choice."""
+    from .transformers import attention as attn
+
     p = _first_param(module)
-    if p is not None and p.device.type != "meta" and _bloom.runs_sdpa(p.device, p.dtype, _PROBE_SEQ):
+    if p is not None and p.device.type != "meta" and attn.bias_runs_sdpa(p.device, p.dtype, _PROBE_SEQ):
         return f"sdpa @{_PROBE_SEQ}", f"sdpa @{_PROBE_SEQ}"
     return _attention_impls(module, "pipegoose")
 

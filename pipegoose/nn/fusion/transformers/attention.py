@@ -511,6 +511,68 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     return out, probs
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# Attention with a bias of the model's own (ALiBi: Bloom's and MPT's modules, replaced by ours)
+# --------------------------------------------------------------------------------------------------------------------
+def same_per_sequence(t: torch.Tensor) -> bool:
+    """Whether ``t`` ([b, ...]) holds the same values for every index of its first dimension (one sync), so that a
+    bias built from it may keep batch 1."""
+    return t.shape[0] == 1 or t.stride(0) == 0 or torch.equal(t, t[:1].expand_as(t))
+
+
+def _off_cuda_sdpa(device: torch.device, dtype: torch.dtype, key_len: int) -> bool:
+    """Whether, off CUDA, :func:`bias_attention_forward` runs SDPA rather than the softmax's reference path: unless
+    ``PIPEGOOSE_SMALL_NUMEL=0`` or ``PIPEGOOSE_IMPL_ATTENTION=pipegoose``."""
+    return dispatch.small_numel() != 0 and not _ours_asked_for(device, dtype, key_len)
+
+
+def bias_runs_sdpa(device: torch.device, dtype: torch.dtype, key_len: int) -> bool:
+    """Whether :func:`bias_attention_forward` runs SDPA for scores of at least ``PIPEGOOSE_SMALL_NUMEL`` elements on
+    ``device`` in ``dtype`` at this key length, attention weights not asked for (the report's column): on CUDA as
+    :func:`runs_sdpa` says, off CUDA (and in dtypes no kernel of ours takes) unless the variables ask for the softmax
+    path."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return _off_cuda_sdpa(device, dtype, key_len)
+    return runs_sdpa(device, dtype, key_len)
+
+
+_OFF_CUDA_SDPA = dispatch.Choice(
+    "attention", "sdpa", "builtin", False, {},
+    "off CUDA no kernel of ours runs: SDPA with the model's bias (ALiBi), faster there than the softmax's reference "
+    "path (PIPEGOOSE_SMALL_NUMEL=0 or PIPEGOOSE_IMPL_ATTENTION=pipegoose: the softmax path)")
+
+
+def bias_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           bias: torch.Tensor | None, *, scaling: float, dropout: float = 0.0,
+                           output_attentions: bool = False):
+    """The attention of a module that replaces a model's own ALiBi attention (``FusedBloomAttention``,
+    ``FusedMptAttention``): ``softmax(scaling * Q K^T + bias) V`` by :func:`pipegoose_attention_forward` with
+    ``bias`` as its float mask (not causal: the bias masks), and off CUDA, where no kernel of ours runs, SDPA with the
+    bias (counted as op ``attention``, impl ``sdpa``, a builtin choice: strict mode lets it run; the softmax's
+    reference path made a CPU forward of Bloom 2.3x slower than eager's) unless ``PIPEGOOSE_SMALL_NUMEL=0``,
+    ``PIPEGOOSE_IMPL_ATTENTION=pipegoose`` or ``output_attentions`` ask for the softmax path.
+
+    Args:
+        module: the calling module (``training`` read: ``dropout`` applies in training only).
+        query, key, value: ``[b, h, sq or sk, d]``, one dtype (fp32, fp16, bf16; any off CUDA).
+        bias: ``[1 or b, h, sq, sk]`` float in the query's dtype (keys at or below half its minimum are masked), or
+            None.
+        scaling: the factor of ``Q K^T``; dropout: the probabilities' dropout in training.
+        output_attentions: the weights asked for: the softmax path, which returns them.
+    Returns:
+        ``(output [b, sq, h, d] contiguous, weights [b, h, sq, sk] or None)``: None on the SDPA paths.
+    Raises:
+        What :func:`pipegoose_attention_forward` raises (a ``PIPEGOOSE_IMPL_ATTENTION`` value it refuses).
+    """
+    sk = key.shape[2]
+    if not output_attentions and not _common.on_kernel_device(query) and _off_cuda_sdpa(query.device, query.dtype, sk):
+        if not torch.compiler.is_compiling():
+            dispatch.record(_OFF_CUDA_SDPA)   # (off CUDA: SDPA, not the softmax's reference path)
+        return _small_sdpa(module, query, key, value, bias, scaling, dropout, False)
+    return pipegoose_attention_forward(module, query, key, value, bias, scaling=scaling, dropout=dropout,
+                                       is_causal=False, output_attentions=output_attentions)
+
+
 def _head_mask_for(head_mask: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """``head_mask`` as a factor of ``probs`` [b, h, sq, sk]: a 1-D mask is one value per head ([h] -> [1, h, 1, 1];
     multiplied as it stood, it scaled key columns instead, silently where h == sk); any other must broadcast to

@@ -55,7 +55,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import dispatch
 from . import attention as _attention
 from .matching import probe_isolated
 
@@ -272,11 +271,6 @@ def alibi_bias(alibi: torch.Tensor, attention_mask: torch.Tensor | None, *, batc
     return bias
 
 
-def _same_per_sequence(t: torch.Tensor) -> bool:
-    """Whether ``t`` ([b, ...]) holds the same values for every index of its first dimension (one sync)."""
-    return t.shape[0] == 1 or t.stride(0) == 0 or torch.equal(t, t[:1].expand_as(t))
-
-
 def _combine(alibi, mask, batch, heads, beta, dedupe):
     """:func:`alibi_bias`'s sum of ``beta * alibi`` and the fitted ``mask`` (uncached); ``dedupe``: batch 1 where
     every sequence has the same bias."""
@@ -285,30 +279,11 @@ def _combine(alibi, mask, batch, heads, beta, dedupe):
         a = a * beta
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros((), dtype=alibi.dtype, device=mask.device).masked_fill(~mask, torch.finfo(alibi.dtype).min)
-    if dedupe and batch > 1 and _same_per_sequence(a) and (mask is None or _same_per_sequence(mask)):
+    same = _attention.same_per_sequence
+    if dedupe and batch > 1 and same(a) and (mask is None or same(mask)):
         a = a[:1]
         mask = None if mask is None else mask[:1]
     return a if mask is None else a + mask
-
-
-def _off_cuda_sdpa(device: torch.device, dtype: torch.dtype, key_len: int) -> bool:
-    """Whether, off CUDA, the attention runs SDPA rather than the softmax's reference path: unless
-    ``PIPEGOOSE_SMALL_NUMEL=0`` or ``PIPEGOOSE_IMPL_ATTENTION=pipegoose``."""
-    return dispatch.small_numel() != 0 and not _attention._ours_asked_for(device, dtype, key_len)
-
-
-def runs_sdpa(device: torch.device, dtype: torch.dtype, key_len: int) -> bool:
-    """Whether :class:`FusedBloomAttention` runs SDPA for scores of at least ``PIPEGOOSE_SMALL_NUMEL`` elements on
-    ``device`` in ``dtype`` at this key length, attention weights not asked for (the report's column)."""
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return _off_cuda_sdpa(device, dtype, key_len)
-    return _attention.runs_sdpa(device, dtype, key_len)
-
-
-_OFF_CUDA_SDPA = dispatch.Choice(
-    "attention", "sdpa", "builtin", False, {},
-    "off CUDA no kernel of ours runs: SDPA with the ALiBi bias, faster there than the softmax's reference path "
-    "(PIPEGOOSE_SMALL_NUMEL=0 or PIPEGOOSE_IMPL_ATTENTION=pipegoose: the softmax path)")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -394,16 +369,9 @@ class FusedBloomAttention(nn.Module):
             key, value = layer_past.update(key, value, self.layer_idx)
         sk = key.shape[2]
         bias = alibi_bias(alibi, attention_mask, batch=b, heads=h, query_len=sq, key_len=sk, beta=self.beta)
-        dropout = self.attention_dropout.p
-        off_cuda = not _attention._common.on_kernel_device(query)
-        if not output_attentions and off_cuda and _off_cuda_sdpa(query.device, query.dtype, sk):
-            if not torch.compiler.is_compiling():
-                dispatch.record(_OFF_CUDA_SDPA)   # (off CUDA: SDPA, not the softmax's reference path)
-            out, weights = _attention._small_sdpa(self, query, key, value, bias, self.inv_norm_factor, dropout, False)
-        else:
-            out, weights = _attention.pipegoose_attention_forward(
-                self, query, key, value, bias, scaling=self.inv_norm_factor, dropout=dropout, is_causal=False,
-                output_attentions=output_attentions)
+        out, weights = _attention.bias_attention_forward(
+            self, query, key, value, bias, scaling=self.inv_norm_factor, dropout=self.attention_dropout.p,
+            output_attentions=output_attentions)
         output = self.dense(out.reshape(b, sq, h * d))
         return F.dropout(output, p=self.hidden_dropout, training=self.training) + residual, weights
 
