@@ -17,6 +17,7 @@ from .modules import (AttnMaskType, FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedGE
                       MixedFusedLayerNorm)
 from .optim import FusedAdam, clip_grad_norm_
 from .transformers.bloom import FusedBloomAttention
+from .transformers.mpt import FusedMptAttention
 
 __all__ = [
     "dispatch",
@@ -53,6 +54,7 @@ __all__ = [
     "FusedT5DenseGatedActDense",
     "FusedLinearCrossEntropyLoss",
     "FusedBloomAttention",
+    "FusedMptAttention",
     "FusedAdam",
     "clip_grad_norm_",
     "fuse",

@@ -156,6 +156,7 @@ from .transformers import experts as _experts
 from .transformers import lm_head as _lm_head
 from .transformers import loss as _loss
 from .transformers import matching
+from .transformers import mpt as _mpt
 from .transformers import rope as _rope
 
 OPS = ("layer_norm", "rms_norm", "swiglu", "geglu", "gelu", "squared_relu", "rope", "cross_entropy", "attention",
@@ -170,6 +171,35 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_a
                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
                "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 _HOOK_FLAGS = ("_is_full_backward_hook",)
+
+
+@dataclass(frozen=True)
+class _OwnAttention:
+    """A model's attention module that does not go through transformers' AttentionInterface and that fuse replaces
+    by a module of ours (Bloom's, MPT's: ALiBi): how it is found (``candidate``, by class name), probed, built
+    (``fused.from_module``), which attributes fuse carries over (``carried``), the words of its row and its name in
+    the bare-model row (``owner``)."""
+
+    candidate: Callable[[nn.Module], bool]
+    probe: Callable[[nn.Module], Any]
+    fused: type
+    carried: tuple
+    words: str
+    owner: str
+
+
+_OWN_ATTENTIONS = (
+    _OwnAttention(_bloom.candidate, _bloom.probe_bloom_attention, _bloom.FusedBloomAttention, _bloom.CARRIED,
+                  "ALiBi and the mask as one bias", "Bloom's"),
+    _OwnAttention(_mpt.candidate, _mpt.probe_mpt_attention, _mpt.FusedMptAttention, _mpt.CARRIED,
+                  "ALiBi (query-relative) and the mask as one bias", "MPT's"),
+)
+_OWN_FUSED = tuple(a.fused for a in _OWN_ATTENTIONS)
+
+
+def _own_attention(module: nn.Module) -> _OwnAttention | None:
+    """The :class:`_OwnAttention` whose candidate ``module`` is, or None."""
+    return next((a for a in _OWN_ATTENTIONS if a.candidate(module)), None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -428,6 +458,8 @@ class _Fusion:
     loss_swaps: list = field(default_factory=list)       # (weakref to model, the loss function set on it)
     head_swaps: list = field(default_factory=list)       # (weakref to model, lm_head.install's hook handles)
     rope_hooks: list = field(default_factory=list)       # (weakref to attention module, transformers.rope.Installed)
+    # the handles of the hooks that tell a FusedMptAttention its block's output_attentions (transformers.mpt)
+    weight_hooks: list = field(default_factory=list)
     # (weakref to a MoE experts module, weakref to the transformers.experts.FusedExpertsGate set on it)
     experts_gates: list = field(default_factory=list)
     # (weakref to module, old_config, new_config, new_config's attributes as fuse() left them): one new_config per
@@ -697,13 +729,14 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                     if not dry_run:
                         parent._modules[name] = replaced[id(child)]
                         state.swaps.append((weakref.ref(parent), name, weakref.ref(replaced[id(child)])))
+                        _watch_output_attentions(parent, replaced[id(child)], state)
                     continue
                 if id(child) in seen or id(child) in internal:
                     continue
                 seen.add(id(child))
                 if isinstance(child, fused_types):  # put there before this call
                     kind = ("rms_norm" if isinstance(child, FusedRMSNorm) else
-                            "attention" if isinstance(child, _bloom.FusedBloomAttention) else
+                            "attention" if isinstance(child, _OWN_FUSED) else
                             _fused_activation_kind(child) if isinstance(child, (FusedGELU, FusedSquaredReLU)) else
                             "swiglu" if isinstance(child, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP)) else
                             "geglu" if isinstance(child, FusedGeGLUMLP) else
@@ -732,12 +765,13 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                             report.not_requested[act_kind] = report.not_requested.get(act_kind, 0) + 1
                         continue
                     row, new = _consider_activation(act_kind, child, path, dry_run, like)
-                elif _bloom.candidate(child):
+                elif _own_attention(child) is not None:
+                    own = _own_attention(child)
                     if "attention" not in ops:
-                        if _bloom.probe_bloom_attention(child).ok:
+                        if own.probe(child).ok:
                             report.not_requested["attention"] = report.not_requested.get("attention", 0) + 1
                         continue
-                    row, new = _consider_bloom_attention(child, path, attention, dry_run)
+                    row, new = _consider_own_attention(own, child, parent, path, attention, dry_run)
                 else:
                     row, new = _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like)
                     if row is not None and row.fused and row.kind in ("swiglu", "geglu"):
@@ -774,6 +808,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                     replaced[id(child)] = new
                     parent._modules[name] = new
                     state.swaps.append((weakref.ref(parent), name, weakref.ref(new)))
+                    _watch_output_attentions(parent, new, state)
 
         if _experts.candidate(model):   # the model itself a MoE experts module: its gate is set on it as on any
             row = _consider_experts(model, model, "", ops, dry_run, state, held)
@@ -804,10 +839,11 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
         _undo(state)
         raise
 
-    if "attention" in ops and _bloom.candidate(model):
+    own = _own_attention(model) if "attention" in ops else None
+    if own is not None:
         report.rows.append(FusionRow("", "attention", type(model).__name__, None, False, reason=(
-            "the model itself is Bloom's attention: fuse() replaces submodules in their parent; use "
-            "FusedBloomAttention.from_module(model) instead, or fuse a module that holds it")))
+            f"the model itself is {own.owner} attention: fuse() replaces submodules in their parent; use "
+            f"{own.fused.__name__}.from_module(model) instead, or fuse a module that holds it")))
     kind = _bare_norm_kind(model) if not isinstance(model, fused_types) else None
     if kind in ops:
         # fuse() replaces submodules in their parents; the model itself has none to be replaced in
@@ -818,7 +854,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     order = {p: i for i, (p, _) in enumerate(model.named_modules(remove_duplicate=False))}
     report.rows.sort(key=lambda r: order.get(r.path, len(order)))
     if not dry_run and (state.swaps or state.config_swaps or state.loss_swaps or state.rope_hooks or state.head_swaps
-                        or state.experts_gates
+                        or state.experts_gates or state.weight_hooks
                         or any(r.fused and id(r) not in held for r in report.rows)):
         _STATE[model] = state  # a call that fused nothing leaves no record: fuse() may be called again
     return report
@@ -855,8 +891,8 @@ def _fused_impls(module: nn.Module, like: torch.Tensor | None = None) -> tuple[s
     from .modules import (FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedModernBertMLP, FusedRMSNorm, FusedSwiGLUMLP,
                           FusedT5DenseGatedActDense)
 
-    if isinstance(module, _bloom.FusedBloomAttention):
-        return _bloom_attention_impls(module)
+    if isinstance(module, _OWN_FUSED):
+        return _own_attention_impls(module)
     impl = getattr(module, "impl", None)   # a request made on the module (FusedRMSNorm(impl="torch"), say)
     act_kind = _fused_activation_kind(module)
     if act_kind is not None:
@@ -1216,37 +1252,55 @@ def _consider_activation(kind: str, child: nn.Module, path: str, dry_run: bool, 
                      f"{probe.reason}; {act.words.format(a=probe.approximate)}" + _small_note(child, like)), new
 
 
-def _consider_bloom_attention(child: nn.Module, path: str, attention: str, dry_run: bool):
-    """(row, replacement or None) for a Bloom attention module (:func:`_bloom.candidate`; ``attention`` in ``ops``):
-    ``FusedBloomAttention`` where its probe passes and ``attention`` is not ``"keep"``, a skipped row with the reason
-    where not."""
+def _consider_own_attention(own: _OwnAttention, child: nn.Module, parent: nn.Module, path: str, attention: str,
+                            dry_run: bool):
+    """(row, replacement or None) for an attention module fuse replaces by one of ours (``own``: Bloom's, MPT's;
+    ``attention`` in ``ops``): ``own.fused`` where its probe passes and ``attention`` is not ``"keep"``, a skipped row
+    with the reason where not. ``parent``: the module holding it (MPT's: whether its forward takes
+    ``output_attentions``, which the hooks of :func:`_watch_output_attentions` tell the fused module)."""
     name = type(child).__name__
     if attention == "keep":
         return FusionRow(path, "attention", name, None, False, reason="attention='keep'", eligible=False), None
-    probe = _bloom.probe_bloom_attention(child)
+    probe = own.probe(child)
     if not probe.ok:
         return FusionRow(path, "attention", name, None, False, reason=probe.reason, eligible=False), None
     why = _instance_override(child)
     if why is not None:
         return FusionRow(path, "attention", name, None, False, reason=why), None
-    new = None if dry_run else _build(path, child, _bloom.FusedBloomAttention.from_module, child, verify=False)
+    new = None if dry_run else _build(path, child, own.fused.from_module, child, verify=False)
     if new is not None:
-        # Bloom's attributes, the same objects, carried by the caller (_carry_attrs) rather than held as the new
-        # module's own, so that unfuse hands what was changed on the fused module back (a review: hidden_dropout set
-        # while fused was lost)
-        for key in _bloom.CARRIED:
+        # the module's attributes, the same objects, carried by the caller (_carry_attrs) rather than held as the new
+        # module's own, so that unfuse hands what was changed on the fused module back (a review: Bloom's
+        # hidden_dropout set while fused was lost)
+        for key in own.carried:
             del new.__dict__[key]
-    fwd, bwd = _bloom_attention_impls(child)
-    return FusionRow(path, "attention", name, "FusedBloomAttention", True, fwd, bwd,
-                     f"{probe.reason}: ALiBi and the mask as one bias (once per forward pass), on pipegoose "
-                     "attention: SDPA with that bias (no scores materialised; off CUDA too), the fused masked softmax "
-                     "where the tuning table or PIPEGOOSE_IMPL_ATTENTION asks; fully masked rows give zeros"), new
+    fwd, bwd = _own_attention_impls(child)
+    weights = ""
+    if own.fused is _mpt.FusedMptAttention:
+        weights = ("; the weights of output_attentions=True through hooks on the module holding it" if
+                   _mpt.takes_output_attentions(parent) else
+                   f"; {type(parent).__name__}'s forward takes no output_attentions: the weights only where the "
+                   "softmax path runs")
+    return FusionRow(path, "attention", name, own.fused.__name__, True, fwd, bwd,
+                     f"{probe.reason}: {own.words} (once per forward pass), on pipegoose attention: SDPA with that "
+                     "bias (no scores materialised; off CUDA too), the fused masked softmax where the tuning table or "
+                     f"PIPEGOOSE_IMPL_ATTENTION asks; fully masked rows give zeros{weights}"), new
 
 
-def _bloom_attention_impls(module: nn.Module) -> tuple[str, str]:
-    """The report's implementation columns of a Bloom attention module (``FusedBloomAttention``): ``sdpa @128`` where
-    it runs SDPA for the probe's scores (on CUDA as :func:`_attention_impls` says; off CUDA unless the variables ask
-    for the softmax path), else the softmax op's choice."""
+def _watch_output_attentions(parent: nn.Module, new: nn.Module, state: "_Fusion") -> None:
+    """For a ``FusedMptAttention`` put in ``parent``: the hooks that tell it each call's ``output_attentions``
+    (``transformers.mpt.watch_output_attentions``: ``MptBlock`` does not pass it on), their handles kept for
+    :func:`_undo`."""
+    if isinstance(new, _mpt.FusedMptAttention):
+        handles = _mpt.watch_output_attentions(parent)
+        if handles is not None:
+            state.weight_hooks.append(handles)
+
+
+def _own_attention_impls(module: nn.Module) -> tuple[str, str]:
+    """The report's implementation columns of an attention module fuse replaces by one of ours (Bloom's, MPT's):
+    ``sdpa @128`` where it runs SDPA for the probe's scores (on CUDA as :func:`_attention_impls` says; off CUDA unless
+    the variables ask for the softmax path), else the softmax op's choice."""
     from .transformers import attention as attn
 
     p = _first_param(module)
@@ -1804,10 +1858,9 @@ def _attention_owners(model: nn.Module):
     found inside wrappers, was fused.)"""
     def attention_modules(root, root_path):
         # (root itself too: fuse() of one attention module swapped its config and reported nothing; a review)
-        # (Bloom's are replaced as modules, by the main loop: no config of theirs is swapped)
+        # (Bloom's and MPT's are replaced as modules, by the main loop: no config of theirs is swapped)
         return [(f"{root_path}.{p}" if root_path and p else root_path or p, m) for p, m in root.named_modules()
-                if matching.is_attention_module(m) and not _bloom.candidate(m)
-                and not isinstance(m, _bloom.FusedBloomAttention)]
+                if matching.is_attention_module(m) and _own_attention(m) is None and not isinstance(m, _OWN_FUSED)]
 
     config = getattr(model, "config", None)
     if matching.is_config(config):
@@ -2045,6 +2098,9 @@ def _undo(state: _Fusion) -> list[str]:
             problems.append(f"{type(module).__name__}.config was replaced after fuse()")
     for module_ref, rec in reversed(state.rope_hooks):
         _rope.uninstall(module_ref(), rec)
+    for handles in reversed(state.weight_hooks):
+        for h in handles:
+            h.remove()
     for module_ref, gate_ref, path in reversed(state.experts_gates):
         module = module_ref()
         if not _experts.uninstall(module, gate_ref()):
@@ -2082,6 +2138,7 @@ def _undo(state: _Fusion) -> list[str]:
     state.loss_swaps.clear()
     state.head_swaps.clear()
     state.rope_hooks.clear()
+    state.weight_hooks.clear()
     state.experts_gates.clear()
     return problems
 
@@ -2147,8 +2204,7 @@ def _fused_module_types() -> tuple[type, ...]:
     from . import modules as m
 
     return (m.MixedFusedLayerNorm, m.FusedRMSNorm, m.FusedSwiGLUMLP, m.FusedGateUpSwiGLUMLP, m.FusedGeGLUMLP,
-            m.FusedT5DenseGatedActDense, m.FusedModernBertMLP, m.FusedGELU, m.FusedSquaredReLU,
-            _bloom.FusedBloomAttention)
+            m.FusedT5DenseGatedActDense, m.FusedModernBertMLP, m.FusedGELU, m.FusedSquaredReLU, *_OWN_FUSED)
 
 
 def _fused_parts(model: nn.Module) -> list[nn.Module]:

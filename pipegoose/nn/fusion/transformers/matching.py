@@ -77,6 +77,9 @@ ATTENTION_SKIP_REASONS = {
     "bloom": ("BloomAttention adds ALiBi with baddbmm and takes its softmax inline, not through transformers' "
               "AttentionInterface: the config is left as it is; each module has a row of kind attention of its own "
               "(FusedBloomAttention where fuse finds Bloom's formula)"),
+    "mpt": ("MptAttention adds ALiBi and takes its softmax inline, not through transformers' AttentionInterface: the "
+            "config is left as it is; each module has a row of kind attention of its own (FusedMptAttention where "
+            "fuse finds MPT's formula)"),
 }
 
 EPS_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon")
