@@ -1,4 +1,5 @@
-"""Tiny transformers models (hidden 32, 2 layers) of the six architectures fuse() knows, and their inputs."""
+"""Tiny transformers models (hidden 32, 2 layers) of the six architectures fuse() knows (``ARCHS``; and MPT's, whose
+ALiBi attention has tests of its own: ``config("mpt")``), and their inputs."""
 
 from __future__ import annotations
 
@@ -41,6 +42,11 @@ def config(arch: str, attn: str = "eager", hidden: int = 32, layers: int = 2, he
     elif arch == "bloom":
         cfg = tr.BloomConfig(hidden_size=hidden, n_layer=layers, n_head=heads, attention_dropout=dropout,
                              hidden_dropout=dropout, **common)
+    elif arch == "mpt":   # (ALiBi over 64 positions; eager attention only, as Bloom)
+        cfg = tr.MptConfig(d_model=hidden, n_layers=layers, n_heads=heads, expansion_ratio=2, max_seq_len=64,
+                           **common)
+        # (transformers 5.25's strict config types attn_pdrop as an int: a float is set past its check)
+        object.__setattr__(cfg.attn_config, "attn_pdrop", dropout)
     else:
         raise ValueError(arch)
     for k, v in extra.items():

@@ -1116,6 +1116,9 @@ def test_kinds_left_out_of_ops_are_counted_in_the_report(monkeypatch):
     # it was not counted), and its MLPs' BloomGelu (op gelu, since session 72) are counted as left out
     bloom = models.build("bloom", "eager")
     assert fuse(bloom, ops=["layer_norm"], dry_run=True).not_requested == {"attention": 2, "gelu": 2}
+    # and MPT's (FusedMptAttention), with its torch.nn.GELU
+    mpt = models.build("mpt", "eager")
+    assert fuse(mpt, ops=["layer_norm"], dry_run=True).not_requested == {"attention": 2, "gelu": 2}
 
 
 def test_argument_types_of_the_state_functions():
@@ -2238,7 +2241,8 @@ def _family(name: str) -> nn.Module:
     return models.build(name, "eager", layers=1)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "gpt_neox", "bert", "t5", "opt", "bloom", "gemma"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "gpt_neox", "bert", "t5", "opt", "bloom", "mpt",
+                                    "gemma"])
 def test_fuse_unfuse_and_the_report_leave_the_random_state_alone(family):
     """A review: the SwiGLU probe built its nn.Linear stand-ins with their default initialisation, which drew from the
     global generator, so fuse() of any Llama-style model changed torch's random state, with ops that have nothing to
