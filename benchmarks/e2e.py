@@ -81,6 +81,12 @@ Models (random init from a config, no weights downloaded):
   ``FusedBloomAttention`` (ALiBi and the mask as one bias on our attention function), LayerNorms, ``gelu``, the loss.
   Not in ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
 * ``bloom_1b7``: BLOOM-1B7's shape (``bloom``'s with hidden 2048: 16 heads of 128), ~1.72B params, batch 2.
+* ``mpt``: MPT-7B's layer (``MptForCausalLM``: ALiBi over ``max_seq_len`` 2048 positions, MLP of 4 x hidden with
+  ``torch.nn.GELU``, LayerNorms without bias, no biases, vocab 50432, tied) at this project's size: hidden 2048, 24
+  layers, 16 heads of 128, ~1.31B params, batch 2. transformers has no SDPA path for MPT: every variant loads it with
+  eager attention (the ``sdpa`` row is that baseline). Once fused: its attention ``FusedMptAttention`` (ALiBi,
+  query-relative, and the mask as one bias on our attention function), LayerNorms, ``gelu``, the loss. Not in
+  ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
 
 Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
 (``pipegoose.nn.fusion.fuse(model)`` on that model), ``fuse_sdpa_adam`` (``fuse_sdpa`` with
@@ -203,12 +209,15 @@ MODELS = {
     "bloom_1b7": dict(arch="bloom", batch=2, attn="eager", config=dict(hidden_size=2048, n_layer=24, n_head=16,
                                                                         vocab_size=250880, bos_token_id=1,
                                                                         eos_token_id=2, pad_token_id=3)),
+    # (ALiBi attention, FusedMptAttention; eager only in transformers, as Bloom's)
+    "mpt": dict(arch="mpt", batch=2, attn="eager", config=dict(d_model=2048, n_heads=16, n_layers=24, expansion_ratio=4,
+                                                                max_seq_len=2048, vocab_size=50432)),
 }
 CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config", "phi3": "Phi3Config",
            "gemma": "GemmaConfig", "qwen3_moe": "Qwen3MoeConfig", "gemma4_text": "Gemma4TextConfig",
            "olmo": "OlmoConfig", "cohere": "CohereConfig", "glm4": "Glm4Config", "gpt2": "GPT2Config",
            "phi": "PhiConfig", "modernbert-decoder": "ModernBertDecoderConfig", "arcee": "ArceeConfig",
-           "nemotron": "NemotronConfig", "bloom": "BloomConfig"}
+           "nemotron": "NemotronConfig", "bloom": "BloomConfig", "mpt": "MptConfig"}
 VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_model_rope",
             "compile_sdpa", "liger_rmsnorm", "liger")
 # What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the
@@ -231,7 +240,7 @@ def _worker(model_name: str, variant: str, batch: int, seq: int, warmup: int, st
     if variant.startswith("liger") and importlib.util.find_spec("liger_kernel") is None:
         return {**res, "status": "unavailable", "detail": "liger_kernel is not importable"}
     cfg = getattr(transformers, CONFIGS[spec["arch"]])(**spec["config"])
-    # (a model whose only attention in transformers is eager, Bloom's: every variant loads it so)
+    # (a model whose only attention in transformers is eager, Bloom's, MPT's: every variant loads it so)
     attn = spec.get("attn") or ("eager" if variant in ("eager", "fuse_eager") else "sdpa")
     res["attn_implementation"] = attn
     torch.manual_seed(0)

@@ -60,7 +60,7 @@ def test_every_model_builds_its_config_and_a_tiny_copy_trains_a_step_on_the_cpu(
     tiny = _tiny(name)
     assert tiny.num_hidden_layers <= 2 and tiny.hidden_size <= 64, (tiny.num_hidden_layers, tiny.hidden_size)
     torch.manual_seed(0)
-    # (the attention the benchmark loads: SDPA, or eager for a model that has no other, Bloom)
+    # (the attention the benchmark loads: SDPA, or eager for a model that has no other, Bloom's, MPT's)
     model = transformers.AutoModelForCausalLM.from_config(tiny, attn_implementation=spec.get("attn", "sdpa")).train()
     ids = torch.randint(0, tiny.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     loss = model(input_ids=ids, labels=ids).loss
@@ -137,6 +137,36 @@ def test_qwen3_moe_is_qwen3_30b_a3bs_layer_shape_with_4_of_its_48_layers_and_fus
     rows = [r for r in report.rows if r.path.endswith("mlp.experts")]
     assert len(rows) == 2 and all(r.fused and r.replacement == "FusedExpertsGate" for r in rows)
     assert torch.equal(model(input_ids=ids, labels=ids).loss, want_loss)
+
+
+def test_mpt_is_mpt_7bs_layer_at_hidden_2048_and_fuse_replaces_its_attention():
+    """hidden 2048, 24 layers, 16 heads of 128, MLP 4 x hidden, ALiBi over 2048 positions, no biases, vocab 50432
+    (tied): ~1.31B parameters, counted on the meta device; eager attention (transformers has no other for MPT); fuse()
+    replaces a tiny copy's attention by FusedMptAttention, with the unfused step's loss."""
+    from pipegoose.nn.fusion import FusedMptAttention, fuse
+
+    spec = e2e.MODELS["mpt"]
+    assert spec["arch"] == "mpt" and spec["batch"] == 2 and spec["attn"] == "eager"
+    assert e2e.CONFIGS["mpt"] == "MptConfig"
+    cfg = _config("mpt")
+    assert (cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.expansion_ratio, cfg.max_seq_len) == (2048, 16, 24, 4, 2048)
+    assert cfg.vocab_size == 50432 and cfg.tie_word_embeddings and cfg.no_bias
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    h = 2048
+    want = 50432 * h + 24 * (12 * h * h + 2 * h) + h   # tied embedding, Wqkv + out_proj + MLP, LayerNorm weights
+    got = sum(p.numel() for p in model.parameters())
+    assert got == want and 1.3e9 < got < 1.32e9
+    tiny = _tiny("mpt")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny, attn_implementation="eager").train()
+    ids = torch.randint(0, tiny.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    want_loss = model(input_ids=ids, labels=ids).loss
+    report = fuse(model)
+    rows = [r for r in report.rows if r.kind == "attention"]
+    assert len(rows) == 2 and all(r.fused and r.replacement == "FusedMptAttention" for r in rows)
+    assert isinstance(model.transformer.blocks[0].attn, FusedMptAttention)
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, want_loss, atol=1e-5, rtol=1e-5)
 
 
 def test_gemma_is_liger_patched_and_not_a_default_model():

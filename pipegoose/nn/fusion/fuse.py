@@ -103,7 +103,13 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   Bloom's formula (``transformers.bloom.probe_bloom_attention``) -> ``FusedBloomAttention`` (the same projection and
   dropout modules; ALiBi and the mask as one bias, built once per forward pass, on our attention function: SDPA with
   the bias, on CUDA and off it, the fused masked softmax where the tuning table or ``PIPEGOOSE_IMPL_ATTENTION`` asks
-  and for attention weights), kind ``attention`` (since session 74); ``attention="keep"`` leaves it.
+  and for attention weights), kind ``attention`` (since session 74); ``attention="keep"`` leaves it;
+* MPT's attention (``MptAttention``: ALiBi, eager only in transformers too), whose class's forward computes MPT's
+  formula (``transformers.mpt.probe_mpt_attention``) -> ``FusedMptAttention`` (the same ``Wqkv`` and ``out_proj``;
+  ALiBi, query-relative, and the mask as one bias, once per forward pass, on the same paths as Bloom's), kind
+  ``attention``; ``attention="keep"`` leaves it. ``MptBlock`` does not pass ``output_attentions`` to its attention:
+  the module holding each fused one (where its forward takes ``output_attentions``) gets two hooks that tell it
+  (``transformers.mpt.watch_output_attentions``), removed by ``unfuse``.
 
 Rows of what another ``fuse()`` call fused (of a part of the model, of a model or wrapper holding it) are reported as
 held: fused, naming that call, whatever ``ops`` says; this call leaves them as they are and records nothing for them.
@@ -655,9 +661,9 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
             tuning table, op ``"attention"``, names ``pipegoose`` for its dtype, and then ours is used per call
             where the table says so; flash/flex attention is kept), ``"pipegoose"`` (ours whatever the model ran)
             or ``"keep"`` (do not touch attention); any case. Either way ours replaces only the attention of model
-            types verified with it (``transformers.matching.ATTENTION_MODEL_TYPES``) and Bloom's (eager only in
-            transformers: ``FusedBloomAttention`` under ``"auto"`` and ``"pipegoose"``); the others' attention is
-            reported as skipped, with that reason (Qwen3's, for one).
+            types verified with it (``transformers.matching.ATTENTION_MODEL_TYPES``), Bloom's and MPT's (eager only
+            in transformers: ``FusedBloomAttention``, ``FusedMptAttention`` under ``"auto"`` and ``"pipegoose"``);
+            the others' attention is reported as skipped, with that reason (Qwen3's, for one).
     Under ``torch.compile`` the replacements emit the PyTorch ops while the compiler traces them (one graph; the
     compiler fuses those ops itself; ``dispatch.compile_passthrough``); the fused kernels run in eager mode.
     torch's random state (the CPU generator's, and the CUDA devices') is left as it was, a dry run included: the
