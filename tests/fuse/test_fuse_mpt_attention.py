@@ -6,7 +6,6 @@ on a GPU."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import pickle
@@ -17,11 +16,10 @@ import torch.nn.functional as F
 
 from pipegoose.nn.fusion import FusedMptAttention, dispatch
 from pipegoose.nn.fusion.fuse import fuse, unfuse
-from pipegoose.nn.fusion.ops import _common
 from pipegoose.nn.fusion.transformers import mpt
 from tolerances import tol
 
-from . import models
+from . import alibi_checks, models
 
 MptAttention = models.transformers_attr("mpt", "modeling", "MptAttention")
 build_mpt_alibi_tensor = models.transformers_attr("mpt", "modeling", "build_mpt_alibi_tensor")
@@ -71,47 +69,20 @@ def _reference(att, hidden, position_bias, masked):
     return F.linear(ctx, att.out_proj.weight.double()), probs
 
 
-def _pretend_cuda(monkeypatch):
-    """The SDPA path of pipegoose attention (CUDA only) on the CPU: scores above PIPEGOOSE_SMALL_NUMEL run SDPA."""
-    monkeypatch.setattr(_common, "on_kernel_device", lambda t: True)
-    monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "1")
-
-
 # ------------------------------------------------------------------------------------------------ the module
-@pytest.mark.parametrize("path", ["softmax", "sdpa"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("left_pad", [(0, 0, 0), (0, 3, 6)], ids=["causal", "left_padded"])
+@alibi_checks.float64_cases
 def test_matches_float64_forward_and_backward(monkeypatch, path, dtype, left_pad):
     """Outputs and gradients (hidden states, both projections) against float64, on either path, MPT's ALiBi over
     more positions than keys (its last keys taken); rows without a key (left padding) give zeros; the attention
     weights only on the softmax path."""
-    if path == "sdpa":
-        _pretend_cuda(monkeypatch)
     att = _attention(dtype=dtype)
     fused = FusedMptAttention.from_module(att)
     g = torch.Generator().manual_seed(3)
-    b, s = 3, 9
-    hidden = torch.randn(b, s, 64, generator=g).to(dtype).requires_grad_()
-    position_bias = build_mpt_alibi_tensor(4, 64)
-    masked = _masked(b, s, left_pad)
-    dispatch.reset_stats()
-    out, weights = fused(hidden, position_bias, attention_mask=masked)
-    assert dispatch.stats()["attention"] == {"sdpa": 1} if path == "sdpa" else "attention" not in dispatch.stats()
-    ref, ref_probs = _reference(att, hidden, position_bias, masked)
-    assert out.dtype == dtype and out.shape == (b, s, 64)
-    torch.testing.assert_close(out.double(), ref, **tol(dtype, 4))
-    if path == "sdpa":
-        assert weights is None
-    else:
-        torch.testing.assert_close(weights.double(), ref_probs, **tol(dtype, 4))
-    go = torch.randn(out.shape, generator=g, dtype=torch.float64)
-    grads = torch.autograd.grad(out, [hidden, att.Wqkv.weight, att.out_proj.weight], go.to(dtype))
-    ref_in = hidden.detach().double().requires_grad_()
-    att64 = copy.deepcopy(att).double()
-    ref_out = _reference(att64, ref_in, position_bias, masked)[0]
-    want = torch.autograd.grad(ref_out, [ref_in, att64.Wqkv.weight, att64.out_proj.weight], go)
-    for name, a, w in zip(("hidden", "Wqkv weight", "out_proj weight"), grads, want):
-        torch.testing.assert_close(a.double(), w, **tol(dtype, 16), msg=lambda m: f"grad {name}: {m}")
+    hidden = torch.randn(3, 9, 64, generator=g).to(dtype).requires_grad_()
+    position_bias, masked = build_mpt_alibi_tensor(4, 64), _masked(3, 9, left_pad)
+    out = alibi_checks.check_float64_forward_backward(
+        monkeypatch, path, dtype, att, lambda x: fused(x, position_bias, attention_mask=masked),
+        lambda a, x: _reference(a, x, position_bias, masked), (hidden,), ("Wqkv.weight", "out_proj.weight"), g)
     if left_pad[2]:
         # row 2's first 6 queries have no key: the attention gives zeros, and out_proj (no bias) zeros too
         assert torch.equal(out[2, :6], torch.zeros_like(out[2, :6]))
@@ -210,25 +181,28 @@ def test_the_cache_argument_under_each_transformers_name():
     torch.testing.assert_close(outs[0], want, atol=1e-6, rtol=1e-5)
 
 
-def test_the_constructor_refuses_what_does_not_fit():
+_REFUSED = [   # (error, message, arguments changed)
+    (ValueError, r"n_heads: 5 heads of head_dim 16 do not make hidden_size 64", dict(n_heads=5)),
+    (ValueError, r"Wqkv: expected 64 -> 192 features, got 64 -> 64", dict(Wqkv=torch.nn.Linear(64, 64))),
+    (ValueError, r"out_proj: expected 64 input features, got 32", dict(out_proj=torch.nn.Linear(32, 64))),
+    (TypeError, r"Wqkv: expected a torch.nn.Linear, got Identity", dict(Wqkv=torch.nn.Identity())),
+    (ValueError, r"attn_dropout_p: expected a finite number in \[0, 1\], got 2.0", dict(attn_dropout_p=2.0)),
+    (ValueError, r"clip_qkv: expected a finite number in \[0, inf\], got -1.0", dict(clip_qkv=-1.0)),
+    (ValueError, r"softmax_scale: expected a finite number, got nan", dict(softmax_scale=float("nan"))),
+]
+
+
+@pytest.mark.parametrize("error,message,change", _REFUSED, ids=[str(sorted(c)) for *_, c in _REFUSED])
+def test_the_constructor_refuses_what_does_not_fit(error, message, change):
     att = _attention()
-    kw = {k: getattr(att, k) for k in mpt._CHILDREN + mpt._ATTRIBUTES}
-    with pytest.raises(ValueError, match=r"n_heads: 5 heads of head_dim 16 do not make hidden_size 64"):
-        FusedMptAttention(**{**kw, "n_heads": 5})
-    with pytest.raises(ValueError, match=r"Wqkv: expected 64 -> 192 features, got 64 -> 64"):
-        FusedMptAttention(**{**kw, "Wqkv": torch.nn.Linear(64, 64)})
-    with pytest.raises(ValueError, match=r"out_proj: expected 64 input features, got 32"):
-        FusedMptAttention(**{**kw, "out_proj": torch.nn.Linear(32, 64)})
-    with pytest.raises(TypeError, match=r"Wqkv: expected a torch.nn.Linear, got Identity"):
-        FusedMptAttention(**{**kw, "Wqkv": torch.nn.Identity()})
-    with pytest.raises(ValueError, match=r"attn_dropout_p: expected a finite number in \[0, 1\], got 2.0"):
-        FusedMptAttention(**{**kw, "attn_dropout_p": 2.0})
-    with pytest.raises(ValueError, match=r"clip_qkv: expected a finite number in \[0, inf\], got -1.0"):
-        FusedMptAttention(**{**kw, "clip_qkv": -1.0})
-    with pytest.raises(ValueError, match=r"softmax_scale: expected a finite number, got nan"):
-        FusedMptAttention(**{**kw, "softmax_scale": float("nan")})
+    with pytest.raises(error, match=message):
+        FusedMptAttention(**{**{k: getattr(att, k) for k in mpt._CHILDREN + mpt._ATTRIBUTES}, **change})
+
+
+def test_from_module_shares_the_modules_and_attributes():
     with pytest.raises(TypeError, match=r"attention: expected an MptAttention, got Linear"):
         FusedMptAttention.from_module(torch.nn.Linear(2, 2))
+    att = _attention()
     fused = FusedMptAttention.from_module(att)
     assert fused.Wqkv is att.Wqkv and fused.out_proj is att.out_proj
     assert (fused.softmax_scale, fused.layer_idx, fused.max_seq_length) == (att.softmax_scale, 0, 64)
@@ -312,19 +286,7 @@ def test_the_query_relative_bias_keeps_16_bit_softmax_near_float64_at_2048_posit
 def test_nothing_derived_from_the_mask_outlives_the_forward_pass(monkeypatch):
     """The one-entry caches (the bias; the SDPA path's copy of it; the mask's plan) drop their entry when the tensors
     it was derived from are freed: after the forward pass nothing of the [b, h, sq, sk] size stays held."""
-    from pipegoose.nn.fusion.transformers import attention as A
-
-    for path in ("softmax", "sdpa"):
-        if path == "sdpa":
-            _pretend_cuda(monkeypatch)
-        lm = _lm().eval()
-        fuse(lm)
-        ids, mask = models.inputs()
-        with torch.no_grad():
-            lm(input_ids=ids, attention_mask=mask)
-        gc.collect()
-        assert "entry" not in mpt._bias_cache and "entry" not in A._plan_cache, path
-        assert "entry" not in A._sdpa_mask_cache, path
+    alibi_checks.check_nothing_outlives_the_forward_pass(monkeypatch, _lm, mpt._bias_cache)
 
 
 def test_the_bias_cache_keeps_one_entry_and_no_finalizer_of_a_replaced_one():
@@ -347,16 +309,7 @@ def test_the_bias_cache_keeps_one_entry_and_no_finalizer_of_a_replaced_one():
 def test_on_the_meta_device_and_under_fake_tensors():
     """A fused model runs on the meta device and under FakeTensorMode, as the eager one (the check for a mask that is
     the same per sequence compares values: skipped there)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    lm = _lm()
-    fuse(lm)
-    meta = copy.deepcopy(lm).to("meta")
-    ids = torch.ones(2, 8, dtype=torch.long, device="meta")
-    assert meta(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.shape == (2, 8, models.VOCAB)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        ids = torch.ones(2, 8, dtype=torch.long)
-        assert lm(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.shape == (2, 8, models.VOCAB)
+    alibi_checks.check_meta_and_fake_tensors(_lm())
 
 
 # ------------------------------------------------------------------------------------------------ the probe
@@ -440,11 +393,7 @@ def test_the_probe_accepts_mpt_and_refuses_other_formulas():
     assert not mpt.candidate(FusedMptAttention.from_module(att)) and not mpt.candidate(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"attention: _DoubledBiasMptAttention: does not compute"):
         FusedMptAttention.from_module(_DoubledBiasMptAttention(cfg, 0))
-    meta = _attention(device="meta")   # (the probe's stand-in is its own: a meta module is probed on the CPU)
-    assert mpt.probe_mpt_attention(meta).ok
-    state = torch.random.get_rng_state()
-    mpt.probe_mpt_attention(att)
-    assert torch.equal(torch.random.get_rng_state(), state)   # (the caller's random stream untouched)
+    alibi_checks.check_probe_apart(mpt.probe_mpt_attention, att, _attention(device="meta"))
 
 
 # ------------------------------------------------------------------------------------------------ fuse
@@ -470,15 +419,9 @@ def test_fuse_replaces_mpt_attention_and_the_whole_model_trains_as_the_unfused_o
     assert list(lm.state_dict()) == keys
     assert report.attention["chosen"] == "eager" and "FusedMptAttention" in report.attention["reason"]
     ids, mask = models.inputs(left_pad=(0, 0, 0))
-    mask[1, -3:] = 0
-    out = lm(input_ids=ids, attention_mask=mask, labels=ids)
-    want = ref(input_ids=ids, attention_mask=mask, labels=ids)
+    mask[1, -3:] = 0   # padding on the right: no row without a key, so eager's values everywhere
+    alibi_checks.check_step_matches(lm, ref, ids, mask)
     assert hook_calls == [1]
-    torch.testing.assert_close(out.logits, want.logits, atol=1e-5, rtol=1e-5)
-    out.loss.backward()
-    want.loss.backward()
-    for (name, p), q in zip(lm.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
     losses = {}
     for name, m in (("fused", lm), ("eager", ref)):
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
@@ -499,14 +442,8 @@ def test_fuse_replaces_mpt_attention_and_the_whole_model_trains_as_the_unfused_o
 def test_left_padding_gives_zeros_where_eager_gives_weights_and_the_rest_is_eager():
     """Left padding: the queries of padded positions have no key; ours gives their attention zeros (eager: uniform
     weights over every key). The positions that are not padding get eager's values."""
-    lm = _lm()
-    ref = copy.deepcopy(lm)
-    fuse(lm, ops=["attention"])
-    ids, mask = models.inputs()   # left padding 0 / 4 / 2
-    got, want = lm(input_ids=ids, attention_mask=mask).logits, ref(input_ids=ids, attention_mask=mask).logits
-    keep = mask.bool()
-    torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=1e-5)
-    assert torch.isfinite(got).all() and not torch.allclose(got[~keep], want[~keep], atol=1e-3)
+    got, want, mask = alibi_checks.check_left_padding(_lm())   # (left padding 0 / 4 / 2)
+    assert not torch.allclose(got[~mask.bool()], want[~mask.bool()], atol=1e-3)
 
 
 @pytest.mark.parametrize("path", ["softmax", "cpu_sdpa"])
@@ -563,14 +500,7 @@ def test_a_copied_or_pickled_fused_model_keeps_its_weights_hooks():
 
 @pytest.mark.parametrize("path", ["softmax", "cpu_sdpa"])
 def test_generation_with_the_cache_gives_eager_tokens(monkeypatch, path):
-    if path == "cpu_sdpa":   # (the CPU's default: SDPA; tests/fuse sets PIPEGOOSE_SMALL_NUMEL=0, the softmax path)
-        monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
-    lm = _lm().eval()
-    ref = copy.deepcopy(lm)
-    fuse(lm)
-    ids = models.inputs(batch=2, left_pad=(0, 0))[0]
-    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert torch.equal(lm.generate(ids, **kw), ref.generate(ids, **kw))
+    alibi_checks.check_generation(monkeypatch, path, _lm())
 
 
 def test_attention_dropout_in_training_only():
@@ -592,41 +522,28 @@ def test_attention_dropout_in_training_only():
 
 
 def test_kinds_keep_dry_run_and_refusals_in_the_report():
+    """As Bloom's (the hooks for output_attentions neither under attention='keep' nor in a dry run); MPT's torch.nn.GELU
+    and loss are counted as not requested too."""
     lm = _lm()
-    left = fuse(lm, ops=["layer_norm"])
-    assert left.not_requested == {"attention": 2, "gelu": 2, "cross_entropy": 1}
-    assert not any(r.kind == "attention" for r in left.rows)
-    unfuse(lm)
-    kept = fuse(lm, attention="keep")
-    rows = [r for r in kept.rows if r.kind == "attention"]
-    assert len(rows) == 2 and not any(r.fused or r.eligible for r in rows) and rows[0].reason == "attention='keep'"
-    assert type(lm.transformer.blocks[0].attn).__name__ == "MptAttention" and not mpt.watched(lm.transformer.blocks[0])
-    unfuse(lm)
-    dry = fuse(lm, dry_run=True)
-    assert sum(r.fused for r in dry.rows if r.kind == "attention") == 2
-    assert type(lm.transformer.blocks[0].attn).__name__ == "MptAttention" and not mpt.watched(lm.transformer.blocks[0])
-    lm.transformer.blocks[0].attn.q_ln = torch.nn.LayerNorm(32)
-    lm.transformer.blocks[1].attn.forward = lm.transformer.blocks[1].attn.forward   # (on the instance)
-    report = fuse(lm)
-    r0, r1 = [r for r in report.rows if r.kind == "attention"]
-    assert not r0.fused and not r0.eligible and "other submodules (q_ln)" in r0.reason
-    assert not r1.fused and "a forward set on the instance" in r1.reason
-    unfuse(lm)
+    assert fuse(lm, ops=["layer_norm"], dry_run=True).not_requested == {"attention": 2, "gelu": 2, "cross_entropy": 1}
+    for kw in (dict(attention="keep"), dict(dry_run=True)):
+        fuse(lm, **kw)
+        assert type(lm.transformer.blocks[0].attn).__name__ == "MptAttention"
+        assert not mpt.watched(lm.transformer.blocks[0]), kw
+        unfuse(lm)
+
+    def refuse(att):
+        att.q_ln = torch.nn.LayerNorm(32)   # (MosaicML's own code has qk_ln norms)
+
+    alibi_checks.check_left_out_kept_dry_run_and_refused(lm, "MptAttention", refuse, "other submodules (q_ln)")
 
 
 def test_unfuse_hands_back_attributes_changed_while_fused_and_the_bare_module_is_a_skipped_row():
     lm = _lm()
-    fuse(lm)
-    fa = lm.transformer.blocks[0].attn
-    fa.attn_dropout_p, fa.softmax_scale, fa.tag = 0.25, 0.5, 7
-    unfuse(lm)
-    att = lm.transformer.blocks[0].attn
-    assert (att.attn_dropout_p, att.softmax_scale, att.tag) == (0.25, 0.5, 7)
+    att = alibi_checks.check_attributes_handed_back(lm, "transformer.blocks.0.attn",
+                                                    dict(attn_dropout_p=0.25, softmax_scale=0.5, tag=7))
     assert "_weights_asked" not in att.__dict__
-    alone = fuse(lm.transformer.blocks[1].attn)
-    assert [(r.kind, r.fused) for r in alone.rows] == [("attention", False)]
-    assert "the model itself is MPT's attention" in alone.rows[0].reason
-    assert "use FusedMptAttention.from_module(model)" in alone.rows[0].reason
+    alibi_checks.check_the_bare_module_is_a_skipped_row(lm.transformer.blocks[1].attn, "FusedMptAttention")
     block = fuse(lm.transformer.blocks[1])   # (the block itself: the hooks go on the model fused)
     assert [r.fused for r in block.rows if r.kind == "attention"] == [True] and mpt.watched(lm.transformer.blocks[1])
     unfuse(lm.transformer.blocks[1])
@@ -654,12 +571,7 @@ def test_a_holder_without_output_attentions_gets_no_hooks():
 
 def test_a_second_fuse_holds_the_fused_attention():
     lm = _lm()
-    fuse(lm.transformer)
-    report = fuse(lm)
-    rows = [r for r in report.rows if r.kind == "attention"]
-    assert len(rows) == 2 and all(r.fused and "earlier fuse() of transformer" in r.reason for r in rows)
-    unfuse(lm.transformer)
-    assert type(lm.transformer.blocks[0].attn).__name__ == "MptAttention"
+    alibi_checks.check_a_second_fuse_holds(lm, "transformer", "MptAttention")
     assert not mpt.watched(lm.transformer.blocks[0])
 
 
@@ -669,11 +581,7 @@ def test_a_second_fuse_holds_the_fused_attention():
 CUDA_SHAPES = {"odd": (2, 301, 1024, 16, 37), "2048": (2, 2048, 2048, 16, 300)}
 
 
-@pytest.mark.cuda
-@pytest.mark.usefixtures("no_tuning_table")
-@pytest.mark.parametrize("shape", list(CUDA_SHAPES))
-@pytest.mark.parametrize("path", ["softmax", "sdpa"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@alibi_checks.cuda_float64_cases(CUDA_SHAPES)
 def test_on_cuda_matches_float64(monkeypatch, path, dtype, shape):
     """Left padding (rows without a key), causal: our fused masked softmax (strict) or SDPA with the query-relative
     bias; outputs and gradients against float64, zeros where a query has no key, and on average within 25% of eager
@@ -681,9 +589,6 @@ def test_on_cuda_matches_float64(monkeypatch, path, dtype, shape):
     exactly; ours rounds the query-relative bias, and on the softmax path the biased scores, to the dtype: on the CPU
     with CUDA pretended, bf16 and fp16 at 301 and 2048 positions, ours was 0.93-1.06x eager's distance, both paths,
     outputs and gradients)."""
-    if path == "sdpa":
-        monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "1")
-        monkeypatch.delenv("PIPEGOOSE_IMPL_ATTENTION", raising=False)
     b, s, hidden_size, heads, pad = CUDA_SHAPES[shape]
     att = _attention(hidden=hidden_size, heads=heads, dtype=dtype, device="cuda", positions=s)
     fused = FusedMptAttention.from_module(copy.deepcopy(att))
@@ -691,39 +596,13 @@ def test_on_cuda_matches_float64(monkeypatch, path, dtype, shape):
     hidden = torch.randn(b, s, hidden_size, generator=g, device="cuda").to(dtype).requires_grad_()
     position_bias = build_mpt_alibi_tensor(heads, s, device="cuda")
     masked = _masked(b, s, (0, pad), device="cuda")
-    poison = torch.full((b, s, hidden_size), float("nan"), device="cuda", dtype=dtype)
-    dispatch.reset_stats()
-    with dispatch.strict() if path == "softmax" else contextlib.nullcontext():
-        out, _ = fused(hidden, position_bias, attention_mask=masked)
-        # no gradient into rows without a key (their output does not depend on the input; eager's does)
-        go = torch.randn(out.shape, generator=g, device="cuda").to(dtype)
-        go[1, :pad] = 0
-        (grad,) = torch.autograd.grad(out, hidden, go)
-    poison.copy_(out)
-    assert torch.isfinite(poison).all() and torch.isfinite(grad).all()
-    stats = dispatch.stats()
-    assert (stats["attention"] == {"sdpa": 1}) if path == "sdpa" else (stats["softmax.masked"] == {"pipegoose": 1})
-    hd = hidden.detach().double().requires_grad_()
-    ref, _ = _reference(copy.deepcopy(att).double(), hd, position_bias, masked)
-    (ref_grad,) = torch.autograd.grad(ref, hd, go.double())
-    torch.testing.assert_close(out.double(), ref, **tol(dtype, 8))
-    torch.testing.assert_close(grad.double(), ref_grad, **tol(dtype, 16))
-    assert torch.equal(out[1, :pad], torch.zeros_like(out[1, :pad]))   # (out_proj has no bias)
-    if dtype == torch.float32:
-        return
-    # eager MPT in the same 16-bit dtype, its rows without a key (uniform weights over every key) left out
-    he = hidden.detach().clone().requires_grad_()
-    eager_out = att(he, position_bias, attention_mask=masked)[0]
-    (eager_grad,) = torch.autograd.grad(eager_out, he, go)
-    keep = torch.ones(b, s, 1, dtype=torch.bool, device="cuda")
-    keep[1, :pad] = False
-
-    def err(x, r):
-        return float(((x.detach().double() - r).abs() * keep).sum() / (keep.sum() * x.shape[-1]))
-
-    for name, x, e, r in (("output", out, eager_out, ref), ("gradient", grad, eager_grad, ref_grad)):
-        assert err(x, r) <= 1.25 * err(e, r) + 1e-7, (name, err(x, r), err(e, r))
-    del ref, ref_grad, eager_out, eager_grad
+    run = alibi_checks.run_on_cuda(
+        monkeypatch, path, dtype, lambda x: fused(x, position_bias, attention_mask=masked)[0], hidden, pad, g)
+    assert torch.equal(run[0][1, :pad], torch.zeros_like(run[0][1, :pad]))   # (out_proj has no bias)
+    # eager MPT in the same 16-bit dtype: its rows without a key (uniform weights over every key) left out
+    alibi_checks.check_against_float64_and_eager(
+        dtype, pad, 1.25, hidden, run, lambda x: _reference(copy.deepcopy(att).double(), x, position_bias, masked)[0],
+        lambda x: att(x, position_bias, attention_mask=masked)[0])
 
 
 @pytest.mark.cuda
@@ -732,30 +611,9 @@ def test_on_cuda_a_fused_bf16_model_trains_as_the_eager_one(monkeypatch):
     """An MPT LM in bf16 on the GPU, fused with the default rules (SDPA for the attention): the losses of a few AdamW
     steps within the training tolerance of the unfused model's, the attention on SDPA; output_attentions=True returns
     the weights (the fused softmax)."""
-    from tolerances import TRAIN_LOSS_RTOL
-
     monkeypatch.setenv("PIPEGOOSE_SMALL_NUMEL", "1")
     lm = _lm(dtype=torch.bfloat16, device="cuda", hidden=256, heads=4, max_seq_len=128).train()
-    ref = copy.deepcopy(lm)
-    fuse(lm)
-    ids = torch.randint(1, models.VOCAB, (4, 128), device="cuda", generator=torch.Generator(device="cuda")
-                        .manual_seed(0))
-    losses = {}
-    for name, m in (("fused", lm), ("eager", ref)):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        losses[name] = []
-        dispatch.reset_stats()
-        for _ in range(5):
-            loss = m(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses[name].append(loss.item())
-        if name == "fused":
-            assert dispatch.stats()["attention"] == {"sdpa": 10}
-    for a, b in zip(losses["fused"], losses["eager"]):
-        assert abs(a - b) <= TRAIN_LOSS_RTOL * abs(b), losses
-    assert losses["fused"][-1] < losses["fused"][0]
+    ids = alibi_checks.check_trains_as_eager(lm)
     with torch.no_grad():
         attentions = lm(input_ids=ids[:1], output_attentions=True).attentions
     assert len(attentions) == 2 and all(a is not None and a.shape == (1, 4, 128, 128) for a in attentions)

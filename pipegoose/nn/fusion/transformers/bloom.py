@@ -47,6 +47,7 @@ on each module before ``fuse`` replaces it.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import weakref
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import attention as _attention
-from .matching import probe_isolated
+from .matching import probe_isolated, qkv_layout_problem, run_attention_probe
 
 # The attributes FusedBloomAttention reads from the module it replaces (Bloom's names), and the children it shares.
 _ATTRIBUTES = ("num_heads", "head_dim", "hidden_size", "inv_norm_factor", "beta", "hidden_dropout")
@@ -80,23 +81,9 @@ def _layout_problem(module: nn.Module) -> str | None:
     """Why ``module`` does not have Bloom's layout (None: it has): children ``query_key_value`` and ``dense``
     (``torch.nn.Linear``, hidden -> 3 x hidden and hidden -> any) and ``attention_dropout`` (``torch.nn.Dropout``),
     no parameter of its own, Bloom's attributes (``num_heads`` x ``head_dim`` = ``hidden_size``)."""
-    kids = module._modules
-    for name, kind in (("query_key_value", nn.Linear), ("dense", nn.Linear), ("attention_dropout", nn.Dropout)):
-        if not isinstance(kids.get(name), kind):
-            return (f"{name} is {type(kids.get(name)).__name__}, not a torch.nn.{kind.__name__}: not Bloom's layout "
-                    "(a wrapped projection, say)")
-    if any(True for _ in module.parameters(recurse=False)):
-        return "it holds parameters of its own: not Bloom's layout"
-    missing = [a for a in _ATTRIBUTES + ("layer_idx",) if a not in module.__dict__]
-    if missing:
-        return f"it lacks Bloom's attribute(s) {', '.join(missing)}"
-    h, d, width = module.num_heads, module.head_dim, module.hidden_size
-    qkv, dense = kids["query_key_value"], kids["dense"]
-    if not (isinstance(h, int) and isinstance(d, int) and h * d == width and qkv.in_features == width
-            and qkv.out_features == 3 * width and dense.in_features == width):
-        return (f"num_heads {h} x head_dim {d}, hidden_size {width}, query_key_value {qkv.in_features} -> "
-                f"{qkv.out_features}, dense {dense.in_features} -> {dense.out_features}: not Bloom's sizes")
-    return None
+    return qkv_layout_problem(module, "Bloom", {"query_key_value": nn.Linear, "dense": nn.Linear,
+                                                "attention_dropout": nn.Dropout}, _ATTRIBUTES + ("layer_idx",),
+                              "num_heads")
 
 
 @dataclass(frozen=True)
@@ -189,30 +176,26 @@ def probe_bloom_attention(module: nn.Module) -> BloomAttentionProbe:
                                           f"({', '.join(_FORWARD_ARGS)})")
     if not (isinstance(module.hidden_dropout, (int, float)) and 0 <= module.hidden_dropout <= 1):
         return BloomAttentionProbe(False, f"hidden_dropout {module.hidden_dropout!r}: a probability expected")
-    try:
+    def setup():
         g = torch.Generator().manual_seed(0)
         stand_in = _stand_in(module, g)
         hidden, residual, alibi, mask = _probe_inputs(g)
         want_out, want_probs = _reference(stand_in, hidden, residual, alibi, mask)
-        for mode, weights in ((True, True), (False, True), (True, False)):
+
+        def call(mode, weights):
             stand_in.training = mode
-            with torch.no_grad():
-                got = type(module).forward(stand_in, hidden, residual, alibi, mask, layer_past=None,
-                                           use_cache=False, output_attentions=weights)
+            got = type(module).forward(stand_in, hidden, residual, alibi, mask, layer_past=None, use_cache=False,
+                                       output_attentions=weights)
             if not weights:   # (Bloom returns them whatever output_attentions says; the output is what counts)
                 got = (got[0], want_probs) if isinstance(got, tuple) and len(got) == 2 else got
-            if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], torch.Tensor)
-                    and isinstance(got[1], torch.Tensor) and got[0].shape == want_out.shape
-                    and got[1].shape == want_probs.shape):
-                return BloomAttentionProbe(False, "its forward does not return (output, attention probabilities) "
-                                                  "of Bloom's shapes")
-            if not (torch.allclose(got[0].double(), want_out, rtol=1e-4, atol=1e-4)
-                    and torch.allclose(got[1].double(), want_probs, rtol=1e-4, atol=1e-5)):
-                return BloomAttentionProbe(False, "does not compute Bloom's ALiBi attention (softmax(inv_norm_factor "
-                                                  "* Q K^T + beta * alibi + mask) V, dense, plus the residual; fp32 "
-                                                  "against float64)")
-    except Exception as e:  # noqa: BLE001 - a probe never raises: the module is left unfused, with the reason
-        return BloomAttentionProbe(False, f"its forward raised on the probe's inputs: {type(e).__name__}: {e}")
+            return got
+
+        return want_out, want_probs, [functools.partial(call, *c) for c in ((True, True), (False, True), (True, False))]
+
+    problem = run_attention_probe(setup, "Bloom", "softmax(inv_norm_factor * Q K^T + beta * alibi + mask) V, dense, "
+                                                  "plus the residual")
+    if problem is not None:
+        return BloomAttentionProbe(False, problem)
     return BloomAttentionProbe(True, "Bloom's ALiBi attention (probed)")
 
 

@@ -105,6 +105,54 @@ def probe_isolated(fn):
     return isolated
 
 
+def qkv_layout_problem(module: nn.Module, model: str, kinds: dict, attributes: tuple, heads: str) -> str | None:
+    """Why ``module`` does not have the layout of ``model``'s attention ("Bloom", "MPT"), None where it has: its
+    children of ``kinds`` (name: class; the first the query-key-value projection, ``torch.nn.Linear`` hidden -> 3 x
+    hidden, the second the output projection, hidden -> any), no parameter of its own, the ``attributes`` (instance
+    attributes) with ``<heads>`` x ``head_dim`` = ``hidden_size``. For the probes of Bloom's and MPT's attention."""
+    kids = module._modules
+    for name, kind in kinds.items():
+        if not isinstance(kids.get(name), kind):
+            return (f"{name} is {type(kids.get(name)).__name__}, not a torch.nn.{kind.__name__}: not {model}'s layout "
+                    "(a wrapped projection, say)")
+    if any(True for _ in module.parameters(recurse=False)):
+        return f"it holds parameters of its own: not {model}'s layout"
+    missing = [a for a in attributes if a not in module.__dict__]
+    if missing:
+        return f"it lacks {model}'s attribute(s) {', '.join(missing)}"
+    h, d, width = getattr(module, heads), module.head_dim, module.hidden_size
+    (qkv_name, qkv), (out_name, out) = ((n, kids[n]) for n in list(kinds)[:2])
+    if not (isinstance(h, int) and isinstance(d, int) and h * d == width and qkv.in_features == width
+            and qkv.out_features == 3 * width and out.in_features == width):
+        return (f"{heads} {h} x head_dim {d}, hidden_size {width}, {qkv_name} {qkv.in_features} -> "
+                f"{qkv.out_features}, {out_name} {out.in_features} -> {out.out_features}: not {model}'s sizes")
+    return None
+
+
+def run_attention_probe(setup, model: str, formula: str) -> str | None:
+    """The numerical part of the probes of Bloom's and MPT's attention: ``setup()`` gives (``want_out``,
+    ``want_probs``: the float64 formula's output and attention probabilities, ``calls``: functions of no argument,
+    each a call of the module class's forward on the probe's stand-in and fp32 inputs, in one mode), and each call's
+    result, taken without grad, must be ``(output, attention probabilities)`` of their shapes and values (within 1e-4,
+    the probabilities 1e-5 absolute). Returns the reason of the first failure (``model``, "Bloom" or "MPT", and its
+    ``formula`` in it; or what raised), None where every call passed. Never raises."""
+    try:
+        want_out, want_probs, calls = setup()
+        for call in calls:
+            with torch.no_grad():
+                got = call()
+            if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], torch.Tensor)
+                    and isinstance(got[1], torch.Tensor) and got[0].shape == want_out.shape
+                    and got[1].shape == want_probs.shape):
+                return f"its forward does not return (output, attention probabilities) of {model}'s shapes"
+            if not (torch.allclose(got[0].double(), want_out, rtol=1e-4, atol=1e-4)
+                    and torch.allclose(got[1].double(), want_probs, rtol=1e-4, atol=1e-5)):
+                return f"does not compute {model}'s ALiBi attention ({formula}; fp32 against float64)"
+    except Exception as e:  # noqa: BLE001 - a probe never raises: the module is left unfused, with the reason
+        return f"its forward raised on the probe's inputs: {type(e).__name__}: {e}"
+    return None
+
+
 def model_type_of(config) -> str | None:
     return getattr(config, "model_type", None) if config is not None else None
 

@@ -76,7 +76,7 @@ from torch import nn
 
 from . import attention as _attention
 from .matching import _stand_in as _shallow_stand_in
-from .matching import probe_isolated
+from .matching import probe_isolated, qkv_layout_problem, run_attention_probe
 
 # The attributes FusedMptAttention reads from the module it replaces (MPT's names), and the children it shares.
 _ATTRIBUTES = ("hidden_size", "n_heads", "head_dim", "softmax_scale", "attn_dropout_p", "clip_qkv", "max_seq_length")
@@ -118,25 +118,13 @@ def _layout_problem(module: nn.Module) -> str | None:
     hidden) and ``out_proj`` (``torch.nn.Linear``, hidden -> any) and no other, no parameter of its own, MPT's
     attributes (``n_heads`` x ``head_dim`` = ``hidden_size``; ``clip_qkv``, ``softmax_scale`` and ``attn_dropout_p``
     of their kinds)."""
-    kids = module._modules
-    for name in _CHILDREN:
-        if not isinstance(kids.get(name), nn.Linear):
-            return (f"{name} is {type(kids.get(name)).__name__}, not a torch.nn.Linear: not MPT's layout (a wrapped "
-                    "projection, say)")
-    others = [k for k, v in kids.items() if k not in _CHILDREN and v is not None]
+    problem = qkv_layout_problem(module, "MPT", dict.fromkeys(_CHILDREN, nn.Linear), _ATTRIBUTES + ("layer_idx",),
+                                 "n_heads")
+    if problem is not None:
+        return problem
+    others = [k for k, v in module._modules.items() if k not in _CHILDREN and v is not None]
     if others:
         return f"it holds other submodules ({', '.join(others)}) than Wqkv and out_proj: not MPT's layout"
-    if any(True for _ in module.parameters(recurse=False)):
-        return "it holds parameters of its own: not MPT's layout"
-    missing = [a for a in _ATTRIBUTES + ("layer_idx",) if a not in module.__dict__]
-    if missing:
-        return f"it lacks MPT's attribute(s) {', '.join(missing)}"
-    h, d, width = module.n_heads, module.head_dim, module.hidden_size
-    qkv, out = kids["Wqkv"], kids["out_proj"]
-    if not (isinstance(h, int) and isinstance(d, int) and h * d == width and qkv.in_features == width
-            and qkv.out_features == 3 * width and out.in_features == width):
-        return (f"n_heads {h} x head_dim {d}, hidden_size {width}, Wqkv {qkv.in_features} -> {qkv.out_features}, "
-                f"out_proj {out.in_features} -> {out.out_features}: not MPT's sizes")
     return _attribute_problem(module.clip_qkv, module.softmax_scale, module.attn_dropout_p)
 
 
@@ -232,27 +220,21 @@ def probe_mpt_attention(module: nn.Module) -> MptAttentionProbe:
     problem = _layout_problem(module) or _forward_problem(module)
     if problem is not None:
         return MptAttentionProbe(False, problem)
-    try:
+    def setup():
         g = torch.Generator().manual_seed(0)
         stand_in = _stand_in(module, g)
         hidden, position_bias, masked = _probe_inputs(g)
-        want_out, want_probs = _reference(stand_in, hidden, position_bias, masked)
-        for mode in (True, False):
+
+        def call(mode):
             stand_in.training = mode
-            with torch.no_grad():
-                got = type(module).forward(stand_in, hidden, position_bias=position_bias, attention_mask=masked)
-            if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], torch.Tensor)
-                    and isinstance(got[1], torch.Tensor) and got[0].shape == want_out.shape
-                    and got[1].shape == want_probs.shape):
-                return MptAttentionProbe(False, "its forward does not return (output, attention probabilities) of "
-                                                "MPT's shapes")
-            if not (torch.allclose(got[0].double(), want_out, rtol=1e-4, atol=1e-4)
-                    and torch.allclose(got[1].double(), want_probs, rtol=1e-4, atol=1e-5)):
-                return MptAttentionProbe(False, "does not compute MPT's ALiBi attention (softmax(softmax_scale * Q K^T "
-                                                "+ position_bias, masked) V of Wqkv's thirds, clamped to clip_qkv, "
-                                                "then out_proj; fp32 against float64)")
-    except Exception as e:  # noqa: BLE001 - a probe never raises: the module is left unfused, with the reason
-        return MptAttentionProbe(False, f"its forward raised on the probe's inputs: {type(e).__name__}: {e}")
+            return type(module).forward(stand_in, hidden, position_bias=position_bias, attention_mask=masked)
+
+        return (*_reference(stand_in, hidden, position_bias, masked), [lambda: call(True), lambda: call(False)])
+
+    problem = run_attention_probe(setup, "MPT", "softmax(softmax_scale * Q K^T + position_bias, masked) V of Wqkv's "
+                                                "thirds, clamped to clip_qkv, then out_proj")
+    if problem is not None:
+        return MptAttentionProbe(False, problem)
     return MptAttentionProbe(True, "MPT's ALiBi attention (probed)")
 
 
