@@ -25,8 +25,9 @@ import torch
 
 #: the runs, each from the same initialisation: eager Bloom in fp32 (the reference) and in bf16, ``fuse(model)`` in
 #: bf16 with its default attention (SDPA with the ALiBi bias) and with the fused masked softmax
-#: (``PIPEGOOSE_IMPL_ATTENTION=pipegoose``: bf16 scores, as eager's)
-RUNS = ("eager_fp32", "eager_bf16", "fused_bf16", "fused_softmax_bf16")
+#: (``PIPEGOOSE_IMPL_ATTENTION=pipegoose``: bf16 scores, as eager's), and with eager's attention kept
+#: (``fuse(model, attention="keep")``: the other fused ops alone)
+RUNS = ("eager_fp32", "eager_bf16", "fused_bf16", "fused_softmax_bf16", "fused_keep_attention_bf16")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--steps", type=int, default=11)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0, help="the initialisation's seed (the batch's: seed + 1)")
     ap.add_argument("--runs", default=",".join(RUNS),
                     help=f"comma-separated, run in this order (default all): {', '.join(RUNS)}")
     ap.add_argument("--out", help="also write the losses here as JSON")
@@ -55,17 +57,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipegoose.nn.fusion import fuse
 
-    torch.manual_seed(0)
+    torch.manual_seed(a.seed)
     cfg = transformers.BloomConfig(hidden_size=a.hidden, n_layer=a.layers, n_head=a.heads, vocab_size=a.vocab)
     with torch.device(a.device):   # initialised where it runs (fast on a GPU), kept on the CPU between runs
         base = transformers.AutoModelForCausalLM.from_config(cfg).train()
     base = base.cpu()
-    ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(1)).to(a.device)
+    ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(a.seed + 1)).to(a.device)
 
     def run(name: str) -> list[float] | str:
         model = copy.deepcopy(base).to(a.device, torch.float32 if name == "eager_fp32" else torch.bfloat16)
         if name.startswith("fused"):
-            fuse(model)
+            fuse(model, attention="keep" if name == "fused_keep_attention_bf16" else "auto")
         env = {"fused_softmax_bf16": "pipegoose"}.get(name)
         before = os.environ.get("PIPEGOOSE_IMPL_ATTENTION")
         if env:
@@ -97,10 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     ref = runs["eager_fp32"]
     for name, losses in runs.items():
         if isinstance(losses, str) or isinstance(ref, str):
-            print(f"{name:18s} {losses if isinstance(losses, str) else ' '.join(f'{x:.4f}' for x in losses)}")
+            print(f"{name:26s} {losses if isinstance(losses, str) else ' '.join(f'{x:.4f}' for x in losses)}")
             continue
         gap = max(abs(x - r) for x, r in zip(losses, ref))
-        print(f"{name:18s} " + " ".join(f"{x:.4f}" for x in losses) + f"   max |loss - fp32's| {gap:.4f}")
+        print(f"{name:26s} " + " ".join(f"{x:.4f}" for x in losses) + f"   max |loss - fp32's| {gap:.4f}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"args": vars(a), "torch": torch.__version__, "transformers": transformers.__version__,

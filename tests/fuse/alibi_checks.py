@@ -246,16 +246,19 @@ def run_on_cuda(monkeypatch, path: str, dtype: torch.dtype, forward, hidden: tor
 def check_against_float64_and_eager(dtype: torch.dtype, pad: int, factor: float, hidden: torch.Tensor, run,
                                     reference, eager):
     """``run`` (:func:`run_on_cuda`'s output, gradient and output gradient for ``hidden``) against ``reference``
-    (the float64 formula of a float64 copy of ``hidden``, a leaf) within the dtype's tolerance (8 and 16 roundings);
-    in 16 bits also, on average, no farther from float64 than ``factor`` times ``eager`` (the model's own module in
-    ``dtype``, of a copy of ``hidden``), the rows without a key (the second sequence's first ``pad``) left out."""
+    (the float64 formula of a float64 copy of ``hidden``, a leaf): fp32 within its tolerance (8 and 16 roundings);
+    16 bits against ``eager`` too (the model's own module in ``dtype``, of a copy of ``hidden``), the rows without a
+    key (the second sequence's first ``pad``) left out: the worst element within that tolerance, or where eager's
+    own worst is beyond it (eager Bloom rounds ``scores + alibi`` to the dtype, 8 apart in bf16 at 1024-2047
+    positions) within ``factor`` times eager's, and on average no farther from float64 than ``factor`` times
+    eager."""
     out, grad, go = run
     hd = hidden.detach().double().requires_grad_()
     ref = reference(hd)
     (ref_grad,) = torch.autograd.grad(ref, hd, go.double())
-    torch.testing.assert_close(out.double(), ref, **tol(dtype, 8))
-    torch.testing.assert_close(grad.double(), ref_grad, **tol(dtype, 16))
     if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, **tol(dtype, 8))
+        torch.testing.assert_close(grad.double(), ref_grad, **tol(dtype, 16))
         return
     he = hidden.detach().clone().requires_grad_()
     eager_out = eager(he)
@@ -267,8 +270,14 @@ def check_against_float64_and_eager(dtype: torch.dtype, pad: int, factor: float,
     def err(x, r):
         return float(((x.detach().double() - r).abs() * keep).sum() / (keep.sum() * x.shape[-1]))
 
-    for name, x, e, r in (("output", out, eager_out, ref), ("gradient", grad, eager_grad, ref_grad)):
-        assert err(x, r) <= factor * err(e, r) + 1e-7, (name, err(x, r), err(e, r))
+    def worst(x, r, scale):   # the largest |x - r| / (atol + rtol |r|): 1 is the tolerance's edge
+        t = tol(dtype, scale)
+        return float(((x.detach().double() - r).abs() / (t["atol"] + t["rtol"] * r.abs()) * keep).max())
+
+    for name, x, e, r, scale in (("output", out, eager_out, ref, 8), ("gradient", grad, eager_grad, ref_grad, 16)):
+        assert worst(x, r, scale) <= max(1.0, factor * worst(e, r, scale)), (
+            name, "worst element / tolerance", worst(x, r, scale), "eager's", worst(e, r, scale))
+        assert err(x, r) <= factor * err(e, r) + 1e-7, (name, "mean error", err(x, r), "eager's", err(e, r))
 
 
 def check_trains_as_eager(lm, steps: int = 5):
