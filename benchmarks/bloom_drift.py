@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.device(a.device):   # initialised where it runs (fast on a GPU), kept on the CPU between runs
         base = transformers.AutoModelForCausalLM.from_config(cfg).train()
     base = base.cpu()
-    ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(a.seed + 1)).to(a.device)
+    batch_gen = torch.Generator().manual_seed(a.seed + 1)
+    ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=batch_gen).to(a.device)
 
     def run(name: str) -> list[float] | str:
         model = copy.deepcopy(base).to(a.device, torch.float32 if name == "eager_fp32" else torch.bfloat16)
