@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the initialisation's seed (the batch's: seed + 1)")
     ap.add_argument("--runs", default=",".join(RUNS),
                     help=f"comma-separated, run in this order (default all): {', '.join(RUNS)}")
+    ap.add_argument("--autocast", action="store_true",
+                    help="the 16-bit runs keep fp32 weights and run under bf16 autocast (mixed precision)")
     ap.add_argument("--out", help="also write the losses here as JSON")
     a = ap.parse_args(argv)
     runs_asked = [r.strip() for r in a.runs.split(",") if r.strip()]
@@ -66,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=batch_gen).to(a.device)
 
     def run(name: str) -> list[float] | str:
-        model = copy.deepcopy(base).to(a.device, torch.float32 if name == "eager_fp32" else torch.bfloat16)
+        half = name != "eager_fp32"
+        model = copy.deepcopy(base).to(a.device, torch.bfloat16 if half and not a.autocast else torch.float32)
+        amp = torch.autocast(torch.device(a.device).type, torch.bfloat16, enabled=half and a.autocast)
         if name.startswith("fused"):
             fuse(model, attention="keep" if name == "fused_keep_attention_bf16" else "auto")
         env = {"fused_softmax_bf16": "pipegoose"}.get(name)
@@ -77,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         losses: list[float] = []
         try:
             for _ in range(a.steps):
-                loss = model(input_ids=ids, labels=ids).loss
+                with amp:
+                    loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
