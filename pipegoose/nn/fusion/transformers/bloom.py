@@ -25,11 +25,15 @@ asked for (``output_attentions=True``), the fused masked softmax. Off CUDA, wher
 Where the result differs from transformers' eager Bloom:
 
 * the scores are not rounded to the model's 16-bit dtype before the softmax on the SDPA path (SDPA keeps them in
-  fp32): 16-bit outputs differ at rounding level, closer to a float64 reference than eager's. Over training steps
-  the difference can grow: a BLOOM-1B7-shaped bf16 run on one repeated batch (session 74, H100) had the same first
-  loss and a last loss 16% below eager's after 11 steps; which run drifts is not yet settled
-  (``benchmarks/bloom_drift.py``; on the CPU, at a small size, the fused losses stayed nearer fp32's). Pass
-  ``attention="keep"`` to ``fuse`` for eager Bloom's exact trajectory;
+  fp32): 16-bit outputs and gradients differ at rounding level, on average no farther from a float64 reference
+  than eager's (GPU test at 2048 positions, 16 heads of 128, session 75). Over training steps the difference can
+  grow where the weights themselves are bf16: on BLOOM-1B7's shape, 11 AdamW steps on one repeated batch (session
+  75, H100, ``benchmarks/bloom_drift.py``), both bf16 runs' losses fell faster than fp32's, the fused one's most
+  (largest gap to fp32's 0.79 and 0.86 over two seeds, eager's 0.57 and 0.72; the other fused ops alone, attention
+  kept, and the fused masked softmax, whose scores are bf16 as eager's, 0.57 as eager). With fp32 weights under bf16
+  autocast (mixed precision) the fused and eager losses stayed as near fp32's as each other (largest gaps 0.14 and
+  0.15, each nearer at about half the steps). Pass ``attention="keep"`` to ``fuse`` (or set
+  ``PIPEGOOSE_IMPL_ATTENTION=pipegoose``) for eager Bloom's pure-bf16 trajectory;
 * a query row whose keys are all masked (a padded position under left padding) gives zeros and zero gradients, as on
   every path of pipegoose attention; eager Bloom gives it weights over its masked keys. Its output is the padding's;
   but with transformers' causal shift the last padded position predicts the first real token, so a loss whose label
