@@ -448,10 +448,10 @@ def test_left_padding_gives_zeros_where_eager_gives_weights_and_the_rest_is_eage
 
 @pytest.mark.parametrize("path", ["softmax", "cpu_sdpa"])
 def test_output_attentions_returns_eager_weights(monkeypatch, path):
-    """MptBlock does not pass output_attentions to its attention: fuse's hooks on the block tell the fused attention,
+    """MptBlock does not pass output_attentions to its attention: fuse's hook on the block tells the fused attention,
     so that the model's output_attentions=True returns the weights (the softmax path), eager's where rows have keys,
     on the CPU's SDPA path too; the next call without it gets None there again. The block called with
-    output_attentions by position, and a call that raised, are seen too; unfuse removes the hooks."""
+    output_attentions by position is seen too; unfuse removes the hooks."""
     if path == "cpu_sdpa":
         monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
     lm = _lm()
@@ -476,16 +476,38 @@ def test_output_attentions_returns_eager_weights(monkeypatch, path):
         assert blocks[0](x, alibi, m)[1] is None
         assert blocks[0](x, alibi, m, None, False, True)[1] is not None   # (by position)
         assert blocks[0](x, alibi, m, output_attentions=True)[1] is not None
-        with pytest.raises(ValueError, match="position_bias"):
-            blocks[0](x, alibi[:1], m, output_attentions=True)
-        assert not blocks[0].attn._weights_asked   # (cleared after the call that raised)
+        assert blocks[0].attn._weights_asked   # (until the block's next call: a checkpoint's replay takes this path)
+        assert blocks[0](x, alibi, m, output_attentions=False)[1] is None
     assert mpt.watched(blocks[0]) and unfuse(lm)
     assert not mpt.watched(blocks[0]) and not blocks[0]._forward_hooks and not blocks[0]._forward_pre_hooks
 
 
+@pytest.mark.parametrize("weights", [False, True], ids=["plain", "output_attentions"])
+def test_gradient_checkpointing_trains_as_eager(monkeypatch, weights):
+    """transformers 5.25 checkpoints the block's forward, whose replay in the backward runs without the block's hooks:
+    on the CPU's default path (SDPA) it takes the forward's path (with output_attentions=True too: the softmax path,
+    where the hook's request held; a request cleared after the call gave torch's CheckpointError), the losses and
+    gradients eager's."""
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
+    lm = _lm().train()
+    ref = copy.deepcopy(lm)
+    fuse(lm)
+    for m in (lm, ref):
+        m.gradient_checkpointing_enable()
+    ids = models.inputs(left_pad=(0, 0, 0))[0]
+    out = lm(input_ids=ids, labels=ids, output_attentions=weights)
+    want = ref(input_ids=ids, labels=ids, output_attentions=weights)
+    out.loss.backward()
+    want.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss, atol=1e-6, rtol=1e-6)
+    for (name, p), q in zip(lm.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert (out.attentions is not None) == weights
+
+
 def test_a_copied_or_pickled_fused_model_keeps_its_weights_hooks():
-    """The hooks are module-level functions acting on the module they are called for: a pickled fused model loads
-    (a closure would not pickle), and a copy returns its own weights."""
+    """The hook is a module-level function acting on the module it is called for: a pickled fused model loads (a
+    closure would not pickle), and a copy returns its own weights."""
     lm = _lm()
     fuse(lm)
     ids = models.inputs(left_pad=(0, 0, 0))[0]

@@ -108,8 +108,8 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   formula (``transformers.mpt.probe_mpt_attention``) -> ``FusedMptAttention`` (the same ``Wqkv`` and ``out_proj``;
   ALiBi, query-relative, and the mask as one bias, once per forward pass, on the same paths as Bloom's), kind
   ``attention``; ``attention="keep"`` leaves it. ``MptBlock`` does not pass ``output_attentions`` to its attention:
-  the module holding each fused one (where its forward takes ``output_attentions``) gets two hooks that tell it
-  (``transformers.mpt.watch_output_attentions``), removed by ``unfuse``.
+  the module holding each fused one (where its forward takes ``output_attentions``) gets a forward pre-hook that
+  tells it (``transformers.mpt.watch_output_attentions``), removed by ``unfuse``.
 
 Rows of what another ``fuse()`` call fused (of a part of the model, of a model or wrapper holding it) are reported as
 held: fused, naming that call, whatever ``ops`` says; this call leaves them as they are and records nothing for them.
@@ -1263,7 +1263,7 @@ def _consider_own_attention(own: _OwnAttention, child: nn.Module, parent: nn.Mod
     """(row, replacement or None) for an attention module fuse replaces by one of ours (``own``: Bloom's, MPT's;
     ``attention`` in ``ops``): ``own.fused`` where its probe passes and ``attention`` is not ``"keep"``, a skipped row
     with the reason where not. ``parent``: the module holding it (MPT's: whether its forward takes
-    ``output_attentions``, which the hooks of :func:`_watch_output_attentions` tell the fused module)."""
+    ``output_attentions``, which the hook of :func:`_watch_output_attentions` tells the fused module)."""
     name = type(child).__name__
     if attention == "keep":
         return FusionRow(path, "attention", name, None, False, reason="attention='keep'", eligible=False), None
@@ -1283,7 +1283,7 @@ def _consider_own_attention(own: _OwnAttention, child: nn.Module, parent: nn.Mod
     fwd, bwd = _own_attention_impls(child)
     weights = ""
     if own.fused is _mpt.FusedMptAttention:
-        weights = ("; the weights of output_attentions=True through hooks on the module holding it" if
+        weights = ("; the weights of output_attentions=True through a hook on the module holding it" if
                    _mpt.takes_output_attentions(parent) else
                    f"; {type(parent).__name__}'s forward takes no output_attentions: the weights only where the "
                    "softmax path runs")
@@ -1294,8 +1294,8 @@ def _consider_own_attention(own: _OwnAttention, child: nn.Module, parent: nn.Mod
 
 
 def _watch_output_attentions(parent: nn.Module, new: nn.Module, state: "_Fusion") -> None:
-    """For a ``FusedMptAttention`` put in ``parent``: the hooks that tell it each call's ``output_attentions``
-    (``transformers.mpt.watch_output_attentions``: ``MptBlock`` does not pass it on), their handles kept for
+    """For a ``FusedMptAttention`` put in ``parent``: the hook that tells it each call's ``output_attentions``
+    (``transformers.mpt.watch_output_attentions``: ``MptBlock`` does not pass it on), its handle kept for
     :func:`_undo`."""
     if isinstance(new, _mpt.FusedMptAttention):
         handles = _mpt.watch_output_attentions(parent)

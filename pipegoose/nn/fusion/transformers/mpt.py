@@ -32,14 +32,20 @@ The bias is query-relative: before it is cast to the query's 16-bit dtype (SDPA'
 dtype), each query row's bias has the bias of the key aligned with that query subtracted (key ``sk - sq + i`` for
 query ``i``), in fp32. The softmax of a row does not change, and the values that matter, those of the keys near the
 query, are near 0, where bf16 and fp16 are fine-grained: MPT's own values reach ``-slope * (max_seq_len - 1)``
-(about -1000 at 2048 positions for the steepest head), where bf16's values are 4 to 8 apart.
+(at 2048 positions -1447 for the steepest head of 16, slope 2^-0.5; -1023 of 8 heads), where bf16's values are 4 to
+8 apart. On the CPU, 4 of 16 heads' bias alone at 2048 positions, causal: the softmax of the raw values cast to bf16
+was up to 0.49 off float64's, of the query-relative bias 2.3e-4 (fp16: 5e-5).
 
 The attention weights: ``MptBlock`` does not pass ``output_attentions`` to its attention (transformers' module
 returns its weights always, and the model keeps them only under ``output_attentions=True``). ``fuse`` therefore puts
-two hooks on the module that holds each fused attention where its forward takes ``output_attentions`` (the
-``MptBlock``: :func:`watch_output_attentions`), which tell the fused attention what the call asked for, so that
+a forward pre-hook on the module that holds each fused attention where its forward takes ``output_attentions`` (the
+``MptBlock``: :func:`watch_output_attentions`), which tells the fused attention what each call asked for, so that
 ``model(..., output_attentions=True)`` returns the weights (the softmax path) as the unfused model does; ``unfuse``
-removes them. A :class:`FusedMptAttention` called directly takes ``output_attentions`` itself.
+removes it. The request holds until the block's next call, not just for this one: transformers 5.25's gradient
+checkpointing replays the block's forward in the backward without its hooks, and the replay must take the forward's
+path (a hook that cleared the request after the call made the replay's saved tensors differ: torch's CheckpointError).
+A :class:`FusedMptAttention` called directly takes ``output_attentions`` itself (and the last request of the block
+holding it).
 
 Where the result differs from transformers' eager MPT:
 
@@ -49,13 +55,14 @@ Where the result differs from transformers' eager MPT:
 * on the SDPA path the scores are not rounded to the model's 16-bit dtype before the bias is added (SDPA keeps them
   in fp32; eager rounds ``Q K^T * softmax_scale`` to the dtype, then adds the fp32 bias), and the bias is rounded to
   the dtype (query-relative: MPT's slopes are powers of 2, or their square roots, and its values near the query
-  exact or nearly so); on the softmax path, on CUDA, the sum of scores and bias is rounded to the dtype (eager keeps
-  it in fp32), at the scale of the scores near the query, where eager rounds its scores too. 16-bit outputs differ at
-  rounding level;
+  exact or nearly so); on the softmax path the sum of scores and bias is rounded to the dtype (eager keeps it in
+  fp32), at the scale of the scores near the query, where eager rounds its scores too. 16-bit outputs differ at
+  rounding level (on the CPU with CUDA pretended, bf16 and fp16 at 301 and 2048 positions: 0.93-1.06x eager's mean
+  distance from float64, outputs and gradients, either path);
 * attention dropout (``attn_config.attn_pdrop``, 0 in released MPT configs) is drawn by SDPA on the SDPA path (same
   ``p``, other random numbers than eager's ``F.dropout``);
 * the attention weights returned are ``None`` on the SDPA path, unless asked for (``output_attentions=True`` to the
-  model through ``fuse``'s hooks, or to the module itself).
+  model through ``fuse``'s hook, or to the module itself).
 
 Source: this project (MIT); the formula is transformers' ``MptAttention`` (models/mpt/modeling_mpt.py, transformers
 5.25, the version it was checked with; 5.17's, whose cache argument is named ``past_key_values``, is taken by
@@ -323,7 +330,7 @@ def _build(position_bias, masked, batch, heads, query_len, key_len, dtype, dedup
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# output_attentions: the hooks on the module that holds the attention
+# output_attentions: the hook on the module that holds the attention
 # --------------------------------------------------------------------------------------------------------------------
 _ARG_POSITIONS: dict = {}   # class -> position of output_attentions among its forward's arguments (None: none)
 
@@ -354,8 +361,9 @@ def takes_output_attentions(parent: nn.Module) -> bool:
 
 def _ask_weights(parent: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of a module holding fused MPT attention: its call's ``output_attentions`` (keyword or
-    positional) told to each :class:`FusedMptAttention` among its children. A module-level function: a fused model
-    pickles, and a copy's hooks act on the copy's modules."""
+    positional) told to each :class:`FusedMptAttention` among its children, until its next call (see the module
+    docstring: a gradient-checkpointing replay runs without the hook). A module-level function: a fused model pickles,
+    and a copy's hook acts on the copy's modules."""
     asked = kwargs.get("output_attentions")
     if asked is None:
         pos = _position_of_output_attentions(type(parent))
@@ -366,27 +374,18 @@ def _ask_weights(parent: nn.Module, args: tuple, kwargs: dict) -> None:
             child._weights_asked = bool(asked)
 
 
-def _forget_weights(parent: nn.Module, args: tuple, output) -> None:
-    """Forward hook (``always_call``) of a module holding fused MPT attention: the request of :func:`_ask_weights`
-    cleared after the call, also where it raised."""
-    for child in parent._modules.values():
-        if isinstance(child, FusedMptAttention):
-            child._weights_asked = False
-
-
 def watch_output_attentions(parent: nn.Module) -> tuple | None:
-    """Put on ``parent`` (the module that holds a :class:`FusedMptAttention`: ``MptBlock``) the hooks that tell the
-    fused attention each call's ``output_attentions`` (:func:`_ask_weights`, :func:`_forget_weights`); returns their
-    handles (``fuse`` removes them at ``unfuse``), or None where ``parent``'s forward takes no ``output_attentions``
-    (:func:`takes_output_attentions`) or carries the hooks already."""
+    """Put on ``parent`` (the module that holds a :class:`FusedMptAttention`: ``MptBlock``) the forward pre-hook that
+    tells the fused attention each call's ``output_attentions`` (:func:`_ask_weights`); returns its handle in a tuple
+    (``fuse`` removes it at ``unfuse``), or None where ``parent``'s forward takes no ``output_attentions``
+    (:func:`takes_output_attentions`) or carries the hook already."""
     if not takes_output_attentions(parent) or watched(parent):
         return None
-    return (parent.register_forward_pre_hook(_ask_weights, with_kwargs=True),
-            parent.register_forward_hook(_forget_weights, always_call=True))
+    return (parent.register_forward_pre_hook(_ask_weights, with_kwargs=True),)
 
 
 def watched(parent: nn.Module) -> bool:
-    """Whether ``parent`` carries :func:`watch_output_attentions`'s hooks."""
+    """Whether ``parent`` carries :func:`watch_output_attentions`'s hook."""
     return any(h is _ask_weights for h in parent._forward_pre_hooks.values())
 
 
@@ -410,8 +409,8 @@ class FusedMptAttention(nn.Module):
       >= sk]``, True = masked, or None (see :func:`mpt_bias`);
     * cache: a transformers ``Cache`` (``update(key, value, layer_idx)``), or None;
     * returns ``(output [b, sq, hidden], attention weights [b, heads, sq, sk] or None)``: ``out_proj(attention)``;
-      the weights where the softmax path ran (always when asked for: ``output_attentions=True``, or the call of the
-      module holding it asked, through ``fuse``'s hooks), None on the SDPA path.
+      the weights where the softmax path ran (always when asked for: ``output_attentions=True``, or the last call of
+      the module holding it asked, through ``fuse``'s hook), None on the SDPA path.
 
     Raises: the constructor, ``TypeError`` for projections that are not ``torch.nn.Linear``, ``ValueError`` naming the
     argument for sizes that do not fit, a ``clip_qkv`` below 0, a ``softmax_scale`` that is not a finite number or an
@@ -442,7 +441,7 @@ class FusedMptAttention(nn.Module):
         self.hidden_size, self.n_heads, self.head_dim = hidden_size, n_heads, head_dim
         self.softmax_scale, self.attn_dropout_p, self.clip_qkv = softmax_scale, attn_dropout_p, clip_qkv
         self.layer_idx, self.max_seq_length = layer_idx, max_seq_length
-        self._weights_asked = False   # (set for a call by the hooks of the module holding it: watch_output_attentions)
+        self._weights_asked = False   # (set per call by the hook of the module holding it: watch_output_attentions)
 
     @classmethod
     def from_module(cls, attention: nn.Module, verify: bool = True) -> FusedMptAttention:
