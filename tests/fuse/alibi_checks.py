@@ -70,6 +70,29 @@ def check_float64_forward_backward(monkeypatch, path: str, dtype: torch.dtype, a
     return out
 
 
+def check_off_cuda_paths(monkeypatch, call, want: torch.Tensor, lm):
+    """Off CUDA (the CPU's default, tests/fuse's PIPEGOOSE_SMALL_NUMEL=0 unset): ``call(output_attentions)`` (the
+    fused module on fp32 inputs) runs SDPA, counted as attention/sdpa, without weights, and ``lm``'s report row says
+    so; PIPEGOOSE_IMPL_ATTENTION=pipegoose or PIPEGOOSE_SMALL_NUMEL=0: the softmax path, with the weights; so does a
+    call that asks for them. The output is ``want`` (float64's) on every path."""
+    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")
+    for env, path in (({}, "sdpa"), ({"PIPEGOOSE_IMPL_ATTENTION": "pipegoose"}, "softmax"),
+                      ({"PIPEGOOSE_SMALL_NUMEL": "0"}, "softmax")):
+        with monkeypatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            dispatch.reset_stats()
+            out, weights = call(False)
+            assert (dispatch.stats().get("attention") == {"sdpa": 1}) == (path == "sdpa"), (env, dispatch.stats())
+            assert (weights is None) == (path == "sdpa")
+            torch.testing.assert_close(out.double(), want, **tol(torch.float32, 4))
+            row = next(r for r in fuse(lm, dry_run=True).rows if r.kind == "attention")
+            assert (row.forward == "sdpa @128") == (path == "sdpa"), (env, row)
+    dispatch.reset_stats()
+    assert call(True)[1] is not None
+    assert "attention" not in dispatch.stats()
+
+
 def check_nothing_outlives_the_forward_pass(monkeypatch, make_lm, bias_cache: dict):
     """After a forward pass of ``make_lm()`` fused, on the softmax path and the SDPA path, the one-entry caches (the
     module's ``bias_cache``; the SDPA path's copy of the bias; the mask's plan) hold nothing: their entries go with
@@ -103,8 +126,37 @@ def check_meta_and_fake_tensors(lm):
         assert lm(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.shape == (2, 8, models.VOCAB)
 
 
-def check_step_matches(lm, ref, ids, mask):
-    """``lm`` (fused) and ``ref`` (an unfused copy): the same logits, loss gradients of every parameter (fp32)."""
+def check_fuse_and_unfuse(lm, paths: list, name: str, fused_name: str, more=None):
+    """``fuse(lm)`` replaces the attention modules at ``paths`` (class ``name``) by ``fused_name``'s, fused rows, the
+    module's hooks kept (one forward hook, called once), the state_dict's keys and the config's attention unchanged,
+    the step eager's (:func:`check_step_matches`); ``more(lm, ref, report, ids, mask)``, where given, checks more
+    while fused; ``unfuse`` puts the modules back."""
+    ref = copy.deepcopy(lm)
+    keys = list(lm.state_dict())
+    hook_calls = []
+    lm.get_submodule(paths[0]).register_forward_hook(lambda *a: hook_calls.append(1))
+    report = fuse(lm)
+    rows = [r for r in report.rows if r.kind == "attention"]
+    assert [r.path for r in rows] == paths
+    assert all(r.fused and r.replacement == fused_name and r.eligible for r in rows)
+    assert all(type(lm.get_submodule(p)).__name__ == fused_name for p in paths)
+    assert list(lm.state_dict()) == keys
+    assert report.attention["chosen"] == "eager" and fused_name in report.attention["reason"]
+    ids, mask = check_step_matches(lm, ref)
+    assert hook_calls == [1]
+    if more is not None:
+        more(lm, ref, report, ids, mask)
+    assert unfuse(lm)
+    assert all(type(lm.get_submodule(p)).__name__ == name for p in paths)
+    assert list(lm.state_dict()) == keys
+
+
+def check_step_matches(lm, ref):
+    """``lm`` (fused) and ``ref`` (an unfused copy), on 3 sequences, the second padded on the right (no row without a
+    key, so eager's values everywhere): the same logits, loss gradients of every parameter (fp32). Returns the
+    inputs (ids, mask)."""
+    ids, mask = models.inputs(left_pad=(0, 0, 0))
+    mask[1, -3:] = 0
     out = lm(input_ids=ids, attention_mask=mask, labels=ids)
     want = ref(input_ids=ids, attention_mask=mask, labels=ids)
     torch.testing.assert_close(out.logits, want.logits, atol=1e-5, rtol=1e-5)
@@ -112,6 +164,7 @@ def check_step_matches(lm, ref, ids, mask):
     want.loss.backward()
     for (name, p), q in zip(lm.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    return ids, mask
 
 
 def check_left_padding(lm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -197,6 +250,15 @@ def check_left_out_kept_dry_run_and_refused(lm, name: str, refuse, words: str):
     assert not r0.fused and not r0.eligible and words in r0.reason, r0
     assert not r1.fused and "a forward set on the instance" in r1.reason
     unfuse(lm)
+
+
+def check_a_wrapped_projection_is_refused(probe, candidate, att, name: str):
+    """``att``'s projection ``name`` wrapped (a LoRA-style wrapper, say): still a candidate, refused by ``probe`` with
+    the reason."""
+    setattr(att, name, torch.nn.Sequential(getattr(att, name)))
+    assert candidate(att)
+    reason = probe(att).reason
+    assert reason.startswith(f"{name} is Sequential, not a torch.nn.Linear"), reason
 
 
 def check_probe_apart(probe, att, meta):

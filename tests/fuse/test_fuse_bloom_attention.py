@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipegoose.nn.fusion import FusedBloomAttention, dispatch
+from pipegoose.nn.fusion import FusedBloomAttention
 from pipegoose.nn.fusion.fuse import fuse, unfuse
 from pipegoose.nn.fusion.transformers import bloom
 from tolerances import tol
@@ -84,29 +84,14 @@ def test_off_cuda_sdpa_runs_unless_the_variables_ask_for_the_softmax_path(monkey
     Bloom's: SDPA runs there (counted as attention/sdpa; the report says so), with float64's values; rows without a
     key give zeros. PIPEGOOSE_SMALL_NUMEL=0 or PIPEGOOSE_IMPL_ATTENTION=pipegoose: the softmax path; so does a call
     that asks for the attention weights."""
-    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")   # (tests/fuse sets it to 0)
     att = _attention()
     fused = FusedBloomAttention.from_module(att)
     g = torch.Generator().manual_seed(8)
     hidden, residual = torch.randn(3, 9, 64, generator=g), torch.randn(3, 9, 64, generator=g)
     _, alibi, additive, masked = _masks(3, 9, (0, 3, 6), torch.float32)
-    want = _reference(att, hidden, residual, alibi, masked)[0]
-    for env, path in (({}, "sdpa"), ({"PIPEGOOSE_IMPL_ATTENTION": "pipegoose"}, "softmax"),
-                      ({"PIPEGOOSE_SMALL_NUMEL": "0"}, "softmax")):
-        with monkeypatch.context() as mp:
-            for k, v in env.items():
-                mp.setenv(k, v)
-            dispatch.reset_stats()
-            out, weights = fused(hidden, residual, alibi, additive)
-            assert (dispatch.stats().get("attention") == {"sdpa": 1}) == (path == "sdpa"), (env, dispatch.stats())
-            assert (weights is None) == (path == "sdpa")
-            torch.testing.assert_close(out.double(), want, **tol(torch.float32, 4))
-            lm = _lm()
-            row = next(r for r in fuse(lm, dry_run=True).rows if r.kind == "attention")
-            assert (row.forward == "sdpa @128") == (path == "sdpa"), (env, row)
-    dispatch.reset_stats()
-    assert fused(hidden, residual, alibi, additive, output_attentions=True)[1] is not None
-    assert "attention" not in dispatch.stats()
+    alibi_checks.check_off_cuda_paths(
+        monkeypatch, lambda w: fused(hidden, residual, alibi, additive, output_attentions=w),
+        _reference(att, hidden, residual, alibi, masked)[0], _lm())
 
 
 def test_fp32_equals_bloom_eager_on_the_cpu_softmax_path():
@@ -267,11 +252,8 @@ def test_the_probe_accepts_bloom_and_refuses_other_formulas():
     assert "are not Bloom's" in bloom.probe_bloom_attention(_OtherArgumentsBloomAttention(cfg, 0)).reason
     other = bloom.probe_bloom_attention(_OtherWithoutWeightsBloomAttention(cfg, 0))
     assert "does not compute Bloom's ALiBi attention" in other.reason
-    wrapped = _attention()
-    wrapped.query_key_value = torch.nn.Sequential(wrapped.query_key_value)   # (a LoRA-style wrapper, say)
-    assert bloom.candidate(wrapped)
-    reason = bloom.probe_bloom_attention(wrapped).reason
-    assert reason.startswith("query_key_value is Sequential, not a torch.nn.Linear"), reason
+    alibi_checks.check_a_wrapped_projection_is_refused(bloom.probe_bloom_attention, bloom.candidate, _attention(),
+                                                       "query_key_value")
     tp = _attention()
     tp.pretraining_tp, tp.slow_but_exact = 2, True
     assert "pretraining_tp > 1 with slow_but_exact" in bloom.probe_bloom_attention(tp).reason
@@ -281,25 +263,8 @@ def test_the_probe_accepts_bloom_and_refuses_other_formulas():
 
 # ------------------------------------------------------------------------------------------------ fuse
 def test_fuse_replaces_bloom_attention_and_unfuse_puts_it_back():
-    lm = _lm()
-    ref = copy.deepcopy(lm)
-    keys = list(lm.state_dict())
-    hook_calls = []
-    lm.transformer.h[0].self_attention.register_forward_hook(lambda *a: hook_calls.append(1))
-    report = fuse(lm)
-    rows = [r for r in report.rows if r.kind == "attention"]
-    assert [r.path for r in rows] == ["transformer.h.0.self_attention", "transformer.h.1.self_attention"]
-    assert all(r.fused and r.replacement == "FusedBloomAttention" and r.eligible for r in rows)
-    assert isinstance(lm.transformer.h[1].self_attention, FusedBloomAttention)
-    assert list(lm.state_dict()) == keys
-    assert report.attention["chosen"] == "eager" and "FusedBloomAttention" in report.attention["reason"]
-    ids, mask = models.inputs(left_pad=(0, 0, 0))
-    mask[1, -3:] = 0   # padding on the right: no row without a key, so eager's values everywhere
-    alibi_checks.check_step_matches(lm, ref, ids, mask)
-    assert hook_calls == [1]
-    assert unfuse(lm)
-    assert type(lm.transformer.h[0].self_attention).__name__ == "BloomAttention"
-    assert list(lm.state_dict()) == keys
+    alibi_checks.check_fuse_and_unfuse(_lm(), ["transformer.h.0.self_attention", "transformer.h.1.self_attention"],
+                                       "BloomAttention", "FusedBloomAttention")
 
 
 def test_left_padding_gives_zeros_where_eager_gives_weights_and_the_rest_is_eager():

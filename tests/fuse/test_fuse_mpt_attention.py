@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipegoose.nn.fusion import FusedMptAttention, dispatch
+from pipegoose.nn.fusion import FusedMptAttention
 from pipegoose.nn.fusion.fuse import fuse, unfuse
 from pipegoose.nn.fusion.transformers import mpt
 from tolerances import tol
@@ -118,27 +118,13 @@ def test_off_cuda_sdpa_runs_unless_the_variables_ask_for_the_softmax_path(monkey
     """As Bloom's: off CUDA SDPA runs (counted as attention/sdpa; the report says so), with float64's values; rows
     without a key give zeros. PIPEGOOSE_SMALL_NUMEL=0 or PIPEGOOSE_IMPL_ATTENTION=pipegoose: the softmax path; so
     does a call that asks for the attention weights."""
-    monkeypatch.delenv("PIPEGOOSE_SMALL_NUMEL")   # (tests/fuse sets it to 0)
     att = _attention()
     fused = FusedMptAttention.from_module(att)
     hidden = torch.randn(3, 9, 64, generator=torch.Generator().manual_seed(8))
     position_bias, masked = build_mpt_alibi_tensor(4, 64), _masked(3, 9, (0, 3, 6))
-    want = _reference(att, hidden, position_bias, masked)[0]
-    for env, path in (({}, "sdpa"), ({"PIPEGOOSE_IMPL_ATTENTION": "pipegoose"}, "softmax"),
-                      ({"PIPEGOOSE_SMALL_NUMEL": "0"}, "softmax")):
-        with monkeypatch.context() as mp:
-            for k, v in env.items():
-                mp.setenv(k, v)
-            dispatch.reset_stats()
-            out, weights = fused(hidden, position_bias, attention_mask=masked)
-            assert (dispatch.stats().get("attention") == {"sdpa": 1}) == (path == "sdpa"), (env, dispatch.stats())
-            assert (weights is None) == (path == "sdpa")
-            torch.testing.assert_close(out.double(), want, **tol(torch.float32, 4))
-            row = next(r for r in fuse(_lm(), dry_run=True).rows if r.kind == "attention")
-            assert (row.forward == "sdpa @128") == (path == "sdpa"), (env, row)
-    dispatch.reset_stats()
-    assert fused(hidden, position_bias, attention_mask=masked, output_attentions=True)[1] is not None
-    assert "attention" not in dispatch.stats()
+    alibi_checks.check_off_cuda_paths(
+        monkeypatch, lambda w: fused(hidden, position_bias, attention_mask=masked, output_attentions=w),
+        _reference(att, hidden, position_bias, masked)[0], _lm())
 
 
 def test_clip_qkv_clamps_the_projection_as_eager_does():
@@ -377,11 +363,7 @@ def test_the_probe_accepts_mpt_and_refuses_other_formulas():
     assert mpt.probe_mpt_attention(_NoClipMptAttention(cfg, 0)).ok   # (no clip_qkv: nothing to check)
     clipped = _NoClipMptAttention(_config(clip_qkv=6.0), 0)
     assert "does not compute MPT's ALiBi attention" in mpt.probe_mpt_attention(clipped).reason
-    wrapped = _attention()
-    wrapped.Wqkv = torch.nn.Sequential(wrapped.Wqkv)   # (a LoRA-style wrapper, say)
-    assert mpt.candidate(wrapped)
-    reason = mpt.probe_mpt_attention(wrapped).reason
-    assert reason.startswith("Wqkv is Sequential, not a torch.nn.Linear"), reason
+    alibi_checks.check_a_wrapped_projection_is_refused(mpt.probe_mpt_attention, mpt.candidate, _attention(), "Wqkv")
     extra = _attention()
     extra.q_ln = torch.nn.LayerNorm(64)   # (MosaicML's own code has qk_ln norms)
     assert "other submodules (q_ln)" in mpt.probe_mpt_attention(extra).reason
@@ -402,41 +384,28 @@ def test_fuse_replaces_mpt_attention_and_the_whole_model_trains_as_the_unfused_o
     (norm_1, norm_2, norm_f), its MLPs' torch.nn.GELU, the loss; the state_dict unchanged; losses and gradients
     (padding on the right: no row without a key) those of the unfused model, over a few AdamW steps too; unfuse puts
     every module back."""
+    def more(lm, ref, report, ids, mask):
+        kinds = [r.kind for r in report.rows if r.fused]
+        assert (kinds.count("attention"), kinds.count("layer_norm"), kinds.count("gelu")) == (2, 5, 2), kinds
+        assert "cross_entropy" in kinds and report.coverage == 1.0
+        assert all("output_attentions=True through a hook" in r.reason for r in report.rows if r.kind == "attention")
+        losses = {}
+        for name, m in (("fused", lm), ("eager", ref)):
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+            losses[name] = []
+            for _ in range(4):
+                opt.zero_grad()
+                loss = m(input_ids=ids, attention_mask=mask, labels=ids).loss
+                loss.backward()
+                opt.step()
+                losses[name].append(loss.item())
+        assert losses["fused"] == pytest.approx(losses["eager"], rel=1e-4)
+        assert losses["fused"][-1] < losses["fused"][0]
+
     lm = _lm()
-    ref = copy.deepcopy(lm)
-    keys = list(lm.state_dict())
-    hook_calls = []
-    lm.transformer.blocks[0].attn.register_forward_hook(lambda *a: hook_calls.append(1))
-    report = fuse(lm)
-    kinds = sorted((r.kind, r.path) for r in report.rows if r.fused)
-    assert [k for k, _ in kinds].count("attention") == 2 and [k for k, _ in kinds].count("layer_norm") == 5
-    assert [k for k, _ in kinds].count("gelu") == 2 and ("cross_entropy", "") in kinds, kinds
-    rows = [r for r in report.rows if r.kind == "attention"]
-    assert [r.path for r in rows] == ["transformer.blocks.0.attn", "transformer.blocks.1.attn"]
-    assert all(r.replacement == "FusedMptAttention" and r.eligible for r in rows) and report.coverage == 1.0
-    assert all("output_attentions=True through hooks" in r.reason for r in rows)
-    assert isinstance(lm.transformer.blocks[1].attn, FusedMptAttention)
-    assert list(lm.state_dict()) == keys
-    assert report.attention["chosen"] == "eager" and "FusedMptAttention" in report.attention["reason"]
-    ids, mask = models.inputs(left_pad=(0, 0, 0))
-    mask[1, -3:] = 0   # padding on the right: no row without a key, so eager's values everywhere
-    alibi_checks.check_step_matches(lm, ref, ids, mask)
-    assert hook_calls == [1]
-    losses = {}
-    for name, m in (("fused", lm), ("eager", ref)):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-        losses[name] = []
-        for _ in range(4):
-            opt.zero_grad()
-            loss = m(input_ids=ids, attention_mask=mask, labels=ids).loss
-            loss.backward()
-            opt.step()
-            losses[name].append(loss.item())
-    assert losses["fused"] == pytest.approx(losses["eager"], rel=1e-4) and losses["fused"][-1] < losses["fused"][0]
-    assert unfuse(lm)
-    assert type(lm.transformer.blocks[0].attn).__name__ == "MptAttention"
+    alibi_checks.check_fuse_and_unfuse(lm, ["transformer.blocks.0.attn", "transformer.blocks.1.attn"], "MptAttention",
+                                       "FusedMptAttention", more)
     assert type(lm.transformer.blocks[0].norm_1) is torch.nn.LayerNorm and lm.transformer.blocks[0].norm_1.bias is None
-    assert list(lm.state_dict()) == keys
 
 
 def test_left_padding_gives_zeros_where_eager_gives_weights_and_the_rest_is_eager():

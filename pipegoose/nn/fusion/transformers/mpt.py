@@ -65,8 +65,8 @@ Where the result differs from transformers' eager MPT:
   model through ``fuse``'s hook, or to the module itself).
 
 Source: this project (MIT); the formula is transformers' ``MptAttention`` (models/mpt/modeling_mpt.py, transformers
-5.25, the version it was checked with; 5.17's, whose cache argument is named ``past_key_values``, is taken by
-the same forward, untested here), which :func:`probe_mpt_attention` checks numerically on each module before ``fuse``
+5.17, whose cache argument is named ``past_key_values``, on the GPU machine, session 75, and 5.25 on the CPU, the
+versions it was checked with), which :func:`probe_mpt_attention` checks numerically on each module before ``fuse``
 replaces it.
 """
 
