@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", default=",".join(RUNS),
                     help=f"comma-separated, run in this order (default all): {', '.join(RUNS)}")
     ap.add_argument("--autocast", action="store_true",
-                    help="the 16-bit runs keep fp32 weights and run under bf16 autocast (mixed precision)")
+                    help="the 16-bit runs (named *_bf16) keep fp32 weights and run under bf16 autocast (mixed "
+                         "precision)")
     ap.add_argument("--out", help="also write the losses here as JSON")
     a = ap.parse_args(argv)
     runs_asked = [r.strip() for r in a.runs.split(",") if r.strip()]
@@ -54,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--runs: unknown {unknown}; expected some of {list(RUNS)}")
     if "eager_fp32" not in runs_asked:
         ap.error("--runs: eager_fp32 is the reference and must be one of the runs")
+    if a.steps < 1:
+        ap.error(f"--steps: expected at least 1, got {a.steps}")
+    if a.out and not os.path.isdir(os.path.dirname(os.path.abspath(a.out))):
+        ap.error(f"--out: the folder of {a.out} does not exist (checked before the runs, not after)")
 
     import transformers
 

@@ -108,8 +108,9 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   formula (``transformers.mpt.probe_mpt_attention``) -> ``FusedMptAttention`` (the same ``Wqkv`` and ``out_proj``;
   ALiBi, query-relative, and the mask as one bias, once per forward pass, on the same paths as Bloom's), kind
   ``attention``; ``attention="keep"`` leaves it. ``MptBlock`` does not pass ``output_attentions`` to its attention:
-  the module holding each fused one (where its forward takes ``output_attentions``) gets a forward pre-hook that
-  tells it (``transformers.mpt.watch_output_attentions``), removed by ``unfuse``.
+  the module holding each fused one (where its forward takes ``output_attentions``) gets a forward pre-hook and an
+  always-called forward hook that pass each call's request to it (``transformers.mpt.watch_output_attentions``:
+  detached weights besides the output), removed by ``unfuse``.
 
 Rows of what another ``fuse()`` call fused (of a part of the model, of a model or wrapper holding it) are reported as
 held: fused, naming that call, whatever ``ops`` says; this call leaves them as they are and records nothing for them.
@@ -1283,7 +1284,7 @@ def _consider_own_attention(own: _OwnAttention, child: nn.Module, parent: nn.Mod
     fwd, bwd = _own_attention_impls(child)
     weights = ""
     if own.fused is _mpt.FusedMptAttention:
-        weights = ("; the weights of output_attentions=True through a hook on the module holding it" if
+        weights = ("; the weights of output_attentions=True (detached) through hooks on the module holding it" if
                    _mpt.takes_output_attentions(parent) else
                    f"; {type(parent).__name__}'s forward takes no output_attentions: the weights only where the "
                    "softmax path runs")
@@ -1294,8 +1295,8 @@ def _consider_own_attention(own: _OwnAttention, child: nn.Module, parent: nn.Mod
 
 
 def _watch_output_attentions(parent: nn.Module, new: nn.Module, state: "_Fusion") -> None:
-    """For a ``FusedMptAttention`` put in ``parent``: the hook that tells it each call's ``output_attentions``
-    (``transformers.mpt.watch_output_attentions``: ``MptBlock`` does not pass it on), its handle kept for
+    """For a ``FusedMptAttention`` put in ``parent``: the hooks that pass it each call's ``output_attentions``
+    (``transformers.mpt.watch_output_attentions``: ``MptBlock`` does not pass it on), their handles kept for
     :func:`_undo`."""
     if isinstance(new, _mpt.FusedMptAttention):
         handles = _mpt.watch_output_attentions(parent)

@@ -38,14 +38,16 @@ was up to 0.49 off float64's, of the query-relative bias 2.3e-4 (fp16: 5e-5).
 
 The attention weights: ``MptBlock`` does not pass ``output_attentions`` to its attention (transformers' module
 returns its weights always, and the model keeps them only under ``output_attentions=True``). ``fuse`` therefore puts
-a forward pre-hook on the module that holds each fused attention where its forward takes ``output_attentions`` (the
-``MptBlock``: :func:`watch_output_attentions`), which tells the fused attention what each call asked for, so that
-``model(..., output_attentions=True)`` returns the weights (the softmax path) as the unfused model does; ``unfuse``
-removes it. The request holds until the block's next call, not just for this one: transformers 5.25's gradient
-checkpointing replays the block's forward in the backward without its hooks, and the replay must take the forward's
-path (a hook that cleared the request after the call made the replay's saved tensors differ: torch's CheckpointError).
-A :class:`FusedMptAttention` called directly takes ``output_attentions`` itself (and the last request of the block
-holding it).
+a forward pre-hook and an always-called forward hook on the module that holds each fused attention where its forward
+takes ``output_attentions`` (the ``MptBlock``: :func:`watch_output_attentions`), which pass each call's request to
+the fused attention for that call, per thread, so that ``model(..., output_attentions=True)`` returns the weights as
+the unfused model does; ``unfuse`` removes them. Such a request does not change how the output is computed: the
+weights are computed besides it, by the softmax path without gradient (detached; in training with attention dropout,
+with draws of their own). Gradient checkpointing replays the block's forward in the backward without its hooks,
+and the replay must compute what the forward computed (saved tensors that differ raise torch's CheckpointError:
+session 75's review found two forwards of different requests before one backward failing so), which it does since
+the output's path does not depend on the request. A :class:`FusedMptAttention` called directly with
+``output_attentions=True`` takes the softmax path itself and returns the weights with their gradient.
 
 Where the result differs from transformers' eager MPT:
 
@@ -72,8 +74,10 @@ replaces it.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -257,11 +261,12 @@ def mpt_bias(position_bias: torch.Tensor | None, attention_mask: torch.Tensor | 
     query-relative (see the module docstring).
 
     Args:
-        position_bias: ``[heads, 1, P]`` with ``P >= key_len`` (MPT's ``build_mpt_alibi_tensor``: per head a slope
-            times each position, fp32), floating point; its last ``key_len`` positions are the keys'. Or None (no
-            bias: the mask alone).
+        position_bias: ``[heads or 1, 1, P]`` with ``P >= key_len`` or ``P == 1`` (MPT's
+            ``build_mpt_alibi_tensor``: ``[heads, 1, max_seq_len]``, per head a slope times each position, fp32),
+            floating point; its last ``key_len`` positions are the keys' (a size 1 is broadcast, as eager does). Or
+            None (no bias: the mask alone).
         attention_mask: bool, True = masked (as ``MptModel`` passes it), ``[batch or 1, 1 or heads, query_len or 1,
-            >= key_len]`` (extra trailing keys are cut off), or None.
+            >= key_len]`` or ``[query_len or 1, >= key_len]`` (extra trailing keys are cut off), or None.
         batch, heads, query_len, key_len: the attention's sizes (``query_len <= key_len``: the last ``query_len``
             keys are the queries').
         dtype: the query's dtype, the bias's.
@@ -275,18 +280,19 @@ def mpt_bias(position_bias: torch.Tensor | None, attention_mask: torch.Tensor | 
         cached where :func:`pipegoose.nn.fusion.transformers.attention._cacheable` says so, under
         ``torch.inference_mode`` and ``torch.compile``, where the batch dimension stays).
     Raises:
-        ValueError: ``position_bias`` not ``[heads, 1, >= key_len]`` (eager MPT fails there too), ``attention_mask``
-            of a shape that does not fit (``_fit_mask``), ``query_len`` above ``key_len``.
+        ValueError: ``position_bias`` of another shape: fewer positions than keys (eager MPT fails there too), a
+            bias per query (``[heads, P, P]``, which eager broadcasts where it can; ``MptModel`` passes none),
+            ``attention_mask`` of a shape that does not fit (``_fit_mask``), ``query_len`` above ``key_len``.
         TypeError: ``position_bias`` not floating point; ``attention_mask`` not bool (eager's ``masked_fill`` takes
             bool masks only).
     """
     if position_bias is not None:
         if not position_bias.is_floating_point():
             raise TypeError(f"position_bias: expected a floating-point tensor, got dtype {position_bias.dtype}")
-        if (position_bias.dim() != 3 or position_bias.shape[0] != heads or position_bias.shape[1] != 1
-                or position_bias.shape[2] < key_len):
-            raise ValueError(f"position_bias: expected shape [{heads} (heads), 1, >= {key_len} (keys)], got "
-                             f"{tuple(position_bias.shape)}")
+        if (position_bias.dim() != 3 or position_bias.shape[0] not in (1, heads) or position_bias.shape[1] != 1
+                or 1 != position_bias.shape[2] < key_len):
+            raise ValueError(f"position_bias: expected shape [{heads} (heads) or 1, 1, >= {key_len} (keys) or 1], "
+                             f"got {tuple(position_bias.shape)}")
     if query_len > key_len:
         raise ValueError(f"query_len: {query_len} queries, more than the {key_len} keys")
     masked = None
@@ -294,7 +300,9 @@ def mpt_bias(position_bias: torch.Tensor | None, attention_mask: torch.Tensor | 
         if attention_mask.dtype != torch.bool:
             raise TypeError(f"attention_mask: expected a bool mask (True = masked, as MptModel passes it), got dtype "
                             f"{attention_mask.dtype}")
-        masked = _attention._fit_mask(attention_mask, query_len, key_len, batch, heads)
+        # (a 2-D [sq or 1, sk] mask broadcast over batch and heads, as eager's masked_fill does)
+        masked = _attention._fit_mask(attention_mask[None, None] if attention_mask.dim() == 2 else attention_mask,
+                                      query_len, key_len, batch, heads)
     elif position_bias is None:
         return None
     tensors = tuple(t for t in (position_bias, attention_mask) if t is not None)
@@ -318,7 +326,8 @@ def _build(position_bias, masked, batch, heads, query_len, key_len, dtype, dedup
     if position_bias is None:
         bias = torch.zeros(1, heads, query_len, key_len, dtype=dtype, device=device)
     else:
-        keys = position_bias[:, 0, position_bias.shape[2] - key_len:]   # [h, sk]: the keys' positions
+        keys = position_bias[:, 0, max(0, position_bias.shape[2] - key_len):]   # [h or 1, sk or 1]: the keys'
+        keys = keys.expand(heads, key_len)
         keys = keys.to(torch.promote_types(keys.dtype, torch.float32))
         # each query row less the bias of the key aligned with its query (key sk - sq + i): the softmax is the same
         bias = (keys[:, None, :] - keys[:, key_len - query_len:, None]).to(dtype).unsqueeze(0)
@@ -359,29 +368,47 @@ def takes_output_attentions(parent: nn.Module) -> bool:
         return False
 
 
+_requests = threading.local()   # .asked: ids of the fused attentions whose holder's call under way asked for weights
+
+
 def _ask_weights(parent: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of a module holding fused MPT attention: its call's ``output_attentions`` (keyword or
-    positional) told to each :class:`FusedMptAttention` among its children, until its next call (see the module
-    docstring: a gradient-checkpointing replay runs without the hook). A module-level function: a fused model pickles,
-    and a copy's hook acts on the copy's modules."""
+    """Forward pre-hook of a module holding fused MPT attention: where its call's ``output_attentions`` (keyword or
+    positional) is true, each :class:`FusedMptAttention` among its children is marked, in this thread, as asked for
+    its weights, until :func:`_forget_weights` (the call's end). A module-level function: a fused model pickles, and a
+    copy's hooks act on the copy's modules."""
     asked = kwargs.get("output_attentions")
     if asked is None:
         pos = _position_of_output_attentions(type(parent))
         if pos is not None and len(args) > pos:
             asked = args[pos]
-    for child in parent._modules.values():
-        if isinstance(child, FusedMptAttention):
-            child._weights_asked = bool(asked)
+    if asked:
+        ids = _requests.__dict__.setdefault("asked", set())
+        ids.update(id(c) for c in parent._modules.values() if isinstance(c, FusedMptAttention))
+
+
+def _forget_weights(parent: nn.Module, args: tuple, output) -> None:
+    """Forward hook (``always_call``: also where the call raised) of a module holding fused MPT attention: the marks
+    of :func:`_ask_weights` taken off."""
+    ids = _requests.__dict__.get("asked")
+    if ids:
+        ids.difference_update(id(c) for c in parent._modules.values() if isinstance(c, FusedMptAttention))
+
+
+def _weights_asked(attention: nn.Module) -> bool:
+    """Whether the call under way, in this thread, of the module holding ``attention`` asked for weights."""
+    ids = _requests.__dict__.get("asked")
+    return bool(ids) and id(attention) in ids
 
 
 def watch_output_attentions(parent: nn.Module) -> tuple | None:
-    """Put on ``parent`` (the module that holds a :class:`FusedMptAttention`: ``MptBlock``) the forward pre-hook that
-    tells the fused attention each call's ``output_attentions`` (:func:`_ask_weights`); returns its handle in a tuple
-    (``fuse`` removes it at ``unfuse``), or None where ``parent``'s forward takes no ``output_attentions``
-    (:func:`takes_output_attentions`) or carries the hook already."""
+    """Put on ``parent`` (the module that holds a :class:`FusedMptAttention`: ``MptBlock``) the hooks that pass each
+    call's ``output_attentions`` to the fused attention (:func:`_ask_weights`, :func:`_forget_weights`); returns their
+    handles (``fuse`` removes them at ``unfuse``), or None where ``parent``'s forward takes no ``output_attentions``
+    (:func:`takes_output_attentions`) or carries the hooks already."""
     if not takes_output_attentions(parent) or watched(parent):
         return None
-    return (parent.register_forward_pre_hook(_ask_weights, with_kwargs=True),)
+    return (parent.register_forward_pre_hook(_ask_weights, with_kwargs=True),
+            parent.register_forward_hook(_forget_weights, always_call=True))
 
 
 def watched(parent: nn.Module) -> bool:
@@ -409,8 +436,9 @@ class FusedMptAttention(nn.Module):
       >= sk]``, True = masked, or None (see :func:`mpt_bias`);
     * cache: a transformers ``Cache`` (``update(key, value, layer_idx)``), or None;
     * returns ``(output [b, sq, hidden], attention weights [b, heads, sq, sk] or None)``: ``out_proj(attention)``;
-      the weights where the softmax path ran (always when asked for: ``output_attentions=True``, or the last call of
-      the module holding it asked, through ``fuse``'s hook), None on the SDPA path.
+      the weights where the softmax path ran (always under ``output_attentions=True``, with their gradient), or where
+      the call of the module holding it asked for them through ``fuse``'s hooks (detached, see the module
+      docstring), None on the SDPA path otherwise.
 
     Raises: the constructor, ``TypeError`` for projections that are not ``torch.nn.Linear``, ``ValueError`` naming the
     argument for sizes that do not fit, a ``clip_qkv`` below 0, a ``softmax_scale`` that is not a finite number or an
@@ -441,7 +469,6 @@ class FusedMptAttention(nn.Module):
         self.hidden_size, self.n_heads, self.head_dim = hidden_size, n_heads, head_dim
         self.softmax_scale, self.attn_dropout_p, self.clip_qkv = softmax_scale, attn_dropout_p, clip_qkv
         self.layer_idx, self.max_seq_length = layer_idx, max_seq_length
-        self._weights_asked = False   # (set per call by the hook of the module holding it: watch_output_attentions)
 
     @classmethod
     def from_module(cls, attention: nn.Module, verify: bool = True) -> FusedMptAttention:
@@ -477,10 +504,17 @@ class FusedMptAttention(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         sk = key.shape[2]
+        if isinstance(position_bias, torch.Tensor) and position_bias.dim() == 3 and 1 != position_bias.shape[2] < sk:
+            raise ValueError(f"hidden_states: {sk} positions (with the cache's) exceed the {position_bias.shape[2]} of "
+                             f"position_bias, MPT's ALiBi over config.max_seq_len (max_seq_length "
+                             f"{self.max_seq_length}): shorten the input or raise max_seq_len")
         bias = mpt_bias(position_bias, attention_mask, batch=b, heads=h, query_len=sq, key_len=sk, dtype=query.dtype)
-        out, weights = _attention.bias_attention_forward(
-            self, query, key, value, bias, scaling=self.softmax_scale, dropout=self.attn_dropout_p,
-            output_attentions=bool(output_attentions) or self._weights_asked)
+        run = functools.partial(_attention.bias_attention_forward, self, query, key, value, bias,
+                                scaling=self.softmax_scale, dropout=self.attn_dropout_p)
+        out, weights = run(output_attentions=bool(output_attentions))
+        if weights is None and _weights_asked(self):
+            with torch.no_grad():   # (the holder's request: weights besides the output, which takes its own path)
+                weights = run(output_attentions=True)[1]
         return self.out_proj(out.reshape(b, sq, h * d)), weights
 
 
