@@ -160,18 +160,19 @@ def test_demo_bf16_random_gpt2_cpu(capsys):
     assert "float64" in out and "parity (bfloat16" in out and "PASS" in out
 
 
-def test_demo_bloom_has_a_float64_reference(capsys):
-    """Bloom's eager attention takes its softmax in float32, where a float64 copy's mask value is -inf: with left
-    padding its fully masked rows were NaN, and the demo compared fused with unfused only (session 40's walkthrough).
-    Its batch pads on the right; the other models keep left padding (fully masked causal rows)."""
-    model, batch, _ = demo.load("bloom", "eager", torch.device("cpu"), torch.float32)
+@pytest.mark.parametrize("name", ["bloom", "mpt"])
+def test_demo_bloom_and_mpt_have_a_float64_reference(capsys, name):
+    """Bloom's (and MPT's) eager attention takes its softmax in float32, where a float64 copy's mask value is -inf:
+    with left padding its fully masked rows were NaN, and the demo compared fused with unfused only (session 40's
+    walkthrough). Their batch pads on the right; the other models keep left padding (fully masked causal rows)."""
+    model, batch, _ = demo.load(name, "eager", torch.device("cpu"), torch.float32)
     mask = batch["attention_mask"]
     assert bool((mask[:, 0] == 1).all()) and not bool((mask[:, -1] == 1).all()), mask
     ref, why = demo.float64_reference(model, batch)
     assert ref is not None, why
     _, batch, _ = demo.load("llama", "eager", torch.device("cpu"), torch.float32)
     assert not bool((batch["attention_mask"][:, 0] == 1).all()) and bool((batch["attention_mask"][:, -1] == 1).all())
-    assert demo.main(["--model", "bloom", "--device", "cpu", "--steps", "1"]) == 0
+    assert demo.main(["--model", name, "--device", "cpu", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "relative error against the float64 model" in out and "no float64 reference" not in out, out
     assert "PASS" in out
@@ -277,6 +278,8 @@ def test_bloom_is_told_by_model_type_not_by_the_path(monkeypatch, tmp_path, caps
     assert said == [False, True, True, False]
     assert demo.main(["--model", "bloom", "--device", "cpu", "--attn-implementation", "eager"]) == 2
     assert "Bloom has no SDPA path" not in capsys.readouterr().out and seen[-1] == "eager"
+    assert demo.main(["--model", "mpt", "--device", "cpu", "--attn-implementation", "sdpa"]) == 2
+    assert "MPT has no SDPA path" in capsys.readouterr().out and seen[-1] == "eager"
 
 
 def test_demo_folder_without_tokenizer_files(capsys, tmp_path):

