@@ -772,8 +772,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                             report.not_requested[act_kind] = report.not_requested.get(act_kind, 0) + 1
                         continue
                     row, new = _consider_activation(act_kind, child, path, dry_run, like)
-                elif _own_attention(child) is not None:
-                    own = _own_attention(child)
+                elif (own := _own_attention(child)) is not None:
                     if "attention" not in ops:
                         if own.probe(child).ok:
                             report.not_requested["attention"] = report.not_requested.get("attention", 0) + 1
