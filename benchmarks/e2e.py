@@ -212,12 +212,18 @@ MODELS = {
     # (ALiBi attention, FusedMptAttention; eager only in transformers, as Bloom's)
     "mpt": dict(arch="mpt", batch=2, attn="eager", config=dict(d_model=2048, n_heads=16, n_layers=24, expansion_ratio=4,
                                                                 max_seq_len=2048, vocab_size=50432)),
+    # (OPT-1.3B's shape: LayerNorms, ReLU MLPs without a gate (left to PyTorch: one kernel already), learned positions)
+    "opt": dict(arch="opt", batch=4, config=dict(hidden_size=2048, ffn_dim=8192, num_hidden_layers=24,
+                                                  num_attention_heads=32, vocab_size=50272,
+                                                  max_position_embeddings=2048, word_embed_proj_dim=2048,
+                                                  pad_token_id=1, bos_token_id=2, eos_token_id=2)),
 }
 CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3Config", "phi3": "Phi3Config",
            "gemma": "GemmaConfig", "qwen3_moe": "Qwen3MoeConfig", "gemma4_text": "Gemma4TextConfig",
            "olmo": "OlmoConfig", "cohere": "CohereConfig", "glm4": "Glm4Config", "gpt2": "GPT2Config",
            "phi": "PhiConfig", "modernbert-decoder": "ModernBertDecoderConfig", "arcee": "ArceeConfig",
-           "nemotron": "NemotronConfig", "bloom": "BloomConfig", "mpt": "MptConfig"}
+           "nemotron": "NemotronConfig", "bloom": "BloomConfig", "mpt": "MptConfig",
+           "opt": "OPTConfig"}
 VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_model_rope",
             "compile_sdpa", "liger_rmsnorm", "liger")
 # What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the

@@ -31,6 +31,8 @@ def _tiny(name: str):
     if "num_experts" in cfg:   # (a MoE's experts: 4 of 32, 2 routed per token; Gemma 4 names the count top_k_experts)
         over.update(num_experts=4, moe_intermediate_size=32,
                     **{"top_k_experts" if "top_k_experts" in cfg else "num_experts_per_tok": 2})
+    if "ffn_dim" in cfg:   # (OPT's names for the MLP's and the embedding's widths)
+        over.update(ffn_dim=TINY["intermediate_size"], word_embed_proj_dim=TINY["hidden_size"])
     for k in ("pad_token_id", "bos_token_id", "eos_token_id"):   # (ids inside the tiny vocab)
         if k in cfg:
             over[k] = min(cfg[k], 127)
@@ -166,6 +168,41 @@ def test_mpt_is_mpt_7bs_layer_at_hidden_2048_and_fuse_replaces_its_attention():
     rows = [r for r in report.rows if r.kind == "attention"]
     assert len(rows) == 2 and all(r.fused and r.replacement == "FusedMptAttention" for r in rows)
     assert isinstance(model.transformer.blocks[0].attn, FusedMptAttention)
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, want_loss, atol=1e-5, rtol=1e-5)
+
+
+def test_opt_is_opt_1_3bs_shape_and_fuse_replaces_its_layer_norms_and_loss():
+    """hidden 2048, 24 layers, 32 heads, MLP 8192, learned positions to 2048 (+2 offset), vocab 50272 (tied): ~1.32B
+    parameters, counted on the meta device; fuse() replaces a tiny copy's 2 x layers + 1 LayerNorms and its loss, and
+    leaves SDPA, with the unfused step's loss."""
+    from pipegoose.nn.fusion import MixedFusedLayerNorm, fuse
+
+    spec = e2e.MODELS["opt"]
+    assert spec["arch"] == "opt" and spec["batch"] == 4 and "attn" not in spec
+    cfg = _config("opt")
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.ffn_dim) == (2048, 24, 32, 8192)
+    assert cfg.vocab_size == 50272 and cfg.tie_word_embeddings and cfg.do_layer_norm_before
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    h, f = 2048, 8192
+    # tied embedding, learned positions (2048 + OPT's offset of 2), per layer q/k/v/out with biases, two LayerNorms,
+    # fc1/fc2 with biases; the final LayerNorm
+    want = 50272 * h + 2050 * h + 24 * (4 * (h * h + h) + 2 * 2 * h + h * f + f + f * h + h) + 2 * h
+    got = sum(p.numel() for p in model.parameters())
+    assert got == want and 1.3e9 < got < 1.33e9
+    tiny = _tiny("opt")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny, attn_implementation="sdpa").train()
+    ids = torch.randint(0, tiny.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(2)   # (OPT's dropout: the same draws for both steps)
+    want_loss = model(input_ids=ids, labels=ids).loss
+    report = fuse(model)
+    torch.manual_seed(2)
+    norms = [r for r in report.rows if r.kind == "layer_norm"]
+    assert len(norms) == 2 * tiny.num_hidden_layers + 1 and all(r.fused for r in norms)
+    assert isinstance(model.model.decoder.final_layer_norm, MixedFusedLayerNorm)
+    assert [r.fused for r in report.rows if r.kind == "cross_entropy"] == [True]
+    assert not any(r.fused for r in report.rows if r.kind == "attention")   # (SDPA kept)
     torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, want_loss, atol=1e-5, rtol=1e-5)
 
 
