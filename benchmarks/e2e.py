@@ -1,5 +1,5 @@
 """End-to-end: one training step (forward, backward, AdamW) of Llama-, GPT-NeoX-, Qwen3-, Phi-3-, Gemma-,
-Qwen3-MoE-, Gemma 4 MoE- and OLMo-like models, bf16, seq 2048.
+Qwen3-MoE-, Gemma 4 MoE- and OLMo-like models, bf16, seq 2048 (BERT's 512).
 
 Models (random init from a config, no weights downloaded):
 
@@ -87,6 +87,14 @@ Models (random init from a config, no weights downloaded):
   eager attention (the ``sdpa`` row is that baseline). Once fused: its attention ``FusedMptAttention`` (ALiBi,
   query-relative, and the mask as one bias on our attention function), LayerNorms, ``gelu``, the loss. Not in
   ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
+* ``opt``: OPT-1.3B's shape (``OPTForCausalLM``: hidden 2048, 24 layers, 32 heads, ReLU MLPs of 8192 without a gate,
+  learned positions, vocab 50272, tied, dropout 0.1 as OPT's config), ~1.32B params, batch 4. What ``fuse`` replaces
+  in it: its LayerNorms and the loss. Not in ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
+* ``bert_mlm``: BERT-large's shape as a masked LM (``BertForMaskedLM``: hidden 1024, 24 layers, 16 heads, GELU MLPs of
+  4096, vocab 30522, tied, dropout 0.1), ~335M params, batch 32 x **512** positions (BERT's ``max_position_embeddings``:
+  the model's own ``seq`` in this table, in place of 2048), labels on 15% of the positions (fixed draws; -100
+  elsewhere), as masked-LM pretraining predicts. Its loss is computed in the forward by a ``CrossEntropyLoss`` of its
+  own (not ``self.loss_function``). Not in ``benchmarks.run``'s default ``--e2e-models``; no Liger variant.
 
 Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse_sdpa`` / ``fuse_eager``
 (``pipegoose.nn.fusion.fuse(model)`` on that model), ``fuse_sdpa_adam`` (``fuse_sdpa`` with
@@ -213,6 +221,10 @@ MODELS = {
     "mpt": dict(arch="mpt", batch=2, attn="eager", config=dict(d_model=2048, n_heads=16, n_layers=24, expansion_ratio=4,
                                                                 max_seq_len=2048, vocab_size=50432)),
     # (OPT-1.3B's shape: LayerNorms, ReLU MLPs without a gate (left to PyTorch: one kernel already), learned positions)
+    # (a masked LM: AutoModelForMaskedLM, labels on 15% of the positions; BERT's 512 positions, the model's own seq)
+    "bert_mlm": dict(arch="bert", head="masked_lm", batch=32, seq=512,
+                     config=dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                                 intermediate_size=4096, vocab_size=30522, max_position_embeddings=512)),
     "opt": dict(arch="opt", batch=4, config=dict(hidden_size=2048, ffn_dim=8192, num_hidden_layers=24,
                                                   num_attention_heads=32, vocab_size=50272,
                                                   max_position_embeddings=2048, word_embed_proj_dim=2048,
@@ -223,7 +235,27 @@ CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3C
            "olmo": "OlmoConfig", "cohere": "CohereConfig", "glm4": "Glm4Config", "gpt2": "GPT2Config",
            "phi": "PhiConfig", "modernbert-decoder": "ModernBertDecoderConfig", "arcee": "ArceeConfig",
            "nemotron": "NemotronConfig", "bloom": "BloomConfig", "mpt": "MptConfig",
-           "opt": "OPTConfig"}
+           "opt": "OPTConfig", "bert": "BertConfig"}
+MASKED_FRACTION = 0.15   # a masked LM's positions with a label (the others -100), as BERT's pretraining
+
+
+def auto_class(spec: dict):
+    """The transformers auto class that builds a MODELS entry: ``AutoModelForMaskedLM`` for ``head="masked_lm"``,
+    else ``AutoModelForCausalLM``."""
+    import transformers
+
+    return transformers.AutoModelForMaskedLM if spec.get("head") == "masked_lm" else transformers.AutoModelForCausalLM
+
+
+def labels_for(spec: dict, ids, generator):
+    """The labels of a step on ``ids``: ``ids`` itself for a causal LM (transformers shifts them), or for a masked LM
+    ``ids`` on a ``MASKED_FRACTION`` of the positions drawn with ``generator`` and -100 (ignored) elsewhere."""
+    if spec.get("head") != "masked_lm":
+        return ids
+    import torch
+
+    keep = torch.rand(ids.shape, device=ids.device, generator=generator) < MASKED_FRACTION
+    return ids.masked_fill(~keep, -100)
 VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_model_rope",
             "compile_sdpa", "liger_rmsnorm", "liger")
 # What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the
@@ -252,7 +284,7 @@ def _worker(model_name: str, variant: str, batch: int, seq: int, warmup: int, st
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+        model = auto_class(spec).from_config(cfg, attn_implementation=attn)
     model.to(torch.bfloat16).train()
     res["params"] = sum(p.numel() for p in model.parameters())
     if variant.startswith("fuse"):
@@ -277,10 +309,11 @@ def _worker(model_name: str, variant: str, batch: int, seq: int, warmup: int, st
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     gen = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda", generator=gen)
+    labels = labels_for(spec, ids, gen)
     losses: list[float] = []
 
     def step() -> None:
-        loss = step_model(input_ids=ids, labels=ids).loss
+        loss = step_model(input_ids=ids, labels=labels).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -359,14 +392,15 @@ def run_e2e(models: list[str], variants: list[str], deadline: float, quick: bool
             if model not in LIGER_ONLY.get(v, (model,)):
                 continue
             b = (batch or {}).get(model, MODELS[model]["batch"])
-            row = {"model": model, "variant": v, "batch": b, "seq": seq}
+            s_len = MODELS[model].get("seq", seq)   # (a model of fewer positions: BERT's 512)
+            row = {"model": model, "variant": v, "batch": b, "seq": s_len}
             left = deadline - time.perf_counter()
             limit = min(compile_timeout_s if v.startswith("compile") else timeout_s, left)
             if limit < 20:
                 results.append({**row, "status": "skipped", "detail": "time budget"})
                 continue
             cmd = [sys.executable, "-m", "benchmarks.e2e", "--worker", "--model", model, "--variant", v,
-                   "--batch", str(b), "--seq", str(seq), "--warmup", str(warmup), "--steps", str(steps)]
+                   "--batch", str(b), "--seq", str(s_len), "--warmup", str(warmup), "--steps", str(steps)]
             t0 = time.perf_counter()
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit,

@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--e2e-models", default="llama,neox", help="comma separated: llama, neox, qwen3, phi3, gemma, "
                                                                  "qwen3_moe, gemma4_moe, olmo, cohere, glm4, gpt2, "
                                                                  "phi, modernbert_decoder, arcee, nemotron, bloom, "
-                                                                 "bloom_1b7, mpt, opt (default llama,neox)")
+                                                                 "bloom_1b7, mpt, opt, bert_mlm (default llama,neox)")
     ap.add_argument("--e2e-variants", default="",
                     help="default: all (sdpa, eager, fuse_sdpa, fuse_eager, fuse_sdpa_adam, fuse_sdpa_lce, "
                          "fuse_sdpa_model_rope, compile_sdpa, liger_rmsnorm, liger)")

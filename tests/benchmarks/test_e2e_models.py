@@ -3,6 +3,8 @@ the CPU; Gemma's entry is Gemma-2B's layer shape, Qwen3-MoE's Qwen3-30B-A3B's; L
 its function has (CPU)."""
 
 import math
+import subprocess
+import time
 
 import _bench_path  # noqa: F401
 import pytest
@@ -63,9 +65,10 @@ def test_every_model_builds_its_config_and_a_tiny_copy_trains_a_step_on_the_cpu(
     assert tiny.num_hidden_layers <= 2 and tiny.hidden_size <= 64, (tiny.num_hidden_layers, tiny.hidden_size)
     torch.manual_seed(0)
     # (the attention the benchmark loads: SDPA, or eager for a model that has no other, Bloom's, MPT's)
-    model = transformers.AutoModelForCausalLM.from_config(tiny, attn_implementation=spec.get("attn", "sdpa")).train()
-    ids = torch.randint(0, tiny.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    loss = model(input_ids=ids, labels=ids).loss
+    model = e2e.auto_class(spec).from_config(tiny, attn_implementation=spec.get("attn", "sdpa")).train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, tiny.vocab_size, (2, 16), generator=g)
+    loss = model(input_ids=ids, labels=e2e.labels_for(spec, ids, g)).loss
     loss.backward()
     got = loss.item()
     assert math.isfinite(got) and abs(got - math.log(tiny.vocab_size)) < 1.0   # (random init: ~ln V)
@@ -204,6 +207,43 @@ def test_opt_is_opt_1_3bs_shape_and_fuse_replaces_its_layer_norms_and_loss():
     assert [r.fused for r in report.rows if r.kind == "cross_entropy"] == [True]
     assert not any(r.fused for r in report.rows if r.kind == "attention")   # (SDPA kept)
     torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, want_loss, atol=1e-5, rtol=1e-5)
+
+
+def test_bert_mlm_is_bert_larges_shape_as_a_masked_lm_at_512_positions(monkeypatch):
+    """hidden 1024, 24 layers, 16 heads, MLP 4096, 512 positions, vocab 30522 (tied): ~335M parameters, counted on the
+    meta device; BertForMaskedLM; batch 32 x 512 (the model's own seq, which run_e2e passes to the worker); labels
+    on ~15% of the positions, -100 elsewhere, the others' ids unchanged."""
+    spec = e2e.MODELS["bert_mlm"]
+    assert spec["arch"] == "bert" and spec["head"] == "masked_lm" and (spec["batch"], spec["seq"]) == (32, 512)
+    cfg = _config("bert_mlm")
+    with torch.device("meta"):
+        model = e2e.auto_class(spec).from_config(cfg, attn_implementation="sdpa")
+    assert type(model).__name__ == "BertForMaskedLM"
+    h, f, v = 1024, 4096, 30522
+    layer = 4 * (h * h + h) + 2 * 2 * h + h * f + f + f * h + h   # q/k/v/out, two LayerNorms, the MLP (with biases)
+    # embeddings (words, 512 positions, 2 token types, LayerNorm), layers, the MLM head's transform (dense, LayerNorm)
+    # and its decoder's bias (the decoder's weight is the tied embedding); BertForMaskedLM has no pooler
+    want = v * h + 512 * h + 2 * h + 2 * h + 24 * layer + (h * h + h) + 2 * h + v
+    got = sum(p.numel() for p in model.parameters())
+    assert got == want and 3.3e8 < got < 3.4e8
+    ids = torch.randint(0, v, (32, 512))
+    labels = e2e.labels_for(spec, ids, torch.Generator().manual_seed(0))
+    kept = labels != -100
+    assert torch.equal(labels[kept], ids[kept]) and abs(kept.float().mean().item() - e2e.MASKED_FRACTION) < 0.01
+    assert e2e.labels_for(e2e.MODELS["llama"], ids, None) is ids   # (a causal LM: its ids, shifted by transformers)
+    seen = []
+
+    class Done:
+        returncode, stdout, stderr = 0, "", "stop"
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        return Done()
+
+    monkeypatch.setattr(subprocess, "run", fake_run)   # (the workers' commands, not run)
+    rows = e2e.run_e2e(["bert_mlm", "opt"], ["sdpa"], deadline=time.perf_counter() + 1e3, log=lambda s: None)
+    assert [r["seq"] for r in rows] == [512, 2048]
+    assert [c[c.index("--seq") + 1] for c in seen] == ["512", "2048"]
 
 
 def test_gemma_is_liger_patched_and_not_a_default_model():
