@@ -45,7 +45,8 @@ only for calls made inside a fused attention module's forward, and the model's o
   using it is unfused (a fused model that is garbage collected without ``unfuse`` leaves the dispatching function in
   place, passing every call through); a function that someone else put there meanwhile is left as it is.
 
-This is the one global that ``fuse`` changes; other models, fused or not, compute exactly what they computed.
+This is one of the two globals that ``fuse`` changes (the other: a modeling module's ``CrossEntropyLoss``,
+:mod:`.inline_loss`); other models, fused or not, compute exactly what they computed.
 """
 
 from __future__ import annotations
