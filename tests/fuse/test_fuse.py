@@ -2022,23 +2022,40 @@ def test_a_loss_function_set_while_fused_stays_and_unfuse_restores_the_rest():
     assert model.loss_function is mine                           # the user's, kept
 
 
-def test_bert_masked_lm_computes_its_own_loss_and_is_reported_as_such():
-    """BertForMaskedLM's forward builds its own CrossEntropyLoss (it never calls self.loss_function): setting the
-    instance's loss function would change nothing, so it is a row not fused, not eligible, with the reason."""
+def test_bert_masked_lm_builds_its_own_loss_which_fuse_routes_to_our_op():
+    """BertForMaskedLM's forward builds its own CrossEntropyLoss from modeling_bert's global (it never calls
+    self.loss_function): fuse routes that global to our op (tests/fuse/test_fuse_inline_loss.py has the details), a
+    row fused and eligible, the instance's loss function left alone; the loss is the unfused one's (fp32 on the CPU:
+    the op's path is F.cross_entropy on the same logits). DistilBertForMaskedLM keeps a loss module of its own
+    (self.mlm_loss_fct): nothing to replace, a row not fused, not eligible, with the reason."""
+    import transformers as tr
+    import transformers.models.bert.modeling_bert as mb
+
     model = _lm("bert")
     ids, mask, labels = _lm_inputs()
     ref = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-    report = fuse(model)
+    report = fuse(model, ops=["cross_entropy"])
+    (r,) = _ce_rows(report)
+    assert (r.path, r.fused, r.eligible, r.original, r.replacement) == (
+        "", True, True, "CrossEntropyLoss (inline)", "op cross_entropy"), r
+    assert "modeling_bert.CrossEntropyLoss -> a dispatching subclass" in r.reason, r.reason
+    assert "BertForMaskedLM.forward run op cross_entropy" in r.reason, r.reason
+    assert r.forward != "-" and r.backward != "-"
+    assert "_loss_function" not in model.__dict__ and is_fused(model) and report.coverage == 1.0
+    assert torch.equal(model(input_ids=ids, attention_mask=mask, labels=labels).loss, ref)
+    assert unfuse(model) and mb.CrossEntropyLoss is torch.nn.CrossEntropyLoss
+    assert fuse(model, ops=["layer_norm"], dry_run=True).not_requested.get("cross_entropy") == 1
+
+    torch.manual_seed(0)
+    distil = tr.DistilBertForMaskedLM(tr.DistilBertConfig(vocab_size=models.VOCAB, dim=32, n_layers=1, n_heads=4,
+                                                          hidden_dim=64)).eval()
+    report = fuse(distil, ops=["cross_entropy"])
     (r,) = _ce_rows(report)
     assert (r.path, r.fused, r.eligible, r.replacement) == ("", False, False, None), r
-    assert "BertForMaskedLM.forward computes its loss without self.loss_function" in r.reason, r.reason
-    assert "_loss_function" not in model.__dict__
-    assert report.coverage == 1.0                                # not eligible: not counted as undone
-    assert unfuse(model)
-    assert fuse(model, ops=["layer_norm"], dry_run=True).not_requested.get("cross_entropy") is None
-    report = fuse(model, ops=["cross_entropy"])                 # nothing to do: no record
-    assert not is_fused(model) and not report.fused_rows()
-    assert torch.equal(model(input_ids=ids, attention_mask=mask, labels=labels).loss, ref)
+    assert "DistilBertForMaskedLM.forward computes its loss without self.loss_function or its modeling module's " \
+           "CrossEntropyLoss" in r.reason, r.reason
+    assert not is_fused(distil) and not report.fused_rows()   # nothing to do: no record
+    assert fuse(distil, ops=["layer_norm"], dry_run=True).not_requested.get("cross_entropy") is None
 
 
 def test_dry_run_of_the_loss_changes_nothing():

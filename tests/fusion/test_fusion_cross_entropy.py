@@ -411,7 +411,7 @@ def test_fake_impls_on_meta_tensors(dtype):
 
 # -------------------------------------------------------------------------------------- the transformers glue
 LOSS_UTILS = pytest.importorskip("transformers.loss.loss_utils")
-from pipegoose.nn.fusion.transformers.loss import causal_lm_loss, loss_support, masked_lm_loss  # noqa: E402
+from pipegoose.nn.fusion.transformers.loss import INLINE, causal_lm_loss, loss_support, masked_lm_loss  # noqa: E402
 
 B, S, V = 3, 11, 97
 
@@ -520,9 +520,14 @@ def test_loss_support_of_language_models():
     assert name is None and candidate and "already set" in reason
     bert = tr.BertForMaskedLM(tr.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                             intermediate_size=64))
+    # (BERT's forward builds its own CrossEntropyLoss from its modeling module's global: routed there)
     name, reason, candidate, original = loss_support(bert)
+    assert (name, candidate, original) == (INLINE, True, "CrossEntropyLoss (inline)")
+    assert "modeling_bert.CrossEntropyLoss -> a dispatching subclass" in reason, reason
+    distil = tr.DistilBertForMaskedLM(tr.DistilBertConfig(vocab_size=V, dim=32, n_layers=1, n_heads=4, hidden_dim=64))
+    name, reason, candidate, original = loss_support(distil)   # (a loss module of its own: self.mlm_loss_fct)
     assert name is None and candidate and original == "its own loss"
-    assert "BertForMaskedLM.forward computes its loss without self.loss_function" in reason
+    assert "DistilBertForMaskedLM.forward computes its loss without self.loss_function" in reason, reason
     classifier = tr.LlamaForSequenceClassification(cfg)
     name, reason, candidate, _ = loss_support(classifier)
     assert name is None and not candidate and "not a language-model cross-entropy" in reason

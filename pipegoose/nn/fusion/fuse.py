@@ -86,6 +86,15 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   ``pipegoose.nn.fusion.transformers.loss.causal_lm_loss`` / ``masked_lm_loss`` (the same loss on our kernel, op
   ``cross_entropy``, without the fp32 copy of the logits; the report's row for it has the language model's path:
   ``""`` for the model itself, or the path of one inside a wrapper, PEFT's ``PeftModel`` say);
+* the loss of a transformers model whose forward builds its own ``CrossEntropyLoss()`` from its modeling module's
+  global of that name and does not call ``self.loss_function`` (BERT's masked-LM, pre-training and classification
+  heads; RoBERTa's, XLM-R's, ELECTRA's, ALBERT's; DistilBERT's classifiers), where that global is
+  ``torch.nn.CrossEntropyLoss``: the model is not replaced but gets two hooks, and the global becomes a dispatching
+  subclass of ``torch.nn.CrossEntropyLoss`` whose calls from a fused model's forward run op ``cross_entropy`` where
+  they qualify (no class weight or label smoothing; [N, C] fp32/fp16/bf16 scores, [N] int64 labels; the loss in the
+  dtype PyTorch's gives), PyTorch's own forward otherwise (``pipegoose.nn.fusion.transformers.inline_loss``; the row:
+  kind ``cross_entropy``, ``CrossEntropyLoss (inline) -> op cross_entropy``; inside PEFT, whose tuner calls the
+  model's forward directly, skipped). A global that another library patched is reported as skipped;
 * with ``ops`` naming ``linear_cross_entropy`` (opt-in), a causal LM's head and loss in one: two forward hooks that,
   in training with ``labels``, run the model without the [B, S, V] logits and compute transformers' causal-LM
   loss with ``fused_linear_cross_entropy`` (``pipegoose.nn.fusion.transformers.lm_head``; the output's ``logits`` is
@@ -123,10 +132,12 @@ the hook-based ``torch.nn.utils.weight_norm``), whose Parameters a fused module 
 over whatever size they normalize: the hidden size, a head's (Qwen3's ``q_norm`` / ``k_norm`` over ``head_dim``) or
 a projection's.
 
-One module global changes, nothing else of transformers or torch: a modeling module's ``apply_rotary_pos_emb`` while a
-module of it is fused for ``rope`` (or, where it is transformers 5's ``kernels`` wrapper module, that wrapper's
+Two module globals change, nothing else of transformers or torch: a modeling module's ``apply_rotary_pos_emb`` while
+a module of it is fused for ``rope`` (or, where it is transformers 5's ``kernels`` wrapper module, that wrapper's
 ``forward``), routed through a function that runs the model's own code for every call that does not come from a fused
-module (other models compute exactly what they did), and put back when the last one is unfused. No class changes; two
+module (other models compute exactly what they did), and a modeling module's ``CrossEntropyLoss`` while a model of it
+is fused for its inline loss, routed through a subclass that runs ``torch.nn.CrossEntropyLoss``'s forward for every
+call that does not come from a fused model; each is put back when the last one is unfused. No class changes; two
 models in one process can be fused differently. Parameters stay the same objects, so ``state_dict()`` keys and tensors,
 and optimizers built before fusing, are unaffected. A replacement module shares the hook dictionaries of the module it
 replaces (forward, pre-forward, backward and state-dict hooks keep firing, and their handles still remove them), its
@@ -139,8 +150,9 @@ model, and on each replacement an attribute that copies and pickles leave out), 
 ``copy.deepcopy`` or a pickled-and-loaded fused model stays fused and cannot be unfused: ``unfuse`` raises a
 RuntimeError on it, saying so, and changes nothing (a copy whose attention alone was fused cannot be told from a model
 configured with pipegoose attention: ``unfuse`` returns False for it). Unfuse before copying, or copy the unfused
-model and fuse the copy. RoPE is the exception to "stays fused": a copy's attention modules carry the hooks, but their
-calls run the model's own RoPE code unless a fused original keeps the dispatching function installed in the process.
+model and fuse the copy. RoPE and the inline loss are the exception to "stays fused": a copy's attention modules (a
+copy of a BERT-style model) carry the hooks, but their calls run the model's own RoPE code (PyTorch's
+``CrossEntropyLoss``) unless a fused original keeps the dispatching function (class) installed in the process.
 """
 
 from __future__ import annotations
@@ -160,6 +172,7 @@ from torch.nn.utils import parametrize
 from .modules import ORIGINAL_ATTR as _ORIGINAL
 from .transformers import bloom as _bloom
 from .transformers import experts as _experts
+from .transformers import inline_loss as _inline
 from .transformers import lm_head as _lm_head
 from .transformers import loss as _loss
 from .transformers import matching
@@ -465,6 +478,8 @@ class _Fusion:
     loss_swaps: list = field(default_factory=list)       # (weakref to model, the loss function set on it)
     head_swaps: list = field(default_factory=list)       # (weakref to model, lm_head.install's hook handles)
     rope_hooks: list = field(default_factory=list)       # (weakref to attention module, transformers.rope.Installed)
+    # (weakref to a language model whose forward builds its own CrossEntropyLoss, transformers.inline_loss.Installed)
+    inline_losses: list = field(default_factory=list)
     # the handles of the hooks that tell a FusedMptAttention its block's output_attentions (transformers.mpt)
     weight_hooks: list = field(default_factory=list)
     # (weakref to a MoE experts module, weakref to the transformers.experts.FusedExpertsGate set on it)
@@ -860,7 +875,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
     order = {p: i for i, (p, _) in enumerate(model.named_modules(remove_duplicate=False))}
     report.rows.sort(key=lambda r: order.get(r.path, len(order)))
     if not dry_run and (state.swaps or state.config_swaps or state.loss_swaps or state.rope_hooks or state.head_swaps
-                        or state.experts_gates or state.weight_hooks
+                        or state.experts_gates or state.weight_hooks or state.inline_losses
                         or any(r.fused and id(r) not in held for r in report.rows)):
         _STATE[model] = state  # a call that fused nothing leaves no record: fuse() may be called again
     return report
@@ -1741,24 +1756,38 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _fuse_losses(model, ops, dry_run, report, state, held: set) -> None:
     """The report's rows for the losses of ``model`` and of the language models inside it (a wrapper's: PEFT's
-    ``PeftModel``, a training module holding the model), and the swaps (each one's ``loss_function``, per instance);
-    with ``cross_entropy`` left out of ``ops``, the count of those it would replace (``not_requested``). A loss of
-    ours set before this call is a held row whatever ``ops`` says (:func:`_hold_loss`)."""
+    ``PeftModel``, a training module holding the model), and the swaps (each one's ``loss_function``, per instance;
+    or, for a model whose forward builds its own ``CrossEntropyLoss``, the hooks and the class at that global:
+    :func:`_fuse_inline_loss`); with ``cross_entropy`` left out of ``ops``, the count of those it would replace
+    (``not_requested``). A loss of ours set before this call, and a model whose inline loss another fuse() call routed,
+    are held rows whatever ``ops`` says (:func:`_hold_loss`, :func:`_held_inline_row`)."""
     for path, lm in _loss.language_models(model):
         support = _loss.loss_support(lm)
         name, _, candidate, _ = support
         if candidate and name is None and _loss.ours_is_set(lm):
             _hold_loss(model, lm, path, report, state, held)
+        elif name == _loss.INLINE and (row := _held_inline_row(model, lm, path)) is not None:
+            report.rows.append(row)
+            held.add(id(row))
+            _hold(state, row, path, _inline.is_user)
         elif "cross_entropy" in ops:
-            _fuse_loss(lm, path, support, dry_run, report, state)
-        elif name is not None:
+            _fuse_loss(lm, path, support, dry_run, report, state, _wrappers_of(model, path))
+        elif name is not None and not (name == _loss.INLINE and _peft_wrapper(_wrappers_of(model, path))):
+            # (an inline loss inside PEFT: skipped when asked for, so not counted)
             report.not_requested["cross_entropy"] = report.not_requested.get("cross_entropy", 0) + 1
 
 
-def _loss_impls(model: nn.Module) -> tuple[str, str]:
+def _loss_impls(model: nn.Module, inline: bool = False) -> tuple[str, str]:
     """The report's implementation columns of a language model's loss on our cross-entropy (the dispatcher's choice
-    for a probe of its vocabulary's width; "?" where its config names none)."""
+    for a probe of its vocabulary's width; "?" where its config names none). ``inline``: a model whose forward builds
+    its own CrossEntropyLoss, whose classes are its head's outputs (a masked LM's vocabulary), or where it has no
+    output embeddings, its config's ``num_labels`` (a classifier's)."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if inline:
+        head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+        weight = getattr(head, "weight", None)
+        vocab = (weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2
+                 else getattr(getattr(model, "config", None), "num_labels", None))
     if not (isinstance(vocab, int) and vocab > 0):
         return "?", "?"
     rows = _probe_rows((vocab,))
@@ -1786,14 +1815,18 @@ def _hold_loss(root, model, path, report, state, held: set) -> None:
     _hold(state, report.rows[-1], path, _loss.ours_is_set)
 
 
-def _fuse_loss(model, path, support, dry_run, report, state) -> None:
+def _fuse_loss(model, path, support, dry_run, report, state, wrappers=()) -> None:
     """The report's row for one language model's loss (``support``: :func:`~.transformers.loss.loss_support` of
-    it), and the swap (``model.loss_function``, this instance)."""
+    it), and the swap (``model.loss_function``, this instance; or :func:`_fuse_inline_loss`). ``wrappers``: the
+    modules holding it (:func:`_wrappers_of`)."""
     name, reason, candidate, original = support
     if not candidate:
         return
     if name is None:
         report.rows.append(FusionRow(path, "cross_entropy", original, None, False, reason=reason, eligible=False))
+        return
+    if name == _loss.INLINE:
+        _fuse_inline_loss(model, path, reason, wrappers, dry_run, report, state)
         return
     fwd, bwd = _loss_impls(model)
     if not dry_run:
@@ -1801,6 +1834,43 @@ def _fuse_loss(model, path, support, dry_run, report, state) -> None:
         model.__dict__["_loss_function"] = fn     # transformers' loss_function property returns it
         state.loss_swaps.append((weakref.ref(model), fn))
     report.rows.append(FusionRow(path, "cross_entropy", original, name, True, fwd, bwd, reason))
+
+
+def _held_inline_row(root, model, path) -> FusionRow | None:
+    """The report's held row for language model ``model`` (at ``path`` in ``root``, the model passed to fuse()) whose
+    CrossEntropyLoss calls another fuse() call routed (of a part of ``root``, of a model holding it), or None where
+    no live call did (not fused, or a copy of a fused model: :func:`_fuse_inline_loss` takes it)."""
+    if not _inline.is_user(model):
+        return None
+    owner = next((r for r, st in list(_STATE.items()) if any(ref() is model for ref, _ in st.inline_losses)), None)
+    kept = "its CrossEntropyLoss calls left routed as they are here"
+    reason = (_earlier_fuse_reason(root, owner, kept) if owner is not None else
+              "fused by an earlier fuse() of a model holding this one: unfuse() of that model reverts it")
+    return FusionRow(path, "cross_entropy", _inline.ROW_ORIGINAL, _inline.ROW_REPLACEMENT, True,
+                     *_loss_impls(model, inline=True), reason=reason)
+
+
+def _fuse_inline_loss(model, path, reason, wrappers, dry_run, report, state) -> None:
+    """The report's row for a language model whose forward builds its own ``CrossEntropyLoss`` from its modeling
+    module's global (BERT's heads), and the routing of those calls to our op (``transformers.inline_loss.install``:
+    the model's hooks and the dispatching class at that global). Inside PEFT, whose tuner calls the model's forward
+    directly (no module hooks run), skipped with the reason; a copy of a fused model keeps the hooks it carries."""
+    original, replacement = _inline.ROW_ORIGINAL, _inline.ROW_REPLACEMENT
+    peft = _peft_wrapper(wrappers)
+    if peft is not None:
+        report.rows.append(FusionRow(path, "cross_entropy", original, None, False, eligible=False, reason=(
+            f"inside {type(peft).__name__} (PEFT), whose tuner calls the model's forward directly "
+            "(model.forward(...)), which runs no module hooks: its CrossEntropyLoss calls would never run our op")))
+        return
+    fwd, bwd = _loss_impls(model, inline=True)
+    if not dry_run:
+        state.inline_losses.append((weakref.ref(model), _inline.install(model, _inline.target(model))))
+    report.rows.append(FusionRow(path, "cross_entropy", original, replacement, True, fwd, bwd, reason))
+
+
+def _peft_wrapper(wrappers: list[nn.Module]) -> nn.Module | None:
+    """The first of ``wrappers`` that is PEFT's (its class from the ``peft`` package), or None."""
+    return next((w for w in wrappers if type(w).__module__.split(".")[0] == "peft"), None)
 
 
 def _wrappers_of(model: nn.Module, path: str) -> list[nn.Module]:
@@ -1821,7 +1891,7 @@ def _fuse_lm_head(model, path, wrappers, dry_run, report, state) -> None:
     ``forward`` directly, which runs no hooks: not fused inside them)."""
     if _loss.loss_support(model)[2] is False:   # not a language model with transformers' loss_function: no row
         return
-    peft = next((w for w in wrappers if type(w).__module__.split(".")[0] == "peft"), None)
+    peft = _peft_wrapper(wrappers)
     ok, reason = _lm_head.support(model)
     if ok and peft is not None:
         ok, reason = False, (f"inside {type(peft).__name__} (PEFT), whose tuner calls the model's forward directly "
@@ -2104,6 +2174,8 @@ def _undo(state: _Fusion) -> list[str]:
             problems.append(f"{type(module).__name__}.config was replaced after fuse()")
     for module_ref, rec in reversed(state.rope_hooks):
         _rope.uninstall(module_ref(), rec)
+    for model_ref, rec in reversed(state.inline_losses):
+        _inline.uninstall(model_ref(), rec)
     for handles in reversed(state.weight_hooks):
         for h in handles:
             h.remove()
@@ -2144,6 +2216,7 @@ def _undo(state: _Fusion) -> list[str]:
     state.loss_swaps.clear()
     state.head_swaps.clear()
     state.rope_hooks.clear()
+    state.inline_losses.clear()
     state.weight_hooks.clear()
     state.experts_gates.clear()
     return problems
@@ -2231,7 +2304,7 @@ def _unfuse(model: nn.Module, keep: Iterable[nn.Module] = (), quiet: bool = Fals
         found = [p or "<model>" for p, m in model.named_modules()
                  if isinstance(m, _fused_module_types())
                  or _loss.ours_is_set(m)
-                 or _rope.hooked(m) or _experts.hooked(m)]
+                 or _rope.hooked(m) or _experts.hooked(m) or _inline.hooked(m)]
         if found:
             raise RuntimeError(
                 f"unfuse: this {type(model).__name__} holds fused modules ({found[0]}"

@@ -7,6 +7,9 @@ arguments and result as transformers' functions (labels shifted and padded with 
 ``num_items_in_batch`` turns the mean into a sum divided by it), with the logits' upcast to fp32 and
 ``F.cross_entropy`` replaced by :func:`pipegoose.nn.fusion.functional.cross_entropy`, which computes the same loss in
 fp32 without the fp32 copy (2.5-3 GB less peak memory for a Llama-1.1B step of 8192 tokens of a 32000-word vocabulary).
+
+Models whose forward builds its own ``CrossEntropyLoss()`` from its modeling module's globals instead (BERT's heads and
+their copies) are routed through that global: :mod:`pipegoose.nn.fusion.transformers.inline_loss`.
 """
 
 from __future__ import annotations
@@ -19,10 +22,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import functional as PF
+from . import inline_loss as _inline
 
 # transformers' loss types whose functions these replace (LOSS_MAPPING keys)
 LOSS_TYPES = {"ForCausalLM": "causal_lm_loss", "ForConditionalGeneration": "causal_lm_loss",
               "ForMaskedLM": "masked_lm_loss"}
+# loss_support's name for a model whose forward calls its modeling module's CrossEntropyLoss (BERT's heads), which
+# fuse() routes to our op through that global (pipegoose.nn.fusion.transformers.inline_loss)
+INLINE = _inline.ROW_REPLACEMENT
 
 
 def _reduce(logits: torch.Tensor, target: torch.Tensor, num_items_in_batch: Any, ignore_index: int) -> torch.Tensor:
@@ -111,9 +118,14 @@ def loss_support(model: nn.Module) -> tuple[str | None, str, bool, str]:
     the loss it has). A candidate has transformers' ``loss_function`` property and a forward that takes ``labels``
     (a base model without a head, ``LlamaModel``, computes no loss: not a candidate).
 
-    A candidate qualifies when its forward calls ``self.loss_function`` (among the names its code uses: BERT's
-    masked-LM head, for one, builds its own ``CrossEntropyLoss``), no loss function is set on the instance already,
-    and the loss type's function is transformers' causal- or masked-LM loss."""
+    A candidate qualifies when its forward calls ``self.loss_function`` (among the names its code uses), no loss
+    function is set on the instance already, and the loss type's function is transformers' causal- or masked-LM loss;
+    or when its forward calls its modeling module's global ``CrossEntropyLoss`` and not ``self.loss_function``
+    (BERT's masked-LM and classification heads, RoBERTa's, ELECTRA's, ALBERT's, ...) and that global is
+    ``torch.nn.CrossEntropyLoss`` (or our dispatching subclass of it): the name is then :data:`INLINE`, the loss it
+    has ``CrossEntropyLoss (inline)``, and ``fuse`` routes those calls to our op through the global
+    (:mod:`~pipegoose.nn.fusion.transformers.inline_loss`). A global that another library patched gives a candidate
+    with the reason and no name."""
     prop = getattr(type(model), "loss_function", None)
     if not isinstance(prop, property) or not _takes_labels(type(model)):
         return None, "", False, ""
@@ -123,8 +135,14 @@ def loss_support(model: nn.Module) -> tuple[str | None, str, bool, str]:
     except (AttributeError, ValueError):
         names = ()
     if "loss_function" not in names:
-        return None, (f"{type(model).__name__}.forward computes its loss without self.loss_function: nothing to "
-                      "replace per instance"), True, "its own loss"
+        t = _inline.target(model)
+        if t is None:
+            return None, (f"{type(model).__name__}.forward computes its loss without self.loss_function or its "
+                          f"modeling module's {_inline.NAME} (a loss module of its own, say): nothing to replace per "
+                          "instance"), True, "its own loss"
+        if not t.ok:
+            return None, t.why, True, _inline.ROW_ORIGINAL
+        return INLINE, t.reason(model), True, _inline.ROW_ORIGINAL
     if "_loss_function" in model.__dict__:
         name = getattr(model.__dict__["_loss_function"], "__name__", "loss_function")
         if ours_is_set(model):   # (fuse() reports it as a held row, fused, naming the call that set it)
@@ -148,4 +166,4 @@ def loss_support(model: nn.Module) -> tuple[str | None, str, bool, str]:
 
 
 __all__ = ["causal_lm_loss", "masked_lm_loss", "loss_support", "language_models", "ours_is_set", "LOSS_TYPES",
-           "FUNCTIONS"]
+           "FUNCTIONS", "INLINE"]

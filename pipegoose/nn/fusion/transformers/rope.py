@@ -11,7 +11,7 @@ only for calls made inside a fused attention module's forward, and the model's o
   the function), the global object stays and the dispatching function becomes that instance's ``forward`` (so the
   wrapper's pickling by name, its ``kernelize`` hooks and its identity are kept);
 * a fused attention module gets a forward pre-hook and an always-called forward hook that keep, per thread, the fused
-  forwards under way; the dispatching function sends a call to
+  forwards under way (:mod:`.underway`, a stack of rope's own); the dispatching function sends a call to
   :func:`pipegoose.nn.fusion.functional.apply_rotary_pos_emb` (the kernel, or its reference path, as the dispatcher
   chooses) only when the innermost of them is really running (its forward's frame is among the callers: a forward
   left by ``KeyboardInterrupt``, which skips the hook, leaves nothing behind) and the call is the plain
@@ -45,7 +45,8 @@ only for calls made inside a fused attention module's forward, and the model's o
   using it is unfused (a fused model that is garbage collected without ``unfuse`` leaves the dispatching function in
   place, passing every call through); a function that someone else put there meanwhile is left as it is.
 
-This is the one global that ``fuse`` changes; other models, fused or not, compute exactly what they computed.
+This is one of the two globals that ``fuse`` changes (the other: a modeling module's ``CrossEntropyLoss``,
+:mod:`.inline_loss`); other models, fused or not, compute exactly what they computed.
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ import dataclasses
 import functools
 import inspect
 import sys
-import threading
 import types
 import weakref
 from dataclasses import dataclass
@@ -67,13 +67,14 @@ from .. import dispatch
 from ..ops._common import dtype_name
 from ..ops.rope import choice_of, rope_reference, run_choice, shape_reason
 from .matching import probe_isolated
+from .underway import Underway, forward_of as _forward
 
 NAME = "apply_rotary_pos_emb"
 _FALLBACK_ATTR = "__pipegoose_rope_original__"   # on a dispatching function: the model's own code it falls back to
 _HALF = (torch.float16, torch.bfloat16)
-_FRAMES = 12   # how far up the callers the dispatching function looks for the fused forward's frame
 
-_active = threading.local()   # .stack: (weakref to a fused attention module, its forward's code) under way
+_underway = Underway()          # the fused attention modules' forwards under way (a stack of their own)
+_active = _underway.local       # .stack: (weakref to a fused attention module, its forward's code) under way
 
 
 @dataclass
@@ -466,21 +467,7 @@ def _declined(choice: dispatch.Choice, why: str) -> dispatch.Choice:
 def _fused_caller() -> nn.Module | None:
     """The innermost fused attention module of this thread, where its forward is among the callers (its frame,
     ``self`` the module, within a few frames); else None."""
-    stack = getattr(_active, "stack", None)
-    if not stack:
-        return None
-    ref, code = stack[-1]
-    module = ref()
-    if code is None or module is None:
-        return None
-    f = sys._getframe(2)
-    for _ in range(_FRAMES):
-        if f is None:
-            return None
-        if f.f_code is code and f.f_locals.get("self") is module:
-            return module
-        f = f.f_back
-    return None
+    return _underway.caller(sys._getframe(2))
 
 
 def _make_dispatching(fallback: Callable, found: Probe, where: str = NAME) -> Callable:
@@ -519,32 +506,12 @@ def _make_dispatching(fallback: Callable, found: Probe, where: str = NAME) -> Ca
     return apply_rotary_pos_emb
 
 
-@functools.lru_cache(maxsize=None)
-def _forward(cls: type) -> Callable | None:
-    """``cls``'s forward under its decorators: the function whose globals name the RoPE function, and whose frame the
-    dispatching function looks for."""
-    try:
-        return inspect.unwrap(cls.forward)
-    except (AttributeError, ValueError, TypeError):
-        return None
-
-
 def _enter(module, args):
-    if not torch.compiler.is_compiling():
-        stack = getattr(_active, "stack", None)
-        if stack is None:
-            stack = _active.stack = []
-        stack.append((weakref.ref(module), getattr(_forward(type(module)), "__code__", None)))
+    _underway.enter(module)
 
 
 def _leave(module, args, output):
-    if not torch.compiler.is_compiling():
-        stack = getattr(_active, "stack", None) or []
-        # (entries above this module's: forwards left without their hook, by KeyboardInterrupt)
-        while stack:
-            ref, _ = stack.pop()
-            if ref() is module:
-                break
+    _underway.leave(module)
 
 
 @dataclass

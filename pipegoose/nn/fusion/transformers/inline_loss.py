@@ -1,0 +1,226 @@
+"""The loss that BERT-style heads compute inline, on our cross-entropy (op ``cross_entropy``), for ``fuse(model)``.
+
+transformers' masked-LM heads of BERT, RoBERTa, XLM-R, ELECTRA, ALBERT, ..., ``BertForPreTraining`` and the
+classification heads (sequence, token, multiple choice) do not call ``self.loss_function``: their ``forward`` builds
+``loss_fct = CrossEntropyLoss()`` and calls ``loss_fct(scores.view(-1, C), labels.view(-1))``, where
+``CrossEntropyLoss`` is a global name of their modeling module (``modeling_bert.CrossEntropyLoss``, imported from
+``torch.nn``). No per-instance attribute reaches that call, so ``fuse`` routes it as :mod:`.rope` routes
+``apply_rotary_pos_emb``:
+
+* the modeling module's global ``CrossEntropyLoss`` becomes :class:`DispatchingCrossEntropyLoss`, a subclass of
+  ``torch.nn.CrossEntropyLoss`` (its construction arguments, attributes and ``isinstance`` checks as they were), put
+  there by :func:`install` unless it is there already (one class for every modeling module);
+* the fused model gets a forward pre-hook and an always-called forward hook that keep, per thread, the fused forwards
+  under way (:mod:`.underway`, a stack of this module's own, not rope's); a loss module of the class sends a call to
+  :func:`pipegoose.nn.fusion.functional.cross_entropy` (op ``cross_entropy``: the kernel or PyTorch's path, as the
+  dispatcher chooses per call, by size and device; ``dispatch.stats()`` counts it, strict mode and
+  ``PIPEGOOSE_IMPL_CROSS_ENTROPY`` apply) only when the innermost of them is really running (its forward's frame is
+  among the callers), no ``torch.compile`` tracing is under way, and the call is one the op computes as
+  ``torch.nn.CrossEntropyLoss`` does (:func:`takes`): no class ``weight``, ``label_smoothing`` 0, reduction ``mean``,
+  ``sum`` or ``none``, an int ``ignore_index``, input [N, C] fp32/fp16/bf16 and target [N] int64 class indices on
+  one CUDA or CPU device. Its result has the dtype the module's own forward gives (the input's; fp32 under
+  autocast, which computes this loss in fp32): the op computes in fp32, so 16-bit losses are the fp32 loss rounded
+  once, within the dtype's rounding of PyTorch's (which rounds each step in the input's dtype on the CPU). Every
+  other call (an unfused model of the same class, another thread, class-probability targets, weights, label
+  smoothing, fp64, other shapes, other devices, meta included, tracing) runs
+  ``torch.nn.CrossEntropyLoss.forward``, unchanged;
+* ``unfuse`` removes the hooks, and the global goes back to ``torch.nn.CrossEntropyLoss`` when the last fused model of
+  that modeling module is unfused (a fused model that is garbage collected without ``unfuse`` leaves the class in
+  place, passing every call through); a global that someone else put there meanwhile is left as it is. A modeling
+  module whose global is neither class (a patch by another library) is not touched: :attr:`Target.why` says why.
+
+A copy of a fused model (``copy.deepcopy``, pickling) carries the hooks: its calls run the op while the class is
+installed (a fused original keeps it), PyTorch's path otherwise; ``fuse`` of such a copy keeps them (no second pair).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import functional as PF
+from ..ops.cross_entropy import REDUCTIONS
+from .underway import Underway, forward_of
+
+NAME = "CrossEntropyLoss"
+ROW_ORIGINAL, ROW_REPLACEMENT = "CrossEntropyLoss (inline)", "op cross_entropy"   # the report's row
+ORIGINAL = nn.CrossEntropyLoss   # the class the global must hold (torch's, as the modeling module imported it)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# the device types of the calls dispatched (the kernel's and the CPU's; others, meta included, run PyTorch's forward),
+# both of whose autocast computes cross_entropy in fp32 (autocast's fp32 list)
+_DEVICES = ("cuda", "cpu")
+
+_underway = Underway()      # the fused models' forwards under way (a stack of their own)
+_active = _underway.local   # .stack: (weakref to a fused model, its forward's code)
+# per modeling module (its __name__): the fused models whose calls the class at its global dispatches
+_USERS: "dict[str, weakref.WeakSet]" = {}
+
+
+def _fused_caller() -> nn.Module | None:
+    """The innermost fused model of this thread, where its forward is among the callers of the loss module's forward
+    (``sys._getframe(2)``: the caller of that forward, ``Module.__call__``'s frames, then the model's); else None."""
+    return _underway.caller(sys._getframe(2))
+
+
+def takes(loss: nn.CrossEntropyLoss, input: Any, target: Any) -> torch.dtype | None:
+    """The dtype of the loss that ``loss(input, target)`` returns, where the op computes that call as
+    ``torch.nn.CrossEntropyLoss.forward`` does (see the module's docstring); None for any other call."""
+    if loss.weight is not None or loss.label_smoothing != 0 or loss.reduction not in REDUCTIONS:
+        return None
+    if type(loss.ignore_index) is not int:
+        return None
+    if not (isinstance(input, torch.Tensor) and isinstance(target, torch.Tensor)):
+        return None
+    if input.dim() != 2 or input.dtype not in _DTYPES:
+        return None
+    if (target.dim() != 1 or target.dtype != torch.int64 or target.shape[0] != input.shape[0]
+            or target.device != input.device):
+        return None
+    kind = input.device.type
+    if kind not in _DEVICES:
+        return None
+    return torch.float32 if torch.is_autocast_enabled(kind) else input.dtype
+
+
+class DispatchingCrossEntropyLoss(nn.CrossEntropyLoss):
+    """``torch.nn.CrossEntropyLoss`` whose calls from the forward of a model fused by ``fuse`` run op
+    ``cross_entropy`` where :func:`takes` says the op computes them as this class's own forward does.
+
+    Args and attributes: ``torch.nn.CrossEntropyLoss``'s.
+
+    Shapes and dtypes: a dispatched call takes input [N, C] (fp32, fp16 or bf16) and target [N] (int64 class indices,
+    or ``ignore_index``), and returns a scalar (``mean``, ``sum``) or [N] (``none``) of the dtype the module's own
+    forward returns (:func:`takes`); any other call is ``torch.nn.CrossEntropyLoss.forward``'s.
+
+    Raises: what ``torch.nn.CrossEntropyLoss`` raises, and, on a dispatched call, what
+    :func:`pipegoose.nn.fusion.functional.cross_entropy` raises (``FusionFallbackError`` in strict mode where the
+    kernel cannot take it).
+
+    Kernel: pipegoose/cross_entropy (pipegoose/kernels/csrc/cross_entropy.cu, this project, MIT); on the CPU the op's
+    PyTorch path.
+    """
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling() and _fused_caller() is not None:
+            dtype = takes(self, input, target)
+            if dtype is not None:
+                out = PF.cross_entropy(input, target, ignore_index=self.ignore_index, reduction=self.reduction)
+                return out.to(dtype)
+        return super().forward(input, target)
+
+
+@dataclass
+class Target:
+    """A model's modeling module (its name and globals) whose global ``CrossEntropyLoss`` its forward calls, and the
+    object there now (``current``)."""
+
+    module_name: str
+    namespace: dict
+    current: Any
+
+    @property
+    def where(self) -> str:
+        return f"{self.module_name.rsplit('.', 1)[-1]}.{NAME}"
+
+    @property
+    def ok(self) -> bool:
+        """Whether the global is torch's class, or ours (installed by another fuse() call)."""
+        return self.current is ORIGINAL or self.current is DispatchingCrossEntropyLoss
+
+    def reason(self, model: nn.Module) -> str:
+        """What fuse() does for ``model`` (where :attr:`ok`), for the report."""
+        return (f"{self.where} -> a dispatching subclass: the CrossEntropyLoss calls of {type(model).__name__}.forward "
+                "run op cross_entropy where they qualify (no class weight or label smoothing; [N, C] fp32/fp16/bf16 "
+                "scores, [N] int64 labels; the loss in the dtype PyTorch's gives), else PyTorch's; the model is "
+                "hooked, not replaced")
+
+    @property
+    def why(self) -> str:
+        """Why the global is not routed (where not :attr:`ok`)."""
+        what = (f"{getattr(self.current, '__module__', '?')}.{getattr(self.current, '__qualname__', '?')}"
+                if isinstance(self.current, type) else type(self.current).__name__)
+        return (f"{self.module_name}.{NAME} is {what}, not torch.nn.CrossEntropyLoss (patched by another library?): "
+                "left as it is, the model's own loss runs")
+
+
+def target(model: nn.Module) -> Target | None:
+    """Where ``model``'s class forward (under its decorators) finds the ``CrossEntropyLoss`` it calls by that global
+    name without calling ``self.loss_function``, or None (no such call)."""
+    fwd = forward_of(type(model))
+    code = getattr(fwd, "__code__", None)
+    namespace = getattr(fwd, "__globals__", None)
+    if code is None or namespace is None or NAME not in code.co_names or "loss_function" in code.co_names:
+        return None
+    return Target(namespace.get("__name__", "?"), namespace, namespace.get(NAME))
+
+
+def users(namespace: dict) -> weakref.WeakSet:
+    """The fused models of the modeling module of ``namespace`` (its globals) whose loss the class dispatches."""
+    return _USERS.setdefault(namespace.get("__name__", "?"), weakref.WeakSet())
+
+
+def is_user(model: nn.Module) -> bool:
+    """Whether ``model`` is fused by a live :func:`install` (its hooks on it, the class at its global)."""
+    t = target(model)
+    return (t is not None and t.current is DispatchingCrossEntropyLoss and hooked(model)
+            and model in _USERS.get(t.module_name, ()))
+
+
+def _enter(module, args):
+    _underway.enter(module)
+
+
+def _leave(module, args, output):
+    _underway.leave(module)
+
+
+@dataclass
+class Installed:
+    """What :func:`install` did for one model: the modeling module's globals and the hooks' handles (none where the
+    model carried them already, as a copy of a fused model does)."""
+
+    namespace: dict
+    handles: tuple
+
+
+def install(model: nn.Module, t: Target) -> Installed:
+    """Route ``model``'s inline ``CrossEntropyLoss`` calls to our op: the class at ``t``'s global (unless it is there
+    already) and the model's two hooks. Raises ValueError where ``t`` is not :attr:`Target.ok` (nothing changed)."""
+    if not t.ok:
+        raise ValueError(t.why)
+    if t.namespace.get(NAME) is not DispatchingCrossEntropyLoss:
+        t.namespace[NAME] = DispatchingCrossEntropyLoss
+    users(t.namespace).add(model)
+    handles = ()
+    if not hooked(model):
+        # (module-level functions: a fused model copies and pickles, its hooks by reference)
+        handles = (model.register_forward_pre_hook(_enter), model.register_forward_hook(_leave, always_call=True))
+    return Installed(t.namespace, handles)
+
+
+def uninstall(model: nn.Module | None, rec: Installed) -> None:
+    """Undo :func:`install` for one model: its hooks go, and the global goes back to ``torch.nn.CrossEntropyLoss``
+    once no live fused model of that modeling module uses the class (unless someone replaced it there since)."""
+    for h in rec.handles:
+        h.remove()
+    live = users(rec.namespace)
+    if model is not None:
+        live.discard(model)
+    if len(live):
+        return
+    if rec.namespace.get(NAME) is DispatchingCrossEntropyLoss:
+        rec.namespace[NAME] = ORIGINAL
+
+
+def hooked(model: nn.Module) -> bool:
+    """Whether ``model`` carries :func:`install`'s hooks (a copy of a fused model does: its hooks were copied)."""
+    return any(h is _enter for h in model._forward_pre_hooks.values())
+
+
+__all__ = ["DispatchingCrossEntropyLoss", "Installed", "Target", "hooked", "install", "is_user", "takes", "target",
+           "uninstall", "users"]
