@@ -231,6 +231,22 @@ def test_bert_mlm_is_bert_larges_shape_as_a_masked_lm_at_512_positions(monkeypat
     kept = labels != -100
     assert torch.equal(labels[kept], ids[kept]) and abs(kept.float().mean().item() - e2e.MASKED_FRACTION) < 0.01
     assert e2e.labels_for(e2e.MODELS["llama"], ids, None) is ids   # (a causal LM: its ids, shifted by transformers)
+    # fuse() on a tiny copy: its LayerNorms, GELU and the loss it computes inline, with the unfused step's loss
+    from pipegoose.nn.fusion import fuse
+
+    tiny = _tiny("bert_mlm")
+    torch.manual_seed(0)
+    model = e2e.auto_class(spec).from_config(tiny, attn_implementation="sdpa").train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, tiny.vocab_size, (2, 16), generator=g)
+    labels = e2e.labels_for(spec, ids, g)
+    torch.manual_seed(2)   # (BERT's dropout: the same draws for both steps)
+    want_loss = model(input_ids=ids, labels=labels).loss
+    report = fuse(model)
+    rows = [r for r in report.rows if r.kind == "cross_entropy"]
+    assert len(rows) == 1 and rows[0].fused and rows[0].original == "CrossEntropyLoss (inline)", rows
+    torch.manual_seed(2)
+    torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, want_loss, atol=1e-5, rtol=1e-5)
     seen = []
 
     class Done:
