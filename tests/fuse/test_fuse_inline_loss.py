@@ -111,9 +111,9 @@ def _routed(module) -> bool:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [f for f, (_, _, kind) in FAMILIES.items() if kind == "mlm"])
 def test_the_inline_loss_runs_our_op_and_equals_the_unfused_one(family, dtype, spy):
-    """Masked-LM heads (BERT, RoBERTa) and classifiers (BERT, DistilBERT): after fuse, the model's loss is the
+    """Masked-LM heads (BERT, RoBERTa): after fuse, the model's loss is the
     unfused one's, of the same dtype, and so are the gradients (fp32: bit for bit, the op's path being
     F.cross_entropy on the same logits; bf16, where the op computes in fp32 and PyTorch's CPU path rounds each step:
     against a float64 copy of the model, the fused run's error within twice the unfused run's plus bf16's
@@ -138,7 +138,7 @@ def test_the_inline_loss_runs_our_op_and_equals_the_unfused_one(family, dtype, s
 
     dispatch.reset_stats()
     loss, g = _run(model, batch)
-    assert [c[1:] for c in spy] == [(dtype, (B * S, V) if FAMILIES[family][2] == "mlm" else (B, LABELS))]
+    assert [c[1:] for c in spy] == [(dtype, (B * S, V))]
     assert dispatch.stats()["cross_entropy"] == {"torch": 1}   # through the dispatcher (its PyTorch path here)
     assert loss.dtype == ref.dtype == dtype and g.keys() == ref_g.keys()
     if dtype == torch.float32:
@@ -158,9 +158,57 @@ def test_the_inline_loss_runs_our_op_and_equals_the_unfused_one(family, dtype, s
     assert torch.equal(again, ref) and not spy
 
 
-def test_bert_for_pretraining_runs_both_of_its_losses_on_our_op(spy):
+@pytest.mark.parametrize("family", [f for f, (_, _, kind) in FAMILIES.items() if kind == "cls"])
+def test_a_classifiers_loss_is_left_to_pytorch_with_the_reason(family, spy):
+    """A classifier (no output embeddings: its CrossEntropyLoss is over a few labels) gets a skipped row, not
+    eligible, with the reason; nothing is hooked or patched, and its loss is PyTorch's."""
+    module = FAMILIES[family][0]
+    model = _model(family)
+    batch = _batch(family)
+    ref = model(**batch).loss
+    report = fuse(model)
+    (row,) = _rows(report)
+    assert (row.original, row.replacement, row.fused, row.eligible) == ("CrossEntropyLoss (inline)", None, False,
+                                                                        False), row
+    assert "has no output embeddings: a classifier" in row.reason, row
+    assert module.CrossEntropyLoss is TORCH_CE and not inline_mod.hooked(model)
+    assert torch.equal(model(**batch).loss, ref) and not spy
+    unfuse(model)
+
+
+def test_a_forward_that_writes_nn_cross_entropy_loss_is_left_alone():
+    """ELECTRA's masked-LM forward writes ``nn.CrossEntropyLoss()`` (torch's class through ``nn``, not the modeling
+    module's global): nothing to route, the "its own loss" row, the global untouched."""
+    me = pytest.importorskip("transformers.models.electra.modeling_electra")
+    cfg = transformers.ElectraConfig(vocab_size=V, embedding_size=16, hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=4, intermediate_size=64)
+    model = transformers.ElectraForMaskedLM(cfg)
+    assert inline_mod.target(model) is None
+    (row,) = _rows(fuse(model, ops=["cross_entropy"]))
+    assert (row.original, row.fused, row.eligible) == ("its own loss", False, False), row
+    assert getattr(me, "CrossEntropyLoss", TORCH_CE) is TORCH_CE and not inline_mod.hooked(model)
+    unfuse(model)
+
+
+def test_an_unfused_model_run_inside_a_fused_forward_computes_its_own_loss(spy):
+    """A teacher run from a hook of the fused student's head (distillation): the teacher's loss module is called by
+    the teacher's forward, not the student's, so it runs PyTorch's path; the student's own loss runs the op."""
+    student, teacher = _model("bert_mlm"), _model("bert_mlm", seed=1)
+    batch = _batch("bert_mlm")
+    teacher_ref = teacher(**batch).loss
+    fuse(student, ops=["cross_entropy"])
+    got = []
+    h = student.cls.register_forward_hook(lambda *a: got.append(teacher(**batch).loss))
+    student(**batch)
+    h.remove()
+    assert torch.equal(got[0], teacher_ref)
+    assert [c[2] for c in spy] == [(B * S, V)]   # (the student's)
+    unfuse(student)
+
+
+def test_bert_for_pretraining_runs_its_masked_lm_loss_on_our_op(spy):
     """BertForPreTraining computes two losses inline (masked LM over the vocabulary, next sentence over 2 classes):
-    both calls run the op; the total is the unfused one's."""
+    the masked LM's runs the op, the next sentence's PyTorch's path; the total is the unfused one's."""
     torch.manual_seed(0)
     model = transformers.BertForPreTraining(_config("bert_mlm")).eval()
     batch = _batch("bert_mlm")
@@ -168,7 +216,7 @@ def test_bert_for_pretraining_runs_both_of_its_losses_on_our_op(spy):
     ref = model(**batch).loss
     fuse(model, ops=["cross_entropy"])
     got = model(**batch).loss
-    assert [c[2] for c in spy] == [(B * S, V), (B, 2)]
+    assert [c[2] for c in spy] == [(B * S, V)]
     assert torch.equal(got, ref)
     unfuse(model)
 
@@ -177,13 +225,13 @@ def test_two_fused_models_share_the_global_until_the_last_is_unfused(spy):
     """The class is put at the global once: unfusing the first of two fused models keeps it (the second's calls still
     run the op), unfusing the second puts torch.nn.CrossEntropyLoss back. A model of another modeling module
     (RoBERTa's) has its own global, restored on its own."""
-    a, b, c = _model("bert_mlm"), _model("bert_cls", seed=1), _model("roberta_mlm")
+    a, b, c = _model("bert_mlm"), _model("bert_mlm", seed=1), _model("roberta_mlm")
     fuse(a, ops=["cross_entropy"])
     fuse(b, ops=["cross_entropy"])
     fuse(c, ops=["cross_entropy"])
     assert _routed(mb) and _routed(mr)
     assert unfuse(a) and _routed(mb)
-    b(**_batch("bert_cls"))
+    b(**_batch("bert_mlm"))
     assert len(spy) == 1
     spy.clear()
     a(**_batch("bert_mlm"))
@@ -192,9 +240,17 @@ def test_two_fused_models_share_the_global_until_the_last_is_unfused(spy):
     assert unfuse(b) and mb.CrossEntropyLoss is TORCH_CE
 
 
-def _in_forward(model, fn):
+def _in_forward(model, fn, monkeypatch=None):
     """Run ``fn()`` inside ``model``'s forward (a forward hook of its head, which its forward calls), and its forward
-    to the end; returns what ``fn`` returned."""
+    to the end; returns what ``fn`` returned. With ``monkeypatch``, the class takes ``fn``'s calls for calls made by
+    the forward itself (``_fused_caller`` returns the model where the stack's innermost entry is it: what a call from
+    the forward's frame finds; the frame test itself is the real forwards' in the other tests)."""
+    if monkeypatch is not None:
+        def as_if_direct():
+            stack = getattr(inline_mod._active, "stack", None)
+            return stack[-1][0]() if stack else None
+
+        monkeypatch.setattr(inline_mod, "_fused_caller", as_if_direct)
     out = []
     head = model.cls if hasattr(model, "cls") else model.classifier
     h = head.register_forward_hook(lambda *a: out.append(fn()))
@@ -208,36 +264,38 @@ def _in_forward(model, fn):
 def _calls(dtype=torch.float32):
     """Calls of modeling_bert's CrossEntropyLoss: (name, construction kwargs, input, target, whether it qualifies)."""
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(6, 5, generator=g).to(dtype).requires_grad_(True)
-    t = torch.tensor([0, 4, -100, 2, 1, 3])
-    probs = torch.softmax(torch.randn(6, 5, generator=g), -1).to(dtype)
+    x = torch.randn(6, V, generator=g).to(dtype).requires_grad_(True)   # (over the model's vocabulary)
+    t = torch.tensor([0, 4, -100, 2, 1, V - 1])
+    probs = torch.softmax(torch.randn(6, V, generator=g), -1).to(dtype)
     return [
         ("plain", {}, x, t, True),
         ("sum", dict(reduction="sum"), x, t, True),
         ("none", dict(reduction="none"), x, t, True),
         ("ignore_index", dict(ignore_index=4), x, t.clamp(min=0), True),
         ("label_smoothing", dict(label_smoothing=0.1), x, t, False),
-        ("weight", dict(weight=torch.rand(5, generator=g).to(dtype)), x, t, False),
+        ("weight", dict(weight=torch.rand(V, generator=g).to(dtype)), x, t, False),
         ("probabilities", {}, x, probs, False),
         ("uint8 target", {}, x, t.clamp(min=0).to(torch.uint8), False),
-        ("3-D", {}, x.detach().reshape(2, 3, 5).transpose(1, 2).requires_grad_(True), t.reshape(2, 3), False),
+        ("3-D", {}, x.detach().reshape(2, 3, V).transpose(1, 2).requires_grad_(True), t.reshape(2, 3), False),
+        ("another width", {}, x.detach()[:, :5].clone().requires_grad_(True), t.clamp(0, 4), False),
         ("fp64", {}, x.detach().double().requires_grad_(True), t, False),
     ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_only_calls_the_op_computes_as_pytorch_does_run_it(dtype, spy):
+def test_only_calls_the_op_computes_as_pytorch_does_run_it(dtype, spy, monkeypatch):
     """Inside a fused forward, calls with label smoothing, class weights, probability targets, uint8 targets, more
-    dimensions, fp64 or meta tensors run torch.nn.CrossEntropyLoss.forward (their results and gradients PyTorch's,
-    bit for bit); the others (reductions mean, sum, none; another ignore_index) run the op, their results of
-    PyTorch's dtype and within its rounding. Outside a fused forward, none of them runs the op."""
+    dimensions, fp64 or meta tensors, or scores of another width than the model's vocabulary run
+    torch.nn.CrossEntropyLoss.forward (their results and gradients PyTorch's, bit for bit); the others (reductions
+    mean, sum, none; another ignore_index) run the op, their results of PyTorch's dtype and within its rounding.
+    Outside a fused forward, none of them runs the op."""
     model = _model("bert_mlm")
     fuse(model, ops=["cross_entropy"])
     for name, kw, x, t, qualifies in _calls(dtype):
         want = TORCH_CE(**kw)(x, t)
         (want_g,) = torch.autograd.grad(want.sum(), x)
         spy.clear()
-        got = _in_forward(model, lambda: mb.CrossEntropyLoss(**kw)(x, t))
+        got = _in_forward(model, lambda: mb.CrossEntropyLoss(**kw)(x, t), monkeypatch)
         assert isinstance(mb.CrossEntropyLoss(**kw), TORCH_CE)
         assert len(spy) == int(qualifies), (name, spy)
         (got_g,) = torch.autograd.grad(got.sum(), x)
@@ -251,7 +309,8 @@ def test_only_calls_the_op_computes_as_pytorch_does_run_it(dtype, spy):
         mb.CrossEntropyLoss(**kw)(x, t)                 # outside any fused forward
         assert not spy, name
     x, t = _calls(dtype)[0][2:4]
-    got = _in_forward(model, lambda: mb.CrossEntropyLoss()(x.to("meta"), t.to("meta")))   # (meta: not dispatched)
+    got = _in_forward(model, lambda: mb.CrossEntropyLoss()(x.to("meta"), t.to("meta")),   # (meta: not dispatched)
+                      monkeypatch)
     assert got.device.type == "meta" and got.dtype == dtype and not spy
     unfuse(model)
 
@@ -284,7 +343,7 @@ def test_torch_compile_tracing_runs_pytorchs_forward(spy, monkeypatch):
     assert torch.equal(model(**batch).loss, ref) and not spy
     assert not getattr(inline_mod._active, "stack", None)       # the hooks did nothing
     tracing["on"] = False
-    x, t = torch.randn(4, 5), torch.tensor([0, 1, 2, 3])
+    x, t = torch.randn(4, V), torch.tensor([0, 1, 2, 3])
 
     def traced_call():
         tracing["on"] = True
@@ -293,8 +352,8 @@ def test_torch_compile_tracing_runs_pytorchs_forward(spy, monkeypatch):
         finally:
             tracing["on"] = False
 
-    assert torch.equal(_in_forward(model, traced_call), TORCH_CE()(x, t)) and not spy
-    assert torch.equal(_in_forward(model, lambda: mb.CrossEntropyLoss()(x, t)), TORCH_CE()(x, t))
+    assert torch.equal(_in_forward(model, traced_call, monkeypatch), TORCH_CE()(x, t)) and not spy
+    assert torch.equal(_in_forward(model, lambda: mb.CrossEntropyLoss()(x, t), monkeypatch), TORCH_CE()(x, t))
     assert len(spy) == 1                                          # (the same call, not tracing: the op)
     unfuse(model)
 
@@ -319,7 +378,7 @@ def test_calls_from_another_thread_during_a_fused_forward_run_pytorchs_path(spy)
     worker.start()
     try:
         assert inside.wait(30)
-        x, t = torch.randn(4, 5), torch.tensor([0, 1, 2, 3])
+        x, t = torch.randn(4, V), torch.tensor([0, 1, 2, 3])
         assert torch.equal(mb.CrossEntropyLoss()(x, t), TORCH_CE()(x, t))
         assert torch.equal(other(**batch).loss, other_ref)
         assert not spy
@@ -335,8 +394,9 @@ def test_calls_from_another_thread_during_a_fused_forward_run_pytorchs_path(spy)
 def test_copies_and_pickles_of_a_fused_model_work(spy):
     """deepcopy and torch.save / torch.load of a fused model: the copy carries the hooks (module-level functions) and
     computes the same loss, on the op while the original keeps the class installed, on PyTorch's path once the
-    original is unfused; unfuse of the copy says it has no record; fuse of the copy keeps the one pair of hooks it
-    carries, and its unfuse puts the global back."""
+    original is unfused; unfuse of the copy says it has no record; fuse of the copy puts its own pair of hooks in
+    place of the one it carries, and its unfuse removes them and puts the global back (a review: the copied pair
+    stayed, so a second unfuse raised and a later fuse of another model routed the "unfused" copy's loss)."""
     model = _model("bert_mlm")
     batch = _batch("bert_mlm")
     ref = model(**batch).loss
@@ -359,6 +419,13 @@ def test_copies_and_pickles_of_a_fused_model_work(spy):
     assert row.fused and _routed(mb) and len(twin._forward_pre_hooks) == len(twin._forward_hooks) == 1
     assert torch.equal(twin(**batch).loss, ref) and len(spy) == 1
     assert unfuse(twin) and mb.CrossEntropyLoss is TORCH_CE
+    assert not inline_mod.hooked(twin) and not twin._forward_hooks_always_called and not is_fused(twin)
+    assert unfuse(twin) is False
+    other = _model("bert_mlm", seed=1)
+    fuse(other, ops=["cross_entropy"])   # (the class back at the global: the unfused copy's calls stay PyTorch's)
+    spy.clear()
+    assert torch.equal(twin(**batch).loss, ref) and not spy
+    assert unfuse(other)
 
 
 def test_dry_run_and_ops_without_cross_entropy_change_nothing():

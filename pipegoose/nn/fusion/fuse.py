@@ -87,12 +87,13 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   ``cross_entropy``, without the fp32 copy of the logits; the report's row for it has the language model's path:
   ``""`` for the model itself, or the path of one inside a wrapper, PEFT's ``PeftModel`` say);
 * the loss of a transformers model whose forward builds its own ``CrossEntropyLoss()`` from its modeling module's
-  global of that name and does not call ``self.loss_function`` (BERT's masked-LM, pre-training and classification
-  heads; RoBERTa's, XLM-R's, ELECTRA's, ALBERT's; DistilBERT's classifiers), where that global is
-  ``torch.nn.CrossEntropyLoss``: the model is not replaced but gets two hooks, and the global becomes a dispatching
-  subclass of ``torch.nn.CrossEntropyLoss`` whose calls from a fused model's forward run op ``cross_entropy`` where
-  they qualify (no class weight or label smoothing; [N, C] fp32/fp16/bf16 scores, [N] int64 labels; the loss in the
-  dtype PyTorch's gives), PyTorch's own forward otherwise (``pipegoose.nn.fusion.transformers.inline_loss``; the row:
+  global of that name and does not call ``self.loss_function`` (BERT's masked-LM and pre-training heads; RoBERTa's,
+  XLM-R's, ALBERT's), where that global is ``torch.nn.CrossEntropyLoss`` and the model has output embeddings (a
+  classifier's loss over its labels is left to PyTorch, with the reason): the model is not replaced but gets two
+  hooks, and the global becomes a dispatching subclass of ``torch.nn.CrossEntropyLoss`` whose calls made by a fused
+  model's forward itself run op ``cross_entropy`` where they qualify (scores over the model's vocabulary; no class
+  weight or label smoothing; [N, V] fp32/fp16/bf16 scores, [N] int64 labels; the loss in the dtype PyTorch's gives),
+  PyTorch's own forward otherwise (``pipegoose.nn.fusion.transformers.inline_loss``; the row:
   kind ``cross_entropy``, ``CrossEntropyLoss (inline) -> op cross_entropy``; inside PEFT, whose tuner calls the
   model's forward directly, skipped). A global that another library patched is reported as skipped;
 * with ``ops`` naming ``linear_cross_entropy`` (opt-in), a causal LM's head and loss in one: two forward hooks that,
@@ -1780,14 +1781,11 @@ def _fuse_losses(model, ops, dry_run, report, state, held: set) -> None:
 def _loss_impls(model: nn.Module, inline: bool = False) -> tuple[str, str]:
     """The report's implementation columns of a language model's loss on our cross-entropy (the dispatcher's choice
     for a probe of its vocabulary's width; "?" where its config names none). ``inline``: a model whose forward builds
-    its own CrossEntropyLoss, whose classes are its head's outputs (a masked LM's vocabulary), or where it has no
-    output embeddings, its config's ``num_labels`` (a classifier's)."""
+    its own CrossEntropyLoss, whose classes are its output embeddings' rows (a masked LM's vocabulary: the calls the
+    class routes)."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if inline:
-        head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
-        weight = getattr(head, "weight", None)
-        vocab = (weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2
-                 else getattr(getattr(model, "config", None), "num_labels", None))
+        vocab = _inline.classes_of(model)
     if not (isinstance(vocab, int) and vocab > 0):
         return "?", "?"
     rows = _probe_rows((vocab,))

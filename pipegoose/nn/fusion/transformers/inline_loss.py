@@ -1,11 +1,16 @@
 """The loss that BERT-style heads compute inline, on our cross-entropy (op ``cross_entropy``), for ``fuse(model)``.
 
-transformers' masked-LM heads of BERT, RoBERTa, XLM-R, ELECTRA, ALBERT, ..., ``BertForPreTraining`` and the
-classification heads (sequence, token, multiple choice) do not call ``self.loss_function``: their ``forward`` builds
-``loss_fct = CrossEntropyLoss()`` and calls ``loss_fct(scores.view(-1, C), labels.view(-1))``, where
-``CrossEntropyLoss`` is a global name of their modeling module (``modeling_bert.CrossEntropyLoss``, imported from
-``torch.nn``). No per-instance attribute reaches that call, so ``fuse`` routes it as :mod:`.rope` routes
-``apply_rotary_pos_emb``:
+transformers' masked-LM heads of BERT, RoBERTa, XLM-R, ALBERT, ..., and ``BertForPreTraining`` do not call
+``self.loss_function``: their ``forward`` builds ``loss_fct = CrossEntropyLoss()`` and calls
+``loss_fct(scores.view(-1, V), labels.view(-1))``, where ``CrossEntropyLoss`` is a global name of their modeling
+module (``modeling_bert.CrossEntropyLoss``, imported from ``torch.nn``; a forward that writes
+``nn.CrossEntropyLoss()``, ELECTRA's, reaches torch's class through ``nn`` and is left alone: :func:`target` looks for
+the global's load). No per-instance attribute reaches that call, so ``fuse`` routes it as :mod:`.rope` routes
+``apply_rotary_pos_emb``. Only the loss over the model's vocabulary is routed (the input's width that of the model's
+output embeddings, :func:`classes_of`): the classification heads' losses over a few labels (and
+``BertForPreTraining``'s next-sentence loss) gain nothing from the kernel and keep PyTorch's checks of the labels (a
+label out of range raises there, where the kernel gives a NaN loss), so a classifier gets a skipped row. For
+a masked LM:
 
 * the modeling module's global ``CrossEntropyLoss`` becomes :class:`DispatchingCrossEntropyLoss`, a subclass of
   ``torch.nn.CrossEntropyLoss`` (its construction arguments, attributes and ``isinstance`` checks as they were), put
@@ -14,8 +19,10 @@ classification heads (sequence, token, multiple choice) do not call ``self.loss_
   under way (:mod:`.underway`, a stack of this module's own, not rope's); a loss module of the class sends a call to
   :func:`pipegoose.nn.fusion.functional.cross_entropy` (op ``cross_entropy``: the kernel or PyTorch's path, as the
   dispatcher chooses per call, by size and device; ``dispatch.stats()`` counts it, strict mode and
-  ``PIPEGOOSE_IMPL_CROSS_ENTROPY`` apply) only when the innermost of them is really running (its forward's frame is
-  among the callers), no ``torch.compile`` tracing is under way, and the call is one the op computes as
+  ``PIPEGOOSE_IMPL_CROSS_ENTROPY`` apply) only when the innermost of them is really running and called the loss module
+  itself (its forward's frame is the loss module's caller, past ``torch.nn.Module``'s call machinery: an unfused
+  model that a hook or the forward runs computes its own loss as unfused), no ``torch.compile`` tracing is under way,
+  the input's width is the model's vocabulary (:func:`classes_of`), and the call is one the op computes as
   ``torch.nn.CrossEntropyLoss`` does (:func:`takes`): no class ``weight``, ``label_smoothing`` 0, reduction ``mean``,
   ``sum`` or ``none``, an int ``ignore_index``, input [N, C] fp32/fp16/bf16 and target [N] int64 class indices on
   one CUDA or CPU device. Its result has the dtype the module's own forward gives (the input's; fp32 under
@@ -30,12 +37,16 @@ classification heads (sequence, token, multiple choice) do not call ``self.loss_
   module whose global is neither class (a patch by another library) is not touched: :attr:`Target.why` says why.
 
 A copy of a fused model (``copy.deepcopy``, pickling) carries the hooks: its calls run the op while the class is
-installed (a fused original keeps it), PyTorch's path otherwise; ``fuse`` of such a copy keeps them (no second pair).
+installed (a fused original keeps it), PyTorch's path otherwise; ``fuse`` of such a copy puts a pair of its own in
+their place, which its ``unfuse`` removes.
 """
 
 from __future__ import annotations
 
+import dis
+import functools
 import sys
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -62,9 +73,21 @@ _USERS: "dict[str, weakref.WeakSet]" = {}
 
 
 def _fused_caller() -> nn.Module | None:
-    """The innermost fused model of this thread, where its forward is among the callers of the loss module's forward
-    (``sys._getframe(2)``: the caller of that forward, ``Module.__call__``'s frames, then the model's); else None."""
-    return _underway.caller(sys._getframe(2))
+    """The innermost fused model of this thread, where its forward called the loss module (``sys._getframe(2)``: the
+    caller of the loss module's forward, ``Module.__call__``'s frames, then the model's forward); else None."""
+    return _underway.caller(sys._getframe(2), direct=True)
+
+
+def classes_of(model: nn.Module) -> int | None:
+    """The model's vocabulary: the rows of its output embeddings' 2-D weight (``get_output_embeddings()``, a masked
+    LM's decoder), or None (a classifier, or a model that cannot say)."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except Exception:  # noqa: BLE001 - a model that cannot say has no vocabulary we route
+        return None
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
 
 
 def takes(loss: nn.CrossEntropyLoss, input: Any, target: Any) -> torch.dtype | None:
@@ -106,7 +129,9 @@ class DispatchingCrossEntropyLoss(nn.CrossEntropyLoss):
     """
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling() and _fused_caller() is not None:
+        model = None if torch.compiler.is_compiling() else _fused_caller()
+        if model is not None and isinstance(input, torch.Tensor) and input.dim() == 2 and (
+                input.shape[1] == classes_of(model)):
             dtype = takes(self, input, target)
             if dtype is not None:
                 out = PF.cross_entropy(input, target, ignore_index=self.ignore_index, reduction=self.reduction)
@@ -148,6 +173,13 @@ class Target:
                 "left as it is, the model's own loss runs")
 
 
+@functools.lru_cache(maxsize=None)
+def _loads_global(code: types.CodeType) -> bool:
+    """Whether ``code`` loads the global :data:`NAME` (``CrossEntropyLoss()``; not ``nn.CrossEntropyLoss()``, an
+    attribute of another global, which the same name in ``co_names`` would not tell apart)."""
+    return any(i.opname == "LOAD_GLOBAL" and i.argval == NAME for i in dis.get_instructions(code))
+
+
 def target(model: nn.Module) -> Target | None:
     """Where ``model``'s class forward (under its decorators) finds the ``CrossEntropyLoss`` it calls by that global
     name without calling ``self.loss_function``, or None (no such call)."""
@@ -155,6 +187,8 @@ def target(model: nn.Module) -> Target | None:
     code = getattr(fwd, "__code__", None)
     namespace = getattr(fwd, "__globals__", None)
     if code is None or namespace is None or NAME not in code.co_names or "loss_function" in code.co_names:
+        return None
+    if not _loads_global(code):
         return None
     return Target(namespace.get("__name__", "?"), namespace, namespace.get(NAME))
 
@@ -196,11 +230,18 @@ def install(model: nn.Module, t: Target) -> Installed:
     if t.namespace.get(NAME) is not DispatchingCrossEntropyLoss:
         t.namespace[NAME] = DispatchingCrossEntropyLoss
     users(t.namespace).add(model)
-    handles = ()
-    if not hooked(model):
-        # (module-level functions: a fused model copies and pickles, its hooks by reference)
-        handles = (model.register_forward_pre_hook(_enter), model.register_forward_hook(_leave, always_call=True))
+    _drop_hooks(model)   # (a copy of a fused model carries a pair, whose handles are the original's: ours replace it)
+    # (module-level functions: a fused model copies and pickles, its hooks by reference)
+    handles = (model.register_forward_pre_hook(_enter), model.register_forward_hook(_leave, always_call=True))
     return Installed(t.namespace, handles)
+
+
+def _drop_hooks(model: nn.Module) -> None:
+    """Remove :func:`install`'s hooks that ``model`` carries (copied along with a fused model)."""
+    for hooks, fn in ((model._forward_pre_hooks, _enter), (model._forward_hooks, _leave)):
+        for key in [k for k, h in hooks.items() if h is fn]:
+            del hooks[key]
+            model._forward_hooks_always_called.pop(key, None)
 
 
 def uninstall(model: nn.Module | None, rec: Installed) -> None:
@@ -222,5 +263,5 @@ def hooked(model: nn.Module) -> bool:
     return any(h is _enter for h in model._forward_pre_hooks.values())
 
 
-__all__ = ["DispatchingCrossEntropyLoss", "Installed", "Target", "hooked", "install", "is_user", "takes", "target",
-           "uninstall", "users"]
+__all__ = ["DispatchingCrossEntropyLoss", "Installed", "Target", "classes_of", "hooked", "install", "is_user", "takes",
+           "target", "uninstall", "users"]

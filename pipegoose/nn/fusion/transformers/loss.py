@@ -121,11 +121,12 @@ def loss_support(model: nn.Module) -> tuple[str | None, str, bool, str]:
     A candidate qualifies when its forward calls ``self.loss_function`` (among the names its code uses), no loss
     function is set on the instance already, and the loss type's function is transformers' causal- or masked-LM loss;
     or when its forward calls its modeling module's global ``CrossEntropyLoss`` and not ``self.loss_function``
-    (BERT's masked-LM and classification heads, RoBERTa's, ELECTRA's, ALBERT's, ...) and that global is
-    ``torch.nn.CrossEntropyLoss`` (or our dispatching subclass of it): the name is then :data:`INLINE`, the loss it
-    has ``CrossEntropyLoss (inline)``, and ``fuse`` routes those calls to our op through the global
-    (:mod:`~pipegoose.nn.fusion.transformers.inline_loss`). A global that another library patched gives a candidate
-    with the reason and no name."""
+    (BERT's masked-LM heads, RoBERTa's, ALBERT's, ...), that global is ``torch.nn.CrossEntropyLoss`` (or our
+    dispatching subclass of it) and the model has output embeddings (a vocabulary): the name is then :data:`INLINE`,
+    the loss it has ``CrossEntropyLoss (inline)``, and ``fuse`` routes those calls to our op through the global
+    (:mod:`~pipegoose.nn.fusion.transformers.inline_loss`). A global that another library patched, and a classifier
+    (no output embeddings: BERT's sequence, token and multiple-choice heads), give a candidate with the reason and no
+    name."""
     prop = getattr(type(model), "loss_function", None)
     if not isinstance(prop, property) or not _takes_labels(type(model)):
         return None, "", False, ""
@@ -142,6 +143,10 @@ def loss_support(model: nn.Module) -> tuple[str | None, str, bool, str]:
                           "instance"), True, "its own loss"
         if not t.ok:
             return None, t.why, True, _inline.ROW_ORIGINAL
+        if _inline.classes_of(model) is None:
+            return None, (f"{type(model).__name__} has no output embeddings: a classifier, whose CrossEntropyLoss over "
+                          "its labels is left to PyTorch (op cross_entropy is for a vocabulary's rows; PyTorch's path "
+                          "also checks the labels)"), True, _inline.ROW_ORIGINAL
         return INLINE, t.reason(model), True, _inline.ROW_ORIGINAL
     if "_loss_function" in model.__dict__:
         name = getattr(model.__dict__["_loss_function"], "__name__", "loss_function")

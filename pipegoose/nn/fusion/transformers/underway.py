@@ -61,9 +61,11 @@ class Underway:
                 if ref() is module:
                     break
 
-    def caller(self, frame: types.FrameType | None) -> nn.Module | None:
+    def caller(self, frame: types.FrameType | None, direct: bool = False) -> nn.Module | None:
         """The innermost fused module of this thread, where its forward's frame (``self`` the module) is ``frame`` or
-        one of the :data:`FRAMES` - 1 frames above it; else None."""
+        one of the :data:`FRAMES` - 1 frames above it; else None. ``direct``: only where that forward's frame is the
+        first above ``frame`` (``frame`` included) that is not ``torch.nn.Module``'s call machinery, i.e. the forward
+        called the module whose forward asks, itself (not a hook or another model's forward it runs)."""
         stack = getattr(self.local, "stack", None)
         if not stack:
             return None
@@ -77,5 +79,10 @@ class Underway:
                 return None
             if f.f_code is code and f.f_locals.get("self") is module:
                 return module
+            if direct and f.f_code.co_filename != _MODULE_FILE:
+                return None
             f = f.f_back
         return None
+
+
+_MODULE_FILE = nn.Module.__call__.__code__.co_filename   # torch/nn/modules/module.py: _wrapped_call_impl, _call_impl
