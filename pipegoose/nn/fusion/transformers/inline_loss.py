@@ -160,9 +160,9 @@ class Target:
     def reason(self, model: nn.Module) -> str:
         """What fuse() does for ``model`` (where :attr:`ok`), for the report."""
         return (f"{self.where} -> a dispatching subclass: the CrossEntropyLoss calls of {type(model).__name__}.forward "
-                "run op cross_entropy where they qualify (no class weight or label smoothing; [N, C] fp32/fp16/bf16 "
-                "scores, [N] int64 labels; the loss in the dtype PyTorch's gives), else PyTorch's; the model is "
-                "hooked, not replaced")
+                "run op cross_entropy where they qualify (its own calls over its vocabulary; no class weight or label "
+                "smoothing; [N, V] fp32/fp16/bf16 scores, [N] int64 labels; the loss in the dtype PyTorch's gives), "
+                "else PyTorch's; the model is hooked, not replaced")
 
     @property
     def why(self) -> str:
