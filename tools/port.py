@@ -7,11 +7,14 @@
     python tools/port.py verify                    recompute hashes; exit 1 on any difference
     python tools/port.py remove <id>
     python tools/port.py audit [IDS] [--to X | --latest] [--diff] [--json]   exit 0 in sync, 1 drift, 2 error
-    python tools/port.py update <id|source> (--to X | --latest) [--force] [--allow-downgrade]
+    python tools/port.py update <id|source> (--to X | --latest) [--force] [--allow-downgrade] [--trust-cache]
 
 Options common to all: --root DIR (repository root: kernels.yaml, kernels.lock, vendor/, LICENSES/) or
 --manifest FILE (env PIPEGOOSE_MANIFEST; empty or blank: unset); --cache DIR (download cache; env PIPEGOOSE_PORT_CACHE);
 --offline.
+A version kernels.yaml does not pin (audit, update) is checked against the sha256 the package index publishes (a cached
+sdist that differs is downloaded again); with --offline the download cache's file cannot be: audit says so, and update
+refuses to pin it unless --trust-cache is given.
 Exit codes: 0 success, 1 verification failure / drift, 2 error.
 """
 
@@ -179,6 +182,8 @@ def _print_audit(report, with_diff: bool) -> None:
         if s.error:
             out.print(f"{head}: error: {s.error}", style="red", markup=False, soft_wrap=False)
             continue
+        if s.unverified:
+            out.print(f"{head}: unverified: {s.unverified}", style="yellow", markup=False)
         rows = [("(license)", ", ".join(f"{f.path} {f.status}" for f in s.licenses), "", "")]
         details = []
         for k in s.kernels:
@@ -226,7 +231,8 @@ def cmd_update(a) -> int:
     # files kernels.lock does not record that it removes (a review: they went without a word)
     before = {s.id: s for s in p.states()}
     unrecorded = p.unrecorded()
-    report = update(p, a.id, to=a.to, latest=a.latest, force=a.force, allow_downgrade=a.allow_downgrade)
+    report = update(p, a.id, to=a.to, latest=a.latest, force=a.force, allow_downgrade=a.allow_downgrade,
+                    trust_cache=a.trust_cache)
     _print_audit(report, False)
     s = report.sources[0]
     if not report.updated:
@@ -297,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--allow-downgrade", action="store_true",
                    help="allow a version older (PEP 440) than the pinned one; without it update refuses "
                         "(git sources, pinned by commit, have no order and are never refused)")
+    s.add_argument("--trust-cache", action="store_true",
+                   help="with --offline, pin the download cache's sdist of a version kernels.yaml does not pin as it "
+                        "is (its sha256 cannot be checked against the package index); without it update refuses")
     s.set_defaults(fn=cmd_update)
     a = ap.parse_args(argv)
     _made.clear()

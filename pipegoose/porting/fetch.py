@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import html.parser
-import io
 import json
 import netrc
 import os
@@ -36,7 +35,7 @@ import urllib.request
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Mapping
 
 from filelock import FileLock, Timeout
 from packaging.utils import InvalidSdistFilename, canonicalize_name, parse_sdist_filename
@@ -83,6 +82,9 @@ class SourceTree:
 
     pin: dict[str, str]
     label: str
+    # why the bytes were checked against neither a pin nor the package index (an sdist read from the download cache
+    # with --offline for a version kernels.yaml does not pin), else ""
+    unverified: str = ""
 
     def files(self) -> set[str]:
         raise NotImplementedError
@@ -136,10 +138,12 @@ class ArchiveTree(SourceTree):
             points outside it, or a member is a device/fifo.
     """
 
-    def __init__(self, archive: Path, pin: Mapping[str, str], label: str | None = None):
+    def __init__(self, archive: Path, pin: Mapping[str, str], label: str | None = None, unverified: str = ""):
         self.archive = Path(archive)
         self.pin = dict(pin)
         self.label = label or f"archive {self.archive.name}"
+        # why the archive's bytes were checked against neither a pinned sha256 nor the package index's ("": they were)
+        self.unverified = unverified
         self._members: dict[str, bytes] = {}
         self._load()
 
@@ -182,7 +186,8 @@ class ArchiveTree(SourceTree):
                         else:
                             raise FetchError(f"{name}: member {m.name!r} is not a regular file, folder or link")
         except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as e:
-            raise FetchError(f"{name}: cannot read archive: {e}") from e
+            # the whole path: the file to delete is the download cache's (a review: the name alone said not where)
+            raise FetchError(f"{self.archive}: cannot read archive: {e}") from e
         # Resolve links inside the archive; refuse any that leave it.
         for rel, target in links.items():
             if target.startswith("/"):
@@ -599,6 +604,11 @@ class Fetcher:
         return None
 
     def _pypi_tree(self, source: Source, pin: dict[str, str]) -> SourceTree:
+        """The sdist at ``pin``. A pinned sha256 is checked, whatever serves the file. A version kernels.yaml does not
+        pin (``update --to``, ``audit --to``/``--latest``) is checked against the sha256 the package index publishes
+        for it: a cached file that differs (altered, cut short) is downloaded again, and where the index publishes
+        none the file is downloaded afresh (a review: whatever sdist the cache held was pinned as it was). With
+        ``--offline`` the cached file is taken as it is, and the tree says so (``unverified``)."""
         name, version, want = pin["name"], pin["version"], pin.get("sha256")
         label = f"{name} {version} sdist"
         d = self._pypi_dir(name)
@@ -608,7 +618,16 @@ class Fetcher:
                     _remove_stale_temp(d, ".dl-*")
             except (Timeout, OSError):  # held, or a lock we cannot open (read-only or another user's cache): the
                 pass                    # sweep is best effort, reading the cached sdist needs no lock
-        path = self._cached_sdist(name, version, want)
+        whose = "kernels.yaml pins"
+        fresh = False
+        if want is None and not self.offline:
+            link = self._index_link(name, version)
+            if link.sha256:
+                want, whose = link.sha256, f"the package index publishes ({redact(link.url)})"
+            else:   # nothing to check a cached file against: the index's bytes, downloaded now
+                fresh = True
+        path = None if fresh else self._cached_sdist(name, version, want)
+        unverified = ""
         if path is None:
             if self.offline:
                 bad = self._cached_sdist(name, version, None)  # there, but not the pinned bytes
@@ -625,15 +644,40 @@ class Fetcher:
                 raise FetchError(f"{label}: not in the download cache {self._pypi_dir(name)} and --offline was given "
                                  f"(run the same command without --offline on a machine with network, then copy the "
                                  f"pypi/{canonicalize_name(name)}/ folder of its port cache there)")
-            path = self._download_sdist(name, version, want)
+            path = self._download_sdist(name, version, want, whose, fresh)
+        elif want is None:   # offline, a version no file pins: the cached bytes as they are
+            unverified = (f"{path} is the download cache's sdist of {name} {version}, which kernels.yaml does not pin, "
+                          f"and --offline was given: its sha256 {sha256_file(path)} is not checked against the "
+                          f"package index")
         got = sha256_file(path)
         if want and got != want:
-            raise IntegrityError(f"{label}: sha256 of {path.name} is {got}, kernels.yaml pins {want}")
-        return ArchiveTree(path, {"name": name, "version": version, "sha256": got}, label)
+            raise IntegrityError(f"{label}: sha256 of {path} is {got}, {whose} {want}")
+        try:
+            return ArchiveTree(path, {"name": name, "version": version, "sha256": got}, label, unverified)
+        except FetchError as e:
+            if not unverified:   # (checked against a pin or the index: the file is what they say)
+                raise
+            # a file cut short whose sha256 nothing pins (offline only: online it is checked against the index)
+            raise FetchError(f"{e}; a partial or damaged download: delete it and run without --offline (the file is "
+                             f"downloaded again, checked against the package index's sha256)") from None
 
-    def _download_sdist(self, name: str, version: str, want: str | None) -> Path:
+    def _index_link(self, name: str, version: str) -> SdistLink:
+        """The sdist of ``name`` ``version`` that a download takes from the configured indexes (FetchError: none
+        can be read, or none has it)."""
+        links = [l for l in self.index.sdists(name) if l.version == Version(version)]
+        if not links:
+            cached = self._cached_sdist(name, version, None)
+            there = (f"; the download cache holds {cached}, which cannot be checked against an index without it: pass "
+                     f"--offline to read it as it is" if cached is not None else "")
+            raise FetchError(f"no sdist of {name} {version} on "
+                             f"{', '.join(redact(u) for u in self.index.config.index_urls) or 'no index'}{there}")
+        return links[0]
+
+    def _download_sdist(self, name: str, version: str, want: str | None, whose: str = "kernels.yaml pins",
+                        fresh: bool = False) -> Path:
         """Download into the cache (atomically) from the simple API of pip's configured indexes and find-links
-        (``pip config``, ``PIP_INDEX_URL``, ...), and check the sha256 before the archive is kept or opened.
+        (``pip config``, ``PIP_INDEX_URL``, ...), and check the sha256 (``want``: what ``whose`` says) before the
+        archive is kept or opened. ``fresh``: download even where the cache holds a file of that version (replaced).
 
         Not ``pip download``: for an sdist it builds the package's metadata, which runs the upstream ``setup.py``
         (code of a package whose hash was not checked yet) on this machine."""
@@ -641,7 +685,7 @@ class Fetcher:
         self._make_cache_dir(d)
         with FileLock(str(d / ".lock"), timeout=600):
             _remove_stale_temp(d, ".dl-*")
-            cached = self._cached_sdist(name, version, want)
+            cached = None if fresh else self._cached_sdist(name, version, want)
             if cached is not None:
                 return cached
             with tempfile.TemporaryDirectory(dir=d, prefix=".dl-") as tmp:
@@ -652,9 +696,9 @@ class Fetcher:
                     raise FetchError(f"{name}=={version}: download failed:\n  " + "\n  ".join(errors))
                 sha = sha256_file(got)
                 if want and sha != want:
-                    raise IntegrityError(f"{name}=={version}: downloaded {got.name} has sha256 {sha}, kernels.yaml pins {want}")
+                    raise IntegrityError(f"{name}=={version}: downloaded {got.name} has sha256 {sha}, {whose} {want}")
                 final = d / got.name
-                os.replace(got, final)
+                os.replace(got, final)   # (over a cached file of that name that differs: altered, cut short)
                 return final
 
     def _simple_download(self, name: str, version: str, want: str | None, dest: Path, errors: list[str]) -> Path | None:
