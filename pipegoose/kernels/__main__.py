@@ -10,10 +10,10 @@ Exit status, every subcommand: 0 success; 1 a failure (below); 2 a usage error (
 a missing or invalid ``--manifest``, a ``--cache-dir`` that is a file or under one for ``clean``; for ``build``, a
 ``PIPEGOOSE_BUILD_LOCK_TIMEOUT`` that is no number of seconds:
 nothing is built), as argparse's own; 3 none failed but some kernels are unavailable here (vendored
-files missing or changed, toolchain), each listed with the reason; 130 interrupted (Ctrl-C). ``build``: 1 a build
+files missing or changed, a tools/port.py change running or interrupted, toolchain), each listed with the reason; 130 interrupted (Ctrl-C). ``build``: 1 a build
 failed, or was left ``busy`` (another process held its build lock past ``PIPEGOOSE_BUILD_LOCK_TIMEOUT``; nothing was
-attempted). ``doctor``: 0 every check passed and every kernel can be built or loaded; 1 a check failed (or, with
-``--load``, a kernel failed to load).
+attempted). ``doctor``: 0 every check passed and every kernel can be built or loaded; 1 a check failed (one is a
+tools/port.py change running or interrupted in ``vendor/.port-txn/``) or, with ``--load``, a kernel failed to load.
 ``doctor`` also counts those temp folders. ``clean`` removes only ``<key>.tmp-<pid>-<8 hex>`` folders whose pid is
 not a live process on this host, each under its key's build lock (a key being built is skipped); published builds,
 locks and failure logs stay (:func:`pipegoose.kernels.cache.clean_abandoned`).
@@ -92,6 +92,16 @@ def _doctor(args) -> int:
         bad += 1
         checks.append(("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", fail, f"{allow!r}",
                        "set it to 1/true/yes/on or 0/false/no/off, or unset it"))
+    from pipegoose.porting.txn import pending_change
+
+    from .manifest import default_manifest_path
+
+    # a tools/port.py change running or interrupted: its vendored kernels are unavailable too (their rows say so)
+    root = (Path(args.manifest).expanduser().absolute() if args.manifest else default_manifest_path()).parent
+    what, fix = pending_change(root)
+    if what:
+        bad += 1
+        checks.append(("tools/port.py change", fail, what, fix))
     quiet = os.environ.get("PIPEGOOSE_QUIET", "")
     if _env.flag(quiet) is None:  # the builder warns and keeps its progress lines (builder.quiet)
         bad += 1

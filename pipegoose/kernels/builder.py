@@ -39,7 +39,7 @@ import sysconfig
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -197,7 +197,8 @@ class KernelBuilder:
         KeyError: unknown name (the message lists close matches): from :meth:`from_name` at once, else from
             :meth:`build` / :meth:`load`.
         KernelUnavailableError: (from :meth:`build` / :meth:`load`) toolchain preflight failed, vendored files or
-            the binding are missing, vendored files are not what kernels.lock records, the running GPU's architecture
+            the binding are missing, vendored files are not what kernels.lock records, a change of tools/port.py is
+            running or was interrupted (``vendor/.port-txn/``: vendored kernels only), the running GPU's architecture
             is not covered; the message says what to run.
         KernelBuildError: (from :meth:`build` / :meth:`load`) compiling, linking or loading failed (the message
             shows the first errors and the log path), or the build cache folder disappeared or could not be written
@@ -275,11 +276,19 @@ class KernelBuilder:
         return str(p.relative_to(self.manifest.root)) if p.is_relative_to(self.manifest.root) else str(p)
 
     def _check_files(self) -> None:
+        k = self.kernel
+        src = self.manifest.sources[k.source]
+        if not src.is_local:
+            # a tools/port.py change running or interrupted (kill -9): vendor/, LICENSES/ and kernels.lock may be
+            # half-swapped (a review: doctor passed a killed sync's vendor/ without its LICENSES/)
+            from pipegoose.porting.txn import pending_change
+
+            what, fix = pending_change(self.manifest.root)
+            if what:
+                raise KernelUnavailableError(f"kernel {k.id}: {what}: {fix}")
         missing = self.missing_files()
         if not missing:
             return
-        k = self.kernel
-        src = self.manifest.sources[k.source]
         rel = [self._rel(p) for p in missing]
         vendored = [p for p in self.manifest.kernel_paths(k) if p != self.manifest.binding_path(k)]
         # sync restores what kernels.lock records and adds no kernel: one the lock does not record is vendored by add

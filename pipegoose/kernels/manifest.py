@@ -451,7 +451,12 @@ def load_manifest(path: str | Path | None = None) -> Manifest:
         data = safe_load_unique(p.read_text(), ctx.file)
     except FileNotFoundError:
         hint = ""
-        if path is None:  # (a walkthrough's wheel install said only "manifest not found")
+        from pipegoose.porting.txn import pending_change   # (not at the top: pipegoose.porting imports this module)
+
+        what, fix = pending_change(p.parent)
+        if what:   # (a review: an update killed mid-swap said to reinstall)
+            hint = f"; {what}: {fix}"
+        elif path is None:  # (a walkthrough's wheel install said only "manifest not found")
             hint = (": pipegoose builds its kernels from a clone of its repository (kernels.yaml, kernels.lock and the "
                     "vendor/ that tools/port.py fills live there): install it with `pip install -e .` from the clone, "
                     "or pass the manifest's path (--manifest, manifest=)")

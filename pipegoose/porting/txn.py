@@ -6,6 +6,12 @@ interrupted swap (Ctrl-C, a crash, ``kill -9``) be rolled back: in-process at on
 run of the tool (:func:`recover`), which runs under the same repository lock. The commit point is the
 journal's ``committed`` flag; after it, leftover backups are only garbage.
 
+A single file (kernels.lock, kernels.yaml) is never absent: its backup is a hard link (else a copy, made whole under
+a temporary name) taken while it stays in place, and the staged file is renamed over it (``os.replace``), as a
+rollback renames the backup over it (a review: a ``kill -9`` between moving kernels.yaml aside and putting the new
+one in place left none, and ``doctor`` said to reinstall). A folder is moved aside, then replaced. While a
+transaction folder is there, :func:`pending_change` says so (the kernel builder refuses vendored kernels then).
+
 The repository lock is a :class:`filelock.FileLock` on ``vendor/.port.lock``.
 """
 
@@ -21,7 +27,7 @@ from filelock import FileLock, Timeout
 
 from .errors import PortError
 
-__all__ = ["Transaction", "repo_lock", "recover", "TXN_DIRNAME"]
+__all__ = ["Transaction", "repo_lock", "recover", "pending_change", "TXN_DIRNAME"]
 
 TXN_DIRNAME = ".port-txn"
 LOCK_NAME = ".port.lock"
@@ -40,6 +46,32 @@ def repo_lock(root: Path, timeout: float = 60.0) -> FileLock:
                 raise PortError(f"another tools/port.py holds {vendor / LOCK_NAME} (waited {timeout:.0f}s)") from None
 
     return _Lock(str(vendor / LOCK_NAME), timeout=timeout)
+
+
+def pending_change(root: Path) -> tuple[str, str]:
+    """``(what, fix)`` for a change of ``tools/port.py`` that is running or was interrupted in the repository at
+    ``root`` (its transaction folder, ``vendor/.port-txn/``, holds one: vendor/, LICENSES/, kernels.lock and
+    kernels.yaml may be half-swapped); ``("", "")`` when there is none. Whether it runs is told by the repository lock,
+    taken without waiting (a lock that cannot be opened, a read-only checkout: taken as interrupted)."""
+    base = Path(root) / "vendor" / TXN_DIRNAME
+    try:
+        if not base.is_dir() or not any(base.iterdir()):
+            return "", ""
+    except OSError:
+        return "", ""
+    try:
+        with FileLock(str(base.parent / LOCK_NAME), timeout=0):
+            running = False
+    except Timeout:
+        running = True
+    except OSError:
+        running = False
+    where = f"vendor/{TXN_DIRNAME}/"
+    if running:
+        return (f"a tools/port.py run is changing vendor/, LICENSES/ and kernels.lock now ({where} holds its "
+                "transaction)", "build once it has finished")
+    return (f"an interrupted tools/port.py change waits in {where} (vendor/, LICENSES/, kernels.lock and kernels.yaml "
+            "may be half-swapped)", "run `python tools/port.py verify` (or sync) to roll it back")
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
@@ -128,11 +160,25 @@ def _rollback(root: Path, entries: list[dict]) -> None:
         backup = Path(e["backup"]) if e.get("backup") else None
         staged = Path(e["staged"]) if e.get("staged") else None
         placed_new = staged is not None and not staged.exists()  # the staged copy was renamed onto target
-        if backup is not None and backup.exists():  # the original was moved aside: put it back
-            _remove(target)
+        if backup is not None and (backup.exists() or backup.is_symlink()):  # the original, aside: put it back
+            if target.is_dir() and not target.is_symlink():   # (a file or link is replaced in one rename: never absent)
+                _remove(target)
             os.replace(backup, target)
         elif not e.get("had_original") and placed_new:  # nothing was there before
             _remove(target)
+
+
+def _keep_copy(target: Path, backup: Path) -> None:
+    """``backup`` made a copy of the file ``target``, which stays in place: a hard link, else (another file system, no
+    links there) a copy written under a temporary name and renamed, so that a backup that exists is whole."""
+    try:
+        os.link(target, backup, follow_symlinks=False)
+        return
+    except OSError:
+        pass
+    tmp = backup.with_name(f".{backup.name}.tmp")
+    shutil.copy2(target, tmp, follow_symlinks=False)
+    os.replace(tmp, backup)
 
 
 class Transaction:
@@ -192,7 +238,10 @@ class Transaction:
         try:
             for e, (target, staged) in zip(entries, self._ops):
                 if e["backup"]:
-                    os.replace(target, e["backup"])
+                    if staged is not None and staged.is_file() and not target.is_dir():
+                        _keep_copy(target, Path(e["backup"]))   # (replaced below in one rename: never absent)
+                    else:
+                        os.replace(target, e["backup"])
                 if staged is not None:
                     target.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(staged, target)

@@ -1833,3 +1833,81 @@ def test_quiet_warns_once_across_threads(monkeypatch):
         for t in threads:
             t.join()
     assert len([w for w in caught if "PIPEGOOSE_QUIET='maybe'" in str(w.message)]) == 1
+
+
+def _vendor_upstream(root: Path) -> None:
+    """test/vendored vendored as tools/port.py leaves it: its files, its source's license and a kernels.lock that
+    records them all."""
+    import hashlib
+
+    from pipegoose.porting.lock import Lock, LockedKernel, LockedSource
+
+    src = root / "vendor" / "upstream" / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    (src / "kernel.cu").write_text("// vendored\n")
+    (src / "kernel.h").write_text("// header\n")
+    lic = root / "LICENSES" / "upstream" / "LICENSE"
+    lic.parent.mkdir(parents=True, exist_ok=True)
+    lic.write_text("Apache License, Version 2.0\n")
+
+    def digest(p: Path) -> str:
+        return hashlib.sha256(p.read_bytes()).hexdigest()
+
+    lock = Lock(root / "kernels.lock")
+    lock.sources["upstream"] = LockedSource("pypi", {"name": "upstream", "version": "1.0", "sha256": "a" * 64},
+                                            "Apache-2.0", {"LICENSE": digest(lic)})
+    lock.kernels["test/vendored"] = LockedKernel("upstream", {f: digest(src.parent / f)
+                                                              for f in ("src/kernel.cu", "src/kernel.h")})
+    (root / "kernels.lock").write_text(lock.dumps())
+
+
+def test_a_pending_port_change_makes_vendored_kernels_unavailable(tiny, fake_toolkit, monkeypatch):
+    """A review: a `kill -9` of `sync` left vendor/<source> in place and LICENSES/<source> missing, and doctor exited 0
+    and would build; one of `update` left no kernels.yaml, and doctor said to reinstall. A transaction of
+    tools/port.py in vendor/.port-txn/ (interrupted, or running: the repository lock says which) now makes the vendored
+    kernels unavailable, saying to run verify (or sync) to roll it back, and is a failed doctor row; our own kernels
+    build; a manifest missing beside it is named with the same advice."""
+    manifest, _op, cache_dir = tiny
+    root = manifest.parent
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    _vendor_upstream(root)
+    b = KernelBuilder("test/vendored", manifest=manifest, cache_dir=cache_dir)
+    assert b.status()["state"] == "not built"
+    txn = root / "vendor" / ".port-txn" / "0123456789ab"
+    txn.mkdir(parents=True)
+    (txn / "journal.json").write_text(json.dumps({"committed": False, "entries": []}))
+    says = ("kernel test/vendored: an interrupted tools/port.py change waits in vendor/.port-txn/ (vendor/, LICENSES/, "
+            "kernels.lock and kernels.yaml may be half-swapped): run `python tools/port.py verify` (or sync) to roll "
+            "it back")
+    with pytest.raises(KernelUnavailableError) as e:
+        b.build()
+    assert str(e.value) == says
+    assert b.status() == {"kernel": "test/vendored", "state": "unavailable", "detail": says, "key": None}
+    assert KernelBuilder("test/tiny", manifest=manifest, cache_dir=cache_dir).status()["state"] == "not built"
+    # a run holding the repository lock: under way, not interrupted
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom filelock import FileLock\n"
+                               f"lk = FileLock({str(root / 'vendor' / '.port.lock')!r})\nlk.acquire()\n"
+                               "print('held', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert "a tools/port.py run is changing vendor/, LICENSES/ and kernels.lock now (vendor/.port-txn/ holds its " \
+               "transaction): build once it has finished" in b.status()["detail"]
+    finally:
+        holder.kill()
+        holder.wait()
+    # doctor: a failed row (exit 1), the kernel's row unavailable
+    env = {**_env(cache_dir), "COLUMNS": "400", "TORCH_CUDA_ARCH_LIST": "9.0"}
+    p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "doctor"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    out = " ".join(p.stdout.replace("│", " ").split())
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "tools/port.py change FAIL an interrupted tools/port.py change waits in vendor/.port-txn/" in out, out
+    # the manifest moved aside (what an update killed mid-swap left before single files were replaced in one rename)
+    manifest.rename(root / "kernels.yaml.away")
+    p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "doctor"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 2 and "kernels.yaml: manifest not found; an interrupted tools/port.py change waits in " \
+        "vendor/.port-txn/" in " ".join(p.stderr.split()) and "roll it back" in p.stderr, p.stderr
+    (root / "kernels.yaml.away").rename(manifest)
+    shutil.rmtree(txn.parent)
+    assert b.status()["state"] == "not built"
