@@ -436,9 +436,12 @@ class SimpleIndex:
                      bool(f.get("yanked"))) for f in data.get("files", [])]
         return self._parse_html(body, url)
 
-    def sdists(self, name: str) -> list[SdistLink]:
+    def sdists(self, name: str, unreachable: list[str] | None = None) -> list[SdistLink]:
         """Every sdist of ``name`` on the configured indexes and find-links folders.
 
+        ``unreachable``, when given, gets a line (``<index>: <why>``) for each index that could not be read while
+        others could (a review: without network, pypi.org's connection error went unsaid where the file:// indexes
+        answered, and the message said the version was not on it).
         Raises FetchError when no index could be read at all (network failure).
         """
         want = canonicalize_name(name)
@@ -470,6 +473,8 @@ class SimpleIndex:
                     found.append(SdistLink(fname, url, ver, sha, yanked))
         if not ok and errors:
             raise FetchError(f"cannot reach any package index for {name}: " + "; ".join(errors))
+        if unreachable is not None:
+            unreachable += errors
         return found
 
     def download(self, link: SdistLink, dest: Path) -> None:
@@ -542,9 +547,12 @@ class Fetcher:
                              f"{there}) instead of --latest (the default of audit), e.g. `python tools/port.py audit "
                              f"{source.id} --offline --to {cached[-1] if cached else what}`")
         if source.kind == "pypi":
-            links = [l for l in self.index.sdists(source.pin["name"]) if not l.yanked and not l.version.is_prerelease]
+            name = source.pin["name"]
+            unreachable: list[str] = []
+            links = [l for l in self._index_sdists(name, unreachable) if not l.yanked and not l.version.is_prerelease]
             if not links:
-                raise FetchError(f"{source.id}: no release of {source.pin['name']} with an sdist on the configured indexes")
+                raise FetchError(f"{source.id}: no release of {name} with an sdist on the configured indexes"
+                                 + self._unreachable_hint(name, unreachable))
             best = max(links, key=lambda l: l.version)
             return {"name": source.pin["name"], "version": str(best.version)}
         if source.kind == "git":
@@ -661,17 +669,43 @@ class Fetcher:
             raise FetchError(f"{e}; a partial or damaged download: delete it and run without --offline (the file is "
                              f"downloaded again, checked against the package index's sha256)") from None
 
+    def _index_sdists(self, name: str, unreachable: list[str]) -> list[SdistLink]:
+        """:meth:`SimpleIndex.sdists`, the indexes not reached added to ``unreachable``; where none could be read, the
+        FetchError says what to do without network."""
+        try:
+            return self.index.sdists(name, unreachable)
+        except FetchError as e:
+            raise FetchError(f"{e}{self._unreachable_hint(name, [])}") from None
+
+    def _unreachable_hint(self, name: str, unreachable: list[str]) -> str:
+        """What to do without network: the indexes not reached and why (where others were), a copied cache and
+        --offline."""
+        not_reached = f"; not reached: {'; '.join(unreachable)}" if unreachable else ""
+        return (f"{not_reached}; without network, copy the pypi/{canonicalize_name(name)}/ folder of the port cache of "
+                f"a machine that ran the same command with network into {self._pypi_dir(name)} and pass --offline")
+
+    def _version_links(self, name: str, version: str) -> list[SdistLink]:
+        """The sdists of ``name`` ``version`` on the configured indexes (FetchError: none can be read, or none has it;
+        the message names the indexes not reached)."""
+        unreachable: list[str] = []
+        links = [l for l in self._index_sdists(name, unreachable) if l.version == Version(version)]
+        if not links:
+            indexes = ", ".join(redact(u) for u in self.index.config.index_urls) or "no index"
+            raise FetchError(f"no sdist of {name} {version} on {indexes}"
+                             + (self._unreachable_hint(name, unreachable) if unreachable else ""))
+        return links
+
     def _index_link(self, name: str, version: str) -> SdistLink:
         """The sdist of ``name`` ``version`` that a download takes from the configured indexes (FetchError: none
         can be read, or none has it)."""
-        links = [l for l in self.index.sdists(name) if l.version == Version(version)]
-        if not links:
+        try:
+            return self._version_links(name, version)[0]
+        except FetchError as e:
             cached = self._cached_sdist(name, version, None)
-            there = (f"; the download cache holds {cached}, which cannot be checked against an index without it: pass "
-                     f"--offline to read it as it is" if cached is not None else "")
-            raise FetchError(f"no sdist of {name} {version} on "
-                             f"{', '.join(redact(u) for u in self.index.config.index_urls) or 'no index'}{there}")
-        return links[0]
+            if cached is None:
+                raise
+            raise FetchError(f"{e}; the download cache holds {cached}, which cannot be checked against an index "
+                             f"without it: pass --offline to read it as it is") from None
 
     def _download_sdist(self, name: str, version: str, want: str | None, whose: str = "kernels.yaml pins",
                         fresh: bool = False) -> Path:
@@ -703,13 +737,9 @@ class Fetcher:
 
     def _simple_download(self, name: str, version: str, want: str | None, dest: Path, errors: list[str]) -> Path | None:
         try:
-            links = [l for l in self.index.sdists(name) if l.version == Version(version)]
+            links = self._version_links(name, version)
         except FetchError as e:
             errors.append(f"simple index: {e}")
-            return None
-        if not links:
-            errors.append(f"simple index: no sdist of {name} {version} on "
-                          f"{', '.join(redact(u) for u in self.index.config.index_urls)}")
             return None
         if want:
             matching = [l for l in links if l.sha256 in (None, want)]

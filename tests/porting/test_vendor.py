@@ -21,7 +21,7 @@ from pipegoose.porting import txn as txn_mod
 from pipegoose.porting.fetch import Fetcher
 from pipegoose.porting.licenses import detect_licenses, file_license_problem
 from pipegoose.porting.lock import Lock
-from porting_helpers import (APACHE, GPL, MIT, V1_FILES, commit_files, init_git_upstream, kernel_yaml, make_sdist,
+from porting_helpers import (APACHE, GPL, MIT, V1_FILES, init_git_upstream, kernel_yaml, make_sdist,
                              publish, sha256, source_yaml)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -1207,6 +1207,32 @@ def test_git_unreachable_remote(repo, tmp_path):
     repo.write_manifest(source_yaml("up", f"git: {{url: '{tmp_path / 'nowhere'}', commit: {'a' * 40}}}"), K_ALPHA)
     with pytest.raises(FetchError, match="git failed"):
         repo.porter().add(["alpha"])
+    assert not (repo.root / "kernels.lock").exists()
+
+
+def test_an_index_not_reached_is_named_beside_those_that_answered(repo, tmp_path):
+    """A review: without network (`unshare -n`), sync said "no sdist of deepspeed 0.19.8 on https://pypi.org/simple,
+    file:///opt/pypi/simple...": pypi.org's connection error was dropped because the file:// indexes answered (empty).
+    The message now names the index not reached and why, and what to do without network."""
+    from pipegoose.porting.fetch import IndexConfig, SimpleIndex
+
+    src, _ = sdist_source(repo)   # published on repo's index, which this run does not read
+    repo.write_manifest(src, K_ALPHA)
+    empty = tmp_path / "empty-index"
+    empty.mkdir()
+    refused = "http://127.0.0.1:9/simple"
+    index = SimpleIndex(IndexConfig([refused, empty.as_uri()], [], None, 10.0))
+    p = porter_mod.Porter(repo.root / "kernels.yaml", fetcher=Fetcher(repo.root, repo.cache, index=index))
+    fix = (rf"without network, copy the pypi/up/ folder of the port cache of a machine that ran the same command with "
+           rf"network into {re.escape(str(repo.cache / 'pypi' / 'up'))} and pass --offline")
+    with pytest.raises(FetchError, match=rf"no sdist of up 1.0 on {refused}, {empty.as_uri()}; not reached: "
+                                         rf"{refused}: <urlopen error .*refused.*>; {fix}"):
+        p.add(["alpha"])
+    # none reached: the same advice
+    index = SimpleIndex(IndexConfig([refused], [], None, 10.0))
+    p = porter_mod.Porter(repo.root / "kernels.yaml", fetcher=Fetcher(repo.root, repo.cache, index=index))
+    with pytest.raises(FetchError, match=rf"cannot reach any package index for up: {refused}: .*; {fix}"):
+        p.add(["alpha"])
     assert not (repo.root / "kernels.lock").exists()
 
 
