@@ -91,8 +91,9 @@ class KernelUnavailableError(KernelError):
 _COMPILE_ONLY_CHECKS = ("cache dir", "MAX_JOBS", "ninja")
 # The errnos of a write the cache folder refuses (full disk, quota, read-only file system, permissions).
 _CACHE_WRITE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM))
-# Environment variables nvcc reads itself (flags added to every call, the host compiler): part of a build's key.
-_NVCC_ENV = ("NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN")
+# Environment variables nvcc reads itself (flags added to every call, the host compiler), and CC, which
+# torch.utils.cpp_extension passes to nvcc as its host compiler (-ccbin): part of a CUDA build's key.
+_NVCC_ENV = ("NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN", "CC")
 
 
 @dataclass
@@ -471,6 +472,9 @@ class KernelBuilder:
             nvcc_env = {n: os.environ[n] for n in _NVCC_ENV if os.environ.get(n)}
             if nvcc_env:
                 tc["nvcc_env"] = nvcc_env
+            # and CC's compiler itself, as the host compiler's (a review: CC=/bin/false was served the cached build)
+            if (cc := toolchain.nvcc_host_compiler()) is not None:
+                tc["nvcc_host_compiler"] = list(cc)
         return tc
 
     def key_inputs(self, tc: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -359,6 +359,51 @@ def test_nvccs_own_environment_variables_are_part_of_the_key(tiny, fake_toolkit,
     assert KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir).build_key() == tiny_key
 
 
+def test_cc_is_part_of_a_cuda_builds_key_and_shown_in_the_host_compiler_row(tiny, fake_toolkit, monkeypatch, tmp_path):
+    """A review: torch.utils.cpp_extension passes $CC to nvcc as its host compiler (-ccbin), which NVCC_CCBIN names
+    too; NVCC_CCBIN was in the key, CC not: `CC=/bin/false ... build multi_tensor_scale` said "cached". A CUDA kernel's
+    key now takes CC and its compiler's version (a C++ kernel's does not: nvcc does not build it), doctor's host
+    compiler row shows it, and a CC that is not runnable fails the row."""
+    manifest, _op, cache_dir = tiny
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    for n in ("CC", "NVCC_CCBIN"):
+        monkeypatch.delenv(n, raising=False)
+
+    def builder(name="test/cuda_one"):
+        return KernelBuilder(name, manifest=manifest, cache_dir=cache_dir)
+
+    def row():
+        return next(c for c in toolchain.preflight(cache_dir) if c.name == "host compiler")
+
+    plain, tiny_key = builder().build_key(), builder("tiny").build_key()
+    entry = cache.entry_dir(cache_dir, plain)   # the build made without CC, in the cache
+    entry.mkdir(parents=True)
+    (entry / "lib.so").write_bytes(b"")
+    (entry / cache.BUILD_INFO).write_text(json.dumps({"kernel": "test/cuda_one", "key": plain, "library": "lib.so"}))
+    assert builder().status()["state"] == "cached"
+    fake = tmp_path / "bin" / "gcc-fake"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'gcc (fake) 12.2.0'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    inputs = builder().key_inputs()
+    assert inputs["nvcc_env"] == {"CC": str(fake)} and inputs["nvcc_host_compiler"] == [str(fake), "gcc (fake) 12.2.0"]
+    assert builder().build_key() != plain and builder("tiny").build_key() == tiny_key
+    assert builder().status()["state"] == "not built"
+    assert row().ok and f"nvcc's host compiler: CC={fake} -> {fake} (gcc (fake) 12.2.0)" in row().detail, row()
+    fake.write_text("#!/bin/sh\necho 'gcc (fake) 99.1.0'\n")   # newer than nvcc 13 takes: CC's version is checked
+    assert row().warn and "newer than nvcc 13 supports" in row().detail and row().fix.startswith("set CC "), row()
+    monkeypatch.setenv("CC", "/bin/false")
+    assert not row().ok and "CC='/bin/false', which torch passes to nvcc as its host compiler (-ccbin): not found or " \
+        "not runnable" in row().detail, row()
+    st = builder().status()
+    assert st["state"] == "unavailable" and "CC='/bin/false'" in st["detail"], st
+    assert builder("tiny").status()["state"] == "not built"   # (a C++ kernel: nvcc is not its compiler)
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("NVCC_CCBIN", "/opt/gcc-12/bin")
+    assert row().ok and "nvcc's host compiler: NVCC_CCBIN=/opt/gcc-12/bin" in row().detail, row()
+
+
 def test_a_bad_max_jobs_keeps_cached_builds_usable(tiny, monkeypatch):
     """A fresh-clone review (session 60): MAX_JOBS=² (a value torch cannot read) made every cached kernel unavailable
     (doctor, build, load), and the fused ops quietly ran PyTorch, though MAX_JOBS only matters when compiling. Now a
