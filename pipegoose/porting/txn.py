@@ -216,9 +216,19 @@ class Transaction:
         self._ops.append((self._abs(target), None))
 
     def _abs(self, target: Path) -> Path:
+        """``target`` absolute; PortError where it resolves outside the repository (a symbolic link on the way: a
+        review found a raw ValueError, exit 1, which port.py documents as drift, for vendor/<source> linked
+        elsewhere)."""
         t = Path(target)
         t = t if t.is_absolute() else self.root / t
-        t.resolve().relative_to(self.root.resolve())  # ValueError if outside the repository
+        if not t.resolve().is_relative_to(self.root.resolve()):
+            links = [q for q in (t, *t.parents) if q.is_relative_to(self.root) and q != self.root and q.is_symlink()]
+            shown = links[-1].relative_to(self.root).as_posix() if links else str(t)
+            via = (f"{shown} is a symbolic link to {os.readlink(links[-1])}" if links
+                   else f"{t} resolves to {t.resolve()}")
+            raise PortError(f"{via}, outside the repository {self.root}: tools/port.py writes vendor/, LICENSES/ and "
+                            f"kernels.lock only inside it (all-or-nothing by renames there); replace the link with a "
+                            f"folder (move what it points to in its place) and run the command again")
         return t
 
     def commit(self) -> None:

@@ -1503,6 +1503,32 @@ def test_verify_runs_where_no_lock_file_can_be_made(sdist_repo, monkeypatch):
         p.verify()
 
 
+@pytest.mark.parametrize("link", ["vendor/up", "vendor"])
+def test_a_vendor_folder_linked_outside_the_repository_is_a_clear_error(sdist_repo, tmp_path, link):
+    """A review: vendor/ or vendor/<source> a symbolic link to a folder outside the repository made sync end in a raw
+    ValueError ("... is not in the subpath of ...") from the transaction, exit 1, which port.py documents as drift.
+    It is now an error line naming the link, exit 2, and nothing changed; verify works on that layout."""
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+    outside = tmp_path / "elsewhere" / Path(link).name
+    outside.parent.mkdir()
+    shutil.move(str(repo.root / link), str(outside))
+    (repo.root / link).symlink_to(outside)
+    assert repo.porter().verify() == []
+    (repo.root / "vendor/up/csrc/kernels/alpha.cu").write_text("tampered\n")
+    before = repo.snapshot()
+    with pytest.raises(PortError, match=rf"^{link} is a symbolic link to {re.escape(str(outside))}, outside the "
+                                        rf"repository {re.escape(str(repo.root))}: tools/port.py writes vendor/, "
+                                        r"LICENSES/ and kernels.lock only inside it .*replace the link with a folder"):
+        repo.porter(offline=True).sync()
+    assert repo.snapshot() == before and not list(outside.parent.rglob(".port-txn/*"))
+    r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "sync", "--offline", "--root", str(repo.root),
+                        "--cache", str(repo.cache)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and f"error: {link} is a symbolic link" in r.stderr, \
+        r.stderr
+    assert [pr.kind for pr in repo.porter().verify()] == ["differs"]
+
+
 def test_an_os_error_is_an_error_line_with_exit_2(sdist_repo):
     """`vendor` a file: a FileExistsError traceback, exit 1 (documented as drift). Now an error line, exit 2."""
     repo = sdist_repo
