@@ -1644,6 +1644,41 @@ def test_from_name_checks_the_name_at_once(tiny):
         KernelBuilder.from_name("tiny", manifest=manifest.parent, cache_dir=cache_dir)
 
 
+@pytest.mark.parametrize("where", ["locks folder", "lock"])
+def test_cli_clean_of_a_read_only_cache_is_a_usage_error(tmp_path, monkeypatch, capsys, where):
+    """A review: `clean` of a read-only cache holding a dead temp folder ended in a raw OSError [Errno 30] from
+    filelock, exit 1 (`--dry-run` worked). It is now "cache not writable: <path>", exit 2, and nothing removed."""
+    import errno
+    import filelock
+
+    from pipegoose.kernels import __main__ as cli
+
+    cache_dir = tmp_path / "cache"
+    dead = _plant_tmp(cache_dir, "tiny-0123456789abcdef01234567", _dead_pid())
+    if where == "lock":   # (the locks folder there, its lock file not writable)
+        (cache_dir / "locks").mkdir()
+
+        def read_only(self, *a, **kw):
+            raise OSError(errno.EROFS, "Read-only file system", self.lock_file)
+
+        monkeypatch.setattr(filelock.FileLock, "acquire", read_only)
+    else:
+        real = Path.mkdir
+
+        def read_only(self, *a, **kw):
+            if self.name == "locks":
+                raise OSError(errno.EROFS, "Read-only file system", str(self))
+            return real(self, *a, **kw)
+
+        monkeypatch.setattr(Path, "mkdir", read_only)
+    assert cli.main(["--cache-dir", str(cache_dir), "clean"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"python -m pipegoose.kernels clean: cache not writable: {cache_dir} (Read-only file system: " \
+           f"{cache_dir / 'locks'}" in err and "clean --dry-run lists them" in err and "Traceback" not in err, err
+    assert dead.is_dir()
+    assert cli.main(["--cache-dir", str(cache_dir), "clean", "--dry-run"]) == 0
+
+
 def test_cli_ctrl_c_is_a_line_not_a_traceback(monkeypatch, capsys):
     """Ctrl-C during `python -m pipegoose.kernels build` printed a KeyboardInterrupt traceback; now one line saying
     what is left (nothing cached half-built; how to remove a temp folder) and exit status 130."""
