@@ -411,8 +411,9 @@ class KernelBuilder:
                   "PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1"
         elif "sync" in advice:   # (lines that name their own command, add or update, take none: a kernel the lock
             # does not record was sent to sync, which does not add it: a review)
-            fix = ("restore them with python tools/port.py sync (python tools/port.py verify lists what differs), or "
-                   "build them as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1")
+            fix = ("restore them with python tools/port.py sync (python tools/port.py verify lists what differs; where "
+                   "kernels.lock's record is what was edited, sync says so: git checkout kernels.lock), or build them "
+                   "as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1")
         else:
             fix = "or build the vendored files as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1"
         raise KernelUnavailableError(f"kernel {self.kernel.id}: the vendored files are not what tools/port.py recorded: "

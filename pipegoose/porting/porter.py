@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -88,12 +87,16 @@ def _write_staged(path: Path, data: bytes) -> None:
 
 
 def pin_changed_by_hand(sid: str, locked: dict, declared: dict) -> str:
-    """The advice for a kernels.yaml pin that is not kernels.lock's: ``update`` moves both, and cannot start from a
-    kernels.yaml edited by hand (sync and the builder sent users to update, which then refused)."""
+    """The advice for a kernels.yaml pin that is not kernels.lock's: ``update`` moves both, and cannot start from
+    either edited by hand (sync and the builder sent users to update, which then refused). Either file may be the one
+    edited: both are named (a review: a sha256 edited in kernels.lock was answered with "revert kernels.yaml", which
+    was clean)."""
     fields = ", ".join(f"{k}: {locked.get(k)!r} -> {declared.get(k)!r}" for k in sorted(set(locked) | set(declared))
                        if locked.get(k) != declared.get(k))
-    return (f"kernels.yaml pins {sid} otherwise than kernels.lock records ({fields}): revert kernels.yaml (git checkout "
-            f"kernels.yaml), then move both with `python tools/port.py update {sid} --to ...`")
+    return (f"kernels.yaml pins {sid} otherwise than kernels.lock records ({fields}): one of the two was edited by "
+            "hand (or by a merge): restore it from git (git checkout kernels.yaml, or git checkout kernels.lock; git "
+            f"diff kernels.yaml kernels.lock shows which changed), then move both with `python tools/port.py update "
+            f"{sid} --to ...`")
 
 
 def record_differs(locked, declared) -> str:
@@ -347,7 +350,8 @@ class Porter:
                 # download cache, which the message blamed; a review)
                 raise IntegrityError(f"{sid}: {f} from {tree.label} has sha256 {sha256_bytes(data)}, kernels.lock "
                                      f"records {h}: kernels.lock's record does not match the pinned source (edited "
-                                     f"by hand, or a merge?); restore kernels.lock from git, or re-record the file "
+                                     f"by hand, or a merge?); restore kernels.lock from git (git checkout "
+                                     f"kernels.lock), or re-record the file "
                                      f"with `python tools/port.py add` of its kernels "
                                      f"({', '.join(k for k in lock.kernels_of(sid) if f in lock.kernels[k].files)})")
             _write_staged(stage / f, data)
@@ -737,7 +741,6 @@ class Porter:
                 probs.append(Problem("stale", kid, why))
         used = {lk.source for lk in lock.kernels.values()}
         for sid, s in sorted(lock.sources.items()):
-            m = self.manifest.sources.get(sid)
             if sid not in used:
                 probs.append(Problem("stale", f"sources.{sid}", "no kernel of kernels.lock comes from it: `python "
                                      "tools/port.py sync` drops it and its folders (or restore kernels.lock from git)"))
@@ -753,8 +756,10 @@ class Porter:
                     probs.append(Problem("missing", shown, _LOCAL_MISSING if self._is_local(sid)
                                          else "run `python tools/port.py sync`"))
                 elif (got := sha256_file(p)) != h:
-                    fix = (f"; this project's own file: re-record it with `python tools/port.py add` of its kernel"
-                           if self._is_local(sid) else "; `python tools/port.py sync` restores it")
+                    fix = ("; this project's own file: re-record it with `python tools/port.py add` of its kernel"
+                           if self._is_local(sid) else
+                           "; `python tools/port.py sync` restores it, unless kernels.lock's record is what was edited "
+                           "(sync says so then): git checkout kernels.lock")
                     n = _shown_digits(got, h)
                     probs.append(Problem("differs", shown, f"sha256 {got[:n]}…, kernels.lock {h[:n]}…{fix}"))
         # extra files: anything under vendor/ and LICENSES/ that no lock entry explains

@@ -1768,8 +1768,10 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
     # was built from the old files without a word, where port.py's list said "stale" and sync refused)
     text = manifest.read_text()
     for edited, says in ((text.replace('version: "1.0"', 'version: "0.9"'), "kernels.yaml pins upstream otherwise "
-                          "than kernels.lock records (version: '1.0' -> '0.9'): revert kernels.yaml (git checkout "
-                          "kernels.yaml), then move both with `python tools/port.py update upstream --to ...`"),
+                          "than kernels.lock records (version: '1.0' -> '0.9'): one of the two was edited by hand (or "
+                          "by a merge): restore it from git (git checkout kernels.yaml, or git checkout kernels.lock; "
+                          "git diff kernels.yaml kernels.lock shows which changed), then move both with `python "
+                          "tools/port.py update upstream --to ...`"),
                          (text.replace("files: [src/kernel.cu, src/kernel.h]", "files: [src/kernel.cu]"),
                           "test/vendored: kernels.yaml's files differ from kernels.lock's: -src/kernel.h: python "
                           "tools/port.py add test/vendored"),

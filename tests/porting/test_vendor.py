@@ -1451,8 +1451,8 @@ def test_a_lock_hash_that_is_not_the_pinned_files_is_blamed_on_the_lock(sdist_re
     data["kernels"]["up/alpha"]["files"][f] = h[:-1] + ("0" if h[-1] != "0" else "1")
     lock_path.write_text(yaml.safe_dump(data))
     with pytest.raises(IntegrityError, match=r"kernels.lock's record does not match the pinned source .*restore "
-                                             r"kernels.lock from git, or re-record the file with `python tools/port.py "
-                                             r"add` of its kernels \(up/alpha\)"):
+                                             r"kernels.lock from git \(git checkout kernels.lock\), or re-record the "
+                                             r"file with `python tools/port.py add` of its kernels \(up/alpha\)"):
         repo.porter().sync()
 
 
@@ -1574,16 +1574,46 @@ def test_add_of_one_kernel_re_records_a_shared_file_for_every_kernel_that_lists_
 
 def test_a_pin_edited_in_kernels_yaml_is_answered_with_revert_then_update(sdist_repo):
     """sync, the builder and update itself advised `update` for a pin edited in kernels.yaml by hand, which update
-    then refused: the advice is to revert kernels.yaml and move both with update."""
+    then refused: the advice is to restore the edited file and move both with update."""
     repo = sdist_repo
     repo.porter().add(["alpha"])
     manifest = repo.root / "kernels.yaml"
     manifest.write_text(manifest.read_text().replace("version: '1.0'", "version: '1.1'").replace(
         'version: "1.0"', 'version: "1.1"').replace("version: 1.0", "version: 1.1"))
     with pytest.raises(PortError, match=r"kernels.yaml pins up otherwise than kernels.lock records \(version: '1.0' "
-                                        r"-> '1.1'\): revert kernels.yaml \(git checkout kernels.yaml\), then move "
-                                        r"both with `python tools/port.py update up --to ...`"):
+                                        r"-> '1.1'\): one of the two was edited by hand \(or by a merge\): restore it "
+                                        r"from git \(git checkout kernels.yaml, or git checkout kernels.lock; .*\), "
+                                        r"then move both with `python tools/port.py update up --to ...`"):
         repo.porter().sync()
+
+
+def test_a_hash_edited_in_the_lock_is_answered_with_kernels_lock_too(sdist_repo):
+    """A review: a pin's sha256 edited in kernels.lock by hand made sync and `update --to <the pinned version>` say
+    "revert kernels.yaml (git checkout kernels.yaml)", which was clean, and never named kernels.lock; a file's sha256
+    edited there made verify say "sync restores it", and sync then refused. The advice names kernels.lock, the same
+    from each command."""
+    from pipegoose.porting import update
+
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+    lock_path = repo.root / "kernels.lock"
+    good = lock_path.read_text()
+    pin = yaml.safe_load(good)["sources"]["up"]["pin"]["sha256"]
+    lock_path.write_text(good.replace(pin, "9" + pin[1:]))
+    for run in (lambda: repo.porter(offline=True).sync(), lambda: update(repo.porter(offline=True), "up", to="1.0")):
+        with pytest.raises(PortError, match=r"kernels.yaml pins up otherwise than kernels.lock records \(sha256: .*"
+                                            r"git checkout kernels.lock"):
+            run()
+    lock_path.write_text(good)
+    f, h = next(iter(yaml.safe_load(good)["kernels"]["up/alpha"]["files"].items()))
+    lock_path.write_text(good.replace(h, "0" + h[1:]))
+    [pr] = repo.porter().verify()
+    assert pr.kind == "differs" and pr.detail.endswith(
+        "`python tools/port.py sync` restores it, unless kernels.lock's record is what was edited (sync says so "
+        "then): git checkout kernels.lock"), pr
+    with pytest.raises(IntegrityError, match=r"kernels.lock's record does not match the pinned source .*restore "
+                                             r"kernels.lock from git \(git checkout kernels.lock\)"):
+        repo.porter(offline=True).sync()
 
 
 def test_a_pin_edited_in_the_lock_is_named_by_verify_and_list(sdist_repo):
