@@ -4,7 +4,8 @@
     python tools/port.py list                      every kernel: source, license, state
     python tools/port.py add megatron/scaled_masked_softmax
     python tools/port.py sync [--all]              vendor everything in kernels.lock (--all: every kernel)
-    python tools/port.py verify                    recompute hashes; exit 1 on any difference
+    python tools/port.py verify                    recompute hashes; exit 1 on any difference (a kernel of
+                                                   kernels.yaml that kernels.lock does not record is named, no failure)
     python tools/port.py remove <id>
     python tools/port.py audit [IDS] [--to X | --latest] [--diff] [--json]   exit 0 in sync, 1 drift, 2 error
     python tools/port.py update <id|source> (--to X | --latest) [--force] [--allow-downgrade] [--trust-cache]
@@ -132,8 +133,18 @@ def _print_unrecorded(p: Porter, before: dict[str, list[str]]) -> None:
                   f"{', '.join(left)}", style="yellow", markup=False)
 
 
+def _print_unlocked(p: Porter, cmd: str) -> None:
+    """Name the kernels of kernels.yaml that kernels.lock does not record: ``cmd`` neither vendors nor verifies them."""
+    left = p.unlocked_kernels()
+    if left:
+        out.print(f"{cmd}: declared in kernels.yaml but not recorded in kernels.lock, so neither vendored nor verified "
+                  f"(the builder refuses the ported ones): {', '.join(left)}; record them with python tools/port.py "
+                  f"add {' '.join(left)} (or python tools/port.py sync --all)", style="yellow", markup=False)
+
+
 def cmd_sync(a) -> int:
-    r = _porter(a).sync(all_kernels=a.all)
+    p = _porter(a)
+    r = p.sync(all_kernels=a.all)
     # (a review: "added 0 kernel(s)" beside "vendored ..." on a fresh clone read as if nothing had been fetched)
     added = f" ({', '.join(r['added'])})" if r["added"] else ""
     done = [f"added {len(r['added'])} kernel(s) to kernels.lock{added}"]
@@ -154,18 +165,21 @@ def cmd_sync(a) -> int:
         out.print(f"sync: not recorded in kernels.lock, left in place (not sync's files; verify fails until they go: "
                   f"delete them, or declare their source and kernels in kernels.yaml and add them): "
                   f"{', '.join(r['stray'])}", style="yellow", markup=False)
+    _print_unlocked(p, "sync")
     return 0
 
 
 def cmd_verify(a) -> int:
-    problems = _porter(a).verify()
+    p = _porter(a)
+    problems = p.verify()
     for pr in problems:
         out.print(str(pr), markup=False)
     if problems:
         out.print(f"[red]verify: {len(problems)} problem(s)[/red]")
-        return 1
-    out.print("verify: every vendored file and license matches kernels.lock")
-    return 0
+    else:
+        out.print("verify: every vendored file and license matches kernels.lock")
+    _print_unlocked(p, "verify")
+    return 1 if problems else 0
 
 
 def cmd_remove(a) -> int:

@@ -319,6 +319,14 @@ class Porter:
                         if (p.is_file() or p.is_symlink()) and p.relative_to(folder).as_posix() not in known]
         return out
 
+    def unlocked_kernels(self) -> list[str]:
+        """The kernels of kernels.yaml that kernels.lock does not record, in kernels.yaml's order: neither vendored nor
+        verified (sync vendors only what kernels.lock records, verify checks only that; ``add`` or ``sync --all``
+        records them). ``tools/port.py`` sync and verify name them (a review: both passed without a word where the
+        builder called such a ported kernel unavailable)."""
+        lock = Lock.load(self.lock_path)
+        return [kid for kid in self.manifest.kernels if kid not in lock.kernels]
+
     def unrecorded(self) -> dict[str, list[str]]:
         """{source id: the files under its vendor/ and LICENSES/ folders that kernels.lock does not record, as
         repository paths} for each upstream source of kernels.lock that has any. ``add`` and ``update`` remove them

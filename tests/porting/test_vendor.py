@@ -1529,6 +1529,27 @@ def test_a_vendor_folder_linked_outside_the_repository_is_a_clear_error(sdist_re
     assert [pr.kind for pr in repo.porter().verify()] == ["differs"]
 
 
+def test_sync_and_verify_name_the_kernels_kernels_lock_does_not_record(sdist_repo):
+    """A review: a kernel of kernels.yaml absent from kernels.lock passed sync and verify without a word (exit 0,
+    "every vendored file ... matches"), where doctor called it unavailable. Both now name it and how to record it
+    (verify still passes: what it checks matches)."""
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+    assert repo.porter().unlocked_kernels() == ["up/beta"]
+    cli = [sys.executable, str(ROOT / "tools/port.py"), "--root", str(repo.root), "--cache", str(repo.cache),
+           "--offline"]
+    says = ("declared in kernels.yaml but not recorded in kernels.lock, so neither vendored nor verified (the builder "
+            "refuses the ported ones): up/beta; record them with python tools/port.py add up/beta (or python "
+            "tools/port.py sync --all)")
+    for cmd in ("verify", "sync"):
+        r = subprocess.run(cli + [cmd], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and f"{cmd}: {says}" in " ".join(r.stdout.split()), r.stdout + r.stderr
+    repo.porter(offline=True).sync(all_kernels=True)
+    assert repo.porter().unlocked_kernels() == []
+    r = subprocess.run(cli + ["verify"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "not recorded in kernels.lock" not in r.stdout, r.stdout
+
+
 def test_an_os_error_is_an_error_line_with_exit_2(sdist_repo):
     """`vendor` a file: a FileExistsError traceback, exit 1 (documented as drift). Now an error line, exit 2."""
     repo = sdist_repo
