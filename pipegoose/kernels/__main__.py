@@ -94,13 +94,11 @@ def _doctor(args) -> int:
         bad += 1
         checks.append(("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", fail, f"{allow!r}",
                        "set it to 1/true/yes/on or 0/false/no/off, or unset it"))
-    from pipegoose.porting.txn import pending_change
-
-    from .manifest import default_manifest_path
+    from .manifest import default_manifest_path, pending_port_change
 
     # a tools/port.py change running or interrupted: its vendored kernels are unavailable too (their rows say so)
     root = (Path(args.manifest).expanduser().absolute() if args.manifest else default_manifest_path()).parent
-    what, fix = pending_change(root)
+    what, fix = pending_port_change(root)
     if what:
         bad += 1
         checks.append(("tools/port.py change", fail, what, fix))

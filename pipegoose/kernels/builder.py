@@ -46,7 +46,7 @@ from typing import Any, Callable
 from .. import _env
 from . import cache as _cache
 from . import toolchain
-from .manifest import Kernel, Manifest, load_manifest
+from .manifest import Kernel, Manifest, load_manifest, pending_port_change
 
 __all__ = [
     "KernelError",
@@ -282,9 +282,7 @@ class KernelBuilder:
         if not src.is_local:
             # a tools/port.py change running or interrupted (kill -9): vendor/, LICENSES/ and kernels.lock may be
             # half-swapped (a review: doctor passed a killed sync's vendor/ without its LICENSES/)
-            from pipegoose.porting.txn import pending_change
-
-            what, fix = pending_change(self.manifest.root)
+            what, fix = pending_port_change(self.manifest.root)
             if what:
                 raise KernelUnavailableError(f"kernel {k.id}: {what}: {fix}")
         missing = self.missing_files()

@@ -10,7 +10,8 @@ A single file (kernels.lock, kernels.yaml) is never absent: its backup is a hard
 a temporary name) taken while it stays in place, and the staged file is renamed over it (``os.replace``), as a
 rollback renames the backup over it (a review: a ``kill -9`` between moving kernels.yaml aside and putting the new
 one in place left none, and ``doctor`` said to reinstall). A folder is moved aside, then replaced. While a
-transaction folder is there, :func:`pending_change` says so (the kernel builder refuses vendored kernels then).
+transaction folder is there, :func:`pipegoose.kernels.manifest.pending_port_change` says so (the kernel builder
+refuses vendored kernels then).
 
 The repository lock is a :class:`filelock.FileLock` on ``vendor/.port.lock``.
 """
@@ -25,12 +26,13 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from ..kernels.manifest import PORT_LOCK_NAME, PORT_TXN_DIRNAME
 from .errors import PortError
 
-__all__ = ["Transaction", "repo_lock", "recover", "pending_change", "TXN_DIRNAME"]
+__all__ = ["Transaction", "repo_lock", "recover", "TXN_DIRNAME"]
 
-TXN_DIRNAME = ".port-txn"
-LOCK_NAME = ".port.lock"
+TXN_DIRNAME = PORT_TXN_DIRNAME
+LOCK_NAME = PORT_LOCK_NAME
 
 
 def repo_lock(root: Path, timeout: float = 60.0) -> FileLock:
@@ -46,32 +48,6 @@ def repo_lock(root: Path, timeout: float = 60.0) -> FileLock:
                 raise PortError(f"another tools/port.py holds {vendor / LOCK_NAME} (waited {timeout:.0f}s)") from None
 
     return _Lock(str(vendor / LOCK_NAME), timeout=timeout)
-
-
-def pending_change(root: Path) -> tuple[str, str]:
-    """``(what, fix)`` for a change of ``tools/port.py`` that is running or was interrupted in the repository at
-    ``root`` (its transaction folder, ``vendor/.port-txn/``, holds one: vendor/, LICENSES/, kernels.lock and
-    kernels.yaml may be half-swapped); ``("", "")`` when there is none. Whether it runs is told by the repository lock,
-    taken without waiting (a lock that cannot be opened, a read-only checkout: taken as interrupted)."""
-    base = Path(root) / "vendor" / TXN_DIRNAME
-    try:
-        if not base.is_dir() or not any(base.iterdir()):
-            return "", ""
-    except OSError:
-        return "", ""
-    try:
-        with FileLock(str(base.parent / LOCK_NAME), timeout=0):
-            running = False
-    except Timeout:
-        running = True
-    except OSError:
-        running = False
-    where = f"vendor/{TXN_DIRNAME}/"
-    if running:
-        return (f"a tools/port.py run is changing vendor/, LICENSES/ and kernels.lock now ({where} holds its "
-                "transaction)", "build once it has finished")
-    return (f"an interrupted tools/port.py change waits in {where} (vendor/, LICENSES/, kernels.lock and kernels.yaml "
-            "may be half-swapped)", "run `python tools/port.py verify` (or sync) to roll it back")
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
