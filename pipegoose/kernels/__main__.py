@@ -8,11 +8,12 @@
 Common options: ``--manifest PATH`` (default: the repository's kernels.yaml), ``--cache-dir DIR``.
 Exit status, every subcommand: 0 success; 1 a failure (below); 2 a usage error (a bad option, an unknown kernel name,
 a missing or invalid ``--manifest``, a ``--cache-dir`` that is a file or under one for ``clean``; for ``build``, a
-``PIPEGOOSE_BUILD_LOCK_TIMEOUT`` that is no number of seconds:
-nothing is built; for ``clean``, a cache that cannot be written: "cache not writable"), as argparse's own; 3 none
-failed but some kernels are unavailable here (vendored files missing or changed, a tools/port.py change running or
-interrupted, toolchain), each listed with the reason; 130 interrupted (Ctrl-C). ``build``: 1 a build failed, or was
-left ``busy`` (another process held its build lock past ``PIPEGOOSE_BUILD_LOCK_TIMEOUT``; nothing was attempted).
+``PIPEGOOSE_BUILD_LOCK_TIMEOUT`` that is no number of seconds or a ``PIPEGOOSE_ALLOW_MODIFIED_VENDOR`` that is no
+switch value: nothing is built; for ``clean``, a cache that cannot be written: "cache not writable"), as argparse's
+own; 3 none failed but some kernels are unavailable here (vendored files missing or changed, a tools/port.py change
+running or interrupted, toolchain), each listed with the reason; 130 interrupted (Ctrl-C). ``build``: 1 a build
+failed, or was left ``busy`` (another process held its build lock past ``PIPEGOOSE_BUILD_LOCK_TIMEOUT``; nothing was
+attempted).
 ``doctor``: 0 every check passed and every kernel can be built or loaded; 1 a check failed (one is a
 tools/port.py change running or interrupted in ``vendor/.port-txn/``) or, with ``--load``, a kernel failed to load.
 ``doctor`` also counts those temp folders. ``clean`` removes only ``<key>.tmp-<pid>-<8 hex>`` folders whose pid is
@@ -237,6 +238,14 @@ def _build(args) -> int:
         cache.env_lock_timeout()   # and passed where every kernel was cached (a review); nothing is built with it
     except ValueError as e:
         print(f"build: {e} (fix the value, or unset it)", file=sys.stderr)
+        return 2
+    from pipegoose import _env
+
+    # every build and load refuses it: said once, nothing built (a review: each kernel was FAILED, ours too, exit 1)
+    allow = os.environ.get("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "")
+    if _env.flag(allow) is None:
+        print(f"build: PIPEGOOSE_ALLOW_MODIFIED_VENDOR={allow!r}: expected 1/true/yes/on or 0/false/no/off (fix the "
+              "value, or unset it)", file=sys.stderr)
         return 2
     os.environ.setdefault("PIPEGOOSE_QUIET", "1")
     console = _console()

@@ -1370,6 +1370,21 @@ def test_cli_build_refuses_a_bad_lock_timeout_before_building(tiny, value):
     assert not cache_dir.exists() or not any(cache_dir.iterdir())
 
 
+@pytest.mark.parametrize("value", ["2", "maybe"])
+def test_cli_build_refuses_a_bad_allow_modified_vendor_before_building(tiny, value):
+    """A review: PIPEGOOSE_ALLOW_MODIFIED_VENDOR=2 made each kernel FAILED, our own kernels included, exit 1. It is
+    now a usage error up front, as a bad PIPEGOOSE_BUILD_LOCK_TIMEOUT is: exit 2, the variable named, nothing built."""
+    manifest, _op, cache_dir = tiny
+    p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "build", "test/tiny"],
+                       capture_output=True, text=True,
+                       env={**_env(cache_dir), "PIPEGOOSE_ALLOW_MODIFIED_VENDOR": value}, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert f"build: PIPEGOOSE_ALLOW_MODIFIED_VENDOR='{value}': expected 1/true/yes/on or 0/false/no/off" in p.stderr, \
+        p.stderr
+    assert "FAILED" not in p.stdout and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert not cache_dir.exists() or not any(cache_dir.iterdir())
+
+
 def test_cli_build_all_with_names_is_an_error(tmp_path):
     """`build --all nope` ignored the name and built every kernel (half an hour on 2 cores); --all and names
     exclude each other."""
