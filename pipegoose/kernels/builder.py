@@ -198,9 +198,10 @@ class KernelBuilder:
         KeyError: unknown name (the message lists close matches): from :meth:`from_name` at once, else from
             :meth:`build` / :meth:`load`.
         KernelUnavailableError: (from :meth:`build` / :meth:`load`) toolchain preflight failed, vendored files or
-            the binding are missing, vendored files are not what kernels.lock records, a change of tools/port.py is
-            running or was interrupted (``vendor/.port-txn/``: vendored kernels only), the running GPU's architecture
-            is not covered; the message says what to run.
+            the binding are missing, vendored files are not what kernels.lock records or their source's license file
+            (``LICENSES/<source>/``) is missing or changed, a change of tools/port.py is running or was interrupted
+            (``vendor/.port-txn/``: vendored kernels only), the running GPU's architecture is not covered; the message
+            says what to run.
         KernelBuildError: (from :meth:`build` / :meth:`load`) compiling, linking or loading failed (the message
             shows the first errors and the log path), or the build cache folder disappeared or could not be written
             during the build (removed, disk full, permission denied: the message names the path and the errno text).
@@ -376,14 +377,25 @@ class KernelBuilder:
         extra = sorted(str(p.relative_to(base)) for p in base.rglob("*")
                        if (p.is_file() or p.is_symlink()) and p.suffix in _HEADER_SUFFIXES
                        and str(p.relative_to(base)) not in recorded and any(p.is_relative_to(r) for r in roots))
-        return modified, (stale + [(f"{rel / f} differs from {lock_path.name}", "sync") for f in modified]
+        # the source's license files, which tools/port.py collects with its files (a review: with LICENSES/<source>/
+        # LICENSE removed, doctor passed and the Apache-2.0 kernels built)
+        licenses = []
+        lic_dir = self.manifest.root / "LICENSES" / k.source
+        for f, want in sorted(locked.license_files.items()) if locked is not None else ():
+            shown = (lic_dir / f).relative_to(self.manifest.root)
+            if not (lic_dir / f).is_file():
+                licenses.append((f"{shown}, the source's license, is missing", "license"))
+            elif _cache.file_digest(lic_dir / f) != want:
+                licenses.append((f"{shown}, the source's license, differs from {lock_path.name}", "license"))
+        return modified, (stale + licenses + [(f"{rel / f} differs from {lock_path.name}", "sync") for f in modified]
                           + [(f"{rel / f} is not recorded in {lock_path.name} (it could shadow a recorded header)",
                               "sync") for f in extra])
 
     def _check_vendored(self, digests: dict[str, str], *, building: bool = True) -> str | None:
         """Refuse to build or load vendored files that are not exactly what ``kernels.lock`` records
         (:meth:`vendored_problems`), unless ``PIPEGOOSE_ALLOW_MODIFIED_VENDOR`` is 1/true/yes/on: then they are built,
-        with a warning (``building``: False for ``status``, which builds nothing: it gets the line back instead)."""
+        with a warning (``building``: False for ``status``, which builds nothing: it gets the line back instead). A
+        source's license file missing from ``LICENSES/<source>/`` or changed is refused whatever the variable says."""
         # The variable's value is checked first, on every build and status: a typo named at once, not only once a
         # vendored file differs (session 32's walkthrough: "2" passed doctor and build on a clean tree).
         raw = os.environ.get("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "")
@@ -396,6 +408,11 @@ class KernelBuilder:
                                    f"(or unset)" + (f"; kernel {self.kernel.id}: {what}" if problems else ""))
         if not problems:
             return None
+        licenses = [line for line, advice in tagged if advice == "license"]
+        if licenses:   # (not code: PIPEGOOSE_ALLOW_MODIFIED_VENDOR builds no vendored kernel without its license)
+            raise KernelUnavailableError(f"kernel {self.kernel.id}: {'; '.join(licenses)}: a vendored kernel is built "
+                                         "only with the license tools/port.py collected with its files; restore it "
+                                         "with python tools/port.py sync")
         if allow:
             if building:  # a warning, not the builder's progress line: PIPEGOOSE_QUIET does not hide it
                 warnings.warn(f"{self.kernel.id}: building third-party code that is not what kernels.lock records "

@@ -1749,9 +1749,12 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
     src.mkdir(parents=True)
     (src / "kernel.cu").write_text("// vendored\n")
     (src / "kernel.h").write_text("// header\n")
+    (root / "LICENSES" / "upstream").mkdir(parents=True)
+    (root / "LICENSES" / "upstream" / "LICENSE").write_text("Apache License, Version 2.0\n")
     lock = Lock(root / "kernels.lock")
     lock.sources["upstream"] = LockedSource("pypi", {"name": "upstream", "version": "1.0", "sha256": "a" * 64},
-                                            "Apache-2.0", {"LICENSE": "b" * 64})
+                                            "Apache-2.0", {"LICENSE": hashlib.sha256(
+                                                b"Apache License, Version 2.0\n").hexdigest()})
     lock.kernels["test/vendored"] = LockedKernel("upstream", {
         f: hashlib.sha256((src.parent / f).read_bytes()).hexdigest() for f in ("src/kernel.cu", "src/kernel.h")})
     (root / "kernels.lock").write_text(lock.dumps())
@@ -1810,7 +1813,7 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
     # builder ignored the kind, session 59's gaps)
     good_lock = (root / "kernels.lock").read_text()
     lock.sources["upstream"] = LockedSource("git", dict(lock.sources["upstream"].pin), "Apache-2.0",
-                                            {"LICENSE": "b" * 64})
+                                            dict(lock.sources["upstream"].license_files))
     (root / "kernels.lock").write_text(lock.dumps())
     assert b.vendored_problems() == ["kernels.yaml and kernels.lock disagree on upstream: kernels.lock fetches it by "
                                      "git, kernels.yaml by pypi: python tools/port.py add test/vendored"]
@@ -2008,3 +2011,42 @@ def test_a_pending_port_change_makes_vendored_kernels_unavailable(tiny, fake_too
     (root / "kernels.yaml.away").rename(manifest)
     shutil.rmtree(txn.parent)
     assert b.status()["state"] == "not built"
+
+
+def test_a_vendored_kernel_without_its_collected_license_is_refused(tiny, fake_toolkit, monkeypatch):
+    """A review: the builder never looked at LICENSES/: with LICENSES/<source>/LICENSE removed, doctor exited 0 and the
+    Apache-2.0 kernels built (and cached builds loaded). A vendored kernel whose source's license file is missing or
+    not what kernels.lock records is now unavailable, saying to run sync, PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1 or not;
+    our own kernels are not concerned."""
+    manifest, _op, cache_dir = tiny
+    root = manifest.parent
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    _vendor_upstream(root)
+    b = KernelBuilder("test/vendored", manifest=manifest, cache_dir=cache_dir)
+    assert b.vendored_problems() == []
+    key = b.build_key()
+    entry = cache.entry_dir(cache_dir, key)   # a build of it in the cache
+    entry.mkdir(parents=True)
+    (entry / "lib.so").write_bytes(b"")
+    (entry / cache.BUILD_INFO).write_text(json.dumps({"kernel": "test/vendored", "key": key, "library": "lib.so"}))
+    assert b.status()["state"] == "cached"
+    lic = root / "LICENSES" / "upstream" / "LICENSE"
+    text = lic.read_text()
+    for change, says in ((lic.unlink, "LICENSES/upstream/LICENSE, the source's license, is missing"),
+                         (lambda: lic.write_text("MIT License\n"),
+                          "LICENSES/upstream/LICENSE, the source's license, differs from kernels.lock")):
+        change()
+        assert b.vendored_problems() == [says]
+        for allow in ("0", "1"):
+            monkeypatch.setenv("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", allow)
+            with pytest.raises(KernelUnavailableError) as e:
+                b.build()
+            assert str(e.value) == (f"kernel test/vendored: {says}: a vendored kernel is built only with the license "
+                                    "tools/port.py collected with its files; restore it with python tools/port.py sync")
+            st = b.status()
+            assert st["state"] == "unavailable" and st["detail"] == str(e.value), st
+        monkeypatch.delenv("PIPEGOOSE_ALLOW_MODIFIED_VENDOR")
+        lic.write_text(text)
+        assert b.status()["state"] == "cached"
+    lic.unlink()
+    assert KernelBuilder("test/tiny", manifest=manifest, cache_dir=cache_dir).vendored_problems() == []
