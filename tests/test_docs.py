@@ -259,7 +259,7 @@ LAYERS = {
 }
 MAY_IMPORT = {
     "helpers": {"rich": ("pipegoose._table",)},
-    "manifest": {"yaml": None, "packaging": None},
+    "manifest": {"yaml": None, "packaging": None, "filelock": None},
     "porting": {"pipegoose.kernels.manifest": None, "pipegoose._env": None, "filelock": None, "git": None,
                 "gitdb": None, "packaging": None, "yaml": None, "pip": None},
     "kernels": {"pipegoose.kernels.manifest": None, "pipegoose._env": None, "torch": None, "filelock": None,

@@ -4,14 +4,18 @@
     python tools/port.py list                      every kernel: source, license, state
     python tools/port.py add megatron/scaled_masked_softmax
     python tools/port.py sync [--all]              vendor everything in kernels.lock (--all: every kernel)
-    python tools/port.py verify                    recompute hashes; exit 1 on any difference
+    python tools/port.py verify                    recompute hashes; exit 1 on any difference (a kernel of
+                                                   kernels.yaml that kernels.lock does not record is named, no failure)
     python tools/port.py remove <id>
     python tools/port.py audit [IDS] [--to X | --latest] [--diff] [--json]   exit 0 in sync, 1 drift, 2 error
-    python tools/port.py update <id|source> (--to X | --latest) [--force] [--allow-downgrade]
+    python tools/port.py update <id|source> (--to X | --latest) [--force] [--allow-downgrade] [--trust-cache]
 
 Options common to all: --root DIR (repository root: kernels.yaml, kernels.lock, vendor/, LICENSES/) or
 --manifest FILE (env PIPEGOOSE_MANIFEST; empty or blank: unset); --cache DIR (download cache; env PIPEGOOSE_PORT_CACHE);
 --offline.
+A version kernels.yaml does not pin (audit, update) is checked against the sha256 the package index publishes (a cached
+sdist that differs is downloaded again); with --offline the download cache's file cannot be: audit says so, and update
+refuses to pin it unless --trust-cache is given.
 Exit codes: 0 success, 1 verification failure / drift, 2 error.
 """
 
@@ -129,8 +133,18 @@ def _print_unrecorded(p: Porter, before: dict[str, list[str]]) -> None:
                   f"{', '.join(left)}", style="yellow", markup=False)
 
 
+def _print_unlocked(p: Porter, cmd: str) -> None:
+    """Name the kernels of kernels.yaml that kernels.lock does not record: ``cmd`` neither vendors nor verifies them."""
+    left = p.unlocked_kernels()
+    if left:
+        out.print(f"{cmd}: declared in kernels.yaml but not recorded in kernels.lock, so neither vendored nor verified "
+                  f"(the builder refuses the ported ones): {', '.join(left)}; record them with python tools/port.py "
+                  f"add {' '.join(left)} (or python tools/port.py sync --all)", style="yellow", markup=False)
+
+
 def cmd_sync(a) -> int:
-    r = _porter(a).sync(all_kernels=a.all)
+    p = _porter(a)
+    r = p.sync(all_kernels=a.all)
     # (a review: "added 0 kernel(s)" beside "vendored ..." on a fresh clone read as if nothing had been fetched)
     added = f" ({', '.join(r['added'])})" if r["added"] else ""
     done = [f"added {len(r['added'])} kernel(s) to kernels.lock{added}"]
@@ -151,18 +165,21 @@ def cmd_sync(a) -> int:
         out.print(f"sync: not recorded in kernels.lock, left in place (not sync's files; verify fails until they go: "
                   f"delete them, or declare their source and kernels in kernels.yaml and add them): "
                   f"{', '.join(r['stray'])}", style="yellow", markup=False)
+    _print_unlocked(p, "sync")
     return 0
 
 
 def cmd_verify(a) -> int:
-    problems = _porter(a).verify()
+    p = _porter(a)
+    problems = p.verify()
     for pr in problems:
         out.print(str(pr), markup=False)
     if problems:
         out.print(f"[red]verify: {len(problems)} problem(s)[/red]")
-        return 1
-    out.print("verify: every vendored file and license matches kernels.lock")
-    return 0
+    else:
+        out.print("verify: every vendored file and license matches kernels.lock")
+    _print_unlocked(p, "verify")
+    return 1 if problems else 0
 
 
 def cmd_remove(a) -> int:
@@ -179,6 +196,8 @@ def _print_audit(report, with_diff: bool) -> None:
         if s.error:
             out.print(f"{head}: error: {s.error}", style="red", markup=False, soft_wrap=False)
             continue
+        if s.unverified:
+            out.print(f"{head}: unverified: {s.unverified}", style="yellow", markup=False)
         rows = [("(license)", ", ".join(f"{f.path} {f.status}" for f in s.licenses), "", "")]
         details = []
         for k in s.kernels:
@@ -226,7 +245,8 @@ def cmd_update(a) -> int:
     # files kernels.lock does not record that it removes (a review: they went without a word)
     before = {s.id: s for s in p.states()}
     unrecorded = p.unrecorded()
-    report = update(p, a.id, to=a.to, latest=a.latest, force=a.force, allow_downgrade=a.allow_downgrade)
+    report = update(p, a.id, to=a.to, latest=a.latest, force=a.force, allow_downgrade=a.allow_downgrade,
+                    trust_cache=a.trust_cache)
     _print_audit(report, False)
     s = report.sources[0]
     if not report.updated:
@@ -297,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--allow-downgrade", action="store_true",
                    help="allow a version older (PEP 440) than the pinned one; without it update refuses "
                         "(git sources, pinned by commit, have no order and are never refused)")
+    s.add_argument("--trust-cache", action="store_true",
+                   help="with --offline, pin the download cache's sdist of a version kernels.yaml does not pin as it "
+                        "is (its sha256 cannot be checked against the package index); without it update refuses")
     s.set_defaults(fn=cmd_update)
     a = ap.parse_args(argv)
     _made.clear()

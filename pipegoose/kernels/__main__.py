@@ -8,12 +8,14 @@
 Common options: ``--manifest PATH`` (default: the repository's kernels.yaml), ``--cache-dir DIR``.
 Exit status, every subcommand: 0 success; 1 a failure (below); 2 a usage error (a bad option, an unknown kernel name,
 a missing or invalid ``--manifest``, a ``--cache-dir`` that is a file or under one for ``clean``; for ``build``, a
-``PIPEGOOSE_BUILD_LOCK_TIMEOUT`` that is no number of seconds:
-nothing is built), as argparse's own; 3 none failed but some kernels are unavailable here (vendored
-files missing or changed, toolchain), each listed with the reason; 130 interrupted (Ctrl-C). ``build``: 1 a build
+``PIPEGOOSE_BUILD_LOCK_TIMEOUT`` that is no number of seconds or a ``PIPEGOOSE_ALLOW_MODIFIED_VENDOR`` that is no
+switch value: nothing is built; for ``clean``, a cache that cannot be written: "cache not writable"), as argparse's
+own; 3 none failed but some kernels are unavailable here (vendored files missing or changed, a tools/port.py change
+running or interrupted, toolchain), each listed with the reason; 130 interrupted (Ctrl-C). ``build``: 1 a build
 failed, or was left ``busy`` (another process held its build lock past ``PIPEGOOSE_BUILD_LOCK_TIMEOUT``; nothing was
-attempted). ``doctor``: 0 every check passed and every kernel can be built or loaded; 1 a check failed (or, with
-``--load``, a kernel failed to load).
+attempted).
+``doctor``: 0 every check passed and every kernel can be built or loaded; 1 a check failed (one is a
+tools/port.py change running or interrupted in ``vendor/.port-txn/``) or, with ``--load``, a kernel failed to load.
 ``doctor`` also counts those temp folders. ``clean`` removes only ``<key>.tmp-<pid>-<8 hex>`` folders whose pid is
 not a live process on this host, each under its key's build lock (a key being built is skipped); published builds,
 locks and failure logs stay (:func:`pipegoose.kernels.cache.clean_abandoned`).
@@ -22,6 +24,7 @@ locks and failure logs stay (:func:`pipegoose.kernels.cache.clean_abandoned`).
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import sys
@@ -92,6 +95,14 @@ def _doctor(args) -> int:
         bad += 1
         checks.append(("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", fail, f"{allow!r}",
                        "set it to 1/true/yes/on or 0/false/no/off, or unset it"))
+    from .manifest import default_manifest_path, pending_port_change
+
+    # a tools/port.py change running or interrupted: its vendored kernels are unavailable too (their rows say so)
+    root = (Path(args.manifest).expanduser().absolute() if args.manifest else default_manifest_path()).parent
+    what, fix = pending_port_change(root)
+    if what:
+        bad += 1
+        checks.append(("tools/port.py change", fail, what, fix))
     quiet = os.environ.get("PIPEGOOSE_QUIET", "")
     if _env.flag(quiet) is None:  # the builder warns and keeps its progress lines (builder.quiet)
         bad += 1
@@ -192,7 +203,16 @@ def _clean(args) -> int:
             print(f"would remove {d}")
         print(f"{len(litter)} temp folder(s) of killed builds ({_size(litter) / 2**20:.1f} MiB)")
         return 0
-    removed, busy = cache.clean_abandoned(cache_dir)
+    try:
+        removed, busy = cache.clean_abandoned(cache_dir)
+    except OSError as e:   # a read-only cache, one of another user (a review: a raw OSError from filelock, exit 1)
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        where = f" ({e.strerror}: {e.filename})" if e.filename else f" ({e.strerror or e})"
+        print(f"python -m pipegoose.kernels clean: cache not writable: {cache_dir}{where}; its temp folders of "
+              "killed builds stay (clean --dry-run lists them): run clean as the cache's owner, or where it is "
+              "writable", file=sys.stderr)
+        return 2
     for d in removed:
         print(f"removed {d}")
     for key in busy:
@@ -218,6 +238,14 @@ def _build(args) -> int:
         cache.env_lock_timeout()   # and passed where every kernel was cached (a review); nothing is built with it
     except ValueError as e:
         print(f"build: {e} (fix the value, or unset it)", file=sys.stderr)
+        return 2
+    from pipegoose import _env
+
+    # every build and load refuses it: said once, nothing built (a review: each kernel was FAILED, ours too, exit 1)
+    allow = os.environ.get("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "")
+    if _env.flag(allow) is None:
+        print(f"build: PIPEGOOSE_ALLOW_MODIFIED_VENDOR={allow!r}: expected 1/true/yes/on or 0/false/no/off (fix the "
+              "value, or unset it)", file=sys.stderr)
         return 2
     os.environ.setdefault("PIPEGOOSE_QUIET", "1")
     console = _console()

@@ -39,14 +39,14 @@ import sysconfig
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from .. import _env
 from . import cache as _cache
 from . import toolchain
-from .manifest import Kernel, Manifest, load_manifest
+from .manifest import Kernel, Manifest, load_manifest, pending_port_change
 
 __all__ = [
     "KernelError",
@@ -91,8 +91,9 @@ class KernelUnavailableError(KernelError):
 _COMPILE_ONLY_CHECKS = ("cache dir", "MAX_JOBS", "ninja")
 # The errnos of a write the cache folder refuses (full disk, quota, read-only file system, permissions).
 _CACHE_WRITE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM))
-# Environment variables nvcc reads itself (flags added to every call, the host compiler): part of a build's key.
-_NVCC_ENV = ("NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN")
+# Environment variables nvcc reads itself (flags added to every call, the host compiler), and CC, which
+# torch.utils.cpp_extension passes to nvcc as its host compiler (-ccbin): part of a CUDA build's key.
+_NVCC_ENV = ("NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN", "CC")
 
 
 @dataclass
@@ -197,8 +198,10 @@ class KernelBuilder:
         KeyError: unknown name (the message lists close matches): from :meth:`from_name` at once, else from
             :meth:`build` / :meth:`load`.
         KernelUnavailableError: (from :meth:`build` / :meth:`load`) toolchain preflight failed, vendored files or
-            the binding are missing, vendored files are not what kernels.lock records, the running GPU's architecture
-            is not covered; the message says what to run.
+            the binding are missing, vendored files are not what kernels.lock records or their source's license file
+            (``LICENSES/<source>/``) is missing or changed, a change of tools/port.py is running or was interrupted
+            (``vendor/.port-txn/``: vendored kernels only), the running GPU's architecture is not covered; the message
+            says what to run.
         KernelBuildError: (from :meth:`build` / :meth:`load`) compiling, linking or loading failed (the message
             shows the first errors and the log path), or the build cache folder disappeared or could not be written
             during the build (removed, disk full, permission denied: the message names the path and the errno text).
@@ -275,11 +278,17 @@ class KernelBuilder:
         return str(p.relative_to(self.manifest.root)) if p.is_relative_to(self.manifest.root) else str(p)
 
     def _check_files(self) -> None:
+        k = self.kernel
+        src = self.manifest.sources[k.source]
+        if not src.is_local:
+            # a tools/port.py change running or interrupted (kill -9): vendor/, LICENSES/ and kernels.lock may be
+            # half-swapped (a review: doctor passed a killed sync's vendor/ without its LICENSES/)
+            what, fix = pending_port_change(self.manifest.root)
+            if what:
+                raise KernelUnavailableError(f"kernel {k.id}: {what}: {fix}")
         missing = self.missing_files()
         if not missing:
             return
-        k = self.kernel
-        src = self.manifest.sources[k.source]
         rel = [self._rel(p) for p in missing]
         vendored = [p for p in self.manifest.kernel_paths(k) if p != self.manifest.binding_path(k)]
         # sync restores what kernels.lock records and adds no kernel: one the lock does not record is vendored by add
@@ -368,14 +377,25 @@ class KernelBuilder:
         extra = sorted(str(p.relative_to(base)) for p in base.rglob("*")
                        if (p.is_file() or p.is_symlink()) and p.suffix in _HEADER_SUFFIXES
                        and str(p.relative_to(base)) not in recorded and any(p.is_relative_to(r) for r in roots))
-        return modified, (stale + [(f"{rel / f} differs from {lock_path.name}", "sync") for f in modified]
+        # the source's license files, which tools/port.py collects with its files (a review: with LICENSES/<source>/
+        # LICENSE removed, doctor passed and the Apache-2.0 kernels built)
+        licenses = []
+        lic_dir = self.manifest.root / "LICENSES" / k.source
+        for f, want in sorted(locked.license_files.items()) if locked is not None else ():
+            shown = (lic_dir / f).relative_to(self.manifest.root)
+            if not (lic_dir / f).is_file():
+                licenses.append((f"{shown}, the source's license, is missing", "license"))
+            elif _cache.file_digest(lic_dir / f) != want:
+                licenses.append((f"{shown}, the source's license, differs from {lock_path.name}", "license"))
+        return modified, (stale + licenses + [(f"{rel / f} differs from {lock_path.name}", "sync") for f in modified]
                           + [(f"{rel / f} is not recorded in {lock_path.name} (it could shadow a recorded header)",
                               "sync") for f in extra])
 
     def _check_vendored(self, digests: dict[str, str], *, building: bool = True) -> str | None:
         """Refuse to build or load vendored files that are not exactly what ``kernels.lock`` records
         (:meth:`vendored_problems`), unless ``PIPEGOOSE_ALLOW_MODIFIED_VENDOR`` is 1/true/yes/on: then they are built,
-        with a warning (``building``: False for ``status``, which builds nothing: it gets the line back instead)."""
+        with a warning (``building``: False for ``status``, which builds nothing: it gets the line back instead). A
+        source's license file missing from ``LICENSES/<source>/`` or changed is refused whatever the variable says."""
         # The variable's value is checked first, on every build and status: a typo named at once, not only once a
         # vendored file differs (session 32's walkthrough: "2" passed doctor and build on a clean tree).
         raw = os.environ.get("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", "")
@@ -388,6 +408,11 @@ class KernelBuilder:
                                    f"(or unset)" + (f"; kernel {self.kernel.id}: {what}" if problems else ""))
         if not problems:
             return None
+        licenses = [line for line, advice in tagged if advice == "license"]
+        if licenses:   # (not code: PIPEGOOSE_ALLOW_MODIFIED_VENDOR builds no vendored kernel without its license)
+            raise KernelUnavailableError(f"kernel {self.kernel.id}: {'; '.join(licenses)}: a vendored kernel is built "
+                                         "only with the license tools/port.py collected with its files; restore it "
+                                         "with python tools/port.py sync")
         if allow:
             if building:  # a warning, not the builder's progress line: PIPEGOOSE_QUIET does not hide it
                 warnings.warn(f"{self.kernel.id}: building third-party code that is not what kernels.lock records "
@@ -401,8 +426,9 @@ class KernelBuilder:
                   "PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1"
         elif "sync" in advice:   # (lines that name their own command, add or update, take none: a kernel the lock
             # does not record was sent to sync, which does not add it: a review)
-            fix = ("restore them with python tools/port.py sync (python tools/port.py verify lists what differs), or "
-                   "build them as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1")
+            fix = ("restore them with python tools/port.py sync (python tools/port.py verify lists what differs; where "
+                   "kernels.lock's record is what was edited, sync says so: git checkout kernels.lock), or build them "
+                   "as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1")
         else:
             fix = "or build the vendored files as they are with PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1"
         raise KernelUnavailableError(f"kernel {self.kernel.id}: the vendored files are not what tools/port.py recorded: "
@@ -462,6 +488,9 @@ class KernelBuilder:
             nvcc_env = {n: os.environ[n] for n in _NVCC_ENV if os.environ.get(n)}
             if nvcc_env:
                 tc["nvcc_env"] = nvcc_env
+            # and CC's compiler itself, as the host compiler's (a review: CC=/bin/false was served the cached build)
+            if (cc := toolchain.nvcc_host_compiler()) is not None:
+                tc["nvcc_host_compiler"] = list(cc)
         return tc
 
     def key_inputs(self, tc: dict[str, Any] | None = None) -> dict[str, Any]:

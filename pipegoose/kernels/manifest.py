@@ -59,6 +59,9 @@ __all__ = [
     "load_manifest",
     "repo_root",
     "default_manifest_path",
+    "pending_port_change",
+    "PORT_TXN_DIRNAME",
+    "PORT_LOCK_NAME",
 ]
 
 ALLOWED_LICENSES = ("Apache-2.0", "BSD-3-Clause", "MIT", "BSD-2-Clause")
@@ -135,6 +138,42 @@ def repo_root() -> Path:
 
 def default_manifest_path() -> Path:
     return repo_root() / "kernels.yaml"
+
+
+# tools/port.py's transactions (vendor/<this>/<id>/, pipegoose.porting.txn) and its repository lock (vendor/<this>):
+# here, below both the porting toolkit and the builder, which reads them (pending_port_change)
+PORT_TXN_DIRNAME = ".port-txn"
+PORT_LOCK_NAME = ".port.lock"
+
+
+def pending_port_change(root: str | os.PathLike) -> tuple[str, str]:
+    """``(what, fix)`` for a change of ``tools/port.py`` that is running or was interrupted in the repository at
+    ``root`` (its transaction folder, ``vendor/.port-txn/``, holds one: vendor/, LICENSES/, kernels.lock and
+    kernels.yaml may be half-swapped); ``("", "")`` when there is none. Whether it runs is told by the repository lock,
+    taken without waiting (a lock that cannot be opened, a read-only checkout: taken as interrupted). The builder
+    refuses vendored kernels while there is one, and ``doctor`` fails (a review: a killed sync's vendor/ without its
+    LICENSES/ passed doctor)."""
+    from filelock import FileLock, Timeout
+
+    base = Path(root) / "vendor" / PORT_TXN_DIRNAME
+    try:
+        if not base.is_dir() or not any(base.iterdir()):
+            return "", ""
+    except OSError:
+        return "", ""
+    try:
+        with FileLock(str(base.parent / PORT_LOCK_NAME), timeout=0):
+            running = False
+    except Timeout:
+        running = True
+    except OSError:
+        running = False
+    where = f"vendor/{PORT_TXN_DIRNAME}/"
+    if running:
+        return (f"a tools/port.py run is changing vendor/, LICENSES/ and kernels.lock now ({where} holds its "
+                "transaction)", "build once it has finished")
+    return (f"an interrupted tools/port.py change waits in {where} (vendor/, LICENSES/, kernels.lock and kernels.yaml "
+            "may be half-swapped)", "run `python tools/port.py verify` (or sync) to roll it back")
 
 
 @dataclass(frozen=True)
@@ -451,7 +490,10 @@ def load_manifest(path: str | Path | None = None) -> Manifest:
         data = safe_load_unique(p.read_text(), ctx.file)
     except FileNotFoundError:
         hint = ""
-        if path is None:  # (a walkthrough's wheel install said only "manifest not found")
+        what, fix = pending_port_change(p.parent)
+        if what:   # (a review: an update killed mid-swap said to reinstall)
+            hint = f"; {what}: {fix}"
+        elif path is None:  # (a walkthrough's wheel install said only "manifest not found")
             hint = (": pipegoose builds its kernels from a clone of its repository (kernels.yaml, kernels.lock and the "
                     "vendor/ that tools/port.py fills live there): install it with `pip install -e .` from the clone, "
                     "or pass the manifest's path (--manifest, manifest=)")

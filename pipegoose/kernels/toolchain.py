@@ -37,6 +37,7 @@ __all__ = [
     "nvcc_version",
     "torch_cuda_version",
     "host_compiler",
+    "nvcc_host_compiler",
     "TORCH_CUDA_HEADERS",
     "cuda_header_lookup",
     "cuda_extra_include_dirs",
@@ -274,36 +275,66 @@ def _header_fix(missing: list[str], cuda_major: int | None) -> str:
 # --------------------------------------------------------------------------------------------------- host
 
 
-@functools.lru_cache(maxsize=None)
-def host_compiler() -> tuple[str, str]:
-    """``(path, first line of --version)`` of the C++ compiler torch.utils.cpp_extension uses ($CXX or c++)."""
-    name = os.environ.get("CXX", "c++")
+def _compiler_version(name: str) -> tuple[str, str]:
+    """``(resolved path, first line of --version)`` of the compiler ``name`` (a path or a name on PATH); ``(name, "")``
+    when it is not found or not runnable, and ``(path, "")`` when ``--version`` fails (``/bin/false`` prints one)."""
     path = shutil.which(name)
     if path is None:
         return name, ""
     try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
+        r = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+        out = r.stdout if r.returncode == 0 else ""
     except (OSError, subprocess.SubprocessError):
         out = ""
     return str(Path(path).resolve()), (out.splitlines() or [""])[0].strip()
 
 
-def _compiler_check(cuda_major: int | None) -> Check:
+@functools.lru_cache(maxsize=None)
+def host_compiler() -> tuple[str, str]:
+    """``(path, first line of --version)`` of the C++ compiler torch.utils.cpp_extension uses ($CXX or c++)."""
+    return _compiler_version(os.environ.get("CXX", "c++"))
+
+
+def nvcc_host_compiler() -> tuple[str, str] | None:
+    """``(path, first line of --version)`` of ``$CC``, which torch.utils.cpp_extension passes to nvcc as its host
+    compiler (``-ccbin``, which wins over ``$NVCC_CCBIN``); None when CC is unset or empty. Not cached: CC is read
+    at each call, as torch reads it at each build."""
+    cc = os.environ.get("CC")
+    return _compiler_version(cc) if cc else None
+
+
+def _compiler_check(cuda_major: int | None, need_cuda: bool = True) -> Check:
     path, version = host_compiler()
     if not version:
         return Check("host compiler", False, f"{path}: not found or not runnable",
                      "install g++ (e.g. apt-get install g++) or set CXX to a C++17 compiler")
+    detail = f"{path} ({version})"
+    # nvcc's own host compiler where the environment names one (a review: CC, which torch passes to nvcc as -ccbin,
+    # changed CUDA builds without being shown here or taken into their key)
+    nvcc_cc = nvcc_host_compiler() if need_cuda else None
+    if nvcc_cc is not None:
+        if not nvcc_cc[1]:
+            return Check("host compiler", False, f"{detail}; CC={os.environ['CC']!r}, which torch passes to nvcc as "
+                         "its host compiler (-ccbin): not found or not runnable",
+                         "unset CC, or set it to a C/C++ compiler nvcc accepts")
+        detail += f"; nvcc's host compiler: CC={os.environ['CC']} -> {nvcc_cc[0]} ({nvcc_cc[1]})"
+    elif need_cuda and os.environ.get("NVCC_CCBIN"):
+        detail += f"; nvcc's host compiler: NVCC_CCBIN={os.environ['NVCC_CCBIN']}"
     m = re.search(r"(\d+)\.(\d+)(?:\.\d+)?", version)
     major = int(m.group(1)) if m else 0
     is_clang = "clang" in version.lower()
-    detail = f"{path} ({version})"
     if not is_clang and major < _GCC_MIN:
         return Check("host compiler", False, detail, f"gcc >= {_GCC_MIN} is needed by torch's headers; set CXX")
+    # the version nvcc checks is its host compiler's: CC's where set
+    host = nvcc_cc[1] if nvcc_cc is not None else version
+    m = re.search(r"(\d+)\.(\d+)(?:\.\d+)?", host)
+    major = int(m.group(1)) if m else 0
+    is_clang = "clang" in host.lower()
     limits = _CLANG_MAX if is_clang else _GCC_MAX
     if cuda_major in limits and major > limits[cuda_major]:
+        fix = "set CC" if nvcc_cc is not None else "set NVCC_CCBIN/CXX"
         return Check("host compiler", True, detail + f"; newer than nvcc {cuda_major} supports "
-                     f"(max {limits[cuda_major]})", "set NVCC_CCBIN/CXX to an older compiler if nvcc rejects it",
-                     warn=True)
+                     f"(max {limits[cuda_major]})", f"{fix} to an older compiler if nvcc rejects it", warn=True)
     return Check("host compiler", True, detail)
 
 
@@ -570,7 +601,7 @@ def preflight(cache_dir: Path | None = None, *, need_cuda: bool = True, create_c
     jobs = max_jobs_check()
     if jobs is not None:
         checks.append(jobs)
-    checks.append(_compiler_check(tv[0] if tv else None))
+    checks.append(_compiler_check(tv[0] if tv else None, need_cuda))
     if cache_dir is not None:
         checks.append(_writable_check(Path(cache_dir), create=create_cache))
     return checks

@@ -77,6 +77,9 @@ class SourceAudit:
     licenses: list[FileAudit] = field(default_factory=list)
     kernels: list[KernelAudit] = field(default_factory=list)
     error: str | None = None
+    # why the compared sdist's bytes were checked against neither a pin nor the package index (``--offline``, a version
+    # kernels.yaml does not pin: the download cache's file as it is), else ""
+    unverified: str = ""
 
     @property
     def license_changed(self) -> bool:
@@ -109,6 +112,7 @@ class AuditReport:
             "exit_code": self.exit_code,
             "sources": [{
                 "source": s.source, "kind": s.kind, "from": s.from_pin, "to": s.to_pin, "error": s.error,
+                "unverified": s.unverified or None,
                 "drift": s.drift if not s.error else None, "license_changed": s.license_changed,
                 "licenses": [fa(f) for f in s.licenses],
                 "kernels": [{"kernel": k.kernel, "drift": k.drift, "files": [fa(f) for f in k.files],
@@ -162,9 +166,10 @@ def _new_pin(source: Source, to: str | None, latest: bool, porter: Porter) -> di
     except InvalidVersion:
         raise PortError(f"--to: {to!r} is not a valid version of {source.pin['name']} (PEP 440, e.g. "
                         f"{source.pin['version']})") from None
-    # A version equal to the pin however it is written (v0.5.0, 0.5.0.0, 0.5) is the pin, spelled as pinned.
+    # A version equal to the pin however it is written (v0.5.0, 0.5.0.0, 0.5) is the pin, spelled as pinned, and with
+    # its sha256: the cached file is checked against it (without it, an altered cached file became the new pin)
     current = source.pin["version"]
-    return {"name": source.pin["name"], "version": current if version == Version(current) else str(version)}
+    return dict(source.pin) if version == Version(current) else {"name": source.pin["name"], "version": str(version)}
 
 
 def _resolve_name(m, name: str, command: str):
@@ -242,6 +247,7 @@ def audit(porter: Porter, names: Iterable[str] | None = None, to: str | None = N
             sa.to_pin = _new_pin(src, to, latest, porter)
             new = porter.fetcher.tree(src, sa.to_pin)
             sa.to_pin = dict(new.pin)
+            sa.unverified = new.unverified
         except PortError as e:
             sa.error = str(e)
             continue
@@ -336,7 +342,7 @@ def _refuse_downgrade(sid: str, src: Source, version: str, asked: str) -> None:
 
 
 def update(porter: Porter, name: str, to: str | None = None, latest: bool = False, force: bool = False,
-           allow_downgrade: bool = False) -> AuditReport:
+           allow_downgrade: bool = False, trust_cache: bool = False) -> AuditReport:
     """Move a source (named by source id or by one of its kernels) to a new pin: audit it, then re-vendor
     every locked kernel of the source (and the named kernel) at the new pin, rewrite the pin in kernels.yaml
     and the lock, all in one transaction. The source's folders are written whole at the new pin, as ``add`` writes
@@ -346,7 +352,10 @@ def update(porter: Porter, name: str, to: str | None = None, latest: bool = Fals
     Raises PortError (nothing changed) when: the audit fails; a vendored file was removed or moved upstream
     (edit the kernel's ``files`` first); an entry symbol vanished or a license file changed (unless
     ``force``); the new version of a pypi source is older than its pin (unless ``allow_downgrade``; checked
-    before any download for ``to``); the new files or license fail the checks of ``add``.
+    before any download for ``to``); the new files or license fail the checks of ``add``; the new sdist could be
+    checked against neither a pin nor the package index (``--offline`` with a version kernels.yaml does not pin: the
+    download cache's file) and not ``trust_cache`` (then its sha256 is pinned as it is, and the report's
+    ``unverified`` says so).
     """
     m = porter.manifest
     sid, named = _resolve_name(m, name, "update")
@@ -366,6 +375,10 @@ def update(porter: Porter, name: str, to: str | None = None, latest: bool = Fals
         sa = report.sources[0]
         if sa.error:
             raise PortError(f"{sid}: audit failed: {sa.error}")
+        if sa.unverified and not trust_cache:   # (a review: an altered cached sdist was pinned as it was)
+            raise PortError(f"{sid}: refusing to pin {short_pin(sa.to_pin)} unverified: {sa.unverified}; run without "
+                            f"--offline (the cached file is checked against the index's sha256, and downloaded again "
+                            f"where it differs), or pass --trust-cache to pin the cached file's sha256 as it is")
         if latest and not allow_downgrade:  # the newest release may be older than a pre-release or yanked pin
             _refuse_downgrade(sid, src, sa.to_pin.get("version", ""), "--latest: the newest release on the index")
         if all(kid in lock.kernels for kid in kids) and sa.to_pin == dict(lock.sources[sid].pin):

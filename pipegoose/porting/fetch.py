@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import html.parser
-import io
 import json
 import netrc
 import os
@@ -36,7 +35,7 @@ import urllib.request
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Mapping
 
 from filelock import FileLock, Timeout
 from packaging.utils import InvalidSdistFilename, canonicalize_name, parse_sdist_filename
@@ -83,6 +82,9 @@ class SourceTree:
 
     pin: dict[str, str]
     label: str
+    # why the bytes were checked against neither a pin nor the package index (an sdist read from the download cache
+    # with --offline for a version kernels.yaml does not pin), else ""
+    unverified: str = ""
 
     def files(self) -> set[str]:
         raise NotImplementedError
@@ -136,10 +138,12 @@ class ArchiveTree(SourceTree):
             points outside it, or a member is a device/fifo.
     """
 
-    def __init__(self, archive: Path, pin: Mapping[str, str], label: str | None = None):
+    def __init__(self, archive: Path, pin: Mapping[str, str], label: str | None = None, unverified: str = ""):
         self.archive = Path(archive)
         self.pin = dict(pin)
         self.label = label or f"archive {self.archive.name}"
+        # why the archive's bytes were checked against neither a pinned sha256 nor the package index's ("": they were)
+        self.unverified = unverified
         self._members: dict[str, bytes] = {}
         self._load()
 
@@ -182,7 +186,8 @@ class ArchiveTree(SourceTree):
                         else:
                             raise FetchError(f"{name}: member {m.name!r} is not a regular file, folder or link")
         except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as e:
-            raise FetchError(f"{name}: cannot read archive: {e}") from e
+            # the whole path: the file to delete is the download cache's (a review: the name alone said not where)
+            raise FetchError(f"{self.archive}: cannot read archive: {e}") from e
         # Resolve links inside the archive; refuse any that leave it.
         for rel, target in links.items():
             if target.startswith("/"):
@@ -431,9 +436,12 @@ class SimpleIndex:
                      bool(f.get("yanked"))) for f in data.get("files", [])]
         return self._parse_html(body, url)
 
-    def sdists(self, name: str) -> list[SdistLink]:
+    def sdists(self, name: str, unreachable: list[str] | None = None) -> list[SdistLink]:
         """Every sdist of ``name`` on the configured indexes and find-links folders.
 
+        ``unreachable``, when given, gets a line (``<index>: <why>``) for each index that could not be read while
+        others could (a review: without network, pypi.org's connection error went unsaid where the file:// indexes
+        answered, and the message said the version was not on it).
         Raises FetchError when no index could be read at all (network failure).
         """
         want = canonicalize_name(name)
@@ -465,6 +473,8 @@ class SimpleIndex:
                     found.append(SdistLink(fname, url, ver, sha, yanked))
         if not ok and errors:
             raise FetchError(f"cannot reach any package index for {name}: " + "; ".join(errors))
+        if unreachable is not None:
+            unreachable += errors
         return found
 
     def download(self, link: SdistLink, dest: Path) -> None:
@@ -537,9 +547,12 @@ class Fetcher:
                              f"{there}) instead of --latest (the default of audit), e.g. `python tools/port.py audit "
                              f"{source.id} --offline --to {cached[-1] if cached else what}`")
         if source.kind == "pypi":
-            links = [l for l in self.index.sdists(source.pin["name"]) if not l.yanked and not l.version.is_prerelease]
+            name = source.pin["name"]
+            unreachable: list[str] = []
+            links = [l for l in self._index_sdists(name, unreachable) if not l.yanked and not l.version.is_prerelease]
             if not links:
-                raise FetchError(f"{source.id}: no release of {source.pin['name']} with an sdist on the configured indexes")
+                raise FetchError(f"{source.id}: no release of {name} with an sdist on the configured indexes"
+                                 + self._unreachable_hint(name, unreachable))
             best = max(links, key=lambda l: l.version)
             return {"name": source.pin["name"], "version": str(best.version)}
         if source.kind == "git":
@@ -599,6 +612,11 @@ class Fetcher:
         return None
 
     def _pypi_tree(self, source: Source, pin: dict[str, str]) -> SourceTree:
+        """The sdist at ``pin``. A pinned sha256 is checked, whatever serves the file. A version kernels.yaml does not
+        pin (``update --to``, ``audit --to``/``--latest``) is checked against the sha256 the package index publishes
+        for it: a cached file that differs (altered, cut short) is downloaded again, and where the index publishes
+        none the file is downloaded afresh (a review: whatever sdist the cache held was pinned as it was). With
+        ``--offline`` the cached file is taken as it is, and the tree says so (``unverified``)."""
         name, version, want = pin["name"], pin["version"], pin.get("sha256")
         label = f"{name} {version} sdist"
         d = self._pypi_dir(name)
@@ -608,7 +626,16 @@ class Fetcher:
                     _remove_stale_temp(d, ".dl-*")
             except (Timeout, OSError):  # held, or a lock we cannot open (read-only or another user's cache): the
                 pass                    # sweep is best effort, reading the cached sdist needs no lock
-        path = self._cached_sdist(name, version, want)
+        whose = "kernels.yaml pins"
+        fresh = False
+        if want is None and not self.offline:
+            link = self._index_link(name, version)
+            if link.sha256:
+                want, whose = link.sha256, f"the package index publishes ({redact(link.url)})"
+            else:   # nothing to check a cached file against: the index's bytes, downloaded now
+                fresh = True
+        path = None if fresh else self._cached_sdist(name, version, want)
+        unverified = ""
         if path is None:
             if self.offline:
                 bad = self._cached_sdist(name, version, None)  # there, but not the pinned bytes
@@ -625,15 +652,66 @@ class Fetcher:
                 raise FetchError(f"{label}: not in the download cache {self._pypi_dir(name)} and --offline was given "
                                  f"(run the same command without --offline on a machine with network, then copy the "
                                  f"pypi/{canonicalize_name(name)}/ folder of its port cache there)")
-            path = self._download_sdist(name, version, want)
+            path = self._download_sdist(name, version, want, whose, fresh)
+        elif want is None:   # offline, a version no file pins: the cached bytes as they are
+            unverified = (f"{path} is the download cache's sdist of {name} {version}, which kernels.yaml does not pin, "
+                          f"and --offline was given: its sha256 {sha256_file(path)} is not checked against the "
+                          f"package index")
         got = sha256_file(path)
         if want and got != want:
-            raise IntegrityError(f"{label}: sha256 of {path.name} is {got}, kernels.yaml pins {want}")
-        return ArchiveTree(path, {"name": name, "version": version, "sha256": got}, label)
+            raise IntegrityError(f"{label}: sha256 of {path} is {got}, {whose} {want}")
+        try:
+            return ArchiveTree(path, {"name": name, "version": version, "sha256": got}, label, unverified)
+        except FetchError as e:
+            if not unverified:   # (checked against a pin or the index: the file is what they say)
+                raise
+            # a file cut short whose sha256 nothing pins (offline only: online it is checked against the index)
+            raise FetchError(f"{e}; a partial or damaged download: delete it and run without --offline (the file is "
+                             f"downloaded again, checked against the package index's sha256)") from None
 
-    def _download_sdist(self, name: str, version: str, want: str | None) -> Path:
+    def _index_sdists(self, name: str, unreachable: list[str]) -> list[SdistLink]:
+        """:meth:`SimpleIndex.sdists`, the indexes not reached added to ``unreachable``; where none could be read, the
+        FetchError says what to do without network."""
+        try:
+            return self.index.sdists(name, unreachable)
+        except FetchError as e:
+            raise FetchError(f"{e}{self._unreachable_hint(name, [])}") from None
+
+    def _unreachable_hint(self, name: str, unreachable: list[str]) -> str:
+        """What to do without network: the indexes not reached and why (where others were), a copied cache and
+        --offline."""
+        not_reached = f"; not reached: {'; '.join(unreachable)}" if unreachable else ""
+        return (f"{not_reached}; without network, copy the pypi/{canonicalize_name(name)}/ folder of the port cache of "
+                f"a machine that ran the same command with network into {self._pypi_dir(name)} and pass --offline")
+
+    def _version_links(self, name: str, version: str) -> list[SdistLink]:
+        """The sdists of ``name`` ``version`` on the configured indexes (FetchError: none can be read, or none has it;
+        the message names the indexes not reached)."""
+        unreachable: list[str] = []
+        links = [l for l in self._index_sdists(name, unreachable) if l.version == Version(version)]
+        if not links:
+            indexes = ", ".join(redact(u) for u in self.index.config.index_urls) or "no index"
+            raise FetchError(f"no sdist of {name} {version} on {indexes}"
+                             + (self._unreachable_hint(name, unreachable) if unreachable else ""))
+        return links
+
+    def _index_link(self, name: str, version: str) -> SdistLink:
+        """The sdist of ``name`` ``version`` that a download takes from the configured indexes (FetchError: none
+        can be read, or none has it)."""
+        try:
+            return self._version_links(name, version)[0]
+        except FetchError as e:
+            cached = self._cached_sdist(name, version, None)
+            if cached is None:
+                raise
+            raise FetchError(f"{e}; the download cache holds {cached}, which cannot be checked against an index "
+                             f"without it: pass --offline to read it as it is") from None
+
+    def _download_sdist(self, name: str, version: str, want: str | None, whose: str = "kernels.yaml pins",
+                        fresh: bool = False) -> Path:
         """Download into the cache (atomically) from the simple API of pip's configured indexes and find-links
-        (``pip config``, ``PIP_INDEX_URL``, ...), and check the sha256 before the archive is kept or opened.
+        (``pip config``, ``PIP_INDEX_URL``, ...), and check the sha256 (``want``: what ``whose`` says) before the
+        archive is kept or opened. ``fresh``: download even where the cache holds a file of that version (replaced).
 
         Not ``pip download``: for an sdist it builds the package's metadata, which runs the upstream ``setup.py``
         (code of a package whose hash was not checked yet) on this machine."""
@@ -641,7 +719,7 @@ class Fetcher:
         self._make_cache_dir(d)
         with FileLock(str(d / ".lock"), timeout=600):
             _remove_stale_temp(d, ".dl-*")
-            cached = self._cached_sdist(name, version, want)
+            cached = None if fresh else self._cached_sdist(name, version, want)
             if cached is not None:
                 return cached
             with tempfile.TemporaryDirectory(dir=d, prefix=".dl-") as tmp:
@@ -652,20 +730,16 @@ class Fetcher:
                     raise FetchError(f"{name}=={version}: download failed:\n  " + "\n  ".join(errors))
                 sha = sha256_file(got)
                 if want and sha != want:
-                    raise IntegrityError(f"{name}=={version}: downloaded {got.name} has sha256 {sha}, kernels.yaml pins {want}")
+                    raise IntegrityError(f"{name}=={version}: downloaded {got.name} has sha256 {sha}, {whose} {want}")
                 final = d / got.name
-                os.replace(got, final)
+                os.replace(got, final)   # (over a cached file of that name that differs: altered, cut short)
                 return final
 
     def _simple_download(self, name: str, version: str, want: str | None, dest: Path, errors: list[str]) -> Path | None:
         try:
-            links = [l for l in self.index.sdists(name) if l.version == Version(version)]
+            links = self._version_links(name, version)
         except FetchError as e:
             errors.append(f"simple index: {e}")
-            return None
-        if not links:
-            errors.append(f"simple index: no sdist of {name} {version} on "
-                          f"{', '.join(redact(u) for u in self.index.config.index_urls)}")
             return None
         if want:
             matching = [l for l in links if l.sha256 in (None, want)]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -88,12 +87,16 @@ def _write_staged(path: Path, data: bytes) -> None:
 
 
 def pin_changed_by_hand(sid: str, locked: dict, declared: dict) -> str:
-    """The advice for a kernels.yaml pin that is not kernels.lock's: ``update`` moves both, and cannot start from a
-    kernels.yaml edited by hand (sync and the builder sent users to update, which then refused)."""
+    """The advice for a kernels.yaml pin that is not kernels.lock's: ``update`` moves both, and cannot start from
+    either edited by hand (sync and the builder sent users to update, which then refused). Either file may be the one
+    edited: both are named (a review: a sha256 edited in kernels.lock was answered with "revert kernels.yaml", which
+    was clean)."""
     fields = ", ".join(f"{k}: {locked.get(k)!r} -> {declared.get(k)!r}" for k in sorted(set(locked) | set(declared))
                        if locked.get(k) != declared.get(k))
-    return (f"kernels.yaml pins {sid} otherwise than kernels.lock records ({fields}): revert kernels.yaml (git checkout "
-            f"kernels.yaml), then move both with `python tools/port.py update {sid} --to ...`")
+    return (f"kernels.yaml pins {sid} otherwise than kernels.lock records ({fields}): one of the two was edited by "
+            "hand (or by a merge): restore it from git (git checkout kernels.yaml, or git checkout kernels.lock; git "
+            f"diff kernels.yaml kernels.lock shows which changed), then move both with `python tools/port.py update "
+            f"{sid} --to ...`")
 
 
 def record_differs(locked, declared) -> str:
@@ -316,6 +319,14 @@ class Porter:
                         if (p.is_file() or p.is_symlink()) and p.relative_to(folder).as_posix() not in known]
         return out
 
+    def unlocked_kernels(self) -> list[str]:
+        """The kernels of kernels.yaml that kernels.lock does not record, in kernels.yaml's order: neither vendored nor
+        verified (sync vendors only what kernels.lock records, verify checks only that; ``add`` or ``sync --all``
+        records them). ``tools/port.py`` sync and verify name them (a review: both passed without a word where the
+        builder called such a ported kernel unavailable)."""
+        lock = Lock.load(self.lock_path)
+        return [kid for kid in self.manifest.kernels if kid not in lock.kernels]
+
     def unrecorded(self) -> dict[str, list[str]]:
         """{source id: the files under its vendor/ and LICENSES/ folders that kernels.lock does not record, as
         repository paths} for each upstream source of kernels.lock that has any. ``add`` and ``update`` remove them
@@ -347,7 +358,8 @@ class Porter:
                 # download cache, which the message blamed; a review)
                 raise IntegrityError(f"{sid}: {f} from {tree.label} has sha256 {sha256_bytes(data)}, kernels.lock "
                                      f"records {h}: kernels.lock's record does not match the pinned source (edited "
-                                     f"by hand, or a merge?); restore kernels.lock from git, or re-record the file "
+                                     f"by hand, or a merge?); restore kernels.lock from git (git checkout "
+                                     f"kernels.lock), or re-record the file "
                                      f"with `python tools/port.py add` of its kernels "
                                      f"({', '.join(k for k in lock.kernels_of(sid) if f in lock.kernels[k].files)})")
             _write_staged(stage / f, data)
@@ -737,7 +749,6 @@ class Porter:
                 probs.append(Problem("stale", kid, why))
         used = {lk.source for lk in lock.kernels.values()}
         for sid, s in sorted(lock.sources.items()):
-            m = self.manifest.sources.get(sid)
             if sid not in used:
                 probs.append(Problem("stale", f"sources.{sid}", "no kernel of kernels.lock comes from it: `python "
                                      "tools/port.py sync` drops it and its folders (or restore kernels.lock from git)"))
@@ -753,8 +764,10 @@ class Porter:
                     probs.append(Problem("missing", shown, _LOCAL_MISSING if self._is_local(sid)
                                          else "run `python tools/port.py sync`"))
                 elif (got := sha256_file(p)) != h:
-                    fix = (f"; this project's own file: re-record it with `python tools/port.py add` of its kernel"
-                           if self._is_local(sid) else "; `python tools/port.py sync` restores it")
+                    fix = ("; this project's own file: re-record it with `python tools/port.py add` of its kernel"
+                           if self._is_local(sid) else
+                           "; `python tools/port.py sync` restores it, unless kernels.lock's record is what was edited "
+                           "(sync says so then): git checkout kernels.lock")
                     n = _shown_digits(got, h)
                     probs.append(Problem("differs", shown, f"sha256 {got[:n]}…, kernels.lock {h[:n]}…{fix}"))
         # extra files: anything under vendor/ and LICENSES/ that no lock entry explains

@@ -6,6 +6,13 @@ interrupted swap (Ctrl-C, a crash, ``kill -9``) be rolled back: in-process at on
 run of the tool (:func:`recover`), which runs under the same repository lock. The commit point is the
 journal's ``committed`` flag; after it, leftover backups are only garbage.
 
+A single file (kernels.lock, kernels.yaml) is never absent: its backup is a hard link (else a copy, made whole under
+a temporary name) taken while it stays in place, and the staged file is renamed over it (``os.replace``), as a
+rollback renames the backup over it (a review: a ``kill -9`` between moving kernels.yaml aside and putting the new
+one in place left none, and ``doctor`` said to reinstall). A folder is moved aside, then replaced. While a
+transaction folder is there, :func:`pipegoose.kernels.manifest.pending_port_change` says so (the kernel builder
+refuses vendored kernels then).
+
 The repository lock is a :class:`filelock.FileLock` on ``vendor/.port.lock``.
 """
 
@@ -19,12 +26,13 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from ..kernels.manifest import PORT_LOCK_NAME, PORT_TXN_DIRNAME
 from .errors import PortError
 
 __all__ = ["Transaction", "repo_lock", "recover", "TXN_DIRNAME"]
 
-TXN_DIRNAME = ".port-txn"
-LOCK_NAME = ".port.lock"
+TXN_DIRNAME = PORT_TXN_DIRNAME
+LOCK_NAME = PORT_LOCK_NAME
 
 
 def repo_lock(root: Path, timeout: float = 60.0) -> FileLock:
@@ -128,11 +136,25 @@ def _rollback(root: Path, entries: list[dict]) -> None:
         backup = Path(e["backup"]) if e.get("backup") else None
         staged = Path(e["staged"]) if e.get("staged") else None
         placed_new = staged is not None and not staged.exists()  # the staged copy was renamed onto target
-        if backup is not None and backup.exists():  # the original was moved aside: put it back
-            _remove(target)
+        if backup is not None and (backup.exists() or backup.is_symlink()):  # the original, aside: put it back
+            if target.is_dir() and not target.is_symlink():   # (a file or link is replaced in one rename: never absent)
+                _remove(target)
             os.replace(backup, target)
         elif not e.get("had_original") and placed_new:  # nothing was there before
             _remove(target)
+
+
+def _keep_copy(target: Path, backup: Path) -> None:
+    """``backup`` made a copy of the file ``target``, which stays in place: a hard link, else (another file system, no
+    links there) a copy written under a temporary name and renamed, so that a backup that exists is whole."""
+    try:
+        os.link(target, backup, follow_symlinks=False)
+        return
+    except OSError:
+        pass
+    tmp = backup.with_name(f".{backup.name}.tmp")
+    shutil.copy2(target, tmp, follow_symlinks=False)
+    os.replace(tmp, backup)
 
 
 class Transaction:
@@ -170,9 +192,19 @@ class Transaction:
         self._ops.append((self._abs(target), None))
 
     def _abs(self, target: Path) -> Path:
+        """``target`` absolute; PortError where it resolves outside the repository (a symbolic link on the way: a
+        review found a raw ValueError, exit 1, which port.py documents as drift, for vendor/<source> linked
+        elsewhere)."""
         t = Path(target)
         t = t if t.is_absolute() else self.root / t
-        t.resolve().relative_to(self.root.resolve())  # ValueError if outside the repository
+        if not t.resolve().is_relative_to(self.root.resolve()):
+            links = [q for q in (t, *t.parents) if q.is_relative_to(self.root) and q != self.root and q.is_symlink()]
+            shown = links[-1].relative_to(self.root).as_posix() if links else str(t)
+            via = (f"{shown} is a symbolic link to {os.readlink(links[-1])}" if links
+                   else f"{t} resolves to {t.resolve()}")
+            raise PortError(f"{via}, outside the repository {self.root}: tools/port.py writes vendor/, LICENSES/ and "
+                            f"kernels.lock only inside it (all-or-nothing by renames there); replace the link with a "
+                            f"folder (move what it points to in its place) and run the command again")
         return t
 
     def commit(self) -> None:
@@ -192,7 +224,10 @@ class Transaction:
         try:
             for e, (target, staged) in zip(entries, self._ops):
                 if e["backup"]:
-                    os.replace(target, e["backup"])
+                    if staged is not None and staged.is_file() and not target.is_dir():
+                        _keep_copy(target, Path(e["backup"]))   # (replaced below in one rename: never absent)
+                    else:
+                        os.replace(target, e["backup"])
                 if staged is not None:
                     target.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(staged, target)

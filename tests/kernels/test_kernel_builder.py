@@ -359,6 +359,51 @@ def test_nvccs_own_environment_variables_are_part_of_the_key(tiny, fake_toolkit,
     assert KernelBuilder("tiny", manifest=manifest, cache_dir=cache_dir).build_key() == tiny_key
 
 
+def test_cc_is_part_of_a_cuda_builds_key_and_shown_in_the_host_compiler_row(tiny, fake_toolkit, monkeypatch, tmp_path):
+    """A review: torch.utils.cpp_extension passes $CC to nvcc as its host compiler (-ccbin), which NVCC_CCBIN names
+    too; NVCC_CCBIN was in the key, CC not: `CC=/bin/false ... build multi_tensor_scale` said "cached". A CUDA kernel's
+    key now takes CC and its compiler's version (a C++ kernel's does not: nvcc does not build it), doctor's host
+    compiler row shows it, and a CC that is not runnable fails the row."""
+    manifest, _op, cache_dir = tiny
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    for n in ("CC", "NVCC_CCBIN"):
+        monkeypatch.delenv(n, raising=False)
+
+    def builder(name="test/cuda_one"):
+        return KernelBuilder(name, manifest=manifest, cache_dir=cache_dir)
+
+    def row():
+        return next(c for c in toolchain.preflight(cache_dir) if c.name == "host compiler")
+
+    plain, tiny_key = builder().build_key(), builder("tiny").build_key()
+    entry = cache.entry_dir(cache_dir, plain)   # the build made without CC, in the cache
+    entry.mkdir(parents=True)
+    (entry / "lib.so").write_bytes(b"")
+    (entry / cache.BUILD_INFO).write_text(json.dumps({"kernel": "test/cuda_one", "key": plain, "library": "lib.so"}))
+    assert builder().status()["state"] == "cached"
+    fake = tmp_path / "bin" / "gcc-fake"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'gcc (fake) 12.2.0'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    inputs = builder().key_inputs()
+    assert inputs["nvcc_env"] == {"CC": str(fake)} and inputs["nvcc_host_compiler"] == [str(fake), "gcc (fake) 12.2.0"]
+    assert builder().build_key() != plain and builder("tiny").build_key() == tiny_key
+    assert builder().status()["state"] == "not built"
+    assert row().ok and f"nvcc's host compiler: CC={fake} -> {fake} (gcc (fake) 12.2.0)" in row().detail, row()
+    fake.write_text("#!/bin/sh\necho 'gcc (fake) 99.1.0'\n")   # newer than nvcc 13 takes: CC's version is checked
+    assert row().warn and "newer than nvcc 13 supports" in row().detail and row().fix.startswith("set CC "), row()
+    monkeypatch.setenv("CC", "/bin/false")
+    assert not row().ok and "CC='/bin/false', which torch passes to nvcc as its host compiler (-ccbin): not found or " \
+        "not runnable" in row().detail, row()
+    st = builder().status()
+    assert st["state"] == "unavailable" and "CC='/bin/false'" in st["detail"], st
+    assert builder("tiny").status()["state"] == "not built"   # (a C++ kernel: nvcc is not its compiler)
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("NVCC_CCBIN", "/opt/gcc-12/bin")
+    assert row().ok and "nvcc's host compiler: NVCC_CCBIN=/opt/gcc-12/bin" in row().detail, row()
+
+
 def test_a_bad_max_jobs_keeps_cached_builds_usable(tiny, monkeypatch):
     """A fresh-clone review (session 60): MAX_JOBS=² (a value torch cannot read) made every cached kernel unavailable
     (doctor, build, load), and the fused ops quietly ran PyTorch, though MAX_JOBS only matters when compiling. Now a
@@ -1325,6 +1370,21 @@ def test_cli_build_refuses_a_bad_lock_timeout_before_building(tiny, value):
     assert not cache_dir.exists() or not any(cache_dir.iterdir())
 
 
+@pytest.mark.parametrize("value", ["2", "maybe"])
+def test_cli_build_refuses_a_bad_allow_modified_vendor_before_building(tiny, value):
+    """A review: PIPEGOOSE_ALLOW_MODIFIED_VENDOR=2 made each kernel FAILED, our own kernels included, exit 1. It is
+    now a usage error up front, as a bad PIPEGOOSE_BUILD_LOCK_TIMEOUT is: exit 2, the variable named, nothing built."""
+    manifest, _op, cache_dir = tiny
+    p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "build", "test/tiny"],
+                       capture_output=True, text=True,
+                       env={**_env(cache_dir), "PIPEGOOSE_ALLOW_MODIFIED_VENDOR": value}, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert f"build: PIPEGOOSE_ALLOW_MODIFIED_VENDOR='{value}': expected 1/true/yes/on or 0/false/no/off" in p.stderr, \
+        p.stderr
+    assert "FAILED" not in p.stdout and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert not cache_dir.exists() or not any(cache_dir.iterdir())
+
+
 def test_cli_build_all_with_names_is_an_error(tmp_path):
     """`build --all nope` ignored the name and built every kernel (half an hour on 2 cores); --all and names
     exclude each other."""
@@ -1599,6 +1659,41 @@ def test_from_name_checks_the_name_at_once(tiny):
         KernelBuilder.from_name("tiny", manifest=manifest.parent, cache_dir=cache_dir)
 
 
+@pytest.mark.parametrize("where", ["locks folder", "lock"])
+def test_cli_clean_of_a_read_only_cache_is_a_usage_error(tmp_path, monkeypatch, capsys, where):
+    """A review: `clean` of a read-only cache holding a dead temp folder ended in a raw OSError [Errno 30] from
+    filelock, exit 1 (`--dry-run` worked). It is now "cache not writable: <path>", exit 2, and nothing removed."""
+    import errno
+    import filelock
+
+    from pipegoose.kernels import __main__ as cli
+
+    cache_dir = tmp_path / "cache"
+    dead = _plant_tmp(cache_dir, "tiny-0123456789abcdef01234567", _dead_pid())
+    if where == "lock":   # (the locks folder there, its lock file not writable)
+        (cache_dir / "locks").mkdir()
+
+        def read_only(self, *a, **kw):
+            raise OSError(errno.EROFS, "Read-only file system", self.lock_file)
+
+        monkeypatch.setattr(filelock.FileLock, "acquire", read_only)
+    else:
+        real = Path.mkdir
+
+        def read_only(self, *a, **kw):
+            if self.name == "locks":
+                raise OSError(errno.EROFS, "Read-only file system", str(self))
+            return real(self, *a, **kw)
+
+        monkeypatch.setattr(Path, "mkdir", read_only)
+    assert cli.main(["--cache-dir", str(cache_dir), "clean"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"python -m pipegoose.kernels clean: cache not writable: {cache_dir} (Read-only file system: " \
+           f"{cache_dir / 'locks'}" in err and "clean --dry-run lists them" in err and "Traceback" not in err, err
+    assert dead.is_dir()
+    assert cli.main(["--cache-dir", str(cache_dir), "clean", "--dry-run"]) == 0
+
+
 def test_cli_ctrl_c_is_a_line_not_a_traceback(monkeypatch, capsys):
     """Ctrl-C during `python -m pipegoose.kernels build` printed a KeyboardInterrupt traceback; now one line saying
     what is left (nothing cached half-built; how to remove a temp folder) and exit status 130."""
@@ -1654,9 +1749,12 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
     src.mkdir(parents=True)
     (src / "kernel.cu").write_text("// vendored\n")
     (src / "kernel.h").write_text("// header\n")
+    (root / "LICENSES" / "upstream").mkdir(parents=True)
+    (root / "LICENSES" / "upstream" / "LICENSE").write_text("Apache License, Version 2.0\n")
     lock = Lock(root / "kernels.lock")
     lock.sources["upstream"] = LockedSource("pypi", {"name": "upstream", "version": "1.0", "sha256": "a" * 64},
-                                            "Apache-2.0", {"LICENSE": "b" * 64})
+                                            "Apache-2.0", {"LICENSE": hashlib.sha256(
+                                                b"Apache License, Version 2.0\n").hexdigest()})
     lock.kernels["test/vendored"] = LockedKernel("upstream", {
         f: hashlib.sha256((src.parent / f).read_bytes()).hexdigest() for f in ("src/kernel.cu", "src/kernel.h")})
     (root / "kernels.lock").write_text(lock.dumps())
@@ -1688,8 +1786,10 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
     # was built from the old files without a word, where port.py's list said "stale" and sync refused)
     text = manifest.read_text()
     for edited, says in ((text.replace('version: "1.0"', 'version: "0.9"'), "kernels.yaml pins upstream otherwise "
-                          "than kernels.lock records (version: '1.0' -> '0.9'): revert kernels.yaml (git checkout "
-                          "kernels.yaml), then move both with `python tools/port.py update upstream --to ...`"),
+                          "than kernels.lock records (version: '1.0' -> '0.9'): one of the two was edited by hand (or "
+                          "by a merge): restore it from git (git checkout kernels.yaml, or git checkout kernels.lock; "
+                          "git diff kernels.yaml kernels.lock shows which changed), then move both with `python "
+                          "tools/port.py update upstream --to ...`"),
                          (text.replace("files: [src/kernel.cu, src/kernel.h]", "files: [src/kernel.cu]"),
                           "test/vendored: kernels.yaml's files differ from kernels.lock's: -src/kernel.h: python "
                           "tools/port.py add test/vendored"),
@@ -1713,7 +1813,7 @@ def test_modified_vendored_files_are_refused(tiny, fake_toolkit, monkeypatch):
     # builder ignored the kind, session 59's gaps)
     good_lock = (root / "kernels.lock").read_text()
     lock.sources["upstream"] = LockedSource("git", dict(lock.sources["upstream"].pin), "Apache-2.0",
-                                            {"LICENSE": "b" * 64})
+                                            dict(lock.sources["upstream"].license_files))
     (root / "kernels.lock").write_text(lock.dumps())
     assert b.vendored_problems() == ["kernels.yaml and kernels.lock disagree on upstream: kernels.lock fetches it by "
                                      "git, kernels.yaml by pypi: python tools/port.py add test/vendored"]
@@ -1833,3 +1933,120 @@ def test_quiet_warns_once_across_threads(monkeypatch):
         for t in threads:
             t.join()
     assert len([w for w in caught if "PIPEGOOSE_QUIET='maybe'" in str(w.message)]) == 1
+
+
+def _vendor_upstream(root: Path) -> None:
+    """test/vendored vendored as tools/port.py leaves it: its files, its source's license and a kernels.lock that
+    records them all."""
+    import hashlib
+
+    from pipegoose.porting.lock import Lock, LockedKernel, LockedSource
+
+    src = root / "vendor" / "upstream" / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    (src / "kernel.cu").write_text("// vendored\n")
+    (src / "kernel.h").write_text("// header\n")
+    lic = root / "LICENSES" / "upstream" / "LICENSE"
+    lic.parent.mkdir(parents=True, exist_ok=True)
+    lic.write_text("Apache License, Version 2.0\n")
+
+    def digest(p: Path) -> str:
+        return hashlib.sha256(p.read_bytes()).hexdigest()
+
+    lock = Lock(root / "kernels.lock")
+    lock.sources["upstream"] = LockedSource("pypi", {"name": "upstream", "version": "1.0", "sha256": "a" * 64},
+                                            "Apache-2.0", {"LICENSE": digest(lic)})
+    lock.kernels["test/vendored"] = LockedKernel("upstream", {f: digest(src.parent / f)
+                                                              for f in ("src/kernel.cu", "src/kernel.h")})
+    (root / "kernels.lock").write_text(lock.dumps())
+
+
+def test_a_pending_port_change_makes_vendored_kernels_unavailable(tiny, fake_toolkit, monkeypatch):
+    """A review: a `kill -9` of `sync` left vendor/<source> in place and LICENSES/<source> missing, and doctor exited 0
+    and would build; one of `update` left no kernels.yaml, and doctor said to reinstall. A transaction of
+    tools/port.py in vendor/.port-txn/ (interrupted, or running: the repository lock says which) now makes the vendored
+    kernels unavailable, saying to run verify (or sync) to roll it back, and is a failed doctor row; our own kernels
+    build; a manifest missing beside it is named with the same advice."""
+    manifest, _op, cache_dir = tiny
+    root = manifest.parent
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    _vendor_upstream(root)
+    b = KernelBuilder("test/vendored", manifest=manifest, cache_dir=cache_dir)
+    assert b.status()["state"] == "not built"
+    txn = root / "vendor" / ".port-txn" / "0123456789ab"
+    txn.mkdir(parents=True)
+    (txn / "journal.json").write_text(json.dumps({"committed": False, "entries": []}))
+    says = ("kernel test/vendored: an interrupted tools/port.py change waits in vendor/.port-txn/ (vendor/, LICENSES/, "
+            "kernels.lock and kernels.yaml may be half-swapped): run `python tools/port.py verify` (or sync) to roll "
+            "it back")
+    with pytest.raises(KernelUnavailableError) as e:
+        b.build()
+    assert str(e.value) == says
+    assert b.status() == {"kernel": "test/vendored", "state": "unavailable", "detail": says, "key": None}
+    assert KernelBuilder("test/tiny", manifest=manifest, cache_dir=cache_dir).status()["state"] == "not built"
+    # a run holding the repository lock: under way, not interrupted
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom filelock import FileLock\n"
+                               f"lk = FileLock({str(root / 'vendor' / '.port.lock')!r})\nlk.acquire()\n"
+                               "print('held', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert "a tools/port.py run is changing vendor/, LICENSES/ and kernels.lock now (vendor/.port-txn/ holds its " \
+               "transaction): build once it has finished" in b.status()["detail"]
+    finally:
+        holder.kill()
+        holder.wait()
+    # doctor: a failed row (exit 1), the kernel's row unavailable
+    env = {**_env(cache_dir), "COLUMNS": "400", "TORCH_CUDA_ARCH_LIST": "9.0"}
+    p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "doctor"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    out = " ".join(p.stdout.replace("│", " ").split())
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "tools/port.py change FAIL an interrupted tools/port.py change waits in vendor/.port-txn/" in out, out
+    # the manifest moved aside (what an update killed mid-swap left before single files were replaced in one rename)
+    manifest.rename(root / "kernels.yaml.away")
+    p = subprocess.run([sys.executable, "-m", "pipegoose.kernels", "--manifest", str(manifest), "doctor"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 2 and "kernels.yaml: manifest not found; an interrupted tools/port.py change waits in " \
+        "vendor/.port-txn/" in " ".join(p.stderr.split()) and "roll it back" in p.stderr, p.stderr
+    (root / "kernels.yaml.away").rename(manifest)
+    shutil.rmtree(txn.parent)
+    assert b.status()["state"] == "not built"
+
+
+def test_a_vendored_kernel_without_its_collected_license_is_refused(tiny, fake_toolkit, monkeypatch):
+    """A review: the builder never looked at LICENSES/: with LICENSES/<source>/LICENSE removed, doctor exited 0 and the
+    Apache-2.0 kernels built (and cached builds loaded). A vendored kernel whose source's license file is missing or
+    not what kernels.lock records is now unavailable, saying to run sync, PIPEGOOSE_ALLOW_MODIFIED_VENDOR=1 or not;
+    our own kernels are not concerned."""
+    manifest, _op, cache_dir = tiny
+    root = manifest.parent
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    _vendor_upstream(root)
+    b = KernelBuilder("test/vendored", manifest=manifest, cache_dir=cache_dir)
+    assert b.vendored_problems() == []
+    key = b.build_key()
+    entry = cache.entry_dir(cache_dir, key)   # a build of it in the cache
+    entry.mkdir(parents=True)
+    (entry / "lib.so").write_bytes(b"")
+    (entry / cache.BUILD_INFO).write_text(json.dumps({"kernel": "test/vendored", "key": key, "library": "lib.so"}))
+    assert b.status()["state"] == "cached"
+    lic = root / "LICENSES" / "upstream" / "LICENSE"
+    text = lic.read_text()
+    for change, says in ((lic.unlink, "LICENSES/upstream/LICENSE, the source's license, is missing"),
+                         (lambda: lic.write_text("MIT License\n"),
+                          "LICENSES/upstream/LICENSE, the source's license, differs from kernels.lock")):
+        change()
+        assert b.vendored_problems() == [says]
+        for allow in ("0", "1"):
+            monkeypatch.setenv("PIPEGOOSE_ALLOW_MODIFIED_VENDOR", allow)
+            with pytest.raises(KernelUnavailableError) as e:
+                b.build()
+            assert str(e.value) == (f"kernel test/vendored: {says}: a vendored kernel is built only with the license "
+                                    "tools/port.py collected with its files; restore it with python tools/port.py sync")
+            st = b.status()
+            assert st["state"] == "unavailable" and st["detail"] == str(e.value), st
+        monkeypatch.delenv("PIPEGOOSE_ALLOW_MODIFIED_VENDOR")
+        lic.write_text(text)
+        assert b.status()["state"] == "cached"
+    lic.unlink()
+    assert KernelBuilder("test/tiny", manifest=manifest, cache_dir=cache_dir).vendored_problems() == []

@@ -198,44 +198,56 @@ def test_cli_update_names_the_local_edits_it_replaced_and_the_files_it_removed(r
     assert not mine.exists() and "a local edit" not in edited.read_text()
 
 
-def test_update_killed_with_kernels_yaml_moved_aside_is_recovered(repo, monkeypatch):
+@pytest.mark.parametrize("links", [True, False])
+def test_update_killed_at_any_rename_leaves_kernels_yaml_in_place(repo, monkeypatch, links):
     """A walkthrough killed `update` (kill -9) at each rename of its transaction: at one of them kernels.yaml was
     moved aside, and every later port.py run failed with "kernels.yaml: manifest not found" (it loaded the manifest
-    before rolling back). The next run now rolls back first: kernels.yaml, vendor/ and kernels.lock as before."""
+    before rolling back; the next run now rolls back first). A review: meanwhile `doctor` said "manifest not found ...
+    install it with pip install -e .". A single file is now replaced in one rename, its backup a copy (a hard link, or
+    without links a copy made whole first): killed at any rename or link, kernels.yaml and kernels.lock are there,
+    and the next run rolls back or finishes the change."""
     from pipegoose.porting import txn as txn_mod
 
     p = setup_sdist(repo, add=("alpha",))
     publish_version(repo, "1.1", {**V1_FILES, "csrc/common/util.h": V1_FILES["csrc/common/util.h"] + "// v1.1\n"})
     audit(p, to="1.1")  # 1.1 in the download cache
     before = repo.snapshot()
-    real = os.replace
-    for n in range(1, 30):
+    real_replace, real_link = os.replace, os.link
+    for n in range(1, 40):
         calls = {"n": 0}
 
-        def replace(a, b, n=n, calls=calls):
-            calls["n"] += 1
-            if calls["n"] == n:
-                raise SystemExit("killed")
-            return real(a, b)
+        def killed(real):
+            def call(*a, **kw):
+                calls["n"] += 1
+                if calls["n"] == n:
+                    raise SystemExit("killed")
+                return real(*a, **kw)
+            return call
+
+        def no_link(*a, **kw):
+            raise OSError(1, "Operation not permitted")
 
         with monkeypatch.context() as m:  # kill -9: no rollback, no clean-up in the dying process
-            m.setattr(txn_mod.os, "replace", replace)
+            m.setattr(txn_mod.os, "replace", killed(real_replace))
+            m.setattr(txn_mod.os, "link", killed(real_link) if links else no_link)
             m.setattr(txn_mod, "_rollback", lambda root, entries: None)
             m.setattr(txn_mod.Transaction, "__exit__", lambda self, *exc: None)
-            with pytest.raises(SystemExit):
+            try:
                 update(repo.porter(), "up", to="1.1")
-        if not (repo.root / "kernels.yaml").exists():
-            break
-        assert repo.porter().verify() == []  # not this rename: recovered; try the next one
+            except SystemExit:
+                pass
+            else:
+                break   # past the last rename: every one was tried
+        for name in ("kernels.yaml", "kernels.lock"):
+            assert (repo.root / name).is_file(), (name, n)
+        notes = []
+        assert repo.porter(log=notes.append).verify() == [], (n, notes)   # rolled back, or finished
         if repo.snapshot() != before:  # killed after the commit point: applied in full; back to 1.0
             update(repo.porter(), "up", to="1.0", allow_downgrade=True)
-            before = repo.snapshot()
+        assert repo.snapshot() == before
     else:
-        pytest.fail("no rename of update's transaction moved kernels.yaml aside")
-    notes = []
-    q = repo.porter(log=notes.append)   # loads kernels.yaml only after the rollback
-    assert any("rolled back" in n for n in notes), notes
-    assert q.verify() == [] and repo.snapshot() == before
+        pytest.fail("update's transaction did not end within 40 renames")
+    assert n > 8   # (journal, vendor/up, LICENSES/up, kernels.lock, kernels.yaml: each one tried)
 
 
 def test_update_follows_a_file_moved_upstream_once_kernels_yaml_names_it(repo):
@@ -397,7 +409,7 @@ def test_network_failure_is_exit_2(repo, tmp_path):
 
     shutil.rmtree(Path(repo.index_url[len("file://"):]))  # the index is gone; 9.9 is in no cache
     r = audit(p, to="9.9")
-    assert r.exit_code == 2 and "download failed" in r.sources[0].error
+    assert r.exit_code == 2 and "no sdist of up 9.9 on" in r.sources[0].error, r.sources[0].error
     # through the CLI, with an index that refuses connections
     env = {**__import__("os").environ, "PIP_CONFIG_FILE": __import__("os").devnull,
            "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_EXTRA_INDEX_URL": "", "PIP_FIND_LINKS": "",
@@ -509,3 +521,88 @@ def test_cli_audit_fits_narrow_terminals(repo, columns):
     assert "drift" in r.stdout
     if "┏" not in r.stdout:   # the list layout names its cells (a walkthrough: "2/2; -" said nothing)
         assert "entry symbols: 1/1" in " ".join(r.stdout.split()), r.stdout
+
+
+EVIL_V11 = {**V1_FILES, "csrc/kernels/alpha.cu": V1_FILES["csrc/kernels/alpha.cu"] + "// EVIL\n"}
+
+
+def _tamper_cached(repo, version: str, how: str) -> Path:
+    """The download cache's sdist of ``version`` altered (``evil``: a repacked archive with an extra line in alpha.cu;
+    ``cut``: its first half, a download cut short)."""
+    cached = repo.cache / "pypi" / "up" / f"up-{version}.tar.gz"
+    if how == "evil":
+        cached.write_bytes(make_sdist(repo.root.parent / "evil", "up", version, EVIL_V11).read_bytes())
+    else:
+        data = cached.read_bytes()
+        cached.write_bytes(data[: len(data) // 2])
+    return cached
+
+
+@pytest.mark.parametrize("with_hash", [True, False])
+@pytest.mark.parametrize("how", ["evil", "cut"])
+def test_an_altered_cached_sdist_of_a_version_not_pinned_is_downloaded_again(repo, how, with_hash):
+    """A review: `update --to`/`audit --to` took whatever sdist the download cache held for a version kernels.yaml does
+    not pin, even online: a repacked archive was pinned in kernels.yaml and kernels.lock as it was (its vendored file
+    carried `// EVIL`, and verify passed), and one cut short failed naming no cache path. Online, the cached file is now
+    checked against the index's sha256 and downloaded again where it differs (where the index publishes none, the
+    file is downloaded afresh)."""
+    p = setup_sdist(repo)
+    sd = make_sdist(repo.root.parent / "build", "up", "1.1", V1_FILES)
+    publish(Path(repo.index_url[len("file://"):]), sd, with_hash)
+    audit(p, to="1.1")   # 1.1 in the download cache
+    cached = _tamper_cached(repo, "1.1", how)
+    r = audit(repo.porter(), to="1.1")
+    assert r.exit_code == 0 and not r.sources[0].unverified and r.sources[0].to_pin["sha256"] == sha256(sd.read_bytes())
+    assert cached.read_bytes() == sd.read_bytes()
+    _tamper_cached(repo, "1.1", how)
+    assert update(repo.porter(), "up", to="1.1").updated
+    assert "EVIL" not in (repo.root / "vendor/up/csrc/kernels/alpha.cu").read_text()
+    assert yaml.safe_load((repo.root / "kernels.yaml").read_text())["sources"]["up"]["fetch"]["pypi"]["sha256"] == \
+        sha256(sd.read_bytes()) == Lock.load(repo.root / "kernels.lock").sources["up"].pin["sha256"]
+    assert repo.porter().verify() == []
+
+
+def test_offline_a_version_not_pinned_is_unverified_and_update_needs_trust_cache(repo):
+    """The review's offline half: with --offline nothing can check a cached sdist of a version kernels.yaml does not
+    pin. audit says so (`unverified`, also in --json); update refuses to pin it unless --trust-cache is given; a file
+    cut short is named with its path and what to do. The pinned version's cached file is checked against the pin."""
+    p = setup_sdist(repo)
+    sd = publish_version(repo, "1.1", V1_FILES)
+    audit(p, to="1.1")
+    cached = _tamper_cached(repo, "1.1", "evil")
+    offline = repo.porter(offline=True)
+    r = audit(offline, to="1.1")
+    assert r.exit_code == 1 and f"{cached} is the download cache's sdist of up 1.1, which kernels.yaml does not pin, " \
+        "and --offline was given: its sha256" in r.sources[0].unverified, r.sources[0]
+    assert json.loads(r.to_json())["sources"][0]["unverified"] == r.sources[0].unverified
+    before = repo.snapshot()
+    with pytest.raises(PortError, match=r"^up: refusing to pin up 1.1 unverified: .*run without --offline .*or pass "
+                                        r"--trust-cache to pin the cached file's sha256 as it is$"):
+        update(offline, "up", to="1.1")
+    assert repo.snapshot() == before
+    # the CLI: exit 2, then --trust-cache pins it and says it is unverified
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": repo.index_url, "PIP_EXTRA_INDEX_URL": "",
+           "PIP_FIND_LINKS": ""}
+    cmd = [sys.executable, str(ROOT / "tools/port.py"), "update", "up", "--root", str(repo.root), "--cache",
+           str(repo.cache), "--to", "1.1", "--offline"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and "refusing to pin up 1.1 unverified" in " ".join(r.stderr.split()), r.stderr
+    assert repo.snapshot() == before
+    r = subprocess.run(cmd + ["--trust-cache"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = " ".join(r.stdout.split())
+    assert "up: up 1.0 -> up 1.1: unverified:" in out and "updated up: up 1.0 -> up 1.1" in out, r.stdout
+    assert "EVIL" in (repo.root / "vendor/up/csrc/kernels/alpha.cu").read_text()   # (as asked)
+    # online, the pinned (altered) sha256 is what the next update --to of the same version checks against: the pin
+    update(repo.porter(), "up", to="1.0", allow_downgrade=True)
+    # a file cut short: its path and the fix, offline
+    cached.write_bytes(sd.read_bytes()[:100])
+    r = audit(repo.porter(offline=True), to="1.1")
+    assert r.exit_code == 2 and r.sources[0].error.startswith(f"{cached}: cannot read archive: ") and \
+        "delete it and run without --offline" in r.sources[0].error, r.sources[0].error
+    # the pinned version: checked against the pin, offline too (it was taken unpinned, and re-pinned as it was)
+    pinned = repo.cache / "pypi" / "up" / "up-1.0.tar.gz"
+    pinned.write_bytes(make_sdist(repo.root.parent / "evil", "up", "1.0", EVIL_V11).read_bytes())
+    with pytest.raises(PortError, match=r"the download cache holds .*up-1.0.tar.gz with sha256 .*either the pin is "
+                                        r"wrong"):
+        update(repo.porter(offline=True), "up", to="1.0.0")

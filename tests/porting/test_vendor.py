@@ -21,7 +21,7 @@ from pipegoose.porting import txn as txn_mod
 from pipegoose.porting.fetch import Fetcher
 from pipegoose.porting.licenses import detect_licenses, file_license_problem
 from pipegoose.porting.lock import Lock
-from porting_helpers import (APACHE, GPL, MIT, V1_FILES, commit_files, init_git_upstream, kernel_yaml, make_sdist,
+from porting_helpers import (APACHE, GPL, MIT, V1_FILES, init_git_upstream, kernel_yaml, make_sdist,
                              publish, sha256, source_yaml)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -1210,6 +1210,32 @@ def test_git_unreachable_remote(repo, tmp_path):
     assert not (repo.root / "kernels.lock").exists()
 
 
+def test_an_index_not_reached_is_named_beside_those_that_answered(repo, tmp_path):
+    """A review: without network (`unshare -n`), sync said "no sdist of deepspeed 0.19.8 on https://pypi.org/simple,
+    file:///opt/pypi/simple...": pypi.org's connection error was dropped because the file:// indexes answered (empty).
+    The message now names the index not reached and why, and what to do without network."""
+    from pipegoose.porting.fetch import IndexConfig, SimpleIndex
+
+    src, _ = sdist_source(repo)   # published on repo's index, which this run does not read
+    repo.write_manifest(src, K_ALPHA)
+    empty = tmp_path / "empty-index"
+    empty.mkdir()
+    refused = "http://127.0.0.1:9/simple"
+    index = SimpleIndex(IndexConfig([refused, empty.as_uri()], [], None, 10.0))
+    p = porter_mod.Porter(repo.root / "kernels.yaml", fetcher=Fetcher(repo.root, repo.cache, index=index))
+    fix = (rf"without network, copy the pypi/up/ folder of the port cache of a machine that ran the same command with "
+           rf"network into {re.escape(str(repo.cache / 'pypi' / 'up'))} and pass --offline")
+    with pytest.raises(FetchError, match=rf"no sdist of up 1.0 on {refused}, {empty.as_uri()}; not reached: "
+                                         rf"{refused}: <urlopen error .*refused.*>; {fix}"):
+        p.add(["alpha"])
+    # none reached: the same advice
+    index = SimpleIndex(IndexConfig([refused], [], None, 10.0))
+    p = porter_mod.Porter(repo.root / "kernels.yaml", fetcher=Fetcher(repo.root, repo.cache, index=index))
+    with pytest.raises(FetchError, match=rf"cannot reach any package index for up: {refused}: .*; {fix}"):
+        p.add(["alpha"])
+    assert not (repo.root / "kernels.lock").exists()
+
+
 def test_an_index_with_credentials_in_its_url_is_read_with_them_and_they_are_never_shown(tmp_path):
     """A second review: with `pip download` gone, the simple-API client sent an index URL's user:token@host to DNS as
     a host name (private mirrors stopped working) and printed the token in its errors. The credentials now go as HTTP
@@ -1425,8 +1451,8 @@ def test_a_lock_hash_that_is_not_the_pinned_files_is_blamed_on_the_lock(sdist_re
     data["kernels"]["up/alpha"]["files"][f] = h[:-1] + ("0" if h[-1] != "0" else "1")
     lock_path.write_text(yaml.safe_dump(data))
     with pytest.raises(IntegrityError, match=r"kernels.lock's record does not match the pinned source .*restore "
-                                             r"kernels.lock from git, or re-record the file with `python tools/port.py "
-                                             r"add` of its kernels \(up/alpha\)"):
+                                             r"kernels.lock from git \(git checkout kernels.lock\), or re-record the "
+                                             r"file with `python tools/port.py add` of its kernels \(up/alpha\)"):
         repo.porter().sync()
 
 
@@ -1477,6 +1503,53 @@ def test_verify_runs_where_no_lock_file_can_be_made(sdist_repo, monkeypatch):
         p.verify()
 
 
+@pytest.mark.parametrize("link", ["vendor/up", "vendor"])
+def test_a_vendor_folder_linked_outside_the_repository_is_a_clear_error(sdist_repo, tmp_path, link):
+    """A review: vendor/ or vendor/<source> a symbolic link to a folder outside the repository made sync end in a raw
+    ValueError ("... is not in the subpath of ...") from the transaction, exit 1, which port.py documents as drift.
+    It is now an error line naming the link, exit 2, and nothing changed; verify works on that layout."""
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+    outside = tmp_path / "elsewhere" / Path(link).name
+    outside.parent.mkdir()
+    shutil.move(str(repo.root / link), str(outside))
+    (repo.root / link).symlink_to(outside)
+    assert repo.porter().verify() == []
+    (repo.root / "vendor/up/csrc/kernels/alpha.cu").write_text("tampered\n")
+    before = repo.snapshot()
+    with pytest.raises(PortError, match=rf"^{link} is a symbolic link to {re.escape(str(outside))}, outside the "
+                                        rf"repository {re.escape(str(repo.root))}: tools/port.py writes vendor/, "
+                                        r"LICENSES/ and kernels.lock only inside it .*replace the link with a folder"):
+        repo.porter(offline=True).sync()
+    assert repo.snapshot() == before and not list(outside.parent.rglob(".port-txn/*"))
+    r = subprocess.run([sys.executable, str(ROOT / "tools/port.py"), "sync", "--offline", "--root", str(repo.root),
+                        "--cache", str(repo.cache)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and f"error: {link} is a symbolic link" in r.stderr, \
+        r.stderr
+    assert [pr.kind for pr in repo.porter().verify()] == ["differs"]
+
+
+def test_sync_and_verify_name_the_kernels_kernels_lock_does_not_record(sdist_repo):
+    """A review: a kernel of kernels.yaml absent from kernels.lock passed sync and verify without a word (exit 0,
+    "every vendored file ... matches"), where doctor called it unavailable. Both now name it and how to record it
+    (verify still passes: what it checks matches)."""
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+    assert repo.porter().unlocked_kernels() == ["up/beta"]
+    cli = [sys.executable, str(ROOT / "tools/port.py"), "--root", str(repo.root), "--cache", str(repo.cache),
+           "--offline"]
+    says = ("declared in kernels.yaml but not recorded in kernels.lock, so neither vendored nor verified (the builder "
+            "refuses the ported ones): up/beta; record them with python tools/port.py add up/beta (or python "
+            "tools/port.py sync --all)")
+    for cmd in ("verify", "sync"):
+        r = subprocess.run(cli + [cmd], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and f"{cmd}: {says}" in " ".join(r.stdout.split()), r.stdout + r.stderr
+    repo.porter(offline=True).sync(all_kernels=True)
+    assert repo.porter().unlocked_kernels() == []
+    r = subprocess.run(cli + ["verify"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "not recorded in kernels.lock" not in r.stdout, r.stdout
+
+
 def test_an_os_error_is_an_error_line_with_exit_2(sdist_repo):
     """`vendor` a file: a FileExistsError traceback, exit 1 (documented as drift). Now an error line, exit 2."""
     repo = sdist_repo
@@ -1522,16 +1595,46 @@ def test_add_of_one_kernel_re_records_a_shared_file_for_every_kernel_that_lists_
 
 def test_a_pin_edited_in_kernels_yaml_is_answered_with_revert_then_update(sdist_repo):
     """sync, the builder and update itself advised `update` for a pin edited in kernels.yaml by hand, which update
-    then refused: the advice is to revert kernels.yaml and move both with update."""
+    then refused: the advice is to restore the edited file and move both with update."""
     repo = sdist_repo
     repo.porter().add(["alpha"])
     manifest = repo.root / "kernels.yaml"
     manifest.write_text(manifest.read_text().replace("version: '1.0'", "version: '1.1'").replace(
         'version: "1.0"', 'version: "1.1"').replace("version: 1.0", "version: 1.1"))
     with pytest.raises(PortError, match=r"kernels.yaml pins up otherwise than kernels.lock records \(version: '1.0' "
-                                        r"-> '1.1'\): revert kernels.yaml \(git checkout kernels.yaml\), then move "
-                                        r"both with `python tools/port.py update up --to ...`"):
+                                        r"-> '1.1'\): one of the two was edited by hand \(or by a merge\): restore it "
+                                        r"from git \(git checkout kernels.yaml, or git checkout kernels.lock; .*\), "
+                                        r"then move both with `python tools/port.py update up --to ...`"):
         repo.porter().sync()
+
+
+def test_a_hash_edited_in_the_lock_is_answered_with_kernels_lock_too(sdist_repo):
+    """A review: a pin's sha256 edited in kernels.lock by hand made sync and `update --to <the pinned version>` say
+    "revert kernels.yaml (git checkout kernels.yaml)", which was clean, and never named kernels.lock; a file's sha256
+    edited there made verify say "sync restores it", and sync then refused. The advice names kernels.lock, the same
+    from each command."""
+    from pipegoose.porting import update
+
+    repo = sdist_repo
+    repo.porter().add(["alpha"])
+    lock_path = repo.root / "kernels.lock"
+    good = lock_path.read_text()
+    pin = yaml.safe_load(good)["sources"]["up"]["pin"]["sha256"]
+    lock_path.write_text(good.replace(pin, "9" + pin[1:]))
+    for run in (lambda: repo.porter(offline=True).sync(), lambda: update(repo.porter(offline=True), "up", to="1.0")):
+        with pytest.raises(PortError, match=r"kernels.yaml pins up otherwise than kernels.lock records \(sha256: .*"
+                                            r"git checkout kernels.lock"):
+            run()
+    lock_path.write_text(good)
+    f, h = next(iter(yaml.safe_load(good)["kernels"]["up/alpha"]["files"].items()))
+    lock_path.write_text(good.replace(h, "0" + h[1:]))
+    [pr] = repo.porter().verify()
+    assert pr.kind == "differs" and pr.detail.endswith(
+        "`python tools/port.py sync` restores it, unless kernels.lock's record is what was edited (sync says so "
+        "then): git checkout kernels.lock"), pr
+    with pytest.raises(IntegrityError, match=r"kernels.lock's record does not match the pinned source .*restore "
+                                             r"kernels.lock from git \(git checkout kernels.lock\)"):
+        repo.porter(offline=True).sync()
 
 
 def test_a_pin_edited_in_the_lock_is_named_by_verify_and_list(sdist_repo):
