@@ -41,6 +41,24 @@ def _tiny(name: str):
     return _config(name, **over)
 
 
+def _fused_step(name: str):
+    """A tiny copy of ``name`` (its benchmark's attention, auto class and labels), one unfused and one fused forward
+    on the same batch and dropout draws: (model, fuse's report, the unfused loss, the fused loss)."""
+    from pipegoose.nn.fusion import fuse
+
+    spec = e2e.MODELS[name]
+    torch.manual_seed(0)
+    model = e2e.auto_class(spec).from_config(_tiny(name), attn_implementation=spec.get("attn", "sdpa")).train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=g)
+    labels = e2e.labels_for(spec, ids, g)
+    torch.manual_seed(2)   # (dropout, OPT's and BERT's: the same draws for both steps)
+    want = model(input_ids=ids, labels=labels).loss
+    report = fuse(model)
+    torch.manual_seed(2)
+    return model, report, want, model(input_ids=ids, labels=labels).loss
+
+
 def _attr(cfg, k):
     """``cfg.k``; from ``to_dict()`` where the config refuses a global read of a per-layer attribute (Gemma 4's
     head_dim)."""
@@ -148,7 +166,7 @@ def test_mpt_is_mpt_7bs_layer_at_hidden_2048_and_fuse_replaces_its_attention():
     """hidden 2048, 24 layers, 16 heads of 128, MLP 4 x hidden, ALiBi over 2048 positions, no biases, vocab 50432
     (tied): ~1.31B parameters, counted on the meta device; eager attention (transformers has no other for MPT); fuse()
     replaces a tiny copy's attention by FusedMptAttention, with the unfused step's loss."""
-    from pipegoose.nn.fusion import FusedMptAttention, fuse
+    from pipegoose.nn.fusion import FusedMptAttention
 
     spec = e2e.MODELS["mpt"]
     assert spec["arch"] == "mpt" and spec["batch"] == 2 and spec["attn"] == "eager"
@@ -162,23 +180,18 @@ def test_mpt_is_mpt_7bs_layer_at_hidden_2048_and_fuse_replaces_its_attention():
     want = 50432 * h + 24 * (12 * h * h + 2 * h) + h   # tied embedding, Wqkv + out_proj + MLP, LayerNorm weights
     got = sum(p.numel() for p in model.parameters())
     assert got == want and 1.3e9 < got < 1.32e9
-    tiny = _tiny("mpt")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny, attn_implementation="eager").train()
-    ids = torch.randint(0, tiny.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    want_loss = model(input_ids=ids, labels=ids).loss
-    report = fuse(model)
+    model, report, want_loss, got_loss = _fused_step("mpt")
     rows = [r for r in report.rows if r.kind == "attention"]
     assert len(rows) == 2 and all(r.fused and r.replacement == "FusedMptAttention" for r in rows)
     assert isinstance(model.transformer.blocks[0].attn, FusedMptAttention)
-    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, want_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_loss, want_loss, atol=1e-5, rtol=1e-5)
 
 
 def test_opt_is_opt_1_3bs_shape_and_fuse_replaces_its_layer_norms_and_loss():
     """hidden 2048, 24 layers, 32 heads, MLP 8192, learned positions to 2048 (+2 offset), vocab 50272 (tied): ~1.32B
     parameters, counted on the meta device; fuse() replaces a tiny copy's 2 x layers + 1 LayerNorms and its loss, and
     leaves SDPA, with the unfused step's loss."""
-    from pipegoose.nn.fusion import MixedFusedLayerNorm, fuse
+    from pipegoose.nn.fusion import MixedFusedLayerNorm
 
     spec = e2e.MODELS["opt"]
     assert spec["arch"] == "opt" and spec["batch"] == 4 and "attn" not in spec
@@ -193,20 +206,13 @@ def test_opt_is_opt_1_3bs_shape_and_fuse_replaces_its_layer_norms_and_loss():
     want = 50272 * h + 2050 * h + 24 * (4 * (h * h + h) + 2 * 2 * h + h * f + f + f * h + h) + 2 * h
     got = sum(p.numel() for p in model.parameters())
     assert got == want and 1.3e9 < got < 1.33e9
-    tiny = _tiny("opt")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny, attn_implementation="sdpa").train()
-    ids = torch.randint(0, tiny.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    torch.manual_seed(2)   # (OPT's dropout: the same draws for both steps)
-    want_loss = model(input_ids=ids, labels=ids).loss
-    report = fuse(model)
-    torch.manual_seed(2)
+    model, report, want_loss, got_loss = _fused_step("opt")
     norms = [r for r in report.rows if r.kind == "layer_norm"]
-    assert len(norms) == 2 * tiny.num_hidden_layers + 1 and all(r.fused for r in norms)
+    assert len(norms) == 2 * model.config.num_hidden_layers + 1 and all(r.fused for r in norms)
     assert isinstance(model.model.decoder.final_layer_norm, MixedFusedLayerNorm)
     assert [r.fused for r in report.rows if r.kind == "cross_entropy"] == [True]
     assert not any(r.fused for r in report.rows if r.kind == "attention")   # (SDPA kept)
-    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, want_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_loss, want_loss, atol=1e-5, rtol=1e-5)
 
 
 def test_bert_mlm_is_bert_larges_shape_as_a_masked_lm_at_512_positions(monkeypatch):
@@ -232,21 +238,10 @@ def test_bert_mlm_is_bert_larges_shape_as_a_masked_lm_at_512_positions(monkeypat
     assert torch.equal(labels[kept], ids[kept]) and abs(kept.float().mean().item() - e2e.MASKED_FRACTION) < 0.01
     assert e2e.labels_for(e2e.MODELS["llama"], ids, None) is ids   # (a causal LM: its ids, shifted by transformers)
     # fuse() on a tiny copy: its LayerNorms, GELU and the loss it computes inline, with the unfused step's loss
-    from pipegoose.nn.fusion import fuse
-
-    tiny = _tiny("bert_mlm")
-    torch.manual_seed(0)
-    model = e2e.auto_class(spec).from_config(tiny, attn_implementation="sdpa").train()
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, tiny.vocab_size, (2, 16), generator=g)
-    labels = e2e.labels_for(spec, ids, g)
-    torch.manual_seed(2)   # (BERT's dropout: the same draws for both steps)
-    want_loss = model(input_ids=ids, labels=labels).loss
-    report = fuse(model)
+    _, report, want_loss, got_loss = _fused_step("bert_mlm")
     rows = [r for r in report.rows if r.kind == "cross_entropy"]
     assert len(rows) == 1 and rows[0].fused and rows[0].original == "CrossEntropyLoss (inline)", rows
-    torch.manual_seed(2)
-    torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, want_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_loss, want_loss, atol=1e-5, rtol=1e-5)
     seen = []
 
     class Done:
