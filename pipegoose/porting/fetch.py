@@ -19,6 +19,7 @@ serialised with a file lock; temporary folders that a killed run left (``pypi/<n
 from __future__ import annotations
 
 import base64
+import functools
 import html.parser
 import json
 import netrc
@@ -282,11 +283,19 @@ class IndexConfig:
     timeout: float = 60.0
 
 
+@functools.lru_cache(maxsize=None)
 def _pip_default_index() -> str:
-    # pip's own default, not ours: no index host is written in this project.
-    from pip._internal.models.index import PyPI  # noqa: PLC0415
-
-    return PyPI.simple_url
+    """pip's own default index, not ours (no index host is written in this project), asked of pip in a subprocess:
+    importing pip here turns setuptools' distutils shim off for this process (``_distutils_hack`` stands aside for pip
+    on Python < 3.12), so that a later ``import setuptools``, by ``torch.utils.cpp_extension`` when a kernel builds in
+    the same process, failed with an AssertionError (found by a test order: porting's network tests, then a
+    builder test). Raises FetchError where pip cannot say."""
+    code = "from pip._internal.models.index import PyPI; print(PyPI.simple_url)"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise FetchError(f"cannot read pip's default index: {e}") from e
+    return out.stdout.strip()
 
 
 def pip_index_config() -> IndexConfig:

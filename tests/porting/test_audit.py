@@ -606,3 +606,22 @@ def test_offline_a_version_not_pinned_is_unverified_and_update_needs_trust_cache
     with pytest.raises(PortError, match=r"the download cache holds .*up-1.0.tar.gz with sha256 .*either the pin is "
                                         r"wrong"):
         update(repo.porter(offline=True), "up", to="1.0.0")
+
+
+def test_reading_pips_index_config_leaves_pip_out_of_the_process():
+    """pip's configuration and default index are read in subprocesses: importing pip here turned setuptools' distutils
+    shim off (on Python < 3.12), and a kernel built afterwards in the same process failed at ``import setuptools``
+    (torch.utils.cpp_extension) with an AssertionError. A fresh interpreter with no index configured reads the
+    config, then imports setuptools."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull   # (no index-url from the machine's pip config: pip's default is asked for)
+    code = ("import sys; from pipegoose.porting.fetch import pip_index_config; c = pip_index_config(); "
+            "assert c.index_urls and c.index_urls[0].startswith('https://'), c; "
+            "assert 'pip' not in sys.modules, sorted(m for m in sys.modules if m.startswith('pip')); "
+            "import setuptools; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
