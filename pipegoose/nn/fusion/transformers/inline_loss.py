@@ -111,13 +111,14 @@ def takes(loss: nn.CrossEntropyLoss, input: Any, target: Any) -> torch.dtype | N
 
 
 class DispatchingCrossEntropyLoss(nn.CrossEntropyLoss):
-    """``torch.nn.CrossEntropyLoss`` whose calls from the forward of a model fused by ``fuse`` run op
-    ``cross_entropy`` where :func:`takes` says the op computes them as this class's own forward does.
+    """``torch.nn.CrossEntropyLoss`` whose calls made by the forward of a model fused by ``fuse`` itself, over that
+    model's vocabulary (:func:`classes_of`), run op ``cross_entropy`` where :func:`takes` says the op computes them as
+    this class's own forward does.
 
     Args and attributes: ``torch.nn.CrossEntropyLoss``'s.
 
-    Shapes and dtypes: a dispatched call takes input [N, C] (fp32, fp16 or bf16) and target [N] (int64 class indices,
-    or ``ignore_index``), and returns a scalar (``mean``, ``sum``) or [N] (``none``) of the dtype the module's own
+    Shapes and dtypes: a dispatched call takes input [N, V] (fp32, fp16 or bf16; V the model's vocabulary) and target
+    [N] (int64 class indices, or ``ignore_index``), and returns a scalar (``mean``, ``sum``) or [N] (``none``) of the dtype the module's own
     forward returns (:func:`takes`); any other call is ``torch.nn.CrossEntropyLoss.forward``'s.
 
     Raises: what ``torch.nn.CrossEntropyLoss`` raises, and, on a dispatched call, what
@@ -215,8 +216,8 @@ def _leave(module, args, output):
 
 @dataclass
 class Installed:
-    """What :func:`install` did for one model: the modeling module's globals and the hooks' handles (none where the
-    model carried them already, as a copy of a fused model does)."""
+    """What :func:`install` did for one model: the modeling module's globals and the handles of the hooks it put on the
+    model (in place of a pair a copy of a fused model carries)."""
 
     namespace: dict
     handles: tuple
