@@ -220,11 +220,11 @@ MODELS = {
     # (ALiBi attention, FusedMptAttention; eager only in transformers, as Bloom's)
     "mpt": dict(arch="mpt", batch=2, attn="eager", config=dict(d_model=2048, n_heads=16, n_layers=24, expansion_ratio=4,
                                                                 max_seq_len=2048, vocab_size=50432)),
-    # (OPT-1.3B's shape: LayerNorms, ReLU MLPs without a gate (left to PyTorch: one kernel already), learned positions)
     # (a masked LM: AutoModelForMaskedLM, labels on 15% of the positions; BERT's 512 positions, the model's own seq)
     "bert_mlm": dict(arch="bert", head="masked_lm", batch=32, seq=512,
                      config=dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                                  intermediate_size=4096, vocab_size=30522, max_position_embeddings=512)),
+    # (OPT-1.3B's shape: LayerNorms, ReLU MLPs without a gate (left to PyTorch: one kernel already), learned positions)
     "opt": dict(arch="opt", batch=4, config=dict(hidden_size=2048, ffn_dim=8192, num_hidden_layers=24,
                                                   num_attention_heads=32, vocab_size=50272,
                                                   max_position_embeddings=2048, word_embed_proj_dim=2048,
@@ -236,6 +236,17 @@ CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3C
            "phi": "PhiConfig", "modernbert-decoder": "ModernBertDecoderConfig", "arcee": "ArceeConfig",
            "nemotron": "NemotronConfig", "bloom": "BloomConfig", "mpt": "MptConfig",
            "opt": "OPTConfig", "bert": "BertConfig"}
+VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_model_rope",
+            "compile_sdpa", "liger_rmsnorm", "liger")
+# What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the
+# subprocess failed), unavailable (Liger-Kernel not installed), skipped (time budget, or no CUDA).
+STATUSES = ("ok", "FAILED", "oom", "timeout", "error", "unavailable", "skipped")
+LIGER_ONLY = {"liger": ("llama", "qwen3", "phi3", "gemma", "qwen3_moe"),
+              "liger_rmsnorm": ("llama", "qwen3", "phi3", "gemma", "qwen3_moe")}
+# the keyword of Liger's apply_liger_kernel_to_<arch> that patches the MLP (Gemma's MLP is a GeGLU: geglu=)
+LIGER_MLP_ARG = {"gemma": "geglu"}
+MARK = "E2E_RESULT "
+LOSS_RTOL = 0.02
 MASKED_FRACTION = 0.15   # a masked LM's positions with a label (the others -100), as BERT's pretraining
 
 
@@ -256,17 +267,6 @@ def labels_for(spec: dict, ids, generator):
 
     keep = torch.rand(ids.shape, device=ids.device, generator=generator) < MASKED_FRACTION
     return ids.masked_fill(~keep, -100)
-VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_model_rope",
-            "compile_sdpa", "liger_rmsnorm", "liger")
-# What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the
-# subprocess failed), unavailable (Liger-Kernel not installed), skipped (time budget, or no CUDA).
-STATUSES = ("ok", "FAILED", "oom", "timeout", "error", "unavailable", "skipped")
-LIGER_ONLY = {"liger": ("llama", "qwen3", "phi3", "gemma", "qwen3_moe"),
-              "liger_rmsnorm": ("llama", "qwen3", "phi3", "gemma", "qwen3_moe")}
-# the keyword of Liger's apply_liger_kernel_to_<arch> that patches the MLP (Gemma's MLP is a GeGLU: geglu=)
-LIGER_MLP_ARG = {"gemma": "geglu"}
-MARK = "E2E_RESULT "
-LOSS_RTOL = 0.02
 
 
 def _worker(model_name: str, variant: str, batch: int, seq: int, warmup: int, steps: int) -> dict:
