@@ -2027,7 +2027,9 @@ def test_bert_masked_lm_builds_its_own_loss_which_fuse_routes_to_our_op():
     self.loss_function): fuse routes that global to our op (tests/fuse/test_fuse_inline_loss.py has the details), a
     row fused and eligible, the instance's loss function left alone; the loss is the unfused one's (fp32 on the CPU:
     the op's path is F.cross_entropy on the same logits). DistilBertForMaskedLM keeps a loss module of its own
-    (self.mlm_loss_fct): nothing to replace, a row not fused, not eligible, with the reason."""
+    (self.mlm_loss_fct): routed through that child's class, its row fused. ElectraForMaskedLM's forward writes
+    nn.CrossEntropyLoss() (neither the global nor a child): nothing to replace, a row not fused, not eligible, with
+    the reason."""
     import transformers as tr
     import transformers.models.bert.modeling_bert as mb
 
@@ -2049,13 +2051,25 @@ def test_bert_masked_lm_builds_its_own_loss_which_fuse_routes_to_our_op():
     torch.manual_seed(0)
     distil = tr.DistilBertForMaskedLM(tr.DistilBertConfig(vocab_size=models.VOCAB, dim=32, n_layers=1, n_heads=4,
                                                           hidden_dim=64)).eval()
+    ref = distil(input_ids=ids, labels=labels).loss
     report = fuse(distil, ops=["cross_entropy"])
     (r,) = _ce_rows(report)
+    assert (r.path, r.fused, r.eligible, r.original, r.replacement) == (
+        "", True, True, "CrossEntropyLoss (mlm_loss_fct)", "op cross_entropy"), r
+    assert torch.equal(distil(input_ids=ids, labels=labels).loss, ref)
+    assert unfuse(distil) and type(distil.mlm_loss_fct) is torch.nn.CrossEntropyLoss
+    assert fuse(distil, ops=["layer_norm"], dry_run=True).not_requested.get("cross_entropy") == 1
+
+    electra = tr.ElectraForMaskedLM(tr.ElectraConfig(vocab_size=models.VOCAB, embedding_size=16, hidden_size=32,
+                                                     num_hidden_layers=1, num_attention_heads=4,
+                                                     intermediate_size=64)).eval()
+    report = fuse(electra, ops=["cross_entropy"])
+    (r,) = _ce_rows(report)
     assert (r.path, r.fused, r.eligible, r.replacement) == ("", False, False, None), r
-    assert "DistilBertForMaskedLM.forward computes its loss without self.loss_function or its modeling module's " \
+    assert "ElectraForMaskedLM.forward computes its loss without self.loss_function or its modeling module's " \
            "CrossEntropyLoss" in r.reason, r.reason
-    assert not is_fused(distil) and not report.fused_rows()   # nothing to do: no record
-    assert fuse(distil, ops=["layer_norm"], dry_run=True).not_requested.get("cross_entropy") is None
+    assert not is_fused(electra) and not report.fused_rows()   # nothing to do: no record
+    assert fuse(electra, ops=["layer_norm"], dry_run=True).not_requested.get("cross_entropy") is None
 
 
 def test_dry_run_of_the_loss_changes_nothing():

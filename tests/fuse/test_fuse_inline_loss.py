@@ -34,7 +34,9 @@ V, B, S, LABELS = models.VOCAB, 3, 11, 3
 # the models of the tests: (modeling module, class name, MLM or classifier)
 FAMILIES = {"bert_mlm": (mb, "BertForMaskedLM", "mlm"), "roberta_mlm": (mr, "RobertaForMaskedLM", "mlm"),
             "bert_cls": (mb, "BertForSequenceClassification", "cls"),
-            "distilbert_cls": (md, "DistilBertForSequenceClassification", "cls")}
+            "distilbert_cls": (md, "DistilBertForSequenceClassification", "cls"),
+            # (a masked LM that calls a loss module of its own: self.mlm_loss_fct)
+            "distilbert_mlm": (md, "DistilBertForMaskedLM", "own")}
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +87,7 @@ def _model(family: str, dtype=torch.float32, seed: int = 0):
 def _batch(family: str) -> dict:
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, V, (B, S), generator=g)
-    if FAMILIES[family][2] == "mlm":
+    if FAMILIES[family][2] != "cls":
         labels = ids.clone()
         labels[1, :4] = -100
         labels[2, 6] = -100
@@ -529,16 +531,136 @@ def test_keyboard_interrupt_in_a_fused_forward_leaves_nothing_dispatched(spy):
     unfuse(model)
 
 
+# ------------------------------------------------------------------------ a loss module of the model's own
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_loss_module_of_the_models_own_runs_our_op(dtype, spy):
+    """DistilBertForMaskedLM calls ``self.mlm_loss_fct`` (a child ``torch.nn.CrossEntropyLoss``): after fuse that child
+    is the same object with the dispatching class (its state_dict and the model's as they were), the row names it,
+    the loss and gradients are the unfused ones (fp32 bit for bit; bf16 against a float64 copy as above), the op ran
+    once per forward, an unfused DistilBERT runs PyTorch's path, the module's global is untouched, and unfuse puts
+    torch's class back on the same object."""
+    model, other = _model("distilbert_mlm", dtype), _model("distilbert_mlm", dtype, seed=1)
+    batch = _batch("distilbert_mlm")
+    child, keys = model.mlm_loss_fct, list(model.state_dict())
+    ref64 = _run(copy.deepcopy(model).double(), batch)
+    ref, ref_g = _run(model, batch)
+    other_ref, _ = _run(other, batch)
+
+    (row,) = _rows(fuse(model, ops=["cross_entropy"]))
+    assert (row.original, row.replacement, row.fused, row.eligible) == (
+        "CrossEntropyLoss (mlm_loss_fct)", "op cross_entropy", True, True), row
+    assert "DistilBertForMaskedLM.mlm_loss_fct -> its class a dispatching subclass" in row.reason, row
+    assert model.mlm_loss_fct is child and type(child) is inline_mod.DispatchingCrossEntropyLoss
+    assert type(other.mlm_loss_fct) is TORCH_CE and getattr(md, "CrossEntropyLoss", TORCH_CE) is TORCH_CE
+    assert list(model.state_dict()) == keys and inline_mod.is_user(model) and is_fused(model)
+
+    loss, g = _run(model, batch)
+    assert [c[1:] for c in spy] == [(dtype, (B * S, V))]
+    assert loss.dtype == dtype and g.keys() == ref_g.keys()
+    if dtype == torch.float32:
+        assert torch.equal(loss, ref) and all(torch.equal(g[n], ref_g[n]) for n in ref_g)
+    else:
+        torch.testing.assert_close(loss, ref, **TOLERANCES[dtype])
+        as64 = [(t.double(), {n: x.double() for n, x in d.items()}) for t, d in ((loss, g), (ref, ref_g))]
+        _assert_parity(*as64, ref64, dtype)
+    spy.clear()
+    assert torch.equal(_run(other, batch)[0], other_ref) and not spy
+
+    assert unfuse(model) and not is_fused(model) and not inline_mod.hooked(model)
+    assert model.mlm_loss_fct is child and type(child) is TORCH_CE
+    assert torch.equal(_run(model, batch)[0], ref) and not spy
+
+
+def test_a_loss_module_called_by_hand_or_from_elsewhere_runs_pytorchs_path(spy):
+    """The child's class dispatches only the fused model's own calls over its vocabulary: called by hand (outside the
+    forward) or with another width it runs PyTorch's forward."""
+    model = _model("distilbert_mlm")
+    fuse(model, ops=["cross_entropy"])
+    logits, target = torch.randn(5, V), torch.randint(0, V, (5,))
+    assert torch.equal(model.mlm_loss_fct(logits, target), F.cross_entropy(logits, target)) and not spy
+    model(**_batch("distilbert_mlm"))
+    assert len(spy) == 1
+    assert unfuse(model)
+
+
+def test_a_loss_module_of_a_subclass_is_left_alone_with_the_reason(spy):
+    """A child loss module of another class (the user's subclass, whose forward may differ) is not touched: the row is
+    skipped with the reason, nothing hooked."""
+    class TheirLoss(TORCH_CE):
+        pass
+
+    model = _model("distilbert_mlm")
+    model.mlm_loss_fct = TheirLoss()
+    (row,) = _rows(fuse(model, ops=["cross_entropy"]))
+    assert (row.original, row.fused, row.eligible) == ("CrossEntropyLoss (mlm_loss_fct)", False, False), row
+    assert "TheirLoss, a subclass of torch.nn.CrossEntropyLoss" in row.reason, row
+    assert type(model.mlm_loss_fct) is TheirLoss and not inline_mod.hooked(model) and not is_fused(model)
+    model(**_batch("distilbert_mlm"))
+    assert not spy
+
+
+def test_a_loss_module_of_the_models_own_in_copies_and_a_second_model(spy):
+    """A deepcopy of the fused DistilBERT carries the hooks and the child's class: its loss is the same, on the op;
+    unfuse of the copy says it has no record; fuse then unfuse of the copy puts torch's class back on the copy's child
+    and leaves the original fused. Two fused models each keep their own child's class until their own unfuse."""
+    model = _model("distilbert_mlm")
+    batch = _batch("distilbert_mlm")
+    ref = model(**batch).loss
+    fuse(model, ops=["cross_entropy"])
+    twin = copy.deepcopy(model)
+    assert type(twin.mlm_loss_fct) is inline_mod.DispatchingCrossEntropyLoss and inline_mod.hooked(twin)
+    spy.clear()
+    assert torch.equal(twin(**batch).loss, ref) and len(spy) == 1
+    with pytest.raises(RuntimeError, match="holds fused modules"):
+        unfuse(twin)
+    (row,) = _rows(fuse(twin, ops=["cross_entropy"]))
+    assert row.fused and len(twin._forward_pre_hooks) == 1
+    assert unfuse(twin) and type(twin.mlm_loss_fct) is TORCH_CE and not inline_mod.hooked(twin)
+    assert type(model.mlm_loss_fct) is inline_mod.DispatchingCrossEntropyLoss and inline_mod.is_user(model)
+    spy.clear()
+    assert torch.equal(twin(**batch).loss, ref) and not spy
+    assert torch.equal(model(**batch).loss, ref) and len(spy) == 1
+    assert unfuse(model) and type(model.mlm_loss_fct) is TORCH_CE
+
+
+def test_luke_routes_its_word_loss_and_leaves_its_entity_loss():
+    """LukeForMaskedLM calls its ``loss_fn`` child twice: over its vocabulary (the op) and over its entity vocabulary
+    (another width: PyTorch's path); the total is the unfused one's."""
+    cfg = transformers.LukeConfig(vocab_size=V, entity_vocab_size=17, hidden_size=32, entity_emb_size=16,
+                                  num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.LukeForMaskedLM(cfg).eval()
+    g = torch.Generator().manual_seed(5)
+    ids, ent = torch.randint(3, V, (B, S), generator=g), torch.randint(1, 17, (B, 3), generator=g)
+    batch = dict(input_ids=ids, labels=ids, entity_ids=ent, entity_labels=ent,
+                 entity_attention_mask=torch.ones(B, 3, dtype=torch.long),
+                 entity_position_ids=torch.zeros(B, 3, 1, dtype=torch.long))
+    ref = model(**batch).loss
+    calls = []
+    real = PF.cross_entropy
+    (row,) = _rows(fuse(model, ops=["cross_entropy"]))
+    assert (row.original, row.fused) == ("CrossEntropyLoss (loss_fn)", True), row
+    try:
+        PF.cross_entropy = lambda logits, *a, **k: (calls.append(tuple(logits.shape)), real(logits, *a, **k))[1]
+        got = model(**batch).loss
+    finally:
+        PF.cross_entropy = real
+    assert calls == [(B * S, V)] and torch.equal(got, ref)
+    assert unfuse(model) and type(model.loss_fn) is TORCH_CE
+
+
 # ---------------------------------------------------------------------------------------------------- on a GPU
 @pytest.mark.cuda
 @pytest.mark.usefixtures("no_tuning_table")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
-def test_fused_bert_masked_lm_on_the_kernel_against_float64(dtype):
-    """A fused BertForMaskedLM on the GPU, in strict mode (a fallback raises): the kernel runs for its loss, of the
-    model's dtype; the loss and the logits' gradient are within the dtype's tolerance of F.cross_entropy in float64
-    on the same logits."""
-    model = _model("bert_mlm", dtype).cuda()
-    batch = {k: v.cuda() for k, v in _batch("bert_mlm").items()}
+@pytest.mark.parametrize("family", ["bert_mlm", "distilbert_mlm"])
+def test_fused_bert_masked_lm_on_the_kernel_against_float64(family, dtype):
+    """A fused BertForMaskedLM (the global) and DistilBertForMaskedLM (its own loss module) on the GPU, in strict mode
+    (a fallback raises): the kernel runs for its loss, of the model's dtype; the loss and the logits' gradient are
+    within the dtype's tolerance of F.cross_entropy in float64 on the same logits."""
+    model = _model(family, dtype).cuda()
+    batch = {k: v.cuda() for k, v in _batch(family).items()}
     fuse(model, ops=["cross_entropy"])
     dispatch.reset_stats()
     try:

@@ -526,8 +526,13 @@ def test_loss_support_of_language_models():
     assert "modeling_bert.CrossEntropyLoss -> a dispatching subclass" in reason, reason
     distil = tr.DistilBertForMaskedLM(tr.DistilBertConfig(vocab_size=V, dim=32, n_layers=1, n_heads=4, hidden_dim=64))
     name, reason, candidate, original = loss_support(distil)   # (a loss module of its own: self.mlm_loss_fct)
+    assert (name, candidate, original) == (INLINE, True, "CrossEntropyLoss (mlm_loss_fct)")
+    assert "DistilBertForMaskedLM.mlm_loss_fct -> its class a dispatching subclass" in reason, reason
+    electra = tr.ElectraForMaskedLM(tr.ElectraConfig(vocab_size=V, embedding_size=16, hidden_size=32,
+                                                     num_hidden_layers=1, num_attention_heads=4, intermediate_size=64))
+    name, reason, candidate, original = loss_support(electra)   # (nn.CrossEntropyLoss(): neither global nor child)
     assert name is None and candidate and original == "its own loss"
-    assert "DistilBertForMaskedLM.forward computes its loss without self.loss_function" in reason, reason
+    assert "ElectraForMaskedLM.forward computes its loss without self.loss_function" in reason, reason
     classifier = tr.LlamaForSequenceClassification(cfg)
     name, reason, candidate, _ = loss_support(classifier)
     assert name is None and not candidate and "not a language-model cross-entropy" in reason

@@ -95,7 +95,9 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   weight or label smoothing; [N, V] fp32/fp16/bf16 scores, [N] int64 labels; the loss in the dtype PyTorch's gives),
   PyTorch's own forward otherwise (``pipegoose.nn.fusion.transformers.inline_loss``; the row:
   kind ``cross_entropy``, ``CrossEntropyLoss (inline) -> op cross_entropy``; inside PEFT, whose tuner calls the
-  model's forward directly, skipped). A global that another library patched is reported as skipped;
+  model's forward directly, skipped). A global that another library patched is reported as skipped. A masked LM
+  that calls a ``torch.nn.CrossEntropyLoss`` child of its own instead (DistilBERT's ``mlm_loss_fct``) is routed the
+  same way through that child's class (the row: ``CrossEntropyLoss (mlm_loss_fct) -> op cross_entropy``);
 * with ``ops`` naming ``linear_cross_entropy`` (opt-in), a causal LM's head and loss in one: two forward hooks that,
   in training with ``labels``, run the model without the [B, S, V] logits and compute transformers' causal-LM
   loss with ``fused_linear_cross_entropy`` (``pipegoose.nn.fusion.transformers.lm_head``; the output's ``logits`` is
@@ -1824,7 +1826,7 @@ def _fuse_loss(model, path, support, dry_run, report, state, wrappers=()) -> Non
         report.rows.append(FusionRow(path, "cross_entropy", original, None, False, reason=reason, eligible=False))
         return
     if name == _loss.INLINE:
-        _fuse_inline_loss(model, path, reason, wrappers, dry_run, report, state)
+        _fuse_inline_loss(model, path, original, reason, wrappers, dry_run, report, state)
         return
     fwd, bwd = _loss_impls(model)
     if not dry_run:
@@ -1844,16 +1846,18 @@ def _held_inline_row(root, model, path) -> FusionRow | None:
     kept = "its CrossEntropyLoss calls left routed as they are here"
     reason = (_earlier_fuse_reason(root, owner, kept) if owner is not None else
               "fused by an earlier fuse() of a model holding this one: unfuse() of that model reverts it")
-    return FusionRow(path, "cross_entropy", _inline.ROW_ORIGINAL, _inline.ROW_REPLACEMENT, True,
+    return FusionRow(path, "cross_entropy", _inline.target(model).row, _inline.ROW_REPLACEMENT, True,
                      *_loss_impls(model, inline=True), reason=reason)
 
 
-def _fuse_inline_loss(model, path, reason, wrappers, dry_run, report, state) -> None:
-    """The report's row for a language model whose forward builds its own ``CrossEntropyLoss`` from its modeling
-    module's global (BERT's heads), and the routing of those calls to our op (``transformers.inline_loss.install``:
-    the model's hooks and the dispatching class at that global). Inside PEFT, whose tuner calls the model's forward
-    directly (no module hooks run), skipped with the reason; a copy of a fused model keeps the hooks it carries."""
-    original, replacement = _inline.ROW_ORIGINAL, _inline.ROW_REPLACEMENT
+def _fuse_inline_loss(model, path, original, reason, wrappers, dry_run, report, state) -> None:
+    """The report's row (``original``: the loss the model has) for a language model whose forward builds its own
+    ``CrossEntropyLoss`` from its modeling module's global (BERT's heads) or calls a child loss module of its own
+    (DistilBERT's ``mlm_loss_fct``), and the routing of those calls to our op (``transformers.inline_loss.install``:
+    the model's hooks and the dispatching class at that global or as that child's class). Inside PEFT, whose tuner
+    calls the model's forward directly (no module hooks run), skipped with the reason; a copy of a fused model keeps
+    the hooks it carries."""
+    replacement = _inline.ROW_REPLACEMENT
     peft = _peft_wrapper(wrappers)
     if peft is not None:
         report.rows.append(FusionRow(path, "cross_entropy", original, None, False, eligible=False, reason=(

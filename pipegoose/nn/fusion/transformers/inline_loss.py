@@ -39,6 +39,15 @@ a masked LM:
 A copy of a fused model (``copy.deepcopy``, pickling) carries the hooks: its calls run the op while the class is
 installed (a fused original keeps it), PyTorch's path otherwise; ``fuse`` of such a copy puts a pair of its own in
 their place, which its ``unfuse`` removes.
+
+A masked LM that keeps its loss module as a child of its own instead (``DistilBertForMaskedLM.mlm_loss_fct =
+nn.CrossEntropyLoss()``, called as ``self.mlm_loss_fct(...)`` in its forward; LUKE's ``loss_fn``) gets the same hooks,
+and that child's class becomes :class:`DispatchingCrossEntropyLoss` (the same object: its attributes, hooks and
+``state_dict`` as they were; ``unfuse`` puts ``torch.nn.CrossEntropyLoss`` back once no live fused model uses it). The
+calls routed are those of the same rules (its forward's own, over its vocabulary: LUKE's entity loss, over its entity
+vocabulary, stays PyTorch's). A child of another class (a subclass of the user's) is left alone, with the reason. A copy
+of such a fused model carries the hooks and the child's class: its calls run the op until ``fuse`` and ``unfuse`` of
+the copy put the class back.
 """
 
 from __future__ import annotations
@@ -68,7 +77,8 @@ _DEVICES = ("cuda", "cpu")
 
 _underway = Underway()      # the fused models' forwards under way (a stack of their own)
 _active = _underway.local   # .stack: (weakref to a fused model, its forward's code)
-# per modeling module (its __name__): the fused models whose calls the class at its global dispatches
+# per modeling module (its __name__) or child loss module (Target.key): the fused models whose calls the class at
+# that global, or as that child's class, dispatches
 _USERS: "dict[str, weakref.WeakSet]" = {}
 
 
@@ -118,8 +128,11 @@ class DispatchingCrossEntropyLoss(nn.CrossEntropyLoss):
     Args and attributes: ``torch.nn.CrossEntropyLoss``'s.
 
     Shapes and dtypes: a dispatched call takes input [N, V] (fp32, fp16 or bf16; V the model's vocabulary) and target
-    [N] (int64 class indices, or ``ignore_index``), and returns a scalar (``mean``, ``sum``) or [N] (``none``) of the dtype the module's own
-    forward returns (:func:`takes`); any other call is ``torch.nn.CrossEntropyLoss.forward``'s.
+    [N] (int64 class indices, or ``ignore_index``), and returns a scalar (``mean``, ``sum``) or [N] (``none``) of the
+    dtype the module's own forward returns (:func:`takes`); any other call is ``torch.nn.CrossEntropyLoss.forward``'s.
+    ``fuse`` puts the class at a modeling module's global ``CrossEntropyLoss`` or, for a model that calls a loss
+    module of its own, as that module's class (its ``__class__``; ``unfuse`` puts ``torch.nn.CrossEntropyLoss``
+    back).
 
     Raises: what ``torch.nn.CrossEntropyLoss`` raises, and, on a dispatched call, what
     :func:`pipegoose.nn.fusion.functional.cross_entropy` raises (``FusionFallbackError`` in strict mode where the
@@ -142,32 +155,57 @@ class DispatchingCrossEntropyLoss(nn.CrossEntropyLoss):
 
 @dataclass
 class Target:
-    """A model's modeling module (its name and globals) whose global ``CrossEntropyLoss`` its forward calls, and the
-    object there now (``current``)."""
+    """Where a model's forward finds the ``CrossEntropyLoss`` it calls: its modeling module's global (``module_name``
+    and ``namespace``, that module's name and globals; ``attr`` None), or a child loss module of the model's own
+    (``attr``, its attribute name; ``module_name`` the model's class name; ``namespace`` None); ``current``: the
+    object there now (the global's value, or the child module)."""
 
     module_name: str
-    namespace: dict
+    namespace: dict | None
     current: Any
+    attr: str | None = None
 
     @property
     def where(self) -> str:
+        if self.attr is not None:
+            return f"{self.module_name}.{self.attr}"
         return f"{self.module_name.rsplit('.', 1)[-1]}.{NAME}"
 
     @property
+    def row(self) -> str:
+        """The report's name of the loss the model has: ``CrossEntropyLoss (inline)``, or ``CrossEntropyLoss
+        (<attr>)`` for a child loss module."""
+        return ROW_ORIGINAL if self.attr is None else f"{NAME} ({self.attr})"
+
+    @property
+    def key(self) -> str:
+        """The :data:`_USERS` key of the fused models that use this global (or this child module)."""
+        return self.module_name if self.attr is None else f"{self.where}@{id(self.current):x}"
+
+    @property
     def ok(self) -> bool:
-        """Whether the global is torch's class, or ours (installed by another fuse() call)."""
+        """Whether the global is torch's class, or ours (installed by another fuse() call); for a child, whether its
+        class is one of those two, exactly."""
+        if self.attr is not None:
+            return type(self.current) in (ORIGINAL, DispatchingCrossEntropyLoss)
         return self.current is ORIGINAL or self.current is DispatchingCrossEntropyLoss
 
     def reason(self, model: nn.Module) -> str:
         """What fuse() does for ``model`` (where :attr:`ok`), for the report."""
-        return (f"{self.where} -> a dispatching subclass: the CrossEntropyLoss calls of {type(model).__name__}.forward "
+        how = ("a dispatching subclass" if self.attr is None else
+               "its class a dispatching subclass (a loss module of the model's own, the same object)")
+        return (f"{self.where} -> {how}: the CrossEntropyLoss calls of {type(model).__name__}.forward "
                 "run op cross_entropy where they qualify (its own calls over its vocabulary; no class weight or label "
                 "smoothing; [N, V] fp32/fp16/bf16 scores, [N] int64 labels; the loss in the dtype PyTorch's gives), "
                 "else PyTorch's; the model is hooked, not replaced")
 
     @property
     def why(self) -> str:
-        """Why the global is not routed (where not :attr:`ok`)."""
+        """Why the global (or the child) is not routed (where not :attr:`ok`)."""
+        if self.attr is not None:
+            cls = type(self.current)
+            return (f"{self.where} is a {cls.__module__}.{cls.__qualname__}, a subclass of torch.nn.CrossEntropyLoss "
+                    "whose forward may differ: left as it is, the model's own loss runs")
         what = (f"{getattr(self.current, '__module__', '?')}.{getattr(self.current, '__qualname__', '?')}"
                 if isinstance(self.current, type) else type(self.current).__name__)
         return (f"{self.module_name}.{NAME} is {what}, not torch.nn.CrossEntropyLoss (patched by another library?): "
@@ -181,29 +219,45 @@ def _loads_global(code: types.CodeType) -> bool:
     return any(i.opname == "LOAD_GLOBAL" and i.argval == NAME for i in dis.get_instructions(code))
 
 
+@functools.lru_cache(maxsize=None)
+def _loaded_attrs(code: types.CodeType) -> frozenset:
+    """The attribute names that ``code`` loads (``self.mlm_loss_fct``, ``self.mlm_loss_fct(...)``)."""
+    return frozenset(i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_ATTR", "LOAD_METHOD"))
+
+
 def target(model: nn.Module) -> Target | None:
-    """Where ``model``'s class forward (under its decorators) finds the ``CrossEntropyLoss`` it calls by that global
-    name without calling ``self.loss_function``, or None (no such call)."""
+    """Where ``model``'s class forward (under its decorators), which does not call ``self.loss_function``, finds the
+    ``CrossEntropyLoss`` it calls: by that global name, or as the one child of the model that is a
+    ``torch.nn.CrossEntropyLoss`` and whose attribute the forward loads (DistilBERT's ``mlm_loss_fct``); None where
+    there is no such call."""
     fwd = forward_of(type(model))
     code = getattr(fwd, "__code__", None)
+    if code is None or "loss_function" in code.co_names:
+        return None
     namespace = getattr(fwd, "__globals__", None)
-    if code is None or namespace is None or NAME not in code.co_names or "loss_function" in code.co_names:
+    if namespace is not None and NAME in code.co_names and _loads_global(code):
+        return Target(namespace.get("__name__", "?"), namespace, namespace.get(NAME))
+    loaded = _loaded_attrs(code)
+    found = [name for name, child in model._modules.items()
+             if name in loaded and isinstance(child, nn.CrossEntropyLoss)]
+    if len(found) != 1:   # (none, or several: which one is over the vocabulary is not told here)
         return None
-    if not _loads_global(code):
-        return None
-    return Target(namespace.get("__name__", "?"), namespace, namespace.get(NAME))
+    return Target(type(model).__name__, None, model._modules[found[0]], found[0])
 
 
-def users(namespace: dict) -> weakref.WeakSet:
-    """The fused models of the modeling module of ``namespace`` (its globals) whose loss the class dispatches."""
-    return _USERS.setdefault(namespace.get("__name__", "?"), weakref.WeakSet())
+def users(t: Target) -> weakref.WeakSet:
+    """The fused models that use ``t``'s global (its modeling module's) or child module, whose calls the class
+    dispatches."""
+    return _USERS.setdefault(t.key, weakref.WeakSet())
 
 
 def is_user(model: nn.Module) -> bool:
-    """Whether ``model`` is fused by a live :func:`install` (its hooks on it, the class at its global)."""
+    """Whether ``model`` is fused by a live :func:`install` (its hooks on it, the class at its global or its child's
+    class the dispatching one)."""
     t = target(model)
-    return (t is not None and t.current is DispatchingCrossEntropyLoss and hooked(model)
-            and model in _USERS.get(t.module_name, ()))
+    if t is None or not hooked(model) or model not in _USERS.get(t.key, ()):
+        return False
+    return (type(t.current) if t.attr is not None else t.current) is DispatchingCrossEntropyLoss
 
 
 def _enter(module, args):
@@ -216,25 +270,32 @@ def _leave(module, args, output):
 
 @dataclass
 class Installed:
-    """What :func:`install` did for one model: the modeling module's globals and the handles of the hooks it put on the
+    """What :func:`install` did for one model: the modeling module's globals (None for a child loss module), the
+    child (a weak reference; None for a global), the :data:`_USERS` key, and the handles of the hooks it put on the
     model (in place of a pair a copy of a fused model carries)."""
 
-    namespace: dict
+    namespace: dict | None
     handles: tuple
+    child: "weakref.ref | None" = None
+    key: str = ""
 
 
 def install(model: nn.Module, t: Target) -> Installed:
-    """Route ``model``'s inline ``CrossEntropyLoss`` calls to our op: the class at ``t``'s global (unless it is there
-    already) and the model's two hooks. Raises ValueError where ``t`` is not :attr:`Target.ok` (nothing changed)."""
+    """Route ``model``'s ``CrossEntropyLoss`` calls to our op: the class at ``t``'s global (unless it is there
+    already) or as its child loss module's class, and the model's two hooks. Raises ValueError where ``t`` is not
+    :attr:`Target.ok` (nothing changed)."""
     if not t.ok:
         raise ValueError(t.why)
-    if t.namespace.get(NAME) is not DispatchingCrossEntropyLoss:
+    if t.attr is not None:
+        t.current.__class__ = DispatchingCrossEntropyLoss   # (a subclass that adds no state: the object as it was)
+    elif t.namespace.get(NAME) is not DispatchingCrossEntropyLoss:
         t.namespace[NAME] = DispatchingCrossEntropyLoss
-    users(t.namespace).add(model)
+    users(t).add(model)
     _drop_hooks(model)   # (a copy of a fused model carries a pair, whose handles are the original's: ours replace it)
     # (module-level functions: a fused model copies and pickles, its hooks by reference)
     handles = (model.register_forward_pre_hook(_enter), model.register_forward_hook(_leave, always_call=True))
-    return Installed(t.namespace, handles)
+    child = weakref.ref(t.current) if t.attr is not None else None
+    return Installed(t.namespace, handles, child, t.key)
 
 
 def _drop_hooks(model: nn.Module) -> None:
@@ -246,16 +307,22 @@ def _drop_hooks(model: nn.Module) -> None:
 
 
 def uninstall(model: nn.Module | None, rec: Installed) -> None:
-    """Undo :func:`install` for one model: its hooks go, and the global goes back to ``torch.nn.CrossEntropyLoss``
-    once no live fused model of that modeling module uses the class (unless someone replaced it there since)."""
+    """Undo :func:`install` for one model: its hooks go, and the global (or the child's class) goes back to
+    ``torch.nn.CrossEntropyLoss`` once no live fused model uses it (a global someone replaced since is left as it
+    is)."""
     for h in rec.handles:
         h.remove()
-    live = users(rec.namespace)
+    live = _USERS.setdefault(rec.key, weakref.WeakSet())
     if model is not None:
         live.discard(model)
     if len(live):
         return
-    if rec.namespace.get(NAME) is DispatchingCrossEntropyLoss:
+    _USERS.pop(rec.key, None)
+    if rec.child is not None:
+        child = rec.child()
+        if child is not None and type(child) is DispatchingCrossEntropyLoss:
+            child.__class__ = ORIGINAL
+    elif rec.namespace.get(NAME) is DispatchingCrossEntropyLoss:
         rec.namespace[NAME] = ORIGINAL
 
 

@@ -124,8 +124,10 @@ def loss_support(model: nn.Module) -> tuple[str | None, str, bool, str]:
     (BERT's masked-LM heads, RoBERTa's, ALBERT's, ...), that global is ``torch.nn.CrossEntropyLoss`` (or our
     dispatching subclass of it) and the model has output embeddings (a vocabulary): the name is then :data:`INLINE`,
     the loss it has ``CrossEntropyLoss (inline)``, and ``fuse`` routes those calls to our op through the global
-    (:mod:`~pipegoose.nn.fusion.transformers.inline_loss`). A global that another library patched, and a classifier
-    (no output embeddings: BERT's sequence, token and multiple-choice heads), give a candidate with the reason and no
+    (:mod:`~pipegoose.nn.fusion.transformers.inline_loss`); likewise for a child loss module of the model's own that
+    its forward calls (DistilBERT's ``mlm_loss_fct``: the loss it has ``CrossEntropyLoss (mlm_loss_fct)``), routed
+    through the child's class. A global that another library patched, a child of a subclass, and a classifier (no
+    output embeddings: BERT's sequence, token and multiple-choice heads), give a candidate with the reason and no
     name."""
     prop = getattr(type(model), "loss_function", None)
     if not isinstance(prop, property) or not _takes_labels(type(model)):
@@ -142,12 +144,12 @@ def loss_support(model: nn.Module) -> tuple[str | None, str, bool, str]:
                           f"modeling module's {_inline.NAME} (a loss module of its own, say): nothing to replace per "
                           "instance"), True, "its own loss"
         if not t.ok:
-            return None, t.why, True, _inline.ROW_ORIGINAL
+            return None, t.why, True, t.row
         if _inline.classes_of(model) is None:
             return None, (f"{type(model).__name__} has no output embeddings: a classifier, whose CrossEntropyLoss over "
                           "its labels is left to PyTorch (op cross_entropy is for a vocabulary's rows; PyTorch's path "
-                          "also checks the labels)"), True, _inline.ROW_ORIGINAL
-        return INLINE, t.reason(model), True, _inline.ROW_ORIGINAL
+                          "also checks the labels)"), True, t.row
+        return INLINE, t.reason(model), True, t.row
     if "_loss_function" in model.__dict__:
         name = getattr(model.__dict__["_loss_function"], "__name__", "loss_function")
         if ours_is_set(model):   # (fuse() reports it as a held row, fused, naming the call that set it)
