@@ -224,6 +224,10 @@ MODELS = {
     "bert_mlm": dict(arch="bert", head="masked_lm", batch=32, seq=512,
                      config=dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                                  intermediate_size=4096, vocab_size=30522, max_position_embeddings=512)),
+    # (DistilBERT-base as a masked LM: its loss module of its own, mlm_loss_fct, routed to op cross_entropy)
+    "distilbert_mlm": dict(arch="distilbert", head="masked_lm", batch=32, seq=512,
+                           config=dict(hidden_size=768, num_hidden_layers=6, num_attention_heads=12, hidden_dim=3072,
+                                       vocab_size=30522, max_position_embeddings=512)),
     # (OPT-1.3B's shape: LayerNorms, ReLU MLPs without a gate (left to PyTorch: one kernel already), learned positions)
     "opt": dict(arch="opt", batch=4, config=dict(hidden_size=2048, ffn_dim=8192, num_hidden_layers=24,
                                                   num_attention_heads=32, vocab_size=50272,
@@ -235,7 +239,7 @@ CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3C
            "olmo": "OlmoConfig", "cohere": "CohereConfig", "glm4": "Glm4Config", "gpt2": "GPT2Config",
            "phi": "PhiConfig", "modernbert-decoder": "ModernBertDecoderConfig", "arcee": "ArceeConfig",
            "nemotron": "NemotronConfig", "bloom": "BloomConfig", "mpt": "MptConfig",
-           "opt": "OPTConfig", "bert": "BertConfig"}
+           "opt": "OPTConfig", "bert": "BertConfig", "distilbert": "DistilBertConfig"}
 VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_model_rope",
             "compile_sdpa", "liger_rmsnorm", "liger")
 # What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the

@@ -257,6 +257,27 @@ def test_bert_mlm_is_bert_larges_shape_as_a_masked_lm_at_512_positions(monkeypat
     assert [c[c.index("--seq") + 1] for c in seen] == ["512", "2048"]
 
 
+def test_distilbert_mlm_is_distilbert_bases_shape_and_routes_its_loss_module():
+    """hidden 768, 6 layers, 12 heads, MLP 3072, 512 positions, vocab 30522 (tied): ~66.9M parameters, counted on the
+    meta device; DistilBertForMaskedLM, batch 32 x 512; fuse() on a tiny copy routes its mlm_loss_fct (a loss module of
+    its own), with the unfused step's loss."""
+    spec = e2e.MODELS["distilbert_mlm"]
+    assert spec["arch"] == "distilbert" and spec["head"] == "masked_lm" and (spec["batch"], spec["seq"]) == (32, 512)
+    with torch.device("meta"):
+        model = e2e.auto_class(spec).from_config(_config("distilbert_mlm"), attn_implementation="sdpa")
+    assert type(model).__name__ == "DistilBertForMaskedLM"
+    h, f, v = 768, 3072, 30522
+    layer = 4 * (h * h + h) + 2 * 2 * h + h * f + f + f * h + h   # q/k/v/out, two LayerNorms, the MLP (with biases)
+    # embeddings (words, 512 positions, LayerNorm), layers, the head's transform (dense, LayerNorm), decoder bias
+    want = v * h + 512 * h + 2 * h + 6 * layer + (h * h + h) + 2 * h + v
+    got = sum(p.numel() for p in model.parameters())
+    assert got == want and 6.6e7 < got < 6.8e7
+    _, report, want_loss, got_loss = _fused_step("distilbert_mlm")
+    rows = [r for r in report.rows if r.kind == "cross_entropy"]
+    assert len(rows) == 1 and rows[0].fused and rows[0].original == "CrossEntropyLoss (mlm_loss_fct)", rows
+    torch.testing.assert_close(got_loss, want_loss, atol=1e-5, rtol=1e-5)
+
+
 def test_gemma_is_liger_patched_and_not_a_default_model():
     from benchmarks.run import parse_args
 
