@@ -181,6 +181,75 @@ def test_alibi_bias_is_built_once_and_per_sequence_only_where_sequences_differ()
                                                             key_len=6) is not a
 
 
+def test_alibi_slopes_are_blooms():
+    """The slopes, fp32, are transformers' own bit for bit (powers of two and not), and a bad count is refused."""
+    get = models.transformers_attr("bloom", "modeling", "_get_alibi_slopes")
+    for heads in (1, 2, 3, 5, 8, 12, 16, 24, 32, 40, 112):
+        assert torch.equal(bloom.alibi_slopes(heads), get(heads, "cpu")), heads
+    with pytest.raises(ValueError, match="heads: expected at least 1, got 0"):
+        bloom.alibi_slopes(0)
+
+
+def _bias_softmax_error(bias, exact, masked):
+    """The largest difference between the softmax of ``bias`` alone and that of the float64 ``exact`` one, over the
+    rows that have a key."""
+    def sm(x):
+        return torch.softmax(x.double().masked_fill(masked, float("-inf")), -1).nan_to_num(0.0)
+
+    return float((sm(bias) - sm(exact)).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("padded", [False, True], ids=["causal", "left_padded"])
+def test_a_16_bit_alibi_is_rebuilt_exactly_and_made_query_relative(dtype, padded):
+    """8 heads at 1024 positions (ALiBi's values to 511, 2 apart in bf16): the bias from Bloom's 16-bit alibi is
+    the query-relative bias of its fp32 values, rounded once, so its softmax is within 1e-3 of float64's where the
+    bf16 alibi's own is 0.1 or more off; the rebuilt values round to the given alibi bit for bit; without a mask
+    (no padding) the same; with a cache (the last 5 queries of the keys) its rows are the full bias's last ones."""
+    b, s, h = 2, 1024, 8
+    mask2d = torch.ones(b, s, dtype=torch.long)
+    if padded:
+        mask2d[1, :150] = 0
+    alibi = build_alibi_tensor(mask2d, h, dtype)
+    j = torch.arange(s)
+    masked = (j[None, :] > j[:, None])[None, None] | (mask2d[:, None, None, :] == 0)
+    additive = torch.zeros(masked.shape, dtype=dtype).masked_fill(masked, torch.finfo(dtype).min)
+    a32 = build_alibi_tensor(mask2d, h, torch.float32).double().view(b, h, 1, s)
+    exact = (a32 - a32.transpose(-1, -2)).masked_fill(masked, 0.0)   # (the float64 query-relative bias)
+    bias = bloom.alibi_bias(alibi, additive, batch=b, heads=h, query_len=s, key_len=s)
+    assert bias.dtype == dtype and bias.shape == ((b if padded else 1), h, s, s)
+    assert _bias_softmax_error(bias, exact, masked) < 1e-3
+    if dtype == torch.bfloat16:   # (what eager adds; fp16 holds these values exactly at this size: 0.25 apart)
+        assert _bias_softmax_error(alibi.view(b, h, 1, s) + additive, exact, masked) > 0.1
+    fitted = additive if padded else additive[:1]
+    rebuilt = bloom.exact_alibi(alibi.view(b, h, 1, s), fitted.expand(b, 1, s, s))
+    assert rebuilt.dtype == torch.float32 and torch.equal(rebuilt.to(dtype), alibi.view(b, h, 1, s))
+    torch.testing.assert_close(rebuilt.double(), a32, atol=0, rtol=0)
+    if not padded:
+        no_mask = bloom.alibi_bias(alibi, None, batch=b, heads=h, query_len=s, key_len=s)
+        assert no_mask.shape == (1, h, s, s)
+        assert torch.equal(no_mask.masked_fill(masked, 0), bias.masked_fill(masked, 0))
+    q = 5
+    last = bloom.alibi_bias(alibi, additive[:, :, -q:], batch=b, heads=h, query_len=q, key_len=s)
+    assert torch.equal(last, bias.expand(b, h, s, s)[:, :, -q:][:last.shape[0]])
+
+
+def test_an_alibi_that_is_not_blooms_rounding_keeps_the_sum_formula():
+    """An alibi that the rebuilt values do not round to (another formula, or a mask whose last row is not the
+    padding), and any fp32 alibi, give ``beta * alibi + mask`` as before, bit for bit."""
+    _, alibi, additive, _ = _masks(2, 40, (0, 7), torch.bfloat16)
+    other = (alibi.float() * 1.5).bfloat16()
+    got = bloom.alibi_bias(other, additive, batch=2, heads=4, query_len=40, key_len=40)
+    assert torch.equal(got, other.view(2, 4, 1, 40) + additive)
+    shifted = additive.clone()
+    shifted[1, :, -1, 7] = torch.finfo(torch.bfloat16).min   # (the last row masks one more key: other positions)
+    got = bloom.alibi_bias(alibi, shifted, batch=2, heads=4, query_len=40, key_len=40)
+    assert torch.equal(got, alibi.view(2, 4, 1, 40) + shifted)
+    _, alibi32, additive32, _ = _masks(2, 40, (0, 7), torch.float32)
+    got = bloom.alibi_bias(alibi32, additive32, batch=2, heads=4, query_len=40, key_len=40, beta=0.5)
+    assert torch.equal(got, 0.5 * alibi32.view(2, 4, 1, 40) + additive32)
+
+
 def test_nothing_derived_from_the_mask_outlives_the_forward_pass(monkeypatch):
     """The one-entry caches (the bias; the SDPA path's copy of it; the mask's plan) drop their entry when the tensor
     it was derived from is freed: after the forward pass nothing of the [b, h, sq, sk] size stays held (a review:
@@ -324,8 +393,9 @@ CUDA_SHAPES = {"odd": (2, 301, 1024, 16, 37), "1b7_2048": (2, 2048, 2048, 16, 30
 @alibi_checks.cuda_float64_cases(CUDA_SHAPES)
 def test_on_cuda_matches_float64(monkeypatch, path, dtype, shape):
     """Left padding (rows without a key), causal: our fused masked softmax (strict) or SDPA with the bias; outputs and
-    gradients against float64, zeros where a query has no key, and no farther from float64 on average than eager
-    Bloom in the same dtype (whose scores are rounded to the dtype before its fp32 softmax)."""
+    gradients against float64 (with ALiBi's fp32 values, which transformers rounds to the dtype: the fused module
+    rebuilds them), zeros where a query has no key, and no farther from float64 on average than eager Bloom in the
+    same dtype (whose scores are rounded to the dtype before its fp32 softmax, with the rounded ALiBi)."""
     b, s, hidden_size, heads, pad = CUDA_SHAPES[shape]
     att = _attention(hidden=hidden_size, heads=heads, dtype=dtype, device="cuda")
     fused = FusedBloomAttention.from_module(copy.deepcopy(att))
@@ -335,6 +405,7 @@ def test_on_cuda_matches_float64(monkeypatch, path, dtype, shape):
     mask2d = torch.ones(b, s, dtype=torch.long, device="cuda")
     mask2d[1, :pad] = 0
     alibi = build_alibi_tensor(mask2d, heads, dtype)
+    alibi32 = build_alibi_tensor(mask2d, heads, torch.float32)   # (the values before transformers' cast)
     j = torch.arange(s, device="cuda")
     masked = (j[None, :] > j[:, None])[None, None] | (mask2d[:, None, None, :] == 0)
     additive = torch.zeros(masked.shape, dtype=dtype, device="cuda").masked_fill(masked, torch.finfo(dtype).min)
@@ -344,7 +415,8 @@ def test_on_cuda_matches_float64(monkeypatch, path, dtype, shape):
                                **tol(dtype, 2))
     # eager Bloom in the same 16-bit dtype: its rows without a key (uniform weights over masked keys) left out
     alibi_checks.check_against_float64_and_eager(
-        dtype, pad, 1.1, hidden, run, lambda x: _reference(copy.deepcopy(att).double(), x, residual, alibi, masked)[0],
+        dtype, pad, 1.1, hidden, run,
+        lambda x: _reference(copy.deepcopy(att).double(), x, residual, alibi32, masked)[0],
         lambda x: att(x, residual, alibi, additive)[0])
 
 

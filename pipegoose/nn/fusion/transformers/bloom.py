@@ -24,16 +24,24 @@ asked for (``output_attentions=True``), the fused masked softmax. Off CUDA, wher
 
 Where the result differs from transformers' eager Bloom:
 
+* ALiBi in 16 bits: transformers builds Bloom's ``alibi`` in fp32 and casts it to the model's dtype, where its
+  largest values (~1400 at 2048 positions, slope 2^-0.5) are 8 apart in bf16 (1 in fp16), so the keys nearest a
+  query get biases up to 4 off, steps that erase the slope there; eager Bloom adds that to its scores. The fused
+  module rebuilds the fp32 values (:func:`exact_alibi`: Bloom's slopes times the positions it counts, checked to
+  round to the ``alibi`` given bit for bit, else that ``alibi`` is used as is) and uses the query-relative bias
+  (each row's own key's value subtracted: the same softmax, values near 0 near the query), rounded once (session
+  77: on 16 heads at 2048 positions the softmax of the bias alone went from 0.56 to 2.2e-4 off float64's). Its
+  16-bit outputs are therefore nearer the exact attention than eager Bloom's, not equal to them;
 * the scores are not rounded to the model's 16-bit dtype before the softmax on the SDPA path (SDPA keeps them in
   fp32): 16-bit outputs and gradients differ at rounding level, on average no farther from a float64 reference
   than eager's (GPU test at 2048 positions, 16 heads of 128, session 75). Over training steps the difference can
   grow where the weights themselves are bf16: on BLOOM-1B7's shape, 11 AdamW steps on one repeated batch (session
-  75, H100, ``benchmarks/bloom_drift.py``), both bf16 runs' losses fell faster than fp32's, the fused one's most
-  (largest gap to fp32's 0.79 and 0.86 over two seeds, eager's 0.57 and 0.72; the other fused ops alone, attention
-  kept, and the fused masked softmax, whose scores are bf16 as eager's, 0.57 as eager). With fp32 weights under bf16
-  autocast (mixed precision) the fused and eager losses stayed as near fp32's as each other (largest gaps 0.14 and
-  0.15, each nearer at about half the steps). Pass ``attention="keep"`` to ``fuse`` (or set
-  ``PIPEGOOSE_IMPL_ATTENTION=pipegoose``) for eager Bloom's pure-bf16 trajectory;
+  75, H100, ``benchmarks/bloom_drift.py``; before the exact ALiBi of session 77), both bf16 runs' losses fell faster
+  than fp32's, the fused one's most (largest gap to fp32's 0.79 and 0.86 over two seeds, eager's 0.57 and 0.72; the
+  other fused ops alone, attention kept, and the fused masked softmax, whose scores are bf16 as eager's, 0.57 as
+  eager). With fp32 weights under bf16 autocast (mixed precision) the fused and eager losses stayed as near fp32's
+  as each other (largest gaps 0.14 and 0.15, each nearer at about half the steps). Pass ``attention="keep"`` to
+  ``fuse`` for eager Bloom's pure-bf16 trajectory;
 * a query row whose keys are all masked (a padded position under left padding) gives zeros and zero gradients, as on
   every path of pipegoose attention; eager Bloom gives it weights over its masked keys. Its output is the padding's;
   but with transformers' causal shift the last padded position predicts the first real token, so a loss whose label
@@ -53,6 +61,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -223,9 +232,13 @@ def alibi_bias(alibi: torch.Tensor, attention_mask: torch.Tensor | None, *, batc
         beta: the factor of ``alibi`` (Bloom's ``beta``, 1.0).
     Returns:
         ``[batch or 1, heads, query_len or 1, key_len]`` in the dtype ``alibi + attention_mask`` promotes to (a bool
-        mask: ``alibi``'s, masked keys at its minimum). The batch dimension is 1 where the bias is the same for every
-        sequence (Bloom without padding: its alibi and causal mask repeat per sequence), found with one comparison on
-        the device (not on the meta device or for fake tensors). Built once per pair of tensors (identity and version
+        mask: ``alibi``'s, masked keys at its minimum). A 16-bit ``alibi`` that :func:`exact_alibi` rebuilds gives
+        instead the query-relative bias of the rebuilt fp32 values (``beta * (alibi[j] - alibi[sk - query_len + i])
+        + mask`` for query i and key j, computed in fp32, clamped to the dtype's range and rounded once; the same
+        softmax per row), ``[batch or 1, heads, query_len, key_len]`` in ``alibi``'s dtype; not while
+        ``torch.compile`` traces, nor without values to read (meta, fake tensors). The batch dimension is 1 where
+        the bias is the same for every sequence (Bloom without padding: its alibi and causal mask repeat per
+        sequence), found with one comparison on the device (not on the meta device or for fake tensors). Built once per pair of tensors (identity and version
         counters; the entry goes when either tensor is freed; not cached where
         :func:`pipegoose.nn.fusion.transformers.attention._cacheable` says so, under ``torch.inference_mode`` and
         ``torch.compile``, where the batch dimension stays).
@@ -245,23 +258,30 @@ def alibi_bias(alibi: torch.Tensor, attention_mask: torch.Tensor | None, *, batc
         mask = _attention._fit_mask(attention_mask, query_len, key_len, batch, heads)
     cacheable = _attention._cacheable(alibi) and (attention_mask is None or _attention._cacheable(attention_mask))
     if not cacheable:
-        return _combine(alibi, mask, batch, heads, beta, dedupe=False)
+        return _combine(alibi, mask, batch, heads, beta, query_len, dedupe=False)
     key = (id(alibi), alibi._version, None if attention_mask is None else id(attention_mask),
            None if attention_mask is None else attention_mask._version, batch, heads, query_len, key_len, beta)
     hit = _bias_cache.get("entry")
     if (hit is not None and hit[0] == key and hit[1]() is alibi
             and (attention_mask is None or hit[2]() is attention_mask)):
         return hit[3]
-    bias = _combine(alibi, mask, batch, heads, beta, dedupe=not _attention._no_values(alibi))
+    bias = _combine(alibi, mask, batch, heads, beta, query_len, dedupe=not _attention._no_values(alibi))
     entry = (key, weakref.ref(alibi), None if attention_mask is None else weakref.ref(attention_mask), bias)
     _attention.put_entry(_bias_cache, entry, alibi, *(() if attention_mask is None else (attention_mask,)))
     return bias
 
 
-def _combine(alibi, mask, batch, heads, beta, dedupe):
+def _combine(alibi, mask, batch, heads, beta, query_len, dedupe):
     """:func:`alibi_bias`'s sum of ``beta * alibi`` and the fitted ``mask`` (uncached); ``dedupe``: batch 1 where
-    every sequence has the same bias."""
+    every sequence has the same bias. A 16-bit ``alibi`` that :func:`exact_alibi` rebuilds gives the query-relative
+    bias of the rebuilt fp32 values, rounded once to ``alibi``'s dtype (``[b or 1, h, query_len, sk]``)."""
     a = alibi.view(batch, heads, 1, alibi.shape[-1])
+    exact = None
+    if (alibi.dtype in (torch.float16, torch.bfloat16) and not _attention._no_values(alibi)
+            and not torch.compiler.is_compiling()):
+        exact = exact_alibi(a, mask)
+    if exact is not None:
+        a = exact
     if beta != 1.0:
         a = a * beta
     if mask is not None and mask.dtype == torch.bool:
@@ -270,7 +290,57 @@ def _combine(alibi, mask, batch, heads, beta, dedupe):
     if dedupe and batch > 1 and same(a) and (mask is None or same(mask)):
         a = a[:1]
         mask = None if mask is None else mask[:1]
-    return a if mask is None else a + mask
+    if exact is None:
+        return a if mask is None else a + mask
+    # query i is key sk - query_len + i (a cache's keys first): its own value, subtracted from its row, in fp32
+    a = a - a[..., a.shape[-1] - query_len:].transpose(-1, -2)
+    if mask is not None:
+        a = a + mask
+    return a.clamp_min_(torch.finfo(alibi.dtype).min).to(alibi.dtype)
+
+
+def alibi_slopes(heads: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """ALiBi's slopes for ``heads`` heads (Press et al., 2022), fp32 ``[heads]``, computed as Bloom computes them
+    (transformers' ``_get_alibi_slopes``: powers of ``2 ** (-8 / n)`` for the largest power of two ``n <= heads``,
+    then the odd powers of ``2 ** (-4 / n)`` for the rest), with the same fp32 operations on ``device``.
+
+    Raises: ValueError for ``heads`` below 1."""
+    if heads < 1:
+        raise ValueError(f"heads: expected at least 1, got {heads}")
+    n = 2 ** math.floor(math.log2(heads))
+    base = torch.full((), 2 ** (-(2 ** -(math.log2(n) - 3))), device=device, dtype=torch.float32)
+    slopes = torch.pow(base, torch.arange(1, 1 + n, device=device, dtype=torch.int32))
+    if n != heads:
+        extra = torch.full((), 2 ** (-(2 ** -(math.log2(2 * n) - 3))), device=device, dtype=torch.float32)
+        odd = torch.arange(1, 1 + 2 * min(n, heads - n), 2, device=device, dtype=torch.int32)
+        slopes = torch.cat([slopes, torch.pow(extra, odd)])
+    return slopes
+
+
+def exact_alibi(alibi: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The fp32 values that Bloom's ALiBi ``alibi`` (``[b, h, 1, sk]``, 16-bit: transformers builds it in fp32, then
+    casts it to the model's dtype) was rounded from: :func:`alibi_slopes` times each key's position, the positions
+    counted over the keys that the last query attends to in the fitted ``mask`` (``[b or 1, 1 or h, sq or 1, sk]``,
+    bool True = attend or additive 0 = attend; the causal mask's last row is the padding mask, whose running count is
+    Bloom's position) or ``0 .. sk - 1`` without a mask. Returns ``[b, h, 1, sk]`` fp32 where those values rounded to
+    ``alibi``'s dtype are ``alibi`` bit for bit (one comparison on the device), else None (another formula, another
+    mask: the caller keeps ``alibi``).
+
+    Why: at 2048 positions ALiBi's largest values reach ~1400 (slope 2^-0.5), where bf16's values are 8 apart and
+    fp16's 1; rounded so, the keys nearest a query get biases up to 4 (bf16) off, steps that erase the slope there.
+    The query-relative bias of the exact values (:func:`_combine`) is near 0 near each query, where bf16 is fine."""
+    b, h, _, sk = alibi.shape
+    if mask is None:
+        pos = torch.arange(sk, device=alibi.device)[None, :]
+    else:
+        last = mask[:, 0, -1, :]
+        keep = (last if last.dtype == torch.bool else last == 0).long()
+        pos = (keep.cumsum(-1) - 1) * keep
+    exact = alibi_slopes(h, alibi.device)[None, :, None] * pos[:, None, :]   # (fp32 * int64: fp32, as Bloom's)
+    exact = exact.expand(b, h, sk)
+    if not torch.equal(exact.to(alibi.dtype), alibi.view(b, h, sk)):
+        return None
+    return exact.reshape(b, h, 1, sk)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -363,4 +433,5 @@ class FusedBloomAttention(nn.Module):
         return F.dropout(output, p=self.hidden_dropout, training=self.training) + residual, weights
 
 
-__all__ = ["FusedBloomAttention", "BloomAttentionProbe", "alibi_bias", "candidate", "probe_bloom_attention"]
+__all__ = ["FusedBloomAttention", "BloomAttentionProbe", "alibi_bias", "alibi_slopes", "candidate", "exact_alibi",
+           "probe_bloom_attention"]
