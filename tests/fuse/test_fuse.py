@@ -476,6 +476,42 @@ def test_rms_norm_without_weight_is_fused():
     assert unfuse(m) and type(m[1]) is nn.RMSNorm
 
 
+def test_a_torch_rms_norm_subclass_with_its_own_forward_is_probed():
+    """A subclass of torch.nn.RMSNorm whose forward computes something else (a review, session 77: it was fused as
+    torch.nn.RMSNorm, its results silently replaced) is probed as any module: one that adds 3 is skipped with the
+    probe's reason; Gemma's (1 + weight) written on nn.RMSNorm is found as that formula (fused in fp32, where its
+    rounding is the kernel's); a subclass that keeps nn.RMSNorm's forward is fused; the outputs stay the module's."""
+    import torch.nn.functional as F
+
+    class Plus3(nn.RMSNorm):
+        def forward(self, x):
+            return super().forward(x) + 3
+
+    class OnePlus(nn.RMSNorm):
+        def forward(self, x):
+            return F.rms_norm(x, self.normalized_shape, 1.0 + self.weight, self.eps)
+
+    class Same(nn.RMSNorm):
+        pass
+
+    x = torch.randn(3, 8)
+    for cls, fused_ in ((Plus3, False), (OnePlus, None), (Same, True)):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 8), cls(8, eps=1e-6))
+        ref = m(x)
+        row = next(r for r in fuse(m).rows if r.path == "1")
+        if fused_ is False:
+            assert not row.fused and "output differs from the RMSNorm formula" in row.reason, row
+        elif fused_:
+            assert row.fused and row.replacement == "FusedRMSNorm", row
+        else:
+            assert "(1 + weight)" in row.reason, row
+        torch.testing.assert_close(m(x), ref, **tol(torch.float32, 2))
+        if is_fused(m):
+            assert unfuse(m)
+        assert type(m[1]) is cls
+
+
 def test_report_probes_training_sizes(monkeypatch):
     """The report's implementation columns describe inputs at or above PIPEGOOSE_SMALL_NUMEL (a probe of 2 rows
     was always a small problem and showed the native op where a fused kernel would run); the note names the rule."""
