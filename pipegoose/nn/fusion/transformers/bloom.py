@@ -238,8 +238,8 @@ def alibi_bias(alibi: torch.Tensor, attention_mask: torch.Tensor | None, *, batc
         softmax per row), ``[batch or 1, heads, query_len, key_len]`` in ``alibi``'s dtype; not while
         ``torch.compile`` traces, nor without values to read (meta, fake tensors). The batch dimension is 1 where
         the bias is the same for every sequence (Bloom without padding: its alibi and causal mask repeat per
-        sequence), found with one comparison on the device (not on the meta device or for fake tensors). Built once per pair of tensors (identity and version
-        counters; the entry goes when either tensor is freed; not cached where
+        sequence), found with one comparison on the device (not on the meta device or for fake tensors). Built once
+        per pair of tensors (identity and version counters; the entry goes when either tensor is freed; not cached where
         :func:`pipegoose.nn.fusion.transformers.attention._cacheable` says so, under ``torch.inference_mode`` and
         ``torch.compile``, where the batch dimension stays).
     Raises:
