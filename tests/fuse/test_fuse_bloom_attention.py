@@ -205,7 +205,8 @@ def test_a_16_bit_alibi_is_rebuilt_exactly_and_made_query_relative(dtype, padded
     """8 heads at 1024 positions (ALiBi's values to 511, 2 apart in bf16): the bias from Bloom's 16-bit alibi is
     the query-relative bias of its fp32 values, rounded once, so its softmax is within 1e-3 of float64's where the
     bf16 alibi's own is 0.1 or more off; the rebuilt values round to the given alibi bit for bit; without a mask
-    (no padding) the same; with a cache (the last 5 queries of the keys) its rows are the full bias's last ones."""
+    (no padding) the same; with a cache (the last 5 queries of the keys) its rows are the full bias's last ones;
+    under torch.inference_mode, uncached, the sum of the given alibi and the mask."""
     b, s, h = 2, 1024, 8
     mask2d = torch.ones(b, s, dtype=torch.long)
     if padded:
@@ -232,6 +233,9 @@ def test_a_16_bit_alibi_is_rebuilt_exactly_and_made_query_relative(dtype, padded
     q = 5
     last = bloom.alibi_bias(alibi, additive[:, :, -q:], batch=b, heads=h, query_len=q, key_len=s)
     assert torch.equal(last, bias.expand(b, h, s, s)[:, :, -q:][:last.shape[0]])
+    with torch.inference_mode():   # (not cached there: the given alibi, no check's sync in every layer)
+        got = bloom.alibi_bias(alibi, additive[:, :, -q:], batch=b, heads=h, query_len=q, key_len=s)
+    assert torch.equal(got, alibi.view(b, h, 1, s) + additive[:, :, -q:])
 
 
 def test_an_alibi_that_is_not_blooms_rounding_keeps_the_sum_formula():

@@ -47,6 +47,7 @@ def _restore_globals():
     for m in MODULES:
         m.CrossEntropyLoss = TORCH_CE
     inline_mod._USERS.clear()
+    inline_mod._CHILD_USERS.clear()
     inline_mod._active.stack = []
 
 
@@ -621,6 +622,41 @@ def test_a_loss_module_of_the_models_own_in_copies_and_a_second_model(spy):
     assert torch.equal(twin(**batch).loss, ref) and not spy
     assert torch.equal(model(**batch).loss, ref) and len(spy) == 1
     assert unfuse(model) and type(model.mlm_loss_fct) is TORCH_CE
+
+
+def test_a_loss_module_shared_by_two_models_keeps_its_class_until_the_last_is_unfused(spy):
+    """One child shared by two fused models of different classes (a review: the registry was keyed by class name and
+    id, so unfusing the first put torch's class back under the second, whose loss left the op): it keeps the
+    dispatching class until the second is unfused."""
+    class MyMLM(md.DistilBertForMaskedLM):
+        pass
+
+    a = _model("distilbert_mlm")
+    torch.manual_seed(1)
+    b = MyMLM(_config("distilbert_mlm")).eval()
+    b.mlm_loss_fct = a.mlm_loss_fct
+    batch = _batch("distilbert_mlm")
+    fuse(a, ops=["cross_entropy"])
+    fuse(b, ops=["cross_entropy"])
+    assert unfuse(a) and type(b.mlm_loss_fct) is inline_mod.DispatchingCrossEntropyLoss and inline_mod.is_user(b)
+    spy.clear()
+    b(**batch)
+    assert len(spy) == 1
+    assert unfuse(b) and type(b.mlm_loss_fct) is TORCH_CE and not inline_mod._CHILD_USERS
+
+
+@pytest.mark.parametrize("setting", [dict(label_smoothing=0.1), dict(weight=torch.ones(V)), dict(ignore_index=2.0)],
+                         ids=["label_smoothing", "weight", "float_ignore_index"])
+def test_a_loss_module_with_settings_the_op_does_not_compute_is_skipped(setting, spy):
+    """A child whose settings the op does not compute (a review: such a row said fused while no call ever ran the op)
+    gets a skipped row naming the setting; nothing is hooked or swapped."""
+    model = _model("distilbert_mlm")
+    model.mlm_loss_fct = TORCH_CE(**setting)
+    (row,) = _rows(fuse(model, ops=["cross_entropy"]))
+    assert (row.fused, row.eligible, row.replacement) == (False, False, None), row
+    name = next(iter(setting))
+    assert f"DistilBertForMaskedLM.mlm_loss_fct has {'a class weight' if name == 'weight' else name}" in row.reason
+    assert type(model.mlm_loss_fct) is TORCH_CE and not inline_mod.hooked(model) and not is_fused(model)
 
 
 def test_luke_routes_its_word_loss_and_leaves_its_entity_loss():

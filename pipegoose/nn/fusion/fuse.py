@@ -965,7 +965,7 @@ def _bare_norm_kind(model: nn.Module) -> str | None:
     parameters accepts), else None."""
     if isinstance(model, nn.LayerNorm):
         return "layer_norm"
-    if isinstance(model, nn.RMSNorm):
+    if matching.is_torch_rms_norm(model):
         return "rms_norm"
     if any(True for _ in model.children()):
         return None
@@ -1203,8 +1203,9 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like
                                       output_in_input_dtype=probe.output_in_input_dtype,
                                       weight_offset=probe.weight_offset, verify=False)  # probed above
     weight = getattr(child, "weight", None)   # None: torch.nn.RMSNorm(elementwise_affine=False)
-    shape = tuple(child.normalized_shape) if isinstance(child, nn.RMSNorm) else (weight.numel(),)
-    cast = not isinstance(child, nn.RMSNorm) and not probe.output_in_input_dtype
+    plain = matching.is_torch_rms_norm(child)   # (a subclass with its own forward: as its probe found)
+    shape = tuple(child.normalized_shape) if plain else (weight.numel(),)
+    cast = not plain and not probe.output_in_input_dtype
     fwd, bwd = _impls("rms_norm", child, lambda d, t: (
         torch.empty(_probe_rows(shape), *shape, device=d, dtype=t), shape, _op_weight(weight, probe.weight_offset),
         probe.eps, cast))
@@ -1344,9 +1345,9 @@ def _activation_impls(op: str, module: nn.Module, args: tuple, impl: str | None 
 
 
 def _weightless_leaf(child: nn.Module) -> bool:
-    """A leaf module without parameters, other than ``torch.nn.RMSNorm(elementwise_affine=False)`` (whose path is the
-    RMSNorm probe's): the probe of norms without parameters decides whether it is one."""
-    return (not isinstance(child, nn.RMSNorm) and not any(True for _ in child.parameters())
+    """A leaf module without parameters, other than ``torch.nn.RMSNorm(elementwise_affine=False)`` with torch's own
+    forward (whose path is the RMSNorm probe's): the probe of norms without parameters decides whether it is one."""
+    return (not matching.is_torch_rms_norm(child) and not any(True for _ in child.parameters())
             and not any(True for _ in child.children()))
 
 

@@ -804,7 +804,8 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         (``x_normed * (1 + weight)``, ``GemmaRMSNorm`` and its copies: Gemma's rounding, so ``output_in_input_dtype``
         too unless given). See the class. None (the default): as the probe below finds (False / 0.0 for
         ``torch.nn.RMSNorm`` and with ``verify=False``).
-        ``verify`` (default True): a module other than ``torch.nn.RMSNorm`` must pass the probe that ``fuse`` runs
+        ``verify`` (default True): a module other than ``torch.nn.RMSNorm`` (a subclass of it with its own
+        ``forward`` included) must pass the probe that ``fuse`` runs
         (``transformers.matching.probe_rms_norm``: its forward on random CPU inputs against the RMSNorm formula with
         its eps attribute, or Gemma's with ``(1 + weight)``, a 1-D weight, no buffers), so that a norm of another
         formula (``x * (2 + weight)``, say, or Gemma's with another rounding) is refused instead of silently
@@ -848,7 +849,9 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
                             f"FusedLayerNorm.from_layer_norm)")
         if weight_offset is not None:
             weight_offset = _weight_offset(weight_offset)
-        if isinstance(module, nn.RMSNorm):
+        from .transformers.matching import is_torch_rms_norm
+
+        if is_torch_rms_norm(module):   # (a subclass with its own forward: as any module, probed with verify)
             if verify and weight_offset:
                 raise ValueError(f"weight_offset: torch.nn.RMSNorm computes x_normed * weight (offset 0.0), got "
                                  f"{weight_offset}; verify=False takes it")

@@ -234,9 +234,10 @@ def alibi_bias(alibi: torch.Tensor, attention_mask: torch.Tensor | None, *, batc
         ``[batch or 1, heads, query_len or 1, key_len]`` in the dtype ``alibi + attention_mask`` promotes to (a bool
         mask: ``alibi``'s, masked keys at its minimum). A 16-bit ``alibi`` that :func:`exact_alibi` rebuilds gives
         instead the query-relative bias of the rebuilt fp32 values (``beta * (alibi[j] - alibi[sk - query_len + i])
-        + mask`` for query i and key j, computed in fp32, clamped to the dtype's range and rounded once; the same
-        softmax per row), ``[batch or 1, heads, query_len, key_len]`` in ``alibi``'s dtype; not while
-        ``torch.compile`` traces, nor without values to read (meta, fake tensors). The batch dimension is 1 where
+        + mask`` for query i and key j, computed in fp32, clamped from below to the dtype's minimum and rounded
+        once; the same softmax per row), ``[batch or 1, heads, query_len, key_len]`` in ``alibi``'s dtype; not where
+        the bias is not cached (``torch.inference_mode``, ``torch.compile``), nor without values to read (meta, fake
+        tensors). The batch dimension is 1 where
         the bias is the same for every sequence (Bloom without padding: its alibi and causal mask repeat per
         sequence), found with one comparison on the device (not on the meta device or for fake tensors). Built once
         per pair of tensors (identity and version counters; the entry goes when either tensor is freed; not cached where
@@ -257,8 +258,8 @@ def alibi_bias(alibi: torch.Tensor, attention_mask: torch.Tensor | None, *, batc
             raise TypeError(f"attention_mask: expected a bool or floating-point mask, got dtype {attention_mask.dtype}")
         mask = _attention._fit_mask(attention_mask, query_len, key_len, batch, heads)
     cacheable = _attention._cacheable(alibi) and (attention_mask is None or _attention._cacheable(attention_mask))
-    if not cacheable:
-        return _combine(alibi, mask, batch, heads, beta, query_len, dedupe=False)
+    if not cacheable:   # (nor rebuilt exactly: the check's sync would run in every layer)
+        return _combine(alibi, mask, batch, heads, beta, query_len, dedupe=False, exact_ok=False)
     key = (id(alibi), alibi._version, None if attention_mask is None else id(attention_mask),
            None if attention_mask is None else attention_mask._version, batch, heads, query_len, key_len, beta)
     hit = _bias_cache.get("entry")
@@ -271,13 +272,14 @@ def alibi_bias(alibi: torch.Tensor, attention_mask: torch.Tensor | None, *, batc
     return bias
 
 
-def _combine(alibi, mask, batch, heads, beta, query_len, dedupe):
+def _combine(alibi, mask, batch, heads, beta, query_len, dedupe, exact_ok=True):
     """:func:`alibi_bias`'s sum of ``beta * alibi`` and the fitted ``mask`` (uncached); ``dedupe``: batch 1 where
-    every sequence has the same bias. A 16-bit ``alibi`` that :func:`exact_alibi` rebuilds gives the query-relative
-    bias of the rebuilt fp32 values, rounded once to ``alibi``'s dtype (``[b or 1, h, query_len, sk]``)."""
+    every sequence has the same bias. With ``exact_ok``, a 16-bit ``alibi`` that :func:`exact_alibi` rebuilds gives
+    the query-relative bias of the rebuilt fp32 values, rounded once to ``alibi``'s dtype (``[b or 1, h, query_len,
+    sk]``; computed a head at a time, so that the fp32 temporaries are one head's)."""
     a = alibi.view(batch, heads, 1, alibi.shape[-1])
     exact = None
-    if (alibi.dtype in (torch.float16, torch.bfloat16) and not _attention._no_values(alibi)
+    if (exact_ok and alibi.dtype in (torch.float16, torch.bfloat16) and not _attention._no_values(alibi)
             and not torch.compiler.is_compiling()):
         exact = exact_alibi(a, mask)
     if exact is not None:
@@ -293,10 +295,18 @@ def _combine(alibi, mask, batch, heads, beta, query_len, dedupe):
     if exact is None:
         return a if mask is None else a + mask
     # query i is key sk - query_len + i (a cache's keys first): its own value, subtracted from its row, in fp32
-    a = a - a[..., a.shape[-1] - query_len:].transpose(-1, -2)
+    b, sk = a.shape[0], a.shape[-1]
     if mask is not None:
-        a = a + mask
-    return a.clamp_min_(torch.finfo(alibi.dtype).min).to(alibi.dtype)
+        b = max(b, mask.shape[0])
+    out = torch.empty(b, heads, query_len, sk, dtype=alibi.dtype, device=alibi.device)
+    low = torch.finfo(alibi.dtype).min
+    for i in range(heads):
+        ai = a[:, i:i + 1]
+        rel = ai - ai[..., sk - query_len:].transpose(-1, -2)
+        if mask is not None:
+            rel = rel + (mask if mask.shape[1] == 1 else mask[:, i:i + 1])
+        out[:, i:i + 1] = rel.clamp_min_(low)   # (masked keys at the dtype's minimum, not past it: no -inf)
+    return out
 
 
 def alibi_slopes(heads: int, device: torch.device | str = "cpu") -> torch.Tensor:

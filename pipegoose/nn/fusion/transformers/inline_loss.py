@@ -77,9 +77,10 @@ _DEVICES = ("cuda", "cpu")
 
 _underway = Underway()      # the fused models' forwards under way (a stack of their own)
 _active = _underway.local   # .stack: (weakref to a fused model, its forward's code)
-# per modeling module (its __name__) or child loss module (Target.key): the fused models whose calls the class at
-# that global, or as that child's class, dispatches
+# per modeling module (its __name__): the fused models whose calls the class at its global dispatches
 _USERS: "dict[str, weakref.WeakSet]" = {}
+# per child loss module (the object itself, weakly): the fused models whose calls the class, as its class, dispatches
+_CHILD_USERS: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 
 
 def _fused_caller() -> nn.Module | None:
@@ -100,12 +101,24 @@ def classes_of(model: nn.Module) -> int | None:
     return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
 
 
+def settings_problem(loss: nn.CrossEntropyLoss) -> str | None:
+    """What of ``loss``'s settings the op does not compute (a class ``weight``, ``label_smoothing``, a reduction other
+    than ``mean`` / ``sum`` / ``none``, an ``ignore_index`` that is not an int), or None."""
+    if loss.weight is not None:
+        return "a class weight"
+    if loss.label_smoothing != 0:
+        return f"label_smoothing={loss.label_smoothing}"
+    if loss.reduction not in REDUCTIONS:
+        return f"reduction={loss.reduction!r}"
+    if type(loss.ignore_index) is not int:
+        return f"ignore_index={loss.ignore_index!r} (not an int)"
+    return None
+
+
 def takes(loss: nn.CrossEntropyLoss, input: Any, target: Any) -> torch.dtype | None:
     """The dtype of the loss that ``loss(input, target)`` returns, where the op computes that call as
     ``torch.nn.CrossEntropyLoss.forward`` does (see the module's docstring); None for any other call."""
-    if loss.weight is not None or loss.label_smoothing != 0 or loss.reduction not in REDUCTIONS:
-        return None
-    if type(loss.ignore_index) is not int:
+    if settings_problem(loss) is not None:
         return None
     if not (isinstance(input, torch.Tensor) and isinstance(target, torch.Tensor)):
         return None
@@ -178,16 +191,12 @@ class Target:
         return ROW_ORIGINAL if self.attr is None else f"{NAME} ({self.attr})"
 
     @property
-    def key(self) -> str:
-        """The :data:`_USERS` key of the fused models that use this global (or this child module)."""
-        return self.module_name if self.attr is None else f"{self.where}@{id(self.current):x}"
-
-    @property
     def ok(self) -> bool:
         """Whether the global is torch's class, or ours (installed by another fuse() call); for a child, whether its
-        class is one of those two, exactly."""
+        class is one of those two, exactly, and its settings are ones the op computes (:func:`settings_problem`)."""
         if self.attr is not None:
-            return type(self.current) in (ORIGINAL, DispatchingCrossEntropyLoss)
+            return (type(self.current) in (ORIGINAL, DispatchingCrossEntropyLoss)
+                    and settings_problem(self.current) is None)
         return self.current is ORIGINAL or self.current is DispatchingCrossEntropyLoss
 
     def reason(self, model: nn.Module) -> str:
@@ -204,8 +213,10 @@ class Target:
         """Why the global (or the child) is not routed (where not :attr:`ok`)."""
         if self.attr is not None:
             cls = type(self.current)
-            return (f"{self.where} is a {cls.__module__}.{cls.__qualname__}, a subclass of torch.nn.CrossEntropyLoss "
-                    "whose forward may differ: left as it is, the model's own loss runs")
+            if cls not in (ORIGINAL, DispatchingCrossEntropyLoss):
+                return (f"{self.where} is a {cls.__module__}.{cls.__qualname__}, a subclass of "
+                        "torch.nn.CrossEntropyLoss whose forward may differ: left as it is, the model's own loss runs")
+            return f"{self.where} has {settings_problem(self.current)}: left as it is, the model's own loss runs"
         what = (f"{getattr(self.current, '__module__', '?')}.{getattr(self.current, '__qualname__', '?')}"
                 if isinstance(self.current, type) else type(self.current).__name__)
         return (f"{self.module_name}.{NAME} is {what}, not torch.nn.CrossEntropyLoss (patched by another library?): "
@@ -246,18 +257,22 @@ def target(model: nn.Module) -> Target | None:
 
 
 def users(t: Target) -> weakref.WeakSet:
-    """The fused models that use ``t``'s global (its modeling module's) or child module, whose calls the class
-    dispatches."""
-    return _USERS.setdefault(t.key, weakref.WeakSet())
+    """The fused models that use ``t``'s global (its modeling module's) or child module (that object, whichever
+    models hold it), whose calls the class dispatches."""
+    if t.attr is not None:
+        return _CHILD_USERS.setdefault(t.current, weakref.WeakSet())
+    return _USERS.setdefault(t.module_name, weakref.WeakSet())
 
 
 def is_user(model: nn.Module) -> bool:
     """Whether ``model`` is fused by a live :func:`install` (its hooks on it, the class at its global or its child's
     class the dispatching one)."""
     t = target(model)
-    if t is None or not hooked(model) or model not in _USERS.get(t.key, ()):
+    if t is None or not hooked(model):
         return False
-    return (type(t.current) if t.attr is not None else t.current) is DispatchingCrossEntropyLoss
+    if t.attr is not None:
+        return type(t.current) is DispatchingCrossEntropyLoss and model in _CHILD_USERS.get(t.current, ())
+    return t.current is DispatchingCrossEntropyLoss and model in _USERS.get(t.module_name, ())
 
 
 def _enter(module, args):
@@ -271,13 +286,12 @@ def _leave(module, args, output):
 @dataclass
 class Installed:
     """What :func:`install` did for one model: the modeling module's globals (None for a child loss module), the
-    child (a weak reference; None for a global), the :data:`_USERS` key, and the handles of the hooks it put on the
-    model (in place of a pair a copy of a fused model carries)."""
+    child (a weak reference; None for a global), and the handles of the hooks it put on the model (in place of a
+    pair a copy of a fused model carries)."""
 
     namespace: dict | None
     handles: tuple
     child: "weakref.ref | None" = None
-    key: str = ""
 
 
 def install(model: nn.Module, t: Target) -> Installed:
@@ -295,7 +309,7 @@ def install(model: nn.Module, t: Target) -> Installed:
     # (module-level functions: a fused model copies and pickles, its hooks by reference)
     handles = (model.register_forward_pre_hook(_enter), model.register_forward_hook(_leave, always_call=True))
     child = weakref.ref(t.current) if t.attr is not None else None
-    return Installed(t.namespace, handles, child, t.key)
+    return Installed(t.namespace, handles, child)
 
 
 def _drop_hooks(model: nn.Module) -> None:
@@ -312,17 +326,25 @@ def uninstall(model: nn.Module | None, rec: Installed) -> None:
     is)."""
     for h in rec.handles:
         h.remove()
-    live = _USERS.setdefault(rec.key, weakref.WeakSet())
+    if rec.child is not None:
+        child = rec.child()
+        if child is None:   # (collected: nothing left to put back)
+            return
+        live = _CHILD_USERS.get(child, weakref.WeakSet())
+        if model is not None:
+            live.discard(model)
+        if len(live):
+            return
+        _CHILD_USERS.pop(child, None)
+        if type(child) is DispatchingCrossEntropyLoss:
+            child.__class__ = ORIGINAL
+        return
+    live = _USERS.setdefault(rec.namespace.get("__name__", "?"), weakref.WeakSet())
     if model is not None:
         live.discard(model)
     if len(live):
         return
-    _USERS.pop(rec.key, None)
-    if rec.child is not None:
-        child = rec.child()
-        if child is not None and type(child) is DispatchingCrossEntropyLoss:
-            child.__class__ = ORIGINAL
-    elif rec.namespace.get(NAME) is DispatchingCrossEntropyLoss:
+    if rec.namespace.get(NAME) is DispatchingCrossEntropyLoss:
         rec.namespace[NAME] = ORIGINAL
 
 
@@ -331,5 +353,5 @@ def hooked(model: nn.Module) -> bool:
     return any(h is _enter for h in model._forward_pre_hooks.values())
 
 
-__all__ = ["DispatchingCrossEntropyLoss", "Installed", "Target", "classes_of", "hooked", "install", "is_user", "takes",
-           "target", "uninstall", "users"]
+__all__ = ["DispatchingCrossEntropyLoss", "Installed", "Target", "classes_of", "hooked", "install", "is_user",
+           "settings_problem", "takes", "target", "uninstall", "users"]

@@ -274,6 +274,12 @@ def _stand_in(module: nn.Module) -> nn.Module:
 
 
 @probe_isolated
+def is_torch_rms_norm(module: nn.Module) -> bool:
+    """Whether ``module`` computes ``torch.nn.RMSNorm``'s forward: an instance of it (or of a subclass) whose class
+    does not override ``forward``. A subclass with its own forward is probed as any module."""
+    return isinstance(module, nn.RMSNorm) and type(module).forward is nn.RMSNorm.forward
+
+
 def probe_rms_norm(module: nn.Module) -> RMSNormProbe:
     """Check numerically whether ``module`` computes RMSNorm (see the module docstring), over whatever size its weight
     has: the model's hidden size, or a head's (Qwen3's ``q_norm`` / ``k_norm``) or a projection's.
@@ -284,10 +290,13 @@ def probe_rms_norm(module: nn.Module) -> RMSNormProbe:
     """
     params = list(module.named_parameters(recurse=False))
     looks_like_norm = "norm" in type(module).__name__.lower()
-    if isinstance(module, nn.RMSNorm) and type(module).forward is nn.RMSNorm.forward:
+    if is_torch_rms_norm(module):
         return RMSNormProbe(True, module.eps, "torch.nn.RMSNorm", True)
     # (a subclass with its own forward, Gemma's (1 + weight) written on nn.RMSNorm say, is probed as any module: a
     # review, session 77, found one fused as torch.nn.RMSNorm, its own forward's results silently replaced)
+    if isinstance(module, nn.RMSNorm) and module.eps is None:
+        return RMSNormProbe(False, None, f"a torch.nn.RMSNorm subclass with its own forward ({type(module).__name__}) "
+                            "and eps=None (F.rms_norm's epsilon of each input's dtype): not probed", True)
     if isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or any(True for _ in module.children()):
         return RMSNormProbe(False, None, "not a leaf norm", False)
     if len(params) != 1:
@@ -708,8 +717,9 @@ def probe_weightless_norm(module: nn.Module) -> WeightlessNormProbe:
     name = type(module).__name__
     named = "norm" in name.lower()
     candidate = named or eps_attribute(module) is not None
-    if (not candidate or any(True for _ in module.children())
-            or isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase))):
+    if (not candidate or any(True for _ in module.children()) or is_torch_rms_norm(module)
+            or isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase))):
+        # (a torch.nn.RMSNorm subclass with its own forward is probed here, as any module)
         return WeightlessNormProbe(False, None, None, None, "not a leaf norm of its own class", False)
     if list(module.parameters(recurse=False)) or list(module.buffers(recurse=False)):
         return WeightlessNormProbe(False, None, None, None, "has parameters or buffers", candidate)
@@ -1585,7 +1595,8 @@ def _double(t: torch.Tensor | None) -> torch.Tensor | None:
 __all__ = ["ACTIVATION_FORMULAS", "ATTENTION_MODEL_TYPES", "ATTENTION_SKIP_REASONS", "GELU_APPROXIMATE", "RMSNormProbe",
            "SwiGLUProbe", "attention_support",
            "get_attn_implementation", "is_attention_module", "is_config",
-           "model_type_of", "probe_rms_norm", "probe_swiglu_mlp", "probe_isolated", "set_attn_implementation",
+           "model_type_of", "probe_rms_norm", "is_torch_rms_norm",
+           "probe_swiglu_mlp", "probe_isolated", "set_attn_implementation",
            "LayerNormProbe", "WeightlessNormProbe", "probe_layer_norm_module", "probe_weightless_norm", "GeluProbe",
            "ActivationProbe", "activation_formula", "gelu_candidate", "probe_gelu", "SQUARED_RELU_FORMULAS",
            "squared_relu_candidate", "probe_squared_relu", "layer_norm_1p_candidate", "probe_layer_norm_1p"]
