@@ -2102,7 +2102,7 @@ def test_bert_masked_lm_builds_its_own_loss_which_fuse_routes_to_our_op():
     report = fuse(electra, ops=["cross_entropy"])
     (r,) = _ce_rows(report)
     assert (r.path, r.fused, r.eligible, r.replacement) == ("", False, False, None), r
-    assert "ElectraForMaskedLM.forward computes its loss without self.loss_function or its modeling module's " \
+    assert "ElectraForMaskedLM.forward computes its loss without self.loss_function, its modeling module's " \
            "CrossEntropyLoss" in r.reason, r.reason
     assert not is_fused(electra) and not report.fused_rows()   # nothing to do: no record
     assert fuse(electra, ops=["layer_norm"], dry_run=True).not_requested.get("cross_entropy") is None

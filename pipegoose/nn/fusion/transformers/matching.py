@@ -273,13 +273,13 @@ def _stand_in(module: nn.Module) -> nn.Module:
     return stand_in
 
 
-@probe_isolated
 def is_torch_rms_norm(module: nn.Module) -> bool:
     """Whether ``module`` computes ``torch.nn.RMSNorm``'s forward: an instance of it (or of a subclass) whose class
     does not override ``forward``. A subclass with its own forward is probed as any module."""
     return isinstance(module, nn.RMSNorm) and type(module).forward is nn.RMSNorm.forward
 
 
+@probe_isolated
 def probe_rms_norm(module: nn.Module) -> RMSNormProbe:
     """Check numerically whether ``module`` computes RMSNorm (see the module docstring), over whatever size its weight
     has: the model's hidden size, or a head's (Qwen3's ``q_norm`` / ``k_norm``) or a projection's.
