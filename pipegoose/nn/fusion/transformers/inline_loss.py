@@ -45,9 +45,10 @@ nn.CrossEntropyLoss()``, called as ``self.mlm_loss_fct(...)`` in its forward; LU
 and that child's class becomes :class:`DispatchingCrossEntropyLoss` (the same object: its attributes, hooks and
 ``state_dict`` as they were; ``unfuse`` puts ``torch.nn.CrossEntropyLoss`` back once no live fused model uses it). The
 calls routed are those of the same rules (its forward's own, over its vocabulary: LUKE's entity loss, over its entity
-vocabulary, stays PyTorch's). A child of another class (a subclass of the user's) is left alone, with the reason. A copy
-of such a fused model carries the hooks and the child's class: its calls run the op until ``fuse`` and ``unfuse`` of
-the copy put the class back.
+vocabulary, stays PyTorch's). A child of another class (a subclass of the user's), or with settings the op does not
+compute (:func:`settings_problem`: a class weight, label smoothing, ...), is left alone, with the reason. A copy of
+such a fused model carries the hooks and the child's class: its calls run the op until ``fuse`` and ``unfuse`` of the
+copy put the class back.
 """
 
 from __future__ import annotations

@@ -140,10 +140,10 @@ def loss_support(model: nn.Module) -> tuple[str | None, str, bool, str]:
     if "loss_function" not in names:
         t = _inline.target(model)
         if t is None:
-            return None, (f"{type(model).__name__}.forward computes its loss without self.loss_function, its "
-                          f"modeling module's {_inline.NAME} or one {_inline.NAME} child of its own "
-                          "(nn.CrossEntropyLoss() built in the forward, say): nothing to replace per instance"), True, \
-                "its own loss"
+            why = (f"{type(model).__name__}.forward computes its loss without self.loss_function, its modeling "
+                   f"module's {_inline.NAME} or one {_inline.NAME} child of its own (nn.CrossEntropyLoss() built in "
+                   "the forward, say): nothing to replace per instance")
+            return None, why, True, "its own loss"
         if not t.ok:
             return None, t.why, True, t.row
         if _inline.classes_of(model) is None:
