@@ -846,6 +846,31 @@ def test_keyboard_interrupt_in_a_fused_forward_leaves_nothing_behind():
     unfuse(fused_model)
 
 
+def test_an_unfused_attention_run_inside_a_fused_forward_runs_its_own_code():
+    """An unfused model's attention module run from a hook inside a fused attention's forward (a few frames below it)
+    calls the function itself: the dispatching function takes only calls whose direct caller is the fused forward
+    (as the inline loss's class does; session 77: before, any fused forward among 12 callers counted), so the unfused
+    module's call runs the model's own code and the fused model's two calls the op."""
+    fused_model, other = models.build("llama", "eager"), models.build("llama", "eager", seed=1)
+    ids, mask = models.inputs(left_pad=(0, 0, 0))
+    fuse(fused_model, ops=["rope"])
+    other_attn = other.layers[0].self_attn
+    seen = []
+
+    def run_other(module, args, output):
+        hidden = torch.randn(1, 5, other.config.hidden_size)
+        pos = other.rotary_emb(hidden, torch.arange(5)[None])
+        seen.append(other_attn(hidden, pos, None)[0])
+
+    h = fused_model.layers[0].self_attn.v_proj.register_forward_hook(run_other)
+    try:
+        calls, _ = _calls_and_output(fused_model, input_ids=ids, attention_mask=mask)
+    finally:
+        h.remove()
+    assert len(seen) == 1 and calls == 2
+    assert unfuse(fused_model)
+
+
 def test_per_layer_configs_do_not_stop_fuse():
     """A config whose attributes differ per layer raises a RuntimeError subclass for them (not AttributeError): the
     report's probe inputs read them, and fuse(model) raised on a model it fused before. Now the row's implementation

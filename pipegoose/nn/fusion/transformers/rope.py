@@ -13,27 +13,27 @@ only for calls made inside a fused attention module's forward, and the model's o
 * a fused attention module gets a forward pre-hook and an always-called forward hook that keep, per thread, the fused
   forwards under way (:mod:`.underway`, a stack of rope's own); the dispatching function sends a call to
   :func:`pipegoose.nn.fusion.functional.apply_rotary_pos_emb` (the kernel, or its reference path, as the dispatcher
-  chooses) only when the innermost of them is really running (its forward's frame is among the callers: a forward
-  left by ``KeyboardInterrupt``, which skips the hook, leaves nothing behind) and the call is the plain
-  ``(q, k, cos, sin)`` form the kernel takes (with ``unsqueeze_dim`` 1 or 2 and an unused ``position_ids``, by
-  position or keyword, where the probe found that the function takes them as transformers' do: ESM's and ModernBERT's
-  attention pass ``unsqueeze_dim=1``): 4-d q and k of one batch, sequence and even head size, cos and sin
-  ``[batch or 1, seq, head]``, one dtype, or 16-bit q and k with fp32 tables. Where the probe found that the model's
-  function computes such a call as the op's PyTorch path does, bit for bit (Llama's, in every dtype), it runs the op
-  (the kernel, or that path, as the dispatcher chooses). Where it computes it otherwise but within the dtype's
-  rounding (OLMo's: 16-bit q with fp32 tables computed in fp32 and cast back to q's dtype; its bf16 calls too, so
-  that a module's calls run one way whichever tables its rotary embedding gives; ESM's and ModernBERT's, which
-  compute on ``q.float()`` and cast back, in bf16 and fp16), and for GPT-NeoX's partial rotary
-  (cos and sin narrower than the head, where the probe found that the function computes it), the call runs the
-  kernel where the dispatcher chooses it for the call (its fp32 results cast to q's dtype where the function casts
-  its own; :func:`~pipegoose.nn.fusion.ops.rope.choice_of`: asked per call, so that a model fused on the CPU and
-  moved to a GPU afterwards runs it there), else the model's own code (which computes what the function does, where
-  PyTorch's path would not, and at less host time); a call whose dtypes the function computes otherwise than the op
-  (off the formula's rounding, or results of another dtype) runs the model's own code as the op's fallback. Those
-  choices are recorded as the op's are (``dispatch.stats()`` counts the model's code as ``torch``, strict mode
-  refuses a fallback, an unmet ``PIPEGOOSE_IMPL_ROPE`` request warns). Any other call (another model of the same
-  type that is not fused, extra arguments, other shapes, ``torch.compile`` tracing) goes to the model's own code,
-  unchanged;
+  chooses) only when the innermost of them is really running and called the function itself (its forward's frame is
+  the caller's, past ``torch.nn.Module``'s call machinery: a forward left by ``KeyboardInterrupt``, which skips the
+  hook, leaves nothing behind, and an unfused attention run from a hook inside a fused forward runs its own code) and
+  the call is the plain ``(q, k, cos, sin)`` form the kernel takes (with ``unsqueeze_dim`` 1 or 2 and an unused
+  ``position_ids``, by position or keyword, where the probe found that the function takes them as transformers' do:
+  ESM's and ModernBERT's attention pass ``unsqueeze_dim=1``): 4-d q and k of one batch, sequence and even head size,
+  cos and sin ``[batch or 1, seq, head]``, one dtype, or 16-bit q and k with fp32 tables. Where the probe found that
+  the model's function computes such a call as the op's PyTorch path does, bit for bit (Llama's, in every dtype), it
+  runs the op (the kernel, or that path, as the dispatcher chooses). Where it computes it otherwise but within the
+  dtype's rounding (OLMo's: 16-bit q with fp32 tables computed in fp32 and cast back to q's dtype; its bf16 calls too,
+  so that a module's calls run one way whichever tables its rotary embedding gives; ESM's and ModernBERT's, which
+  compute on ``q.float()`` and cast back, in bf16 and fp16), and for GPT-NeoX's partial rotary (cos and sin narrower
+  than the head, where the probe found that the function computes it), the call runs the kernel where the dispatcher
+  chooses it for the call (its fp32 results cast to q's dtype where the function casts its own;
+  :func:`~pipegoose.nn.fusion.ops.rope.choice_of`: asked per call, so that a model fused on the CPU and moved to a GPU
+  afterwards runs it there), else the model's own code (which computes what the function does, where PyTorch's path
+  would not, and at less host time); a call whose dtypes the function computes otherwise than the op (off the
+  formula's rounding, or results of another dtype) runs the model's own code as the op's fallback. Those choices are
+  recorded as the op's are (``dispatch.stats()`` counts the model's code as ``torch``, strict mode refuses a fallback,
+  an unmet ``PIPEGOOSE_IMPL_ROPE`` request warns). Any other call (another model of the same type that is not fused,
+  extra arguments, other shapes, ``torch.compile`` tracing) goes to the model's own code, unchanged;
 * before it is installed, the model's function is checked numerically (:func:`probe`: float64 CPU inputs against
   transformers' rotate-half formula or one of the interleaved rotations, :data:`STYLES` (Cohere's on its tables as
   given; GLM's on the first half of its tables, each value twice), or fp32 ones for a function that computes in fp32;
@@ -465,9 +465,10 @@ def _declined(choice: dispatch.Choice, why: str) -> dispatch.Choice:
 
 
 def _fused_caller() -> nn.Module | None:
-    """The innermost fused attention module of this thread, where its forward is among the callers (its frame,
-    ``self`` the module, within a few frames); else None."""
-    return _underway.caller(sys._getframe(2))
+    """The innermost fused attention module of this thread, where its forward called the function itself (its frame,
+    ``self`` the module, is the caller's, past ``torch.nn.Module``'s call machinery: the ``kernels`` wrapper module's;
+    an unfused attention that a hook inside it runs calls its own); else None."""
+    return _underway.caller(sys._getframe(2), direct=True)
 
 
 def _make_dispatching(fallback: Callable, found: Probe, where: str = NAME) -> Callable:
