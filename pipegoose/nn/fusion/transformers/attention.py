@@ -514,6 +514,14 @@ def pipegoose_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
 # --------------------------------------------------------------------------------------------------------------------
 # Attention with a bias of the model's own (ALiBi: Bloom's and MPT's modules, replaced by ours)
 # --------------------------------------------------------------------------------------------------------------------
+def query_relative(keys: torch.Tensor, query_len: int) -> torch.Tensor:
+    """An ALiBi-style bias made query-relative: ``keys`` ``[..., 1, sk]`` (each key's bias, one row) -> ``[...,
+    query_len, sk]``, each query row less the bias of the key aligned with its query (key ``sk - query_len + i`` for
+    query i: a cache's keys come first). The softmax of each row is unchanged, and the values near each query are
+    near 0, where a 16-bit dtype is fine-grained (Bloom's and MPT's fused attention; computed in ``keys``' dtype)."""
+    return keys - keys[..., keys.shape[-1] - query_len:].transpose(-1, -2)
+
+
 def same_per_sequence(t: torch.Tensor) -> bool:
     """Whether ``t`` ([b, ...]) holds the same values for every index of its first dimension (one sync), so that a
     bias built from it may keep batch 1."""

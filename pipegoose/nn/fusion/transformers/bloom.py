@@ -294,15 +294,13 @@ def _combine(alibi, mask, batch, heads, beta, query_len, dedupe, exact_ok=True):
         mask = None if mask is None else mask[:1]
     if exact is None:
         return a if mask is None else a + mask
-    # query i is key sk - query_len + i (a cache's keys first): its own value, subtracted from its row, in fp32
     b, sk = a.shape[0], a.shape[-1]
     if mask is not None:
         b = max(b, mask.shape[0])
     out = torch.empty(b, heads, query_len, sk, dtype=alibi.dtype, device=alibi.device)
     low = torch.finfo(alibi.dtype).min
     for i in range(heads):
-        ai = a[:, i:i + 1]
-        rel = ai - ai[..., sk - query_len:].transpose(-1, -2)
+        rel = _attention.query_relative(a[:, i:i + 1], query_len)   # (fp32)
         if mask is not None:
             rel = rel + (mask if mask.shape[1] == 1 else mask[:, i:i + 1])
         out[:, i:i + 1] = rel.clamp_min_(low)   # (masked keys at the dtype's minimum, not past it: no -inf)

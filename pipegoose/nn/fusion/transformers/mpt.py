@@ -329,8 +329,7 @@ def _build(position_bias, masked, batch, heads, query_len, key_len, dtype, dedup
         keys = position_bias[:, 0, max(0, position_bias.shape[2] - key_len):]   # [h or 1, sk or 1]: the keys'
         keys = keys.expand(heads, key_len)
         keys = keys.to(torch.promote_types(keys.dtype, torch.float32))
-        # each query row less the bias of the key aligned with its query (key sk - sq + i): the softmax is the same
-        bias = (keys[:, None, :] - keys[:, key_len - query_len:, None]).to(dtype).unsqueeze(0)
+        bias = _attention.query_relative(keys[:, None, :], query_len).to(dtype).unsqueeze(0)
     if masked is None:
         return bias
     if dedupe and batch > 1 and _attention.same_per_sequence(masked):
