@@ -169,8 +169,9 @@ def test_a_function_replaced_while_fused_is_left_alone():
 def test_a_function_that_is_not_the_rotate_half_rope_is_skipped():
     """The probe refuses a function that computes another rotation (the transposed one: sin of the other sign, in
     both the rotate-half and the interleaved form), fails on float64 CPU inputs (a GPU-only patch) or rotates one
-    tensor a call (Gemma 4's form): rows skipped, not eligible, with the reason; no hooks, no global change. (The
-    interleaved rotation itself, GPT-J's, Cohere's, is fused since session 71: test_fuse_rope_interleaved.py.)"""
+    tensor a call (Gemma 4's form) by another formula: rows skipped, not eligible, with the reason; no hooks, no global change. (The
+    interleaved rotation itself, GPT-J's, Cohere's, is fused since session 71: test_fuse_rope_interleaved.py; one tensor a call since session 78:
+    test_fuse_rope_one_tensor.py.)"""
     def transposed(q, k, cos, sin, unsqueeze_dim=1):
         c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
         return q * c - rope_ops.rotate_half(q) * s, k * c - rope_ops.rotate_half(k) * s
@@ -188,8 +189,8 @@ def test_a_function_that_is_not_the_rotate_half_rope_is_skipped():
     for fn, why in ((transposed, "does not compute the rotate-half RoPE"),
                     (transposed_pairs, "nor its interleaved form"),
                     (gpu_only, "failed on float64 CPU inputs: RuntimeError: expected a CUDA"),
-                    (one_tensor, "apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim) rotates one tensor a call, not q "
-                                 "and k")):
+                    (one_tensor, "apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim) rotates one tensor a call, and "
+                                 "computes none of the rotations")):
         ml.apply_rotary_pos_emb = fn
         model = models.build("llama", "eager")
         report = fuse(model, ops=["rope"])

@@ -1625,6 +1625,8 @@ def _rotary_factor(module: nn.Module) -> tuple[float | None, int | None]:
     top-level ``partial_rotary_factor`` may be stale there); (None, None) where neither says."""
     config = getattr(module, "config", None)
     ndims = getattr(module, "rotary_ndims", None)   # what the module rotates (GPT-NeoX), against its head size
+    if not isinstance(ndims, int):
+        ndims = getattr(module, "rotary_dim", None)   # (GPT-J's, CodeGen's; None: the whole head)
     head = getattr(module, "head_size", None) or getattr(module, "head_dim", None)
     if isinstance(ndims, int) and isinstance(head, int) and head > 0:
         return ndims / head, ndims
@@ -1749,6 +1751,9 @@ def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
                  f"(partial rotary, factor {factor}: it passes them alone, with tables of that width; its function "
                  "raises for narrower tables)," if sliced
             else f"{style} (probed): its plain calls")
+    if found.one is not None:
+        what = what.replace("its plain calls", f"its plain calls (one tensor a call, ({found.one.params}): q and k "
+                                               "each in a launch of its own)")
     return FusionRow(path, "rope", name, "rope hooks", True, fwd, bwd,
                      f"{target.module_name.rsplit('.', 1)[-1]}.{_rope.NAME}, {what} from this module run op rope"
                      + where + _small_note(child))

@@ -165,7 +165,9 @@ class Probe:
     tables of that width), ``unsqueeze`` and ``position_ids`` (the keywords its calls may pass, as ESM's and
     ModernBERT's ``unsqueeze_dim=1``, that it takes as transformers' functions do: checked on the probe's inputs),
     ``style`` (the rotation: :data:`ROTATE_HALF`, :data:`INTERLEAVED` or :data:`INTERLEAVED_FIRST_HALF`; the op runs
-    the interleaved ones on the tables :func:`kernel_tables` gives)."""
+    the interleaved ones on the tables :func:`kernel_tables` gives), ``one`` (a function that rotates one tensor a
+    call: :class:`OneTensor`, how it takes it; every other field then says what it computes called for q and for k, as
+    :func:`_as_pair` calls it)."""
 
     ok: bool
     why: str = ""
@@ -176,6 +178,7 @@ class Probe:
     position_ids: bool = False   # takes position_ids and leaves it unused (transformers' older signature)
     narrow_raises: bool = False  # raises for tables of fewer values than a head (Llama's, Phi's)
     style: str = ROTATE_HALF     # the rotation it computes (STYLES)
+    one: "OneTensor | None" = None   # how it takes its one tensor a call (GPT-J's, Gemma 4's); None: q and k
 
     @property
     def interleaved(self) -> bool:
@@ -293,10 +296,23 @@ def _forms(fn: Callable, inputs: list, style: str = ROTATE_HALF) -> tuple:
 
 @probe_isolated   # the model's function runs: the caller's random stream is left as it was
 def _probe(fn: Callable, where: str) -> Probe:
-    one = _one_tensor_form(fn)
-    if one is not None:   # (a walkthrough: Gemma 4's was reported as a TypeError of its unsqueeze)
-        return Probe(False, f"{where}({one}) rotates one tensor a call, not q and k as the (q, k, cos, sin) form that "
-                            "pipegoose's rope kernel takes")
+    names = _one_tensor_params(fn)
+    if names is None:
+        return _probe_pair(fn, where)
+    # (one tensor a call: each way it may take it, probed through _as_pair as a (q, k, cos, sin) function)
+    sin_first = names[1] == "sin"
+    for half in (False, True):
+        for heads_dim in ((None,) if "unsqueeze_dim" in names else (1, 2)):
+            form = OneTensor(", ".join(names), sin_first, half, heads_dim)
+            found = _probe_pair(_as_pair(fn, form), where)
+            if found.ok:
+                return dataclasses.replace(found, one=form)
+    return Probe(False, f"{where}({', '.join(names)}) rotates one tensor a call, and computes none of the rotations "
+                        "pipegoose's rope kernel takes (probed with tables of a head's values and of half of them, "
+                        "q laid out [batch, heads, seq, head_dim] and [batch, seq, heads, head_dim])")
+
+
+def _probe_pair(fn: Callable, where: str) -> Probe:
     g = torch.Generator().manual_seed(0)
     inputs, outputs = [], []
     try:
@@ -337,14 +353,61 @@ def _probe(fn: Callable, where: str) -> Probe:
     return Probe(True, "", promotes, partial, forms, *_keywords(fn, inputs[0]), narrow_raises, style)
 
 
-def _one_tensor_form(fn: Callable) -> str | None:
+@dataclass(frozen=True)
+class OneTensor:
+    """How a RoPE function that rotates one tensor a call takes it (:attr:`Probe.one`): GPT-J's and CodeGen's
+    ``apply_rotary_pos_emb(tensor, sin, cos)`` (``sin_first``; ``half``: tables of R / 2 values, each used for a pair
+    of neighbours, as its ``repeat_interleave(..., 2, 3)``; ``heads_dim`` 2: the tensor laid out [B, S, H, D]),
+    Gemma 3n's and Gemma 4's ``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1)`` (``heads_dim`` None: it takes
+    ``unsqueeze_dim``, as transformers' (q, k, cos, sin) functions do). ``params`` names its parameters."""
+
+    params: str
+    sin_first: bool = False
+    half: bool = False
+    heads_dim: int | None = None
+
+
+def _one_tensor_params(fn: Callable) -> list | None:
     """The parameters of ``fn`` (a module's: its forward's), where it takes one tensor and then the tables (Gemma 4's
-    and Gemma 3n's ``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim)``, ``(tensor, sin, cos)``); else None."""
+    and Gemma 3n's ``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim)``, GPT-J's ``(tensor, sin, cos)``); else
+    None."""
+    sig = _signature(fn)
+    names = list(sig.parameters) if sig is not None else []
+    return names if len(names) >= 3 and names[1] in ("cos", "sin") and names[2] in ("cos", "sin") else None
+
+
+def _as_pair(fn: Callable, form: OneTensor) -> Callable:
+    """``fn``, a function that rotates one tensor a call taken as ``form`` says, as a ``(q, k, cos, sin[,
+    unsqueeze_dim])`` function of [B, H, S, D] q and k (``unsqueeze_dim`` where ``fn`` takes it): ``fn`` called for
+    q and for k, with the tables' first half where it takes half tables (so that GPT-J's, which repeats each value
+    for a pair of neighbours, computes GLM's rotation, :data:`INTERLEAVED_FIRST_HALF`, of the given tables)."""
+
+    def tables(cos, sin):
+        if form.half:
+            cos, sin = cos[..., :cos.shape[-1] // 2], sin[..., :sin.shape[-1] // 2]
+        return (sin, cos) if form.sin_first else (cos, sin)
+
+    if form.heads_dim is None:
+        def pair(q, k, cos, sin, unsqueeze_dim=1):
+            t = tables(cos, sin)
+            return fn(q, *t, unsqueeze_dim=unsqueeze_dim), fn(k, *t, unsqueeze_dim=unsqueeze_dim)
+    elif form.heads_dim == 2:
+        def pair(q, k, cos, sin):
+            t = tables(cos, sin)
+            return fn(q.transpose(1, 2), *t).transpose(1, 2), fn(k.transpose(1, 2), *t).transpose(1, 2)
+    else:
+        def pair(q, k, cos, sin):
+            t = tables(cos, sin)
+            return fn(q, *t), fn(k, *t)
+    return pair
+
+
+def _signature(fn: Callable) -> inspect.Signature | None:
+    """``fn``'s signature (a module's: its forward's), or None."""
     try:
-        names = list(inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn).parameters)
+        return inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn)
     except (TypeError, ValueError):
         return None
-    return ", ".join(names) if len(names) >= 3 and names[1] in ("cos", "sin") else None
 
 
 def _params(fn: Callable) -> inspect.Signature | None:
@@ -454,6 +517,55 @@ def _takes(args: tuple, kwargs: dict, found: Probe, sig: inspect.Signature | Non
     return args, unsqueeze_dim, found.kind(q.dtype, cos.dtype)
 
 
+def _takes_one(args: tuple, kwargs: dict, found: Probe, sig: inspect.Signature | None) -> tuple | None:
+    """:func:`_takes` for a function that rotates one tensor a call (``found.one``): ``((x, k, cos, sin),
+    unsqueeze_dim, kind)``, ``k`` a view of ``x`` with no heads (the op rotates q and k; here k is empty) and ``cos``,
+    ``sin`` the tables as given (of R / 2 values where the function takes half tables: :func:`_call_tables` makes the
+    op's). The call may pass its three tensors and, where the function takes it as transformers' do,
+    ``unsqueeze_dim`` (1, 2, -3 or -2; left out: the function's default); None for anything else."""
+    form = found.one
+    if sig is None:
+        return None
+    try:
+        bound = sig.bind(*args, **kwargs).arguments
+    except TypeError:
+        return None
+    names = list(sig.parameters)[:3]
+    if not all(n in bound for n in names):
+        return None
+    unsqueeze_dim = form.heads_dim
+    if unsqueeze_dim is None:   # (it takes unsqueeze_dim: the call's, else its default)
+        default = sig.parameters["unsqueeze_dim"].default
+        unsqueeze_dim = bound.get("unsqueeze_dim", default)
+        if not found.unsqueeze or type(unsqueeze_dim) is not int or unsqueeze_dim not in _HEADS:
+            return None
+    if any(n not in names and n != "unsqueeze_dim" for n in bound):
+        return None
+    x, t1, t2 = (bound[n] for n in names)
+    if not all(isinstance(t, torch.Tensor) for t in (x, t1, t2)) or x.dim() != 4:
+        return None
+    cos, sin = (t2, t1) if form.sin_first else (t1, t2)
+    heads = _HEADS[unsqueeze_dim]
+    k = x.narrow(heads, 0, 0)
+    c = tuple(cos.shape)
+    if form.half and c:
+        c = (*c[:-1], 2 * c[-1])   # (the op's tables: each value twice)
+    if shape_reason(tuple(x.shape), tuple(k.shape), c, c if sin.shape == cos.shape else tuple(sin.shape), heads,
+                    partial=found.partial, interleaved=found.interleaved):
+        return None
+    if sin.dtype != cos.dtype:
+        return None
+    return (x, k, cos, sin), unsqueeze_dim, found.kind(x.dtype, cos.dtype)
+
+
+def _call_tables(found: Probe, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables the op takes for a call's ``cos`` and ``sin``: :func:`kernel_tables` of the probed style, or, for a
+    function of one tensor a call that takes half tables (GPT-J's), each value twice."""
+    if found.one is not None and found.one.half:
+        return cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+    return kernel_tables(cos, sin, found.style)
+
+
 def _declined(choice: dispatch.Choice, why: str) -> dispatch.Choice:
     """``choice`` (the kernel) turned into the op's fallback for a call whose dtypes the model's function computes
     otherwise than the op (``why``): the model's own code runs, counted as ``torch``; a request for the kernel
@@ -474,18 +586,22 @@ def _fused_caller() -> nn.Module | None:
 def _make_dispatching(fallback: Callable, found: Probe, where: str = NAME) -> Callable:
     from ..functional import apply_rotary_pos_emb as fused_rope
 
-    sig = _params(fallback)
+    one = found.one is not None   # (one tensor a call: the op rotates it as q, with an empty k)
+    sig = _signature(fallback) if one else _params(fallback)
+    takes = _takes_one if one else _takes
 
     def apply_rotary_pos_emb(*args: Any, **kwargs: Any):
         module = None if torch.compiler.is_compiling() else _fused_caller()
-        call = None if module is None else _takes(args, kwargs, found, sig)
+        call = None if module is None else takes(args, kwargs, found, sig)
         if call is None:
             return fallback(*args, **kwargs)
         (q, k, cos, sin), unsqueeze_dim, kind = call
-        cos, sin = kernel_tables(cos, sin, found.style)   # (GLM's: the first half of each, each value twice)
+        # (GLM's: the first half of each, each value twice; GPT-J's half tables: each value twice)
+        cos, sin = _call_tables(found, cos, sin)
         inter = found.interleaved
         if kind == EXACT and cos.shape[-1] == q.shape[-1]:   # the op's paths compute what the function does
-            return fused_rope(q, k, cos, sin, unsqueeze_dim, interleaved=inter)
+            got = fused_rope(q, k, cos, sin, unsqueeze_dim, interleaved=inter)
+            return got[0] if one else got
         # partial rotary, and dtypes that the op's PyTorch path computes otherwise than the function: the kernel where
         # the dispatcher chooses it for this call (its results cast to q's dtype where the function casts them), else
         # the model's own code (the choice recorded either way: counted, warned about, refused in strict mode where it
@@ -494,7 +610,9 @@ def _make_dispatching(fallback: Callable, found: Probe, where: str = NAME) -> Ca
         if choice.impl == "pipegoose":
             if kind is not None:
                 q_embed, k_embed = run_choice(choice, q, k, cos, sin, unsqueeze_dim, inter)
-                return (q_embed.to(q.dtype), k_embed.to(k.dtype)) if kind == CAST else (q_embed, k_embed)
+                if kind == CAST:
+                    q_embed, k_embed = q_embed.to(q.dtype), k_embed.to(k.dtype)
+                return q_embed if one else (q_embed, k_embed)
             choice = _declined(choice, f"{where} computes {dtype_name(q.dtype)} q and k with "
                                        f"{dtype_name(cos.dtype)} cos and sin otherwise than the op (probed): the "
                                        "model's own code runs")
