@@ -228,6 +228,11 @@ MODELS = {
     "distilbert_mlm": dict(arch="distilbert", head="masked_lm", batch=32, seq=512,
                            config=dict(hidden_size=768, num_hidden_layers=6, num_attention_heads=12, hidden_dim=3072,
                                        vocab_size=30522, max_position_embeddings=512)),
+    # (session 78: GPT-J-6B's heads of 256, 64 values of each rotated by its one-tensor interleaved RoPE, attention
+    # and MLP in parallel off one LayerNorm, gelu_new MLPs; 16 layers at hidden 2048)
+    "gptj": dict(arch="gptj", batch=4, config=dict(n_embd=2048, n_layer=16, n_head=8, rotary_dim=64, vocab_size=50400,
+                                                    n_positions=2048, activation_function="gelu_new",
+                                                    bos_token_id=50256, eos_token_id=50256)),
     # (OPT-1.3B's shape: LayerNorms, ReLU MLPs without a gate (left to PyTorch: one kernel already), learned positions)
     "opt": dict(arch="opt", batch=4, config=dict(hidden_size=2048, ffn_dim=8192, num_hidden_layers=24,
                                                   num_attention_heads=32, vocab_size=50272,
@@ -239,7 +244,8 @@ CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3C
            "olmo": "OlmoConfig", "cohere": "CohereConfig", "glm4": "Glm4Config", "gpt2": "GPT2Config",
            "phi": "PhiConfig", "modernbert-decoder": "ModernBertDecoderConfig", "arcee": "ArceeConfig",
            "nemotron": "NemotronConfig", "bloom": "BloomConfig", "mpt": "MptConfig",
-           "opt": "OPTConfig", "bert": "BertConfig", "distilbert": "DistilBertConfig"}
+           "opt": "OPTConfig", "bert": "BertConfig", "distilbert": "DistilBertConfig",
+           "gptj": "GPTJConfig"}
 VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_model_rope",
             "compile_sdpa", "liger_rmsnorm", "liger")
 # What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the

@@ -33,6 +33,8 @@ def _tiny(name: str):
     if "num_experts" in cfg:   # (a MoE's experts: 4 of 32, 2 routed per token; Gemma 4 names the count top_k_experts)
         over.update(num_experts=4, moe_intermediate_size=32,
                     **{"top_k_experts" if "top_k_experts" in cfg else "num_experts_per_tok": 2})
+    if "rotary_dim" in cfg:   # (GPT-J's rotated values of each head: a quarter, as its 64 of 256)
+        over["rotary_dim"] = 4
     if "ffn_dim" in cfg:   # (OPT's names for the MLP's and the embedding's widths)
         over.update(ffn_dim=TINY["intermediate_size"], word_embed_proj_dim=TINY["hidden_size"])
     for k in ("pad_token_id", "bos_token_id", "eos_token_id"):   # (ids inside the tiny vocab)
