@@ -32,7 +32,11 @@ only for calls made inside a fused attention module's forward, and the model's o
   would not, and at less host time); a call whose dtypes the function computes otherwise than the op (off the
   formula's rounding, or results of another dtype) runs the model's own code as the op's fallback. Those choices are
   recorded as the op's are (``dispatch.stats()`` counts the model's code as ``torch``, strict mode refuses a fallback,
-  an unmet ``PIPEGOOSE_IMPL_ROPE`` request warns). Any other call (another model of the same type that is not fused,
+  an unmet ``PIPEGOOSE_IMPL_ROPE`` request warns). A function that rotates one tensor a call (GPT-J's and CodeGen's
+  ``(tensor, sin, cos)``, interleaved, with tables of half its values that it repeats, the tensor laid out
+  [B, S, H, D]; Gemma 3n's and Gemma 4's ``(x, cos, sin, unsqueeze_dim=1)``) is probed as the pair of its calls for q
+  and for k (:func:`_as_pair`, :class:`OneTensor`), and its plain calls (:func:`_takes_one`) run the op on that
+  tensor as q beside an empty k, each call a launch of its own. Any other call (another model of the same type that is not fused,
   extra arguments, other shapes, ``torch.compile`` tracing) goes to the model's own code, unchanged;
 * before it is installed, the model's function is checked numerically (:func:`probe`: float64 CPU inputs against
   transformers' rotate-half formula or one of the interleaved rotations, :data:`STYLES` (Cohere's on its tables as
