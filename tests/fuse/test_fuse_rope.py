@@ -169,8 +169,9 @@ def test_a_function_replaced_while_fused_is_left_alone():
 def test_a_function_that_is_not_the_rotate_half_rope_is_skipped():
     """The probe refuses a function that computes another rotation (the transposed one: sin of the other sign, in
     both the rotate-half and the interleaved form), fails on float64 CPU inputs (a GPU-only patch) or rotates one
-    tensor a call (Gemma 4's form) by another formula: rows skipped, not eligible, with the reason; no hooks, no global change. (The
-    interleaved rotation itself, GPT-J's, Cohere's, is fused since session 71: test_fuse_rope_interleaved.py; one tensor a call since session 78:
+    tensor a call (Gemma 4's form) by another formula: rows skipped, not eligible, with the reason; no hooks, no
+    global change. (The interleaved rotation itself, Cohere's and GLM's, is fused since session 71:
+    test_fuse_rope_interleaved.py; one tensor a call, GPT-J's and Gemma 4's, since session 78:
     test_fuse_rope_one_tensor.py.)"""
     def transposed(q, k, cos, sin, unsqueeze_dim=1):
         c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)

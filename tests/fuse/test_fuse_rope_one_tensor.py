@@ -75,7 +75,7 @@ def test_a_one_tensor_function_of_another_rotation_is_skipped():
         assert not found.ok and "rotates one tensor a call, and computes none of the rotations" in found.why, found
 
 
-def _tiny(model_type, dtype=torch.float32, hidden=64, heads=4, layers=2):
+def _tiny(model_type, dtype=torch.float32, hidden=64, heads=4, layers=2, **extra):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     name = "gemma4_text" if model_type == "gemma4" else model_type
@@ -92,7 +92,7 @@ def _tiny(model_type, dtype=torch.float32, hidden=64, heads=4, layers=2):
                   head_dim=hidden // heads, global_head_dim=hidden // heads, intermediate_size=2 * hidden, vocab_size=97, max_position_embeddings=64,
                   layer_types=["sliding_attention", "full_attention"][-layers:], vocab_size_per_layer_input=97,
                   hidden_size_per_layer_input=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    cfg = CONFIG_MAPPING[name](**kw)
+    cfg = CONFIG_MAPPING[name](**{**kw, **extra})
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").to(dtype)
 
@@ -181,11 +181,10 @@ def test_the_call_forms_the_op_takes(model_type):
         assert q is x and k.shape == (2, 5, 0, 8) and c is cos and s is sin and unsqueeze_dim == 2
         assert kind == rope_mod.EXACT
         assert takes(tensor=x, sin=sin, cos=cos) is not None
-        for bad in ((x[..., :6], sin[..., :3], cos[..., :3]),    # 6 values, 3 pairs: fine for the op ...
-                    ):
-            assert takes(*bad) is not None
+        assert takes(x[..., :6], sin[..., :3], cos[..., :3]) is not None   # 6 values, 3 pairs (a strided view)
         for bad in ((x[..., :7], sin[..., :3], cos[..., :3]),    # an odd count
-                    (x, sin, cos.double()), (x[0], sin, cos), (x, sin[:, :4], cos[:, :4]), (x, sin, "cos")):
+                    (x, sin, cos.double()), (x[0], sin, cos), (x, sin[:, :4], cos[:, :4]), (x, sin, "cos"),
+                    (x, torch.randn(2, 5, 8), cos)):             # (sin of the tensor's width: the function raises)
             assert takes(*bad) is None, [getattr(t, "shape", t) for t in bad]
         assert takes(x, sin, cos, unsqueeze_dim=2) is None
         assert rope_mod._call_tables(found, cos, sin)[0].shape == (2, 5, 8)
@@ -282,3 +281,60 @@ def test_fused_one_tensor_models_run_the_kernel(model_type, dtype, no_tuning_tab
     unfuse(model)
     again, _ = _step(unfused, ids)
     assert torch.equal(again, ref)
+
+
+def test_gemma4_full_attention_reports_whole_heads(monkeypatch):
+    """Gemma 4's full-attention layers take a proportional RoPE (``partial_rotary_factor`` 0.25 in their
+    ``rope_parameters``) whose tables cover the whole head: the report says plain calls, not a slice of each head
+    (a review: "on the 8 values of each head", while the calls rotate heads of 32), and each call, on the stand-in,
+    takes the whole head."""
+    from rope_stand_in import kernel_on_cpu
+
+    model = _tiny("gemma4", global_head_dim=32)
+    params = model.config.rope_parameters["full_attention"]
+    assert params["rope_type"] == "proportional" and params["partial_rotary_factor"] < 1
+    rows = [r for r in fuse(model, ops=["rope"]).rows if r.kind == "rope"]
+    assert len(rows) == 2 and all(r.fused for r in rows), rows
+    assert not any("values of each head that it rotates" in r.reason for r in rows), rows
+    ids = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    with kernel_on_cpu(monkeypatch, dispatch) as calls:
+        dispatch.clear_choice_cache()
+        _step(model, ids)
+    dispatch.clear_choice_cache()
+    assert sorted({c[1].shape[-1] for c in calls}) == [16, 32], [tuple(c[1].shape) for c in calls]
+    unfuse(model)
+
+
+def test_a_module_without_a_config_rotates_as_its_model_says():
+    """DeepSeek V4's compressor (no config of its own) calls the model's one-tensor function, which rotates the last
+    values of each head for narrower tables (not GPT-NeoX's partial rotary): with the model's partial rotary it is
+    skipped with the reason, as its attention is (a review: reported fused, every call left to the model's code)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "deepseek_v4" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no deepseek_v4")
+    cfg = CONFIG_MAPPING["deepseek_v4"](
+        vocab_size=97, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        head_dim=32, q_lora_rank=32, n_routed_experts=4, num_experts_per_tok=2, index_n_heads=2, index_head_dim=16,
+        index_topk=4, o_groups=2, o_lora_rank=16, sliding_window=8, hc_mult=2, num_nextn_predict_layers=0,
+        max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    rows = [r for r in fuse(model, ops=["rope"]).rows if r.kind == "rope"]
+    inner = [r for r in rows if not r.path.endswith("self_attn")]
+    assert rows and inner, rows
+    assert all(not r.fused and "partial rotary" in r.reason for r in rows), rows
+    unfuse(model)
+
+
+def test_a_one_tensor_function_that_fails_on_the_cpu_says_so():
+    """A one-tensor function that raises for CPU inputs (a GPU-only patch) is refused with its error (a review: it read
+    "computes none of the rotations")."""
+    def gpu_only(x, cos, sin, unsqueeze_dim=1):
+        if not x.is_cuda:
+            raise RuntimeError("expected a CUDA tensor")
+        return x
+
+    found = rope_mod.probe(gpu_only, "m.apply_rotary_pos_emb")
+    assert not found.ok and "RuntimeError: expected a CUDA tensor" in found.why, found.why
+    assert "rotates one tensor a call" in found.why

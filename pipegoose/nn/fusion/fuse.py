@@ -815,7 +815,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                         # (a copy of a hooked module: not ours to count; _rope_unused with what the probe found:
                         # without it partial-rotary modules that ops=["rope"] fuses were left out, a review)
                         elif (_rope_found(target).ok and not _rope.hooked(child)
-                              and _rope_unused(child, _rope_found(target)) is None):
+                              and _rope_unused(child, _rope_found(target), getattr(model, "config", None)) is None):
                             report.not_requested["rope"] = report.not_requested.get("rope", 0) + 1
                         continue
                     kind = _norm_kind_left_out(child, ops)
@@ -1619,11 +1619,19 @@ def _config_value(config, name: str):
         return None
 
 
-def _rotary_factor(module: nn.Module) -> tuple[float | None, int | None]:
+_PROPORTIONAL = "proportional"   # (transformers' rope_type whose tables cover the whole head whatever the factor)
+
+
+def _rotary_factor(module: nn.Module, outer=None) -> tuple[float | None, int | None]:
     """(the share of each head that ``module`` rotates, the rotated values a head) from the module (GPT-NeoX's
-    ``rotary_ndims`` against its head size) or its config (transformers 5 reads ``rope_parameters`` first: a
-    top-level ``partial_rotary_factor`` may be stale there); (None, None) where neither says."""
+    ``rotary_ndims``, GPT-J's ``rotary_dim``, against its head size) or its config, else ``outer`` (the model's: a
+    module of no config of its own, DeepSeek V4's compressor, rotates as its model's attention does; transformers 5
+    reads ``rope_parameters`` first: a top-level ``partial_rotary_factor`` may be stale there); (None, None) where
+    none says, or where the factor is a proportional RoPE's (Gemma 4's full attention: tables of the whole head, the
+    frequencies past the factor zero)."""
     config = getattr(module, "config", None)
+    if config is None:
+        config = outer
     ndims = getattr(module, "rotary_ndims", None)   # what the module rotates (GPT-NeoX), against its head size
     if not isinstance(ndims, int):
         ndims = getattr(module, "rotary_dim", None)   # (GPT-J's, CodeGen's; None: the whole head)
@@ -1637,9 +1645,11 @@ def _rotary_factor(module: nn.Module) -> tuple[float | None, int | None]:
         if isinstance(types, (list, tuple)) and isinstance(idx, int) and 0 <= idx < len(types) and types[idx] in params:
             params = params[types[idx]]
         else:
-            fs = [v.get("partial_rotary_factor") for v in params.values()]
+            fs = [v.get("partial_rotary_factor") for v in params.values() if v.get("rope_type") != _PROPORTIONAL]
             fs = [f for f in fs if isinstance(f, (int, float)) and not isinstance(f, bool)]
             params = {"partial_rotary_factor": min(fs)} if fs else {}
+    if isinstance(params, dict) and params.get("rope_type") == _PROPORTIONAL:
+        return None, None
     factors = [params.get("partial_rotary_factor") if isinstance(params, dict) else None,
                _config_value(config, "partial_rotary_factor"), _config_value(config, "rotary_pct")]
     factor = next((f for f in factors if isinstance(f, (int, float)) and not isinstance(f, bool)), None)
@@ -1652,7 +1662,7 @@ def _rotary_factor(module: nn.Module) -> tuple[float | None, int | None]:
     return factor, (int(head * factor) if isinstance(head, int) and head > 0 else None)
 
 
-def _rope_unused(module: nn.Module, found) -> str | None:
+def _rope_unused(module: nn.Module, found, outer=None) -> str | None:
     """Why an attention module that mentions ``apply_rotary_pos_emb`` would never call it in a form the op takes
     (None: it would): an interleaved rotation selected by the config (it calls another function), or partial rotary
     (a factor below 1) where its function (``found``, the function's
@@ -1665,9 +1675,11 @@ def _rope_unused(module: nn.Module, found) -> str | None:
     kernel once moved to a GPU; calls that the kernel does not take, an odd number of rotated values say, run the
     model's own code)."""
     config = getattr(module, "config", None)
+    if config is None:
+        config = outer
     if _config_value(config, "rope_interleave") is True:
         return "rope_interleave=True: the model calls its interleaved RoPE function, not apply_rotary_pos_emb"
-    factor, rotary = _rotary_factor(module)
+    factor, rotary = _rotary_factor(module, outer)
     if factor is None or factor >= 1 or found.partial or found.narrow_raises:
         return None
     return (f"partial rotary (factor {factor}): its function takes tables narrower than a head but does not compute "
@@ -1704,13 +1716,14 @@ def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
     found = _rope.probe(target.original, target.where)
     if not found.ok:
         return FusionRow(path, "rope", name, None, False, reason=found.why, eligible=False)
-    why = _rope_unused(child, found)
+    outer = getattr(model, "config", None)
+    why = _rope_unused(child, found, outer)
     if why is not None:
         return FusionRow(path, "rope", name, None, False, reason=why, eligible=False)
     why = _instance_override(child)
     if why is not None:
         return FusionRow(path, "rope", name, None, False, reason=why)
-    factor, rotary = _rotary_factor(child)
+    factor, rotary = _rotary_factor(child, outer)
     # partial rotary: GPT-NeoX's (whole heads and narrower tables; the function computes it), or the module's own
     # slicing (its function raises for narrower tables: the calls that run pass the rotated values alone, Phi's)
     partial = factor is not None and factor < 1 and found.partial
@@ -1746,14 +1759,14 @@ def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
         state.rope_hooks.append((weakref.ref(child), rec))
     style = _rope.STYLE_WORDS[found.style]
     whose = f"{style}, partial rotary as GLM's" if found.interleaved else "GPT-NeoX's partial rotary"
-    what = (f"{whose}, {rotary} of each head's values (probed): its calls" if partial
-            else f"{style} (probed): its plain calls, on the {rotary} values of each head that it rotates "
+    # (a function of one tensor a call: GPT-J's, Gemma 4's)
+    one = (f" (one tensor a call, ({found.one.params}): each call a launch of its own)" if found.one is not None
+           else "")
+    what = (f"{whose}, {rotary} of each head's values (probed): its calls{one}" if partial
+            else f"{style} (probed): its plain calls{one}, on the {rotary} values of each head that it rotates "
                  f"(partial rotary, factor {factor}: it passes them alone, with tables of that width; its function "
                  "raises for narrower tables)," if sliced
-            else f"{style} (probed): its plain calls")
-    if found.one is not None:
-        what = what.replace("its plain calls", f"its plain calls (one tensor a call, ({found.one.params}): q and k "
-                                               "each in a launch of its own)")
+            else f"{style} (probed): its plain calls{one}")
     return FusionRow(path, "rope", name, "rope hooks", True, fwd, bwd,
                      f"{target.module_name.rsplit('.', 1)[-1]}.{_rope.NAME}, {what} from this module run op rope"
                      + where + _small_note(child))

@@ -208,7 +208,8 @@ _probed: "weakref.WeakKeyDictionary[Any, Probe]" = weakref.WeakKeyDictionary()
 
 def probe(fn: Callable, where: str = NAME) -> Probe:
     """Whether ``fn(q, k, cos, sin)`` computes transformers' rotate-half RoPE, or an interleaved one (:data:`STYLES`:
-    Cohere's, GLM's). Checked on float64 CPU inputs (grouped-query shapes, cos and sin of a batch and of one batch,
+    Cohere's, GLM's); for a function that rotates one tensor a call (:class:`OneTensor`), the pair of its calls for q
+    and for k, each way it may take its tensor and tables (:func:`_as_pair`). Checked on float64 CPU inputs (grouped-query shapes, cos and sin of a batch and of one batch,
     random tables rather than real cosines so that both halves are told apart) against each formula (a function that
     computes in fp32, as ESM's, ModernBERT's and Cohere's ``q.float()``, is off it and checked on fp32 inputs instead,
     to fp32's rounding); then, per call form
@@ -305,12 +306,17 @@ def _probe(fn: Callable, where: str) -> Probe:
         return _probe_pair(fn, where)
     # (one tensor a call: each way it may take it, probed through _as_pair as a (q, k, cos, sin) function)
     sin_first = names[1] == "sin"
+    whys = set()
     for half in (False, True):
         for heads_dim in ((None,) if "unsqueeze_dim" in names else (1, 2)):
             form = OneTensor(", ".join(names), sin_first, half, heads_dim)
             found = _probe_pair(_as_pair(fn, form), where)
             if found.ok:
                 return dataclasses.replace(found, one=form)
+            whys.add(found.why)
+    if len(whys) == 1 and "failed on float64 CPU inputs" in next(iter(whys)):   # (the same failure each way: say it)
+        return Probe(False, f"{where}({', '.join(names)}) rotates one tensor a call; called for q and for k it "
+                            + next(iter(whys)).split("(q, k, cos, sin) ", 1)[-1])
     return Probe(False, f"{where}({', '.join(names)}) rotates one tensor a call, and computes none of the rotations "
                         "pipegoose's rope kernel takes (probed with tables of a head's values and of half of them, "
                         "q laid out [batch, heads, seq, head_dim] and [batch, seq, heads, head_dim])")
@@ -551,11 +557,12 @@ def _takes_one(args: tuple, kwargs: dict, found: Probe, sig: inspect.Signature |
     cos, sin = (t2, t1) if form.sin_first else (t1, t2)
     heads = _HEADS[unsqueeze_dim]
     k = x.narrow(heads, 0, 0)
-    c = tuple(cos.shape)
-    if form.half and c:
-        c = (*c[:-1], 2 * c[-1])   # (the op's tables: each value twice)
-    if shape_reason(tuple(x.shape), tuple(k.shape), c, c if sin.shape == cos.shape else tuple(sin.shape), heads,
-                    partial=found.partial, interleaved=found.interleaved):
+    def width(t):   # (the op's tables: each value twice where the function takes half tables)
+        shape = tuple(t.shape)
+        return (*shape[:-1], 2 * shape[-1]) if form.half and shape else shape
+
+    if shape_reason(tuple(x.shape), tuple(k.shape), width(cos), width(sin), heads, partial=found.partial,
+                    interleaved=found.interleaved):
         return None
     if sin.dtype != cos.dtype:
         return None
@@ -617,7 +624,7 @@ def _make_dispatching(fallback: Callable, found: Probe, where: str = NAME) -> Ca
                 if kind == CAST:
                     q_embed, k_embed = q_embed.to(q.dtype), k_embed.to(k.dtype)
                 return q_embed if one else (q_embed, k_embed)
-            choice = _declined(choice, f"{where} computes {dtype_name(q.dtype)} q and k with "
+            choice = _declined(choice, f"{where} computes {dtype_name(q.dtype)} {'x' if one else 'q and k'} with "
                                        f"{dtype_name(cos.dtype)} cos and sin otherwise than the op (probed): the "
                                        "model's own code runs")
         dispatch.record(choice)
