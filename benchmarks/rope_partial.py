@@ -3,22 +3,28 @@ effective bandwidth, in one run beside the copy bandwidth.
 
     python -m benchmarks.rope_partial [--shapes 8x2048x16x64x16 ...] [--dtypes bf16,fp16,fp32] [--reps 30]
                                       [--impls a,b] [--out DIR] [--raw | --defines=-DNAME=VALUE,...]
-                                      [--style neox|cohere|glm]
+                                      [--style neox|cohere|glm|gptj]
 
-Shapes ``BxSxHxDxR``: batch, sequence, heads (q's and k's), head size, rotated values a head (R == D, whole heads:
-an A/B of the kernel's rotation path; ``benchmarks.run --only rope`` times those beside the peers). q and k are
-GPT-NeoX's: chunks of one [B, H, S, 3D] projection (``qkv.view(B, S, H, 3D).transpose(1, 2).chunk(3, -1)``: not
-dense), cos and sin [1, S, R] (GPT-NeoX's rotary embedding: angles from positions, ``cat(freqs, freqs)``), all of one dtype (``--dtypes``, default bf16: the
-training dtype; fp32 and fp16 change the vector width of the rotated halves, so which kernel path runs).
+Shapes ``BxSxHxDxR``: batch, sequence, heads (q's and k's), head size, rotated values a head (R == D, whole heads: an
+A/B of the kernel's rotation path; ``benchmarks.run --only rope`` times those beside the peers). q and k are GPT-NeoX's:
+chunks of one [B, H, S, 3D] projection (``qkv.view(B, S, H, 3D).transpose(1, 2).chunk(3, -1)``: not dense), cos and sin
+[1, S, R] (GPT-NeoX's rotary embedding: angles from positions, ``cat(freqs, freqs)``), all of one dtype (``--dtypes``,
+default bf16: the training dtype; fp32 and fp16 change the vector width of the rotated halves, so which kernel path
+runs).
 
-``--style`` (default ``neox``) picks the model whose RoPE is timed: ``neox`` as above; ``cohere``, Cohere's
-interleaved RoPE (pairs of neighbours rotate; its function computes in fp32 and casts back) on Llama-layout q and k
-(views of separate [B, S, H * D] projections) with Cohere's tables (each frequency twice, ``repeat_interleave``);
-``glm``, GLM-4's (the interleaved RoPE of the first half of rotate-half tables, the first R values of each head; its
-function builds those tables each call, as our routing does before the op) on the same layout. Default shapes per
-style: Cohere's heads of 128 whole, GLM-4's of 128 half-rotated. The ``pipegoose`` row of an interleaved style calls
-``apply_rotary_pos_emb(..., interleaved=True)`` (GLM: on ``transformers.rope.kernel_tables``' tables, built in the
-timed call as fuse's routing builds them).
+``--style`` (default ``neox``) picks the model whose RoPE is timed: ``neox`` as above; ``cohere``, Cohere's interleaved
+RoPE (pairs of neighbours rotate; its function computes in fp32 and casts back) on Llama-layout q and k (views of
+separate [B, S, H * D] projections) with Cohere's tables (each frequency twice, ``repeat_interleave``); ``glm``, GLM-4's
+(the interleaved RoPE of the first half of rotate-half tables, the first R values of each head; its function builds
+those tables each call, as our routing does before the op) on the same layout. Default shapes per style: Cohere's heads
+of 128 whole, GLM-4's of 128 half-rotated. ``gptj``, GPT-J's (and CodeGen's) RoPE section of its attention as the module
+runs it: q and k [B, S, H, D] (views of separate projections), its function called on the first R values of each (a
+strided view), once for k and once for q, with tables of R / 2 values that it repeats, then ``torch.cat`` with the rest
+of each head; the ``pipegoose`` row makes the same calls as fuse's routing does (q alone beside an empty k, the tables
+repeated in the call), the cat included in every row. Default shapes: GPT-J-6B's 16 heads of 256 (64 rotated), the e2e
+model's 8, CodeGen-350M's 16 heads of 64 (32 rotated). The ``pipegoose`` row of an interleaved style calls
+``apply_rotary_pos_emb(..., interleaved=True)`` (GLM: on ``transformers.rope.kernel_tables``' tables, built in the timed
+call as fuse's routing builds them).
 
 Implementations, each of ``(q_embed, k_embed) = apply_rotary_pos_emb(q, k, cos, sin)``:
 
@@ -61,7 +67,8 @@ from benchmarks.timing import Timer
 SHAPES = ["8x2048x16x64x16", "4x2048x16x128x32", "2x2048x32x128x32", "4x2048x32x80x20", "2x2048x64x96x24"]
 # Cohere-style models (heads of 128, whole: Command-R 7B's 32 heads, and 16) and GLM-4's (heads of 128, half rotated)
 STYLE_SHAPES = {"neox": SHAPES, "cohere": ["4x2048x32x128x128", "4x2048x16x128x128", "8x2048x16x64x64"],
-                "glm": ["4x2048x32x128x64", "4x2048x16x128x64"]}
+                "glm": ["4x2048x32x128x64", "4x2048x16x128x64"],
+                "gptj": ["4x2048x16x256x64", "4x2048x8x256x64", "8x2048x16x64x32"]}
 DRY_SHAPES = ["2x16x4x16x4"]
 IMPLS = ("pipegoose", "transformers", "compile")
 PASSES = ("fwd", "fwd+bwd")
@@ -89,9 +96,11 @@ def functions(raw_ops: Any = None, style: str = "neox") -> dict[str, Callable | 
     from pipegoose.nn.fusion.functional import apply_rotary_pos_emb
     from pipegoose.nn.fusion.transformers.rope import INTERLEAVED_FIRST_HALF, kernel_tables
 
-    module = {"neox": "gpt_neox", "cohere": "cohere", "glm": "glm4"}[style]
+    module = {"neox": "gpt_neox", "cohere": "cohere", "glm": "glm4", "gptj": "gptj"}[style]
     theirs = importlib.import_module(f"transformers.models.{module}.modeling_{module}").apply_rotary_pos_emb
     inter = style != "neox"
+    if style == "gptj":
+        return _gptj_functions(theirs, raw_ops)
 
     def tables(cos, sin):   # (GLM's: the first half of each, each value twice, as its function and our routing do)
         return kernel_tables(cos, sin, INTERLEAVED_FIRST_HALF) if style == "glm" else (cos, sin)
@@ -108,6 +117,34 @@ def functions(raw_ops: Any = None, style: str = "neox") -> dict[str, Callable | 
     return {"pipegoose": ours, "transformers": theirs, "compile": torch.compile(theirs, dynamic=False)}
 
 
+def _gptj_functions(theirs: Callable, raw_ops: Any = None) -> dict[str, Callable | None]:
+    """:func:`functions` of style ``gptj``: each ``fn(q, k, cos, sin)`` of [B, S, H, D] q and k and half tables
+    [1, S, R / 2] runs GPT-J's RoPE section (its function on the first R values of k, then of q, each then cat with
+    the rest of its heads), with GPT-J's function, ours as fuse's routing calls it, or compiled."""
+    from pipegoose.nn.fusion import dispatch
+    from pipegoose.nn.fusion.functional import apply_rotary_pos_emb
+
+    def section(rotate):
+        def fn(q, k, cos, sin):   # (GPT-J's function takes (tensor, sin, cos))
+            r = 2 * cos.shape[-1]
+            k_embed = torch.cat([rotate(k[..., :r], sin, cos), k[..., r:]], dim=-1)
+            q_embed = torch.cat([rotate(q[..., :r], sin, cos), q[..., r:]], dim=-1)
+            return q_embed, k_embed
+        return fn
+
+    def ours(x, sin, cos):   # (the routing: the tables repeated, x as q beside an empty k, [B, S, H, R])
+        c, s = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+        if raw_ops is not None:
+            t = x.transpose(1, 2)
+            return raw_ops.rope(t, t.narrow(1, 0, 0), c, s, True)[0].transpose(1, 2)
+        with dispatch.strict():
+            return apply_rotary_pos_emb(x, x.narrow(2, 0, 0), c, s, 2, interleaved=True, impl="pipegoose")[0]
+
+    raise_compile_limits()
+    return {"pipegoose": section(ours), "transformers": section(theirs),
+            "compile": torch.compile(section(theirs), dynamic=False)}
+
+
 def inputs(shape: tuple[int, ...], dtype: torch.dtype, device: str, style: str = "neox") -> dict[str, torch.Tensor]:
     """q, k (GPT-NeoX's chunks of a fused projection; for the interleaved styles Llama's layout, views of separate
     projections), cos, sin (Cohere's: each frequency twice), and the output gradients dq, dk."""
@@ -116,6 +153,8 @@ def inputs(shape: tuple[int, ...], dtype: torch.dtype, device: str, style: str =
     if style == "neox":
         qkv = torch.randn(b, s, h, 3 * d, device=device, generator=g).to(dtype).transpose(1, 2)
         q, k, _ = qkv.chunk(3, dim=-1)
+    elif style == "gptj":   # ([B, S, H, D]: the projections' views, as GPT-J's module rotates them)
+        q, k = (torch.randn(b, s, h * d, device=device, generator=g).to(dtype).view(b, s, h, d) for _ in range(2))
     else:
         q, k = (torch.randn(b, s, h * d, device=device, generator=g).to(dtype).view(b, s, h, d).transpose(1, 2)
                 for _ in range(2))
@@ -124,6 +163,8 @@ def inputs(shape: tuple[int, ...], dtype: torch.dtype, device: str, style: str =
     emb = (freqs.repeat_interleave(2, dim=-1) if style == "cohere" else torch.cat((freqs, freqs), dim=-1))[None]
     dq = torch.randn(q.shape, device=device, generator=g).to(dtype)
     dk = torch.randn(k.shape, device=device, generator=g).to(dtype)
+    if style == "gptj":   # (GPT-J's tables: one value a frequency, R / 2 of them)
+        emb = freqs[None]
     return dict(q=q.detach().requires_grad_(), k=k.detach().requires_grad_(), cos=emb.cos().to(dtype),
                 sin=emb.sin().to(dtype), dq=dq, dk=dk)
 
@@ -184,7 +225,8 @@ def markdown(env: dict, rows: list[dict], copy_gbps: float) -> str:
     dtypes = ", ".join(dict.fromkeys(r["dtype"] for r in rows)) or "no rows"
     style = rows[0].get("style", "neox") if rows else "neox"
     what = {"neox": "Partial rotary (GPT-NeoX's RoPE)", "cohere": "Interleaved RoPE (Cohere's)",
-            "glm": "Interleaved partial rotary (GLM-4's RoPE)"}[style]
+            "glm": "Interleaved partial rotary (GLM-4's RoPE)",
+            "gptj": "GPT-J's RoPE section (one tensor a call, the rotated part of each head, then cat)"}[style]
     lines = [f"# {what}, {dtypes} ({env.get('gpu')}, {env.get('date')})", "",
              f"torch {env.get('torch')}, CUDA {env.get('cuda_runtime')}, triton {env.get('triton')}, transformers "
              f"{env.get('transformers')}, pipegoose {env.get('pipegoose_git')}. Device copy: {copy_gbps:.0f} GB/s. "
@@ -209,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"BxSxHxDxR (default: the style's, neox {' '.join(SHAPES)}; on the CPU "
                          f"{' '.join(DRY_SHAPES)})")
     ap.add_argument("--style", choices=tuple(STYLE_SHAPES), default="neox",
-                    help="whose RoPE: neox (rotate-half, partial), cohere (interleaved), glm (interleaved, partial)")
+                    help="whose RoPE: neox (rotate-half, partial), cohere (interleaved), glm (interleaved, "
+                         "partial), gptj (interleaved, one tensor a call, half tables, partial)")
     ap.add_argument("--dtypes", default="bf16", help="comma separated, of bf16, fp16, fp32 (default: bf16)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--impls", default="", help=f"comma separated, of {', '.join(IMPLS)} (default: all)")

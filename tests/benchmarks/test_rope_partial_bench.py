@@ -90,11 +90,13 @@ def test_dry_run_on_the_cpu_with_the_kernel_stand_in(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("style, title", [("cohere", "# Interleaved RoPE (Cohere's), bfloat16 ("),
-                                          ("glm", "# Interleaved partial rotary (GLM-4's RoPE), bfloat16 (")])
+                                          ("glm", "# Interleaved partial rotary (GLM-4's RoPE), bfloat16 ("),
+                                          ("gptj", "# GPT-J's RoPE section (one tensor a call")])
 def test_interleaved_styles_dry_run(monkeypatch, tmp_path, style, title):
-    """--style cohere / glm on the CPU with the kernel's stand-in: every row ok against the model's own function
-    (Cohere's, GLM-4's), the op called with interleaved=True (GLM's on the tables its function builds), the results
-    in rope_<style>.json / .md."""
+    """--style cohere / glm / gptj on the CPU with the kernel's stand-in: every row ok against the model's own
+    function (Cohere's, GLM-4's, GPT-J's section: its function on the rotated part of k and of q, then cat), the op
+    called with interleaved=True (GLM's on the tables its function builds; GPT-J's on q alone beside an empty k), the
+    results in rope_<style>.json / .md."""
     from rope_stand_in import kernel_on_cpu
 
     from pipegoose.nn.fusion import dispatch
@@ -107,6 +109,7 @@ def test_interleaved_styles_dry_run(monkeypatch, tmp_path, style, title):
     assert rows and all(r["status"] == "ok" and r["style"] == style for r in rows), rows
     assert {c[0] for c in calls} == {"rope_forward", "rope_backward"}
     assert all(c[-1] == "interleaved" for c in calls)
+    assert (style == "gptj") == all(c[2].numel() == 0 for c in calls)
     assert (tmp_path / f"rope_{style}.md").read_text().startswith(title)
 
 

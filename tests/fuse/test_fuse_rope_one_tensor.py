@@ -89,7 +89,8 @@ def _tiny(model_type, dtype=torch.float32, hidden=64, heads=4, layers=2, **extra
             kw["n_ctx"] = 64
     else:
         kw = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
-                  head_dim=hidden // heads, global_head_dim=hidden // heads, intermediate_size=2 * hidden, vocab_size=97, max_position_embeddings=64,
+                  head_dim=hidden // heads, global_head_dim=hidden // heads, intermediate_size=2 * hidden,
+                  vocab_size=97, max_position_embeddings=64,
                   layer_types=["sliding_attention", "full_attention"][-layers:], vocab_size_per_layer_input=97,
                   hidden_size_per_layer_input=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     cfg = CONFIG_MAPPING[name](**{**kw, **extra})
@@ -192,7 +193,8 @@ def test_the_call_forms_the_op_takes(model_type):
     else:   # (x [B, H, S, D] or [B, S, H, D], cos, sin [B, S, D])
         x = torch.randn(2, 3, 5, 8, generator=g)
         cos, sin = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)
-        for args, kwargs, dim in (((x, cos, sin), {}, 1), ((x, cos, sin, 1), {}, 1), ((x, cos, sin), {"unsqueeze_dim": -3}, -3),
+        for args, kwargs, dim in (((x, cos, sin), {}, 1), ((x, cos, sin, 1), {}, 1),
+                                  ((x, cos, sin), {"unsqueeze_dim": -3}, -3),
                                   ((x.transpose(1, 2), cos, sin), {"unsqueeze_dim": 2}, 2),
                                   ((x.transpose(1, 2), cos, sin, -2), {}, -2)):
             call = takes(*args, **kwargs)

@@ -33,11 +33,11 @@ only for calls made inside a fused attention module's forward, and the model's o
   formula's rounding, or results of another dtype) runs the model's own code as the op's fallback. Those choices are
   recorded as the op's are (``dispatch.stats()`` counts the model's code as ``torch``, strict mode refuses a fallback,
   an unmet ``PIPEGOOSE_IMPL_ROPE`` request warns). A function that rotates one tensor a call (GPT-J's and CodeGen's
-  ``(tensor, sin, cos)``, interleaved, with tables of half its values that it repeats, the tensor laid out
-  [B, S, H, D]; Gemma 3n's and Gemma 4's ``(x, cos, sin, unsqueeze_dim=1)``) is probed as the pair of its calls for q
-  and for k (:func:`_as_pair`, :class:`OneTensor`), and its plain calls (:func:`_takes_one`) run the op on that
-  tensor as q beside an empty k, each call a launch of its own. Any other call (another model of the same type that is not fused,
-  extra arguments, other shapes, ``torch.compile`` tracing) goes to the model's own code, unchanged;
+  ``(tensor, sin, cos)``, interleaved, with tables of half its values that it repeats, the tensor laid out [B, S, H, D];
+  Gemma 3n's and Gemma 4's ``(x, cos, sin, unsqueeze_dim=1)``) is probed as the pair of its calls for q and for k
+  (:func:`_as_pair`, :class:`OneTensor`), and its plain calls (:func:`_takes_one`) run the op on that tensor as q beside
+  an empty k, each call a launch of its own. Any other call (another model of the same type that is not fused, extra
+  arguments, other shapes, ``torch.compile`` tracing) goes to the model's own code, unchanged;
 * before it is installed, the model's function is checked numerically (:func:`probe`: float64 CPU inputs against
   transformers' rotate-half formula or one of the interleaved rotations, :data:`STYLES` (Cohere's on its tables as
   given; GLM's on the first half of its tables, each value twice), or fp32 ones for a function that computes in fp32;
@@ -209,10 +209,10 @@ _probed: "weakref.WeakKeyDictionary[Any, Probe]" = weakref.WeakKeyDictionary()
 def probe(fn: Callable, where: str = NAME) -> Probe:
     """Whether ``fn(q, k, cos, sin)`` computes transformers' rotate-half RoPE, or an interleaved one (:data:`STYLES`:
     Cohere's, GLM's); for a function that rotates one tensor a call (:class:`OneTensor`), the pair of its calls for q
-    and for k, each way it may take its tensor and tables (:func:`_as_pair`). Checked on float64 CPU inputs (grouped-query shapes, cos and sin of a batch and of one batch,
-    random tables rather than real cosines so that both halves are told apart) against each formula (a function that
-    computes in fp32, as ESM's, ModernBERT's and Cohere's ``q.float()``, is off it and checked on fp32 inputs instead,
-    to fp32's rounding); then, per call form
+    and for k, each way it may take its tensor and tables (:func:`_as_pair`). Checked on float64 CPU inputs
+    (grouped-query shapes, cos and sin of a batch and of one batch, random tables rather than real cosines so that both
+    halves are told apart) against each formula (a function that computes in fp32, as ESM's, ModernBERT's and Cohere's
+    ``q.float()``, is off it and checked on fp32 inputs instead, to fp32's rounding); then, per call form
     (:data:`_FORMS`: one dtype for all, or 16-bit q and k with fp32 tables), the dtype and values of its results
     against the op's (:meth:`Probe.kind`), and the keywords ``unsqueeze_dim`` and ``position_ids`` where it has
     them. Cached per function (``where`` names it in the reason)."""
