@@ -9,10 +9,10 @@ from . import dispatch
 from .dispatch import FusionFallbackError
 from .fuse import FusionReport, fuse, fused, fusion_report, is_fused, unfuse
 from .functional import (apply_rotary_pos_emb, cross_entropy, fused_linear_cross_entropy, geglu, gelu, gelu_and_mul,
-                         layer_norm, mixed_fused_layer_norm, rms_norm, scaled_masked_softmax, scaled_softmax,
-                         scaled_upper_triang_masked_softmax, silu_and_mul, softmax, squared_relu, swiglu)
+                         layer_norm, mixed_fused_layer_norm, rms_norm, rms_norm_gated, scaled_masked_softmax,
+                         scaled_softmax, scaled_upper_triang_masked_softmax, silu_and_mul, softmax, squared_relu, swiglu)
 from .modules import (AttnMaskType, FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedGELU, FusedGraniteMLP, FusedLayerNorm,
-                      FusedLfm2MLP, FusedLinearCrossEntropyLoss, FusedModernBertMLP, FusedRMSNorm,
+                      FusedLfm2MLP, FusedLinearCrossEntropyLoss, FusedModernBertMLP, FusedRMSNorm, FusedRMSNormGated,
                       FusedScaleMaskSoftmax, FusedSquaredReLU, FusedSwiGLUMLP, FusedT5DenseGatedActDense,
                       MixedFusedLayerNorm)
 from .optim import FusedAdam, clip_grad_norm_
@@ -29,6 +29,7 @@ __all__ = [
     "layer_norm",
     "mixed_fused_layer_norm",
     "rms_norm",
+    "rms_norm_gated",
     "swiglu",
     "silu_and_mul",
     "geglu",
@@ -43,6 +44,7 @@ __all__ = [
     "FusedLayerNorm",
     "MixedFusedLayerNorm",
     "FusedRMSNorm",
+    "FusedRMSNormGated",
     "FusedGELU",
     "FusedSquaredReLU",
     "FusedModernBertMLP",

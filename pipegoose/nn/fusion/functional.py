@@ -262,6 +262,52 @@ def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: tor
     return _rms.run(x, normalized_shape, weight, eps, cast_before_weight, impl)
 
 
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *,
+                   impl: str | None = None) -> torch.Tensor:
+    """The gated RMSNorm of Qwen3-Next's and Qwen3.5's linear attention (``Qwen3NextRMSNormGated``,
+    ``Qwen3_5RMSNormGated``: the norm before the gate), ``(weight * rms_norm(x).to(x.dtype) * silu(gate.float()))
+    .to(x.dtype)``: op ``rms_norm`` with transformers' LlamaRMSNorm numerics (:func:`rms_norm` with
+    ``cast_before_weight=True``), then op ``swiglu`` of ``gate`` and that result (the kernel computes ``silu`` and
+    the product in fp32 and rounds once, as this formula does). Two kernels forward and two backward where eager
+    PyTorch runs about ten ops each way with fp32 intermediates.
+
+    Args:
+        x: [*, D], fp32, fp16, bf16 (the kernels) or fp64.
+        gate: x's shape and dtype (the gate projection's output, ``z``).
+        weight: [D] or None; x's dtype (both ops on the kernel), or fp32 with 16-bit x (the norm's product is then
+            fp32, as in transformers' module, and the gate runs the formula in PyTorch: one op fewer than eager).
+        eps: the norm's epsilon (transformers' ``variance_epsilon``; 1e-6 by default, as theirs).
+        impl: force an implementation of both ops (``pipegoose``, ``torch``), default auto (each op's dispatcher).
+
+    Returns:
+        Tensor of x's shape and dtype. On PyTorch's path (the CPU, or where the dispatcher chooses it) bit for bit
+        transformers' module; on the kernels within one rounding of it (the kernel's fp32 ``silu`` may differ from
+        PyTorch's in the last fp32 place).
+
+    Kernels: pipegoose/rms_norm (pipegoose/kernels/csrc/rms_norm.cu) and pipegoose/swiglu
+    (pipegoose/kernels/csrc/swiglu.cu), this project, MIT.
+
+    Raises:
+        TypeError: ``x``, ``gate`` or ``weight`` not a tensor of a floating dtype the ops take (``gate`` of another
+            dtype than x's); ``eps`` as :func:`rms_norm`.
+        ValueError: ``gate`` of another shape or device than ``x``'s; ``weight`` not [D]; ``impl`` unknown.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise TypeError(f"x: expected a tensor of at least one dimension, got {type(x).__name__}"
+                        + (f" of shape {list(x.shape)}" if isinstance(x, torch.Tensor) else ""))
+    if not isinstance(gate, torch.Tensor):
+        raise TypeError(f"gate: expected a tensor of x's shape, got {type(gate).__name__}")
+    if gate.shape != x.shape or gate.device != x.device:
+        raise ValueError(f"gate: expected x's shape {list(x.shape)} on {x.device}, got {list(gate.shape)} on "
+                         f"{gate.device}")
+    if gate.dtype != x.dtype:
+        raise TypeError(f"gate: expected x's dtype {x.dtype}, got {gate.dtype}")
+    h = rms_norm(x, x.shape[-1], weight, eps, cast_before_weight=True, impl=impl)
+    if h.dtype != gate.dtype:   # (an fp32 weight with 16-bit x: the product is fp32, the gate in PyTorch)
+        return _swiglu.silu_gate_reference(gate, h).to(x.dtype)
+    return _swiglu.run_silu_gate(gate, h, impl)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
     """SwiGLU's gated activation ``silu(gate) * up`` = ``gate * sigmoid(gate) * up``, elementwise (op ``swiglu``):
     ``F.silu(gate) * up`` in one kernel forward and one backward. In an MLP: ``down_proj(swiglu(gate_proj(x),

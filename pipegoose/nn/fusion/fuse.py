@@ -131,7 +131,8 @@ Skipped, with the reason in the report: LayerNorm subclasses with their own forw
 forward is set on the instance (accelerate's ``device_map`` / offloading hooks, patches: a fused module would bypass
 it), norms whose weight or bias is computed rather than a Parameter of their own (``torch.nn.utils.parametrize``,
 the hook-based ``torch.nn.utils.weight_norm``), whose Parameters a fused module cannot share, gated RMSNorms
-(``forward(x, gate)``: Bamba's, Mamba2's) and RMSNorms whose weight broadcasts over other widths. RMSNorms are fused
+(``forward(x, gate)``: Bamba's, Mamba2's; Qwen3-Next's and Qwen3.5's are fused with ``rms_norm_gated`` in ``ops``,
+opt-in) and RMSNorms whose weight broadcasts over other widths. RMSNorms are fused
 over whatever size they normalize: the hidden size, a head's (Qwen3's ``q_norm`` / ``k_norm`` over ``head_dim``) or
 a projection's.
 
@@ -183,10 +184,13 @@ from .transformers import mpt as _mpt
 from .transformers import rope as _rope
 
 OPS = ("layer_norm", "rms_norm", "swiglu", "geglu", "gelu", "squared_relu", "rope", "cross_entropy", "attention",
-       "linear_cross_entropy")
-# what ops=None fuses: all but linear_cross_entropy (the LM head and loss in one: opt-in, it saved memory but not
-# time on the H200's Llama-1.1B step, session 51)
-DEFAULT_OPS = OPS[:-1]
+       "rms_norm_gated", "linear_cross_entropy")
+# the kinds fused only when ops names them: linear_cross_entropy (the LM head and loss in one: it saved memory but not
+# time on the H200's Llama-1.1B step, session 51) and rms_norm_gated (Qwen3-Next's gated norm on two ops, written in
+# session 78 without a GPU: not yet timed in a training step)
+OPT_IN = ("rms_norm_gated", "linear_cross_entropy")
+# what ops=None fuses: all but the opt-in kinds
+DEFAULT_OPS = tuple(o for o in OPS if o not in OPT_IN)
 ATTENTION_CHOICES = ("auto", "pipegoose", "keep")
 
 # Hook dictionaries a replacement shares with the module it replaces (those present in this torch version).
@@ -414,7 +418,7 @@ class FusionReport:
         if self.not_requested:
             found = ", ".join(f"{n} {kind}" for kind, n in sorted(self.not_requested.items()))
             notes.append(f"not in ops: {found} module(s) of a kind not asked for (ops= names the kinds to fuse; all "
-                         f"of {', '.join(DEFAULT_OPS)} by default)")
+                         f"of {', '.join(DEFAULT_OPS)} by default; {' and '.join(OPT_IN)} only where named)")
         return notes
 
     def __str__(self) -> str:
@@ -634,7 +638,7 @@ def _parse_ops(ops: Iterable[str] | str | None) -> tuple[str, ...]:
     bad = [o for o, n in zip(ops, names) if n not in OPS]
     if bad:
         raise ValueError(f"ops: unknown op(s) {bad}; expected a subset of {list(OPS)} or None (all but "
-                         f"linear_cross_entropy)")
+                         f"{' and '.join(OPT_IN)})")
     return names
 
 
@@ -667,8 +671,12 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
             ``from_pretrained``), on any device and dtype. Modules whose parameters are on CPU run the reference
             paths (the dispatcher picks fused kernels on CUDA).
         ops: subset of ``("layer_norm", "rms_norm", "swiglu", "geglu", "gelu", "squared_relu", "rope",
-            "cross_entropy", "attention", "linear_cross_entropy")`` (a name or an iterable of names; case and
-            surrounding blanks ignored, as in ``impl=``); None = all but ``linear_cross_entropy``, which is opt-in: a
+            "cross_entropy", "attention", "rms_norm_gated", "linear_cross_entropy")`` (a name or an iterable of names;
+            case and surrounding blanks ignored, as in ``impl=``); None = all but the two opt-in kinds:
+            ``rms_norm_gated``, Qwen3-Next's and Qwen3.5's gated RMSNorm (``forward(hidden_states, gate)``, the norm
+            then ``silu`` of the gate, probed bit for bit) as
+            :class:`~pipegoose.nn.fusion.modules.FusedRMSNormGated` (op ``rms_norm`` then op ``swiglu``; opt-in until
+            timed in a training step on a GPU), and ``linear_cross_entropy``: a
             causal LM's head and loss in one (:mod:`pipegoose.nn.fusion.transformers.lm_head`; in training with
             labels the output's ``logits`` is None; on the H200's Llama-1.1B step 0.5 GiB less peak memory at 0.1%
             fewer tokens/s, session 52; one backward per forward: a second backward through a retained graph raises
@@ -712,10 +720,12 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
         raise RuntimeError(f"model: this {type(model).__name__} is already fused; call unfuse(model) first")
     from . import dispatch
     from .modules import (FusedGateUpSwiGLUMLP, FusedGELU, FusedGeGLUMLP, FusedModernBertMLP, FusedRMSNorm,
-                          FusedSquaredReLU, FusedSwiGLUMLP, FusedT5DenseGatedActDense, MixedFusedLayerNorm)
+                          FusedRMSNormGated, FusedSquaredReLU, FusedSwiGLUMLP, FusedT5DenseGatedActDense,
+                          MixedFusedLayerNorm)
 
     dispatch.check_env()
-    norms = [k for k in ("layer_norm", "rms_norm") if k in ops]   # the kinds whose fused modules hold parameters
+    # the kinds whose fused modules hold parameters
+    norms = [k for k in ("layer_norm", "rms_norm", "rms_norm_gated") if k in ops]
     if not dry_run and norms and _registration_replaces_parameters():
         raise RuntimeError(f"fuse: a parameter registered on a module now is replaced by another (accelerate's "
                            f"init_empty_weights, or another patch of torch.nn.Module.register_parameter, is active), "
@@ -761,6 +771,7 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
                 seen.add(id(child))
                 if isinstance(child, fused_types):  # put there before this call
                     kind = ("rms_norm" if isinstance(child, FusedRMSNorm) else
+                            "rms_norm_gated" if isinstance(child, FusedRMSNormGated) else
                             "attention" if isinstance(child, _OWN_FUSED) else
                             _fused_activation_kind(child) if isinstance(child, (FusedGELU, FusedSquaredReLU)) else
                             "swiglu" if isinstance(child, (FusedSwiGLUMLP, FusedGateUpSwiGLUMLP)) else
@@ -904,6 +915,8 @@ def _norm_kind_left_out(child: nn.Module, ops: tuple) -> str | None:
         probe = matching.probe_swiglu_mlp(child)
         if probe.ok and _mlp_kind(probe) not in ops:
             return _mlp_kind(probe)
+    if "rms_norm_gated" not in ops and matching.gated_rms_norm_candidate(child):
+        return "rms_norm_gated" if matching.probe_rms_norm_gated(child).ok else None
     if "rms_norm" in ops or any(True for _ in child.children()):
         return None
     return "rms_norm" if matching.probe_rms_norm(child).ok else None
@@ -912,8 +925,8 @@ def _norm_kind_left_out(child: nn.Module, ops: tuple) -> str | None:
 def _fused_impls(module: nn.Module, like: torch.Tensor | None = None) -> tuple[str, str]:
     """(forward, backward) for a norm fused before this call, as :func:`_consider` gives them for a new one: what the
     dispatcher picks for it (the report showed "yes" there, also where the fallback runs; a walkthrough)."""
-    from .modules import (FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedModernBertMLP, FusedRMSNorm, FusedSwiGLUMLP,
-                          FusedT5DenseGatedActDense)
+    from .modules import (FusedGateUpSwiGLUMLP, FusedGeGLUMLP, FusedModernBertMLP, FusedRMSNorm, FusedRMSNormGated,
+                          FusedSwiGLUMLP, FusedT5DenseGatedActDense)
 
     if isinstance(module, _OWN_FUSED):
         return _own_attention_impls(module)
@@ -926,6 +939,8 @@ def _fused_impls(module: nn.Module, like: torch.Tensor | None = None) -> tuple[s
                            FusedModernBertMLP)):
         return _swiglu_impls(module, isinstance(module, (FusedGateUpSwiGLUMLP, FusedModernBertMLP)), impl,
                              getattr(module, "approximate", None), module._PROJECTIONS[0])
+    if isinstance(module, FusedRMSNormGated):
+        return _gated_norm_impls(module, impl, like)
     any_width = module.normalized_shape is None   # a FusedRMSNorm of the last dimension
     shape = (_PROBE_WIDTH,) if any_width else tuple(module.normalized_shape)
     if isinstance(module, FusedRMSNorm):
@@ -1172,6 +1187,11 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like
         probe = matching.probe_layer_norm_module(child)
         if probe.ok or probe.candidate:   # (else an RMSNorm, or no norm: the RMSNorm probe's to tell)
             return _consider_layer_norm_module(child, path, ops, dry_run, MixedFusedLayerNorm, probe)
+    if matching.gated_rms_norm_candidate(child):
+        if "rms_norm_gated" in ops:
+            return _consider_gated_norm(child, path, dry_run, like)
+        if matching.probe_rms_norm_gated(child).ok:   # (opt-in: counted as not asked for, by _norm_kind_left_out)
+            return None, None
     if "rms_norm" not in ops:
         return None, None
     # torch.nn.RMSNorm, and parametrized norms (their parametrizations are children, which the probe takes for "not a
@@ -1212,6 +1232,35 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like
     offset = f", weight_offset={probe.weight_offset}" if probe.weight_offset else ""
     return FusionRow(path, "rms_norm", type(child).__name__, "FusedRMSNorm", True, fwd, bwd,
                      f"RMSNorm ({probe.reason}), eps={probe.eps}{offset}{_small_note(child)}"), new
+
+
+def _gated_norm_impls(module: nn.Module, impl: str | None = None, like: torch.Tensor | None = None) -> tuple[str, str]:
+    """(forward, backward) of a gated RMSNorm's first op (``rms_norm``: its second, ``swiglu``, is chosen for the same
+    rows, each call)."""
+    n = module.weight.numel()
+    return _impls("rms_norm", module, lambda d, t: (
+        torch.empty(_probe_rows((n,)), n, device=d, dtype=t), (n,), module.weight, module.variance_epsilon
+        if hasattr(module, "variance_epsilon") else 1e-6, True), impl, like)
+
+
+def _consider_gated_norm(child: nn.Module, path: str, dry_run: bool, like=None):
+    """The report's row for a gated RMSNorm (``forward(hidden_states, gate)``) with ``rms_norm_gated`` in ops, and its
+    replacement (:class:`~pipegoose.nn.fusion.modules.FusedRMSNormGated`, sharing its weight) where
+    ``matching.probe_rms_norm_gated`` finds Qwen3-Next's formula; else skipped with the probe's reason."""
+    from .modules import FusedRMSNormGated
+
+    name = type(child).__name__
+    probe = matching.probe_rms_norm_gated(child)
+    if not probe.ok:
+        return FusionRow(path, "rms_norm_gated", name, None, False, reason=probe.reason, eligible=False), None
+    why = _instance_override(child)
+    if why is not None:
+        return FusionRow(path, "rms_norm_gated", name, None, False, reason=why), None
+    new = None if dry_run else _build(path, child, FusedRMSNormGated.from_module, child, verify=False)  # probed
+    fwd, bwd = _gated_norm_impls(child, None, like)
+    return FusionRow(path, "rms_norm_gated", name, "FusedRMSNormGated", True, fwd, bwd,
+                     f"gated RMSNorm ({probe.reason}), eps={probe.eps}: op rms_norm, then op swiglu of the gate"
+                     + _small_note(child)), new
 
 
 @dataclass(frozen=True)
@@ -2303,8 +2352,9 @@ def _fused_module_types() -> tuple[type, ...]:
     by this record or another)."""
     from . import modules as m
 
-    return (m.MixedFusedLayerNorm, m.FusedRMSNorm, m.FusedSwiGLUMLP, m.FusedGateUpSwiGLUMLP, m.FusedGeGLUMLP,
-            m.FusedT5DenseGatedActDense, m.FusedModernBertMLP, m.FusedGELU, m.FusedSquaredReLU, *_OWN_FUSED)
+    return (m.MixedFusedLayerNorm, m.FusedRMSNorm, m.FusedRMSNormGated, m.FusedSwiGLUMLP, m.FusedGateUpSwiGLUMLP,
+            m.FusedGeGLUMLP, m.FusedT5DenseGatedActDense, m.FusedModernBertMLP, m.FusedGELU, m.FusedSquaredReLU,
+            *_OWN_FUSED)
 
 
 def _fused_parts(model: nn.Module) -> list[nn.Module]:
@@ -2361,4 +2411,5 @@ def fused(model: nn.Module, ops: Iterable[str] | str | None = None, attention: s
         _unfuse(model, keep=earlier, quiet=True)
 
 
-__all__ = ["FusionReport", "FusionRow", "fuse", "unfuse", "fused", "is_fused", "fusion_report", "OPS", "DEFAULT_OPS"]
+__all__ = ["FusionReport", "FusionRow", "fuse", "unfuse", "fused", "is_fused", "fusion_report", "OPS", "DEFAULT_OPS",
+           "OPT_IN"]

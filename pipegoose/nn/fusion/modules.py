@@ -27,6 +27,7 @@ from .ops._common import megatron_batches_per_block
 from .ops.layer_norm import normalize_shape
 
 __all__ = ["AttnMaskType", "FusedScaleMaskSoftmax", "MixedFusedLayerNorm", "FusedLayerNorm", "FusedRMSNorm",
+           "FusedRMSNormGated",
            "FusedSwiGLUMLP", "FusedGateUpSwiGLUMLP", "FusedGeGLUMLP", "FusedT5DenseGatedActDense",
            "FusedGELU", "FusedSquaredReLU", "FusedModernBertMLP", "FusedGraniteMLP", "FusedLfm2MLP",
            "FusedLinearCrossEntropyLoss"]
@@ -889,6 +890,90 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
         new.elementwise_affine = w is not None
         new.weight = w
         new.weight_offset = weight_offset
+        new.train(module.training)
+        return new
+
+
+class FusedRMSNormGated(_DropsFuseRecord, nn.Module):
+    """The gated RMSNorm of Qwen3-Next's and Qwen3.5's linear attention (``Qwen3NextRMSNormGated``,
+    ``Qwen3_5RMSNormGated`` and their copies: the norm, then ``silu`` of the gate) over
+    :func:`pipegoose.nn.fusion.functional.rms_norm_gated`: op ``rms_norm`` then op ``swiglu``, two kernels each way.
+
+    Args:
+        hidden_size: the normalised size D (the weight's).
+        eps: the norm's epsilon (``variance_epsilon``; 1e-6 as transformers').
+        device, dtype: of the weight (ones).
+        impl: force an implementation of both ops (``pipegoose``, ``torch``; any case), default auto.
+
+    ``forward(hidden_states [..., D], gate [..., D])`` (gate of the input's shape and dtype) returns a tensor of the
+    input's shape and dtype: on PyTorch's path bit for bit transformers' module, on the kernels within one rounding of
+    it (see the functional). Parameters/state_dict: ``weight``, as transformers' modules. ``activation`` is
+    ``"silu"`` (read-only: the kernel's). Kernels: pipegoose/rms_norm and pipegoose/swiglu (this project, MIT).
+
+    Raises (when constructed): TypeError: ``hidden_size`` not an int, ``eps`` not a number, ``impl`` not a str or None;
+    ValueError: ``hidden_size`` below 1, ``eps`` negative or not finite, ``impl`` naming no implementation. At forward,
+    what the functional raises (a ``gate`` of another shape or dtype, a missing one).
+    """
+
+    activation = "silu"
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, device=None, dtype=None,
+                 impl: str | None = None) -> None:
+        super().__init__()
+        if isinstance(hidden_size, bool) or not isinstance(hidden_size, numbers.Integral) or hidden_size < 1:
+            raise (ValueError if isinstance(hidden_size, numbers.Integral) and not isinstance(hidden_size, bool)
+                   else TypeError)(f"hidden_size: expected a positive int, got {hidden_size!r}")
+        _check_module_args("rms_norm", eps, impl)
+        self.hidden_size = int(hidden_size)
+        self.variance_epsilon = _common.eps_value(eps, name="eps")
+        self.impl = impl
+        self.weight = nn.Parameter(torch.ones(self.hidden_size, device=device, dtype=dtype))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        if gate is None:
+            raise TypeError("gate: FusedRMSNormGated needs the gate (a tensor of hidden_states' shape and dtype), "
+                            "got None")
+        try:
+            return PF.rms_norm_gated(hidden_states, gate, self.weight, self.variance_epsilon, impl=self.impl)
+        except (TypeError, ValueError) as e:
+            raise _as_input_error(e) from None
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.variance_epsilon}, activation={self.activation!r}"
+
+    @classmethod
+    def from_module(cls, module: nn.Module, *, impl: str | None = None, verify: bool = True) -> "FusedRMSNormGated":
+        """A fused module sharing ``module.weight`` (the same Parameter object), with its epsilon attribute
+        (``variance_epsilon``, ``eps`` or ``epsilon``). ``verify`` (default True): ``module`` must pass
+        ``transformers.matching.probe_rms_norm_gated`` (its forward on random CPU inputs, bit for bit Qwen3-Next's
+        gated norm in fp32, bf16, fp16 and with an fp32 weight), so that Mamba2's gate-before-norm, a sigmoid gate or
+        another rounding is refused instead of silently replaced.
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.Module`` with one 1-D ``weight`` and ``forward(hidden_states,
+                gate)``.
+            ValueError: the probe refuses it (its reason), or it has no epsilon attribute the ops take.
+        """
+        from .transformers.matching import eps_of, gated_rms_norm_candidate, probe_rms_norm_gated
+
+        if not isinstance(module, nn.Module) or not gated_rms_norm_candidate(module):
+            raise TypeError(f"module: expected a gated RMSNorm (one 1-D weight, forward(hidden_states, gate)), got "
+                            f"{type(module).__name__}")
+        if verify:
+            probe = probe_rms_norm_gated(module)
+            if not probe.ok:
+                raise ValueError(f"module ({type(module).__name__}): {probe.reason}")
+            eps = probe.eps
+        else:
+            name, eps, bad = eps_of(module)
+            if name is None or bad is not None:
+                raise ValueError(f"module ({type(module).__name__}): "
+                                 + ("no epsilon attribute" if name is None else str(bad)))
+        new = cls(module.weight.numel(), eps, device="meta", impl=impl)
+        new.weight = module.weight
         new.train(module.training)
         return new
 

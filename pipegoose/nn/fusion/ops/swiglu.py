@@ -174,9 +174,26 @@ def run(gate: torch.Tensor, up: torch.Tensor, impl: str | None) -> torch.Tensor:
     return _run(OP, gate, up, impl)
 
 
-def _run(op: str, gate: torch.Tensor, up: torch.Tensor, impl: str | None, *extra: Any) -> torch.Tensor:
-    """:func:`run` of op ``swiglu`` or ``geglu`` (``extra``: the op's further arguments, ``approximate``)."""
-    check, problem, reference, ours = _GATED[op]
+def silu_gate_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gate of transformers' gated RMSNorms (Qwen3-Next's, Qwen3.5's ``RMSNormGated``): ``(up *
+    F.silu(gate.float())).to(up.dtype)``, in fp32 and rounded once, as the kernel computes ``swiglu`` (eager
+    ``F.silu(gate) * up`` in 16-bit rounds twice)."""
+    return (up * F.silu(gate.float())).to(up.dtype)
+
+
+def run_silu_gate(gate: torch.Tensor, up: torch.Tensor, impl: str | None) -> torch.Tensor:
+    """Op ``swiglu`` of ``gate`` and ``up`` (one shape and dtype) with :func:`silu_gate_reference` as its PyTorch
+    path: the kernel where the dispatcher chooses it (its one rounding of the fp32 product), else the gated
+    RMSNorm's own formula (:func:`pipegoose.nn.fusion.functional.rms_norm_gated`)."""
+    return _run(OP, gate, up, impl, reference=silu_gate_reference)
+
+
+def _run(op: str, gate: torch.Tensor, up: torch.Tensor, impl: str | None, *extra: Any,
+         reference: Any = None) -> torch.Tensor:
+    """:func:`run` of op ``swiglu`` or ``geglu`` (``extra``: the op's further arguments, ``approximate``);
+    ``reference``: another PyTorch path than the op's (:func:`run_silu_gate`)."""
+    check, problem, op_reference, ours = _GATED[op]
+    reference = reference or op_reference
     if dispatch.compile_passthrough(op, impl):  # torch.compile fuses the two ops itself, after eager mode's checks
         check(gate, up, *extra)
         return reference(gate, up, *extra)

@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 from ..ops._common import has_module_hooks
 
@@ -317,6 +318,81 @@ def probe_rms_norm(module: nn.Module) -> RMSNormProbe:
         return RMSNormProbe(False, None, f"forward takes more than the input ({', '.join(extra)}): FusedRMSNorm takes "
                             "the input alone", looks_like_norm)
     return _probe_rms_norm(module, pname, weight, looks_like_norm)
+
+
+@dataclass(frozen=True)
+class GatedRMSNormProbe:
+    """Result of :func:`probe_rms_norm_gated`: ``ok`` with the module's ``eps``, or not with the ``reason``;
+    ``candidate``: the module looked like a gated RMSNorm (worth a row in the report)."""
+
+    ok: bool
+    eps: float | None
+    reason: str
+    candidate: bool
+
+
+def gated_rms_norm_candidate(module: nn.Module) -> bool:
+    """Whether ``module`` looks like a gated RMSNorm (``forward(hidden_states, gate)``: transformers' ``RMSNormGated``
+    of Qwen3-Next, Qwen3.5, Mamba2, Bamba, ...): a leaf with one 1-D ``weight`` whose forward takes a ``gate`` after
+    the input."""
+    if any(True for _ in module.children()) or isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)):
+        return False
+    params = list(module.named_parameters(recurse=False))
+    return (len(params) == 1 and params[0][0] == "weight" and params[0][1].dim() == 1
+            and _extra_forward_arguments(type(module))[:1] == ["gate"])
+
+
+def _gated_reference(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3-Next's gated RMSNorm, the formula that op ``rms_norm`` and op ``swiglu`` compute together
+    (:func:`pipegoose.nn.fusion.functional.rms_norm_gated`): the norm in fp32, rounded to x's dtype, times the weight,
+    times ``silu`` of the gate in fp32, rounded to x's dtype."""
+    xf = x.float()
+    h = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (h * F.silu(gate.float())).to(x.dtype)
+
+
+@probe_isolated
+def probe_rms_norm_gated(module: nn.Module) -> GatedRMSNormProbe:
+    """Whether ``module`` computes the gated RMSNorm of Qwen3-Next and Qwen3.5 (the norm, then ``silu`` of the gate:
+    :func:`_gated_reference`), bit for bit, over its weight's size: a shallow stand-in of it (its class and
+    attributes, a random weight; hooks not run) on random CPU inputs with a nonzero mean, x and gate in fp32, bf16 and
+    fp16 with a weight of their dtype, and bf16 x with an fp32 weight, in both training modes. A norm that gates
+    before it normalises (Mamba2's, Bamba's: over groups), gates with a sigmoid or multiplies by the weight in fp32
+    (Kimi Linear's) is refused with the reason, as is one whose forward fails. Never raises."""
+    if not gated_rms_norm_candidate(module):
+        return GatedRMSNormProbe(False, None, "not a leaf with one 1-D weight and forward(hidden_states, gate)", False)
+    if list(module.buffers(recurse=False)):
+        return GatedRMSNormProbe(False, None, "has buffers", True)
+    eps_name, eps, bad_eps = eps_of(module)
+    if eps_name is None or bad_eps is not None:
+        why = f"no eps attribute ({', '.join(EPS_ATTRIBUTES)})" if eps_name is None else str(bad_eps)
+        return GatedRMSNormProbe(False, None, why, True)
+    n = module.weight.numel()
+    gen = torch.Generator().manual_seed(4321)
+    stand_in = _stand_in(module)
+    object.__setattr__(stand_in, "_buffers", {})
+    object.__setattr__(stand_in, "_modules", {})
+    forms = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+             (torch.bfloat16, torch.float32))
+    for training in (module.training, not module.training):
+        object.__setattr__(stand_in, "training", training)
+        for dt, wdt in forms:
+            w = (torch.rand(n, generator=gen) + 0.5).to(wdt)
+            x = (torch.randn(2, 3, n, generator=gen) + 0.5).to(dt)
+            gate = (torch.randn(2, 3, n, generator=gen) * 3).to(dt)
+            object.__setattr__(stand_in, "_parameters", {"weight": nn.Parameter(w, requires_grad=False)})
+            try:
+                with torch.no_grad():
+                    y = stand_in.forward(x, gate)
+            except Exception as exc:  # noqa: BLE001 - any failure means we cannot vouch for the module
+                return GatedRMSNormProbe(False, None, f"probe forward failed: {type(exc).__name__}: {exc}", True)
+            want = _gated_reference(x, gate, w, eps)
+            if not isinstance(y, torch.Tensor) or y.dtype != want.dtype or not torch.equal(y, want):
+                return GatedRMSNormProbe(
+                    False, None, f"computes another gated norm than Qwen3-Next's (the norm, then silu of the gate, as "
+                    f"op rms_norm and op swiglu compute it; probed, {str(dt)[6:]} x with a {str(wdt)[6:]} weight): "
+                    "Mamba2's gate before the norm, a sigmoid gate, an fp32 weight product, or other rounding", True)
+    return GatedRMSNormProbe(True, eps, "the norm, then silu of the gate (Qwen3-Next's, probed)", True)
 
 
 def _extra_forward_arguments(cls: type) -> list[str]:

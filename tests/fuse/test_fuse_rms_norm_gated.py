@@ -1,0 +1,321 @@
+"""The gated RMSNorm of Qwen3-Next's and Qwen3.5's linear attention (``RMSNormGated``: the norm, then ``silu`` of the
+gate): :func:`pipegoose.nn.fusion.functional.rms_norm_gated` (op ``rms_norm`` then op ``swiglu``),
+:class:`~pipegoose.nn.fusion.modules.FusedRMSNormGated`, the probe that tells Qwen3-Next's formula from the other gated
+norms of transformers (Mamba2's gate before the norm, Kimi Linear's sigmoid, fp32 weight products), and ``fuse``'s
+opt-in kind ``rms_norm_gated``. CPU: bit for bit transformers' modules on PyTorch's path; GPU (marker ``cuda``): the
+kernels against float64."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from pipegoose.nn.fusion import FusedRMSNormGated, dispatch, rms_norm_gated
+from pipegoose.nn.fusion.fuse import DEFAULT_OPS, OPS, OPT_IN, fuse, is_fused, unfuse
+from pipegoose.nn.fusion.transformers.matching import gated_rms_norm_candidate, probe_rms_norm_gated
+
+transformers = pytest.importorskip("transformers")
+
+# (modeling module, class, constructor keywords): Qwen3-Next's formula, fused
+QWEN_STYLE = [("qwen3_next", "Qwen3NextRMSNormGated", {}), ("qwen3_5", "Qwen3_5RMSNormGated", {}),
+              ("qwen3_5_moe", "Qwen3_5MoeRMSNormGated", {}), ("olmo_hybrid", "OlmoHybridRMSNormGated", {})]
+# other gated norms: the gate before the norm over groups (Mamba2's and its copies), a sigmoid gate in fp32 (Kimi
+# Linear's), silu in fp32 with an fp32 weight product (Lara's): refused
+OTHERS = [("mamba2", "Mamba2RMSNormGated", {"group_size": 8}), ("bamba", "BambaRMSNormGated", {"group_size": 8}),
+          ("kimi_linear", "KimiLinearRMSNormGated", {}), ("lara_mini", "LaraMiniRMSNormGated", {})]
+FORMS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+         (torch.bfloat16, torch.float32)]
+
+
+def _norm(modeling, cls, kw, width=16, wdtype=torch.float32, seed=0):
+    try:
+        m = importlib.import_module(f"transformers.models.{modeling}.modeling_{modeling}")
+    except ImportError:
+        pytest.skip(f"this transformers has no {modeling}")
+    if not hasattr(m, cls):
+        pytest.skip(f"this transformers has no {cls}")
+    norm = getattr(m, cls)(width, **kw).to(wdtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(width, generator=torch.Generator().manual_seed(seed)) + 0.5)
+    return norm
+
+
+def _inputs(dtype, width=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(3, 5, width, generator=g) + 0.3).to(dtype).requires_grad_()
+    gate = (torch.randn(3, 5, width, generator=g) * 2).to(dtype).requires_grad_()
+    return x, gate
+
+
+@pytest.mark.parametrize("dtype, wdtype", FORMS, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("modeling, cls, kw", QWEN_STYLE, ids=[c for _, c, _ in QWEN_STYLE])
+def test_the_functional_is_transformers_gated_norm_bit_for_bit(modeling, cls, kw, dtype, wdtype):
+    """On PyTorch's path (the CPU) the functional computes what transformers' module does, bit for bit: the output and
+    the gradients of x, gate and weight, in fp32, bf16, fp16 and bf16 with an fp32 weight; the ops are recorded."""
+    norm = _norm(modeling, cls, kw, wdtype=wdtype)
+    x, gate = _inputs(dtype)
+    want = norm(x, gate)
+    dispatch.reset_stats()
+    got = rms_norm_gated(x, gate, norm.weight, norm.variance_epsilon)
+    assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+    assert dispatch.stats()["rms_norm"] == {"torch": 1}
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    for a, b in zip(torch.autograd.grad(got, (x, gate, norm.weight), dy),
+                    torch.autograd.grad(want, (x, gate, norm.weight), dy)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_the_functional_refuses_bad_input():
+    """Errors name the argument: a gate of another shape, dtype or device, not a tensor; x of no dimension."""
+    x, gate = _inputs(torch.float32)
+    w = torch.ones(16)
+    with pytest.raises(ValueError, match="gate: expected x's shape"):
+        rms_norm_gated(x, gate[..., :8], w)
+    with pytest.raises(TypeError, match="gate: expected x's dtype"):
+        rms_norm_gated(x, gate.double(), w)
+    with pytest.raises(TypeError, match="gate: expected a tensor"):
+        rms_norm_gated(x, None, w)
+    with pytest.raises(TypeError, match="x: expected a tensor of at least one dimension"):
+        rms_norm_gated(torch.tensor(1.0), torch.tensor(1.0), w)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm_gated(x, gate, torch.ones(8))
+
+
+@pytest.mark.parametrize("modeling, cls, kw", QWEN_STYLE + OTHERS, ids=[c for _, c, _ in QWEN_STYLE + OTHERS])
+def test_the_probe_tells_qwens_gated_norm_from_the_others(modeling, cls, kw):
+    """Qwen3-Next's formula is found (with the module's epsilon); Mamba2's and Bamba's gate before a grouped norm,
+    Kimi Linear's sigmoid and Lara's fp32 weight product are refused with the reason. All are candidates."""
+    norm = _norm(modeling, cls, kw)
+    assert gated_rms_norm_candidate(norm)
+    found = probe_rms_norm_gated(norm)
+    if (modeling, cls, kw) in QWEN_STYLE:
+        assert found.ok and found.eps == norm.variance_epsilon, found
+    else:
+        assert not found.ok and found.candidate, found
+        assert "computes another gated norm than Qwen3-Next's" in found.reason, found
+
+
+def test_the_probe_refuses_near_misses():
+    """A (1 + weight) gated norm, one without an epsilon attribute, one that fails on the CPU, and modules that are no
+    gated norm (a plain RMSNorm, two parameters) are refused or not candidates."""
+    base = _norm("qwen3_5", "Qwen3_5RMSNormGated", {})
+
+    class OnePlus(type(base)):
+        def forward(self, hidden_states, gate):
+            dt = hidden_states.dtype
+            h = hidden_states.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            h = (1 + self.weight) * h.to(dt)
+            return (h * nn.functional.silu(gate.float())).to(dt)
+
+    class NoEps(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(16))
+
+        def forward(self, hidden_states, gate):
+            return hidden_states
+
+    class GpuOnly(type(base)):
+        def forward(self, hidden_states, gate):
+            raise RuntimeError("expected a CUDA tensor")
+
+    one_plus = OnePlus(16)
+    assert not probe_rms_norm_gated(one_plus).ok
+    assert "no eps attribute" in probe_rms_norm_gated(NoEps()).reason
+    assert "probe forward failed: RuntimeError: expected a CUDA tensor" in probe_rms_norm_gated(GpuOnly(16)).reason
+    llama = importlib.import_module("transformers.models.llama.modeling_llama").LlamaRMSNorm(16)
+    assert not gated_rms_norm_candidate(llama) and not probe_rms_norm_gated(llama).candidate
+    assert not gated_rms_norm_candidate(nn.Linear(4, 4))
+
+
+def test_fused_module_from_module():
+    """from_module shares the weight Parameter and the epsilon; state_dict keys are the module's; the forward is the
+    module's bit for bit; pickle and deepcopy keep it; a Mamba2 norm is refused (verify), a plain RMSNorm is not a
+    gated one (TypeError); a missing gate and bad constructor arguments raise, naming the argument."""
+    norm = _norm("qwen3_5", "Qwen3_5RMSNormGated", {}, wdtype=torch.bfloat16)
+    norm.variance_epsilon = 1e-5
+    fused = FusedRMSNormGated.from_module(norm)
+    assert fused.weight is norm.weight and fused.variance_epsilon == 1e-5
+    assert fused.state_dict().keys() == norm.state_dict().keys()
+    x, gate = _inputs(torch.bfloat16)
+    assert torch.equal(fused(x, gate), norm(x, gate))
+    for again in (pickle.loads(pickle.dumps(fused)), copy.deepcopy(fused)):
+        assert torch.equal(again(x, gate), norm(x, gate))
+    with pytest.raises(ValueError, match="computes another gated norm"):
+        FusedRMSNormGated.from_module(_norm("mamba2", "Mamba2RMSNormGated", {"group_size": 8}))
+    llama = importlib.import_module("transformers.models.llama.modeling_llama").LlamaRMSNorm(16)
+    with pytest.raises(TypeError, match="module: expected a gated RMSNorm"):
+        FusedRMSNormGated.from_module(llama)
+    with pytest.raises(TypeError, match="gate: FusedRMSNormGated needs the gate"):
+        fused(x)
+    with pytest.raises(TypeError, match="hidden_size"):
+        FusedRMSNormGated(16.0)
+    with pytest.raises(ValueError, match="hidden_size"):
+        FusedRMSNormGated(0)
+    with pytest.raises(ValueError, match="eps"):
+        FusedRMSNormGated(16, eps=-1.0)
+    with pytest.raises(ValueError, match="impl"):
+        FusedRMSNormGated(16, impl="nope")
+
+
+def _qwen35(layers=2):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "qwen3_5_text" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no qwen3_5_text")
+    cfg = CONFIG_MAPPING["qwen3_5_text"](
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=97, layer_types=["linear_attention", "full_attention"][:layers],
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():   # (a weight of its own, not ones: a dropped weight would show)
+        for m in model.modules():
+            if type(m).__name__.endswith("RMSNormGated"):
+                m.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def _gated(model):
+    return {p: m for p, m in model.named_modules() if type(m).__name__.endswith("RMSNormGated")}
+
+
+def _step(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_fuse_leaves_the_gated_norm_unless_asked():
+    """rms_norm_gated is opt-in: fuse() with the default ops leaves Qwen3.5's gated norm as it is and counts it as not
+    asked for, naming the opt-in kinds; the kind is in OPS, not in DEFAULT_OPS."""
+    assert "rms_norm_gated" in OPS and "rms_norm_gated" in OPT_IN and "rms_norm_gated" not in DEFAULT_OPS
+    model = _qwen35()
+    report = fuse(model)
+    try:
+        assert not any(r.kind == "rms_norm_gated" for r in report.rows)
+        assert all(type(m).__name__ == "Qwen3_5RMSNormGated" for m in _gated(model).values())
+        assert report.not_requested.get("rms_norm_gated") == 1
+        assert "rms_norm_gated and linear_cross_entropy only where named" in str(report)
+    finally:
+        unfuse(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fuse_replaces_the_gated_norm_and_computes_what_it_did(dtype):
+    """With rms_norm_gated in ops: the row says what runs, the module is a FusedRMSNormGated sharing the weight, the
+    logits and every gradient equal the unfused model's bit for bit on the CPU (the ops' PyTorch paths), the ops ran;
+    a dry run changes nothing; unfuse puts the model's own module back (the same object, the same state_dict)."""
+    model = _qwen35().to(dtype)
+    ids = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    ref, ref_g = _step(model, ids)
+    before = _gated(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    dry = fuse(model, ops=list(DEFAULT_OPS) + ["rms_norm_gated"], dry_run=True)
+    assert [r.fused for r in dry.rows if r.kind == "rms_norm_gated"] == [True] and _gated(model) == before
+    report = fuse(model, ops=list(DEFAULT_OPS) + ["rms_norm_gated"])
+    rows = [r for r in report.rows if r.kind == "rms_norm_gated"]
+    assert len(rows) == 1 and rows[0].fused and rows[0].replacement == "FusedRMSNormGated", rows
+    assert "the norm, then silu of the gate" in rows[0].reason and "op rms_norm, then op swiglu" in rows[0].reason
+    (path, old), = before.items()
+    new = model.get_submodule(path)
+    assert isinstance(new, FusedRMSNormGated) and new.weight is old.weight
+    dispatch.reset_stats()
+    got, got_g = _step(model, ids)
+    assert dispatch.stats()["swiglu"] == {"torch": 3}, dispatch.stats()   # (the two MLPs and the gated norm)
+    assert torch.equal(got, ref) and got_g.keys() == ref_g.keys()
+    assert all(torch.equal(got_g[n], ref_g[n]) for n in ref_g)
+    assert is_fused(model) and unfuse(model) is True
+    assert model.get_submodule(path) is old
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_fuse_skips_another_gated_norm_with_the_reason():
+    """A model holding Mamba2's gated norm (the gate before a grouped norm) with rms_norm_gated in ops: the row is
+    skipped, not eligible, with the probe's reason; the module stays."""
+    norm = _norm("mamba2", "Mamba2RMSNormGated", {"group_size": 8})
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = norm
+
+        def forward(self, x, gate):
+            return self.norm(x, gate)
+
+    block = Block()
+    report = fuse(block, ops=["rms_norm_gated"])
+    rows = [r for r in report.rows if r.kind == "rms_norm_gated"]
+    assert len(rows) == 1 and not rows[0].fused and not rows[0].eligible
+    assert "computes another gated norm than Qwen3-Next's" in rows[0].reason
+    assert block.norm is norm and not is_fused(block)
+
+
+# --------------------------------------------------------------------------------------------------- on the GPU
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype, wdtype", FORMS, ids=lambda d: str(d)[6:])
+def test_the_kernels_compute_the_gated_norm(dtype, wdtype, no_tuning_table):
+    """On the GPU the functional runs op rms_norm on its kernel and, where the weight has x's dtype, op swiglu on its
+    kernel (counted), rows of 128 (Qwen3.5's value heads) and of an odd 1000; the output and the gradients of x, gate
+    and weight against the float64 formula within the dtype's tolerance (scaled for the norm's rounding to x's dtype
+    before the weight); the outputs poisoned first, every element written."""
+    from kernel_helpers import poison
+    from tolerances import tol
+
+    for width in (128, 1000):
+        g = torch.Generator(device="cuda").manual_seed(width)
+        x = (torch.randn(4, 257, width, device="cuda", generator=g) + 0.3).to(dtype).requires_grad_()
+        gate = (torch.randn(4, 257, width, device="cuda", generator=g) * 2).to(dtype).requires_grad_()
+        w = (torch.rand(width, device="cuda", generator=g) + 0.5).to(wdtype).requires_grad_()
+        dy = torch.randn(x.shape, device="cuda", generator=g).to(dtype)
+        poison((x.shape, torch.float32), (x.shape, torch.float32), (x.shape, torch.float32))
+        dispatch.reset_stats()
+        y = rms_norm_gated(x, gate, w, 1e-6)
+        grads = torch.autograd.grad(y, (x, gate, w), dy)
+        stats = dispatch.stats()
+        assert stats["rms_norm"] == {"pipegoose": 1}, stats
+        assert stats.get("swiglu") == ({"pipegoose": 1} if wdtype == dtype else None), stats
+        x64, g64, w64 = (t.detach().double().requires_grad_() for t in (x, gate, w))
+        h = w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+        want = h * torch.nn.functional.silu(g64)
+        want_g = torch.autograd.grad(want, (x64, g64, w64), dy.double())
+        assert y.dtype == dtype and bool(torch.isfinite(y).all())
+        torch.testing.assert_close(y.double(), want.detach(), **tol(dtype, 2))
+        for name, a, b in zip(("x", "gate", "weight"), grads, want_g):
+            assert bool(torch.isfinite(a).all()), name
+            # (the weight's gradient sums over 1028 rows)
+            scale = 2 if name != "weight" else 32
+            torch.testing.assert_close(a.double(), b, **tol(dtype if name != "weight" else wdtype, scale),
+                                       msg=lambda m: f"{name} ({width}): {m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_qwen35_runs_the_gated_norm_on_the_kernels(dtype, no_tuning_table):
+    """A tiny Qwen3.5 on the GPU fused with rms_norm_gated: its gated norm runs both kernels, and the logits and
+    gradients agree with the unfused model's (fp32 to its rounding; bf16 within the kernels' one rounding against
+    eager's)."""
+    from tolerances import tol
+
+    model = _qwen35().to("cuda", dtype)
+    ids = torch.randint(3, 97, (2, 64), generator=torch.Generator().manual_seed(1)).to("cuda")
+    ref, ref_g = _step(model, ids)
+    fuse(model, ops=["rms_norm_gated"])
+    dispatch.reset_stats()
+    got, got_g = _step(model, ids)
+    assert dispatch.stats()["swiglu"] == {"pipegoose": 1}, dispatch.stats()
+    scale = 1 if dtype == torch.float32 else 4
+    torch.testing.assert_close(got, ref, **tol(dtype, scale))
+    for n in ref_g:
+        torch.testing.assert_close(got_g[n], ref_g[n], **tol(dtype, 8 * scale), msg=lambda m: f"{n}: {m}")
+    unfuse(model)
