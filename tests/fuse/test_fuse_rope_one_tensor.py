@@ -133,6 +133,9 @@ def test_one_tensor_models_are_fused_and_compute_what_they_did(model_type, dtype
     assert all(f"one tensor a call, ({params})" in r.reason for r in rows), rows
     if model_type in ("gptj", "codegen"):
         assert all(f"on the {_rotated(model, model_type)} values of each head" in r.reason for r in rows), rows
+        # (its tables: half the rotated values, each for a pair; a breaker read "the tables' first half (GLM's)")
+        assert all("half-width tables used for a pair of neighbours (GPT-J's)" in r.reason
+                   and "with tables of half that width" in r.reason and "GLM" not in r.reason for r in rows), rows
     dispatch.reset_stats()
     got, got_g = _step(model, ids)
     assert dispatch.stats()["rope"] == {"torch": 2 * layers}, dispatch.stats()

@@ -1806,15 +1806,18 @@ def _consider_rope(model, child, path, target, dry_run, state) -> FusionRow:
     if not dry_run:
         rec = _rope.install(child, target, found)
         state.rope_hooks.append((weakref.ref(child), rec))
-    style = _rope.STYLE_WORDS[found.style]
+    half = found.one is not None and found.one.half   # (GPT-J's: tables of half the rotated values, each used twice)
+    style = ("the interleaved RoPE, each value of its half-width tables used for a pair of neighbours (GPT-J's)"
+             if half else _rope.STYLE_WORDS[found.style])
     whose = f"{style}, partial rotary as GLM's" if found.interleaved else "GPT-NeoX's partial rotary"
     # (a function of one tensor a call: GPT-J's, Gemma 4's)
     one = (f" (one tensor a call, ({found.one.params}): each call a launch of its own)" if found.one is not None
            else "")
+    tables = ("with tables of half that width; its function raises for other widths" if half else
+              "with tables of that width; its function raises for narrower tables")
     what = (f"{whose}, {rotary} of each head's values (probed): its calls{one}" if partial
             else f"{style} (probed): its plain calls{one}, on the {rotary} values of each head that it rotates "
-                 f"(partial rotary, factor {factor}: it passes them alone, with tables of that width; its function "
-                 "raises for narrower tables)," if sliced
+                 f"(partial rotary, factor {factor}: it passes them alone, {tables})," if sliced
             else f"{style} (probed): its plain calls{one}")
     return FusionRow(path, "rope", name, "rope hooks", True, fwd, bwd,
                      f"{target.module_name.rsplit('.', 1)[-1]}.{_rope.NAME}, {what} from this module run op rope"

@@ -1,0 +1,218 @@
+"""The gated RMSNorm of Qwen3-Next's and Qwen3.5's linear attention (``RMSNormGated``: the norm, then ``silu`` of the
+gate): forward, and forward + backward, time and effective bandwidth, in one run beside the copy bandwidth.
+
+    python -m benchmarks.rms_norm_gated [--shapes 16384x128 ...] [--dtypes bf16,fp32] [--reps 30] [--impls a,b]
+                                        [--out DIR] [--device cpu]
+
+Shapes ``RxD``: rows (tokens times value heads) and the normalised size (a value head's: 128 in Qwen3-Next and
+Qwen3.5). x, gate and the output gradient [R, D] of one dtype, the weight [D] of it too (``--weight-fp32``: fp32, as
+in mixed precision, where the gate runs in PyTorch after the norm's kernel).
+
+Implementations, each of ``y = norm(x, gate)``:
+
+* ``pipegoose``: :func:`pipegoose.nn.fusion.functional.rms_norm_gated` with ``impl="pipegoose"`` (strict: both
+  kernels, or an error): op ``rms_norm`` then op ``swiglu``;
+* ``transformers``: ``Qwen3_5RMSNormGated``'s forward (``modeling_qwen3_5``; Qwen3-Next's where Qwen3.5 is missing),
+  eager: what the model runs;
+* ``compile``: ``torch.compile`` of that forward.
+
+Each implementation's output and gradients (x, gate, weight) are first compared with ``transformers``' (the dtype's
+tolerance of ``tests/tolerances.py``, scaled by 2; the weight's gradient, a sum over the rows, by 16); one that
+differs is reported FAILED and not timed. Time: the median of the repetitions (CUDA events, the L2 cache flushed before
+each: ``benchmarks.timing``); the backward is timed with the forward (``fwd+bwd``). Effective bandwidth: the fewest
+bytes each pass must move (forward: x and gate read, y written, the weight read; backward: the output gradient, x,
+gate and the weight read, the gradients of x and gate written, the weight's written once) over the median time, and
+its share of the device copy bandwidth measured in the same run. Writes ``rms_norm_gated.json`` and ``.md`` (GPU,
+versions, date) into ``--out``. ``--device cpu`` is a dry run of the plumbing (small shapes, no flush; ``pipegoose``
+errors there: the kernels need a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from benchmarks.common import environment, raise_compile_limits, today, tolerances
+from benchmarks.timing import Timer
+
+# Qwen3.5 / Qwen3-Next value heads of 128: 8 x 2048 tokens times 32 heads, and 16 heads; a wider norm of 512
+SHAPES = ["524288x128", "262144x128", "65536x512"]
+DRY_SHAPES = ["64x16"]
+IMPLS = ("pipegoose", "transformers", "compile")
+PASSES = ("fwd", "fwd+bwd")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+EPS = 1e-6
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``RxD`` -> (R, D), both positive."""
+    try:
+        r, d = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RxD (rows x normalised size), got {text!r}") from None
+    if min(r, d) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive sizes, got {text!r}")
+    return r, d
+
+
+def _module_class():
+    """transformers' gated norm: Qwen3.5's, else Qwen3-Next's."""
+    import importlib
+
+    for name, cls in (("qwen3_5", "Qwen3_5RMSNormGated"), ("qwen3_next", "Qwen3NextRMSNormGated")):
+        try:
+            return getattr(importlib.import_module(f"transformers.models.{name}.modeling_{name}"), cls)
+        except (ImportError, AttributeError):
+            continue
+    raise SystemExit("benchmarks.rms_norm_gated: this transformers has no Qwen3.5 or Qwen3-Next gated norm")
+
+
+def functions() -> dict[str, Callable]:
+    """name -> ``fn(x, gate, weight)``."""
+    from pipegoose.nn.fusion import dispatch
+    from pipegoose.nn.fusion.functional import rms_norm_gated
+
+    cls = _module_class()
+
+    def theirs(x, gate, weight):   # (the module's own forward, with this weight)
+        m = cls.__new__(cls)
+        torch.nn.Module.__init__(m)
+        m.weight, m.variance_epsilon, m.activation = weight, EPS, "silu"
+        return cls.forward(m, x, gate)
+
+    def ours(x, gate, weight):
+        with dispatch.strict():
+            return rms_norm_gated(x, gate, weight, EPS, impl="pipegoose")
+
+    raise_compile_limits()
+    return {"pipegoose": ours, "transformers": theirs, "compile": torch.compile(theirs, dynamic=False)}
+
+
+def inputs(shape: tuple[int, int], dtype: torch.dtype, device: str, weight_fp32: bool = False) -> dict:
+    r, d = shape
+    g = torch.Generator(device=device).manual_seed(r + d)
+    x = (torch.randn(r, d, device=device, generator=g) + 0.3).to(dtype)
+    gate = (torch.randn(r, d, device=device, generator=g) * 2).to(dtype)
+    w = (torch.rand(d, device=device, generator=g) + 0.5).to(torch.float32 if weight_fp32 else dtype)
+    dy = torch.randn(r, d, device=device, generator=g).to(dtype)
+    return dict(x=x.requires_grad_(), gate=gate.requires_grad_(), weight=w.requires_grad_(), dy=dy)
+
+
+def min_bytes(shape: tuple[int, int], dtype: torch.dtype, wdtype: torch.dtype, passes: str) -> int:
+    """The fewest bytes a pass moves: forward x and gate read, y written, the weight read; the backward the output
+    gradient, x and gate read, their gradients written, the weight read and its gradient written."""
+    r, d = shape
+    e, we = (torch.empty((), dtype=t).element_size() for t in (dtype, wdtype))
+    fwd = 3 * r * d * e + d * we
+    bwd = 5 * r * d * e + 2 * d * we
+    return fwd if passes == "fwd" else fwd + bwd
+
+
+def run_pass(fn: Callable, inp: dict, passes: str) -> tuple:
+    y = fn(inp["x"], inp["gate"], inp["weight"])
+    if passes == "fwd":
+        return (y,)
+    return (y, *torch.autograd.grad(y, (inp["x"], inp["gate"], inp["weight"]), inp["dy"]))
+
+
+def run_shape(shape: tuple[int, int], fns: dict, timer: Timer, dtype: torch.dtype, device: str, copy_gbps: float,
+              impls: tuple[str, ...] | None = None, weight_fp32: bool = False) -> list[dict[str, Any]]:
+    """One row per implementation and pass; ``transformers`` is the correctness check of every row."""
+    inp = inputs(shape, dtype, device, weight_fp32)
+    wdtype = inp["weight"].dtype
+    want = run_pass(fns["transformers"], inp, "fwd+bwd")
+    tol = tolerances()[dtype]
+    rows = []
+    for name in IMPLS:
+        if impls is not None and name not in impls:
+            continue
+        base: dict[str, Any] = dict(impl=name, rows=shape[0], width=shape[1], dtype=str(dtype).removeprefix("torch."),
+                                    weight_dtype=str(wdtype).removeprefix("torch."))
+        try:
+            got = run_pass(fns[name], inp, "fwd+bwd")
+            bad = [n for n, a, w, s in zip(("y", "grad_x", "grad_gate", "grad_weight"), got, want, (2, 2, 2, 16))
+                   if a.shape != w.shape or a.dtype != w.dtype
+                   or not torch.allclose(a.float(), w.float(), rtol=s * tol["rtol"], atol=s * tol["atol"])]
+            del got
+            if bad:
+                rows += [dict(base, passes=p, status="FAILED", why=f"differs from the model's module: {bad}")
+                         for p in PASSES]
+                continue
+            for p in PASSES:
+                t = timer.time(lambda _, p=p: run_pass(fns[name], inp, p))
+                gbps = min_bytes(shape, dtype, wdtype, p) / (t["median_ms"] * 1e-3) / 1e9
+                rows.append(dict(base, passes=p, status="ok", **t, gbps=gbps,
+                                 pct_copy=100 * gbps / copy_gbps if copy_gbps else None))
+        except Exception as e:  # noqa: BLE001 (one implementation's failure is a row, not the end of the run)
+            rows += [dict(base, passes=p, status="error", why=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                     for p in PASSES]
+    return rows
+
+
+def markdown(env: dict, rows: list[dict], copy_gbps: float) -> str:
+    dtypes = ", ".join(dict.fromkeys(r["dtype"] for r in rows)) or "no rows"
+    lines = [f"# Gated RMSNorm (Qwen3-Next's / Qwen3.5's RMSNormGated), {dtypes} ({env.get('gpu')}, {env.get('date')})",
+             "", f"torch {env.get('torch')}, CUDA {env.get('cuda_runtime')}, triton {env.get('triton')}, transformers "
+             f"{env.get('transformers')}, pipegoose {env.get('pipegoose_git')}. Device copy: {copy_gbps:.0f} GB/s. "
+             "Time: median ms (L2 flushed); GB/s of the fewest bytes the pass moves; % of that copy.", "",
+             "| R x D | dtype | weight | pass | impl | ms | GB/s | % of copy | status |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        head = f"| {r['rows']}x{r['width']} | {r['dtype']} | {r['weight_dtype']} | {r['passes']} "
+        if r["status"] == "ok":
+            pct = f"{r['pct_copy']:.1f}" if r.get("pct_copy") is not None else ""
+            lines.append(f"{head}| {r['impl']} | {r['median_ms']:.4f} | {r['gbps']:.0f} | {pct} | ok |")
+        else:
+            lines.append(f"{head}| {r['impl']} | | | | {r['status']}: {r.get('why', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.rms_norm_gated", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", type=parse_shape, nargs="+", default=None,
+                    help=f"RxD (default {' '.join(SHAPES)}; on the CPU {' '.join(DRY_SHAPES)})")
+    ap.add_argument("--dtypes", default="bf16", help="comma separated, of bf16, fp16, fp32 (default: bf16)")
+    ap.add_argument("--weight-fp32", action="store_true", help="an fp32 weight (mixed precision)")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--impls", default="", help=f"comma separated, of {', '.join(IMPLS)} (default: all)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the plumbing")
+    ap.add_argument("--out", type=Path, default=None, help="folder for rms_norm_gated.json / .md")
+    args = ap.parse_args(argv)
+    dtypes = [DTYPES.get(x.strip().lower()) for x in args.dtypes.split(",") if x.strip()]
+    if not dtypes or None in dtypes or len(set(dtypes)) != len(dtypes):
+        ap.error(f"--dtypes: expected some of {', '.join(DTYPES)}, each once, got {args.dtypes!r}")
+    if args.reps < 1:
+        ap.error(f"--reps: expected a positive number of repetitions, got {args.reps}")
+    impls = tuple(x.strip() for x in args.impls.split(",") if x.strip()) or None
+    unknown = [x for x in impls or () if x not in IMPLS]
+    if unknown:
+        ap.error(f"--impls: unknown {', '.join(unknown)}; expected some of {', '.join(IMPLS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("benchmarks.rms_norm_gated: needs a CUDA GPU (--device cpu: a dry run)")
+    shapes = args.shapes or [parse_shape(s) for s in (SHAPES if args.device == "cuda" else DRY_SHAPES)]
+    env = environment(args.device)
+    timer = Timer(args.device, warmup=3, reps=args.reps, max_s=10.0)
+    copy_gbps = timer.copy_gbps() if args.device == "cuda" else 0.0
+    fns = functions()
+    rows = []
+    for dtype in dtypes:
+        for shape in shapes:
+            rows += run_shape(shape, fns, timer, dtype, args.device, copy_gbps, impls, args.weight_fp32)
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    md = markdown(env, rows, copy_gbps)
+    print(md)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "rms_norm_gated.json").write_text(json.dumps(dict(environment=env, date=today(),
+                                                                      copy_gbps=copy_gbps, rows=rows), indent=1))
+        (args.out / "rms_norm_gated.md").write_text(md)
+
+
+if __name__ == "__main__":
+    main()
