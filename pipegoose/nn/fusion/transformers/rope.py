@@ -557,6 +557,7 @@ def _takes_one(args: tuple, kwargs: dict, found: Probe, sig: inspect.Signature |
     cos, sin = (t2, t1) if form.sin_first else (t1, t2)
     heads = _HEADS[unsqueeze_dim]
     k = x.narrow(heads, 0, 0)
+
     def width(t):   # (the op's tables: each value twice where the function takes half tables)
         shape = tuple(t.shape)
         return (*shape[:-1], 2 * shape[-1]) if form.half and shape else shape
