@@ -206,3 +206,24 @@ def raise_compile_limits(at_least: int = 1024) -> None:
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+def parse_dtypes_reps_impls(ap: Any, args: Any, dtypes: dict, impls: tuple) -> tuple[list, tuple | None]:
+    """The single-op benchmarks' shared options, checked: ``--dtypes`` (comma separated names of ``dtypes``, each
+    once), ``--reps`` (positive) and ``--impls`` (comma separated names of ``impls``; empty: all, None). Errors go
+    through ``ap.error`` (exit 2, the option named). Returns (the dtypes, the implementations or None)."""
+    names = [x.strip().lower() for x in args.dtypes.split(",") if x.strip()]
+    chosen = [dtypes.get(n) for n in names]
+    if not chosen or None in chosen:
+        ap.error(f"--dtypes: expected some of {', '.join(dtypes)}, got {args.dtypes!r}")
+    if len(set(chosen)) != len(chosen):
+        ap.error(f"--dtypes: {args.dtypes!r} names a dtype twice")
+    if args.reps < 1:
+        ap.error(f"--reps: expected a positive number of repetitions, got {args.reps}")
+    picked = tuple(x.strip() for x in args.impls.split(",") if x.strip()) or None
+    if args.impls and picked is None:
+        ap.error(f"--impls: expected some of {', '.join(impls)}, got {args.impls!r}")
+    unknown = [x for x in picked or () if x not in impls]
+    if unknown:
+        ap.error(f"--impls: unknown {', '.join(unknown)}; expected some of {', '.join(impls)}")
+    return chosen, picked

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.common import environment, raise_compile_limits, today, tolerances
+from benchmarks.common import environment, parse_dtypes_reps_impls, raise_compile_limits, today, tolerances
 from benchmarks.timing import Timer
 
 # Qwen3.5 / Qwen3-Next value heads of 128: 8 x 2048 tokens times 32 heads, and 16 heads; a wider norm of 512
@@ -183,15 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the plumbing")
     ap.add_argument("--out", type=Path, default=None, help="folder for rms_norm_gated.json / .md")
     args = ap.parse_args(argv)
-    dtypes = [DTYPES.get(x.strip().lower()) for x in args.dtypes.split(",") if x.strip()]
-    if not dtypes or None in dtypes or len(set(dtypes)) != len(dtypes):
-        ap.error(f"--dtypes: expected some of {', '.join(DTYPES)}, each once, got {args.dtypes!r}")
-    if args.reps < 1:
-        ap.error(f"--reps: expected a positive number of repetitions, got {args.reps}")
-    impls = tuple(x.strip() for x in args.impls.split(",") if x.strip()) or None
-    unknown = [x for x in impls or () if x not in IMPLS]
-    if unknown:
-        ap.error(f"--impls: unknown {', '.join(unknown)}; expected some of {', '.join(IMPLS)}")
+    dtypes, impls = parse_dtypes_reps_impls(ap, args, DTYPES, IMPLS)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks.rms_norm_gated: needs a CUDA GPU (--device cpu: a dry run)")
     shapes = args.shapes or [parse_shape(s) for s in (SHAPES if args.device == "cuda" else DRY_SHAPES)]

@@ -58,7 +58,7 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.common import environment, raise_compile_limits, today, tolerances
+from benchmarks.common import environment, parse_dtypes_reps_impls, raise_compile_limits, today, tolerances
 from benchmarks.timing import Timer
 
 # Pythia-410m (the end-to-end NeoX step's shape), Pythia-1.4b, Pythia-6.9b, Pythia-2.8b (heads of 80, 20 rotated) and
@@ -272,19 +272,7 @@ def main(argv: list[str] | None = None) -> None:
             check_defines(["pipegoose/rope"], defines)
         except ValueError as e:
             ap.error(f"--defines: {e}")
-    dtypes = [DTYPES.get(x.strip().lower()) for x in args.dtypes.split(",") if x.strip()]
-    if not dtypes or None in dtypes:
-        ap.error(f"--dtypes: expected some of {', '.join(DTYPES)}, got {args.dtypes!r}")
-    if len(set(dtypes)) != len(dtypes):
-        ap.error(f"--dtypes: {args.dtypes!r} names a dtype twice")
-    if args.reps < 1:
-        ap.error(f"--reps: expected a positive number of repetitions, got {args.reps}")
-    impls = tuple(x.strip() for x in args.impls.split(",") if x.strip()) or None
-    if args.impls and impls is None:
-        ap.error(f"--impls: expected some of {', '.join(IMPLS)}, got {args.impls!r}")
-    unknown = [x for x in impls or () if x not in IMPLS]
-    if unknown:
-        ap.error(f"--impls: unknown {', '.join(unknown)}; expected some of {', '.join(IMPLS)}")
+    dtypes, impls = parse_dtypes_reps_impls(ap, args, DTYPES, IMPLS)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks.rope_partial: needs a CUDA GPU (--device cpu: a dry run)")
     dry = ["2x16x4x16x16"] if args.style == "cohere" else DRY_SHAPES   # (Cohere's function rotates whole heads)
