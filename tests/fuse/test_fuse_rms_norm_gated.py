@@ -134,6 +134,107 @@ def test_the_probe_refuses_near_misses():
     assert not gated_rms_norm_candidate(nn.Linear(4, 4))
 
 
+def _qwen_like(forward_norm):
+    """A Qwen3.5-style gated norm whose normalisation is ``forward_norm(h, eps)`` (h fp32)."""
+    base = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5").Qwen3_5RMSNormGated
+
+    class Norm(base):
+        def forward(self, hidden_states, gate):
+            dt = hidden_states.dtype
+            h = forward_norm(hidden_states.float(), self.variance_epsilon)
+            return ((self.weight * h.to(dt)) * nn.functional.silu(gate.float())).to(dt)
+
+    return Norm
+
+
+def test_the_probe_checks_the_epsilon_near_it():
+    """A review: inputs of mean square ~1 barely see eps, so a gated norm that clamps instead of adding it, or whose
+    forward uses another value than its attribute, passed the probe (and was fused: outputs off by up to 1.2 on small
+    inputs, NaN on zero rows). The probe now also runs inputs whose mean square is near eps and refuses them; the
+    module's own form passes; a gate with a default (its model may leave it out) is refused too."""
+    pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+
+    def clamped(h, eps):
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).clamp_min(eps))
+
+    def other_eps(h, eps):
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-9)
+
+    def right(h, eps):
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+    for fn, eps in ((clamped, 1e-8), (other_eps, 0.0)):   # (at a mean square of ~1 these agree bit for bit)
+        norm = _qwen_like(fn)(16, eps=eps)
+        found = probe_rms_norm_gated(norm)
+        assert not found.ok and "near eps" in found.reason, (fn.__name__, eps, found)
+    assert not probe_rms_norm_gated(_qwen_like(other_eps)(16, eps=1e-6)).ok   # (refused on the first inputs already)
+    assert probe_rms_norm_gated(_qwen_like(right)(16, eps=1e-6)).ok
+    assert probe_rms_norm_gated(_qwen_like(right)(16, eps=0.0)).ok
+
+    class Optional(_qwen_like(right)):
+        def forward(self, hidden_states, gate=None):
+            return super().forward(hidden_states, gate)
+
+    found = probe_rms_norm_gated(Optional(16))
+    assert not found.ok and "gate=None" in found.reason, found
+
+
+def test_epsilon_set_while_fused_goes_back_at_unfuse():
+    """A review: FusedRMSNormGated kept variance_epsilon as a plain attribute, which unfuse did not carry back (the
+    model's module then computed with the old one), and an ``eps`` set on it was written back but never used. Now
+    ``eps`` is the one value, ``variance_epsilon`` its checked alias; what is set while fused goes back; a bad value
+    is refused naming the attribute; the fused module computes with it."""
+    norm = _norm("qwen3_5", "Qwen3_5RMSNormGated", {})
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = norm
+
+        def forward(self, x, gate):
+            return self.norm(x, gate)
+
+    block = Block()
+    x, gate = _inputs(torch.float32)
+    for name in ("variance_epsilon", "eps"):
+        fuse(block, ops=["rms_norm_gated"])
+        fused = block.norm
+        assert isinstance(fused, FusedRMSNormGated)
+        setattr(fused, name, 0.5)
+        assert fused.eps == fused.variance_epsilon == 0.5
+        y = block(x, gate)
+        unfuse(block)
+        assert block.norm is norm and norm.variance_epsilon == 0.5
+        assert torch.equal(norm(x, gate), y)
+        norm.variance_epsilon = 1e-6
+    with pytest.raises(ValueError, match="variance_epsilon"):
+        FusedRMSNormGated(16).variance_epsilon = -1.0
+    with pytest.raises(AttributeError):
+        FusedRMSNormGated(16).activation = "sigmoid"
+
+
+def test_a_bad_epsilon_is_an_error_naming_the_module():
+    """As for an RMSNorm: a gated norm whose epsilon the ops refuse makes fuse raise, naming its path."""
+    norm = _norm("qwen3_5", "Qwen3_5RMSNormGated", {})
+    norm.variance_epsilon = -1.0
+    holder = nn.ModuleDict({"norm": norm})
+    with pytest.raises(ValueError, match=r"norm \(Qwen3_5RMSNormGated\)"):
+        fuse(holder, ops=["rms_norm_gated"])
+    assert holder["norm"] is norm and not is_fused(holder)
+
+
+def test_an_fp32_weight_runs_both_ops():
+    """A review: with an fp32 weight and bf16 x (mixed precision) the gate ran PyTorch's formula outside the
+    dispatcher (not counted, no strict-mode check). Now op swiglu runs it in fp32 (counted), and the result is still
+    transformers' module bit for bit on the CPU."""
+    norm = _norm("qwen3_5", "Qwen3_5RMSNormGated", {}, wdtype=torch.float32)
+    x, gate = _inputs(torch.bfloat16)
+    dispatch.reset_stats()
+    got = FusedRMSNormGated.from_module(norm)(x, gate)
+    assert dispatch.stats() == {"rms_norm": {"torch": 1}, "swiglu": {"torch": 1}}, dispatch.stats()
+    assert got.dtype == torch.bfloat16 and torch.equal(got, norm(x, gate))
+
+
 def test_fused_module_from_module():
     """from_module shares the weight Parameter and the epsilon; state_dict keys are the module's; the forward is the
     module's bit for bit; pickle and deepcopy keep it; a Mamba2 norm is refused (verify), a plain RMSNorm is not a
@@ -141,7 +242,7 @@ def test_fused_module_from_module():
     norm = _norm("qwen3_5", "Qwen3_5RMSNormGated", {}, wdtype=torch.bfloat16)
     norm.variance_epsilon = 1e-5
     fused = FusedRMSNormGated.from_module(norm)
-    assert fused.weight is norm.weight and fused.variance_epsilon == 1e-5
+    assert fused.weight is norm.weight and fused.variance_epsilon == fused.eps == 1e-5
     assert fused.state_dict().keys() == norm.state_dict().keys()
     x, gate = _inputs(torch.bfloat16)
     assert torch.equal(fused(x, gate), norm(x, gate))

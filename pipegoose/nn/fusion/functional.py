@@ -269,20 +269,23 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | N
     .to(x.dtype)``: op ``rms_norm`` with transformers' LlamaRMSNorm numerics (:func:`rms_norm` with
     ``cast_before_weight=True``), then op ``swiglu`` of ``gate`` and that result (the kernel computes ``silu`` and
     the product in fp32 and rounds once, as this formula does). Two kernels forward and two backward where eager
-    PyTorch runs about ten ops each way with fp32 intermediates.
+    PyTorch runs about ten ops each way with fp32 intermediates (with an fp32 weight and 16-bit x, as in mixed
+    precision: op ``swiglu`` in fp32 on ``gate.float()``, and a cast to x's dtype, as the formula casts).
 
     Args:
         x: [*, D], fp32, fp16, bf16 (the kernels) or fp64.
         gate: x's shape and dtype (the gate projection's output, ``z``).
-        weight: [D] or None; x's dtype (both ops on the kernel), or fp32 with 16-bit x (the norm's product is then
-            fp32, as in transformers' module, and the gate runs the formula in PyTorch: one op fewer than eager).
+        weight: [D] or None; x's dtype, or fp32 with 16-bit x (the norm's product is then fp32, as in
+            transformers' module, and op ``swiglu`` runs in fp32).
         eps: the norm's epsilon (transformers' ``variance_epsilon``; 1e-6 by default, as theirs).
         impl: force an implementation of both ops (``pipegoose``, ``torch``), default auto (each op's dispatcher).
 
     Returns:
         Tensor of x's shape and dtype. On PyTorch's path (the CPU, or where the dispatcher chooses it) bit for bit
-        transformers' module; on the kernels within one rounding of it (the kernel's fp32 ``silu`` may differ from
-        PyTorch's in the last fp32 place).
+        transformers' module, in fp32, fp16 and bf16 (fp64 x: the norm's statistics in fp64, where transformers'
+        module computes them in fp32: about 1e-7 relative apart, ours the nearer). On the kernels within their
+        rounding of it: the norm kernel rounds the normalised value times the weight once where the module rounds
+        twice (:func:`rms_norm`), and its fp32 ``silu`` may differ from PyTorch's in the last fp32 place.
 
     Kernels: pipegoose/rms_norm (pipegoose/kernels/csrc/rms_norm.cu) and pipegoose/swiglu
     (pipegoose/kernels/csrc/swiglu.cu), this project, MIT.
@@ -303,8 +306,8 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | N
     if gate.dtype != x.dtype:
         raise TypeError(f"gate: expected x's dtype {x.dtype}, got {gate.dtype}")
     h = rms_norm(x, x.shape[-1], weight, eps, cast_before_weight=True, impl=impl)
-    if h.dtype != gate.dtype:   # (an fp32 weight with 16-bit x: the product is fp32, the gate in PyTorch)
-        return _swiglu.silu_gate_reference(gate, h).to(x.dtype)
+    if h.dtype != gate.dtype:   # (an fp32 weight with 16-bit x: the product is fp32; the gate's op in it, then cast)
+        return _swiglu.run_silu_gate(gate.to(h.dtype), h, impl).to(x.dtype)
     return _swiglu.run_silu_gate(gate, h, impl)
 
 

@@ -9,6 +9,10 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   ``FusedRMSNorm`` (same ``weight``), Gemma's ``x_normed * (1 + weight)`` (``GemmaRMSNorm`` of Gemma, Gemma 2 and
   Gemma 3, its per-head ``q_norm`` / ``k_norm`` too, and copies such as Qwen3-Next's) with ``weight_offset=1.0``
   (the row's reason says "Gemma style");
+* with ``rms_norm_gated`` in ``ops`` (opt-in), every gated RMSNorm (``forward(hidden_states, gate)``) that computes
+  Qwen3-Next's and Qwen3.5's formula (the norm, then ``silu`` of the gate), found by a numerical probe
+  (``transformers.matching.probe_rms_norm_gated``) -> ``FusedRMSNormGated`` (same ``weight``; op ``rms_norm`` then op
+  ``swiglu``), kind ``rms_norm_gated`` (since session 78);
 * every norm without parameters that computes RMSNorm or LayerNorm over the last dimension in fp32 with one rounding
   to the input's dtype, found by a numerical probe (``transformers.matching.probe_weightless_norm``, which reads an
   epsilon written in the forward from its output): Gemma 4's ``v_norm`` and its router's ``norm``
@@ -245,7 +249,7 @@ class FusionRow:
             GELU, Gemma 4's, whose gate runs op ``geglu.packed``), ``gelu`` (a GELU activation module: GPT-2's),
             ``squared_relu`` (a squared ReLU activation module: Nemotron's), ``rope`` (an attention module's rotary
             embedding), ``cross_entropy`` (the model's loss), ``linear_cross_entropy`` (a causal LM's head and loss
-            in one) or ``attention``.
+            in one), ``rms_norm_gated`` (a gated RMSNorm, Qwen3-Next's: opt-in) or ``attention``.
         original: class name of the module found.
         replacement: class name (or attention function) put in its place; None when skipped.
         fused: whether it was (or, in a dry run, would be) replaced.
@@ -1238,9 +1242,10 @@ def _gated_norm_impls(module: nn.Module, impl: str | None = None, like: torch.Te
     """(forward, backward) of a gated RMSNorm's first op (``rms_norm``: its second, ``swiglu``, is chosen for the same
     rows, each call)."""
     n = module.weight.numel()
+    eps = matching.eps_of(module)[1]
     return _impls("rms_norm", module, lambda d, t: (
-        torch.empty(_probe_rows((n,)), n, device=d, dtype=t), (n,), module.weight, module.variance_epsilon
-        if hasattr(module, "variance_epsilon") else 1e-6, True), impl, like)
+        torch.empty(_probe_rows((n,)), n, device=d, dtype=t), (n,), module.weight, 1e-6 if eps is None else eps,
+        True), impl, like)
 
 
 def _consider_gated_norm(child: nn.Module, path: str, dry_run: bool, like=None):
@@ -1250,6 +1255,9 @@ def _consider_gated_norm(child: nn.Module, path: str, dry_run: bool, like=None):
     from .modules import FusedRMSNormGated
 
     name = type(child).__name__
+    _, _, bad_eps = matching.eps_of(child)
+    if bad_eps is not None:   # (an epsilon the ops refuse: an error naming the module, as for an RMSNorm's)
+        raise type(bad_eps)(f"{path} ({name}): {bad_eps}") from None
     probe = matching.probe_rms_norm_gated(child)
     if not probe.ok:
         return FusionRow(path, "rms_norm_gated", name, None, False, reason=probe.reason, eligible=False), None

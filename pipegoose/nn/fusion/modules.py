@@ -906,16 +906,30 @@ class FusedRMSNormGated(_DropsFuseRecord, nn.Module):
         impl: force an implementation of both ops (``pipegoose``, ``torch``; any case), default auto.
 
     ``forward(hidden_states [..., D], gate [..., D])`` (gate of the input's shape and dtype) returns a tensor of the
-    input's shape and dtype: on PyTorch's path bit for bit transformers' module, on the kernels within one rounding of
-    it (see the functional). Parameters/state_dict: ``weight``, as transformers' modules. ``activation`` is
-    ``"silu"`` (read-only: the kernel's). Kernels: pipegoose/rms_norm and pipegoose/swiglu (this project, MIT).
+    input's shape and dtype: on PyTorch's path bit for bit transformers' module (fp64 aside: see the functional), on
+    the kernels within their rounding of it. Parameters/state_dict: ``weight``, as transformers' modules. ``eps``, also
+    under transformers' name ``variance_epsilon`` (read and written; a value set while fused goes back to the model's
+    module at ``unfuse``). ``activation`` is ``"silu"`` (read-only: the kernel's). Kernels: pipegoose/rms_norm and
+    pipegoose/swiglu (this project, MIT).
 
     Raises (when constructed): TypeError: ``hidden_size`` not an int, ``eps`` not a number, ``impl`` not a str or None;
     ValueError: ``hidden_size`` below 1, ``eps`` negative or not finite, ``impl`` naming no implementation. At forward,
     what the functional raises (a ``gate`` of another shape or dtype, a missing one).
     """
 
-    activation = "silu"
+    @property
+    def activation(self) -> str:
+        """``"silu"``: the gate's activation, the kernel's (read-only)."""
+        return "silu"
+
+    @property
+    def variance_epsilon(self) -> float:
+        """``eps`` under transformers' name, read and written (checked as the constructor checks it)."""
+        return self.eps
+
+    @variance_epsilon.setter
+    def variance_epsilon(self, value: float) -> None:
+        self.eps = _common.eps_value(value, name="variance_epsilon")
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, device=None, dtype=None,
                  impl: str | None = None) -> None:
@@ -925,7 +939,7 @@ class FusedRMSNormGated(_DropsFuseRecord, nn.Module):
                    else TypeError)(f"hidden_size: expected a positive int, got {hidden_size!r}")
         _check_module_args("rms_norm", eps, impl)
         self.hidden_size = int(hidden_size)
-        self.variance_epsilon = _common.eps_value(eps, name="eps")
+        self.eps = _common.eps_value(eps, name="eps")
         self.impl = impl
         self.weight = nn.Parameter(torch.ones(self.hidden_size, device=device, dtype=dtype))
 
@@ -937,12 +951,12 @@ class FusedRMSNormGated(_DropsFuseRecord, nn.Module):
             raise TypeError("gate: FusedRMSNormGated needs the gate (a tensor of hidden_states' shape and dtype), "
                             "got None")
         try:
-            return PF.rms_norm_gated(hidden_states, gate, self.weight, self.variance_epsilon, impl=self.impl)
+            return PF.rms_norm_gated(hidden_states, gate, self.weight, self.eps, impl=self.impl)
         except (TypeError, ValueError) as e:
             raise _as_input_error(e) from None
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.variance_epsilon}, activation={self.activation!r}"
+        return f"{self.hidden_size}, eps={self.eps}, activation={self.activation!r}"
 
     @classmethod
     def from_module(cls, module: nn.Module, *, impl: str | None = None, verify: bool = True) -> "FusedRMSNormGated":

@@ -356,9 +356,12 @@ def probe_rms_norm_gated(module: nn.Module) -> GatedRMSNormProbe:
     """Whether ``module`` computes the gated RMSNorm of Qwen3-Next and Qwen3.5 (the norm, then ``silu`` of the gate:
     :func:`_gated_reference`), bit for bit, over its weight's size: a shallow stand-in of it (its class and
     attributes, a random weight; hooks not run) on random CPU inputs with a nonzero mean, x and gate in fp32, bf16 and
-    fp16 with a weight of their dtype, and bf16 x with an fp32 weight, in both training modes. A norm that gates
-    before it normalises (Mamba2's, Bamba's: over groups), gates with a sigmoid or multiplies by the weight in fp32
-    (Kimi Linear's) is refused with the reason, as is one whose forward fails. Never raises."""
+    fp16 with a weight of their dtype, and bf16 x with an fp32 weight, in both training modes, then fp32 inputs whose
+    mean square is near eps (a forward that adds its epsilon elsewhere, clamps, or uses another value than its
+    attribute agrees on the others). A norm that gates before it normalises (Mamba2's, Bamba's: over groups), gates
+    with a sigmoid or multiplies by the weight in fp32 (Kimi Linear's) is refused with the reason, as is one whose
+    forward fails, or whose ``gate`` has a default (its model may leave it out, which the fused module cannot take).
+    Never raises."""
     if not gated_rms_norm_candidate(module):
         return GatedRMSNormProbe(False, None, "not a leaf with one 1-D weight and forward(hidden_states, gate)", False)
     if list(module.buffers(recurse=False)):
@@ -392,6 +395,35 @@ def probe_rms_norm_gated(module: nn.Module) -> GatedRMSNormProbe:
                     False, None, f"computes another gated norm than Qwen3-Next's (the norm, then silu of the gate, as "
                     f"op rms_norm and op swiglu compute it; probed, {str(dt)[6:]} x with a {str(wdt)[6:]} weight): "
                     "Mamba2's gate before the norm, a sigmoid gate, an fp32 weight product, or other rounding", True)
+    # eps: the inputs above (mean square ~1.3) barely see it; near it (or, with eps 0, tiny inputs: the formula is
+    # then scale-invariant) a forward that adds it elsewhere, clamps or uses another value than its attribute differs
+    w = torch.rand(n, generator=gen) + 0.5
+    object.__setattr__(stand_in, "_parameters", {"weight": nn.Parameter(w, requires_grad=False)})
+    for mean_square in ((eps, 0.1 * eps) if eps > 0 else (1e-6, 1e-12, 1e-18)):
+        x = torch.randn(2, 3, n, generator=gen) + 0.5
+        x = x * torch.sqrt(mean_square / x.pow(2).mean(-1, keepdim=True))
+        gate = torch.randn(2, 3, n, generator=gen) * 3
+        try:
+            with torch.no_grad():
+                y = stand_in.forward(x, gate)
+        except Exception as exc:  # noqa: BLE001 - any failure means we cannot vouch for the module
+            return GatedRMSNormProbe(False, None, f"probe forward failed on a small input: {type(exc).__name__}: "
+                                     f"{exc}", True)
+        xd = x.double()
+        want = (w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+                * F.silu(gate.double()))
+        if (not isinstance(y, torch.Tensor) or y.shape != x.shape
+                or not torch.allclose(y.double(), want, atol=1e-5, rtol=1e-3)):
+            return GatedRMSNormProbe(False, None, f"on inputs whose mean square is near eps ({mean_square:.3g}) it "
+                                     f"computes otherwise than with its eps attribute ({eps}) under the square root "
+                                     "(probed): another epsilon, or one added elsewhere", True)
+    try:
+        gate_param = inspect.signature(type(module).forward).parameters["gate"]
+    except (TypeError, ValueError, KeyError):
+        gate_param = None
+    if gate_param is not None and gate_param.default is not inspect.Parameter.empty:
+        return GatedRMSNormProbe(False, None, f"forward(hidden_states, gate={gate_param.default!r}): its model may "
+                                 "call it without the gate, which FusedRMSNormGated needs", True)
     return GatedRMSNormProbe(True, eps, "the norm, then silu of the gate (Qwen3-Next's, probed)", True)
 
 
@@ -1675,4 +1707,5 @@ __all__ = ["ACTIVATION_FORMULAS", "ATTENTION_MODEL_TYPES", "ATTENTION_SKIP_REASO
            "probe_swiglu_mlp", "probe_isolated", "set_attn_implementation",
            "LayerNormProbe", "WeightlessNormProbe", "probe_layer_norm_module", "probe_weightless_norm", "GeluProbe",
            "ActivationProbe", "activation_formula", "gelu_candidate", "probe_gelu", "SQUARED_RELU_FORMULAS",
-           "squared_relu_candidate", "probe_squared_relu", "layer_norm_1p_candidate", "probe_layer_norm_1p"]
+           "squared_relu_candidate", "probe_squared_relu", "layer_norm_1p_candidate", "probe_layer_norm_1p",
+           "GatedRMSNormProbe", "gated_rms_norm_candidate", "probe_rms_norm_gated"]
