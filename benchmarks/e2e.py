@@ -100,7 +100,9 @@ Variants: ``eager`` / ``sdpa`` (transformers' attention implementations), ``fuse
 (``pipegoose.nn.fusion.fuse(model)`` on that model), ``fuse_sdpa_adam`` (``fuse_sdpa`` with
 ``pipegoose.nn.fusion.FusedAdam(lr, weight_decay=0.01)``, AdamW's defaults, in place of
 ``torch.optim.AdamW(fused=True)`` that every other variant steps with), ``fuse_sdpa_lce`` (``fuse_sdpa`` with
-``linear_cross_entropy`` added to the ops: the LM head and loss in one, no [B, S, V] logits), ``fuse_sdpa_model_rope``
+``linear_cross_entropy`` added to the ops: the LM head and loss in one, no [B, S, V] logits), ``fuse_sdpa_gated``
+(``fuse_sdpa`` with ``rms_norm_gated`` added: the gated RMSNorms of Qwen3-Next's linear attention; not among the
+variants run by default), ``fuse_sdpa_model_rope``
 (``fuse_sdpa`` with ``PIPEGOOSE_IMPL_ROPE=torch``: the model's own RoPE code, the A/B of our RoPE kernel; it replaces
 session 54's ``fuse_sdpa_rope``, the kernel's partial path when that was opt-in),
 ``compile_sdpa`` (``torch.compile(model)``, compile time in the warm-up, reported separately), ``liger``
@@ -129,7 +131,7 @@ import sys
 import time
 from typing import Callable
 
-__all__ = ["MODELS", "VARIANTS", "run_e2e", "apply_liger"]
+__all__ = ["MODELS", "VARIANTS", "DEFAULT_VARIANTS", "run_e2e", "apply_liger"]
 
 MODELS = {
     "llama": dict(arch="llama", batch=4, config=dict(hidden_size=2048, intermediate_size=5632,
@@ -233,6 +235,14 @@ MODELS = {
     "gptj": dict(arch="gptj", batch=4, config=dict(n_embd=2048, n_layer=16, n_head=8, rotary_dim=64, vocab_size=50400,
                                                     n_positions=2048, activation_function="gelu_new",
                                                     bos_token_id=50256, eos_token_id=50256)),
+    # (session 78: Qwen3-Next's layers, three of linear attention (the gated delta rule; transformers' PyTorch path
+    # where flash-linear-attention is not installed) to one of full attention, each linear one with a gated RMSNorm
+    # (variant fuse_sdpa_gated fuses it: opt-in kind rms_norm_gated); 32 experts of 512, 4 routed; 8 layers)
+    "qwen3_next": dict(arch="qwen3_next", batch=2, config=dict(
+        hidden_size=2048, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+        num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        intermediate_size=5120, vocab_size=151936, max_position_embeddings=4096)),
     # (OPT-1.3B's shape: LayerNorms, ReLU MLPs without a gate (left to PyTorch: one kernel already), learned positions)
     "opt": dict(arch="opt", batch=4, config=dict(hidden_size=2048, ffn_dim=8192, num_hidden_layers=24,
                                                   num_attention_heads=32, vocab_size=50272,
@@ -245,9 +255,11 @@ CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3C
            "phi": "PhiConfig", "modernbert-decoder": "ModernBertDecoderConfig", "arcee": "ArceeConfig",
            "nemotron": "NemotronConfig", "bloom": "BloomConfig", "mpt": "MptConfig",
            "opt": "OPTConfig", "bert": "BertConfig", "distilbert": "DistilBertConfig",
-           "gptj": "GPTJConfig"}
-VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_model_rope",
-            "compile_sdpa", "liger_rmsnorm", "liger")
+           "gptj": "GPTJConfig", "qwen3_next": "Qwen3NextConfig"}
+VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_gated",
+            "fuse_sdpa_model_rope", "compile_sdpa", "liger_rmsnorm", "liger")
+# what --e2e runs without --e2e-variants: all but fuse_sdpa_gated (the same as fuse_sdpa on a model without gated norms)
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "fuse_sdpa_gated")
 # What a row's "status" can be: ok, FAILED (a non-finite loss, or one off the sdpa run's), oom, timeout, error (the
 # subprocess failed), unavailable (Liger-Kernel not installed), skipped (time budget, or no CUDA).
 STATUSES = ("ok", "FAILED", "oom", "timeout", "error", "unavailable", "skipped")
@@ -302,8 +314,10 @@ def _worker(model_name: str, variant: str, batch: int, seq: int, warmup: int, st
 
         if variant == "fuse_sdpa_model_rope":   # (this subprocess only) before fuse, which asks the dispatcher
             os.environ["PIPEGOOSE_IMPL_ROPE"] = "torch"
-        # fuse_sdpa_lce: the default ops and the LM head with the loss in one (opt-in: ops=... linear_cross_entropy)
-        report = fuse(model, ops=DEFAULT_OPS + ("linear_cross_entropy",) if variant == "fuse_sdpa_lce" else None)
+        # fuse_sdpa_lce / _gated: the default ops and an opt-in kind (the LM head with the loss in one; the gated
+        # RMSNorms of linear attention)
+        extra = {"fuse_sdpa_lce": ("linear_cross_entropy",), "fuse_sdpa_gated": ("rms_norm_gated",)}.get(variant)
+        report = fuse(model, ops=DEFAULT_OPS + extra if extra else None)
         res["fuse_report"] = str(report)[:600]
     elif variant.startswith("liger"):
         import liger_kernel.transformers as liger

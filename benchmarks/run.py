@@ -73,10 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--e2e-models", default="llama,neox", help="comma separated: llama, neox, qwen3, phi3, gemma, "
                                                                  "qwen3_moe, gemma4_moe, olmo, cohere, glm4, gpt2, "
                                                                  "phi, modernbert_decoder, arcee, nemotron, bloom, "
-                                                                 "bloom_1b7, mpt, opt, bert_mlm (default llama,neox)")
+                                                                 "bloom_1b7, mpt, opt, bert_mlm, distilbert_mlm, "
+                                                                 "gptj, qwen3_next (default llama,neox)")
     ap.add_argument("--e2e-variants", default="",
-                    help="default: all (sdpa, eager, fuse_sdpa, fuse_eager, fuse_sdpa_adam, fuse_sdpa_lce, "
-                         "fuse_sdpa_model_rope, compile_sdpa, liger_rmsnorm, liger)")
+                    help="default: all but fuse_sdpa_gated (sdpa, eager, fuse_sdpa, fuse_eager, fuse_sdpa_adam, "
+                         "fuse_sdpa_lce, fuse_sdpa_model_rope, compile_sdpa, liger_rmsnorm, liger)")
     ap.add_argument("--e2e-batch", default="", help="e.g. llama=4,neox=8,qwen3=4,phi3=4,gemma=4")
     ap.add_argument("--e2e-budget-s", type=float, default=330.0)
     ap.add_argument("--build-cost", action="store_true", help="cold build of all kernels (-j --jobs), warm load")
@@ -676,14 +677,14 @@ def main(argv: list[str] | None = None) -> int:
             run.write()
         _log(f"op benchmarks: {time.perf_counter() - t_start:.0f} s")
     if args.e2e:
-        from .e2e import MODELS, VARIANTS, run_e2e
+        from .e2e import DEFAULT_VARIANTS, MODELS, run_e2e
 
         if args.device != "cuda":
             run.sections["e2e"] = [{"model": m, "variant": "-", "status": "skipped", "detail": "needs CUDA"}
                                    for m in _csv(args.e2e_models)]
         else:
             models = [m for m in _csv(args.e2e_models) if m in MODELS]
-            variants = _csv(args.e2e_variants) or list(VARIANTS)
+            variants = _csv(args.e2e_variants) or list(DEFAULT_VARIANTS)
             run.sections["e2e"] = run_e2e(models, variants, time.perf_counter() + args.e2e_budget_s,
                                           quick=args.quick, batch=args.batch, log=_log)
         run.write()

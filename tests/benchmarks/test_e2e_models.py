@@ -33,6 +33,9 @@ def _tiny(name: str):
     if "num_experts" in cfg:   # (a MoE's experts: 4 of 32, 2 routed per token; Gemma 4 names the count top_k_experts)
         over.update(num_experts=4, moe_intermediate_size=32,
                     **{"top_k_experts" if "top_k_experts" in cfg else "num_experts_per_tok": 2})
+    if "linear_num_value_heads" in cfg:   # (Qwen3-Next's linear attention: small heads, and one layer of each kind)
+        over.update(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                    shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"])
     if "rotary_dim" in cfg:   # (GPT-J's rotated values of each head: a quarter, as its 64 of 256)
         over["rotary_dim"] = 4
     if "ffn_dim" in cfg:   # (OPT's names for the MLP's and the embedding's widths)
