@@ -227,3 +227,19 @@ def parse_dtypes_reps_impls(ap: Any, args: Any, dtypes: dict, impls: tuple) -> t
     if unknown:
         ap.error(f"--impls: unknown {', '.join(unknown)}; expected some of {', '.join(impls)}")
     return chosen, picked
+
+
+def versions_line(env: dict, copy_gbps: float) -> str:
+    """The single-op benchmarks' report line under the title: versions, the copy bandwidth, how to read the rows."""
+    return (f"torch {env.get('torch')}, CUDA {env.get('cuda_runtime')}, triton {env.get('triton')}, transformers "
+            f"{env.get('transformers')}, pipegoose {env.get('pipegoose_git')}. Device copy: {copy_gbps:.0f} GB/s. "
+            "Time: median ms (L2 flushed); GB/s of the fewest bytes the pass moves; % of that copy.")
+
+
+def timing_cells(row: dict) -> str:
+    """A timed row's last cells, ``| impl | ms | GB/s | % of copy | status |``, or the status and why of one that was
+    not timed."""
+    if row["status"] == "ok":
+        pct = f"{row['pct_copy']:.1f}" if row.get("pct_copy") is not None else ""
+        return f"| {row['impl']} | {row['median_ms']:.4f} | {row['gbps']:.0f} | {pct} | ok |"
+    return f"| {row['impl']} | | | | {row['status']}: {row.get('why', '')} |"

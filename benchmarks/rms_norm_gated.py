@@ -36,7 +36,8 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.common import environment, parse_dtypes_reps_impls, raise_compile_limits, today, tolerances
+from benchmarks.common import (environment, parse_dtypes_reps_impls, raise_compile_limits, timing_cells, today,
+                               tolerances, versions_line)
 from benchmarks.timing import Timer
 
 # Qwen3.5 / Qwen3-Next value heads of 128: 8 x 2048 tokens times 32 heads, and 16 heads; a wider norm of 512
@@ -156,18 +157,12 @@ def run_shape(shape: tuple[int, int], fns: dict, timer: Timer, dtype: torch.dtyp
 def markdown(env: dict, rows: list[dict], copy_gbps: float) -> str:
     dtypes = ", ".join(dict.fromkeys(r["dtype"] for r in rows)) or "no rows"
     lines = [f"# Gated RMSNorm (Qwen3-Next's / Qwen3.5's RMSNormGated), {dtypes} ({env.get('gpu')}, {env.get('date')})",
-             "", f"torch {env.get('torch')}, CUDA {env.get('cuda_runtime')}, triton {env.get('triton')}, transformers "
-             f"{env.get('transformers')}, pipegoose {env.get('pipegoose_git')}. Device copy: {copy_gbps:.0f} GB/s. "
-             "Time: median ms (L2 flushed); GB/s of the fewest bytes the pass moves; % of that copy.", "",
+             "", versions_line(env, copy_gbps), "",
              "| R x D | dtype | weight | pass | impl | ms | GB/s | % of copy | status |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         head = f"| {r['rows']}x{r['width']} | {r['dtype']} | {r['weight_dtype']} | {r['passes']} "
-        if r["status"] == "ok":
-            pct = f"{r['pct_copy']:.1f}" if r.get("pct_copy") is not None else ""
-            lines.append(f"{head}| {r['impl']} | {r['median_ms']:.4f} | {r['gbps']:.0f} | {pct} | ok |")
-        else:
-            lines.append(f"{head}| {r['impl']} | | | | {r['status']}: {r.get('why', '')} |")
+        lines.append(head + timing_cells(r))
     return "\n".join(lines) + "\n"
 
 

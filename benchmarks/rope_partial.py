@@ -58,7 +58,8 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.common import environment, parse_dtypes_reps_impls, raise_compile_limits, today, tolerances
+from benchmarks.common import (environment, parse_dtypes_reps_impls, raise_compile_limits, timing_cells, today,
+                               tolerances, versions_line)
 from benchmarks.timing import Timer
 
 # Pythia-410m (the end-to-end NeoX step's shape), Pythia-1.4b, Pythia-6.9b, Pythia-2.8b (heads of 80, 20 rotated) and
@@ -227,20 +228,13 @@ def markdown(env: dict, rows: list[dict], copy_gbps: float) -> str:
     what = {"neox": "Partial rotary (GPT-NeoX's RoPE)", "cohere": "Interleaved RoPE (Cohere's)",
             "glm": "Interleaved partial rotary (GLM-4's RoPE)",
             "gptj": "GPT-J's RoPE section (one tensor a call, the rotated part of each head, then cat)"}[style]
-    lines = [f"# {what}, {dtypes} ({env.get('gpu')}, {env.get('date')})", "",
-             f"torch {env.get('torch')}, CUDA {env.get('cuda_runtime')}, triton {env.get('triton')}, transformers "
-             f"{env.get('transformers')}, pipegoose {env.get('pipegoose_git')}. Device copy: {copy_gbps:.0f} GB/s. "
-             "Time: median ms (L2 flushed); GB/s of the fewest bytes the pass moves; % of that copy.", "",
+    lines = [f"# {what}, {dtypes} ({env.get('gpu')}, {env.get('date')})", "", versions_line(env, copy_gbps), "",
              f"pipegoose rows: {env.get('rope_call', 'the functional (dispatcher, strict)')}.", "",
              "| B x S x H x D x R | dtype | pass | impl | ms | GB/s | % of copy | status |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         head = f"| {r['batch']}x{r['seq']}x{r['heads']}x{r['head_dim']}x{r['rotary']} | {r['dtype']} | {r['passes']} "
-        if r["status"] == "ok":
-            pct = f"{r['pct_copy']:.1f}" if r.get("pct_copy") is not None else ""
-            lines.append(f"{head}| {r['impl']} | {r['median_ms']:.4f} | {r['gbps']:.0f} | {pct} | ok |")
-        else:
-            lines.append(f"{head}| {r['impl']} | | | | {r['status']}: {r.get('why', '')} |")
+        lines.append(head + timing_cells(r))
     return "\n".join(lines) + "\n"
 
 
