@@ -134,6 +134,17 @@ def test_the_probe_refuses_near_misses():
     assert not gated_rms_norm_candidate(nn.Linear(4, 4))
 
 
+class _Block(nn.Module):
+    """A model holding one gated norm, called with its gate."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x, gate):
+        return self.norm(x, gate)
+
+
 def _qwen_like(forward_norm):
     """A Qwen3.5-style gated norm whose normalisation is ``forward_norm(h, eps)`` (h fp32)."""
     base = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5").Qwen3_5RMSNormGated
@@ -186,15 +197,7 @@ def test_epsilon_set_while_fused_goes_back_at_unfuse():
     is refused naming the attribute; the fused module computes with it."""
     norm = _norm("qwen3_5", "Qwen3_5RMSNormGated", {})
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm = norm
-
-        def forward(self, x, gate):
-            return self.norm(x, gate)
-
-    block = Block()
+    block = _Block(norm)
     x, gate = _inputs(torch.float32)
     for name in ("variance_epsilon", "eps"):
         fuse(block, ops=["rms_norm_gated"])
@@ -344,15 +347,7 @@ def test_fuse_skips_another_gated_norm_with_the_reason():
     skipped, not eligible, with the probe's reason; the module stays."""
     norm = _norm("mamba2", "Mamba2RMSNormGated", {"group_size": 8})
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm = norm
-
-        def forward(self, x, gate):
-            return self.norm(x, gate)
-
-    block = Block()
+    block = _Block(norm)
     report = fuse(block, ops=["rms_norm_gated"])
     rows = [r for r in report.rows if r.kind == "rms_norm_gated"]
     assert len(rows) == 1 and not rows[0].fused and not rows[0].eligible

@@ -499,14 +499,8 @@ def _takes(args: tuple, kwargs: dict, found: Probe, sig: inspect.Signature | Non
     transformers' older functions). None for anything else, which runs the model's own code."""
     unsqueeze_dim = 1
     if kwargs or len(args) != 4:
-        if sig is None:
-            return None
-        try:
-            bound = sig.bind(*args, **kwargs).arguments
-        except TypeError:
-            return None
-        names = list(sig.parameters)[:4]
-        if not all(n in bound for n in names):
+        bound, names = _bind(sig, args, kwargs, 4)
+        if bound is None:
             return None
         for name, value in bound.items():
             if name in names or (name == "position_ids" and (value is None or found.position_ids)):
@@ -527,6 +521,20 @@ def _takes(args: tuple, kwargs: dict, found: Probe, sig: inspect.Signature | Non
     return args, unsqueeze_dim, found.kind(q.dtype, cos.dtype)
 
 
+def _bind(sig: inspect.Signature | None, args: tuple, kwargs: dict, n: int) -> tuple[dict | None, list]:
+    """A call's arguments bound by the function's signature ``sig`` (name -> value, as passed), and the names of its
+    first ``n`` parameters (the tensors :func:`_takes` and :func:`_takes_one` need); (None, []) where ``sig`` is
+    unknown, the call does not bind, or one of those ``n`` is not passed."""
+    if sig is None:
+        return None, []
+    try:
+        bound = sig.bind(*args, **kwargs).arguments
+    except TypeError:
+        return None, []
+    names = list(sig.parameters)[:n]
+    return (bound, names) if all(name in bound for name in names) else (None, [])
+
+
 def _takes_one(args: tuple, kwargs: dict, found: Probe, sig: inspect.Signature | None) -> tuple | None:
     """:func:`_takes` for a function that rotates one tensor a call (``found.one``): ``((x, k, cos, sin),
     unsqueeze_dim, kind)``, ``k`` a view of ``x`` with no heads (the op rotates q and k; here k is empty) and ``cos``,
@@ -534,14 +542,8 @@ def _takes_one(args: tuple, kwargs: dict, found: Probe, sig: inspect.Signature |
     op's). The call may pass its three tensors and, where the function takes it as transformers' do,
     ``unsqueeze_dim`` (1, 2, -3 or -2; left out: the function's default); None for anything else."""
     form = found.one
-    if sig is None:
-        return None
-    try:
-        bound = sig.bind(*args, **kwargs).arguments
-    except TypeError:
-        return None
-    names = list(sig.parameters)[:3]
-    if not all(n in bound for n in names):
+    bound, names = _bind(sig, args, kwargs, 3)
+    if bound is None:
         return None
     unsqueeze_dim = form.heads_dim
     if unsqueeze_dim is None:   # (it takes unsqueeze_dim: the call's, else its default)
