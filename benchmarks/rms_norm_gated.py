@@ -1,19 +1,23 @@
-"""The gated RMSNorm of Qwen3-Next's and Qwen3.5's linear attention (``RMSNormGated``: the norm, then ``silu`` of the
-gate): forward, and forward + backward, time and effective bandwidth, in one run beside the copy bandwidth.
+"""The gated RMSNorm of linear-attention and state-space layers: Qwen3-Next's and Qwen3.5's ``RMSNormGated`` (the
+norm, then ``silu`` of the gate; the default) or, with ``--gate-first``, Mamba2's ``MambaRMSNormGated`` (the gate,
+then the norm over groups of ``--group`` values: Bamba's, Nemotron-H's, Granite-4's): forward, and forward +
+backward, time and effective bandwidth, in one run beside the copy bandwidth.
 
     python -m benchmarks.rms_norm_gated [--shapes 16384x128 ...] [--dtypes bf16,fp32] [--reps 30] [--impls a,b]
-                                        [--out DIR] [--device cpu]
+                                        [--gate-first] [--group N] [--out DIR] [--device cpu]
 
-Shapes ``RxD``: rows (tokens times value heads) and the normalised size (a value head's: 128 in Qwen3-Next and
-Qwen3.5). x, gate and the output gradient [R, D] of one dtype, the weight [D] of it too (``--weight-fp32``: fp32, as
-in mixed precision, where the gate runs in PyTorch after the norm's kernel).
+Shapes ``RxD``: rows (tokens, times value heads for Qwen3-Next) and the normalised size (a value head's, 128, in
+Qwen3-Next and Qwen3.5; Mamba2's intermediate size, 8192 in Bamba-9B and Nemotron-H-8B). x, gate and the output
+gradient [R, D] of one dtype, the weight [D] of it too (``--weight-fp32``: fp32, as in mixed precision).
 
-Implementations, each of ``y = norm(x, gate)``:
+Implementations, each of ``y = norm(x, gate)`` (op ``rms_norm_gated``, strict: each runs as named, or is an error):
 
-* ``pipegoose``: :func:`pipegoose.nn.fusion.functional.rms_norm_gated` with ``impl="pipegoose"`` (strict: both
-  kernels, or an error): op ``rms_norm`` then op ``swiglu``;
-* ``transformers``: ``Qwen3_5RMSNormGated``'s forward (``modeling_qwen3_5``; Qwen3-Next's where Qwen3.5 is missing),
-  eager: what the model runs;
+* ``pipegoose``: :func:`pipegoose.nn.fusion.functional.rms_norm_gated` with ``impl="pipegoose"``: the one kernel each
+  way (pipegoose/kernels/csrc/rms_norm_gated.cu);
+* ``ops``: the same with ``impl="ops"``: op ``rms_norm`` then op ``swiglu`` (the norm before the gate over whole rows
+  only);
+* ``transformers``: ``Qwen3_5RMSNormGated``'s forward (Qwen3-Next's where Qwen3.5 is missing), or
+  ``Mamba2RMSNormGated``'s with ``--gate-first``, eager: what the model runs;
 * ``compile``: ``torch.compile`` of that forward.
 
 Each implementation's output and gradients (x, gate, weight) are first compared with ``transformers``' (the dtype's
@@ -22,9 +26,9 @@ differs is reported FAILED and not timed. Time: the median of the repetitions (C
 each: ``benchmarks.timing``); the backward is timed with the forward (``fwd+bwd``). Effective bandwidth: the fewest
 bytes each pass must move (forward: x and gate read, y written, the weight read; backward: the output gradient, x,
 gate and the weight read, the gradients of x and gate written, the weight's written once) over the median time, and
-its share of the device copy bandwidth measured in the same run. Writes ``rms_norm_gated.json`` and ``.md`` (GPU,
-versions, date) into ``--out``. ``--device cpu`` is a dry run of the plumbing (small shapes, no flush; ``pipegoose``
-errors there: the kernels need a GPU).
+its share of the device copy bandwidth measured in the same run. Writes ``rms_norm_gated.json`` and ``.md``
+(``rms_norm_gated_gate_first.*`` with ``--gate-first``; GPU, versions, date) into ``--out``. ``--device cpu`` is a
+dry run of the plumbing (small shapes, no flush; ``pipegoose`` and ``ops`` error there: the kernels need a GPU).
 """
 
 from __future__ import annotations
@@ -42,8 +46,11 @@ from benchmarks.timing import Timer
 
 # Qwen3.5 / Qwen3-Next value heads of 128: 8 x 2048 tokens times 32 heads, and 16 heads; a wider norm of 512
 SHAPES = ["524288x128", "262144x128", "65536x512"]
+# Mamba2-style layers, 8 x 2048 tokens: Bamba-9B's / Granite-4's one group of 8192, Nemotron-H-8B's eight of 1024
+# (--group 1024), a smaller model's 4096
+GATE_FIRST_SHAPES = ["16384x8192", "16384x4096"]
 DRY_SHAPES = ["64x16"]
-IMPLS = ("pipegoose", "transformers", "compile")
+IMPLS = ("pipegoose", "ops", "transformers", "compile")
 PASSES = ("fwd", "fwd+bwd")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EPS = 1e-6
@@ -60,37 +67,44 @@ def parse_shape(text: str) -> tuple[int, int]:
     return r, d
 
 
-def _module_class():
-    """transformers' gated norm: Qwen3.5's, else Qwen3-Next's."""
+def _module_class(gate_first: bool = False):
+    """transformers' gated norm: Qwen3.5's, else Qwen3-Next's; with the gate first Mamba2's, else Bamba's."""
     import importlib
 
-    for name, cls in (("qwen3_5", "Qwen3_5RMSNormGated"), ("qwen3_next", "Qwen3NextRMSNormGated")):
+    names = ((("mamba2", "Mamba2RMSNormGated"), ("bamba", "BambaRMSNormGated")) if gate_first else
+             (("qwen3_5", "Qwen3_5RMSNormGated"), ("qwen3_next", "Qwen3NextRMSNormGated")))
+    for name, cls in names:
         try:
             return getattr(importlib.import_module(f"transformers.models.{name}.modeling_{name}"), cls)
         except (ImportError, AttributeError):
             continue
-    raise SystemExit("benchmarks.rms_norm_gated: this transformers has no Qwen3.5 or Qwen3-Next gated norm")
+    raise SystemExit(f"benchmarks.rms_norm_gated: this transformers has none of {[c for _, c in names]}")
 
 
-def functions() -> dict[str, Callable]:
-    """name -> ``fn(x, gate, weight)``."""
+def functions(gate_first: bool = False, group: int | None = None) -> dict[str, Callable]:
+    """name -> ``fn(x, gate, weight)``; ``group``: the values normalised together (None: the row)."""
     from pipegoose.nn.fusion import dispatch
     from pipegoose.nn.fusion.functional import rms_norm_gated
 
-    cls = _module_class()
+    cls = _module_class(gate_first)
 
     def theirs(x, gate, weight):   # (the module's own forward, with this weight)
         m = cls.__new__(cls)
         torch.nn.Module.__init__(m)
         m.weight, m.variance_epsilon, m.activation = weight, EPS, "silu"
+        m.group_size = group or x.shape[-1]
         return cls.forward(m, x, gate)
 
-    def ours(x, gate, weight):
-        with dispatch.strict():
-            return rms_norm_gated(x, gate, weight, EPS, impl="pipegoose")
+    def named(impl):
+        def ours(x, gate, weight):
+            with dispatch.strict():
+                return rms_norm_gated(x, gate, weight, EPS, group_size=group, norm_before_gate=not gate_first,
+                                      impl=impl)
+        return ours
 
     raise_compile_limits()
-    return {"pipegoose": ours, "transformers": theirs, "compile": torch.compile(theirs, dynamic=False)}
+    return {"pipegoose": named("pipegoose"), "ops": named("ops"), "transformers": theirs,
+            "compile": torch.compile(theirs, dynamic=False)}
 
 
 def inputs(shape: tuple[int, int], dtype: torch.dtype, device: str, weight_fp32: bool = False) -> dict:
@@ -103,13 +117,15 @@ def inputs(shape: tuple[int, int], dtype: torch.dtype, device: str, weight_fp32:
     return dict(x=x.requires_grad_(), gate=gate.requires_grad_(), weight=w.requires_grad_(), dy=dy)
 
 
-def min_bytes(shape: tuple[int, int], dtype: torch.dtype, wdtype: torch.dtype, passes: str) -> int:
-    """The fewest bytes a pass moves: forward x and gate read, y written, the weight read; the backward the output
-    gradient, x and gate read, their gradients written, the weight read and its gradient written."""
+def min_bytes(shape: tuple[int, int], dtype: torch.dtype, wdtype: torch.dtype, passes: str,
+              odtype: torch.dtype | None = None) -> int:
+    """The fewest bytes a pass moves: forward x and gate read, y (of ``odtype``, default x's) written, the weight
+    read; the backward the output gradient, x and gate read, their gradients written, the weight read and its
+    gradient written."""
     r, d = shape
-    e, we = (torch.empty((), dtype=t).element_size() for t in (dtype, wdtype))
-    fwd = 3 * r * d * e + d * we
-    bwd = 5 * r * d * e + 2 * d * we
+    e, we, oe = (torch.empty((), dtype=t).element_size() for t in (dtype, wdtype, odtype or dtype))
+    fwd = r * d * (2 * e + oe) + d * we
+    bwd = r * d * (4 * e + oe) + 2 * d * we
     return fwd if passes == "fwd" else fwd + bwd
 
 
@@ -126,6 +142,7 @@ def run_shape(shape: tuple[int, int], fns: dict, timer: Timer, dtype: torch.dtyp
     inp = inputs(shape, dtype, device, weight_fp32)
     wdtype = inp["weight"].dtype
     want = run_pass(fns["transformers"], inp, "fwd+bwd")
+    odtype = want[0].dtype
     tol = tolerances()[dtype]
     rows = []
     for name in IMPLS:
@@ -145,7 +162,7 @@ def run_shape(shape: tuple[int, int], fns: dict, timer: Timer, dtype: torch.dtyp
                 continue
             for p in PASSES:
                 t = timer.time(lambda _, p=p: run_pass(fns[name], inp, p))
-                gbps = min_bytes(shape, dtype, wdtype, p) / (t["median_ms"] * 1e-3) / 1e9
+                gbps = min_bytes(shape, dtype, wdtype, p, odtype) / (t["median_ms"] * 1e-3) / 1e9
                 rows.append(dict(base, passes=p, status="ok", **t, gbps=gbps,
                                  pct_copy=100 * gbps / copy_gbps if copy_gbps else None))
         except Exception as e:  # noqa: BLE001 (one implementation's failure is a row, not the end of the run)
@@ -154,14 +171,17 @@ def run_shape(shape: tuple[int, int], fns: dict, timer: Timer, dtype: torch.dtyp
     return rows
 
 
-def markdown(env: dict, rows: list[dict], copy_gbps: float) -> str:
+def markdown(env: dict, rows: list[dict], copy_gbps: float, gate_first: bool = False) -> str:
     dtypes = ", ".join(dict.fromkeys(r["dtype"] for r in rows)) or "no rows"
-    lines = [f"# Gated RMSNorm (Qwen3-Next's / Qwen3.5's RMSNormGated), {dtypes} ({env.get('gpu')}, {env.get('date')})",
+    what = ("Mamba2's MambaRMSNormGated, the gate first" if gate_first else
+            "Qwen3-Next's / Qwen3.5's RMSNormGated, the norm first")
+    lines = [f"# Gated RMSNorm ({what}), {dtypes} ({env.get('gpu')}, {env.get('date')})",
              "", versions_line(env, copy_gbps), "",
-             "| R x D | dtype | weight | pass | impl | ms | GB/s | % of copy | status |",
+             "| R x D / group | dtype | weight | pass | impl | ms | GB/s | % of copy | status |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        head = f"| {r['rows']}x{r['width']} | {r['dtype']} | {r['weight_dtype']} | {r['passes']} "
+        head = f"| {r['rows']}x{r['width']} / {r.get('group') or r['width']} | {r['dtype']} | {r['weight_dtype']} | "
+        head += f"{r['passes']} "
         lines.append(head + timing_cells(r))
     return "\n".join(lines) + "\n"
 
@@ -173,32 +193,39 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"RxD (default {' '.join(SHAPES)}; on the CPU {' '.join(DRY_SHAPES)})")
     ap.add_argument("--dtypes", default="bf16", help="comma separated, of bf16, fp16, fp32 (default: bf16)")
     ap.add_argument("--weight-fp32", action="store_true", help="an fp32 weight (mixed precision)")
+    ap.add_argument("--gate-first", action="store_true", help="Mamba2's order: the gate, then the norm")
+    ap.add_argument("--group", type=int, default=None, help="values normalised together (default: the row)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--impls", default="", help=f"comma separated, of {', '.join(IMPLS)} (default: all)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the plumbing")
-    ap.add_argument("--out", type=Path, default=None, help="folder for rms_norm_gated.json / .md")
+    ap.add_argument("--out", type=Path, default=None, help="folder for rms_norm_gated[_gate_first].json / .md")
     args = ap.parse_args(argv)
     dtypes, impls = parse_dtypes_reps_impls(ap, args, DTYPES, IMPLS)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks.rms_norm_gated: needs a CUDA GPU (--device cpu: a dry run)")
-    shapes = args.shapes or [parse_shape(s) for s in (SHAPES if args.device == "cuda" else DRY_SHAPES)]
+    default = GATE_FIRST_SHAPES if args.gate_first else SHAPES
+    shapes = args.shapes or [parse_shape(s) for s in (default if args.device == "cuda" else DRY_SHAPES)]
+    if args.group is not None and any(args.group < 1 or d % args.group for _, d in shapes):
+        ap.error(f"--group: expected a divisor of every shape's D, got {args.group}")
     env = environment(args.device)
     timer = Timer(args.device, warmup=3, reps=args.reps, max_s=10.0)
     copy_gbps = timer.copy_gbps() if args.device == "cuda" else 0.0
-    fns = functions()
+    fns = functions(args.gate_first, args.group)
     rows = []
     for dtype in dtypes:
         for shape in shapes:
-            rows += run_shape(shape, fns, timer, dtype, args.device, copy_gbps, impls, args.weight_fp32)
+            new = run_shape(shape, fns, timer, dtype, args.device, copy_gbps, impls, args.weight_fp32)
+            rows += [dict(r, group=args.group or shape[1], gate_first=args.gate_first) for r in new]
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-    md = markdown(env, rows, copy_gbps)
+    md = markdown(env, rows, copy_gbps, args.gate_first)
     print(md)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "rms_norm_gated.json").write_text(json.dumps(dict(environment=env, date=today(),
-                                                                      copy_gbps=copy_gbps, rows=rows), indent=1))
-        (args.out / "rms_norm_gated.md").write_text(md)
+        stem = "rms_norm_gated_gate_first" if args.gate_first else "rms_norm_gated"
+        (args.out / f"{stem}.json").write_text(json.dumps(dict(environment=env, date=today(), copy_gbps=copy_gbps,
+                                                               rows=rows), indent=1))
+        (args.out / f"{stem}.md").write_text(md)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from .ops import layer_norm as _ln
 from .ops import linear_cross_entropy as _flce
 from .ops._common import INPUT_DTYPES as _INPUT_DTYPES
 from .ops import rms_norm as _rms
+from .ops import rms_norm_gated as _rmsg
 from .ops import rope as _rope
 from .ops import softmax as _sm
 from .ops import swiglu as _swiglu
@@ -263,52 +264,59 @@ def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: tor
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *,
+                   group_size: int | None = None, norm_before_gate: bool = True,
                    impl: str | None = None) -> torch.Tensor:
-    """The gated RMSNorm of Qwen3-Next's and Qwen3.5's linear attention (``Qwen3NextRMSNormGated``,
-    ``Qwen3_5RMSNormGated``: the norm before the gate), ``(weight * rms_norm(x).to(x.dtype) * silu(gate.float()))
-    .to(x.dtype)``: op ``rms_norm`` with transformers' LlamaRMSNorm numerics (:func:`rms_norm` with
-    ``cast_before_weight=True``), then op ``swiglu`` of ``gate`` and that result (the kernel computes ``silu`` and
-    the product in fp32 and rounds once, as this formula does). Two kernels forward and two backward where eager
-    PyTorch runs about ten ops each way with fp32 intermediates (with an fp32 weight and 16-bit x, as in mixed
-    precision: op ``swiglu`` in fp32 on ``gate.float()``, and a cast to x's dtype, as the formula casts).
+    """The gated RMSNorm of linear-attention and state-space layers (op ``rms_norm_gated``), over groups of
+    ``group_size`` values of the last dimension D (None: the whole row), ``rstd = rsqrt(mean(v^2) + eps)`` in fp32:
+
+    * ``norm_before_gate=True`` (Qwen3-Next's and Qwen3.5's ``RMSNormGated``): ``(weight * (x * rstd(x)).to(x.dtype)
+      * silu(gate.float())).to(x.dtype)``;
+    * ``norm_before_gate=False`` (Mamba2's, Bamba's, Nemotron-H's, Zamba2's, Granite-4's ``MambaRMSNormGated``):
+      ``z = x.float() * silu(gate.float())``, ``weight * (z * rstd(z)).to(x.dtype)``.
+
+    Implementations (:mod:`pipegoose.nn.fusion.ops.rms_norm_gated`): ``pipegoose``, one kernel forward and one
+    backward for either order (opt-in until timed on a GPU: ``impl="pipegoose"`` or
+    ``PIPEGOOSE_IMPL_RMS_NORM_GATED=pipegoose``); ``ops``, the norm before the gate over whole rows as op ``rms_norm``
+    with transformers' LlamaRMSNorm numerics then op ``swiglu`` of the gate and that result (two kernels each way where
+    eager PyTorch runs about ten ops with fp32 intermediates; with an fp32 weight and 16-bit x, op ``swiglu`` in fp32
+    then a cast to x's dtype, as the formula casts); ``torch``, the formulas above.
 
     Args:
         x: [*, D], fp32, fp16, bf16 (the kernels) or fp64.
-        gate: x's shape and dtype (the gate projection's output, ``z``).
-        weight: [D] or None; x's dtype, or fp32 with 16-bit x (the norm's product is then fp32, as in
-            transformers' module, and op ``swiglu`` runs in fp32).
+        gate: x's shape and dtype (the gate projection's output, ``z`` in transformers).
+        weight: [D] or None; x's dtype, or fp32 (16-bit x with an fp32 weight: the norm before the gate returns x's
+            dtype, the gate first the weight's, as transformers' modules do).
         eps: the norm's epsilon (transformers' ``variance_epsilon``; 1e-6 by default, as theirs).
-        impl: force an implementation of both ops (``pipegoose``, ``torch``), default auto (each op's dispatcher).
+        group_size: the values normalised together, a divisor of D (Mamba2's ``intermediate_size // n_groups``);
+            None: D. Groups below D take the kernel or the reference (``ops`` normalises whole rows); the kernel
+            takes groups of 1 to 16384 values.
+        norm_before_gate: the order (above).
+        impl: force an implementation (``pipegoose``, ``ops``, ``torch``), default auto.
 
     Returns:
-        Tensor of x's shape and dtype. On PyTorch's path (the CPU, or where the dispatcher chooses it) bit for bit
-        transformers' module, in fp32, fp16 and bf16 (fp64 x: the norm's statistics in fp64, where transformers'
-        module computes them in fp32: about 1e-7 relative apart, ours the nearer). On the kernels within their
-        rounding of it: the norm kernel rounds the normalised value times the weight once where the module rounds
-        twice (:func:`rms_norm`), and its fp32 ``silu`` may differ from PyTorch's in the last fp32 place.
+        Tensor of x's shape, in x's dtype (norm before gate) or the promotion of the weight's and x's (gate first).
+        On PyTorch's path (the CPU, or where the dispatcher chooses it) bit for bit transformers' modules in fp32,
+        fp16 and bf16 (fp64 x: statistics in fp64). The kernel computes each value in fp32 and rounds once, where the
+        modules round the normalised value to x's dtype before the weight (about one unit in the last place of x's
+        dtype apart, the kernel the closer to exact); ``ops`` as :func:`rms_norm` with ``cast_before_weight=True``,
+        then the gate in fp32 rounded once.
 
-    Kernels: pipegoose/rms_norm (pipegoose/kernels/csrc/rms_norm.cu) and pipegoose/swiglu
-    (pipegoose/kernels/csrc/swiglu.cu), this project, MIT.
+    Kernels: pipegoose/rms_norm_gated (pipegoose/kernels/csrc/rms_norm_gated.cu); ``ops``: pipegoose/rms_norm
+    (rms_norm.cu) and pipegoose/swiglu (swiglu.cu); this project, MIT.
 
     Raises:
         TypeError: ``x``, ``gate`` or ``weight`` not a tensor of a floating dtype the ops take (``gate`` of another
-            dtype than x's); ``eps`` as :func:`rms_norm`.
-        ValueError: ``gate`` of another shape or device than ``x``'s; ``weight`` not [D]; ``impl`` unknown.
+            dtype than x's); ``eps`` not a number; ``group_size`` not an int; ``norm_before_gate`` not a bool.
+        ValueError: ``x`` of no dimension; ``gate`` of another shape or device than ``x``'s; ``weight`` not [D];
+            ``group_size`` not a divisor of D; ``eps`` negative or not finite; ``impl`` unknown.
+        FusionFallbackError: in strict mode, where no fused path takes the input.
     """
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise TypeError(f"x: expected a tensor of at least one dimension, got {type(x).__name__}"
                         + (f" of shape {list(x.shape)}" if isinstance(x, torch.Tensor) else ""))
     if not isinstance(gate, torch.Tensor):
         raise TypeError(f"gate: expected a tensor of x's shape, got {type(gate).__name__}")
-    if gate.shape != x.shape or gate.device != x.device:
-        raise ValueError(f"gate: expected x's shape {list(x.shape)} on {x.device}, got {list(gate.shape)} on "
-                         f"{gate.device}")
-    if gate.dtype != x.dtype:
-        raise TypeError(f"gate: expected x's dtype {x.dtype}, got {gate.dtype}")
-    h = rms_norm(x, x.shape[-1], weight, eps, cast_before_weight=True, impl=impl)
-    if h.dtype != gate.dtype:   # (an fp32 weight with 16-bit x: the product is fp32; the gate's op in it, then cast)
-        return _swiglu.run_silu_gate(gate.to(h.dtype), h, impl).to(x.dtype)
-    return _swiglu.run_silu_gate(gate, h, impl)
+    return _rmsg.run(x, gate, weight, eps, group_size, norm_before_gate, impl)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:

@@ -1239,13 +1239,24 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like
 
 
 def _gated_norm_impls(module: nn.Module, impl: str | None = None, like: torch.Tensor | None = None) -> tuple[str, str]:
-    """(forward, backward) of a gated RMSNorm's first op (``rms_norm``: its second, ``swiglu``, is chosen for the same
-    rows, each call)."""
+    """(forward, backward) of a gated RMSNorm's op ``rms_norm_gated`` (its implementation ``ops`` runs ops
+    ``rms_norm`` and ``swiglu``, each chosen for the same rows, each call)."""
     n = module.weight.numel()
     eps = matching.eps_of(module)[1]
-    return _impls("rms_norm", module, lambda d, t: (
-        torch.empty(_probe_rows((n,)), n, device=d, dtype=t), (n,), module.weight, 1e-6 if eps is None else eps,
-        True), impl, like)
+    group = getattr(module, "group_size", None) if isinstance(module, _fused_gated_norm()) else None
+    first = getattr(module, "norm_before_gate", True) if isinstance(module, _fused_gated_norm()) else True
+
+    def inputs(d, t):
+        x = torch.empty(_probe_rows((n,)), n, device=d, dtype=t)
+        return x, x, module.weight, 1e-6 if eps is None else eps, group, first
+
+    return _impls("rms_norm_gated", module, inputs, impl, like)
+
+
+def _fused_gated_norm() -> type:
+    from .modules import FusedRMSNormGated
+
+    return FusedRMSNormGated
 
 
 def _consider_gated_norm(child: nn.Module, path: str, dry_run: bool, like=None):
@@ -1267,7 +1278,8 @@ def _consider_gated_norm(child: nn.Module, path: str, dry_run: bool, like=None):
     new = None if dry_run else _build(path, child, FusedRMSNormGated.from_module, child, verify=False)  # probed
     fwd, bwd = _gated_norm_impls(child, None, like)
     return FusionRow(path, "rms_norm_gated", name, "FusedRMSNormGated", True, fwd, bwd,
-                     f"gated RMSNorm ({probe.reason}), eps={probe.eps}: op rms_norm, then op swiglu of the gate"
+                     f"gated RMSNorm ({probe.reason}), eps={probe.eps}: op rms_norm_gated (the norm, then silu "
+                     "of the gate; implementation ops: op rms_norm, then op swiglu)"
                      + _small_note(child)), new
 
 

@@ -895,26 +895,32 @@ class FusedRMSNorm(_DropsFuseRecord, nn.Module):
 
 
 class FusedRMSNormGated(_DropsFuseRecord, nn.Module):
-    """The gated RMSNorm of Qwen3-Next's and Qwen3.5's linear attention (``Qwen3NextRMSNormGated``,
-    ``Qwen3_5RMSNormGated`` and their copies: the norm, then ``silu`` of the gate) over
-    :func:`pipegoose.nn.fusion.functional.rms_norm_gated`: op ``rms_norm`` then op ``swiglu``, two kernels each way.
+    """A gated RMSNorm over :func:`pipegoose.nn.fusion.functional.rms_norm_gated` (op ``rms_norm_gated``): the norm,
+    then ``silu`` of the gate (Qwen3-Next's and Qwen3.5's ``RMSNormGated`` and their copies; ``norm_before_gate=True``,
+    the default), or the gate first, over groups of ``group_size`` values (Mamba2's ``MambaRMSNormGated`` and its
+    copies in Bamba, Nemotron-H, Zamba2, Granite-4: ``norm_before_gate=False``).
 
     Args:
         hidden_size: the normalised size D (the weight's).
         eps: the norm's epsilon (``variance_epsilon``; 1e-6 as transformers').
+        group_size: the values normalised together (a divisor of D; Mamba2's ``group_size``); None: D.
+        norm_before_gate: the order (above).
         device, dtype: of the weight (ones).
-        impl: force an implementation of both ops (``pipegoose``, ``torch``; any case), default auto.
+        impl: force an implementation of op ``rms_norm_gated`` (``pipegoose``, ``ops``, ``torch``; any case), default
+            auto.
 
     ``forward(hidden_states [..., D], gate [..., D])`` (gate of the input's shape and dtype) returns a tensor of the
-    input's shape and dtype: on PyTorch's path bit for bit transformers' module (fp64 aside: see the functional), on
-    the kernels within their rounding of it. Parameters/state_dict: ``weight``, as transformers' modules. ``eps``, also
-    under transformers' name ``variance_epsilon`` (read and written; a value set while fused goes back to the model's
-    module at ``unfuse``). ``activation`` is ``"silu"`` (read-only: the kernel's). Kernels: pipegoose/rms_norm and
-    pipegoose/swiglu (this project, MIT).
+    input's shape, in its dtype (norm before gate) or the promotion of the weight's and its (gate first, as Mamba2's
+    module): on PyTorch's path bit for bit transformers' module (fp64 aside: see the functional), on the kernels
+    within their rounding of it. Parameters/state_dict: ``weight``, as transformers' modules. ``eps``, also under
+    transformers' name ``variance_epsilon`` (read and written; a value set while fused goes back to the model's module
+    at ``unfuse``). ``activation`` is ``"silu"`` (read-only: the kernel's). Kernels: pipegoose/rms_norm_gated, or
+    pipegoose/rms_norm and pipegoose/swiglu (this project, MIT).
 
-    Raises (when constructed): TypeError: ``hidden_size`` not an int, ``eps`` not a number, ``impl`` not a str or None;
-    ValueError: ``hidden_size`` below 1, ``eps`` negative or not finite, ``impl`` naming no implementation. At forward,
-    what the functional raises (a ``gate`` of another shape or dtype, a missing one).
+    Raises (when constructed): TypeError: ``hidden_size`` or ``group_size`` not an int, ``eps`` not a number,
+    ``norm_before_gate`` not a bool, ``impl`` not a str or None; ValueError: ``hidden_size`` below 1, ``group_size``
+    not a divisor of it, ``eps`` negative or not finite, ``impl`` naming no implementation. At forward, what the
+    functional raises (a ``gate`` of another shape or dtype, a missing one).
     """
 
     @property
@@ -931,13 +937,23 @@ class FusedRMSNormGated(_DropsFuseRecord, nn.Module):
     def variance_epsilon(self, value: float) -> None:
         self.eps = _common.eps_value(value, name="variance_epsilon")
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, device=None, dtype=None,
-                 impl: str | None = None) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, group_size: int | None = None,
+                 norm_before_gate: bool = True, device=None, dtype=None, impl: str | None = None) -> None:
         super().__init__()
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, numbers.Integral) or hidden_size < 1:
             raise (ValueError if isinstance(hidden_size, numbers.Integral) and not isinstance(hidden_size, bool)
                    else TypeError)(f"hidden_size: expected a positive int, got {hidden_size!r}")
-        _check_module_args("rms_norm", eps, impl)
+        _check_module_args("rms_norm_gated", eps, impl)
+        if group_size is not None:
+            if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
+                raise TypeError(f"group_size: expected an int or None, got {type(group_size).__name__}")
+            if not (1 <= group_size <= hidden_size and hidden_size % group_size == 0):
+                raise ValueError(f"group_size: expected a divisor of hidden_size {int(hidden_size)}, got {group_size}")
+        if not isinstance(norm_before_gate, bool):
+            raise TypeError(f"norm_before_gate: expected a bool, got {type(norm_before_gate).__name__}")
+        # (None where the group is the whole row: the form Qwen3-Next's norm has, and what op "ops" takes)
+        self.group_size = None if group_size is None or group_size == hidden_size else int(group_size)
+        self.norm_before_gate = norm_before_gate
         self.hidden_size = int(hidden_size)
         self.eps = _common.eps_value(eps, name="eps")
         self.impl = impl
@@ -951,12 +967,15 @@ class FusedRMSNormGated(_DropsFuseRecord, nn.Module):
             raise TypeError("gate: FusedRMSNormGated needs the gate (a tensor of hidden_states' shape and dtype), "
                             "got None")
         try:
-            return PF.rms_norm_gated(hidden_states, gate, self.weight, self.eps, impl=self.impl)
+            return PF.rms_norm_gated(hidden_states, gate, self.weight, self.eps, group_size=self.group_size,
+                                     norm_before_gate=self.norm_before_gate, impl=self.impl)
         except (TypeError, ValueError) as e:
             raise _as_input_error(e) from None
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}, activation={self.activation!r}"
+        group = "" if self.group_size is None else f", group_size={self.group_size}"
+        order = "" if self.norm_before_gate else ", norm_before_gate=False"
+        return f"{self.hidden_size}, eps={self.eps}{group}{order}, activation={self.activation!r}"
 
     @classmethod
     def from_module(cls, module: nn.Module, *, impl: str | None = None, verify: bool = True) -> "FusedRMSNormGated":
