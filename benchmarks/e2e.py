@@ -243,6 +243,17 @@ MODELS = {
         linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
         num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512, shared_expert_intermediate_size=512,
         intermediate_size=5120, vocab_size=151936, max_position_embeddings=4096)),
+    # (session 79: Granite-4.0-H-Micro's layers, Mamba2 mixers (transformers' PyTorch path where mamba-ssm is not
+    # installed) with the gated norm the gate first (variant fuse_sdpa_gated fuses it: opt-in kind rms_norm_gated), three
+    # to one attention layer, SwiGLU shared MLPs, no experts; 8 layers at hidden 2048)
+    "granite4": dict(arch="granitemoehybrid", batch=2, config=dict(
+        hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8,
+        layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+        mamba_n_heads=64, mamba_d_head=64, mamba_n_groups=1,
+        mamba_d_state=128, mamba_expand=2, mamba_chunk_size=256, mamba_d_conv=4, num_local_experts=0,
+        shared_intermediate_size=8192, intermediate_size=8192, vocab_size=100352, max_position_embeddings=4096,
+        position_embedding_type="rope", tie_word_embeddings=True, pad_token_id=100256, bos_token_id=100257,
+        eos_token_id=100257)),
     # (OPT-1.3B's shape: LayerNorms, ReLU MLPs without a gate (left to PyTorch: one kernel already), learned positions)
     "opt": dict(arch="opt", batch=4, config=dict(hidden_size=2048, ffn_dim=8192, num_hidden_layers=24,
                                                   num_attention_heads=32, vocab_size=50272,
@@ -255,7 +266,7 @@ CONFIGS = {"llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen3": "Qwen3C
            "phi": "PhiConfig", "modernbert-decoder": "ModernBertDecoderConfig", "arcee": "ArceeConfig",
            "nemotron": "NemotronConfig", "bloom": "BloomConfig", "mpt": "MptConfig",
            "opt": "OPTConfig", "bert": "BertConfig", "distilbert": "DistilBertConfig",
-           "gptj": "GPTJConfig", "qwen3_next": "Qwen3NextConfig"}
+           "gptj": "GPTJConfig", "qwen3_next": "Qwen3NextConfig", "granitemoehybrid": "GraniteMoeHybridConfig"}
 VARIANTS = ("sdpa", "eager", "fuse_sdpa", "fuse_eager", "fuse_sdpa_adam", "fuse_sdpa_lce", "fuse_sdpa_gated",
             "fuse_sdpa_model_rope", "compile_sdpa", "liger_rmsnorm", "liger")
 # what --e2e runs without --e2e-variants: all but fuse_sdpa_gated (the same as fuse_sdpa on a model without gated norms)

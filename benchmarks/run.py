@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                                  "qwen3_moe, gemma4_moe, olmo, cohere, glm4, gpt2, "
                                                                  "phi, modernbert_decoder, arcee, nemotron, bloom, "
                                                                  "bloom_1b7, mpt, opt, bert_mlm, distilbert_mlm, "
-                                                                 "gptj, qwen3_next (default llama,neox)")
+                                                                 "gptj, qwen3_next, granite4 (default llama,neox)")
     ap.add_argument("--e2e-variants", default="",
                     help="default: all but fuse_sdpa_gated (sdpa, eager, fuse_sdpa, fuse_eager, fuse_sdpa_adam, "
                          "fuse_sdpa_lce, fuse_sdpa_model_rope, compile_sdpa, liger_rmsnorm, liger)")

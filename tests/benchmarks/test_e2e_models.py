@@ -36,6 +36,9 @@ def _tiny(name: str):
     if "linear_num_value_heads" in cfg:   # (Qwen3-Next's linear attention: small heads, and one layer of each kind)
         over.update(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
                     shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"])
+    if "mamba_n_heads" in cfg:   # (Granite-4-H's Mamba2 mixers: heads of 16 filling 2 x 64, one layer of each kind)
+        over.update(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8, shared_intermediate_size=32,
+                    layer_types=["linear_attention", "full_attention"])
     if "rotary_dim" in cfg:   # (GPT-J's rotated values of each head: a quarter, as its 64 of 256)
         over["rotary_dim"] = 4
     if "ffn_dim" in cfg:   # (OPT's names for the MLP's and the embedding's widths)

@@ -26,10 +26,12 @@ transformers = pytest.importorskip("transformers")
 # (modeling module, class, constructor keywords): Qwen3-Next's formula, fused
 QWEN_STYLE = [("qwen3_next", "Qwen3NextRMSNormGated", {}), ("qwen3_5", "Qwen3_5RMSNormGated", {}),
               ("qwen3_5_moe", "Qwen3_5MoeRMSNormGated", {}), ("olmo_hybrid", "OlmoHybridRMSNormGated", {})]
-# other gated norms: the gate before the norm over groups (Mamba2's and its copies), a sigmoid gate in fp32 (Kimi
-# Linear's), silu in fp32 with an fp32 weight product (Lara's): refused
-OTHERS = [("mamba2", "Mamba2RMSNormGated", {"group_size": 8}), ("bamba", "BambaRMSNormGated", {"group_size": 8}),
-          ("kimi_linear", "KimiLinearRMSNormGated", {}), ("lara_mini", "LaraMiniRMSNormGated", {})]
+# the gate before the norm over groups (Mamba2's and its copies): fused too (since session 79); other gated norms, a
+# sigmoid gate in fp32 (Kimi Linear's), silu in fp32 with an fp32 weight product (Lara's): refused
+GATE_FIRST = [("mamba2", "Mamba2RMSNormGated", {"group_size": 8}), ("bamba", "BambaRMSNormGated", {"group_size": 8}),
+              ("nemotron_h", "NemotronHRMSNormGated", {"group_size": 2}),
+              ("granitemoehybrid", "GraniteMoeHybridRMSNormGated", {"group_size": 4})]
+OTHERS = [("kimi_linear", "KimiLinearRMSNormGated", {}), ("lara_mini", "LaraMiniRMSNormGated", {})]
 FORMS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
          (torch.bfloat16, torch.float32)]
 
@@ -78,8 +80,8 @@ def test_the_functional_refuses_bad_input():
     w = torch.ones(16)
     with pytest.raises(ValueError, match="gate: expected x's shape"):
         rms_norm_gated(x, gate[..., :8], w)
-    with pytest.raises(TypeError, match="gate: expected x's dtype"):
-        rms_norm_gated(x, gate.double(), w)
+    with pytest.raises(TypeError, match="gate: expected a floating point"):
+        rms_norm_gated(x, gate.int(), w)
     with pytest.raises(TypeError, match="gate: expected a tensor"):
         rms_norm_gated(x, None, w)
     with pytest.raises(TypeError, match="x: expected a tensor of at least one dimension"):
@@ -88,15 +90,23 @@ def test_the_functional_refuses_bad_input():
         rms_norm_gated(x, gate, torch.ones(8))
 
 
-@pytest.mark.parametrize("modeling, cls, kw", QWEN_STYLE + OTHERS, ids=[c for _, c, _ in QWEN_STYLE + OTHERS])
-def test_the_probe_tells_qwens_gated_norm_from_the_others(modeling, cls, kw):
-    """Qwen3-Next's formula is found (with the module's epsilon); Mamba2's and Bamba's gate before a grouped norm,
-    Kimi Linear's sigmoid and Lara's fp32 weight product are refused with the reason. All are candidates."""
+ALL = QWEN_STYLE + GATE_FIRST + OTHERS
+
+
+@pytest.mark.parametrize("modeling, cls, kw", ALL, ids=[c for _, c, _ in ALL])
+def test_the_probe_tells_the_gated_norms_apart(modeling, cls, kw):
+    """Qwen3-Next's formula is found (with the module's epsilon, the norm first, whole rows); Mamba2's and its copies'
+    gate before a grouped norm too (the gate first, the module's group size); Kimi Linear's sigmoid and Lara's fp32
+    weight product are refused with the reason. All are candidates."""
     norm = _norm(modeling, cls, kw)
     assert gated_rms_norm_candidate(norm)
     found = probe_rms_norm_gated(norm)
     if (modeling, cls, kw) in QWEN_STYLE:
-        assert found.ok and found.eps == norm.variance_epsilon, found
+        assert found.ok and found.eps == norm.variance_epsilon and found.norm_before_gate, found
+        assert found.group_size is None
+    elif (modeling, cls, kw) in GATE_FIRST:
+        assert found.ok and found.eps == norm.variance_epsilon and not found.norm_before_gate, found
+        assert found.group_size == kw["group_size"] and "Mamba2's" in found.reason
     else:
         assert not found.ok and found.candidate, found
         assert "computes another gated norm than Qwen3-Next's" in found.reason, found
@@ -257,11 +267,11 @@ def test_fused_module_from_module():
     for again in (pickle.loads(pickle.dumps(fused)), copy.deepcopy(fused)):
         assert torch.equal(again(x, gate), norm(x, gate))
     with pytest.raises(ValueError, match="computes another gated norm"):
-        FusedRMSNormGated.from_module(_norm("mamba2", "Mamba2RMSNormGated", {"group_size": 8}))
+        FusedRMSNormGated.from_module(_norm("kimi_linear", "KimiLinearRMSNormGated", {}))
     llama = importlib.import_module("transformers.models.llama.modeling_llama").LlamaRMSNorm(16)
     with pytest.raises(TypeError, match="module: expected a gated RMSNorm"):
         FusedRMSNormGated.from_module(llama)
-    with pytest.raises(TypeError, match="gate: FusedRMSNormGated needs the gate"):
+    with pytest.raises(TypeError, match="gate: FusedRMSNormGated with the norm first needs the gate"):
         fused(x)
     with pytest.raises(TypeError, match="hidden_size"):
         FusedRMSNormGated(16.0)
@@ -286,6 +296,27 @@ def _qwen35(layers=2):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():   # (a weight of its own, not ones: a dropped weight would show)
+        for m in model.modules():
+            if type(m).__name__.endswith("RMSNormGated"):
+                m.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def _granite4(layers=2):
+    """A tiny Granite-4-H (GraniteMoeHybrid): a Mamba2 mixer with its gate-first gated norm over 2 groups of 64, then
+    an attention layer."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "granitemoehybrid" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no granitemoehybrid")
+    cfg = CONFIG_MAPPING["granitemoehybrid"](
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=97, layer_types=["linear_attention", "full_attention"][:layers], mamba_n_heads=8, mamba_d_head=16,
+        mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=8, num_local_experts=0, shared_intermediate_size=128,
+        position_embedding_type="rope", pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
         for m in model.modules():
             if type(m).__name__.endswith("RMSNormGated"):
                 m.weight.uniform_(0.5, 1.5)
@@ -348,10 +379,30 @@ def test_fuse_replaces_the_gated_norm_and_computes_what_it_did(dtype):
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_granite4_is_the_model_bit_for_bit(dtype):
+    """A tiny Granite-4-H fused with the default ops and rms_norm_gated: its Mamba2 mixer's gated norm (the gate first,
+    2 groups of 64) becomes FusedRMSNormGated of that form; on the CPU the logits and every gradient are the unfused
+    model's bit for bit; unfuse restores the module."""
+    model = _granite4().to(dtype)
+    ids = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    ref, ref_g = _step(model, ids)
+    (path, old), = _gated(model).items()
+    report = fuse(model, ops=list(DEFAULT_OPS) + ["rms_norm_gated"])
+    row, = [r for r in report.rows if r.kind == "rms_norm_gated"]
+    assert row.fused and "over groups of 64" in row.reason, row
+    new = model.get_submodule(path)
+    assert isinstance(new, FusedRMSNormGated) and new.group_size == 64 and not new.norm_before_gate
+    got, got_g = _step(model, ids)
+    assert torch.equal(got, ref) and got_g.keys() == ref_g.keys()
+    assert all(torch.equal(got_g[n], ref_g[n]) for n in ref_g)
+    assert unfuse(model) and model.get_submodule(path) is old
+
+
 def test_fuse_skips_another_gated_norm_with_the_reason():
-    """A model holding Mamba2's gated norm (the gate before a grouped norm) with rms_norm_gated in ops: the row is
-    skipped, not eligible, with the probe's reason; the module stays."""
-    norm = _norm("mamba2", "Mamba2RMSNormGated", {"group_size": 8})
+    """A model holding Kimi Linear's gated norm (a sigmoid gate) with rms_norm_gated in ops: the row is skipped, not
+    eligible, with the probe's reason; the module stays."""
+    norm = _norm("kimi_linear", "KimiLinearRMSNormGated", {})
 
     block = _Block(norm)
     report = fuse(block, ops=["rms_norm_gated"])
@@ -359,6 +410,32 @@ def test_fuse_skips_another_gated_norm_with_the_reason():
     assert len(rows) == 1 and not rows[0].fused and not rows[0].eligible
     assert "computes another gated norm than Qwen3-Next's" in rows[0].reason
     assert block.norm is norm and not is_fused(block)
+
+
+@pytest.mark.parametrize("dtype, wdtype", FORMS, ids=lambda d: str(d)[6:])
+def test_fuse_takes_mamba2s_gated_norm(dtype, wdtype):
+    """Mamba2's gated norm (the gate first, groups of 8) with rms_norm_gated in ops: fused (the same weight, the
+    probe's group and order), the row says so; forward and gradients bit for bit the module's on the CPU, with the
+    gate and without it (Mamba2's gate=None: the grouped norm alone); unfuse restores it."""
+    norm = _norm("mamba2", "Mamba2RMSNormGated", {"group_size": 8}, wdtype=wdtype)
+    block = _Block(norm)
+    x, gate = _inputs(dtype)
+    want = norm(x, gate)
+    want_alone = norm(x)
+    report = fuse(block, ops=["rms_norm_gated"])
+    rows = [r for r in report.rows if r.kind == "rms_norm_gated"]
+    assert len(rows) == 1 and rows[0].fused and "Mamba2's" in rows[0].reason and "gate first" in rows[0].reason
+    new = block.norm
+    assert isinstance(new, FusedRMSNormGated) and new.weight is norm.weight
+    assert new.group_size == 8 and not new.norm_before_gate
+    got = block(x, gate)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    for a, b in zip(torch.autograd.grad(got.sum(), (x, gate, norm.weight)),
+                    torch.autograd.grad(want.sum(), (x, gate, norm.weight))):
+        assert torch.equal(a, b)
+    alone = new(x)
+    assert alone.dtype == want_alone.dtype and torch.equal(alone, want_alone)
+    assert unfuse(block) and block.norm is norm
 
 
 # --------------------------------------------------------------------------------------------------- on the GPU
@@ -416,6 +493,30 @@ def test_fused_qwen35_runs_the_gated_norm_on_the_kernels(dtype, no_tuning_table)
     dispatch.reset_stats()
     got, got_g = _step(model, ids)
     assert dispatch.stats()["swiglu"] == {"pipegoose": 1}, dispatch.stats()
+    scale = 1 if dtype == torch.float32 else 4
+    torch.testing.assert_close(got, ref, **tol(dtype, scale))
+    for n in ref_g:
+        torch.testing.assert_close(got_g[n], ref_g[n], **tol(dtype, 8 * scale), msg=lambda m: f"{n}: {m}")
+    unfuse(model)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_granite4_runs_the_one_kernel_when_requested(dtype, no_tuning_table, monkeypatch):
+    """A tiny Granite-4-H on the GPU fused with rms_norm_gated and PIPEGOOSE_IMPL_RMS_NORM_GATED=pipegoose, strict: its
+    gate-first gated norm runs the one kernel (counted), and the logits and gradients agree with the unfused model's
+    (fp32 to its rounding; bf16 within the kernel's one rounding against eager's)."""
+    from tolerances import tol
+
+    model = _granite4().to("cuda", dtype)
+    ids = torch.randint(3, 97, (2, 64), generator=torch.Generator().manual_seed(1)).to("cuda")
+    ref, ref_g = _step(model, ids)
+    fuse(model, ops=["rms_norm_gated"])
+    monkeypatch.setenv("PIPEGOOSE_IMPL_RMS_NORM_GATED", "pipegoose")
+    dispatch.reset_stats()
+    with dispatch.strict():
+        got, got_g = _step(model, ids)
+    assert dispatch.stats()["rms_norm_gated"] == {"pipegoose": 1}, dispatch.stats()
     scale = 1 if dtype == torch.float32 else 4
     torch.testing.assert_close(got, ref, **tol(dtype, scale))
     for n in ref_g:

@@ -89,7 +89,7 @@ def test_argument_errors_name_the_argument():
         with pytest.raises(err, match=name):
             rms_norm_gated(x, gate, w, 1e-6, **kw)
     with pytest.raises(TypeError, match="gate"):
-        rms_norm_gated(x, gate.double(), w)
+        rms_norm_gated(x, gate.int(), w)
     with pytest.raises(ValueError, match="gate"):
         rms_norm_gated(x, gate[..., :8], w)
     with pytest.raises(ValueError, match="weight"):
@@ -177,6 +177,17 @@ def test_the_kernel_path_through_a_stand_in(monkeypatch):
             want = op.rms_norm_gated_kernel_math(x, gate, w, 1e-5, group or 24, first, out)
             assert torch.equal(y, want)
             assert all(g is not None for g in torch.autograd.grad(y.sum(), (x, gate, w)))
+        # Mamba2's PyTorch path in a bf16 model: fp32 x, bf16 gate and weight; cast to fp32 (exactly) for the kernel,
+        # the output fp32 (the module's promotion), the gradients back in bf16
+        x32 = x.detach().float().requires_grad_()
+        wb = torch.rand(24).bfloat16().requires_grad_()
+        calls.clear()
+        y = rms_norm_gated(x32, gate, wb, 1e-5, group_size=8, norm_before_gate=False, impl="pipegoose")
+        (cx, cg, cw, _, _, _, cout), = calls
+        assert cx is x32 and cg.dtype == cw.dtype == cout == y.dtype == torch.float32
+        assert torch.equal(cg, gate.float()) and torch.equal(cw, wb.float())
+        gx, gg, gw = torch.autograd.grad(y.sum(), (x32, gate, wb))
+        assert gx.dtype == torch.float32 and gg.dtype == gw.dtype == torch.bfloat16
     finally:
         dispatch.register(im)
         dispatch.clear_kernel_cache()

@@ -283,9 +283,11 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | N
 
     Args:
         x: [*, D], fp32, fp16, bf16 (the kernels) or fp64.
-        gate: x's shape and dtype (the gate projection's output, ``z`` in transformers).
+        gate: x's shape (the gate projection's output, ``z`` in transformers), of x's dtype or another (Mamba2's
+            PyTorch path gives a bf16 model's norm an fp32 x and a bf16 gate: the kernel path casts a gate narrower
+            than x to x's dtype, exactly; a wider one takes the reference).
         weight: [D] or None; x's dtype, or fp32 (16-bit x with an fp32 weight: the norm before the gate returns x's
-            dtype, the gate first the weight's, as transformers' modules do).
+            dtype, the gate first the weight's, as transformers' modules do), or 16-bit with fp32 x.
         eps: the norm's epsilon (transformers' ``variance_epsilon``; 1e-6 by default, as theirs).
         group_size: the values normalised together, a divisor of D (Mamba2's ``intermediate_size // n_groups``);
             None: D. Groups below D take the kernel or the reference (``ops`` normalises whole rows); the kernel
@@ -305,8 +307,8 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | N
     (rms_norm.cu) and pipegoose/swiglu (swiglu.cu); this project, MIT.
 
     Raises:
-        TypeError: ``x``, ``gate`` or ``weight`` not a tensor of a floating dtype the ops take (``gate`` of another
-            dtype than x's); ``eps`` not a number; ``group_size`` not an int; ``norm_before_gate`` not a bool.
+        TypeError: ``x``, ``gate`` or ``weight`` not a tensor of a floating dtype the ops take; ``eps`` not a number;
+            ``group_size`` not an int; ``norm_before_gate`` not a bool.
         ValueError: ``x`` of no dimension; ``gate`` of another shape or device than ``x``'s; ``weight`` not [D];
             ``group_size`` not a divisor of D; ``eps`` negative or not finite; ``impl`` unknown.
         FusionFallbackError: in strict mode, where no fused path takes the input.

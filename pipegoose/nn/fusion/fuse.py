@@ -1238,25 +1238,20 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like
                      f"RMSNorm ({probe.reason}), eps={probe.eps}{offset}{_small_note(child)}"), new
 
 
-def _gated_norm_impls(module: nn.Module, impl: str | None = None, like: torch.Tensor | None = None) -> tuple[str, str]:
+def _gated_norm_impls(module: nn.Module, impl: str | None = None, like: torch.Tensor | None = None,
+                      form: tuple[int | None, bool] | None = None) -> tuple[str, str]:
     """(forward, backward) of a gated RMSNorm's op ``rms_norm_gated`` (its implementation ``ops`` runs ops
-    ``rms_norm`` and ``swiglu``, each chosen for the same rows, each call)."""
+    ``rms_norm`` and ``swiglu``, each chosen for the same rows, each call); ``form``: (group size, norm first) of a
+    model's module (the probe's), else the fused module's own."""
     n = module.weight.numel()
     eps = matching.eps_of(module)[1]
-    group = getattr(module, "group_size", None) if isinstance(module, _fused_gated_norm()) else None
-    first = getattr(module, "norm_before_gate", True) if isinstance(module, _fused_gated_norm()) else True
+    group, first = form if form is not None else (module.group_size, module.norm_before_gate)
 
     def inputs(d, t):
         x = torch.empty(_probe_rows((n,)), n, device=d, dtype=t)
         return x, x, module.weight, 1e-6 if eps is None else eps, group, first
 
     return _impls("rms_norm_gated", module, inputs, impl, like)
-
-
-def _fused_gated_norm() -> type:
-    from .modules import FusedRMSNormGated
-
-    return FusedRMSNormGated
 
 
 def _consider_gated_norm(child: nn.Module, path: str, dry_run: bool, like=None):
@@ -1275,11 +1270,13 @@ def _consider_gated_norm(child: nn.Module, path: str, dry_run: bool, like=None):
     why = _instance_override(child)
     if why is not None:
         return FusionRow(path, "rms_norm_gated", name, None, False, reason=why), None
-    new = None if dry_run else _build(path, child, FusedRMSNormGated.from_module, child, verify=False)  # probed
-    fwd, bwd = _gated_norm_impls(child, None, like)
+    new = None if dry_run else _build(path, child, FusedRMSNormGated.from_module, child, verify=False,  # probed
+                                      group_size=probe.group_size, norm_before_gate=probe.norm_before_gate)
+    fwd, bwd = _gated_norm_impls(child, None, like, (probe.group_size, probe.norm_before_gate))
+    how = ("(implementation ops: op rms_norm, then op swiglu)" if probe.norm_before_gate else
+           "(the gate first: the kernel where requested, impl pipegoose; else PyTorch's formula)")
     return FusionRow(path, "rms_norm_gated", name, "FusedRMSNormGated", True, fwd, bwd,
-                     f"gated RMSNorm ({probe.reason}), eps={probe.eps}: op rms_norm_gated (the norm, then silu "
-                     "of the gate; implementation ops: op rms_norm, then op swiglu)"
+                     f"gated RMSNorm ({probe.reason}), eps={probe.eps}: op rms_norm_gated {how}"
                      + _small_note(child)), new
 
 

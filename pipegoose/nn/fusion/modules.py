@@ -964,13 +964,29 @@ class FusedRMSNormGated(_DropsFuseRecord, nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         if gate is None:
-            raise TypeError("gate: FusedRMSNormGated needs the gate (a tensor of hidden_states' shape and dtype), "
-                            "got None")
+            if self.norm_before_gate:
+                raise TypeError("gate: FusedRMSNormGated with the norm first needs the gate (a tensor of "
+                                "hidden_states' shape and dtype), got None")
+            # Mamba2's module without a gate: the grouped norm alone, op rms_norm with Llama's rounding (the
+            # normalised value cast to x's dtype, then times the weight), over each group
+            try:
+                return self._norm_alone(hidden_states)
+            except (TypeError, ValueError) as e:
+                raise _as_input_error(e) from None
         try:
             return PF.rms_norm_gated(hidden_states, gate, self.weight, self.eps, group_size=self.group_size,
                                      norm_before_gate=self.norm_before_gate, impl=self.impl)
         except (TypeError, ValueError) as e:
             raise _as_input_error(e) from None
+
+    def _norm_alone(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states: expected a tensor [..., {self.hidden_size}], got "
+                             + (str(list(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__))
+        g = self.group_size or self.hidden_size
+        h = PF.rms_norm(x.unflatten(-1, (self.hidden_size // g, g)), g, None, self.eps, cast_before_weight=True,
+                        impl=None)
+        return self.weight * h.flatten(-2)
 
     def extra_repr(self) -> str:
         group = "" if self.group_size is None else f", group_size={self.group_size}"
@@ -978,12 +994,14 @@ class FusedRMSNormGated(_DropsFuseRecord, nn.Module):
         return f"{self.hidden_size}, eps={self.eps}{group}{order}, activation={self.activation!r}"
 
     @classmethod
-    def from_module(cls, module: nn.Module, *, impl: str | None = None, verify: bool = True) -> "FusedRMSNormGated":
+    def from_module(cls, module: nn.Module, *, impl: str | None = None, verify: bool = True,
+                    group_size: int | None = None, norm_before_gate: bool = True) -> "FusedRMSNormGated":
         """A fused module sharing ``module.weight`` (the same Parameter object), with its epsilon attribute
         (``variance_epsilon``, ``eps`` or ``epsilon``). ``verify`` (default True): ``module`` must pass
         ``transformers.matching.probe_rms_norm_gated`` (its forward on random CPU inputs, bit for bit Qwen3-Next's
-        gated norm in fp32, bf16, fp16 and with an fp32 weight), so that Mamba2's gate-before-norm, a sigmoid gate or
-        another rounding is refused instead of silently replaced.
+        gated norm or Mamba2's in fp32, bf16, fp16 and with an fp32 weight), which also gives the form (the order, the
+        group size), so that a sigmoid gate or another rounding is refused instead of silently replaced. Without
+        ``verify`` the form is ``group_size`` and ``norm_before_gate`` (the probe's, where the caller ran it).
 
         Raises:
             TypeError: ``module`` is not an ``nn.Module`` with one 1-D ``weight`` and ``forward(hidden_states,
@@ -999,13 +1017,14 @@ class FusedRMSNormGated(_DropsFuseRecord, nn.Module):
             probe = probe_rms_norm_gated(module)
             if not probe.ok:
                 raise ValueError(f"module ({type(module).__name__}): {probe.reason}")
-            eps = probe.eps
+            eps, group_size, norm_before_gate = probe.eps, probe.group_size, probe.norm_before_gate
         else:
             name, eps, bad = eps_of(module)
             if name is None or bad is not None:
                 raise ValueError(f"module ({type(module).__name__}): "
                                  + ("no epsilon attribute" if name is None else str(bad)))
-        new = cls(module.weight.numel(), eps, device="meta", impl=impl)
+        new = cls(module.weight.numel(), eps, group_size=group_size, norm_before_gate=norm_before_gate, device="meta",
+                  impl=impl)
         new.weight = module.weight
         new.train(module.training)
         return new

@@ -50,8 +50,8 @@ def check_args(x: Any, gate: Any, weight: Any, eps: Any, group_size: Any, norm_b
     """Check the arguments (errors name the argument); returns ``(eps, group_size)`` (``group_size`` None: D).
 
     Raises:
-        TypeError: ``x``, ``gate`` or ``weight`` not a floating point tensor of a dtype taken here, ``gate`` of
-            another dtype than x's, ``eps`` not a number, ``group_size`` not an int, ``norm_before_gate`` not a bool.
+        TypeError: ``x``, ``gate`` or ``weight`` not a floating point tensor of a dtype taken here, ``eps`` not a
+            number, ``group_size`` not an int, ``norm_before_gate`` not a bool.
         ValueError: ``x`` of no dimension; ``gate`` of another shape or device than x's; ``weight`` not [D] or on
             another device; ``group_size`` not a divisor of D from 1 to D; ``eps`` negative or not finite.
     """
@@ -62,8 +62,6 @@ def check_args(x: Any, gate: Any, weight: Any, eps: Any, group_size: Any, norm_b
     if gate.shape != x.shape or gate.device != x.device:
         raise ValueError(f"gate: expected x's shape {list(x.shape)} on {x.device}, got {list(gate.shape)} on "
                          f"{gate.device}")
-    if gate.dtype != x.dtype:
-        raise TypeError(f"gate: expected x's dtype {dtype_name(x.dtype)}, got {dtype_name(gate.dtype)}")
     d = x.shape[-1]
     if weight is not None:
         check_float_tensor(weight, "weight")
@@ -87,28 +85,37 @@ def out_dtype(x: torch.Tensor, weight: torch.Tensor | None, norm_before_gate: bo
     return torch.promote_types(weight.dtype, x.dtype)
 
 
-def rms_norm_gated_problem(x, weight, group, norm_before_gate, out) -> Problem:
+def rms_norm_gated_problem(x, weight, group, norm_before_gate, out, gate=None) -> Problem:
     """The dispatcher's description of one call: ``x`` (and the gate) [*, D], ``weight`` [D] or None, groups of
-    ``group`` values, ``out`` the output dtype (:func:`out_dtype`)."""
+    ``group`` values, ``out`` the output dtype (:func:`out_dtype`), ``gate`` (for its dtype; None: x's)."""
     d = x.shape[-1]
     return Problem(OP, x.dtype, x.device, cols=group, needs_grad=needs_grad(x, weight),
                    extra=dict(shape=tuple(x.shape), hidden=d, group=group, rows=x.numel() // d if d else 0,
                               numel=x.numel(), storage=all_have_storage(x, weight), forward_ad=has_tangent(x, weight),
                               weight_dtype=None if weight is None else weight.dtype, out_dtype=out,
-                              norm_before_gate=norm_before_gate))
+                              gate_dtype=x.dtype if gate is None else gate.dtype, norm_before_gate=norm_before_gate))
 
 
 def _explain(x, gate, weight=None, eps=1e-6, group_size=None, norm_before_gate=True):
     _, group = check_args(x, gate, weight, eps, group_size, norm_before_gate)
-    return rms_norm_gated_problem(x, weight, group, norm_before_gate, out_dtype(x, weight, norm_before_gate))
+    return rms_norm_gated_problem(x, weight, group, norm_before_gate, out_dtype(x, weight, norm_before_gate), gate)
+
+
+def _widened(p: Problem, name: str) -> bool:
+    """Whether the tensor ``name`` (``gate``, ``weight``) has x's dtype after the kernel path's cast of it: its own,
+    or a 16-bit one with fp32 x (a cast without rounding: Mamba2's fp32 scan output with a bf16 model's gate)."""
+    d = p[f"{name}_dtype"]
+    return d is None or d == p.dtype or (p.dtype == torch.float32 and d in FLOAT_DTYPES)
 
 
 def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
     ok, why = kernel_input_ok(p)
     if not ok:
         return ok, why
+    if not _widened(p, "gate"):
+        return False, f"gate dtype {dtype_name(p['gate_dtype'])} wider than x's ({dtype_name(p.dtype)})"
     wd = p["weight_dtype"]
-    if wd is not None and wd not in (p.dtype, torch.float32):
+    if not (wd == torch.float32 or _widened(p, "weight")):
         return False, f"weight dtype {dtype_name(wd)} neither x's ({dtype_name(p.dtype)}) nor float32"
     if p["out_dtype"] not in (p.dtype, torch.float32) or p["out_dtype"] not in FLOAT_DTYPES:
         return False, f"output dtype {dtype_name(p['out_dtype'])} not supported"
@@ -133,6 +140,8 @@ def _ops_supports(p: Problem) -> tuple[bool, str]:
     wd = p["weight_dtype"]
     if wd is not None and wd not in FLOAT_DTYPES:
         return False, f"weight dtype {dtype_name(wd)} not supported"
+    if not _widened(p, "gate"):
+        return False, f"gate dtype {dtype_name(p['gate_dtype'])} wider than x's ({dtype_name(p.dtype)})"
     return True, ""
 
 
@@ -207,7 +216,12 @@ def _run_pipegoose(x, gate, weight, eps, group, norm_before_gate, out):
     """pipegoose/rms_norm_gated through ``torch.ops.pipegoose.rms_norm_gated(input, gate, weight?, eps, group_size,
     norm_before_gate, out_dtype)``: the forward kernel with its autograd formula in C++ (bindings/rms_norm_gated.cpp;
     a backward with ``create_graph=True`` differentiates :func:`rms_norm_gated_kernel_math` instead of running the
-    backward kernel)."""
+    backward kernel). With fp32 x a 16-bit gate or weight is cast to fp32 first (exactly; autograd rounds their
+    gradients back to their dtypes, as the modules' casts do)."""
+    if gate.dtype != x.dtype:
+        gate = gate.to(x.dtype)
+    if weight is not None and weight.dtype not in (x.dtype, torch.float32):
+        weight = weight.to(torch.float32)
     return _ops().rms_norm_gated.default(x, gate, weight, float(eps), int(group), norm_before_gate, out)
 
 
@@ -227,7 +241,7 @@ def run(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None, eps: A
         return rms_norm_gated_reference(x, gate, weight, eps, group, norm_before_gate)
     if dispatch.compile_passthrough(OP, impl):  # torch.compile fuses the formula itself
         return rms_norm_gated_reference(x, gate, weight, eps, group, norm_before_gate)
-    choice = dispatch.select(OP, rms_norm_gated_problem(x, weight, group, norm_before_gate, out), impl)
+    choice = dispatch.select(OP, rms_norm_gated_problem(x, weight, group, norm_before_gate, out, gate), impl)
     if choice.impl == "pipegoose":
         return call_without_autocast(x.device, _run_pipegoose, x, gate, weight, eps, group, norm_before_gate, out)
     if choice.impl == "ops":

@@ -322,13 +322,16 @@ def probe_rms_norm(module: nn.Module) -> RMSNormProbe:
 
 @dataclass(frozen=True)
 class GatedRMSNormProbe:
-    """Result of :func:`probe_rms_norm_gated`: ``ok`` with the module's ``eps``, or not with the ``reason``;
-    ``candidate``: the module looked like a gated RMSNorm (worth a row in the report)."""
+    """Result of :func:`probe_rms_norm_gated`: ``ok`` with the module's ``eps`` and form (``norm_before_gate``, the
+    ``group_size`` it normalises over: None for the whole row), or not with the ``reason``; ``candidate``: the module
+    looked like a gated RMSNorm (worth a row in the report)."""
 
     ok: bool
     eps: float | None
     reason: str
     candidate: bool
+    norm_before_gate: bool = True
+    group_size: int | None = None
 
 
 def gated_rms_norm_candidate(module: nn.Module) -> bool:
@@ -342,39 +345,38 @@ def gated_rms_norm_candidate(module: nn.Module) -> bool:
             and _extra_forward_arguments(type(module))[:1] == ["gate"])
 
 
-def _gated_reference(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3-Next's gated RMSNorm, the formula that op ``rms_norm`` and op ``swiglu`` compute together
-    (:func:`pipegoose.nn.fusion.functional.rms_norm_gated`): the norm in fp32, rounded to x's dtype, times the weight,
-    times ``silu`` of the gate in fp32, rounded to x's dtype."""
-    xf = x.float()
-    h = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (h * F.silu(gate.float())).to(x.dtype)
+def _gated_reference(x: torch.Tensor, gate: torch.Tensor | None, w: torch.Tensor, eps: float, first: bool = True,
+                     group: int | None = None) -> torch.Tensor:
+    """The gated RMSNorms op ``rms_norm_gated`` computes (:func:`pipegoose.nn.fusion.ops.rms_norm_gated.
+    rms_norm_gated_reference`, transformers' formulas): Qwen3-Next's (``first``: the norm in fp32, rounded to x's
+    dtype, times the weight, times ``silu`` of the gate in fp32, rounded to x's dtype) or Mamba2's (the gate first in
+    fp32, the norm over groups of ``group`` values, rounded to x's dtype, times the weight); ``gate`` None (Mamba2's
+    call without one): the grouped norm alone."""
+    from ..ops.rms_norm_gated import rms_norm_gated_reference
+
+    n = x.shape[-1]
+    if gate is None:
+        xf = x.float()
+        v = xf.unflatten(-1, (n // (group or n), group or n))
+        h = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
+        return w * h.to(x.dtype)
+    return rms_norm_gated_reference(x, gate, w, eps, group or n, first)
 
 
-@probe_isolated
-def probe_rms_norm_gated(module: nn.Module) -> GatedRMSNormProbe:
-    """Whether ``module`` computes the gated RMSNorm of Qwen3-Next and Qwen3.5 (the norm, then ``silu`` of the gate:
-    :func:`_gated_reference`), bit for bit, over its weight's size: a shallow stand-in of it (its class and
-    attributes, a random weight; hooks not run) on random CPU inputs with a nonzero mean, x and gate in fp32, bf16 and
-    fp16 with a weight of their dtype, and bf16 x with an fp32 weight, in both training modes, then fp32 inputs whose
-    mean square is near eps (a forward that adds its epsilon elsewhere, clamps, or uses another value than its
-    attribute agrees on the others). A norm that gates before it normalises (Mamba2's, Bamba's: over groups), gates
-    with a sigmoid or multiplies by the weight in fp32 (Kimi Linear's) is refused with the reason, as is one whose
-    forward fails, or whose ``gate`` has a default (its model may leave it out, which the fused module cannot take).
-    Never raises."""
-    if not gated_rms_norm_candidate(module):
-        return GatedRMSNormProbe(False, None, "not a leaf with one 1-D weight and forward(hidden_states, gate)", False)
-    if list(module.buffers(recurse=False)):
-        return GatedRMSNormProbe(False, None, "has buffers", True)
-    eps_name, eps, bad_eps = eps_of(module)
-    if eps_name is None or bad_eps is not None:
-        why = f"no eps attribute ({', '.join(EPS_ATTRIBUTES)})" if eps_name is None else str(bad_eps)
-        return GatedRMSNormProbe(False, None, why, True)
-    n = module.weight.numel()
-    gen = torch.Generator().manual_seed(4321)
-    stand_in = _stand_in(module)
-    object.__setattr__(stand_in, "_buffers", {})
-    object.__setattr__(stand_in, "_modules", {})
+def _group_attribute(module: nn.Module, n: int) -> int | None:
+    """The module's ``group_size`` (Mamba2's and its copies') where it is an int dividing ``n`` (None otherwise: the
+    whole row)."""
+    g = module.__dict__.get("group_size", getattr(type(module), "group_size", None))
+    if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= n or n % g:
+        return None
+    return None if g == n else g
+
+
+def _gated_form_differs(stand_in: nn.Module, module: nn.Module, n: int, eps: float, first: bool, group: int | None,
+                        seed: int) -> str | None:
+    """None where ``stand_in`` computes the form (``first``, ``group``) bit for bit on random inputs (fp32, bf16, fp16
+    and bf16 x with an fp32 weight, both training modes), else what differs."""
+    gen = torch.Generator().manual_seed(seed)
     forms = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
              (torch.bfloat16, torch.float32))
     for training in (module.training, not module.training):
@@ -384,34 +386,80 @@ def probe_rms_norm_gated(module: nn.Module) -> GatedRMSNormProbe:
             x = (torch.randn(2, 3, n, generator=gen) + 0.5).to(dt)
             gate = (torch.randn(2, 3, n, generator=gen) * 3).to(dt)
             object.__setattr__(stand_in, "_parameters", {"weight": nn.Parameter(w, requires_grad=False)})
-            try:
-                with torch.no_grad():
-                    y = stand_in.forward(x, gate)
-            except Exception as exc:  # noqa: BLE001 - any failure means we cannot vouch for the module
-                return GatedRMSNormProbe(False, None, f"probe forward failed: {type(exc).__name__}: {exc}", True)
-            want = _gated_reference(x, gate, w, eps)
+            with torch.no_grad():
+                y = stand_in.forward(x, gate)
+            want = _gated_reference(x, gate, w, eps, first, group)
             if not isinstance(y, torch.Tensor) or y.dtype != want.dtype or not torch.equal(y, want):
-                return GatedRMSNormProbe(
-                    False, None, f"computes another gated norm than Qwen3-Next's (the norm, then silu of the gate, as "
-                    f"op rms_norm and op swiglu compute it; probed, {str(dt)[6:]} x with a {str(wdt)[6:]} weight): "
-                    "Mamba2's gate before the norm, a sigmoid gate, an fp32 weight product, or other rounding", True)
+                return f"{str(dt)[6:]} x with a {str(wdt)[6:]} weight"
+    object.__setattr__(stand_in, "training", module.training)
+    return None
+
+
+@probe_isolated
+def probe_rms_norm_gated(module: nn.Module) -> GatedRMSNormProbe:
+    """Whether ``module`` computes one of the gated RMSNorms of op ``rms_norm_gated``, bit for bit, over its weight's
+    size: Qwen3-Next's and Qwen3.5's (the norm, then ``silu`` of the gate) or Mamba2's and its copies' (Bamba,
+    Nemotron-H, Zamba2, Granite-4: ``silu`` of the gate first, then the norm over groups of its ``group_size``
+    attribute's values) (:func:`_gated_reference`). A shallow stand-in of it (its class and attributes, a random
+    weight; hooks not run) on random CPU inputs with a nonzero mean, x and gate in fp32, bf16 and fp16 with a weight of
+    their dtype, and bf16 x with an fp32 weight, in both training modes, then fp32 inputs whose mean square is near eps
+    (a forward that adds its epsilon elsewhere, clamps, or uses another value than its attribute agrees on the
+    others). A norm that gates with a sigmoid or multiplies by the weight in fp32 (Kimi Linear's, Falcon-H1's) is
+    refused with the reason, as is one whose forward fails. A ``gate`` with a default (its model may leave it out):
+    refused for the norm first; for the gate first (Mamba2's ``gate=None``) the call without it must be the grouped
+    norm alone, which the fused module computes then. Never raises."""
+    if not gated_rms_norm_candidate(module):
+        return GatedRMSNormProbe(False, None, "not a leaf with one 1-D weight and forward(hidden_states, gate)", False)
+    if list(module.buffers(recurse=False)):
+        return GatedRMSNormProbe(False, None, "has buffers", True)
+    eps_name, eps, bad_eps = eps_of(module)
+    if eps_name is None or bad_eps is not None:
+        why = f"no eps attribute ({', '.join(EPS_ATTRIBUTES)})" if eps_name is None else str(bad_eps)
+        return GatedRMSNormProbe(False, None, why, True)
+    n = module.weight.numel()
+    stand_in = _stand_in(module)
+    object.__setattr__(stand_in, "_buffers", {})
+    object.__setattr__(stand_in, "_modules", {})
+    group = _group_attribute(module, n)
+    tried = []
+    form = None
+    for first, g in ((True, None), (False, group)):
+        try:
+            differs = _gated_form_differs(stand_in, module, n, eps, first, g, 4321)
+        except Exception as exc:  # noqa: BLE001 - any failure means we cannot vouch for the module
+            return GatedRMSNormProbe(False, None, f"probe forward failed: {type(exc).__name__}: {exc}", True)
+        if differs is None:
+            form = (first, g)
+            break
+        tried.append(differs)
+    if form is None:
+        return GatedRMSNormProbe(
+            False, None, "computes another gated norm than Qwen3-Next's (the norm, then silu of the gate) and Mamba2's "
+            f"(silu of the gate, then the norm{f' over groups of {group}' if group else ''}) as op rms_norm_gated "
+            f"computes them (probed, {tried[0]}): a sigmoid gate, an fp32 weight product, or other rounding", True)
+    first, group = form
     # eps: the inputs above (mean square ~1.3) barely see it; near it (or, with eps 0, tiny inputs: the formula is
     # then scale-invariant) a forward that adds it elsewhere, clamps or uses another value than its attribute differs
+    gen = torch.Generator().manual_seed(8765)
     w = torch.rand(n, generator=gen) + 0.5
     object.__setattr__(stand_in, "_parameters", {"weight": nn.Parameter(w, requires_grad=False)})
     for mean_square in ((eps, 0.1 * eps) if eps > 0 else (1e-6, 1e-12, 1e-18)):
-        x = torch.randn(2, 3, n, generator=gen) + 0.5
-        x = x * torch.sqrt(mean_square / x.pow(2).mean(-1, keepdim=True))
         gate = torch.randn(2, 3, n, generator=gen) * 3
+        x = torch.randn(2, 3, n, generator=gen) + 0.5
+        # the normalised values' mean square (of x, or of x * silu(gate) for the gate first) set to mean_square
+        # (scaling x scales x * silu(gate) alike)
+        g = group or n
+        v = (x if first else x * F.silu(gate)).unflatten(-1, (n // g, g))
+        x = (x.unflatten(-1, (n // g, g)) * torch.sqrt(mean_square / v.pow(2).mean(-1, keepdim=True))).flatten(-2)
         try:
             with torch.no_grad():
                 y = stand_in.forward(x, gate)
         except Exception as exc:  # noqa: BLE001 - any failure means we cannot vouch for the module
             return GatedRMSNormProbe(False, None, f"probe forward failed on a small input: {type(exc).__name__}: "
                                      f"{exc}", True)
-        xd = x.double()
-        want = (w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
-                * F.silu(gate.double()))
+        from ..ops.rms_norm_gated import rms_norm_gated_kernel_math
+
+        want = rms_norm_gated_kernel_math(x.double(), gate.double(), w.double(), eps, group or n, first, torch.float64)
         if (not isinstance(y, torch.Tensor) or y.shape != x.shape
                 or not torch.allclose(y.double(), want, atol=1e-5, rtol=1e-3)):
             return GatedRMSNormProbe(False, None, f"on inputs whose mean square is near eps ({mean_square:.3g}) it "
@@ -422,9 +470,24 @@ def probe_rms_norm_gated(module: nn.Module) -> GatedRMSNormProbe:
     except (TypeError, ValueError, KeyError):
         gate_param = None
     if gate_param is not None and gate_param.default is not inspect.Parameter.empty:
-        return GatedRMSNormProbe(False, None, f"forward(hidden_states, gate={gate_param.default!r}): its model may "
-                                 "call it without the gate, which FusedRMSNormGated needs", True)
-    return GatedRMSNormProbe(True, eps, "the norm, then silu of the gate (Qwen3-Next's, probed)", True)
+        if first or gate_param.default is not None:
+            return GatedRMSNormProbe(False, None, f"forward(hidden_states, gate={gate_param.default!r}): its model may "
+                                     "call it without the gate, which FusedRMSNormGated needs with the norm first", True)
+        x = torch.randn(2, 3, n, generator=gen) + 0.5
+        try:
+            with torch.no_grad():
+                y = stand_in.forward(x)
+        except Exception as exc:  # noqa: BLE001
+            return GatedRMSNormProbe(False, None, f"probe forward without the gate failed: {type(exc).__name__}: "
+                                     f"{exc}", True)
+        if not isinstance(y, torch.Tensor) or not torch.equal(y, _gated_reference(x, None, w, eps, first, group)):
+            return GatedRMSNormProbe(False, None, "without the gate (its default, None) it computes another norm than "
+                                     "the grouped RMSNorm (probed)", True)
+    if first:
+        return GatedRMSNormProbe(True, eps, "the norm, then silu of the gate (Qwen3-Next's, probed)", True)
+    where = f"over groups of {group}" if group else "over the row"
+    return GatedRMSNormProbe(True, eps, f"silu of the gate, then the norm {where} (Mamba2's, probed)", True,
+                             norm_before_gate=False, group_size=group)
 
 
 def _extra_forward_arguments(cls: type) -> list[str]:
