@@ -244,8 +244,8 @@ MODELS = {
         num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512, shared_expert_intermediate_size=512,
         intermediate_size=5120, vocab_size=151936, max_position_embeddings=4096)),
     # (session 79: Granite-4.0-H-Micro's layers, Mamba2 mixers (transformers' PyTorch path where mamba-ssm is not
-    # installed) with the gated norm the gate first (variant fuse_sdpa_gated fuses it: opt-in kind rms_norm_gated), three
-    # to one attention layer, SwiGLU shared MLPs, no experts; 8 layers at hidden 2048)
+    # installed) with the gated norm the gate first (variant fuse_sdpa_gated fuses it: opt-in kind rms_norm_gated),
+    # three to one attention layer, SwiGLU shared MLPs, no experts; 8 layers at hidden 2048)
     "granite4": dict(arch="granitemoehybrid", batch=2, config=dict(
         hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8,
         layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],

@@ -472,7 +472,8 @@ def probe_rms_norm_gated(module: nn.Module) -> GatedRMSNormProbe:
     if gate_param is not None and gate_param.default is not inspect.Parameter.empty:
         if first or gate_param.default is not None:
             return GatedRMSNormProbe(False, None, f"forward(hidden_states, gate={gate_param.default!r}): its model may "
-                                     "call it without the gate, which FusedRMSNormGated needs with the norm first", True)
+                                     "call it without the gate, which FusedRMSNormGated needs with the norm first",
+                                     True)
         x = torch.randn(2, 3, n, generator=gen) + 0.5
         try:
             with torch.no_grad():
