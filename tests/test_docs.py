@@ -165,6 +165,7 @@ OWN_KERNEL_WORDS = {
     "pipegoose/softmax": "softmax without length limits",
     "pipegoose/layer_norm": "LayerNorm",
     "pipegoose/rms_norm": "RMSNorm",
+    "pipegoose/rms_norm_gated": "gated RMSNorm",
     "pipegoose/swiglu": "SwiGLU",
     "pipegoose/rope": "RoPE",
     "pipegoose/cross_entropy": "cross-entropy",

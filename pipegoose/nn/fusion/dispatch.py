@@ -1,10 +1,11 @@
 """One dispatcher for every fused op: implementations, ``supports()`` checks, choice, counters and strict mode.
 
-Each op (``softmax``, ``softmax.masked``, ``softmax.causal``, ``layer_norm``, ``rms_norm``, ``swiglu``,
-``swiglu.packed``, ``geglu``, ``geglu.packed``, ``gelu``, ``squared_relu``, ``rope``, ``cross_entropy``,
+Each op (``softmax``, ``softmax.masked``, ``softmax.causal``, ``layer_norm``, ``rms_norm``, ``rms_norm_gated``,
+``swiglu``, ``swiglu.packed``, ``geglu``, ``geglu.packed``, ``gelu``, ``squared_relu``, ``rope``, ``cross_entropy``,
 ``fused_linear_cross_entropy``, ``adam``, ``clip_grad_norm``) has several :class:`Implementation` s: ours
-(``pipegoose``), fused kernels that ship in PyTorch (``torch_fused``: ``adam``'s ``torch._fused_adamw_``), ported
-registry copies (``megatron``, ``apex``, ``deepspeed``) and the PyTorch reference (``torch``). Each declares
+(``pipegoose``; ``ops`` for ``rms_norm_gated``: two other ops of ours), fused kernels that ship in PyTorch
+(``torch_fused``: ``adam``'s ``torch._fused_adamw_``), ported registry copies (``megatron``, ``apex``, ``deepspeed``)
+and the PyTorch reference (``torch``). Each declares
 ``supports(problem) -> (ok, reason)`` over a :class:`Problem` (shapes, dtypes, device, layout: metadata only, no
 kernel runs), and names the manifest kernel it needs; the kernel is loaded on first use
 (``pipegoose.kernels.load``) and a failed load becomes a reason (``"pipegoose/softmax unavailable: ..."``).
