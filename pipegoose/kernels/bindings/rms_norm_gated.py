@@ -17,6 +17,7 @@ import torch
 def _rows_groups(input: torch.Tensor, group_size: int) -> tuple[int, int]:
     torch._check(input.dim() >= 1, lambda: "input: expected at least one dimension [..., D]")
     d = input.shape[-1]
+    torch._check(d >= 1, lambda: f"input: expected a last dimension D >= 1, got shape {tuple(input.shape)}")
     torch._check(group_size >= 1 and d % group_size == 0,
                  lambda: f"group_size: expected a divisor of the last dimension {d}, got {group_size}")
     return input.numel() // d, d // group_size

@@ -23,10 +23,10 @@
 // weight: about one unit in the last place of that dtype apart, the kernel the closer to exact).
 //
 // Dtypes: input and gate one of fp32 / fp16 / bf16; weight the input's dtype or fp32; out_dtype the input's or fp32;
-// grad_output of another dtype than the output's is converted to it. Non-contiguous tensors are copied to contiguous
+// grad_output in fp32 or fp64 is read in fp32, of another dtype in the input's. Non-contiguous tensors are copied to contiguous
 // ones; outputs are contiguous. 64-bit offsets. Errors (RuntimeError naming the argument): not CUDA, devices differ,
-// dtypes as above, gate or grad_output not of the input's shape, weight not [D], group_size not dividing D or outside
-// [1, 16384], eps negative or not finite, rstd not float32 [rows, D / group_size].
+// dtypes as above, an empty last dimension, gate or grad_output not of the input's shape, weight not [D], group_size
+// not dividing D or outside [1, 16384], eps negative or not finite, rstd not float32 [rows, D / group_size].
 //
 // Launch: a block of (tpg, segs) threads, tpg a power of two (the threads of one group's segment of a row, each
 // holding up to kPerThread values: tpg = the next power of two of group_size / kPerThread), segs = 256 / tpg
@@ -344,9 +344,12 @@ int64_t check_common(const at::Tensor& input, const at::Tensor& gate, const std:
   PG_CHECK(gate.sizes() == input.sizes(), "gate: expected the input's shape ", input.sizes(), ", got ",
            gate.sizes());
   const int64_t D = input.size(-1);
+  PG_CHECK(D >= 1, "input: expected a last dimension D >= 1, got shape ", input.sizes());
   PG_CHECK(group_size >= 1 && group_size <= kMaxGroup, "group_size: expected 1 to ", kMaxGroup, ", got ",
            group_size);
   PG_CHECK(D % group_size == 0, "group_size: expected a divisor of the last dimension ", D, ", got ", group_size);
+  PG_CHECK(D / group_size <= std::numeric_limits<int>::max(), "group_size: ", D / group_size,
+           " groups a row exceed the kernel's int count");
   if (weight.has_value()) {
     const at::Tensor& w = *weight;
     PG_CHECK(w.device() == input.device(), "weight: on ", w.device(), ", expected the input's device ",
@@ -452,9 +455,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_gated_backward_cuda(
   const at::Tensor input = input_.contiguous(), gate = gate_.contiguous(), rstd = rstd_.contiguous();
   const std::optional<at::Tensor> weight =
       weight_.has_value() ? std::optional<at::Tensor>(weight_->contiguous()) : std::nullopt;
-  // the output gradient in the input's dtype or fp32 (the two output dtypes the forward makes)
-  const at::ScalarType ot =
-      grad_output_.scalar_type() == at::kFloat ? at::kFloat : input.scalar_type();
+  // the output gradient in fp32 (given in fp32 or fp64) or else the input's dtype (the forward's two output dtypes)
+  const at::ScalarType g_t = grad_output_.scalar_type();
+  const at::ScalarType ot = g_t == at::kFloat || g_t == at::kDouble ? at::kFloat : input.scalar_type();
   const at::Tensor dy = grad_output_.to(ot).contiguous();
   at::Tensor dx = at::empty(input.sizes(), input.options());
   at::Tensor dg = at::empty(input.sizes(), input.options());

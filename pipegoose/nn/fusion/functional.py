@@ -307,10 +307,11 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | N
     (rms_norm.cu) and pipegoose/swiglu (swiglu.cu); this project, MIT.
 
     Raises:
-        TypeError: ``x``, ``gate`` or ``weight`` not a tensor of a floating dtype the ops take; ``eps`` not a number;
-            ``group_size`` not an int; ``norm_before_gate`` not a bool.
-        ValueError: ``x`` of no dimension; ``gate`` of another shape or device than ``x``'s; ``weight`` not [D];
-            ``group_size`` not a divisor of D; ``eps`` negative or not finite; ``impl`` unknown.
+        TypeError: ``x`` not a tensor of at least one dimension; ``x``, ``gate`` or ``weight`` not a tensor of a
+            floating dtype the ops take; ``eps`` not a number; ``group_size`` not an int; ``norm_before_gate`` not a
+            bool.
+        ValueError: ``gate`` of another shape or device than ``x``'s; ``weight`` not [D]; ``group_size`` not a
+            divisor of D; ``eps`` negative or not finite; ``impl`` unknown.
         FusionFallbackError: in strict mode, where no fused path takes the input.
     """
     if not isinstance(x, torch.Tensor) or x.dim() < 1:

@@ -10,9 +10,10 @@ What is replaced (model knowledge lives in ``pipegoose.nn.fusion.transformers``)
   Gemma 3, its per-head ``q_norm`` / ``k_norm`` too, and copies such as Qwen3-Next's) with ``weight_offset=1.0``
   (the row's reason says "Gemma style");
 * with ``rms_norm_gated`` in ``ops`` (opt-in), every gated RMSNorm (``forward(hidden_states, gate)``) that computes
-  Qwen3-Next's and Qwen3.5's formula (the norm, then ``silu`` of the gate), found by a numerical probe
-  (``transformers.matching.probe_rms_norm_gated``) -> ``FusedRMSNormGated`` (same ``weight``; op ``rms_norm`` then op
-  ``swiglu``), kind ``rms_norm_gated`` (since session 78);
+  Qwen3-Next's and Qwen3.5's formula (the norm, then ``silu`` of the gate) or Mamba2's (``silu`` of the gate, then the
+  norm over groups of its ``group_size``: Bamba's, Nemotron-H's, Zamba2's, Granite-4's copies), found by a numerical
+  probe (``transformers.matching.probe_rms_norm_gated``) -> ``FusedRMSNormGated`` (same ``weight``, the probe's order
+  and group; op ``rms_norm_gated``), kind ``rms_norm_gated`` (since session 78; the gate first since session 79);
 * every norm without parameters that computes RMSNorm or LayerNorm over the last dimension in fp32 with one rounding
   to the input's dtype, found by a numerical probe (``transformers.matching.probe_weightless_norm``, which reads an
   epsilon written in the forward from its output): Gemma 4's ``v_norm`` and its router's ``norm``
@@ -135,8 +136,8 @@ Skipped, with the reason in the report: LayerNorm subclasses with their own forw
 forward is set on the instance (accelerate's ``device_map`` / offloading hooks, patches: a fused module would bypass
 it), norms whose weight or bias is computed rather than a Parameter of their own (``torch.nn.utils.parametrize``,
 the hook-based ``torch.nn.utils.weight_norm``), whose Parameters a fused module cannot share, gated RMSNorms
-(``forward(x, gate)``: Bamba's, Mamba2's; Qwen3-Next's and Qwen3.5's are fused with ``rms_norm_gated`` in ``ops``,
-opt-in) and RMSNorms whose weight broadcasts over other widths. RMSNorms are fused
+(``forward(x, gate)``: Qwen3-Next's, Mamba2's and their copies are fused with ``rms_norm_gated`` in ``ops``, opt-in)
+and RMSNorms whose weight broadcasts over other widths. RMSNorms are fused
 over whatever size they normalize: the hidden size, a head's (Qwen3's ``q_norm`` / ``k_norm`` over ``head_dim``) or
 a projection's.
 
@@ -677,10 +678,10 @@ def fuse(model: nn.Module, ops: Iterable[str] | str | None = None, dry_run: bool
         ops: subset of ``("layer_norm", "rms_norm", "swiglu", "geglu", "gelu", "squared_relu", "rope",
             "cross_entropy", "attention", "rms_norm_gated", "linear_cross_entropy")`` (a name or an iterable of names;
             case and surrounding blanks ignored, as in ``impl=``); None = all but the two opt-in kinds:
-            ``rms_norm_gated``, Qwen3-Next's and Qwen3.5's gated RMSNorm (``forward(hidden_states, gate)``, the norm
-            then ``silu`` of the gate, probed bit for bit) as
-            :class:`~pipegoose.nn.fusion.modules.FusedRMSNormGated` (op ``rms_norm`` then op ``swiglu``; opt-in until
-            timed in a training step on a GPU), and ``linear_cross_entropy``: a
+            ``rms_norm_gated``, Qwen3-Next's and Mamba2's gated RMSNorms (``forward(hidden_states, gate)``, the norm
+            then ``silu`` of the gate, or the gate first over groups, probed bit for bit) as
+            :class:`~pipegoose.nn.fusion.modules.FusedRMSNormGated` (op ``rms_norm_gated``; opt-in until timed in a
+            training step on a GPU), and ``linear_cross_entropy``: a
             causal LM's head and loss in one (:mod:`pipegoose.nn.fusion.transformers.lm_head`; in training with
             labels the output's ``logits`` is None; on the H200's Llama-1.1B step 0.5 GiB less peak memory at 0.1%
             fewer tokens/s, session 52; one backward per forward: a second backward through a retained graph raises
@@ -1257,7 +1258,8 @@ def _gated_norm_impls(module: nn.Module, impl: str | None = None, like: torch.Te
 def _consider_gated_norm(child: nn.Module, path: str, dry_run: bool, like=None):
     """The report's row for a gated RMSNorm (``forward(hidden_states, gate)``) with ``rms_norm_gated`` in ops, and its
     replacement (:class:`~pipegoose.nn.fusion.modules.FusedRMSNormGated`, sharing its weight) where
-    ``matching.probe_rms_norm_gated`` finds Qwen3-Next's formula; else skipped with the probe's reason."""
+    ``matching.probe_rms_norm_gated`` finds Qwen3-Next's formula or Mamba2's (its form: the probe's order and group);
+    else skipped with the probe's reason."""
     from .modules import FusedRMSNormGated
 
     name = type(child).__name__

@@ -89,9 +89,11 @@ def rms_norm_gated_problem(x, weight, group, norm_before_gate, out, gate=None) -
     """The dispatcher's description of one call: ``x`` (and the gate) [*, D], ``weight`` [D] or None, groups of
     ``group`` values, ``out`` the output dtype (:func:`out_dtype`), ``gate`` (for its dtype; None: x's)."""
     d = x.shape[-1]
-    return Problem(OP, x.dtype, x.device, cols=group, needs_grad=needs_grad(x, weight),
+    g = x if gate is None else gate
+    return Problem(OP, x.dtype, x.device, cols=group, needs_grad=needs_grad(x, g, weight),
                    extra=dict(shape=tuple(x.shape), hidden=d, group=group, rows=x.numel() // d if d else 0,
-                              numel=x.numel(), storage=all_have_storage(x, weight), forward_ad=has_tangent(x, weight),
+                              numel=x.numel(), storage=all_have_storage(x, g, weight),
+                              forward_ad=has_tangent(x, g, weight),
                               weight_dtype=None if weight is None else weight.dtype, out_dtype=out,
                               gate_dtype=x.dtype if gate is None else gate.dtype, norm_before_gate=norm_before_gate))
 
@@ -99,6 +101,9 @@ def rms_norm_gated_problem(x, weight, group, norm_before_gate, out, gate=None) -
 def _explain(x, gate, weight=None, eps=1e-6, group_size=None, norm_before_gate=True):
     _, group = check_args(x, gate, weight, eps, group_size, norm_before_gate)
     return rms_norm_gated_problem(x, weight, group, norm_before_gate, out_dtype(x, weight, norm_before_gate), gate)
+
+
+_GATE_DTYPE = "gate dtype {} neither x's ({}) nor a 16-bit one with fp32 x (cast without rounding)"
 
 
 def _widened(p: Problem, name: str) -> bool:
@@ -113,7 +118,7 @@ def _pipegoose_supports(p: Problem) -> tuple[bool, str]:
     if not ok:
         return ok, why
     if not _widened(p, "gate"):
-        return False, f"gate dtype {dtype_name(p['gate_dtype'])} wider than x's ({dtype_name(p.dtype)})"
+        return False, _GATE_DTYPE.format(dtype_name(p["gate_dtype"]), dtype_name(p.dtype))
     wd = p["weight_dtype"]
     if not (wd == torch.float32 or _widened(p, "weight")):
         return False, f"weight dtype {dtype_name(wd)} neither x's ({dtype_name(p.dtype)}) nor float32"
@@ -141,7 +146,7 @@ def _ops_supports(p: Problem) -> tuple[bool, str]:
     if wd is not None and wd not in FLOAT_DTYPES:
         return False, f"weight dtype {dtype_name(wd)} not supported"
     if not _widened(p, "gate"):
-        return False, f"gate dtype {dtype_name(p['gate_dtype'])} wider than x's ({dtype_name(p.dtype)})"
+        return False, _GATE_DTYPE.format(dtype_name(p["gate_dtype"]), dtype_name(p.dtype))
     return True, ""
 
 
