@@ -40,9 +40,29 @@ def test_dry_run_checks_every_row_against_the_module(tmp_path):
     assert len(theirs) == 4 and all(r["status"] == "ok" and r["median_ms"] > 0 for r in theirs), theirs
     assert ours and all(r["status"] == "error" and "needs a CUDA tensor" in r["why"] for r in ours), ours
     md = (tmp_path / "rms_norm_gated.md").read_text()
-    assert md.startswith("# Gated RMSNorm (Qwen3-Next's / Qwen3.5's RMSNormGated), bfloat16, float32")
+    assert md.startswith("# Gated RMSNorm (Qwen3-Next's / Qwen3.5's RMSNormGated, the norm first), bfloat16, float32")
     fns = B.functions()
     fns["pipegoose"] = lambda x, gate, w: fns["transformers"](x, gate, w) * 1.01   # (a wrong result)
     timer = B.Timer("cpu", warmup=1, reps=1)
     bad = B.run_shape((64, 16), fns, timer, torch.float32, "cpu", 0.0, ("pipegoose",))
     assert all(r["status"] == "FAILED" and "['y'" in r["why"] for r in bad), bad
+
+
+def test_gate_first_dry_run_times_mamba2s_module(tmp_path):
+    """--gate-first --group 8: Mamba2's module is the check and is timed; ours errors on the CPU (the kernel needs a
+    GPU) and ops refuses the gate first; the results land in rms_norm_gated_gate_first.json / .md, rows naming the
+    group; a group that divides no shape is a usage error; an fp32 output (Mamba2's promotion) counts 4 bytes."""
+    B.main(["--device", "cpu", "--gate-first", "--group", "8", "--impls", "pipegoose,ops,transformers", "--reps", "1",
+            "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "rms_norm_gated_gate_first.json").read_text())["rows"]
+    by = {}
+    for r in rows:
+        by.setdefault(r["impl"], []).append(r)
+    assert all(r["status"] == "ok" and r["group"] == 8 and r["gate_first"] for r in by["transformers"]), rows
+    assert all(r["status"] == "error" and "needs a CUDA tensor" in r["why"] for r in by["pipegoose"]), rows
+    assert all(r["status"] == "error" and "two ops" in r["why"] for r in by["ops"]), rows
+    assert "Mamba2's MambaRMSNormGated" in (tmp_path / "rms_norm_gated_gate_first.md").read_text()
+    with pytest.raises(SystemExit):
+        B.main(["--device", "cpu", "--gate-first", "--group", "5", "--shapes", "4x16"])
+    r, d = 1024, 128
+    assert B.min_bytes((r, d), torch.bfloat16, torch.float32, "fwd", torch.float32) == r * d * (2 * 2 + 4) + d * 4
