@@ -21,7 +21,8 @@ Implementations, each of ``y = norm(x, gate)`` (op ``rms_norm_gated``, strict: e
 * ``compile``: ``torch.compile`` of that forward.
 
 Each implementation's output and gradients (x, gate, weight) are first compared with ``transformers``' (the dtype's
-tolerance of ``tests/tolerances.py``, scaled by 2; the weight's gradient, a sum over the rows, by 16); one that
+tolerance of ``tests/tolerances.py``, scaled by 2; the weight's gradient, a sum over the rows, by 4, its atol relative
+to its largest value); one that
 differs is reported FAILED and not timed. Time: the median of the repetitions (CUDA events, the L2 cache flushed before
 each: ``benchmarks.timing``); the backward is timed with the forward (``fwd+bwd``). Effective bandwidth: the fewest
 bytes each pass must move (forward: x and gate read, y written, the weight read; backward: the output gradient, x,
@@ -152,9 +153,14 @@ def run_shape(shape: tuple[int, int], fns: dict, timer: Timer, dtype: torch.dtyp
                                     weight_dtype=str(wdtype).removeprefix("torch."))
         try:
             got = run_pass(fns[name], inp, "fwd+bwd")
-            bad = [n for n, a, w, s in zip(("y", "grad_x", "grad_gate", "grad_weight"), got, want, (2, 2, 2, 16))
+            # (the weight's gradient, a sum over all the rows: its atol relative to its largest value, since the
+            # sums that cancel to near 0 carry the rounding of the large terms; a fixed atol failed every
+            # implementation, torch.compile's too, on the GPU, session 79)
+            bad = [n for n, a, w, s in zip(("y", "grad_x", "grad_gate", "grad_weight"), got, want, (2, 2, 2, 4))
                    if a.shape != w.shape or a.dtype != w.dtype
-                   or not torch.allclose(a.float(), w.float(), rtol=s * tol["rtol"], atol=s * tol["atol"])]
+                   or not torch.allclose(a.float(), w.float(), rtol=s * tol["rtol"],
+                                         atol=s * (tol["atol"] if n != "grad_weight" else
+                                                   tol["rtol"] * float(w.float().abs().max())))]
             del got
             if bad:
                 rows += [dict(base, passes=p, status="FAILED", why=f"differs from the model's module: {bad}")

@@ -423,7 +423,9 @@ def probe_rms_norm_gated(module: nn.Module) -> GatedRMSNormProbe:
     group = _group_attribute(module, n)
     tried = []
     form = None
-    for first, g in ((True, None), (False, group)):
+    # (the gate first over the whole row too: transformers' Mamba2 norms ignored group_size before a fix, 5.17 among
+    # them: a GPU run of session 79 found 5.17's Mamba2RMSNormGated normalising rows of 8192 set to groups of 1024)
+    for first, g in ((True, None), (False, group)) + (((False, None),) if group else ()):
         try:
             differs = _gated_form_differs(stand_in, module, n, eps, first, g, 4321)
         except Exception as exc:  # noqa: BLE001 - any failure means we cannot vouch for the module
