@@ -399,6 +399,29 @@ def test_fused_granite4_is_the_model_bit_for_bit(dtype):
     assert unfuse(model) and model.get_submodule(path) is old
 
 
+def test_the_probe_finds_a_mamba2_norm_that_ignores_its_groups():
+    """transformers' Mamba2 norms before their group fix (5.17's Mamba2RMSNormGated among them, seen on a GPU machine in
+    session 79) normalise the whole row whatever their group_size says: the probe finds that form (the gate first, no
+    groups), and the fused module computes it, bit for bit."""
+    base = _norm("mamba2", "Mamba2RMSNormGated", {"group_size": 8})
+
+    class WholeRow(type(base)):
+        def forward(self, hidden_states, gate=None):
+            dt = hidden_states.dtype
+            h = hidden_states.to(torch.float32)
+            if gate is not None:
+                h = h * nn.functional.silu(gate.to(torch.float32))
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return self.weight * h.to(dt)
+
+    norm = WholeRow(16, group_size=8)
+    found = probe_rms_norm_gated(norm)
+    assert found.ok and not found.norm_before_gate and found.group_size is None, found
+    fused = FusedRMSNormGated.from_module(norm)
+    x, gate = _inputs(torch.bfloat16)
+    assert torch.equal(fused(x, gate), norm(x, gate)) and torch.equal(fused(x), norm(x))
+
+
 def test_fuse_skips_another_gated_norm_with_the_reason():
     """A model holding Kimi Linear's gated norm (a sigmoid gate) with rms_norm_gated in ops: the row is skipped, not
     eligible, with the probe's reason; the module stays."""
