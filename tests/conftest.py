@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+# tests/kernels' helpers (kernel_helpers: poison, seed_of, ...) for the GPU tests of other folders: importable also
+# where tests/kernels is not collected in the same run (a run of tests/fuse alone failed to import them on the H100,
+# session 79). Appended, so that it shadows nothing.
+_KERNEL_TESTS = str(Path(__file__).resolve().parent / "kernels")
+if _KERNEL_TESTS not in sys.path:
+    sys.path.append(_KERNEL_TESTS)
 
 
 def _cuda_skip_reason() -> str | None:
