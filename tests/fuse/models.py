@@ -131,3 +131,13 @@ def transformers_attr(module: str, kind: str, name: str):
     if not hasattr(mod, name):
         pytest.skip(f"this transformers has no {name}")
     return getattr(mod, name)
+
+
+def gated_norm(module: str, cls: str, width: int, wdtype=None, seed: int = 0, **kw):
+    """transformers' gated RMSNorm ``cls`` of ``transformers.models.<module>`` (a pytest skip where this transformers
+    lacks it), of ``width`` values (``kw``: its other constructor arguments), in ``wdtype`` (default fp32), with a
+    weight of its own (uniform 0.5 to 1.5 from ``seed``: a dropped weight shows)."""
+    norm = transformers_attr(module, "modeling", cls)(width, **kw).to(wdtype or torch.float32)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(width, generator=torch.Generator().manual_seed(seed)) + 0.5)
+    return norm

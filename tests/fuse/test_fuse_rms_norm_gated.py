@@ -21,6 +21,8 @@ from pipegoose.nn.fusion import FusedRMSNormGated, dispatch, rms_norm_gated
 from pipegoose.nn.fusion.fuse import DEFAULT_OPS, OPS, OPT_IN, fuse, is_fused, unfuse
 from pipegoose.nn.fusion.transformers.matching import gated_rms_norm_candidate, probe_rms_norm_gated
 
+from .models import gated_norm
+
 transformers = pytest.importorskip("transformers")
 
 # (modeling module, class, constructor keywords): Qwen3-Next's formula, fused
@@ -37,16 +39,7 @@ FORMS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torc
 
 
 def _norm(modeling, cls, kw, width=16, wdtype=torch.float32, seed=0):
-    try:
-        m = importlib.import_module(f"transformers.models.{modeling}.modeling_{modeling}")
-    except ImportError:
-        pytest.skip(f"this transformers has no {modeling}")
-    if not hasattr(m, cls):
-        pytest.skip(f"this transformers has no {cls}")
-    norm = getattr(m, cls)(width, **kw).to(wdtype)
-    with torch.no_grad():
-        norm.weight.copy_(torch.rand(width, generator=torch.Generator().manual_seed(seed)) + 0.5)
-    return norm
+    return gated_norm(modeling, cls, width, wdtype, seed, **kw)
 
 
 def _inputs(dtype, width=16, seed=1):

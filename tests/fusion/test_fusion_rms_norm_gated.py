@@ -8,13 +8,14 @@ The kernel itself: tests/kernels/test_rms_norm_gated_cuda.py (GPU)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 import pytest
 import torch
 
 from pipegoose.nn.fusion import FusedRMSNormGated, dispatch, rms_norm_gated
 from pipegoose.nn.fusion.ops import rms_norm_gated as op
+
+from fuse.models import gated_norm   # (tests/fuse's helpers: tests/ is on the path, as for tolerances)
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,16 +27,7 @@ FORMS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torc
 
 
 def _module(modeling, cls, width, group, wdtype, seed=0):
-    try:
-        m = importlib.import_module(f"transformers.models.{modeling}.modeling_{modeling}")
-    except ImportError:
-        pytest.skip(f"this transformers has no {modeling}")
-    if not hasattr(m, cls):
-        pytest.skip(f"this transformers has no {cls}")
-    norm = getattr(m, cls)(width, group_size=group, eps=1e-5).to(wdtype)
-    with torch.no_grad():
-        norm.weight.copy_(torch.rand(width, generator=torch.Generator().manual_seed(seed)) + 0.5)
-    return norm
+    return gated_norm(modeling, cls, width, wdtype, seed, group_size=group, eps=1e-5)
 
 
 def _inputs(dtype, width, seed=1):
