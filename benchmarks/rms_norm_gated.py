@@ -15,7 +15,7 @@ Implementations, each of ``y = norm(x, gate)`` (op ``rms_norm_gated``, strict: e
 * ``pipegoose``: :func:`pipegoose.nn.fusion.functional.rms_norm_gated` with ``impl="pipegoose"``: the one kernel each
   way (pipegoose/kernels/csrc/rms_norm_gated.cu);
 * ``ops``: the same with ``impl="ops"``: op ``rms_norm`` then op ``swiglu`` (the norm before the gate over whole rows
-  only);
+  only: left out with ``--gate-first`` unless named);
 * ``transformers``: ``Qwen3_5RMSNormGated``'s forward (Qwen3-Next's where Qwen3.5 is missing), or
   ``Mamba2RMSNormGated``'s with ``--gate-first``, eager: what the model runs;
 * ``compile``: ``torch.compile`` of that forward.
@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=None, help="folder for rms_norm_gated[_gate_first].json / .md")
     args = ap.parse_args(argv)
     dtypes, impls = parse_dtypes_reps_impls(ap, args, DTYPES, IMPLS)
+    if impls is None and args.gate_first:   # (ops takes the norm first only: every row of it would be an error)
+        impls = tuple(i for i in IMPLS if i != "ops")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks.rms_norm_gated: needs a CUDA GPU (--device cpu: a dry run)")
     default = GATE_FIRST_SHAPES if args.gate_first else SHAPES

@@ -542,3 +542,82 @@ def test_fused_granite4_runs_the_one_kernel_when_requested(dtype, no_tuning_tabl
     for n in ref_g:
         torch.testing.assert_close(got_g[n], ref_g[n], **tol(dtype, 8 * scale), msg=lambda m: f"{n}: {m}")
     unfuse(model)
+
+
+# --------------------------------------------------------------------------------------- a breaker's findings (s79)
+
+
+def test_from_module_takes_the_form_from_the_probe_or_the_caller():
+    """from_module(verify=False) of Mamba2's norm gave Qwen3-Next's order and whole rows (off by 1.7): now the order is
+    required without the probe; with it, a form given that differs from the probe's is an error, not dropped."""
+    norm = _norm("mamba2", "Mamba2RMSNormGated", {"group_size": 8})
+    with pytest.raises(ValueError, match="norm_before_gate: required with verify=False"):
+        FusedRMSNormGated.from_module(norm, verify=False)
+    fused = FusedRMSNormGated.from_module(norm, verify=False, group_size=8, norm_before_gate=False)
+    x, gate = _inputs(torch.float32)
+    assert torch.equal(fused(x, gate), norm(x, gate))
+    with pytest.raises(ValueError, match="group_size, norm_before_gate"):
+        FusedRMSNormGated.from_module(norm, group_size=4)
+    with pytest.raises(ValueError, match="group_size, norm_before_gate"):
+        FusedRMSNormGated.from_module(norm, norm_before_gate=True)
+    assert FusedRMSNormGated.from_module(norm, group_size=8, norm_before_gate=False).group_size == 8
+
+
+def test_a_gated_norm_taking_more_arguments_is_refused():
+    """A gated norm whose forward takes more after the gate was reported fused, and the model then failed on its first
+    forward (the fused module takes (hidden_states, gate)): now refused with the reason, the module left."""
+    base = type(_norm("qwen3_5", "Qwen3_5RMSNormGated", {}))
+
+    class Scaled(base):
+        def forward(self, hidden_states, gate, scale=1.0):
+            return super().forward(hidden_states, gate) * scale
+
+    norm = Scaled(16)
+    found = probe_rms_norm_gated(norm)
+    assert not found.ok and found.candidate and "forward takes more than (hidden_states, gate) (scale)" in found.reason
+    block = _Block(norm)
+    rows = [r for r in fuse(block, ops=["rms_norm_gated"]).rows if r.kind == "rms_norm_gated"]
+    assert len(rows) == 1 and not rows[0].fused and block.norm is norm
+
+
+def test_the_probe_checks_mamba2s_mixed_dtypes_and_numpy_group_sizes():
+    """A bf16 Mamba2 mixer passes its norm an fp32 x with a bf16 gate: a norm computing that case otherwise (here: x
+    cast to the gate's dtype first) is refused; a numpy group_size is read as the int it is."""
+    import numpy as np
+
+    base = type(_norm("mamba2", "Mamba2RMSNormGated", {"group_size": 8}))
+
+    class CastsX(base):
+        def forward(self, hidden_states, gate=None):
+            if gate is not None:
+                hidden_states = hidden_states.to(gate.dtype)
+            return super().forward(hidden_states, gate)
+
+    found = probe_rms_norm_gated(CastsX(16, group_size=8))
+    assert not found.ok and "float32 x with a bfloat16 gate" in found.reason, found
+    found = probe_rms_norm_gated(base(16, group_size=np.int64(8)))
+    assert found.ok and found.group_size == 8, found
+
+
+def test_a_parametrized_gated_norm_gets_a_row():
+    """A gated norm whose weight torch.nn.utils.parametrize computes had no row at all (or one under rms_norm): now a
+    skipped rms_norm_gated row says why, and the module stays."""
+    from torch.nn.utils import parametrize
+
+    class Double(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    norm = _norm("mamba2", "Mamba2RMSNormGated", {"group_size": 8})
+    parametrize.register_parametrization(norm, "weight", Double())
+    block = _Block(norm)
+    report = fuse(block, ops=["rms_norm", "rms_norm_gated"])
+    rows = [r for r in report.rows if r.path == "norm"]
+    assert len(rows) == 1 and rows[0].kind == "rms_norm_gated" and not rows[0].fused, rows
+    assert "parametriz" in rows[0].reason and block.norm is norm
+
+
+def test_a_wrong_width_names_hidden_states():
+    fused = FusedRMSNormGated(8)
+    with pytest.raises(ValueError, match=r"hidden_states: expected a tensor \[\.\.\., 8\]"):
+        fused(torch.randn(2, 4), torch.randn(2, 4))

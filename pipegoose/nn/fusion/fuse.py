@@ -1197,6 +1197,13 @@ def _consider(child, path, ops, dry_run, MixedFusedLayerNorm, FusedRMSNorm, like
             return _consider_gated_norm(child, path, dry_run, like)
         if matching.probe_rms_norm_gated(child).ok:   # (opt-in: counted as not asked for, by _norm_kind_left_out)
             return None, None
+    if parametrize.is_parametrized(child) and matching.gated_rms_norm_candidate(child, parametrized=True):
+        # (a parametrized gated norm: its parametrizations are children, which the candidate test takes for "not a
+        # leaf"; a breaker found it left out of the report, or counted under rms_norm)
+        if "rms_norm_gated" not in ops:
+            return None, None
+        why = _computed_params(child) or "its weight is parametrized"
+        return FusionRow(path, "rms_norm_gated", type(child).__name__, None, False, reason=why), None
     if "rms_norm" not in ops:
         return None, None
     # torch.nn.RMSNorm, and parametrized norms (their parametrizations are children, which the probe takes for "not a

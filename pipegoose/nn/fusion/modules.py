@@ -909,18 +909,20 @@ class FusedRMSNormGated(_DropsFuseRecord, nn.Module):
         impl: force an implementation of op ``rms_norm_gated`` (``pipegoose``, ``ops``, ``torch``; any case), default
             auto.
 
-    ``forward(hidden_states [..., D], gate [..., D])`` (gate of the input's shape and dtype) returns a tensor of the
-    input's shape, in its dtype (norm before gate) or the promotion of the weight's and its (gate first, as Mamba2's
-    module): on PyTorch's path bit for bit transformers' module (fp64 aside: see the functional), on the kernels
-    within their rounding of it. Parameters/state_dict: ``weight``, as transformers' modules. ``eps``, also under
-    transformers' name ``variance_epsilon`` (read and written; a value set while fused goes back to the model's module
-    at ``unfuse``). ``activation`` is ``"silu"`` (read-only: the kernel's). Kernels: pipegoose/rms_norm_gated, or
-    pipegoose/rms_norm and pipegoose/swiglu (this project, MIT).
+    ``forward(hidden_states [..., D], gate [..., D])`` (gate of the input's shape; of its dtype or another: a bf16
+    Mamba2 mixer passes an fp32 input and a bf16 gate; the gate first takes no gate too, Mamba2's ``gate=None``: the
+    grouped norm alone) returns a tensor of the input's shape, in its dtype (norm before gate) or the promotion of the
+    weight's and its (gate first, as Mamba2's module): on PyTorch's path bit for bit transformers' module (fp64 aside:
+    see the functional), on the kernels within their rounding of it. Parameters/state_dict: ``weight``, as
+    transformers' modules. ``eps``, also under transformers' name ``variance_epsilon`` (read and written; a value set
+    while fused goes back to the model's module at ``unfuse``). ``activation`` is ``"silu"`` (read-only: the
+    kernel's). Kernels: pipegoose/rms_norm_gated, or pipegoose/rms_norm and pipegoose/swiglu (this project, MIT).
 
     Raises (when constructed): TypeError: ``hidden_size`` or ``group_size`` not an int, ``eps`` not a number,
     ``norm_before_gate`` not a bool, ``impl`` not a str or None; ValueError: ``hidden_size`` below 1, ``group_size``
     not a divisor of it, ``eps`` negative or not finite, ``impl`` naming no implementation. At forward, what the
-    functional raises (a ``gate`` of another shape or dtype, a missing one).
+    functional raises (a ``gate`` of another shape, a missing one with the norm first), and a ValueError naming
+    ``hidden_states`` for one whose last dimension is not ``hidden_size``.
     """
 
     @property
@@ -973,6 +975,10 @@ class FusedRMSNormGated(_DropsFuseRecord, nn.Module):
                 return self._norm_alone(hidden_states)
             except (TypeError, ValueError) as e:
                 raise _as_input_error(e) from None
+        if isinstance(hidden_states, torch.Tensor) and (hidden_states.dim() < 1
+                                                        or hidden_states.shape[-1] != self.hidden_size):
+            raise ValueError(f"hidden_states: expected a tensor [..., {self.hidden_size}], got shape "
+                             f"{list(hidden_states.shape)}")
         try:
             return PF.rms_norm_gated(hidden_states, gate, self.weight, self.eps, group_size=self.group_size,
                                      norm_before_gate=self.norm_before_gate, impl=self.impl)
@@ -997,18 +1003,20 @@ class FusedRMSNormGated(_DropsFuseRecord, nn.Module):
 
     @classmethod
     def from_module(cls, module: nn.Module, *, impl: str | None = None, verify: bool = True,
-                    group_size: int | None = None, norm_before_gate: bool = True) -> "FusedRMSNormGated":
+                    group_size: int | None = None, norm_before_gate: bool | None = None) -> "FusedRMSNormGated":
         """A fused module sharing ``module.weight`` (the same Parameter object), with its epsilon attribute
         (``variance_epsilon``, ``eps`` or ``epsilon``). ``verify`` (default True): ``module`` must pass
         ``transformers.matching.probe_rms_norm_gated`` (its forward on random CPU inputs, bit for bit Qwen3-Next's
         gated norm or Mamba2's in fp32, bf16, fp16 and with an fp32 weight), which also gives the form (the order, the
-        group size), so that a sigmoid gate or another rounding is refused instead of silently replaced. Without
-        ``verify`` the form is ``group_size`` and ``norm_before_gate`` (the probe's, where the caller ran it).
+        group size), so that a sigmoid gate or another rounding is refused instead of silently replaced; a
+        ``group_size`` or ``norm_before_gate`` given too must agree with it. Without ``verify`` the form is those two
+        arguments (the probe's, where the caller ran it): ``norm_before_gate`` is then required.
 
         Raises:
             TypeError: ``module`` is not an ``nn.Module`` with one 1-D ``weight`` and ``forward(hidden_states,
                 gate)``.
-            ValueError: the probe refuses it (its reason), or it has no epsilon attribute the ops take.
+            ValueError: the probe refuses it (its reason), or it has no epsilon attribute the ops take; a form given
+                that differs from the probe's; ``verify=False`` without ``norm_before_gate``.
         """
         from .transformers.matching import eps_of, gated_rms_norm_candidate, probe_rms_norm_gated
 
@@ -1019,8 +1027,18 @@ class FusedRMSNormGated(_DropsFuseRecord, nn.Module):
             probe = probe_rms_norm_gated(module)
             if not probe.ok:
                 raise ValueError(f"module ({type(module).__name__}): {probe.reason}")
+            n = module.weight.numel()
+            given = (None if group_size is None or group_size == n else group_size, norm_before_gate)
+            if ((given[0] is not None and given[0] != probe.group_size)
+                    or given[1] not in (None, probe.norm_before_gate)):
+                raise ValueError(f"group_size, norm_before_gate: given {group_size}, {norm_before_gate}, but module "
+                                 f"({type(module).__name__}) computes {probe.group_size}, {probe.norm_before_gate} "
+                                 f"(probed: {probe.reason})")
             eps, group_size, norm_before_gate = probe.eps, probe.group_size, probe.norm_before_gate
         else:
+            if norm_before_gate is None:
+                raise ValueError("norm_before_gate: required with verify=False (the order of the norm and the gate; "
+                                 "the probe finds it with verify=True)")
             name, eps, bad = eps_of(module)
             if name is None or bad is not None:
                 raise ValueError(f"module ({type(module).__name__}): "

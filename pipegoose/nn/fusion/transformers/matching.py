@@ -334,11 +334,20 @@ class GatedRMSNormProbe:
     group_size: int | None = None
 
 
-def gated_rms_norm_candidate(module: nn.Module) -> bool:
+def gated_rms_norm_candidate(module: nn.Module, parametrized: bool = False) -> bool:
     """Whether ``module`` looks like a gated RMSNorm (``forward(hidden_states, gate)``: transformers' ``RMSNormGated``
     of Qwen3-Next, Qwen3.5, Mamba2, Bamba, ...): a leaf with one 1-D ``weight`` whose forward takes a ``gate`` after
-    the input."""
-    if any(True for _ in module.children()) or isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)):
+    the input. ``parametrized``: ``module`` is one whose weight ``torch.nn.utils.parametrize`` computes (its
+    parametrizations its only child; the weight read through them)."""
+    if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)):
+        return False
+    if parametrized:
+        if set(module._modules) != {"parametrizations"} or "weight" not in module.parametrizations:
+            return False
+        weight = getattr(module, "weight", None)
+        return (isinstance(weight, torch.Tensor) and weight.dim() == 1 and not list(module._parameters)
+                and _extra_forward_arguments(type(module))[:1] == ["gate"])
+    if any(True for _ in module.children()):
         return False
     params = list(module.named_parameters(recurse=False))
     return (len(params) == 1 and params[0][0] == "weight" and params[0][1].dim() == 1
@@ -366,31 +375,35 @@ def _gated_reference(x: torch.Tensor, gate: torch.Tensor | None, w: torch.Tensor
 def _group_attribute(module: nn.Module, n: int) -> int | None:
     """The module's ``group_size`` (Mamba2's and its copies') where it is an int dividing ``n`` (None otherwise: the
     whole row)."""
-    g = module.__dict__.get("group_size", getattr(type(module), "group_size", None))
-    if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= n or n % g:
+    from ..ops._common import integer_or_none
+
+    g = integer_or_none(module.__dict__.get("group_size", getattr(type(module), "group_size", None)))
+    if g is None or not 1 <= g <= n or n % g:
         return None
     return None if g == n else g
 
 
 def _gated_form_differs(stand_in: nn.Module, module: nn.Module, n: int, eps: float, first: bool, group: int | None,
                         seed: int) -> str | None:
-    """None where ``stand_in`` computes the form (``first``, ``group``) bit for bit on random inputs (fp32, bf16, fp16
-    and bf16 x with an fp32 weight, both training modes), else what differs."""
+    """None where ``stand_in`` computes the form (``first``, ``group``) bit for bit on random inputs (x, gate and
+    weight: fp32, bf16, fp16, bf16 x with an fp32 weight, and fp32 x with a bf16 gate and weight, what a bf16 Mamba2
+    mixer passes; both training modes), else what differs."""
     gen = torch.Generator().manual_seed(seed)
-    forms = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
-             (torch.bfloat16, torch.float32))
+    f32, b16 = torch.float32, torch.bfloat16
+    forms = ((f32, f32, f32), (b16, b16, b16), (torch.float16, torch.float16, torch.float16), (b16, b16, f32),
+             (f32, b16, b16))
     for training in (module.training, not module.training):
         object.__setattr__(stand_in, "training", training)
-        for dt, wdt in forms:
+        for dt, gdt, wdt in forms:
             w = (torch.rand(n, generator=gen) + 0.5).to(wdt)
             x = (torch.randn(2, 3, n, generator=gen) + 0.5).to(dt)
-            gate = (torch.randn(2, 3, n, generator=gen) * 3).to(dt)
+            gate = (torch.randn(2, 3, n, generator=gen) * 3).to(gdt)
             object.__setattr__(stand_in, "_parameters", {"weight": nn.Parameter(w, requires_grad=False)})
             with torch.no_grad():
                 y = stand_in.forward(x, gate)
             want = _gated_reference(x, gate, w, eps, first, group)
             if not isinstance(y, torch.Tensor) or y.dtype != want.dtype or not torch.equal(y, want):
-                return f"{str(dt)[6:]} x with a {str(wdt)[6:]} weight"
+                return f"{str(dt)[6:]} x with a {str(gdt)[6:]} gate and a {str(wdt)[6:]} weight"
     object.__setattr__(stand_in, "training", module.training)
     return None
 
@@ -412,6 +425,10 @@ def probe_rms_norm_gated(module: nn.Module) -> GatedRMSNormProbe:
         return GatedRMSNormProbe(False, None, "not a leaf with one 1-D weight and forward(hidden_states, gate)", False)
     if list(module.buffers(recurse=False)):
         return GatedRMSNormProbe(False, None, "has buffers", True)
+    extra = _extra_forward_arguments(type(module))[1:]
+    if extra:   # (its model may pass them, which FusedRMSNormGated does not take: a breaker's crash)
+        return GatedRMSNormProbe(False, None, f"forward takes more than (hidden_states, gate) ({', '.join(extra)}): "
+                                 "FusedRMSNormGated takes those two alone", True)
     eps_name, eps, bad_eps = eps_of(module)
     if eps_name is None or bad_eps is not None:
         why = f"no eps attribute ({', '.join(EPS_ATTRIBUTES)})" if eps_name is None else str(bad_eps)
@@ -433,12 +450,14 @@ def probe_rms_norm_gated(module: nn.Module) -> GatedRMSNormProbe:
         if differs is None:
             form = (first, g)
             break
-        tried.append(differs)
+        tried.append(("the norm first" if first else f"the gate first{f' over groups of {g}' if g else ''}")
+                     + f" differs at {differs}")
     if form is None:
         return GatedRMSNormProbe(
             False, None, "computes another gated norm than Qwen3-Next's (the norm, then silu of the gate) and Mamba2's "
             f"(silu of the gate, then the norm{f' over groups of {group}' if group else ''}) as op rms_norm_gated "
-            f"computes them (probed, {tried[0]}): a sigmoid gate, an fp32 weight product, or other rounding", True)
+            f"computes them (probed: {'; '.join(tried)}): a sigmoid gate, an fp32 weight product, or other rounding",
+            True)
     first, group = form
     # eps: the inputs above (mean square ~1.3) barely see it; near it (or, with eps 0, tiny inputs: the formula is
     # then scale-invariant) a forward that adds it elsewhere, clamps or uses another value than its attribute differs
