@@ -184,3 +184,13 @@ def test_the_kernel_path_through_a_stand_in(monkeypatch):
         dispatch.register(im)
         dispatch.clear_kernel_cache()
         dispatch.reset_stats()
+
+
+def test_impl_auto_compiles_as_the_default():
+    """A breaker: torch.compile(fullgraph=True) of a fused module built with impl="auto" broke its graph (the
+    dispatcher's lock) where impl=None compiled: "auto" is no request there either."""
+    x, gate = (t.detach() for t in _inputs(torch.float32, 24))
+    want = FusedRMSNormGated(24)(x, gate)
+    for impl in (None, "auto", " Auto "):
+        got = torch.compile(FusedRMSNormGated(24, impl=impl), fullgraph=True, backend="eager")(x, gate)
+        torch.testing.assert_close(got, want)

@@ -1015,8 +1015,8 @@ def check_attention_env() -> None:
 
 def compile_passthrough(op: str, impl: str | None = None) -> bool:
     """Whether the op entry points should emit the PyTorch reference op for this call: ``torch.compile`` is
-    tracing it and neither ``impl`` nor a ``PIPEGOOSE_IMPL_*`` variable for ``op`` nor strict mode asks for an
-    implementation (see the module docstring). Outside a compiled region: False.
+    tracing it and neither ``impl`` (``auto`` asks for none) nor a ``PIPEGOOSE_IMPL_*`` variable for ``op`` nor strict
+    mode asks for an implementation (see the module docstring). Outside a compiled region: False.
 
     Raises:
         ValueError: while tracing, ``PIPEGOOSE_STRICT`` holds a value :func:`is_strict` rejects (its message).
@@ -1026,7 +1026,10 @@ def compile_passthrough(op: str, impl: str | None = None) -> bool:
     requested = _requested(op)
     if requested not in ("", "requested"):
         raise ValueError(requested)
-    return impl is None and not requested
+    # ("auto", any case: the default's request, as choose() reads it; a breaker's compiled module with impl="auto"
+    # broke its graph where impl=None did not)
+    auto = impl is None or (isinstance(impl, str) and impl.strip().lower() == "auto")
+    return auto and not requested
 
 
 def small_numel() -> int:
