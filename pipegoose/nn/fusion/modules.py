@@ -925,6 +925,10 @@ class FusedRMSNormGated(_DropsFuseRecord, nn.Module):
     ``hidden_states`` for one whose last dimension is not ``hidden_size``.
     """
 
+    # (class defaults: a module pickled before session 79 has neither attribute, and computes Qwen3-Next's form)
+    group_size: int | None = None
+    norm_before_gate: bool = True
+
     @property
     def activation(self) -> str:
         """``"silu"``: the gate's activation, the kernel's (read-only)."""
