@@ -208,6 +208,22 @@ def env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
 
 
+def parse_sizes(text: str, letters: str, meaning: str) -> tuple[int, ...]:
+    """A ``--shapes`` value of the single-op benchmarks, ``AxBx...`` (``letters``: "RxD", say; ``meaning``: what each
+    is, for the message) -> the positive sizes. Raises argparse.ArgumentTypeError (the value named) otherwise."""
+    import argparse
+
+    try:
+        sizes = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        sizes = ()
+    if len(sizes) != len(letters.split("x")):
+        raise argparse.ArgumentTypeError(f"expected {letters} ({meaning}), got {text!r}")
+    if min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive sizes, got {text!r}")
+    return sizes
+
+
 def parse_dtypes_reps_impls(ap: Any, args: Any, dtypes: dict, impls: tuple) -> tuple[list, tuple | None]:
     """The single-op benchmarks' shared options, checked: ``--dtypes`` (comma separated names of ``dtypes``, each
     once), ``--reps`` (positive) and ``--impls`` (comma separated names of ``impls``; empty: all, None). Errors go

@@ -40,7 +40,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import environment, parse_dtypes_reps_impls, raise_compile_limits, today, tolerances
+from benchmarks.common import (environment, parse_dtypes_reps_impls, parse_sizes, raise_compile_limits, today,
+                               tolerances)
 from benchmarks.timing import Timer
 
 SHAPES = ["8192x3072", "8192x5120", "8192x8192", "8192x10240", "8192x16384"]
@@ -53,13 +54,7 @@ ACTS = {"gelu_new": "tanh", "bloom": "tanh", "gelu": "none"}
 
 def parse_shape(text: str) -> tuple[int, int]:
     """``RxC`` -> (R, C), both positive."""
-    try:
-        r, c = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected RxC (tokens x intermediate size), got {text!r}") from None
-    if min(r, c) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive sizes, got {text!r}")
-    return r, c
+    return parse_sizes(text, "RxC", "tokens x intermediate size")
 
 
 def activation(act: str) -> torch.nn.Module:

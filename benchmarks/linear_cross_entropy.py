@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import environment, raise_compile_limits, today, tolerances
+from benchmarks.common import environment, parse_sizes, raise_compile_limits, today, tolerances
 from benchmarks.timing import Timer
 
 # Llama-1.1B (TinyLlama), Llama-3-8B's head, Qwen2-0.5B's head, 8192 tokens each; Llama-1.1B at 16384 tokens
@@ -41,13 +41,8 @@ IMPLS = ("pipegoose", "pipegoose-ce", "transformers", "compile", "liger")
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
-    try:
-        n, h, v = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected NxHxV (tokens x hidden x vocabulary), got {text!r}") from None
-    if min(n, h, v) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive sizes, got {text!r}")
-    return n, h, v
+    """``NxHxV`` -> (N, H, V), all positive."""
+    return parse_sizes(text, "NxHxV", "tokens x hidden x vocabulary")
 
 
 def losses(chunk_rows: list[int] = ()) -> dict[str, Callable | None]:

@@ -41,8 +41,8 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.common import (environment, parse_dtypes_reps_impls, raise_compile_limits, timing_cells, today,
-                               tolerances, versions_line)
+from benchmarks.common import (environment, parse_dtypes_reps_impls, parse_sizes, raise_compile_limits, timing_cells,
+                               today, tolerances, versions_line)
 from benchmarks.timing import Timer
 
 # Qwen3.5 / Qwen3-Next value heads of 128: 8 x 2048 tokens times 32 heads, and 16 heads; a wider norm of 512
@@ -59,13 +59,7 @@ EPS = 1e-6
 
 def parse_shape(text: str) -> tuple[int, int]:
     """``RxD`` -> (R, D), both positive."""
-    try:
-        r, d = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected RxD (rows x normalised size), got {text!r}") from None
-    if min(r, d) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive sizes, got {text!r}")
-    return r, d
+    return parse_sizes(text, "RxD", "rows x normalised size")
 
 
 def _module_class(gate_first: bool = False):

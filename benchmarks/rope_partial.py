@@ -58,8 +58,8 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.common import (environment, parse_dtypes_reps_impls, raise_compile_limits, timing_cells, today,
-                               tolerances, versions_line)
+from benchmarks.common import (environment, parse_dtypes_reps_impls, parse_sizes, raise_compile_limits, timing_cells,
+                               today, tolerances, versions_line)
 from benchmarks.timing import Timer
 
 # Pythia-410m (the end-to-end NeoX step's shape), Pythia-1.4b, Pythia-6.9b, Pythia-2.8b (heads of 80, 20 rotated) and
@@ -78,12 +78,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def parse_shape(text: str) -> tuple[int, int, int, int, int]:
     """``BxSxHxDxR`` -> (B, S, H, D, R); R even, at most D (R == D: whole heads, for an A/B of the rotation path)."""
-    try:
-        b, s, h, d, r = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected BxSxHxDxR (batch x seq x heads x head size x rotated), got "
-                                         f"{text!r}") from None
-    if min(b, s, h, d, r) < 1 or r % 2 or r > d:
+    b, s, h, d, r = parse_sizes(text, "BxSxHxDxR", "batch x seq x heads x head size x rotated")
+    if r % 2 or r > d:
         raise argparse.ArgumentTypeError(f"expected positive sizes with R even and at most D, got {text!r}")
     return b, s, h, d, r
 
